@@ -1,0 +1,62 @@
+"""The ``gpuxfer`` command: ``doctor``, ``bench kv``, ``bench pp``, ``bench kernels``.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
+``run(args) -> int`` (the exit code); this file only wires them up, importing
+each lazily so ``gpuxfer --help`` stays fast and GPU-free.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# (command path, module, one-line help)
+COMMANDS = [
+    (("doctor",), "gpuxfer.doctor", "report the platform, devices, links and which backends/engines work here"),
+    (("bench", "kv"), "gpuxfer.kv.bench", "KV-cache hand-off benchmark: engines vs the bulk copy ceiling, every byte verified"),
+    (("bench", "pp"), "gpuxfer.pp.bench", "stage hand-off benchmark: copy engines vs NCCL, step time and SM contention"),
+    (("bench", "kernels"), "gpuxfer.kernels.bench", "Triton copy kernels vs the copy-engine and local HBM ceilings"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpuxfer", description="GPU-to-GPU transfers for LLM inference, in pure Python.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for path, module, help_ in COMMANDS:
+        if len(path) == 1:
+            p = sub.add_parser(path[0], help=help_, description=help_)
+        else:
+            if path[0] not in groups:
+                g = sub.add_parser(path[0], help="benchmarks: " + ", ".join(c[0][1] for c in COMMANDS if c[0][0] == path[0]))
+                groups[path[0]] = g.add_subparsers(dest="subcommand", metavar="BENCH", required=True)
+            p = groups[path[0]].add_parser(path[1], help=help_, description=help_,
+                                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p.set_defaults(_module=module)
+        try:
+            importlib.import_module(module).add_arguments(p)
+        except ModuleNotFoundError as exc:  # a subcommand not built yet must not break the others
+            if exc.name != module:
+                raise
+            p.set_defaults(_missing=str(exc))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "_module", None):
+        parser.print_help()
+        return 2
+    if getattr(args, "_missing", None):
+        print(f"gpuxfer: this command is not available: {args._missing}", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""``gpuxfer doctor``: what this machine can do, and why not.
+
+Reports the platform (the host emulation says so loudly), why every other
+platform is unusable, library versions, each device with its capabilities,
+the link matrix, and for each stage-hand-off backend and KV engine whether it
+can run here. ``--json`` prints the same report as one JSON object.
+
+Exit status: 0 whenever a platform could be opened and reported on, whatever
+it found; 1 when none could (e.g. ``--platform cuda`` on a machine without a
+usable GPU: the report then says why).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import json
+import platform as _pyplatform
+import sys
+
+from . import __version__
+from .errors import PlatformUnavailable
+from .platforms import PLATFORMS, detect, unavailable_reason
+
+# (label, distribution names or a "prefix*" matching any distribution starting with it)
+_DISTRIBUTIONS: list[tuple[str, str]] = [
+    ("torch", "torch"), ("triton", "triton"), ("numpy", "numpy"), ("cupy", "cupy*"),
+    ("cuda-bindings", "cuda-bindings"), ("nvidia-ml-py", "nvidia-ml-py"), ("nixl", "nixl*"),
+    ("mooncake", "mooncake*"), ("hip-python", "hip-python"), ("rich", "rich"),
+]
+
+# (report key, module, function(platform) -> {name: reason or None})
+_CAPABILITY_REPORTS = [
+    ("pp_backends", "gpuxfer.pp.selection", "backend_report"),
+    ("kv_engines", "gpuxfer.kv.engines", "engine_report"),
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.add_argument("--platform", choices=[*PLATFORMS, "auto"], default=None,
+                        help="report on this platform instead of the detected one "
+                             "(default: $GPUXFER_PLATFORM, else auto)")
+
+
+# --------------------------------------------------------------------------- collecting
+
+
+def _norm(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def library_versions() -> dict[str, str]:
+    """Installed versions of the libraries gpuxfer may use (read from metadata: nothing is imported)."""
+    installed: dict[str, str] = {}
+    for dist in importlib.metadata.distributions():
+        try:
+            installed[_norm(dist.metadata["Name"])] = dist.version
+        except Exception:  # a broken metadata entry is not worth failing over
+            continue
+    out = {"python": f"{sys.version.split()[0]} ({sys.executable})", "gpuxfer": __version__,
+           "os": _pyplatform.platform()}
+    for label, spec in _DISTRIBUTIONS:
+        if spec.endswith("*"):
+            hits = sorted(f"{n} {v}" for n, v in installed.items() if n.startswith(spec[:-1]))
+            out[label] = ", ".join(hits) if hits else "not installed"
+        else:
+            out[label] = installed.get(spec, "not installed")
+    return out
+
+
+def capability_report(module: str, func: str, platform) -> tuple[dict[str, str | None] | None, str | None]:
+    """``module.func(platform)`` -> (``{name: why-not or None}``, None), or (None, why there is no report)."""
+    try:
+        fn = getattr(importlib.import_module(module), func)
+    except (ImportError, AttributeError) as exc:
+        return None, f"not built yet ({type(exc).__name__}: {exc})"
+    try:
+        return {str(k): (None if v is None else str(v)) for k, v in fn(platform).items()}, None
+    except Exception as exc:  # the doctor reports a broken probe; it does not die of it
+        return None, f"report failed: {type(exc).__name__}: {exc}"
+
+
+def collect(platform_name: str | None = None) -> dict:
+    """The whole report as plain data (what ``--json`` prints)."""
+    report: dict = {"gpuxfer": __version__, "versions": library_versions(), "platform": None,
+                    "platform_error": None, "skipped": {}, "devices": [], "links": []}
+    try:
+        det = detect(platform_name)
+    except PlatformUnavailable as exc:
+        report["platform_error"] = str(exc)
+        report["skipped"] = {n: unavailable_reason(n) or "usable, but not selected" for n in PLATFORMS}
+        if exc.platform in PLATFORMS:
+            report["skipped"][exc.platform] = exc.reason
+        return report
+    plat = det.platform
+    try:
+        skipped = dict(det.skipped)
+        for name in PLATFORMS:
+            if name != plat.name and name not in skipped:
+                skipped[name] = unavailable_reason(name) or "usable, but not selected"
+        report["skipped"] = skipped
+        report["platform"] = {"name": plat.name, "label": plat.label, "is_emulation": plat.is_emulation}
+        try:
+            report["versions"].update({f"{plat.name} {k}": str(v) for k, v in plat.versions().items()})
+        except Exception as exc:
+            report["versions"][f"{plat.name} versions"] = f"unavailable: {type(exc).__name__}: {exc}"
+        n = plat.device_count()
+        for d in range(n):
+            try:
+                report["devices"].append(plat.device_info(d).as_dict())
+            except Exception as exc:
+                report["devices"].append({"index": d, "error": f"{type(exc).__name__}: {exc}"})
+        for s in range(n):
+            for t in range(n):
+                try:
+                    report["links"].append(plat.link(s, t).as_dict())
+                except Exception as exc:
+                    report["links"].append({"src": s, "dst": t, "kind": "error", "peer_access": False,
+                                            "detail": f"{type(exc).__name__}: {exc}"})
+        for key, module, func in _CAPABILITY_REPORTS:
+            report[key], report[f"{key}_note"] = capability_report(module, func, plat)
+    finally:
+        plat.close()
+    return report
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def _gib(n) -> str:
+    return "?" if n is None else f"{n / 2**30:.1f}"
+
+
+def render(report: dict, console) -> None:
+    from rich.panel import Panel
+    from rich.table import Table
+
+    plat = report["platform"]
+    if plat is None:
+        console.print(Panel(f"[bold red]no platform could be opened[/]\n{report['platform_error']}",
+                            title="gpuxfer doctor"))
+    elif plat["is_emulation"]:
+        console.print(Panel(f"[bold yellow]platform: {plat['label']}[/]\n"
+                            "[bold yellow]This is an EMULATION: transfers run on the CPU through shared memory. "
+                            "It checks correctness and ordering; its timings say nothing about GPUs.[/]",
+                            title="gpuxfer doctor", border_style="yellow"))
+    else:
+        console.print(Panel(f"[bold green]platform: {plat['label']}[/]", title="gpuxfer doctor"))
+
+    if report["skipped"]:
+        t = Table(title="other platforms", title_justify="left")
+        t.add_column("platform")
+        t.add_column("why not used")
+        for name, why in report["skipped"].items():
+            t.add_row(name, why)
+        console.print(t)
+
+    t = Table(title="versions", title_justify="left")
+    t.add_column("library")
+    t.add_column("version")
+    for k, v in report["versions"].items():
+        t.add_row(k, v)
+    console.print(t)
+
+    devices = report["devices"]
+    if devices:   # one column per device, one row per property
+        t = Table(title="devices", title_justify="left")
+        t.add_column("")
+        for d in devices:
+            t.add_column(str(d["index"]))
+        rows = [("name", "name", str), ("arch", "arch", str), ("total GiB", "total_bytes", _gib),
+                ("free GiB", "free_bytes", _gib), ("SMs / CUs", "sm_count", str),
+                ("copy engines", "copy_engines", str), ("64-bit stream mem ops", "stream_mem_ops_64", _yes),
+                ("stream wait NOR", "stream_wait_nor", _yes), ("flush remote writes", "can_flush_remote_writes", _yes),
+                ("PCI bus id", "pci_bus_id", lambda v: v or "-")]
+        if any("error" in d for d in devices):
+            t.add_row("error", *[f"[red]{d['error']}[/]" if "error" in d else "" for d in devices])
+        for label, key, fmt in rows:
+            t.add_row(label, *["" if "error" in d else fmt(d[key]) for d in devices])
+        console.print(t)
+        notes = [tuple(d.get("notes", ())) for d in devices]
+        if notes and all(n == notes[0] for n in notes):
+            for note in notes[0]:
+                console.print(f"  all devices: {note}")
+        else:
+            for d, ns in zip(devices, notes):
+                for note in ns:
+                    console.print(f"  device {d['index']}: {note}")
+
+    n = len(report["devices"])
+    if n > 1:
+        kinds = {(ln["src"], ln["dst"]): ln for ln in report["links"]}
+        t = Table(title="links (row: source, column: destination)", title_justify="left")
+        t.add_column("")
+        for j in range(n):
+            t.add_column(str(j))
+        for i in range(n):
+            cells = []
+            for j in range(n):
+                ln = kinds.get((i, j))
+                cells.append("?" if ln is None else ("-" if i == j else ln["kind"] +
+                                                     ("" if ln["peer_access"] else " (no peer access)")))
+            t.add_row(str(i), *cells)
+        console.print(t)
+
+    for key, title in (("pp_backends", "stage hand-off backends"), ("kv_engines", "KV engines")):
+        if plat is None:
+            continue
+        entries, note = report.get(key), report.get(f"{key}_note")
+        if entries is None:
+            console.print(f"[bold]{title}:[/] {note}")
+            continue
+        t = Table(title=title, title_justify="left")
+        t.add_column("name")
+        t.add_column("usable here")
+        for name, why in entries.items():
+            t.add_row(name, "[green]yes[/]" if why is None else f"[red]no[/]: {why}")
+        console.print(t)
+
+
+def _yes(v) -> str:
+    return "yes" if v else "no"
+
+
+def run(args: argparse.Namespace) -> int:
+    report = collect(args.platform)
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        from rich.console import Console
+        render(report, Console())
+    return 0 if report["platform"] is not None else 1

@@ -1,0 +1,87 @@
+"""Typed errors for gpuxfer.
+
+Every failure a user can act on has its own class, so callers can catch what they
+can handle and let the rest through. All derive from :class:`GpuxferError`.
+"""
+from __future__ import annotations
+
+
+class GpuxferError(Exception):
+    """Base class of every gpuxfer error."""
+
+
+class PlatformUnavailable(GpuxferError):
+    """A platform (CUDA, ROCm, host) cannot be used here; ``reason`` says why."""
+
+    def __init__(self, platform: str, reason: str):
+        super().__init__(f"platform {platform!r} is unavailable: {reason}")
+        self.platform = platform
+        self.reason = reason
+
+
+class DriverError(GpuxferError):
+    """A CUDA/HIP/HSA call failed.
+
+    Carries the API name, the status name (``CUDA_ERROR_NOT_SUPPORTED``...),
+    the numeric status and what gpuxfer was doing when it failed.
+    """
+
+    def __init__(self, api: str, status_name: str, status: int, doing: str, detail: str = ""):
+        msg = f"{api} failed with {status_name} ({status}) while {doing}"
+        if detail:
+            msg += f": {detail}"
+        super().__init__(msg)
+        self.api = api
+        self.status_name = status_name
+        self.status = status
+        self.doing = doing
+
+
+class TransferTimeout(GpuxferError):
+    """A host- or GPU-side wait did not complete in time.
+
+    Names the rank, the step, the flag and the last value seen, so a hang becomes
+    a message that says who was waiting for what.
+    """
+
+    def __init__(self, *, rank: int, step: int, flag: str, expected: int, seen: int | None,
+                 timeout_s: float, what: str = ""):
+        seen_s = "unreadable" if seen is None else str(seen)
+        msg = (f"rank {rank}: timed out after {timeout_s:g} s at step {step} waiting for flag "
+               f"{flag!r} >= {expected} (last value seen: {seen_s})")
+        if what:
+            msg += f" [{what}]"
+        super().__init__(msg)
+        self.rank = rank
+        self.step = step
+        self.flag = flag
+        self.expected = expected
+        self.seen = seen
+        self.timeout_s = timeout_s
+
+
+class BadInput(GpuxferError, ValueError):
+    """The caller passed something gpuxfer cannot use (shape, dtype, size, preset...)."""
+
+
+class VerificationFailed(GpuxferError):
+    """Transferred bytes do not match what was sent."""
+
+    def __init__(self, message: str, *, wrong_bytes: int, first_bad: int | None = None):
+        super().__init__(message)
+        self.wrong_bytes = wrong_bytes
+        self.first_bad = first_bad
+
+
+class BackendUnavailable(GpuxferError):
+    """A transport backend or KV engine cannot run here.
+
+    ``reasons`` maps rank (or a label) to that rank's reason, so a forced backend
+    fails on every rank with every rank's reason.
+    """
+
+    def __init__(self, backend: str, reasons: dict):
+        lines = "; ".join(f"rank {r}: {why}" for r, why in sorted(reasons.items(), key=lambda kv: str(kv[0])))
+        super().__init__(f"backend {backend!r} is unusable: {lines}")
+        self.backend = backend
+        self.reasons = dict(reasons)

@@ -1,0 +1,35 @@
+"""Triton kernels for paged KV pools: descriptor copy (pull/push), pack/unpack, pattern fill/verify.
+
+Importing this package imports neither torch nor Triton; the names below load
+:mod:`gpuxfer.kernels.launch` (and Triton) on first use.
+
+* :func:`copy_descriptors` -- copy ``(src_offset, dst_offset, nbytes)`` descriptors
+  between two uint8 pools (either may be a peer GPU's pool opened over IPC).
+* :func:`pack` / :func:`unpack` -- gather descriptors into a contiguous staging
+  buffer and scatter it back, by row ranges (chunkable); :func:`pack_offsets`.
+* :func:`fill_pattern` / :func:`verify` -- a per-byte pattern keyed by
+  (seed, pool offset) and a full check of every transferred byte.
+
+All launch on torch's current stream. :mod:`gpuxfer.kernels.reference` is the
+NumPy reference (no Triton). Kernels run compiled on GPU tensors and in Triton's
+interpreter on CPU tensors (the host emulation) -- no environment variable needed.
+"""
+from __future__ import annotations
+
+import importlib
+
+_LAUNCH_NAMES = ("CopyConfig", "DescriptorStats", "VerifyResult", "check_copy", "choose_config", "copy_descriptors",
+                 "default_programs", "fill_pattern", "pack", "pack_offsets", "packed_descriptors", "sm_count",
+                 "unpack", "verify")
+
+__all__ = list(_LAUNCH_NAMES)
+
+
+def __getattr__(name: str):
+    if name in _LAUNCH_NAMES:
+        return getattr(importlib.import_module(".launch", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAUNCH_NAMES))

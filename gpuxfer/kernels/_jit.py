@@ -1,0 +1,122 @@
+"""One kernel source, two ways to run it: compiled on a GPU, interpreted on the CPU.
+
+``triton.jit`` decides at decoration time, from ``TRITON_INTERPRET``, whether a
+kernel is compiled or interpreted, which ties a whole process to one mode and
+to the order of imports. :class:`DualKernel` keeps the plain Python function and
+picks per launch: CPU tensors (the host emulation) run in Triton's interpreter,
+GPU tensors run compiled, and ``TRITON_INTERPRET=1`` forces the interpreter for
+both. So the kernel sources here never call other ``@triton.jit`` helpers (a
+compiled kernel can only call compiled helpers and an interpreted one only
+plain ones): each kernel is one self-contained function.
+
+Triton's own library functions (``tl.zeros``, ``tl.max``, ``tl.cdiv``...) and
+any ``@triton.jit`` helper are compiled-mode ``JITFunction`` objects unless
+``TRITON_INTERPRET=1`` was set before Triton was imported; while an interpreted
+launch runs, calls to them are routed to Triton's ``InterpretedFunction`` of the
+same source (exactly what ``TRITON_INTERPRET=1`` would have built at import).
+
+Triton's interpreter patches ``triton.language`` while a kernel runs, so it is
+not thread-safe; interpreted launches are serialised by a lock (the host
+platform runs streams on worker threads).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import triton
+from triton import knobs
+from triton.runtime.jit import JITFunction
+
+_INTERP_LOCK = threading.RLock()
+_INTERPRETED: dict = {}
+
+
+def _interpreted_fn(fn):
+    f = _INTERPRETED.get(fn)
+    if f is None:
+        from triton.runtime.interpreter import InterpretedFunction
+        f = _INTERPRETED[fn] = InterpretedFunction(fn)
+    return f
+
+
+@contextlib.contextmanager
+def _interpreter_fixes():
+    """Patches that hold while one interpreted launch runs (the caller holds the lock).
+
+    * ``JITFunction.__call__`` (a device-function call: ``tl.zeros``, ``tl.max``...)
+      runs the interpreted version of the same source.
+    * Triton 3.6's interpreter turns a scalar into an int with ``int(array)`` on a
+      one-element 1-D array, which NumPy >= 2.4 refuses ("only 0-dimensional arrays
+      can be converted"); ``range(tl.program_id(0), n, tl.num_programs(0))`` needs
+      it. Its ``__index__`` is re-patched to take the single element.
+    """
+    from triton.runtime import interpreter as interp
+
+    saved_call = JITFunction.__call__
+    saved_patch = interp._patch_lang_tensor
+
+    def _call(self, *args, **kwargs):
+        return _interpreted_fn(self.fn)(*args, **kwargs)
+
+    def _patch_lang_tensor(tensor, scope):
+        saved_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    JITFunction.__call__ = _call
+    interp._patch_lang_tensor = _patch_lang_tensor
+    try:
+        yield
+    finally:
+        JITFunction.__call__ = saved_call
+        interp._patch_lang_tensor = saved_patch
+
+
+def interpreting_forced() -> bool:
+    """True when ``TRITON_INTERPRET=1`` asks for the interpreter everywhere."""
+    return bool(knobs.runtime.interpret)
+
+
+class DualKernel:
+    """A Triton kernel source usable compiled (GPU tensors) or interpreted (CPU tensors)."""
+
+    def __init__(self, fn, do_not_specialize=()):
+        self.fn = fn
+        self.do_not_specialize = tuple(do_not_specialize)
+        self.__name__ = fn.__name__
+        self.__doc__ = fn.__doc__
+        self._compiled = None
+        self._interpreted = None
+
+    def compiled(self):
+        if self._compiled is None:
+            self._compiled = JITFunction(self.fn, do_not_specialize=self.do_not_specialize)
+        return self._compiled
+
+    def interpreted(self):
+        if self._interpreted is None:
+            self._interpreted = _interpreted_fn(self.fn)
+        return self._interpreted
+
+    def launch(self, device, grid, *args, **kwargs):
+        """Launch on ``device`` (a torch.device) with ``grid``; returns what Triton returns."""
+        if device.type == "cpu" or interpreting_forced():
+            # num_warps & co. mean nothing to the interpreter (and it rejects unknown names)
+            for k in ("num_warps", "num_stages", "num_ctas", "maxnreg"):
+                kwargs.pop(k, None)
+            with _INTERP_LOCK, _interpreter_fixes():
+                return self.interpreted()[grid](*args, **kwargs)
+        import torch
+        with torch.cuda.device(device):
+            return self.compiled()[grid](*args, **kwargs)
+
+
+def dual_kernel(fn=None, *, do_not_specialize=()):
+    """Decorator: ``@dual_kernel`` (or ``@dual_kernel(do_not_specialize=[...])``) instead of ``@triton.jit``.
+
+    ``do_not_specialize`` names integer arguments Triton should not recompile for
+    (by default it specialises on ``== 1`` and ``% 16 == 0``).
+    """
+    if fn is None:
+        return lambda f: DualKernel(f, do_not_specialize)
+    return DualKernel(fn, do_not_specialize)

@@ -1,0 +1,492 @@
+"""Launchers for the kernels: validate, pick a configuration, launch.
+
+Every launcher enqueues its kernel on **torch's current stream of the pools'
+device** and returns without waiting (wrap a call in ``torch.cuda.stream(s)`` or
+in ``platform.launch(stream, fn)`` to order it elsewhere). Two exceptions, both
+documented below: ``validate=True`` reads a few numbers back from the device
+(one host sync, *before* the launch) to check every descriptor, and
+:func:`verify` waits for its own result.
+
+Pools are flat ``uint8`` tensors: a local buffer, or a peer GPU's buffer opened
+over IPC and wrapped by the platform's ``as_tensor`` as a tensor *on the local
+device*. Descriptor tables are ``int64`` tensors of shape ``(N, 3)`` --
+``(src_offset, dst_offset, nbytes)`` in bytes -- on the same device. On the host
+emulation everything is a CPU tensor and the same kernels run in Triton's
+interpreter.
+
+For a timed loop, validate once (``validate=True``, or :func:`check_copy`) and
+pass ``validate=False`` with an ``nbytes_hint`` afterwards: the launch is then
+free of host syncs.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import BadInput, VerificationFailed
+from . import reference
+from .copy_kernel import copy_kernel
+from .pattern_kernel import fill_kernel, verify_kernel
+
+MODE_COPY, MODE_PACK, MODE_UNPACK = 0, 1, 2
+CPU_PROGRAMS = 3            # interpreter: a few programs, to exercise the persistent loop
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class CopyConfig:
+    """How the copy kernel tiles its work (all compile-time constants but ``programs_per_sm``).
+
+    Each program step loads ``unroll`` chunks of ``width`` 16-byte units from each of
+    ``rows`` descriptors -- :attr:`step_bytes` in all -- before storing any of them.
+    """
+
+    rows: int                 # descriptors per work item (power of 2)
+    width: int                # 16-byte units per row chunk (power of 2)
+    unroll: int               # row chunks in flight per step
+    num_warps: int
+    programs_per_sm: int      # default grid = programs_per_sm x SM count
+    load_cache: str = ""      # Triton cache_modifier for loads ("", ".cg", ".cv", ...)
+    store_cache: str = ""     # ... and stores ("", ".cg", ".cs", ".wt")
+
+    def __post_init__(self):
+        for name in ("rows", "width"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise BadInput(f"CopyConfig.{name} must be a power of two, got {v}")
+        if not 1 <= self.unroll <= 16:
+            raise BadInput(f"CopyConfig.unroll must be in 1..16, got {self.unroll}")
+        if self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise BadInput(f"CopyConfig.num_warps must be a power of two <= 32, got {self.num_warps}")
+        if self.programs_per_sm < 1:
+            raise BadInput(f"CopyConfig.programs_per_sm must be >= 1, got {self.programs_per_sm}")
+
+    @property
+    def row_step_bytes(self) -> int:
+        return self.width * 16 * self.unroll
+
+    @property
+    def step_bytes(self) -> int:
+        return self.rows * self.row_step_bytes
+
+
+STEP_TARGET = 36 * 1024      # bytes a program keeps in flight per step (see choose_config)
+
+
+def choose_config(nbytes_hint: int | None = None) -> CopyConfig:
+    """The configuration for descriptors of about ``nbytes_hint`` bytes (2,304 if unknown).
+
+    A row step (``width * unroll`` 16-byte units) is made to cover a whole descriptor
+    of up to 9 KiB with the least padding, so one step moves whole descriptors; larger
+    descriptors loop in 4 KiB row steps. ``rows`` then brings a program's step to about
+    :data:`STEP_TARGET` bytes in flight.
+    """
+    hint = 2304 if nbytes_hint is None else max(int(nbytes_hint), 1)
+    units = -(-hint // 16)
+    if units <= 64 * 9:
+        best = None
+        for width in (4, 8, 16, 32, 64):
+            unroll = -(-units // width)
+            if unroll > 9:
+                continue
+            key = (width * unroll - units, -width)
+            if best is None or key < best[0]:
+                best = (key, width, unroll)
+        _, width, unroll = best
+    else:
+        width, unroll = 64, 4
+    row_bytes = width * 16 * unroll
+    rows = 1
+    while rows * 2 * row_bytes <= STEP_TARGET and rows < 64:
+        rows *= 2
+    threads = rows * width                   # one 16-byte vector per thread per chunk
+    num_warps = min(8, max(4, threads // 32))
+    return CopyConfig(rows=rows, width=width, unroll=unroll, num_warps=num_warps, programs_per_sm=2)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (the interpreter's few programs on the CPU)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return CPU_PROGRAMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def default_programs(device: torch.device, config: CopyConfig) -> int:
+    """The grid a launcher uses when ``num_programs`` is not given."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return CPU_PROGRAMS
+    return config.programs_per_sm * sm_count(device)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def check_pool(pool, name: str, device: torch.device | None = None) -> torch.device:
+    """A pool must be a 1-D contiguous uint8 torch tensor (on ``device`` if given)."""
+    if not isinstance(pool, torch.Tensor):
+        raise BadInput(f"{name} must be a torch.Tensor (platform.as_tensor gives one), got {type(pool).__name__}")
+    if pool.dtype != torch.uint8:
+        raise BadInput(f"{name} must be a uint8 tensor, got {pool.dtype}")
+    if pool.dim() != 1:
+        raise BadInput(f"{name} must be one-dimensional, got shape {tuple(pool.shape)}")
+    if not pool.is_contiguous():
+        raise BadInput(f"{name} must be contiguous")
+    if pool.device.type not in ("cuda", "cpu"):
+        raise BadInput(f"{name} is on {pool.device}; the kernels run on CUDA devices (or the CPU interpreter)")
+    if device is not None and pool.device != torch.device(device):
+        raise BadInput(f"{name} is on {pool.device}, expected {torch.device(device)}")
+    return pool.device
+
+
+def check_descriptors(descs, name: str = "descs", device: torch.device | None = None) -> int:
+    """A descriptor table must be a contiguous int64 tensor of shape (N, 3); returns N."""
+    if not isinstance(descs, torch.Tensor):
+        raise BadInput(f"{name} must be an int64 torch.Tensor of shape (N, 3) on the pools' device, "
+                       f"got {type(descs).__name__} (use torch.as_tensor(array, device=...))")
+    if descs.dtype != torch.int64:
+        raise BadInput(f"{name} must be int64, got {descs.dtype}")
+    if descs.dim() != 2 or descs.shape[1] != 3:
+        raise BadInput(f"{name} must have shape (N, 3), got {tuple(descs.shape)}")
+    if not descs.is_contiguous():
+        raise BadInput(f"{name} must be contiguous")
+    if device is not None and descs.device != torch.device(device):
+        raise BadInput(f"{name} is on {descs.device}, but the pools are on {torch.device(device)}")
+    return int(descs.shape[0])
+
+
+def _check_range(start: int, end: int | None, n: int, what: str = "descs") -> tuple[int, int]:
+    if end is None:
+        end = n
+    if not (isinstance(start, int) and isinstance(end, int)):
+        raise BadInput(f"start/end must be ints, got {start!r}, {end!r}")
+    if not 0 <= start <= end <= n:
+        raise BadInput(f"row range [{start}, {end}) is not inside the {n} rows of {what}")
+    return start, end
+
+
+def _check_offsets(offsets, n: int, device: torch.device) -> None:
+    if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int64 or offsets.dim() != 1 \
+            or not offsets.is_contiguous():
+        raise BadInput("offsets must be a contiguous 1-D int64 tensor (pack_offsets(descs) gives one)")
+    if offsets.shape[0] != n + 1:
+        raise BadInput(f"offsets must have N + 1 = {n + 1} entries (exclusive cumsum of sizes plus the total), "
+                       f"got {offsets.shape[0]}")
+    if offsets.device != device:
+        raise BadInput(f"offsets are on {offsets.device}, but the pools are on {device}")
+
+
+def _pool_align(*pools: torch.Tensor) -> int:
+    a = 16
+    for p in pools:
+        ptr = p.data_ptr()
+        a = min(a, 16 if ptr % 16 == 0 else 4 if ptr % 4 == 0 else 1)
+    return a
+
+
+@dataclass(frozen=True)
+class DescriptorStats:
+    """What one validation pass learned about a descriptor range."""
+
+    rows: int
+    max_nbytes: int
+    total_bytes: int
+    align: int                # 16, 4 or 1: every offset and size is a multiple of it
+
+
+def _validate_rows(s: torch.Tensor, d: torch.Tensor, n: torch.Tensor, src_len: int | None, dst_len: int,
+                   *, first_row: int, src_name: str, dst_name: str, extra_bad: torch.Tensor | None = None,
+                   extra_why: str = "") -> DescriptorStats:
+    """Vectorised bounds check with a single host sync; raises BadInput naming the first bad row."""
+    m = int(n.shape[0])
+    if m == 0:
+        return DescriptorStats(0, 0, 0, 16)
+    bad = (s < 0) | (d < 0) | (n < 0) | (n > dst_len) | (d > dst_len - n)
+    if src_len is not None:
+        bad |= (n > src_len) | (s > src_len - n)
+    if extra_bad is not None:
+        bad |= extra_bad
+    idx = torch.arange(m, device=n.device, dtype=torch.int64)
+    first = torch.where(bad, idx, torch.full_like(idx, m)).min()
+    mis = s | d | n
+    stats = torch.stack([first, n.max(), n.sum(), ((mis & 15) != 0).any().to(torch.int64),
+                         ((mis & 3) != 0).any().to(torch.int64)]).tolist()
+    if stats[0] < m:
+        i = int(stats[0])
+        si, di, ni = (int(x) for x in torch.stack([s[i], d[i], n[i]]).tolist())
+        row = first_row + i
+        if si < 0 or di < 0 or ni < 0:
+            why = "negative offset or size"
+        elif src_len is not None and si + ni > src_len:
+            why = f"source bytes [{si}, {si + ni}) lie outside {src_name} of {src_len} bytes"
+        elif di + ni > dst_len:
+            why = f"destination bytes [{di}, {di + ni}) lie outside {dst_name} of {dst_len} bytes"
+        else:
+            why = extra_why or "inconsistent"
+        raise BadInput(f"descriptor {row} (src_offset={si}, dst_offset={di}, nbytes={ni}): {why}")
+    align = 16 if not stats[3] else 4 if not stats[4] else 1
+    return DescriptorStats(m, int(stats[1]), int(stats[2]), align)
+
+
+def check_copy(src_pool, dst_pool, descs, *, start: int = 0, end: int | None = None,
+               device: torch.device | None = None) -> DescriptorStats:
+    """Validate a copy without launching it (one host sync). Raises BadInput."""
+    dev = check_pool(src_pool, "src_pool", device)
+    check_pool(dst_pool, "dst_pool", dev)
+    n = check_descriptors(descs, "descs", dev)
+    start, end = _check_range(start, end, n)
+    t = descs[start:end]
+    return _validate_rows(t[:, 0], t[:, 1], t[:, 2], src_pool.numel(), dst_pool.numel(), first_row=start,
+                          src_name="the src pool", dst_name="the dst pool")
+
+
+def _check_packing(pool, staging, descs, offsets, start, end, staging_offset, device, *, packing: bool,
+                   validate: bool):
+    pool_name = "src_pool" if packing else "dst_pool"
+    dev = check_pool(pool, pool_name, device)
+    check_pool(staging, "staging", dev)
+    n = check_descriptors(descs, "descs", dev)
+    start, end = _check_range(start, end, n)
+    if offsets is None:
+        offsets = pack_offsets(descs)
+    _check_offsets(offsets, n, dev)
+    if not isinstance(staging_offset, int) or staging_offset < 0:
+        raise BadInput(f"staging_offset must be a non-negative int, got {staging_offset!r}")
+    stats = None
+    if validate and end > start:
+        t = descs[start:end]
+        o = offsets[start:end + 1]
+        pos = staging_offset + (o[:-1] - o[0])
+        extra = (o[1:] - o[:-1]) != t[:, 2]
+        why = "offsets[i + 1] - offsets[i] != nbytes (offsets must be pack_offsets(descs))"
+        if packing:
+            stats = _validate_rows(t[:, 0], pos, t[:, 2], pool.numel(), staging.numel(), first_row=start,
+                                   src_name="the src pool", dst_name="the staging buffer", extra_bad=extra,
+                                   extra_why=why)
+        else:
+            stats = _validate_rows(pos, t[:, 1], t[:, 2], staging.numel(), pool.numel(), first_row=start,
+                                   src_name="the staging buffer", dst_name="the dst pool", extra_bad=extra,
+                                   extra_why=why)
+    return dev, start, end, offsets, stats
+
+
+# --------------------------------------------------------------------------- copy / pack / unpack
+
+
+def _grid(rows: int, config: CopyConfig, programs: int) -> tuple[int, int, int]:
+    """(programs, n_items, slices) for ``rows`` descriptors."""
+    groups = -(-rows // config.rows)
+    slices = 1 if groups >= programs else min(-(-programs // groups), 1 << 16)
+    n_items = groups * slices
+    return max(1, min(programs, n_items)), n_items, slices
+
+
+def _launch_copy(mode: int, src, dst, descs, offsets, start: int, end: int, staging_offset: int,
+                 stats: DescriptorStats | None, num_programs: int | None, nbytes_hint: int | None,
+                 config: CopyConfig | None) -> None:
+    rows = end - start
+    if rows == 0:
+        return
+    if config is None:
+        hint = nbytes_hint if nbytes_hint is not None else (stats.max_nbytes if stats is not None else None)
+        config = choose_config(hint)
+    if num_programs is None:
+        num_programs = default_programs(src.device, config)
+    if not isinstance(num_programs, int) or num_programs < 1:
+        raise BadInput(f"num_programs must be a positive int, got {num_programs!r}")
+    align = _pool_align(src, dst)
+    if stats is not None and stats.align == 4:
+        align = min(align, 4)
+    programs, n_items, slices = _grid(rows, config, num_programs)
+    copy_kernel.launch(src.device, (programs,), src, dst, descs, descs if offsets is None else offsets,
+                       start, rows, staging_offset, n_items, slices,
+                       MODE=mode, ALIGN=align, ROWS=config.rows, W=config.width, UNROLL=config.unroll,
+                       LOAD_CACHE=config.load_cache, STORE_CACHE=config.store_cache, num_warps=config.num_warps)
+
+
+def copy_descriptors(src_pool, dst_pool, descs, *, start: int = 0, end: int | None = None,
+                     num_programs: int | None = None, nbytes_hint: int | None = None,
+                     config: CopyConfig | None = None, validate: bool = True,
+                     device: torch.device | None = None) -> None:
+    """Copy ``descs[start:end]``: ``dst_pool[d:d+n] = src_pool[s:s+n]`` for each row ``(s, d, n)``.
+
+    Pull: run it on the destination GPU with ``src_pool`` the peer's pool opened
+    over IPC. Push: run it on the source GPU with ``dst_pool`` the peer's pool.
+
+    * ``num_programs`` -- the persistent grid; at most the SM count means at most
+      that many SMs. Default: ``config.programs_per_sm`` x SM count (the fastest).
+    * ``nbytes_hint`` -- typical descriptor size, picks the tiling (:func:`choose_config`);
+      by default the largest size seen by validation, else 2,304.
+    * ``validate`` -- check dtypes, shapes, devices (always, on the host) and, with one
+      host sync, that every descriptor lies inside both pools (BadInput naming the
+      first bad row). ``False`` skips the sync for timed loops.
+    * ``device`` -- if given, everything must be on it.
+
+    Destinations must not overlap each other or the sources (the order of the copies
+    is unspecified). Enqueued on torch's current stream; returns immediately.
+    """
+    dev = check_pool(src_pool, "src_pool", device)
+    check_pool(dst_pool, "dst_pool", dev)
+    n = check_descriptors(descs, "descs", dev)
+    start, end = _check_range(start, end, n)
+    stats = None
+    if validate and end > start:
+        t = descs[start:end]
+        stats = _validate_rows(t[:, 0], t[:, 1], t[:, 2], src_pool.numel(), dst_pool.numel(), first_row=start,
+                               src_name="the src pool", dst_name="the dst pool")
+    _launch_copy(MODE_COPY, src_pool, dst_pool, descs, None, start, end, 0, stats, num_programs, nbytes_hint,
+                 config)
+
+
+def pack_offsets(descs) -> torch.Tensor:
+    """Where each descriptor's bytes go in a packed staging buffer: the exclusive
+    cumulative sum of the sizes, N + 1 int64 values on ``descs``' device (the last
+    is the total). Asynchronous (a torch cumsum on the current stream)."""
+    n = check_descriptors(descs)
+    out = torch.zeros(n + 1, dtype=torch.int64, device=descs.device)
+    if n:
+        torch.cumsum(descs[:, 2], 0, out=out[1:])
+    return out
+
+
+def pack(src_pool, staging, descs, offsets=None, *, start: int = 0, end: int | None = None,
+         staging_offset: int = 0, num_programs: int | None = None, nbytes_hint: int | None = None,
+         config: CopyConfig | None = None, validate: bool = True, device: torch.device | None = None) -> None:
+    """Gather the sources of ``descs[start:end]`` back to back into ``staging``.
+
+    Row ``i``'s bytes land at ``staging[staging_offset + offsets[i] - offsets[start]:][:nbytes_i]``:
+    the range occupies ``offsets[end] - offsets[start]`` bytes from ``staging_offset``.
+    ``offsets`` is :func:`pack_offsets` of the *whole* table (computed here if None --
+    pass it once computed to keep chunked packing cheap). Chunking: pack rows
+    ``[a, b)`` while the chunk before is in flight, each into its own staging slot.
+    Same stream and validation rules as :func:`copy_descriptors`.
+    """
+    dev, start, end, offsets, stats = _check_packing(src_pool, staging, descs, offsets, start, end, staging_offset,
+                                                     device, packing=True, validate=validate)
+    _launch_copy(MODE_PACK, src_pool, staging, descs, offsets, start, end, staging_offset, stats, num_programs,
+                 nbytes_hint, config)
+
+
+def unpack(staging, dst_pool, descs, offsets=None, *, start: int = 0, end: int | None = None,
+           staging_offset: int = 0, num_programs: int | None = None, nbytes_hint: int | None = None,
+           config: CopyConfig | None = None, validate: bool = True, device: torch.device | None = None) -> None:
+    """Scatter ``staging`` (laid out as :func:`pack` wrote ``descs[start:end]`` at
+    ``staging_offset``) to the destinations of ``descs[start:end]`` in ``dst_pool``."""
+    dev, start, end, offsets, stats = _check_packing(dst_pool, staging, descs, offsets, start, end, staging_offset,
+                                                     device, packing=False, validate=validate)
+    _launch_copy(MODE_UNPACK, staging, dst_pool, descs, offsets, start, end, staging_offset, stats, num_programs,
+                 nbytes_hint, config)
+
+
+def packed_descriptors(descs, offsets=None, *, start: int = 0, end: int | None = None,
+                       staging_offset: int = 0) -> torch.Tensor:
+    """The table ``(src_offset, staging_offset, nbytes)`` that :func:`pack` executes for
+    ``descs[start:end]`` -- e.g. to :func:`verify` a staging buffer against the source pattern."""
+    n = check_descriptors(descs)
+    start, end = _check_range(start, end, n)
+    if offsets is None:
+        offsets = pack_offsets(descs)
+    _check_offsets(offsets, n, descs.device)
+    t = descs[start:end]
+    o = offsets[start:end]
+    pos = staging_offset + (o - offsets[start]) if end > start else o
+    return torch.stack([t[:, 0], pos, t[:, 2]], dim=1).contiguous()
+
+
+# --------------------------------------------------------------------------- pattern fill / verify
+
+
+def fill_pattern(pool, seed: int, *, start: int = 0, nbytes: int | None = None,
+                 device: torch.device | None = None) -> None:
+    """Write the pattern of ``seed`` over ``pool[start:start + nbytes]`` (the rest of the pool by default).
+
+    Byte ``o`` gets the pattern of pool offset ``o`` (see :mod:`gpuxfer.kernels.reference`).
+    Enqueued on torch's current stream.
+    """
+    dev = check_pool(pool, "pool", device)
+    if not isinstance(seed, int):
+        raise BadInput(f"seed must be an int, got {seed!r}")
+    if nbytes is None:
+        nbytes = pool.numel() - start
+    if not (isinstance(start, int) and isinstance(nbytes, int)) or start < 0 or nbytes < 0 \
+            or start + nbytes > pool.numel():
+        raise BadInput(f"fill range [{start}, {start}+{nbytes}) is not inside the pool of {pool.numel()} bytes")
+    if nbytes == 0:
+        return
+    block = 1 << 16 if dev.type == "cpu" else 4096
+    fill_kernel.launch(dev, (-(-nbytes // block),), pool, start, nbytes, reference.seed_key_i64(seed),
+                       BLOCK=block, num_warps=8)
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """What :func:`verify` found."""
+
+    wrong_bytes: int
+    first_bad: int            # index of the first descriptor holding a wrong byte, -1 if none
+    descriptors: int
+    nbytes: int               # bytes checked
+
+    @property
+    def ok(self) -> bool:
+        return self.wrong_bytes == 0
+
+    def raise_if_failed(self, what: str = "transfer") -> "VerifyResult":
+        """Raise :class:`VerificationFailed` unless every byte matched; returns self."""
+        if not self.ok:
+            raise VerificationFailed(
+                f"{what}: {self.wrong_bytes} of {self.nbytes} bytes wrong; first wrong descriptor "
+                f"{self.first_bad} of {self.descriptors}", wrong_bytes=self.wrong_bytes, first_bad=self.first_bad)
+        return self
+
+
+def verify(dst_pool, descs, seed: int, *, num_programs: int | None = None, validate: bool = True,
+           device: torch.device | None = None) -> VerifyResult:
+    """Check every byte of every descriptor's destination in ``dst_pool`` against the
+    pattern of ``seed`` at its *source* offset (the source pool was filled with
+    :func:`fill_pattern` ``(src_pool, seed)``).
+
+    Runs on torch's current stream and **waits** for its two-number result.
+    With ``validate`` every destination must lie inside ``dst_pool`` (BadInput).
+    """
+    dev = check_pool(dst_pool, "dst_pool", device)
+    n = check_descriptors(descs, "descs", dev)
+    if not isinstance(seed, int):
+        raise BadInput(f"seed must be an int, got {seed!r}")
+    if n == 0:
+        return VerifyResult(0, -1, 0, 0)
+    total = None
+    if validate:
+        stats = _validate_rows(descs[:, 0], descs[:, 1], descs[:, 2], None, dst_pool.numel(), first_row=0,
+                               src_name="", dst_name="the dst pool")
+        total = stats.total_bytes
+    if dev.type == "cpu":
+        rows, wb, programs = 8, 512, CPU_PROGRAMS
+    else:
+        rows, wb, programs = 4, 1024, 4 * sm_count(dev)
+    if num_programs is not None:
+        if not isinstance(num_programs, int) or num_programs < 1:
+            raise BadInput(f"num_programs must be a positive int, got {num_programs!r}")
+        programs = num_programs
+    groups = -(-n // rows)
+    slices = 1 if groups >= programs else min(-(-programs // groups), 1 << 16)
+    n_items = groups * slices
+    result = torch.tensor([0, n], dtype=torch.int64, device=dev)
+    verify_kernel.launch(dev, (max(1, min(programs, n_items)),), dst_pool, descs, n, reference.seed_key_i64(seed),
+                         result, n_items, slices, ROWS=rows, WB=wb, num_warps=8)
+    if total is None:
+        wrong, first, total = torch.cat([result, descs[:, 2].sum().reshape(1)]).tolist()
+    else:
+        wrong, first = result.tolist()
+    return VerifyResult(int(wrong), -1 if first >= n else int(first), n, int(total))

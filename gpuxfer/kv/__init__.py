@@ -1,0 +1,27 @@
+"""Paged KV-cache hand-off: workloads, pool layouts, block tables, descriptor plans, the sweep grid.
+
+Pure Python + numpy; importing it touches no device. The benchmark command lives in
+:mod:`gpuxfer.kv.bench` (``gpuxfer bench kv``).
+"""
+from __future__ import annotations
+
+from .blocktable import burst_tables, derive_seed, space_permutation
+from .grid import (DEFAULT_BATCHES, DEFAULT_DESC_BUDGET, DEFAULT_ISLS, DEFAULT_PAGES, DEFAULT_POOL_BUDGET_BYTES,
+                   Grid, GridPoint, ShedBatch, build_grid)
+from .layout import (PoolLayout, RegionLayout, build_layout, layout_for_burst, max_batch_for_budget,
+                     pages_for_burst, pool_bytes_for_burst, pool_pages_for_budget)
+from .plan import Burst, PlanSpan, build_burst, bulk_plan, coalesce, find_dst_overlap, request_plan, validate_plan
+from .workloads import (WORKLOADS, PageMap, Region, RequestShape, TransferRegion, Workload, dsv4_vllm_workload,
+                        get_workload, workload_names)
+
+__all__ = [
+    "WORKLOADS", "PageMap", "Region", "RequestShape", "TransferRegion", "Workload", "dsv4_vllm_workload",
+    "get_workload", "workload_names",
+    "PoolLayout", "RegionLayout", "build_layout", "layout_for_burst", "max_batch_for_budget", "pages_for_burst",
+    "pool_bytes_for_burst", "pool_pages_for_budget",
+    "burst_tables", "derive_seed", "space_permutation",
+    "Burst", "PlanSpan", "build_burst", "bulk_plan", "coalesce", "find_dst_overlap", "request_plan",
+    "validate_plan",
+    "DEFAULT_BATCHES", "DEFAULT_DESC_BUDGET", "DEFAULT_ISLS", "DEFAULT_PAGES", "DEFAULT_POOL_BUDGET_BYTES",
+    "Grid", "GridPoint", "ShedBatch", "build_grid",
+]

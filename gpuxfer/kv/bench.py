@@ -1,0 +1,322 @@
+"""``gpuxfer bench kv``: the KV-cache hand-off benchmark's command line.
+
+Built so far: every option, their parsing and validation, and ``--plan-only`` (the
+sweep grid with bytes and descriptors per point, pool per rank, and what was shed
+and why; ``--json`` for the same as JSON). The transfer itself (two processes,
+engines, verification, artifacts) is not built yet and exits 2.
+
+``run`` is split in small steps for the benchmark to extend:
+``parse_grid_args(args) -> Grid``, ``parse_run_options(args) -> RunOptions``,
+``print_plan(grid, ...)``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from typing import Callable, TextIO
+
+from ..errors import BadInput
+from .grid import (DEFAULT_BATCHES, DEFAULT_DESC_BUDGET, DEFAULT_POOL_BUDGET_BYTES, SHED_DESC, Grid, build_grid,
+                   human_bytes)
+from .workloads import WORKLOADS, get_workload
+
+__all__ = ["ENGINES", "DIRECTIONS", "PLATFORM_CHOICES", "RunOptions", "add_arguments", "run", "parse_grid_args",
+           "parse_run_options", "print_plan", "parse_size", "parse_list", "plan_document"]
+
+#: Transfer engines, each measured on the same descriptors (issue 5).
+ENGINES = ("triton", "pack", "copy_engine", "bulk")
+#: pull: the decode side reads the prefill side's pool; push: the prefill side writes the decode side's.
+DIRECTIONS = ("pull", "push")
+PLATFORM_CHOICES = ("auto", "cuda", "rocm", "host")
+
+DEFAULT_ISL = "32k"
+DEFAULT_OUT = "gpuxfer-out/kv"
+
+# ---------------------------------------------------------------------------- parsing
+
+_BINARY = {"": 1, "k": 1 << 10, "ki": 1 << 10, "m": 1 << 20, "mi": 1 << 20, "g": 1 << 30, "gi": 1 << 30,
+           "t": 1 << 40, "ti": 1 << 40}
+_DECIMAL_BYTES = {"kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str, *, option: str, kind: str = "count") -> int:
+    """Parse ``32k``, ``512K``, ``64GiB``, ``1.5G``, ``100GB``, ``4096`` into a positive integer.
+
+    k/M/G/T (with or without ``i``) are binary: 32k tokens = 32,768. For ``kind="bytes"`` a
+    trailing ``B`` is allowed: ``64GiB`` (binary) or ``64GB`` (decimal, 64e9).
+    """
+    if not isinstance(text, str):
+        text = str(text)
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise BadInput(f"{option}: cannot read {text!r} as a {kind}; use e.g. "
+                       f"{'64GiB, 512MiB or 1073741824' if kind == 'bytes' else '32k, 512k or 4096'}")
+    number, suffix = m.group(1), m.group(2).lower()
+    if kind == "bytes" and suffix in _DECIMAL_BYTES:
+        scale = _DECIMAL_BYTES[suffix]
+    else:
+        if kind == "bytes" and suffix.endswith("b"):
+            suffix = suffix[:-1]
+        if suffix not in _BINARY:
+            raise BadInput(f"{option}: unknown unit {m.group(2)!r} in {text!r}; use k, M, G, T"
+                           f"{' (binary) or kB, MB, GB, TB (decimal), with an optional B' if kind == 'bytes' else ''}")
+        scale = _BINARY[suffix]
+    if "." in number:
+        whole, frac = number.split(".")
+        value_num = int(whole + frac) * scale
+        den = 10 ** len(frac)
+        if value_num % den:
+            raise BadInput(f"{option}: {text!r} is not a whole number of {kind}")
+        value = value_num // den
+    else:
+        value = int(number) * scale
+    if value <= 0:
+        raise BadInput(f"{option}: {text!r} must be positive")
+    return value
+
+
+def parse_list(text: str, *, option: str, item: Callable[[str], object]) -> list:
+    """A comma-separated list; every item parsed by ``item``; empty items are errors."""
+    if text is None or not str(text).strip():
+        raise BadInput(f"{option}: give at least one value")
+    parts = [p.strip() for p in str(text).split(",")]
+    if any(not p for p in parts):
+        raise BadInput(f"{option}: empty item in {text!r}")
+    out = []
+    for p in parts:
+        v = item(p)
+        if v not in out:
+            out.append(v)
+    return out
+
+
+def _choice(known: tuple[str, ...], option: str) -> Callable[[str], str]:
+    def parse(p: str) -> str:
+        if p not in known:
+            raise BadInput(f"{option}: unknown value {p!r}; known: {', '.join(known)}")
+        return p
+    return parse
+
+
+def _workload_item(p: str) -> str:
+    try:
+        return get_workload(p).name
+    except BadInput as exc:
+        raise BadInput(f"--workload: {exc}") from None
+
+
+def _positive_int(text, option: str) -> int:
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise BadInput(f"{option}: {text!r} is not an integer") from None
+    if value <= 0:
+        raise BadInput(f"{option}: must be positive, got {value}")
+    return value
+
+
+# ---------------------------------------------------------------------------- arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every option of ``gpuxfer bench kv`` (lists are comma-separated)."""
+    g = parser.add_argument_group("what moves")
+    g.add_argument("--workload", default="kv-dsv4", metavar="NAMES",
+                   help=f"KV workload presets, comma-separated; known: {', '.join(WORKLOADS)}")
+    g.add_argument("--page", default="auto", metavar="TOKENS",
+                   help="page sizes in tokens, comma-separated; 'auto' = each workload's own "
+                        "(16,64; kv-dsv4-vllm: its native 256-token block)")
+    g.add_argument("--isl", default=DEFAULT_ISL, metavar="TOKENS",
+                   help="input lengths in tokens, comma-separated; k = 1024 (32k = 32,768)")
+    g.add_argument("--batch", default=",".join(map(str, DEFAULT_BATCHES)), metavar="N",
+                   help="requests per burst, comma-separated; the two smallest are always kept unless "
+                        "the pool budget forbids them")
+    g.add_argument("--seed", default="0", metavar="INT",
+                   help="block-table seed: both sides' tables derive from it and the geometry")
+    b = parser.add_argument_group("budgets")
+    b.add_argument("--pool-budget", default=f"{DEFAULT_POOL_BUDGET_BYTES >> 30}GiB", metavar="BYTES",
+                   help="pool bytes per rank (e.g. 64GiB, 512MiB, 100GB); capped at the device's free memory "
+                        "when a device is used; sheds a point's largest batches")
+    b.add_argument("--desc-budget", default="16M", metavar="DESCRIPTORS",
+                   help=f"descriptors per burst (16M = 2**24 = {DEFAULT_DESC_BUDGET:,}); larger bursts are shed, "
+                        "except the two smallest batches")
+    r = parser.add_argument_group("how it is measured")
+    r.add_argument("--engine", default=",".join(ENGINES), metavar="NAMES",
+                   help=f"transfer engines, comma-separated; known: {', '.join(ENGINES)} "
+                        "(bulk: one descriptor of the same bytes, the ceiling)")
+    r.add_argument("--direction", default=",".join(DIRECTIONS), metavar="DIRS",
+                   help="pull (decode side reads) and/or push (prefill side writes), comma-separated")
+    r.add_argument("--trials", default="5", metavar="N", help="timed bursts per row, after warm-up")
+    r.add_argument("--platform", default="auto", metavar="NAME",
+                   help=f"device platform: {', '.join(PLATFORM_CHOICES)} (host = CPU emulation, small sizes only)")
+    o = parser.add_argument_group("output")
+    o.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                   help="directory for the JSON artifact and PNG plots (created if missing)")
+    o.add_argument("--plan-only", action="store_true",
+                   help="print the sweep grid (bytes and descriptors per point, pool per rank, shed batches "
+                        "and why) and exit; touches no device")
+    o.add_argument("--json", action="store_true", help="print JSON (unit-suffixed keys) instead of tables")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """The measurement options, parsed and checked."""
+
+    engines: tuple[str, ...]
+    directions: tuple[str, ...]
+    trials: int
+    seed: int
+    platform: str
+    out: str
+    plan_only: bool
+    json: bool
+
+
+def parse_grid_args(args: argparse.Namespace) -> Grid:
+    """The sweep grid the options ask for (the budgets applied, nothing materialised)."""
+    workloads = parse_list(args.workload, option="--workload", item=_workload_item)
+    page_text = str(args.page).strip()
+    pages = None if page_text.lower() == "auto" else parse_list(
+        page_text, option="--page", item=lambda p: parse_size(p, option="--page", kind="tokens"))
+    isls = parse_list(args.isl, option="--isl", item=lambda p: parse_size(p, option="--isl", kind="tokens"))
+    batches = parse_list(args.batch, option="--batch", item=lambda p: _positive_int(p, "--batch"))
+    pool_budget = parse_size(args.pool_budget, option="--pool-budget", kind="bytes")
+    desc_budget = parse_size(args.desc_budget, option="--desc-budget", kind="descriptors")
+    if pages is not None:
+        for w in workloads:
+            for p in pages:
+                try:
+                    get_workload(w).check_page(p)
+                except BadInput as exc:
+                    raise BadInput(f"--page: {exc}") from None
+    return build_grid(workloads, pages, isls, batches, pool_budget_bytes=pool_budget,
+                      free_memory_bytes=getattr(args, "free_memory_bytes", None), desc_budget=desc_budget)
+
+
+def parse_run_options(args: argparse.Namespace) -> RunOptions:
+    seed_text = str(args.seed).strip()
+    try:
+        seed = int(seed_text)
+    except ValueError:
+        raise BadInput(f"--seed: {args.seed!r} is not an integer") from None
+    if seed < 0:
+        raise BadInput(f"--seed: must be >= 0, got {seed}")
+    platform = str(args.platform).strip()
+    if platform not in PLATFORM_CHOICES:
+        raise BadInput(f"--platform: unknown platform {platform!r}; known: {', '.join(PLATFORM_CHOICES)}")
+    if not str(args.out).strip():
+        raise BadInput("--out: give a directory")
+    return RunOptions(
+        engines=tuple(parse_list(args.engine, option="--engine", item=_choice(ENGINES, "--engine"))),
+        directions=tuple(parse_list(args.direction, option="--direction", item=_choice(DIRECTIONS, "--direction"))),
+        trials=_positive_int(args.trials, "--trials"),
+        seed=seed, platform=platform, out=str(args.out), plan_only=bool(args.plan_only), json=bool(args.json),
+    )
+
+
+# ---------------------------------------------------------------------------- plan output
+
+
+def plan_document(grid: Grid, options: RunOptions | None = None) -> dict:
+    """The plan as a JSON-ready dict (unit-suffixed keys)."""
+    names = []
+    for p in grid.points:
+        if p.workload.name not in names:
+            names.append(p.workload.name)
+    doc = {"kind": "gpuxfer-kv-plan", "grid": grid.as_dict(),
+           "workloads": {n: get_workload(n).as_dict() for n in names}}
+    if options is not None:
+        doc["run"] = {"engines": list(options.engines), "directions": list(options.directions),
+                      "trials": options.trials, "seed": options.seed, "platform": options.platform}
+    return doc
+
+
+_si = human_bytes
+
+
+def _count(n: int) -> str:
+    if n >= 10_000_000:
+        return f"{n / 1e6:.1f} M"
+    return f"{n:,}"
+
+
+def print_plan(grid: Grid, *, as_json: bool = False, options: RunOptions | None = None,
+               file: TextIO | None = None) -> None:
+    """Print the grid: one row per point, then every shed batch with its reason."""
+    file = file or sys.stdout
+    if as_json:
+        json.dump(plan_document(grid, options), file, indent=2)
+        file.write("\n")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=file, width=None if file.isatty() else 150, highlight=False)
+    budget = grid.pool_budget_bytes
+    cap = ("capped at free memory " + _si(grid.free_memory_bytes) if grid.free_memory_bytes is not None
+           and grid.free_memory_bytes < grid.asked_pool_budget_bytes else
+           "not capped by free memory: --plan-only queries no device")
+    console.print(f"[bold]gpuxfer bench kv --plan-only[/bold]: {len(grid.points)} points; "
+                  f"pool budget {budget / (1 << 30):.1f} GiB per rank ({cap}); descriptor budget "
+                  f"{grid.desc_budget:,} per burst; the {grid.floor_batches} smallest batches are kept unless the "
+                  "pool budget forbids them")
+    if options is not None:
+        console.print(f"engines {', '.join(options.engines)}; directions {', '.join(options.directions)}; "
+                      f"{options.trials} trials; seed {options.seed}")
+    table = Table(title="sweep grid", header_style="bold")
+    for col, just in (("workload", "left"), ("ISL\ntokens", "right"), ("page\ntokens", "right"),
+                      ("bytes /\nrequest", "right"), ("descriptors /\nrequest", "right"),
+                      ("mean B /\ndescriptor", "right"), ("batches kept", "left"),
+                      ("largest burst\nbytes", "right"), ("largest burst\ndescriptors", "right"),
+                      ("pool /\nrank", "right"), ("shed", "left")):
+        table.add_column(col, justify=just, overflow="fold")
+    for p in grid.points:
+        by_reason: dict[str, list[str]] = {}
+        for s in p.shed:
+            by_reason.setdefault("descriptors" if s.reason == SHED_DESC else "pool", []).append(str(s.batch))
+        shed = "; ".join(f"{k}: {','.join(v)}" for k, v in by_reason.items())
+        table.add_row(
+            p.workload.name, f"{p.isl_tokens:,}", str(p.page_tokens), _si(p.request_bytes),
+            f"{p.request_descriptors:,}", f"{p.request_bytes / p.request_descriptors:,.0f}",
+            ",".join(map(str, p.batches)) or "[red]none[/red]",
+            _si(p.burst_bytes(p.max_batch)) if p.batches else "-",
+            _count(p.burst_descriptors(p.max_batch)) if p.batches else "-",
+            _si(p.pool_bytes) if p.batches else "-", shed or "-")
+    console.print(table)
+    if grid.shed:
+        st = Table(title="shed batches", header_style="bold")
+        for col in ("workload", "ISL tokens", "page tokens", "batch", "reason", "why"):
+            st.add_column(col)
+        for p, s in grid.shed:
+            st.add_row(p.workload.name, f"{p.isl_tokens:,}", str(p.page_tokens), str(s.batch), s.reason, s.detail)
+        console.print(st)
+    else:
+        console.print("no batch shed")
+    console.print(f"largest pool per rank: {_si(grid.max_pool_bytes)}")
+
+
+# ---------------------------------------------------------------------------- run
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        grid = parse_grid_args(args)
+        options = parse_run_options(args)
+    except BadInput as exc:
+        print(f"gpuxfer bench kv: error: {exc}", file=sys.stderr)
+        return 2
+    if options.plan_only:
+        print_plan(grid, as_json=options.json, options=options)
+        return 0
+    return run_transfers(grid, options)
+
+
+def run_transfers(grid: Grid, options: RunOptions) -> int:
+    """The measured sweep (issue 5): not built yet."""
+    print("gpuxfer bench kv: the transfer benchmark is not built yet; use --plan-only to see the grid",
+          file=sys.stderr)
+    return 2

@@ -1,0 +1,899 @@
+"""KV transfer engines: one interface, measured on the same descriptors.
+
+An *engine* moves a *burst* (the requests of one batch; each request an int64
+``(N, 3)`` table of ``(src_offset, dst_offset, nbytes)`` into the source and
+destination pools) from the prefill side's pool to the decode side's pool.
+The two sides are two processes; each builds the same engines, in the same
+order, over a :class:`Side` (its platform, its pool, the peer's pool opened
+over IPC, a CPU-group exchange).
+
+The interface, per burst::
+
+    p = engine.prepare(burst, direction)   # both sides; timed apart ("prep ms")
+    engine.post(p)        # passive side first (flag-gated work), then the initiator, timed
+    engine.wait(p)        # initiator: the whole transfer has landed; passive: its own part is done
+    engine.release(p)
+
+``direction`` is ``pull`` (the decode side initiates: it reads, or pulls the
+data towards itself) or ``push`` (the prefill side initiates and writes).
+:func:`initiator_of` says which side times the burst. A passive side only
+posts work that waits for the initiator (stream flag waits), so nothing it
+does can run before the timer starts.
+
+Built-in engines (``ENGINES``):
+
+* ``triton`` -- the descriptor-copy kernel: pull runs on the decode GPU reading
+  the peer pool through the IPC mapping, push on the prefill GPU writing it.
+  Uses SMs of the initiating GPU, none of the other.
+* ``pack`` -- pack the pages into a staging buffer on the source (a local
+  kernel at HBM speed), one copy-engine transfer per chunk into the
+  destination's staging buffer (opened over IPC), unpack on the destination.
+  Chunked and pipelined across three streams in two processes: chunk *k*
+  packs while *k-1* is on the wire and *k-2* unpacks. Cross-process hand-offs
+  are 64-bit stream flags written with an 8-byte copy-engine copy; a slot is
+  reused only once the peer says it is free. No SM touches the wire.
+* ``copy_engine`` -- ``copy_batch_async`` (``cuMemcpyBatchAsync`` on CUDA) over
+  the descriptors on a created stream, no SM at all; the baseline that shows
+  why packing matters (a fixed cost per descriptor). Capped per burst
+  (``EngineOptions.copy_engine_max_descs``); bigger bursts are shed, with the
+  reason.
+* ``bulk`` -- one descriptor of the same total bytes on the copy engines: the
+  ceiling every row is divided by.
+
+More engines (NIXL, Mooncake) register with :func:`register_engine` under a
+``"module:Class"`` path, so listing them never imports their library;
+:func:`engine_report` says for each whether it can run here (``None``) or why not.
+"""
+from __future__ import annotations
+
+import abc
+import enum
+import importlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, NamedTuple, Sequence
+
+import numpy as np
+
+from ..errors import BadInput, GpuxferError, TransferTimeout
+from ..platforms.base import DeviceBuffer, Event, Memory, PeerMapping, Platform, Stream
+
+log = logging.getLogger("gpuxfer.kv.engines")
+
+DIRECTIONS = ("pull", "push")
+
+
+class Role(str, enum.Enum):
+    """Which pool a process holds."""
+
+    SOURCE = "source"             # the prefill side
+    DESTINATION = "destination"   # the decode side
+
+    @property
+    def serving_name(self) -> str:
+        return "prefill" if self is Role.SOURCE else "decode"
+
+
+def check_direction(direction: str) -> str:
+    if direction not in DIRECTIONS:
+        raise BadInput(f"unknown direction {direction!r}; use one of {', '.join(DIRECTIONS)}")
+    return direction
+
+
+def initiator_of(direction: str) -> Role:
+    """``pull``: the decode (destination) side initiates and times; ``push``: the prefill (source) side."""
+    return Role.DESTINATION if check_direction(direction) == "pull" else Role.SOURCE
+
+
+# ----------------------------------------------------------------------------- options, sides, bursts
+
+
+@dataclass
+class EngineOptions:
+    """Engine tuning knobs (the benchmark's defaults; the emulation shrinks the sizes)."""
+
+    copy_batch_descs: int = 8192               # descriptors per copy_batch_async call
+    copy_engine_max_descs: int = 140_000       # per-burst cap of copy_engine (~15 us/descriptor on H200)
+    pack_chunk_bytes: int = 32 << 20           # staging slot size = the largest chunk
+    pack_first_chunk_bytes: int = 2 << 20      # chunks ramp up from this (short pipeline fill)
+    pack_slots: int = 4                        # staging slots per side (a multiple of pack_lanes)
+    pack_lanes: int = 2                        # copy streams used round-robin by the chunks
+    verify_chunk_bytes: int = 1 << 30          # bulk rows are verified in pieces of this
+
+    def validate(self) -> "EngineOptions":
+        for k in ("copy_batch_descs", "copy_engine_max_descs", "pack_chunk_bytes", "pack_first_chunk_bytes",
+                  "pack_slots", "pack_lanes", "verify_chunk_bytes"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or v <= 0:
+                raise BadInput(f"engine option {k} must be a positive integer, got {v!r}")
+        if self.pack_slots % self.pack_lanes:
+            raise BadInput(f"pack_slots ({self.pack_slots}) must be a multiple of pack_lanes ({self.pack_lanes})")
+        if self.pack_slots < 2:
+            raise BadInput(f"pack_slots must be >= 2 to pipeline, got {self.pack_slots}")
+        if self.pack_first_chunk_bytes > self.pack_chunk_bytes:
+            self.pack_first_chunk_bytes = self.pack_chunk_bytes
+        return self
+
+
+@dataclass
+class Side:
+    """What one of the two processes holds; every engine is built over one.
+
+    ``exchange(obj)`` is an all-gather over the CPU group (index = rank); an
+    engine may call it only from its constructor (both sides build engines in
+    the same order, so the calls pair up).
+    """
+
+    platform: Platform
+    device: int
+    rank: int
+    role: Role
+    pool: DeviceBuffer
+    peer_pool: PeerMapping
+    exchange: Callable[[Any], list]
+    timeout_s: float = 60.0
+    options: EngineOptions = field(default_factory=EngineOptions)
+
+    @property
+    def src_mem(self) -> Memory:
+        return self.pool if self.role is Role.SOURCE else self.peer_pool
+
+    @property
+    def dst_mem(self) -> Memory:
+        return self.pool if self.role is Role.DESTINATION else self.peer_pool
+
+    @property
+    def peer_rank(self) -> int:
+        return 1 - self.rank
+
+
+def as_descriptors(table, name: str = "descriptors") -> np.ndarray:
+    arr = np.asarray(table)
+    if arr.ndim != 2 or arr.shape[1] != 3:
+        raise BadInput(f"{name} must have shape (N, 3), got {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise BadInput(f"{name} must be integers, got {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+class BurstShape(NamedTuple):
+    """What a cap needs to know about a burst, without materialising it."""
+
+    batch: int
+    descriptors: int
+    nbytes: int
+
+
+class Burst:
+    """The descriptors of one batch's requests, posted together and awaited together.
+
+    ``requests[r]`` is request r's ``(N_r, 3)`` table; ``plan`` (optional) is their
+    concatenation when the caller already has it (e.g. :class:`gpuxfer.kv.plan.Burst`'s
+    ``plan``, whose ``requests`` are views into it), so no copy is made.
+    """
+
+    def __init__(self, requests: Sequence[np.ndarray], plan: np.ndarray | None = None):
+        if not len(requests):
+            raise BadInput("a burst needs at least one request")
+        self.requests = [as_descriptors(r, f"request {i}") for i, r in enumerate(requests)]
+        self._cat: np.ndarray | None = None if plan is None else as_descriptors(plan, "plan")
+        if self._cat is not None and self._cat.shape[0] != sum(r.shape[0] for r in self.requests):
+            raise BadInput("plan and requests differ in length")
+
+    @classmethod
+    def from_plan(cls, plan_burst) -> "Burst":
+        """From a :class:`gpuxfer.kv.plan.Burst`."""
+        return cls(plan_burst.requests, plan=plan_burst.plan)
+
+    @property
+    def shape(self) -> BurstShape:
+        return BurstShape(self.batch, self.descriptors, self.nbytes)
+
+    @property
+    def batch(self) -> int:
+        return len(self.requests)
+
+    @property
+    def descriptors(self) -> int:
+        return sum(int(r.shape[0]) for r in self.requests)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(r[:, 2].sum()) for r in self.requests)
+
+    def concatenated(self) -> np.ndarray:
+        if self._cat is None:
+            self._cat = np.concatenate(self.requests, axis=0) if len(self.requests) > 1 else self.requests[0]
+        return self._cat
+
+    def check_bounds(self, src_nbytes: int, dst_nbytes: int) -> None:
+        d = self.concatenated()
+        if d.shape[0] == 0:
+            return
+        if (d < 0).any():
+            raise BadInput("a descriptor has a negative offset or size")
+        for col, limit, what in ((0, src_nbytes, "source"), (1, dst_nbytes, "destination")):
+            end = int((d[:, col] + d[:, 2]).max())
+            if end > limit:
+                raise BadInput(f"a descriptor reaches byte {end} of the {what} pool of {limit} bytes")
+
+
+@dataclass
+class Prepared:
+    """A prepared burst: what :meth:`Engine.post` needs, built outside the timed region."""
+
+    engine: str
+    direction: str
+    burst: Burst
+    active: bool                 # this side posts work for this burst
+    initiator: bool              # this side times the burst
+    state: Any = None
+    done: Event | None = None
+    released: bool = False
+
+
+# ----------------------------------------------------------------------------- waiting
+
+
+def wait_event(platform: Platform, event: Event, timeout_s: float, *, rank: int, what: str, step: int = 0,
+               spin_s: float = 0.25) -> None:
+    """Wait on the host for ``event``; spin first on a GPU (a sleep would inflate short bursts).
+
+    Raises :class:`TransferTimeout` past ``timeout_s``.
+    """
+    start = time.perf_counter()
+    if not platform.is_emulation:
+        spin_until = start + min(spin_s, timeout_s)
+        while True:
+            if platform.event_query(event):
+                return
+            if time.perf_counter() > spin_until:
+                break
+    left = timeout_s - (time.perf_counter() - start)
+    if left > 0 and platform.event_wait(event, left):
+        return
+    raise TransferTimeout(rank=rank, step=step, flag=f"event: {what}", expected=1, seen=0, timeout_s=timeout_s,
+                          what=what)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _kernels():
+    """The Triton launchers (imported lazily: importing the engines never imports Triton)."""
+    from .. import kernels
+    return kernels
+
+
+def _device_table(side: Side, like, table: np.ndarray):
+    """``table`` as an int64 torch tensor on the device of the torch tensor ``like``."""
+    import torch
+    t = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int64))
+    if like.device.type == "cpu":
+        return t.clone()
+    return t.to(like.device)
+
+
+def _sync_uploads(side: Side) -> None:
+    _sync_uploads_plat(side.platform, side.device, side.timeout_s, side.rank)
+
+
+def _sync_uploads_plat(platform: Platform, device: int, timeout_s: float, rank: int) -> None:
+    """Uploads went through torch's current stream: finish them before other streams use the tables."""
+    if platform.is_emulation:
+        return      # CPU tensors: torch copied them synchronously
+    if not platform.synchronize(platform.current_stream(device), timeout_s):
+        raise TransferTimeout(rank=rank, step=0, flag="upload of descriptor tables", expected=1, seen=0,
+                              timeout_s=timeout_s)
+
+
+# ----------------------------------------------------------------------------- the interface
+
+
+class Engine(abc.ABC):
+    """One way to move a burst. Built on both sides (collectively), used one burst at a time.
+
+    Subclasses set ``name``, ``description`` and ``uses_sms``, and implement
+    :meth:`prepare`, :meth:`post` and (if not the default event wait) :meth:`wait`.
+    Every owned resource is released by :meth:`close` (idempotent).
+    """
+
+    name: ClassVar[str] = "abstract"
+    description: ClassVar[str] = ""
+    uses_sms: ClassVar[str] = ""        # where SMs are used, in words ("none", "initiator", ...)
+    ceiling: ClassVar[bool] = False     # this engine's rows are the ceiling of the others
+
+    @classmethod
+    def unavailable_reason(cls, platform: Platform) -> str | None:
+        """Why this engine cannot run on ``platform`` (None if it can). Never raises, never touches a device."""
+        return None
+
+    def __init__(self, side: Side):
+        self.side = side
+        self.platform = side.platform
+        self.options = side.options
+        self._closed = False
+        self._stream: Stream | None = None
+
+    # -- helpers
+    @property
+    def stream(self) -> Stream:
+        if self._stream is None:
+            self._stream = self.platform.create_stream(self.side.device)
+        return self._stream
+
+    def initiator(self, direction: str) -> Role:
+        return initiator_of(direction)
+
+    def is_initiator(self, direction: str) -> bool:
+        return self.initiator(direction) is self.side.role
+
+    def shed_reason(self, shape: BurstShape) -> str | None:
+        """Why this engine does not run a burst of this shape (a cap), or None."""
+        return None
+
+    def verify_descriptors(self, burst: Burst) -> np.ndarray:
+        """The descriptors whose destination bytes the verifier checks after this engine's transfer."""
+        return burst.concatenated()
+
+    # -- the burst protocol
+    @abc.abstractmethod
+    def prepare(self, burst: Burst, direction: str) -> Prepared:
+        """Everything a post needs (descriptor uploads, pointer arrays, chunk plans). Not timed as transfer."""
+
+    @abc.abstractmethod
+    def post(self, p: Prepared) -> None:
+        """Enqueue this side's work for ``p``. Non-blocking."""
+
+    def wait(self, p: Prepared) -> None:
+        """Block until this side's part of ``p`` is done (the initiator: until the data has landed)."""
+        if p.active and p.done is not None:
+            wait_event(self.platform, p.done, self.side.timeout_s, rank=self.side.rank,
+                       what=f"{self.name} {p.direction} burst of {p.burst.batch} request(s)")
+
+    def release(self, p: Prepared) -> None:
+        p.state = None
+        p.done = None
+        p.released = True
+
+    # -- lifetime
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._release()
+
+    def _release(self) -> None:
+        """Free what the engine owns (streams are the platform's; it frees them at close)."""
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _new_prepared(self, burst: Burst, direction: str, *, active: bool | None = None) -> Prepared:
+        check_direction(direction)
+        if self._closed:
+            raise BadInput(f"engine {self.name} is closed")
+        ini = self.is_initiator(direction)
+        return Prepared(self.name, direction, burst, active=ini if active is None else active, initiator=ini)
+
+
+# ----------------------------------------------------------------------------- triton
+
+
+class TritonEngine(Engine):
+    name = "triton"
+    description = "descriptor-copy Triton kernel on the initiating GPU (pull reads the peer pool, push writes it)"
+    uses_sms = "initiating GPU"
+
+    @classmethod
+    def unavailable_reason(cls, platform: Platform) -> str | None:
+        return _kernel_reason(platform)
+
+    def __init__(self, side: Side):
+        super().__init__(side)
+        self._src_t = None
+        self._dst_t = None
+
+    def _views(self):
+        if self._src_t is None:
+            self._src_t = self.platform.as_tensor(self.side.src_mem)
+            self._dst_t = self.platform.as_tensor(self.side.dst_mem)
+        return self._src_t, self._dst_t
+
+    def prepare(self, burst: Burst, direction: str) -> Prepared:
+        p = self._new_prepared(burst, direction)
+        if not p.active:
+            return p
+        burst.check_bounds(self.side.src_mem.nbytes, self.side.dst_mem.nbytes)
+        src_t, _ = self._views()
+        p.state = [_device_table(self.side, src_t, r) for r in burst.requests if r.shape[0]]
+        _sync_uploads(self.side)
+        return p
+
+    def post(self, p: Prepared) -> None:
+        if not p.active:
+            return
+        src_t, dst_t = self._views()
+        k = _kernels()
+        for desc_t in p.state:
+            self.platform.launch(self.stream, _bind(k.copy_descriptors, src_t, dst_t, desc_t))
+        p.done = self.platform.record_event(self.stream)
+
+    def _release(self) -> None:
+        self._src_t = self._dst_t = None
+
+
+def _bind(fn, *args, **kwargs):
+    def call():
+        return fn(*args, **kwargs)
+    call.__name__ = getattr(fn, "__name__", "kernel")
+    return call
+
+
+def _kernel_reason(platform: Platform) -> str | None:
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - a reason, not a crash
+        return f"triton is not importable: {type(exc).__name__}: {exc}"
+    try:
+        importlib.import_module("gpuxfer.kernels")
+    except Exception as exc:  # noqa: BLE001
+        return f"gpuxfer.kernels is not importable: {type(exc).__name__}: {exc}"
+    return None
+
+
+# ----------------------------------------------------------------------------- copy engines
+
+
+class CopyEngineEngine(Engine):
+    name = "copy_engine"
+    description = ("copy_batch_async (cuMemcpyBatchAsync) over every descriptor on a created stream, no SM; "
+                   "a fixed cost per descriptor")
+    uses_sms = "none"
+
+    def shed_reason(self, shape: BurstShape) -> str | None:
+        cap = self.options.copy_engine_max_descs
+        if shape.descriptors > cap:
+            return (f"copy_engine is capped at {cap:,} descriptors per burst (this burst has {shape.descriptors:,}; "
+                    f"at ~15 us per descriptor it would take ~{shape.descriptors * 15e-6:.1f} s); raise "
+                    f"--copy-engine-max-descs to measure it")
+        return None
+
+    def prepare(self, burst: Burst, direction: str) -> Prepared:
+        p = self._new_prepared(burst, direction)
+        if not p.active:
+            return p
+        burst.check_bounds(self.side.src_mem.nbytes, self.side.dst_mem.nbytes)
+        d = burst.concatenated()
+        d = d[d[:, 2] > 0]
+        srcs = d[:, 0] + np.int64(self.side.src_mem.ptr)
+        dsts = d[:, 1] + np.int64(self.side.dst_mem.ptr)
+        sizes = np.ascontiguousarray(d[:, 2])
+        step = self.options.copy_batch_descs
+        p.state = [(np.ascontiguousarray(dsts[i:i + step]), np.ascontiguousarray(srcs[i:i + step]),
+                    sizes[i:i + step]) for i in range(0, len(sizes), step)]
+        return p
+
+    def post(self, p: Prepared) -> None:
+        if not p.active:
+            return
+        for dsts, srcs, sizes in p.state:
+            self.platform.copy_batch_async(self.stream, dsts, srcs, sizes)
+        p.done = self.platform.record_event(self.stream)
+
+
+class BulkEngine(Engine):
+    name = "bulk"
+    description = "one copy-engine descriptor of the burst's total bytes: the ceiling"
+    uses_sms = "none"
+    ceiling = True
+
+    def prepare(self, burst: Burst, direction: str) -> Prepared:
+        p = self._new_prepared(burst, direction)
+        n = burst.nbytes
+        limit = min(self.side.src_mem.nbytes, self.side.dst_mem.nbytes)
+        if n > limit:
+            raise BadInput(f"bulk: the burst's {n} bytes do not fit the {limit}-byte pools")
+        p.state = n
+        return p
+
+    def post(self, p: Prepared) -> None:
+        if not p.active:
+            return
+        self.platform.copy_async(self.stream, self.side.dst_mem.ptr, self.side.src_mem.ptr, p.state)
+        p.done = self.platform.record_event(self.stream)
+
+    def verify_descriptors(self, burst: Burst) -> np.ndarray:
+        return contiguous_descriptors(burst.nbytes, self.options.verify_chunk_bytes)
+
+
+def contiguous_descriptors(nbytes: int, piece: int) -> np.ndarray:
+    """``[0, nbytes)`` of the source onto ``[0, nbytes)`` of the destination, in pieces of at most ``piece``."""
+    starts = np.arange(0, int(nbytes), int(piece), dtype=np.int64)
+    sizes = np.minimum(int(piece), int(nbytes) - starts)
+    return np.stack([starts, starts, sizes], axis=1).reshape(-1, 3)
+
+
+# ----------------------------------------------------------------------------- pack
+
+
+def split_large(desc: np.ndarray, max_bytes: int) -> np.ndarray:
+    """Split every descriptor longer than ``max_bytes`` into pieces of at most ``max_bytes`` (order kept)."""
+    d = as_descriptors(desc)
+    n = d[:, 2]
+    if d.shape[0] == 0 or int(n.max()) <= max_bytes:
+        return d
+    pieces = np.maximum(1, -(-n // max_bytes))
+    idx = np.repeat(np.arange(d.shape[0]), pieces)
+    first = np.cumsum(pieces) - pieces
+    k = np.arange(idx.size) - np.repeat(first, pieces)           # piece number within its descriptor
+    off = k * max_bytes
+    out = np.empty((idx.size, 3), dtype=np.int64)
+    out[:, 0] = d[idx, 0] + off
+    out[:, 1] = d[idx, 1] + off
+    out[:, 2] = np.minimum(max_bytes, n[idx] - off)
+    return out
+
+
+def chunk_plan(desc: np.ndarray, chunk_bytes: int, first_chunk_bytes: int) -> list[tuple[int, int, int]]:
+    """Cut ``desc`` (no descriptor longer than ``chunk_bytes``) into chunks at descriptor boundaries.
+
+    Chunk sizes ramp from ``first_chunk_bytes`` doubling up to ``chunk_bytes``,
+    so the pipeline starts moving bytes early. Returns ``(start, stop, nbytes)``
+    descriptor ranges.
+    """
+    n = desc[:, 2]
+    cum = np.concatenate([[0], np.cumsum(n, dtype=np.int64)])
+    total = int(cum[-1])
+    out = []
+    start, target = 0, int(first_chunk_bytes)
+    nd = desc.shape[0]
+    while start < nd:
+        limit = int(cum[start]) + min(target, chunk_bytes)
+        stop = int(np.searchsorted(cum, limit, side="right")) - 1
+        stop = max(stop, start + 1)
+        stop = min(stop, nd)
+        out.append((start, stop, int(cum[stop] - cum[start])))
+        start = stop
+        target = min(target * 2, chunk_bytes)
+    assert sum(c[2] for c in out) == total
+    return out
+
+
+# control words of the pack engine (8 bytes each, in a small buffer on each side)
+_GO = 0            # on the source: burst number the destination asked for (pull)
+_AVAIL = 8         # on the destination: per lane, chunks available (push: landed; pull: packed)
+_FREE = 24         # on the source: per lane, chunks released (push: unpacked; pull: copied out)
+_SCRATCH = 40      # on either side: the value a flag copy sends: lanes 0..7, kernel stream 8, GO 9
+_CTRL_WORDS = 64
+_MAX_LANES = 8
+
+
+class _FlagLink:
+    """A few 64-bit flags in each process's memory, written by the peer through an 8-byte copy.
+
+    A signal is ``write_flag`` on a local scratch word followed, on the same
+    stream, by a copy-engine copy of that word into the peer's flag: every
+    wait is on local memory, and no platform needs remote stream writes.
+    """
+
+    def __init__(self, side: Side):
+        self.side = side
+        plat = side.platform
+        self.local = plat.alloc(_CTRL_WORDS * 8, side.device)
+        try:
+            s = plat.create_stream(side.device)
+            plat.memset_async(s, self.local.ptr, 0, _CTRL_WORDS * 8)
+            if not plat.synchronize(s, side.timeout_s):
+                raise TransferTimeout(rank=side.rank, step=0, flag="pack control words (memset)", expected=1,
+                                      seen=0, timeout_s=side.timeout_s)
+            handles = side.exchange(self.local.export())
+            self.peer = plat.open_handle(handles[side.peer_rank], side.device)
+        except BaseException:
+            self.local.close()
+            raise
+
+    def word(self, index: int) -> int:
+        return self.local.ptr + 8 * index
+
+    def signal(self, stream: Stream, scratch: int, peer_index: int, value: int) -> None:
+        plat = self.side.platform
+        plat.write_flag(stream, self.word(_SCRATCH + scratch), value)
+        plat.copy_async(stream, self.peer.ptr + 8 * peer_index, self.word(_SCRATCH + scratch), 8)
+
+    def wait(self, stream: Stream, index: int, value: int) -> None:
+        if value > 0:
+            self.side.platform.wait_flag(stream, self.word(index), value)
+
+    def read(self, index: int) -> int:
+        return self.side.platform.read_flag(self.word(index), self.side.device)
+
+    def release_waits(self) -> None:
+        """Abort: satisfy every local wait, so no stream of ours stays blocked."""
+        for i in range(_SCRATCH):
+            try:
+                self.side.platform.host_write_flag(self.word(i), (1 << 62), self.side.device)
+            except Exception:  # noqa: BLE001 - best effort on the abort path
+                pass
+
+    def close(self) -> None:
+        for m in (getattr(self, "peer", None), self.local):
+            if m is not None:
+                m.close()
+
+
+@dataclass
+class _PackPlan:
+    chunks: list[tuple[int, int, int]]      # (start, stop, nbytes) into the split descriptor table
+    tables: list[Any]                       # per chunk: device table for this side's kernel
+
+
+class PackEngine(Engine):
+    name = "pack"
+    description = ("pack on the source, one copy-engine copy per chunk into the destination's staging, unpack "
+                   "on the destination; chunked and pipelined, SMs only on local memory")
+    uses_sms = "both GPUs, local HBM only"
+
+    @classmethod
+    def unavailable_reason(cls, platform: Platform) -> str | None:
+        return _kernel_reason(platform)
+
+    def __init__(self, side: Side):
+        super().__init__(side)
+        o = self.options
+        if o.pack_lanes > _MAX_LANES:
+            raise BadInput(f"pack_lanes must be <= {_MAX_LANES}, got {o.pack_lanes}")
+        plat = self.platform
+        self.slot_bytes = o.pack_chunk_bytes
+        self.nslots, self.nlanes = o.pack_slots, o.pack_lanes
+        self._owned: list[Any] = []
+        try:
+            self.flags = _FlagLink(side)
+            self._owned.append(self.flags)
+            self.stage = plat.alloc(self.slot_bytes * self.nslots, side.device)
+            self._owned.append(self.stage)
+            handles = side.exchange(self.stage.export())
+            self.peer_stage = plat.open_handle(handles[side.peer_rank], side.device)
+            self._owned.append(self.peer_stage)
+        except BaseException:
+            self._release()
+            raise
+        self.kernel_stream = plat.create_stream(side.device)          # pack (source) or unpack (destination)
+        self.copy_streams = [plat.create_stream(side.device) for _ in range(self.nlanes)]
+        self._stage_views = None
+        self._pool_view = None
+        self._k = 0                 # chunks posted so far (both sides count the same)
+        self._bursts = 0            # pull bursts posted so far (the GO flag)
+        self._slot_event: list[Event | None] = [None] * self.nslots
+
+    def _views(self):
+        if self._stage_views is None:
+            plat = self.platform
+            self._stage_views = [plat.as_tensor(self.stage, shape=(self.slot_bytes,), offset=s * self.slot_bytes)
+                                 for s in range(self.nslots)]
+            self._pool_view = plat.as_tensor(self.side.pool)
+        return self._stage_views, self._pool_view
+
+    def prepare(self, burst: Burst, direction: str) -> Prepared:
+        p = self._new_prepared(burst, direction, active=True)     # both sides work
+        burst.check_bounds(self.side.src_mem.nbytes, self.side.dst_mem.nbytes)
+        d = split_large(burst.concatenated(), self.slot_bytes)
+        d = d[d[:, 2] > 0]
+        chunks = chunk_plan(d, self.slot_bytes, self.options.pack_first_chunk_bytes)
+        # packed offsets: each chunk packs its descriptors contiguously from the start of its slot
+        packed = np.empty(d.shape[0], dtype=np.int64)
+        for a, b, _ in chunks:
+            n = d[a:b, 2]
+            packed[a:b] = np.cumsum(n) - n
+        if self.side.role is Role.SOURCE:     # pack: pool (src offsets) -> staging (packed offsets)
+            table = np.stack([d[:, 0], packed, d[:, 2]], axis=1)
+        else:                                  # unpack: staging (packed offsets) -> pool (dst offsets)
+            table = np.stack([packed, d[:, 1], d[:, 2]], axis=1)
+        _, pool_t = self._views()
+        dev_table = _device_table(self.side, pool_t, table)
+        _sync_uploads(self.side)
+        p.state = _PackPlan(chunks, [dev_table[a:b] for a, b, _ in chunks])
+        return p
+
+    # Chunk k (counted over the engine's life, on both sides alike) uses staging slot
+    # k % S and copy lane k % L; on a lane, flags count that lane's chunks (k // L + 1),
+    # so a flag only ever grows even when lanes finish out of order.
+    def post(self, p: Prepared) -> None:
+        plan: _PackPlan = p.state
+        source = self.side.role is Role.SOURCE
+        if p.direction == "push":
+            (self._post_push_source if source else self._post_push_destination)(plan, p)
+        else:
+            self._bursts += 1
+            (self._post_pull_source if source else self._post_pull_destination)(plan, p)
+
+    def _next(self):
+        k = self._k
+        self._k += 1
+        return k, k % self.nslots, k % self.nlanes, k // self.nlanes + 1
+
+    def _prev_seq(self, k: int) -> int:
+        """The lane sequence number of the chunk that used this slot before chunk ``k`` (0: none)."""
+        j = k - self.nslots
+        return j // self.nlanes + 1 if j >= 0 else 0
+
+    def _launch(self, stream: Stream, fn, *args) -> None:
+        self.platform.launch(stream, _bind(fn, *args))
+
+    def _copy_chunk(self, stream: Stream, slot: int, nbytes: int, *, pull: bool) -> None:
+        off = slot * self.slot_bytes
+        if pull:   # destination reads the source's slot into its own
+            self.platform.copy_async(stream, self.stage.ptr + off, self.peer_stage.ptr + off, nbytes)
+        else:      # source writes its slot into the destination's
+            self.platform.copy_async(stream, self.peer_stage.ptr + off, self.stage.ptr + off, nbytes)
+
+    def _post_push_source(self, plan: _PackPlan, p: Prepared) -> None:
+        plat, fl = self.platform, self.flags
+        views, pool_t = self._views()
+        pack = _kernels().copy_descriptors
+        last = None
+        for (a, b, nbytes), table in zip(plan.chunks, plan.tables):
+            k, s, lane, seq = self._next()
+            if self._slot_event[s] is not None:          # our copy of the slot's previous chunk is done
+                plat.stream_wait_event(self.kernel_stream, self._slot_event[s])
+            self._launch(self.kernel_stream, pack, pool_t, views[s], table)
+            packed = plat.record_event(self.kernel_stream)
+            cs = self.copy_streams[lane]
+            plat.stream_wait_event(cs, packed)
+            fl.wait(cs, _FREE + lane, self._prev_seq(k))  # the destination unpacked the slot's previous chunk
+            self._copy_chunk(cs, s, nbytes, pull=False)
+            fl.signal(cs, lane, _AVAIL + lane, seq)
+            self._slot_event[s] = plat.record_event(cs)
+            last = (cs, lane, seq)
+        if last is None:
+            p.done = plat.record_event(self.kernel_stream)
+            return
+        cs, lane, seq = last                             # the last chunk is unpacked: all are
+        fl.wait(cs, _FREE + lane, seq)
+        p.done = plat.record_event(cs)
+
+    def _post_push_destination(self, plan: _PackPlan, p: Prepared) -> None:
+        plat, fl = self.platform, self.flags
+        views, pool_t = self._views()
+        unpack = _kernels().copy_descriptors
+        ks = self.kernel_stream
+        for (a, b, nbytes), table in zip(plan.chunks, plan.tables):
+            k, s, lane, seq = self._next()
+            fl.wait(ks, _AVAIL + lane, seq)
+            self._launch(ks, unpack, views[s], pool_t, table)
+            fl.signal(ks, _MAX_LANES, _FREE + lane, seq)
+        p.done = plat.record_event(ks)
+
+    def _post_pull_source(self, plan: _PackPlan, p: Prepared) -> None:
+        plat, fl = self.platform, self.flags
+        views, pool_t = self._views()
+        pack = _kernels().copy_descriptors
+        ks = self.kernel_stream
+        fl.wait(ks, _GO, self._bursts)                    # nothing runs before the destination starts its timer
+        for (a, b, nbytes), table in zip(plan.chunks, plan.tables):
+            k, s, lane, seq = self._next()
+            fl.wait(ks, _FREE + lane, self._prev_seq(k))  # the destination copied the slot's previous chunk out
+            self._launch(ks, pack, pool_t, views[s], table)
+            fl.signal(ks, _MAX_LANES, _AVAIL + lane, seq)
+        p.done = plat.record_event(ks)
+
+    def _post_pull_destination(self, plan: _PackPlan, p: Prepared) -> None:
+        plat, fl = self.platform, self.flags
+        views, pool_t = self._views()
+        unpack = _kernels().copy_descriptors
+        ks = self.kernel_stream
+        fl.signal(self.copy_streams[0], _MAX_LANES + 1, _GO, self._bursts)
+        for (a, b, nbytes), table in zip(plan.chunks, plan.tables):
+            k, s, lane, seq = self._next()
+            cs = self.copy_streams[lane]
+            fl.wait(cs, _AVAIL + lane, seq)               # packed on the source
+            if self._slot_event[s] is not None:           # our unpack of the slot's previous chunk is done
+                plat.stream_wait_event(cs, self._slot_event[s])
+            self._copy_chunk(cs, s, nbytes, pull=True)
+            fl.signal(cs, lane, _FREE + lane, seq)
+            landed = plat.record_event(cs)
+            plat.stream_wait_event(ks, landed)
+            self._launch(ks, unpack, views[s], pool_t, table)
+            self._slot_event[s] = plat.record_event(ks)
+        p.done = plat.record_event(ks)
+
+    def abort(self) -> None:
+        """Release every flag wait of this side's streams (used on the failure path)."""
+        self.flags.release_waits()
+
+    def _release(self) -> None:
+        self._stage_views = self._pool_view = None
+        for r in reversed(getattr(self, "_owned", [])):
+            try:
+                r.close()
+            except Exception as exc:  # noqa: BLE001 - keep releasing
+                log.warning("pack engine: closing %r failed: %s", r, exc)
+        self._owned = []
+
+
+# ----------------------------------------------------------------------------- the registry
+
+#: name -> "module:Class"; built-ins first, in the order rows are measured (bulk first: the ceiling)
+ENGINES: dict[str, str] = {
+    "bulk": "gpuxfer.kv.engines:BulkEngine",
+    "triton": "gpuxfer.kv.engines:TritonEngine",
+    "pack": "gpuxfer.kv.engines:PackEngine",
+    "copy_engine": "gpuxfer.kv.engines:CopyEngineEngine",
+}
+#: the engines a default sweep measures
+DEFAULT_ENGINES = ("triton", "pack", "copy_engine", "bulk")
+
+
+def register_engine(name: str, target: str | type[Engine]) -> None:
+    """Add (or replace) an engine: ``target`` is an :class:`Engine` subclass or ``"module:Class"``."""
+    if not isinstance(name, str) or not name or any(c in name for c in " ,"):
+        raise BadInput(f"bad engine name {name!r}")
+    if isinstance(target, type):
+        if not issubclass(target, Engine):
+            raise BadInput(f"{target!r} is not an Engine subclass")
+        target = f"{target.__module__}:{target.__qualname__}"
+    if ":" not in target:
+        raise BadInput(f"engine target must be 'module:Class', got {target!r}")
+    ENGINES[name] = target
+
+
+def engine_class(name: str) -> type[Engine]:
+    if name not in ENGINES:
+        raise BadInput(f"unknown engine {name!r}; known: {', '.join(ENGINES)}")
+    module, _, cls = ENGINES[name].partition(":")
+    obj = getattr(importlib.import_module(module), cls)
+    if not (isinstance(obj, type) and issubclass(obj, Engine)):
+        raise BadInput(f"{ENGINES[name]} is not an Engine subclass")
+    return obj
+
+
+def engine_unavailable_reason(name: str, platform: Platform) -> str | None:
+    """Why engine ``name`` cannot run on ``platform`` (None if it can). Never raises."""
+    try:
+        return engine_class(name).unavailable_reason(platform)
+    except BadInput:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a broken optional install is a reason
+        return f"{type(exc).__name__}: {exc}"
+
+
+def engine_report(platform: Platform) -> dict[str, str | None]:
+    """For ``gpuxfer doctor``: every registered engine -> None (usable here) or why not."""
+    return {name: engine_unavailable_reason(name, platform) for name in ENGINES}
+
+
+def parse_engines(spec: str | Sequence[str]) -> list[str]:
+    """``"triton,pack"`` or a list -> engine names (checked; ``all`` = every registered engine)."""
+    names = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s and s.strip()]
+    if not names:
+        raise BadInput("no engine given")
+    if names == ["all"]:
+        return list(ENGINES)
+    bad = [n for n in names if n not in ENGINES]
+    if bad:
+        raise BadInput(f"unknown engine(s) {', '.join(map(repr, bad))}; known: {', '.join(ENGINES)}")
+    out: list[str] = []
+    for n in names:
+        if n not in out:
+            out.append(n)
+    return out
+
+
+def measurement_order(names: Sequence[str]) -> list[str]:
+    """Ceiling engines first (their rows divide the others), then the given order."""
+    return sorted(names, key=lambda n: 0 if engine_class(n).ceiling else 1)
+
+
+__all__ = ["DIRECTIONS", "DEFAULT_ENGINES", "ENGINES", "Burst", "BurstShape", "BulkEngine", "CopyEngineEngine", "Engine",
+           "EngineOptions", "PackEngine", "Prepared", "Role", "Side", "TritonEngine", "as_descriptors",
+           "check_direction", "chunk_plan", "contiguous_descriptors", "engine_class", "engine_report",
+           "engine_unavailable_reason", "initiator_of", "measurement_order", "parse_engines", "register_engine",
+           "split_large", "wait_event", "GpuxferError"]

@@ -1,0 +1,302 @@
+"""The ``mooncake`` engine: Mooncake's TransferEngine over intra-node NVLink.
+
+Mooncake (``mooncake-transfer-engine`` wheels) moves KV between serving
+processes; SGLang and vLLM ship connectors for it. Inside one node its
+``nvlink_intra`` transport (``IntraNodeNvlinkTransport``: CUDA IPC handles,
+``cudaMemcpyBatchAsync`` on CUDA >= 12.8) is the path to measure; its ``rdma``
+transport would loop through the NIC, and a single engine in one process uses a
+plain local ``cudaMemcpy``, so the two benchmark processes each run an engine.
+
+How it runs:
+
+* each process creates a ``TransferEngine`` and ``initialize``\\ s it with
+  ``P2PHANDSHAKE`` metadata (no etcd) on ``127.0.0.1:<free port>`` (or
+  ``$GPUXFER_MOONCAKE_HOST``) with protocol ``nvlink_intra``; a build without that
+  transport fails here and the engine is skipped with the reason;
+* pools are registered once (``register_memory``); session ids (``ip:rpc_port``)
+  and pool bases are exchanged over the benchmark's CPU group;
+* pull calls ``batch_transfer_sync_read`` from the destination, push
+  ``batch_transfer_sync_write`` from the source, in chunks of at most
+  :data:`BATCH_CAP` descriptors; each request of a burst runs on its own worker
+  thread (the binding releases the GIL; SGLang's connector does the same).
+
+Whether the wheel works is probed at run time, in a child process (a failed
+transport install can abort the process): :func:`probe_nvlink_intra`.
+
+Importing this module never imports Mooncake nor touches a GPU.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import ctypes
+import importlib
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import BackendUnavailable, BadInput, DriverError, TransferTimeout
+
+log = logging.getLogger("gpuxfer.kv.mooncake")
+
+#: descriptors per batch call (the suite's cap; Mooncake's batch capacity is finite)
+BATCH_CAP = 8192
+PROTOCOL = "nvlink_intra"
+HOST_ENV = "GPUXFER_MOONCAKE_HOST"
+#: the mooncake distributions on PyPI (the import name is ``mooncake`` for all of them)
+DISTRIBUTIONS = ("mooncake-transfer-engine", "mooncake-transfer-engine-cuda13")
+
+
+# --------------------------------------------------------------------------- finding Mooncake
+
+
+def _preload_cudart12() -> bool:
+    """The CUDA wheels link ``libcudart.so.12``; on CUDA 13 images take it from nvidia-cuda-runtime-cu12."""
+    try:
+        ctypes.CDLL("libcudart.so.12", mode=ctypes.RTLD_GLOBAL)
+        return True
+    except OSError:
+        pass
+    try:
+        from importlib import metadata
+        for dist in ("nvidia-cuda-runtime-cu12", "nvidia-cuda-runtime"):
+            try:
+                files = metadata.files(dist) or []
+            except metadata.PackageNotFoundError:
+                continue
+            for f in files:
+                if f.name == "libcudart.so.12":
+                    ctypes.CDLL(str(f.locate()), mode=ctypes.RTLD_GLOBAL)
+                    return True
+    except Exception:
+        pass
+    return False
+
+
+def _version() -> str:
+    from importlib import metadata
+    for dist in DISTRIBUTIONS:
+        try:
+            return f"{dist} {metadata.version(dist)}"
+        except Exception:
+            continue
+    return "unknown"
+
+
+_found: dict[str, tuple[Any, str | None]] = {}
+
+
+def find_mooncake(refresh: bool = False) -> tuple[Any, str | None]:
+    """``(TransferEngine class, None)`` or ``(None, why not)``. Never raises; cached."""
+    if not refresh and "r" in _found:
+        return _found["r"]
+    result: tuple[Any, str | None]
+    try:
+        importlib.import_module("mooncake")
+    except ModuleNotFoundError as exc:
+        if exc.name == "mooncake":
+            result = (None, "mooncake-transfer-engine is not installed (`pip install mooncake-transfer-engine`; "
+                            "its CUDA wheel is ~98 MB, too big to carry to a machine without a network)")
+        else:
+            result = (None, f"mooncake does not import: {type(exc).__name__}: {exc}")
+        _found["r"] = result
+        return result
+    except Exception as exc:
+        result = (None, f"mooncake does not import: {type(exc).__name__}: {exc}")
+        _found["r"] = result
+        return result
+    try:
+        try:
+            mod = importlib.import_module("mooncake.engine")
+        except ImportError as first:
+            if not _preload_cudart12():
+                raise ImportError(f"{first} (and libcudart.so.12 was not found: "
+                                  "install nvidia-cuda-runtime-cu12)") from first
+            mod = importlib.import_module("mooncake.engine")
+        result = (mod.TransferEngine, None)
+    except Exception as exc:
+        result = (None, f"mooncake.engine does not import: {type(exc).__name__}: {exc}")
+    _found["r"] = result
+    return result
+
+
+def mooncake_unavailable_reason() -> str | None:
+    """Why the ``mooncake`` engine cannot run here, before any probe of the transport. Never raises."""
+    return find_mooncake()[1]
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def local_host() -> str:
+    return os.environ.get(HOST_ENV, "127.0.0.1")
+
+
+_PROBE = r"""
+import json, os, sys
+sys.path[:0] = json.loads(sys.argv[2])
+from gpuxfer.kv.mooncake_engine import find_mooncake, _free_port, local_host, PROTOCOL
+TE, why = find_mooncake()
+if TE is None:
+    print(json.dumps({"ok": False, "why": why})); sys.exit(0)
+dev = int(sys.argv[1])
+try:
+    import torch
+    torch.cuda.set_device(dev)
+except Exception:
+    pass
+e = TE()
+host = local_host()
+rc = e.initialize(f"{host}:{_free_port(host)}", "P2PHANDSHAKE", PROTOCOL, f"cuda:{dev}")
+print(json.dumps({"ok": rc == 0, "why": None if rc == 0 else f"initialize(..., {PROTOCOL!r}) returned {rc}"}))
+"""
+
+
+def probe_nvlink_intra(device: int = 0, timeout_s: float = 60.0) -> str | None:
+    """Does this Mooncake build install its intra-node NVLink transport? None if yes, else why not.
+
+    Runs in a child process: a build without ``USE_INTRA_NVLINK`` can abort the
+    process that asks for the transport.
+    """
+    why = mooncake_unavailable_reason()
+    if why is not None:
+        return why
+    try:
+        out = subprocess.run([sys.executable, "-c", _PROBE, str(device), json.dumps(sys.path)],
+                             capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"probing Mooncake's {PROTOCOL} transport took longer than {timeout_s:g} s"
+    for line in reversed(out.stdout.splitlines()):
+        try:
+            res = json.loads(line)
+        except ValueError:
+            continue
+        if res.get("ok"):
+            return None
+        return (f"this Mooncake build cannot install its intra-node NVLink transport ({res.get('why')}); "
+                "x86 wheels built without USE_INTRA_NVLINK=ON lack it")
+    tail = (out.stderr or out.stdout).strip().splitlines()[-3:]
+    return (f"probing Mooncake's {PROTOCOL} transport crashed (exit code {out.returncode}): "
+            + " | ".join(tail))
+
+
+# --------------------------------------------------------------------------- translation
+
+
+def to_mooncake_lists(desc, op: str, *, local_base: int, remote_base: int
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Our ``(src_offset, dst_offset, nbytes)`` rows -> Mooncake's local addresses, peer addresses, lengths.
+
+    ``op`` is ``"READ"`` (issued by the destination: local = destination) or
+    ``"WRITE"`` (issued by the source: local = source). Arrays are int64.
+    """
+    if op not in ("READ", "WRITE"):
+        raise BadInput(f"op must be 'READ' or 'WRITE', got {op!r}")
+    d = np.asarray(desc)
+    if d.ndim != 2 or d.shape[1] != 3 or d.dtype.kind not in "iu":
+        raise BadInput(f"descriptors must be an integer (N, 3) array, got {d.dtype} {d.shape}")
+    d = d.astype(np.int64, copy=False)
+    if len(d) and ((d[:, :2] < 0).any() or (d[:, 2] <= 0).any()):
+        raise BadInput("descriptor offsets must be >= 0 and lengths > 0")
+    local_col, remote_col = (1, 0) if op == "READ" else (0, 1)
+    return (d[:, local_col] + int(local_base), d[:, remote_col] + int(remote_base), d[:, 2].copy())
+
+
+def chunks(n: int, cap: int = BATCH_CAP) -> list[tuple[int, int]]:
+    """``[0, n)`` as consecutive ``(start, end)`` pieces of at most ``cap``."""
+    if cap <= 0:
+        raise BadInput(f"cap must be positive, got {cap}")
+    return [(i, min(i + cap, n)) for i in range(0, n, cap)]
+
+
+# --------------------------------------------------------------------------- one engine
+
+
+@dataclass
+class MooncakeBatch:
+    """One request's lists, built once (untimed), run many times."""
+
+    local: list[int]
+    remote: list[int]
+    lengths: list[int]
+    pieces: list[tuple[int, int]]
+    nbytes: int
+
+
+class MooncakeSide:
+    """One TransferEngine with its registrations and a worker pool. Idempotent ``close()``."""
+
+    def __init__(self, engine_cls, *, device: int, rank: int = 0, workers: int = 1,
+                 protocol: str = PROTOCOL):
+        self.rank, self.device, self.protocol = rank, device, protocol
+        self._closed = False
+        self._regs: list[int] = []
+        self.engine = engine_cls()
+        host = local_host()
+        self.host = host
+        rc = self.engine.initialize(f"{host}:{_free_port(host)}", "P2PHANDSHAKE", protocol, f"cuda:{device}")
+        if rc != 0:
+            raise BackendUnavailable("mooncake", {rank: f"TransferEngine.initialize(..., {protocol!r}) returned {rc}"})
+        self.session = f"{host}:{self.engine.get_rpc_port()}"
+        self.pool = cf.ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="gpuxfer-mooncake")
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        rc = self.engine.register_memory(int(ptr), int(nbytes))
+        if rc != 0:
+            raise DriverError("TransferEngine.register_memory", "rc", rc, f"registering {nbytes} B at 0x{ptr:x}")
+        self._regs.append(int(ptr))
+
+    def batch(self, desc, op: str, *, local_base: int, remote_base: int) -> MooncakeBatch:
+        loc, rem, ln = to_mooncake_lists(desc, op, local_base=local_base, remote_base=remote_base)
+        return MooncakeBatch(loc.tolist(), rem.tolist(), ln.tolist(), chunks(len(ln)), int(ln.sum()))
+
+    def _run(self, peer_session: str, b: MooncakeBatch, op: str) -> None:
+        fn = self.engine.batch_transfer_sync_read if op == "READ" else self.engine.batch_transfer_sync_write
+        for i, j in b.pieces:
+            rc = fn(peer_session, b.local[i:j], b.remote[i:j], b.lengths[i:j])
+            if rc != 0:
+                raise DriverError(f"TransferEngine.batch_transfer_sync_{op.lower()}", "rc", rc,
+                                  f"moving descriptors {i}..{j} of {len(b.lengths)}")
+
+    def run(self, peer_session: str, batches: Sequence[MooncakeBatch], op: str, *, timeout_s: float,
+            step: int = 0) -> None:
+        """Run every batch (one worker each) and wait; TransferTimeout past ``timeout_s``."""
+        futs = [self.pool.submit(self._run, peer_session, b, op) for b in batches]
+        done, pending = cf.wait(futs, timeout=timeout_s)
+        if pending:
+            raise TransferTimeout(rank=self.rank, step=step, flag="mooncake batch transfer", expected=len(futs),
+                                  seen=len(done), timeout_s=timeout_s,
+                                  what=f"{len(pending)} of {len(futs)} {op} batches still running")
+        for f in futs:
+            f.result()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for ptr in self._regs:
+            try:
+                self.engine.unregister_memory(ptr)
+            except Exception as exc:
+                log.warning("mooncake unregister_memory(0x%x) failed: %s", ptr, exc)
+        self._regs.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

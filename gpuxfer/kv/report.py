@@ -1,0 +1,543 @@
+"""Reporting for ``gpuxfer bench kv``: the live table, the summary, the JSON artifact, the plots.
+
+The output follows nccl-tests: a ``#`` preamble (versions, devices, platform, every
+parameter), fixed columns with a units row, one line per measured row as it
+completes, ``#`` comment lines for shed grid points, a summary table, and a
+pass/fail footer. The same content is written as one JSON document whose keys
+carry their unit (``_bytes``, ``_ms``, ``_gbps``, ``_pct``, ``_us``).
+
+Units, defined once (see also docs/kv_bench.md):
+
+* **GB/s** is decimal: payload bytes of the burst / burst time / 1e9. The payload
+  is the sum of the descriptor sizes of every request of the burst; each byte is
+  counted once (not read + written).
+* **burst time** is host wall clock from the first post to the return of the last
+  wait, on the process that initiates the transfer; the preparation of the burst
+  (``prep_ms``) is measured apart and never inside it.
+* **p50 / min / max** are taken over the timed trials (one burst each) after the
+  warm-up bursts; GB/s min/max come from the max/min burst times.
+* **% of ceiling** divides a row's p50 GB/s by the p50 GB/s of the ``bulk`` row of
+  the same point, batch and direction (one descriptor of the same total bytes on
+  the copy engines).
+
+Timing helpers return samples (seconds); statistics are computed here, once.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+SCHEMA = "gpuxfer.kv-bench/1"
+GBPS_DEFINITION = ("GB/s = payload bytes of the burst (sum of descriptor sizes of every request, each byte "
+                   "counted once) / burst time / 1e9; burst time = host wall clock from the first post to the "
+                   "last wait on the initiating process, p50 over the timed trials; prep excluded")
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def sample_stats(samples_s: Sequence[float]) -> dict[str, float | int | None]:
+    """p50, p10, p90, min, max and mean of burst times given in seconds, returned in ms."""
+    if len(samples_s) == 0:
+        return {"n": 0, "p50_ms": None, "p10_ms": None, "p90_ms": None, "min_ms": None, "max_ms": None,
+                "mean_ms": None}
+    a = np.asarray(samples_s, dtype=np.float64) * 1e3
+    p10, p50, p90 = np.percentile(a, [10, 50, 90])
+    return {"n": int(a.size), "p50_ms": float(p50), "p10_ms": float(p10), "p90_ms": float(p90),
+            "min_ms": float(a.min()), "max_ms": float(a.max()), "mean_ms": float(a.mean())}
+
+
+def gbps(nbytes: int, ms: float | None) -> float | None:
+    """Decimal GB/s for ``nbytes`` moved in ``ms`` milliseconds (None if the time is unknown or zero)."""
+    if ms is None or not ms > 0:
+        return None
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def finish_row(row: dict[str, Any], samples_s: Sequence[float]) -> dict[str, Any]:
+    """Add the timing statistics and derived bandwidths of ``samples_s`` to ``row`` (in place; returned)."""
+    st = sample_stats(samples_s)
+    nbytes, ndesc = row["bytes"], row["descriptors"]
+    row["trials"] = st["n"]
+    row["samples_ms"] = [round(s * 1e3, 6) for s in samples_s]
+    for k in ("p50", "p10", "p90", "min", "max", "mean"):
+        row[f"burst_{k}_ms"] = st[f"{k}_ms"]
+    row["gbps_p50"] = gbps(nbytes, st["p50_ms"])
+    row["gbps_min"] = gbps(nbytes, st["max_ms"])     # slowest burst
+    row["gbps_max"] = gbps(nbytes, st["min_ms"])     # fastest burst
+    row["us_per_descriptor_p50"] = (st["p50_ms"] * 1e3 / ndesc) if st["p50_ms"] is not None and ndesc else None
+    return row
+
+
+def apply_ceiling(row: dict[str, Any], ceiling_gbps: float | None) -> None:
+    row["ceiling_gbps"] = ceiling_gbps
+    if ceiling_gbps and row.get("gbps_p50") is not None:
+        row["pct_of_ceiling"] = 100.0 * row["gbps_p50"] / ceiling_gbps
+    else:
+        row["pct_of_ceiling"] = None
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+@dataclass(frozen=True)
+class Column:
+    key: str
+    header: str
+    unit: str
+    width: int
+    fmt: Callable[[Any], str]
+    left: bool = False
+
+
+def _int(v) -> str:
+    return "-" if v is None else str(int(v))
+
+
+def _f(digits: int) -> Callable[[Any], str]:
+    def fmt(v) -> str:
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return "-"
+        return f"{v:.{digits}f}"
+    return fmt
+
+
+def _g(v) -> str:
+    """Up to 4 significant digits, never scientific for the sizes we print."""
+    if v is None:
+        return "-"
+    if v >= 100:
+        return f"{v:.1f}"
+    if v >= 10:
+        return f"{v:.2f}"
+    return f"{v:.3f}"
+
+
+def _wrong(v) -> str:
+    return "N/A" if v is None else str(int(v))
+
+
+def _str(v) -> str:
+    return "-" if v is None else str(v)
+
+
+COLUMNS: list[Column] = [
+    Column("workload", "workload", "", 9, _str, left=True),
+    Column("page_tokens", "page", "tokens", 6, _int),
+    Column("isl_tokens", "ISL", "tokens", 7, _int),
+    Column("batch", "batch", "reqs", 5, _int),
+    Column("engine", "engine", "", 11, _str, left=True),
+    Column("direction", "dir", "", 4, _str, left=True),
+    Column("bytes", "bytes", "B", 12, _int),
+    Column("descriptors", "descs", "#", 9, _int),
+    Column("burst_p50_ms", "time", "ms", 9, _g),
+    Column("gbps_p50", "GB/s", "p50", 7, _g),
+    Column("gbps_min", "min", "GB/s", 7, _g),
+    Column("gbps_max", "max", "GB/s", 7, _g),
+    Column("pct_of_ceiling", "ceil", "%", 6, _f(1)),
+    Column("us_per_descriptor_p50", "t/desc", "us", 8, _g),
+    Column("prep_ms", "prep", "ms", 8, _g),
+    Column("wrong_bytes", "#wrong", "B", 8, _wrong),
+]
+
+
+def _cells(values: Iterable[str]) -> str:
+    out = []
+    for col, v in zip(COLUMNS, values):
+        out.append(v.ljust(col.width) if col.left else v.rjust(col.width))
+    return " ".join(out)
+
+
+def header_lines() -> list[str]:
+    return ["#" + _cells(c.header for c in COLUMNS)[1:],
+            "#" + _cells(c.unit for c in COLUMNS)[1:]]
+
+
+def format_row(row: dict[str, Any]) -> str:
+    line = _cells(c.fmt(row.get(c.key)) for c in COLUMNS)
+    if row.get("error"):
+        line += f"  ERROR: {row['error']}"
+    elif row.get("valid") is False:
+        line += "  INVALID"
+    return line
+
+
+def format_shed(item: dict[str, Any]) -> str:
+    what = " ".join(f"{k}={item[k]}" for k in ("workload", "page_tokens", "isl_tokens", "batch", "engine",
+                                               "direction") if item.get(k) is not None)
+    return f"# shed: {what}: {item.get('reason', '')}"
+
+
+# ----------------------------------------------------------------------------- preamble, summary, footer
+
+
+def preamble_lines(env: dict[str, Any], params: dict[str, Any]) -> list[str]:
+    lines = [f"# gpuxfer bench kv -- {env.get('platform_label', '?')}"]
+    if env.get("is_emulation"):
+        lines.append("# EMULATION: no GPU is used; the numbers measure the host, not a transfer engine")
+    vers = env.get("versions", {})
+    if vers:
+        lines.append("# versions: " + ", ".join(f"{k} {v}" for k, v in vers.items()))
+    if env.get("hostname"):
+        lines.append(f"# host: {env['hostname']}  pid(s): {env.get('pids', '')}  launcher: {env.get('launcher', '')}")
+    for d in env.get("devices", []):
+        info = d.get("info") or {}
+        mem = info.get("total_bytes")
+        mem_s = f"{mem / 1e9:.1f} GB" if mem else "?"
+        lines.append(f"#  rank {d['rank']} ({d['role']}) pid {d.get('pid', '?')} device {info.get('index', '?')}: "
+                     f"{info.get('name', '?')} [{info.get('arch', '?')}] {mem_s}, {info.get('sm_count', '?')} SMs, "
+                     f"{info.get('copy_engines', '?')} copy engines, bus {info.get('pci_bus_id') or '-'}")
+    link = env.get("link")
+    if link:
+        lines.append(f"# link: device {link.get('src')} -> {link.get('dst')}: {link.get('kind')}"
+                     f"{' (' + link['detail'] + ')' if link.get('detail') else ''}, peer access {link.get('peer_access')}")
+    eng = env.get("engines")
+    if eng:
+        lines.append("# engines: " + ", ".join(f"{k} {'ok' if v is None else 'unusable (' + v + ')'}"
+                                                for k, v in eng.items()))
+    lines.append("# parameters: " + " ".join(f"{k}={_param(v)}" for k, v in params.items()))
+    lines.append("# " + GBPS_DEFINITION)
+    lines.append("#")
+    return lines
+
+
+def _param(v) -> str:
+    if isinstance(v, (list, tuple)):
+        return ",".join(str(x) for x in v)
+    return str(v)
+
+
+def summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (workload, ISL, page, direction, engine): GB/s at batch 1 and at the largest measured batch."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("gbps_p50") is None:
+            continue
+        key = (r["workload"], r["isl_tokens"], r["page_tokens"], r["direction"], r["engine"])
+        groups.setdefault(key, []).append(r)
+    out = []
+    for (wl, isl, page, direction, engine), rs in groups.items():
+        rs = sorted(rs, key=lambda r: r["batch"])
+        lo, hi = rs[0], rs[-1]
+        out.append({
+            "workload": wl, "isl_tokens": isl, "page_tokens": page, "direction": direction, "engine": engine,
+            "batch_min": lo["batch"], "gbps_batch_min": lo["gbps_p50"], "pct_of_ceiling_batch_min": lo.get("pct_of_ceiling"),
+            "batch_max": hi["batch"], "gbps_batch_max": hi["gbps_p50"], "pct_of_ceiling_batch_max": hi.get("pct_of_ceiling"),
+            "pct_of_ceiling_worst": min((r["pct_of_ceiling"] for r in rs if r.get("pct_of_ceiling") is not None),
+                                        default=None),
+            "us_per_descriptor_batch_min": lo.get("us_per_descriptor_p50"),
+            "all_valid": all(r.get("valid") for r in rs),
+        })
+    return out
+
+
+def summary_lines(summ: Sequence[dict[str, Any]]) -> list[str]:
+    if not summ:
+        return ["# summary: no row was measured"]
+    lines = ["#", "# summary: GB/s p50 (% of the bulk ceiling) at the smallest and the largest batch measured;",
+             "# worst % over every batch; t/desc = burst time per descriptor at the smallest batch",
+             f"# {'workload':<9} {'ISL':>7} {'page':>5} {'dir':<4} {'engine':<11} {'batch':>5} {'GB/s':>7} {'(%)':>7}"
+             f" {'batch':>5} {'GB/s':>7} {'(%)':>7} {'worst %':>7} {'t/desc us':>9}  valid"]
+    for s in summ:
+        def pct(v):
+            return "(-)" if v is None else f"({v:.1f})"
+        lines.append(
+            f"# {s['workload']:<9} {s['isl_tokens']:>7} {s['page_tokens']:>5} {s['direction']:<4} {s['engine']:<11} "
+            f"{s['batch_min']:>5} {_g(s['gbps_batch_min']):>7} {pct(s['pct_of_ceiling_batch_min']):>7} "
+            f"{s['batch_max']:>5} {_g(s['gbps_batch_max']):>7} {pct(s['pct_of_ceiling_batch_max']):>7} "
+            f"{_f(1)(s['pct_of_ceiling_worst']):>7} {_g(s['us_per_descriptor_batch_min']):>9}  "
+            f"{'yes' if s['all_valid'] else 'NO'}")
+    return lines
+
+
+def outcome(rows: Sequence[dict[str, Any]], errors: Sequence[str], *, expected_rows: int | None = None,
+            complete: bool = True) -> dict[str, Any]:
+    invalid = [r for r in rows if r.get("valid") is False]
+    failed = [r for r in rows if r.get("error")]
+    reasons = list(errors)
+    for r in failed:
+        reasons.append(f"{_row_id(r)}: {r['error']}")
+    for r in invalid:
+        if not r.get("error"):
+            reasons.append(f"{_row_id(r)}: {r.get('wrong_bytes')} wrong bytes (first wrong descriptor "
+                           f"{r.get('first_wrong_descriptor')})")
+    if not complete:
+        reasons.append("the run did not complete")
+    ok = not reasons
+    return {"status": "pass" if ok else "fail", "rows": len(rows), "rows_valid": sum(1 for r in rows if r.get("valid")),
+            "rows_invalid": len(invalid), "rows_failed": len(failed), "rows_expected": expected_rows,
+            "complete": complete, "reasons": reasons}
+
+
+def _row_id(r: dict[str, Any]) -> str:
+    return (f"{r.get('engine')} {r.get('direction')} page {r.get('page_tokens')} ISL {r.get('isl_tokens')} "
+            f"batch {r.get('batch')}")
+
+
+def footer_lines(out: dict[str, Any], artifacts: dict[str, Any]) -> list[str]:
+    lines = ["#"]
+    if artifacts.get("json"):
+        lines.append(f"# json: {artifacts['json']}")
+    for p in artifacts.get("plots", []):
+        lines.append(f"# plot: {p}")
+    lines.append(f"# rows: {out['rows']} measured, {out['rows_valid']} verified, {out['rows_invalid']} invalid, "
+                 f"{out['rows_failed']} failed")
+    if out["status"] == "pass":
+        lines.append("# PASS: every byte of every request verified")
+    else:
+        lines.append(f"# FAIL: {len(out['reasons'])} problem(s)")
+        for r in out["reasons"][:20]:
+            lines.append(f"#   {r}")
+        if len(out["reasons"]) > 20:
+            lines.append(f"#   ... and {len(out['reasons']) - 20} more (see the JSON artifact)")
+    return lines
+
+
+# ----------------------------------------------------------------------------- JSON
+
+
+def build_document(*, env: dict[str, Any], params: dict[str, Any], rows: list[dict[str, Any]],
+                   shed: list[dict[str, Any]], out: dict[str, Any], artifacts: dict[str, Any],
+                   argv: Sequence[str] | None = None) -> dict[str, Any]:
+    return {
+        "schema": SCHEMA,
+        "generated_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": list(argv if argv is not None else sys.argv),
+        "gbps_definition": GBPS_DEFINITION,
+        "environment": env,
+        "parameters": params,
+        "rows": rows,
+        "shed": shed,
+        "summary": summary(rows),
+        "outcome": out,
+        "artifacts": artifacts,
+    }
+
+
+def _jsonable(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return str(o)
+
+
+def dumps(doc: dict[str, Any]) -> str:
+    return json.dumps(doc, indent=1, default=_jsonable, allow_nan=False)
+
+
+def write_json_atomic(path: str, doc: dict[str, Any]) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    text = dumps(doc)
+    fd, tmp = tempfile.mkstemp(prefix=".kv_bench.", suffix=".json", dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+# ----------------------------------------------------------------------------- plots
+
+_ENGINE_STYLE = {"triton": ("tab:blue", "o"), "pack": ("tab:green", "s"), "copy_engine": ("tab:red", "^"),
+                 "nixl": ("tab:purple", "D"), "mooncake": ("tab:orange", "v")}
+
+
+def plot(rows: Sequence[dict[str, Any]], out_dir: str, *, title_suffix: str = "") -> list[str]:
+    """One PNG per (workload, ISL): a panel per (direction, page), GB/s against batch, a line per engine,
+    the bulk ceiling dashed. Invalid rows are drawn as red crosses. Returns the paths written."""
+    import matplotlib
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    measured = [r for r in rows if r.get("gbps_p50") is not None]
+    paths: list[str] = []
+    for (wl, isl) in sorted({(r["workload"], r["isl_tokens"]) for r in measured}):
+        rs = [r for r in measured if r["workload"] == wl and r["isl_tokens"] == isl]
+        dirs = [d for d in ("pull", "push") if any(r["direction"] == d for r in rs)]
+        pages = sorted({r["page_tokens"] for r in rs})
+        fig, axes = plt.subplots(len(dirs), len(pages), figsize=(5.2 * len(pages), 3.8 * len(dirs)),
+                                 squeeze=False, sharey=True)
+        for i, d in enumerate(dirs):
+            for j, page in enumerate(pages):
+                ax = axes[i][j]
+                cell = [r for r in rs if r["direction"] == d and r["page_tokens"] == page]
+                engines = []
+                for r in cell:
+                    if r["engine"] not in engines:
+                        engines.append(r["engine"])
+                for eng in engines:
+                    pts = sorted((r for r in cell if r["engine"] == eng), key=lambda r: r["batch"])
+                    xs = [r["batch"] for r in pts]
+                    ys = [r["gbps_p50"] for r in pts]
+                    if eng == "bulk":
+                        ax.plot(xs, ys, linestyle="--", color="black", linewidth=1.2, label="bulk (ceiling)")
+                        continue
+                    color, marker = _ENGINE_STYLE.get(eng, (None, "o"))
+                    lo = [max(0.0, r["gbps_p50"] - (r.get("gbps_min") or r["gbps_p50"])) for r in pts]
+                    hi = [max(0.0, (r.get("gbps_max") or r["gbps_p50"]) - r["gbps_p50"]) for r in pts]
+                    ax.errorbar(xs, ys, yerr=[lo, hi], marker=marker, color=color, label=eng, linewidth=1.4,
+                                markersize=4, capsize=2)
+                    bad = [r for r in pts if not r.get("valid")]
+                    if bad:
+                        ax.scatter([r["batch"] for r in bad], [r["gbps_p50"] for r in bad], marker="x", s=70,
+                                   color="red", zorder=5, label=f"{eng} INVALID")
+                ax.set_xscale("log", base=2)
+                batches = sorted({r["batch"] for r in cell})
+                ax.set_xticks(batches)
+                ax.set_xticklabels([str(b) for b in batches])
+                ax.set_title(f"page {page}, {d}", fontsize=10)
+                ax.set_xlabel("batch (requests per burst)")
+                if j == 0:
+                    ax.set_ylabel("GB/s (p50, decimal)")
+                ax.grid(True, alpha=0.3)
+                ax.set_ylim(bottom=0)
+                ax.legend(fontsize=8, loc="best")
+        fig.suptitle(f"gpuxfer bench kv: {wl}, ISL {isl}{title_suffix}", fontsize=11)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"kv_bench_{wl}_isl{isl}.png")
+        os.makedirs(out_dir, exist_ok=True)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+# ----------------------------------------------------------------------------- the live reporter
+
+
+class Reporter:
+    """Prints the table as rows arrive (with a rich progress bar on a terminal), then finalizes.
+
+    Events come from the measuring process (rank 0), in-process under torchrun
+    or through a queue into the parent when the command spawns its workers.
+    ``machine_json`` sends the human table to stderr and prints the JSON
+    document on stdout at the end.
+    """
+
+    def __init__(self, *, out_dir: str | None, machine_json: bool = False, argv: Sequence[str] | None = None,
+                 plots: bool = True):
+        from rich.console import Console
+        self.out_dir = out_dir
+        self.machine_json = machine_json
+        self.argv = list(argv) if argv is not None else list(sys.argv)
+        self.make_plots = plots
+        stream = sys.stderr if machine_json else sys.stdout
+        self.console = Console(file=stream, highlight=False, soft_wrap=True)
+        self.env: dict[str, Any] = {}
+        self.params: dict[str, Any] = {}
+        self.rows: list[dict[str, Any]] = []
+        self.shed: list[dict[str, Any]] = []
+        self.errors: list[str] = []
+        self.expected: int | None = None
+        self.complete = False
+        self._progress = None
+        self._task = None
+        self._finished = False
+
+    # -- printing
+    def _print(self, line: str) -> None:
+        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    def _start_progress(self) -> None:
+        if not self.console.is_terminal or not self.expected:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        self._progress = Progress(TextColumn("[bold]kv bench[/]"), BarColumn(), MofNCompleteColumn(),
+                                  TimeElapsedColumn(), TextColumn("{task.description}"),
+                                  console=self.console, transient=True)
+        self._progress.start()
+        self._task = self._progress.add_task("", total=self.expected)
+
+    def _stop_progress(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    # -- events
+    def handle(self, kind: str, payload: dict[str, Any]) -> None:
+        if kind == "start":
+            self.env, self.params = payload["env"], payload["params"]
+            self.expected = payload.get("expected_rows")
+            for line in preamble_lines(self.env, self.params):
+                self._print(line)
+            for item in payload.get("shed", []):
+                self.shed.append(item)
+                self._print(format_shed(item))
+            for line in header_lines():
+                self._print(line)
+            self._start_progress()
+        elif kind == "row":
+            self.rows.append(payload)
+            self._print(format_row(payload))
+            if self._progress is not None:
+                self._progress.update(self._task, advance=1,
+                                      description=f"{payload['engine']} {payload['direction']} page "
+                                                  f"{payload['page_tokens']} batch {payload['batch']}")
+        elif kind == "shed":
+            self.shed.append(payload)
+            self._print(format_shed(payload))
+            if self._progress is not None:
+                self._progress.update(self._task, advance=payload.get("rows", 0))
+        elif kind == "note":
+            self._print(f"# {payload['text']}")
+        elif kind == "error":
+            self.errors.append(payload["text"])
+            self._print(f"# ERROR: {payload['text']}")
+        elif kind == "done":
+            self.complete = True
+        else:  # pragma: no cover - programming error
+            raise ValueError(f"unknown report event {kind!r}")
+
+    def error(self, text: str) -> None:
+        self.handle("error", {"text": text})
+
+    def finish(self) -> int:
+        """Summary, JSON, plots, footer. Returns the exit code (0 only if everything passed)."""
+        if self._finished:
+            return 0 if getattr(self, "_outcome", {}).get("status") == "pass" else 1
+        self._finished = True
+        self._stop_progress()
+        artifacts: dict[str, Any] = {"json": None, "plots": []}
+        plot_error = None
+        if self.out_dir and self.make_plots and self.rows:
+            try:
+                artifacts["plots"] = plot(self.rows, self.out_dir,
+                                          title_suffix=" (host EMULATION)" if self.env.get("is_emulation") else "")
+            except Exception as exc:  # a plot failure must not lose the measurements
+                plot_error = f"plotting failed: {type(exc).__name__}: {exc}"
+        errors = list(self.errors) + ([plot_error] if plot_error else [])
+        out = outcome(self.rows, errors, expected_rows=self.expected, complete=self.complete)
+        self._outcome = out
+        if self.out_dir:
+            artifacts["json"] = os.path.join(self.out_dir, "kv_bench.json")
+        doc = build_document(env=self.env, params=self.params, rows=self.rows, shed=self.shed, out=out,
+                             artifacts=artifacts, argv=self.argv)
+        if artifacts["json"]:
+            write_json_atomic(artifacts["json"], doc)
+        for line in summary_lines(doc["summary"]):
+            self._print(line)
+        for line in footer_lines(out, artifacts):
+            self._print(line)
+        if self.machine_json:
+            sys.stdout.write(dumps(doc) + "\n")
+            sys.stdout.flush()
+        return 0 if out["status"] == "pass" else 1

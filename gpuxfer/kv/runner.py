@@ -1,0 +1,755 @@
+"""The measured sweep of ``gpuxfer bench kv``: two processes, two pools, every engine, every byte verified.
+
+Processes
+---------
+Rank 0 is the **prefill** side: it owns the *source* pool. Rank 1 is the
+**decode** side: it owns the *destination* pool. Each allocates its pool through
+the platform contract (a raw exportable buffer) and opens the other's over IPC.
+With two devices each process takes one; with one device both pools share it;
+with none the host emulation runs at small sizes, and says so everywhere.
+
+The command starts the two processes itself (``torch.multiprocessing`` spawn, a
+gloo CPU group over a ``file://`` rendezvous) and reads their events from a
+queue: the parent prints the table, writes the artifacts and watches the
+children (a crash in one kills the other after a grace period; no event for a
+long time kills both). Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set; the
+world must be 2) each rank runs in place and rank 0 reports.
+
+Control never rides the data path: descriptor plans derive from the seed on
+both sides, and the gloo group only carries handles, timings and verdicts.
+Every gloo operation has the group timeout; every device wait has
+``--timeout``.
+
+One row (an engine, a direction, a batch at a grid point)
+---------------------------------------------------------
+1. both sides ``prepare`` the burst (timed apart: ``prep_ms``, the larger side);
+2. warm-up bursts, then timed bursts (``--trials`` at most; fewer when a burst is
+   slow, never fewer than three: a row costs about ``ROW_BUDGET_S`` seconds);
+   a burst is: the passive side posts its flag-gated part, a barrier, then the
+   initiating side times ``post`` + ``wait`` on its host clock;
+3. verification: the destination pool is refilled with *its own* pattern
+   (another seed), one more burst moves the data, and the verify kernel checks
+   every byte of every request against the source pattern at the source offset.
+   A wrong byte marks the row invalid and the command exits non-zero.
+
+Fault injection (for tests; hidden from ``--help``, documented in
+docs/kv_bench.md): ``--inject-fault ENGINE[:DIRECTION]`` (or ``all``), or the
+environment variable ``GPUXFER_INJECT_FAULT``, flips one destination byte of the
+first descriptor after the verified burst of the matching rows, as a transfer
+that delivered a wrong byte would. The verifier must then fail the row.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as _dt
+import logging
+import os
+import platform as _pyplatform
+import queue as _queue
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import __version__
+from ..errors import BackendUnavailable, BadInput, GpuxferError, PlatformUnavailable, TransferTimeout
+from . import engines as E
+from . import report as R
+
+log = logging.getLogger("gpuxfer.kv.runner")
+
+INJECT_ENV = "GPUXFER_INJECT_FAULT"
+#: a row's timed bursts aim at this many seconds (fewer trials for slow bursts, never fewer than MIN_TRIALS)
+ROW_BUDGET_S = 2.0
+MIN_TRIALS = 3
+#: a first warm-up burst slower than this skips the other warm-ups
+SLOW_BURST_S = 1.0
+#: how long the parent lets a surviving child finish after its peer died
+GRACE_S = 20.0
+
+# the host emulation: what the defaults shrink to (the Triton interpreter is slow)
+EMULATION = {"isl": "256", "batch": "1,2", "pool_budget": "256MiB", "trials": 3, "warmup": 1,
+             "pack_chunk_bytes": 256 << 10, "pack_first_chunk_bytes": 64 << 10}
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+@dataclass
+class RunConfig:
+    """Everything the workers need, picklable (the grid is rebuilt in the workers with device facts)."""
+
+    grid_args: dict[str, Any]
+    engines: tuple[str, ...]
+    directions: tuple[str, ...]
+    trials: int
+    warmup: int
+    seed: int
+    platform: str                       # resolved name: cuda / rocm / host
+    out: str | None
+    json: bool
+    timeout_s: float
+    engine_options: E.EngineOptions
+    inject_fault: str | None = None
+    devices: tuple[int, int] | None = None
+    row_budget_s: float = ROW_BUDGET_S
+    min_trials: int = MIN_TRIALS
+    shrunk: dict[str, Any] = field(default_factory=dict)
+    argv: list[str] = field(default_factory=lambda: list(sys.argv))
+
+    def params(self) -> dict[str, Any]:
+        p = {
+            "workload": self.grid_args["workload"], "page": self.grid_args["page"], "isl": self.grid_args["isl"],
+            "batch": self.grid_args["batch"], "engines": list(self.engines), "directions": list(self.directions),
+            "warmup": self.warmup, "trials_max": self.trials, "trials_min": self.min_trials,
+            "row_budget_s": self.row_budget_s, "seed": self.seed, "pool_budget": self.grid_args["pool_budget"],
+            "desc_budget": self.grid_args["desc_budget"], "timeout_s": self.timeout_s,
+            "copy_engine_max_descs": self.engine_options.copy_engine_max_descs,
+            "pack_chunk_bytes": self.engine_options.pack_chunk_bytes,
+            "pack_slots": self.engine_options.pack_slots, "pack_lanes": self.engine_options.pack_lanes,
+        }
+        if self.shrunk:
+            p["emulation_shrunk"] = self.shrunk
+        if self.inject_fault:
+            p["inject_fault"] = self.inject_fault
+        return p
+
+
+def resolve_platform(name: str) -> str:
+    """``auto`` -> the first usable of cuda, rocm, host (side-effect free); a forced name must be usable."""
+    from ..platforms import PLATFORMS, unavailable_reason
+    if name and name != "auto":
+        why = unavailable_reason(name)
+        if why is not None:
+            raise PlatformUnavailable(name, why)
+        return name
+    skipped = {}
+    for cand in PLATFORMS:
+        why = unavailable_reason(cand)
+        if why is None:
+            for k, v in skipped.items():
+                log.info("platform %s skipped: %s", k, v)
+            return cand
+        skipped[cand] = why
+    raise PlatformUnavailable("any", "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+
+
+def _parse_inject(spec: str | None, engines: tuple[str, ...]) -> str | None:
+    if spec is None or not str(spec).strip():
+        return None
+    spec = str(spec).strip()
+    eng, _, d = spec.partition(":")
+    if eng not in ("all",) + tuple(E.ENGINES):
+        raise BadInput(f"--inject-fault: unknown engine {eng!r}; use ENGINE[:DIRECTION] or all")
+    if d and d not in E.DIRECTIONS:
+        raise BadInput(f"--inject-fault: unknown direction {d!r}; use pull or push")
+    return spec
+
+
+def _fault_matches(spec: str | None, engine: str, direction: str) -> bool:
+    if not spec:
+        return False
+    eng, _, d = spec.partition(":")
+    return eng in ("all", engine) and (not d or d == direction)
+
+
+def config_from_args(args: argparse.Namespace, options) -> RunConfig:
+    """Build the run configuration from the parsed command line (``options`` is bench's RunOptions)."""
+    from .bench import DEFAULT_ISL
+    from .grid import DEFAULT_BATCHES
+    platform = resolve_platform(options.platform)
+    grid_args = {k: getattr(args, k) for k in ("workload", "page", "isl", "batch", "pool_budget", "desc_budget",
+                                               "seed")}
+    opts = E.EngineOptions()
+    trials, warmup = options.trials, _nonneg_int(getattr(args, "warmup", 2), "--warmup")
+    shrunk: dict[str, Any] = {}
+    from ..platforms import platform_class
+    emulation = platform_class(platform).is_emulation
+    if emulation:
+        # The Triton interpreter moves a few MB/s: shrink what the user left at its default.
+        if str(args.isl) == DEFAULT_ISL:
+            grid_args["isl"] = shrunk["isl"] = EMULATION["isl"]
+        if str(args.batch) == ",".join(map(str, DEFAULT_BATCHES)):
+            grid_args["batch"] = shrunk["batch"] = EMULATION["batch"]
+        from .grid import DEFAULT_POOL_BUDGET_BYTES
+        if str(args.pool_budget) == f"{DEFAULT_POOL_BUDGET_BYTES >> 30}GiB":
+            grid_args["pool_budget"] = shrunk["pool_budget"] = EMULATION["pool_budget"]
+        if getattr(args, "trials", None) == "5" and trials > EMULATION["trials"]:
+            trials = shrunk["trials"] = EMULATION["trials"]
+        if str(getattr(args, "warmup", "2")) == "2":
+            warmup = shrunk["warmup"] = EMULATION["warmup"]
+        opts.pack_chunk_bytes = EMULATION["pack_chunk_bytes"]
+        opts.pack_first_chunk_bytes = EMULATION["pack_first_chunk_bytes"]
+    if getattr(args, "pack_chunk", None):
+        from .bench import parse_size
+        opts.pack_chunk_bytes = parse_size(args.pack_chunk, option="--pack-chunk", kind="bytes")
+        opts.pack_first_chunk_bytes = min(opts.pack_first_chunk_bytes, opts.pack_chunk_bytes)
+    if getattr(args, "copy_engine_max_descs", None):
+        from .bench import parse_size
+        opts.copy_engine_max_descs = parse_size(args.copy_engine_max_descs, option="--copy-engine-max-descs",
+                                                kind="descriptors")
+    opts.validate()
+    timeout = float(getattr(args, "timeout", 120) or 120)
+    if not timeout > 0:
+        raise BadInput(f"--timeout must be positive, got {timeout}")
+    inject = _parse_inject(getattr(args, "inject_fault", None) or os.environ.get(INJECT_ENV), options.engines)
+    devices = None
+    if getattr(args, "devices", None):
+        from .bench import parse_list
+        devs = parse_list(args.devices, option="--devices", item=lambda p: _nonneg_int(p, "--devices"))
+        if len(devs) == 1:
+            devs = devs * 2
+        if len(devs) != 2:
+            raise BadInput(f"--devices: give one or two device indexes (prefill,decode), got {args.devices!r}")
+        devices = (devs[0], devs[1])
+    for name in options.engines:
+        E.engine_class(name)       # unknown names fail here, before any process starts
+    return RunConfig(grid_args=grid_args, engines=tuple(options.engines), directions=tuple(options.directions),
+                     trials=trials, warmup=warmup, seed=options.seed, platform=platform,
+                     out=options.out or None, json=options.json, timeout_s=timeout, engine_options=opts,
+                     inject_fault=inject, devices=devices, shrunk=shrunk)
+
+
+def _nonneg_int(text, option: str) -> int:
+    try:
+        v = int(str(text).strip())
+    except ValueError:
+        raise BadInput(f"{option}: {text!r} is not an integer") from None
+    if v < 0:
+        raise BadInput(f"{option}: must be >= 0, got {v}")
+    return v
+
+
+# ----------------------------------------------------------------------------- kernels (fill, verify, fault)
+
+
+def _pool_fill(platform, stream, mem, seed: int) -> None:
+    from .. import kernels as K
+    t = platform.as_tensor(mem)
+    platform.launch(stream, lambda: K.fill_pattern(t, seed))
+
+
+def _pool_verify(platform, stream, mem, desc: np.ndarray, seed: int, timeout_s: float, rank: int) -> tuple[int, int]:
+    """Wrong bytes and the first wrong descriptor (-1: none) of ``desc`` on ``mem`` (the destination)."""
+    import torch
+    from .. import kernels as K
+    t = platform.as_tensor(mem)
+    d = torch.from_numpy(np.ascontiguousarray(desc, dtype=np.int64))
+    d = d.clone() if t.device.type == "cpu" else d.to(t.device)
+    E._sync_uploads_plat(platform, mem.device, timeout_s, rank)
+    out: list = []
+    platform.launch(stream, lambda: out.append(K.verify_pattern(t, d, seed)))
+    _sync(platform, stream, timeout_s, rank, "verification")
+    wrong, first = out[0]
+    return int(wrong), int(first)
+
+
+def _flip_byte(platform, stream, mem, offset: int) -> None:
+    t = platform.as_tensor(mem, shape=(1,), offset=int(offset))
+    platform.launch(stream, lambda: t.bitwise_not_())
+
+
+def _sync(platform, stream, timeout_s: float, rank: int, what: str) -> None:
+    if not platform.synchronize(stream, timeout_s):
+        raise TransferTimeout(rank=rank, step=0, flag=f"stream: {what}", expected=1, seen=0, timeout_s=timeout_s,
+                              what=what)
+
+
+# ----------------------------------------------------------------------------- the worker
+
+
+def _versions(platform) -> dict[str, str]:
+    v = {"gpuxfer": __version__, "python": _pyplatform.python_version()}
+    for mod in ("torch", "triton", "numpy"):
+        try:
+            v[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            v[mod] = "not importable"
+    try:
+        v.update(platform.versions())
+    except Exception as exc:  # noqa: BLE001
+        v["platform versions"] = f"unavailable: {exc}"
+    return v
+
+
+class _Group:
+    """The gloo CPU group of the two ranks: gathers and barriers, with the group timeout."""
+
+    def __init__(self, rank: int, init_method: str, timeout_s: float):
+        import torch.distributed as dist
+        self.dist = dist
+        self.rank = rank
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2,
+                                timeout=_dt.timedelta(seconds=timeout_s))
+
+    def gather(self, obj) -> list:
+        out = [None, None]
+        self.dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+    def close(self) -> None:
+        try:
+            if self.dist.is_initialized():
+                self.dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - teardown
+            pass
+
+
+class Worker:
+    """One of the two processes."""
+
+    def __init__(self, rank: int, cfg: RunConfig, sink: Callable[[str, dict], None], *, init_method: str,
+                 launcher: str, local_rank: int | None = None):
+        self.rank, self.cfg, self.sink = rank, cfg, sink
+        self.init_method, self.launcher = init_method, launcher
+        self.local_rank = rank if local_rank is None else local_rank
+        self.role = E.Role.SOURCE if rank == 0 else E.Role.DESTINATION
+        self.platform = None
+        self.group: _Group | None = None
+        self.pool = None
+        self.peer_pool = None
+        self.engines: dict[str, E.Engine] = {}
+        self.stream = None
+        self.ceilings: dict[tuple, float | None] = {}
+
+    # -- emit (rank 0 reports; any rank reports its own error)
+    def emit(self, kind: str, payload: dict) -> None:
+        if self.rank == 0 or kind == "error":
+            self.sink(kind, payload)
+
+    def run(self) -> int:
+        try:
+            self._setup()
+            self._sweep()
+            if self.rank == 0:
+                self.emit("done", {})
+            self.group.barrier()
+            return 0
+        except BaseException as exc:  # noqa: BLE001 - reported, then the process fails
+            text = f"rank {self.rank} ({self.role.serving_name}): {type(exc).__name__}: {exc}"
+            if not isinstance(exc, GpuxferError):
+                text += "\n" + traceback.format_exc()
+            try:
+                self.sink("error", {"text": text, "rank": self.rank})
+            except Exception:  # noqa: BLE001
+                print(text, file=sys.stderr)
+            self._abort()
+            return 1
+        finally:
+            self._teardown()
+
+    # -- setup
+    def _setup(self) -> None:
+        from ..platforms import get_platform
+        cfg = self.cfg
+        self.platform = plat = get_platform(cfg.platform)
+        n = plat.device_count()
+        if n < 1:
+            raise PlatformUnavailable(cfg.platform, "no device")
+        if cfg.devices:
+            dev = cfg.devices[self.rank]
+        else:
+            dev = self.local_rank if n >= 2 else 0
+        if dev >= n:
+            raise BadInput(f"rank {self.rank}: device {dev} does not exist ({n} device(s))")
+        self.device = dev
+        plat.set_device(dev)
+        if plat.name in ("cuda", "rocm"):
+            import torch
+            torch.cuda.set_device(dev)
+        self.group = _Group(self.rank, self.init_method, cfg.timeout_s)
+        info = plat.device_info(dev)
+        mine = {"rank": self.rank, "role": f"{self.role.serving_name} ({self.role.value})", "pid": os.getpid(),
+                "device": dev, "info": info.as_dict(), "free_bytes": info.free_bytes,
+                "engines": {name: E.engine_unavailable_reason(name, plat) for name in cfg.engines}}
+        both = self.group.gather(mine)
+        same_device = both[0]["device"] == both[1]["device"]
+        frees = [b["free_bytes"] for b in both if b["free_bytes"] is not None]
+        grid = self._grid(min(frees) if frees else None, 2 if same_device else 1)
+        self.grid = grid
+
+        # engines usable on both sides
+        usable, unusable = [], {}
+        for name in E.measurement_order(cfg.engines):
+            reasons = {b["rank"]: b["engines"][name] for b in both if b["engines"][name] is not None}
+            if reasons:
+                unusable[name] = "; ".join(f"rank {r}: {why}" for r, why in reasons.items())
+            else:
+                usable.append(name)
+        env = self._environment(both, same_device)
+        params = cfg.params()
+        params["grid"] = grid.as_dict()
+
+        # pools
+        nbytes = grid.max_pool_bytes
+        if nbytes <= 0:
+            raise BadInput("nothing to measure: every batch of every point was shed (see --plan-only)")
+        self.pool = plat.alloc(nbytes, dev)
+        handles = self.group.gather(self.pool.export())
+        self.peer_pool = plat.open_handle(handles[1 - self.rank], dev)
+        self.stream = plat.create_stream(dev)
+        from .blocktable import derive_seed
+        self.src_seed = derive_seed(cfg.seed, "pattern", "src") & ((1 << 62) - 1)
+        self.dst_seed = derive_seed(cfg.seed, "pattern", "dst") & ((1 << 62) - 1)
+        _pool_fill(plat, self.stream, self.pool, self.src_seed if self.role is E.Role.SOURCE else self.dst_seed)
+        _sync(plat, self.stream, cfg.timeout_s, self.rank, "pattern fill")
+
+        side = E.Side(platform=plat, device=dev, rank=self.rank, role=self.role, pool=self.pool,
+                      peer_pool=self.peer_pool, exchange=self.group.gather, timeout_s=cfg.timeout_s,
+                      options=cfg.engine_options)
+        self.side = side
+        for name in usable:
+            self.engines[name] = E.engine_class(name)(side)
+
+        shed, expected = self._shed_and_count(unusable)
+        self.group.barrier()
+        self.emit("start", {"env": env, "params": params, "shed": shed, "expected_rows": expected})
+
+    def _grid(self, free_bytes: int | None, pools_per_device: int):
+        from .grid import build_grid
+        from .bench import parse_grid_args
+        ns = argparse.Namespace(**self.cfg.grid_args)
+        base = parse_grid_args(ns)      # parses and validates exactly as --plan-only does
+        free = None
+        if free_bytes is not None:
+            reserve = (self.cfg.engine_options.pack_chunk_bytes * self.cfg.engine_options.pack_slots
+                       + (0 if self.platform.is_emulation else (2 << 30)))
+            free = max(0, int(free_bytes * 0.9) - reserve)
+        workloads, pages, isls, batches = [], set(), set(), set()
+        for p in base.points:
+            if p.workload.name not in workloads:
+                workloads.append(p.workload.name)
+            isls.add(p.isl_tokens)
+            batches.update(p.batches)
+            batches.update(s.batch for s in p.shed)
+        # rebuild per workload with its own pages (auto pages differ per workload)
+        pts = []
+        g = None
+        for w in workloads:
+            wpages = sorted({p.page_tokens for p in base.points if p.workload.name == w})
+            g = build_grid([w], wpages, sorted(isls), sorted(batches), pool_budget_bytes=base.asked_pool_budget_bytes,
+                           free_memory_bytes=free, desc_budget=base.desc_budget, pools_per_device=pools_per_device)
+            pts.extend(g.points)
+        return dataclasses.replace(g, points=tuple(pts))
+
+    def _environment(self, both: list[dict], same_device: bool) -> dict:
+        plat = self.platform
+        try:
+            link = plat.link(both[0]["device"], both[1]["device"]).as_dict()
+        except Exception as exc:  # noqa: BLE001
+            link = {"src": both[0]["device"], "dst": both[1]["device"], "kind": "unknown", "detail": str(exc)}
+        return {
+            "platform": plat.name, "platform_label": plat.label, "is_emulation": plat.is_emulation,
+            "versions": _versions(plat), "hostname": socket.gethostname(), "launcher": self.launcher,
+            "pids": ",".join(str(b["pid"]) for b in both),
+            "devices": [{k: b[k] for k in ("rank", "role", "pid", "device", "info")} for b in both],
+            "same_device": same_device, "link": link,
+            "engines": E.engine_report(plat),
+            "engine_descriptions": {n: E.engine_class(n).description for n in self.cfg.engines},
+            "utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        }
+
+    def _shed_and_count(self, unusable: dict[str, str]) -> tuple[list[dict], int]:
+        cfg = self.cfg
+        shed: list[dict] = []
+        expected = 0
+        for name, why in unusable.items():
+            shed.append({"engine": name, "reason": f"engine unusable here: {why}", "rows": 0})
+        for p in self.grid.points:
+            for s in p.shed:
+                shed.append({"workload": p.workload.name, "page_tokens": p.page_tokens, "isl_tokens": p.isl_tokens,
+                             "batch": s.batch, "reason": f"{s.reason}: {s.detail}", "rows": 0})
+            for b in p.batches:
+                for d in cfg.directions:
+                    for name, eng in self.engines.items():
+                        why = eng.shed_reason(E.BurstShape(b, p.burst_descriptors(b), p.burst_bytes(b)))
+                        if why:
+                            shed.append({"workload": p.workload.name, "page_tokens": p.page_tokens,
+                                         "isl_tokens": p.isl_tokens, "batch": b, "engine": name, "direction": d,
+                                         "reason": why, "rows": 0})
+                        else:
+                            expected += 1
+        return shed, expected
+
+    # -- the sweep
+    def _sweep(self) -> None:
+        cfg = self.cfg
+        for point in self.grid.points:
+            if not point.batches:
+                continue
+            layout = point.layout()
+            for batch in point.batches:
+                pb = point.burst(batch, seed=cfg.seed, layout=layout)
+                burst = E.Burst(pb.requests, plan=pb.plan)
+                shape = E.BurstShape(batch, pb.descriptors, pb.total_bytes)
+                for direction in cfg.directions:
+                    for name, eng in self.engines.items():
+                        if eng.shed_reason(shape):
+                            continue
+                        row = self._row(eng, burst, pb, point, batch, direction)
+                        if self.rank == 0:
+                            key = (point.workload.name, point.isl_tokens, point.page_tokens, batch, direction)
+                            if eng.ceiling:
+                                self.ceilings[key] = row.get("gbps_p50")
+                            R.apply_ceiling(row, self.ceilings.get(key))
+                            self.emit("row", row)
+
+    def _burst_once(self, eng: E.Engine, p: E.Prepared) -> float | None:
+        if not p.initiator:
+            eng.post(p)                 # flag-gated: nothing runs before the initiator starts
+        self.group.barrier()
+        if p.initiator:
+            t0 = time.perf_counter()
+            eng.post(p)
+            eng.wait(p)
+            return time.perf_counter() - t0
+        eng.wait(p)
+        return None
+
+    def _row(self, eng: E.Engine, burst: E.Burst, pb, point, batch: int, direction: str) -> dict:
+        cfg = self.cfg
+        ini_rank = 0 if eng.initiator(direction) is E.Role.SOURCE else 1
+        row: dict[str, Any] = {
+            "workload": point.workload.name, "page_tokens": point.page_tokens, "isl_tokens": point.isl_tokens,
+            "batch": batch, "engine": eng.name, "direction": direction,
+            "initiator": E.Role.SOURCE.serving_name if ini_rank == 0 else E.Role.DESTINATION.serving_name,
+            "bytes": pb.total_bytes, "descriptors": 1 if eng.ceiling else pb.descriptors,
+            "plan_descriptors": pb.descriptors, "request_bytes": point.request_bytes,
+            "request_descriptors": point.request_descriptors, "error": None,
+        }
+        # 1. prepare, on both sides
+        p = None
+        err = None
+        t0 = time.perf_counter()
+        try:
+            p = eng.prepare(burst, direction)
+        except (BadInput, BackendUnavailable) as exc:
+            err = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        prep_s = time.perf_counter() - t0
+        st = self.group.gather((err, prep_s))
+        errs = [e for e, _ in st if e]
+        if errs:
+            if p is not None:
+                eng.release(p)
+            row.update(error="; ".join(errs), valid=False, verified=False, wrong_bytes=None)
+            return R.finish_row(row, [])
+        row["prep_ms"] = max(s for _, s in st) * 1e3
+        row["prep_ms_by_side"] = {"prefill": st[0][1] * 1e3, "decode": st[1][1] * 1e3}
+
+        # 2. warm-up, then timed bursts
+        warm = []
+        for i in range(cfg.warmup):
+            warm.append(self._burst_once(eng, p))
+            if i == 0 and cfg.warmup > 1:
+                first = self.group.gather(warm[-1])[ini_rank]
+                if first > SLOW_BURST_S:
+                    break
+        if warm:
+            est = self.group.gather(warm[-1])[ini_rank]
+            n_trials = int(min(cfg.trials, max(min(cfg.min_trials, cfg.trials), cfg.row_budget_s // max(est, 1e-9))))
+        else:
+            n_trials = cfg.trials
+        samples = [self._burst_once(eng, p) for _ in range(n_trials)]
+
+        # 3. verification: scrub the destination, one more burst, check every byte
+        plat = self.platform
+        dst = self.role is E.Role.DESTINATION
+        if dst:
+            _pool_fill(plat, self.stream, self.pool, self.dst_seed)
+            _sync(plat, self.stream, cfg.timeout_s, self.rank, "scrub of the destination pool")
+        self._burst_once(eng, p)
+        self.group.barrier()            # the initiator has seen the transfer land
+        verdict = None
+        if dst:
+            vdesc = eng.verify_descriptors(burst)
+            inject = _fault_matches(cfg.inject_fault, eng.name, direction)
+            if inject and vdesc.shape[0]:
+                _flip_byte(plat, self.stream, self.pool, int(vdesc[0, 1]))
+            wrong, first = _pool_verify(plat, self.stream, self.pool, vdesc, self.src_seed, cfg.timeout_s, self.rank)
+            where = None
+            if first >= 0:
+                where = (pb.describe_row(first) if not eng.ceiling else
+                         f"bytes [{int(vdesc[first, 1])}, {int(vdesc[first, 1] + vdesc[first, 2])}) of the bulk copy")
+            verdict = {"wrong": wrong, "first": first, "where": where, "injected": inject}
+        eng.release(p)
+
+        # 4. assemble on rank 0
+        got = self.group.gather({"samples": samples, "warm": warm, "verdict": verdict})
+        timing = got[ini_rank]
+        v = got[1]["verdict"]
+        row["warmup"] = len(timing["warm"])
+        row["warmup_ms"] = [round(w * 1e3, 6) for w in timing["warm"]]
+        R.finish_row(row, timing["samples"])
+        row["wrong_bytes"] = v["wrong"]
+        row["first_wrong_descriptor"] = v["first"] if v["first"] >= 0 else None
+        row["first_wrong"] = v["where"]
+        row["fault_injected"] = v["injected"]
+        row["verified"] = True
+        row["valid"] = v["wrong"] == 0
+        return row
+
+    # -- teardown
+    def _abort(self) -> None:
+        for eng in self.engines.values():
+            abort = getattr(eng, "abort", None)
+            if abort is not None:
+                try:
+                    abort()
+                except Exception:  # noqa: BLE001
+                    pass
+
+    def _teardown(self) -> None:
+        for eng in reversed(list(self.engines.values())):
+            try:
+                eng.close()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("closing engine %s: %s", eng.name, exc)
+        self.engines = {}
+        if self.platform is not None and self.stream is not None and not self.platform.is_emulation:
+            try:
+                self.platform.synchronize(self.stream, 5.0)
+            except Exception:  # noqa: BLE001
+                pass
+        for m in (self.peer_pool, self.pool):
+            if m is not None:
+                try:
+                    m.close()
+                except Exception as exc:  # noqa: BLE001
+                    log.warning("closing %r: %s", m, exc)
+        self.peer_pool = self.pool = None
+        if self.group is not None:
+            self.group.close()
+        if self.platform is not None:
+            try:
+                self.platform.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+# ----------------------------------------------------------------------------- launching
+
+
+def _spawn_entry(rank: int, init_method: str, cfg: RunConfig, q) -> None:
+    logging.basicConfig(level=logging.WARNING, format=f"rank {rank} %(levelname)s %(name)s: %(message)s")
+
+    def sink(kind: str, payload: dict) -> None:
+        q.put((kind, payload))
+
+    code = Worker(rank, cfg, sink, init_method=init_method, launcher="spawn").run()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    q.close()
+    q.join_thread()             # every event reaches the parent before we exit
+    if code:
+        os._exit(code)          # skip interpreter teardown: a failed device may hang it
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def run_sweep(cfg: RunConfig) -> int:
+    """Run the sweep (spawning the two processes, or in place under torchrun); the exit code."""
+    if under_torchrun():
+        return _run_torchrun(cfg)
+    return _run_spawned(cfg)
+
+
+def _run_torchrun(cfg: RunConfig) -> int:
+    world = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    if world != 2:
+        raise BadInput(f"gpuxfer bench kv runs on exactly 2 ranks (prefill, decode); torchrun gave WORLD_SIZE={world}")
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    reporter = R.Reporter(out_dir=cfg.out, machine_json=cfg.json, argv=cfg.argv) if rank == 0 else None
+
+    def sink(kind: str, payload: dict) -> None:
+        if reporter is not None:
+            reporter.handle(kind, payload)
+        elif kind == "error":
+            print(f"gpuxfer bench kv: {payload['text']}", file=sys.stderr)
+
+    code = Worker(rank, cfg, sink, init_method="env://", launcher="torchrun", local_rank=local).run()
+    if reporter is None:
+        return code
+    rc = reporter.finish()
+    return rc or code
+
+
+def _run_spawned(cfg: RunConfig) -> int:
+    import torch.multiprocessing as tmp
+    ctx = tmp.get_context("spawn")
+    q = ctx.Queue()
+    tmpdir = tempfile.mkdtemp(prefix="gpuxfer-kv-")
+    init_method = "file://" + os.path.join(tmpdir, "rendezvous")
+    reporter = R.Reporter(out_dir=cfg.out, machine_json=cfg.json, argv=cfg.argv)
+    procs = [ctx.Process(target=_spawn_entry, args=(r, init_method, cfg, q), daemon=True,
+                         name=f"gpuxfer-kv-{'prefill' if r == 0 else 'decode'}") for r in (0, 1)]
+    watchdog_s = 3 * cfg.timeout_s + 120
+    child_errors: list[str] = []
+    try:
+        for p in procs:
+            p.start()
+        last = time.monotonic()
+        dead_since: float | None = None
+        while True:
+            try:
+                kind, payload = q.get(timeout=0.2)
+                reporter.handle(kind, payload)
+                last = time.monotonic()
+                continue
+            except _queue.Empty:
+                pass
+            codes = [p.exitcode for p in procs]
+            if all(c is not None for c in codes):
+                break
+            now = time.monotonic()
+            if any(c not in (None, 0) for c in codes):
+                dead_since = dead_since or now
+                if now - dead_since > GRACE_S:
+                    for p in procs:
+                        if p.exitcode is None:
+                            child_errors.append(f"{p.name} (pid {p.pid}) was killed {GRACE_S:g} s after its peer "
+                                                "failed")
+                            p.kill()
+            if now - last > watchdog_s:
+                for p in procs:
+                    if p.exitcode is None:
+                        p.kill()
+                child_errors.append(f"no progress for {watchdog_s:g} s: both processes killed")
+                break
+        for p in procs:
+            p.join(10)
+        while True:                     # events sent just before exiting
+            try:
+                kind, payload = q.get(timeout=0.5)
+            except _queue.Empty:
+                break
+            reporter.handle(kind, payload)
+        for p in procs:
+            if p.exitcode not in (0, None) and not any(p.name in e for e in child_errors):
+                child_errors.append(f"{p.name} (pid {p.pid}) exited with code {p.exitcode}")
+    except KeyboardInterrupt:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        child_errors.append("interrupted")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    for e in child_errors:
+        reporter.error(e)
+    return reporter.finish()

@@ -1,0 +1,376 @@
+"""The platform-hook contract.
+
+``pp/`` and ``kv/`` do everything device-specific through a :class:`Platform`:
+raw exportable buffers, IPC handles, streams, events, copies, and 64-bit
+flags written and waited *on streams*. Three implementations exist:
+
+* ``cuda``  -- CuPy runtime (raw ``cudaMalloc``, IPC handles) + ``cuda.bindings``
+  (``cuStreamWriteValue64`` / ``cuStreamWaitValue64``, ``cuMemcpyAsync``,
+  ``cuMemcpyBatchAsync``) + NVML (NVLink per pair).
+* ``rocm``  -- hip-python + HSA through ctypes.
+* ``host``  -- an emulation on the CPU for CI: shared memory buffers, one FIFO
+  worker thread per stream. It is a *test* platform and says so
+  (``is_emulation``).
+
+Rules every implementation keeps:
+
+* Importing a platform module never touches a device. ``unavailable_reason()``
+  returns a string (or ``None``) and never raises.
+* Buffers come from the raw allocator (never a caching-allocator block), so an
+  IPC handle names exactly the buffer.
+* Stream semantics: work on one stream runs in order; a flag wait blocks later
+  work *on that stream only*; other streams run on.
+* Flags are 8-byte, 8-byte-aligned words holding monotonically increasing step
+  numbers; waits are ``>=`` (GEQ).
+* Every owned resource has an idempotent ``close()`` and is a context manager.
+"""
+from __future__ import annotations
+
+import abc
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from ..errors import BadInput
+
+FLAG_BYTES = 8
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What gpuxfer needs to know about one device."""
+
+    index: int
+    name: str
+    arch: str                       # "sm_90", "gfx950", "host"
+    total_bytes: int
+    free_bytes: int | None
+    pci_bus_id: str | None
+    sm_count: int                   # SMs / CUs; host: emulated worker cores
+    copy_engines: int               # async (copy) engines; 0 if unknown
+    stream_mem_ops_64: bool         # 64-bit stream write/wait, probed for real
+    stream_wait_nor: bool = False
+    can_flush_remote_writes: bool = False
+    notes: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["notes"] = list(self.notes)
+        return d
+
+
+@dataclass(frozen=True)
+class LinkInfo:
+    """The link between two devices of this node."""
+
+    src: int
+    dst: int
+    kind: str        # "nvlink", "xgmi", "pcie", "shared-memory", "same-device", "unknown"
+    peer_access: bool
+    detail: str = ""
+
+    @property
+    def is_fast(self) -> bool:
+        """NVLink / xGMI class (or the same device, or the host emulation)."""
+        return self.kind in ("nvlink", "xgmi", "same-device", "shared-memory")
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class IpcHandle:
+    """A picklable handle to a raw buffer, opened by another process.
+
+    ``payload`` is the platform's raw handle (64 bytes for CUDA/HIP, a shared
+    memory name for the host emulation).
+    """
+
+    platform: str
+    device: int
+    nbytes: int
+    payload: bytes
+    owner_pid: int
+
+
+class _Closable:
+    """Idempotent close + context manager + a warning when garbage-collected open."""
+
+    _closed: bool = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._release()
+
+    @abc.abstractmethod
+    def _release(self) -> None: ...
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):  # pragma: no cover - GC timing
+        if not self._closed and os.environ.get("GPUXFER_WARN_LEAKS", "1") == "1":
+            try:
+                warnings.warn(f"{type(self).__name__} garbage-collected without close()",
+                              ResourceWarning, stacklevel=2)
+            except Exception:
+                pass
+
+
+class Memory(_Closable):
+    """Device memory addressable from this process: ``ptr`` .. ``ptr + nbytes``.
+
+    ``device`` is the local device that kernels touching this memory run on.
+    """
+
+    platform: "Platform"
+    device: int
+    ptr: int
+    nbytes: int
+
+    def check_range(self, offset: int, nbytes: int, what: str = "range") -> None:
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
+            raise BadInput(f"{what} [{offset}, {offset + nbytes}) lies outside "
+                           f"{type(self).__name__} of {self.nbytes} bytes")
+
+
+class DeviceBuffer(Memory):
+    """A raw, exportable allocation owned by this process."""
+
+    def __init__(self, platform: "Platform", device: int, ptr: int, nbytes: int, impl=None):
+        self.platform, self.device, self.ptr, self.nbytes, self.impl = platform, device, ptr, nbytes, impl
+
+    def _release(self) -> None:
+        self.platform._free(self)
+
+    def export(self) -> IpcHandle:
+        return self.platform.export_handle(self)
+
+    def __repr__(self) -> str:
+        return f"DeviceBuffer({self.platform.name}:{self.device}, {self.nbytes} B, ptr=0x{self.ptr:x})"
+
+
+class PeerMapping(Memory):
+    """Another process's buffer opened here over IPC (closed, never freed, by us)."""
+
+    def __init__(self, platform: "Platform", device: int, ptr: int, handle: IpcHandle, impl=None):
+        self.platform, self.device, self.ptr, self.handle, self.impl = platform, device, ptr, handle, impl
+        self.nbytes = handle.nbytes
+
+    def _release(self) -> None:
+        self.platform._close_mapping(self)
+
+    def __repr__(self) -> str:
+        return (f"PeerMapping({self.platform.name}:{self.device} <- device {self.handle.device} "
+                f"of pid {self.handle.owner_pid}, {self.nbytes} B)")
+
+
+class Stream:
+    """An ordered queue of device work. ``handle`` is the native handle (an int) or None."""
+
+    device: int
+    handle: int | None
+
+    def close(self) -> None:
+        """Release a stream made by ``create_stream`` (queued work still completes).
+
+        Idempotent; a no-op for borrowed streams (``current_stream``).
+        """
+
+
+class Event:
+    """A marker recorded on a stream."""
+
+
+# --------------------------------------------------------------------------- contract
+
+
+class Platform(abc.ABC):
+    """The hook contract. Abstract hooks must be implemented; the rest have safe defaults.
+
+    A platform object may hold per-process state (opened libraries, probe
+    results, helper streams); create one per process through
+    :func:`gpuxfer.platforms.get_platform`, and ``close()`` it at exit.
+    """
+
+    name: str = "abstract"
+    is_emulation: bool = False
+
+    # ---- detection (class-level, side-effect free) ----
+    @classmethod
+    @abc.abstractmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why this platform cannot run here, or None. Never raises, never creates a context."""
+
+    @property
+    def label(self) -> str:
+        """How outputs name this platform (emulation says so)."""
+        return f"{self.name} (EMULATION on the CPU: no GPU is used)" if self.is_emulation else self.name
+
+    # ---- devices ----
+    @abc.abstractmethod
+    def device_count(self) -> int: ...
+
+    @abc.abstractmethod
+    def device_info(self, device: int) -> DeviceInfo: ...
+
+    def link(self, src: int, dst: int) -> LinkInfo:
+        """The link between two devices; the default knows nothing."""
+        if src == dst:
+            return LinkInfo(src, dst, "same-device", True)
+        return LinkInfo(src, dst, "unknown", False, "this platform cannot tell")
+
+    def set_device(self, device: int) -> None:
+        """Make ``device`` current for this thread (driver calls use the current context)."""
+
+    def versions(self) -> dict[str, str]:
+        """Versions of the libraries this platform uses (for preambles and doctor)."""
+        return {}
+
+    # ---- memory ----
+    @abc.abstractmethod
+    def alloc(self, nbytes: int, device: int) -> DeviceBuffer:
+        """A raw exportable buffer of ``nbytes`` on ``device`` (contents undefined)."""
+
+    @abc.abstractmethod
+    def _free(self, buf: DeviceBuffer) -> None:
+        """Free ``buf``; called once by ``buf.close()``."""
+
+    @abc.abstractmethod
+    def export_handle(self, buf: DeviceBuffer) -> IpcHandle: ...
+
+    @abc.abstractmethod
+    def open_handle(self, handle: IpcHandle, device: int) -> PeerMapping:
+        """Open another process's buffer; usable from kernels and copies on ``device``."""
+
+    @abc.abstractmethod
+    def _close_mapping(self, mapping: PeerMapping) -> None: ...
+
+    @abc.abstractmethod
+    def as_tensor(self, mem: Memory, dtype=None, shape: Sequence[int] | None = None,
+                  offset: int = 0):
+        """A zero-copy torch tensor over ``mem[offset:]`` (uint8 by default; any dtype, bf16 included).
+
+        The tensor lives on ``mem.device`` (a CPU tensor on the host emulation).
+        It does not own the memory: keep ``mem`` open while it is used.
+        """
+
+    # ---- streams and events ----
+    @abc.abstractmethod
+    def create_stream(self, device: int) -> Stream: ...
+
+    @abc.abstractmethod
+    def current_stream(self, device: int) -> Stream:
+        """The stream torch enqueues work on for ``device`` in this thread."""
+
+    @abc.abstractmethod
+    def record_event(self, stream: Stream) -> Event: ...
+
+    @abc.abstractmethod
+    def stream_wait_event(self, stream: Stream, event: Event) -> None: ...
+
+    @abc.abstractmethod
+    def event_query(self, event: Event) -> bool:
+        """True once all work before the event has completed."""
+
+    def event_wait(self, event: Event, timeout_s: float) -> bool:
+        """Wait on the host for ``event``; False on timeout (never hangs)."""
+        import time
+        deadline = time.monotonic() + timeout_s
+        delay = 1e-5
+        while not self.event_query(event):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+        return True
+
+    def synchronize(self, stream: Stream, timeout_s: float = 60.0) -> bool:
+        """Wait for all work on ``stream``; False on timeout."""
+        return self.event_wait(self.record_event(stream), timeout_s)
+
+    @abc.abstractmethod
+    def launch(self, stream: Stream, fn: Callable[[], object]) -> None:
+        """Run ``fn`` (which enqueues work through torch or Triton) in ``stream``'s order."""
+
+    # ---- copies ----
+    @abc.abstractmethod
+    def copy_async(self, stream: Stream, dst: int, src: int, nbytes: int) -> None:
+        """Copy ``nbytes`` from ``src`` to ``dst`` (local or peer pointers) on ``stream``.
+
+        On GPUs this is a copy-engine copy (no SM) for peer memory.
+        """
+
+    def copy_batch_async(self, stream: Stream, dsts: np.ndarray, srcs: np.ndarray,
+                         sizes: np.ndarray) -> None:
+        """Many independent copies on ``stream`` (no order among them).
+
+        Default: one :meth:`copy_async` each. CUDA overrides it with ``cuMemcpyBatchAsync``.
+        """
+        for d, s, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
+            self.copy_async(stream, d, s, n)
+
+    @abc.abstractmethod
+    def memset_async(self, stream: Stream, ptr: int, value: int, nbytes: int) -> None: ...
+
+    # ---- flags ----
+    @abc.abstractmethod
+    def write_flag(self, stream: Stream, ptr: int, value: int) -> None:
+        """Write the 64-bit ``value`` to ``ptr`` once earlier work on ``stream`` is done (with a fence)."""
+
+    @abc.abstractmethod
+    def wait_flag(self, stream: Stream, ptr: int, value: int) -> None:
+        """Block later work on ``stream`` until ``*(int64*)ptr >= value``. Does not block the host."""
+
+    @abc.abstractmethod
+    def read_flag(self, ptr: int, device: int) -> int:
+        """Read a flag from the host, without waiting behind any stream."""
+
+    @abc.abstractmethod
+    def host_write_flag(self, ptr: int, value: int, device: int) -> None:
+        """Write a flag from the host, without waiting behind any stream (used to release waits on abort)."""
+
+    # ---- lifetime ----
+    def close(self) -> None:
+        """Release per-process state (helper streams, library handles). Idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def check_flag_ptr(ptr: int) -> None:
+    if ptr % FLAG_BYTES:
+        raise BadInput(f"flag address 0x{ptr:x} is not {FLAG_BYTES}-byte aligned")
+
+
+def as_int64_array(values: Iterable[int] | np.ndarray, name: str) -> np.ndarray:
+    arr = np.ascontiguousarray(values, dtype=np.int64)
+    if arr.ndim != 1:
+        raise BadInput(f"{name} must be one-dimensional, got shape {arr.shape}")
+    return arr
+
+
+@dataclass
+class Detection:
+    """The result of :func:`gpuxfer.platforms.detect`."""
+
+    platform: Platform
+    skipped: dict[str, str] = field(default_factory=dict)   # platform name -> why it was skipped

@@ -1,0 +1,19 @@
+"""Pipeline-parallel stage hand-off: move a stage's output tensors to the next stage's GPU.
+
+``connect()`` (collective over a CPU group) picks a backend -- ``copy_engine``
+(peer copies on copy engines, GPU-side flags, no SM kernel) where every rank
+can use it, else ``nccl`` -- and returns this rank's transports::
+
+    conn = connect(group, recv_from=prev, send_to=nxt, specs={"hidden": ((4096, 8192), torch.bfloat16)})
+    x = conn.receiver().recv().tensors          # deferred: the GPU wait is queued on first access
+    conn.sender().send({"hidden": y})
+    conn.close()
+
+Importing this package touches no GPU.
+"""
+from .selection import (BACKENDS, ENV_TRANSPORT, Connection, backend_report, connect, register_backend,
+                        requested_backend)
+from .transport import ENV_TIMEOUT, Received, SpecTable, Transport, close_all
+
+__all__ = ["BACKENDS", "ENV_TIMEOUT", "ENV_TRANSPORT", "Connection", "Received", "SpecTable", "Transport",
+           "backend_report", "close_all", "connect", "register_backend", "requested_backend"]

@@ -1,0 +1,402 @@
+"""The ``copy_engine`` backend: peer copies on copy engines, GPU-side flags, no SM kernel, no CPU wait.
+
+Memory (one pair S -> R; R = number of receive slots, >= 2)::
+
+    receiver R owns  data  = R slots x slot_bytes        (exported over IPC; S opens it)
+                     flags = [probe words | full[0..R-1]  | stage_empty[0..R-1]]   (exported; S opens it)
+    sender   S owns  staging = 2 slots x slot_bytes      (local only)
+                     flags = [probe words | empty[0..R-1] | stage_full[0..R-1]]    (exported; R opens it)
+
+Every flag word is 64-bit, on its own 64-byte line, in a buffer of its own
+(never next to data, never in a copy batch with data). Flags hold step
+numbers (step k = 1, 2, ...; slot j = (k - 1) % R) and are waited with GEQ on
+LOCAL memory only: R waits its own ``full[j]``, S waits its own ``empty[j]``.
+A flag reaches the peer either by a remote stream write into the peer's word
+(``write_flag`` on the peer mapping's address), where the setup probe showed it
+works across the pair, or else by a local stream write into ``stage_*[j]`` plus
+an 8-byte ``copy_async`` to the peer's word (CUDA 13.1+ refuses remote stream
+writes). ``GPUXFER_PP_FLAG_PATH=remote|copy`` forces one path.
+
+Timeline of step k (slot j, staging slot s = k % 2)::
+
+    S current stream      S side stream                    R current stream (first .tensors access)
+    ----------------      -------------                    -----------------------------------------
+    wait ev copied[s]
+      (step k-2's copy
+       left staging[s])
+    pack tensors ->
+      staging[s]  (SM,
+      local torch copy)
+    record ev packed ---> wait ev packed
+                          wait empty[j] >= k-R  (local;
+                            only when k > R)
+                          copy_async staging[s] ->
+                            R.data[j]     (copy engine)
+                          publish full[j] = k:
+                            remote write R.full[j], or
+                            write stage_full[j] = k;
+                            copy_async 8 B -> R.full[j] -----> wait full[j] >= k  (local)
+                          record ev copied[s]                copy-out R.data[j] -> fresh tensors
+                                                               (SM, local torch copy)
+                                                             publish empty[j] = k:
+                       empty[j] >= k  <---------------------   remote write S.empty[j], or
+                       (lets step k+R reuse slot j)            write stage_empty[j] = k;
+                                                               copy_async 8 B -> S.empty[j]
+
+Nothing on this path waits on the CPU: the sender's side stream and the
+receiver's current stream wait on flags, the streams wait on each other with
+events. The sender packs into its own staging ring (rather than copying
+straight from the caller's tensors) so ``send()`` returns with the caller free
+to overwrite its outputs in the next forward; the staging ring is counted in
+``allocated_bytes``. Back-pressure: a sender more than R steps ahead of its
+receiver stalls its side stream; more than R + 2 steps ahead, its current
+stream (the pack waits for the staging slot).
+
+Metadata (shapes) travels over the CPU group before the GPU work is queued,
+unless the pair was set up with ``metadata=False``.
+
+Setup (driven collectively by :mod:`gpuxfer.pp.selection`): allocate and zero
+the flags, export handles, open the peer's, then probe the pair: each end
+writes a nonce into the peer's probe words by both paths; the peer polls for
+them, checks a stream wait on its own word completes, and reports back whether
+the remote stream write arrived. The writer then uses the remote path only if
+its peer saw it.
+
+An ``sdma`` backend (ROCm) can subclass :class:`CopyEngineTransport` and
+override :meth:`~CopyEngineTransport.unavailable_reason`,
+:meth:`~CopyEngineTransport._peer_copy` and :meth:`~CopyEngineTransport._publish`.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+
+from ..errors import BadInput, GpuxferError, TransferTimeout
+from ..sync import wait_event_or_raise
+from .transport import RELEASE_VALUE, Layout, Received, Transport
+
+log = logging.getLogger("gpuxfer.pp")
+
+FLAG_STRIDE = 64
+W_PROBE_REMOTE, W_PROBE_COPY, W_PROBE_STAGE, W_IN = 0, 1, 2, 3
+ENV_FLAG_PATH = "GPUXFER_PP_FLAG_PATH"
+PROBE_TIMEOUT_S = 10.0
+
+
+def flag_path_from_env(value: str | None = None) -> str:
+    v = (value or os.environ.get(ENV_FLAG_PATH) or "auto").strip().lower()
+    if v not in ("auto", "remote", "copy"):
+        raise BadInput(f"{ENV_FLAG_PATH} must be auto, remote or copy, got {v!r}")
+    return v
+
+
+class CopyEngineTransport(Transport):
+    """One end of a copy-engine pair (see the module docstring for the protocol)."""
+
+    name = "copy_engine"
+    platforms = ("cuda", "host")       # ROCm: the sdma backend
+    min_slots = 2
+
+    # ---- local checks (doctor, and setup before allocating) ----
+    @classmethod
+    def unavailable_reason(cls, platform, device: int | None = None) -> str | None:
+        """Why this backend cannot run on ``platform`` here (local checks only), or None."""
+        if platform.name not in cls.platforms:
+            return (f"the {cls.name} backend runs on {', '.join(cls.platforms)}, not {platform.name}"
+                    + (" (ROCm: the sdma backend)" if platform.name == "rocm" else ""))
+        try:
+            n = platform.device_count()
+            if n < 1:
+                return "no device"
+            info = platform.device_info(0 if device is None else device)
+        except Exception as exc:  # noqa: BLE001 - a reason, not a crash
+            return f"cannot query the device: {type(exc).__name__}: {exc}"
+        if not info.stream_mem_ops_64:
+            return (f"device {info.index} ({info.name}) cannot run 64-bit stream memory operations "
+                    f"(stream flag write/wait)")
+        return None
+
+    def __init__(self, *, recv_slots: int = 2, flag_path: str = "auto", **kw):
+        super().__init__(**kw)
+        if int(recv_slots) < self.min_slots:
+            raise BadInput(f"the {self.name} backend needs >= {self.min_slots} receive slots, got {recv_slots}")
+        self.recv_slots = int(recv_slots)
+        self.flag_path = flag_path_from_env(flag_path)
+        self.remote_flags = False
+        self._aux = None                    # sender: the side stream; receiver: setup probes only
+        self._flags = self._data = self._staging = None
+        self._peer_flags = self._peer_data = None
+        self._copied = [None, None]
+        self._views: dict = {}
+        self._slot_t: list = []
+        self._staging_t: list = []
+        self._last_stream = None
+        self._nonce = 0
+
+    # ---- setup phases (called by selection.connect, every rank in lock step) ----
+    def _fptr(self, mem, word: int) -> int:
+        return mem.ptr + word * FLAG_STRIDE
+
+    @property
+    def flags_bytes(self) -> int:
+        return (W_IN + 2 * self.recv_slots) * FLAG_STRIDE
+
+    def setup_prepare(self) -> dict:
+        """Allocate and zero own memory, create the stream, export handles."""
+        p, dev = self.platform, self.device
+        p.set_device(dev)
+        self._aux = p.create_stream(dev)
+        self._flags = p.alloc(self.flags_bytes, dev)
+        p.memset_async(self._aux, self._flags.ptr, 0, self.flags_bytes)
+        if self.role == "recv":
+            self._data = p.alloc(self.recv_slots * self.specs.slot_bytes, dev)
+        else:
+            self._staging = p.alloc(2 * self.specs.slot_bytes, dev)
+        if not p.synchronize(self._aux, PROBE_TIMEOUT_S):
+            raise GpuxferError(f"zeroing the flags did not finish in {PROBE_TIMEOUT_S:g} s")
+        payload = {"flags": self._flags.export(), "slot_bytes": self.specs.slot_bytes, "slots": self.recv_slots}
+        if self._data is not None:
+            payload["data"] = self._data.export()
+        return payload
+
+    def setup_open(self, peer_payload: dict) -> None:
+        """Open the peer's handles."""
+        p, dev = self.platform, self.device
+        if peer_payload.get("slot_bytes") != self.specs.slot_bytes or peer_payload.get("slots") != self.recv_slots:
+            raise BadInput(f"rank {self.peer} set up {peer_payload.get('slots')} slots of "
+                           f"{peer_payload.get('slot_bytes')} B, this rank {self.recv_slots} of {self.specs.slot_bytes} B")
+        self._peer_flags = p.open_handle(peer_payload["flags"], dev)
+        if self._peer_flags.nbytes < self.flags_bytes:
+            raise BadInput(f"rank {self.peer}'s flags buffer holds {self._peer_flags.nbytes} B, "
+                           f"expected {self.flags_bytes}")
+        if self.role == "send":
+            self._peer_data = p.open_handle(peer_payload["data"], dev)
+            if self._peer_data.nbytes < self.recv_slots * self.specs.slot_bytes:
+                raise BadInput(f"rank {self.peer}'s receive buffer holds {self._peer_data.nbytes} B, expected "
+                               f"{self.recv_slots * self.specs.slot_bytes}")
+
+    def setup_probe_send(self, nonce: int) -> dict:
+        """Write ``nonce`` into the peer's probe words: by an 8-byte copy (required) and by a remote write."""
+        p, s = self.platform, self._aux
+        self._nonce = nonce
+        stage = self._fptr(self._flags, W_PROBE_STAGE)
+        p.write_flag(s, stage, nonce + 1)
+        self._peer_copy(s, self._fptr(self._peer_flags, W_PROBE_COPY), stage, 8)
+        wait_event_or_raise(p, p.record_event(s), PROBE_TIMEOUT_S, rank=self.rank, step=0, flag="probe (copy)",
+                            expected=nonce + 1, device=self.device,
+                            what=f"setup probe: 8-byte flag copy to rank {self.peer}")
+        if self.flag_path == "copy":
+            return {"remote_sent": False, "remote_error": f"{ENV_FLAG_PATH}=copy"}
+        try:
+            p.write_flag(s, self._fptr(self._peer_flags, W_PROBE_REMOTE), nonce + 2)
+            if not p.synchronize(s, PROBE_TIMEOUT_S):
+                raise GpuxferError(f"a remote stream write did not finish in {PROBE_TIMEOUT_S:g} s")
+        except Exception as exc:  # noqa: BLE001 - the remote path is optional: the probe says so
+            if self.flag_path == "remote":
+                raise
+            log.info("rank %d: remote stream write to rank %d refused (%s); flags go by 8-byte copies",
+                     self.rank, self.peer, exc)
+            # a failed stream op may leave the stream unusable: use a fresh one from here on
+            self._aux = p.create_stream(self.device)
+            return {"remote_sent": False, "remote_error": f"{type(exc).__name__}: {exc}"}
+        return {"remote_sent": True, "remote_error": None}
+
+    def setup_probe_check(self, peer_report: dict) -> dict:
+        """Check the peer's probe writes arrived in local memory, and that a stream wait on it completes."""
+        p, dev, nonce = self.platform, self.device, self._nonce
+        from ..sync import wait_flag_or_raise
+        word_copy = self._fptr(self._flags, W_PROBE_COPY)
+        wait_flag_or_raise(p, word_copy, nonce + 1, PROBE_TIMEOUT_S, rank=self.rank, step=0, flag="probe (copy)",
+                           device=dev, what=f"setup probe: rank {self.peer}'s 8-byte flag copy never arrived")
+        seen = p.read_flag(word_copy, dev)
+        if seen != nonce + 1:
+            raise GpuxferError(f"setup probe: rank {self.peer}'s 8-byte flag copy wrote {seen}, expected {nonce + 1}")
+        p.wait_flag(self._aux, word_copy, nonce + 1)
+        ev = p.record_event(self._aux)
+        if not p.event_wait(ev, PROBE_TIMEOUT_S):
+            p.host_write_flag(word_copy, RELEASE_VALUE, dev)
+            raise GpuxferError(f"a stream wait on a flag already set did not complete in {PROBE_TIMEOUT_S:g} s")
+        remote_seen = False
+        if peer_report.get("remote_sent"):
+            word = self._fptr(self._flags, W_PROBE_REMOTE)
+            deadline = time.monotonic() + 2.0
+            while True:
+                v = p.read_flag(word, dev)
+                if v == nonce + 2:
+                    remote_seen = True
+                    break
+                if time.monotonic() > deadline:
+                    log.info("rank %d: rank %d's remote stream write did not arrive (value %d); flags go by "
+                             "8-byte copies", self.rank, self.peer, v)
+                    break
+                time.sleep(1e-3)
+        return {"remote_seen": remote_seen}
+
+    def setup_finish(self, peer_check: dict) -> None:
+        """Choose the flag path (remote writes only where the peer saw them) and pre-resolve the hot path."""
+        import torch
+        p = self.platform
+        self.remote_flags = bool(peer_check.get("remote_seen"))
+        if self.flag_path == "remote" and not self.remote_flags:
+            raise GpuxferError(f"{ENV_FLAG_PATH}=remote but rank {self.peer} did not see this rank's remote "
+                               f"stream write")
+        R, slot = self.recv_slots, self.specs.slot_bytes
+        self._in_ptr = [self._fptr(self._flags, W_IN + j) for j in range(R)]
+        self._stage_ptr = [self._fptr(self._flags, W_IN + R + j) for j in range(R)]
+        self._peer_in_ptr = [self._fptr(self._peer_flags, W_IN + j) for j in range(R)]
+        if self.role == "recv":
+            self._slot_t = [p.as_tensor(self._data, torch.uint8, (slot,), j * slot) for j in range(R)]
+        else:
+            self._peer_slot_ptr = [self._peer_data.ptr + j * slot for j in range(R)]
+            self._staging_ptr = [self._staging.ptr + s * slot for s in range(2)]
+            self._staging_t = [p.as_tensor(self._staging, torch.uint8, (slot,), s * slot) for s in range(2)]
+        self._state = "open"
+
+    # ---- the per-step hooks an sdma-like backend may override ----
+    def _peer_copy(self, stream, dst: int, src: int, nbytes: int) -> None:
+        self.platform.copy_async(stream, dst, src, nbytes)
+
+    def _publish(self, stream, j: int, k: int) -> None:
+        """Make the peer's ``in`` word j hold k once earlier work on ``stream`` is done."""
+        if self.remote_flags:
+            self.platform.write_flag(stream, self._peer_in_ptr[j], k)
+        else:
+            stage = self._stage_ptr[j]
+            self.platform.write_flag(stream, stage, k)
+            self._peer_copy(stream, self._peer_in_ptr[j], stage, 8)
+
+    # ---- send ----
+    def _pack_views(self, s: int, layout: Layout) -> list:
+        key = (s, layout.shapes)
+        views = self._views.get(key)
+        if views is None:
+            st = self._staging_t[s]
+            views = [st[o:o + n].view(d).view(shape)
+                     for o, n, d, shape in zip(layout.offsets, layout.nbytes, self.specs.dtypes, layout.shapes)]
+            if len(self._views) > 1024:
+                self._views.clear()
+            self._views[key] = views
+        return views
+
+    def _send_impl(self, k: int, tensors, layout: Layout) -> None:
+        import torch
+        p, R = self.platform, self.recv_slots
+        cur, side = p.current_stream(self.device), self._aux
+        s = k & 1
+        copied = self._copied[s]
+        if copied is not None:
+            p.stream_wait_event(cur, copied)
+        if layout.total:
+            p.launch(cur, functools.partial(torch._foreach_copy_, self._pack_views(s, layout),
+                                            [tensors[n] for n in self.specs.names]))
+        packed = p.record_event(cur)
+        if self._host_sync and copied is not None:
+            kk = k - 2       # the pack waited for step k-2's copy, which waited for empty >= k-2-R
+            jj = (kk - 1) % R
+            wait_event_or_raise(p, packed, self.timeout_s, rank=self.rank, step=kk, flag=f"empty[{jj}]",
+                                expected=kk - R, flag_ptr=self._in_ptr[jj], device=self.device,
+                                what=f"{self.name} send to rank {self.peer}: staging slot not free")
+        p.stream_wait_event(side, packed)
+        j = (k - 1) % R
+        if k > R:
+            p.wait_flag(side, self._in_ptr[j], k - R)
+            self._wd.append((k, j, time.monotonic(), k - R))
+        if layout.total:
+            self._peer_copy(side, self._peer_slot_ptr[j], self._staging_ptr[s], layout.total)
+        self._publish(side, j, k)
+        self._copied[s] = p.record_event(side)
+
+    # ---- receive ----
+    def _recv_impl(self, rcv: Received) -> None:
+        pass   # nothing to do before the first .tensors access
+
+    def _materialize_impl(self, rcv: Received) -> None:
+        import torch
+        p, R, k = self.platform, self.recv_slots, rcv.step
+        j = (k - 1) % R
+        lay, specs = rcv.layout, self.specs
+        cur = p.current_stream(self.device)
+        p.wait_flag(cur, self._in_ptr[j], k)
+        self._wd.append((k, j, time.monotonic(), k))
+        slot = self._slot_t[j]
+        if rcv.out is None:
+            buf = torch.empty(max(lay.total, 1), dtype=torch.uint8, device=self.torch_device)
+            if lay.total:
+                p.launch(cur, functools.partial(torch.Tensor.copy_, buf[:lay.total], slot[:lay.total]))
+            views = {name: buf[o:o + n].view(d).view(shape)
+                     for name, o, n, d, shape in zip(specs.names, lay.offsets, lay.nbytes, specs.dtypes, lay.shapes)}
+        else:
+            views, srcs = {}, []
+            for name, o, n, d, shape, item in zip(specs.names, lay.offsets, lay.nbytes, specs.dtypes, lay.shapes,
+                                                  specs.itemsizes):
+                views[name] = rcv.out[name].view(-1)[:n // item].view(shape)
+                srcs.append(slot[o:o + n].view(d).view(shape))
+            if lay.total:
+                p.launch(cur, functools.partial(torch._foreach_copy_, list(views.values()), srcs))
+        self._publish(cur, j, k)
+        self._last_stream = cur
+        if self._host_sync:
+            wait_event_or_raise(p, p.record_event(cur), self.timeout_s, rank=self.rank, step=k, flag=f"full[{j}]",
+                                expected=k, flag_ptr=self._in_ptr[j], device=self.device,
+                                what=f"{self.name} receive from rank {self.peer}")
+        rcv._tensors = views
+
+    # ---- watchdog and teardown ----
+    def _watch(self, now: float, force: bool = False):
+        wd, p = self._wd, self.platform
+        flag = "full" if self.role == "recv" else "empty"
+        if not wd:
+            return None
+        newest = wd[-1]
+        if p.read_flag(self._in_ptr[newest[1]], self.device) >= newest[3]:
+            while wd:
+                if wd.popleft() is newest:
+                    break
+            return None
+        while wd:
+            k, j, t0, expected = wd[0]
+            seen = p.read_flag(self._in_ptr[j], self.device)
+            if seen >= expected:
+                wd.popleft()
+                continue
+            if force or now - t0 > self.timeout_s:
+                return TransferTimeout(rank=self.rank, step=k, flag=f"{flag}[{j}]", expected=expected, seen=seen,
+                                       timeout_s=self.timeout_s,
+                                       what=f"{self.name} {'receive from' if self.role == 'recv' else 'send to'} "
+                                            f"rank {self.peer}: waiting {now - t0:.1f} s")
+            break
+        return None
+
+    def _drain(self, timeout_s: float) -> bool:
+        p = self.platform
+        streams = [s for s in (self._aux if self.role == "send" else None, self._last_stream) if s is not None]
+        deadline = time.monotonic() + timeout_s
+        for s in streams:
+            if not p.synchronize(s, max(0.01, deadline - time.monotonic())):
+                return False
+        return True
+
+    def _release_waits(self) -> None:
+        if self._flags is None or self._flags.closed:
+            return
+        for j in range(self.recv_slots):
+            self.platform.host_write_flag(self._fptr(self._flags, W_IN + j), RELEASE_VALUE, self.device)
+        self.platform.host_write_flag(self._fptr(self._flags, W_PROBE_COPY), RELEASE_VALUE, self.device)
+
+    def _close_mappings(self) -> None:
+        for m in (self._peer_data, self._peer_flags):
+            if m is not None:
+                m.close()
+
+    def _free(self) -> None:
+        self._views.clear()
+        self._slot_t, self._staging_t = [], []
+        self._copied = [None, None]
+        for b in (self._data, self._staging, self._flags):
+            if b is not None:
+                b.close()
+
+    def _allocated(self) -> int:
+        return sum(b.nbytes for b in (self._data, self._staging, self._flags) if b is not None and not b.closed)

@@ -1,0 +1,531 @@
+"""Choosing and setting up a stage hand-off backend, collectively, so every rank makes the same choice.
+
+``GPUXFER_PP_TRANSPORT`` (or ``connect(backend=...)``) is ``auto`` (default),
+``nccl`` or ``copy_engine`` (or any backend in :data:`BACKENDS`).
+
+:func:`connect` is called by EVERY rank of the CPU group (ranks holding no
+transport too). Each rank runs every check that can differ between ranks --
+the platform, 64-bit stream memory operations, the link between the two
+stages' devices (``platform.link``), the same node (host names), allocation,
+opening the peer's handles, the remote-write probe -- inside ``try``, and the
+errors are exchanged with ``all_gather_object`` after each phase (every rank
+calls every exchange; there are no early returns). Then:
+
+* no rank failed: the zero-SM backend is used everywhere;
+* ``auto`` and some rank failed: every rank closes its peer mappings, meets the
+  others at a barrier, frees its buffers, falls back to NCCL, and logs why
+  (each failing rank's reason);
+* a zero-SM backend forced and some rank failed: every rank frees the same way
+  and raises :class:`BackendUnavailable` carrying each failing rank's reason.
+
+The choice is logged once per rank. :func:`backend_report` gives each
+backend's local verdict for ``gpuxfer doctor``.
+
+Adding a backend (e.g. ``sdma`` for ROCm, subclassing
+:class:`~gpuxfer.pp.copy_engine.CopyEngineTransport`)::
+
+    register_backend("sdma", "gpuxfer.pp.sdma", "SdmaTransport", zero_sm=True)
+
+A zero-SM backend's class provides ``platforms``, ``unavailable_reason(platform,
+device)`` and the ``setup_*`` phases of ``CopyEngineTransport``; ``auto`` tries
+the registered zero-SM backends in order and takes the first whose
+``platforms`` include the platform in use.
+
+Test hook: ``GPUXFER_PP_INJECT_FAILURE=RANK:PHASE[,RANK:PHASE...]`` (or
+``inject_failure=``) makes that rank's zero-SM setup fail in PHASE (``check``,
+``alloc``, ``open``, ``probe``).
+"""
+from __future__ import annotations
+
+import importlib
+import itertools
+import logging
+import os
+import secrets
+import socket
+from typing import Iterable, Mapping
+
+from ..errors import BackendUnavailable, BadInput, GpuxferError
+from .transport import SpecTable, Transport, close_all, resolve_timeout, WATCHDOG
+
+log = logging.getLogger("gpuxfer.pp")
+
+ENV_TRANSPORT = "GPUXFER_PP_TRANSPORT"
+ENV_INJECT = "GPUXFER_PP_INJECT_FAILURE"
+FALLBACK = "nccl"
+TAG_BASE = 1 << 20
+_TAGS_PER_CONNECTION = 1024
+_CONN_IDS = itertools.count()
+
+# name -> (module, class); zero-SM (peer-memory) backends in auto's order of preference
+BACKENDS: dict[str, tuple[str, str]] = {
+    "nccl": ("gpuxfer.pp.nccl", "NcclTransport"),
+    "copy_engine": ("gpuxfer.pp.copy_engine", "CopyEngineTransport"),
+}
+ZERO_SM: list[str] = ["copy_engine"]
+
+
+def register_backend(name: str, module: str, cls: str, *, zero_sm: bool = True) -> None:
+    """Add a backend (``zero_sm``: a peer-memory backend with CopyEngineTransport's setup phases)."""
+    BACKENDS[name] = (module, cls)
+    if zero_sm and name not in ZERO_SM:
+        ZERO_SM.append(name)
+
+
+def backend_class(name: str) -> type[Transport]:
+    if name not in BACKENDS:
+        raise BadInput(f"unknown PP transport {name!r}; known: auto, {', '.join(BACKENDS)}")
+    module, cls = BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)
+
+
+def requested_backend(backend: str | None = None) -> str:
+    """``backend``, else ``$GPUXFER_PP_TRANSPORT``, else ``auto`` (validated)."""
+    name = (backend or os.environ.get(ENV_TRANSPORT) or "auto").strip().lower()
+    if name != "auto" and name not in BACKENDS:
+        raise BadInput(f"{ENV_TRANSPORT}={name!r} is not a PP transport; choose auto, {', '.join(BACKENDS)}")
+    return name
+
+
+def _nccl_reason(platform) -> str | None:
+    try:
+        import torch.distributed as dist
+    except Exception as exc:  # noqa: BLE001
+        return f"torch.distributed cannot be imported: {exc}"
+    if not dist.is_available():
+        return "torch was built without torch.distributed"
+    if getattr(platform, "is_emulation", False):
+        return None if dist.is_gloo_available() else "gloo is not available in this torch build"
+    return None if dist.is_nccl_available() else "NCCL is not available in this torch build"
+
+
+def backend_report(platform) -> dict[str, str | None]:
+    """Each backend: None if usable on this node as far as local checks tell, else the reason."""
+    report: dict[str, str | None] = {}
+    for name in BACKENDS:
+        try:
+            cls = backend_class(name)
+            if name == FALLBACK:
+                report[name] = _nccl_reason(platform)
+                continue
+            why = cls.unavailable_reason(platform, None)
+            if why is None and platform.device_count() >= 2:
+                link = platform.link(0, 1)
+                if not link.is_fast:
+                    why = (f"devices 0 and 1 are linked by {link.kind}{' (' + link.detail + ')' if link.detail else ''}"
+                           f", not NVLink-class: stages on different devices would fall back to nccl "
+                           f"(same-device pairs still work)")
+            report[name] = why
+        except Exception as exc:  # noqa: BLE001 - a report, not a crash
+            report[name] = f"{type(exc).__name__}: {exc}"
+    return report
+
+
+# --------------------------------------------------------------------------- the connection
+
+
+class Connection:
+    """What :func:`connect` returns: this rank's transports, by peer, and the backend chosen.
+
+    ``senders[peer]`` sends to ``peer``; ``receivers[peer]`` receives from it.
+    ``backend`` is the backend in use; ``fallback_reasons`` (rank -> reason)
+    says why ``auto`` fell back to NCCL (empty otherwise).
+    """
+
+    def __init__(self, backend: str, senders: dict[int, Transport], receivers: dict[int, Transport],
+                 fallback_reasons: dict[int, str], rank: int):
+        self.backend, self.senders, self.receivers = backend, senders, receivers
+        self.fallback_reasons, self.rank = fallback_reasons, rank
+
+    @property
+    def transports(self) -> list[Transport]:
+        return list(self.receivers.values()) + list(self.senders.values())
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(t.allocated_bytes for t in self.transports)
+
+    def sender(self, peer: int | None = None) -> Transport:
+        return self._one(self.senders, peer, "sends to")
+
+    def receiver(self, peer: int | None = None) -> Transport:
+        return self._one(self.receivers, peer, "receives from")
+
+    def _one(self, d: dict, peer, what: str) -> Transport:
+        if peer is None:
+            if len(d) != 1:
+                raise BadInput(f"rank {self.rank} {what} {sorted(d)}: name the peer")
+            return next(iter(d.values()))
+        if peer not in d:
+            raise BadInput(f"rank {self.rank} {what} {sorted(d)}, not rank {peer}")
+        return d[peer]
+
+    def synchronize(self, timeout_s: float | None = None) -> None:
+        for t in self.transports:
+            t.synchronize(timeout_s)
+
+    def close(self) -> None:
+        """Tear every transport down together (safe order, see :func:`close_all`). Idempotent."""
+        close_all(self.transports)
+
+    def abort(self) -> None:
+        for t in self.transports:
+            t.abort()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Connection(rank {self.rank}, {self.backend}, sends to {sorted(self.senders)}, "
+                f"receives from {sorted(self.receivers)})")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _ranks(x) -> tuple[int, ...]:
+    if x is None:
+        return ()
+    if isinstance(x, int):
+        return (x,)
+    out = tuple(int(r) for r in x)
+    if len(set(out)) != len(out):
+        raise BadInput(f"duplicate peer ranks in {out}")
+    return out
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _injected(spec: str | None, rank: int) -> set[str]:
+    spec = spec if spec is not None else os.environ.get(ENV_INJECT, "")
+    phases = set()
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        r, _, phase = item.partition(":")
+        try:
+            if int(r) == rank:
+                phases.add(phase or "check")
+        except ValueError:
+            raise BadInput(f"{ENV_INJECT} entries are RANK:PHASE, got {item!r}") from None
+    return phases
+
+
+def _inject(phases: set[str], phase: str) -> None:
+    if phase in phases:
+        raise GpuxferError(f"injected setup failure in phase {phase!r} ({ENV_INJECT})")
+
+
+def _torch_device(platform, device: int):
+    import torch
+    return torch.device("cpu") if getattr(platform, "is_emulation", False) else torch.device("cuda", device)
+
+
+def _cpu_group(group):
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        raise BadInput("connect() needs torch.distributed initialised (a gloo CPU group for metadata)")
+    if group is None:
+        group = dist.group.WORLD
+    if "gloo" not in str(dist.get_backend(group)).lower():
+        raise BadInput(f"connect() needs a CPU (gloo) process group, got backend {dist.get_backend(group)!r}: "
+                       f"pass group=dist.new_group(backend='gloo')")
+    return group
+
+
+class _Exchange:
+    """all_gather_object over the CPU group, indexed by global rank."""
+
+    def __init__(self, group):
+        import torch.distributed as dist
+        self.dist, self.group = dist, group
+        self.size = dist.get_world_size(group)
+
+    def __call__(self, obj) -> dict[int, dict]:
+        out = [None] * self.size
+        self.dist.all_gather_object(out, obj, group=self.group)
+        return {o["rank"]: o for o in out}
+
+
+# --------------------------------------------------------------------------- connect
+
+
+def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from: int | Iterable[int] | None = None,
+            specs: Mapping | None = None, send_specs: Mapping | None = None, recv_specs: Mapping | None = None,
+            backend: str | None = None, platform=None, device: int | None = None, timeout_s: float | None = None,
+            metadata: bool = True, recv_slots: int = 2, device_group=None, flag_path: str | None = None,
+            inject_failure: str | None = None) -> Connection:
+    """Set up this rank's stage hand-off transports; collective over ``group`` (every rank calls it).
+
+    ``send_to`` / ``recv_from``: global rank(s) this rank sends to / receives
+    from (each pair is one transport; both ends must name each other).
+    ``specs`` (or ``send_specs`` / ``recv_specs``): name -> (largest shape,
+    dtype); both ends of a pair must agree. ``group``: a gloo group (default:
+    the world group, which must then be gloo-capable). ``device``: this rank's
+    device (default ``$LOCAL_RANK`` or the rank, modulo the device count).
+    ``metadata=False``: shapes do not travel; receivers pass ``recv(shapes=...)``.
+    ``device_group``: the NCCL group for the nccl backend (default: ``group``
+    on the host emulation or if it is NCCL-capable, else a new NCCL group over
+    ``group``'s ranks -- which needs every process of the default group to call
+    ``connect``). ``recv_slots`` (>= 2) and ``flag_path`` (auto|remote|copy,
+    default ``$GPUXFER_PP_FLAG_PATH``) tune the copy-engine backend.
+    """
+    import torch.distributed as dist
+
+    group = _cpu_group(group)
+    rank = dist.get_rank()
+    exchange = _Exchange(group)
+    plat = None
+    info = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "counter": next(_CONN_IDS),
+            "nonce": secrets.randbits(40) << 8, "err": None}
+    try:
+        if platform is None or isinstance(platform, str):
+            from ..platforms import get_platform
+            plat = get_platform(platform)
+        else:
+            plat = platform
+        if device is None:
+            device = int(os.environ.get("LOCAL_RANK", rank)) % plat.device_count()
+        device = int(device)
+        plat.set_device(device)
+        dinfo = plat.device_info(device)
+        sends, recvs = _ranks(send_to), _ranks(recv_from)
+        if rank in sends or rank in recvs:
+            raise BadInput(f"rank {rank} cannot send to or receive from itself")
+        sspec = SpecTable(send_specs or specs) if sends else None
+        rspec = SpecTable(recv_specs or specs) if recvs else None
+        if int(recv_slots) < 2:
+            raise BadInput(f"recv_slots must be >= 2, got {recv_slots}")
+        info.update(platform=plat.name, device=device, pci=dinfo.pci_bus_id, backend=requested_backend(backend),
+                    timeout=resolve_timeout(timeout_s), sends=sends, recvs=recvs,
+                    sdig=sspec.digest() if sspec else None, rdig=rspec.digest() if rspec else None,
+                    metadata=bool(metadata), slots=int(recv_slots))
+    except Exception as exc:  # noqa: BLE001 - exchanged, raised on every rank
+        info["err"] = _reason(exc)
+    infos = exchange(info)
+
+    # ---- the same verdict everywhere ----
+    problems: dict[int, str] = {r: i["err"] for r, i in infos.items() if i["err"]}
+    if not problems:
+        wanted = {i["backend"] for i in infos.values()}
+        if len(wanted) > 1:
+            problems.update({r: f"asks for backend {i['backend']!r}" for r, i in infos.items()})
+        for r, i in infos.items():
+            for d in i["sends"]:
+                peer = infos.get(d)
+                if peer is None:
+                    problems[r] = f"sends to rank {d}, which is not in the group"
+                elif r not in peer["recvs"]:
+                    problems[r] = f"sends to rank {d}, which does not receive from it"
+                elif i["sdig"] != peer["rdig"]:
+                    problems[r] = f"send specs {i['sdig']} differ from rank {d}'s receive specs {peer['rdig']}"
+                elif (i["metadata"], i["slots"]) != (peer["metadata"], peer["slots"]):
+                    problems[r] = f"metadata/recv_slots differ from rank {d}'s"
+            for s in i["recvs"]:
+                peer = infos.get(s)
+                if peer is None or r not in peer["sends"]:
+                    problems[r] = f"receives from rank {s}, which does not send to it"
+    if problems:
+        raise BadInput("pp connect: inconsistent setup: " +
+                       "; ".join(f"rank {r}: {why}" for r, why in sorted(problems.items())))
+
+    conn_id = infos[min(infos)]["counter"]
+    nonce = infos[min(infos)]["nonce"]
+    pairs = sorted({(r, d) for r, i in infos.items() for d in i["sends"]})
+    if len(pairs) * 4 > _TAGS_PER_CONNECTION:
+        raise BadInput(f"too many pairs in one connect: {len(pairs)}")
+    tag_of = {pair: TAG_BASE + (conn_id % 1000) * _TAGS_PER_CONNECTION + 4 * n for n, pair in enumerate(pairs)}
+    me = infos[rank]
+    common = dict(platform=plat, rank=rank, device=device, timeout_s=me["timeout"], metadata=me["metadata"],
+                  group=group, torch_device=_torch_device(plat, device))
+    my_pairs = [("send", d, (rank, d), sspec) for d in me["sends"]] + \
+               [("recv", s, (s, rank), rspec) for s in me["recvs"]]
+    wanted = me["backend"]
+    inject = _injected(inject_failure, rank)
+
+    chosen, ends, fallback = None, [], {}
+    if wanted != FALLBACK:
+        cand = wanted
+        if wanted == "auto":
+            lead = infos[min(infos)]["platform"]
+            cand = next((b for b in ZERO_SM if lead in getattr(backend_class(b), "platforms", ())), None)
+        if cand is None:
+            fallback = {r: f"no zero-SM backend for platform {infos[r]['platform']!r}" for r in infos}
+        else:
+            ok, reasons, ends = _setup_peer_memory(cand, exchange, infos, my_pairs, common, tag_of, nonce,
+                                                   recv_slots=me["slots"], flag_path=flag_path, inject=inject)
+            if ok:
+                chosen = cand
+            elif wanted == "auto":
+                fallback = reasons
+            else:
+                raise BackendUnavailable(cand, reasons)
+    if chosen is None:
+        ends = _setup_nccl(exchange, infos, my_pairs, common, tag_of, plat, group, device_group)
+        chosen = FALLBACK
+
+    senders = {t.peer: t for t in ends if t.role == "send"}
+    receivers = {t.peer: t for t in ends if t.role == "recv"}
+    for t in ends:
+        WATCHDOG.register(t)
+    detail = ""
+    if chosen != FALLBACK and ends:
+        paths = sorted({"remote stream writes" if getattr(t, "remote_flags", False) else "8-byte flag copies"
+                        for t in ends})
+        detail = f" (flags: {', '.join(paths)})"
+    if fallback:
+        log.warning("rank %d: PP transport: nccl (auto fell back from the zero-SM backend: %s)", rank,
+                    "; ".join(f"rank {r}: {why}" for r, why in sorted(fallback.items())))
+    else:
+        log.info("rank %d: PP transport: %s%s%s", rank, chosen, detail,
+                 "" if wanted == chosen else f" (requested {wanted})")
+    return Connection(chosen, senders, receivers, fallback, rank)
+
+
+def _setup_peer_memory(name, exchange, infos, my_pairs, common, tag_of, nonce, *, recv_slots, flag_path, inject):
+    """The collective setup of a zero-SM backend; returns (ok, reasons by rank, ends)."""
+    import torch.distributed as dist
+    rank, plat, device = common["rank"], common["platform"], common["device"]
+    cls = backend_class(name)
+    ends: list = []
+    failed: dict[int, str] = {}
+
+    def step(fn, obj=None):
+        nonlocal failed
+        err = None
+        if not failed:
+            try:
+                obj = fn()
+            except Exception as exc:  # noqa: BLE001 - exchanged below
+                err = _reason(exc)
+        got = exchange({"rank": rank, "err": err, "obj": obj})
+        if not failed:
+            failed = {r: g["err"] for r, g in got.items() if g["err"]}
+        return got
+
+    # 1. local checks, allocation, export
+    def prepare():
+        _inject(inject, "check")
+        why = cls.unavailable_reason(plat, device)
+        if why:
+            raise GpuxferError(why)
+        me = infos[rank]
+        for role, peer, pair, spec in my_pairs:
+            pi = infos[peer]
+            if pi["host"] != me["host"]:
+                raise GpuxferError(f"rank {peer} runs on host {pi['host']!r}, this rank on {me['host']!r}: "
+                                   f"{name} needs both stages on one node")
+            peer_dev = _local_index(plat, pi)
+            link = plat.link(device, peer_dev)
+            if not link.is_fast:
+                raise GpuxferError(f"device {device} and rank {peer}'s device {peer_dev} are linked by {link.kind}"
+                                   f"{' (' + link.detail + ')' if link.detail else ''}, not NVLink-class")
+        _inject(inject, "alloc")
+        payloads = {}
+        for role, peer, pair, spec in my_pairs:
+            t = cls(role=role, peer=peer, specs=spec, tag_base=tag_of[pair], recv_slots=recv_slots,
+                    flag_path=flag_path or "auto", **common)
+            ends.append(t)
+            payloads[pair] = t.setup_prepare()
+        return payloads
+
+    got = step(prepare, {})
+
+    def peer_obj(g, t):
+        pair = (t.rank, t.peer) if t.role == "send" else (t.peer, t.rank)
+        return g[t.peer]["obj"][pair]
+
+    # 2. open the peers' handles
+    def open_():
+        _inject(inject, "open")
+        for t in ends:
+            t.setup_open(peer_obj(got, t))
+        return {}
+
+    step(open_, {})
+
+    # 3. probe: write into the peers' probe words
+    def probe_send():
+        _inject(inject, "probe")
+        return {((t.rank, t.peer) if t.role == "send" else (t.peer, t.rank)): t.setup_probe_send(nonce) for t in ends}
+
+    sent = step(probe_send, {})
+
+    # 4. probe: check what the peers wrote here
+    def probe_check():
+        return {((t.rank, t.peer) if t.role == "send" else (t.peer, t.rank)): t.setup_probe_check(peer_obj(sent, t))
+                for t in ends}
+
+    checked = step(probe_check, {})
+
+    # 5. choose the flag paths (a forced path that does not work fails here)
+    def finish():
+        for t in ends:
+            t.setup_finish(peer_obj(checked, t))
+        return {}
+
+    step(finish, {})
+
+    if not failed:
+        return True, {}, ends
+    # every rank: close mappings, barrier, free
+    for t in ends:
+        try:
+            t._release_waits()
+            t._close_mappings()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("rank %d: closing %s mappings after a failed setup: %s", rank, name, exc)
+    dist.barrier(group=common["group"])
+    for t in ends:
+        try:
+            t._free()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("rank %d: freeing %s buffers after a failed setup: %s", rank, name, exc)
+        t._state = "closed"
+    return False, failed, []
+
+
+def _local_index(plat, peer_info) -> int:
+    """The peer's device as numbered in this process (PCI bus id where the platform knows it)."""
+    pci = peer_info.get("pci")
+    if pci is None:
+        return int(peer_info["device"])
+    for i in range(plat.device_count()):
+        if plat.device_info(i).pci_bus_id == pci:
+            return i
+    raise GpuxferError(f"rank {peer_info['rank']}'s device (PCI {pci}) is not visible in this process "
+                       f"(CUDA_VISIBLE_DEVICES?)")
+
+
+def _setup_nccl(exchange, infos, my_pairs, common, tag_of, plat, group, device_group):
+    import torch.distributed as dist
+    from .nccl import NcclTransport
+    rank = common["rank"]
+    why = _nccl_reason(plat)
+    got = exchange({"rank": rank, "err": why})
+    failed = {r: g["err"] for r, g in got.items() if g["err"]}
+    if failed:
+        raise BackendUnavailable(FALLBACK, failed)
+    if device_group is None:
+        if getattr(plat, "is_emulation", False) or "nccl" in str(dist.get_backend(group)).lower():
+            device_group = group
+        else:   # collective over the default group: every process calls connect
+            device_group = dist.new_group(ranks=sorted(infos), backend="nccl")
+    ends, err = [], None
+    try:
+        for role, peer, pair, spec in my_pairs:
+            ends.append(NcclTransport(role=role, peer=peer, specs=spec, tag_base=tag_of[pair],
+                                      device_group=device_group, data_tag=tag_of[pair] + 2, **common))
+    except Exception as exc:  # noqa: BLE001
+        err = _reason(exc)
+    got = exchange({"rank": rank, "err": err})
+    failed = {r: g["err"] for r, g in got.items() if g["err"]}
+    if failed:
+        for t in ends:
+            t._free()
+            t._state = "closed"
+        raise BackendUnavailable(FALLBACK, failed)
+    return ends

@@ -1,0 +1,749 @@
+"""The stage hand-off interface every backend implements.
+
+A :class:`Transport` connects ONE sending rank to ONE receiving rank (pairs, not
+a chain): rank ``i`` of stage ``s`` hands its outputs to rank ``i`` of stage
+``s + 1``, and a middle stage holds two transports (receive from the previous
+stage, send to the next). Transports are made collectively by
+:func:`gpuxfer.pp.selection.connect`; this module holds what every backend
+shares:
+
+* :class:`SpecTable` -- the tensors to expect (name -> largest shape, dtype),
+  validation of what the caller passes (before any GPU work and before metadata
+  goes out), the packed layout of one step (offsets aligned to 256 bytes, cached
+  per shape tuple) and the per-step metadata message (shapes only: keys and
+  dtypes are fixed by the spec).
+* :class:`Received` -- a deferred receive: ``recv()`` returns at once (after the
+  metadata, if metadata travels); the first access to ``.tensors`` queues the
+  GPU-side wait and the copy-out on the caller's current stream. Nothing waits
+  before that, so the receiver's input preparation overlaps the transfer.
+* :class:`CpuChannel` -- tagged point-to-point messages over the CPU (gloo)
+  group: per-step metadata and the pair barriers of teardown.
+* the watchdog -- one daemon thread per process, off the transfer path, that
+  polls what each transport's streams wait on (flag words, NCCL work objects)
+  and turns a wait older than ``timeout_s`` into :class:`TransferTimeout`,
+  raised on the transport's next API call or ``synchronize()``.
+* :func:`close_all` -- teardown in a safe order for any set of transports:
+  drain own streams (bounded; pending GPU waits are released if the drain times
+  out), pair barriers, close peer mappings, pair barriers, free buffers.
+
+How a sender's bad input stays consistent with its receiver: the sender
+validates first; if the input is refused and metadata travels, the sender sends
+a *refusal* message for that step instead of shapes, and both sides raise
+:class:`BadInput` without advancing their step counters (both can carry on).
+Without metadata (``metadata=False``: the receiver passes ``recv(shapes=...)``)
+nothing reaches the receiver; its wait for that step then ends in
+:class:`TransferTimeout` unless the sender retries with valid input.
+"""
+from __future__ import annotations
+
+import abc
+import collections
+import logging
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ..errors import BadInput, GpuxferError, TransferTimeout
+
+log = logging.getLogger("gpuxfer.pp")
+
+ALIGN = 256                 # byte alignment of each tensor in a packed slot
+MAX_NDIM = 8                # most dimensions a tensor may have
+ENV_TIMEOUT = "GPUXFER_PP_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0
+RELEASE_VALUE = 1 << 62     # written into local flags to release any pending GPU wait (close/abort)
+META_MAGIC = 0x67787070     # "gxpp"
+
+# why a sender refused a step (travels in the refusal message)
+_REFUSALS = {
+    1: "the tensors are not a dict of torch tensors",
+    2: "its keys differ from the setup spec",
+    3: "a dtype differs from the setup spec",
+    4: "a tensor is on the wrong device",
+    5: "a tensor is not contiguous",
+    6: "a tensor is larger than its slot (the setup spec's largest shape)",
+    7: "a tensor has too many dimensions",
+}
+
+
+def resolve_timeout(timeout_s: float | None) -> float:
+    """``timeout_s``, else ``$GPUXFER_PP_TIMEOUT_S``, else 300 s."""
+    if timeout_s is None:
+        raw = os.environ.get(ENV_TIMEOUT)
+        if raw is None or raw == "":
+            return DEFAULT_TIMEOUT_S
+        try:
+            timeout_s = float(raw)
+        except ValueError:
+            raise BadInput(f"{ENV_TIMEOUT} must be a number of seconds, got {raw!r}") from None
+    timeout_s = float(timeout_s)
+    if not timeout_s > 0:
+        raise BadInput(f"the transfer timeout must be positive, got {timeout_s}")
+    return timeout_s
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def torch_is_stream_ordered(platform) -> bool:
+    """Whether torch work on this platform's tensors is ordered on its streams.
+
+    True on GPUs. On the host emulation torch runs on the calling thread, so the
+    transport waits (bounded) for its own stream work before handing tensors to
+    the caller -- the emulation's stand-in for stream order.
+    """
+    return not getattr(platform, "is_emulation", False)
+
+
+# --------------------------------------------------------------------------- specs and layout
+
+
+class _Refusal(BadInput):
+    def __init__(self, code: int, key: int, message: str):
+        super().__init__(message)
+        self.code, self.key = code, key
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor of one step lies in a packed slot (byte offsets)."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]
+    nbytes: tuple[int, ...]
+    total: int          # bytes that travel: end of the last tensor
+
+
+class SpecTable:
+    """The tensors a transport expects: name -> (largest shape, dtype), in sorted name order."""
+
+    def __init__(self, specs: Mapping[str, tuple[Sequence[int], object]]):
+        import torch
+        if not isinstance(specs, Mapping) or not specs:
+            raise BadInput("specs must be a non-empty dict: name -> (largest shape, dtype)")
+        names, shapes, dtypes = [], [], []
+        for name in sorted(specs):
+            if not isinstance(name, str) or not name:
+                raise BadInput(f"tensor names must be non-empty strings, got {name!r}")
+            entry = specs[name]
+            if isinstance(entry, torch.Tensor):
+                entry = (tuple(entry.shape), entry.dtype)
+            try:
+                shape, dtype = entry
+            except (TypeError, ValueError):
+                raise BadInput(f"spec of {name!r} must be (shape, dtype), got {entry!r}") from None
+            if not isinstance(dtype, torch.dtype):
+                raise BadInput(f"spec of {name!r}: {dtype!r} is not a torch dtype")
+            try:
+                shape = tuple(int(s) for s in shape)
+            except (TypeError, ValueError):
+                raise BadInput(f"spec of {name!r}: shape {shape!r} is not a sequence of integers") from None
+            if len(shape) > MAX_NDIM or any(s < 0 for s in shape):
+                raise BadInput(f"spec of {name!r}: shape {shape} needs <= {MAX_NDIM} non-negative dims")
+            names.append(name)
+            shapes.append(shape)
+            dtypes.append(dtype)
+        self.names: tuple[str, ...] = tuple(names)
+        self.nameset = frozenset(names)
+        self.max_shapes: tuple[tuple[int, ...], ...] = tuple(shapes)
+        self.dtypes = tuple(dtypes)
+        self.itemsizes = tuple(torch.empty((), dtype=d).element_size() for d in dtypes)
+        self.max_nbytes = tuple(int(np.prod(s, dtype=np.int64)) * i for s, i in zip(shapes, self.itemsizes))
+        self.max_numel = tuple(int(np.prod(s, dtype=np.int64)) for s in shapes)
+        self.slot_bytes = max(ALIGN, sum(_align(n) for n in self.max_nbytes))
+        self.meta_len = 4 + len(names) * (1 + MAX_NDIM)
+        self._layouts: dict[tuple, Layout] = {}
+
+    def digest(self) -> tuple:
+        """What both ends of a pair must agree on (compared at setup)."""
+        return (self.names, tuple(str(d) for d in self.dtypes), self.max_shapes)
+
+    def describe(self) -> str:
+        return ", ".join(f"{n}: {tuple(s)} {str(d).replace('torch.', '')}"
+                         for n, s, d in zip(self.names, self.max_shapes, self.dtypes))
+
+    def layout(self, shapes: tuple[tuple[int, ...], ...]) -> Layout:
+        lay = self._layouts.get(shapes)
+        if lay is None:
+            offsets, nbytes, off, end = [], [], 0, 0
+            for shape, item in zip(shapes, self.itemsizes):
+                n = int(np.prod(shape, dtype=np.int64)) * item
+                offsets.append(off)
+                nbytes.append(n)
+                end = off + n
+                off = _align(end)
+            lay = Layout(shapes, tuple(offsets), tuple(nbytes), end)
+            if len(self._layouts) > 4096:   # shapes vary per step (token counts): keep the cache bounded
+                self._layouts.clear()
+            self._layouts[shapes] = lay
+        return lay
+
+    # ---- validation (before any GPU work and before metadata goes out) ----
+    def check_tensors(self, tensors, device) -> tuple[tuple[int, ...], ...]:
+        import torch
+        if not isinstance(tensors, Mapping):
+            raise _Refusal(1, -1, f"send() takes a dict of tensors, got {type(tensors).__name__}")
+        if tensors.keys() != self.nameset:
+            extra = sorted(set(tensors) - self.nameset)
+            missing = sorted(self.nameset - set(tensors))
+            raise _Refusal(2, -1, f"the tensors' keys differ from the setup spec: unexpected {extra}, "
+                                  f"missing {missing} (spec: {self.describe()})")
+        shapes = []
+        for i, name in enumerate(self.names):
+            t = tensors[name]
+            if not isinstance(t, torch.Tensor):
+                raise _Refusal(1, i, f"{name!r} is a {type(t).__name__}, not a torch tensor")
+            if t.dtype != self.dtypes[i]:
+                raise _Refusal(3, i, f"{name!r} has dtype {t.dtype}, the setup spec says {self.dtypes[i]}")
+            if t.device != device:
+                raise _Refusal(4, i, f"{name!r} is on {t.device}, the transport's device is {device}")
+            if not t.is_contiguous():
+                raise _Refusal(5, i, f"{name!r} is not contiguous (strides {t.stride()}); pass .contiguous()")
+            if t.dim() > MAX_NDIM:
+                raise _Refusal(7, i, f"{name!r} has {t.dim()} dimensions, at most {MAX_NDIM} are supported")
+            if t.numel() > self.max_numel[i]:
+                raise _Refusal(6, i, f"{name!r} of shape {tuple(t.shape)} ({t.numel() * self.itemsizes[i]} B) "
+                                     f"is larger than its slot: the setup spec's largest shape is "
+                                     f"{self.max_shapes[i]} ({self.max_nbytes[i]} B)")
+            shapes.append(tuple(t.shape))
+        return tuple(shapes)
+
+    def check_shapes(self, shapes) -> tuple[tuple[int, ...], ...]:
+        if not isinstance(shapes, Mapping) or shapes.keys() != self.nameset:
+            got = sorted(shapes) if isinstance(shapes, Mapping) else type(shapes).__name__
+            raise BadInput(f"recv(shapes=...) needs a dict with exactly the keys {sorted(self.nameset)}, got {got}")
+        out = []
+        for i, name in enumerate(self.names):
+            try:
+                shape = tuple(int(s) for s in shapes[name])
+            except (TypeError, ValueError):
+                raise BadInput(f"shape of {name!r} must be a sequence of integers, got {shapes[name]!r}") from None
+            if len(shape) > MAX_NDIM or any(s < 0 for s in shape):
+                raise BadInput(f"shape of {name!r} {shape} needs <= {MAX_NDIM} non-negative dims")
+            if int(np.prod(shape, dtype=np.int64)) > self.max_numel[i]:
+                raise BadInput(f"expected shape {shape} of {name!r} is larger than its slot "
+                               f"(the setup spec's largest shape is {self.max_shapes[i]})")
+            out.append(shape)
+        return tuple(out)
+
+    def check_out(self, out, device) -> None:
+        """``recv(out=...)``: persistent tensors the data is copied into (a prefix of each, by numel)."""
+        import torch
+        if not isinstance(out, Mapping) or out.keys() != self.nameset:
+            raise BadInput(f"recv(out=...) needs a dict with exactly the keys {sorted(self.nameset)}")
+        for i, name in enumerate(self.names):
+            t = out[name]
+            if not isinstance(t, torch.Tensor) or t.dtype != self.dtypes[i] or t.device != device:
+                raise BadInput(f"out[{name!r}] must be a {self.dtypes[i]} tensor on {device}")
+            if not t.is_contiguous() or t.numel() < self.max_numel[i]:
+                raise BadInput(f"out[{name!r}] must be contiguous with >= {self.max_numel[i]} elements "
+                               f"(the setup spec's largest shape {self.max_shapes[i]})")
+
+    # ---- metadata ----
+    def encode(self, buf: np.ndarray, step: int, shapes) -> None:
+        buf[:] = 0
+        buf[0], buf[1] = META_MAGIC, step
+        pos = 4
+        for shape in shapes:
+            buf[pos] = len(shape)
+            buf[pos + 1:pos + 1 + len(shape)] = shape
+            pos += 1 + MAX_NDIM
+
+    def encode_refusal(self, buf: np.ndarray, step: int, refusal: _Refusal) -> None:
+        buf[:] = 0
+        buf[0], buf[1], buf[2], buf[3] = META_MAGIC, step, refusal.code, refusal.key
+
+    def decode(self, buf: np.ndarray, *, step: int, peer: int, rank: int):
+        """Shapes for ``step``, or raise the sender's refusal as :class:`BadInput`."""
+        if int(buf[0]) != META_MAGIC or int(buf[1]) != step:
+            raise GpuxferError(f"rank {rank}: metadata from rank {peer} is out of order: expected step {step}, "
+                               f"got magic 0x{int(buf[0]):x} step {int(buf[1])}")
+        if int(buf[2]):
+            key = int(buf[3])
+            which = f" ({self.names[key]!r})" if 0 <= key < len(self.names) else ""
+            raise BadInput(f"rank {rank}: rank {peer} refused its input for step {step}{which}: "
+                           f"{_REFUSALS.get(int(buf[2]), 'unknown reason')}; nothing was sent and the step "
+                           f"was not consumed on either side")
+        shapes, pos = [], 4
+        for i in range(len(self.names)):
+            nd = int(buf[pos])
+            shapes.append(tuple(int(x) for x in buf[pos + 1:pos + 1 + nd]))
+            pos += 1 + MAX_NDIM
+        return tuple(shapes)
+
+
+# --------------------------------------------------------------------------- CPU channel
+
+
+class CpuChannel:
+    """Tagged messages to one peer over the CPU (gloo) group.
+
+    gloo's timed ``wait`` closes the pair on timeout, so a timed-out channel is
+    dead; the transport is then broken anyway (TransferTimeout is final).
+    """
+
+    RING = 4
+
+    def __init__(self, group, peer: int, tag_base: int, meta_len: int):
+        import torch
+        self.group, self.peer, self.tag_meta, self.tag_barrier = group, peer, tag_base, tag_base + 1
+        self._ring = [torch.zeros(meta_len, dtype=torch.int64) for _ in range(self.RING)]
+        self._ring_np = [t.numpy() for t in self._ring]
+        self._works: list = [None] * self.RING
+        self._i = 0
+        self._recv_buf = torch.zeros(meta_len, dtype=torch.int64)
+        self.recv_np = self._recv_buf.numpy()
+
+    def next_send_buffer(self, timeout_s: float) -> int:
+        i = self._i % self.RING
+        w = self._works[i]
+        if w is not None:
+            w.wait(timeout=timedelta(seconds=timeout_s))
+            self._works[i] = None
+        return i
+
+    def send(self, i: int) -> None:
+        import torch.distributed as dist
+        self._works[i] = dist.isend(self._ring[i], dst=self.peer, group=self.group, tag=self.tag_meta)
+        self._i += 1
+
+    def recv(self, timeout_s: float) -> np.ndarray:
+        import torch.distributed as dist
+        w = dist.irecv(self._recv_buf, src=self.peer, group=self.group, tag=self.tag_meta)
+        w.wait(timeout=timedelta(seconds=timeout_s))
+        return self.recv_np
+
+    def post_barrier(self):
+        import torch
+        import torch.distributed as dist
+        tok_out, tok_in = torch.ones(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+        return [dist.isend(tok_out, dst=self.peer, group=self.group, tag=self.tag_barrier),
+                dist.irecv(tok_in, src=self.peer, group=self.group, tag=self.tag_barrier), tok_out, tok_in]
+
+    @staticmethod
+    def finish_barrier(posted, deadline: float) -> bool:
+        try:
+            for w in posted[:2]:
+                w.wait(timeout=timedelta(seconds=max(0.05, deadline - time.monotonic())))
+            return True
+        except RuntimeError:
+            return False
+
+    def drain(self, timeout_s: float) -> None:
+        for i, w in enumerate(self._works):
+            if w is not None:
+                try:
+                    w.wait(timeout=timedelta(seconds=timeout_s))
+                except RuntimeError:
+                    pass
+                self._works[i] = None
+
+
+# --------------------------------------------------------------------------- received
+
+
+class Received:
+    """One step's tensors, received lazily.
+
+    The first access to :attr:`tensors` queues the GPU-side wait and the copy-out
+    on the caller's current stream (and returns without waiting on a GPU; on the
+    host emulation it waits, bounded, since torch runs on the calling thread).
+    Receives are materialized in step order: touching step k queues every
+    earlier step not touched yet.
+    """
+
+    __slots__ = ("_transport", "step", "layout", "out", "_tensors", "_state", "__weakref__")
+
+    def __init__(self, transport: "Transport", step: int, layout: Layout, out):
+        self._transport, self.step, self.layout, self.out = transport, step, layout, out
+        self._tensors: dict | None = None
+        self._state = None     # backend-specific (NCCL work and buffer)
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(zip(self._transport.specs.names, self.layout.shapes))
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.total
+
+    @property
+    def tensors(self) -> dict:
+        if self._tensors is None:
+            self._transport._materialize(self)
+        return self._tensors
+
+    def wait(self) -> dict:
+        """Same as :attr:`tensors`."""
+        return self.tensors
+
+    @property
+    def queued(self) -> bool:
+        """Whether the wait and copy-out have been queued."""
+        return self._tensors is not None
+
+    def __repr__(self) -> str:
+        return (f"Received(step {self.step} from rank {self._transport.peer}, {self.layout.total} B, "
+                f"{'queued' if self.queued else 'deferred'})")
+
+
+# --------------------------------------------------------------------------- transport
+
+
+class Transport(abc.ABC):
+    """One end of a pair: ``role`` is ``"send"`` (only :meth:`send`) or ``"recv"`` (only :meth:`recv`).
+
+    Made by :func:`gpuxfer.pp.selection.connect`. Attributes: ``name`` (the
+    backend), ``rank`` and ``peer`` (global ranks), ``device``, ``specs``,
+    ``timeout_s``, ``metadata`` (whether shapes travel per step), ``step`` (steps
+    done), :attr:`allocated_bytes` (device bytes this end owns).
+    """
+
+    name = "abstract"
+
+    def __init__(self, *, platform, role: str, rank: int, peer: int, device: int, specs: SpecTable,
+                 timeout_s: float, metadata: bool, group, tag_base: int, torch_device):
+        if role not in ("send", "recv"):
+            raise BadInput(f"role must be 'send' or 'recv', got {role!r}")
+        self.platform, self.role, self.rank, self.peer, self.device = platform, role, rank, peer, device
+        self.specs, self.timeout_s, self.metadata = specs, timeout_s, metadata
+        self.group, self.tag_base, self.torch_device = group, tag_base, torch_device
+        self.channel = CpuChannel(group, peer, tag_base, specs.meta_len)
+        self.step = 0
+        self._error: BaseException | None = None
+        self._state = "setup"            # setup -> open -> (closed | aborted)
+        self._pending: collections.deque[Received] = collections.deque()
+        self._host_sync = not torch_is_stream_ordered(platform)
+        self._wd: collections.deque = collections.deque()    # watchdog entries, appended on the hot path
+        self._wd_lock = threading.Lock()
+        self._teardown_phase = 0
+
+    # ---- public ----
+    @property
+    def allocated_bytes(self) -> int:
+        """Device bytes this end owns (send ring / staging, receive slots, flags); 0 once freed."""
+        return self._allocated()
+
+    @property
+    def closed(self) -> bool:
+        return self._state in ("closed", "aborted")
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error that broke this transport (a watchdog timeout...), if any."""
+        return self._error
+
+    def send(self, tensors: Mapping[str, object]) -> None:
+        """Hand ``tensors`` (the spec's keys, dtypes, shapes up to the largest) to the peer.
+
+        Returns once the work is queued: the caller may overwrite its tensors at
+        once (they were packed into a send ring slot on the current stream).
+        """
+        self._check_usable("send")
+        try:
+            shapes = self.specs.check_tensors(tensors, self.torch_device)
+        except _Refusal as refusal:
+            if self.metadata:
+                self._send_meta(lambda buf: self.specs.encode_refusal(buf, self.step + 1, refusal))
+            raise BadInput(f"rank {self.rank}: step {self.step + 1} to rank {self.peer} refused, nothing "
+                           f"sent: {refusal}") from None
+        k = self.step + 1
+        layout = self.specs.layout(shapes)
+        if self.metadata:
+            self._send_meta(lambda buf: self.specs.encode(buf, k, shapes))
+        try:
+            self._send_impl(k, tensors, layout)
+        except GpuxferError as exc:
+            self._error = self._error or exc
+            raise
+        except Exception as exc:
+            self._error = exc
+            raise
+        self.step = k
+
+    def recv(self, shapes: Mapping[str, Sequence[int]] | None = None, out: Mapping[str, object] | None = None
+             ) -> Received:
+        """The next step's tensors, deferred (see :class:`Received`).
+
+        With metadata (the default) shapes come from the sender and ``shapes``
+        must be None; with ``metadata=False`` at setup, ``shapes`` is required
+        and nothing travels. ``out``: persistent tensors to copy into (each with
+        at least the spec's largest numel; ``.tensors`` returns views of them).
+        """
+        self._check_usable("recv")
+        k = self.step + 1
+        if out is not None:
+            self.specs.check_out(out, self.torch_device)
+        if self.metadata:
+            if shapes is not None:
+                raise BadInput("recv(shapes=...) is for transports set up with metadata=False; here the "
+                               "sender's shapes travel with each step")
+            try:
+                buf = self.channel.recv(self.timeout_s)
+            except RuntimeError as exc:
+                err = TransferTimeout(rank=self.rank, step=k, flag="metadata", expected=k, seen=self.step,
+                                      timeout_s=self.timeout_s,
+                                      what=f"{self.name} receive from rank {self.peer}: no step metadata "
+                                           f"arrived over the CPU group ({exc})")
+                self._error = err
+                raise err from None
+            got = self.specs.decode(buf, step=k, peer=self.peer, rank=self.rank)
+        else:
+            if shapes is None:
+                raise BadInput("this transport was set up with metadata=False: recv() needs shapes=...")
+            got = self.specs.check_shapes(shapes)
+        rcv = Received(self, k, self.specs.layout(got), out)
+        try:
+            self._recv_impl(rcv)
+        except Exception as exc:
+            self._error = self._error or exc
+            raise
+        self.step = k
+        self._pending.append(rcv)
+        return rcv
+
+    def synchronize(self, timeout_s: float | None = None) -> None:
+        """Wait (bounded) for this end's queued work; raise the first error (TransferTimeout...)."""
+        self._check_usable("synchronize")
+        timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
+        if not self._drain(timeout_s):
+            err = self._watch(time.monotonic(), force=True) or TransferTimeout(
+                rank=self.rank, step=self.step, flag="stream", expected=self.step, seen=None,
+                timeout_s=timeout_s, what=f"{self.name} {self.role} with rank {self.peer}: own work did not finish")
+            self._error = self._error or err
+            raise self._error
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        """Drain, barrier with the peer, close mappings, barrier, free. Idempotent."""
+        close_all([self])
+
+    def abort(self) -> None:
+        """Release every pending GPU-side wait and free local resources, without talking to the peer. Idempotent."""
+        if self._state in ("closed", "aborted"):
+            return
+        prev, self._state = self._state, "aborted"
+        if self._error is None:
+            self._error = GpuxferError(f"rank {self.rank}: the {self.name} transport with rank {self.peer} "
+                                       f"was aborted")
+        try:
+            self._release_waits()
+            self._drain(min(self.timeout_s, 2.0))
+        except Exception as exc:  # noqa: BLE001 - best effort on the way out
+            log.debug("abort: drain failed: %s", exc)
+        with self._wd_lock:
+            self._wd.clear()
+        for step in (self._close_mappings, self._free):
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("rank %d: abort of %s transport: %s", self.rank, self.name, exc)
+        del prev
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        arrow = f"{self.rank} -> {self.peer}" if self.role == "send" else f"{self.peer} -> {self.rank}"
+        return (f"{type(self).__name__}({arrow}, device {self.device}, step {self.step}, "
+                f"{self.allocated_bytes} B, {self._state})")
+
+    # ---- internals shared by the backends ----
+    def _check_usable(self, what: str) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._state != "open":
+            raise BadInput(f"rank {self.rank}: cannot {what}: the {self.name} transport with rank {self.peer} "
+                           f"is {self._state}")
+        if what == "send" and self.role != "send":
+            raise BadInput(f"rank {self.rank} receives on this transport (from rank {self.peer}); it cannot send")
+        if what == "recv" and self.role != "recv":
+            raise BadInput(f"rank {self.rank} sends on this transport (to rank {self.peer}); it cannot receive")
+
+    def _send_meta(self, fill) -> None:
+        try:
+            i = self.channel.next_send_buffer(self.timeout_s)
+        except RuntimeError as exc:
+            err = TransferTimeout(rank=self.rank, step=self.step + 1, flag="metadata", expected=self.step + 1,
+                                  seen=None, timeout_s=self.timeout_s,
+                                  what=f"{self.name} send to rank {self.peer}: metadata send stuck ({exc})")
+            self._error = err
+            raise err from None
+        fill(self.channel._ring_np[i])
+        self.channel.send(i)
+
+    def _materialize(self, rcv: Received) -> None:
+        if rcv._tensors is not None:
+            return
+        self._check_usable("recv")
+        while self._pending:
+            r = self._pending.popleft()
+            try:
+                self._materialize_impl(r)
+            except Exception as exc:
+                self._error = self._error or exc
+                raise
+            if r is rcv:
+                return
+
+    def _timeout(self, *, step: int, flag: str, expected: int, seen, what: str) -> TransferTimeout:
+        return TransferTimeout(rank=self.rank, step=step, flag=flag, expected=expected, seen=seen,
+                               timeout_s=self.timeout_s, what=f"{self.name} {what}")
+
+    # ---- backend hooks ----
+    @abc.abstractmethod
+    def _send_impl(self, step: int, tensors, layout: Layout) -> None: ...
+
+    @abc.abstractmethod
+    def _recv_impl(self, rcv: Received) -> None: ...
+
+    @abc.abstractmethod
+    def _materialize_impl(self, rcv: Received) -> None: ...
+
+    @abc.abstractmethod
+    def _watch(self, now: float, force: bool = False) -> BaseException | None:
+        """Called by the watchdog thread (under ``_wd_lock``): a timeout error, or None."""
+
+    @abc.abstractmethod
+    def _drain(self, timeout_s: float) -> bool:
+        """Wait for this end's own queued work; False on timeout. Raises stream errors."""
+
+    def _release_waits(self) -> None:
+        """Unblock GPU-side waits this end's streams may be stuck in (abort / close after a timeout)."""
+
+    @abc.abstractmethod
+    def _close_mappings(self) -> None: ...
+
+    @abc.abstractmethod
+    def _free(self) -> None: ...
+
+    @abc.abstractmethod
+    def _allocated(self) -> int: ...
+
+
+# --------------------------------------------------------------------------- watchdog
+
+
+class _Watchdog:
+    """One daemon thread per process polling every open transport's pending waits (off the transfer path)."""
+
+    BUSY_S = 0.02
+    IDLE_S = 0.2
+
+    def __init__(self):
+        self._transports: "weakref.WeakSet[Transport]" = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def register(self, t: Transport) -> None:
+        with self._lock:
+            self._transports.add(t)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="gpuxfer-pp-watchdog", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                live = [t for t in self._transports if t._state == "open" and t._error is None]
+            busy = False
+            now = time.monotonic()
+            for t in live:
+                if not t._wd:
+                    continue
+                busy = True
+                try:
+                    with t._wd_lock:
+                        if t._state != "open":
+                            continue
+                        err = t._watch(now)
+                except Exception as exc:  # noqa: BLE001 - a stream error found while polling
+                    err = exc
+                if err is not None and t._error is None:
+                    t._error = err
+                    log.error("%s", err)
+            time.sleep(self.BUSY_S if busy else self.IDLE_S)
+
+
+WATCHDOG = _Watchdog()
+
+
+# --------------------------------------------------------------------------- teardown
+
+
+def close_all(transports: Sequence[Transport], timeout_s: float | None = None) -> None:
+    """Tear transports down together in a safe order (idempotent).
+
+    1. drain each end's own streams (bounded by its timeout; if that fails,
+       release its pending GPU waits and drain briefly again);
+    2. pair barrier with each peer (all posted before any is waited, so a
+       middle stage closing both of its transports cannot deadlock);
+    3. close peer mappings;  4. pair barrier again;  5. free buffers.
+    A barrier that times out (peer gone) is logged and teardown carries on.
+    """
+    todo = [t for t in transports if t._state in ("open", "setup")]
+    if not todo:
+        return
+    for t in todo:
+        t._state = "closing"
+        limit = t.timeout_s if timeout_s is None else timeout_s
+        if t._error is not None:
+            limit = min(limit, 2.0)
+        drained = False
+        try:
+            drained = t._drain(limit)
+        except Exception as exc:  # noqa: BLE001 - a failed stream: release and carry on
+            log.warning("rank %d: %s transport with rank %d: drain failed: %s", t.rank, t.name, t.peer, exc)
+        if not drained:
+            log.warning("rank %d: %s transport with rank %d did not drain in %g s; releasing its GPU waits",
+                        t.rank, t.name, t.peer, limit)
+            try:
+                t._release_waits()
+                t._drain(2.0)
+            except Exception as exc:  # noqa: BLE001
+                log.debug("release after a failed drain: %s", exc)
+        try:
+            t.channel.drain(2.0)
+        except Exception:  # noqa: BLE001
+            pass
+        with t._wd_lock:
+            t._wd.clear()
+
+    def barrier(label: str) -> None:
+        posted = []
+        for t in todo:
+            try:
+                posted.append((t, t.channel.post_barrier()))
+            except Exception as exc:  # noqa: BLE001
+                log.warning("rank %d: %s barrier with rank %d not posted: %s", t.rank, label, t.peer, exc)
+        for t, p in posted:
+            limit = min(t.timeout_s if timeout_s is None else timeout_s, 60.0)
+            if not CpuChannel.finish_barrier(p, time.monotonic() + limit):
+                log.warning("rank %d: %s barrier with rank %d timed out after %g s; tearing down anyway",
+                            t.rank, label, t.peer, limit)
+
+    barrier("teardown (before unmapping)")
+    for t in todo:
+        try:
+            t._close_mappings()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("rank %d: closing %s mappings: %s", t.rank, t.name, exc)
+    barrier("teardown (before freeing)")
+    for t in todo:
+        with t._wd_lock:
+            try:
+                t._free()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("rank %d: freeing %s buffers: %s", t.rank, t.name, exc)
+            t._state = "closed"

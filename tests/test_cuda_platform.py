@@ -1,0 +1,687 @@
+"""The CUDA platform (gpuxfer/platforms/cuda.py).
+
+CPU tests (default run): importing touches nothing, detection never raises, the
+one error checker, the pure ``cuMemcpyBatchAsync`` plumbing (chunking, both C
+ABIs, both ``cuda.bindings`` return shapes) driven end to end through fake
+entry points that copy host memory, and the enum values / struct layout we
+hard-code, checked against the installed ``cuda.bindings``.
+
+GPU tests (``-m gpu``): the stream-memory-operation probe, device info, bf16
+views, batch copies checked byte for byte on every batch path and stream kind,
+Triton on the views, as_tensor / write_flag over an IPC mapping in a second
+process (spawn), and NVLink as NVML reports it.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import types
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuxfer.errors import BadInput, DriverError
+from gpuxfer.platforms import cuda as cm
+from gpuxfer.platforms.base import IpcHandle
+
+T = 60.0
+
+# --------------------------------------------------------------------------- import / detection
+
+
+def test_import_touches_nothing():
+    code = ("import sys\n"
+            "import gpuxfer.platforms.cuda, gpuxfer.platforms\n"
+            "bad = [m for m in ('cupy', 'cupy_backends', 'cuda.bindings', 'cuda.bindings.driver', 'pynvml', 'torch')"
+            " if m in sys.modules]\n"
+            "print(','.join(bad))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"importing the cuda platform imported {out.stdout.strip()}"
+
+
+def test_unavailable_reason_here_is_a_string_or_none():
+    why = cm.CudaPlatform.unavailable_reason()
+    assert why is None or (isinstance(why, str) and why)
+    try:
+        import torch
+        if torch.version.cuda is None:
+            assert "without CUDA" in why
+    except ImportError:
+        pass
+
+
+def _fake_driver(**fns):
+    from cuda.bindings import driver
+    ns = types.SimpleNamespace(CUresult=driver.CUresult, cuGetErrorString=lambda e: (driver.CUresult(0), b"fake"))
+    ns.__dict__.update(fns)
+    return ns
+
+
+@pytest.mark.parametrize("case", ["no-libcuda", "cuinit-fails", "no-devices", "cupy-missing", "bindings-missing"])
+def test_unavailable_reason_branches(monkeypatch, case):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("cuda.bindings.driver")
+    from cuda.bindings import driver
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cm, "_cupy", lambda: (None, types.SimpleNamespace(is_hip=False), Exception))
+    ok = driver.CUresult.CUDA_SUCCESS
+
+    def boom(*_):
+        raise RuntimeError('"cuda" is an NVIDIA driver library and can only be found via system search')
+
+    if case == "no-libcuda":
+        monkeypatch.setattr(cm, "_driver", lambda: _fake_driver(cuInit=boom))
+        assert "driver library cannot be loaded" in cm.CudaPlatform.unavailable_reason()
+    elif case == "cuinit-fails":
+        monkeypatch.setattr(cm, "_driver", lambda: _fake_driver(
+            cuInit=lambda f: (driver.CUresult.CUDA_ERROR_NO_DEVICE,)))
+        assert "cuInit failed with CUDA_ERROR_NO_DEVICE" in cm.CudaPlatform.unavailable_reason()
+    elif case == "no-devices":
+        monkeypatch.setattr(cm, "_driver", lambda: _fake_driver(cuInit=lambda f: (ok,),
+                                                                cuDeviceGetCount=lambda: (ok, 0)))
+        assert "no CUDA device is visible" in cm.CudaPlatform.unavailable_reason()
+    elif case == "cupy-missing":
+        def no_cupy():
+            raise ImportError("No module named 'cupy'")
+        monkeypatch.setattr(cm, "_cupy", no_cupy)
+        assert "CuPy cannot be imported" in cm.CudaPlatform.unavailable_reason()
+    else:
+        def no_bindings():
+            raise ImportError("No module named 'cuda.bindings'")
+        monkeypatch.setattr(cm, "_driver", no_bindings)
+        assert "cuda.bindings cannot be imported" in cm.CudaPlatform.unavailable_reason()
+
+
+def test_unavailable_reason_never_raises(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+
+    def weird():
+        raise SystemError("something odd")
+    monkeypatch.setattr(cm, "_cupy", lambda: (None, types.SimpleNamespace(is_hip=False), Exception))
+    monkeypatch.setattr(cm, "_driver", lambda: _fake_driver(cuInit=lambda f: weird()))
+    why = cm.CudaPlatform.unavailable_reason()
+    assert isinstance(why, str) and "something odd" in why
+
+
+# --------------------------------------------------------------------------- the error checker
+
+
+def test_check_maps_a_failing_result_to_driver_error():
+    driver = pytest.importorskip("cuda.bindings.driver")
+    res = (driver.CUresult.CUDA_ERROR_NOT_SUPPORTED,)           # what e.g. cuStreamWriteValue64 returns
+    with pytest.raises(DriverError) as info:
+        cm.check(res, "writing flag 0x1000 := 3 on stream 7", "cuStreamWriteValue64")
+    e = info.value
+    assert (e.api, e.status_name, e.status) == ("cuStreamWriteValue64", "CUDA_ERROR_NOT_SUPPORTED", 801)
+    assert e.doing == "writing flag 0x1000 := 3 on stream 7"
+    assert "CUDA_ERROR_NOT_SUPPORTED (801)" in str(e) and "writing flag 0x1000" in str(e)
+    # calls with outputs return (err, None...) on failure
+    with pytest.raises(DriverError, match="CUDA_ERROR_INVALID_VALUE"):
+        cm.check((driver.CUresult.CUDA_ERROR_INVALID_VALUE, None, None), "reading memory info")
+
+
+def test_check_returns_outputs():
+    driver = pytest.importorskip("cuda.bindings.driver")
+    ok = driver.CUresult.CUDA_SUCCESS
+    assert cm.check((ok,), "x") is None
+    assert cm.check((ok, 5), "x") == 5
+    assert cm.check((ok, 1, 2), "x") == (1, 2)
+    assert cm.check(0, "x") is None                               # a ctypes entry point's int
+
+
+def test_check_reads_plain_ints_as_curesult():
+    pytest.importorskip("cuda.bindings.driver")
+    with pytest.raises(DriverError) as info:
+        cm.check(801, "issuing a batch", "cuMemcpyBatchAsync")
+    assert info.value.status_name == "CUDA_ERROR_NOT_SUPPORTED"
+    with pytest.raises(DriverError) as info:
+        cm.check((123456,), "y")
+    assert info.value.status_name == "CUresult(123456)" and info.value.status == 123456
+
+
+def test_check_wraps_cupy_runtime_errors():
+    pytest.importorskip("cupy_backends.cuda.api.runtime")
+    from cupy_backends.cuda.api.runtime import CUDARuntimeError
+    with pytest.raises(DriverError) as info:
+        cm.check(CUDARuntimeError(1), "allocating 64 bytes on cuda:0", "cudaMalloc")
+    e = info.value
+    assert (e.api, e.status_name, e.status) == ("cudaMalloc", "cudaErrorInvalidValue", 1)
+    assert "invalid argument" in str(e) and "allocating 64 bytes" in str(e)
+    assert isinstance(e.__cause__, CUDARuntimeError)
+
+
+def test_check_names_runtime_enums():
+    runtime = pytest.importorskip("cuda.bindings.runtime")
+    with pytest.raises(DriverError) as info:
+        cm.check((runtime.cudaError_t.cudaErrorInvalidValue,), "z", "cudaFoo")
+    assert info.value.status_name == "cudaErrorInvalidValue"
+
+
+def test_rt_routes_cupy_errors_through_check(monkeypatch):
+    pytest.importorskip("cupy_backends.cuda.api.runtime")
+    from cupy_backends.cuda.api.runtime import CUDARuntimeError
+
+    class Dev:
+        def __init__(self, d):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=Dev))
+    monkeypatch.setattr(cm, "_cupy", lambda: (fake_cupy, None, CUDARuntimeError))
+
+    def ipcOpenMemHandle(h, f):
+        raise CUDARuntimeError(400)   # cudaErrorInvalidResourceHandle
+
+    with pytest.raises(DriverError) as info:
+        cm.CudaPlatform()._rt(1, ipcOpenMemHandle, b"x", 1, doing="opening a handle")
+    assert info.value.api == "cudaIpcOpenMemHandle"
+    assert info.value.status_name == "cudaErrorInvalidResourceHandle"
+
+
+# --------------------------------------------------------------------------- batch plumbing (pure)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(0, 5000), max_size=60), per_call=st.integers(1, 17))
+def test_plan_batch_copies_chunks(sizes, per_call):
+    n = len(sizes)
+    dsts = np.arange(1, n + 1, dtype=np.int64) * 4096
+    srcs = np.arange(1, n + 1, dtype=np.int64) * 8192 + 3
+    chunks = cm.plan_batch_copies(dsts, srcs, np.array(sizes, dtype=np.int64), per_call)
+    keep = np.array(sizes, dtype=np.int64) > 0
+    assert all(0 < len(c[0]) <= per_call for c in chunks)
+    assert sum(len(c[0]) for c in chunks) == int(keep.sum())
+    assert len(chunks) == -(-int(keep.sum()) // per_call)
+    for c in chunks:
+        assert len(c[0]) == len(c[1]) == len(c[2])
+        for a in c:
+            assert a.dtype == np.uint64 and a.flags.c_contiguous
+    if chunks:
+        got = [np.concatenate([c[i] for c in chunks]).astype(np.int64) for i in range(3)]
+        for g, want in zip(got, (dsts[keep], srcs[keep], np.array(sizes, dtype=np.int64)[keep])):
+            assert np.array_equal(g, want)
+
+
+def test_plan_batch_copies_rejects_bad_input():
+    a = np.array([4096, 8192], dtype=np.int64)
+    with pytest.raises(BadInput, match="differ in length"):
+        cm.plan_batch_copies(a, a[:1], a)
+    with pytest.raises(BadInput, match="negative"):
+        cm.plan_batch_copies(a, a, np.array([1, -1]))
+    with pytest.raises(BadInput, match="null"):
+        cm.plan_batch_copies(np.array([0, 8]), a, np.array([1, 1]))
+    with pytest.raises(BadInput, match="max_per_call"):
+        cm.plan_batch_copies(a, a, a, 0)
+    with pytest.raises(BadInput, match="one-dimensional"):
+        cm.plan_batch_copies(a.reshape(2, 1), a, a)
+    assert cm.plan_batch_copies([], [], []) == []
+    # a null pointer in a zero-byte copy is dropped with it
+    assert len(cm.plan_batch_copies(np.array([0, 8]), a, np.array([0, 1]))) == 1
+
+
+def test_batch_call_args_both_abis():
+    d, s, n = cm.plan_batch_copies(np.array([16, 32, 48]), np.array([64, 80, 96]), np.array([1, 2, 3]))[0]
+    a12 = cm.batch_call_args(12080, d, s, n, 1000, 2000, 3000, 0xABC)
+    a13 = cm.batch_call_args(13000, d, s, n, 1000, 2000, 3000, 0xABC)
+    assert len(a12) == 9 and len(a13) == 8
+    assert a12[:7] == a13[:7] == (d.ctypes.data, s.ctypes.data, n.ctypes.data, 3, 1000, 2000, 1)
+    assert a12[7:] == (3000, 0xABC) and a13[7:] == (0xABC,)
+    with pytest.raises(BadInput, match="ABI"):
+        cm.batch_call_args(12000, d, s, n, 1, 2, 3, 4)
+    with pytest.raises(BadInput, match="uint64"):
+        cm.batch_call_args(13000, d.astype(np.int64), s, n, 1, 2, 3, 4)
+
+
+def test_batch_status_shapes():
+    driver = pytest.importorskip("cuda.bindings.driver")
+    ok, bad = driver.CUresult.CUDA_SUCCESS, driver.CUresult.CUDA_ERROR_INVALID_VALUE
+    assert cm.batch_status(0) == (0, None)                       # ctypes entry point
+    assert cm.batch_status((ok,)) == (ok, None)                  # cuda.bindings 13.x
+    assert cm.batch_status((ok, 0)) == (ok, 0)                   # cuda.bindings 12.8 / 12.9
+    assert cm.batch_status((bad, None)) == (bad, None)           # 12.x on error
+    assert cm.batch_status((bad, cm.SIZE_MAX)) == (bad, None)
+    assert cm.batch_status((bad, 7)) == (bad, 7)
+    with pytest.raises(TypeError):
+        cm.batch_status((ok, 1, 2))
+
+
+def _host_batch(slot: int, k: int, seed: int):
+    """k slot-sized copies between two host buffers, src slot i -> dst slot perm[i], ragged sizes (some 0).
+
+    Returns (src, dst, dsts, srcs, sizes, expected dst).
+    """
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, 256, slot * k, dtype=np.uint8)
+    dst = np.zeros(slot * k, dtype=np.uint8)
+    perm = rng.permutation(k)
+    sizes = rng.integers(0, slot + 1, k).astype(np.int64)
+    sizes[::5] = 0
+    want = np.zeros_like(dst)
+    for i in range(k):
+        want[perm[i] * slot:perm[i] * slot + sizes[i]] = src[i * slot:i * slot + sizes[i]]
+    srcs = src.ctypes.data + np.arange(k, dtype=np.int64) * slot
+    dsts = dst.ctypes.data + perm.astype(np.int64) * slot
+    return src, dst, dsts, srcs, sizes, want
+
+
+@pytest.mark.parametrize("abi", cm.BATCH_ABIS)
+def test_ctypes_batch_path_end_to_end_on_host_memory(abi):
+    """The real _batch_on ctypes path, with a fake entry point of the exact C signature that memmoves."""
+    calls = []
+    seen = {}
+    args = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_size_t] + ([ctypes.c_void_p] if abi == 12080 else []) + [ctypes.c_void_p]
+    proto = ctypes.CFUNCTYPE(ctypes.c_int, *args)
+
+    def fake(dsts, srcs, sizes, count, attrs, attr_idxs, num_attrs, *rest):
+        stream = rest[-1]
+        a = cm.CUmemcpyAttributes.from_address(attrs)
+        seen["attr"] = (a.srcAccessOrder, a.flags, a.srcLocHint.type, a.dstLocHint.type)
+        seen["idx"] = ctypes.c_size_t.from_address(attr_idxs).value
+        seen["num_attrs"], seen["stream"] = num_attrs, stream
+        d = np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(dsts))
+        s = np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(srcs))
+        n = np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(sizes))
+        for dd, ss, nn in zip(d.tolist(), s.tolist(), n.tolist()):
+            ctypes.memmove(dd, ss, nn)
+        calls.append(count)
+        return 0
+
+    fn = proto(fake)
+    src, dst, dsts, srcs, sizes, want = _host_batch(500, 40, seed=abi)
+    chunks = cm.plan_batch_copies(dsts, srcs, sizes, 7)
+    p = cm.CudaPlatform()
+    p._batch_on(("ctypes", fn, abi), 0x1234, 0, chunks)
+    assert np.array_equal(dst, want)
+    assert calls == [len(c[0]) for c in chunks] and max(calls) <= 7
+    assert seen["attr"] == (cm.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, cm.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
+                            0, 0)
+    assert seen["idx"] == 0 and seen["num_attrs"] == 1 and seen["stream"] == 0x1234
+
+
+def test_ctypes_batch_path_reports_the_failing_copy():
+    pytest.importorskip("cuda.bindings.driver")
+    args = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p]
+
+    def fake(*a):
+        ctypes.c_size_t.from_address(a[7]).value = 2
+        return 1   # CUDA_ERROR_INVALID_VALUE
+
+    fn = ctypes.CFUNCTYPE(ctypes.c_int, *args)(fake)
+    chunks = cm.plan_batch_copies(np.arange(1, 11) * 64, np.arange(1, 11) * 64 + 8192, np.ones(10, np.int64), 4)
+    with pytest.raises(DriverError) as info:
+        cm.CudaPlatform()._batch_on(("ctypes", fn, 12080), 0x99, 1, chunks)
+    e = info.value
+    assert e.api == "cuMemcpyBatchAsync" and e.status_name == "CUDA_ERROR_INVALID_VALUE"
+    assert "copies 0..3" in e.doing and "failing at copy 2" in e.doing and "cuda:1" in e.doing
+
+
+@pytest.mark.parametrize("shape", ["12.x (err, failIdx)", "13.x (err,)"])
+def test_bindings_batch_path_both_return_shapes(monkeypatch, shape):
+    driver = pytest.importorskip("cuda.bindings.driver")
+    calls = []
+
+    def fake_batch(dsts, srcs, sizes, count, attrs, idxs, num_attrs, stream):
+        assert all(isinstance(x, driver.CUdeviceptr) for x in dsts + srcs)
+        assert count == len(dsts) == len(srcs) == len(sizes) and idxs == [0] and num_attrs == 1
+        a = attrs[0]
+        assert int(a.srcAccessOrder) == 1 and int(a.flags) == 1
+        for dd, ss, nn in zip(dsts, srcs, sizes):
+            ctypes.memmove(int(dd), int(ss), nn)
+        calls.append((count, stream))
+        ok = driver.CUresult.CUDA_SUCCESS
+        return (ok, 0) if shape.startswith("12") else (ok,)
+
+    fake = types.SimpleNamespace(CUresult=driver.CUresult, CUdeviceptr=driver.CUdeviceptr,
+                                 CUmemcpyAttributes=driver.CUmemcpyAttributes,
+                                 CUmemcpySrcAccessOrder=driver.CUmemcpySrcAccessOrder,
+                                 CUmemcpyFlags=driver.CUmemcpyFlags, cuMemcpyBatchAsync=fake_batch)
+    monkeypatch.setattr(cm, "_driver", lambda: fake)
+    src, dst, dsts, srcs, sizes, want = _host_batch(400, 12, seed=3)
+    cm.CudaPlatform()._batch_on(("bindings", None, None), 77, 0, cm.plan_batch_copies(dsts, srcs, sizes, 5))
+    assert np.array_equal(dst, want) and calls and all(s == 77 and c <= 5 for c, s in calls)
+
+    def failing(*a):
+        return (driver.CUresult.CUDA_ERROR_INVALID_VALUE, None) if shape.startswith("12") else \
+            (driver.CUresult.CUDA_ERROR_INVALID_VALUE,)
+    fake.cuMemcpyBatchAsync = failing
+    with pytest.raises(DriverError, match="CUDA_ERROR_INVALID_VALUE"):
+        cm.CudaPlatform()._batch_on(("bindings", None, None), 77, 0, cm.plan_batch_copies(dsts, srcs, sizes))
+
+
+# --------------------------------------------------------------------------- hard-coded values vs cuda.bindings
+
+
+def test_constants_match_cuda_bindings():
+    d = pytest.importorskip("cuda.bindings.driver")
+    assert cm.CU_STREAM_NON_BLOCKING == int(d.CUstream_flags.CU_STREAM_NON_BLOCKING)
+    assert cm.CU_EVENT_DISABLE_TIMING == int(d.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+    assert cm.CU_MEMHOSTALLOC_PORTABLE == d.CU_MEMHOSTALLOC_PORTABLE
+    assert cm.CUDA_ERROR_NOT_READY == int(d.CUresult.CUDA_ERROR_NOT_READY)
+    assert cm.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM == int(d.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
+    assert cm.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE == int(
+        d.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE)
+    assert int(d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ) == 0
+    A = d.CUdevice_attribute
+    assert int(A.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS) == 122
+    assert int(A.CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR) == 123
+    assert int(A.CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES) == 98
+    for name in ("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR", "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR",
+                 "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT", "CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT"):
+        assert hasattr(A, name)
+    for fn in ("cuStreamWriteValue64", "cuStreamWaitValue64", "cuMemcpyAsync", "cuMemsetD8Async",
+               "cuMemcpyDtoHAsync", "cuMemcpyHtoDAsync", "cuStreamQuery", "cuStreamCreate", "cuStreamDestroy",
+               "cuEventCreate", "cuEventRecord", "cuEventDestroy", "cuStreamWaitEvent", "cuMemHostAlloc",
+               "cuMemFreeHost", "cuCtxGetCurrent", "cuCtxPushCurrent", "cuCtxPopCurrent",
+               "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease", "cuGetProcAddress", "cuDriverGetVersion",
+               "cuDeviceGetName", "cuDeviceGetPCIBusId", "cuDeviceTotalMem", "cuMemGetInfo",
+               "cuDeviceCanAccessPeer", "cuDeviceGetAttribute", "cuDeviceGetCount", "cuInit"):
+        assert hasattr(d, fn), fn
+
+
+def test_memcpy_attributes_layout_matches_cuda_bindings():
+    d = pytest.importorskip("cuda.bindings.driver")
+    ours = cm.CUmemcpyAttributes(srcAccessOrder=cm.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+                                 flags=cm.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE)
+    theirs = d.CUmemcpyAttributes()
+    theirs.srcAccessOrder = d.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    theirs.flags = d.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+    assert ctypes.sizeof(ours) == 24
+    assert bytes(ours) == ctypes.string_at(theirs.getPtr(), 24)
+
+
+def test_stream_kinds_and_value_checks():
+    assert cm.CudaStream(0, 0, None).is_legacy_default and cm.CudaStream(0, 1, None).is_legacy_default
+    assert not cm.CudaStream(0, 2, None).is_legacy_default and not cm.CudaStream(0, 0x7F00, None).owned
+    assert cm._u64(-1) == (1 << 64) - 1 and cm._u64(5) == 5 and cm._u64((1 << 64) - 1) == (1 << 64) - 1
+    for bad in (1 << 64, -(1 << 63) - 1, 1.5, True):
+        with pytest.raises(BadInput):
+            cm._u64(bad)
+
+
+def test_open_own_handle_is_refused_before_any_driver_call(monkeypatch):
+    p = cm.CudaPlatform()
+    monkeypatch.setattr(p, "_check_device", lambda d: d)
+    h = IpcHandle("cuda", 0, 64, b"\0" * 64, os.getpid())
+    with pytest.raises(BadInput, match="exported"):
+        p.open_handle(h, 0)
+    with pytest.raises(BadInput, match="64 bytes"):
+        p.open_handle(IpcHandle("cuda", 0, 64, b"\0" * 10, os.getpid() + 1), 0)
+    with pytest.raises(BadInput, match="not a CUDA IPC handle"):
+        p.open_handle(IpcHandle("host", 0, 64, b"/x", os.getpid() + 1), 0)
+
+
+# =========================================================================== GPU tests
+
+gpu = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cuda_reason():
+    return cm.CudaPlatform.unavailable_reason()
+
+
+@pytest.fixture
+def plat(cuda_reason):
+    if cuda_reason is not None:
+        pytest.skip(f"CUDA unavailable: {cuda_reason}")
+    p = cm.CudaPlatform()
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def _need_gpus(p, n):
+    if p.device_count() < n:
+        pytest.skip(f"needs {n} GPUs, {p.device_count()} visible")
+
+
+@gpu
+def test_gpu_probe_and_device_info(plat):
+    for d in range(plat.device_count()):
+        assert plat.probe_stream_mem_ops(d) is None, plat.probe_stream_mem_ops(d)
+        assert plat.probe_stream_mem_ops(d) is None            # cached
+        info = plat.device_info(d)
+        print(info.as_dict())
+        assert info.stream_mem_ops_64 and info.arch.startswith("sm_") and info.sm_count > 0
+        assert info.total_bytes > info.free_bytes > 0 and info.copy_engines >= 1
+        assert info.pci_bus_id and ":" in info.pci_bus_id
+        assert any("CAN_USE_64_BIT_STREAM_MEM_OPS" in n for n in info.notes)
+    v = plat.versions()
+    print(v)
+    assert v["cuda driver"][0].isdigit() and "unavailable" not in v["cupy"]
+
+
+@gpu
+def test_gpu_driver_calls_keep_the_callers_device(plat):
+    import torch
+    _need_gpus(plat, 2)
+    torch.cuda.set_device(0)
+    s1 = plat.create_stream(1)
+    with plat.alloc(64, 1) as buf:
+        plat.memset_async(s1, buf.ptr, 0, 64)
+        plat.write_flag(s1, buf.ptr, 3)
+        assert plat.synchronize(s1, T)
+        assert plat.read_flag(buf.ptr, 1) == 3
+        assert torch.cuda.current_device() == 0
+
+
+@gpu
+def test_gpu_as_tensor_bf16_round_trip(plat):
+    import torch
+    dev = plat.device_count() - 1
+    with plat.alloc(1 << 16, dev) as buf:
+        vals = (torch.randn(4096, device=f"cuda:{dev}") * 100).to(torch.bfloat16)
+        t = plat.as_tensor(buf, torch.bfloat16, (64, 64), offset=2048)
+        assert t.device == torch.device("cuda", dev) and t.data_ptr() == buf.ptr + 2048
+        t.copy_(vals.view(64, 64))
+        raw = plat.as_tensor(buf, torch.uint8, (8192,), offset=2048)
+        assert torch.equal(raw.view(torch.bfloat16), vals)
+        assert torch.equal(plat.as_tensor(buf, torch.bfloat16, (4096,), offset=2048).cpu(), vals.cpu())
+
+
+@gpu
+def test_gpu_triton_accepts_views(plat):
+    import torch
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    @triton.jit
+    def _double(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        tl.store(y_ptr + i, tl.load(x_ptr + i, mask=m) * 2, mask=m)
+
+    with plat.alloc(1 << 14, 0) as buf:
+        x = plat.as_tensor(buf, torch.bfloat16, (2048,))
+        y = plat.as_tensor(buf, torch.bfloat16, (2048,), offset=4096)
+        x.copy_(torch.arange(2048, device="cuda:0").to(torch.bfloat16))
+        s = plat.create_stream(0)
+        plat.launch(s, lambda: _double[(16,)](x, y, 2048, BLOCK=128))
+        assert plat.synchronize(s, T)
+        assert torch.equal(y, x * 2)
+
+
+@gpu
+@pytest.mark.parametrize("mode", ["auto", "bindings", "loop"])
+@pytest.mark.parametrize("stream_kind", ["created", "current"])
+def test_gpu_copy_batch_random_descriptors(cuda_reason, monkeypatch, mode, stream_kind):
+    import torch
+    if cuda_reason is not None:
+        pytest.skip(f"CUDA unavailable: {cuda_reason}")
+    monkeypatch.setenv(cm.BATCH_MODE_ENV, mode)
+    with cm.CudaPlatform() as p:
+        note = p.batch_copy_note()
+        print(mode, stream_kind, note)
+        if mode == "auto":
+            assert "cuMemcpyBatchAsync" in note
+        src_dev, dst_dev = 0, p.device_count() - 1
+        page, npages = 576, 20000                               # > 2 chunks of 8192
+        rng = np.random.default_rng(7)
+        src, dst = p.alloc(page * npages, src_dev), p.alloc(page * npages, dst_dev)
+        try:
+            data = torch.randint(0, 256, (page * npages,), dtype=torch.uint8, device=f"cuda:{src_dev}")
+            p.as_tensor(src).copy_(data)
+            p.as_tensor(dst).zero_()
+            torch.cuda.synchronize(src_dev)
+            torch.cuda.synchronize(dst_dev)
+            k = 17000
+            from_pages = rng.choice(npages, size=k, replace=False)
+            to_pages = rng.choice(npages, size=k, replace=False)
+            sizes = rng.integers(0, page + 1, size=k).astype(np.int64)      # ragged, some zero
+            s = p.create_stream(dst_dev) if stream_kind == "created" else p.current_stream(dst_dev)
+            p.copy_batch_async(s, dst.ptr + to_pages * page, src.ptr + from_pages * page, sizes)
+            assert p.synchronize(s, T)
+            want = torch.zeros(page * npages, dtype=torch.uint8)
+            d_cpu = data.cpu()
+            for fp, tp, n in zip(from_pages.tolist(), to_pages.tolist(), sizes.tolist()):
+                want[tp * page:tp * page + n] = d_cpu[fp * page:fp * page + n]
+            got = p.as_tensor(dst).cpu()
+            bad = (got != want).nonzero()
+            assert bad.numel() == 0, f"{bad.numel()} wrong bytes, first at {int(bad[0])}"
+        finally:
+            torch.cuda.synchronize()
+            src.close()
+            dst.close()
+
+
+@gpu
+def test_gpu_batch_on_legacy_stream_keeps_stream_order(plat):
+    """A batch on torch's legacy default stream runs after earlier work there and before later work."""
+    import torch
+    with plat.alloc(1 << 20, 0) as a, plat.alloc(1 << 20, 0) as b:
+        s = plat.current_stream(0)
+        assert s.is_legacy_default, s                    # torch's default: the legacy NULL stream
+        ta, tb = plat.as_tensor(a), plat.as_tensor(b)
+        tb.zero_()
+        torch.cuda._sleep(50_000_000)                    # long GPU work before, on the same stream
+        ta.fill_(9)
+        offs = np.arange(0, 1 << 20, 4096, dtype=np.int64)
+        plat.copy_batch_async(s, b.ptr + offs, a.ptr + offs, np.full(len(offs), 4096, dtype=np.int64))
+        tb.add_(1)                                       # after the batch, on the same stream
+        torch.cuda.synchronize(0)
+        assert int((tb != 10).sum()) == 0
+
+
+def _child_ipc_peer(handle, dev: int, n: int) -> dict:
+    """Open rank 0's buffer on ``dev``; view it (bf16), run Triton on it, try a remote flag write."""
+    import torch
+    out = {}
+    with cm.CudaPlatform() as p:
+        torch.cuda.set_device(dev)
+        m = p.open_handle(handle, dev)
+        try:
+            t = p.as_tensor(m, torch.bfloat16, (n,))
+            out["view_ok"] = t.data_ptr() == m.ptr and t.device == torch.device("cuda", dev)
+            out["cai_views_peers"] = p._cai_views_peers
+            want = torch.arange(n, device=f"cuda:{dev}").to(torch.bfloat16)
+            out["read_ok"] = bool(torch.equal(t, want))
+            t.mul_(2)                                   # SM write over NVLink / PCIe into rank 0's memory
+            torch.cuda.synchronize(dev)
+            s = p.create_stream(dev)
+            flag_ptr = m.ptr + m.nbytes - 8
+            try:
+                p.write_flag(s, flag_ptr, 4242)
+                out["remote_write"] = "ok" if p.synchronize(s, T) else "timeout"
+            except DriverError as exc:
+                out["remote_write"] = f"refused: {exc.status_name}"
+            s.close()
+        finally:
+            m.close()
+    return out
+
+
+@gpu
+@pytest.mark.timeout(300)
+def test_gpu_ipc_peer_view_and_remote_flag_write(plat, spawner):
+    import torch
+    _need_gpus(plat, 2)
+    n = 4096
+    with plat.alloc(2 * n + 64, 0) as buf:
+        t = plat.as_tensor(buf, torch.bfloat16, (n,))
+        t.copy_(torch.arange(n, device="cuda:0").to(torch.bfloat16))
+        flag = buf.ptr + buf.nbytes - 8
+        s = plat.create_stream(0)
+        plat.memset_async(s, flag, 0, 8)
+        assert plat.synchronize(s, T)
+        torch.cuda.synchronize(0)
+        child = spawner.start(_child_ipc_peer, buf.export(), 1, n, name="peer on cuda:1")
+        res = child.result(240)
+        child.join(60)
+        print("IPC peer:", res)
+        assert res["view_ok"] and res["read_ok"]
+        assert torch.equal(t, (torch.arange(n, device="cuda:0") * 2).to(torch.bfloat16))
+        seen = plat.read_flag(flag, 0)
+        if res["remote_write"] == "ok":
+            assert seen == 4242, f"the peer's cuStreamWriteValue64 reported success but the flag reads {seen}"
+        else:
+            warnings.warn(f"remote cuStreamWriteValue64 to an IPC mapping: {res['remote_write']} "
+                          "(expected from CUDA 13.1 on)")
+            assert seen == 0
+
+
+@gpu
+def test_gpu_nvlink_matches_nvml(plat):
+    _need_gpus(plat, 2)
+    pynvml = pytest.importorskip("pynvml")
+    link = plat.link(0, 1)
+    print(link.as_dict())
+    pynvml.nvmlInit()
+    try:
+        h = [pynvml.nvmlDeviceGetHandleByPciBusId(plat.pci_bus_id(i)) for i in (0, 1)]
+        status = pynvml.nvmlDeviceGetP2PStatus(h[0], h[1], 2)   # NVML_P2P_CAPS_INDEX_NVLINK
+    finally:
+        pynvml.nvmlShutdown()
+    assert link.kind == ("nvlink" if status == 0 else "pcie"), link
+    assert link.is_fast == (status == 0)
+    assert plat.link(0, 0).kind == "same-device"
+
+
+@gpu
+def test_gpu_read_flag_is_not_blocked_by_a_stuck_stream(plat):
+    dev = 0
+    with plat.alloc(16, dev) as flags:
+        s = plat.create_stream(dev)
+        plat.memset_async(s, flags.ptr, 0, 16)
+        assert plat.synchronize(s, T)
+        plat.wait_flag(s, flags.ptr, 1)
+        try:
+            ev = plat.record_event(s)
+            assert not plat.event_wait(ev, 0.1)
+            assert plat.read_flag(flags.ptr, dev) == 0            # helper stream runs past the stuck one
+            plat.host_write_flag(flags.ptr + 8, -5, dev)
+            assert plat.read_flag(flags.ptr + 8, dev) == -5
+        finally:
+            plat.host_write_flag(flags.ptr, 1, dev)
+        assert plat.synchronize(s, T)
+
+
+@gpu
+def test_gpu_driver_errors_are_typed(plat):
+    s = plat.create_stream(0)
+    bogus = IpcHandle("cuda", 0, 4096, bytes(range(1, 65)), os.getpid() + 1)   # no such allocation
+    with pytest.raises(DriverError) as info:
+        plat.open_handle(bogus, 0)
+    assert info.value.api == "cudaIpcOpenMemHandle" and info.value.status_name.startswith("cudaError")
+    assert "opening on cuda:0" in info.value.doing
+    with pytest.raises(BadInput):
+        plat.write_flag(s, 0x1004, 1)
+    with pytest.raises(BadInput):
+        plat.alloc(0, 0)
+    with pytest.raises(BadInput):
+        plat.device_info(plat.device_count())

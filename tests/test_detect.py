@@ -1,0 +1,76 @@
+"""Platform detection: order, forcing, and reasons for what was skipped."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from gpuxfer.errors import BadInput, PlatformUnavailable
+from gpuxfer.platforms import PLATFORMS, detect, get_platform, unavailable_reason
+from gpuxfer.platforms.host import HostPlatform
+
+from conftest import platform_reason
+
+
+@pytest.mark.skipif(platform_reason("cuda") is None, reason="this machine has a usable CUDA GPU")
+def test_no_gpu_detects_host_with_reasons(monkeypatch):
+    monkeypatch.delenv("GPUXFER_PLATFORM", raising=False)
+    det = detect()
+    try:
+        assert isinstance(det.platform, HostPlatform)
+        assert set(det.skipped) == set(PLATFORMS) - {"host"}
+        for name, why in det.skipped.items():
+            assert isinstance(why, str) and why.strip(), f"no reason given for skipping {name}"
+    finally:
+        det.platform.close()
+
+
+def test_reasons_never_raise():
+    for name in PLATFORMS:
+        why = unavailable_reason(name)
+        assert why is None or (isinstance(why, str) and why)
+    assert unavailable_reason("host") is None
+
+
+def test_missing_module_is_a_reason(monkeypatch):
+    monkeypatch.setitem(PLATFORMS, "rocm", ("gpuxfer.platforms._no_such_module", "RocmPlatform"))
+    why = unavailable_reason("rocm")
+    assert why is not None and "ModuleNotFoundError" in why and "_no_such_module" in why
+
+
+def test_broken_probe_is_a_reason(monkeypatch):
+    class Broken(HostPlatform):
+        @classmethod
+        def unavailable_reason(cls):
+            raise RuntimeError("driver library is corrupt")
+
+    import gpuxfer.platforms as plats
+    monkeypatch.setattr(plats, "platform_class", lambda name: Broken)
+    assert unavailable_reason("cuda") == "RuntimeError: driver library is corrupt"
+
+
+def test_forcing(monkeypatch):
+    monkeypatch.setenv("GPUXFER_PLATFORM", "host")
+    with get_platform() as p:
+        assert p.name == "host"
+    monkeypatch.delenv("GPUXFER_PLATFORM")
+    with get_platform("host") as p:
+        assert p.name == "host"
+    with pytest.raises(BadInput, match="unknown platform"):
+        detect("tpu")
+
+
+def test_forcing_an_unavailable_platform_raises(monkeypatch):
+    monkeypatch.setitem(PLATFORMS, "rocm", ("gpuxfer.platforms._no_such_module", "RocmPlatform"))
+    with pytest.raises(PlatformUnavailable) as info:
+        detect("rocm")
+    assert info.value.platform == "rocm" and "ModuleNotFoundError" in info.value.reason
+
+
+def test_importing_gpuxfer_touches_no_gpu_library():
+    code = ("import sys, gpuxfer, gpuxfer.platforms, gpuxfer.platforms.host, gpuxfer.sync; "
+            "bad = [m for m in ('cupy', 'cuda.bindings.driver', 'pynvml', 'torch', 'triton') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr

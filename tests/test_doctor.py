@@ -1,0 +1,85 @@
+"""``gpuxfer doctor``: reports, exit codes, and the capability lookups of other layers."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+
+from gpuxfer import doctor
+from gpuxfer.cli import main
+from gpuxfer.platforms import PLATFORMS
+
+
+def _json(capsys, *argv) -> tuple[int, dict]:
+    rc = main(["doctor", "--json", *argv])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_json_on_host(capsys, monkeypatch):
+    monkeypatch.setenv("GPUXFER_HOST_DEVICES", "3")
+    rc, rep = _json(capsys, "--platform", "host")
+    assert rc == 0
+    assert rep["platform"]["name"] == "host" and rep["platform"]["is_emulation"]
+    assert "EMULATION" in rep["platform"]["label"]
+    assert set(rep["skipped"]) == set(PLATFORMS) - {"host"}
+    assert all(isinstance(v, str) and v for v in rep["skipped"].values())
+    assert [d["index"] for d in rep["devices"]] == [0, 1, 2]
+    assert all(d["stream_mem_ops_64"] is True for d in rep["devices"])
+    assert len(rep["links"]) == 9
+    assert {ln["kind"] for ln in rep["links"] if ln["src"] != ln["dst"]} == {"shared-memory"}
+    for key in ("python", "gpuxfer", "torch", "triton", "numpy", "cupy", "cuda-bindings", "nvidia-ml-py", "nixl"):
+        assert rep["versions"][key]
+    for key in ("pp_backends", "kv_engines"):
+        assert (rep[key] is None) != (rep[f"{key}_note"] is None)
+
+
+def test_text_says_emulation_loudly(capsys):
+    assert main(["doctor", "--platform", "host"]) == 0
+    out = capsys.readouterr().out
+    assert "EMULATION" in out and "links" in out and "devices" in out and "versions" in out
+
+
+def test_unusable_forced_platform_reports_why_and_exits_1(capsys, monkeypatch):
+    monkeypatch.setitem(PLATFORMS, "rocm", ("gpuxfer.platforms._no_such_module", "RocmPlatform"))
+    rc, rep = _json(capsys, "--platform", "rocm")
+    assert rc == 1
+    assert rep["platform"] is None and "ModuleNotFoundError" in rep["platform_error"]
+    assert "ModuleNotFoundError" in rep["skipped"]["rocm"]
+    assert rep["versions"]["torch"]
+
+
+def test_capability_report_lookup(monkeypatch, host):
+    rep, note = doctor.capability_report("gpuxfer._not_built_yet", "backend_report", host)
+    assert rep is None and note.startswith("not built yet")
+
+    mod = types.ModuleType("gpuxfer._fake_selection")
+    mod.backend_report = lambda platform: {"nccl": None, "copy_engine": "needs NVLink"}
+    mod.broken_report = lambda platform: 1 / 0
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    assert doctor.capability_report(mod.__name__, "backend_report", host) == (
+        {"nccl": None, "copy_engine": "needs NVLink"}, None)
+    rep, note = doctor.capability_report(mod.__name__, "no_such_function", host)
+    assert rep is None and note.startswith("not built yet")
+    rep, note = doctor.capability_report(mod.__name__, "broken_report", host)
+    assert rep is None and note.startswith("report failed: ZeroDivisionError")
+
+
+def test_rendered_capability_tables(capsys, monkeypatch):
+    mod = types.ModuleType("gpuxfer._fake_engines")
+    mod.engine_report = lambda platform: {"bulk": None, "nixl": "nixl is not installed"}
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setattr(doctor, "_CAPABILITY_REPORTS", [("kv_engines", mod.__name__, "engine_report")])
+    assert main(["doctor", "--platform", "host"]) == 0
+    out = capsys.readouterr().out
+    assert "KV engines" in out and "nixl is not installed" in out
+
+
+@pytest.mark.timeout(120)
+def test_console_script_exits_0():
+    out = subprocess.run([sys.executable, "-m", "gpuxfer", "doctor", "--json"], capture_output=True, text=True,
+                         timeout=100)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["platform"]["name"]

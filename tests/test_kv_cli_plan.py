@@ -1,0 +1,141 @@
+"""`gpuxfer bench kv --plan-only`: the table, the JSON, and clear errors for bad options."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gpuxfer.cli import build_parser, main
+from gpuxfer.errors import BadInput
+from gpuxfer.kv.bench import ENGINES, parse_grid_args, parse_list, parse_run_options, parse_size
+
+
+def _run(capsys, *argv):
+    rc = main(["bench", "kv", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_plan_only_prints_the_grid(capsys):
+    rc, out, err = _run(capsys, "--plan-only")
+    assert rc == 0, err
+    for text in ("kv-dsv4", "131,304", "38,778", "183.1 MB", "1,2,4,8,16,32,64", "pool", "no batch shed"):
+        assert text in out
+
+
+def test_plan_only_reports_shed_batches_with_reasons(capsys):
+    rc, out, _ = _run(capsys, "--plan-only", "--isl", "8k,32k,128k,512k", "--pool-budget", "16GiB")
+    assert rc == 0
+    assert "shed batches" in out and "descriptor-budget" in out and "pool-budget" in out
+    assert "2,093,544" in out                  # 512k at 16-token pages
+
+
+def test_plan_only_json_matches_the_grid(capsys):
+    rc, out, _ = _run(capsys, "--plan-only", "--json", "--isl", "32k,512k", "--workload", "kv-dsv4,kv-dsv4-vllm")
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["kind"] == "gpuxfer-kv-plan"
+    grid = doc["grid"]
+    assert grid["pool_budget_bytes"] == 64 << 30 and grid["desc_budget_descriptors"] == 1 << 24
+    pts = {(p["workload"], p["isl_tokens"], p["page_tokens"]): p for p in grid["points"]}
+    assert pts[("kv-dsv4", 32768, 16)]["request_descriptors"] == 131_304
+    assert pts[("kv-dsv4", 32768, 64)]["request_descriptors"] == 38_778
+    assert pts[("kv-dsv4", 32768, 64)]["request_bytes"] == 183_066_624
+    assert pts[("kv-dsv4", 524288, 16)]["request_descriptors"] == 2_093_544
+    assert pts[("kv-dsv4-vllm", 32768, 256)]["request_descriptors"] == 132
+    p = pts[("kv-dsv4", 524288, 16)]
+    assert p["batches"] == [1, 2, 4, 8]
+    assert [s["batch"] for s in p["shed"]] == [16, 32, 64]
+    assert all(s["reason"] == "descriptor-budget" and s["detail"] for s in p["shed"])
+    assert p["pool_per_rank_bytes"] > 0 and p["bursts"][-1]["burst_descriptors"] == 8 * 2_093_544
+    assert doc["run"]["engines"] == list(ENGINES) and doc["run"]["trials"] == 5
+    assert set(doc["workloads"]) == {"kv-dsv4", "kv-dsv4-vllm"}
+    # same content as the table
+    _, table, _ = _run(capsys, "--plan-only", "--isl", "32k,512k", "--workload", "kv-dsv4,kv-dsv4-vllm")
+    for key in pts:
+        assert f"{pts[key]['request_descriptors']:,}" in table
+
+
+def test_defaults():
+    args = build_parser().parse_args(["bench", "kv"])
+    grid = parse_grid_args(args)
+    opts = parse_run_options(args)
+    assert [(p.workload.name, p.isl_tokens, p.page_tokens) for p in grid.points] == \
+        [("kv-dsv4", 32768, 16), ("kv-dsv4", 32768, 64)]
+    assert grid.points[0].batches == (1, 2, 4, 8, 16, 32, 64)
+    assert opts.engines == ("triton", "pack", "copy_engine", "bulk") and opts.directions == ("pull", "push")
+    assert opts.trials == 5 and opts.seed == 0 and opts.platform == "auto" and not opts.plan_only
+
+
+def test_without_plan_only_the_transfer_is_not_built_yet(capsys):
+    rc, _, err = _run(capsys)
+    assert rc == 2 and "not built yet" in err
+
+
+@pytest.mark.parametrize("argv,option", [
+    (["--isl", "3x"], "--isl"),
+    (["--isl", "0"], "--isl"),
+    (["--isl", "1.3k"], "--isl"),
+    (["--isl", ""], "--isl"),
+    (["--page", "6"], "--page"),
+    (["--page", "16", "--workload", "kv-dsv4-vllm"], "--page"),
+    (["--page", "16,,64"], "--page"),
+    (["--batch", "0"], "--batch"),
+    (["--batch", "two"], "--batch"),
+    (["--pool-budget", "lots"], "--pool-budget"),
+    (["--pool-budget", "0GiB"], "--pool-budget"),
+    (["--pool-budget", "64Gx"], "--pool-budget"),
+    (["--desc-budget", "-5"], "--desc-budget"),
+    (["--trials", "0"], "--trials"),
+    (["--trials", "x"], "--trials"),
+    (["--engine", "nixl"], "--engine"),
+    (["--direction", "sideways"], "--direction"),
+    (["--workload", "kv-llama"], "--workload"),
+    (["--seed", "-1"], "--seed"),
+    (["--seed", "abc"], "--seed"),
+    (["--platform", "tpu"], "--platform"),
+    (["--out", " "], "--out"),
+])
+def test_bad_options_fail_clearly(capsys, argv, option):
+    rc, out, err = _run(capsys, "--plan-only", *argv)
+    assert rc == 2 and out == ""
+    assert err.startswith("gpuxfer bench kv: error: ") and option in err
+
+
+def test_unknown_workload_error_lists_the_known_ones(capsys):
+    _, _, err = _run(capsys, "--plan-only", "--workload", "kv-llama")
+    for name in ("kv-dsv4", "kv-dsv4-vllm", "kv-mla", "kv-gqa"):
+        assert name in err
+
+
+@pytest.mark.parametrize("text,kind,value", [
+    ("32k", "tokens", 32768), ("512K", "tokens", 524288), ("4096", "tokens", 4096), ("1.5k", "tokens", 1536),
+    ("64GiB", "bytes", 64 << 30), ("64G", "bytes", 64 << 30), ("64GB", "bytes", 64 * 10 ** 9),
+    ("512MiB", "bytes", 512 << 20), ("100B", "bytes", 100), ("16M", "descriptors", 1 << 24),
+])
+def test_parse_size(text, kind, value):
+    assert parse_size(text, option="--x", kind=kind) == value
+
+
+@pytest.mark.parametrize("text", ["", "k", "-1", "0", "1.3k", "12 apples", "64GB", "0.5"])
+def test_parse_size_rejects(text):
+    with pytest.raises(BadInput, match="--x"):
+        parse_size(text, option="--x", kind="tokens")
+
+
+def test_parse_list():
+    assert parse_list("1, 2,2,3", option="--b", item=int) == [1, 2, 3]
+    for bad in ("", " ", "1,", ",1"):
+        with pytest.raises(BadInput, match="--b"):
+            parse_list(bad, option="--b", item=int)
+
+
+def test_plan_only_end_to_end_in_a_fresh_process():
+    env = dict(os.environ, GPUXFER_PLATFORM="host")
+    proc = subprocess.run([sys.executable, "-m", "gpuxfer", "bench", "kv", "--plan-only", "--json"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["grid"]["points"][0]["request_descriptors"] == 131_304
