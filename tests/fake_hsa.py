@@ -14,7 +14,11 @@ It behaves as /work/shared/notes/rocm_sdma.md §3.3 describes ROCr:
 * ``hsa_amd_memory_async_copy_on_engine`` reads every dependency signal **when
   the copy is queued**: a dependency that is 0 then adds nothing; a non-zero one
   becomes a poll that blocks that engine's ring until the signal reads 0;
-* a copy's completion decrements its completion signal by one;
+* a copy's completion decrements its completion signal by one -- atomically
+  with ``atomic_completion=True`` (ROCr's SDMA ATOMIC ADD64 where the GPU-CPU
+  link has 64-bit PCIe atomics), else by *writing* the value the signal had
+  when the copy was queued minus one (ROCr's FENCE), which loses decrements
+  when copies share a signal;
 * consecutive runnable packets of one engine may overlap: with ``overlap=True``
   (the default) a run of packets with no pending poll executes *last first*, so
   a protocol that relies on queue order instead of dependency signals is caught;
@@ -25,17 +29,31 @@ It behaves as /work/shared/notes/rocm_sdma.md §3.3 describes ROCr:
 
 Engines progress only when the test calls :meth:`FakeHsaLib.pump`, inside a
 signal wait, or continuously once :meth:`FakeHsaLib.start` runs a pump thread.
-Every call is recorded in ``calls`` and every executed packet in ``executed``.
+``calls`` is one ordered log of what the host did (copies queued, signal
+stores, and -- through :class:`FakeRocmPlatform` -- stream operations queued)
+and of what the engines did (``("exec", packet id)``); ``executed`` lists the
+packets in execution order.
+
+:class:`FakeRocmPlatform` is the host emulation dressed as ROCm for the sdma
+backend: ``alloc_flags``, ``alloc_signal`` (a fake ROCr signal whose value word
+host streams write), ``hsa()``, ``agent(device)``, ``pcie_atomics_64``,
+``copy_async(force_nocu=)``, IPC mappings registered with the fake's
+``hsa_amd_pointer_info`` (owner = the exporting device's GPU agent).
 """
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
+import os
 import threading
 import time
 from dataclasses import dataclass, field
 
+from gpuxfer.errors import DriverError
 from gpuxfer.platforms import hsa as H
+from gpuxfer.platforms.base import DeviceInfo
+from gpuxfer.platforms.host import HostPlatform
 
 _U64 = (1 << 64) - 1
 
@@ -75,6 +93,7 @@ class Packet:
     completion: int
     deps: list[int]
     dep_values: list[int]
+    completion_at_submit: int = 0
 
 
 @dataclass
@@ -94,11 +113,12 @@ class FakeHsaLib:
 
     def __init__(self, gpus: int = 2, *, num_sdma: int = 2, num_sdma_xgmi: int = 14, overlap: bool = True,
                  preferred: dict | None = None, available: dict | None = None, missing: tuple[str, ...] = (),
-                 ts_hz: int = 1_000_000_000):
+                 ts_hz: int = 1_000_000_000, atomic_completion: bool = True):
         self.gpus = [FakeGpu(0x1000 + 0x100 * i, node=2 + i, driver_node=2 + i, bdfid=(0xC1 + i) << 8)
                      for i in range(gpus)]
         self.num_sdma, self.num_sdma_xgmi = num_sdma, num_sdma_xgmi
         self.overlap = overlap
+        self.atomic_completion = atomic_completion
         self.preferred = dict(preferred or {})     # (dst_agent, src_agent) -> mask
         self.available = dict(available or {})     # (dst_agent, src_agent) -> mask
         self.missing = set(missing)                # functions this "ROCr" does not export
@@ -123,7 +143,8 @@ class FakeHsaLib:
         return object.__getattribute__(self, name)
 
     def _rec(self, *entry) -> None:
-        self.calls.append(entry)
+        with self._lock:
+            self.calls.append(entry)
 
     def _status(self, name: str) -> int:
         return self.fail.get(name, H.HSA_STATUS_SUCCESS)
@@ -171,8 +192,12 @@ class FakeHsaLib:
                     for p in (reversed(run) if self.overlap else run):
                         if p.size:
                             ctypes.memmove(p.dst, p.src, p.size)
-                        self._set(p.completion, self.signal_value(p.completion) - 1)
+                        if self.atomic_completion:
+                            self._set(p.completion, self.signal_value(p.completion) - 1)
+                        else:
+                            self._set(p.completion, p.completion_at_submit - 1)
                         self.executed.append(p)
+                        self.calls.append(("exec", p.id))
                         ran += 1
         return ran
 
@@ -330,10 +355,10 @@ class FakeHsaLib:
                 return 0x1006
             values = [self.signal_value(d) for d in deps]            # read NOW, at queue time
             p = Packet(next(self._ids), eng, _val(dst) or 0, _val(src) or 0, int(_val(size)),
-                       [d for d, v in zip(deps, values) if v != 0], comp, deps, values)
+                       [d for d, v in zip(deps, values) if v != 0], comp, deps, values, self.signal_value(comp))
             self._queues.setdefault(eng, []).append(p)
-        self._rec("copy", p.id, eng, p.dst, p.src, p.size, tuple(deps), tuple(values), comp,
-                  bool(_val(force_copy_on_sdma)))
+            self.calls.append(("copy", p.id, eng, p.dst, p.src, p.size, tuple(deps), tuple(values), comp,
+                               bool(_val(force_copy_on_sdma))))
         return H.HSA_STATUS_SUCCESS
 
     def _default_mask(self, da: int, sa: int) -> int:
@@ -365,3 +390,98 @@ class FakeHsaLib:
         else:
             out.type = H.HSA_EXT_POINTER_TYPE_UNKNOWN
         return self._status("hsa_amd_pointer_info")
+
+
+# --------------------------------------------------------------------------- a fake ROCm platform
+
+
+class FakeSignalMemory:
+    """What ``RocmPlatform.alloc_signal`` returns: the value word ``ptr`` and the signal ``handle``."""
+
+    def __init__(self, lib: FakeHsaLib, handle: int, device: int):
+        self.lib, self.handle, self.ptr, self.device = lib, handle, handle + 8, device
+        self.closed = False
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            with self.lib._lock:
+                self.lib._signals.pop(self.handle, None)
+
+
+class FakeRocmPlatform(HostPlatform):
+    """The host emulation with the ROCm-only hooks the sdma backend uses, over a :class:`FakeHsaLib`.
+
+    ``hsa_error``: make ``hsa()`` fail as on a machine whose ROCr cannot be
+    loaded. ``allow_self_open``: let this process open its own IPC handles (a
+    second mapping of the same memory, at another address), so both ends of a
+    pair can live in one test process.
+    """
+
+    name = "rocm"
+
+    def __init__(self, lib: FakeHsaLib | None = None, devices: int = 2, *, hsa_error: str | None = None,
+                 pcie_atomics: bool | None = None, allow_self_open: bool = False):
+        super().__init__(devices)
+        self.lib = lib if lib is not None else FakeHsaLib(gpus=devices)
+        self.hsa_error, self.pcie_atomics, self.allow_self_open = hsa_error, pcie_atomics, allow_self_open
+        self._hsa_obj = None
+
+    def device_info(self, device: int) -> DeviceInfo:
+        info = super().device_info(device)
+        g = self.lib.gpus[device]
+        return DeviceInfo(**{**info.__dict__, "pci_bus_id": f"0000:{g.bdfid >> 8:02x}:00.0", "name": "fake-gfx950",
+                             "notes": info.notes})
+
+    # ---- the ROCm-only hooks ----
+    def hsa(self):
+        if self.hsa_error:
+            raise DriverError("dlopen", "LIBRARY_NOT_FOUND", -1, "loading the HSA runtime (ROCr)", self.hsa_error)
+        if self._hsa_obj is None:
+            self._hsa_obj = H.Hsa(lib=self.lib).init()
+        return self._hsa_obj
+
+    def agent(self, device: int):
+        return self.hsa().gpu_agent_by_pci(self.device_info(device).pci_bus_id)
+
+    def pcie_atomics_64(self, device: int):
+        return self.pcie_atomics
+
+    def alloc_flags(self, nbytes: int, device: int):
+        return self.alloc(nbytes, device)
+
+    def alloc_signal(self, device: int) -> FakeSignalMemory:
+        return FakeSignalMemory(self.lib, self.lib.make_signal(1), device)
+
+    # ---- recorded stream work ----
+    def _log(self, *entry) -> None:
+        self.lib._rec(*entry)
+
+    def copy_async(self, stream, dst, src, nbytes, *, force_nocu: bool = False) -> None:
+        self._log("stream copy", stream.name, int(dst), int(src), int(nbytes), force_nocu)
+        super().copy_async(stream, dst, src, nbytes)
+
+    def write_flag(self, stream, ptr, value) -> None:
+        self._log("stream write", stream.name, int(ptr), int(value))
+        super().write_flag(stream, ptr, value)
+
+    def wait_flag(self, stream, ptr, value) -> None:
+        self._log("stream wait", stream.name, int(ptr), int(value))
+        super().wait_flag(stream, ptr, value)
+
+    def stream_wait_event(self, stream, event) -> None:
+        self._log("stream wait event", stream.name)
+        super().stream_wait_event(stream, event)
+
+    # ---- IPC, registered with the fake's pointer table ----
+    def open_handle(self, handle, device: int):
+        if self.allow_self_open and handle.owner_pid == os.getpid():
+            handle = dataclasses.replace(handle, owner_pid=-1)
+        m = super().open_handle(handle, device)
+        self.lib.register_memory(m.ptr, m.nbytes, self.lib.gpus[handle.device].handle, H.HSA_EXT_POINTER_TYPE_IPC)
+        return m
+
+    def close(self) -> None:
+        super().close()
+        if self._hsa_obj is not None:
+            self._hsa_obj.close()

@@ -496,6 +496,23 @@ def test_gpu_as_tensor_bf16_round_trip(plat):
 
 
 @gpu
+def test_gpu_view_by_storage_fallback(plat):
+    """The fallback view (used where torch would resolve an IPC mapping's device from the pointer)."""
+    import torch
+    dev = plat.device_count() - 1
+    with plat.alloc(4096, dev) as buf:
+        plat.as_tensor(buf).zero_()
+        v = cm._view_by_storage(buf.ptr + 512, 1024, torch.device("cuda", dev))
+        assert v.data_ptr() == buf.ptr + 512 and v.device == torch.device("cuda", dev) and v.numel() == 1024
+        v.fill_(7)
+        torch.cuda.synchronize(dev)
+        raw = plat.as_tensor(buf).cpu()
+        assert int((raw[512:1536] != 7).sum()) == 0
+        assert int(raw[:512].count_nonzero()) == 0 and int(raw[1536:].count_nonzero()) == 0
+        del v
+
+
+@gpu
 def test_gpu_triton_accepts_views(plat):
     import torch
     triton = pytest.importorskip("triton")
@@ -518,7 +535,7 @@ def test_gpu_triton_accepts_views(plat):
 
 
 @gpu
-@pytest.mark.parametrize("mode", ["auto", "bindings", "loop"])
+@pytest.mark.parametrize("mode", ["auto", "ctypes12080", "bindings", "loop"])
 @pytest.mark.parametrize("stream_kind", ["created", "current"])
 def test_gpu_copy_batch_random_descriptors(cuda_reason, monkeypatch, mode, stream_kind):
     import torch
@@ -528,8 +545,9 @@ def test_gpu_copy_batch_random_descriptors(cuda_reason, monkeypatch, mode, strea
     with cm.CudaPlatform() as p:
         note = p.batch_copy_note()
         print(mode, stream_kind, note)
-        if mode == "auto":
-            assert "cuMemcpyBatchAsync" in note
+        if mode in ("auto", "ctypes12080"):
+            assert "cuMemcpyBatchAsync" in note and ("12080" in note) == (mode == "ctypes12080" or
+                                                                        p._driver_ver() < 13000)
         src_dev, dst_dev = 0, p.device_count() - 1
         page, npages = 576, 20000                               # > 2 chunks of 8192
         rng = np.random.default_rng(7)
@@ -591,6 +609,10 @@ def _child_ipc_peer(handle, dev: int, n: int) -> dict:
             out["cai_views_peers"] = p._cai_views_peers
             want = torch.arange(n, device=f"cuda:{dev}").to(torch.bfloat16)
             out["read_ok"] = bool(torch.equal(t, want))
+            p._cai_views_peers = False                  # force the non-owning-storage view too
+            t2 = p.as_tensor(m, torch.bfloat16, (n,))
+            out["fallback_ok"] = t2.data_ptr() == m.ptr and bool(torch.equal(t2, want))
+            del t2
             t.mul_(2)                                   # SM write over NVLink / PCIe into rank 0's memory
             torch.cuda.synchronize(dev)
             s = p.create_stream(dev)
@@ -624,7 +646,7 @@ def test_gpu_ipc_peer_view_and_remote_flag_write(plat, spawner):
         res = child.result(240)
         child.join(60)
         print("IPC peer:", res)
-        assert res["view_ok"] and res["read_ok"]
+        assert res["view_ok"] and res["read_ok"] and res["fallback_ok"]
         assert torch.equal(t, (torch.arange(n, device="cuda:0") * 2).to(torch.bfloat16))
         seen = plat.read_flag(flag, 0)
         if res["remote_write"] == "ok":

@@ -549,20 +549,22 @@ def _run_engine_pair(engine_name, direction, *, pool_bytes=1 << 18, bursts=2, n_
             if stage_bytes:
                 assert all(e.round_bytes == stage_bytes for e in engines)
             stats = []
-            for b in range(bursts):
-                dst_np[:] = 0
+            for b in range(bursts):          # a row: prepare once, several bursts (as the runner does), release
                 reqs = _random_requests(rng, pool_bytes, n_req, 40, 2048)
                 burst = Burst(reqs)
                 ps = _threads([lambda r=r: engines[r].prepare(burst, direction) for r in range(2)])
                 passive = 0 if direction == "pull" else 1
-                engines[passive].post(ps[passive])
-                engines[1 - passive].post(ps[1 - passive])
-                _threads([lambda r=r: engines[r].wait(ps[r]) for r in range(2)])
+                for _ in range(3):
+                    dst_np[:] = 0
+                    engines[passive].post(ps[passive])
+                    engines[1 - passive].post(ps[1 - passive])
+                    _threads([lambda r=r: engines[r].wait(ps[r]) for r in range(2)])
+                    for s, d, n in burst.concatenated().tolist():
+                        np.testing.assert_array_equal(dst_np[d:d + n], src_np[s:s + n])
                 for r in range(2):
                     engines[r].release(ps[r])
                 stats.append(engines[1 - passive].row_extra())
-                for s, d, n in burst.concatenated().tolist():
-                    np.testing.assert_array_equal(dst_np[d:d + n], src_np[s:s + n])
+                assert engines[passive].row_extra() == {}
             return engines, stats
         finally:
             for e in engines:
@@ -597,8 +599,9 @@ def test_engine_moves_every_byte_over_fake_nixl(fake_engines, engine, direction)
         assert "make_prepped_xfer" in calls and "initialize_xfer" not in calls
     if engine == "nixl":
         # one transfer per request, telemetry of the burst collected on release
-        assert stats[-1]["nixl_requests"] == 3 and stats[-1]["nixl_descriptors_after_merge"] == 120
-        assert stats[-1]["nixl_backend"] == "UCX"
+        assert stats[-1]["nixl_transfers_per_burst"] == 3 and stats[-1]["nixl_descriptors_after_merge"] == 120
+        assert stats[-1]["nixl_backend"] == "UCX" and stats[-1]["nixl_bursts"] == 3
+        assert stats[-1]["nixl_post_us_p50"] == 9 and stats[-1]["nixl_xfer_us_p50"] == 7
     if engine == "nixl+pack":
         # bulk descriptors only: one per round (rounds of 16 KiB, chunks of 256 MiB)
         assert {c[3] for c in fake_engines.calls if c[1] == "make_prepped_xfer"} == {1}
@@ -687,25 +690,30 @@ def _two_proc_child(rank, engine_name, direction, platform_name, q_out, q_in, se
         results = []
         try:
             passive = 0 if direction == "pull" else 1
-            for b in range(bursts):
+            for b in range(bursts):       # a row: prepare once, bursts, release (as the runner does)
                 reqs = _random_requests(np.random.default_rng(seed + 1 + b), pool_bytes, 2, 64, 4096)
                 burst = _Burst(reqs)
                 p = eng.prepare(burst, direction)
-                exchange("prepared")
-                if rank == passive:
-                    eng.post(p)
-                exchange("passive posted")
-                if rank != passive:
-                    eng.post(p)
-                eng.wait(p)
-                exchange("waited")
+                wrong = 0
+                for _ in range(3):
+                    exchange("prepared")
+                    if rank == passive:
+                        eng.post(p)
+                    exchange("passive posted")
+                    if rank != passive:
+                        eng.post(p)
+                    eng.wait(p)
+                    exchange("waited")
+                    if rank == 1:
+                        got = view.cpu().numpy()
+                        wrong += sum(int((got[d:d + n] != content[s:s + n]).sum())
+                                     for s, d, n in burst.concatenated().tolist())
+                        view.zero_()
+                        if not plat.is_emulation:
+                            torch.cuda.synchronize(dev)
+                    exchange("verified")
                 eng.release(p)
-                if rank == 1:
-                    got = view.cpu().numpy()
-                    wrong = sum(int((got[d:d + n] != content[s:s + n]).sum()) for s, d, n in burst.concatenated().tolist())
-                    results.append(wrong)
-                    view.zero_()
-                exchange("verified")
+                results.append(wrong)
             return {"wrong": results, "extra": eng.row_extra()}
         finally:
             eng.close()
@@ -737,7 +745,7 @@ def test_real_nixl_two_processes_host(spawner, engine, direction):
     assert out[1]["wrong"] == [0, 0]
     initiator = out[1] if direction == "pull" else out[0]
     if engine == "nixl":
-        assert initiator["extra"]["nixl_requests"] == 2
+        assert initiator["extra"]["nixl_transfers_per_burst"] == 2 and initiator["extra"]["nixl_bursts"] == 3
 
 
 # --------------------------------------------------------------------------- GPU: two processes, two GPUs

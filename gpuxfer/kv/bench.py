@@ -153,6 +153,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--trials", default="5", metavar="N", help="timed bursts per row, after warm-up")
     r.add_argument("--platform", default="auto", metavar="NAME",
                    help=f"device platform: {', '.join(PLATFORM_CHOICES)} (host = CPU emulation, small sizes only)")
+    r.add_argument("--warmup", default="2", metavar="N",
+                   help="untimed bursts per row before the timed ones (a first burst slower than 1 s skips the rest)")
+    r.add_argument("--timeout", default="120", metavar="SECONDS",
+                   help="limit on every wait (a device burst, a CPU-group exchange); a hang becomes an error")
+    r.add_argument("--devices", default=None, metavar="PREFILL,DECODE",
+                   help="device indexes of the prefill and decode processes (default 0,1; 0,0 with one device)")
+    r.add_argument("--copy-engine-max-descs", default=None, metavar="DESCRIPTORS",
+                   help="copy_engine measures bursts of at most this many descriptors (default 140k: "
+                        "~15 us each on H200); larger bursts are shed, with the reason")
+    r.add_argument("--pack-chunk", default=None, metavar="BYTES",
+                   help="largest chunk (staging slot) of the pack engine (default 32MiB; 256KiB on the emulation)")
+    # Fault injection for tests (documented in docs/kv_bench.md): ENGINE[:DIRECTION] or all.
+    r.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
     o = parser.add_argument_group("output")
     o.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                    help="directory for the JSON artifact and PNG plots (created if missing)")
@@ -312,11 +325,19 @@ def run(args: argparse.Namespace) -> int:
     if options.plan_only:
         print_plan(grid, as_json=options.json, options=options)
         return 0
-    return run_transfers(grid, options)
+    return run_transfers(grid, options, args)
 
 
-def run_transfers(grid: Grid, options: RunOptions) -> int:
-    """The measured sweep (issue 5): not built yet."""
-    print("gpuxfer bench kv: the transfer benchmark is not built yet; use --plan-only to see the grid",
-          file=sys.stderr)
-    return 2
+def run_transfers(grid: Grid, options: RunOptions, args: argparse.Namespace) -> int:
+    """The measured sweep: two processes, every engine, every byte verified (:mod:`gpuxfer.kv.runner`)."""
+    from ..errors import GpuxferError
+    from .runner import config_from_args, run_sweep
+    try:
+        cfg = config_from_args(args, options)
+    except BadInput as exc:
+        print(f"gpuxfer bench kv: error: {exc}", file=sys.stderr)
+        return 2
+    except GpuxferError as exc:
+        print(f"gpuxfer bench kv: {exc}", file=sys.stderr)
+        return 1
+    return run_sweep(cfg)

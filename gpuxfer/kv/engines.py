@@ -413,18 +413,27 @@ class TritonEngine(Engine):
         if not p.active:
             return p
         burst.check_bounds(self.side.src_mem.nbytes, self.side.dst_mem.nbytes)
-        src_t, _ = self._views()
-        p.state = [_device_table(self.side, src_t, r) for r in burst.requests if r.shape[0]]
+        src_t, dst_t = self._views()
+        k = _kernels()
+        tables = []
+        for r in burst.requests:
+            if r.shape[0] == 0:
+                continue
+            t = _device_table(self.side, src_t, r)
+            tables.append((t, int(r[:, 2].max())))
         _sync_uploads(self.side)
+        for t, _ in tables:          # every descriptor inside both pools (one host sync each; prep time)
+            k.check_copy(src_t, dst_t, t)
+        p.state = tables
         return p
 
     def post(self, p: Prepared) -> None:
         if not p.active:
             return
         src_t, dst_t = self._views()
-        k = _kernels()
-        for desc_t in p.state:
-            self.platform.launch(self.stream, _bind(k.copy_descriptors, src_t, dst_t, desc_t))
+        copy = _kernels().copy_descriptors
+        for desc_t, hint in p.state:
+            self.platform.launch(self.stream, _bind(copy, src_t, dst_t, desc_t, validate=False, nbytes_hint=hint))
         p.done = self.platform.record_event(self.stream)
 
     def _release(self) -> None:
@@ -632,8 +641,10 @@ class _FlagLink:
 
 @dataclass
 class _PackPlan:
-    chunks: list[tuple[int, int, int]]      # (start, stop, nbytes) into the split descriptor table
-    tables: list[Any]                       # per chunk: device table for this side's kernel
+    chunks: list[tuple[int, int, int]]      # (start, stop, nbytes) rows of the (split) descriptor table
+    table: Any                              # the table on this side's device
+    offsets: Any                            # its pack offsets (exclusive cumsum of sizes)
+    hint: int                               # the largest descriptor (picks the kernel tiling)
 
 
 class PackEngine(Engine):
@@ -668,19 +679,17 @@ class PackEngine(Engine):
             raise
         self.kernel_stream = plat.create_stream(side.device)          # pack (source) or unpack (destination)
         self.copy_streams = [plat.create_stream(side.device) for _ in range(self.nlanes)]
-        self._stage_views = None
-        self._pool_view = None
+        self._stage_t = None
+        self._pool_t = None
         self._k = 0                 # chunks posted so far (both sides count the same)
         self._bursts = 0            # pull bursts posted so far (the GO flag)
         self._slot_event: list[Event | None] = [None] * self.nslots
 
     def _views(self):
-        if self._stage_views is None:
-            plat = self.platform
-            self._stage_views = [plat.as_tensor(self.stage, shape=(self.slot_bytes,), offset=s * self.slot_bytes)
-                                 for s in range(self.nslots)]
-            self._pool_view = plat.as_tensor(self.side.pool)
-        return self._stage_views, self._pool_view
+        if self._stage_t is None:
+            self._stage_t = self.platform.as_tensor(self.stage)
+            self._pool_t = self.platform.as_tensor(self.side.pool)
+        return self._stage_t, self._pool_t
 
     def prepare(self, burst: Burst, direction: str) -> Prepared:
         p = self._new_prepared(burst, direction, active=True)     # both sides work
@@ -688,20 +697,24 @@ class PackEngine(Engine):
         d = split_large(burst.concatenated(), self.slot_bytes)
         d = d[d[:, 2] > 0]
         chunks = chunk_plan(d, self.slot_bytes, self.options.pack_first_chunk_bytes)
-        # packed offsets: each chunk packs its descriptors contiguously from the start of its slot
-        packed = np.empty(d.shape[0], dtype=np.int64)
-        for a, b, _ in chunks:
-            n = d[a:b, 2]
-            packed[a:b] = np.cumsum(n) - n
-        if self.side.role is Role.SOURCE:     # pack: pool (src offsets) -> staging (packed offsets)
-            table = np.stack([d[:, 0], packed, d[:, 2]], axis=1)
-        else:                                  # unpack: staging (packed offsets) -> pool (dst offsets)
-            table = np.stack([packed, d[:, 1], d[:, 2]], axis=1)
         _, pool_t = self._views()
-        dev_table = _device_table(self.side, pool_t, table)
+        table = _device_table(self.side, pool_t, d)
+        offsets = _kernels().pack_offsets(table)
         _sync_uploads(self.side)
-        p.state = _PackPlan(chunks, [dev_table[a:b] for a, b, _ in chunks])
+        p.state = _PackPlan(chunks, table, offsets, int(d[:, 2].max()) if d.shape[0] else 1)
         return p
+
+    def _pack(self, stream: Stream, plan: _PackPlan, a: int, b: int, slot: int) -> None:
+        stage_t, pool_t = self._views()
+        self.platform.launch(stream, _bind(_kernels().pack, pool_t, stage_t, plan.table, plan.offsets, start=a,
+                                           end=b, staging_offset=slot * self.slot_bytes, validate=False,
+                                           nbytes_hint=plan.hint))
+
+    def _unpack(self, stream: Stream, plan: _PackPlan, a: int, b: int, slot: int) -> None:
+        stage_t, pool_t = self._views()
+        self.platform.launch(stream, _bind(_kernels().unpack, stage_t, pool_t, plan.table, plan.offsets, start=a,
+                                           end=b, staging_offset=slot * self.slot_bytes, validate=False,
+                                           nbytes_hint=plan.hint))
 
     # Chunk k (counted over the engine's life, on both sides alike) uses staging slot
     # k % S and copy lane k % L; on a lane, flags count that lane's chunks (k // L + 1),
@@ -725,9 +738,6 @@ class PackEngine(Engine):
         j = k - self.nslots
         return j // self.nlanes + 1 if j >= 0 else 0
 
-    def _launch(self, stream: Stream, fn, *args) -> None:
-        self.platform.launch(stream, _bind(fn, *args))
-
     def _copy_chunk(self, stream: Stream, slot: int, nbytes: int, *, pull: bool) -> None:
         off = slot * self.slot_bytes
         if pull:   # destination reads the source's slot into its own
@@ -737,14 +747,12 @@ class PackEngine(Engine):
 
     def _post_push_source(self, plan: _PackPlan, p: Prepared) -> None:
         plat, fl = self.platform, self.flags
-        views, pool_t = self._views()
-        pack = _kernels().copy_descriptors
         last = None
-        for (a, b, nbytes), table in zip(plan.chunks, plan.tables):
+        for a, b, nbytes in plan.chunks:
             k, s, lane, seq = self._next()
             if self._slot_event[s] is not None:          # our copy of the slot's previous chunk is done
                 plat.stream_wait_event(self.kernel_stream, self._slot_event[s])
-            self._launch(self.kernel_stream, pack, pool_t, views[s], table)
+            self._pack(self.kernel_stream, plan, a, b, s)
             packed = plat.record_event(self.kernel_stream)
             cs = self.copy_streams[lane]
             plat.stream_wait_event(cs, packed)
@@ -762,36 +770,30 @@ class PackEngine(Engine):
 
     def _post_push_destination(self, plan: _PackPlan, p: Prepared) -> None:
         plat, fl = self.platform, self.flags
-        views, pool_t = self._views()
-        unpack = _kernels().copy_descriptors
         ks = self.kernel_stream
-        for (a, b, nbytes), table in zip(plan.chunks, plan.tables):
+        for a, b, nbytes in plan.chunks:
             k, s, lane, seq = self._next()
             fl.wait(ks, _AVAIL + lane, seq)
-            self._launch(ks, unpack, views[s], pool_t, table)
+            self._unpack(ks, plan, a, b, s)
             fl.signal(ks, _MAX_LANES, _FREE + lane, seq)
         p.done = plat.record_event(ks)
 
     def _post_pull_source(self, plan: _PackPlan, p: Prepared) -> None:
         plat, fl = self.platform, self.flags
-        views, pool_t = self._views()
-        pack = _kernels().copy_descriptors
         ks = self.kernel_stream
         fl.wait(ks, _GO, self._bursts)                    # nothing runs before the destination starts its timer
-        for (a, b, nbytes), table in zip(plan.chunks, plan.tables):
+        for a, b, nbytes in plan.chunks:
             k, s, lane, seq = self._next()
             fl.wait(ks, _FREE + lane, self._prev_seq(k))  # the destination copied the slot's previous chunk out
-            self._launch(ks, pack, pool_t, views[s], table)
+            self._pack(ks, plan, a, b, s)
             fl.signal(ks, _MAX_LANES, _AVAIL + lane, seq)
         p.done = plat.record_event(ks)
 
     def _post_pull_destination(self, plan: _PackPlan, p: Prepared) -> None:
         plat, fl = self.platform, self.flags
-        views, pool_t = self._views()
-        unpack = _kernels().copy_descriptors
         ks = self.kernel_stream
         fl.signal(self.copy_streams[0], _MAX_LANES + 1, _GO, self._bursts)
-        for (a, b, nbytes), table in zip(plan.chunks, plan.tables):
+        for a, b, nbytes in plan.chunks:
             k, s, lane, seq = self._next()
             cs = self.copy_streams[lane]
             fl.wait(cs, _AVAIL + lane, seq)               # packed on the source
@@ -801,7 +803,7 @@ class PackEngine(Engine):
             fl.signal(cs, lane, _FREE + lane, seq)
             landed = plat.record_event(cs)
             plat.stream_wait_event(ks, landed)
-            self._launch(ks, unpack, views[s], pool_t, table)
+            self._unpack(ks, plan, a, b, s)
             self._slot_event[s] = plat.record_event(ks)
         p.done = plat.record_event(ks)
 
@@ -810,7 +812,7 @@ class PackEngine(Engine):
         self.flags.release_waits()
 
     def _release(self) -> None:
-        self._stage_views = self._pool_view = None
+        self._stage_t = self._pool_t = None
         for r in reversed(getattr(self, "_owned", [])):
             try:
                 r.close()

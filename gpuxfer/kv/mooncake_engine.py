@@ -300,3 +300,88 @@ class MooncakeSide:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# --------------------------------------------------------------------------- the engine
+
+from .engines import Burst, Engine, Prepared, Role, Side  # noqa: E402
+
+
+class MooncakeEngine(Engine):
+    name = "mooncake"
+    description = ("Mooncake TransferEngine, intra-node NVLink transport (nvlink_intra): "
+                   "batch_transfer_sync_read pulls, _write pushes; one worker thread per request")
+    uses_sms = "none (CUDA IPC copies through the copy engines)"
+
+    @classmethod
+    def unavailable_reason(cls, platform) -> str | None:
+        if platform.name != "cuda":
+            return f"Mooncake's intra-node NVLink transport needs CUDA GPUs; platform {platform.name!r}"
+        return mooncake_unavailable_reason()
+
+    def __init__(self, side: Side):
+        super().__init__(side)
+        self.mc: MooncakeSide | None = None
+        info: dict
+        try:
+            why = probe_nvlink_intra(side.device)
+            if why is not None:
+                raise BackendUnavailable(self.name, {side.rank: why})
+            engine_cls, why = find_mooncake()
+            if engine_cls is None:
+                raise BackendUnavailable(self.name, {side.rank: why})
+            self.mc = MooncakeSide(engine_cls, device=side.device, rank=side.rank, workers=8)
+            self.mc.register(side.pool.ptr, side.pool.nbytes)
+            info = {"session": self.mc.session, "pool": int(side.pool.ptr), "version": _version()}
+        except Exception as exc:  # tell the peer, so both sides fail together
+            info = {"error": f"{type(exc).__name__}: {exc}"}
+        infos = side.exchange(info)
+        errors = {r: i["error"] for r, i in enumerate(infos) if "error" in i}
+        if errors:
+            self._release()
+            raise BackendUnavailable(self.name, errors)
+        self.peer = infos[side.peer_rank]
+
+    def prepare(self, burst: Burst, direction: str) -> Prepared:
+        p = self._new_prepared(burst, direction)
+        if not p.active:
+            return p
+        burst.check_bounds(self.side.src_mem.nbytes, self.side.dst_mem.nbytes)
+        op = "READ" if direction == "pull" else "WRITE"
+        batches = [self.mc.batch(r[r[:, 2] > 0], op, local_base=self.side.pool.ptr, remote_base=self.peer["pool"])
+                   for r in burst.requests]
+        p.state = (op, [b for b in batches if b.lengths], None)
+        return p
+
+    def post(self, p: Prepared) -> None:
+        if not p.active:
+            return
+        op, batches, _ = p.state
+        futs = [self.mc.pool.submit(self.mc._run, self.peer["session"], b, op) for b in batches]
+        p.state = (op, batches, futs)
+
+    def wait(self, p: Prepared) -> None:
+        if not p.active:
+            return
+        op, batches, futs = p.state
+        done, pending = cf.wait(futs, timeout=self.side.timeout_s)
+        if pending:
+            raise TransferTimeout(rank=self.side.rank, step=0, flag="mooncake batch transfer", expected=len(futs),
+                                  seen=len(done), timeout_s=self.side.timeout_s,
+                                  what=f"{len(pending)} of {len(futs)} {op} requests still running")
+        for f in futs:
+            f.result()
+
+    def _release(self) -> None:
+        if self.mc is not None:
+            self.mc.close()
+
+
+MOONCAKE_ENGINES = {"mooncake": "gpuxfer.kv.mooncake_engine:MooncakeEngine"}
+
+
+def register() -> None:
+    """Add the ``mooncake`` engine to :data:`gpuxfer.kv.engines.ENGINES` (idempotent; imports no Mooncake)."""
+    from .engines import register_engine
+    for name, target in MOONCAKE_ENGINES.items():
+        register_engine(name, target)

@@ -551,7 +551,7 @@ class _NixlEngineBase(Engine):
         self.agent: NixlAgent | None = None
         self.remote: str | None = None
         self.peer: dict = {}
-        self.last_stats: dict | None = None
+        self._stats: list[dict] = []
         self.mem_type = "DRAM" if self.platform.is_emulation else "VRAM"
         self.nixl_dev = 0 if self.platform.is_emulation else side.device
         info: dict = {}
@@ -604,25 +604,50 @@ class _NixlEngineBase(Engine):
     def _what(self, p: Prepared) -> str:
         return f"{self.name} {OPS[p.direction]} of {p.burst.batch} request(s), {p.burst.descriptors} descriptors"
 
-    def _collect_stats(self, handles) -> None:
+    def _burst_stats(self, handles) -> None:
+        """Record NIXL's telemetry of one completed burst (a list of ``(handle, state, descs, bytes)``)."""
         stats = [self.agent.stats(h, n, b) for h, _state, n, b in handles]
         if not stats:
             return
         post = [s.post_us for s in stats if s.post_us is not None]
         xfer = [s.xfer_us for s in stats if s.xfer_us is not None]
         merged = [s.merged_descriptors for s in stats if s.merged_descriptors is not None]
-        self.last_stats = {
-            "nixl_module": f"{self.agent.nixl.name} {self.agent.nixl.version}",
-            "nixl_backend": stats[0].backend,
-            "nixl_requests": len(stats),
-            "nixl_post_us_sum": float(sum(post)) if post else None,
-            "nixl_xfer_us_max": float(max(xfer)) if xfer else None,
-            "nixl_descriptors_after_merge": int(sum(merged)) if merged else None,
-        }
+        self._stats.append({
+            "backend": stats[0].backend, "transfers": len(stats),
+            "post_us": float(sum(post)) if post else None,          # host time posting, summed
+            "xfer_us": float(max(xfer)) if xfer else None,          # the transfers overlap: the longest
+            "merged": int(sum(merged)) if merged else None,
+        })
+
+    def _finish(self, handles) -> None:
+        """Telemetry of a completed burst, then release its handles (errors logged; close() retries)."""
+        if not handles or self.agent is None or self.agent.closed:
+            return
+        try:
+            if all(self.agent.state(h) == "DONE" for h, *_ in handles):
+                self._burst_stats(handles)
+        finally:
+            errors = self.agent.release_quietly([h for h, *_ in handles])
+            if errors:
+                log.warning("%s: releasing a burst's transfers: %s", self.name, "; ".join(errors))
 
     def row_extra(self) -> dict:
-        """NIXL's own telemetry of the last released burst (empty when the wheel gives none)."""
-        return dict(self.last_stats or {})
+        """NIXL's own telemetry over the bursts since the last ``prepare`` (empty when the wheel gives none).
+
+        ``nixl_post_us_p50``: host time NIXL spent posting a burst (summed over its transfers);
+        ``nixl_xfer_us_p50``: NIXL's transfer time of a burst (the longest of its transfers);
+        ``nixl_descriptors_after_merge``: what NIXL actually posted after merging adjacent descriptors.
+        """
+        if not self._stats or self.agent is None:
+            return {}
+        def p50(key):
+            v = [s[key] for s in self._stats if s[key] is not None]
+            return float(np.median(v)) if v else None
+        last = self._stats[-1]
+        return {"nixl_module": f"{self.agent.nixl.name} {self.agent.nixl.version}",
+                "nixl_backend": last["backend"], "nixl_transfers_per_burst": last["transfers"],
+                "nixl_bursts": len(self._stats), "nixl_post_us_p50": p50("post_us"),
+                "nixl_xfer_us_p50": p50("xfer_us"), "nixl_descriptors_after_merge": last["merged"]}
 
     def _release(self) -> None:
         if self.agent is not None:
@@ -647,6 +672,7 @@ class NixlEngine(_NixlEngineBase):
         if not p.active:
             return p
         burst.check_bounds(self.side.src_mem.nbytes, self.side.dst_mem.nbytes)
+        self._stats = []
         op = OPS[direction]
         reqs = [r[r[:, 2] > 0] for r in burst.requests]
         reqs = [r for r in reqs if r.shape[0]]
@@ -671,9 +697,11 @@ class NixlEngine(_NixlEngineBase):
             return
         b: _Batch = p.state
         what = self._what(p)
+        prev, b.handles = b.handles, []
         for lh, idx, rh, nbytes in b.requests:
             h = self.agent.make_prepped(b.op, lh, idx, rh, idx)
             b.handles.append((h, self.agent.post(h, what), len(idx), nbytes))
+        self._finish(prev)   # the previous burst's handles, released while this one is on the wire
 
     def wait(self, p: Prepared) -> None:
         if not p.active:
@@ -686,14 +714,12 @@ class NixlEngine(_NixlEngineBase):
         b: _Batch | None = p.state
         if b is not None and self.agent is not None and not self.agent.closed:
             try:
-                if all(self.agent.state(h) == "DONE" for h, *_ in b.handles):
-                    self._collect_stats(b.handles)
+                self._finish(b.handles)
             finally:
-                errors = self.agent.release_quietly([h for h, *_ in b.handles], b.dlists)
-                b.handles.clear()
-                b.dlists.clear()
+                errors = self.agent.release_quietly((), b.dlists)
+                b.handles, b.dlists = [], []
                 if errors:
-                    log.warning("%s: releasing a burst: %s", self.name, "; ".join(errors))
+                    log.warning("%s: releasing prepped lists: %s", self.name, "; ".join(errors))
         super().release(p)
 
 
@@ -707,6 +733,7 @@ class NixlOneshotEngine(NixlEngine):
         if not p.active:
             return p
         burst.check_bounds(self.side.src_mem.nbytes, self.side.dst_mem.nbytes)
+        self._stats = []
         b = _Batch(OPS[direction])
         for r in burst.requests:
             r = r[r[:, 2] > 0]
@@ -721,9 +748,11 @@ class NixlOneshotEngine(NixlEngine):
             return
         b: _Batch = p.state
         what = self._what(p)
+        prev, b.handles = b.handles, []
         for local, remote, nbytes in b.requests:
             h = self.agent.oneshot(b.op, local, remote, self.remote)
             b.handles.append((h, self.agent.post(h, what), len(local), nbytes))
+        self._finish(prev)   # the previous burst's handles, released while this one is on the wire
 
 
 @dataclass
@@ -733,6 +762,7 @@ class _PackState:
     dlists: list            # initiator: per round (local prepped, remote prepped, indices)
     tag: int = 0            # burst number (both sides count alike)
     pending: Any = None     # push source: the event of round 0's pack, launched by post()
+    done: list = field(default_factory=list)   # initiator: this burst's completed NIXL transfers
 
 
 class NixlPackEngine(_NixlEngineBase):
@@ -773,6 +803,7 @@ class NixlPackEngine(_NixlEngineBase):
 
     def prepare(self, burst: Burst, direction: str) -> Prepared:
         p = self._new_prepared(burst, direction, active=True)   # both sides work
+        self._stats = []
         burst.check_bounds(self.side.src_mem.nbytes, self.side.dst_mem.nbytes)
         d = split_large(burst.concatenated(), self.round_bytes)
         d = d[d[:, 2] > 0]
@@ -815,12 +846,14 @@ class NixlPackEngine(_NixlEngineBase):
         st: _PackState = p.state
         self._bursts += 1
         st.tag = self._bursts
+        prev, st.done = st.done, []
         if not st.rounds:
             return
         if p.direction == "pull" and p.initiator:      # destination: start the source's packing
             self.agent.notify(self.remote, self._tag("go", st.tag, 0))
         elif p.direction == "push" and p.initiator:    # source: pack round 0 now
             st.pending = self._launch(st.tables[0], pack=True)
+        self._finish(prev)                             # the previous burst's transfers
 
     def wait(self, p: Prepared) -> None:
         st: _PackState = p.state
@@ -838,8 +871,10 @@ class NixlPackEngine(_NixlEngineBase):
         try:
             self.agent.run(h, f"{self.name} {op} of round {r} ({st.rounds[r][2]} B)",
                            timeout_s=self.side.timeout_s, step=st.tag)
-        finally:
-            self.agent.release_xfer(h)
+            st.done.append((h, "DONE", len(idx), st.rounds[r][2]))
+        except BaseException:
+            self.agent.release_quietly([h])
+            raise
 
     def _notif(self, kind: str, st: _PackState, r: int) -> None:
         self.agent.wait_notif(self.remote, self._tag(kind, st.tag, r), timeout_s=self.side.timeout_s, step=st.tag)
@@ -879,6 +914,8 @@ class NixlPackEngine(_NixlEngineBase):
     def release(self, p: Prepared) -> None:
         st: _PackState | None = p.state
         if st is not None and self.agent is not None and not self.agent.closed:
+            self._finish(st.done)
+            st.done = []
             errors = self.agent.release_quietly((), [h for lh, rh, _ in st.dlists for h in (lh, rh)])
             st.dlists.clear()
             if errors:

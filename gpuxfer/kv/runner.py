@@ -245,10 +245,10 @@ def _pool_verify(platform, stream, mem, desc: np.ndarray, seed: int, timeout_s: 
     d = d.clone() if t.device.type == "cpu" else d.to(t.device)
     E._sync_uploads_plat(platform, mem.device, timeout_s, rank)
     out: list = []
-    platform.launch(stream, lambda: out.append(K.verify_pattern(t, d, seed)))
+    platform.launch(stream, lambda: out.append(K.verify(t, d, seed)))
     _sync(platform, stream, timeout_s, rank, "verification")
-    wrong, first = out[0]
-    return int(wrong), int(first)
+    res = out[0]
+    return int(res.wrong_bytes), int(res.first_bad)
 
 
 def _flip_byte(platform, stream, mem, offset: int) -> None:

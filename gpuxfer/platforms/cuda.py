@@ -95,7 +95,8 @@ CUDA_SUCCESS = 0
 CUDA_ERROR_NOT_READY = 600
 _LEGACY_STREAM_HANDLES = (0, 1)    # NULL and cudaStreamLegacy; 2 (per-thread default) is not legacy
 
-# env override for the batch path (tests and debugging): "ctypes", "bindings" or "loop"
+# env override for the batch path (tests and debugging): "auto" (default), "ctypes", "ctypes12080"
+# (the CUDA 12.8 entry point even on a 13.x driver), "bindings" (cuda.bindings' wrapper) or "loop"
 BATCH_MODE_ENV = "GPUXFER_CUDA_BATCH"
 
 
@@ -831,8 +832,8 @@ class CudaPlatform(Platform):
 
     def _resolve_batch(self) -> tuple:
         mode = os.environ.get(BATCH_MODE_ENV, "auto").strip().lower() or "auto"
-        if mode not in ("auto", "ctypes", "bindings", "loop"):
-            raise BadInput(f"{BATCH_MODE_ENV}={mode!r}: use auto, ctypes, bindings or loop")
+        if mode not in ("auto", "ctypes", "ctypes12080", "bindings", "loop"):
+            raise BadInput(f"{BATCH_MODE_ENV}={mode!r}: use auto, ctypes, ctypes12080, bindings or loop")
         if mode == "loop":
             return ("loop", f"{BATCH_MODE_ENV}=loop", None)
         drv = _driver()
@@ -843,13 +844,15 @@ class CudaPlatform(Platform):
             if not hasattr(drv, "cuMemcpyBatchAsync"):
                 return ("loop", "this cuda.bindings has no cuMemcpyBatchAsync", None)
             return ("bindings", None, None)
-        abi = 13000 if ver >= 13000 else 12080
+        # the newest ABI this driver has; "ctypes12080" forces the 12.8 one (a 13.x driver still serves it)
+        abi = 12080 if mode == "ctypes12080" or ver < 13000 else 13000
         err, pfn, status = drv.cuGetProcAddress(b"cuMemcpyBatchAsync", abi, 0)
         if int(err) != CUDA_SUCCESS or not pfn or (status is not None and int(status) != 0):
             why = f"cuGetProcAddress(cuMemcpyBatchAsync, {abi}) found no entry point ({err}, {status})"
-            if mode == "ctypes":
-                raise DriverError("cuGetProcAddress", getattr(err, "name", str(err)), int(err),
-                                  "resolving cuMemcpyBatchAsync", why)
+            if mode != "auto":
+                bad = err if int(err) != CUDA_SUCCESS else status
+                raise DriverError("cuGetProcAddress", getattr(bad, "name", "CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND"),
+                                  int(bad or 0), f"resolving cuMemcpyBatchAsync for {BATCH_MODE_ENV}={mode}", why)
             return ("loop", why, None)
         args = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
                 ctypes.c_void_p, ctypes.c_size_t]

@@ -115,7 +115,7 @@ class NcclTransport(Transport):
                 res[name] = dst
             views = res
         rcv._state = None
-        self._last_recv = work
+        self._last_recv = None if self._gloo else work    # a gloo work is complete once waited
         rcv._tensors = views
 
     # ---- watchdog and teardown ----

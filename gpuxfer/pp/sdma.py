@@ -229,22 +229,25 @@ class SdmaTransport(CopyEngineTransport):
         self._my_agent = self._peer_agent = None
         self.shared_completion = False
         self._last_cur = None
+        self._stage: list[int] = []          # hsa sender: stage[i] words (source of the flag copies)
+        self._sent: list[int] = []           # hsa sender: sent[s] words (staging slot s is free again)
 
     # ---- setup ----
     def setup_prepare(self) -> dict:
         """The parent's, then the flags re-made uncached; the hsa sender also gets its stage/sent words."""
         payload = super().setup_prepare()
-        p, dev, R = self.platform, self.device, self.recv_slots
+        p, dev = self.platform, self.device
         old, self._flags = self._flags, p.alloc_flags(self.flags_bytes, dev)
         old.close()
         p.memset_async(self._aux, self._flags.ptr, 0, self.flags_bytes)
         if self.role == "send" and self.sdma_path == "hsa":
             self._sdma_flags = p.alloc_flags((self.ring + 2) * FLAG_STRIDE, dev)
             p.memset_async(self._aux, self._sdma_flags.ptr, 0, (self.ring + 2) * FLAG_STRIDE)
+            self._stage = [self._sdma_flags.ptr + i * FLAG_STRIDE for i in range(self.ring)]
+            self._sent = [self._sdma_flags.ptr + (self.ring + s) * FLAG_STRIDE for s in range(2)]
         if not p.synchronize(self._aux, PROBE_TIMEOUT_S):
             raise GpuxferError(f"zeroing the sdma flags did not finish in {PROBE_TIMEOUT_S:g} s")
         payload["flags"] = self._flags.export()
-        del R
         return payload
 
     def setup_open(self, peer_payload: dict) -> None:
@@ -283,8 +286,6 @@ class SdmaTransport(CopyEngineTransport):
             e = _Entry(mem, Signal(mem.handle), [hsa.signal_create(0) for _ in range(n_data)],
                        hsa.signal_create(0), hsa.signal_create(0))
             self._entries.append(e)
-        self._stage = [self._sdma_flags.ptr + i * FLAG_STRIDE for i in range(self.ring)]
-        self._sent = [self._sdma_flags.ptr + (self.ring + s) * FLAG_STRIDE for s in range(2)]
         self._warm_up()
 
     def _warm_up(self) -> None:
