@@ -775,3 +775,179 @@ def test_nixl_engines_two_gpus(spawner, engine, direction):
     initiator = out[1] if direction == "pull" else out[0]
     if engine != "nixl+pack":
         assert initiator["extra"].get("nixl_backend") == "UCX"
+
+
+# --------------------------------------------------------------------------- Mooncake
+
+from gpuxfer.kv import mooncake_engine as me  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None)
+@given(desc=_tables(), op=st.sampled_from(["READ", "WRITE"]),
+       local_base=st.integers(0, 1 << 47), remote_base=st.integers(0, 1 << 47))
+def test_mooncake_lists_round_trip(desc, op, local_base, remote_base):
+    loc, rem, ln = me.to_mooncake_lists(desc, op, local_base=local_base, remote_base=remote_base)
+    assert loc.dtype == rem.dtype == ln.dtype == np.int64
+    local_col, remote_col = (1, 0) if op == "READ" else (0, 1)
+    back = np.empty_like(desc)
+    back[:, local_col] = loc - local_base
+    back[:, remote_col] = rem - remote_base
+    back[:, 2] = ln
+    np.testing.assert_array_equal(back, desc)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 100_000), cap=st.integers(1, 10_000))
+def test_mooncake_chunks_cover(n, cap):
+    c = me.chunks(n, cap)
+    assert sum(j - i for i, j in c) == n and all(0 < j - i <= cap for i, j in c)
+    assert all(c[k][1] == c[k + 1][0] for k in range(len(c) - 1))
+
+
+def test_mooncake_rejects_bad_input():
+    with pytest.raises(BadInput):
+        me.to_mooncake_lists(np.zeros((2, 2), np.int64), "READ", local_base=0, remote_base=0)
+    with pytest.raises(BadInput):
+        me.to_mooncake_lists(np.array([[0, 0, 0]]), "READ", local_base=0, remote_base=0)
+    with pytest.raises(BadInput):
+        me.to_mooncake_lists(np.array([[0, 0, 1]]), "PUT", local_base=0, remote_base=0)
+    with pytest.raises(BadInput):
+        me.chunks(5, 0)
+
+
+class FakeMooncake:
+    """``mooncake.engine.TransferEngine`` in one process: sessions find each other in a registry."""
+
+    def __init__(self, *, init_rc=0, stuck=False, fail_rc=0):
+        self.sessions: dict[str, "object"] = {}
+        self.calls: list[tuple] = []
+        fake = self
+
+        class TransferEngine:
+            def __init__(self):
+                self.regions, self.port = [], None
+
+            def initialize(self, hostname, metadata, protocol, device):
+                fake.calls.append(("initialize", metadata, protocol, device))
+                if init_rc == 0:
+                    self.port = 5000 + len(fake.sessions)
+                    fake.sessions[f"{hostname.split(':')[0]}:{self.port}"] = self
+                return init_rc
+
+            def get_rpc_port(self):
+                return self.port
+
+            def register_memory(self, ptr, n):
+                fake.calls.append(("register_memory", n))
+                self.regions.append((ptr, n))
+                return 0
+
+            def unregister_memory(self, ptr):
+                fake.calls.append(("unregister_memory",))
+                return 0
+
+            def _move(self, session, local, remote, lengths, read):
+                assert len(local) <= me.BATCH_CAP and len(local) == len(remote) == len(lengths)
+                assert all(isinstance(x, int) for x in local + remote + lengths)
+                peer = fake.sessions[session]
+                for la, ra, n in zip(local, remote, lengths):
+                    assert any(a <= la and la + n <= a + m for a, m in self.regions)
+                    assert any(a <= ra and ra + n <= a + m for a, m in peer.regions)
+                    ctypes.memmove(la, ra, n) if read else ctypes.memmove(ra, la, n)
+                if stuck:
+                    import time
+                    time.sleep(2)
+                return fail_rc
+
+            def batch_transfer_sync_read(self, session, local, remote, lengths):
+                fake.calls.append(("read", len(local)))
+                return self._move(session, local, remote, lengths, True)
+
+            def batch_transfer_sync_write(self, session, local, remote, lengths):
+                fake.calls.append(("write", len(local)))
+                return self._move(session, local, remote, lengths, False)
+
+        self.TransferEngine = TransferEngine
+
+
+@pytest.fixture
+def fake_mooncake(monkeypatch):
+    def install(**kw):
+        fake = FakeMooncake(**kw)
+        pkg = types.ModuleType("mooncake")
+        pkg.__path__ = []
+        eng = types.ModuleType("mooncake.engine")
+        eng.TransferEngine = fake.TransferEngine
+        monkeypatch.setitem(sys.modules, "mooncake", pkg)
+        monkeypatch.setitem(sys.modules, "mooncake.engine", eng)
+        monkeypatch.setattr(me, "probe_nvlink_intra", lambda device, timeout_s=60.0: None)
+        me._found.clear()
+        return fake
+    yield install
+    me._found.clear()
+
+
+def test_mooncake_skip_reasons(monkeypatch):
+    from gpuxfer.platforms.host import HostPlatform
+    me._found.clear()
+    try:
+        with HostPlatform() as host:
+            assert "needs CUDA GPUs" in me.MooncakeEngine.unavailable_reason(host)
+        cuda_like = types.SimpleNamespace(name="cuda", is_emulation=False)
+        why = me.MooncakeEngine.unavailable_reason(cuda_like)
+        if importlib_util_find("mooncake") is None:
+            assert "mooncake-transfer-engine is not installed" in why
+            assert "not installed" in me.probe_nvlink_intra(0)
+    finally:
+        me._found.clear()
+
+
+def importlib_util_find(name):
+    import importlib.util
+    return importlib.util.find_spec(name)
+
+
+@pytest.mark.parametrize("direction", ["pull", "push"])
+def test_mooncake_engine_over_fake(fake_mooncake, monkeypatch, direction):
+    fake = fake_mooncake()
+    monkeypatch.setattr(me, "BATCH_CAP", 16)          # several batch calls per request
+    me.register()
+    _run_engine_pair("mooncake", direction, bursts=2)
+    kinds = [c[0] for c in fake.calls]
+    assert kinds.count("initialize") == 2
+    assert {c[2] for c in fake.calls if c[0] == "initialize"} == {"nvlink_intra"}
+    assert {c[1] for c in fake.calls if c[0] == "initialize"} == {"P2PHANDSHAKE"}
+    moves = [c for c in fake.calls if c[0] in ("read", "write")]
+    assert {c[0] for c in moves} == {"read" if direction == "pull" else "write"}
+    assert max(c[1] for c in moves) == 16 and sum(c[1] for c in moves) == 2 * 3 * 3 * 40
+    assert kinds.count("unregister_memory") == kinds.count("register_memory") == 2
+
+
+def test_mooncake_engine_failures(fake_mooncake, monkeypatch):
+    me.register()
+    fake_mooncake(init_rc=-1)
+    with pytest.raises(BackendUnavailable, match="returned -1"):
+        _run_engine_pair("mooncake", "pull", bursts=0)
+    fake_mooncake(fail_rc=-5)
+    with pytest.raises(Exception, match="rc"):
+        _run_engine_pair("mooncake", "pull", bursts=1)
+    fake_mooncake(stuck=True)
+    with pytest.raises(TransferTimeout, match="mooncake"):
+        _run_engine_pair("mooncake", "push", bursts=1, timeout_s=0.3)
+    monkeypatch.setattr(me, "probe_nvlink_intra", lambda device, timeout_s=60.0: "no nvlink_intra in this build")
+    with pytest.raises(BackendUnavailable, match="no nvlink_intra"):
+        _run_engine_pair("mooncake", "pull", bursts=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("direction", ["pull", "push"])
+def test_mooncake_engine_two_gpus(spawner, direction):
+    why = _gpu_reason()
+    if why and "NIXL" not in why:
+        pytest.skip(why)
+    why = me.probe_nvlink_intra(0)
+    if why:
+        pytest.skip(f"mooncake: {why}")
+    out = _run_two_processes(spawner, "mooncake", direction, "cuda", patch_kernels=False, bursts=2,
+                             pool_bytes=64 << 20)
+    assert out[1]["wrong"] == [0, 0]
