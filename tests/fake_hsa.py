@@ -48,7 +48,7 @@ import itertools
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gpuxfer.errors import DriverError
 from gpuxfer.platforms import hsa as H

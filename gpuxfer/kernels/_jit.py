@@ -29,6 +29,7 @@ from triton import knobs
 from triton.runtime.jit import JITFunction
 
 _INTERP_LOCK = threading.RLock()
+_MISSING = object()
 _INTERPRETED: dict = {}
 
 
@@ -50,8 +51,15 @@ def _interpreter_fixes():
       one-element 1-D array, which NumPy >= 2.4 refuses ("only 0-dimensional arrays
       can be converted"); ``range(tl.program_id(0), n, tl.num_programs(0))`` needs
       it. Its ``__index__`` is re-patched to take the single element.
+    * The interpreter patches ``triton.language`` (and, through library functions,
+      ``triton.language.core``) and does not undo all of it; everything it may touch
+      is restored afterwards, so compiled launches in the same process still work.
     """
     from triton.runtime import interpreter as interp
+    import triton.language as tl
+
+    touched = (tl, tl.core, tl.math, tl.core.tensor, tl.core.dtype, tl.core.tensor_descriptor_base)
+    snapshot = [(obj, dict(vars(obj))) for obj in touched]
 
     saved_call = JITFunction.__call__
     saved_patch = interp._patch_lang_tensor
@@ -70,6 +78,19 @@ def _interpreter_fixes():
     finally:
         JITFunction.__call__ = saved_call
         interp._patch_lang_tensor = saved_patch
+        for obj, saved in snapshot:
+            now = vars(obj)
+            for name in [n for n in now if n not in saved]:
+                try:
+                    delattr(obj, name)
+                except (AttributeError, TypeError):
+                    pass
+            for name, value in saved.items():
+                if now.get(name, _MISSING) is not value:
+                    try:
+                        setattr(obj, name, value)
+                    except (AttributeError, TypeError):
+                        pass
 
 
 def interpreting_forced() -> bool:

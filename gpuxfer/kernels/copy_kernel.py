@@ -33,6 +33,7 @@ Modes (``MODE``, a compile-time constant):
 """
 from __future__ import annotations
 
+import triton
 import triton.language as tl
 
 from ._jit import dual_kernel
@@ -115,3 +116,132 @@ def copy_kernel(src_ptr, dst_ptr, desc_ptr, offs_ptr,
         d = d_next
         n = n_next
         sl = sl_next
+
+
+# --------------------------------------------------------------------------- pipelined variant
+
+
+@triton.jit
+def _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, it, n_items, slices, lanes,
+                MODE: tl.constexpr, ROWS: tl.constexpr):
+    """Row descriptors (s, d, n in bytes; zeros past the end) and slice of work item ``it``."""
+    grp = it // slices
+    sl = it - grp * slices
+    r = tl.cast(grp, tl.int64) * ROWS + lanes
+    rmask = (r < nr) & (it < n_items)
+    rows = rb + r
+    n = tl.load(desc_ptr + rows * 3 + 2, mask=rmask, other=0)
+    if MODE == 0:
+        s = tl.load(desc_ptr + rows * 3, mask=rmask, other=0)
+        d = tl.load(desc_ptr + rows * 3 + 1, mask=rmask, other=0)
+    elif MODE == 1:
+        s = tl.load(desc_ptr + rows * 3, mask=rmask, other=0)
+        d = sbase + tl.load(offs_ptr + rows, mask=rmask, other=0) - off0
+    else:
+        s = sbase + tl.load(offs_ptr + rows, mask=rmask, other=0) - off0
+        d = tl.load(desc_ptr + rows * 3 + 1, mask=rmask, other=0)
+    return s, d, n, sl
+
+
+@triton.jit
+def _step(src_ptr, dst_ptr, sp, dp, desc_ptr, offs_ptr, rb, nr, sbase, off0, n_items, slices, G, lanes, cols,
+          it, k, s, d, n, sl, ps, pd, pn, psl, qd, qn, qc, qxs,
+          MODE: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr, UNROLL: tl.constexpr,
+          LOAD_CACHE: tl.constexpr, STORE_CACHE: tl.constexpr):
+    """One pipelined step: load chunk ``k`` of item ``it``, then store the pending chunk
+    ``(qd, qn, qc, qxs)``, then advance. Returns the new state and the new pending chunk.
+
+    Offsets in ``qd``/``qn``/``qc`` are in ALIGN-byte units (so the stores know their alignment
+    even across the loop's back edge)."""
+    VEC: tl.constexpr = ALIGN // 4             # int32 lanes per unit
+    LOG: tl.constexpr = 4 if ALIGN == 16 else 2
+    STEP_U: tl.constexpr = (W * 4 // VEC) * UNROLL   # units per row per step
+    valid = it < n_items
+    # one reduction: the largest size, or "huge" if a row is not ALIGN-aligned
+    mis = (s | d | n) & (ALIGN - 1)
+    big = tl.max(tl.where(mis != 0, 1 << 62, n), axis=0)
+    fast = (big < (1 << 62)) & valid & (ALIGN > 1)
+    su = s >> LOG
+    du = d >> LOG
+    nu = n >> LOG
+    nch = tl.cdiv(big >> LOG, STEP_U)
+    cu = tl.cast(k, tl.int64) * STEP_U
+    # ---- issue this step's loads
+    xs = ()
+    for u in tl.static_range(UNROLL):
+        o = (cu + u * (W * 4 // VEC)) * VEC + cols
+        m = (o[None, :] < (nu * VEC)[:, None]) & fast
+        xs = xs + (tl.load(sp + ((su * VEC)[:, None] + o[None, :]), mask=m, cache_modifier=LOAD_CACHE),)
+    # ---- a group that is not aligned: byte-wise, whole item, not pipelined
+    if (fast == 0) & valid:
+        nchb = tl.cdiv(tl.max(n, axis=0), W * 4)
+        for kb in range(sl, nchb, slices):
+            ob = tl.cast(kb, tl.int64) * (W * 4) + cols
+            mb = ob[None, :] < n[:, None]
+            xb = tl.load(src_ptr + (s[:, None] + ob[None, :]), mask=mb)
+            tl.store(dst_ptr + (d[:, None] + ob[None, :]), xb, mask=mb)
+    # ---- store the pending chunk (loaded one step ago)
+    for u in tl.static_range(UNROLL):
+        o = (qc + u * (W * 4 // VEC)) * VEC + cols
+        m = o[None, :] < (qn * VEC)[:, None]
+        tl.store(dp + ((qd * VEC)[:, None] + o[None, :]), qxs[u], mask=m, cache_modifier=STORE_CACHE)
+    # ---- advance
+    k2 = k + slices
+    adv = (k2 >= nch) | (fast == 0)
+    it2 = tl.where(adv, it + G, it)
+    k3 = tl.where(adv, psl, k2)
+    s2 = tl.where(adv, ps, s)
+    d2 = tl.where(adv, pd, d)
+    n2 = tl.where(adv, pn, n)
+    sl2 = tl.where(adv, psl, sl)
+    # prefetch the descriptors of the item after the (new) current one
+    ps2, pd2, pn2, psl2 = _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, it2 + G, n_items, slices, lanes,
+                                      MODE, ROWS)
+    qn2 = tl.where(fast, nu, 0)
+    return it2, k3, s2, d2, n2, sl2, ps2, pd2, pn2, psl2, du, qn2, cu, xs
+
+
+@dual_kernel(do_not_specialize=["row_begin", "n_rows", "staging_base", "n_items", "slices"])
+def copy_kernel_pipelined(src_ptr, dst_ptr, desc_ptr, offs_ptr,
+                          row_begin, n_rows, staging_base, n_items, slices,
+                          MODE: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr,
+                          UNROLL: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_CACHE: tl.constexpr):
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    sp = src_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    dp = dst_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    cols = tl.arange(0, W * 4)
+    lanes = tl.arange(0, ROWS)
+    rb = tl.cast(row_begin, tl.int64)
+    nr = tl.cast(n_rows, tl.int64)
+    sbase = tl.cast(staging_base, tl.int64)
+    off0 = tl.cast(0, tl.int64)
+    if MODE != 0:
+        off0 = tl.load(offs_ptr + rb)
+    it = pid
+    s, d, n, sl = _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, it, n_items, slices, lanes, MODE, ROWS)
+    ps, pd, pn, psl = _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, it + G, n_items, slices, lanes,
+                                  MODE, ROWS)
+    k = sl
+    qd = tl.zeros([ROWS], tl.int64)
+    qn = tl.zeros([ROWS], tl.int64)
+    qc = tl.cast(0, tl.int64)
+    qxs = ()
+    for u in tl.static_range(UNROLL):
+        qxs = qxs + (tl.zeros([ROWS, W * 4], tl.int32),)
+    while it < n_items:
+        # two steps per iteration (ping-pong), so a chunk's registers are never copied
+        # while its loads are in flight
+        it, k, s, d, n, sl, ps, pd, pn, psl, ad, an, ac, axs = _step(
+            src_ptr, dst_ptr, sp, dp, desc_ptr, offs_ptr, rb, nr, sbase, off0, n_items, slices, G, lanes, cols,
+            it, k, s, d, n, sl, ps, pd, pn, psl, qd, qn, qc, qxs,
+            MODE, ALIGN, ROWS, W, UNROLL, LOAD_CACHE, STORE_CACHE)
+        it, k, s, d, n, sl, ps, pd, pn, psl, qd, qn, qc, qxs = _step(
+            src_ptr, dst_ptr, sp, dp, desc_ptr, offs_ptr, rb, nr, sbase, off0, n_items, slices, G, lanes, cols,
+            it, k, s, d, n, sl, ps, pd, pn, psl, ad, an, ac, axs,
+            MODE, ALIGN, ROWS, W, UNROLL, LOAD_CACHE, STORE_CACHE)
+    VEC: tl.constexpr = ALIGN // 4
+    for u in tl.static_range(UNROLL):
+        o = (qc + u * (W * 4 // VEC)) * VEC + cols
+        m = o[None, :] < (qn * VEC)[:, None]
+        tl.store(dp + ((qd * VEC)[:, None] + o[None, :]), qxs[u], mask=m, cache_modifier=STORE_CACHE)

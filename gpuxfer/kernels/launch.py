@@ -28,7 +28,7 @@ import torch
 
 from ..errors import BadInput, VerificationFailed
 from . import reference
-from .copy_kernel import copy_kernel
+from .copy_kernel import copy_kernel, copy_kernel_pipelined
 from .pattern_kernel import fill_kernel, verify_kernel
 
 MODE_COPY, MODE_PACK, MODE_UNPACK = 0, 1, 2
@@ -53,6 +53,7 @@ class CopyConfig:
     programs_per_sm: int      # default grid = programs_per_sm x SM count
     load_cache: str = ""      # Triton cache_modifier for loads ("", ".cg", ".cv", ...)
     store_cache: str = ""     # ... and stores ("", ".cg", ".cs", ".wt")
+    pipelined: bool = True    # keep two steps in flight (loads of step i+1 before stores of step i)
 
     def __post_init__(self):
         for name in ("rows", "width"):
@@ -75,38 +76,34 @@ class CopyConfig:
         return self.rows * self.row_step_bytes
 
 
-STEP_TARGET = 36 * 1024      # bytes a program keeps in flight per step (see choose_config)
+def _cfg(rows, width, unroll, warps, pps, pipelined=True) -> "CopyConfig":
+    return CopyConfig(rows=rows, width=width, unroll=unroll, num_warps=warps, programs_per_sm=pps,
+                      pipelined=pipelined)
 
 
-def choose_config(nbytes_hint: int | None = None) -> CopyConfig:
-    """The configuration for descriptors of about ``nbytes_hint`` bytes (2,304 if unknown).
+# (largest typical descriptor size, default config, config for a bounded grid of <= 1 program per SM).
+# Measured on 2x H200 (NV18), random pages in a 2 GiB pool, pull and push (see docs/PERFORMANCE.md):
+# wide row chunks (512 B - 1 KiB contiguous per warp instruction) beat tight padding, and a bounded
+# grid needs big steps (32-74 KB per program) because each program is latency bound.
+CONFIG_TABLE = (
+    (1024, _cfg(16, 32, 2, 8, 2), _cfg(32, 32, 2, 8, 1)),
+    (4096, _cfg(16, 32, 2, 8, 2), _cfg(32, 16, 9, 8, 1)),
+    (12288, _cfg(2, 64, 9, 4, 2), _cfg(8, 64, 9, 8, 1)),
+    (None, _cfg(8, 64, 4, 8, 2, pipelined=False), _cfg(16, 64, 4, 8, 1)),
+)
 
-    A row step (``width * unroll`` 16-byte units) is made to cover a whole descriptor
-    of up to 9 KiB with the least padding, so one step moves whole descriptors; larger
-    descriptors loop in 4 KiB row steps. ``rows`` then brings a program's step to about
-    :data:`STEP_TARGET` bytes in flight.
+
+def choose_config(nbytes_hint: int | None = None, *, few_programs: bool = False) -> CopyConfig:
+    """The tiling for descriptors of about ``nbytes_hint`` bytes (2,304 if unknown).
+
+    ``few_programs``: the grid is bounded to at most one program per SM (an SM budget),
+    so each program gets a bigger step (more bytes in flight) instead of company.
     """
     hint = 2304 if nbytes_hint is None else max(int(nbytes_hint), 1)
-    units = -(-hint // 16)
-    if units <= 64 * 9:
-        best = None
-        for width in (4, 8, 16, 32, 64):
-            unroll = -(-units // width)
-            if unroll > 9:
-                continue
-            key = (width * unroll - units, -width)
-            if best is None or key < best[0]:
-                best = (key, width, unroll)
-        _, width, unroll = best
-    else:
-        width, unroll = 64, 4
-    row_bytes = width * 16 * unroll
-    rows = 1
-    while rows * 2 * row_bytes <= STEP_TARGET and rows < 64:
-        rows *= 2
-    threads = rows * width                   # one 16-byte vector per thread per chunk
-    num_warps = min(8, max(4, threads // 32))
-    return CopyConfig(rows=rows, width=width, unroll=unroll, num_warps=num_warps, programs_per_sm=2)
+    for limit, normal, few in CONFIG_TABLE:
+        if limit is None or hint <= limit:
+            return few if few_programs else normal
+    raise AssertionError("unreachable")
 
 
 @functools.lru_cache(maxsize=None)
@@ -298,18 +295,21 @@ def _launch_copy(mode: int, src, dst, descs, offsets, start: int, end: int, stag
     rows = end - start
     if rows == 0:
         return
+    if num_programs is not None and (not isinstance(num_programs, int) or isinstance(num_programs, bool)
+                                     or num_programs < 1):
+        raise BadInput(f"num_programs must be a positive int, got {num_programs!r}")
     if config is None:
         hint = nbytes_hint if nbytes_hint is not None else (stats.max_nbytes if stats is not None else None)
-        config = choose_config(hint)
+        few = num_programs is not None and src.device.type != "cpu" and num_programs <= sm_count(src.device)
+        config = choose_config(hint, few_programs=few)
     if num_programs is None:
         num_programs = default_programs(src.device, config)
-    if not isinstance(num_programs, int) or num_programs < 1:
-        raise BadInput(f"num_programs must be a positive int, got {num_programs!r}")
     align = _pool_align(src, dst)
     if stats is not None and stats.align == 4:
         align = min(align, 4)
     programs, n_items, slices = _grid(rows, config, num_programs)
-    copy_kernel.launch(src.device, (programs,), src, dst, descs, descs if offsets is None else offsets,
+    kernel = copy_kernel_pipelined if (config.pipelined and align >= 4) else copy_kernel
+    kernel.launch(src.device, (programs,), src, dst, descs, descs if offsets is None else offsets,
                        start, rows, staging_offset, n_items, slices,
                        MODE=mode, ALIGN=align, ROWS=config.rows, W=config.width, UNROLL=config.unroll,
                        LOAD_CACHE=config.load_cache, STORE_CACHE=config.store_cache, num_warps=config.num_warps)

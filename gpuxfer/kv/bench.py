@@ -94,6 +94,13 @@ def parse_list(text: str, *, option: str, item: Callable[[str], object]) -> list
     return out
 
 
+def _registered_engines() -> tuple[str, ...]:
+    """Every engine of the registry (the optional ones, NIXL and Mooncake, too: named, they are measured
+    where they can run and reported with the reason where they cannot)."""
+    from .engines import ENGINES as registry
+    return tuple(dict.fromkeys(ENGINES + tuple(registry)))
+
+
 def _choice(known: tuple[str, ...], option: str) -> Callable[[str], str]:
     def parse(p: str) -> str:
         if p not in known:
@@ -164,6 +171,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "~15 us each on H200); larger bursts are shed, with the reason")
     r.add_argument("--pack-chunk", default=None, metavar="BYTES",
                    help="largest chunk (staging slot) of the pack engine (default 32MiB; 256KiB on the emulation)")
+    r.add_argument("--post", default="armed", metavar="MODE",
+                   help="armed: each engine enqueues its device work ahead behind a GPU flag (untimed, reported as "
+                        "arm ms) and the timer runs from the trigger to the last byte landed; host: the engine "
+                        "enqueues its work inside the timed region")
     # Fault injection for tests (documented in docs/kv_bench.md): ENGINE[:DIRECTION] or all.
     r.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
     o = parser.add_argument_group("output")
@@ -224,7 +235,7 @@ def parse_run_options(args: argparse.Namespace) -> RunOptions:
     if not str(args.out).strip():
         raise BadInput("--out: give a directory")
     return RunOptions(
-        engines=tuple(parse_list(args.engine, option="--engine", item=_choice(ENGINES, "--engine"))),
+        engines=tuple(parse_list(args.engine, option="--engine", item=_choice(_registered_engines(), "--engine"))),
         directions=tuple(parse_list(args.direction, option="--direction", item=_choice(DIRECTIONS, "--direction"))),
         trials=_positive_int(args.trials, "--trials"),
         seed=seed, platform=platform, out=str(args.out), plan_only=bool(args.plan_only), json=bool(args.json),

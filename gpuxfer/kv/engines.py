@@ -9,16 +9,28 @@ over IPC, a CPU-group exchange).
 
 The interface, per burst::
 
-    p = engine.prepare(burst, direction)   # both sides; timed apart ("prep ms")
-    engine.post(p)        # passive side first (flag-gated work), then the initiator, timed
-    engine.wait(p)        # initiator: the whole transfer has landed; passive: its own part is done
+    p = engine.prepare(burst, direction)   # both sides, once per row; timed apart ("prep ms")
+    engine.arm(p)         # both sides, untimed: enqueue device work that waits on a GPU flag
+    # ... a CPU-group barrier ...
+    engine.post(p)        # the initiator, timed: trigger (or, unarmed, enqueue) the transfer
+    engine.wait(p)        # the initiator, timed: every byte has landed; the passive side: its part is done
     engine.release(p)
 
 ``direction`` is ``pull`` (the decode side initiates: it reads, or pulls the
 data towards itself) or ``push`` (the prefill side initiates and writes).
-:func:`initiator_of` says which side times the burst. A passive side only
-posts work that waits for the initiator (stream flag waits), so nothing it
-does can run before the timer starts.
+:func:`initiator_of` says which side times the burst.
+
+Armed and host posting. With ``Side.armed`` (the benchmark's default), an
+engine that can (``armable``) enqueues all of the initiator's device work in
+:meth:`Engine.arm`, behind a wait on a GPU flag (the side's :class:`Gate`);
+:meth:`Engine.post` is then one stream write of that flag, and the timer runs
+from that trigger to the last byte landed -- the transfer as a serving engine
+runs it when it enqueues the pull (or push) as soon as the blocks are
+allocated and fires it when the KV is ready. The host cost of enqueueing is
+measured apart (``arm ms``). Unarmed (``host``), the initiator enqueues
+everything inside :meth:`Engine.post`, in the timed region. A passive side
+always arms: its work waits for flags the initiator's work sets, so nothing it
+does runs before the timer starts.
 
 Built-in engines (``ENGINES``):
 
@@ -134,6 +146,37 @@ class Side:
     exchange: Callable[[Any], list]
     timeout_s: float = 60.0
     options: EngineOptions = field(default_factory=EngineOptions)
+    armed: bool = True
+    _streams: dict = field(default_factory=dict, repr=False)
+    _gate: "Gate | None" = field(default=None, repr=False)
+
+    def stream(self, name: str) -> Stream:
+        """A stream of this process, created once per name and shared by the engines (one burst at a time).
+
+        Few streams on purpose: a stream blocked in a flag wait must never share a
+        hardware queue with the stream that releases it.
+        """
+        s = self._streams.get(name)
+        if s is None:
+            s = self._streams[name] = self.platform.create_stream(self.device)
+        return s
+
+    @property
+    def gate(self) -> "Gate":
+        if self._gate is None:
+            self._gate = Gate(self)
+        return self._gate
+
+    def release_waits(self) -> None:
+        """Abort path: satisfy the gate so no stream of ours stays blocked on it."""
+        if self._gate is not None:
+            self._gate.release_waits()
+
+    def close(self) -> None:
+        if self._gate is not None:
+            self._gate.close()
+            self._gate = None
+        self._streams.clear()
 
     @property
     def src_mem(self) -> Memory:
@@ -230,6 +273,7 @@ class Prepared:
     initiator: bool              # this side times the burst
     state: Any = None
     done: Event | None = None
+    gate: int | None = None      # the gate value this burst's armed work waits for (None: not armed)
     released: bool = False
 
 
@@ -255,6 +299,45 @@ def wait_event(platform: Platform, event: Event, timeout_s: float, *, rank: int,
         return
     raise TransferTimeout(rank=rank, step=step, flag=f"event: {what}", expected=1, seen=0, timeout_s=timeout_s,
                           what=what)
+
+
+class Gate:
+    """A 64-bit flag in this process's device memory that armed work waits on; posting writes it.
+
+    Values only grow (one per armed burst of the process). The trigger is a stream
+    write on a stream that never waits for anything, so it cannot be held up.
+    """
+
+    def __init__(self, side: "Side"):
+        self.side = side
+        plat = side.platform
+        self.buf = plat.alloc(256, side.device)
+        s = side.stream("gate-trigger")
+        plat.memset_async(s, self.buf.ptr, 0, 256)
+        if not plat.synchronize(s, side.timeout_s):
+            self.buf.close()
+            raise TransferTimeout(rank=side.rank, step=0, flag="gate (memset)", expected=1, seen=0,
+                                  timeout_s=side.timeout_s)
+        self.value = 0
+
+    def next(self) -> int:
+        self.value += 1
+        return self.value
+
+    def wait(self, stream: Stream, value: int) -> None:
+        self.side.platform.wait_flag(stream, self.buf.ptr, value)
+
+    def trigger(self, value: int) -> None:
+        self.side.platform.write_flag(self.side.stream("gate-trigger"), self.buf.ptr, value)
+
+    def release_waits(self) -> None:
+        try:
+            self.side.platform.host_write_flag(self.buf.ptr, 1 << 62, self.side.device)
+        except Exception:  # noqa: BLE001 - best effort on the abort path
+            pass
+
+    def close(self) -> None:
+        self.buf.close()
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -294,15 +377,19 @@ def _sync_uploads_plat(platform: Platform, device: int, timeout_s: float, rank: 
 class Engine(abc.ABC):
     """One way to move a burst. Built on both sides (collectively), used one burst at a time.
 
-    Subclasses set ``name``, ``description`` and ``uses_sms``, and implement
-    :meth:`prepare`, :meth:`post` and (if not the default event wait) :meth:`wait`.
-    Every owned resource is released by :meth:`close` (idempotent).
+    Subclasses set ``name``, ``description`` and ``uses_sms`` and implement
+    :meth:`prepare` and :meth:`_enqueue` (this side's device work for a burst,
+    ending with ``p.done`` = an event recorded after it); an engine that is not
+    stream-ordered (a host library) sets ``armable = False`` and may override
+    :meth:`post` / :meth:`wait` instead. Every owned resource is released by
+    :meth:`close` (idempotent).
     """
 
     name: ClassVar[str] = "abstract"
     description: ClassVar[str] = ""
     uses_sms: ClassVar[str] = ""        # where SMs are used, in words ("none", "initiator", ...)
     ceiling: ClassVar[bool] = False     # this engine's rows are the ceiling of the others
+    armable: ClassVar[bool] = False     # its initiator's work is stream-ordered: it can wait behind a GPU flag
 
     @classmethod
     def unavailable_reason(cls, platform: Platform) -> str | None:
@@ -314,14 +401,12 @@ class Engine(abc.ABC):
         self.platform = side.platform
         self.options = side.options
         self._closed = False
-        self._stream: Stream | None = None
 
     # -- helpers
     @property
     def stream(self) -> Stream:
-        if self._stream is None:
-            self._stream = self.platform.create_stream(self.side.device)
-        return self._stream
+        """The stream of the simple engines (shared: one burst at a time)."""
+        return self.side.stream("engine")
 
     def initiator(self, direction: str) -> Role:
         return initiator_of(direction)
@@ -342,9 +427,49 @@ class Engine(abc.ABC):
     def prepare(self, burst: Burst, direction: str) -> Prepared:
         """Everything a post needs (descriptor uploads, pointer arrays, chunk plans). Not timed as transfer."""
 
-    @abc.abstractmethod
+    def _enqueue(self, p: Prepared) -> None:
+        """Enqueue this side's device work for ``p`` and set ``p.done``. Non-blocking.
+
+        Stream-ordered engines implement this; host-driven ones override :meth:`post`
+        (and :meth:`wait`) instead."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither _enqueue nor post")
+
+    def _entry_streams(self, p: Prepared) -> list[Stream]:
+        """The streams the initiator's work starts on (gated when armed); the rest depends on them."""
+        return [self.stream]
+
+    def arm(self, p: Prepared) -> None:
+        """Untimed, on both sides, before the start barrier.
+
+        The passive side posts its part (which waits for flags the initiator's work
+        sets); an armed initiator (``Side.armed`` and ``armable``) enqueues its whole
+        transfer behind the gate, so that :meth:`post` only fires it.
+        """
+        p.gate = None
+        if not p.active:
+            return
+        if not p.initiator:
+            self.post(p)
+            return
+        if self.side.armed and self.armable:
+            p.gate = self.side.gate.next()
+            for s in self._entry_streams(p):
+                self.side.gate.wait(s, p.gate)
+            self._enqueue(p)
+
     def post(self, p: Prepared) -> None:
-        """Enqueue this side's work for ``p``. Non-blocking."""
+        """On the initiator, timed: fire the armed transfer, or enqueue it now. On the passive side
+        (called by :meth:`arm`): enqueue its flag-gated part."""
+        if not p.active:
+            return
+        if p.gate is not None:
+            self.side.gate.trigger(p.gate)
+        else:
+            self._enqueue(p)
+
+    def row_extra(self) -> dict:
+        """Engine-specific fields for the row just measured (e.g. a library's own telemetry)."""
+        return {}
 
     def wait(self, p: Prepared) -> None:
         """Block until this side's part of ``p`` is done (the initiator: until the data has landed)."""
@@ -357,6 +482,9 @@ class Engine(abc.ABC):
         p.done = None
         p.released = True
 
+    def abort(self) -> None:
+        """Failure path: release whatever this side's streams wait for (best effort)."""
+
     # -- lifetime
     def close(self) -> None:
         if self._closed:
@@ -365,7 +493,7 @@ class Engine(abc.ABC):
         self._release()
 
     def _release(self) -> None:
-        """Free what the engine owns (streams are the platform's; it frees them at close)."""
+        """Free what the engine owns (streams belong to the side)."""
 
     @property
     def closed(self) -> bool:
@@ -390,6 +518,7 @@ class Engine(abc.ABC):
 
 class TritonEngine(Engine):
     name = "triton"
+    armable = True
     description = "descriptor-copy Triton kernel on the initiating GPU (pull reads the peer pool, push writes it)"
     uses_sms = "initiating GPU"
 
@@ -427,9 +556,7 @@ class TritonEngine(Engine):
         p.state = tables
         return p
 
-    def post(self, p: Prepared) -> None:
-        if not p.active:
-            return
+    def _enqueue(self, p: Prepared) -> None:
         src_t, dst_t = self._views()
         copy = _kernels().copy_descriptors
         for desc_t, hint in p.state:
@@ -464,6 +591,7 @@ def _kernel_reason(platform: Platform) -> str | None:
 
 class CopyEngineEngine(Engine):
     name = "copy_engine"
+    armable = True
     description = ("copy_batch_async (cuMemcpyBatchAsync) over every descriptor on a created stream, no SM; "
                    "a fixed cost per descriptor")
     uses_sms = "none"
@@ -491,9 +619,7 @@ class CopyEngineEngine(Engine):
                     sizes[i:i + step]) for i in range(0, len(sizes), step)]
         return p
 
-    def post(self, p: Prepared) -> None:
-        if not p.active:
-            return
+    def _enqueue(self, p: Prepared) -> None:
         for dsts, srcs, sizes in p.state:
             self.platform.copy_batch_async(self.stream, dsts, srcs, sizes)
         p.done = self.platform.record_event(self.stream)
@@ -501,6 +627,7 @@ class CopyEngineEngine(Engine):
 
 class BulkEngine(Engine):
     name = "bulk"
+    armable = True
     description = "one copy-engine descriptor of the burst's total bytes: the ceiling"
     uses_sms = "none"
     ceiling = True
@@ -514,9 +641,7 @@ class BulkEngine(Engine):
         p.state = n
         return p
 
-    def post(self, p: Prepared) -> None:
-        if not p.active:
-            return
+    def _enqueue(self, p: Prepared) -> None:
         self.platform.copy_async(self.stream, self.side.dst_mem.ptr, self.side.src_mem.ptr, p.state)
         p.done = self.platform.record_event(self.stream)
 
@@ -599,7 +724,7 @@ class _FlagLink:
         plat = side.platform
         self.local = plat.alloc(_CTRL_WORDS * 8, side.device)
         try:
-            s = plat.create_stream(side.device)
+            s = side.stream("setup")
             plat.memset_async(s, self.local.ptr, 0, _CTRL_WORDS * 8)
             if not plat.synchronize(s, side.timeout_s):
                 raise TransferTimeout(rank=side.rank, step=0, flag="pack control words (memset)", expected=1,
@@ -649,6 +774,7 @@ class _PackPlan:
 
 class PackEngine(Engine):
     name = "pack"
+    armable = True
     description = ("pack on the source, one copy-engine copy per chunk into the destination's staging, unpack "
                    "on the destination; chunked and pipelined, SMs only on local memory")
     uses_sms = "both GPUs, local HBM only"
@@ -677,12 +803,13 @@ class PackEngine(Engine):
         except BaseException:
             self._release()
             raise
-        self.kernel_stream = plat.create_stream(side.device)          # pack (source) or unpack (destination)
-        self.copy_streams = [plat.create_stream(side.device) for _ in range(self.nlanes)]
+        self.kernel_stream = side.stream("pack-kernel")               # pack (source) or unpack (destination)
+        self.copy_streams = [side.stream(f"pack-lane{i}") for i in range(self.nlanes)]
         self._stage_t = None
         self._pool_t = None
         self._k = 0                 # chunks posted so far (both sides count the same)
         self._bursts = 0            # pull bursts posted so far (the GO flag)
+        self._burst_first = 0      # the first chunk number of the burst being enqueued
         self._slot_event: list[Event | None] = [None] * self.nslots
 
     def _views(self):
@@ -719,9 +846,14 @@ class PackEngine(Engine):
     # Chunk k (counted over the engine's life, on both sides alike) uses staging slot
     # k % S and copy lane k % L; on a lane, flags count that lane's chunks (k // L + 1),
     # so a flag only ever grows even when lanes finish out of order.
-    def post(self, p: Prepared) -> None:
+    def _entry_streams(self, p: Prepared) -> list[Stream]:
+        # push: the source's pack stream; pull: the destination's lane 0 (it sends GO to the source)
+        return [self.kernel_stream if p.direction == "push" else self.copy_streams[0]]
+
+    def _enqueue(self, p: Prepared) -> None:
         plan: _PackPlan = p.state
         source = self.side.role is Role.SOURCE
+        self._burst_first = self._k
         if p.direction == "push":
             (self._post_push_source if source else self._post_push_destination)(plan, p)
         else:
@@ -734,9 +866,14 @@ class PackEngine(Engine):
         return k, k % self.nslots, k % self.nlanes, k // self.nlanes + 1
 
     def _prev_seq(self, k: int) -> int:
-        """The lane sequence number of the chunk that used this slot before chunk ``k`` (0: none)."""
+        """The lane sequence number of the chunk that used this slot before chunk ``k`` in this burst
+        (0: none -- every earlier burst has completed on both sides before this one is armed)."""
         j = k - self.nslots
-        return j // self.nlanes + 1 if j >= 0 else 0
+        return j // self.nlanes + 1 if j >= self._burst_first else 0
+
+    def _slot_busy(self, k: int, s: int) -> Event | None:
+        """The local event after which slot ``s`` may be reused by chunk ``k`` (None: free)."""
+        return self._slot_event[s] if k - self.nslots >= self._burst_first else None
 
     def _copy_chunk(self, stream: Stream, slot: int, nbytes: int, *, pull: bool) -> None:
         off = slot * self.slot_bytes
@@ -750,8 +887,9 @@ class PackEngine(Engine):
         last = None
         for a, b, nbytes in plan.chunks:
             k, s, lane, seq = self._next()
-            if self._slot_event[s] is not None:          # our copy of the slot's previous chunk is done
-                plat.stream_wait_event(self.kernel_stream, self._slot_event[s])
+            busy = self._slot_busy(k, s)
+            if busy is not None:                         # our copy of the slot's previous chunk is done
+                plat.stream_wait_event(self.kernel_stream, busy)
             self._pack(self.kernel_stream, plan, a, b, s)
             packed = plat.record_event(self.kernel_stream)
             cs = self.copy_streams[lane]
@@ -797,8 +935,9 @@ class PackEngine(Engine):
             k, s, lane, seq = self._next()
             cs = self.copy_streams[lane]
             fl.wait(cs, _AVAIL + lane, seq)               # packed on the source
-            if self._slot_event[s] is not None:           # our unpack of the slot's previous chunk is done
-                plat.stream_wait_event(cs, self._slot_event[s])
+            busy = self._slot_busy(k, s)
+            if busy is not None:                          # our unpack of the slot's previous chunk is done
+                plat.stream_wait_event(cs, busy)
             self._copy_chunk(cs, s, nbytes, pull=True)
             fl.signal(cs, lane, _FREE + lane, seq)
             landed = plat.record_event(cs)
@@ -829,6 +968,12 @@ ENGINES: dict[str, str] = {
     "triton": "gpuxfer.kv.engines:TritonEngine",
     "pack": "gpuxfer.kv.engines:PackEngine",
     "copy_engine": "gpuxfer.kv.engines:CopyEngineEngine",
+    # optional libraries (imported only when the engine is built; engine_report says why one cannot run)
+    "nixl": "gpuxfer.kv.nixl_engine:NixlEngine",
+    "nixl-bulk": "gpuxfer.kv.nixl_engine:NixlBulkEngine",
+    "nixl-oneshot": "gpuxfer.kv.nixl_engine:NixlOneshotEngine",
+    "nixl+pack": "gpuxfer.kv.nixl_engine:NixlPackEngine",
+    "mooncake": "gpuxfer.kv.mooncake_engine:MooncakeEngine",
 }
 #: the engines a default sweep measures
 DEFAULT_ENGINES = ("triton", "pack", "copy_engine", "bulk")

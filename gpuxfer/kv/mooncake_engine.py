@@ -211,8 +211,9 @@ def to_mooncake_lists(desc, op: str, *, local_base: int, remote_base: int
     return (d[:, local_col] + int(local_base), d[:, remote_col] + int(remote_base), d[:, 2].copy())
 
 
-def chunks(n: int, cap: int = BATCH_CAP) -> list[tuple[int, int]]:
-    """``[0, n)`` as consecutive ``(start, end)`` pieces of at most ``cap``."""
+def chunks(n: int, cap: int | None = None) -> list[tuple[int, int]]:
+    """``[0, n)`` as consecutive ``(start, end)`` pieces of at most ``cap`` (default :data:`BATCH_CAP`)."""
+    cap = BATCH_CAP if cap is None else cap
     if cap <= 0:
         raise BadInput(f"cap must be positive, got {cap}")
     return [(i, min(i + cap, n)) for i in range(0, n, cap)]
@@ -330,9 +331,10 @@ class MooncakeEngine(Engine):
             engine_cls, why = find_mooncake()
             if engine_cls is None:
                 raise BackendUnavailable(self.name, {side.rank: why})
-            self.mc = MooncakeSide(engine_cls, device=side.device, rank=side.rank, workers=8)
+            self.mc = MooncakeSide(engine_cls, device=side.device, rank=side.rank, workers=16)
             self.mc.register(side.pool.ptr, side.pool.nbytes)
-            info = {"session": self.mc.session, "pool": int(side.pool.ptr), "version": _version()}
+            info = {"session": self.mc.session, "pool": int(side.pool.ptr), "pool_bytes": int(side.pool.nbytes),
+                    "version": _version()}
         except Exception as exc:  # tell the peer, so both sides fail together
             info = {"error": f"{type(exc).__name__}: {exc}"}
         infos = side.exchange(info)
@@ -346,7 +348,8 @@ class MooncakeEngine(Engine):
         p = self._new_prepared(burst, direction)
         if not p.active:
             return p
-        burst.check_bounds(self.side.src_mem.nbytes, self.side.dst_mem.nbytes)
+        mine, theirs = int(self.side.pool.nbytes), int(self.peer["pool_bytes"])   # the peer pool need not be mapped
+        burst.check_bounds(*((mine, theirs) if self.side.role is Role.SOURCE else (theirs, mine)))
         op = "READ" if direction == "pull" else "WRITE"
         batches = [self.mc.batch(r[r[:, 2] > 0], op, local_base=self.side.pool.ptr, remote_base=self.peer["pool"])
                    for r in burst.requests]

@@ -228,9 +228,12 @@ def find_nixl(refresh: bool = False) -> tuple[NixlModule | None, str | None]:
         result = (NixlModule(name, mod, _version_of(name)), None)
         break
     if result is None:
-        result = (None, "NIXL is not importable (" + "; ".join(reasons) +
-                  "); install nixl-cu13 or nixl-cu12 (`pip install gpuxfer[nixl]`), "
-                  "or see docs/MULTINODE.md for the slim tree used on machines without a network")
+        hint = ("pip install nixl-cu13 (or nixl-cu12); on a machine without a network, "
+                "the slim tree of docs/MULTINODE.md")
+        if all(r.endswith(": not installed") for r in reasons):
+            result = (None, f"NIXL is not installed (tried {', '.join(order)}): {hint}")
+        else:
+            result = (None, "NIXL is not importable (" + "; ".join(reasons) + f"): {hint}")
     _found[order] = result
     return result
 
@@ -595,6 +598,12 @@ class _NixlEngineBase(Engine):
     def _own_pool(self) -> int:
         return self.side.pool.ptr
 
+    def _pool_limits(self) -> tuple[int, int]:
+        """(source pool bytes, destination pool bytes), from this side's pool and what the peer said:
+        the peer's pool need not be mapped here (across nodes it cannot be)."""
+        mine, theirs = int(self.side.pool.nbytes), int(self.peer["pool_bytes"])
+        return (mine, theirs) if self.side.role is Role.SOURCE else (theirs, mine)
+
     def _rows(self, desc: np.ndarray, op: str, what: str = "pool", nbytes: tuple | None = None):
         src_base, dst_base, src_dev, dst_dev = self._bases(what)
         return to_nixl_dlists(desc, op, src_base=src_base, dst_base=dst_base, src_dev=src_dev, dst_dev=dst_dev,
@@ -671,7 +680,7 @@ class NixlEngine(_NixlEngineBase):
         p = self._new_prepared(burst, direction)
         if not p.active:
             return p
-        burst.check_bounds(self.side.src_mem.nbytes, self.side.dst_mem.nbytes)
+        burst.check_bounds(*self._pool_limits())
         self._stats = []
         op = OPS[direction]
         reqs = [r[r[:, 2] > 0] for r in burst.requests]
@@ -732,7 +741,7 @@ class NixlOneshotEngine(NixlEngine):
         p = self._new_prepared(burst, direction)
         if not p.active:
             return p
-        burst.check_bounds(self.side.src_mem.nbytes, self.side.dst_mem.nbytes)
+        burst.check_bounds(*self._pool_limits())
         self._stats = []
         b = _Batch(OPS[direction])
         for r in burst.requests:
@@ -753,6 +762,28 @@ class NixlOneshotEngine(NixlEngine):
             h = self.agent.oneshot(b.op, local, remote, self.remote)
             b.handles.append((h, self.agent.post(h, what), len(local), nbytes))
         self._finish(prev)   # the previous burst's handles, released while this one is on the wire
+
+
+class NixlBulkEngine(NixlEngine):
+    name = "nixl-bulk"
+    description = ("NIXL's own ceiling: the burst's total bytes as a few bulk descriptors pool to pool "
+                   "(READ pulls, WRITE pushes); across nodes, where the copy-engine bulk cannot run, the ceiling")
+
+    def shed_reason(self, burst) -> str | None:
+        return None
+
+    def prepare(self, burst: Burst, direction: str) -> Prepared:
+        n = burst.nbytes
+        src_bytes, dst_bytes = self._pool_limits()
+        if n > min(src_bytes, dst_bytes):
+            raise BadInput(f"{self.name}: the burst's {n} bytes do not fit the pools ({src_bytes}, {dst_bytes} B)")
+        bulk = Burst([bulk_descriptors(n)]) if n else burst
+        p = super().prepare(bulk, direction)
+        p.burst = burst
+        return p
+
+    def verify_descriptors(self, burst: Burst) -> np.ndarray:
+        return bulk_descriptors(burst.nbytes, self.options.verify_chunk_bytes)
 
 
 @dataclass
@@ -804,7 +835,7 @@ class NixlPackEngine(_NixlEngineBase):
     def prepare(self, burst: Burst, direction: str) -> Prepared:
         p = self._new_prepared(burst, direction, active=True)   # both sides work
         self._stats = []
-        burst.check_bounds(self.side.src_mem.nbytes, self.side.dst_mem.nbytes)
+        burst.check_bounds(*self._pool_limits())
         d = split_large(burst.concatenated(), self.round_bytes)
         d = d[d[:, 2] > 0]
         rounds = chunk_plan(d, self.round_bytes, self.round_bytes) if d.shape[0] else []
@@ -934,6 +965,7 @@ class NixlPackEngine(_NixlEngineBase):
 #: the engines of this module, as the registry names them
 NIXL_ENGINES = {
     "nixl": "gpuxfer.kv.nixl_engine:NixlEngine",
+    "nixl-bulk": "gpuxfer.kv.nixl_engine:NixlBulkEngine",
     "nixl-oneshot": "gpuxfer.kv.nixl_engine:NixlOneshotEngine",
     "nixl+pack": "gpuxfer.kv.nixl_engine:NixlPackEngine",
 }

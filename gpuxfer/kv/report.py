@@ -64,24 +64,24 @@ def gbps(nbytes: int, ms: float | None) -> float | None:
 def finish_row(row: dict[str, Any], samples_s: Sequence[float]) -> dict[str, Any]:
     """Add the timing statistics and derived bandwidths of ``samples_s`` to ``row`` (in place; returned)."""
     st = sample_stats(samples_s)
-    nbytes, ndesc = row["bytes"], row["descriptors"]
+    nbytes, ndesc = row["burst_bytes"], row["descriptors"]
     row["trials"] = st["n"]
     row["samples_ms"] = [round(s * 1e3, 6) for s in samples_s]
     for k in ("p50", "p10", "p90", "min", "max", "mean"):
         row[f"burst_{k}_ms"] = st[f"{k}_ms"]
-    row["gbps_p50"] = gbps(nbytes, st["p50_ms"])
-    row["gbps_min"] = gbps(nbytes, st["max_ms"])     # slowest burst
-    row["gbps_max"] = gbps(nbytes, st["min_ms"])     # fastest burst
-    row["us_per_descriptor_p50"] = (st["p50_ms"] * 1e3 / ndesc) if st["p50_ms"] is not None and ndesc else None
+    row["p50_gbps"] = gbps(nbytes, st["p50_ms"])
+    row["min_gbps"] = gbps(nbytes, st["max_ms"])     # slowest burst
+    row["max_gbps"] = gbps(nbytes, st["min_ms"])     # fastest burst
+    row["per_descriptor_p50_us"] = (st["p50_ms"] * 1e3 / ndesc) if st["p50_ms"] is not None and ndesc else None
     return row
 
 
 def apply_ceiling(row: dict[str, Any], ceiling_gbps: float | None) -> None:
     row["ceiling_gbps"] = ceiling_gbps
-    if ceiling_gbps and row.get("gbps_p50") is not None:
-        row["pct_of_ceiling"] = 100.0 * row["gbps_p50"] / ceiling_gbps
+    if ceiling_gbps and row.get("p50_gbps") is not None:
+        row["of_ceiling_pct"] = 100.0 * row["p50_gbps"] / ceiling_gbps
     else:
-        row["pct_of_ceiling"] = None
+        row["of_ceiling_pct"] = None
 
 
 # ----------------------------------------------------------------------------- the table
@@ -135,14 +135,14 @@ COLUMNS: list[Column] = [
     Column("batch", "batch", "reqs", 5, _int),
     Column("engine", "engine", "", 11, _str, left=True),
     Column("direction", "dir", "", 4, _str, left=True),
-    Column("bytes", "bytes", "B", 12, _int),
+    Column("burst_bytes", "bytes", "B", 12, _int),
     Column("descriptors", "descs", "#", 9, _int),
     Column("burst_p50_ms", "time", "ms", 9, _g),
-    Column("gbps_p50", "GB/s", "p50", 7, _g),
-    Column("gbps_min", "min", "GB/s", 7, _g),
-    Column("gbps_max", "max", "GB/s", 7, _g),
-    Column("pct_of_ceiling", "ceil", "%", 6, _f(1)),
-    Column("us_per_descriptor_p50", "t/desc", "us", 8, _g),
+    Column("p50_gbps", "GB/s", "p50", 7, _g),
+    Column("min_gbps", "min", "GB/s", 7, _g),
+    Column("max_gbps", "max", "GB/s", 7, _g),
+    Column("of_ceiling_pct", "ceil", "%", 6, _f(1)),
+    Column("per_descriptor_p50_us", "t/desc", "us", 8, _g),
     Column("prep_ms", "prep", "ms", 8, _g),
     Column("wrong_bytes", "#wrong", "B", 8, _wrong),
 ]
@@ -156,12 +156,11 @@ def _cells(values: Iterable[str]) -> str:
 
 
 def header_lines() -> list[str]:
-    return ["#" + _cells(c.header for c in COLUMNS)[1:],
-            "#" + _cells(c.unit for c in COLUMNS)[1:]]
+    return ["# " + _cells(c.header for c in COLUMNS), "# " + _cells(c.unit for c in COLUMNS)]
 
 
 def format_row(row: dict[str, Any]) -> str:
-    line = _cells(c.fmt(row.get(c.key)) for c in COLUMNS)
+    line = "  " + _cells(c.fmt(row.get(c.key)) for c in COLUMNS)
     if row.get("error"):
         line += f"  ERROR: {row['error']}"
     elif row.get("valid") is False:
@@ -202,7 +201,13 @@ def preamble_lines(env: dict[str, Any], params: dict[str, Any]) -> list[str]:
     if eng:
         lines.append("# engines: " + ", ".join(f"{k} {'ok' if v is None else 'unusable (' + v + ')'}"
                                                 for k, v in eng.items()))
-    lines.append("# parameters: " + " ".join(f"{k}={_param(v)}" for k, v in params.items()))
+    lines.append("# parameters: " + " ".join(f"{k}={_param(v)}" for k, v in params.items() if k != "grid"))
+    grid = params.get("grid")
+    if grid:
+        lines.append(f"# pools: {grid.get('max_pool_per_rank_bytes', 0):,} B per rank; budget "
+                     f"{grid.get('pool_budget_bytes', 0):,} B per rank (asked {grid.get('asked_pool_budget_bytes', 0):,}), "
+                     f"{grid.get('desc_budget_descriptors', 0):,} descriptors per burst, "
+                     f"{grid.get('pools_per_device', 1)} pool(s) per device")
     lines.append("# " + GBPS_DEFINITION)
     lines.append("#")
     return lines
@@ -211,6 +216,8 @@ def preamble_lines(env: dict[str, Any], params: dict[str, Any]) -> list[str]:
 def _param(v) -> str:
     if isinstance(v, (list, tuple)):
         return ",".join(str(x) for x in v)
+    if isinstance(v, dict):
+        return ",".join(f"{k}:{x}" for k, x in v.items())
     return str(v)
 
 
@@ -218,7 +225,7 @@ def summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (workload, ISL, page, direction, engine): GB/s at batch 1 and at the largest measured batch."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        if r.get("gbps_p50") is None:
+        if r.get("p50_gbps") is None:
             continue
         key = (r["workload"], r["isl_tokens"], r["page_tokens"], r["direction"], r["engine"])
         groups.setdefault(key, []).append(r)
@@ -228,11 +235,11 @@ def summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         lo, hi = rs[0], rs[-1]
         out.append({
             "workload": wl, "isl_tokens": isl, "page_tokens": page, "direction": direction, "engine": engine,
-            "batch_min": lo["batch"], "gbps_batch_min": lo["gbps_p50"], "pct_of_ceiling_batch_min": lo.get("pct_of_ceiling"),
-            "batch_max": hi["batch"], "gbps_batch_max": hi["gbps_p50"], "pct_of_ceiling_batch_max": hi.get("pct_of_ceiling"),
-            "pct_of_ceiling_worst": min((r["pct_of_ceiling"] for r in rs if r.get("pct_of_ceiling") is not None),
+            "batch_min": lo["batch"], "batch_min_gbps": lo["p50_gbps"], "batch_min_of_ceiling_pct": lo.get("of_ceiling_pct"),
+            "batch_max": hi["batch"], "batch_max_gbps": hi["p50_gbps"], "batch_max_of_ceiling_pct": hi.get("of_ceiling_pct"),
+            "worst_of_ceiling_pct": min((r["of_ceiling_pct"] for r in rs if r.get("of_ceiling_pct") is not None),
                                         default=None),
-            "us_per_descriptor_batch_min": lo.get("us_per_descriptor_p50"),
+            "batch_min_per_descriptor_us": lo.get("per_descriptor_p50_us"),
             "all_valid": all(r.get("valid") for r in rs),
         })
     return out
@@ -250,9 +257,9 @@ def summary_lines(summ: Sequence[dict[str, Any]]) -> list[str]:
             return "(-)" if v is None else f"({v:.1f})"
         lines.append(
             f"# {s['workload']:<9} {s['isl_tokens']:>7} {s['page_tokens']:>5} {s['direction']:<4} {s['engine']:<11} "
-            f"{s['batch_min']:>5} {_g(s['gbps_batch_min']):>7} {pct(s['pct_of_ceiling_batch_min']):>7} "
-            f"{s['batch_max']:>5} {_g(s['gbps_batch_max']):>7} {pct(s['pct_of_ceiling_batch_max']):>7} "
-            f"{_f(1)(s['pct_of_ceiling_worst']):>7} {_g(s['us_per_descriptor_batch_min']):>9}  "
+            f"{s['batch_min']:>5} {_g(s['batch_min_gbps']):>7} {pct(s['batch_min_of_ceiling_pct']):>7} "
+            f"{s['batch_max']:>5} {_g(s['batch_max_gbps']):>7} {pct(s['batch_max_of_ceiling_pct']):>7} "
+            f"{_f(1)(s['worst_of_ceiling_pct']):>7} {_g(s['batch_min_per_descriptor_us']):>9}  "
             f"{'yes' if s['all_valid'] else 'NO'}")
     return lines
 
@@ -287,8 +294,9 @@ def footer_lines(out: dict[str, Any], artifacts: dict[str, Any]) -> list[str]:
         lines.append(f"# json: {artifacts['json']}")
     for p in artifacts.get("plots", []):
         lines.append(f"# plot: {p}")
-    lines.append(f"# rows: {out['rows']} measured, {out['rows_valid']} verified, {out['rows_invalid']} invalid, "
-                 f"{out['rows_failed']} failed")
+    lines.append(f"# rows: {out['rows']} measured: {out['rows_valid']} verified correct, {out['rows_invalid']} "
+                 f"invalid (wrong bytes or failed), {out['rows_failed']} failed to run"
+                 + (f"; {out['rows_expected']} expected" if out.get("rows_expected") not in (None, out["rows"]) else ""))
     if out["status"] == "pass":
         lines.append("# PASS: every byte of every request verified")
     else:
@@ -368,7 +376,7 @@ def plot(rows: Sequence[dict[str, Any]], out_dir: str, *, title_suffix: str = ""
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    measured = [r for r in rows if r.get("gbps_p50") is not None]
+    measured = [r for r in rows if r.get("p50_gbps") is not None]
     paths: list[str] = []
     for (wl, isl) in sorted({(r["workload"], r["isl_tokens"]) for r in measured}):
         rs = [r for r in measured if r["workload"] == wl and r["isl_tokens"] == isl]
@@ -387,18 +395,18 @@ def plot(rows: Sequence[dict[str, Any]], out_dir: str, *, title_suffix: str = ""
                 for eng in engines:
                     pts = sorted((r for r in cell if r["engine"] == eng), key=lambda r: r["batch"])
                     xs = [r["batch"] for r in pts]
-                    ys = [r["gbps_p50"] for r in pts]
+                    ys = [r["p50_gbps"] for r in pts]
                     if eng == "bulk":
                         ax.plot(xs, ys, linestyle="--", color="black", linewidth=1.2, label="bulk (ceiling)")
                         continue
                     color, marker = _ENGINE_STYLE.get(eng, (None, "o"))
-                    lo = [max(0.0, r["gbps_p50"] - (r.get("gbps_min") or r["gbps_p50"])) for r in pts]
-                    hi = [max(0.0, (r.get("gbps_max") or r["gbps_p50"]) - r["gbps_p50"]) for r in pts]
+                    lo = [max(0.0, r["p50_gbps"] - (r.get("min_gbps") or r["p50_gbps"])) for r in pts]
+                    hi = [max(0.0, (r.get("max_gbps") or r["p50_gbps"]) - r["p50_gbps"]) for r in pts]
                     ax.errorbar(xs, ys, yerr=[lo, hi], marker=marker, color=color, label=eng, linewidth=1.4,
                                 markersize=4, capsize=2)
                     bad = [r for r in pts if not r.get("valid")]
                     if bad:
-                        ax.scatter([r["batch"] for r in bad], [r["gbps_p50"] for r in bad], marker="x", s=70,
+                        ax.scatter([r["batch"] for r in bad], [r["p50_gbps"] for r in bad], marker="x", s=70,
                                    color="red", zorder=5, label=f"{eng} INVALID")
                 ax.set_xscale("log", base=2)
                 batches = sorted({r["batch"] for r in cell})

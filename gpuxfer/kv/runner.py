@@ -75,7 +75,7 @@ SLOW_BURST_S = 1.0
 GRACE_S = 20.0
 
 # the host emulation: what the defaults shrink to (the Triton interpreter is slow)
-EMULATION = {"isl": "256", "batch": "1,2", "pool_budget": "256MiB", "trials": 3, "warmup": 1,
+EMULATION = {"isl": "16", "batch": "1,2", "pool_budget": "256MiB", "trials": 3, "warmup": 1,
              "pack_chunk_bytes": 256 << 10, "pack_first_chunk_bytes": 64 << 10}
 
 
@@ -98,6 +98,7 @@ class RunConfig:
     timeout_s: float
     engine_options: E.EngineOptions
     inject_fault: str | None = None
+    armed: bool = True
     devices: tuple[int, int] | None = None
     row_budget_s: float = ROW_BUDGET_S
     min_trials: int = MIN_TRIALS
@@ -114,6 +115,7 @@ class RunConfig:
             "copy_engine_max_descs": self.engine_options.copy_engine_max_descs,
             "pack_chunk_bytes": self.engine_options.pack_chunk_bytes,
             "pack_slots": self.engine_options.pack_slots, "pack_lanes": self.engine_options.pack_lanes,
+            "post": "armed" if self.armed else "host",
         }
         if self.shrunk:
             p["emulation_shrunk"] = self.shrunk
@@ -209,12 +211,15 @@ def config_from_args(args: argparse.Namespace, options) -> RunConfig:
         if len(devs) != 2:
             raise BadInput(f"--devices: give one or two device indexes (prefill,decode), got {args.devices!r}")
         devices = (devs[0], devs[1])
+    post = str(getattr(args, "post", "armed") or "armed").strip()
+    if post not in ("armed", "host"):
+        raise BadInput(f"--post: unknown value {post!r}; use armed or host")
     for name in options.engines:
         E.engine_class(name)       # unknown names fail here, before any process starts
     return RunConfig(grid_args=grid_args, engines=tuple(options.engines), directions=tuple(options.directions),
                      trials=trials, warmup=warmup, seed=options.seed, platform=platform,
                      out=options.out or None, json=options.json, timeout_s=timeout, engine_options=opts,
-                     inject_fault=inject, devices=devices, shrunk=shrunk)
+                     inject_fault=inject, armed=post == "armed", devices=devices, shrunk=shrunk)
 
 
 def _nonneg_int(text, option: str) -> int:
@@ -231,8 +236,14 @@ def _nonneg_int(text, option: str) -> int:
 
 
 def _pool_fill(platform, stream, mem, seed: int) -> None:
-    from .. import kernels as K
+    """Paint the pattern of ``seed`` over the whole pool (the fill kernel; on the host emulation the
+    NumPy reference, which writes the same bytes a hundred times faster than the interpreter)."""
     t = platform.as_tensor(mem)
+    if t.device.type == "cpu":
+        from ..kernels import reference
+        platform.launch(stream, lambda: reference.fill(t.numpy(), seed))
+        return
+    from .. import kernels as K
     platform.launch(stream, lambda: K.fill_pattern(t, seed))
 
 
@@ -334,7 +345,6 @@ class Worker:
             if self.rank == 0:
                 self.emit("done", {})
             self.group.barrier()
-            return 0
         except BaseException as exc:  # noqa: BLE001 - reported, then the process fails
             text = f"rank {self.rank} ({self.role.serving_name}): {type(exc).__name__}: {exc}"
             if not isinstance(exc, GpuxferError):
@@ -344,14 +354,18 @@ class Worker:
             except Exception:  # noqa: BLE001
                 print(text, file=sys.stderr)
             self._abort()
+            self._teardown(failed=True)
             return 1
-        finally:
-            self._teardown()
+        self._teardown(failed=False)
+        return 0
 
     # -- setup
     def _setup(self) -> None:
         from ..platforms import get_platform
         cfg = self.cfg
+        # Streams blocked in flag waits must not share a hardware queue with the streams that
+        # release them: give every stream its own (CUDA reads this when it initialises).
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
         self.platform = plat = get_platform(cfg.platform)
         n = plat.device_count()
         if n < 1:
@@ -406,7 +420,7 @@ class Worker:
 
         side = E.Side(platform=plat, device=dev, rank=self.rank, role=self.role, pool=self.pool,
                       peer_pool=self.peer_pool, exchange=self.group.gather, timeout_s=cfg.timeout_s,
-                      options=cfg.engine_options)
+                      options=cfg.engine_options, armed=cfg.armed)
         self.side = side
         for name in usable:
             self.engines[name] = E.engine_class(name)(side)
@@ -500,13 +514,15 @@ class Worker:
                         if self.rank == 0:
                             key = (point.workload.name, point.isl_tokens, point.page_tokens, batch, direction)
                             if eng.ceiling:
-                                self.ceilings[key] = row.get("gbps_p50")
+                                self.ceilings[key] = row.get("p50_gbps")
                             R.apply_ceiling(row, self.ceilings.get(key))
                             self.emit("row", row)
 
-    def _burst_once(self, eng: E.Engine, p: E.Prepared) -> float | None:
-        if not p.initiator:
-            eng.post(p)                 # flag-gated: nothing runs before the initiator starts
+    def _burst_once(self, eng: E.Engine, p: E.Prepared, arms: list[float]) -> float | None:
+        """One burst: both sides arm (untimed), a barrier, then the initiator times post + wait."""
+        t0 = time.perf_counter()
+        eng.arm(p)                      # flag-gated: nothing runs before the initiator posts
+        arms.append(time.perf_counter() - t0)
         self.group.barrier()
         if p.initiator:
             t0 = time.perf_counter()
@@ -523,7 +539,7 @@ class Worker:
             "workload": point.workload.name, "page_tokens": point.page_tokens, "isl_tokens": point.isl_tokens,
             "batch": batch, "engine": eng.name, "direction": direction,
             "initiator": E.Role.SOURCE.serving_name if ini_rank == 0 else E.Role.DESTINATION.serving_name,
-            "bytes": pb.total_bytes, "descriptors": 1 if eng.ceiling else pb.descriptors,
+            "burst_bytes": pb.total_bytes, "descriptors": 1 if eng.ceiling else pb.descriptors,
             "plan_descriptors": pb.descriptors, "request_bytes": point.request_bytes,
             "request_descriptors": point.request_descriptors, "error": None,
         }
@@ -547,9 +563,10 @@ class Worker:
         row["prep_ms_by_side"] = {"prefill": st[0][1] * 1e3, "decode": st[1][1] * 1e3}
 
         # 2. warm-up, then timed bursts
-        warm = []
+        warm: list = []
+        arms: list[float] = []
         for i in range(cfg.warmup):
-            warm.append(self._burst_once(eng, p))
+            warm.append(self._burst_once(eng, p, arms))
             if i == 0 and cfg.warmup > 1:
                 first = self.group.gather(warm[-1])[ini_rank]
                 if first > SLOW_BURST_S:
@@ -559,7 +576,9 @@ class Worker:
             n_trials = int(min(cfg.trials, max(min(cfg.min_trials, cfg.trials), cfg.row_budget_s // max(est, 1e-9))))
         else:
             n_trials = cfg.trials
-        samples = [self._burst_once(eng, p) for _ in range(n_trials)]
+        arms.clear()                    # arm times of the timed bursts only
+        samples = [self._burst_once(eng, p, arms) for _ in range(n_trials)]
+        extra = eng.row_extra() if p.initiator else None
 
         # 3. verification: scrub the destination, one more burst, check every byte
         plat = self.platform
@@ -567,7 +586,7 @@ class Worker:
         if dst:
             _pool_fill(plat, self.stream, self.pool, self.dst_seed)
             _sync(plat, self.stream, cfg.timeout_s, self.rank, "scrub of the destination pool")
-        self._burst_once(eng, p)
+        self._burst_once(eng, p, [])
         self.group.barrier()            # the initiator has seen the transfer land
         verdict = None
         if dst:
@@ -584,8 +603,11 @@ class Worker:
         eng.release(p)
 
         # 4. assemble on rank 0
-        got = self.group.gather({"samples": samples, "warm": warm, "verdict": verdict})
+        extra = getattr(eng, "row_extra", None)     # an engine's own telemetry (NIXL's), unit-suffixed keys
+        got = self.group.gather({"samples": samples, "warm": warm, "verdict": verdict,
+                                 "extra": extra() if extra is not None else {}})
         timing = got[ini_rank]
+        row.update(timing.get("extra") or {})
         v = got[1]["verdict"]
         row["warmup"] = len(timing["warm"])
         row["warmup_ms"] = [round(w * 1e3, 6) for w in timing["warm"]]
@@ -600,6 +622,9 @@ class Worker:
 
     # -- teardown
     def _abort(self) -> None:
+        side = getattr(self, "side", None)
+        if side is not None:
+            side.release_waits()
         for eng in self.engines.values():
             abort = getattr(eng, "abort", None)
             if abort is not None:
@@ -608,28 +633,35 @@ class Worker:
                 except Exception:  # noqa: BLE001
                     pass
 
-    def _teardown(self) -> None:
-        for eng in reversed(list(self.engines.values())):
-            try:
-                eng.close()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("closing engine %s: %s", eng.name, exc)
-        self.engines = {}
-        if self.platform is not None and self.stream is not None and not self.platform.is_emulation:
-            try:
-                self.platform.synchronize(self.stream, 5.0)
-            except Exception:  # noqa: BLE001
-                pass
-        for m in (self.peer_pool, self.pool):
-            if m is not None:
+    def _teardown(self, failed: bool) -> None:
+        """Release everything. After a failure on a GPU, device memory is left to the process exit:
+        freeing it may wait for device work stuck in a flag wait."""
+        gpu_failed = failed and self.platform is not None and not self.platform.is_emulation
+        if not gpu_failed:
+            for eng in reversed(list(self.engines.values())):
                 try:
-                    m.close()
+                    eng.close()
                 except Exception as exc:  # noqa: BLE001
-                    log.warning("closing %r: %s", m, exc)
+                    log.warning("closing engine %s: %s", eng.name, exc)
+            side = getattr(self, "side", None)
+            if side is not None:
+                side.close()
+            if self.platform is not None and self.stream is not None and not self.platform.is_emulation:
+                try:
+                    self.platform.synchronize(self.stream, 5.0)
+                except Exception:  # noqa: BLE001
+                    pass
+            for m in (self.peer_pool, self.pool):
+                if m is not None:
+                    try:
+                        m.close()
+                    except Exception as exc:  # noqa: BLE001
+                        log.warning("closing %r: %s", m, exc)
+        self.engines = {}
         self.peer_pool = self.pool = None
         if self.group is not None:
             self.group.close()
-        if self.platform is not None:
+        if self.platform is not None and not gpu_failed:
             try:
                 self.platform.close()
             except Exception:  # noqa: BLE001

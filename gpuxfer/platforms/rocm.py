@@ -543,6 +543,20 @@ class RocmPlatform(Platform):
                 self._agents[device] = self.hsa().gpu_agent_by_pci(self.pci_bus_id(device))
             return self._agents[device]
 
+    def pcie_atomics_64(self, device: int) -> bool | None:
+        """Whether the GPU's link to the CPU has 64-bit PCIe atomics (KFD topology); None if it cannot be told.
+
+        ROCr decrements an SDMA completion signal atomically only then; the sdma
+        backend shares one completion signal between copies only when this is True.
+        """
+        from .hsa import kfd_pcie_atomics_64
+        try:
+            agent = self.agent(device)
+        except Exception:  # noqa: BLE001 - unknown is an answer
+            return None
+        node = agent.driver_node if agent.driver_node is not None else agent.node
+        return None if node is None else kfd_pcie_atomics_64(node)
+
     # ---- memory ----
     def _malloc(self, nbytes: int, device: int, flags: int, what: str) -> tuple[int, Any]:
         self._check_open()

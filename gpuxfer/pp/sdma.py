@@ -79,7 +79,7 @@ from dataclasses import dataclass, field
 
 from ..errors import BadInput, GpuxferError, TransferTimeout
 from ..platforms.hsa import (HSA_EXT_POINTER_TYPE_IPC, HSA_EXT_POINTER_TYPE_UNKNOWN, Signal, choose_engine,
-                             engine_bits, kfd_pcie_atomics_64, kfd_recommended_mask, mask_str)
+                             engine_bits, kfd_recommended_mask, mask_str)
 from ..sync import wait_event_or_raise
 from .copy_engine import FLAG_STRIDE, PROBE_TIMEOUT_S, CopyEngineTransport
 from .selection import register_backend

@@ -513,12 +513,18 @@ class Transport(abc.ABC):
         """Wait (bounded) for this end's queued work; raise the first error (TransferTimeout...)."""
         self._check_usable("synchronize")
         timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
-        if not self._drain(timeout_s):
-            err = self._watch(time.monotonic(), force=True) or TransferTimeout(
-                rank=self.rank, step=self.step, flag="stream", expected=self.step, seen=None,
-                timeout_s=timeout_s, what=f"{self.name} {self.role} with rank {self.peer}: own work did not finish")
-            self._error = self._error or err
-            raise self._error
+        deadline = time.monotonic() + timeout_s
+        while not self._drain(min(0.1, max(0.0, deadline - time.monotonic()))):
+            if self._error is not None:          # the watchdog found the stuck flag meanwhile
+                raise self._error
+            if time.monotonic() >= deadline:
+                with self._wd_lock:
+                    err = self._watch(time.monotonic(), force=True)
+                self._error = self._error or err or TransferTimeout(
+                    rank=self.rank, step=self.step, flag="stream", expected=self.step, seen=None,
+                    timeout_s=timeout_s, what=f"{self.name} {self.role} with rank {self.peer}: own work did "
+                                              f"not finish")
+                raise self._error
         if self._error is not None:
             raise self._error
 

@@ -1,0 +1,195 @@
+"""Bad input: refused before any GPU work and before metadata goes out, with both ends kept consistent.
+
+Unit tests of the spec table (validation, layout, metadata round trip and corrupted metadata), then
+a 2-rank session per backend where the sender's refusals reach the receiver as BadInput and the
+next valid step still arrives intact.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+from gpuxfer.errors import BadInput, GpuxferError
+from gpuxfer.pp.transport import ALIGN, SpecTable, _Refusal, resolve_timeout
+from test_pp_chain import check_equal, specs, step_shapes, step_tensors
+
+CPU = torch.device("cpu")
+
+
+def good(n=5, w=40):
+    return {"hidden": torch.zeros(n, w, dtype=torch.bfloat16), "pos": torch.zeros(n, dtype=torch.int64),
+            "residual": torch.zeros(n, w, dtype=torch.float32)}
+
+
+def bad_inputs():
+    """(label, tensors, refusal code) for every kind of bad input."""
+    g = good()
+    yield "dtype", {**g, "pos": g["pos"].int()}, 3
+    yield "too large", good(n=49), 6
+    yield "non-contiguous", {**g, "residual": torch.zeros(40, 5).t()}, 5
+    yield "missing key", {k: v for k, v in g.items() if k != "pos"}, 2
+    yield "extra key", {**g, "extra": torch.zeros(1)}, 2
+    yield "wrong device", {**g, "pos": torch.zeros(5, dtype=torch.int64, device="meta")}, 4
+    yield "not a tensor", {**g, "pos": [1, 2, 3]}, 1
+    yield "not a dict", [g["hidden"]], 1
+    yield "too many dims", {**g, "pos": torch.zeros((1,) * 9, dtype=torch.int64)}, 7
+
+
+def test_spec_table_layout():
+    t = SpecTable(specs())
+    assert t.names == ("hidden", "pos", "residual")
+    assert t.slot_bytes == 48 * 40 * 2 + 48 * 8 + 48 * 40 * 4 + (ALIGN - 48 * 8 % ALIGN) % ALIGN
+    lay = t.layout(((3, 40), (3,), (3, 40)))
+    assert lay.offsets == (0, 256, 512) and lay.nbytes == (240, 24, 480) and lay.total == 992
+    assert all(o % ALIGN == 0 for o in lay.offsets)
+    assert t.layout(((3, 40), (3,), (3, 40))) is lay          # cached
+    empty = t.layout(((0, 40), (0,), (0, 40)))
+    assert empty.total == 0
+    assert t.check_tensors(good(), CPU) == ((5, 40), (5,), (5, 40))
+
+
+@pytest.mark.parametrize("label,tensors,code", list(bad_inputs()), ids=[b[0] for b in bad_inputs()])
+def test_spec_table_refuses(label, tensors, code):
+    with pytest.raises(_Refusal) as ei:
+        SpecTable(specs()).check_tensors(tensors, CPU)
+    assert ei.value.code == code
+
+
+def test_spec_table_bad_specs():
+    for bad in ({}, {"x": ((2,), "float32")}, {"x": ((-1,), torch.float32)}, {"": ((1,), torch.float32)},
+                {"x": ((1,) * 9, torch.float32)}, {"x": (3, torch.float32)}, {"x": "nope"}):
+        with pytest.raises(BadInput):
+            SpecTable(bad)
+    t = SpecTable({"x": torch.zeros(4, 2, dtype=torch.float16)})   # a tensor works as its own spec
+    assert t.max_shapes == ((4, 2),) and t.dtypes == (torch.float16,)
+
+
+def test_check_shapes_and_out():
+    t = SpecTable(specs())
+    assert t.check_shapes({"hidden": (2, 3), "pos": [2], "residual": (2, 3)}) == ((2, 3), (2,), (2, 3))
+    with pytest.raises(BadInput, match="larger than its slot"):
+        t.check_shapes({"hidden": (49, 40), "pos": (49,), "residual": (1, 1)})
+    with pytest.raises(BadInput, match="exactly the keys"):
+        t.check_shapes({"hidden": (1, 1)})
+    with pytest.raises(BadInput):
+        t.check_shapes({"hidden": (1, -1), "pos": (1,), "residual": (1, 1)})
+    with pytest.raises(BadInput, match="out"):
+        t.check_out({"hidden": torch.zeros(10, dtype=torch.bfloat16), "pos": torch.zeros(48, dtype=torch.int64),
+                     "residual": torch.zeros(48 * 40)}, CPU)
+    t.check_out({"hidden": torch.zeros(48 * 40, dtype=torch.bfloat16), "pos": torch.zeros(48, dtype=torch.int64),
+                 "residual": torch.zeros(48, 40)}, CPU)
+
+
+def test_metadata_round_trip_and_corruption():
+    t = SpecTable(specs())
+    buf = np.zeros(t.meta_len, dtype=np.int64)
+    shapes = ((7, 40), (7,), (7, 40))
+    t.encode(buf, 12, shapes)
+    assert t.decode(buf, step=12, peer=0, rank=1) == shapes
+    wrong_step = buf.copy()
+    with pytest.raises(GpuxferError, match="out of order"):
+        t.decode(wrong_step, step=13, peer=0, rank=1)
+    corrupt = buf.copy()
+    corrupt[0] ^= 1
+    with pytest.raises(GpuxferError, match="out of order"):
+        t.decode(corrupt, step=12, peer=0, rank=1)
+    t.encode_refusal(buf, 12, _Refusal(6, 2, "x"))
+    with pytest.raises(BadInput, match="refused its input for step 12 \\('residual'\\).*larger than its slot"):
+        t.decode(buf, step=12, peer=0, rank=1)
+
+
+def test_resolve_timeout(monkeypatch):
+    monkeypatch.delenv("GPUXFER_PP_TIMEOUT_S", raising=False)
+    assert resolve_timeout(None) == 300.0
+    monkeypatch.setenv("GPUXFER_PP_TIMEOUT_S", "2.5")
+    assert resolve_timeout(None) == 2.5 and resolve_timeout(7) == 7.0
+    for bad in ("x", "0", "-1"):
+        monkeypatch.setenv("GPUXFER_PP_TIMEOUT_S", bad)
+        with pytest.raises(BadInput):
+            resolve_timeout(None)
+
+
+# --------------------------------------------------------------------------- two ranks
+
+
+def badinput_session(rank: int, world: int, init_method: str, platform_name: str) -> dict:
+    os.environ["GPUXFER_PLATFORM"] = platform_name
+    import torch.distributed as dist
+
+    from gpuxfer.platforms import get_platform
+    from gpuxfer.pp import connect
+    from gpuxfer.pp.launch import init_cpu_group
+    init_cpu_group(rank, world, init_method)
+    plat = get_platform(platform_name)
+    device = rank % plat.device_count()
+    dev = CPU if plat.is_emulation else torch.device("cuda", device)
+    if not plat.is_emulation:
+        torch.cuda.set_device(device)
+    cases = list(bad_inputs())
+    out = {}
+    try:
+        for backend in ("copy_engine", "nccl"):
+            for metadata in (True, False):
+                conn = connect(send_to=1 if rank == 0 else None, recv_from=0 if rank else None, specs=specs(),
+                               backend=backend, platform=plat, device=device, timeout_s=30, metadata=metadata)
+                with conn:
+                    seed = 6
+                    if rank == 0:
+                        s = conn.sender()
+                        s.send(step_tensors(seed, 0, 1, dev))
+                        for label, tensors, _code in cases:
+                            if isinstance(tensors, dict):
+                                tensors = {k: (v.to(dev) if isinstance(v, torch.Tensor) and v.device.type != "meta"
+                                               else v) for k, v in tensors.items()}
+                            with pytest.raises(BadInput, match="nothing sent"):
+                                s.send(tensors)
+                            assert s.step == 1
+                        s.send(step_tensors(seed, 0, 2, dev))
+                    else:
+                        r = conn.receiver()
+                        kw = (lambda k: {}) if metadata else (lambda k: {"shapes": step_shapes(seed, 0, k)})
+                        check_equal(r.recv(**kw(1)).tensors, step_tensors(seed, 0, 1, "cpu"), "step 1")
+                        if metadata:
+                            with pytest.raises(BadInput, match="metadata=False"):
+                                r.recv(shapes=step_shapes(seed, 0, 2))
+                            msgs = []
+                            for label, _t, _code in cases:     # every refusal reaches the receiver
+                                with pytest.raises(BadInput, match="refused its input for step 2") as ei:
+                                    r.recv()
+                                msgs.append(str(ei.value))
+                                assert r.step == 1
+                            out[f"{backend}:refusals"] = msgs
+                        else:
+                            with pytest.raises(BadInput, match="needs shapes"):
+                                r.recv()
+                            with pytest.raises(BadInput, match="larger than its slot"):
+                                r.recv(shapes={"hidden": (49, 40), "pos": (49,), "residual": (49, 40)})
+                        with pytest.raises(BadInput, match="out"):
+                            r.recv(**kw(2), out={"hidden": torch.zeros(1)})
+                        assert r.step == 1
+                        check_equal(r.recv(**kw(2)).tensors, step_tensors(seed, 0, 2, "cpu"), "step 2")
+                        with pytest.raises(BadInput, match="cannot send"):
+                            r.send(step_tensors(seed, 0, 3, dev))
+                    conn.synchronize(30)
+    finally:
+        dist.destroy_process_group()
+        plat.close()
+    return out
+
+
+def test_bad_input_two_ranks(spawner, platform_name):
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{os.path.join(tmp, 'rdv')}"
+        kids = [spawner.start(badinput_session, r, 2, init, platform_name, name=f"rank {r}") for r in range(2)]
+        _, receiver = [k.result(180) for k in kids]
+        for k in kids:
+            k.join(30)
+    msgs = receiver["copy_engine:refusals"]
+    assert any("dtype differs" in m for m in msgs) and any("larger than its slot" in m for m in msgs)
+    assert any("keys differ" in m for m in msgs) and any("not contiguous" in m for m in msgs)
+    assert any("wrong device" in m for m in msgs)
+    assert receiver["nccl:refusals"] == msgs
