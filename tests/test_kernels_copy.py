@@ -131,7 +131,7 @@ def test_copy_tilings_and_grids(dev, config, programs):
 def test_copy_few_large_descriptors_spread_over_programs(dev, pipelined):
     # fewer row groups than programs: each group is split into column slices
     src, dst = pools(dev, 64 * 1024, 64 * 1024)
-    descs = np.array([[0, 32768, 30000], [32768, 0, 32768], [62000, 31000, 1536]], dtype=np.int64)
+    descs = np.array([[0, 32768, 30000], [32768, 0, 32768], [62000, 63000, 1536]], dtype=np.int64)
     cfg = CopyConfig(rows=2, width=8, unroll=2, num_warps=4, programs_per_sm=1, pipelined=pipelined)
     run_copy(dev, src, dst, descs, config=cfg, num_programs=16)
 

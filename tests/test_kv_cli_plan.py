@@ -86,7 +86,7 @@ def test_defaults():
     (["--desc-budget", "-5"], "--desc-budget"),
     (["--trials", "0"], "--trials"),
     (["--trials", "x"], "--trials"),
-    (["--engine", "nixl"], "--engine"),
+    (["--engine", "no-such-engine"], "--engine"),
     (["--direction", "sideways"], "--direction"),
     (["--workload", "kv-llama"], "--workload"),
     (["--seed", "-1"], "--seed"),

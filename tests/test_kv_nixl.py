@@ -483,11 +483,22 @@ class _Exchange:
         return exchange
 
 
-def _fake_kernels(monkeypatch):
-    def copy_descriptors(src_t, dst_t, desc_t):
+def _reference_kernels():
+    """The reference copy (torch on the CPU) in place of the Triton launchers, with their bounds check."""
+    def check_copy(src_t, dst_t, desc_t):
+        for s, d, n in desc_t.tolist():
+            assert 0 <= s and s + n <= src_t.numel() and 0 <= d and d + n <= dst_t.numel(), (s, d, n)
+
+    def copy_descriptors(src_t, dst_t, desc_t, *, validate=True, nbytes_hint=None):
+        if validate:
+            check_copy(src_t, dst_t, desc_t)
         for s, d, n in desc_t.tolist():
             dst_t[d:d + n] = src_t[s:s + n]
-    monkeypatch.setattr(ne, "_kernels", lambda: types.SimpleNamespace(copy_descriptors=copy_descriptors))
+    return types.SimpleNamespace(copy_descriptors=copy_descriptors, check_copy=check_copy)
+
+
+def _fake_kernels(monkeypatch):
+    monkeypatch.setattr(ne, "_kernels", _reference_kernels)
     monkeypatch.setattr(ne, "_kernel_reason", lambda platform: None)
 
 
@@ -561,9 +572,9 @@ def _run_engine_pair(engine_name, direction, *, pool_bytes=1 << 18, bursts=2, n_
                     _threads([lambda r=r: engines[r].wait(ps[r]) for r in range(2)])
                     for s, d, n in engines[1].verify_descriptors(burst).tolist():
                         np.testing.assert_array_equal(dst_np[d:d + n], src_np[s:s + n])
+                extra = [getattr(e, "row_extra", dict)() for e in engines]   # as the runner: before release
                 for r in range(2):
                     engines[r].release(ps[r])
-                extra = [getattr(e, "row_extra", dict)() for e in engines]
                 stats.append(extra[1 - passive])
                 assert extra[passive] == {}
             return engines, stats
@@ -658,10 +669,7 @@ def _two_proc_child(rank, engine_name, direction, platform_name, q_out, q_in, se
     from gpuxfer.kv.engines import Burst as _Burst, Role as _Role, Side as _Side, engine_class
     from gpuxfer.platforms import get_platform
     if patch_kernels:  # the reference copy in place of the Triton kernel (host emulation)
-        def copy_descriptors(src_t, dst_t, desc_t):
-            for s, d, n in desc_t.tolist():
-                dst_t[d:d + n] = src_t[s:s + n]
-        _ne._kernels = lambda: types.SimpleNamespace(copy_descriptors=copy_descriptors)
+        _ne._kernels = _reference_kernels
         _ne._kernel_reason = lambda platform: None
     _ne.register()
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 
 _LAUNCH_NAMES = ("CopyConfig", "DescriptorStats", "VerifyResult", "check_copy", "choose_config", "copy_descriptors",
-                 "default_programs", "fill_pattern", "pack", "pack_offsets", "packed_descriptors", "sm_count",
+                 "default_programs", "fill_pattern", "launch_geometry", "pack", "pack_offsets", "packed_descriptors", "sm_count",
                  "unpack", "verify")
 
 __all__ = list(_LAUNCH_NAMES)

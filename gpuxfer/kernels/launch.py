@@ -20,6 +20,7 @@ free of host syncs.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -289,30 +290,44 @@ def _grid(rows: int, config: CopyConfig, programs: int) -> tuple[int, int, int]:
     return max(1, min(programs, n_items)), n_items, slices
 
 
-def _launch_copy(mode: int, src, dst, descs, offsets, start: int, end: int, staging_offset: int,
-                 stats: DescriptorStats | None, num_programs: int | None, nbytes_hint: int | None,
-                 config: CopyConfig | None) -> None:
-    rows = end - start
-    if rows == 0:
-        return
+def launch_geometry(rows: int, device, *, nbytes_hint: int | None = None, num_programs: int | None = None,
+                    config: CopyConfig | None = None) -> tuple[CopyConfig, int]:
+    """The configuration and number of programs a copy/pack/unpack of ``rows``
+    descriptors uses on ``device`` (what the launchers do, for reports)."""
+    device = torch.device(device)
     if num_programs is not None and (not isinstance(num_programs, int) or isinstance(num_programs, bool)
                                      or num_programs < 1):
         raise BadInput(f"num_programs must be a positive int, got {num_programs!r}")
     if config is None:
-        hint = nbytes_hint if nbytes_hint is not None else (stats.max_nbytes if stats is not None else None)
-        few = num_programs is not None and src.device.type != "cpu" and num_programs <= sm_count(src.device)
-        config = choose_config(hint, few_programs=few)
+        few = num_programs is not None and device.type != "cpu" and num_programs <= sm_count(device)
+        config = choose_config(nbytes_hint, few_programs=few)
+    if num_programs is None:
+        num_programs = default_programs(device, config)
+    return config, _grid(max(rows, 1), config, num_programs)[0]
+
+
+def _launch_copy(mode: int, src, dst, descs, offsets, start: int, end: int, staging_offset: int,
+                 stats: DescriptorStats | None, num_programs: int | None, nbytes_hint: int | None,
+                 config: CopyConfig | None) -> None:
+    rows = end - start
+    hint = nbytes_hint if nbytes_hint is not None else (stats.max_nbytes if stats is not None else None)
+    config, _ = launch_geometry(rows, src.device, nbytes_hint=hint, num_programs=num_programs, config=config)
+    if rows == 0:
+        return
     if num_programs is None:
         num_programs = default_programs(src.device, config)
     align = _pool_align(src, dst)
     if stats is not None and stats.align == 4:
         align = min(align, 4)
+    if align == 4 and config.pipelined and config.rows > 1 and config.step_bytes > 32 * 1024:
+        # 4-byte accesses need 4x the registers for addresses: halve the rows (no spills)
+        config = dataclasses.replace(config, rows=config.rows // 2)
     programs, n_items, slices = _grid(rows, config, num_programs)
     kernel = copy_kernel_pipelined if (config.pipelined and align >= 4) else copy_kernel
     kernel.launch(src.device, (programs,), src, dst, descs, descs if offsets is None else offsets,
-                       start, rows, staging_offset, n_items, slices,
-                       MODE=mode, ALIGN=align, ROWS=config.rows, W=config.width, UNROLL=config.unroll,
-                       LOAD_CACHE=config.load_cache, STORE_CACHE=config.store_cache, num_warps=config.num_warps)
+                  start, rows, staging_offset, n_items, slices,
+                  MODE=mode, ALIGN=align, ROWS=config.rows, W=config.width, UNROLL=config.unroll,
+                  LOAD_CACHE=config.load_cache, STORE_CACHE=config.store_cache, num_warps=config.num_warps)
 
 
 def copy_descriptors(src_pool, dst_pool, descs, *, start: int = 0, end: int | None = None,

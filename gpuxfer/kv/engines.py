@@ -963,7 +963,7 @@ class PackEngine(Engine):
 # ----------------------------------------------------------------------------- the registry
 
 #: name -> "module:Class"; built-ins first, in the order rows are measured (bulk first: the ceiling)
-ENGINES: dict[str, str] = {
+ENGINES: dict[str, str | type] = {
     "bulk": "gpuxfer.kv.engines:BulkEngine",
     "triton": "gpuxfer.kv.engines:TritonEngine",
     "pack": "gpuxfer.kv.engines:PackEngine",
@@ -980,25 +980,27 @@ DEFAULT_ENGINES = ("triton", "pack", "copy_engine", "bulk")
 
 
 def register_engine(name: str, target: str | type[Engine]) -> None:
-    """Add (or replace) an engine: ``target`` is an :class:`Engine` subclass or ``"module:Class"``."""
-    if not isinstance(name, str) or not name or any(c in name for c in " ,"):
+    """Add (or replace) an engine: an :class:`Engine` subclass, or ``"module:Class"`` (imported when used)."""
+    if not isinstance(name, str) or not name or any(c in name for c in " ,:"):
         raise BadInput(f"bad engine name {name!r}")
     if isinstance(target, type):
         if not issubclass(target, Engine):
             raise BadInput(f"{target!r} is not an Engine subclass")
-        target = f"{target.__module__}:{target.__qualname__}"
-    if ":" not in target:
-        raise BadInput(f"engine target must be 'module:Class', got {target!r}")
+    elif not isinstance(target, str) or ":" not in target:
+        raise BadInput(f"engine target must be an Engine subclass or 'module:Class', got {target!r}")
     ENGINES[name] = target
 
 
 def engine_class(name: str) -> type[Engine]:
     if name not in ENGINES:
         raise BadInput(f"unknown engine {name!r}; known: {', '.join(ENGINES)}")
-    module, _, cls = ENGINES[name].partition(":")
+    target = ENGINES[name]
+    if isinstance(target, type):
+        return target
+    module, _, cls = target.partition(":")
     obj = getattr(importlib.import_module(module), cls)
     if not (isinstance(obj, type) and issubclass(obj, Engine)):
-        raise BadInput(f"{ENGINES[name]} is not an Engine subclass")
+        raise BadInput(f"{target} is not an Engine subclass")
     return obj
 
 

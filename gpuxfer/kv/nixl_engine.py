@@ -555,6 +555,8 @@ class _NixlEngineBase(Engine):
         self.remote: str | None = None
         self.peer: dict = {}
         self._stats: list[dict] = []
+        self._recorded: set[int] = set()
+        self._current: Any = None
         self.mem_type = "DRAM" if self.platform.is_emulation else "VRAM"
         self.nixl_dev = 0 if self.platform.is_emulation else side.device
         info: dict = {}
@@ -614,7 +616,10 @@ class _NixlEngineBase(Engine):
         return f"{self.name} {OPS[p.direction]} of {p.burst.batch} request(s), {p.burst.descriptors} descriptors"
 
     def _burst_stats(self, handles) -> None:
-        """Record NIXL's telemetry of one completed burst (a list of ``(handle, state, descs, bytes)``)."""
+        """Record NIXL's telemetry of one completed burst (a list of ``(handle, state, descs, bytes)``), once."""
+        if not handles or id(handles[0][0]) in self._recorded:
+            return
+        self._recorded.add(id(handles[0][0]))
         stats = [self.agent.stats(h, n, b) for h, _state, n, b in handles]
         if not stats:
             return
@@ -636,19 +641,30 @@ class _NixlEngineBase(Engine):
             if all(self.agent.state(h) == "DONE" for h, *_ in handles):
                 self._burst_stats(handles)
         finally:
+            self._recorded.discard(id(handles[0][0]))
             errors = self.agent.release_quietly([h for h, *_ in handles])
             if errors:
                 log.warning("%s: releasing a burst's transfers: %s", self.name, "; ".join(errors))
 
+    def _current_handles(self) -> list:
+        """The last burst's transfers, still held (released at the next post or at release)."""
+        return []
+
     def row_extra(self) -> dict:
-        """NIXL's own telemetry over the bursts since the last ``prepare`` (empty when the wheel gives none).
+        """NIXL's own telemetry over the row's bursts so far, warm-ups included (empty when the wheel gives none).
 
         ``nixl_post_us_p50``: host time NIXL spent posting a burst (summed over its transfers);
         ``nixl_xfer_us_p50``: NIXL's transfer time of a burst (the longest of its transfers);
         ``nixl_descriptors_after_merge``: what NIXL actually posted after merging adjacent descriptors.
         """
-        if not self._stats or self.agent is None:
+        if self.agent is None or self.agent.closed:
             return {}
+        last = self._current_handles()
+        if last and all(self.agent.state(h) == "DONE" for h, *_ in last):
+            self._burst_stats(last)
+        if not self._stats:
+            return {}
+
         def p50(key):
             v = [s[key] for s in self._stats if s[key] is not None]
             return float(np.median(v)) if v else None
@@ -686,6 +702,7 @@ class NixlEngine(_NixlEngineBase):
         reqs = [r[r[:, 2] > 0] for r in burst.requests]
         reqs = [r for r in reqs if r.shape[0]]
         b = _Batch(op)
+        self._current = b
         if reqs:
             cat = np.concatenate(reqs) if len(reqs) > 1 else reqs[0]
             local, remote = self._rows(cat, op)
@@ -700,6 +717,9 @@ class NixlEngine(_NixlEngineBase):
                 start += r.shape[0]
         p.state = b
         return p
+
+    def _current_handles(self) -> list:
+        return self._current.handles if isinstance(self._current, _Batch) else []
 
     def post(self, p: Prepared) -> None:
         if not p.active:
@@ -744,6 +764,7 @@ class NixlOneshotEngine(NixlEngine):
         burst.check_bounds(*self._pool_limits())
         self._stats = []
         b = _Batch(OPS[direction])
+        self._current = b
         for r in burst.requests:
             r = r[r[:, 2] > 0]
             if r.shape[0]:
@@ -794,6 +815,7 @@ class _PackState:
     tag: int = 0            # burst number (both sides count alike)
     pending: Any = None     # push source: the event of round 0's pack, launched by post()
     done: list = field(default_factory=list)   # initiator: this burst's completed NIXL transfers
+    hint: int = 2304        # typical descriptor size (picks the kernel's tiling)
 
 
 class NixlPackEngine(_NixlEngineBase):
@@ -850,6 +872,12 @@ class NixlPackEngine(_NixlEngineBase):
         stage_t, pool_t = self._views()
         dev_table = _device_table(self.side, pool_t, table)
         _sync_uploads(self.side)
+        tables = [dev_table[a:b] for a, b, _ in rounds]
+        k = _kernels()
+        for t in tables:                      # every row inside the pool and the staging (one host sync each)
+            src, dst = (pool_t, stage_t) if self.side.role is Role.SOURCE else (stage_t, pool_t)
+            k.check_copy(src, dst, t)
+        hint = int(d[:, 2].max()) if d.shape[0] else 1
         dlists = []
         if p.initiator:
             op = OPS[direction]
@@ -858,13 +886,17 @@ class NixlPackEngine(_NixlEngineBase):
                 lh = self.agent.prep(None, local)
                 rh = self.agent.prep(self.remote, remote)
                 dlists.append((lh, rh, np.arange(len(local), dtype=np.int32)))
-        p.state = _PackState(rounds, [dev_table[a:b] for a, b, _ in rounds], dlists)
+        p.state = self._current = _PackState(rounds, tables, dlists, hint=hint)
         return p
 
-    def _launch(self, table, *, pack: bool):
+    def _current_handles(self) -> list:
+        return self._current.done if isinstance(self._current, _PackState) else []
+
+    def _launch(self, st: "_PackState", r: int, *, pack: bool):
         stage_t, pool_t = self._views()
         src, dst = (pool_t, stage_t) if pack else (stage_t, pool_t)
-        self.platform.launch(self.kernel_stream, _bind(_kernels().copy_descriptors, src, dst, table))
+        self.platform.launch(self.kernel_stream, _bind(_kernels().copy_descriptors, src, dst, st.tables[r],
+                                                       validate=False, nbytes_hint=st.hint))
         return self.platform.record_event(self.kernel_stream)
 
     def _sync(self, event, what: str, step: int) -> None:
@@ -883,7 +915,7 @@ class NixlPackEngine(_NixlEngineBase):
         if p.direction == "pull" and p.initiator:      # destination: start the source's packing
             self.agent.notify(self.remote, self._tag("go", st.tag, 0))
         elif p.direction == "push" and p.initiator:    # source: pack round 0 now
-            st.pending = self._launch(st.tables[0], pack=True)
+            st.pending = self._launch(st, 0, pack=True)
         self._finish(prev)                             # the previous burst's transfers
 
     def wait(self, p: Prepared) -> None:
@@ -915,7 +947,7 @@ class NixlPackEngine(_NixlEngineBase):
         for r in range(len(st.rounds)):
             if r:
                 self._notif("unpacked", st, r - 1)               # the destination's staging is free again
-                st.pending = self._launch(st.tables[r], pack=True)
+                st.pending = self._launch(st, r, pack=True)
             self._sync(st.pending, f"{self.name}: pack of round {r}", st.tag)
             self._xfer(st, r, "WRITE", self._tag("written", st.tag, r))
         self._notif("unpacked", st, len(st.rounds) - 1)          # landed in the destination's pool
@@ -923,7 +955,7 @@ class NixlPackEngine(_NixlEngineBase):
     def _push_destination(self, st: _PackState) -> None:
         for r in range(len(st.rounds)):
             self._notif("written", st, r)
-            self._sync(self._launch(st.tables[r], pack=False), f"{self.name}: unpack of round {r}", st.tag)
+            self._sync(self._launch(st, r, pack=False), f"{self.name}: unpack of round {r}", st.tag)
             self.agent.notify(self.remote, self._tag("unpacked", st.tag, r))
 
     # pull: the destination says go, the source packs and says packed, the destination READs and unpacks
@@ -932,7 +964,7 @@ class NixlPackEngine(_NixlEngineBase):
         for r in range(len(st.rounds)):
             if r:
                 self._notif("read", st, r - 1)                   # our staging has been read
-            self._sync(self._launch(st.tables[r], pack=True), f"{self.name}: pack of round {r}", st.tag)
+            self._sync(self._launch(st, r, pack=True), f"{self.name}: pack of round {r}", st.tag)
             self.agent.notify(self.remote, self._tag("packed", st.tag, r))
         self._notif("read", st, len(st.rounds) - 1)
 
@@ -940,7 +972,7 @@ class NixlPackEngine(_NixlEngineBase):
         for r in range(len(st.rounds)):
             self._notif("packed", st, r)
             self._xfer(st, r, "READ", self._tag("read", st.tag, r))
-            self._sync(self._launch(st.tables[r], pack=False), f"{self.name}: unpack of round {r}", st.tag)
+            self._sync(self._launch(st, r, pack=False), f"{self.name}: unpack of round {r}", st.tag)
 
     def release(self, p: Prepared) -> None:
         st: _PackState | None = p.state

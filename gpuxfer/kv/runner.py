@@ -423,7 +423,10 @@ class Worker:
                       options=cfg.engine_options, armed=cfg.armed)
         self.side = side
         for name in usable:
-            self.engines[name] = E.engine_class(name)(side)
+            try:
+                self.engines[name] = E.engine_class(name)(side)
+            except BackendUnavailable as exc:   # an optional library failed its set-up: both sides raise together
+                unusable[name] = str(exc)        # (the engine shares each side's error over the exchange)
 
         shed, expected = self._shed_and_count(unusable)
         self.group.barrier()
@@ -602,13 +605,16 @@ class Worker:
             verdict = {"wrong": wrong, "first": first, "where": where, "injected": inject}
         eng.release(p)
 
-        # 4. assemble on rank 0
-        extra = getattr(eng, "row_extra", None)     # an engine's own telemetry (NIXL's), unit-suffixed keys
-        got = self.group.gather({"samples": samples, "warm": warm, "verdict": verdict,
-                                 "extra": extra() if extra is not None else {}})
+        # 4. assemble on rank 0; an engine's own telemetry (e.g. NIXL's, unit-suffixed keys) comes from
+        #    the initiator, taken right after the timed bursts
+        got = self.group.gather({"samples": samples, "warm": warm, "verdict": verdict, "arms": arms,
+                                 "extra": extra or {}})
         timing = got[ini_rank]
         row.update(timing.get("extra") or {})
         v = got[1]["verdict"]
+        row["post"] = "armed" if (cfg.armed and eng.armable) else "host"
+        row["arm_p50_ms"] = R.sample_stats(timing["arms"])["p50_ms"]
+        row["arm_passive_p50_ms"] = R.sample_stats(got[1 - ini_rank]["arms"])["p50_ms"]
         row["warmup"] = len(timing["warm"])
         row["warmup_ms"] = [round(w * 1e3, 6) for w in timing["warm"]]
         R.finish_row(row, timing["samples"])

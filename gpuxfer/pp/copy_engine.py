@@ -344,21 +344,28 @@ class CopyEngineTransport(Transport):
         rcv._tensors = views
 
     # ---- watchdog and teardown ----
+    def _seen(self, j: int) -> int | None:
+        try:
+            return self.platform.read_flag(self._in_ptr[j], self.device)
+        except TransferTimeout:   # the platform's host read is itself stuck: report "unreadable" if it matters
+            return None
+
     def _watch(self, now: float, force: bool = False):
-        wd, p = self._wd, self.platform
+        wd = self._wd
         flag = "full" if self.role == "recv" else "empty"
         if not wd:
             return None
         newest = wd[-1]
-        if p.read_flag(self._in_ptr[newest[1]], self.device) >= newest[3]:
+        v = self._seen(newest[1])
+        if v is not None and v >= newest[3]:   # flags are published in step order: all older waits are done
             while wd:
                 if wd.popleft() is newest:
                     break
             return None
         while wd:
             k, j, t0, expected = wd[0]
-            seen = p.read_flag(self._in_ptr[j], self.device)
-            if seen >= expected:
+            seen = self._seen(j)
+            if seen is not None and seen >= expected:
                 wd.popleft()
                 continue
             if force or now - t0 > self.timeout_s:
@@ -397,6 +404,13 @@ class CopyEngineTransport(Transport):
         for b in (self._data, self._staging, self._flags):
             if b is not None:
                 b.close()
+
+    def _free_local(self) -> None:
+        """abort(): the staging ring is ours alone; flags and receive slots are mapped by the peer, kept."""
+        self._views.clear()
+        self._staging_t = []
+        if self._staging is not None:
+            self._staging.close()
 
     def _allocated(self) -> int:
         return sum(b.nbytes for b in (self._data, self._staging, self._flags) if b is not None and not b.closed)

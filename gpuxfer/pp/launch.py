@@ -47,7 +47,8 @@ def _entry(fn, rank, world, init_method, env, args, q) -> None:
 def run_ranks(fn, world: int, args: tuple = (), *, timeout_s: float = 600.0, env: dict | None = None) -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned processes; return the results by rank.
 
-    ``fn`` must be importable (a module-level function). Raises
+    ``fn`` must be importable (a module-level function) and return plain picklable data (no torch
+    tensors: torch shares them by file descriptor, which dies with the child). Raises
     :class:`GpuxferError` with every failing rank's traceback, or naming the
     ranks that hung past ``timeout_s`` (they are killed).
     """

@@ -533,26 +533,39 @@ class Transport(abc.ABC):
         close_all([self])
 
     def abort(self) -> None:
-        """Release every pending GPU-side wait and free local resources, without talking to the peer. Idempotent."""
+        """Release every pending GPU-side wait so the process can exit, without talking to the peer. Idempotent.
+
+        Own streams are released (local flags set to a huge step) and drained
+        briefly; then peer mappings are closed (only if the drain finished: the
+        released work writes into the peer) and local-only buffers freed.
+        Buffers the peer has mapped stay allocated until the process exits (or
+        :meth:`close`): a live peer may still write into them, and freeing them
+        under it is undefined behaviour on a GPU. ``allocated_bytes`` keeps
+        counting them.
+        """
         if self._state in ("closed", "aborted"):
             return
-        prev, self._state = self._state, "aborted"
+        self._state = "aborted"
         if self._error is None:
             self._error = GpuxferError(f"rank {self.rank}: the {self.name} transport with rank {self.peer} "
                                        f"was aborted")
+        drained = False
         try:
             self._release_waits()
-            self._drain(min(self.timeout_s, 2.0))
+            drained = self._drain(min(self.timeout_s, 5.0))
         except Exception as exc:  # noqa: BLE001 - best effort on the way out
             log.debug("abort: drain failed: %s", exc)
         with self._wd_lock:
             self._wd.clear()
-        for step in (self._close_mappings, self._free):
-            try:
-                step()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("rank %d: abort of %s transport: %s", self.rank, self.name, exc)
-        del prev
+        if not drained:
+            log.warning("rank %d: abort of the %s transport with rank %d: own streams did not drain; its "
+                        "mappings and buffers are left to process exit", self.rank, self.name, self.peer)
+            return
+        try:
+            self._close_mappings()
+            self._free_local()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("rank %d: abort of %s transport: %s", self.rank, self.name, exc)
 
     def __enter__(self):
         return self
@@ -634,6 +647,10 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def _free(self) -> None: ...
 
+    def _free_local(self) -> None:
+        """Free what no peer has mapped (abort); default: everything (nothing is exported)."""
+        self._free()
+
     @abc.abstractmethod
     def _allocated(self) -> int: ...
 
@@ -698,7 +715,7 @@ def close_all(transports: Sequence[Transport], timeout_s: float | None = None) -
     3. close peer mappings;  4. pair barrier again;  5. free buffers.
     A barrier that times out (peer gone) is logged and teardown carries on.
     """
-    todo = [t for t in transports if t._state in ("open", "setup")]
+    todo = [t for t in transports if t._state == "open"]
     if not todo:
         return
     for t in todo:

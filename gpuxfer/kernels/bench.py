@@ -1,0 +1,452 @@
+"""``gpuxfer bench kernels``: the Triton copy kernels against the ceilings of the same run.
+
+What it measures, for each descriptor size (default 528, 576, 2,304, 9,216 and
+36,864 B), every page of a pool (default 2 GiB) moved in random order (a random
+permutation of the source pages onto a random permutation of destination pages):
+
+* ``pull``   -- the kernel runs on the local GPU and reads a peer GPU's pool,
+  opened over IPC from a helper process that owns it (the platform contract);
+* ``push``   -- the kernel runs on the local GPU and writes the peer's pool;
+* ``ce-pull`` / ``ce-push`` -- the ceiling: ``platform.copy_async`` (copy engines)
+  of the same total bytes as one contiguous copy;
+* ``local``  -- descriptor copy between two local pools;
+* ``pack`` / ``unpack`` -- gather into a contiguous staging buffer and scatter back;
+* ``hbm-copy`` -- their ceiling: a torch ``copy_`` of the same bytes on the local GPU;
+* ``sweep``  -- pull at one size (2,304 B) on a bounded grid of 1, 2, 4, ... programs
+  (one program per SM while it is at most the SM count): GB/s against SMs used.
+
+GB/s = bytes moved (each byte once) / time / 1e9; time is the median of the
+timed trials after the warm-up, measured with CUDA events on the stream the
+work runs on (host clock + synchronize on the emulation). Every destination is
+poisoned before the run and every byte is verified against the source pattern
+after it (``wrong_B``); any wrong byte fails the run (exit code 1). Speeds are
+reported, never judged: ``%ceil`` compares with the ceiling of the same run.
+
+On the host emulation (no GPU) it runs at tiny sizes in Triton's interpreter and
+says so: the numbers are not GPU performance.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform as _pyplatform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import BadInput, GpuxferError, TransferTimeout
+
+DEFAULT_SIZES = "528,576,2304,9216,36864"
+DEFAULT_OPS = "pull,push,local,pack,unpack"
+DEFAULT_SWEEP = "1,2,4,8,16,32,sms,all"
+SEED, POISON = 0x5EED, 0xBAD
+SWEEP_DESCS_PER_PROGRAM = 16384
+UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30,
+         "KB": 1000, "MB": 10**6, "GB": 10**9}
+
+
+def _parse_bytes(text: str) -> int:
+    t = text.strip().upper().replace(",", "").replace("_", "")
+    for unit in sorted(UNITS, key=len, reverse=True):
+        if t.endswith(unit):
+            num = t[: -len(unit)]
+            break
+    else:
+        unit, num = "B", t
+    try:
+        v = float(num) * UNITS[unit]
+    except ValueError:
+        raise BadInput(f"cannot read a size from {text!r} (e.g. 2GiB, 256KiB, 1000000)") from None
+    if v <= 0 or v != int(v):
+        raise BadInput(f"size {text!r} must be a positive whole number of bytes")
+    return int(v)
+
+
+def _parse_ints(text: str, what: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise BadInput(f"{what}: expected comma-separated integers, got {text!r}") from None
+    if not out or any(v <= 0 for v in out):
+        raise BadInput(f"{what}: expected positive integers, got {text!r}")
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("what moves")
+    g.add_argument("--sizes", default=DEFAULT_SIZES, metavar="BYTES",
+                   help="descriptor sizes in bytes, comma-separated")
+    g.add_argument("--pool", default=None, metavar="BYTES",
+                   help="bytes per pool buffer (every page of it moves in random order); default 2GiB, "
+                        "256KiB on the host emulation")
+    g.add_argument("--ops", default=DEFAULT_OPS, metavar="OPS",
+                   help="kernel rows to run, comma-separated: pull, push, local, pack, unpack")
+    g.add_argument("--sweep", default=DEFAULT_SWEEP, metavar="PROGRAMS",
+                   help="pull on a bounded grid of these many programs ('sms' = one per SM, 'all' = the "
+                        "default grid); empty to skip")
+    g.add_argument("--sweep-size", default=2304, type=int, metavar="BYTES", help="descriptor size of the sweep")
+    g.add_argument("--seed", default=0, type=int, help="seed of the random page permutations")
+    m = parser.add_argument_group("how it is measured")
+    m.add_argument("--trials", default=None, type=int, metavar="N",
+                   help="timed runs per row (median reported); default 7, 2 on the emulation")
+    m.add_argument("--warmup", default=None, type=int, metavar="N", help="untimed runs first; default 2, 1 on the emulation")
+    m.add_argument("--platform", default="auto", metavar="NAME", help="cuda, host (CPU emulation) or auto")
+    m.add_argument("--local-device", default=None, type=int, metavar="I",
+                   help="device the kernels run on (default 1 when there are two devices, else 0)")
+    m.add_argument("--peer-device", default=None, type=int, metavar="I",
+                   help="device whose pool is pulled from / pushed to, owned by a helper process (default 0)")
+    m.add_argument("--timeout", default=300.0, type=float, metavar="S",
+                   help="seconds any single wait (a trial, the helper) may take before the run fails")
+    m.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON here")
+
+
+# --------------------------------------------------------------------------- timing
+
+
+class _Clock:
+    """Times ``fn`` on the local device: CUDA events on torch's current stream, or host clock."""
+
+    def __init__(self, plat, device: int, tdev, timeout_s: float):
+        self.plat, self.device, self.tdev, self.timeout_s = plat, device, tdev, timeout_s
+        self.cuda = tdev.type == "cuda"
+
+    def sync(self, what: str) -> None:
+        import torch
+        stream = self.plat.current_stream(self.device)
+        if not self.plat.synchronize(stream, self.timeout_s):
+            raise TransferTimeout(rank=self.device, step=0, flag=f"end of {what}", expected=1, seen=None,
+                                  timeout_s=self.timeout_s, what="stream did not drain")
+        if self.cuda:
+            torch.cuda.synchronize(self.tdev)
+
+    def _wait(self, ev, what: str, trial: int) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        delay = 1e-5
+        while not ev.query():
+            if time.monotonic() > deadline:
+                raise TransferTimeout(rank=self.device, step=trial, flag=f"end-of-trial event of {what}",
+                                      expected=1, seen=0, timeout_s=self.timeout_s)
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+
+    def time(self, fn, what: str, warmup: int, trials: int) -> list[float]:
+        import torch
+        for _ in range(warmup):
+            fn()
+        self.sync(what)
+        out = []
+        for t in range(trials):
+            if self.cuda:
+                stream = torch.cuda.current_stream(self.tdev)
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record(stream)
+                fn()
+                e1.record(stream)
+                self._wait(e1, what, t)
+                out.append(e0.elapsed_time(e1) * 1e-3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                self.sync(what)
+                out.append(time.perf_counter() - t0)
+        return out
+
+
+# --------------------------------------------------------------------------- rows
+
+
+@dataclass
+class Row:
+    op: str
+    desc_bytes: int | None
+    descriptors: int | None
+    nbytes: int
+    programs: int | None
+    sms: int | None
+    times_s: list[float]
+    ceiling_gbps: float | None
+    wrong_bytes: int | None
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def time_us(self) -> float:
+        return statistics.median(self.times_s) * 1e6
+
+    @property
+    def gbps(self) -> float:
+        t = statistics.median(self.times_s)
+        return self.nbytes / t / 1e9 if t > 0 else float("nan")
+
+    @property
+    def pct(self) -> float | None:
+        return None if not self.ceiling_gbps else 100.0 * self.gbps / self.ceiling_gbps
+
+    def as_json(self) -> dict:
+        return {"op": self.op, "desc_bytes": self.desc_bytes, "descriptors": self.descriptors,
+                "moved_bytes": self.nbytes, "programs": self.programs, "sms_used": self.sms,
+                "time_p50_us": self.time_us, "time_min_us": min(self.times_s) * 1e6,
+                "time_max_us": max(self.times_s) * 1e6, "trials": len(self.times_s),
+                "bandwidth_gbps": self.gbps, "ceiling_gbps": self.ceiling_gbps, "ceiling_pct": self.pct,
+                "wrong_bytes": self.wrong_bytes, "note": self.note, **self.extra}
+
+
+HEADER = ("op", "desc_B", "descs", "bytes", "progs", "SMs", "time_us", "GB/s", "ceil_GB/s", "%ceil", "wrong_B")
+UNITS_ROW = ("", "(B)", "(count)", "(B)", "(count)", "(count)", "(us)", "(GB/s)", "(GB/s)", "(%)", "(B)")
+WIDTHS = (9, 7, 9, 12, 8, 8, 11, 8, 10, 6, 9)
+
+
+def _fmt(cells) -> str:
+    return " ".join(str(c).rjust(w) for c, w in zip(cells, WIDTHS))
+
+
+def _row_line(r: Row) -> str:
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    def g(v):
+        return "-" if v is None else f"{v:.1f}" if v >= 10 else f"{v:.3g}"
+    return _fmt((r.op, f(r.desc_bytes, "d"), f(r.descriptors, "d"), r.nbytes, f(r.programs, "d"), f(r.sms, "d"),
+                 f"{r.time_us:.1f}", g(r.gbps), g(r.ceiling_gbps), f(r.pct, ".1f"),
+                 f(r.wrong_bytes, "d"))) + (f"  # {r.note}" if r.note else "")
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def _page_table(rng, pool: int, size: int) -> np.ndarray:
+    n = pool // size
+    return np.stack([rng.permutation(n).astype(np.int64) * size, rng.permutation(n).astype(np.int64) * size,
+                     np.full(n, size, dtype=np.int64)], 1)
+
+
+def run(args) -> int:
+    out = sys.stdout
+    try:
+        return _run(args, out)
+    except (BadInput, GpuxferError) as exc:
+        print(f"gpuxfer bench kernels: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args, out) -> int:
+    import torch
+
+    from ..platforms import get_platform
+    from . import launch as L
+    from .peer import PeerPools
+
+    sizes = _parse_ints(args.sizes, "--sizes")
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    bad = [o for o in ops if o not in ("pull", "push", "local", "pack", "unpack")]
+    if bad:
+        raise BadInput(f"--ops: unknown {', '.join(bad)} (known: pull, push, local, pack, unpack)")
+    sweep = [s.strip() for s in (args.sweep or "").split(",") if s.strip()]
+    for s in sweep:
+        if s not in ("all", "sms") and not (s.isdigit() and int(s) > 0):
+            raise BadInput(f"--sweep: expected positive integers, 'sms' or 'all', got {s!r}")
+
+    plat = get_platform(None if args.platform == "auto" else args.platform)
+    started = time.time()
+    try:
+        emu = plat.is_emulation
+        pool = _parse_bytes(args.pool) if args.pool else (256 << 10 if emu else 2 << 30)
+        trials = args.trials if args.trials is not None else (2 if emu else 7)
+        warmup = args.warmup if args.warmup is not None else (1 if emu else 2)
+        if trials < 1 or warmup < 0:
+            raise BadInput("--trials must be >= 1 and --warmup >= 0")
+        if max(sizes) > pool:
+            raise BadInput(f"descriptor size {max(sizes)} is larger than the pool ({pool} bytes)")
+        ndev = plat.device_count()
+        local = args.local_device if args.local_device is not None else (1 if ndev >= 2 else 0)
+        peer = args.peer_device if args.peer_device is not None else 0
+        for d, what in ((local, "--local-device"), (peer, "--peer-device")):
+            if not 0 <= d < ndev:
+                raise BadInput(f"{what} {d}: the platform has {ndev} device(s)")
+        plat.set_device(local)
+        tdev = torch.device("cuda", local) if plat.name == "cuda" else torch.device("cpu")
+        clock = _Clock(plat, local, tdev, args.timeout)
+        info_l, info_p = plat.device_info(local), plat.device_info(peer)
+        link = plat.link(local, peer)
+        sms = L.sm_count(tdev)
+
+        pre = {"command": "gpuxfer bench kernels", "date": _dt.datetime.now().astimezone().isoformat(),
+               "host": _pyplatform.node(), "platform": plat.name, "platform_label": plat.label,
+               "emulation": emu, "versions": _versions(plat),
+               "local_device": {"index": local, "name": info_l.name, "arch": info_l.arch, "sms": sms},
+               "peer_device": {"index": peer, "name": info_p.name, "arch": info_p.arch},
+               "link": link.as_dict()}
+        params = {"sizes_bytes": sizes, "pool_bytes": pool, "ops": ops, "sweep_programs": sweep,
+                  "sweep_size_bytes": args.sweep_size, "trials": trials, "warmup": warmup, "seed": args.seed,
+                  "timeout_s": args.timeout}
+        _preamble(out, pre, params)
+
+        rows: list[Row] = []
+        p = lambda r: (rows.append(r), print(_row_line(r), file=out, flush=True))  # noqa: E731
+
+        bufs = [plat.alloc(pool, local) for _ in range(3)]
+        try:
+            with PeerPools(plat, peer, local, [pool, pool], timeout_s=args.timeout) as peers:
+                la, lb, stage = (plat.as_tensor(b) for b in bufs)
+                p_src, p_dst = peers.tensors
+                peer_src_ptr, peer_dst_ptr = peers.mappings[0].ptr, peers.mappings[1].ptr
+                peers.call("fill", 0, SEED)
+                L.fill_pattern(la, SEED)
+                clock.sync("fill")
+                stream = plat.current_stream(local)
+                rng = np.random.default_rng(args.seed)
+                for size in sizes:
+                    table = _page_table(rng, pool, size)
+                    d = torch.from_numpy(table).to(tdev)
+                    n, total = table.shape[0], int(table.shape[0]) * size
+                    whole = torch.tensor([[0, 0, total]], dtype=torch.int64, device=tdev)
+                    ceil = {}
+
+                    def bulk(name, fn, dst_t, ceiling_of):
+                        L.fill_pattern(dst_t, POISON, nbytes=total)
+                        ts = clock.time(fn, name, warmup, trials)
+                        w = L.verify(dst_t, whole, SEED).wrong_bytes
+                        r = Row(name, None, 1, total, None, None, ts, None, w, note=f"same bytes as {size} B rows")
+                        ceil[ceiling_of] = r.gbps
+                        p(r)
+
+                    if "pull" in ops or (sweep and size == args.sweep_size):
+                        bulk("ce-pull", lambda: plat.copy_async(stream, bufs[1].ptr, peer_src_ptr, total), lb, "pull")
+                    if "push" in ops:
+                        bulk("ce-push", lambda: plat.copy_async(stream, peer_dst_ptr, bufs[0].ptr, total), p_dst,
+                             "push")
+                    if {"local", "pack", "unpack"} & set(ops):
+                        bulk("hbm-copy", lambda: stage[:total].copy_(la[:total]), stage, "hbm")
+
+                    offs = L.pack_offsets(d) if {"pack", "unpack"} & set(ops) else None
+                    kinds = {
+                        "pull": (lambda: L.copy_descriptors(p_src, lb, d, nbytes_hint=size, validate=False),
+                                 lambda: L.check_copy(p_src, lb, d), lb, d, "pull"),
+                        "push": (lambda: L.copy_descriptors(la, p_dst, d, nbytes_hint=size, validate=False),
+                                 lambda: L.check_copy(la, p_dst, d), p_dst, d, "push"),
+                        "local": (lambda: L.copy_descriptors(la, lb, d, nbytes_hint=size, validate=False),
+                                  lambda: L.check_copy(la, lb, d), lb, d, "hbm"),
+                        "pack": (lambda: L.pack(la, stage, d, offs, nbytes_hint=size, validate=False),
+                                 lambda: L.pack(la, stage, d, offs, nbytes_hint=size), stage, None, "hbm"),
+                        "unpack": (lambda: L.unpack(stage, lb, d, offs, nbytes_hint=size, validate=False),
+                                   lambda: L.unpack(stage, lb, d, offs, nbytes_hint=size), lb, d, "hbm"),
+                    }
+                    packed = False
+                    for op in ("pull", "push", "local", "pack", "unpack"):
+                        if op not in ops:
+                            continue
+                        fn, check, dst_t, vdescs, ceiling_of = kinds[op]
+                        if op == "unpack" and not packed:
+                            L.pack(la, stage, d, offs, nbytes_hint=size)
+                        if op != "unpack":
+                            L.fill_pattern(dst_t, POISON, nbytes=total if op == "pack" else None)
+                        else:
+                            L.fill_pattern(lb, POISON)
+                        check()                      # validate once (one host sync)
+                        ts = clock.time(fn, op, warmup, trials)
+                        if vdescs is None:
+                            vdescs = L.packed_descriptors(d, offs)
+                        w = L.verify(dst_t, vdescs, SEED).wrong_bytes
+                        packed = packed or op == "pack"
+                        cfg, progs = L.launch_geometry(n, tdev, nbytes_hint=size)
+                        p(Row(op, size, n, total, progs, min(progs, sms), ts, ceil.get(ceiling_of), w,
+                              extra={"config": cfg.__dict__}))
+
+                    if sweep and size == args.sweep_size:
+                        print(f"# SM budget: pull of {size} B descriptors on a bounded grid "
+                              f"(<= {sms} programs: one per SM)", file=out, flush=True)
+                        for s in sweep:
+                            g = None if s == "all" else sms if s == "sms" else int(s)
+                            cfg, progs = L.launch_geometry(n, tdev, nbytes_hint=size, num_programs=g)
+                            m = n if g is None else min(n, max(g, 4) * SWEEP_DESCS_PER_PROGRAM)
+                            sub = d[:m]
+                            L.fill_pattern(lb, POISON)
+                            fn = (lambda sub=sub, g=g: L.copy_descriptors(p_src, lb, sub, nbytes_hint=size,
+                                                                          num_programs=g, validate=False))
+                            L.check_copy(p_src, lb, sub)
+                            ts = clock.time(fn, f"sweep {s}", warmup, trials)
+                            w = L.verify(lb, sub, SEED).wrong_bytes
+                            p(Row("sweep", size, m, m * size, progs, min(progs, sms), ts, ceil.get("pull"), w,
+                                  note="all: the default grid" if g is None else
+                                  "one program per SM" if s == "sms" else "",
+                                  extra={"config": cfg.__dict__}))
+                    del d, whole, offs
+        finally:
+            for b in bufs:
+                b.close()
+    finally:
+        plat.close()
+
+    wrong = sum(r.wrong_bytes or 0 for r in rows)
+    ok = wrong == 0 and all(r.wrong_bytes is not None for r in rows)
+    elapsed = time.time() - started
+    print("#", file=out)
+    print(f"# rows: {len(rows)}, wrong bytes: {wrong}, elapsed: {elapsed:.1f} s", file=out)
+    if emu:
+        print("# EMULATION: the host platform ran the kernels in Triton's interpreter on the CPU; "
+              "these numbers are not GPU performance.", file=out)
+    print(f"# gpuxfer bench kernels: {'PASS' if ok else 'FAIL'}", file=out, flush=True)
+    if args.json:
+        doc = {"schema": "gpuxfer.kernels-bench/1", "preamble": pre, "parameters": params,
+               "gbps_definition": "moved bytes (each byte once) / median trial time / 1e9",
+               "rows": [r.as_json() for r in rows], "wrong_bytes": wrong, "elapsed_s": elapsed,
+               "result": "PASS" if ok else "FAIL"}
+        path = os.path.abspath(args.json)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=1, default=_json_default)
+        os.replace(tmp, path)
+        print(f"# json: {path}", file=out)
+    return 0 if ok else 1
+
+
+def _json_default(o):
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    return str(o)
+
+
+def _versions(plat) -> dict:
+    import torch
+    import triton
+
+    from .. import __version__
+    v = {"gpuxfer": __version__, "python": _pyplatform.python_version(), "numpy": np.__version__,
+         "torch": torch.__version__, "triton": triton.__version__}
+    try:
+        v.update({k: str(x) for k, x in plat.versions().items()})
+    except Exception as exc:  # versions are informative only
+        v["platform versions"] = f"unavailable ({type(exc).__name__}: {exc})"
+    return v
+
+
+def _preamble(out, pre: dict, params: dict) -> None:
+    w = lambda s="": print(f"# {s}".rstrip(), file=out)  # noqa: E731
+    w(f"gpuxfer bench kernels  {pre['date']}  host {pre['host']}")
+    w("versions: " + ", ".join(f"{k} {v}" for k, v in pre["versions"].items()))
+    w(f"platform: {pre['platform_label']}")
+    ld, pd, lk = pre["local_device"], pre["peer_device"], pre["link"]
+    w(f"local device {ld['index']}: {ld['name']} ({ld['arch']}, {ld['sms']} SMs) runs every kernel")
+    w(f"peer device {pd['index']}: {pd['name']} ({pd['arch']}), pool owned by a helper process, opened over IPC")
+    w(f"link {lk['src']} -> {lk['dst']}: {lk['kind']}{' ' + lk['detail'] if lk.get('detail') else ''}")
+    w(f"pool {params['pool_bytes']} B per buffer; every page moves, random permutation (seed {params['seed']}); "
+      f"sizes {','.join(map(str, params['sizes_bytes']))} B; ops {','.join(params['ops'])}")
+    w(f"timing: {params['warmup']} warm-up + {params['trials']} timed runs, median; "
+      f"{'CUDA events' if pre['platform'] == 'cuda' else 'host clock + synchronize'}; "
+      "GB/s = bytes moved (each once) / time / 1e9")
+    w("ceilings of this run: ce-pull/ce-push = platform.copy_async of the same bytes (copy engines); "
+      "hbm-copy = torch copy_ of the same bytes on the local device")
+    w("%ceil: pull and sweep vs ce-pull, push vs ce-push, local/pack/unpack vs hbm-copy; "
+      "wrong_B = bytes that differ from the source pattern after the timed runs")
+    if pre["emulation"]:
+        w("EMULATION: no GPU is used; the kernels run in Triton's interpreter on the CPU")
+    w()
+    print("#" + _fmt(HEADER)[1:], file=out)
+    print("#" + _fmt(UNITS_ROW)[1:], file=out, flush=True)

@@ -1,0 +1,505 @@
+"""``gpuxfer bench pp``: the stage hand-off, copy engines against NCCL in one run.
+
+Two ranks (rank 0 sends, rank 1 receives), spawned here (or run under
+``torchrun`` with ``RANK``/``WORLD_SIZE`` set). For every size from 16 KiB to
+256 MiB (two bf16 tensors, ``hidden`` and ``residual``, half the bytes each) and
+every configuration (copy_engine and nccl, with and without per-step metadata
+over the CPU group) it times a pipelined loop of steps (the sender never waits
+for the receiver; per-step time = the receiver's wall clock over the timed steps,
+ended by a device synchronize), and checks every byte of verification steps and
+of the last timed step against the source (``wrong`` column, bytes).
+
+Then, in the same run: the bulk peer-copy rate (back-to-back ``copy_async``
+from the sender's staging buffer into the receiver's slot: the copy-engine
+ceiling), and SM contention: a matmul loop's throughput alone, next to NCCL
+transfers, next to copy-engine transfers (both ranks compute; the loss is the
+worse rank's).
+
+On the host emulation it runs at tiny sizes and says so everywhere: its
+numbers measure Python and memmove, not a GPU. Speed targets (2x H200) are
+reported as met or missed; ``--check-targets`` turns a miss into exit code 1.
+Any wrong byte or error is exit code 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform as _pyplatform
+import sys
+import time
+
+from ..errors import BadInput
+
+KiB, MiB = 1 << 10, 1 << 20
+CONFIGS = [("copy_engine", True), ("copy_engine", False), ("nccl", True), ("nccl", False)]
+TARGET_SMALL_RATIO = 1 / 3      # copy-engine step time vs NCCL's at <= 1 MiB
+TARGET_BULK_FRACTION = 0.97     # of the bulk peer-copy rate at >= 64 MiB
+TARGET_COMPUTE_LOSS = 0.01      # matmul throughput lost next to copy-engine transfers
+
+
+def _size(text: str) -> int:
+    t = text.strip().upper().removesuffix("B")
+    mult = 1
+    for suffix, m in (("K", KiB), ("M", MiB), ("G", 1 << 30)):
+        if t.endswith(suffix):
+            t, mult = t[:-1], m
+            break
+    try:
+        return int(float(t) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 16K, 256M)") from None
+
+
+def _fmt_size(n: int) -> str:
+    for unit, m in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", KiB)):
+        if n >= m and n % m == 0:
+            return f"{n // m} {unit}"
+    return f"{n} B"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--platform", default=None, help="cuda | host (default: detect; GPUXFER_PLATFORM)")
+    p.add_argument("--min-size", type=_size, default=None, help="smallest step (default 16K; host: 16K)")
+    p.add_argument("--max-size", type=_size, default=None, help="largest step (default 256M; host: 256K)")
+    p.add_argument("--iters", type=int, default=0, help="timed steps per size (0: by size, 20..400; host: 10)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps per size")
+    p.add_argument("--verify-steps", type=int, default=3, help="steps per size whose every byte is checked")
+    p.add_argument("--backends", default="copy_engine,nccl", help="comma-separated backends to compare")
+    p.add_argument("--flag-path", default=None, choices=["auto", "remote", "copy"],
+                   help="copy_engine flag path (default: GPUXFER_PP_FLAG_PATH or auto)")
+    p.add_argument("--recv-slots", type=int, default=2, help="copy_engine receive slots")
+    p.add_argument("--contention-size", type=_size, default=16 * MiB,
+                   help="step size of the transfers run next to the matmul loop")
+    p.add_argument("--contention-ms", type=float, default=500.0, help="length of the matmul loop (alone)")
+    p.add_argument("--matmul", type=int, default=8192, help="matmul size n (n x n x n, bf16; host: 128)")
+    p.add_argument("--no-contention", action="store_true", help="skip the SM contention measurement")
+    p.add_argument("--check-targets", action="store_true", help="exit 1 when a speed target is missed")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before a rank is declared hung")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
+    p.add_argument("--corrupt-for-test", action="store_true", help=argparse.SUPPRESS)
+
+
+# --------------------------------------------------------------------------- the ranks
+
+
+def count_wrong_bytes(got: dict, want: dict) -> int:
+    """Bytes that differ between two dicts of tensors (a missing key or a size difference counts in full)."""
+    import torch
+    n = 0
+    for key, w in want.items():
+        b = w.contiguous().view(torch.uint8).reshape(-1)
+        if key not in got:
+            n += b.numel()
+            continue
+        a = got[key].contiguous().view(torch.uint8).reshape(-1)
+        m = min(a.numel(), b.numel())
+        n += int((a[:m] != b[:m].to(a.device)).sum().item()) + abs(a.numel() - b.numel())
+    return n
+
+
+def _sync(plat, dev) -> None:
+    if not plat.synchronize(plat.current_stream(dev), 120.0):
+        raise RuntimeError("device synchronize timed out")
+
+
+def _rank_main(rank: int, world: int, opts: dict) -> dict:
+    """One rank of the benchmark; returns what the receiver measured (rank 1) or the sender's notes."""
+    import torch
+    import torch.distributed as dist
+
+    from ..platforms import get_platform
+    from .selection import connect
+    if opts.get("platform"):
+        os.environ["GPUXFER_PLATFORM"] = opts["platform"]
+    plat = get_platform(opts.get("platform"))
+    emu = plat.is_emulation
+    dev = rank % plat.device_count()
+    tdev = torch.device("cpu") if emu else torch.device("cuda", dev)
+    if not emu:
+        torch.cuda.set_device(dev)
+    peer = 1 - rank
+    sizes = opts["sizes"]
+    maxs = max(sizes)
+    half = maxs // 2
+    specs = {"hidden": ((half // 2,), torch.bfloat16), "residual": ((half // 2,), torch.bfloat16)}
+    nver = max(1, opts["verify_steps"])
+    stride = 4096
+    g = torch.Generator().manual_seed(1234)
+    base = torch.randint(0, 256, (maxs + (nver + 2) * stride,), dtype=torch.uint8, generator=g).to(tdev)
+
+    def src(size: int, k: int) -> dict:
+        o = (k % (nver + 2)) * stride
+        h = size // 2
+        return {"hidden": base[o:o + h].view(torch.bfloat16), "residual": base[o + h:o + size].view(torch.bfloat16)}
+
+    def wrong_bytes(got: dict, size: int, k: int) -> int:
+        if opts.get("corrupt"):        # test hook: prove a wrong byte fails the run
+            got = {key: v.clone() for key, v in got.items()}
+            got["hidden"].view(torch.uint8)[0] ^= 0xFF
+        return count_wrong_bytes(got, src(size, k))
+
+    device_group = None
+    if not emu and "nccl" in opts["backends"]:
+        device_group = dist.new_group(backend="nccl")
+    info = {"rank": rank, "device": dev, "device_info": plat.device_info(dev).as_dict(),
+            "link": plat.link(dev, peer % plat.device_count()).as_dict(), "versions": plat.versions(),
+            "label": plat.label, "emulation": emu, "host": _pyplatform.node()}
+    rows, bulk, contention, flag_paths = [], [], {}, {}
+
+    def iters_for(size: int) -> int:
+        if opts["iters"]:
+            return opts["iters"]
+        return 10 if emu else max(20, min(400, (4 << 30) // size))
+
+    def open_conn(backend: str, metadata: bool):
+        return connect(send_to=peer if rank == 0 else None, recv_from=peer if rank == 1 else None, specs=specs,
+                       backend=backend, platform=plat, device=dev, metadata=metadata, timeout_s=opts["timeout"],
+                       recv_slots=opts["recv_slots"], flag_path=opts["flag_path"], device_group=device_group)
+
+    def run_steps(t, size: int, first: int, n: int, metadata: bool, keep_last: bool):
+        """Steps first..first+n-1; the receiver returns the last step's tensors (or None)."""
+        last = None
+        if rank == 0:
+            for k in range(first, first + n):
+                t.send(src(size, k))
+        else:
+            shapes = {"hidden": (size // 4,), "residual": (size // 4,)}
+            for k in range(first, first + n):
+                r = t.recv() if metadata else t.recv(shapes=shapes)
+                last = r.tensors
+        return last if keep_last else None
+
+    try:
+        for backend in opts["backends"]:
+            for metadata in (True, False):
+                conn = open_conn(backend, metadata)
+                with conn:
+                    t = conn.transports[0]
+                    flag_paths[backend] = ("remote stream writes" if getattr(t, "remote_flags", False)
+                                           else "8-byte copies" if backend != "nccl" else "-")
+                    k = 1
+                    for size in sizes:
+                        wrong = 0
+                        for v in range(nver):                    # verification steps, each checked
+                            got = run_steps(t, size, k, 1, metadata, True)
+                            if rank == 1:
+                                wrong += wrong_bytes(got, size, k)
+                            k += 1
+                        run_steps(t, size, k, opts["warmup"], metadata, False)
+                        k += opts["warmup"]
+                        _sync(plat, dev)
+                        t.synchronize()
+                        dist.barrier()
+                        n = iters_for(size)
+                        t0 = time.perf_counter()
+                        got = run_steps(t, size, k, n, metadata, True)
+                        _sync(plat, dev)
+                        elapsed = time.perf_counter() - t0
+                        t.synchronize()
+                        if rank == 1:
+                            wrong += wrong_bytes(got, size, k + n - 1)
+                        k += n
+                        rows.append({"backend": backend, "metadata": metadata, "size_bytes": size,
+                                     "iters": n, "time_us": elapsed / n * 1e6,
+                                     "algbw_gbps": size / (elapsed / n) / 1e9, "wrong_bytes": wrong})
+                    if backend != "nccl" and not metadata:
+                        bulk = _bulk_copy(plat, dev, t, sizes, rank, iters_for)
+                dist.barrier()
+        if not opts["no_contention"]:
+            contention = _contention(plat, dev, tdev, rank, opts, open_conn, src, run_steps, rows)
+    finally:
+        plat.close()
+    return {"info": info, "rows": rows, "bulk": bulk, "contention": contention, "flag_paths": flag_paths}
+
+
+def _bulk_copy(plat, dev, t, sizes, rank, iters_for) -> list:
+    """The sender copies staging -> the receiver's slot back to back (no flags): the peer-copy ceiling."""
+    import torch.distributed as dist
+    out = []
+    dist.barrier()
+    if rank == 0:
+        side = t._aux
+        for size in sizes:
+            n = iters_for(size)
+            for _ in range(3):
+                plat.copy_async(side, t._peer_slot_ptr[0], t._staging_ptr[0], size)
+            plat.synchronize(side, 120.0)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                plat.copy_async(side, t._peer_slot_ptr[0], t._staging_ptr[0], size)
+            if not plat.synchronize(side, 120.0):
+                raise RuntimeError("bulk copy timed out")
+            el = time.perf_counter() - t0
+            out.append({"size_bytes": size, "time_us": el / n * 1e6, "algbw_gbps": size / (el / n) / 1e9})
+    dist.barrier()
+    got = [None, None]
+    dist.all_gather_object(got, out)
+    return got[0]
+
+
+def _contention(plat, dev, tdev, rank, opts, open_conn, src, run_steps, rows) -> dict:
+    """A matmul loop's throughput alone, next to NCCL transfers, next to copy-engine transfers."""
+    import torch
+    import torch.distributed as dist
+    emu = plat.is_emulation
+    n = 128 if emu else opts["matmul"]
+    dtype = torch.float32 if emu else torch.bfloat16
+    a = torch.randn(n, n, device=tdev).to(dtype)
+    b = torch.randn(n, n, device=tdev).to(dtype)
+    c = torch.empty(n, n, device=tdev, dtype=dtype)
+    comp = plat.create_stream(dev)
+
+    def loop(k: int):
+        def fn():
+            for _ in range(k):
+                torch.mm(a, b, out=c)
+        return fn
+
+    def run(k: int, transfer=None) -> float:
+        """Wall time of k matmuls on the compute stream, with ``transfer()`` steps running meanwhile."""
+        dist.barrier()
+        t0 = time.perf_counter()
+        plat.launch(comp, loop(k))
+        ev = plat.record_event(comp)
+        if transfer is not None:
+            transfer()
+        if not plat.event_wait(ev, 300.0):
+            raise RuntimeError("matmul loop timed out")
+        el = time.perf_counter() - t0
+        _sync(plat, dev)
+        return el
+
+    # calibrate k so the loop takes about contention_ms alone (same k on both ranks)
+    run(2)
+    probe = run(8)
+    k_local = max(8, int(opts["contention_ms"] / 1e3 / (probe / 8)))
+    ks = [None, None]
+    dist.all_gather_object(ks, k_local)
+    k = min(ks)
+    flops = 2.0 * n ** 3 * k
+    size = min(opts["contention_size"], max(opts["sizes"]))
+    res = {"matmul_n": n, "matmuls": k, "transfer_size_bytes": size}
+    alone = [run(k)]
+    for backend in opts["backends"]:
+        step = [r["time_us"] for r in rows if r["backend"] == backend and not r["metadata"]
+                and r["size_bytes"] == max(s for s in opts["sizes"] if s <= size)]
+        step_s = (step[0] if step else 100.0) / 1e6
+        both = [None, None]     # the receiver's measurements decide, so both ranks run the same steps
+        dist.all_gather_object(both, (int(1.3 * alone[0] / max(step_s, 1e-6)) + 1) if rank == 1 else None)
+        steps = both[1]
+        conn = open_conn(backend, False)
+        with conn:
+            t = conn.transports[0]
+            run_steps(t, size, 1, 3, False, False)
+            _sync(plat, dev)
+            el = run(k, lambda: run_steps(t, size, 4, steps, False, False))
+            t.synchronize()
+        res[f"{backend}_tflops"] = flops / el / 1e12
+        res[f"{backend}_steps"] = steps
+        dist.barrier()
+    alone.append(run(k))
+    res["alone_tflops"] = flops / min(alone) / 1e12
+    res["alone_spread_pct"] = abs(alone[0] - alone[1]) / min(alone) * 100
+    for backend in opts["backends"]:
+        res[f"{backend}_loss_pct"] = (1 - res[f"{backend}_tflops"] / res["alone_tflops"]) * 100
+    getattr(comp, "close", lambda: None)()
+    return res
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _targets(res: dict, backends: list) -> list[tuple[str, str, bool | None]]:
+    """(target, measured, met) for the 2xH200 targets; met None where this run cannot tell."""
+    rows = res["rows"]
+    out = []
+    if "copy_engine" in backends and "nccl" in backends:
+        for metadata in (False, True):
+            ratios = []
+            for r in rows:
+                if r["backend"] == "copy_engine" and r["metadata"] == metadata and r["size_bytes"] <= MiB:
+                    n = [x for x in rows if x["backend"] == "nccl" and x["metadata"] == metadata
+                         and x["size_bytes"] == r["size_bytes"]]
+                    if n:
+                        ratios.append(r["time_us"] / n[0]["time_us"])
+            if ratios:
+                worst = max(ratios)
+                out.append((f"copy_engine step time <= 1/3 of nccl's at <= 1 MiB "
+                            f"({'with' if metadata else 'without'} metadata)",
+                            f"worst ratio {worst:.2f}", worst <= TARGET_SMALL_RATIO))
+    bulk = {b["size_bytes"]: b["algbw_gbps"] for b in res.get("bulk") or []}
+    fr = [r["algbw_gbps"] / bulk[r["size_bytes"]] for r in rows
+          if r["backend"] == "copy_engine" and not r["metadata"] and r["size_bytes"] >= 64 * MiB
+          and bulk.get(r["size_bytes"])]
+    if fr:
+        out.append(("copy_engine >= 97% of the bulk peer-copy rate at >= 64 MiB", f"worst {min(fr) * 100:.1f}%",
+                    min(fr) >= TARGET_BULK_FRACTION))
+    con = res.get("contention") or {}
+    if "copy_engine_loss_pct" in con:
+        extra = f", nccl loses {con['nccl_loss_pct']:.1f}%" if "nccl_loss_pct" in con else ""
+        out.append(("matmul loses <= 1% next to copy_engine transfers",
+                    f"loses {con['copy_engine_loss_pct']:.1f}%{extra}",
+                    con["copy_engine_loss_pct"] <= TARGET_COMPUTE_LOSS * 100))
+    return out
+
+
+def format_report(res: dict, opts: dict) -> str:
+    import torch
+
+    from .. import __version__
+    info, sinfo = res["info"], res["sender_info"]
+    emu = info["emulation"]
+    L = []
+    tag = "  [EMULATION on the CPU: no GPU is used; the numbers measure Python and memmove]" if emu else ""
+    L.append(f"# gpuxfer bench pp: stage hand-off, copy engines vs NCCL{tag}")
+    L.append(f"# gpuxfer {__version__}, torch {torch.__version__}, python {sys.version.split()[0]}, "
+             f"platform {info['label']}")
+    vers = ", ".join(f"{k} {v}" for k, v in info["versions"].items())
+    if vers:
+        L.append(f"# versions: {vers}")
+    for who, i in (("sender", sinfo), ("receiver", info)):
+        d = i["device_info"]
+        L.append(f"# rank {i['rank']} ({who}): device {i['device']} {d['name']} ({d['arch']}, pci {d['pci_bus_id']}, "
+                 f"{d['sm_count']} SMs, {d['copy_engines']} copy engines, 64-bit stream mem ops "
+                 f"{'yes' if d['stream_mem_ops_64'] else 'no'}) on {i['host']}")
+    lk = info["link"]
+    L.append(f"# link: device {lk['src']} <-> {lk['dst']}: {lk['kind']}{' (' + lk['detail'] + ')' if lk['detail'] else ''}")
+    L.append(f"# tensors per step: hidden + residual (bf16, half the bytes each); warmup {opts['warmup']}, "
+             f"verified steps {opts['verify_steps']} + the last timed step; iters "
+             f"{opts['iters'] or 'by size'}; recv slots {opts['recv_slots']}; copy_engine flags: "
+             f"{res['flag_paths'].get('copy_engine', '-')}")
+    L.append("# time: receiver wall clock over a pipelined loop (the sender never waits), / steps; "
+             "algbw = bytes per step / time")
+    L.append("#")
+    cols = [(b, m) for b in opts["backends"] for m in (True, False)]
+    head1 = f"# {'':>10} {'':>9} " + " ".join(f"{(b + (' +meta' if m else ' -meta')):^28}" for b, m in cols)
+    head2 = f"# {'size':>10} {'count':>9} " + " ".join(f"{'time':>9} {'algbw':>8} {'wrong':>9}" for _ in cols)
+    units = f"# {'(B)':>10} {'(elems)':>9} " + " ".join(f"{'(us)':>9} {'(GB/s)':>8} {'(B)':>9}" for _ in cols)
+    has_ratio = "copy_engine" in opts["backends"] and "nccl" in opts["backends"]
+    if has_ratio:
+        head1 += f" {'ce/nccl time':^15}"
+        head2 += f" {'+meta':>7} {'-meta':>7}"
+        units += f" {'(x)':>7} {'(x)':>7}"
+    L += [head1, head2, units]
+    by = {(r["backend"], r["metadata"], r["size_bytes"]): r for r in res["rows"]}
+    for size in opts["sizes"]:
+        line = f"  {size:>10} {size // 2:>9} "
+        cells = []
+        for b, m in cols:
+            r = by.get((b, m, size))
+            cells.append(f"{r['time_us']:>9.2f} {r['algbw_gbps']:>8.2f} {r['wrong_bytes']:>9d}" if r
+                         else f"{'-':>9} {'-':>8} {'-':>9}")
+        line += " ".join(cells)
+        if has_ratio:
+            rat = []
+            for m in (True, False):
+                a, n = by.get(("copy_engine", m, size)), by.get(("nccl", m, size))
+                rat.append(f"{a['time_us'] / n['time_us']:>7.2f}" if a and n else f"{'-':>7}")
+            line += " " + " ".join(rat)
+        L.append(line)
+    if res.get("bulk"):
+        L.append("#")
+        L.append("# bulk peer copy (copy_async back to back, staging -> peer slot, same run): "
+                 + ", ".join(f"{_fmt_size(b['size_bytes'])} {b['algbw_gbps']:.1f} GB/s" for b in res["bulk"]
+                             if b["size_bytes"] >= MiB or len(res["bulk"]) < 6))
+    con = res.get("contention") or {}
+    if con:
+        L.append("#")
+        parts = [f"alone {con['alone_tflops']:.2f} TFLOPS (spread of two runs {con['alone_spread_pct']:.1f}%)"]
+        for b in opts["backends"]:
+            if f"{b}_tflops" in con:
+                parts.append(f"next to {b} {con[f'{b}_tflops']:.2f} TFLOPS ({-con[f'{b}_loss_pct']:+.1f}%)")
+        L.append(f"# SM contention: {con['matmuls']} matmuls {con['matmul_n']}^3, transfers of "
+                 f"{_fmt_size(con['transfer_size_bytes'])} back to back: " + "; ".join(parts))
+    wrong = sum(r["wrong_bytes"] for r in res["rows"])
+    L.append("#")
+    for name, got, met in res["targets"]:
+        verdict = "n/a (emulation)" if emu else ("met" if met else "MISSED")
+        L.append(f"# target (2x H200): {name}: {got}: {verdict}")
+    L.append(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+    L.append(f"# Result: {res['result']}{' (EMULATION)' if emu else ''}")
+    return "\n".join(L)
+
+
+def _json_doc(res: dict, opts: dict) -> dict:
+    info = res["info"]
+    return {
+        "benchmark": "gpuxfer bench pp", "platform": info["label"], "emulation": info["emulation"],
+        "versions": info["versions"], "devices": [res["sender_info"]["device_info"], info["device_info"]],
+        "link": info["link"], "flag_paths": res["flag_paths"],
+        "params": {"sizes_bytes": opts["sizes"], "warmup_steps": opts["warmup"], "verify_steps": opts["verify_steps"],
+                   "iters": opts["iters"], "recv_slots": opts["recv_slots"], "backends": opts["backends"]},
+        "rows": res["rows"], "bulk_copy": res["bulk"], "contention": res["contention"],
+        "targets": [{"target": n, "measured": g, "met": m} for n, g, m in res["targets"]],
+        "wrong_bytes": sum(r["wrong_bytes"] for r in res["rows"]), "result": res["result"],
+    }
+
+
+def _options(args) -> dict:
+    from ..platforms import PLATFORMS, unavailable_reason
+    name = args.platform or os.environ.get("GPUXFER_PLATFORM") or None
+    if name in (None, "auto"):   # decide here (class-level checks only) so both ranks agree and sizes fit
+        name = next((n for n in PLATFORMS if unavailable_reason(n) is None), "host")
+    emu = name == "host"
+    lo = args.min_size or 16 * KiB
+    hi = args.max_size or (256 * KiB if emu else 256 * MiB)
+    if lo < 16 or hi < lo:
+        raise BadInput(f"need 16 <= --min-size <= --max-size, got {lo}, {hi}")
+    sizes, s = [], lo
+    while s <= hi:
+        sizes.append(s // 16 * 16)   # multiple of 16 bytes: two bf16 halves
+        s *= 2
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    for b in backends:
+        if b not in ("copy_engine", "nccl"):
+            raise BadInput(f"unknown backend {b!r} (choose from copy_engine, nccl)")
+    return {"platform": name, "sizes": sizes, "iters": args.iters, "warmup": args.warmup,
+            "verify_steps": args.verify_steps, "backends": backends, "flag_path": args.flag_path,
+            "recv_slots": args.recv_slots, "contention_size": args.contention_size,
+            "contention_ms": args.contention_ms if not emu else min(args.contention_ms, 100.0),
+            "matmul": args.matmul, "no_contention": args.no_contention, "timeout": args.timeout,
+            "corrupt": args.corrupt_for_test}
+
+
+def run(args) -> int:
+    from .launch import init_cpu_group, run_ranks
+    try:
+        opts = _options(args)
+    except BadInput as exc:
+        print(f"gpuxfer bench pp: {exc}", file=sys.stderr)
+        return 2
+    env = {"GPUXFER_PLATFORM": opts["platform"]}
+    try:
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:      # under torchrun
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            if world != 2:
+                print("gpuxfer bench pp: runs on exactly 2 ranks", file=sys.stderr)
+                return 2
+            os.environ.update(env)
+            init_cpu_group(rank, world, "env://")
+            import torch.distributed as dist
+            mine = _rank_main(rank, world, opts)
+            both = [None, None]
+            dist.all_gather_object(both, mine)
+            dist.destroy_process_group()
+            if rank != 1:
+                return 0
+        else:
+            both = run_ranks(_rank_main, 2, (opts,), timeout_s=opts["timeout"], env=env)
+    except Exception as exc:  # noqa: BLE001 - a failed rank is a failed benchmark
+        print(f"gpuxfer bench pp: FAILED: {exc}", file=sys.stderr)
+        return 1
+    res = dict(both[1])
+    res["sender_info"] = both[0]["info"]
+    res["bulk"] = both[0]["bulk"] or both[1]["bulk"]
+    wrong = sum(r["wrong_bytes"] for r in res["rows"])
+    res["targets"] = _targets(res, opts["backends"])
+    missed = [t for t in res["targets"] if t[2] is False]
+    ok = wrong == 0 and not (args.check_targets and missed and not res["info"]["emulation"])
+    res["result"] = "PASS" if ok else ("FAIL: wrong bytes" if wrong else "FAIL: targets missed")
+    print(format_report(res, opts))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(_json_doc(res, opts), f, indent=2)
+    return 0 if ok else 1

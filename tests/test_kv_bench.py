@@ -1,0 +1,412 @@
+"""``gpuxfer bench kv``: the whole command end to end, its verifier, its errors, its artifacts.
+
+CPU tests run the real command (two spawned processes, the host emulation, the
+Triton kernels in the interpreter) at tiny sizes: ``kv-mla`` at 16 tokens is 61
+descriptors of 9,216 bytes a request. GPU tests (marked ``gpu``) run a short
+sweep on two GPUs, every engine, every byte verified.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuxfer.cli import main
+from gpuxfer.errors import BadInput
+from gpuxfer.kv import engines as E
+from gpuxfer.kv import report as R
+
+TINY = ["--platform", "host", "--workload", "kv-mla", "--isl", "16", "--page", "16", "--batch", "1"]
+FAST = ["--warmup", "0", "--trials", "1", "--timeout", "60"]
+
+#: keys every measured row of the JSON artifact carries (docs/kv_bench.md lists them)
+ROW_KEYS = {"workload", "page_tokens", "isl_tokens", "batch", "engine", "direction", "initiator", "post",
+            "burst_bytes", "descriptors", "request_bytes", "request_descriptors", "prep_ms", "arm_p50_ms",
+            "warmup", "trials", "samples_ms", "burst_p50_ms", "burst_p10_ms", "burst_p90_ms", "burst_min_ms",
+            "burst_max_ms", "p50_gbps", "min_gbps", "max_gbps", "ceiling_gbps", "of_ceiling_pct",
+            "per_descriptor_p50_us", "wrong_bytes", "first_wrong_descriptor", "verified", "valid", "error"}
+DOC_KEYS = {"schema", "generated_at", "command", "gbps_definition", "environment", "parameters", "rows", "shed",
+            "summary", "outcome", "artifacts"}
+SUMMARY_KEYS = {"workload", "isl_tokens", "page_tokens", "direction", "engine", "batch_min", "batch_min_gbps",
+                "batch_min_of_ceiling_pct", "batch_max", "batch_max_gbps", "batch_max_of_ceiling_pct",
+                "worst_of_ceiling_pct", "batch_min_per_descriptor_us", "all_valid"}
+
+
+def _run(capsys, tmp_path, *argv) -> tuple[int, str, str, dict | None]:
+    out_dir = tmp_path / "out"
+    t0 = time.monotonic()
+    rc = main(["bench", "kv", *argv, "--out", str(out_dir)])
+    elapsed = time.monotonic() - t0
+    cap = capsys.readouterr()
+    doc = None
+    path = out_dir / "kv_bench.json"
+    if path.exists():
+        doc = json.loads(path.read_text())
+    assert elapsed < 240, f"the command took {elapsed:.0f} s"
+    return rc, cap.out, cap.err, doc
+
+
+# ----------------------------------------------------------------------------- end to end (CPU)
+
+
+def test_every_engine_both_directions_end_to_end(capsys, tmp_path):
+    rc, out, err, doc = _run(capsys, tmp_path, *TINY, *FAST)
+    assert rc == 0, out + err
+    # the live table: preamble, header + units rows, a line per row, summary, PASS footer
+    assert "EMULATION" in out and "# parameters:" in out and "# versions:" in out
+    assert "GB/s" in out and "#wrong" in out and "tokens" in out
+    assert "# summary" in out and "# PASS" in out
+    # the artifact
+    assert doc is not None and DOC_KEYS <= set(doc)
+    assert doc["schema"] == R.SCHEMA
+    assert doc["environment"]["is_emulation"] is True and "EMULATION" in doc["environment"]["platform_label"]
+    assert doc["environment"]["launcher"] == "spawn"
+    assert [d["role"].split()[0] for d in doc["environment"]["devices"]] == ["prefill", "decode"]
+    rows = doc["rows"]
+    engines = {r["engine"] for r in rows}
+    assert engines == {"triton", "pack", "copy_engine", "bulk"}
+    assert len(rows) == 8 and doc["outcome"]["rows_expected"] == 8
+    for r in rows:
+        assert ROW_KEYS <= set(r), ROW_KEYS - set(r)
+        assert r["valid"] and r["verified"] and r["wrong_bytes"] == 0 and r["error"] is None, r
+        assert r["burst_bytes"] == 61 * 9216 and r["p50_gbps"] > 0
+        assert r["post"] == "armed"
+        assert r["initiator"] == ("decode" if r["direction"] == "pull" else "prefill")
+        assert r["descriptors"] == (1 if r["engine"] == "bulk" else 61)
+        assert r["ceiling_gbps"] is not None and r["of_ceiling_pct"] is not None
+    assert {(r["direction"]) for r in rows} == {"pull", "push"}
+    assert doc["outcome"]["status"] == "pass"
+    for s in doc["summary"]:
+        assert SUMMARY_KEYS <= set(s)
+    # the plot
+    plots = doc["artifacts"]["plots"]
+    assert len(plots) == 1 and os.path.basename(plots[0]) == "kv_bench_kv-mla_isl16.png"
+    with open(plots[0], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(plots[0]) > 10_000
+
+
+def test_corrupted_transfer_fails_verification_and_exits_nonzero(capsys, tmp_path):
+    rc, out, err, doc = _run(capsys, tmp_path, *TINY, *FAST, "--engine", "bulk,copy_engine", "--direction", "push",
+                             "--inject-fault", "copy_engine:push")
+    assert rc == 1, out + err
+    assert "INVALID" in out and "# FAIL" in out
+    rows = {r["engine"]: r for r in doc["rows"]}
+    assert rows["bulk"]["valid"] and rows["bulk"]["wrong_bytes"] == 0 and not rows["bulk"]["fault_injected"]
+    bad = rows["copy_engine"]
+    assert bad["fault_injected"] and not bad["valid"]
+    assert bad["wrong_bytes"] == 1 and bad["first_wrong_descriptor"] == 0
+    assert "request 0" in bad["first_wrong"]
+    assert doc["outcome"]["status"] == "fail" and doc["outcome"]["rows_invalid"] == 1
+
+
+def test_fault_injection_by_environment_on_the_bulk_row(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUXFER_INJECT_FAULT", "bulk")
+    rc, out, err, doc = _run(capsys, tmp_path, *TINY, *FAST, "--engine", "bulk", "--direction", "pull",
+                             "--post", "host")
+    assert rc == 1, out + err
+    (row,) = doc["rows"]
+    assert row["wrong_bytes"] == 1 and not row["valid"] and row["post"] == "host"
+    assert "bulk copy" in row["first_wrong"]
+
+
+def test_a_failing_process_does_not_hang_the_other(capsys, tmp_path):
+    # the decode side asks for a device that does not exist: it fails at once, the prefill side
+    # is left waiting for its peer and must fail on the group timeout, not hang
+    t0 = time.monotonic()
+    rc, out, err, doc = _run(capsys, tmp_path, *TINY, "--warmup", "0", "--trials", "1", "--timeout", "8",
+                             "--engine", "bulk", "--devices", "0,7")
+    assert rc == 1
+    assert time.monotonic() - t0 < 120
+    assert "device 7 does not exist" in out
+    assert doc is not None and doc["outcome"]["status"] == "fail" and not doc["outcome"]["complete"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--engine", "warp-drive"], "--engine: unknown value 'warp-drive'"),
+    (["--direction", "sideways"], "--direction: unknown value"),
+    (["--trials", "0"], "--trials: must be positive"),
+    (["--warmup", "-1"], "--warmup: must be >= 0"),
+    (["--timeout", "0"], "--timeout must be positive"),
+    (["--post", "eager"], "--post: unknown value 'eager'"),
+    (["--inject-fault", "teleport"], "--inject-fault: unknown engine 'teleport'"),
+    (["--inject-fault", "bulk:sideways"], "--inject-fault: unknown direction 'sideways'"),
+    (["--devices", "0,1,2"], "--devices: give one or two device indexes"),
+    (["--isl", "lots"], "--isl: cannot read 'lots'"),
+    (["--pool-budget", "12XB"], "--pool-budget: unknown unit"),
+    (["--pack-chunk", "0"], "--pack-chunk: '0' must be positive"),
+    (["--copy-engine-max-descs", "many"], "--copy-engine-max-descs: cannot read 'many'"),
+    (["--workload", "kv-nope"], "unknown KV workload 'kv-nope'"),
+])
+def test_bad_options_give_clear_errors(capsys, tmp_path, argv, message):
+    rc = main(["bench", "kv", *TINY, *argv, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert message in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_nothing_to_measure_is_an_error(capsys, tmp_path):
+    rc, out, err, doc = _run(capsys, tmp_path, *TINY, *FAST, "--engine", "bulk", "--pool-budget", "4096")
+    assert rc == 1
+    assert "nothing to measure" in out
+
+
+@pytest.mark.slow
+def test_under_torchrun_environment(tmp_path):
+    """Two ranks started by hand the way torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out_dir = tmp_path / "out"
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "gpuxfer", "bench", "kv", *TINY, *FAST, "--engine", "bulk,copy_engine",
+             "--out", str(out_dir)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=180)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError("torchrun-style ranks did not finish in 180 s")
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "# PASS" in outs[0] and "# PASS" not in outs[1]
+    doc = json.loads((out_dir / "kv_bench.json").read_text())
+    assert doc["environment"]["launcher"] == "torchrun" and len(doc["rows"]) == 4
+
+
+# ----------------------------------------------------------------------------- engine helpers (no processes)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=60), cap=st.integers(1, 3000))
+def test_split_large_keeps_the_byte_map(sizes, cap):
+    n = np.array(sizes, dtype=np.int64)
+    src = np.concatenate([[0], np.cumsum(n)[:-1]]) * 3 + 7
+    dst = np.concatenate([[0], np.cumsum(n)[:-1]]) + 11
+    d = np.stack([src, dst, n], axis=1)
+    out = E.split_large(d, cap)
+    assert out[:, 2].max() <= cap and out[:, 2].min() > 0
+    assert out[:, 2].sum() == n.sum()
+
+    def bytemap(t):
+        return np.concatenate([np.stack([np.arange(s, s + k), np.arange(q, q + k)], 1) for s, q, k in t.tolist()])
+    assert np.array_equal(bytemap(out), bytemap(d))
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(1, 4096), min_size=1, max_size=200), chunk=st.integers(4096, 50_000),
+       first=st.integers(1, 50_000))
+def test_chunk_plan_covers_every_descriptor_once_within_the_slot(sizes, chunk, first):
+    d = np.zeros((len(sizes), 3), dtype=np.int64)
+    d[:, 2] = sizes
+    plan = E.chunk_plan(d, chunk, min(first, chunk))
+    assert plan[0][0] == 0 and plan[-1][1] == len(sizes)
+    for (a, b, nbytes), nxt in zip(plan, plan[1:] + [(len(sizes), None, None)]):
+        assert b > a and b == nxt[0]
+        assert nbytes == int(d[a:b, 2].sum()) and nbytes <= chunk
+    # chunks ramp up: never smaller than the first target unless the table ends or a descriptor overflows it
+    assert sum(c[2] for c in plan) == sum(sizes)
+
+
+def test_contiguous_descriptors_and_bursts():
+    d = E.contiguous_descriptors(10, 4)
+    assert d.tolist() == [[0, 0, 4], [4, 4, 4], [8, 8, 2]]
+    b = E.Burst([np.array([[0, 0, 8], [8, 16, 8]]), np.array([[100, 200, 4]])])
+    assert (b.batch, b.descriptors, b.nbytes) == (2, 3, 20)
+    assert b.shape == E.BurstShape(2, 3, 20)
+    b.check_bounds(104, 204)
+    with pytest.raises(BadInput, match="destination pool"):
+        b.check_bounds(104, 203)
+    with pytest.raises(BadInput, match="shape"):
+        E.Burst([np.zeros((2, 2), dtype=np.int64)])
+    with pytest.raises(BadInput, match="at least one request"):
+        E.Burst([])
+
+
+def test_registry_parse_and_report(host):
+    assert E.parse_engines("triton,bulk,triton") == ["triton", "bulk"]
+    assert E.measurement_order(["triton", "pack", "bulk"])[0] == "bulk"
+    with pytest.raises(BadInput, match="unknown engine"):
+        E.parse_engines("triton,teleport")
+    with pytest.raises(BadInput, match="no engine"):
+        E.parse_engines(" , ")
+    rep = E.engine_report(host)
+    assert {"triton", "pack", "copy_engine", "bulk"} <= set(rep)
+    assert all(rep[n] is None for n in ("triton", "pack", "copy_engine", "bulk"))
+    assert all(v is None or (isinstance(v, str) and v) for v in rep.values())
+
+    class Fake(E.Engine):
+        name = "fake"
+
+        @classmethod
+        def unavailable_reason(cls, platform):
+            return "needs a warp core"
+
+        def prepare(self, burst, direction):
+            return self._new_prepared(burst, direction)
+
+    saved = dict(E.ENGINES)
+    try:
+        E.register_engine("fake", Fake)
+        assert E.engine_report(host)["fake"] == "needs a warp core"
+        with pytest.raises(BadInput, match="not an Engine"):
+            E.register_engine("bad", int)
+        with pytest.raises(BadInput, match="module:Class"):
+            E.register_engine("bad", "no_colon")
+    finally:
+        E.ENGINES.clear()
+        E.ENGINES.update(saved)
+
+
+def test_copy_engine_cap_sheds_with_the_reason():
+    opts = E.EngineOptions(copy_engine_max_descs=100)
+
+    class _S:
+        options = opts
+        platform = None
+
+    eng = E.CopyEngineEngine.__new__(E.CopyEngineEngine)
+    eng.options = opts
+    assert eng.shed_reason(E.BurstShape(1, 100, 1000)) is None
+    why = eng.shed_reason(E.BurstShape(2, 101, 1000))
+    assert "capped at 100 descriptors" in why and "--copy-engine-max-descs" in why
+
+
+def test_engine_options_are_checked():
+    with pytest.raises(BadInput, match="multiple of pack_lanes"):
+        E.EngineOptions(pack_slots=3, pack_lanes=2).validate()
+    with pytest.raises(BadInput, match="positive integer"):
+        E.EngineOptions(pack_chunk_bytes=0).validate()
+
+
+# ----------------------------------------------------------------------------- report (no processes)
+
+
+def _row(engine="triton", batch=1, direction="pull", ms=(1.0, 2.0, 3.0), wrong=0, page=16):
+    row = {"workload": "kv-dsv4", "page_tokens": page, "isl_tokens": 32768, "batch": batch, "engine": engine,
+           "direction": direction, "burst_bytes": 2_000_000_000, "descriptors": 1000, "prep_ms": 1.0,
+           "wrong_bytes": wrong, "valid": wrong == 0, "verified": True, "error": None}
+    R.finish_row(row, [m / 1e3 for m in ms])
+    return row
+
+
+def test_statistics_and_decimal_gbps():
+    row = _row(ms=(4.0, 1.0, 2.0))
+    assert row["burst_p50_ms"] == pytest.approx(2.0)
+    assert row["p50_gbps"] == pytest.approx(1000.0)            # 2e9 B in 2 ms = 1000 GB/s (decimal)
+    assert row["min_gbps"] == pytest.approx(500.0) and row["max_gbps"] == pytest.approx(2000.0)
+    assert row["per_descriptor_p50_us"] == pytest.approx(2.0)
+    R.apply_ceiling(row, 1250.0)
+    assert row["of_ceiling_pct"] == pytest.approx(80.0)
+    assert R.gbps(1, 0) is None and R.sample_stats([])["p50_ms"] is None
+
+
+def test_outcome_fails_on_a_wrong_byte_an_error_or_an_incomplete_run():
+    good = [_row(), _row(engine="bulk")]
+    assert R.outcome(good, [])["status"] == "pass"
+    bad = good + [_row(engine="pack", wrong=3)]
+    out = R.outcome(bad, [])
+    assert out["status"] == "fail" and out["rows_invalid"] == 1 and "3 wrong bytes" in out["reasons"][0]
+    err = dict(_row(), error="boom", valid=False)
+    assert R.outcome([err], [])["rows_failed"] == 1
+    assert R.outcome(good, [], complete=False)["status"] == "fail"
+    assert R.outcome(good, ["rank 1 died"])["status"] == "fail"
+    assert "INVALID" in R.format_row(bad[-1]) and "ERROR: boom" in R.format_row(err)
+
+
+def test_table_columns_line_up_with_the_header():
+    head, units = R.header_lines()
+    line = R.format_row(_row())
+    assert len(head) == len(units) == len(line)
+    assert head.startswith("# ") and line.startswith("  ")
+
+
+def test_summary_and_plot(tmp_path):
+    rows = []
+    for page in (16, 64):
+        for d in ("pull", "push"):
+            for b in (1, 8, 64):
+                bulk = _row("bulk", b, d, (1.0, 1.0, 1.0), page=page)
+                rows.append(bulk)
+                for eng, ms in (("triton", 1.05), ("pack", 1.2), ("copy_engine", 50.0)):
+                    r = _row(eng, b, d, (ms, ms, ms), wrong=1 if (eng == "pack" and b == 8) else 0, page=page)
+                    R.apply_ceiling(r, bulk["p50_gbps"])
+                    rows.append(r)
+    summ = R.summary(rows)
+    tri = [s for s in summ if s["engine"] == "triton" and s["page_tokens"] == 16 and s["direction"] == "pull"][0]
+    assert (tri["batch_min"], tri["batch_max"]) == (1, 64)
+    assert tri["worst_of_ceiling_pct"] == pytest.approx(100 / 1.05)
+    assert not [s for s in summ if s["engine"] == "pack"][0]["all_valid"]
+    text = "\n".join(R.summary_lines(summ))
+    assert "triton" in text and "NO" in text
+    paths = R.plot(rows, str(tmp_path))
+    assert paths == [str(tmp_path / "kv_bench_kv-dsv4_isl32768.png")]
+    with open(paths[0], "rb") as f:
+        assert f.read(4) == b"\x89PNG"
+
+
+def test_json_is_strict_and_atomic(tmp_path):
+    doc = R.build_document(env={"is_emulation": True}, params={"trials": 3}, rows=[_row()], shed=[],
+                           out=R.outcome([_row()], []), artifacts={"json": None, "plots": []}, argv=["x"])
+    path = R.write_json_atomic(str(tmp_path / "a" / "kv_bench.json"), doc)
+    back = json.loads(open(path).read())
+    assert DOC_KEYS <= set(back) and back["rows"][0]["p50_gbps"] == doc["rows"][0]["p50_gbps"]
+    assert [p.name for p in (tmp_path / "a").iterdir()] == ["kv_bench.json"]
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+def _cuda_count() -> int:
+    from gpuxfer.platforms import unavailable_reason
+    if unavailable_reason("cuda") is not None:
+        return 0
+    import torch
+    return torch.cuda.device_count()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+def test_gpu_short_sweep_every_engine_every_byte(capsys, tmp_path):
+    n = _cuda_count()
+    if n < 2:
+        pytest.skip(f"needs two CUDA GPUs, found {n}")
+    rc, out, err, doc = _run(capsys, tmp_path, "--platform", "cuda", "--isl", "8k", "--page", "16,64",
+                             "--batch", "1,4", "--trials", "3", "--warmup", "1")
+    assert rc == 0, out + err
+    rows = doc["rows"]
+    assert {r["engine"] for r in rows} == {"triton", "pack", "copy_engine", "bulk"}
+    assert {r["direction"] for r in rows} == {"pull", "push"}
+    assert all(r["valid"] and r["verified"] and r["wrong_bytes"] == 0 for r in rows)
+    assert doc["environment"]["is_emulation"] is False and not doc["environment"]["same_device"]
+    bulk = [r for r in rows if r["engine"] == "bulk"]
+    assert all(r["p50_gbps"] > 20 for r in bulk), [r["p50_gbps"] for r in bulk]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_gpu_corrupted_transfer_fails(capsys, tmp_path):
+    if _cuda_count() < 1:
+        pytest.skip("needs a CUDA GPU")
+    rc, out, err, doc = _run(capsys, tmp_path, "--platform", "cuda", "--isl", "8k", "--page", "64", "--batch", "1",
+                             "--engine", "triton,pack", "--trials", "1", "--warmup", "0", "--devices", "0,0",
+                             "--inject-fault", "pack")
+    assert rc == 1, out + err
+    assert doc["environment"]["same_device"] is True
+    rows = {(r["engine"], r["direction"]): r for r in doc["rows"]}
+    assert all(rows[("triton", d)]["valid"] for d in ("pull", "push"))
+    assert all(rows[("pack", d)]["wrong_bytes"] == 1 for d in ("pull", "push"))
