@@ -55,18 +55,20 @@ def side_main(rank: int, init_file: str, args: argparse.Namespace) -> None:
     plat.launch(stream, lambda: fill_pattern(plat.as_tensor(pool), seed))   # "the KV the model wrote"
     assert plat.synchronize(stream, 60)
 
-    # 3. The engine: prepare (untimed), arm, post (the decode side initiates a pull), wait.
+    # 3. The engine: prepare (descriptor tables on the GPU, outside the hot path), then post and wait.
+    #    Both sides post: for a pull with `triton` the prefill side has nothing to do; with `pack`
+    #    it packs. (gpuxfer bench kv also "arms" bursts ahead behind a GPU flag; see docs/kv_bench.md.)
     side = Side(platform=plat, device=device, rank=rank, role=role, pool=pool, peer_pool=peer,
-                exchange=exchange, timeout_s=60)
+                exchange=exchange, timeout_s=60, armed=False)
+    side.open_streams()
     engine = engine_class(args.engine)(side)
     burst = Burst.from_plan(plan)
     p = engine.prepare(burst, "pull")
-    engine.arm(p)                       # the prefill side posts nothing for a pull; decode enqueues
-    dist.barrier()                      # ... and the KV is "ready"
+    dist.barrier()                      # ... the prefill is done: the KV is ready
     t0 = time.perf_counter()
     engine.post(p)
     engine.wait(p)
-    dt = time.perf_counter() - t0
+    dt = time.perf_counter() - t0       # the first transfer: it includes loading the kernels
     engine.release(p)
     dist.barrier()
 

@@ -115,9 +115,9 @@ def test_copy_mixed_sizes_alignments_and_empty_rows(dev):
 @pytest.mark.parametrize("config", [
     CopyConfig(rows=1, width=4, unroll=1, num_warps=4, programs_per_sm=1),
     CopyConfig(rows=4, width=8, unroll=3, num_warps=4, programs_per_sm=1),
-    CopyConfig(rows=2, width=16, unroll=2, num_warps=4, programs_per_sm=2, pipelined=False),
+    CopyConfig(rows=2, width=16, unroll=2, num_warps=4, programs_per_sm=2),
     CopyConfig(rows=8, width=4, unroll=9, num_warps=4, programs_per_sm=1, load_cache=".cg", store_cache=".cs"),
-], ids=lambda c: f"{c.rows}x{c.width}x{c.unroll}{'p' if c.pipelined else 's'}")
+], ids=lambda c: f"{c.rows}x{c.width}x{c.unroll}")
 @pytest.mark.parametrize("programs", [1, 5])
 def test_copy_tilings_and_grids(dev, config, programs):
     rng = np.random.default_rng(7)
@@ -127,12 +127,12 @@ def test_copy_tilings_and_grids(dev, config, programs):
     run_copy(dev, src, dst, descs, config=config, num_programs=programs)
 
 
-@pytest.mark.parametrize("pipelined", [True, False])
-def test_copy_few_large_descriptors_spread_over_programs(dev, pipelined):
+@pytest.mark.parametrize("rows", [1, 2])
+def test_copy_few_large_descriptors_spread_over_programs(dev, rows):
     # fewer row groups than programs: each group is split into column slices
     src, dst = pools(dev, 64 * 1024, 64 * 1024)
     descs = np.array([[0, 32768, 30000], [32768, 0, 32768], [62000, 63000, 1536]], dtype=np.int64)
-    cfg = CopyConfig(rows=2, width=8, unroll=2, num_warps=4, programs_per_sm=1, pipelined=pipelined)
+    cfg = CopyConfig(rows=rows, width=8, unroll=2, num_warps=4, programs_per_sm=1)
     run_copy(dev, src, dst, descs, config=cfg, num_programs=16)
 
 

@@ -193,3 +193,18 @@ def test_bad_input_two_ranks(spawner, platform_name):
     assert any("keys differ" in m for m in msgs) and any("not contiguous" in m for m in msgs)
     assert any("wrong device" in m for m in msgs)
     assert receiver["nccl:refusals"] == msgs
+
+
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_copy_bytes_is_bit_exact(where):
+    """Every bit pattern survives the pack/unpack copies (same-dtype float lists once lost NaN payloads on GPU)."""
+    from gpuxfer.pp.transport import as_bytes, copy_bytes
+    if where == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g = torch.Generator().manual_seed(0)
+    srcs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).view(torch.bfloat16).to(where)
+            for n in (4096, 8192, 2)]
+    dsts = [torch.empty_like(t) for t in srcs]
+    copy_bytes([as_bytes(d) for d in dsts], [as_bytes(t) for t in srcs])
+    for d, t in zip(dsts, srcs):
+        assert torch.equal(as_bytes(d).cpu(), as_bytes(t).cpu())

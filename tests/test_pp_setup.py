@@ -171,8 +171,8 @@ def test_requested_backend(monkeypatch):
 
 def test_backend_report_host(host):
     from gpuxfer.pp import backend_report
-    rep = backend_report(host)
-    assert rep == {"nccl": None, "copy_engine": None}
+    rep = backend_report(host)      # other backends (sdma) may be registered too
+    assert rep["nccl"] is None and rep["copy_engine"] is None
 
 
 def test_backend_report_reasons():

@@ -1,4 +1,4 @@
-"""The descriptor-copy kernels (copy, pack and unpack are three modes of each).
+"""The descriptor-copy kernel (copy, pack and unpack are three modes of it).
 
 A descriptor ``(src_offset, dst_offset, nbytes)`` moves ``nbytes`` bytes between
 two flat uint8 pools. Either pool may be a peer GPU's memory mapped into this
@@ -17,18 +17,21 @@ Shape of the work
   them. A remote read over NVLink takes microseconds, so a program is latency
   bound: its throughput is the bytes it keeps in flight divided by that latency.
   That, not the number of programs, is what lets a few SMs reach the link's ceiling.
-* :func:`copy_kernel_pipelined` (the default) keeps **two steps in flight**: it
-  issues the loads of step ``i + 1`` before the stores of step ``i`` (the loop body
-  holds two steps, ping-pong, so no register holding an in-flight load is ever
-  copied), and it prefetches the next item's descriptors one step ahead. A
-  bounded grid of 16 programs pulled 2,304-byte pages at ~89% of the copy-engine
-  ceiling on 2x H200, against ~84% for the same tiles one step at a time.
-* :func:`copy_kernel` is the one-step version (next item's descriptors still
-  prefetched); it also serves pools whose base addresses are not 4-byte aligned.
+* The kernel keeps **two steps in flight**: it issues the loads of step ``i + 1``
+  before the stores of step ``i`` (the loop body holds two steps, ping-pong, so no
+  register holding an in-flight load is ever copied), and it prefetches the next
+  item's descriptors one step ahead. A bounded grid of 16 programs pulled
+  2,304-byte pages at ~89% of the copy-engine ceiling on 2x H200, against ~84% for
+  the same tiles one step at a time.
+* The state machine is a ``while`` loop on purpose: a one-step version written as
+  a persistent ``for`` loop carrying the descriptors as ``iter_args`` was
+  miscompiled by Triton 3.6 (its layout passes replaced the loop-carried row
+  vectors by their initial values: nothing copied on the byte path, slices lost).
 * 16-byte vector accesses (``ld/st.global.v4.b32``) when a group's offsets and
   sizes and both pool bases are 16-byte aligned (checked per group at run time);
   4-byte accesses when the launcher found everything 4-byte aligned (``ALIGN=4``);
-  a byte-wise path for any other group (any size, any alignment). Offsets are int64.
+  a byte-wise path for any other group (any size, any alignment; ``ALIGN=1``, pool
+  bases not 4-byte aligned, takes it for every group). Offsets are int64.
 
 Modes (``MODE``, a compile-time constant):
 
@@ -45,88 +48,6 @@ import triton
 import triton.language as tl
 
 from ._jit import dual_kernel
-
-
-@dual_kernel(do_not_specialize=["row_begin", "n_rows", "staging_base", "n_items", "slices"])
-def copy_kernel(src_ptr, dst_ptr, desc_ptr, offs_ptr,
-                row_begin, n_rows, staging_base, n_items, slices,
-                MODE: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr,
-                UNROLL: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_CACHE: tl.constexpr):
-    pid = tl.program_id(0)
-    G = tl.num_programs(0)
-    # int32 view of both pools for the aligned paths
-    sp = src_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    dp = dst_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    cols = tl.arange(0, W * 4)              # int32 lanes of one row chunk (W 16-byte units)
-    CH: tl.constexpr = W * 4 * UNROLL       # int32 lanes of one row per step
-    BCH: tl.constexpr = W * 4               # bytes of one row per step on the byte path (one int32 lane each)
-    lanes = tl.arange(0, ROWS)
-    rb = tl.cast(row_begin, tl.int64)
-    nr = tl.cast(n_rows, tl.int64)
-    sbase = tl.cast(staging_base, tl.int64)
-    off0 = tl.cast(0, tl.int64)
-    if MODE != 0:
-        off0 = tl.load(offs_ptr + rb)
-
-    # the item being copied (loop-carried); starts empty
-    s = tl.zeros([ROWS], tl.int64)
-    d = tl.zeros([ROWS], tl.int64)
-    n = tl.zeros([ROWS], tl.int64)
-    sl = pid * 0
-    for it in range(pid, n_items + G, G):
-        # ---- prefetch item `it`'s descriptors (all-masked past the end)
-        grp = it // slices
-        sl_next = it - grp * slices
-        r = tl.cast(grp, tl.int64) * ROWS + lanes
-        rmask = (r < nr) & (it < n_items)
-        rows = rb + r
-        n_next = tl.load(desc_ptr + rows * 3 + 2, mask=rmask, other=0)
-        if MODE == 0:
-            s_next = tl.load(desc_ptr + rows * 3, mask=rmask, other=0)
-            d_next = tl.load(desc_ptr + rows * 3 + 1, mask=rmask, other=0)
-        elif MODE == 1:
-            s_next = tl.load(desc_ptr + rows * 3, mask=rmask, other=0)
-            d_next = sbase + tl.load(offs_ptr + rows, mask=rmask, other=0) - off0
-        else:
-            s_next = sbase + tl.load(offs_ptr + rows, mask=rmask, other=0) - off0
-            d_next = tl.load(desc_ptr + rows * 3 + 1, mask=rmask, other=0)
-
-        # ---- copy the previous item
-        fast = (tl.max((s | d | n) & (ALIGN - 1), axis=0) == 0) & (ALIGN > 1)
-        if fast:
-            sw = s >> 2
-            dw = d >> 2
-            nw = n >> 2
-            if ALIGN == 16:
-                sw = tl.multiple_of(sw, 4)
-                dw = tl.multiple_of(dw, 4)
-                nw = tl.multiple_of(nw, 4)
-            nch = tl.cdiv(tl.max(nw, axis=0), CH)
-            for k in range(sl, nch, slices):
-                c = tl.cast(k, tl.int64) * CH
-                xs = ()
-                for u in tl.static_range(UNROLL):
-                    o = c + u * (W * 4) + cols
-                    m = o[None, :] < nw[:, None]
-                    xs = xs + (tl.load(sp + (sw[:, None] + o[None, :]), mask=m, cache_modifier=LOAD_CACHE),)
-                for u in tl.static_range(UNROLL):
-                    o = c + u * (W * 4) + cols
-                    m = o[None, :] < nw[:, None]
-                    tl.store(dp + (dw[:, None] + o[None, :]), xs[u], mask=m, cache_modifier=STORE_CACHE)
-        else:
-            nchb = tl.cdiv(tl.max(n, axis=0), BCH)
-            for k in range(sl, nchb, slices):
-                o = tl.cast(k, tl.int64) * BCH + cols
-                m = o[None, :] < n[:, None]
-                x = tl.load(src_ptr + (s[:, None] + o[None, :]), mask=m)
-                tl.store(dst_ptr + (d[:, None] + o[None, :]), x, mask=m)
-        s = s_next
-        d = d_next
-        n = n_next
-        sl = sl_next
-
-
-# --------------------------------------------------------------------------- pipelined variant
 
 
 @triton.jit
@@ -161,7 +82,7 @@ def _step(src_ptr, dst_ptr, sp, dp, desc_ptr, offs_ptr, rb, nr, sbase, off0, n_i
 
     Offsets in ``qd``/``qn``/``qc`` are in ALIGN-byte units (so the stores know their alignment
     even across the loop's back edge)."""
-    VEC: tl.constexpr = ALIGN // 4             # int32 lanes per unit
+    VEC: tl.constexpr = 4 if ALIGN == 16 else 1      # int32 lanes per unit (ALIGN 16 or 4; 1: never fast)
     LOG: tl.constexpr = 4 if ALIGN == 16 else 2
     STEP_U: tl.constexpr = (W * 4 // VEC) * UNROLL   # units per row per step
     valid = it < n_items
@@ -210,10 +131,10 @@ def _step(src_ptr, dst_ptr, sp, dp, desc_ptr, offs_ptr, rb, nr, sbase, off0, n_i
 
 
 @dual_kernel(do_not_specialize=["row_begin", "n_rows", "staging_base", "n_items", "slices"])
-def copy_kernel_pipelined(src_ptr, dst_ptr, desc_ptr, offs_ptr,
-                          row_begin, n_rows, staging_base, n_items, slices,
-                          MODE: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr,
-                          UNROLL: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_CACHE: tl.constexpr):
+def copy_kernel(src_ptr, dst_ptr, desc_ptr, offs_ptr,
+                row_begin, n_rows, staging_base, n_items, slices,
+                MODE: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr,
+                UNROLL: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_CACHE: tl.constexpr):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     sp = src_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
@@ -248,7 +169,7 @@ def copy_kernel_pipelined(src_ptr, dst_ptr, desc_ptr, offs_ptr,
             src_ptr, dst_ptr, sp, dp, desc_ptr, offs_ptr, rb, nr, sbase, off0, n_items, slices, G, lanes, cols,
             it, k, s, d, n, sl, ps, pd, pn, psl, ad, an, ac, axs,
             MODE, ALIGN, ROWS, W, UNROLL, LOAD_CACHE, STORE_CACHE)
-    VEC: tl.constexpr = ALIGN // 4
+    VEC: tl.constexpr = 4 if ALIGN == 16 else 1
     for u in tl.static_range(UNROLL):
         o = (qc + u * (W * 4 // VEC)) * VEC + cols
         m = o[None, :] < (qn * VEC)[:, None]

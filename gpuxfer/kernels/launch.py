@@ -29,7 +29,7 @@ import torch
 
 from ..errors import BadInput, VerificationFailed
 from . import reference
-from .copy_kernel import copy_kernel, copy_kernel_pipelined
+from .copy_kernel import copy_kernel
 from .pattern_kernel import fill_kernel, verify_kernel
 
 MODE_COPY, MODE_PACK, MODE_UNPACK = 0, 1, 2
@@ -44,7 +44,8 @@ class CopyConfig:
     """How the copy kernel tiles its work (all compile-time constants but ``programs_per_sm``).
 
     Each program step loads ``unroll`` chunks of ``width`` 16-byte units from each of
-    ``rows`` descriptors -- :attr:`step_bytes` in all -- before storing any of them.
+    ``rows`` descriptors -- :attr:`step_bytes` in all -- before storing any of them; two
+    steps are in flight at a time.
     """
 
     rows: int                 # descriptors per work item (power of 2)
@@ -54,7 +55,6 @@ class CopyConfig:
     programs_per_sm: int      # default grid = programs_per_sm x SM count
     load_cache: str = ""      # Triton cache_modifier for loads ("", ".cg", ".cv", ...)
     store_cache: str = ""     # ... and stores ("", ".cg", ".cs", ".wt")
-    pipelined: bool = True    # keep two steps in flight (loads of step i+1 before stores of step i)
 
     def __post_init__(self):
         for name in ("rows", "width"):
@@ -77,9 +77,8 @@ class CopyConfig:
         return self.rows * self.row_step_bytes
 
 
-def _cfg(rows, width, unroll, warps, pps, pipelined=True) -> "CopyConfig":
-    return CopyConfig(rows=rows, width=width, unroll=unroll, num_warps=warps, programs_per_sm=pps,
-                      pipelined=pipelined)
+def _cfg(rows, width, unroll, warps, pps) -> "CopyConfig":
+    return CopyConfig(rows=rows, width=width, unroll=unroll, num_warps=warps, programs_per_sm=pps)
 
 
 # (largest typical descriptor size, default config, config for a bounded grid of <= 1 program per SM).
@@ -90,7 +89,7 @@ CONFIG_TABLE = (
     (1024, _cfg(16, 32, 2, 8, 2), _cfg(32, 32, 2, 8, 1)),
     (4096, _cfg(16, 32, 2, 8, 2), _cfg(32, 16, 9, 8, 1)),
     (12288, _cfg(2, 64, 9, 4, 2), _cfg(8, 64, 9, 8, 1)),
-    (None, _cfg(8, 64, 4, 8, 2, pipelined=False), _cfg(16, 64, 4, 8, 1)),
+    (None, _cfg(4, 64, 4, 4, 2), _cfg(16, 64, 4, 8, 1)),
 )
 
 
@@ -319,12 +318,11 @@ def _launch_copy(mode: int, src, dst, descs, offsets, start: int, end: int, stag
     align = _pool_align(src, dst)
     if stats is not None and stats.align == 4:
         align = min(align, 4)
-    if align == 4 and config.pipelined and config.rows > 1 and config.step_bytes > 32 * 1024:
+    if align == 4 and config.rows > 1 and config.step_bytes > 32 * 1024:
         # 4-byte accesses need 4x the registers for addresses: halve the rows (no spills)
         config = dataclasses.replace(config, rows=config.rows // 2)
     programs, n_items, slices = _grid(rows, config, num_programs)
-    kernel = copy_kernel_pipelined if (config.pipelined and align >= 4) else copy_kernel
-    kernel.launch(src.device, (programs,), src, dst, descs, descs if offsets is None else offsets,
+    copy_kernel.launch(src.device, (programs,), src, dst, descs, descs if offsets is None else offsets,
                   start, rows, staging_offset, n_items, slices,
                   MODE=mode, ALIGN=align, ROWS=config.rows, W=config.width, UNROLL=config.unroll,
                   LOAD_CACHE=config.load_cache, STORE_CACHE=config.store_cache, num_warps=config.num_warps)

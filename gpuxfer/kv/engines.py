@@ -107,7 +107,8 @@ class EngineOptions:
 
     copy_batch_descs: int = 8192               # descriptors per copy_batch_async call
     copy_engine_max_descs: int = 140_000       # per-burst cap of copy_engine (~15 us/descriptor on H200)
-    pack_chunk_bytes: int = 32 << 20           # staging slot size = the largest chunk
+    pack_chunk_bytes: int = 32 << 20           # staging slot size = the largest chunk (the runner may raise it)
+    pack_max_chunks: int = 96                  # the runner sizes slots so a burst has about this many chunks
     pack_first_chunk_bytes: int = 2 << 20      # chunks ramp up from this (short pipeline fill)
     pack_slots: int = 4                        # staging slots per side (a multiple of pack_lanes)
     pack_lanes: int = 2                        # copy streams used round-robin by the chunks
@@ -160,6 +161,18 @@ class Side:
         if s is None:
             s = self._streams[name] = self.platform.create_stream(self.device)
         return s
+
+    def open_streams(self) -> None:
+        """Create every stream the built-in engines use, and the gate, up front.
+
+        Creating a stream (or allocating) while another stream of the process is blocked
+        in a flag wait can block until that wait ends: nothing of the kind may happen
+        while a burst is armed.
+        """
+        for name in ("engine", "gate-trigger", "setup", "pack-kernel",
+                     *(f"pack-lane{i}" for i in range(self.options.pack_lanes))):
+            self.stream(name)
+        _ = self.gate
 
     @property
     def gate(self) -> "Gate":
@@ -390,6 +403,7 @@ class Engine(abc.ABC):
     uses_sms: ClassVar[str] = ""        # where SMs are used, in words ("none", "initiator", ...)
     ceiling: ClassVar[bool] = False     # this engine's rows are the ceiling of the others
     armable: ClassVar[bool] = False     # its initiator's work is stream-ordered: it can wait behind a GPU flag
+    launches_kernels: ClassVar[bool] = False   # the runner loads its kernels in an unarmed burst first
 
     @classmethod
     def unavailable_reason(cls, platform: Platform) -> str | None:
@@ -518,6 +532,7 @@ class Engine(abc.ABC):
 
 class TritonEngine(Engine):
     name = "triton"
+    launches_kernels = True
     armable = True
     description = "descriptor-copy Triton kernel on the initiating GPU (pull reads the peer pool, push writes it)"
     uses_sms = "initiating GPU"
@@ -591,7 +606,10 @@ def _kernel_reason(platform: Platform) -> str | None:
 
 class CopyEngineEngine(Engine):
     name = "copy_engine"
-    armable = True
+    # Not armed: a burst is up to 140k copies, far more commands than a stream's queue holds while it
+    # is blocked on the gate -- the host would block enqueueing, before the trigger. Its posting is
+    # timed (host mode), which is also what a copy-engine connector pays.
+    armable = False
     description = ("copy_batch_async (cuMemcpyBatchAsync) over every descriptor on a created stream, no SM; "
                    "a fixed cost per descriptor")
     uses_sms = "none"
@@ -680,24 +698,27 @@ def split_large(desc: np.ndarray, max_bytes: int) -> np.ndarray:
 def chunk_plan(desc: np.ndarray, chunk_bytes: int, first_chunk_bytes: int) -> list[tuple[int, int, int]]:
     """Cut ``desc`` (no descriptor longer than ``chunk_bytes``) into chunks at descriptor boundaries.
 
-    Chunk sizes ramp from ``first_chunk_bytes`` doubling up to ``chunk_bytes``,
-    so the pipeline starts moving bytes early. Returns ``(start, stop, nbytes)``
-    descriptor ranges.
+    Chunk sizes ramp up from ``first_chunk_bytes``, doubling, to ``chunk_bytes``, and
+    ramp down again at the end (each at most half of what is left, never below
+    ``first_chunk_bytes``): the first pack and the last unpack -- the pipeline's
+    fill and drain, which nothing overlaps -- stay small. Returns ``(start, stop,
+    nbytes)`` descriptor ranges.
     """
     n = desc[:, 2]
     cum = np.concatenate([[0], np.cumsum(n, dtype=np.int64)])
     total = int(cum[-1])
     out = []
-    start, target = 0, int(first_chunk_bytes)
+    start, head = 0, int(first_chunk_bytes)
     nd = desc.shape[0]
     while start < nd:
-        limit = int(cum[start]) + min(target, chunk_bytes)
+        left = total - int(cum[start])
+        target = min(head, chunk_bytes, max(int(first_chunk_bytes), left // 2))
+        limit = int(cum[start]) + target
         stop = int(np.searchsorted(cum, limit, side="right")) - 1
-        stop = max(stop, start + 1)
-        stop = min(stop, nd)
+        stop = min(max(stop, start + 1), nd)
         out.append((start, stop, int(cum[stop] - cum[start])))
         start = stop
-        target = min(target * 2, chunk_bytes)
+        head = min(head * 2, chunk_bytes)
     assert sum(c[2] for c in out) == total
     return out
 
@@ -774,6 +795,7 @@ class _PackPlan:
 
 class PackEngine(Engine):
     name = "pack"
+    launches_kernels = True
     armable = True
     description = ("pack on the source, one copy-engine copy per chunk into the destination's staging, unpack "
                    "on the destination; chunked and pipelined, SMs only on local memory")
@@ -831,17 +853,27 @@ class PackEngine(Engine):
         p.state = _PackPlan(chunks, table, offsets, int(d[:, 2].max()) if d.shape[0] else 1)
         return p
 
+    def _programs(self, plan: _PackPlan, a: int, b: int) -> int | None:
+        """At most one program per group of rows: a chunk with fewer row groups than the default grid
+        would split its descriptors' columns across programs (``slices`` > 1), and that path gave wrong
+        bytes in pack/unpack on H200 (2026-11, 36 KiB pages); whole groups per program stay exact."""
+        k = _kernels()
+        _, pool_t = self._views()
+        cfg = k.choose_config(plan.hint)
+        groups = -(-(b - a) // cfg.rows)
+        return max(1, min(k.default_programs(pool_t.device, cfg), groups))
+
     def _pack(self, stream: Stream, plan: _PackPlan, a: int, b: int, slot: int) -> None:
         stage_t, pool_t = self._views()
         self.platform.launch(stream, _bind(_kernels().pack, pool_t, stage_t, plan.table, plan.offsets, start=a,
                                            end=b, staging_offset=slot * self.slot_bytes, validate=False,
-                                           nbytes_hint=plan.hint))
+                                           nbytes_hint=plan.hint, num_programs=self._programs(plan, a, b)))
 
     def _unpack(self, stream: Stream, plan: _PackPlan, a: int, b: int, slot: int) -> None:
         stage_t, pool_t = self._views()
         self.platform.launch(stream, _bind(_kernels().unpack, stage_t, pool_t, plan.table, plan.offsets, start=a,
                                            end=b, staging_offset=slot * self.slot_bytes, validate=False,
-                                           nbytes_hint=plan.hint))
+                                           nbytes_hint=plan.hint, num_programs=self._programs(plan, a, b)))
 
     # Chunk k (counted over the engine's life, on both sides alike) uses staging slot
     # k % S and copy lane k % L; on a lane, flags count that lane's chunks (k // L + 1),

@@ -99,6 +99,7 @@ class RunConfig:
     engine_options: E.EngineOptions
     inject_fault: str | None = None
     armed: bool = True
+    pack_chunk_fixed: bool = False
     devices: tuple[int, int] | None = None
     row_budget_s: float = ROW_BUDGET_S
     min_trials: int = MIN_TRIALS
@@ -189,7 +190,8 @@ def config_from_args(args: argparse.Namespace, options) -> RunConfig:
             warmup = shrunk["warmup"] = EMULATION["warmup"]
         opts.pack_chunk_bytes = EMULATION["pack_chunk_bytes"]
         opts.pack_first_chunk_bytes = EMULATION["pack_first_chunk_bytes"]
-    if getattr(args, "pack_chunk", None):
+    pack_fixed = bool(getattr(args, "pack_chunk", None))
+    if pack_fixed:
         from .bench import parse_size
         opts.pack_chunk_bytes = parse_size(args.pack_chunk, option="--pack-chunk", kind="bytes")
         opts.pack_first_chunk_bytes = min(opts.pack_first_chunk_bytes, opts.pack_chunk_bytes)
@@ -219,7 +221,8 @@ def config_from_args(args: argparse.Namespace, options) -> RunConfig:
     return RunConfig(grid_args=grid_args, engines=tuple(options.engines), directions=tuple(options.directions),
                      trials=trials, warmup=warmup, seed=options.seed, platform=platform,
                      out=options.out or None, json=options.json, timeout_s=timeout, engine_options=opts,
-                     inject_fault=inject, armed=post == "armed", devices=devices, shrunk=shrunk)
+                     inject_fault=inject, armed=post == "armed", devices=devices, shrunk=shrunk,
+                     pack_chunk_fixed=pack_fixed)
 
 
 def _nonneg_int(text, option: str) -> int:
@@ -401,8 +404,6 @@ class Worker:
             else:
                 usable.append(name)
         env = self._environment(both, same_device)
-        params = cfg.params()
-        params["grid"] = grid.as_dict()
 
         # pools
         nbytes = grid.max_pool_bytes
@@ -418,16 +419,26 @@ class Worker:
         _pool_fill(plat, self.stream, self.pool, self.src_seed if self.role is E.Role.SOURCE else self.dst_seed)
         _sync(plat, self.stream, cfg.timeout_s, self.rank, "pattern fill")
 
+        # pack: slots big enough that the largest burst is about pack_max_chunks chunks (an armed
+        # burst must fit in the queues of its blocked streams; big chunks also copy faster)
+        opts = cfg.engine_options
+        biggest = max((p.burst_bytes(p.max_batch) for p in grid.points if p.batches), default=0)
+        want = -(-biggest // opts.pack_max_chunks)
+        if want > opts.pack_chunk_bytes and not cfg.pack_chunk_fixed:
+            opts.pack_chunk_bytes = -(-want // (1 << 20)) << 20
         side = E.Side(platform=plat, device=dev, rank=self.rank, role=self.role, pool=self.pool,
                       peer_pool=self.peer_pool, exchange=self.group.gather, timeout_s=cfg.timeout_s,
                       options=cfg.engine_options, armed=cfg.armed)
         self.side = side
+        side.open_streams()
         for name in usable:
             try:
                 self.engines[name] = E.engine_class(name)(side)
             except BackendUnavailable as exc:   # an optional library failed its set-up: both sides raise together
                 unusable[name] = str(exc)        # (the engine shares each side's error over the exchange)
 
+        params = cfg.params()
+        params["grid"] = grid.as_dict()
         shed, expected = self._shed_and_count(unusable)
         self.group.barrier()
         self.emit("start", {"env": env, "params": params, "shed": shed, "expected_rows": expected})
@@ -521,6 +532,21 @@ class Worker:
                             R.apply_ceiling(row, self.ceilings.get(key))
                             self.emit("row", row)
 
+    def _load_burst(self, eng: E.Engine, p: E.Prepared) -> None:
+        """An untimed first burst with no stream waiting on anything this process's host does later.
+
+        NOTE [lazy kernel loading]: CUDA loads a kernel's module on its first launch, and
+        loading waits for the device's queue to drain. If a stream of ours is then blocked on a
+        flag that only a later host action releases (the gate, or a flag the peer sets after the
+        barrier), the launch never returns: a deadlock. This burst makes every kernel (every
+        Triton specialisation) the row launches load with nothing armed: the passive side posts
+        after the barrier and the initiator enqueues directly.
+        """
+        p.gate = None
+        self.group.barrier()
+        eng.post(p)                     # both sides: enqueue now, no gate
+        eng.wait(p)
+
     def _burst_once(self, eng: E.Engine, p: E.Prepared, arms: list[float]) -> float | None:
         """One burst: both sides arm (untimed), a barrier, then the initiator times post + wait."""
         t0 = time.perf_counter()
@@ -565,7 +591,9 @@ class Worker:
         row["prep_ms"] = max(s for _, s in st) * 1e3
         row["prep_ms_by_side"] = {"prefill": st[0][1] * 1e3, "decode": st[1][1] * 1e3}
 
-        # 2. warm-up, then timed bursts
+        # 2. a load burst (kernels only), warm-up, then timed bursts
+        if eng.launches_kernels:
+            self._load_burst(eng, p)
         warm: list = []
         arms: list[float] = []
         for i in range(cfg.warmup):
@@ -740,6 +768,7 @@ def _run_spawned(cfg: RunConfig) -> int:
             p.start()
         last = time.monotonic()
         dead_since: float | None = None
+        killed: set[str] = set()
         while True:
             try:
                 kind, payload = q.get(timeout=0.2)
@@ -756,7 +785,8 @@ def _run_spawned(cfg: RunConfig) -> int:
                 dead_since = dead_since or now
                 if now - dead_since > GRACE_S:
                     for p in procs:
-                        if p.exitcode is None:
+                        if p.exitcode is None and p.name not in killed:
+                            killed.add(p.name)
                             child_errors.append(f"{p.name} (pid {p.pid}) was killed {GRACE_S:g} s after its peer "
                                                 "failed")
                             p.kill()

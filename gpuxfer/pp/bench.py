@@ -77,6 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-targets", action="store_true", help="exit 1 when a speed target is missed")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a rank is declared hung")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
+    p.add_argument("--profile", type=_size, default=None, metavar="SIZE",
+                   help="cProfile the timed loop at this size on both ranks and print the hot spots")
     p.add_argument("--corrupt-for-test", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -145,7 +147,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
     info = {"rank": rank, "device": dev, "device_info": plat.device_info(dev).as_dict(),
             "link": plat.link(dev, peer % plat.device_count()).as_dict(), "versions": plat.versions(),
             "label": plat.label, "emulation": emu, "host": _pyplatform.node()}
-    rows, bulk, contention, flag_paths = [], [], {}, {}
+    rows, bulk, contention, flag_paths, profiles = [], [], {}, {}, []
 
     def iters_for(size: int) -> int:
         if opts["iters"]:
@@ -192,10 +194,20 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
                         t.synchronize()
                         dist.barrier()
                         n = iters_for(size)
+                        prof = None
+                        if opts.get("profile") == size:
+                            import cProfile
+                            prof = cProfile.Profile()
+                            prof.enable()
                         t0 = time.perf_counter()
                         got = run_steps(t, size, k, n, metadata, True)
                         _sync(plat, dev)
                         elapsed = time.perf_counter() - t0
+                        if prof is not None:
+                            prof.disable()
+                            profiles.append(_profile_text(prof, f"rank {rank} ({'sender' if rank == 0 else 'receiver'})"
+                                                          f", {backend} {'+' if metadata else '-'}meta, "
+                                                          f"{_fmt_size(size)}, {n} steps", n))
                         t.synchronize()
                         if rank == 1:
                             wrong += wrong_bytes(got, size, k + n - 1)
@@ -210,7 +222,20 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
             contention = _contention(plat, dev, tdev, rank, opts, open_conn, src, run_steps, rows)
     finally:
         plat.close()
-    return {"info": info, "rows": rows, "bulk": bulk, "contention": contention, "flag_paths": flag_paths}
+    return {"info": info, "rows": rows, "bulk": bulk, "contention": contention, "flag_paths": flag_paths,
+            "profiles": profiles}
+
+
+def _profile_text(prof, title: str, steps: int) -> str:
+    """The host-side hot spots of one timed loop (per step), for tuning the per-step path."""
+    import io
+    import pstats
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("tottime").print_stats(22)
+    total = sum(v[2] for v in st.stats.values())
+    return (f"## host profile: {title}: {total / steps * 1e6:.1f} us per step under cProfile (which inflates "
+            f"it 2-3x)\n" + buf.getvalue())
 
 
 def _bulk_copy(plat, dev, t, sizes, rank, iters_for) -> list:
@@ -459,7 +484,7 @@ def _options(args) -> dict:
             "recv_slots": args.recv_slots, "contention_size": args.contention_size,
             "contention_ms": args.contention_ms if not emu else min(args.contention_ms, 100.0),
             "matmul": args.matmul, "no_contention": args.no_contention, "timeout": args.timeout,
-            "corrupt": args.corrupt_for_test}
+            "corrupt": args.corrupt_for_test, "profile": args.profile}
 
 
 def run(args) -> int:
@@ -499,6 +524,8 @@ def run(args) -> int:
     ok = wrong == 0 and not (args.check_targets and missed and not res["info"]["emulation"])
     res["result"] = "PASS" if ok else ("FAIL: wrong bytes" if wrong else "FAIL: targets missed")
     print(format_report(res, opts))
+    for prof in both[0].get("profiles", []) + both[1].get("profiles", []):
+        print(prof)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(_json_doc(res, opts), f, indent=2)

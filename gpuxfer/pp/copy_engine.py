@@ -75,7 +75,7 @@ import time
 
 from ..errors import BadInput, GpuxferError, TransferTimeout
 from ..sync import wait_event_or_raise
-from .transport import RELEASE_VALUE, Layout, Received, Transport
+from .transport import RELEASE_VALUE, Layout, Received, Transport, as_bytes, copy_bytes
 
 log = logging.getLogger("gpuxfer.pp")
 
@@ -268,20 +268,25 @@ class CopyEngineTransport(Transport):
             self._peer_copy(stream, self._peer_in_ptr[j], stage, 8)
 
     # ---- send ----
-    def _pack_views(self, s: int, layout: Layout) -> list:
+    def _pack_byte_views(self, s: int, layout: Layout) -> list:
+        """uint8 views of staging slot ``s`` shaped like :func:`as_bytes` of each tensor (cached per shapes)."""
         key = (s, layout.shapes)
         views = self._views.get(key)
         if views is None:
             st = self._staging_t[s]
-            views = [st[o:o + n].view(d).view(shape)
-                     for o, n, d, shape in zip(layout.offsets, layout.nbytes, self.specs.dtypes, layout.shapes)]
+            views = [st[o:o + n].view(b) for o, n, b in zip(layout.offsets, layout.nbytes, layout.bshapes)]
             if len(self._views) > 1024:
                 self._views.clear()
             self._views[key] = views
         return views
 
+    def _pack_views(self, s: int, layout: Layout) -> list:
+        """Typed views of staging slot ``s`` (kept for subclasses; the pack itself copies bytes)."""
+        st = self._staging_t[s]
+        return [st[o:o + n].view(d).view(shape)
+                for o, n, d, shape in zip(layout.offsets, layout.nbytes, self.specs.dtypes, layout.shapes)]
+
     def _send_impl(self, k: int, tensors, layout: Layout) -> None:
-        import torch
         p, R = self.platform, self.recv_slots
         cur, side = p.current_stream(self.device), self._aux
         s = k & 1
@@ -289,8 +294,8 @@ class CopyEngineTransport(Transport):
         if copied is not None:
             p.stream_wait_event(cur, copied)
         if layout.total:
-            p.launch(cur, functools.partial(torch._foreach_copy_, self._pack_views(s, layout),
-                                            [tensors[n] for n in self.specs.names]))
+            self._on_current(cur, functools.partial(copy_bytes, self._pack_byte_views(s, layout),
+                                                    [as_bytes(tensors[n]) for n in self.specs.names]))
         packed = p.record_event(cur)
         if self._host_sync and copied is not None:
             kk = k - 2       # the pack waited for step k-2's copy, which waited for empty >= k-2-R
@@ -324,17 +329,18 @@ class CopyEngineTransport(Transport):
         if rcv.out is None:
             buf = torch.empty(max(lay.total, 1), dtype=torch.uint8, device=self.torch_device)
             if lay.total:
-                p.launch(cur, functools.partial(torch.Tensor.copy_, buf[:lay.total], slot[:lay.total]))
+                self._on_current(cur, functools.partial(torch.Tensor.copy_, buf[:lay.total], slot[:lay.total]))
             views = {name: buf[o:o + n].view(d).view(shape)
                      for name, o, n, d, shape in zip(specs.names, lay.offsets, lay.nbytes, specs.dtypes, lay.shapes)}
         else:
-            views, srcs = {}, []
-            for name, o, n, d, shape, item in zip(specs.names, lay.offsets, lay.nbytes, specs.dtypes, lay.shapes,
-                                                  specs.itemsizes):
-                views[name] = rcv.out[name].view(-1)[:n // item].view(shape)
-                srcs.append(slot[o:o + n].view(d).view(shape))
+            views, dsts, srcs = {}, [], []
+            for name, o, n, shape, item in zip(specs.names, lay.offsets, lay.nbytes, lay.shapes, specs.itemsizes):
+                flat = rcv.out[name].view(-1)[:n // item]
+                views[name] = flat.view(shape)
+                dsts.append(as_bytes(flat))
+                srcs.append(slot[o:o + n])
             if lay.total:
-                p.launch(cur, functools.partial(torch._foreach_copy_, list(views.values()), srcs))
+                self._on_current(cur, functools.partial(copy_bytes, dsts, srcs))
         self._publish(cur, j, k)
         self._last_stream = cur
         if self._host_sync:

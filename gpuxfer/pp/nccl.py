@@ -25,7 +25,7 @@ import time
 from datetime import timedelta
 
 from ..errors import TransferTimeout
-from .transport import Layout, Received, Transport
+from .transport import Layout, Received, Transport, as_bytes, copy_bytes
 
 log = logging.getLogger("gpuxfer.pp")
 
@@ -53,8 +53,7 @@ class NcclTransport(Transport):
         views = self._views.get(key)
         if views is None:
             slot = self._ring[s]
-            views = [slot[o:o + n].view(d).view(shape)
-                     for o, n, d, shape in zip(layout.offsets, layout.nbytes, self.specs.dtypes, layout.shapes)]
+            views = [slot[o:o + n].view(b) for o, n, b in zip(layout.offsets, layout.nbytes, layout.bshapes)]
             if len(self._views) > 1024:
                 self._views.clear()
             self._views[key] = views
@@ -80,8 +79,7 @@ class NcclTransport(Transport):
             self._works[s] = None
         if layout.total == 0:
             return
-        dsts = self._pack_views(s, layout)
-        torch._foreach_copy_(dsts, [tensors[n] for n in self.specs.names])
+        copy_bytes(self._pack_views(s, layout), [as_bytes(tensors[n]) for n in self.specs.names])
         work = dist.isend(self._ring[s][:layout.total], dst=self.peer, group=self.device_group, tag=self.data_tag)
         self._works[s] = (step, work)
         if not self._gloo:
@@ -108,11 +106,13 @@ class NcclTransport(Transport):
         views = {name: buf[o:o + n].view(d).view(shape)
                  for name, o, n, d, shape in zip(specs.names, lay.offsets, lay.nbytes, specs.dtypes, lay.shapes)}
         if rcv.out is not None:
-            res = {}
-            for name, v in views.items():
-                dst = rcv.out[name].view(-1)[:v.numel()].view(v.shape)
-                dst.copy_(v)
-                res[name] = dst
+            res, dsts, srcs = {}, [], []
+            for (name, v), o, n in zip(views.items(), lay.offsets, lay.nbytes):
+                flat = rcv.out[name].view(-1)[:v.numel()]
+                res[name] = flat.view(v.shape)
+                dsts.append(as_bytes(flat))       # 1-D bytes on both sides
+                srcs.append(buf[o:o + n])
+            copy_bytes(dsts, srcs)
             views = res
         rcv._state = None
         self._last_recv = None if self._gloo else work    # a gloo work is complete once waited

@@ -37,6 +37,7 @@ nothing reaches the receiver; its wait for that step then ends in
 from __future__ import annotations
 
 import abc
+import math
 import collections
 import logging
 import os
@@ -102,6 +103,33 @@ def torch_is_stream_ordered(platform) -> bool:
     return not getattr(platform, "is_emulation", False)
 
 
+# --------------------------------------------------------------------------- byte copies
+
+
+def as_bytes(t):
+    """A contiguous tensor's bytes as a uint8 view (no copy) of shape :func:`byte_shape` ``(t.shape)``."""
+    import torch
+    return (t if t.dim() else t.view(1)).view(torch.uint8)
+
+
+def byte_shape(shape: tuple, itemsize: int) -> tuple:
+    """The shape of :func:`as_bytes` of a tensor of ``shape``: the last dimension counts bytes."""
+    return (itemsize,) if not shape else tuple(shape[:-1]) + (shape[-1] * itemsize,)
+
+
+def copy_bytes(dsts: list, srcs: list) -> None:
+    """Bit-exact copies between uint8 views, in one multi-tensor launch where torch can.
+
+    Always bytes: ``torch._foreach_copy_`` on same-dtype float lists runs through
+    float arithmetic, which rewrites bf16 / fp16 NaN payloads (seen on H200).
+    """
+    import torch
+    if len(dsts) == 1:
+        dsts[0].copy_(srcs[0])
+    else:
+        torch._foreach_copy_(dsts, srcs)
+
+
 # --------------------------------------------------------------------------- specs and layout
 
 
@@ -119,6 +147,7 @@ class Layout:
     offsets: tuple[int, ...]
     nbytes: tuple[int, ...]
     total: int          # bytes that travel: end of the last tensor
+    bshapes: tuple[tuple[int, ...], ...] = ()   # shapes of the tensors' uint8 views (as_bytes)
 
 
 class SpecTable:
@@ -179,7 +208,8 @@ class SpecTable:
                 nbytes.append(n)
                 end = off + n
                 off = _align(end)
-            lay = Layout(shapes, tuple(offsets), tuple(nbytes), end)
+            lay = Layout(shapes, tuple(offsets), tuple(nbytes), end,
+                         tuple(byte_shape(sh, it) for sh, it in zip(shapes, self.itemsizes)))
             if len(self._layouts) > 4096:   # shapes vary per step (token counts): keep the cache bounded
                 self._layouts.clear()
             self._layouts[shapes] = lay
@@ -216,6 +246,13 @@ class SpecTable:
         return tuple(shapes)
 
     def check_shapes(self, shapes) -> tuple[tuple[int, ...], ...]:
+        if isinstance(shapes, Mapping) and len(shapes) == len(self.names):   # fast path: shapes seen before
+            try:
+                key = tuple(tuple(shapes[n]) for n in self.names)
+            except (KeyError, TypeError):
+                key = None
+            if key is not None and key in self._layouts:
+                return key
         if not isinstance(shapes, Mapping) or shapes.keys() != self.nameset:
             got = sorted(shapes) if isinstance(shapes, Mapping) else type(shapes).__name__
             raise BadInput(f"recv(shapes=...) needs a dict with exactly the keys {sorted(self.nameset)}, got {got}")
@@ -227,7 +264,7 @@ class SpecTable:
                 raise BadInput(f"shape of {name!r} must be a sequence of integers, got {shapes[name]!r}") from None
             if len(shape) > MAX_NDIM or any(s < 0 for s in shape):
                 raise BadInput(f"shape of {name!r} {shape} needs <= {MAX_NDIM} non-negative dims")
-            if int(np.prod(shape, dtype=np.int64)) > self.max_numel[i]:
+            if math.prod(shape) > self.max_numel[i]:
                 raise BadInput(f"expected shape {shape} of {name!r} is larger than its slot "
                                f"(the setup spec's largest shape is {self.max_shapes[i]})")
             out.append(shape)
@@ -589,6 +626,18 @@ class Transport(abc.ABC):
             raise BadInput(f"rank {self.rank} receives on this transport (from rank {self.peer}); it cannot send")
         if what == "recv" and self.role != "recv":
             raise BadInput(f"rank {self.rank} sends on this transport (to rank {self.peer}); it cannot receive")
+
+    def _on_current(self, cur, fn) -> None:
+        """Run torch work ``fn`` in the order of ``cur``, the current stream.
+
+        On a GPU torch already enqueues on the current stream, so ``fn`` runs
+        directly (``platform.launch`` would only add its stream-switching cost to
+        every step); on the host emulation it goes through ``launch``.
+        """
+        if self._host_sync:
+            self.platform.launch(cur, fn)
+        else:
+            fn()
 
     def _send_meta(self, fill) -> None:
         try:
