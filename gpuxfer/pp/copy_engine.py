@@ -280,12 +280,6 @@ class CopyEngineTransport(Transport):
             self._views[key] = views
         return views
 
-    def _pack_views(self, s: int, layout: Layout) -> list:
-        """Typed views of staging slot ``s`` (kept for subclasses; the pack itself copies bytes)."""
-        st = self._staging_t[s]
-        return [st[o:o + n].view(d).view(shape)
-                for o, n, d, shape in zip(layout.offsets, layout.nbytes, self.specs.dtypes, layout.shapes)]
-
     def _send_impl(self, k: int, tensors, layout: Layout) -> None:
         p, R = self.platform, self.recv_slots
         cur, side = p.current_stream(self.device), self._aux

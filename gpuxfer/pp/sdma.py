@@ -83,7 +83,7 @@ from ..platforms.hsa import (HSA_EXT_POINTER_TYPE_IPC, HSA_EXT_POINTER_TYPE_UNKN
 from ..sync import wait_event_or_raise
 from .copy_engine import FLAG_STRIDE, PROBE_TIMEOUT_S, CopyEngineTransport
 from .selection import register_backend
-from .transport import ALIGN, RELEASE_VALUE, Layout
+from .transport import ALIGN, RELEASE_VALUE, Layout, as_bytes, copy_bytes
 
 log = logging.getLogger("gpuxfer.pp")
 
@@ -336,7 +336,6 @@ class SdmaTransport(CopyEngineTransport):
     def _send_impl(self, k: int, tensors, layout: Layout) -> None:
         if self.sdma_path == "hip":
             return super()._send_impl(k, tensors, layout)
-        import torch
         p, hsa, R, N = self.platform, self._hsa, self.recv_slots, self.ring
         cur, side = p.current_stream(self.device), self._aux
         s, j, i = k & 1, (k - 1) % R, k % N
@@ -345,8 +344,8 @@ class SdmaTransport(CopyEngineTransport):
         if k > 2:
             p.wait_flag(cur, self._sent[s], k - 2)
         if layout.total:
-            p.launch(cur, functools.partial(torch._foreach_copy_, self._pack_views(s, layout),
-                                            [tensors[n] for n in self.specs.names]))
+            p.launch(cur, functools.partial(copy_bytes, self._pack_byte_views(s, layout),
+                                            [as_bytes(tensors[n]) for n in self.specs.names]))
         packed = p.record_event(cur)
         if self._host_sync:
             wait_event_or_raise(p, packed, self.timeout_s, rank=self.rank, step=k - 2, flag=f"sent[{s}]",

@@ -61,6 +61,8 @@ _CONN_IDS = itertools.count()
 BACKENDS: dict[str, tuple[str, str]] = {
     "nccl": ("gpuxfer.pp.nccl", "NcclTransport"),
     "copy_engine": ("gpuxfer.pp.copy_engine", "CopyEngineTransport"),
+    # ROCm; forced only (GPUXFER_PP_TRANSPORT=sdma) until it has run on hardware: see gpuxfer/pp/sdma.py
+    "sdma": ("gpuxfer.pp.sdma", "SdmaTransport"),
 }
 ZERO_SM: list[str] = ["copy_engine"]
 
