@@ -143,7 +143,7 @@ def test_copy_row_range_and_validate_false(dev):
     t = torch.from_numpy(descs).to(dev)
     before = host(dst)
     copy_descriptors(src, dst, t, start=4, end=11)
-    copy_descriptors(src, dst, t, start=20, end=30, validate=False, nbytes_hint=1024)
+    copy_descriptors(src, dst, t, start=20, end=30, validate=False, nbytes_hint=1024, local=True)
     copy_descriptors(src, dst, t, start=11, end=11)        # empty range: nothing
     want = expect_copy(src, before, np.concatenate([descs[4:11], descs[20:30]]))
     assert np.array_equal(host(dst), want)
@@ -265,8 +265,8 @@ def test_pack_offsets_default_and_empty(dev):
 
 def test_choose_config_covers_every_size():
     for hint in (None, 1, 132, 528, 576, 1024, 2304, 4096, 9216, 36864, 1 << 30):
-        for few in (False, True):
-            c = choose_config(hint, few_programs=few)
+        for few, local in ((False, False), (True, False), (False, True)):
+            c = choose_config(hint, few_programs=few, local=local)
             assert c.rows * c.width >= 32 * c.num_warps or c.num_warps == 4   # 16-byte vectors per thread
             assert c.step_bytes >= 4096
             if few:

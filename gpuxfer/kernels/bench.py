@@ -330,7 +330,8 @@ def _run(args, out) -> int:
                                  lambda: L.check_copy(p_src, lb, d), lb, d, "pull"),
                         "push": (lambda: L.copy_descriptors(la, p_dst, d, nbytes_hint=size, validate=False),
                                  lambda: L.check_copy(la, p_dst, d), p_dst, d, "push"),
-                        "local": (lambda: L.copy_descriptors(la, lb, d, nbytes_hint=size, validate=False),
+                        "local": (lambda: L.copy_descriptors(la, lb, d, nbytes_hint=size, validate=False,
+                                                             local=True),
                                   lambda: L.check_copy(la, lb, d), lb, d, "hbm"),
                         "pack": (lambda: L.pack(la, stage, d, offs, nbytes_hint=size, validate=False),
                                  lambda: L.pack(la, stage, d, offs, nbytes_hint=size), stage, None, "hbm"),
@@ -354,7 +355,8 @@ def _run(args, out) -> int:
                             vdescs = L.packed_descriptors(d, offs)
                         w = L.verify(dst_t, vdescs, SEED).wrong_bytes
                         packed = packed or op == "pack"
-                        cfg, progs = L.launch_geometry(n, tdev, nbytes_hint=size)
+                        cfg, progs = L.launch_geometry(n, tdev, nbytes_hint=size,
+                                                       local=op in ("local", "pack", "unpack"))
                         p(Row(op, size, n, total, progs, min(progs, sms), ts, ceil.get(ceiling_of), w,
                               extra={"config": cfg.__dict__}))
 

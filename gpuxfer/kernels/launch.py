@@ -81,28 +81,31 @@ def _cfg(rows, width, unroll, warps, pps) -> "CopyConfig":
     return CopyConfig(rows=rows, width=width, unroll=unroll, num_warps=warps, programs_per_sm=pps)
 
 
-# (largest typical descriptor size, default config, config for a bounded grid of <= 1 program per SM).
-# Measured on 2x H200 (NV18), random pages in a 2 GiB pool, pull and push (see docs/PERFORMANCE.md):
-# wide row chunks (512 B - 1 KiB contiguous per warp instruction) beat tight padding, and a bounded
-# grid needs big steps (32-74 KB per program) because each program is latency bound.
+# (largest typical descriptor size, default config, config for a bounded grid of <= 1 program per SM,
+#  config when both pools are in this GPU's memory: pack, unpack, local copies).
+# Measured on 2x H200 (NV18), every page of a 2 GiB pool in random order, pull and push over
+# NVLink: wide row chunks (512 B - 1 KiB contiguous per warp instruction) beat tight padding,
+# and a bounded grid needs big steps (32-74 KB per program) because each program is latency
+# bound. Local HBM traffic preferred tighter rows and one bigger program per SM.
 CONFIG_TABLE = (
-    (1024, _cfg(16, 32, 2, 8, 2), _cfg(32, 32, 2, 8, 1)),
-    (4096, _cfg(16, 32, 2, 8, 2), _cfg(32, 16, 9, 8, 1)),
-    (12288, _cfg(2, 64, 9, 4, 2), _cfg(8, 64, 9, 8, 1)),
-    (None, _cfg(4, 64, 4, 4, 2), _cfg(16, 64, 4, 8, 1)),
+    (1024, _cfg(16, 32, 2, 8, 2), _cfg(32, 32, 2, 8, 1), _cfg(64, 4, 9, 8, 1)),
+    (4096, _cfg(16, 32, 2, 8, 2), _cfg(32, 16, 9, 8, 1), _cfg(16, 16, 9, 8, 1)),
+    (12288, _cfg(2, 64, 9, 4, 2), _cfg(8, 64, 9, 8, 1), _cfg(2, 64, 9, 4, 2)),
+    (None, _cfg(4, 64, 4, 4, 2), _cfg(16, 64, 4, 8, 1), _cfg(4, 64, 4, 4, 2)),
 )
 
 
-def choose_config(nbytes_hint: int | None = None, *, few_programs: bool = False) -> CopyConfig:
+def choose_config(nbytes_hint: int | None = None, *, few_programs: bool = False, local: bool = False) -> CopyConfig:
     """The tiling for descriptors of about ``nbytes_hint`` bytes (2,304 if unknown).
 
     ``few_programs``: the grid is bounded to at most one program per SM (an SM budget),
     so each program gets a bigger step (more bytes in flight) instead of company.
+    ``local``: both pools are in this GPU's memory (pack, unpack, a local copy).
     """
     hint = 2304 if nbytes_hint is None else max(int(nbytes_hint), 1)
-    for limit, normal, few in CONFIG_TABLE:
+    for limit, normal, few, near in CONFIG_TABLE:
         if limit is None or hint <= limit:
-            return few if few_programs else normal
+            return few if few_programs else near if local else normal
     raise AssertionError("unreachable")
 
 
@@ -290,7 +293,7 @@ def _grid(rows: int, config: CopyConfig, programs: int) -> tuple[int, int, int]:
 
 
 def launch_geometry(rows: int, device, *, nbytes_hint: int | None = None, num_programs: int | None = None,
-                    config: CopyConfig | None = None) -> tuple[CopyConfig, int]:
+                    config: CopyConfig | None = None, local: bool = False) -> tuple[CopyConfig, int]:
     """The configuration and number of programs a copy/pack/unpack of ``rows``
     descriptors uses on ``device`` (what the launchers do, for reports)."""
     device = torch.device(device)
@@ -299,7 +302,7 @@ def launch_geometry(rows: int, device, *, nbytes_hint: int | None = None, num_pr
         raise BadInput(f"num_programs must be a positive int, got {num_programs!r}")
     if config is None:
         few = num_programs is not None and device.type != "cpu" and num_programs <= sm_count(device)
-        config = choose_config(nbytes_hint, few_programs=few)
+        config = choose_config(nbytes_hint, few_programs=few, local=local)
     if num_programs is None:
         num_programs = default_programs(device, config)
     return config, _grid(max(rows, 1), config, num_programs)[0]
@@ -307,10 +310,11 @@ def launch_geometry(rows: int, device, *, nbytes_hint: int | None = None, num_pr
 
 def _launch_copy(mode: int, src, dst, descs, offsets, start: int, end: int, staging_offset: int,
                  stats: DescriptorStats | None, num_programs: int | None, nbytes_hint: int | None,
-                 config: CopyConfig | None) -> None:
+                 config: CopyConfig | None, local: bool) -> None:
     rows = end - start
     hint = nbytes_hint if nbytes_hint is not None else (stats.max_nbytes if stats is not None else None)
-    config, _ = launch_geometry(rows, src.device, nbytes_hint=hint, num_programs=num_programs, config=config)
+    config, _ = launch_geometry(rows, src.device, nbytes_hint=hint, num_programs=num_programs, config=config,
+                                local=local)
     if rows == 0:
         return
     if num_programs is None:
@@ -331,7 +335,7 @@ def _launch_copy(mode: int, src, dst, descs, offsets, start: int, end: int, stag
 def copy_descriptors(src_pool, dst_pool, descs, *, start: int = 0, end: int | None = None,
                      num_programs: int | None = None, nbytes_hint: int | None = None,
                      config: CopyConfig | None = None, validate: bool = True,
-                     device: torch.device | None = None) -> None:
+                     device: torch.device | None = None, local: bool = False) -> None:
     """Copy ``descs[start:end]``: ``dst_pool[d:d+n] = src_pool[s:s+n]`` for each row ``(s, d, n)``.
 
     Pull: run it on the destination GPU with ``src_pool`` the peer's pool opened
@@ -345,6 +349,8 @@ def copy_descriptors(src_pool, dst_pool, descs, *, start: int = 0, end: int | No
       host sync, that every descriptor lies inside both pools (BadInput naming the
       first bad row). ``False`` skips the sync for timed loops.
     * ``device`` -- if given, everything must be on it.
+    * ``local`` -- both pools are in this GPU's own memory: use the tiling tuned for HBM
+      (pack and unpack always do).
 
     Destinations must not overlap each other or the sources (the order of the copies
     is unspecified). Enqueued on torch's current stream; returns immediately.
@@ -359,7 +365,7 @@ def copy_descriptors(src_pool, dst_pool, descs, *, start: int = 0, end: int | No
         stats = _validate_rows(t[:, 0], t[:, 1], t[:, 2], src_pool.numel(), dst_pool.numel(), first_row=start,
                                src_name="the src pool", dst_name="the dst pool")
     _launch_copy(MODE_COPY, src_pool, dst_pool, descs, None, start, end, 0, stats, num_programs, nbytes_hint,
-                 config)
+                 config, local)
 
 
 def pack_offsets(descs) -> torch.Tensor:
@@ -388,7 +394,7 @@ def pack(src_pool, staging, descs, offsets=None, *, start: int = 0, end: int | N
     dev, start, end, offsets, stats = _check_packing(src_pool, staging, descs, offsets, start, end, staging_offset,
                                                      device, packing=True, validate=validate)
     _launch_copy(MODE_PACK, src_pool, staging, descs, offsets, start, end, staging_offset, stats, num_programs,
-                 nbytes_hint, config)
+                 nbytes_hint, config, True)
 
 
 def unpack(staging, dst_pool, descs, offsets=None, *, start: int = 0, end: int | None = None,
@@ -399,7 +405,7 @@ def unpack(staging, dst_pool, descs, offsets=None, *, start: int = 0, end: int |
     dev, start, end, offsets, stats = _check_packing(dst_pool, staging, descs, offsets, start, end, staging_offset,
                                                      device, packing=False, validate=validate)
     _launch_copy(MODE_UNPACK, staging, dst_pool, descs, offsets, start, end, staging_offset, stats, num_programs,
-                 nbytes_hint, config)
+                 nbytes_hint, config, True)
 
 
 def packed_descriptors(descs, offsets=None, *, start: int = 0, end: int | None = None,

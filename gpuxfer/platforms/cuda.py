@@ -152,18 +152,19 @@ def _status_info(status: Any) -> tuple[int, str, str]:
     return code, name, text or ""
 
 
-def check(result: Any, doing: str, api: str = "") -> Any:
+def check(result: Any, doing: "str | Callable[[], str]", api: str = "") -> Any:
     """Return the outputs of a CUDA call, or raise :class:`DriverError`.
 
     ``result`` is what a ``cuda.bindings`` call returns (``(status, *outputs)``;
     the status is a ``CUresult`` / ``cudaError_t``), a bare status (a ctypes
     call's int is read as a ``CUresult``), or a CuPy ``CUDARuntimeError``.
     Returns ``None`` for no output, the output for one, a tuple for several.
-    ``doing`` says what gpuxfer was doing ("opening the IPC handle of ...").
+    ``doing`` says what gpuxfer was doing ("opening the IPC handle of ..."); hot
+    paths pass a callable so the text is only formatted when the call failed.
     """
     if isinstance(result, BaseException):
         code, name, text = _status_info(result)
-        raise DriverError(api or "CUDA runtime", name, code, doing, text) from result
+        raise DriverError(api or "CUDA runtime", name, code, _text(doing), text) from result
     if isinstance(result, tuple):
         if not result:
             raise TypeError("check() got an empty result tuple")
@@ -172,13 +173,17 @@ def check(result: Any, doing: str, api: str = "") -> Any:
         status, outputs = result, ()
     if int(status) != CUDA_SUCCESS:
         code, name, text = _status_info(status)
-        raise DriverError(api or "CUDA driver", name, code, doing, text)
+        raise DriverError(api or "CUDA driver", name, code, _text(doing), text)
     if not outputs:
         return None
     return outputs[0] if len(outputs) == 1 else outputs
 
 
-def _cu(fn: Callable, *args, doing: str) -> Any:
+def _text(doing: "str | Callable[[], str]") -> str:
+    return doing() if callable(doing) else doing
+
+
+def _cu(fn: Callable, *args, doing: "str | Callable[[], str]") -> Any:
     """Call a ``cuda.bindings`` function and :func:`check` its result."""
     return check(fn(*args), doing, getattr(fn, "__name__", "CUDA driver"))
 
@@ -809,7 +814,7 @@ class CudaPlatform(Platform):
             return
         with self._on(s.device):
             _cu(_driver().cuMemcpyAsync, dst, src, nbytes, s.handle,
-                doing=f"copying {nbytes} bytes 0x{src:x} -> 0x{dst:x} on {s!r}")
+                doing=lambda: f"copying {nbytes} bytes 0x{src:x} -> 0x{dst:x} on {s!r}")
 
     def batch_copy_note(self) -> str:
         """How ``copy_batch_async`` runs here (for device_info notes and doctor)."""
@@ -966,7 +971,7 @@ class CudaPlatform(Platform):
         v = _u64(value)
         with self._on(s.device):
             _cu(_driver().cuStreamWriteValue64, s.handle, ptr, v, 0,
-                doing=f"writing flag 0x{ptr:x} := {int(value)} on {s!r}")
+                doing=lambda: f"writing flag 0x{ptr:x} := {int(value)} on {s!r}")
 
     def wait_flag(self, stream: Stream, ptr: int, value: int) -> None:
         """``cuStreamWaitValue64`` with ``CU_STREAM_WAIT_VALUE_GEQ`` (cyclic: ``(int64)(*ptr - value) >= 0``)."""
@@ -977,7 +982,7 @@ class CudaPlatform(Platform):
         drv = _driver()
         with self._on(s.device):
             _cu(drv.cuStreamWaitValue64, s.handle, ptr, v, drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ,
-                doing=f"enqueuing a wait for flag 0x{ptr:x} >= {int(value)} on {s!r}")
+                doing=lambda: f"enqueuing a wait for flag 0x{ptr:x} >= {int(value)} on {s!r}")
 
     def _helper(self, device: int) -> _Helper:
         h = self._helpers.get(device)
