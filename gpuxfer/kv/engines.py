@@ -48,7 +48,8 @@ Built-in engines (``ENGINES``):
   the descriptors on a created stream, no SM at all; the baseline that shows
   why packing matters (a fixed cost per descriptor). Capped per burst
   (``EngineOptions.copy_engine_max_descs``); bigger bursts are shed, with the
-  reason.
+  reason. Never armed: its bursts hold more commands than a blocked stream's
+  queue takes, so it posts inside the timed region.
 * ``bulk`` -- one descriptor of the same total bytes on the copy engines: the
   ceiling every row is divided by.
 
@@ -1077,4 +1078,4 @@ __all__ = ["DIRECTIONS", "DEFAULT_ENGINES", "ENGINES", "Burst", "BurstShape", "B
            "EngineOptions", "PackEngine", "Prepared", "Role", "Side", "TritonEngine", "as_descriptors",
            "check_direction", "chunk_plan", "contiguous_descriptors", "engine_class", "engine_report",
            "engine_unavailable_reason", "initiator_of", "measurement_order", "parse_engines", "register_engine",
-           "split_large", "wait_event", "GpuxferError"]
+           "split_large", "wait_event", "Gate"]
