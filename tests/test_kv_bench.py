@@ -410,3 +410,18 @@ def test_gpu_corrupted_transfer_fails(capsys, tmp_path):
     rows = {(r["engine"], r["direction"]): r for r in doc["rows"]}
     assert all(rows[("triton", d)]["valid"] for d in ("pull", "push"))
     assert all(rows[("pack", d)]["wrong_bytes"] == 1 for d in ("pull", "push"))
+
+
+def test_size_classes_partition_the_plan():
+    """The triton engine launches once per descriptor size: the classes must partition the plan."""
+    import numpy as np
+    from gpuxfer.kv.engines import _size_classes
+    rng = np.random.default_rng(0)
+    plan = np.stack([rng.permutation(64) * 10_000, rng.permutation(64) * 10_000,
+                     rng.choice([528, 2304, 9216], 64)], axis=1).astype(np.int64)
+    classes = _size_classes(plan)
+    assert sorted({int(c[0, 2]) for c in classes}) == sorted(set(plan[:, 2].tolist()))
+    assert all((c[:, 2] == c[0, 2]).all() for c in classes)
+    merged = np.concatenate(classes)
+    assert sorted(map(tuple, merged.tolist())) == sorted(map(tuple, plan.tolist()))
+    assert _size_classes(plan[:0]) == []

@@ -561,13 +561,15 @@ class TritonEngine(Engine):
         src_t, dst_t = self._views()
         k = _kernels()
         tables = []
-        for r in burst.requests:
-            if r.shape[0] == 0:
-                continue
-            t = _device_table(self.side, src_t, r)
-            tables.append((t, int(r[:, 2].max())))
+        for rows in _size_classes(burst.plan):
+            t = _device_table(self.side, src_t, rows)
+            hint = int(rows[0, 2])
+            # whole row groups per program (see PackEngine._programs): no column slicing
+            cfg = k.choose_config(hint)
+            progs = max(1, min(k.default_programs(src_t.device, cfg), -(-rows.shape[0] // cfg.rows)))
+            tables.append((t, hint, progs))
         _sync_uploads(self.side)
-        for t, _ in tables:          # every descriptor inside both pools (one host sync each; prep time)
+        for t, _, _ in tables:       # every descriptor inside both pools (one host sync each; prep time)
             k.check_copy(src_t, dst_t, t)
         p.state = tables
         return p
@@ -575,12 +577,30 @@ class TritonEngine(Engine):
     def _enqueue(self, p: Prepared) -> None:
         src_t, dst_t = self._views()
         copy = _kernels().copy_descriptors
-        for desc_t, hint in p.state:
-            self.platform.launch(self.stream, _bind(copy, src_t, dst_t, desc_t, validate=False, nbytes_hint=hint))
+        for desc_t, hint, progs in p.state:
+            self.platform.launch(self.stream, _bind(copy, src_t, dst_t, desc_t, validate=False, nbytes_hint=hint,
+                                                    num_programs=progs))
         p.done = self.platform.record_event(self.stream)
 
     def _release(self) -> None:
         self._src_t = self._dst_t = None
+
+
+def _size_classes(plan: np.ndarray) -> list[np.ndarray]:
+    """A burst's descriptors split by size, one table per size (stable order within each).
+
+    A request mixes sizes (kv-dsv4 at 16-token pages: 2,304 B compressed entries, 528 B indexer
+    entries, 9,216 B window pages); one launch per size lets the kernel pick the tiling for
+    that size instead of tiling every descriptor for the largest. Order does not matter: the
+    descriptors of a burst never overlap on the destination.
+    """
+    if plan.shape[0] == 0:
+        return []
+    sizes = plan[:, 2]
+    order = np.argsort(sizes, kind="stable")
+    sorted_sizes = sizes[order]
+    cuts = np.flatnonzero(np.diff(sorted_sizes)) + 1
+    return [plan[idx] for idx in np.split(order, cuts)]
 
 
 def _bind(fn, *args, **kwargs):
