@@ -23,11 +23,13 @@ step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/NAME.log, remember fail
   [ $rc -eq 0 ] || status=1
 }
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1 || true
-step doctor 120 $PY -m gpuxfer doctor --json "$OUT/doctor.json"
-step gpu-tests 420 $PY -m pytest -m gpu -x -q -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" tests
+step doctor 120 $PY -m gpuxfer doctor
+step gpu-tests 420 $PY -m pytest -m gpu -q -p no:cacheprovider tests
 if [ "$mode" = full ]; then
   step bench-kernels 180 $PY -m gpuxfer bench kernels --json "$OUT/bench-kernels.json"
   step bench-pp 240 $PY -m gpuxfer bench pp --json "$OUT/bench-pp.json"
   step bench-kv 330 $PY -m gpuxfer bench kv --out "$OUT/kv"
+  step example-kv 120 $PY examples/kv_handoff.py
+  step example-pp 120 $PY examples/pp_two_stage.py
 fi
 exit $status
