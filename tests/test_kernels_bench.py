@@ -38,7 +38,8 @@ def test_bench_kernels_runs_end_to_end_on_the_host_emulation(tmp_path, capsys, m
     (["--sizes", "0"], "--sizes"),
     (["--ops", "pull,teleport"], "unknown teleport"),
     (["--sweep", "1,many"], "--sweep"),
-    (["--pool", "lots"], "cannot read a size"),
+    (["--pool", "lots"], "--pool: cannot read 'lots'"),
+    (["--pool", "0"], "--pool: '0' must be positive"),
     (["--pool", "1KiB", "--sizes", "2304"], "larger than the pool"),
     (["--local-device", "7"], "--local-device 7"),
 ])
@@ -47,3 +48,25 @@ def test_bench_kernels_rejects_bad_arguments(capsys, monkeypatch, argv, match):
     rc = main(["bench", "kernels", "--platform", "host", *argv])
     err = capsys.readouterr().err
     assert rc == 2 and match in err, err
+
+
+@pytest.mark.timeout(300)
+def test_bench_kernels_fails_on_a_wrong_byte(tmp_path, capsys, monkeypatch):
+    """The bench's own verification: one flipped destination byte per checked row fails the run (exit 1)."""
+    import gpuxfer.kernels.launch as launch
+    monkeypatch.setenv("GPUXFER_PLATFORM", "host")
+    real = launch.verify
+
+    def corrupting_verify(dst_pool, descs, seed, **kw):
+        dst_pool[int(descs[0, 1])] ^= 0xFF        # a byte the copy wrote, flipped before the check
+        return real(dst_pool, descs, seed, **kw)
+    monkeypatch.setattr(launch, "verify", corrupting_verify)
+    out = tmp_path / "k.json"
+    rc = main(["bench", "kernels", "--platform", "host", "--sizes", "528", "--pool", "8KiB", "--ops", "local",
+               "--sweep", "", "--trials", "1", "--warmup", "0", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 1, text
+    assert "# gpuxfer bench kernels: FAIL" in text
+    doc = json.loads(out.read_text())
+    assert doc["result"] == "FAIL" and doc["wrong_bytes"] > 0
+    assert all(r["wrong_bytes"] == 1 for r in doc["rows"])

@@ -7,7 +7,6 @@ next valid step still arrives intact.
 from __future__ import annotations
 
 import os
-import tempfile
 
 import numpy as np
 import pytest
@@ -182,12 +181,7 @@ def badinput_session(rank: int, world: int, init_method: str, platform_name: str
 
 
 def test_bad_input_two_ranks(spawner, platform_name):
-    with tempfile.TemporaryDirectory() as tmp:
-        init = f"file://{os.path.join(tmp, 'rdv')}"
-        kids = [spawner.start(badinput_session, r, 2, init, platform_name, name=f"rank {r}") for r in range(2)]
-        _, receiver = [k.result(180) for k in kids]
-        for k in kids:
-            k.join(30)
+    _, receiver = spawner.run_ranks(badinput_session, 2, platform_name, timeout=180)
     msgs = receiver["copy_engine:refusals"]
     assert any("dtype differs" in m for m in msgs) and any("larger than its slot" in m for m in msgs)
     assert any("keys differ" in m for m in msgs) and any("not contiguous" in m for m in msgs)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
 import time
 
 import pytest
@@ -141,14 +140,7 @@ def chain_session(rank: int, world: int, init_method: str, platform_name: str, s
 
 
 def run_session(spawner, world: int, platform_name: str, scenarios: list, seed: int, timeout: float = 150):
-    with tempfile.TemporaryDirectory() as tmp:
-        init = f"file://{os.path.join(tmp, 'rdv')}"
-        kids = [spawner.start(chain_session, r, world, init, platform_name, scenarios, seed, name=f"rank {r}")
-                for r in range(world)]
-        results = [k.result(timeout) for k in kids]
-        for k in kids:
-            k.join(30)
-    return results
+    return spawner.run_ranks(chain_session, world, platform_name, scenarios, seed, timeout=timeout)
 
 
 def test_four_stage_chain(spawner, platform_name):

@@ -3,7 +3,6 @@ the local parts (backend names, env, backend_report)."""
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 
@@ -134,12 +133,7 @@ def setup_session(rank: int, world: int, init_method: str, platform_name: str) -
 
 def test_one_stage_fails_setup(spawner, platform_name):
     world = 4
-    with tempfile.TemporaryDirectory() as tmp:
-        init = f"file://{os.path.join(tmp, 'rdv')}"
-        kids = [spawner.start(setup_session, r, world, init, platform_name, name=f"rank {r}") for r in range(world)]
-        results = [k.result(240) for k in kids]
-        for k in kids:
-            k.join(30)
+    results = spawner.run_ranks(setup_session, world, platform_name, timeout=240)
     for seen in results:   # every rank saw the same reasons
         assert seen == results[0]
     seen = results[0]

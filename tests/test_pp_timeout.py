@@ -3,7 +3,6 @@ process exit."""
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 
 from test_pp_chain import specs, step_shapes, step_tensors
@@ -101,12 +100,7 @@ def timeout_session(rank: int, world: int, init_method: str, platform_name: str)
 
 
 def test_stuck_peer_times_out(spawner, platform_name):
-    with tempfile.TemporaryDirectory() as tmp:
-        init = f"file://{os.path.join(tmp, 'rdv')}"
-        kids = [spawner.start(timeout_session, r, 2, init, platform_name, name=f"rank {r}") for r in range(2)]
-        sender, receiver = [k.result(180) for k in kids]
-        for k in kids:
-            k.join(30)
+    sender, receiver = spawner.run_ranks(timeout_session, 2, platform_name, timeout=180)
     # A: rank 1, step 2, the flag of slot 1 (steps 1, 2 use slots 0, 1), nothing ever written there
     assert receiver["A:copy_engine"] == (1, 2, "full[1]", 0)
     assert receiver["A:nccl"][:3] == (1, 2, "nccl recv")

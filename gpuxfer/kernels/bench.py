@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..common import parse_size, run_versions
 from ..errors import BadInput, GpuxferError, TransferTimeout
 
 DEFAULT_SIZES = "528,576,2304,9216,36864"
@@ -47,25 +48,6 @@ DEFAULT_OPS = "pull,push,local,pack,unpack"
 DEFAULT_SWEEP = "1,2,4,8,16,32,sms,all"
 SEED, POISON = 0x5EED, 0xBAD
 SWEEP_DESCS_PER_PROGRAM = 16384
-UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30,
-         "KB": 1000, "MB": 10**6, "GB": 10**9}
-
-
-def _parse_bytes(text: str) -> int:
-    t = text.strip().upper().replace(",", "").replace("_", "")
-    for unit in sorted(UNITS, key=len, reverse=True):
-        if t.endswith(unit):
-            num = t[: -len(unit)]
-            break
-    else:
-        unit, num = "B", t
-    try:
-        v = float(num) * UNITS[unit]
-    except ValueError:
-        raise BadInput(f"cannot read a size from {text!r} (e.g. 2GiB, 256KiB, 1000000)") from None
-    if v <= 0 or v != int(v):
-        raise BadInput(f"size {text!r} must be a positive whole number of bytes")
-    return int(v)
 
 
 def _parse_ints(text: str, what: str) -> list[int]:
@@ -256,7 +238,7 @@ def _run(args, out) -> int:
     started = time.time()
     try:
         emu = plat.is_emulation
-        pool = _parse_bytes(args.pool) if args.pool else (256 << 10 if emu else 2 << 30)
+        pool = parse_size(args.pool, option="--pool", kind="bytes") if args.pool else (256 << 10 if emu else 2 << 30)
         trials = args.trials if args.trials is not None else (2 if emu else 7)
         warmup = args.warmup if args.warmup is not None else (1 if emu else 2)
         if trials < 1 or warmup < 0:
@@ -278,7 +260,7 @@ def _run(args, out) -> int:
 
         pre = {"command": "gpuxfer bench kernels", "date": _dt.datetime.now().astimezone().isoformat(),
                "host": _pyplatform.node(), "platform": plat.name, "platform_label": plat.label,
-               "emulation": emu, "versions": _versions(plat),
+               "emulation": emu, "versions": run_versions(plat),
                "local_device": {"index": local, "name": info_l.name, "arch": info_l.arch, "sms": sms},
                "peer_device": {"index": peer, "name": info_p.name, "arch": info_p.arch},
                "link": link.as_dict()}
@@ -413,20 +395,6 @@ def _json_default(o):
     if isinstance(o, float) and not math.isfinite(o):
         return None
     return str(o)
-
-
-def _versions(plat) -> dict:
-    import torch
-    import triton
-
-    from .. import __version__
-    v = {"gpuxfer": __version__, "python": _pyplatform.python_version(), "numpy": np.__version__,
-         "torch": torch.__version__, "triton": triton.__version__}
-    try:
-        v.update({k: str(x) for k, x in plat.versions().items()})
-    except Exception as exc:  # versions are informative only
-        v["platform versions"] = f"unavailable ({type(exc).__name__}: {exc})"
-    return v
 
 
 def _preamble(out, pre: dict, params: dict) -> None:

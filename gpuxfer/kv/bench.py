@@ -1,23 +1,23 @@
 """``gpuxfer bench kv``: the KV-cache hand-off benchmark's command line.
 
-Built so far: every option, their parsing and validation, and ``--plan-only`` (the
-sweep grid with bytes and descriptors per point, pool per rank, and what was shed
-and why; ``--json`` for the same as JSON). The transfer itself (two processes,
-engines, verification, artifacts) is not built yet and exits 2.
+Every option, their parsing and validation, and ``--plan-only`` (the sweep grid
+with bytes and descriptors per point, pool per rank, and what was shed and why;
+``--json`` for the same as JSON). The measured sweep itself (two processes, every
+engine, every byte verified, artifacts) is :mod:`gpuxfer.kv.runner`.
 
-``run`` is split in small steps for the benchmark to extend:
-``parse_grid_args(args) -> Grid``, ``parse_run_options(args) -> RunOptions``,
-``print_plan(grid, ...)``.
+``run`` is split in small steps: ``parse_grid_args(args) -> Grid``,
+``parse_run_options(args) -> RunOptions``, ``print_plan(grid, ...)``,
+``run_transfers(grid, options, args)``.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from dataclasses import dataclass
 from typing import Callable, TextIO
 
+from ..common import parse_size
 from ..errors import BadInput
 from .grid import (DEFAULT_BATCHES, DEFAULT_DESC_BUDGET, DEFAULT_POOL_BUDGET_BYTES, SHED_DESC, Grid, build_grid,
                    human_bytes)
@@ -36,47 +36,6 @@ DEFAULT_ISL = "32k"
 DEFAULT_OUT = "gpuxfer-out/kv"
 
 # ---------------------------------------------------------------------------- parsing
-
-_BINARY = {"": 1, "k": 1 << 10, "ki": 1 << 10, "m": 1 << 20, "mi": 1 << 20, "g": 1 << 30, "gi": 1 << 30,
-           "t": 1 << 40, "ti": 1 << 40}
-_DECIMAL_BYTES = {"kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str, *, option: str, kind: str = "count") -> int:
-    """Parse ``32k``, ``512K``, ``64GiB``, ``1.5G``, ``100GB``, ``4096`` into a positive integer.
-
-    k/M/G/T (with or without ``i``) are binary: 32k tokens = 32,768. For ``kind="bytes"`` a
-    trailing ``B`` is allowed: ``64GiB`` (binary) or ``64GB`` (decimal, 64e9).
-    """
-    if not isinstance(text, str):
-        text = str(text)
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise BadInput(f"{option}: cannot read {text!r} as a {kind}; use e.g. "
-                       f"{'64GiB, 512MiB or 1073741824' if kind == 'bytes' else '32k, 512k or 4096'}")
-    number, suffix = m.group(1), m.group(2).lower()
-    if kind == "bytes" and suffix in _DECIMAL_BYTES:
-        scale = _DECIMAL_BYTES[suffix]
-    else:
-        if kind == "bytes" and suffix.endswith("b"):
-            suffix = suffix[:-1]
-        if suffix not in _BINARY:
-            raise BadInput(f"{option}: unknown unit {m.group(2)!r} in {text!r}; use k, M, G, T"
-                           f"{' (binary) or kB, MB, GB, TB (decimal), with an optional B' if kind == 'bytes' else ''}")
-        scale = _BINARY[suffix]
-    if "." in number:
-        whole, frac = number.split(".")
-        value_num = int(whole + frac) * scale
-        den = 10 ** len(frac)
-        if value_num % den:
-            raise BadInput(f"{option}: {text!r} is not a whole number of {kind}")
-        value = value_num // den
-    else:
-        value = int(number) * scale
-    if value <= 0:
-        raise BadInput(f"{option}: {text!r} must be positive")
-    return value
 
 
 def parse_list(text: str, *, option: str, item: Callable[[str], object]) -> list:

@@ -561,7 +561,7 @@ class TritonEngine(Engine):
         src_t, dst_t = self._views()
         k = _kernels()
         tables = []
-        for rows in _size_classes(burst.plan):
+        for rows in _size_classes(burst.concatenated()):
             t = _device_table(self.side, src_t, rows)
             hint = int(rows[0, 2])
             # whole row groups per program (see PackEngine._programs): no column slicing

@@ -45,7 +45,6 @@ import dataclasses
 import datetime as _dt
 import logging
 import os
-import platform as _pyplatform
 import queue as _queue
 import shutil
 import socket
@@ -58,7 +57,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import __version__
+from ..common import parse_size, run_versions
 from ..errors import BackendUnavailable, BadInput, GpuxferError, PlatformUnavailable, TransferTimeout
 from . import engines as E
 from . import report as R
@@ -192,11 +191,9 @@ def config_from_args(args: argparse.Namespace, options) -> RunConfig:
         opts.pack_first_chunk_bytes = EMULATION["pack_first_chunk_bytes"]
     pack_fixed = bool(getattr(args, "pack_chunk", None))
     if pack_fixed:
-        from .bench import parse_size
         opts.pack_chunk_bytes = parse_size(args.pack_chunk, option="--pack-chunk", kind="bytes")
         opts.pack_first_chunk_bytes = min(opts.pack_first_chunk_bytes, opts.pack_chunk_bytes)
     if getattr(args, "copy_engine_max_descs", None):
-        from .bench import parse_size
         opts.copy_engine_max_descs = parse_size(args.copy_engine_max_descs, option="--copy-engine-max-descs",
                                                 kind="descriptors")
     opts.validate()
@@ -277,20 +274,6 @@ def _sync(platform, stream, timeout_s: float, rank: int, what: str) -> None:
 
 
 # ----------------------------------------------------------------------------- the worker
-
-
-def _versions(platform) -> dict[str, str]:
-    v = {"gpuxfer": __version__, "python": _pyplatform.python_version()}
-    for mod in ("torch", "triton", "numpy"):
-        try:
-            v[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001
-            v[mod] = "not importable"
-    try:
-        v.update(platform.versions())
-    except Exception as exc:  # noqa: BLE001
-        v["platform versions"] = f"unavailable: {exc}"
-    return v
 
 
 class _Group:
@@ -478,7 +461,7 @@ class Worker:
             link = {"src": both[0]["device"], "dst": both[1]["device"], "kind": "unknown", "detail": str(exc)}
         return {
             "platform": plat.name, "platform_label": plat.label, "is_emulation": plat.is_emulation,
-            "versions": _versions(plat), "hostname": socket.gethostname(), "launcher": self.launcher,
+            "versions": run_versions(plat), "hostname": socket.gethostname(), "launcher": self.launcher,
             "pids": ",".join(str(b["pid"]) for b in both),
             "devices": [{k: b[k] for k in ("rank", "role", "pid", "device", "info")} for b in both],
             "same_device": same_device, "link": link,

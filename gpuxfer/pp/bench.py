@@ -29,6 +29,7 @@ import platform as _pyplatform
 import sys
 import time
 
+from ..common import parse_size, run_versions
 from ..errors import BadInput
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -39,16 +40,11 @@ TARGET_COMPUTE_LOSS = 0.01      # matmul throughput lost next to copy-engine tra
 
 
 def _size(text: str) -> int:
-    t = text.strip().upper().removesuffix("B")
-    mult = 1
-    for suffix, m in (("K", KiB), ("M", MiB), ("G", 1 << 30)):
-        if t.endswith(suffix):
-            t, mult = t[:-1], m
-            break
+    """argparse type for a byte size (16K, 256MiB, 1G: binary; 1MB: decimal), via :func:`gpuxfer.common.parse_size`."""
     try:
-        return int(float(t) * mult)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 16K, 256M)") from None
+        return parse_size(text, option="size", kind="bytes")
+    except BadInput as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _fmt_size(n: int) -> str:
@@ -145,7 +141,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
     if not emu and "nccl" in opts["backends"]:
         device_group = dist.new_group(backend="nccl")
     info = {"rank": rank, "device": dev, "device_info": plat.device_info(dev).as_dict(),
-            "link": plat.link(dev, peer % plat.device_count()).as_dict(), "versions": plat.versions(),
+            "link": plat.link(dev, peer % plat.device_count()).as_dict(), "versions": run_versions(plat),
             "label": plat.label, "emulation": emu, "host": _pyplatform.node()}
     rows, bulk, contention, flag_paths, profiles = [], [], {}, {}, []
 
@@ -370,16 +366,12 @@ def _targets(res: dict, backends: list) -> list[tuple[str, str, bool | None]]:
 
 
 def format_report(res: dict, opts: dict) -> str:
-    import torch
-
-    from .. import __version__
     info, sinfo = res["info"], res["sender_info"]
     emu = info["emulation"]
     L = []
     tag = "  [EMULATION on the CPU: no GPU is used; the numbers measure Python and memmove]" if emu else ""
     L.append(f"# gpuxfer bench pp: stage hand-off, copy engines vs NCCL{tag}")
-    L.append(f"# gpuxfer {__version__}, torch {torch.__version__}, python {sys.version.split()[0]}, "
-             f"platform {info['label']}")
+    L.append(f"# platform {info['label']}")
     vers = ", ".join(f"{k} {v}" for k, v in info["versions"].items())
     if vers:
         L.append(f"# versions: {vers}")

@@ -1,0 +1,70 @@
+"""Small helpers shared by the benchmarks: size parsing and the versions a run reports.
+
+Nothing here touches a device; importing it imports no GPU library.
+"""
+from __future__ import annotations
+
+import platform as _pyplatform
+import re
+
+from . import __version__
+from .errors import BadInput
+
+_BINARY = {"": 1, "k": 1 << 10, "ki": 1 << 10, "m": 1 << 20, "mi": 1 << 20, "g": 1 << 30, "gi": 1 << 30,
+           "t": 1 << 40, "ti": 1 << 40}
+_DECIMAL_BYTES = {"kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str, *, option: str, kind: str = "count") -> int:
+    """Parse ``32k``, ``512K``, ``64GiB``, ``1.5G``, ``100GB``, ``4096`` into a positive integer.
+
+    k/M/G/T (with or without ``i``) are binary: 32k tokens = 32,768. For ``kind="bytes"`` a
+    trailing ``B`` is allowed: ``64GiB`` (binary) or ``64GB`` (decimal, 64e9). Raises
+    :class:`BadInput` naming ``option``.
+    """
+    if not isinstance(text, str):
+        text = str(text)
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise BadInput(f"{option}: cannot read {text!r} as a number of {kind}; use e.g. "
+                       f"{'64GiB, 512MiB or 1073741824' if kind == 'bytes' else '32k, 512k or 4096'}")
+    number, suffix = m.group(1), m.group(2).lower()
+    if kind == "bytes" and suffix in _DECIMAL_BYTES:
+        scale = _DECIMAL_BYTES[suffix]
+    else:
+        if kind == "bytes" and suffix.endswith("b"):
+            suffix = suffix[:-1]
+        if suffix not in _BINARY:
+            raise BadInput(f"{option}: unknown unit {m.group(2)!r} in {text!r}; use k, M, G, T"
+                           f"{' (binary) or kB, MB, GB, TB (decimal), with an optional B' if kind == 'bytes' else ''}")
+        scale = _BINARY[suffix]
+    if "." in number:
+        whole, frac = number.split(".")
+        value_num = int(whole + frac) * scale
+        den = 10 ** len(frac)
+        if value_num % den:
+            raise BadInput(f"{option}: {text!r} is not a whole number of {kind}")
+        value = value_num // den
+    else:
+        value = int(number) * scale
+    if value <= 0:
+        raise BadInput(f"{option}: {text!r} must be positive")
+    return value
+
+
+def run_versions(platform) -> dict[str, str]:
+    """What a benchmark run reports it ran with: gpuxfer, Python, numpy, torch, Triton and the platform's own
+    libraries/driver. Informative only: a library that cannot be imported or a failing ``versions()`` is said,
+    never raised."""
+    v = {"gpuxfer": __version__, "python": _pyplatform.python_version()}
+    for mod in ("numpy", "torch", "triton"):
+        try:
+            v[mod] = str(__import__(mod).__version__)
+        except Exception as exc:  # noqa: BLE001
+            v[mod] = f"not importable ({type(exc).__name__})"
+    try:
+        v.update({str(k): str(x) for k, x in platform.versions().items()})
+    except Exception as exc:  # noqa: BLE001
+        v["platform versions"] = f"unavailable ({type(exc).__name__}: {exc})"
+    return v

@@ -1,0 +1,50 @@
+"""The helpers the three benchmarks share: size parsing and the versions a run reports."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from gpuxfer.common import parse_size, run_versions
+from gpuxfer.errors import BadInput
+
+
+@pytest.mark.parametrize("text,value", [("16K", 16384), ("16KiB", 16384), ("256M", 256 << 20), ("1GB", 10 ** 9),
+                                        ("2GiB", 2 << 30), ("1.5K", 1536), ("4096", 4096), ("64b", 64)])
+def test_parse_size_bytes(text, value):
+    assert parse_size(text, option="--pool", kind="bytes") == value
+
+
+@pytest.mark.parametrize("text", ["0", "-5", "foo", "1.0001K", "16Q", ""])
+def test_parse_size_bad_input_names_the_option(text):
+    with pytest.raises(BadInput, match="--pool"):
+        parse_size(text, option="--pool", kind="bytes")
+
+
+def test_pp_and_kernels_bench_sizes_use_the_shared_parser():
+    from gpuxfer.pp.bench import _size
+    assert _size("16KiB") == _size("16K") == 16384
+    for bad in ("0", "-5", "lots"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _size(bad)
+
+
+class _Plat:
+    def __init__(self, versions):
+        self._v = versions
+
+    def versions(self):
+        if isinstance(self._v, Exception):
+            raise self._v
+        return self._v
+
+
+def test_run_versions_lists_libraries_and_platform():
+    v = run_versions(_Plat({"driver": 13000}))
+    assert {"gpuxfer", "python", "numpy", "torch", "triton"} <= set(v)
+    assert v["driver"] == "13000"
+
+
+def test_run_versions_says_when_the_platform_cannot_tell():
+    v = run_versions(_Plat(RuntimeError("no driver")))
+    assert "no driver" in v["platform versions"] and v["torch"]
