@@ -1,8 +1,9 @@
 """The ``gpuxfer`` command: ``doctor``, ``bench kv``, ``bench pp``, ``bench kernels``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
-``run(args) -> int`` (the exit code); this file only wires them up, importing
-each lazily so ``gpuxfer --help`` stays fast and GPU-free.
+``run(args) -> int`` (the exit code); this file only wires them up. The modules
+are imported when the parser is built (not when gpuxfer is imported), and none
+of them touches a GPU before ``run``.
 """
 from __future__ import annotations
 
@@ -20,6 +21,16 @@ COMMANDS = [
 ]
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default, unless its help already says it or there is none to show."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpuxfer", description="GPU-to-GPU transfers for LLM inference, in pure Python.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -33,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                 g = sub.add_parser(path[0], help="benchmarks: " + ", ".join(c[0][1] for c in COMMANDS if c[0][0] == path[0]))
                 groups[path[0]] = g.add_subparsers(dest="subcommand", metavar="BENCH", required=True)
             p = groups[path[0]].add_parser(path[1], help=help_, description=help_,
-                                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                           formatter_class=_HelpFormatter)
         p.set_defaults(_module=module)
         try:
             importlib.import_module(module).add_arguments(p)
