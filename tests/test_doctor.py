@@ -52,8 +52,8 @@ def test_unusable_forced_platform_reports_why_and_exits_1(capsys, monkeypatch):
 
 
 def test_capability_report_lookup(monkeypatch, host):
-    rep, note = doctor.capability_report("gpuxfer._not_built_yet", "backend_report", host)
-    assert rep is None and note.startswith("not built yet")
+    rep, note = doctor.capability_report("gpuxfer._no_such_module", "backend_report", host)
+    assert rep is None and note.startswith("report failed")
 
     mod = types.ModuleType("gpuxfer._fake_selection")
     mod.backend_report = lambda platform: {"nccl": None, "copy_engine": "needs NVLink"}
@@ -62,7 +62,7 @@ def test_capability_report_lookup(monkeypatch, host):
     assert doctor.capability_report(mod.__name__, "backend_report", host) == (
         {"nccl": None, "copy_engine": "needs NVLink"}, None)
     rep, note = doctor.capability_report(mod.__name__, "no_such_function", host)
-    assert rep is None and note.startswith("not built yet")
+    assert rep is None and note.startswith("report failed")
     rep, note = doctor.capability_report(mod.__name__, "broken_report", host)
     assert rep is None and note.startswith("report failed: ZeroDivisionError")
 
