@@ -160,6 +160,49 @@ def test_nothing_to_measure_is_an_error(capsys, tmp_path):
     assert "nothing to measure" in out
 
 
+ALL_ENGINES = ("triton", "pack", "copy_engine", "bulk", "nixl", "nixl-bulk", "nixl-oneshot", "nixl+pack", "mooncake")
+
+
+def test_cross_host_without_nixl_sheds_every_engine_and_fails(capsys, tmp_path, monkeypatch):
+    """--cross-host on one host, no NIXL: every engine listed with its reason, no peer mapping, a clear
+    'nothing could run' failure (exit 1), and no hang."""
+    monkeypatch.setenv("GPUXFER_NIXL_MODULE", "no_such_nixl_module_for_tests")   # even where NIXL is installed
+    t0 = time.monotonic()
+    rc, out, err, doc = _run(capsys, tmp_path, *TINY, *FAST, "--cross-host", "--engine", ",".join(ALL_ENGINES))
+    assert time.monotonic() - t0 < 60
+    assert rc == 1, out + err
+    assert "nothing could run" in out and "# FAIL" in out
+    assert doc is not None and doc["rows"] == [] and doc["outcome"]["status"] == "fail"
+    assert doc["environment"]["cross_host"] is True and doc["environment"]["link"]["kind"] == "cross-host"
+    assert doc["parameters"]["cross_host"] == "forced"
+    reasons = {s["engine"]: s["reason"] for s in doc["shed"] if "engine" in s and "batch" not in s}
+    assert set(reasons) == set(ALL_ENGINES)
+    for name in ("triton", "pack", "copy_engine", "bulk"):
+        assert reasons[name].endswith(E.CROSS_HOST_PEER_MAPPING), reasons[name]
+    for name in ("nixl", "nixl-bulk", "nixl-oneshot", "nixl+pack"):
+        assert "NIXL is not installed" in reasons[name], reasons[name]
+    assert "intra-node" in reasons["mooncake"] and "different hosts" in reasons["mooncake"]
+
+
+def test_no_usable_engine_on_one_host_fails(capsys, tmp_path, monkeypatch):
+    """An engine set of which nothing can run here is a failure, not an empty PASS."""
+    monkeypatch.setenv("GPUXFER_NIXL_MODULE", "no_such_nixl_module_for_tests")
+    rc, out, err, doc = _run(capsys, tmp_path, *TINY, *FAST, "--engine", "nixl,mooncake")
+    assert rc == 1, out + err
+    assert "nothing could run" in out and "usable here" in out
+    assert doc is not None and doc["rows"] == [] and doc["outcome"]["status"] == "fail"
+
+
+def test_cross_host_engine_attributes():
+    """Which engines need the peer mapping, and the ceiling across hosts (class attributes, no device)."""
+    need = {n for n in ALL_ENGINES if E.engine_class(n).needs_peer_mapping}
+    assert need == {"triton", "pack", "copy_engine", "bulk"}
+    blocked = {n for n in ALL_ENGINES if E.engine_class(n).cross_host_reason()}
+    assert blocked == need | {"mooncake"}
+    assert E.measurement_order(["triton", "nixl", "nixl-bulk", "bulk"], cross_host=True)[0] == "nixl-bulk"
+    assert E.measurement_order(["triton", "nixl", "nixl-bulk", "bulk"]) == ["bulk", "triton", "nixl", "nixl-bulk"]
+
+
 @pytest.mark.slow
 def test_under_torchrun_environment(tmp_path):
     """Two ranks started by hand the way torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""

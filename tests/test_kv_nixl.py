@@ -654,6 +654,76 @@ def test_nixl_shed_cap(fake_engines, monkeypatch):
     assert ne.NixlEngine.shed_reason(types.SimpleNamespace(name="nixl"), Burst([np.array([[0, 0, 8]])])) is None
 
 
+# --------------------------------------------------------------------------- the benchmark across hosts, over the fake
+#
+# ``gpuxfer bench kv --cross-host`` on the host emulation: two spawned ranks, the peer pool never
+# mapped by the runner; the NIXL engines run over tests/fake_nixl_net.py (this file's FakeNixl,
+# reaching the other process's registered memory itself, as a network transport would).
+
+CROSS_TINY = ["bench", "kv", "--platform", "host", "--workload", "kv-mla", "--isl", "16", "--page", "16",
+              "--batch", "1", "--warmup", "0", "--trials", "1", "--timeout", "60", "--cross-host"]
+
+
+@pytest.fixture
+def net_fake_nixl(monkeypatch, tmp_path):
+    mail = tmp_path / "nixl-mail"
+    mail.mkdir()
+    monkeypatch.setenv(ne.NIXL_MODULE_ENV, "fake_nixl_net")    # the spawned ranks import it (tests/ on sys.path)
+    monkeypatch.setenv("FAKE_NIXL_NET_DIR", str(mail))
+    monkeypatch.delenv("GPUXFER_INJECT_FAULT", raising=False)
+
+
+def _bench(capsys, tmp_path, *argv):
+    import json
+    import time
+    from gpuxfer.cli import main
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    rc = main([*CROSS_TINY, *argv, "--out", str(out)])
+    assert time.monotonic() - t0 < 120
+    cap = capsys.readouterr()
+    path = out / "kv_bench.json"
+    return rc, cap.out + cap.err, json.loads(path.read_text()) if path.exists() else None
+
+
+@pytest.mark.parametrize("engines", [("nixl", "nixl-oneshot", "nixl-bulk"), ("nixl+pack", "nixl-bulk")],
+                         ids=["per-descriptor", "pack"])
+def test_bench_cross_host_runs_the_nixl_engines_over_the_fake(net_fake_nixl, capsys, tmp_path, engines):
+    rc, text, doc = _bench(capsys, tmp_path, "--engine", ",".join(("bulk", "triton") + engines))
+    assert rc == 0, text
+    assert doc["environment"]["cross_host"] is True and "# PASS" in text
+    assert "% of ceiling is of the nixl-bulk row" in text
+    shed = {s["engine"]: s["reason"] for s in doc["shed"] if "engine" in s}
+    assert set(shed) == {"bulk", "triton"}
+    assert all("needs the peer pool mapped over IPC; the ranks are on different hosts" in r for r in shed.values())
+    rows = doc["rows"]
+    assert {(r["engine"], r["direction"]) for r in rows} == {(e, d) for e in engines for d in ("pull", "push")}
+    assert len(rows) == 2 * len(engines)
+    for r in rows:
+        assert r["error"] is None and r["verified"] and r["valid"] and r["wrong_bytes"] == 0, r
+        assert r["burst_bytes"] == 61 * 9216
+    for d in ("pull", "push"):
+        ceiling = next(r for r in rows if r["engine"] == "nixl-bulk" and r["direction"] == d)
+        assert ceiling["of_ceiling_pct"] == pytest.approx(100.0)
+        for r in rows:
+            if r["direction"] == d:
+                assert r["ceiling_gbps"] == ceiling["p50_gbps"]
+    for r in rows:
+        if r["engine"] == "nixl":
+            assert r["nixl_backend"] == "UCX" and r["nixl_descriptors_after_merge"] == 61
+
+
+def test_bench_cross_host_verification_catches_a_wrong_byte(net_fake_nixl, capsys, tmp_path):
+    """Verification is local to the destination across hosts too: an injected wrong byte fails the row.
+    With no ceiling engine running, rows carry no % of ceiling."""
+    rc, text, doc = _bench(capsys, tmp_path, "--engine", "nixl", "--direction", "push", "--inject-fault", "nixl")
+    assert rc == 1, text
+    (row,) = doc["rows"]
+    assert row["fault_injected"] and not row["valid"] and row["wrong_bytes"] == 1
+    assert row["ceiling_gbps"] is None and row["of_ceiling_pct"] is None
+    assert "no ceiling engine runs" in text
+
+
 # --------------------------------------------------------------------------- real NIXL, two processes
 #
 # With NIXL importable (e.g. PYTHONPATH pointing at the slim tree of docs/MULTINODE.md), the

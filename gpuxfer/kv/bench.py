@@ -134,6 +134,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="armed: each engine enqueues its device work ahead behind a GPU flag (untimed, reported as "
                         "arm ms) and the timer runs from the trigger to the last byte landed; host: the engine "
                         "enqueues its work inside the timed region")
+    r.add_argument("--cross-host", action="store_true",
+                   help="run as if the two ranks were on different hosts (set automatically when their hostnames "
+                        "or kernel boot ids differ): the peer pool is never mapped over IPC, engines that need the mapping are shed, "
+                        "nixl-bulk is the ceiling; see docs/MULTINODE.md")
     # Fault injection for tests (documented in docs/kv_bench.md): ENGINE[:DIRECTION] or all.
     r.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
     o = parser.add_argument_group("output")

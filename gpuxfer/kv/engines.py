@@ -75,6 +75,8 @@ from ..platforms.base import DeviceBuffer, Event, Memory, PeerMapping, Platform,
 log = logging.getLogger("gpuxfer.kv.engines")
 
 DIRECTIONS = ("pull", "push")
+#: why an engine with ``needs_peer_mapping`` cannot run when the ranks are on different hosts
+CROSS_HOST_PEER_MAPPING = "needs the peer pool mapped over IPC; the ranks are on different hosts"
 
 
 class Role(str, enum.Enum):
@@ -144,7 +146,7 @@ class Side:
     rank: int
     role: Role
     pool: DeviceBuffer
-    peer_pool: PeerMapping
+    peer_pool: PeerMapping | None      # None when the ranks are on different hosts (no IPC mapping)
     exchange: Callable[[Any], list]
     timeout_s: float = 60.0
     options: EngineOptions = field(default_factory=EngineOptions)
@@ -405,11 +407,18 @@ class Engine(abc.ABC):
     ceiling: ClassVar[bool] = False     # this engine's rows are the ceiling of the others
     armable: ClassVar[bool] = False     # its initiator's work is stream-ordered: it can wait behind a GPU flag
     launches_kernels: ClassVar[bool] = False   # the runner loads its kernels in an unarmed burst first
+    needs_peer_mapping: ClassVar[bool] = False  # reads or writes the peer's memory through an IPC mapping
+    ceiling_across_hosts: ClassVar[bool] = False  # the ceiling when the ranks are on different hosts
 
     @classmethod
     def unavailable_reason(cls, platform: Platform) -> str | None:
         """Why this engine cannot run on ``platform`` (None if it can). Never raises, never touches a device."""
         return None
+
+    @classmethod
+    def cross_host_reason(cls) -> str | None:
+        """Why this engine cannot run when the two ranks are on different hosts (None if it can)."""
+        return CROSS_HOST_PEER_MAPPING if cls.needs_peer_mapping else None
 
     def __init__(self, side: Side):
         self.side = side
@@ -533,6 +542,7 @@ class Engine(abc.ABC):
 
 class TritonEngine(Engine):
     name = "triton"
+    needs_peer_mapping = True
     launches_kernels = True
     armable = True
     description = "descriptor-copy Triton kernel on the initiating GPU (pull reads the peer pool, push writes it)"
@@ -627,6 +637,7 @@ def _kernel_reason(platform: Platform) -> str | None:
 
 class CopyEngineEngine(Engine):
     name = "copy_engine"
+    needs_peer_mapping = True
     # Not armed: a burst is up to 140k copies, far more commands than a stream's queue holds while it
     # is blocked on the gate -- the host would block enqueueing, before the trigger. Its posting is
     # timed (host mode), which is also what a copy-engine connector pays.
@@ -666,6 +677,7 @@ class CopyEngineEngine(Engine):
 
 class BulkEngine(Engine):
     name = "bulk"
+    needs_peer_mapping = True
     armable = True
     description = "one copy-engine descriptor of the burst's total bytes: the ceiling"
     uses_sms = "none"
@@ -816,6 +828,7 @@ class _PackPlan:
 
 class PackEngine(Engine):
     name = "pack"
+    needs_peer_mapping = True
     launches_kernels = True
     armable = True
     description = ("pack on the source, one copy-engine copy per chunk into the destination's staging, unpack "
@@ -1089,12 +1102,16 @@ def parse_engines(spec: str | Sequence[str]) -> list[str]:
     return out
 
 
-def measurement_order(names: Sequence[str]) -> list[str]:
-    """Ceiling engines first (their rows divide the others), then the given order."""
+def measurement_order(names: Sequence[str], *, cross_host: bool = False) -> list[str]:
+    """Ceiling engines first (their rows divide the others), then the given order. Across hosts the
+    ceiling is the engine with ``ceiling_across_hosts`` (``nixl-bulk``)."""
+    if cross_host:
+        return sorted(names, key=lambda n: 0 if engine_class(n).ceiling_across_hosts else 1)
     return sorted(names, key=lambda n: 0 if engine_class(n).ceiling else 1)
 
 
 __all__ = ["DIRECTIONS", "DEFAULT_ENGINES", "ENGINES", "Burst", "BurstShape", "BulkEngine", "CopyEngineEngine", "Engine",
+           "CROSS_HOST_PEER_MAPPING",
            "EngineOptions", "PackEngine", "Prepared", "Role", "Side", "TritonEngine", "as_descriptors",
            "check_direction", "chunk_plan", "contiguous_descriptors", "engine_class", "engine_report",
            "engine_unavailable_reason", "initiator_of", "measurement_order", "parse_engines", "register_engine",

@@ -320,6 +320,11 @@ class MooncakeEngine(Engine):
             return f"Mooncake's intra-node NVLink transport needs CUDA GPUs; platform {platform.name!r}"
         return mooncake_unavailable_reason()
 
+    @classmethod
+    def cross_host_reason(cls) -> str | None:
+        return ("asks for Mooncake's intra-node NVLink transport (nvlink_intra); the ranks are on different "
+                "hosts")
+
     def __init__(self, side: Side):
         super().__init__(side)
         self.mc: MooncakeSide | None = None

@@ -787,6 +787,7 @@ class NixlOneshotEngine(NixlEngine):
 
 class NixlBulkEngine(NixlEngine):
     name = "nixl-bulk"
+    ceiling_across_hosts = True
     description = ("NIXL's own ceiling: the burst's total bytes as a few bulk descriptors pool to pool "
                    "(READ pulls, WRITE pushes); across nodes, where the copy-engine bulk cannot run, the ceiling")
 

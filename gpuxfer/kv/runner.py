@@ -15,6 +15,13 @@ children (a crash in one kills the other after a grace period; no event for a
 long time kills both). Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set; the
 world must be 2) each rank runs in place and rank 0 reports.
 
+Across hosts (the ranks' hostnames or kernel boot ids differ, or ``--cross-host``
+forces it on one host) the peer's pool is never opened over IPC: engines with
+``needs_peer_mapping`` (and Mooncake's intra-node transport) are listed as
+unusable with the reason, ``nixl-bulk`` is the ceiling, and fill and
+verification stay local to each side as always. See docs/MULTINODE.md.
+On one host or across hosts, no usable engine is an error ("nothing could run").
+
 Control never rides the data path: descriptor plans derive from the seed on
 both sides, and the gloo group only carries handles, timings and verdicts.
 Every gloo operation has the group timeout; every device wait has
@@ -102,6 +109,7 @@ class RunConfig:
     devices: tuple[int, int] | None = None
     row_budget_s: float = ROW_BUDGET_S
     min_trials: int = MIN_TRIALS
+    cross_host: bool = False            # --cross-host: behave as if the ranks were on different hosts
     shrunk: dict[str, Any] = field(default_factory=dict)
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
 
@@ -121,6 +129,8 @@ class RunConfig:
             p["emulation_shrunk"] = self.shrunk
         if self.inject_fault:
             p["inject_fault"] = self.inject_fault
+        if self.cross_host:
+            p["cross_host"] = "forced"
         return p
 
 
@@ -219,7 +229,7 @@ def config_from_args(args: argparse.Namespace, options) -> RunConfig:
                      trials=trials, warmup=warmup, seed=options.seed, platform=platform,
                      out=options.out or None, json=options.json, timeout_s=timeout, engine_options=opts,
                      inject_fault=inject, armed=post == "armed", devices=devices, shrunk=shrunk,
-                     pack_chunk_fixed=pack_fixed)
+                     pack_chunk_fixed=pack_fixed, cross_host=bool(getattr(args, "cross_host", False)))
 
 
 def _nonneg_int(text, option: str) -> int:
@@ -276,6 +286,16 @@ def _sync(platform, stream, timeout_s: float, rank: int, what: str) -> None:
 # ----------------------------------------------------------------------------- the worker
 
 
+def _boot_id() -> str | None:
+    """This kernel's boot id (Linux): two ranks with different ones are on different machines even when
+    their hostnames agree (e.g. both ``localhost``). None where unreadable."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
 class _Group:
     """The gloo CPU group of the two ranks: gathers and barriers, with the group timeout."""
 
@@ -318,6 +338,7 @@ class Worker:
         self.engines: dict[str, E.Engine] = {}
         self.stream = None
         self.ceilings: dict[tuple, float | None] = {}
+        self.cross_host = False         # the ranks are on different hosts (or --cross-host): no peer mapping
 
     # -- emit (rank 0 reports; any rank reports its own error)
     def emit(self, kind: str, payload: dict) -> None:
@@ -371,18 +392,26 @@ class Worker:
         info = plat.device_info(dev)
         mine = {"rank": self.rank, "role": f"{self.role.serving_name} ({self.role.value})", "pid": os.getpid(),
                 "device": dev, "info": info.as_dict(), "free_bytes": info.free_bytes,
-                "engines": {name: E.engine_unavailable_reason(name, plat) for name in cfg.engines}}
+                "engines": {name: E.engine_unavailable_reason(name, plat) for name in cfg.engines},
+                "host": socket.gethostname(), "boot_id": _boot_id(), "cross_host_forced": cfg.cross_host}
         both = self.group.gather(mine)
-        same_device = both[0]["device"] == both[1]["device"]
+        # Cross-host mode (docs/MULTINODE.md): the peer's pool cannot be mapped over IPC, so it never is;
+        # engines that need the mapping are unusable, and nixl-bulk is the ceiling.
+        self.cross_host = (any(b["cross_host_forced"] for b in both) or both[0]["host"] != both[1]["host"]
+                           or both[0]["boot_id"] != both[1]["boot_id"])
+        same_device = both[0]["device"] == both[1]["device"] and not self.cross_host
         frees = [b["free_bytes"] for b in both if b["free_bytes"] is not None]
         grid = self._grid(min(frees) if frees else None, 2 if same_device else 1)
         self.grid = grid
 
         # engines usable on both sides
         usable, unusable = [], {}
-        for name in E.measurement_order(cfg.engines):
+        for name in E.measurement_order(cfg.engines, cross_host=self.cross_host):
             reasons = {b["rank"]: b["engines"][name] for b in both if b["engines"][name] is not None}
-            if reasons:
+            why_not_across = E.engine_class(name).cross_host_reason() if self.cross_host else None
+            if why_not_across:
+                unusable[name] = why_not_across
+            elif reasons:
                 unusable[name] = "; ".join(f"rank {r}: {why}" for r, why in reasons.items())
             else:
                 usable.append(name)
@@ -393,8 +422,9 @@ class Worker:
         if nbytes <= 0:
             raise BadInput("nothing to measure: every batch of every point was shed (see --plan-only)")
         self.pool = plat.alloc(nbytes, dev)
-        handles = self.group.gather(self.pool.export())
-        self.peer_pool = plat.open_handle(handles[1 - self.rank], dev)
+        if not self.cross_host:
+            handles = self.group.gather(self.pool.export())
+            self.peer_pool = plat.open_handle(handles[1 - self.rank], dev)
         self.stream = plat.create_stream(dev)
         from .blocktable import derive_seed
         self.src_seed = derive_seed(cfg.seed, "pattern", "src") & ((1 << 62) - 1)
@@ -425,6 +455,13 @@ class Worker:
         shed, expected = self._shed_and_count(unusable)
         self.group.barrier()
         self.emit("start", {"env": env, "params": params, "shed": shed, "expected_rows": expected})
+        if not self.engines:
+            where = "with the ranks on different hosts" if self.cross_host else "here"
+            raise BadInput(f"nothing could run: no engine of --engine is usable {where} (the shed lines say why)")
+        if self.cross_host:
+            ceiling = next((n for n, e in self.engines.items() if e.ceiling_across_hosts), None)
+            self.emit("note", {"text": "cross-host mode: the peer pool is not mapped; % of ceiling is of "
+                                       + (f"the {ceiling} row" if ceiling else "nothing (no ceiling engine runs)")})
 
     def _grid(self, free_bytes: int | None, pools_per_device: int):
         from .grid import build_grid
@@ -455,11 +492,17 @@ class Worker:
 
     def _environment(self, both: list[dict], same_device: bool) -> dict:
         plat = self.platform
-        try:
-            link = plat.link(both[0]["device"], both[1]["device"]).as_dict()
-        except Exception as exc:  # noqa: BLE001
-            link = {"src": both[0]["device"], "dst": both[1]["device"], "kind": "unknown", "detail": str(exc)}
-        return {
+        if self.cross_host:
+            link = {"src": both[0]["device"], "dst": both[1]["device"], "kind": "cross-host",
+                    "detail": f"ranks on hosts {both[0]['host']} and {both[1]['host']}"
+                              + (" (forced by --cross-host)" if any(b["cross_host_forced"] for b in both) else ""),
+                    "peer_access": False}
+        else:
+            try:
+                link = plat.link(both[0]["device"], both[1]["device"]).as_dict()
+            except Exception as exc:  # noqa: BLE001
+                link = {"src": both[0]["device"], "dst": both[1]["device"], "kind": "unknown", "detail": str(exc)}
+        env = {
             "platform": plat.name, "platform_label": plat.label, "is_emulation": plat.is_emulation,
             "versions": run_versions(plat), "hostname": socket.gethostname(), "launcher": self.launcher,
             "pids": ",".join(str(b["pid"]) for b in both),
@@ -469,6 +512,10 @@ class Worker:
             "engine_descriptions": {n: E.engine_class(n).description for n in self.cfg.engines},
             "utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         }
+        if self.cross_host:
+            env["cross_host"] = True
+            env["hostnames"] = [b["host"] for b in both]
+        return env
 
     def _shed_and_count(self, unusable: dict[str, str]) -> tuple[list[dict], int]:
         cfg = self.cfg
@@ -510,7 +557,7 @@ class Worker:
                         row = self._row(eng, burst, pb, point, batch, direction)
                         if self.rank == 0:
                             key = (point.workload.name, point.isl_tokens, point.page_tokens, batch, direction)
-                            if eng.ceiling:
+                            if eng.ceiling_across_hosts if self.cross_host else eng.ceiling:
                                 self.ceilings[key] = row.get("p50_gbps")
                             R.apply_ceiling(row, self.ceilings.get(key))
                             self.emit("row", row)
