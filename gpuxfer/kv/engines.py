@@ -70,7 +70,7 @@ from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 import numpy as np
 
 from ..errors import BadInput, GpuxferError, TransferTimeout
-from ..platforms.base import DeviceBuffer, Event, Memory, PeerMapping, Platform, Stream
+from ..platforms.base import Closable, DeviceBuffer, Event, Memory, PeerMapping, Platform, Stream
 
 log = logging.getLogger("gpuxfer.kv.engines")
 
@@ -390,7 +390,7 @@ def _sync_uploads_plat(platform: Platform, device: int, timeout_s: float, rank: 
 # ----------------------------------------------------------------------------- the interface
 
 
-class Engine(abc.ABC):
+class Engine(Closable, abc.ABC):
     """One way to move a burst. Built on both sides (collectively), used one burst at a time.
 
     Subclasses set ``name``, ``description`` and ``uses_sms`` and implement
@@ -509,25 +509,9 @@ class Engine(abc.ABC):
     def abort(self) -> None:
         """Failure path: release whatever this side's streams wait for (best effort)."""
 
-    # -- lifetime
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._release()
-
+    # -- lifetime (close(), closed and the context manager come from Closable)
     def _release(self) -> None:
         """Free what the engine owns (streams belong to the side)."""
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def _new_prepared(self, burst: Burst, direction: str, *, active: bool | None = None) -> Prepared:
         check_direction(direction)

@@ -42,6 +42,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import BackendUnavailable, BadInput, DriverError, TransferTimeout
+from ..platforms.base import Closable
 
 log = logging.getLogger("gpuxfer.kv.mooncake")
 
@@ -233,7 +234,7 @@ class MooncakeBatch:
     nbytes: int
 
 
-class MooncakeSide:
+class MooncakeSide(Closable):
     """One TransferEngine with its registrations and a worker pool. Idempotent ``close()``."""
 
     def __init__(self, engine_cls, *, device: int, rank: int = 0, workers: int = 1,
@@ -280,10 +281,7 @@ class MooncakeSide:
         for f in futs:
             f.result()
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _release(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         for ptr in self._regs:
             try:
@@ -291,16 +289,6 @@ class MooncakeSide:
             except Exception as exc:
                 log.warning("mooncake unregister_memory(0x%x) failed: %s", ptr, exc)
         self._regs.clear()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 # --------------------------------------------------------------------------- the engine

@@ -46,6 +46,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import BackendUnavailable, BadInput, DriverError, GpuxferError, TransferTimeout
+from ..platforms.base import Closable
 
 log = logging.getLogger("gpuxfer.kv.nixl")
 
@@ -276,7 +277,7 @@ class _Registration:
     handle: Any
 
 
-class NixlAgent:
+class NixlAgent(Closable):
     """One NIXL agent with its registrations, remote agents and prepped lists.
 
     Owns everything it creates and releases it in the documented order on
@@ -455,11 +456,8 @@ class NixlAgent:
             delay = min(delay * 2, 5e-4)
 
     # ---- lifetime ----
-    def close(self) -> None:
-        """Release transfers, prepped lists, remote agents and registrations, in that order. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+    def _release(self) -> None:
+        """Release transfers, prepped lists, remote agents and registrations, in that order (``close()``)."""
         agent = getattr(self, "agent", None)
         if agent is None:
             return
@@ -481,16 +479,6 @@ class NixlAgent:
         self.agent = None
         if errors:
             log.warning("NIXL agent %s closed with errors: %s", self.name, "; ".join(errors))
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 # --------------------------------------------------------------------------- the engines

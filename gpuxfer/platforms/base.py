@@ -99,7 +99,7 @@ class IpcHandle:
     owner_pid: int
 
 
-class _Closable:
+class Closable:
     """Idempotent close + context manager + a warning when garbage-collected open."""
 
     _closed: bool = False
@@ -132,7 +132,7 @@ class _Closable:
                 pass
 
 
-class Memory(_Closable):
+class Memory(Closable):
     """Device memory addressable from this process: ``ptr`` .. ``ptr + nbytes``.
 
     ``device`` is the local device that kernels touching this memory run on.

@@ -69,7 +69,7 @@ import numpy as np
 
 from ..errors import BadInput, DriverError, PlatformUnavailable
 from .base import (DeviceBuffer, DeviceInfo, Event, IpcHandle, LinkInfo, Memory, PeerMapping, Platform, Stream,
-                   _Closable, check_flag_ptr)
+                   Closable, check_flag_ptr)
 
 log = logging.getLogger("gpuxfer.platforms.rocm")
 
@@ -264,7 +264,7 @@ class RocmEvent(Event):
         self.torch_event = torch_event
 
 
-class SignalMemory(_Closable):
+class SignalMemory(Closable):
     """An 8-byte ``hipMallocSignalMemory`` word: a ROCr signal HIP stream operations may write.
 
     ``ptr`` is the value word (HIP's pointer), ``handle`` the ``hsa_signal_t``
