@@ -57,7 +57,7 @@ def _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, it, n_items, slices, la
     grp = it // slices
     sl = it - grp * slices
     r = tl.cast(grp, tl.int64) * ROWS + lanes
-    rmask = (r < nr) & (it < n_items)
+    rmask = (r < nr) & ((lanes * 0 + it) < n_items)   # a tensor, not tensor & scalar (Triton 3.9's interpreter)
     rows = rb + r
     n = tl.load(desc_ptr + rows * 3 + 2, mask=rmask, other=0)
     if MODE == 0:
@@ -97,9 +97,10 @@ def _step(src_ptr, dst_ptr, sp, dp, desc_ptr, offs_ptr, rb, nr, sbase, off0, n_i
     cu = tl.cast(k, tl.int64) * STEP_U
     # ---- issue this step's loads
     xs = ()
-    for u in tl.static_range(UNROLL):
+    lim = tl.where(fast, nu * VEC, 0)      # no loads unless fast (a tensor bound: Triton 3.9's interpreter
+    for u in tl.static_range(UNROLL):      # refuses tensor & scalar masks)
         o = (cu + u * (W * 4 // VEC)) * VEC + cols
-        m = (o[None, :] < (nu * VEC)[:, None]) & fast
+        m = o[None, :] < lim[:, None]
         xs = xs + (tl.load(sp + ((su * VEC)[:, None] + o[None, :]), mask=m, cache_modifier=LOAD_CACHE),)
     # ---- a group that is not aligned: byte-wise, whole item, not pipelined
     if (fast == 0) & valid:
