@@ -7,11 +7,12 @@ What a prefill/decode engine author needs, end to end, in one page:
   the other's pool over IPC; a small gloo CPU group carries the handles, never the data;
 * both derive the request's descriptors ``(src_offset, dst_offset, nbytes)`` from the same
   block tables (here: seeded, as ``gpuxfer bench kv`` does);
-* the decode side pulls the request with the ``triton`` engine (the descriptor-copy kernel
-  reading the peer pool; the fastest engine of ``gpuxfer bench kv`` on NVLink);
+* the request moves with the ``pack`` engine (pack on the prefill GPU, one copy-engine transfer,
+  unpack on the decode GPU), the fastest of the 2x H200 runs (docs/PERFORMANCE.md);
+  ``--engine triton`` pulls with the descriptor-copy kernel reading the peer pool instead;
 * the decode side verifies every byte against the pattern the prefill side painted.
 
-Run:  python examples/kv_handoff.py [--workload kv-dsv4] [--isl 32768] [--page 64] [--engine triton]
+Run:  python examples/kv_handoff.py [--workload kv-dsv4] [--isl 32768] [--page 64] [--engine pack]
 """
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ def main() -> int:
     ap.add_argument("--workload", default="kv-dsv4")
     ap.add_argument("--isl", type=int, default=None, help="input tokens (default 32768; 16 on the CPU emulation)")
     ap.add_argument("--page", type=int, default=64)
-    ap.add_argument("--engine", default="triton", help="triton, pack, copy_engine or bulk")
+    ap.add_argument("--engine", default="pack", help="pack, triton, copy_engine or bulk")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--platform", default=None, help="cuda, rocm or host (default: the first usable)")
     args = ap.parse_args()

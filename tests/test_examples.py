@@ -1,0 +1,42 @@
+"""The examples run end to end on the host emulation (on a GPU machine, `-m gpu` runs them on the GPUs)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, *args: str, platform: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, GPUXFER_PLATFORM=platform, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.parametrize("script, args, expect", [
+    ("pp_two_stage.py", (), "PASS"),
+    ("kv_handoff.py", (), "wrong bytes: 0"),
+])
+def test_example_on_host(script, args, expect):
+    r = _run(script, *args, platform="host")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert expect in r.stdout, r.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("script, args, expect", [
+    ("pp_two_stage.py", (), "PASS"),
+    ("kv_handoff.py", ("--isl", "32768"), "wrong bytes: 0"),
+])
+def test_example_on_cuda(script, args, expect):
+    from conftest import platform_reason
+    why = platform_reason("cuda")
+    if why:
+        pytest.skip(why)
+    r = _run(script, *args, platform="cuda")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert expect in r.stdout, r.stdout
