@@ -64,3 +64,32 @@ def spawner():
         yield s
     finally:
         s.cleanup()
+
+
+# --------------------------------------------------------------------------- Triton kernels: cpu and cuda
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_cuda_reason() -> str | None:
+    """Why the kernel tests' cuda parameter cannot run here (None: it can)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "TRITON_INTERPRET=1 forces the interpreter"
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return "torch sees no CUDA device"
+    except Exception as exc:  # pragma: no cover
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@pytest.fixture(params=[pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)])
+def dev(request):
+    """The device a kernel test runs on: the CPU (Triton's interpreter) and, with -m gpu, a CUDA GPU."""
+    import torch
+    if request.param == "cuda":
+        why = kernel_cuda_reason()
+        if why:
+            pytest.skip(why)
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -6,8 +6,6 @@ each program's loop in Python.
 """
 from __future__ import annotations
 
-import functools
-import os
 
 import numpy as np
 import pytest
@@ -19,31 +17,6 @@ from gpuxfer.errors import BadInput
 from gpuxfer.kernels import (CopyConfig, check_copy, choose_config, copy_descriptors, fill_pattern, pack,
                              pack_offsets, packed_descriptors, unpack, verify)
 from gpuxfer.kernels import reference as ref
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_reason() -> str | None:
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return "TRITON_INTERPRET=1 forces the interpreter"
-    try:
-        if not torch.cuda.is_available():
-            return "torch sees no CUDA device"
-    except Exception as exc:  # pragma: no cover
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
-DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
-
-
-@pytest.fixture(params=DEVICES)
-def dev(request) -> torch.device:
-    if request.param == "cuda":
-        why = _cuda_reason()
-        if why:
-            pytest.skip(why)
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 SRC_SEED, DST_SEED = 101, 202

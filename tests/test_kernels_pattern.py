@@ -3,7 +3,6 @@ catches what it must (a flipped byte, swapped pages, an unwritten descriptor, a
 page copied from its neighbour). CPU (interpreter) always; CUDA marked ``gpu``."""
 from __future__ import annotations
 
-import functools
 import os
 import subprocess
 import sys
@@ -16,25 +15,6 @@ import torch
 from gpuxfer.errors import BadInput, VerificationFailed
 from gpuxfer.kernels import VerifyResult, copy_descriptors, fill_pattern, verify
 from gpuxfer.kernels import reference as ref
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_reason() -> str | None:
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return "TRITON_INTERPRET=1 forces the interpreter"
-    if not torch.cuda.is_available():
-        return "torch sees no CUDA device"
-    return None
-
-
-@pytest.fixture(params=[pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)])
-def dev(request) -> torch.device:
-    if request.param == "cuda":
-        why = _cuda_reason()
-        if why:
-            pytest.skip(why)
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def host(t: torch.Tensor) -> np.ndarray:

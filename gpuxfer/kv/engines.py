@@ -69,7 +69,7 @@ from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 
 import numpy as np
 
-from ..errors import BadInput, GpuxferError, TransferTimeout
+from ..errors import BackendUnavailable, BadInput, GpuxferError, TransferTimeout
 from ..platforms.base import Closable, DeviceBuffer, Event, Memory, PeerMapping, Platform, Stream
 
 log = logging.getLogger("gpuxfer.kv.engines")
@@ -153,6 +153,17 @@ class Side:
     armed: bool = True
     _streams: dict = field(default_factory=dict, repr=False)
     _gate: "Gate | None" = field(default=None, repr=False)
+
+    def agree(self, engine: str, info: dict, on_failure: Callable[[], None]) -> list[dict]:
+        """Collective set-up exchange: every side's record, or, if any side's record is
+        ``{"error": ...}``, ``on_failure()`` and :class:`BackendUnavailable` with every
+        failing side's reason, raised on both sides together (neither is left waiting)."""
+        infos = self.exchange(info)
+        errors = {r: i["error"] for r, i in enumerate(infos) if "error" in i}
+        if errors:
+            on_failure()
+            raise BackendUnavailable(engine, errors)
+        return infos
 
     def stream(self, name: str) -> Stream:
         """A stream of this process, created once per name and shared by the engines (one burst at a time).

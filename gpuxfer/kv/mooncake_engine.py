@@ -330,12 +330,7 @@ class MooncakeEngine(Engine):
                     "version": _version()}
         except Exception as exc:  # tell the peer, so both sides fail together
             info = {"error": f"{type(exc).__name__}: {exc}"}
-        infos = side.exchange(info)
-        errors = {r: i["error"] for r, i in enumerate(infos) if "error" in i}
-        if errors:
-            self._release()
-            raise BackendUnavailable(self.name, errors)
-        self.peer = infos[side.peer_rank]
+        self.peer = side.agree(self.name, info, self._release)[side.peer_rank]
 
     def prepare(self, burst: Burst, direction: str) -> Prepared:
         p = self._new_prepared(burst, direction)

@@ -560,12 +560,7 @@ class _NixlEngineBase(Engine):
                         dev=self.nixl_dev, md=self.agent.metadata(), module=f"{mod.name} {mod.version}")
         except Exception as exc:  # tell the peer, so both sides fail together instead of one hanging
             info = {"error": f"{type(exc).__name__}: {exc}"}
-        infos = side.exchange(info)
-        errors = {r: i["error"] for r, i in enumerate(infos) if "error" in i}
-        if errors:
-            self._release()
-            raise BackendUnavailable(self.name, errors)
-        self.peer = infos[side.peer_rank]
+        self.peer = side.agree(self.name, info, self._release)[side.peer_rank]
         try:
             self.remote = self.agent.add_remote(self.peer["md"])
             try:
