@@ -98,25 +98,6 @@ class NetFakeNixl(FakeNixl):
                 f.write(msg)
             os.replace(tmp, os.path.join(box, name))
 
-        def transfer(self, h, notif_msg=b""):
-            assert not h.released
-            self._log("transfer", h.kw["op"])
-            if self.fake.stuck:
-                h.state = "PROC"
-                return "PROC"
-            peer = h.kw["peer"]
-            for (la, n, _), (ra, rn, _) in zip(h.kw["local"].tolist(), h.kw["remote"].tolist()):
-                assert n == rn
-                there = self._here(peer, ra, n)
-                if h.kw["op"] == "READ":
-                    ctypes.memmove(la, there, n)
-                else:
-                    ctypes.memmove(there, la, n)
-            if h.kw["notif"]:
-                self._post(peer, h.kw["notif"])
-            h.state = "DONE"
-            return "PROC"
-
         def send_notif(self, remote, msg):
             self._post(remote, msg)
 
