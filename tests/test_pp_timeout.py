@@ -111,3 +111,25 @@ def test_stuck_peer_times_out(spawner, platform_name):
     assert sender["B"] == (0, 3, "empty[0]", 1, 0)
     assert sender["B:abort_s"] < 10
     assert receiver["C"] == (1, 1, "metadata")
+
+
+def test_watchdog_reads_each_slot_flag_once_per_poll():
+    """A poll settles hundreds of queued waits with one flag read per slot, and times out the first late one."""
+    import collections
+    import types
+
+    from gpuxfer.errors import TransferTimeout
+    from gpuxfer.pp.copy_engine import CopyEngineTransport
+    reads = []
+
+    def seen(j):
+        reads.append(j)
+        return 250          # both slots' flags have reached step 250
+
+    stub = types.SimpleNamespace(role="send", timeout_s=10.0, rank=0, peer=1, name="copy_engine", _seen=seen,
+                                 _wd=collections.deque((k, (k - 1) % 2, 0.0, k) for k in range(1, 301)))
+    assert CopyEngineTransport._watch(stub, now=1.0) is None
+    assert sorted(reads) == [0, 1] and stub._wd[0][0] == 251
+    err = CopyEngineTransport._watch(stub, now=100.0)
+    assert isinstance(err, TransferTimeout)
+    assert (err.rank, err.step, err.flag, err.expected, err.seen) == (0, 251, "empty[0]", 251, 250)

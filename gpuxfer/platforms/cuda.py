@@ -103,9 +103,15 @@ BATCH_MODE_ENV = "GPUXFER_CUDA_BATCH"
 # --------------------------------------------------------------------------- lazy imports
 
 
+_DRIVER = None
+
+
 def _driver():
-    from cuda.bindings import driver
-    return driver
+    global _DRIVER
+    if _DRIVER is None:
+        from cuda.bindings import driver
+        _DRIVER = driver
+    return _DRIVER
 
 
 def _cupy():
@@ -504,6 +510,23 @@ class CudaPlatform(Platform):
     def _on(self, device: int) -> _OnDevice:
         return _OnDevice(self, device)
 
+    def _stream_op(self, s: CudaStream, fn: Callable, *args, doing: "str | Callable[[], str]") -> None:
+        """``fn(*args)`` (a driver call queued on ``s``) with ``s``'s context current, errors through :func:`check`.
+
+        The per-step hot path: when the device's context is already current (the
+        usual case) this is one extra driver call and no allocation.
+        """
+        ctx = self._ctxs.get(s.device)
+        if ctx is not None:
+            _, cur = _driver().cuCtxGetCurrent()
+            if cur is not None and int(cur) == ctx[1]:
+                res = fn(*args)
+                if int(res[0]) != CUDA_SUCCESS:
+                    check(res, doing, fn.__name__)
+                return
+        with self._on(s.device):
+            _cu(fn, *args, doing=doing)
+
     def _rt(self, device: int, fn: Callable, *args, doing: str) -> Any:
         """Call a CuPy runtime function with ``device`` current; CuPy errors become DriverError via check()."""
         cupy, _, CUDARuntimeError = _cupy()
@@ -778,7 +801,8 @@ class CudaPlatform(Platform):
 
     def current_stream(self, device: int) -> CudaStream:
         import torch
-        device = self._check_device(device)
+        if type(device) is not int or device not in self._ctxs:     # known devices skip the check
+            device = self._check_device(device)
         ts = torch.cuda.current_stream(device)
         return CudaStream(device, int(ts.cuda_stream), ts)
 
@@ -812,9 +836,8 @@ class CudaPlatform(Platform):
             raise BadInput(f"cannot copy {nbytes} bytes")
         if nbytes == 0:
             return
-        with self._on(s.device):
-            _cu(_driver().cuMemcpyAsync, dst, src, nbytes, s.handle,
-                doing=lambda: f"copying {nbytes} bytes 0x{src:x} -> 0x{dst:x} on {s!r}")
+        self._stream_op(s, _driver().cuMemcpyAsync, dst, src, nbytes, s.handle,
+                        doing=lambda: f"copying {nbytes} bytes 0x{src:x} -> 0x{dst:x} on {s!r}")
 
     def batch_copy_note(self) -> str:
         """How ``copy_batch_async`` runs here (for device_info notes and doctor)."""
@@ -969,9 +992,8 @@ class CudaPlatform(Platform):
         ptr = int(ptr)
         check_flag_ptr(ptr)
         v = _u64(value)
-        with self._on(s.device):
-            _cu(_driver().cuStreamWriteValue64, s.handle, ptr, v, 0,
-                doing=lambda: f"writing flag 0x{ptr:x} := {int(value)} on {s!r}")
+        self._stream_op(s, _driver().cuStreamWriteValue64, s.handle, ptr, v, 0,
+                        doing=lambda: f"writing flag 0x{ptr:x} := {int(value)} on {s!r}")
 
     def wait_flag(self, stream: Stream, ptr: int, value: int) -> None:
         """``cuStreamWaitValue64`` with ``CU_STREAM_WAIT_VALUE_GEQ`` (cyclic: ``(int64)(*ptr - value) >= 0``)."""
@@ -980,9 +1002,9 @@ class CudaPlatform(Platform):
         check_flag_ptr(ptr)
         v = _u64(value)
         drv = _driver()
-        with self._on(s.device):
-            _cu(drv.cuStreamWaitValue64, s.handle, ptr, v, drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ,
-                doing=lambda: f"enqueuing a wait for flag 0x{ptr:x} >= {int(value)} on {s!r}")
+        geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        self._stream_op(s, drv.cuStreamWaitValue64, s.handle, ptr, v, geq,
+                        doing=lambda: f"enqueuing a wait for flag 0x{ptr:x} >= {int(value)} on {s!r}")
 
     def _helper(self, device: int) -> _Helper:
         h = self._helpers.get(device)

@@ -73,6 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-targets", action="store_true", help="exit 1 when a speed target is missed")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a rank is declared hung")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
+    p.add_argument("--trace", type=_size, default=None, metavar="SIZE",
+                   help="record the timed loops at this size (without metadata) with torch.profiler and write a "
+                        "Chrome trace per rank and backend into --trace-dir: the GPU timeline of copies and kernels")
+    p.add_argument("--trace-dir", default=".", metavar="DIR", help="where --trace writes (default: .)")
     p.add_argument("--profile", type=_size, default=None, metavar="SIZE",
                    help="cProfile the timed loop at this size on both ranks and print the hot spots")
     p.add_argument("--corrupt-for-test", action="store_true", help=argparse.SUPPRESS)
@@ -195,10 +199,19 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
                             import cProfile
                             prof = cProfile.Profile()
                             prof.enable()
+                        trace = None
+                        if opts.get("trace") == size and not metadata and not emu:
+                            trace = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                                       torch.profiler.ProfilerActivity.CUDA])
+                            trace.start()
                         t0 = time.perf_counter()
                         got = run_steps(t, size, k, n, metadata, True)
                         _sync(plat, dev)
                         elapsed = time.perf_counter() - t0
+                        if trace is not None:
+                            trace.stop()
+                            path = os.path.join(opts["trace_dir"], f"pp-trace-{backend}-rank{rank}.json")
+                            trace.export_chrome_trace(path)
                         if prof is not None:
                             prof.disable()
                             profiles.append(_profile_text(prof, f"rank {rank} ({'sender' if rank == 0 else 'receiver'})"
@@ -277,31 +290,48 @@ def _contention(plat, dev, tdev, rank, opts, open_conn, src, run_steps, rows) ->
                 torch.mm(a, b, out=c)
         return fn
 
-    def run(k: int, transfer=None) -> float:
-        """Wall time of k matmuls on the compute stream, with ``transfer()`` steps running meanwhile."""
+    timed = getattr(comp, "torch", None) is not None     # a torch stream: time the matmuls with GPU events
+
+    def run(k: int, transfer=None) -> tuple[float, float]:
+        """(matmul time, transfer time) in seconds: k matmuls on the compute stream, ``transfer()`` meanwhile.
+
+        The matmuls are timed on the GPU (events on the compute stream) where the
+        platform has torch streams, so the host's own pace of enqueueing transfer
+        steps cannot inflate them; the emulation falls back to the wall clock.
+        The transfer time runs from the start to the transfer's last step done.
+        """
         dist.barrier()
         t0 = time.perf_counter()
+        if timed:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(comp.torch)
         plat.launch(comp, loop(k))
+        if timed:
+            end.record(comp.torch)
         ev = plat.record_event(comp)
+        busy = 0.0
         if transfer is not None:
             transfer()
+            _sync(plat, dev)
+            busy = time.perf_counter() - t0
         if not plat.event_wait(ev, 300.0):
             raise RuntimeError("matmul loop timed out")
         el = time.perf_counter() - t0
         _sync(plat, dev)
-        return el
+        return (start.elapsed_time(end) / 1e3 if timed else el), busy
 
     # calibrate k so the loop takes about contention_ms alone (same k on both ranks)
     run(2)
-    probe = run(8)
+    probe = run(8)[0]
     k_local = max(8, int(opts["contention_ms"] / 1e3 / (probe / 8)))
     ks = [None, None]
     dist.all_gather_object(ks, k_local)
     k = min(ks)
     flops = 2.0 * n ** 3 * k
     size = min(opts["contention_size"], max(opts["sizes"]))
-    res = {"matmul_n": n, "matmuls": k, "transfer_size_bytes": size}
-    alone = [run(k)]
+    res = {"matmul_n": n, "matmuls": k, "transfer_size_bytes": size,
+           "matmul_clock": "gpu events" if timed else "host wall clock"}
+    alone = [run(k)[0]]
     for backend in opts["backends"]:
         step = [r["time_us"] for r in rows if r["backend"] == backend and not r["metadata"]
                 and r["size_bytes"] == max(s for s in opts["sizes"] if s <= size)]
@@ -314,12 +344,16 @@ def _contention(plat, dev, tdev, rank, opts, open_conn, src, run_steps, rows) ->
             t = conn.transports[0]
             run_steps(t, size, 1, 3, False, False)
             _sync(plat, dev)
-            el = run(k, lambda: run_steps(t, size, 4, steps, False, False))
+            el, busy = run(k, lambda: run_steps(t, size, 4, steps, False, False))
             t.synchronize()
         res[f"{backend}_tflops"] = flops / el / 1e12
         res[f"{backend}_steps"] = steps
+        # the transfers must outlast the matmuls, or part of the loop ran alone
+        covered = [None, None]
+        dist.all_gather_object(covered, busy >= el)
+        res[f"{backend}_covered"] = all(covered)
         dist.barrier()
-    alone.append(run(k))
+    alone.append(run(k)[0])
     res["alone_tflops"] = flops / min(alone) / 1e12
     res["alone_spread_pct"] = abs(alone[0] - alone[1]) / min(alone) * 100
     for backend in opts["backends"]:
@@ -426,8 +460,10 @@ def format_report(res: dict, opts: dict) -> str:
         parts = [f"alone {con['alone_tflops']:.2f} TFLOPS (spread of two runs {con['alone_spread_pct']:.1f}%)"]
         for b in opts["backends"]:
             if f"{b}_tflops" in con:
-                parts.append(f"next to {b} {con[f'{b}_tflops']:.2f} TFLOPS ({-con[f'{b}_loss_pct']:+.1f}%)")
-        L.append(f"# SM contention: {con['matmuls']} matmuls {con['matmul_n']}^3, transfers of "
+                parts.append(f"next to {b} {con[f'{b}_tflops']:.2f} TFLOPS ({-con[f'{b}_loss_pct']:+.1f}%)"
+                             + ("" if con.get(f"{b}_covered", True) else ", transfers ended before the matmuls"))
+        L.append(f"# SM contention: {con['matmuls']} matmuls {con['matmul_n']}^3 (timed by "
+                 f"{con.get('matmul_clock', 'host wall clock')}), transfers of "
                  f"{_fmt_size(con['transfer_size_bytes'])} back to back: " + "; ".join(parts))
     wrong = sum(r["wrong_bytes"] for r in res["rows"])
     L.append("#")
@@ -476,7 +512,8 @@ def _options(args) -> dict:
             "recv_slots": args.recv_slots, "contention_size": args.contention_size,
             "contention_ms": args.contention_ms if not emu else min(args.contention_ms, 100.0),
             "matmul": args.matmul, "no_contention": args.no_contention, "timeout": args.timeout,
-            "corrupt": args.corrupt_for_test, "profile": args.profile}
+            "corrupt": args.corrupt_for_test, "profile": args.profile, "trace": args.trace,
+            "trace_dir": os.path.abspath(args.trace_dir)}
 
 
 def run(args) -> int:

@@ -25,8 +25,9 @@ Timeline of step k (slot j, staging slot s = k % 2)::
       (step k-2's copy
        left staging[s])
     pack tensors ->
-      staging[s]  (SM,
-      local torch copy)
+      staging[s]  (copy
+      engine, one local
+      copy per tensor)
     record ev packed ---> wait ev packed
                           wait empty[j] >= k-R  (local;
                             only when k > R)
@@ -37,16 +38,17 @@ Timeline of step k (slot j, staging slot s = k % 2)::
                             write stage_full[j] = k;
                             copy_async 8 B -> R.full[j] -----> wait full[j] >= k  (local)
                           record ev copied[s]                copy-out R.data[j] -> fresh tensors
-                                                               (SM, local torch copy)
+                                                               (copy engine, one local copy)
                                                              publish empty[j] = k:
                        empty[j] >= k  <---------------------   remote write S.empty[j], or
                        (lets step k+R reuse slot j)            write stage_empty[j] = k;
                                                                copy_async 8 B -> S.empty[j]
 
-Nothing on this path waits on the CPU: the sender's side stream and the
-receiver's current stream wait on flags, the streams wait on each other with
-events. The sender packs into its own staging ring (rather than copying
-straight from the caller's tensors) so ``send()`` returns with the caller free
+Nothing on this path waits on the CPU and nothing runs on SMs: every copy,
+the pack and the copy-out included, is a copy-engine copy; the sender's side
+stream and the receiver's current stream wait on flags, the streams wait on
+each other with events. The sender packs into its own staging ring (rather
+than copying straight from the caller's tensors) so ``send()`` returns with the caller free
 to overwrite its outputs in the next forward; the staging ring is counted in
 ``allocated_bytes``. Back-pressure: a sender more than R steps ahead of its
 receiver stalls its side stream; more than R + 2 steps ahead, its current
@@ -64,18 +66,17 @@ its peer saw it.
 
 An ``sdma`` backend (ROCm) can subclass :class:`CopyEngineTransport` and
 override :meth:`~CopyEngineTransport.unavailable_reason`,
-:meth:`~CopyEngineTransport._peer_copy` and :meth:`~CopyEngineTransport._publish`.
+:meth:`~CopyEngineTransport._ce_copy` and :meth:`~CopyEngineTransport._publish`.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
 
 from ..errors import BadInput, GpuxferError, TransferTimeout
 from ..sync import wait_event_or_raise
-from .transport import RELEASE_VALUE, Layout, Received, Transport, as_bytes, copy_bytes
+from .transport import RELEASE_VALUE, Layout, Received, Transport
 
 log = logging.getLogger("gpuxfer.pp")
 
@@ -129,9 +130,6 @@ class CopyEngineTransport(Transport):
         self._flags = self._data = self._staging = None
         self._peer_flags = self._peer_data = None
         self._copied = [None, None]
-        self._views: dict = {}
-        self._slot_t: list = []
-        self._staging_t: list = []
         self._last_stream = None
         self._nonce = 0
 
@@ -183,7 +181,7 @@ class CopyEngineTransport(Transport):
         self._nonce = nonce
         stage = self._fptr(self._flags, W_PROBE_STAGE)
         p.write_flag(s, stage, nonce + 1)
-        self._peer_copy(s, self._fptr(self._peer_flags, W_PROBE_COPY), stage, 8)
+        self._ce_copy(s, self._fptr(self._peer_flags, W_PROBE_COPY), stage, 8)
         wait_event_or_raise(p, p.record_event(s), PROBE_TIMEOUT_S, rank=self.rank, step=0, flag="probe (copy)",
                             expected=nonce + 1, device=self.device,
                             what=f"setup probe: 8-byte flag copy to rank {self.peer}")
@@ -236,8 +234,6 @@ class CopyEngineTransport(Transport):
 
     def setup_finish(self, peer_check: dict) -> None:
         """Choose the flag path (remote writes only where the peer saw them) and pre-resolve the hot path."""
-        import torch
-        p = self.platform
         self.remote_flags = bool(peer_check.get("remote_seen"))
         if self.flag_path == "remote" and not self.remote_flags:
             raise GpuxferError(f"{ENV_FLAG_PATH}=remote but rank {self.peer} did not see this rank's remote "
@@ -247,15 +243,15 @@ class CopyEngineTransport(Transport):
         self._stage_ptr = [self._fptr(self._flags, W_IN + R + j) for j in range(R)]
         self._peer_in_ptr = [self._fptr(self._peer_flags, W_IN + j) for j in range(R)]
         if self.role == "recv":
-            self._slot_t = [p.as_tensor(self._data, torch.uint8, (slot,), j * slot) for j in range(R)]
+            self._slot_ptr = [self._data.ptr + j * slot for j in range(R)]
         else:
             self._peer_slot_ptr = [self._peer_data.ptr + j * slot for j in range(R)]
             self._staging_ptr = [self._staging.ptr + s * slot for s in range(2)]
-            self._staging_t = [p.as_tensor(self._staging, torch.uint8, (slot,), s * slot) for s in range(2)]
         self._state = "open"
 
     # ---- the per-step hooks an sdma-like backend may override ----
-    def _peer_copy(self, stream, dst: int, src: int, nbytes: int) -> None:
+    def _ce_copy(self, stream, dst: int, src: int, nbytes: int) -> None:
+        """A copy on copy engines (no SM): peer data and flags, the pack and the copy-out."""
         self.platform.copy_async(stream, dst, src, nbytes)
 
     def _publish(self, stream, j: int, k: int) -> None:
@@ -265,20 +261,15 @@ class CopyEngineTransport(Transport):
         else:
             stage = self._stage_ptr[j]
             self.platform.write_flag(stream, stage, k)
-            self._peer_copy(stream, self._peer_in_ptr[j], stage, 8)
+            self._ce_copy(stream, self._peer_in_ptr[j], stage, 8)
 
     # ---- send ----
-    def _pack_byte_views(self, s: int, layout: Layout) -> list:
-        """uint8 views of staging slot ``s`` shaped like :func:`as_bytes` of each tensor (cached per shapes)."""
-        key = (s, layout.shapes)
-        views = self._views.get(key)
-        if views is None:
-            st = self._staging_t[s]
-            views = [st[o:o + n].view(b) for o, n, b in zip(layout.offsets, layout.nbytes, layout.bshapes)]
-            if len(self._views) > 1024:
-                self._views.clear()
-            self._views[key] = views
-        return views
+    def _pack(self, cur, s: int, tensors, layout: Layout) -> None:
+        """Copy the step's tensors into staging slot ``s`` on ``cur``: one local copy-engine copy each, no SM."""
+        base = self._staging_ptr[s]
+        for name, off, n in zip(self.specs.names, layout.offsets, layout.nbytes):
+            if n:
+                self._ce_copy(cur, base + off, tensors[name].data_ptr(), n)
 
     def _send_impl(self, k: int, tensors, layout: Layout) -> None:
         p, R = self.platform, self.recv_slots
@@ -287,12 +278,10 @@ class CopyEngineTransport(Transport):
         copied = self._copied[s]
         if copied is not None:
             p.stream_wait_event(cur, copied)
-        if layout.total:
-            self._on_current(cur, functools.partial(copy_bytes, self._pack_byte_views(s, layout),
-                                                    [as_bytes(tensors[n]) for n in self.specs.names]))
+        self._pack(cur, s, tensors, layout)
         packed = p.record_event(cur)
-        if self._host_sync and copied is not None:
-            kk = k - 2       # the pack waited for step k-2's copy, which waited for empty >= k-2-R
+        if self._host_sync:     # emulation: send() returns with the caller free to overwrite its tensors
+            kk = k - 2          # the pack waited for step k-2's copy, which waited for empty >= k-2-R
             jj = (kk - 1) % R
             wait_event_or_raise(p, packed, self.timeout_s, rank=self.rank, step=kk, flag=f"empty[{jj}]",
                                 expected=kk - R, flag_ptr=self._in_ptr[jj], device=self.device,
@@ -303,7 +292,7 @@ class CopyEngineTransport(Transport):
             p.wait_flag(side, self._in_ptr[j], k - R)
             self._wd.append((k, j, time.monotonic(), k - R))
         if layout.total:
-            self._peer_copy(side, self._peer_slot_ptr[j], self._staging_ptr[s], layout.total)
+            self._ce_copy(side, self._peer_slot_ptr[j], self._staging_ptr[s], layout.total)
         self._publish(side, j, k)
         self._copied[s] = p.record_event(side)
 
@@ -319,22 +308,20 @@ class CopyEngineTransport(Transport):
         cur = p.current_stream(self.device)
         p.wait_flag(cur, self._in_ptr[j], k)
         self._wd.append((k, j, time.monotonic(), k))
-        slot = self._slot_t[j]
-        if rcv.out is None:
+        slot = self._slot_ptr[j]
+        if rcv.out is None:        # one copy of the whole slot into a fresh buffer (torch's, on ``cur``)
             buf = torch.empty(max(lay.total, 1), dtype=torch.uint8, device=self.torch_device)
             if lay.total:
-                self._on_current(cur, functools.partial(torch.Tensor.copy_, buf[:lay.total], slot[:lay.total]))
+                self._ce_copy(cur, buf.data_ptr(), slot, lay.total)
             views = {name: buf[o:o + n].view(d).view(shape)
                      for name, o, n, d, shape in zip(specs.names, lay.offsets, lay.nbytes, specs.dtypes, lay.shapes)}
         else:
-            views, dsts, srcs = {}, [], []
+            views = {}
             for name, o, n, shape, item in zip(specs.names, lay.offsets, lay.nbytes, lay.shapes, specs.itemsizes):
                 flat = rcv.out[name].view(-1)[:n // item]
                 views[name] = flat.view(shape)
-                dsts.append(as_bytes(flat))
-                srcs.append(slot[o:o + n])
-            if lay.total:
-                self._on_current(cur, functools.partial(copy_bytes, dsts, srcs))
+                if n:
+                    self._ce_copy(cur, flat.data_ptr(), slot + o, n)
         self._publish(cur, j, k)
         self._last_stream = cur
         if self._host_sync:
@@ -351,25 +338,24 @@ class CopyEngineTransport(Transport):
             return None
 
     def _watch(self, now: float, force: bool = False):
+        """Pop the waits whose flag arrived; a wait older than the timeout becomes TransferTimeout.
+
+        Each slot's flag is read (a device-to-host copy) at most once per poll:
+        flags only grow, so one value per slot settles every wait queued on it.
+        """
         wd = self._wd
         flag = "full" if self.role == "recv" else "empty"
-        if not wd:
-            return None
-        newest = wd[-1]
-        v = self._seen(newest[1])
-        if v is not None and v >= newest[3]:   # flags are published in step order: all older waits are done
-            while wd:
-                if wd.popleft() is newest:
-                    break
-            return None
+        seen: dict[int, int | None] = {}
         while wd:
             k, j, t0, expected = wd[0]
-            seen = self._seen(j)
-            if seen is not None and seen >= expected:
+            if j not in seen:
+                seen[j] = self._seen(j)
+            v = seen[j]
+            if v is not None and v >= expected:
                 wd.popleft()
                 continue
             if force or now - t0 > self.timeout_s:
-                return TransferTimeout(rank=self.rank, step=k, flag=f"{flag}[{j}]", expected=expected, seen=seen,
+                return TransferTimeout(rank=self.rank, step=k, flag=f"{flag}[{j}]", expected=expected, seen=v,
                                        timeout_s=self.timeout_s,
                                        what=f"{self.name} {'receive from' if self.role == 'recv' else 'send to'} "
                                             f"rank {self.peer}: waiting {now - t0:.1f} s")
@@ -398,8 +384,6 @@ class CopyEngineTransport(Transport):
                 m.close()
 
     def _free(self) -> None:
-        self._views.clear()
-        self._slot_t, self._staging_t = [], []
         self._copied = [None, None]
         for b in (self._data, self._staging, self._flags):
             if b is not None:
@@ -407,8 +391,6 @@ class CopyEngineTransport(Transport):
 
     def _free_local(self) -> None:
         """abort(): the staging ring is ours alone; flags and receive slots are mapped by the peer, kept."""
-        self._views.clear()
-        self._staging_t = []
         if self._staging is not None:
             self._staging.close()
 

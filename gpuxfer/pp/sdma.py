@@ -71,7 +71,6 @@ optionally ``pcie_atomics_64(device)``.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
@@ -83,7 +82,7 @@ from ..platforms.hsa import (HSA_EXT_POINTER_TYPE_IPC, HSA_EXT_POINTER_TYPE_UNKN
 from ..sync import wait_event_or_raise
 from .copy_engine import FLAG_STRIDE, PROBE_TIMEOUT_S, CopyEngineTransport
 from .selection import register_backend
-from .transport import ALIGN, RELEASE_VALUE, Layout, as_bytes, copy_bytes
+from .transport import ALIGN, RELEASE_VALUE, Layout
 
 log = logging.getLogger("gpuxfer.pp")
 
@@ -309,8 +308,8 @@ class SdmaTransport(CopyEngineTransport):
                 hsa.signal_destroy(probe)
 
     # ---- the parent's hooks ----
-    def _peer_copy(self, stream, dst: int, src: int, nbytes: int) -> None:
-        """A stream-ordered SDMA copy (the ``hip`` path's data copy, every 8-byte flag copy)."""
+    def _ce_copy(self, stream, dst: int, src: int, nbytes: int) -> None:
+        """A stream-ordered SDMA copy (the pack, the copy-out, the ``hip`` path's data copy, every 8-byte flag copy)."""
         self.platform.copy_async(stream, dst, src, nbytes, force_nocu=True)
 
     # ---- send (hsa path) ----
@@ -343,9 +342,7 @@ class SdmaTransport(CopyEngineTransport):
         # staging slot s was last read by step k-2's data copy, whose sent copy wrote sent[s] = k-2
         if k > 2:
             p.wait_flag(cur, self._sent[s], k - 2)
-        if layout.total:
-            p.launch(cur, functools.partial(copy_bytes, self._pack_byte_views(s, layout),
-                                            [as_bytes(tensors[n]) for n in self.specs.names]))
+        self._pack(cur, s, tensors, layout)
         packed = p.record_event(cur)
         if self._host_sync:
             wait_event_or_raise(p, packed, self.timeout_s, rank=self.rank, step=k - 2, flag=f"sent[{s}]",

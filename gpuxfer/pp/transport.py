@@ -627,18 +627,6 @@ class Transport(abc.ABC):
         if what == "recv" and self.role != "recv":
             raise BadInput(f"rank {self.rank} sends on this transport (to rank {self.peer}); it cannot receive")
 
-    def _on_current(self, cur, fn) -> None:
-        """Run torch work ``fn`` in the order of ``cur``, the current stream.
-
-        On a GPU torch already enqueues on the current stream, so ``fn`` runs
-        directly (``platform.launch`` would only add its stream-switching cost to
-        every step); on the host emulation it goes through ``launch``.
-        """
-        if self._host_sync:
-            self.platform.launch(cur, fn)
-        else:
-            fn()
-
     def _send_meta(self, fill) -> None:
         try:
             i = self.channel.next_send_buffer(self.timeout_s)

@@ -1,0 +1,78 @@
+"""Host cost of each call on the stage hand-off's per-step path, on one GPU (a tuning aid, not a test).
+
+    PYTHONPATH=. python3 scripts/host_costs.py [--json PATH]
+
+Times N calls of each platform hook the ``copy_engine`` transport makes per step,
+and the raw ``cuda.bindings`` / torch calls under them, with the GPU kept busy
+enough that nothing blocks; prints microseconds per call.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=2000)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    import torch
+    from cuda.bindings import driver as drv
+
+    from gpuxfer.platforms import get_platform
+    plat = get_platform("cuda")
+    dev = 0
+    torch.cuda.set_device(dev)
+    flags = plat.alloc(4096, dev)
+    buf = plat.alloc(1 << 20, dev)
+    cur = plat.current_stream(dev)
+    side = plat.create_stream(dev)
+    plat.memset_async(cur, flags.ptr, 0, 4096)
+    plat.synchronize(cur, 10)
+    ev = plat.record_event(cur)
+    x = torch.empty(1 << 14, dtype=torch.uint8, device="cuda")
+    h = int(side.handle)
+    out = {}
+
+    def timeit(name, fn):
+        for _ in range(50):
+            fn()
+        t0 = time.perf_counter()
+        for _ in range(args.n):
+            fn()
+        out[name] = (time.perf_counter() - t0) / args.n * 1e6
+        plat.synchronize(side, 60)
+        plat.synchronize(cur, 60)
+
+    timeit("plat.current_stream", lambda: plat.current_stream(dev))
+    timeit("torch.cuda.current_stream", lambda: torch.cuda.current_stream(dev))
+    timeit("plat.record_event", lambda: plat.record_event(side))
+    timeit("torch.cuda.Event()+record", lambda: torch.cuda.Event().record(side.torch))
+    timeit("plat.stream_wait_event", lambda: plat.stream_wait_event(side, ev))
+    timeit("plat.write_flag", lambda: plat.write_flag(side, flags.ptr, 1))
+    timeit("cuStreamWriteValue64 raw", lambda: drv.cuStreamWriteValue64(h, flags.ptr, 1, 0))
+    geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+    timeit("plat.wait_flag", lambda: plat.wait_flag(side, flags.ptr, 0))
+    timeit("cuStreamWaitValue64 raw", lambda: drv.cuStreamWaitValue64(h, flags.ptr, 0, geq))
+    timeit("plat.copy_async 16 KiB", lambda: plat.copy_async(side, buf.ptr, buf.ptr + (1 << 19), 1 << 14))
+    timeit("cuMemcpyAsync raw 16 KiB", lambda: drv.cuMemcpyAsync(buf.ptr, buf.ptr + (1 << 19), 1 << 14, h))
+    timeit("cuCtxGetCurrent raw", lambda: drv.cuCtxGetCurrent())
+    timeit("torch.empty 16 KiB", lambda: torch.empty(1 << 14, dtype=torch.uint8, device="cuda"))
+    timeit("tensor.copy_ 16 KiB", lambda: x.copy_(x))
+    timeit("tensor.data_ptr", lambda: x.data_ptr())
+    for k, v in out.items():
+        print(f"{k:32s} {v:8.2f} us")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"us_per_call": out, "n": args.n}, f, indent=1)
+    side.close()
+    buf.close()
+    flags.close()
+    plat.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
