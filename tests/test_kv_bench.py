@@ -468,3 +468,22 @@ def test_size_classes_partition_the_plan():
     merged = np.concatenate(classes)
     assert sorted(map(tuple, merged.tolist())) == sorted(map(tuple, plan.tolist()))
     assert _size_classes(plan[:0]) == []
+    for col in (0, 1):          # sorted by the peer pool's offsets, still a partition
+        by = _size_classes(plan, sort_col=col)
+        assert all((np.diff(c[:, col]) >= 0).all() and (c[:, 2] == c[0, 2]).all() for c in by)
+        assert sorted(map(tuple, np.concatenate(by).tolist())) == sorted(map(tuple, plan.tolist()))
+
+
+def test_triton_order_policy(monkeypatch):
+    """GPUXFER_KV_TRITON_ORDER: the peer pool's column by default, the local one, the plan's order, or an error."""
+    from gpuxfer.errors import BadInput
+    from gpuxfer.kv.engines import _order_col
+    monkeypatch.delenv("GPUXFER_KV_TRITON_ORDER", raising=False)
+    assert (_order_col("pull"), _order_col("push")) == (0, 1)        # pull reads the source, push writes the destination
+    monkeypatch.setenv("GPUXFER_KV_TRITON_ORDER", "local")
+    assert (_order_col("pull"), _order_col("push")) == (1, 0)
+    monkeypatch.setenv("GPUXFER_KV_TRITON_ORDER", "plan")
+    assert _order_col("pull") is None
+    monkeypatch.setenv("GPUXFER_KV_TRITON_ORDER", "random")
+    with pytest.raises(BadInput, match="GPUXFER_KV_TRITON_ORDER"):
+        _order_col("pull")

@@ -890,7 +890,7 @@ def test_nixl_engines_through_the_benchmark_runner(tmp_path):
             for r in mine:
                 assert r.get("error") is None, r["error"]
                 assert r["verified"] and r["valid"] and r["wrong_bytes"] == 0, r
-                assert r["gbps_p50"] and r["gbps_p50"] > 0
+                assert r["p50_gbps"] and r["p50_gbps"] > 0
                 if engine in ("nixl", "nixl-oneshot"):
                     assert r.get("nixl_backend") == "UCX", r
     mc = [r for r in rows if r["engine"] == "mooncake"]

@@ -127,9 +127,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="device indexes of the prefill and decode processes (default 0,1; 0,0 with one device)")
     r.add_argument("--copy-engine-max-descs", default=None, metavar="DESCRIPTORS",
                    help="copy_engine measures bursts of at most this many descriptors (default 140k: "
-                        "~15 us each on H200); larger bursts are shed, with the reason")
+                        "~0.6-1 us each on H200); larger bursts are shed, with the reason")
     r.add_argument("--pack-chunk", default=None, metavar="BYTES",
                    help="largest chunk (staging slot) of the pack engine (default 32MiB; 256KiB on the emulation)")
+    r.add_argument("--pack-first-chunk", default=None, metavar="BYTES",
+                   help="the pack engine's chunks ramp up from this size (default 2MiB): a short pipeline fill")
+    r.add_argument("--pack-lanes", default=None, metavar="N",
+                   help="copy streams the pack engine's chunks alternate over, 1..8 (default 2; staging slots: "
+                        "twice this)")
     r.add_argument("--post", default="armed", metavar="MODE",
                    help="armed: each engine enqueues its device work ahead behind a GPU flag (untimed, reported as "
                         "arm ms) and the timer runs from the trigger to the last byte landed; host: the engine "

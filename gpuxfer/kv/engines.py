@@ -63,13 +63,14 @@ import abc
 import enum
 import importlib
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 
 import numpy as np
 
-from ..errors import BackendUnavailable, BadInput, GpuxferError, TransferTimeout
+from ..errors import BackendUnavailable, BadInput, TransferTimeout
 from ..platforms.base import Closable, DeviceBuffer, Event, Memory, PeerMapping, Platform, Stream
 
 log = logging.getLogger("gpuxfer.kv.engines")
@@ -109,7 +110,7 @@ class EngineOptions:
     """Engine tuning knobs (the benchmark's defaults; the emulation shrinks the sizes)."""
 
     copy_batch_descs: int = 8192               # descriptors per copy_batch_async call
-    copy_engine_max_descs: int = 140_000       # per-burst cap of copy_engine (~15 us/descriptor on H200)
+    copy_engine_max_descs: int = 140_000       # per-burst cap of copy_engine (~0.6-1 us/descriptor on H200)
     pack_chunk_bytes: int = 32 << 20           # staging slot size = the largest chunk (the runner may raise it)
     pack_max_chunks: int = 96                  # the runner sizes slots so a burst has about this many chunks
     pack_first_chunk_bytes: int = 2 << 20      # chunks ramp up from this (short pipeline fill)
@@ -566,7 +567,7 @@ class TritonEngine(Engine):
         src_t, dst_t = self._views()
         k = _kernels()
         tables = []
-        for rows in _size_classes(burst.concatenated()):
+        for rows in _size_classes(burst.concatenated(), _order_col(direction)):
             t = _device_table(self.side, src_t, rows)
             hint = int(rows[0, 2])
             # whole row groups per program (see PackEngine._programs): no column slicing
@@ -591,13 +592,32 @@ class TritonEngine(Engine):
         self._src_t = self._dst_t = None
 
 
-def _size_classes(plan: np.ndarray) -> list[np.ndarray]:
-    """A burst's descriptors split by size, one table per size (stable order within each).
+#: how the triton engine orders each size class (GPUXFER_KV_TRITON_ORDER): by the peer pool's offsets
+#: (``peer``, the default and the fastest measured), by the local pool's (``local``), or as planned (``plan``)
+TRITON_ORDERS = ("peer", "local", "plan")
+
+
+def _order_col(direction: str) -> int | None:
+    """The descriptor column the triton engine sorts by (0 = source offsets, 1 = destination), or None."""
+    order = os.environ.get("GPUXFER_KV_TRITON_ORDER", "peer").strip().lower()
+    if order not in TRITON_ORDERS:
+        raise BadInput(f"GPUXFER_KV_TRITON_ORDER must be one of {', '.join(TRITON_ORDERS)}, got {order!r}")
+    if order == "plan":
+        return None
+    peer = 0 if direction == "pull" else 1       # pull reads the peer's source pool; push writes its destination
+    return peer if order == "peer" else 1 - peer
+
+
+def _size_classes(plan: np.ndarray, sort_col: int | None = None) -> list[np.ndarray]:
+    """A burst's descriptors split by size, one table per size.
 
     A request mixes sizes (kv-dsv4 at 16-token pages: 2,304 B compressed entries, 528 B indexer
     entries, 9,216 B window pages); one launch per size lets the kernel pick the tiling for
-    that size instead of tiling every descriptor for the largest. Order does not matter: the
-    descriptors of a burst never overlap on the destination.
+    that size instead of tiling every descriptor for the largest. Within a class descriptors
+    keep their order, or are sorted by column ``sort_col`` (the peer pool's offsets), so that
+    programs running at the same time touch neighbouring pages of the peer pool rather than
+    pages scattered over all of it. Order does not matter: the descriptors of a burst never
+    overlap on the destination.
     """
     if plan.shape[0] == 0:
         return []
@@ -605,7 +625,10 @@ def _size_classes(plan: np.ndarray) -> list[np.ndarray]:
     order = np.argsort(sizes, kind="stable")
     sorted_sizes = sizes[order]
     cuts = np.flatnonzero(np.diff(sorted_sizes)) + 1
-    return [plan[idx] for idx in np.split(order, cuts)]
+    classes = [plan[idx] for idx in np.split(order, cuts)]
+    if sort_col is not None:
+        classes = [c[np.argsort(c[:, sort_col], kind="stable")] for c in classes]
+    return classes
 
 
 def _bind(fn, *args, **kwargs):
@@ -645,7 +668,7 @@ class CopyEngineEngine(Engine):
         cap = self.options.copy_engine_max_descs
         if shape.descriptors > cap:
             return (f"copy_engine is capped at {cap:,} descriptors per burst (this burst has {shape.descriptors:,}; "
-                    f"at ~15 us per descriptor it would take ~{shape.descriptors * 15e-6:.1f} s); raise "
+                    f"at ~1 us per descriptor it would take ~{shape.descriptors * 1e-6:.1f} s); raise "
                     f"--copy-engine-max-descs to measure it")
         return None
 

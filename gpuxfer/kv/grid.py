@@ -57,8 +57,8 @@ DEFAULT_POOL_BUDGET_BYTES = 64 * GiB
 #:   The suite's own budget (2.25 M) was sized for NIC descriptor floors of ~1-4 us; a GPU
 #:   kernel walks descriptors at memory speed, so a 7x larger budget keeps the batch axis
 #:   where the engines under test differ.
-#: * Engines with a per-descriptor cost (``copy_engine``, ~15 us per descriptor measured on
-#:   2xH200) need their own, smaller cap: that is the benchmark's call, per engine.
+#: * Engines with a per-descriptor cost (``copy_engine``, 0.6-1 us of burst time per descriptor
+#:   measured on 2xH200) need their own, smaller cap: that is the benchmark's call, per engine.
 DEFAULT_DESC_BUDGET = 1 << 24
 #: How many of the smallest requested batches the descriptor budget never sheds.
 FLOOR_BATCHES = 2

@@ -203,6 +203,13 @@ def config_from_args(args: argparse.Namespace, options) -> RunConfig:
     if pack_fixed:
         opts.pack_chunk_bytes = parse_size(args.pack_chunk, option="--pack-chunk", kind="bytes")
         opts.pack_first_chunk_bytes = min(opts.pack_first_chunk_bytes, opts.pack_chunk_bytes)
+    if getattr(args, "pack_first_chunk", None):
+        opts.pack_first_chunk_bytes = parse_size(args.pack_first_chunk, option="--pack-first-chunk", kind="bytes")
+    if getattr(args, "pack_lanes", None):
+        lanes = parse_size(args.pack_lanes, option="--pack-lanes")
+        if lanes > 8:
+            raise BadInput(f"--pack-lanes must be 1..8, got {lanes}")
+        opts.pack_lanes, opts.pack_slots = lanes, 2 * lanes
     if getattr(args, "copy_engine_max_descs", None):
         opts.copy_engine_max_descs = parse_size(args.copy_engine_max_descs, option="--copy-engine-max-descs",
                                                 kind="descriptors")
