@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # The GPU check: the `gpu` tests, doctor and the benchmarks, in one go, with every
 # artifact under $OUT (default ./gpu-out). Run from the repo root on a GPU machine:
-#   bash scripts/gpu-check.sh [quick|full]
+#   bash scripts/gpu-check.sh [tests|bench|full]
+# tests: doctor, the hot path's host costs, `pytest -m gpu` (both examples included), bench
+# kernels; bench: bench pp, bench kv, NIXL against our engines (where a NIXL module imports),
+# bench kv under torchrun; full: both. Each half fits one 10-minute device call.
 # Runs from the source tree (PYTHONPATH=.), so nothing needs installing where torch,
 # triton, cupy and cuda-bindings already are.
 set -uo pipefail
 mode=${1:-full}
+case $mode in tests|bench|full) ;; *) echo "usage: $0 [tests|bench|full]" >&2; exit 2;; esac
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -22,14 +26,25 @@ step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/NAME.log, remember fail
   echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
   [ $rc -eq 0 ] || status=1
 }
-nvidia-smi topo -m > "$OUT/topo.txt" 2>&1 || true
-step doctor 120 $PY -m gpuxfer doctor
-step gpu-tests 420 $PY -m pytest -m gpu -q -p no:cacheprovider tests
-if [ "$mode" = full ]; then
-  step bench-kernels 180 $PY -m gpuxfer bench kernels --json "$OUT/bench-kernels.json"
-  step bench-pp 240 $PY -m gpuxfer bench pp --json "$OUT/bench-pp.json"
-  step bench-kv 330 $PY -m gpuxfer bench kv --out "$OUT/kv"
-  step example-kv 120 $PY examples/kv_handoff.py
-  step example-pp 120 $PY examples/pp_two_stage.py
+if [ "$mode" != bench ]; then
+  nvidia-smi topo -m > "$OUT/topo.txt" 2>&1 || true
+  step doctor 120 $PY -m gpuxfer doctor
+  step host-costs 60 $PY scripts/host_costs.py --json "$OUT/host-costs.json"
+  step gpu-tests 420 $PY -m pytest -m gpu -q -p no:cacheprovider tests
+  step bench-kernels 120 $PY -m gpuxfer bench kernels --json "$OUT/bench-kernels.json"
+fi
+if [ "$mode" != tests ]; then
+  step bench-pp 150 $PY -m gpuxfer bench pp --json "$OUT/bench-pp.json" --profile 16K
+  step bench-kv 150 $PY -m gpuxfer bench kv --out "$OUT/kv"
+  step torchrun 120 $PY -m torch.distributed.run --nproc-per-node 2 -m gpuxfer bench kv --out "$OUT/kv-torchrun" \
+    --isl 8k --page 64 --batch 1,4 --trials 3
+  if $PY -c 'import importlib, os; importlib.import_module(os.environ.get("GPUXFER_NIXL_MODULE", "nixl"))' 2>/dev/null
+  then  # issue 8's run: NIXL and our engines on the same descriptors (per-descriptor NIXL: few trials)
+    step bench-kv-nixl 300 $PY -m gpuxfer bench kv --out "$OUT/kv-nixl" --workload kv-dsv4 --isl 32k \
+      --page 16,64 --batch 1,8 --direction pull,push --trials 2 --warmup 1 \
+      --engine nixl,nixl-oneshot,nixl+pack,nixl-bulk,mooncake,triton,pack,bulk
+  else
+    echo "=== bench-kv-nixl: skipped (no NIXL module imports; docs/MULTINODE.md: the slim NIXL tree)"
+  fi
 fi
 exit $status
