@@ -36,6 +36,7 @@ def bad_inputs():
     yield "not a tensor", {**g, "pos": [1, 2, 3]}, 1
     yield "not a dict", [g["hidden"]], 1
     yield "too many dims", {**g, "pos": torch.zeros((1,) * 9, dtype=torch.int64)}, 7
+    yield "negated view", {**g, "residual": torch._neg_view(g["residual"])}, 8     # its bytes are not its values
 
 
 def test_spec_table_layout():
@@ -79,6 +80,9 @@ def test_check_shapes_and_out():
     with pytest.raises(BadInput, match="out"):
         t.check_out({"hidden": torch.zeros(10, dtype=torch.bfloat16), "pos": torch.zeros(48, dtype=torch.int64),
                      "residual": torch.zeros(48 * 40)}, CPU)
+    with pytest.raises(BadInput, match="negated"):
+        t.check_out({"hidden": torch.zeros(48 * 40, dtype=torch.bfloat16), "pos": torch.zeros(48, dtype=torch.int64),
+                     "residual": torch._neg_view(torch.zeros(48, 40))}, CPU)
     t.check_out({"hidden": torch.zeros(48 * 40, dtype=torch.bfloat16), "pos": torch.zeros(48, dtype=torch.int64),
                  "residual": torch.zeros(48, 40)}, CPU)
 

@@ -114,3 +114,15 @@ def test_example_two_stage_cuda():
     r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "pp_two_stage.py")], capture_output=True,
                        text=True, timeout=300, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_targets_leave_out_rows_timed_under_a_profiler():
+    from gpuxfer.pp.bench import _targets
+
+    def row(backend, us, instrumented=None):
+        return {"backend": backend, "metadata": False, "size_bytes": 16384, "time_us": us, "algbw_gbps": 1.0,
+                "instrumented": instrumented}
+    res = {"rows": [row("copy_engine", 10.0), row("nccl", 100.0)], "bulk": [], "contention": {}}
+    assert _targets(res, ["copy_engine", "nccl"])[0][2] is True
+    res["rows"][0] = row("copy_engine", 90.0, "cProfile")          # a profiled row alone would miss the target
+    assert _targets(res, ["copy_engine", "nccl"]) == []

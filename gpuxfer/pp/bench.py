@@ -210,6 +210,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
                         elapsed = time.perf_counter() - t0
                         if trace is not None:
                             trace.stop()
+                            os.makedirs(opts["trace_dir"], exist_ok=True)
                             path = os.path.join(opts["trace_dir"], f"pp-trace-{backend}-rank{rank}.json")
                             trace.export_chrome_trace(path)
                         if prof is not None:
@@ -223,7 +224,9 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
                         k += n
                         rows.append({"backend": backend, "metadata": metadata, "size_bytes": size,
                                      "iters": n, "time_us": elapsed / n * 1e6,
-                                     "algbw_gbps": size / (elapsed / n) / 1e9, "wrong_bytes": wrong})
+                                     "algbw_gbps": size / (elapsed / n) / 1e9, "wrong_bytes": wrong,
+                                     "instrumented": ("cProfile" if prof is not None else
+                                                      "torch.profiler" if trace is not None else None)})
                     if backend != "nccl" and not metadata:
                         bulk = _bulk_copy(plat, dev, t, sizes, rank, iters_for)
                 dist.barrier()
@@ -366,8 +369,11 @@ def _contention(plat, dev, tdev, rank, opts, open_conn, src, run_steps, rows) ->
 
 
 def _targets(res: dict, backends: list) -> list[tuple[str, str, bool | None]]:
-    """(target, measured, met) for the 2xH200 targets; met None where this run cannot tell."""
-    rows = res["rows"]
+    """(target, measured, met) for the 2xH200 targets; met None where this run cannot tell.
+
+    Rows timed under a profiler (``--profile`` / ``--trace``) are left out: the profiler's cost is in them.
+    """
+    rows = [r for r in res["rows"] if not r.get("instrumented")]
     out = []
     if "copy_engine" in backends and "nccl" in backends:
         for metadata in (False, True):
@@ -449,6 +455,10 @@ def format_report(res: dict, opts: dict) -> str:
                 rat.append(f"{a['time_us'] / n['time_us']:>7.2f}" if a and n else f"{'-':>7}")
             line += " " + " ".join(rat)
         L.append(line)
+    for r in res["rows"]:
+        if r.get("instrumented"):
+            L.append(f"# ({r['backend']} {'+' if r['metadata'] else '-'}meta at {_fmt_size(r['size_bytes'])} was timed "
+                     f"under {r['instrumented']}: left out of the targets)")
     if res.get("bulk"):
         L.append("#")
         L.append("# bulk peer copy (copy_async back to back, staging -> peer slot, same run): "

@@ -132,6 +132,7 @@ class CopyEngineTransport(Transport):
         self._copied = [None, None]
         self._last_stream = None
         self._nonce = 0
+        self._host_keep = None              # emulation: tensors a queued host-stream copy may still touch
 
     # ---- setup phases (called by selection.connect, every rank in lock step) ----
     def _fptr(self, mem, word: int) -> int:
@@ -281,6 +282,7 @@ class CopyEngineTransport(Transport):
         self._pack(cur, s, tensors, layout)
         packed = p.record_event(cur)
         if self._host_sync:     # emulation: send() returns with the caller free to overwrite its tensors
+            self._host_keep = tensors   # (kept past a timeout: the queued copy may still read them)
             kk = k - 2          # the pack waited for step k-2's copy, which waited for empty >= k-2-R
             jj = (kk - 1) % R
             wait_event_or_raise(p, packed, self.timeout_s, rank=self.rank, step=kk, flag=f"empty[{jj}]",
@@ -325,6 +327,7 @@ class CopyEngineTransport(Transport):
         self._publish(cur, j, k)
         self._last_stream = cur
         if self._host_sync:
+            self._host_keep = buf if rcv.out is None else rcv.out   # (a timed-out copy may still write it)
             wait_event_or_raise(p, p.record_event(cur), self.timeout_s, rank=self.rank, step=k, flag=f"full[{j}]",
                                 expected=k, flag_ptr=self._in_ptr[j], device=self.device,
                                 what=f"{self.name} receive from rank {self.peer}")

@@ -70,6 +70,7 @@ _REFUSALS = {
     5: "a tensor is not contiguous",
     6: "a tensor is larger than its slot (the setup spec's largest shape)",
     7: "a tensor has too many dimensions",
+    8: "a tensor is a lazily conjugated or negated view",
 }
 
 
@@ -236,6 +237,9 @@ class SpecTable:
                 raise _Refusal(4, i, f"{name!r} is on {t.device}, the transport's device is {device}")
             if not t.is_contiguous():
                 raise _Refusal(5, i, f"{name!r} is not contiguous (strides {t.stride()}); pass .contiguous()")
+            if t.is_conj() or t.is_neg():    # its bytes are not its values: copies move bytes
+                raise _Refusal(8, i, f"{name!r} is a lazily conjugated or negated view; pass .resolve_conj() / "
+                                     f".resolve_neg()")
             if t.dim() > MAX_NDIM:
                 raise _Refusal(7, i, f"{name!r} has {t.dim()} dimensions, at most {MAX_NDIM} are supported")
             if t.numel() > self.max_numel[i]:
@@ -279,9 +283,9 @@ class SpecTable:
             t = out[name]
             if not isinstance(t, torch.Tensor) or t.dtype != self.dtypes[i] or t.device != device:
                 raise BadInput(f"out[{name!r}] must be a {self.dtypes[i]} tensor on {device}")
-            if not t.is_contiguous() or t.numel() < self.max_numel[i]:
-                raise BadInput(f"out[{name!r}] must be contiguous with >= {self.max_numel[i]} elements "
-                               f"(the setup spec's largest shape {self.max_shapes[i]})")
+            if not t.is_contiguous() or t.numel() < self.max_numel[i] or t.is_conj() or t.is_neg():
+                raise BadInput(f"out[{name!r}] must be contiguous (not a conjugated or negated view) with >= "
+                               f"{self.max_numel[i]} elements (the setup spec's largest shape {self.max_shapes[i]})")
 
     # ---- metadata ----
     def encode(self, buf: np.ndarray, step: int, shapes) -> None:
