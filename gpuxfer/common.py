@@ -16,6 +16,17 @@ _DECIMAL_BYTES = {"kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
+def package_version(*dists: str) -> str | None:
+    """The version of the first of ``dists`` that is installed (read from its metadata; nothing is imported)."""
+    from importlib import metadata
+    for dist in dists:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def parse_size(text: str, *, option: str, kind: str = "count") -> int:
     """Parse ``32k``, ``512K``, ``64GiB``, ``1.5G``, ``100GB``, ``4096`` into a positive integer.
 

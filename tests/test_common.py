@@ -48,3 +48,12 @@ def test_run_versions_lists_libraries_and_platform():
 def test_run_versions_says_when_the_platform_cannot_tell():
     v = run_versions(_Plat(RuntimeError("no driver")))
     assert "no driver" in v["platform versions"] and v["torch"]
+
+
+def test_package_version_reads_metadata():
+    from importlib import metadata
+
+    from gpuxfer.common import package_version
+    assert package_version("numpy") == metadata.version("numpy")
+    assert package_version("no-such-dist-gpuxfer", "numpy") == metadata.version("numpy")   # the first installed
+    assert package_version("no-such-dist-gpuxfer") is None

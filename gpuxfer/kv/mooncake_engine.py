@@ -41,6 +41,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..common import package_version
 from ..errors import BackendUnavailable, BadInput, DriverError, TransferTimeout
 from ..platforms.base import Closable
 
@@ -81,12 +82,10 @@ def _preload_cudart12() -> bool:
 
 
 def _version() -> str:
-    from importlib import metadata
     for dist in DISTRIBUTIONS:
-        try:
-            return f"{dist} {metadata.version(dist)}"
-        except Exception:
-            continue
+        v = package_version(dist)
+        if v:
+            return f"{dist} {v}"
     return "unknown"
 
 

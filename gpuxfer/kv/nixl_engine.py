@@ -45,6 +45,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..common import package_version
 from ..errors import BackendUnavailable, BadInput, DriverError, GpuxferError, TransferTimeout
 from ..platforms.base import Closable
 
@@ -199,14 +200,6 @@ def _module_order() -> tuple[str, ...]:
     return tuple(order)
 
 
-def _version_of(name: str) -> str:
-    try:
-        from importlib import metadata
-        return metadata.version(name.replace("_", "-"))
-    except Exception:
-        return "unknown"
-
-
 def find_nixl(refresh: bool = False) -> tuple[NixlModule | None, str | None]:
     """Import NIXL: ``(module, None)``, or ``(None, why not)``. Never raises; cached."""
     order = _module_order()
@@ -226,7 +219,7 @@ def find_nixl(refresh: bool = False) -> tuple[NixlModule | None, str | None]:
         except Exception as exc:  # broken install: missing .so, bad plugin dir...
             reasons.append(f"{name}: {type(exc).__name__}: {exc}")
             continue
-        result = (NixlModule(name, mod, _version_of(name)), None)
+        result = (NixlModule(name, mod, package_version(name.replace("_", "-")) or "unknown"), None)
         break
     if result is None:
         hint = ("pip install nixl-cu13 (or nixl-cu12); on a machine without a network, "

@@ -73,6 +73,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..common import package_version
 from ..errors import BadInput, DriverError, GpuxferError, TransferTimeout
 from .base import (DeviceBuffer, DeviceInfo, Event, IpcHandle, LinkInfo, Memory, PeerMapping, Platform, Stream,
                    as_int64_array, check_flag_ptr)
@@ -393,14 +394,6 @@ def _u64(value: int, what: str = "flag value") -> int:
     return value & _MASK64
 
 
-def _pkg_version(dist: str) -> str:
-    try:
-        from importlib.metadata import version
-        return version(dist)
-    except Exception:
-        return "not installed"
-
-
 def _cuda_version_str(v: int) -> str:
     return f"{v // 1000}.{(v % 1000) // 10}"
 
@@ -675,7 +668,7 @@ class CudaPlatform(Platform):
         put("cuda runtime (cupy)", lambda: _cuda_version_str(_cupy()[1].runtimeGetVersion()))
         put("cupy", lambda: _cupy()[0].__version__)
         put("cuda-bindings", lambda: __import__("cuda.bindings", fromlist=["__version__"]).__version__)
-        put("nvidia-ml-py", lambda: _pkg_version("nvidia-ml-py"))
+        put("nvidia-ml-py", lambda: package_version("nvidia-ml-py") or "not installed")
         put("torch", lambda: __import__("torch").__version__)
         put("torch cuda", lambda: __import__("torch").version.cuda)
         return out

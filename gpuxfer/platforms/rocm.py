@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import ctypes
 import importlib
-import importlib.metadata
 import logging
 import os
 import re
@@ -67,6 +66,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from ..common import package_version
 from ..errors import BadInput, DriverError, PlatformUnavailable
 from .base import (DeviceBuffer, DeviceInfo, Event, IpcHandle, LinkInfo, Memory, PeerMapping, Platform, Stream,
                    Closable, check_flag_ptr)
@@ -108,11 +108,9 @@ def _import_hip():
 
 
 def hip_python_version() -> str | None:
-    for dist in ("hip-python", "rocm-bindings-hip"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
+    v = package_version("hip-python", "rocm-bindings-hip")
+    if v:
+        return v
     try:
         return str(importlib.import_module("hip").__version__)
     except Exception:  # noqa: BLE001
