@@ -283,11 +283,15 @@ class CopyEngineTransport(Transport):
         packed = p.record_event(cur)
         if self._host_sync:     # emulation: send() returns with the caller free to overwrite its tensors
             self._host_keep = tensors   # (kept past a timeout: the queued copy may still read them)
-            kk = k - 2          # the pack waited for step k-2's copy, which waited for empty >= k-2-R
-            jj = (kk - 1) % R
-            wait_event_or_raise(p, packed, self.timeout_s, rank=self.rank, step=kk, flag=f"empty[{jj}]",
-                                expected=kk - R, flag_ptr=self._in_ptr[jj], device=self.device,
-                                what=f"{self.name} send to rank {self.peer}: staging slot not free")
+            if copied is None:  # steps 1-2: the pack waited for nothing but the stream itself
+                wait_event_or_raise(p, packed, self.timeout_s, rank=self.rank, step=k, flag="stream", expected=k,
+                                    device=self.device, what=f"{self.name} send to rank {self.peer}: packing")
+            else:
+                kk = k - 2      # the pack waited for step k-2's copy, which waited for empty >= k-2-R
+                jj = (kk - 1) % R
+                wait_event_or_raise(p, packed, self.timeout_s, rank=self.rank, step=kk, flag=f"empty[{jj}]",
+                                    expected=kk - R, flag_ptr=self._in_ptr[jj], device=self.device,
+                                    what=f"{self.name} send to rank {self.peer}: staging slot not free")
         p.stream_wait_event(side, packed)
         j = (k - 1) % R
         if k > R:
