@@ -144,6 +144,8 @@ def test_a_failing_process_does_not_hang_the_other(capsys, tmp_path):
     (["--pool-budget", "12XB"], "--pool-budget: unknown unit"),
     (["--pack-chunk", "0"], "--pack-chunk: '0' must be positive"),
     (["--copy-engine-max-descs", "many"], "--copy-engine-max-descs: cannot read 'many'"),
+    (["--pack-lanes", "9"], "--pack-lanes must be 1..8, got 9"),
+    (["--pack-first-chunk", "0"], "--pack-first-chunk: '0' must be positive"),
     (["--workload", "kv-nope"], "unknown KV workload 'kv-nope'"),
 ])
 def test_bad_options_give_clear_errors(capsys, tmp_path, argv, message):
