@@ -48,7 +48,10 @@ def main() -> int:
 
     timeit("plat.current_stream", lambda: plat.current_stream(dev))
     timeit("torch.cuda.current_stream", lambda: torch.cuda.current_stream(dev))
+    timeit("torch._C._cuda_getCurrentRawStream", lambda: torch._C._cuda_getCurrentRawStream(dev))
     timeit("plat.record_event", lambda: plat.record_event(side))
+    reuse = plat.record_event(side)
+    timeit("plat.record_event (re-record)", lambda: plat.record_event(side, reuse))
     timeit("torch.cuda.Event()+record", lambda: torch.cuda.Event().record(side.torch))
     timeit("plat.stream_wait_event", lambda: plat.stream_wait_event(side, ev))
     timeit("plat.write_flag", lambda: plat.write_flag(side, flags.ptr, 1))
@@ -58,9 +61,47 @@ def main() -> int:
     timeit("cuStreamWaitValue64 raw", lambda: drv.cuStreamWaitValue64(h, flags.ptr, 0, geq))
     timeit("plat.copy_async 16 KiB", lambda: plat.copy_async(side, buf.ptr, buf.ptr + (1 << 19), 1 << 14))
     timeit("cuMemcpyAsync raw 16 KiB", lambda: drv.cuMemcpyAsync(buf.ptr, buf.ptr + (1 << 19), 1 << 14, h))
+    timeit("cuMemcpyDtoDAsync raw 16 KiB", lambda: drv.cuMemcpyDtoDAsync(buf.ptr, buf.ptr + (1 << 19), 1 << 14, h))
+    import ctypes
+    err, pfn, _ = drv.cuGetProcAddress(b"cuMemcpyAsync", 13000, 0)
+    cfn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)(int(pfn))
+    timeit("cuMemcpyAsync ctypes 16 KiB", lambda: cfn(buf.ptr, buf.ptr + (1 << 19), 1 << 14, h))
+    timeit("torch copy_ 16 KiB (SM kernel)", lambda: x[:1 << 13].copy_(x[1 << 13:]))
+    ev2 = torch.cuda.Event()
+    ev2.record(side.torch)
+    timeit("cuEventRecord raw", lambda: drv.cuEventRecord(ev2.cuda_event, h))
+    timeit("cuStreamWaitEvent raw", lambda: drv.cuStreamWaitEvent(h, ev2.cuda_event, 0))
+
+    import numpy as np
+    bd = np.array([buf.ptr, buf.ptr + 8192], dtype=np.int64)
+    bs = np.array([buf.ptr + (1 << 19), buf.ptr + (1 << 19) + 8192], dtype=np.int64)
+    bn = np.array([8192, 8192], dtype=np.int64)
+    timeit("plat.copy_batch_async 2 x 8 KiB (created stream)", lambda: plat.copy_batch_async(side, bd, bs, bn))
+    timeit("plat.copy_async 2 x 8 KiB", lambda: (plat.copy_async(side, buf.ptr, buf.ptr + (1 << 19), 8192),
+                                                  plat.copy_async(side, buf.ptr + 8192, buf.ptr + (1 << 19) + 8192,
+                                                                  8192)))
+
+    # one copy_engine sender step's calls (a local stand-in: the 'peer' slot is on the same device)
+    t1, t2 = x[:1 << 12].view(torch.bfloat16), x[1 << 12:1 << 13].view(torch.bfloat16)
+    state = {"k": 0, "packed": None, "copied": [None, None]}
+
+    def sender_step():
+        k = state["k"] = state["k"] + 1
+        c = plat.current_stream(dev)
+        s_ = k & 1
+        if state["copied"][s_] is not None:
+            plat.stream_wait_event(c, state["copied"][s_])
+        plat.copy_async(c, buf.ptr + s_ * 65536, t1.data_ptr(), 8192)
+        plat.copy_async(c, buf.ptr + s_ * 65536 + 8192, t2.data_ptr(), 8192)
+        state["packed"] = plat.record_event(c, state["packed"])
+        plat.stream_wait_event(side, state["packed"])
+        plat.wait_flag(side, flags.ptr, 0)
+        plat.copy_async(side, buf.ptr + (1 << 19), buf.ptr + s_ * 65536, 16384)
+        plat.write_flag(side, flags.ptr + 64, k)
+        state["copied"][s_] = plat.record_event(side, state["copied"][s_])
+    timeit("a copy_engine sender step (10 calls)", sender_step)
     timeit("cuCtxGetCurrent raw", lambda: drv.cuCtxGetCurrent())
     timeit("torch.empty 16 KiB", lambda: torch.empty(1 << 14, dtype=torch.uint8, device="cuda"))
-    timeit("tensor.copy_ 16 KiB", lambda: x.copy_(x))
     timeit("tensor.data_ptr", lambda: x.data_ptr())
     for k, v in out.items():
         print(f"{k:32s} {v:8.2f} us")

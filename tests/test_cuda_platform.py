@@ -375,7 +375,7 @@ def test_constants_match_cuda_bindings():
     assert cm.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM == int(d.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
     assert cm.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE == int(
         d.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE)
-    assert int(d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ) == 0
+    assert int(d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ) == cm._WAIT_GEQ == 0
     A = d.CUdevice_attribute
     assert int(A.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS) == 122
     assert int(A.CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR) == 123

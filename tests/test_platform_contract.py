@@ -208,6 +208,32 @@ def test_wait_blocks_only_its_stream(platform):
             m.close()
 
 
+def test_rerecorded_event_keeps_earlier_waits(platform):
+    """record_event(stream, event): a wait enqueued before the re-record still waits for the first recording
+    only; the returned event (the same one where the platform reuses it) completes after the new work."""
+    dev = 0
+    flags = zeroed(platform, 64, dev)
+    s1, s2 = platform.create_stream(dev), platform.create_stream(dev)
+    try:
+        first = platform.record_event(s1)                    # s1 is idle: complete at once
+        platform.stream_wait_event(s2, first)
+        platform.write_flag(s2, flags.ptr + 8, 3)
+        platform.wait_flag(s1, flags.ptr, 1)                 # s1 blocks from here
+        again = platform.record_event(s1, first)
+        assert again is first or platform.name == "host"     # CUDA / ROCm reuse it; the emulation makes a new one
+        assert platform.synchronize(s2, T)                   # s2 waited for the first recording only
+        assert platform.read_flag(flags.ptr + 8, dev) == 3
+        time.sleep(0.1)
+        assert not platform.event_query(again)
+        platform.host_write_flag(flags.ptr, 1, dev)
+        assert platform.event_wait(again, T)
+    finally:
+        platform.host_write_flag(flags.ptr, RELEASE, dev)
+        for s in (s1, s2):
+            platform.synchronize(s, T)
+        flags.close()
+
+
 def test_wait_that_never_completes_times_out(platform):
     dev = 0
     flags = zeroed(platform, 8, dev)

@@ -39,6 +39,19 @@ def bad_inputs():
     yield "negated view", {**g, "residual": torch._neg_view(g["residual"])}, 8     # its bytes are not its values
 
 
+def to_device(t, dev):
+    """``t.to(dev)``, keeping a negated view negated (``.to`` on another device materializes the negation)."""
+    if t.is_neg():
+        return torch._neg_view(torch._neg_view(t).to(dev))
+    return t.to(dev)
+
+
+def test_to_device_keeps_a_negated_view():
+    n = torch._neg_view(torch.arange(4.0))
+    moved = to_device(n, CPU)
+    assert moved.is_neg() and torch.equal(moved, -torch.arange(4.0))
+
+
 def test_spec_table_layout():
     t = SpecTable(specs())
     assert t.names == ("hidden", "pos", "residual")
@@ -57,6 +70,17 @@ def test_spec_table_refuses(label, tensors, code):
     with pytest.raises(_Refusal) as ei:
         SpecTable(specs()).check_tensors(tensors, CPU)
     assert ei.value.code == code
+
+
+def test_spec_table_fast_path_agrees():
+    """The per-step fast path (GPUs) returns the same shapes as the checked path, and None (go and find
+    out what is wrong) for every bad input; CPU tensors stand in for a device with index -1."""
+    t = SpecTable(specs())
+    assert t._fast_shapes(good(), -1) == t.check_tensors(good(), CPU)
+    for label, tensors, _code in bad_inputs():
+        if isinstance(tensors, dict) and tensors.keys() == t.nameset:
+            index = 0 if label == "wrong device" else -1     # a meta tensor's index is -1 too
+            assert t._fast_shapes(tensors, index) is None, label
 
 
 def test_spec_table_bad_specs():
@@ -146,8 +170,8 @@ def badinput_session(rank: int, world: int, init_method: str, platform_name: str
                         s.send(step_tensors(seed, 0, 1, dev))
                         for label, tensors, _code in cases:
                             if isinstance(tensors, dict):
-                                tensors = {k: (v.to(dev) if isinstance(v, torch.Tensor) and v.device.type != "meta"
-                                               else v) for k, v in tensors.items()}
+                                tensors = {k: (to_device(v, dev) if isinstance(v, torch.Tensor)
+                                               and v.device.type != "meta" else v) for k, v in tensors.items()}
                             with pytest.raises(BadInput, match="nothing sent"):
                                 s.send(tensors)
                             assert s.step == 1

@@ -61,9 +61,13 @@ def test_bench_pp_host(tmp_path, capsys):
     configs = {(r["backend"], r["metadata"]) for r in doc["rows"]}
     assert configs == {("copy_engine", True), ("copy_engine", False), ("nccl", True), ("nccl", False)}
     for row in doc["rows"]:
-        assert set(row) >= {"size_bytes", "time_us", "algbw_gbps", "wrong_bytes", "iters"}
+        assert set(row) >= {"size_bytes", "time_us", "algbw_gbps", "wrong_bytes", "iters", "send_host_us",
+                            "recv_host_us"}
         assert row["time_us"] > 0 and row["wrong_bytes"] == 0
-    assert {"alone_tflops", "nccl_tflops", "copy_engine_tflops", "copy_engine_loss_pct"} <= set(doc["contention"])
+        assert 0 < row["send_host_us"] and 0 < row["recv_host_us"] <= row["time_us"] * 1.01
+    assert {"alone_tflops", "nccl_tflops", "copy_engine_tflops", "copy_engine_loss_pct",
+            "copy_engine_transfer_gbps", "nccl_transfer_gbps"} <= set(doc["contention"])
+    assert "host time per step" in text and "moving" in text
     assert [b["size_bytes"] for b in doc["bulk_copy"]] == sizes
 
 

@@ -131,7 +131,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--pack-chunk", default=None, metavar="BYTES",
                    help="largest chunk (staging slot) of the pack engine (default 32MiB; 256KiB on the emulation)")
     r.add_argument("--pack-first-chunk", default=None, metavar="BYTES",
-                   help="the pack engine's chunks ramp up from this size (default 2MiB): a short pipeline fill")
+                   help="the pack engine's chunks ramp up from this size and down to it again (default 16MiB: "
+                        "a short pipeline fill; smaller copy-engine copies run below the link rate)")
     r.add_argument("--pack-lanes", default=None, metavar="N",
                    help="copy streams the pack engine's chunks alternate over, 1..8 (default 2; staging slots: "
                         "twice this)")

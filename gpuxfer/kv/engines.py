@@ -113,7 +113,7 @@ class EngineOptions:
     copy_engine_max_descs: int = 140_000       # per-burst cap of copy_engine (~0.6-1 us/descriptor on H200)
     pack_chunk_bytes: int = 32 << 20           # staging slot size = the largest chunk (the runner may raise it)
     pack_max_chunks: int = 96                  # the runner sizes slots so a burst has about this many chunks
-    pack_first_chunk_bytes: int = 2 << 20      # chunks ramp up from this (short pipeline fill)
+    pack_first_chunk_bytes: int = 16 << 20     # chunks ramp up from this (smaller copies run below the link rate)
     pack_slots: int = 4                        # staging slots per side (a multiple of pack_lanes)
     pack_lanes: int = 2                        # copy streams used round-robin by the chunks
     verify_chunk_bytes: int = 1 << 30          # bulk rows are verified in pieces of this

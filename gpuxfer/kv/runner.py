@@ -72,6 +72,8 @@ from . import report as R
 log = logging.getLogger("gpuxfer.kv.runner")
 
 INJECT_ENV = "GPUXFER_INJECT_FAULT"
+TRACE_ENV = "GPUXFER_KV_TRACE"
+
 #: a row's timed bursts aim at this many seconds (fewer trials for slow bursts, never fewer than MIN_TRIALS)
 ROW_BUDGET_S = 2.0
 MIN_TRIALS = 3
@@ -598,6 +600,23 @@ class Worker:
         eng.wait(p)
         return None
 
+    def _trace_start(self):
+        """``$GPUXFER_KV_TRACE`` (a directory, GPUs only): a torch.profiler timeline of each row's timed
+        bursts, one file per rank (a tuning aid; the profiler's cost lands in the row's times)."""
+        if not os.environ.get(TRACE_ENV) or self.platform.is_emulation:
+            return None
+        import torch
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                  torch.profiler.ProfilerActivity.CUDA])
+        prof.start()
+        return prof
+
+    def _trace_stop(self, prof, name: str) -> None:
+        prof.stop()
+        out = os.environ[TRACE_ENV]
+        os.makedirs(out, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(out, f"{name}-rank{self.rank}.json"))
+
     def _row(self, eng: E.Engine, burst: E.Burst, pb, point, batch: int, direction: str) -> dict:
         cfg = self.cfg
         ini_rank = 0 if eng.initiator(direction) is E.Role.SOURCE else 1
@@ -645,7 +664,10 @@ class Worker:
         else:
             n_trials = cfg.trials
         arms.clear()                    # arm times of the timed bursts only
+        trace = self._trace_start()
         samples = [self._burst_once(eng, p, arms) for _ in range(n_trials)]
+        if trace is not None:
+            self._trace_stop(trace, f"{point.workload.name}-p{point.page_tokens}-b{batch}-{eng.name}-{direction}")
         extra = eng.row_extra() if p.initiator else None
 
         # 3. verification: scrub the destination, one more burst, check every byte

@@ -279,7 +279,14 @@ class Platform(abc.ABC):
         """The stream torch enqueues work on for ``device`` in this thread."""
 
     @abc.abstractmethod
-    def record_event(self, stream: Stream) -> Event: ...
+    def record_event(self, stream: Stream, event: Event | None = None) -> Event:
+        """Record an event on ``stream`` and return it.
+
+        ``event``: an event this platform returned before that the caller no
+        longer needs as it was; a platform may re-record it (CUDA does, saving an
+        event's creation) and return it. Waits already enqueued on it keep their
+        meaning. Use the returned event: a platform may return a new one.
+        """
 
     @abc.abstractmethod
     def stream_wait_event(self, stream: Stream, event: Event) -> None: ...

@@ -93,6 +93,7 @@ CU_MEMHOSTALLOC_PORTABLE = 1
 CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
 CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1
 CUDA_SUCCESS = 0
+_WAIT_GEQ = 0                 # CU_STREAM_WAIT_VALUE_GEQ
 CUDA_ERROR_NOT_READY = 600
 _LEGACY_STREAM_HANDLES = (0, 1)    # NULL and cudaStreamLegacy; 2 (per-thread default) is not legacy
 
@@ -462,6 +463,7 @@ class CudaPlatform(Platform):
         self._proxies: dict[int, tuple[int, Any, Any]] = {}   # device -> (stream, event in, event out)
         self._proxy_locks: dict[int, threading.Lock] = {}
         self._streams: dict[int, CudaStream] = {}          # id -> owned streams still alive
+        self._current: dict[tuple, CudaStream] = {}        # (device, handle) -> torch's streams seen current
         self._probes: dict[int, str | None] = {}
         self._links: dict[tuple[int, int], LinkInfo] = {}
         self._batch: tuple | None = None                   # resolved batch path (see _batch_impl)
@@ -511,7 +513,7 @@ class CudaPlatform(Platform):
         """
         ctx = self._ctxs.get(s.device)
         if ctx is not None:
-            _, cur = _driver().cuCtxGetCurrent()
+            _, cur = _DRIVER.cuCtxGetCurrent()
             if cur is not None and int(cur) == ctx[1]:
                 res = fn(*args)
                 if int(res[0]) != CUDA_SUCCESS:
@@ -519,6 +521,12 @@ class CudaPlatform(Platform):
                 return
         with self._on(s.device):
             _cu(fn, *args, doing=doing)
+
+    def _live(self, stream) -> CudaStream:
+        """``stream`` checked as :meth:`_stream` does, with the common case (a live CudaStream) first."""
+        if type(stream) is CudaStream and not stream._closed:
+            return stream
+        return self._stream(stream)
 
     def _rt(self, device: int, fn: Callable, *args, doing: str) -> Any:
         """Call a CuPy runtime function with ``device`` current; CuPy errors become DriverError via check()."""
@@ -793,22 +801,34 @@ class CudaPlatform(Platform):
             _cu(_driver().cuStreamDestroy, s.handle, doing=f"destroying {s!r}")
 
     def current_stream(self, device: int) -> CudaStream:
+        """torch's current stream of ``device``: one handle lookup, then a cached wrapper (the per-step path)."""
         import torch
         if type(device) is not int or device not in self._ctxs:     # known devices skip the check
             device = self._check_device(device)
-        ts = torch.cuda.current_stream(device)
-        return CudaStream(device, int(ts.cuda_stream), ts)
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        key = (device, raw(device)) if raw is not None else None
+        s = self._current.get(key)
+        if s is None:
+            ts = torch.cuda.current_stream(device)
+            s = CudaStream(device, int(ts.cuda_stream), ts)
+            if len(self._current) > 64:      # streams come and go (torch.cuda.Stream()): stay bounded
+                self._current.clear()
+            self._current[(device, s.handle)] = s
+        return s
 
-    def record_event(self, stream: Stream) -> CudaEvent:
+    def record_event(self, stream: Stream, event: Event | None = None) -> CudaEvent:
         import torch
-        s = self._stream(stream)
+        s = self._live(stream)
+        if type(event) is CudaEvent and event.device == s.device:
+            event.torch.record(s.torch)          # re-record: no event created or destroyed per step
+            return event
         ev = torch.cuda.Event()
         ev.record(s.torch)
         return CudaEvent(s.device, ev)
 
     def stream_wait_event(self, stream: Stream, event: Event) -> None:
-        s, e = self._stream(stream), self._event(event)
-        s.torch.wait_event(e.torch)
+        e = event if type(event) is CudaEvent else self._event(event)
+        e.torch.wait(self._live(stream).torch)
 
     def event_query(self, event: Event) -> bool:
         return bool(self._event(event).torch.query())
@@ -823,7 +843,7 @@ class CudaPlatform(Platform):
 
     # ---- copies ----
     def copy_async(self, stream: Stream, dst: int, src: int, nbytes: int) -> None:
-        s = self._stream(stream)
+        s = self._live(stream)
         dst, src, nbytes = int(dst), int(src), int(nbytes)
         if nbytes < 0:
             raise BadInput(f"cannot copy {nbytes} bytes")
@@ -981,22 +1001,23 @@ class CudaPlatform(Platform):
     # ---- flags ----
     def write_flag(self, stream: Stream, ptr: int, value: int) -> None:
         """``cuStreamWriteValue64`` (default flags: a fence before the write). ``ptr`` may be a peer mapping."""
-        s = self._stream(stream)
+        s = self._live(stream)
         ptr = int(ptr)
-        check_flag_ptr(ptr)
-        v = _u64(value)
+        if ptr & 7:
+            check_flag_ptr(ptr)
+        v = value if type(value) is int and 0 <= value <= _MASK64 else _u64(value)
         self._stream_op(s, _driver().cuStreamWriteValue64, s.handle, ptr, v, 0,
                         doing=lambda: f"writing flag 0x{ptr:x} := {int(value)} on {s!r}")
 
     def wait_flag(self, stream: Stream, ptr: int, value: int) -> None:
         """``cuStreamWaitValue64`` with ``CU_STREAM_WAIT_VALUE_GEQ`` (cyclic: ``(int64)(*ptr - value) >= 0``)."""
-        s = self._stream(stream)
+        s = self._live(stream)
         ptr = int(ptr)
-        check_flag_ptr(ptr)
-        v = _u64(value)
+        if ptr & 7:
+            check_flag_ptr(ptr)
+        v = value if type(value) is int and 0 <= value <= _MASK64 else _u64(value)
         drv = _driver()
-        geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-        self._stream_op(s, drv.cuStreamWaitValue64, s.handle, ptr, v, geq,
+        self._stream_op(s, drv.cuStreamWaitValue64, s.handle, ptr, v, _WAIT_GEQ,
                         doing=lambda: f"enqueuing a wait for flag 0x{ptr:x} >= {int(value)} on {s!r}")
 
     def _helper(self, device: int) -> _Helper:

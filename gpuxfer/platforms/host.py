@@ -474,7 +474,8 @@ class HostPlatform(Platform):
             raise BadInput(f"not a host stream: {stream!r}")
         return stream
 
-    def record_event(self, stream: Stream) -> HostEvent:
+    def record_event(self, stream: Stream, event: Event | None = None) -> HostEvent:
+        """Always a new event (``event`` is not reused: a host event completes once)."""
         s = self._stream(stream)
         ev = HostEvent(s.name)
         s._worker.put(_Op("event record", None, ev))

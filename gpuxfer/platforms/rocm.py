@@ -706,9 +706,12 @@ class RocmPlatform(Platform):
         device = self._check_device(device)
         return RocmStream(device, torch.cuda.current_stream(torch.device("cuda", device)))
 
-    def record_event(self, stream: Stream) -> RocmEvent:
+    def record_event(self, stream: Stream, event: Event | None = None) -> RocmEvent:
         import torch
         s = self._stream(stream)
+        if type(event) is RocmEvent:
+            event.torch_event.record(s.torch_stream)
+            return event
         ev = torch.cuda.Event()
         ev.record(s.torch_stream)
         return RocmEvent(ev)

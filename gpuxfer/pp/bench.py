@@ -130,10 +130,17 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
     g = torch.Generator().manual_seed(1234)
     base = torch.randint(0, 256, (maxs + (nver + 2) * stride,), dtype=torch.uint8, generator=g).to(tdev)
 
+    views: dict = {}
+
     def src(size: int, k: int) -> dict:
-        o = (k % (nver + 2)) * stride
-        h = size // 2
-        return {"hidden": base[o:o + h].view(torch.bfloat16), "residual": base[o + h:o + size].view(torch.bfloat16)}
+        """Step k's tensors: views of ``base`` at one of nver + 2 offsets (made once: the loop times the transport)."""
+        key = (size, k % (nver + 2))
+        got = views.get(key)
+        if got is None:
+            o, h = key[1] * stride, size // 2
+            got = views[key] = {"hidden": base[o:o + h].view(torch.bfloat16),
+                                "residual": base[o + h:o + size].view(torch.bfloat16)}
+        return got
 
     def wrong_bytes(got: dict, size: int, k: int) -> int:
         if opts.get("corrupt"):        # test hook: prove a wrong byte fails the run
@@ -206,6 +213,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
                             trace.start()
                         t0 = time.perf_counter()
                         got = run_steps(t, size, k, n, metadata, True)
+                        host = time.perf_counter() - t0      # this rank's host time in send() / recv()
                         _sync(plat, dev)
                         elapsed = time.perf_counter() - t0
                         if trace is not None:
@@ -223,7 +231,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
                             wrong += wrong_bytes(got, size, k + n - 1)
                         k += n
                         rows.append({"backend": backend, "metadata": metadata, "size_bytes": size,
-                                     "iters": n, "time_us": elapsed / n * 1e6,
+                                     "iters": n, "time_us": elapsed / n * 1e6, "host_us": host / n * 1e6,
                                      "algbw_gbps": size / (elapsed / n) / 1e9, "wrong_bytes": wrong,
                                      "instrumented": ("cProfile" if prof is not None else
                                                       "torch.profiler" if trace is not None else None)})
@@ -351,6 +359,7 @@ def _contention(plat, dev, tdev, rank, opts, open_conn, src, run_steps, rows) ->
             t.synchronize()
         res[f"{backend}_tflops"] = flops / el / 1e12
         res[f"{backend}_steps"] = steps
+        res[f"{backend}_transfer_gbps"] = steps * size / max(busy, 1e-9) / 1e9   # the traffic next to the matmuls
         # the transfers must outlast the matmuls, or part of the loop ran alone
         covered = [None, None]
         dist.all_gather_object(covered, busy >= el)
@@ -455,6 +464,17 @@ def format_report(res: dict, opts: dict) -> str:
                 rat.append(f"{a['time_us'] / n['time_us']:>7.2f}" if a and n else f"{'-':>7}")
             line += " " + " ".join(rat)
         L.append(line)
+    L.append("#")
+    L.append("# host time per step (us): in the sender's send() loop / in the receiver's recv() + .tensors loop "
+             "(the step time is bound by the larger, unless the GPU is)")
+    L.append(f"# {'size':>10} " + " ".join(f"{(b + (' +meta' if m else ' -meta')):^17}" for b, m in cols))
+    for size in opts["sizes"]:
+        cells = []
+        for b, m in cols:
+            r = by.get((b, m, size))
+            h = (r.get("send_host_us"), r.get("recv_host_us")) if r else (None, None)
+            cells.append(f"{h[0]:>8.1f}/{h[1]:<8.1f}" if None not in h else f"{'-':^17}")
+        L.append(f"  {size:>10} " + " ".join(cells))
     for r in res["rows"]:
         if r.get("instrumented"):
             L.append(f"# ({r['backend']} {'+' if r['metadata'] else '-'}meta at {_fmt_size(r['size_bytes'])} was timed "
@@ -470,7 +490,9 @@ def format_report(res: dict, opts: dict) -> str:
         parts = [f"alone {con['alone_tflops']:.2f} TFLOPS (spread of two runs {con['alone_spread_pct']:.1f}%)"]
         for b in opts["backends"]:
             if f"{b}_tflops" in con:
-                parts.append(f"next to {b} {con[f'{b}_tflops']:.2f} TFLOPS ({-con[f'{b}_loss_pct']:+.1f}%)"
+                parts.append(f"next to {b} {con[f'{b}_tflops']:.2f} TFLOPS ({-con[f'{b}_loss_pct']:+.1f}%"
+                             + (f", {b} moving {con[f'{b}_transfer_gbps']:.3g} GB/s)" if f"{b}_transfer_gbps" in con
+                                else ")")
                              + ("" if con.get(f"{b}_covered", True) else ", transfers ended before the matmuls"))
         L.append(f"# SM contention: {con['matmuls']} matmuls {con['matmul_n']}^3 (timed by "
                  f"{con.get('matmul_clock', 'host wall clock')}), transfers of "
@@ -556,6 +578,10 @@ def run(args) -> int:
         return 1
     res = dict(both[1])
     res["sender_info"] = both[0]["info"]
+    sent = {(r["backend"], r["metadata"], r["size_bytes"]): r["host_us"] for r in both[0]["rows"]}
+    res["rows"] = [dict(r, recv_host_us=r.pop("host_us"),
+                        send_host_us=sent.get((r["backend"], r["metadata"], r["size_bytes"])))
+                   for r in (dict(x) for x in res["rows"])]
     res["bulk"] = both[0]["bulk"] or both[1]["bulk"]
     wrong = sum(r["wrong_bytes"] for r in res["rows"])
     res["targets"] = _targets(res, opts["backends"])

@@ -130,6 +130,7 @@ class CopyEngineTransport(Transport):
         self._flags = self._data = self._staging = None
         self._peer_flags = self._peer_data = None
         self._copied = [None, None]
+        self._packed = None
         self._last_stream = None
         self._nonce = 0
         self._host_keep = None              # emulation: tensors a queued host-stream copy may still touch
@@ -280,7 +281,7 @@ class CopyEngineTransport(Transport):
         if copied is not None:
             p.stream_wait_event(cur, copied)
         self._pack(cur, s, tensors, layout)
-        packed = p.record_event(cur)
+        packed = self._packed = p.record_event(cur, self._packed)   # re-recorded each step (CUDA: no new event)
         if self._host_sync:     # emulation: send() returns with the caller free to overwrite its tensors
             self._host_keep = tensors   # (kept past a timeout: the queued copy may still read them)
             if copied is None:  # steps 1-2: the pack waited for nothing but the stream itself
@@ -300,7 +301,7 @@ class CopyEngineTransport(Transport):
         if layout.total:
             self._ce_copy(side, self._peer_slot_ptr[j], self._staging_ptr[s], layout.total)
         self._publish(side, j, k)
-        self._copied[s] = p.record_event(side)
+        self._copied[s] = p.record_event(side, copied)   # cur waited for its last recording above
 
     # ---- receive ----
     def _recv_impl(self, rcv: Received) -> None:
@@ -392,6 +393,7 @@ class CopyEngineTransport(Transport):
 
     def _free(self) -> None:
         self._copied = [None, None]
+        self._packed = None
         for b in (self._data, self._staging, self._flags):
             if b is not None:
                 b.close()

@@ -218,6 +218,28 @@ class SpecTable:
 
     # ---- validation (before any GPU work and before metadata goes out) ----
     def check_tensors(self, tensors, device) -> tuple[tuple[int, ...], ...]:
+        """The shapes of ``tensors`` (spec order), or the first :class:`_Refusal` that applies."""
+        if type(tensors) is dict and device.type != "cpu" and tensors.keys() == self.nameset:
+            shapes = self._fast_shapes(tensors, device.index or 0)
+            if shapes is not None:
+                return shapes
+        return self._checked_shapes(tensors, device)
+
+    def _fast_shapes(self, tensors: dict, index: int) -> tuple[tuple[int, ...], ...] | None:
+        """The per-step path on a GPU: every check of :meth:`_checked_shapes` in one expression per
+        tensor; None sends any doubt there (which says what is wrong)."""
+        import torch
+        shapes = []
+        for name, dtype, max_numel in zip(self.names, self.dtypes, self.max_numel):
+            t = tensors[name]
+            if (not isinstance(t, torch.Tensor) or t.dtype is not dtype or t.get_device() != index
+                    or not t.is_contiguous() or t.is_neg() or t.is_conj() or t.numel() > max_numel
+                    or t.dim() > MAX_NDIM):
+                return None
+            shapes.append(tuple(t.shape))
+        return tuple(shapes)
+
+    def _checked_shapes(self, tensors, device) -> tuple[tuple[int, ...], ...]:
         import torch
         if not isinstance(tensors, Mapping):
             raise _Refusal(1, -1, f"send() takes a dict of tensors, got {type(tensors).__name__}")
