@@ -579,9 +579,13 @@ def run(args) -> int:
     res = dict(both[1])
     res["sender_info"] = both[0]["info"]
     sent = {(r["backend"], r["metadata"], r["size_bytes"]): r["host_us"] for r in both[0]["rows"]}
-    res["rows"] = [dict(r, recv_host_us=r.pop("host_us"),
-                        send_host_us=sent.get((r["backend"], r["metadata"], r["size_bytes"])))
-                   for r in (dict(x) for x in res["rows"])]
+    rows = []
+    for r in res["rows"]:        # the receiver's rows, with each side's host time per step
+        r = dict(r)
+        r["recv_host_us"] = r.pop("host_us")
+        r["send_host_us"] = sent.get((r["backend"], r["metadata"], r["size_bytes"]))
+        rows.append(r)
+    res["rows"] = rows
     res["bulk"] = both[0]["bulk"] or both[1]["bulk"]
     wrong = sum(r["wrong_bytes"] for r in res["rows"])
     res["targets"] = _targets(res, opts["backends"])
