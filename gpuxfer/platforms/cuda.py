@@ -387,6 +387,8 @@ def _torch_dtype(dtype):
 
 
 def _u64(value: int, what: str = "flag value") -> int:
+    if type(value) is int and 0 <= value <= _MASK64:     # the per-step case
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise BadInput(f"a {what} must be an integer, got {type(value).__name__}")
     value = int(value)
@@ -521,12 +523,6 @@ class CudaPlatform(Platform):
                 return
         with self._on(s.device):
             _cu(fn, *args, doing=doing)
-
-    def _live(self, stream) -> CudaStream:
-        """``stream`` checked as :meth:`_stream` does, with the common case (a live CudaStream) first."""
-        if type(stream) is CudaStream and not stream._closed:
-            return stream
-        return self._stream(stream)
 
     def _rt(self, device: int, fn: Callable, *args, doing: str) -> Any:
         """Call a CuPy runtime function with ``device`` current; CuPy errors become DriverError via check()."""
@@ -818,7 +814,7 @@ class CudaPlatform(Platform):
 
     def record_event(self, stream: Stream, event: Event | None = None) -> CudaEvent:
         import torch
-        s = self._live(stream)
+        s = self._stream(stream)
         if type(event) is CudaEvent and event.device == s.device:
             event.torch.record(s.torch)          # re-record: no event created or destroyed per step
             return event
@@ -828,7 +824,7 @@ class CudaPlatform(Platform):
 
     def stream_wait_event(self, stream: Stream, event: Event) -> None:
         e = event if type(event) is CudaEvent else self._event(event)
-        e.torch.wait(self._live(stream).torch)
+        e.torch.wait(self._stream(stream).torch)
 
     def event_query(self, event: Event) -> bool:
         return bool(self._event(event).torch.query())
@@ -843,7 +839,7 @@ class CudaPlatform(Platform):
 
     # ---- copies ----
     def copy_async(self, stream: Stream, dst: int, src: int, nbytes: int) -> None:
-        s = self._live(stream)
+        s = self._stream(stream)
         dst, src, nbytes = int(dst), int(src), int(nbytes)
         if nbytes < 0:
             raise BadInput(f"cannot copy {nbytes} bytes")
@@ -1001,21 +997,19 @@ class CudaPlatform(Platform):
     # ---- flags ----
     def write_flag(self, stream: Stream, ptr: int, value: int) -> None:
         """``cuStreamWriteValue64`` (default flags: a fence before the write). ``ptr`` may be a peer mapping."""
-        s = self._live(stream)
+        s = self._stream(stream)
         ptr = int(ptr)
-        if ptr & 7:
-            check_flag_ptr(ptr)
-        v = value if type(value) is int and 0 <= value <= _MASK64 else _u64(value)
+        check_flag_ptr(ptr)
+        v = _u64(value)
         self._stream_op(s, _driver().cuStreamWriteValue64, s.handle, ptr, v, 0,
                         doing=lambda: f"writing flag 0x{ptr:x} := {int(value)} on {s!r}")
 
     def wait_flag(self, stream: Stream, ptr: int, value: int) -> None:
         """``cuStreamWaitValue64`` with ``CU_STREAM_WAIT_VALUE_GEQ`` (cyclic: ``(int64)(*ptr - value) >= 0``)."""
-        s = self._live(stream)
+        s = self._stream(stream)
         ptr = int(ptr)
-        if ptr & 7:
-            check_flag_ptr(ptr)
-        v = value if type(value) is int and 0 <= value <= _MASK64 else _u64(value)
+        check_flag_ptr(ptr)
+        v = _u64(value)
         drv = _driver()
         self._stream_op(s, drv.cuStreamWaitValue64, s.handle, ptr, v, _WAIT_GEQ,
                         doing=lambda: f"enqueuing a wait for flag 0x{ptr:x} >= {int(value)} on {s!r}")
