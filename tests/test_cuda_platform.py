@@ -413,6 +413,29 @@ def test_stream_kinds_and_value_checks():
             cm._u64(bad)
 
 
+def test_alloc_bytes_rounds_to_whole_large_pages_from_one_page_up():
+    page = cm.LARGE_PAGE_BYTES
+    assert page == 2 << 20
+    for n in (1, 256, 4096, page - 1):
+        assert cm.alloc_bytes(n) == n
+    assert cm.alloc_bytes(page) == page and cm.alloc_bytes(page + 1) == 2 * page
+    assert cm.alloc_bytes(14_650_649_856) == 6986 * page        # the kv bench pool that ran slow unrounded
+
+
+def test_alloc_hands_the_rounded_size_to_cuda_malloc(monkeypatch):
+    seen = []
+    fake_rt = types.SimpleNamespace(malloc=lambda n: seen.append(n) or 0x7000_0000)
+    p = cm.CudaPlatform()
+    monkeypatch.setattr(p, "_check_device", lambda d: d)
+    monkeypatch.setattr(p, "_rt", lambda dev, fn, *a, doing: fn(*a))
+    monkeypatch.setattr(cm, "_cupy", lambda: (None, fake_rt, None))
+    buf = p.alloc((3 << 20) + 5, 0)
+    assert seen == [4 << 20] and buf.nbytes == (3 << 20) + 5 and buf.allocated_bytes == 4 << 20
+    small = p.alloc(300, 0)
+    assert seen[-1] == 300 and small.nbytes == small.allocated_bytes == 300
+    buf._closed = small._closed = True          # nothing real to free
+
+
 def test_open_own_handle_is_refused_before_any_driver_call(monkeypatch):
     p = cm.CudaPlatform()
     monkeypatch.setattr(p, "_check_device", lambda d: d)
@@ -449,6 +472,19 @@ def plat(cuda_reason):
 def _need_gpus(p, n):
     if p.device_count() < n:
         pytest.skip(f"needs {n} GPUs, {p.device_count()} visible")
+
+
+@gpu
+def test_gpu_alloc_is_whole_large_pages(plat):
+    from cuda.bindings import driver
+    buf = plat.alloc(cm.LARGE_PAGE_BYTES * 3 + 100, 0)
+    try:
+        err, base, size = driver.cuMemGetAddressRange(buf.ptr)
+        assert int(err) == 0 and int(base) == buf.ptr
+        assert int(size) == buf.allocated_bytes == cm.LARGE_PAGE_BYTES * 4
+        assert buf.nbytes == cm.LARGE_PAGE_BYTES * 3 + 100
+    finally:
+        buf.close()
 
 
 @gpu

@@ -152,8 +152,11 @@ class Memory(Closable):
 class DeviceBuffer(Memory):
     """A raw, exportable allocation owned by this process."""
 
-    def __init__(self, platform: "Platform", device: int, ptr: int, nbytes: int, impl=None):
+    def __init__(self, platform: "Platform", device: int, ptr: int, nbytes: int, impl=None,
+                 allocated_bytes: int | None = None):
         self.platform, self.device, self.ptr, self.nbytes, self.impl = platform, device, ptr, nbytes, impl
+        #: device memory this buffer holds: ``nbytes`` or more, where the platform rounds sizes up
+        self.allocated_bytes = nbytes if allocated_bytes is None else allocated_bytes
 
     def _release(self) -> None:
         self.platform._free(self)
@@ -245,7 +248,10 @@ class Platform(abc.ABC):
     # ---- memory ----
     @abc.abstractmethod
     def alloc(self, nbytes: int, device: int) -> DeviceBuffer:
-        """A raw exportable buffer of ``nbytes`` on ``device`` (contents undefined)."""
+        """A raw exportable buffer of ``nbytes`` on ``device`` (contents undefined).
+
+        A platform may allocate more (CUDA: whole 2 MiB pages from 2 MiB up); the
+        buffer's ``allocated_bytes`` says how much."""
 
     @abc.abstractmethod
     def _free(self, buf: DeviceBuffer) -> None:

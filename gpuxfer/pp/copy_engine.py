@@ -404,4 +404,5 @@ class CopyEngineTransport(Transport):
             self._staging.close()
 
     def _allocated(self) -> int:
-        return sum(b.nbytes for b in (self._data, self._staging, self._flags) if b is not None and not b.closed)
+        return sum(b.allocated_bytes for b in (self._data, self._staging, self._flags)
+                   if b is not None and not b.closed)

@@ -431,7 +431,7 @@ class SdmaTransport(CopyEngineTransport):
     def _allocated(self) -> int:
         extra = 0
         if self._sdma_flags is not None and not self._sdma_flags.closed:
-            extra += self._sdma_flags.nbytes
+            extra += self._sdma_flags.allocated_bytes
         extra += 8 * sum(1 for e in self._entries if not e.open_mem.closed)
         return super()._allocated() + extra
 
