@@ -122,7 +122,7 @@ def chain_session(rank: int, world: int, init_method: str, platform_name: str, s
             conn = connect(send_to=rank + 1 if rank < world - 1 else None, recv_from=rank - 1 if rank else None,
                            specs=specs(), backend=sc["backend"], platform=plat, device=device, timeout_s=60,
                            metadata=sc.get("metadata", True), recv_slots=sc.get("recv_slots", 2),
-                           flag_path=sc.get("flag_path"))
+                           flag_path=sc.get("flag_path"), meta_channel=sc.get("meta_channel"))
             with conn:
                 assert conn.backend == sc["backend"], (conn.backend, conn.fallback_reasons)
                 allocated = conn.allocated_bytes
@@ -130,8 +130,10 @@ def chain_session(rank: int, world: int, init_method: str, platform_name: str, s
                                     metadata=sc.get("metadata", True), use_out=sc.get("out", False),
                                     device=device, torch_device=torch_device)
                 flags = sorted({getattr(t, "remote_flags", None) for t in conn.transports}, key=str)
+                meta = sorted({t.meta.what for t in conn.transports if t.metadata})
             assert conn.allocated_bytes == 0
-            results.append({"backend": conn.backend, "checked": checked, "allocated": allocated, "remote": flags})
+            results.append({"backend": conn.backend, "checked": checked, "allocated": allocated, "remote": flags,
+                            "meta": meta})
     finally:
         import torch.distributed as dist
         dist.destroy_process_group()
@@ -149,7 +151,7 @@ def test_four_stage_chain(spawner, platform_name):
         {"backend": "copy_engine", "steps": 300 if gpu else 30, "lag_ms": 1.0 if gpu else 2.0},
         {"backend": "copy_engine", "steps": 150 if gpu else 24, "flag_path": "copy", "metadata": False,
          "recv_slots": 3, "devices": "div"},
-        {"backend": "nccl", "steps": 150 if gpu else 24},
+        {"backend": "nccl", "steps": 150 if gpu else 24, "meta_channel": "group"},
     ]
     results = run_session(spawner, 4, platform_name, scenarios, seed=11, timeout=300 if gpu else 150)
     for rank, res in enumerate(results):
@@ -160,6 +162,9 @@ def test_four_stage_chain(spawner, platform_name):
         assert res[0]["allocated"] > 0
     # the forced 8-byte-copy flag path was used
     assert all(res[1]["remote"] == [False] for res in results)
+    # metadata: a shared-memory mailbox between processes of one host, the CPU group when asked for
+    assert all(res[0]["meta"] == ["the shared-memory mailbox"] for res in results)
+    assert all(res[1]["meta"] == [] and res[2]["meta"] == ["the CPU group"] for res in results)
 
 
 def test_two_stage_chain(spawner, platform_name):

@@ -3,8 +3,9 @@
 Two ranks (rank 0 sends, rank 1 receives), spawned here (or run under
 ``torchrun`` with ``RANK``/``WORLD_SIZE`` set). For every size from 16 KiB to
 256 MiB (two bf16 tensors, ``hidden`` and ``residual``, half the bytes each) and
-every configuration (copy_engine and nccl, with and without per-step metadata
-over the CPU group) it times a pipelined loop of steps (the sender never waits
+every configuration (copy_engine and nccl, with and without per-step metadata,
+which goes through the pair's shared-memory mailbox, or over the CPU group with
+``GPUXFER_PP_META_CHANNEL=group``) it times a pipelined loop of steps (the sender never waits
 for the receiver; per-step time = the receiver's wall clock over the timed steps,
 ended by a device synchronize), and checks every byte of verification steps and
 of the last timed step against the source (``wrong`` column, bytes).
@@ -154,7 +155,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
     info = {"rank": rank, "device": dev, "device_info": plat.device_info(dev).as_dict(),
             "link": plat.link(dev, peer % plat.device_count()).as_dict(), "versions": run_versions(plat),
             "label": plat.label, "emulation": emu, "host": _pyplatform.node()}
-    rows, bulk, contention, flag_paths, profiles = [], [], {}, {}, []
+    rows, bulk, contention, flag_paths, meta_channels, profiles = [], [], {}, {}, {}, []
 
     def iters_for(size: int) -> int:
         if opts["iters"]:
@@ -187,6 +188,8 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
                     t = conn.transports[0]
                     flag_paths[backend] = ("remote stream writes" if getattr(t, "remote_flags", False)
                                            else "8-byte copies" if backend != "nccl" else "-")
+                    if metadata:
+                        meta_channels[backend] = t.meta.what
                     k = 1
                     for size in sizes:
                         wrong = 0
@@ -243,7 +246,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
     finally:
         plat.close()
     return {"info": info, "rows": rows, "bulk": bulk, "contention": contention, "flag_paths": flag_paths,
-            "profiles": profiles}
+            "meta_channels": meta_channels, "profiles": profiles}
 
 
 def _profile_text(prof, title: str, steps: int) -> str:
@@ -434,7 +437,8 @@ def format_report(res: dict, opts: dict) -> str:
     L.append(f"# tensors per step: hidden + residual (bf16, half the bytes each); warmup {opts['warmup']}, "
              f"verified steps {opts['verify_steps']} + the last timed step; iters "
              f"{opts['iters'] or 'by size'}; recv slots {opts['recv_slots']}; copy_engine flags: "
-             f"{res['flag_paths'].get('copy_engine', '-')}")
+             f"{res['flag_paths'].get('copy_engine', '-')}; +meta: metadata over "
+             f"{', '.join(sorted(set(res['meta_channels'].values()))) or '-'}")
     L.append("# time: receiver wall clock over a pipelined loop (the sender never waits), / steps; "
              "algbw = bytes per step / time")
     L.append("#")
@@ -512,7 +516,7 @@ def _json_doc(res: dict, opts: dict) -> dict:
     return {
         "benchmark": "gpuxfer bench pp", "platform": info["label"], "emulation": info["emulation"],
         "versions": info["versions"], "devices": [res["sender_info"]["device_info"], info["device_info"]],
-        "link": info["link"], "flag_paths": res["flag_paths"],
+        "link": info["link"], "flag_paths": res["flag_paths"], "meta_channels": res["meta_channels"],
         "params": {"sizes_bytes": opts["sizes"], "warmup_steps": opts["warmup"], "verify_steps": opts["verify_steps"],
                    "iters": opts["iters"], "recv_slots": opts["recv_slots"], "backends": opts["backends"]},
         "rows": res["rows"], "bulk_copy": res["bulk"], "contention": res["contention"],

@@ -54,8 +54,9 @@ to overwrite its outputs in the next forward; the staging ring is counted in
 receiver stalls its side stream; more than R + 2 steps ahead, its current
 stream (the pack waits for the staging slot).
 
-Metadata (shapes) travels over the CPU group before the GPU work is queued,
-unless the pair was set up with ``metadata=False``.
+Metadata (shapes) travels before the GPU work is queued -- through the pair's
+shared-memory mailbox on one host (:mod:`gpuxfer.pp.mailbox`), else over the CPU
+group -- unless the pair was set up with ``metadata=False``.
 
 Setup (driven collectively by :mod:`gpuxfer.pp.selection`): allocate and zero
 the flags, export handles, open the peer's, then probe the pair: each end

@@ -52,6 +52,7 @@ log = logging.getLogger("gpuxfer.pp")
 
 ENV_TRANSPORT = "GPUXFER_PP_TRANSPORT"
 ENV_INJECT = "GPUXFER_PP_INJECT_FAILURE"
+ENV_META = "GPUXFER_PP_META_CHANNEL"
 FALLBACK = "nccl"
 TAG_BASE = 1 << 20
 _TAGS_PER_CONNECTION = 1024
@@ -259,7 +260,7 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
             specs: Mapping | None = None, send_specs: Mapping | None = None, recv_specs: Mapping | None = None,
             backend: str | None = None, platform=None, device: int | None = None, timeout_s: float | None = None,
             metadata: bool = True, recv_slots: int = 2, device_group=None, flag_path: str | None = None,
-            inject_failure: str | None = None) -> Connection:
+            inject_failure: str | None = None, meta_channel: str | None = None) -> Connection:
     """Set up this rank's stage hand-off transports; collective over ``group`` (every rank calls it).
 
     ``send_to`` / ``recv_from``: global rank(s) this rank sends to / receives
@@ -273,7 +274,9 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
     on the host emulation or if it is NCCL-capable, else a new NCCL group over
     ``group``'s ranks -- which needs every process of the default group to call
     ``connect``). ``recv_slots`` (>= 2) and ``flag_path`` (auto|remote|copy,
-    default ``$GPUXFER_PP_FLAG_PATH``) tune the copy-engine backend.
+    default ``$GPUXFER_PP_FLAG_PATH``) tune the copy-engine backend. ``meta_channel``
+    (auto|group, default ``$GPUXFER_PP_META_CHANNEL``): a pair on one host passes its
+    per-step metadata through a shared-memory mailbox (``auto``) or the CPU group.
     """
     import torch.distributed as dist
 
@@ -301,6 +304,7 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
         rspec = SpecTable(recv_specs or specs) if recvs else None
         if int(recv_slots) < 2:
             raise BadInput(f"recv_slots must be >= 2, got {recv_slots}")
+        meta_mode = meta_channel_from_env(meta_channel)
         info.update(platform=plat.name, device=device, pci=dinfo.pci_bus_id, backend=requested_backend(backend),
                     timeout=resolve_timeout(timeout_s), sends=sends, recvs=recvs,
                     sdig=sspec.digest() if sspec else None, rdig=rspec.digest() if rspec else None,
@@ -369,15 +373,19 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
         ends = _setup_nccl(exchange, infos, my_pairs, common, tag_of, plat, group, device_group)
         chosen = FALLBACK
 
+    _setup_mailboxes(exchange, infos, ends, tag_of, nonce, rank, meta_mode)
     senders = {t.peer: t for t in ends if t.role == "send"}
     receivers = {t.peer: t for t in ends if t.role == "recv"}
     for t in ends:
         WATCHDOG.register(t)
-    detail = ""
+    notes = []
     if chosen != FALLBACK and ends:
         paths = sorted({"remote stream writes" if getattr(t, "remote_flags", False) else "8-byte flag copies"
                         for t in ends})
-        detail = f" (flags: {', '.join(paths)})"
+        notes.append(f"flags: {', '.join(paths)}")
+    if any(t.metadata for t in ends):
+        notes.append("metadata over " + ", ".join(sorted({t.meta.what for t in ends if t.metadata})))
+    detail = f" ({'; '.join(notes)})" if notes else ""
     if fallback:
         log.warning("rank %d: PP transport: nccl (auto fell back from the zero-SM backend: %s)", rank,
                     "; ".join(f"rank {r}: {why}" for r, why in sorted(fallback.items())))
@@ -385,6 +393,75 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
         log.info("rank %d: PP transport: %s%s%s", rank, chosen, detail,
                  "" if wanted == chosen else f" (requested {wanted})")
     return Connection(chosen, senders, receivers, fallback, rank)
+
+
+def meta_channel_from_env(value: str | None = None) -> str:
+    """``auto`` (a shared-memory mailbox for a pair on one host, else the CPU group) or ``group``."""
+    v = (value or os.environ.get(ENV_META) or "auto").strip().lower()
+    if v not in ("auto", "group"):
+        raise BadInput(f"{ENV_META} must be auto or group, got {v!r}")
+    return v
+
+
+def _setup_mailboxes(exchange, infos, ends, tag_of, nonce: int, rank: int, mode: str) -> None:
+    """Give each same-host pair with metadata a shared-memory mailbox (:mod:`gpuxfer.pp.mailbox`).
+
+    Every rank runs both exchanges. Phase 1: each receiver creates its pair's mailbox;
+    phase 2: the sender opens it where it was made. Both ends switch to it only if the
+    sender opened it; the receiver unlinks the file either way, so none outlives setup.
+    A pair that cannot (another host, ``GPUXFER_PP_META_CHANNEL=group``, an error) keeps
+    the CPU group; an error is logged.
+    """
+    from .mailbox import Mailbox, mailbox_dir
+
+    def path(pair) -> str:
+        return os.path.join(mailbox_dir(), f"gpuxfer-pp-{nonce:x}-{tag_of[pair]:x}")
+
+    def eligible(t) -> bool:
+        return t.metadata and mode == "auto" and infos[t.peer]["host"] == infos[rank]["host"]
+
+    created, made, boxes, opened = {}, {}, {}, {}
+    try:
+        for t in ends:
+            if t.role == "recv" and eligible(t):
+                pair = (t.peer, rank)
+                try:
+                    created[pair] = Mailbox.create(path(pair), t.specs.meta_len, nonce)
+                    made[pair] = None
+                except Exception as exc:  # noqa: BLE001 - the pair keeps the CPU group
+                    made[pair] = _reason(exc)
+        seen = exchange({"rank": rank, "made": made})
+        for t in ends:
+            pair = (rank, t.peer)
+            if t.role == "send" and eligible(t) and pair in seen[t.peer]["made"]:
+                try:
+                    if seen[t.peer]["made"][pair] is not None:
+                        raise GpuxferError(f"rank {t.peer} could not create it: {seen[t.peer]['made'][pair]}")
+                    boxes[pair] = Mailbox.open(path(pair), t.specs.meta_len, nonce)
+                    opened[pair] = None
+                except Exception as exc:  # noqa: BLE001
+                    opened[pair] = _reason(exc)
+        got = exchange({"rank": rank, "opened": opened})
+    finally:
+        for box in created.values():
+            box.unlink()
+    for t in ends:
+        if t.role == "send":
+            pair = (rank, t.peer)
+            if pair in boxes:
+                t.meta = boxes[pair]
+            elif opened.get(pair) is not None:
+                log.warning("rank %d: metadata to rank %d over the CPU group: mailbox: %s", rank, t.peer,
+                            opened[pair])
+            continue
+        pair = (t.peer, rank)
+        if made.get(pair) is not None:
+            log.warning("rank %d: metadata from rank %d over the CPU group: mailbox: %s", rank, t.peer, made[pair])
+        box = created.get(pair)
+        if box is not None and got[t.peer]["opened"].get(pair, "not opened") is None:
+            t.meta = box
+        elif box is not None:
+            box.close()
 
 
 def _setup_peer_memory(name, exchange, infos, my_pairs, common, tag_of, nonce, *, recv_slots, flag_path, inject):

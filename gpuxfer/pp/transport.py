@@ -17,7 +17,9 @@ shares:
   GPU-side wait and the copy-out on the caller's current stream. Nothing waits
   before that, so the receiver's input preparation overlaps the transfer.
 * :class:`CpuChannel` -- tagged point-to-point messages over the CPU (gloo)
-  group: per-step metadata and the pair barriers of teardown.
+  group: the pair barriers of teardown, and per-step metadata unless the pair
+  shares a host, where a shared-memory :class:`~gpuxfer.pp.mailbox.Mailbox`
+  carries it (``Transport.meta``).
 * the watchdog -- one daemon thread per process, off the transfer path, that
   polls what each transport's streams wait on (flag words, NCCL work objects)
   and turns a wait older than ``timeout_s`` into :class:`TransferTimeout`,
@@ -353,12 +355,13 @@ class CpuChannel:
     """
 
     RING = 4
+    what = "the CPU group"
 
     def __init__(self, group, peer: int, tag_base: int, meta_len: int):
         import torch
         self.group, self.peer, self.tag_meta, self.tag_barrier = group, peer, tag_base, tag_base + 1
         self._ring = [torch.zeros(meta_len, dtype=torch.int64) for _ in range(self.RING)]
-        self._ring_np = [t.numpy() for t in self._ring]
+        self.send_buffers = [t.numpy() for t in self._ring]
         self._works: list = [None] * self.RING
         self._i = 0
         self._recv_buf = torch.zeros(meta_len, dtype=torch.int64)
@@ -479,6 +482,7 @@ class Transport(abc.ABC):
         self.specs, self.timeout_s, self.metadata = specs, timeout_s, metadata
         self.group, self.tag_base, self.torch_device = group, tag_base, torch_device
         self.channel = CpuChannel(group, peer, tag_base, specs.meta_len)
+        self.meta = self.channel             # per-step metadata: this channel, or a Mailbox (set by connect)
         self.step = 0
         self._error: BaseException | None = None
         self._state = "setup"            # setup -> open -> (closed | aborted)
@@ -549,12 +553,12 @@ class Transport(abc.ABC):
                 raise BadInput("recv(shapes=...) is for transports set up with metadata=False; here the "
                                "sender's shapes travel with each step")
             try:
-                buf = self.channel.recv(self.timeout_s)
+                buf = self.meta.recv(self.timeout_s)
             except RuntimeError as exc:
                 err = TransferTimeout(rank=self.rank, step=k, flag="metadata", expected=k, seen=self.step,
                                       timeout_s=self.timeout_s,
                                       what=f"{self.name} receive from rank {self.peer}: no step metadata "
-                                           f"arrived over the CPU group ({exc})")
+                                           f"arrived over {self.meta.what} ({exc})")
                 self._error = err
                 raise err from None
             got = self.specs.decode(buf, step=k, peer=self.peer, rank=self.rank)
@@ -620,6 +624,7 @@ class Transport(abc.ABC):
             log.debug("abort: drain failed: %s", exc)
         with self._wd_lock:
             self._wd.clear()
+        self._close_meta()
         if not drained:
             log.warning("rank %d: abort of the %s transport with rank %d: own streams did not drain; its "
                         "mappings and buffers are left to process exit", self.rank, self.name, self.peer)
@@ -655,15 +660,19 @@ class Transport(abc.ABC):
 
     def _send_meta(self, fill) -> None:
         try:
-            i = self.channel.next_send_buffer(self.timeout_s)
+            i = self.meta.next_send_buffer(self.timeout_s)
         except RuntimeError as exc:
             err = TransferTimeout(rank=self.rank, step=self.step + 1, flag="metadata", expected=self.step + 1,
                                   seen=None, timeout_s=self.timeout_s,
                                   what=f"{self.name} send to rank {self.peer}: metadata send stuck ({exc})")
             self._error = err
             raise err from None
-        fill(self.channel._ring_np[i])
-        self.channel.send(i)
+        fill(self.meta.send_buffers[i])
+        self.meta.send(i)
+
+    def _close_meta(self) -> None:
+        if self.meta is not self.channel:
+            self.meta.close()
 
     def _materialize(self, rcv: Received) -> None:
         if rcv._tensors is not None:
@@ -800,6 +809,7 @@ def close_all(transports: Sequence[Transport], timeout_s: float | None = None) -
             except Exception as exc:  # noqa: BLE001
                 log.debug("release after a failed drain: %s", exc)
         try:
+            t.meta.drain(2.0)
             t.channel.drain(2.0)
         except Exception:  # noqa: BLE001
             pass
@@ -832,4 +842,5 @@ def close_all(transports: Sequence[Transport], timeout_s: float | None = None) -
                 t._free()
             except Exception as exc:  # noqa: BLE001
                 log.warning("rank %d: freeing %s buffers: %s", t.rank, t.name, exc)
+            t._close_meta()
             t._state = "closed"

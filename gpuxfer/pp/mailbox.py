@@ -1,0 +1,185 @@
+"""Per-step metadata between the two ends of a pair on one host: a shared-memory mailbox.
+
+A metadata message over the CPU (gloo) group costs tens of microseconds on every
+step (52-73 us a step on 2x H200, docs/PERFORMANCE.md), more than a small step's
+whole transfer. When both ends of a pair run on the same
+host, :func:`gpuxfer.pp.selection.connect` gives the pair this mailbox instead: a
+small file in ``/dev/shm`` that both processes map, created by the receiver and
+unlinked as soon as the sender has opened it (nothing is left behind, even on a
+crash after setup). ``GPUXFER_PP_META_CHANNEL=group`` keeps the CPU group.
+
+Layout (int64 words)::
+
+    [0] magic (the connection's nonce)   [1] consumed: the last message the receiver took
+    [2..7] spare (one cache line)
+    slot j (j = 0..RING-1) at word 8 + j * stride:  [seq, check, payload x meta_len]
+
+Timeline of message m (1, 2, ...; slot j = (m - 1) % RING)::
+
+    sender (send(), refusals too)               receiver (recv())
+    -----------------------------               -----------------
+    wait consumed >= m - RING  (slot j free)
+    write payload -> slot j
+    write check(payload, m)
+    write seq[j] = m  ------------------------> wait seq[j] == m
+                                                copy the payload; recompute check
+                                                (a mismatch is a torn read: read again)
+                      consumed >= m  <-------   write consumed = m
+
+Both waits poll with a backoff (spin, then yield, then sleep up to 1 ms) and give
+up after the transport's timeout with :class:`MailboxTimeout` naming the word and the
+value seen, which the transport turns into :class:`~gpuxfer.errors.TransferTimeout`.
+Words are written in program order (payload, check, seq); the check guards readers
+on hosts that reorder stores.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+import time
+
+import numpy as np
+
+RING = 4
+HEADER_WORDS = 8
+W_MAGIC, W_CONSUMED = 0, 1
+_MIX = 0x9E3779B97F4A7C15
+_MASK63 = (1 << 63) - 1
+
+
+class MailboxTimeout(RuntimeError):
+    """A mailbox wait ran past its deadline (the transport raises TransferTimeout for it)."""
+
+
+def mailbox_dir() -> str:
+    """Where mailbox files live: ``/dev/shm`` where it exists, else the temporary directory."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def _check(payload: np.ndarray, m: int) -> int:
+    s = int(payload.sum(dtype=np.uint64))
+    return ((s * _MIX) ^ (m * 0x2545F4914F6CDD1D)) & _MASK63
+
+
+def _wait(cond, timeout_s: float, what) -> None:
+    """Poll ``cond()`` with a backoff until it holds; MailboxTimeout(what()) after ``timeout_s``."""
+    for _ in range(64):                     # the common case: already there, or microseconds away
+        if cond():
+            return
+    deadline = time.monotonic() + timeout_s
+    nap = 0.0
+    while not cond():
+        if time.monotonic() > deadline:
+            raise MailboxTimeout(what())
+        time.sleep(nap)
+        nap = min(1e-3, nap * 2 if nap else 1e-6)
+
+
+class Mailbox:
+    """One direction of a pair's metadata: :meth:`create` on the receiver, :meth:`open` on the sender.
+
+    Sender: ``i = next_send_buffer(timeout_s)``, fill ``send_buffers[i]``, ``send(i)``.
+    Receiver: ``recv(timeout_s)`` -> the payload (valid until the next ``recv``).
+    """
+
+    what = "the shared-memory mailbox"
+
+    def __init__(self, path: str, meta_len: int, magic: int, *, create: bool):
+        if meta_len < 1:
+            raise ValueError(f"meta_len must be >= 1, got {meta_len}")
+        self.path, self.meta_len, self.magic = path, int(meta_len), int(magic)
+        self.stride = -(-(2 + self.meta_len) // 8) * 8
+        size = 8 * (HEADER_WORDS + RING * self.stride)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            elif os.fstat(fd).st_size != size:
+                raise ValueError(f"mailbox {path} holds {os.fstat(fd).st_size} bytes, expected {size}")
+            self._mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            if create:
+                os.unlink(path)
+            raise
+        os.close(fd)
+        self._words = np.frombuffer(self._mm, dtype=np.int64)
+        if create:
+            self._words[W_MAGIC] = self.magic
+        elif int(self._words[W_MAGIC]) != self.magic:
+            self.close()
+            raise ValueError(f"mailbox {path} belongs to another connection (magic differs)")
+        base = HEADER_WORDS + np.arange(RING) * self.stride
+        self._seq = [int(b) for b in base]
+        self.send_buffers = [self._words[b + 2:b + 2 + self.meta_len] for b in base]
+        self._recv_copy = np.zeros(self.meta_len, dtype=np.int64)
+        self._sent = self._taken = 0
+
+    @classmethod
+    def create(cls, path: str, meta_len: int, magic: int) -> "Mailbox":
+        return cls(path, meta_len, magic, create=True)
+
+    @classmethod
+    def open(cls, path: str, meta_len: int, magic: int) -> "Mailbox":
+        return cls(path, meta_len, magic, create=False)
+
+    def unlink(self) -> None:
+        """Remove the file (the mappings stay valid); idempotent."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    # ---- sender ----
+    def next_send_buffer(self, timeout_s: float) -> int:
+        m = self._sent + 1
+        w = self._words
+        _wait(lambda: int(w[W_CONSUMED]) >= m - RING, timeout_s,
+              lambda: f"message {m}: the receiver has taken {int(w[W_CONSUMED])} of {m - 1} "
+                      f"after {timeout_s:g} s (the mailbox holds {RING})")
+        return (m - 1) % RING
+
+    def send(self, i: int) -> None:
+        m = self._sent + 1
+        if i != (m - 1) % RING:
+            raise ValueError(f"mailbox slot {i} is not message {m}'s")
+        seq = self._seq[i]
+        self._words[seq + 1] = _check(self.send_buffers[i], m)
+        self._words[seq] = m
+        self._sent = m
+
+    # ---- receiver ----
+    def recv(self, timeout_s: float) -> np.ndarray:
+        m = self._taken + 1
+        j = (m - 1) % RING
+        seq, w, out, src = self._seq[j], self._words, self._recv_copy, self.send_buffers[j]
+
+        def arrived() -> bool:
+            if int(w[seq]) != m:
+                return False
+            out[:] = src
+            return int(w[seq + 1]) == _check(out, m) and int(w[seq]) == m
+
+        _wait(arrived, timeout_s, lambda: f"message {m}: slot {j} holds message {int(w[seq])} "
+                                          f"after {timeout_s:g} s")
+        self._taken = m
+        w[W_CONSUMED] = m
+        return out
+
+    # ---- the channel interface the transport also gets from CpuChannel ----
+    def drain(self, timeout_s: float) -> None:
+        """Nothing is in flight once send() returns."""
+
+    def close(self) -> None:
+        """Unmap (idempotent); the file was unlinked at setup."""
+        if self._mm is None:
+            return
+        self.send_buffers = []
+        self._words = None
+        try:
+            self._mm.close()
+        except BufferError:             # a view is still held somewhere: the mapping goes with it
+            pass
+        self._mm = None
