@@ -1,19 +1,57 @@
-"""Small helpers shared by the benchmarks: size parsing and the versions a run reports.
+"""Small helpers: size parsing, the versions a run reports, POSIX shared memory.
 
 Nothing here touches a device; importing it imports no GPU library.
 """
 from __future__ import annotations
 
+import mmap
+import os
 import platform as _pyplatform
 import re
 
 from . import __version__
 from .errors import BadInput
 
+try:  # POSIX only
+    import _posixshmem
+except ImportError:  # pragma: no cover - Windows
+    _posixshmem = None
+
 _BINARY = {"": 1, "k": 1 << 10, "ki": 1 << 10, "m": 1 << 20, "mi": 1 << 20, "g": 1 << 30, "gi": 1 << 30,
            "t": 1 << 40, "ti": 1 << 40}
 _DECIMAL_BYTES = {"kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def map_shm(name: str, nbytes: int, *, create: bool, exact: bool = False) -> mmap.mmap:
+    """Map the POSIX shared-memory segment ``name``: a new one of ``nbytes`` (``create``; it must not
+    exist), or an existing one of at least (``exact``: exactly) ``nbytes``. A failed create leaves nothing."""
+    if _posixshmem is None:
+        raise OSError("POSIX shared memory (_posixshmem) is not available on this OS")
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = _posixshmem.shm_open(name, flags, mode=0o600)
+    try:
+        if create:
+            os.ftruncate(fd, nbytes)
+        else:
+            size = os.fstat(fd).st_size
+            if size < nbytes or (exact and size != nbytes):
+                raise BadInput(f"shared memory {name!r} holds {size} bytes, expected {nbytes}")
+        return mmap.mmap(fd, nbytes)
+    except BaseException:
+        if create:
+            _posixshmem.shm_unlink(name)
+        raise
+    finally:
+        os.close(fd)
+
+
+def unlink_shm(name: str) -> None:
+    """Remove the shared-memory segment ``name`` (mappings stay valid); a missing one is fine."""
+    try:
+        _posixshmem.shm_unlink(name)
+    except FileNotFoundError:
+        pass
 
 
 def package_version(*dists: str) -> str | None:

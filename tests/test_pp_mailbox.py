@@ -7,19 +7,28 @@ import uuid
 import numpy as np
 import pytest
 
+from gpuxfer.errors import BadInput
 from gpuxfer.pp import mailbox as mb
 from gpuxfer.pp.selection import meta_channel_from_env
-from gpuxfer.errors import BadInput
 
 META_LEN = 13
 MAGIC = 0x5A5A_0000_0100
 
 
+def _name() -> str:
+    return f"/gxtest-{uuid.uuid4().hex[:20]}"
+
+
+def _segments(prefix: str) -> list[str]:
+    """Shared-memory names starting with ``prefix`` that still exist (Linux lists them in /dev/shm)."""
+    return [f for f in os.listdir("/dev/shm") if f.startswith(prefix)] if os.path.isdir("/dev/shm") else []
+
+
 @pytest.fixture
-def pair(tmp_path):
-    path = str(tmp_path / f"box-{uuid.uuid4().hex}")
-    recv = mb.Mailbox.create(path, META_LEN, MAGIC)
-    send = mb.Mailbox.open(path, META_LEN, MAGIC)
+def pair():
+    name = _name()
+    recv = mb.Mailbox.create(name, META_LEN, MAGIC)
+    send = mb.Mailbox.open(name, META_LEN, MAGIC)
     recv.unlink()
     yield send, recv
     send.close()
@@ -67,23 +76,23 @@ def test_a_corrupted_payload_is_never_delivered(pair):
     assert np.array_equal(recv.recv(1.0), np.arange(META_LEN))
 
 
-def test_open_refuses_another_connections_box_and_a_wrong_size(tmp_path):
-    path = str(tmp_path / "box")
-    box = mb.Mailbox.create(path, META_LEN, MAGIC)
+def test_open_refuses_another_connections_box_and_a_wrong_size():
+    name = _name()
+    box = mb.Mailbox.create(name, META_LEN, MAGIC)
     try:
         with pytest.raises(ValueError, match="magic"):
-            mb.Mailbox.open(path, META_LEN, MAGIC + 1)
-        with pytest.raises(ValueError, match="bytes, expected"):
-            mb.Mailbox.open(path, META_LEN + 64, MAGIC)
+            mb.Mailbox.open(name, META_LEN, MAGIC + 1)
+        with pytest.raises(BadInput, match="bytes, expected"):
+            mb.Mailbox.open(name, META_LEN + 64, MAGIC)
         with pytest.raises(FileExistsError):
-            mb.Mailbox.create(path, META_LEN, MAGIC)
+            mb.Mailbox.create(name, META_LEN, MAGIC)
     finally:
         box.unlink()
         box.close()
         box.close()                              # idempotent
-    assert not os.path.exists(path)
+    assert _segments(name[1:]) == []
     with pytest.raises(FileNotFoundError):
-        mb.Mailbox.open(path, META_LEN, MAGIC)
+        mb.Mailbox.open(name, META_LEN, MAGIC)
 
 
 def test_send_checks_its_slot(pair):
@@ -151,8 +160,7 @@ def _setup_two(hosts=("a", "a"), modes=("auto", "auto"), monkeypatch=None, open_
     for t in threads:
         t.join(20)
     assert not errors, errors
-    leftovers = [f for f in os.listdir(mb.mailbox_dir()) if f.startswith(f"gpuxfer-pp-{nonce:x}-")]
-    assert leftovers == []                       # the file never outlives set-up
+    assert _segments(f"gpuxfer-pp-{nonce:x}-") == []      # the segment never outlives set-up
     return ends[0].meta, ends[1].meta, sentinel
 
 

@@ -45,7 +45,6 @@ import ctypes
 import errno
 import itertools
 import logging
-import mmap
 import os
 import queue
 import secrets
@@ -57,6 +56,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..common import _posixshmem, map_shm, unlink_shm
 from ..errors import BadInput, DriverError, GpuxferError
 from .base import (DeviceBuffer, DeviceInfo, Event, IpcHandle, LinkInfo, Memory, PeerMapping, Platform, Stream,
                    as_int64_array, check_flag_ptr)
@@ -68,10 +68,6 @@ _POLL_MAX_S = 5e-4          # longest sleep between two polls of a flag
 _STOP_CHECK_S = 0.05        # how often an event wait on a worker checks for abort
 _JOIN_TIMEOUT_S = 5.0       # how long close() waits for each worker to exit
 
-try:  # POSIX only; its absence is the platform's unavailable reason
-    import _posixshmem
-except ImportError:  # pragma: no cover - Windows
-    _posixshmem = None
 
 
 def _to_signed64(value: int) -> int:
@@ -111,22 +107,7 @@ class _Shm:
 
     def __init__(self, name: str, nbytes: int, create: bool):
         self.name, self.nbytes, self.owner = name, nbytes, create
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = _posixshmem.shm_open(name, flags, mode=0o600)
-        try:
-            if create:
-                os.ftruncate(fd, nbytes)
-            else:
-                size = os.fstat(fd).st_size
-                if size < nbytes:
-                    raise BadInput(f"shared memory {name!r} holds {size} bytes, the handle says {nbytes}")
-            self.mm = mmap.mmap(fd, nbytes)
-        except BaseException:
-            os.close(fd)
-            if create:
-                _posixshmem.shm_unlink(name)
-            raise
-        os.close(fd)
+        self.mm = map_shm(name, nbytes, create=create)
         anchor = ctypes.c_char.from_buffer(self.mm)   # a buffer export, released right below
         self.ptr = ctypes.addressof(anchor)
         del anchor
@@ -143,10 +124,7 @@ class _Shm:
             log.debug("shared memory %s still viewed by tensors; unmapped when they die", self.name)
         if self.owner:
             from multiprocessing import resource_tracker
-            try:
-                _posixshmem.shm_unlink(self.name)
-            except FileNotFoundError:
-                pass
+            unlink_shm(self.name)
             resource_tracker.unregister(self.name, "shared_memory")
 
 

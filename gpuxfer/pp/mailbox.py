@@ -2,9 +2,9 @@
 
 A metadata message over the CPU (gloo) group costs tens of microseconds on every
 step (52-73 us a step on 2x H200, docs/PERFORMANCE.md), more than a small step's
-whole transfer. When both ends of a pair run on the same
-host, :func:`gpuxfer.pp.selection.connect` gives the pair this mailbox instead: a
-small file in ``/dev/shm`` that both processes map, created by the receiver and
+whole transfer. When both ends of a pair run on the same host,
+:func:`gpuxfer.pp.selection.connect` gives the pair this mailbox instead: a small
+POSIX shared-memory segment that both processes map, created by the receiver and
 unlinked as soon as the sender has opened it (nothing is left behind, even on a
 crash after setup). ``GPUXFER_PP_META_CHANNEL=group`` keeps the CPU group.
 
@@ -34,12 +34,11 @@ on hosts that reorder stores.
 """
 from __future__ import annotations
 
-import mmap
-import os
-import tempfile
 import time
 
 import numpy as np
+
+from ..common import map_shm, unlink_shm
 
 RING = 4
 HEADER_WORDS = 8
@@ -50,11 +49,6 @@ _MASK63 = (1 << 63) - 1
 
 class MailboxTimeout(RuntimeError):
     """A mailbox wait ran past its deadline (the transport raises TransferTimeout for it)."""
-
-
-def mailbox_dir() -> str:
-    """Where mailbox files live: ``/dev/shm`` where it exists, else the temporary directory."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
 def _check(payload: np.ndarray, m: int) -> int:
@@ -85,32 +79,18 @@ class Mailbox:
 
     what = "the shared-memory mailbox"
 
-    def __init__(self, path: str, meta_len: int, magic: int, *, create: bool):
+    def __init__(self, name: str, meta_len: int, magic: int, *, create: bool):
         if meta_len < 1:
             raise ValueError(f"meta_len must be >= 1, got {meta_len}")
-        self.path, self.meta_len, self.magic = path, int(meta_len), int(magic)
+        self.name, self.meta_len, self.magic = name, int(meta_len), int(magic)
         self.stride = -(-(2 + self.meta_len) // 8) * 8
-        size = 8 * (HEADER_WORDS + RING * self.stride)
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, size)
-            elif os.fstat(fd).st_size != size:
-                raise ValueError(f"mailbox {path} holds {os.fstat(fd).st_size} bytes, expected {size}")
-            self._mm = mmap.mmap(fd, size)
-        except BaseException:
-            os.close(fd)
-            if create:
-                os.unlink(path)
-            raise
-        os.close(fd)
+        self._mm = map_shm(name, 8 * (HEADER_WORDS + RING * self.stride), create=create, exact=True)
         self._words = np.frombuffer(self._mm, dtype=np.int64)
         if create:
             self._words[W_MAGIC] = self.magic
         elif int(self._words[W_MAGIC]) != self.magic:
             self.close()
-            raise ValueError(f"mailbox {path} belongs to another connection (magic differs)")
+            raise ValueError(f"mailbox {name} belongs to another connection (magic differs)")
         base = HEADER_WORDS + np.arange(RING) * self.stride
         self._seq = [int(b) for b in base]
         self.send_buffers = [self._words[b + 2:b + 2 + self.meta_len] for b in base]
@@ -118,19 +98,16 @@ class Mailbox:
         self._sent = self._taken = 0
 
     @classmethod
-    def create(cls, path: str, meta_len: int, magic: int) -> "Mailbox":
-        return cls(path, meta_len, magic, create=True)
+    def create(cls, name: str, meta_len: int, magic: int) -> "Mailbox":
+        return cls(name, meta_len, magic, create=True)
 
     @classmethod
-    def open(cls, path: str, meta_len: int, magic: int) -> "Mailbox":
-        return cls(path, meta_len, magic, create=False)
+    def open(cls, name: str, meta_len: int, magic: int) -> "Mailbox":
+        return cls(name, meta_len, magic, create=False)
 
     def unlink(self) -> None:
-        """Remove the file (the mappings stay valid); idempotent."""
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        """Remove the segment's name (the mappings stay valid); idempotent."""
+        unlink_shm(self.name)
 
     # ---- sender ----
     def next_send_buffer(self, timeout_s: float) -> int:
@@ -173,7 +150,7 @@ class Mailbox:
         """Nothing is in flight once send() returns."""
 
     def close(self) -> None:
-        """Unmap (idempotent); the file was unlinked at setup."""
+        """Unmap (idempotent); the segment was unlinked at setup."""
         if self._mm is None:
             return
         self.send_buffers = []

@@ -408,14 +408,14 @@ def _setup_mailboxes(exchange, infos, ends, tag_of, nonce: int, rank: int, mode:
 
     Every rank runs both exchanges. Phase 1: each receiver creates its pair's mailbox;
     phase 2: the sender opens it where it was made. Both ends switch to it only if the
-    sender opened it; the receiver unlinks the file either way, so none outlives setup.
+    sender opened it; the receiver unlinks the segment either way, so none outlives setup.
     A pair that cannot (another host, ``GPUXFER_PP_META_CHANNEL=group``, an error) keeps
     the CPU group; an error is logged.
     """
-    from .mailbox import Mailbox, mailbox_dir
+    from .mailbox import Mailbox
 
-    def path(pair) -> str:
-        return os.path.join(mailbox_dir(), f"gpuxfer-pp-{nonce:x}-{tag_of[pair]:x}")
+    def name(pair) -> str:
+        return f"/gpuxfer-pp-{nonce:x}-{tag_of[pair]:x}"
 
     def eligible(t) -> bool:
         return t.metadata and mode == "auto" and infos[t.peer]["host"] == infos[rank]["host"]
@@ -426,7 +426,7 @@ def _setup_mailboxes(exchange, infos, ends, tag_of, nonce: int, rank: int, mode:
             if t.role == "recv" and eligible(t):
                 pair = (t.peer, rank)
                 try:
-                    created[pair] = Mailbox.create(path(pair), t.specs.meta_len, nonce)
+                    created[pair] = Mailbox.create(name(pair), t.specs.meta_len, nonce)
                     made[pair] = None
                 except Exception as exc:  # noqa: BLE001 - the pair keeps the CPU group
                     made[pair] = _reason(exc)
@@ -437,7 +437,7 @@ def _setup_mailboxes(exchange, infos, ends, tag_of, nonce: int, rank: int, mode:
                 try:
                     if seen[t.peer]["made"][pair] is not None:
                         raise GpuxferError(f"rank {t.peer} could not create it: {seen[t.peer]['made'][pair]}")
-                    boxes[pair] = Mailbox.open(path(pair), t.specs.meta_len, nonce)
+                    boxes[pair] = Mailbox.open(name(pair), t.specs.meta_len, nonce)
                     opened[pair] = None
                 except Exception as exc:  # noqa: BLE001
                     opened[pair] = _reason(exc)
