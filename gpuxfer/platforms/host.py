@@ -69,7 +69,6 @@ _STOP_CHECK_S = 0.05        # how often an event wait on a worker checks for abo
 _JOIN_TIMEOUT_S = 5.0       # how long close() waits for each worker to exit
 
 
-
 def _to_signed64(value: int) -> int:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
         raise BadInput(f"a flag value must be an integer, got {type(value).__name__}")
