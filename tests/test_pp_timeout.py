@@ -91,6 +91,7 @@ def timeout_session(rank: int, world: int, init_method: str, platform_name: str)
             with pytest.raises(TransferTimeout) as ei:
                 conn.receiver().recv()
             out["C"] = (ei.value.rank, ei.value.step, ei.value.flag)
+            out["C:via"] = "shared-memory mailbox" in str(ei.value)   # one host: the mailbox carries metadata
         dist.barrier()
         conn.abort()
     finally:
@@ -110,7 +111,7 @@ def test_stuck_peer_times_out(spawner, platform_name):
     # B: rank 0, step 3 waited for empty[0] >= 1 (step 1 consumed), the receiver never wrote it
     assert sender["B"] == (0, 3, "empty[0]", 1, 0)
     assert sender["B:abort_s"] < 10
-    assert receiver["C"] == (1, 1, "metadata")
+    assert receiver["C"] == (1, 1, "metadata") and receiver["C:via"]
 
 
 def test_watchdog_reads_each_slot_flag_once_per_poll():
