@@ -35,6 +35,7 @@ on hosts that reorder stores.
 from __future__ import annotations
 
 import time
+import zlib
 
 import numpy as np
 
@@ -43,8 +44,6 @@ from ..common import map_shm, unlink_shm
 RING = 4
 HEADER_WORDS = 8
 W_MAGIC, W_CONSUMED = 0, 1
-_MIX = 0x9E3779B97F4A7C15
-_MASK63 = (1 << 63) - 1
 
 
 class MailboxTimeout(RuntimeError):
@@ -52,8 +51,8 @@ class MailboxTimeout(RuntimeError):
 
 
 def _check(payload: np.ndarray, m: int) -> int:
-    s = int(payload.sum(dtype=np.uint64))
-    return ((s * _MIX) ^ (m * 0x2545F4914F6CDD1D)) & _MASK63
+    """CRC-32 of the payload's bytes, seeded with the message number."""
+    return zlib.crc32(payload, m & 0xFFFFFFFF)
 
 
 def _wait(cond, timeout_s: float, what) -> None:
