@@ -17,6 +17,9 @@ try:  # POSIX only
 except ImportError:  # pragma: no cover - Windows
     _posixshmem = None
 
+#: why :func:`map_shm` cannot work here, or None
+SHM_UNAVAILABLE = None if _posixshmem is not None else "POSIX shared memory (_posixshmem) is not available on this OS"
+
 _BINARY = {"": 1, "k": 1 << 10, "ki": 1 << 10, "m": 1 << 20, "mi": 1 << 20, "g": 1 << 30, "gi": 1 << 30,
            "t": 1 << 40, "ti": 1 << 40}
 _DECIMAL_BYTES = {"kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
@@ -26,8 +29,8 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 def map_shm(name: str, nbytes: int, *, create: bool, exact: bool = False) -> mmap.mmap:
     """Map the POSIX shared-memory segment ``name``: a new one of ``nbytes`` (``create``; it must not
     exist), or an existing one of at least (``exact``: exactly) ``nbytes``. A failed create leaves nothing."""
-    if _posixshmem is None:
-        raise OSError("POSIX shared memory (_posixshmem) is not available on this OS")
+    if SHM_UNAVAILABLE:
+        raise OSError(SHM_UNAVAILABLE)
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = _posixshmem.shm_open(name, flags, mode=0o600)
     try:

@@ -56,7 +56,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..common import _posixshmem, map_shm, unlink_shm
+from ..common import SHM_UNAVAILABLE, map_shm, unlink_shm
 from ..errors import BadInput, DriverError, GpuxferError
 from .base import (DeviceBuffer, DeviceInfo, Event, IpcHandle, LinkInfo, Memory, PeerMapping, Platform, Stream,
                    as_int64_array, check_flag_ptr)
@@ -303,8 +303,8 @@ class HostPlatform(Platform):
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        if _posixshmem is None:
-            return "POSIX shared memory (_posixshmem) is not available on this OS"
+        if SHM_UNAVAILABLE:
+            return SHM_UNAVAILABLE
         return None
 
     def __init__(self, devices: int | None = None):
