@@ -6,7 +6,9 @@ A tuning aid for the stage hand-off's SM-contention target (not a test). The
 matmul loop runs on one stream; another stream of the same process runs, back to
 back for the loop's length, one kind of work at a time: local device-to-device
 copies on copy engines, peer copies to GPU 1, stream flag writes and waits, an
-SM copy kernel. Prints the matmul's TFLOP/s next to each, against alone.
+SM copy kernel. Prints the matmul's TFLOP/s next to each, against alone, and what
+NVML saw on GPU 0 meanwhile (median SM clock, mean power, the clock-event reasons
+seen), to tell a loss to shared SMs from a loss to a lower clock under the power cap.
 """
 from __future__ import annotations
 
@@ -47,8 +49,11 @@ def main() -> int:
                 torch.mm(a, b, out=c)
         return plat.record_event(comp)
 
+    sampler = _Sampler(0)
+
     def run(k: int, work=None) -> float:
         torch.cuda.synchronize()
+        sampler.start()
         t0 = time.perf_counter()
         ev = matmuls(k)
         i = 0
@@ -60,6 +65,7 @@ def main() -> int:
                 plat.synchronize(other, 60)
         plat.event_wait(ev, 300)
         el = time.perf_counter() - t0
+        sampler.stop()
         torch.cuda.synchronize()
         return el
 
@@ -87,16 +93,19 @@ def main() -> int:
         cases["peer ce copy"] = peer_ce
     out = {"matmul_n": n, "matmuls": k, "copy_bytes": size}
     alone = []
+    nvml = {}
     for name, work in cases.items():
         el = run(k, work)
         if work is None:
             alone.append(el)
         out[name] = flops / el / 1e12
+        nvml[name] = sampler.summary()
     alone.append(run(k))
     out["alone"] = flops / min(alone) / 1e12
+    out["nvml"] = nvml
     for name in cases:
         loss = (1 - out[name] / out["alone"]) * 100
-        print(f"{name:18s} {out[name]:8.1f} TFLOP/s  loss {loss:6.1f}%")
+        print(f"{name:18s} {out[name]:8.1f} TFLOP/s  loss {loss:6.1f}%   {nvml[name]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
@@ -105,6 +114,59 @@ def main() -> int:
             m.close()
     plat.close()
     return 0
+
+
+class _Sampler:
+    """NVML on one GPU every 5 ms while a case runs: SM clock, power, clock-event reasons."""
+
+    def __init__(self, index: int):
+        import threading
+        self._threading = threading
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            self._nv, self._h = pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
+        except Exception as exc:  # noqa: BLE001 - the probe runs without it
+            print(f"NVML unavailable: {exc}")
+            self._nv = None
+        self._samples: list = []
+        self._stop = None
+
+    def _reasons(self) -> int:
+        nv = self._nv
+        fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+        return int(fn(self._h))
+
+    def start(self) -> None:
+        self._samples = []
+        if self._nv is None:
+            return
+        self._stop = self._threading.Event()
+
+        def loop():
+            nv, h = self._nv, self._h
+            while not self._stop.is_set():
+                self._samples.append((nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
+                                      nv.nvmlDeviceGetPowerUsage(h) / 1e3, self._reasons()))
+                self._stop.wait(0.005)
+        self._thread = self._threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+            self._thread.join(5)
+
+    def summary(self) -> dict:
+        if not self._samples:
+            return {}
+        clocks = sorted(c for c, _, _ in self._samples)
+        reasons = 0
+        for _, _, r in self._samples:
+            reasons |= r
+        return {"sm_mhz_median": clocks[len(clocks) // 2], "power_w_mean": round(
+            sum(p for _, p, _ in self._samples) / len(self._samples), 1), "clock_event_reasons": hex(reasons),
+            "samples": len(self._samples)}
 
 
 if __name__ == "__main__":

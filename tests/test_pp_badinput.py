@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gpuxfer.errors import BadInput, GpuxferError
-from gpuxfer.pp.transport import ALIGN, SpecTable, _Refusal, resolve_timeout
+from gpuxfer.pp.transport import ALIGN, SpecTable, _Refusal, as_bytes, resolve_timeout
 from test_pp_chain import check_equal, specs, step_shapes, step_tensors
 
 CPU = torch.device("cpu")
@@ -63,6 +63,27 @@ def test_spec_table_layout():
     empty = t.layout(((0, 40), (0,), (0, 40)))
     assert empty.total == 0
     assert t.check_tensors(good(), CPU) == ((5, 40), (5,), (5, 40))
+
+
+@pytest.mark.parametrize("n,w", [(3, 40), (0, 40), (48, 1)])
+def test_spec_table_views_unpack_a_packed_buffer(n, w):
+    """views() gives every tensor back from its packed bytes: shapes, dtypes and values, zero sizes included."""
+    t = SpecTable({**specs(), "scale": ((), torch.float64)})
+    g = torch.Generator().manual_seed(n * 100 + w)
+    want = {"hidden": torch.randn(n, w, generator=g).bfloat16(), "pos": torch.randint(0, 9, (n,), generator=g),
+            "residual": torch.randn(n, w, generator=g), "scale": torch.tensor(2.5, dtype=torch.float64)}
+    lay = t.layout(t.check_tensors(want, CPU))
+    buf = torch.full((lay.buffer_bytes,), 0xAB, dtype=torch.uint8)
+    for name, off, nb in zip(t.names, lay.offsets, lay.nbytes):
+        buf[off:off + nb] = as_bytes(want[name]).reshape(-1)
+    got = t.views(buf, lay)
+    assert lay.buffer_bytes % ALIGN == 0 and lay.buffer_bytes >= max(lay.total, 1)
+    for name in t.names:
+        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, name
+        assert got[name].is_contiguous() and torch.equal(as_bytes(got[name]), as_bytes(want[name])), name
+    buf[lay.offsets[0]] ^= 1          # views, not copies: a flipped byte shows
+    if n:
+        assert not torch.equal(as_bytes(got["hidden"]), as_bytes(want["hidden"]))
 
 
 @pytest.mark.parametrize("label,tensors,code", list(bad_inputs()), ids=[b[0] for b in bad_inputs()])

@@ -318,11 +318,10 @@ class CopyEngineTransport(Transport):
         self._wd.append((k, j, time.monotonic(), k))
         slot = self._slot_ptr[j]
         if rcv.out is None:        # one copy of the whole slot into a fresh buffer (torch's, on ``cur``)
-            buf = torch.empty(max(lay.total, 1), dtype=torch.uint8, device=self.torch_device)
+            buf = torch.empty(lay.buffer_bytes, dtype=torch.uint8, device=self.torch_device)
             if lay.total:
                 self._ce_copy(cur, buf.data_ptr(), slot, lay.total)
-            views = {name: buf[o:o + n].view(d).view(shape)
-                     for name, o, n, d, shape in zip(specs.names, lay.offsets, lay.nbytes, specs.dtypes, lay.shapes)}
+            views = specs.views(buf, lay)
         else:
             views = {}
             for name, o, n, shape, item in zip(specs.names, lay.offsets, lay.nbytes, lay.shapes, specs.itemsizes):

@@ -90,7 +90,7 @@ class NcclTransport(Transport):
         import torch
         import torch.distributed as dist
         total = rcv.layout.total
-        buf = torch.empty(max(total, 1), dtype=torch.uint8, device=self.torch_device)
+        buf = torch.empty(rcv.layout.buffer_bytes, dtype=torch.uint8, device=self.torch_device)
         work = None
         if total:
             work = dist.irecv(buf[:total], src=self.peer, group=self.device_group, tag=self.data_tag)
@@ -103,8 +103,7 @@ class NcclTransport(Transport):
         if work is not None:
             self._wait_work(work, step=rcv.step, flag="nccl recv", what=f"receive from rank {self.peer}")
         lay, specs = rcv.layout, self.specs
-        views = {name: buf[o:o + n].view(d).view(shape)
-                 for name, o, n, d, shape in zip(specs.names, lay.offsets, lay.nbytes, specs.dtypes, lay.shapes)}
+        views = specs.views(buf, lay)
         if rcv.out is not None:
             res, dsts, srcs = {}, [], []
             for (name, v), o, n in zip(views.items(), lay.offsets, lay.nbytes):

@@ -151,6 +151,20 @@ class Layout:
     nbytes: tuple[int, ...]
     total: int          # bytes that travel: end of the last tensor
     bshapes: tuple[tuple[int, ...], ...] = ()   # shapes of the tensors' uint8 views (as_bytes)
+    strides: tuple[tuple[int, ...], ...] = ()   # contiguous strides of ``shapes`` (elements)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of a buffer :meth:`SpecTable.views` can view this step in (whole ALIGN units, >= 1 unit)."""
+        return _align(max(self.total, 1))
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= max(int(d), 1)
+    return tuple(reversed(out))
 
 
 class SpecTable:
@@ -212,11 +226,24 @@ class SpecTable:
                 end = off + n
                 off = _align(end)
             lay = Layout(shapes, tuple(offsets), tuple(nbytes), end,
-                         tuple(byte_shape(sh, it) for sh, it in zip(shapes, self.itemsizes)))
+                         tuple(byte_shape(sh, it) for sh, it in zip(shapes, self.itemsizes)),
+                         tuple(_contiguous_strides(sh) for sh in shapes))
             if len(self._layouts) > 4096:   # shapes vary per step (token counts): keep the cache bounded
                 self._layouts.clear()
             self._layouts[shapes] = lay
         return lay
+
+    def views(self, buf, layout: Layout) -> dict:
+        """The step's tensors as views of ``buf`` (uint8, ``layout.buffer_bytes`` long, packed as
+        ``layout`` says): one ``as_strided`` per tensor, a per-step cost on the receiver's path."""
+        typed, out = {}, {}
+        for name, dtype, item, shape, strides, off in zip(self.names, self.dtypes, self.itemsizes, layout.shapes,
+                                                         layout.strides, layout.offsets):
+            base = typed.get(dtype)
+            if base is None:
+                base = typed[dtype] = buf.view(dtype)
+            out[name] = base.as_strided(shape, strides, off // item)
+        return out
 
     # ---- validation (before any GPU work and before metadata goes out) ----
     def check_tensors(self, tensors, device) -> tuple[tuple[int, ...], ...]:
