@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import threading
 import time
 
 
@@ -120,8 +121,6 @@ class _Sampler:
     """NVML on one GPU every 5 ms while a case runs: SM clock, power, clock-event reasons."""
 
     def __init__(self, index: int):
-        import threading
-        self._threading = threading
         try:
             import pynvml
             pynvml.nvmlInit()
@@ -141,7 +140,7 @@ class _Sampler:
         self._samples = []
         if self._nv is None:
             return
-        self._stop = self._threading.Event()
+        self._stop = threading.Event()
 
         def loop():
             nv, h = self._nv, self._h
@@ -149,7 +148,7 @@ class _Sampler:
                 self._samples.append((nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
                                       nv.nvmlDeviceGetPowerUsage(h) / 1e3, self._reasons()))
                 self._stop.wait(0.005)
-        self._thread = self._threading.Thread(target=loop, daemon=True)
+        self._thread = threading.Thread(target=loop, daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
