@@ -47,11 +47,12 @@ def test_count_wrong_bytes_sees_corruption():
 
 def test_bench_pp_host(tmp_path, capsys):
     out = tmp_path / "pp.json"
-    r = _cli(capsys, "--max-size", "64K", "--iters", "4", "--warmup", "2", "--contention-ms", "30", "--json", str(out))
+    r = _cli(capsys, "--max-size", "64K", "--iters", "4", "--warmup", "2", "--repeats", "2", "--contention-ms", "30",
+             "--json", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     text = r.stdout
     assert "EMULATION" in text.splitlines()[0]
-    assert "(us)" in text and "(GB/s)" in text and "wrong" in text
+    assert "(us)" in text and "(GB/s)" in text and "wrong" in text and "the median of 2 loop(s)" in text
     assert "# Out of bounds values : 0 OK" in text and "# Result: PASS (EMULATION)" in text
     assert "SM contention" in text and "bulk peer copy" in text
     doc = json.loads(out.read_text())
@@ -64,6 +65,7 @@ def test_bench_pp_host(tmp_path, capsys):
         assert set(row) >= {"size_bytes", "time_us", "algbw_gbps", "wrong_bytes", "iters", "send_host_us",
                             "recv_host_us"}
         assert row["time_us"] > 0 and row["wrong_bytes"] == 0
+        assert row["repeats"] == 2 and row["time_us_min"] <= row["time_us"] <= row["time_us_max"]
         assert 0 < row["send_host_us"] and 0 < row["recv_host_us"] <= row["time_us"] * 1.01
     assert {"alone_tflops", "nccl_tflops", "copy_engine_tflops", "copy_engine_loss_pct",
             "copy_engine_transfer_gbps", "nccl_transfer_gbps"} <= set(doc["contention"])
@@ -81,6 +83,8 @@ def test_bench_pp_fails_on_a_wrong_byte(capsys):
 def test_bench_pp_bad_arguments(capsys):
     r = _cli(capsys, "--backends", "bogus")
     assert r.returncode != 0 and "unknown backend" in (r.stdout + r.stderr)
+    r = _cli(capsys, "--repeats", "-1")
+    assert r.returncode != 0 and "--repeats" in (r.stdout + r.stderr)
 
 
 def test_example_two_stage_host(capsys, monkeypatch):

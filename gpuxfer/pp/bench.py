@@ -7,8 +7,10 @@ every configuration (copy_engine and nccl, with and without per-step metadata,
 which goes through the pair's shared-memory mailbox, or over the CPU group with
 ``GPUXFER_PP_META_CHANNEL=group``) it times a pipelined loop of steps (the sender never waits
 for the receiver; per-step time = the receiver's wall clock over the timed steps,
-ended by a device synchronize), and checks every byte of verification steps and
-of the last timed step against the source (``wrong`` column, bytes).
+ended by a device synchronize) ``--repeats`` times, reporting the median loop
+(the JSON keeps the fastest and slowest too), and checks every byte of
+verification steps and of each loop's last step against the source (``wrong``
+column, bytes).
 
 Then, in the same run: the bulk peer-copy rate (back-to-back ``copy_async``
 from the sender's staging buffer into the receiver's slot: the copy-engine
@@ -61,6 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-size", type=_size, default=None, help="largest step (default 256M; host: 256K)")
     p.add_argument("--iters", type=int, default=0, help="timed steps per size (0: by size, 20..400; host: 10)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per size")
+    p.add_argument("--repeats", type=int, default=0,
+                   help="timed loops per size and configuration, the median reported (0: 3; host: 1)")
     p.add_argument("--verify-steps", type=int, default=3, help="steps per size whose every byte is checked")
     p.add_argument("--backends", default="copy_engine,nccl", help="comma-separated backends to compare")
     p.add_argument("--flag-path", default=None, choices=["auto", "remote", "copy"],
@@ -167,6 +171,33 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
                        backend=backend, platform=plat, device=dev, metadata=metadata, timeout_s=opts["timeout"],
                        recv_slots=opts["recv_slots"], flag_path=opts["flag_path"], device_group=device_group)
 
+    def timed_loop(t, backend: str, size: int, first: int, n: int, metadata: bool, instrument: bool):
+        """One timed pipelined loop of n steps: (the receiver's last tensors, host s, elapsed s)."""
+        prof = trace = None
+        if instrument and opts.get("profile") == size:
+            import cProfile
+            prof = cProfile.Profile()
+            prof.enable()
+        if instrument and opts.get("trace") == size and not metadata and not emu:
+            trace = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                       torch.profiler.ProfilerActivity.CUDA])
+            trace.start()
+        t0 = time.perf_counter()
+        got = run_steps(t, size, first, n, metadata, True)
+        host = time.perf_counter() - t0      # this rank's host time in send() / recv()
+        _sync(plat, dev)
+        elapsed = time.perf_counter() - t0
+        if trace is not None:
+            trace.stop()
+            os.makedirs(opts["trace_dir"], exist_ok=True)
+            trace.export_chrome_trace(os.path.join(opts["trace_dir"], f"pp-trace-{backend}-rank{rank}.json"))
+        if prof is not None:
+            prof.disable()
+            profiles.append(_profile_text(prof, f"rank {rank} ({'sender' if rank == 0 else 'receiver'}), "
+                                                f"{backend} {'+' if metadata else '-'}meta, {_fmt_size(size)}, "
+                                                f"{n} steps", n))
+        return got, host, elapsed
+
     def run_steps(t, size: int, first: int, n: int, metadata: bool, keep_last: bool):
         """Steps first..first+n-1; the receiver returns the last step's tensors (or None)."""
         last = None
@@ -204,40 +235,27 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
                         t.synchronize()
                         dist.barrier()
                         n = iters_for(size)
-                        prof = None
-                        if opts.get("profile") == size:
-                            import cProfile
-                            prof = cProfile.Profile()
-                            prof.enable()
-                        trace = None
-                        if opts.get("trace") == size and not metadata and not emu:
-                            trace = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                                       torch.profiler.ProfilerActivity.CUDA])
-                            trace.start()
-                        t0 = time.perf_counter()
-                        got = run_steps(t, size, k, n, metadata, True)
-                        host = time.perf_counter() - t0      # this rank's host time in send() / recv()
-                        _sync(plat, dev)
-                        elapsed = time.perf_counter() - t0
-                        if trace is not None:
-                            trace.stop()
-                            os.makedirs(opts["trace_dir"], exist_ok=True)
-                            path = os.path.join(opts["trace_dir"], f"pp-trace-{backend}-rank{rank}.json")
-                            trace.export_chrome_trace(path)
-                        if prof is not None:
-                            prof.disable()
-                            profiles.append(_profile_text(prof, f"rank {rank} ({'sender' if rank == 0 else 'receiver'})"
-                                                          f", {backend} {'+' if metadata else '-'}meta, "
-                                                          f"{_fmt_size(size)}, {n} steps", n))
-                        t.synchronize()
-                        if rank == 1:
-                            wrong += wrong_bytes(got, size, k + n - 1)
-                        k += n
+                        times, hosts = [], []
+                        for rep in range(opts["repeats"]):
+                            if rep:
+                                dist.barrier()
+                            got, host, elapsed = timed_loop(t, backend, size, k, n, metadata, instrument=rep == 0)
+                            t.synchronize()
+                            if rank == 1:
+                                wrong += wrong_bytes(got, size, k + n - 1)
+                            k += n
+                            times.append(elapsed)
+                            hosts.append(host)
+                        elapsed, host = _median(times), _median(hosts)
+                        instrumented = ("cProfile" if opts.get("profile") == size else
+                                        "torch.profiler" if opts.get("trace") == size and not metadata and not emu
+                                        else None)
                         rows.append({"backend": backend, "metadata": metadata, "size_bytes": size,
-                                     "iters": n, "time_us": elapsed / n * 1e6, "host_us": host / n * 1e6,
-                                     "algbw_gbps": size / (elapsed / n) / 1e9, "wrong_bytes": wrong,
-                                     "instrumented": ("cProfile" if prof is not None else
-                                                      "torch.profiler" if trace is not None else None)})
+                                     "iters": n, "repeats": len(times), "time_us": elapsed / n * 1e6,
+                                     "time_us_min": min(times) / n * 1e6, "time_us_max": max(times) / n * 1e6,
+                                     "host_us": host / n * 1e6, "algbw_gbps": size / (elapsed / n) / 1e9,
+                                     "wrong_bytes": wrong,
+                                     "instrumented": instrumented + " (first repeat)" if instrumented else None})
                     if backend != "nccl" and not metadata:
                         bulk = _bulk_copy(plat, dev, t, sizes, rank, iters_for)
                 dist.barrier()
@@ -247,6 +265,11 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
         plat.close()
     return {"info": info, "rows": rows, "bulk": bulk, "contention": contention, "flag_paths": flag_paths,
             "meta_channels": meta_channels, "profiles": profiles}
+
+
+def _median(xs: list) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2]
 
 
 def _profile_text(prof, title: str, steps: int) -> str:
@@ -439,8 +462,8 @@ def format_report(res: dict, opts: dict) -> str:
              f"{opts['iters'] or 'by size'}; recv slots {opts['recv_slots']}; copy_engine flags: "
              f"{res['flag_paths'].get('copy_engine', '-')}; +meta: metadata over "
              f"{', '.join(sorted(set(res['meta_channels'].values()))) or '-'}")
-    L.append("# time: receiver wall clock over a pipelined loop (the sender never waits), / steps; "
-             "algbw = bytes per step / time")
+    L.append(f"# time: receiver wall clock over a pipelined loop (the sender never waits), / steps, the median "
+             f"of {opts['repeats']} loop(s); algbw = bytes per step / time")
     L.append("#")
     cols = [(b, m) for b in opts["backends"] for m in (True, False)]
     head1 = f"# {'':>10} {'':>9} " + " ".join(f"{(b + (' +meta' if m else ' -meta')):^28}" for b, m in cols)
@@ -518,7 +541,8 @@ def _json_doc(res: dict, opts: dict) -> dict:
         "versions": info["versions"], "devices": [res["sender_info"]["device_info"], info["device_info"]],
         "link": info["link"], "flag_paths": res["flag_paths"], "meta_channels": res["meta_channels"],
         "params": {"sizes_bytes": opts["sizes"], "warmup_steps": opts["warmup"], "verify_steps": opts["verify_steps"],
-                   "iters": opts["iters"], "recv_slots": opts["recv_slots"], "backends": opts["backends"]},
+                   "iters": opts["iters"], "repeats": opts["repeats"], "recv_slots": opts["recv_slots"],
+                   "backends": opts["backends"]},
         "rows": res["rows"], "bulk_copy": res["bulk"], "contention": res["contention"],
         "targets": [{"target": n, "measured": g, "met": m} for n, g, m in res["targets"]],
         "wrong_bytes": sum(r["wrong_bytes"] for r in res["rows"]), "result": res["result"],
@@ -543,7 +567,10 @@ def _options(args) -> dict:
     for b in backends:
         if b not in ("copy_engine", "nccl"):
             raise BadInput(f"unknown backend {b!r} (choose from copy_engine, nccl)")
+    if args.repeats < 0:
+        raise BadInput(f"--repeats must be >= 0, got {args.repeats}")
     return {"platform": name, "sizes": sizes, "iters": args.iters, "warmup": args.warmup,
+            "repeats": args.repeats or (1 if emu else 3),
             "verify_steps": args.verify_steps, "backends": backends, "flag_path": args.flag_path,
             "recv_slots": args.recv_slots, "contention_size": args.contention_size,
             "contention_ms": args.contention_ms if not emu else min(args.contention_ms, 100.0),
