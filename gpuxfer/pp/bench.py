@@ -172,7 +172,8 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
                        recv_slots=opts["recv_slots"], flag_path=opts["flag_path"], device_group=device_group)
 
     def timed_loop(t, backend: str, size: int, first: int, n: int, metadata: bool, instrument: bool):
-        """One timed pipelined loop of n steps: (the receiver's last tensors, host s, elapsed s)."""
+        """One timed pipelined loop of n steps: (the receiver's last tensors, host s, elapsed s, the
+        instrument it ran under or None)."""
         prof = trace = None
         if instrument and opts.get("profile") == size:
             import cProfile
@@ -196,7 +197,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
             profiles.append(_profile_text(prof, f"rank {rank} ({'sender' if rank == 0 else 'receiver'}), "
                                                 f"{backend} {'+' if metadata else '-'}meta, {_fmt_size(size)}, "
                                                 f"{n} steps", n))
-        return got, host, elapsed
+        return got, host, elapsed, ("cProfile" if prof is not None else "torch.profiler" if trace is not None else None)
 
     def run_steps(t, size: int, first: int, n: int, metadata: bool, keep_last: bool):
         """Steps first..first+n-1; the receiver returns the last step's tensors (or None)."""
@@ -235,11 +236,13 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
                         t.synchronize()
                         dist.barrier()
                         n = iters_for(size)
-                        times, hosts = [], []
+                        times, hosts, instrumented = [], [], None
                         for rep in range(opts["repeats"]):
                             if rep:
                                 dist.barrier()
-                            got, host, elapsed = timed_loop(t, backend, size, k, n, metadata, instrument=rep == 0)
+                            got, host, elapsed, how = timed_loop(t, backend, size, k, n, metadata,
+                                                                 instrument=rep == 0)
+                            instrumented = instrumented or how
                             t.synchronize()
                             if rank == 1:
                                 wrong += wrong_bytes(got, size, k + n - 1)
@@ -247,9 +250,6 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
                             times.append(elapsed)
                             hosts.append(host)
                         elapsed, host = _median(times), _median(hosts)
-                        instrumented = ("cProfile" if opts.get("profile") == size else
-                                        "torch.profiler" if opts.get("trace") == size and not metadata and not emu
-                                        else None)
                         rows.append({"backend": backend, "metadata": metadata, "size_bytes": size,
                                      "iters": n, "repeats": len(times), "time_us": elapsed / n * 1e6,
                                      "time_us_min": min(times) / n * 1e6, "time_us_max": max(times) / n * 1e6,
