@@ -14,7 +14,9 @@ If ``free_us`` is close to ``host_us`` and well above ``gpu_us``, the step is bo
 host's calls, not by the GPU. One GPU (``--peer`` puts the receive slots on a second
 one). ``--graphs`` also times the same copies and flag operations as CUDA graph launches,
 and lists the GPU activities a torch.profiler trace shows for them (``Memcpy ...`` on copy
-engines, or a kernel). Prints a table; ``--json`` writes it.
+engines, or a kernel). ``--variants`` times each call through other bindings (the raw
+cuda.bindings call, ctypes into libcuda, CuPy's runtime, torch) and the sender's step through
+each, to tell the driver's own cost from a wrapper's. Prints a table; ``--json`` writes it.
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5, help="gated rounds (median reported)")
     ap.add_argument("--peer", type=int, default=None, help="device of the 'peer' receive slots")
     ap.add_argument("--graphs", action="store_true", help="also time the same work as CUDA graph launches")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time each call through other bindings (raw cuda.bindings, ctypes, CuPy, torch)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -161,6 +165,8 @@ def main() -> int:
 
     if args.graphs:
         graph_cases(plat, run, C, S, buf, slot, f, t1, t2)
+    if args.variants:
+        variant_cases(plat, run, C, S, buf, slot, f, t1, t2)
 
     if args.json:
         with open(args.json, "w") as fh:
@@ -282,6 +288,173 @@ def graph_cases(plat, run, C, S, buf, slot, f, t1, t2):
         plat.synchronize(S, 30)
     names = sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"})
     print(f"GPU activities of the graph launches: {names}", flush=True)
+
+
+def variant_cases(plat, run, C, S, buf, slot, f, t1, t2):
+    """Each per-step call through other bindings, to split a call's host cost into the driver's own
+    and the binding's: the platform's wrapper, the raw ``cuda.bindings`` call, a ctypes call into
+    libcuda, CuPy's runtime wrapper and torch's own copy."""
+    import ctypes
+
+    import cupy
+    import numpy as np
+    import torch
+    from cuda.bindings import driver as drv
+
+    lib = ctypes.CDLL("libcuda.so.1")
+    u64, vp, ui, sz = ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t
+
+    def fn(names, argtypes):
+        for n in names:
+            try:
+                f_ = getattr(lib, n)
+            except AttributeError:
+                continue
+            f_.argtypes, f_.restype = argtypes, ctypes.c_int
+            return f_
+        raise RuntimeError(f"libcuda has none of {names}")
+    c_copy = fn(["cuMemcpyAsync"], [u64, u64, sz, vp])
+    c_d2d = fn(["cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"], [u64, u64, sz, vp])
+    c_write = fn(["cuStreamWriteValue64_v2", "cuStreamWriteValue64"], [vp, u64, u64, ui])
+    c_wait = fn(["cuStreamWaitValue64_v2", "cuStreamWaitValue64"], [vp, u64, u64, ui])
+    c_record = fn(["cuEventRecord"], [vp, vp])
+    c_swait = fn(["cuStreamWaitEvent"], [vp, vp, ui])
+    c_ctx = fn(["cuCtxGetCurrent"], [ctypes.POINTER(vp)])
+    out_ctx = vp()
+
+    def check(rc):
+        if rc != 0:
+            raise RuntimeError(f"CUresult {rc}")
+
+    Sh, Ch = S.handle, C.handle
+    Sv, Cv = vp(Sh), vp(Ch)
+    src, dst = buf.ptr + (1 << 20), buf.ptr
+    n = 1 << 14
+
+    def raw_event():
+        err, ev = drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        check(int(err))
+        return ev
+    evA, evB = raw_event(), raw_event()
+    check(int(drv.cuEventRecord(evA, Ch)[0]))
+    evA_int, evB_int = int(evA), int(evB)
+    evA_v, evB_v = vp(evA_int), vp(evB_int)
+    S_obj = drv.CUstream(Sh)
+    GEQ = 1
+
+    run("python: a no-op call", lambda i: None, [S])
+    run("cuCtxGetCurrent: bindings", lambda i: drv.cuCtxGetCurrent(), [S])
+    run("cuCtxGetCurrent: ctypes", lambda i: c_ctx(ctypes.byref(out_ctx)), [S])
+    for label, d, s_ in (("local", dst, src), ("peer", slot, buf.ptr)):
+        run(f"copy {label} 16 KiB: platform", lambda i, d=d, s_=s_: plat.copy_async(S, d, s_, n), [S])
+        run(f"copy {label} 16 KiB: bindings cuMemcpyAsync",
+            lambda i, d=d, s_=s_: check(int(drv.cuMemcpyAsync(d, s_, n, Sh)[0])), [S])
+        run(f"copy {label} 16 KiB: bindings, CUstream object",
+            lambda i, d=d, s_=s_: check(int(drv.cuMemcpyAsync(d, s_, n, S_obj)[0])), [S])
+        run(f"copy {label} 16 KiB: bindings cuMemcpyDtoDAsync",
+            lambda i, d=d, s_=s_: check(int(drv.cuMemcpyDtoDAsync(d, s_, n, Sh)[0])), [S])
+        run(f"copy {label} 16 KiB: ctypes cuMemcpyAsync", lambda i, d=d, s_=s_: check(c_copy(d, s_, n, Sv)), [S])
+        run(f"copy {label} 16 KiB: ctypes cuMemcpyDtoDAsync", lambda i, d=d, s_=s_: check(c_d2d(d, s_, n, Sv)), [S])
+        run(f"copy {label} 16 KiB: cupy runtime memcpyAsync",
+            lambda i, d=d, s_=s_: cupy.cuda.runtime.memcpyAsync(d, s_, n, 4, Sh), [S])
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty(n, dtype=torch.uint8, device="cuda")
+    with torch.cuda.stream(S.torch):
+        run("copy local 16 KiB: torch copy_ (non_blocking)", lambda i: a.copy_(b, non_blocking=True), [S])
+    run("write_flag: platform", lambda i: plat.write_flag(S, f, i), [S])
+    run("write_flag: bindings", lambda i: check(int(drv.cuStreamWriteValue64(Sh, f, i, 0)[0])), [S])
+    run("write_flag: ctypes", lambda i: check(c_write(Sv, f, i, 0)), [S])
+    run("wait_flag: platform", lambda i: plat.wait_flag(S, f + 64, 0), [S])
+    run("wait_flag: bindings", lambda i: check(int(drv.cuStreamWaitValue64(Sh, f + 64, 0, GEQ)[0])), [S])
+    run("wait_flag: ctypes", lambda i: check(c_wait(Sv, f + 64, 0, GEQ)), [S])
+    ev = [plat.record_event(C)]
+    run("record_event: platform", lambda i: plat.record_event(S, ev[0]), [S])
+    run("record_event: bindings", lambda i: check(int(drv.cuEventRecord(evB_int, Sh)[0])), [S])
+    run("record_event: ctypes", lambda i: check(c_record(evB_v, Sv)), [S])
+    evc = plat.record_event(C)
+    run("stream_wait_event: platform", lambda i: plat.stream_wait_event(S, evc), [S])
+    run("stream_wait_event: bindings", lambda i: check(int(drv.cuStreamWaitEvent(Sh, evA_int, 0)[0])), [S])
+    run("stream_wait_event: ctypes", lambda i: check(c_swait(Sv, evA_v, 0)), [S])
+
+    d2 = np.array([dst, dst + 8192], dtype=np.int64)
+    s2 = np.array([src, src + 8192], dtype=np.int64)
+    n2 = np.array([8192, 8192], dtype=np.int64)
+    run("copy local 2 x 8 KiB: platform copy_batch_async (created stream)",
+        lambda i: plat.copy_batch_async(S, d2, s2, n2), [S])
+    ctx = drv.cuCtxGetCurrent()[1]
+    run("copy local 16 KiB: bindings cuMemcpyPeerAsync (same context twice)",
+        lambda i: check(int(drv.cuMemcpyPeerAsync(dst, ctx, src, ctx, n, Sh)[0])), [S])
+
+    # the sender's step of copy_engine.py (remote flag path), every call through one binding
+    st = {"k": 0}
+    ev1, ev2 = raw_event(), raw_event()
+    cop = [vp(int(ev1)), vp(int(ev2))]
+    cop_i = [int(ev1), int(ev2)]
+    stage, peer_slot = buf.ptr + (2 << 20), slot
+    p1, p2 = t1.data_ptr(), t2.data_ptr()
+
+    def sender_ctypes(i):
+        k = st["k"] = st["k"] + 1
+        s_ = k & 1
+        check(c_swait(Cv, cop[s_], 0))
+        check(c_copy(stage + s_ * 65536, p1, 8192, Cv))
+        check(c_copy(stage + s_ * 65536 + 8192, p2, 8192, Cv))
+        check(c_record(evA_v, Cv))
+        check(c_swait(Sv, evA_v, 0))
+        check(c_wait(Sv, f + 128, 0, GEQ))
+        check(c_copy(peer_slot + s_ * 65536, stage + s_ * 65536, 16384, Sv))
+        check(c_write(Sv, f + 192, k, 0))
+        check(c_record(cop[s_], Sv))
+
+    def sender_bindings(i):
+        k = st["k"] = st["k"] + 1
+        s_ = k & 1
+        check(int(drv.cuStreamWaitEvent(Ch, cop_i[s_], 0)[0]))
+        check(int(drv.cuMemcpyAsync(stage + s_ * 65536, p1, 8192, Ch)[0]))
+        check(int(drv.cuMemcpyAsync(stage + s_ * 65536 + 8192, p2, 8192, Ch)[0]))
+        check(int(drv.cuEventRecord(evA_int, Ch)[0]))
+        check(int(drv.cuStreamWaitEvent(Sh, evA_int, 0)[0]))
+        check(int(drv.cuStreamWaitValue64(Sh, f + 128, 0, GEQ)[0]))
+        check(int(drv.cuMemcpyAsync(peer_slot + s_ * 65536, stage + s_ * 65536, 16384, Sh)[0]))
+        check(int(drv.cuStreamWriteValue64(Sh, f + 192, k, 0)[0]))
+        check(int(drv.cuEventRecord(cop_i[s_], Sh)[0]))
+    ev_a, ev_b = plat.record_event(C), plat.record_event(S)
+    cp = [plat.record_event(S), plat.record_event(S)]
+    packs = [(np.array([stage + s_ * 65536, stage + s_ * 65536 + 8192], dtype=np.int64),
+              np.array([p1, p2], dtype=np.int64)) for s_ in range(2)]
+
+    def sender_platform(i):       # copy_engine.py's _send_impl through the platform (remote flags)
+        k = st["k"] = st["k"] + 1
+        s_ = k & 1
+        base = stage + s_ * 65536
+        plat.stream_wait_event(C, cp[s_])
+        plat.copy_async(C, base, p1, 8192)
+        plat.copy_async(C, base + 8192, p2, 8192)
+        plat.record_event(C, ev_a)
+        plat.stream_wait_event(S, ev_a)
+        plat.wait_flag(S, f + 128, 0)
+        plat.copy_async(S, peer_slot + s_ * 65536, base, 16384)
+        plat.write_flag(S, f + 192, k)
+        plat.record_event(S, cp[s_])
+
+    def sender_side_batch(i):     # the pack on the side stream, one batch call; the caller waits for it
+        k = st["k"] = st["k"] + 1
+        s_ = k & 1
+        base = stage + s_ * 65536
+        plat.record_event(C, ev_a)
+        plat.stream_wait_event(S, ev_a)
+        plat.copy_batch_async(S, packs[s_][0], packs[s_][1], n2)
+        plat.record_event(S, ev_b)
+        plat.stream_wait_event(C, ev_b)
+        plat.wait_flag(S, f + 128, 0)
+        plat.copy_async(S, peer_slot + s_ * 65536, base, 16384)
+        plat.write_flag(S, f + 192, k)
+
+    for _ in range(2):     # interleaved, twice: the host's speed drifts
+        run("sender step (9 calls): ctypes", sender_ctypes, [C, S])
+        run("sender step (9 calls): bindings", sender_bindings, [C, S])
+        run("sender step (9 calls): platform", sender_platform, [C, S])
+        run("sender step, pack by one batch on the side stream (8 calls): platform", sender_side_batch, [C, S])
 
 
 if __name__ == "__main__":

@@ -518,6 +518,36 @@ def test_gpu_driver_calls_keep_the_callers_device(plat):
 
 
 @gpu
+@pytest.mark.parametrize("stream_kind", ["created", "default"])
+def test_gpu_stream_ops_land_on_the_streams_device(plat, stream_kind):
+    """The per-step calls on device 1's streams while device 0 is current: a created stream takes the
+    one-call path, the default stream (handle 0: "the current context's") must get device 1's context."""
+    import torch
+    _need_gpus(plat, 2)
+    torch.cuda.set_device(0)
+    s = plat.create_stream(1) if stream_kind == "created" else plat.current_stream(1)
+    assert (s.handle in (0, 1, 2)) == (stream_kind == "default")
+    src = torch.arange(4096, device="cuda:1", dtype=torch.int32).view(torch.uint8)
+    dst = torch.zeros_like(src)
+    with plat.alloc(256, 1) as flags:
+        plat.memset_async(s, flags.ptr, 0, 256)
+        plat.write_flag(s, flags.ptr, 5)
+        plat.wait_flag(s, flags.ptr, 5)
+        ev = plat.record_event(s)
+        ev2 = plat.record_event(s, ev)
+        assert ev2 is ev and ev.device == 1                       # re-recorded, not created
+        plat.stream_wait_event(s, ev)
+        plat.copy_async(s, dst.data_ptr(), src.data_ptr(), src.numel())
+        done = plat.record_event(s)
+        assert plat.event_wait(done, T) and plat.event_query(done)
+        assert torch.equal(dst.cpu(), src.cpu())
+        assert plat.read_flag(flags.ptr, 1) == 5
+    assert torch.cuda.current_device() == 0
+    if stream_kind == "created":
+        s.close()
+
+
+@gpu
 def test_gpu_as_tensor_bf16_round_trip(plat):
     import torch
     dev = plat.device_count() - 1

@@ -267,6 +267,22 @@ def test_chunk_plan_covers_every_descriptor_once_within_the_slot(sizes, chunk, f
     assert sum(c[2] for c in plan) == sum(sizes)
 
 
+@pytest.mark.parametrize("largest", [132, 528, 576, 2304, 9216, 36864])
+@pytest.mark.parametrize("rows", [1, 7, 130, 500, 31775])
+def test_pack_chunk_geometry_is_tiled_for_its_sizes_and_never_slices(monkeypatch, largest, rows):
+    """Each pack chunk's kernels get the local tiling of its own largest descriptor, and no more programs
+    than row groups of that tiling (slices > 1 gave wrong bytes on H200), whatever the grid would be."""
+    import torch
+
+    from gpuxfer.kernels import launch as L
+    monkeypatch.setattr(L, "_sm_count", lambda index: 132)
+    cfg, programs = E.PackEngine._geometry(torch.device("cuda", 0), rows, largest)
+    assert cfg == L.choose_config(largest, local=True)
+    assert 1 <= programs <= L.default_programs(torch.device("cuda", 0), cfg)
+    _, _, slices = L._grid(rows, cfg, programs)
+    assert slices == 1
+
+
 def test_contiguous_descriptors_and_bursts():
     d = E.contiguous_descriptors(10, 4)
     assert d.tolist() == [[0, 0, 4], [4, 4, 4], [8, 8, 2]]

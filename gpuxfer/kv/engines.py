@@ -841,7 +841,7 @@ class _PackPlan:
     chunks: list[tuple[int, int, int]]      # (start, stop, nbytes) rows of the (split) descriptor table
     table: Any                              # the table on this side's device
     offsets: Any                            # its pack offsets (exclusive cumsum of sizes)
-    hint: int                               # the largest descriptor (picks the kernel tiling)
+    configs: dict[int, tuple[Any, int]]     # chunk start -> (kernel tiling, programs), from the chunk's sizes
 
 
 class PackEngine(Engine):
@@ -897,35 +897,43 @@ class PackEngine(Engine):
         burst.check_bounds(self.side.src_mem.nbytes, self.side.dst_mem.nbytes)
         d = split_large(burst.concatenated(), self.slot_bytes)
         d = d[d[:, 2] > 0]
+        # Largest descriptors first, each size class together, so that each chunk's kernels get a
+        # tiling for its own sizes: tiled for the burst's largest, the 528 B indexer pages at the
+        # end of a page-16 burst unpacked at 0.36 TB/s, after the last copy (2x H200, PERFORMANCE.md).
+        d = d[np.argsort(-d[:, 2], kind="stable")]
         chunks = chunk_plan(d, self.slot_bytes, self.options.pack_first_chunk_bytes)
         _, pool_t = self._views()
+        configs = {a: self._geometry(pool_t.device, b - a, int(d[a:b, 2].max())) for a, b, _ in chunks}
         table = _device_table(self.side, pool_t, d)
         offsets = _kernels().pack_offsets(table)
         _sync_uploads(self.side)
-        p.state = _PackPlan(chunks, table, offsets, int(d[:, 2].max()) if d.shape[0] else 1)
+        p.state = _PackPlan(chunks, table, offsets, configs)
         return p
 
-    def _programs(self, plan: _PackPlan, a: int, b: int) -> int | None:
-        """At most one program per group of rows: a chunk with fewer row groups than the default grid
-        would split its descriptors' columns across programs (``slices`` > 1), and that path gave wrong
-        bytes in pack/unpack on H200 (2026-11, 36 KiB pages); whole groups per program stay exact."""
+    @staticmethod
+    def _geometry(device, rows: int, largest: int) -> tuple[Any, int]:
+        """The tiling for a chunk's largest descriptor, and at most one program per group of rows: a
+        chunk with fewer row groups than the default grid would split its descriptors' columns across
+        programs (``slices`` > 1), and that path gave wrong bytes in pack/unpack on H200 (2026-11,
+        36 KiB pages); whole groups per program stay exact. The tiling is passed to the launcher, so
+        the groups counted here are the ones it runs."""
         k = _kernels()
-        _, pool_t = self._views()
-        cfg = k.choose_config(plan.hint)
-        groups = -(-(b - a) // cfg.rows)
-        return max(1, min(k.default_programs(pool_t.device, cfg), groups))
+        cfg = k.choose_config(largest, local=True)
+        return cfg, max(1, min(k.default_programs(device, cfg), -(-rows // cfg.rows)))
 
     def _pack(self, stream: Stream, plan: _PackPlan, a: int, b: int, slot: int) -> None:
         stage_t, pool_t = self._views()
+        cfg, programs = plan.configs[a]
         self.platform.launch(stream, _bind(_kernels().pack, pool_t, stage_t, plan.table, plan.offsets, start=a,
                                            end=b, staging_offset=slot * self.slot_bytes, validate=False,
-                                           nbytes_hint=plan.hint, num_programs=self._programs(plan, a, b)))
+                                           config=cfg, num_programs=programs))
 
     def _unpack(self, stream: Stream, plan: _PackPlan, a: int, b: int, slot: int) -> None:
         stage_t, pool_t = self._views()
+        cfg, programs = plan.configs[a]
         self.platform.launch(stream, _bind(_kernels().unpack, stage_t, pool_t, plan.table, plan.offsets, start=a,
                                            end=b, staging_offset=slot * self.slot_bytes, validate=False,
-                                           nbytes_hint=plan.hint, num_programs=self._programs(plan, a, b)))
+                                           config=cfg, num_programs=programs))
 
     # Chunk k (counted over the engine's life, on both sides alike) uses staging slot
     # k % S and copy lane k % L; on a lane, flags count that lane's chunks (k // L + 1),

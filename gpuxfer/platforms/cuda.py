@@ -69,6 +69,7 @@ import ctypes
 import os
 import threading
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -94,8 +95,11 @@ CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
 CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1
 CUDA_SUCCESS = 0
 _WAIT_GEQ = 0                 # CU_STREAM_WAIT_VALUE_GEQ
+_ERR_INVALID_CONTEXT = 201     # CUDA_ERROR_INVALID_CONTEXT
+_EVENT_DISABLE_TIMING = 2      # CU_EVENT_DISABLE_TIMING
 CUDA_ERROR_NOT_READY = 600
 _LEGACY_STREAM_HANDLES = (0, 1)    # NULL and cudaStreamLegacy; 2 (per-thread default) is not legacy
+_DEFAULT_STREAM_HANDLES = (0, 1, 2)  # streams that mean "the current context's"
 
 # env override for the batch path (tests and debugging): "auto" (default), "ctypes", "ctypes12080"
 # (the CUDA 12.8 entry point even on a 13.x driver), "bindings" (cuda.bindings' wrapper) or "loop"
@@ -317,14 +321,27 @@ class CudaStream(Stream):
 
 
 class CudaEvent(Event):
-    """A ``torch.cuda.Event`` recorded on a stream of ``device``."""
+    """A driver event (``CU_EVENT_DISABLE_TIMING``) of ``device``: ``handle`` is the ``CUevent`` as an int.
 
-    def __init__(self, device: int, torch_event):
+    Destroyed when the object is collected. A raw event rather than a ``torch.cuda.Event``:
+    recording and waiting through the driver cost 0.6-0.7 us of host time where torch's
+    wrappers cost 0.9-1.0 (2xH200, docs/PERFORMANCE.md), and a pp step makes four such calls.
+    """
+
+    def __init__(self, device: int, handle: int):
         self.device = device
-        self.torch = torch_event
+        self.handle = handle
+        weakref.finalize(self, _destroy_event, handle)
 
     def __repr__(self) -> str:
-        return f"CudaEvent(cuda:{self.device})"
+        return f"CudaEvent(cuda:{self.device}, 0x{self.handle:x})"
+
+
+def _destroy_event(handle: int) -> None:
+    try:
+        _DRIVER.cuEventDestroy(handle)
+    except Exception:  # noqa: BLE001 - interpreter exit: the driver may be gone first
+        pass
 
 
 class _CudaArray:
@@ -524,19 +541,33 @@ class CudaPlatform(Platform):
         return _OnDevice(self, device)
 
     def _stream_op(self, s: CudaStream, fn: Callable, *args, doing: "str | Callable[[], str]") -> None:
-        """``fn(*args)`` (a driver call queued on ``s``) with ``s``'s context current, errors through :func:`check`.
+        """``fn(*args)`` (a driver call queued on ``s``) in ``s``'s context, errors through :func:`check`.
 
-        The per-step hot path: when the device's context is already current (the
-        usual case) this is one extra driver call and no allocation.
+        The per-step hot path. A created stream names its context, and stream-ordered
+        calls on it run there whatever context is current (measured on 2x H200:
+        copies, flag writes and waits on device 1's stream with device 0's context
+        current), so it is one driver call. The default streams (handles 0-2) mean
+        "the current context's", so for them the device's context is made current
+        first -- without that check, work meant for device 1's default stream would
+        land on device 0's (measured: an event record there fails, INVALID_HANDLE).
         """
-        ctx = self._ctxs.get(s.device)
-        if ctx is not None:
-            _, cur = _DRIVER.cuCtxGetCurrent()
-            if cur is not None and int(cur) == ctx[1]:
-                res = fn(*args)
-                if int(res[0]) != CUDA_SUCCESS:
-                    check(res, doing, fn.__name__)
+        if s.handle not in _DEFAULT_STREAM_HANDLES:
+            res = fn(*args)
+            if int(res[0]) == CUDA_SUCCESS:
                 return
+            if int(res[0]) != _ERR_INVALID_CONTEXT:
+                check(res, doing, fn.__name__)
+                return
+            # no context current on this thread: the call is repeated with one pushed
+        else:
+            ctx = self._ctxs.get(s.device)
+            if ctx is not None:
+                _, cur = _DRIVER.cuCtxGetCurrent()
+                if cur is not None and int(cur) == ctx[1]:
+                    res = fn(*args)
+                    if int(res[0]) != CUDA_SUCCESS:
+                        check(res, doing, fn.__name__)
+                    return
         with self._on(s.device):
             _cu(fn, *args, doing=doing)
 
@@ -551,6 +582,8 @@ class CudaPlatform(Platform):
 
     @staticmethod
     def _stream(stream) -> CudaStream:
+        if type(stream) is CudaStream and not stream._closed:    # the per-step case first
+            return stream
         if not isinstance(stream, CudaStream):
             raise BadInput(f"not a CUDA stream: {stream!r}")
         if stream._closed:
@@ -830,21 +863,28 @@ class CudaPlatform(Platform):
         return s
 
     def record_event(self, stream: Stream, event: Event | None = None) -> CudaEvent:
-        import torch
         s = self._stream(stream)
-        if type(event) is CudaEvent and event.device == s.device:
-            event.torch.record(s.torch)          # re-record: no event created or destroyed per step
-            return event
-        ev = torch.cuda.Event()
-        ev.record(s.torch)
-        return CudaEvent(s.device, ev)
+        if type(event) is not CudaEvent or event.device != s.device:    # re-record: none created per step
+            with self._on(s.device):
+                event = CudaEvent(s.device, int(_cu(_driver().cuEventCreate, _EVENT_DISABLE_TIMING,
+                                                    doing=f"creating an event on cuda:{s.device}")))
+        self._stream_op(s, _driver().cuEventRecord, event.handle, s.handle,
+                        doing=lambda: f"recording {event!r} on {s!r}")
+        return event
 
     def stream_wait_event(self, stream: Stream, event: Event) -> None:
+        s = self._stream(stream)
         e = event if type(event) is CudaEvent else self._event(event)
-        e.torch.wait(self._stream(stream).torch)
+        self._stream_op(s, _driver().cuStreamWaitEvent, s.handle, e.handle, 0,
+                        doing=lambda: f"making {s!r} wait for {e!r}")
 
     def event_query(self, event: Event) -> bool:
-        return bool(self._event(event).torch.query())
+        e = self._event(event)
+        res = _driver().cuEventQuery(e.handle)
+        if int(res[0]) == CUDA_ERROR_NOT_READY:
+            return False
+        check(res, lambda: f"querying {e!r}", "cuEventQuery")
+        return True
 
     def launch(self, stream: Stream, fn: Callable[[], object]) -> None:
         import torch

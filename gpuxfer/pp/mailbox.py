@@ -26,7 +26,7 @@ Timeline of message m (1, 2, ...; slot j = (m - 1) % RING)::
                                                 (a mismatch is a torn read: read again)
                       consumed >= m  <-------   write consumed = m
 
-Both waits poll with a backoff (spin, then yield, then sleep up to 1 ms) and give
+Both waits poll with a backoff (spin 50 us, then yield for 2 ms, then sleep up to 1 ms) and give
 up after the transport's timeout with :class:`MailboxTimeout` naming the word and the
 value seen, which the transport turns into :class:`~gpuxfer.errors.TransferTimeout`.
 Words are written in program order (payload, check, seq); the check guards readers
@@ -34,6 +34,7 @@ on hosts that reorder stores.
 """
 from __future__ import annotations
 
+import os
 import time
 import zlib
 
@@ -41,7 +42,7 @@ import numpy as np
 
 from ..common import map_shm, unlink_shm
 
-RING = 4
+RING = 16
 HEADER_WORDS = 8
 W_MAGIC, W_CONSUMED = 0, 1
 
@@ -55,18 +56,36 @@ def _check(payload: np.ndarray, m: int) -> int:
     return zlib.crc32(payload, m & 0xFFFFFFFF)
 
 
+SPIN_S = 50e-6       # _wait: busy-poll this long (a step's message is usually microseconds away),
+YIELD_S = 2e-3       # then poll between sched_yield()s this long, then sleep in growing naps
+MAX_NAP_S = 1e-3
+
+
 def _wait(cond, timeout_s: float, what) -> None:
-    """Poll ``cond()`` with a backoff until it holds; MailboxTimeout(what()) after ``timeout_s``."""
-    for _ in range(64):                     # the common case: already there, or microseconds away
+    """Poll ``cond()`` until it holds; MailboxTimeout(what()) after ``timeout_s``.
+
+    No sleep in the first milliseconds: on Linux even ``time.sleep(0)`` costs tens of
+    microseconds (timer slack), longer than a small pp step, so a waiter that slept
+    would wake a step late. ``os.sched_yield`` gives the core away without that cost.
+    """
+    if cond():
+        return
+    now = time.perf_counter
+    t0 = now()
+    while now() - t0 < SPIN_S:
         if cond():
             return
+    while now() - t0 < YIELD_S:
+        if cond():
+            return
+        os.sched_yield()
     deadline = time.monotonic() + timeout_s
-    nap = 0.0
+    nap = 50e-6
     while not cond():
         if time.monotonic() > deadline:
             raise MailboxTimeout(what())
         time.sleep(nap)
-        nap = min(1e-3, nap * 2 if nap else 1e-6)
+        nap = min(MAX_NAP_S, nap * 2)
 
 
 class Mailbox:
@@ -112,9 +131,10 @@ class Mailbox:
     def next_send_buffer(self, timeout_s: float) -> int:
         m = self._sent + 1
         w = self._words
-        _wait(lambda: int(w[W_CONSUMED]) >= m - RING, timeout_s,
-              lambda: f"message {m}: the receiver has taken {int(w[W_CONSUMED])} of {m - 1} "
-                      f"after {timeout_s:g} s (the mailbox holds {RING})")
+        if w[W_CONSUMED] < m - RING:
+            _wait(lambda: w[W_CONSUMED] >= m - RING, timeout_s,
+                  lambda: f"message {m}: the receiver has taken {int(w[W_CONSUMED])} of {m - 1} "
+                          f"after {timeout_s:g} s (the mailbox holds {RING})")
         return (m - 1) % RING
 
     def send(self, i: int) -> None:
@@ -133,13 +153,14 @@ class Mailbox:
         seq, w, out, src = self._seq[j], self._words, self._recv_copy, self.send_buffers[j]
 
         def arrived() -> bool:
-            if int(w[seq]) != m:
+            if w[seq] != m:
                 return False
             out[:] = src
-            return int(w[seq + 1]) == _check(out, m) and int(w[seq]) == m
+            return w[seq + 1] == _check(out, m) and w[seq] == m
 
-        _wait(arrived, timeout_s, lambda: f"message {m}: slot {j} holds message {int(w[seq])} "
-                                          f"after {timeout_s:g} s")
+        if not arrived():
+            _wait(arrived, timeout_s, lambda: f"message {m}: slot {j} holds message {int(w[seq])} "
+                                              f"after {timeout_s:g} s")
         self._taken = m
         w[W_CONSUMED] = m
         return out

@@ -62,6 +62,7 @@ ENV_TIMEOUT = "GPUXFER_PP_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
 RELEASE_VALUE = 1 << 62     # written into local flags to release any pending GPU wait (close/abort)
 META_MAGIC = 0x67787070     # "gxpp"
+_NO_DIMS = (0,) * MAX_NDIM
 
 # why a sender refused a step (travels in the refusal message)
 _REFUSALS = {
@@ -340,13 +341,12 @@ class SpecTable:
 
     # ---- metadata ----
     def encode(self, buf: np.ndarray, step: int, shapes) -> None:
-        buf[:] = 0
-        buf[0], buf[1] = META_MAGIC, step
-        pos = 4
+        row = [META_MAGIC, step, 0, 0]
         for shape in shapes:
-            buf[pos] = len(shape)
-            buf[pos + 1:pos + 1 + len(shape)] = shape
-            pos += 1 + MAX_NDIM
+            row.append(len(shape))
+            row += shape
+            row += _NO_DIMS[len(shape):]
+        buf[:] = row
 
     def encode_refusal(self, buf: np.ndarray, step: int, refusal: _Refusal) -> None:
         buf[:] = 0
@@ -354,19 +354,20 @@ class SpecTable:
 
     def decode(self, buf: np.ndarray, *, step: int, peer: int, rank: int):
         """Shapes for ``step``, or raise the sender's refusal as :class:`BadInput`."""
-        if int(buf[0]) != META_MAGIC or int(buf[1]) != step:
+        vals = buf.tolist()       # one conversion, then plain ints
+        if vals[0] != META_MAGIC or vals[1] != step:
             raise GpuxferError(f"rank {rank}: metadata from rank {peer} is out of order: expected step {step}, "
-                               f"got magic 0x{int(buf[0]):x} step {int(buf[1])}")
-        if int(buf[2]):
-            key = int(buf[3])
+                               f"got magic 0x{vals[0]:x} step {vals[1]}")
+        if vals[2]:
+            key = vals[3]
             which = f" ({self.names[key]!r})" if 0 <= key < len(self.names) else ""
             raise BadInput(f"rank {rank}: rank {peer} refused its input for step {step}{which}: "
-                           f"{_REFUSALS.get(int(buf[2]), 'unknown reason')}; nothing was sent and the step "
+                           f"{_REFUSALS.get(vals[2], 'unknown reason')}; nothing was sent and the step "
                            f"was not consumed on either side")
         shapes, pos = [], 4
-        for i in range(len(self.names)):
-            nd = int(buf[pos])
-            shapes.append(tuple(int(x) for x in buf[pos + 1:pos + 1 + nd]))
+        for _ in self.names:
+            nd = vals[pos]
+            shapes.append(tuple(vals[pos + 1:pos + 1 + nd]))
             pos += 1 + MAX_NDIM
         return tuple(shapes)
 
