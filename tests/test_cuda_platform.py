@@ -13,6 +13,7 @@ process (spawn), and NVLink as NVML reports it.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import subprocess
@@ -189,6 +190,77 @@ def test_rt_routes_cupy_errors_through_check(monkeypatch):
         cm.CudaPlatform()._rt(1, ipcOpenMemHandle, b"x", 1, doing="opening a handle")
     assert info.value.api == "cudaIpcOpenMemHandle"
     assert info.value.status_name == "cudaErrorInvalidResourceHandle"
+
+
+# --------------------------------------------------------------------------- the per-step call path (fake driver)
+
+
+class _Calls:
+    """A fake stream-ordered driver call answering ``results`` in turn, and a fake ``_on``."""
+
+    def __init__(self, *results):
+        self.results, self.calls, self.pushed = list(results), 0, 0
+
+    def cuFake(self, *args):
+        self.calls += 1
+        return (self.results.pop(0),)
+
+    @contextlib.contextmanager
+    def on(self, device):
+        self.pushed += 1
+        yield
+
+
+def _plat_with(monkeypatch, calls, current_ctx=None):
+    plat = cm.CudaPlatform()
+    plat._ctxs[1] = (object(), 0x1111)
+    monkeypatch.setattr(plat, "_on", calls.on)
+    monkeypatch.setattr(cm, "_DRIVER", _fake_driver(cuCtxGetCurrent=lambda: (0, current_ctx)))
+    return plat
+
+
+def test_stream_op_on_a_created_stream_is_one_call(monkeypatch):
+    calls = _Calls(0)
+    plat = _plat_with(monkeypatch, calls, current_ctx=0x2222)      # another device's context is current
+    plat._stream_op(cm.CudaStream(1, 0x7000, None), calls.cuFake, doing="x")
+    assert (calls.calls, calls.pushed) == (1, 0)
+
+
+def test_stream_op_pushes_the_context_only_when_the_driver_asks(monkeypatch):
+    calls = _Calls(cm._ERR_INVALID_CONTEXT, 0)                     # no context on this thread, then fine
+    plat = _plat_with(monkeypatch, calls)
+    plat._stream_op(cm.CudaStream(1, 0x7000, None), calls.cuFake, doing="x")
+    assert (calls.calls, calls.pushed) == (2, 1)
+    calls = _Calls(1)                                              # any other error is raised, not retried
+    plat = _plat_with(monkeypatch, calls)
+    with pytest.raises(DriverError, match="cuFake failed with CUDA_ERROR_INVALID_VALUE.*while copying"):
+        plat._stream_op(cm.CudaStream(1, 0x7000, None), calls.cuFake, doing=lambda: "copying")
+    assert (calls.calls, calls.pushed) == (1, 0)
+
+
+@pytest.mark.parametrize("handle", [0, 1, 2])
+def test_stream_op_on_a_default_stream_makes_its_device_current(monkeypatch, handle):
+    calls = _Calls(0)
+    plat = _plat_with(monkeypatch, calls, current_ctx=0x2222)      # device 0's: handle 0 would mean its stream
+    plat._stream_op(cm.CudaStream(1, handle, None), calls.cuFake, doing="x")
+    assert (calls.calls, calls.pushed) == (1, 1)
+    calls = _Calls(0)
+    plat = _plat_with(monkeypatch, calls, current_ctx=0x1111)      # device 1's already: no push
+    plat._stream_op(cm.CudaStream(1, handle, None), calls.cuFake, doing="x")
+    assert (calls.calls, calls.pushed) == (1, 0)
+
+
+def test_event_query_reads_not_ready_and_raises_errors(monkeypatch):
+    answers = []
+    monkeypatch.setattr(cm, "_driver", lambda: _fake_driver(cuEventQuery=lambda h: (answers.pop(0),)))
+    monkeypatch.setattr(cm, "_DRIVER", _fake_driver(cuEventDestroy=lambda h: (0,)))
+    plat = cm.CudaPlatform()
+    ev = cm.CudaEvent(0, 0x9000)
+    answers[:] = [cm.CUDA_ERROR_NOT_READY, 0, 400]
+    assert plat.event_query(ev) is False
+    assert plat.event_query(ev) is True
+    with pytest.raises(DriverError, match="CUDA_ERROR_INVALID_HANDLE.*querying CudaEvent"):
+        plat.event_query(ev)
 
 
 # --------------------------------------------------------------------------- batch plumbing (pure)
