@@ -68,8 +68,6 @@ def _wait(cond, timeout_s: float, what) -> None:
     microseconds (timer slack), longer than a small pp step, so a waiter that slept
     would wake a step late. ``os.sched_yield`` gives the core away without that cost.
     """
-    if cond():
-        return
     now = time.perf_counter
     t0 = now()
     while now() - t0 < SPIN_S:
