@@ -528,13 +528,10 @@ class CudaPlatform(Platform):
 
     def _make_current(self, device: int) -> bool:
         """Make ``device``'s primary context current; True if it was pushed (pop it after)."""
-        entry = self._ctxs.get(device)
-        ctx, ctx_int = entry if entry is not None else self._retain(device)
-        drv = _driver()
-        cur = _cu(drv.cuCtxGetCurrent, doing="reading the current CUDA context")
-        if cur is not None and int(cur) == ctx_int:
+        ctx, _ = self._retain(device)
+        if self._is_current(device):
             return False
-        _cu(drv.cuCtxPushCurrent, ctx, doing=f"making the primary context of cuda:{device} current")
+        _cu(_driver().cuCtxPushCurrent, ctx, doing=f"making the primary context of cuda:{device} current")
         return True
 
     def _on(self, device: int) -> _OnDevice:
@@ -551,25 +548,27 @@ class CudaPlatform(Platform):
         first -- without that check, work meant for device 1's default stream would
         land on device 0's (measured: an event record there fails, INVALID_HANDLE).
         """
-        if s.handle not in _DEFAULT_STREAM_HANDLES:
-            res = fn(*args)
-            if int(res[0]) == CUDA_SUCCESS:
-                return
-            if int(res[0]) != _ERR_INVALID_CONTEXT:
-                check(res, doing, fn.__name__)
-                return
-            # no context current on this thread: the call is repeated with one pushed
-        else:
-            ctx = self._ctxs.get(s.device)
-            if ctx is not None:
-                _, cur = _DRIVER.cuCtxGetCurrent()
-                if cur is not None and int(cur) == ctx[1]:
-                    res = fn(*args)
-                    if int(res[0]) != CUDA_SUCCESS:
-                        check(res, doing, fn.__name__)
-                    return
-        with self._on(s.device):
+        if s.handle in _DEFAULT_STREAM_HANDLES and not self._is_current(s.device):
+            with self._on(s.device):
+                _cu(fn, *args, doing=doing)
+            return
+        res = fn(*args)
+        status = int(res[0])
+        if status == CUDA_SUCCESS:
+            return
+        if status != _ERR_INVALID_CONTEXT:
+            check(res, doing, fn.__name__)
+            return
+        with self._on(s.device):           # no context current on this thread: repeat it with one pushed
             _cu(fn, *args, doing=doing)
+
+    def _is_current(self, device: int) -> bool:
+        """Is ``device``'s primary context (already retained) current on this thread?"""
+        entry = self._ctxs.get(device)
+        if entry is None:
+            return False
+        _, cur = _driver().cuCtxGetCurrent()
+        return cur is not None and int(cur) == entry[1]
 
     def _rt(self, device: int, fn: Callable, *args, doing: str) -> Any:
         """Call a CuPy runtime function with ``device`` current; CuPy errors become DriverError via check()."""
