@@ -69,6 +69,14 @@ def test_bench_pp_host(tmp_path, capsys):
         assert 0 < row["send_host_us"] and 0 < row["recv_host_us"] <= row["time_us"] * 1.01
     assert {"alone_tflops", "nccl_tflops", "copy_engine_tflops", "copy_engine_loss_pct",
             "copy_engine_transfer_gbps", "nccl_transfer_gbps"} <= set(doc["contention"])
+    con = doc["contention"]     # copy_engine again, its steps paced to the rate nccl moved: no faster
+    assert {"copy_engine_at_nccl_rate_loss_pct", "copy_engine_at_nccl_rate_steps"} <= set(con)
+    n = con["copy_engine_at_nccl_rate_steps"]      # n steps started >= (n - 1) intervals apart
+    assert con["copy_engine_at_nccl_rate_transfer_gbps"] <= con["nccl_transfer_gbps"] * n / (n - 1) * 1.02, con
+    assert "next to copy_engine_at_nccl_rate" in text and "at nccl's rate loses" in text
+    by_rank = con["loss_pct_by_rank"]           # the worse rank's line, both ranks' losses beside it
+    assert con["copy_engine_loss_pct"] == by_rank["copy_engine"][con["rank"]] == max(by_rank["copy_engine"])
+    assert "loss by rank 0 / 1" in text
     assert "host time per step" in text and "moving" in text
     assert [b["size_bytes"] for b in doc["bulk_copy"]] == sizes
 

@@ -42,8 +42,9 @@ Built-in engines (``ENGINES``):
   destination's staging buffer (opened over IPC), unpack on the destination.
   Chunked and pipelined across three streams in two processes: chunk *k*
   packs while *k-1* is on the wire and *k-2* unpacks. Cross-process hand-offs
-  are 64-bit stream flags written with an 8-byte copy-engine copy; a slot is
-  reused only once the peer says it is free. No SM touches the wire.
+  are 64-bit stream flags, written by a remote stream write where a set-up
+  probe saw one arrive, else by an 8-byte copy-engine copy (``_FlagLink``); a
+  slot is reused only once the peer says it is free. No SM touches the wire.
 * ``copy_engine`` -- ``copy_batch_async`` (``cuMemcpyBatchAsync`` on CUDA) over
   the descriptors on a created stream, no SM at all; the baseline that shows
   why packing matters (a fixed cost per descriptor). Capped per burst
@@ -72,6 +73,7 @@ import numpy as np
 
 from ..errors import BackendUnavailable, BadInput, TransferTimeout
 from ..platforms.base import Closable, DeviceBuffer, Event, Memory, PeerMapping, Platform, Stream
+from ..sync import flag_path_from_env
 
 log = logging.getLogger("gpuxfer.kv.engines")
 
@@ -779,22 +781,32 @@ _GO = 0            # on the source: burst number the destination asked for (pull
 _AVAIL = 8         # on the destination: per lane, chunks available (push: landed; pull: packed)
 _FREE = 24         # on the source: per lane, chunks released (push: unpacked; pull: copied out)
 _SCRATCH = 40      # on either side: the value a flag copy sends: lanes 0..7, kernel stream 8, GO 9
+_PROBE = 56        # on either side: the peer's set-up remote write lands here
 _CTRL_WORDS = 64
+_PROBE_VALUE = 0x5EED_F1A6
+_PROBE_TIMEOUT_S = 10.0
+ENV_KV_FLAG_PATH = "GPUXFER_KV_FLAG_PATH"
 _MAX_LANES = 8
 
 
 class _FlagLink:
-    """A few 64-bit flags in each process's memory, written by the peer through an 8-byte copy.
+    """A few 64-bit flags in each process's memory, written by the peer; every wait is on local memory.
 
-    A signal is ``write_flag`` on a local scratch word followed, on the same
-    stream, by a copy-engine copy of that word into the peer's flag: every
-    wait is on local memory, and no platform needs remote stream writes.
+    A signal reaches the peer's flag by a remote stream write where a set-up
+    probe saw one arrive (no copy engine: the signal cannot queue behind
+    another stream's chunk copy), else by ``write_flag`` on a local scratch word
+    followed, on the same stream, by an 8-byte copy-engine copy of it (CUDA
+    13.1+ refuses remote stream writes). ``GPUXFER_KV_FLAG_PATH=remote|copy``
+    forces one path; ``path`` says which one this side uses.
     """
 
     def __init__(self, side: Side):
+        want = flag_path_from_env(None, ENV_KV_FLAG_PATH)      # bad input fails here, on both sides alike
         self.side = side
         plat = side.platform
         self.local = plat.alloc(_CTRL_WORDS * 8, side.device)
+        self.peer = None
+        self.remote = False
         try:
             s = side.stream("setup")
             plat.memset_async(s, self.local.ptr, 0, _CTRL_WORDS * 8)
@@ -803,17 +815,63 @@ class _FlagLink:
                                       seen=0, timeout_s=side.timeout_s)
             handles = side.exchange(self.local.export())
             self.peer = plat.open_handle(handles[side.peer_rank], side.device)
+            self.remote = self._probe_remote(want)
         except BaseException:
-            self.local.close()
+            self.close()
             raise
+
+    @property
+    def path(self) -> str:
+        return "remote stream writes" if self.remote else "8-byte copies"
+
+    def _probe_remote(self, want: str) -> bool:
+        """Whether this side's remote stream writes reach the peer: each side writes ``_PROBE_VALUE`` into
+        the peer's probe word and reports it sent; each polls its own word and reports it seen."""
+        side, plat = self.side, self.side.platform
+        sent, why = False, f"{ENV_KV_FLAG_PATH}=copy"
+        if want != "copy":
+            try:
+                s = side.stream("setup")
+                plat.write_flag(s, self.peer.ptr + 8 * _PROBE, _PROBE_VALUE)
+                if not plat.synchronize(s, _PROBE_TIMEOUT_S):
+                    raise TransferTimeout(rank=side.rank, step=0, flag="pack flag probe (remote write)",
+                                          expected=_PROBE_VALUE, seen=None, timeout_s=_PROBE_TIMEOUT_S)
+                sent = True
+            except Exception as exc:  # noqa: BLE001 - the remote path is optional: the probe says so
+                why = f"{type(exc).__name__}: {exc}"
+                side._streams.pop("setup", None)    # a failed stream op may leave the stream unusable
+        seen = False
+        if side.exchange(sent)[side.peer_rank]:
+            deadline = time.monotonic() + 2.0       # a write the sender saw complete lands in microseconds
+            while True:
+                seen = self.read(_PROBE) == _PROBE_VALUE
+                if seen or time.monotonic() > deadline:
+                    break
+                time.sleep(1e-3)
+        reports = side.exchange((seen, None if sent else why))    # rank r: (saw its peer's write, why not sent)
+        remote = reports[side.peer_rank][0]
+        if want == "remote" and not all(saw for saw, _ in reports):    # every side raises, with every reason
+            raise BackendUnavailable("pack", {
+                1 - r: f"{ENV_KV_FLAG_PATH}=remote, but its remote stream write did not reach rank {r}"
+                       + (f" ({reports[1 - r][1]})" if reports[1 - r][1] else "")
+                for r, (saw, _) in enumerate(reports) if not saw})
+        if not remote:
+            log.info("pack engine, rank %d: flags go to rank %d by 8-byte copies (%s)", side.rank,
+                     side.peer_rank, why if not sent else "the peer did not see the remote write")
+        return remote
 
     def word(self, index: int) -> int:
         return self.local.ptr + 8 * index
 
     def signal(self, stream: Stream, scratch: int, peer_index: int, value: int) -> None:
+        """Make the peer's word ``peer_index`` hold ``value`` once earlier work on ``stream`` is done
+        (``scratch``: this stream's own staging word on the copy path)."""
         plat = self.side.platform
-        plat.write_flag(stream, self.word(_SCRATCH + scratch), value)
-        plat.copy_async(stream, self.peer.ptr + 8 * peer_index, self.word(_SCRATCH + scratch), 8)
+        if self.remote:
+            plat.write_flag(stream, self.peer.ptr + 8 * peer_index, value)
+        else:
+            plat.write_flag(stream, self.word(_SCRATCH + scratch), value)
+            plat.copy_async(stream, self.peer.ptr + 8 * peer_index, self.word(_SCRATCH + scratch), 8)
 
     def wait(self, stream: Stream, index: int, value: int) -> None:
         if value > 0:
@@ -885,6 +943,9 @@ class PackEngine(Engine):
         self._bursts = 0            # pull bursts posted so far (the GO flag)
         self._burst_first = 0      # the first chunk number of the burst being enqueued
         self._slot_event: list[Event | None] = [None] * self.nslots
+
+    def row_extra(self) -> dict:
+        return {"flag_path": self.flags.path}
 
     def _views(self):
         if self._stage_t is None:

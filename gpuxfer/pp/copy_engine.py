@@ -72,11 +72,10 @@ override :meth:`~CopyEngineTransport.unavailable_reason`,
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 from ..errors import BadInput, GpuxferError, TransferTimeout
-from ..sync import wait_event_or_raise
+from ..sync import flag_path_from_env, wait_event_or_raise
 from .transport import RELEASE_VALUE, Layout, Received, Transport
 
 log = logging.getLogger("gpuxfer.pp")
@@ -85,13 +84,6 @@ FLAG_STRIDE = 64
 W_PROBE_REMOTE, W_PROBE_COPY, W_PROBE_STAGE, W_IN = 0, 1, 2, 3
 ENV_FLAG_PATH = "GPUXFER_PP_FLAG_PATH"
 PROBE_TIMEOUT_S = 10.0
-
-
-def flag_path_from_env(value: str | None = None) -> str:
-    v = (value or os.environ.get(ENV_FLAG_PATH) or "auto").strip().lower()
-    if v not in ("auto", "remote", "copy"):
-        raise BadInput(f"{ENV_FLAG_PATH} must be auto, remote or copy, got {v!r}")
-    return v
 
 
 class CopyEngineTransport(Transport):
@@ -125,7 +117,7 @@ class CopyEngineTransport(Transport):
         if int(recv_slots) < self.min_slots:
             raise BadInput(f"the {self.name} backend needs >= {self.min_slots} receive slots, got {recv_slots}")
         self.recv_slots = int(recv_slots)
-        self.flag_path = flag_path_from_env(flag_path)
+        self.flag_path = flag_path_from_env(flag_path, ENV_FLAG_PATH)
         self.remote_flags = False
         self._aux = None                    # sender: the side stream; receiver: setup probes only
         self._flags = self._data = self._staging = None
