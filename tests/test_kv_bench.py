@@ -582,7 +582,6 @@ def test_size_classes_partition_the_plan():
 
 def test_triton_order_policy(monkeypatch):
     """GPUXFER_KV_TRITON_ORDER: the peer pool's column by default, the local one, the plan's order, or an error."""
-    from gpuxfer.errors import BackendUnavailable, BadInput, DriverError
     from gpuxfer.kv.engines import _order_col
     monkeypatch.delenv("GPUXFER_KV_TRITON_ORDER", raising=False)
     assert (_order_col("pull"), _order_col("push")) == (0, 1)        # pull reads the source, push writes the destination
