@@ -278,13 +278,25 @@ class _RefusesRemoteWrites(HostPlatform):
         self._mapped = [*getattr(self, "_mapped", []), (m.ptr, m.ptr + m.nbytes)]
         return m
 
+    def _to_peer(self, ptr) -> bool:
+        return any(a <= ptr < b for a, b in getattr(self, "_mapped", []))
+
     def write_flag(self, stream, ptr, value):
-        if any(a <= ptr < b for a, b in getattr(self, "_mapped", [])):
+        if self._to_peer(ptr):
             raise DriverError("cuStreamWriteValue64", "CUDA_ERROR_NOT_SUPPORTED", 801, "a remote stream write")
         super().write_flag(stream, ptr, value)
 
 
-def flag_link_session(rank: int, world: int, init_method: str, env: str | None, refusing: tuple) -> dict:
+class _LosesRemoteWrites(_RefusesRemoteWrites):
+    """The host platform, taking stream writes into peer mappings without error and dropping them."""
+
+    def write_flag(self, stream, ptr, value):
+        if not self._to_peer(ptr):
+            HostPlatform.write_flag(self, stream, ptr, value)
+
+
+def flag_link_session(rank: int, world: int, init_method: str, env: str | None, refusing: tuple,
+                      losing: tuple = ()) -> dict:
     """One side of the pack engine's flag link: its path, what a signal from the peer wrote, or the error."""
     import torch.distributed as dist
 
@@ -298,7 +310,8 @@ def flag_link_session(rank: int, world: int, init_method: str, env: str | None, 
         dist.all_gather_object(out, obj)
         return out
 
-    plat = (_RefusesRemoteWrites if rank in refusing else HostPlatform)(devices=2)
+    plat = (_RefusesRemoteWrites if rank in refusing else _LosesRemoteWrites if rank in losing
+            else HostPlatform)(devices=2)
     side = E.Side(platform=plat, device=rank, rank=rank, role=E.Role.SOURCE if rank == 0 else E.Role.DESTINATION,
                   pool=None, peer_pool=None, exchange=exchange, timeout_s=10.0)
     try:
@@ -318,16 +331,17 @@ def flag_link_session(rank: int, world: int, init_method: str, env: str | None, 
         plat.close()
 
 
-@pytest.mark.parametrize("env, refusing, paths", [
-    (None, (), ("remote stream writes", "remote stream writes")),
-    ("auto", (0,), ("8-byte copies", "remote stream writes")),
-    ("copy", (), ("8-byte copies", "8-byte copies")),
-    ("remote", (), ("remote stream writes", "remote stream writes")),
+@pytest.mark.parametrize("env, refusing, losing, paths", [
+    (None, (), (), ("remote stream writes", "remote stream writes")),
+    ("auto", (0,), (), ("8-byte copies", "remote stream writes")),
+    ("auto", (), (1,), ("remote stream writes", "8-byte copies")),     # sent, never seen: the peer's wait times out
+    ("copy", (), (), ("8-byte copies", "8-byte copies")),
+    ("remote", (), (), ("remote stream writes", "remote stream writes")),
 ])
-def test_pack_flag_path_follows_the_probe_and_signals_arrive(spawner, monkeypatch, env, refusing, paths):
+def test_pack_flag_path_follows_the_probe_and_signals_arrive(spawner, monkeypatch, env, refusing, losing, paths):
     """Each side sends remote writes only where the probe saw its write arrive; either path delivers."""
     monkeypatch.delenv(E.ENV_KV_FLAG_PATH, raising=False)
-    res = spawner.run_ranks(flag_link_session, 2, env, refusing, timeout=120)
+    res = spawner.run_ranks(flag_link_session, 2, env, refusing, losing, timeout=120)
     assert tuple(r["path"] for r in res) == paths
     assert [r["got"] for r in res] == [41, 40]
 

@@ -73,7 +73,7 @@ import numpy as np
 
 from ..errors import BackendUnavailable, BadInput, TransferTimeout
 from ..platforms.base import Closable, DeviceBuffer, Event, Memory, PeerMapping, Platform, Stream
-from ..sync import flag_path_from_env
+from ..sync import flag_path_from_env, wait_flag_or_raise
 
 log = logging.getLogger("gpuxfer.kv.engines")
 
@@ -842,12 +842,11 @@ class _FlagLink:
                 side._streams.pop("setup", None)    # a failed stream op may leave the stream unusable
         seen = False
         if side.exchange(sent)[side.peer_rank]:
-            deadline = time.monotonic() + 2.0       # a write the sender saw complete lands in microseconds
-            while True:
-                seen = self.read(_PROBE) == _PROBE_VALUE
-                if seen or time.monotonic() > deadline:
-                    break
-                time.sleep(1e-3)
+            try:    # a write the sender saw complete lands in microseconds
+                seen = wait_flag_or_raise(plat, self.word(_PROBE), _PROBE_VALUE, 2.0, rank=side.rank, step=0,
+                                          flag="pack flag probe", device=side.device) == _PROBE_VALUE
+            except TransferTimeout:
+                pass
         reports = side.exchange((seen, None if sent else why))    # rank r: (saw its peer's write, why not sent)
         remote = reports[side.peer_rank][0]
         if want == "remote" and not all(saw for saw, _ in reports):    # every side raises, with every reason

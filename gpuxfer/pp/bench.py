@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import platform as _pyplatform
+import statistics
 import sys
 import time
 
@@ -255,7 +256,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
                             k += n
                             times.append(elapsed)
                             hosts.append(host)
-                        elapsed, host = _median(times), _median(hosts)
+                        elapsed, host = statistics.median_high(times), statistics.median_high(hosts)
                         rows.append({"backend": backend, "metadata": metadata, "size_bytes": size,
                                      "iters": n, "repeats": len(times), "time_us": elapsed / n * 1e6,
                                      "time_us_min": min(times) / n * 1e6, "time_us_max": max(times) / n * 1e6,
@@ -271,11 +272,6 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
         plat.close()
     return {"info": info, "rows": rows, "bulk": bulk, "contention": contention, "flag_paths": flag_paths,
             "meta_channels": meta_channels, "profiles": profiles}
-
-
-def _median(xs: list) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2]
 
 
 def _profile_text(prof, title: str, steps: int) -> str:
