@@ -369,6 +369,43 @@ def test_pack_over_flag_copies_end_to_end(capsys, tmp_path, monkeypatch):
     assert len(rows) == 2 and all(r["valid"] and r["flag_path"] == "8-byte copies" for r in rows)
 
 
+@pytest.mark.parametrize("nslots,nlanes", [(2, 1), (4, 1), (4, 2), (6, 3), (8, 4), (8, 2)])
+def test_pack_chunk_schedule(nslots, nlanes):
+    """Slots round robin; lanes round robin but a burst's last chunk stays on the lane of the one before;
+    each lane's chunks numbered 1, 2, ... over the engine's life; a chunk waits for the slot's previous
+    user in its burst -- on that chunk's lane and number -- and for nothing left from earlier bursts."""
+    sch = E._ChunkSchedule(nslots, nlanes)
+    per_lane: dict[int, list[int]] = {lane: [] for lane in range(nlanes)}
+    for n in (1, 2, 3, nslots + 1, 2 * nslots + 3, 1, 5):
+        sch.start_burst()
+        burst = [sch.next(i == n - 1) for i in range(n)]
+        for i, c in enumerate(burst):
+            assert c.slot == c.k % nslots
+            per_lane[c.lane].append(c.seq)
+            if i < n - 1 or n == 1:
+                assert c.lane == c.k % nlanes
+            else:
+                assert c.lane == burst[i - 1].lane
+            prev = burst[i - nslots] if i >= nslots else None
+            assert c.before == ((prev.lane, prev.seq) if prev else None)
+    for seqs in per_lane.values():
+        assert seqs == list(range(1, len(seqs) + 1))
+
+
+@pytest.mark.parametrize("lanes", ["1", "2", "3"])
+def test_pack_many_chunks_over_lanes_end_to_end(capsys, tmp_path, lanes):
+    """Many chunks per burst, two bursts a row (timed, then verified), 1-3 lanes: slots are reused within
+    a burst and the last chunk takes the lane of the one before it. Every byte must land, and a wait for a
+    flag value that never comes would end the row in a timeout."""
+    rc, out, err, doc = _run(capsys, tmp_path, *TINY, "--warmup", "0", "--trials", "1", "--timeout", "60",
+                             "--engine", "pack,bulk", "--pack-chunk", "64K", "--pack-first-chunk", "16K",
+                             "--pack-lanes", lanes)
+    assert rc == 0, out + err
+    rows = [r for r in doc["rows"] if r["engine"] == "pack"]
+    assert len(rows) == 2 and all(r["valid"] and r["wrong_bytes"] == 0 for r in rows), rows
+    assert all(r["burst_bytes"] > 8 * (64 << 10) for r in rows)     # > 8 chunks: every slot used twice
+
+
 @pytest.mark.parametrize("largest", [132, 528, 576, 2304, 9216, 36864])
 @pytest.mark.parametrize("rows", [1, 7, 130, 500, 31775])
 def test_pack_chunk_geometry_is_tiled_for_its_sizes_and_never_slices(monkeypatch, largest, rows):

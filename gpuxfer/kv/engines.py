@@ -893,6 +893,53 @@ class _FlagLink:
                 m.close()
 
 
+class _Chunk(NamedTuple):
+    k: int                              # chunk number over the engine's life
+    slot: int                           # staging slot
+    lane: int                           # copy lane
+    seq: int                            # its number on that lane (1, 2, ...): the value its flags carry
+    before: tuple[int, int] | None      # (lane, seq) of the slot's previous chunk in this burst, if any
+
+
+class _ChunkSchedule:
+    """Which staging slot and copy lane each chunk of the pack engine uses.
+
+    Chunks are counted over the engine's life; both sides build the same schedule
+    from the same plans. Chunk ``k`` uses slot ``k % S`` and lane ``k % L``, except a
+    burst's last chunk, which takes the lane of the chunk before it: on two lanes, a
+    command queued after a chunk copy on one lane (the event that releases its unpack,
+    its flag) completed only after the other lane's next copy (2x H200,
+    PERFORMANCE.md), so a burst's drain was two unpacks. With the other lane idle at
+    the end, it is one. On a lane, flags count that lane's chunks, so a flag only ever
+    grows even when lanes finish out of order.
+    """
+
+    def __init__(self, nslots: int, nlanes: int):
+        self.nslots, self.nlanes = nslots, nlanes
+        self.k = 0                          # chunks scheduled so far
+        self.burst_first = 0                # the first chunk of the burst being scheduled
+        self._lane_seq = [0] * nlanes       # chunks scheduled per lane
+        self._lane = 0                      # the lane of the last chunk
+        self._slot_user: list[_Chunk | None] = [None] * nslots
+
+    def start_burst(self) -> None:
+        self.burst_first = self.k
+
+    def next(self, last: bool) -> _Chunk:
+        """The next chunk (``last``: the burst's last). ``before`` is None where the slot is fresh in
+        this burst: every earlier burst has completed on both sides before this one is armed."""
+        k = self.k
+        self.k += 1
+        lane = self._lane if last and k > self.burst_first else k % self.nlanes
+        self._lane = lane
+        self._lane_seq[lane] += 1
+        prev = self._slot_user[k % self.nslots]
+        before = (prev.lane, prev.seq) if prev is not None and prev.k >= self.burst_first else None
+        c = _Chunk(k, k % self.nslots, lane, self._lane_seq[lane], before)
+        self._slot_user[c.slot] = c
+        return c
+
+
 @dataclass
 class _PackPlan:
     chunks: list[tuple[int, int, int]]      # (start, stop, nbytes) rows of the (split) descriptor table
@@ -938,9 +985,8 @@ class PackEngine(Engine):
         self.copy_streams = [side.stream(f"pack-lane{i}") for i in range(self.nlanes)]
         self._stage_t = None
         self._pool_t = None
-        self._k = 0                 # chunks posted so far (both sides count the same)
+        self._chunks = _ChunkSchedule(self.nslots, self.nlanes)
         self._bursts = 0            # pull bursts posted so far (the GO flag)
-        self._burst_first = 0      # the first chunk number of the burst being enqueued
         self._slot_event: list[Event | None] = [None] * self.nslots
 
     def row_extra(self) -> dict:
@@ -995,9 +1041,6 @@ class PackEngine(Engine):
                                            end=b, staging_offset=slot * self.slot_bytes, validate=False,
                                            config=cfg, num_programs=programs))
 
-    # Chunk k (counted over the engine's life, on both sides alike) uses staging slot
-    # k % S and copy lane k % L; on a lane, flags count that lane's chunks (k // L + 1),
-    # so a flag only ever grows even when lanes finish out of order.
     def _entry_streams(self, p: Prepared) -> list[Stream]:
         # push: the source's pack stream; pull: the destination's lane 0 (it sends GO to the source)
         return [self.kernel_stream if p.direction == "push" else self.copy_streams[0]]
@@ -1005,27 +1048,26 @@ class PackEngine(Engine):
     def _enqueue(self, p: Prepared) -> None:
         plan: _PackPlan = p.state
         source = self.side.role is Role.SOURCE
-        self._burst_first = self._k
+        self._chunks.start_burst()
         if p.direction == "push":
             (self._post_push_source if source else self._post_push_destination)(plan, p)
         else:
             self._bursts += 1
             (self._post_pull_source if source else self._post_pull_destination)(plan, p)
 
-    def _next(self):
-        k = self._k
-        self._k += 1
-        return k, k % self.nslots, k % self.nlanes, k // self.nlanes + 1
+    def _burst_chunks(self, plan: _PackPlan):
+        """``(chunk, a, b, nbytes)`` for each chunk of the burst being enqueued (rows ``a:b`` of the table)."""
+        n = len(plan.chunks)
+        return [(self._chunks.next(i == n - 1), a, b, nbytes) for i, (a, b, nbytes) in enumerate(plan.chunks)]
 
-    def _prev_seq(self, k: int) -> int:
-        """The lane sequence number of the chunk that used this slot before chunk ``k`` in this burst
-        (0: none -- every earlier burst has completed on both sides before this one is armed)."""
-        j = k - self.nslots
-        return j // self.nlanes + 1 if j >= self._burst_first else 0
+    def _wait_slot_free(self, stream: Stream, c: _Chunk) -> None:
+        """``stream`` waits until the peer released the slot's previous chunk in this burst, if any."""
+        if c.before is not None:
+            self.flags.wait(stream, _FREE + c.before[0], c.before[1])
 
-    def _slot_busy(self, k: int, s: int) -> Event | None:
-        """The local event after which slot ``s`` may be reused by chunk ``k`` (None: free)."""
-        return self._slot_event[s] if k - self.nslots >= self._burst_first else None
+    def _slot_busy(self, c: _Chunk) -> Event | None:
+        """The local event after which this side may reuse ``c``'s slot (None: fresh in this burst)."""
+        return self._slot_event[c.slot] if c.before is not None else None
 
     def _copy_chunk(self, stream: Stream, slot: int, nbytes: int, *, pull: bool) -> None:
         off = slot * self.slot_bytes
@@ -1037,65 +1079,61 @@ class PackEngine(Engine):
     def _post_push_source(self, plan: _PackPlan, p: Prepared) -> None:
         plat, fl = self.platform, self.flags
         last = None
-        for a, b, nbytes in plan.chunks:
-            k, s, lane, seq = self._next()
-            busy = self._slot_busy(k, s)
+        for c, a, b, nbytes in self._burst_chunks(plan):
+            busy = self._slot_busy(c)
             if busy is not None:                         # our copy of the slot's previous chunk is done
                 plat.stream_wait_event(self.kernel_stream, busy)
-            self._pack(self.kernel_stream, plan, a, b, s)
+            self._pack(self.kernel_stream, plan, a, b, c.slot)
             packed = plat.record_event(self.kernel_stream)
-            cs = self.copy_streams[lane]
+            cs = self.copy_streams[c.lane]
             plat.stream_wait_event(cs, packed)
-            fl.wait(cs, _FREE + lane, self._prev_seq(k))  # the destination unpacked the slot's previous chunk
-            self._copy_chunk(cs, s, nbytes, pull=False)
-            fl.signal(cs, lane, _AVAIL + lane, seq)
-            self._slot_event[s] = plat.record_event(cs)
-            last = (cs, lane, seq)
+            self._wait_slot_free(cs, c)                  # the destination unpacked the slot's previous chunk
+            self._copy_chunk(cs, c.slot, nbytes, pull=False)
+            fl.signal(cs, c.lane, _AVAIL + c.lane, c.seq)
+            self._slot_event[c.slot] = plat.record_event(cs)
+            last = (cs, c)
         if last is None:
             p.done = plat.record_event(self.kernel_stream)
             return
-        cs, lane, seq = last                             # the last chunk is unpacked: all are
-        fl.wait(cs, _FREE + lane, seq)
+        cs, c = last                                     # the last chunk is unpacked: all are
+        fl.wait(cs, _FREE + c.lane, c.seq)
         p.done = plat.record_event(cs)
 
     def _post_push_destination(self, plan: _PackPlan, p: Prepared) -> None:
         plat, fl = self.platform, self.flags
         ks = self.kernel_stream
-        for a, b, nbytes in plan.chunks:
-            k, s, lane, seq = self._next()
-            fl.wait(ks, _AVAIL + lane, seq)
-            self._unpack(ks, plan, a, b, s)
-            fl.signal(ks, _MAX_LANES, _FREE + lane, seq)
+        for c, a, b, nbytes in self._burst_chunks(plan):
+            fl.wait(ks, _AVAIL + c.lane, c.seq)
+            self._unpack(ks, plan, a, b, c.slot)
+            fl.signal(ks, _MAX_LANES, _FREE + c.lane, c.seq)
         p.done = plat.record_event(ks)
 
     def _post_pull_source(self, plan: _PackPlan, p: Prepared) -> None:
         plat, fl = self.platform, self.flags
         ks = self.kernel_stream
         fl.wait(ks, _GO, self._bursts)                    # nothing runs before the destination starts its timer
-        for a, b, nbytes in plan.chunks:
-            k, s, lane, seq = self._next()
-            fl.wait(ks, _FREE + lane, self._prev_seq(k))  # the destination copied the slot's previous chunk out
-            self._pack(ks, plan, a, b, s)
-            fl.signal(ks, _MAX_LANES, _AVAIL + lane, seq)
+        for c, a, b, nbytes in self._burst_chunks(plan):
+            self._wait_slot_free(ks, c)                   # the destination copied the slot's previous chunk out
+            self._pack(ks, plan, a, b, c.slot)
+            fl.signal(ks, _MAX_LANES, _AVAIL + c.lane, c.seq)
         p.done = plat.record_event(ks)
 
     def _post_pull_destination(self, plan: _PackPlan, p: Prepared) -> None:
         plat, fl = self.platform, self.flags
         ks = self.kernel_stream
         fl.signal(self.copy_streams[0], _MAX_LANES + 1, _GO, self._bursts)
-        for a, b, nbytes in plan.chunks:
-            k, s, lane, seq = self._next()
-            cs = self.copy_streams[lane]
-            fl.wait(cs, _AVAIL + lane, seq)               # packed on the source
-            busy = self._slot_busy(k, s)
+        for c, a, b, nbytes in self._burst_chunks(plan):
+            cs = self.copy_streams[c.lane]
+            fl.wait(cs, _AVAIL + c.lane, c.seq)           # packed on the source
+            busy = self._slot_busy(c)
             if busy is not None:                          # our unpack of the slot's previous chunk is done
                 plat.stream_wait_event(cs, busy)
-            self._copy_chunk(cs, s, nbytes, pull=True)
-            fl.signal(cs, lane, _FREE + lane, seq)
+            self._copy_chunk(cs, c.slot, nbytes, pull=True)
+            fl.signal(cs, c.lane, _FREE + c.lane, c.seq)
             landed = plat.record_event(cs)
             plat.stream_wait_event(ks, landed)
-            self._unpack(ks, plan, a, b, s)
-            self._slot_event[s] = plat.record_event(ks)
+            self._unpack(ks, plan, a, b, c.slot)
+            self._slot_event[c.slot] = plat.record_event(ks)
         p.done = plat.record_event(ks)
 
     def abort(self) -> None:
