@@ -26,7 +26,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _contig(src, dst, n_units, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
+def _contig(src, dst, n_units, BLOCK: tl.constexpr, UNROLL: tl.constexpr, LOAD_CM: tl.constexpr = "",
+            STORE_CM: tl.constexpr = ""):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     offs = tl.arange(0, BLOCK)
@@ -36,11 +37,26 @@ def _contig(src, dst, n_units, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
         xs = ()
         for u in tl.static_range(UNROLL):
             o = start + u * BLOCK + offs
-            xs = xs + (tl.load(src + o, mask=o < n_units),)
+            xs = xs + (tl.load(src + o, mask=o < n_units, cache_modifier=LOAD_CM),)
         for u in tl.static_range(UNROLL):
             o = start + u * BLOCK + offs
-            tl.store(dst + o, xs[u], mask=o < n_units)
+            tl.store(dst + o, xs[u], mask=o < n_units, cache_modifier=STORE_CM)
         start += step
+
+
+def peer_buffers(local: int, peer: int, nbytes: int):
+    """``nbytes`` on ``local`` and on ``peer`` with peer access both ways, and a view of the peer's bytes
+    labelled as on ``local`` (what Triton takes), as ``(a, b, b_view)``."""
+    from gpuxfer.platforms.cuda import _view_by_storage
+
+    torch.cuda.set_device(local)
+    a = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{local}")
+    b = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{peer}")
+    b.copy_(a)                             # enables peer access both ways (torch's copy does it)
+    a.copy_(b)
+    torch.cuda.synchronize(local)
+    torch.cuda.synchronize(peer)
+    return a, b, _view_by_storage(b.data_ptr(), nbytes, torch.device("cuda", local))
 
 
 def main() -> int:
@@ -60,18 +76,10 @@ def main() -> int:
     args = ap.parse_args()
     from gpuxfer.kernels.launch import copy_descriptors
     from gpuxfer.platforms import get_platform
-    from gpuxfer.platforms.cuda import _view_by_storage
 
     plat = get_platform("cuda")
     L, P, nb = args.local, args.peer, args.bytes
-    torch.cuda.set_device(L)
-    a = torch.empty(nb, dtype=torch.uint8, device=f"cuda:{L}")
-    b = torch.empty(nb, dtype=torch.uint8, device=f"cuda:{P}")
-    b.copy_(a[:nb])                        # enables peer access both ways (torch's copy does it)
-    a.copy_(b)
-    torch.cuda.synchronize(L)
-    torch.cuda.synchronize(P)
-    bv = _view_by_storage(b.data_ptr(), nb, torch.device("cuda", L))   # the peer's bytes, labelled local
+    a, b, bv = peer_buffers(L, P, nb)
     stream = torch.cuda.current_stream(L)
     s = plat.current_stream(L)
     sms = torch.cuda.get_device_properties(L).multi_processor_count

@@ -31,24 +31,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-
-@triton.jit
-def _contig(src, dst, n_units, BLOCK: tl.constexpr, UNROLL: tl.constexpr, LOAD_CM: tl.constexpr = "",
-            STORE_CM: tl.constexpr = ""):
-    pid = tl.program_id(0)
-    G = tl.num_programs(0)
-    offs = tl.arange(0, BLOCK)
-    step = tl.cast(G, tl.int64) * BLOCK * UNROLL
-    start = tl.cast(pid, tl.int64) * BLOCK * UNROLL
-    while start < n_units:
-        xs = ()
-        for u in tl.static_range(UNROLL):
-            o = start + u * BLOCK + offs
-            xs = xs + (tl.load(src + o, mask=o < n_units, cache_modifier=LOAD_CM),)
-        for u in tl.static_range(UNROLL):
-            o = start + u * BLOCK + offs
-            tl.store(dst + o, xs[u], mask=o < n_units, cache_modifier=STORE_CM)
-        start += step
+from sm_ceiling import _contig, peer_buffers     # scripts/ is on the path when run as scripts/tma_probe.py
 
 
 @triton.jit
@@ -86,18 +69,10 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from gpuxfer.platforms import get_platform
-    from gpuxfer.platforms.cuda import _view_by_storage
 
     plat = get_platform("cuda")
     L, P, nb = args.local, args.peer, args.bytes
-    torch.cuda.set_device(L)
-    a = torch.empty(nb, dtype=torch.uint8, device=f"cuda:{L}")
-    b = torch.empty(nb, dtype=torch.uint8, device=f"cuda:{P}")
-    b.copy_(a[:nb])                        # enables peer access both ways (torch's copy does it)
-    a.copy_(b)
-    torch.cuda.synchronize(L)
-    torch.cuda.synchronize(P)
-    bv = _view_by_storage(b.data_ptr(), nb, torch.device("cuda", L))   # the peer's bytes, labelled local
+    a, b, bv = peer_buffers(L, P, nb)
     stream = torch.cuda.current_stream(L)
     s = plat.current_stream(L)
     sms = torch.cuda.get_device_properties(L).multi_processor_count
