@@ -928,15 +928,14 @@ class _ChunkSchedule:
     def next(self, last: bool) -> _Chunk:
         """The next chunk (``last``: the burst's last). ``before`` is None where the slot is fresh in
         this burst: every earlier burst has completed on both sides before this one is armed."""
-        k = self.k
+        k, slot = self.k, self.k % self.nslots
         self.k += 1
         lane = self._lane if last and k > self.burst_first else k % self.nlanes
         self._lane = lane
         self._lane_seq[lane] += 1
-        prev = self._slot_user[k % self.nslots]
+        prev = self._slot_user[slot]
         before = (prev.lane, prev.seq) if prev is not None and prev.k >= self.burst_first else None
-        c = _Chunk(k, k % self.nslots, lane, self._lane_seq[lane], before)
-        self._slot_user[c.slot] = c
+        c = self._slot_user[slot] = _Chunk(k, slot, lane, self._lane_seq[lane], before)
         return c
 
 
