@@ -139,6 +139,15 @@ def main() -> int:
         ss["copied"][s_] = plat.record_event(S, ss["copied"][s_])
     run("sender step (10 calls)", sender, [C, S])
 
+    def sender_inline(i):      # copy_engine.py's _send_inline: a small step on the caller's stream
+        k = ss["k"] = ss["k"] + 1
+        s_ = k & 1
+        plat.wait_flag(C, f + 128, 0)
+        plat.copy_async(C, slot + s_ * 65536, t1.data_ptr(), 8192)
+        plat.copy_async(C, slot + s_ * 65536 + 8192, t2.data_ptr(), 8192)
+        plat.write_flag(C, f + 192, k)
+    run("sender step inline (4 calls)", sender_inline, [C])
+
     def sender_side_pack(i):   # variant: pack on the side stream; the caller's stream waits for the pack only
         k = ss["k"] = ss["k"] + 1
         s_ = k & 1

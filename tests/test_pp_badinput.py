@@ -161,6 +161,24 @@ def test_resolve_timeout(monkeypatch):
             resolve_timeout(None)
 
 
+def test_inline_bytes(monkeypatch):
+    from gpuxfer.pp.copy_engine import DEFAULT_INLINE_BYTES, ENV_INLINE_BYTES, inline_bytes_from_env
+    monkeypatch.delenv(ENV_INLINE_BYTES, raising=False)
+    assert inline_bytes_from_env(None) == DEFAULT_INLINE_BYTES == 1 << 20
+    assert inline_bytes_from_env(0) == 0 and inline_bytes_from_env("0") == 0
+    assert inline_bytes_from_env("64K") == 65536 and inline_bytes_from_env(4096) == 4096
+    monkeypatch.setenv(ENV_INLINE_BYTES, "2M")
+    assert inline_bytes_from_env(None) == 2 << 20 and inline_bytes_from_env(7) == 7
+    monkeypatch.setenv(ENV_INLINE_BYTES, "0")
+    assert inline_bytes_from_env(None) == 0
+    for bad in ("x", "-1", "1.5"):
+        monkeypatch.setenv(ENV_INLINE_BYTES, bad)
+        with pytest.raises(BadInput, match=ENV_INLINE_BYTES):
+            inline_bytes_from_env(None)
+    with pytest.raises(BadInput, match="inline_bytes"):
+        inline_bytes_from_env(-4)
+
+
 # --------------------------------------------------------------------------- two ranks
 
 

@@ -93,6 +93,8 @@ def test_bench_pp_bad_arguments(capsys):
     assert r.returncode != 0 and "unknown backend" in (r.stdout + r.stderr)
     r = _cli(capsys, "--repeats", "-1")
     assert r.returncode != 0 and "--repeats" in (r.stdout + r.stderr)
+    r = _cli(capsys, "--inline-bytes", "lots")
+    assert r.returncode != 0 and "--inline-bytes" in (r.stdout + r.stderr)
 
 
 def test_example_two_stage_host(capsys, monkeypatch):

@@ -7,6 +7,7 @@ next. Runs on the host emulation in CI (gloo groups, spawned processes) and, mar
 """
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -14,6 +15,10 @@ import time
 import pytest
 
 SPECS_SHAPES = {"hidden": ((48, 40), "bfloat16"), "pos": ((48,), "int64"), "residual": ((48, 40), "float32")}
+# copy_engine steps go inline (on the caller's stream) up to inline_bytes, staged above: the default
+# (1 MiB) sends every step of these specs inline, 0 stages every step, and MIXED (a step is 0-11,904 B)
+# sends some of each kind in one chain
+MIXED = 4096
 
 
 def specs():
@@ -26,6 +31,18 @@ def step_shapes(seed: int, sender: int, step: int) -> dict:
     n = rng.choice([0, 1, 2, 7, 31, 48, rng.randint(0, 48)])
     w = rng.choice([40, 40, rng.randint(1, 40)])
     return {"hidden": (n, w), "pos": (n,), "residual": (n, w)}
+
+
+def step_bytes(seed: int, sender: int, step: int) -> int:
+    sizes = {"bfloat16": 2, "int64": 8, "float32": 4}
+    return sum(math.prod(shape) * sizes[SPECS_SHAPES[name][1]]
+               for name, shape in step_shapes(seed, sender, step).items())
+
+
+def mixes_paths(seed: int, world: int, steps: int) -> bool:
+    """Whether every sender of the chain sends steps on both sides of MIXED."""
+    return all(min(got) <= MIXED < max(got)
+               for got in ([step_bytes(seed, r, k) for k in range(1, steps + 1)] for r in range(world - 1)))
 
 
 def step_tensors(seed: int, sender: int, step: int, device) -> dict:
@@ -122,7 +139,8 @@ def chain_session(rank: int, world: int, init_method: str, platform_name: str, s
             conn = connect(send_to=rank + 1 if rank < world - 1 else None, recv_from=rank - 1 if rank else None,
                            specs=specs(), backend=sc["backend"], platform=plat, device=device, timeout_s=60,
                            metadata=sc.get("metadata", True), recv_slots=sc.get("recv_slots", 2),
-                           flag_path=sc.get("flag_path"), meta_channel=sc.get("meta_channel"))
+                           flag_path=sc.get("flag_path"), meta_channel=sc.get("meta_channel"),
+                           inline_bytes=sc.get("inline_bytes"))
             with conn:
                 assert conn.backend == sc["backend"], (conn.backend, conn.fallback_reasons)
                 allocated = conn.allocated_bytes
@@ -148,11 +166,13 @@ def run_session(spawner, world: int, platform_name: str, scenarios: list, seed: 
 def test_four_stage_chain(spawner, platform_name):
     gpu = platform_name != "host"
     scenarios = [
-        {"backend": "copy_engine", "steps": 300 if gpu else 30, "lag_ms": 1.0 if gpu else 2.0},
+        {"backend": "copy_engine", "steps": 300 if gpu else 30, "lag_ms": 1.0 if gpu else 2.0,
+         "inline_bytes": MIXED},
         {"backend": "copy_engine", "steps": 150 if gpu else 24, "flag_path": "copy", "metadata": False,
-         "recv_slots": 3, "devices": "div"},
+         "recv_slots": 3, "devices": "div", "inline_bytes": 0},
         {"backend": "nccl", "steps": 150 if gpu else 24, "meta_channel": "group"},
     ]
+    assert mixes_paths(11, 4, scenarios[0]["steps"])
     results = run_session(spawner, 4, platform_name, scenarios, seed=11, timeout=300 if gpu else 150)
     for rank, res in enumerate(results):
         for sc, r in zip(scenarios, res):
@@ -172,9 +192,11 @@ def test_two_stage_chain(spawner, platform_name):
     scenarios = [
         {"backend": "copy_engine", "steps": 400 if gpu else 40, "out": True, "recv_slots": 2},
         {"backend": "nccl", "steps": 200 if gpu else 30, "metadata": False, "out": True},
-        {"backend": "copy_engine", "steps": 400 if gpu else 30, "lag_ms": 0.0},
-        {"backend": "copy_engine", "steps": 200 if gpu else 20, "devices": "div", "lag_ms": 0.5},
+        {"backend": "copy_engine", "steps": 400 if gpu else 30, "lag_ms": 0.0, "inline_bytes": 0},
+        {"backend": "copy_engine", "steps": 200 if gpu else 20, "devices": "div", "lag_ms": 0.5,
+         "inline_bytes": MIXED},
     ]
+    assert mixes_paths(5, 2, scenarios[3]["steps"])
     results = run_session(spawner, 2, platform_name, scenarios, seed=5, timeout=300 if gpu else 150)
     assert results[1][0]["checked"] > 0 and results[1][1]["checked"] > 0
     # nccl receivers own no device memory; senders own a ring of two slots

@@ -29,11 +29,12 @@ def timeout_session(rank: int, world: int, init_method: str, platform_name: str)
         torch.cuda.set_device(device)
     out = {}
 
-    def conn_for(backend, metadata):
+    def conn_for(backend, metadata, inline_bytes=None):
         # a group of its own: gloo closes a pair whose timed wait expires, and the test keeps the world group
         g = dist.new_group(backend="gloo")
         return connect(g, send_to=1 if rank == 0 else None, recv_from=0 if rank == 1 else None, specs=specs(),
-                       backend=backend, platform=plat, device=device, timeout_s=TIMEOUT, metadata=metadata)
+                       backend=backend, platform=plat, device=device, timeout_s=TIMEOUT, metadata=metadata,
+                       inline_bytes=inline_bytes)
 
     try:
         # A. the receiver waits for a step the sender never sends: its GPU-side wait times out
@@ -63,27 +64,32 @@ def timeout_session(rank: int, world: int, init_method: str, platform_name: str)
                 conn.close()                           # bounded: releases the GPU wait, barriers time out
                 out[f"A:{backend}:close_s"] = time.monotonic() - t0
 
-        # B. the receiver never consumes: the sender's side stream waits on `empty`; the watchdog reports it
-        conn = conn_for("copy_engine", metadata=False)
-        if rank == 0:
-            s = conn.sender()
-            for k in (1, 2, 3):                        # step 3 reuses slot 0: waits for empty[0] >= 1 (never written)
-                s.send(step_tensors(SEED, 0, k, dev))
-            time.sleep(TIMEOUT + 1.0)
-            with pytest.raises(TransferTimeout) as ei:
-                s.send(step_tensors(SEED, 0, 4, dev))
-            out["B"] = (ei.value.rank, ei.value.step, ei.value.flag, ei.value.expected, ei.value.seen)
-            with pytest.raises(TransferTimeout):
-                s.synchronize()
-            t0 = time.monotonic()
-            conn.abort()                               # releases the side stream's wait
-            out["B:abort_s"] = time.monotonic() - t0
-            with pytest.raises(GpuxferError):
-                s.send(step_tensors(SEED, 0, 5, dev))
-            dist.barrier()
-        else:
-            dist.barrier()
-            conn.abort()
+        # B. the receiver never consumes: the sender waits on `empty` -- on its side stream (staged steps,
+        # inline_bytes=0) or on its current stream (small steps, the default) -- and the timeout names it
+        for inline in (0, None):
+            conn = conn_for("copy_engine", metadata=False, inline_bytes=inline)
+            if rank == 0:
+                s = conn.sender()
+                # made first: a copy to the GPU queued behind a stuck current stream would block the host
+                steps = {k: step_tensors(SEED, 0, k, dev) for k in range(1, 6)}
+                s.send(steps[1])
+                s.send(steps[2])
+                with pytest.raises(TransferTimeout) as ei:
+                    s.send(steps[3])                   # reuses slot 0: waits for empty[0] >= 1 (never written)
+                    time.sleep(TIMEOUT + 1.0)          # the host emulation raised above; a GPU's watchdog
+                    s.send(steps[4])                   # found the stuck wait meanwhile, and send() raises it
+                out[f"B:{inline}"] = (ei.value.rank, ei.value.step, ei.value.flag, ei.value.expected, ei.value.seen)
+                with pytest.raises(TransferTimeout):
+                    s.synchronize()
+                t0 = time.monotonic()
+                conn.abort()                           # releases the stream's wait
+                out[f"B:{inline}:abort_s"] = time.monotonic() - t0
+                with pytest.raises(GpuxferError):
+                    s.send(steps[5])
+                dist.barrier()
+            else:
+                dist.barrier()
+                conn.abort()
 
         # C. metadata never arrives (the sender never calls send)
         conn = conn_for("copy_engine", metadata=True)
@@ -109,8 +115,9 @@ def test_stuck_peer_times_out(spawner, platform_name):
         assert receiver[f"A:{b}:close_s"] < 20
         assert sender[f"A:{b}:abort_s"] < 10
     # B: rank 0, step 3 waited for empty[0] >= 1 (step 1 consumed), the receiver never wrote it
-    assert sender["B"] == (0, 3, "empty[0]", 1, 0)
-    assert sender["B:abort_s"] < 10
+    for inline in (0, None):
+        assert sender[f"B:{inline}"] == (0, 3, "empty[0]", 1, 0)
+        assert sender[f"B:{inline}:abort_s"] < 10
     assert receiver["C"] == (1, 1, "metadata") and receiver["C:via"]
 
 

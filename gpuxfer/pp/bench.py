@@ -72,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flag-path", default=None, choices=["auto", "remote", "copy"],
                    help="copy_engine flag path (default: GPUXFER_PP_FLAG_PATH or auto)")
     p.add_argument("--recv-slots", type=int, default=2, help="copy_engine receive slots")
+    p.add_argument("--inline-bytes", default=None, metavar="SIZE",
+                   help="copy_engine steps up to SIZE go on the sender's stream without staging; 0: none "
+                        "(default: $GPUXFER_PP_INLINE_BYTES or 1M)")
     p.add_argument("--contention-size", type=_size, default=16 * MiB,
                    help="step size of the transfers run next to the matmul loop")
     p.add_argument("--contention-ms", type=float, default=500.0, help="length of the matmul loop (alone)")
@@ -171,7 +174,8 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
     def open_conn(backend: str, metadata: bool):
         return connect(send_to=peer if rank == 0 else None, recv_from=peer if rank == 1 else None, specs=specs,
                        backend=backend, platform=plat, device=dev, metadata=metadata, timeout_s=opts["timeout"],
-                       recv_slots=opts["recv_slots"], flag_path=opts["flag_path"], device_group=device_group)
+                       recv_slots=opts["recv_slots"], flag_path=opts["flag_path"],
+                       inline_bytes=opts["inline_bytes"], device_group=device_group)
 
     def timed_loop(t, backend: str, size: int, first: int, n: int, metadata: bool, instrument: bool):
         """One timed pipelined loop of n steps: (the receiver's last tensors, host s, elapsed s, the
@@ -477,7 +481,8 @@ def format_report(res: dict, opts: dict) -> str:
     L.append(f"# link: device {lk['src']} <-> {lk['dst']}: {lk['kind']}{' (' + lk['detail'] + ')' if lk['detail'] else ''}")
     L.append(f"# tensors per step: hidden + residual (bf16, half the bytes each); warmup {opts['warmup']}, "
              f"verified steps {opts['verify_steps']} + the last timed step; iters "
-             f"{opts['iters'] or 'by size'}; recv slots {opts['recv_slots']}; copy_engine flags: "
+             f"{opts['iters'] or 'by size'}; recv slots {opts['recv_slots']}; copy_engine steps inline (no "
+             f"staging) up to {_fmt_size(opts['inline_bytes'])}; flags: "
              f"{res['flag_paths'].get('copy_engine', '-')}; +meta: metadata over "
              f"{', '.join(sorted(set(res['meta_channels'].values()))) or '-'}")
     L.append(f"# time: receiver wall clock over a pipelined loop (the sender never waits), / steps, the median "
@@ -564,7 +569,7 @@ def _json_doc(res: dict, opts: dict) -> dict:
         "link": info["link"], "flag_paths": res["flag_paths"], "meta_channels": res["meta_channels"],
         "params": {"sizes_bytes": opts["sizes"], "warmup_steps": opts["warmup"], "verify_steps": opts["verify_steps"],
                    "iters": opts["iters"], "repeats": opts["repeats"], "recv_slots": opts["recv_slots"],
-                   "backends": opts["backends"]},
+                   "inline_bytes": opts["inline_bytes"], "backends": opts["backends"]},
         "rows": res["rows"], "bulk_copy": res["bulk"], "contention": res["contention"],
         "targets": [{"target": n, "measured": g, "met": m} for n, g, m in res["targets"]],
         "wrong_bytes": sum(r["wrong_bytes"] for r in res["rows"]), "result": res["result"],
@@ -573,6 +578,7 @@ def _json_doc(res: dict, opts: dict) -> dict:
 
 def _options(args) -> dict:
     from ..platforms import PLATFORMS, unavailable_reason
+    from .copy_engine import inline_bytes_from_env
     name = args.platform or os.environ.get("GPUXFER_PLATFORM") or None
     if name in (None, "auto"):   # decide here (class-level checks only) so both ranks agree and sizes fit
         name = next((n for n in PLATFORMS if unavailable_reason(n) is None), "host")
@@ -594,7 +600,8 @@ def _options(args) -> dict:
     return {"platform": name, "sizes": sizes, "iters": args.iters, "warmup": args.warmup,
             "repeats": args.repeats or (1 if emu else 3),
             "verify_steps": args.verify_steps, "backends": backends, "flag_path": args.flag_path,
-            "recv_slots": args.recv_slots, "contention_size": args.contention_size,
+            "recv_slots": args.recv_slots, "inline_bytes": inline_bytes_from_env(args.inline_bytes, "--inline-bytes"),
+            "contention_size": args.contention_size,
             "contention_ms": args.contention_ms if not emu else min(args.contention_ms, 100.0),
             "matmul": args.matmul, "no_contention": args.no_contention, "timeout": args.timeout,
             "corrupt": args.corrupt_for_test, "profile": args.profile, "trace": args.trace,

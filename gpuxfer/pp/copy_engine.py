@@ -44,6 +44,24 @@ Timeline of step k (slot j, staging slot s = k % 2)::
                        (lets step k+R reuse slot j)            write stage_empty[j] = k;
                                                                copy_async 8 B -> S.empty[j]
 
+Small steps (``layout.total <= inline_bytes``; default 1 MiB, ``$GPUXFER_PP_INLINE_BYTES``,
+0 turns it off) skip the staging ring and the side stream::
+
+    S current stream                                       R current stream (first .tensors access)
+    ----------------                                       -----------------------------------------
+    wait empty[j] >= k-R  (local; only when k > R)
+    copy_async tensor -> R.data[j] + offset, one peer
+      copy per tensor (copy engine)
+    publish full[j] = k  ----------------------------->  wait full[j] >= k ... (as above)
+
+The caller's next work on its stream then waits for these copies (a few us of
+copy-engine time at 1 MiB) where it would wait for the pack, and the host queues
+2 + (tensors) calls where the staging path queues 6 + (tensors): a small step is
+bound by those calls (docs/PERFORMANCE.md). A sender more than R steps ahead
+of its receiver stalls its current stream on a small step. Steps of either kind
+mix freely: each slot's flags still only grow, and a slot is written only after
+its ``empty`` wait.
+
 Nothing on this path waits on the CPU and nothing runs on SMs: every copy,
 the pack and the copy-out included, is a copy-engine copy; the sender's side
 stream and the receiver's current stream wait on flags, the streams wait on
@@ -72,8 +90,10 @@ override :meth:`~CopyEngineTransport.unavailable_reason`,
 from __future__ import annotations
 
 import logging
+import os
 import time
 
+from ..common import parse_size
 from ..errors import BadInput, GpuxferError, TransferTimeout
 from ..sync import flag_path_from_env, wait_event_or_raise
 from .transport import RELEASE_VALUE, Layout, Received, Transport
@@ -84,6 +104,21 @@ FLAG_STRIDE = 64
 W_PROBE_REMOTE, W_PROBE_COPY, W_PROBE_STAGE, W_IN = 0, 1, 2, 3
 ENV_FLAG_PATH = "GPUXFER_PP_FLAG_PATH"
 PROBE_TIMEOUT_S = 10.0
+ENV_INLINE_BYTES = "GPUXFER_PP_INLINE_BYTES"
+DEFAULT_INLINE_BYTES = 1 << 20
+
+
+def inline_bytes_from_env(value: "int | str | None" = None, option: str = "inline_bytes") -> int:
+    """The largest step sent on the caller's stream (no staging, no side stream): ``value`` (named
+    ``option`` in errors), else ``$GPUXFER_PP_INLINE_BYTES`` (``1M``, ``65536``...), else 1 MiB; 0 sends
+    every step through staging."""
+    if value is None:
+        value, option = os.environ.get(ENV_INLINE_BYTES, "").strip() or DEFAULT_INLINE_BYTES, ENV_INLINE_BYTES
+    if isinstance(value, str):
+        return 0 if value.strip() == "0" else parse_size(value, option=option, kind="bytes")
+    if int(value) < 0:
+        raise BadInput(f"{option} must be >= 0, got {value}")
+    return int(value)
 
 
 class CopyEngineTransport(Transport):
@@ -112,12 +147,14 @@ class CopyEngineTransport(Transport):
                     f"(stream flag write/wait)")
         return None
 
-    def __init__(self, *, recv_slots: int = 2, flag_path: str = "auto", **kw):
+    def __init__(self, *, recv_slots: int = 2, flag_path: str = "auto", inline_bytes: "int | str | None" = None,
+                 **kw):
         super().__init__(**kw)
         if int(recv_slots) < self.min_slots:
             raise BadInput(f"the {self.name} backend needs >= {self.min_slots} receive slots, got {recv_slots}")
         self.recv_slots = int(recv_slots)
         self.flag_path = flag_path_from_env(flag_path, ENV_FLAG_PATH)
+        self.inline_bytes = inline_bytes_from_env(inline_bytes)
         self.remote_flags = False
         self._aux = None                    # sender: the side stream; receiver: setup probes only
         self._flags = self._data = self._staging = None
@@ -259,21 +296,24 @@ class CopyEngineTransport(Transport):
             self._ce_copy(stream, self._peer_in_ptr[j], stage, 8)
 
     # ---- send ----
-    def _pack(self, cur, s: int, tensors, layout: Layout) -> None:
-        """Copy the step's tensors into staging slot ``s`` on ``cur``: one local copy-engine copy each, no SM."""
-        base = self._staging_ptr[s]
+    def _copy_tensors(self, stream, base: int, tensors, layout: Layout) -> None:
+        """Copy the step's tensors to ``base`` (a staging slot, or the peer's receive slot) in the slot
+        layout, on ``stream``: one copy-engine copy each, no SM."""
         for name, off, n in zip(self.specs.names, layout.offsets, layout.nbytes):
             if n:
-                self._ce_copy(cur, base + off, tensors[name].data_ptr(), n)
+                self._ce_copy(stream, base + off, tensors[name].data_ptr(), n)
 
     def _send_impl(self, k: int, tensors, layout: Layout) -> None:
+        if layout.total <= self.inline_bytes:
+            self._send_inline(k, tensors, layout)
+            return
         p, R = self.platform, self.recv_slots
         cur, side = p.current_stream(self.device), self._aux
         s = k & 1
         copied = self._copied[s]
         if copied is not None:
             p.stream_wait_event(cur, copied)
-        self._pack(cur, s, tensors, layout)
+        self._copy_tensors(cur, self._staging_ptr[s], tensors, layout)      # the pack
         packed = self._packed = p.record_event(cur, self._packed)   # re-recorded each step (CUDA: no new event)
         if self._host_sync:     # emulation: send() returns with the caller free to overwrite its tensors
             self._host_keep = tensors   # (kept past a timeout: the queued copy may still read them)
@@ -295,6 +335,26 @@ class CopyEngineTransport(Transport):
             self._ce_copy(side, self._peer_slot_ptr[j], self._staging_ptr[s], layout.total)
         self._publish(side, j, k)
         self._copied[s] = p.record_event(side, copied)   # cur waited for its last recording above
+
+    def _send_inline(self, k: int, tensors, layout: Layout) -> None:
+        """A small step on the caller's stream: straight into the peer's slot, no staging, no side stream."""
+        p, R = self.platform, self.recv_slots
+        cur = p.current_stream(self.device)
+        j = (k - 1) % R
+        if k > R:
+            p.wait_flag(cur, self._in_ptr[j], k - R)
+            self._wd.append((k, j, time.monotonic(), k - R))
+        self._copy_tensors(cur, self._peer_slot_ptr[j], tensors, layout)
+        self._publish(cur, j, k)
+        self._last_stream = cur
+        if self._host_sync:     # emulation: return once the copies have read the caller's tensors
+            self._host_keep = tensors
+            waited = k > R
+            wait_event_or_raise(p, p.record_event(cur), self.timeout_s, rank=self.rank, step=k,
+                                flag=f"empty[{j}]" if waited else "stream", expected=k - R if waited else k,
+                                flag_ptr=self._in_ptr[j] if waited else None, device=self.device,
+                                what=f"{self.name} send to rank {self.peer}: "
+                                     f"{'receive slot not free' if waited else 'copying'}")
 
     # ---- receive ----
     def _recv_impl(self, rcv: Received) -> None:

@@ -216,6 +216,7 @@ class SdmaTransport(CopyEngineTransport):
 
     def __init__(self, *, sdma_path: str | None = None, ring: int | None = None, copies: int | None = None, **kw):
         super().__init__(**kw)
+        self.inline_bytes = 0    # every step staged: the inline path was measured on CUDA only
         self.sdma_path = sdma_path_from_env(sdma_path)
         self.ring = int(ring) if ring is not None else _positive_env(ENV_RING, DEFAULT_RING)
         self.copies = int(copies) if copies is not None else _positive_env(ENV_COPIES, 1, high=16)
@@ -342,7 +343,7 @@ class SdmaTransport(CopyEngineTransport):
         # staging slot s was last read by step k-2's data copy, whose sent copy wrote sent[s] = k-2
         if k > 2:
             p.wait_flag(cur, self._sent[s], k - 2)
-        self._pack(cur, s, tensors, layout)
+        self._copy_tensors(cur, self._staging_ptr[s], tensors, layout)     # the pack
         packed = p.record_event(cur)
         if self._host_sync:
             wait_event_or_raise(p, packed, self.timeout_s, rank=self.rank, step=k - 2, flag=f"sent[{s}]",

@@ -260,7 +260,8 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
             specs: Mapping | None = None, send_specs: Mapping | None = None, recv_specs: Mapping | None = None,
             backend: str | None = None, platform=None, device: int | None = None, timeout_s: float | None = None,
             metadata: bool = True, recv_slots: int = 2, device_group=None, flag_path: str | None = None,
-            inject_failure: str | None = None, meta_channel: str | None = None) -> Connection:
+            inline_bytes: int | str | None = None, inject_failure: str | None = None,
+            meta_channel: str | None = None) -> Connection:
     """Set up this rank's stage hand-off transports; collective over ``group`` (every rank calls it).
 
     ``send_to`` / ``recv_from``: global rank(s) this rank sends to / receives
@@ -273,8 +274,10 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
     ``device_group``: the NCCL group for the nccl backend (default: ``group``
     on the host emulation or if it is NCCL-capable, else a new NCCL group over
     ``group``'s ranks -- which needs every process of the default group to call
-    ``connect``). ``recv_slots`` (>= 2) and ``flag_path`` (auto|remote|copy,
-    default ``$GPUXFER_PP_FLAG_PATH``) tune the copy-engine backend. ``meta_channel``
+    ``connect``). ``recv_slots`` (>= 2), ``flag_path`` (auto|remote|copy,
+    default ``$GPUXFER_PP_FLAG_PATH``) and ``inline_bytes`` (the largest step sent
+    without staging, default ``$GPUXFER_PP_INLINE_BYTES`` or 1 MiB; a sender's own
+    choice) tune the copy-engine backend. ``meta_channel``
     (auto|group, default ``$GPUXFER_PP_META_CHANNEL``): a pair on one host passes its
     per-step metadata through a shared-memory mailbox (``auto``) or the CPU group.
     """
@@ -362,7 +365,8 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
             fallback = {r: f"no zero-SM backend for platform {infos[r]['platform']!r}" for r in infos}
         else:
             ok, reasons, ends = _setup_peer_memory(cand, exchange, infos, my_pairs, common, tag_of, nonce,
-                                                   recv_slots=me["slots"], flag_path=flag_path, inject=inject)
+                                                   recv_slots=me["slots"], flag_path=flag_path,
+                                                   inline_bytes=inline_bytes, inject=inject)
             if ok:
                 chosen = cand
             elif wanted == "auto":
@@ -464,7 +468,8 @@ def _setup_mailboxes(exchange, infos, ends, tag_of, nonce: int, rank: int, mode:
             box.close()
 
 
-def _setup_peer_memory(name, exchange, infos, my_pairs, common, tag_of, nonce, *, recv_slots, flag_path, inject):
+def _setup_peer_memory(name, exchange, infos, my_pairs, common, tag_of, nonce, *, recv_slots, flag_path,
+                       inline_bytes, inject):
     """The collective setup of a zero-SM backend; returns (ok, reasons by rank, ends)."""
     import torch.distributed as dist
     rank, plat, device = common["rank"], common["platform"], common["device"]
@@ -506,7 +511,7 @@ def _setup_peer_memory(name, exchange, infos, my_pairs, common, tag_of, nonce, *
         payloads = {}
         for role, peer, pair, spec in my_pairs:
             t = cls(role=role, peer=peer, specs=spec, tag_base=tag_of[pair], recv_slots=recv_slots,
-                    flag_path=flag_path or "auto", **common)
+                    flag_path=flag_path or "auto", inline_bytes=inline_bytes, **common)
             ends.append(t)
             payloads[pair] = t.setup_prepare()
         return payloads
