@@ -539,7 +539,9 @@ class Transport(abc.ABC):
         """Hand ``tensors`` (the spec's keys, dtypes, shapes up to the largest) to the peer.
 
         Returns once the work is queued: the caller may overwrite its tensors at
-        once (they were packed into a send ring slot on the current stream).
+        once (they are read by copies queued on the current stream -- into a send
+        ring slot, or for a small ``copy_engine`` step straight into the peer's
+        slot -- so later work on that stream comes after them).
         """
         self._check_usable("send")
         try:
