@@ -394,11 +394,12 @@ def _contention(plat, dev, tdev, rank, opts, open_conn, src, run_steps, rows) ->
             t.synchronize()
         res[f"{key}_tflops"] = flops / el / 1e12
         res[f"{key}_steps"] = steps
-        res[f"{key}_transfer_gbps"] = steps * size / max(busy, 1e-9) / 1e9   # the traffic next to the matmuls
-        # the transfers must outlast the matmuls, or part of the loop ran alone
-        covered = [None, None]
-        dist.all_gather_object(covered, busy >= el)
-        res[f"{key}_covered"] = all(covered)
+        # the traffic next to the matmuls, over the longer of the two ranks' windows (they leave the barrier
+        # at different times): both ranks report one rate, and the paced line's interval comes from it
+        got = [None, None]
+        dist.all_gather_object(got, (busy, busy >= el))
+        res[f"{key}_transfer_gbps"] = steps * size / max(max(b for b, _ in got), 1e-9) / 1e9
+        res[f"{key}_covered"] = all(c for _, c in got)  # the transfers must outlast the matmuls on both
         dist.barrier()
 
     for backend in opts["backends"]:

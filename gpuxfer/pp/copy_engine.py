@@ -304,7 +304,7 @@ class CopyEngineTransport(Transport):
                 self._ce_copy(stream, base + off, tensors[name].data_ptr(), n)
 
     def _send_impl(self, k: int, tensors, layout: Layout) -> None:
-        if layout.total <= self.inline_bytes:
+        if self.inline_bytes and layout.total <= self.inline_bytes:
             self._send_inline(k, tensors, layout)
             return
         p, R = self.platform, self.recv_slots
