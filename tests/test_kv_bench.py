@@ -410,16 +410,19 @@ def test_pack_many_chunks_over_lanes_end_to_end(capsys, tmp_path, lanes):
 @pytest.mark.parametrize("rows", [1, 7, 130, 500, 31775])
 def test_pack_chunk_geometry_is_tiled_for_its_sizes_and_never_slices(monkeypatch, largest, rows):
     """Each pack chunk's kernels get the local tiling of its own largest descriptor, and no more programs
-    than row groups of that tiling (slices > 1 gave wrong bytes on H200), whatever the grid would be."""
+    than row groups of that tiling (slices > 1 gave wrong bytes on H200), whatever the grid would be; a
+    pack after the burst's first runs on at most one program per two SMs."""
     import torch
 
     from gpuxfer.kernels import launch as L
     monkeypatch.setattr(L, "_sm_count", lambda index: 132)
-    cfg, programs = E.PackEngine._geometry(torch.device("cuda", 0), rows, largest)
+    cfg, programs, later = E.PackEngine._geometry(torch.device("cuda", 0), rows, largest)
     assert cfg == L.choose_config(largest, local=True)
     assert 1 <= programs <= L.default_programs(torch.device("cuda", 0), cfg)
-    _, _, slices = L._grid(rows, cfg, programs)
-    assert slices == 1
+    assert 1 <= later <= min(programs, 66) and (later == 66 or later == programs)
+    for grid in (programs, later):
+        _, _, slices = L._grid(rows, cfg, grid)
+        assert slices == 1
 
 
 def test_contiguous_descriptors_and_bursts():

@@ -944,7 +944,8 @@ class _PackPlan:
     chunks: list[tuple[int, int, int]]      # (start, stop, nbytes) rows of the (split) descriptor table
     table: Any                              # the table on this side's device
     offsets: Any                            # its pack offsets (exclusive cumsum of sizes)
-    configs: dict[int, tuple[Any, int]]     # chunk start -> (kernel tiling, programs), from the chunk's sizes
+    configs: dict[int, tuple[Any, int, int]]   # chunk start -> (kernel tiling, programs, programs of a pack
+                                               # after the burst's first), from the chunk's sizes
 
 
 class PackEngine(Engine):
@@ -1016,26 +1017,33 @@ class PackEngine(Engine):
         return p
 
     @staticmethod
-    def _geometry(device, rows: int, largest: int) -> tuple[Any, int]:
-        """The tiling for a chunk's largest descriptor, and at most one program per group of rows: a
+    def _geometry(device, rows: int, largest: int) -> tuple[Any, int, int]:
+        """The tiling for a chunk's largest descriptor; at most one program per group of rows: a
         chunk with fewer row groups than the default grid would split its descriptors' columns across
         programs (``slices`` > 1), and that path gave wrong bytes in pack/unpack on H200 (2026-11,
         36 KiB pages); whole groups per program stay exact. The tiling is passed to the launcher, so
-        the groups counted here are the ones it runs."""
+        the groups counted here are the ones it runs.
+
+        And the grid of a pack after a burst's first: one program per two SMs. Those packs run beside
+        earlier chunks' copies, off the critical path, and on every SM they took HBM from the copies
+        (2xH200: 0.5-1.4 points of the ceiling at batches 1-64; docs/PERFORMANCE.md, ninth session)."""
         k = _kernels()
         cfg = k.choose_config(largest, local=True)
-        return cfg, max(1, min(k.default_programs(device, cfg), -(-rows // cfg.rows)))
+        full, groups = k.default_programs(device, cfg), -(-rows // cfg.rows)
+        return cfg, max(1, min(full, groups)), max(1, min(full // cfg.programs_per_sm // 2, groups))
 
     def _pack(self, stream: Stream, plan: _PackPlan, a: int, b: int, slot: int) -> None:
         stage_t, pool_t = self._views()
-        cfg, programs = plan.configs[a]
+        cfg, programs, later = plan.configs[a]
+        if a != plan.chunks[0][0]:
+            programs = later
         self.platform.launch(stream, _bind(_kernels().pack, pool_t, stage_t, plan.table, plan.offsets, start=a,
                                            end=b, staging_offset=slot * self.slot_bytes, validate=False,
                                            config=cfg, num_programs=programs))
 
     def _unpack(self, stream: Stream, plan: _PackPlan, a: int, b: int, slot: int) -> None:
         stage_t, pool_t = self._views()
-        cfg, programs = plan.configs[a]
+        cfg, programs, _ = plan.configs[a]
         self.platform.launch(stream, _bind(_kernels().unpack, stage_t, pool_t, plan.table, plan.offsets, start=a,
                                            end=b, staging_offset=slot * self.slot_bytes, validate=False,
                                            config=cfg, num_programs=programs))
