@@ -425,6 +425,33 @@ def test_pack_chunk_geometry_is_tiled_for_its_sizes_and_never_slices(monkeypatch
         assert slices == 1
 
 
+def test_pack_grid_whole_for_the_fill_half_for_later_packs(monkeypatch):
+    """The burst's first pack (the fill) runs on the chunk's whole grid, every later pack on the smaller
+    one; unpacks always on the whole grid."""
+    seen = []
+
+    class Kernels:
+        def pack(self, *args, num_programs, **kw):
+            seen.append(("pack", kw["start"], num_programs))
+
+        def unpack(self, *args, num_programs, **kw):
+            seen.append(("unpack", kw["start"], num_programs))
+
+    class Plat:
+        def launch(self, stream, fn):
+            fn()
+    monkeypatch.setattr(E, "_kernels", Kernels)
+    eng = object.__new__(E.PackEngine)
+    eng.platform, eng.slot_bytes, eng._stage_t, eng._pool_t = Plat(), 0, "stage", "pool"
+    plan = E._PackPlan([(0, 4, 40), (4, 9, 50), (9, 12, 30)], None, None,
+                       {0: ("cfg", 8, 3), 4: ("cfg", 7, 2), 9: ("cfg", 6, 1)})
+    for a, b, _ in plan.chunks:
+        eng._pack(None, plan, a, b, 0)
+        eng._unpack(None, plan, a, b, 0)
+    assert seen == [("pack", 0, 8), ("unpack", 0, 8), ("pack", 4, 2), ("unpack", 4, 7),
+                    ("pack", 9, 1), ("unpack", 9, 6)]
+
+
 def test_contiguous_descriptors_and_bursts():
     d = E.contiguous_descriptors(10, 4)
     assert d.tolist() == [[0, 0, 4], [4, 4, 4], [8, 8, 2]]

@@ -1026,7 +1026,7 @@ class PackEngine(Engine):
 
         And the grid of a pack after a burst's first: one program per two SMs. Those packs run beside
         earlier chunks' copies, off the critical path, and on every SM they took HBM from the copies
-        (2xH200: 0.5-1.4 points of the ceiling at batches 1-64; docs/PERFORMANCE.md, ninth session)."""
+        (2xH200: 0.4-1.4 points of the ceiling at batches 1-64; docs/PERFORMANCE.md, ninth session)."""
         k = _kernels()
         cfg = k.choose_config(largest, local=True)
         full, groups = k.default_programs(device, cfg), -(-rows // cfg.rows)
