@@ -26,7 +26,7 @@ from .platforms import PLATFORMS, detect, unavailable_reason
 _DISTRIBUTIONS: list[tuple[str, str]] = [
     ("torch", "torch"), ("triton", "triton"), ("numpy", "numpy"), ("cupy", "cupy*"),
     ("cuda-bindings", "cuda-bindings"), ("nvidia-ml-py", "nvidia-ml-py"), ("nixl", "nixl*"),
-    ("mooncake", "mooncake*"), ("hip-python", "hip-python"), ("rich", "rich"),
+    ("mooncake", "mooncake*"), ("mori-io", "amd-mori*"), ("hip-python", "hip-python"), ("rich", "rich"),
 ]
 
 # (report key, module, function(platform) -> {name: reason or None})

@@ -54,7 +54,7 @@ Built-in engines (``ENGINES``):
 * ``bulk`` -- one descriptor of the same total bytes on the copy engines: the
   ceiling every row is divided by.
 
-More engines (NIXL, Mooncake) register with :func:`register_engine` under a
+More engines (NIXL, Mooncake, MoRI-IO) register with :func:`register_engine` under a
 ``"module:Class"`` path, so listing them never imports their library;
 :func:`engine_report` says for each whether it can run here (``None``) or why not.
 """
@@ -1171,6 +1171,8 @@ ENGINES: dict[str, str | type] = {
     "nixl-oneshot": "gpuxfer.kv.nixl_engine:NixlOneshotEngine",
     "nixl+pack": "gpuxfer.kv.nixl_engine:NixlPackEngine",
     "mooncake": "gpuxfer.kv.mooncake_engine:MooncakeEngine",
+    "mooncake-rdma": "gpuxfer.kv.mooncake_engine:MooncakeRdmaEngine",
+    "amd-mori": "gpuxfer.kv.mori_engine:MoriEngine",
 }
 #: the engines a default sweep measures
 DEFAULT_ENGINES = ("triton", "pack", "copy_engine", "bulk")

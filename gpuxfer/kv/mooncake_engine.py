@@ -1,4 +1,4 @@
-"""The ``mooncake`` engine: Mooncake's TransferEngine over intra-node NVLink.
+"""The ``mooncake`` and ``mooncake-rdma`` engines: Mooncake's TransferEngine.
 
 Mooncake (``mooncake-transfer-engine`` wheels) moves KV between serving
 processes; SGLang and vLLM ship connectors for it. Inside one node its
@@ -20,8 +20,13 @@ How it runs:
   :data:`BATCH_CAP` descriptors; each request of a burst runs on its own worker
   thread (the binding releases the GIL; SGLang's connector does the same).
 
+``mooncake-rdma`` asks for the ``rdma`` transport instead, with the CollectiveX
+suite's settings (``MC_USE_NVLINK_IPC=0``, ``MC_TRANSFER_TIMEOUT=120``, set in the
+process environment unless already set; the NIC filter from ``$GPUXFER_MOONCAKE_NIC``):
+through the NIC within a host, and across hosts.
+
 Whether the wheel works is probed at run time, in a child process (a failed
-transport install can abort the process): :func:`probe_nvlink_intra`.
+transport install can abort the process): :func:`probe_transport`.
 
 Importing this module never imports Mooncake nor touches a GPU.
 """
@@ -50,7 +55,9 @@ log = logging.getLogger("gpuxfer.kv.mooncake")
 #: descriptors per batch call (the suite's cap; Mooncake's batch capacity is finite)
 BATCH_CAP = 8192
 PROTOCOL = "nvlink_intra"
+RDMA_PROTOCOL = "rdma"
 HOST_ENV = "GPUXFER_MOONCAKE_HOST"
+NIC_ENV = "GPUXFER_MOONCAKE_NIC"
 #: the mooncake distributions on PyPI (the import name is ``mooncake`` for all of them)
 DISTRIBUTIONS = ("mooncake-transfer-engine", "mooncake-transfer-engine-cuda13")
 
@@ -143,12 +150,12 @@ def local_host() -> str:
 
 _PROBE = r"""
 import json, os, sys
-sys.path[:0] = json.loads(sys.argv[2])
-from gpuxfer.kv.mooncake_engine import find_mooncake, _free_port, local_host, PROTOCOL
+sys.path[:0] = json.loads(sys.argv[4])
+from gpuxfer.kv.mooncake_engine import find_mooncake, _free_port, local_host
 TE, why = find_mooncake()
 if TE is None:
     print(json.dumps({"ok": False, "why": why})); sys.exit(0)
-dev = int(sys.argv[1])
+dev, protocol, nic = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 try:
     import torch
     torch.cuda.set_device(dev)
@@ -156,25 +163,26 @@ except Exception:
     pass
 e = TE()
 host = local_host()
-rc = e.initialize(f"{host}:{_free_port(host)}", "P2PHANDSHAKE", PROTOCOL, f"cuda:{dev}")
-print(json.dumps({"ok": rc == 0, "why": None if rc == 0 else f"initialize(..., {PROTOCOL!r}) returned {rc}"}))
+rc = e.initialize(f"{host}:{_free_port(host)}", "P2PHANDSHAKE", protocol, nic)
+print(json.dumps({"ok": rc == 0, "why": None if rc == 0 else f"initialize(..., {protocol!r}) returned {rc}"}))
 """
 
 
-def probe_nvlink_intra(device: int = 0, timeout_s: float = 60.0) -> str | None:
-    """Does this Mooncake build install its intra-node NVLink transport? None if yes, else why not.
+def probe_transport(protocol: str, device: int = 0, nic: str | None = None, timeout_s: float = 60.0) -> str | None:
+    """Does this Mooncake build install transport ``protocol`` here? None if yes, else why not.
 
-    Runs in a child process: a build without ``USE_INTRA_NVLINK`` can abort the
-    process that asks for the transport.
+    Runs in a child process (with this process's environment): a build without the
+    transport, or a machine without the hardware, can abort the process that asks for it.
     """
     why = mooncake_unavailable_reason()
     if why is not None:
         return why
+    nic = f"cuda:{device}" if nic is None else nic
     try:
-        out = subprocess.run([sys.executable, "-c", _PROBE, str(device), json.dumps(sys.path)],
+        out = subprocess.run([sys.executable, "-c", _PROBE, str(device), protocol, nic, json.dumps(sys.path)],
                              capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return f"probing Mooncake's {PROTOCOL} transport took longer than {timeout_s:g} s"
+        return f"probing Mooncake's {protocol} transport took longer than {timeout_s:g} s"
     for line in reversed(out.stdout.splitlines()):
         try:
             res = json.loads(line)
@@ -182,11 +190,18 @@ def probe_nvlink_intra(device: int = 0, timeout_s: float = 60.0) -> str | None:
             continue
         if res.get("ok"):
             return None
-        return (f"this Mooncake build cannot install its intra-node NVLink transport ({res.get('why')}); "
-                "x86 wheels built without USE_INTRA_NVLINK=ON lack it")
+        return f"this Mooncake build cannot install its {protocol} transport here ({res.get('why')})"
     tail = (out.stderr or out.stdout).strip().splitlines()[-3:]
-    return (f"probing Mooncake's {PROTOCOL} transport crashed (exit code {out.returncode}): "
+    return (f"probing Mooncake's {protocol} transport crashed (exit code {out.returncode}): "
             + " | ".join(tail))
+
+
+def probe_nvlink_intra(device: int = 0, timeout_s: float = 60.0) -> str | None:
+    """Does this Mooncake build install its intra-node NVLink transport? None if yes, else why not."""
+    why = probe_transport(PROTOCOL, device, timeout_s=timeout_s)
+    if why is not None and why.startswith("this Mooncake build cannot install"):
+        why += "; x86 wheels built without USE_INTRA_NVLINK=ON lack it"
+    return why
 
 
 # --------------------------------------------------------------------------- translation
@@ -237,14 +252,15 @@ class MooncakeSide(Closable):
     """One TransferEngine with its registrations and a worker pool. Idempotent ``close()``."""
 
     def __init__(self, engine_cls, *, device: int, rank: int = 0, workers: int = 1,
-                 protocol: str = PROTOCOL):
+                 protocol: str = PROTOCOL, nic: str | None = None):
         self.rank, self.device, self.protocol = rank, device, protocol
         self._closed = False
         self._regs: list[int] = []
         self.engine = engine_cls()
         host = local_host()
         self.host = host
-        rc = self.engine.initialize(f"{host}:{_free_port(host)}", "P2PHANDSHAKE", protocol, f"cuda:{device}")
+        nic = f"cuda:{device}" if nic is None else nic
+        rc = self.engine.initialize(f"{host}:{_free_port(host)}", "P2PHANDSHAKE", protocol, nic)
         if rc != 0:
             raise BackendUnavailable("mooncake", {rank: f"TransferEngine.initialize(..., {protocol!r}) returned {rc}"})
         self.session = f"{host}:{self.engine.get_rpc_port()}"
@@ -312,18 +328,28 @@ class MooncakeEngine(Engine):
         return ("asks for Mooncake's intra-node NVLink transport (nvlink_intra); the ranks are on different "
                 "hosts")
 
+    protocol: str = PROTOCOL
+
+    def _nic(self) -> str | None:
+        """The ``device_name`` filter passed to ``initialize`` (None: ``cuda:<device>``)."""
+        return None
+
+    def _probe(self) -> str | None:
+        return probe_nvlink_intra(self.side.device)
+
     def __init__(self, side: Side):
         super().__init__(side)
         self.mc: MooncakeSide | None = None
         info: dict
         try:
-            why = probe_nvlink_intra(side.device)
+            why = self._probe()
             if why is not None:
                 raise BackendUnavailable(self.name, {side.rank: why})
             engine_cls, why = find_mooncake()
             if engine_cls is None:
                 raise BackendUnavailable(self.name, {side.rank: why})
-            self.mc = MooncakeSide(engine_cls, device=side.device, rank=side.rank, workers=16)
+            self.mc = MooncakeSide(engine_cls, device=side.device, rank=side.rank, workers=16,
+                                   protocol=self.protocol, nic=self._nic())
             self.mc.register(side.pool.ptr, side.pool.nbytes)
             info = {"session": self.mc.session, "pool": int(side.pool.ptr), "pool_bytes": int(side.pool.nbytes),
                     "version": _version()}
@@ -367,7 +393,51 @@ class MooncakeEngine(Engine):
             self.mc.close()
 
 
-MOONCAKE_ENGINES = {"mooncake": "gpuxfer.kv.mooncake_engine:MooncakeEngine"}
+class MooncakeRdmaEngine(MooncakeEngine):
+    """Mooncake over its ``rdma`` transport, with the CollectiveX suite's settings.
+
+    ``MC_USE_NVLINK_IPC=0`` (the NVLink-IPC transport otherwise claims segments it
+    cannot open) and ``MC_TRANSFER_TIMEOUT=120`` (the library fails a sync call after
+    30 s by default) are set in the process environment unless already set, before
+    the engine starts. The NIC filter is ``$GPUXFER_MOONCAKE_NIC`` (``{gpu}`` expands to
+    the device index; empty: Mooncake discovers the NICs itself). Runs within a host
+    (through the NIC) and across hosts.
+    """
+
+    name = "mooncake-rdma"
+    description = ("Mooncake TransferEngine, rdma transport (the CollectiveX suite's lane: MC_USE_NVLINK_IPC=0, "
+                   "MC_TRANSFER_TIMEOUT=120): batch_transfer_sync_read pulls, _write pushes; one worker per request")
+    uses_sms = "none (RDMA NIC DMA)"
+    protocol = RDMA_PROTOCOL
+
+    @classmethod
+    def unavailable_reason(cls, platform) -> str | None:
+        if platform.name not in ("cuda", "rocm"):
+            return f"Mooncake's rdma transport registers GPU memory; platform {platform.name!r}"
+        return mooncake_unavailable_reason()
+
+    @classmethod
+    def cross_host_reason(cls) -> str | None:
+        return None
+
+    def _nic(self) -> str:
+        return os.environ.get(NIC_ENV, "").replace("{gpu}", str(self.side.device))
+
+    def _probe(self) -> str | None:
+        apply_suite_env()
+        return probe_transport(self.protocol, self.side.device, self._nic())
+
+
+def apply_suite_env(environ=os.environ) -> dict[str, str]:
+    """Set the suite's Mooncake settings where the environment does not already choose; what is in force."""
+    from .collectivex import MOONCAKE_ENV
+    for k, v in MOONCAKE_ENV.items():
+        environ.setdefault(k, v)
+    return {k: environ[k] for k in MOONCAKE_ENV}
+
+
+MOONCAKE_ENGINES = {"mooncake": "gpuxfer.kv.mooncake_engine:MooncakeEngine",
+                    "mooncake-rdma": "gpuxfer.kv.mooncake_engine:MooncakeRdmaEngine"}
 
 
 def register() -> None:
