@@ -70,8 +70,8 @@ def test_translation_worked_example():
 @pytest.mark.parametrize("bad, match", [
     (np.zeros((3, 2), np.int64), "shape"),
     (np.zeros((2, 3), np.float64), "integers"),
-    (np.array([[0, 0, 0]], np.int64), "nbytes 0"),
-    (np.array([[-1, 0, 8]], np.int64), "non-negative"),
+    (np.array([[0, 0, 0]], np.int64), "moves 0 bytes"),
+    (np.array([[-1, 0, 8]], np.int64), r"source range \[-1, 7\)"),
     (np.array([[0, 120, 16]], np.int64), "destination pool"),
     (np.array([[100, 0, 64]], np.int64), "source pool"),
 ])

@@ -558,3 +558,28 @@ def test_close_is_idempotent(fhip):
     p.close()
     with pytest.raises(BadInput):
         p.alloc(8, 0)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "inf", "nan"])
+def test_bad_host_flag_timeout_is_a_configuration_error_naming_the_variable(fhip, monkeypatch, value):
+    """Read when the platform is built (importing never fails on it), and never reported as 'ROCm unavailable'."""
+    monkeypatch.setenv(R.HOST_FLAG_TIMEOUT_ENV, value)
+    code = "import gpuxfer.platforms.rocm as r; print(r.HOST_FLAG_TIMEOUT_S)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "10.0", out.stderr
+    from gpuxfer.platforms import unavailable_reason
+    assert "GPUXFER_ROCM_HOST_FLAG_TIMEOUT_S" not in (unavailable_reason("rocm") or "")
+    with pytest.raises(BadInput, match=f"GPUXFER_ROCM_HOST_FLAG_TIMEOUT_S must be .*got '{value}'"):
+        RocmPlatform(hip=fhip)
+
+
+def test_host_flag_timeout_from_the_environment(fhip, monkeypatch):
+    monkeypatch.setenv(R.HOST_FLAG_TIMEOUT_ENV, " 2.5 ")
+    p = RocmPlatform(hip=fhip)
+    try:
+        assert p.host_flag_timeout_s == 2.5
+    finally:
+        p.close()
+    monkeypatch.delenv(R.HOST_FLAG_TIMEOUT_ENV)
+    with RocmPlatform(hip=fhip) as p:
+        assert p.host_flag_timeout_s == R.HOST_FLAG_TIMEOUT_S

@@ -74,6 +74,7 @@ import numpy as np
 from ..errors import BackendUnavailable, BadInput, TransferTimeout
 from ..platforms.base import Closable, DeviceBuffer, Event, Memory, PeerMapping, Platform, Stream
 from ..sync import flag_path_from_env, wait_flag_or_raise
+from .plan import check_bounds
 
 log = logging.getLogger("gpuxfer.kv.engines")
 
@@ -251,6 +252,7 @@ class Burst:
             raise BadInput("a burst needs at least one request")
         self.requests = [as_descriptors(r, f"request {i}") for i, r in enumerate(requests)]
         self._cat: np.ndarray | None = None if plan is None else as_descriptors(plan, "plan")
+        self._checked: tuple | None = None
         if self._cat is not None and self._cat.shape[0] != sum(r.shape[0] for r in self.requests):
             raise BadInput("plan and requests differ in length")
 
@@ -280,16 +282,23 @@ class Burst:
             self._cat = np.concatenate(self.requests, axis=0) if len(self.requests) > 1 else self.requests[0]
         return self._cat
 
-    def check_bounds(self, src_nbytes: int, dst_nbytes: int) -> None:
-        d = self.concatenated()
-        if d.shape[0] == 0:
+    def describe_row(self, row: int) -> str:
+        """'descriptor 12 (request 1, row 3 of the request)'."""
+        ends = np.cumsum([r.shape[0] for r in self.requests])
+        req = int(np.searchsorted(ends, row, side="right"))
+        if req >= len(self.requests):
+            return f"descriptor {row}"
+        first = int(ends[req - 1]) if req else 0
+        return f"descriptor {row} (request {req}, row {row - first} of the request)"
+
+    def check_bounds(self, src_nbytes: int | None, dst_nbytes: int | None) -> None:
+        """Every descriptor moves at least one byte and lies inside both pools (``None``: a pool whose
+        size is not known here). :class:`BadInput` names the first that does not; see
+        :func:`gpuxfer.kv.plan.check_bounds` (overflow-safe). Checked once per pair of sizes."""
+        if self._checked == (src_nbytes, dst_nbytes):
             return
-        if (d < 0).any():
-            raise BadInput("a descriptor has a negative offset or size")
-        for col, limit, what in ((0, src_nbytes, "source"), (1, dst_nbytes, "destination")):
-            end = int((d[:, col] + d[:, 2]).max())
-            if end > limit:
-                raise BadInput(f"a descriptor reaches byte {end} of the {what} pool of {limit} bytes")
+        check_bounds(self.concatenated(), src_nbytes, dst_nbytes, describe=self.describe_row)
+        self._checked = (src_nbytes, dst_nbytes)
 
 
 @dataclass
@@ -527,10 +536,20 @@ class Engine(Closable, abc.ABC):
     def _release(self) -> None:
         """Free what the engine owns (streams belong to the side)."""
 
+    def _pool_limits(self) -> tuple[int | None, int | None]:
+        """(source pool bytes, destination pool bytes) that every descriptor must lie inside (None: unknown)."""
+        src, dst = self.side.src_mem, self.side.dst_mem
+        return (None if src is None else int(src.nbytes), None if dst is None else int(dst.nbytes))
+
     def _new_prepared(self, burst: Burst, direction: str, *, active: bool | None = None) -> Prepared:
+        """The start of every :meth:`prepare`: checks the direction and every descriptor's bounds
+        (on both sides, active or not), so no engine moves a byte of a hostile burst."""
         check_direction(direction)
         if self._closed:
             raise BadInput(f"engine {self.name} is closed")
+        if not isinstance(burst, Burst):
+            raise BadInput(f"{self.name}: prepare takes a gpuxfer.kv.engines.Burst, got {type(burst).__name__}")
+        burst.check_bounds(*self._pool_limits())
         ini = self.is_initiator(direction)
         return Prepared(self.name, direction, burst, active=ini if active is None else active, initiator=ini)
 
@@ -565,7 +584,6 @@ class TritonEngine(Engine):
         p = self._new_prepared(burst, direction)
         if not p.active:
             return p
-        burst.check_bounds(self.side.src_mem.nbytes, self.side.dst_mem.nbytes)
         src_t, dst_t = self._views()
         k = _kernels()
         tables = []
@@ -678,9 +696,7 @@ class CopyEngineEngine(Engine):
         p = self._new_prepared(burst, direction)
         if not p.active:
             return p
-        burst.check_bounds(self.side.src_mem.nbytes, self.side.dst_mem.nbytes)
         d = burst.concatenated()
-        d = d[d[:, 2] > 0]
         srcs = d[:, 0] + np.int64(self.side.src_mem.ptr)
         dsts = d[:, 1] + np.int64(self.side.dst_mem.ptr)
         sizes = np.ascontiguousarray(d[:, 2])
@@ -705,7 +721,7 @@ class BulkEngine(Engine):
 
     def prepare(self, burst: Burst, direction: str) -> Prepared:
         p = self._new_prepared(burst, direction)
-        n = burst.nbytes
+        n = burst.nbytes                  # every size is checked positive and at most a pool's
         limit = min(self.side.src_mem.nbytes, self.side.dst_mem.nbytes)
         if n > limit:
             raise BadInput(f"bulk: the burst's {n} bytes do not fit the {limit}-byte pools")
@@ -1000,9 +1016,7 @@ class PackEngine(Engine):
 
     def prepare(self, burst: Burst, direction: str) -> Prepared:
         p = self._new_prepared(burst, direction, active=True)     # both sides work
-        burst.check_bounds(self.side.src_mem.nbytes, self.side.dst_mem.nbytes)
         d = split_large(burst.concatenated(), self.slot_bytes)
-        d = d[d[:, 2] > 0]
         # Largest descriptors first, each size class together, so that each chunk's kernels get a
         # tiling for its own sizes: tiled for the burst's largest, the 528 B indexer pages at the
         # end of a page-16 burst unpacked at 0.36 TB/s, after the last copy (2x H200, PERFORMANCE.md).

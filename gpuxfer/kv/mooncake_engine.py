@@ -49,6 +49,7 @@ import numpy as np
 from ..common import package_version
 from ..errors import BackendUnavailable, BadInput, DriverError, TransferTimeout
 from ..platforms.base import Closable
+from .plan import check_bounds
 
 log = logging.getLogger("gpuxfer.kv.mooncake")
 
@@ -219,9 +220,8 @@ def to_mooncake_lists(desc, op: str, *, local_base: int, remote_base: int
     d = np.asarray(desc)
     if d.ndim != 2 or d.shape[1] != 3 or d.dtype.kind not in "iu":
         raise BadInput(f"descriptors must be an integer (N, 3) array, got {d.dtype} {d.shape}")
-    d = d.astype(np.int64, copy=False)
-    if len(d) and ((d[:, :2] < 0).any() or (d[:, 2] <= 0).any()):
-        raise BadInput("descriptor offsets must be >= 0 and lengths > 0")
+    d = np.ascontiguousarray(d, dtype=np.int64)
+    check_bounds(d, None, None)          # offsets >= 0, lengths > 0 (the pools are checked by the engine)
     local_col, remote_col = (1, 0) if op == "READ" else (0, 1)
     return (d[:, local_col] + int(local_base), d[:, remote_col] + int(remote_base), d[:, 2].copy())
 
@@ -357,14 +357,18 @@ class MooncakeEngine(Engine):
             info = {"error": f"{type(exc).__name__}: {exc}"}
         self.peer = side.agree(self.name, info, self._release)[side.peer_rank]
 
+    def _pool_limits(self) -> tuple[int, int]:
+        """(source, destination) pool bytes, from this side's pool and what the peer said (the peer's
+        pool need not be mapped here)."""
+        mine, theirs = int(self.side.pool.nbytes), int(self.peer["pool_bytes"])
+        return (mine, theirs) if self.side.role is Role.SOURCE else (theirs, mine)
+
     def prepare(self, burst: Burst, direction: str) -> Prepared:
         p = self._new_prepared(burst, direction)
         if not p.active:
             return p
-        mine, theirs = int(self.side.pool.nbytes), int(self.peer["pool_bytes"])   # the peer pool need not be mapped
-        burst.check_bounds(*((mine, theirs) if self.side.role is Role.SOURCE else (theirs, mine)))
         op = "READ" if direction == "pull" else "WRITE"
-        batches = [self.mc.batch(r[r[:, 2] > 0], op, local_base=self.side.pool.ptr, remote_base=self.peer["pool"])
+        batches = [self.mc.batch(r, op, local_base=self.side.pool.ptr, remote_base=self.peer["pool"])
                    for r in burst.requests]
         p.state = (op, [b for b in batches if b.lengths], None)
         return p

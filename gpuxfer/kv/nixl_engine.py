@@ -48,6 +48,7 @@ import numpy as np
 from ..common import package_version
 from ..errors import BackendUnavailable, BadInput, DriverError, GpuxferError, TransferTimeout
 from ..platforms.base import Closable
+from .plan import check_bounds
 
 log = logging.getLogger("gpuxfer.kv.nixl")
 
@@ -70,23 +71,7 @@ def _as_desc_table(desc, name: str = "descriptors") -> np.ndarray:
         raise BadInput(f"{name} must have shape (N, 3), got {arr.shape}")
     if arr.dtype.kind not in "iu":
         raise BadInput(f"{name} must be integers, got {arr.dtype}")
-    return arr.astype(np.int64, copy=False)
-
-
-def _check_table(d: np.ndarray, src_nbytes: int | None, dst_nbytes: int | None) -> None:
-    if d.shape[0] == 0:
-        return
-    if (d[:, 0] < 0).any() or (d[:, 1] < 0).any():
-        raise BadInput("descriptor offsets must be non-negative")
-    if (d[:, 2] <= 0).any():
-        i = int(np.flatnonzero(d[:, 2] <= 0)[0])
-        raise BadInput(f"descriptor {i} has nbytes {int(d[i, 2])}; NIXL needs every length > 0")
-    for col, limit, what in ((0, src_nbytes, "source"), (1, dst_nbytes, "destination")):
-        if limit is not None:
-            end = d[:, col] + d[:, 2]
-            if (end > limit).any():
-                i = int(np.flatnonzero(end > limit)[0])
-                raise BadInput(f"descriptor {i} reaches byte {int(end[i])} of the {what} pool of {limit} bytes")
+    return np.ascontiguousarray(arr, dtype=np.int64)
 
 
 def to_nixl_dlists(desc, op: str, *, src_base: int, dst_base: int, src_dev: int, dst_dev: int,
@@ -103,7 +88,7 @@ def to_nixl_dlists(desc, op: str, *, src_base: int, dst_base: int, src_dev: int,
     if op not in ("READ", "WRITE"):
         raise BadInput(f"op must be 'READ' or 'WRITE', got {op!r}")
     d = _as_desc_table(desc)
-    _check_table(d, src_nbytes, dst_nbytes)
+    check_bounds(d, src_nbytes, dst_nbytes)
     for what, v in (("src_base", src_base), ("dst_base", dst_base)):
         if int(v) < 0:
             raise BadInput(f"{what} must be a non-negative address, got {v}")
@@ -672,11 +657,9 @@ class NixlEngine(_NixlEngineBase):
         p = self._new_prepared(burst, direction)
         if not p.active:
             return p
-        burst.check_bounds(*self._pool_limits())
         self._stats = []
         op = OPS[direction]
-        reqs = [r[r[:, 2] > 0] for r in burst.requests]
-        reqs = [r for r in reqs if r.shape[0]]
+        reqs = [r for r in burst.requests if r.shape[0]]
         b = _Batch(op)
         self._current = b
         if reqs:
@@ -737,12 +720,10 @@ class NixlOneshotEngine(NixlEngine):
         p = self._new_prepared(burst, direction)
         if not p.active:
             return p
-        burst.check_bounds(*self._pool_limits())
         self._stats = []
         b = _Batch(OPS[direction])
         self._current = b
         for r in burst.requests:
-            r = r[r[:, 2] > 0]
             if r.shape[0]:
                 local, remote = self._rows(r, b.op)
                 b.requests.append((local, remote, int(r[:, 2].sum())))
@@ -771,6 +752,7 @@ class NixlBulkEngine(NixlEngine):
         return None
 
     def prepare(self, burst: Burst, direction: str) -> Prepared:
+        burst.check_bounds(*self._pool_limits())     # the burst's own descriptors, before its size is used
         n = burst.nbytes
         src_bytes, dst_bytes = self._pool_limits()
         if n > min(src_bytes, dst_bytes):
@@ -834,9 +816,7 @@ class NixlPackEngine(_NixlEngineBase):
     def prepare(self, burst: Burst, direction: str) -> Prepared:
         p = self._new_prepared(burst, direction, active=True)   # both sides work
         self._stats = []
-        burst.check_bounds(*self._pool_limits())
         d = split_large(burst.concatenated(), self.round_bytes)
-        d = d[d[:, 2] > 0]
         rounds = chunk_plan(d, self.round_bytes, self.round_bytes) if d.shape[0] else []
         packed = np.empty(d.shape[0], dtype=np.int64)
         for a, b, _ in rounds:

@@ -22,7 +22,7 @@ from .layout import PoolLayout, layout_for_burst
 from .workloads import Workload, _pos_int, get_workload
 
 __all__ = ["PlanSpan", "Burst", "build_burst", "request_plan", "coalesce", "bulk_plan", "validate_plan",
-           "find_dst_overlap"]
+           "check_bounds", "find_dst_overlap"]
 
 PLAN_DTYPE = np.int64
 
@@ -260,6 +260,42 @@ def _as_plan(plan) -> np.ndarray:
     return plan
 
 
+def _first(mask: np.ndarray) -> int | None:
+    idx = np.flatnonzero(mask)
+    return int(idx[0]) if idx.size else None
+
+
+def check_bounds(plan: np.ndarray, src_nbytes: int | None, dst_nbytes: int | None, *,
+                 describe: Callable[[int], str] | None = None) -> None:
+    """Every row moves at least one byte and lies inside both pools; :class:`BadInput` names the first
+    row that does not. The one bounds check of plans and of every KV engine's descriptors.
+
+    A pool size of ``None`` (not known here) checks only that the row's offsets are non-negative.
+    Overflow-safe: a range is compared as ``offset <= pool - nbytes`` once ``0 < nbytes`` is known,
+    never as ``offset + nbytes``, which wraps in int64 for an offset or size near ``2**63``.
+    """
+    plan = _as_plan(plan)
+    if plan.shape[0] == 0:
+        return
+    name = describe or (lambda i: f"descriptor {i}")
+    size = plan[:, 2]
+    i = _first(size <= 0)
+    if i is not None:
+        raise BadInput(f"{name(i)} moves {int(size[i])} bytes; every descriptor must move at least one")
+    for side, col, pool in (("source", plan[:, 0], src_nbytes), ("destination", plan[:, 1], dst_nbytes)):
+        if pool is None:
+            i = _first(col < 0)
+        else:
+            pool = int(pool)
+            if not 0 <= pool < 1 << 63:
+                raise BadInput(f"the {side} pool size must be in [0, 2**63), got {pool}")
+            i = _first((col < 0) | (col > np.int64(pool) - size))     # pool - size: no overflow for size > 0
+        if i is not None:
+            where = f"the {side} pool" + ("" if pool is None else f" of {pool} bytes")
+            raise BadInput(f"{name(i)}: {side} range [{int(col[i])}, {int(col[i]) + int(size[i])}) lies outside "
+                           f"{where}")
+
+
 def find_dst_overlap(plan: np.ndarray) -> tuple[int, int] | None:
     """The first pair of rows (i, j) whose destination ranges overlap, or None (sort-based, vectorised)."""
     plan = _as_plan(plan)
@@ -293,20 +329,8 @@ def validate_plan(plan: np.ndarray, src_layout: PoolLayout, dst_layout: PoolLayo
     name = describe or (lambda i: f"descriptor {i}")
     if plan.shape[0] == 0:
         return
+    check_bounds(plan, src_layout.pool_bytes, dst_layout.pool_bytes, describe=name)
     src, dst, size = plan[:, 0], plan[:, 1], plan[:, 2]
-
-    def first(mask: np.ndarray) -> int | None:
-        idx = np.flatnonzero(mask)
-        return int(idx[0]) if idx.size else None
-
-    i = first(size <= 0)
-    if i is not None:
-        raise BadInput(f"{name(i)} moves {int(size[i])} bytes; every descriptor must move at least one")
-    for side, col, pool in (("source", src, src_layout.pool_bytes), ("destination", dst, dst_layout.pool_bytes)):
-        i = first((col < 0) | (col > pool - size))
-        if i is not None:
-            raise BadInput(f"{name(i)}: {side} range [{int(col[i])}, {int(col[i]) + int(size[i])}) lies outside "
-                           f"the {side} pool of {pool} bytes")
     if spans:
         for sp in spans:
             if sp.stop <= sp.start:
@@ -318,7 +342,7 @@ def validate_plan(plan: np.ndarray, src_layout: PoolLayout, dst_layout: PoolLayo
             for side, col, lay in (("source", src, src_layout), ("destination", dst, dst_layout)):
                 reg = lay.region(sp.region)
                 lo, hi = reg.base_offset_bytes, reg.end_offset_bytes
-                i = first((col[rows] < lo) | (col[rows] + size[rows] > hi))
+                i = _first((col[rows] < lo) | (col[rows] > hi - size[rows]))
                 if i is not None:
                     i += sp.start
                     raise BadInput(f"{name(i)}: {side} range [{int(col[i])}, {int(col[i]) + int(size[i])}) lies "

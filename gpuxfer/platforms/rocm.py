@@ -57,6 +57,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import logging
+import math
 import os
 import re
 import threading
@@ -95,7 +96,24 @@ MASK64 = (1 << 64) - 1
 HSA_AMD_LINK_INFO_TYPE_PCIE = 2
 HSA_AMD_LINK_INFO_TYPE_XGMI = 4
 
-HOST_FLAG_TIMEOUT_S = float(os.environ.get("GPUXFER_ROCM_HOST_FLAG_TIMEOUT_S", "10"))
+#: how long a host read or write of a flag word (an 8-byte copy) may take, in seconds
+HOST_FLAG_TIMEOUT_ENV = "GPUXFER_ROCM_HOST_FLAG_TIMEOUT_S"
+HOST_FLAG_TIMEOUT_S = 10.0
+
+
+def host_flag_timeout_from_env() -> float:
+    """``$GPUXFER_ROCM_HOST_FLAG_TIMEOUT_S`` (default 10): a finite number of seconds > 0, else
+    :class:`BadInput` naming the variable."""
+    raw = os.environ.get(HOST_FLAG_TIMEOUT_ENV)
+    if raw is None or not raw.strip():
+        return HOST_FLAG_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise BadInput(f"{HOST_FLAG_TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise BadInput(f"{HOST_FLAG_TIMEOUT_ENV} must be a finite number of seconds > 0, got {raw!r}")
+    return value
 
 
 # --------------------------------------------------------------------------- hip-python access
@@ -379,6 +397,7 @@ class RocmPlatform(Platform):
         return None
 
     def __init__(self, hip=None, hsa=None):
+        self.host_flag_timeout_s = host_flag_timeout_from_env()     # a bad value is a configuration error
         if hip is None:
             why = type(self).unavailable_reason()
             if why is not None:
@@ -785,7 +804,7 @@ class RocmPlatform(Platform):
     def _host_copy(self, device: int, dst: int, src: int, kind: int, doing: str) -> None:
         _, s, _ = self._host_io_for(device)
         self._api("hipMemcpyAsync", dst, src, 8, self._api.enum("hipMemcpyKind", kind), s.handle, doing=doing)
-        deadline = time.monotonic() + HOST_FLAG_TIMEOUT_S
+        deadline = time.monotonic() + self.host_flag_timeout_s
         delay = 1e-5
         while True:
             try:
@@ -796,7 +815,7 @@ class RocmPlatform(Platform):
                     raise
                 if time.monotonic() > deadline:
                     raise DriverError("hipStreamQuery", exc.status_name, exc.status, doing,
-                                      f"the 8-byte copy did not finish in {HOST_FLAG_TIMEOUT_S:g} s") from None
+                                      f"the 8-byte copy did not finish in {self.host_flag_timeout_s:g} s") from None
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
 

@@ -1,0 +1,226 @@
+"""KV engines under hostile input and faults: descriptors out of bounds, stray writes, a stuck peer.
+
+Most cases run both sides of an engine in one process (two threads, each with its own
+host platform, standing for the two processes); a case that could crash the process on a
+regression runs in a spawned child whose exit code is asserted.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from gpuxfer.errors import BadInput
+from gpuxfer.kv import engines as E
+from gpuxfer.kv.plan import check_bounds
+from gpuxfer.platforms import host as host_mod
+from gpuxfer.platforms.base import PeerMapping
+from gpuxfer.platforms.host import HostPlatform
+
+POOL = 1 << 20
+BUILT_IN = ("bulk", "triton", "pack", "copy_engine")
+
+
+# ----------------------------------------------------------------------------- both sides in one process
+
+
+class SameProcessHost(HostPlatform):
+    """The host emulation with both sides in one process: a handle this process exported may be opened
+    (each side has its own platform object, as two processes would)."""
+
+    def open_handle(self, handle, device):
+        if handle.owner_pid != os.getpid():
+            return super().open_handle(handle, device)
+        shm = host_mod._Shm(handle.payload.decode(), handle.nbytes, create=False)
+        return PeerMapping(self, device, shm.ptr, handle, impl=shm)
+
+
+class Exchange:
+    """The all-gather of :class:`gpuxfer.kv.engines.Side` between two threads."""
+
+    def __init__(self, n: int = 2, timeout_s: float = 30.0):
+        self.slots = [None] * n
+        self.barrier = threading.Barrier(n, timeout=timeout_s)
+
+    def __call__(self, rank: int):
+        def exchange(obj):
+            self.slots[rank] = obj
+            self.barrier.wait()
+            out = list(self.slots)
+            self.barrier.wait()
+            return out
+        return exchange
+
+
+def on_threads(fns, timeout: float = 60.0) -> list:
+    """Run each callable on its own thread; their results, or the first error raised."""
+    errors, results = [None] * len(fns), [None] * len(fns)
+
+    def run(i):
+        try:
+            results[i] = fns[i]()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors[i] = exc
+    ts = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout)
+        assert not t.is_alive(), "a side did not finish in time"
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
+class Pair:
+    """Two sides (source: rank 0, destination: rank 1) and their pools; a context manager."""
+
+    def __init__(self, pool_bytes: int = POOL, timeout_s: float = 20.0, **side_kw):
+        self.plats = [SameProcessHost(devices=2) for _ in range(2)]
+        self.pools = [self.plats[r].alloc(pool_bytes, r) for r in range(2)]
+        self.peers = [self.plats[r].open_handle(self.pools[1 - r].export(), r) for r in range(2)]
+        ex = Exchange()
+        opts = E.EngineOptions(pack_chunk_bytes=64 << 10, pack_first_chunk_bytes=16 << 10)
+        self.sides = [E.Side(self.plats[r], r, r, E.Role.SOURCE if r == 0 else E.Role.DESTINATION, self.pools[r],
+                             self.peers[r], ex(r), timeout_s=timeout_s, options=opts, **side_kw) for r in range(2)]
+        for s in self.sides:
+            s.open_streams()
+        self.engines: list[E.Engine] = []
+
+    def array(self, rank: int) -> np.ndarray:
+        """Rank ``rank``'s pool as a writable uint8 array."""
+        p = self.pools[rank]
+        return np.frombuffer((ctypes.c_uint8 * p.nbytes).from_address(p.ptr), dtype=np.uint8)
+
+    def build(self, name: str) -> list[E.Engine]:
+        cls = E.engine_class(name)
+        engines = on_threads([lambda r=r: cls(self.sides[r]) for r in range(2)])
+        self.engines += engines
+        return engines
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for e in self.engines:
+            e.close()
+        for s in self.sides:
+            s.close()
+        for m in (*self.peers, *self.pools):
+            m.close()
+        for p in self.plats:
+            p.close()
+
+
+def transfer(pair: Pair, engines, burst: E.Burst, direction: str) -> None:
+    """One unarmed burst of ``engines`` over ``pair`` (the passive side posts first)."""
+    ps = [engines[r].prepare(burst, direction) for r in range(2)]
+    passive = 0 if direction == "pull" else 1
+    engines[passive].post(ps[passive])
+    engines[1 - passive].post(ps[1 - passive])
+    on_threads([lambda r=r: engines[r].wait(ps[r]) for r in range(2)])
+    for r in range(2):
+        engines[r].release(ps[r])
+
+
+# ----------------------------------------------------------------------------- descriptor bounds
+
+
+#: (name, descriptor rows): each must be refused by every engine on both sides, before anything moves
+HOSTILE = {
+    "size wraps int64": [[16, 16, 2 ** 63 - 1]],
+    "source offset wraps": [[2 ** 63 - 8, 0, 16]],
+    "destination offset wraps": [[0, 2 ** 63 - 8, 16]],
+    "both near 2**62": [[2 ** 62, 2 ** 62, 2 ** 62]],
+    "negative source": [[-16, 0, 16]],
+    "negative destination": [[0, -16, 16]],
+    "negative size": [[0, 0, -16]],
+    "zero size": [[0, 0, 0]],
+    "past the end": [[0, POOL - 8, 16]],
+    "one byte past": [[POOL - 15, 0, 16]],
+    "uint64 max": np.array([[0, 0, 2 ** 64 - 1]], dtype=np.uint64),
+    "second request": "second",
+}
+
+
+def _hostile_burst(rows) -> E.Burst:
+    good = np.array([[0, 0, 64], [64, 4096, 64]], dtype=np.int64)
+    if isinstance(rows, str):                  # a good request, then one whose last row reaches past the pool
+        return E.Burst([good, np.array([[128, 8192, 64], [0, POOL - 32, 64]], dtype=np.int64)])
+    return E.Burst([good, np.asarray(rows)])
+
+
+def hostile_descriptors_child() -> dict:
+    """Every built-in engine, both directions, both sides: what prepare says for each hostile burst;
+    then a good burst still moves every byte (a refused burst leaves nothing behind)."""
+    out = {}
+    with Pair() as pair:
+        src = pair.array(0)
+        src[:] = np.random.default_rng(0).integers(0, 256, POOL, dtype=np.uint8)
+        for name in BUILT_IN:
+            engines = pair.build(name)
+            for direction in E.DIRECTIONS:
+                for case, rows in HOSTILE.items():
+                    for r in range(2):
+                        try:
+                            p = engines[r].prepare(_hostile_burst(rows), direction)
+                            engines[r].release(p)
+                            got = "accepted"
+                        except BadInput as exc:
+                            got = f"BadInput: {exc}"
+                        except Exception as exc:  # noqa: BLE001 - reported to the test
+                            got = f"{type(exc).__name__}: {exc}"
+                        out[(name, direction, case, r)] = got
+                good = E.Burst([np.array([[0, 0, 4096], [8192, 65536, 100]], dtype=np.int64)])
+                pair.array(1)[:] = 0
+                transfer(pair, engines, good, direction)
+                dst = pair.array(1)
+                moved = bool((dst[:4096] == src[:4096]).all() and (dst[65536:65636] == src[8192:8292]).all())
+                if name == "bulk":
+                    moved = bool((dst[:4196] == src[:4196]).all())
+                out[(name, direction, "good burst moved")] = moved
+    return out
+
+
+def test_hostile_descriptors_are_refused_by_every_engine_on_both_sides(spawner):
+    """Overflowing, negative, zero-size and out-of-range descriptors: BadInput from every engine's prepare
+    on both sides, naming the descriptor; no signal (the child exits 0); good bursts still move."""
+    child = spawner.start(hostile_descriptors_child, name="hostile descriptors")
+    res = child.result(240)
+    child.join(30)
+    for key, got in res.items():
+        if key[2] == "good burst moved":
+            assert got is True, key
+            continue
+        assert got.startswith("BadInput: descriptor "), (key, got)
+        if key[2] == "second request":
+            assert "descriptor 3 (request 1, row 1 of the request)" in got, got
+        elif key[2] in ("zero size", "negative size", "size wraps int64", "uint64 max"):
+            assert "(request 1, row 0 of the request)" in got
+    assert len(res) == len(BUILT_IN) * 2 * (2 * len(HOSTILE) + 1)
+
+
+@pytest.mark.parametrize("rows, limits, match", [
+    ([[16, 16, 2 ** 63 - 1]], (POOL, POOL), r"source range \[16, 9223372036854775823\) lies outside"),
+    ([[0, 2 ** 63 - 1, 1]], (POOL, POOL), "destination range"),
+    ([[0, 0, 0]], (None, None), "moves 0 bytes"),
+    ([[0, -1, 4]], (None, None), r"destination range \[-1, 3\) lies outside the destination pool$"),
+    ([[4, 0, 4]], (7, 8), "source pool of 7 bytes"),
+])
+def test_check_bounds_is_overflow_safe_and_names_the_row(rows, limits, match):
+    with pytest.raises(BadInput, match=match):
+        check_bounds(np.array(rows, dtype=np.int64), *limits)
+
+
+def test_check_bounds_accepts_ranges_that_end_at_the_pool_end():
+    check_bounds(np.array([[0, 0, 8], [2 ** 63 - 9, 2 ** 63 - 2, 1]], dtype=np.int64), 2 ** 63 - 1, 2 ** 63 - 1)
+    check_bounds(np.zeros((0, 3), dtype=np.int64), 0, 0)
+    with pytest.raises(BadInput, match="pool size"):
+        check_bounds(np.array([[0, 0, 8]], dtype=np.int64), -1, 8)
