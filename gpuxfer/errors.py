@@ -64,6 +64,11 @@ class BadInput(GpuxferError, ValueError):
     """The caller passed something gpuxfer cannot use (shape, dtype, size, preset...)."""
 
 
+class GraphModeError(BadInput):
+    """Graph-mode and eager steps were mixed: a graph-mode transport used outside CUDA graph capture, or its
+    captured receive materialized after the capture ended."""
+
+
 class VerificationFailed(GpuxferError):
     """Transferred bytes do not match what was sent."""
 

@@ -358,6 +358,15 @@ class Platform(abc.ABC):
     def host_write_flag(self, ptr: int, value: int, device: int) -> None:
         """Write a flag from the host, without waiting behind any stream (used to release waits on abort)."""
 
+    # ---- graph capture ----
+    def is_capturing(self, stream: Stream) -> bool:
+        """Whether ``stream`` is capturing a graph (its work is recorded for replay, not run). Default: never."""
+        return False
+
+    def relax_capture_mode(self) -> None:
+        """Let the calling thread make host calls (flag reads and writes, helper copies) while another thread
+        captures a graph. Default: nothing to do."""
+
     # ---- lifetime ----
     def close(self) -> None:
         """Release per-process state (helper streams, library handles). Idempotent."""

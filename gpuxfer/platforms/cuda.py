@@ -1135,6 +1135,21 @@ class CudaPlatform(Platform):
                 doing=f"writing flag 0x{ptr:x} := {int(value)} from the host (cuda:{device})")
             self._finish_helper(h, device, ptr, "a host write", int(value))
 
+    # ---- graph capture ----
+    def is_capturing(self, stream: Stream) -> bool:
+        """``cuStreamIsCapturing``: True while ``stream`` records a graph (an invalidated capture included)."""
+        s = self._stream(stream)
+        with self._on(s.device):
+            status = _cu(_driver().cuStreamIsCapturing, s.handle, doing=lambda: f"asking whether {s!r} captures")
+        return int(status) != 0      # CU_STREAM_CAPTURE_STATUS_NONE
+
+    def relax_capture_mode(self) -> None:
+        """``cuThreadExchangeStreamCaptureMode(RELAXED)`` for the calling thread: its host flag reads and
+        writes never invalidate another thread's capture (``torch.cuda.graph`` captures in global mode)."""
+        drv = _driver()
+        _cu(drv.cuThreadExchangeStreamCaptureMode, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED,
+            doing="setting this thread's stream capture mode to relaxed")
+
     def probe_stream_mem_ops(self, device: int, timeout_s: float = 10.0) -> str | None:
         """None if 64-bit stream write / wait really work on ``device``, else why not. Cached per device.
 

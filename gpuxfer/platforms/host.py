@@ -33,6 +33,13 @@ What it emulates, and how:
   stream raises it at once. gpuxfer errors keep their type; anything else is
   wrapped in :class:`DriverError` (``api="host stream"``, the status is the
   exception's type name) with the original as ``__cause__``.
+* **Graph capture** -- :meth:`HostPlatform.capture` records the operations
+  enqueued on a stream (copies, flag writes and waits, launched callables)
+  into a :class:`HostGraph` instead of running them, the way stream capture
+  records a CUDA graph; :meth:`HostGraph.replay` enqueues the recorded
+  operations again, with the values and addresses they were recorded with.
+  Recording an event on a capturing stream is refused (host-visible events
+  have no replayable meaning here).
 * **Lifetime** -- ``close()`` on the platform aborts every worker, including
   one stuck in a flag wait, and fails the events still pending. A stream that is
   garbage-collected drains its queued work first (like ``cudaStreamDestroy``).
@@ -41,6 +48,7 @@ What it emulates, and how:
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import itertools
@@ -243,6 +251,27 @@ def _wrap(exc: BaseException, doing: str) -> BaseException:
     return err
 
 
+class HostGraph:
+    """Operations recorded from a capturing stream (:meth:`HostPlatform.capture`); :meth:`replay` runs them again."""
+
+    def __init__(self, stream: "HostStream"):
+        self.stream = stream
+        self.ops: list[tuple[str, Callable[[], object]]] = []
+
+    def replay(self, stream: "HostStream | None" = None) -> None:
+        """Enqueue the recorded operations, in order, on ``stream`` (default: the stream they were captured on)."""
+        s = self.stream if stream is None else stream
+        if not isinstance(s, HostStream):
+            raise BadInput(f"not a host stream: {s!r}")
+        if s._capture is not None:
+            raise BadInput(f"cannot replay a graph into {s!r} while it captures")
+        for what, fn in self.ops:
+            s._worker.put(_Op(what, fn))
+
+    def __repr__(self) -> str:
+        return f"HostGraph({len(self.ops)} ops, captured on {self.stream.name})"
+
+
 class HostStream(Stream):
     """A FIFO of operations run by one worker thread."""
 
@@ -251,6 +280,7 @@ class HostStream(Stream):
         self.handle = None
         self.name = name
         self._worker = _Worker(name)
+        self._capture: HostGraph | None = None     # set while capturing: operations are recorded, not run
         self._finalizer = weakref.finalize(self, self._worker.drain)   # on GC: drain, then exit
 
     def close(self) -> None:
@@ -262,6 +292,9 @@ class HostStream(Stream):
         return self._worker.closing or self._worker.stop.is_set()
 
     def _enqueue(self, what: str, fn: Callable[[], object]) -> None:
+        if self._capture is not None:
+            self._capture.ops.append((what, fn))
+            return
         self._worker.put(_Op(what, fn))
 
     def __repr__(self) -> str:
@@ -454,6 +487,8 @@ class HostPlatform(Platform):
     def record_event(self, stream: Stream, event: Event | None = None) -> HostEvent:
         """Always a new event (``event`` is not reused: a host event completes once)."""
         s = self._stream(stream)
+        if s._capture is not None:
+            raise BadInput(f"cannot record an event on {s.name} while it captures a graph (host emulation)")
         ev = HostEvent(s.name)
         s._worker.put(_Op("event record", None, ev))
         return ev
@@ -552,6 +587,37 @@ class HostPlatform(Platform):
     def host_write_flag(self, ptr: int, value: int, device: int) -> None:
         check_flag_ptr(int(ptr))
         _store64(int(ptr), _to_signed64(value))
+
+    # ---- graph capture (emulated) ----
+    def begin_capture(self, stream: Stream) -> HostGraph:
+        """Record, from now on, what is enqueued on ``stream`` instead of running it."""
+        s = self._stream(stream)
+        if s._capture is not None:
+            raise BadInput(f"{s.name} is already capturing")
+        s._capture = HostGraph(s)
+        return s._capture
+
+    def end_capture(self, stream: Stream) -> HostGraph:
+        """Stop recording on ``stream``; the graph of what was recorded."""
+        s = self._stream(stream)
+        graph, s._capture = s._capture, None
+        if graph is None:
+            raise BadInput(f"{s.name} is not capturing")
+        return graph
+
+    @contextlib.contextmanager
+    def capture(self, stream: Stream | None = None, device: int = 0):
+        """``with plat.capture() as graph:`` records the current stream of ``device`` (or ``stream``); the
+        graph holds the operations once the block ends (like ``torch.cuda.graph``)."""
+        s = self.current_stream(device) if stream is None else self._stream(stream)
+        graph = self.begin_capture(s)
+        try:
+            yield graph
+        finally:
+            self.end_capture(s)
+
+    def is_capturing(self, stream: Stream) -> bool:
+        return self._stream(stream)._capture is not None
 
     # ---- lifetime ----
     def close(self) -> None:

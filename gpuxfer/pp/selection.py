@@ -64,7 +64,10 @@ BACKENDS: dict[str, tuple[str, str]] = {
     "copy_engine": ("gpuxfer.pp.copy_engine", "CopyEngineTransport"),
     # ROCm; forced only (GPUXFER_PP_TRANSPORT=sdma) until it has run on hardware: see gpuxfer/pp/sdma.py
     "sdma": ("gpuxfer.pp.sdma", "SdmaTransport"),
+    # steps captured in CUDA graphs (connect(graph=True)); never chosen by auto: see gpuxfer/pp/graph.py
+    "copy_engine_graph": ("gpuxfer.pp.graph", "GraphTransport"),
 }
+GRAPH_BACKEND = "copy_engine_graph"
 ZERO_SM: list[str] = ["copy_engine"]
 
 
@@ -261,7 +264,7 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
             backend: str | None = None, platform=None, device: int | None = None, timeout_s: float | None = None,
             metadata: bool = True, recv_slots: int = 2, device_group=None, flag_path: str | None = None,
             inline_bytes: int | str | None = None, inject_failure: str | None = None,
-            meta_channel: str | None = None) -> Connection:
+            meta_channel: str | None = None, graph: bool = False) -> Connection:
     """Set up this rank's stage hand-off transports; collective over ``group`` (every rank calls it).
 
     ``send_to`` / ``recv_from``: global rank(s) this rank sends to / receives
@@ -280,6 +283,10 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
     choice) tune the copy-engine backend. ``meta_channel``
     (auto|group, default ``$GPUXFER_PP_META_CHANNEL``): a pair on one host passes its
     per-step metadata through a shared-memory mailbox (``auto``) or the CPU group.
+    ``graph=True``: steps are captured in CUDA graphs and moved by replays (the
+    ``copy_engine_graph`` backend, :mod:`gpuxfer.pp.graph`); there is no fallback,
+    since NCCL's steps cannot be replayed this way: a rank that cannot set it up
+    makes every rank raise :class:`BackendUnavailable`.
     """
     import torch.distributed as dist
 
@@ -308,7 +315,13 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
         if int(recv_slots) < 2:
             raise BadInput(f"recv_slots must be >= 2, got {recv_slots}")
         meta_mode = meta_channel_from_env(meta_channel)
-        info.update(platform=plat.name, device=device, pci=dinfo.pci_bus_id, backend=requested_backend(backend),
+        wanted = requested_backend(backend)
+        if graph:
+            if wanted not in ("auto", "copy_engine", GRAPH_BACKEND):
+                raise BadInput(f"graph=True captures steps in CUDA graphs, which only the {GRAPH_BACKEND} backend "
+                               f"does; backend {wanted!r} cannot be captured")
+            wanted = GRAPH_BACKEND
+        info.update(platform=plat.name, device=device, pci=dinfo.pci_bus_id, backend=wanted,
                     timeout=resolve_timeout(timeout_s), sends=sends, recvs=recvs,
                     sdig=sspec.digest() if sspec else None, rdig=rspec.digest() if rspec else None,
                     metadata=bool(metadata), slots=int(recv_slots))

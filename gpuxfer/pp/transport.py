@@ -501,6 +501,7 @@ class Transport(abc.ABC):
     """
 
     name = "abstract"
+    watch_after_error = False    # whether the watchdog keeps calling _watch once the transport is broken
 
     def __init__(self, *, platform, role: str, rank: int, peer: int, device: int, specs: SpecTable,
                  timeout_s: float, metadata: bool, group, tag_base: int, torch_device):
@@ -781,7 +782,8 @@ class _Watchdog:
     def _run(self) -> None:
         while True:
             with self._lock:
-                live = [t for t in self._transports if t._state == "open" and t._error is None]
+                live = [t for t in self._transports
+                        if t._state == "open" and (t._error is None or t.watch_after_error)]
             busy = False
             now = time.monotonic()
             for t in live:
