@@ -9,6 +9,9 @@ can use it, else ``nccl`` -- and returns this rank's transports::
     conn.sender().send({"hidden": y})
     conn.close()
 
+With ``connect(..., graph=True)`` the steps are captured in the caller's CUDA
+graphs and moved by replays, with no host call per step (:mod:`gpuxfer.pp.graph`).
+
 Importing this package touches no GPU.
 """
 from .selection import (BACKENDS, ENV_TRANSPORT, Connection, backend_report, connect, register_backend,
