@@ -90,3 +90,33 @@ class BackendUnavailable(GpuxferError):
         super().__init__(f"backend {backend!r} is unusable: {lines}")
         self.backend = backend
         self.reasons = dict(reasons)
+
+
+class NotExportable(GpuxferError):
+    """Memory cannot be shared with another process over IPC on this platform.
+
+    E.g. torch's expandable segments or other virtual-memory (``cuMemCreate``)
+    allocations on CUDA, managed or host memory, or, on the host emulation, memory
+    that is not a shared-memory buffer of the platform. ``reason`` says which.
+    """
+
+    def __init__(self, what: str, reason: str):
+        super().__init__(f"{what} cannot be exported over IPC: {reason}")
+        self.reason = reason
+
+
+class BlockIdError(BadInput):
+    """A KV transfer's block IDs are unusable: out of range, duplicated on the destination,
+    or not matching the other side's count. Names the group and the first offending ID."""
+
+
+class LayoutMismatch(BadInput):
+    """Two sides' registered KV caches cannot be paired: a group, a layer or a piece differs."""
+
+
+class NotRegistered(BadInput):
+    """A tensor, group or peer the call names was never registered (or was removed)."""
+
+
+class BadMetadata(BadInput):
+    """Peer metadata bytes are malformed, of another version, or describe impossible memory."""

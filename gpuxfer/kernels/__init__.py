@@ -9,6 +9,8 @@ Importing this package imports neither torch nor Triton; the names below load
   buffer and scatter it back, by row ranges (chunkable); :func:`pack_offsets`.
 * :func:`fill_pattern` / :func:`verify` -- a per-byte pattern keyed by
   (seed, pool offset) and a full check of every transferred byte.
+* :func:`expand_blocks` -- a KV transfer's block IDs and registered layout expanded into
+  copy descriptors on the device (:mod:`gpuxfer.kernels.block_kernel`).
 
 All launch on torch's current stream. :mod:`gpuxfer.kernels.reference` is the
 NumPy reference (no Triton). Kernels run compiled on GPU tensors and in Triton's
@@ -22,14 +24,18 @@ _LAUNCH_NAMES = ("CopyConfig", "DescriptorStats", "VerifyResult", "check_copy", 
                  "default_programs", "fill_pattern", "launch_geometry", "pack", "pack_offsets", "packed_descriptors", "sm_count",
                  "unpack", "verify")
 
-__all__ = list(_LAUNCH_NAMES)
+_BLOCK_NAMES = ("PLANE_FIELDS", "expand_blocks", "request_header_len")
+
+__all__ = list(_LAUNCH_NAMES) + list(_BLOCK_NAMES)
 
 
 def __getattr__(name: str):
     if name in _LAUNCH_NAMES:
         return getattr(importlib.import_module(".launch", __name__), name)
+    if name in _BLOCK_NAMES:
+        return getattr(importlib.import_module(".blocks", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(list(globals()) + list(_LAUNCH_NAMES))
+    return sorted(list(globals()) + list(_LAUNCH_NAMES) + list(_BLOCK_NAMES))

@@ -163,3 +163,35 @@ def verify(dst: np.ndarray, descs, seed: int) -> tuple[int, int]:
     wrong = int(bad.sum())
     first = int(desc_id[np.argmax(bad)]) if wrong else -1
     return wrong, first
+
+
+def expand_blocks(planes, request, n_groups: int, n_rows: int, out: np.ndarray | None = None) -> np.ndarray:
+    """NumPy reference of :func:`gpuxfer.kernels.blocks.expand_blocks` (same masking rules):
+    the ``(n_rows, 3)`` descriptors of ``request`` over ``planes`` (rows no plane covers keep
+    ``out``'s values, zeros by default)."""
+    planes = np.asarray(planes, dtype=np.int64).reshape(-1, 10)
+    req = np.asarray(request, dtype=np.int64).reshape(-1)
+    out = np.zeros((n_rows, 3), dtype=np.int64) if out is None else out
+    n_planes, rl = planes.shape[0], req.shape[0]
+    np1 = n_planes + 1
+    if np1 + 3 * n_groups > rl:
+        return out
+    for p in range(n_planes):
+        sb, ss, db, ds, seg, g, rs, rd, snb, dnb = (int(v) for v in planes[p])
+        if not 0 <= g < n_groups:
+            continue
+        rs, rd = max(rs, 1), max(rd, 1)
+        row0, nseg = int(req[p]), int(req[np1 + g])
+        soff, doff = int(req[np1 + n_groups + g]), int(req[np1 + 2 * n_groups + g])
+        for j in range(max(nseg, 0)):
+            row = row0 + j
+            if not 0 <= row < n_rows:
+                continue
+            si_at, di_at = soff + j // rs, doff + j // rd
+            si = int(req[si_at]) if 0 <= si_at < rl else -1
+            di = int(req[di_at]) if 0 <= di_at < rl else -1
+            if 0 <= si < snb and 0 <= di < dnb:
+                out[row] = (sb + si * ss + (j % rs) * seg, db + di * ds + (j % rd) * seg, seg)
+            else:
+                out[row] = (0, 0, 0)
+    return out

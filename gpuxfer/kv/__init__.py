@@ -1,10 +1,13 @@
-"""Paged KV-cache hand-off: workloads, pool layouts, block tables, descriptor plans, the sweep grid.
+"""Paged KV-cache hand-off: the transfer API (:class:`KVAgent`), workloads, pool layouts, block tables,
+descriptor plans, the sweep grid.
 
-Pure Python + numpy; importing it touches no device. The benchmark command lives in
+Pure Python + numpy; importing it touches no device (torch and Triton load when an agent is built). The benchmark command lives in
 :mod:`gpuxfer.kv.bench` (``gpuxfer bench kv``).
 """
 from __future__ import annotations
 
+from .agent import (KVAgent, KVLayerSpec, KVPeer, KVPiece, KVTransfer, KVTransferHandle, describe_layer,
+                    layout_groups)
 from .blocktable import burst_tables, derive_seed, space_permutation
 from .grid import (DEFAULT_BATCHES, DEFAULT_DESC_BUDGET, DEFAULT_ISLS, DEFAULT_PAGES, DEFAULT_POOL_BUDGET_BYTES,
                    Grid, GridPoint, ShedBatch, build_grid)
@@ -15,6 +18,8 @@ from .workloads import (WORKLOADS, PageMap, Region, RequestShape, TransferRegion
                         get_workload, workload_names)
 
 __all__ = [
+    "KVAgent", "KVLayerSpec", "KVPeer", "KVPiece", "KVTransfer", "KVTransferHandle", "describe_layer",
+    "layout_groups",
     "WORKLOADS", "PageMap", "Region", "RequestShape", "TransferRegion", "Workload", "dsv4_vllm_workload",
     "get_workload", "workload_names",
     "PoolLayout", "RegionLayout", "build_layout", "layout_for_burst", "max_batch_for_budget", "pages_for_burst",

@@ -34,7 +34,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from ..errors import BadInput
+from ..errors import BadInput, NotExportable
 
 FLAG_BYTES = 8
 
@@ -97,6 +97,17 @@ class IpcHandle:
     nbytes: int
     payload: bytes
     owner_pid: int
+
+
+@dataclass(frozen=True)
+class ExportedRange:
+    """Memory inside an exportable allocation: the allocation's handle and the range's offset in it.
+
+    Another process opens ``handle`` (the *whole* allocation) and adds ``offset``.
+    """
+
+    handle: IpcHandle
+    offset: int
 
 
 class Closable:
@@ -259,6 +270,22 @@ class Platform(abc.ABC):
 
     @abc.abstractmethod
     def export_handle(self, buf: DeviceBuffer) -> IpcHandle: ...
+
+    def export_range(self, ptr: int, nbytes: int, device: int) -> ExportedRange:
+        """Export memory this process holds by any means (e.g. a torch tensor from the caching
+        allocator, carved from a larger allocation): the handle of the allocation holding
+        ``[ptr, ptr + nbytes)`` on ``device`` and the range's offset in it.
+
+        Optional hook. Raises :class:`~gpuxfer.errors.NotExportable` (with the reason) for memory
+        that cannot be exported; the default knows no allocation but those of :meth:`alloc`.
+        """
+        raise NotExportable(f"memory at 0x{int(ptr):x}", f"the {self.name} platform can only export "
+                            "buffers it allocated (Platform.alloc)")
+
+    def allocation_range(self, ptr: int, device: int) -> tuple[int, int] | None:
+        """``(base, nbytes)`` of the allocation (or IPC mapping) holding ``ptr``, or None where the
+        platform cannot tell (the default). Used to check a peer's claims about its memory."""
+        return None
 
     @abc.abstractmethod
     def open_handle(self, handle: IpcHandle, device: int) -> PeerMapping:

@@ -75,9 +75,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..common import package_version
-from ..errors import BadInput, DriverError, GpuxferError, TransferTimeout
-from .base import (DeviceBuffer, DeviceInfo, Event, IpcHandle, LinkInfo, Memory, PeerMapping, Platform, Stream,
-                   as_int64_array, check_flag_ptr)
+from ..errors import BadInput, DriverError, GpuxferError, NotExportable, TransferTimeout
+from .base import (DeviceBuffer, DeviceInfo, Event, ExportedRange, IpcHandle, LinkInfo, Memory, PeerMapping,
+                   Platform, Stream, as_int64_array, check_flag_ptr)
 
 # --------------------------------------------------------------------------- constants
 
@@ -98,6 +98,7 @@ _WAIT_GEQ = 0                 # CU_STREAM_WAIT_VALUE_GEQ
 _ERR_INVALID_CONTEXT = 201     # CUDA_ERROR_INVALID_CONTEXT
 _EVENT_DISABLE_TIMING = 2      # CU_EVENT_DISABLE_TIMING
 CUDA_ERROR_NOT_READY = 600
+CU_MEMORYTYPE_DEVICE = 2
 _LEGACY_STREAM_HANDLES = (0, 1)    # NULL and cudaStreamLegacy; 2 (per-thread default) is not legacy
 _DEFAULT_STREAM_HANDLES = (0, 1, 2)  # streams that mean "the current context's"
 
@@ -753,6 +754,67 @@ class CudaPlatform(Platform):
                               f"exporting an IPC handle of {buf!r}",
                               f"got {len(payload)} bytes, expected {IPC_HANDLE_BYTES}")
         return IpcHandle(self.name, buf.device, buf.nbytes, payload, os.getpid())
+
+    def allocation_range(self, ptr: int, device: int) -> tuple[int, int] | None:
+        """``cuMemGetAddressRange``: the allocation (or IPC mapping) holding ``ptr``."""
+        device = self._check_device(device)
+        with self._on(device):
+            base, size = _cu(_driver().cuMemGetAddressRange, int(ptr),
+                             doing=f"finding the allocation holding 0x{int(ptr):x} on cuda:{device}")
+        return int(base), int(size)
+
+    def _pointer_attr(self, name: str, ptr: int, device: int):
+        """``cuPointerGetAttribute(name, ptr)``, or None where this driver binding lacks the attribute."""
+        drv = _driver()
+        attr = getattr(drv.CUpointer_attribute, name, None)
+        if attr is None:
+            return None
+        return _cu(drv.cuPointerGetAttribute, attr, int(ptr),
+                   doing=f"reading {name} of 0x{int(ptr):x} on cuda:{device}")
+
+    def export_range(self, ptr: int, nbytes: int, device: int) -> ExportedRange:
+        """The IPC handle of the ``cudaMalloc`` allocation holding ``[ptr, ptr + nbytes)`` (a torch
+        caching-allocator block lies in one) and the range's offset in it.
+
+        ``cuPointerGetAttribute`` checks the memory first: device memory of ``device``, not managed,
+        and legacy-IPC capable (``CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE``; memory from
+        ``cuMemCreate``, such as torch's expandable segments, is not); ``cuMemGetAddressRange``
+        gives the allocation; ``cudaIpcGetMemHandle`` exports its base.
+        """
+        self._check_open()
+        device = self._check_device(device)
+        ptr, nbytes = int(ptr), int(nbytes)
+        what = f"memory [0x{ptr:x}, +{nbytes}) on cuda:{device}"
+        with self._on(device):
+            try:
+                mtype = self._pointer_attr("CU_POINTER_ATTRIBUTE_MEMORY_TYPE", ptr, device)
+            except DriverError as exc:
+                raise NotExportable(what, f"the driver does not know the pointer ({exc.status_name})") from exc
+            if mtype is not None and int(mtype) != CU_MEMORYTYPE_DEVICE:
+                raise NotExportable(what, f"it is not device memory (memory type {int(mtype)})")
+            ordinal = self._pointer_attr("CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL", ptr, device)
+            if ordinal is not None and int(ordinal) != device:
+                raise BadInput(f"{what} is memory of cuda:{int(ordinal)}, not of cuda:{device}")
+            managed = self._pointer_attr("CU_POINTER_ATTRIBUTE_IS_MANAGED", ptr, device)
+            if managed:
+                raise NotExportable(what, "it is managed (unified) memory")
+            capable = self._pointer_attr("CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE", ptr, device)
+            if capable is not None and not int(capable):
+                raise NotExportable(what, "it is not legacy-IPC capable: a virtual-memory allocation "
+                                          "(cuMemCreate), e.g. torch's expandable segments "
+                                          "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True); allocate the KV "
+                                          "caches without expandable segments")
+        base, size = self.allocation_range(ptr, device)
+        if nbytes < 0 or ptr + nbytes > base + size:
+            raise NotExportable(what, f"it runs past the end of its allocation [0x{base:x}, +{size})")
+        _, rt, _ = _cupy()
+        payload = bytes(self._rt(device, rt.ipcGetMemHandle, base,
+                                 doing=f"exporting an IPC handle of the allocation [0x{base:x}, +{size}) "
+                                       f"on cuda:{device}"))
+        if len(payload) != IPC_HANDLE_BYTES:
+            raise DriverError("cudaIpcGetMemHandle", "UNEXPECTED_HANDLE_SIZE", -1, f"exporting {what}",
+                              f"got {len(payload)} bytes, expected {IPC_HANDLE_BYTES}")
+        return ExportedRange(IpcHandle(self.name, device, size, payload, os.getpid()), ptr - base)
 
     def open_handle(self, handle: IpcHandle, device: int) -> PeerMapping:
         self._check_open()

@@ -65,9 +65,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..common import SHM_UNAVAILABLE, map_shm, unlink_shm
-from ..errors import BadInput, DriverError, GpuxferError
-from .base import (DeviceBuffer, DeviceInfo, Event, IpcHandle, LinkInfo, Memory, PeerMapping, Platform, Stream,
-                   as_int64_array, check_flag_ptr)
+from ..errors import BadInput, DriverError, GpuxferError, NotExportable
+from .base import (DeviceBuffer, DeviceInfo, Event, ExportedRange, IpcHandle, LinkInfo, Memory, PeerMapping,
+                   Platform, Stream, as_int64_array, check_flag_ptr)
 
 log = logging.getLogger("gpuxfer.platforms.host")
 
@@ -349,6 +349,7 @@ class HostPlatform(Platform):
         self._default: dict[int, HostStream] = {}
         self._nstreams = itertools.count()
         self._is_closed = False
+        self._memory: dict[int, Memory] = {}     # ptr -> live buffers and mappings (export_range)
 
     # ---- devices ----
     def _check_device(self, device: int) -> int:
@@ -400,10 +401,45 @@ class HostPlatform(Platform):
             raise DriverError("shm_open", errno.errorcode.get(exc.errno or 0, "OSError"), exc.errno or -1,
                               f"allocating {nbytes} bytes of shared memory on host device {device}",
                               str(exc)) from exc
-        return DeviceBuffer(self, device, shm.ptr, int(nbytes), impl=shm)
+        buf = DeviceBuffer(self, device, shm.ptr, int(nbytes), impl=shm)
+        with self._lock:
+            self._memory[buf.ptr] = buf
+        return buf
 
     def _free(self, buf: DeviceBuffer) -> None:
+        with self._lock:
+            self._memory.pop(buf.ptr, None)
         buf.impl.release()
+
+    def _holder(self, ptr: int) -> Memory | None:
+        ptr = int(ptr)
+        with self._lock:
+            for mem in self._memory.values():
+                if mem.ptr <= ptr < mem.ptr + mem.nbytes:
+                    return mem
+        return None
+
+    def allocation_range(self, ptr: int, device: int) -> tuple[int, int] | None:
+        mem = self._holder(ptr)
+        return None if mem is None else (mem.ptr, mem.nbytes)
+
+    def export_range(self, ptr: int, nbytes: int, device: int) -> ExportedRange:
+        """The shared-memory buffer (from :meth:`alloc`) holding ``[ptr, ptr + nbytes)``; any other host
+        memory (a plain torch CPU tensor) cannot be opened by another process."""
+        device = self._check_device(device)
+        ptr, nbytes = int(ptr), int(nbytes)
+        mem = self._holder(ptr)
+        what = f"host memory [0x{ptr:x}, +{nbytes})"
+        if not isinstance(mem, DeviceBuffer):
+            why = ("it lies in another process's buffer opened here" if mem is not None else
+                   "it is not inside a shared-memory buffer of this host platform (allocate the memory with "
+                   "Platform.alloc and view it with Platform.as_tensor)")
+            raise NotExportable(what, why)
+        if nbytes < 0 or ptr + nbytes > mem.ptr + mem.nbytes:
+            raise NotExportable(what, f"it runs past the end of {mem!r}")
+        if mem.device != device:
+            raise BadInput(f"{what} belongs to emulated device {mem.device}, not {device}")
+        return ExportedRange(self.export_handle(mem), ptr - mem.ptr)
 
     def export_handle(self, buf: DeviceBuffer) -> IpcHandle:
         if buf.platform is not self or not isinstance(buf.impl, _Shm):
@@ -427,9 +463,14 @@ class HostPlatform(Platform):
             raise DriverError("shm_open", errno.errorcode.get(exc.errno or 0, "OSError"), exc.errno or -1,
                               f"opening the IPC handle of device {handle.device} of pid {handle.owner_pid} "
                               f"({handle.nbytes} bytes)", str(exc)) from exc
-        return PeerMapping(self, device, shm.ptr, handle, impl=shm)
+        mapping = PeerMapping(self, device, shm.ptr, handle, impl=shm)
+        with self._lock:
+            self._memory[mapping.ptr] = mapping
+        return mapping
 
     def _close_mapping(self, mapping: PeerMapping) -> None:
+        with self._lock:
+            self._memory.pop(mapping.ptr, None)
         mapping.impl.release()
 
     def as_tensor(self, mem: Memory, dtype=None, shape: Sequence[int] | None = None, offset: int = 0):

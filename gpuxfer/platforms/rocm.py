@@ -68,9 +68,9 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from ..common import package_version
-from ..errors import BadInput, DriverError, PlatformUnavailable
-from .base import (DeviceBuffer, DeviceInfo, Event, IpcHandle, LinkInfo, Memory, PeerMapping, Platform, Stream,
-                   Closable, check_flag_ptr)
+from ..errors import BadInput, DriverError, NotExportable, PlatformUnavailable
+from .base import (Closable, DeviceBuffer, DeviceInfo, Event, ExportedRange, IpcHandle, LinkInfo, Memory,
+                   PeerMapping, Platform, Stream, check_flag_ptr)
 
 log = logging.getLogger("gpuxfer.platforms.rocm")
 
@@ -629,6 +629,39 @@ class RocmPlatform(Platform):
         h = hip_first(self._api("hipIpcGetMemHandle", buf.ptr,
                                 doing=f"exporting an IPC handle of {buf.nbytes} B on device {buf.device}"))
         return IpcHandle(self.name, buf.device, buf.nbytes, handle_bytes(h), os.getpid())
+
+    def allocation_range(self, ptr: int, device: int) -> tuple[int, int] | None:
+        """``hipMemGetAddressRange``: the allocation (or IPC mapping) holding ``ptr``."""
+        device = self._check_device(device)
+        with self._on_device(device):
+            outs = self._api("hipMemGetAddressRange", int(ptr),
+                             doing=f"finding the allocation holding 0x{int(ptr):x} on device {device}")
+        if len(outs) != 2:
+            raise DriverError("hipMemGetAddressRange", "UNEXPECTED_RESULT", -1, "reading an allocation range",
+                              f"hip-python returned {outs!r}")
+        return int(outs[0]), int(outs[1])
+
+    def export_range(self, ptr: int, nbytes: int, device: int) -> ExportedRange:
+        """The IPC handle of the ``hipMalloc`` allocation holding ``[ptr, ptr + nbytes)`` (a torch
+        caching-allocator block lies in one) and the range's offset in it (``hipMemGetAddressRange``,
+        then ``hipIpcGetMemHandle`` on its base)."""
+        self._check_open()
+        device = self._check_device(device)
+        ptr, nbytes = int(ptr), int(nbytes)
+        what = f"memory [0x{ptr:x}, +{nbytes}) on device {device}"
+        try:
+            base, size = self.allocation_range(ptr, device)
+        except DriverError as exc:
+            raise NotExportable(what, f"HIP does not know the pointer ({exc.status_name})") from exc
+        if nbytes < 0 or ptr + nbytes > base + size:
+            raise NotExportable(what, f"it runs past the end of its allocation [0x{base:x}, +{size})")
+        try:
+            h = hip_first(self._api("hipIpcGetMemHandle", base,
+                                    doing=f"exporting an IPC handle of the allocation [0x{base:x}, +{size})"))
+        except DriverError as exc:
+            raise NotExportable(what, f"hipIpcGetMemHandle refused its allocation ({exc.status_name}): "
+                                      "virtual-memory allocations cannot be exported this way") from exc
+        return ExportedRange(IpcHandle(self.name, device, size, handle_bytes(h), os.getpid()), ptr - base)
 
     def open_handle(self, handle: IpcHandle, device: int) -> PeerMapping:
         self._check_open()

@@ -1,0 +1,1197 @@
+"""The KV transfer API: register an engine's own KV caches, swap metadata bytes, move requests by block ID.
+
+Shaped like NIXL's agent, Mooncake's TransferEngine and vLLM's ``register_kv_caches``::
+
+    agent = KVAgent("decode-0", device=0)                       # one per process (and device)
+    agent.register_group("full", block_tokens=16, layers=kv_caches)   # {layer name: torch tensor}
+    blob = agent.metadata()                                     # bytes: send them over any channel
+    peer = agent.add_peer(blob_from_prefill)                    # opens the peer's caches over IPC
+    xfer = agent.prepare(peer, "pull", local_blocks={"full": decode_ids},
+                         remote_blocks={"full": prefill_ids})   # per-request setup: checks the IDs
+    handle = xfer.post()                                        # a few launches, one small upload
+    handle.wait(timeout_s=30)                                   # or handle.done(), handle.event
+
+**KV-cache groups.** A group is a set of layers sharing one block table (vLLM's
+hybrid allocator: full attention, sliding window, DeepSeek-V4's compressed and
+indexer caches each form groups). A request names block IDs per group on each side.
+Each layer tensor is described by its number of blocks, its block stride in bytes and
+the *pieces* of a block: the K and V halves when the leading dimension is 2
+(``(2, num_blocks, block_tokens, heads, dim)``), the two halves of ``(num_blocks, 2,
+...)``, or the whole block (``(num_blocks, block_tokens, 584)`` for DeepSeek-V4's
+584-byte slots, a packed slab). :func:`describe_layer` reads that from the tensor's
+shape and strides; :class:`KVLayerSpec` states it explicitly (any strided view, a
+slab of a packed layout).
+
+**Memory.** The tensors are the engine's own (torch's caching allocator included):
+the platform exports the allocation holding each one (``Platform.export_range``: the
+base allocation and the offset in it), once per allocation. Memory that cannot be
+exported (torch's expandable segments on CUDA) raises
+:class:`~gpuxfer.errors.NotExportable` at registration.
+
+**Transfers.** ``pull``: the local agent's blocks are the destination and the peer's
+the source; ``push``: the reverse. The work runs on the local device (``triton``: the
+descriptor-copy kernel reading or writing the peer's memory through the IPC mapping).
+Descriptors are expanded on the device from the block IDs and the registered layout
+(:mod:`gpuxfer.kernels.block_kernel`); per request the host uploads one small int64
+array (the block IDs and a header) and launches one expansion plus one copy per
+descriptor size. Everything per (peer, direction, layer range) -- the plane table, the
+tilings -- is built once and cached.
+
+**Different block sizes.** When one side's block size divides the other's (prefill
+64-token blocks, decode 16-token blocks), tokens are matched, not blocks: a 64-token
+block feeds four 16-token blocks. The pieces must be token-major (the default; pass
+``token_major=False`` for head-major layouts, which then need equal block sizes).
+
+**Completion and notification.** ``post(stream=None)`` enqueues on the agent's stream
+(or the caller's, after the work already queued there: layer-wise streaming) and
+returns a :class:`KVTransferHandle` (``done()``, ``wait(timeout_s)``, ``event``). With
+``notify_slot=k`` the initiator's stream then bumps word ``k`` of the peer's
+notification area (the n-th notification to a slot writes n), so the peer can learn
+the request landed (push) or its blocks were read (pull): :meth:`KVAgent.notification`
+polls it, :meth:`KVAgent.wait_notification` waits with a timeout,
+:meth:`KVAgent.stream_wait_notification` blocks a stream until it arrives::
+
+    prefill (push initiator)                        decode (peer)
+    ------------------------                        -------------
+    xfer = prepare(peer, "push", ...)   host: check IDs, stage them (per-request setup)
+    h = xfer.post(stream)               host: ~4 calls, returns (post host time)
+      stream: upload IDs -> expand -> copy pieces -> notify  ----+
+    h.done() / h.wait()                  <- complete            |  (8-byte write into decode's word k)
+                                                                +-> wait_notification(k, n) returns, or
+                                                                    stream_wait_notification(s, k, n)
+                                                                    lets decode's kernels on s go on
+
+Every call validates its input and raises a typed error: :class:`~gpuxfer.errors.BlockIdError`
+(out of range, duplicated destination blocks, counts that do not match),
+:class:`~gpuxfer.errors.LayoutMismatch` (the two sides' groups, layers or pieces differ),
+:class:`~gpuxfer.errors.NotRegistered`, :class:`~gpuxfer.errors.BadMetadata`,
+:class:`~gpuxfer.errors.TransferTimeout` naming the request. Block IDs are checked on the
+host (vectorised over the IDs, which are few next to the descriptors); the expansion
+kernel also masks any ID outside its group, so no access leaves the registered memory
+whatever the IDs hold.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import os
+import re
+import socket
+import struct
+import threading
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from ..errors import (BackendUnavailable, BadInput, BadMetadata, BlockIdError, LayoutMismatch, NotRegistered,
+                      TransferTimeout)
+from ..platforms.base import Closable, DeviceBuffer, Event, IpcHandle, Platform, Stream
+from ..sync import wait_flag_or_raise
+
+log = logging.getLogger("gpuxfer.kv.agent")
+
+__all__ = ["KVAgent", "KVPeer", "KVTransfer", "KVTransferHandle", "KVLayerSpec", "KVPiece", "KVLayer",
+           "describe_layer", "layout_groups", "METADATA_VERSION", "NOTIFY_SLOTS", "AGENT_ENGINES"]
+
+METADATA_MAGIC = b"GXKV"
+METADATA_VERSION = 1
+_HEADER = struct.Struct("<4sHHI")           # magic, version, flags (0), body length
+MAX_METADATA_BYTES = 64 << 20
+_MAX_INT = 1 << 62
+_MAX_NAME = 512
+_MAX_PIECES = 16
+NOTIFY_SLOTS = 64                           # notification words per agent
+_CTRL_BYTES = NOTIFY_SLOTS * 8
+#: the engines the agent runs
+AGENT_ENGINES = ("triton",)
+DIRECTIONS = ("pull", "push")
+
+_LOCAL_AGENTS: "weakref.WeakValueDictionary[str, KVAgent]" = weakref.WeakValueDictionary()
+
+
+# ============================================================================ layer descriptions
+
+
+@dataclass(frozen=True)
+class KVPiece:
+    """A contiguous part of every block of a layer: ``nbytes`` at ``offset`` from the block's start."""
+
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class KVLayerSpec:
+    """An explicit layer description: ``tensor``'s block ``i`` starts ``i * block_stride_bytes`` bytes
+    after ``tensor.data_ptr()`` and holds ``pieces`` (``(offset, nbytes)`` pairs or :class:`KVPiece`).
+
+    ``token_major``: each piece stores its tokens (or compressed entries) in order, so a prefix of
+    a block's tokens is a prefix of each piece (needed to pair different block sizes).
+    ``index``: the model layer number layer ranges select by (default: from the name).
+    """
+
+    tensor: Any
+    num_blocks: int
+    block_stride_bytes: int
+    pieces: Sequence[Any]
+    token_major: bool = True
+    index: int | None = None
+
+
+@dataclass(frozen=True)
+class KVLayer:
+    """A registered layer, as both sides see it (addresses are this process's)."""
+
+    name: str
+    index: int
+    ptr: int                    # address of block 0
+    num_blocks: int
+    block_stride: int
+    pieces: tuple[KVPiece, ...]
+    extent: int                 # bytes from ptr the layer's memory spans
+    token_major: bool
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """``[first, end)`` addresses the layer's blocks occupy."""
+        lo = min(p.offset for p in self.pieces)
+        hi = max(p.offset + p.nbytes for p in self.pieces) + (self.num_blocks - 1) * self.block_stride
+        return self.ptr + lo, self.ptr + hi
+
+    def as_meta(self, alloc: int, offset: int) -> dict:
+        return {"name": self.name, "index": self.index, "alloc": alloc, "offset": offset,
+                "num_blocks": self.num_blocks, "block_stride": self.block_stride, "extent": self.extent,
+                "token_major": self.token_major, "pieces": [[p.offset, p.nbytes] for p in self.pieces]}
+
+
+def _check_layer(name: str, num_blocks: int, block_stride: int, pieces: tuple[KVPiece, ...], extent: int,
+                 err=BadInput) -> None:
+    """Every block of every piece inside ``extent``; distinct blocks of a piece never overlap."""
+    if num_blocks < 1 or block_stride < 1 or not pieces or len(pieces) > _MAX_PIECES:
+        raise err(f"layer {name!r}: needs >= 1 block, a positive block stride and 1..{_MAX_PIECES} pieces "
+                  f"(got {num_blocks} blocks, stride {block_stride}, {len(pieces)} pieces)")
+    for k, p in enumerate(pieces):
+        if p.offset < 0 or p.nbytes < 1:
+            raise err(f"layer {name!r}, piece {k}: offset {p.offset} and size {p.nbytes} must be >= 0 and >= 1")
+        if p.nbytes > block_stride:
+            raise err(f"layer {name!r}, piece {k}: {p.nbytes} bytes per block exceed the block stride "
+                      f"{block_stride}: consecutive blocks would overlap")
+        end = p.offset + (num_blocks - 1) * block_stride + p.nbytes
+        if end > extent:
+            raise err(f"layer {name!r}, piece {k}: block {num_blocks - 1} ends at byte {end}, past the "
+                      f"{extent} bytes of the layer's memory")
+
+
+def _layer_index(name: str, position: int) -> int:
+    """vLLM's rule: the first integer in the layer name (``model.layers.12.attn`` -> 12), else the position."""
+    m = re.search(r"\d+", name)
+    return int(m.group()) if m else position
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def _tensor_extent(t) -> int:
+    """Bytes from ``t.data_ptr()`` to the end of its last element (non-negative strides)."""
+    if any(s < 0 for s in t.stride()):
+        raise BadInput(f"a tensor of shape {tuple(t.shape)} has negative strides")
+    if t.numel() == 0:
+        raise BadInput(f"a tensor of shape {tuple(t.shape)} is empty")
+    return (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def _contiguous_tail(t, start: int) -> bool:
+    """Whether dimensions ``start:`` of ``t`` are laid out densely (row-major)."""
+    expect = 1
+    for n, s in zip(reversed(t.shape[start:]), reversed(t.stride()[start:])):
+        if n != 1 and s != expect:
+            return False
+        expect *= n
+    return True
+
+
+def describe_layer(tensor, *, name: str = "layer", position: int = 0, num_blocks: int | None = None,
+                   token_major: bool = True, index: int | None = None) -> KVLayer:
+    """A layer description from a KV-cache tensor's shape and strides.
+
+    * ``(2, num_blocks, ...)`` (vLLM's flash-attention layout): two pieces, K and V, each one
+      block's ``...`` (dense), the V piece ``stride(0)`` elements after the K piece;
+    * ``(num_blocks, 2, d2, ...)`` with 4+ dimensions (FlashInfer's): two pieces, K and V;
+    * ``(num_blocks, ...)``: one piece, the whole block (dense); the block stride may exceed it
+      (padded pages, a layer of a packed slab).
+
+    ``num_blocks`` settles the ambiguous case of 2 blocks. A :class:`KVLayerSpec` describes anything else.
+    """
+    torch = _torch()
+    if isinstance(tensor, KVLayerSpec):
+        return _from_spec(tensor, name, position)
+    if not isinstance(tensor, torch.Tensor):
+        raise BadInput(f"layer {name!r}: expected a torch.Tensor or a KVLayerSpec, got {type(tensor).__name__}")
+    t = tensor
+    shape, strides, el = tuple(t.shape), t.stride(), t.element_size()
+    if t.dim() < 2:
+        raise BadInput(f"layer {name!r}: a KV-cache tensor needs a block dimension and a block, got shape {shape}")
+    kv_first = t.dim() >= 3 and shape[0] == 2 and (num_blocks is None or shape[1] == num_blocks)
+    if num_blocks is not None and shape[0] == num_blocks and not (shape[0] == 2 and shape[1] == num_blocks):
+        kv_first = False
+    if kv_first:
+        nb, stride = shape[1], strides[1] * el
+        if not _contiguous_tail(t, 2):
+            raise BadInput(f"layer {name!r}: the block of a (2, num_blocks, ...) tensor must be dense, "
+                           f"got shape {shape} strides {strides}")
+        nbytes = math.prod(shape[2:]) * el
+        pieces = (KVPiece(0, nbytes), KVPiece(strides[0] * el, nbytes))
+    else:
+        nb, stride = shape[0], strides[0] * el
+        if t.dim() >= 4 and shape[1] == 2:
+            if not _contiguous_tail(t, 2):
+                raise BadInput(f"layer {name!r}: the K and V halves of a (num_blocks, 2, ...) tensor must be "
+                               f"dense, got shape {shape} strides {strides}")
+            nbytes = math.prod(shape[2:]) * el
+            pieces = (KVPiece(0, nbytes), KVPiece(strides[1] * el, nbytes))
+        else:
+            if not _contiguous_tail(t, 1):
+                raise BadInput(f"layer {name!r}: the block of a (num_blocks, ...) tensor must be dense, "
+                               f"got shape {shape} strides {strides}")
+            pieces = (KVPiece(0, math.prod(shape[1:]) * el),)
+    if num_blocks is not None and nb != num_blocks:
+        raise BadInput(f"layer {name!r}: shape {shape} holds {nb} blocks, not {num_blocks}")
+    layer = KVLayer(name=name, index=_layer_index(name, position) if index is None else int(index),
+                    ptr=int(t.data_ptr()), num_blocks=int(nb), block_stride=int(stride), pieces=pieces,
+                    extent=_tensor_extent(t), token_major=bool(token_major))
+    _check_layer(name, layer.num_blocks, layer.block_stride, pieces, layer.extent)
+    return layer
+
+
+def _from_spec(spec: KVLayerSpec, name: str, position: int) -> KVLayer:
+    torch = _torch()
+    t = spec.tensor
+    if not isinstance(t, torch.Tensor):
+        raise BadInput(f"layer {name!r}: KVLayerSpec.tensor must be a torch.Tensor, got {type(t).__name__}")
+    for v, what in ((spec.num_blocks, "num_blocks"), (spec.block_stride_bytes, "block_stride_bytes")):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise BadInput(f"layer {name!r}: {what} must be an int, got {v!r}")
+    pieces = []
+    for p in spec.pieces:
+        if isinstance(p, KVPiece):
+            pieces.append(p)
+        else:
+            try:
+                off, n = p
+                pieces.append(KVPiece(int(off), int(n)))
+            except (TypeError, ValueError):
+                raise BadInput(f"layer {name!r}: a piece must be (offset, nbytes), got {p!r}") from None
+    # an explicit description may reach past the view into the rest of its storage
+    extent = t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
+    layer = KVLayer(name=name, index=_layer_index(name, position) if spec.index is None else int(spec.index),
+                    ptr=int(t.data_ptr()), num_blocks=int(spec.num_blocks),
+                    block_stride=int(spec.block_stride_bytes), pieces=tuple(pieces), extent=int(extent),
+                    token_major=bool(spec.token_major))
+    _check_layer(name, layer.num_blocks, layer.block_stride, layer.pieces, layer.extent)
+    return layer
+
+
+def layout_groups(layout, pool) -> list[tuple[str, int, dict[str, KVLayerSpec]]]:
+    """The KV-cache groups of a :class:`~gpuxfer.kv.layout.PoolLayout` laid over ``pool`` (a flat uint8
+    tensor): ``(group name, block tokens, {layer name: spec})`` for :meth:`KVAgent.register_group`.
+
+    An unpacked region is a group of ``planes`` layers (one piece per block: the region's page);
+    a packed group is a group of one layer (its slab). Page indices of the layout's block
+    tables are the block IDs.
+    """
+    torch = _torch()
+    if not isinstance(pool, torch.Tensor) or pool.dtype != torch.uint8 or pool.dim() != 1:
+        raise BadInput("pool must be a flat uint8 tensor")
+    if pool.numel() < layout.pool_bytes:
+        raise BadInput(f"pool holds {pool.numel()} bytes, the layout needs {layout.pool_bytes}")
+    trs = {t.name: t for t in layout.workload.transfer_regions(layout.page_tokens)}
+    out = []
+    for r in layout.regions:
+        layers = {}
+        for plane in range(r.planes):
+            start = r.base_offset_bytes + plane * r.plane_stride_bytes
+            view = pool[start:start + r.pool_pages * r.page_stride_bytes]
+            layers[f"{r.name}.{plane}"] = KVLayerSpec(view, r.pool_pages, r.page_stride_bytes,
+                                                      [(0, r.desc_bytes)], index=plane)
+        out.append((r.name, trs[r.name].tokens_per_page, layers))
+    return out
+
+
+# ============================================================================ metadata
+
+
+def _i(d: Mapping, key: str, where: str, lo: int = 0, hi: int = _MAX_INT) -> int:
+    v = d.get(key) if isinstance(d, Mapping) else None
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v < hi:
+        raise BadMetadata(f"{where}: {key!r} must be an integer in [{lo}, {hi}), got {v!r}")
+    return v
+
+
+def _s(d: Mapping, key: str, where: str) -> str:
+    v = d.get(key) if isinstance(d, Mapping) else None
+    if not isinstance(v, str) or not 0 < len(v) <= _MAX_NAME:
+        raise BadMetadata(f"{where}: {key!r} must be a string of 1..{_MAX_NAME} characters, got {v!r:.80}")
+    return v
+
+
+def _l(d: Mapping, key: str, where: str, limit: int) -> list:
+    v = d.get(key) if isinstance(d, Mapping) else None
+    if not isinstance(v, list) or len(v) > limit:
+        raise BadMetadata(f"{where}: {key!r} must be a list of at most {limit} entries")
+    return v
+
+
+def _handle(d: Mapping, where: str, platform: str, pid: int) -> IpcHandle:
+    raw = _s(d, "payload", where)
+    try:
+        payload = bytes.fromhex(raw)
+    except ValueError:
+        raise BadMetadata(f"{where}: payload is not hex") from None
+    return IpcHandle(platform, _i(d, "device", where, 0, 1 << 16), _i(d, "nbytes", where, 1), payload, pid)
+
+
+@dataclass(frozen=True)
+class _PeerGroup:
+    name: str
+    block_tokens: int
+    layers: tuple[tuple[KVLayer, int, int], ...]     # (layer with ptr 0, allocation index, offset in it)
+
+
+@dataclass(frozen=True)
+class PeerMetadata:
+    """What :meth:`KVAgent.metadata` says, decoded and validated."""
+
+    agent: str
+    uid: str
+    pid: int
+    host: str
+    platform: str
+    device: int
+    control: IpcHandle
+    allocations: tuple[IpcHandle, ...]
+    groups: tuple[_PeerGroup, ...]
+
+
+def decode_metadata(data: bytes) -> PeerMetadata:
+    """Decode and validate metadata bytes; hostile input raises :class:`BadMetadata`, never more."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise BadMetadata(f"metadata must be bytes, got {type(data).__name__}")
+    data = bytes(data)
+    if len(data) < _HEADER.size:
+        raise BadMetadata(f"metadata of {len(data)} bytes is shorter than its {_HEADER.size}-byte header")
+    magic, version, flags, n = _HEADER.unpack_from(data)
+    if magic != METADATA_MAGIC:
+        raise BadMetadata(f"not gpuxfer KV metadata (magic {magic!r})")
+    if version != METADATA_VERSION:
+        raise BadMetadata(f"metadata version {version}; this gpuxfer reads version {METADATA_VERSION}")
+    if flags != 0 or n != len(data) - _HEADER.size or n > MAX_METADATA_BYTES:
+        raise BadMetadata(f"metadata header says {n} body bytes (flags {flags}); {len(data) - _HEADER.size} follow")
+    try:
+        body = json.loads(data[_HEADER.size:].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise BadMetadata(f"metadata body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadMetadata("metadata body must be a JSON object")
+    where = "metadata"
+    agent, uid, host, plat = (_s(body, k, where) for k in ("agent", "uid", "host", "platform"))
+    pid = _i(body, "pid", where, 0, 1 << 32)
+    device = _i(body, "device", where, 0, 1 << 16)
+    control = _handle(body.get("control"), "metadata control", plat, pid)
+    if control.nbytes < _CTRL_BYTES:
+        raise BadMetadata(f"metadata control: {control.nbytes} bytes, need {_CTRL_BYTES}")
+    allocs = tuple(_handle(a, f"allocation {i}", plat, pid)
+                   for i, a in enumerate(_l(body, "allocations", where, 1 << 16)))
+    groups, seen = [], set()
+    for gi, g in enumerate(_l(body, "groups", where, 1 << 12)):
+        gw = f"group {gi}"
+        name = _s(g, "name", gw)
+        if name in seen:
+            raise BadMetadata(f"{gw}: duplicate group name {name!r}")
+        seen.add(name)
+        bt = _i(g, "block_tokens", gw, 1, 1 << 32)
+        layers, names = [], set()
+        for li, lay in enumerate(_l(g, "layers", gw, 1 << 16)):
+            lw = f"group {name!r} layer {li}"
+            lname = _s(lay, "name", lw)
+            if lname in names:
+                raise BadMetadata(f"{lw}: duplicate layer name {lname!r}")
+            names.add(lname)
+            a = _i(lay, "alloc", lw, 0, len(allocs))
+            off = _i(lay, "offset", lw)
+            extent = _i(lay, "extent", lw, 1)
+            if off + extent > allocs[a].nbytes:
+                raise BadMetadata(f"{lw}: bytes [{off}, {off + extent}) lie outside allocation {a} of "
+                                  f"{allocs[a].nbytes} bytes")
+            raw_pieces = _l(lay, "pieces", lw, _MAX_PIECES)
+            pieces = []
+            for p in raw_pieces:
+                if (not isinstance(p, list) or len(p) != 2
+                        or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < _MAX_INT for x in p)):
+                    raise BadMetadata(f"{lw}: a piece must be [offset, nbytes], got {p!r:.80}")
+                pieces.append(KVPiece(p[0], p[1]))
+            tm = lay.get("token_major")
+            if not isinstance(tm, bool):
+                raise BadMetadata(f"{lw}: token_major must be a boolean")
+            layer = KVLayer(name=lname, index=_i(lay, "index", lw), ptr=0, num_blocks=_i(lay, "num_blocks", lw, 1),
+                            block_stride=_i(lay, "block_stride", lw, 1), pieces=tuple(pieces), extent=extent,
+                            token_major=tm)
+            _check_layer(f"{name}/{lname}", layer.num_blocks, layer.block_stride, layer.pieces, layer.extent,
+                         err=BadMetadata)
+            layers.append((layer, a, off))
+        groups.append(_PeerGroup(name, bt, tuple(layers)))
+    return PeerMetadata(agent, uid, pid, host, plat, device, control, allocs, tuple(groups))
+
+
+# ============================================================================ groups and peers
+
+
+@dataclass
+class _Group:
+    name: str
+    block_tokens: int
+    layers: list[KVLayer]
+    flats: list[Any]                # per layer: a 1-element uint8 tensor at its ptr (local groups), or
+                                    # (allocation index, offset) (a peer's groups): kernel anchors
+
+    @property
+    def num_blocks(self) -> int:
+        return min(lay.num_blocks for lay in self.layers)
+
+
+class KVPeer(Closable):
+    """Another agent, added from its metadata: its caches mapped here (or, in this process, used as they are)."""
+
+    def __init__(self, agent: "KVAgent", meta: PeerMetadata):
+        self.agent, self.meta, self.name = agent, meta, meta.agent
+        self._closed = False
+        self._mappings: list[Any] = []
+        self._owned: list[Any] = []
+        self.scratch: DeviceBuffer | None = None
+        self._seq = [0] * NOTIFY_SLOTS
+        plat, dev = agent.platform, agent.device
+        try:
+            local = _LOCAL_AGENTS.get(meta.uid) if meta.pid == os.getpid() else None
+            if meta.pid == os.getpid() and local is None:
+                raise BadMetadata(f"peer {meta.agent!r} claims this process but is not a live agent here")
+            self._local = local
+            if local is not None:
+                bases = list(local._alloc_bases)
+                self.control_ptr = local.control.ptr
+            else:
+                bases = []
+                for h in meta.allocations:
+                    m = plat.open_handle(h, dev)
+                    self._mappings.append(m)
+                    real = plat.allocation_range(m.ptr, dev)
+                    if real is not None and real[1] < h.nbytes:
+                        raise BadMetadata(f"peer {meta.agent!r} claims an allocation of {h.nbytes} bytes; the "
+                                          f"mapping holds {real[1]}")
+                    bases.append(m.ptr)
+                ctrl = plat.open_handle(meta.control, dev)
+                self._mappings.append(ctrl)
+                self.control_ptr = ctrl.ptr
+            self.groups: dict[str, _Group] = {}
+            for g in meta.groups:
+                layers = [KVLayer(lay.name, lay.index, bases[a] + off, lay.num_blocks, lay.block_stride, lay.pieces,
+                                  lay.extent, lay.token_major) for lay, a, off in g.layers]
+                self.groups[g.name] = _Group(g.name, g.block_tokens, layers, [(a, off) for _, a, off in g.layers])
+            self.scratch = plat.alloc(NOTIFY_SLOTS * 8, dev)
+            self._owned.append(self.scratch)
+        except BaseException:
+            self._release()
+            raise
+
+    def anchor(self, layer_ref: tuple[int, int], ptr: int):
+        """A 1-element uint8 tensor at ``ptr`` (a layer of this peer) on the agent's device."""
+        if self._local is not None:
+            return self._local._flat_at(ptr)
+        a, off = layer_ref
+        m = self._mappings[a]
+        return self.agent.platform.as_tensor(m, shape=(1,), offset=off)
+
+    def next_seq(self, slot: int) -> int:
+        self._seq[slot] += 1
+        return self._seq[slot]
+
+    def _release(self) -> None:
+        for m in reversed(self._mappings + self._owned):
+            try:
+                m.close()
+            except Exception as exc:  # noqa: BLE001 - keep releasing
+                log.warning("peer %s: closing %r failed: %s", self.name, m, exc)
+        self._mappings, self._owned = [], []
+
+    def __repr__(self) -> str:
+        return f"KVPeer({self.name!r}, pid {self.meta.pid}, {len(self.meta.groups)} groups)"
+
+
+# ============================================================================ routes (cached per peer, op, layers)
+
+
+@dataclass
+class _Route:
+    """Everything a transfer between the agent and a peer in one direction needs, built once."""
+
+    op: str
+    groups: list[str]                            # route-local group order
+    splits: list[tuple[int, int]]                # per group: (src split, dst split)
+    limits: list[tuple[int, int]]                # per group: (src blocks, dst blocks)
+    dst_classes: list[list[int]]                 # groups whose destination memory overlaps
+    planes: Any                                  # (P, PLANE_FIELDS) int64 on the device
+    plane_group: np.ndarray                      # (P,) group of each plane
+    classes: list[tuple[int, int, int]]          # (first plane, end plane, segment bytes), planes sorted by size
+    src_anchor: Any
+    dst_anchor: Any
+
+
+def _pair_pieces(group: str, mine: KVLayer, theirs: KVLayer, bt_src: int, bt_dst: int, src_is_mine: bool
+                 ) -> list[tuple[int, int, int]]:
+    """Per piece: (source piece offset, destination piece offset, segment bytes)."""
+    src, dst = (mine, theirs) if src_is_mine else (theirs, mine)
+    if len(src.pieces) != len(dst.pieces):
+        raise LayoutMismatch(f"group {group!r}, layer {mine.name!r}: {len(src.pieces)} pieces per block on the "
+                             f"source, {len(dst.pieces)} on the destination")
+    seg_tokens = min(bt_src, bt_dst)
+    out = []
+    for k, (ps, pd) in enumerate(zip(src.pieces, dst.pieces)):
+        if bt_src == bt_dst:
+            if ps.nbytes != pd.nbytes:
+                raise LayoutMismatch(f"group {group!r}, layer {mine.name!r}, piece {k}: {ps.nbytes} bytes per "
+                                     f"block on the source, {pd.nbytes} on the destination")
+            out.append((ps.offset, pd.offset, ps.nbytes))
+            continue
+        if not (src.token_major and dst.token_major):
+            raise LayoutMismatch(f"group {group!r}, layer {mine.name!r}: block sizes differ ({bt_src} and {bt_dst} "
+                                 "tokens) but a side's pieces are not token-major")
+        if ps.nbytes * bt_dst != pd.nbytes * bt_src:
+            raise LayoutMismatch(f"group {group!r}, layer {mine.name!r}, piece {k}: {ps.nbytes} bytes per "
+                                 f"{bt_src}-token block and {pd.nbytes} per {bt_dst}-token block are not the same "
+                                 "bytes per token")
+        small = ps.nbytes if bt_src == seg_tokens else pd.nbytes
+        big, ratio = (ps.nbytes, bt_src // seg_tokens) if bt_src > seg_tokens else (pd.nbytes, bt_dst // seg_tokens)
+        if big % ratio or big // ratio != small:
+            raise LayoutMismatch(f"group {group!r}, layer {mine.name!r}, piece {k}: {big} bytes do not split "
+                                 f"into {ratio} equal segments")
+        out.append((ps.offset, pd.offset, small))
+    return out
+
+
+def _overlap_classes(spans: list[list[tuple[int, int]]]) -> list[list[int]]:
+    """Groups (by index) whose memory spans intersect, merged transitively (union-find)."""
+    parent = list(range(len(spans)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i, j in itertools.combinations(range(len(spans)), 2):
+        if any(a < d and c < b for a, b in spans[i] for c, d in spans[j]):
+            parent[find(i)] = find(j)
+    classes: dict[int, list[int]] = {}
+    for i in range(len(spans)):
+        classes.setdefault(find(i), []).append(i)
+    return list(classes.values())
+
+
+# ============================================================================ transfers
+
+
+def _as_ids(ids, what: str) -> np.ndarray:
+    torch = _torch()
+    if isinstance(ids, torch.Tensor):
+        if ids.device.type != "cpu":
+            raise BlockIdError(f"{what}: block IDs must be on the host (a list, a numpy array or a CPU tensor)")
+        ids = ids.numpy()
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise BlockIdError(f"{what}: block IDs must be a 1-D sequence of integers, got {arr.dtype} {arr.shape}")
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) >= _MAX_INT:
+        raise BlockIdError(f"{what}: block ID {int(arr.max())} is out of range")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def _check_range(ids: np.ndarray, limit: int, what: str) -> None:
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= limit):
+        bad = int(np.flatnonzero((ids < 0) | (ids >= limit))[0])
+        raise BlockIdError(f"{what}: block ID {int(ids[bad])} at position {bad} is out of range "
+                           f"(the group holds blocks 0..{limit - 1})")
+
+
+def _check_unique(ids: np.ndarray, what: str) -> None:
+    if ids.size < 2:
+        return
+    s = np.sort(ids, kind="stable")
+    dup = np.flatnonzero(s[1:] == s[:-1])
+    if dup.size:
+        raise BlockIdError(f"{what}: destination block {int(s[dup[0]])} appears more than once (two copies "
+                           "would land on the same bytes)")
+
+
+class KVTransferHandle:
+    """A posted transfer: ``done()``, ``wait(timeout_s)``, ``event`` (make another stream wait on it).
+
+    ``notify_value`` is what the peer's notification word holds once it landed (None: no notification).
+    """
+
+    __slots__ = ("transfer", "event", "name", "notify_value", "_stream", "_keep")
+
+    def __init__(self, transfer: "KVTransfer", event: Event, stream: Stream, notify_value: int | None):
+        self.transfer, self.event, self._stream, self.notify_value = transfer, event, stream, notify_value
+        self.name = transfer.name
+        self._keep = transfer._buffers      # device buffers stay alive while the work may run
+
+    def done(self) -> bool:
+        return self.transfer.agent.platform.event_query(self.event)
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until the transfer has completed; :class:`TransferTimeout` naming the request past ``timeout_s``."""
+        from .engines import wait_event
+        agent = self.transfer.agent
+        t = agent.timeout_s if timeout_s is None else float(timeout_s)
+        try:
+            wait_event(agent.platform, self.event, t, rank=agent.rank, what=f"KV transfer {self.name!r}")
+        except TransferTimeout as exc:
+            raise TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
+                                  timeout_s=t, what=f"{self.transfer.describe()} did not complete") from exc
+
+    def stream_wait(self, stream: Stream) -> None:
+        """Make ``stream``'s later work wait for this transfer."""
+        self.transfer.agent.platform.stream_wait_event(stream, self.event)
+
+    def __repr__(self) -> str:
+        return f"KVTransferHandle({self.name!r})"
+
+
+class KVTransfer:
+    """A prepared request: block IDs checked and staged; :meth:`post` may be called again and again."""
+
+    def __init__(self, agent: "KVAgent", peer: KVPeer, route: _Route, op: str, name: str, n_seg: np.ndarray,
+                 host_req, dev_req, out, max_segments: int, launches: list, notify_slot: int | None,
+                 descriptors: int, nbytes: int):
+        self.agent, self.peer, self.route, self.op, self.name = agent, peer, route, op, name
+        self.n_seg = n_seg
+        self.descriptors, self.nbytes = descriptors, nbytes
+        self.notify_slot = notify_slot
+        self._host_req, self._dev_req, self._out = host_req, dev_req, out
+        self._max_segments = max_segments
+        self._launches = launches           # (first row, end row, size hint, programs) per descriptor size
+        self._buffers = (host_req, dev_req, out)
+
+    def describe(self) -> str:
+        return (f"{self.op} of request {self.name!r} with peer {self.peer.name!r} ({self.descriptors:,} "
+                f"descriptors, {self.nbytes:,} bytes)")
+
+    def _expand(self) -> None:
+        from ..kernels.blocks import expand_blocks
+        dev_req = self._dev_req
+        if dev_req is not self._host_req:
+            dev_req.copy_(self._host_req, non_blocking=True)
+        expand_blocks(self.route.planes, dev_req, self._out, n_groups=len(self.route.groups),
+                      max_segments=self._max_segments)
+
+    def _work(self) -> None:
+        from ..kernels.launch import copy_descriptors
+        self._expand()
+        r = self.route
+        for a, b, hint, progs in self._launches:
+            copy_descriptors(r.src_anchor, r.dst_anchor, self._out, start=a, end=b, validate=False,
+                             nbytes_hint=hint, num_programs=progs)
+
+    def post(self, stream: Stream | None = None) -> KVTransferHandle:
+        """Enqueue the transfer on ``stream`` (default: the agent's own) and return its handle.
+
+        Host work: one launch call that uploads the request array, expands it and runs one copy
+        per descriptor size; a notification (two stream operations) if asked for; one event.
+        """
+        agent = self.agent
+        agent._check_usable(self.peer)
+        plat = agent.platform
+        s = agent.stream if stream is None else stream
+        if s is not agent.stream and self._dev_req is not self._host_req:
+            for t in self._buffers[1:]:     # the caching allocator must not hand them out before s is done
+                t.record_stream(s.torch)
+        plat.launch(s, self._work)
+        value = None
+        if self.notify_slot is not None:
+            value = self.peer.next_seq(self.notify_slot)
+            word = self.peer.scratch.ptr + 8 * self.notify_slot
+            plat.write_flag(s, word, value)
+            plat.copy_async(s, self.peer.control_ptr + 8 * self.notify_slot, word, 8)
+        event = plat.record_event(s)
+        return KVTransferHandle(self, event, s, value)
+
+    def expanded_descriptors(self) -> np.ndarray:
+        """Run only the upload and the expansion, wait, and return the ``(N, 3)`` descriptors (offsets from
+        the source and destination anchors) -- for checking the expansion; not a transfer path."""
+        plat = self.agent.platform
+        s = self.agent.stream
+        plat.launch(s, self._expand)
+        if not plat.synchronize(s, self.agent.timeout_s):
+            raise TransferTimeout(rank=self.agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
+                                  timeout_s=self.agent.timeout_s, what="expanding the descriptors")
+        return self._out.cpu().numpy().copy()
+
+    def __repr__(self) -> str:
+        return f"KVTransfer({self.describe()})"
+
+
+# ============================================================================ the agent
+
+
+class KVAgent(Closable):
+    """One process's side of KV transfers: its registered caches, its peers, its stream.
+
+    ``platform``: a :class:`~gpuxfer.platforms.base.Platform` (default: ``get_platform()``, owned
+    and closed with the agent); ``device``: the local device every transfer runs on; ``engine``:
+    ``"triton"`` (``"auto"`` picks it); ``timeout_s``: the default of every wait; ``rank``: how
+    errors name this side.
+    """
+
+    def __init__(self, name: str, *, platform: Platform | None = None, device: int = 0, engine: str = "auto",
+                 timeout_s: float = 60.0, rank: int = 0):
+        if not isinstance(name, str) or not 0 < len(name) <= _MAX_NAME:
+            raise BadInput(f"agent name must be a string of 1..{_MAX_NAME} characters, got {name!r}")
+        engine = "triton" if engine == "auto" else engine
+        if engine not in AGENT_ENGINES:
+            raise BadInput(f"KVAgent runs engine(s) {', '.join(AGENT_ENGINES)}; got {engine!r}")
+        self._closed = False
+        self._owns_platform = platform is None
+        if platform is None:
+            from ..platforms import get_platform
+            platform = get_platform()
+        self.platform, self.name, self.engine = platform, name, engine
+        self.device = int(device)
+        self.timeout_s, self.rank = float(timeout_s), int(rank)
+        from .engines import _kernel_reason
+        why = _kernel_reason(platform)
+        if why is not None:
+            raise BackendUnavailable(engine, {name: why})
+        self.uid = uuid.uuid4().hex
+        self._lock = threading.Lock()
+        self._groups: dict[str, _Group] = {}
+        self._allocs: list[IpcHandle] = []
+        self._alloc_bases: list[int] = []
+        self._alloc_keys: dict[bytes, int] = {}
+        self._layer_refs: dict[tuple[str, str], tuple[int, int]] = {}
+        self._flats: dict[int, Any] = {}
+        self._peers: dict[str, KVPeer] = {}
+        self._routes: dict[tuple, _Route] = {}
+        self._names = itertools.count()
+        self.control: DeviceBuffer | None = None
+        self.stream: Stream | None = None
+        try:
+            self.control = platform.alloc(_CTRL_BYTES, self.device)
+            self.stream = platform.create_stream(self.device)
+            platform.memset_async(self.stream, self.control.ptr, 0, _CTRL_BYTES)
+            if not platform.synchronize(self.stream, self.timeout_s):
+                raise TransferTimeout(rank=self.rank, step=0, flag="notification words (memset)", expected=1,
+                                      seen=0, timeout_s=self.timeout_s)
+        except BaseException:
+            self._release()
+            raise
+        _LOCAL_AGENTS[self.uid] = self
+
+    # ------------------------------------------------------------------ registration
+
+    def _torch_device(self):
+        torch = _torch()
+        return torch.device("cpu") if self.platform.is_emulation else torch.device("cuda", self.device)
+
+    def register_group(self, name: str, block_tokens: int, layers: Mapping[str, Any] | Sequence[Any], *,
+                       token_major: bool = True) -> None:
+        """Register a KV-cache group: layers sharing one block table of ``block_tokens``-token blocks.
+
+        ``layers``: ``{layer name: tensor or KVLayerSpec}`` (vLLM's ``kv_caches`` for the group's
+        layers) or a sequence (named ``"<group>.<i>"``). Tensors must be on the agent's device, in
+        memory the platform can export. Adding a peer or a transfer does not need every group: a
+        request names the groups it moves.
+        """
+        self._check_open()
+        if not isinstance(name, str) or not 0 < len(name) <= _MAX_NAME:
+            raise BadInput(f"group name must be a string of 1..{_MAX_NAME} characters, got {name!r}")
+        if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or not 0 < block_tokens < 1 << 32:
+            raise BadInput(f"group {name!r}: block_tokens must be a positive int, got {block_tokens!r}")
+        if name in self._groups:
+            raise BadInput(f"group {name!r} is already registered")
+        if isinstance(layers, Mapping):
+            items = list(layers.items())
+        else:
+            items = [(f"{name}.{i}", t) for i, t in enumerate(layers)]
+        if not items:
+            raise BadInput(f"group {name!r} has no layers")
+        torch = _torch()
+        want = self._torch_device()
+        described: list[KVLayer] = []
+        for pos, (lname, t) in enumerate(items):
+            if not isinstance(lname, str) or not 0 < len(lname) <= _MAX_NAME:
+                raise BadInput(f"group {name!r}: layer names must be strings, got {lname!r}")
+            tensor = t.tensor if isinstance(t, KVLayerSpec) else t
+            if not isinstance(tensor, torch.Tensor):
+                raise BadInput(f"group {name!r}, layer {lname!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+            if tensor.device != want:
+                raise BadInput(f"group {name!r}, layer {lname!r}: the tensor is on {tensor.device}; this agent's "
+                               f"device is {want}")
+            described.append(describe_layer(t, name=lname, position=pos, token_major=token_major))
+        refs = []
+        for lay in described:
+            ex = self.platform.export_range(lay.ptr, lay.extent, self.device)
+            key = ex.handle.payload
+            with self._lock:
+                a = self._alloc_keys.get(key)
+                if a is None:
+                    a = self._alloc_keys[key] = len(self._allocs)
+                    self._allocs.append(ex.handle)
+                    self._alloc_bases.append(lay.ptr - ex.offset)
+            refs.append((a, ex.offset))
+        flats = []
+        for (lname, t), lay in zip(items, described):
+            flats.append(self._flat(t.tensor if isinstance(t, KVLayerSpec) else t))
+        with self._lock:
+            if name in self._groups:
+                raise BadInput(f"group {name!r} is already registered")
+            self._groups[name] = _Group(name, block_tokens, described, flats)
+            for lay, ref in zip(described, refs):
+                self._layer_refs[(name, lay.name)] = ref
+            self._routes.clear()
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any], block_tokens: int, *, group: str = "kv") -> None:
+        """vLLM's ``register_kv_caches``: every layer in one group of ``block_tokens``-token blocks."""
+        self.register_group(group, block_tokens, kv_caches)
+
+    def _flat(self, tensor):
+        """A 1-element uint8 tensor at ``tensor.data_ptr()`` over its storage (a kernel anchor)."""
+        torch = _torch()
+        flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+        flat.set_(tensor.untyped_storage(), tensor.storage_offset() * tensor.element_size(), (1,), (1,))
+        self._flats[int(tensor.data_ptr())] = flat
+        return flat
+
+    def _flat_at(self, ptr: int):
+        flat = self._flats.get(int(ptr))
+        if flat is None:
+            raise NotRegistered(f"no registered tensor of agent {self.name!r} starts at 0x{int(ptr):x}")
+        return flat
+
+    @property
+    def groups(self) -> dict[str, tuple[int, int, int]]:
+        """``{group: (block tokens, blocks, layers)}``."""
+        return {g.name: (g.block_tokens, g.num_blocks, len(g.layers)) for g in self._groups.values()}
+
+    # ------------------------------------------------------------------ metadata and peers
+
+    def metadata(self) -> bytes:
+        """This agent's caches and notification words, as versioned bytes for :meth:`add_peer` elsewhere."""
+        self._check_open()
+        ctrl = self.platform.export_handle(self.control)
+        body = {
+            "agent": self.name, "uid": self.uid, "pid": os.getpid(), "host": socket.gethostname() or "unknown",
+            "platform": self.platform.name, "device": self.device,
+            "control": {"payload": ctrl.payload.hex(), "nbytes": ctrl.nbytes, "device": ctrl.device},
+            "allocations": [{"payload": h.payload.hex(), "nbytes": h.nbytes, "device": h.device}
+                            for h in self._allocs],
+            "groups": [{"name": g.name, "block_tokens": g.block_tokens,
+                        "layers": [lay.as_meta(*self._layer_refs[(g.name, lay.name)]) for lay in g.layers]}
+                       for g in self._groups.values()],
+        }
+        raw = json.dumps(body, separators=(",", ":")).encode()
+        return _HEADER.pack(METADATA_MAGIC, METADATA_VERSION, 0, len(raw)) + raw
+
+    def add_peer(self, metadata: bytes) -> KVPeer:
+        """Add the agent whose :meth:`metadata` these bytes are: map its caches and notification words."""
+        self._check_open()
+        meta = decode_metadata(metadata)
+        if meta.platform != self.platform.name:
+            raise BadMetadata(f"peer {meta.agent!r} runs on platform {meta.platform!r}, this agent on "
+                              f"{self.platform.name!r}")
+        if meta.host != (socket.gethostname() or "unknown"):
+            raise BackendUnavailable(self.engine, {meta.agent: f"the peer is on host {meta.host!r}; the "
+                                                              f"{self.engine} engine maps its memory over IPC"})
+        if meta.uid == self.uid:
+            raise BadInput("an agent cannot be its own peer")
+        if meta.agent in self._peers:
+            raise BadInput(f"peer {meta.agent!r} is already added (remove_peer first)")
+        peer = KVPeer(self, meta)
+        with self._lock:
+            self._peers[meta.agent] = peer
+        return peer
+
+    def remove_peer(self, peer: "KVPeer | str") -> None:
+        """Forget a peer and close its mappings (transfers with it must have completed)."""
+        name = peer.name if isinstance(peer, KVPeer) else peer
+        with self._lock:
+            p = self._peers.pop(name, None)
+            for k in [k for k in self._routes if k[0] == name]:
+                del self._routes[k]
+        if p is None:
+            raise NotRegistered(f"agent {self.name!r} has no peer {name!r}")
+        p.close()
+
+    def peer(self, name: str) -> KVPeer:
+        p = self._peers.get(name)
+        if p is None:
+            raise NotRegistered(f"agent {self.name!r} has no peer {name!r}; peers: {', '.join(self._peers) or 'none'}")
+        return p
+
+    # ------------------------------------------------------------------ routes
+
+    def _route(self, peer: KVPeer, op: str, layers: tuple[int, int] | None, groups: tuple[str, ...]) -> _Route:
+        key = (peer.name, op, layers, groups)
+        r = self._routes.get(key)
+        if r is None:
+            r = self._build_route(peer, op, layers, groups)
+            with self._lock:
+                self._routes[key] = r
+        return r
+
+    def _build_route(self, peer: KVPeer, op: str, layers: tuple[int, int] | None, names: tuple[str, ...]
+                     ) -> _Route:
+        torch = _torch()
+        from ..kernels.blocks import PLANE_FIELDS
+        src_is_mine = op == "push"
+        rows, plane_group, splits, limits, dst_spans = [], [], [], [], []
+        src_ptrs, dst_ptrs = [], []        # (absolute piece address of block 0, anchor maker)
+        for gi, gname in enumerate(names):
+            mine, theirs = self._groups[gname], peer.groups[gname]
+            bts, btd = (mine.block_tokens, theirs.block_tokens) if src_is_mine else \
+                (theirs.block_tokens, mine.block_tokens)
+            if max(bts, btd) % min(bts, btd):
+                raise LayoutMismatch(f"group {gname!r}: block sizes {bts} (source) and {btd} (destination) tokens; "
+                                     "one must divide the other")
+            seg = min(bts, btd)
+            splits.append((bts // seg, btd // seg))
+            src_g, dst_g = (mine, theirs) if src_is_mine else (theirs, mine)
+            limits.append((src_g.num_blocks, dst_g.num_blocks))
+            theirs_by_name = {lay.name: (lay, ref) for lay, ref in zip(theirs.layers, theirs.flats)}
+            selected = [(lay, fl) for lay, fl in zip(mine.layers, mine.flats)
+                        if layers is None or layers[0] <= lay.index < layers[1]]
+            if layers is None and len(theirs.layers) != len(mine.layers):
+                raise LayoutMismatch(f"group {gname!r}: {len(mine.layers)} layers here, {len(theirs.layers)} on "
+                                     f"peer {peer.name!r}")
+            spans = []
+            for lay, fl in selected:
+                other = theirs_by_name.get(lay.name)
+                if other is None:
+                    raise LayoutMismatch(f"group {gname!r}: peer {peer.name!r} has no layer {lay.name!r}")
+                olay, oref = other
+                mine_anchor = (lambda f=fl: f)
+                their_anchor = (lambda o=oref, p=olay.ptr: peer.anchor(o, p))
+                s_lay, d_lay = (lay, olay) if src_is_mine else (olay, lay)
+                s_anc, d_anc = (mine_anchor, their_anchor) if src_is_mine else (their_anchor, mine_anchor)
+                src_ptrs.append((s_lay.ptr, s_anc))
+                dst_ptrs.append((d_lay.ptr, d_anc))
+                spans.append(d_lay.span)
+                for ps_off, pd_off, seg_bytes in _pair_pieces(gname, lay, olay, bts, btd, src_is_mine):
+                    rows.append([s_lay.ptr + ps_off, s_lay.block_stride, d_lay.ptr + pd_off, d_lay.block_stride,
+                                 seg_bytes, gi, bts // seg, btd // seg, src_g.num_blocks, dst_g.num_blocks])
+                    plane_group.append(gi)
+            dst_spans.append(spans)
+        if not rows:
+            raise BadInput(f"layer range {layers} selects no layer of the groups shared with peer {peer.name!r}")
+        src_base, src_anchor = min(src_ptrs, key=lambda x: x[0])
+        dst_base, dst_anchor = min(dst_ptrs, key=lambda x: x[0])
+        table = np.array(rows, dtype=np.int64)
+        table[:, 0] -= src_base
+        table[:, 2] -= dst_base
+        order = np.argsort(-table[:, 4], kind="stable")       # largest segments first, each size together
+        table, pg = table[order], np.asarray(plane_group, dtype=np.int64)[order]
+        cuts = np.flatnonzero(np.diff(table[:, 4])) + 1
+        bounds = [0, *cuts.tolist(), len(table)]
+        classes = [(a, b, int(table[a, 4])) for a, b in zip(bounds[:-1], bounds[1:])]
+        dev = self._torch_device()
+        planes = torch.from_numpy(np.ascontiguousarray(table)).to(dev)
+        if dev.type != "cpu":
+            self.platform.synchronize(self.platform.current_stream(self.device), self.timeout_s)
+        assert table.shape[1] == PLANE_FIELDS
+        return _Route(op=op, groups=names, splits=splits, limits=limits, dst_classes=_overlap_classes(dst_spans),
+                      planes=planes, plane_group=pg, classes=classes, src_anchor=src_anchor(),
+                      dst_anchor=dst_anchor())
+
+    # ------------------------------------------------------------------ transfers
+
+    def prepare(self, peer: "KVPeer | str", op: str, *, local_blocks: Mapping[str, Any],
+                remote_blocks: Mapping[str, Any], layers: tuple[int, int] | None = None,
+                notify_slot: int | None = None, name: str | None = None) -> KVTransfer:
+        """Per-request setup: check the block IDs, stage them for upload, size the launches.
+
+        ``op``: ``"pull"`` (the peer's blocks -> ours) or ``"push"`` (ours -> the peer's).
+        ``local_blocks`` / ``remote_blocks``: ``{group: block IDs}`` on each side, the same groups;
+        where block sizes differ, the side with larger blocks lists ``ceil(n / ratio)`` of them for
+        the other side's ``n``. ``layers``: ``(first, stop)`` model layer numbers to move (default:
+        all). ``notify_slot``: bump this word of the peer's notification area after the data
+        (0..63). ``name``: how errors and timeouts name the request.
+        """
+        self._check_open()
+        if op not in DIRECTIONS:
+            raise BadInput(f"op must be one of {', '.join(DIRECTIONS)}, got {op!r}")
+        peer = self.peer(peer) if isinstance(peer, str) else peer
+        self._check_usable(peer)
+        if layers is not None:
+            if (not isinstance(layers, (tuple, list)) or len(layers) != 2
+                    or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers)
+                    or not 0 <= layers[0] < layers[1]):
+                raise BadInput(f"layers must be (first, stop) with 0 <= first < stop, got {layers!r}")
+            layers = (int(layers[0]), int(layers[1]))
+        if notify_slot is not None and (isinstance(notify_slot, bool) or not isinstance(notify_slot, int)
+                                        or not 0 <= notify_slot < NOTIFY_SLOTS):
+            raise BadInput(f"notify_slot must be an int in 0..{NOTIFY_SLOTS - 1}, got {notify_slot!r}")
+        name = f"{self.name}#{next(self._names)}" if name is None else str(name)
+        if not isinstance(local_blocks, Mapping) or not isinstance(remote_blocks, Mapping):
+            raise BlockIdError(f"request {name!r}: local_blocks and remote_blocks must map group -> block IDs")
+        if set(local_blocks) != set(remote_blocks):
+            raise BlockIdError(f"request {name!r}: local_blocks names groups {sorted(map(str, local_blocks))}, "
+                               f"remote_blocks {sorted(map(str, remote_blocks))}; they must be the same")
+        for g in local_blocks:
+            if g not in self._groups or g not in peer.groups:
+                shared = [x for x in self._groups if x in peer.groups]
+                raise NotRegistered(f"request {name!r}: group {g!r} is not registered on both agent "
+                                    f"{self.name!r} and peer {peer.name!r} (shared: {', '.join(shared) or 'none'})")
+        if not local_blocks:
+            raise BlockIdError(f"request {name!r} names no group")
+        route = self._route(peer, op, layers, tuple(g for g in self._groups if g in local_blocks))
+        G = len(route.groups)
+        n_seg = np.zeros(G, dtype=np.int64)
+        src_ids: list[np.ndarray] = [np.zeros(0, np.int64)] * G
+        dst_ids: list[np.ndarray] = [np.zeros(0, np.int64)] * G
+        for gi, g in enumerate(route.groups):
+            if g not in local_blocks:
+                continue
+            mine = _as_ids(local_blocks[g], f"request {name!r}, group {g!r}, local blocks")
+            theirs = _as_ids(remote_blocks[g], f"request {name!r}, group {g!r}, remote blocks")
+            s, d = (mine, theirs) if op == "push" else (theirs, mine)
+            rs, rd = route.splits[gi]
+            n = len(s) if rs == 1 else len(d)
+            if -(-n // rs) != len(s) or -(-n // rd) != len(d):
+                raise BlockIdError(f"request {name!r}, group {g!r}: {len(s)} source and {len(d)} destination "
+                                   f"blocks do not cover the same tokens (block-size ratio {rs}:{rd})")
+            ls, ld = route.limits[gi]
+            _check_range(s, ls, f"request {name!r}, group {g!r}, source ({'local' if op == 'push' else 'remote'})")
+            _check_range(d, ld, f"request {name!r}, group {g!r}, destination "
+                                f"({'remote' if op == 'push' else 'local'})")
+            n_seg[gi], src_ids[gi], dst_ids[gi] = n, s, d
+        for cls in route.dst_classes:
+            ids = [dst_ids[gi] for gi in cls if dst_ids[gi].size]
+            if ids:
+                _check_unique(np.concatenate(ids) if len(ids) > 1 else ids[0],
+                              f"request {name!r}, group(s) {', '.join(route.groups[gi] for gi in cls)}")
+        return self._stage(peer, route, op, name, n_seg, src_ids, dst_ids, notify_slot)
+
+    def _stage(self, peer, route: _Route, op, name, n_seg, src_ids, dst_ids, notify_slot) -> KVTransfer:
+        torch = _torch()
+        from ..kernels import launch as kl
+        from ..kernels.blocks import request_header_len
+        P, G = len(route.plane_group), len(route.groups)
+        head = request_header_len(P, G)
+        total_ids = sum(a.size for a in src_ids) + sum(a.size for a in dst_ids)
+        plane_rows = n_seg[route.plane_group]
+        row_start = np.zeros(P + 1, dtype=np.int64)
+        np.cumsum(plane_rows, out=row_start[1:])
+        n_rows = int(row_start[-1])
+        dev = self._torch_device()
+        pinned = dev.type != "cpu"
+        host = torch.empty(head + total_ids, dtype=torch.int64, pin_memory=pinned)
+        h = host.numpy()
+        h[:P + 1] = row_start
+        h[P + 1:P + 1 + G] = n_seg
+        at = head
+        for gi in range(G):
+            h[P + 1 + G + gi] = at
+            h[at:at + src_ids[gi].size] = src_ids[gi]
+            at += src_ids[gi].size
+        for gi in range(G):
+            h[P + 1 + 2 * G + gi] = at
+            h[at:at + dst_ids[gi].size] = dst_ids[gi]
+            at += dst_ids[gi].size
+        if pinned:
+            with torch.cuda.device(dev), torch.cuda.stream(self.stream.torch):
+                dev_req = torch.empty(head + total_ids, dtype=torch.int64, device=dev)
+                out = torch.empty((max(n_rows, 1), 3), dtype=torch.int64, device=dev)
+        else:
+            dev_req = host
+            out = torch.zeros((max(n_rows, 1), 3), dtype=torch.int64)
+        launches, nbytes = [], 0
+        for a, b, seg_bytes in route.classes:
+            r0, r1 = int(row_start[a]), int(row_start[b])
+            if r1 > r0:
+                cfg = kl.choose_config(seg_bytes)
+                progs = max(1, min(kl.default_programs(dev, cfg), -(-(r1 - r0) // cfg.rows)))
+                launches.append((r0, r1, seg_bytes, progs))
+                nbytes += (r1 - r0) * seg_bytes
+        return KVTransfer(self, peer, route, op, name, n_seg, host, dev_req, out,
+                          int(n_seg.max()) if G else 0, launches, notify_slot, n_rows, nbytes)
+
+    def transfer(self, peer: "KVPeer | str", op: str, *, local_blocks: Mapping[str, Any],
+                 remote_blocks: Mapping[str, Any], stream: Stream | None = None, **kw) -> KVTransferHandle:
+        """:meth:`prepare` then :meth:`KVTransfer.post`."""
+        return self.prepare(peer, op, local_blocks=local_blocks, remote_blocks=remote_blocks, **kw).post(stream)
+
+    # ------------------------------------------------------------------ notifications
+
+    def _slot(self, slot: int) -> int:
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < NOTIFY_SLOTS:
+            raise BadInput(f"notification slot must be an int in 0..{NOTIFY_SLOTS - 1}, got {slot!r}")
+        return self.control.ptr + 8 * slot
+
+    def notification(self, slot: int = 0) -> int:
+        """The value of notification word ``slot`` (how many notifications reached it), read now."""
+        self._check_open()
+        return self.platform.read_flag(self._slot(slot), self.device)
+
+    def wait_notification(self, slot: int, value: int, timeout_s: float | None = None) -> int:
+        """Poll word ``slot`` until it holds ``value`` or more; :class:`TransferTimeout` past ``timeout_s``."""
+        self._check_open()
+        t = self.timeout_s if timeout_s is None else float(timeout_s)
+        return wait_flag_or_raise(self.platform, self._slot(slot), int(value), t, rank=self.rank, step=int(value),
+                                  flag=f"notification slot {slot} of agent {self.name!r}", device=self.device)
+
+    def stream_wait_notification(self, stream: Stream, slot: int, value: int) -> None:
+        """Block ``stream``'s later work (not the host) until word ``slot`` holds ``value`` or more."""
+        self._check_open()
+        self.platform.wait_flag(stream, self._slot(slot), int(value))
+
+    # ------------------------------------------------------------------ lifetime
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BadInput(f"agent {self.name!r} is closed")
+
+    def _check_usable(self, peer: KVPeer) -> None:
+        self._check_open()
+        if not isinstance(peer, KVPeer) or peer.agent is not self:
+            raise NotRegistered(f"{peer!r} is not a peer of agent {self.name!r}")
+        if peer.closed or self._peers.get(peer.name) is not peer:
+            raise NotRegistered(f"peer {peer.name!r} was removed from agent {self.name!r}")
+
+    def _release(self) -> None:
+        _LOCAL_AGENTS.pop(getattr(self, "uid", ""), None)
+        plat = self.platform
+        if getattr(self, "stream", None) is not None:
+            try:
+                plat.synchronize(self.stream, self.timeout_s)
+            except Exception as exc:  # noqa: BLE001 - keep releasing
+                log.warning("agent %s: draining its stream failed: %s", self.name, exc)
+        for p in list(getattr(self, "_peers", {}).values()):
+            p.close()
+        self._peers = {}
+        self._routes = {}
+        self._groups, self._flats = {}, {}
+        if getattr(self, "stream", None) is not None:
+            self.stream.close()
+            self.stream = None
+        if getattr(self, "control", None) is not None:
+            self.control.close()
+            self.control = None
+        if self._owns_platform:
+            plat.close()
+
+    def __repr__(self) -> str:
+        return (f"KVAgent({self.name!r}, {self.platform.name}:{self.device}, {len(self._groups)} groups, "
+                f"{len(self._peers)} peers{', closed' if self._closed else ''})")

@@ -1,0 +1,679 @@
+"""The KV transfer API (gpuxfer.kv.agent): registration, metadata, transfers by block ID, every bad input.
+
+CPU tests run on the host emulation (Triton's interpreter): tiny caches, few blocks. Two agents
+in one process pair up without IPC; one test runs them in two processes. GPU tests (``-m gpu``)
+run two processes on one CUDA device with torch-allocated caches.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from gpuxfer.errors import (BadInput, BadMetadata, BlockIdError, LayoutMismatch, NotExportable, NotRegistered,
+                            TransferTimeout)
+from gpuxfer.kv.agent import (KVAgent, KVLayerSpec, METADATA_VERSION, decode_metadata, describe_layer,
+                              layout_groups)
+from gpuxfer.kv.blocktable import burst_tables
+from gpuxfer.kv.layout import layout_for_burst
+from gpuxfer.kv.plan import request_plan
+
+
+@pytest.fixture
+def plat():
+    from gpuxfer.platforms.host import HostPlatform
+    p = HostPlatform()
+    yield p
+    p.close()
+
+
+class Arena:
+    """Host-emulation 'device memory': a shared-memory buffer carved into torch tensors."""
+
+    def __init__(self, plat, device: int, nbytes: int = 1 << 16):
+        self.buf = plat.alloc(nbytes, device)
+        self.flat = plat.as_tensor(self.buf)
+        self.at = 0
+
+    def tensor(self, shape, dtype=torch.uint8, seed=None):
+        item = torch.empty((), dtype=dtype).element_size()
+        self.at = -(-self.at // 16) * 16
+        n = int(np.prod(shape)) * item
+        t = self.flat[self.at:self.at + n].view(dtype).view(shape)
+        self.at += n
+        if seed is not None:
+            g = np.random.default_rng(seed)
+            t.view(torch.uint8).reshape(-1).copy_(torch.from_numpy(g.integers(0, 256, n, dtype=np.uint8)))
+        return t
+
+    def close(self):
+        self.buf.close()
+
+
+@pytest.fixture
+def pair(plat):
+    """Two agents (prefill on device 0, decode on device 1) and their arenas."""
+    a0, a1 = Arena(plat, 0), Arena(plat, 1)
+    pre = KVAgent("prefill", platform=plat, device=0, timeout_s=60)
+    dec = KVAgent("decode", platform=plat, device=1, timeout_s=60)
+    yield pre, dec, a0, a1
+    dec.close()
+    pre.close()
+    a0.close()
+    a1.close()
+
+
+def _vllm_layers(arena, layers, blocks, bt, seed):
+    """vLLM flash-attention layout: (2, blocks, block_tokens, heads, dim) bf16 per layer."""
+    return {f"model.layers.{i}.self_attn": arena.tensor((2, blocks, bt, 2, 4), torch.bfloat16, seed=seed + i)
+            for i in range(layers)}
+
+
+def _eq(a, b) -> bool:
+    """Bytewise equality (random bytes viewed as floats hold NaNs)."""
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _connect(pre, dec):
+    return dec.add_peer(pre.metadata()), pre.add_peer(dec.metadata())
+
+
+# ----------------------------------------------------------------------------- moving requests
+
+
+@pytest.mark.parametrize("op", ["pull", "push"])
+def test_move_request_every_byte(pair, op):
+    pre, dec, a0, a1 = pair
+    src = _vllm_layers(a0, 2, 6, 4, seed=1)
+    dst = _vllm_layers(a1, 2, 6, 4, seed=50)
+    slab_s = a0.tensor((5, 4, 584), seed=7)           # DSV4-style 584-byte slots, one piece per block
+    slab_d = a1.tensor((5, 4, 584), seed=8)
+    pre.register_group("full", 4, src)
+    dec.register_group("full", 4, dst)
+    pre.register_group("mla", 4, {"layers.0.mla": slab_s})
+    dec.register_group("mla", 4, {"layers.0.mla": slab_d})
+    p_of_dec, p_of_pre = _connect(pre, dec)
+    s_ids, d_ids = {"full": [4, 0, 2], "mla": [1, 3]}, {"full": [1, 5, 3], "mla": [4, 0]}
+    if op == "pull":
+        x = dec.prepare(p_of_dec, "pull", local_blocks=d_ids, remote_blocks=s_ids, name="req-7")
+    else:
+        x = pre.prepare(p_of_pre, "push", local_blocks=s_ids, remote_blocks=d_ids, name="req-7")
+    before = {k: v.clone() for k, v in dst.items()}
+    h = x.post()
+    h.wait(60)
+    assert h.done() and h.name == "req-7"
+    assert x.descriptors == 2 * 2 * 3 + 2
+    for name in src:
+        for s, d in zip(s_ids["full"], d_ids["full"]):
+            assert _eq(dst[name][:, d], src[name][:, s])
+        untouched = [b for b in range(6) if b not in d_ids["full"]]
+        assert _eq(dst[name][:, untouched], before[name][:, untouched])
+    for s, d in zip(s_ids["mla"], d_ids["mla"]):
+        assert _eq(slab_d[d], slab_s[s])
+
+
+def _token_oracle(src, dst, s_ids, d_ids, bs, bd, kv_first):
+    """What the destination must hold after a transfer matching tokens (numpy, independent of the API)."""
+    s = src.clone().numpy()
+    out = dst.clone().numpy()
+    tokens = min(len(s_ids) * bs, len(d_ids) * bd)
+    for t in range(tokens):
+        sb, so = s_ids[t // bs], t % bs
+        db, do = d_ids[t // bd], t % bd
+        if kv_first:
+            out[:, db, do] = s[:, sb, so]
+        else:
+            out[db, do] = s[sb, so]
+    return out
+
+
+@pytest.mark.parametrize("op", ["pull", "push"])
+@pytest.mark.parametrize("bs, bd", [(8, 2), (2, 8)])
+def test_block_sizes_differ_tokens_match(pair, op, bs, bd):
+    """Prefill blocks of 8 tokens, decode blocks of 2 (and the reverse): tokens land in order."""
+    pre, dec, a0, a1 = pair
+    nb_s, nb_d = 64 // bs, 64 // bd
+    src = a0.tensor((2, nb_s, bs, 3, 2), torch.float16, seed=3)
+    dst = a1.tensor((2, nb_d, bd, 3, 2), torch.float16, seed=4)
+    pre.register_group("g", bs, {"l0": src})
+    dec.register_group("g", bd, {"l0": dst})
+    p_of_dec, p_of_pre = _connect(pre, dec)
+    tokens = 3 * max(bs, bd)
+    rng = np.random.default_rng(0)
+    s_ids = rng.permutation(nb_s)[:-(-tokens // bs)]
+    d_ids = rng.permutation(nb_d)[:-(-tokens // bd)]
+    expect = _token_oracle(src, dst, s_ids, d_ids, bs, bd, kv_first=True)
+    if op == "pull":
+        h = dec.transfer(p_of_dec, "pull", local_blocks={"g": d_ids}, remote_blocks={"g": s_ids})
+    else:
+        h = pre.transfer(p_of_pre, "push", local_blocks={"g": s_ids}, remote_blocks={"g": d_ids})
+    h.wait(60)
+    assert np.array_equal(dst.numpy().view(np.uint8), expect.view(np.uint8))
+
+
+def test_layer_range_moves_only_those_layers(pair):
+    pre, dec, a0, a1 = pair
+    src = _vllm_layers(a0, 3, 4, 2, seed=10)
+    dst = _vllm_layers(a1, 3, 4, 2, seed=20)
+    before = {k: v.clone() for k, v in dst.items()}
+    pre.register_group("full", 2, src)
+    dec.register_group("full", 2, dst)
+    p_of_dec, _ = _connect(pre, dec)
+    x = dec.prepare(p_of_dec, "pull", local_blocks={"full": [0, 1]}, remote_blocks={"full": [2, 3]}, layers=(1, 2))
+    x.post().wait(60)
+    name = "model.layers.{}.self_attn"
+    assert _eq(dst[name.format(1)][:, [0, 1]], src[name.format(1)][:, [2, 3]])
+    for i in (0, 2):
+        assert _eq(dst[name.format(i)], before[name.format(i)])
+    with pytest.raises(BadInput, match="selects no layer"):
+        dec.prepare(p_of_dec, "pull", local_blocks={"full": [0]}, remote_blocks={"full": [0]}, layers=(7, 9))
+
+
+def test_transfer_reposts_and_notifies(pair):
+    """A prepared transfer posts again; each post bumps the peer's notification word; a stream waits on it."""
+    pre, dec, a0, a1 = pair
+    pre.register_group("full", 4, _vllm_layers(a0, 1, 4, 4, seed=1))
+    dec.register_group("full", 4, _vllm_layers(a1, 1, 4, 4, seed=2))
+    _, p_of_pre = _connect(pre, dec)
+    x = pre.prepare(p_of_pre, "push", local_blocks={"full": [0, 1]}, remote_blocks={"full": [2, 3]}, notify_slot=5)
+    assert dec.notification(5) == 0
+    h1 = x.post()
+    h2 = x.post()
+    assert (h1.notify_value, h2.notify_value) == (1, 2)
+    h2.wait(60)
+    assert dec.wait_notification(5, 2, timeout_s=30) >= 2
+    s = dec.platform.create_stream(1)
+    dec.stream_wait_notification(s, 5, 2)
+    assert dec.platform.synchronize(s, 30)
+    with pytest.raises(TransferTimeout, match="notification slot 6"):
+        dec.wait_notification(6, 1, timeout_s=0.05)
+
+
+def test_timeout_names_the_request(pair):
+    pre, dec, a0, a1 = pair
+    pre.register_group("full", 4, _vllm_layers(a0, 1, 4, 4, seed=1))
+    dec.register_group("full", 4, _vllm_layers(a1, 1, 4, 4, seed=2))
+    p_of_dec, _ = _connect(pre, dec)
+    plat = dec.platform
+    gate = plat.alloc(64, 1)
+    s = plat.create_stream(1)
+    try:
+        plat.memset_async(s, gate.ptr, 0, 64)
+        plat.wait_flag(s, gate.ptr, 1)                    # the stream is held until the gate opens
+        h = dec.transfer(p_of_dec, "pull", local_blocks={"full": [0]}, remote_blocks={"full": [1]}, stream=s,
+                         name="stuck-request")
+        with pytest.raises(TransferTimeout, match="stuck-request"):
+            h.wait(0.1)
+        assert not h.done()
+        plat.host_write_flag(gate.ptr, 1, 1)
+        h.wait(60)
+    finally:
+        plat.synchronize(s, 30)
+        s.close()
+        gate.close()
+
+
+# ----------------------------------------------------------------------------- the expansion against the plans
+
+
+@pytest.mark.parametrize("workload, isl, page", [("kv-dsv4", 160, 16), ("kv-dsv4-vllm", 600, 256),
+                                                 ("kv-gqa", 40, 8)])
+def test_expansion_matches_the_numpy_plan(plat, workload, isl, page):
+    """Bench layouts registered as groups, seeded block tables as block IDs: the descriptors the
+    device expands are exactly :func:`request_plan`'s."""
+    layout = layout_for_burst(workload, isl, page, 1)
+    bufs = [plat.alloc(layout.pool_bytes, d) for d in (0, 1)]
+    agents = [KVAgent(f"side{d}", platform=plat, device=d) for d in (0, 1)]
+    try:
+        for ag, buf in zip(agents, bufs):
+            for name, bt, layers in layout_groups(layout, plat.as_tensor(buf)):
+                ag.register_group(name, bt, layers)
+        src_t = burst_tables(layout, isl, 1, seed=3, side="src")[0]
+        dst_t = burst_tables(layout, isl, 1, seed=3, side="dst")[0]
+        peer = agents[1].add_peer(agents[0].metadata())
+        x = agents[1].prepare(peer, "pull", local_blocks=dst_t, remote_blocks=src_t)
+        got = x.expanded_descriptors()
+        want = request_plan(layout, layout, src_t, dst_t)
+        key = lambda a: a[np.lexsort((a[:, 2], a[:, 1], a[:, 0]))]   # noqa: E731
+        assert got.shape == want.shape == (x.descriptors, 3)
+        assert np.array_equal(key(got), key(want))
+        assert x.nbytes == int(want[:, 2].sum())
+    finally:
+        for ag in agents[::-1]:
+            ag.close()
+        for b in bufs:
+            b.close()
+
+
+def test_expansion_kernel_matches_reference_on_hostile_input():
+    """Random planes and requests, IDs and offsets out of range included: the kernel writes exactly what
+    the reference does, and nothing outside ``out``."""
+    from gpuxfer.kernels import expand_blocks
+    from gpuxfer.kernels import reference as ref
+
+    @settings(max_examples=25, deadline=None)
+    @given(st.data())
+    def check(data):
+        rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+        P, G = data.draw(st.integers(1, 4)), data.draw(st.integers(0, 3))
+        planes = rng.integers(-3, 50, (P, 10)).astype(np.int64)
+        planes[:, 5] = rng.integers(-1, G + 1, P)
+        n_ids = data.draw(st.integers(0, 12))
+        head = P + 1 + 3 * G
+        req = rng.integers(-2, head + n_ids + 3, head + n_ids).astype(np.int64)
+        n_rows = data.draw(st.integers(1, 40))
+        out = torch.full((n_rows + 2, 3), -7, dtype=torch.int64)
+        expand_blocks(torch.from_numpy(planes), torch.from_numpy(req), out[1:-1], n_groups=G, max_segments=64)
+        want = ref.expand_blocks(planes, req, G, n_rows, np.full((n_rows, 3), -7, dtype=np.int64))
+        assert np.array_equal(out[1:-1].numpy(), want)
+        assert (out[0] == -7).all() and (out[-1] == -7).all()
+
+    check()
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_groups_ratios_and_ids(plat, data):
+    """Hypothesis over groups (layouts, pieces, block sizes one dividing the other) and block IDs: the
+    destination holds what a token-by-token numpy copy says."""
+    a0, a1 = Arena(plat, 0, 1 << 15), Arena(plat, 1, 1 << 15)
+    pre = KVAgent("p", platform=plat, device=0)
+    dec = KVAgent("d", platform=plat, device=1)
+    try:
+        groups = []
+        for gi in range(data.draw(st.integers(1, 2), label="groups")):
+            base = data.draw(st.sampled_from([1, 2, 4]), label="base block tokens")
+            bs = base * data.draw(st.sampled_from([1, 2, 4]), label="source ratio")
+            bd = base if bs != base else base * data.draw(st.sampled_from([1, 2]), label="destination ratio")
+            kv_first = data.draw(st.booleans(), label="kv first")
+            tb = data.draw(st.sampled_from([1, 3, 16]), label="bytes per token")
+            tokens = data.draw(st.integers(1, 3), label="segments") * max(bs, bd)
+            nb_s, nb_d = tokens // bs + 2, tokens // bd + 2
+            shape = lambda nb, bt: (2, nb, bt, tb) if kv_first else (nb, bt, tb)  # noqa: E731
+            src = a0.tensor(shape(nb_s, bs), seed=gi + 1)
+            dst = a1.tensor(shape(nb_d, bd), seed=gi + 9)
+            pre.register_group(f"g{gi}", bs, {"l": src})
+            dec.register_group(f"g{gi}", bd, {"l": dst})
+            s_ids = np.random.default_rng(gi).permutation(nb_s)[:tokens // bs]
+            d_ids = np.random.default_rng(gi + 5).permutation(nb_d)[:tokens // bd]
+            groups.append((f"g{gi}", src, dst, s_ids, d_ids, bs, bd, kv_first))
+        expect = [_token_oracle(src, dst, s, d, bs, bd, kv) for _, src, dst, s, d, bs, bd, kv in groups]
+        op = data.draw(st.sampled_from(["pull", "push"]), label="op")
+        src_ids = {g[0]: g[3] for g in groups}
+        dst_ids = {g[0]: g[4] for g in groups}
+        if op == "pull":
+            peer = dec.add_peer(pre.metadata())
+            dec.transfer(peer, "pull", local_blocks=dst_ids, remote_blocks=src_ids).wait(60)
+        else:
+            peer = pre.add_peer(dec.metadata())
+            pre.transfer(peer, "push", local_blocks=src_ids, remote_blocks=dst_ids).wait(60)
+        for (name, _, dst, *_), want in zip(groups, expect):
+            assert np.array_equal(dst.numpy().view(np.uint8), want.view(np.uint8)), name
+    finally:
+        dec.close()
+        pre.close()
+        a0.close()
+        a1.close()
+
+
+# ----------------------------------------------------------------------------- layer descriptions
+
+
+def test_describe_layer_shapes():
+    kv = torch.zeros((2, 5, 4, 2, 8), dtype=torch.bfloat16)
+    lay = describe_layer(kv, name="model.layers.3.attn")
+    assert (lay.num_blocks, lay.block_stride, lay.index) == (5, 4 * 2 * 8 * 2, 3)
+    assert [(p.offset, p.nbytes) for p in lay.pieces] == [(0, 128), (5 * 128, 128)]
+    fi = torch.zeros((5, 2, 4, 2, 8), dtype=torch.float16)            # FlashInfer: K and V per block
+    assert [(p.offset, p.nbytes) for p in describe_layer(fi).pieces] == [(0, 128), (128, 128)]
+    dsv4 = torch.zeros((7, 37440), dtype=torch.uint8)[:, :64 * 584].view(7, 64, 584)   # padded pages
+    lay = describe_layer(dsv4)
+    assert (lay.num_blocks, lay.block_stride, lay.pieces[0].nbytes) == (7, 37440, 64 * 584)
+    two = torch.zeros((2, 2, 4, 8))
+    assert describe_layer(two, num_blocks=2).pieces[1].offset == two.stride(0) * 4
+    with pytest.raises(BadInput, match="dense"):
+        describe_layer(torch.zeros((4, 6, 8)).transpose(1, 2))
+    with pytest.raises(BadInput, match="holds 4 blocks"):
+        describe_layer(torch.zeros((4, 6, 8)), num_blocks=5)
+    with pytest.raises(BadInput, match="block dimension"):
+        describe_layer(torch.zeros(8))
+    slab = torch.zeros(10 * 100, dtype=torch.uint8)
+    spec = KVLayerSpec(slab[30:], num_blocks=10, block_stride_bytes=100, pieces=[(0, 20)])
+    assert describe_layer(spec).extent == 970
+    with pytest.raises(BadInput, match="past the"):
+        describe_layer(KVLayerSpec(slab[30:], 10, 100, [(0, 71)]))
+    with pytest.raises(BadInput, match="exceed the block stride"):
+        describe_layer(KVLayerSpec(slab, 2, 10, [(0, 20)]))
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_block_ids(pair):
+    pre, dec, a0, a1 = pair
+    pre.register_group("full", 4, _vllm_layers(a0, 1, 4, 4, seed=1))
+    dec.register_group("full", 4, _vllm_layers(a1, 1, 4, 4, seed=2))
+    pre.register_group("w", 2, {"w0": a0.tensor((6, 2, 8), seed=3)})
+    dec.register_group("w", 4, {"w0": a1.tensor((6, 4, 8), seed=3)})
+    p, _ = _connect(pre, dec)
+
+    def prep(local, remote, **kw):
+        return dec.prepare(p, "pull", local_blocks=local, remote_blocks=remote, name="r1", **kw)
+
+    with pytest.raises(BlockIdError, match="block ID 4 at position 1 is out of range"):
+        prep({"full": [0, 1]}, {"full": [0, 4]})
+    with pytest.raises(BlockIdError, match="block ID -1"):
+        prep({"full": [-1]}, {"full": [0]})
+    with pytest.raises(BlockIdError, match="destination block 2 appears more than once"):
+        prep({"full": [2, 2]}, {"full": [0, 1]})
+    with pytest.raises(BlockIdError, match="do not cover the same tokens"):
+        prep({"full": [0, 1]}, {"full": [0]})
+    with pytest.raises(BlockIdError, match="do not cover the same tokens"):
+        prep({"w": [0, 1]}, {"w": [0]})                 # 2 decode blocks of 4 tokens need 4 of 2
+    prep({"w": [0, 1]}, {"w": [0, 1, 2, 3]})
+    with pytest.raises(BlockIdError, match="same"):
+        prep({"full": [0]}, {"w": [0]})
+    with pytest.raises(NotRegistered, match="'nope'"):
+        prep({"nope": [0]}, {"nope": [0]})
+    with pytest.raises(BlockIdError, match="1-D"):
+        prep({"full": [[0]]}, {"full": [[0]]})
+    with pytest.raises(BlockIdError, match="integers"):
+        prep({"full": [0.5]}, {"full": [0]})
+    with pytest.raises(BlockIdError, match="out of range"):
+        prep({"full": np.array([2**63 - 1], dtype=np.uint64)}, {"full": [0]})
+    with pytest.raises(BadInput, match="op must be"):
+        dec.prepare(p, "send", local_blocks={}, remote_blocks={})
+    with pytest.raises(BadInput, match="notify_slot"):
+        prep({"full": [0]}, {"full": [0]}, notify_slot=64)
+    with pytest.raises(BadInput, match="layers must be"):
+        prep({"full": [0]}, {"full": [0]}, layers=(3, 1))
+
+
+def test_duplicate_destinations_across_groups_sharing_memory(pair):
+    """Two groups laid over one slab array (vLLM's packed layout): a block ID may serve one group only."""
+    pre, dec, a0, a1 = pair
+    for ag, ar, seed in ((pre, a0, 1), (dec, a1, 2)):
+        slab = ar.tensor((8, 96), seed=seed)
+        ag.register_group("mla", 4, {"mla": KVLayerSpec(slab, 8, 96, [(0, 64)])})
+        ag.register_group("swa", 4, {"swa": KVLayerSpec(slab, 8, 96, [(0, 32)])})
+    p, _ = _connect(pre, dec)
+    dec.prepare(p, "pull", local_blocks={"mla": [0, 1], "swa": [2]}, remote_blocks={"mla": [0, 1], "swa": [3]})
+    with pytest.raises(BlockIdError, match="block 1 appears more than once"):
+        dec.prepare(p, "pull", local_blocks={"mla": [0, 1], "swa": [1]}, remote_blocks={"mla": [0, 1], "swa": [3]})
+
+
+def test_mismatched_layouts(pair):
+    pre, dec, a0, a1 = pair
+    pre.register_group("a", 4, {"l0": a0.tensor((4, 4, 8))})
+    dec.register_group("a", 4, {"l0": a1.tensor((4, 4, 16))})
+    pre.register_group("b", 4, {"l0": a0.tensor((4, 4, 8))})
+    dec.register_group("b", 4, {"other": a1.tensor((4, 4, 8))})
+    pre.register_group("c", 4, {"l0": a0.tensor((4, 4, 8))})
+    dec.register_group("c", 3, {"l0": a1.tensor((4, 3, 8))})
+    pre.register_group("d", 4, {"l0": a0.tensor((4, 4, 8))})
+    dec.register_group("d", 2, {"l0": a1.tensor((8, 2, 8))}, token_major=False)
+    pre.register_group("e", 4, {"l0": a0.tensor((4, 4, 8)), "l1": a0.tensor((4, 4, 8))})
+    dec.register_group("e", 4, {"l0": a1.tensor((4, 4, 8))})
+    pre.register_group("ok", 4, {"l0": a0.tensor((4, 4, 8))})
+    dec.register_group("ok", 4, {"l0": a1.tensor((4, 4, 8))})
+    pre.register_group("only-here", 4, {"l0": a0.tensor((4, 4, 8))})
+    p, _ = _connect(pre, dec)
+    for g, match in (("a", "bytes per block"), ("b", "no layer"), ("c", "one must divide"), ("d", "token-major"),
+                     ("e", "1 layers here, 2 on")):
+        with pytest.raises(LayoutMismatch, match=match):
+            dec.prepare(p, "pull", local_blocks={g: [0]}, remote_blocks={g: [0]})
+    dec.prepare(p, "pull", local_blocks={"ok": [0]}, remote_blocks={"ok": [1]}).post().wait(60)
+    with pytest.raises(NotRegistered, match="only-here"):
+        dec.prepare(p, "pull", local_blocks={"only-here": [0]}, remote_blocks={"only-here": [0]})
+
+
+def test_registration_errors(pair, plat):
+    pre, dec, a0, a1 = pair
+    with pytest.raises(NotExportable, match="not inside a shared-memory buffer"):
+        pre.register_group("g", 4, {"l": torch.zeros((4, 4, 8), dtype=torch.uint8)})
+    with pytest.raises(BadInput, match="torch.Tensor"):
+        pre.register_group("g", 4, {"l": np.zeros((4, 4, 8))})
+    with pytest.raises(BadInput, match="block_tokens"):
+        pre.register_group("g", 0, {"l": a0.tensor((4, 4, 8))})
+    with pytest.raises(BadInput, match="no layers"):
+        pre.register_group("g", 4, {})
+    pre.register_group("g", 4, [a0.tensor((4, 4, 8))])
+    assert pre.groups == {"g": (4, 4, 1)}
+    with pytest.raises(BadInput, match="already registered"):
+        pre.register_group("g", 4, [a0.tensor((4, 4, 8))])
+    with pytest.raises(BadInput, match="engine"):
+        KVAgent("x", platform=plat, engine="carrier-pigeon")
+    with pytest.raises(NotRegistered, match="no peer 'ghost'"):
+        pre.peer("ghost")
+
+
+def test_removed_peer_and_closed_agent(pair):
+    pre, dec, a0, a1 = pair
+    pre.register_group("g", 4, [a0.tensor((4, 4, 8))])
+    dec.register_group("g", 4, [a1.tensor((4, 4, 8))])
+    p, _ = _connect(pre, dec)
+    x = dec.prepare(p, "pull", local_blocks={"g": [0]}, remote_blocks={"g": [1]})
+    with pytest.raises(BadInput, match="already added"):
+        dec.add_peer(pre.metadata())
+    dec.remove_peer("prefill")
+    with pytest.raises(NotRegistered, match="removed"):
+        x.post()
+    with pytest.raises(NotRegistered):
+        dec.remove_peer("prefill")
+    with pytest.raises(BadInput, match="own peer"):
+        dec.add_peer(dec.metadata())
+    dec.close()
+    dec.close()
+    with pytest.raises(BadInput, match="closed"):
+        dec.metadata()
+
+
+# ----------------------------------------------------------------------------- metadata bytes
+
+
+def _meta_body(blob: bytes) -> dict:
+    return json.loads(blob[12:])
+
+
+def _reblob(body: dict, version: int = METADATA_VERSION) -> bytes:
+    raw = json.dumps(body).encode()
+    return struct.pack("<4sHHI", b"GXKV", version, 0, len(raw)) + raw
+
+
+def test_metadata_roundtrip_and_hostile_bytes(pair):
+    pre, dec, a0, a1 = pair
+    pre.register_group("full", 4, _vllm_layers(a0, 2, 4, 4, seed=1))
+    blob = pre.metadata()
+    meta = decode_metadata(blob)
+    assert meta.agent == "prefill" and [g.name for g in meta.groups] == ["full"]
+    assert len(meta.groups[0].layers) == 2 and len(meta.allocations) == 1
+    body = _meta_body(blob)
+    cases = [
+        (b"", "shorter than"), (blob[:11], "shorter than"), (b"XXXX" + blob[4:], "magic"),
+        (_reblob(body, version=99), "version 99"), (blob[:-1], "body bytes"), (blob + b" ", "body bytes"),
+        (blob[:12] + b"\xff" * (len(blob) - 12), "not valid JSON"), ("text", "must be bytes"),
+        (_reblob([1, 2]), "JSON object"),
+    ]
+    for bad, match in cases:
+        with pytest.raises(BadMetadata, match=match):
+            decode_metadata(bad)
+
+    def mutate(path, value):
+        b = json.loads(json.dumps(body))
+        node = b
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = value
+        return _reblob(b)
+
+    g0l0 = ["groups", 0, "layers", 0]
+    for path, value, match in [
+        (["pid"], -1, "'pid'"), (["agent"], "", "'agent'"), (["allocations"], "x", "'allocations'"),
+        (["control", "payload"], "zz", "hex"), (["control", "nbytes"], 8, "control"),
+        (g0l0 + ["alloc"], 5, "'alloc'"), (g0l0 + ["offset"], 2**61, "lie outside"),
+        (g0l0 + ["num_blocks"], 10**6, "past the"), (g0l0 + ["block_stride"], 0, "'block_stride'"),
+        (g0l0 + ["pieces"], [[0, -1]], "piece"), (g0l0 + ["pieces"], [[0]], "piece"),
+        (g0l0 + ["pieces"], [], "pieces"), (g0l0 + ["token_major"], 1, "token_major"),
+        (g0l0 + ["name"], "model.layers.1.self_attn", "duplicate layer"),
+        (["groups", 0, "block_tokens"], 0, "block_tokens"),
+        (["groups"], [body["groups"][0], body["groups"][0]], "duplicate group"),
+        (g0l0 + ["pieces"], [[0, 2**70]], "piece"), (g0l0 + ["index"], True, "'index'"),
+    ]:
+        with pytest.raises(BadMetadata, match=match):
+            decode_metadata(mutate(path, value))
+    with pytest.raises(BadMetadata, match="platform"):
+        dec.add_peer(mutate(["platform"], "cuda"))
+    with pytest.raises(BadMetadata, match="not a live agent"):
+        dec.add_peer(mutate(["uid"], "0" * 32))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=300))
+def test_metadata_fuzz_raises_only_typed_errors(raw):
+    for blob in (raw, b"GXKV" + struct.pack("<HHI", METADATA_VERSION, 0, max(len(raw) - 8, 0)) + raw[8:]):
+        try:
+            decode_metadata(blob)
+        except BadMetadata:
+            pass
+
+
+# ----------------------------------------------------------------------------- platform hooks
+
+
+def test_host_export_range(plat):
+    buf = plat.alloc(4096, 0)
+    try:
+        t = plat.as_tensor(buf)[1000:1100]
+        ex = plat.export_range(t.data_ptr(), 100, 0)
+        assert ex.offset == 1000 and ex.handle.nbytes == 4096
+        assert plat.allocation_range(t.data_ptr(), 0) == (buf.ptr, 4096)
+        with pytest.raises(NotExportable, match="runs past the end"):
+            plat.export_range(buf.ptr + 4000, 200, 0)
+        with pytest.raises(BadInput, match="device 0, not 1"):
+            plat.export_range(buf.ptr, 8, 1)
+        with pytest.raises(NotExportable):
+            plat.export_range(torch.zeros(8).data_ptr(), 8, 0)
+        assert plat.allocation_range(torch.zeros(8).data_ptr(), 0) is None
+    finally:
+        buf.close()
+
+
+# ----------------------------------------------------------------------------- two processes
+
+
+def _side(rank, world, init, platform_name, op, carve):
+    """One side of a two-process hand-off: vLLM-shaped caches allocated by torch (CUDA) or carved from a
+    shared-memory buffer (host), metadata bytes swapped through a gloo group, every byte checked."""
+    import datetime
+    import torch.distributed as dist
+    from gpuxfer.platforms import get_platform
+    plat = get_platform(platform_name)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    keep = []
+    try:
+        layers, blocks, bt = 3, 6, 4
+        shape = (2, blocks, bt, 2, 8)
+        n = int(np.prod(shape))
+        if platform_name == "host":
+            buf = plat.alloc(layers * n * 2 + 4096, rank)
+            keep.append(buf)
+            flat = plat.as_tensor(buf, dtype=torch.bfloat16)
+            caches = {f"model.layers.{i}.attn": flat[1000 + i * n:1000 + (i + 1) * n].view(shape)
+                      for i in range(layers)}
+            device = rank
+        else:
+            device = 0
+            big = torch.empty(layers * n + 3000, dtype=torch.bfloat16, device="cuda:0")   # one allocation
+            caches = {f"model.layers.{i}.attn": (big[1000 + i * n:1000 + (i + 1) * n].view(shape) if carve
+                                                  else torch.empty(shape, dtype=torch.bfloat16, device="cuda:0"))
+                      for i in range(layers)}
+        g = torch.Generator().manual_seed(rank)
+        for t in caches.values():
+            t.copy_(torch.randn(shape, generator=g).to(torch.bfloat16))
+        agent = KVAgent(f"rank{rank}", platform=plat, device=device)
+        keep.append(agent)
+        agent.register_kv_caches(caches, bt, group="full")
+        blobs = [None, None]
+        dist.all_gather_object(blobs, agent.metadata())
+        peer = agent.add_peer(blobs[1 - rank])
+        src_ids, dst_ids = [5, 0, 3], [1, 4, 2]
+        initiator = 1 if op == "pull" else 0
+        if rank == initiator:
+            mine, theirs = (dst_ids, src_ids) if op == "pull" else (src_ids, dst_ids)
+            h = agent.transfer(peer, op, local_blocks={"full": mine}, remote_blocks={"full": theirs}, notify_slot=0)
+            h.wait(60)
+        else:
+            agent.wait_notification(0, 1, timeout_s=60)
+        dist.barrier()
+        sums = {k: [t[:, b].float().cpu().numpy() for b in range(blocks)] for k, t in caches.items()}
+        allsums = [None, None]
+        dist.all_gather_object(allsums, sums)
+        for k in caches:
+            for s, d in zip(src_ids, dst_ids):
+                assert np.array_equal(allsums[0][k][s], allsums[1][k][d]), (k, s, d)
+        dist.barrier()
+        return "ok"
+    finally:
+        for r in keep[::-1]:
+            r.close()
+        dist.destroy_process_group()
+        plat.close()
+
+
+@pytest.mark.parametrize("op", ["pull", "push"])
+def test_two_processes_host(spawner, op):
+    assert spawner.run_ranks(_side, 2, "host", op, True, timeout=180) == ["ok", "ok"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op, carve", [("pull", True), ("push", False)])
+def test_two_processes_one_cuda_device(spawner, op, carve):
+    from conftest import platform_reason
+    why = platform_reason("cuda")
+    if why:
+        pytest.skip(why)
+    assert spawner.run_ranks(_side, 2, "cuda", op, carve, timeout=240) == ["ok", "ok"]
+
+
+def _expandable_child():
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    from gpuxfer.platforms import get_platform
+    plat = get_platform("cuda")
+    t = torch.empty((2, 4, 4, 8), dtype=torch.bfloat16, device="cuda:0")
+    agent = KVAgent("x", platform=plat, device=0)
+    try:
+        agent.register_kv_caches({"l0": t}, 4)
+    except NotExportable as exc:
+        return str(exc)
+    finally:
+        agent.close()
+        plat.close()
+    return "registered"
+
+
+@pytest.mark.gpu
+def test_cuda_export_range_and_expandable_segments(spawner):
+    from conftest import platform_reason
+    why = platform_reason("cuda")
+    if why:
+        pytest.skip(why)
+    from gpuxfer.platforms import get_platform
+    plat = get_platform("cuda")
+    try:
+        big = torch.empty(10 << 20, dtype=torch.uint8, device="cuda:0")
+        part = big[3 << 20:]
+        ex = plat.export_range(part.data_ptr(), 1 << 20, 0)
+        base, size = plat.allocation_range(part.data_ptr(), 0)
+        assert part.data_ptr() - base == ex.offset and ex.handle.nbytes == size >= 10 << 20
+        with pytest.raises(NotExportable):
+            plat.export_range(torch.zeros(4).data_ptr(), 16, 0)
+    finally:
+        plat.close()
+    msg = spawner.start(_expandable_child, name="expandable").result(120)
+    assert "not legacy-IPC capable" in msg or "expandable" in msg, msg
