@@ -224,3 +224,115 @@ def test_check_bounds_accepts_ranges_that_end_at_the_pool_end():
     check_bounds(np.zeros((0, 3), dtype=np.int64), 0, 0)
     with pytest.raises(BadInput, match="pool size"):
         check_bounds(np.array([[0, 0, 8]], dtype=np.int64), -1, 8)
+
+
+# ----------------------------------------------------------------------------- guard bytes (stray writes)
+
+
+def _guarded_transfer(pool_bytes: int, rows, *, src_seed: int = 11, dst_seed: int = 22):
+    """A source pool of ``src_seed``'s pattern, a destination of ``dst_seed``'s, ``rows`` copied (reference)."""
+    from gpuxfer.kernels import reference as ref
+    src = ref.pattern(src_seed, 0, pool_bytes)
+    dst = ref.pattern(dst_seed, 0, pool_bytes)
+    d = np.array(rows, dtype=np.int64).reshape(-1, 3)
+    ref.copy(src, dst, d)
+    return dst, d
+
+
+def _covered(d: np.ndarray, pool_bytes: int) -> np.ndarray:
+    mask = np.zeros(pool_bytes, dtype=bool)
+    for _, o, n in d.tolist():
+        mask[o:o + n] = True
+    return mask
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_guard_descriptors_are_exactly_the_bytes_no_destination_covers(seed):
+    import torch
+
+    from gpuxfer.kernels import launch as L
+    rng = np.random.default_rng(seed)
+    pool = int(rng.integers(1, 5000))
+    n = int(rng.integers(0, 12))
+    dst = rng.integers(0, pool, n)
+    size = np.minimum(rng.integers(0, 300, n), pool - dst)       # zero sizes and overlaps included
+    d = np.stack([np.zeros(n, np.int64), dst, size], axis=1).astype(np.int64)
+    g = L.guard_descriptors(torch.from_numpy(d), pool, piece=int(rng.integers(1, 700))).numpy()
+    assert (g[:, 0] == g[:, 1]).all() and (g[:, 2] > 0).all()
+    mask = np.zeros(pool, dtype=np.int64)
+    for _, o, k in g.tolist():
+        mask[o:o + k] += 1
+    assert (mask == (~_covered(d, pool)).astype(np.int64)).all()
+
+
+def test_verify_with_guard_counts_stray_writes_and_names_the_first():
+    """The kernel path (``kernels.verify(guard_seed=...)``) and the NumPy reference agree on a clean
+    transfer, a stray write outside every descriptor, and a wrong byte inside one."""
+    import torch
+
+    from gpuxfer import kernels as K
+    from gpuxfer.errors import VerificationFailed
+    from gpuxfer.kernels import reference as ref
+    pool = 48 << 10
+    rows = [[0, 1000, 700], [5000, 3000, 64], [9000, 40000, 2048]]
+    dst, d = _guarded_transfer(pool, rows)
+    desc_t = torch.from_numpy(d)
+
+    clean = K.verify(torch.from_numpy(dst.copy()), desc_t, 11, guard_seed=22)
+    assert clean.ok and clean.wrong_bytes == 0 and clean.guard_wrong_bytes == 0
+    assert clean.guard_bytes == pool - 700 - 64 - 2048
+    assert ref.verify_guard(dst, d, 22) == (0, -1, pool - 700 - 64 - 2048)
+    assert K.verify(torch.from_numpy(dst.copy()), desc_t, 11).guard_bytes == 0     # off by default
+
+    stray = dst.copy()
+    for o in (999, 1700, 30000, pool - 1):          # just before/after a destination, between, the last byte
+        stray[o] ^= 0x5A
+    r = K.verify(torch.from_numpy(stray.copy()), desc_t, 11, guard_seed=22)
+    assert not r.ok and r.wrong_bytes == 0 and r.guard_wrong_bytes == 4 and r.guard_first_bad == 999
+    assert ref.verify_guard(stray, d, 22) == (4, 999, pool - 700 - 64 - 2048)
+    assert K.verify(torch.from_numpy(stray.copy()), desc_t, 11).ok          # unguarded, the stray writes go unseen
+    with pytest.raises(VerificationFailed, match="4 of the .* bytes outside every descriptor changed") as ei:
+        r.raise_if_failed()
+    assert ei.value.wrong_bytes == 4
+
+    inside = dst.copy()
+    inside[3010] ^= 1                                # inside descriptor 1: the descriptor check, not the guard
+    r = K.verify(torch.from_numpy(inside), desc_t, 11, guard_seed=22)
+    assert (r.wrong_bytes, r.first_bad, r.guard_wrong_bytes) == (1, 1, 0)
+    assert ref.verify_guard(inside, d, 22)[0] == 0
+
+
+def test_verify_guard_needs_validation_and_int_seeds():
+    import torch
+
+    from gpuxfer import kernels as K
+    t = torch.zeros(64, dtype=torch.uint8)
+    d = torch.tensor([[0, 0, 8]], dtype=torch.int64)
+    with pytest.raises(BadInput, match="validate"):
+        K.verify(t, d, 1, guard_seed=2, validate=False)
+    with pytest.raises(BadInput, match="guard_seed must be an int"):
+        K.verify(t, d, 1, guard_seed="2")
+    r = K.verify(t, torch.zeros((0, 3), dtype=torch.int64), 1, guard_seed=2)      # no descriptor: all guard
+    assert r.guard_bytes == 64 and r.guard_wrong_bytes > 0
+
+
+def test_bench_catches_a_stray_write_outside_every_descriptor(capsys, tmp_path):
+    """``--inject-fault ENGINE:DIRECTION:stray`` flips a destination byte no descriptor covers (just past
+    the first descriptor): the row is invalid, the command exits non-zero; the other row is clean."""
+    import json
+
+    from gpuxfer.cli import main
+    out_dir = tmp_path / "out"
+    rc = main(["bench", "kv", "--platform", "host", "--workload", "kv-mla", "--isl", "16", "--page", "16",
+               "--batch", "1", "--warmup", "0", "--trials", "1", "--timeout", "60", "--engine", "bulk,copy_engine",
+               "--direction", "push", "--inject-fault", "copy_engine:push:stray", "--out", str(out_dir)])
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    doc = json.loads((out_dir / "kv_bench.json").read_text())
+    rows = {r["engine"]: r for r in doc["rows"]}
+    assert rows["bulk"]["valid"] and rows["bulk"]["stray_bytes"] == 0 and not rows["bulk"]["fault_injected"]
+    bad = rows["copy_engine"]
+    assert bad["fault_injected"] and not bad["valid"]
+    assert bad["stray_bytes"] == 1 and bad["wrong_bytes"] == 1 and bad["first_wrong_descriptor"] is None
+    assert "outside every descriptor" in bad["first_wrong"]
+    assert doc["outcome"]["status"] == "fail"

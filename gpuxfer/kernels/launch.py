@@ -451,62 +451,134 @@ def fill_pattern(pool, seed: int, *, start: int = 0, nbytes: int | None = None,
 
 @dataclass(frozen=True)
 class VerifyResult:
-    """What :func:`verify` found."""
+    """What :func:`verify` found. The ``guard_*`` fields cover the bytes outside every descriptor's
+    destination (checked with ``guard_seed`` only; zero otherwise)."""
 
     wrong_bytes: int
     first_bad: int            # index of the first descriptor holding a wrong byte, -1 if none
     descriptors: int
-    nbytes: int               # bytes checked
+    nbytes: int               # bytes checked inside the descriptors
+    guard_wrong_bytes: int = 0    # bytes outside every descriptor that differ from the pool's own pattern
+    guard_first_bad: int = -1     # pool offset of the first such byte, -1 if none
+    guard_bytes: int = 0          # bytes checked outside the descriptors
 
     @property
     def ok(self) -> bool:
-        return self.wrong_bytes == 0
+        return self.wrong_bytes == 0 and self.guard_wrong_bytes == 0
 
     def raise_if_failed(self, what: str = "transfer") -> "VerifyResult":
         """Raise :class:`VerificationFailed` unless every byte matched; returns self."""
         if not self.ok:
-            raise VerificationFailed(
-                f"{what}: {self.wrong_bytes} of {self.nbytes} bytes wrong; first wrong descriptor "
-                f"{self.first_bad} of {self.descriptors}", wrong_bytes=self.wrong_bytes, first_bad=self.first_bad)
+            parts = []
+            if self.wrong_bytes:
+                parts.append(f"{self.wrong_bytes} of {self.nbytes} bytes wrong; first wrong descriptor "
+                             f"{self.first_bad} of {self.descriptors}")
+            if self.guard_wrong_bytes:
+                parts.append(f"{self.guard_wrong_bytes} of the {self.guard_bytes} bytes outside every descriptor "
+                             f"changed (a stray write); the first at pool offset {self.guard_first_bad}")
+            raise VerificationFailed(f"{what}: " + "; ".join(parts),
+                                     wrong_bytes=self.wrong_bytes + self.guard_wrong_bytes, first_bad=self.first_bad)
         return self
 
 
-def verify(dst_pool, descs, seed: int, *, num_programs: int | None = None, validate: bool = True,
-           device: torch.device | None = None) -> VerifyResult:
-    """Check every byte of every descriptor's destination in ``dst_pool`` against the
-    pattern of ``seed`` at its *source* offset (the source pool was filled with
-    :func:`fill_pattern` ``(src_pool, seed)``).
+#: bytes of one guard piece (the stretches between destinations are cut into pieces of at most this)
+GUARD_PIECE_BYTES = 1 << 20
 
-    Runs on torch's current stream and **waits** for its two-number result.
-    With ``validate`` every destination must lie inside ``dst_pool`` (BadInput).
+
+def guard_descriptors(descs: torch.Tensor, pool_nbytes: int, piece: int = GUARD_PIECE_BYTES) -> torch.Tensor:
+    """The bytes of a pool of ``pool_nbytes`` that no descriptor's destination covers, as descriptors
+    ``(o, o, n)`` (each stretch cut into pieces of at most ``piece`` bytes), on ``descs``' device.
+
+    Verified against the destination pool's *own* pattern, they say whether anything wrote
+    where no descriptor points. Computed on the device (sort, running maximum); one host
+    sync reads the number of pieces. The descriptors must lie inside the pool.
     """
-    dev = check_pool(dst_pool, "dst_pool", device)
-    n = check_descriptors(descs, "descs", dev)
-    if not isinstance(seed, int):
-        raise BadInput(f"seed must be an int, got {seed!r}")
-    if n == 0:
-        return VerifyResult(0, -1, 0, 0)
-    total = None
-    if validate:
-        stats = _validate_rows(descs[:, 0], descs[:, 1], descs[:, 2], None, dst_pool.numel(), first_row=0,
-                               src_name="", dst_name="the dst pool")
-        total = stats.total_bytes
+    dev = descs.device
+    zero = torch.zeros(1, dtype=torch.int64, device=dev)
+    end = torch.full((1,), int(pool_nbytes), dtype=torch.int64, device=dev)
+    if descs.shape[0]:
+        starts, order = torch.sort(descs[:, 1])
+        reach = torch.cummax(starts + descs[:, 2][order], 0).values
+        lo = torch.cat([zero, reach])              # stretch k runs from the furthest end of rows < k ...
+        hi = torch.cat([starts, end])              # ... to the start of row k (the pool's end after the last)
+    else:
+        lo, hi = zero, end
+    length = (hi - lo).clamp_min(0)
+    counts = -(-length // piece)
+    total = int(counts.sum())
+    if total == 0:
+        return torch.zeros((0, 3), dtype=torch.int64, device=dev)
+    which = torch.repeat_interleave(torch.arange(counts.numel(), device=dev), counts, output_size=total)
+    first = torch.cumsum(counts, 0) - counts
+    k = torch.arange(total, dtype=torch.int64, device=dev) - first[which]
+    start = lo[which] + k * piece
+    size = torch.minimum(torch.full_like(start, piece), hi[which] - start)
+    return torch.stack([start, start, size], dim=1).contiguous()
+
+
+def _verify_launch(pool, descs, n: int, seed: int, dev, num_programs: int | None) -> tuple[int, int]:
+    """Launch the verify kernel over ``n`` rows of ``descs``; (wrong bytes, first wrong row or ``n``)."""
     if dev.type == "cpu":
         rows, wb, programs = 8, 512, CPU_PROGRAMS
     else:
         rows, wb, programs = 4, 1024, 4 * sm_count(dev)
     if num_programs is not None:
-        if not isinstance(num_programs, int) or num_programs < 1:
-            raise BadInput(f"num_programs must be a positive int, got {num_programs!r}")
         programs = num_programs
     groups = -(-n // rows)
     slices = 1 if groups >= programs else min(-(-programs // groups), 1 << 16)
     n_items = groups * slices
     result = torch.tensor([0, n], dtype=torch.int64, device=dev)
-    verify_kernel.launch(dev, (max(1, min(programs, n_items)),), dst_pool, descs, n, reference.seed_key_i64(seed),
+    verify_kernel.launch(dev, (max(1, min(programs, n_items)),), pool, descs, n, reference.seed_key_i64(seed),
                          result, n_items, slices, ROWS=rows, WB=wb, num_warps=8)
-    if total is None:
-        wrong, first, total = torch.cat([result, descs[:, 2].sum().reshape(1)]).tolist()
-    else:
-        wrong, first = result.tolist()
-    return VerifyResult(int(wrong), -1 if first >= n else int(first), n, int(total))
+    wrong, first = result.tolist()
+    return int(wrong), int(first)
+
+
+def verify(dst_pool, descs, seed: int, *, guard_seed: int | None = None, num_programs: int | None = None,
+           validate: bool = True, device: torch.device | None = None) -> VerifyResult:
+    """Check every byte of every descriptor's destination in ``dst_pool`` against the
+    pattern of ``seed`` at its *source* offset (the source pool was filled with
+    :func:`fill_pattern` ``(src_pool, seed)``).
+
+    ``guard_seed``: ``dst_pool`` was filled with :func:`fill_pattern` ``(dst_pool, guard_seed)``
+    before the transfer; every byte outside every descriptor's destination must still hold
+    that pattern (a stray write anywhere in the pool is counted in ``guard_wrong_bytes``).
+    Checked on the device (:func:`guard_descriptors`, the same kernel); only the first
+    wrong piece (at most :data:`GUARD_PIECE_BYTES`) is read back, to name the first wrong byte.
+
+    Runs on torch's current stream and **waits** for its result.
+    With ``validate`` every destination must lie inside ``dst_pool`` (BadInput); the guard
+    check needs it.
+    """
+    dev = check_pool(dst_pool, "dst_pool", device)
+    n = check_descriptors(descs, "descs", dev)
+    for name, v in (("seed", seed), ("guard_seed", guard_seed)):
+        if not isinstance(v, int) and not (name == "guard_seed" and v is None):
+            raise BadInput(f"{name} must be an int, got {v!r}")
+    if guard_seed is not None and not validate:
+        raise BadInput("verify: guard_seed needs validate=True (the guard assumes every descriptor in the pool)")
+    if num_programs is not None and (not isinstance(num_programs, int) or num_programs < 1):
+        raise BadInput(f"num_programs must be a positive int, got {num_programs!r}")
+    wrong, first, total = 0, n, 0
+    if n:
+        if validate:
+            total = _validate_rows(descs[:, 0], descs[:, 1], descs[:, 2], None, dst_pool.numel(), first_row=0,
+                                   src_name="", dst_name="the dst pool").total_bytes
+        else:
+            total = int(descs[:, 2].sum())
+        wrong, first = _verify_launch(dst_pool, descs, n, seed, dev, num_programs)
+    res = VerifyResult(wrong, -1 if first >= n else first, n, total)
+    if guard_seed is None:
+        return res
+    guard = guard_descriptors(descs, dst_pool.numel())
+    m = int(guard.shape[0])
+    if m == 0:
+        return res
+    g_wrong, g_first = _verify_launch(dst_pool, guard, m, guard_seed, dev, num_programs)
+    first_byte = -1
+    if g_wrong:
+        a, size = (int(v) for v in guard[g_first, 1:].tolist())
+        got = dst_pool[a:a + size].cpu().numpy()
+        first_byte = a + int((got != reference.pattern(guard_seed, a, size)).argmax())
+    return dataclasses.replace(res, guard_wrong_bytes=g_wrong, guard_first_bad=first_byte,
+                               guard_bytes=int(guard[:, 2].sum()))

@@ -143,6 +143,25 @@ def unpack(staging: np.ndarray, dst: np.ndarray, descs, start: int = 0, end: int
         pos += n
 
 
+def verify_guard(dst: np.ndarray, descs, seed: int) -> tuple[int, int, int]:
+    """Check every byte of ``dst`` that no descriptor's destination covers against the pattern of
+    ``seed`` at its own offset (``dst`` was filled with ``seed`` before the transfer).
+
+    Returns ``(wrong_bytes, first_bad, checked)``: the number of such bytes that differ, the
+    pool offset of the first (-1 if none) and the number of bytes checked. Descriptors must lie
+    inside ``dst``.
+    """
+    d = check_descs(descs)
+    size = int(dst.size)
+    edges = np.zeros(size + 1, dtype=np.int64)           # +1 where a destination starts, -1 where it ends
+    np.add.at(edges, d[:, 1], 1)
+    np.add.at(edges, d[:, 1] + d[:, 2], -1)
+    outside = np.cumsum(edges[:-1]) == 0
+    bad = outside & (dst != pattern(seed, 0, size))
+    wrong = int(bad.sum())
+    return wrong, int(np.argmax(bad)) if wrong else -1, int(outside.sum())
+
+
 def verify(dst: np.ndarray, descs, seed: int) -> tuple[int, int]:
     """Check ``dst[d:d+n]`` against the pattern of ``seed`` at ``s .. s+n`` for every descriptor.
 

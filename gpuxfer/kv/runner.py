@@ -36,14 +36,18 @@ One row (an engine, a direction, a batch at a grid point)
    initiating side times ``post`` + ``wait`` on its host clock;
 3. verification: the destination pool is refilled with *its own* pattern
    (another seed), one more burst moves the data, and the verify kernel checks
-   every byte of every request against the source pattern at the source offset.
-   A wrong byte marks the row invalid and the command exits non-zero.
+   every byte of every request against the source pattern at the source offset,
+   and every byte outside every descriptor against the destination's own
+   pattern (a stray write anywhere in the pool: ``stray_bytes``). A wrong byte
+   marks the row invalid and the command exits non-zero.
 
 Fault injection (for tests; hidden from ``--help``, documented in
-docs/kv_bench.md): ``--inject-fault ENGINE[:DIRECTION]`` (or ``all``), or the
-environment variable ``GPUXFER_INJECT_FAULT``, flips one destination byte of the
-first descriptor after the verified burst of the matching rows, as a transfer
-that delivered a wrong byte would. The verifier must then fail the row.
+docs/kv_bench.md): ``--inject-fault ENGINE[:DIRECTION][:stray]`` (``ENGINE`` may
+be ``all``), or the environment variable ``GPUXFER_INJECT_FAULT``, flips one
+destination byte after the verified burst of the matching rows: a byte of the
+first descriptor, as a transfer that delivered a wrong byte would, or with
+``:stray`` the first byte past the first descriptor that no descriptor covers,
+as a transfer that wrote past its range would. The verifier must then fail the row.
 """
 from __future__ import annotations
 
@@ -155,23 +159,51 @@ def resolve_platform(name: str) -> str:
     raise PlatformUnavailable("any", "; ".join(f"{k}: {v}" for k, v in skipped.items()))
 
 
+def _inject_parts(spec: str) -> tuple[str, str, str]:
+    """``ENGINE[:DIRECTION][:stray]`` -> (engine, direction or '', 'byte' or 'stray')."""
+    parts = spec.split(":")
+    kind = "stray" if len(parts) > 1 and parts[-1] == "stray" else "byte"
+    if kind == "stray":
+        parts = parts[:-1]
+    return parts[0], ":".join(parts[1:]), kind
+
+
 def _parse_inject(spec: str | None, engines: tuple[str, ...]) -> str | None:
     if spec is None or not str(spec).strip():
         return None
     spec = str(spec).strip()
-    eng, _, d = spec.partition(":")
+    eng, d, _ = _inject_parts(spec)
     if eng not in ("all",) + tuple(E.ENGINES):
-        raise BadInput(f"--inject-fault: unknown engine {eng!r}; use ENGINE[:DIRECTION] or all")
+        raise BadInput(f"--inject-fault: unknown engine {eng!r}; use ENGINE[:DIRECTION][:stray] or all")
     if d and d not in E.DIRECTIONS:
         raise BadInput(f"--inject-fault: unknown direction {d!r}; use pull or push")
     return spec
 
 
-def _fault_matches(spec: str | None, engine: str, direction: str) -> bool:
+def _fault_matches(spec: str | None, engine: str, direction: str) -> str | None:
+    """The fault to inject in this row: ``byte`` (inside a descriptor), ``stray`` (outside all) or None."""
     if not spec:
-        return False
-    eng, _, d = spec.partition(":")
-    return eng in ("all", engine) and (not d or d == direction)
+        return None
+    eng, d, kind = _inject_parts(spec)
+    return kind if eng in ("all", engine) and (not d or d == direction) else None
+
+
+def _stray_offset(desc: np.ndarray, pool_nbytes: int) -> int | None:
+    """The first pool byte at or past the end of ``desc[0]``'s destination that no descriptor covers
+    (else the first uncovered byte; None if every byte is covered)."""
+    if desc.shape[0] == 0:
+        return 0 if pool_nbytes else None
+    order = np.argsort(desc[:, 1], kind="stable")
+    starts = desc[order, 1]
+    reach = np.maximum.accumulate(starts + desc[order, 2])
+    lo = np.concatenate([[0], reach])                 # uncovered stretches [lo, hi)
+    hi = np.concatenate([starts, [pool_nbytes]])
+    past = int(desc[0, 1] + desc[0, 2])
+    for want in (past, 0):
+        k = np.flatnonzero((hi > lo) & (hi > want))
+        if k.size:
+            return int(max(lo[k[0]], want))
+    return None
 
 
 def config_from_args(args: argparse.Namespace, options) -> RunConfig:
@@ -266,19 +298,30 @@ def _pool_fill(platform, stream, mem, seed: int) -> None:
     platform.launch(stream, lambda: K.fill_pattern(t, seed))
 
 
-def _pool_verify(platform, stream, mem, desc: np.ndarray, seed: int, timeout_s: float, rank: int) -> tuple[int, int]:
-    """Wrong bytes and the first wrong descriptor (-1: none) of ``desc`` on ``mem`` (the destination)."""
+def _pool_verify(platform, stream, mem, desc: np.ndarray, seed: int, timeout_s: float, rank: int, *,
+                 guard_seed: int | None = None) -> tuple[int, int, int, int]:
+    """Check ``mem`` (the destination) after a burst of ``desc``: ``(wrong, first, stray, first_stray)``,
+    the wrong bytes inside the descriptors and the first wrong descriptor (-1: none); with
+    ``guard_seed`` (the pattern the pool held before the burst), the bytes outside every
+    descriptor that changed and the pool offset of the first (-1: none). On a GPU both checks
+    run on the device; on the host emulation the guard check is the NumPy reference (the
+    interpreter would take seconds per megabyte)."""
     import torch
     from .. import kernels as K
     t = platform.as_tensor(mem)
+    cpu = t.device.type == "cpu"
     d = torch.from_numpy(np.ascontiguousarray(desc, dtype=np.int64))
-    d = d.clone() if t.device.type == "cpu" else d.to(t.device)
+    d = d.clone() if cpu else d.to(t.device)
     E._sync_uploads_plat(platform, mem.device, timeout_s, rank)
     out: list = []
-    platform.launch(stream, lambda: out.append(K.verify(t, d, seed)))
+    platform.launch(stream, lambda: out.append(K.verify(t, d, seed, guard_seed=None if cpu else guard_seed)))
     _sync(platform, stream, timeout_s, rank, "verification")
     res = out[0]
-    return int(res.wrong_bytes), int(res.first_bad)
+    stray, first_stray = res.guard_wrong_bytes, res.guard_first_bad
+    if cpu and guard_seed is not None:
+        from ..kernels import reference
+        stray, first_stray, _ = reference.verify_guard(t.numpy(), desc, guard_seed)
+    return int(res.wrong_bytes), int(res.first_bad), int(stray), int(first_stray)
 
 
 def _flip_byte(platform, stream, mem, offset: int) -> None:
@@ -682,14 +725,19 @@ class Worker:
         if dst:
             vdesc = eng.verify_descriptors(burst)
             inject = _fault_matches(cfg.inject_fault, eng.name, direction)
-            if inject and vdesc.shape[0]:
-                _flip_byte(plat, self.stream, self.pool, int(vdesc[0, 1]))
-            wrong, first = _pool_verify(plat, self.stream, self.pool, vdesc, self.src_seed, cfg.timeout_s, self.rank)
+            at = (int(vdesc[0, 1]) if vdesc.shape[0] else None) if inject == "byte" else \
+                _stray_offset(vdesc, self.pool.nbytes) if inject == "stray" else None
+            if at is not None:
+                _flip_byte(plat, self.stream, self.pool, at)
+            wrong, first, stray, first_stray = _pool_verify(plat, self.stream, self.pool, vdesc, self.src_seed,
+                                                            cfg.timeout_s, self.rank, guard_seed=self.dst_seed)
             where = None
             if first >= 0:
                 where = (pb.describe_row(first) if not eng.ceiling else
                          f"bytes [{int(vdesc[first, 1])}, {int(vdesc[first, 1] + vdesc[first, 2])}) of the bulk copy")
-            verdict = {"wrong": wrong, "first": first, "where": where, "injected": inject}
+            elif stray:
+                where = f"byte {first_stray} of the destination pool, outside every descriptor (a stray write)"
+            verdict = {"wrong": wrong, "first": first, "where": where, "injected": at is not None, "stray": stray}
         eng.release(p)
 
         # 4. assemble on rank 0; an engine's own telemetry (e.g. NIXL's, unit-suffixed keys) comes from
@@ -705,12 +753,13 @@ class Worker:
         row["warmup"] = len(timing["warm"])
         row["warmup_ms"] = [round(w * 1e3, 6) for w in timing["warm"]]
         R.finish_row(row, timing["samples"])
-        row["wrong_bytes"] = v["wrong"]
+        row["wrong_bytes"] = v["wrong"] + v["stray"]     # inside the descriptors and outside (stray)
+        row["stray_bytes"] = v["stray"]
         row["first_wrong_descriptor"] = v["first"] if v["first"] >= 0 else None
         row["first_wrong"] = v["where"]
         row["fault_injected"] = v["injected"]
         row["verified"] = True
-        row["valid"] = v["wrong"] == 0
+        row["valid"] = row["wrong_bytes"] == 0
         return row
 
     # -- teardown
