@@ -12,6 +12,8 @@ import importlib
 import logging
 import sys
 
+from . import __version__
+
 # (command path, module, one-line help)
 COMMANDS = [
     (("doctor",), "gpuxfer.doctor", "report the platform, devices, links and which backends/engines work here"),
@@ -34,6 +36,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpuxfer", description="GPU-to-GPU transfers for LLM inference, in pure Python.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--version", action="version", version=f"gpuxfer {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     groups: dict[str, argparse._SubParsersAction] = {}
     for path, module, help_ in COMMANDS:
@@ -45,14 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
                 groups[path[0]] = g.add_subparsers(dest="subcommand", metavar="BENCH", required=True)
             p = groups[path[0]].add_parser(path[1], help=help_, description=help_,
                                            formatter_class=_HelpFormatter)
-        p.set_defaults(_module=module)
+        p.set_defaults(_module=module, _parser=p)
         importlib.import_module(module).add_arguments(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:     # said by the subcommand's parser, with its usage, not the top level's
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     if not getattr(args, "_module", None):

@@ -15,11 +15,12 @@ import argparse
 import importlib
 import importlib.metadata
 import json
+import os
 import platform as _pyplatform
 import sys
 
 from . import __version__
-from .errors import PlatformUnavailable
+from .errors import BadInput, PlatformUnavailable
 from .platforms import PLATFORMS, detect, unavailable_reason
 
 # (label, distribution names or a "prefix*" matching any distribution starting with it)
@@ -69,6 +70,17 @@ def library_versions() -> dict[str, str]:
     return out
 
 
+def install_problems(versions: dict[str, str]) -> list[str]:
+    """What is wrong with the installed libraries themselves (e.g. two CuPy builds at once)."""
+    problems = []
+    cupys = [v for v in versions.get("cupy", "").split(", ") if v and v != "not installed"]
+    if len(cupys) > 1:
+        problems.append(f"{len(cupys)} CuPy packages are installed at once ({', '.join(cupys)}): they share the "
+                        "`cupy` module, so which one runs is unclear; keep the one matching the driver "
+                        "(pip uninstall the others)")
+    return problems
+
+
 def capability_report(module: str, func: str, platform) -> tuple[dict[str, str | None] | None, str | None]:
     """``module.func(platform)`` -> (``{name: why-not or None}``, None), or (None, why there is no report)."""
     try:
@@ -82,6 +94,7 @@ def collect(platform_name: str | None = None) -> dict:
     """The whole report as plain data (what ``--json`` prints)."""
     report: dict = {"gpuxfer": __version__, "versions": library_versions(), "platform": None,
                     "platform_error": None, "skipped": {}, "devices": [], "links": []}
+    report["problems"] = install_problems(report["versions"])
     try:
         det = detect(platform_name)
     except PlatformUnavailable as exc:
@@ -130,34 +143,38 @@ def _gib(n) -> str:
 
 
 def render(report: dict, console) -> None:
+    """The report as rich tables. Every text from the report is escaped: ``gpuxfer[rocm]`` is not markup."""
+    from rich.markup import escape as e
     from rich.panel import Panel
     from rich.table import Table
 
     plat = report["platform"]
     if plat is None:
-        console.print(Panel(f"[bold red]no platform could be opened[/]\n{report['platform_error']}",
+        console.print(Panel(f"[bold red]no platform could be opened[/]\n{e(str(report['platform_error']))}",
                             title="gpuxfer doctor"))
     elif plat["is_emulation"]:
-        console.print(Panel(f"[bold yellow]platform: {plat['label']}[/]\n"
+        console.print(Panel(f"[bold yellow]platform: {e(plat['label'])}[/]\n"
                             "[bold yellow]This is an EMULATION: transfers run on the CPU through shared memory. "
                             "It checks correctness and ordering; its timings say nothing about GPUs.[/]",
                             title="gpuxfer doctor", border_style="yellow"))
     else:
-        console.print(Panel(f"[bold green]platform: {plat['label']}[/]", title="gpuxfer doctor"))
+        console.print(Panel(f"[bold green]platform: {e(plat['label'])}[/]", title="gpuxfer doctor"))
+    for problem in report.get("problems", []):
+        console.print(f"[bold red]problem:[/] {e(problem)}")
 
     if report["skipped"]:
         t = Table(title="other platforms", title_justify="left")
         t.add_column("platform")
         t.add_column("why not used")
         for name, why in report["skipped"].items():
-            t.add_row(name, why)
+            t.add_row(e(name), e(str(why)))
         console.print(t)
 
     t = Table(title="versions", title_justify="left")
     t.add_column("library")
     t.add_column("version")
     for k, v in report["versions"].items():
-        t.add_row(k, v)
+        t.add_row(e(k), e(str(v)))
     console.print(t)
 
     devices = report["devices"]
@@ -172,18 +189,18 @@ def render(report: dict, console) -> None:
                 ("stream wait NOR", "stream_wait_nor", _yes), ("flush remote writes", "can_flush_remote_writes", _yes),
                 ("PCI bus id", "pci_bus_id", lambda v: v or "-")]
         if any("error" in d for d in devices):
-            t.add_row("error", *[f"[red]{d['error']}[/]" if "error" in d else "" for d in devices])
+            t.add_row("error", *[f"[red]{e(d['error'])}[/]" if "error" in d else "" for d in devices])
         for label, key, fmt in rows:
-            t.add_row(label, *["" if "error" in d else fmt(d[key]) for d in devices])
+            t.add_row(label, *["" if "error" in d else e(fmt(d[key])) for d in devices])
         console.print(t)
         notes = [tuple(d.get("notes", ())) for d in devices]
         if notes and all(n == notes[0] for n in notes):
             for note in notes[0]:
-                console.print(f"  all devices: {note}")
+                console.print(f"  all devices: {e(note)}")
         else:
             for d, ns in zip(devices, notes):
                 for note in ns:
-                    console.print(f"  device {d['index']}: {note}")
+                    console.print(f"  device {d['index']}: {e(note)}")
 
     n = len(report["devices"])
     if n > 1:
@@ -196,7 +213,7 @@ def render(report: dict, console) -> None:
             cells = []
             for j in range(n):
                 ln = kinds.get((i, j))
-                cells.append("?" if ln is None else ("-" if i == j else ln["kind"] +
+                cells.append("?" if ln is None else ("-" if i == j else e(ln["kind"]) +
                                                      ("" if ln["peer_access"] else " (no peer access)")))
             t.add_row(str(i), *cells)
         console.print(t)
@@ -206,13 +223,13 @@ def render(report: dict, console) -> None:
             continue
         entries, note = report.get(key), report.get(f"{key}_note")
         if entries is None:
-            console.print(f"[bold]{title}:[/] {note}")
+            console.print(f"[bold]{title}:[/] {e(str(note))}")
             continue
         t = Table(title=title, title_justify="left")
         t.add_column("name")
         t.add_column("usable here")
         for name, why in entries.items():
-            t.add_row(name, "[green]yes[/]" if why is None else f"[red]no[/]: {why}")
+            t.add_row(e(name), "[green]yes[/]" if why is None else f"[red]no[/]: {e(why)}")
         console.print(t)
 
 
@@ -221,7 +238,16 @@ def _yes(v) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = collect(args.platform)
+    name = args.platform or os.environ.get("GPUXFER_PLATFORM") or None
+    if name is not None and name not in (*PLATFORMS, "auto"):
+        print(f"gpuxfer doctor: error: GPUXFER_PLATFORM={name!r} is not a platform; known: "
+              f"{', '.join(PLATFORMS)}, auto", file=sys.stderr)
+        return 2
+    try:
+        report = collect(args.platform)
+    except BadInput as exc:     # e.g. GPUXFER_HOST_DEVICES=abc: the message names the variable
+        print(f"gpuxfer doctor: error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:

@@ -37,6 +37,21 @@ def platform_name(request) -> str:
     return request.param
 
 
+@functools.lru_cache(maxsize=None)
+def device_count(name: str) -> int:
+    from gpuxfer.cliutil import device_count as count
+    return count(name)
+
+
+@pytest.fixture
+def nccl_pairs(platform_name) -> str:
+    """For a test whose ranks talk over NCCL, each on ``rank % devices``: skipped (with the reason) where the
+    platform shows one device, since NCCL refuses two ranks on one device. The emulation has no such limit."""
+    if platform_name != "host" and device_count(platform_name) < 2:
+        pytest.skip(f"needs 2 {platform_name} devices (this machine shows 1): NCCL refuses two ranks on one device")
+    return platform_name
+
+
 @pytest.fixture
 def platform(platform_name):
     from gpuxfer.platforms import get_platform

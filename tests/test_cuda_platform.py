@@ -107,7 +107,8 @@ def test_unavailable_reason_never_raises(monkeypatch):
     def weird():
         raise SystemError("something odd")
     monkeypatch.setattr(cm, "_cupy", lambda: (None, types.SimpleNamespace(is_hip=False), Exception))
-    monkeypatch.setattr(cm, "_driver", lambda: _fake_driver(cuInit=lambda f: weird()))
+    # a bare namespace, not _fake_driver: this must hold where cuda.bindings is not installed
+    monkeypatch.setattr(cm, "_driver", lambda: types.SimpleNamespace(cuInit=lambda f: weird()))
     why = cm.CudaPlatform.unavailable_reason()
     assert isinstance(why, str) and "something odd" in why
 

@@ -83,3 +83,46 @@ def test_console_script_exits_0():
                          timeout=100)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["platform"]["name"]
+
+
+@pytest.mark.parametrize("var, value, message", [
+    ("GPUXFER_PLATFORM", "bogus", "GPUXFER_PLATFORM='bogus' is not a platform"),
+    ("GPUXFER_HOST_DEVICES", "abc", "GPUXFER_HOST_DEVICES must be an integer, got 'abc'"),
+    ("GPUXFER_HOST_DEVICES", "0", "GPUXFER_HOST_DEVICES must be >= 1"),
+])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_bad_environment_is_one_line_naming_the_variable(capsys, monkeypatch, var, value, message, as_json):
+    monkeypatch.setenv(var, value)
+    if var == "GPUXFER_HOST_DEVICES":
+        monkeypatch.setenv("GPUXFER_PLATFORM", "host")
+    rc = main(["doctor", *(["--json"] if as_json else [])])
+    cap = capsys.readouterr()
+    assert rc == 2 and cap.out == ""
+    assert cap.err == f"gpuxfer doctor: error: {cap.err.split('error: ', 1)[1]}" and cap.err.count("\n") == 1
+    assert message in cap.err and "Traceback" not in cap.err
+
+
+def test_messages_are_not_read_as_markup(capsys, monkeypatch):
+    """`install gpuxfer[rocm]` stays as written (rich would read `[rocm]` as a style and drop it)."""
+    mod = types.ModuleType("gpuxfer._fake_engines2")
+    mod.engine_report = lambda platform: {"sdma": "install gpuxfer[rocm] for [bold]this[/bold]"}
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setattr(doctor, "_CAPABILITY_REPORTS", [("kv_engines", mod.__name__, "engine_report")])
+    real = doctor.unavailable_reason
+    monkeypatch.setattr(doctor, "unavailable_reason",
+                        lambda n: "hip-python is missing: install gpuxfer[rocm]" if n == "rocm" else real(n))
+    assert main(["doctor", "--platform", "host"]) == 0
+    out = capsys.readouterr().out
+    assert "install gpuxfer[rocm] for [bold]this[/bold]" in out
+    assert "hip-python is missing: install gpuxfer[rocm]" in out
+
+
+def test_two_cupy_packages_are_flagged(capsys, monkeypatch):
+    monkeypatch.setattr(doctor, "library_versions",
+                        lambda: {"cupy": "cupy-cuda12x 14.2.0, cupy-cuda13x 14.2.0", "torch": "2.13.0"})
+    rc, rep = _json(capsys, "--platform", "host")
+    assert rc == 0 and len(rep["problems"]) == 1 and "2 CuPy packages" in rep["problems"][0]
+    assert main(["doctor", "--platform", "host"]) == 0
+    assert "problem:" in capsys.readouterr().out
+    assert doctor.install_problems({"cupy": "cupy-cuda12x 14.2.0"}) == []
+    assert doctor.install_problems({"cupy": "not installed"}) == []

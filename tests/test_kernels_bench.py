@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -13,14 +14,17 @@ def test_bench_kernels_runs_end_to_end_on_the_host_emulation(tmp_path, capsys, m
     monkeypatch.setenv("GPUXFER_PLATFORM", "host")
     out = tmp_path / "k.json"
     rc = main(["bench", "kernels", "--platform", "host", "--sizes", "528,2304", "--pool", "24KiB",
-               "--sweep", "1,sms,all", "--trials", "1", "--warmup", "0", "--json", str(out)])
+               "--sweep", "1,sms,all", "--trials", "1", "--warmup", "0", "--json", str(out),
+               "--out", str(tmp_path / "run")])
     text = capsys.readouterr().out
     assert rc == 0, text
     lines = text.splitlines()
     assert any(ln.startswith("#") and "EMULATION" in ln for ln in lines)
     header = next(ln for ln in lines if ln.startswith("#") and "GB/s" in ln and "wrong_B" in ln)
     assert "%ceil" in header and "(GB/s)" in lines[lines.index(header) + 1]
-    assert lines[-2].endswith("PASS") or lines[-1].endswith("PASS")
+    assert "# gpuxfer bench kernels: PASS" in lines
+    assert f"# json: {out}" in lines and (tmp_path / "run" / "kernels_bench.json").read_bytes() == out.read_bytes()
+    assert os.stat(out).st_mode & 0o777 == 0o644
     doc = json.loads(out.read_text())
     assert doc["result"] == "PASS" and doc["wrong_bytes"] == 0 and doc["preamble"]["emulation"] is True
     ops = [r["op"] for r in doc["rows"]]
@@ -42,12 +46,31 @@ def test_bench_kernels_runs_end_to_end_on_the_host_emulation(tmp_path, capsys, m
     (["--pool", "0"], "--pool: '0' must be positive"),
     (["--pool", "1KiB", "--sizes", "2304"], "larger than the pool"),
     (["--local-device", "7"], "--local-device 7"),
+    (["--trials", "0"], "--trials: must be >= 1"),
+    (["--warmup", "-3"], "--warmup: must be >= 0"),
+    (["--timeout", "0"], "--timeout: must be a positive number"),
+    (["--platform", "tpu"], "--platform: unknown platform 'tpu'"),
+    (["--json", "/proc/gpuxfer-no-such-dir/k.json"], "--json: cannot write in"),
+    (["--out", "/proc/gpuxfer-no-such-dir"], "--out: cannot write in"),
 ])
-def test_bench_kernels_rejects_bad_arguments(capsys, monkeypatch, argv, match):
+def test_bench_kernels_rejects_bad_arguments(capsys, monkeypatch, tmp_path, argv, match):
+    """Checked before a device or the helper is touched: one line on stderr, exit 2, nothing written."""
     monkeypatch.setenv("GPUXFER_PLATFORM", "host")
+    argv = argv if "--out" in argv else [*argv, "--out", str(tmp_path / "o")]
     rc = main(["bench", "kernels", "--platform", "host", *argv])
-    err = capsys.readouterr().err
-    assert rc == 2 and match in err, err
+    cap = capsys.readouterr()
+    assert rc == 2 and match in cap.err, cap.err
+    assert cap.err.startswith("gpuxfer bench kernels: error: ") and cap.err.count("\n") == 1 and cap.out == ""
+    assert not (tmp_path / "o").exists()
+
+
+def test_bench_kernels_json_replaces_a_symlink_instead_of_following_it(tmp_path):
+    from gpuxfer.cliutil import write_atomic
+    target = tmp_path / "elsewhere"
+    os.symlink(target, tmp_path / "k.json")
+    os.symlink(target, tmp_path / "k.json.tmp")        # the old fixed temporary name, planted
+    write_atomic(str(tmp_path / "k.json"), "{}")
+    assert not target.exists() and (tmp_path / "k.json").read_text() == "{}"
 
 
 @pytest.mark.timeout(300)
@@ -63,7 +86,7 @@ def test_bench_kernels_fails_on_a_wrong_byte(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(launch, "verify", corrupting_verify)
     out = tmp_path / "k.json"
     rc = main(["bench", "kernels", "--platform", "host", "--sizes", "528", "--pool", "8KiB", "--ops", "local",
-               "--sweep", "", "--trials", "1", "--warmup", "0", "--json", str(out)])
+               "--sweep", "", "--trials", "1", "--warmup", "0", "--json", str(out), "--out", str(tmp_path / "run")])
     text = capsys.readouterr().out
     assert rc == 1, text
     assert "# gpuxfer bench kernels: FAIL" in text

@@ -122,15 +122,22 @@ def test_fault_injection_by_environment_on_the_bulk_row(capsys, tmp_path, monkey
 
 
 def test_a_failing_process_does_not_hang_the_other(capsys, tmp_path):
-    # the decode side asks for a device that does not exist: it fails at once, the prefill side
-    # is left waiting for its peer and must fail on the group timeout, not hang
+    # the decode side asks for a device that does not exist (the runner, past the command's own checks):
+    # it fails at once, the prefill side is left waiting for its peer and must fail on the group timeout,
+    # not hang
+    from gpuxfer.cli import build_parser
+    from gpuxfer.kv.bench import parse_grid_args, parse_run_options, run_transfers
+    out_dir = tmp_path / "out"
+    args = build_parser().parse_args(["bench", "kv", *TINY, "--warmup", "0", "--trials", "1", "--timeout", "8",
+                                      "--engine", "bulk", "--devices", "0,7", "--out", str(out_dir)])
     t0 = time.monotonic()
-    rc, out, err, doc = _run(capsys, tmp_path, *TINY, "--warmup", "0", "--trials", "1", "--timeout", "8",
-                             "--engine", "bulk", "--devices", "0,7")
+    rc = run_transfers(parse_grid_args(args), parse_run_options(args), args)
+    out = capsys.readouterr().out
     assert rc == 1
     assert time.monotonic() - t0 < 120
     assert "device 7 does not exist" in out
-    assert doc is not None and doc["outcome"]["status"] == "fail" and not doc["outcome"]["complete"]
+    doc = json.loads((out_dir / "kv_bench.json").read_text())
+    assert doc["outcome"]["status"] == "fail" and not doc["outcome"]["complete"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -138,7 +145,14 @@ def test_a_failing_process_does_not_hang_the_other(capsys, tmp_path):
     (["--direction", "sideways"], "--direction: unknown value"),
     (["--trials", "0"], "--trials: must be positive"),
     (["--warmup", "-1"], "--warmup: must be >= 0"),
-    (["--timeout", "0"], "--timeout must be positive"),
+    (["--timeout", "0"], "--timeout: must be a positive number of seconds"),
+    (["--devices", "0,5"], "--devices: device 5 does not exist"),
+    (["--platform", "tpu"], "--platform: unknown platform 'tpu'"),
+    (["--batch", "100000"], "nothing to measure"),
+    (["--isl", "100M"], "nothing to measure"),
+    (["--pool-budget", "1"], "nothing to measure"),
+    (["--out", "/proc/gpuxfer-no-such-dir"], "--out: cannot write in /proc/gpuxfer-no-such-dir"),
+    (["--json", "/proc/gpuxfer-no-such-dir/kv.json"], "--json: cannot write in /proc/gpuxfer-no-such-dir"),
     (["--post", "eager"], "--post: unknown value 'eager'"),
     (["--inject-fault", "teleport"], "--inject-fault: unknown engine 'teleport'"),
     (["--inject-fault", "bulk:sideways"], "--inject-fault: unknown direction 'sideways'"),
@@ -152,17 +166,64 @@ def test_a_failing_process_does_not_hang_the_other(capsys, tmp_path):
     (["--workload", "kv-nope"], "unknown KV workload 'kv-nope'"),
 ])
 def test_bad_options_give_clear_errors(capsys, tmp_path, argv, message):
-    rc = main(["bench", "kv", *TINY, *argv, "--out", str(tmp_path / "o")])
-    err = capsys.readouterr().err
+    """Every bad option fails in the parent at once: one line on stderr, exit 2, no process, no file."""
+    t0 = time.monotonic()
+    argv = argv if "--out" in argv else [*argv, "--out", str(tmp_path / "o")]
+    rc = main(["bench", "kv", *TINY, *argv])
+    cap = capsys.readouterr()
     assert rc == 2
-    assert message in err, err
+    assert message in cap.err, cap.err
+    assert cap.err.count("\n") == 1 and cap.err.startswith("gpuxfer bench kv: error: ") and cap.out == ""
+    assert "Traceback" not in cap.err
     assert not (tmp_path / "o").exists()
+    assert time.monotonic() - t0 < 10      # no process was started (a hang guard, not a speed test)
 
 
 def test_nothing_to_measure_is_an_error(capsys, tmp_path):
-    rc, out, err, doc = _run(capsys, tmp_path, *TINY, *FAST, "--engine", "bulk", "--pool-budget", "4096")
-    assert rc == 1
-    assert "nothing to measure" in out
+    rc = main(["bench", "kv", *TINY, *FAST, "--engine", "bulk", "--pool-budget", "4096", "--out", str(tmp_path)])
+    assert rc == 2
+    assert "nothing to measure" in capsys.readouterr().err
+
+
+def test_an_earlier_run_is_never_overwritten(capsys, tmp_path):
+    """An --out holding an earlier run's results is refused before measuring, the results left as they were."""
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "kv_bench.json").write_text("{\"earlier\": true}")
+    rc = main(["bench", "kv", *TINY, "--out", str(held)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "holds an earlier run's kv_bench.json" in err
+    assert (held / "kv_bench.json").read_text() == "{\"earlier\": true}"
+
+
+def test_default_places_one_directory_per_run(tmp_path, monkeypatch):
+    """Without --out every run gets its own directory and `latest` points at the newest."""
+    from gpuxfer.cliutil import prepare_outputs
+    monkeypatch.chdir(tmp_path)
+    a = prepare_outputs("kv", None, None, artifacts=("kv_bench.json",))
+    b = prepare_outputs("kv", None, None, artifacts=("kv_bench.json",))
+    assert a.directory != b.directory and os.path.dirname(a.directory) == str(tmp_path / "gpuxfer-out" / "kv")
+    b.link_latest()
+    assert os.path.realpath(tmp_path / "gpuxfer-out" / "kv" / "latest") == b.directory
+    nothing = prepare_outputs("kv", None, None, artifacts=("kv_bench.json",), create=False)
+    assert nothing.directory is None
+
+
+def test_the_host_runs_the_small_grid_and_says_so(capsys):
+    """--plan-only on the host shows the grid the host runs (HOST_GRID), with the note; --full the GPU's."""
+    from gpuxfer.kv.grid import HOST_GRID
+    rc = main(["bench", "kv", "--platform", "host", "--plan-only", "--json"])
+    cap = capsys.readouterr()
+    assert rc == 0 and "host EMULATION" in cap.err and "--full" in cap.err
+    doc = json.loads(cap.out)
+    [point] = doc["grid"]["points"]
+    assert (point["isl_tokens"], point["page_tokens"], point["batches"]) == \
+        (int(HOST_GRID["isl"]), int(HOST_GRID["page"]), [int(HOST_GRID["batch"])])
+    assert doc["run"]["trials"] == int(HOST_GRID["trials"])
+    rc = main(["bench", "kv", "--platform", "host", "--plan-only", "--json", "--full", "--isl", "8k"])
+    cap = capsys.readouterr()
+    assert rc == 0 and "EMULATION" not in cap.err
+    assert [p["isl_tokens"] for p in json.loads(cap.out)["grid"]["points"]] == [8192, 8192]
 
 
 ALL_ENGINES = ("triton", "pack", "copy_engine", "bulk", "nixl", "nixl-bulk", "nixl-oneshot", "nixl+pack", "mooncake")
@@ -596,6 +657,10 @@ def test_json_is_strict_and_atomic(tmp_path):
     back = json.loads(open(path).read())
     assert DOC_KEYS <= set(back) and back["rows"][0]["p50_gbps"] == doc["rows"][0]["p50_gbps"]
     assert [p.name for p in (tmp_path / "a").iterdir()] == ["kv_bench.json"]
+    assert os.stat(path).st_mode & 0o777 == 0o644
+    os.symlink(tmp_path / "elsewhere.json", tmp_path / "b.json")      # a symlink is replaced, not followed
+    R.write_json_atomic(str(tmp_path / "b.json"), doc)
+    assert not (tmp_path / "elsewhere.json").exists() and not os.path.islink(tmp_path / "b.json")
 
 
 # ----------------------------------------------------------------------------- GPU

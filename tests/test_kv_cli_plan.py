@@ -14,7 +14,9 @@ from gpuxfer.kv.bench import ENGINES, parse_grid_args, parse_list, parse_run_opt
 
 
 def _run(capsys, *argv):
-    rc = main(["bench", "kv", *argv])
+    """The command with --full: the grid of a GPU run, whatever this machine has (the host's small grid
+    is tests/test_kv_bench.py's)."""
+    rc = main(["bench", "kv", "--full", *argv])
     out, err = capsys.readouterr()
     return rc, out, err
 
@@ -130,7 +132,7 @@ def test_parse_list():
 
 def test_plan_only_end_to_end_in_a_fresh_process():
     env = dict(os.environ, GPUXFER_PLATFORM="host")
-    proc = subprocess.run([sys.executable, "-m", "gpuxfer", "bench", "kv", "--plan-only", "--json"],
+    proc = subprocess.run([sys.executable, "-m", "gpuxfer", "bench", "kv", "--plan-only", "--json", "--full"],
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["grid"]["points"][0]["request_descriptors"] == 131_304

@@ -247,7 +247,7 @@ def badinput_session(rank: int, world: int, init_method: str, platform_name: str
     return out
 
 
-def test_bad_input_two_ranks(spawner, platform_name):
+def test_bad_input_two_ranks(spawner, platform_name, nccl_pairs):
     _, receiver = spawner.run_ranks(badinput_session, 2, platform_name, timeout=180)
     msgs = receiver["copy_engine:refusals"]
     assert any("dtype differs" in m for m in msgs) and any("larger than its slot" in m for m in msgs)

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -27,6 +28,8 @@ class _Result:
 def _cli(capsys, *args):
     """``gpuxfer bench pp --platform host ARGS`` in this process (it spawns its own two ranks, with timeouts)."""
     from gpuxfer.cli import main
+    if "--out" not in args:
+        args = (*args, "--out", tempfile.mkdtemp(prefix="gpuxfer-pp-test-"))
     try:
         rc = main(["bench", "pp", "--platform", "host", "--timeout", "180", *args])
     except SystemExit as exc:
@@ -48,8 +51,10 @@ def test_count_wrong_bytes_sees_corruption():
 def test_bench_pp_host(tmp_path, capsys):
     out = tmp_path / "pp.json"
     r = _cli(capsys, "--max-size", "64K", "--iters", "4", "--warmup", "2", "--repeats", "2", "--contention-ms", "30",
-             "--json", str(out))
+             "--json", str(out), "--out", str(tmp_path / "run"))
     assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "run" / "pp_bench.json").read_bytes() == out.read_bytes()
+    assert os.stat(out).st_mode & 0o777 == 0o644
     text = r.stdout
     assert "EMULATION" in text.splitlines()[0]
     assert "(us)" in text and "(GB/s)" in text and "wrong" in text and "the median of 2 loop(s)" in text
@@ -88,13 +93,64 @@ def test_bench_pp_fails_on_a_wrong_byte(capsys):
     assert "FAILED" in r.stdout and "FAIL: wrong bytes" in r.stdout
 
 
-def test_bench_pp_bad_arguments(capsys):
-    r = _cli(capsys, "--backends", "bogus")
-    assert r.returncode != 0 and "unknown backend" in (r.stdout + r.stderr)
-    r = _cli(capsys, "--repeats", "-1")
-    assert r.returncode != 0 and "--repeats" in (r.stdout + r.stderr)
-    r = _cli(capsys, "--inline-bytes", "lots")
-    assert r.returncode != 0 and "--inline-bytes" in (r.stdout + r.stderr)
+@pytest.mark.parametrize("argv, message", [
+    (["--backends", "bogus"], "--backend: unknown backend 'bogus'"),
+    (["--backend", ""], "--backend: give at least one"),
+    (["--repeats", "-1"], "--repeats: must be >= 1"),
+    (["--inline-bytes", "lots"], "--inline-bytes"),
+    (["--platform", "tpu"], "--platform: unknown platform 'tpu'"),
+    (["--recv-slots", "0"], "--recv-slots: must be >= 2"),
+    (["--iters", "-1"], "--iters: must be >= 1"),
+    (["--warmup", "-3"], "--warmup: must be >= 0"),
+    (["--timeout", "0"], "--timeout: must be a positive number of seconds"),
+    (["--contention-ms", "nan"], "--contention-ms"),
+    (["--max-size", "1K", "--min-size", "4K"], "--min-size <= --max-size"),
+    (["--out", "/proc/gpuxfer-no-such-dir"], "--out: cannot write in"),
+    (["--json", "/proc/gpuxfer-no-such-dir/pp.json"], "--json: cannot write in"),
+])
+def test_bench_pp_bad_arguments(capsys, tmp_path, argv, message):
+    """Checked in the parent before a rank starts: one line on stderr, exit 2, nothing written."""
+    r = _cli(capsys, *argv) if "--out" in argv else _cli(capsys, *argv, "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert r.stderr.startswith("gpuxfer bench pp: error: ") and r.stderr.count("\n") == 1 and r.stdout == ""
+    assert not (tmp_path / "o").exists()
+
+
+def test_bench_pp_platform_rocm_without_rocm_is_one_line(capsys):
+    from gpuxfer.platforms import unavailable_reason
+    if unavailable_reason("rocm") is None:
+        pytest.skip("ROCm is usable here")
+    r = _cli(capsys, "--platform", "rocm")
+    assert r.returncode == 2 and r.stderr.startswith("gpuxfer bench pp: error: --platform: rocm cannot run here")
+
+
+def test_one_device_leaves_nccl_out_and_the_targets_do_not_apply(monkeypatch):
+    """One GPU: NCCL is not started for two ranks on it (it refuses them), and the report says the pair
+    shares a device, the targets marked not applicable (checked on the parent's options and the report)."""
+    import argparse
+
+    from gpuxfer.cli import build_parser
+    from gpuxfer.errors import BadInput
+    from gpuxfer.pp import bench as B
+    monkeypatch.setattr(B, "platform_option", lambda text: "cuda")
+    monkeypatch.setattr(B, "device_count", lambda name: 1)
+    monkeypatch.setattr("gpuxfer.platforms.platform_class", lambda name: argparse.Namespace(is_emulation=False))
+    args = build_parser().parse_args(["bench", "pp", "--inline-bytes", "1M"])
+    opts = B._options(args)
+    assert opts["backends"] == ["copy_engine"] and opts["same_device"]
+    assert "NCCL refuses two ranks on one device" in opts["notes"][0]
+    with pytest.raises(BadInput, match="--backend nccl: both ranks share device 0"):
+        B._options(build_parser().parse_args(["bench", "pp", "--backend", "nccl"]))
+    dev = {"name": "GPU", "arch": "x", "pci_bus_id": "0", "sm_count": 1, "copy_engines": 1, "stream_mem_ops_64": True}
+    info = {"rank": 1, "device": 0, "device_info": dev, "host": "h", "label": "cuda", "emulation": False,
+            "versions": {}, "link": {"src": 0, "dst": 0, "kind": "same-device", "detail": ""}}
+    res = {"info": info, "sender_info": dict(info, rank=0), "rows": [], "bulk": [], "contention": {},
+           "flag_paths": {}, "meta_channels": {}, "result": "PASS",
+           "targets": [("copy_engine >= 97% of the bulk peer-copy rate at >= 64 MiB", "worst 50.0%", False)]}
+    res["same_device"] = B._same_device(res)
+    text = B.format_report(res, dict(opts, inline_bytes=1 << 20))
+    assert "both ranks share device 0" in text and "do not apply" in text
+    assert "n/a (one device)" in text and "MISSED" not in text
 
 
 def test_example_two_stage_host(capsys, monkeypatch):
@@ -115,7 +171,8 @@ def test_bench_pp_cuda_small(tmp_path):
     out = tmp_path / "pp.json"
     env = dict(os.environ, GPUXFER_PLATFORM="cuda")
     r = subprocess.run([sys.executable, "-m", "gpuxfer", "bench", "pp", "--platform", "cuda", "--max-size", "8M",
-                        "--contention-ms", "200", "--json", str(out)], capture_output=True, text=True, timeout=600,
+                        "--contention-ms", "200", "--json", str(out), "--out", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=600,
                        env=env, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.loads(out.read_text())

@@ -163,7 +163,7 @@ def run_session(spawner, world: int, platform_name: str, scenarios: list, seed: 
     return spawner.run_ranks(chain_session, world, platform_name, scenarios, seed, timeout=timeout)
 
 
-def test_four_stage_chain(spawner, platform_name):
+def test_four_stage_chain(spawner, platform_name, nccl_pairs):
     gpu = platform_name != "host"
     scenarios = [
         {"backend": "copy_engine", "steps": 300 if gpu else 30, "lag_ms": 1.0 if gpu else 2.0,
@@ -187,7 +187,7 @@ def test_four_stage_chain(spawner, platform_name):
     assert all(res[1]["meta"] == [] and res[2]["meta"] == ["the CPU group"] for res in results)
 
 
-def test_two_stage_chain(spawner, platform_name):
+def test_two_stage_chain(spawner, platform_name, nccl_pairs):
     gpu = platform_name != "host"
     scenarios = [
         {"backend": "copy_engine", "steps": 400 if gpu else 40, "out": True, "recv_slots": 2},

@@ -131,7 +131,7 @@ def setup_session(rank: int, world: int, init_method: str, platform_name: str) -
     return seen
 
 
-def test_one_stage_fails_setup(spawner, platform_name):
+def test_one_stage_fails_setup(spawner, platform_name, nccl_pairs):
     world = 4
     results = spawner.run_ranks(setup_session, world, platform_name, timeout=240)
     for seen in results:   # every rank saw the same reasons

@@ -106,7 +106,7 @@ def timeout_session(rank: int, world: int, init_method: str, platform_name: str)
     return out
 
 
-def test_stuck_peer_times_out(spawner, platform_name):
+def test_stuck_peer_times_out(spawner, platform_name, nccl_pairs):
     sender, receiver = spawner.run_ranks(timeout_session, 2, platform_name, timeout=180)
     # A: rank 1, step 2, the flag of slot 1 (steps 1, 2 use slots 0, 1), nothing ever written there
     assert receiver["A:copy_engine"] == (1, 2, "full[1]", 0)

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..cliutil import (add_common_arguments, device_count, error_line, int_option, platform_option, prepare_outputs,
+                       seconds_option, write_atomic)
 from ..common import parse_size, run_versions
 from ..errors import BadInput, GpuxferError, TransferTimeout
 
@@ -72,20 +74,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sweep", default=DEFAULT_SWEEP, metavar="PROGRAMS",
                    help="pull on a bounded grid of these many programs ('sms' = one per SM, 'all' = the "
                         "default grid); empty to skip")
-    g.add_argument("--sweep-size", default=2304, type=int, metavar="BYTES", help="descriptor size of the sweep")
-    g.add_argument("--seed", default=0, type=int, help="seed of the random page permutations")
+    g.add_argument("--sweep-size", default="2304", metavar="BYTES", help="descriptor size of the sweep")
+    g.add_argument("--seed", default="0", help="seed of the random page permutations")
     m = parser.add_argument_group("how it is measured")
-    m.add_argument("--trials", default=None, type=int, metavar="N",
-                   help="timed runs per row (median reported); default 7, 2 on the emulation")
-    m.add_argument("--warmup", default=None, type=int, metavar="N", help="untimed runs first; default 2, 1 on the emulation")
-    m.add_argument("--platform", default="auto", metavar="NAME", help="cuda, host (CPU emulation) or auto")
-    m.add_argument("--local-device", default=None, type=int, metavar="I",
+    m.add_argument("--trials", default=None, metavar="N",
+                   help="timed runs per row (median reported), >= 1; default 7, 2 on the emulation")
+    m.add_argument("--warmup", default=None, metavar="N", help="untimed runs first, >= 0; default 2, 1 on the emulation")
+    m.add_argument("--local-device", default=None, metavar="I",
                    help="device the kernels run on (default 1 when there are two devices, else 0)")
-    m.add_argument("--peer-device", default=None, type=int, metavar="I",
+    m.add_argument("--peer-device", default=None, metavar="I",
                    help="device whose pool is pulled from / pushed to, owned by a helper process (default 0)")
-    m.add_argument("--timeout", default=300.0, type=float, metavar="S",
-                   help="seconds any single wait (a trial, the helper) may take before the run fails")
-    m.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON here")
+    o = parser.add_argument_group("platform and output")
+    add_common_arguments(o, name="kernels", timeout_help="limit on every single wait (a trial, the helper process)")
 
 
 # --------------------------------------------------------------------------- timing
@@ -208,22 +208,13 @@ def _page_table(rng, pool: int, size: int) -> np.ndarray:
                      np.full(n, size, dtype=np.int64)], 1)
 
 
-def run(args) -> int:
-    out = sys.stdout
-    try:
-        return _run(args, out)
-    except (BadInput, GpuxferError) as exc:
-        print(f"gpuxfer bench kernels: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+#: the file a run leaves in its directory
+ARTIFACT = "kernels_bench.json"
 
 
-def _run(args, out) -> int:
-    import torch
-
-    from ..platforms import get_platform
-    from . import launch as L
-    from .peer import PeerPools
-
+def _check(args) -> dict:
+    """Every option checked in the parent, before a device or the helper process is touched."""
+    from ..platforms import platform_class
     sizes = _parse_ints(args.sizes, "--sizes")
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     bad = [o for o in ops if o not in ("pull", "push", "local", "pack", "unpack")]
@@ -233,27 +224,55 @@ def _run(args, out) -> int:
     for s in sweep:
         if s not in ("all", "sms") and not (s.isdigit() and int(s) > 0):
             raise BadInput(f"--sweep: expected positive integers, 'sms' or 'all', got {s!r}")
+    name = platform_option(args.platform)
+    emu = platform_class(name).is_emulation
+    c = {"platform": name, "sizes": sizes, "ops": ops, "sweep": sweep,
+         "pool": parse_size(args.pool, option="--pool", kind="bytes") if args.pool else (256 << 10 if emu else 2 << 30),
+         "trials": int_option(args.trials, "--trials") if args.trials is not None else (2 if emu else 7),
+         "warmup": int_option(args.warmup, "--warmup", minimum=0) if args.warmup is not None else (1 if emu else 2),
+         "sweep_size": int_option(args.sweep_size, "--sweep-size"), "seed": int_option(args.seed, "--seed", minimum=0),
+         "timeout": seconds_option(args.timeout)}
+    if max(sizes) > c["pool"]:
+        raise BadInput(f"descriptor size {max(sizes)} is larger than the pool ({c['pool']} bytes)")
+    ndev = device_count(name)
+    c["local"] = (int_option(args.local_device, "--local-device", minimum=0) if args.local_device is not None
+                  else (1 if ndev >= 2 else 0))
+    c["peer"] = int_option(args.peer_device, "--peer-device", minimum=0) if args.peer_device is not None else 0
+    for d, what in ((c["local"], "--local-device"), (c["peer"], "--peer-device")):
+        if d >= ndev:
+            raise BadInput(f"{what} {d}: the platform has {ndev} device(s)")
+    return c
 
-    plat = get_platform(None if args.platform == "auto" else args.platform)
+
+def run(args) -> int:
+    try:
+        c = _check(args)
+        outputs = prepare_outputs("kernels", args.out, args.json, artifacts=(ARTIFACT,))
+    except GpuxferError as exc:
+        return error_line("gpuxfer bench kernels", exc)
+    out = sys.stderr if outputs.json_stdout else sys.stdout
+    try:
+        return _run(c, outputs, out)
+    except GpuxferError as exc:
+        return error_line("gpuxfer bench kernels", exc)
+
+
+def _run(c: dict, outputs, out) -> int:
+    import torch
+
+    from ..platforms import get_platform
+    from . import launch as L
+    from .peer import PeerPools
+
+    sizes, ops, sweep = c["sizes"], c["ops"], c["sweep"]
+    plat = get_platform(c["platform"])
     started = time.time()
     try:
         emu = plat.is_emulation
-        pool = parse_size(args.pool, option="--pool", kind="bytes") if args.pool else (256 << 10 if emu else 2 << 30)
-        trials = args.trials if args.trials is not None else (2 if emu else 7)
-        warmup = args.warmup if args.warmup is not None else (1 if emu else 2)
-        if trials < 1 or warmup < 0:
-            raise BadInput("--trials must be >= 1 and --warmup >= 0")
-        if max(sizes) > pool:
-            raise BadInput(f"descriptor size {max(sizes)} is larger than the pool ({pool} bytes)")
-        ndev = plat.device_count()
-        local = args.local_device if args.local_device is not None else (1 if ndev >= 2 else 0)
-        peer = args.peer_device if args.peer_device is not None else 0
-        for d, what in ((local, "--local-device"), (peer, "--peer-device")):
-            if not 0 <= d < ndev:
-                raise BadInput(f"{what} {d}: the platform has {ndev} device(s)")
+        pool, trials, warmup, local, peer = c["pool"], c["trials"], c["warmup"], c["local"], c["peer"]
         plat.set_device(local)
         tdev = torch.device("cuda", local) if plat.name == "cuda" else torch.device("cpu")
-        clock = _Clock(plat, local, tdev, args.timeout)
+        clock = _Clock(plat, local, tdev, c["timeout"])
         info_l, info_p = plat.device_info(local), plat.device_info(peer)
         link = plat.link(local, peer)
         sms = L.sm_count(tdev)
@@ -265,8 +284,8 @@ def _run(args, out) -> int:
                "peer_device": {"index": peer, "name": info_p.name, "arch": info_p.arch},
                "link": link.as_dict()}
         params = {"sizes_bytes": sizes, "pool_bytes": pool, "ops": ops, "sweep_programs": sweep,
-                  "sweep_size_bytes": args.sweep_size, "trials": trials, "warmup": warmup, "seed": args.seed,
-                  "timeout_s": args.timeout}
+                  "sweep_size_bytes": c["sweep_size"], "trials": trials, "warmup": warmup, "seed": c["seed"],
+                  "timeout_s": c["timeout"]}
         _preamble(out, pre, params)
 
         rows: list[Row] = []
@@ -274,7 +293,7 @@ def _run(args, out) -> int:
 
         bufs = [plat.alloc(pool, local) for _ in range(3)]
         try:
-            with PeerPools(plat, peer, local, [pool, pool], timeout_s=args.timeout) as peers:
+            with PeerPools(plat, peer, local, [pool, pool], timeout_s=c["timeout"]) as peers:
                 la, lb, stage = (plat.as_tensor(b) for b in bufs)
                 p_src, p_dst = peers.tensors
                 peer_src_ptr, peer_dst_ptr = peers.mappings[0].ptr, peers.mappings[1].ptr
@@ -282,7 +301,7 @@ def _run(args, out) -> int:
                 L.fill_pattern(la, SEED)
                 clock.sync("fill")
                 stream = plat.current_stream(local)
-                rng = np.random.default_rng(args.seed)
+                rng = np.random.default_rng(c["seed"])
                 for size in sizes:
                     table = _page_table(rng, pool, size)
                     d = torch.from_numpy(table).to(tdev)
@@ -298,7 +317,7 @@ def _run(args, out) -> int:
                         ceil[ceiling_of] = r.gbps
                         p(r)
 
-                    if "pull" in ops or (sweep and size == args.sweep_size):
+                    if "pull" in ops or (sweep and size == c["sweep_size"]):
                         bulk("ce-pull", lambda: plat.copy_async(stream, bufs[1].ptr, peer_src_ptr, total), lb, "pull")
                     if "push" in ops:
                         bulk("ce-push", lambda: plat.copy_async(stream, peer_dst_ptr, bufs[0].ptr, total), p_dst,
@@ -342,7 +361,7 @@ def _run(args, out) -> int:
                         p(Row(op, size, n, total, progs, min(progs, sms), ts, ceil.get(ceiling_of), w,
                               extra={"config": cfg.__dict__}))
 
-                    if sweep and size == args.sweep_size:
+                    if sweep and size == c["sweep_size"]:
                         print(f"# SM budget: pull of {size} B descriptors on a bounded grid "
                               f"(<= {sms} programs: one per SM)", file=out, flush=True)
                         for s in sweep:
@@ -376,18 +395,18 @@ def _run(args, out) -> int:
         print("# EMULATION: the host platform ran the kernels in Triton's interpreter on the CPU; "
               "these numbers are not GPU performance.", file=out)
     print(f"# gpuxfer bench kernels: {'PASS' if ok else 'FAIL'}", file=out, flush=True)
-    if args.json:
-        doc = {"schema": "gpuxfer.kernels-bench/1", "preamble": pre, "parameters": params,
-               "gbps_definition": "moved bytes (each byte once) / median trial time / 1e9",
-               "rows": [r.as_json() for r in rows], "wrong_bytes": wrong, "elapsed_s": elapsed,
-               "result": "PASS" if ok else "FAIL"}
-        path = os.path.abspath(args.json)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(doc, f, indent=1, default=_json_default)
-        os.replace(tmp, path)
-        print(f"# json: {path}", file=out)
+    doc = {"schema": "gpuxfer.kernels-bench/1", "preamble": pre, "parameters": params,
+           "gbps_definition": "moved bytes (each byte once) / median trial time / 1e9",
+           "rows": [r.as_json() for r in rows], "wrong_bytes": wrong, "elapsed_s": elapsed,
+           "result": "PASS" if ok else "FAIL"}
+    text = json.dumps(doc, indent=1, default=_json_default)
+    for path in (outputs.path(ARTIFACT), outputs.json_path):
+        if path:
+            write_atomic(path, text + "\n")
+            print(f"# json: {path}", file=out)
+    outputs.link_latest()
+    if outputs.json_stdout:
+        print(text)
     return 0 if ok else 1
 
 

@@ -12,15 +12,19 @@ engine, every byte verified, artifacts) is :mod:`gpuxfer.kv.runner`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
 from dataclasses import dataclass
 from typing import Callable, TextIO
 
+from ..cliutil import (PLATFORM_CHOICES, add_common_arguments, device_count, error_line, int_option,
+                       platform_option, prepare_outputs, seconds_option)
 from ..common import parse_size
 from ..errors import BadInput
-from .grid import (DEFAULT_BATCHES, DEFAULT_DESC_BUDGET, DEFAULT_POOL_BUDGET_BYTES, SHED_DESC, Grid, build_grid,
-                   human_bytes)
+from .grid import (DEFAULT_BATCHES, DEFAULT_DESC_BUDGET, DEFAULT_POOL_BUDGET_BYTES, HOST_GRID, SHED_DESC, Grid,
+                   build_grid, human_bytes)
 from .workloads import WORKLOADS, get_workload
 
 __all__ = ["ENGINES", "DIRECTIONS", "PLATFORM_CHOICES", "RunOptions", "add_arguments", "run", "parse_grid_args",
@@ -30,10 +34,12 @@ __all__ = ["ENGINES", "DIRECTIONS", "PLATFORM_CHOICES", "RunOptions", "add_argum
 ENGINES = ("triton", "pack", "copy_engine", "bulk")
 #: pull: the decode side reads the prefill side's pool; push: the prefill side writes the decode side's.
 DIRECTIONS = ("pull", "push")
-PLATFORM_CHOICES = ("auto", "cuda", "rocm", "host")
-
 DEFAULT_ISL = "32k"
-DEFAULT_OUT = "gpuxfer-out/kv"
+#: the file a run leaves in its directory (beside one PNG per workload and ISL)
+ARTIFACT = "kv_bench.json"
+#: the grid options' defaults (a GPU run's); on the host emulation those left so shrink to HOST_GRID
+GPU_DEFAULTS = {"isl": DEFAULT_ISL, "page": "auto", "batch": ",".join(map(str, DEFAULT_BATCHES)),
+                "pool_budget": f"{DEFAULT_POOL_BUDGET_BYTES >> 30}GiB", "trials": "5", "warmup": "2"}
 
 # ---------------------------------------------------------------------------- parsing
 
@@ -93,36 +99,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("what moves")
     g.add_argument("--workload", default="kv-dsv4", metavar="NAMES",
                    help=f"KV workload presets, comma-separated; known: {', '.join(WORKLOADS)}")
-    g.add_argument("--page", default="auto", metavar="TOKENS",
+    g.add_argument("--page", default=GPU_DEFAULTS["page"], metavar="TOKENS",
                    help="page sizes in tokens, comma-separated; 'auto' = each workload's own "
                         "(16,64; kv-dsv4-vllm: its native 256-token block)")
     g.add_argument("--isl", default=DEFAULT_ISL, metavar="TOKENS",
                    help="input lengths in tokens, comma-separated; k = 1024 (32k = 32,768)")
-    g.add_argument("--batch", default=",".join(map(str, DEFAULT_BATCHES)), metavar="N",
+    g.add_argument("--batch", default=GPU_DEFAULTS["batch"], metavar="N",
                    help="requests per burst, comma-separated; the two smallest are always kept unless "
                         "the pool budget forbids them")
     g.add_argument("--seed", default="0", metavar="INT",
                    help="block-table seed: both sides' tables derive from it and the geometry")
     b = parser.add_argument_group("budgets")
-    b.add_argument("--pool-budget", default=f"{DEFAULT_POOL_BUDGET_BYTES >> 30}GiB", metavar="BYTES",
+    b.add_argument("--pool-budget", default=GPU_DEFAULTS["pool_budget"], metavar="BYTES",
                    help="pool bytes per rank (e.g. 64GiB, 512MiB, 100GB); capped at the device's free memory "
                         "when a device is used; sheds a point's largest batches")
     b.add_argument("--desc-budget", default="16M", metavar="DESCRIPTORS",
                    help=f"descriptors per burst (16M = 2**24 = {DEFAULT_DESC_BUDGET:,}); larger bursts are shed, "
                         "except the two smallest batches")
     r = parser.add_argument_group("how it is measured")
-    r.add_argument("--engine", default=",".join(ENGINES), metavar="NAMES",
+    r.add_argument("--engine", "--engines", dest="engine", default=",".join(ENGINES), metavar="NAMES",
                    help=f"transfer engines, comma-separated; known: {', '.join(ENGINES)} "
                         "(bulk: one descriptor of the same bytes, the ceiling)")
     r.add_argument("--direction", default=",".join(DIRECTIONS), metavar="DIRS",
                    help="pull (decode side reads) and/or push (prefill side writes), comma-separated")
-    r.add_argument("--trials", default="5", metavar="N", help="timed bursts per row, after warm-up")
-    r.add_argument("--platform", default="auto", metavar="NAME",
-                   help=f"device platform: {', '.join(PLATFORM_CHOICES)} (host = CPU emulation, small sizes only)")
-    r.add_argument("--warmup", default="2", metavar="N",
-                   help="untimed bursts per row before the timed ones (a first burst slower than 1 s skips the rest)")
-    r.add_argument("--timeout", default="120", metavar="SECONDS",
-                   help="limit on every wait (a device burst, a CPU-group exchange); a hang becomes an error")
+    r.add_argument("--trials", default=GPU_DEFAULTS["trials"], metavar="N",
+                   help=f"timed bursts per row, after warm-up (host emulation: {HOST_GRID['trials']})")
+    r.add_argument("--warmup", default=GPU_DEFAULTS["warmup"], metavar="N",
+                   help="untimed bursts per row before the timed ones (a first burst slower than 1 s skips the "
+                        f"rest; host emulation: {HOST_GRID['warmup']})")
+    r.add_argument("--full", action="store_true",
+                   help="on the host emulation, the full grid of a GPU run instead of the small one (slow: "
+                        "Triton's interpreter moves a few MB/s)")
     r.add_argument("--devices", default=None, metavar="PREFILL,DECODE",
                    help="device indexes of the prefill and decode processes (default 0,1; 0,0 with one device)")
     r.add_argument("--copy-engine-max-descs", default=None, metavar="DESCRIPTORS",
@@ -146,13 +153,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "nixl-bulk is the ceiling; see docs/MULTINODE.md")
     # Fault injection for tests (documented in docs/kv_bench.md): ENGINE[:DIRECTION] or all.
     r.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
-    o = parser.add_argument_group("output")
-    o.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
-                   help="directory for the JSON artifact and PNG plots (created if missing)")
+    o = parser.add_argument_group("platform and output")
+    add_common_arguments(o, name="kv")
     o.add_argument("--plan-only", action="store_true",
-                   help="print the sweep grid (bytes and descriptors per point, pool per rank, shed batches "
-                        "and why) and exit; touches no device")
-    o.add_argument("--json", action="store_true", help="print JSON (unit-suffixed keys) instead of tables")
+                   help="print the sweep grid that would run here (bytes and descriptors per point, pool per rank, "
+                        "shed batches and why) and exit; touches no device")
 
 
 @dataclass(frozen=True)
@@ -198,17 +203,69 @@ def parse_run_options(args: argparse.Namespace) -> RunOptions:
         raise BadInput(f"--seed: {args.seed!r} is not an integer") from None
     if seed < 0:
         raise BadInput(f"--seed: must be >= 0, got {seed}")
-    platform = str(args.platform).strip()
+    platform = str(args.platform or "auto").strip().lower()
     if platform not in PLATFORM_CHOICES:
         raise BadInput(f"--platform: unknown platform {platform!r}; known: {', '.join(PLATFORM_CHOICES)}")
-    if not str(args.out).strip():
+    if args.out is not None and not str(args.out).strip():
         raise BadInput("--out: give a directory")
     return RunOptions(
         engines=tuple(parse_list(args.engine, option="--engine", item=_choice(_registered_engines(), "--engine"))),
         directions=tuple(parse_list(args.direction, option="--direction", item=_choice(DIRECTIONS, "--direction"))),
         trials=_positive_int(args.trials, "--trials"),
-        seed=seed, platform=platform, out=str(args.out), plan_only=bool(args.plan_only), json=bool(args.json),
+        seed=seed, platform=platform, out=args.out, plan_only=bool(args.plan_only), json=args.json is True,
     )
+
+
+def apply_host_grid(args: argparse.Namespace, platform: str) -> dict[str, str]:
+    """On the host emulation (unless ``--full``), shrink every grid option left at its GPU default to
+    :data:`~gpuxfer.kv.grid.HOST_GRID`, in ``args``; returns what shrank (empty on a GPU)."""
+    from ..platforms import platform_class
+    if getattr(args, "full", False) or platform == "auto" or not platform_class(platform).is_emulation:
+        return {}
+    shrunk = {}
+    for key, value in HOST_GRID.items():
+        if str(getattr(args, key)) == GPU_DEFAULTS[key]:
+            setattr(args, key, value)
+            shrunk[key] = value
+    return shrunk
+
+
+def _platform_for(args: argparse.Namespace) -> str:
+    """The platform the run (or the plan) is for: auto resolved; a named one must be usable, except for
+    ``--plan-only``, which may show another platform's grid."""
+    name = str(args.platform or os.environ.get("GPUXFER_PLATFORM") or "auto").strip().lower()
+    if name not in PLATFORM_CHOICES:
+        raise BadInput(f"--platform: unknown platform {name!r}; known: {', '.join(PLATFORM_CHOICES)}")
+    if args.plan_only and name != "auto":
+        return name
+    return platform_option(name)
+
+
+def _parse_devices(text) -> tuple[int, int] | None:
+    if text is None or not str(text).strip():
+        return None
+    devs = parse_list(text, option="--devices", item=lambda p: int_option(p, "--devices", minimum=0))
+    if len(devs) == 1:
+        devs = devs * 2
+    if len(devs) != 2:
+        raise BadInput(f"--devices: give one or two device indexes (prefill,decode), got {text!r}")
+    return devs[0], devs[1]
+
+
+def check_before_start(grid: Grid, args: argparse.Namespace, platform: str) -> None:
+    """What the parent can check before any process starts: waits, device indexes, a grid with something left."""
+    seconds_option(args.timeout)
+    int_option(args.warmup, "--warmup", minimum=0)
+    devices = _parse_devices(args.devices)
+    if devices is not None:
+        n = device_count(platform)
+        for d in devices:
+            if d >= n:
+                raise BadInput(f"--devices: device {d} does not exist: platform {platform} shows {n} device(s) "
+                               f"(0..{n - 1})")
+    if grid.max_pool_bytes <= 0:
+        first = grid.shed[0][1].detail if grid.shed else "no point"
+        raise BadInput(f"nothing to measure: every batch of every point is shed (e.g. {first}); see --plan-only")
 
 
 # ---------------------------------------------------------------------------- plan output
@@ -253,7 +310,7 @@ def print_plan(grid: Grid, *, as_json: bool = False, options: RunOptions | None 
     cap = ("capped at free memory " + _si(grid.free_memory_bytes) if grid.free_memory_bytes is not None
            and grid.free_memory_bytes < grid.asked_pool_budget_bytes else
            "not capped by free memory: --plan-only queries no device")
-    console.print(f"[bold]gpuxfer bench kv --plan-only[/bold]: {len(grid.points)} points; "
+    console.print(f"[bold]gpuxfer bench kv --plan-only[/bold]: {len(grid.points)} point{'' if len(grid.points) == 1 else 's'}; "
                   f"pool budget {budget / (1 << 30):.1f} GiB per rank ({cap}); descriptor budget "
                   f"{grid.desc_budget:,} per burst; the {grid.floor_batches} smallest batches are kept unless the "
                   "pool budget forbids them")
@@ -296,20 +353,53 @@ def print_plan(grid: Grid, *, as_json: bool = False, options: RunOptions | None 
 
 
 def run(args: argparse.Namespace) -> int:
+    """Check everything the parent can (options, devices, output places), then measure."""
+    from ..errors import GpuxferError
     try:
+        platform = _platform_for(args)
+        shrunk = apply_host_grid(args, platform)
         grid = parse_grid_args(args)
         options = parse_run_options(args)
-    except BadInput as exc:
-        print(f"gpuxfer bench kv: error: {exc}", file=sys.stderr)
-        return 2
-    if options.plan_only:
-        print_plan(grid, as_json=options.json, options=options)
-        return 0
-    return run_transfers(grid, options, args)
+        if options.plan_only:
+            if shrunk:
+                print(host_note(shrunk, plan=True), file=sys.stderr if options.json else sys.stdout)
+            print_plan(grid, as_json=options.json, options=options)
+            return 0
+        check_before_start(grid, args, platform)
+        from .runner import config_from_args, run_sweep, under_torchrun
+        args.host_grid = shrunk
+        cfg = config_from_args(args, dataclasses.replace(options, platform=platform))
+        writes = not under_torchrun() or os.environ.get("RANK") == "0"
+        outputs = prepare_outputs("kv", args.out, args.json, artifacts=(ARTIFACT,), create=writes)
+    except GpuxferError as exc:
+        return error_line("gpuxfer bench kv", exc)
+    if shrunk and writes:
+        print(host_note(shrunk), file=sys.stderr if outputs.json_stdout else sys.stdout, flush=True)
+    cfg.out, cfg.json = outputs.directory, outputs.json_stdout
+    rc = run_sweep(cfg)
+    if writes:
+        outputs.link_latest()
+        made = outputs.path(ARTIFACT)
+        if outputs.json_path and made and os.path.exists(made):
+            from ..cliutil import write_atomic
+            with open(made, "rb") as f:
+                write_atomic(outputs.json_path, f.read())
+    return rc
+
+
+def host_note(shrunk: dict[str, str], *, plan: bool = False) -> str:
+    """The first lines of a host-emulation run: what it is, what it shrank, how to run the full grid."""
+    what = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in shrunk.items())
+    return ("# host EMULATION (no GPU here): " + ("the grid below is" if plan else "this run is") +
+            f" the small one ({what}): it checks that every engine moves every byte right, in both directions, "
+            "in about a minute; its times say nothing about GPUs.\n"
+            "# The full grid: `gpuxfer bench kv --full` (hours in Triton's interpreter; `--plan-only --full` "
+            "shows it); on a GPU machine plain `gpuxfer bench kv` runs it.")
 
 
 def run_transfers(grid: Grid, options: RunOptions, args: argparse.Namespace) -> int:
-    """The measured sweep: two processes, every engine, every byte verified (:mod:`gpuxfer.kv.runner`)."""
+    """The measured sweep: two processes, every engine, every byte verified (:mod:`gpuxfer.kv.runner`),
+    with none of :func:`run`'s checks in the parent (``options.out`` is written as given)."""
     from ..errors import GpuxferError
     from .runner import config_from_args, run_sweep
     try:

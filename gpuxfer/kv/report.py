@@ -25,11 +25,11 @@ Timing helpers return samples (seconds); statistics are computed here, once.
 from __future__ import annotations
 
 import datetime as _dt
+import io
 import json
 import math
 import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
@@ -346,21 +346,9 @@ def dumps(doc: dict[str, Any]) -> str:
 
 
 def write_json_atomic(path: str, doc: dict[str, Any]) -> str:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    text = dumps(doc)
-    fd, tmp = tempfile.mkstemp(prefix=".kv_bench.", suffix=".json", dir=os.path.dirname(os.path.abspath(path)))
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return path
+    """``doc`` as strict JSON at ``path``, atomically, mode 0644 (:func:`gpuxfer.cliutil.write_atomic`)."""
+    from ..cliutil import write_atomic
+    return write_atomic(path, dumps(doc) + "\n")
 
 
 # ----------------------------------------------------------------------------- plots
@@ -382,8 +370,9 @@ def plot(rows: Sequence[dict[str, Any]], out_dir: str, *, title_suffix: str = ""
         rs = [r for r in measured if r["workload"] == wl and r["isl_tokens"] == isl]
         dirs = [d for d in ("pull", "push") if any(r["direction"] == d for r in rs)]
         pages = sorted({r["page_tokens"] for r in rs})
+        # each panel its own y-axis: a page size's rates may be several times another's
         fig, axes = plt.subplots(len(dirs), len(pages), figsize=(5.2 * len(pages), 3.8 * len(dirs)),
-                                 squeeze=False, sharey=True)
+                                 squeeze=False)
         for i, d in enumerate(dirs):
             for j, page in enumerate(pages):
                 ax = axes[i][j]
@@ -414,17 +403,18 @@ def plot(rows: Sequence[dict[str, Any]], out_dir: str, *, title_suffix: str = ""
                 ax.set_xticklabels([str(b) for b in batches])
                 ax.set_title(f"page {page}, {d}", fontsize=10)
                 ax.set_xlabel("batch (requests per burst)")
-                if j == 0:
-                    ax.set_ylabel("GB/s (p50, decimal)")
+                ax.set_ylabel("GB/s (p50, decimal)")
                 ax.grid(True, alpha=0.3)
                 ax.set_ylim(bottom=0)
                 ax.legend(fontsize=8, loc="best")
         fig.suptitle(f"gpuxfer bench kv: {wl}, ISL {isl}{title_suffix}", fontsize=11)
         fig.tight_layout()
         path = os.path.join(out_dir, f"kv_bench_{wl}_isl{isl}.png")
-        os.makedirs(out_dir, exist_ok=True)
-        fig.savefig(path, dpi=110)
+        buf = io.BytesIO()
+        fig.savefig(buf, dpi=110, format="png")
         plt.close(fig)
+        from ..cliutil import write_atomic
+        write_atomic(path, buf.getvalue())
         paths.append(path)
     return paths
 
@@ -468,9 +458,11 @@ class Reporter:
     def _start_progress(self) -> None:
         if not self.console.is_terminal or not self.expected:
             return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
         self._progress = Progress(TextColumn("[bold]kv bench[/]"), BarColumn(), MofNCompleteColumn(),
-                                  TimeElapsedColumn(), TextColumn("{task.description}"),
+                                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                                  TextColumn("{task.description}"),
                                   console=self.console, transient=True)
         self._progress.start()
         self._task = self._progress.add_task("", total=self.expected)

@@ -86,9 +86,8 @@ SLOW_BURST_S = 1.0
 #: how long the parent lets a surviving child finish after its peer died
 GRACE_S = 20.0
 
-# the host emulation: what the defaults shrink to (the Triton interpreter is slow)
-EMULATION = {"isl": "16", "batch": "1,2", "pool_budget": "256MiB", "trials": 3, "warmup": 1,
-             "pack_chunk_bytes": 256 << 10, "pack_first_chunk_bytes": 64 << 10}
+# the pack engine's chunks on the host emulation (the grid it runs is gpuxfer.kv.grid.HOST_GRID)
+EMULATION = {"pack_chunk_bytes": 256 << 10, "pack_first_chunk_bytes": 64 << 10}
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -208,29 +207,15 @@ def _stray_offset(desc: np.ndarray, pool_nbytes: int) -> int | None:
 
 def config_from_args(args: argparse.Namespace, options) -> RunConfig:
     """Build the run configuration from the parsed command line (``options`` is bench's RunOptions)."""
-    from .bench import DEFAULT_ISL
-    from .grid import DEFAULT_BATCHES
     platform = resolve_platform(options.platform)
     grid_args = {k: getattr(args, k) for k in ("workload", "page", "isl", "batch", "pool_budget", "desc_budget",
                                                "seed")}
     opts = E.EngineOptions()
     trials, warmup = options.trials, _nonneg_int(getattr(args, "warmup", 2), "--warmup")
-    shrunk: dict[str, Any] = {}
+    # what the command shrank on the host emulation (gpuxfer.kv.grid.HOST_GRID), reported in the parameters
+    shrunk: dict[str, Any] = dict(getattr(args, "host_grid", None) or {})
     from ..platforms import platform_class
-    emulation = platform_class(platform).is_emulation
-    if emulation:
-        # The Triton interpreter moves a few MB/s: shrink what the user left at its default.
-        if str(args.isl) == DEFAULT_ISL:
-            grid_args["isl"] = shrunk["isl"] = EMULATION["isl"]
-        if str(args.batch) == ",".join(map(str, DEFAULT_BATCHES)):
-            grid_args["batch"] = shrunk["batch"] = EMULATION["batch"]
-        from .grid import DEFAULT_POOL_BUDGET_BYTES
-        if str(args.pool_budget) == f"{DEFAULT_POOL_BUDGET_BYTES >> 30}GiB":
-            grid_args["pool_budget"] = shrunk["pool_budget"] = EMULATION["pool_budget"]
-        if getattr(args, "trials", None) == "5" and trials > EMULATION["trials"]:
-            trials = shrunk["trials"] = EMULATION["trials"]
-        if str(getattr(args, "warmup", "2")) == "2":
-            warmup = shrunk["warmup"] = EMULATION["warmup"]
+    if platform_class(platform).is_emulation:
         opts.pack_chunk_bytes = EMULATION["pack_chunk_bytes"]
         opts.pack_first_chunk_bytes = EMULATION["pack_first_chunk_bytes"]
     pack_fixed = bool(getattr(args, "pack_chunk", None))

@@ -34,22 +34,16 @@ import statistics
 import sys
 import time
 
+from ..cliutil import (add_common_arguments, device_count, error_line, int_option, platform_option, prepare_outputs,
+                       seconds_option, write_atomic)
 from ..common import parse_size, run_versions
-from ..errors import BadInput
+from ..errors import BadInput, GpuxferError
 
 KiB, MiB = 1 << 10, 1 << 20
 CONFIGS = [("copy_engine", True), ("copy_engine", False), ("nccl", True), ("nccl", False)]
 TARGET_SMALL_RATIO = 1 / 3      # copy-engine step time vs NCCL's at <= 1 MiB
 TARGET_BULK_FRACTION = 0.97     # of the bulk peer-copy rate at >= 64 MiB
 TARGET_COMPUTE_LOSS = 0.01      # matmul throughput lost next to copy-engine transfers
-
-
-def _size(text: str) -> int:
-    """argparse type for a byte size (16K, 256MiB, 1G: binary; 1MB: decimal), via :func:`gpuxfer.common.parse_size`."""
-    try:
-        return parse_size(text, option="size", kind="bytes")
-    except BadInput as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _fmt_size(n: int) -> str:
@@ -59,37 +53,47 @@ def _fmt_size(n: int) -> str:
     return f"{n} B"
 
 
+BACKENDS = ("copy_engine", "nccl")
+#: the file a run leaves in its directory
+ARTIFACT = "pp_bench.json"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--platform", default=None, help="cuda | host (default: detect; GPUXFER_PLATFORM)")
-    p.add_argument("--min-size", type=_size, default=None, help="smallest step (default 16K; host: 16K)")
-    p.add_argument("--max-size", type=_size, default=None, help="largest step (default 256M; host: 256K)")
-    p.add_argument("--iters", type=int, default=0, help="timed steps per size (0: by size, 20..400; host: 10)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps per size")
-    p.add_argument("--repeats", type=int, default=0,
-                   help="timed loops per size and configuration, the median reported (0: 3; host: 1)")
-    p.add_argument("--verify-steps", type=int, default=3, help="steps per size whose every byte is checked")
-    p.add_argument("--backends", default="copy_engine,nccl", help="comma-separated backends to compare")
-    p.add_argument("--flag-path", default=None, choices=["auto", "remote", "copy"],
+    """Every option is a string here, checked in the parent by :func:`_options` before a rank starts."""
+    g = p.add_argument_group("what moves")
+    g.add_argument("--min-size", default=None, metavar="BYTES", help="smallest step (default 16K)")
+    g.add_argument("--max-size", default=None, metavar="BYTES", help="largest step (default 256M; host: 256K)")
+    g.add_argument("--backend", "--backends", dest="backends", default=",".join(BACKENDS), metavar="NAMES",
+                   help=f"backends to compare, comma-separated: {', '.join(BACKENDS)} (nccl needs two devices)")
+    m = p.add_argument_group("how it is measured")
+    m.add_argument("--iters", default=None, metavar="N",
+                   help="timed steps per size, >= 1 (default: by size, 20..400; host: 10)")
+    m.add_argument("--warmup", default="5", metavar="N", help="untimed steps per size, >= 0")
+    m.add_argument("--repeats", default=None, metavar="N",
+                   help="timed loops per size and configuration, the median reported, >= 1 (default 3; host: 1)")
+    m.add_argument("--verify-steps", default="3", metavar="N", help="steps per size whose every byte is checked, >= 1")
+    m.add_argument("--flag-path", default=None, choices=["auto", "remote", "copy"],
                    help="copy_engine flag path (default: GPUXFER_PP_FLAG_PATH or auto)")
-    p.add_argument("--recv-slots", type=int, default=2, help="copy_engine receive slots")
-    p.add_argument("--inline-bytes", default=None, metavar="SIZE",
+    m.add_argument("--recv-slots", default="2", metavar="N", help="copy_engine receive slots, >= 2")
+    m.add_argument("--inline-bytes", default=None, metavar="SIZE",
                    help="copy_engine steps up to SIZE go on the sender's stream without staging; 0: none "
                         "(default: $GPUXFER_PP_INLINE_BYTES or 1M)")
-    p.add_argument("--contention-size", type=_size, default=16 * MiB,
+    m.add_argument("--contention-size", default="16M", metavar="BYTES",
                    help="step size of the transfers run next to the matmul loop")
-    p.add_argument("--contention-ms", type=float, default=500.0, help="length of the matmul loop (alone)")
-    p.add_argument("--matmul", type=int, default=8192, help="matmul size n (n x n x n, bf16; host: 128)")
-    p.add_argument("--no-contention", action="store_true", help="skip the SM contention measurement")
-    p.add_argument("--check-targets", action="store_true", help="exit 1 when a speed target is missed")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds before a rank is declared hung")
-    p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
-    p.add_argument("--trace", type=_size, default=None, metavar="SIZE",
+    m.add_argument("--contention-ms", default="500", metavar="MS", help="length of the matmul loop (alone)")
+    m.add_argument("--matmul", default="8192", metavar="N", help="matmul size n (n x n x n, bf16; host: 128)")
+    m.add_argument("--no-contention", action="store_true", help="skip the SM contention measurement")
+    m.add_argument("--check-targets", action="store_true", help="exit 1 when a speed target is missed")
+    o = p.add_argument_group("platform and output")
+    add_common_arguments(o, name="pp", timeout_help="limit on every single wait (a step, a CPU-group exchange); "
+                                                    "a hang becomes an error")
+    o.add_argument("--trace", default=None, metavar="SIZE",
                    help="record the timed loops at this size (without metadata) with torch.profiler and write a "
                         "Chrome trace per rank and backend into --trace-dir: the GPU timeline of copies and kernels")
-    p.add_argument("--trace-dir", default=".", metavar="DIR", help="where --trace writes (default: .)")
-    p.add_argument("--profile", type=_size, default=None, metavar="SIZE",
+    o.add_argument("--trace-dir", default=None, metavar="DIR", help="where --trace writes (default: the run's directory)")
+    o.add_argument("--profile", default=None, metavar="SIZE",
                    help="cProfile the timed loop at this size on both ranks and print the hot spots")
-    p.add_argument("--corrupt-for-test", action="store_true", help=argparse.SUPPRESS)
+    o.add_argument("--corrupt-for-test", action="store_true", help=argparse.SUPPRESS)
 
 
 # --------------------------------------------------------------------------- the ranks
@@ -486,6 +490,8 @@ def format_report(res: dict, opts: dict) -> str:
              f"staging) up to {_fmt_size(opts['inline_bytes'])}; flags: "
              f"{res['flag_paths'].get('copy_engine', '-')}; +meta: metadata over "
              f"{', '.join(sorted(set(res['meta_channels'].values()))) or '-'}")
+    for note in opts.get("notes", ()):
+        L.append(f"# {note}")
     L.append(f"# time: receiver wall clock over a pipelined loop (the sender never waits), / steps, the median "
              f"of {opts['repeats']} loop(s); algbw = bytes per step / time")
     L.append("#")
@@ -554,8 +560,13 @@ def format_report(res: dict, opts: dict) -> str:
                                  if a is not None and c is not None) + ")")
     wrong = sum(r["wrong_bytes"] for r in res["rows"])
     L.append("#")
+    if res.get("same_device") and not emu:
+        L.append(f"# both ranks share device {info['device']}: every step is a copy within that GPU (its "
+                 "memory bandwidth, two processes' launches), not a transfer between two GPUs; the 2x H200 "
+                 "targets are about a link between two GPUs and do not apply")
     for name, got, met in res["targets"]:
-        verdict = "n/a (emulation)" if emu else ("met" if met else "MISSED")
+        verdict = ("n/a (emulation)" if emu else "n/a (one device)" if res.get("same_device")
+                   else "met" if met else "MISSED")
         L.append(f"# target (2x H200): {name}: {got}: {verdict}")
     L.append(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
     L.append(f"# Result: {res['result']}{' (EMULATION)' if emu else ''}")
@@ -567,7 +578,8 @@ def _json_doc(res: dict, opts: dict) -> dict:
     return {
         "benchmark": "gpuxfer bench pp", "platform": info["label"], "emulation": info["emulation"],
         "versions": info["versions"], "devices": [res["sender_info"]["device_info"], info["device_info"]],
-        "link": info["link"], "flag_paths": res["flag_paths"], "meta_channels": res["meta_channels"],
+        "link": info["link"], "same_device": res.get("same_device", False), "notes": opts.get("notes", []),
+        "flag_paths": res["flag_paths"], "meta_channels": res["meta_channels"],
         "params": {"sizes_bytes": opts["sizes"], "warmup_steps": opts["warmup"], "verify_steps": opts["verify_steps"],
                    "iters": opts["iters"], "repeats": opts["repeats"], "recv_slots": opts["recv_slots"],
                    "inline_bytes": opts["inline_bytes"], "backends": opts["backends"]},
@@ -578,51 +590,74 @@ def _json_doc(res: dict, opts: dict) -> dict:
 
 
 def _options(args) -> dict:
-    from ..platforms import PLATFORMS, unavailable_reason
+    """Every option checked (and the platform resolved) in the parent: BadInput naming the option."""
+    from ..platforms import platform_class
     from .copy_engine import inline_bytes_from_env
-    name = args.platform or os.environ.get("GPUXFER_PLATFORM") or None
-    if name in (None, "auto"):   # decide here (class-level checks only) so both ranks agree and sizes fit
-        name = next((n for n in PLATFORMS if unavailable_reason(n) is None), "host")
-    emu = name == "host"
-    lo = args.min_size or 16 * KiB
-    hi = args.max_size or (256 * KiB if emu else 256 * MiB)
+    name = platform_option(args.platform)
+    emu = platform_class(name).is_emulation
+
+    def size(text, option: str, default: int | None) -> int | None:
+        return default if text is None else parse_size(text, option=option, kind="bytes")
+
+    lo = size(args.min_size, "--min-size", 16 * KiB)
+    hi = size(args.max_size, "--max-size", 256 * KiB if emu else 256 * MiB)
     if lo < 16 or hi < lo:
         raise BadInput(f"need 16 <= --min-size <= --max-size, got {lo}, {hi}")
     sizes, s = [], lo
     while s <= hi:
         sizes.append(s // 16 * 16)   # multiple of 16 bytes: two bf16 halves
         s *= 2
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    backends = [b.strip() for b in str(args.backends).split(",") if b.strip()]
+    if not backends:
+        raise BadInput("--backend: give at least one backend")
     for b in backends:
-        if b not in ("copy_engine", "nccl"):
-            raise BadInput(f"unknown backend {b!r} (choose from copy_engine, nccl)")
-    if args.repeats < 0:
-        raise BadInput(f"--repeats must be >= 0, got {args.repeats}")
-    return {"platform": name, "sizes": sizes, "iters": args.iters, "warmup": args.warmup,
-            "repeats": args.repeats or (1 if emu else 3),
-            "verify_steps": args.verify_steps, "backends": backends, "flag_path": args.flag_path,
-            "recv_slots": args.recv_slots, "inline_bytes": inline_bytes_from_env(args.inline_bytes, "--inline-bytes"),
-            "contention_size": args.contention_size,
-            "contention_ms": args.contention_ms if not emu else min(args.contention_ms, 100.0),
-            "matmul": args.matmul, "no_contention": args.no_contention, "timeout": args.timeout,
-            "corrupt": args.corrupt_for_test, "profile": args.profile, "trace": args.trace,
-            "trace_dir": os.path.abspath(args.trace_dir)}
+        if b not in BACKENDS:
+            raise BadInput(f"--backend: unknown backend {b!r} (choose from {', '.join(BACKENDS)})")
+    backends = list(dict.fromkeys(backends))
+    opts = {"platform": name, "sizes": sizes, "backends": backends, "flag_path": args.flag_path,
+            "iters": 0 if args.iters is None else int_option(args.iters, "--iters"),
+            "warmup": int_option(args.warmup, "--warmup", minimum=0),
+            "repeats": (1 if emu else 3) if args.repeats is None else int_option(args.repeats, "--repeats"),
+            "verify_steps": int_option(args.verify_steps, "--verify-steps"),
+            "recv_slots": int_option(args.recv_slots, "--recv-slots", minimum=2),
+            "inline_bytes": inline_bytes_from_env(args.inline_bytes, "--inline-bytes"),
+            "contention_size": size(args.contention_size, "--contention-size", None),
+            "contention_ms": seconds_option(args.contention_ms, "--contention-ms"),
+            "matmul": int_option(args.matmul, "--matmul"), "no_contention": args.no_contention,
+            "timeout": seconds_option(args.timeout), "corrupt": args.corrupt_for_test,
+            "profile": size(args.profile, "--profile", None), "trace": size(args.trace, "--trace", None),
+            "notes": []}
+    if emu:
+        opts["contention_ms"] = min(opts["contention_ms"], 100.0)
+    # Two ranks, one device each where there are two; with one, both ranks share it: NCCL refuses that
+    # (and the speed targets, about a link between two GPUs, do not apply).
+    ndev = device_count(name)
+    opts["same_device"] = ndev < 2
+    if ndev < 2 and not emu and "nccl" in backends:
+        why = f"both ranks share device 0 ({name} shows one device) and NCCL refuses two ranks on one device"
+        if backends == ["nccl"]:
+            raise BadInput(f"--backend nccl: {why}")
+        backends.remove("nccl")
+        opts["notes"].append(f"nccl not measured: {why}")
+    return opts
 
 
 def run(args) -> int:
     from .launch import init_cpu_group, run_ranks
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         opts = _options(args)
-    except BadInput as exc:
-        print(f"gpuxfer bench pp: {exc}", file=sys.stderr)
-        return 2
+        if torchrun and os.environ["WORLD_SIZE"] != "2":
+            raise BadInput(f"runs on exactly 2 ranks; torchrun gave WORLD_SIZE={os.environ['WORLD_SIZE']}")
+        reports = not torchrun or os.environ["RANK"] == "1"      # the receiver reports
+        outputs = prepare_outputs("pp", args.out, args.json, artifacts=(ARTIFACT,), create=reports)
+    except GpuxferError as exc:
+        return error_line("gpuxfer bench pp", exc)
+    opts["trace_dir"] = os.path.abspath(args.trace_dir or outputs.directory or ".")
     env = {"GPUXFER_PLATFORM": opts["platform"]}
     try:
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:      # under torchrun
+        if torchrun:
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            if world != 2:
-                print("gpuxfer bench pp: runs on exactly 2 ranks", file=sys.stderr)
-                return 2
             os.environ.update(env)
             init_cpu_group(rank, world, "env://")
             import torch.distributed as dist
@@ -633,7 +668,8 @@ def run(args) -> int:
             if rank != 1:
                 return 0
         else:
-            both = run_ranks(_rank_main, 2, (opts,), timeout_s=opts["timeout"], env=env)
+            # every wait inside is bounded by --timeout; this only catches a rank that stops reporting
+            both = run_ranks(_rank_main, 2, (opts,), timeout_s=3 * opts["timeout"] + 600, env=env)
     except Exception as exc:  # noqa: BLE001 - a failed rank is a failed benchmark
         print(f"gpuxfer bench pp: FAILED: {exc}", file=sys.stderr)
         return 1
@@ -654,14 +690,28 @@ def run(args) -> int:
         res["contention"] = dict(cons[worse], rank=worse, loss_pct_by_rank={
             k[:-len("_loss_pct")]: [c.get(k) for c in cons] for k in cons[worse] if k.endswith("_loss_pct")})
     wrong = sum(r["wrong_bytes"] for r in res["rows"])
+    res["same_device"] = _same_device(res)
     res["targets"] = _targets(res, opts["backends"])
     missed = [t for t in res["targets"] if t[2] is False]
-    ok = wrong == 0 and not (args.check_targets and missed and not res["info"]["emulation"])
+    judged = not res["info"]["emulation"] and not res["same_device"]
+    ok = wrong == 0 and not (args.check_targets and missed and judged)
     res["result"] = "PASS" if ok else ("FAIL: wrong bytes" if wrong else "FAIL: targets missed")
-    print(format_report(res, opts))
+    text = sys.stderr if outputs.json_stdout else sys.stdout
+    print(format_report(res, opts), file=text)
     for prof in both[0].get("profiles", []) + both[1].get("profiles", []):
-        print(prof)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(_json_doc(res, opts), f, indent=2)
+        print(prof, file=text)
+    doc = json.dumps(_json_doc(res, opts), indent=2)
+    for path in (outputs.path(ARTIFACT), outputs.json_path):
+        if path:
+            write_atomic(path, doc + "\n")
+            print(f"# json: {path}", file=text)
+    outputs.link_latest()
+    if outputs.json_stdout:
+        print(doc)
     return 0 if ok else 1
+
+
+def _same_device(res: dict) -> bool:
+    """Both ranks on one device (one GPU here): copies within it, not over a link between two."""
+    a, b = res["sender_info"], res["info"]
+    return a["host"] == b["host"] and a["device"] == b["device"]

@@ -597,11 +597,27 @@ def _local_index(plat, peer_info) -> int:
                        f"(CUDA_VISIBLE_DEVICES?)")
 
 
+def _nccl_same_device(infos, my_pairs, emulation: bool) -> str | None:
+    """Why NCCL cannot join this rank's pairs: two ranks on one device, which NCCL refuses at its first
+    operation ("Duplicate GPU detected"); None if every pair spans two devices (or on the emulation)."""
+    if emulation:
+        return None
+    for _role, _peer, (a, b), _spec in my_pairs:
+        ia, ib = infos[a], infos[b]
+        if ia["host"] != ib["host"]:
+            continue
+        if (ia["pci"] == ib["pci"]) if ia["pci"] is not None else (ia["device"] == ib["device"]):
+            where = f"device {ia['device']}" + (f" (PCI {ia['pci']})" if ia["pci"] else "")
+            return (f"ranks {a} and {b} share {where}: NCCL refuses two ranks on one device; "
+                    "use copy_engine for a same-device pair")
+    return None
+
+
 def _setup_nccl(exchange, infos, my_pairs, common, tag_of, plat, group, device_group):
     import torch.distributed as dist
     from .nccl import NcclTransport
     rank = common["rank"]
-    why = _nccl_reason(plat)
+    why = _nccl_reason(plat) or _nccl_same_device(infos, my_pairs, getattr(plat, "is_emulation", False))
     got = exchange({"rank": rank, "err": why})
     failed = {r: g["err"] for r, g in got.items() if g["err"]}
     if failed:
