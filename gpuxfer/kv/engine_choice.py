@@ -1,0 +1,58 @@
+"""Which KV engine to use by default between two devices, picked from the link between them.
+
+Measured on H200 (docs/PERFORMANCE.md): between two GPUs over NVLink the ``pack`` engine (gather on
+the source GPU, one copy-engine transfer, scatter) is the fastest; on one GPU, where source and
+destination pools share the device, ``pack`` moves every byte three times through the same HBM and
+ran at 3-12% of the local copy rate while the one-kernel ``triton`` copy ran at 60-83%. Over PCIe
+with peer access ``pack`` still wins: a few large copies instead of many small reads across the
+bus. Without peer access no kernel can reach the other pool: ``copy_engine`` (the driver's copies).
+On the host emulation the kernels run in Triton's interpreter: ``copy_engine`` (memcpy) is the
+only one that moves a real request in reasonable time.
+
+An engine the platform cannot run is passed over for the next candidate, with the reason kept.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["EngineChoice", "default_engine", "default_engine_choice"]
+
+
+class EngineChoice(NamedTuple):
+    name: str
+    reason: str
+
+
+def _candidates(platform, src_dev: int, dst_dev: int) -> list[tuple[str, str]]:
+    if platform.is_emulation:
+        return [("copy_engine", "the host emulation: the kernels run in Triton's interpreter, memcpy does not")]
+    link = platform.link(src_dev, dst_dev)
+    if src_dev == dst_dev or link.kind == "same-device":
+        return [("triton", f"both pools on device {src_dev}: one kernel copies within its memory "
+                           "(pack would move every byte three times through it)"),
+                ("copy_engine", f"both pools on device {src_dev}")]
+    if not link.peer_access:
+        return [("copy_engine", f"devices {src_dev} and {dst_dev} have no peer access ({link.kind}): "
+                                "no kernel can reach the other pool")]
+    return [("pack", f"devices {src_dev} and {dst_dev} are linked by {link.kind}: pack on the source, "
+                     "one copy-engine transfer, unpack"),
+            ("triton", f"devices {src_dev} and {dst_dev} are linked by {link.kind}"),
+            ("copy_engine", f"devices {src_dev} and {dst_dev} are linked by {link.kind}")]
+
+
+def default_engine_choice(platform, src_dev: int, dst_dev: int) -> EngineChoice:
+    """The engine to move KV blocks from ``src_dev`` to ``dst_dev`` by default, and why."""
+    from .engines import engine_unavailable_reason
+    passed = []
+    for name, why in _candidates(platform, int(src_dev), int(dst_dev)):
+        not_here = engine_unavailable_reason(name, platform)
+        if not_here is None:
+            return EngineChoice(name, why + "".join(f"; {p}" for p in passed))
+        passed.append(f"{name} cannot run here: {not_here}")
+    return EngineChoice("copy_engine", "; ".join(passed))
+
+
+def default_engine(platform, src_dev: int, dst_dev: int) -> str:
+    """The name of :func:`default_engine_choice`'s engine (e.g. ``"pack"`` between two NVLinked GPUs,
+    ``"triton"`` on one GPU)."""
+    return default_engine_choice(platform, src_dev, dst_dev).name

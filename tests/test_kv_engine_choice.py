@@ -1,0 +1,43 @@
+"""The default KV engine follows the link between the two devices (no device is touched)."""
+from __future__ import annotations
+
+import pytest
+
+from gpuxfer.kv import engine_choice as C
+from gpuxfer.platforms.base import LinkInfo
+
+
+class FakePlatform:
+    is_emulation = False
+
+    def __init__(self, kind: str, peer_access: bool = True):
+        self.kind, self.peer_access = kind, peer_access
+
+    def link(self, src, dst):
+        return LinkInfo(src, dst, "same-device" if src == dst else self.kind, self.peer_access)
+
+
+@pytest.mark.parametrize("kind, peer, src, dst, want", [
+    ("nvlink", True, 0, 1, "pack"),
+    ("xgmi", True, 1, 0, "pack"),
+    ("pcie", True, 0, 1, "pack"),
+    ("pcie", False, 0, 1, "copy_engine"),
+    ("nvlink", True, 0, 0, "triton"),
+])
+def test_the_link_picks_the_engine(monkeypatch, kind, peer, src, dst, want):
+    monkeypatch.setattr("gpuxfer.kv.engines.engine_unavailable_reason", lambda name, plat: None)
+    choice = C.default_engine_choice(FakePlatform(kind, peer), src, dst)
+    assert choice.name == want == C.default_engine(FakePlatform(kind, peer), src, dst)
+    assert choice.reason
+
+
+def test_an_engine_that_cannot_run_is_passed_over_with_its_reason(monkeypatch):
+    monkeypatch.setattr("gpuxfer.kv.engines.engine_unavailable_reason",
+                        lambda name, plat: "no Triton here" if name in ("pack", "triton") else None)
+    choice = C.default_engine_choice(FakePlatform("nvlink"), 0, 1)
+    assert choice.name == "copy_engine" and "pack cannot run here: no Triton here" in choice.reason
+
+
+def test_the_emulation_uses_copy_engine(host):
+    assert C.default_engine(host, 0, 1) == "copy_engine"
+    assert C.default_engine(host, 0, 0) == "copy_engine"
