@@ -1,7 +1,6 @@
 """The helpers the three benchmarks share: size parsing and the versions a run reports."""
 from __future__ import annotations
 
-import argparse
 
 import pytest
 
@@ -21,12 +20,17 @@ def test_parse_size_bad_input_names_the_option(text):
         parse_size(text, option="--pool", kind="bytes")
 
 
-def test_pp_and_kernels_bench_sizes_use_the_shared_parser():
-    from gpuxfer.pp.bench import _size
-    assert _size("16KiB") == _size("16K") == 16384
+def test_pp_bench_sizes_use_the_shared_parser():
+    from gpuxfer.cli import build_parser
+    from gpuxfer.errors import BadInput
+    from gpuxfer.pp.bench import _options
+
+    def opts(*argv):
+        return _options(build_parser().parse_args(["bench", "pp", "--platform", "host", *argv]))
+    assert opts("--min-size", "16KiB", "--max-size", "32K")["sizes"] == [16384, 32768]
     for bad in ("0", "-5", "lots"):
-        with pytest.raises(argparse.ArgumentTypeError):
-            _size(bad)
+        with pytest.raises(BadInput, match="--min-size"):
+            opts("--min-size", bad)
 
 
 class _Plat:

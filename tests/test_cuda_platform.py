@@ -58,7 +58,8 @@ def test_unavailable_reason_here_is_a_string_or_none():
 
 
 def _fake_driver(**fns):
-    from cuda.bindings import driver
+    driver = pytest.importorskip("cuda.bindings.driver", reason="cuda.bindings is not installed (gpuxfer[cuda12] "
+                                 "or gpuxfer[cuda13]): these fakes use its real result codes")
     ns = types.SimpleNamespace(CUresult=driver.CUresult, cuGetErrorString=lambda e: (driver.CUresult(0), b"fake"))
     ns.__dict__.update(fns)
     return ns
@@ -353,6 +354,8 @@ def _host_batch(slot: int, k: int, seed: int):
 @pytest.mark.parametrize("abi", cm.BATCH_ABIS)
 def test_ctypes_batch_path_end_to_end_on_host_memory(abi):
     """The real _batch_on ctypes path, with a fake entry point of the exact C signature that memmoves."""
+    pytest.importorskip("cuda.bindings.driver", reason="cuda.bindings is not installed: the path builds its "
+                        "attributes with it")
     calls = []
     seen = {}
     args = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,

@@ -462,7 +462,7 @@ def test_host_close_stops_a_stuck_wait(host):
     ev = host.record_event(s)
     t0 = time.monotonic()
     host.close()
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 60      # close does not wait for the flag (a hang guard, not a speed test)
     assert not s._worker.thread.is_alive()
     with pytest.raises(DriverError, match="STREAM_CLOSED"):
         host.event_query(ev)

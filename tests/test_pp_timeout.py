@@ -112,12 +112,13 @@ def test_stuck_peer_times_out(spawner, platform_name, nccl_pairs):
     assert receiver["A:copy_engine"] == (1, 2, "full[1]", 0)
     assert receiver["A:nccl"][:3] == (1, 2, "nccl recv")
     for b in ("copy_engine", "nccl"):
-        assert receiver[f"A:{b}:close_s"] < 20
-        assert sender[f"A:{b}:abort_s"] < 10
+        # bounded (hang guards, generous for loaded machines; not speed tests)
+        assert receiver[f"A:{b}:close_s"] < 60
+        assert sender[f"A:{b}:abort_s"] < 60
     # B: rank 0, step 3 waited for empty[0] >= 1 (step 1 consumed), the receiver never wrote it
     for inline in (0, None):
         assert sender[f"B:{inline}"] == (0, 3, "empty[0]", 1, 0)
-        assert sender[f"B:{inline}:abort_s"] < 10
+        assert sender[f"B:{inline}:abort_s"] < 60
     assert receiver["C"] == (1, 1, "metadata") and receiver["C:via"]
 
 

