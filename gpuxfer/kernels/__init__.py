@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import importlib
 
-_LAUNCH_NAMES = ("CopyConfig", "DescriptorStats", "VerifyResult", "check_copy", "choose_config", "copy_descriptors",
+_LAUNCH_NAMES = ("CopyConfig", "DescriptorStats", "VerifyResult", "check_copy", "choose_config", "copy_descriptors", "copy_launcher",
                  "default_programs", "fill_pattern", "launch_geometry", "pack", "pack_offsets", "packed_descriptors", "sm_count",
                  "unpack", "verify")
 

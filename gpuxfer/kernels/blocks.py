@@ -13,7 +13,7 @@ import torch
 from ..errors import BadInput
 from .block_kernel import PLANE_FIELDS, expand_kernel
 
-__all__ = ["PLANE_FIELDS", "EXPAND_BLOCK", "expand_blocks", "request_header_len"]
+__all__ = ["PLANE_FIELDS", "EXPAND_BLOCK", "expand_blocks", "expand_launcher", "request_header_len"]
 
 EXPAND_BLOCK = 1024           # segments per program
 _MAX_GRID_Y = 65535           # CUDA's limit on the second grid dimension
@@ -43,7 +43,17 @@ def _tensor(t, name: str, ndim: int, device=None) -> torch.Tensor:
 
 def expand_blocks(planes: torch.Tensor, request: torch.Tensor, out: torch.Tensor, *, n_groups: int,
                   max_segments: int) -> None:
-    """Write the descriptors of ``request`` over the ``planes`` layout into ``out`` (``(N, 3)`` int64).
+    """Launch now (see :func:`expand_launcher`)."""
+    launch = expand_launcher(planes, request, out, n_groups=n_groups, max_segments=max_segments)
+    if launch is not None:
+        launch()
+
+
+def expand_launcher(planes: torch.Tensor, request: torch.Tensor, out: torch.Tensor, *, n_groups: int,
+                    max_segments: int):
+    """A function of no arguments that writes the descriptors of ``request`` over the ``planes`` layout into
+    ``out`` (``(N, 3)`` int64) on torch's current stream; None when there is nothing to expand. The checks
+    run here, once: a transfer posted again and again only launches.
 
     ``planes``: ``(P, PLANE_FIELDS)``; ``request``: 1-D, laid out as the kernel module says;
     ``n_groups``: G; ``max_segments``: the most segments of any group in the request (sizes the
@@ -73,6 +83,10 @@ def expand_blocks(planes: torch.Tensor, request: torch.Tensor, out: torch.Tensor
         raise BadInput(f"{max_segments} segments per group exceed the kernel's grid "
                        f"({_MAX_GRID_Y} x {EXPAND_BLOCK})")
     if n_planes == 0 or chunks == 0 or out.shape[0] == 0:
-        return
-    expand_kernel.launch(dev, (n_planes, chunks), planes, request, out, n_planes, n_groups,
-                         int(request.shape[0]), int(out.shape[0]), BLOCK=EXPAND_BLOCK, num_warps=4)
+        return None
+    grid, args = (n_planes, chunks), (planes, request, out, n_planes, n_groups, int(request.shape[0]),
+                                      int(out.shape[0]))
+
+    def launch() -> None:
+        expand_kernel.launch(dev, grid, *args, BLOCK=EXPAND_BLOCK, num_warps=4)
+    return launch

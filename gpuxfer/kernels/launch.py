@@ -312,12 +312,22 @@ def launch_geometry(rows: int, device, *, nbytes_hint: int | None = None, num_pr
 def _launch_copy(mode: int, src, dst, descs, offsets, start: int, end: int, staging_offset: int,
                  stats: DescriptorStats | None, num_programs: int | None, nbytes_hint: int | None,
                  config: CopyConfig | None, local: bool) -> None:
+    launch = _copy_launch(mode, src, dst, descs, offsets, start, end, staging_offset, stats, num_programs,
+                          nbytes_hint, config, local)
+    if launch is not None:
+        launch()
+
+
+def _copy_launch(mode: int, src, dst, descs, offsets, start: int, end: int, staging_offset: int,
+                 stats: DescriptorStats | None, num_programs: int | None, nbytes_hint: int | None,
+                 config: CopyConfig | None, local: bool):
+    """The kernel launch ``_launch_copy`` makes, as a function of no arguments (None: nothing to copy)."""
     rows = end - start
     hint = nbytes_hint if nbytes_hint is not None else (stats.max_nbytes if stats is not None else None)
     config, _ = launch_geometry(rows, src.device, nbytes_hint=hint, num_programs=num_programs, config=config,
                                 local=local)
     if rows == 0:
-        return
+        return None
     if num_programs is None:
         num_programs = default_programs(src.device, config)
     align = _pool_align(src, dst)
@@ -327,10 +337,28 @@ def _launch_copy(mode: int, src, dst, descs, offsets, start: int, end: int, stag
         # 4-byte accesses need 4x the registers for addresses: halve the rows (no spills)
         config = dataclasses.replace(config, rows=config.rows // 2)
     programs, n_items, slices = _grid(rows, config, num_programs)
-    copy_kernel.launch(src.device, (programs,), src, dst, descs, descs if offsets is None else offsets,
-                  start, rows, staging_offset, n_items, slices,
-                  MODE=mode, ALIGN=align, ROWS=config.rows, W=config.width, UNROLL=config.unroll,
-                  LOAD_CACHE=config.load_cache, STORE_CACHE=config.store_cache, num_warps=config.num_warps)
+    args = (src, dst, descs, descs if offsets is None else offsets, start, rows, staging_offset, n_items, slices)
+    kw = dict(MODE=mode, ALIGN=align, ROWS=config.rows, W=config.width, UNROLL=config.unroll,
+              LOAD_CACHE=config.load_cache, STORE_CACHE=config.store_cache, num_warps=config.num_warps)
+    device, grid = src.device, (programs,)
+
+    def launch() -> None:
+        copy_kernel.launch(device, grid, *args, **kw)
+    return launch
+
+
+def copy_launcher(src_pool, dst_pool, descs, *, start: int = 0, end: int | None = None,
+                  num_programs: int | None = None, nbytes_hint: int | None = None,
+                  config: CopyConfig | None = None, device: torch.device | None = None, local: bool = False):
+    """:func:`copy_descriptors` with ``validate=False`` for a table posted again and again: the checks of
+    the tensors (not of the descriptors' contents) and the tiling are done here, once; the returned
+    function of no arguments only launches (on torch's current stream). None when there is nothing to copy."""
+    dev = check_pool(src_pool, "src_pool", device)
+    check_pool(dst_pool, "dst_pool", dev)
+    n = check_descriptors(descs, "descs", dev)
+    start, end = _check_range(start, end, n)
+    return _copy_launch(MODE_COPY, src_pool, dst_pool, descs, None, start, end, 0, None, num_programs, nbytes_hint,
+                        config, local)
 
 
 def copy_descriptors(src_pool, dst_pool, descs, *, start: int = 0, end: int | None = None,

@@ -72,6 +72,7 @@ whatever the IDs hold.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import logging
@@ -682,44 +683,49 @@ class KVTransfer:
         self.descriptors, self.nbytes = descriptors, nbytes
         self.notify_slot = notify_slot
         self._host_req, self._dev_req, self._out = host_req, dev_req, out
-        self._max_segments = max_segments
-        self._launches = launches           # (first row, end row, size hint, programs) per descriptor size
         self._buffers = (host_req, dev_req, out)
+        self._req_bytes = int(host_req.numel()) * 8
+        from ..kernels.blocks import expand_launcher
+        from ..kernels.launch import copy_launcher
+        r = route
+        # the checks and tilings, once: a post only launches
+        self._expand_launch = expand_launcher(r.planes, dev_req, out, n_groups=len(r.groups),
+                                              max_segments=max_segments)
+        self._copy_launches = [f for f in (copy_launcher(r.src_anchor, r.dst_anchor, out, start=a, end=b,
+                                                         nbytes_hint=hint, num_programs=progs)
+                                           for a, b, hint, progs in launches) if f is not None]
 
     def describe(self) -> str:
         return (f"{self.op} of request {self.name!r} with peer {self.peer.name!r} ({self.descriptors:,} "
                 f"descriptors, {self.nbytes:,} bytes)")
 
-    def _expand(self) -> None:
-        from ..kernels.blocks import expand_blocks
-        dev_req = self._dev_req
-        if dev_req is not self._host_req:
-            dev_req.copy_(self._host_req, non_blocking=True)
-        expand_blocks(self.route.planes, dev_req, self._out, n_groups=len(self.route.groups),
-                      max_segments=self._max_segments)
+    def _upload(self, s: Stream) -> None:
+        """The request array, pinned host -> device, as a platform copy on ``s``.
 
-    def _work(self) -> None:
-        from ..kernels.launch import copy_descriptors
-        self._expand()
-        r = self.route
-        for a, b, hint, progs in self._launches:
-            copy_descriptors(r.src_anchor, r.dst_anchor, self._out, start=a, end=b, validate=False,
-                             nbytes_hint=hint, num_programs=progs)
+        A raw stream copy, not torch's ``copy_``: torch would tie the pinned block to ``s`` and record an
+        event on it when the block is freed, which fails for a stream torch did not create. The agent keeps
+        the buffers of a posted transfer until its event completes (:meth:`KVAgent._track`)."""
+        if self._dev_req is not self._host_req:
+            self.agent.platform.copy_async(s, self._dev_req.data_ptr(), self._host_req.data_ptr(), self._req_bytes)
+
+    def _kernels(self) -> None:
+        if self._expand_launch is not None:
+            self._expand_launch()
+        for launch in self._copy_launches:
+            launch()
 
     def post(self, stream: Stream | None = None) -> KVTransferHandle:
         """Enqueue the transfer on ``stream`` (default: the agent's own) and return its handle.
 
-        Host work: one launch call that uploads the request array, expands it and runs one copy
-        per descriptor size; a notification (two stream operations) if asked for; one event.
+        Host work: one copy (the request array), one launch call running the expansion and one copy
+        kernel per descriptor size, a notification (two stream operations) if asked for, one event.
         """
         agent = self.agent
         agent._check_usable(self.peer)
         plat = agent.platform
         s = agent.stream if stream is None else stream
-        if s is not agent.stream and self._dev_req is not self._host_req:
-            for t in self._buffers[1:]:     # the caching allocator must not hand them out before s is done
-                t.record_stream(s.torch)
-        plat.launch(s, self._work)
+        self._upload(s)
+        plat.launch(s, self._kernels)
         value = None
         if self.notify_slot is not None:
             value = self.peer.next_seq(self.notify_slot)
@@ -727,6 +733,7 @@ class KVTransfer:
             plat.write_flag(s, word, value)
             plat.copy_async(s, self.peer.control_ptr + 8 * self.notify_slot, word, 8)
         event = plat.record_event(s)
+        agent._track(event, self._buffers)
         return KVTransferHandle(self, event, s, value)
 
     def expanded_descriptors(self) -> np.ndarray:
@@ -734,7 +741,9 @@ class KVTransfer:
         the source and destination anchors) -- for checking the expansion; not a transfer path."""
         plat = self.agent.platform
         s = self.agent.stream
-        plat.launch(s, self._expand)
+        self._upload(s)
+        if self._expand_launch is not None:
+            plat.launch(s, self._expand_launch)
         if not plat.synchronize(s, self.agent.timeout_s):
             raise TransferTimeout(rank=self.agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
                                   timeout_s=self.agent.timeout_s, what="expanding the descriptors")
@@ -786,6 +795,7 @@ class KVAgent(Closable):
         self._peers: dict[str, KVPeer] = {}
         self._routes: dict[tuple, _Route] = {}
         self._names = itertools.count()
+        self._inflight: collections.deque = collections.deque()     # (event, buffers) of posted transfers
         self.control: DeviceBuffer | None = None
         self.stream: Stream | None = None
         try:
@@ -1133,6 +1143,14 @@ class KVAgent(Closable):
         """:meth:`prepare` then :meth:`KVTransfer.post`."""
         return self.prepare(peer, op, local_blocks=local_blocks, remote_blocks=remote_blocks, **kw).post(stream)
 
+    def _track(self, event: Event, buffers: tuple) -> None:
+        """Keep a posted transfer's buffers until its event completes (dropping the transfer and its
+        handle early must not free memory the stream still reads); completed entries go first."""
+        q = self._inflight
+        while q and self.platform.event_query(q[0][0]):
+            q.popleft()
+        q.append((event, buffers))
+
     # ------------------------------------------------------------------ notifications
 
     def _slot(self, slot: int) -> int:
@@ -1182,6 +1200,7 @@ class KVAgent(Closable):
             p.close()
         self._peers = {}
         self._routes = {}
+        self._inflight = collections.deque()
         self._groups, self._flats = {}, {}
         if getattr(self, "stream", None) is not None:
             self.stream.close()
