@@ -157,6 +157,22 @@ def _new_run_dir(root: str) -> str:
     raise BadInput(f"--out: cannot find a new run directory under {root}")
 
 
+def json_path_option(json_opt, *, create: bool = True) -> str | None:
+    """``--json PATH``: the absolute path, its directory made and proved writable (None for ``--json``
+    alone or none)."""
+    if json_opt in (None, True):
+        return None
+    path = str(json_opt)
+    if not path.strip():
+        raise BadInput("--json: give a file name, or no value to print the JSON on stdout")
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        raise BadInput(f"--json: {path} is a directory")
+    if create:
+        _probe_dir(os.path.dirname(path), "--json")
+    return path
+
+
 def prepare_outputs(bench: str, out: str | None, json_opt, *, artifacts: tuple[str, ...], create: bool = True
                     ) -> Outputs:
     """Check (and with ``create``, make) where the run writes, before anything is measured.
@@ -165,16 +181,7 @@ def prepare_outputs(bench: str, out: str | None, json_opt, *, artifacts: tuple[s
     already holding one of them is refused (an earlier run's results are never
     overwritten). ``create=False`` checks the places without creating the run directory
     (a process that will not write)."""
-    json_path = None if json_opt in (None, True) else str(json_opt)
-    if json_path is not None:
-        if not json_path.strip():
-            raise BadInput("--json: give a file name, or no value to print the JSON on stdout")
-        json_path = os.path.abspath(json_path)
-        if os.path.isdir(json_path):
-            raise BadInput(f"--json: {json_path} is a directory")
-        if create:
-            _probe_dir(os.path.dirname(json_path), "--json")
-    outputs = Outputs(bench, None, json_path, json_stdout=json_opt is True)
+    outputs = Outputs(bench, None, json_path_option(json_opt, create=create), json_stdout=json_opt is True)
     if out is not None:
         if not str(out).strip():
             raise BadInput("--out: give a directory")

@@ -223,6 +223,14 @@ def test_the_host_runs_the_small_grid_and_says_so(capsys):
     assert [p["isl_tokens"] for p in json.loads(cap.out)["grid"]["points"]] == [8192, 8192]
 
 
+def test_plan_only_json_path_writes_the_plan_and_no_run_directory(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc = main(["bench", "kv", "--platform", "host", "--plan-only", "--json", "sub/plan.json"])
+    assert rc == 0 and "sweep grid" in capsys.readouterr().out
+    assert json.loads((tmp_path / "sub" / "plan.json").read_text())["kind"] == "gpuxfer-kv-plan"
+    assert not (tmp_path / "gpuxfer-out").exists()
+
+
 ALL_ENGINES = ("triton", "pack", "copy_engine", "bulk", "nixl", "nixl-bulk", "nixl-oneshot", "nixl+pack", "mooncake")
 
 

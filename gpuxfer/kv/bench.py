@@ -364,6 +364,9 @@ def run(args: argparse.Namespace) -> int:
             if shrunk:
                 print(host_note(shrunk, plan=True), file=sys.stderr if options.json else sys.stdout)
             print_plan(grid, as_json=options.json, options=options)
+            if isinstance(args.json, str):       # --plan-only --json PATH: the plan's JSON there too
+                from ..cliutil import json_path_option, write_atomic
+                write_atomic(json_path_option(args.json), json.dumps(plan_document(grid, options), indent=2) + "\n")
             return 0
         check_before_start(grid, args, platform)
         from .runner import config_from_args, run_sweep, under_torchrun
