@@ -120,3 +120,28 @@ class NotRegistered(BadInput):
 
 class BadMetadata(BadInput):
     """Peer metadata bytes are malformed, of another version, or describe impossible memory."""
+
+
+class PeerLost(TransferTimeout):
+    """The peer of a pair is gone: its connection closed (it crashed or exited) before a wait finished.
+
+    A :class:`TransferTimeout` (a caller that handles timeouts handles this too), raised as
+    soon as the CPU group reports the closed connection instead of when the timeout expires.
+    """
+
+    def __init__(self, *, rank: int, peer: int, step: int, flag: str, after_s: float, detail: str = "",
+                 why: str = ""):
+        why = why or f"its connection closed (rank {peer} crashed or exited)"
+        GpuxferError.__init__(
+            self, f"rank {rank}: lost rank {peer} after {after_s:.2f} s at step {step} while waiting for "
+                  f"{flag!r}: {why}" + (f" [{detail}]" if detail else ""))
+        self.rank, self.peer, self.step, self.flag = rank, peer, step, flag
+        self.expected, self.seen, self.timeout_s = step, None, after_s
+
+
+class ProtocolError(GpuxferError):
+    """A peer sent something the protocol forbids (metadata out of order, a shape larger than its slot...)."""
+
+
+class SetupFailed(GpuxferError):
+    """A collective setup (``pp.connect``) could not finish: a rank died or left mid-way."""

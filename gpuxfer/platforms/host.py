@@ -11,7 +11,10 @@ What it emulates, and how:
   The owner registers the name with multiprocessing's resource tracker (so a
   crashed owner's segments are unlinked when the tracker exits) and unlinks it
   on ``close()``; openers never touch the tracker, so a peer exiting never
-  unlinks the owner's memory.
+  unlinks the owner's memory. Once every peer has opened a buffer, its owner
+  may drop the name (:meth:`HostPlatform.unpublish`): the mappings stay, and
+  nothing is left in ``/dev/shm`` even if every process (tracker included) is
+  killed.
 * **Opening your own handle** is refused with :class:`BadInput`, as CUDA refuses
   ``cudaIpcOpenMemHandle`` in the exporting process: code that passes on the
   emulation must not depend on something the GPU forbids.
@@ -118,9 +121,18 @@ class _Shm:
         anchor = ctypes.c_char.from_buffer(self.mm)   # a buffer export, released right below
         self.ptr = ctypes.addressof(anchor)
         del anchor
+        self.linked = create
         if create:
             from multiprocessing import resource_tracker
             resource_tracker.register(name, "shared_memory")
+
+    def unlink(self) -> None:
+        """Drop the name (the owner's; idempotent): the mappings stay valid, no new opener finds it."""
+        if self.linked:
+            from multiprocessing import resource_tracker
+            self.linked = False
+            unlink_shm(self.name)
+            resource_tracker.unregister(self.name, "shared_memory")
 
     def release(self) -> None:
         try:
@@ -129,10 +141,7 @@ class _Shm:
             # torch tensors over the memory are still alive: the mapping lives on
             # until the last one dies (the mmap object closes itself then).
             log.debug("shared memory %s still viewed by tensors; unmapped when they die", self.name)
-        if self.owner:
-            from multiprocessing import resource_tracker
-            unlink_shm(self.name)
-            resource_tracker.unregister(self.name, "shared_memory")
+        self.unlink()
 
 
 # --------------------------------------------------------------------------- streams and events
@@ -440,6 +449,13 @@ class HostPlatform(Platform):
         if mem.device != device:
             raise BadInput(f"{what} belongs to emulated device {mem.device}, not {device}")
         return ExportedRange(self.export_handle(mem), ptr - mem.ptr)
+
+    def unpublish(self, buf: DeviceBuffer) -> None:
+        """Drop the shared-memory name of ``buf`` once its peers have opened it (later opens fail;
+        existing mappings and ``buf`` stay valid). A GPU's IPC handle has no name to drop."""
+        if buf.platform is not self or not isinstance(buf.impl, _Shm):
+            raise BadInput(f"{buf!r} was not allocated by this host platform")
+        buf.impl.unlink()
 
     def export_handle(self, buf: DeviceBuffer) -> IpcHandle:
         if buf.platform is not self or not isinstance(buf.impl, _Shm):

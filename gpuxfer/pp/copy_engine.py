@@ -153,6 +153,7 @@ class CopyEngineTransport(Transport):
         if int(recv_slots) < self.min_slots:
             raise BadInput(f"the {self.name} backend needs >= {self.min_slots} receive slots, got {recv_slots}")
         self.recv_slots = int(recv_slots)
+        self.max_pending = self.recv_slots + 1   # one more deferred receive would wait for ever
         self.flag_path = flag_path_from_env(flag_path, ENV_FLAG_PATH)
         self.inline_bytes = inline_bytes_from_env(inline_bytes)
         self.remote_flags = False
@@ -208,8 +209,17 @@ class CopyEngineTransport(Transport):
                                f"{self.recv_slots * self.specs.slot_bytes}")
 
     def setup_probe_send(self, nonce: int) -> dict:
-        """Write ``nonce`` into the peer's probe words: by an 8-byte copy (required) and by a remote write."""
+        """Write ``nonce`` into the peer's probe words: by an 8-byte copy (required) and by a remote write.
+
+        Every peer has opened this end's handles by now: a platform whose exports are names in a
+        namespace (the host emulation's shared memory) drops the names here, so nothing outlives
+        the processes even if they are all killed."""
         p, s = self.platform, self._aux
+        unpublish = getattr(p, "unpublish", None)
+        if unpublish is not None:
+            for buf in (self._flags, self._data, self._staging):    # (staging: never exported at all)
+                if buf is not None:
+                    unpublish(buf)
         self._nonce = nonce
         stage = self._fptr(self._flags, W_PROBE_STAGE)
         p.write_flag(s, stage, nonce + 1)
@@ -396,6 +406,10 @@ class CopyEngineTransport(Transport):
             return self.platform.read_flag(self._in_ptr[j], self.device)
         except TransferTimeout:   # the platform's host read is itself stuck: report "unreadable" if it matters
             return None
+
+    def _wait_label(self, entry) -> str:
+        k, j, _t0, expected = entry
+        return f"{'full' if self.role == 'recv' else 'empty'}[{j}] >= {expected}"
 
     def _watch(self, now: float, force: bool = False):
         """Pop the waits whose flag arrived; a wait older than the timeout becomes TransferTimeout.

@@ -4,9 +4,10 @@ A metadata message over the CPU (gloo) group costs tens of microseconds on every
 step (52-73 us a step on 2x H200, docs/PERFORMANCE.md), more than a small step's
 whole transfer. When both ends of a pair run on the same host,
 :func:`gpuxfer.pp.selection.connect` gives the pair this mailbox instead: a small
-POSIX shared-memory segment that both processes map, created by the receiver and
-unlinked as soon as the sender has opened it (nothing is left behind, even on a
-crash after setup). ``GPUXFER_PP_META_CHANNEL=group`` keeps the CPU group.
+POSIX shared-memory segment that both processes map, created by the receiver
+(registered with the resource tracker at once) and unlinked as soon as the sender
+has opened it (nothing is left behind, even on a crash after setup; a receiver
+killed before that: its tracker, or the surviving sender, unlinks it). ``GPUXFER_PP_META_CHANNEL=group`` keeps the CPU group.
 
 Layout (int64 words)::
 
@@ -61,8 +62,9 @@ YIELD_S = 2e-3       # then poll between sched_yield()s this long, then sleep in
 MAX_NAP_S = 1e-3
 
 
-def _wait(cond, timeout_s: float, what) -> None:
-    """Poll ``cond()`` until it holds; MailboxTimeout(what()) after ``timeout_s``.
+def _wait(cond, timeout_s: float, what, cancelled=None) -> None:
+    """Poll ``cond()`` until it holds; MailboxTimeout(what()) after ``timeout_s``, or as soon as
+    ``cancelled()`` is true (checked between naps: the transport failed meanwhile).
 
     No sleep in the first milliseconds: on Linux even ``time.sleep(0)`` costs tens of
     microseconds (timer slack), longer than a small pp step, so a waiter that slept
@@ -82,6 +84,8 @@ def _wait(cond, timeout_s: float, what) -> None:
     while not cond():
         if time.monotonic() > deadline:
             raise MailboxTimeout(what())
+        if cancelled is not None and cancelled():
+            raise MailboxTimeout(what() + " (cancelled: the transport failed)")
         time.sleep(nap)
         nap = min(MAX_NAP_S, nap * 2)
 
@@ -101,6 +105,10 @@ class Mailbox:
         self.name, self.meta_len, self.magic = name, int(meta_len), int(magic)
         self.stride = -(-(2 + self.meta_len) // 8) * 8
         self._mm = map_shm(name, 8 * (HEADER_WORDS + RING * self.stride), create=create, exact=True)
+        self._linked = create
+        if create:   # the resource tracker unlinks it if this process dies before unlink()
+            from multiprocessing import resource_tracker
+            resource_tracker.register(name, "shared_memory")
         self._words = np.frombuffer(self._mm, dtype=np.int64)
         if create:
             self._words[W_MAGIC] = self.magic
@@ -124,15 +132,19 @@ class Mailbox:
     def unlink(self) -> None:
         """Remove the segment's name (the mappings stay valid); idempotent."""
         unlink_shm(self.name)
+        if self._linked:
+            from multiprocessing import resource_tracker
+            self._linked = False
+            resource_tracker.unregister(self.name, "shared_memory")
 
     # ---- sender ----
-    def next_send_buffer(self, timeout_s: float) -> int:
+    def next_send_buffer(self, timeout_s: float, cancelled=None) -> int:
         m = self._sent + 1
         w = self._words
         if w[W_CONSUMED] < m - RING:
             _wait(lambda: w[W_CONSUMED] >= m - RING, timeout_s,
                   lambda: f"message {m}: the receiver has taken {int(w[W_CONSUMED])} of {m - 1} "
-                          f"after {timeout_s:g} s (the mailbox holds {RING})")
+                          f"after {timeout_s:g} s (the mailbox holds {RING})", cancelled)
         return (m - 1) % RING
 
     def send(self, i: int) -> None:
@@ -145,7 +157,7 @@ class Mailbox:
         self._sent = m
 
     # ---- receiver ----
-    def recv(self, timeout_s: float) -> np.ndarray:
+    def recv(self, timeout_s: float, cancelled=None) -> np.ndarray:
         m = self._taken + 1
         j = (m - 1) % RING
         seq, w, out, src = self._seq[j], self._words, self._recv_copy, self.send_buffers[j]
@@ -158,7 +170,7 @@ class Mailbox:
 
         if not arrived():
             _wait(arrived, timeout_s, lambda: f"message {m}: slot {j} holds message {int(w[seq])} "
-                                              f"after {timeout_s:g} s")
+                                              f"after {timeout_s:g} s", cancelled)
         self._taken = m
         w[W_CONSUMED] = m
         return out

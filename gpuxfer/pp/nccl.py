@@ -24,7 +24,7 @@ import logging
 import time
 from datetime import timedelta
 
-from ..errors import TransferTimeout
+from ..errors import PeerLost, TransferTimeout
 from .transport import Layout, Received, Transport, as_bytes, copy_bytes
 
 log = logging.getLogger("gpuxfer.pp")
@@ -61,9 +61,14 @@ class NcclTransport(Transport):
 
     def _wait_work(self, work, *, step: int, flag: str, what: str) -> None:
         if self._gloo:
+            t0 = time.monotonic()
             try:
                 work.wait(timeout=timedelta(seconds=self.timeout_s))
             except RuntimeError as exc:
+                elapsed = time.monotonic() - t0
+                if elapsed < 0.9 * self.timeout_s:    # gloo saw the connection close: not a timeout
+                    raise PeerLost(rank=self.rank, peer=self.peer, step=step, flag=flag, after_s=elapsed,
+                                   detail=f"nccl {what} ({exc})") from None
                 raise self._timeout(step=step, flag=flag, expected=step, seen=None,
                                     what=f"{what} ({exc})") from None
         else:
@@ -118,6 +123,9 @@ class NcclTransport(Transport):
         rcv._tensors = views
 
     # ---- watchdog and teardown ----
+    def _wait_label(self, entry) -> str:
+        return f"{entry[3]} of step {entry[0]}"
+
     def _watch(self, now: float, force: bool = False):
         wd = self._wd
         while wd and wd[0][1].is_completed():

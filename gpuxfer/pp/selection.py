@@ -45,8 +45,9 @@ import secrets
 import socket
 from typing import Iterable, Mapping
 
-from ..errors import BackendUnavailable, BadInput, GpuxferError
-from .transport import SpecTable, Transport, close_all, resolve_timeout, WATCHDOG
+from ..errors import BackendUnavailable, BadInput, GpuxferError, SetupFailed
+from .transport import (PairSignals, SpecTable, Transport, close_all, resolve_on_timeout, resolve_timeout,
+                        WATCHDOG)
 
 log = logging.getLogger("gpuxfer.pp")
 
@@ -158,6 +159,11 @@ class Connection:
         return self._one(self.receivers, peer, "receives from")
 
     def _one(self, d: dict, peer, what: str) -> Transport:
+        if not d:
+            side, other = ("send", "receives from") if what == "sends to" else ("receive", "sends to")
+            others = sorted(self.receivers if side == "send" else self.senders)
+            raise BadInput(f"rank {self.rank} has no {side} side in this connection"
+                           + (f" (it only {other} {others})" if others else " (it holds no transport)"))
         if peer is None:
             if len(d) != 1:
                 raise BadInput(f"rank {self.rank} {what} {sorted(d)}: name the peer")
@@ -243,16 +249,24 @@ def _cpu_group(group):
 
 
 class _Exchange:
-    """all_gather_object over the CPU group, indexed by global rank."""
+    """all_gather_object over the CPU group, indexed by global rank; a rank that died or left mid-way
+    (gloo's RuntimeError) becomes :class:`SetupFailed`."""
 
     def __init__(self, group):
         import torch.distributed as dist
         self.dist, self.group = dist, group
         self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank()
+        self.round = 0
 
     def __call__(self, obj) -> dict[int, dict]:
         out = [None] * self.size
-        self.dist.all_gather_object(out, obj, group=self.group)
+        self.round += 1
+        try:
+            self.dist.all_gather_object(out, obj, group=self.group)
+        except RuntimeError as exc:
+            raise SetupFailed(f"rank {self.rank}: pp connect: exchange {self.round} over the CPU group failed: "
+                              f"a rank of the group died or left connect() ({exc})") from exc
         return {o["rank"]: o for o in out}
 
 
@@ -264,7 +278,7 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
             backend: str | None = None, platform=None, device: int | None = None, timeout_s: float | None = None,
             metadata: bool = True, recv_slots: int = 2, device_group=None, flag_path: str | None = None,
             inline_bytes: int | str | None = None, inject_failure: str | None = None,
-            meta_channel: str | None = None, graph: bool = False) -> Connection:
+            meta_channel: str | None = None, graph: bool = False, on_timeout: str | None = None) -> Connection:
     """Set up this rank's stage hand-off transports; collective over ``group`` (every rank calls it).
 
     ``send_to`` / ``recv_from``: global rank(s) this rank sends to / receives
@@ -287,6 +301,10 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
     ``copy_engine_graph`` backend, :mod:`gpuxfer.pp.graph`); there is no fallback,
     since NCCL's steps cannot be replayed this way: a rank that cannot set it up
     makes every rank raise :class:`BackendUnavailable`.
+    ``timeout_s`` (default ``$GPUXFER_PP_TIMEOUT_S`` or 300; finite, > 0) bounds every
+    wait; ``on_timeout`` (``raise`` | ``exit``, default ``$GPUXFER_PP_ON_TIMEOUT`` or
+    ``raise``) is what a failed transport does (see :mod:`gpuxfer.pp.transport`).
+    A rank that dies during setup makes the others raise :class:`SetupFailed`.
     """
     import torch.distributed as dist
 
@@ -322,7 +340,8 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
                                f"does; backend {wanted!r} cannot be captured")
             wanted = GRAPH_BACKEND
         info.update(platform=plat.name, device=device, pci=dinfo.pci_bus_id, backend=wanted,
-                    timeout=resolve_timeout(timeout_s), sends=sends, recvs=recvs,
+                    timeout=resolve_timeout(timeout_s), on_timeout=resolve_on_timeout(on_timeout),
+                    sends=sends, recvs=recvs,
                     sdig=sspec.digest() if sspec else None, rdig=rspec.digest() if rspec else None,
                     metadata=bool(metadata), slots=int(recv_slots))
     except Exception as exc:  # noqa: BLE001 - exchanged, raised on every rank
@@ -362,7 +381,7 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
     tag_of = {pair: TAG_BASE + (conn_id % 1000) * _TAGS_PER_CONNECTION + 4 * n for n, pair in enumerate(pairs)}
     me = infos[rank]
     common = dict(platform=plat, rank=rank, device=device, timeout_s=me["timeout"], metadata=me["metadata"],
-                  group=group, torch_device=_torch_device(plat, device))
+                  group=group, torch_device=_torch_device(plat, device), on_timeout=me["on_timeout"])
     my_pairs = [("send", d, (rank, d), sspec) for d in me["sends"]] + \
                [("recv", s, (s, rank), rspec) for s in me["recvs"]]
     wanted = me["backend"]
@@ -390,7 +409,14 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
         ends = _setup_nccl(exchange, infos, my_pairs, common, tag_of, plat, group, device_group)
         chosen = FALLBACK
 
-    _setup_mailboxes(exchange, infos, ends, tag_of, nonce, rank, meta_mode)
+    for t in ends:
+        t.signals = PairSignals.default(f"gpuxfer-pp/{nonce:x}/{tag_of[(t.rank, t.peer) if t.role == 'send' else (t.peer, t.rank)]:x}",
+                                        rank, t.peer)
+    try:
+        _setup_mailboxes(exchange, infos, ends, tag_of, nonce, rank, meta_mode)
+    except SetupFailed:
+        _discard(ends)
+        raise
     senders = {t.peer: t for t in ends if t.role == "send"}
     receivers = {t.peer: t for t in ends if t.role == "recv"}
     for t in ends:
@@ -429,6 +455,7 @@ def _setup_mailboxes(exchange, infos, ends, tag_of, nonce: int, rank: int, mode:
     A pair that cannot (another host, ``GPUXFER_PP_META_CHANNEL=group``, an error) keeps
     the CPU group; an error is logged.
     """
+    from ..common import unlink_shm
     from .mailbox import Mailbox
 
     def name(pair) -> str:
@@ -459,6 +486,13 @@ def _setup_mailboxes(exchange, infos, ends, tag_of, nonce: int, rank: int, mode:
                 except Exception as exc:  # noqa: BLE001
                     opened[pair] = _reason(exc)
         got = exchange({"rank": rank, "opened": opened})
+    except SetupFailed:
+        for t in ends:    # a receiver that died after creating its box left it: the surviving sender unlinks
+            if t.role == "send" and eligible(t):
+                unlink_shm(name((rank, t.peer)))
+        for box in list(created.values()) + list(boxes.values()):
+            box.close()
+        raise
     finally:
         for box in created.values():
             box.unlink()
@@ -498,7 +532,11 @@ def _setup_peer_memory(name, exchange, infos, my_pairs, common, tag_of, nonce, *
                 obj = fn()
             except Exception as exc:  # noqa: BLE001 - exchanged below
                 err = _reason(exc)
-        got = exchange({"rank": rank, "err": err, "obj": obj})
+        try:
+            got = exchange({"rank": rank, "err": err, "obj": obj})
+        except SetupFailed:
+            _discard(ends)
+            raise
         if not failed:
             failed = {r: g["err"] for r, g in got.items() if g["err"]}
         return got
@@ -575,7 +613,12 @@ def _setup_peer_memory(name, exchange, infos, my_pairs, common, tag_of, nonce, *
             t._close_mappings()
         except Exception as exc:  # noqa: BLE001
             log.warning("rank %d: closing %s mappings after a failed setup: %s", rank, name, exc)
-    dist.barrier(group=common["group"])
+    try:
+        dist.barrier(group=common["group"])
+    except RuntimeError as exc:
+        _discard(ends)
+        raise SetupFailed(f"rank {rank}: pp connect: the barrier after a failed {name} setup failed: a rank "
+                          f"died or left connect() ({exc})") from exc
     for t in ends:
         try:
             t._free()
@@ -583,6 +626,19 @@ def _setup_peer_memory(name, exchange, infos, my_pairs, common, tag_of, nonce, *
             log.warning("rank %d: freeing %s buffers after a failed setup: %s", rank, name, exc)
         t._state = "closed"
     return False, failed, []
+
+
+def _discard(ends) -> None:
+    """After a failed collective setup: release and free what no peer maps (as abort does)."""
+    for t in ends:
+        try:
+            t._release_waits()
+            t._close_mappings()
+            t._free_local()
+            t._close_meta()
+        except Exception as exc:  # noqa: BLE001 - best effort, the setup error is what the caller needs
+            log.warning("rank %d: cleaning up after a failed setup: %s", t.rank, exc)
+        t._state = "closed"
 
 
 def _local_index(plat, peer_info) -> int:
@@ -634,7 +690,11 @@ def _setup_nccl(exchange, infos, my_pairs, common, tag_of, plat, group, device_g
                                       device_group=device_group, data_tag=tag_of[pair] + 2, **common))
     except Exception as exc:  # noqa: BLE001
         err = _reason(exc)
-    got = exchange({"rank": rank, "err": err})
+    try:
+        got = exchange({"rank": rank, "err": err})
+    except SetupFailed:
+        _discard(ends)
+        raise
     failed = {r: g["err"] for r, g in got.items() if g["err"]}
     if failed:
         for t in ends:

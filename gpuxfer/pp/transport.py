@@ -16,17 +16,44 @@ shares:
   metadata, if metadata travels); the first access to ``.tensors`` queues the
   GPU-side wait and the copy-out on the caller's current stream. Nothing waits
   before that, so the receiver's input preparation overlaps the transfer.
-* :class:`CpuChannel` -- tagged point-to-point messages over the CPU (gloo)
-  group: the pair barriers of teardown, and per-step metadata unless the pair
-  shares a host, where a shared-memory :class:`~gpuxfer.pp.mailbox.Mailbox`
-  carries it (``Transport.meta``).
+* :class:`CpuChannel` -- tagged point-to-point metadata messages over the CPU
+  (gloo) group, unless the pair shares a host, where a shared-memory
+  :class:`~gpuxfer.pp.mailbox.Mailbox` carries them (``Transport.meta``).
+* :class:`PairSignals` -- keys in the process group's store (never a gloo
+  collective: a timed gloo wait closes the pair for good, and the caller's group
+  with it): the bounded pair barriers of teardown, and a "gone" note each end
+  leaves when it fails, aborts or closes, which the peer's watchdog reads.
 * the watchdog -- one daemon thread per process, off the transfer path, that
   polls what each transport's streams wait on (flag words, NCCL work objects)
-  and turns a wait older than ``timeout_s`` into :class:`TransferTimeout`,
-  raised on the transport's next API call or ``synchronize()``.
-* :func:`close_all` -- teardown in a safe order for any set of transports:
-  drain own streams (bounded; pending GPU waits are released if the drain times
-  out), pair barriers, close peer mappings, pair barriers, free buffers.
+  and turns a wait older than ``timeout_s`` (or a wait on a peer that left a
+  "gone" note) into :class:`TransferTimeout` / :class:`PeerLost`.
+* failure (:meth:`Transport._fail`) -- the first error that breaks a
+  transport (a timeout, a lost peer, a stream error, bad peer metadata) is
+  stored and raised by every later call; the GPU-side waits the transport
+  queued (on its own streams and on the caller's) are released at once, so no
+  host call in the process blocks behind them (the data they guard is then
+  garbage: steps that did not complete are never handed out); the peer is told
+  through the store. ``on_timeout="exit"`` (or ``GPUXFER_PP_ON_TIMEOUT=exit``)
+  instead logs every transport's rank, step and pending flag and ends the
+  process with :data:`EXIT_CODE`, like torch's NCCL async error handling.
+* :func:`close_all` -- teardown in a safe order for any set of transports,
+  bounded by ``timeout_s`` + a few seconds whatever the peers do: release the
+  waits of failed ends, drain own streams, pair barrier, close peer mappings,
+  pair barrier, free buffers.
+
+Failure, timeline (a receiver killed at step 50, inline steps, R = 2)::
+
+    sender main thread            sender current stream      watchdog thread
+    ------------------            ---------------------      ---------------
+    send(52): queue wait
+      empty[1] >= 50  ------->    waits (never written)
+    host work: .item() ...        (blocked)                  t = timeout_s: wait too old
+      (blocked behind the                                    -> _fail: error stored,
+       stream)                                                  empty[*] := RELEASE,
+                                  wait passes, copies run       note "gone" in the store
+      returns                     (data: garbage)
+    send(53) -> raises TransferTimeout
+    close(): drain, barrier (peer gone: bounded), free what no peer maps
 
 How a sender's bad input stays consistent with its receiver: the sender
 validates first; if the input is refused and metadata travels, the sender sends
@@ -52,7 +79,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..errors import BadInput, GpuxferError, TransferTimeout
+from ..errors import BadInput, GpuxferError, PeerLost, ProtocolError, TransferTimeout
 
 log = logging.getLogger("gpuxfer.pp")
 
@@ -60,6 +87,11 @@ ALIGN = 256                 # byte alignment of each tensor in a packed slot
 MAX_NDIM = 8                # most dimensions a tensor may have
 ENV_TIMEOUT = "GPUXFER_PP_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
+ENV_ON_TIMEOUT = "GPUXFER_PP_ON_TIMEOUT"
+ON_TIMEOUT = ("raise", "exit")
+EXIT_CODE = 70              # the process exit code of on_timeout="exit" (EX_SOFTWARE)
+FAILED_TEARDOWN_S = 1.0     # drain / barrier limit of a failed transport at teardown (its peer is likely gone)
+GONE_POLL_S = 0.25          # how often the watchdog reads a waiting transport's peer "gone" note
 RELEASE_VALUE = 1 << 62     # written into local flags to release any pending GPU wait (close/abort)
 META_MAGIC = 0x67787070     # "gxpp"
 _NO_DIMS = (0,) * MAX_NDIM
@@ -87,10 +119,26 @@ def resolve_timeout(timeout_s: float | None) -> float:
             timeout_s = float(raw)
         except ValueError:
             raise BadInput(f"{ENV_TIMEOUT} must be a number of seconds, got {raw!r}") from None
-    timeout_s = float(timeout_s)
-    if not timeout_s > 0:
-        raise BadInput(f"the transfer timeout must be positive, got {timeout_s}")
+    try:
+        timeout_s = float(timeout_s)
+    except (TypeError, ValueError):
+        raise BadInput(f"the transfer timeout must be a number of seconds, got {timeout_s!r}") from None
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise BadInput(f"the transfer timeout must be a finite number of seconds > 0, got {timeout_s} "
+                       f"(every wait is bounded: pick the longest a step may take)")
     return timeout_s
+
+
+def resolve_on_timeout(value: str | None) -> str:
+    """``value``, else ``$GPUXFER_PP_ON_TIMEOUT``, else ``raise``: what a failed transport does
+    (``raise``: store the error, release its GPU waits, raise on every later call; ``exit``: also
+    log every transport's state and end the process with :data:`EXIT_CODE`)."""
+    raw = value if value is not None else os.environ.get(ENV_ON_TIMEOUT, "")
+    v = str(raw).strip().lower() or "raise"
+    if v not in ON_TIMEOUT:
+        src = "on_timeout" if value is not None else ENV_ON_TIMEOUT
+        raise BadInput(f"{src} must be 'raise' or 'exit', got {raw!r}")
+    return v
 
 
 def _align(n: int) -> int:
@@ -353,22 +401,44 @@ class SpecTable:
         buf[0], buf[1], buf[2], buf[3] = META_MAGIC, step, refusal.code, refusal.key
 
     def decode(self, buf: np.ndarray, *, step: int, peer: int, rank: int):
-        """Shapes for ``step``, or raise the sender's refusal as :class:`BadInput`."""
+        """Shapes for ``step``, or raise the sender's refusal as :class:`BadInput`.
+
+        Nothing in the message is trusted: every shape is checked against the spec (dimensions,
+        element count) and the step against the slot, in Python integers (no overflow), before
+        anything is viewed or copied; a violation is :class:`ProtocolError`.
+        """
         vals = buf.tolist()       # one conversion, then plain ints
+        if len(vals) != self.meta_len:
+            raise ProtocolError(f"rank {rank}: metadata from rank {peer} holds {len(vals)} words, expected "
+                                f"{self.meta_len}")
         if vals[0] != META_MAGIC or vals[1] != step:
-            raise GpuxferError(f"rank {rank}: metadata from rank {peer} is out of order: expected step {step}, "
-                               f"got magic 0x{vals[0]:x} step {vals[1]}")
+            raise ProtocolError(f"rank {rank}: metadata from rank {peer} is out of order: expected step {step}, "
+                                f"got magic 0x{vals[0]:x} step {vals[1]}")
         if vals[2]:
             key = vals[3]
             which = f" ({self.names[key]!r})" if 0 <= key < len(self.names) else ""
             raise BadInput(f"rank {rank}: rank {peer} refused its input for step {step}{which}: "
                            f"{_REFUSALS.get(vals[2], 'unknown reason')}; nothing was sent and the step "
                            f"was not consumed on either side")
-        shapes, pos = [], 4
-        for _ in self.names:
+        shapes, pos, total = [], 4, 0
+        for i, name in enumerate(self.names):
             nd = vals[pos]
-            shapes.append(tuple(vals[pos + 1:pos + 1 + nd]))
+            dims = vals[pos + 1:pos + 1 + MAX_NDIM]
+            if not 0 <= nd <= MAX_NDIM or any(d < 0 for d in dims) or any(dims[nd:]):
+                raise ProtocolError(f"rank {rank}: metadata from rank {peer} for step {step} is malformed: "
+                                    f"{name!r} has {nd} dimensions {tuple(dims)}")
+            shape = tuple(dims[:nd])
+            numel = math.prod(shape)
+            if numel > self.max_numel[i]:
+                raise ProtocolError(f"rank {rank}: rank {peer} claims shape {shape} for {name!r} at step {step}: "
+                                    f"{numel} elements, larger than its slot (the setup spec's largest shape "
+                                    f"is {self.max_shapes[i]}, {self.max_numel[i]} elements); nothing was read")
+            total = _align(total) + numel * self.itemsizes[i]
+            shapes.append(shape)
             pos += 1 + MAX_NDIM
+        if total > self.slot_bytes:       # implied by the per-tensor checks; kept as the last line of defence
+            raise ProtocolError(f"rank {rank}: rank {peer}'s step {step} needs {total} B, its slot holds "
+                                f"{self.slot_bytes} B")
         return tuple(shapes)
 
 
@@ -376,10 +446,13 @@ class SpecTable:
 
 
 class CpuChannel:
-    """Tagged messages to one peer over the CPU (gloo) group.
+    """Tagged metadata messages to one peer over the CPU (gloo) group.
 
     gloo's timed ``wait`` closes the pair on timeout, so a timed-out channel is
-    dead; the transport is then broken anyway (TransferTimeout is final).
+    dead; the transport is then broken anyway (TransferTimeout is final). A
+    metadata wait that times out therefore also closes that pair of the caller's
+    group: pairs on one host use the mailbox instead, and a group of its own
+    (``connect(group=dist.new_group(backend="gloo"))``) keeps the caller's intact.
     """
 
     RING = 4
@@ -395,7 +468,7 @@ class CpuChannel:
         self._recv_buf = torch.zeros(meta_len, dtype=torch.int64)
         self.recv_np = self._recv_buf.numpy()
 
-    def next_send_buffer(self, timeout_s: float) -> int:
+    def next_send_buffer(self, timeout_s: float, cancelled=None) -> int:
         i = self._i % self.RING
         w = self._works[i]
         if w is not None:
@@ -408,27 +481,11 @@ class CpuChannel:
         self._works[i] = dist.isend(self._ring[i], dst=self.peer, group=self.group, tag=self.tag_meta)
         self._i += 1
 
-    def recv(self, timeout_s: float) -> np.ndarray:
+    def recv(self, timeout_s: float, cancelled=None) -> np.ndarray:
         import torch.distributed as dist
         w = dist.irecv(self._recv_buf, src=self.peer, group=self.group, tag=self.tag_meta)
         w.wait(timeout=timedelta(seconds=timeout_s))
         return self.recv_np
-
-    def post_barrier(self):
-        import torch
-        import torch.distributed as dist
-        tok_out, tok_in = torch.ones(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-        return [dist.isend(tok_out, dst=self.peer, group=self.group, tag=self.tag_barrier),
-                dist.irecv(tok_in, src=self.peer, group=self.group, tag=self.tag_barrier), tok_out, tok_in]
-
-    @staticmethod
-    def finish_barrier(posted, deadline: float) -> bool:
-        try:
-            for w in posted[:2]:
-                w.wait(timeout=timedelta(seconds=max(0.05, deadline - time.monotonic())))
-            return True
-        except RuntimeError:
-            return False
 
     def drain(self, timeout_s: float) -> None:
         for i, w in enumerate(self._works):
@@ -438,6 +495,71 @@ class CpuChannel:
                 except RuntimeError:
                     pass
                 self._works[i] = None
+
+
+class PairSignals:
+    """What the two ends of a pair tell each other outside the transfer: keys in the store of the
+    default process group (``prefix`` is unique to the pair and the connection).
+
+    * ``barrier(label)``: :meth:`post` sets ``prefix/label/rank``; :meth:`finish` waits (bounded)
+      for the peer's key. A store wait that times out breaks nothing, unlike a gloo one.
+    * ``gone``: :meth:`leave` sets ``prefix/gone/rank`` (why: failed, aborted, closed);
+      :meth:`peer_gone` reads the peer's, without waiting.
+
+    A store that fails (its server died with rank 0) makes barriers fail and ``peer_gone`` say
+    nothing: the waits' own timeouts still bound everything.
+    """
+
+    def __init__(self, store, prefix: str, rank: int, peer: int):
+        self.store, self.prefix, self.rank, self.peer = store, prefix, rank, peer
+
+    @classmethod
+    def default(cls, prefix: str, rank: int, peer: int) -> "PairSignals | None":
+        try:
+            from torch.distributed.distributed_c10d import _get_default_store
+            return cls(_get_default_store(), prefix, rank, peer)
+        except Exception as exc:  # noqa: BLE001 - teardown then relies on timeouts alone
+            log.warning("rank %d: no process-group store for the pair with rank %d (%s): teardown barriers "
+                        "and peer-gone notes are off", rank, peer, exc)
+            return None
+
+    def _key(self, label: str, rank: int) -> str:
+        return f"{self.prefix}/{label}/{rank}"
+
+    def post(self, label: str) -> bool:
+        try:
+            self.store.set(self._key(label, self.rank), b"1")
+            return True
+        except Exception as exc:  # noqa: BLE001
+            log.warning("rank %d: %s barrier with rank %d not posted: %s", self.rank, label, self.peer, exc)
+            return False
+
+    def finish(self, label: str, deadline: float) -> bool:
+        key = self._key(label, self.peer)
+        try:
+            self.store.wait([key], timedelta(seconds=max(0.05, deadline - time.monotonic())))
+        except Exception:  # noqa: BLE001 - a timeout or a dead store: the caller logs and carries on
+            return False
+        try:
+            self.store.delete_key(key)     # seen: the peer posted it, nobody reads it again
+        except Exception:  # noqa: BLE001 - a store without delete keeps a few bytes
+            pass
+        return True
+
+    def leave(self, why: str) -> None:
+        try:
+            self.store.set(self._key("gone", self.rank), why.encode()[:512])
+        except Exception as exc:  # noqa: BLE001
+            log.debug("rank %d: gone note for rank %d not set: %s", self.rank, self.peer, exc)
+
+    def peer_gone(self) -> str | None:
+        key = self._key("gone", self.peer)
+        try:
+            if not self.store.check([key]):
+                return None
+            return self.store.get(key).decode(errors="replace")
+        except Exception:  # noqa: BLE001
+            return None
 
 
 # --------------------------------------------------------------------------- received
@@ -497,18 +619,23 @@ class Transport(abc.ABC):
     Made by :func:`gpuxfer.pp.selection.connect`. Attributes: ``name`` (the
     backend), ``rank`` and ``peer`` (global ranks), ``device``, ``specs``,
     ``timeout_s``, ``metadata`` (whether shapes travel per step), ``step`` (steps
-    done), :attr:`allocated_bytes` (device bytes this end owns).
+    done), :attr:`allocated_bytes` (device bytes this end owns), ``on_timeout``
+    (``raise`` | ``exit``: what a failure does, see :meth:`_fail`).
     """
 
     name = "abstract"
     watch_after_error = False    # whether the watchdog keeps calling _watch once the transport is broken
+    max_pending: int | None = None     # most receives left deferred at once (None: no limit)
 
     def __init__(self, *, platform, role: str, rank: int, peer: int, device: int, specs: SpecTable,
-                 timeout_s: float, metadata: bool, group, tag_base: int, torch_device):
+                 timeout_s: float, metadata: bool, group, tag_base: int, torch_device, on_timeout: str = "raise",
+                 signals: "PairSignals | None" = None):
         if role not in ("send", "recv"):
             raise BadInput(f"role must be 'send' or 'recv', got {role!r}")
         self.platform, self.role, self.rank, self.peer, self.device = platform, role, rank, peer, device
         self.specs, self.timeout_s, self.metadata = specs, timeout_s, metadata
+        self.on_timeout = resolve_on_timeout(on_timeout)
+        self.signals = signals               # set by connect: barriers and "gone" notes in the store
         self.group, self.tag_base, self.torch_device = group, tag_base, torch_device
         self.channel = CpuChannel(group, peer, tag_base, specs.meta_len)
         self.meta = self.channel             # per-step metadata: this channel, or a Mailbox (set by connect)
@@ -519,7 +646,9 @@ class Transport(abc.ABC):
         self._host_sync = not torch_is_stream_ordered(platform)
         self._wd: collections.deque = collections.deque()    # watchdog entries, appended on the hot path
         self._wd_lock = threading.Lock()
-        self._teardown_phase = 0
+        self._fail_lock = threading.Lock()
+        self._waiting_since: float | None = None   # a host wait (metadata) in progress: the watchdog reads
+        self._gone_checked = 0.0                    # the peer's "gone" note meanwhile
 
     # ---- public ----
     @property
@@ -558,12 +687,10 @@ class Transport(abc.ABC):
             self._send_meta(lambda buf: self.specs.encode(buf, k, shapes))
         try:
             self._send_impl(k, tensors, layout)
-        except GpuxferError as exc:
-            self._error = self._error or exc
-            raise
         except Exception as exc:
-            self._error = exc
-            raise
+            raise self._fail(exc) from (None if exc is self._error else exc)
+        if self._error is not None:      # failed meanwhile (its waits were released): the step is lost
+            raise self._error
         self.step = k
 
     def recv(self, shapes: Mapping[str, Sequence[int]] | None = None, out: Mapping[str, object] | None = None
@@ -579,20 +706,27 @@ class Transport(abc.ABC):
         k = self.step + 1
         if out is not None:
             self.specs.check_out(out, self.torch_device)
+        if self.max_pending is not None and len(self._pending) >= self.max_pending:
+            raise BadInput(f"rank {self.rank}: recv() of step {k} from rank {self.peer} with {len(self._pending)} "
+                           f"earlier receives not yet accessed (steps {self._pending[0].step}..{self._pending[-1].step}"
+                           f"): the sender cannot run more than {self.max_pending - 1} steps (the receive slots) "
+                           f"ahead of the first .tensors access, so this receive would wait for ever; access "
+                           f".tensors of step {self._pending[0].step} first (nothing was consumed)")
         if self.metadata:
             if shapes is not None:
                 raise BadInput("recv(shapes=...) is for transports set up with metadata=False; here the "
                                "sender's shapes travel with each step")
+            t0 = self._waiting_since = time.monotonic()
             try:
-                buf = self.meta.recv(self.timeout_s)
-            except RuntimeError as exc:
-                err = TransferTimeout(rank=self.rank, step=k, flag="metadata", expected=k, seen=self.step,
-                                      timeout_s=self.timeout_s,
-                                      what=f"{self.name} receive from rank {self.peer}: no step metadata "
-                                           f"arrived over {self.meta.what} ({exc})")
-                self._error = err
-                raise err from None
-            got = self.specs.decode(buf, step=k, peer=self.peer, rank=self.rank)
+                buf = self.meta.recv(self.timeout_s, self._failed)
+            except Exception as exc:  # noqa: BLE001 - a mailbox timeout, or gloo's error (closed or timed out)
+                raise self._fail(self._meta_error(exc, k, t0, "no step metadata arrived")) from None
+            finally:
+                self._waiting_since = None
+            try:
+                got = self.specs.decode(buf, step=k, peer=self.peer, rank=self.rank)
+            except ProtocolError as exc:
+                raise self._fail(exc) from None
         else:
             if shapes is None:
                 raise BadInput("this transport was set up with metadata=False: recv() needs shapes=...")
@@ -601,8 +735,7 @@ class Transport(abc.ABC):
         try:
             self._recv_impl(rcv)
         except Exception as exc:
-            self._error = self._error or exc
-            raise
+            raise self._fail(exc) from (None if exc is self._error else exc)
         self.step = k
         self._pending.append(rcv)
         return rcv
@@ -618,11 +751,10 @@ class Transport(abc.ABC):
             if time.monotonic() >= deadline:
                 with self._wd_lock:
                     err = self._watch(time.monotonic(), force=True)
-                self._error = self._error or err or TransferTimeout(
+                raise self._fail(err or TransferTimeout(
                     rank=self.rank, step=self.step, flag="stream", expected=self.step, seen=None,
                     timeout_s=timeout_s, what=f"{self.name} {self.role} with rank {self.peer}: own work did "
-                                              f"not finish")
-                raise self._error
+                                              f"not finish"))
         if self._error is not None:
             raise self._error
 
@@ -647,6 +779,8 @@ class Transport(abc.ABC):
         if self._error is None:
             self._error = GpuxferError(f"rank {self.rank}: the {self.name} transport with rank {self.peer} "
                                        f"was aborted")
+        if self.signals is not None:
+            self.signals.leave(f"aborted its end after {type(self._error).__name__}: {self._error}")
         drained = False
         try:
             self._release_waits()
@@ -690,16 +824,63 @@ class Transport(abc.ABC):
             raise BadInput(f"rank {self.rank} sends on this transport (to rank {self.peer}); it cannot receive")
 
     def _send_meta(self, fill) -> None:
+        t0 = self._waiting_since = time.monotonic()
         try:
-            i = self.meta.next_send_buffer(self.timeout_s)
-        except RuntimeError as exc:
-            err = TransferTimeout(rank=self.rank, step=self.step + 1, flag="metadata", expected=self.step + 1,
-                                  seen=None, timeout_s=self.timeout_s,
-                                  what=f"{self.name} send to rank {self.peer}: metadata send stuck ({exc})")
-            self._error = err
-            raise err from None
-        fill(self.meta.send_buffers[i])
-        self.meta.send(i)
+            i = self.meta.next_send_buffer(self.timeout_s, self._failed)
+            fill(self.meta.send_buffers[i])
+            self.meta.send(i)
+        except Exception as exc:  # noqa: BLE001 - a mailbox timeout, or gloo's error (closed or timed out)
+            raise self._fail(self._meta_error(exc, self.step + 1, t0, "metadata send stuck")) from None
+        finally:
+            self._waiting_since = None
+
+    def _wait_label(self, entry) -> str:
+        """What a watchdog entry waits for, in words (logs)."""
+        return "a pending wait"
+
+    def _failed(self) -> bool:
+        return self._error is not None
+
+    def _meta_error(self, exc: BaseException, step: int, t0: float, what: str) -> BaseException:
+        """The typed error of a failed metadata wait: the peer's connection closed (gloo says so before the
+        timeout), the peer left a "gone" note, or a timeout."""
+        if isinstance(exc, GpuxferError):
+            return exc
+        elapsed = time.monotonic() - t0
+        gone = self.signals.peer_gone() if self.signals is not None else None
+        if gone is not None or (isinstance(exc, RuntimeError) and elapsed < 0.9 * self.timeout_s):
+            return PeerLost(rank=self.rank, peer=self.peer, step=step, flag="metadata", after_s=elapsed,
+                            why=f"rank {self.peer} {gone}" if gone else "",
+                            detail=f"{self.name} {what} over {self.meta.what}: {exc}")
+        return TransferTimeout(rank=self.rank, step=step, flag="metadata", expected=step, seen=self.step,
+                               timeout_s=self.timeout_s,
+                               what=f"{self.name} {'receive from' if self.role == 'recv' else 'send to'} rank "
+                                    f"{self.peer}: {what} over {self.meta.what} ({exc})")
+
+    def _fail(self, err: BaseException) -> BaseException:
+        """Break the transport with ``err`` (the first error wins, and is returned).
+
+        Releases every GPU-side wait this end queued (its own streams and the caller's), so no host
+        call in the process can block behind them, and leaves a "gone" note for the peer. With
+        ``on_timeout="exit"`` it then logs every transport's state and ends the process. Safe from
+        any thread; idempotent.
+        """
+        with self._fail_lock:
+            first = self._error is None
+            if first:
+                self._error = err
+        if not first:
+            return self._error
+        log.error("%s", err)
+        try:
+            self._release_waits()
+        except Exception as exc:  # noqa: BLE001 - best effort: the error is what the caller needs
+            log.warning("rank %d: releasing the %s transport's GPU waits failed: %s", self.rank, self.name, exc)
+        if self.signals is not None:
+            self.signals.leave(f"failed with {type(err).__name__}: {err}")
+        if self.on_timeout == "exit":
+            _exit_process(self, err)
+        return self._error
 
     def _close_meta(self) -> None:
         if self.meta is not self.channel:
@@ -714,8 +895,10 @@ class Transport(abc.ABC):
             try:
                 self._materialize_impl(r)
             except Exception as exc:
-                self._error = self._error or exc
-                raise
+                raise self._fail(exc) from (None if exc is self._error else exc)
+            if self._error is not None:    # failed meanwhile: its waits were released, the data is garbage
+                r._tensors = None
+                raise self._error
             if r is rcv:
                 return
 
@@ -779,6 +962,10 @@ class _Watchdog:
                 self._thread = threading.Thread(target=self._run, name="gpuxfer-pp-watchdog", daemon=True)
                 self._thread.start()
 
+    def open_transports(self) -> list:
+        with self._lock:
+            return [t for t in self._transports if t._state in ("open", "closing")]
+
     def _run(self) -> None:
         while True:
             with self._lock:
@@ -787,91 +974,143 @@ class _Watchdog:
             busy = False
             now = time.monotonic()
             for t in live:
-                if not t._wd:
+                waiting = t._waiting_since
+                if not t._wd and waiting is None:
                     continue
                 busy = True
+                err = None
+                if t._wd:
+                    try:
+                        with t._wd_lock:
+                            if t._state != "open":
+                                continue
+                            err = t._watch(now)
+                    except Exception as exc:  # noqa: BLE001 - a stream error found while polling
+                        err = exc
                 try:
-                    with t._wd_lock:
-                        if t._state != "open":
-                            continue
-                        err = t._watch(now)
-                except Exception as exc:  # noqa: BLE001 - a stream error found while polling
-                    err = exc
-                if err is not None and t._error is None:
-                    t._error = err
-                    log.error("%s", err)
+                    since = waiting if waiting is not None else t._wd[0][2]
+                except IndexError:      # popped meanwhile
+                    since = now
+                if (err is None and t._error is None and t.signals is not None and now - since > GONE_POLL_S
+                        and now - t._gone_checked > GONE_POLL_S):   # a wait that lasts: is the peer gone?
+                    t._gone_checked = now
+                    gone = t.signals.peer_gone()
+                    if gone is not None:
+                        err = PeerLost(rank=t.rank, peer=t.peer, step=t.step + 1,
+                                       flag="metadata" if waiting is not None else "peer", after_s=now - since,
+                                       why=f"rank {t.peer} {gone}", detail=f"{t.name} {t.role}")
+                if err is not None:
+                    t._fail(err)
             time.sleep(self.BUSY_S if busy else self.IDLE_S)
 
 
 WATCHDOG = _Watchdog()
 
 
+def _exit_process(failed: "Transport", err: BaseException) -> None:
+    """``on_timeout="exit"``: log the error and every transport of this process, then end it."""
+    try:
+        log.critical("rank %d: the %s transport with rank %d failed and on_timeout='exit': ending the process "
+                     "with code %d: %s", failed.rank, failed.name, failed.peer, EXIT_CODE, err)
+        for t in WATCHDOG.open_transports():
+            waits = ", ".join(f"step {w[0]} ({t._wait_label(w)}) for {time.monotonic() - w[2]:.1f} s"
+                              for w in list(t._wd)[:4]) or "none"
+            log.critical("rank %d: %s %s with rank %d: step %d, %s, pending waits: %s", t.rank, t.name, t.role,
+                         t.peer, t.step, f"failed: {t._error}" if t._error is not None else "healthy", waits)
+        for h in logging.getLogger().handlers + log.handlers:
+            h.flush()
+    finally:
+        os._exit(EXIT_CODE)
+
+
 # --------------------------------------------------------------------------- teardown
 
 
 def close_all(transports: Sequence[Transport], timeout_s: float | None = None) -> None:
-    """Tear transports down together in a safe order (idempotent).
+    """Tear transports down together in a safe order (idempotent), in at most the largest
+    ``timeout_s`` + a few seconds whatever the peers do; the caller's process group is never used.
 
-    1. drain each end's own streams (bounded by its timeout; if that fails,
-       release its pending GPU waits and drain briefly again);
-    2. pair barrier with each peer (all posted before any is waited, so a
-       middle stage closing both of its transports cannot deadlock);
-    3. close peer mappings;  4. pair barrier again;  5. free buffers.
-    A barrier that times out (peer gone) is logged and teardown carries on.
+    1. release the GPU waits of every failed end first (a healthy end's drain may sit on the
+       same stream behind them), and leave each peer a "closed" note;
+    2. drain each end's own streams (one deadline for all; a failed end gets
+       :data:`FAILED_TEARDOWN_S`; an end that does not drain is released and drained briefly);
+    3. pair barrier with each peer in the store (all posted before any is waited, so a middle
+       stage closing both of its transports cannot deadlock);
+    4. close peer mappings;  5. pair barrier again;  6. free buffers.
+    A barrier that times out (a peer gone or late) is logged; that end then frees only what no
+    peer maps (as :meth:`Transport.abort`), and the rest goes at process exit.
     """
     todo = [t for t in transports if t._state == "open"]
     if not todo:
         return
+    limit = max(t.timeout_s if timeout_s is None else float(timeout_s) for t in todo)
+    deadline = time.monotonic() + limit
     for t in todo:
         t._state = "closing"
-        limit = t.timeout_s if timeout_s is None else timeout_s
         if t._error is not None:
-            limit = min(limit, 2.0)
+            try:
+                t._release_waits()
+            except Exception as exc:  # noqa: BLE001
+                log.debug("release of a failed end: %s", exc)
+        if t.signals is not None:
+            t.signals.leave("closed its end" if t._error is None else
+                            f"closed its end after {type(t._error).__name__}: {t._error}")
+    for t in todo:
+        budget = deadline - time.monotonic()
+        if t._error is not None:
+            budget = min(budget, FAILED_TEARDOWN_S)
         drained = False
         try:
-            drained = t._drain(limit)
+            drained = t._drain(max(0.05, budget))
         except Exception as exc:  # noqa: BLE001 - a failed stream: release and carry on
             log.warning("rank %d: %s transport with rank %d: drain failed: %s", t.rank, t.name, t.peer, exc)
         if not drained:
-            log.warning("rank %d: %s transport with rank %d did not drain in %g s; releasing its GPU waits",
-                        t.rank, t.name, t.peer, limit)
+            log.warning("rank %d: %s transport with rank %d did not drain in %.3g s; releasing its GPU waits",
+                        t.rank, t.name, t.peer, max(0.05, budget))
             try:
                 t._release_waits()
-                t._drain(2.0)
+                t._drain(FAILED_TEARDOWN_S)
             except Exception as exc:  # noqa: BLE001
                 log.debug("release after a failed drain: %s", exc)
         try:
-            t.meta.drain(2.0)
-            t.channel.drain(2.0)
+            t.meta.drain(min(FAILED_TEARDOWN_S, max(0.05, deadline - time.monotonic())))
+            t.channel.drain(min(FAILED_TEARDOWN_S, max(0.05, deadline - time.monotonic())))
         except Exception:  # noqa: BLE001
             pass
         with t._wd_lock:
             t._wd.clear()
 
-    def barrier(label: str) -> None:
-        posted = []
-        for t in todo:
-            try:
-                posted.append((t, t.channel.post_barrier()))
-            except Exception as exc:  # noqa: BLE001
-                log.warning("rank %d: %s barrier with rank %d not posted: %s", t.rank, label, t.peer, exc)
-        for t, p in posted:
-            limit = min(t.timeout_s if timeout_s is None else timeout_s, 60.0)
-            if not CpuChannel.finish_barrier(p, time.monotonic() + limit):
-                log.warning("rank %d: %s barrier with rank %d timed out after %g s; tearing down anyway",
-                            t.rank, label, t.peer, limit)
+    met = {id(t): True for t in todo}
 
-    barrier("teardown (before unmapping)")
+    def barrier(label: str) -> None:
+        posted = [t for t in todo if t.signals is not None and t.signals.post(label)]   # posted even where
+        for t in todo:                                  # an earlier barrier failed: a late peer is not held up
+            if t not in posted:
+                met[id(t)] = False
+        for t in posted:
+            if not met[id(t)]:
+                continue
+            end = deadline if t._error is None else time.monotonic() + FAILED_TEARDOWN_S
+            end = max(end, time.monotonic() + 1.0)      # a peer a moment behind still meets us
+            if not t.signals.finish(label, end):
+                met[id(t)] = False
+                log.warning("rank %d: %s barrier with rank %d not met in time (the peer is gone or late); "
+                            "tearing down without it", t.rank, label, t.peer)
+
+    barrier("teardown-unmap")
     for t in todo:
         try:
             t._close_mappings()
         except Exception as exc:  # noqa: BLE001
             log.warning("rank %d: closing %s mappings: %s", t.rank, t.name, exc)
-    barrier("teardown (before freeing)")
+    barrier("teardown-free")
     for t in todo:
         with t._wd_lock:
             try:
-                t._free()
+                if met[id(t)]:
+                    t._free()
+                else:   # the peer may still map (and write) this end's buffers: free only what is ours alone
+                    t._free_local()
             except Exception as exc:  # noqa: BLE001
                 log.warning("rank %d: freeing %s buffers: %s", t.rank, t.name, exc)
             t._close_meta()
