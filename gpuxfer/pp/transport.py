@@ -989,7 +989,7 @@ class _Watchdog:
                         err = exc
                 try:
                     since = waiting if waiting is not None else t._wd[0][2]
-                except IndexError:      # popped meanwhile
+                except (IndexError, TypeError):   # popped meanwhile, or an entry without a start time
                     since = now
                 if (err is None and t._error is None and t.signals is not None and now - since > GONE_POLL_S
                         and now - t._gone_checked > GONE_POLL_S):   # a wait that lasts: is the peer gone?
@@ -1000,7 +1000,10 @@ class _Watchdog:
                                        flag="metadata" if waiting is not None else "peer", after_s=now - since,
                                        why=f"rank {t.peer} {gone}", detail=f"{t.name} {t.role}")
                 if err is not None:
-                    t._fail(err)
+                    try:
+                        t._fail(err)
+                    except Exception as exc:  # noqa: BLE001 - the watchdog must outlive any one transport
+                        log.error("rank %d: failing the %s transport: %s", t.rank, t.name, exc)
             time.sleep(self.BUSY_S if busy else self.IDLE_S)
 
 
