@@ -71,10 +71,24 @@ def platform_option(text) -> str:
             raise BadInput(f"--platform: {name} cannot run here: {why}")
         return name
     for cand in PLATFORMS:
-        if unavailable_reason(cand) is None:
+        if not _surely_missing(cand) and unavailable_reason(cand) is None:
             return cand
     raise BadInput("--platform: no platform can run here: " +
                    "; ".join(f"{n}: {unavailable_reason(n)}" for n in PLATFORMS))
+
+
+#: a module each GPU platform cannot run without: where it is not installed, ``auto`` passes over the
+#: platform without importing torch for its full check (a CPU machine's command line answers at once)
+_REQUIRED_MODULE = {"cuda": "cupy", "rocm": "hip"}
+
+
+def _surely_missing(name: str) -> bool:
+    import importlib.util
+    module = _REQUIRED_MODULE.get(name)
+    try:
+        return module is not None and importlib.util.find_spec(module) is None
+    except (ImportError, ValueError):
+        return False
 
 
 def device_count(platform: str) -> int:

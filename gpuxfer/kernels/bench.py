@@ -224,14 +224,17 @@ def _check(args) -> dict:
     for s in sweep:
         if s not in ("all", "sms") and not (s.isdigit() and int(s) > 0):
             raise BadInput(f"--sweep: expected positive integers, 'sms' or 'all', got {s!r}")
-    name = platform_option(args.platform)
-    emu = platform_class(name).is_emulation
-    c = {"platform": name, "sizes": sizes, "ops": ops, "sweep": sweep,
-         "pool": parse_size(args.pool, option="--pool", kind="bytes") if args.pool else (256 << 10 if emu else 2 << 30),
-         "trials": int_option(args.trials, "--trials") if args.trials is not None else (2 if emu else 7),
-         "warmup": int_option(args.warmup, "--warmup", minimum=0) if args.warmup is not None else (1 if emu else 2),
+    c = {"sizes": sizes, "ops": ops, "sweep": sweep,
+         "pool": parse_size(args.pool, option="--pool", kind="bytes") if args.pool else None,
+         "trials": int_option(args.trials, "--trials") if args.trials is not None else None,
+         "warmup": int_option(args.warmup, "--warmup", minimum=0) if args.warmup is not None else None,
          "sweep_size": int_option(args.sweep_size, "--sweep-size"), "seed": int_option(args.seed, "--seed", minimum=0),
          "timeout": seconds_option(args.timeout)}
+    c["platform"] = name = platform_option(args.platform)      # after the checks that need no platform
+    emu = platform_class(name).is_emulation
+    for key, host, gpu in (("pool", 256 << 10, 2 << 30), ("trials", 2, 7), ("warmup", 1, 2)):
+        if c[key] is None:
+            c[key] = host if emu else gpu
     if max(sizes) > c["pool"]:
         raise BadInput(f"descriptor size {max(sizes)} is larger than the pool ({c['pool']} bytes)")
     ndev = device_count(name)

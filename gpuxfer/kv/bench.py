@@ -356,6 +356,11 @@ def run(args: argparse.Namespace) -> int:
     """Check everything the parent can (options, devices, output places), then measure."""
     from ..errors import GpuxferError
     try:
+        parse_run_options(args)             # what needs no platform first: a typo fails at once
+        if not args.plan_only:
+            seconds_option(args.timeout)
+            int_option(args.warmup, "--warmup", minimum=0)
+            _parse_devices(args.devices)
         platform = _platform_for(args)
         shrunk = apply_host_grid(args, platform)
         grid = parse_grid_args(args)

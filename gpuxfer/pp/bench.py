@@ -69,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--iters", default=None, metavar="N",
                    help="timed steps per size, >= 1 (default: by size, 20..400; host: 10)")
     m.add_argument("--warmup", default="5", metavar="N", help="untimed steps per size, >= 0")
-    m.add_argument("--repeats", default=None, metavar="N",
+    m.add_argument("--repeats", "--trials", dest="repeats", default=None, metavar="N",
                    help="timed loops per size and configuration, the median reported, >= 1 (default 3; host: 1)")
     m.add_argument("--verify-steps", default="3", metavar="N", help="steps per size whose every byte is checked, >= 1")
     m.add_argument("--flag-path", default=None, choices=["auto", "remote", "copy"],
@@ -593,20 +593,22 @@ def _options(args) -> dict:
     """Every option checked (and the platform resolved) in the parent: BadInput naming the option."""
     from ..platforms import platform_class
     from .copy_engine import inline_bytes_from_env
-    name = platform_option(args.platform)
-    emu = platform_class(name).is_emulation
 
     def size(text, option: str, default: int | None) -> int | None:
         return default if text is None else parse_size(text, option=option, kind="bytes")
 
+    checked = {"iters": 0 if args.iters is None else int_option(args.iters, "--iters"),
+               "warmup": int_option(args.warmup, "--warmup", minimum=0),
+               "repeats": None if args.repeats is None else int_option(args.repeats, "--repeats"),
+               "verify_steps": int_option(args.verify_steps, "--verify-steps"),
+               "recv_slots": int_option(args.recv_slots, "--recv-slots", minimum=2),
+               "inline_bytes": inline_bytes_from_env(args.inline_bytes, "--inline-bytes"),
+               "contention_size": size(args.contention_size, "--contention-size", None),
+               "contention_ms": seconds_option(args.contention_ms, "--contention-ms"),
+               "matmul": int_option(args.matmul, "--matmul"), "timeout": seconds_option(args.timeout),
+               "profile": size(args.profile, "--profile", None), "trace": size(args.trace, "--trace", None)}
     lo = size(args.min_size, "--min-size", 16 * KiB)
-    hi = size(args.max_size, "--max-size", 256 * KiB if emu else 256 * MiB)
-    if lo < 16 or hi < lo:
-        raise BadInput(f"need 16 <= --min-size <= --max-size, got {lo}, {hi}")
-    sizes, s = [], lo
-    while s <= hi:
-        sizes.append(s // 16 * 16)   # multiple of 16 bytes: two bf16 halves
-        s *= 2
+    size(args.max_size, "--max-size", None)
     backends = [b.strip() for b in str(args.backends).split(",") if b.strip()]
     if not backends:
         raise BadInput("--backend: give at least one backend")
@@ -614,19 +616,19 @@ def _options(args) -> dict:
         if b not in BACKENDS:
             raise BadInput(f"--backend: unknown backend {b!r} (choose from {', '.join(BACKENDS)})")
     backends = list(dict.fromkeys(backends))
-    opts = {"platform": name, "sizes": sizes, "backends": backends, "flag_path": args.flag_path,
-            "iters": 0 if args.iters is None else int_option(args.iters, "--iters"),
-            "warmup": int_option(args.warmup, "--warmup", minimum=0),
-            "repeats": (1 if emu else 3) if args.repeats is None else int_option(args.repeats, "--repeats"),
-            "verify_steps": int_option(args.verify_steps, "--verify-steps"),
-            "recv_slots": int_option(args.recv_slots, "--recv-slots", minimum=2),
-            "inline_bytes": inline_bytes_from_env(args.inline_bytes, "--inline-bytes"),
-            "contention_size": size(args.contention_size, "--contention-size", None),
-            "contention_ms": seconds_option(args.contention_ms, "--contention-ms"),
-            "matmul": int_option(args.matmul, "--matmul"), "no_contention": args.no_contention,
-            "timeout": seconds_option(args.timeout), "corrupt": args.corrupt_for_test,
-            "profile": size(args.profile, "--profile", None), "trace": size(args.trace, "--trace", None),
-            "notes": []}
+    name = platform_option(args.platform)       # after the checks that need no platform: a typo fails at once
+    emu = platform_class(name).is_emulation
+    hi = size(args.max_size, "--max-size", 256 * KiB if emu else 256 * MiB)
+    if lo < 16 or hi < lo:
+        raise BadInput(f"need 16 <= --min-size <= --max-size, got {lo}, {hi}")
+    sizes, s = [], lo
+    while s <= hi:
+        sizes.append(s // 16 * 16)   # multiple of 16 bytes: two bf16 halves
+        s *= 2
+    opts = dict(checked, platform=name, sizes=sizes, backends=backends, flag_path=args.flag_path,
+                no_contention=args.no_contention, corrupt=args.corrupt_for_test, notes=[])
+    if opts["repeats"] is None:
+        opts["repeats"] = 1 if emu else 3
     if emu:
         opts["contention_ms"] = min(opts["contention_ms"], 100.0)
     # Two ranks, one device each where there are two; with one, both ranks share it: NCCL refuses that
