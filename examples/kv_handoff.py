@@ -1,126 +1,164 @@
-"""Hand one request's KV cache from a prefill process to a decode process, then check every byte.
+"""Hand one request's KV cache from a prefill process to a decode process with gpuxfer's KV API.
 
-What a prefill/decode engine author needs, end to end, in one page:
+What a prefill/decode engine author writes, end to end:
 
 * two processes, one per GPU (both on one GPU if there is one; the CPU emulation if none);
-* each allocates its KV pool through the platform (a raw, IPC-exportable buffer) and opens
-  the other's pool over IPC; a small gloo CPU group carries the handles, never the data;
-* both derive the request's descriptors ``(src_offset, dst_offset, nbytes)`` from the same
-  block tables (here: seeded, as ``gpuxfer bench kv`` does);
-* the request moves with the ``pack`` engine (pack on the prefill GPU, one copy-engine transfer,
-  unpack on the decode GPU), the fastest of the 2x H200 runs (docs/PERFORMANCE.md);
-  ``--engine triton`` pulls with the descriptor-copy kernel reading the peer pool instead;
-* the decode side verifies every byte against the pattern the prefill side painted.
+* each allocates its KV caches the way vLLM does, with torch: per layer a
+  ``(2, num_blocks, block_tokens, kv_heads, head_dim)`` bf16 tensor (full attention) and a
+  ``(num_blocks, block_tokens, 584)`` uint8 tensor (DeepSeek-V4's 584-byte fp8 slots), all carved
+  from one allocation;
+* prefill uses 64-token blocks, decode 16-token blocks: the transfer matches tokens, not blocks;
+* each registers its caches as two KV-cache groups with a :class:`gpuxfer.kv.KVAgent`, and the
+  two swap ``agent.metadata()`` bytes over a pipe (any channel will do: no torch.distributed);
+* decode pulls the request by block IDs (``agent.prepare`` + ``post``), prefill learns from its
+  notification word that its blocks were read and may be freed;
+* decode checks every byte of every token against what prefill wrote.
 
-Run:  python examples/kv_handoff.py [--workload kv-dsv4] [--isl 32768] [--page 64] [--engine pack]
+Run:  python examples/kv_handoff.py [--tokens 4096] [--layers 8] [--platform host]
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
-import tempfile
 import time
 
+PREFILL_BLOCK, DECODE_BLOCK = 64, 16
+HEADS, HEAD_DIM, SLOT = 4, 64, 584
 
-def side_main(rank: int, init_file: str, args: argparse.Namespace) -> None:
-    import torch.distributed as dist
 
-    from gpuxfer.kernels import fill_pattern, verify
-    from gpuxfer.kv.engines import Burst, Role, Side, engine_class
-    from gpuxfer.kv.plan import build_burst
+def token_bytes(torch, layer: int, piece: int, tokens, nbytes: int):
+    """The bytes prefill writes for ``tokens`` (a 1-D int64 tensor) of one layer's piece: a hash of
+    (layer, piece, token, byte), so a byte misplaced anywhere is caught."""
+    b = torch.arange(nbytes, dtype=torch.int64, device=tokens.device)
+    x = tokens[:, None] * 0x9E3779B1 + b[None, :] * 0x85EBCA77 + layer * 0xC2B2AE3D + piece * 0x27D4EB2F
+    x = (x ^ (x >> 15)) * 0x2C1B3C6D
+    return ((x ^ (x >> 12)) & 0xFF).to(torch.uint8)
+
+
+def allocate_caches(torch, plat, device: int, layers: int, blocks: int, block_tokens: int, keep: list):
+    """vLLM-shaped caches carved from one allocation: torch's on a GPU, a shared-memory buffer on the
+    emulation (the only host memory another process can open)."""
+    kv_shape = (2, blocks, block_tokens, HEADS, HEAD_DIM)
+    slot_shape = (blocks, block_tokens, SLOT)
+    kv_bytes, slot_bytes = 2 * blocks * block_tokens * HEADS * HEAD_DIM * 2, blocks * block_tokens * SLOT
+    total = layers * (kv_bytes + slot_bytes)
+    if plat.is_emulation:
+        buf = plat.alloc(total, device)
+        keep.append(buf)
+        arena = plat.as_tensor(buf)
+    else:
+        arena = torch.empty(total, dtype=torch.uint8, device=f"cuda:{device}")
+    full, mla, at = {}, {}, 0
+    for i in range(layers):
+        full[f"model.layers.{i}.self_attn"] = arena[at:at + kv_bytes].view(torch.bfloat16).view(kv_shape)
+        at += kv_bytes
+        mla[f"model.layers.{i}.mla_attn"] = arena[at:at + slot_bytes].view(slot_shape)
+        at += slot_bytes
+    return full, mla
+
+
+def request_views(torch, full, mla, block_tokens: int):
+    """Per (layer, piece): a ``(blocks, block_tokens, bytes per token)`` uint8 view of the cache."""
+    out = []
+    for li, t in enumerate(full.values()):
+        u = t.view(torch.uint8).reshape(2, t.shape[1], block_tokens, -1)
+        out += [((li, 0), u[0]), ((li, 1), u[1])]
+    out += [((li, 2), t) for li, t in enumerate(mla.values())]
+    return out
+
+
+def side_main(rank: int, conn, args) -> None:
+    import torch
+    from gpuxfer.kv import KVAgent
+    from gpuxfer.kv.engine_choice import default_engine_choice
     from gpuxfer.platforms import get_platform
 
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # flag waits never share a hardware queue
     plat = get_platform(args.platform)
     device = rank if plat.device_count() > 1 else 0
     plat.set_device(device)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+    keep: list = []
+    prefill = rank == 0
+    block_tokens = PREFILL_BLOCK if prefill else DECODE_BLOCK
+    blocks = 2 * -(-args.tokens // block_tokens) + 3
+    full, mla = allocate_caches(torch, plat, device, args.layers, blocks, block_tokens, keep)
 
-    def exchange(obj):
-        out = [None, None]
-        dist.all_gather_object(out, obj)
-        return out
+    # The request's blocks on each side (the engines' block managers would hand these out).
+    need = -(-args.tokens // block_tokens)
+    ids = torch.randperm(blocks, generator=torch.Generator().manual_seed(rank))[:need].tolist()
+    dev = full[next(iter(full))].device
+    index = torch.as_tensor(ids, dtype=torch.int64, device=dev)
+    tok = torch.arange(need * block_tokens, dtype=torch.int64, device=dev)
+    if prefill:      # "the model wrote the KV": every byte a hash of (layer, piece, token, byte)
+        for (li, k), v in request_views(torch, full, mla, block_tokens):
+            data = token_bytes(torch, li, k, tok, v.shape[-1]).view(need, block_tokens, -1)
+            v.index_copy_(0, index, data)
 
-    # 1. The request's descriptors: the same on both sides, from the same seed.
-    plan = build_burst(args.workload, args.isl, args.page, batch=1, seed=args.seed)
-    role = Role.SOURCE if rank == 0 else Role.DESTINATION
-    seed = 1234 if role is Role.SOURCE else 5678                 # what each pool holds before the hand-off
+    agent = KVAgent("prefill" if prefill else "decode", platform=plat, device=device, timeout_s=120)
+    keep.append(agent)
+    agent.register_group("full", block_tokens, full)
+    agent.register_group("mla", block_tokens, mla)
+    conn.send((agent.metadata(), ids))            # bytes over any channel
+    peer_meta, peer_ids = conn.recv()
+    peer = agent.add_peer(peer_meta)
 
-    # 2. A pool per process, opened by the other over IPC.
-    pool = plat.alloc(plan.src_layout.pool_bytes, device)
-    peer = plat.open_handle(exchange(pool.export())[1 - rank], device)
-    stream = plat.create_stream(device)
-    plat.launch(stream, lambda: fill_pattern(plat.as_tensor(pool), seed))   # "the KV the model wrote"
-    assert plat.synchronize(stream, 60)
-
-    # 3. The engine: prepare (descriptor tables on the GPU, outside the hot path), then post and wait.
-    #    Both sides post: for a pull with `triton` the prefill side has nothing to do; with `pack`
-    #    it packs. (gpuxfer bench kv also "arms" bursts ahead behind a GPU flag; see docs/kv_bench.md.)
-    side = Side(platform=plat, device=device, rank=rank, role=role, pool=pool, peer_pool=peer,
-                exchange=exchange, timeout_s=60, armed=False)
-    side.open_streams()
-    engine = engine_class(args.engine)(side)
-    burst = Burst.from_plan(plan)
-    p = engine.prepare(burst, "pull")
-    dist.barrier()                      # ... the prefill is done: the KV is ready
-    t0 = time.perf_counter()
-    engine.post(p)
-    engine.wait(p)
-    dt = time.perf_counter() - t0       # the first transfer: it includes loading the kernels
-    engine.release(p)
-    dist.barrier()
-
-    # 4. Decode checks every byte of the request against the prefill side's pattern.
-    if role is Role.DESTINATION:
-        res = []
-        table = burst.concatenated()
-        import numpy as np
-        import torch
-        dst = plat.as_tensor(pool)
-        descs = torch.from_numpy(np.ascontiguousarray(table)).to(dst.device)
-        plat.launch(stream, lambda: res.append(verify(dst, descs, 1234)))
-        assert plat.synchronize(stream, 60)
-        r = res[0]
-        print(f"{args.engine} pull of one {args.workload} request (ISL {args.isl}, {args.page}-token pages, "
-              f"{burst.descriptors:,} descriptors, {burst.nbytes / 1e6:.1f} MB) on {plat.label}: "
-              f"{dt * 1e3:.3f} ms, {burst.nbytes / dt / 1e9:.2f} GB/s; wrong bytes: {r.wrong_bytes}")
-        r.raise_if_failed("the KV hand-off")
-
-    engine.close()
-    side.close()
-    peer.close()
-    pool.close()
-    dist.destroy_process_group()
+    if prefill:
+        agent.wait_notification(0, 1)             # decode read our blocks: they may be freed now
+        conn.send("freed")
+    else:
+        choice = default_engine_choice(plat, 1 - rank if plat.device_count() > 1 else 0, device)
+        t0 = time.perf_counter()
+        x = agent.prepare(peer, "pull", local_blocks={"full": ids, "mla": ids},
+                          remote_blocks={"full": peer_ids, "mla": peer_ids}, notify_slot=0, name="request-0")
+        t1 = time.perf_counter()
+        h = x.post()
+        t2 = time.perf_counter()
+        h.wait()
+        t3 = time.perf_counter()
+        assert conn.recv() == "freed"
+        wrong = 0      # every byte of every token of the request (the last block's tail past it too)
+        for (li, k), v in request_views(torch, full, mla, block_tokens):
+            got = v[index].reshape(need * block_tokens, -1)
+            wrong += int((got != token_bytes(torch, li, k, tok, v.shape[-1])).sum())
+        print(f"link: {choice.name} would be the default engine ({choice.reason}); KVAgent ran {agent.engine}")
+        print(f"pull of one request ({args.tokens} tokens, {args.layers} layers x (K, V, 584-byte slots), "
+              f"{PREFILL_BLOCK}-token blocks -> {DECODE_BLOCK}-token blocks, {x.descriptors:,} descriptors, "
+              f"{x.nbytes / 1e6:.1f} MB) on {plat.label}: setup {1e6 * (t1 - t0):.0f} us, post "
+              f"{1e6 * (t2 - t1):.0f} us, post -> complete {1e3 * (t3 - t1):.3f} ms (the first transfer: it "
+              f"includes loading the kernels); wrong bytes: {wrong}")
+        if wrong:
+            raise SystemExit(3)
+    for r in keep[::-1]:
+        r.close()
     plat.close()
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", default="kv-dsv4")
-    ap.add_argument("--isl", type=int, default=None, help="input tokens (default 32768; 16 on the CPU emulation)")
-    ap.add_argument("--page", type=int, default=64)
-    ap.add_argument("--engine", default="pack", help="pack, triton, copy_engine or bulk")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokens", type=int, default=None, help="request length (default 4096; 200 on the emulation)")
+    ap.add_argument("--layers", type=int, default=None, help="layers (default 61; 2 on the emulation)")
     ap.add_argument("--platform", default=None, help="cuda, rocm or host (default: the first usable)")
     args = ap.parse_args()
-    from gpuxfer.kv.runner import resolve_platform
-    name = args.platform = resolve_platform(args.platform or "auto")   # never touches a device here
-    if args.isl is None:
-        args.isl = 16 if name == "host" else 32768
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=side_main, args=(r, os.path.join(tmp, "rdv"), args)) for r in (0, 1)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(300)
-            if p.is_alive():
-                p.kill()
-        codes = [p.exitcode for p in procs]
+    from gpuxfer.platforms import PLATFORMS, unavailable_reason
+    name = args.platform or os.environ.get("GPUXFER_PLATFORM") or None
+    if name in (None, "auto"):      # the first usable platform, without touching a device here
+        name = next((n for n in PLATFORMS if unavailable_reason(n) is None), "host")
+    args.platform = name
+    emulated = name == "host"
+    args.tokens = args.tokens or (200 if emulated else 4096)
+    args.layers = args.layers or (2 if emulated else 61)
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    procs = [ctx.Process(target=side_main, args=(r, c, args)) for r, c in ((0, a), (1, b))]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    codes = [p.exitcode for p in procs]
     if codes != [0, 0]:
         print(f"hand-off failed: exit codes {codes}", file=sys.stderr)
         return 1
