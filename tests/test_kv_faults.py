@@ -336,3 +336,82 @@ def test_bench_catches_a_stray_write_outside_every_descriptor(capsys, tmp_path):
     assert bad["stray_bytes"] == 1 and bad["wrong_bytes"] == 1 and bad["first_wrong_descriptor"] is None
     assert "outside every descriptor" in bad["first_wrong"]
     assert doc["outcome"]["status"] == "fail"
+
+
+# ----------------------------------------------------------------------------- a stuck peer
+
+
+def stuck_peer_session(engine: str = "pack", direction: str = "pull", on_timeout: str | None = None,
+                       waiting: str = "initiator") -> dict:
+    """One side (``waiting``: the initiator or the passive side) arms and posts a burst; its peer never
+    does (stuck or dead). What the waiting side sees."""
+    out: dict = {}
+    with Pair(on_timeout=on_timeout) as pair:
+        engines = pair.build(engine)
+        bulk = pair.build("bulk")
+        ini = 1 if direction == "pull" else 0
+        if waiting == "passive":
+            ini = 1 - ini
+        eng, side = engines[ini], pair.sides[ini]
+        side.timeout_s = 1.0             # set-up at the default; the burst's wait is the one to time out
+        burst = E.Burst([np.array([[0, 0, 40 << 10], [65536, 131072, 4096]], dtype=np.int64)])
+        p = eng.prepare(burst, direction)
+        eng.arm(p)                       # armed: the whole transfer waits behind the gate
+        eng.post(p)
+        try:
+            eng.wait(p)
+            out["wait"] = "returned"
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out["wait"] = exc
+        # every stream of the failed side drains: nothing of ours waits on the peer any more
+        out["drained"] = {name: pair.plats[ini].synchronize(s, 10.0) for name, s in side._streams.items()}
+        later = {}
+        for what, call in (("prepare", lambda: eng.prepare(burst, direction)), ("arm", lambda: eng.arm(p)),
+                           ("post", lambda: eng.post(p)), ("wait", lambda: eng.wait(p)),
+                           ("other engine", lambda: bulk[ini].prepare(burst, direction))):
+            try:
+                call()
+                later[what] = None
+            except Exception as exc:  # noqa: BLE001
+                later[what] = exc
+        out["later"] = later
+        eng.release(p)                   # release and close still work on a failed side
+    return out
+
+
+@pytest.mark.parametrize("waiting", ["initiator", "passive"])
+@pytest.mark.parametrize("direction", E.DIRECTIONS)
+def test_a_stuck_peer_fails_the_side_releases_its_waits_and_every_later_call_raises(direction, waiting):
+    """A side of the pack engine waits on flags its peer never writes: TransferTimeout, every GPU wait
+    of the side released (its streams drain), the same error from every later call on the side."""
+    from gpuxfer.errors import TransferTimeout
+    out = stuck_peer_session("pack", direction, waiting=waiting)
+    err = out["wait"]
+    assert isinstance(err, TransferTimeout), err
+    assert "timed out after 1 s" in str(err) and f"pack {direction} burst" in str(err)
+    assert out["drained"] and all(out["drained"].values()), out["drained"]
+    for what, exc in out["later"].items():
+        assert exc is err, (what, exc)
+
+
+def test_on_timeout_exit_ends_the_process_with_the_exit_code_and_names_the_wait():
+    code = ("import sys; sys.path.insert(0, 'tests'); import test_kv_faults as t; "
+            "t.stuck_peer_session('pack', 'pull'); print('NOT EXITED')")
+    env = dict(os.environ, GPUXFER_KV_ON_TIMEOUT="exit", PYTHONPATH=os.getcwd())
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert res.returncode == E.EXIT_CODE, (res.returncode, res.stdout, res.stderr)
+    assert "NOT EXITED" not in res.stdout
+    assert "rank 1 (decode, device 1) failed: TransferTimeout" in res.stderr and "pack pull burst" in res.stderr
+    assert f"exiting with code {E.EXIT_CODE}" in res.stderr
+
+
+@pytest.mark.parametrize("value", ["abort", "1", "Raise!"])
+def test_bad_on_timeout_is_a_clear_error(monkeypatch, value):
+    monkeypatch.setenv(E.ENV_KV_ON_TIMEOUT, value)
+    with pytest.raises(BadInput, match=f"GPUXFER_KV_ON_TIMEOUT must be 'raise' or 'exit', got '{value}'"):
+        E.on_timeout_from_env(None)
+    with pytest.raises(BadInput, match="on_timeout must be"):
+        E.on_timeout_from_env("never")
+    monkeypatch.setenv(E.ENV_KV_ON_TIMEOUT, " EXIT ")
+    assert E.on_timeout_from_env(None) == "exit" and E.on_timeout_from_env("raise") == "raise"

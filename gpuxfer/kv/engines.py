@@ -54,6 +54,23 @@ Built-in engines (``ENGINES``):
 * ``bulk`` -- one descriptor of the same total bytes on the copy engines: the
   ceiling every row is divided by.
 
+Failure. Every host wait is bounded (``Side.timeout_s``). When one times out, the
+side *fails*: it releases every GPU-side wait its streams hold (the gate and every
+flag link's local words get a value past anything awaited), stores the error and
+raises it from every later ``prepare`` / ``arm`` / ``post`` / ``wait`` of every
+engine on the side; ``release`` and ``close`` still work. With
+``on_timeout="exit"`` (``GPUXFER_KV_ON_TIMEOUT=exit``) it then logs the rank,
+the flag and what was waiting, and ends the process with :data:`EXIT_CODE`::
+
+    decode (initiator)                  its streams                    prefill (stuck)
+    ------------------                  -----------                    ---------------
+    arm: lane 0 waits gate >= g         lane 0: wait gate              (never arms)
+    post: gate := g  ---------------->  lane 0: wait AVAIL[0] >= 1
+    wait: t = timeout_s, no event       (blocked: no chunk comes)
+    fail: gate, GO/AVAIL/FREE := 2**62  lane 0: released, drains
+    raise TransferTimeout               (no stream of the side waits any more)
+    prepare/arm/post/wait: raise it
+
 More engines (NIXL, Mooncake, MoRI-IO) register with :func:`register_engine` under a
 ``"module:Class"`` path, so listing them never imports their library;
 :func:`engine_report` says for each whether it can run here (``None``) or why not.
@@ -65,6 +82,7 @@ import enum
 import importlib
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, NamedTuple, Sequence
@@ -79,6 +97,13 @@ from .plan import check_bounds
 log = logging.getLogger("gpuxfer.kv.engines")
 
 DIRECTIONS = ("pull", "push")
+#: what a side does when a bounded wait times out: ``raise`` (store the error, release every GPU wait, raise
+#: on every later call) or ``exit`` (the same, then log and end the process with EXIT_CODE)
+ON_TIMEOUT = ("raise", "exit")
+ENV_KV_ON_TIMEOUT = "GPUXFER_KV_ON_TIMEOUT"
+EXIT_CODE = 70          # the process exit code of on_timeout="exit" (EX_SOFTWARE)
+#: written into a local flag word to release every GPU wait on it (larger than any value awaited)
+RELEASE_VALUE = 1 << 62
 #: why an engine with ``needs_peer_mapping`` cannot run when the ranks are on different hosts
 CROSS_HOST_PEER_MAPPING = "needs the peer pool mapped over IPC; the ranks are on different hosts"
 
@@ -92,6 +117,16 @@ class Role(str, enum.Enum):
     @property
     def serving_name(self) -> str:
         return "prefill" if self is Role.SOURCE else "decode"
+
+
+def on_timeout_from_env(value: str | None) -> str:
+    """``value``, else ``$GPUXFER_KV_ON_TIMEOUT``, else ``raise``; one of :data:`ON_TIMEOUT` (BadInput otherwise)."""
+    raw = value if value is not None else os.environ.get(ENV_KV_ON_TIMEOUT, "")
+    v = str(raw).strip().lower() or "raise"
+    if v not in ON_TIMEOUT:
+        src = "on_timeout" if value is not None else ENV_KV_ON_TIMEOUT
+        raise BadInput(f"{src} must be 'raise' or 'exit', got {raw!r}")
+    return v
 
 
 def check_direction(direction: str) -> str:
@@ -155,8 +190,14 @@ class Side:
     timeout_s: float = 60.0
     options: EngineOptions = field(default_factory=EngineOptions)
     armed: bool = True
+    on_timeout: str | None = None      # raise | exit; None: $GPUXFER_KV_ON_TIMEOUT, else raise
+    failed: BaseException | None = field(default=None, repr=False)   # the error that failed the side
     _streams: dict = field(default_factory=dict, repr=False)
     _gate: "Gate | None" = field(default=None, repr=False)
+    _releasers: list = field(default_factory=list, repr=False)       # release_waits of the side's flag links
+
+    def __post_init__(self) -> None:
+        self.on_timeout = on_timeout_from_env(self.on_timeout)
 
     def agree(self, engine: str, info: dict, on_failure: Callable[[], None]) -> list[dict]:
         """Collective set-up exchange: every side's record, or, if any side's record is
@@ -199,9 +240,32 @@ class Side:
         return self._gate
 
     def release_waits(self) -> None:
-        """Abort path: satisfy the gate so no stream of ours stays blocked on it."""
+        """Abort path: satisfy the gate and every flag link's words, so no stream of ours stays blocked."""
         if self._gate is not None:
             self._gate.release_waits()
+        for release in list(self._releasers):
+            release()
+
+    def fail(self, exc: BaseException) -> None:
+        """A bounded wait timed out: release every GPU wait of the side, keep ``exc`` (the first error)
+        for every later call, and with ``on_timeout="exit"`` log and end the process."""
+        if self.failed is None:
+            self.failed = exc
+        self.release_waits()
+        if self.on_timeout == "exit":
+            msg = (f"gpuxfer kv: rank {self.rank} ({self.role.serving_name}, device {self.device}) failed: "
+                   f"{type(self.failed).__name__}: {self.failed}; on_timeout=exit: every GPU wait of the side "
+                   f"released, exiting with code {EXIT_CODE}")
+            log.critical("%s", msg)
+            try:
+                print(msg, file=sys.stderr, flush=True)
+            finally:
+                os._exit(EXIT_CODE)
+
+    def check(self) -> None:
+        """Raise the error that failed the side, if any."""
+        if self.failed is not None:
+            raise self.failed
 
     def close(self) -> None:
         if self._gate is not None:
@@ -371,7 +435,7 @@ class Gate:
 
     def release_waits(self) -> None:
         try:
-            self.side.platform.host_write_flag(self.buf.ptr, 1 << 62, self.side.device)
+            self.side.platform.host_write_flag(self.buf.ptr, RELEASE_VALUE, self.side.device)
         except Exception:  # noqa: BLE001 - best effort on the abort path
             pass
 
@@ -492,6 +556,7 @@ class Engine(Closable, abc.ABC):
         sets); an armed initiator (``Side.armed`` and ``armable``) enqueues its whole
         transfer behind the gate, so that :meth:`post` only fires it.
         """
+        self.side.check()
         p.gate = None
         if not p.active:
             return
@@ -507,6 +572,7 @@ class Engine(Closable, abc.ABC):
     def post(self, p: Prepared) -> None:
         """On the initiator, timed: fire the armed transfer, or enqueue it now. On the passive side
         (called by :meth:`arm`): enqueue its flag-gated part."""
+        self.side.check()
         if not p.active:
             return
         if p.gate is not None:
@@ -519,10 +585,16 @@ class Engine(Closable, abc.ABC):
         return {}
 
     def wait(self, p: Prepared) -> None:
-        """Block until this side's part of ``p`` is done (the initiator: until the data has landed)."""
+        """Block until this side's part of ``p`` is done (the initiator: until the data has landed).
+        Past ``timeout_s`` the side fails (see the module docstring) and :class:`TransferTimeout` is raised."""
+        self.side.check()
         if p.active and p.done is not None:
-            wait_event(self.platform, p.done, self.side.timeout_s, rank=self.side.rank,
-                       what=f"{self.name} {p.direction} burst of {p.burst.batch} request(s)")
+            try:
+                wait_event(self.platform, p.done, self.side.timeout_s, rank=self.side.rank,
+                           what=f"{self.name} {p.direction} burst of {p.burst.batch} request(s)")
+            except TransferTimeout as exc:
+                self.side.fail(exc)
+                raise
 
     def release(self, p: Prepared) -> None:
         p.state = None
@@ -547,6 +619,7 @@ class Engine(Closable, abc.ABC):
         check_direction(direction)
         if self._closed:
             raise BadInput(f"engine {self.name} is closed")
+        self.side.check()
         if not isinstance(burst, Burst):
             raise BadInput(f"{self.name}: prepare takes a gpuxfer.kv.engines.Burst, got {type(burst).__name__}")
         burst.check_bounds(*self._pool_limits())
@@ -835,6 +908,7 @@ class _FlagLink:
         except BaseException:
             self.close()
             raise
+        side._releasers.append(self.release_waits)     # a failing side releases our waits too
 
     @property
     def path(self) -> str:
@@ -899,11 +973,13 @@ class _FlagLink:
         """Abort: satisfy every local wait, so no stream of ours stays blocked."""
         for i in range(_SCRATCH):
             try:
-                self.side.platform.host_write_flag(self.word(i), (1 << 62), self.side.device)
+                self.side.platform.host_write_flag(self.word(i), RELEASE_VALUE, self.side.device)
             except Exception:  # noqa: BLE001 - best effort on the abort path
                 pass
 
     def close(self) -> None:
+        if self.release_waits in self.side._releasers:
+            self.side._releasers.remove(self.release_waits)
         for m in (getattr(self, "peer", None), self.local):
             if m is not None:
                 m.close()
@@ -1157,10 +1233,6 @@ class PackEngine(Engine):
             self._slot_event[c.slot] = plat.record_event(ks)
         p.done = plat.record_event(ks)
 
-    def abort(self) -> None:
-        """Release every flag wait of this side's streams (used on the failure path)."""
-        self.flags.release_waits()
-
     def _release(self) -> None:
         self._stage_t = self._pool_t = None
         for r in reversed(getattr(self, "_owned", [])):
@@ -1262,4 +1334,4 @@ __all__ = ["DIRECTIONS", "DEFAULT_ENGINES", "ENGINES", "Burst", "BurstShape", "B
            "EngineOptions", "PackEngine", "Prepared", "Role", "Side", "TritonEngine", "as_descriptors",
            "check_direction", "chunk_plan", "contiguous_descriptors", "engine_class", "engine_report",
            "engine_unavailable_reason", "initiator_of", "measurement_order", "parse_engines", "register_engine",
-           "split_large", "wait_event", "Gate"]
+           "split_large", "wait_event", "Gate", "EXIT_CODE", "ENV_KV_ON_TIMEOUT", "ON_TIMEOUT", "on_timeout_from_env"]
