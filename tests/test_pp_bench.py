@@ -65,7 +65,8 @@ def test_bench_pp_host(tmp_path, capsys):
     sizes = doc["params"]["sizes_bytes"]
     assert sizes == [16384, 32768, 65536]
     configs = {(r["backend"], r["metadata"]) for r in doc["rows"]}
-    assert configs == {("copy_engine", True), ("copy_engine", False), ("nccl", True), ("nccl", False)}
+    assert configs == {("copy_engine", True), ("copy_engine", False), ("nccl", True), ("nccl", False),
+                       ("copy_engine_graph", False), ("nccl_plain", False)}
     for row in doc["rows"]:
         assert set(row) >= {"size_bytes", "time_us", "algbw_gbps", "wrong_bytes", "iters", "send_host_us",
                             "recv_host_us"}
@@ -74,16 +75,27 @@ def test_bench_pp_host(tmp_path, capsys):
         assert 0 < row["send_host_us"] and 0 < row["recv_host_us"] <= row["time_us"] * 1.01
     assert {"alone_tflops", "nccl_tflops", "copy_engine_tflops", "copy_engine_loss_pct",
             "copy_engine_transfer_gbps", "nccl_transfer_gbps"} <= set(doc["contention"])
-    con = doc["contention"]     # copy_engine again, its steps paced to the rate nccl moved: no faster
+    con = doc["contention"]     # copy_engine again, its steps paced to the rate plain nccl moved: no faster
     assert {"copy_engine_at_nccl_rate_loss_pct", "copy_engine_at_nccl_rate_steps"} <= set(con)
+    assert con["paced_to"] == "nccl_plain"
     n = con["copy_engine_at_nccl_rate_steps"]      # n steps started >= (n - 1) intervals apart
-    assert con["copy_engine_at_nccl_rate_transfer_gbps"] <= con["nccl_transfer_gbps"] * n / (n - 1) * 1.02, con
+    assert con["copy_engine_at_nccl_rate_transfer_gbps"] <= con["nccl_plain_transfer_gbps"] * n / (n - 1) * 1.02, con
     assert "next to copy_engine_at_nccl_rate" in text and "at nccl's rate loses" in text
     by_rank = con["loss_pct_by_rank"]           # the worse rank's line, both ranks' losses beside it
     assert con["copy_engine_loss_pct"] == by_rank["copy_engine"][con["rank"]] == max(by_rank["copy_engine"])
     assert "loss by rank 0 / 1" in text
     assert "host time per step" in text and "moving" in text
     assert [b["size_bytes"] for b in doc["bulk_copy"]] == sizes
+    assert all(b["repeats"] == 5 and b["algbw_gbps_min"] <= b["algbw_gbps"] <= b["algbw_gbps_max"]
+               for b in doc["bulk_copy"])
+    # the one-way latency of every backend at 1 B-64 KiB, every round trip's bytes checked
+    pings = {(p["backend"], p["size_bytes"]) for p in doc["pingpong"]}
+    assert pings == {(b, s) for b in ("copy_engine", "copy_engine_graph", "nccl", "nccl_plain")
+                     for s in (1, 64, 1024, 4096, 16384, 65536)}
+    assert all(p["wrong_bytes"] == 0 and p["one_way_us"] > 0 and p["host_us_per_round_trip_rank1"] > 0
+               for p in doc["pingpong"])
+    assert "one-way step latency" in text and "at equal traffic" in text and "time / nccl_plain time" in text
+    assert "copy_engine_at_nccl_rate_worst_rank" in con
 
 
 def test_bench_pp_fails_on_a_wrong_byte(capsys):

@@ -83,7 +83,7 @@ def _lag(rng: random.Random, lag_ms: float) -> None:
 
 
 def run_chain(conn, rank: int, world: int, *, seed: int, steps: int, lag_ms: float, metadata: bool, use_out: bool,
-              device, torch_device) -> int:
+              device, torch_device, views: bool = False) -> int:
     """One chain of ``steps`` steps over ``conn``; returns the bytes received and checked."""
     import torch
     rng = random.Random(seed + 17 * rank)
@@ -101,7 +101,7 @@ def run_chain(conn, rank: int, world: int, *, seed: int, steps: int, lag_ms: flo
             _lag(rng, lag_ms)                      # "input preparation" overlapping the transfer
             got = rcv.tensors
             want = step_tensors(seed, rank - 1, k, "cpu")
-            if out is not None:                    # views of the persistent tensors: check before reuse
+            if out is not None or views:           # views of persistent tensors or of the slot: check before reuse
                 check_equal(got, want, f"rank {rank} step {k}")
             else:
                 pending.append((k, got, want))
@@ -140,13 +140,13 @@ def chain_session(rank: int, world: int, init_method: str, platform_name: str, s
                            specs=specs(), backend=sc["backend"], platform=plat, device=device, timeout_s=60,
                            metadata=sc.get("metadata", True), recv_slots=sc.get("recv_slots", 2),
                            flag_path=sc.get("flag_path"), meta_channel=sc.get("meta_channel"),
-                           inline_bytes=sc.get("inline_bytes"))
+                           inline_bytes=sc.get("inline_bytes"), recv_views=sc.get("views", False))
             with conn:
                 assert conn.backend == sc["backend"], (conn.backend, conn.fallback_reasons)
                 allocated = conn.allocated_bytes
                 checked = run_chain(conn, rank, world, seed=seed, steps=sc["steps"], lag_ms=sc.get("lag_ms", 2.0),
                                     metadata=sc.get("metadata", True), use_out=sc.get("out", False),
-                                    device=device, torch_device=torch_device)
+                                    device=device, torch_device=torch_device, views=sc.get("views", False))
                 flags = sorted({getattr(t, "remote_flags", None) for t in conn.transports}, key=str)
                 meta = sorted({t.meta.what for t in conn.transports if t.metadata})
             assert conn.allocated_bytes == 0
@@ -195,6 +195,7 @@ def test_two_stage_chain(spawner, platform_name, nccl_pairs):
         {"backend": "copy_engine", "steps": 400 if gpu else 30, "lag_ms": 0.0, "inline_bytes": 0},
         {"backend": "copy_engine", "steps": 200 if gpu else 20, "devices": "div", "lag_ms": 0.5,
          "inline_bytes": MIXED},
+        {"backend": "copy_engine", "steps": 300 if gpu else 24, "views": True, "inline_bytes": MIXED},
     ]
     assert mixes_paths(5, 2, scenarios[3]["steps"])
     results = run_session(spawner, 2, platform_name, scenarios, seed=5, timeout=300 if gpu else 150)

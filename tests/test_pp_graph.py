@@ -382,3 +382,54 @@ def test_host_capture_records_and_replays(host):
         s.close()
     finally:
         buf.close()
+
+
+# --------------------------------------------------------------------------- eager small steps
+
+
+def eager_session(rank: int, world: int, init_method: str, platform_name: str, steps: int) -> dict:
+    """Eager copy_engine steps from three static source sets (the sender's copies become cached graphs from a
+    set's second sight) into a receiver whose .tensors are views of the slot (recv_views): every byte checked
+    before the next receive, which hands the slot back."""
+    import torch
+    import torch.distributed as dist
+
+    from gpuxfer.pp import connect
+    env = _Env(platform_name, rank, world, init_method)
+    out = {}
+    try:
+        g = dist.new_group(backend="gloo")
+        conn = connect(g, send_to=1 if rank == 0 else None, recv_from=0 if rank == 1 else None, specs=_specs(),
+                       backend="copy_engine", platform=env.plat, device=env.device, timeout_s=60,
+                       recv_views=True)
+        with conn:
+            if rank == 0:
+                t = conn.sender()
+                sets = [_pattern(i, env.tdev) for i in range(3)]
+                for k in range(steps):
+                    t.send(sets[k % 3])
+                t.synchronize()
+                out["graphs"] = len(t._graphs)
+            else:
+                t = conn.receiver()
+                wrong = 0
+                for k in range(steps):
+                    got = t.recv().tensors
+                    assert env.sync()
+                    want = _pattern(k % 3, env.tdev)
+                    for name in SPECS:
+                        wrong += int((got[name].contiguous().view(torch.uint8) != want[name].view(torch.uint8)).sum())
+                out["wrong"] = wrong
+                out["lent"] = t._lent is not None
+                t.synchronize()
+            dist.barrier()
+    finally:
+        env.close()
+    return out
+
+
+def test_eager_small_steps_cached_graphs_and_slot_views(spawner, graph_platform):
+    steps = 200 if graph_platform == "cuda" else 30
+    s, r = spawner.run_ranks(eager_session, 2, graph_platform, steps, timeout=180)
+    assert r["wrong"] == 0 and r["lent"]
+    assert s["graphs"] == 6          # three source sets x two slots, each captured at its second sight

@@ -386,6 +386,16 @@ class Platform(abc.ABC):
         """Write a flag from the host, without waiting behind any stream (used to release waits on abort)."""
 
     # ---- graph capture ----
+    def capture_graph(self, stream: Stream, record: Callable[[Stream], object]):
+        """A replayable graph of the work ``record(stream)`` enqueues on ``stream`` (an idle stream from
+        :meth:`create_stream`, captured, not run), or None where this platform cannot capture (the caller
+        then enqueues the work itself). Replay it with :meth:`launch_graph`; it is freed when collected."""
+        return None
+
+    def launch_graph(self, stream: Stream, graph) -> None:
+        """Enqueue one replay of a graph from :meth:`capture_graph` on ``stream``."""
+        raise BadInput(f"the {self.name} platform captures no graphs")
+
     def is_capturing(self, stream: Stream) -> bool:
         """Whether ``stream`` is capturing a graph (its work is recorded for replay, not run). Default: never."""
         return False

@@ -676,6 +676,20 @@ class HostPlatform(Platform):
     def is_capturing(self, stream: Stream) -> bool:
         return self._stream(stream)._capture is not None
 
+    def capture_graph(self, stream: Stream, record: Callable[[Stream], object]) -> HostGraph:
+        s = self._stream(stream)
+        self.begin_capture(s)
+        try:
+            record(s)
+        finally:
+            graph = self.end_capture(s)
+        return graph
+
+    def launch_graph(self, stream: Stream, graph) -> None:
+        if not isinstance(graph, HostGraph):
+            raise BadInput(f"not a host graph: {graph!r}")
+        graph.replay(self._stream(stream))
+
     # ---- lifetime ----
     def close(self) -> None:
         """Abort every stream's worker (a pending flag wait included) and fail pending events. Idempotent."""

@@ -27,6 +27,7 @@ Any wrong byte or error is exit code 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform as _pyplatform
@@ -40,10 +41,15 @@ from ..common import parse_size, run_versions
 from ..errors import BadInput, GpuxferError
 
 KiB, MiB = 1 << 10, 1 << 20
-CONFIGS = [("copy_engine", True), ("copy_engine", False), ("nccl", True), ("nccl", False)]
+GRAPH = "copy_engine_graph"     # steps captured once, moved by graph replays (connect(graph=True))
+PLAIN = "nccl_plain"            # plain torch.distributed isend / irecv: the NCCL baseline
+NO_META = (GRAPH, PLAIN)        # measured without per-step metadata only
+PING_SIZES = [1, 64, KiB, 4 * KiB, 16 * KiB, 64 * KiB]
+BULK_REPEATS = 5                # timed loops of the bulk peer-copy ceiling, the median reported
 TARGET_SMALL_RATIO = 1 / 3      # copy-engine step time vs NCCL's at <= 1 MiB
 TARGET_BULK_FRACTION = 0.97     # of the bulk peer-copy rate at >= 64 MiB
 TARGET_COMPUTE_LOSS = 0.01      # matmul throughput lost next to copy-engine transfers
+TARGET_LATENCY_US = 10.0        # one-way step latency at <= 64 KiB
 
 
 def _fmt_size(n: int) -> str:
@@ -53,7 +59,7 @@ def _fmt_size(n: int) -> str:
     return f"{n} B"
 
 
-BACKENDS = ("copy_engine", "nccl")
+BACKENDS = ("copy_engine", GRAPH, "nccl", PLAIN)
 #: the file a run leaves in its directory
 ARTIFACT = "pp_bench.json"
 
@@ -64,7 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-size", default=None, metavar="BYTES", help="smallest step (default 16K)")
     g.add_argument("--max-size", default=None, metavar="BYTES", help="largest step (default 256M; host: 256K)")
     g.add_argument("--backend", "--backends", dest="backends", default=",".join(BACKENDS), metavar="NAMES",
-                   help=f"backends to compare, comma-separated: {', '.join(BACKENDS)} (nccl needs two devices)")
+                   help=f"backends to compare, comma-separated: {', '.join(BACKENDS)} ({GRAPH}: steps captured in a "
+                        f"CUDA graph and replayed; {PLAIN}: plain torch.distributed isend/irecv, the baseline; the "
+                        f"nccl ones need two devices)")
     m = p.add_argument_group("how it is measured")
     m.add_argument("--iters", default=None, metavar="N",
                    help="timed steps per size, >= 1 (default: by size, 20..400; host: 10)")
@@ -72,6 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--repeats", "--trials", dest="repeats", default=None, metavar="N",
                    help="timed loops per size and configuration, the median reported, >= 1 (default 3; host: 1)")
     m.add_argument("--verify-steps", default="3", metavar="N", help="steps per size whose every byte is checked, >= 1")
+    m.add_argument("--no-pingpong", action="store_true", help="skip the one-way latency ping-pong")
+    m.add_argument("--recv-views", action="store_true",
+                   help="copy_engine receivers hand out views of the receive slot (no copy-out), lent until the next "
+                        "step's .tensors")
     m.add_argument("--flag-path", default=None, choices=["auto", "remote", "copy"],
                    help="copy_engine flag path (default: GPUXFER_PP_FLAG_PATH or auto)")
     m.add_argument("--recv-slots", default="2", metavar="N", help="copy_engine receive slots, >= 2")
@@ -119,6 +131,83 @@ def _sync(plat, dev) -> None:
         raise RuntimeError("device synchronize timed out")
 
 
+class _PlainP2P:
+    """Plain ``torch.distributed`` point-to-point, the baseline a skeptic would write: ``isend`` of each of
+    the step's tensors (waited on at the next step, which on NCCL makes the stream wait, not the host) and,
+    per step, ``torch.empty`` + ``irecv`` of each (as vLLM's ``irecv_tensor_dict`` does). No gpuxfer code
+    on the path; both directions through one object."""
+
+    name = PLAIN
+
+    def __init__(self, group, peer: int, specs: dict, tdev):
+        self.group, self.peer, self.tdev = group, peer, tdev
+        self.names = sorted(specs)
+        self.dtypes = {k: specs[k][1] for k in self.names}
+        self._sent: list = []
+
+    def send(self, tensors: dict) -> None:
+        import torch.distributed as dist
+        for w in self._sent:
+            w.wait()
+        self._sent = [dist.isend(tensors[k], dst=self.peer, group=self.group) for k in self.names]
+
+    def recv(self, shapes: dict):
+        import torch
+        import torch.distributed as dist
+        bufs = {k: torch.empty(shapes[k], dtype=self.dtypes[k], device=self.tdev) for k in self.names}
+        return _PlainReceived(bufs, [dist.irecv(bufs[k], src=self.peer, group=self.group) for k in self.names])
+
+    def synchronize(self) -> None:
+        for w in self._sent:
+            w.wait()
+        self._sent = []
+
+    # the Connection-shaped surface the loops use
+    @property
+    def transports(self) -> list:
+        return [self]
+
+    def sender(self):
+        return self
+
+    def receiver(self):
+        return self
+
+    def close(self) -> None:
+        self.synchronize()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _PlainReceived:
+    def __init__(self, bufs: dict, works: list):
+        self._bufs, self._works = bufs, works
+
+    @property
+    def tensors(self) -> dict:
+        for w in self._works:
+            w.wait()
+        self._works = []
+        return self._bufs
+
+
+@contextlib.contextmanager
+def _capture(plat, dev):
+    """A graph capture of the current stream: ``torch.cuda.graph`` on CUDA, the platform's own in emulation."""
+    if plat.is_emulation:
+        with plat.capture(device=dev) as g:
+            yield g
+    else:
+        import torch
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            yield g
+
+
 def _rank_main(rank: int, world: int, opts: dict) -> dict:
     """One rank of the benchmark; returns what the receiver measured (rank 1) or the sender's notes."""
     import torch
@@ -163,12 +252,12 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
         return count_wrong_bytes(got, src(size, k))
 
     device_group = None
-    if not emu and "nccl" in opts["backends"]:
+    if not emu and {"nccl", PLAIN} & set(opts["backends"]):
         device_group = dist.new_group(backend="nccl")
     info = {"rank": rank, "device": dev, "device_info": plat.device_info(dev).as_dict(),
             "link": plat.link(dev, peer % plat.device_count()).as_dict(), "versions": run_versions(plat),
             "label": plat.label, "emulation": emu, "host": _pyplatform.node()}
-    rows, bulk, contention, flag_paths, meta_channels, profiles = [], [], {}, {}, {}, []
+    rows, bulk, contention, flag_paths, meta_channels, profiles, pingpong = [], [], {}, {}, {}, [], []
 
     def iters_for(size: int) -> int:
         if opts["iters"]:
@@ -176,10 +265,13 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
         return 10 if emu else max(20, min(400, (4 << 30) // size))
 
     def open_conn(backend: str, metadata: bool):
+        if backend == PLAIN:
+            return _PlainP2P(device_group or dist.group.WORLD, peer, specs, tdev)
         return connect(send_to=peer if rank == 0 else None, recv_from=peer if rank == 1 else None, specs=specs,
                        backend=backend, platform=plat, device=dev, metadata=metadata, timeout_s=opts["timeout"],
                        recv_slots=opts["recv_slots"], flag_path=opts["flag_path"],
-                       inline_bytes=opts["inline_bytes"], device_group=device_group)
+                       inline_bytes=opts["inline_bytes"], device_group=device_group,
+                       recv_views=opts.get("recv_views", False))
 
     def timed_loop(t, backend: str, size: int, first: int, n: int, metadata: bool, instrument: bool):
         """One timed pipelined loop of n steps: (the receiver's last tensors, host s, elapsed s, the
@@ -229,12 +321,15 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
 
     try:
         for backend in opts["backends"]:
-            for metadata in (True, False):
+            if backend == GRAPH:
+                rows += _graph_rows(plat, dev, rank, opts, open_conn, src, wrong_bytes, iters_for)
+                continue
+            for metadata in ((False,) if backend in NO_META else (True, False)):
                 conn = open_conn(backend, metadata)
                 with conn:
                     t = conn.transports[0]
                     flag_paths[backend] = ("remote stream writes" if getattr(t, "remote_flags", False)
-                                           else "8-byte copies" if backend != "nccl" else "-")
+                                           else "8-byte copies" if backend == "copy_engine" else "-")
                     if metadata:
                         meta_channels[backend] = t.meta.what
                     k = 1
@@ -271,15 +366,17 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
                                      "host_us": host / n * 1e6, "algbw_gbps": size / (elapsed / n) / 1e9,
                                      "wrong_bytes": wrong,
                                      "instrumented": instrumented + " (first repeat)" if instrumented else None})
-                    if backend != "nccl" and not metadata:
+                    if backend == "copy_engine" and not metadata:
                         bulk = _bulk_copy(plat, dev, t, sizes, rank, iters_for)
                 dist.barrier()
+        if opts.get("pingpong", True):
+            pingpong = _pingpong(plat, dev, tdev, rank, opts, device_group)
         if not opts["no_contention"]:
             contention = _contention(plat, dev, tdev, rank, opts, open_conn, src, run_steps, rows)
     finally:
         plat.close()
     return {"info": info, "rows": rows, "bulk": bulk, "contention": contention, "flag_paths": flag_paths,
-            "meta_channels": meta_channels, "profiles": profiles}
+            "meta_channels": meta_channels, "profiles": profiles, "pingpong": pingpong}
 
 
 def _profile_text(prof, title: str, steps: int) -> str:
@@ -294,8 +391,129 @@ def _profile_text(prof, title: str, steps: int) -> str:
             f"it 2-3x)\n" + buf.getvalue())
 
 
+def _graph_rows(plat, dev, rank, opts, open_conn, src, wrong_bytes, iters_for) -> list:
+    """The graph mode: per size, each rank captures one step (the sender's ``send`` of a static source, the
+    receiver's ``recv(out=...)`` into a static buffer) and replays it; timed like the eager loops (the
+    receiver's wall clock over a pipelined loop of replays, host time = the replay calls). Verification:
+    the receiver clears its buffer before each of ``verify_steps`` replays and checks every byte."""
+    import torch
+    import torch.distributed as dist
+    rows = []
+    conn = open_conn(GRAPH, False)
+    with conn:
+        t = conn.transports[0]
+        quarter = max(opts["sizes"]) // 4
+        out = None if rank == 0 else {k: torch.zeros(quarter, dtype=torch.bfloat16, device=t.torch_device)
+                                      for k in ("hidden", "residual")}
+        for size in opts["sizes"]:
+            shapes = {"hidden": (size // 4,), "residual": (size // 4,)}
+            with _capture(plat, dev) as g:
+                if rank == 0:
+                    t.send(src(size, 0))
+                else:
+                    got = t.recv(shapes=shapes, out=out).tensors
+            wrong = 0
+            for _ in range(max(1, opts["verify_steps"])):
+                if rank == 1:
+                    for x in out.values():
+                        x.zero_()
+                g.replay()
+                _sync(plat, dev)
+                if rank == 1:
+                    wrong += wrong_bytes(got, size, 0)
+            for _ in range(opts["warmup"]):
+                g.replay()
+            _sync(plat, dev)
+            t.synchronize()
+            n = iters_for(size)
+            times, hosts = [], []
+            for _ in range(opts["repeats"]):
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    g.replay()
+                hosts.append(time.perf_counter() - t0)
+                _sync(plat, dev)
+                times.append(time.perf_counter() - t0)
+                t.synchronize()
+            if rank == 1:
+                wrong += wrong_bytes(got, size, 0)
+            elapsed, host = statistics.median_high(times), statistics.median_high(hosts)
+            rows.append({"backend": GRAPH, "metadata": False, "size_bytes": size, "iters": n, "repeats": len(times),
+                         "time_us": elapsed / n * 1e6, "time_us_min": min(times) / n * 1e6,
+                         "time_us_max": max(times) / n * 1e6, "host_us": host / n * 1e6,
+                         "algbw_gbps": size / (elapsed / n) / 1e9, "wrong_bytes": wrong, "instrumented": None})
+            dist.barrier()
+            del g
+    return rows
+
+
+def _pingpong(plat, dev, tdev, rank, opts, device_group) -> list:
+    """One-way step latency: rank 0 sends a step, rank 1 receives it and sends it back, ``n`` round trips
+    back to back (each step's copies wait on the GPU for the previous receive), one-way = wall / 2n.
+    Both directions' bytes are the same buffer's, checked on rank 0 after the loop. Host time per round
+    trip beside it: where it exceeds the GPU's round trip, the loop measures the host."""
+    import torch
+    import torch.distributed as dist
+    from .selection import connect
+    peer = 1 - rank
+    top = max(PING_SIZES)
+    specs = {"x": ((top,), torch.uint8)}
+    base = torch.randint(0, 256, (top,), dtype=torch.uint8, generator=torch.Generator().manual_seed(99)).to(tdev)
+    n = 10 if plat.is_emulation else opts.get("pingpong_iters") or 500
+    rows = []
+    for backend in opts["backends"]:
+        if backend == PLAIN:
+            conn = _PlainP2P(device_group or dist.group.WORLD, peer, specs, tdev)
+        else:
+            conn = connect(send_to=peer, recv_from=peer, specs=specs, backend=backend, platform=plat, device=dev,
+                           metadata=False, timeout_s=opts["timeout"], recv_slots=opts["recv_slots"],
+                           flag_path=opts["flag_path"], inline_bytes=opts["inline_bytes"], device_group=device_group,
+                           recv_views=opts.get("recv_views", False))
+        with conn:
+            snd, rcv = conn.sender(), conn.receiver()
+            for size in PING_SIZES:
+                shapes = {"x": (size,)}
+                x = {"x": base[:size]}
+                last = {}
+                if backend == GRAPH:
+                    back = torch.zeros(top, dtype=torch.uint8, device=tdev)
+                    with _capture(plat, dev) as g:
+                        if rank == 0:
+                            snd.send(x)
+                            last["x"] = rcv.recv(shapes=shapes, out={"x": back}).tensors["x"]
+                        else:
+                            snd.send(rcv.recv(shapes=shapes, out={"x": back}).tensors)
+                    step = g.replay
+                else:
+                    def step():
+                        if rank == 0:
+                            snd.send(x)
+                            last["x"] = rcv.recv(shapes).tensors["x"]
+                        else:
+                            snd.send(rcv.recv(shapes).tensors)
+                for _ in range(3):
+                    step()
+                _sync(plat, dev)
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    step()
+                host = time.perf_counter() - t0
+                _sync(plat, dev)
+                el = time.perf_counter() - t0
+                snd.synchronize()
+                rcv.synchronize()
+                wrong = count_wrong_bytes({"x": last["x"]}, x) if rank == 0 else 0
+                rows.append({"backend": backend, "size_bytes": size, "iters": n, "one_way_us": el / (2 * n) * 1e6,
+                             "host_us_per_round_trip": host / n * 1e6, "wrong_bytes": wrong})
+                dist.barrier()
+    return rows
+
+
 def _bulk_copy(plat, dev, t, sizes, rank, iters_for) -> list:
-    """The sender copies staging -> the receiver's slot back to back (no flags): the peer-copy ceiling."""
+    """The sender copies staging -> the receiver's slot back to back (no flags): the peer-copy ceiling,
+    :data:`BULK_REPEATS` timed loops per size, the median reported (and the spread)."""
     import torch.distributed as dist
     out = []
     dist.barrier()
@@ -306,13 +524,18 @@ def _bulk_copy(plat, dev, t, sizes, rank, iters_for) -> list:
             for _ in range(3):
                 plat.copy_async(side, t._peer_slot_ptr[0], t._staging_ptr[0], size)
             plat.synchronize(side, 120.0)
-            t0 = time.perf_counter()
-            for _ in range(n):
-                plat.copy_async(side, t._peer_slot_ptr[0], t._staging_ptr[0], size)
-            if not plat.synchronize(side, 120.0):
-                raise RuntimeError("bulk copy timed out")
-            el = time.perf_counter() - t0
-            out.append({"size_bytes": size, "time_us": el / n * 1e6, "algbw_gbps": size / (el / n) / 1e9})
+            times = []
+            for _ in range(BULK_REPEATS):
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    plat.copy_async(side, t._peer_slot_ptr[0], t._staging_ptr[0], size)
+                if not plat.synchronize(side, 120.0):
+                    raise RuntimeError("bulk copy timed out")
+                times.append(time.perf_counter() - t0)
+            el = statistics.median(times)
+            out.append({"size_bytes": size, "repeats": len(times), "time_us": el / n * 1e6,
+                        "algbw_gbps": size / (el / n) / 1e9, "algbw_gbps_min": size / (max(times) / n) / 1e9,
+                        "algbw_gbps_max": size / (min(times) / n) / 1e9})
     dist.barrier()
     got = [None, None]
     dist.all_gather_object(got, out)
@@ -321,6 +544,21 @@ def _bulk_copy(plat, dev, t, sizes, rank, iters_for) -> list:
 
 #: the contention line of copy_engine paced to the bytes per second nccl moved next to the matmuls
 PACED = "copy_engine_at_nccl_rate"
+
+
+def baseline(backends) -> str | None:
+    """The NCCL line ratios are taken against: plain torch.distributed where measured, else gpuxfer's wrapper."""
+    return next((b for b in (PLAIN, "nccl") if b in backends), None)
+
+
+def contention_backends(backends) -> list:
+    """The backends whose transfers run next to the matmul loop (graph replays are not a loop of steps here)."""
+    return [b for b in backends if b != GRAPH]
+
+
+def paced_to(backends) -> str | None:
+    """The NCCL line the equal-traffic copy_engine line is paced to: plain NCCL where measured."""
+    return baseline(backends) if "copy_engine" in backends else None
 
 
 def _contention(plat, dev, tdev, rank, opts, open_conn, src, run_steps, rows) -> dict:
@@ -406,19 +644,21 @@ def _contention(plat, dev, tdev, rank, opts, open_conn, src, run_steps, rows) ->
         res[f"{key}_covered"] = all(c for _, c in got)  # the transfers must outlast the matmuls on both
         dist.barrier()
 
-    for backend in opts["backends"]:
+    for backend in contention_backends(opts["backends"]):
         step = [r["time_us"] for r in rows if r["backend"] == backend and not r["metadata"]
                 and r["size_bytes"] == max(s for s in opts["sizes"] if s <= size)]
         step_s = (step[0] if step else 100.0) / 1e6
         measure(backend, backend, int(1.3 * alone[0] / max(step_s, 1e-6)) + 1)
-    if {"copy_engine", "nccl"} <= set(opts["backends"]):
-        # the same traffic as nccl moved: copy_engine steps started no faster than nccl's rate
-        interval = size / (res["nccl_transfer_gbps"] * 1e9)
+    base = paced_to(opts["backends"])
+    if base is not None:
+        # the same traffic as the NCCL baseline moved: copy_engine steps started no faster than its rate
+        res["paced_to"] = base
+        interval = size / (res[f"{base}_transfer_gbps"] * 1e9)
         measure(PACED, "copy_engine", max(3, int(1.3 * alone[0] / interval) + 1), interval)
     alone.append(run(k)[0])
     res["alone_tflops"] = flops / min(alone) / 1e12
     res["alone_spread_pct"] = abs(alone[0] - alone[1]) / min(alone) * 100
-    for backend in [*opts["backends"], PACED]:
+    for backend in [*contention_backends(opts["backends"]), PACED]:
         if f"{backend}_tflops" in res:
             res[f"{backend}_loss_pct"] = (1 - res[f"{backend}_tflops"] / res["alone_tflops"]) * 100
     getattr(comp, "close", lambda: None)()
@@ -435,20 +675,29 @@ def _targets(res: dict, backends: list) -> list[tuple[str, str, bool | None]]:
     """
     rows = [r for r in res["rows"] if not r.get("instrumented")]
     out = []
-    if "copy_engine" in backends and "nccl" in backends:
-        for metadata in (False, True):
+    base = baseline(backends)
+    for ours, metas in (("copy_engine", (False, True)), (GRAPH, (False,))):
+        if ours not in backends or base is None:
+            continue
+        for metadata in metas:
             ratios = []
             for r in rows:
-                if r["backend"] == "copy_engine" and r["metadata"] == metadata and r["size_bytes"] <= MiB:
-                    n = [x for x in rows if x["backend"] == "nccl" and x["metadata"] == metadata
-                         and x["size_bytes"] == r["size_bytes"]]
+                if r["backend"] == ours and r["metadata"] == metadata and r["size_bytes"] <= MiB:
+                    n = [x for x in rows if x["backend"] == base and x["size_bytes"] == r["size_bytes"]
+                         and x["metadata"] == (metadata and base not in NO_META)]
                     if n:
                         ratios.append(r["time_us"] / n[0]["time_us"])
             if ratios:
                 worst = max(ratios)
-                out.append((f"copy_engine step time <= 1/3 of nccl's at <= 1 MiB "
+                out.append((f"{ours} step time <= 1/3 of {base}'s at <= 1 MiB "
                             f"({'with' if metadata else 'without'} metadata)",
                             f"worst ratio {worst:.2f}", worst <= TARGET_SMALL_RATIO))
+    for ours in ("copy_engine", GRAPH):
+        lat = [p["one_way_us"] for p in res.get("pingpong") or [] if p["backend"] == ours
+               and p["size_bytes"] <= 64 * KiB]
+        if lat:
+            out.append((f"{ours} one-way step latency <= {TARGET_LATENCY_US:g} us at <= 64 KiB (ping-pong)",
+                        f"worst {max(lat):.1f} us", max(lat) <= TARGET_LATENCY_US))
     bulk = {b["size_bytes"]: b["algbw_gbps"] for b in res.get("bulk") or []}
     fr = [r["algbw_gbps"] / bulk[r["size_bytes"]] for r in rows
           if r["backend"] == "copy_engine" and not r["metadata"] and r["size_bytes"] >= 64 * MiB
@@ -458,7 +707,8 @@ def _targets(res: dict, backends: list) -> list[tuple[str, str, bool | None]]:
                     min(fr) >= TARGET_BULK_FRACTION))
     con = res.get("contention") or {}
     if "copy_engine_loss_pct" in con:
-        extra = f", nccl loses {con['nccl_loss_pct']:.1f}%" if "nccl_loss_pct" in con else ""
+        extra = "".join(f", {b} loses {con[f'{b}_loss_pct']:.1f}%" for b in ("nccl", PLAIN)
+                        if f"{b}_loss_pct" in con)
         if f"{PACED}_loss_pct" in con:
             extra += f", copy_engine at nccl's rate loses {con[f'{PACED}_loss_pct']:.1f}%"
         out.append(("matmul loses <= 1% next to copy_engine transfers",
@@ -487,7 +737,8 @@ def format_report(res: dict, opts: dict) -> str:
     L.append(f"# tensors per step: hidden + residual (bf16, half the bytes each); warmup {opts['warmup']}, "
              f"verified steps {opts['verify_steps']} + the last timed step; iters "
              f"{opts['iters'] or 'by size'}; recv slots {opts['recv_slots']}; copy_engine steps inline (no "
-             f"staging) up to {_fmt_size(opts['inline_bytes'])}; flags: "
+             f"staging) up to {_fmt_size(opts['inline_bytes'])}"
+             f"{'; copy_engine receives: views of the slot' if opts.get('recv_views') else ''}; flags: "
              f"{res['flag_paths'].get('copy_engine', '-')}; +meta: metadata over "
              f"{', '.join(sorted(set(res['meta_channels'].values()))) or '-'}")
     for note in opts.get("notes", ()):
@@ -495,15 +746,17 @@ def format_report(res: dict, opts: dict) -> str:
     L.append(f"# time: receiver wall clock over a pipelined loop (the sender never waits), / steps, the median "
              f"of {opts['repeats']} loop(s); algbw = bytes per step / time")
     L.append("#")
-    cols = [(b, m) for b in opts["backends"] for m in (True, False)]
+    cols = [(b, m) for b in opts["backends"] for m in ((False,) if b in NO_META else (True, False))]
     head1 = f"# {'':>10} {'':>9} " + " ".join(f"{(b + (' +meta' if m else ' -meta')):^28}" for b, m in cols)
     head2 = f"# {'size':>10} {'count':>9} " + " ".join(f"{'time':>9} {'algbw':>8} {'wrong':>9}" for _ in cols)
     units = f"# {'(B)':>10} {'(elems)':>9} " + " ".join(f"{'(us)':>9} {'(GB/s)':>8} {'(B)':>9}" for _ in cols)
-    has_ratio = "copy_engine" in opts["backends"] and "nccl" in opts["backends"]
-    if has_ratio:
-        head1 += f" {'ce/nccl time':^15}"
-        head2 += f" {'+meta':>7} {'-meta':>7}"
-        units += f" {'(x)':>7} {'(x)':>7}"
+    base = baseline(opts["backends"])
+    ratio_cols = [(b, m) for b, m in cols if b in ("copy_engine", GRAPH)] if base else []
+    if ratio_cols:
+        head1 += " " + f"{'time / ' + base + ' time':^{8 * len(ratio_cols)}}"
+        head2 += " " + " ".join(f"{('graph' if b == GRAPH else 'ce') + ('+m' if m else '-m'):>7}"
+                                for b, m in ratio_cols)
+        units += " " + " ".join(f"{'(x)':>7}" for _ in ratio_cols)
     L += [head1, head2, units]
     by = {(r["backend"], r["metadata"], r["size_bytes"]): r for r in res["rows"]}
     for size in opts["sizes"]:
@@ -514,10 +767,10 @@ def format_report(res: dict, opts: dict) -> str:
             cells.append(f"{r['time_us']:>9.2f} {r['algbw_gbps']:>8.2f} {r['wrong_bytes']:>9d}" if r
                          else f"{'-':>9} {'-':>8} {'-':>9}")
         line += " ".join(cells)
-        if has_ratio:
+        if ratio_cols:
             rat = []
-            for m in (True, False):
-                a, n = by.get(("copy_engine", m, size)), by.get(("nccl", m, size))
+            for b, m in ratio_cols:
+                a, n = by.get((b, m, size)), by.get((base, m and base not in NO_META, size))
                 rat.append(f"{a['time_us'] / n['time_us']:>7.2f}" if a and n else f"{'-':>7}")
             line += " " + " ".join(rat)
         L.append(line)
@@ -538,19 +791,54 @@ def format_report(res: dict, opts: dict) -> str:
                      f"under {r['instrumented']}: left out of the targets)")
     if res.get("bulk"):
         L.append("#")
-        L.append("# bulk peer copy (copy_async back to back, staging -> peer slot, same run): "
-                 + ", ".join(f"{_fmt_size(b['size_bytes'])} {b['algbw_gbps']:.1f} GB/s" for b in res["bulk"]
+        L.append(f"# bulk peer copy (copy_async back to back, staging -> peer slot, same run; the median of "
+                 f"{BULK_REPEATS} loops, [slowest, fastest]): "
+                 + ", ".join(f"{_fmt_size(b['size_bytes'])} {b['algbw_gbps']:.1f} "
+                             f"[{b.get('algbw_gbps_min', b['algbw_gbps']):.1f}, "
+                             f"{b.get('algbw_gbps_max', b['algbw_gbps']):.1f}] GB/s" for b in res["bulk"]
                              if b["size_bytes"] >= MiB or len(res["bulk"]) < 6))
+        bulk = {b["size_bytes"]: b["algbw_gbps"] for b in res["bulk"]}
+        pct = [(r["size_bytes"], r["algbw_gbps"] / bulk[r["size_bytes"]] * 100) for r in res["rows"]
+               if r["backend"] == "copy_engine" and not r["metadata"] and bulk.get(r["size_bytes"])
+               and r["size_bytes"] >= MiB]
+        if pct:
+            L.append("# copy_engine -meta as % of that ceiling: " + ", ".join(
+                f"{_fmt_size(sz)} {p:.1f}%{' (ABOVE 100%: within the ceiling loops spread)' if p > 100 else ''}"
+                for sz, p in pct))
+    pings = res.get("pingpong") or []
+    if pings:
+        L.append("#")
+        L.append("# one-way step latency (ping-pong: rank 0 sends, rank 1 receives and sends it back; wall clock over "
+                 "the round trips / 2), with each rank's host time per round trip; (us)")
+        pb = list(dict.fromkeys(p["backend"] for p in pings))
+        L.append(f"# {'size':>10} " + " ".join(f"{b:^26}" for b in pb))
+        L.append(f"# {'(B)':>10} " + " ".join(f"{'one-way':>8} {'host r0/r1':>17}" for _ in pb))
+        pby = {(p["backend"], p["size_bytes"]): p for p in pings}
+        for size in PING_SIZES:
+            cells = []
+            for b in pb:
+                p = pby.get((b, size))
+                cells.append(f"{p['one_way_us']:>8.2f} {p['host_us_per_round_trip']:>8.1f}/"
+                             f"{p.get('host_us_per_round_trip_rank1', float('nan')):<8.1f}" if p
+                             else f"{'-':>8} {'-':>17}")
+            L.append(f"  {size:>10} " + " ".join(cells))
     con = res.get("contention") or {}
     if con:
         L.append("#")
+        if f"{PACED}_loss_pct" in con:
+            nb = con.get("paced_to", "nccl")
+            L.append(f"# SM contention at equal traffic ({con[f'{nb}_transfer_gbps']:.3g} GB/s, {nb}'s rate next "
+                     f"to the matmuls): matmul throughput lost next to {nb} {con[f'{nb}_loss_pct']:.1f}% (worst "
+                     f"rank {con.get(f'{nb}_worst_rank', '-')}), next to copy_engine at that rate "
+                     f"{con[f'{PACED}_loss_pct']:.1f}% (worst rank {con.get(f'{PACED}_worst_rank', '-')})")
         parts = [f"alone {con['alone_tflops']:.2f} TFLOPS (spread of two runs {con['alone_spread_pct']:.1f}%)"]
-        for b in [*opts["backends"], PACED]:
+        for b in [*contention_backends(opts["backends"]), PACED]:
             if f"{b}_tflops" in con:
                 parts.append(f"next to {b} {con[f'{b}_tflops']:.2f} TFLOPS ({-con[f'{b}_loss_pct']:+.1f}%"
                              + (f", {b} moving {con[f'{b}_transfer_gbps']:.3g} GB/s)" if f"{b}_transfer_gbps" in con
                                 else ")")
-                             + ("" if con.get(f"{b}_covered", True) else ", transfers ended before the matmuls"))
+                             + ("" if con.get(f"{b}_covered", True) else ", transfers ended before the matmuls")
+                             + (f", worst rank {con[f'{b}_worst_rank']}" if f"{b}_worst_rank" in con else ""))
         L.append(f"# SM contention: {con['matmuls']} matmuls {con['matmul_n']}^3 (timed by "
                  f"{con.get('matmul_clock', 'host wall clock')}), transfers of "
                  f"{_fmt_size(con['transfer_size_bytes'])} back to back: " + "; ".join(parts))
@@ -558,7 +846,7 @@ def format_report(res: dict, opts: dict) -> str:
             L.append(f"# (the GPU of rank {con['rank']}, where copy_engine cost more; loss by rank 0 / 1: "
                      + ", ".join(f"{b} {a:.1f}% / {c:.1f}%" for b, (a, c) in con["loss_pct_by_rank"].items()
                                  if a is not None and c is not None) + ")")
-    wrong = sum(r["wrong_bytes"] for r in res["rows"])
+    wrong = total_wrong(res)
     L.append("#")
     if res.get("same_device") and not emu:
         L.append(f"# both ranks share device {info['device']}: every step is a copy within that GPU (its "
@@ -573,6 +861,11 @@ def format_report(res: dict, opts: dict) -> str:
     return "\n".join(L)
 
 
+def total_wrong(res: dict) -> int:
+    """Wrong bytes over every checked step: the timed rows and the ping-pong round trips."""
+    return sum(r["wrong_bytes"] for r in res["rows"]) + sum(p["wrong_bytes"] for p in res.get("pingpong") or [])
+
+
 def _json_doc(res: dict, opts: dict) -> dict:
     info = res["info"]
     return {
@@ -584,8 +877,9 @@ def _json_doc(res: dict, opts: dict) -> dict:
                    "iters": opts["iters"], "repeats": opts["repeats"], "recv_slots": opts["recv_slots"],
                    "inline_bytes": opts["inline_bytes"], "backends": opts["backends"]},
         "rows": res["rows"], "bulk_copy": res["bulk"], "contention": res["contention"],
+        "pingpong": res.get("pingpong") or [],
         "targets": [{"target": n, "measured": g, "met": m} for n, g, m in res["targets"]],
-        "wrong_bytes": sum(r["wrong_bytes"] for r in res["rows"]), "result": res["result"],
+        "wrong_bytes": total_wrong(res), "result": res["result"],
     }
 
 
@@ -626,7 +920,8 @@ def _options(args) -> dict:
         sizes.append(s // 16 * 16)   # multiple of 16 bytes: two bf16 halves
         s *= 2
     opts = dict(checked, platform=name, sizes=sizes, backends=backends, flag_path=args.flag_path,
-                no_contention=args.no_contention, corrupt=args.corrupt_for_test, notes=[])
+                no_contention=args.no_contention, corrupt=args.corrupt_for_test, pingpong=not args.no_pingpong,
+                recv_views=args.recv_views, notes=[])
     if opts["repeats"] is None:
         opts["repeats"] = 1 if emu else 3
     if emu:
@@ -635,12 +930,14 @@ def _options(args) -> dict:
     # (and the speed targets, about a link between two GPUs, do not apply).
     ndev = device_count(name)
     opts["same_device"] = ndev < 2
-    if ndev < 2 and not emu and "nccl" in backends:
+    nccls = [b for b in backends if b in ("nccl", PLAIN)]
+    if ndev < 2 and not emu and nccls:
         why = f"both ranks share device 0 ({name} shows one device) and NCCL refuses two ranks on one device"
-        if backends == ["nccl"]:
-            raise BadInput(f"--backend nccl: {why}")
-        backends.remove("nccl")
-        opts["notes"].append(f"nccl not measured: {why}")
+        if backends == nccls:
+            raise BadInput(f"--backend {','.join(nccls)}: {why}")
+        for b in nccls:
+            backends.remove(b)
+        opts["notes"].append(f"{' and '.join(nccls)} not measured: {why}")
     return opts
 
 
@@ -687,11 +984,20 @@ def run(args) -> int:
     res["rows"] = rows
     res["bulk"] = both[0]["bulk"] or both[1]["bulk"]
     cons = [both[0]["contention"], both[1]["contention"]]
-    if cons[0] and cons[1]:     # each rank timed the matmuls on its own GPU: report the worse of the two
+    if cons[0] and cons[1]:     # each rank timed the matmuls on its own GPU: each backend's worse rank
         worse = max((0, 1), key=lambda r: cons[r].get("copy_engine_loss_pct", 0.0))
-        res["contention"] = dict(cons[worse], rank=worse, loss_pct_by_rank={
+        con = dict(cons[worse], rank=worse, loss_pct_by_rank={
             k[:-len("_loss_pct")]: [c.get(k) for c in cons] for k in cons[worse] if k.endswith("_loss_pct")})
-    wrong = sum(r["wrong_bytes"] for r in res["rows"])
+        for b, losses in con["loss_pct_by_rank"].items():
+            if None not in losses:
+                r = max((0, 1), key=lambda i: losses[i])
+                con[f"{b}_loss_pct"], con[f"{b}_tflops"], con[f"{b}_worst_rank"] = \
+                    losses[r], cons[r][f"{b}_tflops"], r
+        res["contention"] = con
+    p0 = both[0].get("pingpong") or []
+    h1 = {(p["backend"], p["size_bytes"]): p["host_us_per_round_trip"] for p in both[1].get("pingpong") or []}
+    res["pingpong"] = [dict(p, host_us_per_round_trip_rank1=h1.get((p["backend"], p["size_bytes"]))) for p in p0]
+    wrong = total_wrong(res)
     res["same_device"] = _same_device(res)
     res["targets"] = _targets(res, opts["backends"])
     missed = [t for t in res["targets"] if t[2] is False]

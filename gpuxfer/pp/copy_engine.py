@@ -106,6 +106,17 @@ ENV_FLAG_PATH = "GPUXFER_PP_FLAG_PATH"
 PROBE_TIMEOUT_S = 10.0
 ENV_INLINE_BYTES = "GPUXFER_PP_INLINE_BYTES"
 DEFAULT_INLINE_BYTES = 1 << 20
+ENV_STEP_GRAPHS = "GPUXFER_PP_STEP_GRAPHS"
+STEP_GRAPHS = 64            # copy graphs a sender keeps (one per slot and set of source addresses seen twice)
+
+
+def step_graphs_from_env() -> bool:
+    """Whether a sender launches a small step's peer copies as one cached graph (``$GPUXFER_PP_STEP_GRAPHS``:
+    1, the default, or 0)."""
+    raw = os.environ.get(ENV_STEP_GRAPHS, "1").strip().lower()
+    if raw not in ("0", "1", "on", "off", "true", "false", ""):
+        raise BadInput(f"{ENV_STEP_GRAPHS} must be 1 or 0, got {raw!r}")
+    return raw in ("1", "on", "true", "")
 
 
 def inline_bytes_from_env(value: "int | str | None" = None, option: str = "inline_bytes") -> int:
@@ -148,7 +159,7 @@ class CopyEngineTransport(Transport):
         return None
 
     def __init__(self, *, recv_slots: int = 2, flag_path: str = "auto", inline_bytes: "int | str | None" = None,
-                 **kw):
+                 recv_views: bool = False, **kw):
         super().__init__(**kw)
         if int(recv_slots) < self.min_slots:
             raise BadInput(f"the {self.name} backend needs >= {self.min_slots} receive slots, got {recv_slots}")
@@ -165,6 +176,13 @@ class CopyEngineTransport(Transport):
         self._last_stream = None
         self._nonce = 0
         self._host_keep = None              # emulation: tensors a queued host-stream copy may still touch
+        self.recv_views = bool(recv_views)  # receiver: .tensors are views of the slot, lent until the next
+        self._lent = None                   # (slot, step) lent out with the last materialized step
+        self._views: dict = {}              # (slot, shapes) -> views of the slot (recv_views)
+        self._data_bytes = None             # the receive slots as one uint8 tensor (recv_views)
+        self._cap = None                    # sender: the stream small steps' copy graphs are captured on
+        self._graphs: dict = {}             # (slot, source pointers, sizes) -> graph of the step's peer copies
+        self._sightings: dict = {}          # copy sets seen once (a graph is captured at the second sight)
 
     # ---- setup phases (called by selection.connect, every rank in lock step) ----
     def _fptr(self, mem, word: int) -> int:
@@ -185,6 +203,8 @@ class CopyEngineTransport(Transport):
             self._data = p.alloc(self.recv_slots * self.specs.slot_bytes, dev)
         else:
             self._staging = p.alloc(2 * self.specs.slot_bytes, dev)
+            if self.inline_bytes and step_graphs_from_env():
+                self._cap = p.create_stream(dev)
         if not p.synchronize(self._aux, PROBE_TIMEOUT_S):
             raise GpuxferError(f"zeroing the flags did not finish in {PROBE_TIMEOUT_S:g} s")
         payload = {"flags": self._flags.export(), "slot_bytes": self.specs.slot_bytes, "slots": self.recv_slots}
@@ -286,6 +306,8 @@ class CopyEngineTransport(Transport):
         self._peer_in_ptr = [self._fptr(self._peer_flags, W_IN + j) for j in range(R)]
         if self.role == "recv":
             self._slot_ptr = [self._data.ptr + j * slot for j in range(R)]
+            if self.recv_views:
+                self._data_bytes = self.platform.as_tensor(self._data, None, (R * slot,))
         else:
             self._peer_slot_ptr = [self._peer_data.ptr + j * slot for j in range(R)]
             self._staging_ptr = [self._staging.ptr + s * slot for s in range(2)]
@@ -354,7 +376,10 @@ class CopyEngineTransport(Transport):
         if k > R:
             p.wait_flag(cur, self._in_ptr[j], k - R)
             self._wd.append((k, j, time.monotonic(), k - R))
-        self._copy_tensors(cur, self._peer_slot_ptr[j], tensors, layout)
+        if self._cap is None or not layout.total:
+            self._copy_tensors(cur, self._peer_slot_ptr[j], tensors, layout)
+        else:
+            self._copy_cached(cur, j, tensors, layout)
         self._publish(cur, j, k)
         self._last_stream = cur
         if self._host_sync:     # emulation: return once the copies have read the caller's tensors
@@ -366,6 +391,30 @@ class CopyEngineTransport(Transport):
                                 what=f"{self.name} send to rank {self.peer}: "
                                      f"{'receive slot not free' if waited else 'copying'}")
 
+    def _copy_cached(self, cur, j: int, tensors, layout: Layout) -> None:
+        """A small step's peer copies as one graph launch where this copy set (slot, source addresses,
+        sizes) was seen before: the graph is captured at its second sight and kept (the oldest of
+        :data:`STEP_GRAPHS` goes first). Its nodes are the same copy-engine copies."""
+        key = (j, layout.nbytes, *[tensors[n].data_ptr() for n in self.specs.names])
+        g = self._graphs.get(key)
+        if g is None:
+            if key not in self._sightings:
+                if len(self._sightings) >= 4 * STEP_GRAPHS:
+                    self._sightings.clear()
+                self._sightings[key] = None
+                self._copy_tensors(cur, self._peer_slot_ptr[j], tensors, layout)
+                return
+            g = self.platform.capture_graph(
+                self._cap, lambda s: self._copy_tensors(s, self._peer_slot_ptr[j], tensors, layout))
+            if g is None:        # this platform cannot capture: plain copies from now on
+                self._cap = None
+                self._copy_tensors(cur, self._peer_slot_ptr[j], tensors, layout)
+                return
+            if len(self._graphs) >= STEP_GRAPHS:
+                del self._graphs[next(iter(self._graphs))]
+            self._graphs[key] = g
+        self.platform.launch_graph(cur, g)
+
     # ---- receive ----
     def _recv_impl(self, rcv: Received) -> None:
         pass   # nothing to do before the first .tensors access
@@ -376,9 +425,27 @@ class CopyEngineTransport(Transport):
         j = (k - 1) % R
         lay, specs = rcv.layout, self.specs
         cur = p.current_stream(self.device)
+        if self._lent is not None:      # the slot lent with the last step goes back after the work queued on it
+            jj, kk = self._lent
+            self._lent = None
+            self._publish(cur, jj, kk)
         p.wait_flag(cur, self._in_ptr[j], k)
         self._wd.append((k, j, time.monotonic(), k))
         slot = self._slot_ptr[j]
+        if self.recv_views and rcv.out is None:     # views of the slot itself, lent until the next step
+            views = self._views.get((j, lay.shapes))
+            if views is None:
+                if len(self._views) > 4096:
+                    self._views.clear()
+                views = self._views[(j, lay.shapes)] = specs.views(self._data_bytes, lay, j * specs.slot_bytes)
+            self._lent = (j, k)
+            self._last_stream = cur
+            if self._host_sync:
+                wait_event_or_raise(p, p.record_event(cur), self.timeout_s, rank=self.rank, step=k,
+                                    flag=f"full[{j}]", expected=k, flag_ptr=self._in_ptr[j], device=self.device,
+                                    what=f"{self.name} receive from rank {self.peer}")
+            rcv._tensors = dict(views)
+            return
         if rcv.out is None:        # one copy of the whole slot into a fresh buffer (torch's, on ``cur``)
             buf = torch.empty(lay.buffer_bytes, dtype=torch.uint8, device=self.torch_device)
             if lay.total:
@@ -460,6 +527,12 @@ class CopyEngineTransport(Transport):
     def _free(self) -> None:
         self._copied = [None, None]
         self._packed = None
+        self._graphs.clear()
+        self._views.clear()
+        if self._cap is not None:
+            self._cap.close()
+            self._cap = None
+        self._data_bytes = None
         for b in (self._data, self._staging, self._flags):
             if b is not None:
                 b.close()

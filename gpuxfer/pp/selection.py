@@ -278,7 +278,8 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
             backend: str | None = None, platform=None, device: int | None = None, timeout_s: float | None = None,
             metadata: bool = True, recv_slots: int = 2, device_group=None, flag_path: str | None = None,
             inline_bytes: int | str | None = None, inject_failure: str | None = None,
-            meta_channel: str | None = None, graph: bool = False, on_timeout: str | None = None) -> Connection:
+            meta_channel: str | None = None, graph: bool = False, on_timeout: str | None = None,
+            recv_views: bool = False) -> Connection:
     """Set up this rank's stage hand-off transports; collective over ``group`` (every rank calls it).
 
     ``send_to`` / ``recv_from``: global rank(s) this rank sends to / receives
@@ -297,6 +298,11 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
     choice) tune the copy-engine backend. ``meta_channel``
     (auto|group, default ``$GPUXFER_PP_META_CHANNEL``): a pair on one host passes its
     per-step metadata through a shared-memory mailbox (``auto``) or the CPU group.
+    ``recv_views=True`` (copy-engine receivers): ``.tensors`` are views of the
+    receive slot itself -- no allocation, no copy-out -- valid until the next
+    ``.tensors`` access on that transport, whose wait hands the slot back to the
+    sender in stream order (after the work queued on the views by then);
+    ``recv(out=...)`` still copies.
     ``graph=True``: steps are captured in CUDA graphs and moved by replays (the
     ``copy_engine_graph`` backend, :mod:`gpuxfer.pp.graph`); there is no fallback,
     since NCCL's steps cannot be replayed this way: a rank that cannot set it up
@@ -398,7 +404,7 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
         else:
             ok, reasons, ends = _setup_peer_memory(cand, exchange, infos, my_pairs, common, tag_of, nonce,
                                                    recv_slots=me["slots"], flag_path=flag_path,
-                                                   inline_bytes=inline_bytes, inject=inject)
+                                                   inline_bytes=inline_bytes, recv_views=recv_views, inject=inject)
             if ok:
                 chosen = cand
             elif wanted == "auto":
@@ -516,7 +522,7 @@ def _setup_mailboxes(exchange, infos, ends, tag_of, nonce: int, rank: int, mode:
 
 
 def _setup_peer_memory(name, exchange, infos, my_pairs, common, tag_of, nonce, *, recv_slots, flag_path,
-                       inline_bytes, inject):
+                       inline_bytes, inject, recv_views=False):
     """The collective setup of a zero-SM backend; returns (ok, reasons by rank, ends)."""
     import torch.distributed as dist
     rank, plat, device = common["rank"], common["platform"], common["device"]
@@ -562,7 +568,7 @@ def _setup_peer_memory(name, exchange, infos, my_pairs, common, tag_of, nonce, *
         payloads = {}
         for role, peer, pair, spec in my_pairs:
             t = cls(role=role, peer=peer, specs=spec, tag_base=tag_of[pair], recv_slots=recv_slots,
-                    flag_path=flag_path or "auto", inline_bytes=inline_bytes, **common)
+                    flag_path=flag_path or "auto", inline_bytes=inline_bytes, recv_views=recv_views, **common)
             ends.append(t)
             payloads[pair] = t.setup_prepare()
         return payloads

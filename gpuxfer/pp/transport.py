@@ -282,16 +282,16 @@ class SpecTable:
             self._layouts[shapes] = lay
         return lay
 
-    def views(self, buf, layout: Layout) -> dict:
-        """The step's tensors as views of ``buf`` (uint8, ``layout.buffer_bytes`` long, packed as
-        ``layout`` says): one ``as_strided`` per tensor, a per-step cost on the receiver's path."""
+    def views(self, buf, layout: Layout, at: int = 0) -> dict:
+        """The step's tensors as views of ``buf`` (uint8, storage offset 0, packed as ``layout`` says from
+        byte ``at`` on, a multiple of ALIGN): one ``as_strided`` per tensor."""
         typed, out = {}, {}
         for name, dtype, item, shape, strides, off in zip(self.names, self.dtypes, self.itemsizes, layout.shapes,
                                                          layout.strides, layout.offsets):
             base = typed.get(dtype)
             if base is None:
                 base = typed[dtype] = buf.view(dtype)
-            out[name] = base.as_strided(shape, strides, off // item)
+            out[name] = base.as_strided(shape, strides, (at + off) // item)
         return out
 
     # ---- validation (before any GPU work and before metadata goes out) ----
