@@ -62,6 +62,23 @@ of its receiver stalls its current stream on a small step. Steps of either kind
 mix freely: each slot's flags still only grow, and a slot is written only after
 its ``empty`` wait.
 
+A sender launches a small step's peer copies as one graph (``platform.capture_graph``,
+the same copy-engine copies) once it has seen the same slot, source addresses and
+sizes before (``$GPUXFER_PP_STEP_GRAPHS=0`` turns it off): one host call where there
+were one per tensor. Source tensors at recurring addresses (a model's persistent
+outputs, the caching allocator's reused blocks) hit the cache.
+
+A receiver set up with ``recv_views=True`` copies nothing out: ``.tensors`` are
+views of slot j itself, lent to the caller; ``publish empty[j] = k`` moves to the
+next ``.tensors`` access (queued before that step's wait, so after the work the
+caller queued on the views)::
+
+    R current stream, .tensors of step k (slot j)      of step k+1 (slot j')
+    ---------------------------------------------      ---------------------
+    publish empty[j_prev] = k-1 (the lent slot back)    publish empty[j] = k
+    wait full[j] >= k                                   wait full[j'] >= k+1
+    -> views of R.data[j]  (no copy, no allocation)     -> views of R.data[j']
+
 Nothing on this path waits on the CPU and nothing runs on SMs: every copy,
 the pack and the copy-out included, is a copy-engine copy; the sender's side
 stream and the receiver's current stream wait on flags, the streams wait on
