@@ -213,3 +213,26 @@ def test_targets_leave_out_rows_timed_under_a_profiler():
     assert _targets(res, ["copy_engine", "nccl"])[0][2] is True
     res["rows"][0] = row("copy_engine", 90.0, "cProfile")          # a profiled row alone would miss the target
     assert _targets(res, ["copy_engine", "nccl"]) == []
+
+
+def test_targets_against_plain_nccl_and_pingpong():
+    """Ratios are taken against plain torch.distributed where it was measured (+meta rows against its only,
+    metadata-free, row); the graph column has its own ratio; ping-pong rows give the latency target."""
+    from gpuxfer.pp.bench import _targets
+
+    def row(backend, us, metadata=False, size=16384):
+        return {"backend": backend, "metadata": metadata, "size_bytes": size, "time_us": us, "algbw_gbps": 1.0}
+    res = {"rows": [row("copy_engine", 10.0), row("copy_engine", 40.0, True), row("copy_engine_graph", 5.0),
+                    row("nccl", 200.0), row("nccl_plain", 60.0)],
+           "bulk": [], "contention": {},
+           "pingpong": [{"backend": "copy_engine", "size_bytes": 64, "one_way_us": 8.0},
+                        {"backend": "copy_engine", "size_bytes": 1 << 20, "one_way_us": 99.0},
+                        {"backend": "copy_engine_graph", "size_bytes": 64, "one_way_us": 12.0}]}
+    got = {name: (measured, met) for name, measured, met in _targets(res, ["copy_engine", "copy_engine_graph",
+                                                                          "nccl", "nccl_plain"])}
+    assert got["copy_engine step time <= 1/3 of nccl_plain's at <= 1 MiB (without metadata)"] == (
+        "worst ratio 0.17", True)
+    assert got["copy_engine step time <= 1/3 of nccl_plain's at <= 1 MiB (with metadata)"] == ("worst ratio 0.67", False)
+    assert got["copy_engine_graph step time <= 1/3 of nccl_plain's at <= 1 MiB (without metadata)"][1] is True
+    assert got["copy_engine one-way step latency <= 10 us at <= 64 KiB (ping-pong)"] == ("worst 8.0 us", True)
+    assert got["copy_engine_graph one-way step latency <= 10 us at <= 64 KiB (ping-pong)"][1] is False
