@@ -149,8 +149,8 @@ def test_one_device_leaves_nccl_out_and_the_targets_do_not_apply(monkeypatch):
     monkeypatch.setattr("gpuxfer.platforms.platform_class", lambda name: argparse.Namespace(is_emulation=False))
     args = build_parser().parse_args(["bench", "pp", "--inline-bytes", "1M"])
     opts = B._options(args)
-    assert opts["backends"] == ["copy_engine"] and opts["same_device"]
-    assert "NCCL refuses two ranks on one device" in opts["notes"][0]
+    assert opts["backends"] == ["copy_engine", "copy_engine_graph"] and opts["same_device"]
+    assert "NCCL refuses two ranks on one device" in opts["notes"][0] and "nccl_plain" in opts["notes"][0]
     with pytest.raises(BadInput, match="--backend nccl: both ranks share device 0"):
         B._options(build_parser().parse_args(["bench", "pp", "--backend", "nccl"]))
     dev = {"name": "GPU", "arch": "x", "pci_bus_id": "0", "sm_count": 1, "copy_engines": 1, "stream_mem_ops_64": True}
