@@ -50,7 +50,7 @@ def test_offsets_translation_and_wr_split():
 
 @pytest.mark.parametrize("bad, match", [
     (np.zeros((2, 2), np.int64), "integer"), (np.zeros((1, 3), np.float32), "integer"),
-    (np.array([[0, 0, 0]], np.int64), "lengths > 0"), (np.array([[-8, 0, 8]], np.int64), ">= 0"),
+    (np.array([[0, 0, 0]], np.int64), "moves 0 bytes"), (np.array([[-8, 0, 8]], np.int64), r"source range \[-8, 0\)"),
 ])
 def test_offsets_reject_bad_tables(bad, match):
     with pytest.raises(BadInput, match=match):
@@ -202,3 +202,12 @@ def test_mori_engine_two_rocm_gpus(direction):
         rc = main(["bench", "kv", "--platform", "rocm", "--engine", "amd-mori", "--isl", "8k", "--batch", "1,2",
                    "--direction", direction, "--out", out])
     assert rc == 0
+
+
+def test_hostile_descriptors_are_refused_by_amd_mori(fake):
+    """Overflowing, negative, zero-size and out-of-range descriptors: BadInput naming the descriptor from
+    prepare on both sides (the engines' one bounds check)."""
+    from test_kv_nixl import _hostile_results
+    res = _hostile_results("amd-mori")
+    assert res and all(v.startswith("BadInput: descriptor ") for v in res.values()), \
+        {k: v for k, v in res.items() if not v.startswith("BadInput: descriptor ")}

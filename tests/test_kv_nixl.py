@@ -1075,3 +1075,54 @@ def test_mooncake_engine_two_gpus(spawner, direction):
     out = _run_two_processes(spawner, "mooncake", direction, "cuda", patch_kernels=False, bursts=2,
                              pool_bytes=64 << 20)
     assert out[1]["wrong"] == [0, 0]
+
+
+# --------------------------------------------------------------------------- hostile descriptors
+
+
+def _hostile_results(engine_name: str) -> dict:
+    """What ``prepare`` says on each side of ``engine_name`` (over the fakes) for every hostile burst of
+    test_kv_faults, both directions."""
+    from test_kv_faults import HOSTILE, POOL, _hostile_burst
+
+    from gpuxfer.kv.engines import engine_class
+    from gpuxfer.platforms.host import HostPlatform
+    cls = engine_class(engine_name)
+    plats = [HostPlatform(), HostPlatform()]
+    pools = [plats[r].alloc(POOL, r) for r in range(2)]
+    ex = _Exchange()
+    sides = [Side(plats[r], r, r, Role.SOURCE if r == 0 else Role.DESTINATION, pools[r], _Alias(pools[1 - r]),
+                  ex(r), timeout_s=20.0) for r in range(2)]
+    out = {}
+    try:
+        engines = _threads([lambda r=r: cls(sides[r]) for r in range(2)])
+        try:
+            for direction in ("pull", "push"):
+                for case, rows in HOSTILE.items():
+                    for r in range(2):
+                        try:
+                            engines[r].release(engines[r].prepare(_hostile_burst(rows), direction))
+                            out[(direction, case, r)] = "accepted"
+                        except Exception as exc:  # noqa: BLE001 - reported to the test
+                            out[(direction, case, r)] = f"{type(exc).__name__}: {exc}"
+        finally:
+            for e in engines:
+                e.close()
+    finally:
+        for p in (*pools, *plats):
+            p.close()
+    return out
+
+
+@pytest.mark.parametrize("engine", ["nixl", "nixl-oneshot", "nixl+pack", "nixl-bulk", "mooncake"])
+def test_hostile_descriptors_are_refused_by_the_library_engines(fake_engines, fake_mooncake, engine):
+    """Overflowing, negative, zero-size and out-of-range descriptors: BadInput naming the descriptor from
+    prepare on both sides, before any library call moves a byte."""
+    ne.register()
+    me.register()
+    fake_mooncake()
+    res = _hostile_results(engine)
+    assert res and all(v.startswith("BadInput: descriptor ") for v in res.values()), \
+        {k: v for k, v in res.items() if not v.startswith("BadInput: descriptor ")}
+    moves = [c for c in fake_engines.calls if c[1] in ("make_prepped_xfer", "initialize_xfer", "transfer")]
+    assert not moves, moves

@@ -51,6 +51,7 @@ from ..common import package_version
 from ..errors import BackendUnavailable, BadInput, DriverError, TransferTimeout
 from . import collectivex as CX
 from .engines import Burst, Engine, Prepared, Role, Side, split_large
+from .plan import check_bounds
 
 log = logging.getLogger("gpuxfer.kv.mori")
 
@@ -127,9 +128,8 @@ def to_mori_offsets(desc, op: str, *, wr_cap: int | None = None) -> tuple[np.nda
     d = np.asarray(desc)
     if d.ndim != 2 or d.shape[1] != 3 or d.dtype.kind not in "iu":
         raise BadInput(f"descriptors must be an integer (N, 3) array, got {d.dtype} {d.shape}")
-    d = d.astype(np.int64, copy=False)
-    if len(d) and ((d[:, :2] < 0).any() or (d[:, 2] <= 0).any()):
-        raise BadInput("descriptor offsets must be >= 0 and lengths > 0")
+    d = np.ascontiguousarray(d, dtype=np.int64)
+    check_bounds(d, None, None)          # offsets >= 0, lengths > 0 (the pools are checked by the engine)
     wr_cap = WR_CAP_BYTES if wr_cap is None else wr_cap
     if wr_cap <= 0:
         raise BadInput(f"wr_cap must be positive, got {wr_cap}")
@@ -260,15 +260,19 @@ class MoriEngine(Engine):
         side.agree(self.name, ready, self._release)
         self.version = self.peer["version"]
 
+    def _pool_limits(self) -> tuple[int, int]:
+        """(source, destination) pool bytes, from this side's pool and what the peer said (the peer's
+        pool need not be mapped here)."""
+        mine, theirs = int(self.side.pool.nbytes), int(self.peer["pool_bytes"])
+        return (mine, theirs) if self.side.role is Role.SOURCE else (theirs, mine)
+
     def prepare(self, burst: Burst, direction: str) -> Prepared:
-        p = self._new_prepared(burst, direction)
+        p = self._new_prepared(burst, direction)      # every descriptor checked against both pools
         self._initiating = p.active
         if not p.active:
             return p
-        mine, theirs = int(self.side.pool.nbytes), int(self.peer["pool_bytes"])
-        burst.check_bounds(*((mine, theirs) if self.side.role is Role.SOURCE else (theirs, mine)))
         op = "READ" if direction == "pull" else "WRITE"
-        batches = [mori_batch(r[r[:, 2] > 0], op) for r in burst.requests]
+        batches = [mori_batch(r, op) for r in burst.requests]
         p.state = (op, [b for b in batches if b.chunks], [])
         return p
 
