@@ -433,3 +433,42 @@ def test_eager_small_steps_cached_graphs_and_slot_views(spawner, graph_platform)
     s, r = spawner.run_ranks(eager_session, 2, graph_platform, steps, timeout=180)
     assert r["wrong"] == 0 and r["lent"]
     assert s["graphs"] == 6          # three source sets x two slots, each captured at its second sight
+
+
+def eager_in_capture_session(rank: int, world: int, init_method: str, platform_name: str) -> dict:
+    """An eager copy_engine step queued while the stream captures a graph is refused (GraphModeError)."""
+    import torch.distributed as dist
+
+    from gpuxfer.errors import GraphModeError
+    from gpuxfer.pp import connect
+    env = _Env(platform_name, rank, world, init_method)
+    out = {}
+    try:
+        g = dist.new_group(backend="gloo")
+        conn = connect(g, send_to=1 if rank == 0 else None, recv_from=0 if rank == 1 else None, specs=_specs(),
+                       backend="copy_engine", platform=env.plat, device=env.device, timeout_s=30, metadata=False)
+        shapes = {k: s for k, (s, _) in SPECS.items()}
+        with conn:
+            t = conn.transports[0]
+            if rank == 0:
+                t.send(_pattern(0, env.tdev))                  # an eager step first: that stream is checked once
+                with pytest.raises(GraphModeError, match="captures a graph"):
+                    with env.capture():
+                        t.send(_pattern(1, env.tdev))
+            else:
+                t.recv(shapes=shapes).tensors
+                assert env.sync()
+                rcv = t.recv(shapes=shapes)
+                with pytest.raises(GraphModeError, match="captures a graph"):
+                    with env.capture():
+                        rcv.tensors
+            out["broken"] = isinstance(t.error, GraphModeError)
+            dist.barrier()
+    finally:
+        env.close()
+    return out
+
+
+def test_eager_step_inside_a_capture_raises(spawner, graph_platform):
+    s, r = spawner.run_ranks(eager_in_capture_session, 2, graph_platform, timeout=120)
+    assert s["broken"] and r["broken"]

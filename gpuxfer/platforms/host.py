@@ -664,14 +664,30 @@ class HostPlatform(Platform):
 
     @contextlib.contextmanager
     def capture(self, stream: Stream | None = None, device: int = 0):
-        """``with plat.capture() as graph:`` records the current stream of ``device`` (or ``stream``); the
-        graph holds the operations once the block ends (like ``torch.cuda.graph``)."""
-        s = self.current_stream(device) if stream is None else self._stream(stream)
-        graph = self.begin_capture(s)
+        """``with plat.capture() as graph:`` records ``stream``, or, like ``torch.cuda.graph``, a fresh
+        stream made ``device``'s current stream for the block (the graph then replays on the current stream
+        of before); the graph holds the operations once the block ends."""
+        if stream is not None:
+            s = self._stream(stream)
+            graph = self.begin_capture(s)
+            try:
+                yield graph
+            finally:
+                self.end_capture(s)
+            return
+        before = self.current_stream(device)
+        cap = self.create_stream(device)
+        graph = self.begin_capture(cap)
+        graph.stream = before
+        with self._lock:
+            self._default[device] = cap
         try:
             yield graph
         finally:
-            self.end_capture(s)
+            with self._lock:
+                self._default[device] = before
+            self.end_capture(cap)
+            cap.close()
 
     def is_capturing(self, stream: Stream) -> bool:
         return self._stream(stream)._capture is not None

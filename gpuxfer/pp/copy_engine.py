@@ -111,7 +111,7 @@ import os
 import time
 
 from ..common import parse_size
-from ..errors import BadInput, GpuxferError, TransferTimeout
+from ..errors import BadInput, GpuxferError, GraphModeError, TransferTimeout
 from ..sync import flag_path_from_env, wait_event_or_raise
 from .transport import RELEASE_VALUE, Layout, Received, Transport
 
@@ -200,6 +200,7 @@ class CopyEngineTransport(Transport):
         self._cap = None                    # sender: the stream small steps' copy graphs are captured on
         self._graphs: dict = {}             # (slot, source pointers, sizes) -> graph of the step's peer copies
         self._sightings: dict = {}          # copy sets seen once (a graph is captured at the second sight)
+        self._eager_stream = None           # the last stream steps came on that was checked not to capture
 
     # ---- setup phases (called by selection.connect, every rank in lock step) ----
     def _fptr(self, mem, word: int) -> int:
@@ -358,6 +359,8 @@ class CopyEngineTransport(Transport):
             return
         p, R = self.platform, self.recv_slots
         cur, side = p.current_stream(self.device), self._aux
+        if cur is not self._eager_stream:
+            self._check_eager(cur, "send()")
         s = k & 1
         copied = self._copied[s]
         if copied is not None:
@@ -389,6 +392,8 @@ class CopyEngineTransport(Transport):
         """A small step on the caller's stream: straight into the peer's slot, no staging, no side stream."""
         p, R = self.platform, self.recv_slots
         cur = p.current_stream(self.device)
+        if cur is not self._eager_stream:
+            self._check_eager(cur, "send()")
         j = (k - 1) % R
         if k > R:
             p.wait_flag(cur, self._in_ptr[j], k - R)
@@ -407,6 +412,16 @@ class CopyEngineTransport(Transport):
                                 flag_ptr=self._in_ptr[j] if waited else None, device=self.device,
                                 what=f"{self.name} send to rank {self.peer}: "
                                      f"{'receive slot not free' if waited else 'copying'}")
+
+    def _check_eager(self, stream, what: str) -> None:
+        """Refuse a step queued on a stream that captures a graph: its step numbers would be baked into
+        the graph and replays would move nothing (checked once per stream the steps come on)."""
+        if self.platform.is_capturing(stream):
+            raise GraphModeError(
+                f"rank {self.rank}: {what} on the {self.name} transport with rank {self.peer} while the stream "
+                f"captures a graph: eager steps carry host-supplied step numbers, which a replay cannot move; "
+                f"capture steps on a graph-mode transport (connect(..., graph=True))")
+        self._eager_stream = stream
 
     def _copy_cached(self, cur, j: int, tensors, layout: Layout) -> None:
         """A small step's peer copies as one graph launch where this copy set (slot, source addresses,
@@ -442,6 +457,8 @@ class CopyEngineTransport(Transport):
         j = (k - 1) % R
         lay, specs = rcv.layout, self.specs
         cur = p.current_stream(self.device)
+        if cur is not self._eager_stream:
+            self._check_eager(cur, ".tensors")
         if self._lent is not None:      # the slot lent with the last step goes back after the work queued on it
             jj, kk = self._lent
             self._lent = None

@@ -73,6 +73,16 @@ stuck replay runs through; from then on it releases every replay that waits
 (their data is garbage; nothing hangs) until ``close()`` / ``abort()``.
 Destroy (or stop replaying) the graphs before closing the transport: a graph
 replayed after ``close()`` touches freed memory.
+
+Cost: no host call per step (the caller's one graph launch covers its whole
+step); on the GPU, per step and end, two one-element kernels (the counters),
+one flag wait, one or two flag writes, one 8-byte copy on the copy path, and
+the data copies. Measured with both processes on one H200: a two-stage decode
+loop of 10^4 steps bit-exact against the eager loop, ~430 us per round trip,
+and a pipelined loop ~300 us per step, where eager copy_engine steps (no kernels)
+took 19-29 us; the likely reason is that two processes' kernels on one GPU take
+turns (time slices), so the counters' kernels cost a context switch per step
+there. Two GPUs do not share that.
 """
 from __future__ import annotations
 
@@ -193,7 +203,6 @@ class GraphTransport(CopyEngineTransport):
         self._copy_tensors(cur, self._peer_slot_ptr[j], tensors, layout)
         self._step_end(cur, j)
         self._static.append(dict(tensors))
-        self._last_stream = cur
 
     def _recv_impl(self, rcv: Received) -> None:
         pass   # recorded at the first .tensors access (in the same capture)
@@ -219,7 +228,6 @@ class GraphTransport(CopyEngineTransport):
                     self._ce_copy(cur, flat.data_ptr(), slot + o, n)
         self._step_end(cur, j)
         self._static.append(keep)
-        self._last_stream = cur
         rcv._tensors = views
 
     # ---- device-side progress ----
@@ -265,10 +273,7 @@ class GraphTransport(CopyEngineTransport):
     def _drain(self, timeout_s: float) -> bool:
         p = self.platform
         deadline = time.monotonic() + timeout_s
-        streams = [self._aux, p.current_stream(self.device)]
-        if self._last_stream is not None and self._last_stream is not streams[1]:
-            streams.append(self._last_stream)
-        for s in streams:
+        for s in (self._aux, p.current_stream(self.device)):    # replays run on the caller's stream
             if s is not None and not p.is_capturing(s) and \
                     not p.synchronize(s, max(0.01, deadline - time.monotonic())):
                 return False
