@@ -427,6 +427,7 @@ def test_bad_flag_path_is_a_clear_error_on_both_sides(capsys, tmp_path, monkeypa
     assert (out + err).count("GPUXFER_KV_FLAG_PATH must be auto, remote or copy, got 'bogus'") >= 2, out + err
 
 
+@pytest.mark.slow      # 15-45 s of Triton's interpreter; the remote-write path runs by default
 def test_pack_over_flag_copies_end_to_end(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv(E.ENV_KV_FLAG_PATH, "copy")
     rc, out, err, doc = _run(capsys, tmp_path, *TINY, *FAST, "--engine", "pack,bulk")
@@ -458,7 +459,9 @@ def test_pack_chunk_schedule(nslots, nlanes):
         assert seqs == list(range(1, len(seqs) + 1))
 
 
-@pytest.mark.parametrize("lanes", ["1", "2", "3"])
+# two lanes (the default) by default; one and three lanes with the long tests (15-50 s each in the interpreter)
+@pytest.mark.parametrize("lanes", [pytest.param("1", marks=pytest.mark.slow), "2",
+                                   pytest.param("3", marks=pytest.mark.slow)])
 def test_pack_many_chunks_over_lanes_end_to_end(capsys, tmp_path, lanes):
     """Many chunks per burst, two bursts a row (timed, then verified), 1-3 lanes: slots are reused within
     a burst and the last chunk takes the lane of the one before it. Every byte must land, and a wait for a
