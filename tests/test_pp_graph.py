@@ -37,6 +37,8 @@ class _Env:
     """What a session needs on either platform: capture, launch on the current stream, synchronize."""
 
     def __init__(self, platform_name: str, rank: int, world: int, init_method: str):
+        # "cuda": both ranks on device 0; "cuda-2": rank r on device r (two GPUs)
+        platform_name, _, split = platform_name.partition("-")
         os.environ["GPUXFER_PLATFORM"] = platform_name
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         import torch
@@ -46,12 +48,12 @@ class _Env:
         init_cpu_group(rank, world, init_method)
         self.plat = get_platform(platform_name)
         self.emu = self.plat.is_emulation
-        self.device = 0                     # one device, two processes
-        self.tdev = torch.device("cpu") if self.emu else torch.device("cuda", 0)
+        self.device = rank if split else 0
+        self.tdev = torch.device("cpu") if self.emu else torch.device("cuda", self.device)
         if self.emu:
             torch.set_num_threads(1)        # torch runs on the stream workers: no intra-op pool to contend
         else:
-            torch.cuda.set_device(0)
+            torch.cuda.set_device(self.device)
 
     def capture(self):
         import torch
@@ -302,17 +304,24 @@ def decode_session(rank: int, world: int, init_method: str, platform_name: str, 
 GPU = pytest.mark.gpu
 
 
-@pytest.fixture(params=[pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=GPU)])
+@pytest.fixture(params=[pytest.param("host", id="host"), pytest.param("cuda", id="cuda", marks=GPU),
+                        pytest.param("cuda-2", id="cuda-2gpu", marks=GPU)])
 def graph_platform(request):
+    """host; cuda: two processes on device 0; cuda-2: rank r on device r (skipped with fewer than two)."""
     from conftest import platform_reason
-    why = platform_reason(request.param)
+    name = request.param.partition("-")[0]
+    why = platform_reason(name)
     if why is not None:
-        pytest.skip(f"platform {request.param} unavailable: {why}")
+        pytest.skip(f"platform {name} unavailable: {why}")
+    if request.param == "cuda-2":
+        import torch
+        if torch.cuda.device_count() < 2:
+            pytest.skip("needs two GPUs")
     return request.param
 
 
 def test_replays_move_steps_every_byte_checked(spawner, graph_platform):
-    replays = 400 if graph_platform == "cuda" else 24
+    replays = 24 if graph_platform == "host" else 400
     s, r = spawner.run_ranks(replay_session, 2, graph_platform, replays, timeout=180)
     assert r["wrong"] == 0
     assert s["device_steps"] == replays
@@ -429,7 +438,7 @@ def eager_session(rank: int, world: int, init_method: str, platform_name: str, s
 
 
 def test_eager_small_steps_cached_graphs_and_slot_views(spawner, graph_platform):
-    steps = 200 if graph_platform == "cuda" else 30
+    steps = 30 if graph_platform == "host" else 200
     s, r = spawner.run_ranks(eager_session, 2, graph_platform, steps, timeout=180)
     assert r["wrong"] == 0 and r["lent"]
     assert s["graphs"] == 6          # three source sets x two slots, each captured at its second sight
