@@ -14,7 +14,9 @@ emulation's pools), so a session to another process's memory maps that file, as 
 transport reaches the peer's memory without the benchmark's IPC mapping. Every call is
 checked (offsets inside the registrations, sizes > 0, a remote engine registered before a
 session) and logged in ``calls``. ``stuck`` leaves statuses IN_PROGRESS forever; ``fail``
-ends them in ERR_RDMA_OP; ``flip`` flips one byte of the first descriptor moved.
+ends them in ERR_RDMA_OP; ``flip`` flips the first byte of the first descriptor of each call
+(``"first"``, or True) or of every descriptor (``"every"``). In spawned processes,
+``FAKE_MORI_FLIP=first|every`` sets ``flip``.
 
 Install it as ``GPUXFER_MORI_MODULE=fake_mori`` (``tests/`` on ``sys.path``).
 """
@@ -29,7 +31,8 @@ import pickle
 import threading
 
 calls: list[tuple] = []
-behaviour = {"stuck": False, "fail": False, "flip": False, "fail_session": False}
+behaviour = {"stuck": False, "fail": False, "flip": os.environ.get("FAKE_MORI_FLIP") or False,
+             "fail_session": False}
 _lock = threading.Lock()
 _uids = itertools.count(1)
 
@@ -183,7 +186,7 @@ class IOEngineSession:
             src, dst = (self.remote_base + ro, self.local.addr + lo) if read else \
                 (self.local.addr + lo, self.remote_base + ro)
             ctypes.memmove(dst, src, n)
-            if first and behaviour["flip"]:
+            if behaviour["flip"] and (first or behaviour["flip"] == "every"):
                 b = (ctypes.c_uint8 * 1).from_address(dst)
                 b[0] ^= 0xFF
             first = False

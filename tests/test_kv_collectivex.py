@@ -260,9 +260,127 @@ def test_bad_documents_are_named():
     paged, bulk = _rows()
     doc = C.document([paged, bulk], backend="b", fabric="f", runner="r", device_product=None, framework=None,
                      vendor=None)
-    doc["outcome"]["status"] = "invalid"
+    doc["measurement"]["rows"][0]["verify"] = {"passed": False, "detail": "request=0 ..."}
     with pytest.raises(BadInput, match="disagrees"):
         C.validate_document(doc)
     del doc["identity"]["case_factors"]["sku"]
     with pytest.raises(BadInput, match="sku"):
         C.validate_document(doc)
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def _cli(capsys, *argv):
+    import json
+    from gpuxfer.cli import main
+    rc = main(["bench", "kv", "--suite", "collectivex", *argv])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err, (json.loads(cap.out) if "--json" in argv and rc == 0 else None)
+
+
+def test_plan_only_shows_the_suites_grid(capsys):
+    rc, out, err, doc = _cli(capsys, "--plan-only", "--json")
+    assert rc == 0, err
+    g = doc["grid"]
+    assert g["desc_budget_descriptors"] == 2_250_000 and g["pool_budget_bytes"] == 64 << 30
+    assert g["max_pool_per_rank_bytes"] == 7343516160
+    for p in g["points"]:
+        descs, nbytes, kept, pool, pages = SUITE_GRID[(p["isl_tokens"], p["page_tokens"])]
+        assert (p["request_descriptors"], p["request_bytes"], tuple(p["batches"]), p["pool_per_rank_bytes"]) == \
+            (descs, nbytes, kept, pool)
+        assert tuple(p["pool_pages"].values()) == pages
+        assert [s["batch"] for s in p["shed"]] == [b for b in C.BATCHES if b not in kept]
+        base = p["isl_tokens"] * 31 + p["page_tokens"] + 28
+        assert p["table_seeds"] == {"initiator": base + 1000, "target": base}
+    assert len(g["points"]) == 8
+    s = doc["suite"]
+    assert s["timing"]["reps_per_trial"] == 8 and s["timing"]["trials"] == 3 and s["run_seed"] == 67
+    assert [b["bytes"] for b in s["bulk_rows"]] == [49139712, 183066624, 718774272, 2861604864]
+    assert doc["run"]["seed"] == 67
+    rc, out, err, _ = _cli(capsys, "--plan-only")
+    assert rc == 0 and "2,250,000" in out and "7.3 GB" in out and "bulk rows" in out
+
+
+def test_plan_only_narrowed(capsys):
+    rc, out, err, doc = _cli(capsys, "--plan-only", "--json", "--isl", "32k", "--page", "16", "--batch", "4,8,16,32")
+    assert rc == 0, err
+    (p,) = doc["grid"]["points"]
+    # the suite's rules on the narrowed batch list: the two smallest (4, 8) always kept
+    assert p["batches"] == [4, 8, 16] and [s["batch"] for s in p["shed"]] == [32]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--suite", "nccl"], "unknown suite 'nccl'"),
+    (["--desc-budget", "1M"], "--desc-budget: --suite collectivex fixes it"),
+    (["--pool-budget", "8GiB"], "--pool-budget: --suite collectivex fixes it"),
+    (["--workload", "kv-dsv4-vllm"], "--workload: --suite collectivex fixes it"),
+    (["--page", "48"], "--page"),
+    (["--trials", "3"], "fixes the timing"),
+    (["--post", "armed", "--warmup", "1"], "fixes the timing"),
+])
+def test_bad_options_are_clear_errors(capsys, argv, match):
+    from gpuxfer.cli import main
+    full = ["bench", "kv", "--platform", "host", "--isl", "16"]
+    if argv[0] != "--suite":
+        full += ["--suite", "collectivex"]
+    rc = main(full + argv)
+    assert rc == 2
+    assert match in capsys.readouterr().err
+
+
+# Two spawned ranks on the host emulation, MoRI-IO over tests/fake_mori.py (GPUXFER_MORI_MODULE):
+# the suite's timing, its sampled check and gpuxfer's full one, its rows next to gpuxfer's JSON.
+
+def _suite_run(tmp_path, monkeypatch, flip=None):
+    import json
+    from gpuxfer.cli import main
+    monkeypatch.setenv("GPUXFER_MORI_MODULE", "fake_mori")
+    monkeypatch.delenv("GPUXFER_INJECT_FAULT", raising=False)
+    if flip:
+        monkeypatch.setenv("FAKE_MORI_FLIP", flip)
+    else:
+        monkeypatch.delenv("FAKE_MORI_FLIP", raising=False)
+    out = tmp_path / "out"
+    rc = main(["bench", "kv", "--suite", "collectivex", "--platform", "host", "--engine", "amd-mori",
+               "--isl", "16", "--page", "16", "--batch", "1", "--timeout", "60", "--out", str(out)])
+    own = json.loads((out / "kv_bench.json").read_text())
+    suite = json.loads((out / "collectivex_amd-mori.json").read_text())
+    return rc, own, suite
+
+
+@pytest.mark.slow
+def test_suite_run_writes_both_jsons(tmp_path, monkeypatch, capsys):
+    rc, own, suite = _suite_run(tmp_path, monkeypatch)
+    assert rc == 0, capsys.readouterr().out
+    C.validate_document(suite)
+    assert suite["outcome"] == {"reasons": [], "status": "success"}
+    rows = suite["measurement"]["rows"]
+    assert [(r["kind"], r["op"]) for r in rows] == [("paged", "pull"), ("paged", "push"), ("bulk", "pull"),
+                                                    ("bulk", "push")]
+    for r in rows:
+        assert r["latency_ms"]["n"] == 24 and r["verify"]["passed"] and r["gpuxfer_full_verify"]["passed"]
+    paged = rows[0]
+    assert (paged["isl"], paged["page_tokens"], paged["descs"], paged["batch"]) == (16, 16, 152, 1)
+    assert rows[2]["req_bytes"] == C.bulk_bytes(16, C.build_grid(isls=(16,), pages=(16,), batches=(1,)))
+    # gpuxfer's rows: the suite's sampling and verdicts beside its own every-byte check
+    for r in own["rows"]:
+        assert r["suite"] == "collectivex" and r["post"] == "host" and r["trials"] == 24 and r["warmup"] == 6
+        assert r["suite_verify"]["passed"] and r["wrong_bytes"] == 0 and r["valid"]
+    assert own["parameters"]["desc_budget"] == 2_250_000
+    assert own["artifacts"]["suite_json"][0].endswith("collectivex_amd-mori.json")
+
+
+@pytest.mark.slow
+def test_suite_run_fails_with_exit_3_when_only_full_verification_sees_it(tmp_path, monkeypatch, capsys):
+    """The first byte of the first descriptor of each batch call wrong: the suite's 16 samples per request
+    miss it, gpuxfer's every-byte check does not; the run exits 3 (the suite's sampled check failing is
+    tests/test_kv_collectivex.py::test_sampled_verifier_passes_a_good_transfer_and_fails_a_corrupted_sample)."""
+    rc, own, suite = _suite_run(tmp_path, monkeypatch, "first")
+    assert rc == C.EXIT_VERIFY_FAILED == 3
+    assert suite["outcome"]["status"] == "invalid"
+    paged = [r for r in suite["measurement"]["rows"] if r["kind"] == "paged"]
+    assert paged and all(r["verify"]["passed"] and not r["gpuxfer_full_verify"]["passed"] for r in paged)
+    assert all(r["gpuxfer_full_verify"]["wrong_bytes"] == 1 for r in paged)
+    assert any("gpuxfer's full verification found" in x for x in suite["outcome"]["reasons"])
+    assert all(not r["valid"] and r["suite_verify"]["passed"] for r in own["rows"] if r["kind"] == "paged")

@@ -38,6 +38,14 @@ DEFAULT_ISL = "32k"
 #: the file a run leaves in its directory (beside one PNG per workload and ISL)
 ARTIFACT = "kv_bench.json"
 #: the grid options' defaults (a GPU run's); on the host emulation those left so shrink to HOST_GRID
+
+
+class _NotGiven(str):
+    """A default that compares as its text but is told apart from the same text typed by the user."""
+
+
+#: ``--isl``'s default (``args.isl is ISL_NOT_GIVEN``: the user gave none)
+ISL_NOT_GIVEN = _NotGiven(DEFAULT_ISL)
 GPU_DEFAULTS = {"isl": DEFAULT_ISL, "page": "auto", "batch": ",".join(map(str, DEFAULT_BATCHES)),
                 "pool_budget": f"{DEFAULT_POOL_BUDGET_BYTES >> 30}GiB", "trials": "5", "warmup": "2"}
 
@@ -102,8 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--page", default=GPU_DEFAULTS["page"], metavar="TOKENS",
                    help="page sizes in tokens, comma-separated; 'auto' = each workload's own "
                         "(16,64; kv-dsv4-vllm: its native 256-token block)")
-    g.add_argument("--isl", default=DEFAULT_ISL, metavar="TOKENS",
-                   help="input lengths in tokens, comma-separated; k = 1024 (32k = 32,768)")
+    g.add_argument("--isl", default=ISL_NOT_GIVEN, metavar="TOKENS",
+                   help=f"input lengths in tokens, comma-separated; k = 1024 (32k = 32,768); default {DEFAULT_ISL} "
+                        "(--suite collectivex: its ladder 8k,32k,128k,512k)")
     g.add_argument("--batch", default=GPU_DEFAULTS["batch"], metavar="N",
                    help="requests per burst, comma-separated; the two smallest are always kept unless "
                         "the pool budget forbids them")
@@ -153,6 +162,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "nixl-bulk is the ceiling; see docs/MULTINODE.md")
     # Fault injection for tests (documented in docs/kv_bench.md): ENGINE[:DIRECTION] or all.
     r.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
+    r.add_argument("--suite", default=None, metavar="NAME",
+                   help="collectivex: the CollectiveX kv-transfer suite's grid, seeds, timing, statistics, bulk "
+                        "rows and sampled verification (beside gpuxfer's full one), and its JSON rows "
+                        "(docs/kv_bench.md); --isl, --page and --batch may narrow its grid")
     o = parser.add_argument_group("platform and output")
     add_common_arguments(o, name="kv")
     o.add_argument("--plan-only", action="store_true",
@@ -172,10 +185,51 @@ class RunOptions:
     out: str
     plan_only: bool
     json: bool
+    suite: str | None = None
+
+
+SUITES = ("collectivex",)
+
+
+def parse_suite(args: argparse.Namespace) -> str | None:
+    suite = getattr(args, "suite", None)
+    if suite is None:
+        return None
+    suite = str(suite).strip()
+    if suite not in SUITES:
+        raise BadInput(f"--suite: unknown suite {suite!r}; known: {', '.join(SUITES)}")
+    return suite
+
+
+def _suite_grid(args: argparse.Namespace) -> Grid:
+    """The CollectiveX suite's grid; --isl, --page and --batch (when given) narrow it, nothing else may change."""
+    from . import collectivex as CX
+    fixed = [("--workload", args.workload, "kv-dsv4"),
+             ("--pool-budget", args.pool_budget, GPU_DEFAULTS["pool_budget"]),
+             ("--desc-budget", args.desc_budget, "16M")]
+    for option, value, default in fixed:
+        if str(value).strip() != default:
+            raise BadInput(f"{option}: --suite collectivex fixes it (workload {CX.WORKLOAD}, pool budget "
+                           f"{CX.POOL_BUDGET_BYTES >> 30} GiB, descriptor budget {CX.DESC_BUDGET:,}); drop {option}")
+    isls = CX.ISL_LADDER if args.isl is ISL_NOT_GIVEN else parse_list(
+        args.isl, option="--isl", item=lambda p: parse_size(p, option="--isl", kind="tokens"))
+    pages = CX.PAGES if str(args.page).strip().lower() == "auto" else parse_list(
+        args.page, option="--page", item=lambda p: parse_size(p, option="--page", kind="tokens"))
+    batches = CX.BATCHES if str(args.batch) == GPU_DEFAULTS["batch"] else parse_list(
+        args.batch, option="--batch", item=lambda p: _positive_int(p, "--batch"))
+    for p in pages:
+        try:
+            get_workload(CX.WORKLOAD).check_page(p)
+        except BadInput as exc:
+            raise BadInput(f"--page: {exc}") from None
+    return CX.build_grid(isls, pages, batches, free_memory_bytes=getattr(args, "free_memory_bytes", None),
+                         pools_per_device=getattr(args, "pools_per_device", 1))
 
 
 def parse_grid_args(args: argparse.Namespace) -> Grid:
     """The sweep grid the options ask for (the budgets applied, nothing materialised)."""
+    if parse_suite(args):
+        return _suite_grid(args)
     workloads = parse_list(args.workload, option="--workload", item=_workload_item)
     page_text = str(args.page).strip()
     pages = None if page_text.lower() == "auto" else parse_list(
@@ -203,6 +257,10 @@ def parse_run_options(args: argparse.Namespace) -> RunOptions:
         raise BadInput(f"--seed: {args.seed!r} is not an integer") from None
     if seed < 0:
         raise BadInput(f"--seed: must be >= 0, got {seed}")
+    suite = parse_suite(args)
+    if suite and seed_text == "0":
+        from .collectivex import RUN_SEED
+        seed = RUN_SEED
     platform = str(args.platform or "auto").strip().lower()
     if platform not in PLATFORM_CHOICES:
         raise BadInput(f"--platform: unknown platform {platform!r}; known: {', '.join(PLATFORM_CHOICES)}")
@@ -213,6 +271,7 @@ def parse_run_options(args: argparse.Namespace) -> RunOptions:
         directions=tuple(parse_list(args.direction, option="--direction", item=_choice(DIRECTIONS, "--direction"))),
         trials=_positive_int(args.trials, "--trials"),
         seed=seed, platform=platform, out=args.out, plan_only=bool(args.plan_only), json=args.json is True,
+        suite=suite,
     )
 
 
@@ -224,6 +283,8 @@ def apply_host_grid(args: argparse.Namespace, platform: str) -> dict[str, str]:
         return {}
     shrunk = {}
     for key, value in HOST_GRID.items():
+        if parse_suite(args) and key not in ("isl", "page", "batch"):
+            continue                    # the suite's budgets and timing stay the suite's
         if str(getattr(args, key)) == GPU_DEFAULTS[key]:
             setattr(args, key, value)
             shrunk[key] = value
@@ -282,6 +343,11 @@ def plan_document(grid: Grid, options: RunOptions | None = None) -> dict:
     if options is not None:
         doc["run"] = {"engines": list(options.engines), "directions": list(options.directions),
                       "trials": options.trials, "seed": options.seed, "platform": options.platform}
+    if options is not None and options.suite:
+        from . import collectivex as CX
+        doc["suite"] = CX.facts()
+        doc["suite"]["bulk_rows"] = [{"isl_tokens": i, "bytes": CX.bulk_bytes(i, grid)}
+                                     for i in sorted({p.isl_tokens for p in grid.points if p.batches})]
     return doc
 
 
@@ -314,7 +380,17 @@ def print_plan(grid: Grid, *, as_json: bool = False, options: RunOptions | None 
                   f"pool budget {budget / (1 << 30):.1f} GiB per rank ({cap}); descriptor budget "
                   f"{grid.desc_budget:,} per burst; the {grid.floor_batches} smallest batches are kept unless the "
                   "pool budget forbids them")
-    if options is not None:
+    if options is not None and options.suite:
+        from . import collectivex as CX
+        console.print(f"suite {options.suite} ({CX.SOURCE}): {CX.TRIALS} trials x {CX.REPS_PER_TRIAL} timed bursts "
+                      f"after {CX.WARMUP_PER_TRIAL} warm-ups each, p50/p95; block tables seeded isl*31 + page + "
+                      f"7*len('{CX.PRESET}') (+{CX.SEED_INITIATOR_OFFSET} on the initiator); sampled verification "
+                      f"({CX.VERIFY_SAMPLES} x {CX.VERIFY_SAMPLE_BYTES} B per request) and every byte")
+        kept = [p for p in grid.points if p.batches]
+        if kept:
+            console.print("bulk rows (one descriptor, batch 1, per ISL and direction): " + ", ".join(
+                f"{p:,} tokens {_si(CX.bulk_bytes(p, grid))}" for p in sorted({q.isl_tokens for q in kept})))
+    elif options is not None:
         console.print(f"engines {', '.join(options.engines)}; directions {', '.join(options.directions)}; "
                       f"{options.trials} trials; seed {options.seed}")
     table = Table(title="sweep grid", header_style="bold")

@@ -330,6 +330,39 @@ def bulk_bytes(isl: int, grid: Grid) -> int:
     return min(_workload().bytes_per_request(isl, BULK_PAGE_TOKENS), BULK_CAP_BYTES, largest)
 
 
+@dataclass(frozen=True)
+class BulkPoint:
+    """The bulk row of one ISL: one descriptor of :func:`bulk_bytes` at offset 0 of both pools, batch 1."""
+
+    workload: Workload
+    isl_tokens: int
+    request_bytes: int
+    pool: PoolLayout                    # the pool the bulk copy lies in (the grid's largest)
+    kind: str = "bulk"
+    page_tokens: int = BULK_PAGE_TOKENS
+    request_descriptors: int = 1
+    batches: tuple[int, ...] = (1,)
+
+    def burst(self, batch: int = 1, **_ignored) -> Burst:
+        if batch != 1:
+            raise BadInput(f"the bulk row is batch 1, not {batch}")
+        plan = np.array([[0, 0, self.request_bytes]], dtype=np.int64)
+        validate_plan(plan, self.pool, self.pool)
+        return Burst(workload=self.workload, isl_tokens=self.isl_tokens, page_tokens=self.page_tokens, batch=1,
+                     seed=0, order="bulk", src_layout=self.pool, dst_layout=self.pool, plan=plan,
+                     request_rows=((0, 1),), spans=(PlanSpan(0, "bulk", 0, 1),))
+
+
+def bulk_points(grid: Grid) -> list[BulkPoint]:
+    """One bulk row per ISL the grid keeps a point at, in the grid's largest pool."""
+    kept = [p for p in grid.points if p.batches]
+    if not kept:
+        return []
+    big = max(kept, key=lambda p: p.pool_bytes).layout()
+    return [BulkPoint(_workload(), isl, bulk_bytes(isl, grid), big)
+            for isl in sorted({p.isl_tokens for p in kept})]
+
+
 # ----------------------------------------------------------------------------- the pattern and the sampled check
 
 
@@ -501,17 +534,19 @@ def validate_row(row: dict) -> None:
 def document(rows: Sequence[dict], *, backend: str, fabric: str, runner: str, device_product: str | None,
              framework: str | None, vendor: str | None, library_version: str | None = None,
              generated_at: str | None = None, batches: Sequence[int] = BATCHES,
-             extra: dict | None = None) -> dict:
+             reasons: Sequence[str] = (), extra: dict | None = None) -> dict:
     """One case-attempt document of the suite (``run_kv.main``'s ``doc``) for one backend's rows.
 
-    The outcome is ``success`` only if every row's ``verify.passed``; ``extra`` (gpuxfer's own
-    fields) lands under the ``gpuxfer`` key, which the suite's readers ignore.
+    The outcome is ``success`` only if every row's ``verify.passed`` and there is no other
+    reason (``reasons``: gpuxfer's full verification, rows that failed to run); ``extra``
+    (gpuxfer's own fields) lands under the ``gpuxfer`` key, which the suite's readers ignore.
     """
     import datetime as _dt
     rows = [dict(r) for r in rows]
     for r in rows:
         validate_row(r)
-    ok = bool(rows) and all(r["verify"]["passed"] for r in rows)
+    sampled_ok = bool(rows) and all(r["verify"]["passed"] for r in rows)
+    ok = sampled_ok and not reasons
     case = {"backend": backend, "workload": WORKLOAD, "mode": fabric, "phase": "xfer", "ep": 2,
             "routing": "paged", "precision": PRECISION, "suite": SUITE_NAME}
     doc = {
@@ -537,7 +572,8 @@ def document(rows: Sequence[dict], *, backend: str, fabric: str, runner: str, de
                      "scale_up_domain": None, "scale_up_transport": None, "topology_class": None, "world_size": 2},
         "runtime": {"framework": framework, "vendor": vendor},
         "provenance": {"image": None, "source_sha": None},
-        "outcome": {"reasons": [] if ok else [OUTCOME_REASON], "status": "success" if ok else "invalid"},
+        "outcome": {"reasons": ([] if sampled_ok else [OUTCOME_REASON]) + list(reasons),
+                    "status": "success" if ok else "invalid"},
     }
     if extra:
         doc["gpuxfer"] = extra
@@ -572,8 +608,75 @@ def validate_document(doc: dict) -> None:
     for r in rows:
         validate_row(r)
     ok = bool(rows) and all(r["verify"]["passed"] for r in rows)
-    if (get("outcome.status") == "success") != ok:
+    if get("outcome.status") == "success" and not ok:
         raise BadInput("suite document outcome.status disagrees with its rows' verify verdicts")
+
+
+def suite_row_from(row: dict) -> dict | None:
+    """The suite's row for one of gpuxfer's ``--suite collectivex`` rows (None if it has no timings), with
+    gpuxfer's full verification beside the suite's ``verify`` as ``gpuxfer_full_verify``."""
+    samples = row.get("samples_ms") or []
+    if row.get("error") or not samples or row.get("kind") not in ("paged", "bulk"):
+        return None
+    prep = (row.get("prep_ms_by_side") or {}).get(row.get("initiator"), row.get("prep_ms") or 0.0)
+    if row.get("kind") == "bulk":
+        out = bulk_row(row["isl_tokens"], row["request_bytes"], row["direction"], samples_ms=samples, prep_ms=prep)
+    else:
+        lay_first = _workload().transfer_regions(row["page_tokens"])[0]
+        out = {"kind": "paged", "preset": PRESET, "isl": row["isl_tokens"], "page_tokens": row["page_tokens"],
+               "layers": _suite_layers(), "page_bytes": lay_first.desc_bytes, "descs": row["request_descriptors"],
+               "req_bytes": row["request_bytes"], "batch": row["batch"], "op": row["direction"],
+               **_timed_fields(samples, row["request_bytes"], row["batch"], prep),
+               "verify": dict(row.get("suite_verify") or {"passed": False, "detail": "not checked"})}
+    wrong = row.get("wrong_bytes")
+    out["gpuxfer_full_verify"] = {"passed": wrong == 0, "wrong_bytes": wrong, "detail": row.get("first_wrong") or ""}
+    return out
+
+
+def documents_from_rows(rows: Sequence[dict], env: dict, *, errors: Sequence[str] = ()) -> dict[str, dict]:
+    """One suite document per engine of a ``--suite collectivex`` run (its rows, in the suite's schema)."""
+    engines: list[str] = []
+    for r in rows:
+        if r.get("engine") not in engines:
+            engines.append(r.get("engine"))
+    devices = env.get("devices") or [{}]
+    product = ((devices[0] or {}).get("info") or {}).get("name")
+    versions = env.get("versions") or {}
+    platform = env.get("platform")
+    vendor = {"cuda": "nvidia", "rocm": "amd"}.get(platform, platform)
+    fabric = (env.get("link") or {}).get("kind") or "unknown"
+    docs = {}
+    for eng in engines:
+        mine = [r for r in rows if r.get("engine") == eng]
+        suite_rows, reasons = [], list(errors)
+        for r in mine:
+            if r.get("kind") == "ceiling":     # gpuxfer's per-burst ceiling: not a row of the suite
+                continue
+            sr = suite_row_from(r)
+            where = f"{r.get('kind', 'paged')} {r.get('direction')} isl {r.get('isl_tokens')} page " \
+                    f"{r.get('page_tokens')} batch {r.get('batch')}"
+            if sr is None:
+                reasons.append(f"{where}: did not run ({r.get('error')})")
+                continue
+            if not sr["gpuxfer_full_verify"]["passed"]:
+                reasons.append(f"{where}: gpuxfer's full verification found {sr['gpuxfer_full_verify']['wrong_bytes']} "
+                               "wrong bytes")
+            suite_rows.append(sr)
+        extra = {"engine": eng, "platform": platform, "is_emulation": env.get("is_emulation"),
+                 "full_verification": "every byte of every request, gpuxfer's seeded pattern (gpuxfer_full_verify)"}
+        if not suite_rows:
+            continue
+        docs[eng] = document(suite_rows, backend=eng, fabric=fabric, runner=env.get("hostname") or "unknown",
+                             device_product=product, framework=versions.get("torch"), vendor=vendor,
+                             reasons=reasons, extra=extra)
+    return docs
+
+
+def exit_code(rows: Sequence[dict], rc: int) -> int:
+    """The suite's exit code: 3 when a row failed a verification (sampled or full), else ``rc``."""
+    failed = any((r.get("suite_verify") or {}).get("passed") is False or (r.get("wrong_bytes") or 0) > 0
+                 for r in rows)
+    return EXIT_VERIFY_FAILED if failed else rc
 
 
 def facts() -> dict[str, Any]:

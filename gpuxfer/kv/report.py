@@ -225,7 +225,7 @@ def summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (workload, ISL, page, direction, engine): GB/s at batch 1 and at the largest measured batch."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        if r.get("p50_gbps") is None:
+        if r.get("p50_gbps") is None or r.get("kind") == "bulk":
             continue
         key = (r["workload"], r["isl_tokens"], r["page_tokens"], r["direction"], r["engine"])
         groups.setdefault(key, []).append(r)
@@ -272,7 +272,12 @@ def outcome(rows: Sequence[dict[str, Any]], errors: Sequence[str], *, expected_r
     for r in failed:
         reasons.append(f"{_row_id(r)}: {r['error']}")
     for r in invalid:
-        if not r.get("error"):
+        if r.get("error"):
+            continue
+        sampled_failed = (r.get("suite_verify") or {}).get("passed") is False
+        if sampled_failed:
+            reasons.append(f"{_row_id(r)}: the suite's sampled verification failed: {r['suite_verify']['detail']}")
+        if r.get("wrong_bytes") or not sampled_failed:
             reasons.append(f"{_row_id(r)}: {r.get('wrong_bytes')} wrong bytes (first wrong descriptor "
                            f"{r.get('first_wrong_descriptor')})")
     if not complete:
@@ -292,6 +297,8 @@ def footer_lines(out: dict[str, Any], artifacts: dict[str, Any]) -> list[str]:
     lines = ["#"]
     if artifacts.get("json"):
         lines.append(f"# json: {artifacts['json']}")
+    for p in artifacts.get("suite_json", []):
+        lines.append(f"# suite json: {p}")
     for p in artifacts.get("plots", []):
         lines.append(f"# plot: {p}")
     lines.append(f"# rows: {out['rows']} measured: {out['rows_valid']} verified correct, {out['rows_invalid']} "
@@ -364,7 +371,7 @@ def plot(rows: Sequence[dict[str, Any]], out_dir: str, *, title_suffix: str = ""
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    measured = [r for r in rows if r.get("p50_gbps") is not None]
+    measured = [r for r in rows if r.get("p50_gbps") is not None and r.get("kind") != "bulk"]
     paths: list[str] = []
     for (wl, isl) in sorted({(r["workload"], r["isl_tokens"]) for r in measured}):
         rs = [r for r in measured if r["workload"] == wl and r["isl_tokens"] == isl]
@@ -513,7 +520,7 @@ class Reporter:
     def finish(self) -> int:
         """Summary, JSON, plots, footer. Returns the exit code (0 only if everything passed)."""
         if self._finished:
-            return 0 if getattr(self, "_outcome", {}).get("status") == "pass" else 1
+            return getattr(self, "_rc", 1)
         self._finished = True
         self._stop_progress()
         artifacts: dict[str, Any] = {"json": None, "plots": []}
@@ -531,6 +538,13 @@ class Reporter:
             artifacts["json"] = os.path.join(self.out_dir, "kv_bench.json")
         doc = build_document(env=self.env, params=self.params, rows=self.rows, shed=self.shed, out=out,
                              artifacts=artifacts, argv=self.argv)
+        if self.params.get("suite") and self.out_dir:
+            from . import collectivex as CX
+            artifacts["suite_json"] = []
+            for eng, sdoc in CX.documents_from_rows(self.rows, self.env, errors=errors).items():
+                path = os.path.join(self.out_dir, f"{self.params['suite']}_{eng}.json")
+                write_json_atomic(path, sdoc)
+                artifacts["suite_json"].append(path)
         if artifacts["json"]:
             write_json_atomic(artifacts["json"], doc)
         for line in summary_lines(doc["summary"]):
@@ -540,4 +554,9 @@ class Reporter:
         if self.machine_json:
             sys.stdout.write(dumps(doc) + "\n")
             sys.stdout.flush()
-        return 0 if out["status"] == "pass" else 1
+        rc = 0 if out["status"] == "pass" else 1
+        if self.params.get("suite"):
+            from . import collectivex as CX
+            rc = CX.exit_code(self.rows, rc)
+        self._rc = rc
+        return rc

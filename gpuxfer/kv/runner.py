@@ -115,6 +115,7 @@ class RunConfig:
     row_budget_s: float = ROW_BUDGET_S
     min_trials: int = MIN_TRIALS
     cross_host: bool = False            # --cross-host: behave as if the ranks were on different hosts
+    suite: str | None = None            # --suite collectivex: the suite's grid, timing, checks and rows
     shrunk: dict[str, Any] = field(default_factory=dict)
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
 
@@ -136,6 +137,12 @@ class RunConfig:
             p["inject_fault"] = self.inject_fault
         if self.cross_host:
             p["cross_host"] = "forced"
+        if self.suite:
+            from . import collectivex as CX
+            p["suite"] = self.suite
+            p.update(workload=CX.WORKLOAD, warmup=CX.WARMUP_PER_TRIAL * CX.TRIALS,
+                     trials_max=CX.TRIALS * CX.REPS_PER_TRIAL, trials_min=CX.TRIALS * CX.REPS_PER_TRIAL,
+                     row_budget_s=None, pool_budget=f"{CX.POOL_BUDGET_BYTES >> 30}GiB", desc_budget=CX.DESC_BUDGET)
         return p
 
 
@@ -209,7 +216,7 @@ def config_from_args(args: argparse.Namespace, options) -> RunConfig:
     """Build the run configuration from the parsed command line (``options`` is bench's RunOptions)."""
     platform = resolve_platform(options.platform)
     grid_args = {k: getattr(args, k) for k in ("workload", "page", "isl", "batch", "pool_budget", "desc_budget",
-                                               "seed")}
+                                               "seed", "suite")}
     opts = E.EngineOptions()
     trials, warmup = options.trials, _nonneg_int(getattr(args, "warmup", 2), "--warmup")
     # what the command shrank on the host emulation (gpuxfer.kv.grid.HOST_GRID), reported in the parameters
@@ -249,13 +256,21 @@ def config_from_args(args: argparse.Namespace, options) -> RunConfig:
     post = str(getattr(args, "post", "armed") or "armed").strip()
     if post not in ("armed", "host"):
         raise BadInput(f"--post: unknown value {post!r}; use armed or host")
+    if options.suite:
+        # the suite's timing contract: the initiator posts every request's prepared transfer, then waits
+        from .bench import GPU_DEFAULTS
+        if post != "armed" or any(str(getattr(args, k, GPU_DEFAULTS[k])) != GPU_DEFAULTS[k] for k in ("trials", "warmup")):
+            raise BadInput("--suite collectivex fixes the timing (host posting, 3 trials x 8 timed bursts after 2 "
+                           "warm-ups each); drop --post, --trials and --warmup")
+        post = "host"
     for name in options.engines:
         E.engine_class(name)       # unknown names fail here, before any process starts
     return RunConfig(grid_args=grid_args, engines=tuple(options.engines), directions=tuple(options.directions),
                      trials=trials, warmup=warmup, seed=options.seed, platform=platform,
                      out=options.out or None, json=options.json, timeout_s=timeout, engine_options=opts,
                      inject_fault=inject, armed=post == "armed", devices=devices, shrunk=shrunk,
-                     pack_chunk_fixed=pack_fixed, cross_host=bool(getattr(args, "cross_host", False)))
+                     pack_chunk_fixed=pack_fixed, cross_host=bool(getattr(args, "cross_host", False)),
+                     suite=options.suite)
 
 
 def _nonneg_int(text, option: str) -> int:
@@ -307,6 +322,26 @@ def _pool_verify(platform, stream, mem, desc: np.ndarray, seed: int, timeout_s: 
         from ..kernels import reference
         stray, first_stray, _ = reference.verify_guard(t.numpy(), desc, guard_seed)
     return int(res.wrong_bytes), int(res.first_bad), int(stray), int(first_stray)
+
+
+def _suite_fill(platform, stream, mem) -> None:
+    """Paint the CollectiveX suite's offset pattern over the whole pool."""
+    from . import collectivex as CX
+    t = platform.as_tensor(mem)
+    if t.device.type == "cpu":
+        platform.launch(stream, lambda: CX.fill_pattern(t.numpy()))
+    else:
+        platform.launch(stream, lambda: CX.fill_pattern(t))
+
+
+def _read8(platform, mem, offsets: np.ndarray) -> np.ndarray:
+    """The 8 bytes at each offset of ``mem``, as a (len(offsets), 8) uint8 array (one gather, one copy back)."""
+    import torch
+    t = platform.as_tensor(mem)
+    idx = np.asarray(offsets, dtype=np.int64)[:, None] + np.arange(8, dtype=np.int64)[None, :]
+    if t.device.type == "cpu":
+        return t.numpy()[idx]
+    return t[torch.from_numpy(idx).to(t.device)].cpu().numpy()
 
 
 def _flip_byte(platform, stream, mem, offset: int) -> None:
@@ -503,13 +538,16 @@ class Worker:
     def _grid(self, free_bytes: int | None, pools_per_device: int):
         from .grid import build_grid
         from .bench import parse_grid_args
-        ns = argparse.Namespace(**self.cfg.grid_args)
-        base = parse_grid_args(ns)      # parses and validates exactly as --plan-only does
         free = None
         if free_bytes is not None:
             reserve = (self.cfg.engine_options.pack_chunk_bytes * self.cfg.engine_options.pack_slots
                        + (0 if self.platform.is_emulation else (2 << 30)))
             free = max(0, int(free_bytes * 0.9) - reserve)
+        if self.cfg.suite:              # the suite's grid, capped by this device's memory
+            return parse_grid_args(argparse.Namespace(**self.cfg.grid_args, free_memory_bytes=free,
+                                                      pools_per_device=pools_per_device))
+        ns = argparse.Namespace(**self.cfg.grid_args)
+        base = parse_grid_args(ns)      # parses and validates exactly as --plan-only does
         workloads, pages, isls, batches = [], set(), set(), set()
         for p in base.points:
             if p.workload.name not in workloads:
@@ -574,6 +612,12 @@ class Worker:
                                          "reason": why, "rows": 0})
                         else:
                             expected += 1
+        if cfg.suite:
+            from . import collectivex as CX
+            for bp in CX.bulk_points(self.grid):
+                shape = E.BurstShape(1, 1, bp.request_bytes)
+                expected += sum(1 for _ in cfg.directions for eng in self.engines.values()
+                                if not eng.shed_reason(shape))
         return shed, expected
 
     # -- the sweep
@@ -584,10 +628,13 @@ class Worker:
                 continue
             layout = point.layout()
             for batch in point.batches:
-                pb = point.burst(batch, seed=cfg.seed, layout=layout)
-                burst = E.Burst(pb.requests, plan=pb.plan)
-                shape = E.BurstShape(batch, pb.descriptors, pb.total_bytes)
+                pb = None
                 for direction in cfg.directions:
+                    if pb is None or cfg.suite:     # the suite's tables depend on the direction
+                        pb = point.burst(batch, seed=cfg.seed, layout=layout,
+                                         **({"direction": direction} if cfg.suite else {}))
+                        burst = E.Burst(pb.requests, plan=pb.plan)
+                        shape = E.BurstShape(batch, pb.descriptors, pb.total_bytes)
                     for name, eng in self.engines.items():
                         if eng.shed_reason(shape):
                             continue
@@ -598,6 +645,23 @@ class Worker:
                                 self.ceilings[key] = row.get("p50_gbps")
                             R.apply_ceiling(row, self.ceilings.get(key))
                             self.emit("row", row)
+        if cfg.suite:
+            self._suite_bulk_rows()
+
+    def _suite_bulk_rows(self) -> None:
+        """The suite's bulk rows: per ISL and direction, every engine moves one descriptor (batch 1)."""
+        from . import collectivex as CX
+        for point in CX.bulk_points(self.grid):
+            pb = point.burst(1)
+            burst = E.Burst(pb.requests, plan=pb.plan)
+            for direction in self.cfg.directions:
+                for eng in self.engines.values():
+                    if eng.shed_reason(burst.shape):
+                        continue
+                    row = self._row(eng, burst, pb, point, 1, direction)
+                    if self.rank == 0:
+                        R.apply_ceiling(row, None)
+                        self.emit("row", row)
 
     def _load_burst(self, eng: E.Engine, p: E.Prepared) -> None:
         """An untimed first burst with no stream waiting on anything this process's host does later.
@@ -680,23 +744,29 @@ class Worker:
             self._load_burst(eng, p)
         warm: list = []
         arms: list[float] = []
-        for i in range(cfg.warmup):
+        if cfg.suite:
+            samples, warm = self._suite_timing(eng, p, arms)
+        for i in range(0 if cfg.suite else cfg.warmup):
             warm.append(self._burst_once(eng, p, arms))
             if i == 0 and cfg.warmup > 1:
                 first = self.group.gather(warm[-1])[ini_rank]
                 if first > SLOW_BURST_S:
                     break
-        if warm:
+        if cfg.suite:
+            pass
+        elif warm:
             est = self.group.gather(warm[-1])[ini_rank]
             n_trials = int(min(cfg.trials, max(min(cfg.min_trials, cfg.trials), cfg.row_budget_s // max(est, 1e-9))))
         else:
             n_trials = cfg.trials
-        arms.clear()                    # arm times of the timed bursts only
-        trace = self._trace_start()
-        samples = [self._burst_once(eng, p, arms) for _ in range(n_trials)]
-        if trace is not None:
-            self._trace_stop(trace, f"{point.workload.name}-p{point.page_tokens}-b{batch}-{eng.name}-{direction}")
+        if not cfg.suite:
+            arms.clear()                    # arm times of the timed bursts only
+            trace = self._trace_start()
+            samples = [self._burst_once(eng, p, arms) for _ in range(n_trials)]
+            if trace is not None:
+                self._trace_stop(trace, f"{point.workload.name}-p{point.page_tokens}-b{batch}-{eng.name}-{direction}")
         extra = eng.row_extra() if p.initiator else None
+        suite_verdict = self._suite_verify(eng, p, pb, point) if cfg.suite else None
 
         # 3. verification: scrub the destination, one more burst, check every byte
         plat = self.platform
@@ -728,7 +798,7 @@ class Worker:
         # 4. assemble on rank 0; an engine's own telemetry (e.g. NIXL's, unit-suffixed keys) comes from
         #    the initiator, taken right after the timed bursts
         got = self.group.gather({"samples": samples, "warm": warm, "verdict": verdict, "arms": arms,
-                                 "extra": extra or {}})
+                                 "extra": extra or {}, "suite_verdict": suite_verdict})
         timing = got[ini_rank]
         row.update(timing.get("extra") or {})
         v = got[1]["verdict"]
@@ -745,7 +815,49 @@ class Worker:
         row["fault_injected"] = v["injected"]
         row["verified"] = True
         row["valid"] = row["wrong_bytes"] == 0
+        if cfg.suite:
+            row["suite"] = cfg.suite
+            row["kind"] = getattr(point, "kind", "paged") if not eng.ceiling else "ceiling"
+            row["suite_verify"] = got[1]["suite_verdict"]
+            row["valid"] = row["valid"] and row["suite_verify"]["passed"]
         return row
+
+    # -- the CollectiveX suite (--suite collectivex)
+    def _suite_timing(self, eng: E.Engine, p: E.Prepared, arms: list[float]) -> tuple[list, list]:
+        """The suite's sampling: 3 trials, each 2 warm-up bursts (dropped) then 8 timed ones."""
+        from . import collectivex as CX
+        samples, warm = [], []
+        for _ in range(CX.TRIALS):
+            for i in range(CX.WARMUP_PER_TRIAL + CX.REPS_PER_TRIAL):
+                t = self._burst_once(eng, p, arms)
+                (warm if i < CX.WARMUP_PER_TRIAL else samples).append(t)
+        return samples, warm
+
+    def _suite_verify(self, eng: E.Engine, p: E.Prepared, pb, point) -> dict | None:
+        """The suite's sampled check of one more burst: both pools painted with its offset pattern, 16 x 8 B
+        per request read back on the destination. Then the source gets gpuxfer's pattern back for the full
+        check. Bulk rows have no verifying side in the suite: they pass by construction. Returns the
+        destination's verdict (None on the source)."""
+        from . import collectivex as CX
+        plat, cfg = self.platform, self.cfg
+        # the suite's bulk rows have no verifying side; gpuxfer's ceiling engine moves one contiguous descriptor
+        bulk = getattr(point, "kind", "paged") == "bulk" or eng.ceiling
+        if not bulk:
+            _suite_fill(plat, self.stream, self.pool)
+            _sync(plat, self.stream, cfg.timeout_s, self.rank, "the suite's pattern fill")
+            self._burst_once(eng, p, [])
+            self.group.barrier()            # the initiator has seen the transfer land
+        verdict = None
+        if self.role is E.Role.DESTINATION:
+            if bulk:
+                verdict = {"passed": True, "detail": ""}
+            else:
+                passed, detail = CX.sampled_verify(lambda offs: _read8(plat, self.pool, offs), pb)
+                verdict = {"passed": passed, "detail": detail}
+        elif not bulk:
+            _pool_fill(plat, self.stream, self.pool, self.src_seed)
+            _sync(plat, self.stream, cfg.timeout_s, self.rank, "pattern fill")
+        return verdict
 
     # -- teardown
     def _abort(self) -> None:
