@@ -280,7 +280,7 @@ def _cli(capsys, *argv):
 
 
 def test_plan_only_shows_the_suites_grid(capsys):
-    rc, out, err, doc = _cli(capsys, "--plan-only", "--json")
+    rc, out, err, doc = _cli(capsys, "--plan-only", "--json", "--full")
     assert rc == 0, err
     g = doc["grid"]
     assert g["desc_budget_descriptors"] == 2_250_000 and g["pool_budget_bytes"] == 64 << 30
@@ -298,7 +298,7 @@ def test_plan_only_shows_the_suites_grid(capsys):
     assert s["timing"]["reps_per_trial"] == 8 and s["timing"]["trials"] == 3 and s["run_seed"] == 67
     assert [b["bytes"] for b in s["bulk_rows"]] == [49139712, 183066624, 718774272, 2861604864]
     assert doc["run"]["seed"] == 67
-    rc, out, err, _ = _cli(capsys, "--plan-only")
+    rc, out, err, _ = _cli(capsys, "--plan-only", "--full")
     assert rc == 0 and "2,250,000" in out and "7.3 GB" in out and "bulk rows" in out
 
 

@@ -285,7 +285,8 @@ def apply_host_grid(args: argparse.Namespace, platform: str) -> dict[str, str]:
     for key, value in HOST_GRID.items():
         if parse_suite(args) and key not in ("isl", "page", "batch"):
             continue                    # the suite's budgets and timing stay the suite's
-        if str(getattr(args, key)) == GPU_DEFAULTS[key]:
+        given = key == "isl" and args.isl is not ISL_NOT_GIVEN      # an --isl typed as the default stays
+        if str(getattr(args, key)) == GPU_DEFAULTS[key] and not given:
             setattr(args, key, value)
             shrunk[key] = value
     return shrunk
