@@ -197,9 +197,10 @@ def stage_session(rank: int, world: int, init_method: str, platform_name: str, s
         conn.close()
     t_closed = time.monotonic()
     killed = _killed_at(mark_path)
-    out.update(error_s=t_err - killed, sync_s=t_sync - t_err, close_s=t_closed - t_sync)
     dist.destroy_process_group()
     plat.close()
+    out.update(error_s=t_err - killed, sync_s=t_sync - t_err, close_s=t_closed - t_sync,
+               teardown_s=time.monotonic() - t_closed, done_s=time.monotonic() - killed)
     return out
 
 
@@ -215,15 +216,19 @@ def run_kill(spawner, platform_name: str, world: int, sc: dict, tmp_path) -> lis
         victim = kids[sc["victim"]]
         victim.proc.join(120)
         assert victim.proc.exitcode == -9, f"the victim exited with {victim.proc.exitcode}"
+        survivors = {r: kid for r, kid in enumerate(kids) if r != sc["victim"]}
+        exited: dict[int, float] = {}
+        deadline = time.monotonic() + 90
+        while len(exited) < len(survivors) and time.monotonic() < deadline:   # each exit as it happens
+            for r, kid in survivors.items():
+                if r not in exited and kid.proc.exitcode is not None:
+                    exited[r] = time.monotonic() - _killed_at(mark)
+            time.sleep(0.02)
         results = []
-        for r, kid in enumerate(kids):
-            if r == sc["victim"]:
-                continue
-            res = kid.result(60)
-            kid.proc.join(60)
-            exited = time.monotonic() - _killed_at(mark)
-            assert kid.proc.exitcode == 0, f"rank {r} exited with {kid.proc.exitcode}: {res}"
-            res.update(rank=r, exit_s=exited)
+        for r, kid in survivors.items():
+            res = kid.result(5)
+            kid.join(5)                        # exit code 0
+            res.update(rank=r, exit_s=exited[r])
             results.append(res)
     for res in results:
         assert res["timeout"], res                      # TransferTimeout (PeerLost is one)
@@ -264,6 +269,8 @@ KILL_2 = [  # victim role x step kind x metadata channel
 
 @pytest.mark.parametrize("sc", KILL_2)
 def test_peer_killed_mid_run(spawner, platform_name, sc, tmp_path):
+    if sc["backend"] == "nccl" and platform_name != "host":
+        pytest.skip("these scenarios put every stage on one GPU, where NCCL refuses two ranks")
     (res,) = run_kill(spawner, platform_name, 2, sc, tmp_path)
     if sc["backend"] == "nccl" and sc["meta"] == "group" and platform_name == "host":
         assert "PeerLost" in res["error"] and "connection closed" in res["error"], res    # not "timed out"
@@ -400,6 +407,7 @@ def test_late_close_leaves_the_group_usable(spawner, platform_name):
     assert sender["after a timeout: timeout"]
     for case in ("healthy", "after a timeout"):
         assert sender[f"{case}: close_s"] < LATE + 5.0, sender
+    print(f"\nlate close: {sender}")
 
 
 def exit_session(rank: int, world: int, init_method: str, platform_name: str, log_path: str) -> dict:
@@ -536,3 +544,44 @@ def test_killing_every_process_leaks_no_shared_memory(spawner, tmp_path):
     time.sleep(0.5)
     left = [n for n in os.listdir("/dev/shm") if any(n.startswith(f"gx{p:x}_") for p in pids)]
     assert not left, left
+
+
+_EXIT_PROBE = """
+import os, sys, tempfile, threading, time
+import torch.distributed as dist
+from gpuxfer.pp.transport import WATCHDOG
+
+store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+store.set("k", b"1")
+polled = threading.Event()
+
+class Busy:                       # what the watchdog polls: every poll is a C++ call that releases the GIL
+    _state, _error, _waiting_since, _wd, signals, name, rank, peer = "open", None, None, [None], None, "t", 0, 1
+    watch_after_error = False
+    _wd_lock = threading.Lock()
+
+    def _watch(self, now, force=False):
+        end = time.monotonic() + 0.2
+        polled.set()              # the main thread exits while this thread is in the loop below
+        while time.monotonic() < end:
+            store.check(["k"])
+
+busy = Busy()
+WATCHDOG.register(busy)
+polled.wait(30)
+sys.exit(0)
+"""
+
+
+def test_the_watchdog_never_aborts_interpreter_exit(tmp_path):
+    """A daemon thread inside a C++ call when the interpreter finalizes is unwound through C++ frames and
+    the process aborts (exit -6, "terminate called without an active exception"); the watchdog stops at exit."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "probe.py"
+    script.write_text(_EXIT_PROBE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])

@@ -38,6 +38,9 @@ def _entry(fn, rank, world, init_method, env, args, q) -> None:
     finally:
         try:
             import torch.distributed as dist
+
+            from .transport import WATCHDOG
+            WATCHDOG.stop()          # before the group and the interpreter go: see _Watchdog.stop
             if dist.is_initialized():
                 dist.destroy_process_group()
         except Exception:  # noqa: BLE001

@@ -66,6 +66,7 @@ nothing reaches the receiver; its wait for that step then ends in
 from __future__ import annotations
 
 import abc
+import atexit
 import math
 import collections
 import logging
@@ -954,20 +955,35 @@ class _Watchdog:
         self._transports: "weakref.WeakSet[Transport]" = weakref.WeakSet()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._at_exit = False
 
     def register(self, t: Transport) -> None:
         with self._lock:
             self._transports.add(t)
             if self._thread is None or not self._thread.is_alive():
+                self._stop.clear()
                 self._thread = threading.Thread(target=self._run, name="gpuxfer-pp-watchdog", daemon=True)
                 self._thread.start()
+                if not self._at_exit:
+                    self._at_exit = True
+                    atexit.register(self.stop)
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop the thread (at interpreter exit). A daemon thread still inside a C++ call (a store read,
+        a driver query) when the interpreter finalizes is unwound by ``pthread_exit`` through C++ frames,
+        and the process aborts ("terminate called without an active exception")."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
 
     def open_transports(self) -> list:
         with self._lock:
             return [t for t in self._transports if t._state in ("open", "closing")]
 
     def _run(self) -> None:
-        while True:
+        while not self._stop.is_set():
             with self._lock:
                 live = [t for t in self._transports
                         if t._state == "open" and (t._error is None or t.watch_after_error)]
@@ -1004,7 +1020,7 @@ class _Watchdog:
                         t._fail(err)
                     except Exception as exc:  # noqa: BLE001 - the watchdog must outlive any one transport
                         log.error("rank %d: failing the %s transport: %s", t.rank, t.name, exc)
-            time.sleep(self.BUSY_S if busy else self.IDLE_S)
+            self._stop.wait(self.BUSY_S if busy else self.IDLE_S)
 
 
 WATCHDOG = _Watchdog()
