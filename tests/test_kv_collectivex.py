@@ -384,3 +384,35 @@ def test_suite_run_fails_with_exit_3_when_only_full_verification_sees_it(tmp_pat
     assert all(r["gpuxfer_full_verify"]["wrong_bytes"] == 1 for r in paged)
     assert any("gpuxfer's full verification found" in x for x in suite["outcome"]["reasons"])
     assert all(not r["valid"] and r["suite_verify"]["passed"] for r in own["rows"] if r["kind"] == "paged")
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+def test_suite_on_two_gpus(tmp_path, capsys):
+    """The suite's 8k row on two CUDA GPUs: the suite's timing, both checks, its documents."""
+    import json
+    from gpuxfer.cli import main
+    from gpuxfer.platforms import unavailable_reason
+    if unavailable_reason("cuda") is not None:
+        pytest.skip(unavailable_reason("cuda"))
+    import torch
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs two CUDA GPUs, found {torch.cuda.device_count()}")
+    out = tmp_path / "out"
+    rc = main(["bench", "kv", "--suite", "collectivex", "--platform", "cuda", "--isl", "8k", "--batch", "1,2",
+               "--engine", "triton,copy_engine,bulk", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    own = json.loads((out / "kv_bench.json").read_text())
+    assert {r["kind"] for r in own["rows"]} == {"paged", "ceiling", "bulk"}
+    for eng in ("triton", "copy_engine", "bulk"):
+        doc = json.loads((out / f"collectivex_{eng}.json").read_text())
+        C.validate_document(doc)
+        assert doc["outcome"]["status"] == "success"
+        rows = doc["measurement"]["rows"]
+        assert {r["kind"] for r in rows} == ({"bulk"} if eng == "bulk" else {"paged", "bulk"})
+        for r in rows:
+            assert r["latency_ms"]["n"] == 24 and r["verify"]["passed"] and r["gpuxfer_full_verify"]["passed"]
+        if eng != "bulk":
+            assert {(r["page_tokens"], r["batch"], r["op"]) for r in rows if r["kind"] == "paged"} == \
+                {(p, b, o) for p in (16, 64) for b in (1, 2) for o in ("pull", "push")}
