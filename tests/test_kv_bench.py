@@ -756,3 +756,24 @@ def test_trace_env_is_off_on_the_emulation_and_when_unset(monkeypatch, tmp_path)
     assert Worker._trace_start(stand_in) is None
     monkeypatch.setenv(TRACE_ENV, str(tmp_path / "tr"))
     assert Worker._trace_start(stand_in) is None and not (tmp_path / "tr").exists()
+
+
+def test_plot_panels_have_their_own_y_axis(tmp_path, monkeypatch):
+    """A page size several times faster than another keeps its lines inside its own panel; the PNG is 0644."""
+    import matplotlib
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    rows = [dict(workload="kv-dsv4", isl_tokens=32768, page_tokens=page, direction=d, engine=eng, batch=b,
+                 p50_gbps=scale * b, min_gbps=scale * b, max_gbps=scale * b, valid=True)
+            for d in ("pull", "push") for page, scale in ((16, 10.0), (64, 300.0))
+            for eng in ("bulk", "triton") for b in (1, 2, 4)]
+    figs, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figs.append)
+    [path] = R.plot(rows, str(tmp_path))
+    try:
+        for ax in figs[0].axes:
+            top = max(y for line in ax.get_lines() for y in line.get_ydata())
+            assert ax.get_ylim()[1] >= top and ax.get_ylim()[1] < 3 * top
+    finally:
+        close(figs[0])
+    assert os.stat(path).st_mode & 0o777 == 0o644
