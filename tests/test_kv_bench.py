@@ -176,6 +176,14 @@ def test_bad_options_give_clear_errors(capsys, tmp_path, argv, message):
     assert time.monotonic() - t0 < 60      # no process was started (a hang guard, not a speed test)
 
 
+def test_a_bad_device_count_variable_is_one_line_before_any_process(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUXFER_HOST_DEVICES", "abc")
+    rc = main(["bench", "kv", *TINY, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err == "gpuxfer bench kv: error: GPUXFER_HOST_DEVICES must be an integer, got 'abc'\n"
+    assert not (tmp_path / "o").exists()
+
+
 def test_nothing_to_measure_is_an_error(capsys, tmp_path):
     rc = main(["bench", "kv", *TINY, *FAST, "--engine", "bulk", "--pool-budget", "4096", "--out", str(tmp_path)])
     assert rc == 2

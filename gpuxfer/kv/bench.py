@@ -319,8 +319,8 @@ def check_before_start(grid: Grid, args: argparse.Namespace, platform: str) -> N
     seconds_option(args.timeout)
     int_option(args.warmup, "--warmup", minimum=0)
     devices = _parse_devices(args.devices)
+    n = device_count(platform)          # also where a bad GPUXFER_HOST_DEVICES says so, once
     if devices is not None:
-        n = device_count(platform)
         for d in devices:
             if d >= n:
                 raise BadInput(f"--devices: device {d} does not exist: platform {platform} shows {n} device(s) "
