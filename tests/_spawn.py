@@ -22,10 +22,11 @@ def _entry(fn, args, result_q, hard_exit: bool = False) -> None:
         raise SystemExit(1)
     result_q.put(("ok", out))
     if hard_exit:
-        # A rank that finished (its process group already destroyed) can still abort in
-        # interpreter teardown: torch's gloo threads at exit ("terminate called without an
-        # active exception", exit -6, seen on 2 loaded cores). Its result is in; flush it and
-        # leave without the teardown, so the exit code says whether the *test* passed.
+        # A rank that finished can still abort in interpreter teardown if a daemon thread is
+        # inside a C++ call when the interpreter finalizes ("terminate called without an active
+        # exception", exit -6; the pp watchdog stops at exit for this reason, other libraries'
+        # threads may not). Its result is in; flush it and leave without the teardown, so the
+        # exit code says whether the *test* passed. Tests of exit codes use hard_exit=False.
         result_q.close()
         result_q.join_thread()
         os._exit(0)
