@@ -416,3 +416,14 @@ def test_suite_on_two_gpus(tmp_path, capsys):
         if eng != "bulk":
             assert {(r["page_tokens"], r["batch"], r["op"]) for r in rows if r["kind"] == "paged"} == \
                 {(p, b, o) for p in (16, 64) for b in (1, 2) for o in ("pull", "push")}
+
+
+def test_ceiling_engines_are_not_suite_rows():
+    """``bulk`` and ``nixl-bulk`` move a burst as one contiguous copy: gpuxfer's ceiling, no sampled check."""
+    from gpuxfer.kv.engines import engine_class
+    from gpuxfer.kv.runner import _moves_one_copy
+    assert _moves_one_copy(engine_class("bulk")) and _moves_one_copy(engine_class("nixl-bulk"))
+    assert not any(_moves_one_copy(engine_class(n)) for n in ("triton", "pack", "copy_engine", "nixl", "amd-mori",
+                                                               "mooncake-rdma"))
+    rows = [{"engine": "bulk", "kind": "ceiling", "samples_ms": [1.0], "direction": "pull"}]
+    assert C.documents_from_rows(rows, {}) == {}

@@ -324,6 +324,12 @@ def _pool_verify(platform, stream, mem, desc: np.ndarray, seed: int, timeout_s: 
     return int(res.wrong_bytes), int(res.first_bad), int(stray), int(first_stray)
 
 
+def _moves_one_copy(eng: E.Engine) -> bool:
+    """A ceiling engine (``bulk``, ``nixl-bulk``): it moves a burst's bytes as one contiguous copy, not the
+    paged descriptors (in ``--suite collectivex``, its rows are gpuxfer's ceiling, not the suite's)."""
+    return bool(eng.ceiling or eng.ceiling_across_hosts)
+
+
 def _suite_fill(platform, stream, mem) -> None:
     """Paint the CollectiveX suite's offset pattern over the whole pool."""
     from . import collectivex as CX
@@ -802,7 +808,7 @@ class Worker:
         if cfg.suite:
             row["suite"] = cfg.suite
             kind = getattr(point, "kind", "paged")
-            row["kind"] = "ceiling" if kind == "paged" and eng.ceiling else kind
+            row["kind"] = "ceiling" if kind == "paged" and _moves_one_copy(eng) else kind
             row["suite_verify"] = got[1]["suite_verdict"]
             row["valid"] = row["valid"] and row["suite_verify"]["passed"]
         return row
@@ -852,7 +858,7 @@ class Worker:
         plat, cfg = self.platform, self.cfg
         # the suite's bulk rows have no verifying side; gpuxfer's ceiling engine moves one contiguous descriptor,
         # not the paged ones the samples are drawn from
-        bulk = getattr(point, "kind", "paged") == "bulk" or eng.ceiling
+        bulk = getattr(point, "kind", "paged") == "bulk" or _moves_one_copy(eng)
         if not bulk:
             _suite_fill(plat, self.stream, self.pool)
             _sync(plat, self.stream, cfg.timeout_s, self.rank, "the suite's pattern fill")
@@ -860,7 +866,7 @@ class Worker:
             self.group.barrier()            # the initiator has seen the transfer land
         verdict = None
         if self.role is E.Role.DESTINATION:
-            if eng.ceiling and getattr(point, "kind", "paged") == "paged":
+            if _moves_one_copy(eng) and getattr(point, "kind", "paged") == "paged":
                 verdict = {"passed": True, "detail": "not sampled: the ceiling engine moves one contiguous descriptor"}
             elif bulk:
                 verdict = {"passed": True, "detail": ""}
