@@ -427,3 +427,35 @@ def test_ceiling_engines_are_not_suite_rows():
                                                                "mooncake-rdma"))
     rows = [{"engine": "bulk", "kind": "ceiling", "samples_ms": [1.0], "direction": "pull"}]
     assert C.documents_from_rows(rows, {}) == {}
+
+
+@pytest.mark.slow
+def test_suite_across_hosts_over_fake_libraries(tmp_path, monkeypatch, capsys):
+    """--cross-host: NIXL (tests/fake_nixl_net.py) and MoRI-IO (tests/fake_mori.py) reach the peer's pool
+    themselves; nixl-bulk is gpuxfer's ceiling there (kind ``ceiling``, no sampled check, no suite rows)."""
+    import json
+    from gpuxfer.cli import main
+    mail = tmp_path / "nixl-mail"
+    mail.mkdir()
+    monkeypatch.setenv("GPUXFER_NIXL_MODULE", "fake_nixl_net")
+    monkeypatch.setenv("FAKE_NIXL_NET_DIR", str(mail))
+    monkeypatch.setenv("GPUXFER_MORI_MODULE", "fake_mori")
+    monkeypatch.delenv("FAKE_MORI_FLIP", raising=False)
+    monkeypatch.delenv("GPUXFER_INJECT_FAULT", raising=False)
+    out = tmp_path / "out"
+    rc = main(["bench", "kv", "--suite", "collectivex", "--platform", "host", "--cross-host",
+               "--engine", "nixl,nixl-bulk,amd-mori", "--isl", "16", "--page", "16", "--batch", "1",
+               "--direction", "pull", "--timeout", "60", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().out
+    own = json.loads((out / "kv_bench.json").read_text())
+    kinds = {(r["engine"], r["kind"]) for r in own["rows"]}
+    assert kinds == {("nixl-bulk", "ceiling"), ("nixl", "paged"), ("amd-mori", "paged"),
+                     ("nixl-bulk", "bulk"), ("nixl", "bulk"), ("amd-mori", "bulk")}
+    ceiling = next(r for r in own["rows"] if r["kind"] == "ceiling")
+    assert ceiling["suite_verify"]["detail"].startswith("not sampled") and ceiling["valid"]
+    for eng in ("nixl", "amd-mori"):
+        doc = json.loads((out / f"collectivex_{eng}.json").read_text())
+        assert doc["outcome"]["status"] == "success"
+        assert [r["kind"] for r in doc["measurement"]["rows"]] == ["paged", "bulk"]
+    doc = json.loads((out / "collectivex_nixl-bulk.json").read_text())
+    assert [r["kind"] for r in doc["measurement"]["rows"]] == ["bulk"]
