@@ -155,6 +155,7 @@ class CopyEngineTransport(Transport):
     name = "copy_engine"
     platforms = ("cuda", "host")       # ROCm: the sdma backend
     min_slots = 2
+    release_again = True
 
     # ---- local checks (doctor, and setup before allocating) ----
     @classmethod

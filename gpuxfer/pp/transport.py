@@ -627,6 +627,8 @@ class Transport(abc.ABC):
     name = "abstract"
     watch_after_error = False    # whether the watchdog keeps calling _watch once the transport is broken
     max_pending: int | None = None     # most receives left deferred at once (None: no limit)
+    release_again = False    # whether a failed end re-releases its waits while open (a live peer may
+                             # still write smaller step numbers over the release value)
 
     def __init__(self, *, platform, role: str, rank: int, peer: int, device: int, specs: SpecTable,
                  timeout_s: float, metadata: bool, group, tag_base: int, torch_device, on_timeout: str = "raise",
@@ -983,12 +985,22 @@ class _Watchdog:
             return [t for t in self._transports if t._state in ("open", "closing")]
 
     def _run(self) -> None:
+        released = 0.0
         while not self._stop.is_set():
             with self._lock:
                 live = [t for t in self._transports
                         if t._state == "open" and (t._error is None or t.watch_after_error)]
+                failed = [t for t in self._transports if t._state == "open" and t._error is not None
+                          and t.release_again and not t.watch_after_error]
             busy = False
             now = time.monotonic()
+            if failed and now - released > 2 * GONE_POLL_S:
+                released = now
+                for t in failed:
+                    try:
+                        t._release_waits()
+                    except Exception as exc:  # noqa: BLE001
+                        log.debug("re-release of a failed %s transport: %s", t.name, exc)
             for t in live:
                 waiting = t._waiting_since
                 if not t._wd and waiting is None:
