@@ -214,8 +214,7 @@ def test_statistics_are_the_suites():
 
 def _rows():
     g = C.build_grid(isls=(32768,))
-    p = g.points[0]
-    paged = C.paged_row(p, 2, "pull", samples_ms=[2.0, 3.0, 2.5], prep_ms=1.23456,
+    paged = C.paged_row(32768, 16, 2, "pull", samples_ms=[2.0, 3.0, 2.5], prep_ms=1.23456,
                         verify={"passed": True, "detail": ""})
     bulk = C.bulk_row(32768, C.bulk_bytes(32768, g), "pull", samples_ms=[1.0, 1.1])
     return paged, bulk

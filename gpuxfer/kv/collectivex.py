@@ -471,15 +471,15 @@ def _timed_fields(samples_ms: Sequence[float], req_bytes: int, batch: int, prep_
             "gbps_p50": round(gbps_p50(req_bytes, batch, st["p50"]), 2)}
 
 
-def paged_row(point: GridPoint, batch: int, op: str, *, samples_ms: Sequence[float], prep_ms: float,
+def paged_row(isl: int, page: int, batch: int, op: str, *, samples_ms: Sequence[float], prep_ms: float,
               verify: dict) -> dict[str, Any]:
-    """A ``kind: paged`` row of the suite's schema."""
-    lay = layout(point.isl_tokens, point.page_tokens, point.max_batch)
-    return {"kind": "paged", "preset": PRESET, "isl": point.isl_tokens, "page_tokens": point.page_tokens,
-            "layers": _suite_layers(),
-            "page_bytes": lay.regions[0].desc_bytes, "descs": point.request_descriptors,
-            "req_bytes": point.request_bytes, "batch": batch, "op": op,
-            **_timed_fields(samples_ms, point.request_bytes, batch, prep_ms), "verify": dict(verify)}
+    """A ``kind: paged`` row of the suite's schema (``page_bytes``: the first region's, as the suite labels it)."""
+    w = _workload()
+    req_bytes = w.bytes_per_request(isl, page)
+    return {"kind": "paged", "preset": PRESET, "isl": isl, "page_tokens": page, "layers": _suite_layers(),
+            "page_bytes": w.transfer_regions(page)[0].desc_bytes, "descs": w.descriptors_per_request(isl, page),
+            "req_bytes": req_bytes, "batch": batch, "op": op,
+            **_timed_fields(samples_ms, req_bytes, batch, prep_ms), "verify": dict(verify)}
 
 
 def bulk_row(isl: int, nbytes: int, op: str, *, samples_ms: Sequence[float], prep_ms: float = 0.0) -> dict:
@@ -622,12 +622,8 @@ def suite_row_from(row: dict) -> dict | None:
     if row.get("kind") == "bulk":
         out = bulk_row(row["isl_tokens"], row["request_bytes"], row["direction"], samples_ms=samples, prep_ms=prep)
     else:
-        lay_first = _workload().transfer_regions(row["page_tokens"])[0]
-        out = {"kind": "paged", "preset": PRESET, "isl": row["isl_tokens"], "page_tokens": row["page_tokens"],
-               "layers": _suite_layers(), "page_bytes": lay_first.desc_bytes, "descs": row["request_descriptors"],
-               "req_bytes": row["request_bytes"], "batch": row["batch"], "op": row["direction"],
-               **_timed_fields(samples, row["request_bytes"], row["batch"], prep),
-               "verify": dict(row.get("suite_verify") or {"passed": False, "detail": "not checked"})}
+        out = paged_row(row["isl_tokens"], row["page_tokens"], row["batch"], row["direction"], samples_ms=samples,
+                        prep_ms=prep, verify=row.get("suite_verify") or {"passed": False, "detail": "not checked"})
     wrong = row.get("wrong_bytes")
     out["gpuxfer_full_verify"] = {"passed": wrong == 0, "wrong_bytes": wrong, "detail": row.get("first_wrong") or ""}
     return out
