@@ -139,6 +139,7 @@ class Outputs:
     json_path: str | None = None
     json_stdout: bool = False
     _latest_root: str | None = None
+    _created: bool = False          # the directory did not exist before this run
 
     def path(self, filename: str) -> str | None:
         return None if self.directory is None else os.path.join(self.directory, filename)
@@ -155,6 +156,14 @@ class Outputs:
         except OSError:
             try:
                 os.unlink(tmp)
+            except OSError:
+                pass
+
+    def remove_if_empty(self) -> None:
+        """A run that wrote nothing leaves no directory it made (a failed run is said on stderr)."""
+        if self._created and self.directory is not None:
+            try:
+                os.rmdir(self.directory)
             except OSError:
                 pass
 
@@ -207,6 +216,7 @@ def prepare_outputs(bench: str, out: str | None, json_opt, *, artifacts: tuple[s
             raise BadInput(f"--out: {path} holds an earlier run's {held[0]}; its results are kept: choose "
                            "another directory, or leave --out out for a new one per run")
         if create:
+            outputs._created = not os.path.exists(path)
             _probe_dir(path, "--out")
         outputs.directory = path
         return outputs
@@ -214,7 +224,7 @@ def prepare_outputs(bench: str, out: str | None, json_opt, *, artifacts: tuple[s
     if create:
         _probe_dir(root, "--out")
         outputs.directory = _new_run_dir(root)
-        outputs._latest_root = root
+        outputs._latest_root, outputs._created = root, True
     return outputs
 
 

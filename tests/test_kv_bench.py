@@ -212,6 +212,12 @@ def test_default_places_one_directory_per_run(tmp_path, monkeypatch):
     assert os.path.realpath(tmp_path / "gpuxfer-out" / "kv" / "latest") == b.directory
     nothing = prepare_outputs("kv", None, None, artifacts=("kv_bench.json",), create=False)
     assert nothing.directory is None
+    a.remove_if_empty()                                   # a run that wrote nothing leaves nothing
+    assert not os.path.exists(a.directory)
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    prepare_outputs("kv", str(kept), None, artifacts=("kv_bench.json",)).remove_if_empty()
+    assert kept.is_dir()                                  # a directory the run did not make stays
 
 
 def test_the_host_runs_the_small_grid_and_says_so(capsys):

@@ -257,6 +257,7 @@ def run(args) -> int:
     try:
         return _run(c, outputs, out)
     except GpuxferError as exc:
+        outputs.remove_if_empty()
         return error_line("gpuxfer bench kernels", exc)
 
 

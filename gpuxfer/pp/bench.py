@@ -971,6 +971,7 @@ def run(args) -> int:
             both = run_ranks(_rank_main, 2, (opts,), timeout_s=3 * opts["timeout"] + 600, env=env)
     except Exception as exc:  # noqa: BLE001 - a failed rank is a failed benchmark
         print(f"gpuxfer bench pp: FAILED: {exc}", file=sys.stderr)
+        outputs.remove_if_empty()
         return 1
     res = dict(both[1])
     res["sender_info"] = both[0]["info"]
