@@ -119,6 +119,8 @@ def test_move_request_every_byte(pair, op):
 
 def _token_oracle(src, dst, s_ids, d_ids, bs, bd, kv_first):
     """What the destination must hold after a transfer matching tokens (numpy, independent of the API)."""
+    if src.dtype == torch.bfloat16:         # numpy has no bf16: the same bits as int16
+        src, dst = src.view(torch.int16), dst.view(torch.int16)
     s = src.clone().numpy()
     out = dst.clone().numpy()
     tokens = min(len(s_ids) * bs, len(d_ids) * bd)
@@ -602,6 +604,10 @@ def _side(rank, world, init, platform_name, op, carve):
         blobs = [None, None]
         dist.all_gather_object(blobs, agent.metadata())
         peer = agent.add_peer(blobs[1 - rank])
+        if platform_name == "cuda":     # a second open of an allocation's handle shares the first mapping
+            again = plat.open_handle(peer.meta.allocations[0], device)
+            assert again.ptr == peer._mappings[0].ptr
+            again.close()
         src_ids, dst_ids = [5, 0, 3], [1, 4, 2]
         initiator = 1 if op == "pull" else 0
         if rank == initiator:
@@ -677,3 +683,82 @@ def test_cuda_export_range_and_expandable_segments(spawner):
         plat.close()
     msg = spawner.start(_expandable_child, name="expandable").result(120)
     assert "not legacy-IPC capable" in msg or "expandable" in msg, msg
+
+
+# ----------------------------------------------------------------------------- the pack engine (two-sided)
+
+
+@pytest.fixture
+def pack_pair(plat):
+    a0, a1 = Arena(plat, 0), Arena(plat, 1)
+    pre = KVAgent("prefill", platform=plat, device=0, engine="pack", slot_bytes=512)
+    dec = KVAgent("decode", platform=plat, device=1, engine="pack", slot_bytes=512)
+    yield pre, dec, a0, a1
+    dec.close()
+    pre.close()
+    a0.close()
+    a1.close()
+
+
+def test_pack_both_sides_post_every_byte(pack_pair):
+    """Both sides post the same request; small slots force many chunks and slot reuse; two requests in a row
+    (chunk numbers carry on); different block sizes on the two sides; registration in different orders."""
+    pre, dec, a0, a1 = pack_pair
+    src = _vllm_layers(a0, 2, 6, 4, seed=1)
+    dst = _vllm_layers(a1, 2, 12, 2, seed=2)
+    slab_s, slab_d = a0.tensor((5, 4, 100), seed=3), a1.tensor((5, 4, 100), seed=4)
+    pre.register_group("full", 4, src)
+    pre.register_group("mla", 4, {"m": slab_s})
+    dec.register_group("mla", 4, {"m": slab_d})            # the other order: chunks follow names, not order
+    dec.register_group("full", 2, dict(reversed(list(dst.items()))))
+    p_of_dec, p_of_pre = _connect(pre, dec)
+    for s_full, d_full, s_mla, d_mla in (([4, 0, 2], [1, 5, 3, 11, 0, 7], [1, 3], [4, 0]),
+                                         ([5], [2, 9], [0], [1])):
+        expect = {k: _token_oracle(src[k], dst[k], s_full, d_full, 4, 2, kv_first=True) for k in src}
+        want_slab = slab_d.clone()
+        want_slab[d_mla] = slab_s[s_mla]
+        xd = dec.prepare(p_of_dec, "pull", local_blocks={"full": d_full, "mla": d_mla},
+                         remote_blocks={"full": s_full, "mla": s_mla}, name="req")
+        xs = pre.prepare(p_of_pre, "push", local_blocks={"full": s_full, "mla": s_mla},
+                         remote_blocks={"full": d_full, "mla": d_mla}, name="req")
+        assert len(xs._chunks) == len(xd._chunks) >= 2
+        hd = xd.post()
+        hs = xs.post()
+        hd.wait(60)
+        hs.wait(60)
+        for k in src:
+            assert np.array_equal(dst[k].view(torch.int16).numpy(), expect[k]), k
+        assert _eq(slab_d, want_slab)
+
+
+def test_pack_without_the_source_times_out_naming_the_request(pack_pair):
+    pre, dec, a0, a1 = pack_pair
+    pre.register_group("g", 4, [a0.tensor((4, 4, 8))])
+    dec.register_group("g", 4, [a1.tensor((4, 4, 8))])
+    p_of_dec, _ = _connect(pre, dec)
+    h = dec.prepare(p_of_dec, "pull", local_blocks={"g": [0]}, remote_blocks={"g": [1]}, name="lonely").post()
+    with pytest.raises(TransferTimeout, match="lonely"):
+        h.wait(0.2)
+    dec.platform.host_write_flag(dec.control.ptr + 8 * 64, 1 << 40, 1)     # release the wait: nothing landed
+    h.wait(60)
+
+
+def test_pack_needs_staging_on_both_sides(plat, pack_pair):
+    pre, dec, a0, a1 = pack_pair
+    tri = KVAgent("tri", platform=plat, device=1)
+    try:
+        tri.register_group("g", 4, [a1.tensor((4, 4, 8))])
+        pre.register_group("g", 4, [a0.tensor((4, 4, 8))])
+        p = pre.add_peer(tri.metadata())
+        with pytest.raises(BadInput, match="no staging buffer"):
+            pre.prepare(p, "push", local_blocks={"g": [0]}, remote_blocks={"g": [1]})
+        with pytest.raises(BadInput, match="do not fit"):
+            big = KVAgent("big", platform=plat, device=0, engine="pack", slot_bytes=256)
+            try:
+                big.register_group("g", 4, [a0.tensor((4, 4, 128))])
+                dec.register_group("g", 4, [a1.tensor((4, 4, 128))])
+                big.prepare(big.add_peer(dec.metadata()), "push", local_blocks={"g": [0]}, remote_blocks={"g": [1]})
+            finally:
+                big.close()
+    finally:
+        tri.close()

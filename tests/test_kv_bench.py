@@ -76,7 +76,10 @@ def test_every_engine_both_directions_end_to_end(capsys, tmp_path):
         assert ROW_KEYS <= set(r), ROW_KEYS - set(r)
         assert r["valid"] and r["verified"] and r["wrong_bytes"] == 0 and r["error"] is None, r
         assert r["burst_bytes"] == 61 * 9216 and r["p50_gbps"] > 0
-        assert r["post"] == ("host" if r["engine"] == "copy_engine" else "armed")   # copy_engine is never armed
+        assert r["post"] == "host"                   # the default: post -> complete, host enqueue included
+        assert r["post_p50_us"] > 0 and r["setup_us"] > 0
+        if r["engine"] == "triton":                  # through the KV API: registration, setup per request
+            assert r["register_ms"] > 0
         assert r["initiator"] == ("decode" if r["direction"] == "pull" else "prefill")
         assert r["descriptors"] == (1 if r["engine"] == "bulk" else 61)
         assert r["ceiling_gbps"] is not None and r["of_ceiling_pct"] is not None

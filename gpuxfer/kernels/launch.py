@@ -397,6 +397,27 @@ def copy_descriptors(src_pool, dst_pool, descs, *, start: int = 0, end: int | No
                  config, local)
 
 
+def pack_launcher(src_pool, staging, descs, offsets, *, start: int, end: int, staging_offset: int = 0,
+                  nbytes_hint: int | None = None, num_programs: int | None = None,
+                  device: torch.device | None = None):
+    """:func:`pack` with ``validate=False``, checked once (tensors, not contents): a function of no
+    arguments that only launches; None when there is nothing to pack."""
+    _, start, end, offsets, _ = _check_packing(src_pool, staging, descs, offsets, start, end, staging_offset,
+                                               device, packing=True, validate=False)
+    return _copy_launch(MODE_PACK, src_pool, staging, descs, offsets, start, end, staging_offset, None,
+                        num_programs, nbytes_hint, None, True)
+
+
+def unpack_launcher(staging, dst_pool, descs, offsets, *, start: int, end: int, staging_offset: int = 0,
+                    nbytes_hint: int | None = None, num_programs: int | None = None,
+                    device: torch.device | None = None):
+    """:func:`unpack` with ``validate=False``, checked once: a function of no arguments that only launches."""
+    _, start, end, offsets, _ = _check_packing(dst_pool, staging, descs, offsets, start, end, staging_offset,
+                                               device, packing=False, validate=False)
+    return _copy_launch(MODE_UNPACK, staging, dst_pool, descs, offsets, start, end, staging_offset, None,
+                        num_programs, nbytes_hint, None, True)
+
+
 def pack_offsets(descs) -> torch.Tensor:
     """Where each descriptor's bytes go in a packed staging buffer: the exclusive
     cumulative sum of the sizes, N + 1 int64 values on ``descs``' device (the last

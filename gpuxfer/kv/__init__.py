@@ -1,8 +1,8 @@
 """Paged KV-cache hand-off: the transfer API (:class:`KVAgent`), workloads, pool layouts, block tables,
 descriptor plans, the sweep grid.
 
-Pure Python + numpy; importing it touches no device (torch and Triton load when an agent is built). The benchmark command lives in
-:mod:`gpuxfer.kv.bench` (``gpuxfer bench kv``).
+Pure Python + numpy; importing it touches no device (torch and Triton load when an agent is built).
+The benchmark command lives in :mod:`gpuxfer.kv.bench` (``gpuxfer bench kv``).
 """
 from __future__ import annotations
 

@@ -29,8 +29,11 @@ exported (torch's expandable segments on CUDA) raises
 :class:`~gpuxfer.errors.NotExportable` at registration.
 
 **Transfers.** ``pull``: the local agent's blocks are the destination and the peer's
-the source; ``push``: the reverse. The work runs on the local device (``triton``: the
-descriptor-copy kernel reading or writing the peer's memory through the IPC mapping).
+the source; ``push``: the reverse. With the ``triton`` engine (one-sided) the work runs
+on the local device: the descriptor-copy kernel reading or writing the peer's memory
+through the IPC mapping. With ``pack`` (two-sided, :class:`_PackTransfer`) both sides
+prepare and post the request -- the source ``push``, the destination ``pull`` -- and
+the source's packed chunks travel staging to staging on a copy engine.
 Descriptors are expanded on the device from the block IDs and the registered layout
 (:mod:`gpuxfer.kernels.block_kernel`); per request the host uploads one small int64
 array (the block IDs and a header) and launches one expansion plus one copy per
@@ -107,9 +110,16 @@ _MAX_INT = 1 << 62
 _MAX_NAME = 512
 _MAX_PIECES = 16
 NOTIFY_SLOTS = 64                           # notification words per agent
-_CTRL_BYTES = NOTIFY_SLOTS * 8
+_AVAIL = NOTIFY_SLOTS                       # pack: chunks the peer's source has copied into our staging
+_FREE = NOTIFY_SLOTS + 1                    # pack: chunks the peer's destination has unpacked from its staging
+_CTRL_WORDS = NOTIFY_SLOTS + 8
+_CTRL_BYTES = _CTRL_WORDS * 8
 #: the engines the agent runs
-AGENT_ENGINES = ("triton",)
+AGENT_ENGINES = ("triton", "pack")
+#: the pack engine's staging: slots x bytes (the host emulation's are smaller)
+PACK_SLOTS = 2
+PACK_SLOT_BYTES = 32 << 20
+PACK_SLOT_BYTES_EMULATION = 1 << 20
 DIRECTIONS = ("pull", "push")
 
 _LOCAL_AGENTS: "weakref.WeakValueDictionary[str, KVAgent]" = weakref.WeakValueDictionary()
@@ -378,6 +388,8 @@ class PeerMetadata:
     control: IpcHandle
     allocations: tuple[IpcHandle, ...]
     groups: tuple[_PeerGroup, ...]
+    staging: IpcHandle | None = None            # the pack engine's staging buffer, if the peer has one
+    slot_bytes: int = 0
 
 
 def decode_metadata(data: bytes) -> PeerMetadata:
@@ -407,6 +419,13 @@ def decode_metadata(data: bytes) -> PeerMetadata:
     control = _handle(body.get("control"), "metadata control", plat, pid)
     if control.nbytes < _CTRL_BYTES:
         raise BadMetadata(f"metadata control: {control.nbytes} bytes, need {_CTRL_BYTES}")
+    staging, slot_bytes = None, 0
+    if body.get("staging") is not None:
+        staging = _handle(body["staging"], "metadata staging", plat, pid)
+        slot_bytes = _i(body["staging"], "slot_bytes", "metadata staging", 1)
+        if slot_bytes * PACK_SLOTS > staging.nbytes:
+            raise BadMetadata(f"metadata staging: {PACK_SLOTS} slots of {slot_bytes} bytes exceed its "
+                              f"{staging.nbytes} bytes")
     allocs = tuple(_handle(a, f"allocation {i}", plat, pid)
                    for i, a in enumerate(_l(body, "allocations", where, 1 << 16)))
     groups, seen = [], set()
@@ -447,7 +466,7 @@ def decode_metadata(data: bytes) -> PeerMetadata:
                          err=BadMetadata)
             layers.append((layer, a, off))
         groups.append(_PeerGroup(name, bt, tuple(layers)))
-    return PeerMetadata(agent, uid, pid, host, plat, device, control, allocs, tuple(groups))
+    return PeerMetadata(agent, uid, pid, host, plat, device, control, allocs, tuple(groups), staging, slot_bytes)
 
 
 # ============================================================================ groups and peers
@@ -475,7 +494,10 @@ class KVPeer(Closable):
         self._mappings: list[Any] = []
         self._owned: list[Any] = []
         self.scratch: DeviceBuffer | None = None
+        self.staging_ptr: int | None = None
         self._seq = [0] * NOTIFY_SLOTS
+        self.pack_sent = 0                  # pack chunks this agent's source copied to the peer
+        self.pack_recv = 0                  # pack chunks this agent's destination unpacked from the peer
         plat, dev = agent.platform, agent.device
         try:
             local = _LOCAL_AGENTS.get(meta.uid) if meta.pid == os.getpid() else None
@@ -485,6 +507,7 @@ class KVPeer(Closable):
             if local is not None:
                 bases = list(local._alloc_bases)
                 self.control_ptr = local.control.ptr
+                self.staging_ptr = None if local.staging is None else local.staging.ptr
             else:
                 bases = []
                 for h in meta.allocations:
@@ -498,12 +521,16 @@ class KVPeer(Closable):
                 ctrl = plat.open_handle(meta.control, dev)
                 self._mappings.append(ctrl)
                 self.control_ptr = ctrl.ptr
+                if meta.staging is not None:
+                    st = plat.open_handle(meta.staging, dev)
+                    self._mappings.append(st)
+                    self.staging_ptr = st.ptr
             self.groups: dict[str, _Group] = {}
             for g in meta.groups:
                 layers = [KVLayer(lay.name, lay.index, bases[a] + off, lay.num_blocks, lay.block_stride, lay.pieces,
                                   lay.extent, lay.token_major) for lay, a, off in g.layers]
                 self.groups[g.name] = _Group(g.name, g.block_tokens, layers, [(a, off) for _, a, off in g.layers])
-            self.scratch = plat.alloc(NOTIFY_SLOTS * 8, dev)
+            self.scratch = plat.alloc(_CTRL_BYTES, dev)
             self._owned.append(self.scratch)
         except BaseException:
             self._release()
@@ -753,6 +780,105 @@ class KVTransfer:
         return f"KVTransfer({self.describe()})"
 
 
+class _PackTransfer(KVTransfer):
+    """The ``pack`` engine: two-sided. The source side packs its blocks' pieces into its staging slot
+    (a local kernel), copies the slot into the destination's staging on a copy engine and signals;
+    the destination side waits, unpacks into its blocks and signals the slot free. Both sides prepare
+    and post the same request (the source ``push``, the destination ``pull``, the same block IDs); the
+    two derive the same descriptor order and chunks from the request. Chunks go in the order of the
+    descriptors, one slot each, ``PACK_SLOTS`` slots in turn; chunk numbers count over the pair's life.
+
+    ::
+
+        source stream                                  destination stream
+        upload, expand                                 upload, expand
+        chunk n: [wait FREE >= n - slots]              chunk n: wait AVAIL >= n
+                 pack -> own slot                               unpack own slot -> blocks
+                 copy slot -> peer's slot                       signal the source: FREE := n
+                 signal the peer: AVAIL := n  --------->
+        wait FREE >= last  <----------------------------
+        event (the data has landed)                    event (the data has landed)
+    """
+
+    def __init__(self, *a, chunks: list, **kw):
+        super().__init__(*a, **kw)
+        torch = _torch()
+        from ..kernels.launch import pack_launcher, unpack_launcher
+        agent, peer = self.agent, self.peer
+        self.source = self.op == "push"
+        if agent.staging is None:
+            raise BadInput(f"agent {agent.name!r} has no staging buffer: build it with engine='pack'")
+        if self.source and peer.staging_ptr is None:
+            raise BadInput(f"peer {peer.name!r} has no staging buffer (its agent does not run the pack engine)")
+        out = self._out
+        self._offsets = torch.zeros(out.shape[0] + 1, dtype=torch.int64, device=out.device)
+        r = self.route
+        local = r.src_anchor if self.source else r.dst_anchor
+        stage = agent.platform.as_tensor(agent.staging)
+        slot = agent.slot_bytes
+        self._chunks = []
+        for a, b, nbytes, hint in chunks:
+            if self.source:
+                fns = [pack_launcher(local, stage, out, self._offsets, start=a, end=b, staging_offset=k * slot,
+                                     nbytes_hint=hint) for k in range(PACK_SLOTS)]
+            else:
+                fns = [unpack_launcher(stage, local, out, self._offsets, start=a, end=b, staging_offset=k * slot,
+                                       nbytes_hint=hint) for k in range(PACK_SLOTS)]
+            self._chunks.append((nbytes, fns))
+        self._buffers = self._buffers + (self._offsets,)
+
+    def _kernels(self) -> None:
+        torch = _torch()
+        if self._expand_launch is not None:
+            self._expand_launch()
+        torch.cumsum(self._out[:, 2], 0, out=self._offsets[1:])
+
+    def _signal(self, s: Stream, index: int, value: int) -> None:
+        plat, peer = self.agent.platform, self.peer
+        word = peer.scratch.ptr + 8 * index
+        plat.write_flag(s, word, value)
+        plat.copy_async(s, peer.control_ptr + 8 * index, word, 8)
+
+    def post(self, stream: Stream | None = None) -> KVTransferHandle:
+        """Enqueue this side's part (see the class docstring) on ``stream``; the handle completes when the
+        data has landed on the destination."""
+        agent, peer = self.agent, self.peer
+        agent._check_usable(peer)
+        plat = agent.platform
+        s = agent.stream if stream is None else stream
+        self._upload(s)
+        plat.launch(s, self._kernels)
+        ctrl, slot_bytes = agent.control.ptr, agent.slot_bytes
+        first = peer.pack_sent if self.source else peer.pack_recv
+        seq = first
+        for i, (nbytes, fns) in enumerate(self._chunks):
+            seq = first + i + 1
+            k = (seq - 1) % PACK_SLOTS
+            if self.source:
+                if seq > PACK_SLOTS:            # the destination unpacked the slot's previous chunk
+                    plat.wait_flag(s, ctrl + 8 * _FREE, seq - PACK_SLOTS)
+                plat.launch(s, fns[k])
+                plat.copy_async(s, peer.staging_ptr + k * slot_bytes, agent.staging.ptr + k * slot_bytes, nbytes)
+                self._signal(s, _AVAIL, seq)
+            else:
+                plat.wait_flag(s, ctrl + 8 * _AVAIL, seq)
+                plat.launch(s, fns[k])
+                self._signal(s, _FREE, seq)
+        if self.source:
+            peer.pack_sent = seq
+            if seq > first:
+                plat.wait_flag(s, ctrl + 8 * _FREE, seq)
+        else:
+            peer.pack_recv = seq
+        value = None
+        if self.notify_slot is not None:
+            value = peer.next_seq(self.notify_slot)
+            self._signal(s, self.notify_slot, value)
+        event = plat.record_event(s)
+        agent._track(event, self._buffers)
+        return KVTransferHandle(self, event, s, value)
+
+
 # ============================================================================ the agent
 
 
@@ -761,12 +887,13 @@ class KVAgent(Closable):
 
     ``platform``: a :class:`~gpuxfer.platforms.base.Platform` (default: ``get_platform()``, owned
     and closed with the agent); ``device``: the local device every transfer runs on; ``engine``:
-    ``"triton"`` (``"auto"`` picks it); ``timeout_s``: the default of every wait; ``rank``: how
-    errors name this side.
+    ``"triton"`` (``"auto"`` picks it) or ``"pack"`` (both agents of a pair run it);
+    ``timeout_s``: the default of every wait; ``rank``: how errors name this side;
+    ``slot_bytes``: the pack engine's staging slot (32 MiB; 1 MiB on the host emulation).
     """
 
     def __init__(self, name: str, *, platform: Platform | None = None, device: int = 0, engine: str = "auto",
-                 timeout_s: float = 60.0, rank: int = 0):
+                 timeout_s: float = 60.0, rank: int = 0, slot_bytes: int | None = None):
         if not isinstance(name, str) or not 0 < len(name) <= _MAX_NAME:
             raise BadInput(f"agent name must be a string of 1..{_MAX_NAME} characters, got {name!r}")
         engine = "triton" if engine == "auto" else engine
@@ -797,8 +924,16 @@ class KVAgent(Closable):
         self._names = itertools.count()
         self._inflight: collections.deque = collections.deque()     # (event, buffers) of posted transfers
         self.control: DeviceBuffer | None = None
+        self.staging: DeviceBuffer | None = None
         self.stream: Stream | None = None
+        if slot_bytes is None:
+            slot_bytes = PACK_SLOT_BYTES_EMULATION if platform.is_emulation else PACK_SLOT_BYTES
+        if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int) or slot_bytes < 256 or slot_bytes % 256:
+            raise BadInput(f"slot_bytes must be a positive multiple of 256, got {slot_bytes!r}")
+        self.slot_bytes = slot_bytes
         try:
+            if engine == "pack":
+                self.staging = platform.alloc(PACK_SLOTS * slot_bytes, self.device)
             self.control = platform.alloc(_CTRL_BYTES, self.device)
             self.stream = platform.create_stream(self.device)
             platform.memset_async(self.stream, self.control.ptr, 0, _CTRL_BYTES)
@@ -906,6 +1041,8 @@ class KVAgent(Closable):
             "agent": self.name, "uid": self.uid, "pid": os.getpid(), "host": socket.gethostname() or "unknown",
             "platform": self.platform.name, "device": self.device,
             "control": {"payload": ctrl.payload.hex(), "nbytes": ctrl.nbytes, "device": ctrl.device},
+            "staging": None if self.staging is None else dict(
+                self._handle_meta(self.platform.export_handle(self.staging)), slot_bytes=self.slot_bytes),
             "allocations": [{"payload": h.payload.hex(), "nbytes": h.nbytes, "device": h.device}
                             for h in self._allocs],
             "groups": [{"name": g.name, "block_tokens": g.block_tokens,
@@ -914,6 +1051,10 @@ class KVAgent(Closable):
         }
         raw = json.dumps(body, separators=(",", ":")).encode()
         return _HEADER.pack(METADATA_MAGIC, METADATA_VERSION, 0, len(raw)) + raw
+
+    @staticmethod
+    def _handle_meta(h: IpcHandle) -> dict:
+        return {"payload": h.payload.hex(), "nbytes": h.nbytes, "device": h.device}
 
     def add_peer(self, metadata: bytes) -> KVPeer:
         """Add the agent whose :meth:`metadata` these bytes are: map its caches and notification words."""
@@ -967,7 +1108,7 @@ class KVAgent(Closable):
         torch = _torch()
         from ..kernels.blocks import PLANE_FIELDS
         src_is_mine = op == "push"
-        rows, plane_group, splits, limits, dst_spans = [], [], [], [], []
+        rows, plane_group, splits, limits, dst_spans, keys = [], [], [], [], [], []
         src_ptrs, dst_ptrs = [], []        # (absolute piece address of block 0, anchor maker)
         for gi, gname in enumerate(names):
             mine, theirs = self._groups[gname], peer.groups[gname]
@@ -999,7 +1140,9 @@ class KVAgent(Closable):
                 src_ptrs.append((s_lay.ptr, s_anc))
                 dst_ptrs.append((d_lay.ptr, d_anc))
                 spans.append(d_lay.span)
-                for ps_off, pd_off, seg_bytes in _pair_pieces(gname, lay, olay, bts, btd, src_is_mine):
+                for k, (ps_off, pd_off, seg_bytes) in enumerate(_pair_pieces(gname, lay, olay, bts, btd,
+                                                                              src_is_mine)):
+                    keys.append((-seg_bytes, gname, lay.name, k))
                     rows.append([s_lay.ptr + ps_off, s_lay.block_stride, d_lay.ptr + pd_off, d_lay.block_stride,
                                  seg_bytes, gi, bts // seg, btd // seg, src_g.num_blocks, dst_g.num_blocks])
                     plane_group.append(gi)
@@ -1011,7 +1154,9 @@ class KVAgent(Closable):
         table = np.array(rows, dtype=np.int64)
         table[:, 0] -= src_base
         table[:, 2] -= dst_base
-        order = np.argsort(-table[:, 4], kind="stable")       # largest segments first, each size together
+        # largest segments first, each size together; then by group, layer and piece names: an order
+        # both sides derive alike (whatever order they registered in)
+        order = np.array(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)
         table, pg = table[order], np.asarray(plane_group, dtype=np.int64)[order]
         cuts = np.flatnonzero(np.diff(table[:, 4])) + 1
         bounds = [0, *cuts.tolist(), len(table)]
@@ -1135,6 +1280,16 @@ class KVAgent(Closable):
                 progs = max(1, min(kl.default_programs(dev, cfg), -(-(r1 - r0) // cfg.rows)))
                 launches.append((r0, r1, seg_bytes, progs))
                 nbytes += (r1 - r0) * seg_bytes
+        if self.engine == "pack":
+            chunks = []
+            for r0, r1, c, _ in launches:
+                if c > self.slot_bytes:
+                    raise BadInput(f"request {name!r}: {c}-byte segments do not fit the pack engine's "
+                                   f"{self.slot_bytes}-byte staging slots")
+                per = self.slot_bytes // c
+                chunks += [(x, min(x + per, r1), (min(x + per, r1) - x) * c, c) for x in range(r0, r1, per)]
+            return _PackTransfer(self, peer, route, op, name, n_seg, host, dev_req, out,
+                                 int(n_seg.max()) if G else 0, [], notify_slot, n_rows, nbytes, chunks=chunks)
         return KVTransfer(self, peer, route, op, name, n_seg, host, dev_req, out,
                           int(n_seg.max()) if G else 0, launches, notify_slot, n_rows, nbytes)
 
@@ -1208,6 +1363,9 @@ class KVAgent(Closable):
         if getattr(self, "control", None) is not None:
             self.control.close()
             self.control = None
+        if getattr(self, "staging", None) is not None:
+            self.staging.close()
+            self.staging = None
         if self._owns_platform:
             plat.close()
 

@@ -311,7 +311,10 @@ class Burst:
     ``plan``, whose ``requests`` are views into it), so no copy is made.
     """
 
-    def __init__(self, requests: Sequence[np.ndarray], plan: np.ndarray | None = None):
+    def __init__(self, requests: Sequence[np.ndarray], plan: np.ndarray | None = None, source=None):
+        #: the :class:`gpuxfer.kv.plan.Burst` (layouts, seeded block tables) these descriptors come from, if any:
+        #: engines that move blocks by ID (``triton``, through the KV API) need it
+        self.source = source
         if not len(requests):
             raise BadInput("a burst needs at least one request")
         self.requests = [as_descriptors(r, f"request {i}") for i, r in enumerate(requests)]
@@ -323,7 +326,7 @@ class Burst:
     @classmethod
     def from_plan(cls, plan_burst) -> "Burst":
         """From a :class:`gpuxfer.kv.plan.Burst`."""
-        return cls(plan_burst.requests, plan=plan_burst.plan)
+        return cls(plan_burst.requests, plan=plan_burst.plan, source=plan_burst)
 
     @property
     def shape(self) -> BurstShape:
@@ -1248,7 +1251,7 @@ class PackEngine(Engine):
 #: name -> "module:Class"; built-ins first, in the order rows are measured (bulk first: the ceiling)
 ENGINES: dict[str, str | type] = {
     "bulk": "gpuxfer.kv.engines:BulkEngine",
-    "triton": "gpuxfer.kv.engines:TritonEngine",
+    "triton": "gpuxfer.kv.agent_engine:AgentTritonEngine",
     "pack": "gpuxfer.kv.engines:PackEngine",
     "copy_engine": "gpuxfer.kv.engines:CopyEngineEngine",
     # optional libraries (imported only when the engine is built; engine_report says why one cannot run)

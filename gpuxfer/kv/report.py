@@ -144,6 +144,8 @@ COLUMNS: list[Column] = [
     Column("of_ceiling_pct", "ceil", "%", 6, _f(1)),
     Column("per_descriptor_p50_us", "t/desc", "us", 8, _g),
     Column("prep_ms", "prep", "ms", 8, _g),
+    Column("post_p50_us", "post", "us/req", 8, _g),
+    Column("setup_us", "setup", "us/req", 8, _g),
     Column("wrong_bytes", "#wrong", "B", 8, _wrong),
 ]
 

@@ -109,7 +109,7 @@ class RunConfig:
     timeout_s: float
     engine_options: E.EngineOptions
     inject_fault: str | None = None
-    armed: bool = True
+    armed: bool = False
     pack_chunk_fixed: bool = False
     devices: tuple[int, int] | None = None
     row_budget_s: float = ROW_BUDGET_S
@@ -253,13 +253,13 @@ def config_from_args(args: argparse.Namespace, options) -> RunConfig:
         if len(devs) != 2:
             raise BadInput(f"--devices: give one or two device indexes (prefill,decode), got {args.devices!r}")
         devices = (devs[0], devs[1])
-    post = str(getattr(args, "post", "armed") or "armed").strip()
+    post = str(getattr(args, "post", "host") or "host").strip()
     if post not in ("armed", "host"):
         raise BadInput(f"--post: unknown value {post!r}; use armed or host")
     if options.suite:
         # the suite's timing contract: the initiator posts every request's prepared transfer, then waits
         from .bench import GPU_DEFAULTS
-        if post != "armed" or any(str(getattr(args, k, GPU_DEFAULTS[k])) != GPU_DEFAULTS[k] for k in ("trials", "warmup")):
+        if post != "host" or any(str(getattr(args, k, GPU_DEFAULTS[k])) != GPU_DEFAULTS[k] for k in ("trials", "warmup")):
             raise BadInput("--suite collectivex fixes the timing (host posting, 3 trials x 8 timed bursts after 2 "
                            "warm-ups each); drop --post, --trials and --warmup")
         post = "host"
@@ -639,7 +639,9 @@ class Worker:
                     if pb is None or cfg.suite:     # the suite's tables depend on the direction
                         pb = point.burst(batch, seed=cfg.seed, layout=layout,
                                          **({"direction": direction} if cfg.suite else {}))
-                        burst = E.Burst(pb.requests, plan=pb.plan)
+                        # block tables ride along (engines that move blocks by ID use them); the suite's
+                        # tables are its own, so its bursts are descriptor tables only
+                        burst = E.Burst(pb.requests, plan=pb.plan) if cfg.suite else E.Burst.from_plan(pb)
                         shape = E.BurstShape(batch, pb.descriptors, pb.total_bytes)
                     for name, eng in self.engines.items():
                         if eng.shed_reason(shape):
@@ -684,8 +686,10 @@ class Worker:
         eng.post(p)                     # both sides: enqueue now, no gate
         eng.wait(p)
 
-    def _burst_once(self, eng: E.Engine, p: E.Prepared, arms: list[float]) -> float | None:
-        """One burst: both sides arm (untimed), a barrier, then the initiator times post + wait."""
+    def _burst_once(self, eng: E.Engine, p: E.Prepared, arms: list[float],
+                    posts: list[float] | None = None) -> float | None:
+        """One burst: both sides arm (untimed), a barrier, then the initiator times post + wait
+        (and, into ``posts``, the host time of post alone)."""
         t0 = time.perf_counter()
         eng.arm(p)                      # flag-gated: nothing runs before the initiator posts
         arms.append(time.perf_counter() - t0)
@@ -693,8 +697,12 @@ class Worker:
         if p.initiator:
             t0 = time.perf_counter()
             eng.post(p)
+            t1 = time.perf_counter()
             eng.wait(p)
-            return time.perf_counter() - t0
+            t2 = time.perf_counter()
+            if posts is not None:
+                posts.append(t1 - t0)
+            return t2 - t0
         eng.wait(p)
         return None
 
@@ -749,12 +757,13 @@ class Worker:
         if eng.launches_kernels:
             self._load_burst(eng, p)
         arms: list[float] = []
+        posts: list[float] = []         # host time of the initiator's post call, per timed burst
         if cfg.suite:
-            samples, warm = self._suite_timing(eng, p, arms)
+            samples, warm = self._suite_timing(eng, p, arms, posts)
         else:
             samples, warm = self._timed_bursts(eng, p, arms, ini_rank,
                                                f"{point.workload.name}-p{point.page_tokens}-b{batch}-{eng.name}-"
-                                               f"{direction}")
+                                               f"{direction}", posts)
         extra = eng.row_extra() if p.initiator else None
         suite_verdict = self._suite_verify(eng, p, pb, point) if cfg.suite else None
 
@@ -788,12 +797,18 @@ class Worker:
         # 4. assemble on rank 0; an engine's own telemetry (e.g. NIXL's, unit-suffixed keys) comes from
         #    the initiator, taken right after the timed bursts
         got = self.group.gather({"samples": samples, "warm": warm, "verdict": verdict, "arms": arms,
-                                 "extra": extra or {}, "suite_verdict": suite_verdict})
+                                 "posts": posts, "extra": extra or {}, "suite_verdict": suite_verdict})
         timing = got[ini_rank]
         row.update(timing.get("extra") or {})
         v = got[1]["verdict"]
         row["post"] = "armed" if (cfg.armed and eng.armable) else "host"
         row["arm_p50_ms"] = R.sample_stats(timing["arms"])["p50_ms"]
+        post_ms = R.sample_stats(timing["posts"])["p50_ms"]
+        # host costs per request: the post call (the trigger alone when armed), and the setup (the
+        # engine's own per-request figure, else the initiator's prep of the burst)
+        row["post_p50_us"] = None if post_ms is None else post_ms * 1e3 / batch
+        if row.get("setup_us") is None:
+            row["setup_us"] = row["prep_ms_by_side"][row["initiator"]] * 1e3 / batch
         row["arm_passive_p50_ms"] = R.sample_stats(got[1 - ini_rank]["arms"])["p50_ms"]
         row["warmup"] = len(timing["warm"])
         row["warmup_ms"] = [round(w * 1e3, 6) for w in timing["warm"]]
@@ -814,10 +829,10 @@ class Worker:
         return row
 
     def _timed_bursts(self, eng: E.Engine, p: E.Prepared, arms: list[float], ini_rank: int,
-                      trace_name: str) -> tuple[list, list]:
+                      trace_name: str, posts: list[float]) -> tuple[list, list]:
         """Warm-up bursts (a slow first one skips the rest), then up to ``--trials`` timed ones (fewer when
         slow: a row aims at ``row_budget_s``). Returns (timed, warm-up) samples; ``arms`` gets the timed
-        bursts' arm times."""
+        bursts' arm times, ``posts`` the host times of their post calls."""
         cfg = self.cfg
         warm: list = []
         for i in range(cfg.warmup):
@@ -833,19 +848,20 @@ class Worker:
             n_trials = cfg.trials
         arms.clear()                    # arm times of the timed bursts only
         trace = self._trace_start()
-        samples = [self._burst_once(eng, p, arms) for _ in range(n_trials)]
+        samples = [self._burst_once(eng, p, arms, posts) for _ in range(n_trials)]
         if trace is not None:
             self._trace_stop(trace, trace_name)
         return samples, warm
 
     # -- the CollectiveX suite (--suite collectivex)
-    def _suite_timing(self, eng: E.Engine, p: E.Prepared, arms: list[float]) -> tuple[list, list]:
+    def _suite_timing(self, eng: E.Engine, p: E.Prepared, arms: list[float],
+                      posts: list[float]) -> tuple[list, list]:
         """The suite's sampling: 3 trials, each 2 warm-up bursts (dropped) then 8 timed ones."""
         from . import collectivex as CX
         samples, warm = [], []
         for _ in range(CX.TRIALS):
             for i in range(CX.WARMUP_PER_TRIAL + CX.REPS_PER_TRIAL):
-                t = self._burst_once(eng, p, arms)
+                t = self._burst_once(eng, p, arms, posts if i >= CX.WARMUP_PER_TRIAL else None)
                 (warm if i < CX.WARMUP_PER_TRIAL else samples).append(t)
         return samples, warm
 

@@ -53,6 +53,8 @@ Semantics worth knowing:
   a hardware queue with the helper stream could hold it).
 * Opening an IPC handle in the process that exported it is refused with
   :class:`~gpuxfer.errors.BadInput` (CUDA refuses it too): use the buffer itself.
+  Opening the same handle again on a device shares the first mapping (CUDA maps an
+  allocation once per context); it is unmapped when the last of its mappings closes.
 * Flag values: any 64-bit integer (``-2**63 .. 2**64-1``), written as its
   unsigned 64-bit pattern; ``read_flag`` returns the signed value. Waits are the
   driver's cyclic GEQ: ``(int64)(*ptr - value) >= 0``.
@@ -526,6 +528,7 @@ class CudaPlatform(Platform):
         self._batch: tuple | None = None                   # resolved batch path (see _batch_impl)
         self._driver_version: int | None = None
         self._cai_views_peers: bool | None = None          # does __cuda_array_interface__ view IPC mappings?
+        self._ipc_open: dict[tuple[int, bytes], list] = {}  # (device, handle) -> [mapped pointer, open count]
 
     # ---- small helpers ----
     def _check_open(self) -> None:
@@ -847,13 +850,29 @@ class CudaPlatform(Platform):
         if handle.owner_pid == os.getpid():
             raise BadInput("cannot open an IPC handle in the process that exported it (CUDA refuses "
                            "cudaIpcOpenMemHandle there): use the DeviceBuffer itself")
-        _, rt, _ = _cupy()
-        ptr = self._rt(device, rt.ipcOpenMemHandle, bytes(handle.payload), rt.cudaIpcMemLazyEnablePeerAccess,
-                       doing=(f"opening on cuda:{device} the IPC handle of device {handle.device} of pid "
-                              f"{handle.owner_pid} ({handle.nbytes} bytes)"))
-        return PeerMapping(self, device, int(ptr), handle, impl="cudaIpcOpenMemHandle")
+        # A context opens an allocation's handle once: a second open of the same handle shares the
+        # first mapping (counted), and the last close unmaps it.
+        key = (device, bytes(handle.payload))
+        with self._lock:
+            entry = self._ipc_open.get(key)
+            if entry is not None:
+                entry[1] += 1
+                return PeerMapping(self, device, entry[0], handle, impl=key)
+            _, rt, _ = _cupy()
+            ptr = self._rt(device, rt.ipcOpenMemHandle, bytes(handle.payload), rt.cudaIpcMemLazyEnablePeerAccess,
+                           doing=(f"opening on cuda:{device} the IPC handle of device {handle.device} of pid "
+                                  f"{handle.owner_pid} ({handle.nbytes} bytes)"))
+            self._ipc_open[key] = [int(ptr), 1]
+        return PeerMapping(self, device, int(ptr), handle, impl=key)
 
     def _close_mapping(self, mapping: PeerMapping) -> None:
+        with self._lock:
+            entry = self._ipc_open.get(mapping.impl)
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] > 0:
+                    return
+                del self._ipc_open[mapping.impl]
         _, rt, _ = _cupy()
         self._rt(mapping.device, rt.ipcCloseMemHandle, mapping.ptr, doing=f"closing {mapping!r}")
 
