@@ -602,3 +602,20 @@ def test_gpu_bench_catches_a_stray_write(capsys, tmp_path):
     assert all(r["stray_bytes"] == 0 and r["valid"] for k, r in rows.items() if k != ("pack", "push")), rows
     bad = rows[("pack", "push")]
     assert bad["stray_bytes"] == 1 and not bad["valid"] and "outside every descriptor" in bad["first_wrong"]
+
+
+def test_a_burst_owns_read_only_descriptors():
+    """What check_bounds checked is what the engines move: the caller's arrays changed afterwards do not
+    reach the burst, and the burst's own tables cannot be written."""
+    req = np.array([[0, 0, 64], [64, 128, 64]], dtype=np.int64)
+    b = E.Burst([req, req[:1]])
+    b.check_bounds(POOL, POOL)
+    req[0, 2] = 2 ** 63 - 1
+    assert b.requests[0][0, 2] == 64 and b.concatenated()[2, 2] == 64
+    with pytest.raises(ValueError, match="read-only"):
+        b.requests[0][0, 0] = 5
+    plan = np.concatenate([req, req[:1]])
+    with pytest.raises(BadInput, match="request 1 differs"):
+        E.Burst([req, req[1:]], plan=plan)
+    pb = E.Burst([plan[:2], plan[2:]], plan=plan)
+    assert [r.tolist() for r in pb.requests] == [plan[:2].tolist(), plan[2:].tolist()]

@@ -308,7 +308,11 @@ class Burst:
 
     ``requests[r]`` is request r's ``(N_r, 3)`` table; ``plan`` (optional) is their
     concatenation when the caller already has it (e.g. :class:`gpuxfer.kv.plan.Burst`'s
-    ``plan``, whose ``requests`` are views into it), so no copy is made.
+    ``plan``, whose ``requests`` are views into it).
+
+    The burst holds its own read-only copy of the descriptors (``requests`` are views
+    into it): what :meth:`check_bounds` checked is what every engine moves, whatever the
+    caller does to its arrays afterwards.
     """
 
     def __init__(self, requests: Sequence[np.ndarray], plan: np.ndarray | None = None, source=None):
@@ -317,11 +321,21 @@ class Burst:
         self.source = source
         if not len(requests):
             raise BadInput("a burst needs at least one request")
-        self.requests = [as_descriptors(r, f"request {i}") for i, r in enumerate(requests)]
-        self._cat: np.ndarray | None = None if plan is None else as_descriptors(plan, "plan")
+        reqs = [as_descriptors(r, f"request {i}") for i, r in enumerate(requests)]
+        ends = np.cumsum([r.shape[0] for r in reqs])
+        if plan is None:
+            cat = np.concatenate(reqs, axis=0)
+        else:
+            cat = np.array(as_descriptors(plan, "plan"))
+            if cat.shape[0] != int(ends[-1]):
+                raise BadInput("plan and requests differ in length")
+            for i, (r, end) in enumerate(zip(reqs, ends)):
+                if not np.array_equal(cat[end - r.shape[0]:end], r):
+                    raise BadInput(f"plan is not the concatenation of the requests (request {i} differs)")
+        cat.setflags(write=False)
+        self._cat = cat
+        self.requests = [cat[end - r.shape[0]:end] for r, end in zip(reqs, ends)]
         self._checked: tuple | None = None
-        if self._cat is not None and self._cat.shape[0] != sum(r.shape[0] for r in self.requests):
-            raise BadInput("plan and requests differ in length")
 
     @classmethod
     def from_plan(cls, plan_burst) -> "Burst":
@@ -345,8 +359,6 @@ class Burst:
         return sum(int(r[:, 2].sum()) for r in self.requests)
 
     def concatenated(self) -> np.ndarray:
-        if self._cat is None:
-            self._cat = np.concatenate(self.requests, axis=0) if len(self.requests) > 1 else self.requests[0]
         return self._cat
 
     def describe_row(self, row: int) -> str:
@@ -361,10 +373,11 @@ class Burst:
     def check_bounds(self, src_nbytes: int | None, dst_nbytes: int | None) -> None:
         """Every descriptor moves at least one byte and lies inside both pools (``None``: a pool whose
         size is not known here). :class:`BadInput` names the first that does not; see
-        :func:`gpuxfer.kv.plan.check_bounds` (overflow-safe). Checked once per pair of sizes."""
+        :func:`gpuxfer.kv.plan.check_bounds` (overflow-safe). Checked once per pair of sizes (the
+        descriptors are the burst's own, read-only)."""
         if self._checked == (src_nbytes, dst_nbytes):
             return
-        check_bounds(self.concatenated(), src_nbytes, dst_nbytes, describe=self.describe_row)
+        check_bounds(self._cat, src_nbytes, dst_nbytes, describe=self.describe_row)
         self._checked = (src_nbytes, dst_nbytes)
 
 
@@ -458,7 +471,8 @@ def _kernels():
 def _device_table(side: Side, like, table: np.ndarray):
     """``table`` as an int64 torch tensor on the device of the torch tensor ``like``."""
     import torch
-    t = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int64))
+    a = np.ascontiguousarray(table, dtype=np.int64)
+    t = torch.from_numpy(a if a.flags.writeable else a.copy())     # torch wants writable memory
     if like.device.type == "cpu":
         return t.clone()
     return t.to(like.device)

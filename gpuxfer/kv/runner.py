@@ -310,8 +310,8 @@ def _pool_verify(platform, stream, mem, desc: np.ndarray, seed: int, timeout_s: 
     from .. import kernels as K
     t = platform.as_tensor(mem)
     cpu = t.device.type == "cpu"
-    d = torch.from_numpy(np.ascontiguousarray(desc, dtype=np.int64))
-    d = d.clone() if cpu else d.to(t.device)
+    d = torch.from_numpy(np.array(desc, dtype=np.int64))       # a copy: ``desc`` may be a read-only burst table
+    d = d if cpu else d.to(t.device)
     E._sync_uploads_plat(platform, mem.device, timeout_s, rank)
     out: list = []
     platform.launch(stream, lambda: out.append(K.verify(t, d, seed, guard_seed=None if cpu else guard_seed)))
