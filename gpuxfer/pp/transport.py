@@ -1062,9 +1062,10 @@ def close_all(transports: Sequence[Transport], timeout_s: float | None = None) -
     ``timeout_s`` + a few seconds whatever the peers do; the caller's process group is never used.
 
     1. release the GPU waits of every failed end first (a healthy end's drain may sit on the
-       same stream behind them), and leave each peer a "closed" note;
+       same stream behind them);
     2. drain each end's own streams (one deadline for all; a failed end gets
-       :data:`FAILED_TEARDOWN_S`; an end that does not drain is released and drained briefly);
+       :data:`FAILED_TEARDOWN_S`; an end that does not drain is released and drained briefly),
+       then leave the peer a "closed" note (its waits for steps never sent fail at once);
     3. pair barrier with each peer in the store (all posted before any is waited, so a middle
        stage closing both of its transports cannot deadlock);
     4. close peer mappings;  5. pair barrier again;  6. free buffers.
@@ -1083,9 +1084,6 @@ def close_all(transports: Sequence[Transport], timeout_s: float | None = None) -
                 t._release_waits()
             except Exception as exc:  # noqa: BLE001
                 log.debug("release of a failed end: %s", exc)
-        if t.signals is not None:
-            t.signals.leave("closed its end" if t._error is None else
-                            f"closed its end after {type(t._error).__name__}: {t._error}")
     for t in todo:
         budget = deadline - time.monotonic()
         if t._error is not None:
@@ -1110,6 +1108,9 @@ def close_all(transports: Sequence[Transport], timeout_s: float | None = None) -
             pass
         with t._wd_lock:
             t._wd.clear()
+        if t.signals is not None:    # after the drain: everything this end published has landed
+            t.signals.leave("closed its end" if t._error is None else
+                            f"closed its end after {type(t._error).__name__}: {t._error}")
 
     met = {id(t): True for t in todo}
 
