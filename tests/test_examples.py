@@ -30,7 +30,7 @@ def test_example_on_host(script, args, expect):
 @pytest.mark.gpu
 @pytest.mark.parametrize("script, args, expect", [
     ("pp_two_stage.py", (), "PASS"),
-    ("kv_handoff.py", ("--isl", "32768"), "wrong bytes: 0"),
+    ("kv_handoff.py", ("--tokens", "32768"), "wrong bytes: 0"),
 ])
 def test_example_on_cuda(script, args, expect):
     from conftest import platform_reason

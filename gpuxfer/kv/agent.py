@@ -1231,6 +1231,13 @@ class KVAgent(Closable):
             _check_range(s, ls, f"request {name!r}, group {g!r}, source ({'local' if op == 'push' else 'remote'})")
             _check_range(d, ld, f"request {name!r}, group {g!r}, destination "
                                 f"({'remote' if op == 'push' else 'local'})")
+            if rs == rd == 1 and len(s) > 1:
+                # copies run in the order of the peer's blocks: programs running together touch
+                # neighbouring peer memory (the fastest order measured for the descriptor-copy kernel);
+                # the order of the copies is free, no two destinations overlap. The pack engine's two
+                # sides must agree on it: both take the source's.
+                order = np.argsort(s if op == "pull" or self.engine == "pack" else d, kind="stable")
+                s, d = s[order], d[order]
             n_seg[gi], src_ids[gi], dst_ids[gi] = n, s, d
         for cls in route.dst_classes:
             ids = [dst_ids[gi] for gi in cls if dst_ids[gi].size]
@@ -1272,17 +1279,27 @@ class KVAgent(Closable):
         else:
             dev_req = host
             out = torch.zeros((max(n_rows, 1), 3), dtype=torch.int64)
-        launches, nbytes = [], 0
+        spans, nbytes = [], 0          # (first row, end row, segment bytes) of each size present
         for a, b, seg_bytes in route.classes:
             r0, r1 = int(row_start[a]), int(row_start[b])
             if r1 > r0:
-                cfg = kl.choose_config(seg_bytes)
-                progs = max(1, min(kl.default_programs(dev, cfg), -(-(r1 - r0) // cfg.rows)))
-                launches.append((r0, r1, seg_bytes, progs))
+                spans.append((r0, r1, seg_bytes))
                 nbytes += (r1 - r0) * seg_bytes
+        # one copy launch per tiling: neighbouring sizes the kernel tiles alike share a launch
+        merged: list[list] = []
+        for r0, r1, c in spans:
+            key = (kl.choose_config(c), kl.choose_config(c, few_programs=True))
+            if merged and merged[-1][3] == key and merged[-1][1] == r0:
+                merged[-1][1] = r1
+            else:
+                merged.append([r0, r1, c, key])
+        launches = []
+        for r0, r1, c, (cfg, _) in merged:
+            progs = max(1, min(kl.default_programs(dev, cfg), -(-(r1 - r0) // cfg.rows)))
+            launches.append((r0, r1, c, progs))
         if self.engine == "pack":
             chunks = []
-            for r0, r1, c, _ in launches:
+            for r0, r1, c in spans:
                 if c > self.slot_bytes:
                     raise BadInput(f"request {name!r}: {c}-byte segments do not fit the pack engine's "
                                    f"{self.slot_bytes}-byte staging slots")
