@@ -585,3 +585,25 @@ def test_the_watchdog_never_aborts_interpreter_exit(tmp_path):
     for _ in range(2):
         proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_pair_signals_in_a_store(tmp_path):
+    """Barriers and "gone" notes between the two ends of a pair, in one store: a barrier nobody meets
+    ends at its deadline and breaks nothing; a note is read without waiting."""
+    import time
+
+    import torch.distributed as dist
+
+    from gpuxfer.pp.transport import PairSignals
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    a, b = PairSignals(store, "p/1", 0, 1), PairSignals(store, "p/1", 1, 0)
+    other = PairSignals(store, "p/2", 0, 1)          # another pair: keys never mix
+    t0 = time.monotonic()
+    assert a.post("x") and not a.finish("x", time.monotonic() + 0.3)
+    assert 0.25 < time.monotonic() - t0 < 10
+    assert b.post("x") and a.finish("x", time.monotonic() + 5) and b.finish("x", time.monotonic() + 5)
+    assert not other.finish("x", time.monotonic() + 0.05)
+    assert a.peer_gone() is None
+    b.leave("failed with ProtocolError: bad shape")
+    assert a.peer_gone() == "failed with ProtocolError: bad shape" and b.peer_gone() is None
+    assert other.peer_gone() is None

@@ -536,10 +536,17 @@ class PairSignals:
             return False
 
     def finish(self, label: str, deadline: float) -> bool:
+        """Poll for the peer's key until ``deadline`` (polls, not ``store.wait``: a client's blocking wait
+        holds its connection, and the watchdog reads "gone" notes through the same store)."""
         key = self._key(label, self.peer)
+        nap = 1e-3
         try:
-            self.store.wait([key], timedelta(seconds=max(0.05, deadline - time.monotonic())))
-        except Exception:  # noqa: BLE001 - a timeout or a dead store: the caller logs and carries on
+            while not self.store.check([key]):
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(nap)
+                nap = min(2 * nap, 0.02)
+        except Exception:  # noqa: BLE001 - a dead store: the caller logs and carries on
             return False
         try:
             self.store.delete_key(key)     # seen: the peer posted it, nobody reads it again
