@@ -256,6 +256,7 @@ class SpecTable:
         self.slot_bytes = max(ALIGN, sum(_align(n) for n in self.max_nbytes))
         self.meta_len = 4 + len(names) * (1 + MAX_NDIM)
         self._layouts: dict[tuple, Layout] = {}
+        self._decoded: dict[tuple, tuple] = {}     # metadata body -> checked shapes
 
     def digest(self) -> tuple:
         """What both ends of a pair must agree on (compared at setup)."""
@@ -421,6 +422,10 @@ class SpecTable:
             raise BadInput(f"rank {rank}: rank {peer} refused its input for step {step}{which}: "
                            f"{_REFUSALS.get(vals[2], 'unknown reason')}; nothing was sent and the step "
                            f"was not consumed on either side")
+        body = tuple(vals[4:])
+        known = self._decoded.get(body)       # shapes seen (and checked) before: the per-step path
+        if known is not None:
+            return known
         shapes, pos, total = [], 4, 0
         for i, name in enumerate(self.names):
             nd = vals[pos]
@@ -440,7 +445,10 @@ class SpecTable:
         if total > self.slot_bytes:       # implied by the per-tensor checks; kept as the last line of defence
             raise ProtocolError(f"rank {rank}: rank {peer}'s step {step} needs {total} B, its slot holds "
                                 f"{self.slot_bytes} B")
-        return tuple(shapes)
+        if len(self._decoded) > 4096:      # shapes vary per step (token counts): keep the cache bounded
+            self._decoded.clear()
+        shapes = self._decoded[body] = tuple(shapes)
+        return shapes
 
 
 # --------------------------------------------------------------------------- CPU channel
