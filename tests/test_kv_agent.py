@@ -568,7 +568,7 @@ def test_host_export_range(plat):
 # ----------------------------------------------------------------------------- two processes
 
 
-def _side(rank, world, init, platform_name, op, carve):
+def _side(rank, world, init, platform_name, op, carve, engine="triton"):
     """One side of a two-process hand-off: vLLM-shaped caches allocated by torch (CUDA) or carved from a
     shared-memory buffer (host), metadata bytes swapped through a gloo group, every byte checked."""
     import datetime
@@ -598,7 +598,7 @@ def _side(rank, world, init, platform_name, op, carve):
         g = torch.Generator().manual_seed(rank)
         for t in caches.values():
             t.copy_(torch.randn(shape, generator=g).to(torch.bfloat16))
-        agent = KVAgent(f"rank{rank}", platform=plat, device=device)
+        agent = KVAgent(f"rank{rank}", platform=plat, device=device, engine=engine)
         keep.append(agent)
         agent.register_kv_caches(caches, bt, group="full")
         blobs = [None, None]
@@ -610,7 +610,11 @@ def _side(rank, world, init, platform_name, op, carve):
             again.close()
         src_ids, dst_ids = [5, 0, 3], [1, 4, 2]
         initiator = 1 if op == "pull" else 0
-        if rank == initiator:
+        if engine == "pack":            # two-sided: the source pushes, the destination pulls, both post
+            mine, theirs = (src_ids, dst_ids) if rank == 0 else (dst_ids, src_ids)
+            agent.transfer(peer, "push" if rank == 0 else "pull", local_blocks={"full": mine},
+                           remote_blocks={"full": theirs}).wait(60)
+        elif rank == initiator:
             mine, theirs = (dst_ids, src_ids) if op == "pull" else (src_ids, dst_ids)
             h = agent.transfer(peer, op, local_blocks={"full": mine}, remote_blocks={"full": theirs}, notify_slot=0)
             h.wait(60)
@@ -632,19 +636,20 @@ def _side(rank, world, init, platform_name, op, carve):
         plat.close()
 
 
-@pytest.mark.parametrize("op", ["pull", "push"])
-def test_two_processes_host(spawner, op):
-    assert spawner.run_ranks(_side, 2, "host", op, True, timeout=180) == ["ok", "ok"]
+@pytest.mark.parametrize("op, engine", [("pull", "triton"), ("push", "triton"), ("push", "pack")])
+def test_two_processes_host(spawner, op, engine):
+    assert spawner.run_ranks(_side, 2, "host", op, True, engine, timeout=180) == ["ok", "ok"]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op, carve", [("pull", True), ("push", False)])
-def test_two_processes_one_cuda_device(spawner, op, carve):
+@pytest.mark.parametrize("op, carve, engine", [("pull", True, "triton"), ("push", False, "triton"),
+                                               ("push", True, "pack"), ("pull", True, "copy_engine")])
+def test_two_processes_one_cuda_device(spawner, op, carve, engine):
     from conftest import platform_reason
     why = platform_reason("cuda")
     if why:
         pytest.skip(why)
-    assert spawner.run_ranks(_side, 2, "cuda", op, carve, timeout=240) == ["ok", "ok"]
+    assert spawner.run_ranks(_side, 2, "cuda", op, carve, engine, timeout=240) == ["ok", "ok"]
 
 
 def _expandable_child():
@@ -762,3 +767,44 @@ def test_pack_needs_staging_on_both_sides(plat, pack_pair):
                 big.close()
     finally:
         tri.close()
+
+
+# ----------------------------------------------------------------------------- the copy_engine engine
+
+
+@pytest.mark.parametrize("op", ["pull", "push"])
+def test_copy_engine_moves_tokens_and_matches_the_kernel(plat, op):
+    """copy_engine expands on the host (its driver API takes host arrays): the same descriptors as the
+    device expansion, the same bytes, different block sizes included."""
+    a0, a1 = Arena(plat, 0), Arena(plat, 1)
+    agents = {}
+    try:
+        for eng in ("copy_engine", "triton"):
+            agents[eng] = (KVAgent(f"p-{eng}", platform=plat, device=0, engine=eng),
+                           KVAgent(f"d-{eng}", platform=plat, device=1, engine=eng))
+        src = a0.tensor((2, 8, 8, 3, 2), torch.float16, seed=5)
+        dst = a1.tensor((2, 32, 2, 3, 2), torch.float16, seed=6)
+        s_ids, d_ids = [3, 6], [9, 1, 30, 4, 7, 0, 12, 2]
+        expect = _token_oracle(src, dst, s_ids, d_ids, 8, 2, kv_first=True)
+        got = {}
+        for eng, (pre, dec) in agents.items():
+            pre.register_group("g", 8, {"l": src})
+            dec.register_group("g", 2, {"l": dst})
+            if op == "pull":
+                x = dec.prepare(dec.add_peer(pre.metadata()), "pull", local_blocks={"g": d_ids},
+                                remote_blocks={"g": s_ids})
+            else:
+                x = pre.prepare(pre.add_peer(dec.metadata()), "push", local_blocks={"g": s_ids},
+                                remote_blocks={"g": d_ids})
+            got[eng] = x.expanded_descriptors()
+            if eng == "copy_engine":
+                x.post().wait(60)
+                assert np.array_equal(dst.numpy().view(np.uint8), expect.view(np.uint8))
+        key = lambda a: a[np.lexsort((a[:, 2], a[:, 1], a[:, 0]))]   # noqa: E731
+        assert np.array_equal(key(got["copy_engine"]), key(got["triton"]))
+    finally:
+        for pre, dec in agents.values():
+            dec.close()
+            pre.close()
+        a0.close()
+        a1.close()

@@ -115,7 +115,7 @@ _FREE = NOTIFY_SLOTS + 1                    # pack: chunks the peer's destinatio
 _CTRL_WORDS = NOTIFY_SLOTS + 8
 _CTRL_BYTES = _CTRL_WORDS * 8
 #: the engines the agent runs
-AGENT_ENGINES = ("triton", "pack")
+AGENT_ENGINES = ("triton", "pack", "copy_engine")
 #: the pack engine's staging: slots x bytes (the host emulation's are smaller)
 PACK_SLOTS = 2
 PACK_SLOT_BYTES = 32 << 20
@@ -573,6 +573,7 @@ class _Route:
     limits: list[tuple[int, int]]                # per group: (src blocks, dst blocks)
     dst_classes: list[list[int]]                 # groups whose destination memory overlaps
     planes: Any                                  # (P, PLANE_FIELDS) int64 on the device
+    table: np.ndarray                            # the same on the host
     plane_group: np.ndarray                      # (P,) group of each plane
     classes: list[tuple[int, int, int]]          # (first plane, end plane, segment bytes), planes sorted by size
     src_anchor: Any
@@ -712,11 +713,14 @@ class KVTransfer:
         self._host_req, self._dev_req, self._out = host_req, dev_req, out
         self._buffers = (host_req, dev_req, out)
         self._req_bytes = int(host_req.numel()) * 8
+        self._build_launches(max_segments, launches)
+
+    def _build_launches(self, max_segments: int, launches: list) -> None:
+        """The checks and tilings, once: a post only launches."""
         from ..kernels.blocks import expand_launcher
         from ..kernels.launch import copy_launcher
-        r = route
-        # the checks and tilings, once: a post only launches
-        self._expand_launch = expand_launcher(r.planes, dev_req, out, n_groups=len(r.groups),
+        r, out = self.route, self._out
+        self._expand_launch = expand_launcher(r.planes, self._dev_req, out, n_groups=len(r.groups),
                                               max_segments=max_segments)
         self._copy_launches = [f for f in (copy_launcher(r.src_anchor, r.dst_anchor, out, start=a, end=b,
                                                          nbytes_hint=hint, num_programs=progs)
@@ -879,6 +883,60 @@ class _PackTransfer(KVTransfer):
         return KVTransferHandle(self, event, s, value)
 
 
+def expand_on_host(table: np.ndarray, request: np.ndarray, n_groups: int) -> np.ndarray:
+    """The expansion kernel's descriptors computed with NumPy, one vector operation per plane (for engines
+    whose driver API takes host arrays). ``request`` must be well formed (:meth:`KVAgent.prepare` builds it)."""
+    P = table.shape[0]
+    head = P + 1
+    n_rows = int(request[P])
+    out = np.zeros((n_rows, 3), dtype=np.int64)
+    for p in range(P):
+        sb, ss, db, ds, seg, g, rs, rd, _, _ = (int(v) for v in table[p])
+        row0, n = int(request[p]), int(request[head + g])
+        if n == 0:
+            continue
+        soff, doff = int(request[head + n_groups + g]), int(request[head + 2 * n_groups + g])
+        j = np.arange(n, dtype=np.int64)
+        out[row0:row0 + n, 0] = sb + request[soff + j // rs] * ss + (j % rs) * seg
+        out[row0:row0 + n, 1] = db + request[doff + j // rd] * ds + (j % rd) * seg
+        out[row0:row0 + n, 2] = seg
+    return out
+
+
+class _CopyEngineTransfer(KVTransfer):
+    """The ``copy_engine`` engine: one-sided, no SM. ``cuMemcpyBatchAsync`` takes host arrays of addresses,
+    so the descriptors are expanded on the host once, at :meth:`KVAgent.prepare` (the per-request setup:
+    one NumPy operation per plane); a post is the batch calls (8,192 copies each) and an event."""
+
+    def _build_launches(self, max_segments: int, launches: list) -> None:
+        r = self.route
+        d = expand_on_host(r.table, self._host_req.numpy(), len(r.groups))
+        self._srcs = np.ascontiguousarray(d[:, 0] + np.int64(r.src_anchor.data_ptr()))
+        self._dsts = np.ascontiguousarray(d[:, 1] + np.int64(r.dst_anchor.data_ptr()))
+        self._sizes = np.ascontiguousarray(d[:, 2])
+
+    def post(self, stream: Stream | None = None) -> KVTransferHandle:
+        agent = self.agent
+        agent._check_usable(self.peer)
+        plat = agent.platform
+        s = agent.stream if stream is None else stream
+        if self._sizes.size:
+            plat.copy_batch_async(s, self._dsts, self._srcs, self._sizes)
+        value = None
+        if self.notify_slot is not None:
+            value = self.peer.next_seq(self.notify_slot)
+            word = self.peer.scratch.ptr + 8 * self.notify_slot
+            plat.write_flag(s, word, value)
+            plat.copy_async(s, self.peer.control_ptr + 8 * self.notify_slot, word, 8)
+        event = plat.record_event(s)
+        return KVTransferHandle(self, event, s, value)
+
+    def expanded_descriptors(self) -> np.ndarray:
+        r = self.route
+        return np.stack([self._srcs - r.src_anchor.data_ptr(), self._dsts - r.dst_anchor.data_ptr(), self._sizes],
+                        axis=1)
+
+
 # ============================================================================ the agent
 
 
@@ -887,7 +945,7 @@ class KVAgent(Closable):
 
     ``platform``: a :class:`~gpuxfer.platforms.base.Platform` (default: ``get_platform()``, owned
     and closed with the agent); ``device``: the local device every transfer runs on; ``engine``:
-    ``"triton"`` (``"auto"`` picks it) or ``"pack"`` (both agents of a pair run it);
+    ``"triton"`` (``"auto"`` picks it), ``"pack"`` (both agents of a pair run it) or ``"copy_engine"``;
     ``timeout_s``: the default of every wait; ``rank``: how errors name this side;
     ``slot_bytes``: the pack engine's staging slot (32 MiB; 1 MiB on the host emulation).
     """
@@ -1167,7 +1225,7 @@ class KVAgent(Closable):
             self.platform.synchronize(self.platform.current_stream(self.device), self.timeout_s)
         assert table.shape[1] == PLANE_FIELDS
         return _Route(op=op, groups=names, splits=splits, limits=limits, dst_classes=_overlap_classes(dst_spans),
-                      planes=planes, plane_group=pg, classes=classes, src_anchor=src_anchor(),
+                      planes=planes, table=table, plane_group=pg, classes=classes, src_anchor=src_anchor(),
                       dst_anchor=dst_anchor())
 
     # ------------------------------------------------------------------ transfers
@@ -1272,13 +1330,13 @@ class KVAgent(Closable):
             h[P + 1 + 2 * G + gi] = at
             h[at:at + dst_ids[gi].size] = dst_ids[gi]
             at += dst_ids[gi].size
-        if pinned:
+        if pinned and self.engine != "copy_engine":
             with torch.cuda.device(dev), torch.cuda.stream(self.stream.torch):
                 dev_req = torch.empty(head + total_ids, dtype=torch.int64, device=dev)
                 out = torch.empty((max(n_rows, 1), 3), dtype=torch.int64, device=dev)
         else:
             dev_req = host
-            out = torch.zeros((max(n_rows, 1), 3), dtype=torch.int64)
+            out = torch.zeros((1 if self.engine == "copy_engine" else max(n_rows, 1), 3), dtype=torch.int64)
         spans, nbytes = [], 0          # (first row, end row, segment bytes) of each size present
         for a, b, seg_bytes in route.classes:
             r0, r1 = int(row_start[a]), int(row_start[b])
@@ -1307,6 +1365,9 @@ class KVAgent(Closable):
                 chunks += [(x, min(x + per, r1), (min(x + per, r1) - x) * c, c) for x in range(r0, r1, per)]
             return _PackTransfer(self, peer, route, op, name, n_seg, host, dev_req, out,
                                  int(n_seg.max()) if G else 0, [], notify_slot, n_rows, nbytes, chunks=chunks)
+        if self.engine == "copy_engine":
+            return _CopyEngineTransfer(self, peer, route, op, name, n_seg, host, host, out, 0, [], notify_slot,
+                                       n_rows, nbytes)
         return KVTransfer(self, peer, route, op, name, n_seg, host, dev_req, out,
                           int(n_seg.max()) if G else 0, launches, notify_slot, n_rows, nbytes)
 
