@@ -241,9 +241,11 @@ def run_kill(spawner, platform_name: str, world: int, sc: dict, tmp_path) -> lis
 KILL_2 = [  # victim role x step kind x metadata channel
     pytest.param({"victim": 1, "backend": "copy_engine", "meta": "mailbox"}, id="recv-inline-mailbox"),
     pytest.param({"victim": 0, "backend": "copy_engine", "meta": "mailbox", "inline_bytes": 0},
-                 id="send-staged-mailbox"),
+                 id="send-staged-mailbox",
+                 marks=pytest.mark.slow),
     pytest.param({"victim": 1, "backend": "copy_engine", "meta": "none", "inline_bytes": 0, "abort": True},
-                 id="recv-staged-none-abort"),
+                 id="recv-staged-none-abort",
+                 marks=pytest.mark.slow),
     pytest.param({"victim": 0, "backend": "copy_engine", "meta": "group"}, id="send-inline-group"),
     pytest.param({"victim": 0, "backend": "nccl", "meta": "group"}, id="send-nccl-group"),
     pytest.param({"victim": 1, "backend": "copy_engine", "meta": "group", "inline_bytes": 0},
@@ -582,7 +584,7 @@ def test_the_watchdog_never_aborts_interpreter_exit(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(_EXIT_PROBE)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    for _ in range(2):
+    for _ in range(1):
         proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
 
