@@ -391,6 +391,14 @@ def late_session(rank: int, world: int, init_method: str, platform_name: str) ->
             time.sleep(2 * LATE)
             conn.close()
         dist.barrier()                     # the caller's group still works
+    # metadata over the CPU group (its own two-rank group): a receive that times out closes that group's
+    # pair, not the caller's
+    with _conn(plat, device, rank, timeout_s=LATE, meta_channel="group") as conn:
+        if rank == 1:
+            with pytest.raises(TransferTimeout, match="metadata"):
+                conn.receiver().recv()
+            out["group metadata: timeout"] = True
+    dist.barrier()
     conn = _conn(plat, device, rank)       # and so does a new connection over it
     with conn:
         if rank == 0:
@@ -405,8 +413,8 @@ def late_session(rank: int, world: int, init_method: str, platform_name: str) ->
 
 
 def test_late_close_leaves_the_group_usable(spawner, platform_name):
-    sender, _ = spawner.run_ranks(late_session, 2, platform_name, timeout=120)
-    assert sender["after a timeout: timeout"]
+    sender, receiver = spawner.run_ranks(late_session, 2, platform_name, timeout=120)
+    assert sender["after a timeout: timeout"] and receiver["group metadata: timeout"]
     for case in ("healthy", "after a timeout"):
         assert sender[f"{case}: close_s"] < LATE + 5.0, sender
     print(f"\nlate close: {sender}")

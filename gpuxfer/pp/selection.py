@@ -420,6 +420,7 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
                                         rank, t.peer)
     try:
         _setup_mailboxes(exchange, infos, ends, tag_of, nonce, rank, meta_mode)
+        _setup_pair_groups(ends, tag_of, nonce, rank)
     except SetupFailed:
         _discard(ends)
         raise
@@ -632,6 +633,33 @@ def _setup_peer_memory(name, exchange, infos, my_pairs, common, tag_of, nonce, *
             log.warning("rank %d: freeing %s buffers after a failed setup: %s", rank, name, exc)
         t._state = "closed"
     return False, failed, []
+
+
+def _setup_pair_groups(ends, tag_of, nonce: int, rank: int) -> None:
+    """Give each pair whose metadata travels over the CPU group a two-rank gloo group of its own, so a
+    metadata wait that times out (gloo then closes the pair) never breaks the caller's group.
+
+    Made through the default group's store, pair by pair in one global order (sorted by (sender,
+    receiver)), so no two ranks wait on each other's later pair; the sender is rank 0 of its pair.
+    """
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+    from datetime import timedelta
+
+    def pair_of(t):
+        return (t.rank, t.peer) if t.role == "send" else (t.peer, t.rank)
+
+    todo = sorted((t for t in ends if t.metadata and t.meta is t.channel), key=pair_of)
+    for t in todo:
+        pair = pair_of(t)
+        store = dist.PrefixStore(f"gpuxfer-pp/{nonce:x}/{tag_of[pair]:x}/group", _get_default_store())
+        try:
+            pg = dist.ProcessGroupGloo(store, 0 if t.role == "send" else 1, 2,
+                                       timedelta(seconds=min(t.timeout_s, 120.0)))
+        except RuntimeError as exc:
+            raise SetupFailed(f"rank {rank}: pp connect: the metadata group of the pair {pair[0]} -> {pair[1]} "
+                              f"could not be made: rank {t.peer} died or left connect() ({exc})") from exc
+        t.channel.use_pair_group(pg, 1 if t.role == "send" else 0)
 
 
 def _discard(ends) -> None:

@@ -455,13 +455,14 @@ class SpecTable:
 
 
 class CpuChannel:
-    """Tagged metadata messages to one peer over the CPU (gloo) group.
+    """Tagged metadata messages to one peer over a CPU (gloo) group.
 
     gloo's timed ``wait`` closes the pair on timeout, so a timed-out channel is
-    dead; the transport is then broken anyway (TransferTimeout is final). A
-    metadata wait that times out therefore also closes that pair of the caller's
-    group: pairs on one host use the mailbox instead, and a group of its own
-    (``connect(group=dist.new_group(backend="gloo"))``) keeps the caller's intact.
+    dead; the transport is then broken anyway (TransferTimeout is final). To keep
+    the caller's group out of that, :func:`~gpuxfer.pp.selection.connect` gives
+    each pair whose metadata travels this way a two-rank gloo group of its own
+    (:meth:`use_pair_group`); without one (a transport made by hand) messages go
+    over ``group`` with global ranks.
     """
 
     RING = 4
@@ -470,6 +471,7 @@ class CpuChannel:
     def __init__(self, group, peer: int, tag_base: int, meta_len: int):
         import torch
         self.group, self.peer, self.tag_meta, self.tag_barrier = group, peer, tag_base, tag_base + 1
+        self._pair: tuple | None = None      # (a two-rank gloo ProcessGroup, the peer's rank in it)
         self._ring = [torch.zeros(meta_len, dtype=torch.int64) for _ in range(self.RING)]
         self.send_buffers = [t.numpy() for t in self._ring]
         self._works: list = [None] * self.RING
@@ -485,16 +487,33 @@ class CpuChannel:
             self._works[i] = None
         return i
 
+    def use_pair_group(self, pg, peer_rank: int) -> None:
+        """Send and receive over ``pg`` (two ranks; the peer is ``peer_rank`` in it) from now on."""
+        self._pair = (pg, peer_rank)
+
     def send(self, i: int) -> None:
-        import torch.distributed as dist
-        self._works[i] = dist.isend(self._ring[i], dst=self.peer, group=self.group, tag=self.tag_meta)
+        if self._pair is not None:
+            pg, dst = self._pair
+            self._works[i] = pg.send([self._ring[i]], dst, self.tag_meta)
+        else:
+            import torch.distributed as dist
+            self._works[i] = dist.isend(self._ring[i], dst=self.peer, group=self.group, tag=self.tag_meta)
         self._i += 1
 
     def recv(self, timeout_s: float, cancelled=None) -> np.ndarray:
-        import torch.distributed as dist
-        w = dist.irecv(self._recv_buf, src=self.peer, group=self.group, tag=self.tag_meta)
+        if self._pair is not None:
+            pg, src = self._pair
+            w = pg.recv([self._recv_buf], src, self.tag_meta)
+        else:
+            import torch.distributed as dist
+            w = dist.irecv(self._recv_buf, src=self.peer, group=self.group, tag=self.tag_meta)
         w.wait(timeout=timedelta(seconds=timeout_s))
         return self.recv_np
+
+    def close(self) -> None:
+        """Drop the pair group (its gloo threads end with it). Idempotent."""
+        self._works = [None] * self.RING
+        self._pair = None
 
     def drain(self, timeout_s: float) -> None:
         for i, w in enumerate(self._works):
@@ -903,6 +922,7 @@ class Transport(abc.ABC):
     def _close_meta(self) -> None:
         if self.meta is not self.channel:
             self.meta.close()
+        self.channel.close()
 
     def _materialize(self, rcv: Received) -> None:
         if rcv._tensors is not None:
