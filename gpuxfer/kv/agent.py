@@ -112,6 +112,7 @@ _MAX_PIECES = 16
 NOTIFY_SLOTS = 64                           # notification words per agent
 _AVAIL = NOTIFY_SLOTS                       # pack: chunks the peer's source has copied into our staging
 _FREE = NOTIFY_SLOTS + 1                    # pack: chunks the peer's destination has unpacked from its staging
+_GO = NOTIFY_SLOTS + 2                      # pack: transfers the peer's destination has posted
 _CTRL_WORDS = NOTIFY_SLOTS + 8
 _CTRL_BYTES = _CTRL_WORDS * 8
 #: the engines the agent runs
@@ -498,6 +499,7 @@ class KVPeer(Closable):
         self._seq = [0] * NOTIFY_SLOTS
         self.pack_sent = 0                  # pack chunks this agent's source copied to the peer
         self.pack_recv = 0                  # pack chunks this agent's destination unpacked from the peer
+        self.pack_posts = 0                 # pack transfers posted with the peer (both sides count alike)
         plat, dev = agent.platform, agent.device
         try:
             local = _LOCAL_AGENTS.get(meta.uid) if meta.pid == os.getpid() else None
@@ -796,6 +798,7 @@ class _PackTransfer(KVTransfer):
 
         source stream                                  destination stream
         upload, expand                                 upload, expand
+        wait GO >= m (the m-th transfer)  <----------  signal the source: GO := m
         chunk n: [wait FREE >= n - slots]              chunk n: wait AVAIL >= n
                  pack -> own slot                               unpack own slot -> blocks
                  copy slot -> peer's slot                       signal the source: FREE := n
@@ -853,6 +856,11 @@ class _PackTransfer(KVTransfer):
         self._upload(s)
         plat.launch(s, self._kernels)
         ctrl, slot_bytes = agent.control.ptr, agent.slot_bytes
+        peer.pack_posts += 1
+        if self.source:                 # nothing moves before the destination has posted its side
+            plat.wait_flag(s, ctrl + 8 * _GO, peer.pack_posts)
+        else:
+            self._signal(s, _GO, peer.pack_posts)
         first = peer.pack_sent if self.source else peer.pack_recv
         seq = first
         for i, (nbytes, fns) in enumerate(self._chunks):

@@ -19,7 +19,7 @@ from . import engines as E
 from .agent import KVAgent, KVTransfer, layout_groups
 from .blocktable import burst_tables
 
-__all__ = ["AgentTritonEngine"]
+__all__ = ["AgentTritonEngine", "AgentPackEngine"]
 
 
 class AgentTritonEngine(E.TritonEngine):
@@ -37,6 +37,8 @@ class AgentTritonEngine(E.TritonEngine):
         self._register_ms: float | None = None
         self._extra: dict = {}
 
+    agent_engine = "triton"
+
     def _agent_for(self, layout) -> None:
         """An agent whose groups are ``layout`` over this side's pool, paired with the peer's (collective)."""
         if self._layout is layout or (self._layout is not None and self._layout.as_dict() == layout.as_dict()):
@@ -47,7 +49,8 @@ class AgentTritonEngine(E.TritonEngine):
             self.agent = self.peer = None
         side = self.side
         agent = KVAgent(f"bench-{side.role.serving_name}", platform=self.platform, device=side.device,
-                        timeout_s=side.timeout_s, rank=side.rank)
+                        timeout_s=side.timeout_s, rank=side.rank, engine=self.agent_engine,
+                        slot_bytes=self.options.pack_chunk_bytes)
         try:
             for name, block_tokens, layers in layout_groups(layout, self.platform.as_tensor(side.pool)):
                 agent.register_group(name, block_tokens, layers)
@@ -103,3 +106,32 @@ class AgentTritonEngine(E.TritonEngine):
         if self.agent is not None:
             self.agent.close()
         self.agent = self.peer = self._layout = None
+
+
+class AgentPackEngine(AgentTritonEngine):
+    """``pack-api``: the KV API's two-sided pack engine (:class:`~gpuxfer.kv.agent._PackTransfer`): both sides
+    post every request, the source ``push``, the destination ``pull``; the source waits for the
+    destination's post before it moves anything. One stream per side (``pack`` pipelines over three)."""
+
+    name = "pack-api"
+    agent_engine = "pack"
+    description = ("KVAgent's pack engine: both sides post by block ID; pack into a staging slot, one copy-engine copy "
+                   "per chunk into the peer's slot, unpack; one stream per side")
+    uses_sms = "both GPUs, local HBM only"
+
+    def prepare(self, burst: E.Burst, direction: str):
+        pb = getattr(burst, "source", None)
+        if pb is None:
+            raise BadInput("pack-api moves bursts by block ID: build the burst with Burst.from_plan")
+        p = self._new_prepared(burst, direction, active=True)       # both sides work
+        self._agent_for(pb.src_layout)
+        self._extra = {"register_ms": self._register_ms}
+        src = burst_tables(pb.src_layout, pb.isl_tokens, pb.batch, seed=pb.seed, side="src", order=pb.order)
+        dst = burst_tables(pb.dst_layout, pb.isl_tokens, pb.batch, seed=pb.seed, side="dst", order=pb.order)
+        source = self.side.role is E.Role.SOURCE
+        mine, theirs = (src, dst) if source else (dst, src)
+        t0 = time.perf_counter()
+        p.state = [self.agent.prepare(self.peer, "push" if source else "pull", local_blocks=mine[r],
+                                      remote_blocks=theirs[r], name=f"request {r}") for r in range(pb.batch)]
+        self._extra["setup_us"] = (time.perf_counter() - t0) * 1e6 / pb.batch
+        return p

@@ -1266,6 +1266,7 @@ class PackEngine(Engine):
 ENGINES: dict[str, str | type] = {
     "bulk": "gpuxfer.kv.engines:BulkEngine",
     "triton": "gpuxfer.kv.agent_engine:AgentTritonEngine",
+    "pack-api": "gpuxfer.kv.agent_engine:AgentPackEngine",
     "pack": "gpuxfer.kv.engines:PackEngine",
     "copy_engine": "gpuxfer.kv.engines:CopyEngineEngine",
     # optional libraries (imported only when the engine is built; engine_report says why one cannot run)
