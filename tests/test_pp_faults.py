@@ -233,7 +233,8 @@ def run_kill(spawner, platform_name: str, world: int, sc: dict, tmp_path) -> lis
     for res in results:
         assert res["timeout"], res                      # TransferTimeout (PeerLost is one)
         assert res["error_s"] < BOUND, res
-        assert res["exit_s"] < BOUND + 3.0, res         # + interpreter and process-group teardown
+        assert res["done_s"] < BOUND, res               # error, stream sync, close/abort, group destroyed
+        assert res["exit_s"] < BOUND + 15.0, res        # + interpreter teardown (seconds on loaded cores)
         assert res["sync_s"] < 2.0, res
     return results
 

@@ -310,7 +310,11 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
     ``timeout_s`` (default ``$GPUXFER_PP_TIMEOUT_S`` or 300; finite, > 0) bounds every
     wait; ``on_timeout`` (``raise`` | ``exit``, default ``$GPUXFER_PP_ON_TIMEOUT`` or
     ``raise``) is what a failed transport does (see :mod:`gpuxfer.pp.transport`).
-    A rank that dies during setup makes the others raise :class:`SetupFailed`.
+    A rank that dies during setup makes the others raise :class:`SetupFailed`. Pairs
+    whose metadata travels over the CPU group get a two-rank gloo group of their own
+    (a timed-out gloo wait closes the pair it waited on); teardown barriers are keys in
+    the store: the caller's group carries only the setup exchanges (and, on the host
+    emulation, the nccl backend's data).
     """
     import torch.distributed as dist
 
