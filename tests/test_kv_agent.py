@@ -561,6 +561,10 @@ def test_host_export_range(plat):
         with pytest.raises(NotExportable):
             plat.export_range(torch.zeros(8).data_ptr(), 8, 0)
         assert plat.allocation_range(torch.zeros(8).data_ptr(), 0) is None
+        from gpuxfer.platforms.base import Platform        # the contract's defaults: nothing but alloc's buffers
+        with pytest.raises(NotExportable, match="can only export buffers it allocated"):
+            Platform.export_range(plat, buf.ptr, 8, 0)
+        assert Platform.allocation_range(plat, buf.ptr, 0) is None
     finally:
         buf.close()
 

@@ -387,6 +387,20 @@ def test_export_open_round_trip_through_pickle(plat, fhip):
     assert len(fhip.named("hipFree")) == 1
 
 
+def test_a_second_open_shares_the_mapping(plat, fhip):
+    """HIP maps an allocation once per device: a second open of its handle shares the first mapping, and
+    only the last close unmaps it."""
+    buf = plat.alloc(4096, 1)
+    foreign = IpcHandle("rocm", 1, 4096, buf.export().payload, owner_pid=os.getpid() + 1)
+    m1, m2 = plat.open_handle(foreign, 0), plat.open_handle(foreign, 0)
+    assert m1.ptr == m2.ptr and len(fhip.named("hipIpcOpenMemHandle")) == 1
+    m1.close()
+    assert not fhip.named("hipIpcCloseMemHandle") and plat.is_peer_address(m2.ptr + 100)
+    m2.close()
+    assert len(fhip.named("hipIpcCloseMemHandle")) == 1 and not plat.is_peer_address(m2.ptr + 100)
+    buf.close()
+
+
 def test_open_own_handle_or_foreign_platform_refused(plat):
     buf = plat.alloc(64, 0)
     with pytest.raises(BadInput, match="exported it"):

@@ -408,6 +408,7 @@ class RocmPlatform(Platform):
         self._hsa = hsa
         self._lock = threading.RLock()
         self._peer_ranges: dict[int, int] = {}          # start -> end of opened peer mappings
+        self._ipc_open: dict[tuple[int, bytes], list] = {}  # (device, handle) -> [mapped pointer, open count]
         self._own: dict[int, tuple[int, int]] = {}      # ptr -> (device, nbytes) of our allocations
         self._stream_ops_ok: dict[int, bool] = {}
         self._info: dict[int, DeviceInfo] = {}
@@ -671,6 +672,15 @@ class RocmPlatform(Platform):
         if handle.owner_pid == os.getpid():
             raise BadInput("cannot open an IPC handle in the process that exported it (HIP returns "
                            "hipErrorInvalidContext): use the DeviceBuffer itself")
+        # an allocation's handle is opened once per device: a second open shares the first mapping
+        # (counted), and the last close unmaps it
+        key = (device, bytes(handle.payload))
+        with self._lock:
+            entry = self._ipc_open.get(key)
+            if entry is not None:
+                entry[1] += 1
+                self._peer_ranges[entry[0]] = max(self._peer_ranges.get(entry[0], 0), entry[0] + handle.nbytes)
+                return PeerMapping(self, device, entry[0], handle, impl=key)
         h = handle_from_bytes(self.hip, handle.payload)
         with self._on_device(device):
             p = hip_first(self._api("hipIpcOpenMemHandle", h, HIP_IPC_MEM_LAZY_ENABLE_PEER_ACCESS,
@@ -679,10 +689,17 @@ class RocmPlatform(Platform):
         ptr = int(p)
         with self._lock:
             self._peer_ranges[ptr] = ptr + handle.nbytes
-        return PeerMapping(self, device, ptr, handle, impl=p)
+            self._ipc_open[key] = [ptr, 1]
+        return PeerMapping(self, device, ptr, handle, impl=key)
 
     def _close_mapping(self, mapping: PeerMapping) -> None:
         with self._lock:
+            entry = self._ipc_open.get(mapping.impl)
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] > 0:
+                    return
+                del self._ipc_open[mapping.impl]
             self._peer_ranges.pop(mapping.ptr, None)
         with self._on_device(mapping.device):
             self._api("hipIpcCloseMemHandle", mapping.ptr,
