@@ -752,6 +752,22 @@ def test_pack_without_the_source_times_out_naming_the_request(pack_pair):
     h.wait(60)
 
 
+def test_pack_goes_to_one_peer(plat, pack_pair):
+    pre, dec, a0, a1 = pack_pair
+    other = KVAgent("other", platform=plat, device=1, engine="pack", slot_bytes=512)
+    try:
+        for ag, ar in ((pre, a0), (dec, a1), (other, a1)):
+            ag.register_group("g", 4, [ar.tensor((4, 4, 8))])
+        p1, p2 = pre.add_peer(dec.metadata()), pre.add_peer(other.metadata())
+        x = pre.prepare(p1, "push", local_blocks={"g": [0]}, remote_blocks={"g": [1]})
+        dec.prepare(dec.add_peer(pre.metadata()), "pull", local_blocks={"g": [1]}, remote_blocks={"g": [0]}).post()
+        x.post().wait(60)
+        with pytest.raises(BadInput, match="another peer"):
+            pre.prepare(p2, "push", local_blocks={"g": [0]}, remote_blocks={"g": [1]}).post()
+    finally:
+        other.close()
+
+
 def test_pack_needs_staging_on_both_sides(plat, pack_pair):
     pre, dec, a0, a1 = pack_pair
     tri = KVAgent("tri", platform=plat, device=1)

@@ -838,6 +838,7 @@ class _PackTransfer(KVTransfer):
         torch = _torch()
         if self._expand_launch is not None:
             self._expand_launch()
+        self._offsets[:1].zero_()           # on the posting stream: nothing else orders it before the packs
         torch.cumsum(self._out[:, 2], 0, out=self._offsets[1:])
 
     def _signal(self, s: Stream, index: int, value: int) -> None:
@@ -851,6 +852,10 @@ class _PackTransfer(KVTransfer):
         data has landed on the destination."""
         agent, peer = self.agent, self.peer
         agent._check_usable(peer)
+        if agent._pack_peer not in (None, peer.meta.uid):
+            raise BadInput(f"agent {agent.name!r} already runs pack transfers with another peer: its control "
+                           "words hand chunks to one peer (use one agent per pack peer)")
+        agent._pack_peer = peer.meta.uid
         plat = agent.platform
         s = agent.stream if stream is None else stream
         self._upload(s)
@@ -989,6 +994,7 @@ class KVAgent(Closable):
         self._routes: dict[tuple, _Route] = {}
         self._names = itertools.count()
         self._inflight: collections.deque = collections.deque()     # (event, buffers) of posted transfers
+        self._pack_peer: str | None = None                          # the one peer pack transfers go to
         self.control: DeviceBuffer | None = None
         self.staging: DeviceBuffer | None = None
         self.stream: Stream | None = None
