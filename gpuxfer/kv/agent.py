@@ -87,8 +87,8 @@ import struct
 import threading
 import uuid
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
