@@ -321,6 +321,25 @@ def misc_session(rank: int, world: int, init_method: str, platform_name: str) ->
             for k, g in enumerate(got, 1):
                 check_equal(g, step_tensors(SEED, 0, k, "cpu"), f"step {k}")
             out["A"] = r.step
+    # A2. the same with recv_views: the slot lent with the last step's views counts against the limit
+    with _conn(plat, device, rank, recv_views=True) as conn:
+        if rank == 0:
+            for k in range(1, 7):
+                conn.sender().send(step_tensors(SEED, 0, k, dev))
+            conn.synchronize()
+        else:
+            r = conn.receiver()
+            got = r.recv().tensors                 # step 1's views: its slot is lent until the next access
+            _sync_current_stream(plat, device)
+            check_equal(got, step_tensors(SEED, 0, 1, "cpu"), "step 1")
+            pending = [r.recv() for _ in range(2)]
+            with pytest.raises(BadInput, match="2 earlier receives not yet accessed"):
+                r.recv()
+            for k in range(2, 7):
+                got = (pending.pop(0) if pending else r.recv()).tensors
+                _sync_current_stream(plat, device)
+                check_equal(got, step_tensors(SEED, 0, k, "cpu"), f"step {k} (views)")
+            out["A2"] = r.step
     # B. a sender's forged metadata: the receiver refuses it before any view or copy (ProtocolError),
     # and the sender learns why instead of timing out
     with _conn(plat, device, rank) as conn:
@@ -355,7 +374,7 @@ def misc_session(rank: int, world: int, init_method: str, platform_name: str) ->
 
 def test_deferred_overflow_and_forged_metadata(spawner, platform_name):
     sender, receiver = spawner.run_ranks(misc_session, 2, platform_name, timeout=120)
-    assert receiver["A"] == 6
+    assert receiver["A"] == receiver["A2"] == 6
     # the sender's error names the receiver's refusal (its "gone" note), not a bare timeout
     assert "PeerLost" in sender["B"] and "ProtocolError" in sender["B"] and "claims shape" in sender["B"]
 

@@ -182,7 +182,6 @@ class CopyEngineTransport(Transport):
         if int(recv_slots) < self.min_slots:
             raise BadInput(f"the {self.name} backend needs >= {self.min_slots} receive slots, got {recv_slots}")
         self.recv_slots = int(recv_slots)
-        self.max_pending = self.recv_slots + 1   # one more deferred receive would wait for ever
         self.flag_path = flag_path_from_env(flag_path, ENV_FLAG_PATH)
         self.inline_bytes = inline_bytes_from_env(inline_bytes)
         self.remote_flags = False
@@ -202,6 +201,13 @@ class CopyEngineTransport(Transport):
         self._graphs: dict = {}             # (slot, source pointers, sizes) -> graph of the step's peer copies
         self._sightings: dict = {}          # copy sets seen once (a graph is captured at the second sight)
         self._eager_stream = None           # the last stream steps came on that was checked not to capture
+
+    @property
+    def max_pending(self) -> int:
+        """Most receives left deferred at once: the sender gets at most R steps past the last slot given
+        back, and its next metadata is the one more receive that can arrive; a slot lent with the last
+        step's views (``recv_views``) is not given back yet."""
+        return self.recv_slots + (0 if self._lent is not None else 1)
 
     # ---- setup phases (called by selection.connect, every rank in lock step) ----
     def _fptr(self, mem, word: int) -> int:

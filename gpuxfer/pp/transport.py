@@ -746,9 +746,9 @@ class Transport(abc.ABC):
         if self.max_pending is not None and len(self._pending) >= self.max_pending:
             raise BadInput(f"rank {self.rank}: recv() of step {k} from rank {self.peer} with {len(self._pending)} "
                            f"earlier receives not yet accessed (steps {self._pending[0].step}..{self._pending[-1].step}"
-                           f"): the sender cannot run more than {self.max_pending - 1} steps (the receive slots) "
-                           f"ahead of the first .tensors access, so this receive would wait for ever; access "
-                           f".tensors of step {self._pending[0].step} first (nothing was consumed)")
+                           f"): the sender cannot get further ahead of the receive slots given back, so this "
+                           f"receive would wait for ever; access .tensors of step {self._pending[0].step} first "
+                           f"(nothing was consumed)")
         if self.metadata:
             if shapes is not None:
                 raise BadInput("recv(shapes=...) is for transports set up with metadata=False; here the "
