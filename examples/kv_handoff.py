@@ -10,11 +10,13 @@ What a prefill/decode engine author writes, end to end:
 * prefill uses 64-token blocks, decode 16-token blocks: the transfer matches tokens, not blocks;
 * each registers its caches as two KV-cache groups with a :class:`gpuxfer.kv.KVAgent`, and the
   two swap ``agent.metadata()`` bytes over a pipe (any channel will do: no torch.distributed);
-* decode pulls the request by block IDs (``agent.prepare`` + ``post``), prefill learns from its
-  notification word that its blocks were read and may be freed;
+* the engine is the one the link between the two devices favours (``triton`` on one GPU, ``pack``
+  over NVLink; ``--engine`` picks another);
+* decode pulls the request by block IDs (``agent.prepare`` + ``post``; with ``pack`` prefill posts
+  its side too), prefill learns from its notification word that its blocks were read and may be freed;
 * decode checks every byte of every token against what prefill wrote.
 
-Run:  python examples/kv_handoff.py [--tokens 4096] [--layers 8] [--platform host]
+Run:  python examples/kv_handoff.py [--tokens 4096] [--layers 8] [--engine auto] [--platform host]
 """
 from __future__ import annotations
 
@@ -94,7 +96,12 @@ def side_main(rank: int, conn, args) -> None:
             data = token_bytes(torch, li, k, tok, v.shape[-1]).view(need, block_tokens, -1)
             v.index_copy_(0, index, data)
 
-    agent = KVAgent("prefill" if prefill else "decode", platform=plat, device=device, timeout_s=120)
+    # The engine: the link between the two devices picks it (the same answer on both sides), unless asked.
+    devices = (0, 1) if plat.device_count() > 1 else (0, 0)
+    choice = default_engine_choice(plat, *devices)
+    engine = choice.name if args.engine == "auto" else args.engine
+    agent = KVAgent("prefill" if prefill else "decode", platform=plat, device=device, engine=engine,
+                    timeout_s=120)
     keep.append(agent)
     agent.register_group("full", block_tokens, full)
     agent.register_group("mla", block_tokens, mla)
@@ -103,10 +110,13 @@ def side_main(rank: int, conn, args) -> None:
     peer = agent.add_peer(peer_meta)
 
     if prefill:
-        agent.wait_notification(0, 1)             # decode read our blocks: they may be freed now
+        if engine == "pack":                      # two-sided: prefill posts its side (a push) too
+            agent.transfer(peer, "push", local_blocks={"full": ids, "mla": ids},
+                           remote_blocks={"full": peer_ids, "mla": peer_ids}, name="request-0").wait()
+        else:
+            agent.wait_notification(0, 1)         # decode read our blocks (or they landed): they may be freed
         conn.send("freed")
     else:
-        choice = default_engine_choice(plat, 1 - rank if plat.device_count() > 1 else 0, device)
         t0 = time.perf_counter()
         x = agent.prepare(peer, "pull", local_blocks={"full": ids, "mla": ids},
                           remote_blocks={"full": peer_ids, "mla": peer_ids}, notify_slot=0, name="request-0")
@@ -120,7 +130,7 @@ def side_main(rank: int, conn, args) -> None:
         for (li, k), v in request_views(torch, full, mla, block_tokens):
             got = v[index].reshape(need * block_tokens, -1)
             wrong += int((got != token_bytes(torch, li, k, tok, v.shape[-1])).sum())
-        print(f"link: {choice.name} would be the default engine ({choice.reason}); KVAgent ran {agent.engine}")
+        print(f"engine: {engine} ({'asked for' if args.engine != 'auto' else choice.reason})")
         print(f"pull of one request ({args.tokens} tokens, {args.layers} layers x (K, V, 584-byte slots), "
               f"{PREFILL_BLOCK}-token blocks -> {DECODE_BLOCK}-token blocks, {x.descriptors:,} descriptors, "
               f"{x.nbytes / 1e6:.1f} MB) on {plat.label}: setup {1e6 * (t1 - t0):.0f} us, post "
@@ -137,6 +147,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=None, help="request length (default 4096; 200 on the emulation)")
     ap.add_argument("--layers", type=int, default=None, help="layers (default 61; 2 on the emulation)")
+    ap.add_argument("--engine", default="auto", choices=("auto", "triton", "pack", "copy_engine"),
+                    help="auto: the engine the link between the two devices favours (gpuxfer.kv.engine_choice)")
     ap.add_argument("--platform", default=None, help="cuda, rocm or host (default: the first usable)")
     args = ap.parse_args()
     from gpuxfer.platforms import PLATFORMS, unavailable_reason
