@@ -1,7 +1,8 @@
 """The ``nccl`` backend: torch.distributed ``isend``/``irecv`` on a device group.
 
 On CUDA the device group is NCCL; on the host emulation it is gloo on CPU
-tensors, so CI runs the same code.
+tensors (a two-rank group of the pair's own, unless ``device_group`` was given),
+so CI runs the same code.
 
 Sender: a ring of two send buffers, each sized to the largest packed step. A
 step packs the caller's tensors into ring slot ``k % 2`` on the current stream
@@ -42,10 +43,32 @@ class NcclTransport(Transport):
         self._works: list = [None, None]
         self._views: dict = {}
         self._last_recv = None
+        self._pair: tuple | None = None     # (a two-rank gloo group of the pair's own, the peer's rank in it)
         if self.role == "send":
             n = self.specs.slot_bytes
             self._ring = [torch.empty(n, dtype=torch.uint8, device=self.torch_device) for _ in range(2)]
         self._state = "open"
+
+    @property
+    def wants_pair_group(self) -> bool:
+        """On the host emulation with the CPU group as device group: data goes through a group of the
+        pair's own instead (a gloo wait that times out closes the pair it waited on)."""
+        return self._gloo and self.device_group is self.group
+
+    def use_pair_group(self, pg, peer_rank: int) -> None:
+        self._pair = (pg, peer_rank)
+
+    def _isend(self, buf):
+        import torch.distributed as dist
+        if self._pair is not None:
+            return self._pair[0].send([buf], self._pair[1], self.data_tag)
+        return dist.isend(buf, dst=self.peer, group=self.device_group, tag=self.data_tag)
+
+    def _irecv(self, buf):
+        import torch.distributed as dist
+        if self._pair is not None:
+            return self._pair[0].recv([buf], self._pair[1], self.data_tag)
+        return dist.irecv(buf, src=self.peer, group=self.device_group, tag=self.data_tag)
 
     # ---- send ----
     def _pack_views(self, s: int, layout: Layout) -> list:
@@ -75,8 +98,6 @@ class NcclTransport(Transport):
             work.wait()
 
     def _send_impl(self, step: int, tensors, layout: Layout) -> None:
-        import torch
-        import torch.distributed as dist
         s = step & 1
         prev = self._works[s]
         if prev is not None:
@@ -85,7 +106,7 @@ class NcclTransport(Transport):
         if layout.total == 0:
             return
         copy_bytes(self._pack_views(s, layout), [as_bytes(tensors[n]) for n in self.specs.names])
-        work = dist.isend(self._ring[s][:layout.total], dst=self.peer, group=self.device_group, tag=self.data_tag)
+        work = self._isend(self._ring[s][:layout.total])
         self._works[s] = (step, work)
         if not self._gloo:
             self._wd.append((step, work, time.monotonic(), "nccl send"))
@@ -93,12 +114,11 @@ class NcclTransport(Transport):
     # ---- receive ----
     def _recv_impl(self, rcv: Received) -> None:
         import torch
-        import torch.distributed as dist
         total = rcv.layout.total
         buf = torch.empty(rcv.layout.buffer_bytes, dtype=torch.uint8, device=self.torch_device)
         work = None
         if total:
-            work = dist.irecv(buf[:total], src=self.peer, group=self.device_group, tag=self.data_tag)
+            work = self._irecv(buf[:total])
             if not self._gloo:
                 self._wd.append((rcv.step, work, time.monotonic(), "nccl recv"))
         rcv._state = (buf, work)
@@ -173,6 +193,7 @@ class NcclTransport(Transport):
         pass
 
     def _free(self) -> None:
+        self._pair = None
         self._views.clear()
         self._ring = []
         self._works = [None, None]

@@ -313,8 +313,7 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
     A rank that dies during setup makes the others raise :class:`SetupFailed`. Pairs
     whose metadata travels over the CPU group get a two-rank gloo group of their own
     (a timed-out gloo wait closes the pair it waited on); teardown barriers are keys in
-    the store: the caller's group carries only the setup exchanges (and, on the host
-    emulation, the nccl backend's data).
+    the store: the caller's group carries only the setup exchanges.
     """
     import torch.distributed as dist
 
@@ -640,8 +639,9 @@ def _setup_peer_memory(name, exchange, infos, my_pairs, common, tag_of, nonce, *
 
 
 def _setup_pair_groups(ends, tag_of, nonce: int, rank: int) -> None:
-    """Give each pair whose metadata travels over the CPU group a two-rank gloo group of its own, so a
-    metadata wait that times out (gloo then closes the pair) never breaks the caller's group.
+    """Give each pair whose metadata travels over the CPU group (and each ``nccl`` pair on the host
+    emulation, whose data would) a two-rank gloo group of its own, so a wait that times out (gloo then
+    closes the pair) never breaks the caller's group.
 
     Made through the default group's store, pair by pair in one global order (sorted by (sender,
     receiver)), so no two ranks wait on each other's later pair; the sender is rank 0 of its pair.
@@ -653,7 +653,8 @@ def _setup_pair_groups(ends, tag_of, nonce: int, rank: int) -> None:
     def pair_of(t):
         return (t.rank, t.peer) if t.role == "send" else (t.peer, t.rank)
 
-    todo = sorted((t for t in ends if t.metadata and t.meta is t.channel), key=pair_of)
+    todo = sorted((t for t in ends if (t.metadata and t.meta is t.channel) or getattr(t, "wants_pair_group", False)),
+                  key=pair_of)
     for t in todo:
         pair = pair_of(t)
         store = dist.PrefixStore(f"gpuxfer-pp/{nonce:x}/{tag_of[pair]:x}/group", _get_default_store())
@@ -663,7 +664,10 @@ def _setup_pair_groups(ends, tag_of, nonce: int, rank: int) -> None:
         except RuntimeError as exc:
             raise SetupFailed(f"rank {rank}: pp connect: the metadata group of the pair {pair[0]} -> {pair[1]} "
                               f"could not be made: rank {t.peer} died or left connect() ({exc})") from exc
-        t.channel.use_pair_group(pg, 1 if t.role == "send" else 0)
+        peer_rank = 1 if t.role == "send" else 0
+        t.channel.use_pair_group(pg, peer_rank)
+        if getattr(t, "wants_pair_group", False):
+            t.use_pair_group(pg, peer_rank)
 
 
 def _discard(ends) -> None:
