@@ -476,9 +476,8 @@ def test_pack_chunk_schedule(nslots, nlanes):
         assert seqs == list(range(1, len(seqs) + 1))
 
 
-# two lanes (the default) by default; one and three lanes with the long tests (15-50 s each in the interpreter)
-@pytest.mark.parametrize("lanes", [pytest.param("1", marks=pytest.mark.slow), "2",
-                                   pytest.param("3", marks=pytest.mark.slow)])
+@pytest.mark.slow      # 15-50 s each in the interpreter; the default run's pack rows cover two lanes
+@pytest.mark.parametrize("lanes", ["1", "2", "3"])
 def test_pack_many_chunks_over_lanes_end_to_end(capsys, tmp_path, lanes):
     """Many chunks per burst, two bursts a row (timed, then verified), 1-3 lanes: slots are reused within
     a burst and the last chunk takes the lane of the one before it. Every byte must land, and a wait for a

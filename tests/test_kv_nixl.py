@@ -692,8 +692,8 @@ def _bench(capsys, tmp_path, *argv):
     return rc, cap.out + cap.err, json.loads(path.read_text()) if path.exists() else None
 
 
-@pytest.mark.parametrize("engines", [("nixl", "nixl-oneshot", "nixl-bulk"),
-                                     pytest.param(("nixl+pack", "nixl-bulk"), marks=pytest.mark.slow)],
+@pytest.mark.slow      # 15-35 s each; test_bench_cross_host_verification_catches_a_wrong_byte runs by default
+@pytest.mark.parametrize("engines", [("nixl", "nixl-oneshot", "nixl-bulk"), ("nixl+pack", "nixl-bulk")],
                          ids=["per-descriptor", "pack"])
 def test_bench_cross_host_runs_the_nixl_engines_over_the_fake(net_fake_nixl, capsys, tmp_path, engines):
     rc, text, doc = _bench(capsys, tmp_path, "--engine", ",".join(("bulk", "triton") + engines))
