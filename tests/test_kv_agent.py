@@ -252,6 +252,43 @@ def test_expansion_matches_the_numpy_plan(plat, workload, isl, page):
             b.close()
 
 
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_expansion_matches_the_plan_hypothesis(plat, data):
+    """Hypothesis over the bench's workloads, input lengths, page sizes, seeds and block-table orders: the
+    device expansion of a pull or push equals :func:`request_plan` (the numpy oracle)."""
+    from gpuxfer.kv.workloads import get_workload
+    name = data.draw(st.sampled_from(["kv-mla", "kv-gqa", "kv-dsv4", "kv-dsv4-vllm"]), label="workload")
+    w = get_workload(name)
+    page = data.draw(st.sampled_from(w.allowed_pages or [p for p in (4, 8, 16, 32) if w.supports_page(p)]),
+                     label="page")
+    isl = data.draw(st.integers(1, 300 if name != "kv-dsv4-vllm" else 1500), label="isl")
+    seed = data.draw(st.integers(0, 1 << 20), label="seed")
+    order = data.draw(st.sampled_from(["random", "sequential"]), label="order")
+    op = data.draw(st.sampled_from(["pull", "push"]), label="op")
+    layout = layout_for_burst(w, isl, page, 1)
+    bufs = [plat.alloc(layout.pool_bytes, d) for d in (0, 1)]
+    agents = [KVAgent(f"h{d}", platform=plat, device=d) for d in (0, 1)]
+    try:
+        for ag, buf in zip(agents, bufs):
+            for gname, bt, layers in layout_groups(layout, plat.as_tensor(buf)):
+                ag.register_group(gname, bt, layers)
+        src_t = burst_tables(layout, isl, 1, seed=seed, side="src", order=order)[0]
+        dst_t = burst_tables(layout, isl, 1, seed=seed, side="dst", order=order)[0]
+        me = agents[1] if op == "pull" else agents[0]
+        peer = me.add_peer(agents[0 if op == "pull" else 1].metadata())
+        mine, theirs = (dst_t, src_t) if op == "pull" else (src_t, dst_t)
+        got = me.prepare(peer, op, local_blocks=mine, remote_blocks=theirs).expanded_descriptors()
+        want = request_plan(layout, layout, src_t, dst_t)
+        key = lambda a: a[np.lexsort((a[:, 2], a[:, 1], a[:, 0]))]   # noqa: E731
+        assert np.array_equal(key(got), key(want))
+    finally:
+        for ag in agents[::-1]:
+            ag.close()
+        for b in bufs:
+            b.close()
+
+
 def test_expansion_kernel_matches_reference_on_hostile_input():
     """Random planes and requests, IDs and offsets out of range included: the kernel writes exactly what
     the reference does, and nothing outside ``out``."""
