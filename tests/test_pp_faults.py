@@ -171,6 +171,8 @@ def stage_session(rank: int, world: int, init_method: str, platform_name: str, s
             if rank < world - 1:
                 conn.sender().send(step_tensors(SEED, rank, k, dev))
             _sync_current_stream(plat, device)
+            for t in conn.transports:        # on a GPU a step's data may land after .tensors returned
+                t.check()
             if rank > 0:
                 check_equal(got, step_tensors(SEED, rank - 1, k, "cpu"), f"rank {rank} step {k}")
             out["steps"] = k

@@ -702,6 +702,17 @@ class Transport(abc.ABC):
         """The error that broke this transport (a watchdog timeout...), if any."""
         return self._error
 
+    def check(self) -> None:
+        """Raise the error that broke this transport, if any.
+
+        On a GPU, ``.tensors`` returns before its data lands; a failure found later
+        releases the step's wait and leaves its data garbage. After a host sync with
+        the stream (``.item()``, ``.cpu()``, ``synchronize()``), ``check()`` tells
+        whether the steps consumed so far were whole.
+        """
+        if self._error is not None:
+            raise self._error
+
     def send(self, tensors: Mapping[str, object]) -> None:
         """Hand ``tensors`` (the spec's keys, dtypes, shapes up to the largest) to the peer.
 
