@@ -677,7 +677,10 @@ def _side(rank, world, init, platform_name, op, carve, engine="triton"):
         plat.close()
 
 
-@pytest.mark.parametrize("op, engine", [("pull", "triton"), ("push", "triton"), ("push", "pack")])
+# pull over triton and push over pack by default (both engines, both directions); push over triton with the
+# long tests
+@pytest.mark.parametrize("op, engine", [("pull", "triton"), pytest.param("push", "triton", marks=pytest.mark.slow),
+                                        ("push", "pack")])
 def test_two_processes_host(spawner, op, engine):
     assert spawner.run_ranks(_side, 2, "host", op, True, engine, timeout=180) == ["ok", "ok"]
 

@@ -165,6 +165,7 @@ def test_one_device_leaves_nccl_out_and_the_targets_do_not_apply(monkeypatch):
     assert "n/a (one device)" in text and "MISSED" not in text
 
 
+@pytest.mark.slow      # tests/test_examples.py runs the same example by default, as a user does
 def test_example_two_stage_host(capsys, monkeypatch):
     monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))    # children import the stage function
     import pp_two_stage

@@ -344,6 +344,7 @@ def _run_pair(spawner, tmp_path, lacking_rank, n_steps):
     return outs
 
 
+@pytest.mark.slow      # two spawned ranks; the forced end-to-end selection test runs by default
 def test_selection_one_rank_lacking_rocr(spawner, tmp_path):
     outs = _run_pair(spawner, tmp_path, lacking_rank=1, n_steps=0)
     for out in outs:                                  # forced: every rank raises, with rank 1's reason
