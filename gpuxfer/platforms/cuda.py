@@ -523,6 +523,7 @@ class CudaPlatform(Platform):
         self._proxy_locks: dict[int, threading.Lock] = {}
         self._streams: dict[int, CudaStream] = {}          # id -> owned streams still alive
         self._current: dict[tuple, CudaStream] = {}        # (device, handle) -> torch's streams seen current
+        self._raw_stream = None     # torch._C._cuda_getCurrentRawStream (False where torch lacks it)
         self._probes: dict[int, str | None] = {}
         self._links: dict[tuple[int, int], LinkInfo] = {}
         self._batch: tuple | None = None                   # resolved batch path (see _batch_impl)
@@ -572,8 +573,13 @@ class CudaPlatform(Platform):
         "the current context's", so for them the device's context is made current
         first -- without that check, work meant for device 1's default stream would
         land on device 0's (measured: an event record there fails, INVALID_HANDLE).
+        A process that sees one device skips the check (a driver call per op): any
+        context current on its thread is that device's (torch's primary context; a
+        context of the caller's own, made with the driver API, would take the work),
+        and with none current the call fails with INVALID_CONTEXT and is repeated
+        with the device's context pushed.
         """
-        if s.handle in _DEFAULT_STREAM_HANDLES and not self._is_current(s.device):
+        if s.handle in _DEFAULT_STREAM_HANDLES and self._count != 1 and not self._is_current(s.device):
             with self._on(s.device):
                 _cu(fn, *args, doing=doing)
             return
@@ -949,13 +955,15 @@ class CudaPlatform(Platform):
 
     def current_stream(self, device: int) -> CudaStream:
         """torch's current stream of ``device``: one handle lookup, then a cached wrapper (the per-step path)."""
-        import torch
         if type(device) is not int or device not in self._ctxs:     # known devices skip the check
             device = self._check_device(device)
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        key = (device, raw(device)) if raw is not None else None
-        s = self._current.get(key)
+        raw = self._raw_stream
+        if raw is None:
+            import torch
+            raw = self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", False)
+        s = self._current.get((device, raw(device))) if raw else None
         if s is None:
+            import torch
             ts = torch.cuda.current_stream(device)
             s = CudaStream(device, int(ts.cuda_stream), ts)
             if len(self._current) > 64:      # streams come and go (torch.cuda.Stream()): stay bounded

@@ -459,7 +459,6 @@ class CopyEngineTransport(Transport):
         pass   # nothing to do before the first .tensors access
 
     def _materialize_impl(self, rcv: Received) -> None:
-        import torch
         p, R, k = self.platform, self.recv_slots, rcv.step
         j = (k - 1) % R
         lay, specs = rcv.layout, self.specs
@@ -488,6 +487,7 @@ class CopyEngineTransport(Transport):
             rcv._tensors = dict(views)
             return
         if rcv.out is None:        # one copy of the whole slot into a fresh buffer (torch's, on ``cur``)
+            import torch
             buf = torch.empty(lay.buffer_bytes, dtype=torch.uint8, device=self.torch_device)
             if lay.total:
                 self._ce_copy(cur, buf.data_ptr(), slot, lay.total)

@@ -256,7 +256,8 @@ class SpecTable:
         self.slot_bytes = max(ALIGN, sum(_align(n) for n in self.max_nbytes))
         self.meta_len = 4 + len(names) * (1 + MAX_NDIM)
         self._layouts: dict[tuple, Layout] = {}
-        self._decoded: dict[tuple, tuple] = {}     # metadata body -> checked shapes
+        self._decoded: dict[bytes, tuple] = {}     # metadata body (bytes) -> checked shapes
+        self._rows: dict[tuple, np.ndarray] = {}   # shapes -> metadata row (the step word left 0)
 
     def digest(self) -> tuple:
         """What both ends of a pair must agree on (compared at setup)."""
@@ -391,12 +392,20 @@ class SpecTable:
 
     # ---- metadata ----
     def encode(self, buf: np.ndarray, step: int, shapes) -> None:
-        row = [META_MAGIC, step, 0, 0]
-        for shape in shapes:
-            row.append(len(shape))
-            row += shape
-            row += _NO_DIMS[len(shape):]
+        """Fill ``buf`` with the message of ``step``: the row of these shapes (built once per shape tuple),
+        then the step."""
+        row = self._rows.get(shapes)
+        if row is None:
+            vals = [META_MAGIC, 0, 0, 0]
+            for shape in shapes:
+                vals.append(len(shape))
+                vals += shape
+                vals += _NO_DIMS[len(shape):]
+            if len(self._rows) > 4096:      # shapes vary per step (token counts): keep the cache bounded
+                self._rows.clear()
+            row = self._rows[shapes] = np.array(vals, dtype=np.int64)
         buf[:] = row
+        buf[1] = step
 
     def encode_refusal(self, buf: np.ndarray, step: int, refusal: _Refusal) -> None:
         buf[:] = 0
@@ -409,10 +418,15 @@ class SpecTable:
         element count) and the step against the slot, in Python integers (no overflow), before
         anything is viewed or copied; a violation is :class:`ProtocolError`.
         """
-        vals = buf.tolist()       # one conversion, then plain ints
-        if len(vals) != self.meta_len:
-            raise ProtocolError(f"rank {rank}: metadata from rank {peer} holds {len(vals)} words, expected "
+        if len(buf) != self.meta_len:
+            raise ProtocolError(f"rank {rank}: metadata from rank {peer} holds {len(buf)} words, expected "
                                 f"{self.meta_len}")
+        magic, got, refused, _ = buf[:4].tolist()
+        if magic == META_MAGIC and got == step and not refused:
+            known = self._decoded.get(buf[4:].tobytes())    # shapes seen (and checked) before: per step
+            if known is not None:
+                return known
+        vals = buf.tolist()       # one conversion, then plain ints
         if vals[0] != META_MAGIC or vals[1] != step:
             raise ProtocolError(f"rank {rank}: metadata from rank {peer} is out of order: expected step {step}, "
                                 f"got magic 0x{vals[0]:x} step {vals[1]}")
@@ -422,10 +436,6 @@ class SpecTable:
             raise BadInput(f"rank {rank}: rank {peer} refused its input for step {step}{which}: "
                            f"{_REFUSALS.get(vals[2], 'unknown reason')}; nothing was sent and the step "
                            f"was not consumed on either side")
-        body = tuple(vals[4:])
-        known = self._decoded.get(body)       # shapes seen (and checked) before: the per-step path
-        if known is not None:
-            return known
         shapes, pos, total = [], 4, 0
         for i, name in enumerate(self.names):
             nd = vals[pos]
@@ -447,7 +457,7 @@ class SpecTable:
                                 f"{self.slot_bytes} B")
         if len(self._decoded) > 4096:      # shapes vary per step (token counts): keep the cache bounded
             self._decoded.clear()
-        shapes = self._decoded[body] = tuple(shapes)
+        shapes = self._decoded[np.asarray(vals[4:], dtype=np.int64).tobytes()] = tuple(shapes)
         return shapes
 
 

@@ -1,0 +1,145 @@
+"""A steady-state eager copy_engine step issues a fixed, small number of platform calls per side, and a
+stuck peer on that path still ends in TransferTimeout with the caller's stream released.
+
+Structural, not timed: a spy wrapped around the platform's methods counts the calls each side's main
+thread makes per step (the watchdog thread's flag reads are not the step's). The path measured is the
+one ``gpuxfer bench pp --recv-views`` times: inline steps whose peer copies replay a cached copy graph,
+receives handed out as views of the slot, no metadata.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import threading
+import time
+
+TIMEOUT = 1.5
+N = 64                 # elements of each tensor (float32, int64): one small inline step
+WARM, COUNTED = 6, 10  # the copy graph is captured at a slot's second sighting: steps 3-4 on
+
+# the platform methods a step may call: every one is counted
+SPIED = ("current_stream", "is_capturing", "wait_flag", "write_flag", "copy_async", "copy_batch_async",
+         "launch_graph", "capture_graph", "record_event", "stream_wait_event", "launch", "memset_async",
+         "event_wait", "event_query", "synchronize", "read_flag", "host_write_flag")
+# queued stream operations (one driver call each on CUDA)
+QUEUED = ("wait_flag", "write_flag", "copy_async", "copy_batch_async", "launch_graph", "stream_wait_event",
+          "launch", "memset_async")
+# what the host emulation adds per step in place of stream order: a recorded event and a bounded wait on it
+EMULATION_ONLY = ("record_event", "event_wait")
+
+
+def _spy(plat) -> collections.Counter:
+    counts: collections.Counter = collections.Counter()
+    main = threading.get_ident()
+    for name in SPIED:
+        fn = getattr(plat, name, None)
+        if fn is None:
+            continue
+
+        def counted(*a, _fn=fn, _name=name, **kw):
+            if threading.get_ident() == main:
+                counts[_name] += 1
+            return _fn(*a, **kw)
+        setattr(plat, name, functools.wraps(fn)(counted))
+    return counts
+
+
+def step_calls_session(rank: int, world: int, init_method: str, platform_name: str) -> dict:
+    os.environ["GPUXFER_PLATFORM"] = platform_name
+    import pytest
+    import torch
+    import torch.distributed as dist
+
+    from gpuxfer.errors import TransferTimeout
+    from gpuxfer.platforms import get_platform
+    from gpuxfer.pp import connect
+    from gpuxfer.pp.launch import init_cpu_group
+    init_cpu_group(rank, world, init_method)
+    plat = get_platform(platform_name)
+    device = rank % plat.device_count()
+    dev = torch.device("cpu") if plat.is_emulation else torch.device("cuda", device)
+    if not plat.is_emulation:
+        torch.cuda.set_device(device)
+    counts = _spy(plat)       # before connect: the transport may keep the platform's bound methods
+    specs = {"x": ((N,), torch.float32), "i": ((N,), torch.int64)}
+    shapes = {"x": (N,), "i": (N,)}
+    out: dict = {"emulation": plat.is_emulation}
+
+    def conn_for():    # a gloo group of its own: gloo closes a pair whose timed wait expires
+        return connect(dist.new_group(backend="gloo"), send_to=1 if rank == 0 else None,
+                       recv_from=0 if rank == 1 else None, specs=specs, backend="copy_engine", platform=plat,
+                       device=device, timeout_s=TIMEOUT, metadata=False, recv_views=True)
+
+    src = {"x": torch.zeros(N, dtype=torch.float32, device=dev),
+           "i": torch.zeros(N, dtype=torch.int64, device=dev)}    # persistent: the copy graph's sources
+
+    def send(t, k):
+        src["x"].fill_(k)
+        src["i"].fill_(-k)
+        t.send(src)
+
+    def take(t, k):
+        got = t.recv(shapes=shapes).tensors
+        assert bool((got["x"] == k).all()) and bool((got["i"] == -k).all()), f"step {k}: wrong bytes"
+
+    # A. steady-state steps, counted; then the receiver stops taking: the sender's stream waits for a slot
+    # that never frees, and the wait ends in TransferTimeout with the stream released
+    conn = conn_for()
+    try:
+        t = conn.transports[0]
+        out["remote_flags"] = t.remote_flags
+        for k in range(1, WARM + COUNTED + 1):
+            if k == WARM + 1:
+                counts.clear()
+            send(t, k) if rank == 0 else take(t, k)
+            if k == WARM + COUNTED:
+                out["calls"] = dict(counts)
+        dist.barrier()
+        if rank == 0:
+            with pytest.raises(TransferTimeout) as ei:
+                deadline = time.monotonic() + TIMEOUT * 10
+                while time.monotonic() < deadline:   # the host emulation raises in send(); on a GPU the
+                    send(t, 0)                       # watchdog finds the stuck wait and send() raises it
+                    time.sleep(0.05)
+            out["stuck"] = (ei.value.flag.split("[")[0], ei.value.rank)
+            out["released"] = plat.synchronize(plat.current_stream(device), 10.0)
+        dist.barrier()
+    finally:
+        conn.abort()
+    # B. the sender stops sending: the receiver's wait ends in TransferTimeout, its stream released
+    conn = conn_for()
+    try:
+        t = conn.transports[0]
+        for k in range(1, 5):
+            send(t, k) if rank == 0 else take(t, k)
+        if rank == 1:
+            with pytest.raises(TransferTimeout) as ei:
+                t.recv(shapes=shapes).tensors
+                t.synchronize(TIMEOUT * 10)
+            out["stuck"] = (ei.value.flag.split("[")[0], ei.value.rank)
+            out["released"] = plat.synchronize(plat.current_stream(device), 10.0)
+        dist.barrier()
+    finally:
+        conn.abort()
+        dist.destroy_process_group()
+        plat.close()
+    return out
+
+
+def test_steady_step_calls_and_stuck_peer(spawner, platform_name):
+    sender, receiver = spawner.run_ranks(step_calls_session, 2, platform_name, timeout=120)
+    for side, got, flag in (("sender", sender, "empty"), ("receiver", receiver, "full")):
+        per_step = collections.Counter({k: v / COUNTED for k, v in got["calls"].items()})
+        copy_flags = 0 if got["remote_flags"] else 1     # a publish by local write + 8-byte copy
+        queued = sum(per_step[k] for k in QUEUED)
+        # sender: wait for the slot, one copy-graph launch, publish; receiver: give the lent slot back, wait
+        want = 3 if side == "sender" else 2
+        assert queued <= want + copy_flags, f"{side}: {queued} queued calls per step: {dict(per_step)}"
+        assert per_step["launch_graph" if side == "sender" else "wait_flag"] == 1, f"{side}: {dict(per_step)}"
+        others = {k: v for k, v in per_step.items() if k not in QUEUED and k != "current_stream"
+                  and not (got["emulation"] and k in EMULATION_ONLY)}
+        assert not others, f"{side}: calls besides the step's own per step: {others}"
+        assert per_step["current_stream"] <= 1, f"{side}: {dict(per_step)}"
+        assert got["stuck"] == (flag, 0 if side == "sender" else 1), f"{side}: {got['stuck']}"
+        assert got["released"], f"{side}: its current stream still waits after the timeout"
