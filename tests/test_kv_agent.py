@@ -196,6 +196,73 @@ def test_transfer_reposts_and_notifies(pair):
         dec.wait_notification(6, 1, timeout_s=0.05)
 
 
+_POST_CALLS = ("copy_async", "copy_batch_async", "launch", "launch_graph", "write_flag", "wait_flag", "record_event",
+               "stream_wait_event", "memset_async", "synchronize")
+
+
+def _spy(monkeypatch, plat) -> dict:
+    """Count the platform calls and kernel launches made from now on (a test of structure, not speed)."""
+    from gpuxfer.kernels._jit import DualKernel
+    counts: dict = {}
+
+    def wrap(name, fn):
+        def spy(*a, **k):
+            counts[name] = counts.get(name, 0) + 1
+            return fn(*a, **k)
+        return spy
+    for name in _POST_CALLS:
+        monkeypatch.setattr(plat, name, wrap(name, getattr(plat, name)))
+    launch = DualKernel.launch
+
+    def kernel(self, *a, **k):
+        counts[f"kernel:{self.__name__}"] = counts.get(f"kernel:{self.__name__}", 0) + 1
+        return launch(self, *a, **k)
+    monkeypatch.setattr(DualKernel, "launch", kernel)
+    return counts
+
+
+@pytest.mark.parametrize("op", ["pull", "push"])
+def test_post_calls_do_not_grow_with_the_descriptors(pair, monkeypatch, op):
+    """A request of 2 blocks and one of 40 (20x the descriptors) post the same platform calls and kernel
+    launches; both move the same bytes as the reference (block by block)."""
+    pre, dec, a0, a1 = pair
+    caches = []
+    for ag, ar, seed in ((pre, a0, 1), (dec, a1, 60)):
+        full = {f"layers.{i}": ar.tensor((2, 48, 2, 4), torch.bfloat16, seed=seed + i) for i in range(3)}
+        mla = {"layers.0.mla": ar.tensor((48, 2, 40), seed=seed + 9)}
+        ag.register_group("full", 2, full)
+        ag.register_group("mla", 2, mla)
+        caches.append((full, mla))
+    (src_full, src_mla), (dst_full, dst_mla) = caches
+    p_of_dec, p_of_pre = _connect(pre, dec)
+    agent, peer = (dec, p_of_dec) if op == "pull" else (pre, p_of_pre)
+    rng = np.random.default_rng(5)
+    seen = []
+    for n in (2, 40):
+        s_ids = {g: rng.permutation(48)[:n].tolist() for g in ("full", "mla")}
+        d_ids = {g: rng.permutation(48)[:n].tolist() for g in ("full", "mla")}
+        want_full = {k: v.clone() for k, v in dst_full.items()}
+        want_mla = dst_mla["layers.0.mla"].clone()
+        for k in want_full:
+            want_full[k][:, d_ids["full"]] = src_full[k][:, s_ids["full"]]
+        want_mla[d_ids["mla"]] = src_mla["layers.0.mla"][s_ids["mla"]]
+        mine, theirs = (d_ids, s_ids) if op == "pull" else (s_ids, d_ids)
+        x = agent.prepare(peer, op, local_blocks=mine, remote_blocks=theirs, notify_slot=3)
+        counts = _spy(monkeypatch, agent.platform)
+        h = x.post()
+        posted = {k: v for k, v in counts.items() if not k.startswith("kernel:")}     # the calls post made
+        h.wait(60)                      # the host emulation runs the stream's work on a worker thread
+        seen.append((x.descriptors, posted, dict(counts)))
+        monkeypatch.undo()
+        for k in want_full:
+            assert _eq(dst_full[k], want_full[k]), k
+        assert _eq(dst_mla["layers.0.mla"], want_mla)
+    (n_small, posted_small, small), (n_big, posted_big, big) = seen
+    assert n_big >= 10 * n_small
+    assert posted_small == posted_big and small == big, (small, big)
+    assert small["kernel:expand_kernel"] == 1 and small["record_event"] == 1 and small["launch"] == 1
+
+
 def test_timeout_names_the_request(pair):
     pre, dec, a0, a1 = pair
     pre.register_group("full", 4, _vllm_layers(a0, 1, 4, 4, seed=1))
@@ -890,3 +957,47 @@ def test_bench_pack_api_rows(tmp_path, capsys):
     r = rows["pack-api"]
     assert r["valid"] and r["wrong_bytes"] == 0 and r["post"] == "host"
     assert r["post_p50_us"] > 0 and r["setup_us"] > 0 and r["register_ms"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["pull", "push"])
+def test_cuda_reposts_through_the_bound_launchers(op):
+    """On CUDA a transfer's second and later posts launch the compiled kernels directly (arguments bound
+    once); each post must move what the first did: the source changes between posts, the destination
+    follows, and a fresh request over other blocks moves its bytes too."""
+    from conftest import platform_reason
+    why = platform_reason("cuda")
+    if why:
+        pytest.skip(why)
+    from gpuxfer.platforms import get_platform
+    plat = get_platform("cuda")
+    try:
+        g = torch.Generator(device="cuda:0").manual_seed(3)
+        src = {f"layers.{i}": torch.randint(-1000, 1000, (2, 32, 16, 2, 64), generator=g, device="cuda:0",
+                                            dtype=torch.int16).view(torch.bfloat16) for i in range(3)}
+        dst = {k: torch.zeros_like(v) for k, v in src.items()}
+        a = KVAgent("pre", platform=plat, device=0)
+        b = KVAgent("dec", platform=plat, device=0)
+        try:
+            a.register_group("full", 16, src)
+            b.register_group("full", 16, dst)
+            if op == "pull":
+                agent, peer = b, b.add_peer(a.metadata())
+            else:
+                agent, peer = a, a.add_peer(b.metadata())
+            for s_ids, d_ids in (([3, 9, 0, 31], [1, 2, 30, 7]), ([5, 6], [8, 4])):
+                mine, theirs = (d_ids, s_ids) if op == "pull" else (s_ids, d_ids)
+                x = agent.prepare(peer, op, local_blocks={"full": mine}, remote_blocks={"full": theirs})
+                for k in range(3):
+                    for t in src.values():
+                        t.view(torch.int16)[:, s_ids] += 1
+                    torch.cuda.synchronize()            # the agent's stream does not follow torch's
+                    x.post().wait(60)
+                    for name in src:
+                        assert torch.equal(dst[name].view(torch.int16)[:, d_ids],
+                                           src[name].view(torch.int16)[:, s_ids]), (name, k)
+        finally:
+            b.close()
+            a.close()
+    finally:
+        plat.close()

@@ -132,6 +132,40 @@ class DualKernel:
             return self.compiled()[grid](*args, **kwargs)
 
 
+    def launcher(self, device, grid, *args, **kwargs):
+        """A function of no arguments that launches the kernel like :meth:`launch` (on torch's current stream
+        of ``device``), for a launch repeated with the same arguments.
+
+        Compiled, the first call goes through Triton's JIT (compiling or finding the kernel for these
+        arguments); later calls hand the bound arguments (tensors as their addresses) straight to that
+        compiled kernel's launcher, skipping Triton's argument binding, specialisation and cache lookup:
+        the arguments never change, so the kernel Triton chose for them stays the right one. The
+        arguments' tensors must stay alive (and in place) while the launcher is used.
+        """
+        if device.type == "cpu" or interpreting_forced():
+            return lambda: self.launch(device, grid, *args, **kwargs)
+        names = self.fn.__code__.co_varnames[:self.fn.__code__.co_argcount]
+        if len(args) > len(names) or any(n not in kwargs for n in names[len(args):]):
+            return lambda: self.launch(device, grid, *args, **kwargs)
+        values = list(args) + [kwargs[n] for n in names[len(args):]]
+        bound = tuple(v.data_ptr() if hasattr(v, "data_ptr") else v for v in values)
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        index = device.index if device.index is not None else 0
+        state: list = []
+
+        def launch() -> None:
+            import torch
+            if not state or knobs.runtime.launch_enter_hook is not None or torch.cuda.current_device() != index:
+                kernel = self.launch(device, grid, *args, **kwargs)
+                if not state and kernel is not None and hasattr(kernel, "packed_metadata"):
+                    state.append((kernel.run, kernel.function, kernel.packed_metadata,
+                                  triton.runtime.driver.active.get_current_stream))
+                return
+            run, function, meta, stream_of = state[0]
+            run(g[0], g[1], g[2], stream_of(index), function, meta, None, None, None, *bound)
+        return launch
+
+
 def dual_kernel(fn=None, *, do_not_specialize=()):
     """Decorator: ``@dual_kernel`` (or ``@dual_kernel(do_not_specialize=[...])``) instead of ``@triton.jit``.
 

@@ -84,9 +84,5 @@ def expand_launcher(planes: torch.Tensor, request: torch.Tensor, out: torch.Tens
                        f"({_MAX_GRID_Y} x {EXPAND_BLOCK})")
     if n_planes == 0 or chunks == 0 or out.shape[0] == 0:
         return None
-    grid, args = (n_planes, chunks), (planes, request, out, n_planes, n_groups, int(request.shape[0]),
-                                      int(out.shape[0]))
-
-    def launch() -> None:
-        expand_kernel.launch(dev, grid, *args, BLOCK=EXPAND_BLOCK, num_warps=4)
-    return launch
+    return expand_kernel.launcher(dev, (n_planes, chunks), planes, request, out, n_planes, n_groups,
+                                  int(request.shape[0]), int(out.shape[0]), BLOCK=EXPAND_BLOCK, num_warps=4)

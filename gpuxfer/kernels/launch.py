@@ -340,11 +340,7 @@ def _copy_launch(mode: int, src, dst, descs, offsets, start: int, end: int, stag
     args = (src, dst, descs, descs if offsets is None else offsets, start, rows, staging_offset, n_items, slices)
     kw = dict(MODE=mode, ALIGN=align, ROWS=config.rows, W=config.width, UNROLL=config.unroll,
               LOAD_CACHE=config.load_cache, STORE_CACHE=config.store_cache, num_warps=config.num_warps)
-    device, grid = src.device, (programs,)
-
-    def launch() -> None:
-        copy_kernel.launch(device, grid, *args, **kw)
-    return launch
+    return copy_kernel.launcher(src.device, (programs,), *args, **kw)
 
 
 def copy_launcher(src_pool, dst_pool, descs, *, start: int = 0, end: int | None = None,

@@ -657,13 +657,17 @@ def _check_range(ids: np.ndarray, limit: int, what: str) -> None:
                            f"(the group holds blocks 0..{limit - 1})")
 
 
-def _check_unique(ids: np.ndarray, what: str) -> None:
+def _check_unique(ids: np.ndarray, limit: int, what: str) -> None:
+    """No ID twice in ``ids`` (all in ``[0, limit)``): each ID's slot of a scratch array takes the position of
+    one of its occurrences; an occurrence that reads back another position is a duplicate. O(len(ids))."""
     if ids.size < 2:
         return
-    s = np.sort(ids, kind="stable")
-    dup = np.flatnonzero(s[1:] == s[:-1])
+    at = np.arange(ids.size, dtype=np.int64)
+    slot = np.empty(limit, dtype=np.int64)
+    slot[ids] = at
+    dup = np.flatnonzero(slot[ids] != at)
     if dup.size:
-        raise BlockIdError(f"{what}: destination block {int(s[dup[0]])} appears more than once (two copies "
+        raise BlockIdError(f"{what}: destination block {int(ids[dup[0]])} appears more than once (two copies "
                            "would land on the same bytes)")
 
 
@@ -1145,7 +1149,21 @@ class KVAgent(Closable):
         peer = KVPeer(self, meta)
         with self._lock:
             self._peers[meta.agent] = peer
+        self._warm(peer)
         return peer
+
+    def _warm(self, peer: KVPeer) -> None:
+        """Build the routes of whole requests (every shared group, every layer) in both directions now, so a
+        request's setup finds them; a layout the peer does not match raises when a request names it."""
+        from ..kernels import blocks, launch  # noqa: F401 - loaded here, not in the first request's setup
+        shared = tuple(g for g in self._groups if g in peer.groups)
+        if not shared:
+            return
+        for op in DIRECTIONS:
+            try:
+                self._route(peer, op, None, shared)
+            except (LayoutMismatch, BadInput) as exc:
+                log.debug("agent %s: no %s route with peer %s yet: %s", self.name, op, peer.name, exc)
 
     def remove_peer(self, peer: "KVPeer | str") -> None:
         """Forget a peer and close its mappings (transfers with it must have completed)."""
@@ -1314,7 +1332,7 @@ class KVAgent(Closable):
         for cls in route.dst_classes:
             ids = [dst_ids[gi] for gi in cls if dst_ids[gi].size]
             if ids:
-                _check_unique(np.concatenate(ids) if len(ids) > 1 else ids[0],
+                _check_unique(np.concatenate(ids) if len(ids) > 1 else ids[0], max(route.limits[gi][1] for gi in cls),
                               f"request {name!r}, group(s) {', '.join(route.groups[gi] for gi in cls)}")
         return self._stage(peer, route, op, name, n_seg, src_ids, dst_ids, notify_slot)
 
@@ -1350,7 +1368,7 @@ class KVAgent(Closable):
                 out = torch.empty((max(n_rows, 1), 3), dtype=torch.int64, device=dev)
         else:
             dev_req = host
-            out = torch.zeros((1 if self.engine == "copy_engine" else max(n_rows, 1), 3), dtype=torch.int64)
+            out = torch.empty((1 if self.engine == "copy_engine" else max(n_rows, 1), 3), dtype=torch.int64)
         spans, nbytes = [], 0          # (first row, end row, segment bytes) of each size present
         for a, b, seg_bytes in route.classes:
             r0, r1 = int(row_start[a]), int(row_start[b])

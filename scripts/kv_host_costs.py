@@ -1,0 +1,166 @@
+"""Host cost of the KV API per request: register, add_peer, prepare (setup), post, and post -> complete.
+
+    PYTHONPATH=. python scripts/kv_host_costs.py [--workload kv-dsv4] [--isl 32768,524288] [--page 16,64]
+        [--ops pull,push] [--engines triton,copy_engine] [--iters 20] [--profile] [--json PATH]
+
+A tuning aid for the KV API's host-time targets (not a test): two agents in this process, on
+devices 0 and 1 (device 0 twice when only one is present), register the benchmark's layout of
+``--workload`` on pools from ``Platform.alloc``, swap metadata, then per request (the seeded block
+tables of a batch-1 burst) time ``prepare`` (block IDs in hand -> ready to post), ``post`` (host
+time of the call) and post -> complete (``handle.wait``). Runs on whatever platform is present;
+on the host emulation (Triton's interpreter) the defaults shrink to a small request.
+
+``--profile`` runs the prepare + post loop under cProfile and prints where gpuxfer's own Python
+time goes (driver calls show as the built-in functions they are), to tell it apart from the driver.
+The ``pack`` engine is two-sided and belongs in two processes (``gpuxfer bench kv`` measures it as
+``pack-api``); it is left out here.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+
+import numpy as np
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def measure(plat, workload: str, isl: int, page: int, op: str, engine: str, iters: int, profile: bool) -> dict:
+    from gpuxfer.kv.agent import KVAgent, layout_groups
+    from gpuxfer.kv.blocktable import burst_tables
+    from gpuxfer.kv.layout import layout_for_burst
+
+    devices = (0, 1) if plat.device_count() > 1 else (0, 0)
+    layout = layout_for_burst(workload, isl, page, 1)
+    bufs, agents = [], []
+    try:
+        for d in devices:
+            bufs.append(plat.alloc(layout.pool_bytes, d))
+        register_ms = []
+        for i, (d, buf) in enumerate(zip(devices, bufs)):
+            ag = KVAgent(f"probe-{i}", platform=plat, device=d, engine=engine, timeout_s=120)
+            agents.append(ag)
+            t0 = time.perf_counter()
+            for name, bt, layers in layout_groups(layout, plat.as_tensor(buf)):
+                ag.register_group(name, bt, layers)
+            register_ms.append((time.perf_counter() - t0) * 1e3)
+        layers = sum(len(lay) for _, _, lay in layout_groups(layout, plat.as_tensor(bufs[0])))
+        src = burst_tables(layout, isl, 1, seed=3, side="src")[0]
+        dst = burst_tables(layout, isl, 1, seed=3, side="dst")[0]
+        initiator = agents[1] if op == "pull" else agents[0]
+        other = agents[0] if op == "pull" else agents[1]
+        t0 = time.perf_counter()
+        peer = initiator.add_peer(other.metadata())
+        add_peer_ms = (time.perf_counter() - t0) * 1e3
+        mine, theirs = (dst, src) if op == "pull" else (src, dst)
+
+        def one():
+            t0 = time.perf_counter()
+            x = initiator.prepare(peer, op, local_blocks=mine, remote_blocks=theirs, name="probe")
+            t1 = time.perf_counter()
+            h = x.post()
+            t2 = time.perf_counter()
+            h.wait(120)
+            t3 = time.perf_counter()
+            return x, (t1 - t0) * 1e6, (t2 - t1) * 1e6, (t3 - t1) * 1e6
+
+        x, first_setup_us, first_post_us, _ = one()         # compiles / loads the kernels
+        setup, post, complete = [], [], []
+        for _ in range(iters):
+            _, s, p, c = one()
+            setup.append(s)
+            post.append(p)
+            complete.append(c)
+        repost = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            h = x.post()
+            repost.append((time.perf_counter() - t0) * 1e6)
+            h.wait(120)
+        row = {"platform": plat.name, "workload": workload, "isl_tokens": isl, "page_tokens": page, "op": op,
+               "engine": engine, "layers": layers, "descriptors": x.descriptors, "bytes": x.nbytes,
+               "register_ms": max(register_ms), "add_peer_ms": add_peer_ms, "first_setup_us": first_setup_us,
+               "first_post_us": first_post_us, "setup_p50_us": float(np.median(setup)),
+               "post_p50_us": float(np.median(post)), "repost_p50_us": float(np.median(repost)),
+               "complete_p50_us": float(np.median(complete))}
+        if profile:
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(iters):
+                h = initiator.prepare(peer, op, local_blocks=mine, remote_blocks=theirs).post()
+                h.wait(120)
+            pr.disable()
+            out = io.StringIO()
+            pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(20)
+            row["profile"] = out.getvalue()
+        return row
+    finally:
+        for ag in reversed(agents):
+            ag.close()
+        for b in bufs:
+            b.close()
+
+
+def main(argv=None) -> int:
+    from gpuxfer.platforms import get_platform
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="kv-dsv4")
+    ap.add_argument("--isl", default=None, help="input lengths (tokens), comma-separated")
+    ap.add_argument("--page", default=None, help="block sizes (tokens), comma-separated")
+    ap.add_argument("--ops", default="pull,push")
+    ap.add_argument("--engines", default="triton")
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--profile", action="store_true", help="cProfile the prepare + post loop")
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    args = ap.parse_args(argv)
+    plat = get_platform()
+    emu = plat.is_emulation
+    isls = _ints(args.isl or ("256" if emu else "32768,524288"))
+    pages = _ints(args.page or ("16" if emu else "16,64"))
+    iters = args.iters or (3 if emu else 20)
+    rows, failed = [], 0
+    try:
+        for engine in _names(args.engines):
+            for isl in isls:
+                for page in pages:
+                    for op in _names(args.ops):
+                        try:
+                            rows.append(measure(plat, args.workload, isl, page, op, engine, iters, args.profile))
+                        except Exception as exc:  # noqa: BLE001 - report the row and go on
+                            failed += 1
+                            rows.append({"workload": args.workload, "isl_tokens": isl, "page_tokens": page,
+                                         "op": op, "engine": engine, "error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        plat.close()
+    cols = ["engine", "op", "isl_tokens", "page_tokens", "descriptors", "register_ms", "add_peer_ms",
+            "setup_p50_us", "post_p50_us", "repost_p50_us", "complete_p50_us", "first_setup_us", "first_post_us"]
+    print("# " + " ".join(f"{c:>14}" for c in cols))
+    for r in rows:
+        if "error" in r:
+            print(f"# {r['engine']} {r['op']} {r['isl_tokens']}/{r['page_tokens']}: {r['error']}")
+            continue
+        print("  " + " ".join(f"{r[c]:>14.1f}" if isinstance(r[c], float) else f"{r[c]!s:>14}" for c in cols))
+        if "profile" in r:
+            print(r.pop("profile"))
+    text = json.dumps({"rows": rows}, indent=1)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
