@@ -14,39 +14,51 @@ import os
 import threading
 import time
 
+import pytest
+
 TIMEOUT = 1.5
 N = 64                 # elements of each tensor (float32, int64): one small inline step
 WARM, COUNTED = 6, 10  # the copy graph is captured at a slot's second sighting: steps 3-4 on
 
 # the platform methods a step may call: every one is counted
-SPIED = ("current_stream", "is_capturing", "wait_flag", "write_flag", "copy_async", "copy_batch_async",
+SPIED = ("current_stream", "is_capturing", "wait_flag", "write_flag", "flag_ops", "copy_async", "copy_batch_async",
          "launch_graph", "capture_graph", "record_event", "stream_wait_event", "launch", "memset_async",
          "event_wait", "event_query", "synchronize", "read_flag", "host_write_flag")
 # queued stream operations (one driver call each on CUDA)
-QUEUED = ("wait_flag", "write_flag", "copy_async", "copy_batch_async", "launch_graph", "stream_wait_event",
+QUEUED = ("wait_flag", "write_flag", "flag_ops", "copy_async", "copy_batch_async", "launch_graph", "stream_wait_event",
           "launch", "memset_async")
 # what the host emulation adds per step in place of stream order: a recorded event and a bounded wait on it
 EMULATION_ONLY = ("record_event", "event_wait")
 
 
 def _spy(plat) -> collections.Counter:
+    """Count the calls the main thread makes into ``plat`` (outermost only: a platform method that calls
+    another, as the default ``flag_ops`` does, counts once)."""
     counts: collections.Counter = collections.Counter()
     main = threading.get_ident()
+    depth = [0]
     for name in SPIED:
         fn = getattr(plat, name, None)
         if fn is None:
             continue
 
         def counted(*a, _fn=fn, _name=name, **kw):
-            if threading.get_ident() == main:
+            if threading.get_ident() != main:
+                return _fn(*a, **kw)
+            if not depth[0]:
                 counts[_name] += 1
-            return _fn(*a, **kw)
+            depth[0] += 1
+            try:
+                return _fn(*a, **kw)
+            finally:
+                depth[0] -= 1
         setattr(plat, name, functools.wraps(fn)(counted))
     return counts
 
 
-def step_calls_session(rank: int, world: int, init_method: str, platform_name: str) -> dict:
+def step_calls_session(rank: int, world: int, init_method: str, platform_name: str, batch: str) -> dict:
     os.environ["GPUXFER_PLATFORM"] = platform_name
+    os.environ["GPUXFER_PP_FLAG_BATCH"] = batch
     import pytest
     import torch
     import torch.distributed as dist
@@ -127,19 +139,61 @@ def step_calls_session(rank: int, world: int, init_method: str, platform_name: s
     return out
 
 
-def test_steady_step_calls_and_stuck_peer(spawner, platform_name):
-    sender, receiver = spawner.run_ranks(step_calls_session, 2, platform_name, timeout=120)
+@pytest.mark.parametrize("batch", ["0", "1"], ids=["flag-calls", "flag-batch"])
+def test_steady_step_calls_and_stuck_peer(spawner, platform_name, batch):
+    sender, receiver = spawner.run_ranks(step_calls_session, 2, platform_name, batch, timeout=120)
     for side, got, flag in (("sender", sender, "empty"), ("receiver", receiver, "full")):
         per_step = collections.Counter({k: v / COUNTED for k, v in got["calls"].items()})
         copy_flags = 0 if got["remote_flags"] else 1     # a publish by local write + 8-byte copy
         queued = sum(per_step[k] for k in QUEUED)
         # sender: wait for the slot, one copy-graph launch, publish; receiver: give the lent slot back, wait
-        want = 3 if side == "sender" else 2
+        # (with the flag batch and remote writes, the receiver's two are one flag_ops call)
+        batched = side == "receiver" and batch == "1" and got["remote_flags"]
+        want = 3 if side == "sender" else 1 if batched else 2
         assert queued <= want + copy_flags, f"{side}: {queued} queued calls per step: {dict(per_step)}"
-        assert per_step["launch_graph" if side == "sender" else "wait_flag"] == 1, f"{side}: {dict(per_step)}"
+        mark = "launch_graph" if side == "sender" else "flag_ops" if batched else "wait_flag"
+        assert per_step[mark] == 1, f"{side}: {dict(per_step)}"
         others = {k: v for k, v in per_step.items() if k not in QUEUED and k != "current_stream"
                   and not (got["emulation"] and k in EMULATION_ONLY)}
         assert not others, f"{side}: calls besides the step's own per step: {others}"
         assert per_step["current_stream"] <= 1, f"{side}: {dict(per_step)}"
         assert got["stuck"] == (flag, 0 if side == "sender" else 1), f"{side}: {got['stuck']}"
         assert got["released"], f"{side}: its current stream still waits after the timeout"
+
+
+def test_flag_ops_in_order(platform):
+    """flag_ops queues its rows in order: a write after a wait lands only once the wait passed."""
+    from gpuxfer.errors import BadInput
+    from gpuxfer.platforms.base import FLAG_OP_WAIT, FLAG_OP_WRITE, flag_ops_array
+    s = platform.create_stream(0)
+    buf = platform.alloc(256, 0)
+    try:
+        platform.memset_async(s, buf.ptr, 0, 256)
+        assert platform.synchronize(s, 30.0)
+        a, b = buf.ptr, buf.ptr + 64
+        ops = flag_ops_array([(FLAG_OP_WRITE, a, 7), (FLAG_OP_WAIT, b, 3), (FLAG_OP_WRITE, a, 9)])
+        platform.flag_ops(s, ops)
+        deadline = time.monotonic() + 30.0
+        while platform.read_flag(a, 0) != 7:        # the first write needs nothing
+            assert time.monotonic() < deadline, "the first flag write never landed"
+            time.sleep(1e-3)
+        time.sleep(0.05)
+        assert platform.read_flag(a, 0) == 7, "a write queued after a wait landed before the wait passed"
+        platform.host_write_flag(b, 3, 0)
+        assert platform.synchronize(s, 30.0)
+        assert platform.read_flag(a, 0) == 9
+        ops[2, 2] = 11                               # values change in place between calls
+        platform.flag_ops(s, ops)
+        assert platform.synchronize(s, 30.0) and platform.read_flag(a, 0) == 11
+        with pytest.raises(BadInput):
+            flag_ops_array([(3, a, 1)])              # neither a wait nor a write
+        with pytest.raises(BadInput):
+            flag_ops_array([(FLAG_OP_WRITE, a + 4, 1)])   # not a flag address
+        ops[1, 0] = 2
+        if platform.is_emulation:                    # the default one-call-per-row path checks each row
+            with pytest.raises(BadInput):
+                platform.flag_ops(s, ops)
+    finally:
+        platform.synchronize(s, 10.0)
+        s.close()
+        buf.close()

@@ -377,6 +377,20 @@ class Platform(abc.ABC):
     def wait_flag(self, stream: Stream, ptr: int, value: int) -> None:
         """Block later work on ``stream`` until ``*(int64*)ptr >= value``. Does not block the host."""
 
+    def flag_ops(self, stream: Stream, ops: np.ndarray) -> None:
+        """Queue flag writes and waits on ``stream``, in row order, where a platform can as one call.
+
+        ``ops`` is a :func:`flag_ops_array`: one row per operation, ``(FLAG_OP_WRITE | FLAG_OP_WAIT,
+        address, value, 0, 0, 0)``; a write is :meth:`write_flag`, a wait :meth:`wait_flag`. Default: one
+        of those calls per row."""
+        for op, ptr, value in ops[:, :3].tolist():
+            if op == FLAG_OP_WRITE:
+                self.write_flag(stream, ptr, value)
+            elif op == FLAG_OP_WAIT:
+                self.wait_flag(stream, ptr, value)
+            else:
+                raise BadInput(f"flag operation {op} is neither a write ({FLAG_OP_WRITE}) nor a wait ({FLAG_OP_WAIT})")
+
     @abc.abstractmethod
     def read_flag(self, ptr: int, device: int) -> int:
         """Read a flag from the host, without waiting behind any stream."""
@@ -413,6 +427,23 @@ class Platform(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+#: operations of a :meth:`Platform.flag_ops` row (CUDA's CU_STREAM_MEM_OP_WAIT_VALUE_64 / _WRITE_VALUE_64)
+FLAG_OP_WAIT, FLAG_OP_WRITE = 4, 5
+FLAG_OP_WORDS = 6       # a row: CUDA's CUstreamBatchMemOpParams (48 bytes) as uint64 words
+
+
+def flag_ops_array(ops: Sequence[tuple[int, int, int]]) -> np.ndarray:
+    """Rows for :meth:`Platform.flag_ops` from ``(op, address, value)`` triples; callers change the address
+    and value columns (1, 2) in place between calls. The wait compares with >= (cyclic, as :meth:`wait_flag`)."""
+    arr = np.zeros((len(ops), FLAG_OP_WORDS), dtype=np.uint64)
+    for i, (op, ptr, value) in enumerate(ops):
+        if op not in (FLAG_OP_WAIT, FLAG_OP_WRITE):
+            raise BadInput(f"flag operation {op} is neither a write ({FLAG_OP_WRITE}) nor a wait ({FLAG_OP_WAIT})")
+        check_flag_ptr(int(ptr))
+        arr[i, 0], arr[i, 1], arr[i, 2] = op, int(ptr), int(value) & ((1 << 64) - 1)
+    return arr
 
 
 def check_flag_ptr(ptr: int) -> None:

@@ -79,7 +79,7 @@ import numpy as np
 from ..common import package_version
 from ..errors import BadInput, DriverError, GpuxferError, NotExportable, TransferTimeout
 from .base import (DeviceBuffer, DeviceInfo, Event, ExportedRange, IpcHandle, LinkInfo, Memory, PeerMapping,
-                   Platform, Stream, as_int64_array, check_flag_ptr)
+                   Platform, Stream, as_int64_array, check_flag_ptr, FLAG_OP_WORDS)
 
 # --------------------------------------------------------------------------- constants
 
@@ -524,6 +524,8 @@ class CudaPlatform(Platform):
         self._streams: dict[int, CudaStream] = {}          # id -> owned streams still alive
         self._current: dict[tuple, CudaStream] = {}        # (device, handle) -> torch's streams seen current
         self._raw_stream = None     # torch._C._cuda_getCurrentRawStream (False where torch lacks it)
+        self._memop = None          # cuStreamBatchMemOp through ctypes (False where missing)
+        self._memop_arrays: dict[int, tuple] = {}     # id -> (flag_ops array, its address, rows)
         self._probes: dict[int, str | None] = {}
         self._links: dict[tuple[int, int], LinkInfo] = {}
         self._batch: tuple | None = None                   # resolved batch path (see _batch_impl)
@@ -1179,6 +1181,45 @@ class CudaPlatform(Platform):
         drv = _driver()
         self._stream_op(s, drv.cuStreamWaitValue64, s.handle, ptr, v, _WAIT_GEQ,
                         doing=lambda: f"enqueuing a wait for flag 0x{ptr:x} >= {int(value)} on {s!r}")
+
+    def flag_ops(self, stream: Stream, ops: np.ndarray) -> None:
+        """``cuStreamBatchMemOp``: every row of ``ops`` (a ``flag_ops_array``, its rows laid out as
+        ``CUstreamBatchMemOpParams``) in one driver call, resolved with ``cuGetProcAddress`` and called
+        through ctypes with the array's address (no per-call conversion). Where the entry point is
+        missing: one call per row (the base class)."""
+        s = self._stream(stream)
+        fn = self._memop
+        if fn is None:
+            fn = self._memop = self._resolve_memop()
+        if fn is False:
+            return super().flag_ops(stream, ops)
+        entry = self._memop_arrays.get(id(ops))
+        if entry is None or entry[0] is not ops:
+            if (type(ops) is not np.ndarray or ops.dtype != np.uint64 or ops.ndim != 2
+                    or ops.shape[1] != FLAG_OP_WORDS or not ops.flags.c_contiguous or not 0 < len(ops) <= 256):
+                raise BadInput(f"flag_ops needs a flag_ops_array (1-256 rows of {FLAG_OP_WORDS} uint64 words)")
+            if len(self._memop_arrays) > 64:
+                self._memop_arrays.clear()
+            entry = self._memop_arrays[id(ops)] = (ops, ops.ctypes.data, len(ops))
+        _, addr, n = entry
+        if s.handle in _DEFAULT_STREAM_HANDLES and self._count != 1 and not self._is_current(s.device):
+            with self._on(s.device):
+                rc = fn(s.handle, n, addr, 0)
+        else:
+            rc = fn(s.handle, n, addr, 0)
+            if rc == _ERR_INVALID_CONTEXT:
+                with self._on(s.device):
+                    rc = fn(s.handle, n, addr, 0)
+        if rc:
+            check(rc, lambda: f"queueing {n} flag operations on {s!r}", "cuStreamBatchMemOp")
+
+    def _resolve_memop(self):
+        """The ctypes entry point of ``cuStreamBatchMemOp`` (the CUDA 12 ABI), or False."""
+        err, pfn, status = _driver().cuGetProcAddress(b"cuStreamBatchMemOp", 12000, 0)
+        if int(err) != CUDA_SUCCESS or not pfn or (status is not None and int(status) != 0):
+            return False        # flag operations go one call each
+        return ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p,
+                                ctypes.c_uint)(int(pfn))
 
     def _helper(self, device: int) -> _Helper:
         h = self._helpers.get(device)

@@ -79,6 +79,9 @@ caller queued on the views)::
     wait full[j] >= k                                   wait full[j'] >= k+1
     -> views of R.data[j]  (no copy, no allocation)     -> views of R.data[j']
 
+With ``$GPUXFER_PP_FLAG_BATCH=1`` (remote flag writes only) the publish and the wait go
+as one ``platform.flag_ops`` call (CUDA: ``cuStreamBatchMemOp``, executed in order).
+
 Nothing on this path waits on the CPU and nothing runs on SMs: every copy,
 the pack and the copy-out included, is a copy-engine copy; the sender's side
 stream and the receiver's current stream wait on flags, the streams wait on
@@ -112,6 +115,7 @@ import time
 
 from ..common import parse_size
 from ..errors import BadInput, GpuxferError, GraphModeError, TransferTimeout
+from ..platforms.base import FLAG_OP_WAIT, FLAG_OP_WRITE, flag_ops_array
 from ..sync import flag_path_from_env, wait_event_or_raise
 from .transport import RELEASE_VALUE, Layout, Received, Transport
 
@@ -124,7 +128,18 @@ PROBE_TIMEOUT_S = 10.0
 ENV_INLINE_BYTES = "GPUXFER_PP_INLINE_BYTES"
 DEFAULT_INLINE_BYTES = 1 << 20
 ENV_STEP_GRAPHS = "GPUXFER_PP_STEP_GRAPHS"
+ENV_FLAG_BATCH = "GPUXFER_PP_FLAG_BATCH"
 STEP_GRAPHS = 64            # copy graphs a sender keeps (one per slot and set of source addresses seen twice)
+
+
+def flag_batch_from_env() -> bool:
+    """Whether a ``recv_views`` receiver queues its two flag operations of a step (give the lent slot back,
+    wait for the next) as one ``platform.flag_ops`` call (``$GPUXFER_PP_FLAG_BATCH``: 0, the default, or 1;
+    remote flag writes only)."""
+    raw = os.environ.get(ENV_FLAG_BATCH, "0").strip().lower()
+    if raw not in ("0", "1", "on", "off", "true", "false", ""):
+        raise BadInput(f"{ENV_FLAG_BATCH} must be 1 or 0, got {raw!r}")
+    return raw in ("1", "on", "true")
 
 
 def step_graphs_from_env() -> bool:
@@ -197,6 +212,7 @@ class CopyEngineTransport(Transport):
         self._lent = None                   # (slot, step) lent out with the last materialized step
         self._views: dict = {}              # (slot, shapes) -> views of the slot (recv_views)
         self._data_bytes = None             # the receive slots as one uint8 tensor (recv_views)
+        self._lend_arrays = self._lend_ops = None   # per slot j: [publish empty[j-1], wait full[j]] (flag_ops)
         self._cap = None                    # sender: the stream small steps' copy graphs are captured on
         self._graphs: dict = {}             # (slot, source pointers, sizes) -> graph of the step's peer copies
         self._sightings: dict = {}          # copy sets seen once (a graph is captured at the second sight)
@@ -333,6 +349,10 @@ class CopyEngineTransport(Transport):
             self._slot_ptr = [self._data.ptr + j * slot for j in range(R)]
             if self.recv_views:
                 self._data_bytes = self.platform.as_tensor(self._data, None, (R * slot,))
+                if self.remote_flags and type(self)._publish is CopyEngineTransport._publish and flag_batch_from_env():
+                    self._lend_arrays = [flag_ops_array([(FLAG_OP_WRITE, self._peer_in_ptr[(j - 1) % R], 0),
+                                                         (FLAG_OP_WAIT, self._in_ptr[j], 0)]) for j in range(R)]
+                    self._lend_ops = [a.reshape(-1) for a in self._lend_arrays]   # value words: 2 and 8
         else:
             self._peer_slot_ptr = [self._peer_data.ptr + j * slot for j in range(R)]
             self._staging_ptr = [self._staging.ptr + s * slot for s in range(2)]
@@ -468,8 +488,16 @@ class CopyEngineTransport(Transport):
         if self._lent is not None:      # the slot lent with the last step goes back after the work queued on it
             jj, kk = self._lent
             self._lent = None
-            self._publish(cur, jj, kk)
-        p.wait_flag(cur, self._in_ptr[j], k)
+            ops = self._lend_ops[j] if self._lend_ops is not None and jj == (j - 1) % R else None
+            if ops is None:
+                self._publish(cur, jj, kk)
+                p.wait_flag(cur, self._in_ptr[j], k)
+            else:                       # publish empty[jj] = kk, wait full[j] >= k: one call
+                ops[2] = kk
+                ops[8] = k
+                p.flag_ops(cur, self._lend_arrays[j])
+        else:
+            p.wait_flag(cur, self._in_ptr[j], k)
         self._wd.append((k, j, time.monotonic(), k))
         slot = self._slot_ptr[j]
         if self.recv_views and rcv.out is None:     # views of the slot itself, lent until the next step
@@ -570,6 +598,7 @@ class CopyEngineTransport(Transport):
         self._packed = None
         self._graphs.clear()
         self._views.clear()
+        self._lend_arrays = self._lend_ops = None
         if self._cap is not None:
             self._cap.close()
             self._cap = None
