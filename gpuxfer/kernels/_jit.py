@@ -108,6 +108,7 @@ class DualKernel:
         self.__doc__ = fn.__doc__
         self._compiled = None
         self._interpreted = None
+        self._fast: dict = {}           # launcher key -> the compiled kernel's (run, function, metadata)
 
     def compiled(self):
         if self._compiled is None:
@@ -133,37 +134,69 @@ class DualKernel:
 
 
     def launcher(self, device, grid, *args, **kwargs):
-        """A function of no arguments that launches the kernel like :meth:`launch` (on torch's current stream
-        of ``device``), for a launch repeated with the same arguments.
+        """A function launching the kernel like :meth:`launch` (on torch's current stream of ``device``, or on
+        the driver stream handle passed as ``stream``), for a launch made with fixed arguments.
 
-        Compiled, the first call goes through Triton's JIT (compiling or finding the kernel for these
-        arguments); later calls hand the bound arguments (tensors as their addresses) straight to that
-        compiled kernel's launcher, skipping Triton's argument binding, specialisation and cache lookup:
-        the arguments never change, so the kernel Triton chose for them stays the right one. The
+        Compiled, it goes straight to the compiled kernel's launcher with the arguments bound once
+        (tensors as their addresses), skipping Triton's per-call argument binding, specialisation and
+        cache lookup. The compiled kernel is the one Triton chose for arguments of the same kind
+        (:func:`_spec_key`: dtypes, 16-byte alignment, the integers' ranges, ``== 1`` and ``% 16``; the
+        constexprs and options): the first launch of a kind goes through Triton and remembers it. The
         arguments' tensors must stay alive (and in place) while the launcher is used.
         """
         if device.type == "cpu" or interpreting_forced():
-            return lambda: self.launch(device, grid, *args, **kwargs)
+            def interpreted(stream=None) -> None:
+                self.launch(device, grid, *args, **kwargs)
+            return interpreted
         names = self.fn.__code__.co_varnames[:self.fn.__code__.co_argcount]
         if len(args) > len(names) or any(n not in kwargs for n in names[len(args):]):
-            return lambda: self.launch(device, grid, *args, **kwargs)
+            return lambda stream=None: self._launch_on(device, stream, grid, args, kwargs)
         values = list(args) + [kwargs[n] for n in names[len(args):]]
         bound = tuple(v.data_ptr() if hasattr(v, "data_ptr") else v for v in values)
+        key = (device.index or 0, _spec_key(values), tuple(kwargs.items()))
         g = tuple(grid) + (1,) * (3 - len(grid))
         index = device.index if device.index is not None else 0
-        state: list = []
+        fast = self._fast
 
-        def launch() -> None:
+        def launch(stream=None) -> None:
             import torch
-            if not state or knobs.runtime.launch_enter_hook is not None or torch.cuda.current_device() != index:
-                kernel = self.launch(device, grid, *args, **kwargs)
-                if not state and kernel is not None and hasattr(kernel, "packed_metadata"):
-                    state.append((kernel.run, kernel.function, kernel.packed_metadata,
-                                  triton.runtime.driver.active.get_current_stream))
+            hit = fast.get(key)
+            if hit is None or knobs.runtime.launch_enter_hook is not None or torch.cuda.current_device() != index:
+                kernel = self._launch_on(device, stream, grid, args, kwargs)
+                if hit is None and kernel is not None and hasattr(kernel, "packed_metadata"):
+                    fast[key] = (kernel.run, kernel.function, kernel.packed_metadata)
                 return
-            run, function, meta, stream_of = state[0]
-            run(g[0], g[1], g[2], stream_of(index), function, meta, None, None, None, *bound)
+            run, function, meta = hit
+            run(g[0], g[1], g[2], _current_stream(index) if stream is None else stream, function, meta, None, None,
+                None, *bound)
         return launch
+
+    def _launch_on(self, device, stream, grid, args, kwargs):
+        """:meth:`launch`, on the driver stream handle ``stream`` when given."""
+        if stream is None:
+            return self.launch(device, grid, *args, **kwargs)
+        import torch
+        with torch.cuda.device(device), torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)):
+            return self.launch(device, grid, *args, **kwargs)
+
+
+def _current_stream(index: int):
+    return triton.runtime.driver.active.get_current_stream(index)
+
+
+def _spec_key(values) -> tuple:
+    """What Triton specialises a compiled kernel on, per argument, or finer: tensors by dtype and 16-byte
+    alignment; integers by range (i32 / i64 / u64), ``== 1`` and ``% 16 == 0``; anything else by type and
+    value. Two argument lists with equal keys run the same compiled kernel."""
+    key = []
+    for v in values:
+        if hasattr(v, "data_ptr"):
+            key.append(("t", str(getattr(v, "dtype", "")), v.data_ptr() % 16 == 0))
+        elif isinstance(v, bool) or not isinstance(v, int):
+            key.append((type(v).__name__, repr(v)))
+        else:
+            key.append(("i", -(1 << 31) <= v < 1 << 31, v < 1 << 63, v == 1, v % 16 == 0))
+    return tuple(key)
 
 
 def dual_kernel(fn=None, *, do_not_specialize=()):

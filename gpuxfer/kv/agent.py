@@ -657,6 +657,19 @@ def _check_range(ids: np.ndarray, limit: int, what: str) -> None:
                            f"(the group holds blocks 0..{limit - 1})")
 
 
+def _sort_order(keys: np.ndarray, limit: int) -> np.ndarray:
+    """An order sorting ``keys`` (IDs in ``[0, limit)``). Distinct keys among a good share of the range go
+    by one scatter and one pass over the range (O(len + limit)); others by a comparison sort."""
+    n = keys.size
+    if limit <= 16 * n:
+        slot = np.full(limit, -1, dtype=np.int64)
+        slot[keys] = np.arange(n, dtype=np.int64)
+        order = slot[slot >= 0]
+        if order.size == n:
+            return order
+    return np.argsort(keys)
+
+
 def _check_unique(ids: np.ndarray, limit: int, what: str) -> None:
     """No ID twice in ``ids`` (all in ``[0, limit)``): each ID's slot of a scratch array takes the position of
     one of its occurrences; an occurrence that reads back another position is a duplicate. O(len(ids))."""
@@ -745,11 +758,12 @@ class KVTransfer:
         if self._dev_req is not self._host_req:
             self.agent.platform.copy_async(s, self._dev_req.data_ptr(), self._host_req.data_ptr(), self._req_bytes)
 
-    def _kernels(self) -> None:
+    def _kernels(self, stream=None) -> None:
+        """The expansion and the copies, on ``stream`` (a driver handle) or torch's current stream."""
         if self._expand_launch is not None:
-            self._expand_launch()
+            self._expand_launch(stream)
         for launch in self._copy_launches:
-            launch()
+            launch(stream)
 
     def post(self, stream: Stream | None = None) -> KVTransferHandle:
         """Enqueue the transfer on ``stream`` (default: the agent's own) and return its handle.
@@ -762,7 +776,11 @@ class KVTransfer:
         plat = agent.platform
         s = agent.stream if stream is None else stream
         self._upload(s)
-        plat.launch(s, self._kernels)
+        native = plat.native_stream(s)
+        if native is None:
+            plat.launch(s, self._kernels)
+        else:
+            self._kernels(native)
         value = None
         if self.notify_slot is not None:
             value = self.peer.next_seq(self.notify_slot)
@@ -838,7 +856,7 @@ class _PackTransfer(KVTransfer):
             self._chunks.append((nbytes, fns))
         self._buffers = self._buffers + (self._offsets,)
 
-    def _kernels(self) -> None:
+    def _kernels(self, stream=None) -> None:
         torch = _torch()
         if self._expand_launch is not None:
             self._expand_launch()
@@ -1326,7 +1344,10 @@ class KVAgent(Closable):
                 # neighbouring peer memory (the fastest order measured for the descriptor-copy kernel);
                 # the order of the copies is free, no two destinations overlap. The pack engine's two
                 # sides must agree on it: both take the source's.
-                order = np.argsort(s if op == "pull" or self.engine == "pack" else d, kind="stable")
+                if op == "pull" or self.engine == "pack":
+                    order = _sort_order(s, ls)
+                else:
+                    order = _sort_order(d, ld)
                 s, d = s[order], d[order]
             n_seg[gi], src_ids[gi], dst_ids[gi] = n, s, d
         for cls in route.dst_classes:

@@ -348,6 +348,12 @@ class Platform(abc.ABC):
     def launch(self, stream: Stream, fn: Callable[[], object]) -> None:
         """Run ``fn`` (which enqueues work through torch or Triton) in ``stream``'s order."""
 
+    def native_stream(self, stream: Stream):
+        """The driver's handle of ``stream`` for a kernel launcher that takes one (a launch straight on it,
+        without :meth:`launch`'s context switches; the calling thread's current device must be the
+        stream's, which such launchers check), or None: launch through :meth:`launch`. Default: None."""
+        return None
+
     # ---- copies ----
     @abc.abstractmethod
     def copy_async(self, stream: Stream, dst: int, src: int, nbytes: int) -> None:

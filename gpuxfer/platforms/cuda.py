@@ -1005,6 +1005,12 @@ class CudaPlatform(Platform):
         with torch.cuda.device(s.device), torch.cuda.stream(s.torch):
             fn()
 
+    def native_stream(self, stream: Stream) -> int | None:
+        """The ``CUstream`` of a created or wrapped stream; None for the default streams (their handles mean
+        "the current context's", which only :meth:`launch` makes sure of)."""
+        s = self._stream(stream)
+        return None if s.handle in _DEFAULT_STREAM_HANDLES else s.handle
+
     # ---- copies ----
     def copy_async(self, stream: Stream, dst: int, src: int, nbytes: int) -> None:
         s = self._stream(stream)
