@@ -855,8 +855,41 @@ def test_pack_without_the_source_times_out_naming_the_request(pack_pair):
     h = dec.prepare(p_of_dec, "pull", local_blocks={"g": [0]}, remote_blocks={"g": [1]}, name="lonely").post()
     with pytest.raises(TransferTimeout, match="lonely"):
         h.wait(0.2)
-    dec.platform.host_write_flag(dec.control.ptr + 8 * 64, 1 << 40, 1)     # release the wait: nothing landed
-    h.wait(60)
+    # the agent failed: it released its stream's waits (the stream drains, nothing landed) and raises the
+    # error from every later call; close still works (the fixture)
+    assert dec.failed is not None
+    assert dec.platform.synchronize(dec.stream, 60)
+    with pytest.raises(TransferTimeout, match="lonely"):
+        h.wait(60)
+    with pytest.raises(TransferTimeout, match="lonely"):
+        dec.prepare(p_of_dec, "pull", local_blocks={"g": [0]}, remote_blocks={"g": [1]})
+    with pytest.raises(TransferTimeout, match="lonely"):
+        dec.wait_notification(0, 1, timeout_s=1)
+    assert pre.failed is None
+
+
+def test_stuck_peer_releases_stream_waits_on_notifications(pair):
+    """A notification that never comes: wait_notification times out, fails the agent, and the stream made to
+    wait on that slot is released (it drains); every later call raises the error."""
+    pre, dec, a0, a1 = pair
+    pre.register_group("g", 4, [a0.tensor((4, 4, 8))])
+    dec.register_group("g", 4, [a1.tensor((4, 4, 8))])
+    p_of_dec, _ = _connect(pre, dec)
+    plat = dec.platform
+    s = plat.create_stream(1)
+    try:
+        dec.stream_wait_notification(s, 7, 1)            # nobody will notify slot 7
+        with pytest.raises(TransferTimeout, match="notification slot 7"):
+            dec.wait_notification(7, 1, timeout_s=0.1)
+        assert plat.synchronize(s, 60)                  # released by the failure
+        with pytest.raises(TransferTimeout, match="notification slot 7"):
+            dec.prepare(p_of_dec, "pull", local_blocks={"g": [0]}, remote_blocks={"g": [1]})
+        with pytest.raises(TransferTimeout, match="notification slot 7"):
+            dec.notification(7)
+        x = pre.prepare(pre.peer("decode"), "push", local_blocks={"g": [0]}, remote_blocks={"g": [1]})
+        x.post().wait(60)                               # the other agent is unaffected
+    finally:
+        s.close()
 
 
 def test_pack_goes_to_one_peer(plat, pack_pair):

@@ -96,6 +96,7 @@ from ..errors import (BackendUnavailable, BadInput, BadMetadata, BlockIdError, L
                       TransferTimeout)
 from ..platforms.base import Closable, DeviceBuffer, Event, IpcHandle, Platform, Stream
 from ..sync import wait_flag_or_raise
+from .engines import RELEASE_VALUE, FailsOnTimeout, on_timeout_from_env
 
 log = logging.getLogger("gpuxfer.kv.agent")
 
@@ -704,12 +705,16 @@ class KVTransferHandle:
         """Block until the transfer has completed; :class:`TransferTimeout` naming the request past ``timeout_s``."""
         from .engines import wait_event
         agent = self.transfer.agent
+        agent.check()
         t = agent.timeout_s if timeout_s is None else float(timeout_s)
         try:
             wait_event(agent.platform, self.event, t, rank=agent.rank, what=f"KV transfer {self.name!r}")
         except TransferTimeout as exc:
-            raise TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
-                                  timeout_s=t, what=f"{self.transfer.describe()} did not complete") from exc
+            err = TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
+                                  timeout_s=t, what=f"{self.transfer.describe()} did not complete")
+            if self.transfer.waits_on_peer:
+                agent.fail(err)
+            raise err from exc
 
     def stream_wait(self, stream: Stream) -> None:
         """Make ``stream``'s later work wait for this transfer."""
@@ -721,6 +726,8 @@ class KVTransferHandle:
 
 class KVTransfer:
     """A prepared request: block IDs checked and staged; :meth:`post` may be called again and again."""
+
+    waits_on_peer = False           # whether its streams wait on flags the peer writes (a timeout fails the agent)
 
     def __init__(self, agent: "KVAgent", peer: KVPeer, route: _Route, op: str, name: str, n_seg: np.ndarray,
                  host_req, dev_req, out, max_segments: int, launches: list, notify_slot: int | None,
@@ -828,6 +835,8 @@ class _PackTransfer(KVTransfer):
         wait FREE >= last  <----------------------------
         event (the data has landed)                    event (the data has landed)
     """
+
+    waits_on_peer = True
 
     def __init__(self, *a, chunks: list, **kw):
         super().__init__(*a, **kw)
@@ -975,7 +984,7 @@ class _CopyEngineTransfer(KVTransfer):
 # ============================================================================ the agent
 
 
-class KVAgent(Closable):
+class KVAgent(Closable, FailsOnTimeout):
     """One process's side of KV transfers: its registered caches, its peers, its stream.
 
     ``platform``: a :class:`~gpuxfer.platforms.base.Platform` (default: ``get_platform()``, owned
@@ -983,16 +992,28 @@ class KVAgent(Closable):
     ``"triton"`` (``"auto"`` picks it), ``"pack"`` (both agents of a pair run it) or ``"copy_engine"``;
     ``timeout_s``: the default of every wait; ``rank``: how errors name this side;
     ``slot_bytes``: the pack engine's staging slot (32 MiB; 1 MiB on the host emulation).
+
+    **Failure.** When a wait on a peer times out -- a ``pack`` transfer's handle (its streams wait on
+    flags the peer writes) or :meth:`wait_notification` -- the agent fails, as a benchmark side does
+    (:class:`~gpuxfer.kv.engines.FailsOnTimeout`): it writes a release value into its own control words
+    (the pack flags and every notification slot a stream was made to wait on), so none of its streams
+    stays blocked, and raises the error from every later call; ``close`` still works.
+    ``on_timeout="exit"`` (or ``GPUXFER_KV_ON_TIMEOUT=exit``) then ends the process. A ``triton``
+    transfer queues no wait on the peer: its handle's timeout only raises.
     """
 
     def __init__(self, name: str, *, platform: Platform | None = None, device: int = 0, engine: str = "auto",
-                 timeout_s: float = 60.0, rank: int = 0, slot_bytes: int | None = None):
+                 timeout_s: float = 60.0, rank: int = 0, slot_bytes: int | None = None,
+                 on_timeout: str | None = None):
         if not isinstance(name, str) or not 0 < len(name) <= _MAX_NAME:
             raise BadInput(f"agent name must be a string of 1..{_MAX_NAME} characters, got {name!r}")
         engine = "triton" if engine == "auto" else engine
         if engine not in AGENT_ENGINES:
             raise BadInput(f"KVAgent runs engine(s) {', '.join(AGENT_ENGINES)}; got {engine!r}")
         self._closed = False
+        self.failed = None
+        self.on_timeout = on_timeout_from_env(on_timeout)
+        self._waited_slots: set[int] = set()        # notification slots a stream was made to wait on
         self._owns_platform = platform is None
         if platform is None:
             from ..platforms import get_platform
@@ -1453,19 +1474,43 @@ class KVAgent(Closable):
         """Poll word ``slot`` until it holds ``value`` or more; :class:`TransferTimeout` past ``timeout_s``."""
         self._check_open()
         t = self.timeout_s if timeout_s is None else float(timeout_s)
-        return wait_flag_or_raise(self.platform, self._slot(slot), int(value), t, rank=self.rank, step=int(value),
-                                  flag=f"notification slot {slot} of agent {self.name!r}", device=self.device)
+        try:
+            return wait_flag_or_raise(self.platform, self._slot(slot), int(value), t, rank=self.rank,
+                                      step=int(value), flag=f"notification slot {slot} of agent {self.name!r}",
+                                      device=self.device)
+        except TransferTimeout as exc:
+            self.fail(exc)
+            raise
 
     def stream_wait_notification(self, stream: Stream, slot: int, value: int) -> None:
         """Block ``stream``'s later work (not the host) until word ``slot`` holds ``value`` or more."""
         self._check_open()
-        self.platform.wait_flag(stream, self._slot(slot), int(value))
+        ptr = self._slot(slot)
+        self._waited_slots.add(slot)
+        self.platform.wait_flag(stream, ptr, int(value))
+
+    # ------------------------------------------------------------------ failure
+
+    def failure_name(self) -> str:
+        return f"KV agent {self.name!r} (rank {self.rank}, {self.platform.name}:{self.device})"
+
+    def release_waits(self) -> None:
+        """Write the release value into this agent's words its streams (or the caller's) may wait on: the
+        pack flags and the notification slots waited on from a stream. Best effort: the abort path."""
+        if self.control is None:
+            return
+        for word in (_AVAIL, _FREE, _GO, *sorted(self._waited_slots)):
+            try:
+                self.platform.host_write_flag(self.control.ptr + 8 * word, RELEASE_VALUE, self.device)
+            except Exception as exc:  # noqa: BLE001 - keep releasing
+                log.warning("agent %s: releasing control word %d failed: %s", self.name, word, exc)
 
     # ------------------------------------------------------------------ lifetime
 
     def _check_open(self) -> None:
         if self._closed:
             raise BadInput(f"agent {self.name!r} is closed")
+        self.check()
 
     def _check_usable(self, peer: KVPeer) -> None:
         self._check_open()

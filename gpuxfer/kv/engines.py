@@ -171,8 +171,46 @@ class EngineOptions:
         return self
 
 
+class FailsOnTimeout:
+    """What a party (a benchmark :class:`Side`, a :class:`~gpuxfer.kv.agent.KVAgent`) does when one of its
+    bounded waits times out: :meth:`fail` releases every GPU-side wait it queued (its
+    :meth:`release_waits` writes :data:`RELEASE_VALUE` into its local flag words), keeps the first
+    error, which :meth:`check` raises from every later call, and with ``on_timeout == "exit"`` logs it
+    and ends the process with :data:`EXIT_CODE`. Subclasses set ``failed`` (None) and ``on_timeout``
+    (:func:`on_timeout_from_env`) and name themselves in :meth:`failure_name`."""
+
+    failed: BaseException | None = None
+    on_timeout: str | None = None
+
+    def release_waits(self) -> None:
+        """Satisfy every GPU wait this party queued (best effort: the abort path)."""
+
+    def failure_name(self) -> str:
+        return type(self).__name__
+
+    def fail(self, exc: BaseException) -> None:
+        """A bounded wait timed out: release every GPU wait, keep ``exc`` (the first error) for every later
+        call, and with ``on_timeout="exit"`` log and end the process."""
+        if self.failed is None:
+            self.failed = exc
+        self.release_waits()
+        if self.on_timeout == "exit":
+            msg = (f"gpuxfer kv: {self.failure_name()} failed: {type(self.failed).__name__}: {self.failed}; "
+                   f"on_timeout=exit: every GPU wait released, exiting with code {EXIT_CODE}")
+            log.critical("%s", msg)
+            try:
+                print(msg, file=sys.stderr, flush=True)
+            finally:
+                os._exit(EXIT_CODE)
+
+    def check(self) -> None:
+        """Raise the error that failed this party, if any."""
+        if self.failed is not None:
+            raise self.failed
+
+
 @dataclass
-class Side:
+class Side(FailsOnTimeout):
     """What one of the two processes holds; every engine is built over one.
 
     ``exchange(obj)`` is an all-gather over the CPU group (index = rank); an
@@ -246,26 +284,8 @@ class Side:
         for release in list(self._releasers):
             release()
 
-    def fail(self, exc: BaseException) -> None:
-        """A bounded wait timed out: release every GPU wait of the side, keep ``exc`` (the first error)
-        for every later call, and with ``on_timeout="exit"`` log and end the process."""
-        if self.failed is None:
-            self.failed = exc
-        self.release_waits()
-        if self.on_timeout == "exit":
-            msg = (f"gpuxfer kv: rank {self.rank} ({self.role.serving_name}, device {self.device}) failed: "
-                   f"{type(self.failed).__name__}: {self.failed}; on_timeout=exit: every GPU wait of the side "
-                   f"released, exiting with code {EXIT_CODE}")
-            log.critical("%s", msg)
-            try:
-                print(msg, file=sys.stderr, flush=True)
-            finally:
-                os._exit(EXIT_CODE)
-
-    def check(self) -> None:
-        """Raise the error that failed the side, if any."""
-        if self.failed is not None:
-            raise self.failed
+    def failure_name(self) -> str:
+        return f"rank {self.rank} ({self.role.serving_name}, device {self.device})"
 
     def close(self) -> None:
         if self._gate is not None:
@@ -1352,4 +1372,4 @@ __all__ = ["DIRECTIONS", "DEFAULT_ENGINES", "ENGINES", "Burst", "BurstShape", "B
            "EngineOptions", "PackEngine", "Prepared", "Role", "Side", "TritonEngine", "as_descriptors",
            "check_direction", "chunk_plan", "contiguous_descriptors", "engine_class", "engine_report",
            "engine_unavailable_reason", "initiator_of", "measurement_order", "parse_engines", "register_engine",
-           "split_large", "wait_event", "Gate", "EXIT_CODE", "ENV_KV_ON_TIMEOUT", "ON_TIMEOUT", "on_timeout_from_env"]
+           "split_large", "wait_event", "Gate", "FailsOnTimeout", "EXIT_CODE", "ENV_KV_ON_TIMEOUT", "ON_TIMEOUT", "on_timeout_from_env"]
