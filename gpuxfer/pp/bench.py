@@ -330,6 +330,8 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
                     t = conn.transports[0]
                     flag_paths[backend] = ("remote stream writes" if getattr(t, "remote_flags", False)
                                            else "8-byte copies" if backend == "copy_engine" else "-")
+                    if getattr(t, "_lend_arrays", None) is not None:
+                        flag_paths[backend] += " (receiver: give back + wait as one flag_ops call)"
                     if metadata:
                         meta_channels[backend] = t.meta.what
                     k = 1
