@@ -158,15 +158,18 @@ class DualKernel:
         index = device.index if device.index is not None else 0
         fast = self._fast
 
+        found: list = []                # the compiled kernel's entry, once known
+
         def launch(stream=None) -> None:
             import torch
-            hit = fast.get(key)
-            if hit is None or knobs.runtime.launch_enter_hook is not None or torch.cuda.current_device() != index:
+            if not found and key in fast:
+                found.append(fast[key])
+            if not found or knobs.runtime.launch_enter_hook is not None or torch.cuda.current_device() != index:
                 kernel = self._launch_on(device, stream, grid, args, kwargs)
-                if hit is None and kernel is not None and hasattr(kernel, "packed_metadata"):
+                if not found and kernel is not None and hasattr(kernel, "packed_metadata"):
                     fast[key] = (kernel.run, kernel.function, kernel.packed_metadata)
                 return
-            run, function, meta = hit
+            run, function, meta = found[0]
             run(g[0], g[1], g[2], _current_stream(index) if stream is None else stream, function, meta, None, None,
                 None, *bound)
         return launch

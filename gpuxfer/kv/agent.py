@@ -658,28 +658,46 @@ def _check_range(ids: np.ndarray, limit: int, what: str) -> None:
                            f"(the group holds blocks 0..{limit - 1})")
 
 
+class _Scratch(threading.local):
+    """Per thread: an int64 array over block IDs, all -1 between uses (each use puts back what it wrote),
+    so checking or ordering a request's IDs costs O(IDs), not a fresh array over the group's blocks."""
+
+    def __init__(self):
+        self.slots = np.full(0, -1, dtype=np.int64)
+
+    def get(self, limit: int) -> np.ndarray:
+        if self.slots.size < limit:
+            self.slots = np.full(max(limit, 2 * self.slots.size), -1, dtype=np.int64)
+        return self.slots[:limit]
+
+
+_SCRATCH = _Scratch()
+
+
 def _sort_order(keys: np.ndarray, limit: int) -> np.ndarray:
     """An order sorting ``keys`` (IDs in ``[0, limit)``). Distinct keys among a good share of the range go
-    by one scatter and one pass over the range (O(len + limit)); others by a comparison sort."""
+    by one scatter and one pass over the range; others by a comparison sort."""
     n = keys.size
     if limit <= 16 * n:
-        slot = np.full(limit, -1, dtype=np.int64)
+        slot = _SCRATCH.get(limit)
         slot[keys] = np.arange(n, dtype=np.int64)
         order = slot[slot >= 0]
+        slot[keys] = -1
         if order.size == n:
             return order
     return np.argsort(keys)
 
 
 def _check_unique(ids: np.ndarray, limit: int, what: str) -> None:
-    """No ID twice in ``ids`` (all in ``[0, limit)``): each ID's slot of a scratch array takes the position of
-    one of its occurrences; an occurrence that reads back another position is a duplicate. O(len(ids))."""
+    """No ID twice in ``ids`` (all in ``[0, limit)``): each ID's slot takes the position of one of its
+    occurrences; an occurrence that reads back another position is a duplicate. O(len(ids))."""
     if ids.size < 2:
         return
     at = np.arange(ids.size, dtype=np.int64)
-    slot = np.empty(limit, dtype=np.int64)
+    slot = _SCRATCH.get(limit)
     slot[ids] = at
     dup = np.flatnonzero(slot[ids] != at)
+    slot[ids] = -1
     if dup.size:
         raise BlockIdError(f"{what}: destination block {int(ids[dup[0]])} appears more than once (two copies "
                            "would land on the same bytes)")
