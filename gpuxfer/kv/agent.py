@@ -890,6 +890,13 @@ class _PackTransfer(KVTransfer):
         self._offsets[:1].zero_()           # on the posting stream: nothing else orders it before the packs
         torch.cumsum(self._out[:, 2], 0, out=self._offsets[1:])
 
+    def _launch(self, s: Stream, native, fn) -> None:
+        """A chunk's kernel on ``s``: straight on its driver handle where the platform gives one."""
+        if native is None:
+            self.agent.platform.launch(s, fn)
+        else:
+            fn(native)
+
     def _signal(self, s: Stream, index: int, value: int) -> None:
         plat, peer = self.agent.platform, self.peer
         word = peer.scratch.ptr + 8 * index
@@ -917,18 +924,19 @@ class _PackTransfer(KVTransfer):
             self._signal(s, _GO, peer.pack_posts)
         first = peer.pack_sent if self.source else peer.pack_recv
         seq = first
+        native = plat.native_stream(s)
         for i, (nbytes, fns) in enumerate(self._chunks):
             seq = first + i + 1
             k = (seq - 1) % PACK_SLOTS
             if self.source:
                 if seq > PACK_SLOTS:            # the destination unpacked the slot's previous chunk
                     plat.wait_flag(s, ctrl + 8 * _FREE, seq - PACK_SLOTS)
-                plat.launch(s, fns[k])
+                self._launch(s, native, fns[k])
                 plat.copy_async(s, peer.staging_ptr + k * slot_bytes, agent.staging.ptr + k * slot_bytes, nbytes)
                 self._signal(s, _AVAIL, seq)
             else:
                 plat.wait_flag(s, ctrl + 8 * _AVAIL, seq)
-                plat.launch(s, fns[k])
+                self._launch(s, native, fns[k])
                 self._signal(s, _FREE, seq)
         if self.source:
             peer.pack_sent = seq
