@@ -337,3 +337,55 @@ def test_pack_and_unpack_reject_bad_staging_and_offsets(dev):
         pack(src, staging, t, offs, staging_offset=-1)
     with pytest.raises(BadInput, match="staging must be a uint8"):
         pack(src, staging.to(torch.int16), t, offs)
+
+
+def test_direct_launcher_binds_arguments_once(monkeypatch):
+    """DualKernel.launcher on a CUDA device (driver calls faked): the first launch of a kind goes through
+    Triton; later launches -- of this launcher and of a fresh one whose arguments are of the same kind --
+    call the compiled kernel's launcher with every argument in order (tensors as addresses, constexprs
+    included) and the stream; another kind (a misaligned tensor, an int == 1) goes through Triton again."""
+    import torch
+    from gpuxfer.kernels import _jit
+
+    def k(a_ptr, b_ptr, n, m, BLOCK: "tl.constexpr"):
+        pass
+
+    kern = _jit.DualKernel(k, do_not_specialize=["n"])
+    calls = {"triton": 0, "direct": []}
+
+    class Compiled:
+        function, packed_metadata = 77, "meta"
+
+        def run(self, *a):
+            calls["direct"].append(a)
+
+    def slow(device, grid, *args, **kwargs):
+        calls["triton"] += 1
+        return Compiled()
+
+    monkeypatch.setattr(kern, "launch", slow)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_jit, "_current_stream", lambda index: 1234)
+    dev = torch.device("cuda", 0)
+    buf = torch.zeros(64, dtype=torch.int64)
+    a, b = buf[:8], buf[16:24]
+    first = kern.launcher(dev, (3, 2), a, b, 100, 5, BLOCK=64, num_warps=4)
+    first()
+    assert calls == {"triton": 1, "direct": []}
+    first()
+    first(stream=99)
+    fresh = kern.launcher(dev, (7,), b, a, 200, 21, BLOCK=64, num_warps=4)     # same kinds
+    fresh()
+    assert calls["triton"] == 1
+    assert calls["direct"] == [(3, 2, 1, 1234, 77, "meta", None, None, None, a.data_ptr(), b.data_ptr(), 100, 5, 64),
+                               (3, 2, 1, 99, 77, "meta", None, None, None, a.data_ptr(), b.data_ptr(), 100, 5, 64),
+                               (7, 1, 1, 1234, 77, "meta", None, None, None, b.data_ptr(), a.data_ptr(), 200, 21, 64)]
+    kern.launcher(dev, (1,), buf[1:9], b, 100, 5, BLOCK=64, num_warps=4)()        # 8-byte aligned only
+    kern.launcher(dev, (1,), a, b, 100, 1, BLOCK=64, num_warps=4)()               # m == 1
+    kern.launcher(dev, (1,), a, b, 100, 5, BLOCK=128, num_warps=4)()              # another constexpr
+    assert calls["triton"] == 4 and len(calls["direct"]) == 3
+    monkeypatch.setenv(_jit.ENV_DIRECT_LAUNCH, "0")
+    off = kern.launcher(dev, (3, 2), a, b, 100, 5, BLOCK=64, num_warps=4)
+    off()
+    off()
+    assert calls["triton"] == 6 and len(calls["direct"]) == 3

@@ -22,12 +22,15 @@ platform runs streams on worker threads).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 import triton
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
+#: ``0`` makes :meth:`DualKernel.launcher` launch through Triton every time (no direct launches)
+ENV_DIRECT_LAUNCH = "GPUXFER_DIRECT_LAUNCH"
 _INTERP_LOCK = threading.RLock()
 _MISSING = object()
 _INTERPRETED: dict = {}
@@ -149,7 +152,8 @@ class DualKernel:
                 self.launch(device, grid, *args, **kwargs)
             return interpreted
         names = self.fn.__code__.co_varnames[:self.fn.__code__.co_argcount]
-        if len(args) > len(names) or any(n not in kwargs for n in names[len(args):]):
+        if (len(args) > len(names) or any(n not in kwargs for n in names[len(args):])
+                or os.environ.get(ENV_DIRECT_LAUNCH, "1").strip() == "0"):
             return lambda stream=None: self._launch_on(device, stream, grid, args, kwargs)
         values = list(args) + [kwargs[n] for n in names[len(args):]]
         bound = tuple(v.data_ptr() if hasattr(v, "data_ptr") else v for v in values)
@@ -164,7 +168,7 @@ class DualKernel:
             import torch
             if not found and key in fast:
                 found.append(fast[key])
-            if not found or knobs.runtime.launch_enter_hook is not None or torch.cuda.current_device() != index:
+            if not found or _hooks_active() or torch.cuda.current_device() != index:
                 kernel = self._launch_on(device, stream, grid, args, kwargs)
                 if not found and kernel is not None and hasattr(kernel, "packed_metadata"):
                     fast[key] = (kernel.run, kernel.function, kernel.packed_metadata)
@@ -181,6 +185,14 @@ class DualKernel:
         import torch
         with torch.cuda.device(device), torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)):
             return self.launch(device, grid, *args, **kwargs)
+
+
+def _hooks_active() -> bool:
+    """Whether a launch hook (a profiler's) is installed: launches then go through Triton, which calls it."""
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
 
 
 def _current_stream(index: int):
