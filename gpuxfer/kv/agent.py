@@ -793,8 +793,10 @@ class KVTransfer:
     def post(self, stream: Stream | None = None) -> KVTransferHandle:
         """Enqueue the transfer on ``stream`` (default: the agent's own) and return its handle.
 
-        Host work: one copy (the request array), one launch call running the expansion and one copy
-        kernel per descriptor size, a notification (two stream operations) if asked for, one event.
+        Host work: one copy (the request array), the expansion and one copy kernel per kernel tiling
+        (launched straight on the stream's driver handle where the platform gives one, else inside one
+        :meth:`Platform.launch`), a notification (two stream operations) if asked for, one event; none of
+        it depends on the number of descriptors.
         """
         agent = self.agent
         agent._check_usable(self.peer)
