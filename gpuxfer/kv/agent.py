@@ -869,7 +869,9 @@ class _PackTransfer(KVTransfer):
         if self.source and peer.staging_ptr is None:
             raise BadInput(f"peer {peer.name!r} has no staging buffer (its agent does not run the pack engine)")
         out = self._out
-        self._offsets = torch.zeros(out.shape[0] + 1, dtype=torch.int64, device=out.device)
+        # written whole on the posting stream at each post (entry 0 zeroed, the rest a cumsum): a fill here
+        # would run on another stream, unordered with them
+        self._offsets = torch.empty(out.shape[0] + 1, dtype=torch.int64, device=out.device)
         r = self.route
         local = r.src_anchor if self.source else r.dst_anchor
         stage = agent.platform.as_tensor(agent.staging)
@@ -1433,9 +1435,10 @@ class KVAgent(Closable, FailsOnTimeout):
             h[at:at + dst_ids[gi].size] = dst_ids[gi]
             at += dst_ids[gi].size
         if pinned and self.engine != "copy_engine":
-            with torch.cuda.device(dev), torch.cuda.stream(self.stream.torch):
-                dev_req = torch.empty(head + total_ids, dtype=torch.int64, device=dev)
-                out = torch.empty((max(n_rows, 1), 3), dtype=torch.int64, device=dev)
+            # no stream of ours needs naming to the caching allocator: the agent keeps a posted transfer's
+            # buffers until its event completes (_track), so a block is never handed out while in use
+            dev_req = torch.empty(head + total_ids, dtype=torch.int64, device=dev)
+            out = torch.empty((max(n_rows, 1), 3), dtype=torch.int64, device=dev)
         else:
             dev_req = host
             out = torch.empty((1 if self.engine == "copy_engine" else max(n_rows, 1), 3), dtype=torch.int64)
