@@ -995,9 +995,9 @@ def test_bench_pack_api_rows(tmp_path, capsys):
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["pull", "push"])
 def test_cuda_reposts_through_the_bound_launchers(op):
-    """On CUDA a transfer's second and later posts launch the compiled kernels directly (arguments bound
-    once); each post must move what the first did: the source changes between posts, the destination
-    follows, and a fresh request over other blocks moves its bytes too."""
+    """On CUDA a transfer's posts launch the compiled kernels directly (arguments bound once, the compiled
+    kernel found by the arguments' kind); every post moves the current bytes: the source changes between
+    posts, the destination follows, on three kinds of stream; a fresh request over other blocks too."""
     from conftest import platform_reason
     why = platform_reason("cuda")
     if why:
@@ -1018,17 +1018,22 @@ def test_cuda_reposts_through_the_bound_launchers(op):
                 agent, peer = b, b.add_peer(a.metadata())
             else:
                 agent, peer = a, a.add_peer(b.metadata())
+            own = plat.create_stream(0)
+            # the agent's stream and a created one launch on their driver handles; torch's current (default)
+            # stream goes through Platform.launch
+            streams = (None, own, plat.current_stream(0))
             for s_ids, d_ids in (([3, 9, 0, 31], [1, 2, 30, 7]), ([5, 6], [8, 4])):
                 mine, theirs = (d_ids, s_ids) if op == "pull" else (s_ids, d_ids)
                 x = agent.prepare(peer, op, local_blocks={"full": mine}, remote_blocks={"full": theirs})
-                for k in range(3):
+                for k in range(4):
                     for t in src.values():
                         t.view(torch.int16)[:, s_ids] += 1
                     torch.cuda.synchronize()            # the agent's stream does not follow torch's
-                    x.post().wait(60)
+                    x.post(streams[k % 3]).wait(60)
                     for name in src:
                         assert torch.equal(dst[name].view(torch.int16)[:, d_ids],
                                            src[name].view(torch.int16)[:, s_ids]), (name, k)
+            own.close()
         finally:
             b.close()
             a.close()
