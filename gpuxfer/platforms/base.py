@@ -420,10 +420,6 @@ class Platform(abc.ABC):
         """Whether ``stream`` is capturing a graph (its work is recorded for replay, not run). Default: never."""
         return False
 
-    def relax_capture_mode(self) -> None:
-        """Let the calling thread make host calls (flag reads and writes, helper copies) while another thread
-        captures a graph. Default: nothing to do."""
-
     # ---- lifetime ----
     def close(self) -> None:
         """Release per-process state (helper streams, library handles). Idempotent."""

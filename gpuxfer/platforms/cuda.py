@@ -406,6 +406,29 @@ class _OnDevice:
             _cu(_driver().cuCtxPopCurrent, doing=f"restoring the caller's context after work on cuda:{self._dev}")
 
 
+class _RelaxedCapture:
+    """``with _RelaxedCapture():`` -- this thread's stream-capture mode is relaxed inside.
+
+    A graph capture in torch's default (global) mode forbids "unsafe" calls -- a stream query or
+    synchronise, a synchronous copy -- on every thread while it lasts, and such a call invalidates
+    it. The host's flag reads and writes (a copy on a helper stream, then a bounded poll) run
+    here, so a watchdog release or a failure found during someone's capture leaves that capture
+    intact.
+    """
+
+    __slots__ = ("_old",)
+
+    def __enter__(self):
+        d = _driver()
+        self._old = _cu(d.cuThreadExchangeStreamCaptureMode, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED,
+                        doing="relaxing this thread's stream-capture mode for a host flag access")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _cu(_driver().cuThreadExchangeStreamCaptureMode, self._old,
+            doing="restoring this thread's stream-capture mode")
+
+
 #: The GPU's large page. A kernel touching pages scattered over a ``cudaMalloc`` whose size is
 #: not a multiple of it runs much slower (likely: the driver maps such a buffer with small pages,
 #: and address translation costs): on H200 a batch-1 kv-dsv4 pull over a 14.65 GB pool took
@@ -1273,7 +1296,7 @@ class CudaPlatform(Platform):
         check_flag_ptr(ptr)
         device = self._check_device(device)
         h = self._helper(device)
-        with h.lock, self._on(device):
+        with h.lock, self._on(device), _RelaxedCapture():
             _cu(_driver().cuMemcpyDtoHAsync, h.host_ptr, ptr, 8, h.stream,
                 doing=f"reading flag 0x{ptr:x} from the host (cuda:{device})")
             self._finish_helper(h, device, ptr, "a host read", -1)
@@ -1286,7 +1309,7 @@ class CudaPlatform(Platform):
         v = _u64(value)
         device = self._check_device(device)
         h = self._helper(device)
-        with h.lock, self._on(device):
+        with h.lock, self._on(device), _RelaxedCapture():
             ctypes.c_uint64.from_address(h.host_ptr + 8).value = v
             _cu(_driver().cuMemcpyHtoDAsync, ptr, h.host_ptr + 8, 8, h.stream,
                 doing=f"writing flag 0x{ptr:x} := {int(value)} from the host (cuda:{device})")
@@ -1330,13 +1353,6 @@ class CudaPlatform(Platform):
             raise BadInput(f"not a CUDA graph: {graph!r}")
         self._stream_op(s, _driver().cuGraphLaunch, graph.exe, s.handle,
                         doing=lambda: f"launching {graph!r} on {s!r}")
-
-    def relax_capture_mode(self) -> None:
-        """``cuThreadExchangeStreamCaptureMode(RELAXED)`` for the calling thread: its host flag reads and
-        writes never invalidate another thread's capture (``torch.cuda.graph`` captures in global mode)."""
-        drv = _driver()
-        _cu(drv.cuThreadExchangeStreamCaptureMode, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED,
-            doing="setting this thread's stream capture mode to relaxed")
 
     def probe_stream_mem_ops(self, device: int, timeout_s: float = 10.0) -> str | None:
         """None if 64-bit stream write / wait really work on ``device``, else why not. Cached per device.

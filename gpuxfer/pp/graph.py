@@ -94,7 +94,6 @@ from ..errors import GpuxferError, GraphModeError, TransferTimeout
 from .copy_engine import ENV_FLAG_PATH, PROBE_TIMEOUT_S, W_IN, CopyEngineTransport
 from .transport import RELEASE_VALUE, Layout, Received
 
-_relaxed = threading.local()     # threads whose capture mode is already relaxed
 
 
 class GraphTransport(CopyEngineTransport):
@@ -240,9 +239,6 @@ class GraphTransport(CopyEngineTransport):
         """Read each used slot's counters (``done`` first: both only grow, so done <= enter as read); a slot
         in flight with neither counter moving for ``timeout_s`` is a stuck replay."""
         p, dev = self.platform, self.device
-        if not getattr(_relaxed, "done", False):
-            p.relax_capture_mode()       # this thread's reads never invalidate a capture elsewhere
-            _relaxed.done = True
         stuck, entered = None, 0
         for j in range(min(self.step, self.recv_slots)):
             done, enter = p.read_flag(self._count_ptr[j][1], dev), p.read_flag(self._count_ptr[j][0], dev)
