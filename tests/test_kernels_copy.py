@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpuxfer.errors import BadInput
-from gpuxfer.kernels import (CopyConfig, check_copy, choose_config, copy_descriptors, fill_pattern, pack,
+from gpuxfer.kernels import (CopyConfig, check_copy, choose_config, copy_descriptors, pack,
                              pack_offsets, packed_descriptors, unpack, verify)
 from gpuxfer.kernels import reference as ref
 

@@ -12,7 +12,6 @@ import os
 import random
 import time
 
-import pytest
 
 SPECS_SHAPES = {"hidden": ((48, 40), "bfloat16"), "pos": ((48,), "int64"), "residual": ((48, 40), "float32")}
 # copy_engine steps go inline (on the caller's stream) up to inline_bytes, staged above: the default

@@ -7,7 +7,6 @@ asserted as hang bounds (timeout_s + 5 s).
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from fake_hsa import FakeHsaLib, FakeRocmPlatform
-from gpuxfer.errors import BackendUnavailable, BadInput, GpuxferError
+from gpuxfer.errors import BadInput, GpuxferError
 from gpuxfer.platforms.host import HostPlatform
 from gpuxfer.pp import sdma as S
 from gpuxfer.pp.sdma import SdmaTransport

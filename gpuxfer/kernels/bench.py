@@ -31,7 +31,6 @@ import argparse
 import datetime as _dt
 import json
 import math
-import os
 import platform as _pyplatform
 import statistics
 import sys

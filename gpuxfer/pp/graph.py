@@ -87,7 +87,6 @@ there. Two GPUs do not share that.
 from __future__ import annotations
 
 import functools
-import threading
 import time
 
 from ..errors import GpuxferError, GraphModeError, TransferTimeout
