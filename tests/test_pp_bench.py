@@ -62,6 +62,7 @@ def test_bench_pp_host(tmp_path, capsys):
     assert "SM contention" in text and "bulk peer copy" in text
     doc = json.loads(out.read_text())
     assert doc["emulation"] is True and doc["result"] == "PASS" and doc["wrong_bytes"] == 0
+    assert doc["targets"] and all(t["met"] is None for t in doc["targets"])   # not judged on the emulation
     sizes = doc["params"]["sizes_bytes"]
     assert sizes == [16384, 32768, 65536]
     configs = {(r["backend"], r["metadata"]) for r in doc["rows"]}
