@@ -160,6 +160,7 @@ def stage_session(rank: int, world: int, init_method: str, platform_name: str, s
                    specs=specs(), backend=sc["backend"], platform=plat, device=device, timeout_s=TIMEOUT,
                    metadata=metadata, inline_bytes=sc.get("inline_bytes"),
                    meta_channel="group" if sc["meta"] == "group" else None)
+    dist.barrier()      # every stage past connect() before the victim may die (else a survivor gets SetupFailed)
     out = {"steps": 0}
     err = None
     try:
