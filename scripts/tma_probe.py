@@ -1,6 +1,6 @@
-"""Do TMA (tensor-memory-accelerator) copies move bytes over NVLink faster than SM loads and stores?
+"""Finding: TMA (tensor-memory-accelerator) copies move no more over NVLink than SM loads and stores.
 
-Issue 4 asks SM copies for >= 95% of the copy engines; plain loads and stores reached
+Plain loads and stores reached
 94.6-95.6% pulling and 92-93% pushing a contiguous 1 GiB (scripts/sm_ceiling.py,
 PERFORMANCE.md). This probe times the same bytes (one process, two GPUs with peer
 access) moved by
