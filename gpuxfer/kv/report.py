@@ -395,7 +395,10 @@ def plot(rows: Sequence[dict[str, Any]], out_dir: str, *, title_suffix: str = ""
                     xs = [r["batch"] for r in pts]
                     ys = [r["p50_gbps"] for r in pts]
                     if eng == "bulk":
-                        ax.plot(xs, ys, linestyle="--", color="black", linewidth=1.2, label="bulk (ceiling)")
+                        if len(xs) == 1:    # one batch: a line of one point would not show
+                            ax.axhline(ys[0], linestyle="--", color="black", linewidth=1.2, label="bulk (ceiling)")
+                        else:
+                            ax.plot(xs, ys, linestyle="--", color="black", linewidth=1.2, label="bulk (ceiling)")
                         continue
                     color, marker = _ENGINE_STYLE.get(eng, (None, "o"))
                     lo = [max(0.0, r["p50_gbps"] - (r.get("min_gbps") or r["p50_gbps"])) for r in pts]
