@@ -159,6 +159,17 @@ class Outputs:
             except OSError:
                 pass
 
+    def publish(self, artifact: str, text: str, out) -> None:
+        """Write the run's JSON ``text`` as ``artifact`` in its directory and at ``--json PATH`` (atomic,
+        0644), name each on ``out``, point ``latest`` here, and print it on stdout for a bare ``--json``."""
+        for path in (self.path(artifact), self.json_path):
+            if path:
+                write_atomic(path, text + "\n")
+                print(f"# json: {path}", file=out)
+        self.link_latest()
+        if self.json_stdout:
+            print(text)
+
     def remove_if_empty(self) -> None:
         """A run that wrote nothing leaves no directory it made (a failed run is said on stderr)."""
         if self._created and self.directory is not None:

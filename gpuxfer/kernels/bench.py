@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..cliutil import (add_common_arguments, device_count, error_line, int_option, platform_option, prepare_outputs,
-                       seconds_option, write_atomic)
+                       seconds_option)
 from ..common import parse_size, run_versions
 from ..errors import BadInput, GpuxferError, TransferTimeout
 
@@ -402,14 +402,7 @@ def _run(c: dict, outputs, out) -> int:
            "gbps_definition": "moved bytes (each byte once) / median trial time / 1e9",
            "rows": [r.as_json() for r in rows], "wrong_bytes": wrong, "elapsed_s": elapsed,
            "result": "PASS" if ok else "FAIL"}
-    text = json.dumps(doc, indent=1, default=_json_default)
-    for path in (outputs.path(ARTIFACT), outputs.json_path):
-        if path:
-            write_atomic(path, text + "\n")
-            print(f"# json: {path}", file=out)
-    outputs.link_latest()
-    if outputs.json_stdout:
-        print(text)
+    outputs.publish(ARTIFACT, json.dumps(doc, indent=1, default=_json_default), out)
     return 0 if ok else 1
 
 

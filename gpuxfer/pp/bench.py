@@ -36,7 +36,7 @@ import sys
 import time
 
 from ..cliutil import (add_common_arguments, device_count, error_line, int_option, platform_option, prepare_outputs,
-                       seconds_option, write_atomic)
+                       seconds_option)
 from ..common import parse_size, run_versions
 from ..errors import BadInput, GpuxferError
 
@@ -1012,14 +1012,7 @@ def run(args) -> int:
     print(format_report(res, opts), file=text)
     for prof in both[0].get("profiles", []) + both[1].get("profiles", []):
         print(prof, file=text)
-    doc = json.dumps(_json_doc(res, opts), indent=2)
-    for path in (outputs.path(ARTIFACT), outputs.json_path):
-        if path:
-            write_atomic(path, doc + "\n")
-            print(f"# json: {path}", file=text)
-    outputs.link_latest()
-    if outputs.json_stdout:
-        print(doc)
+    outputs.publish(ARTIFACT, json.dumps(_json_doc(res, opts), indent=2), text)
     return 0 if ok else 1
 
 
