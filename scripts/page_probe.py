@@ -5,7 +5,7 @@ kv-dsv4 (ISL 32k, 16-token pages), its descriptors split by size and sorted by t
 offsets as the `triton` engine does, copied by the descriptor-copy kernel from a source pool
 that a helper process allocates and exports over IPC (as the prefill rank does) into a local
 destination pool. The pools are laid out for ``--pool-batch`` requests, and allocated with
-plain ``cudaMalloc`` (not through the platform, which now rounds sizes up), either at the
+plain ``cudaMalloc`` (not through the platform, which rounds sizes up), either at the
 layout's exact size or rounded up to whole 2 MiB pages. An exact 14.65 GB pool ran 2.5x
 slower than the same pool 53 KiB larger.
 

@@ -2,7 +2,7 @@
 
 What rate do scattered page writes and reads reach in local HBM, with nothing else to do?
 At 528 B, unpack (contiguous staging reads, writes scattered over the pool) ran at 53-54%
-and pack (scattered reads, contiguous writes) at 72-74% (PERFORMANCE.md). This probe asks
+and pack (scattered reads, contiguous writes) at 72-74% (``gpuxfer bench kernels``). This probe asks
 whether any kernel could do better: on one GPU, for each page size, every page of a
 ``--pool`` buffer in a random order (as ``bench kernels`` lays them out), it times
 

@@ -1,8 +1,8 @@
 """Finding: TMA (tensor-memory-accelerator) copies move no more over NVLink than SM loads and stores.
 
 Plain loads and stores reached
-94.6-95.6% pulling and 92-93% pushing a contiguous 1 GiB (scripts/sm_ceiling.py,
-PERFORMANCE.md). This probe times the same bytes (one process, two GPUs with peer
+94.6-95.6% pulling and 92-93% pushing a contiguous 1 GiB (scripts/sm_ceiling.py).
+This probe times the same bytes (one process, two GPUs with peer
 access) moved by
 
 * the copy engines (``cuMemcpyAsync``): the ceiling;

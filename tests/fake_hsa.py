@@ -5,7 +5,7 @@
 ``Hsa`` type-checks every argument against the declared ctypes prototypes before
 the stand-in sees it, so marshalling mistakes fail here as they would on ROCr.
 
-It behaves as /work/shared/notes/rocm_sdma.md §3.3 describes ROCr:
+It behaves as ROCr's sources (ROCm/rocm-systems, rocr-runtime) describe ROCr:
 
 * signals are real ``amd_signal_t``-like blocks in host memory: the handle is
   the block's address and the value lives at ``handle + 8`` (so anything that

@@ -68,7 +68,7 @@ def test_bench_kernels_json_replaces_a_symlink_instead_of_following_it(tmp_path)
     from gpuxfer.cliutil import write_atomic
     target = tmp_path / "elsewhere"
     os.symlink(target, tmp_path / "k.json")
-    os.symlink(target, tmp_path / "k.json.tmp")        # the old fixed temporary name, planted
+    os.symlink(target, tmp_path / "k.json.tmp")        # a symlink planted at a predictable temporary name
     write_atomic(str(tmp_path / "k.json"), "{}")
     assert not target.exists() and (tmp_path / "k.json").read_text() == "{}"
 

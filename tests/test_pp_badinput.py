@@ -258,7 +258,7 @@ def test_bad_input_two_ranks(spawner, platform_name, nccl_pairs):
 
 @pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_copy_bytes_is_bit_exact(where):
-    """Every bit pattern survives the pack/unpack copies (same-dtype float lists once lost NaN payloads on GPU)."""
+    """Every bit pattern survives the pack/unpack copies (a same-dtype float-list copy on GPU rewrites NaN payloads)."""
     from gpuxfer.pp.transport import as_bytes, copy_bytes
     if where == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")

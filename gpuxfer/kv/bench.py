@@ -30,7 +30,7 @@ from .workloads import WORKLOADS, get_workload
 __all__ = ["ENGINES", "DIRECTIONS", "PLATFORM_CHOICES", "RunOptions", "add_arguments", "run", "parse_grid_args",
            "parse_run_options", "print_plan", "parse_size", "parse_list", "plan_document"]
 
-#: Transfer engines, each measured on the same descriptors (issue 5).
+#: Transfer engines, each measured on the same descriptors.
 ENGINES = ("triton", "pack", "copy_engine", "bulk")
 #: pull: the decode side reads the prefill side's pool; push: the prefill side writes the decode side's.
 DIRECTIONS = ("pull", "push")

@@ -2,7 +2,7 @@
 
 Every number here is the suite's, read from SemiAnalysisAI/InferenceX PR #2510 at
 ``dc95b1fc0ce7`` (paths under ``experimental/CollectiveX/``; the PR page is
-``/work/shared/reference/collectivex-pr-2510-kv-transfer-suite.txt``):
+https://github.com/SemiAnalysisAI/InferenceX/pull/2510):
 
 =========================  =====================================================================
 fact                       source

@@ -1,6 +1,6 @@
 """Which KV engine to use by default between two devices, picked from the link between them.
 
-Measured on H200 (docs/PERFORMANCE.md): between two GPUs over NVLink the ``pack`` engine (gather on
+Measured on H200 (``gpuxfer bench kv``): between two GPUs over NVLink the ``pack`` engine (gather on
 the source GPU, one copy-engine transfer, scatter) is the fastest; on one GPU, where source and
 destination pools share the device, ``pack`` moves every byte three times through the same HBM and
 ran at 3-12% of the local copy rate while the one-kernel ``triton`` copy ran at 60-83%. Over PCIe

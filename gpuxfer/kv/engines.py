@@ -1037,9 +1037,9 @@ class _ChunkSchedule:
     from the same plans. Chunk ``k`` uses slot ``k % S`` and lane ``k % L``, except a
     burst's last chunk, which takes the lane of the chunk before it: on two lanes, a
     command queued after a chunk copy on one lane (the event that releases its unpack,
-    its flag) completed only after the other lane's next copy (2x H200,
-    PERFORMANCE.md), so a burst's drain was two unpacks. With the other lane idle at
-    the end, it is one. On a lane, flags count that lane's chunks, so a flag only ever
+    its flag) completes only after the other lane's next copy (measured on 2x H200),
+    so a burst ending on alternating lanes drains in two unpacks; with the other lane
+    idle at the end, in one. On a lane, flags count that lane's chunks, so a flag only ever
     grows even when lanes finish out of order.
     """
 
@@ -1132,7 +1132,7 @@ class PackEngine(Engine):
         d = split_large(burst.concatenated(), self.slot_bytes)
         # Largest descriptors first, each size class together, so that each chunk's kernels get a
         # tiling for its own sizes: tiled for the burst's largest, the 528 B indexer pages at the
-        # end of a page-16 burst unpacked at 0.36 TB/s, after the last copy (2x H200, PERFORMANCE.md).
+        # end of a page-16 burst unpack at 0.36 TB/s, after the last copy (measured on 2x H200).
         d = d[np.argsort(-d[:, 2], kind="stable")]
         chunks = chunk_plan(d, self.slot_bytes, self.options.pack_first_chunk_bytes)
         _, pool_t = self._views()
@@ -1147,13 +1147,14 @@ class PackEngine(Engine):
     def _geometry(device, rows: int, largest: int) -> tuple[Any, int, int]:
         """The tiling for a chunk's largest descriptor; at most one program per group of rows: a
         chunk with fewer row groups than the default grid would split its descriptors' columns across
-        programs (``slices`` > 1), and that path gave wrong bytes in pack/unpack on H200 (2026-11,
-        36 KiB pages); whole groups per program stay exact. The tiling is passed to the launcher, so
+        programs (``slices`` > 1), and that path gives wrong bytes in pack/unpack on H200 (36 KiB
+        pages); whole groups per program stay exact. The tiling is passed to the launcher, so
         the groups counted here are the ones it runs.
 
         And the grid of a pack after a burst's first: one program per two SMs. Those packs run beside
-        earlier chunks' copies, off the critical path, and on every SM they took HBM from the copies
-        (2xH200: 0.4-1.4 points of the ceiling at batches 1-64; docs/PERFORMANCE.md, ninth session)."""
+        earlier chunks' copies, off the critical path, and on every SM they take HBM from the copies
+        (2xH200, ``gpuxfer bench kv``: 0.4-1.4 points of the ceiling at batches 1-64; the contention
+        itself: scripts/ce_overlap_probe.py)."""
         k = _kernels()
         cfg = k.choose_config(largest, local=True)
         full, groups = k.default_programs(device, cfg), -(-rows // cfg.rows)

@@ -328,7 +328,7 @@ class CudaEvent(Event):
 
     Destroyed when the object is collected. A raw event rather than a ``torch.cuda.Event``:
     recording and waiting through the driver cost 0.6-0.7 us of host time where torch's
-    wrappers cost 0.9-1.0 (2xH200, docs/PERFORMANCE.md), and a pp step makes four such calls.
+    wrappers cost 0.9-1.0 (2xH200, scripts/host_costs.py), and a pp step makes four such calls.
     """
 
     def __init__(self, device: int, handle: int):
@@ -433,7 +433,7 @@ class _RelaxedCapture:
 #: not a multiple of it runs much slower (likely: the driver maps such a buffer with small pages,
 #: and address translation costs): on H200 a batch-1 kv-dsv4 pull over a 14.65 GB pool took
 #: 2.1 ms with the pool's exact size and 0.85 ms with the size rounded up to 2 MiB
-#: (scripts/page_probe.py, docs/PERFORMANCE.md).
+#: (scripts/page_probe.py).
 LARGE_PAGE_BYTES = 2 << 20
 
 

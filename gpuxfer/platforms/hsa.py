@@ -17,8 +17,8 @@ ctypes ``argtypes`` exactly as a real foreign call would convert it (a wrong
 argument type raises ``ctypes.ArgumentError`` on the fake too), then handed to
 the fake as those converted ctypes objects.
 
-Facts this layer relies on (sources in /work/shared/notes/rocm_sdma.md §3; none
-has run on an AMD GPU here):
+Facts this layer relies on (sources: ROCm/rocm-systems, rocr-runtime's ``hsa.h``,
+``hsa_ext_amd.h`` and their implementation; none has run on an AMD GPU here):
 
 * ``hsa_amd_memory_async_copy_on_engine`` reads each dependency signal **when
   the copy is queued**: a signal already 0 adds no wait; a non-zero one makes

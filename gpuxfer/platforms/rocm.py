@@ -1,9 +1,9 @@
 """The platform contract on ROCm: hip-python for HIP, torch's ROCm build for tensors, streams and events.
 
 **Nothing here has run on an AMD GPU** (none was reachable): it is built to the
-published facts collected in /work/shared/notes/rocm_sdma.md and tested on the
-CPU with fakes (tests/test_rocm_*.py). docs/ROCM.md lists what is unverified and
-how to validate it on an MI355X.
+published facts (hip-python's bindings; the HIP and ROCr sources in
+ROCm/rocm-systems) and tested on the CPU with fakes (tests/test_rocm_*.py).
+docs/ROCM.md lists what is unverified and how to validate it on an MI355X.
 
 How each hook maps to HIP:
 

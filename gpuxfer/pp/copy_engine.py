@@ -57,7 +57,7 @@ Small steps (``layout.total <= inline_bytes``; default 1 MiB, ``$GPUXFER_PP_INLI
 The caller's next work on its stream then waits for these copies (a few us of
 copy-engine time at 1 MiB) where it would wait for the pack, and the host queues
 2 + (tensors) calls where the staging path queues 7 + (tensors): a small step is
-bound by those calls (docs/PERFORMANCE.md). A sender more than R steps ahead
+bound by those calls (scripts/host_costs.py). A sender more than R steps ahead
 of its receiver stalls its current stream on a small step. Steps of either kind
 mix freely: each slot's flags still only grow, and a slot is written only after
 its ``empty`` wait.

@@ -1,7 +1,7 @@
 """Per-step metadata between the two ends of a pair on one host: a shared-memory mailbox.
 
 A metadata message over the CPU (gloo) group costs tens of microseconds on every
-step (52-73 us a step on 2x H200, docs/PERFORMANCE.md), more than a small step's
+step (52-73 us a step, measured on 2x H200), more than a small step's
 whole transfer. When both ends of a pair run on the same host,
 :func:`gpuxfer.pp.selection.connect` gives the pair this mailbox instead: a small
 POSIX shared-memory segment that both processes map, created by the receiver

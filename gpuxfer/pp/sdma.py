@@ -1,7 +1,7 @@
 """The ``sdma`` backend: the copy-engine stage hand-off on ROCm (gfx942 / gfx950), peer copies on SDMA engines.
 
-**Not run on an AMD GPU yet** (none was reachable): built to the facts in
-/work/shared/notes/rocm_sdma.md and tested on the CPU against a fake ROCr
+**Not run on an AMD GPU yet**: built to the published facts of
+:mod:`gpuxfer.platforms.hsa` and tested on the CPU against a fake ROCr
 (tests/fake_hsa.py) and the host emulation. Until it has run on hardware,
 ``auto`` never picks it: select it with ``GPUXFER_PP_TRANSPORT=sdma``.
 
@@ -20,8 +20,8 @@ and teardown -- with ROCm differences:
 ``hip``: the parent's protocol as is, the peer copy being
 ``hipMemcpyAsync(..., hipMemcpyDeviceToDeviceNoCU, side_stream)``: HIP picks
 the engine and orders the SDMA copy after the side stream's earlier work
-itself. Simple; HIP's engine choice for IPC-mapped destinations was poor
-before a 2026 ROCm fix (notes §4.4).
+itself. Simple; HIP's engine choice for IPC-mapped destinations is poor in
+ROCm releases without ROCm/rocm-systems PRs #9472 and #5655.
 
 ``hsa`` (default): the host queues the copies on the SDMA engine recommended
 for the GPU pair with ``hsa_amd_memory_async_copy_on_engine``, the peer's
