@@ -24,6 +24,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from . import config
 from .errors import BadInput
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -62,7 +63,7 @@ def platform_option(text) -> str:
 
     Checks classes only (a driver query at most, no device context)."""
     from .platforms import PLATFORMS, unavailable_reason
-    name = str(text or os.environ.get("GPUXFER_PLATFORM") or "auto").strip().lower()
+    name = str(text or config.get("GPUXFER_PLATFORM") or "auto").strip().lower()
     if name not in PLATFORM_CHOICES:
         raise BadInput(f"--platform: unknown platform {name!r}; known: {', '.join(PLATFORM_CHOICES)}")
     if name != "auto":

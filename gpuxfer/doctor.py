@@ -15,10 +15,10 @@ import argparse
 import importlib
 import importlib.metadata
 import json
-import os
 import platform as _pyplatform
 import sys
 
+from . import config
 from . import __version__
 from .errors import BadInput, PlatformUnavailable
 from .platforms import PLATFORMS, detect, unavailable_reason
@@ -238,7 +238,7 @@ def _yes(v) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    name = args.platform or os.environ.get("GPUXFER_PLATFORM") or None
+    name = args.platform or config.get("GPUXFER_PLATFORM")
     if name is not None and name not in (*PLATFORMS, "auto"):
         print(f"gpuxfer doctor: error: GPUXFER_PLATFORM={name!r} is not a platform; known: "
               f"{', '.join(PLATFORMS)}, auto", file=sys.stderr)

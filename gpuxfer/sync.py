@@ -10,7 +10,6 @@ flag, the value expected and the last value seen::
 """
 from __future__ import annotations
 
-import os
 import time
 
 from .errors import BadInput, TransferTimeout
@@ -70,7 +69,5 @@ FLAG_PATHS = ("auto", "remote", "copy")
 def flag_path_from_env(value: str | None, env: str) -> str:
     """How flags reach the peer: ``value``, else ``$env``, else ``auto`` (remote stream writes where a
     setup probe saw them arrive, 8-byte copies otherwise); ``remote`` and ``copy`` force one path."""
-    v = (value or os.environ.get(env) or "auto").strip().lower()
-    if v not in FLAG_PATHS:
-        raise BadInput(f"{env} must be auto, remote or copy, got {v!r}")
-    return v
+    from . import config
+    return config.resolve(env, value, option="flag_path")

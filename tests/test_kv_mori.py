@@ -85,7 +85,7 @@ def test_mori_xgmi_backend_and_bad_choice(fake, monkeypatch):
     assert {c[1] for c in fake.calls if c[0] == "create_backend"} == {"XGMI"}
     assert "one host only" in mo.MoriEngine.cross_host_reason()
     monkeypatch.setenv(mo.BACKEND_ENV, "infiniband")
-    with pytest.raises(BackendUnavailable, match="GPUXFER_MORI_BACKEND='infiniband'"):
+    with pytest.raises(BackendUnavailable, match="GPUXFER_MORI_BACKEND must be rdma or xgmi, got 'infiniband'"):
         _run_engine_pair("amd-mori", "pull", bursts=0)
     assert "GPUXFER_MORI_BACKEND" in mo.MoriEngine.cross_host_reason()
     monkeypatch.setenv(mo.BACKEND_ENV, "rdma")

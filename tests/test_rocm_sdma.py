@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from fake_hsa import FakeHsaLib, FakeRocmPlatform
+from gpuxfer import config
 from gpuxfer.errors import BadInput, GpuxferError
 from gpuxfer.platforms.host import HostPlatform
 from gpuxfer.pp import sdma as S
@@ -265,7 +266,7 @@ def test_unavailable_reasons(monkeypatch):
 def test_settings_are_validated(monkeypatch):
     monkeypatch.setenv(S.ENV_RING, "0")
     with pytest.raises(BadInput, match=S.ENV_RING):
-        S._positive_env(S.ENV_RING, 16)
+        config.get(S.ENV_RING)
     assert S.sdma_path_from_env("HIP") == "hip"
     assert not S.VALIDATED_ON_HARDWARE
 

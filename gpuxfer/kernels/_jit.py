@@ -22,12 +22,12 @@ platform runs streams on worker threads).
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 
 import triton
 from triton import knobs
 from triton.runtime.jit import JITFunction
+from .. import config
 
 #: ``0`` makes :meth:`DualKernel.launcher` launch through Triton every time (no direct launches)
 ENV_DIRECT_LAUNCH = "GPUXFER_DIRECT_LAUNCH"
@@ -153,7 +153,7 @@ class DualKernel:
             return interpreted
         names = self.fn.__code__.co_varnames[:self.fn.__code__.co_argcount]
         if (len(args) > len(names) or any(n not in kwargs for n in names[len(args):])
-                or os.environ.get(ENV_DIRECT_LAUNCH, "1").strip() == "0"):
+                or not config.get(ENV_DIRECT_LAUNCH)):
             return lambda stream=None: self._launch_on(device, stream, grid, args, kwargs)
         values = list(args) + [kwargs[n] for n in names[len(args):]]
         bound = tuple(v.data_ptr() if hasattr(v, "data_ptr") else v for v in values)

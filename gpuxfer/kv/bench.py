@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, TextIO
 
+from .. import config
 from ..cliutil import (PLATFORM_CHOICES, add_common_arguments, device_count, error_line, int_option,
                        platform_option, prepare_outputs, seconds_option)
 from ..common import parse_size
@@ -296,7 +297,7 @@ def apply_host_grid(args: argparse.Namespace, platform: str) -> dict[str, str]:
 def _platform_for(args: argparse.Namespace) -> str:
     """The platform the run (or the plan) is for: auto resolved; a named one must be usable, except for
     ``--plan-only``, which may show another platform's grid."""
-    name = str(args.platform or os.environ.get("GPUXFER_PLATFORM") or "auto").strip().lower()
+    name = str(args.platform or config.get("GPUXFER_PLATFORM") or "auto").strip().lower()
     if name not in PLATFORM_CHOICES:
         raise BadInput(f"--platform: unknown platform {name!r}; known: {', '.join(PLATFORM_CHOICES)}")
     if args.plan_only and name != "auto":

@@ -89,6 +89,7 @@ from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 
 import numpy as np
 
+from .. import config
 from ..errors import BackendUnavailable, BadInput, TransferTimeout
 from ..platforms.base import Closable, DeviceBuffer, Event, Memory, PeerMapping, Platform, Stream
 from ..sync import flag_path_from_env, wait_flag_or_raise
@@ -121,12 +122,7 @@ class Role(str, enum.Enum):
 
 def on_timeout_from_env(value: str | None) -> str:
     """``value``, else ``$GPUXFER_KV_ON_TIMEOUT``, else ``raise``; one of :data:`ON_TIMEOUT` (BadInput otherwise)."""
-    raw = value if value is not None else os.environ.get(ENV_KV_ON_TIMEOUT, "")
-    v = str(raw).strip().lower() or "raise"
-    if v not in ON_TIMEOUT:
-        src = "on_timeout" if value is not None else ENV_KV_ON_TIMEOUT
-        raise BadInput(f"{src} must be 'raise' or 'exit', got {raw!r}")
-    return v
+    return config.resolve(ENV_KV_ON_TIMEOUT, value, option="on_timeout")
 
 
 def check_direction(direction: str) -> str:
@@ -729,9 +725,7 @@ TRITON_ORDERS = ("peer", "local", "plan")
 
 def _order_col(direction: str) -> int | None:
     """The descriptor column the triton engine sorts by (0 = source offsets, 1 = destination), or None."""
-    order = os.environ.get("GPUXFER_KV_TRITON_ORDER", "peer").strip().lower()
-    if order not in TRITON_ORDERS:
-        raise BadInput(f"GPUXFER_KV_TRITON_ORDER must be one of {', '.join(TRITON_ORDERS)}, got {order!r}")
+    order = config.get("GPUXFER_KV_TRITON_ORDER")
     if order == "plan":
         return None
     peer = 0 if direction == "pull" else 1       # pull reads the peer's source pool; push writes its destination

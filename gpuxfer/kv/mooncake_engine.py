@@ -46,6 +46,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .. import config
 from ..common import package_version
 from ..errors import BackendUnavailable, BadInput, DriverError, TransferTimeout
 from ..platforms.base import Closable
@@ -146,7 +147,7 @@ def _free_port(host: str) -> int:
 
 
 def local_host() -> str:
-    return os.environ.get(HOST_ENV, "127.0.0.1")
+    return config.get(HOST_ENV)
 
 
 _PROBE = r"""
@@ -425,7 +426,7 @@ class MooncakeRdmaEngine(MooncakeEngine):
         return None
 
     def _nic(self) -> str:
-        return os.environ.get(NIC_ENV, "").replace("{gpu}", str(self.side.device))
+        return config.get(NIC_ENV).replace("{gpu}", str(self.side.device))
 
     def _probe(self) -> str | None:
         apply_suite_env()

@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import config
 from ..common import package_version
 from ..errors import BackendUnavailable, BadInput, DriverError, TransferTimeout
 from . import collectivex as CX
@@ -78,7 +79,7 @@ _found: dict[str, tuple[Any, str | None]] = {}
 
 def find_mori(refresh: bool = False) -> tuple[Any, str | None]:
     """``(module, None)`` or ``(None, why not)``. Never raises; cached per module name."""
-    name = os.environ.get(MODULE_ENV) or MODULE
+    name = config.get(MODULE_ENV)
     if not refresh and name in _found:
         return _found[name]
     try:
@@ -103,10 +104,7 @@ def mori_unavailable_reason() -> str | None:
 
 
 def backend_choice() -> str:
-    b = (os.environ.get(BACKEND_ENV) or "rdma").strip().lower()
-    if b not in BACKENDS:
-        raise BadInput(f"{BACKEND_ENV}={b!r}: unknown MoRI-IO backend; use one of {', '.join(BACKENDS)}")
-    return b
+    return config.get(BACKEND_ENV)
 
 
 def _version(mod) -> str:
@@ -229,7 +227,7 @@ class MoriEngine(Engine):
                 raise BackendUnavailable(self.name, {side.rank: why})
             self.mod = mod
             self.backend = backend_choice()
-            host = os.environ.get(HOST_ENV, "127.0.0.1")
+            host = config.get(HOST_ENV)
             key = f"gpuxfer-{side.role.serving_name}-{os.getpid()}"
             self.io = mod.IOEngine(key=key, config=mod.IOEngineConfig(host=host, port=_free_port(host)))
             if self.backend == "rdma":

@@ -45,6 +45,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .. import config
 from ..common import package_version
 from ..errors import BackendUnavailable, BadInput, DriverError, GpuxferError, TransferTimeout
 from ..platforms.base import Closable
@@ -174,7 +175,7 @@ def _cuda_major() -> int | None:
 
 
 def _module_order() -> tuple[str, ...]:
-    forced = os.environ.get(NIXL_MODULE_ENV)
+    forced = config.get(NIXL_MODULE_ENV)
     if forced:
         return (forced,)
     major = _cuda_major()
@@ -472,19 +473,6 @@ NIXL_MAX_DESCS = 2_200_000
 PACK_STAGE_BYTES = 2 << 30
 
 
-def _env_int(name: str, default: int) -> int:
-    v = os.environ.get(name)
-    if not v:
-        return default
-    try:
-        out = int(v)
-    except ValueError:
-        raise BadInput(f"{name} must be an integer, got {v!r}") from None
-    if out <= 0:
-        raise BadInput(f"{name} must be positive, got {out}")
-    return out
-
-
 def _platform_reason(platform) -> str | None:
     if platform.name not in ("cuda", "host"):
         return (f"the NIXL wheels move CUDA device memory (VRAM) or host memory (DRAM); "
@@ -646,7 +634,7 @@ class NixlEngine(_NixlEngineBase):
                    "(prep_xfer_dlist, untimed); per request make_prepped_xfer + transfer; READ pulls, WRITE pushes")
 
     def shed_reason(self, burst: Burst) -> str | None:
-        cap = _env_int("GPUXFER_NIXL_MAX_DESCS", NIXL_MAX_DESCS)
+        cap = config.get("GPUXFER_NIXL_MAX_DESCS")
         if burst.descriptors > cap:
             return (f"{self.name} is capped at {cap} descriptors per burst (this burst has {burst.descriptors}; "
                     f"at ~8 us per descriptor it would take ~{burst.descriptors * 8e-6:.0f} s); "
@@ -789,7 +777,7 @@ class NixlPackEngine(_NixlEngineBase):
         return super().unavailable_reason(platform) or _kernel_reason(platform)
 
     def _extra_registrations(self) -> dict:
-        want = min(self.side.pool.nbytes, _env_int("GPUXFER_NIXL_PACK_STAGE_BYTES", PACK_STAGE_BYTES))
+        want = min(self.side.pool.nbytes, config.get("GPUXFER_NIXL_PACK_STAGE_BYTES"))
         self.stage = self.platform.alloc(want, self.side.device)
         self.agent.register(self.stage.ptr, self.stage.nbytes, self.nixl_dev, "stage")
         return {"stage": int(self.stage.ptr), "stage_bytes": int(self.stage.nbytes)}

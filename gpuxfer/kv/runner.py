@@ -68,6 +68,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .. import config
 from ..common import parse_size, run_versions
 from ..errors import BackendUnavailable, BadInput, GpuxferError, PlatformUnavailable, TransferTimeout
 from . import engines as E
@@ -243,7 +244,7 @@ def config_from_args(args: argparse.Namespace, options) -> RunConfig:
     timeout = float(getattr(args, "timeout", 120) or 120)
     if not timeout > 0:
         raise BadInput(f"--timeout must be positive, got {timeout}")
-    inject = _parse_inject(getattr(args, "inject_fault", None) or os.environ.get(INJECT_ENV), options.engines)
+    inject = _parse_inject(getattr(args, "inject_fault", None) or config.get(INJECT_ENV), options.engines)
     devices = None
     if getattr(args, "devices", None):
         from .bench import parse_list
@@ -709,7 +710,8 @@ class Worker:
     def _trace_start(self):
         """``$GPUXFER_KV_TRACE`` (a directory, GPUs only): a torch.profiler timeline of each row's timed
         bursts, one file per rank (a tuning aid; the profiler's cost lands in the row's times)."""
-        if not os.environ.get(TRACE_ENV) or self.platform.is_emulation:
+        out = config.get(TRACE_ENV)
+        if not out or self.platform.is_emulation:
             return None
         import torch
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -719,7 +721,7 @@ class Worker:
 
     def _trace_stop(self, prof, name: str) -> None:
         prof.stop()
-        out = os.environ[TRACE_ENV]
+        out = config.get(TRACE_ENV)
         os.makedirs(out, exist_ok=True)
         prof.export_chrome_trace(os.path.join(out, f"{name}-rank{self.rank}.json"))
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 
+from .. import config
 from ..errors import BadInput, PlatformUnavailable
 from .base import Detection, DeviceBuffer, DeviceInfo, Event, IpcHandle, LinkInfo, Memory, PeerMapping, Platform, Stream
 
@@ -46,7 +46,7 @@ def unavailable_reason(name: str) -> str | None:
 
 def detect(name: str | None = None) -> Detection:
     """Pick a platform: ``name``, else ``$GPUXFER_PLATFORM``, else the first usable of cuda, rocm, host."""
-    forced = name or os.environ.get("GPUXFER_PLATFORM") or None
+    forced = name or config.get("GPUXFER_PLATFORM")
     if forced and forced != "auto":
         why = unavailable_reason(forced)
         if why is not None:

@@ -27,13 +27,13 @@ Rules every implementation keeps:
 from __future__ import annotations
 
 import abc
-import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from .. import config
 from ..errors import BadInput, NotExportable
 
 FLAG_BYTES = 8
@@ -114,6 +114,12 @@ class Closable:
     """Idempotent close + context manager + a warning when garbage-collected open."""
 
     _closed: bool = False
+    _warn_leaks: bool = False
+
+    def __new__(cls, *args, **kwargs):
+        obj = super().__new__(cls)
+        obj._warn_leaks = config.get("GPUXFER_WARN_LEAKS")     # read here: never during garbage collection
+        return obj
 
     def close(self) -> None:
         if self._closed:
@@ -135,7 +141,7 @@ class Closable:
         self.close()
 
     def __del__(self):  # pragma: no cover - GC timing
-        if not self._closed and os.environ.get("GPUXFER_WARN_LEAKS", "1") == "1":
+        if not self._closed and self._warn_leaks:
             try:
                 warnings.warn(f"{type(self).__name__} garbage-collected without close()",
                               ResourceWarning, stacklevel=2)

@@ -76,6 +76,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .. import config
 from ..common import package_version
 from ..errors import BadInput, DriverError, GpuxferError, NotExportable, TransferTimeout
 from .base import (DeviceBuffer, DeviceInfo, Event, ExportedRange, IpcHandle, LinkInfo, Memory, PeerMapping,
@@ -1065,9 +1066,7 @@ class CudaPlatform(Platform):
             return self._batch
 
     def _resolve_batch(self) -> tuple:
-        mode = os.environ.get(BATCH_MODE_ENV, "auto").strip().lower() or "auto"
-        if mode not in ("auto", "ctypes", "ctypes12080", "bindings", "loop"):
-            raise BadInput(f"{BATCH_MODE_ENV}={mode!r}: use auto, ctypes, ctypes12080, bindings or loop")
+        mode = config.get(BATCH_MODE_ENV)
         if mode == "loop":
             return ("loop", f"{BATCH_MODE_ENV}=loop", None)
         drv = _driver()

@@ -67,6 +67,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .. import config
 from ..common import SHM_UNAVAILABLE, map_shm, unlink_shm
 from ..errors import BadInput, DriverError, GpuxferError, NotExportable
 from .base import (DeviceBuffer, DeviceInfo, Event, ExportedRange, IpcHandle, LinkInfo, Memory, PeerMapping,
@@ -314,14 +315,7 @@ class HostStream(Stream):
 
 
 def _host_device_count() -> int:
-    raw = os.environ.get("GPUXFER_HOST_DEVICES", "2")
-    try:
-        n = int(raw)
-    except ValueError:
-        raise BadInput(f"GPUXFER_HOST_DEVICES must be an integer, got {raw!r}") from None
-    if n < 1:
-        raise BadInput(f"GPUXFER_HOST_DEVICES must be >= 1, got {n}")
-    return n
+    return config.get("GPUXFER_HOST_DEVICES")
 
 
 def _torch_dtype(dtype):

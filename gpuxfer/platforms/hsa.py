@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from .. import config
 from ..errors import BadInput, DriverError, TransferTimeout
 
 log = logging.getLogger("gpuxfer.platforms.hsa")
@@ -225,8 +226,8 @@ def library_candidates() -> list[str]:
     signals and agents HIP uses.
     """
     out = []
-    if os.environ.get("GPUXFER_HSA_LIBRARY"):
-        out.append(os.environ["GPUXFER_HSA_LIBRARY"])
+    if config.get("GPUXFER_HSA_LIBRARY"):
+        out.append(config.get("GPUXFER_HSA_LIBRARY"))
     out.append(LIBRARY_SONAME)
     for var in ("ROCM_PATH", "ROCM_HOME"):
         if os.environ.get(var):

@@ -57,7 +57,6 @@ from __future__ import annotations
 import ctypes
 import importlib
 import logging
-import math
 import os
 import re
 import threading
@@ -67,6 +66,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from .. import config
 from ..common import package_version
 from ..errors import BadInput, DriverError, NotExportable, PlatformUnavailable
 from .base import (Closable, DeviceBuffer, DeviceInfo, Event, ExportedRange, IpcHandle, LinkInfo, Memory,
@@ -104,16 +104,7 @@ HOST_FLAG_TIMEOUT_S = 10.0
 def host_flag_timeout_from_env() -> float:
     """``$GPUXFER_ROCM_HOST_FLAG_TIMEOUT_S`` (default 10): a finite number of seconds > 0, else
     :class:`BadInput` naming the variable."""
-    raw = os.environ.get(HOST_FLAG_TIMEOUT_ENV)
-    if raw is None or not raw.strip():
-        return HOST_FLAG_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise BadInput(f"{HOST_FLAG_TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise BadInput(f"{HOST_FLAG_TIMEOUT_ENV} must be a finite number of seconds > 0, got {raw!r}")
-    return value
+    return config.get(HOST_FLAG_TIMEOUT_ENV)
 
 
 # --------------------------------------------------------------------------- hip-python access
@@ -416,7 +407,7 @@ class RocmPlatform(Platform):
         self._streams: list[RocmStream] = []
         self._agents: dict[int, Any] = {}
         self._is_closed = False
-        self.dedicated_queues = os.environ.get("GPUXFER_ROCM_DEDICATED_QUEUES", "1") != "0"
+        self.dedicated_queues = config.get("GPUXFER_ROCM_DEDICATED_QUEUES")
 
     # ---- helpers ----
     def _check_open(self) -> None:

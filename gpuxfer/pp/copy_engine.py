@@ -110,10 +110,9 @@ override :meth:`~CopyEngineTransport.unavailable_reason`,
 from __future__ import annotations
 
 import logging
-import os
 import time
 
-from ..common import parse_size
+from .. import config
 from ..errors import BadInput, GpuxferError, GraphModeError, TransferTimeout
 from ..platforms.base import FLAG_OP_WAIT, FLAG_OP_WRITE, flag_ops_array
 from ..sync import flag_path_from_env, wait_event_or_raise
@@ -136,29 +135,21 @@ def flag_batch_from_env() -> bool:
     """Whether a ``recv_views`` receiver queues its two flag operations of a step (give the lent slot back,
     wait for the next) as one ``platform.flag_ops`` call (``$GPUXFER_PP_FLAG_BATCH``: 0, the default, or 1;
     remote flag writes only)."""
-    raw = os.environ.get(ENV_FLAG_BATCH, "0").strip().lower()
-    if raw not in ("0", "1", "on", "off", "true", "false", ""):
-        raise BadInput(f"{ENV_FLAG_BATCH} must be 1 or 0, got {raw!r}")
-    return raw in ("1", "on", "true")
+    return config.get(ENV_FLAG_BATCH)
 
 
 def step_graphs_from_env() -> bool:
     """Whether a sender launches a small step's peer copies as one cached graph (``$GPUXFER_PP_STEP_GRAPHS``:
     1, the default, or 0)."""
-    raw = os.environ.get(ENV_STEP_GRAPHS, "1").strip().lower()
-    if raw not in ("0", "1", "on", "off", "true", "false", ""):
-        raise BadInput(f"{ENV_STEP_GRAPHS} must be 1 or 0, got {raw!r}")
-    return raw in ("1", "on", "true", "")
+    return config.get(ENV_STEP_GRAPHS)
 
 
 def inline_bytes_from_env(value: "int | str | None" = None, option: str = "inline_bytes") -> int:
     """The largest step sent on the caller's stream (no staging, no side stream): ``value`` (named
     ``option`` in errors), else ``$GPUXFER_PP_INLINE_BYTES`` (``1M``, ``65536``...), else 1 MiB; 0 sends
     every step through staging."""
-    if value is None:
-        value, option = os.environ.get(ENV_INLINE_BYTES, "").strip() or DEFAULT_INLINE_BYTES, ENV_INLINE_BYTES
-    if isinstance(value, str):
-        return 0 if value.strip() == "0" else parse_size(value, option=option, kind="bytes")
+    if value is None or isinstance(value, str):
+        return config.resolve(ENV_INLINE_BYTES, value, option=option)
     if int(value) < 0:
         raise BadInput(f"{option} must be >= 0, got {value}")
     return int(value)

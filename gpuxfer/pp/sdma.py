@@ -76,6 +76,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from .. import config
 from ..errors import BadInput, GpuxferError, TransferTimeout
 from ..platforms.hsa import (HSA_EXT_POINTER_TYPE_IPC, HSA_EXT_POINTER_TYPE_UNKNOWN, Signal, choose_engine,
                              engine_bits, kfd_recommended_mask, mask_str)
@@ -98,23 +99,7 @@ VALIDATED_ON_HARDWARE = False
 
 
 def sdma_path_from_env(value: str | None = None) -> str:
-    v = (value or os.environ.get(ENV_PATH) or "hsa").strip().lower()
-    if v not in ("hsa", "hip"):
-        raise BadInput(f"{ENV_PATH} must be hsa or hip, got {v!r}")
-    return v
-
-
-def _positive_env(name: str, default: int, low: int = 1, high: int = 1 << 16) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        v = int(raw)
-    except ValueError:
-        raise BadInput(f"{name} must be an integer, got {raw!r}") from None
-    if not low <= v <= high:
-        raise BadInput(f"{name} must be in [{low}, {high}], got {v}")
-    return v
+    return config.resolve(ENV_PATH, value, option="sdma_path")
 
 
 @dataclass
@@ -218,8 +203,8 @@ class SdmaTransport(CopyEngineTransport):
         super().__init__(**kw)
         self.inline_bytes = 0    # every step staged: the inline path was measured on CUDA only
         self.sdma_path = sdma_path_from_env(sdma_path)
-        self.ring = int(ring) if ring is not None else _positive_env(ENV_RING, DEFAULT_RING)
-        self.copies = int(copies) if copies is not None else _positive_env(ENV_COPIES, 1, high=16)
+        self.ring = int(ring) if ring is not None else config.get(ENV_RING)
+        self.copies = int(copies) if copies is not None else config.get(ENV_COPIES)
         if self.ring < 1 or self.copies < 1:
             raise BadInput(f"sdma ring ({self.ring}) and copies ({self.copies}) must be >= 1")
         self._hsa = None

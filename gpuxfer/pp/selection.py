@@ -45,6 +45,7 @@ import secrets
 import socket
 from typing import Iterable, Mapping
 
+from .. import config
 from ..errors import BackendUnavailable, BadInput, GpuxferError, SetupFailed
 from .transport import (PairSignals, SpecTable, Transport, close_all, resolve_on_timeout, resolve_timeout,
                         WATCHDOG)
@@ -88,7 +89,7 @@ def backend_class(name: str) -> type[Transport]:
 
 def requested_backend(backend: str | None = None) -> str:
     """``backend``, else ``$GPUXFER_PP_TRANSPORT``, else ``auto`` (validated)."""
-    name = (backend or os.environ.get(ENV_TRANSPORT) or "auto").strip().lower()
+    name = str(backend or config.get(ENV_TRANSPORT)).strip().lower()
     if name != "auto" and name not in BACKENDS:
         raise BadInput(f"{ENV_TRANSPORT}={name!r} is not a PP transport; choose auto, {', '.join(BACKENDS)}")
     return name
@@ -214,7 +215,7 @@ def _reason(exc: BaseException) -> str:
 
 
 def _injected(spec: str | None, rank: int) -> set[str]:
-    spec = spec if spec is not None else os.environ.get(ENV_INJECT, "")
+    spec = spec if spec is not None else config.get(ENV_INJECT)
     phases = set()
     for item in filter(None, (s.strip() for s in spec.split(","))):
         r, _, phase = item.partition(":")
@@ -450,10 +451,7 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
 
 def meta_channel_from_env(value: str | None = None) -> str:
     """``auto`` (a shared-memory mailbox for a pair on one host, else the CPU group) or ``group``."""
-    v = (value or os.environ.get(ENV_META) or "auto").strip().lower()
-    if v not in ("auto", "group"):
-        raise BadInput(f"{ENV_META} must be auto or group, got {v!r}")
-    return v
+    return config.resolve(ENV_META, value, option="meta_channel")
 
 
 def _setup_mailboxes(exchange, infos, ends, tag_of, nonce: int, rank: int, mode: str) -> None:

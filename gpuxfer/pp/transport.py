@@ -80,6 +80,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from .. import config
 from ..errors import BadInput, GpuxferError, PeerLost, ProtocolError, TransferTimeout
 
 log = logging.getLogger("gpuxfer.pp")
@@ -113,13 +114,7 @@ _REFUSALS = {
 def resolve_timeout(timeout_s: float | None) -> float:
     """``timeout_s``, else ``$GPUXFER_PP_TIMEOUT_S``, else 300 s."""
     if timeout_s is None:
-        raw = os.environ.get(ENV_TIMEOUT)
-        if raw is None or raw == "":
-            return DEFAULT_TIMEOUT_S
-        try:
-            timeout_s = float(raw)
-        except ValueError:
-            raise BadInput(f"{ENV_TIMEOUT} must be a number of seconds, got {raw!r}") from None
+        return config.get(ENV_TIMEOUT)
     try:
         timeout_s = float(timeout_s)
     except (TypeError, ValueError):
@@ -134,12 +129,7 @@ def resolve_on_timeout(value: str | None) -> str:
     """``value``, else ``$GPUXFER_PP_ON_TIMEOUT``, else ``raise``: what a failed transport does
     (``raise``: store the error, release its GPU waits, raise on every later call; ``exit``: also
     log every transport's state and end the process with :data:`EXIT_CODE`)."""
-    raw = value if value is not None else os.environ.get(ENV_ON_TIMEOUT, "")
-    v = str(raw).strip().lower() or "raise"
-    if v not in ON_TIMEOUT:
-        src = "on_timeout" if value is not None else ENV_ON_TIMEOUT
-        raise BadInput(f"{src} must be 'raise' or 'exit', got {raw!r}")
-    return v
+    return config.resolve(ENV_ON_TIMEOUT, value, option="on_timeout")
 
 
 def _align(n: int) -> int:

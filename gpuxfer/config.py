@@ -1,0 +1,202 @@
+"""Every ``GPUXFER_*`` environment variable gpuxfer reads, declared once.
+
+Each :class:`Var` has a name, a default, a parser and a one-line meaning. Nothing is read at import:
+:func:`get` reads the environment when it is called (when an object is built), so a test or a
+launcher can set a variable any time before. An unset or blank variable takes its default; a bad
+value raises :class:`~gpuxfer.errors.BadInput` naming the variable and the value.
+
+    from gpuxfer import config
+    config.get("GPUXFER_PP_TIMEOUT_S")              # 300.0, or the variable's value
+    config.resolve("GPUXFER_PP_ON_TIMEOUT", value, option="on_timeout")   # an argument, else the variable
+
+:func:`table` renders the declarations as the Markdown table of docs/CONFIGURATION.md (a test keeps
+the two equal).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import BadInput
+
+# ----------------------------------------------------------------------------- parsers
+# A parser turns a stripped, non-empty string into a value, or raises ValueError with the rest of the
+# sentence "<NAME> must be ..., got '<raw>'".
+
+
+@dataclass(frozen=True)
+class Parser:
+    kind: str                               # how the docs table describes an accepted value
+    parse: Callable[[str], Any]
+
+
+def choice(*options: str) -> Parser:
+    """One of ``options`` (case-insensitive)."""
+    listed = ", ".join(options[:-1]) + f" or {options[-1]}" if len(options) > 1 else options[0]
+
+    def parse(raw: str) -> str:
+        v = raw.strip().lower()
+        if v not in options:
+            raise ValueError(f"must be {listed}, got {raw!r}")
+        return v
+    return Parser(" \\| ".join(options), parse)
+
+
+def _flag(raw: str) -> bool:
+    v = raw.strip().lower()
+    if v not in ("0", "1", "on", "off", "true", "false"):
+        raise ValueError(f"must be 1 or 0, got {raw!r}")
+    return v in ("1", "on", "true")
+
+
+FLAG = Parser("1 \\| 0", _flag)
+
+
+def integer(low: int = 1, high: int | None = None) -> Parser:
+    """An integer in ``[low, high]`` (no upper bound when ``high`` is None)."""
+    def parse(raw: str) -> int:
+        try:
+            v = int(raw)
+        except ValueError:
+            raise ValueError(f"must be an integer, got {raw!r}") from None
+        if v < low or (high is not None and v > high):
+            raise ValueError(f"must be >= {low}, got {v}" if high is None else f"must be in [{low}, {high}], got {v}")
+        return v
+    return Parser(f"integer >= {low}" if high is None else f"integer in [{low}, {high}]", parse)
+
+
+def _seconds(raw: str) -> float:
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ValueError(f"must be a number of seconds, got {raw!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"must be a finite number of seconds > 0, got {raw!r}")
+    return v
+
+
+SECONDS = Parser("seconds > 0", _seconds)
+
+
+def _bytes(raw: str) -> int:
+    from .common import parse_size
+    return 0 if raw.strip() == "0" else parse_size(raw.strip(), option="", kind="bytes")
+
+
+BYTES = Parser("bytes (`1M`, `65536`; 0)", _bytes)
+TEXT = Parser("text", lambda raw: raw)
+
+# ----------------------------------------------------------------------------- declarations
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    default: Any
+    parser: Parser
+    doc: str
+
+
+VARS: dict[str, Var] = {v.name: v for v in (
+    # platforms
+    Var("GPUXFER_PLATFORM", None, TEXT, "the platform to use: cuda, rocm or host (unset: the first usable)"),
+    Var("GPUXFER_HOST_DEVICES", 2, integer(1), "devices the host emulation offers"),
+    Var("GPUXFER_WARN_LEAKS", True, FLAG, "warn (ResourceWarning) when a buffer, mapping or stream is "
+                                          "garbage-collected without close()"),
+    Var("GPUXFER_CUDA_BATCH", "auto", choice("auto", "ctypes", "ctypes12080", "bindings", "loop"),
+        "how the CUDA platform reaches cuMemcpyBatchAsync (loop: one copy per call)"),
+    Var("GPUXFER_ROCM_HOST_FLAG_TIMEOUT_S", 10.0, SECONDS, "longest a ROCm host read or write of a flag word may take"),
+    Var("GPUXFER_ROCM_DEDICATED_QUEUES", True, FLAG, "give each new ROCm stream its own hardware queue"),
+    Var("GPUXFER_HSA_LIBRARY", None, TEXT, "path of libhsa-runtime64 to load first"),
+    Var("GPUXFER_DIRECT_LAUNCH", True, FLAG, "launch cached Triton kernels directly (0: through Triton every time)"),
+    # pipeline-parallel transports
+    Var("GPUXFER_PP_TRANSPORT", "auto", TEXT, "the PP transport connect() builds: auto or a registered backend "
+        "(nccl, copy_engine, sdma, copy_engine_graph)"),
+    Var("GPUXFER_PP_TIMEOUT_S", 300.0, SECONDS, "longest any PP wait may take"),
+    Var("GPUXFER_PP_ON_TIMEOUT", "raise", choice("raise", "exit"),
+        "what a failed PP transport does: raise on every later call, or also log and exit"),
+    Var("GPUXFER_PP_META_CHANNEL", "auto", choice("auto", "group"),
+        "where step metadata travels: a shared-memory mailbox on one host (auto) or the CPU group"),
+    Var("GPUXFER_PP_FLAG_PATH", "auto", choice("auto", "remote", "copy"),
+        "how copy_engine flags reach the peer: probed, remote stream writes, or 8-byte copies"),
+    Var("GPUXFER_PP_INLINE_BYTES", 1 << 20, BYTES, "largest copy_engine step sent without staging (0: stage every step)"),
+    Var("GPUXFER_PP_STEP_GRAPHS", True, FLAG, "launch a small copy_engine step's peer copies as one cached graph"),
+    Var("GPUXFER_PP_FLAG_BATCH", False, FLAG, "queue a recv_views receiver's two flag operations as one call"),
+    Var("GPUXFER_PP_INJECT_FAILURE", "", TEXT, "test hook: RANK:PHASE[,RANK:PHASE...] fails connect() setup there"),
+    Var("GPUXFER_SDMA_PATH", "hsa", choice("hsa", "hip"), "how the sdma transport copies: HSA SDMA queues or hipMemcpy"),
+    Var("GPUXFER_SDMA_RING", 16, integer(1, 1 << 16), "ring entries of the sdma transport"),
+    Var("GPUXFER_SDMA_COPIES", 1, integer(1, 16), "SDMA engines one sdma step is split over"),
+    # KV engines
+    Var("GPUXFER_KV_ON_TIMEOUT", "raise", choice("raise", "exit"),
+        "what a failed KV side or agent does: raise on every later call, or also log and exit"),
+    Var("GPUXFER_KV_FLAG_PATH", "auto", choice("auto", "remote", "copy"),
+        "how the pack engine's flags reach the peer: probed, remote stream writes, or 8-byte copies"),
+    Var("GPUXFER_KV_TRITON_ORDER", "peer", choice("peer", "local", "plan"),
+        "how the triton engine orders each size class: by the peer pool's offsets, the local pool's, or as planned"),
+    Var("GPUXFER_NIXL_MODULE", None, TEXT, "the NIXL Python module to import (unset: the wheel matching CUDA)"),
+    Var("GPUXFER_NIXL_MAX_DESCS", 2_200_000, integer(1), "most descriptors one NIXL transfer may carry"),
+    Var("GPUXFER_NIXL_PACK_STAGE_BYTES", 2 << 30, integer(1), "staging buffer bytes of nixl+pack on each side (at most the pool)"),
+    Var("GPUXFER_MOONCAKE_HOST", "127.0.0.1", TEXT, "the address Mooncake's transfer engine binds"),
+    Var("GPUXFER_MOONCAKE_NIC", "", TEXT, "Mooncake's NIC filter ({gpu} expands to the device index)"),
+    Var("GPUXFER_MORI_MODULE", "mori.io", TEXT, "the MoRI-IO Python module to import"),
+    Var("GPUXFER_MORI_BACKEND", "rdma", choice("rdma", "xgmi"), "MoRI-IO backend: RDMA, or XGMI within one node"),
+    Var("GPUXFER_MORI_HOST", "127.0.0.1", TEXT, "the address MoRI-IO's control plane binds"),
+    # KV benchmark
+    Var("GPUXFER_INJECT_FAULT", None, TEXT, "test hook of bench kv: ENGINE[:DIRECTION][:stray] or all flips a byte"),
+    Var("GPUXFER_KV_TRACE", None, TEXT, "bench kv on GPUs: a directory for a torch.profiler timeline of each row"),
+)}
+
+# ----------------------------------------------------------------------------- API
+
+
+def _var(name: str) -> Var:
+    try:
+        return VARS[name]
+    except KeyError:
+        raise KeyError(f"{name} is not a declared gpuxfer variable (see gpuxfer/config.py)") from None
+
+
+def parse(name: str, raw: str, option: str | None = None) -> Any:
+    """``raw`` parsed as variable ``name``'s type; a bad value raises BadInput naming ``option`` (default: ``name``)."""
+    label = option or name
+    try:
+        return _var(name).parser.parse(raw)
+    except BadInput as exc:                     # parse_size's own message, which names no option
+        raise BadInput(f"{label}{exc}") from None
+    except ValueError as exc:
+        raise BadInput(f"{label} {exc}") from None
+
+
+def get(name: str) -> Any:
+    """The value of ``name`` now: its default when unset or blank, else its parsed value."""
+    var = _var(name)
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return var.default
+    return parse(name, raw)
+
+
+def resolve(name: str, value: Any = None, option: str | None = None) -> Any:
+    """``value`` when given (parsed as ``name``'s type, errors naming ``option``), else :func:`get`."""
+    if value is None or not str(value).strip():
+        return get(name)
+    return parse(name, str(value), option)
+
+
+def effective() -> dict[str, Any]:
+    """Every variable's value now, by name (raises BadInput on the first bad one)."""
+    return {name: get(name) for name in VARS}
+
+
+def table() -> str:
+    """The declarations as a Markdown table (docs/CONFIGURATION.md)."""
+    rows = ["| Variable | Values | Default | Meaning |", "|---|---|---|---|"]
+    for v in VARS.values():
+        default = ("unset" if v.default is None else "empty" if v.default == "" else
+                   "`1`" if v.default is True else "`0`" if v.default is False else f"`{v.default}`")
+        rows.append(f"| `{v.name}` | {v.parser.kind} | {default} | {v.doc} |")
+    return "\n".join(rows) + "\n"

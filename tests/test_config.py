@@ -1,0 +1,195 @@
+"""gpuxfer.config: every GPUXFER_* variable declared once, parsed when read, documented."""
+
+import ast
+import pathlib
+
+import pytest
+
+from gpuxfer import config
+from gpuxfer.errors import BadInput
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "gpuxfer"
+
+# name -> (a good value, what it parses to)
+GOOD = {
+    "GPUXFER_PLATFORM": ("host", "host"),
+    "GPUXFER_HOST_DEVICES": ("4", 4),
+    "GPUXFER_WARN_LEAKS": ("0", False),
+    "GPUXFER_CUDA_BATCH": ("Loop", "loop"),
+    "GPUXFER_ROCM_HOST_FLAG_TIMEOUT_S": ("2.5", 2.5),
+    "GPUXFER_ROCM_DEDICATED_QUEUES": ("off", False),
+    "GPUXFER_HSA_LIBRARY": ("/opt/rocm/lib/libhsa-runtime64.so.1", "/opt/rocm/lib/libhsa-runtime64.so.1"),
+    "GPUXFER_DIRECT_LAUNCH": ("0", False),
+    "GPUXFER_PP_TRANSPORT": ("nccl", "nccl"),
+    "GPUXFER_PP_TIMEOUT_S": ("30", 30.0),
+    "GPUXFER_PP_ON_TIMEOUT": ("EXIT", "exit"),
+    "GPUXFER_PP_META_CHANNEL": ("group", "group"),
+    "GPUXFER_PP_FLAG_PATH": ("copy", "copy"),
+    "GPUXFER_PP_INLINE_BYTES": ("64k", 65536),
+    "GPUXFER_PP_STEP_GRAPHS": ("0", False),
+    "GPUXFER_PP_FLAG_BATCH": ("1", True),
+    "GPUXFER_PP_INJECT_FAILURE": ("1:alloc", "1:alloc"),
+    "GPUXFER_SDMA_PATH": ("hip", "hip"),
+    "GPUXFER_SDMA_RING": ("8", 8),
+    "GPUXFER_SDMA_COPIES": ("4", 4),
+    "GPUXFER_KV_ON_TIMEOUT": ("exit", "exit"),
+    "GPUXFER_KV_FLAG_PATH": ("remote", "remote"),
+    "GPUXFER_KV_TRITON_ORDER": ("plan", "plan"),
+    "GPUXFER_NIXL_MODULE": ("fake_nixl_net", "fake_nixl_net"),
+    "GPUXFER_NIXL_MAX_DESCS": ("10", 10),
+    "GPUXFER_NIXL_PACK_STAGE_BYTES": ("4096", 4096),
+    "GPUXFER_MOONCAKE_HOST": ("10.0.0.1", "10.0.0.1"),
+    "GPUXFER_MOONCAKE_NIC": ("mlx5_{gpu}", "mlx5_{gpu}"),
+    "GPUXFER_MORI_MODULE": ("fake_mori", "fake_mori"),
+    "GPUXFER_MORI_BACKEND": ("xgmi", "xgmi"),
+    "GPUXFER_MORI_HOST": ("10.0.0.2", "10.0.0.2"),
+    "GPUXFER_INJECT_FAULT": ("pack:pull", "pack:pull"),
+    "GPUXFER_KV_TRACE": ("/tmp/trace", "/tmp/trace"),
+}
+
+# name -> (a bad value, part of the message); variables of free text have no bad value
+BAD = {
+    "GPUXFER_HOST_DEVICES": [("abc", "must be an integer, got 'abc'"), ("0", "must be >= 1, got 0")],
+    "GPUXFER_WARN_LEAKS": [("yes", "must be 1 or 0, got 'yes'")],
+    "GPUXFER_CUDA_BATCH": [("fast", "got 'fast'")],
+    "GPUXFER_ROCM_HOST_FLAG_TIMEOUT_S": [("soon", "must be a number of seconds"), ("inf", "finite"), ("0", "> 0")],
+    "GPUXFER_ROCM_DEDICATED_QUEUES": [("2", "must be 1 or 0")],
+    "GPUXFER_DIRECT_LAUNCH": [("maybe", "must be 1 or 0")],
+    "GPUXFER_PP_TIMEOUT_S": [("x", "must be a number of seconds, got 'x'"), ("nan", "finite"), ("-1", "> 0")],
+    "GPUXFER_PP_ON_TIMEOUT": [("abort", "must be raise or exit, got 'abort'")],
+    "GPUXFER_PP_META_CHANNEL": [("shm", "must be auto or group, got 'shm'")],
+    "GPUXFER_PP_FLAG_PATH": [("bogus", "must be auto, remote or copy, got 'bogus'")],
+    "GPUXFER_PP_INLINE_BYTES": [("lots", "cannot read 'lots'")],
+    "GPUXFER_PP_STEP_GRAPHS": [("2", "must be 1 or 0")],
+    "GPUXFER_PP_FLAG_BATCH": [("2", "must be 1 or 0")],
+    "GPUXFER_SDMA_PATH": [("dma", "must be hsa or hip")],
+    "GPUXFER_SDMA_RING": [("0", "must be in [1, 65536], got 0"), ("many", "must be an integer")],
+    "GPUXFER_SDMA_COPIES": [("17", "must be in [1, 16], got 17")],
+    "GPUXFER_KV_ON_TIMEOUT": [("never", "must be raise or exit")],
+    "GPUXFER_KV_FLAG_PATH": [("bogus", "must be auto, remote or copy, got 'bogus'")],
+    "GPUXFER_KV_TRITON_ORDER": [("random", "must be peer, local or plan")],
+    "GPUXFER_NIXL_MAX_DESCS": [("0", "must be >= 1")],
+    "GPUXFER_NIXL_PACK_STAGE_BYTES": [("1G", "must be an integer")],
+    "GPUXFER_MORI_BACKEND": [("infiniband", "must be rdma or xgmi, got 'infiniband'")],
+}
+
+
+def test_every_declared_variable_has_a_case():
+    assert set(GOOD) == set(config.VARS)
+    assert set(BAD) <= set(config.VARS)
+    assert {n for n, v in config.VARS.items() if v.parser is not config.TEXT} == set(BAD)
+
+
+@pytest.mark.parametrize("name", sorted(config.VARS))
+def test_default_and_good_value(monkeypatch, name):
+    monkeypatch.delenv(name, raising=False)
+    assert config.get(name) == config.VARS[name].default
+    monkeypatch.setenv(name, "  ")
+    assert config.get(name) == config.VARS[name].default      # blank: the default
+    raw, want = GOOD[name]
+    monkeypatch.setenv(name, raw)
+    assert config.get(name) == want
+
+
+@pytest.mark.parametrize("name,raw,says", [(n, r, s) for n, cases in sorted(BAD.items()) for r, s in cases])
+def test_bad_value_names_the_variable(monkeypatch, name, raw, says):
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(BadInput) as err:
+        config.get(name)
+    assert str(err.value).startswith(name) and says in str(err.value)
+
+
+def test_resolve_prefers_the_argument_and_names_the_option(monkeypatch):
+    monkeypatch.setenv("GPUXFER_PP_ON_TIMEOUT", "exit")
+    assert config.resolve("GPUXFER_PP_ON_TIMEOUT", None) == "exit"
+    assert config.resolve("GPUXFER_PP_ON_TIMEOUT", "Raise", option="on_timeout") == "raise"
+    with pytest.raises(BadInput, match="^on_timeout must be raise or exit, got 'crash'"):
+        config.resolve("GPUXFER_PP_ON_TIMEOUT", "crash", option="on_timeout")
+    with pytest.raises(BadInput, match="^inline_bytes: cannot read"):
+        config.resolve("GPUXFER_PP_INLINE_BYTES", "lots", option="inline_bytes")
+
+
+def test_undeclared_name_is_refused():
+    with pytest.raises(KeyError, match="GPUXFER_NOPE"):
+        config.get("GPUXFER_NOPE")
+
+
+def test_effective_lists_every_variable(monkeypatch):
+    for name in config.VARS:
+        monkeypatch.delenv(name, raising=False)
+    assert config.effective() == {n: v.default for n, v in config.VARS.items()}
+
+
+def test_configuration_doc_matches_the_declarations():
+    doc = (ROOT / "docs" / "CONFIGURATION.md").read_text()
+    assert config.table() in doc, "regenerate the table of docs/CONFIGURATION.md from gpuxfer.config.table()"
+
+
+# ---------------------------------------------------------------------------- the rule stays true
+
+
+def _gpuxfer_constants(tree: ast.Module) -> dict[str, str]:
+    """Module-level names bound to a ``"GPUXFER_..."`` string."""
+    out = {}
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str) and node.value.value.startswith("GPUXFER_")):
+            out.update({t.id: node.value.value for t in node.targets if isinstance(t, ast.Name)})
+    return out
+
+
+def _is_environ(node) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "environ"
+
+
+def _env_reads(path: pathlib.Path) -> list[tuple[int, str]]:
+    """``(line, variable)`` of every read of a GPUXFER_* variable from ``os.environ`` / ``os.getenv``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    consts = _gpuxfer_constants(tree)
+
+    def name_of(arg) -> str | None:
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            return arg.value
+        if isinstance(arg, ast.Name):
+            return consts.get(arg.id)
+        return None
+
+    reads = []
+    for node in ast.walk(tree):
+        key = None
+        if isinstance(node, ast.Call) and node.args:
+            f = node.func
+            if isinstance(f, ast.Attribute) and (
+                    (f.attr == "get" and _is_environ(f.value)) or f.attr == "getenv"):
+                key = node.args[0]
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and _is_environ(node.value):
+            key = node.slice
+        elif isinstance(node, ast.Compare) and any(isinstance(op, ast.In | ast.NotIn) for op in node.ops) \
+                and any(_is_environ(c) for c in node.comparators):
+            key = node.left
+        name = name_of(key) if key is not None else None
+        if name and name.startswith("GPUXFER_"):
+            reads.append((node.lineno, name))
+    return reads
+
+
+def test_no_module_but_config_reads_a_gpuxfer_variable():
+    offenders = [f"{p.relative_to(ROOT)}:{line}: {name}"
+                 for p in sorted(PACKAGE.rglob("*.py")) if p.name != "config.py" or p.parent != PACKAGE
+                 for line, name in _env_reads(p)]
+    assert offenders == [], "read these through gpuxfer.config: " + ", ".join(offenders)
+
+
+def test_the_scan_sees_direct_reads(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text('import os\nENV = "GPUXFER_X"\na = os.environ.get(ENV)\nb = os.getenv("GPUXFER_Y")\n'
+                   'c = os.environ["GPUXFER_Z"]\nd = "GPUXFER_W" in os.environ\nos.environ["GPUXFER_V"] = "1"\n')
+    assert _env_reads(src) == [(3, "GPUXFER_X"), (4, "GPUXFER_Y"), (5, "GPUXFER_Z"), (6, "GPUXFER_W")]
+
+
+def test_every_gpuxfer_constant_in_the_package_is_declared():
+    names = set()
+    for p in PACKAGE.rglob("*.py"):
+        names |= set(_gpuxfer_constants(ast.parse(p.read_text())).values())
+    assert names - set(config.VARS) == set()
