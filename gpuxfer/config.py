@@ -9,8 +9,8 @@ value raises :class:`~gpuxfer.errors.BadInput` naming the variable and the value
     config.get("GPUXFER_PP_TIMEOUT_S")              # 300.0, or the variable's value
     config.resolve("GPUXFER_PP_ON_TIMEOUT", value, option="on_timeout")   # an argument, else the variable
 
-:func:`table` renders the declarations as the Markdown table of docs/CONFIGURATION.md (a test keeps
-the two equal).
+``python -m gpuxfer.config > docs/CONFIGURATION.md`` writes the documentation from the declarations
+(a test keeps the two equal).
 """
 
 from __future__ import annotations
@@ -138,7 +138,9 @@ VARS: dict[str, Var] = {v.name: v for v in (
     Var("GPUXFER_KV_TRITON_ORDER", "peer", choice("peer", "local", "plan"),
         "how the triton engine orders each size class: by the peer pool's offsets, the local pool's, or as planned"),
     Var("GPUXFER_NIXL_MODULE", None, TEXT, "the NIXL Python module to import (unset: the wheel matching CUDA)"),
-    Var("GPUXFER_NIXL_MAX_DESCS", 2_200_000, integer(1), "most descriptors one NIXL transfer may carry"),
+    # at ~8 us per descriptor (UCX cuda_ipc on H200) the default cap is ~17 s per burst; nixl+pack moves a few
+    # bulk descriptors and has no cap
+    Var("GPUXFER_NIXL_MAX_DESCS", 2_200_000, integer(1), "bursts with more descriptors are shed by the per-descriptor NIXL engines (nixl, nixl-oneshot)"),
     Var("GPUXFER_NIXL_PACK_STAGE_BYTES", 2 << 30, integer(1), "staging buffer bytes of nixl+pack on each side (at most the pool)"),
     Var("GPUXFER_MOONCAKE_HOST", "127.0.0.1", TEXT, "the address Mooncake's transfer engine binds"),
     Var("GPUXFER_MOONCAKE_NIC", "", TEXT, "Mooncake's NIC filter ({gpu} expands to the device index)"),
@@ -187,9 +189,26 @@ def resolve(name: str, value: Any = None, option: str | None = None) -> Any:
     return parse(name, str(value), option)
 
 
+def is_set(name: str) -> bool:
+    """Whether the environment gives ``name`` a value (not unset, not blank)."""
+    _var(name)
+    return bool(os.environ.get(name, "").strip())
+
+
 def effective() -> dict[str, Any]:
     """Every variable's value now, by name (raises BadInput on the first bad one)."""
     return {name: get(name) for name in VARS}
+
+
+def report() -> dict[str, dict]:
+    """Every variable's value now, whether the environment set it, and the error of a bad value (doctor)."""
+    out = {}
+    for name in VARS:
+        try:
+            out[name] = {"value": get(name), "set": is_set(name), "error": None}
+        except BadInput as exc:
+            out[name] = {"value": None, "set": True, "error": str(exc)}
+    return out
 
 
 def table() -> str:
@@ -200,3 +219,18 @@ def table() -> str:
                    "`1`" if v.default is True else "`0`" if v.default is False else f"`{v.default}`")
         rows.append(f"| `{v.name}` | {v.parser.kind} | {default} | {v.doc} |")
     return "\n".join(rows) + "\n"
+
+
+def document() -> str:
+    """docs/CONFIGURATION.md."""
+    return ("# Configuration\n\n"
+            "Every `GPUXFER_*` environment variable gpuxfer reads, as declared in `gpuxfer/config.py` (this file is\n"
+            "`python -m gpuxfer.config`; `tests/test_config.py` keeps the two equal). A variable is read when the object\n"
+            "that uses it is built, never at import. Unset or blank takes the default; a bad value raises `BadInput`\n"
+            "naming the variable and the value. Flags take `1`/`0` (also `on`/`off`, `true`/`false`). `gpuxfer doctor`\n"
+            "shows the variables set in the environment; `gpuxfer doctor --json` lists every effective value.\n\n"
+            + table())
+
+
+if __name__ == "__main__":
+    print(document(), end="")

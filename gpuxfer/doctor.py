@@ -2,8 +2,9 @@
 
 Reports the platform (the host emulation says so loudly), why every other
 platform is unusable, library versions, each device with its capabilities,
-the link matrix, and for each stage-hand-off backend and KV engine whether it
-can run here. ``--json`` prints the same report as one JSON object.
+the link matrix, for each stage-hand-off backend and KV engine whether it
+can run here, and the ``GPUXFER_*`` variables set in the environment (the JSON
+lists every variable's effective value). ``--json`` prints the same report as one JSON object.
 
 Exit status: 0 whenever a platform could be opened and reported on, whatever
 it found; 1 when none could (e.g. ``--platform cuda`` on a machine without a
@@ -95,6 +96,7 @@ def collect(platform_name: str | None = None) -> dict:
     report: dict = {"gpuxfer": __version__, "versions": library_versions(), "platform": None,
                     "platform_error": None, "skipped": {}, "devices": [], "links": []}
     report["problems"] = install_problems(report["versions"])
+    report["config"] = config.report()
     try:
         det = detect(platform_name)
     except PlatformUnavailable as exc:
@@ -161,6 +163,18 @@ def render(report: dict, console) -> None:
         console.print(Panel(f"[bold green]platform: {e(plat['label'])}[/]", title="gpuxfer doctor"))
     for problem in report.get("problems", []):
         console.print(f"[bold red]problem:[/] {e(problem)}")
+
+    chosen = {k: v for k, v in report.get("config", {}).items() if v["set"]}
+    if chosen:
+        t = Table(title="configuration set in the environment (the rest at defaults: docs/CONFIGURATION.md)",
+                  title_justify="left")
+        t.add_column("variable")
+        t.add_column("value")
+        for k, v in chosen.items():
+            t.add_row(e(k), f"[red]{e(v['error'])}[/]" if v["error"] else e(str(v["value"])))
+        console.print(t)
+    else:
+        console.print("configuration: every GPUXFER_* variable at its default (docs/CONFIGURATION.md)")
 
     if report["skipped"]:
         t = Table(title="other platforms", title_justify="left")

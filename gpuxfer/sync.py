@@ -63,9 +63,6 @@ def wait_flag_or_raise(platform: Platform, flag_ptr: int, expected: int, timeout
         delay = min(delay * 2, 1e-3)
 
 
-FLAG_PATHS = ("auto", "remote", "copy")
-
-
 def flag_path_from_env(value: str | None, env: str) -> str:
     """How flags reach the peer: ``value``, else ``$env``, else ``auto`` (remote stream writes where a
     setup probe saw them arrive, 8-byte copies otherwise); ``remote`` and ``copy`` force one path."""

@@ -123,7 +123,7 @@ def test_effective_lists_every_variable(monkeypatch):
 
 def test_configuration_doc_matches_the_declarations():
     doc = (ROOT / "docs" / "CONFIGURATION.md").read_text()
-    assert config.table() in doc, "regenerate the table of docs/CONFIGURATION.md from gpuxfer.config.table()"
+    assert doc == config.document(), "regenerate it: python -m gpuxfer.config > docs/CONFIGURATION.md"
 
 
 # ---------------------------------------------------------------------------- the rule stays true
@@ -193,3 +193,15 @@ def test_every_gpuxfer_constant_in_the_package_is_declared():
     for p in PACKAGE.rglob("*.py"):
         names |= set(_gpuxfer_constants(ast.parse(p.read_text())).values())
     assert names - set(config.VARS) == set()
+
+
+def test_report_marks_set_and_bad_variables(monkeypatch):
+    for name in config.VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GPUXFER_PP_TIMEOUT_S", "30")
+    monkeypatch.setenv("GPUXFER_SDMA_RING", "0")
+    rep = config.report()
+    assert set(rep) == set(config.VARS)
+    assert rep["GPUXFER_PP_TIMEOUT_S"] == {"value": 30.0, "set": True, "error": None}
+    assert rep["GPUXFER_HOST_DEVICES"] == {"value": 2, "set": False, "error": None}
+    assert rep["GPUXFER_SDMA_RING"]["set"] and "GPUXFER_SDMA_RING must be in [1, 65536]" in rep["GPUXFER_SDMA_RING"]["error"]

@@ -34,12 +34,15 @@ def test_json_on_host(capsys, monkeypatch):
         assert rep["versions"][key]
     for key in ("pp_backends", "kv_engines"):
         assert (rep[key] is None) != (rep[f"{key}_note"] is None)
+    assert rep["config"]["GPUXFER_HOST_DEVICES"] == {"value": 3, "set": True, "error": None}
 
 
-def test_text_says_emulation_loudly(capsys):
+def test_text_says_emulation_loudly(capsys, monkeypatch):
+    monkeypatch.setenv("GPUXFER_PP_TIMEOUT_S", "45")
     assert main(["doctor", "--platform", "host"]) == 0
     out = capsys.readouterr().out
     assert "EMULATION" in out and "links" in out and "devices" in out and "versions" in out
+    assert "GPUXFER_PP_TIMEOUT_S" in out and "45.0" in out
 
 
 def test_unusable_forced_platform_reports_why_and_exits_1(capsys, monkeypatch):

@@ -98,9 +98,6 @@ from .plan import check_bounds
 log = logging.getLogger("gpuxfer.kv.engines")
 
 DIRECTIONS = ("pull", "push")
-#: what a side does when a bounded wait times out: ``raise`` (store the error, release every GPU wait, raise
-#: on every later call) or ``exit`` (the same, then log and end the process with EXIT_CODE)
-ON_TIMEOUT = ("raise", "exit")
 ENV_KV_ON_TIMEOUT = "GPUXFER_KV_ON_TIMEOUT"
 EXIT_CODE = 70          # the process exit code of on_timeout="exit" (EX_SOFTWARE)
 #: written into a local flag word to release every GPU wait on it (larger than any value awaited)
@@ -121,7 +118,9 @@ class Role(str, enum.Enum):
 
 
 def on_timeout_from_env(value: str | None) -> str:
-    """``value``, else ``$GPUXFER_KV_ON_TIMEOUT``, else ``raise``; one of :data:`ON_TIMEOUT` (BadInput otherwise)."""
+    """``value``, else ``$GPUXFER_KV_ON_TIMEOUT``, else ``raise``: what a side does when a bounded wait
+    times out (``raise``: store the error, release every GPU wait, raise on every later call; ``exit``: the
+    same, then log and end the process with :data:`EXIT_CODE`)."""
     return config.resolve(ENV_KV_ON_TIMEOUT, value, option="on_timeout")
 
 
@@ -716,11 +715,6 @@ class TritonEngine(Engine):
 
     def _release(self) -> None:
         self._src_t = self._dst_t = None
-
-
-#: how the triton engine orders each size class (GPUXFER_KV_TRITON_ORDER): by the peer pool's offsets
-#: (``peer``, the default and the fastest measured), by the local pool's (``local``), or as planned (``plan``)
-TRITON_ORDERS = ("peer", "local", "plan")
 
 
 def _order_col(direction: str) -> int | None:
@@ -1367,4 +1361,4 @@ __all__ = ["DIRECTIONS", "DEFAULT_ENGINES", "ENGINES", "Burst", "BurstShape", "B
            "EngineOptions", "PackEngine", "Prepared", "Role", "Side", "TritonEngine", "as_descriptors",
            "check_direction", "chunk_plan", "contiguous_descriptors", "engine_class", "engine_report",
            "engine_unavailable_reason", "initiator_of", "measurement_order", "parse_engines", "register_engine",
-           "split_large", "wait_event", "Gate", "FailsOnTimeout", "EXIT_CODE", "ENV_KV_ON_TIMEOUT", "ON_TIMEOUT", "on_timeout_from_env"]
+           "split_large", "wait_event", "Gate", "FailsOnTimeout", "EXIT_CODE", "ENV_KV_ON_TIMEOUT", "on_timeout_from_env"]

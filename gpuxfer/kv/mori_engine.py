@@ -56,7 +56,6 @@ from .plan import check_bounds
 
 log = logging.getLogger("gpuxfer.kv.mori")
 
-MODULE = "mori.io"
 MODULE_ENV = "GPUXFER_MORI_MODULE"
 BACKEND_ENV = "GPUXFER_MORI_BACKEND"
 HOST_ENV = "GPUXFER_MORI_HOST"

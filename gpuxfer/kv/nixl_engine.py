@@ -465,13 +465,6 @@ class NixlAgent(Closable):
 from .engines import (Burst, Engine, Prepared, Role, Side, _bind, _device_table, _kernel_reason,  # noqa: E402
                       _kernels, _sync_uploads, chunk_plan, split_large, wait_event)
 
-#: bursts with more descriptors than this are shed by the per-descriptor NIXL engines (``nixl``,
-#: ``nixl-oneshot``): at ~8 us per descriptor (UCX cuda_ipc on H200) the cap is ~17 s per burst.
-#: Override with ``GPUXFER_NIXL_MAX_DESCS``. ``nixl+pack`` moves a few bulk descriptors and has no cap.
-NIXL_MAX_DESCS = 2_200_000
-#: staging buffer of ``nixl+pack`` on each side: ``min(pool bytes, this)``; ``GPUXFER_NIXL_PACK_STAGE_BYTES``.
-PACK_STAGE_BYTES = 2 << 30
-
 
 def _platform_reason(platform) -> str | None:
     if platform.name not in ("cuda", "host"):

@@ -98,7 +98,7 @@ HSA_AMD_LINK_INFO_TYPE_XGMI = 4
 
 #: how long a host read or write of a flag word (an 8-byte copy) may take, in seconds
 HOST_FLAG_TIMEOUT_ENV = "GPUXFER_ROCM_HOST_FLAG_TIMEOUT_S"
-HOST_FLAG_TIMEOUT_S = 10.0
+HOST_FLAG_TIMEOUT_S = config.VARS[HOST_FLAG_TIMEOUT_ENV].default
 
 
 def host_flag_timeout_from_env() -> float:

@@ -90,7 +90,6 @@ log = logging.getLogger("gpuxfer.pp")
 ENV_PATH = "GPUXFER_SDMA_PATH"
 ENV_RING = "GPUXFER_SDMA_RING"
 ENV_COPIES = "GPUXFER_SDMA_COPIES"
-DEFAULT_RING = 16
 SUPPORTED_ARCH_PREFIXES = ("gfx94", "gfx95")   # KFD recommended-engine masks exist from gfx9.4 on
 
 #: Flip to True (and add "sdma" to selection.ZERO_SM) once the backend has passed

@@ -88,9 +88,7 @@ log = logging.getLogger("gpuxfer.pp")
 ALIGN = 256                 # byte alignment of each tensor in a packed slot
 MAX_NDIM = 8                # most dimensions a tensor may have
 ENV_TIMEOUT = "GPUXFER_PP_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 300.0
 ENV_ON_TIMEOUT = "GPUXFER_PP_ON_TIMEOUT"
-ON_TIMEOUT = ("raise", "exit")
 EXIT_CODE = 70              # the process exit code of on_timeout="exit" (EX_SOFTWARE)
 FAILED_TEARDOWN_S = 1.0     # drain / barrier limit of a failed transport at teardown (its peer is likely gone)
 GONE_POLL_S = 0.25          # how often the watchdog reads a waiting transport's peer "gone" note
