@@ -49,7 +49,7 @@ def test_offsets_translation_and_wr_split():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (np.zeros((2, 2), np.int64), "integer"), (np.zeros((1, 3), np.float32), "integer"),
+    (np.zeros((2, 2), np.int64), r"shape \(N, 3\)"), (np.zeros((1, 3), np.float32), "integers"),
     (np.array([[0, 0, 0]], np.int64), "moves 0 bytes"), (np.array([[-8, 0, 8]], np.int64), r"source range \[-8, 0\)"),
 ])
 def test_offsets_reject_bad_tables(bad, match):

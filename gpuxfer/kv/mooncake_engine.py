@@ -218,10 +218,7 @@ def to_mooncake_lists(desc, op: str, *, local_base: int, remote_base: int
     """
     if op not in ("READ", "WRITE"):
         raise BadInput(f"op must be 'READ' or 'WRITE', got {op!r}")
-    d = np.asarray(desc)
-    if d.ndim != 2 or d.shape[1] != 3 or d.dtype.kind not in "iu":
-        raise BadInput(f"descriptors must be an integer (N, 3) array, got {d.dtype} {d.shape}")
-    d = np.ascontiguousarray(d, dtype=np.int64)
+    d = as_descriptors(desc)
     check_bounds(d, None, None)          # offsets >= 0, lengths > 0 (the pools are checked by the engine)
     local_col, remote_col = (1, 0) if op == "READ" else (0, 1)
     return (d[:, local_col] + int(local_base), d[:, remote_col] + int(remote_base), d[:, 2].copy())
@@ -309,7 +306,7 @@ class MooncakeSide(Closable):
 
 # --------------------------------------------------------------------------- the engine
 
-from .engines import Burst, Engine, Prepared, Role, Side  # noqa: E402
+from .engines import Burst, Engine, Prepared, Role, Side, as_descriptors  # noqa: E402
 
 
 class MooncakeEngine(Engine):

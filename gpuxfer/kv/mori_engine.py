@@ -51,7 +51,7 @@ from .. import config
 from ..common import package_version
 from ..errors import BackendUnavailable, BadInput, DriverError, TransferTimeout
 from . import collectivex as CX
-from .engines import Burst, Engine, Prepared, Role, Side, split_large
+from .engines import Burst, Engine, Prepared, Role, Side, as_descriptors, split_large
 from .plan import check_bounds
 
 log = logging.getLogger("gpuxfer.kv.mori")
@@ -122,10 +122,7 @@ def to_mori_offsets(desc, op: str, *, wr_cap: int | None = None) -> tuple[np.nda
     """
     if op not in ("READ", "WRITE"):
         raise BadInput(f"op must be 'READ' or 'WRITE', got {op!r}")
-    d = np.asarray(desc)
-    if d.ndim != 2 or d.shape[1] != 3 or d.dtype.kind not in "iu":
-        raise BadInput(f"descriptors must be an integer (N, 3) array, got {d.dtype} {d.shape}")
-    d = np.ascontiguousarray(d, dtype=np.int64)
+    d = as_descriptors(desc)
     check_bounds(d, None, None)          # offsets >= 0, lengths > 0 (the pools are checked by the engine)
     wr_cap = WR_CAP_BYTES if wr_cap is None else wr_cap
     if wr_cap <= 0:
