@@ -1,4 +1,4 @@
-"""Multi-process test helpers that cannot hang: spawn only, timeouts everywhere, exit codes asserted.
+"""Multi-process (and multi-thread) test helpers that cannot hang: spawn only, timeouts everywhere, exit codes asserted.
 
 A child runs ``fn(*args)`` and sends back ``("ok", result)`` or ``("error", traceback)``;
 the parent's :meth:`Child.result` turns an error, a silent death or a timeout into an
@@ -103,3 +103,26 @@ class Spawner:
             if c.proc.is_alive():
                 c.proc.kill()
             c.proc.join(5)
+
+
+def on_threads(fns, timeout: float = 60.0) -> list:
+    """Run each callable on its own thread; their results, or the first error raised (a thread still
+    running after ``timeout`` fails the test)."""
+    import threading
+    errors, results = [None] * len(fns), [None] * len(fns)
+
+    def run(i):
+        try:
+            results[i] = fns[i]()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors[i] = exc
+    ts = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout)
+        assert not t.is_alive(), "a side did not finish in time"
+    for e in errors:
+        if e is not None:
+            raise e
+    return results

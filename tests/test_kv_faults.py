@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pytest
 
+from _spawn import on_threads
 from gpuxfer.errors import BadInput
 from gpuxfer.kv import engines as E
 from gpuxfer.kv.plan import check_bounds
@@ -56,27 +57,6 @@ class Exchange:
             self.barrier.wait()
             return out
         return exchange
-
-
-def on_threads(fns, timeout: float = 60.0) -> list:
-    """Run each callable on its own thread; their results, or the first error raised."""
-    errors, results = [None] * len(fns), [None] * len(fns)
-
-    def run(i):
-        try:
-            results[i] = fns[i]()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors[i] = exc
-    ts = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(timeout)
-        assert not t.is_alive(), "a side did not finish in time"
-    for e in errors:
-        if e is not None:
-            raise e
-    return results
 
 
 class Pair:

@@ -460,6 +460,7 @@ def test_missing_telemetry_leaves_fields_empty(fake_nixl):
 
 import threading  # noqa: E402
 
+from _spawn import on_threads  # noqa: E402
 from gpuxfer.kv.engines import Burst, Role, Side  # noqa: E402
 from gpuxfer.platforms.base import Memory  # noqa: E402
 
@@ -508,26 +509,6 @@ def _fake_kernels(monkeypatch):
     monkeypatch.setattr(ne, "_kernel_reason", lambda platform: None)
 
 
-def _threads(fns, timeout=60):
-    errors, results = [None] * len(fns), [None] * len(fns)
-
-    def run(i):
-        try:
-            results[i] = fns[i]()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors[i] = exc
-    ts = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(timeout)
-        assert not t.is_alive(), "a side did not finish in time"
-    for e in errors:
-        if e is not None:
-            raise e
-    return results
-
-
 def _random_requests(rng, pool_bytes, n_req, n_desc, max_len):
     reqs = []
     for _ in range(n_req):
@@ -561,7 +542,7 @@ def _run_engine_pair(engine_name, direction, *, pool_bytes=1 << 18, bursts=2, n_
     sides = [Side(plats[r], r, r, Role.SOURCE if r == 0 else Role.DESTINATION, pools[r], _Alias(pools[1 - r]),
                   ex(r), timeout_s=timeout_s) for r in range(2)]
     try:
-        engines = _threads([lambda r=r: cls(sides[r]) for r in range(2)])
+        engines = on_threads([lambda r=r: cls(sides[r]) for r in range(2)])
         try:
             if stage_bytes:
                 assert all(e.round_bytes == stage_bytes for e in engines)
@@ -569,13 +550,13 @@ def _run_engine_pair(engine_name, direction, *, pool_bytes=1 << 18, bursts=2, n_
             for b in range(bursts):          # a row: prepare once, several bursts (as the runner does), release
                 reqs = _random_requests(rng, pool_bytes, n_req, 40, 2048)
                 burst = Burst(reqs)
-                ps = _threads([lambda r=r: engines[r].prepare(burst, direction) for r in range(2)])
+                ps = on_threads([lambda r=r: engines[r].prepare(burst, direction) for r in range(2)])
                 passive = 0 if direction == "pull" else 1
                 for _ in range(3):
                     dst_np[:] = 0
                     engines[passive].post(ps[passive])
                     engines[1 - passive].post(ps[1 - passive])
-                    _threads([lambda r=r: engines[r].wait(ps[r]) for r in range(2)])
+                    on_threads([lambda r=r: engines[r].wait(ps[r]) for r in range(2)])
                     for s, d, n in engines[1].verify_descriptors(burst).tolist():
                         np.testing.assert_array_equal(dst_np[d:d + n], src_np[s:s + n])
                 extra = [getattr(e, "row_extra", dict)() for e in engines]   # as the runner: before release
@@ -1096,7 +1077,7 @@ def _hostile_results(engine_name: str) -> dict:
                   ex(r), timeout_s=20.0) for r in range(2)]
     out = {}
     try:
-        engines = _threads([lambda r=r: cls(sides[r]) for r in range(2)])
+        engines = on_threads([lambda r=r: cls(sides[r]) for r in range(2)])
         try:
             for direction in ("pull", "push"):
                 for case, rows in HOSTILE.items():
