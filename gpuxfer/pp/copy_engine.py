@@ -234,15 +234,20 @@ class CopyEngineTransport(Transport):
         if self.role == "recv":
             self._data = p.alloc(self.recv_slots * self.specs.slot_bytes, dev)
         else:
-            self._staging = p.alloc(2 * self.specs.slot_bytes, dev)
-            if self.inline_bytes and step_graphs_from_env():
-                self._cap = p.create_stream(dev)
+            self._prepare_send_side()
         if not p.synchronize(self._aux, PROBE_TIMEOUT_S):
-            raise GpuxferError(f"zeroing the flags did not finish in {PROBE_TIMEOUT_S:g} s")
+            raise GpuxferError(f"initialising the flags did not finish in {PROBE_TIMEOUT_S:g} s")
         payload = {"flags": self._flags.export(), "slot_bytes": self.specs.slot_bytes, "slots": self.recv_slots}
         if self._data is not None:
             payload["data"] = self._data.export()
         return payload
+
+    def _prepare_send_side(self) -> None:
+        """The sender's own memory: the staging ring (and the stream its copy graphs are captured on)."""
+        p, dev = self.platform, self.device
+        self._staging = p.alloc(2 * self.specs.slot_bytes, dev)
+        if self.inline_bytes and step_graphs_from_env():
+            self._cap = p.create_stream(dev)
 
     def setup_open(self, peer_payload: dict) -> None:
         """Open the peer's handles."""

@@ -90,7 +90,7 @@ import functools
 import time
 
 from ..errors import GpuxferError, GraphModeError, TransferTimeout
-from .copy_engine import ENV_FLAG_PATH, PROBE_TIMEOUT_S, W_IN, CopyEngineTransport
+from .copy_engine import ENV_FLAG_PATH, W_IN, CopyEngineTransport
 from .transport import RELEASE_VALUE, Layout, Received
 
 
@@ -117,23 +117,9 @@ class GraphTransport(CopyEngineTransport):
         return W_IN + 2 * self.recv_slots + 2 * j + which
 
     # ---- setup (the phases of CopyEngineTransport, without a staging ring) ----
-    def setup_prepare(self) -> dict:
-        p, dev = self.platform, self.device
-        p.set_device(dev)
-        self._aux = p.create_stream(dev)
-        self._flags = p.alloc(self.flags_bytes, dev)
-        p.memset_async(self._aux, self._flags.ptr, 0, self.flags_bytes)
-        if self.role == "recv":
-            self._data = p.alloc(self.recv_slots * self.specs.slot_bytes, dev)
-        else:
-            for j in range(self.recv_slots):     # every slot starts free: the sender holds its tokens
-                p.write_flag(self._aux, self._fptr(self._flags, W_IN + j), 1)
-        if not p.synchronize(self._aux, PROBE_TIMEOUT_S):
-            raise GpuxferError(f"initialising the flags did not finish in {PROBE_TIMEOUT_S:g} s")
-        payload = {"flags": self._flags.export(), "slot_bytes": self.specs.slot_bytes, "slots": self.recv_slots}
-        if self._data is not None:
-            payload["data"] = self._data.export()
-        return payload
+    def _prepare_send_side(self) -> None:
+        for j in range(self.recv_slots):     # every slot starts free: the sender holds its tokens
+            self.platform.write_flag(self._aux, self._fptr(self._flags, W_IN + j), 1)
 
     def setup_finish(self, peer_check: dict) -> None:
         import torch
