@@ -11,7 +11,8 @@ import logging
 
 from .. import config
 from ..errors import BadInput, PlatformUnavailable
-from .base import Detection, DeviceBuffer, DeviceInfo, Event, IpcHandle, LinkInfo, Memory, PeerMapping, Platform, Stream
+from .base import (RELEASE_VALUE, Detection, DeviceBuffer, DeviceInfo, Event, IpcHandle, LinkInfo, Memory, PeerMapping,
+                   Platform, Stream)
 
 log = logging.getLogger("gpuxfer.platforms")
 
@@ -23,7 +24,7 @@ PLATFORMS: dict[str, tuple[str, str]] = {
 }
 
 __all__ = ["Detection", "DeviceBuffer", "DeviceInfo", "Event", "IpcHandle", "LinkInfo", "Memory",
-           "PeerMapping", "Platform", "Stream", "PLATFORMS", "platform_class", "unavailable_reason",
+           "PeerMapping", "Platform", "Stream", "RELEASE_VALUE", "PLATFORMS", "platform_class", "unavailable_reason",
            "detect", "get_platform"]
 
 

@@ -37,6 +37,9 @@ from .. import config
 from ..errors import BadInput, NotExportable
 
 FLAG_BYTES = 8
+#: written into a local flag word from the host to release every stream wait on it (close, abort): larger than
+#: any step number a wait awaits
+RELEASE_VALUE = 1 << 62
 
 
 # --------------------------------------------------------------------------- data

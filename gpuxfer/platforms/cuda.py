@@ -80,7 +80,7 @@ from .. import config
 from ..common import package_version
 from ..errors import BadInput, DriverError, GpuxferError, NotExportable, TransferTimeout
 from .base import (DeviceBuffer, DeviceInfo, Event, ExportedRange, IpcHandle, LinkInfo, Memory, PeerMapping,
-                   Platform, Stream, as_int64_array, check_flag_ptr, FLAG_OP_WORDS)
+                   Platform, Stream, as_int64_array, check_flag_ptr, FLAG_OP_WORDS, RELEASE_VALUE)
 
 # --------------------------------------------------------------------------- constants
 
@@ -1402,8 +1402,8 @@ class CudaPlatform(Platform):
         finally:
             if stuck:
                 try:   # try to let it go; leak the buffer and stream either way
-                    self.host_write_flag(buf.ptr, 1 << 62, device)
-                    self.host_write_flag(buf.ptr + 8, 1 << 62, device)
+                    self.host_write_flag(buf.ptr, RELEASE_VALUE, device)
+                    self.host_write_flag(buf.ptr + 8, RELEASE_VALUE, device)
                 except Exception:
                     pass
                 buf._closed = True          # leaked on purpose: freeing could block behind the wait

@@ -82,6 +82,7 @@ import numpy as np
 
 from .. import config
 from ..errors import BadInput, GpuxferError, PeerLost, ProtocolError, TransferTimeout
+from ..platforms.base import RELEASE_VALUE
 
 log = logging.getLogger("gpuxfer.pp")
 
@@ -92,7 +93,6 @@ ENV_ON_TIMEOUT = "GPUXFER_PP_ON_TIMEOUT"
 EXIT_CODE = 70              # the process exit code of on_timeout="exit" (EX_SOFTWARE)
 FAILED_TEARDOWN_S = 1.0     # drain / barrier limit of a failed transport at teardown (its peer is likely gone)
 GONE_POLL_S = 0.25          # how often the watchdog reads a waiting transport's peer "gone" note
-RELEASE_VALUE = 1 << 62     # written into local flags to release any pending GPU wait (close/abort)
 META_MAGIC = 0x67787070     # "gxpp"
 _NO_DIMS = (0,) * MAX_NDIM
 
