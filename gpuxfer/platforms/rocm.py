@@ -2,7 +2,7 @@
 
 **Nothing here has run on an AMD GPU** (none was reachable): it is built to the
 published facts (hip-python's bindings; the HIP and ROCr sources in
-ROCm/rocm-systems) and tested on the CPU with fakes (tests/test_rocm_*.py).
+ROCm/rocm-systems) and tested on the CPU with fakes (tests/platforms/test_rocm_*.py).
 docs/ROCM.md lists what is unverified and how to validate it on an MI355X.
 
 How each hook maps to HIP:

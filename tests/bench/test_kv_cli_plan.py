@@ -15,7 +15,7 @@ from gpuxfer.kv.bench import ENGINES, parse_grid_args, parse_list, parse_run_opt
 
 def _run(capsys, *argv):
     """The command with --full: the grid of a GPU run, whatever this machine has (the host's small grid
-    is tests/test_kv_bench.py's)."""
+    is tests/bench/test_kv_bench.py's)."""
     rc = main(["bench", "kv", "--full", *argv])
     out, err = capsys.readouterr()
     return rc, out, err

@@ -17,7 +17,7 @@ import torch
 
 from gpuxfer.pp.bench import count_wrong_bytes
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class _Result:

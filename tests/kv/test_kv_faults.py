@@ -410,11 +410,9 @@ def test_a_stuck_peer_fails_the_side_releases_its_waits_and_every_later_call_rai
 
 
 def test_on_timeout_exit_ends_the_process_with_the_exit_code_and_names_the_wait():
-    code = ("import sys; sys.path.insert(0, 'tests'); import test_kv_faults as t; "
-            "t.stuck_peer_session('pack', 'pull'); print('NOT EXITED')")
-    env = dict(os.environ, GPUXFER_KV_ON_TIMEOUT="exit", PYTHONPATH=os.getcwd())
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = "import test_kv_faults as t; t.stuck_peer_session('pack', 'pull'); print('NOT EXITED')"
+    env = dict(os.environ, GPUXFER_KV_ON_TIMEOUT="exit", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
     assert res.returncode == E.EXIT_CODE, (res.returncode, res.stdout, res.stderr)
     assert "NOT EXITED" not in res.stdout
     assert "rank 1 (decode, device 1) failed: TransferTimeout" in res.stderr and "pack pull burst" in res.stderr

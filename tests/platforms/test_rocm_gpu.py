@@ -1,7 +1,7 @@
 """ROCm on real AMD GPUs (MI300 / MI355X): marked ``gpu``, skipped elsewhere with the reason.
 
 NEVER RUN YET (no AMD GPU was reachable when written). docs/ROCM.md's
-validation steps use these: ``pytest -m gpu tests/test_rocm_gpu.py -k platform|hsa|sdma -v``.
+validation steps use these: ``pytest -m gpu tests/platforms/test_rocm_gpu.py -k platform|hsa|sdma -v``.
 """
 from __future__ import annotations
 

@@ -374,7 +374,7 @@ def test_suite_run_writes_both_jsons(tmp_path, monkeypatch, capsys):
 def test_suite_run_fails_with_exit_3_when_only_full_verification_sees_it(tmp_path, monkeypatch, capsys):
     """The first byte of the first descriptor of each batch call wrong: the suite's 16 samples per request
     miss it, gpuxfer's every-byte check does not; the run exits 3 (the suite's sampled check failing is
-    tests/test_kv_collectivex.py::test_sampled_verifier_passes_a_good_transfer_and_fails_a_corrupted_sample)."""
+    tests/bench/test_kv_collectivex.py::test_sampled_verifier_passes_a_good_transfer_and_fails_a_corrupted_sample)."""
     rc, own, suite = _suite_run(tmp_path, monkeypatch, "first")
     assert rc == C.EXIT_VERIFY_FAILED == 3
     assert suite["outcome"]["status"] == "invalid"
