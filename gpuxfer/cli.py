@@ -17,9 +17,9 @@ from . import __version__
 # (command path, module, one-line help)
 COMMANDS = [
     (("doctor",), "gpuxfer.doctor", "report the platform, devices, links and which backends/engines work here"),
-    (("bench", "kv"), "gpuxfer.kv.bench", "KV-cache hand-off benchmark: engines vs the bulk copy ceiling, every byte verified"),
-    (("bench", "pp"), "gpuxfer.pp.bench", "stage hand-off benchmark: copy engines vs NCCL, step time and SM contention"),
-    (("bench", "kernels"), "gpuxfer.kernels.bench", "Triton copy kernels vs the copy-engine and local HBM ceilings"),
+    (("bench", "kv"), "gpuxfer.bench.kv.cli", "KV-cache hand-off benchmark: engines vs the bulk copy ceiling, every byte verified"),
+    (("bench", "pp"), "gpuxfer.bench.pp", "stage hand-off benchmark: copy engines vs NCCL, step time and SM contention"),
+    (("bench", "kernels"), "gpuxfer.bench.kernels", "Triton copy kernels vs the copy-engine and local HBM ceilings"),
 ]
 
 

@@ -39,7 +39,7 @@ def platform_name(request) -> str:
 
 @functools.lru_cache(maxsize=None)
 def device_count(name: str) -> int:
-    from gpuxfer.cliutil import device_count as count
+    from gpuxfer.bench.cliutil import device_count as count
     return count(name)
 
 

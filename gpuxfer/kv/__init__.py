@@ -1,16 +1,14 @@
 """Paged KV-cache hand-off: the transfer API (:class:`KVAgent`), workloads, pool layouts, block tables,
-descriptor plans, the sweep grid.
+descriptor plans.
 
 Pure Python + numpy; importing it touches no device (torch and Triton load when an agent is built).
-The benchmark command lives in :mod:`gpuxfer.kv.bench` (``gpuxfer bench kv``).
+The benchmark (``gpuxfer bench kv``, its sweep grid and reports) lives in :mod:`gpuxfer.bench.kv`.
 """
 from __future__ import annotations
 
 from .agent import (KVAgent, KVLayerSpec, KVPeer, KVPiece, KVTransfer, KVTransferHandle, describe_layer,
                     layout_groups)
 from .blocktable import burst_tables, derive_seed, space_permutation
-from .grid import (DEFAULT_BATCHES, DEFAULT_DESC_BUDGET, DEFAULT_ISLS, DEFAULT_PAGES, DEFAULT_POOL_BUDGET_BYTES,
-                   Grid, GridPoint, ShedBatch, build_grid)
 from .layout import (PoolLayout, RegionLayout, build_layout, layout_for_burst, max_batch_for_budget,
                      pages_for_burst, pool_bytes_for_burst, pool_pages_for_budget)
 from .plan import Burst, PlanSpan, build_burst, bulk_plan, coalesce, find_dst_overlap, request_plan, validate_plan
@@ -27,6 +25,4 @@ __all__ = [
     "burst_tables", "derive_seed", "space_permutation",
     "Burst", "PlanSpan", "build_burst", "bulk_plan", "coalesce", "find_dst_overlap", "request_plan",
     "validate_plan",
-    "DEFAULT_BATCHES", "DEFAULT_DESC_BUDGET", "DEFAULT_ISLS", "DEFAULT_PAGES", "DEFAULT_POOL_BUDGET_BYTES",
-    "Grid", "GridPoint", "ShedBatch", "build_grid",
 ]

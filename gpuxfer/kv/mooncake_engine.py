@@ -430,12 +430,15 @@ class MooncakeRdmaEngine(MooncakeEngine):
         return probe_transport(self.protocol, self.side.device, self._nic())
 
 
+#: the CollectiveX suite's Mooncake settings (its ``kv_mooncake.py``)
+SUITE_ENV = {"MC_USE_NVLINK_IPC": "0", "MC_TRANSFER_TIMEOUT": "120"}
+
+
 def apply_suite_env(environ=os.environ) -> dict[str, str]:
     """Set the suite's Mooncake settings where the environment does not already choose; what is in force."""
-    from .collectivex import MOONCAKE_ENV
-    for k, v in MOONCAKE_ENV.items():
+    for k, v in SUITE_ENV.items():
         environ.setdefault(k, v)
-    return {k: environ[k] for k in MOONCAKE_ENV}
+    return {k: environ[k] for k in SUITE_ENV}
 
 
 MOONCAKE_ENGINES = {"mooncake": "gpuxfer.kv.mooncake_engine:MooncakeEngine",

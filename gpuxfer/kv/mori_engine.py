@@ -22,7 +22,7 @@ How it runs (one ``IOEngine`` per benchmark process)::
       wait: every TransferStatus done           wait: every TransferStatus done
     close: deregister_remote_engine, deregister_memory (idempotent)
 
-Settings are the suite's (``gpuxfer.kv.collectivex``, from its ``kv_mori_io.py``):
+Settings are the CollectiveX suite's (from its ``kv_mori_io.py``):
 the RDMA backend with one QP per transfer, library-default batching, one worker
 thread, CQ polling, no notifications and no chunking; batch calls of at most
 16,384 offsets; no work request longer than 1 GiB (a longer descriptor is split).
@@ -50,7 +50,6 @@ import numpy as np
 from .. import config
 from ..common import package_version
 from ..errors import BackendUnavailable, BadInput, DriverError, TransferTimeout
-from . import collectivex as CX
 from .engines import Burst, Engine, Prepared, Role, Side, as_descriptors, split_large
 from .plan import check_bounds
 
@@ -61,9 +60,13 @@ BACKEND_ENV = "GPUXFER_MORI_BACKEND"
 HOST_ENV = "GPUXFER_MORI_HOST"
 BACKENDS = ("rdma", "xgmi")
 #: offsets per batch call (the suite's cap, bounding send-queue use)
-BATCH_CAP = CX.MORI_BATCH_CAP
+BATCH_CAP = 16384
 #: the longest work request (verbs providers cap one message; 1 GiB passes on every provider the suite met)
-WR_CAP_BYTES = CX.MORI_BULK_WR_CAP
+WR_CAP_BYTES = 1 << 30
+#: the RDMA backend's settings (``poll_cq_mode`` names a ``PollCqMode`` member)
+RDMA_CONFIG = {"qp_per_transfer": 1, "post_batch_size": -1, "num_worker_threads": 1,
+               "poll_cq_mode": "POLLING", "enable_notification": False,
+               "enable_transfer_chunking": False, "chunk_bytes": 65536, "max_chunks_per_transfer": 64}
 _API = ("IOEngine", "IOEngineConfig", "BackendType", "RdmaBackendConfig", "XgmiBackendConfig",
         "MemoryLocationType", "PollCqMode", "EngineDesc", "MemoryDesc")
 #: MoRI's StatusCode names, for messages when a status carries no name
@@ -227,7 +230,7 @@ class MoriEngine(Engine):
             key = f"gpuxfer-{side.role.serving_name}-{os.getpid()}"
             self.io = mod.IOEngine(key=key, config=mod.IOEngineConfig(host=host, port=_free_port(host)))
             if self.backend == "rdma":
-                cfg = {**CX.MORI_RDMA_CONFIG, "poll_cq_mode": getattr(mod.PollCqMode, CX.MORI_RDMA_CONFIG["poll_cq_mode"])}
+                cfg = {**RDMA_CONFIG, "poll_cq_mode": getattr(mod.PollCqMode, RDMA_CONFIG["poll_cq_mode"])}
                 self.io.create_backend(mod.BackendType.RDMA, mod.RdmaBackendConfig(**cfg))
             else:
                 self.io.create_backend(mod.BackendType.XGMI, mod.XgmiBackendConfig())

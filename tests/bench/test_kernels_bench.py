@@ -65,7 +65,7 @@ def test_bench_kernels_rejects_bad_arguments(capsys, monkeypatch, tmp_path, argv
 
 
 def test_bench_kernels_json_replaces_a_symlink_instead_of_following_it(tmp_path):
-    from gpuxfer.cliutil import write_atomic
+    from gpuxfer.bench.cliutil import write_atomic
     target = tmp_path / "elsewhere"
     os.symlink(target, tmp_path / "k.json")
     os.symlink(target, tmp_path / "k.json.tmp")        # a symlink planted at a predictable temporary name

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from gpuxfer.cli import main
 from gpuxfer.errors import BackendUnavailable, BadInput, DriverError
 from gpuxfer.kv import engines as E
-from gpuxfer.kv import report as R
+from gpuxfer.bench.kv import report as R
 from gpuxfer.platforms.host import HostPlatform
 
 TINY = ["--platform", "host", "--workload", "kv-mla", "--isl", "16", "--page", "16", "--batch", "1"]
@@ -126,7 +126,7 @@ def test_a_failing_process_does_not_hang_the_other(capsys, tmp_path):
     # it fails at once, the prefill side is left waiting for its peer and must fail on the group timeout,
     # not hang
     from gpuxfer.cli import build_parser
-    from gpuxfer.kv.bench import parse_grid_args, parse_run_options, run_transfers
+    from gpuxfer.bench.kv.cli import parse_grid_args, parse_run_options, run_transfers
     out_dir = tmp_path / "out"
     args = build_parser().parse_args(["bench", "kv", *TINY, "--warmup", "0", "--trials", "1", "--timeout", "8",
                                       "--engine", "bulk", "--devices", "0,7", "--out", str(out_dir)])
@@ -206,7 +206,7 @@ def test_an_earlier_run_is_never_overwritten(capsys, tmp_path):
 
 def test_default_places_one_directory_per_run(tmp_path, monkeypatch):
     """Without --out every run gets its own directory and `latest` points at the newest."""
-    from gpuxfer.cliutil import prepare_outputs
+    from gpuxfer.bench.cliutil import prepare_outputs
     monkeypatch.chdir(tmp_path)
     a = prepare_outputs("kv", None, None, artifacts=("kv_bench.json",))
     b = prepare_outputs("kv", None, None, artifacts=("kv_bench.json",))
@@ -225,7 +225,7 @@ def test_default_places_one_directory_per_run(tmp_path, monkeypatch):
 
 def test_the_host_runs_the_small_grid_and_says_so(capsys):
     """--plan-only on the host shows the grid the host runs (HOST_GRID), with the note; --full the GPU's."""
-    from gpuxfer.kv.grid import HOST_GRID
+    from gpuxfer.bench.kv.grid import HOST_GRID
     rc = main(["bench", "kv", "--platform", "host", "--plan-only", "--json"])
     cap = capsys.readouterr()
     assert rc == 0 and "host EMULATION" in cap.err and "--full" in cap.err
@@ -766,7 +766,7 @@ def test_triton_order_policy(monkeypatch):
 
 def test_trace_env_is_off_on_the_emulation_and_when_unset(monkeypatch, tmp_path):
     """GPUXFER_KV_TRACE profiles GPU rows only: unset, or on the emulation, no profiler starts."""
-    from gpuxfer.kv.runner import TRACE_ENV, Worker
+    from gpuxfer.bench.kv.runner import TRACE_ENV, Worker
     stand_in = type("W", (), {"platform": type("P", (), {"is_emulation": True})()})()
     monkeypatch.delenv(TRACE_ENV, raising=False)
     assert Worker._trace_start(stand_in) is None

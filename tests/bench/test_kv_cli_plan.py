@@ -10,7 +10,7 @@ import pytest
 
 from gpuxfer.cli import build_parser, main
 from gpuxfer.errors import BadInput
-from gpuxfer.kv.bench import ENGINES, parse_grid_args, parse_list, parse_run_options, parse_size
+from gpuxfer.bench.kv.cli import ENGINES, parse_grid_args, parse_list, parse_run_options, parse_size
 
 
 def _run(capsys, *argv):

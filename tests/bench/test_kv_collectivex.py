@@ -1,4 +1,4 @@
-"""The CollectiveX suite's facts (gpuxfer.kv.collectivex): grid, seeds, tables, sampled check, rows.
+"""The CollectiveX suite's facts (gpuxfer.bench.kv.collectivex): grid, seeds, tables, sampled check, rows.
 
 Expected numbers come from running the suite's own ``run_kv._grid`` / ``kv_workload`` at
 SemiAnalysisAI/InferenceX dc95b1fc0ce7 (docs/kv_bench.md, "The CollectiveX suite");
@@ -11,8 +11,8 @@ import pytest
 
 from gpuxfer.errors import BadInput
 from gpuxfer.kernels import reference
-from gpuxfer.kv import collectivex as C
-from gpuxfer.kv.grid import SHED_DESC
+from gpuxfer.bench.kv import collectivex as C
+from gpuxfer.bench.kv.grid import SHED_DESC
 
 # (isl, page) -> (descriptors per request, request bytes, batches kept, pool bytes per rank,
 #                 pool pages csa, csa-idx, hca, window): the suite's _grid, run
@@ -420,7 +420,7 @@ def test_suite_on_two_gpus(tmp_path, capsys):
 def test_ceiling_engines_are_not_suite_rows():
     """``bulk`` and ``nixl-bulk`` move a burst as one contiguous copy: gpuxfer's ceiling, no sampled check."""
     from gpuxfer.kv.engines import engine_class
-    from gpuxfer.kv.runner import _moves_one_copy
+    from gpuxfer.bench.kv.runner import _moves_one_copy
     assert _moves_one_copy(engine_class("bulk")) and _moves_one_copy(engine_class("nixl-bulk"))
     assert not any(_moves_one_copy(engine_class(n)) for n in ("triton", "pack", "copy_engine", "nixl", "amd-mori",
                                                                "mooncake-rdma"))

@@ -15,7 +15,7 @@ import tempfile
 import pytest
 import torch
 
-from gpuxfer.pp.bench import count_wrong_bytes
+from gpuxfer.bench.pp import count_wrong_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -144,7 +144,7 @@ def test_one_device_leaves_nccl_out_and_the_targets_do_not_apply(monkeypatch):
 
     from gpuxfer.cli import build_parser
     from gpuxfer.errors import BadInput
-    from gpuxfer.pp import bench as B
+    from gpuxfer.bench import pp as B
     monkeypatch.setattr(B, "platform_option", lambda text: "cuda")
     monkeypatch.setattr(B, "device_count", lambda name: 1)
     monkeypatch.setattr("gpuxfer.platforms.platform_class", lambda name: argparse.Namespace(is_emulation=False))
@@ -206,7 +206,7 @@ def test_example_two_stage_cuda():
 
 
 def test_targets_leave_out_rows_timed_under_a_profiler():
-    from gpuxfer.pp.bench import _targets
+    from gpuxfer.bench.pp import _targets
 
     def row(backend, us, instrumented=None):
         return {"backend": backend, "metadata": False, "size_bytes": 16384, "time_us": us, "algbw_gbps": 1.0,
@@ -220,7 +220,7 @@ def test_targets_leave_out_rows_timed_under_a_profiler():
 def test_targets_against_plain_nccl_and_pingpong():
     """Ratios are taken against plain torch.distributed where it was measured (+meta rows against its only,
     metadata-free, row); the graph column has its own ratio; ping-pong rows give the latency target."""
-    from gpuxfer.pp.bench import _targets
+    from gpuxfer.bench.pp import _targets
 
     def row(backend, us, metadata=False, size=16384):
         return {"backend": backend, "metadata": metadata, "size_bytes": size, "time_us": us, "algbw_gbps": 1.0}

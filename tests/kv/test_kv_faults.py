@@ -300,7 +300,7 @@ def test_runner_verification_counts_a_stray_write(host):
     """The benchmark's verifier (what each row runs on the destination) on the host emulation: a byte
     flipped where no descriptor points, at the offset the ``:stray`` injection picks, is counted."""
     from gpuxfer.kernels import reference as ref
-    from gpuxfer.kv import runner as RN
+    from gpuxfer.bench.kv import runner as RN
     pool = host.alloc(64 << 10, 0)
     stream = host.create_stream(0)
     try:
@@ -327,7 +327,7 @@ def test_runner_verification_counts_a_stray_write(host):
     ([], 8, 0),
 ])
 def test_stray_offset(rows, pool, want):
-    from gpuxfer.kv import runner as RN
+    from gpuxfer.bench.kv import runner as RN
     assert RN._stray_offset(np.array(rows, dtype=np.int64).reshape(-1, 3), pool) == want
 
 

@@ -24,8 +24,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from . import config
-from .errors import BadInput
+from .. import config
+from ..errors import BadInput
 
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_OUT_ROOT = "gpuxfer-out"
@@ -62,7 +62,7 @@ def platform_option(text) -> str:
     """``--platform``: one of :data:`PLATFORM_CHOICES`, usable here unless ``auto``; the resolved name.
 
     Checks classes only (a driver query at most, no device context)."""
-    from .platforms import PLATFORMS, unavailable_reason
+    from ..platforms import PLATFORMS, unavailable_reason
     name = str(text or config.get("GPUXFER_PLATFORM") or "auto").strip().lower()
     if name not in PLATFORM_CHOICES:
         raise BadInput(f"--platform: unknown platform {name!r}; known: {', '.join(PLATFORM_CHOICES)}")
@@ -94,7 +94,7 @@ def _surely_missing(name: str) -> bool:
 
 def device_count(platform: str) -> int:
     """How many devices ``platform`` (a usable name) shows this process (no device context is made)."""
-    from .platforms import get_platform
+    from ..platforms import get_platform
     plat = get_platform(platform)
     try:
         return plat.device_count()

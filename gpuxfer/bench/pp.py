@@ -35,7 +35,7 @@ import statistics
 import sys
 import time
 
-from ..cliutil import (add_common_arguments, device_count, error_line, int_option, platform_option, prepare_outputs,
+from .cliutil import (add_common_arguments, device_count, error_line, int_option, platform_option, prepare_outputs,
                        seconds_option)
 from ..common import parse_size, run_versions
 from ..errors import BadInput, GpuxferError
@@ -214,7 +214,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
     import torch.distributed as dist
 
     from ..platforms import get_platform
-    from .selection import connect
+    from ..pp.selection import connect
     if opts.get("platform"):
         os.environ["GPUXFER_PLATFORM"] = opts["platform"]
     plat = get_platform(opts.get("platform"))
@@ -457,7 +457,7 @@ def _pingpong(plat, dev, tdev, rank, opts, device_group) -> list:
     trip beside it: where it exceeds the GPU's round trip, the loop measures the host."""
     import torch
     import torch.distributed as dist
-    from .selection import connect
+    from ..pp.selection import connect
     peer = 1 - rank
     top = max(PING_SIZES)
     specs = {"x": ((top,), torch.uint8)}
@@ -888,7 +888,7 @@ def _json_doc(res: dict, opts: dict) -> dict:
 def _options(args) -> dict:
     """Every option checked (and the platform resolved) in the parent: BadInput naming the option."""
     from ..platforms import platform_class
-    from .copy_engine import inline_bytes_from_env
+    from ..pp.copy_engine import inline_bytes_from_env
 
     def size(text, option: str, default: int | None) -> int | None:
         return default if text is None else parse_size(text, option=option, kind="bytes")
@@ -944,7 +944,7 @@ def _options(args) -> dict:
 
 
 def run(args) -> int:
-    from .launch import init_cpu_group, run_ranks
+    from ..pp.launch import init_cpu_group, run_ranks
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         opts = _options(args)

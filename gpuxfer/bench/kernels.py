@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..cliutil import (add_common_arguments, device_count, error_line, int_option, platform_option, prepare_outputs,
+from .cliutil import (add_common_arguments, device_count, error_line, int_option, platform_option, prepare_outputs,
                        seconds_option)
 from ..common import parse_size, run_versions
 from ..errors import BadInput, GpuxferError, TransferTimeout
@@ -264,8 +264,8 @@ def _run(c: dict, outputs, out) -> int:
     import torch
 
     from ..platforms import get_platform
-    from . import launch as L
-    from .peer import PeerPools
+    from ..kernels import launch as L
+    from ..kernels.peer import PeerPools
 
     sizes, ops, sweep = c["sizes"], c["ops"], c["sweep"]
     plat = get_platform(c["platform"])

@@ -3,7 +3,7 @@
 Every option, their parsing and validation, and ``--plan-only`` (the sweep grid
 with bytes and descriptors per point, pool per rank, and what was shed and why;
 ``--json`` for the same as JSON). The measured sweep itself (two processes, every
-engine, every byte verified, artifacts) is :mod:`gpuxfer.kv.runner`.
+engine, every byte verified, artifacts) is :mod:`gpuxfer.bench.kv.runner`.
 
 ``run`` is split in small steps: ``parse_grid_args(args) -> Grid``,
 ``parse_run_options(args) -> RunOptions``, ``print_plan(grid, ...)``,
@@ -19,14 +19,14 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, TextIO
 
-from .. import config
+from ... import config
 from ..cliutil import (PLATFORM_CHOICES, add_common_arguments, device_count, error_line, int_option,
                        platform_option, prepare_outputs, seconds_option)
-from ..common import parse_size
-from ..errors import BadInput
+from ...common import parse_size
+from ...errors import BadInput
 from .grid import (DEFAULT_BATCHES, DEFAULT_DESC_BUDGET, DEFAULT_POOL_BUDGET_BYTES, HOST_GRID, SHED_DESC, Grid,
                    build_grid, human_bytes)
-from .workloads import WORKLOADS, get_workload
+from ...kv.workloads import WORKLOADS, get_workload
 
 __all__ = ["ENGINES", "DIRECTIONS", "PLATFORM_CHOICES", "RunOptions", "add_arguments", "run", "parse_grid_args",
            "parse_run_options", "print_plan", "parse_size", "parse_list", "plan_document"]
@@ -71,7 +71,7 @@ def parse_list(text: str, *, option: str, item: Callable[[str], object]) -> list
 def _registered_engines() -> tuple[str, ...]:
     """Every engine of the registry (the optional ones, NIXL and Mooncake, too: named, they are measured
     where they can run and reported with the reason where they cannot)."""
-    from .engines import ENGINES as registry
+    from ...kv.engines import ENGINES as registry
     return tuple(dict.fromkeys(ENGINES + tuple(registry)))
 
 
@@ -279,8 +279,8 @@ def parse_run_options(args: argparse.Namespace) -> RunOptions:
 
 def apply_host_grid(args: argparse.Namespace, platform: str) -> dict[str, str]:
     """On the host emulation (unless ``--full``), shrink every grid option left at its GPU default to
-    :data:`~gpuxfer.kv.grid.HOST_GRID`, in ``args``; returns what shrank (empty on a GPU)."""
-    from ..platforms import platform_class
+    :data:`~gpuxfer.bench.kv.grid.HOST_GRID`, in ``args``; returns what shrank (empty on a GPU)."""
+    from ...platforms import platform_class
     if getattr(args, "full", False) or platform == "auto" or not platform_class(platform).is_emulation:
         return {}
     shrunk = {}
@@ -433,7 +433,7 @@ def print_plan(grid: Grid, *, as_json: bool = False, options: RunOptions | None 
 
 def run(args: argparse.Namespace) -> int:
     """Check everything the parent can (options, devices, output places), then measure."""
-    from ..errors import GpuxferError
+    from ...errors import GpuxferError
     try:
         parse_run_options(args)             # what needs no platform first: a typo fails at once
         if not args.plan_only:
@@ -485,9 +485,9 @@ def host_note(shrunk: dict[str, str], *, plan: bool = False) -> str:
 
 
 def run_transfers(grid: Grid, options: RunOptions, args: argparse.Namespace) -> int:
-    """The measured sweep: two processes, every engine, every byte verified (:mod:`gpuxfer.kv.runner`),
+    """The measured sweep: two processes, every engine, every byte verified (:mod:`gpuxfer.bench.kv.runner`),
     with none of :func:`run`'s checks in the parent (``options.out`` is written as given)."""
-    from ..errors import GpuxferError
+    from ...errors import GpuxferError
     from .runner import config_from_args, run_sweep
     try:
         cfg = config_from_args(args, options)

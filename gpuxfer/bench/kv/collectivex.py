@@ -55,11 +55,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import BadInput
+from ...errors import BadInput
 from .grid import SHED_DESC, SHED_POOL, Grid, GridPoint, ShedBatch, human_bytes
-from .layout import PoolLayout, build_layout
-from .plan import Burst, PlanSpan, validate_plan
-from .workloads import Workload, _pos_int, get_workload
+from ...kv import mooncake_engine, mori_engine
+from ...kv.layout import PoolLayout, build_layout
+from ...kv.plan import Burst, PlanSpan, validate_plan
+from ...kv.workloads import Workload, _pos_int, get_workload
 
 __all__ = [
     "SUITE", "WORKLOAD", "PRESET", "PRECISION", "ISL_LADDER", "PAGES", "BATCHES", "OPS", "WARMUP_PER_TRIAL",
@@ -126,15 +127,13 @@ VERIFY_SAMPLE_BYTES = 8
 VERIFY_RNG_SEED = 7
 EXIT_VERIFY_FAILED = 3
 
-# --- engines (bench/kv_mooncake.py, bench/kv_mori_io.py)
+# --- engines (bench/kv_mooncake.py, bench/kv_mori_io.py): the engines carry these settings
 MOONCAKE_PROTOCOL = "rdma"
-MOONCAKE_ENV = {"MC_USE_NVLINK_IPC": "0", "MC_TRANSFER_TIMEOUT": "120"}
-MOONCAKE_BATCH_CAP = 8192
-MORI_BATCH_CAP = 16384
-MORI_BULK_WR_CAP = 1 << 30
-MORI_RDMA_CONFIG = {"qp_per_transfer": 1, "post_batch_size": -1, "num_worker_threads": 1,
-                    "poll_cq_mode": "POLLING", "enable_notification": False,
-                    "enable_transfer_chunking": False, "chunk_bytes": 65536, "max_chunks_per_transfer": 64}
+MOONCAKE_ENV = mooncake_engine.SUITE_ENV
+MOONCAKE_BATCH_CAP = mooncake_engine.BATCH_CAP
+MORI_BATCH_CAP = mori_engine.BATCH_CAP
+MORI_BULK_WR_CAP = mori_engine.WR_CAP_BYTES
+MORI_RDMA_CONFIG = mori_engine.RDMA_CONFIG
 
 # --- the document (run_kv.main)
 DOC_VERSION = 1

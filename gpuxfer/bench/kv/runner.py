@@ -68,13 +68,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import config
-from ..common import parse_size, run_versions
-from ..errors import BackendUnavailable, BadInput, GpuxferError, PlatformUnavailable, TransferTimeout
-from . import engines as E
+from ... import config
+from ...common import parse_size, run_versions
+from ...errors import BackendUnavailable, BadInput, GpuxferError, PlatformUnavailable, TransferTimeout
+from ...kv import engines as E
 from . import report as R
 
-log = logging.getLogger("gpuxfer.kv.runner")
+log = logging.getLogger("gpuxfer.bench.kv.runner")
 
 INJECT_ENV = "GPUXFER_INJECT_FAULT"
 TRACE_ENV = "GPUXFER_KV_TRACE"
@@ -87,7 +87,7 @@ SLOW_BURST_S = 1.0
 #: how long the parent lets a surviving child finish after its peer died
 GRACE_S = 20.0
 
-# the pack engine's chunks on the host emulation (the grid it runs is gpuxfer.kv.grid.HOST_GRID)
+# the pack engine's chunks on the host emulation (the grid it runs is gpuxfer.bench.kv.grid.HOST_GRID)
 EMULATION = {"pack_chunk_bytes": 256 << 10, "pack_first_chunk_bytes": 64 << 10}
 
 
@@ -149,7 +149,7 @@ class RunConfig:
 
 def resolve_platform(name: str) -> str:
     """``auto`` -> the first usable of cuda, rocm, host (side-effect free); a forced name must be usable."""
-    from ..platforms import PLATFORMS, unavailable_reason
+    from ...platforms import PLATFORMS, unavailable_reason
     if name and name != "auto":
         why = unavailable_reason(name)
         if why is not None:
@@ -220,9 +220,9 @@ def config_from_args(args: argparse.Namespace, options) -> RunConfig:
                                                "seed", "suite")}
     opts = E.EngineOptions()
     trials, warmup = options.trials, _nonneg_int(getattr(args, "warmup", 2), "--warmup")
-    # what the command shrank on the host emulation (gpuxfer.kv.grid.HOST_GRID), reported in the parameters
+    # what the command shrank on the host emulation (gpuxfer.bench.kv.grid.HOST_GRID), reported in the parameters
     shrunk: dict[str, Any] = dict(getattr(args, "host_grid", None) or {})
-    from ..platforms import platform_class
+    from ...platforms import platform_class
     if platform_class(platform).is_emulation:
         opts.pack_chunk_bytes = EMULATION["pack_chunk_bytes"]
         opts.pack_first_chunk_bytes = EMULATION["pack_first_chunk_bytes"]
@@ -247,7 +247,7 @@ def config_from_args(args: argparse.Namespace, options) -> RunConfig:
     inject = _parse_inject(getattr(args, "inject_fault", None) or config.get(INJECT_ENV), options.engines)
     devices = None
     if getattr(args, "devices", None):
-        from .bench import parse_list
+        from .cli import parse_list
         devs = parse_list(args.devices, option="--devices", item=lambda p: _nonneg_int(p, "--devices"))
         if len(devs) == 1:
             devs = devs * 2
@@ -259,7 +259,7 @@ def config_from_args(args: argparse.Namespace, options) -> RunConfig:
         raise BadInput(f"--post: unknown value {post!r}; use armed or host")
     if options.suite:
         # the suite's timing contract: the initiator posts every request's prepared transfer, then waits
-        from .bench import GPU_DEFAULTS
+        from .cli import GPU_DEFAULTS
         if post != "host" or any(str(getattr(args, k, GPU_DEFAULTS[k])) != GPU_DEFAULTS[k] for k in ("trials", "warmup")):
             raise BadInput("--suite collectivex fixes the timing (host posting, 3 trials x 8 timed bursts after 2 "
                            "warm-ups each); drop --post, --trials and --warmup")
@@ -292,10 +292,10 @@ def _pool_fill(platform, stream, mem, seed: int) -> None:
     NumPy reference, which writes the same bytes a hundred times faster than the interpreter)."""
     t = platform.as_tensor(mem)
     if t.device.type == "cpu":
-        from ..kernels import reference
+        from ...kernels import reference
         platform.launch(stream, lambda: reference.fill(t.numpy(), seed))
         return
-    from .. import kernels as K
+    from ... import kernels as K
     platform.launch(stream, lambda: K.fill_pattern(t, seed))
 
 
@@ -308,7 +308,7 @@ def _pool_verify(platform, stream, mem, desc: np.ndarray, seed: int, timeout_s: 
     run on the device; on the host emulation the guard check is the NumPy reference (the
     interpreter would take seconds per megabyte)."""
     import torch
-    from .. import kernels as K
+    from ... import kernels as K
     t = platform.as_tensor(mem)
     cpu = t.device.type == "cpu"
     d = torch.from_numpy(np.array(desc, dtype=np.int64))       # a copy: ``desc`` may be a read-only burst table
@@ -320,7 +320,7 @@ def _pool_verify(platform, stream, mem, desc: np.ndarray, seed: int, timeout_s: 
     res = out[0]
     stray, first_stray = res.guard_wrong_bytes, res.guard_first_bad
     if cpu and guard_seed is not None:
-        from ..kernels import reference
+        from ...kernels import reference
         stray, first_stray, _ = reference.verify_guard(t.numpy(), desc, guard_seed)
     return int(res.wrong_bytes), int(res.first_bad), int(stray), int(first_stray)
 
@@ -447,7 +447,7 @@ class Worker:
 
     # -- setup
     def _setup(self) -> None:
-        from ..platforms import get_platform
+        from ...platforms import get_platform
         cfg = self.cfg
         # Streams blocked in flag waits must not share a hardware queue with the streams that
         # release them: give every stream its own (CUDA reads this when it initialises).
@@ -505,7 +505,7 @@ class Worker:
             handles = self.group.gather(self.pool.export())
             self.peer_pool = plat.open_handle(handles[1 - self.rank], dev)
         self.stream = plat.create_stream(dev)
-        from .blocktable import derive_seed
+        from ...kv.blocktable import derive_seed
         self.src_seed = derive_seed(cfg.seed, "pattern", "src") & ((1 << 62) - 1)
         self.dst_seed = derive_seed(cfg.seed, "pattern", "dst") & ((1 << 62) - 1)
         _pool_fill(plat, self.stream, self.pool, self.src_seed if self.role is E.Role.SOURCE else self.dst_seed)
@@ -544,7 +544,7 @@ class Worker:
 
     def _grid(self, free_bytes: int | None, pools_per_device: int):
         from .grid import build_grid
-        from .bench import parse_grid_args
+        from .cli import parse_grid_args
         free = None
         if free_bytes is not None:
             reserve = (self.cfg.engine_options.pack_chunk_bytes * self.cfg.engine_options.pack_slots
