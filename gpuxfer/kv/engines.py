@@ -286,7 +286,9 @@ class Side(FailsOnTimeout):
         if self._gate is not None:
             self._gate.close()
             self._gate = None
-        self._streams.clear()
+        streams, self._streams = list(self._streams.values()), {}
+        for s in streams:
+            s.close()
 
     @property
     def src_mem(self) -> Memory:

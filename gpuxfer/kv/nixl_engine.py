@@ -928,6 +928,8 @@ class NixlPackEngine(_NixlEngineBase):
         try:
             super()._release()     # the agent deregisters the staging buffer before it is freed
         finally:
+            if getattr(self, "kernel_stream", None) is not None:
+                self.kernel_stream.close()
             if getattr(self, "stage", None) is not None:
                 self.stage.close()
 

@@ -204,7 +204,12 @@ class PeerMapping(Memory):
 
 
 class Stream:
-    """An ordered queue of device work. ``handle`` is the native handle (an int) or None."""
+    """An ordered queue of device work. ``handle`` is the native handle (an int) or None.
+
+    A stream from :meth:`Platform.create_stream` is owned by its creator, who closes it; the
+    platform refuses work on a closed stream (:class:`~gpuxfer.errors.BadInput`). A stream from
+    :meth:`Platform.current_stream` is borrowed: its ``close()`` does nothing.
+    """
 
     device: int
     handle: int | None
@@ -214,6 +219,11 @@ class Stream:
 
         Idempotent; a no-op for borrowed streams (``current_stream``).
         """
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` released this stream (never for a borrowed one)."""
+        return False
 
 
 class Event:

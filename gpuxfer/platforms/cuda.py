@@ -314,6 +314,10 @@ class CudaStream(Stream):
     def is_legacy_default(self) -> bool:
         return self.handle in _LEGACY_STREAM_HANDLES
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         if self._platform is not None and not self._closed:
             self._closed = True

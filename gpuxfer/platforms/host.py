@@ -285,21 +285,24 @@ class HostGraph:
 class HostStream(Stream):
     """A FIFO of operations run by one worker thread."""
 
-    def __init__(self, device: int, name: str):
+    def __init__(self, device: int, name: str, owned: bool = True):
         self.device = device
         self.handle = None
         self.name = name
+        self.owned = owned         # False: a current (borrowed) stream, stopped by the platform's close()
         self._worker = _Worker(name)
         self._capture: HostGraph | None = None     # set while capturing: operations are recorded, not run
         self._finalizer = weakref.finalize(self, self._worker.drain)   # on GC: drain, then exit
 
     def close(self) -> None:
-        """Let the queued work finish, then stop the worker (like ``cudaStreamDestroy``). Idempotent."""
-        self._finalizer()
+        """Let the queued work finish, then stop the worker (like ``cudaStreamDestroy``). Idempotent; a no-op
+        for a current stream (the platform's ``close()`` stops those)."""
+        if self.owned:
+            self._finalizer()
 
     @property
     def closed(self) -> bool:
-        return self._worker.closing or self._worker.stop.is_set()
+        return self.owned and (self._worker.closing or self._worker.stop.is_set())
 
     def _enqueue(self, what: str, fn: Callable[[], object]) -> None:
         if self._capture is not None:
@@ -510,10 +513,10 @@ class HostPlatform(Platform):
         return flat.view(dt).reshape(shape)
 
     # ---- streams and events ----
-    def create_stream(self, device: int) -> HostStream:
+    def create_stream(self, device: int, owned: bool = True) -> HostStream:
         self._check_open()
         device = self._check_device(device)
-        stream = HostStream(device, f"host stream {next(self._nstreams)} (device {device})")
+        stream = HostStream(device, f"host stream {next(self._nstreams)} (device {device})", owned)
         with self._lock:
             self._workers = [w for w in self._workers if w.thread.is_alive()]
             self._workers.append(stream._worker)
@@ -524,15 +527,19 @@ class HostPlatform(Platform):
         with self._lock:
             stream = self._default.get(device)
         if stream is None:
-            new = self.create_stream(device)
+            new = self.create_stream(device, owned=False)
             with self._lock:
                 stream = self._default.setdefault(device, new)
+            if stream is not new:
+                new._finalizer()
         return stream
 
     @staticmethod
     def _stream(stream) -> HostStream:
         if not isinstance(stream, HostStream):
             raise BadInput(f"not a host stream: {stream!r}")
+        if stream.closed:
+            raise BadInput(f"{stream!r} is closed")
         return stream
 
     def record_event(self, stream: Stream, event: Event | None = None) -> HostEvent:

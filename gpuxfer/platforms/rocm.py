@@ -252,14 +252,31 @@ class HipApi:
 
 
 class RocmStream(Stream):
-    """A torch stream (``torch_stream``) and its native handle; ``hip_stream`` when gpuxfer created it."""
+    """A torch stream (``torch_stream``) and its native handle; ``hip_stream`` when gpuxfer created it.
 
-    def __init__(self, device: int, torch_stream, hip_stream=None, dedicated: bool = False):
+    Streams from :meth:`RocmPlatform.create_stream` are owned (``platform`` set): ``close()`` destroys the
+    HIP stream of a dedicated one and makes either kind refused from then on; the platform's ``close()``
+    destroys those still open.
+    """
+
+    def __init__(self, device: int, torch_stream, hip_stream=None, dedicated: bool = False,
+                 platform: "RocmPlatform | None" = None):
         self.device = device
         self.torch_stream = torch_stream
         self.handle = int(torch_stream.cuda_stream)
         self.hip_stream = hip_stream
         self.dedicated = dedicated
+        self._platform = platform      # set only for owned streams
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        if self._platform is not None and not self._closed:
+            self._closed = True
+            self._platform._destroy_stream(self)
 
     def __repr__(self) -> str:
         return (f"RocmStream(device {self.device}, 0x{self.handle:x}"
@@ -499,7 +516,7 @@ class RocmPlatform(Platform):
                         self.host_write_flag(flag.ptr, 7, device)
                         self.synchronize(stream, timeout_s)
                 finally:
-                    self._destroy_stream(stream)
+                    stream.close()
         except DriverError as exc:
             log.info("stream memory operation probe failed on device %d: %s", device, exc)
             ok = False
@@ -730,6 +747,8 @@ class RocmPlatform(Platform):
     def _stream(self, stream) -> RocmStream:
         if not isinstance(stream, RocmStream):
             raise BadInput(f"not a ROCm stream: {stream!r}")
+        if stream._closed:
+            raise BadInput(f"{stream!r} is closed")
         return stream
 
     def create_stream(self, device: int, dedicated: bool | None = None) -> RocmStream:
@@ -741,13 +760,14 @@ class RocmPlatform(Platform):
         dedicated = self.dedicated_queues if dedicated is None else dedicated
         tdev = torch.device("cuda", device)
         if not dedicated:
-            return RocmStream(device, torch.cuda.Stream(device=tdev))
+            return RocmStream(device, torch.cuda.Stream(device=tdev), platform=self)
         cus = max(1, self.attribute("MultiprocessorCount", device))
         words = (cus + 31) // 32
         with self._on_device(device):
             hs = hip_first(self._api("hipExtStreamCreateWithCUMask", words, [0xFFFFFFFF] * words,
                                      doing=f"creating a stream with its own hardware queue on device {device}"))
-        s = RocmStream(device, torch.cuda.ExternalStream(int(hs), device=tdev), hip_stream=hs, dedicated=True)
+        s = RocmStream(device, torch.cuda.ExternalStream(int(hs), device=tdev), hip_stream=hs, dedicated=True,
+                       platform=self)
         with self._lock:
             self._streams.append(s)
         return s
@@ -887,6 +907,7 @@ class RocmPlatform(Platform):
             host_io, self._host_io = dict(self._host_io), {}
             hsa, self._hsa = self._hsa, None
         for s in streams:
+            s._closed = True
             try:
                 self._destroy_stream(s)
             except DriverError as exc:

@@ -296,7 +296,11 @@ class CopyEngineTransport(Transport):
             log.info("rank %d: remote stream write to rank %d refused (%s); flags go by 8-byte copies",
                      self.rank, self.peer, exc)
             # a failed stream op may leave the stream unusable: use a fresh one from here on
-            self._aux = p.create_stream(self.device)
+            old, self._aux = self._aux, p.create_stream(self.device)
+            try:
+                old.close()
+            except Exception as close_exc:  # noqa: BLE001 - the stream is dropped either way
+                log.debug("closing the refused probe's stream: %s", close_exc)
             return {"remote_sent": False, "remote_error": f"{type(exc).__name__}: {exc}"}
         return {"remote_sent": True, "remote_error": None}
 
@@ -595,18 +599,24 @@ class CopyEngineTransport(Transport):
         self._graphs.clear()
         self._views.clear()
         self._lend_arrays = self._lend_ops = None
-        if self._cap is not None:
-            self._cap.close()
-            self._cap = None
+        self._close_streams()
         self._data_bytes = None
         for b in (self._data, self._staging, self._flags):
             if b is not None:
                 b.close()
 
     def _free_local(self) -> None:
-        """abort(): the staging ring is ours alone; flags and receive slots are mapped by the peer, kept."""
+        """abort(): the staging ring and the streams are ours alone; flags and receive slots are mapped by the
+        peer, kept."""
         if self._staging is not None:
             self._staging.close()
+        self._close_streams()
+
+    def _close_streams(self) -> None:
+        for s in (self._cap, self._aux):
+            if s is not None:
+                s.close()
+        self._cap = self._aux = None
 
     def _allocated(self) -> int:
         return sum(b.allocated_bytes for b in (self._data, self._staging, self._flags)

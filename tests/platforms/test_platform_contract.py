@@ -98,6 +98,29 @@ def test_alloc_free_close_idempotent(platform):
     platform.close()
 
 
+def test_streams_close_idempotent_and_refused_when_closed(platform):
+    own = platform.create_stream(0)
+    cur = platform.current_stream(0)
+    assert not own.closed and not cur.closed
+    buf = zeroed(platform, 64, 0)
+    try:
+        platform.write_flag(own, buf.ptr, 3)
+        own.close()                                  # queued work still completes
+        own.close()
+        assert own.closed
+        wait_flag_or_raise(platform, buf.ptr, 3, T, rank=0, step=0, flag="closed stream's last write", device=0)
+        for use in (lambda s: platform.write_flag(s, buf.ptr, 4), lambda s: platform.record_event(s),
+                    lambda s: platform.memset_async(s, buf.ptr, 0, 8)):
+            with pytest.raises(BadInput, match="closed"):
+                use(own)
+        cur.close()                                  # borrowed: nothing happens
+        assert not cur.closed
+        platform.write_flag(cur, buf.ptr + 8, 5)
+        assert platform.synchronize(cur, T) and platform.read_flag(buf.ptr + 8, 0) == 5
+    finally:
+        buf.close()
+
+
 def test_as_tensor_dtypes_zero_copy(platform):
     dev = 0
     buf = zeroed(platform, 4096, dev)

@@ -108,6 +108,9 @@ class FakeHip(types.SimpleNamespace):
         self.current = d
         return self._r("hipSetDevice", d) or self.S
 
+    def hipStreamDestroy(self, stream):
+        return self._r("hipStreamDestroy", stream) or self.S
+
     def hipRuntimeGetVersion(self):
         return (_Err.hipSuccess, 60443483)
 
@@ -564,6 +567,27 @@ def test_tensor_view_params_validate():
         R.tensor_view_params(M(), torch.float32, (300,), 0)
     cai = R._CudaArrayInterface(0x1000, 64).__cuda_array_interface__
     assert cai["data"] == (0x1000, False) and cai["shape"] == (64,) and cai["typestr"] == "|u1"
+
+
+def test_owned_streams_are_destroyed_once_and_refused_when_closed(fhip):
+    p = RocmPlatform(hip=fhip)
+    own = RocmStream(0, types.SimpleNamespace(cuda_stream=0x5000), hip_stream=0x5000, dedicated=True, platform=p)
+    pooled = RocmStream(0, types.SimpleNamespace(cuda_stream=0x6000), platform=p)
+    left = RocmStream(1, types.SimpleNamespace(cuda_stream=0x7000), hip_stream=0x7000, dedicated=True, platform=p)
+    p._streams += [own, left]
+    borrowed = _stream(0, 0x8000)
+    for s in (own, pooled, borrowed):
+        s.close()
+        s.close()
+    assert [c[1] for c in fhip.named("hipStreamDestroy")] == [0x5000]
+    assert own.closed and pooled.closed and not borrowed.closed
+    for s in (own, pooled):
+        with pytest.raises(BadInput, match="closed"):
+            p.write_flag(s, 0x2000, 1)
+    p.write_flag(borrowed, 0x2000, 1)
+    p.close()                          # destroys the streams still open, once
+    left.close()
+    assert [c[1] for c in fhip.named("hipStreamDestroy")] == [0x5000, 0x7000] and left.closed
 
 
 def test_close_is_idempotent(fhip):

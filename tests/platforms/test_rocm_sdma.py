@@ -107,7 +107,7 @@ def test_bytes_arrive_and_each_step_queues_armed_dependent_copies():
             snd.send(t)
             _check(rcv.recv(shapes=_shapes(t)).tensors, t)
         assert snd.step == rcv.step == len(sizes)
-        entries = list(snd._entries)
+        entries, side_name = list(snd._entries), snd._aux.name
     finally:
         _teardown(lib, plat, snd, rcv)
 
@@ -132,7 +132,7 @@ def test_bytes_arrive_and_each_step_queues_armed_dependent_copies():
         assert exec_at[data[1]] < exec_at[full[1]] and exec_at[data[1]] < exec_at[sent[1]]
         # what the host did just before queueing them: arm, then the side stream's work, ending with the opening
         n = calls.index(data)
-        side = snd._aux.name
+        side = side_name
         tail = calls[n - 7:n] if k <= 2 else calls[n - 8:n]
         assert tail[:4] == [("store", e.data[0].handle, 1), ("store", e.full.handle, 1),
                             ("store", e.sent.handle, 1), ("store", e.open.handle, 1)]
@@ -203,6 +203,7 @@ def test_completion_signals_per_copy_unless_pcie_atomics_are_known(atomics):
 
 def test_hip_path_is_the_parent_protocol_with_sdma_copies():
     lib, plat, snd, rcv = _pair(path="hip")
+    side_name = snd._aux.name
     try:
         for k, n in enumerate((10, 4096, 3), 1):
             t = _step(k, n)
@@ -211,7 +212,7 @@ def test_hip_path_is_the_parent_protocol_with_sdma_copies():
     finally:
         _teardown(lib, plat, snd, rcv)
     assert not [c for c in lib.calls if c[0] == "copy"]          # no HSA copy at all
-    side = [c for c in lib.calls if c[0] == "stream copy" and c[1] == snd._aux.name]
+    side = [c for c in lib.calls if c[0] == "stream copy" and c[1] == side_name]
     data = [c for c in side if c[4] > 8]
     assert len(data) == 3 and all(c[5] is True for c in side)       # hipMemcpyDeviceToDeviceNoCU
 

@@ -922,9 +922,10 @@ class Worker:
             side = getattr(self, "side", None)
             if side is not None:
                 side.close()
-            if self.platform is not None and self.stream is not None and not self.platform.is_emulation:
+            if self.platform is not None and self.stream is not None:
                 try:
                     self.platform.synchronize(self.stream, 5.0)
+                    self.stream.close()
                 except Exception:  # noqa: BLE001
                     pass
             for m in (self.peer_pool, self.pool):
