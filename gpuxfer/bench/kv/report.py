@@ -355,7 +355,7 @@ def dumps(doc: dict[str, Any]) -> str:
 
 
 def write_json_atomic(path: str, doc: dict[str, Any]) -> str:
-    """``doc`` as strict JSON at ``path``, atomically, mode 0644 (:func:`gpuxfer.cliutil.write_atomic`)."""
+    """``doc`` as strict JSON at ``path``, atomically, mode 0644 (:func:`gpuxfer.bench.cliutil.write_atomic`)."""
     from ..cliutil import write_atomic
     return write_atomic(path, dumps(doc) + "\n")
 
