@@ -1017,8 +1017,8 @@ class _CopyEngineTransfer(KVTransfer):
 class KVAgent(Closable, FailsOnTimeout):
     """One process's side of KV transfers: its registered caches, its peers, its stream.
 
-    ``platform``: a :class:`~gpuxfer.platforms.base.Platform` (default: ``get_platform()``, owned
-    and closed with the agent); ``device``: the local device every transfer runs on; ``engine``:
+    ``platform``: a :class:`~gpuxfer.platforms.base.Platform` (default: the process's,
+    :func:`gpuxfer.platforms.current`); ``device``: the local device every transfer runs on; ``engine``:
     ``"triton"`` (``"auto"`` picks it), ``"pack"`` (both agents of a pair run it) or ``"copy_engine"``;
     ``timeout_s``: the default of every wait; ``rank``: how errors name this side;
     ``slot_bytes``: the pack engine's staging slot (32 MiB; 1 MiB on the host emulation).
@@ -1044,10 +1044,9 @@ class KVAgent(Closable, FailsOnTimeout):
         self.failed = None
         self.on_timeout = on_timeout_from_env(on_timeout)
         self._waited_slots: set[int] = set()        # notification slots a stream was made to wait on
-        self._owns_platform = platform is None
         if platform is None:
-            from ..platforms import get_platform
-            platform = get_platform()
+            from ..platforms import current
+            platform = current()
         self.platform, self.name, self.engine = platform, name, engine
         self.device = int(device)
         self.timeout_s, self.rank = float(timeout_s), int(rank)
@@ -1573,8 +1572,6 @@ class KVAgent(Closable, FailsOnTimeout):
         if getattr(self, "staging", None) is not None:
             self.staging.close()
             self.staging = None
-        if self._owns_platform:
-            plat.close()
 
     def __repr__(self) -> str:
         return (f"KVAgent({self.name!r}, {self.platform.name}:{self.device}, {len(self._groups)} groups, "

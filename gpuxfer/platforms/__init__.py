@@ -1,13 +1,22 @@
-"""Platform detection.
+"""Platform detection, and the process's platform object.
 
 ``detect()`` tries CUDA, then ROCm, then the host emulation, and records why
 each one it skipped could not be used. ``GPUXFER_PLATFORM`` (or the ``name``
 argument) forces one. Nothing here touches a device at import.
+
+:func:`current` is the one platform object of the process that everything not
+handed a platform uses (``get_platform()``, ``pp.connect()``, ``KVAgent``, the
+benchmarks): built on first use, closed at interpreter exit. Its exit hook is
+registered when this package is imported -- before any transport or agent can
+register one -- so it runs after theirs (``atexit`` runs hooks last-in first-out).
 """
 from __future__ import annotations
 
+import atexit
 import importlib
 import logging
+import os
+import threading
 
 from .. import config
 from ..errors import BadInput, PlatformUnavailable
@@ -25,7 +34,7 @@ PLATFORMS: dict[str, tuple[str, str]] = {
 
 __all__ = ["Detection", "DeviceBuffer", "DeviceInfo", "Event", "IpcHandle", "LinkInfo", "Memory",
            "PeerMapping", "Platform", "Stream", "RELEASE_VALUE", "PLATFORMS", "platform_class", "unavailable_reason",
-           "detect", "get_platform"]
+           "detect", "current", "get_platform"]
 
 
 def platform_class(name: str) -> type[Platform]:
@@ -65,6 +74,56 @@ def detect(name: str | None = None) -> Detection:
     raise PlatformUnavailable("any", "; ".join(f"{k}: {v}" for k, v in skipped.items()))
 
 
+_lock = threading.Lock()
+_shared: dict[str, Platform] = {}      # platform name -> the process's object of that platform
+_auto: list[str] = []                  # the name detect() chose for current() without a name
+
+
+def current(name: str | None = None) -> Platform:
+    """The process's platform object: ``name``'s (else the one :func:`detect` picks), built once and shared.
+
+    Callers use it without closing it: it is closed at interpreter exit. One that a caller closed
+    anyway is replaced by a new one on the next call. A forked child starts without the parent's.
+    """
+    with _lock:
+        if not name or name == "auto":
+            name = config.get("GPUXFER_PLATFORM") or None
+            if name in (None, "auto"):
+                name = _auto[0] if _auto else None
+        plat = _shared.get(name) if name else None
+        if plat is None or plat.closed:
+            plat = detect(name).platform
+            _shared[plat.name] = plat
+            if not name and not _auto:
+                _auto.append(plat.name)
+        return plat
+
+
 def get_platform(name: str | None = None) -> Platform:
-    """The platform :func:`detect` picks."""
-    return detect(name).platform
+    """The process's platform object (:func:`current`); :func:`detect` makes a new one a caller owns."""
+    return current(name)
+
+
+def _close_shared() -> None:
+    """At exit: close every shared platform (errors are logged: the process is leaving)."""
+    with _lock:
+        plats = list(_shared.values())
+        _shared.clear()
+    for plat in plats:
+        try:
+            plat.close()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("closing %r at exit: %s", plat, exc)
+
+
+def _forget_shared() -> None:
+    """In a forked child: the parent's platform objects are the parent's to close."""
+    global _lock
+    _lock = threading.Lock()
+    _shared.clear()
+    _auto.clear()
+
+
+atexit.register(_close_shared)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_shared)

@@ -236,9 +236,9 @@ class Event:
 class Platform(abc.ABC):
     """The hook contract. Abstract hooks must be implemented; the rest have safe defaults.
 
-    A platform object may hold per-process state (opened libraries, probe
-    results, helper streams); create one per process through
-    :func:`gpuxfer.platforms.get_platform`, and ``close()`` it at exit.
+    A platform object holds per-process state (opened libraries, probe results,
+    helper streams): a process uses one, :func:`gpuxfer.platforms.current`, closed
+    at exit (one from :func:`gpuxfer.platforms.detect` is the caller's to close).
     """
 
     name: str = "abstract"
@@ -440,6 +440,11 @@ class Platform(abc.ABC):
         return False
 
     # ---- lifetime ----
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (a closed platform refuses new resources)."""
+        return False
+
     def close(self) -> None:
         """Release per-process state (helper streams, library handles). Idempotent."""
 

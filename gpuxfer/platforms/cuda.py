@@ -1417,6 +1417,10 @@ class CudaPlatform(Platform):
                 buf.close()
 
     # ---- lifetime ----
+    @property
+    def closed(self) -> bool:
+        return self._closed_platform
+
     def close(self) -> None:
         """Destroy owned and helper streams, free pinned memory, release primary contexts. Idempotent.
 

@@ -708,6 +708,10 @@ class HostPlatform(Platform):
         graph.replay(self._stream(stream))
 
     # ---- lifetime ----
+    @property
+    def closed(self) -> bool:
+        return self._is_closed
+
     def close(self) -> None:
         """Abort every stream's worker (a pending flag wait included) and fail pending events. Idempotent."""
         with self._lock:

@@ -897,6 +897,10 @@ class RocmPlatform(Platform):
                             f"writing {value} to the flag at 0x{int(ptr):x} from the host")
 
     # ---- lifetime ----
+    @property
+    def closed(self) -> bool:
+        return self._is_closed
+
     def close(self) -> None:
         """Destroy gpuxfer's streams, free the pinned words, drop the HSA reference. Idempotent."""
         with self._lock:

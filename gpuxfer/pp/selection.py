@@ -326,8 +326,8 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
             "nonce": secrets.randbits(40) << 8, "err": None}
     try:
         if platform is None or isinstance(platform, str):
-            from ..platforms import get_platform
-            plat = get_platform(platform)
+            from ..platforms import current
+            plat = current(platform)            # the process's: closed at exit, never here
         else:
             plat = platform
         if device is None:

@@ -74,3 +74,36 @@ def test_importing_gpuxfer_touches_no_gpu_library():
             "print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.fixture
+def fresh_shared(monkeypatch):
+    """current()'s process state, emptied for one test (and restored after it)."""
+    import gpuxfer.platforms as plats
+    monkeypatch.setattr(plats, "_shared", {})
+    monkeypatch.setattr(plats, "_auto", [])
+    yield plats
+    plats._close_shared()
+
+
+def test_one_platform_object_per_process(fresh_shared, monkeypatch):
+    plats = fresh_shared
+    monkeypatch.setenv("GPUXFER_PLATFORM", "host")
+    p = plats.current()
+    assert p.name == "host" and not p.closed
+    assert plats.current() is p and plats.current("host") is p and get_platform() is p and get_platform("host") is p
+    assert detect("host").platform is not p          # detect() makes one the caller owns
+    p.close()                                        # closed by a caller anyway: replaced
+    q = plats.current()
+    assert q is not p and not q.closed and plats.current() is q
+    plats._close_shared()                            # what the exit hook does
+    assert q.closed and plats.current() is not q
+
+
+def test_the_exit_hook_closes_the_process_platform():
+    # a hook registered before gpuxfer is imported runs after gpuxfer's (atexit: last in, first out)
+    code = ("import atexit; box = []; atexit.register(lambda: print('closed' if box[0].closed else 'open')); "
+            "import gpuxfer.platforms as p; box.append(p.current('host')); box[0].create_stream(0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "closed"
