@@ -21,8 +21,8 @@ from __future__ import annotations
 import importlib
 
 _LAUNCH_NAMES = ("CopyConfig", "DescriptorStats", "VerifyResult", "check_copy", "choose_config", "copy_descriptors",
-                 "copy_launcher", "default_programs", "fill_pattern", "launch_geometry", "pack", "pack_launcher",
-                 "pack_offsets", "packed_descriptors", "sm_count", "unpack", "unpack_launcher", "verify")
+                 "copy_launcher", "copy_range_launcher", "default_programs", "fill_pattern", "launch_geometry", "pack",
+                 "pack_launcher", "pack_offsets", "packed_descriptors", "sm_count", "unpack", "unpack_launcher", "verify")
 
 _BLOCK_NAMES = ("PLANE_FIELDS", "expand_blocks", "request_header_len")
 

@@ -29,11 +29,14 @@ Segment ``j`` of plane ``p`` (group ``g``) becomes output row ``plane_row[p] + j
     dst = dst_base + dst_ids[j // dst_split] * dst_stride + (j % dst_split) * seg_bytes
 
 so tokens, not blocks, are matched when the two sides' block sizes differ (one
-divides the other). Program ``(p, c)`` writes segments ``[c * BLOCK, (c + 1) * BLOCK)``
-of plane ``p``.
+divides the other). The grid is ``(P, C)``, fixed by the caller whatever the request
+holds: program ``(p, c)`` writes chunks ``c, c + C, c + 2C, ...`` of ``BLOCK`` segments of
+plane ``p``, as many as the request's header says (so one grid serves every request an
+output of ``n_rows`` rows can hold).
 
-Bounds hold for any content of the request: a row outside ``[0, n_rows)`` is not
-written, an ID index outside the request is not read, and a block ID outside
+Bounds hold for any content of the request: only segments whose row lies in
+``[0, n_rows)`` are visited (a forged count or first row bounds the loop by the output,
+not by the header), an ID index outside the request is not read, and a block ID outside
 ``[0, blocks)`` (or a group index outside ``[0, G)``) yields the row ``(0, 0, 0)``:
 nothing is copied for it.
 """
@@ -50,9 +53,10 @@ PLANE_FIELDS = 10
 @dual_kernel(do_not_specialize=["n_planes", "n_groups", "req_len", "n_rows"])
 def expand_kernel(planes_ptr, req_ptr, out_ptr, n_planes, n_groups, req_len, n_rows, BLOCK: tl.constexpr):
     p = tl.cast(tl.program_id(0), tl.int64)
-    c = tl.cast(tl.program_id(1), tl.int64)
-    j = c * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    zero = j * 0
+    c0 = tl.cast(tl.program_id(1), tl.int64)
+    n_c = tl.cast(tl.num_programs(1), tl.int64)
+    lanes = tl.arange(0, BLOCK).to(tl.int64)
+    zero = lanes * 0
     pb = planes_ptr + p * 10
     src_base = zero + tl.load(pb + 0)
     src_stride = zero + tl.load(pb + 1)
@@ -66,6 +70,7 @@ def expand_kernel(planes_ptr, req_ptr, out_ptr, n_planes, n_groups, req_len, n_r
     dst_nb = zero + tl.load(pb + 9)
     ng = zero + n_groups
     rl = zero + req_len
+    nr = zero + n_rows
     g_ok = (g >= 0) & (g < ng)
     gs = tl.where(g_ok, g, 0)
     np1 = zero + n_planes + 1
@@ -74,18 +79,28 @@ def expand_kernel(planes_ptr, req_ptr, out_ptr, n_planes, n_groups, req_len, n_r
     nseg = tl.load(req_ptr + np1 + gs, mask=head & g_ok, other=0)
     soff = tl.load(req_ptr + np1 + ng + gs, mask=head & g_ok, other=0)
     doff = tl.load(req_ptr + np1 + 2 * ng + gs, mask=head & g_ok, other=0)
-    live = (j < nseg) & g_ok & head
-    si_at = soff + j // rs
-    di_at = doff + j // rd
-    rd_ok = live & (si_at >= 0) & (si_at < rl) & (di_at >= 0) & (di_at < rl)
-    si = tl.load(req_ptr + si_at, mask=rd_ok, other=-1)
-    di = tl.load(req_ptr + di_at, mask=rd_ok, other=-1)
-    ok = rd_ok & (si >= 0) & (si < src_nb) & (di >= 0) & (di < dst_nb)
-    so = tl.where(ok, src_base + si * src_stride + (j % rs) * seg, 0)
-    do = tl.where(ok, dst_base + di * dst_stride + (j % rd) * seg, 0)
-    nb = tl.where(ok, seg, 0)
-    row = row0 + j
-    wm = live & (row >= 0) & (row < zero + n_rows)
-    tl.store(out_ptr + row * 3, so, mask=wm)
-    tl.store(out_ptr + row * 3 + 1, do, mask=wm)
-    tl.store(out_ptr + row * 3 + 2, nb, mask=wm)
+    # the segments whose rows lie in [0, n_rows): j in [j_lo, j_hi), computed without overflow
+    # (a first row below -2^62 or past the output leaves nothing)
+    far = (row0 < -(1 << 62)) | (row0 > nr)
+    r0 = tl.where(far, 0, row0)
+    j_lo = tl.where(r0 < 0, 0 - r0, 0)
+    j_hi = tl.where(far | (head == 0) | (g_ok == 0), 0, tl.minimum(nseg, nr - r0))
+    n_j = tl.maximum(j_hi - j_lo, 0)
+    # chunks of this plane (every lane holds the same count; the loop bound is one of them)
+    n_chunks = tl.max((n_j + BLOCK - 1) // BLOCK, axis=0)
+    for c in range(c0, n_chunks, n_c):
+        j = j_lo + c * BLOCK + lanes
+        live = j < j_hi
+        si_at = soff + j // rs
+        di_at = doff + j // rd
+        rd_ok = live & (si_at >= 0) & (si_at < rl) & (di_at >= 0) & (di_at < rl)
+        si = tl.load(req_ptr + si_at, mask=rd_ok, other=-1)
+        di = tl.load(req_ptr + di_at, mask=rd_ok, other=-1)
+        ok = rd_ok & (si >= 0) & (si < src_nb) & (di >= 0) & (di < dst_nb)
+        so = tl.where(ok, src_base + si * src_stride + (j % rs) * seg, 0)
+        do = tl.where(ok, dst_base + di * dst_stride + (j % rd) * seg, 0)
+        nb = tl.where(ok, seg, 0)
+        row = r0 + j
+        tl.store(out_ptr + row * 3, so, mask=live)
+        tl.store(out_ptr + row * 3 + 1, do, mask=live)
+        tl.store(out_ptr + row * 3 + 2, nb, mask=live)

@@ -13,9 +13,10 @@ import torch
 from ..errors import BadInput
 from .block_kernel import PLANE_FIELDS, expand_kernel
 
-__all__ = ["PLANE_FIELDS", "EXPAND_BLOCK", "expand_blocks", "expand_launcher", "request_header_len"]
+__all__ = ["PLANE_FIELDS", "EXPAND_BLOCK", "default_programs_per_plane", "expand_blocks", "expand_launcher",
+           "request_header_len"]
 
-EXPAND_BLOCK = 1024           # segments per program
+EXPAND_BLOCK = 1024           # segments per chunk (one loop step of a program)
 _MAX_GRID_Y = 65535           # CUDA's limit on the second grid dimension
 _INT64_MAX = (1 << 63) - 1
 
@@ -42,22 +43,38 @@ def _tensor(t, name: str, ndim: int, device=None) -> torch.Tensor:
 
 
 def expand_blocks(planes: torch.Tensor, request: torch.Tensor, out: torch.Tensor, *, n_groups: int,
-                  max_segments: int) -> None:
+                  max_segments: int | None = None, programs_per_plane: int | None = None,
+                  block: int = EXPAND_BLOCK) -> None:
     """Launch now (see :func:`expand_launcher`)."""
-    launch = expand_launcher(planes, request, out, n_groups=n_groups, max_segments=max_segments)
+    launch = expand_launcher(planes, request, out, n_groups=n_groups, max_segments=max_segments,
+                             programs_per_plane=programs_per_plane, block=block)
     if launch is not None:
         launch()
 
 
+def default_programs_per_plane(device, n_planes: int) -> int:
+    """The grid's second dimension when the request is not known: about two programs per SM in all (one on
+    the CPU interpreter); each loops over its plane's chunks."""
+    device = torch.device(device)
+    if device.type == "cpu" or n_planes < 1:
+        return 1
+    from .launch import sm_count
+    return max(1, min(_MAX_GRID_Y, -(-2 * sm_count(device) // n_planes)))
+
+
 def expand_launcher(planes: torch.Tensor, request: torch.Tensor, out: torch.Tensor, *, n_groups: int,
-                    max_segments: int):
-    """A function of no arguments that writes the descriptors of ``request`` over the ``planes`` layout into
-    ``out`` (``(N, 3)`` int64) on torch's current stream; None when there is nothing to expand. The checks
-    run here, once: a transfer posted again and again only launches.
+                    max_segments: int | None = None, programs_per_plane: int | None = None,
+                    block: int = EXPAND_BLOCK):
+    """A function of no arguments (or of a driver stream handle) that writes the descriptors of the request
+    in ``request`` over the ``planes`` layout into ``out`` (``(N, 3)`` int64) on torch's current stream (or
+    that stream); None when there is nothing to expand. The checks run here, once: the launch reads
+    everything request-dependent from ``request`` on the device, so one launcher serves every request
+    written there whose rows fit ``out`` (a launcher for a buffer reused by request after request).
 
     ``planes``: ``(P, PLANE_FIELDS)``; ``request``: 1-D, laid out as the kernel module says;
-    ``n_groups``: G; ``max_segments``: the most segments of any group in the request (sizes the
-    grid: segments past it are not expanded). Rows of ``out`` no plane covers are left as they are.
+    ``n_groups``: G. The grid is ``(P, programs_per_plane)``; by default ``ceil(max_segments / block)``
+    when ``max_segments`` (the most segments of any group) is given -- 0 means nothing to expand --,
+    else :func:`default_programs_per_plane`. Rows of ``out`` no plane covers are left as they are.
     """
     planes = _tensor(planes, "planes", 2)
     dev = planes.device
@@ -70,7 +87,9 @@ def expand_launcher(planes: torch.Tensor, request: torch.Tensor, out: torch.Tens
     if dev.type not in ("cuda", "cpu"):
         raise BadInput(f"the expansion runs on CUDA devices (or the CPU interpreter), not {dev}")
     n_groups = _int(n_groups, "n_groups")
-    max_segments = _int(max_segments, "max_segments")
+    block = _int(block, "block", 1)
+    if block & (block - 1):
+        raise BadInput(f"block must be a power of two, got {block}")
     n_planes = int(planes.shape[0])
     need = request_header_len(n_planes, n_groups)
     if request.shape[0] < need:
@@ -78,11 +97,15 @@ def expand_launcher(planes: torch.Tensor, request: torch.Tensor, out: torch.Tens
                        f"at least {need} before the block IDs")
     if out.shape[0] > _INT64_MAX // 3:
         raise BadInput(f"out has {out.shape[0]} rows: row offsets would overflow int64")
-    chunks = -(-max_segments // EXPAND_BLOCK)
-    if chunks > _MAX_GRID_Y:
-        raise BadInput(f"{max_segments} segments per group exceed the kernel's grid "
-                       f"({_MAX_GRID_Y} x {EXPAND_BLOCK})")
-    if n_planes == 0 or chunks == 0 or out.shape[0] == 0:
+    if programs_per_plane is None:
+        if max_segments is None:
+            programs_per_plane = default_programs_per_plane(dev, n_planes)
+        else:
+            programs_per_plane = -(-_int(max_segments, "max_segments") // block)
+    programs_per_plane = _int(programs_per_plane, "programs_per_plane")
+    if programs_per_plane > _MAX_GRID_Y:
+        raise BadInput(f"{programs_per_plane} programs per plane exceed the grid's limit {_MAX_GRID_Y}")
+    if n_planes == 0 or programs_per_plane == 0 or out.shape[0] == 0:
         return None
-    return expand_kernel.launcher(dev, (n_planes, chunks), planes, request, out, n_planes, n_groups,
-                                  int(request.shape[0]), int(out.shape[0]), BLOCK=EXPAND_BLOCK, num_warps=4)
+    return expand_kernel.launcher(dev, (n_planes, programs_per_plane), planes, request, out, n_planes, n_groups,
+                                  int(request.shape[0]), int(out.shape[0]), BLOCK=block, num_warps=4)

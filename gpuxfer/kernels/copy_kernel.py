@@ -40,6 +40,14 @@ Modes (``MODE``, a compile-time constant):
   ``staging_base + offs[i] - offs[row_begin]`` (``offs`` = exclusive cumsum of sizes).
 * 2 -- unpack: the source is the staging buffer, laid out as pack wrote it.
 
+Row ranges: the rows ``[row_begin, row_begin + n_rows)`` and their split into
+``n_items`` work items of ``slices`` slices are launch arguments; with ``DEVICE_RANGE``
+(a compile-time constant) the kernel reads the range instead from ``bounds[lo_at]`` and
+``bounds[hi_at]`` on the device, clamps it into ``[0, n_rows)`` (then the number of rows
+of the table) and derives the items and slices from it and the grid the way the
+launchers do, so one launch with fixed arguments serves every range a request writes
+there.
+
 Destinations must not overlap (the order of the copies is unspecified).
 """
 from __future__ import annotations
@@ -131,19 +139,30 @@ def _step(src_ptr, dst_ptr, sp, dp, desc_ptr, offs_ptr, rb, nr, sbase, off0, n_i
     return it2, k3, s2, d2, n2, sl2, ps2, pd2, pn2, psl2, du, qn2, cu, xs
 
 
-@dual_kernel(do_not_specialize=["row_begin", "n_rows", "staging_base", "n_items", "slices"])
+@dual_kernel(do_not_specialize=["row_begin", "n_rows", "staging_base", "n_items", "slices", "lo_at", "hi_at"])
 def copy_kernel(src_ptr, dst_ptr, desc_ptr, offs_ptr,
-                row_begin, n_rows, staging_base, n_items, slices,
+                row_begin, n_rows, staging_base, n_items, slices, bounds_ptr, lo_at, hi_at,
                 MODE: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr,
-                UNROLL: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_CACHE: tl.constexpr):
+                UNROLL: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_CACHE: tl.constexpr,
+                DEVICE_RANGE: tl.constexpr):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     sp = src_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     dp = dst_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     cols = tl.arange(0, W * 4)
     lanes = tl.arange(0, ROWS)
-    rb = tl.cast(row_begin, tl.int64)
-    nr = tl.cast(n_rows, tl.int64)
+    if DEVICE_RANGE:
+        cap = tl.cast(n_rows, tl.int64)
+        lo = tl.minimum(tl.maximum(tl.load(bounds_ptr + lo_at), 0), cap)
+        hi = tl.minimum(tl.maximum(tl.load(bounds_ptr + hi_at), lo), cap)
+        rb = lo
+        nr = hi - lo
+        groups = (nr + ROWS - 1) // ROWS
+        slices = tl.where(groups >= G, 1, tl.minimum((G + groups - 1) // tl.maximum(groups, 1), 1 << 16))
+        n_items = groups * slices
+    else:
+        rb = tl.cast(row_begin, tl.int64)
+        nr = tl.cast(n_rows, tl.int64)
     sbase = tl.cast(staging_base, tl.int64)
     off0 = tl.cast(0, tl.int64)
     if MODE != 0:

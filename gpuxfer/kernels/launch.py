@@ -319,8 +319,11 @@ def _launch_copy(mode: int, src, dst, descs, offsets, start: int, end: int, stag
 
 def _copy_launch(mode: int, src, dst, descs, offsets, start: int, end: int, staging_offset: int,
                  stats: DescriptorStats | None, num_programs: int | None, nbytes_hint: int | None,
-                 config: CopyConfig | None, local: bool):
-    """The kernel launch ``_launch_copy`` makes, as a function of no arguments (None: nothing to copy)."""
+                 config: CopyConfig | None, local: bool, bounds: tuple | None = None):
+    """The kernel launch ``_launch_copy`` makes, as a function of no arguments (None: nothing to copy).
+
+    ``bounds``: ``(tensor, lo_at, hi_at)``: the rows are read on the device at each launch (the kernel's
+    ``DEVICE_RANGE``) and clamped into ``[start, end)`` = the whole table; the grid is then fixed."""
     rows = end - start
     hint = nbytes_hint if nbytes_hint is not None else (stats.max_nbytes if stats is not None else None)
     config, _ = launch_geometry(rows, src.device, nbytes_hint=hint, num_programs=num_programs, config=config,
@@ -335,10 +338,17 @@ def _copy_launch(mode: int, src, dst, descs, offsets, start: int, end: int, stag
     if align == 4 and config.rows > 1 and config.step_bytes > 32 * 1024:
         # 4-byte accesses need 4x the registers for addresses: halve the rows (no spills)
         config = dataclasses.replace(config, rows=config.rows // 2)
-    programs, n_items, slices = _grid(rows, config, num_programs)
-    args = (src, dst, descs, descs if offsets is None else offsets, start, rows, staging_offset, n_items, slices)
+    device_range = bounds is not None
+    if device_range:
+        programs, n_items, slices = num_programs, 0, 1
+    else:
+        programs, n_items, slices = _grid(rows, config, num_programs)
+        bounds = (descs, 0, 0)
+    args = (src, dst, descs, descs if offsets is None else offsets, start, rows, staging_offset, n_items, slices,
+            *bounds)
     kw = dict(MODE=mode, ALIGN=align, ROWS=config.rows, W=config.width, UNROLL=config.unroll,
-              LOAD_CACHE=config.load_cache, STORE_CACHE=config.store_cache, num_warps=config.num_warps)
+              LOAD_CACHE=config.load_cache, STORE_CACHE=config.store_cache, DEVICE_RANGE=device_range,
+              num_warps=config.num_warps)
     return copy_kernel.launcher(src.device, (programs,), *args, **kw)
 
 
@@ -354,6 +364,32 @@ def copy_launcher(src_pool, dst_pool, descs, *, start: int = 0, end: int | None 
     start, end = _check_range(start, end, n)
     return _copy_launch(MODE_COPY, src_pool, dst_pool, descs, None, start, end, 0, None, num_programs, nbytes_hint,
                         config, local)
+
+
+def copy_range_launcher(src_pool, dst_pool, descs, bounds, *, lo_at: int, hi_at: int,
+                        num_programs: int | None = None, nbytes_hint: int | None = None,
+                        device: torch.device | None = None, local: bool = False):
+    """A launcher (as :func:`copy_launcher`) of the copy of rows ``[bounds[lo_at], bounds[hi_at])`` of
+    ``descs``, the two bounds read on the device at each launch: one launcher, checked once, for a table
+    rewritten request after request (the grid is fixed; the kernel derives its work items from the range).
+
+    ``bounds``: a 1-D int64 tensor on the pools' device. A range outside ``[0, N)`` is clamped into it, so the
+    launch never reads past ``descs``; the descriptors it reads must lie inside the pools, as for every
+    copy. None when ``descs`` has no row."""
+    dev = check_pool(src_pool, "src_pool", device)
+    check_pool(dst_pool, "dst_pool", dev)
+    n = check_descriptors(descs, "descs", dev)
+    if (not isinstance(bounds, torch.Tensor) or bounds.dtype != torch.int64 or bounds.dim() != 1
+            or not bounds.is_contiguous() or bounds.device != dev):
+        raise BadInput(f"bounds must be a contiguous 1-D int64 tensor on {dev}")
+    for name, at in (("lo_at", lo_at), ("hi_at", hi_at)):
+        if isinstance(at, bool) or not isinstance(at, int) or not 0 <= at < bounds.shape[0]:
+            raise BadInput(f"{name} must be an index into the {bounds.shape[0]} entries of bounds, got {at!r}")
+    if num_programs is not None and (isinstance(num_programs, bool) or not isinstance(num_programs, int)
+                                     or not 1 <= num_programs <= 1 << 20):
+        raise BadInput(f"num_programs must be an int in 1..2**20, got {num_programs!r}")
+    return _copy_launch(MODE_COPY, src_pool, dst_pool, descs, None, 0, n, 0, None, num_programs, nbytes_hint,
+                        None, local, bounds=(bounds, lo_at, hi_at))
 
 
 def copy_descriptors(src_pool, dst_pool, descs, *, start: int = 0, end: int | None = None,

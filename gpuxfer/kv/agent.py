@@ -87,7 +87,7 @@ import struct
 import threading
 import uuid
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -581,6 +581,64 @@ class _Route:
     classes: list[tuple[int, int, int]]          # (first plane, end plane, segment bytes), planes sorted by size
     src_anchor: Any
     dst_anchor: Any
+    launch_classes: list[tuple[int, int, int]] = field(default_factory=list)   # per copy launch: (first plane,
+                                                 # end plane, segment bytes): neighbouring sizes tiled alike
+    plane_bytes: np.ndarray | None = None        # (P,) segment bytes of each plane
+    slots: list["_Slot"] = field(default_factory=list)    # the ring of device buffers posts run in
+
+
+#: a route's ring: at most this many slots (posts on other streams still running hold theirs)
+RING_SLOTS = 4
+#: a slot's smallest capacities (descriptor rows, request entries); larger requests grow it geometrically
+MIN_SLOT_ROWS = 1024
+MIN_SLOT_ENTRIES = 1024
+
+
+class _Slot:
+    """A route's device buffers for one request at a time: the request array (header + block IDs) and the
+    ``(rows, 3)`` descriptors, both zeroed when made; the launchers bound to them once (the expansion over a
+    fixed grid, one copy per tiling whose row range each launch reads from the request's header on the
+    device); the graph of those launches where the platform captures one. Whatever a request writes into
+    ``req``, every access stays inside these buffers and the registered memory (the kernels' bounds), and
+    every row of ``out`` holds zeros or a descriptor the expansion wrote: so any request whose rows and
+    entries fit can run here, one after another.
+
+    A slot is free for a post on stream ``s`` once the last post on it completed, or when that post was on
+    ``s`` itself (stream order puts the new upload after it)."""
+
+    __slots__ = ("rows", "entries", "req", "out", "req_ptr", "expand", "copies", "graph", "event", "stream", "used")
+
+    def __init__(self, route: "_Route", rows: int, entries: int, device):
+        from ..kernels.blocks import expand_launcher
+        from ..kernels.launch import copy_range_launcher
+        torch = _torch()
+        self.rows, self.entries = rows, entries
+        self.req = torch.empty(entries, dtype=torch.int64, device=device)
+        self.out = torch.empty((rows, 3), dtype=torch.int64, device=device)
+        self.req_ptr = self.req.data_ptr()
+        self.expand = expand_launcher(route.planes, self.req, self.out, n_groups=len(route.groups))
+        self.copies = [f for f in (copy_range_launcher(route.src_anchor, route.dst_anchor, self.out, self.req,
+                                                       lo_at=a, hi_at=b, nbytes_hint=c)
+                                   for a, b, c in route.launch_classes) if f is not None]
+        self.graph = None
+        self.event = None
+        self.stream = None
+        self.used = 0
+
+    def kernels(self, stream=None) -> None:
+        """The expansion and the copies, on ``stream`` (a driver handle) or torch's current stream."""
+        if self.expand is not None:
+            self.expand(stream)
+        for launch in self.copies:
+            launch(stream)
+
+    def enqueue(self, plat: Platform, s: Stream) -> None:
+        """The kernels on ``s``, launched one by one: straight on its driver handle where the platform gives one."""
+        native = plat.native_stream(s)
+        if native is None:
+            plat.launch(s, self.kernels)
+        else:
+            self.kernels(native)
 
 
 def _pair_pieces(group: str, mine: KVLayer, theirs: KVLayer, bt_src: int, bt_dst: int, src_is_mine: bool
@@ -835,6 +893,125 @@ class KVTransfer:
         return f"KVTransfer({self.describe()})"
 
 
+class _SlotTransfer(KVTransfer):
+    """The ``triton`` engine: a prepared request is only its host array; each post runs it in a slot of the
+    route's ring (:class:`_Slot`) -- one upload of the array, one graph launch (or the slot's launches where
+    the platform captures no graph), the notification, one event::
+
+        prepare (host)                 post (host)                          stream
+        --------------                 -----------                          ------
+        check the IDs, write the       take a free slot of the route  ->
+        header and IDs into a          copy_async(slot.req, array)    ->    upload (header + IDs)
+        pooled host array              launch_graph(slot.graph)       ->    expand (IDs -> descriptors)
+                                                                             copy per tiling (rows from the header)
+                                       [notify: 2 stream operations]  ->    peer's word k := n
+                                       record_event                   ->    event
+
+    The array goes back to the agent's pool when the transfer is collected, which is after its last post
+    completed (the agent keeps a posted transfer until its event completes)."""
+
+    def __init__(self, agent: "KVAgent", peer: KVPeer, route: _Route, op: str, name: str, n_seg: np.ndarray,
+                 host, array: np.ndarray, notify_slot: int | None, descriptors: int, nbytes: int):
+        self._pooled = host
+        self._array = array
+        self._entries = int(array.shape[0])
+        self._host_ptr = array.ctypes.data
+        super().__init__(agent, peer, route, op, name, n_seg, host[0], None, None, 0, [], notify_slot, descriptors,
+                         nbytes)
+        self._req_bytes = self._entries * 8
+
+    def _build_launches(self, max_segments: int, launches: list) -> None:
+        """Nothing per request: the route's slots hold the launchers."""
+
+    def _run(self, s: Stream, expand_only: bool = False) -> "_Slot":
+        """Upload this request into a free slot and enqueue its kernels on ``s`` (the caller holds the post lock)."""
+        agent = self.agent
+        plat = agent.platform
+        slot = agent._take_slot(self.route, s, self.descriptors, self._entries)
+        plat.copy_async(s, slot.req_ptr, self._host_ptr, self._req_bytes)
+        if expand_only:
+            if slot.expand is not None:
+                plat.launch(s, slot.expand)
+        elif slot.graph is not None:
+            plat.launch_graph(s, slot.graph)
+        else:
+            slot.enqueue(plat, s)
+        return slot
+
+    def post(self, stream: Stream | None = None) -> KVTransferHandle:
+        """Enqueue the transfer on ``stream`` (default: the agent's own) and return its handle.
+
+        Host work: one copy (the request array) into a free slot of the route, one graph launch (the
+        expansion and one copy per kernel tiling, captured once per slot; launched one by one where the
+        platform captures no graph), a notification (two stream operations) if asked for, one event; none of
+        it depends on the number of descriptors.
+        """
+        agent = self.agent
+        agent._check_usable(self.peer)
+        plat = agent.platform
+        s = agent.stream if stream is None else stream
+        with agent._post_lock:
+            slot = self._run(s)
+            value = None
+            if self.notify_slot is not None:
+                value = self.peer.next_seq(self.notify_slot)
+                word = self.peer.scratch.ptr + 8 * self.notify_slot
+                plat.write_flag(s, word, value)
+                plat.copy_async(s, self.peer.control_ptr + 8 * self.notify_slot, word, 8)
+            event = plat.record_event(s)
+            slot.event, slot.stream = event, s
+        agent._track(event, (self, slot))
+        return KVTransferHandle(self, event, s, value)
+
+    def expanded_descriptors(self) -> np.ndarray:
+        """Run only the upload and the expansion (in a slot, on the agent's stream), wait, and return the
+        ``(N, 3)`` descriptors (offsets from the source and destination anchors) -- for checking the expansion;
+        not a transfer path."""
+        agent = self.agent
+        plat, s = agent.platform, agent.stream
+        with agent._post_lock:
+            slot = self._run(s, expand_only=True)
+            event = plat.record_event(s)
+            slot.event, slot.stream = event, s
+        agent._track(event, (self, slot))
+        if not plat.event_wait(event, agent.timeout_s):
+            raise TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
+                                  timeout_s=agent.timeout_s, what="expanding the descriptors")
+        return slot.out[:self.descriptors].cpu().numpy().copy()
+
+    def __del__(self):
+        pool = getattr(getattr(self, "agent", None), "_requests", None)
+        if pool is not None:
+            pool.give(self._pooled)
+
+
+class _RequestPool:
+    """Host int64 arrays for request arrays, pinned where the device is a GPU (the upload is then a DMA),
+    kept for reuse by capacity (powers of two): taking one costs a list pop, not an allocation."""
+
+    KEEP = 16                   # arrays kept per capacity
+
+    def __init__(self, pinned: bool):
+        self.pinned = pinned
+        self.free: dict[int, list] = {}
+
+    def take(self, n: int):
+        """``(token, array)``: an array of ``n`` entries, and what to give back once it is no longer read."""
+        cap = 1 << max(10, (n - 1).bit_length())
+        try:
+            token = self.free[cap].pop()
+        except (KeyError, IndexError):
+            torch = _torch()
+            owner = torch.empty(cap, dtype=torch.int64, pin_memory=self.pinned)
+            token = (owner, owner.numpy())
+        return token, token[1][:n]
+
+    def give(self, token) -> None:
+        kept = self.free.setdefault(token[1].shape[0], [])
+        if len(kept) < self.KEEP:
+            kept.append(token)
+
+
 class _PackTransfer(KVTransfer):
     """The ``pack`` engine: two-sided. The source side packs its blocks' pieces into its staging slot
     (a local kernel), copies the slot into the destination's staging on a copy engine and signals;
@@ -1067,6 +1244,11 @@ class KVAgent(Closable, FailsOnTimeout):
         self._names = itertools.count()
         self._inflight: collections.deque = collections.deque()     # (event, buffers) of posted transfers
         self._pack_peer: str | None = None                          # the one peer pack transfers go to
+        self._requests = _RequestPool(pinned=not platform.is_emulation)     # host arrays of requests
+        self._post_lock = threading.Lock()                          # a route's ring, one post at a time
+        self._capture_stream: Stream | None = None                  # where slots' graphs are captured
+        self.graphs = True                                          # capture slots' launches as graphs
+        self._slot_uses = itertools.count(1)
         self.control: DeviceBuffer | None = None
         self.staging: DeviceBuffer | None = None
         self.stream: Stream | None = None
@@ -1319,6 +1501,14 @@ class KVAgent(Closable, FailsOnTimeout):
         cuts = np.flatnonzero(np.diff(table[:, 4])) + 1
         bounds = [0, *cuts.tolist(), len(table)]
         classes = [(a, b, int(table[a, 4])) for a, b in zip(bounds[:-1], bounds[1:])]
+        from ..kernels import launch as kl
+        merged: list[list] = []         # one copy launch per tiling: neighbouring sizes tiled alike share one
+        for a, b, c in classes:
+            key = (kl.choose_config(c), kl.choose_config(c, few_programs=True))
+            if merged and merged[-1][3] == key:
+                merged[-1][1] = b
+            else:
+                merged.append([a, b, c, key])
         dev = self._torch_device()
         planes = torch.from_numpy(np.ascontiguousarray(table)).to(dev)
         if dev.type != "cpu":
@@ -1326,7 +1516,8 @@ class KVAgent(Closable, FailsOnTimeout):
         assert table.shape[1] == PLANE_FIELDS
         return _Route(op=op, groups=names, splits=splits, limits=limits, dst_classes=_overlap_classes(dst_spans),
                       planes=planes, table=table, plane_group=pg, classes=classes, src_anchor=src_anchor(),
-                      dst_anchor=dst_anchor())
+                      dst_anchor=dst_anchor(), launch_classes=[(a, b, c) for a, b, c, _ in merged],
+                      plane_bytes=np.ascontiguousarray(table[:, 4]))
 
     # ------------------------------------------------------------------ transfers
 
@@ -1408,72 +1599,126 @@ class KVAgent(Closable, FailsOnTimeout):
         return self._stage(peer, route, op, name, n_seg, src_ids, dst_ids, notify_slot)
 
     def _stage(self, peer, route: _Route, op, name, n_seg, src_ids, dst_ids, notify_slot) -> KVTransfer:
-        torch = _torch()
-        from ..kernels import launch as kl
-        from ..kernels.blocks import request_header_len
+        """The request array (header + block IDs, as :mod:`gpuxfer.kernels.block_kernel` lays it out) in a host
+        array, and the transfer of the agent's engine around it."""
         P, G = len(route.plane_group), len(route.groups)
-        head = request_header_len(P, G)
-        total_ids = sum(a.size for a in src_ids) + sum(a.size for a in dst_ids)
+        head = P + 1 + 3 * G
+        ids = src_ids + dst_ids
+        sizes = np.fromiter((a.size for a in ids), dtype=np.int64, count=2 * G)
+        total = head + int(sizes.sum())
         plane_rows = n_seg[route.plane_group]
-        row_start = np.zeros(P + 1, dtype=np.int64)
-        np.cumsum(plane_rows, out=row_start[1:])
-        n_rows = int(row_start[-1])
-        dev = self._torch_device()
-        pinned = dev.type != "cpu"
-        host = torch.empty(head + total_ids, dtype=torch.int64, pin_memory=pinned)
-        h = host.numpy()
-        h[:P + 1] = row_start
+        n_rows = int(plane_rows.sum())
+        nbytes = int(plane_rows @ route.plane_bytes)
+        if self.engine == "triton":
+            host, h = self._requests.take(total)
+        elif self.engine == "pack":
+            torch = _torch()
+            host = torch.empty(total, dtype=torch.int64, pin_memory=not self.platform.is_emulation)
+            h = host.numpy()
+        else:
+            h = np.empty(total, dtype=np.int64)
+            host = _torch().from_numpy(h)
+        h[0] = 0
+        np.cumsum(plane_rows, out=h[1:P + 1])
         h[P + 1:P + 1 + G] = n_seg
-        at = head
-        for gi in range(G):
-            h[P + 1 + G + gi] = at
-            h[at:at + src_ids[gi].size] = src_ids[gi]
-            at += src_ids[gi].size
-        for gi in range(G):
-            h[P + 1 + 2 * G + gi] = at
-            h[at:at + dst_ids[gi].size] = dst_ids[gi]
-            at += dst_ids[gi].size
-        if pinned and self.engine != "copy_engine":
+        starts = h[P + 1 + G:head]
+        starts[0] = head
+        np.cumsum(sizes[:-1], out=starts[1:])
+        starts[1:] += head
+        np.concatenate(ids, out=h[head:total])
+        if self.engine == "triton":
+            return _SlotTransfer(self, peer, route, op, name, n_seg, host, h[:total], notify_slot, n_rows, nbytes)
+        if self.engine == "copy_engine":
+            return _CopyEngineTransfer(self, peer, route, op, name, n_seg, host, host, None, 0, [], notify_slot,
+                                       n_rows, nbytes)
+        return self._stage_pack(peer, route, op, name, n_seg, host, h[:P + 1], notify_slot, n_rows, nbytes)
+
+    def _stage_pack(self, peer, route: _Route, op, name, n_seg, host, row_start, notify_slot, n_rows, nbytes
+                    ) -> KVTransfer:
+        """The pack engine's transfer: device buffers of its own for the request and its descriptors."""
+        torch = _torch()
+        dev = self._torch_device()
+        if dev.type != "cpu":
             # no stream of ours needs naming to the caching allocator: the agent keeps a posted transfer's
             # buffers until its event completes (_track), so a block is never handed out while in use
-            dev_req = torch.empty(head + total_ids, dtype=torch.int64, device=dev)
+            dev_req = torch.empty(host.shape[0], dtype=torch.int64, device=dev)
             out = torch.empty((max(n_rows, 1), 3), dtype=torch.int64, device=dev)
         else:
             dev_req = host
-            out = torch.empty((1 if self.engine == "copy_engine" else max(n_rows, 1), 3), dtype=torch.int64)
-        spans, nbytes = [], 0          # (first row, end row, segment bytes) of each size present
-        for a, b, seg_bytes in route.classes:
+            out = torch.empty((max(n_rows, 1), 3), dtype=torch.int64)
+        chunks = []
+        for a, b, c in route.classes:
             r0, r1 = int(row_start[a]), int(row_start[b])
-            if r1 > r0:
-                spans.append((r0, r1, seg_bytes))
-                nbytes += (r1 - r0) * seg_bytes
-        # one copy launch per tiling: neighbouring sizes the kernel tiles alike share a launch
-        merged: list[list] = []
-        for r0, r1, c in spans:
-            key = (kl.choose_config(c), kl.choose_config(c, few_programs=True))
-            if merged and merged[-1][3] == key and merged[-1][1] == r0:
-                merged[-1][1] = r1
+            if r1 <= r0:
+                continue
+            if c > self.slot_bytes:
+                raise BadInput(f"request {name!r}: {c}-byte segments do not fit the pack engine's "
+                               f"{self.slot_bytes}-byte staging slots")
+            per = self.slot_bytes // c
+            chunks += [(x, min(x + per, r1), (min(x + per, r1) - x) * c, c) for x in range(r0, r1, per)]
+        return _PackTransfer(self, peer, route, op, name, n_seg, host, dev_req, out,
+                             int(n_seg.max()) if n_seg.size else 0, [], notify_slot, n_rows, nbytes, chunks=chunks)
+
+    def _take_slot(self, route: _Route, s: Stream, rows: int, entries: int) -> _Slot:
+        """A slot of ``route``'s ring free for a post on ``s`` that holds ``rows`` descriptors and ``entries``
+        request entries: one last used on ``s`` or whose last post completed (made, or remade larger --
+        geometrically --, when it is too small); a new one while the ring has room; else the least recently
+        used, once its last post completed (waiting at most the agent's timeout)."""
+        plat, slots = self.platform, route.slots
+        i = -1
+        for k, slot in enumerate(slots):
+            if slot.stream is s or plat.event_query(slot.event):     # every slot has its last event
+                i = k
+                break
+        if i < 0:
+            if len(slots) < RING_SLOTS:
+                i = len(slots)
             else:
-                merged.append([r0, r1, c, key])
-        launches = []
-        for r0, r1, c, (cfg, _) in merged:
-            progs = max(1, min(kl.default_programs(dev, cfg), -(-(r1 - r0) // cfg.rows)))
-            launches.append((r0, r1, c, progs))
-        if self.engine == "pack":
-            chunks = []
-            for r0, r1, c in spans:
-                if c > self.slot_bytes:
-                    raise BadInput(f"request {name!r}: {c}-byte segments do not fit the pack engine's "
-                                   f"{self.slot_bytes}-byte staging slots")
-                per = self.slot_bytes // c
-                chunks += [(x, min(x + per, r1), (min(x + per, r1) - x) * c, c) for x in range(r0, r1, per)]
-            return _PackTransfer(self, peer, route, op, name, n_seg, host, dev_req, out,
-                                 int(n_seg.max()) if G else 0, [], notify_slot, n_rows, nbytes, chunks=chunks)
-        if self.engine == "copy_engine":
-            return _CopyEngineTransfer(self, peer, route, op, name, n_seg, host, host, out, 0, [], notify_slot,
-                                       n_rows, nbytes)
-        return KVTransfer(self, peer, route, op, name, n_seg, host, dev_req, out,
-                          int(n_seg.max()) if G else 0, launches, notify_slot, n_rows, nbytes)
+                i = min(range(len(slots)), key=lambda k: slots[k].used)
+                if not plat.event_wait(slots[i].event, self.timeout_s):
+                    raise TransferTimeout(rank=self.rank, step=0, flag="a free slot", expected=1, seen=0,
+                                          timeout_s=self.timeout_s,
+                                          what=f"all {len(slots)} slots of a route still run earlier posts")
+        if i == len(slots):
+            slot = self._new_slot(route, s, max(rows, MIN_SLOT_ROWS), max(entries, MIN_SLOT_ENTRIES))
+            slots.append(slot)
+            return self._use(slot)
+        slot = slots[i]
+        if slot.rows < rows or slot.entries < entries:
+            slot = slots[i] = self._new_slot(route, s, slot.rows if rows <= slot.rows else max(rows, 2 * slot.rows),
+                                             slot.entries if entries <= slot.entries else
+                                             max(entries, 2 * slot.entries))
+        return self._use(slot)
+
+    def _use(self, slot: _Slot) -> _Slot:
+        slot.used = next(self._slot_uses)
+        return slot
+
+    def _new_slot(self, route: _Route, s: Stream, rows: int, entries: int) -> _Slot:
+        """A slot's buffers, zeroed on ``s`` (after torch's current stream, where the caching allocator may
+        have used the memory last), its launchers, and its graph (captured on a stream of the agent's)."""
+        plat = self.platform
+        slot = _Slot(route, rows, entries, self._torch_device())
+        plat.stream_wait_event(s, plat.record_event(plat.current_stream(self.device)))
+        plat.memset_async(s, slot.req_ptr, 0, entries * 8)
+        plat.memset_async(s, slot.out.data_ptr(), 0, rows * 24)
+        if not plat.is_emulation:
+            # one run of the fixed launches over the zeroed request (it moves nothing) loads the compiled
+            # kernels, so the capture below records launches only
+            slot.enqueue(plat, s)
+        slot.event, slot.stream = plat.record_event(s), s
+        if self.graphs:
+            try:
+                if self._capture_stream is None:
+                    self._capture_stream = plat.create_stream(self.device)
+                slot.graph = plat.capture_graph(self._capture_stream, lambda c: slot.enqueue(plat, c))
+            except Exception as exc:  # noqa: BLE001 - the same launches run one by one instead
+                log.warning("agent %s: capturing a slot's launches as a graph failed (%s: %s); posts launch them "
+                            "one by one", self.name, type(exc).__name__, exc)
+                self.graphs = False
+            if slot.graph is None:
+                self.graphs = False
+        return slot
 
     def transfer(self, peer: "KVPeer | str", op: str, *, local_blocks: Mapping[str, Any],
                  remote_blocks: Mapping[str, Any], stream: Stream | None = None, **kw) -> KVTransferHandle:
@@ -1566,6 +1811,9 @@ class KVAgent(Closable, FailsOnTimeout):
         if getattr(self, "stream", None) is not None:
             self.stream.close()
             self.stream = None
+        if getattr(self, "_capture_stream", None) is not None:
+            self._capture_stream.close()
+            self._capture_stream = None
         if getattr(self, "control", None) is not None:
             self.control.close()
             self.control = None

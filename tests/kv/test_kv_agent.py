@@ -224,7 +224,8 @@ def _spy(monkeypatch, plat) -> dict:
 @pytest.mark.parametrize("op", ["pull", "push"])
 def test_post_calls_do_not_grow_with_the_descriptors(pair, monkeypatch, op):
     """A request of 2 blocks and one of 40 (20x the descriptors) post the same platform calls and kernel
-    launches; both move the same bytes as the reference (block by block)."""
+    launches -- an upload, one graph launch, the notification, one event -- once the route's slot exists;
+    both move the same bytes as the reference (block by block)."""
     pre, dec, a0, a1 = pair
     caches = []
     for ag, ar, seed in ((pre, a0, 1), (dec, a1, 60)):
@@ -237,6 +238,8 @@ def test_post_calls_do_not_grow_with_the_descriptors(pair, monkeypatch, op):
     p_of_dec, p_of_pre = _connect(pre, dec)
     agent, peer = (dec, p_of_dec) if op == "pull" else (pre, p_of_pre)
     rng = np.random.default_rng(5)
+    one = {"full": [0], "mla": [0]}
+    agent.transfer(peer, op, local_blocks=one, remote_blocks=one).wait(60)     # makes the route's slot
     seen = []
     for n in (2, 40):
         s_ids = {g: rng.permutation(48)[:n].tolist() for g in ("full", "mla")}
@@ -260,7 +263,8 @@ def test_post_calls_do_not_grow_with_the_descriptors(pair, monkeypatch, op):
     (n_small, posted_small, small), (n_big, posted_big, big) = seen
     assert n_big >= 10 * n_small
     assert posted_small == posted_big and small == big, (small, big)
-    assert small["kernel:expand_kernel"] == 1 and small["record_event"] == 1 and small["launch"] == 1
+    assert posted_small == {"copy_async": 2, "launch_graph": 1, "write_flag": 1, "record_event": 1}, posted_small
+    assert small["kernel:expand_kernel"] == 1
 
 
 def test_timeout_names_the_request(pair):
@@ -1039,3 +1043,147 @@ def test_cuda_reposts_through_the_bound_launchers(op):
             a.close()
     finally:
         plat.close()
+
+
+# ----------------------------------------------------------------------------- the route's ring of slots
+
+
+def _ring_pair(pre, dec, a0, a1, blocks=24):
+    src = _vllm_layers(a0, 2, blocks, 2, seed=1)
+    dst = _vllm_layers(a1, 2, blocks, 2, seed=70)
+    pre.register_group("full", 2, src)
+    dec.register_group("full", 2, dst)
+    return src, dst, dec.add_peer(pre.metadata())
+
+
+def _route_slots(agent):
+    (route,) = [r for r in agent._routes.values() if r.slots]
+    return route.slots
+
+
+def test_ring_reuses_its_slot_and_grows_it(pair, monkeypatch):
+    """Posts on one stream reuse one slot; a request larger than the slot remakes it larger (geometrically) and
+    still moves every byte; a post on another stream while the slot is busy there takes a second slot."""
+    import gpuxfer.kv.agent as agent_mod
+    monkeypatch.setattr(agent_mod, "MIN_SLOT_ROWS", 4)
+    monkeypatch.setattr(agent_mod, "MIN_SLOT_ENTRIES", 8)
+    pre, dec, a0, a1 = pair
+    src, dst, peer = _ring_pair(pre, dec, a0, a1)
+    small = dec.prepare(peer, "pull", local_blocks={"full": [3]}, remote_blocks={"full": [0]})
+    small.post().wait(60)
+    small.post().wait(60)
+    (slot,) = _route_slots(dec)
+    assert slot.rows == 4 and small.descriptors == 4          # 2 layers x K, V
+    big_d, big_s = list(range(5, 15)), list(range(10, 20))
+    big = dec.prepare(peer, "pull", local_blocks={"full": big_d}, remote_blocks={"full": big_s})
+    big.post().wait(60)
+    (grown,) = _route_slots(dec)
+    assert grown is not slot and grown.rows >= max(big.descriptors, 8) and grown.entries >= 8
+    for name in src:
+        assert _eq(dst[name][:, big_d], src[name][:, big_s]) and _eq(dst[name][:, 3], src[name][:, 0])
+    plat = dec.platform
+    gate = plat.alloc(64, 1)
+    held = plat.create_stream(1)
+    try:
+        plat.memset_async(held, gate.ptr, 0, 64)
+        plat.wait_flag(held, gate.ptr, 1)                   # the first stream is held until the gate opens
+        h1 = small.post(held)
+        h2 = big.post()                                     # the agent's stream: the held slot is busy
+        h2.wait(60)
+        assert len(_route_slots(dec)) == 2 and not h1.done()
+        plat.host_write_flag(gate.ptr, 1, 1)
+        h1.wait(60)
+        small.post().wait(60)                               # a free slot again: no third one
+        assert len(_route_slots(dec)) == 2
+    finally:
+        plat.synchronize(held, 30)
+        held.close()
+        gate.close()
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_interleaved_posts_of_many_requests_hypothesis(plat, data, monkeypatch):
+    """Several prepared requests (disjoint destinations, sizes drawn, so slots are remade larger) posted again
+    and again, interleaved over three streams: every destination block holds its source, nothing else moved."""
+    import gpuxfer.kv.agent as agent_mod
+    monkeypatch.setattr(agent_mod, "MIN_SLOT_ROWS", 4)
+    monkeypatch.setattr(agent_mod, "MIN_SLOT_ENTRIES", 8)
+    a0, a1 = Arena(plat, 0), Arena(plat, 1)
+    pre = KVAgent("p", platform=plat, device=0)
+    dec = KVAgent("d", platform=plat, device=1)
+    streams = [None, plat.create_stream(1), plat.create_stream(1)]
+    try:
+        blocks = 24
+        src, dst, peer = _ring_pair(pre, dec, a0, a1, blocks)
+        before = {k: v.clone() for k, v in dst.items()}
+        free = list(np.random.default_rng(data.draw(st.integers(0, 1 << 20), label="seed")).permutation(blocks))
+        xfers, moved = [], []
+        for _ in range(data.draw(st.integers(2, 4), label="requests")):
+            n = data.draw(st.integers(1, 6), label="blocks")
+            d_ids, free = [int(b) for b in free[:n]], free[n:]
+            s_ids = data.draw(st.lists(st.integers(0, blocks - 1), min_size=n, max_size=n), label="sources")
+            xfers.append(dec.prepare(peer, "pull", local_blocks={"full": d_ids}, remote_blocks={"full": s_ids}))
+            moved.append((d_ids, s_ids))
+        order = data.draw(st.lists(st.tuples(st.integers(0, len(xfers) - 1), st.integers(0, 2)), min_size=len(xfers),
+                                   max_size=8), label="posts")
+        order += [(i, 0) for i in range(len(xfers))]        # every request at least once
+        handles = [xfers[i].post(streams[k]) for i, k in order]
+        for h in handles:
+            h.wait(60)
+        assert 1 <= len(_route_slots(dec)) <= agent_mod.RING_SLOTS
+        for name in src:
+            want = before[name].clone()
+            for d_ids, s_ids in moved:
+                want[:, d_ids] = src[name][:, s_ids]
+            assert _eq(dst[name], want), name
+    finally:
+        for s in streams[1:]:
+            plat.synchronize(s, 30)
+            s.close()
+        dec.close()
+        pre.close()
+        a0.close()
+        a1.close()
+
+
+def test_forged_request_stays_inside_the_buffers(pair):
+    """A prepared request's array rewritten with hostile values (first rows and counts past the slot, negative
+    and huge offsets, IDs out of range) still completes, writes nowhere but the registered destination layers
+    (the bytes around them keep their values, the source side is untouched), and the next honest post moves
+    every byte."""
+    pre, dec, a0, a1 = pair
+    rng = np.random.default_rng(9)
+    for arena in (a0, a1):          # known bytes everywhere, around the layers too
+        arena.flat.copy_(torch.from_numpy(rng.integers(0, 256, arena.flat.numel(), dtype=np.uint8)))
+    src, dst, peer = _ring_pair(pre, dec, a0, a1)
+    x = dec.prepare(peer, "pull", local_blocks={"full": [1, 2, 3]}, remote_blocks={"full": [4, 5, 6]})
+    x.post().wait(60)
+    spans = [(t.data_ptr() - a1.flat.data_ptr(), t.numel() * t.element_size()) for t in dst.values()]
+    src_bytes, dst_bytes = a0.flat.clone(), a1.flat.clone()
+    honest = x._array.copy()
+    (route,) = [r for r in dec._routes.values() if r.slots]
+    P, G = len(route.plane_group), len(route.groups)
+    head = P + 1 + 3 * G
+    big, neg = (1 << 63) - 1, -(1 << 63)
+    forged = [
+        np.r_[[0] * P, big, [big] * G, honest[P + 1 + G:]],                              # counts past the slot
+        np.r_[[neg, big // 2] * (P // 2) + [5] * (P % 2), honest[P:P + 1], [1 << 40] * G, [-7] * G, [big] * G,
+              honest[head:]],                                                            # first rows, offsets
+        np.r_[honest[:head], rng.integers(-(1 << 62), 1 << 62, honest.size - head)],     # IDs anywhere
+    ]
+    for f in forged:
+        x._array[:] = np.asarray(f, dtype=np.int64)[:x._array.size]
+        x.post().wait(60)
+        assert torch.equal(a0.flat, src_bytes)
+        now = a1.flat.clone()
+        outside = torch.ones(now.numel(), dtype=torch.bool)
+        for off, n in spans:
+            outside[off:off + n] = False
+        assert torch.equal(now[outside], dst_bytes[outside])
+    for name in dst:                # scribbled blocks are overwritten by an honest post
+        dst[name].view(torch.uint8).fill_(0)
+    x._array[:] = honest
+    x.post().wait(60)
+    for name in src:
+        assert _eq(dst[name][:, [1, 2, 3]], src[name][:, [4, 5, 6]])

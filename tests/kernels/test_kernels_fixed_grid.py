@@ -1,0 +1,140 @@
+"""The launches a KV route binds once and reuses for every request: the expansion over a fixed grid (each
+program loops over its plane's chunks) and the copy whose row range is read on the device.
+
+Both against the NumPy reference, on the CPU (Triton's interpreter) and, marked ``gpu``, compiled; forged
+ranges and headers stay inside the table, the output and the pools.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuxfer.errors import BadInput
+from gpuxfer.kernels import reference as ref
+from gpuxfer.kernels.blocks import expand_blocks, expand_launcher
+from gpuxfer.kernels.launch import copy_range_launcher
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    if t.device.type == "cuda":
+        torch.cuda.synchronize(t.device)
+    return t.cpu().numpy().copy()
+
+
+@pytest.mark.parametrize("lo, hi", [(0, 30), (4, 11), (11, 11), (20, 30), (-5, 7), (25, 99), (9, 3),
+                                    (-(1 << 62), 1 << 62)])
+def test_copy_range_read_on_the_device(dev, lo, hi):
+    """Rows [bounds[lo_at], bounds[hi_at]) are copied, clamped into the table; the same launcher serves the
+    next range written into ``bounds``."""
+    rng = np.random.default_rng(3)
+    n_pool, page = 32 * 1024, 1024
+    src = torch.from_numpy(ref.pattern(11, 0, n_pool)).to(dev)
+    dst = torch.from_numpy(ref.pattern(22, 0, n_pool)).to(dev)
+    sp, dp = rng.permutation(n_pool // page)[:30], rng.permutation(n_pool // page)[:30]
+    descs = np.stack([sp * page, dp * page, np.full(30, page)], 1).astype(np.int64)
+    table = torch.from_numpy(descs).to(dev)
+    bounds = torch.tensor([7, lo, 5, hi], dtype=torch.int64, device=dev)
+    launch = copy_range_launcher(src, dst, table, bounds, lo_at=1, hi_at=3, nbytes_hint=page)
+    before = _host(dst)
+    launch()
+    a = min(max(lo, 0), 30)
+    b = min(max(hi, a), 30)
+    want = before.copy()
+    ref.copy(_host(src), want, descs[a:b])
+    assert np.array_equal(_host(dst), want)
+    bounds.copy_(torch.tensor([7, 0, 5, 30], dtype=torch.int64))     # the whole table, same launcher
+    launch()
+    ref.copy(_host(src), want, descs)
+    assert np.array_equal(_host(dst), want)
+
+
+def test_copy_range_launcher_rejects_bad_arguments(dev):
+    src = torch.zeros(64, dtype=torch.uint8, device=dev)
+    table = torch.zeros((4, 3), dtype=torch.int64, device=dev)
+    bounds = torch.zeros(3, dtype=torch.int64, device=dev)
+    with pytest.raises(BadInput, match="bounds must be"):
+        copy_range_launcher(src, src, table, bounds.to(torch.int32), lo_at=0, hi_at=1)
+    with pytest.raises(BadInput, match="hi_at"):
+        copy_range_launcher(src, src, table, bounds, lo_at=0, hi_at=3)
+    with pytest.raises(BadInput, match="lo_at"):
+        copy_range_launcher(src, src, table, bounds, lo_at=-1, hi_at=1)
+    with pytest.raises(BadInput, match="num_programs"):
+        copy_range_launcher(src, src, table, bounds, lo_at=0, hi_at=1, num_programs=0)
+    assert copy_range_launcher(src, src, table[:0], bounds, lo_at=0, hi_at=1) is None
+
+
+def test_expansion_fixed_grid_matches_reference_on_hostile_input():
+    """Random planes and requests (IDs, counts, first rows and offsets out of range included) through a fixed
+    grid of small chunks (programs loop over several): exactly what the reference writes, nothing outside
+    ``out``."""
+
+    @settings(max_examples=20, deadline=None)
+    @given(st.data())
+    def check(data):
+        rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+        P, G = data.draw(st.integers(1, 3)), data.draw(st.integers(0, 3))
+        planes = rng.integers(-3, 50, (P, 10)).astype(np.int64)
+        planes[:, 5] = rng.integers(-1, G + 1, P)
+        planes[:, 6:8] = rng.integers(0, 4, (P, 2))
+        n_ids = data.draw(st.integers(0, 40))
+        head = P + 1 + 3 * G
+        req = rng.integers(-2, head + n_ids + 3, head + n_ids).astype(np.int64)
+        if G and data.draw(st.booleans()):         # counts and first rows anywhere, huge ones included
+            big = np.array([-(1 << 63), -(1 << 62) - 1, -3, 0, 5, 37, 1 << 40, (1 << 63) - 1], dtype=np.int64)
+            req[P + 1:P + 1 + G] = rng.choice(big, G)
+            req[:P] = rng.choice(big, P)
+        n_rows = data.draw(st.integers(1, 40))
+        out = torch.full((n_rows + 2, 3), -7, dtype=torch.int64)
+        expand_blocks(torch.from_numpy(planes), torch.from_numpy(req), out[1:-1], n_groups=G,
+                      programs_per_plane=data.draw(st.integers(1, 3)), block=4)
+        want = _reference(planes, req, G, n_rows)
+        assert np.array_equal(out[1:-1].numpy(), want)
+        assert (out[0] == -7).all() and (out[-1] == -7).all()
+
+    check()
+
+
+def _reference(planes, req, G, n_rows):
+    """ref.expand_blocks, with the rows of counts too large to loop over found by arithmetic."""
+    capped = req.copy()
+    P = planes.shape[0]
+    for g in range(G):
+        capped[P + 1 + g] = min(int(capped[P + 1 + g]), 1 << 10)
+    for p in range(P):            # a first row that no segment within the cap brings into [0, n_rows)
+        if int(capped[p]) < -(1 << 10) or int(capped[p]) > n_rows:
+            capped[p] = n_rows
+    return ref.expand_blocks(planes, capped, G, n_rows, np.full((n_rows, 3), -7, dtype=np.int64))
+
+
+def test_one_expansion_launcher_serves_requests_of_any_size(dev):
+    """A launcher bound to a request buffer and an output expands whatever request is written there next:
+    more segments than programs x block (the loop), then fewer (no stale rows written)."""
+    P, G = 2, 1
+    planes = np.array([[0, 100, 0, 10, 10, 0, 1, 1, 50, 50],
+                       [5, 100, 7, 10, 3, 0, 1, 1, 50, 50]], dtype=np.int64)
+    req = torch.zeros(P + 1 + 3 * G + 80, dtype=torch.int64, device=dev)
+    out = torch.zeros((64, 3), dtype=torch.int64, device=dev)
+    launch = expand_launcher(torch.from_numpy(planes).to(dev), req, out, n_groups=G, programs_per_plane=2, block=4)
+    for n in (23, 5):
+        ids = np.arange(n, dtype=np.int64)
+        r = np.concatenate([[0, n, 2 * n], [n], [6], [6 + n], ids, ids[::-1]]).astype(np.int64)
+        req[:r.size] = torch.from_numpy(r).to(dev)
+        out.zero_()
+        launch()
+        want = ref.expand_blocks(planes, _host(req), G, 64)
+        assert np.array_equal(_host(out), want)
+        assert (_host(out)[2 * n:] == 0).all()
+
+
+def test_expand_launcher_rejects_bad_grids():
+    planes = torch.zeros((2, 10), dtype=torch.int64)
+    req, out = torch.zeros(20, dtype=torch.int64), torch.zeros((4, 3), dtype=torch.int64)
+    with pytest.raises(BadInput, match="block must be a power of two"):
+        expand_launcher(planes, req, out, n_groups=1, block=3)
+    with pytest.raises(BadInput, match="programs per plane"):
+        expand_launcher(planes, req, out, n_groups=1, programs_per_plane=1 << 17)
+    assert expand_launcher(planes, req, out, n_groups=1, max_segments=0) is None
+    assert expand_launcher(planes, req, out, n_groups=1) is not None
