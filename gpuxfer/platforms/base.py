@@ -439,6 +439,15 @@ class Platform(abc.ABC):
         """Whether ``stream`` is capturing a graph (its work is recorded for replay, not run). Default: never."""
         return False
 
+    # ---- a per-step path ----
+    def stream_calls(self, stream: Stream) -> "StreamCalls":
+        """:meth:`write_flag`, :meth:`wait_flag` and :meth:`launch_graph` bound to ``stream``, for a path
+        that queues a few calls per step on the same stream: same effects and errors as the methods (a
+        platform may skip the per-call stream checks there). Default: the methods themselves."""
+        return StreamCalls(stream, lambda ptr, value: self.write_flag(stream, ptr, value),
+                           lambda ptr, value: self.wait_flag(stream, ptr, value),
+                           lambda graph: self.launch_graph(stream, graph))
+
     # ---- lifetime ----
     @property
     def closed(self) -> bool:
@@ -453,6 +462,17 @@ class Platform(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class StreamCalls:
+    """What :meth:`Platform.stream_calls` returns: ``write_flag(ptr, value)``, ``wait_flag(ptr, value)`` and
+    ``launch_graph(graph)`` queued on ``stream``."""
+
+    __slots__ = ("stream", "write_flag", "wait_flag", "launch_graph")
+
+    def __init__(self, stream: Stream, write_flag: Callable[[int, int], None], wait_flag: Callable[[int, int], None],
+                 launch_graph: Callable[[object], None]):
+        self.stream, self.write_flag, self.wait_flag, self.launch_graph = stream, write_flag, wait_flag, launch_graph
 
 
 #: operations of a :meth:`Platform.flag_ops` row (CUDA's CU_STREAM_MEM_OP_WAIT_VALUE_64 / _WRITE_VALUE_64)

@@ -80,7 +80,7 @@ from .. import config
 from ..common import package_version
 from ..errors import BadInput, DriverError, GpuxferError, NotExportable, TransferTimeout
 from .base import (DeviceBuffer, DeviceInfo, Event, ExportedRange, IpcHandle, LinkInfo, Memory, PeerMapping,
-                   Platform, Stream, as_int64_array, check_flag_ptr, FLAG_OP_WORDS, RELEASE_VALUE)
+                   Platform, Stream, StreamCalls, as_int64_array, check_flag_ptr, FLAG_OP_WORDS, RELEASE_VALUE)
 
 # --------------------------------------------------------------------------- constants
 
@@ -1356,6 +1356,37 @@ class CudaPlatform(Platform):
             raise BadInput(f"not a CUDA graph: {graph!r}")
         self._stream_op(s, _driver().cuGraphLaunch, graph.exe, s.handle,
                         doing=lambda: f"launching {graph!r} on {s!r}")
+
+    # ---- a per-step path ----
+    def stream_calls(self, stream: Stream) -> StreamCalls:
+        """The flag and graph calls bound to ``stream``: one ``cuda.bindings`` call each where the arguments are
+        plain in-range integers (and a graph of this platform), with the stream's checks done here, once; any
+        other argument, and any call that fails (no context current on this thread included), goes through
+        the checked method, which repeats it in the stream's context or raises what is wrong. A default
+        stream of a process that sees several devices keeps the checked methods (its context is checked
+        per call)."""
+        s = self._stream(stream)
+        if s.handle in _DEFAULT_STREAM_HANDLES and self._count != 1:
+            return super().stream_calls(s)
+        drv, h = _driver(), s.handle
+        write, wait, launch = drv.cuStreamWriteValue64, drv.cuStreamWaitValue64, drv.cuGraphLaunch
+        write_flag, wait_flag, launch_graph = self.write_flag, self.wait_flag, self.launch_graph
+
+        def write_fast(ptr: int, value: int) -> None:
+            if (type(ptr) is not int or ptr & 7 or type(value) is not int or not 0 <= value <= _MASK64 or s._closed
+                    or int(write(h, ptr, value, 0)[0])):
+                write_flag(s, ptr, value)
+
+        def wait_fast(ptr: int, value: int) -> None:
+            if (type(ptr) is not int or ptr & 7 or type(value) is not int or not 0 <= value <= _MASK64 or s._closed
+                    or int(wait(h, ptr, value, _WAIT_GEQ)[0])):
+                wait_flag(s, ptr, value)
+
+        def launch_fast(graph) -> None:
+            if type(graph) is not CudaGraph or s._closed or int(launch(graph.exe, h)[0]):
+                launch_graph(s, graph)
+
+        return StreamCalls(s, write_fast, wait_fast, launch_fast)
 
     def probe_stream_mem_ops(self, device: int, timeout_s: float = 10.0) -> str | None:
         """None if 64-bit stream write / wait really work on ``device``, else why not. Cached per device.

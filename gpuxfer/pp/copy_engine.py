@@ -208,6 +208,8 @@ class CopyEngineTransport(Transport):
         self._graphs: dict = {}             # (slot, source pointers, sizes) -> graph of the step's peer copies
         self._sightings: dict = {}          # copy sets seen once (a graph is captured at the second sight)
         self._eager_stream = None           # the last stream steps came on that was checked not to capture
+        self._calls = None                  # its bound flag / graph calls (platform.stream_calls)
+        self._remote_publish = False        # whether a publish is one remote flag write (this class's _publish)
 
     @property
     def max_pending(self) -> int:
@@ -421,15 +423,19 @@ class CopyEngineTransport(Transport):
         cur = p.current_stream(self.device)
         if cur is not self._eager_stream:
             self._check_eager(cur, "send()")
+        calls = self._calls
         j = (k - 1) % R
         if k > R:
-            p.wait_flag(cur, self._in_ptr[j], k - R)
+            calls.wait_flag(self._in_ptr[j], k - R)
             self._wd.append((k, j, time.monotonic(), k - R))
         if self._cap is None or not layout.total:
             self._copy_tensors(cur, self._peer_slot_ptr[j], tensors, layout)
         else:
             self._copy_cached(cur, j, tensors, layout)
-        self._publish(cur, j, k)
+        if self._remote_publish:
+            calls.write_flag(self._peer_in_ptr[j], k)
+        else:
+            self._publish(cur, j, k)
         self._last_stream = cur
         if self._host_sync:     # emulation: return once the copies have read the caller's tensors
             self._host_keep = tensors
@@ -448,6 +454,8 @@ class CopyEngineTransport(Transport):
                 f"rank {self.rank}: {what} on the {self.name} transport with rank {self.peer} while the stream "
                 f"captures a graph: eager steps carry host-supplied step numbers, which a replay cannot move; "
                 f"capture steps on a graph-mode transport (connect(..., graph=True))")
+        self._calls = self.platform.stream_calls(stream)
+        self._remote_publish = self.remote_flags and type(self)._publish is CopyEngineTransport._publish
         self._eager_stream = stream
 
     def _copy_cached(self, cur, j: int, tensors, layout: Layout) -> None:
@@ -472,7 +480,7 @@ class CopyEngineTransport(Transport):
             if len(self._graphs) >= STEP_GRAPHS:
                 del self._graphs[next(iter(self._graphs))]
             self._graphs[key] = g
-        self.platform.launch_graph(cur, g)
+        self._calls.launch_graph(g)
 
     # ---- receive ----
     def _recv_impl(self, rcv: Received) -> None:
@@ -485,19 +493,23 @@ class CopyEngineTransport(Transport):
         cur = p.current_stream(self.device)
         if cur is not self._eager_stream:
             self._check_eager(cur, ".tensors")
+        calls = self._calls
         if self._lent is not None:      # the slot lent with the last step goes back after the work queued on it
             jj, kk = self._lent
             self._lent = None
             ops = self._lend_ops[j] if self._lend_ops is not None and jj == (j - 1) % R else None
             if ops is None:
-                self._publish(cur, jj, kk)
-                p.wait_flag(cur, self._in_ptr[j], k)
+                if self._remote_publish:
+                    calls.write_flag(self._peer_in_ptr[jj], kk)
+                else:
+                    self._publish(cur, jj, kk)
+                calls.wait_flag(self._in_ptr[j], k)
             else:                       # publish empty[jj] = kk, wait full[j] >= k: one call
                 ops[2] = kk
                 ops[8] = k
                 p.flag_ops(cur, self._lend_arrays[j])
         else:
-            p.wait_flag(cur, self._in_ptr[j], k)
+            calls.wait_flag(self._in_ptr[j], k)
         self._wd.append((k, j, time.monotonic(), k))
         slot = self._slot_ptr[j]
         if self.recv_views and rcv.out is None:     # views of the slot itself, lent until the next step
@@ -594,6 +606,7 @@ class CopyEngineTransport(Transport):
                 m.close()
 
     def _free(self) -> None:
+        self._calls = self._eager_stream = None
         self._copied = [None, None]
         self._packed = None
         self._graphs.clear()

@@ -76,7 +76,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -243,6 +243,8 @@ class SpecTable:
         self.max_numel = tuple(int(np.prod(s, dtype=np.int64)) for s in shapes)
         self.slot_bytes = max(ALIGN, sum(_align(n) for n in self.max_nbytes))
         self.meta_len = 4 + len(names) * (1 + MAX_NDIM)
+        self._tensor = torch.Tensor
+        self._fast = tuple(zip(names, dtypes, self.max_numel, (d.is_complex for d in dtypes)))
         self._layouts: dict[tuple, Layout] = {}
         self._decoded: dict[bytes, tuple] = {}     # metadata body (bytes) -> checked shapes
         self._rows: dict[tuple, np.ndarray] = {}   # shapes -> metadata row (the step word left 0)
@@ -258,6 +260,7 @@ class SpecTable:
     def layout(self, shapes: tuple[tuple[int, ...], ...]) -> Layout:
         lay = self._layouts.get(shapes)
         if lay is None:
+            shapes = tuple(tuple(s) for s in shapes)    # plain tuples (a tensor's shape is a torch.Size)
             offsets, nbytes, off, end = [], [], 0, 0
             for shape, item in zip(shapes, self.itemsizes):
                 n = int(np.prod(shape, dtype=np.int64)) * item
@@ -288,7 +291,7 @@ class SpecTable:
     # ---- validation (before any GPU work and before metadata goes out) ----
     def check_tensors(self, tensors, device) -> tuple[tuple[int, ...], ...]:
         """The shapes of ``tensors`` (spec order), or the first :class:`_Refusal` that applies."""
-        if type(tensors) is dict and device.type != "cpu" and tensors.keys() == self.nameset:
+        if type(tensors) is dict and device.type != "cpu":
             shapes = self._fast_shapes(tensors, device.index or 0)
             if shapes is not None:
                 return shapes
@@ -296,16 +299,20 @@ class SpecTable:
 
     def _fast_shapes(self, tensors: dict, index: int) -> tuple[tuple[int, ...], ...] | None:
         """The per-step path on a GPU: every check of :meth:`_checked_shapes` in one expression per
-        tensor; None sends any doubt there (which says what is wrong)."""
-        import torch
-        shapes = []
-        for name, dtype, max_numel in zip(self.names, self.dtypes, self.max_numel):
-            t = tensors[name]
-            if (not isinstance(t, torch.Tensor) or t.dtype is not dtype or t.get_device() != index
-                    or not t.is_contiguous() or t.is_neg() or t.is_conj() or t.numel() > max_numel
-                    or t.dim() > MAX_NDIM):
+        tensor; None sends any doubt there (which says what is wrong). A dict of as many entries as the
+        spec that holds every name has the spec's keys."""
+        if len(tensors) != len(self._fast):
+            return None
+        Tensor, shapes = self._tensor, []
+        for name, dtype, max_numel, cplx in self._fast:
+            t = tensors.get(name)
+            if (not isinstance(t, Tensor) or t.dtype is not dtype or t.get_device() != index
+                    or not t.is_contiguous() or t.is_neg() or (cplx and t.is_conj()) or t.numel() > max_numel):
+                return None      # (only complex tensors carry a lazy conjugation)
+            shape = t.shape      # a torch.Size: equal to (and hashed as) the tuple of its dimensions
+            if len(shape) > MAX_NDIM:
                 return None
-            shapes.append(tuple(t.shape))
+            shapes.append(shape)
         return tuple(shapes)
 
     def _checked_shapes(self, tensors, device) -> tuple[tuple[int, ...], ...]:
@@ -341,13 +348,21 @@ class SpecTable:
         return tuple(shapes)
 
     def check_shapes(self, shapes) -> tuple[tuple[int, ...], ...]:
-        if isinstance(shapes, Mapping) and len(shapes) == len(self.names):   # fast path: shapes seen before
+        return self.layout_of(shapes).shapes
+
+    def layout_of(self, shapes) -> Layout:
+        """The layout of ``recv(shapes=...)``'s shapes, checked: a dict of shapes seen before is one lookup
+        (a key equal to a cached one has the same, checked, integer shapes)."""
+        if type(shapes) is dict and len(shapes) == len(self.names):
             try:
-                key = tuple(tuple(shapes[n]) for n in self.names)
+                lay = self._layouts.get(tuple([shapes[n] for n in self.names]))
             except (KeyError, TypeError):
-                key = None
-            if key is not None and key in self._layouts:
-                return key
+                lay = None
+            if lay is not None:
+                return lay
+        return self.layout(self._checked_shape_tuple(shapes))
+
+    def _checked_shape_tuple(self, shapes) -> tuple[tuple[int, ...], ...]:
         if not isinstance(shapes, Mapping) or shapes.keys() != self.nameset:
             got = sorted(shapes) if isinstance(shapes, Mapping) else type(shapes).__name__
             raise BadInput(f"recv(shapes=...) needs a dict with exactly the keys {sorted(self.nameset)}, got {got}")
@@ -672,6 +687,7 @@ class Transport(abc.ABC):
         self.on_timeout = resolve_on_timeout(on_timeout)
         self.signals = signals               # set by connect: barriers and "gone" notes in the store
         self.group, self.tag_base, self.torch_device = group, tag_base, torch_device
+        self._gpu_index = None if torch_device.type == "cpu" else (torch_device.index or 0)   # send()'s fast checks
         self.channel = CpuChannel(group, peer, tag_base, specs.meta_len)
         self.meta = self.channel             # per-step metadata: this channel, or a Mailbox (set by connect)
         self.step = 0
@@ -719,18 +735,24 @@ class Transport(abc.ABC):
         ring slot, or for a small ``copy_engine`` step straight into the peer's
         slot -- so later work on that stream comes after them).
         """
-        self._check_usable("send")
-        try:
-            shapes = self.specs.check_tensors(tensors, self.torch_device)
-        except _Refusal as refusal:
-            if self.metadata:
-                self._send_meta(lambda buf: self.specs.encode_refusal(buf, self.step + 1, refusal))
-            raise BadInput(f"rank {self.rank}: step {self.step + 1} to rank {self.peer} refused, nothing "
-                           f"sent: {refusal}") from None
+        if self._error is not None or self._state != "open" or self.role != "send":
+            self._check_usable("send")
+        specs = self.specs
+        shapes = None
+        if type(tensors) is dict and self._gpu_index is not None:     # the per-step case: checked in one pass
+            shapes = specs._fast_shapes(tensors, self._gpu_index)
+        if shapes is None:
+            try:
+                shapes = specs.check_tensors(tensors, self.torch_device)
+            except _Refusal as refusal:
+                if self.metadata:
+                    self._send_meta(lambda buf: specs.encode_refusal(buf, self.step + 1, refusal))
+                raise BadInput(f"rank {self.rank}: step {self.step + 1} to rank {self.peer} refused, nothing "
+                               f"sent: {refusal}") from None
         k = self.step + 1
-        layout = self.specs.layout(shapes)
+        layout = specs._layouts.get(shapes) or specs.layout(shapes)
         if self.metadata:
-            self._send_meta(lambda buf: self.specs.encode(buf, k, shapes))
+            self._send_meta(lambda buf: specs.encode(buf, k, layout.shapes))
         try:
             self._send_impl(k, tensors, layout)
         except Exception as exc:
@@ -748,7 +770,8 @@ class Transport(abc.ABC):
         and nothing travels. ``out``: persistent tensors to copy into (each with
         at least the spec's largest numel; ``.tensors`` returns views of them).
         """
-        self._check_usable("recv")
+        if self._error is not None or self._state != "open" or self.role != "recv":
+            self._check_usable("recv")
         k = self.step + 1
         if out is not None:
             self.specs.check_out(out, self.torch_device)
@@ -773,11 +796,12 @@ class Transport(abc.ABC):
                 got = self.specs.decode(buf, step=k, peer=self.peer, rank=self.rank)
             except ProtocolError as exc:
                 raise self._fail(exc) from None
+            layout = self.specs.layout(got)
         else:
             if shapes is None:
                 raise BadInput("this transport was set up with metadata=False: recv() needs shapes=...")
-            got = self.specs.check_shapes(shapes)
-        rcv = Received(self, k, self.specs.layout(got), out)
+            layout = self.specs.layout_of(shapes)
+        rcv = Received(self, k, layout, out)
         try:
             self._recv_impl(rcv)
         except Exception as exc:
@@ -936,7 +960,8 @@ class Transport(abc.ABC):
     def _materialize(self, rcv: Received) -> None:
         if rcv._tensors is not None:
             return
-        self._check_usable("recv")
+        if self._error is not None or self._state != "open":
+            self._check_usable("recv")
         while self._pending:
             r = self._pending.popleft()
             try:

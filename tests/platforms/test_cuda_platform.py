@@ -252,6 +252,49 @@ def test_stream_op_on_a_default_stream_makes_its_device_current(monkeypatch, han
     assert (calls.calls, calls.pushed) == (1, 0)
 
 
+def test_stream_calls_one_driver_call_each_and_the_checked_path_otherwise(monkeypatch):
+    """The bound per-step calls: one driver call with the stream's handle; an argument out of range, or a
+    call the driver refuses, goes through the checked method (which pushes the context, or raises)."""
+    seen, answers = [], []
+
+    def call(name):
+        def fn(*args):
+            seen.append((name, *args))
+            return (answers.pop(0) if answers else 0,)
+        return fn
+    plat = cm.CudaPlatform()
+    plat._ctxs[1] = (object(), 0x1111)
+    monkeypatch.setattr(cm, "_DRIVER", _fake_driver(
+        cuCtxGetCurrent=lambda: (0, None), cuStreamWriteValue64=call("write"), cuStreamWaitValue64=call("wait"),
+        cuGraphLaunch=call("launch")))
+    pushed = []
+    monkeypatch.setattr(plat, "_on", lambda device: contextlib.nullcontext(pushed.append(device)))
+    s = cm.CudaStream(1, 0x7000, None)
+    calls = plat.stream_calls(s)
+    g = cm.CudaGraph(1, None, 0x99)
+    calls.write_flag(0x1000, 5)
+    calls.wait_flag(0x1040, 3)
+    calls.launch_graph(g)
+    assert seen == [("write", 0x7000, 0x1000, 5, 0), ("wait", 0x7000, 0x1040, 3, cm._WAIT_GEQ),
+                    ("launch", 0x99, 0x7000)] and not pushed
+    seen.clear()
+    with pytest.raises(BadInput, match="aligned"):
+        calls.write_flag(0x1004, 5)
+    with pytest.raises(BadInput, match="integer"):
+        calls.wait_flag(0x1040, "3")
+    with pytest.raises(BadInput, match="not a CUDA graph"):
+        calls.launch_graph(object())
+    assert not seen                                     # refused before any driver call
+    answers[:] = [cm._ERR_INVALID_CONTEXT] * 2          # no context on this thread: the checked path
+    calls.write_flag(0x1000, 6)                         # repeats it with the context pushed
+    assert len(seen) == 3 and pushed == [1]
+    answers[:] = [1, 1]                                 # refused by the driver: the checked path raises
+    with pytest.raises(DriverError, match="CUDA_ERROR_INVALID_VALUE"):
+        calls.wait_flag(0x1040, 4)
+    plat._count = 2                                     # a default stream of a multi-device process:
+    assert plat.stream_calls(cm.CudaStream(1, 0, None)).wait_flag is not calls.wait_flag   # the checked calls
+
+
 def test_event_query_reads_not_ready_and_raises_errors(monkeypatch):
     answers = []
     monkeypatch.setattr(cm, "_driver", lambda: _fake_driver(cuEventQuery=lambda h: (answers.pop(0),)))

@@ -33,26 +33,37 @@ EMULATION_ONLY = ("record_event", "event_wait")
 
 def _spy(plat) -> collections.Counter:
     """Count the calls the main thread makes into ``plat`` (outermost only: a platform method that calls
-    another, as the default ``flag_ops`` does, counts once)."""
+    another, as the default ``flag_ops`` does, counts once), the calls bound by ``stream_calls`` under the
+    names of the methods they stand for."""
     counts: collections.Counter = collections.Counter()
     main = threading.get_ident()
     depth = [0]
-    for name in SPIED:
-        fn = getattr(plat, name, None)
-        if fn is None:
-            continue
 
-        def counted(*a, _fn=fn, _name=name, **kw):
+    def spied(fn, name):
+        def counted(*a, **kw):
             if threading.get_ident() != main:
-                return _fn(*a, **kw)
+                return fn(*a, **kw)
             if not depth[0]:
-                counts[_name] += 1
+                counts[name] += 1
             depth[0] += 1
             try:
-                return _fn(*a, **kw)
+                return fn(*a, **kw)
             finally:
                 depth[0] -= 1
-        setattr(plat, name, functools.wraps(fn)(counted))
+        return functools.wraps(fn)(counted)
+
+    for name in SPIED:
+        fn = getattr(plat, name, None)
+        if fn is not None:
+            setattr(plat, name, spied(fn, name))
+    bind = plat.stream_calls
+
+    def stream_calls(stream):
+        calls = bind(stream)
+        for name in ("write_flag", "wait_flag", "launch_graph"):
+            setattr(calls, name, spied(getattr(calls, name), name))
+        return calls
+    plat.stream_calls = stream_calls
     return counts
 
 
