@@ -402,6 +402,10 @@ class FakeSignalMemory:
         self.lib, self.handle, self.ptr, self.device = lib, handle, handle + 8, device
         self.closed = False
 
+    @property
+    def signal(self):
+        return H.Signal(self.handle)
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True
@@ -410,7 +414,8 @@ class FakeSignalMemory:
 
 
 class FakeRocmPlatform(HostPlatform):
-    """The host emulation with the ROCm-only hooks the sdma backend uses, over a :class:`FakeHsaLib`.
+    """The host emulation with RocmPlatform's SDMA hooks (:class:`~gpuxfer.platforms.rocm.RocmSdma` over them), over
+    a :class:`FakeHsaLib`.
 
     ``hsa_error``: make ``hsa()`` fail as on a machine whose ROCr cannot be
     loaded. ``allow_self_open``: let this process open its own IPC handles (a
@@ -431,9 +436,15 @@ class FakeRocmPlatform(HostPlatform):
         info = super().device_info(device)
         g = self.lib.gpus[device]
         return DeviceInfo(**{**info.__dict__, "pci_bus_id": f"0000:{g.bdfid >> 8:02x}:00.0", "name": "fake-gfx950",
+                             "arch": "gfx950",
                              "notes": info.notes})
 
-    # ---- the ROCm-only hooks ----
+    # ---- the ROCm-only hooks (behind the contract's SdmaEngines, as on RocmPlatform) ----
+    @property
+    def sdma(self):
+        from gpuxfer.platforms.rocm import RocmSdma
+        return RocmSdma(self)
+
     def hsa(self):
         if self.hsa_error:
             raise DriverError("dlopen", "LIBRARY_NOT_FOUND", -1, "loading the HSA runtime (ROCr)", self.hsa_error)

@@ -230,6 +230,60 @@ class Event:
     """A marker recorded on a stream."""
 
 
+class SdmaEngines(abc.ABC):
+    """A platform's system DMA (SDMA) engines, as the ``sdma`` stage hand-off uses them: :attr:`Platform.sdma`.
+
+    Two ways to drive them. *Stream-ordered* (``alloc_flags``, ``copy_async``): copies
+    queued on a stream, the runtime choosing the engine. *Host-queued* (the rest):
+    copies queued by the host on a chosen engine, ordered by the runtime's signals
+    rather than by a stream; :meth:`runtime` is the object that queues them and owns
+    the signals (ROCm: :class:`gpuxfer.platforms.hsa.Hsa` -- ``signal_create``,
+    ``signal_store``, ``signal_load``, ``signal_wait_at_most``, ``signal_destroy``,
+    ``copy_on_engine``). Engines are one-hot ids (engine ``n`` is ``1 << n``).
+    """
+
+    @abc.abstractmethod
+    def unavailable_reason(self, device: int, host_queued: bool) -> str | None:
+        """Why the engines of ``device`` cannot carry the hand-off (``host_queued``: driven from the host), or
+        None. Never raises."""
+
+    @abc.abstractmethod
+    def alloc_flags(self, nbytes: int, device: int) -> DeviceBuffer:
+        """Flag memory an engine's write is visible in to a stream wait without cache maintenance (exportable)."""
+
+    @abc.abstractmethod
+    def copy_async(self, stream: Stream, dst: int, src: int, nbytes: int) -> None:
+        """A stream-ordered copy on an SDMA engine (never on compute units)."""
+
+    @abc.abstractmethod
+    def runtime(self):
+        """The host-side runtime that queues copies on an engine and owns their signals (loaded on first use;
+        raises :class:`~gpuxfer.errors.DriverError` where it cannot be loaded)."""
+
+    @abc.abstractmethod
+    def agent(self, device: int):
+        """The runtime's agent of ``device`` (``.handle``: what copies name as source or destination)."""
+
+    @abc.abstractmethod
+    def owner_agent(self, ptr: int, what: str):
+        """The GPU agent owning the memory at ``ptr`` (``what`` names it in the error when none does)."""
+
+    @abc.abstractmethod
+    def alloc_signal(self, device: int):
+        """A signal a stream may write: a closable object with ``ptr`` (its value word, for :meth:`Platform.
+        write_flag`) and ``signal`` (the runtime's handle, for copy dependencies). Its value starts at 1."""
+
+    @abc.abstractmethod
+    def plan_engines(self, src_agent, dst_agent, copies: int):
+        """Which engines carry a pair's copies: an object with ``data`` (one-hot ids the data copies rotate
+        over), ``local`` (the engine of a copy within the source device) and ``why``."""
+
+    def pcie_atomics_64(self, device: int) -> bool | None:
+        """Whether an engine's completion decrements a signal atomically (so copies may share one); None:
+        unknown, treated as no."""
+        return None
+
+
 # --------------------------------------------------------------------------- contract
 
 
@@ -249,6 +303,11 @@ class Platform(abc.ABC):
     @abc.abstractmethod
     def unavailable_reason(cls) -> str | None:
         """Why this platform cannot run here, or None. Never raises, never creates a context."""
+
+    @property
+    def sdma(self) -> "SdmaEngines | None":
+        """The platform's SDMA engines (ROCm), or None where it has none to offer (the default)."""
+        return None
 
     @property
     def label(self) -> str:

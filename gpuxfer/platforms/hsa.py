@@ -688,3 +688,51 @@ class Hsa:
                   doing=f"reading the owner of address 0x{int(ptr):x}")
         return PointerInfo(int(info.type), int(info.agentBaseAddress or 0), int(info.hostBaseAddress or 0),
                            int(info.sizeInBytes), int(info.agentOwner.handle))
+
+
+# --------------------------------------------------------------------------- engine choice per GPU pair
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """Which SDMA engines carry a pair's copies, and why."""
+
+    data: tuple[int, ...]          # one-hot engine ids, used round-robin by the data copies
+    local: int                     # one-hot engine id of the local 8-byte ``sent`` copy
+    why: str
+
+
+def plan_engines(hsa, src_agent, dst_agent, copies: int, *, topology_root: str | None = None) -> EnginePlan:
+    """Pick the engines for a GPU pair from the driver's recommendation (never a hard-coded engine).
+
+    ``src_agent`` / ``dst_agent``: :class:`Agent`. The
+    recommended mask comes from ``hsa_amd_memory_get_preferred_copy_engine``
+    (ROCr with hsa_ext_amd >= 1.8) or else KFD's sysfs
+    ``recommended_sdma_engine_id_mask``; the available mask from
+    ``hsa_amd_memory_copy_engine_status``. With several recommended engines and
+    ``copies > 1`` the data copies rotate over them.
+    """
+    kw = {} if topology_root is None else {"root": topology_root}
+    pcie = src_agent.num_sdma if src_agent.num_sdma is not None else 2
+    preferred = hsa.preferred_copy_engine(dst_agent.handle, src_agent.handle)
+    source = "hsa_amd_memory_get_preferred_copy_engine"
+    if preferred is None:
+        src_node = src_agent.driver_node if src_agent.driver_node is not None else src_agent.node
+        dst_node = dst_agent.driver_node if dst_agent.driver_node is not None else dst_agent.node
+        preferred = (kfd_recommended_mask(src_node, dst_node, **kw)
+                     if src_node is not None and dst_node is not None else None)
+        source = "KFD sysfs recommended_sdma_engine_id_mask"
+    available = hsa.copy_engine_status(dst_agent.handle, src_agent.handle)
+    first, why = choose_engine(available, preferred, pcie_engines=pcie, xgmi_peer=True)
+    data = [first]
+    if copies > 1 and preferred:
+        data = [1 << b for b in engine_bits(preferred)] or data
+    local_avail = hsa.copy_engine_status(src_agent.handle, src_agent.handle)
+    local_pref = hsa.preferred_copy_engine(src_agent.handle, src_agent.handle) or 0
+    try:
+        local, _ = choose_engine(local_avail, local_pref, pcie_engines=pcie, xgmi_peer=False)
+    except BadInput:
+        local = first
+    return EnginePlan(tuple(data), local,
+                      f"data on engine(s) {[engine_bits(e)[0] for e in data]} ({why}; recommendation from {source}: "
+                      f"{mask_str(preferred)}); local flag copy on engine {engine_bits(local)[0]}")

@@ -63,11 +63,9 @@ order (SDMA packets may overlap). The receiver is the parent's: wait
 The host blocks only when it is N steps ahead of the engines (the ring wait,
 bounded: :class:`~gpuxfer.errors.TransferTimeout`).
 
-Requirements of the platform (``RocmPlatform`` has them; tests use a fake):
-``alloc_flags(nbytes, device)``, ``copy_async(..., force_nocu=True)``, and for
-the ``hsa`` path ``alloc_signal(device)`` (a :class:`~gpuxfer.platforms.rocm.SignalMemory`),
-``hsa()`` (a :class:`~gpuxfer.platforms.hsa.Hsa`), ``agent(device)``, and
-optionally ``pcie_atomics_64(device)``.
+The platform's SDMA engines come through the contract: :attr:`Platform.sdma
+<gpuxfer.platforms.base.Platform.sdma>`, a :class:`~gpuxfer.platforms.base.SdmaEngines`
+(ROCm's is :class:`~gpuxfer.platforms.rocm.RocmSdma`; tests use it over a fake ROCr).
 """
 from __future__ import annotations
 
@@ -78,8 +76,6 @@ from dataclasses import dataclass, field
 
 from .. import config
 from ..errors import BadInput, GpuxferError, TransferTimeout
-from ..platforms.hsa import (HSA_EXT_POINTER_TYPE_IPC, HSA_EXT_POINTER_TYPE_UNKNOWN, Signal, choose_engine,
-                             engine_bits, kfd_recommended_mask, mask_str)
 from ..sync import wait_event_or_raise
 from .copy_engine import FLAG_STRIDE, PROBE_TIMEOUT_S, CopyEngineTransport
 from .selection import register_backend
@@ -90,7 +86,6 @@ log = logging.getLogger("gpuxfer.pp")
 ENV_PATH = "GPUXFER_SDMA_PATH"
 ENV_RING = "GPUXFER_SDMA_RING"
 ENV_COPIES = "GPUXFER_SDMA_COPIES"
-SUPPORTED_ARCH_PREFIXES = ("gfx94", "gfx95")   # KFD recommended-engine masks exist from gfx9.4 on
 
 #: Flip to True (and add "sdma" to selection.ZERO_SM) once the backend has passed
 #: docs/ROCM.md's validation on an MI355X; until then ``auto`` keeps NCCL on ROCm.
@@ -101,65 +96,25 @@ def sdma_path_from_env(value: str | None = None) -> str:
     return config.resolve(ENV_PATH, value, option="sdma_path")
 
 
+def _engine(onehot: int) -> int:
+    """The index of a one-hot engine id (engine n is 1 << n)."""
+    return onehot.bit_length() - 1
+
+
 @dataclass
 class _Entry:
     """One ring entry (see the module docstring)."""
 
-    open_mem: object               # SignalMemory: .ptr (value word), .handle
-    open: Signal
-    data: list[Signal]
-    full: Signal
-    sent: Signal
+    open_mem: object               # SdmaEngines.alloc_signal: .ptr (value word), .signal
+    open: object                   # the runtime's signals (handles)
+    data: list
+    full: object
+    sent: object
     step: int = 0                  # the step that last used it (0: never)
-    used_data: list[Signal] = field(default_factory=list)
+    used_data: list = field(default_factory=list)
 
-    def signals(self) -> list[Signal]:
+    def signals(self) -> list:
         return self.used_data + [self.full, self.sent]
-
-
-@dataclass(frozen=True)
-class EnginePlan:
-    """Which SDMA engines carry a pair's copies, and why."""
-
-    data: tuple[int, ...]          # one-hot engine ids, used round-robin by the data copies
-    local: int                     # one-hot engine id of the local 8-byte ``sent`` copy
-    why: str
-
-
-def plan_engines(hsa, src_agent, dst_agent, copies: int, *, topology_root: str | None = None) -> EnginePlan:
-    """Pick the engines for a GPU pair from the driver's recommendation (never a hard-coded engine).
-
-    ``src_agent`` / ``dst_agent``: :class:`~gpuxfer.platforms.hsa.Agent`. The
-    recommended mask comes from ``hsa_amd_memory_get_preferred_copy_engine``
-    (ROCr with hsa_ext_amd >= 1.8) or else KFD's sysfs
-    ``recommended_sdma_engine_id_mask``; the available mask from
-    ``hsa_amd_memory_copy_engine_status``. With several recommended engines and
-    ``copies > 1`` the data copies rotate over them.
-    """
-    kw = {} if topology_root is None else {"root": topology_root}
-    pcie = src_agent.num_sdma if src_agent.num_sdma is not None else 2
-    preferred = hsa.preferred_copy_engine(dst_agent.handle, src_agent.handle)
-    source = "hsa_amd_memory_get_preferred_copy_engine"
-    if preferred is None:
-        src_node = src_agent.driver_node if src_agent.driver_node is not None else src_agent.node
-        dst_node = dst_agent.driver_node if dst_agent.driver_node is not None else dst_agent.node
-        preferred = (kfd_recommended_mask(src_node, dst_node, **kw)
-                     if src_node is not None and dst_node is not None else None)
-        source = "KFD sysfs recommended_sdma_engine_id_mask"
-    available = hsa.copy_engine_status(dst_agent.handle, src_agent.handle)
-    first, why = choose_engine(available, preferred, pcie_engines=pcie, xgmi_peer=True)
-    data = [first]
-    if copies > 1 and preferred:
-        data = [1 << b for b in engine_bits(preferred)] or data
-    local_avail = hsa.copy_engine_status(src_agent.handle, src_agent.handle)
-    local_pref = hsa.preferred_copy_engine(src_agent.handle, src_agent.handle) or 0
-    try:
-        local, _ = choose_engine(local_avail, local_pref, pcie_engines=pcie, xgmi_peer=False)
-    except BadInput:
-        local = first
-    return EnginePlan(tuple(data), local,
-                      f"data on engine(s) {[engine_bits(e)[0] for e in data]} ({why}; recommendation from {source}: "
-                      f"{mask_str(preferred)}); local flag copy on engine {engine_bits(local)[0]}")
 
 
 class SdmaTransport(CopyEngineTransport):
@@ -178,25 +133,12 @@ class SdmaTransport(CopyEngineTransport):
             path = sdma_path_from_env()
         except BadInput as exc:
             return str(exc)
-        need = ["alloc_flags", "copy_async"] + (["alloc_signal", "hsa", "agent"] if path == "hsa" else [])
-        missing = [m for m in need if not callable(getattr(platform, m, None))]
-        if missing:
-            return f"platform {platform.name} lacks {', '.join(missing)} (needed by the sdma backend)"
+        if platform.sdma is None:
+            return f"platform {platform.name} offers no SDMA engines (Platform.sdma is None)"
         for var in ("HSA_ENABLE_SDMA", "HSA_ENABLE_PEER_SDMA"):
             if os.environ.get(var, "").strip() == "0":
                 return f"{var}=0 makes ROCr run SDMA copies as blit kernels on CUs: unset it for the sdma backend"
-        dev = 0 if device is None else device
-        try:
-            info = platform.device_info(dev)
-            if not getattr(platform, "is_emulation", False) and not info.arch.startswith(SUPPORTED_ARCH_PREFIXES):
-                return (f"device {dev} is {info.arch}: the sdma backend targets gfx942/gfx950 "
-                        f"(MI300/MI355 class), where the driver recommends SDMA engines per GPU pair")
-            if path == "hsa":
-                platform.hsa()
-                platform.agent(dev)
-        except Exception as exc:  # noqa: BLE001 - a reason, not a crash
-            return f"{path} path unusable: {type(exc).__name__}: {exc}"
-        return None
+        return platform.sdma.unavailable_reason(0 if device is None else device, host_queued=path == "hsa")
 
     def __init__(self, *, sdma_path: str | None = None, ring: int | None = None, copies: int | None = None, **kw):
         super().__init__(**kw)
@@ -206,10 +148,13 @@ class SdmaTransport(CopyEngineTransport):
         self.copies = int(copies) if copies is not None else config.get(ENV_COPIES)
         if self.ring < 1 or self.copies < 1:
             raise BadInput(f"sdma ring ({self.ring}) and copies ({self.copies}) must be >= 1")
+        self._sd = self.platform.sdma
+        if self._sd is None:
+            raise BadInput(f"the sdma backend needs SDMA engines; platform {self.platform.name} offers none")
         self._hsa = None
         self._entries: list[_Entry] = []
         self._sdma_flags = None
-        self._engines: EnginePlan | None = None
+        self._engines = None                 # the SdmaEngines.plan_engines of the pair (hsa sender)
         self._my_agent = self._peer_agent = None
         self.shared_completion = False
         self._last_cur = None
@@ -221,11 +166,11 @@ class SdmaTransport(CopyEngineTransport):
         """The parent's, then the flags re-made uncached; the hsa sender also gets its stage/sent words."""
         payload = super().setup_prepare()
         p, dev = self.platform, self.device
-        old, self._flags = self._flags, p.alloc_flags(self.flags_bytes, dev)
+        old, self._flags = self._flags, self._sd.alloc_flags(self.flags_bytes, dev)
         old.close()
         p.memset_async(self._aux, self._flags.ptr, 0, self.flags_bytes)
         if self.role == "send" and self.sdma_path == "hsa":
-            self._sdma_flags = p.alloc_flags((self.ring + 2) * FLAG_STRIDE, dev)
+            self._sdma_flags = self._sd.alloc_flags((self.ring + 2) * FLAG_STRIDE, dev)
             p.memset_async(self._aux, self._sdma_flags.ptr, 0, (self.ring + 2) * FLAG_STRIDE)
             self._stage = [self._sdma_flags.ptr + i * FLAG_STRIDE for i in range(self.ring)]
             self._sent = [self._sdma_flags.ptr + (self.ring + s) * FLAG_STRIDE for s in range(2)]
@@ -240,34 +185,21 @@ class SdmaTransport(CopyEngineTransport):
             self._setup_hsa()
 
     def _setup_hsa(self) -> None:
-        p, dev = self.platform, self.device
-        hsa = self._hsa = p.hsa()
-        self._my_agent = p.agent(dev)
-        info = hsa.pointer_info(self._peer_data.ptr)
-        if info.type == HSA_EXT_POINTER_TYPE_UNKNOWN or not info.agent_owner:
-            raise GpuxferError(f"ROCr does not know rank {self.peer}'s receive buffer at 0x{self._peer_data.ptr:x} "
-                               f"(pointer type {info.type}): cannot name its agent for the SDMA copy")
-        if info.type != HSA_EXT_POINTER_TYPE_IPC:
-            log.info("rank %d: rank %d's receive buffer has HSA pointer type %d (IPC is %d)", self.rank, self.peer,
-                     info.type, HSA_EXT_POINTER_TYPE_IPC)
-        agents = {a.handle: a for a in hsa.agents()}
-        self._peer_agent = agents.get(info.agent_owner)
-        if self._peer_agent is None or not self._peer_agent.is_gpu:
-            raise GpuxferError(f"rank {self.peer}'s receive buffer is owned by HSA agent 0x{info.agent_owner:x}, "
-                               f"not a GPU this process sees (ROCR_VISIBLE_DEVICES?)")
+        sd, dev = self._sd, self.device
+        hsa = self._hsa = sd.runtime()
+        self._my_agent = sd.agent(dev)
+        self._peer_agent = sd.owner_agent(self._peer_data.ptr, f"rank {self.peer}'s receive buffer")
         if self._peer_agent.handle == self._my_agent.handle:
             log.info("rank %d: rank %d's buffer lives on this GPU; SDMA forced for a same-device copy",
                      self.rank, self.peer)
-        self._engines = plan_engines(hsa, self._my_agent, self._peer_agent, self.copies)
-        atomics = getattr(p, "pcie_atomics_64", None)
-        known = atomics(dev) if callable(atomics) else None
-        self.shared_completion = bool(known) and self.copies > 1
+        self._engines = sd.plan_engines(self._my_agent, self._peer_agent, self.copies)
+        self.shared_completion = bool(sd.pcie_atomics_64(dev)) and self.copies > 1
         log.info("rank %d -> %d: sdma %s; completion signals: %s", self.rank, self.peer, self._engines.why,
                  "one shared (64-bit PCIe atomics)" if self.shared_completion else "one per copy")
         n_data = 1 if self.shared_completion else self.copies
         for _ in range(self.ring):
-            mem = p.alloc_signal(dev)
-            e = _Entry(mem, Signal(mem.handle), [hsa.signal_create(0) for _ in range(n_data)],
+            mem = sd.alloc_signal(dev)
+            e = _Entry(mem, mem.signal, [hsa.signal_create(0) for _ in range(n_data)],
                        hsa.signal_create(0), hsa.signal_create(0))
             self._entries.append(e)
         self._warm_up()
@@ -280,9 +212,9 @@ class SdmaTransport(CopyEngineTransport):
             for eng in dict.fromkeys(self._engines.data):   # into the peer's slot 0: unused before step 1
                 hsa.signal_store(probe, 1)
                 hsa.copy_on_engine(self._peer_data.ptr, peer, self._staging.ptr, me, 8, [], probe, eng,
-                                   doing=f"warming up SDMA engine {engine_bits(eng)[0]} towards rank {self.peer}")
+                                   doing=f"warming up SDMA engine {_engine(eng)} towards rank {self.peer}")
                 hsa.signal_wait_at_most(probe, 0, PROBE_TIMEOUT_S, rank=self.rank, step=0, flag="sdma warm-up",
-                                        what=f"warm-up copy on engine {engine_bits(eng)[0]} to rank {self.peer}")
+                                        what=f"warm-up copy on engine {_engine(eng)} to rank {self.peer}")
             hsa.signal_store(probe, 1)
             hsa.copy_on_engine(self._sent[0], me, self._stage[0], me, 8, [], probe, self._engines.local,
                                doing="warming up the local SDMA flag copy")
@@ -295,7 +227,7 @@ class SdmaTransport(CopyEngineTransport):
     # ---- the parent's hooks ----
     def _ce_copy(self, stream, dst: int, src: int, nbytes: int) -> None:
         """A stream-ordered SDMA copy (the pack, the copy-out, the ``hip`` path's data copy, every 8-byte flag copy)."""
-        self.platform.copy_async(stream, dst, src, nbytes, force_nocu=True)
+        self._sd.copy_async(stream, dst, src, nbytes)
 
     # ---- send (hsa path) ----
     def _chunks(self, total: int) -> list[tuple[int, int]]:

@@ -132,8 +132,7 @@ def test_platform_ipc_to_a_second_process(plat, spawner):
 
 def test_hsa_agents_engine_plan_and_a_dependent_local_sdma_copy(plat):
     from gpuxfer.errors import TransferTimeout
-    from gpuxfer.platforms.hsa import choose_engine, engine_bits, mask_str
-    from gpuxfer.pp.sdma import plan_engines
+    from gpuxfer.platforms.hsa import choose_engine, engine_bits, mask_str, plan_engines
     hsa = plat.hsa()
     me = plat.agent(0)
     print(me)

@@ -230,10 +230,10 @@ def test_engine_plan_falls_back_to_kfd_sysfs(tmp_path):
     d.mkdir(parents=True)
     d.joinpath("properties").write_text("node_from 2\nnode_to 3\nrecommended_sdma_engine_id_mask 4096\n")
     lib = FakeHsaLib(gpus=2, missing=("hsa_amd_memory_get_preferred_copy_engine",))
-    from gpuxfer.platforms.hsa import Hsa
+    from gpuxfer.platforms.hsa import Hsa, plan_engines
     with Hsa(lib=lib) as h:
         me, peer = [a for a in h.agents() if a.is_gpu]
-        plan = S.plan_engines(h, me, peer, 1, topology_root=str(tmp_path))
+        plan = plan_engines(h, me, peer, 1, topology_root=str(tmp_path))
     assert plan.data == (1 << 12,) and "KFD sysfs" in plan.why
 
 
@@ -249,6 +249,7 @@ def test_unavailable_reasons(monkeypatch):
     broken = FakeRocmPlatform(hsa_error="libhsa-runtime64.so.1: cannot open shared object file")
     try:
         assert "runs on rocm, not host" in SdmaTransport.unavailable_reason(host)
+        assert host.sdma is None and ok.sdma.unavailable_reason(0, host_queued=True) is None
         assert SdmaTransport.unavailable_reason(ok, 0) is None
         why = SdmaTransport.unavailable_reason(broken, 0)
         assert "hsa path unusable" in why and "libhsa-runtime64" in why
@@ -262,6 +263,17 @@ def test_unavailable_reasons(monkeypatch):
     finally:
         for p in (host, ok, broken):
             p.close()
+
+
+def test_sdma_engines_reason_names_an_unsupported_architecture(monkeypatch):
+    plat = FakeRocmPlatform()
+    base = plat.device_info
+    monkeypatch.setattr(plat, "device_info", lambda d: base(d).__class__(**{**base(d).__dict__, "arch": "gfx90a"}))
+    try:
+        why = SdmaTransport.unavailable_reason(plat, 0)
+        assert "gfx90a" in why and "gfx942/gfx950" in why
+    finally:
+        plat.close()
 
 
 def test_settings_are_validated(monkeypatch):
