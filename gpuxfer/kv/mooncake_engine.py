@@ -33,7 +33,6 @@ Importing this module never imports Mooncake nor touches a GPU.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import ctypes
 import importlib
 import json
 import logging
@@ -67,27 +66,8 @@ DISTRIBUTIONS = ("mooncake-transfer-engine", "mooncake-transfer-engine-cuda13")
 # --------------------------------------------------------------------------- finding Mooncake
 
 
-def _preload_cudart12() -> bool:
-    """The CUDA wheels link ``libcudart.so.12``; on CUDA 13 images take it from nvidia-cuda-runtime-cu12."""
-    try:
-        ctypes.CDLL("libcudart.so.12", mode=ctypes.RTLD_GLOBAL)
-        return True
-    except OSError:
-        pass
-    try:
-        from importlib import metadata
-        for dist in ("nvidia-cuda-runtime-cu12", "nvidia-cuda-runtime"):
-            try:
-                files = metadata.files(dist) or []
-            except metadata.PackageNotFoundError:
-                continue
-            for f in files:
-                if f.name == "libcudart.so.12":
-                    ctypes.CDLL(str(f.locate()), mode=ctypes.RTLD_GLOBAL)
-                    return True
-    except Exception:
-        pass
-    return False
+#: the CUDA runtime major version Mooncake's CUDA wheels link against (``libcudart.so.12``)
+CUDART_MAJOR = 12
 
 
 def _version() -> str:
@@ -124,9 +104,10 @@ def find_mooncake(refresh: bool = False) -> tuple[Any, str | None]:
         try:
             mod = importlib.import_module("mooncake.engine")
         except ImportError as first:
-            if not _preload_cudart12():
-                raise ImportError(f"{first} (and libcudart.so.12 was not found: "
-                                  "install nvidia-cuda-runtime-cu12)") from first
+            from ..platforms import platform_class
+            why = platform_class("cuda").load_runtime_library(CUDART_MAJOR)
+            if why is not None:
+                raise ImportError(f"{first} (and {why})") from first
             mod = importlib.import_module("mooncake.engine")
         result = (mod.TransferEngine, None)
     except Exception as exc:

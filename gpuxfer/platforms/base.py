@@ -334,6 +334,13 @@ class Platform(abc.ABC):
         """Versions of the libraries this platform uses (for preambles and doctor)."""
         return {}
 
+    @classmethod
+    def load_runtime_library(cls, major: int) -> str | None:
+        """Load major version ``major`` of this platform's runtime library into the process (``RTLD_GLOBAL``),
+        for a third-party extension linked against that version; None once loaded, else why not. Never raises.
+        Default: there is none."""
+        return f"the {cls.name} platform has no runtime library to load"
+
     # ---- memory ----
     @abc.abstractmethod
     def alloc(self, nbytes: int, device: int) -> DeviceBuffer:

@@ -757,6 +757,31 @@ class CudaPlatform(Platform):
         return "pcie", (f"NVML P2P NVLink status {names.get(status, status)} ({bus[0]} -> {bus[1]}): "
                         "no NVLink, traffic goes over PCIe")
 
+    @classmethod
+    def load_runtime_library(cls, major: int) -> str | None:
+        """``libcudart.so.<major>``: from the loader's path, else from NVIDIA's runtime wheel of that major version
+        (``nvidia-cuda-runtime-cu<major>``), e.g. for an extension built against CUDA 12 on a CUDA 13 image."""
+        name = f"libcudart.so.{int(major)}"
+        try:
+            ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+            return None
+        except OSError as exc:
+            why = str(exc)
+        try:
+            from importlib import metadata
+            for dist in (f"nvidia-cuda-runtime-cu{int(major)}", "nvidia-cuda-runtime"):
+                try:
+                    files = metadata.files(dist) or []
+                except metadata.PackageNotFoundError:
+                    continue
+                for f in files:
+                    if f.name == name:
+                        ctypes.CDLL(str(f.locate()), mode=ctypes.RTLD_GLOBAL)
+                        return None
+        except Exception as exc:  # noqa: BLE001 - a reason, not a crash
+            why = f"{type(exc).__name__}: {exc}"
+        return f"{name} was not found ({why}): install nvidia-cuda-runtime-cu{int(major)}"
+
     def versions(self) -> dict[str, str]:
         out: dict[str, str] = {}
 

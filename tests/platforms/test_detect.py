@@ -107,3 +107,10 @@ def test_the_exit_hook_closes_the_process_platform():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "closed"
+
+
+def test_runtime_library_hook_gives_reasons_and_never_raises():
+    from gpuxfer.platforms import platform_class
+    assert "no runtime library" in platform_class("host").load_runtime_library(12)
+    why = platform_class("cuda").load_runtime_library(99)       # a major version no machine has
+    assert "libcudart.so.99" in why and "nvidia-cuda-runtime-cu99" in why
