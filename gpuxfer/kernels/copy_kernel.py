@@ -39,6 +39,10 @@ Modes (``MODE``, a compile-time constant):
 * 1 -- pack: the destination is a staging buffer; row ``i``'s bytes go to
   ``staging_base + offs[i] - offs[row_begin]`` (``offs`` = exclusive cumsum of sizes).
 * 2 -- unpack: the source is the staging buffer, laid out as pack wrote it.
+* 3 -- pack, rows of one size: row ``i``'s bytes go to ``staging_base + (i - row_begin) * row_bytes``
+  (no offsets to read); a row holding more than ``row_bytes`` is cut at ``row_bytes``, so no row
+  leaves its place.
+* 4 -- unpack of what mode 3 packed.
 
 Row ranges: the rows ``[row_begin, row_begin + n_rows)`` and their split into
 ``n_items`` work items of ``slices`` slices are launch arguments; with ``DEVICE_RANGE``
@@ -59,7 +63,7 @@ from ._jit import dual_kernel
 
 
 @triton.jit
-def _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, it, n_items, slices, lanes,
+def _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, it, n_items, slices, lanes,
                 MODE: tl.constexpr, ROWS: tl.constexpr):
     """Row descriptors (s, d, n in bytes; zeros past the end) and slice of work item ``it``."""
     grp = it // slices
@@ -74,14 +78,22 @@ def _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, it, n_items, slices, la
     elif MODE == 1:
         s = tl.load(desc_ptr + rows * 3, mask=rmask, other=0)
         d = sbase + tl.load(offs_ptr + rows, mask=rmask, other=0) - off0
-    else:
+    elif MODE == 2:
         s = sbase + tl.load(offs_ptr + rows, mask=rmask, other=0) - off0
+        d = tl.load(desc_ptr + rows * 3 + 1, mask=rmask, other=0)
+    elif MODE == 3:
+        n = tl.minimum(n, rowb)
+        s = tl.load(desc_ptr + rows * 3, mask=rmask, other=0)
+        d = sbase + r * rowb
+    else:
+        n = tl.minimum(n, rowb)
+        s = sbase + r * rowb
         d = tl.load(desc_ptr + rows * 3 + 1, mask=rmask, other=0)
     return s, d, n, sl
 
 
 @triton.jit
-def _step(src_ptr, dst_ptr, sp, dp, desc_ptr, offs_ptr, rb, nr, sbase, off0, n_items, slices, G, lanes, cols,
+def _step(src_ptr, dst_ptr, sp, dp, desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, n_items, slices, G, lanes, cols,
           it, k, s, d, n, sl, ps, pd, pn, psl, qd, qn, qc, qxs,
           MODE: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr, UNROLL: tl.constexpr,
           LOAD_CACHE: tl.constexpr, STORE_CACHE: tl.constexpr):
@@ -133,15 +145,16 @@ def _step(src_ptr, dst_ptr, sp, dp, desc_ptr, offs_ptr, rb, nr, sbase, off0, n_i
     n2 = tl.where(adv, pn, n)
     sl2 = tl.where(adv, psl, sl)
     # prefetch the descriptors of the item after the (new) current one
-    ps2, pd2, pn2, psl2 = _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, it2 + G, n_items, slices, lanes,
+    ps2, pd2, pn2, psl2 = _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, it2 + G, n_items, slices, lanes,
                                       MODE, ROWS)
     qn2 = tl.where(fast, nu, 0)
     return it2, k3, s2, d2, n2, sl2, ps2, pd2, pn2, psl2, du, qn2, cu, xs
 
 
-@dual_kernel(do_not_specialize=["row_begin", "n_rows", "staging_base", "n_items", "slices", "lo_at", "hi_at"])
+@dual_kernel(do_not_specialize=["row_begin", "n_rows", "staging_base", "n_items", "slices", "lo_at", "hi_at",
+                                 "row_bytes"])
 def copy_kernel(src_ptr, dst_ptr, desc_ptr, offs_ptr,
-                row_begin, n_rows, staging_base, n_items, slices, bounds_ptr, lo_at, hi_at,
+                row_begin, n_rows, staging_base, n_items, slices, bounds_ptr, lo_at, hi_at, row_bytes,
                 MODE: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr,
                 UNROLL: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_CACHE: tl.constexpr,
                 DEVICE_RANGE: tl.constexpr):
@@ -165,11 +178,13 @@ def copy_kernel(src_ptr, dst_ptr, desc_ptr, offs_ptr,
         nr = tl.cast(n_rows, tl.int64)
     sbase = tl.cast(staging_base, tl.int64)
     off0 = tl.cast(0, tl.int64)
-    if MODE != 0:
+    rowb = tl.cast(row_bytes, tl.int64)
+    if MODE == 1 or MODE == 2:
         off0 = tl.load(offs_ptr + rb)
     it = pid
-    s, d, n, sl = _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, it, n_items, slices, lanes, MODE, ROWS)
-    ps, pd, pn, psl = _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, it + G, n_items, slices, lanes,
+    s, d, n, sl = _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, it, n_items, slices, lanes,
+                              MODE, ROWS)
+    ps, pd, pn, psl = _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, it + G, n_items, slices, lanes,
                                   MODE, ROWS)
     k = sl
     qd = tl.zeros([ROWS], tl.int64)
@@ -182,11 +197,11 @@ def copy_kernel(src_ptr, dst_ptr, desc_ptr, offs_ptr,
         # two steps per iteration (ping-pong), so a chunk's registers are never copied
         # while its loads are in flight
         it, k, s, d, n, sl, ps, pd, pn, psl, ad, an, ac, axs = _step(
-            src_ptr, dst_ptr, sp, dp, desc_ptr, offs_ptr, rb, nr, sbase, off0, n_items, slices, G, lanes, cols,
+            src_ptr, dst_ptr, sp, dp, desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, n_items, slices, G, lanes, cols,
             it, k, s, d, n, sl, ps, pd, pn, psl, qd, qn, qc, qxs,
             MODE, ALIGN, ROWS, W, UNROLL, LOAD_CACHE, STORE_CACHE)
         it, k, s, d, n, sl, ps, pd, pn, psl, qd, qn, qc, qxs = _step(
-            src_ptr, dst_ptr, sp, dp, desc_ptr, offs_ptr, rb, nr, sbase, off0, n_items, slices, G, lanes, cols,
+            src_ptr, dst_ptr, sp, dp, desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, n_items, slices, G, lanes, cols,
             it, k, s, d, n, sl, ps, pd, pn, psl, ad, an, ac, axs,
             MODE, ALIGN, ROWS, W, UNROLL, LOAD_CACHE, STORE_CACHE)
     VEC: tl.constexpr = 4 if ALIGN == 16 else 1

@@ -31,7 +31,7 @@ from . import reference
 from .copy_kernel import copy_kernel
 from .pattern_kernel import fill_kernel, verify_kernel
 
-MODE_COPY, MODE_PACK, MODE_UNPACK = 0, 1, 2
+MODE_COPY, MODE_PACK, MODE_UNPACK, MODE_PACK_ROWS, MODE_UNPACK_ROWS = 0, 1, 2, 3, 4
 CPU_PROGRAMS = 3            # interpreter: a few programs, to exercise the persistent loop
 
 
@@ -319,7 +319,7 @@ def _launch_copy(mode: int, src, dst, descs, offsets, start: int, end: int, stag
 
 def _copy_launch(mode: int, src, dst, descs, offsets, start: int, end: int, staging_offset: int,
                  stats: DescriptorStats | None, num_programs: int | None, nbytes_hint: int | None,
-                 config: CopyConfig | None, local: bool, bounds: tuple | None = None):
+                 config: CopyConfig | None, local: bool, bounds: tuple | None = None, row_bytes: int = 0):
     """The kernel launch ``_launch_copy`` makes, as a function of no arguments (None: nothing to copy).
 
     ``bounds``: ``(tensor, lo_at, hi_at)``: the rows are read on the device at each launch (the kernel's
@@ -345,7 +345,7 @@ def _copy_launch(mode: int, src, dst, descs, offsets, start: int, end: int, stag
         programs, n_items, slices = _grid(rows, config, num_programs)
         bounds = (descs, 0, 0)
     args = (src, dst, descs, descs if offsets is None else offsets, start, rows, staging_offset, n_items, slices,
-            *bounds)
+            *bounds, row_bytes)
     kw = dict(MODE=mode, ALIGN=align, ROWS=config.rows, W=config.width, UNROLL=config.unroll,
               LOAD_CACHE=config.load_cache, STORE_CACHE=config.store_cache, DEVICE_RANGE=device_range,
               num_warps=config.num_warps)
@@ -428,21 +428,56 @@ def copy_descriptors(src_pool, dst_pool, descs, *, start: int = 0, end: int | No
                  config, local)
 
 
-def pack_launcher(src_pool, staging, descs, offsets, *, start: int, end: int, staging_offset: int = 0,
+def _check_rows(pool, staging, descs, start, end, staging_offset, row_bytes, device, pool_name):
+    """The checks of a launcher over rows of one size: the range, and its places inside the staging buffer."""
+    dev = check_pool(pool, pool_name, device)
+    check_pool(staging, "staging", dev)
+    n = check_descriptors(descs, "descs", dev)
+    start, end = _check_range(start, end, n)
+    for name, v, lo in (("staging_offset", staging_offset, 0), ("row_bytes", row_bytes, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise BadInput(f"{name} must be an int >= {lo}, got {v!r}")
+    if staging_offset + (end - start) * row_bytes > staging.numel():
+        raise BadInput(f"{end - start} rows of {row_bytes} bytes from staging byte {staging_offset} pass the end of "
+                       f"the staging buffer ({staging.numel()} bytes)")
+    return start, end
+
+
+def pack_launcher(src_pool, staging, descs, offsets=None, *, start: int, end: int, staging_offset: int = 0,
                   nbytes_hint: int | None = None, num_programs: int | None = None,
-                  device: torch.device | None = None):
+                  device: torch.device | None = None, row_bytes: int | None = None):
     """:func:`pack` with ``validate=False``, checked once (tensors, not contents): a function of no
-    arguments that only launches; None when there is nothing to pack."""
+    arguments that only launches; None when there is nothing to pack.
+
+    ``row_bytes``: the rows ``[start, end)`` are all of this size (one size class of a KV transfer's
+    descriptors): row ``i`` lands at ``staging_offset + (i - start) * row_bytes`` with no offsets
+    read (``offsets`` must be None); a row claiming more is cut at ``row_bytes``, so the rows stay in
+    ``[staging_offset, staging_offset + (end - start) * row_bytes)``, which must lie in ``staging``."""
+    if row_bytes is not None:
+        if offsets is not None:
+            raise BadInput("pack_launcher: pass offsets or row_bytes, not both")
+        start, end = _check_rows(src_pool, staging, descs, start, end, staging_offset, row_bytes, device, "src_pool")
+        return _copy_launch(MODE_PACK_ROWS, src_pool, staging, descs, None, start, end, staging_offset, None,
+                            num_programs, row_bytes if nbytes_hint is None else nbytes_hint, None, True,
+                            row_bytes=row_bytes)
     _, start, end, offsets, _ = _check_packing(src_pool, staging, descs, offsets, start, end, staging_offset,
                                                device, packing=True, validate=False)
     return _copy_launch(MODE_PACK, src_pool, staging, descs, offsets, start, end, staging_offset, None,
                         num_programs, nbytes_hint, None, True)
 
 
-def unpack_launcher(staging, dst_pool, descs, offsets, *, start: int, end: int, staging_offset: int = 0,
+def unpack_launcher(staging, dst_pool, descs, offsets=None, *, start: int, end: int, staging_offset: int = 0,
                     nbytes_hint: int | None = None, num_programs: int | None = None,
-                    device: torch.device | None = None):
-    """:func:`unpack` with ``validate=False``, checked once: a function of no arguments that only launches."""
+                    device: torch.device | None = None, row_bytes: int | None = None):
+    """:func:`unpack` with ``validate=False``, checked once: a function of no arguments that only launches.
+    ``row_bytes``: as :func:`pack_launcher` (what it packed with the same ``row_bytes``)."""
+    if row_bytes is not None:
+        if offsets is not None:
+            raise BadInput("unpack_launcher: pass offsets or row_bytes, not both")
+        start, end = _check_rows(dst_pool, staging, descs, start, end, staging_offset, row_bytes, device, "dst_pool")
+        return _copy_launch(MODE_UNPACK_ROWS, staging, dst_pool, descs, None, start, end, staging_offset, None,
+                            num_programs, row_bytes if nbytes_hint is None else nbytes_hint, None, True,
+                            row_bytes=row_bytes)
     _, start, end, offsets, _ = _check_packing(dst_pool, staging, descs, offsets, start, end, staging_offset,
                                                device, packing=False, validate=False)
     return _copy_launch(MODE_UNPACK, staging, dst_pool, descs, offsets, start, end, staging_offset, None,

@@ -111,9 +111,11 @@ _MAX_INT = 1 << 62
 _MAX_NAME = 512
 _MAX_PIECES = 16
 NOTIFY_SLOTS = 64                           # notification words per agent
-_AVAIL = NOTIFY_SLOTS                       # pack: chunks the peer's source has copied into our staging
-_FREE = NOTIFY_SLOTS + 1                    # pack: chunks the peer's destination has unpacked from its staging
-_GO = NOTIFY_SLOTS + 2                      # pack: transfers the peer's destination has posted
+# the pack engine's words, two of each (a transfer of parity p uses word + p; see _PackTransfer):
+_AVAIL = NOTIFY_SLOTS                       # chunks of the transfer the peer's source copied into our staging
+_FREE = NOTIFY_SLOTS + 2                    # chunks of our source's transfer the peer's destination unpacked
+_GO = NOTIFY_SLOTS + 4                      # the peer's destination posted the transfer (1), or reset it (0)
+_PACK_WORDS = tuple(range(NOTIFY_SLOTS, NOTIFY_SLOTS + 6))
 _CTRL_WORDS = NOTIFY_SLOTS + 8
 _CTRL_BYTES = _CTRL_WORDS * 8
 #: the engines the agent runs
@@ -122,6 +124,8 @@ AGENT_ENGINES = ("triton", "pack", "copy_engine")
 PACK_SLOTS = 2
 PACK_SLOT_BYTES = 32 << 20
 PACK_SLOT_BYTES_EMULATION = 1 << 20
+#: shapes of pack transfers an agent keeps (buffers, kernels, graphs), the least recently posted going first
+PACK_SHAPES = 8
 DIRECTIONS = ("pull", "push")
 
 _LOCAL_AGENTS: "weakref.WeakValueDictionary[str, KVAgent]" = weakref.WeakValueDictionary()
@@ -498,9 +502,8 @@ class KVPeer(Closable):
         self.scratch: DeviceBuffer | None = None
         self.staging_ptr: int | None = None
         self._seq = [0] * NOTIFY_SLOTS
-        self.pack_sent = 0                  # pack chunks this agent's source copied to the peer
-        self.pack_recv = 0                  # pack chunks this agent's destination unpacked from the peer
-        self.pack_posts = 0                 # pack transfers posted with the peer (both sides count alike)
+        self.pack_sent = 0                  # pack transfers (with chunks) this agent's source posted to the peer
+        self.pack_recv = 0                  # pack transfers (with chunks) this agent's destination posted
         plat, dev = agent.platform, agent.device
         try:
             local = _LOCAL_AGENTS.get(meta.uid) if meta.pid == os.getpid() else None
@@ -1012,126 +1015,222 @@ class _RequestPool:
             kept.append(token)
 
 
+class _PackShape:
+    """What every pack transfer of one shape -- one route, one number of segments per group, hence the same
+    descriptor rows and chunks -- shares: the device request and descriptor buffers, the kernels bound to
+    them (one pack or unpack per chunk, its slot fixed), and per parity the captured graph of a post.
+
+    A post uploads its request into :attr:`req` and replays the graph: one driver call whatever the
+    number of chunks. The first post of a shape enqueues the work itself (it loads the kernels); later
+    ones capture the graph of their parity once (where the platform captures) and replay it."""
+
+    def __init__(self, agent: "KVAgent", x: "_PackTransfer"):
+        torch = _torch()
+        from ..kernels.blocks import expand_launcher
+        from ..kernels.launch import pack_launcher, unpack_launcher
+        dev = agent._torch_device()
+        self.agent, self.peer, self.route, self.source = agent, x.peer, x.route, x.source
+        self.req = torch.empty(int(x._host_req.numel()), dtype=torch.int64, device=dev)
+        self.out = torch.empty((max(x.descriptors, 1), 3), dtype=torch.int64, device=dev)
+        r = self.route
+        self.expand = expand_launcher(r.planes, self.req, self.out, n_groups=len(r.groups),
+                                      max_segments=int(x.n_seg.max()) if x.n_seg.size else 0)
+        stage = agent.platform.as_tensor(agent.staging)
+        local = r.src_anchor if self.source else r.dst_anchor
+        self.chunks: list[tuple[int, Any]] = []             # (bytes, the launch of its pack or unpack)
+        for i, (a, b, nbytes, c) in enumerate(x._chunks):
+            at = (i % PACK_SLOTS) * agent.slot_bytes
+            fn = (pack_launcher(local, stage, self.out, start=a, end=b, staging_offset=at, row_bytes=c)
+                  if self.source else
+                  unpack_launcher(stage, local, self.out, start=a, end=b, staging_offset=at, row_bytes=c))
+            self.chunks.append((nbytes, fn))
+        self.graphs: list[Any] = [None] * 2
+        self.posts = 0
+        self.capturable = True
+
+    def graph(self, parity: int):
+        """The graph of a post of ``parity``, captured now if the shape was posted before (its kernels are
+        loaded); None where the platform cannot capture (the post then enqueues :meth:`record`)."""
+        g = self.graphs[parity]
+        agent = self.agent
+        if g is None and self.capturable and self.posts and agent.graphs:
+            plat = agent.platform
+            try:
+                if agent._capture_stream is None:
+                    agent._capture_stream = plat.create_stream(agent.device)
+                g = plat.capture_graph(agent._capture_stream, lambda cs: self.record(cs, parity))
+            except Exception as exc:  # noqa: BLE001 - the same operations are enqueued one by one instead
+                log.warning("agent %s: capturing a pack transfer failed (%s: %s); posting it op by op",
+                            agent.name, type(exc).__name__, exc)
+                g = None
+            self.capturable = g is not None
+            self.graphs[parity] = g
+        return g
+
+    def _signal(self, s: Stream, word: int, value: int) -> None:
+        """The peer's control ``word`` := ``value`` after the work before it on ``s``: a write into our
+        scratch copy of the word, then an 8-byte copy-engine copy into the peer's."""
+        plat, peer = self.agent.platform, self.peer
+        local = peer.scratch.ptr + 8 * word
+        plat.write_flag(s, local, value)
+        plat.copy_async(s, peer.control_ptr + 8 * word, local, 8)
+
+    def record(self, s: Stream, parity: int) -> None:
+        """Enqueue this side of one transfer (see :class:`_PackTransfer`) on ``s``, the request already in
+        :attr:`req`: every value is a constant of the shape and the parity, so a graph replays it."""
+        agent, peer = self.agent, self.peer
+        plat = agent.platform
+        native = plat.native_stream(s)
+
+        def launch(fn) -> None:
+            if native is None:
+                plat.launch(s, fn)
+            else:
+                fn(native)
+
+        ctrl, slot = agent.control.ptr, agent.slot_bytes
+        avail, free, go = _AVAIL + parity, _FREE + parity, _GO + parity
+        if self.expand is not None:
+            launch(self.expand)
+        if self.source:
+            plat.wait_flag(s, ctrl + 8 * go, 1)
+            for i, (nbytes, fn) in enumerate(self.chunks):
+                k = i % PACK_SLOTS
+                if i >= PACK_SLOTS:             # the destination unpacked the slot's previous chunk
+                    plat.wait_flag(s, ctrl + 8 * free, i - PACK_SLOTS + 1)
+                launch(fn)
+                plat.copy_async(s, peer.staging_ptr + k * slot, agent.staging.ptr + k * slot, nbytes)
+                self._signal(s, avail, i + 1)
+            plat.wait_flag(s, ctrl + 8 * free, len(self.chunks))
+            self._signal(s, avail, 0)           # the destination is past every wait on it
+        else:
+            self._signal(s, free, 0)            # the source is past every wait on it (its transfer before last)
+            self._signal(s, go, 1)
+            for i, (_, fn) in enumerate(self.chunks):
+                plat.wait_flag(s, ctrl + 8 * avail, i + 1)
+                if i == 0:
+                    self._signal(s, go, 0)      # the source is past its wait on it
+                launch(fn)
+                self._signal(s, free, i + 1)
+
+
 class _PackTransfer(KVTransfer):
     """The ``pack`` engine: two-sided. The source side packs its blocks' pieces into its staging slot
     (a local kernel), copies the slot into the destination's staging on a copy engine and signals;
     the destination side waits, unpacks into its blocks and signals the slot free. Both sides prepare
     and post the same request (the source ``push``, the destination ``pull``, the same block IDs); the
-    two derive the same descriptor order and chunks from the request. Chunks go in the order of the
-    descriptors, one slot each, ``PACK_SLOTS`` slots in turn; chunk numbers count over the pair's life.
+    two derive the same descriptor order and chunks from the request. Chunk ``i`` of a transfer goes
+    through slot ``i % PACK_SLOTS``; a chunk holds rows of one segment size, so row ``j`` of it sits at
+    ``(j - first row) * size`` in the slot (no offsets to compute).
 
-    ::
+    Every flag value is a constant of the transfer's shape, so a post of a shape seen before is one
+    graph replay (:class:`_PackShape`): the words come in two sets, used by a pair's transfers in turn
+    (parity ``p``: the n-th transfer in one direction uses set ``n % 2`` on both sides), and each word
+    is reset by the side that writes it, once the side waiting on it is past its last wait (nothing
+    this side's own queued work does can undo a release of its words)::
 
-        source stream                                  destination stream
+        source stream (parity p)                       destination stream (parity p)
         upload, expand                                 upload, expand
-        wait GO >= m (the m-th transfer)  <----------  signal the source: GO := m
-        chunk n: [wait FREE >= n - slots]              chunk n: wait AVAIL >= n
-                 pack -> own slot                               unpack own slot -> blocks
-                 copy slot -> peer's slot                       signal the source: FREE := n
-                 signal the peer: AVAIL := n  --------->
-        wait FREE >= last  <----------------------------
+                                                       signal the source: FREE[p] := 0, GO[p] := 1
+        wait GO[p] >= 1  <-----------------------------'
+        chunk i: [wait FREE[p] >= i + 1 - slots]       chunk i: wait AVAIL[p] >= i + 1
+                 pack -> own slot i % slots                     (i = 0: signal the source: GO[p] := 0)
+                 copy slot -> peer's slot                       unpack own slot -> blocks
+                 signal the peer: AVAIL[p] := i + 1 ->          signal the source: FREE[p] := i + 1
+        wait FREE[p] >= chunks  <-----------------------
+        signal the peer: AVAIL[p] := 0
         event (the data has landed)                    event (the data has landed)
+
+    Why the resets are safe: the source's transfer before last of parity ``p`` ended (its last wait on
+    FREE[p]) before the destination's previous transfer could end; the destination passed its waits on
+    AVAIL[p] before its last FREE[p]; and each reset travels on the writer's stream ahead of anything it
+    writes into the word later. A transfer of no chunks moves nothing and touches no flag (both sides
+    know). An agent's pack posts run one after another (a post on another stream waits for the one
+    before): its staging serves both directions.
     """
 
     waits_on_peer = True
 
     def __init__(self, *a, chunks: list, **kw):
+        self._chunks = chunks
         super().__init__(*a, **kw)
-        torch = _torch()
-        from ..kernels.launch import pack_launcher, unpack_launcher
         agent, peer = self.agent, self.peer
         self.source = self.op == "push"
         if agent.staging is None:
             raise BadInput(f"agent {agent.name!r} has no staging buffer: build it with engine='pack'")
         if self.source and peer.staging_ptr is None:
             raise BadInput(f"peer {peer.name!r} has no staging buffer (its agent does not run the pack engine)")
-        out = self._out
-        # written whole on the posting stream at each post (entry 0 zeroed, the rest a cumsum): a fill here
-        # would run on another stream, unordered with them
-        self._offsets = torch.empty(out.shape[0] + 1, dtype=torch.int64, device=out.device)
-        r = self.route
-        local = r.src_anchor if self.source else r.dst_anchor
-        stage = agent.platform.as_tensor(agent.staging)
-        slot = agent.slot_bytes
-        self._chunks = []
-        for a, b, nbytes, hint in chunks:
-            if self.source:
-                fns = [pack_launcher(local, stage, out, self._offsets, start=a, end=b, staging_offset=k * slot,
-                                     nbytes_hint=hint) for k in range(PACK_SLOTS)]
-            else:
-                fns = [unpack_launcher(stage, local, out, self._offsets, start=a, end=b, staging_offset=k * slot,
-                                       nbytes_hint=hint) for k in range(PACK_SLOTS)]
-            self._chunks.append((nbytes, fns))
-        self._buffers = self._buffers + (self._offsets,)
+        self._buffers = (self._host_req,)
+        self._shape_key = (id(self.route), self.source, self.n_seg.tobytes())
 
-    def _kernels(self, stream=None) -> None:
-        torch = _torch()
-        if self._expand_launch is not None:
-            self._expand_launch()
-        self._offsets[:1].zero_()           # on the posting stream: nothing else orders it before the packs
-        torch.cumsum(self._out[:, 2], 0, out=self._offsets[1:])
-
-    def _launch(self, s: Stream, native, fn) -> None:
-        """A chunk's kernel on ``s``: straight on its driver handle where the platform gives one."""
-        if native is None:
-            self.agent.platform.launch(s, fn)
-        else:
-            fn(native)
-
-    def _signal(self, s: Stream, index: int, value: int) -> None:
-        plat, peer = self.agent.platform, self.peer
-        word = peer.scratch.ptr + 8 * index
-        plat.write_flag(s, word, value)
-        plat.copy_async(s, peer.control_ptr + 8 * index, word, 8)
+    def _build_launches(self, max_segments: int, launches: list) -> None:
+        """Nothing per request: the kernels belong to the request's shape (:class:`_PackShape`)."""
 
     def post(self, stream: Stream | None = None) -> KVTransferHandle:
         """Enqueue this side's part (see the class docstring) on ``stream``; the handle completes when the
-        data has landed on the destination."""
+        data has landed on the destination. Host work: the request upload and, for a shape posted before,
+        one graph launch (else the operations one by one), a notification if asked for, one event."""
         agent, peer = self.agent, self.peer
         agent._check_usable(peer)
         if agent._pack_peer not in (None, peer.meta.uid):
             raise BadInput(f"agent {agent.name!r} already runs pack transfers with another peer: its control "
                            "words hand chunks to one peer (use one agent per pack peer)")
         agent._pack_peer = peer.meta.uid
-        plat = agent.platform
         s = agent.stream if stream is None else stream
-        self._upload(s)
-        plat.launch(s, self._kernels)
-        ctrl, slot_bytes = agent.control.ptr, agent.slot_bytes
-        peer.pack_posts += 1
-        if self.source:                 # nothing moves before the destination has posted its side
-            plat.wait_flag(s, ctrl + 8 * _GO, peer.pack_posts)
-        else:
-            self._signal(s, _GO, peer.pack_posts)
-        first = peer.pack_sent if self.source else peer.pack_recv
-        seq = first
-        native = plat.native_stream(s)
-        for i, (nbytes, fns) in enumerate(self._chunks):
-            seq = first + i + 1
-            k = (seq - 1) % PACK_SLOTS
+        with agent._post_lock:
+            return self._post(s)
+
+    def _post(self, s: Stream) -> KVTransferHandle:
+        agent, peer = self.agent, self.peer
+        plat = agent.platform
+        tail = agent._pack_tail
+        if tail is not None and tail[0] is not s:
+            plat.stream_wait_event(s, tail[1])
+        keep: tuple = self._buffers
+        if self._chunks:
+            shape = agent._pack_shape(self)
             if self.source:
-                if seq > PACK_SLOTS:            # the destination unpacked the slot's previous chunk
-                    plat.wait_flag(s, ctrl + 8 * _FREE, seq - PACK_SLOTS)
-                self._launch(s, native, fns[k])
-                plat.copy_async(s, peer.staging_ptr + k * slot_bytes, agent.staging.ptr + k * slot_bytes, nbytes)
-                self._signal(s, _AVAIL, seq)
+                parity, peer.pack_sent = peer.pack_sent % 2, peer.pack_sent + 1
             else:
-                plat.wait_flag(s, ctrl + 8 * _AVAIL, seq)
-                self._launch(s, native, fns[k])
-                self._signal(s, _FREE, seq)
-        if self.source:
-            peer.pack_sent = seq
-            if seq > first:
-                plat.wait_flag(s, ctrl + 8 * _FREE, seq)
-        else:
-            peer.pack_recv = seq
+                parity, peer.pack_recv = peer.pack_recv % 2, peer.pack_recv + 1
+            plat.copy_async(s, shape.req.data_ptr(), self._host_req.data_ptr(), self._req_bytes)
+            graph = shape.graph(parity)
+            if graph is None:
+                shape.record(s, parity)
+            else:
+                plat.launch_graph(s, graph)
+            shape.posts += 1
+            keep = (self._host_req, shape)
         value = None
         if self.notify_slot is not None:
             value = peer.next_seq(self.notify_slot)
-            self._signal(s, self.notify_slot, value)
+            word = peer.scratch.ptr + 8 * self.notify_slot
+            plat.write_flag(s, word, value)
+            plat.copy_async(s, peer.control_ptr + 8 * self.notify_slot, word, 8)
         event = plat.record_event(s)
-        agent._track(event, self._buffers)
+        agent._track(event, keep)
+        agent._pack_tail = (s, event)
         return KVTransferHandle(self, event, s, value)
+
+    def expanded_descriptors(self) -> np.ndarray:
+        """The descriptors of the request (its shape's expansion; for checking, not a transfer path)."""
+        agent = self.agent
+        plat, s = agent.platform, agent.stream
+        with agent._post_lock:
+            shape = agent._pack_shape(self)
+            tail = agent._pack_tail
+            if tail is not None and tail[0] is not s:
+                plat.stream_wait_event(s, tail[1])
+            plat.copy_async(s, shape.req.data_ptr(), self._host_req.data_ptr(), self._req_bytes)
+            if shape.expand is not None:
+                plat.launch(s, shape.expand)
+            event = plat.record_event(s)
+            agent._pack_tail = (s, event)
+        agent._track(event, (self._host_req, shape))
+        if not plat.synchronize(s, agent.timeout_s):
+            raise TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
+                                  timeout_s=agent.timeout_s, what="expanding the descriptors")
+        return shape.out[:self.descriptors].cpu().numpy().copy()
 
 
 def expand_on_host(table: np.ndarray, request: np.ndarray, n_groups: int) -> np.ndarray:
@@ -1244,6 +1343,8 @@ class KVAgent(Closable, FailsOnTimeout):
         self._names = itertools.count()
         self._inflight: collections.deque = collections.deque()     # (event, buffers) of posted transfers
         self._pack_peer: str | None = None                          # the one peer pack transfers go to
+        self._pack_shapes: collections.OrderedDict = collections.OrderedDict()   # shape key -> _PackShape
+        self._pack_tail: tuple | None = None                        # (stream, event) of the last pack post
         self._requests = _RequestPool(pinned=not platform.is_emulation)     # host arrays of requests
         self._post_lock = threading.Lock()                          # a route's ring, one post at a time
         self._capture_stream: Stream | None = None                  # where slots' graphs are captured
@@ -1424,6 +1525,8 @@ class KVAgent(Closable, FailsOnTimeout):
                 del self._routes[k]
         if p is None:
             raise NotRegistered(f"agent {self.name!r} has no peer {name!r}")
+        for key in [k for k, v in self._pack_shapes.items() if v.peer is p]:
+            del self._pack_shapes[key]
         p.close()
 
     def peer(self, name: str) -> KVPeer:
@@ -1635,17 +1738,8 @@ class KVAgent(Closable, FailsOnTimeout):
 
     def _stage_pack(self, peer, route: _Route, op, name, n_seg, host, row_start, notify_slot, n_rows, nbytes
                     ) -> KVTransfer:
-        """The pack engine's transfer: device buffers of its own for the request and its descriptors."""
-        torch = _torch()
-        dev = self._torch_device()
-        if dev.type != "cpu":
-            # no stream of ours needs naming to the caching allocator: the agent keeps a posted transfer's
-            # buffers until its event completes (_track), so a block is never handed out while in use
-            dev_req = torch.empty(host.shape[0], dtype=torch.int64, device=dev)
-            out = torch.empty((max(n_rows, 1), 3), dtype=torch.int64, device=dev)
-        else:
-            dev_req = host
-            out = torch.empty((max(n_rows, 1), 3), dtype=torch.int64)
+        """The pack engine's transfer: its chunks (the device buffers and kernels belong to its shape,
+        :class:`_PackShape`, shared by every request of that shape)."""
         chunks = []
         for a, b, c in route.classes:
             r0, r1 = int(row_start[a]), int(row_start[b])
@@ -1656,7 +1750,7 @@ class KVAgent(Closable, FailsOnTimeout):
                                f"{self.slot_bytes}-byte staging slots")
             per = self.slot_bytes // c
             chunks += [(x, min(x + per, r1), (min(x + per, r1) - x) * c, c) for x in range(r0, r1, per)]
-        return _PackTransfer(self, peer, route, op, name, n_seg, host, dev_req, out,
+        return _PackTransfer(self, peer, route, op, name, n_seg, host, None, None,
                              int(n_seg.max()) if n_seg.size else 0, [], notify_slot, n_rows, nbytes, chunks=chunks)
 
     def _take_slot(self, route: _Route, s: Stream, rows: int, entries: int) -> _Slot:
@@ -1725,6 +1819,19 @@ class KVAgent(Closable, FailsOnTimeout):
         """:meth:`prepare` then :meth:`KVTransfer.post`."""
         return self.prepare(peer, op, local_blocks=local_blocks, remote_blocks=remote_blocks, **kw).post(stream)
 
+    def _pack_shape(self, x: "_PackTransfer") -> "_PackShape":
+        """The cached :class:`_PackShape` of ``x``'s shape (built on first use; the least recently used of
+        more than :data:`PACK_SHAPES` goes: posts in flight keep theirs alive through :meth:`_track`)."""
+        shapes = self._pack_shapes
+        shape = shapes.get(x._shape_key)
+        if shape is None:
+            shape = shapes[x._shape_key] = _PackShape(self, x)
+            while len(shapes) > PACK_SHAPES:
+                shapes.popitem(last=False)
+        else:
+            shapes.move_to_end(x._shape_key)
+        return shape
+
     def _track(self, event: Event, buffers: tuple) -> None:
         """Keep a posted transfer's buffers until its event completes (dropping the transfer and its
         handle early must not free memory the stream still reads); completed entries go first."""
@@ -1774,7 +1881,7 @@ class KVAgent(Closable, FailsOnTimeout):
         pack flags and the notification slots waited on from a stream. Best effort: the abort path."""
         if self.control is None:
             return
-        for word in (_AVAIL, _FREE, _GO, *sorted(self._waited_slots)):
+        for word in (*_PACK_WORDS, *sorted(self._waited_slots)):
             try:
                 self.platform.host_write_flag(self.control.ptr + 8 * word, RELEASE_VALUE, self.device)
             except Exception as exc:  # noqa: BLE001 - keep releasing
@@ -1804,6 +1911,8 @@ class KVAgent(Closable, FailsOnTimeout):
                 log.warning("agent %s: draining its stream failed: %s", self.name, exc)
         for p in list(getattr(self, "_peers", {}).values()):
             p.close()
+        self._pack_shapes = collections.OrderedDict()
+        self._pack_tail = None
         self._peers = {}
         self._routes = {}
         self._inflight = collections.deque()

@@ -1,0 +1,192 @@
+"""The KV API's pack engine (gpuxfer.kv.agent._PackTransfer): cached shapes, graph replays, flag parities.
+
+CPU tests on the host emulation (Triton's interpreter, graphs recorded and replayed by the emulated
+streams): two agents in one process, tiny staging slots so a request spans several chunks. GPU tests
+(``-m gpu``) run the same two-sided protocol on one CUDA device.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gpuxfer.errors import BadInput, TransferTimeout
+from gpuxfer.kv.agent import KVAgent
+
+SLOT = 256          # bytes per staging slot: a 32-byte row per block, 8 blocks per chunk
+
+
+@pytest.fixture
+def plat():
+    from gpuxfer.platforms.host import HostPlatform
+    p = HostPlatform()
+    yield p
+    p.close()
+
+
+class _Side:
+    """One agent and a cache of ``blocks`` blocks of ``row`` bytes (one layer, one piece) on a host buffer."""
+
+    def __init__(self, plat, name, device, blocks=64, row=32, timeout_s=60.0):
+        self.buf = plat.alloc(blocks * row + 64, device)
+        self.cache = plat.as_tensor(self.buf)[:blocks * row].view(blocks, row)
+        self.agent = KVAgent(name, platform=plat, device=device, engine="pack", slot_bytes=SLOT, timeout_s=timeout_s)
+        self.agent.register_group("g", 16, {"layers.0": self.cache})
+
+    def close(self):
+        self.agent.close()
+        self.buf.close()
+
+
+@pytest.fixture
+def sides(plat):
+    src, dst = _Side(plat, "prefill", 0), _Side(plat, "decode", 1)
+    src.peer = src.agent.add_peer(dst.agent.metadata())
+    dst.peer = dst.agent.add_peer(src.agent.metadata())
+    yield src, dst
+    dst.close()
+    src.close()
+
+
+def _prepare(src, dst, s_ids, d_ids, name="req"):
+    xs = src.agent.prepare(src.peer, "push", local_blocks={"g": s_ids}, remote_blocks={"g": d_ids}, name=name)
+    xd = dst.agent.prepare(dst.peer, "pull", local_blocks={"g": d_ids}, remote_blocks={"g": s_ids}, name=name)
+    return xs, xd
+
+
+def _move(src, dst, xs, xd, s_ids, d_ids, seed):
+    """Fill the source, post both sides (destination first), check every destination block."""
+    g = np.random.default_rng(seed)
+    src.cache.copy_(torch.from_numpy(g.integers(0, 256, tuple(src.cache.shape), dtype=np.uint8)))
+    before = dst.cache.clone()
+    hd = xd.post()
+    hs = xs.post()
+    hs.wait(60)
+    hd.wait(60)
+    want = before
+    want[d_ids] = src.cache[s_ids]
+    assert torch.equal(dst.cache, want)
+
+
+def _spy(monkeypatch, plat) -> dict:
+    calls: dict = {}
+    for name in ("copy_async", "write_flag", "wait_flag", "launch", "launch_graph", "record_event",
+                 "stream_wait_event"):
+        orig = getattr(plat, name)
+
+        def wrapped(*a, _orig=orig, _name=name, **kw):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _orig(*a, **kw)
+        monkeypatch.setattr(plat, name, wrapped)
+    return calls
+
+
+def test_repeated_posts_replay_one_graph_per_parity(sides, plat, monkeypatch):
+    """The same request posted again and again: the first post enqueues the operations, the next two capture
+    the graphs of the two parities, every later one replays; every post moves the current bytes. A
+    replaying post is the upload, one graph launch and an event, whatever the number of chunks."""
+    src, dst = sides
+    counts = []
+    for s_ids, d_ids, chunks in ((list(range(40, 60)), list(range(3, 23)), 3),    # both slots reused
+                                 (list(range(5)), list(range(30, 35)), 1)):
+        xs, xd = _prepare(src, dst, s_ids, d_ids)
+        assert len(xs._chunks) == len(xd._chunks) == chunks
+        for i in range(3):
+            _move(src, dst, xs, xd, s_ids, d_ids, seed=i)
+        calls = _spy(monkeypatch, plat)
+        _move(src, dst, xs, xd, s_ids, d_ids, seed=9)
+        monkeypatch.undo()
+        counts.append(calls)
+        for side, x in ((src, xs), (dst, xd)):
+            shape = side.agent._pack_shape(x)
+            assert shape.posts == 4 and all(g is not None for g in shape.graphs)
+    assert counts[0] == counts[1] == {"copy_async": 2, "launch_graph": 2, "record_event": 2}, counts
+    assert src.peer.pack_sent == dst.peer.pack_recv == 8
+
+
+def test_interleaved_shapes_and_fresh_requests(sides):
+    """Requests of two sizes interleaved (each a fresh prepare over other blocks): a shape's cached graph
+    serves a request after one of another shape, parities alternate across shapes; a request of no
+    blocks moves nothing and leaves the sequence alone."""
+    src, dst = sides
+    rng = np.random.default_rng(7)
+    sizes = [9, 3, 9, 0, 3, 9]
+    for i, n in enumerate(sizes):
+        s_ids = rng.choice(64, n, replace=False).tolist()
+        d_ids = rng.choice(64, n, replace=False).tolist()
+        xs, xd = _prepare(src, dst, s_ids, d_ids, name=f"req-{i}")
+        _move(src, dst, xs, xd, s_ids, d_ids, seed=100 + i)
+    shapes = src.agent._pack_shapes
+    assert sorted(sh.posts for sh in shapes.values()) == [2, 3] and len(dst.agent._pack_shapes) == 2
+    assert all(any(g is not None for g in sh.graphs) for sh in shapes.values())
+    assert src.peer.pack_sent == dst.peer.pack_recv == len([n for n in sizes if n])
+
+
+def test_stuck_peer_times_out_and_releases_queued_replays(sides):
+    """After graphs are captured, the destination posts twice more with no source: the first wait times out
+    naming the request, the agent fails and releases its words; both replays then run through (the
+    stream drains), and every later call raises the error."""
+    src, dst = sides
+    s_ids, d_ids = list(range(5)), list(range(20, 25))
+    xs, xd = _prepare(src, dst, s_ids, d_ids)
+    for i in range(3):
+        _move(src, dst, xs, xd, s_ids, d_ids, seed=i)
+    dst.agent.timeout_s = 0.3
+    h1 = xd.post()
+    h2 = xd.post()                                  # queued behind the stuck one, the other parity
+    with pytest.raises(TransferTimeout, match="req"):
+        h1.wait(0.3)
+    assert dst.agent.failed is not None
+    assert dst.agent.platform.synchronize(dst.agent.stream, 60)
+    assert h2.done()
+    with pytest.raises(TransferTimeout):
+        xd.post()
+    assert src.agent.failed is None
+
+
+def test_posts_on_several_streams_run_in_order(sides, plat):
+    """Pack posts of one agent on different streams still run one after another (its staging serves every
+    transfer), so each request lands whole."""
+    src, dst = sides
+    s1, s2 = plat.create_stream(0), plat.create_stream(0)
+    try:
+        reqs = [(list(range(0, 9)), list(range(20, 29))), (list(range(30, 35)), list(range(50, 55)))]
+        pairs = [_prepare(src, dst, s, d, name=f"r{i}") for i, (s, d) in enumerate(reqs)]
+        g = np.random.default_rng(3)
+        src.cache.copy_(torch.from_numpy(g.integers(0, 256, tuple(src.cache.shape), dtype=np.uint8)))
+        want = dst.cache.clone()
+        for s, d in reqs:
+            want[d] = src.cache[s]
+        hs = [xd.post() for _, xd in pairs]
+        hs += [xs.post(stream) for (xs, _), stream in zip(pairs, (s1, s2))]
+        for h in hs:
+            h.wait(60)
+        assert torch.equal(dst.cache, want)
+    finally:
+        s1.close()
+        s2.close()
+
+
+def test_pack_rows_launchers_place_and_bound_rows():
+    """pack/unpack over rows of one size: row j at (j - start) * row_bytes, a longer row cut there; the
+    rows' places must fit the staging buffer."""
+    from gpuxfer.kernels.launch import pack_launcher, unpack_launcher
+    g = np.random.default_rng(1)
+    pool = torch.from_numpy(g.integers(0, 256, 4096, dtype=np.uint8))
+    descs = torch.tensor([[0, 0, 48], [1000, 0, 48], [2000, 0, 96], [3000, 0, 48]], dtype=torch.int64)
+    descs[:, 1] = torch.tensor([100, 300, 500, 700])
+    staging = torch.zeros(256, dtype=torch.uint8)
+    pack_launcher(pool, staging, descs, start=1, end=4, staging_offset=16, row_bytes=48)()
+    want = torch.cat([pool[1000:1048], pool[2000:2048], pool[3000:3048]])
+    assert torch.equal(staging[16:16 + 144], want) and not staging[:16].any() and not staging[160:].any()
+    dst = torch.zeros(4096, dtype=torch.uint8)
+    unpack_launcher(staging, dst, descs, start=1, end=4, staging_offset=16, row_bytes=48)()
+    for s, d in ((1000, 300), (2000, 500), (3000, 700)):
+        assert torch.equal(dst[d:d + 48], pool[s:s + 48])
+    assert not dst[548:596].any()                   # the 96-byte row was cut at 48
+    with pytest.raises(BadInput, match="pass the end of the staging"):
+        pack_launcher(pool, staging, descs, start=0, end=4, staging_offset=100, row_bytes=48)
+    with pytest.raises(BadInput, match="not both"):
+        unpack_launcher(staging, dst, descs, torch.zeros(5, dtype=torch.int64), start=0, end=1, row_bytes=48)
+    with pytest.raises(BadInput, match="row_bytes"):
+        pack_launcher(pool, staging, descs, start=0, end=1, row_bytes=0)
