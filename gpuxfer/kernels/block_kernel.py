@@ -36,7 +36,7 @@ output of ``n_rows`` rows can hold).
 
 Bounds hold for any content of the request: only segments whose row lies in
 ``[0, n_rows)`` are visited (a forged count or first row bounds the loop by the output,
-not by the header), an ID index outside the request is not read, and a block ID outside
+not by the header; a first row below ``-2**62`` leaves nothing), an ID index outside the request is not read, and a block ID outside
 ``[0, blocks)`` (or a group index outside ``[0, G)``) yields the row ``(0, 0, 0)``:
 nothing is copied for it.
 """

@@ -82,7 +82,8 @@ def test_expansion_fixed_grid_matches_reference_on_hostile_input():
         n_ids = data.draw(st.integers(0, 40))
         head = P + 1 + 3 * G
         req = rng.integers(-2, head + n_ids + 3, head + n_ids).astype(np.int64)
-        if G and data.draw(st.booleans()):         # counts and first rows anywhere, huge ones included
+        big_values = G and data.draw(st.booleans())
+        if big_values:                             # counts and first rows anywhere, huge ones included
             big = np.array([-(1 << 63), -(1 << 62) - 1, -3, 0, 5, 37, 1 << 40, (1 << 63) - 1], dtype=np.int64)
             req[P + 1:P + 1 + G] = rng.choice(big, G)
             req[:P] = rng.choice(big, P)
@@ -91,6 +92,8 @@ def test_expansion_fixed_grid_matches_reference_on_hostile_input():
         expand_blocks(torch.from_numpy(planes), torch.from_numpy(req), out[1:-1], n_groups=G,
                       programs_per_plane=data.draw(st.integers(1, 3)), block=4)
         want = _reference(planes, req, G, n_rows)
+        if not big_values:
+            assert np.array_equal(want, ref.expand_blocks(planes, req, G, n_rows, np.full((n_rows, 3), -7, np.int64)))
         assert np.array_equal(out[1:-1].numpy(), want)
         assert (out[0] == -7).all() and (out[-1] == -7).all()
 
@@ -98,15 +101,29 @@ def test_expansion_fixed_grid_matches_reference_on_hostile_input():
 
 
 def _reference(planes, req, G, n_rows):
-    """ref.expand_blocks, with the rows of counts too large to loop over found by arithmetic."""
-    capped = req.copy()
-    P = planes.shape[0]
-    for g in range(G):
-        capped[P + 1 + g] = min(int(capped[P + 1 + g]), 1 << 10)
-    for p in range(P):            # a first row that no segment within the cap brings into [0, n_rows)
-        if int(capped[p]) < -(1 << 10) or int(capped[p]) > n_rows:
-            capped[p] = n_rows
-    return ref.expand_blocks(planes, capped, G, n_rows, np.full((n_rows, 3), -7, dtype=np.int64))
+    """:func:`ref.expand_blocks`'s rules in Python integers, visiting only the segments whose rows lie in
+    ``[0, n_rows)`` (so huge counts cost nothing); checked against it where both are cheap."""
+    out = np.full((n_rows, 3), -7, dtype=np.int64)
+    P, rl = planes.shape[0], req.shape[0]
+    np1 = P + 1
+    if np1 + 3 * G > rl:
+        return out
+    for p in range(P):
+        sb, ss, db, ds, seg, g, rs, rd, snb, dnb = (int(v) for v in planes[p])
+        if not 0 <= g < G:
+            continue
+        rs, rd = max(rs, 1), max(rd, 1)
+        row0, nseg = int(req[p]), int(req[np1 + g])
+        if row0 < -(1 << 62):           # the kernel's rule: such a first row leaves nothing
+            continue
+        soff, doff = int(req[np1 + G + g]), int(req[np1 + 2 * G + g])
+        for j in range(max(0, -row0), max(0, min(nseg, n_rows - row0))):
+            si_at, di_at = soff + j // rs, doff + j // rd
+            si = int(req[si_at]) if 0 <= si_at < rl else -1
+            di = int(req[di_at]) if 0 <= di_at < rl else -1
+            ok = 0 <= si < snb and 0 <= di < dnb
+            out[row0 + j] = (sb + si * ss + (j % rs) * seg, db + di * ds + (j % rd) * seg, seg) if ok else (0, 0, 0)
+    return out
 
 
 def test_one_expansion_launcher_serves_requests_of_any_size(dev):
