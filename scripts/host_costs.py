@@ -66,6 +66,26 @@ def main() -> int:
     err, pfn, _ = drv.cuGetProcAddress(b"cuMemcpyAsync", 13000, 0)
     cfn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)(int(pfn))
     timeit("cuMemcpyAsync ctypes 16 KiB", lambda: cfn(buf.ptr, buf.ptr + (1 << 19), 1 << 14, h))
+    calls = plat.stream_calls(side)      # the bound per-step calls of the copy_engine transport
+    timeit("stream_calls.write_flag", lambda: calls.write_flag(flags.ptr, 1))
+    timeit("stream_calls.wait_flag", lambda: calls.wait_flag(flags.ptr, 0))
+    cap = plat.create_stream(dev)
+    graph = plat.capture_graph(cap, lambda st: (plat.copy_async(st, buf.ptr, buf.ptr + (1 << 19), 8192),
+                                                plat.copy_async(st, buf.ptr + 8192, buf.ptr + (1 << 19) + 8192, 8192)))
+    timeit("plat.launch_graph (2 copies)", lambda: plat.launch_graph(side, graph))
+    timeit("stream_calls.launch_graph (2 copies)", lambda: calls.launch_graph(graph))
+    timeit("cuGraphLaunch raw (2 copies)", lambda: drv.cuGraphLaunch(graph.exe, h))
+
+    def proc(name, *argtypes):
+        err, pfn, _ = drv.cuGetProcAddress(name, 12000, 0)
+        return ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(int(pfn))
+    w64 = proc(b"cuStreamWriteValue64", ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint)
+    q64 = proc(b"cuStreamWaitValue64", ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint)
+    gl = proc(b"cuGraphLaunch", ctypes.c_void_p, ctypes.c_void_p)
+    exe = int(graph.exe)
+    timeit("cuStreamWriteValue64 ctypes", lambda: w64(h, flags.ptr, 1, 0))
+    timeit("cuStreamWaitValue64 ctypes", lambda: q64(h, flags.ptr, 0, 0))
+    timeit("cuGraphLaunch ctypes (2 copies)", lambda: gl(exe, h))
     timeit("torch copy_ 16 KiB (SM kernel)", lambda: x[:1 << 13].copy_(x[1 << 13:]))
     ev2 = torch.cuda.Event()
     ev2.record(side.torch)
@@ -109,6 +129,7 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump({"us_per_call": out, "n": args.n}, f, indent=1)
     side.close()
+    cap.close()
     buf.close()
     flags.close()
     plat.close()

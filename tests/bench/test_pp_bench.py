@@ -74,6 +74,10 @@ def test_bench_pp_host(tmp_path, capsys):
         assert row["time_us"] > 0 and row["wrong_bytes"] == 0
         assert row["repeats"] == 2 and row["time_us_min"] <= row["time_us"] <= row["time_us_max"]
         assert 0 < row["send_host_us"] and 0 < row["recv_host_us"] <= row["time_us"] * 1.01
+        if row["backend"] != "copy_engine_graph":     # each end's own host time, paced (graph: replays only)
+            assert row["send_host_paced_us"] > 0 and row["recv_host_paced_us"] > 0
+    assert any(t["target"].startswith("copy_engine eager host time") for t in doc["targets"])
+    assert "neither end waits for the other" in text
     assert {"alone_tflops", "nccl_tflops", "copy_engine_tflops", "copy_engine_loss_pct",
             "copy_engine_transfer_gbps", "nccl_transfer_gbps"} <= set(doc["contention"])
     con = doc["contention"]     # copy_engine again, its steps paced to the rate plain nccl moved: no faster
@@ -215,6 +219,21 @@ def test_targets_leave_out_rows_timed_under_a_profiler():
     assert _targets(res, ["copy_engine", "nccl"])[0][2] is True
     res["rows"][0] = row("copy_engine", 90.0, "cProfile")          # a profiled row alone would miss the target
     assert _targets(res, ["copy_engine", "nccl"]) == []
+
+
+def test_host_target_from_the_paced_rows():
+    """The eager host target: copy_engine without metadata at 16 KiB-1 MiB, each side's paced host time."""
+    from gpuxfer.bench.pp import HOST_TARGET, _host_target
+
+    def row(size, snd, rcv, metadata=False, backend="copy_engine"):
+        return {"backend": backend, "metadata": metadata, "size_bytes": size, "send_host_paced_us": snd,
+                "recv_host_paced_us": rcv}
+    res = {"rows": [row(16384, 6.0, 4.0), row(1 << 20, 8.0, 5.0), row(4 << 20, 30.0, 30.0),
+                    row(16384, 40.0, 40.0, metadata=True), row(16384, 50.0, 50.0, backend="nccl")]}
+    assert _host_target(res) == (HOST_TARGET, "worst sender 8.0 us, receiver 5.0 us", True)
+    res["rows"].append(row(65536, 7.0, 11.0))
+    assert _host_target(res)[2] is False
+    assert _host_target({"rows": [row(16384, 1.0, 1.0, metadata=True)]}) is None
 
 
 def test_targets_against_plain_nccl_and_pingpong():
