@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from gpuxfer.kernels.launch import copy_descriptors
-from gpuxfer.kv.engines import _size_classes
+from gpuxfer.kv.engines.triton import size_classes
 from gpuxfer.kv.layout import layout_for_burst
 from gpuxfer.kv.plan import build_burst
 from gpuxfer.platforms.cuda import LARGE_PAGE_BYTES, _view_by_storage
@@ -58,7 +58,7 @@ def case(mode: str, pool_batch: int, exact: bool, args) -> dict:
         dst_ptr = int(cupy.cuda.runtime.malloc(pool))
     dev = torch.device("cuda", 0)
     src, dst = _view_by_storage(src_ptr, pool, dev), _view_by_storage(dst_ptr, pool, dev)
-    classes = [torch.from_numpy(np.ascontiguousarray(c)).to(dev) for c in _size_classes(burst.plan, 0)]
+    classes = [torch.from_numpy(np.ascontiguousarray(c)).to(dev) for c in size_classes(burst.plan, 0)]
     local = mode == "local"
     try:
         for c in classes:          # validates every descriptor, compiles and loads the kernels

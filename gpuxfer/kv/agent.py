@@ -94,9 +94,10 @@ import numpy as np
 
 from ..errors import (BackendUnavailable, BadInput, BadMetadata, BlockIdError, LayoutMismatch, NotRegistered,
                       TransferTimeout)
-from ..platforms.base import Closable, DeviceBuffer, Event, IpcHandle, Platform, Stream
+from ..platforms.base import RELEASE_VALUE, Closable, DeviceBuffer, Event, IpcHandle, Platform, Stream
 from ..sync import wait_flag_or_raise
-from .engines import RELEASE_VALUE, FailsOnTimeout, on_timeout_from_env
+from .engines.base import FailsOnTimeout, on_timeout_from_env
+from .plan import DIRECTIONS
 
 log = logging.getLogger("gpuxfer.kv.agent")
 
@@ -126,7 +127,6 @@ PACK_SLOT_BYTES = 32 << 20
 PACK_SLOT_BYTES_EMULATION = 1 << 20
 #: shapes of pack transfers an agent keeps (buffers, kernels, graphs), the least recently posted going first
 PACK_SHAPES = 8
-DIRECTIONS = ("pull", "push")
 
 _LOCAL_AGENTS: "weakref.WeakValueDictionary[str, KVAgent]" = weakref.WeakValueDictionary()
 
@@ -782,7 +782,7 @@ class KVTransferHandle:
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until the transfer has completed; :class:`TransferTimeout` naming the request past ``timeout_s``."""
-        from .engines import wait_event
+        from .engines.base import wait_event
         agent = self.transfer.agent
         agent.check()
         t = agent.timeout_s if timeout_s is None else float(timeout_s)
@@ -1326,8 +1326,8 @@ class KVAgent(Closable, FailsOnTimeout):
         self.platform, self.name, self.engine = platform, name, engine
         self.device = int(device)
         self.timeout_s, self.rank = float(timeout_s), int(rank)
-        from .engines import _kernel_reason
-        why = _kernel_reason(platform)
+        from .engines.launch import kernel_reason
+        why = kernel_reason(platform)
         if why is not None:
             raise BackendUnavailable(engine, {name: why})
         self.uid = uuid.uuid4().hex

@@ -21,10 +21,13 @@ from .blocktable import burst_tables
 from .layout import PoolLayout, layout_for_burst
 from .workloads import Workload, _pos_int, get_workload
 
-__all__ = ["PlanSpan", "Burst", "build_burst", "request_plan", "coalesce", "bulk_plan", "validate_plan",
+__all__ = ["DIRECTIONS", "PlanSpan", "Burst", "build_burst", "request_plan", "coalesce", "bulk_plan", "validate_plan",
            "check_bounds", "find_dst_overlap"]
 
 PLAN_DTYPE = np.int64
+#: how a plan moves: ``pull`` (the decode side reads the prefill side's pool) or ``push`` (the prefill
+#: side writes the decode side's)
+DIRECTIONS = ("pull", "push")
 
 
 @dataclass(frozen=True)

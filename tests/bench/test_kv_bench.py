@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 
 from gpuxfer.cli import main
 from gpuxfer.errors import BackendUnavailable, BadInput, DriverError
-from gpuxfer.kv import engines as E
 from gpuxfer.bench.kv import report as R
+from gpuxfer.kv import engines as E
+from gpuxfer.kv.engines import pack as P
 from gpuxfer.platforms.host import HostPlatform
 
 TINY = ["--platform", "host", "--workload", "kv-mla", "--isl", "16", "--page", "16", "--batch", "1"]
@@ -385,7 +386,7 @@ def flag_link_session(rank: int, world: int, init_method: str, env: str | None, 
 
     from gpuxfer.pp.launch import init_cpu_group
     if env is not None:
-        os.environ[E.ENV_KV_FLAG_PATH] = env
+        os.environ[P.ENV_KV_FLAG_PATH] = env
     init_cpu_group(rank, world, init_method)
 
     def exchange(obj):
@@ -398,16 +399,16 @@ def flag_link_session(rank: int, world: int, init_method: str, env: str | None, 
     side = E.Side(platform=plat, device=rank, rank=rank, role=E.Role.SOURCE if rank == 0 else E.Role.DESTINATION,
                   pool=None, peer_pool=None, exchange=exchange, timeout_s=10.0)
     try:
-        link = E._FlagLink(side)
+        link = P._FlagLink(side)
     except BackendUnavailable as exc:
         exchange(None)
         return {"error": exc.reasons}
     try:
         s = plat.create_stream(rank)            # a signal lands in the peer's word, by either path
-        link.signal(s, 0, E._AVAIL + 1, 40 + rank)
+        link.signal(s, 0, P._AVAIL + 1, 40 + rank)
         assert plat.synchronize(s, 10.0)
         exchange(None)
-        return {"path": link.path, "got": link.read(E._AVAIL + 1)}
+        return {"path": link.path, "got": link.read(P._AVAIL + 1)}
     finally:
         exchange(None)
         link.close()
@@ -423,14 +424,14 @@ def flag_link_session(rank: int, world: int, init_method: str, env: str | None, 
 ])
 def test_pack_flag_path_follows_the_probe_and_signals_arrive(spawner, monkeypatch, env, refusing, losing, paths):
     """Each side sends remote writes only where the probe saw its write arrive; either path delivers."""
-    monkeypatch.delenv(E.ENV_KV_FLAG_PATH, raising=False)
+    monkeypatch.delenv(P.ENV_KV_FLAG_PATH, raising=False)
     res = spawner.run_ranks(flag_link_session, 2, env, refusing, losing, timeout=120)
     assert tuple(r["path"] for r in res) == paths
     assert [r["got"] for r in res] == [41, 40]
 
 
 def test_forced_remote_flags_fail_on_both_sides_with_the_reason(spawner, monkeypatch):
-    monkeypatch.delenv(E.ENV_KV_FLAG_PATH, raising=False)
+    monkeypatch.delenv(P.ENV_KV_FLAG_PATH, raising=False)
     res = spawner.run_ranks(flag_link_session, 2, "remote", (1,), timeout=120)
     for r in res:
         assert set(r["error"]) == {1}, r
@@ -438,7 +439,7 @@ def test_forced_remote_flags_fail_on_both_sides_with_the_reason(spawner, monkeyp
 
 
 def test_bad_flag_path_is_a_clear_error_on_both_sides(capsys, tmp_path, monkeypatch):
-    monkeypatch.setenv(E.ENV_KV_FLAG_PATH, "bogus")
+    monkeypatch.setenv(P.ENV_KV_FLAG_PATH, "bogus")
     rc, out, err, doc = _run(capsys, tmp_path, *TINY, *FAST, "--engine", "pack")
     assert rc == 1, out + err
     assert (out + err).count("GPUXFER_KV_FLAG_PATH must be auto, remote or copy, got 'bogus'") >= 2, out + err
@@ -446,7 +447,7 @@ def test_bad_flag_path_is_a_clear_error_on_both_sides(capsys, tmp_path, monkeypa
 
 @pytest.mark.slow      # 15-45 s of Triton's interpreter; the remote-write path runs by default
 def test_pack_over_flag_copies_end_to_end(capsys, tmp_path, monkeypatch):
-    monkeypatch.setenv(E.ENV_KV_FLAG_PATH, "copy")
+    monkeypatch.setenv(P.ENV_KV_FLAG_PATH, "copy")
     rc, out, err, doc = _run(capsys, tmp_path, *TINY, *FAST, "--engine", "pack,bulk")
     assert rc == 0, out + err
     rows = [r for r in doc["rows"] if r["engine"] == "pack"]
@@ -458,7 +459,7 @@ def test_pack_chunk_schedule(nslots, nlanes):
     """Slots round robin; lanes round robin but a burst's last chunk stays on the lane of the one before;
     each lane's chunks numbered 1, 2, ... over the engine's life; a chunk waits for the slot's previous
     user in its burst -- on that chunk's lane and number -- and for nothing left from earlier bursts."""
-    sch = E._ChunkSchedule(nslots, nlanes)
+    sch = P._ChunkSchedule(nslots, nlanes)
     per_lane: dict[int, list[int]] = {lane: [] for lane in range(nlanes)}
     for n in (1, 2, 3, nslots + 1, 2 * nslots + 3, 1, 5):
         sch.start_burst()
@@ -525,10 +526,10 @@ def test_pack_grid_whole_for_the_fill_half_for_later_packs(monkeypatch):
     class Plat:
         def launch(self, stream, fn):
             fn()
-    monkeypatch.setattr(E, "_kernels", Kernels)
+    monkeypatch.setattr(P, "kernels", Kernels)
     eng = object.__new__(E.PackEngine)
     eng.platform, eng.slot_bytes, eng._stage_t, eng._pool_t = Plat(), 0, "stage", "pool"
-    plan = E._PackPlan([(0, 4, 40), (4, 9, 50), (9, 12, 30)], None, None,
+    plan = P._PackPlan([(0, 4, 40), (4, 9, 50), (9, 12, 30)], None, None,
                        {0: ("cfg", 8, 3), 4: ("cfg", 7, 2), 9: ("cfg", 6, 1)})
     for a, b, _ in plan.chunks:
         eng._pack(None, plan, a, b, 0)
@@ -537,19 +538,19 @@ def test_pack_grid_whole_for_the_fill_half_for_later_packs(monkeypatch):
                     ("pack", 9, 1), ("unpack", 9, 6)]
 
 
-def test_contiguous_descriptors_and_bursts():
-    d = E.contiguous_descriptors(10, 4)
+def test_bulk_descriptors_and_bursts():
+    d = E.bulk_descriptors(10, 4)
     assert d.tolist() == [[0, 0, 4], [4, 4, 4], [8, 8, 2]]
-    b = E.Burst([np.array([[0, 0, 8], [8, 16, 8]]), np.array([[100, 200, 4]])])
+    b = E.DescriptorBurst([np.array([[0, 0, 8], [8, 16, 8]]), np.array([[100, 200, 4]])])
     assert (b.batch, b.descriptors, b.nbytes) == (2, 3, 20)
     assert b.shape == E.BurstShape(2, 3, 20)
     b.check_bounds(104, 204)
     with pytest.raises(BadInput, match="destination pool"):
         b.check_bounds(104, 203)
     with pytest.raises(BadInput, match="shape"):
-        E.Burst([np.zeros((2, 2), dtype=np.int64)])
+        E.DescriptorBurst([np.zeros((2, 2), dtype=np.int64)])
     with pytest.raises(BadInput, match="at least one request"):
-        E.Burst([])
+        E.DescriptorBurst([])
 
 
 def test_registry_parse_and_report(host):
@@ -734,34 +735,34 @@ def test_gpu_corrupted_transfer_fails(capsys, tmp_path):
 def test_size_classes_partition_the_plan():
     """The triton engine launches once per descriptor size: the classes must partition the plan."""
     import numpy as np
-    from gpuxfer.kv.engines import _size_classes
+    from gpuxfer.kv.engines.triton import size_classes
     rng = np.random.default_rng(0)
     plan = np.stack([rng.permutation(64) * 10_000, rng.permutation(64) * 10_000,
                      rng.choice([528, 2304, 9216], 64)], axis=1).astype(np.int64)
-    classes = _size_classes(plan)
+    classes = size_classes(plan)
     assert sorted({int(c[0, 2]) for c in classes}) == sorted(set(plan[:, 2].tolist()))
     assert all((c[:, 2] == c[0, 2]).all() for c in classes)
     merged = np.concatenate(classes)
     assert sorted(map(tuple, merged.tolist())) == sorted(map(tuple, plan.tolist()))
-    assert _size_classes(plan[:0]) == []
+    assert size_classes(plan[:0]) == []
     for col in (0, 1):          # sorted by the peer pool's offsets, still a partition
-        by = _size_classes(plan, sort_col=col)
+        by = size_classes(plan, sort_col=col)
         assert all((np.diff(c[:, col]) >= 0).all() and (c[:, 2] == c[0, 2]).all() for c in by)
         assert sorted(map(tuple, np.concatenate(by).tolist())) == sorted(map(tuple, plan.tolist()))
 
 
 def test_triton_order_policy(monkeypatch):
     """GPUXFER_KV_TRITON_ORDER: the peer pool's column by default, the local one, the plan's order, or an error."""
-    from gpuxfer.kv.engines import _order_col
+    from gpuxfer.kv.engines.triton import order_column
     monkeypatch.delenv("GPUXFER_KV_TRITON_ORDER", raising=False)
-    assert (_order_col("pull"), _order_col("push")) == (0, 1)        # pull reads the source, push writes the destination
+    assert (order_column("pull"), order_column("push")) == (0, 1)        # pull reads the source, push writes the destination
     monkeypatch.setenv("GPUXFER_KV_TRITON_ORDER", "local")
-    assert (_order_col("pull"), _order_col("push")) == (1, 0)
+    assert (order_column("pull"), order_column("push")) == (1, 0)
     monkeypatch.setenv("GPUXFER_KV_TRITON_ORDER", "plan")
-    assert _order_col("pull") is None
+    assert order_column("pull") is None
     monkeypatch.setenv("GPUXFER_KV_TRITON_ORDER", "random")
     with pytest.raises(BadInput, match="GPUXFER_KV_TRITON_ORDER"):
-        _order_col("pull")
+        order_column("pull")
 
 
 def test_trace_env_is_off_on_the_emulation_and_when_unset(monkeypatch, tmp_path):

@@ -10,7 +10,8 @@ import pytest
 
 from gpuxfer.cli import build_parser, main
 from gpuxfer.errors import BadInput
-from gpuxfer.bench.kv.cli import ENGINES, parse_grid_args, parse_list, parse_run_options, parse_size
+from gpuxfer.bench.kv.cli import parse_grid_args, parse_list, parse_run_options, parse_size
+from gpuxfer.kv.engines import DEFAULT_ENGINES
 
 
 def _run(capsys, *argv):
@@ -53,7 +54,7 @@ def test_plan_only_json_matches_the_grid(capsys):
     assert [s["batch"] for s in p["shed"]] == [16, 32, 64]
     assert all(s["reason"] == "descriptor-budget" and s["detail"] for s in p["shed"])
     assert p["pool_per_rank_bytes"] > 0 and p["bursts"][-1]["burst_descriptors"] == 8 * 2_093_544
-    assert doc["run"]["engines"] == list(ENGINES) and doc["run"]["trials"] == 5
+    assert doc["run"]["engines"] == list(DEFAULT_ENGINES) and doc["run"]["trials"] == 5
     assert set(doc["workloads"]) == {"kv-dsv4", "kv-dsv4-vllm"}
     # same content as the table
     _, table, _ = _run(capsys, "--plan-only", "--isl", "32k,512k", "--workload", "kv-dsv4,kv-dsv4-vllm")

@@ -19,6 +19,7 @@ import pytest
 from _spawn import on_threads
 from gpuxfer.errors import BadInput
 from gpuxfer.kv import engines as E
+from gpuxfer.kv.plan import DIRECTIONS
 from gpuxfer.kv.plan import check_bounds
 from gpuxfer.platforms import host as host_mod
 from gpuxfer.platforms.base import PeerMapping
@@ -99,7 +100,7 @@ class Pair:
             p.close()
 
 
-def transfer(pair: Pair, engines, burst: E.Burst, direction: str) -> None:
+def transfer(pair: Pair, engines, burst: E.DescriptorBurst, direction: str) -> None:
     """One unarmed burst of ``engines`` over ``pair`` (the passive side posts first)."""
     ps = [engines[r].prepare(burst, direction) for r in range(2)]
     passive = 0 if direction == "pull" else 1
@@ -130,11 +131,11 @@ HOSTILE = {
 }
 
 
-def _hostile_burst(rows) -> E.Burst:
+def _hostile_burst(rows) -> E.DescriptorBurst:
     good = np.array([[0, 0, 64], [64, 4096, 64]], dtype=np.int64)
     if isinstance(rows, str):                  # a good request, then one whose last row reaches past the pool
-        return E.Burst([good, np.array([[128, 8192, 64], [0, POOL - 32, 64]], dtype=np.int64)])
-    return E.Burst([good, np.asarray(rows)])
+        return E.DescriptorBurst([good, np.array([[128, 8192, 64], [0, POOL - 32, 64]], dtype=np.int64)])
+    return E.DescriptorBurst([good, np.asarray(rows)])
 
 
 def hostile_descriptors_child() -> dict:
@@ -146,7 +147,7 @@ def hostile_descriptors_child() -> dict:
         src[:] = np.random.default_rng(0).integers(0, 256, POOL, dtype=np.uint8)
         for name in BUILT_IN:
             engines = pair.build(name)
-            for direction in E.DIRECTIONS:
+            for direction in DIRECTIONS:
                 for case, rows in HOSTILE.items():
                     for r in range(2):
                         try:
@@ -158,7 +159,7 @@ def hostile_descriptors_child() -> dict:
                         except Exception as exc:  # noqa: BLE001 - reported to the test
                             got = f"{type(exc).__name__}: {exc}"
                         out[(name, direction, case, r)] = got
-                good = E.Burst([np.array([[0, 0, 4096], [8192, 65536, 100]], dtype=np.int64)])
+                good = E.DescriptorBurst([np.array([[0, 0, 4096], [8192, 65536, 100]], dtype=np.int64)])
                 pair.array(1)[:] = 0
                 transfer(pair, engines, good, direction)
                 dst = pair.array(1)
@@ -369,7 +370,7 @@ def stuck_peer_session(engine: str = "pack", direction: str = "pull", on_timeout
             ini = 1 - ini
         eng, side = engines[ini], pair.sides[ini]
         side.timeout_s = 1.0             # set-up at the default; the burst's wait is the one to time out
-        burst = E.Burst([np.array([[0, 0, 40 << 10], [65536, 131072, 4096]], dtype=np.int64)])
+        burst = E.DescriptorBurst([np.array([[0, 0, 40 << 10], [65536, 131072, 4096]], dtype=np.int64)])
         p = eng.prepare(burst, direction)
         eng.arm(p)                       # armed: the whole transfer waits behind the gate
         eng.post(p)
@@ -395,7 +396,7 @@ def stuck_peer_session(engine: str = "pack", direction: str = "pull", on_timeout
 
 
 @pytest.mark.parametrize("waiting", ["initiator", "passive"])
-@pytest.mark.parametrize("direction", E.DIRECTIONS)
+@pytest.mark.parametrize("direction", DIRECTIONS)
 def test_a_stuck_peer_fails_the_side_releases_its_waits_and_every_later_call_raises(direction, waiting):
     """A side of the pack engine waits on flags its peer never writes: TransferTimeout, every GPU wait
     of the side released (its streams drain), the same error from every later call on the side."""
@@ -466,7 +467,7 @@ def stuck_peer_rank(rank: int, world: int, init_method: str, platform_name: str,
     eng = E.PackEngine(side)
     out: dict = {"rank": rank}
     try:
-        burst = E.Burst([np.array([[0, 0, 40 << 10], [65536, 131072, 4096]], dtype=np.int64)])
+        burst = E.DescriptorBurst([np.array([[0, 0, 40 << 10], [65536, 131072, 4096]], dtype=np.int64)])
         p = eng.prepare(burst, direction)
         exchange(None)
         eng.post(p)                       # the load burst: unarmed, both sides
@@ -519,14 +520,14 @@ def _stuck_peer_two_processes(spawner, platform_name: str, direction: str) -> di
     return ini
 
 
-@pytest.mark.parametrize("direction", E.DIRECTIONS)
+@pytest.mark.parametrize("direction", DIRECTIONS)
 def test_two_processes_stuck_peer_on_the_host(spawner, direction):
     _stuck_peer_two_processes(spawner, "host", direction)
 
 
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("direction", E.DIRECTIONS)
+@pytest.mark.parametrize("direction", DIRECTIONS)
 def test_gpu_stuck_peer_releases_every_gpu_wait(spawner, direction):
     """Two processes on one GPU: after the timeout, torch.cuda.synchronize() returns (no stream of the
     process is left blocked on a flag), and the error is stored."""
@@ -586,7 +587,7 @@ def test_a_burst_owns_read_only_descriptors():
     """What check_bounds checked is what the engines move: the caller's arrays changed afterwards do not
     reach the burst, and the burst's own tables cannot be written."""
     req = np.array([[0, 0, 64], [64, 128, 64]], dtype=np.int64)
-    b = E.Burst([req, req[:1]])
+    b = E.DescriptorBurst([req, req[:1]])
     b.check_bounds(POOL, POOL)
     req[0, 2] = 2 ** 63 - 1
     assert b.requests[0][0, 2] == 64 and b.concatenated()[2, 2] == 64
@@ -594,6 +595,6 @@ def test_a_burst_owns_read_only_descriptors():
         b.requests[0][0, 0] = 5
     plan = np.concatenate([req, req[:1]])
     with pytest.raises(BadInput, match="request 1 differs"):
-        E.Burst([req, req[1:]], plan=plan)
-    pb = E.Burst([plan[:2], plan[2:]], plan=plan)
+        E.DescriptorBurst([req, req[1:]], plan=plan)
+    pb = E.DescriptorBurst([plan[:2], plan[2:]], plan=plan)
     assert [r.tolist() for r in pb.requests] == [plan[:2].tolist(), plan[2:].tolist()]

@@ -17,8 +17,8 @@ import pytest
 import fake_mori
 from gpuxfer.errors import BackendUnavailable, BadInput, DriverError, TransferTimeout
 from gpuxfer.bench.kv import collectivex as CX
-from gpuxfer.kv import mooncake_engine as me
-from gpuxfer.kv import mori_engine as mo
+from gpuxfer.kv.engines import mooncake as me
+from gpuxfer.kv.engines import mori as mo
 from test_kv_nixl import _run_engine_pair, fake_mooncake  # noqa: F401 - a fixture
 
 

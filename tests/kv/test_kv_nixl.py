@@ -19,7 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuxfer.errors import BackendUnavailable, BadInput, TransferTimeout
-from gpuxfer.kv import nixl_engine as ne
+from gpuxfer.kv.engines import nixl as ne
+from gpuxfer.kv.engines import nixl_ffi as nf
+from gpuxfer.kv.engines.chunks import bulk_descriptors
 
 
 # --------------------------------------------------------------------------- translation
@@ -40,7 +42,7 @@ def _tables(max_n=40):
        src_base=st.integers(0, 1 << 47), dst_base=st.integers(0, 1 << 47),
        src_dev=st.integers(0, 7), dst_dev=st.integers(0, 7))
 def test_translation_round_trip(desc, op, src_base, dst_base, src_dev, dst_dev):
-    local, remote = ne.to_nixl_dlists(desc, op, src_base=src_base, dst_base=dst_base,
+    local, remote = nf.to_nixl_dlists(desc, op, src_base=src_base, dst_base=dst_base,
                                       src_dev=src_dev, dst_dev=dst_dev)
     assert local.dtype == np.uint64 and remote.dtype == np.uint64
     assert local.shape == remote.shape == (len(desc), 3)
@@ -50,18 +52,18 @@ def test_translation_round_trip(desc, op, src_base, dst_base, src_dev, dst_dev):
     assert (dst[:, 0] == np.uint64(dst_base) + desc[:, 1].astype(np.uint64)).all()
     assert (src[:, 1] == desc[:, 2].astype(np.uint64)).all() and (dst[:, 1] == src[:, 1]).all()
     assert (src[:, 2] == src_dev).all() and (dst[:, 2] == dst_dev).all()
-    back = ne.from_nixl_dlists(local, remote, op, src_base=src_base, dst_base=dst_base)
+    back = nf.from_nixl_dlists(local, remote, op, src_base=src_base, dst_base=dst_base)
     assert back.dtype == np.int64
     np.testing.assert_array_equal(back, desc)
 
 
 def test_translation_worked_example():
     desc = np.array([[0, 4096, 2304], [8192, 0, 576]], dtype=np.int64)
-    local, remote = ne.to_nixl_dlists(desc, "READ", src_base=0x1000_0000, dst_base=0x2000_0000,
+    local, remote = nf.to_nixl_dlists(desc, "READ", src_base=0x1000_0000, dst_base=0x2000_0000,
                                       src_dev=0, dst_dev=1)
     np.testing.assert_array_equal(local, [[0x2000_1000, 2304, 1], [0x2000_0000, 576, 1]])
     np.testing.assert_array_equal(remote, [[0x1000_0000, 2304, 0], [0x1000_2000, 576, 0]])
-    local_w, remote_w = ne.to_nixl_dlists(desc, "WRITE", src_base=0x1000_0000, dst_base=0x2000_0000,
+    local_w, remote_w = nf.to_nixl_dlists(desc, "WRITE", src_base=0x1000_0000, dst_base=0x2000_0000,
                                           src_dev=0, dst_dev=1)
     np.testing.assert_array_equal(local_w, remote)
     np.testing.assert_array_equal(remote_w, local)
@@ -77,23 +79,23 @@ def test_translation_worked_example():
 ])
 def test_translation_rejects_bad_tables(bad, match):
     with pytest.raises(BadInput, match=match):
-        ne.to_nixl_dlists(bad, "READ", src_base=0, dst_base=0, src_dev=0, dst_dev=0,
+        nf.to_nixl_dlists(bad, "READ", src_base=0, dst_base=0, src_dev=0, dst_dev=0,
                           src_nbytes=128, dst_nbytes=128)
 
 
 def test_translation_rejects_bad_op_and_mismatched_lists():
     d = np.array([[0, 0, 8]], np.int64)
     with pytest.raises(BadInput, match="op"):
-        ne.to_nixl_dlists(d, "GET", src_base=0, dst_base=0, src_dev=0, dst_dev=0)
-    loc, rem = ne.to_nixl_dlists(d, "READ", src_base=64, dst_base=64, src_dev=0, dst_dev=0)
+        nf.to_nixl_dlists(d, "GET", src_base=0, dst_base=0, src_dev=0, dst_dev=0)
+    loc, rem = nf.to_nixl_dlists(d, "READ", src_base=64, dst_base=64, src_dev=0, dst_dev=0)
     rem2 = rem.copy()
     rem2[0, 1] = 9
     with pytest.raises(BadInput, match="length"):
-        ne.from_nixl_dlists(loc, rem2, "READ", src_base=64, dst_base=64)
+        nf.from_nixl_dlists(loc, rem2, "READ", src_base=64, dst_base=64)
     with pytest.raises(BadInput, match="below"):
-        ne.from_nixl_dlists(loc, rem, "READ", src_base=128, dst_base=64)
+        nf.from_nixl_dlists(loc, rem, "READ", src_base=128, dst_base=64)
     with pytest.raises(BadInput, match="shape"):
-        ne.from_nixl_dlists(loc, rem[:0], "READ", src_base=64, dst_base=64)
+        nf.from_nixl_dlists(loc, rem[:0], "READ", src_base=64, dst_base=64)
 
 
 @settings(max_examples=40, deadline=None)
@@ -101,7 +103,7 @@ def test_translation_rejects_bad_op_and_mismatched_lists():
 def test_bulk_descriptors_cover_exactly(nbytes, chunk):
     if nbytes // chunk > 100_000:
         chunk = max(chunk, nbytes // 100_000 + 1)
-    d = ne.bulk_descriptors(nbytes, chunk, src_offset=5, dst_offset=7)
+    d = bulk_descriptors(nbytes, chunk, src_offset=5, dst_offset=7)
     assert d.dtype == np.int64 and d.shape[1] == 3
     assert int(d[:, 2].sum()) == nbytes
     assert (d[:, 2] <= chunk).all() and (d[:, 2] > 0).all()
@@ -279,16 +281,16 @@ def fake_nixl(monkeypatch):
     mod = types.ModuleType("fake_nixl_for_tests")
     mod.nixl_agent, mod.nixl_agent_config = fake.nixl_agent, fake.nixl_agent_config
     monkeypatch.setitem(sys.modules, "fake_nixl_for_tests", mod)
-    monkeypatch.setenv(ne.NIXL_MODULE_ENV, "fake_nixl_for_tests")
-    ne._found.clear()
+    monkeypatch.setenv(nf.NIXL_MODULE_ENV, "fake_nixl_for_tests")
+    nf._found.clear()
     yield fake
-    ne._found.clear()
+    nf._found.clear()
 
 
 def _pair(fake, mem_type="DRAM"):
-    nm = ne.NixlModule("fake", fake)
-    a = ne.NixlAgent(nm, "src", mem_type=mem_type, rank=0)
-    b = ne.NixlAgent(nm, "dst", mem_type=mem_type, rank=1)
+    nm = nf.NixlModule("fake", fake)
+    a = nf.NixlAgent(nm, "src", mem_type=mem_type, rank=0)
+    b = nf.NixlAgent(nm, "dst", mem_type=mem_type, rank=1)
     return a, b
 
 
@@ -300,40 +302,40 @@ def _buffers(n=1 << 16, seed=0):
 
 
 def test_find_nixl_uses_the_forced_module(fake_nixl):
-    mod, why = ne.find_nixl(refresh=True)
+    mod, why = nf.find_nixl(refresh=True)
     assert why is None and mod.name == "fake_nixl_for_tests"
 
 
 def test_find_nixl_reports_why_when_missing(monkeypatch):
-    monkeypatch.setenv(ne.NIXL_MODULE_ENV, "no_such_nixl_module_xyz")
-    ne._found.clear()
+    monkeypatch.setenv(nf.NIXL_MODULE_ENV, "no_such_nixl_module_xyz")
+    nf._found.clear()
     try:
-        mod, why = ne.find_nixl(refresh=True)
+        mod, why = nf.find_nixl(refresh=True)
         assert mod is None
         assert "not installed (tried no_such_nixl_module_xyz)" in why and "nixl-cu13" in why
-        assert ne.nixl_unavailable_reason() == why
+        assert nf.nixl_unavailable_reason() == why
     finally:
-        ne._found.clear()
+        nf._found.clear()
 
 
 def test_find_nixl_reports_a_broken_install(monkeypatch):
     broken = types.ModuleType("broken_nixl_for_tests")  # imports, but has no nixl_agent
     monkeypatch.setitem(sys.modules, "broken_nixl_for_tests", broken)
-    monkeypatch.setenv(ne.NIXL_MODULE_ENV, "broken_nixl_for_tests")
-    ne._found.clear()
+    monkeypatch.setenv(nf.NIXL_MODULE_ENV, "broken_nixl_for_tests")
+    nf._found.clear()
     try:
-        mod, why = ne.find_nixl(refresh=True)
+        mod, why = nf.find_nixl(refresh=True)
         assert mod is None and "AttributeError" in why
     finally:
-        ne._found.clear()
+        nf._found.clear()
 
 
 def test_module_order_prefers_the_cuda_major(monkeypatch):
-    monkeypatch.delenv(ne.NIXL_MODULE_ENV, raising=False)
-    monkeypatch.setattr(ne, "_cuda_major", lambda: 12)
-    assert ne._module_order()[0] == "nixl_cu12"
-    monkeypatch.setattr(ne, "_cuda_major", lambda: None)
-    assert ne._module_order() == ne.NIXL_MODULES
+    monkeypatch.delenv(nf.NIXL_MODULE_ENV, raising=False)
+    monkeypatch.setattr(nf, "_cuda_major", lambda: 12)
+    assert nf._module_order()[0] == "nixl_cu12"
+    monkeypatch.setattr(nf, "_cuda_major", lambda: None)
+    assert nf._module_order() == nf.NIXL_MODULES
 
 
 @pytest.mark.parametrize("op", ["READ", "WRITE"])
@@ -346,7 +348,7 @@ def test_prepped_call_sequence_moves_the_bytes(fake_nixl, op):
     peer_of_a = a.add_remote(b.metadata())
     desc = np.array([[0, 1000, 100], [5000, 0, 999], [60000, 60000, 5536]], np.int64)
     init, peer, init_name = (b, peer_of_b, "dst") if op == "READ" else (a, peer_of_a, "src")
-    local, remote = ne.to_nixl_dlists(desc, op, src_base=src.ctypes.data, dst_base=dst.ctypes.data,
+    local, remote = nf.to_nixl_dlists(desc, op, src_base=src.ctypes.data, dst_base=dst.ctypes.data,
                                       src_dev=0, dst_dev=0)
     lh, rh = init.prep(None, local), init.prep(peer, remote)
     idx = np.arange(len(desc))
@@ -376,7 +378,7 @@ def test_oneshot_call_sequence(fake_nixl):
         b.register(dst.ctypes.data, dst.nbytes, 0)
         peer = b.add_remote(a.metadata())
         desc = np.array([[128, 256, 4096]], np.int64)
-        local, remote = ne.to_nixl_dlists(desc, "READ", src_base=src.ctypes.data, dst_base=dst.ctypes.data,
+        local, remote = nf.to_nixl_dlists(desc, "READ", src_base=src.ctypes.data, dst_base=dst.ctypes.data,
                                           src_dev=0, dst_dev=0)
         h = b.oneshot("READ", local, remote, peer, notif=b"landed")
         b.run(h, "oneshot", timeout_s=5)
@@ -394,7 +396,7 @@ def test_stuck_transfer_times_out_and_close_still_releases(fake_nixl):
     a.register(src.ctypes.data, src.nbytes, 0)
     b.register(dst.ctypes.data, dst.nbytes, 0)
     peer = b.add_remote(a.metadata())
-    local, remote = ne.to_nixl_dlists(np.array([[0, 0, 64]]), "READ", src_base=src.ctypes.data,
+    local, remote = nf.to_nixl_dlists(np.array([[0, 0, 64]]), "READ", src_base=src.ctypes.data,
                                       dst_base=dst.ctypes.data, src_dev=0, dst_dev=0)
     h = b.oneshot("READ", local, remote, peer)
     with pytest.raises(TransferTimeout) as ei:
@@ -405,7 +407,7 @@ def test_stuck_transfer_times_out_and_close_still_releases(fake_nixl):
     a.close()
     assert h.released  # close() released the handle it still held
     with pytest.raises(TransferTimeout, match="notification"):
-        a2 = ne.NixlAgent(ne.NixlModule("fake", fake_nixl), "lonely", rank=3)
+        a2 = nf.NixlAgent(nf.NixlModule("fake", fake_nixl), "lonely", rank=3)
         try:
             a2.wait_notif("nobody", b"x", timeout_s=0.05)
         finally:
@@ -419,21 +421,21 @@ def test_err_state_raises_a_typed_error(fake_nixl):
         a.register(src.ctypes.data, src.nbytes, 0)
         b.register(dst.ctypes.data, dst.nbytes, 0)
         peer = b.add_remote(a.metadata())
-        local, remote = ne.to_nixl_dlists(np.array([[0, 0, 64]]), "READ", src_base=src.ctypes.data,
+        local, remote = nf.to_nixl_dlists(np.array([[0, 0, 64]]), "READ", src_base=src.ctypes.data,
                                           dst_base=dst.ctypes.data, src_dev=0, dst_dev=0)
         h = b.oneshot("READ", local, remote, peer)
         fake_nixl.agents["dst"].check_xfer_state = lambda h: "ERR"
-        with pytest.raises(ne.NixlError, match="ERR"):
+        with pytest.raises(nf.NixlError, match="ERR"):
             b.run(h, "failing READ", timeout_s=5)
         # a call that raises inside NIXL comes back typed too, naming what we were doing
-        with pytest.raises(ne.NixlError, match="prepping"):
+        with pytest.raises(nf.NixlError, match="prepping"):
             b.prep(peer, np.array([[1, 8, 0]], np.uint64))  # not inside any registered region
 
 
 def test_missing_plugin_is_backend_unavailable(fake_nixl):
     fake_nixl.plugins = []
     with pytest.raises(BackendUnavailable, match="NIXL_PLUGIN_DIR"):
-        ne.NixlAgent(ne.NixlModule("fake", fake_nixl), "noplugins", rank=0)
+        nf.NixlAgent(nf.NixlModule("fake", fake_nixl), "noplugins", rank=0)
 
 
 def test_missing_telemetry_leaves_fields_empty(fake_nixl):
@@ -444,7 +446,7 @@ def test_missing_telemetry_leaves_fields_empty(fake_nixl):
         a.register(src.ctypes.data, src.nbytes, 0)
         b.register(dst.ctypes.data, dst.nbytes, 0)
         peer = b.add_remote(a.metadata())
-        local, remote = ne.to_nixl_dlists(np.array([[0, 0, 64]]), "READ", src_base=src.ctypes.data,
+        local, remote = nf.to_nixl_dlists(np.array([[0, 0, 64]]), "READ", src_base=src.ctypes.data,
                                           dst_base=dst.ctypes.data, src_dev=0, dst_dev=0)
         h = b.oneshot("READ", local, remote, peer)
         b.run(h, "x", timeout_s=5)
@@ -461,7 +463,7 @@ def test_missing_telemetry_leaves_fields_empty(fake_nixl):
 import threading  # noqa: E402
 
 from _spawn import on_threads  # noqa: E402
-from gpuxfer.kv.engines import Burst, Role, Side  # noqa: E402
+from gpuxfer.kv.engines import DescriptorBurst, Role, Side  # noqa: E402
 from gpuxfer.platforms.base import Memory  # noqa: E402
 
 
@@ -505,8 +507,8 @@ def _reference_kernels():
 
 
 def _fake_kernels(monkeypatch):
-    monkeypatch.setattr(ne, "_kernels", _reference_kernels)
-    monkeypatch.setattr(ne, "_kernel_reason", lambda platform: None)
+    monkeypatch.setattr(ne, "kernels", _reference_kernels)
+    monkeypatch.setattr(ne, "kernel_reason", lambda platform: None)
 
 
 def _random_requests(rng, pool_bytes, n_req, n_desc, max_len):
@@ -549,7 +551,7 @@ def _run_engine_pair(engine_name, direction, *, pool_bytes=1 << 18, bursts=2, n_
             stats = []
             for b in range(bursts):          # a row: prepare once, several bursts (as the runner does), release
                 reqs = _random_requests(rng, pool_bytes, n_req, 40, 2048)
-                burst = Burst(reqs)
+                burst = DescriptorBurst(reqs)
                 ps = on_threads([lambda r=r: engines[r].prepare(burst, direction) for r in range(2)])
                 passive = 0 if direction == "pull" else 1
                 for _ in range(3):
@@ -586,7 +588,6 @@ def fake_engines(fake_nixl, monkeypatch):
 @pytest.mark.parametrize("engine", ["nixl", "nixl-oneshot", "nixl+pack", "nixl-bulk"])
 @pytest.mark.parametrize("direction", ["pull", "push"])
 def test_engine_moves_every_byte_over_fake_nixl(fake_engines, engine, direction):
-    ne.register()
     engines, stats = _run_engine_pair(engine, direction, stage_bytes=16 << 10 if engine == "nixl+pack" else None)
     calls = [c[1] for c in fake_engines.calls]
     op = "READ" if direction == "pull" else "WRITE"
@@ -613,7 +614,6 @@ def test_engine_moves_every_byte_over_fake_nixl(fake_engines, engine, direction)
 
 def test_engine_setup_failure_on_one_side_fails_both(fake_engines, monkeypatch):
     """A side whose agent cannot start tells its peer through the exchange: both raise, naming it."""
-    ne.register()
     real = fake_engines.nixl_agent
 
     def picky(name, conf):
@@ -627,7 +627,6 @@ def test_engine_setup_failure_on_one_side_fails_both(fake_engines, monkeypatch):
 
 
 def test_stuck_engine_transfer_times_out(fake_engines):
-    ne.register()
     fake_engines.stuck = True
     with pytest.raises(TransferTimeout, match="nixl READ"):
         _run_engine_pair("nixl", "pull", bursts=1, timeout_s=0.3)
@@ -635,10 +634,10 @@ def test_stuck_engine_transfer_times_out(fake_engines):
 
 def test_nixl_shed_cap(fake_engines, monkeypatch):
     monkeypatch.setenv("GPUXFER_NIXL_MAX_DESCS", "10")
-    burst = Burst([np.array([[0, 0, 8]] * 11, np.int64)])
+    burst = DescriptorBurst([np.array([[0, 0, 8]] * 11, np.int64)])
     why = ne.NixlEngine.shed_reason(types.SimpleNamespace(name="nixl"), burst)
     assert "capped at 10" in why and "GPUXFER_NIXL_MAX_DESCS" in why
-    assert ne.NixlEngine.shed_reason(types.SimpleNamespace(name="nixl"), Burst([np.array([[0, 0, 8]])])) is None
+    assert ne.NixlEngine.shed_reason(types.SimpleNamespace(name="nixl"), DescriptorBurst([np.array([[0, 0, 8]])])) is None
 
 
 # --------------------------------------------------------------------------- the benchmark across hosts, over the fake
@@ -655,7 +654,7 @@ CROSS_TINY = ["bench", "kv", "--platform", "host", "--workload", "kv-mla", "--is
 def net_fake_nixl(monkeypatch, tmp_path):
     mail = tmp_path / "nixl-mail"
     mail.mkdir()
-    monkeypatch.setenv(ne.NIXL_MODULE_ENV, "fake_nixl_net")    # the spawned ranks import it (tests/ on sys.path)
+    monkeypatch.setenv(nf.NIXL_MODULE_ENV, "fake_nixl_net")    # the spawned ranks import it (tests/ on sys.path)
     monkeypatch.setenv("FAKE_NIXL_NET_DIR", str(mail))
     monkeypatch.delenv("GPUXFER_INJECT_FAULT", raising=False)
 
@@ -723,13 +722,12 @@ def _two_proc_child(rank, engine_name, direction, platform_name, q_out, q_in, se
     import os as _os
     if patch_kernels:
         _os.environ["GPUXFER_NIXL_PACK_STAGE_BYTES"] = str(64 << 10)
-    from gpuxfer.kv import nixl_engine as _ne
-    from gpuxfer.kv.engines import Burst as _Burst, Role as _Role, Side as _Side, engine_class
+    from gpuxfer.kv.engines import nixl as _ne
+    from gpuxfer.kv.engines import DescriptorBurst as _Burst, Role as _Role, Side as _Side, engine_class
     from gpuxfer.platforms import get_platform
     if patch_kernels:  # the reference copy in place of the Triton kernel (host emulation)
-        _ne._kernels = _reference_kernels
-        _ne._kernel_reason = lambda platform: None
-    _ne.register()
+        _ne.kernels = _reference_kernels
+        _ne.kernel_reason = lambda platform: None
 
     def exchange(obj):
         q_out.put(obj)
@@ -803,8 +801,8 @@ def _run_two_processes(spawner, engine, direction, platform_name, *, patch_kerne
     return out
 
 
-@pytest.mark.skipif(ne.nixl_unavailable_reason() is not None,
-                    reason=f"real NIXL not importable: {ne.nixl_unavailable_reason()}")
+@pytest.mark.skipif(nf.nixl_unavailable_reason() is not None,
+                    reason=f"real NIXL not importable: {nf.nixl_unavailable_reason()}")
 @pytest.mark.parametrize("engine", ["nixl", "nixl-oneshot", "nixl+pack", "nixl-bulk"])
 @pytest.mark.parametrize("direction", ["pull", "push"])
 def test_real_nixl_two_processes_host(spawner, engine, direction):
@@ -826,7 +824,7 @@ def _gpu_reason() -> str | None:
         return f"torch: {exc}"
     from gpuxfer.platforms import unavailable_reason
     why = unavailable_reason("cuda")
-    return f"cuda platform: {why}" if why else ne.nixl_unavailable_reason()
+    return f"cuda platform: {why}" if why else nf.nixl_unavailable_reason()
 
 
 @pytest.mark.gpu
@@ -885,7 +883,7 @@ def test_nixl_engines_through_the_benchmark_runner(tmp_path):
 
 # --------------------------------------------------------------------------- Mooncake
 
-from gpuxfer.kv import mooncake_engine as me  # noqa: E402
+from gpuxfer.kv.engines import mooncake as me  # noqa: E402
 
 
 @settings(max_examples=40, deadline=None)
@@ -1017,7 +1015,6 @@ def importlib_util_find(name):
 def test_mooncake_engine_over_fake(fake_mooncake, monkeypatch, direction):
     fake = fake_mooncake()
     monkeypatch.setattr(me, "BATCH_CAP", 16)          # several batch calls per request
-    me.register()
     _run_engine_pair("mooncake", direction, bursts=2)
     kinds = [c[0] for c in fake.calls]
     assert kinds.count("initialize") == 2
@@ -1030,7 +1027,6 @@ def test_mooncake_engine_over_fake(fake_mooncake, monkeypatch, direction):
 
 
 def test_mooncake_engine_failures(fake_mooncake, monkeypatch):
-    me.register()
     fake_mooncake(init_rc=-1)
     with pytest.raises(BackendUnavailable, match="returned -1"):
         _run_engine_pair("mooncake", "pull", bursts=0)
@@ -1100,8 +1096,6 @@ def _hostile_results(engine_name: str) -> dict:
 def test_hostile_descriptors_are_refused_by_the_library_engines(fake_engines, fake_mooncake, engine):
     """Overflowing, negative, zero-size and out-of-range descriptors: BadInput naming the descriptor from
     prepare on both sides, before any library call moves a byte."""
-    ne.register()
-    me.register()
     fake_mooncake()
     res = _hostile_results(engine)
     assert res and all(v.startswith("BadInput: descriptor ") for v in res.values()), \

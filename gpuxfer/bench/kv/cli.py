@@ -26,15 +26,13 @@ from ...common import parse_size
 from ...errors import BadInput
 from .grid import (DEFAULT_BATCHES, DEFAULT_DESC_BUDGET, DEFAULT_POOL_BUDGET_BYTES, HOST_GRID, SHED_DESC, Grid,
                    build_grid, human_bytes)
+from ...kv.engines.registry import DEFAULT_ENGINES, ENGINES
+from ...kv.plan import DIRECTIONS
 from ...kv.workloads import WORKLOADS, get_workload
 
-__all__ = ["ENGINES", "DIRECTIONS", "PLATFORM_CHOICES", "RunOptions", "add_arguments", "run", "parse_grid_args",
+__all__ = ["PLATFORM_CHOICES", "RunOptions", "add_arguments", "run", "parse_grid_args",
            "parse_run_options", "print_plan", "parse_size", "parse_list", "plan_document"]
 
-#: Transfer engines, each measured on the same descriptors.
-ENGINES = ("triton", "pack", "copy_engine", "bulk")
-#: pull: the decode side reads the prefill side's pool; push: the prefill side writes the decode side's.
-DIRECTIONS = ("pull", "push")
 DEFAULT_ISL = "32k"
 #: the file a run leaves in its directory (beside one PNG per workload and ISL)
 ARTIFACT = "kv_bench.json"
@@ -71,8 +69,7 @@ def parse_list(text: str, *, option: str, item: Callable[[str], object]) -> list
 def _registered_engines() -> tuple[str, ...]:
     """Every engine of the registry (the optional ones, NIXL and Mooncake, too: named, they are measured
     where they can run and reported with the reason where they cannot)."""
-    from ...kv.engines import ENGINES as registry
-    return tuple(dict.fromkeys(ENGINES + tuple(registry)))
+    return tuple(dict.fromkeys(DEFAULT_ENGINES + tuple(ENGINES)))
 
 
 def _choice(known: tuple[str, ...], option: str) -> Callable[[str], str]:
@@ -127,8 +124,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"descriptors per burst (16M = 2**24 = {DEFAULT_DESC_BUDGET:,}); larger bursts are shed, "
                         "except the two smallest batches")
     r = parser.add_argument_group("how it is measured")
-    r.add_argument("--engine", "--engines", dest="engine", default=",".join(ENGINES), metavar="NAMES",
-                   help=f"transfer engines, comma-separated; known: {', '.join(ENGINES)} "
+    r.add_argument("--engine", "--engines", dest="engine", default=",".join(DEFAULT_ENGINES), metavar="NAMES",
+                   help=f"transfer engines, comma-separated; known: {', '.join(DEFAULT_ENGINES)} "
                         "(bulk: one descriptor of the same bytes, the ceiling)")
     r.add_argument("--direction", default=",".join(DIRECTIONS), metavar="DIRS",
                    help="pull (decode side reads) and/or push (prefill side writes), comma-separated")

@@ -57,7 +57,8 @@ import numpy as np
 
 from ...errors import BadInput
 from .grid import SHED_DESC, SHED_POOL, Grid, GridPoint, ShedBatch, human_bytes
-from ...kv import mooncake_engine, mori_engine
+from ...kv.engines import mooncake as mooncake_engine
+from ...kv.engines import mori as mori_engine
 from ...kv.layout import PoolLayout, build_layout
 from ...kv.plan import Burst, PlanSpan, validate_plan
 from ...kv.workloads import Workload, _pos_int, get_workload

@@ -72,6 +72,8 @@ from ... import config
 from ...common import parse_size, run_versions
 from ...errors import BackendUnavailable, BadInput, GpuxferError, PlatformUnavailable, TransferTimeout
 from ...kv import engines as E
+from ...kv.engines.launch import sync_uploads
+from ...kv.plan import DIRECTIONS
 from . import report as R
 
 log = logging.getLogger("gpuxfer.bench.kv.runner")
@@ -182,7 +184,7 @@ def _parse_inject(spec: str | None, engines: tuple[str, ...]) -> str | None:
     eng, d, _ = _inject_parts(spec)
     if eng not in ("all",) + tuple(E.ENGINES):
         raise BadInput(f"--inject-fault: unknown engine {eng!r}; use ENGINE[:DIRECTION][:stray] or all")
-    if d and d not in E.DIRECTIONS:
+    if d and d not in DIRECTIONS:
         raise BadInput(f"--inject-fault: unknown direction {d!r}; use pull or push")
     return spec
 
@@ -313,7 +315,7 @@ def _pool_verify(platform, stream, mem, desc: np.ndarray, seed: int, timeout_s: 
     cpu = t.device.type == "cpu"
     d = torch.from_numpy(np.array(desc, dtype=np.int64))       # a copy: ``desc`` may be a read-only burst table
     d = d if cpu else d.to(t.device)
-    E._sync_uploads_plat(platform, mem.device, timeout_s, rank)
+    sync_uploads(platform, mem.device, timeout_s, rank)
     out: list = []
     platform.launch(stream, lambda: out.append(K.verify(t, d, seed, guard_seed=None if cpu else guard_seed)))
     _sync(platform, stream, timeout_s, rank, "verification")
@@ -642,7 +644,7 @@ class Worker:
                                          **({"direction": direction} if cfg.suite else {}))
                         # block tables ride along (engines that move blocks by ID use them); the suite's
                         # tables are its own, so its bursts are descriptor tables only
-                        burst = E.Burst(pb.requests, plan=pb.plan) if cfg.suite else E.Burst.from_plan(pb)
+                        burst = E.DescriptorBurst(pb.requests, plan=pb.plan) if cfg.suite else E.DescriptorBurst.from_plan(pb)
                         shape = E.BurstShape(batch, pb.descriptors, pb.total_bytes)
                     for name, eng in self.engines.items():
                         if eng.shed_reason(shape):
@@ -662,7 +664,7 @@ class Worker:
         from . import collectivex as CX
         for point in CX.bulk_points(self.grid):
             pb = point.burst(1)
-            burst = E.Burst(pb.requests, plan=pb.plan)
+            burst = E.DescriptorBurst(pb.requests, plan=pb.plan)
             for direction in self.cfg.directions:
                 for eng in self.engines.values():
                     if eng.shed_reason(burst.shape):
@@ -725,7 +727,7 @@ class Worker:
         os.makedirs(out, exist_ok=True)
         prof.export_chrome_trace(os.path.join(out, f"{name}-rank{self.rank}.json"))
 
-    def _row(self, eng: E.Engine, burst: E.Burst, pb, point, batch: int, direction: str) -> dict:
+    def _row(self, eng: E.Engine, burst: E.DescriptorBurst, pb, point, batch: int, direction: str) -> dict:
         cfg = self.cfg
         ini_rank = 0 if eng.initiator(direction) is E.Role.SOURCE else 1
         row: dict[str, Any] = {

@@ -14,22 +14,23 @@ from __future__ import annotations
 
 import time
 
-from ..errors import BadInput
-from . import engines as E
-from .agent import KVAgent, KVTransfer, layout_groups
-from .blocktable import burst_tables
+from ...errors import BadInput
+from ..agent import KVAgent, KVTransfer, layout_groups
+from ..blocktable import burst_tables
+from .base import DescriptorBurst, Role, Side
+from .triton import TritonEngine
 
 __all__ = ["AgentTritonEngine", "AgentPackEngine"]
 
 
-class AgentTritonEngine(E.TritonEngine):
-    """Bursts of block tables (``Burst.from_plan``) go through a :class:`KVAgent`; a burst given only as
-    descriptor tables takes :class:`~gpuxfer.kv.engines.TritonEngine`'s path (tables uploaded per burst)."""
+class AgentTritonEngine(TritonEngine):
+    """Bursts of block tables (``DescriptorBurst.from_plan``) go through a :class:`KVAgent`; a burst given only as
+    descriptor tables takes :class:`~gpuxfer.kv.engines.triton.TritonEngine`'s path (tables uploaded per burst)."""
 
     description = ("KVAgent (the public KV API): transfers by block ID, descriptors expanded on the initiating GPU, "
                    "the descriptor-copy kernel reading (pull) or writing (push) the peer's caches")
 
-    def __init__(self, side: E.Side):
+    def __init__(self, side: Side):
         super().__init__(side)
         self.agent: KVAgent | None = None
         self.peer = None
@@ -62,7 +63,7 @@ class AgentTritonEngine(E.TritonEngine):
         self.agent, self._layout = agent, layout
         self._register_ms = (time.perf_counter() - t0) * 1e3
 
-    def prepare(self, burst: E.Burst, direction: str):
+    def prepare(self, burst: DescriptorBurst, direction: str):
         pb = getattr(burst, "source", None)
         if pb is None:
             return super().prepare(burst, direction)
@@ -119,16 +120,16 @@ class AgentPackEngine(AgentTritonEngine):
                    "per chunk into the peer's slot, unpack; one stream per side")
     uses_sms = "both GPUs, local HBM only"
 
-    def prepare(self, burst: E.Burst, direction: str):
+    def prepare(self, burst: DescriptorBurst, direction: str):
         pb = getattr(burst, "source", None)
         if pb is None:
-            raise BadInput("pack-api moves bursts by block ID: build the burst with Burst.from_plan")
+            raise BadInput("pack-api moves bursts by block ID: build the burst with DescriptorBurst.from_plan")
         p = self._new_prepared(burst, direction, active=True)       # both sides work
         self._agent_for(pb.src_layout)
         self._extra = {"register_ms": self._register_ms}
         src = burst_tables(pb.src_layout, pb.isl_tokens, pb.batch, seed=pb.seed, side="src", order=pb.order)
         dst = burst_tables(pb.dst_layout, pb.isl_tokens, pb.batch, seed=pb.seed, side="dst", order=pb.order)
-        source = self.side.role is E.Role.SOURCE
+        source = self.side.role is Role.SOURCE
         mine, theirs = (src, dst) if source else (dst, src)
         t0 = time.perf_counter()
         p.state = [self.agent.prepare(self.peer, "push" if source else "pull", local_blocks=mine[r],

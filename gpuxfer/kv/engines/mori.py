@@ -47,11 +47,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import config
-from ..common import package_version
-from ..errors import BackendUnavailable, BadInput, DriverError, TransferTimeout
-from .engines import Burst, Engine, Prepared, Role, Side, as_descriptors, split_large
-from .plan import check_bounds
+from ... import config
+from ...common import package_version
+from ...errors import BackendUnavailable, BadInput, DriverError, TransferTimeout
+from ..plan import check_bounds
+from .base import DescriptorBurst, Engine, Prepared, Role, Side, as_descriptors
+from .chunks import split_large
 
 log = logging.getLogger("gpuxfer.kv.mori")
 
@@ -263,7 +264,7 @@ class MoriEngine(Engine):
         mine, theirs = int(self.side.pool.nbytes), int(self.peer["pool_bytes"])
         return (mine, theirs) if self.side.role is Role.SOURCE else (theirs, mine)
 
-    def prepare(self, burst: Burst, direction: str) -> Prepared:
+    def prepare(self, burst: DescriptorBurst, direction: str) -> Prepared:
         p = self._new_prepared(burst, direction)      # every descriptor checked against both pools
         self._initiating = p.active
         if not p.active:
@@ -313,6 +314,3 @@ class MoriEngine(Engine):
                 log.warning("mori deregister_memory failed: %s", exc)
             self.mem = None
         self.io = None
-
-
-MORI_ENGINES = {"amd-mori": "gpuxfer.kv.mori_engine:MoriEngine"}

@@ -45,11 +45,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .. import config
-from ..common import package_version
-from ..errors import BackendUnavailable, BadInput, DriverError, TransferTimeout
-from ..platforms.base import Closable
-from .plan import check_bounds
+from ... import config
+from ...common import package_version
+from ...errors import BackendUnavailable, BadInput, DriverError, TransferTimeout
+from ...platforms.base import Closable
+from ..plan import check_bounds
+from .base import DescriptorBurst, Engine, Prepared, Role, Side, as_descriptors
 
 log = logging.getLogger("gpuxfer.kv.mooncake")
 
@@ -134,7 +135,7 @@ def local_host() -> str:
 _PROBE = r"""
 import json, os, sys
 sys.path[:0] = json.loads(sys.argv[4])
-from gpuxfer.kv.mooncake_engine import find_mooncake, _free_port, local_host
+from gpuxfer.kv.engines.mooncake import find_mooncake, _free_port, local_host
 TE, why = find_mooncake()
 if TE is None:
     print(json.dumps({"ok": False, "why": why})); sys.exit(0)
@@ -287,8 +288,6 @@ class MooncakeSide(Closable):
 
 # --------------------------------------------------------------------------- the engine
 
-from .engines import Burst, Engine, Prepared, Role, Side, as_descriptors  # noqa: E402
-
 
 class MooncakeEngine(Engine):
     name = "mooncake"
@@ -342,7 +341,7 @@ class MooncakeEngine(Engine):
         mine, theirs = int(self.side.pool.nbytes), int(self.peer["pool_bytes"])
         return (mine, theirs) if self.side.role is Role.SOURCE else (theirs, mine)
 
-    def prepare(self, burst: Burst, direction: str) -> Prepared:
+    def prepare(self, burst: DescriptorBurst, direction: str) -> Prepared:
         p = self._new_prepared(burst, direction)
         if not p.active:
             return p
@@ -420,14 +419,3 @@ def apply_suite_env(environ=os.environ) -> dict[str, str]:
     for k, v in SUITE_ENV.items():
         environ.setdefault(k, v)
     return {k: environ[k] for k in SUITE_ENV}
-
-
-MOONCAKE_ENGINES = {"mooncake": "gpuxfer.kv.mooncake_engine:MooncakeEngine",
-                    "mooncake-rdma": "gpuxfer.kv.mooncake_engine:MooncakeRdmaEngine"}
-
-
-def register() -> None:
-    """Add the ``mooncake`` engine to :data:`gpuxfer.kv.engines.ENGINES` (idempotent; imports no Mooncake)."""
-    from .engines import register_engine
-    for name, target in MOONCAKE_ENGINES.items():
-        register_engine(name, target)

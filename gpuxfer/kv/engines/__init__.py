@@ -1,0 +1,43 @@
+"""KV transfer engines: one interface, measured on the same descriptors.
+
+An *engine* moves a burst of descriptor tables (:class:`DescriptorBurst`) from the prefill side's pool
+to the decode side's pool; both sides build it over a :class:`Side` (see :mod:`.base` for the
+interface, armed posting and the failure path). The package, one module per engine or family:
+
+* :mod:`.base` -- :class:`Role`, :class:`Side`, :class:`DescriptorBurst`, :class:`Prepared` (the transfer
+  record), :class:`Gate`, :class:`Engine`, the bounded waits;
+* :mod:`.chunks` -- splitting and chunking descriptor tables; :mod:`.launch` -- what kernel engines share;
+* :mod:`.triton` (``triton`` over descriptor tables), :mod:`.pack` (``pack``),
+  :mod:`.copy_engine` (``copy_engine``, ``bulk``), :mod:`.kvagent` (``triton`` and ``pack-api`` through
+  the public KV API), :mod:`.nixl` over :mod:`.nixl_ffi`, :mod:`.mooncake`, :mod:`.mori`;
+* :mod:`.registry` -- ``ENGINES``, the one registry (name -> class or ``"module:Class"``).
+
+Built-in engines:
+
+* ``triton`` -- the descriptor-copy kernel: pull runs on the decode GPU reading the peer pool through
+  the IPC mapping, push on the prefill GPU writing it. Uses SMs of the initiating GPU, none of the other.
+* ``pack`` -- pack the pages into a staging buffer on the source, one copy-engine transfer per chunk into
+  the destination's staging buffer, unpack on the destination; chunked and pipelined. No SM touches the wire.
+* ``copy_engine`` -- ``copy_batch_async`` over the descriptors, no SM at all; a fixed cost per descriptor.
+* ``bulk`` -- one descriptor of the same total bytes on the copy engines: the ceiling every row is divided by.
+
+Importing the package imports neither torch, Triton nor any engine's optional library.
+"""
+from __future__ import annotations
+
+from .base import (CROSS_HOST_PEER_MAPPING, ENV_KV_ON_TIMEOUT, EXIT_CODE, BurstShape, DescriptorBurst, Engine,
+                   EngineOptions, FailsOnTimeout, Gate, Prepared, Role, Side, as_descriptors, check_direction,
+                   initiator_of, on_timeout_from_env, wait_event)
+from .chunks import bulk_descriptors, chunk_plan, split_large
+from .copy_engine import BulkEngine, CopyEngineEngine
+from .pack import PackEngine
+from .registry import (DEFAULT_ENGINES, ENGINES, engine_class, engine_report, engine_unavailable_reason,
+                       measurement_order, parse_engines, register_engine)
+from .triton import TritonEngine
+
+__all__ = ["CROSS_HOST_PEER_MAPPING", "DEFAULT_ENGINES", "ENGINES", "ENV_KV_ON_TIMEOUT", "EXIT_CODE",
+           "BulkEngine", "BurstShape", "CopyEngineEngine", "DescriptorBurst", "Engine", "EngineOptions",
+           "FailsOnTimeout", "Gate", "PackEngine", "Prepared", "Role", "Side", "TritonEngine", "as_descriptors",
+           "bulk_descriptors", "check_direction", "chunk_plan", "engine_class", "engine_report",
+           "engine_unavailable_reason", "initiator_of", "measurement_order", "on_timeout_from_env",
+           "parse_engines", "register_engine", "split_large", "wait_event"]

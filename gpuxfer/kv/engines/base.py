@@ -1,0 +1,601 @@
+"""The KV engine interface: the two sides, a burst of descriptors, the transfer record, the gate, waits.
+
+An *engine* moves a *burst* (:class:`DescriptorBurst`: the requests of one batch; each
+request an int64 ``(N, 3)`` table of ``(src_offset, dst_offset, nbytes)`` into the
+source and destination pools) from the prefill side's pool to the decode side's pool.
+The two sides are two processes; each builds the same engines, in the same
+order, over a :class:`Side` (its platform, its pool, the peer's pool opened
+over IPC, a CPU-group exchange).
+
+The interface, per burst::
+
+    p = engine.prepare(burst, direction)   # both sides, once per row; timed apart ("prep ms")
+    engine.arm(p)         # both sides, untimed: enqueue device work that waits on a GPU flag
+    # ... a CPU-group barrier ...
+    engine.post(p)        # the initiator, timed: trigger (or, unarmed, enqueue) the transfer
+    engine.wait(p)        # the initiator, timed: every byte has landed; the passive side: its part is done
+    engine.release(p)
+
+``direction`` is ``pull`` (the decode side initiates: it reads, or pulls the
+data towards itself) or ``push`` (the prefill side initiates and writes).
+:func:`initiator_of` says which side times the burst.
+
+Armed and host posting. With ``Side.armed`` (the benchmark's default), an
+engine that can (``armable``) enqueues all of the initiator's device work in
+:meth:`Engine.arm`, behind a wait on a GPU flag (the side's :class:`Gate`);
+:meth:`Engine.post` is then one stream write of that flag, and the timer runs
+from that trigger to the last byte landed -- the transfer as a serving engine
+runs it when it enqueues the pull (or push) as soon as the blocks are
+allocated and fires it when the KV is ready. The host cost of enqueueing is
+measured apart (``arm ms``). Unarmed (``host``), the initiator enqueues
+everything inside :meth:`Engine.post`, in the timed region. A passive side
+always arms: its work waits for flags the initiator's work sets, so nothing it
+does runs before the timer starts.
+
+Failure. Every host wait is bounded (``Side.timeout_s``). When one times out, the
+side *fails*: it releases every GPU-side wait its streams hold (the gate and every
+flag link's local words get a value past anything awaited), stores the error and
+raises it from every later ``prepare`` / ``arm`` / ``post`` / ``wait`` of every
+engine on the side; ``release`` and ``close`` still work. With
+``on_timeout="exit"`` (``GPUXFER_KV_ON_TIMEOUT=exit``) it then logs the rank,
+the flag and what was waiting, and ends the process with :data:`EXIT_CODE`::
+
+    decode (initiator)                  its streams                    prefill (stuck)
+    ------------------                  -----------                    ---------------
+    arm: lane 0 waits gate >= g         lane 0: wait gate              (never arms)
+    post: gate := g  ---------------->  lane 0: wait AVAIL[0] >= 1
+    wait: t = timeout_s, no event       (blocked: no chunk comes)
+    fail: gate, GO/AVAIL/FREE :=        lane 0: released, drains
+      RELEASE_VALUE
+    raise TransferTimeout               (no stream of the side waits any more)
+    prepare/arm/post/wait: raise it
+"""
+from __future__ import annotations
+
+import abc
+import enum
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, NamedTuple, Sequence
+
+import numpy as np
+
+from ... import config
+from ...errors import BackendUnavailable, BadInput, TransferTimeout
+from ...platforms.base import (RELEASE_VALUE, Closable, DeviceBuffer, Event, Memory, PeerMapping, Platform,
+                               Stream)
+from ..plan import DIRECTIONS, check_bounds
+
+log = logging.getLogger("gpuxfer.kv.engines")
+
+ENV_KV_ON_TIMEOUT = "GPUXFER_KV_ON_TIMEOUT"
+EXIT_CODE = 70          # the process exit code of on_timeout="exit" (EX_SOFTWARE)
+#: why an engine with ``needs_peer_mapping`` cannot run when the ranks are on different hosts
+CROSS_HOST_PEER_MAPPING = "needs the peer pool mapped over IPC; the ranks are on different hosts"
+
+
+class Role(str, enum.Enum):
+    """Which pool a process holds."""
+
+    SOURCE = "source"             # the prefill side
+    DESTINATION = "destination"   # the decode side
+
+    @property
+    def serving_name(self) -> str:
+        return "prefill" if self is Role.SOURCE else "decode"
+
+
+def on_timeout_from_env(value: str | None) -> str:
+    """``value``, else ``$GPUXFER_KV_ON_TIMEOUT``, else ``raise``: what a side does when a bounded wait
+    times out (``raise``: store the error, release every GPU wait, raise on every later call; ``exit``: the
+    same, then log and end the process with :data:`EXIT_CODE`)."""
+    return config.resolve(ENV_KV_ON_TIMEOUT, value, option="on_timeout")
+
+
+def check_direction(direction: str) -> str:
+    if direction not in DIRECTIONS:
+        raise BadInput(f"unknown direction {direction!r}; use one of {', '.join(DIRECTIONS)}")
+    return direction
+
+
+def initiator_of(direction: str) -> Role:
+    """``pull``: the decode (destination) side initiates and times; ``push``: the prefill (source) side."""
+    return Role.DESTINATION if check_direction(direction) == "pull" else Role.SOURCE
+
+
+# ----------------------------------------------------------------------------- options, sides, bursts
+
+
+@dataclass
+class EngineOptions:
+    """Engine tuning knobs (the benchmark's defaults; the emulation shrinks the sizes)."""
+
+    copy_batch_descs: int = 8192               # descriptors per copy_batch_async call
+    copy_engine_max_descs: int = 140_000       # per-burst cap of copy_engine (~0.6-1 us/descriptor on H200)
+    pack_chunk_bytes: int = 32 << 20           # staging slot size = the largest chunk (the runner may raise it)
+    pack_max_chunks: int = 96                  # the runner sizes slots so a burst has about this many chunks
+    pack_first_chunk_bytes: int = 16 << 20     # chunks ramp up from this (smaller copies run below the link rate)
+    pack_slots: int = 4                        # staging slots per side (a multiple of pack_lanes)
+    pack_lanes: int = 2                        # copy streams used round-robin by the chunks
+    verify_chunk_bytes: int = 1 << 30          # bulk rows are verified in pieces of this
+
+    def validate(self) -> "EngineOptions":
+        for k in ("copy_batch_descs", "copy_engine_max_descs", "pack_chunk_bytes", "pack_first_chunk_bytes",
+                  "pack_slots", "pack_lanes", "verify_chunk_bytes"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or v <= 0:
+                raise BadInput(f"engine option {k} must be a positive integer, got {v!r}")
+        if self.pack_slots % self.pack_lanes:
+            raise BadInput(f"pack_slots ({self.pack_slots}) must be a multiple of pack_lanes ({self.pack_lanes})")
+        if self.pack_slots < 2:
+            raise BadInput(f"pack_slots must be >= 2 to pipeline, got {self.pack_slots}")
+        if self.pack_first_chunk_bytes > self.pack_chunk_bytes:
+            self.pack_first_chunk_bytes = self.pack_chunk_bytes
+        return self
+
+
+class FailsOnTimeout:
+    """What a party (a benchmark :class:`Side`, a :class:`~gpuxfer.kv.agent.KVAgent`) does when one of its
+    bounded waits times out: :meth:`fail` releases every GPU-side wait it queued (its
+    :meth:`release_waits` writes :data:`RELEASE_VALUE` into its local flag words), keeps the first
+    error, which :meth:`check` raises from every later call, and with ``on_timeout == "exit"`` logs it
+    and ends the process with :data:`EXIT_CODE`. Subclasses set ``failed`` (None) and ``on_timeout``
+    (:func:`on_timeout_from_env`) and name themselves in :meth:`failure_name`."""
+
+    failed: BaseException | None = None
+    on_timeout: str | None = None
+
+    def release_waits(self) -> None:
+        """Satisfy every GPU wait this party queued (best effort: the abort path)."""
+
+    def failure_name(self) -> str:
+        return type(self).__name__
+
+    def fail(self, exc: BaseException) -> None:
+        """A bounded wait timed out: release every GPU wait, keep ``exc`` (the first error) for every later
+        call, and with ``on_timeout="exit"`` log and end the process."""
+        if self.failed is None:
+            self.failed = exc
+        self.release_waits()
+        if self.on_timeout == "exit":
+            msg = (f"gpuxfer kv: {self.failure_name()} failed: {type(self.failed).__name__}: {self.failed}; "
+                   f"on_timeout=exit: every GPU wait released, exiting with code {EXIT_CODE}")
+            log.critical("%s", msg)
+            try:
+                print(msg, file=sys.stderr, flush=True)
+            finally:
+                os._exit(EXIT_CODE)
+
+    def check(self) -> None:
+        """Raise the error that failed this party, if any."""
+        if self.failed is not None:
+            raise self.failed
+
+
+@dataclass
+class Side(FailsOnTimeout):
+    """What one of the two processes holds; every engine is built over one.
+
+    ``exchange(obj)`` is an all-gather over the CPU group (index = rank); an
+    engine may call it only from its constructor (both sides build engines in
+    the same order, so the calls pair up).
+    """
+
+    platform: Platform
+    device: int
+    rank: int
+    role: Role
+    pool: DeviceBuffer
+    peer_pool: PeerMapping | None      # None when the ranks are on different hosts (no IPC mapping)
+    exchange: Callable[[Any], list]
+    timeout_s: float = 60.0
+    options: EngineOptions = field(default_factory=EngineOptions)
+    armed: bool = True
+    on_timeout: str | None = None      # raise | exit; None: $GPUXFER_KV_ON_TIMEOUT, else raise
+    failed: BaseException | None = field(default=None, repr=False)   # the error that failed the side
+    _streams: dict = field(default_factory=dict, repr=False)
+    _gate: "Gate | None" = field(default=None, repr=False)
+    _releasers: list = field(default_factory=list, repr=False)       # release_waits of the side's flag links
+
+    def __post_init__(self) -> None:
+        self.on_timeout = on_timeout_from_env(self.on_timeout)
+
+    def agree(self, engine: str, info: dict, on_failure: Callable[[], None]) -> list[dict]:
+        """Collective set-up exchange: every side's record, or, if any side's record is
+        ``{"error": ...}``, ``on_failure()`` and :class:`BackendUnavailable` with every
+        failing side's reason, raised on both sides together (neither is left waiting)."""
+        infos = self.exchange(info)
+        errors = {r: i["error"] for r, i in enumerate(infos) if "error" in i}
+        if errors:
+            on_failure()
+            raise BackendUnavailable(engine, errors)
+        return infos
+
+    def stream(self, name: str) -> Stream:
+        """A stream of this process, created once per name and shared by the engines (one burst at a time).
+
+        Few streams on purpose: a stream blocked in a flag wait must never share a
+        hardware queue with the stream that releases it.
+        """
+        s = self._streams.get(name)
+        if s is None:
+            s = self._streams[name] = self.platform.create_stream(self.device)
+        return s
+
+    def open_streams(self) -> None:
+        """Create every stream the built-in engines use, and the gate, up front.
+
+        Creating a stream (or allocating) while another stream of the process is blocked
+        in a flag wait can block until that wait ends: nothing of the kind may happen
+        while a burst is armed.
+        """
+        for name in ("engine", "gate-trigger", "setup", "pack-kernel",
+                     *(f"pack-lane{i}" for i in range(self.options.pack_lanes))):
+            self.stream(name)
+        _ = self.gate
+
+    @property
+    def gate(self) -> "Gate":
+        if self._gate is None:
+            self._gate = Gate(self)
+        return self._gate
+
+    def release_waits(self) -> None:
+        """Abort path: satisfy the gate and every flag link's words, so no stream of ours stays blocked."""
+        if self._gate is not None:
+            self._gate.release_waits()
+        for release in list(self._releasers):
+            release()
+
+    def failure_name(self) -> str:
+        return f"rank {self.rank} ({self.role.serving_name}, device {self.device})"
+
+    def close(self) -> None:
+        if self._gate is not None:
+            self._gate.close()
+            self._gate = None
+        streams, self._streams = list(self._streams.values()), {}
+        for s in streams:
+            s.close()
+
+    @property
+    def src_mem(self) -> Memory:
+        return self.pool if self.role is Role.SOURCE else self.peer_pool
+
+    @property
+    def dst_mem(self) -> Memory:
+        return self.pool if self.role is Role.DESTINATION else self.peer_pool
+
+    @property
+    def peer_rank(self) -> int:
+        return 1 - self.rank
+
+
+def as_descriptors(table, name: str = "descriptors") -> np.ndarray:
+    arr = np.asarray(table)
+    if arr.ndim != 2 or arr.shape[1] != 3:
+        raise BadInput(f"{name} must have shape (N, 3), got {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise BadInput(f"{name} must be integers, got {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+class BurstShape(NamedTuple):
+    """What a cap needs to know about a burst, without materialising it."""
+
+    batch: int
+    descriptors: int
+    nbytes: int
+
+
+class DescriptorBurst:
+    """The descriptors of one batch's requests, posted together and awaited together.
+
+    ``requests[r]`` is request r's ``(N_r, 3)`` table; ``plan`` (optional) is their
+    concatenation when the caller already has it (e.g. :class:`gpuxfer.kv.plan.Burst`'s
+    ``plan``, whose ``requests`` are views into it).
+
+    The burst holds its own read-only copy of the descriptors (``requests`` are views
+    into it): what :meth:`check_bounds` checked is what every engine moves, whatever the
+    caller does to its arrays afterwards.
+    """
+
+    def __init__(self, requests: Sequence[np.ndarray], plan: np.ndarray | None = None, source=None):
+        #: the :class:`gpuxfer.kv.plan.Burst` (layouts, seeded block tables) these descriptors come from, if any:
+        #: engines that move blocks by ID (``triton``, through the KV API) need it
+        self.source = source
+        if not len(requests):
+            raise BadInput("a burst needs at least one request")
+        reqs = [as_descriptors(r, f"request {i}") for i, r in enumerate(requests)]
+        ends = np.cumsum([r.shape[0] for r in reqs])
+        if plan is None:
+            cat = np.concatenate(reqs, axis=0)
+        else:
+            cat = np.array(as_descriptors(plan, "plan"))
+            if cat.shape[0] != int(ends[-1]):
+                raise BadInput("plan and requests differ in length")
+            for i, (r, end) in enumerate(zip(reqs, ends)):
+                if not np.array_equal(cat[end - r.shape[0]:end], r):
+                    raise BadInput(f"plan is not the concatenation of the requests (request {i} differs)")
+        cat.setflags(write=False)
+        self._cat = cat
+        self.requests = [cat[end - r.shape[0]:end] for r, end in zip(reqs, ends)]
+        self._checked: tuple | None = None
+
+    @classmethod
+    def from_plan(cls, plan_burst) -> "DescriptorBurst":
+        """From a :class:`gpuxfer.kv.plan.Burst`."""
+        return cls(plan_burst.requests, plan=plan_burst.plan, source=plan_burst)
+
+    @property
+    def shape(self) -> BurstShape:
+        return BurstShape(self.batch, self.descriptors, self.nbytes)
+
+    @property
+    def batch(self) -> int:
+        return len(self.requests)
+
+    @property
+    def descriptors(self) -> int:
+        return sum(int(r.shape[0]) for r in self.requests)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(r[:, 2].sum()) for r in self.requests)
+
+    def concatenated(self) -> np.ndarray:
+        return self._cat
+
+    def describe_row(self, row: int) -> str:
+        """'descriptor 12 (request 1, row 3 of the request)'."""
+        ends = np.cumsum([r.shape[0] for r in self.requests])
+        req = int(np.searchsorted(ends, row, side="right"))
+        if req >= len(self.requests):
+            return f"descriptor {row}"
+        first = int(ends[req - 1]) if req else 0
+        return f"descriptor {row} (request {req}, row {row - first} of the request)"
+
+    def check_bounds(self, src_nbytes: int | None, dst_nbytes: int | None) -> None:
+        """Every descriptor moves at least one byte and lies inside both pools (``None``: a pool whose
+        size is not known here). :class:`BadInput` names the first that does not; see
+        :func:`gpuxfer.kv.plan.check_bounds` (overflow-safe). Checked once per pair of sizes (the
+        descriptors are the burst's own, read-only)."""
+        if self._checked == (src_nbytes, dst_nbytes):
+            return
+        check_bounds(self._cat, src_nbytes, dst_nbytes, describe=self.describe_row)
+        self._checked = (src_nbytes, dst_nbytes)
+
+
+@dataclass
+class Prepared:
+    """A prepared burst: what :meth:`Engine.post` needs, built outside the timed region."""
+
+    engine: str
+    direction: str
+    burst: DescriptorBurst
+    active: bool                 # this side posts work for this burst
+    initiator: bool              # this side times the burst
+    state: Any = None
+    done: Event | None = None
+    gate: int | None = None      # the gate value this burst's armed work waits for (None: not armed)
+    released: bool = False
+
+
+# ----------------------------------------------------------------------------- waiting
+
+
+def wait_event(platform: Platform, event: Event, timeout_s: float, *, rank: int, what: str, step: int = 0,
+               spin_s: float = 0.25) -> None:
+    """Wait on the host for ``event``; spin first on a GPU (a sleep would inflate short bursts).
+
+    Raises :class:`TransferTimeout` past ``timeout_s``.
+    """
+    start = time.perf_counter()
+    if not platform.is_emulation:
+        spin_until = start + min(spin_s, timeout_s)
+        while True:
+            if platform.event_query(event):
+                return
+            if time.perf_counter() > spin_until:
+                break
+    left = timeout_s - (time.perf_counter() - start)
+    if left > 0 and platform.event_wait(event, left):
+        return
+    raise TransferTimeout(rank=rank, step=step, flag=f"event: {what}", expected=1, seen=0, timeout_s=timeout_s,
+                          what=what)
+
+
+class Gate:
+    """A 64-bit flag in this process's device memory that armed work waits on; posting writes it.
+
+    Values only grow (one per armed burst of the process). The trigger is a stream
+    write on a stream that never waits for anything, so it cannot be held up.
+    """
+
+    def __init__(self, side: "Side"):
+        self.side = side
+        plat = side.platform
+        self.buf = plat.alloc(256, side.device)
+        s = side.stream("gate-trigger")
+        plat.memset_async(s, self.buf.ptr, 0, 256)
+        if not plat.synchronize(s, side.timeout_s):
+            self.buf.close()
+            raise TransferTimeout(rank=side.rank, step=0, flag="gate (memset)", expected=1, seen=0,
+                                  timeout_s=side.timeout_s)
+        self.value = 0
+
+    def next(self) -> int:
+        self.value += 1
+        return self.value
+
+    def wait(self, stream: Stream, value: int) -> None:
+        self.side.platform.wait_flag(stream, self.buf.ptr, value)
+
+    def trigger(self, value: int) -> None:
+        self.side.platform.write_flag(self.side.stream("gate-trigger"), self.buf.ptr, value)
+
+    def release_waits(self) -> None:
+        try:
+            self.side.platform.host_write_flag(self.buf.ptr, RELEASE_VALUE, self.side.device)
+        except Exception:  # noqa: BLE001 - best effort on the abort path
+            pass
+
+    def close(self) -> None:
+        self.buf.close()
+
+
+
+# ----------------------------------------------------------------------------- the interface
+
+
+class Engine(Closable, abc.ABC):
+    """One way to move a burst. Built on both sides (collectively), used one burst at a time.
+
+    Subclasses set ``name``, ``description`` and ``uses_sms`` and implement
+    :meth:`prepare` and :meth:`_enqueue` (this side's device work for a burst,
+    ending with ``p.done`` = an event recorded after it); an engine that is not
+    stream-ordered (a host library) sets ``armable = False`` and may override
+    :meth:`post` / :meth:`wait` instead. Every owned resource is released by
+    :meth:`close` (idempotent).
+    """
+
+    name: ClassVar[str] = "abstract"
+    description: ClassVar[str] = ""
+    uses_sms: ClassVar[str] = ""        # where SMs are used, in words ("none", "initiator", ...)
+    ceiling: ClassVar[bool] = False     # this engine's rows are the ceiling of the others
+    armable: ClassVar[bool] = False     # its initiator's work is stream-ordered: it can wait behind a GPU flag
+    launches_kernels: ClassVar[bool] = False   # the runner loads its kernels in an unarmed burst first
+    needs_peer_mapping: ClassVar[bool] = False  # reads or writes the peer's memory through an IPC mapping
+    ceiling_across_hosts: ClassVar[bool] = False  # the ceiling when the ranks are on different hosts
+
+    @classmethod
+    def unavailable_reason(cls, platform: Platform) -> str | None:
+        """Why this engine cannot run on ``platform`` (None if it can). Never raises, never touches a device."""
+        return None
+
+    @classmethod
+    def cross_host_reason(cls) -> str | None:
+        """Why this engine cannot run when the two ranks are on different hosts (None if it can)."""
+        return CROSS_HOST_PEER_MAPPING if cls.needs_peer_mapping else None
+
+    def __init__(self, side: Side):
+        self.side = side
+        self.platform = side.platform
+        self.options = side.options
+        self._closed = False
+
+    # -- helpers
+    @property
+    def stream(self) -> Stream:
+        """The stream of the simple engines (shared: one burst at a time)."""
+        return self.side.stream("engine")
+
+    def initiator(self, direction: str) -> Role:
+        return initiator_of(direction)
+
+    def is_initiator(self, direction: str) -> bool:
+        return self.initiator(direction) is self.side.role
+
+    def shed_reason(self, shape: BurstShape) -> str | None:
+        """Why this engine does not run a burst of this shape (a cap), or None."""
+        return None
+
+    def verify_descriptors(self, burst: DescriptorBurst) -> np.ndarray:
+        """The descriptors whose destination bytes the verifier checks after this engine's transfer."""
+        return burst.concatenated()
+
+    # -- the burst protocol
+    @abc.abstractmethod
+    def prepare(self, burst: DescriptorBurst, direction: str) -> Prepared:
+        """Everything a post needs (descriptor uploads, pointer arrays, chunk plans). Not timed as transfer."""
+
+    def _enqueue(self, p: Prepared) -> None:
+        """Enqueue this side's device work for ``p`` and set ``p.done``. Non-blocking.
+
+        Stream-ordered engines implement this; host-driven ones override :meth:`post`
+        (and :meth:`wait`) instead."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither _enqueue nor post")
+
+    def _entry_streams(self, p: Prepared) -> list[Stream]:
+        """The streams the initiator's work starts on (gated when armed); the rest depends on them."""
+        return [self.stream]
+
+    def arm(self, p: Prepared) -> None:
+        """Untimed, on both sides, before the start barrier.
+
+        The passive side posts its part (which waits for flags the initiator's work
+        sets); an armed initiator (``Side.armed`` and ``armable``) enqueues its whole
+        transfer behind the gate, so that :meth:`post` only fires it.
+        """
+        self.side.check()
+        p.gate = None
+        if not p.active:
+            return
+        if not p.initiator:
+            self.post(p)
+            return
+        if self.side.armed and self.armable:
+            p.gate = self.side.gate.next()
+            for s in self._entry_streams(p):
+                self.side.gate.wait(s, p.gate)
+            self._enqueue(p)
+
+    def post(self, p: Prepared) -> None:
+        """On the initiator, timed: fire the armed transfer, or enqueue it now. On the passive side
+        (called by :meth:`arm`): enqueue its flag-gated part."""
+        self.side.check()
+        if not p.active:
+            return
+        if p.gate is not None:
+            self.side.gate.trigger(p.gate)
+        else:
+            self._enqueue(p)
+
+    def row_extra(self) -> dict:
+        """Engine-specific fields for the row just measured (e.g. a library's own telemetry)."""
+        return {}
+
+    def wait(self, p: Prepared) -> None:
+        """Block until this side's part of ``p`` is done (the initiator: until the data has landed).
+        Past ``timeout_s`` the side fails (see the module docstring) and :class:`TransferTimeout` is raised."""
+        self.side.check()
+        if p.active and p.done is not None:
+            try:
+                wait_event(self.platform, p.done, self.side.timeout_s, rank=self.side.rank,
+                           what=f"{self.name} {p.direction} burst of {p.burst.batch} request(s)")
+            except TransferTimeout as exc:
+                self.side.fail(exc)
+                raise
+
+    def release(self, p: Prepared) -> None:
+        p.state = None
+        p.done = None
+        p.released = True
+
+    def abort(self) -> None:
+        """Failure path: release whatever this side's streams wait for (best effort)."""
+
+    # -- lifetime (close(), closed and the context manager come from Closable)
+    def _release(self) -> None:
+        """Free what the engine owns (streams belong to the side)."""
+
+    def _pool_limits(self) -> tuple[int | None, int | None]:
+        """(source pool bytes, destination pool bytes) that every descriptor must lie inside (None: unknown)."""
+        src, dst = self.side.src_mem, self.side.dst_mem
+        return (None if src is None else int(src.nbytes), None if dst is None else int(dst.nbytes))
+
+    def _new_prepared(self, burst: DescriptorBurst, direction: str, *, active: bool | None = None) -> Prepared:
+        """The start of every :meth:`prepare`: checks the direction and every descriptor's bounds
+        (on both sides, active or not), so no engine moves a byte of a hostile burst."""
+        check_direction(direction)
+        if self._closed:
+            raise BadInput(f"engine {self.name} is closed")
+        self.side.check()
+        if not isinstance(burst, DescriptorBurst):
+            raise BadInput(f"{self.name}: prepare takes a gpuxfer.kv.engines.DescriptorBurst, got {type(burst).__name__}")
+        burst.check_bounds(*self._pool_limits())
+        ini = self.is_initiator(direction)
+        return Prepared(self.name, direction, burst, active=ini if active is None else active, initiator=ini)
