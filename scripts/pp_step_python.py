@@ -71,7 +71,8 @@ class NullPlatform:
 
 
 def cuda_stub():
-    """The cuda platform's own Python, over a driver whose calls return success at once (counted)."""
+    """The cuda platform's own Python, over a driver whose calls return success at once (counted; the ctypes
+    entry points of ``stream_calls`` are Python functions here, so their ctypes argument conversion is left out)."""
     from gpuxfer.platforms import cuda
     calls = collections.Counter()
 
@@ -93,6 +94,12 @@ def cuda_stub():
     plat.create_stream = lambda device: cuda.CudaStream(0, 0x100, None, plat)
     plat.is_capturing = lambda s: False
     plat.capture_graph = lambda s, record: cuda.CudaGraph(0, None, 0)
+    def entry(name):                        # stream_calls' entry points: a C status, 0
+        def call(*args):
+            calls[name] += 1
+            return 0
+        return call
+    plat._step_fns = tuple(entry(n) for n in ("cuStreamWriteValue64", "cuStreamWaitValue64", "cuGraphLaunch"))
     plat.calls = calls
     return plat
 

@@ -352,6 +352,7 @@ class CudaGraph:
     def __init__(self, device: int, graph, exe):
         self.device = device
         self.exe = exe
+        self.handle = int(exe)      # the CUgraphExec as an int (for entry points called through ctypes)
         weakref.finalize(self, _destroy_graph, exe, graph)
 
     def __repr__(self) -> str:
@@ -553,6 +554,7 @@ class CudaPlatform(Platform):
         self._current: dict[tuple, CudaStream] = {}        # (device, handle) -> torch's streams seen current
         self._raw_stream = None     # torch._C._cuda_getCurrentRawStream (False where torch lacks it)
         self._memop = None          # cuStreamBatchMemOp through ctypes (False where missing)
+        self._step_fns = None       # stream_calls' entry points through ctypes (False where missing)
         self._memop_arrays: dict[int, tuple] = {}     # id -> (flag_ops array, its address, rows)
         self._probes: dict[int, str | None] = {}
         self._links: dict[tuple[int, int], LinkInfo] = {}
@@ -1384,34 +1386,55 @@ class CudaPlatform(Platform):
 
     # ---- a per-step path ----
     def stream_calls(self, stream: Stream) -> StreamCalls:
-        """The flag and graph calls bound to ``stream``: one ``cuda.bindings`` call each where the arguments are
-        plain in-range integers (and a graph of this platform), with the stream's checks done here, once; any
-        other argument, and any call that fails (no context current on this thread included), goes through
-        the checked method, which repeats it in the stream's context or raises what is wrong. A default
-        stream of a process that sees several devices keeps the checked methods (its context is checked
-        per call)."""
+        """The flag and graph calls bound to ``stream``: one driver call each, through its entry point
+        (``cuGetProcAddress``, the CUDA 12 ABI, called through ctypes with plain integers: no per-call
+        argument objects), where the arguments are in-range integers (and a graph of this platform), with
+        the stream's checks done here, once. Any other argument, and any call the driver refuses (no
+        context current on this thread included), goes through the checked method, which repeats it in
+        the stream's context or raises what is wrong. A default stream of a process that sees several
+        devices, or a driver without the entry points, keeps the checked methods."""
         s = self._stream(stream)
-        if s.handle in _DEFAULT_STREAM_HANDLES and self._count != 1:
+        fns = self._step_fns
+        if fns is None:
+            fns = self._step_fns = self._resolve_step_fns()
+        if not fns or (s.handle in _DEFAULT_STREAM_HANDLES and self._count != 1):
             return super().stream_calls(s)
-        drv, h = _driver(), s.handle
-        write, wait, launch = drv.cuStreamWriteValue64, drv.cuStreamWaitValue64, drv.cuGraphLaunch
+        write, wait, launch = fns
+        h = s.handle
         write_flag, wait_flag, launch_graph = self.write_flag, self.wait_flag, self.launch_graph
 
         def write_fast(ptr: int, value: int) -> None:
             if (type(ptr) is not int or ptr & 7 or type(value) is not int or not 0 <= value <= _MASK64 or s._closed
-                    or int(write(h, ptr, value, 0)[0])):
+                    or write(h, ptr, value, 0)):
                 write_flag(s, ptr, value)
 
         def wait_fast(ptr: int, value: int) -> None:
             if (type(ptr) is not int or ptr & 7 or type(value) is not int or not 0 <= value <= _MASK64 or s._closed
-                    or int(wait(h, ptr, value, _WAIT_GEQ)[0])):
+                    or wait(h, ptr, value, _WAIT_GEQ)):
                 wait_flag(s, ptr, value)
 
         def launch_fast(graph) -> None:
-            if type(graph) is not CudaGraph or s._closed or int(launch(graph.exe, h)[0]):
+            if type(graph) is not CudaGraph or s._closed or launch(graph.handle, h):
                 launch_graph(s, graph)
 
         return StreamCalls(s, write_fast, wait_fast, launch_fast)
+
+    def _resolve_step_fns(self):
+        """ctypes entry points of ``cuStreamWriteValue64``, ``cuStreamWaitValue64`` and ``cuGraphLaunch``
+        (the CUDA 12 ABI; they release the GIL while they run, as a blocked launch may), or False."""
+        c = ctypes
+        flag = (c.c_void_p, c.c_uint64, c.c_uint64, c.c_uint)
+        out = []
+        for name, args in ((b"cuStreamWriteValue64", flag), (b"cuStreamWaitValue64", flag),
+                           (b"cuGraphLaunch", (c.c_void_p, c.c_void_p))):
+            try:
+                err, pfn, status = _driver().cuGetProcAddress(name, 12000, 0)
+            except Exception:  # noqa: BLE001 - an older cuda.bindings: the checked methods
+                return False
+            if int(err) != CUDA_SUCCESS or not pfn or (status is not None and int(status) != 0):
+                return False
+            out.append(c.CFUNCTYPE(c.c_int, *args)(int(pfn)))
+        return tuple(out)
 
     def probe_stream_mem_ops(self, device: int, timeout_s: float = 10.0) -> str | None:
         """None if 64-bit stream write / wait really work on ``device``, else why not. Cached per device.

@@ -253,11 +253,23 @@ def test_stream_op_on_a_default_stream_makes_its_device_current(monkeypatch, han
 
 
 def test_stream_calls_one_driver_call_each_and_the_checked_path_otherwise(monkeypatch):
-    """The bound per-step calls: one driver call with the stream's handle; an argument out of range, or a
-    call the driver refuses, goes through the checked method (which pushes the context, or raises)."""
-    seen, answers = [], []
+    """The bound per-step calls: one call of the driver's entry point (here C callbacks standing in for
+    them) with the stream's handle; an argument out of range, or a call the driver refuses, goes through the
+    checked method (which pushes the context, or raises)."""
+    c = ctypes
+    seen, answers, keep = [], [], {}
 
-    def call(name):
+    def entry(name, *argtypes):
+        def fn(*args):
+            seen.append((name, *[a or 0 for a in args]))
+            return answers.pop(0) if answers else 0
+        keep[name] = c.CFUNCTYPE(c.c_int, *argtypes)(fn)
+        return c.cast(keep[name], c.c_void_p).value
+    flag = (c.c_void_p, c.c_uint64, c.c_uint64, c.c_uint)
+    points = {b"cuStreamWriteValue64": entry("write", *flag), b"cuStreamWaitValue64": entry("wait", *flag),
+              b"cuGraphLaunch": entry("launch", c.c_void_p, c.c_void_p)}
+
+    def checked(name):      # cuda.bindings' own functions, under the checked methods
         def fn(*args):
             seen.append((name, *args))
             return (answers.pop(0) if answers else 0,)
@@ -265,17 +277,18 @@ def test_stream_calls_one_driver_call_each_and_the_checked_path_otherwise(monkey
     plat = cm.CudaPlatform()
     plat._ctxs[1] = (object(), 0x1111)
     monkeypatch.setattr(cm, "_DRIVER", _fake_driver(
-        cuCtxGetCurrent=lambda: (0, None), cuStreamWriteValue64=call("write"), cuStreamWaitValue64=call("wait"),
-        cuGraphLaunch=call("launch")))
+        cuCtxGetCurrent=lambda: (0, None), cuGetProcAddress=lambda name, ver, flags: (0, points[name], None),
+        cuStreamWriteValue64=checked("checked write"), cuStreamWaitValue64=checked("checked wait"),
+        cuGraphLaunch=checked("checked launch")))
     pushed = []
     monkeypatch.setattr(plat, "_on", lambda device: contextlib.nullcontext(pushed.append(device)))
     s = cm.CudaStream(1, 0x7000, None)
     calls = plat.stream_calls(s)
     g = cm.CudaGraph(1, None, 0x99)
     calls.write_flag(0x1000, 5)
-    calls.wait_flag(0x1040, 3)
+    calls.wait_flag(0x1040, (1 << 64) - 1)
     calls.launch_graph(g)
-    assert seen == [("write", 0x7000, 0x1000, 5, 0), ("wait", 0x7000, 0x1040, 3, cm._WAIT_GEQ),
+    assert seen == [("write", 0x7000, 0x1000, 5, 0), ("wait", 0x7000, 0x1040, (1 << 64) - 1, cm._WAIT_GEQ),
                     ("launch", 0x99, 0x7000)] and not pushed
     seen.clear()
     with pytest.raises(BadInput, match="aligned"):
@@ -287,12 +300,16 @@ def test_stream_calls_one_driver_call_each_and_the_checked_path_otherwise(monkey
     assert not seen                                     # refused before any driver call
     answers[:] = [cm._ERR_INVALID_CONTEXT] * 2          # no context on this thread: the checked path
     calls.write_flag(0x1000, 6)                         # repeats it with the context pushed
-    assert len(seen) == 3 and pushed == [1]
+    assert [x[0] for x in seen] == ["write", "checked write", "checked write"] and pushed == [1]
     answers[:] = [1, 1]                                 # refused by the driver: the checked path raises
     with pytest.raises(DriverError, match="CUDA_ERROR_INVALID_VALUE"):
         calls.wait_flag(0x1040, 4)
     plat._count = 2                                     # a default stream of a multi-device process:
     assert plat.stream_calls(cm.CudaStream(1, 0, None)).wait_flag is not calls.wait_flag   # the checked calls
+    plat._step_fns = False                              # no entry points: the checked calls
+    seen.clear()
+    plat.stream_calls(s).write_flag(0x1000, 7)
+    assert [x[0] for x in seen] == ["checked write"]
 
 
 def test_event_query_reads_not_ready_and_raises_errors(monkeypatch):
