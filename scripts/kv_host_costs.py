@@ -1,14 +1,19 @@
 """Host cost of the KV API per request: register, add_peer, prepare (setup), post, and post -> complete.
 
     PYTHONPATH=. python scripts/kv_host_costs.py [--workload kv-dsv4] [--isl 32768,524288] [--page 16,64]
-        [--ops pull,push] [--engines triton,copy_engine] [--iters 20] [--profile] [--json PATH]
+        [--ops pull,push] [--engines triton,copy_engine] [--launch graph,direct] [--iters 20] [--profile]
+        [--json PATH]
 
 A tuning aid for the KV API's host-time targets (not a test): two agents in this process, on
 devices 0 and 1 (device 0 twice when only one is present), register the benchmark's layout of
 ``--workload`` on pools from ``Platform.alloc``, swap metadata, then per request (the seeded block
 tables of a batch-1 burst) time ``prepare`` (block IDs in hand -> ready to post), ``post`` (host
-time of the call) and post -> complete (``handle.wait``). Runs on whatever platform is present;
-on the host emulation (Triton's interpreter) the defaults shrink to a small request.
+time of the call), a re-post of one prepared transfer, and post -> complete (``handle.wait``); p50
+and p90 of each. ``--launch``: the ``triton`` engine's posts replay each slot's graph (``graph``,
+the default) or launch the slot's kernels one by one (``direct``); ``graph_used`` says whether the
+platform captured one. The first prepare + post of a row (``first_*``) also makes the route's slot
+(device buffers, the kernels' first load, the capture). Runs on whatever platform is present; on the
+host emulation (Triton's interpreter) the defaults shrink to a small request.
 
 ``--profile`` runs the prepare + post loop under cProfile and prints where gpuxfer's own Python
 time goes (driver calls show as the built-in functions they are), to tell it apart from the driver.
@@ -36,7 +41,8 @@ def _names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def measure(plat, workload: str, isl: int, page: int, op: str, engine: str, iters: int, profile: bool) -> dict:
+def measure(plat, workload: str, isl: int, page: int, op: str, engine: str, iters: int, profile: bool,
+            launch: str = "graph") -> dict:
     from gpuxfer.kv.agent import KVAgent, layout_groups
     from gpuxfer.kv.blocktable import burst_tables
     from gpuxfer.kv.layout import layout_for_burst
@@ -60,6 +66,7 @@ def measure(plat, workload: str, isl: int, page: int, op: str, engine: str, iter
         dst = burst_tables(layout, isl, 1, seed=3, side="dst")[0]
         initiator = agents[1] if op == "pull" else agents[0]
         other = agents[0] if op == "pull" else agents[1]
+        initiator.graphs = launch == "graph"
         t0 = time.perf_counter()
         peer = initiator.add_peer(other.metadata())
         add_peer_ms = (time.perf_counter() - t0) * 1e3
@@ -88,12 +95,16 @@ def measure(plat, workload: str, isl: int, page: int, op: str, engine: str, iter
             h = x.post()
             repost.append((time.perf_counter() - t0) * 1e6)
             h.wait(120)
+        slots = [len(r.slots) for r in initiator._routes.values() if r.slots]
         row = {"platform": plat.name, "workload": workload, "isl_tokens": isl, "page_tokens": page, "op": op,
-               "engine": engine, "layers": layers, "descriptors": x.descriptors, "bytes": x.nbytes,
+               "engine": engine, "launch": launch if engine == "triton" else "-",
+               "graph_used": bool(engine == "triton" and initiator.graphs), "slots": sum(slots),
+               "layers": layers, "descriptors": x.descriptors, "bytes": x.nbytes,
                "register_ms": max(register_ms), "add_peer_ms": add_peer_ms, "first_setup_us": first_setup_us,
                "first_post_us": first_post_us, "setup_p50_us": float(np.median(setup)),
                "post_p50_us": float(np.median(post)), "repost_p50_us": float(np.median(repost)),
-               "complete_p50_us": float(np.median(complete))}
+               "complete_p50_us": float(np.median(complete)), "setup_p90_us": float(np.percentile(setup, 90)),
+               "post_p90_us": float(np.percentile(post, 90)), "repost_p90_us": float(np.percentile(repost, 90))}
         if profile:
             pr = cProfile.Profile()
             pr.enable()
@@ -121,6 +132,7 @@ def main(argv=None) -> int:
     ap.add_argument("--page", default=None, help="block sizes (tokens), comma-separated")
     ap.add_argument("--ops", default="pull,push")
     ap.add_argument("--engines", default="triton")
+    ap.add_argument("--launch", default="graph", help="triton posts: graph and/or direct, comma-separated")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--profile", action="store_true", help="cProfile the prepare + post loop")
     ap.add_argument("--json", default=None, help="also write the rows here")
@@ -130,26 +142,34 @@ def main(argv=None) -> int:
     isls = _ints(args.isl or ("256" if emu else "32768,524288"))
     pages = _ints(args.page or ("16" if emu else "16,64"))
     iters = args.iters or (3 if emu else 20)
+    launches = _names(args.launch)
+    if not launches or any(x not in ("graph", "direct") for x in launches):
+        ap.error(f"--launch takes graph and/or direct, got {args.launch!r}")
     rows, failed = [], 0
     try:
         for engine in _names(args.engines):
-            for isl in isls:
-                for page in pages:
-                    for op in _names(args.ops):
-                        try:
-                            rows.append(measure(plat, args.workload, isl, page, op, engine, iters, args.profile))
-                        except Exception as exc:  # noqa: BLE001 - report the row and go on
-                            failed += 1
-                            rows.append({"workload": args.workload, "isl_tokens": isl, "page_tokens": page,
-                                         "op": op, "engine": engine, "error": f"{type(exc).__name__}: {exc}"})
+            for launch in (launches if engine == "triton" else ["-"]):
+                for isl in isls:
+                    for page in pages:
+                        for op in _names(args.ops):
+                            try:
+                                rows.append(measure(plat, args.workload, isl, page, op, engine, iters, args.profile,
+                                                    launch))
+                            except Exception as exc:  # noqa: BLE001 - report the row and go on
+                                failed += 1
+                                rows.append({"workload": args.workload, "isl_tokens": isl, "page_tokens": page,
+                                             "op": op, "engine": engine, "launch": launch,
+                                             "error": f"{type(exc).__name__}: {exc}"})
     finally:
         plat.close()
-    cols = ["engine", "op", "isl_tokens", "page_tokens", "descriptors", "register_ms", "add_peer_ms",
-            "setup_p50_us", "post_p50_us", "repost_p50_us", "complete_p50_us", "first_setup_us", "first_post_us"]
+    cols = ["engine", "launch", "graph_used", "op", "isl_tokens", "page_tokens", "descriptors", "register_ms",
+            "add_peer_ms", "setup_p50_us", "post_p50_us", "post_p90_us", "repost_p50_us", "complete_p50_us",
+            "first_setup_us", "first_post_us"]
     print("# " + " ".join(f"{c:>14}" for c in cols))
     for r in rows:
         if "error" in r:
-            print(f"# {r['engine']} {r['op']} {r['isl_tokens']}/{r['page_tokens']}: {r['error']}")
+            print(f"# {r['engine']} {r.get('launch', '-')} {r['op']} {r['isl_tokens']}/{r['page_tokens']}: "
+                  f"{r['error']}")
             continue
         print("  " + " ".join(f"{r[c]:>14.1f}" if isinstance(r[c], float) else f"{r[c]!s:>14}" for c in cols))
         if "profile" in r:

@@ -53,13 +53,13 @@ def expand_blocks(planes: torch.Tensor, request: torch.Tensor, out: torch.Tensor
 
 
 def default_programs_per_plane(device, n_planes: int) -> int:
-    """The grid's second dimension when the request is not known: about two programs per SM in all (one on
-    the CPU interpreter); each loops over its plane's chunks."""
+    """The grid's second dimension when the request is not known: about eight programs per SM in all (one
+    on the CPU interpreter); each loops over its plane's chunks."""
     device = torch.device(device)
     if device.type == "cpu" or n_planes < 1:
         return 1
     from .launch import sm_count
-    return max(1, min(_MAX_GRID_Y, -(-2 * sm_count(device) // n_planes)))
+    return max(1, min(_MAX_GRID_Y, -(-8 * sm_count(device) // n_planes)))
 
 
 def expand_launcher(planes: torch.Tensor, request: torch.Tensor, out: torch.Tensor, *, n_groups: int,

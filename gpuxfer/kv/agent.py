@@ -699,6 +699,8 @@ def _overlap_classes(spans: list[list[tuple[int, int]]]) -> list[list[int]]:
 
 
 def _as_ids(ids, what: str) -> np.ndarray:
+    if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1 and ids.flags.c_contiguous:
+        return ids
     torch = _torch()
     if isinstance(ids, torch.Tensor):
         if ids.device.type != "cpu":
@@ -725,11 +727,19 @@ class _Scratch(threading.local):
 
     def __init__(self):
         self.slots = np.full(0, -1, dtype=np.int64)
+        self.positions = np.arange(0, dtype=np.int64)
 
     def get(self, limit: int) -> np.ndarray:
         if self.slots.size < limit:
             self.slots = np.full(max(limit, 2 * self.slots.size), -1, dtype=np.int64)
         return self.slots[:limit]
+
+    def arange(self, n: int) -> np.ndarray:
+        """``np.arange(n)`` as a read-only view of one kept array."""
+        if self.positions.size < n:
+            self.positions = np.arange(max(n, 2 * self.positions.size), dtype=np.int64)
+            self.positions.flags.writeable = False
+        return self.positions[:n]
 
 
 _SCRATCH = _Scratch()
@@ -741,7 +751,7 @@ def _sort_order(keys: np.ndarray, limit: int) -> np.ndarray:
     n = keys.size
     if limit <= 16 * n:
         slot = _SCRATCH.get(limit)
-        slot[keys] = np.arange(n, dtype=np.int64)
+        slot[keys] = _SCRATCH.arange(n)
         order = slot[slot >= 0]
         slot[keys] = -1
         if order.size == n:
@@ -754,12 +764,13 @@ def _check_unique(ids: np.ndarray, limit: int, what: str) -> None:
     occurrences; an occurrence that reads back another position is a duplicate. O(len(ids))."""
     if ids.size < 2:
         return
-    at = np.arange(ids.size, dtype=np.int64)
+    at = _SCRATCH.arange(ids.size)
     slot = _SCRATCH.get(limit)
     slot[ids] = at
-    dup = np.flatnonzero(slot[ids] != at)
+    differ = slot[ids] != at
     slot[ids] = -1
-    if dup.size:
+    if differ.any():
+        dup = np.flatnonzero(differ)
         raise BlockIdError(f"{what}: destination block {int(ids[dup[0]])} appears more than once (two copies "
                            "would land on the same bytes)")
 
