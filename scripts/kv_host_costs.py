@@ -1,7 +1,7 @@
 """Host cost of the KV API per request: register, add_peer, prepare (setup), post, and post -> complete.
 
     PYTHONPATH=. python scripts/kv_host_costs.py [--workload kv-dsv4] [--isl 32768,524288] [--page 16,64]
-        [--ops pull,push] [--engines triton,copy_engine] [--launch graph,direct] [--iters 20] [--profile]
+        [--ops pull,push] [--engines triton,copy_engine,pack] [--launch graph,direct] [--iters 20] [--profile]
         [--json PATH]
 
 A tuning aid for the KV API's host-time targets (not a test): two agents in this process, on
@@ -17,8 +17,15 @@ host emulation (Triton's interpreter) the defaults shrink to a small request.
 
 ``--profile`` runs the prepare + post loop under cProfile and prints where gpuxfer's own Python
 time goes (driver calls show as the built-in functions they are), to tell it apart from the driver.
-The ``pack`` engine is two-sided and belongs in two processes (``gpuxfer bench kv`` measures it as
-``pack-api``); it is left out here.
+
+``--engines pack``: the two-sided engine; both agents post every request (the destination ``pull``,
+then the source ``push``, the same block IDs; ``--ops`` does not apply), each post timed on its own:
+``post_p50_us`` is the slower side's median, ``post_src_p50_us`` / ``post_dst_p50_us`` each side's;
+``setup_p50_us`` the source's prepare; post -> complete runs from the first post to both handles
+done. Both sides prepare before either posts (a shape's first prepare loads its kernels on a GPU, which
+must not wait behind a stream waiting for the other side). A shape's first post enqueues its work op by
+op (``first_post_us``), its second captures the graphs (``capture_posts_us``: the second and third
+posts); the medians are of the posts after those.
 """
 from __future__ import annotations
 
@@ -123,6 +130,94 @@ def measure(plat, workload: str, isl: int, page: int, op: str, engine: str, iter
             b.close()
 
 
+def measure_pack(plat, workload: str, isl: int, page: int, iters: int, profile: bool) -> dict:
+    """Both sides of the pack engine in this process: agents[0] the source, agents[1] the destination."""
+    from gpuxfer.kv.agent import KVAgent, layout_groups
+    from gpuxfer.kv.blocktable import burst_tables
+    from gpuxfer.kv.layout import layout_for_burst
+
+    devices = (0, 1) if plat.device_count() > 1 else (0, 0)
+    layout = layout_for_burst(workload, isl, page, 1)
+    bufs, agents = [], []
+    try:
+        register_ms = []
+        for i, d in enumerate(devices):
+            bufs.append(plat.alloc(layout.pool_bytes, d))
+            ag = KVAgent(f"probe-{i}", platform=plat, device=d, engine="pack", timeout_s=120)
+            agents.append(ag)
+            t0 = time.perf_counter()
+            for name, bt, layers in layout_groups(layout, plat.as_tensor(bufs[-1])):
+                ag.register_group(name, bt, layers)
+            register_ms.append((time.perf_counter() - t0) * 1e3)
+        layers = sum(len(lay) for _, _, lay in layout_groups(layout, plat.as_tensor(bufs[0])))
+        src = burst_tables(layout, isl, 1, seed=3, side="src")[0]
+        dst = burst_tables(layout, isl, 1, seed=3, side="dst")[0]
+        t0 = time.perf_counter()
+        p_src = agents[0].add_peer(agents[1].metadata())
+        p_dst = agents[1].add_peer(agents[0].metadata())
+        add_peer_ms = (time.perf_counter() - t0) * 1e3 / 2
+
+        def prepare():
+            t0 = time.perf_counter()
+            xs = agents[0].prepare(p_src, "push", local_blocks=src, remote_blocks=dst, name="probe")
+            t1 = time.perf_counter()
+            xd = agents[1].prepare(p_dst, "pull", local_blocks=dst, remote_blocks=src, name="probe")
+            return xs, xd, (t1 - t0) * 1e6
+
+        def post(xs, xd):
+            t0 = time.perf_counter()
+            hd = xd.post()
+            t1 = time.perf_counter()
+            hs = xs.post()
+            t2 = time.perf_counter()
+            hs.wait(120)
+            hd.wait(120)
+            t3 = time.perf_counter()
+            return (t2 - t1) * 1e6, (t1 - t0) * 1e6, (t3 - t0) * 1e6
+
+        xs, xd, first_setup_us = prepare()
+        first = post(xs, xd)                           # loads the kernels: the operations one by one
+        capture = [post(*prepare()[:2]) for _ in range(2)]     # the capture of both parities' graphs, a replay
+        setup, p_src_us, p_dst_us, complete = [], [], [], []
+        for _ in range(iters):
+            xs, xd, su = prepare()
+            ps, pd, c = post(xs, xd)
+            setup.append(su)
+            p_src_us.append(ps)
+            p_dst_us.append(pd)
+            complete.append(c)
+        repost = []
+        for _ in range(iters):
+            ps, pd, _ = post(xs, xd)
+            repost.append(max(ps, pd))
+        row = {"platform": plat.name, "workload": workload, "isl_tokens": isl, "page_tokens": page, "op": "both",
+               "engine": "pack", "layers": layers, "descriptors": xs.descriptors, "bytes": xs.nbytes,
+               "chunks": len(xs._chunks), "register_ms": max(register_ms), "add_peer_ms": add_peer_ms,
+               "first_setup_us": first_setup_us, "first_post_us": max(first[:2]),
+               "capture_posts_us": [round(max(c[:2]), 1) for c in capture],
+               "setup_p50_us": float(np.median(setup)),
+               "post_p50_us": max(float(np.median(p_src_us)), float(np.median(p_dst_us))),
+               "post_p90_us": max(float(np.percentile(p_src_us, 90)), float(np.percentile(p_dst_us, 90))),
+               "post_src_p50_us": float(np.median(p_src_us)), "post_dst_p50_us": float(np.median(p_dst_us)),
+               "repost_p50_us": float(np.median(repost)), "complete_p50_us": float(np.median(complete)),
+               "launch": "graph", "graph_used": all(g is not None for g in xs._shape.graphs)}
+        if profile:
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(iters):
+                post(*prepare()[:2])
+            pr.disable()
+            out = io.StringIO()
+            pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(20)
+            row["profile"] = out.getvalue()
+        return row
+    finally:
+        for ag in reversed(agents):
+            ag.close()
+        for b in bufs:
+            b.close()
+
+
 def main(argv=None) -> int:
     from gpuxfer.platforms import get_platform
 
@@ -151,8 +246,11 @@ def main(argv=None) -> int:
             for launch in (launches if engine == "triton" else ["-"]):
                 for isl in isls:
                     for page in pages:
-                        for op in _names(args.ops):
+                        for op in (["both"] if engine == "pack" else _names(args.ops)):
                             try:
+                                if engine == "pack":
+                                    rows.append(measure_pack(plat, args.workload, isl, page, iters, args.profile))
+                                    continue
                                 rows.append(measure(plat, args.workload, isl, page, op, engine, iters, args.profile,
                                                     launch))
                             except Exception as exc:  # noqa: BLE001 - report the row and go on

@@ -1031,52 +1031,70 @@ class _PackShape:
     descriptor rows and chunks -- shares: the device request and descriptor buffers, the kernels bound to
     them (one pack or unpack per chunk, its slot fixed), and per parity the captured graph of a post.
 
-    A post uploads its request into :attr:`req` and replays the graph: one driver call whatever the
-    number of chunks. The first post of a shape enqueues the work itself (it loads the kernels); later
-    ones capture the graph of their parity once (where the platform captures) and replay it."""
+    Made at the first :meth:`KVAgent.prepare` of the shape, which on a GPU also loads the route's kernels
+    (launches over an all-zero table, moving nothing): a kernel's first launch loads it, which waits for
+    the device's queues, so it must not come while a stream of the process waits for the peer. A post
+    uploads its request into :attr:`req` and enqueues :meth:`record`; from the shape's second post on,
+    it replays the graph of its parity (both captured then, where the platform captures): one driver
+    call whatever the number of chunks."""
 
     def __init__(self, agent: "KVAgent", x: "_PackTransfer"):
         torch = _torch()
-        from ..kernels.blocks import expand_launcher
+        from ..kernels.blocks import expand_launcher, request_header_len
         from ..kernels.launch import pack_launcher, unpack_launcher
         dev = agent._torch_device()
         self.agent, self.peer, self.route, self.source = agent, x.peer, x.route, x.source
         self.req = torch.empty(int(x._host_req.numel()), dtype=torch.int64, device=dev)
         self.out = torch.empty((max(x.descriptors, 1), 3), dtype=torch.int64, device=dev)
         r = self.route
-        self.expand = expand_launcher(r.planes, self.req, self.out, n_groups=len(r.groups),
+        G = len(r.groups)
+        self.expand = expand_launcher(r.planes, self.req, self.out, n_groups=G,
                                       max_segments=int(x.n_seg.max()) if x.n_seg.size else 0)
         stage = agent.platform.as_tensor(agent.staging)
         local = r.src_anchor if self.source else r.dst_anchor
+
+        def launcher(out, a, b, at, c):
+            if self.source:
+                return pack_launcher(local, stage, out, start=a, end=b, staging_offset=at, row_bytes=c)
+            return unpack_launcher(stage, local, out, start=a, end=b, staging_offset=at, row_bytes=c)
+
         self.chunks: list[tuple[int, Any]] = []             # (bytes, the launch of its pack or unpack)
         for i, (a, b, nbytes, c) in enumerate(x._chunks):
-            at = (i % PACK_SLOTS) * agent.slot_bytes
-            fn = (pack_launcher(local, stage, self.out, start=a, end=b, staging_offset=at, row_bytes=c)
-                  if self.source else
-                  unpack_launcher(stage, local, self.out, start=a, end=b, staging_offset=at, row_bytes=c))
-            self.chunks.append((nbytes, fn))
+            self.chunks.append((nbytes, launcher(self.out, a, b, (i % PACK_SLOTS) * agent.slot_bytes, c)))
+        warm = (id(r), self.source)
+        if not agent.platform.is_emulation and warm not in agent._pack_warm:
+            # on torch's current stream, after the zeros: every row copies 0 bytes, the request expands nothing
+            zreq = torch.zeros(request_header_len(len(r.plane_group), G) + 1, dtype=torch.int64, device=dev)
+            zout = torch.zeros((1, 3), dtype=torch.int64, device=dev)
+            fns = [expand_launcher(r.planes, zreq, zout, n_groups=G, max_segments=1)]
+            fns += [launcher(zout, 0, 1, 0, c) for _, _, c in r.classes if c <= agent.slot_bytes]
+            for fn in fns:
+                if fn is not None:
+                    fn()
+            agent._track(agent.platform.record_event(agent.platform.current_stream(agent.device)), (zreq, zout))
+            agent._pack_warm.add(warm)
         self.graphs: list[Any] = [None] * 2
         self.posts = 0
         self.capturable = True
 
     def graph(self, parity: int):
-        """The graph of a post of ``parity``, captured now if the shape was posted before (its kernels are
-        loaded); None where the platform cannot capture (the post then enqueues :meth:`record`)."""
-        g = self.graphs[parity]
+        """The graph of a post of ``parity``: from the shape's second post on (a shape posted once may never
+        come again), both parities' graphs are captured once; None where the platform captures none (the
+        post then enqueues :meth:`record`)."""
         agent = self.agent
-        if g is None and self.capturable and self.posts and agent.graphs:
+        if self.graphs[parity] is None and self.capturable and self.posts and agent.graphs:
             plat = agent.platform
             try:
                 if agent._capture_stream is None:
                     agent._capture_stream = plat.create_stream(agent.device)
-                g = plat.capture_graph(agent._capture_stream, lambda cs: self.record(cs, parity))
+                for p in (0, 1):
+                    self.graphs[p] = plat.capture_graph(agent._capture_stream, lambda cs, p=p: self.record(cs, p))
             except Exception as exc:  # noqa: BLE001 - the same operations are enqueued one by one instead
                 log.warning("agent %s: capturing a pack transfer failed (%s: %s); posting it op by op",
                             agent.name, type(exc).__name__, exc)
-                g = None
-            self.capturable = g is not None
-            self.graphs[parity] = g
-        return g
+                self.graphs = [None] * 2
+            self.capturable = all(g is not None for g in self.graphs)
+        return self.graphs[parity]
 
     def _signal(self, s: Stream, word: int, value: int) -> None:
         """The peer's control ``word`` := ``value`` after the work before it on ``s``: a write into our
@@ -1173,6 +1191,10 @@ class _PackTransfer(KVTransfer):
             raise BadInput(f"peer {peer.name!r} has no staging buffer (its agent does not run the pack engine)")
         self._buffers = (self._host_req,)
         self._shape_key = (id(self.route), self.source, self.n_seg.tobytes())
+        self._shape = None
+        if chunks:
+            with agent._post_lock:
+                self._shape = agent._pack_shape(self)
 
     def _build_launches(self, max_segments: int, launches: list) -> None:
         """Nothing per request: the kernels belong to the request's shape (:class:`_PackShape`)."""
@@ -1198,8 +1220,8 @@ class _PackTransfer(KVTransfer):
         if tail is not None and tail[0] is not s:
             plat.stream_wait_event(s, tail[1])
         keep: tuple = self._buffers
-        if self._chunks:
-            shape = agent._pack_shape(self)
+        shape = self._shape
+        if shape is not None:
             if self.source:
                 parity, peer.pack_sent = peer.pack_sent % 2, peer.pack_sent + 1
             else:
@@ -1227,8 +1249,10 @@ class _PackTransfer(KVTransfer):
         """The descriptors of the request (its shape's expansion; for checking, not a transfer path)."""
         agent = self.agent
         plat, s = agent.platform, agent.stream
+        shape = self._shape
+        if shape is None:
+            return np.zeros((0, 3), dtype=np.int64)
         with agent._post_lock:
-            shape = agent._pack_shape(self)
             tail = agent._pack_tail
             if tail is not None and tail[0] is not s:
                 plat.stream_wait_event(s, tail[1])
@@ -1356,6 +1380,7 @@ class KVAgent(Closable, FailsOnTimeout):
         self._pack_peer: str | None = None                          # the one peer pack transfers go to
         self._pack_shapes: collections.OrderedDict = collections.OrderedDict()   # shape key -> _PackShape
         self._pack_tail: tuple | None = None                        # (stream, event) of the last pack post
+        self._pack_warm: set = set()                                # (route id, source?) whose kernels are loaded
         self._requests = _RequestPool(pinned=not platform.is_emulation)     # host arrays of requests
         self._post_lock = threading.Lock()                          # a route's ring, one post at a time
         self._capture_stream: Stream | None = None                  # where slots' graphs are captured

@@ -82,7 +82,7 @@ def _spy(monkeypatch, plat) -> dict:
 
 
 def test_repeated_posts_replay_one_graph_per_parity(sides, plat, monkeypatch):
-    """The same request posted again and again: the first post enqueues the operations, the next two capture
+    """The same request posted again and again: the first post enqueues the operations, the second captures
     the graphs of the two parities, every later one replays; every post moves the current bytes. A
     replaying post is the upload, one graph launch and an event, whatever the number of chunks."""
     src, dst = sides
@@ -98,7 +98,7 @@ def test_repeated_posts_replay_one_graph_per_parity(sides, plat, monkeypatch):
         monkeypatch.undo()
         counts.append(calls)
         for side, x in ((src, xs), (dst, xd)):
-            shape = side.agent._pack_shape(x)
+            shape = x._shape
             assert shape.posts == 4 and all(g is not None for g in shape.graphs)
     assert counts[0] == counts[1] == {"copy_async": 2, "launch_graph": 2, "record_event": 2}, counts
     assert src.peer.pack_sent == dst.peer.pack_recv == 8
@@ -190,3 +190,88 @@ def test_pack_rows_launchers_place_and_bound_rows():
         unpack_launcher(staging, dst, descs, torch.zeros(5, dtype=torch.int64), start=0, end=1, row_bytes=48)
     with pytest.raises(BadInput, match="row_bytes"):
         pack_launcher(pool, staging, descs, start=0, end=1, row_bytes=0)
+
+
+@pytest.mark.gpu
+def test_cuda_pack_graph_replays_move_every_byte():
+    """Both sides on one CUDA device (two agents of one process, torch-allocated caches, 64 KiB slots: a
+    request spans chunks in both slots): requests of two shapes interleaved, each posted again and again
+    (op by op, the two captures, graph replays) on the agent's, a created and torch's current stream,
+    every byte checked each time; then the destination posts with no source: a timeout naming the
+    request, and the released stream drains."""
+    from conftest import platform_reason
+    why = platform_reason("cuda")
+    if why:
+        pytest.skip(why)
+    from gpuxfer.platforms import get_platform
+    plat = get_platform("cuda")
+    try:
+        g = torch.Generator(device="cuda:0").manual_seed(5)
+        src = {f"layers.{i}": torch.randint(-1000, 1000, (2, 64, 16, 2, 64), generator=g, device="cuda:0",
+                                            dtype=torch.int16).view(torch.bfloat16) for i in range(3)}
+        dst = {k: torch.zeros_like(v) for k, v in src.items()}
+        a = KVAgent("pre", platform=plat, device=0, engine="pack", slot_bytes=64 << 10, timeout_s=60)
+        b = KVAgent("dec", platform=plat, device=0, engine="pack", slot_bytes=64 << 10, timeout_s=60)
+        own = plat.create_stream(0)
+        try:
+            a.register_group("full", 16, src)
+            b.register_group("full", 16, dst)
+            pa, pb = a.add_peer(b.metadata()), b.add_peer(a.metadata())
+            shapes = {"long": (list(range(40, 64)), list(range(0, 24))), "short": ([5, 9, 2], [60, 30, 31])}
+            xs = {k: (a.prepare(pa, "push", local_blocks={"full": s}, remote_blocks={"full": d}, name=k),
+                      b.prepare(pb, "pull", local_blocks={"full": d}, remote_blocks={"full": s}, name=k))
+                  for k, (s, d) in shapes.items()}
+            assert len(xs["long"][0]._chunks) >= 3
+            streams = (None, own, plat.current_stream(0))
+            for k in range(10):
+                name = "long" if k % 3 else "short"
+                s_ids, d_ids = shapes[name]
+                for t in src.values():
+                    t.view(torch.int16)[:, s_ids] += 1
+                torch.cuda.synchronize()                # the agents' streams do not follow torch's
+                x_src, x_dst = xs[name]
+                hd = x_dst.post(streams[k % 3])
+                hs = x_src.post()
+                hs.wait(60)
+                hd.wait(60)
+                for layer in src:
+                    assert torch.equal(dst[layer].view(torch.int16)[:, d_ids],
+                                       src[layer].view(torch.int16)[:, s_ids]), (layer, k)
+            for agent, x in ((a, xs["long"][0]), (b, xs["long"][1])):
+                assert all(gr is not None for gr in x._shape.graphs)
+            b.timeout_s = 1.0
+            h1, h2 = xs["long"][1].post(), xs["long"][1].post()
+            with pytest.raises(TransferTimeout, match="long"):
+                h1.wait(1.0)
+            assert plat.synchronize(b.stream, 30) and h2.done()
+        finally:
+            own.close()
+            b.close()
+            a.close()
+    finally:
+        plat.close()
+
+
+@pytest.mark.gpu
+def test_cuda_pack_rows_launchers():
+    """The rows-of-one-size pack and unpack compiled: places, the cut of a longer row, 16-byte and odd sizes."""
+    from conftest import platform_reason
+    why = platform_reason("cuda")
+    if why:
+        pytest.skip(why)
+    from gpuxfer.kernels.launch import pack_launcher, unpack_launcher
+    g = torch.Generator(device="cuda:0").manual_seed(1)
+    pool = torch.randint(0, 256, (1 << 20,), generator=g, device="cuda:0", dtype=torch.uint8)
+    for row in (528, 584, 37):
+        n = 300
+        starts = torch.randperm(((1 << 20) - 2 * row) // row, generator=g, device="cuda:0")[:n] * row
+        sizes = torch.full((n,), row, dtype=torch.int64, device="cuda:0")
+        sizes[7] = 2 * row                              # cut at row bytes
+        descs = torch.stack([starts, torch.arange(n, device="cuda:0") * row, sizes], dim=1).contiguous()
+        staging = torch.zeros(n * row + 64, dtype=torch.uint8, device="cuda:0")
+        pack_launcher(pool, staging, descs, start=2, end=n, staging_offset=64, row_bytes=row)()
+        want = torch.cat([pool[int(s):int(s) + row] for s in starts[2:].tolist()])
+        assert torch.equal(staging[64:64 + (n - 2) * row], want), row
+        out = torch.zeros(n * row, dtype=torch.uint8, device="cuda:0")
+        unpack_launcher(staging, out, descs, start=2, end=n, staging_offset=64, row_bytes=row)()
+        assert torch.equal(out[2 * row:], want) and not out[:2 * row].any(), row
