@@ -35,10 +35,11 @@ through the IPC mapping. With ``pack`` (two-sided, :class:`_PackTransfer`) both 
 prepare and post the request -- the source ``push``, the destination ``pull`` -- and
 the source's packed chunks travel staging to staging on a copy engine.
 Descriptors are expanded on the device from the block IDs and the registered layout
-(:mod:`gpuxfer.kernels.block_kernel`); per request the host uploads one small int64
-array (the block IDs and a header) and launches one expansion plus one copy per
-descriptor size. Everything per (peer, direction, layer range) -- the plane table, the
-tilings -- is built once and cached.
+(:mod:`gpuxfer.kernels.block_kernel`). Everything per (peer, direction, layer range) -- the
+plane table, the tilings, a ring of device buffers with their launches bound once and
+captured as a graph (:class:`_Slot`) -- is built once and cached; per request ``prepare``
+writes one small int64 array (a header and the block IDs) on the host, and ``post``
+uploads it into a free slot and launches the slot's graph (:class:`_SlotTransfer`).
 
 **Different block sizes.** When one side's block size divides the other's (prefill
 64-token blocks, decode 16-token blocks), tokens are matched, not blocks: a 64-token
@@ -57,7 +58,7 @@ polls it, :meth:`KVAgent.wait_notification` waits with a timeout,
     prefill (push initiator)                        decode (peer)
     ------------------------                        -------------
     xfer = prepare(peer, "push", ...)   host: check IDs, stage them (per-request setup)
-    h = xfer.post(stream)               host: ~4 calls, returns (post host time)
+    h = xfer.post(stream)               host: ~5 calls, returns (post host time)
       stream: upload IDs -> expand -> copy pieces -> notify  ----+
     h.done() / h.wait()                  <- complete            |  (8-byte write into decode's word k)
                                                                 +-> wait_notification(k, n) returns, or
@@ -947,7 +948,10 @@ class _SlotTransfer(KVTransfer):
             if slot.expand is not None:
                 plat.launch(s, slot.expand)
         elif slot.graph is not None:
-            plat.launch_graph(s, slot.graph)
+            if s is agent.stream:
+                agent._calls.launch_graph(slot.graph)
+            else:
+                plat.launch_graph(s, slot.graph)
         else:
             slot.enqueue(plat, s)
         return slot
@@ -970,7 +974,10 @@ class _SlotTransfer(KVTransfer):
             if self.notify_slot is not None:
                 value = self.peer.next_seq(self.notify_slot)
                 word = self.peer.scratch.ptr + 8 * self.notify_slot
-                plat.write_flag(s, word, value)
+                if s is agent.stream:
+                    agent._calls.write_flag(word, value)
+                else:
+                    plat.write_flag(s, word, value)
                 plat.copy_async(s, self.peer.control_ptr + 8 * self.notify_slot, word, 8)
             event = plat.record_event(s)
             slot.event, slot.stream = event, s
@@ -1399,6 +1406,7 @@ class KVAgent(Closable, FailsOnTimeout):
                 self.staging = platform.alloc(PACK_SLOTS * slot_bytes, self.device)
             self.control = platform.alloc(_CTRL_BYTES, self.device)
             self.stream = platform.create_stream(self.device)
+            self._calls = platform.stream_calls(self.stream)        # the stream's flag and graph calls, bound once
             platform.memset_async(self.stream, self.control.ptr, 0, _CTRL_BYTES)
             if not platform.synchronize(self.stream, self.timeout_s):
                 raise TransferTimeout(rank=self.rank, step=0, flag="notification words (memset)", expected=1,
