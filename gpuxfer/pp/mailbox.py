@@ -52,8 +52,8 @@ class MailboxTimeout(RuntimeError):
     """A mailbox wait ran past its deadline (the transport raises TransferTimeout for it)."""
 
 
-def _check(payload: np.ndarray, m: int) -> int:
-    """CRC-32 of the payload's bytes, seeded with the message number."""
+def _check(payload, m: int) -> int:
+    """CRC-32 of the payload's bytes (an array, or a byte view of one), seeded with the message number."""
     return zlib.crc32(payload, m & 0xFFFFFFFF)
 
 
@@ -119,6 +119,12 @@ class Mailbox:
         self._seq = [int(b) for b in base]
         self.send_buffers = [self._words[b + 2:b + 2 + self.meta_len] for b in base]
         self._recv_copy = np.zeros(self.meta_len, dtype=np.int64)
+        # the per-message path reads and writes words and bytes through memoryviews (a numpy element or
+        # slice access costs several times more)
+        self._mv = memoryview(self._mm)
+        self._q = self._mv.cast("q")
+        self._payload = [self._mv[8 * (b + 2):8 * (b + 2 + self.meta_len)] for b in self._seq]
+        self._copy_bytes = memoryview(self._recv_copy).cast("B")
         self._sent = self._taken = 0
 
     @classmethod
@@ -140,10 +146,10 @@ class Mailbox:
     # ---- sender ----
     def next_send_buffer(self, timeout_s: float, cancelled=None) -> int:
         m = self._sent + 1
-        w = self._words
-        if w[W_CONSUMED] < m - RING:
-            _wait(lambda: w[W_CONSUMED] >= m - RING, timeout_s,
-                  lambda: f"message {m}: the receiver has taken {int(w[W_CONSUMED])} of {m - 1} "
+        q = self._q
+        if q[W_CONSUMED] < m - RING:
+            _wait(lambda: q[W_CONSUMED] >= m - RING, timeout_s,
+                  lambda: f"message {m}: the receiver has taken {q[W_CONSUMED]} of {m - 1} "
                           f"after {timeout_s:g} s (the mailbox holds {RING})", cancelled)
         return (m - 1) % RING
 
@@ -151,29 +157,29 @@ class Mailbox:
         m = self._sent + 1
         if i != (m - 1) % RING:
             raise ValueError(f"mailbox slot {i} is not message {m}'s")
-        seq = self._seq[i]
-        self._words[seq + 1] = _check(self.send_buffers[i], m)
-        self._words[seq] = m
+        seq, q = self._seq[i], self._q
+        q[seq + 1] = _check(self._payload[i], m)
+        q[seq] = m
         self._sent = m
 
     # ---- receiver ----
     def recv(self, timeout_s: float, cancelled=None) -> np.ndarray:
         m = self._taken + 1
         j = (m - 1) % RING
-        seq, w, out, src = self._seq[j], self._words, self._recv_copy, self.send_buffers[j]
+        seq, q, out, src = self._seq[j], self._q, self._copy_bytes, self._payload[j]
 
         def arrived() -> bool:
-            if w[seq] != m:
+            if q[seq] != m:
                 return False
             out[:] = src
-            return w[seq + 1] == _check(out, m) and w[seq] == m
+            return q[seq + 1] == _check(out, m) and q[seq] == m
 
         if not arrived():
-            _wait(arrived, timeout_s, lambda: f"message {m}: slot {j} holds message {int(w[seq])} "
+            _wait(arrived, timeout_s, lambda: f"message {m}: slot {j} holds message {q[seq]} "
                                               f"after {timeout_s:g} s", cancelled)
         self._taken = m
-        w[W_CONSUMED] = m
-        return out
+        q[W_CONSUMED] = m
+        return self._recv_copy
 
     # ---- the channel interface the transport also gets from CpuChannel ----
     def drain(self, timeout_s: float) -> None:
@@ -185,6 +191,10 @@ class Mailbox:
             return
         self.send_buffers = []
         self._words = None
+        for v in (*getattr(self, "_payload", ()), getattr(self, "_q", None), getattr(self, "_mv", None)):
+            if v is not None:
+                v.release()
+        self._payload, self._q, self._mv = [], None, None
         try:
             self._mm.close()
         except BufferError:             # a view is still held somewhere: the mapping goes with it

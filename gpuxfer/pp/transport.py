@@ -71,6 +71,7 @@ import math
 import collections
 import logging
 import os
+import struct
 import threading
 import time
 import weakref
@@ -95,6 +96,7 @@ FAILED_TEARDOWN_S = 1.0     # drain / barrier limit of a failed transport at tea
 GONE_POLL_S = 0.25          # how often the watchdog reads a waiting transport's peer "gone" note
 META_MAGIC = 0x67787070     # "gxpp"
 _NO_DIMS = (0,) * MAX_NDIM
+_HEADER = struct.Struct("=4q")   # a metadata message's first words: magic, step, refusal code, refused key
 
 # why a sender refused a step (travels in the refusal message)
 _REFUSALS = {
@@ -424,11 +426,10 @@ class SpecTable:
         if len(buf) != self.meta_len:
             raise ProtocolError(f"rank {rank}: metadata from rank {peer} holds {len(buf)} words, expected "
                                 f"{self.meta_len}")
-        magic, got, refused, _ = buf[:4].tolist()
-        if magic == META_MAGIC and got == step and not refused:
-            known = self._decoded.get(buf[4:].tobytes())    # shapes seen (and checked) before: per step
-            if known is not None:
-                return known
+        raw = buf.tobytes()
+        known = self._decoded.get(raw[32:])                 # shapes seen (and checked) before: per step
+        if known is not None and raw[:32] == _HEADER.pack(META_MAGIC, step, 0, 0):
+            return known
         vals = buf.tolist()       # one conversion, then plain ints
         if vals[0] != META_MAGIC or vals[1] != step:
             raise ProtocolError(f"rank {rank}: metadata from rank {peer} is out of order: expected step {step}, "
