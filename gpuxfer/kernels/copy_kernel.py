@@ -179,7 +179,9 @@ def copy_kernel(src_ptr, dst_ptr, desc_ptr, offs_ptr,
     sbase = tl.cast(staging_base, tl.int64)
     off0 = tl.cast(0, tl.int64)
     rowb = tl.cast(row_bytes, tl.int64)
-    if MODE == 1 or MODE == 2:
+    if MODE == 1:
+        off0 = tl.load(offs_ptr + rb)
+    if MODE == 2:
         off0 = tl.load(offs_ptr + rb)
     it = pid
     s, d, n, sl = _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, it, n_items, slices, lanes,

@@ -1051,7 +1051,7 @@ class _PackShape:
         from ..kernels.launch import pack_launcher, unpack_launcher
         dev = agent._torch_device()
         self.agent, self.peer, self.route, self.source = agent, x.peer, x.route, x.source
-        self.req = torch.empty(int(x._host_req.numel()), dtype=torch.int64, device=dev)
+        self.req = torch.empty(x._req_bytes // 8, dtype=torch.int64, device=dev)
         self.out = torch.empty((max(x.descriptors, 1), 3), dtype=torch.int64, device=dev)
         r = self.route
         G = len(r.groups)
@@ -1187,9 +1187,11 @@ class _PackTransfer(KVTransfer):
 
     waits_on_peer = True
 
-    def __init__(self, *a, chunks: list, **kw):
+    def __init__(self, *a, chunks: list, pooled, entries: int, **kw):
         self._chunks = chunks
+        self._pooled = pooled           # the host array's pool token: back to the pool when collected
         super().__init__(*a, **kw)
+        self._req_bytes = entries * 8   # the request's entries (the pooled array may hold more)
         agent, peer = self.agent, self.peer
         self.source = self.op == "push"
         if agent.staging is None:
@@ -1198,6 +1200,7 @@ class _PackTransfer(KVTransfer):
             raise BadInput(f"peer {peer.name!r} has no staging buffer (its agent does not run the pack engine)")
         self._buffers = (self._host_req,)
         self._shape_key = (id(self.route), self.source, self.n_seg.tobytes())
+        self._host_ptr = self._host_req.data_ptr()
         self._shape = None
         if chunks:
             with agent._post_lock:
@@ -1233,14 +1236,14 @@ class _PackTransfer(KVTransfer):
                 parity, peer.pack_sent = peer.pack_sent % 2, peer.pack_sent + 1
             else:
                 parity, peer.pack_recv = peer.pack_recv % 2, peer.pack_recv + 1
-            plat.copy_async(s, shape.req.data_ptr(), self._host_req.data_ptr(), self._req_bytes)
+            plat.copy_async(s, shape.req.data_ptr(), self._host_ptr, self._req_bytes)
             graph = shape.graph(parity)
             if graph is None:
                 shape.record(s, parity)
             else:
                 plat.launch_graph(s, graph)
             shape.posts += 1
-            keep = (self._host_req, shape)
+            keep = (self, shape)
         value = None
         if self.notify_slot is not None:
             value = peer.next_seq(self.notify_slot)
@@ -1263,16 +1266,21 @@ class _PackTransfer(KVTransfer):
             tail = agent._pack_tail
             if tail is not None and tail[0] is not s:
                 plat.stream_wait_event(s, tail[1])
-            plat.copy_async(s, shape.req.data_ptr(), self._host_req.data_ptr(), self._req_bytes)
+            plat.copy_async(s, shape.req.data_ptr(), self._host_ptr, self._req_bytes)
             if shape.expand is not None:
                 plat.launch(s, shape.expand)
             event = plat.record_event(s)
             agent._pack_tail = (s, event)
-        agent._track(event, (self._host_req, shape))
+        agent._track(event, (self, shape))
         if not plat.synchronize(s, agent.timeout_s):
             raise TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
                                   timeout_s=agent.timeout_s, what="expanding the descriptors")
         return shape.out[:self.descriptors].cpu().numpy().copy()
+
+    def __del__(self):
+        pool = getattr(getattr(self, "agent", None), "_requests", None)
+        if pool is not None and getattr(self, "_pooled", None) is not None:
+            pool.give(self._pooled)
 
 
 def expand_on_host(table: np.ndarray, request: np.ndarray, n_groups: int) -> np.ndarray:
@@ -1756,12 +1764,8 @@ class KVAgent(Closable, FailsOnTimeout):
         plane_rows = n_seg[route.plane_group]
         n_rows = int(plane_rows.sum())
         nbytes = int(plane_rows @ route.plane_bytes)
-        if self.engine == "triton":
+        if self.engine in ("triton", "pack"):
             host, h = self._requests.take(total)
-        elif self.engine == "pack":
-            torch = _torch()
-            host = torch.empty(total, dtype=torch.int64, pin_memory=not self.platform.is_emulation)
-            h = host.numpy()
         else:
             h = np.empty(total, dtype=np.int64)
             host = _torch().from_numpy(h)
@@ -1778,13 +1782,14 @@ class KVAgent(Closable, FailsOnTimeout):
         if self.engine == "copy_engine":
             return _CopyEngineTransfer(self, peer, route, op, name, n_seg, host, host, None, 0, [], notify_slot,
                                        n_rows, nbytes)
-        return self._stage_pack(peer, route, op, name, n_seg, host, h[:P + 1], notify_slot, n_rows, nbytes)
+        return self._stage_pack(peer, route, op, name, n_seg, host, h[:total], notify_slot, n_rows, nbytes)
 
-    def _stage_pack(self, peer, route: _Route, op, name, n_seg, host, row_start, notify_slot, n_rows, nbytes
+    def _stage_pack(self, peer, route: _Route, op, name, n_seg, host, array, notify_slot, n_rows, nbytes
                     ) -> KVTransfer:
         """The pack engine's transfer: its chunks (the device buffers and kernels belong to its shape,
         :class:`_PackShape`, shared by every request of that shape)."""
         chunks = []
+        row_start = array[:len(route.plane_group) + 1]
         for a, b, c in route.classes:
             r0, r1 = int(row_start[a]), int(row_start[b])
             if r1 <= r0:
@@ -1794,8 +1799,9 @@ class KVAgent(Closable, FailsOnTimeout):
                                f"{self.slot_bytes}-byte staging slots")
             per = self.slot_bytes // c
             chunks += [(x, min(x + per, r1), (min(x + per, r1) - x) * c, c) for x in range(r0, r1, per)]
-        return _PackTransfer(self, peer, route, op, name, n_seg, host, None, None,
-                             int(n_seg.max()) if n_seg.size else 0, [], notify_slot, n_rows, nbytes, chunks=chunks)
+        return _PackTransfer(self, peer, route, op, name, n_seg, host[0], None, None,
+                             int(n_seg.max()) if n_seg.size else 0, [], notify_slot, n_rows, nbytes, chunks=chunks,
+                             pooled=host, entries=int(array.shape[0]))
 
     def _take_slot(self, route: _Route, s: Stream, rows: int, entries: int) -> _Slot:
         """A slot of ``route``'s ring free for a post on ``s`` that holds ``rows`` descriptors and ``entries``
