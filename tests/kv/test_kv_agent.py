@@ -1187,3 +1187,87 @@ def test_forged_request_stays_inside_the_buffers(pair):
     x.post().wait(60)
     for name in src:
         assert _eq(dst[name][:, [1, 2, 3]], src[name][:, [4, 5, 6]])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["pull", "push"])
+def test_cuda_slot_graphs_grow_interleave_and_stay_in_bounds(op, monkeypatch):
+    """On CUDA: posts replay the slot's graph (captured once), a larger request remakes the slot, requests
+    interleaved over three streams all land, and a forged request array writes nothing outside the
+    destination's layers (the bytes around them and the whole source side keep their values); honest
+    posts afterwards move every byte again."""
+    from conftest import platform_reason
+    why = platform_reason("cuda")
+    if why:
+        pytest.skip(why)
+    import gpuxfer.kv.agent as agent_mod
+    from gpuxfer.platforms import get_platform
+    monkeypatch.setattr(agent_mod, "MIN_SLOT_ROWS", 8)
+    monkeypatch.setattr(agent_mod, "MIN_SLOT_ENTRIES", 16)
+    plat = get_platform("cuda")
+    layers, blocks, guard = 3, 64, 1 << 16
+    shape = (2, blocks, 16, 2, 64)
+    n = int(np.prod(shape)) * 2
+    g = torch.Generator(device="cuda:0").manual_seed(5)
+    arenas = [torch.randint(0, 256, (layers * n + 2 * guard,), generator=g, device="cuda:0", dtype=torch.uint8)
+              for _ in range(2)]
+    caches = [{f"layers.{i}": ar[guard + i * n:guard + (i + 1) * n].view(torch.bfloat16).view(shape)
+               for i in range(layers)} for ar in arenas]
+    src, dst = caches
+    a = KVAgent("pre", platform=plat, device=0)
+    b = KVAgent("dec", platform=plat, device=0)
+    own = plat.create_stream(0)
+    try:
+        a.register_group("full", 16, src)
+        b.register_group("full", 16, dst)
+        agent = b if op == "pull" else a
+        peer = agent.add_peer((a if op == "pull" else b).metadata())
+        reqs = [([0, 1], [33, 7]), (list(range(10, 50)), list(range(60, 20, -1)))]
+        xs = []
+        for d_ids, s_ids in reqs:
+            mine, theirs = (d_ids, s_ids) if op == "pull" else (s_ids, d_ids)
+            xs.append(agent.prepare(peer, op, local_blocks={"full": mine}, remote_blocks={"full": theirs}))
+
+        def check_moved():
+            for name in src:
+                for d_ids, s_ids in reqs:
+                    assert torch.equal(dst[name].view(torch.int16)[:, d_ids], src[name].view(torch.int16)[:, s_ids])
+
+        xs[0].post().wait(60)
+        (route,) = [r for r in agent._routes.values() if r.slots]
+        (first,) = route.slots
+        assert agent.graphs and first.graph is not None
+        xs[1].post().wait(60)
+        assert route.slots[0] is not first and route.slots[0].rows >= xs[1].descriptors
+        streams = (None, own, plat.current_stream(0))
+        handles = [xs[k % 2].post(streams[k % 3]) for k in range(7)]
+        for h in handles:
+            h.wait(60)
+        check_moved()
+        assert agent.graphs and 1 <= len(route.slots) <= agent_mod.RING_SLOTS
+        torch.cuda.synchronize()
+        before = [ar.clone() for ar in arenas]
+        x = xs[1]
+        honest = x._array.copy()
+        P, G = len(route.plane_group), len(route.groups)
+        head = P + 1 + 3 * G
+        big = (1 << 63) - 1
+        rng = np.random.default_rng(1)
+        for forged in (np.r_[[0] * P, big, [big] * G, honest[P + 1 + G:]],
+                       np.r_[[-(1 << 63)] * (P + 1), [1 << 40] * G, [-7] * G, [big] * G, honest[head:]],
+                       np.r_[honest[:head], rng.integers(-(1 << 62), 1 << 62, honest.size - head)]):
+            x._array[:] = np.asarray(forged, dtype=np.int64)[:x._array.size]
+            x.post().wait(60)
+            torch.cuda.synchronize()
+            assert torch.equal(arenas[0], before[0])            # the source side: read only
+            assert torch.equal(arenas[1][:guard], before[1][:guard])
+            assert torch.equal(arenas[1][-guard:], before[1][-guard:])
+        x._array[:] = honest
+        for xx in xs:
+            xx.post(own).wait(60)
+        check_moved()
+    finally:
+        plat.synchronize(own, 30)
+        own.close()
+        b.close()
+        a.close()
