@@ -274,7 +274,7 @@ def _run(c: dict, outputs, out) -> int:
         emu = plat.is_emulation
         pool, trials, warmup, local, peer = c["pool"], c["trials"], c["warmup"], c["local"], c["peer"]
         plat.set_device(local)
-        tdev = torch.device("cuda", local) if plat.name == "cuda" else torch.device("cpu")
+        tdev = plat.torch_device(local)
         clock = _Clock(plat, local, tdev, c["timeout"])
         info_l, info_p = plat.device_info(local), plat.device_info(peer)
         link = plat.link(local, peer)

@@ -202,7 +202,7 @@ class _PlainReceived:
 @contextlib.contextmanager
 def _capture(plat, dev):
     """A graph capture of the current stream: ``torch.cuda.graph`` on CUDA, the platform's own in emulation."""
-    if plat.is_emulation:
+    if plat.host_memory:
         with plat.capture(device=dev) as g:
             yield g
     else:
@@ -224,7 +224,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
     plat = get_platform(opts.get("platform"))
     emu = plat.is_emulation
     dev = rank % plat.device_count()
-    tdev = torch.device("cpu") if emu else torch.device("cuda", dev)
+    tdev = plat.torch_device(dev)
     if not emu:
         torch.cuda.set_device(dev)
     peer = 1 - rank
@@ -499,7 +499,7 @@ def _pingpong(plat, dev, tdev, rank, opts, device_group) -> list:
     top = max(PING_SIZES)
     specs = {"x": ((top,), torch.uint8)}
     base = torch.randint(0, 256, (top,), dtype=torch.uint8, generator=torch.Generator().manual_seed(99)).to(tdev)
-    n = 10 if plat.is_emulation else opts.get("pingpong_iters") or 500
+    n = 10 if plat.host_memory else opts.get("pingpong_iters") or 500
     rows = []
     for backend in opts["backends"]:
         if backend == PLAIN:

@@ -1069,7 +1069,7 @@ class _PackShape:
         for i, (a, b, nbytes, c) in enumerate(x._chunks):
             self.chunks.append((nbytes, launcher(self.out, a, b, (i % PACK_SLOTS) * agent.slot_bytes, c)))
         warm = (id(r), self.source)
-        if not agent.platform.is_emulation and warm not in agent._pack_warm:
+        if not agent.platform.kernels_interpreted and warm not in agent._pack_warm:
             # on torch's current stream, after the zeros: every row copies 0 bytes, the request expands nothing
             zreq = torch.zeros(request_header_len(len(r.plane_group), G) + 1, dtype=torch.int64, device=dev)
             zout = torch.zeros((1, 3), dtype=torch.int64, device=dev)
@@ -1396,7 +1396,7 @@ class KVAgent(Closable, FailsOnTimeout):
         self._pack_shapes: collections.OrderedDict = collections.OrderedDict()   # shape key -> _PackShape
         self._pack_tail: tuple | None = None                        # (stream, event) of the last pack post
         self._pack_warm: set = set()                                # (route id, source?) whose kernels are loaded
-        self._requests = _RequestPool(pinned=not platform.is_emulation)     # host arrays of requests
+        self._requests = _RequestPool(pinned=not platform.host_memory)     # host arrays of requests
         self._post_lock = threading.Lock()                          # a route's ring, one post at a time
         self._capture_stream: Stream | None = None                  # where slots' graphs are captured
         self.graphs = True                                          # capture slots' launches as graphs
@@ -1405,7 +1405,7 @@ class KVAgent(Closable, FailsOnTimeout):
         self.staging: DeviceBuffer | None = None
         self.stream: Stream | None = None
         if slot_bytes is None:
-            slot_bytes = PACK_SLOT_BYTES_EMULATION if platform.is_emulation else PACK_SLOT_BYTES
+            slot_bytes = PACK_SLOT_BYTES_EMULATION if platform.kernels_interpreted else PACK_SLOT_BYTES
         if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int) or slot_bytes < 256 or slot_bytes % 256:
             raise BadInput(f"slot_bytes must be a positive multiple of 256, got {slot_bytes!r}")
         self.slot_bytes = slot_bytes
@@ -1428,7 +1428,7 @@ class KVAgent(Closable, FailsOnTimeout):
 
     def _torch_device(self):
         torch = _torch()
-        return torch.device("cpu") if self.platform.is_emulation else torch.device("cuda", self.device)
+        return self.platform.torch_device(self.device)
 
     def register_group(self, name: str, block_tokens: int, layers: Mapping[str, Any] | Sequence[Any], *,
                        token_major: bool = True) -> None:
@@ -1846,7 +1846,7 @@ class KVAgent(Closable, FailsOnTimeout):
         plat.stream_wait_event(s, plat.record_event(plat.current_stream(self.device)))
         plat.memset_async(s, slot.req_ptr, 0, entries * 8)
         plat.memset_async(s, slot.out.data_ptr(), 0, rows * 24)
-        if not plat.is_emulation:
+        if not plat.kernels_interpreted:
             # one run of the fixed launches over the zeroed request (it moves nothing) loads the compiled
             # kernels, so the capture below records launches only
             slot.enqueue(plat, s)

@@ -24,7 +24,7 @@ class EngineChoice(NamedTuple):
 
 
 def _candidates(platform, src_dev: int, dst_dev: int) -> list[tuple[str, str]]:
-    if platform.is_emulation:
+    if platform.kernels_interpreted:
         return [("copy_engine", "the host emulation: the kernels run in Triton's interpreter, memcpy does not")]
     link = platform.link(src_dev, dst_dev)
     if src_dev == dst_dev or link.kind == "same-device":

@@ -296,7 +296,24 @@ class Platform(abc.ABC):
     """
 
     name: str = "abstract"
+    #: only for labelling outputs (:attr:`label`); code asks the capabilities below
     is_emulation: bool = False
+
+    # ---- capabilities: what pp/ and kv/ ask instead of a platform's name ----
+    #: buffers are host memory: torch tensors over them are CPU tensors, and torch runs work on them at once on
+    #: the calling thread, outside the platform's streams (so nothing is stream-ordered with torch's work)
+    host_memory: bool = False
+    #: whose memory a buffer is, for third-party engines that register it: "cuda", "hip" or "host"
+    memory_runtime: str = "host"
+    #: the torch.distributed backend that moves this platform's tensors: "nccl" (NCCL or RCCL) or "gloo"
+    collective_backend: str = "nccl"
+    #: Triton kernels run in Triton's CPU interpreter (far slower than a memcpy: size work down)
+    kernels_interpreted: bool = False
+
+    def torch_device(self, device: int):
+        """The torch device of tensors over this platform's buffers on ``device``."""
+        import torch
+        return torch.device("cpu") if self.host_memory else torch.device("cuda", int(device))
 
     # ---- detection (class-level, side-effect free) ----
     @classmethod

@@ -337,6 +337,10 @@ class HostPlatform(Platform):
 
     name = "host"
     is_emulation = True
+    host_memory = True
+    memory_runtime = "host"
+    collective_backend = "gloo"
+    kernels_interpreted = True
 
     _ids = itertools.count()
 

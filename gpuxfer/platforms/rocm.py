@@ -426,6 +426,7 @@ class RocmPlatform(Platform):
     """The contract on ROCm (hip-python + torch's ROCm build). See the module docstring."""
 
     name = "rocm"
+    memory_runtime = "hip"
 
     # ---- detection ----
     @classmethod

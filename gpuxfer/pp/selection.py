@@ -102,7 +102,7 @@ def _nccl_reason(platform) -> str | None:
         return f"torch.distributed cannot be imported: {exc}"
     if not dist.is_available():
         return "torch was built without torch.distributed"
-    if getattr(platform, "is_emulation", False):
+    if platform.collective_backend == "gloo":
         return None if dist.is_gloo_available() else "gloo is not available in this torch build"
     return None if dist.is_nccl_available() else "NCCL is not available in this torch build"
 
@@ -234,7 +234,7 @@ def _inject(phases: set[str], phase: str) -> None:
 
 def _torch_device(platform, device: int):
     import torch
-    return torch.device("cpu") if getattr(platform, "is_emulation", False) else torch.device("cuda", device)
+    return platform.torch_device(device)
 
 
 def _cpu_group(group):
@@ -693,10 +693,10 @@ def _local_index(plat, peer_info) -> int:
                        f"(CUDA_VISIBLE_DEVICES?)")
 
 
-def _nccl_same_device(infos, my_pairs, emulation: bool) -> str | None:
+def _nccl_same_device(infos, my_pairs, not_nccl: bool) -> str | None:
     """Why NCCL cannot join this rank's pairs: two ranks on one device, which NCCL refuses at its first
-    operation ("Duplicate GPU detected"); None if every pair spans two devices (or on the emulation)."""
-    if emulation:
+    operation ("Duplicate GPU detected"); None if every pair spans two devices (or gloo moves the tensors)."""
+    if not_nccl:
         return None
     for _role, _peer, (a, b), _spec in my_pairs:
         ia, ib = infos[a], infos[b]
@@ -713,13 +713,13 @@ def _setup_nccl(exchange, infos, my_pairs, common, tag_of, plat, group, device_g
     import torch.distributed as dist
     from .nccl import NcclTransport
     rank = common["rank"]
-    why = _nccl_reason(plat) or _nccl_same_device(infos, my_pairs, getattr(plat, "is_emulation", False))
+    why = _nccl_reason(plat) or _nccl_same_device(infos, my_pairs, plat.collective_backend != "nccl")
     got = exchange({"rank": rank, "err": why})
     failed = {r: g["err"] for r, g in got.items() if g["err"]}
     if failed:
         raise BackendUnavailable(FALLBACK, failed)
     if device_group is None:
-        if getattr(plat, "is_emulation", False) or "nccl" in str(dist.get_backend(group)).lower():
+        if plat.collective_backend != "nccl" or "nccl" in str(dist.get_backend(group)).lower():
             device_group = group
         else:   # collective over the default group: every process calls connect
             device_group = dist.new_group(ranks=sorted(infos), backend="nccl")

@@ -143,7 +143,7 @@ def torch_is_stream_ordered(platform) -> bool:
     transport waits (bounded) for its own stream work before handing tensors to
     the caller -- the emulation's stand-in for stream order.
     """
-    return not getattr(platform, "is_emulation", False)
+    return not platform.host_memory
 
 
 # --------------------------------------------------------------------------- byte copies

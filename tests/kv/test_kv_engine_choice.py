@@ -8,7 +8,7 @@ from gpuxfer.platforms.base import LinkInfo
 
 
 class FakePlatform:
-    is_emulation = False
+    kernels_interpreted = False
 
     def __init__(self, kind: str, peer_access: bool = True):
         self.kind, self.peer_access = kind, peer_access

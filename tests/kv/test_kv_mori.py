@@ -125,9 +125,9 @@ def test_mori_unavailable_reasons(monkeypatch):
     mo._found.clear()
     monkeypatch.setenv(mo.MODULE_ENV, "no_such_mori_module_xyz")
     try:
-        host = types.SimpleNamespace(name="host", is_emulation=True)
+        host = types.SimpleNamespace(name="host", memory_runtime="host", host_memory=True)
         assert "MoRI-IO is not installed" in mo.MoriEngine.unavailable_reason(host)
-        assert "AMD's engine" in mo.MoriEngine.unavailable_reason(types.SimpleNamespace(name="cuda"))
+        assert "AMD's engine" in mo.MoriEngine.unavailable_reason(types.SimpleNamespace(name="cuda", memory_runtime="cuda"))
         monkeypatch.setenv(mo.MODULE_ENV, "os")                 # importable, but not MoRI-IO's API
         mo._found.clear()
         assert "lacks IOEngine" in mo.MoriEngine.unavailable_reason(host)

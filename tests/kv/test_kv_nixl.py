@@ -997,7 +997,7 @@ def test_mooncake_skip_reasons(monkeypatch):
     try:
         with HostPlatform() as host:
             assert "needs CUDA GPUs" in me.MooncakeEngine.unavailable_reason(host)
-        cuda_like = types.SimpleNamespace(name="cuda", is_emulation=False)
+        cuda_like = types.SimpleNamespace(name="cuda", memory_runtime="cuda", host_memory=False)
         why = me.MooncakeEngine.unavailable_reason(cuda_like)
         if importlib_util_find("mooncake") is None:
             assert "mooncake-transfer-engine is not installed" in why

@@ -532,3 +532,20 @@ def test_host_stream_gc_drains_work(host):
         host.copy_async(s, b.ptr, a.ptr, 8)
     a.close()
     b.close()
+
+
+def test_capabilities_say_what_the_code_asks(platform):
+    """The capabilities pp/ and kv/ ask instead of a platform's name agree with what the platform does."""
+    import torch
+    assert isinstance(platform.host_memory, bool) and isinstance(platform.kernels_interpreted, bool)
+    assert platform.memory_runtime in ("cuda", "hip", "host")
+    assert platform.collective_backend in ("nccl", "gloo")
+    buf = platform.alloc(64, 0)
+    try:
+        t = platform.as_tensor(buf)
+        assert t.device == platform.torch_device(0)
+        assert (t.device.type == "cpu") == platform.host_memory == (platform.memory_runtime == "host")
+    finally:
+        buf.close()
+    assert platform.sdma is None or platform.memory_runtime == "hip"
+    assert torch.device(platform.torch_device(0)).type in ("cpu", "cuda")

@@ -278,7 +278,7 @@ def apply_host_grid(args: argparse.Namespace, platform: str) -> dict[str, str]:
     """On the host emulation (unless ``--full``), shrink every grid option left at its GPU default to
     :data:`~gpuxfer.bench.kv.grid.HOST_GRID`, in ``args``; returns what shrank (empty on a GPU)."""
     from ...platforms import platform_class
-    if getattr(args, "full", False) or platform == "auto" or not platform_class(platform).is_emulation:
+    if getattr(args, "full", False) or platform == "auto" or not platform_class(platform).kernels_interpreted:
         return {}
     shrunk = {}
     for key, value in HOST_GRID.items():

@@ -225,7 +225,7 @@ def config_from_args(args: argparse.Namespace, options) -> RunConfig:
     # what the command shrank on the host emulation (gpuxfer.bench.kv.grid.HOST_GRID), reported in the parameters
     shrunk: dict[str, Any] = dict(getattr(args, "host_grid", None) or {})
     from ...platforms import platform_class
-    if platform_class(platform).is_emulation:
+    if platform_class(platform).kernels_interpreted:
         opts.pack_chunk_bytes = EMULATION["pack_chunk_bytes"]
         opts.pack_first_chunk_bytes = EMULATION["pack_first_chunk_bytes"]
     pack_fixed = bool(getattr(args, "pack_chunk", None))
@@ -466,7 +466,7 @@ class Worker:
             raise BadInput(f"rank {self.rank}: device {dev} does not exist ({n} device(s))")
         self.device = dev
         plat.set_device(dev)
-        if plat.name in ("cuda", "rocm"):
+        if not plat.host_memory:
             import torch
             torch.cuda.set_device(dev)
         self.group = _Group(self.rank, self.init_method, cfg.timeout_s)
@@ -550,7 +550,7 @@ class Worker:
         free = None
         if free_bytes is not None:
             reserve = (self.cfg.engine_options.pack_chunk_bytes * self.cfg.engine_options.pack_slots
-                       + (0 if self.platform.is_emulation else (2 << 30)))
+                       + (0 if self.platform.host_memory else (2 << 30)))
             free = max(0, int(free_bytes * 0.9) - reserve)
         if self.cfg.suite:              # the suite's grid, capped by this device's memory
             return parse_grid_args(argparse.Namespace(**self.cfg.grid_args, free_memory_bytes=free,
@@ -713,7 +713,7 @@ class Worker:
         """``$GPUXFER_KV_TRACE`` (a directory, GPUs only): a torch.profiler timeline of each row's timed
         bursts, one file per rank (a tuning aid; the profiler's cost lands in the row's times)."""
         out = config.get(TRACE_ENV)
-        if not out or self.platform.is_emulation:
+        if not out or self.platform.host_memory:
             return None
         import torch
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -914,7 +914,7 @@ class Worker:
     def _teardown(self, failed: bool) -> None:
         """Release everything. After a failure on a GPU, device memory is left to the process exit:
         freeing it may wait for device work stuck in a flag wait."""
-        gpu_failed = failed and self.platform is not None and not self.platform.is_emulation
+        gpu_failed = failed and self.platform is not None and not self.platform.host_memory
         if not gpu_failed:
             for eng in reversed(list(self.engines.values())):
                 try:

@@ -394,7 +394,7 @@ def wait_event(platform: Platform, event: Event, timeout_s: float, *, rank: int,
     Raises :class:`TransferTimeout` past ``timeout_s``.
     """
     start = time.perf_counter()
-    if not platform.is_emulation:
+    if not platform.host_memory:      # host memory: the streams are CPU threads, a spin would slow them
         spin_until = start + min(spin_s, timeout_s)
         while True:
             if platform.event_query(event):

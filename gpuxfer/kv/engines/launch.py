@@ -44,7 +44,7 @@ def device_table(like, table: np.ndarray):
 
 def sync_uploads(platform: Platform, device: int, timeout_s: float, rank: int) -> None:
     """Uploads went through torch's current stream: finish them before other streams use the tables."""
-    if platform.is_emulation:
+    if platform.host_memory:
         return      # CPU tensors: torch copied them synchronously
     if not platform.synchronize(platform.current_stream(device), timeout_s):
         raise TransferTimeout(rank=rank, step=0, flag="upload of descriptor tables", expected=1, seen=0,

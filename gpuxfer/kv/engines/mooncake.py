@@ -297,7 +297,7 @@ class MooncakeEngine(Engine):
 
     @classmethod
     def unavailable_reason(cls, platform) -> str | None:
-        if platform.name != "cuda":
+        if platform.memory_runtime != "cuda":
             return f"Mooncake's intra-node NVLink transport needs CUDA GPUs; platform {platform.name!r}"
         return mooncake_unavailable_reason()
 
@@ -394,7 +394,7 @@ class MooncakeRdmaEngine(MooncakeEngine):
 
     @classmethod
     def unavailable_reason(cls, platform) -> str | None:
-        if platform.name not in ("cuda", "rocm"):
+        if platform.host_memory:
             return f"Mooncake's rdma transport registers GPU memory; platform {platform.name!r}"
         return mooncake_unavailable_reason()
 

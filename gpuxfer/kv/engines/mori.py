@@ -200,7 +200,7 @@ class MoriEngine(Engine):
 
     @classmethod
     def unavailable_reason(cls, platform) -> str | None:
-        if platform.name not in ("rocm", "host"):
+        if platform.memory_runtime not in ("hip", "host"):
             return (f"MoRI-IO is AMD's engine: it registers ROCm GPU memory (or host memory on the host "
                     f"emulation); platform {platform.name!r}")
         return mori_unavailable_reason()
@@ -235,8 +235,8 @@ class MoriEngine(Engine):
                 self.io.create_backend(mod.BackendType.RDMA, mod.RdmaBackendConfig(**cfg))
             else:
                 self.io.create_backend(mod.BackendType.XGMI, mod.XgmiBackendConfig())
-            loc = mod.MemoryLocationType.CPU if self.platform.is_emulation else mod.MemoryLocationType.GPU
-            dev = -1 if self.platform.is_emulation else side.device
+            loc = mod.MemoryLocationType.CPU if self.platform.host_memory else mod.MemoryLocationType.GPU
+            dev = -1 if self.platform.host_memory else side.device
             self.mem = self.io.register_memory(int(side.pool.ptr), int(side.pool.nbytes), dev, loc)
             info = {"engine": bytes(self.io.get_engine_desc().pack()), "mem": bytes(self.mem.pack()),
                     "pool_bytes": int(side.pool.nbytes), "version": _version(mod), "backend": self.backend}

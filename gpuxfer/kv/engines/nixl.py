@@ -59,7 +59,7 @@ OPS = {"pull": "READ", "push": "WRITE"}
 
 
 def _platform_reason(platform) -> str | None:
-    if platform.name not in ("cuda", "host"):
+    if platform.memory_runtime not in ("cuda", "host"):
         return (f"the NIXL wheels move CUDA device memory (VRAM) or host memory (DRAM); "
                 f"platform {platform.name!r} is neither")
     return None
@@ -96,8 +96,8 @@ class _NixlEngineBase(Engine):
         self._stats: list[dict] = []
         self._recorded: set[int] = set()
         self._current: Any = None
-        self.mem_type = "DRAM" if self.platform.is_emulation else "VRAM"
-        self.nixl_dev = 0 if self.platform.is_emulation else side.device
+        self.mem_type = "DRAM" if self.platform.host_memory else "VRAM"
+        self.nixl_dev = 0 if self.platform.host_memory else side.device
         info: dict = {}
         try:
             mod, why = find_nixl()
