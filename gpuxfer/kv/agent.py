@@ -1240,6 +1240,8 @@ class _PackTransfer(KVTransfer):
             graph = shape.graph(parity)
             if graph is None:
                 shape.record(s, parity)
+            elif s is agent.stream:
+                agent._calls.launch_graph(graph)
             else:
                 plat.launch_graph(s, graph)
             shape.posts += 1
