@@ -9,5 +9,7 @@ it. Each command module exposes ``add_arguments(parser)`` and ``run(args) -> int
   report, the CollectiveX suite);
 * :mod:`gpuxfer.bench.pp` -- the pipeline-parallel stage hand-off;
 * :mod:`gpuxfer.bench.kernels` -- the Triton copy kernels against their ceilings;
+* :mod:`gpuxfer.bench.report` -- the one nccl-tests-style reporter (table, footer, JSON, exit code);
+* :mod:`gpuxfer.bench.timing` -- the one clock and the statistics of its samples;
 * :mod:`gpuxfer.bench.cliutil` -- the options and output folders every command shares.
 """

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
-import math
 import platform as _pyplatform
 import statistics
 import sys
@@ -39,10 +37,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import report as R
 from .cliutil import (add_common_arguments, device_count, error_line, int_option, platform_option, prepare_outputs,
                        seconds_option)
 from ..common import parse_size, run_versions
-from ..errors import BadInput, GpuxferError, TransferTimeout
+from ..errors import BadInput, GpuxferError
+from .timing import DeviceClock
 
 DEFAULT_SIZES = "528,576,2304,9216,36864"
 DEFAULT_OPS = "pull,push,local,pack,unpack"
@@ -87,58 +87,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(o, name="kernels", timeout_help="limit on every single wait (a trial, the helper process)")
 
 
-# --------------------------------------------------------------------------- timing
-
-
-class _Clock:
-    """Times ``fn`` on the local device: CUDA events on torch's current stream, or host clock."""
-
-    def __init__(self, plat, device: int, tdev, timeout_s: float):
-        self.plat, self.device, self.tdev, self.timeout_s = plat, device, tdev, timeout_s
-        self.cuda = tdev.type == "cuda"
-
-    def sync(self, what: str) -> None:
-        import torch
-        stream = self.plat.current_stream(self.device)
-        if not self.plat.synchronize(stream, self.timeout_s):
-            raise TransferTimeout(rank=self.device, step=0, flag=f"end of {what}", expected=1, seen=None,
-                                  timeout_s=self.timeout_s, what="stream did not drain")
-        if self.cuda:
-            torch.cuda.synchronize(self.tdev)
-
-    def _wait(self, ev, what: str, trial: int) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        delay = 1e-5
-        while not ev.query():
-            if time.monotonic() > deadline:
-                raise TransferTimeout(rank=self.device, step=trial, flag=f"end-of-trial event of {what}",
-                                      expected=1, seen=0, timeout_s=self.timeout_s)
-            time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
-
-    def time(self, fn, what: str, warmup: int, trials: int) -> list[float]:
-        import torch
-        for _ in range(warmup):
-            fn()
-        self.sync(what)
-        out = []
-        for t in range(trials):
-            if self.cuda:
-                stream = torch.cuda.current_stream(self.tdev)
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record(stream)
-                fn()
-                e1.record(stream)
-                self._wait(e1, what, t)
-                out.append(e0.elapsed_time(e1) * 1e-3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                self.sync(what)
-                out.append(time.perf_counter() - t0)
-        return out
-
-
 # --------------------------------------------------------------------------- rows
 
 
@@ -178,24 +126,22 @@ class Row:
                 "wrong_bytes": self.wrong_bytes, "note": self.note, **self.extra}
 
 
-HEADER = ("op", "desc_B", "descs", "bytes", "progs", "SMs", "time_us", "GB/s", "ceil_GB/s", "%ceil", "wrong_B")
-UNITS_ROW = ("", "(B)", "(count)", "(B)", "(count)", "(count)", "(us)", "(GB/s)", "(GB/s)", "(%)", "(B)")
-WIDTHS = (9, 7, 9, 12, 8, 8, 11, 8, 10, 6, 9)
+def _g(v) -> str:
+    return "-" if v is None else f"{v:.1f}" if v >= 10 else f"{v:.3g}"
 
 
-def _fmt(cells) -> str:
-    return " ".join(str(c).rjust(w) for c, w in zip(cells, WIDTHS))
+TABLE = R.Table([
+    R.Column("op", "op", "", 8), R.Column("desc_bytes", "desc_B", "(B)", 7, R.integer),
+    R.Column("descriptors", "descs", "(count)", 9, R.integer), R.Column("moved_bytes", "bytes", "(B)", 12, R.integer),
+    R.Column("programs", "progs", "(count)", 8, R.integer), R.Column("sms_used", "SMs", "(count)", 8, R.integer),
+    R.Column("time_p50_us", "time_us", "(us)", 11, R.fixed(1)), R.Column("bandwidth_gbps", "GB/s", "(GB/s)", 8, _g),
+    R.Column("ceiling_gbps", "ceil_GB/s", "(GB/s)", 10, _g), R.Column("ceiling_pct", "%ceil", "(%)", 6, R.fixed(1)),
+    R.Column("wrong_bytes", "wrong_B", "(B)", 9, R.integer),
+], prefix=" ")
 
 
 def _row_line(r: Row) -> str:
-    def f(v, spec):
-        return "-" if v is None else format(v, spec)
-
-    def g(v):
-        return "-" if v is None else f"{v:.1f}" if v >= 10 else f"{v:.3g}"
-    return _fmt((r.op, f(r.desc_bytes, "d"), f(r.descriptors, "d"), r.nbytes, f(r.programs, "d"), f(r.sms, "d"),
-                 f"{r.time_us:.1f}", g(r.gbps), g(r.ceiling_gbps), f(r.pct, ".1f"),
-                 f(r.wrong_bytes, "d"))) + (f"  # {r.note}" if r.note else "")
+    return TABLE.line(r.as_json()) + (f"  # {r.note}" if r.note else "")
 
 
 # --------------------------------------------------------------------------- the run
@@ -275,7 +221,7 @@ def _run(c: dict, outputs, out) -> int:
         pool, trials, warmup, local, peer = c["pool"], c["trials"], c["warmup"], c["local"], c["peer"]
         plat.set_device(local)
         tdev = plat.torch_device(local)
-        clock = _Clock(plat, local, tdev, c["timeout"])
+        clock = DeviceClock(plat, local, tdev, c["timeout"])
         info_l, info_p = plat.device_info(local), plat.device_info(peer)
         link = plat.link(local, peer)
         sms = L.sm_count(tdev)
@@ -390,37 +336,35 @@ def _run(c: dict, outputs, out) -> int:
         plat.close()
 
     wrong = sum(r.wrong_bytes or 0 for r in rows)
-    ok = wrong == 0 and all(r.wrong_bytes is not None for r in rows)
+    verdict = R.Verdict(wrong, [] if all(r.wrong_bytes is not None for r in rows) else ["a row was not verified"],
+                        emulation=emu)
     elapsed = time.time() - started
     print("#", file=out)
     print(f"# rows: {len(rows)}, wrong bytes: {wrong}, elapsed: {elapsed:.1f} s", file=out)
     if emu:
         print("# EMULATION: the host platform ran the kernels in Triton's interpreter on the CPU; "
               "these numbers are not GPU performance.", file=out)
-    print(f"# gpuxfer bench kernels: {'PASS' if ok else 'FAIL'}", file=out, flush=True)
+    for line in verdict.lines():
+        print(line, file=out, flush=True)
+    result = "PASS" if verdict.ok else "FAIL"
     doc = {"schema": "gpuxfer.kernels-bench/1", "preamble": pre, "parameters": params,
            "gbps_definition": "moved bytes (each byte once) / median trial time / 1e9",
            "rows": [r.as_json() for r in rows], "wrong_bytes": wrong, "elapsed_s": elapsed,
-           "result": "PASS" if ok else "FAIL"}
-    outputs.publish(ARTIFACT, json.dumps(doc, indent=1, default=_json_default), out)
-    return 0 if ok else 1
-
-
-def _json_default(o):
-    if isinstance(o, float) and not math.isfinite(o):
-        return None
-    return str(o)
+           "result": result}
+    outputs.publish(ARTIFACT, R.dumps(doc), out)
+    return verdict.exit_code
 
 
 def _preamble(out, pre: dict, params: dict) -> None:
     w = lambda s="": print(f"# {s}".rstrip(), file=out)  # noqa: E731
     w(f"gpuxfer bench kernels  {pre['date']}  host {pre['host']}")
-    w("versions: " + ", ".join(f"{k} {v}" for k, v in pre["versions"].items()))
+    if R.versions_line(pre["versions"]):
+        print(R.versions_line(pre["versions"]), file=out)
     w(f"platform: {pre['platform_label']}")
     ld, pd, lk = pre["local_device"], pre["peer_device"], pre["link"]
     w(f"local device {ld['index']}: {ld['name']} ({ld['arch']}, {ld['sms']} SMs) runs every kernel")
     w(f"peer device {pd['index']}: {pd['name']} ({pd['arch']}), pool owned by a helper process, opened over IPC")
-    w(f"link {lk['src']} -> {lk['dst']}: {lk['kind']}{' ' + lk['detail'] if lk.get('detail') else ''}")
+    w(f"link {R.link_text(lk, detail='{}')}")
     w(f"pool {params['pool_bytes']} B per buffer; every page moves, random permutation (seed {params['seed']}); "
       f"sizes {','.join(map(str, params['sizes_bytes']))} B; ops {','.join(params['ops'])}")
     w(f"timing: {params['warmup']} warm-up + {params['trials']} timed runs, median; "
@@ -433,5 +377,5 @@ def _preamble(out, pre: dict, params: dict) -> None:
     if pre["emulation"]:
         w("EMULATION: no GPU is used; the kernels run in Triton's interpreter on the CPU")
     w()
-    print("#" + _fmt(HEADER)[1:], file=out)
-    print("#" + _fmt(UNITS_ROW)[1:], file=out, flush=True)
+    for line in TABLE.header_lines():
+        print(line, file=out, flush=True)

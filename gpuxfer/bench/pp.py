@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform as _pyplatform
 import statistics
 import sys
-import time
 
+from . import report as R
+from .timing import now
 from .cliutil import (add_common_arguments, device_count, error_line, int_option, platform_option, prepare_outputs,
                        seconds_option)
 from ..common import parse_size, run_versions
@@ -289,11 +289,11 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
             trace = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                        torch.profiler.ProfilerActivity.CUDA])
             trace.start()
-        t0 = time.perf_counter()
+        t0 = now()
         got = run_steps(t, size, first, n, metadata, True)
-        host = time.perf_counter() - t0      # this rank's host time in send() / recv()
+        host = now() - t0      # this rank's host time in send() / recv()
         _sync(plat, dev)
-        elapsed = time.perf_counter() - t0
+        elapsed = now() - t0
         if trace is not None:
             trace.stop()
             os.makedirs(opts["trace_dir"], exist_ok=True)
@@ -310,9 +310,9 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
         ``interval_s``, the sender starts a step at most every ``interval_s`` (paced to a rate)."""
         last = None
         if rank == 0:
-            due = time.perf_counter()
+            due = now()
             for k in range(first, first + n):
-                while interval_s and time.perf_counter() < due:
+                while interval_s and now() < due:
                     pass
                 due += interval_s
                 t.send(src(size, k))
@@ -468,12 +468,12 @@ def _graph_rows(plat, dev, rank, opts, open_conn, src, wrong_bytes, iters_for) -
             times, hosts = [], []
             for _ in range(opts["repeats"]):
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0 = now()
                 for _ in range(n):
                     g.replay()
-                hosts.append(time.perf_counter() - t0)
+                hosts.append(now() - t0)
                 _sync(plat, dev)
-                times.append(time.perf_counter() - t0)
+                times.append(now() - t0)
                 t.synchronize()
             if rank == 1:
                 wrong += wrong_bytes(got, size, 0)
@@ -535,12 +535,12 @@ def _pingpong(plat, dev, tdev, rank, opts, device_group) -> list:
                     step()
                 _sync(plat, dev)
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0 = now()
                 for _ in range(n):
                     step()
-                host = time.perf_counter() - t0
+                host = now() - t0
                 _sync(plat, dev)
-                el = time.perf_counter() - t0
+                el = now() - t0
                 snd.synchronize()
                 rcv.synchronize()
                 wrong = count_wrong_bytes({"x": last["x"]}, x) if rank == 0 else 0
@@ -565,12 +565,12 @@ def _bulk_copy(plat, dev, t, sizes, rank, iters_for) -> list:
             plat.synchronize(side, 120.0)
             times = []
             for _ in range(BULK_REPEATS):
-                t0 = time.perf_counter()
+                t0 = now()
                 for _ in range(n):
                     plat.copy_async(side, t._peer_slot_ptr[0], t._staging_ptr[0], size)
                 if not plat.synchronize(side, 120.0):
                     raise RuntimeError("bulk copy timed out")
-                times.append(time.perf_counter() - t0)
+                times.append(now() - t0)
             el = statistics.median(times)
             out.append({"size_bytes": size, "repeats": len(times), "time_us": el / n * 1e6,
                         "algbw_gbps": size / (el / n) / 1e9, "algbw_gbps_min": size / (max(times) / n) / 1e9,
@@ -630,7 +630,7 @@ def _contention(plat, dev, tdev, rank, opts, open_conn, src, run_steps, rows) ->
         The transfer time runs from the start to the transfer's last step done.
         """
         dist.barrier()
-        t0 = time.perf_counter()
+        t0 = now()
         if timed:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(comp.torch)
@@ -642,10 +642,10 @@ def _contention(plat, dev, tdev, rank, opts, open_conn, src, run_steps, rows) ->
         if transfer is not None:
             transfer()
             _sync(plat, dev)
-            busy = time.perf_counter() - t0
+            busy = now() - t0
         if not plat.event_wait(ev, 300.0):
             raise RuntimeError("matmul loop timed out")
-        el = time.perf_counter() - t0
+        el = now() - t0
         _sync(plat, dev)
         return (start.elapsed_time(end) / 1e3 if timed else el), busy
 
@@ -774,16 +774,15 @@ def format_report(res: dict, opts: dict) -> str:
     tag = "  [EMULATION on the CPU: no GPU is used; the numbers measure Python and memmove]" if emu else ""
     L.append(f"# gpuxfer bench pp: stage hand-off, copy engines vs NCCL{tag}")
     L.append(f"# platform {info['label']}")
-    vers = ", ".join(f"{k} {v}" for k, v in info["versions"].items())
-    if vers:
-        L.append(f"# versions: {vers}")
+    if R.versions_line(info["versions"]):
+        L.append(R.versions_line(info["versions"]))
     for who, i in (("sender", sinfo), ("receiver", info)):
         d = i["device_info"]
         L.append(f"# rank {i['rank']} ({who}): device {i['device']} {d['name']} ({d['arch']}, pci {d['pci_bus_id']}, "
                  f"{d['sm_count']} SMs, {d['copy_engines']} copy engines, 64-bit stream mem ops "
                  f"{'yes' if d['stream_mem_ops_64'] else 'no'}) on {i['host']}")
     lk = info["link"]
-    L.append(f"# link: device {lk['src']} <-> {lk['dst']}: {lk['kind']}{' (' + lk['detail'] + ')' if lk['detail'] else ''}")
+    L.append(f"# link: device {R.link_text(lk, arrow='<->')}")
     L.append(f"# tensors per step: hidden + residual (bf16, half the bytes each); warmup {opts['warmup']}, "
              f"verified steps {opts['verify_steps']} + the last timed step; iters "
              f"{opts['iters'] or 'by size'}; recv slots {opts['recv_slots']}; copy_engine steps inline (no "
@@ -798,32 +797,29 @@ def format_report(res: dict, opts: dict) -> str:
     L.append("#")
     cols = [(b, m) for b in opts["backends"] for m in ((False,) if b in NO_META else (True, False))]
     head1 = f"# {'':>10} {'':>9} " + " ".join(f"{(b + (' +meta' if m else ' -meta')):^28}" for b, m in cols)
-    head2 = f"# {'size':>10} {'count':>9} " + " ".join(f"{'time':>9} {'algbw':>8} {'wrong':>9}" for _ in cols)
-    units = f"# {'(B)':>10} {'(elems)':>9} " + " ".join(f"{'(us)':>9} {'(GB/s)':>8} {'(B)':>9}" for _ in cols)
     base = baseline(opts["backends"])
     ratio_cols = [(b, m) for b, m in cols if b in ("copy_engine", GRAPH)] if base else []
+    columns = [R.Column("size", "size", "(B)", 10), R.Column("count", "count", "(elems)", 9)]
+    for b, m in cols:
+        columns += [R.Column((b, m, "time_us"), "time", "(us)", 9, R.fixed(2)),
+                    R.Column((b, m, "algbw_gbps"), "algbw", "(GB/s)", 8, R.fixed(2)),
+                    R.Column((b, m, "wrong_bytes"), "wrong", "(B)", 9, R.integer)]
+    columns += [R.Column((b, m, "ratio"), ("graph" if b == GRAPH else "ce") + ("+m" if m else "-m"), "(x)", 7,
+                         R.fixed(2)) for b, m in ratio_cols]
+    table = R.Table(columns)
     if ratio_cols:
         head1 += " " + f"{'time / ' + base + ' time':^{8 * len(ratio_cols)}}"
-        head2 += " " + " ".join(f"{('graph' if b == GRAPH else 'ce') + ('+m' if m else '-m'):>7}"
-                                for b, m in ratio_cols)
-        units += " " + " ".join(f"{'(x)':>7}" for _ in ratio_cols)
-    L += [head1, head2, units]
+    L += [head1, *table.header_lines()]
     by = {(r["backend"], r["metadata"], r["size_bytes"]): r for r in res["rows"]}
     for size in opts["sizes"]:
-        line = f"  {size:>10} {size // 2:>9} "
-        cells = []
+        cells: dict = {"size": size, "count": size // 2}
         for b, m in cols:
-            r = by.get((b, m, size))
-            cells.append(f"{r['time_us']:>9.2f} {r['algbw_gbps']:>8.2f} {r['wrong_bytes']:>9d}" if r
-                         else f"{'-':>9} {'-':>8} {'-':>9}")
-        line += " ".join(cells)
-        if ratio_cols:
-            rat = []
-            for b, m in ratio_cols:
-                a, n = by.get((b, m, size)), by.get((base, m and base not in NO_META, size))
-                rat.append(f"{a['time_us'] / n['time_us']:>7.2f}" if a and n else f"{'-':>7}")
-            line += " " + " ".join(rat)
-        L.append(line)
+            r = by.get((b, m, size)) or {}
+            cells.update({(b, m, k): r.get(k) for k in ("time_us", "algbw_gbps", "wrong_bytes")})
+        for b, m in ratio_cols:
+            a, n = by.get((b, m, size)), by.get((base, m and base not in NO_META, size))
+            cells[(b, m, "ratio")] = a["time_us"] / n["time_us"] if a and n else None
+        L.append(table.line(cells))
     L.append("#")
     L.append("# host time per step (us): in the sender's send() loop / in the receiver's recv() + .tensors loop "
              "(the step time is bound by the larger, unless the GPU is)")
@@ -915,8 +911,7 @@ def format_report(res: dict, opts: dict) -> str:
         verdict = ("n/a (emulation)" if emu else "n/a (one device)" if res.get("same_device") and name != HOST_TARGET
                    else "met" if met else "MISSED")
         L.append(f"# target ({'any GPU' if name == HOST_TARGET else '2x H200'}): {name}: {got}: {verdict}")
-    L.append(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
-    L.append(f"# Result: {res['result']}{' (EMULATION)' if emu else ''}")
+    L += R.footer_lines(wrong, res["result"], emulation=emu)
     return "\n".join(L)
 
 
@@ -1070,14 +1065,15 @@ def run(args) -> int:
     if host is not None:       # host costs show on one device too
         res["targets"].append(host if not res["info"]["emulation"] else host[:2] + (None,))
     missed = [t for t in res["targets"] if t[2] is False]
-    ok = wrong == 0 and not (args.check_targets and missed and judged)
-    res["result"] = "PASS" if ok else ("FAIL: wrong bytes" if wrong else "FAIL: targets missed")
+    verdict = R.Verdict(wrong, ["targets missed"] if args.check_targets and missed and judged and not wrong else [],
+                        emulation=res["info"]["emulation"])
+    res["result"] = verdict.result
     text = sys.stderr if outputs.json_stdout else sys.stdout
     print(format_report(res, opts), file=text)
     for prof in both[0].get("profiles", []) + both[1].get("profiles", []):
         print(prof, file=text)
-    outputs.publish(ARTIFACT, json.dumps(_json_doc(res, opts), indent=2), text)
-    return 0 if ok else 1
+    outputs.publish(ARTIFACT, R.dumps(_json_doc(res, opts), indent=2), text)
+    return verdict.exit_code
 
 
 def _same_device(res: dict) -> bool:

@@ -22,7 +22,7 @@ def test_bench_kernels_runs_end_to_end_on_the_host_emulation(tmp_path, capsys, m
     assert any(ln.startswith("#") and "EMULATION" in ln for ln in lines)
     header = next(ln for ln in lines if ln.startswith("#") and "GB/s" in ln and "wrong_B" in ln)
     assert "%ceil" in header and "(GB/s)" in lines[lines.index(header) + 1]
-    assert "# gpuxfer bench kernels: PASS" in lines
+    assert "# Out of bounds values : 0 OK" in lines and "# Result: PASS (EMULATION)" in lines
     assert f"# json: {out}" in lines and (tmp_path / "run" / "kernels_bench.json").read_bytes() == out.read_bytes()
     assert os.stat(out).st_mode & 0o777 == 0o644
     doc = json.loads(out.read_text())
@@ -89,7 +89,7 @@ def test_bench_kernels_fails_on_a_wrong_byte(tmp_path, capsys, monkeypatch):
                "--sweep", "", "--trials", "1", "--warmup", "0", "--json", str(out), "--out", str(tmp_path / "run")])
     text = capsys.readouterr().out
     assert rc == 1, text
-    assert "# gpuxfer bench kernels: FAIL" in text
+    assert "# Result: FAIL: wrong bytes (EMULATION)" in text
     doc = json.loads(out.read_text())
     assert doc["result"] == "FAIL" and doc["wrong_bytes"] > 0
     assert all(r["wrong_bytes"] == 1 for r in doc["rows"])

@@ -20,20 +20,24 @@ Units, defined once (see also docs/kv_bench.md):
   the same point, batch and direction (one descriptor of the same total bytes on
   the copy engines).
 
-Timing helpers return samples (seconds); statistics are computed here, once.
+Timing code returns samples (seconds); their statistics come from :mod:`gpuxfer.bench.timing`, and the
+table, footer and JSON machinery from :mod:`gpuxfer.bench.report`, shared by every bench.
 """
 from __future__ import annotations
 
 import datetime as _dt
 import io
-import json
-import math
 import os
 import sys
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Sequence
 
-import numpy as np
+from ..report import Column, Table, Verdict, fixed, integer, link_text, rate, text, versions_line
+from ..report import dumps as _dumps
+from ..timing import gbps, sample_stats
+
+__all__ = ["SCHEMA", "GBPS_DEFINITION", "sample_stats", "gbps", "finish_row", "apply_ceiling", "COLUMNS", "TABLE",
+           "header_lines", "format_row", "format_shed", "preamble_lines", "summary", "summary_lines", "outcome",
+           "footer_lines", "build_document", "dumps", "write_json_atomic", "plot", "Reporter"]
 
 SCHEMA = "gpuxfer.kv-bench/1"
 GBPS_DEFINITION = ("GB/s = payload bytes of the burst (sum of descriptor sizes of every request, each byte "
@@ -41,24 +45,6 @@ GBPS_DEFINITION = ("GB/s = payload bytes of the burst (sum of descriptor sizes o
                    "last wait on the initiating process, p50 over the timed trials; prep excluded")
 
 # ----------------------------------------------------------------------------- statistics
-
-
-def sample_stats(samples_s: Sequence[float]) -> dict[str, float | int | None]:
-    """p50, p10, p90, min, max and mean of burst times given in seconds, returned in ms."""
-    if len(samples_s) == 0:
-        return {"n": 0, "p50_ms": None, "p10_ms": None, "p90_ms": None, "min_ms": None, "max_ms": None,
-                "mean_ms": None}
-    a = np.asarray(samples_s, dtype=np.float64) * 1e3
-    p10, p50, p90 = np.percentile(a, [10, 50, 90])
-    return {"n": int(a.size), "p50_ms": float(p50), "p10_ms": float(p10), "p90_ms": float(p90),
-            "min_ms": float(a.min()), "max_ms": float(a.max()), "mean_ms": float(a.mean())}
-
-
-def gbps(nbytes: int, ms: float | None) -> float | None:
-    """Decimal GB/s for ``nbytes`` moved in ``ms`` milliseconds (None if the time is unknown or zero)."""
-    if ms is None or not ms > 0:
-        return None
-    return nbytes / (ms * 1e-3) / 1e9
 
 
 def finish_row(row: dict[str, Any], samples_s: Sequence[float]) -> dict[str, Any]:
@@ -87,82 +73,41 @@ def apply_ceiling(row: dict[str, Any], ceiling_gbps: float | None) -> None:
 # ----------------------------------------------------------------------------- the table
 
 
-@dataclass(frozen=True)
-class Column:
-    key: str
-    header: str
-    unit: str
-    width: int
-    fmt: Callable[[Any], str]
-    left: bool = False
-
-
-def _int(v) -> str:
-    return "-" if v is None else str(int(v))
-
-
-def _f(digits: int) -> Callable[[Any], str]:
-    def fmt(v) -> str:
-        if v is None or (isinstance(v, float) and math.isnan(v)):
-            return "-"
-        return f"{v:.{digits}f}"
-    return fmt
-
-
-def _g(v) -> str:
-    """Up to 4 significant digits, never scientific for the sizes we print."""
-    if v is None:
-        return "-"
-    if v >= 100:
-        return f"{v:.1f}"
-    if v >= 10:
-        return f"{v:.2f}"
-    return f"{v:.3f}"
-
-
 def _wrong(v) -> str:
     return "N/A" if v is None else str(int(v))
 
 
-def _str(v) -> str:
-    return "-" if v is None else str(v)
-
-
 COLUMNS: list[Column] = [
-    Column("workload", "workload", "", 9, _str, left=True),
-    Column("page_tokens", "page", "tokens", 6, _int),
-    Column("isl_tokens", "ISL", "tokens", 7, _int),
-    Column("batch", "batch", "reqs", 5, _int),
-    Column("engine", "engine", "", 11, _str, left=True),
-    Column("direction", "dir", "", 4, _str, left=True),
-    Column("burst_bytes", "bytes", "B", 12, _int),
-    Column("descriptors", "descs", "#", 9, _int),
-    Column("burst_p50_ms", "time", "ms", 9, _g),
-    Column("p50_gbps", "GB/s", "p50", 7, _g),
-    Column("min_gbps", "min", "GB/s", 7, _g),
-    Column("max_gbps", "max", "GB/s", 7, _g),
-    Column("of_ceiling_pct", "ceil", "%", 6, _f(1)),
-    Column("per_descriptor_p50_us", "t/desc", "us", 8, _g),
-    Column("prep_ms", "prep", "ms", 8, _g),
-    Column("post_p50_us", "post", "us/req", 8, _g),
-    Column("setup_us", "setup", "us/req", 8, _g),
+    Column("workload", "workload", "", 9, text, left=True),
+    Column("page_tokens", "page", "tokens", 6, integer),
+    Column("isl_tokens", "ISL", "tokens", 7, integer),
+    Column("batch", "batch", "reqs", 5, integer),
+    Column("engine", "engine", "", 11, text, left=True),
+    Column("direction", "dir", "", 4, text, left=True),
+    Column("burst_bytes", "bytes", "B", 12, integer),
+    Column("descriptors", "descs", "#", 9, integer),
+    Column("burst_p50_ms", "time", "ms", 9, rate),
+    Column("p50_gbps", "GB/s", "p50", 7, rate),
+    Column("min_gbps", "min", "GB/s", 7, rate),
+    Column("max_gbps", "max", "GB/s", 7, rate),
+    Column("of_ceiling_pct", "ceil", "%", 6, fixed(1)),
+    Column("per_descriptor_p50_us", "t/desc", "us", 8, rate),
+    Column("prep_ms", "prep", "ms", 8, rate),
+    Column("post_p50_us", "post", "us/req", 8, rate),
+    Column("setup_us", "setup", "us/req", 8, rate),
     Column("wrong_bytes", "#wrong", "B", 8, _wrong),
 ]
 
 
-def _cells(values: Iterable[str]) -> str:
-    out = []
-    for col, v in zip(COLUMNS, values):
-        out.append(v.ljust(col.width) if col.left else v.rjust(col.width))
-    return " ".join(out)
+TABLE = Table(COLUMNS)
 
 
 def header_lines() -> list[str]:
-    return ["# " + _cells(c.header for c in COLUMNS), "# " + _cells(c.unit for c in COLUMNS)]
+    return TABLE.header_lines()
 
 
 def format_row(row: dict[str, Any]) -> str:
-    line = "  " + _cells(c.fmt(row.get(c.key)) for c in COLUMNS)
+    line = TABLE.line(row)
     if row.get("error"):
         line += f"  ERROR: {row['error']}"
     elif row.get("valid") is False:
@@ -183,9 +128,8 @@ def preamble_lines(env: dict[str, Any], params: dict[str, Any]) -> list[str]:
     lines = [f"# gpuxfer bench kv -- {env.get('platform_label', '?')}"]
     if env.get("is_emulation"):
         lines.append("# EMULATION: no GPU is used; the numbers measure the host, not a transfer engine")
-    vers = env.get("versions", {})
-    if vers:
-        lines.append("# versions: " + ", ".join(f"{k} {v}" for k, v in vers.items()))
+    if versions_line(env.get("versions", {})):
+        lines.append(versions_line(env["versions"]))
     if env.get("hostname"):
         lines.append(f"# host: {env['hostname']}  pid(s): {env.get('pids', '')}  launcher: {env.get('launcher', '')}")
     for d in env.get("devices", []):
@@ -197,8 +141,7 @@ def preamble_lines(env: dict[str, Any], params: dict[str, Any]) -> list[str]:
                      f"{info.get('copy_engines', '?')} copy engines, bus {info.get('pci_bus_id') or '-'}")
     link = env.get("link")
     if link:
-        lines.append(f"# link: device {link.get('src')} -> {link.get('dst')}: {link.get('kind')}"
-                     f"{' (' + link['detail'] + ')' if link.get('detail') else ''}, peer access {link.get('peer_access')}")
+        lines.append(f"# link: device {link_text(link)}, peer access {link.get('peer_access')}")
     eng = env.get("engines")
     if eng:
         lines.append("# engines: " + ", ".join(f"{k} {'ok' if v is None else 'unusable (' + v + ')'}"
@@ -259,9 +202,9 @@ def summary_lines(summ: Sequence[dict[str, Any]]) -> list[str]:
             return "(-)" if v is None else f"({v:.1f})"
         lines.append(
             f"# {s['workload']:<9} {s['isl_tokens']:>7} {s['page_tokens']:>5} {s['direction']:<4} {s['engine']:<11} "
-            f"{s['batch_min']:>5} {_g(s['batch_min_gbps']):>7} {pct(s['batch_min_of_ceiling_pct']):>7} "
-            f"{s['batch_max']:>5} {_g(s['batch_max_gbps']):>7} {pct(s['batch_max_of_ceiling_pct']):>7} "
-            f"{_f(1)(s['worst_of_ceiling_pct']):>7} {_g(s['batch_min_per_descriptor_us']):>9}  "
+            f"{s['batch_min']:>5} {rate(s['batch_min_gbps']):>7} {pct(s['batch_min_of_ceiling_pct']):>7} "
+            f"{s['batch_max']:>5} {rate(s['batch_max_gbps']):>7} {pct(s['batch_max_of_ceiling_pct']):>7} "
+            f"{fixed(1)(s['worst_of_ceiling_pct']):>7} {rate(s['batch_min_per_descriptor_us']):>9}  "
             f"{'yes' if s['all_valid'] else 'NO'}")
     return lines
 
@@ -295,7 +238,9 @@ def _row_id(r: dict[str, Any]) -> str:
             f"batch {r.get('batch')}")
 
 
-def footer_lines(out: dict[str, Any], artifacts: dict[str, Any]) -> list[str]:
+def footer_lines(out: dict[str, Any], artifacts: dict[str, Any], *, wrong_bytes: int = 0,
+                 emulation: bool = False) -> list[str]:
+    """The artifacts, the row counts, the verdict with its reasons, then the shared closing lines."""
     lines = ["#"]
     if artifacts.get("json"):
         lines.append(f"# json: {artifacts['json']}")
@@ -314,7 +259,8 @@ def footer_lines(out: dict[str, Any], artifacts: dict[str, Any]) -> list[str]:
             lines.append(f"#   {r}")
         if len(out["reasons"]) > 20:
             lines.append(f"#   ... and {len(out['reasons']) - 20} more (see the JSON artifact)")
-    return lines
+    verdict = Verdict(wrong_bytes, [] if out["status"] == "pass" else out["reasons"] or ["failed"], emulation=emulation)
+    return lines + verdict.lines()
 
 
 # ----------------------------------------------------------------------------- JSON
@@ -338,20 +284,8 @@ def build_document(*, env: dict[str, Any], params: dict[str, Any], rows: list[di
     }
 
 
-def _jsonable(o):
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if isinstance(o, (set, tuple)):
-        return list(o)
-    return str(o)
-
-
 def dumps(doc: dict[str, Any]) -> str:
-    return json.dumps(doc, indent=1, default=_jsonable, allow_nan=False)
+    return _dumps(doc)
 
 
 def write_json_atomic(path: str, doc: dict[str, Any]) -> str:
@@ -554,7 +488,8 @@ class Reporter:
             write_json_atomic(artifacts["json"], doc)
         for line in summary_lines(doc["summary"]):
             self._print(line)
-        for line in footer_lines(out, artifacts):
+        wrong = sum(int(r.get("wrong_bytes") or 0) for r in self.rows)
+        for line in footer_lines(out, artifacts, wrong_bytes=wrong, emulation=bool(self.env.get("is_emulation"))):
             self._print(line)
         if self.machine_json:
             sys.stdout.write(dumps(doc) + "\n")

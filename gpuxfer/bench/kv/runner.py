@@ -75,6 +75,7 @@ from ...kv import engines as E
 from ...kv.engines.launch import sync_uploads
 from ...kv.plan import DIRECTIONS
 from . import report as R
+from ..timing import now
 
 log = logging.getLogger("gpuxfer.bench.kv.runner")
 
@@ -693,16 +694,16 @@ class Worker:
                     posts: list[float] | None = None) -> float | None:
         """One burst: both sides arm (untimed), a barrier, then the initiator times post + wait
         (and, into ``posts``, the host time of post alone)."""
-        t0 = time.perf_counter()
+        t0 = now()
         eng.arm(p)                      # flag-gated: nothing runs before the initiator posts
-        arms.append(time.perf_counter() - t0)
+        arms.append(now() - t0)
         self.group.barrier()
         if p.initiator:
-            t0 = time.perf_counter()
+            t0 = now()
             eng.post(p)
-            t1 = time.perf_counter()
+            t1 = now()
             eng.wait(p)
-            t2 = time.perf_counter()
+            t2 = now()
             if posts is not None:
                 posts.append(t1 - t0)
             return t2 - t0
@@ -741,12 +742,12 @@ class Worker:
         # 1. prepare, on both sides
         p = None
         err = None
-        t0 = time.perf_counter()
+        t0 = now()
         try:
             p = eng.prepare(burst, direction)
         except (BadInput, BackendUnavailable) as exc:
             err = f"rank {self.rank}: {type(exc).__name__}: {exc}"
-        prep_s = time.perf_counter() - t0
+        prep_s = now() - t0
         st = self.group.gather((err, prep_s))
         errs = [e for e, _ in st if e]
         if errs:
