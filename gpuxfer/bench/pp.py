@@ -328,13 +328,13 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
         the sender starting step i at a common start + i * interval (twice the step time the receiver just
         measured), the receiver half an interval later (one host clock, CLOCK_MONOTONIC, on one host).
         Returns (median s, the receiver's last tensors)."""
-        box = [time.perf_counter() + 0.01, max(2 * step_s, 20e-6)] if rank == 1 else [None, None]
+        box = [now() + 0.01, max(2 * step_s, 20e-6)] if rank == 1 else [None, None]
         dist.broadcast_object_list(box, src=1)
         start, iv = box
         if rank == 1:
             start += iv / 2
         shapes = {"hidden": (size // 4,), "residual": (size // 4,)}
-        per, last, clock = [], None, time.perf_counter
+        per, last, clock = [], None, now
         for i in range(n):
             x = src(size, first + i) if rank == 0 else None
             due = start + i * iv
