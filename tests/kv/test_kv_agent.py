@@ -1101,6 +1101,36 @@ def test_ring_reuses_its_slot_and_grows_it(pair, monkeypatch):
         gate.close()
 
 
+def test_full_ring_waits_for_a_slot_then_times_out(pair, monkeypatch):
+    """With every slot busy on other streams, a post waits for the least recently used one: it proceeds once
+    that completes, and raises TransferTimeout past the agent's timeout."""
+    import gpuxfer.kv.agent as agent_mod
+    monkeypatch.setattr(agent_mod, "RING_SLOTS", 1)
+    pre, dec, a0, a1 = pair
+    src, dst, peer = _ring_pair(pre, dec, a0, a1)
+    x = dec.prepare(peer, "pull", local_blocks={"full": [3, 4]}, remote_blocks={"full": [0, 1]})
+    plat = dec.platform
+    gate = plat.alloc(64, 1)
+    held = plat.create_stream(1)
+    try:
+        plat.memset_async(held, gate.ptr, 0, 64)
+        plat.wait_flag(held, gate.ptr, 1)
+        h1 = x.post(held)
+        dec.timeout_s = 0.2
+        with pytest.raises(TransferTimeout, match="slots of a route still run earlier posts"):
+            x.post()
+        dec.timeout_s = 60
+        plat.host_write_flag(gate.ptr, 1, 1)
+        x.post().wait(60)                   # waits for the held post, then runs in the same slot
+        assert h1.done() and len(_route_slots(dec)) == 1
+        for name in src:
+            assert _eq(dst[name][:, [3, 4]], src[name][:, [0, 1]])
+    finally:
+        plat.synchronize(held, 30)
+        held.close()
+        gate.close()
+
+
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_interleaved_posts_of_many_requests_hypothesis(plat, data, monkeypatch):
