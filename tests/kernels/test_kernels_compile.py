@@ -1,0 +1,41 @@
+"""The kernels compile for a GPU (sm_90: Triton's front end, LLVM and its bundled ptxas) on a machine without
+one: compiled-mode errors (types, loop-carried values, constexpr branches) show up on the CPU, not first on
+a GPU run. The interpreter tests check what the kernels compute; these check that the GPU build exists."""
+from __future__ import annotations
+
+import pytest
+
+from gpuxfer.kernels import launch as kl
+from gpuxfer.kernels.block_kernel import expand_kernel
+from gpuxfer.kernels.copy_kernel import copy_kernel
+
+
+def _compile(kernel, signature: dict, constexprs: dict, **options):
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - a Triton without its NVIDIA back end
+        pytest.skip(f"Triton's NVIDIA back end is unavailable: {exc}")
+    fn = JITFunction(kernel.fn, do_not_specialize=kernel.do_not_specialize)
+    src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    assert compiled.asm.get("cubin"), "no cubin"
+
+
+def test_expansion_compiles_for_sm90():
+    _compile(expand_kernel, {"planes_ptr": "*i64", "req_ptr": "*i64", "out_ptr": "*i64", "n_planes": "i64",
+                             "n_groups": "i64", "req_len": "i64", "n_rows": "i64"}, {"BLOCK": 1024}, num_warps=4)
+
+
+@pytest.mark.parametrize("align", [16, 1])
+def test_copy_with_its_range_on_the_device_compiles_for_sm90(align):
+    cfg = kl.choose_config(584)
+    sig = {"src_ptr": "*u8", "dst_ptr": "*u8", "desc_ptr": "*i64", "offs_ptr": "*i64", "row_begin": "i32",
+           "n_rows": "i64", "staging_base": "i32", "n_items": "i32", "slices": "i32", "bounds_ptr": "*i64",
+           "lo_at": "i32", "hi_at": "i32", "row_bytes": "i32"}
+    _compile(copy_kernel, sig, {"MODE": kl.MODE_COPY, "ALIGN": align, "ROWS": cfg.rows, "W": cfg.width,
+                                "UNROLL": cfg.unroll, "LOAD_CACHE": "", "STORE_CACHE": "", "DEVICE_RANGE": True},
+             num_warps=cfg.num_warps)
