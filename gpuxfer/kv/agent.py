@@ -117,8 +117,10 @@ NOTIFY_SLOTS = 64                           # notification words per agent
 _AVAIL = NOTIFY_SLOTS                       # chunks of the transfer the peer's source copied into our staging
 _FREE = NOTIFY_SLOTS + 2                    # chunks of our source's transfer the peer's destination unpacked
 _GO = NOTIFY_SLOTS + 4                      # the peer's destination posted the transfer (1), or reset it (0)
-_PACK_WORDS = tuple(range(NOTIFY_SLOTS, NOTIFY_SLOTS + 6))
-_CTRL_WORDS = NOTIFY_SLOTS + 8
+_PACKED = NOTIFY_SLOTS + 6                  # chunks of our source's transfer packed (its lane copies them)
+_COPIED = NOTIFY_SLOTS + 8                  # chunks of our source's transfer its lane copied out of our staging
+_PACK_WORDS = tuple(range(NOTIFY_SLOTS, NOTIFY_SLOTS + 10))
+_CTRL_WORDS = NOTIFY_SLOTS + 16
 _CTRL_BYTES = _CTRL_WORDS * 8
 #: the engines the agent runs
 AGENT_ENGINES = ("triton", "pack", "copy_engine")
@@ -1085,17 +1087,20 @@ class _PackShape:
         self.capturable = True
 
     def graph(self, parity: int):
-        """The graph of a post of ``parity``: from the shape's second post on (a shape posted once may never
-        come again), both parities' graphs are captured once; None where the platform captures none (the
-        post then enqueues :meth:`record`)."""
+        """The graphs of a post of ``parity`` -- ``(stream part, the source's lane part or None)`` --: from the
+        shape's second post on (a shape posted once may never come again), both parities' graphs are
+        captured once; None where the platform captures none (the post then enqueues the operations)."""
         agent = self.agent
         if self.graphs[parity] is None and self.capturable and self.posts and agent.graphs:
             plat = agent.platform
             try:
                 if agent._capture_stream is None:
                     agent._capture_stream = plat.create_stream(agent.device)
+                cs = agent._capture_stream
                 for p in (0, 1):
-                    self.graphs[p] = plat.capture_graph(agent._capture_stream, lambda cs, p=p: self.record(cs, p))
+                    g = plat.capture_graph(cs, lambda c, p=p: self.record(c, p))
+                    lane = plat.capture_graph(cs, lambda c, p=p: self.record_copies(c, p)) if self.source else None
+                    self.graphs[p] = None if g is None or (self.source and lane is None) else (g, lane)
             except Exception as exc:  # noqa: BLE001 - the same operations are enqueued one by one instead
                 log.warning("agent %s: capturing a pack transfer failed (%s: %s); posting it op by op",
                             agent.name, type(exc).__name__, exc)
@@ -1112,9 +1117,10 @@ class _PackShape:
         plat.copy_async(s, peer.control_ptr + 8 * word, local, 8)
 
     def record(self, s: Stream, parity: int) -> None:
-        """Enqueue this side of one transfer (see :class:`_PackTransfer`) on ``s``, the request already in
-        :attr:`req`: every value is a constant of the shape and the parity, so a graph replays it."""
-        agent, peer = self.agent, self.peer
+        """Enqueue this side's stream part of one transfer (see :class:`_PackTransfer`) on ``s``, the request
+        already in :attr:`req`: every value is a constant of the shape and the parity, so a graph replays it.
+        The source's copies go on its lane (:meth:`record_copies`)."""
+        agent = self.agent
         plat = agent.platform
         native = plat.native_stream(s)
 
@@ -1124,21 +1130,18 @@ class _PackShape:
             else:
                 fn(native)
 
-        ctrl, slot = agent.control.ptr, agent.slot_bytes
+        ctrl = agent.control.ptr
         avail, free, go = _AVAIL + parity, _FREE + parity, _GO + parity
         if self.expand is not None:
             launch(self.expand)
         if self.source:
+            packed, copied = _PACKED + parity, _COPIED + parity
             plat.wait_flag(s, ctrl + 8 * go, 1)
-            for i, (nbytes, fn) in enumerate(self.chunks):
-                k = i % PACK_SLOTS
-                if i >= PACK_SLOTS:             # the destination unpacked the slot's previous chunk
-                    plat.wait_flag(s, ctrl + 8 * free, i - PACK_SLOTS + 1)
+            for i, (_, fn) in enumerate(self.chunks):
+                if i >= PACK_SLOTS:             # the lane copied the slot's previous chunk out
+                    plat.wait_flag(s, ctrl + 8 * copied, i - PACK_SLOTS + 1)
                 launch(fn)
-                plat.copy_async(s, peer.staging_ptr + k * slot, agent.staging.ptr + k * slot, nbytes)
-                self._signal(s, avail, i + 1)
-            plat.wait_flag(s, ctrl + 8 * free, len(self.chunks))
-            self._signal(s, avail, 0)           # the destination is past every wait on it
+                plat.write_flag(s, ctrl + 8 * packed, i + 1)
         else:
             self._signal(s, free, 0)            # the source is past every wait on it (its transfer before last)
             self._signal(s, go, 1)
@@ -1148,6 +1151,26 @@ class _PackShape:
                     self._signal(s, go, 0)      # the source is past its wait on it
                 launch(fn)
                 self._signal(s, free, i + 1)
+
+    def record_copies(self, c: Stream, parity: int) -> None:
+        """The source's lane of one transfer on ``c``: each packed chunk to the peer's slot, then the signal."""
+        agent, peer = self.agent, self.peer
+        plat = agent.platform
+        ctrl, slot = agent.control.ptr, agent.slot_bytes
+        avail, free = _AVAIL + parity, _FREE + parity
+        packed, copied = _PACKED + parity, _COPIED + parity
+        for i, (nbytes, _) in enumerate(self.chunks):
+            k = i % PACK_SLOTS
+            plat.wait_flag(c, ctrl + 8 * packed, i + 1)
+            if i >= PACK_SLOTS:                 # the destination unpacked the slot's previous chunk
+                plat.wait_flag(c, ctrl + 8 * free, i - PACK_SLOTS + 1)
+            plat.copy_async(c, peer.staging_ptr + k * slot, agent.staging.ptr + k * slot, nbytes)
+            self._signal(c, avail, i + 1)
+            plat.write_flag(c, ctrl + 8 * copied, i + 1)
+        plat.wait_flag(c, ctrl + 8 * free, len(self.chunks))
+        self._signal(c, avail, 0)               # the destination is past every wait on it
+        plat.write_flag(c, ctrl + 8 * packed, 0)    # both lanes are past every wait on these
+        plat.write_flag(c, ctrl + 8 * copied, 0)
 
 
 class _PackTransfer(KVTransfer):
@@ -1159,30 +1182,38 @@ class _PackTransfer(KVTransfer):
     through slot ``i % PACK_SLOTS``; a chunk holds rows of one segment size, so row ``j`` of it sits at
     ``(j - first row) * size`` in the slot (no offsets to compute).
 
-    Every flag value is a constant of the transfer's shape, so a post of a shape seen before is one
-    graph replay (:class:`_PackShape`): the words come in two sets, used by a pair's transfers in turn
-    (parity ``p``: the n-th transfer in one direction uses set ``n % 2`` on both sides), and each word
-    is reset by the side that writes it, once the side waiting on it is past its last wait (nothing
-    this side's own queued work does can undo a release of its words)::
+    The source packs on the posting stream and copies on a lane stream of its own, so chunk ``i + 1`` is
+    packed while chunk ``i`` is on the wire (local words PACKED / COPIED hand the chunks between the
+    two). Every flag value is a constant of the transfer's shape, so a post of a shape seen before is a
+    graph replay per stream (:class:`_PackShape`): the words come in two sets, used by a pair's
+    transfers in turn (parity ``p``: the n-th transfer in one direction uses set ``n % 2`` on both
+    sides), and each word the peer waits on is reset by the side that writes it, once the waiting side
+    is past its last wait (nothing this side's own queued work does can undo a release of its words)::
 
-        source stream (parity p)                       destination stream (parity p)
-        upload, expand                                 upload, expand
-                                                       signal the source: FREE[p] := 0, GO[p] := 1
-        wait GO[p] >= 1  <-----------------------------'
-        chunk i: [wait FREE[p] >= i + 1 - slots]       chunk i: wait AVAIL[p] >= i + 1
-                 pack -> own slot i % slots                     (i = 0: signal the source: GO[p] := 0)
-                 copy slot -> peer's slot                       unpack own slot -> blocks
-                 signal the peer: AVAIL[p] := i + 1 ->          signal the source: FREE[p] := i + 1
-        wait FREE[p] >= chunks  <-----------------------
-        signal the peer: AVAIL[p] := 0
-        event (the data has landed)                    event (the data has landed)
+        source stream (p)          source lane (p)                destination stream (p)
+        upload, expand                                            upload, expand
+                                                                  signal the source: FREE[p] := 0,
+        wait GO[p] >= 1  <------------------------------------------------------- GO[p] := 1
+        chunk i:                   chunk i:                       chunk i:
+         [wait COPIED[p] >= i+1-S]  wait PACKED[p] >= i + 1        wait AVAIL[p] >= i + 1
+         pack -> own slot i % S     [wait FREE[p] >= i + 1 - S]    (i = 0: signal the source: GO[p] := 0)
+         PACKED[p] := i + 1         copy own slot -> peer's slot   unpack own slot -> blocks
+                                    signal AVAIL[p] := i + 1 --->  signal the source: FREE[p] := i + 1
+                                    COPIED[p] := i + 1
+                                   wait FREE[p] >= chunks  <-----
+                                   signal AVAIL[p] := 0
+                                   PACKED[p] := 0, COPIED[p] := 0
+        wait the lane (event)
+        event (the data has landed)                               event (the data has landed)
 
-    Why the resets are safe: the source's transfer before last of parity ``p`` ended (its last wait on
-    FREE[p]) before the destination's previous transfer could end; the destination passed its waits on
-    AVAIL[p] before its last FREE[p]; and each reset travels on the writer's stream ahead of anything it
-    writes into the word later. A transfer of no chunks moves nothing and touches no flag (both sides
-    know). An agent's pack posts run one after another (a post on another stream waits for the one
-    before): its staging serves both directions.
+    (S = ``PACK_SLOTS``.) Why the resets are safe: the source's transfer before last of parity ``p``
+    ended (its last wait on FREE[p]) before the destination's previous transfer could end; the
+    destination passed its waits on AVAIL[p] before its last FREE[p]; each reset travels on the
+    writer's stream ahead of anything it writes into the word later; the lane resets its local words
+    once both lanes are past their waits, before the stream's next transfer (which waits for the lane).
+    A transfer of no chunks moves nothing and touches no flag (both sides know). An agent's pack posts
+    run one after another (a post on another stream waits for the one before): its staging serves both
+    directions.
     """
 
     waits_on_peer = True
@@ -1237,13 +1268,22 @@ class _PackTransfer(KVTransfer):
             else:
                 parity, peer.pack_recv = peer.pack_recv % 2, peer.pack_recv + 1
             plat.copy_async(s, shape.req.data_ptr(), self._host_ptr, self._req_bytes)
-            graph = shape.graph(parity)
-            if graph is None:
+            graphs = shape.graph(parity)
+            lane = agent._pack_lane() if self.source else None
+            if graphs is None:
                 shape.record(s, parity)
-            elif s is agent.stream:
-                agent._calls.launch_graph(graph)
+                if lane is not None:
+                    shape.record_copies(lane, parity)
             else:
-                plat.launch_graph(s, graph)
+                if s is agent.stream:
+                    agent._calls.launch_graph(graphs[0])
+                else:
+                    plat.launch_graph(s, graphs[0])
+                if lane is not None:
+                    plat.launch_graph(lane, graphs[1])
+            if lane is not None:            # the handle's event comes after the lane's copies
+                agent._lane_event = plat.record_event(lane, agent._lane_event)
+                plat.stream_wait_event(s, agent._lane_event)
             shape.posts += 1
             keep = (self, shape)
         value = None
@@ -1398,6 +1438,8 @@ class KVAgent(Closable, FailsOnTimeout):
         self._pack_shapes: collections.OrderedDict = collections.OrderedDict()   # shape key -> _PackShape
         self._pack_tail: tuple | None = None                        # (stream, event) of the last pack post
         self._pack_warm: set = set()                                # (route id, source?) whose kernels are loaded
+        self._lane: Stream | None = None                            # a pack source's copies (beside its packs)
+        self._lane_event: Event | None = None
         self._requests = _RequestPool(pinned=not platform.host_memory)     # host arrays of requests
         self._post_lock = threading.Lock()                          # a route's ring, one post at a time
         self._capture_stream: Stream | None = None                  # where slots' graphs are captured
@@ -1884,6 +1926,11 @@ class KVAgent(Closable, FailsOnTimeout):
             shapes.move_to_end(x._shape_key)
         return shape
 
+    def _pack_lane(self) -> Stream:
+        if self._lane is None:
+            self._lane = self.platform.create_stream(self.device)
+        return self._lane
+
     def _track(self, event: Event, buffers: tuple) -> None:
         """Keep a posted transfer's buffers until its event completes (dropping the transfer and its
         handle early must not free memory the stream still reads); completed entries go first."""
@@ -1956,11 +2003,12 @@ class KVAgent(Closable, FailsOnTimeout):
     def _release(self) -> None:
         _LOCAL_AGENTS.pop(getattr(self, "uid", ""), None)
         plat = self.platform
-        if getattr(self, "stream", None) is not None:
-            try:
-                plat.synchronize(self.stream, self.timeout_s)
-            except Exception as exc:  # noqa: BLE001 - keep releasing
-                log.warning("agent %s: draining its stream failed: %s", self.name, exc)
+        for st in (getattr(self, "stream", None), getattr(self, "_lane", None)):
+            if st is not None:
+                try:
+                    plat.synchronize(st, self.timeout_s)
+                except Exception as exc:  # noqa: BLE001 - keep releasing
+                    log.warning("agent %s: draining stream %r failed: %s", self.name, st, exc)
         for p in list(getattr(self, "_peers", {}).values()):
             p.close()
         self._pack_shapes = collections.OrderedDict()
@@ -1975,6 +2023,9 @@ class KVAgent(Closable, FailsOnTimeout):
         if getattr(self, "_capture_stream", None) is not None:
             self._capture_stream.close()
             self._capture_stream = None
+        if getattr(self, "_lane", None) is not None:
+            self._lane.close()
+            self._lane = None
         if getattr(self, "control", None) is not None:
             self.control.close()
             self.control = None

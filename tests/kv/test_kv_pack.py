@@ -84,7 +84,8 @@ def _spy(monkeypatch, plat) -> dict:
 def test_repeated_posts_replay_one_graph_per_parity(sides, plat, monkeypatch):
     """The same request posted again and again: the first post enqueues the operations, the second captures
     the graphs of the two parities, every later one replays; every post moves the current bytes. A
-    replaying post is the upload, one graph launch and an event, whatever the number of chunks."""
+    replaying post is the upload, one graph launch (two on the source: its copies run on a lane of their own)
+    and an event, whatever the number of chunks."""
     src, dst = sides
     counts = []
     for s_ids, d_ids, chunks in ((list(range(40, 60)), list(range(3, 23)), 3),    # both slots reused
@@ -100,7 +101,9 @@ def test_repeated_posts_replay_one_graph_per_parity(sides, plat, monkeypatch):
         for side, x in ((src, xs), (dst, xd)):
             shape = x._shape
             assert shape.posts == 4 and all(g is not None for g in shape.graphs)
-    assert counts[0] == counts[1] == {"copy_async": 2, "launch_graph": 2, "record_event": 2}, counts
+    # both sides: the upload, a graph launch, the event; the source's lane: a graph launch, an event waited on
+    assert counts[0] == counts[1] == {"copy_async": 2, "launch_graph": 3, "record_event": 3,
+                                      "stream_wait_event": 1}, counts
     assert src.peer.pack_sent == dst.peer.pack_recv == 8
 
 
