@@ -39,3 +39,13 @@ def test_copy_with_its_range_on_the_device_compiles_for_sm90(align):
     _compile(copy_kernel, sig, {"MODE": kl.MODE_COPY, "ALIGN": align, "ROWS": cfg.rows, "W": cfg.width,
                                 "UNROLL": cfg.unroll, "LOAD_CACHE": "", "STORE_CACHE": "", "DEVICE_RANGE": True},
              num_warps=cfg.num_warps)
+
+
+@pytest.mark.parametrize("mode, nbytes", [(kl.MODE_PACK_ROWS, 2304), (kl.MODE_UNPACK_ROWS, 528)])
+def test_pack_of_rows_of_one_size_compiles_for_sm90(mode, nbytes):
+    cfg = kl.choose_config(nbytes, local=True)
+    sig = {"src_ptr": "*u8", "dst_ptr": "*u8", "desc_ptr": "*i64", "offs_ptr": "*i64", "row_begin": "i32",
+           "n_rows": "i32", "staging_base": "i64", "n_items": "i32", "slices": "i32", "bounds_ptr": "*i64",
+           "lo_at": "i32", "hi_at": "i32", "row_bytes": "i32"}
+    _compile(copy_kernel, sig, {"MODE": mode, "ALIGN": 16, "ROWS": cfg.rows, "W": cfg.width, "UNROLL": cfg.unroll,
+                                "LOAD_CACHE": "", "STORE_CACHE": "", "DEVICE_RANGE": False}, num_warps=cfg.num_warps)
