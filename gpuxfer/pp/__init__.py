@@ -4,7 +4,8 @@
 (peer copies on copy engines, GPU-side flags, no SM kernel) where every rank
 can use it, else ``nccl`` -- and returns this rank's transports::
 
-    conn = connect(group, recv_from=prev, send_to=nxt, specs={"hidden": ((4096, 8192), torch.bfloat16)})
+    conn = connect(group, recv_from=prev, send_to=nxt, specs={"hidden": ((4096, 8192), torch.bfloat16)},
+                   options=ConnectOptions(timeout_s=60.0))
     x = conn.receiver().recv().tensors          # deferred: the GPU wait is queued on first access
     conn.sender().send({"hidden": y})
     conn.close()
@@ -14,9 +15,10 @@ graphs and moved by replays, with no host call per step (:mod:`gpuxfer.pp.graph`
 
 Importing this package touches no GPU.
 """
+from .options import ConnectOptions
 from .selection import (BACKENDS, ENV_TRANSPORT, Connection, backend_report, connect, register_backend,
                         requested_backend)
 from .transport import ENV_TIMEOUT, Received, SpecTable, Transport, close_all
 
-__all__ = ["BACKENDS", "ENV_TIMEOUT", "ENV_TRANSPORT", "Connection", "Received", "SpecTable", "Transport",
+__all__ = ["BACKENDS", "ENV_TIMEOUT", "ENV_TRANSPORT", "ConnectOptions", "Connection", "Received", "SpecTable", "Transport",
            "backend_report", "close_all", "connect", "register_backend", "requested_backend"]

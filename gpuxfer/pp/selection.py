@@ -47,6 +47,7 @@ from typing import Iterable, Mapping
 
 from .. import config
 from ..errors import BackendUnavailable, BadInput, GpuxferError, SetupFailed
+from .options import ConnectOptions
 from .transport import (PairSignals, SpecTable, Transport, close_all, resolve_on_timeout, resolve_timeout,
                         WATCHDOG)
 
@@ -276,18 +277,18 @@ class _Exchange:
 
 def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from: int | Iterable[int] | None = None,
             specs: Mapping | None = None, send_specs: Mapping | None = None, recv_specs: Mapping | None = None,
-            backend: str | None = None, platform=None, device: int | None = None, timeout_s: float | None = None,
-            metadata: bool = True, recv_slots: int = 2, device_group=None, flag_path: str | None = None,
-            inline_bytes: int | str | None = None, inject_failure: str | None = None,
-            meta_channel: str | None = None, graph: bool = False, on_timeout: str | None = None,
-            recv_views: bool = False) -> Connection:
+            options: ConnectOptions | None = None, **settings) -> Connection:
     """Set up this rank's stage hand-off transports; collective over ``group`` (every rank calls it).
+
+    Who talks to whom and what travels are the arguments below; every other setting is a field of
+    ``options`` (a :class:`~gpuxfer.pp.ConnectOptions`, checked when built), or the same name passed as a
+    keyword (``connect(..., recv_slots=4)``: it takes the place of that field of ``options``).
 
     ``send_to`` / ``recv_from``: global rank(s) this rank sends to / receives
     from (each pair is one transport; both ends must name each other).
     ``specs`` (or ``send_specs`` / ``recv_specs``): name -> (largest shape,
     dtype); both ends of a pair must agree. ``group``: a gloo group (default:
-    the world group, which must then be gloo-capable). ``device``: this rank's
+    the world group, which must then be gloo-capable). The settings -- ``device``: this rank's
     device (default ``$LOCAL_RANK`` or the rank, modulo the device count).
     ``metadata=False``: shapes do not travel; receivers pass ``recv(shapes=...)``.
     ``device_group``: the NCCL group for the nccl backend (default: ``group``
@@ -316,23 +317,29 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
     (a timed-out gloo wait closes the pair it waited on); teardown barriers are keys in
     the store: the caller's group carries only the setup exchanges.
     """
+    unknown = sorted(set(settings) - set(ConnectOptions.fields()))
+    if unknown:      # a misspelt keyword fails here, before any collective, like any unexpected keyword argument
+        raise TypeError(f"connect() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
     import torch.distributed as dist
 
     group = _cpu_group(group)
     rank = dist.get_rank()
     exchange = _Exchange(group)
-    plat = None
+    plat = opts = None
     info = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "counter": next(_CONN_IDS),
             "nonce": secrets.randbits(40) << 8, "err": None}
     try:
-        if platform is None or isinstance(platform, str):
+        if options is not None and not isinstance(options, ConnectOptions):
+            raise BadInput(f"options must be a gpuxfer.pp.ConnectOptions, got {type(options).__name__}")
+        opts = (options or ConnectOptions()).with_settings(settings)
+        if opts.platform is None or isinstance(opts.platform, str):
             from ..platforms import current
-            plat = current(platform)            # the process's: closed at exit, never here
+            plat = current(opts.platform)            # the process's: closed at exit, never here
         else:
-            plat = platform
+            plat = opts.platform
+        device = opts.device
         if device is None:
             device = int(os.environ.get("LOCAL_RANK", rank)) % plat.device_count()
-        device = int(device)
         plat.set_device(device)
         dinfo = plat.device_info(device)
         sends, recvs = _ranks(send_to), _ranks(recv_from)
@@ -340,20 +347,18 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
             raise BadInput(f"rank {rank} cannot send to or receive from itself")
         sspec = SpecTable(send_specs or specs) if sends else None
         rspec = SpecTable(recv_specs or specs) if recvs else None
-        if int(recv_slots) < 2:
-            raise BadInput(f"recv_slots must be >= 2, got {recv_slots}")
-        meta_mode = meta_channel_from_env(meta_channel)
-        wanted = requested_backend(backend)
-        if graph:
+        meta_mode = meta_channel_from_env(opts.meta_channel)
+        wanted = requested_backend(opts.backend)
+        if opts.graph:
             if wanted not in ("auto", "copy_engine", GRAPH_BACKEND):
                 raise BadInput(f"graph=True captures steps in CUDA graphs, which only the {GRAPH_BACKEND} backend "
                                f"does; backend {wanted!r} cannot be captured")
             wanted = GRAPH_BACKEND
         info.update(platform=plat.name, device=device, pci=dinfo.pci_bus_id, backend=wanted,
-                    timeout=resolve_timeout(timeout_s), on_timeout=resolve_on_timeout(on_timeout),
+                    timeout=resolve_timeout(opts.timeout_s), on_timeout=resolve_on_timeout(opts.on_timeout),
                     sends=sends, recvs=recvs,
                     sdig=sspec.digest() if sspec else None, rdig=rspec.digest() if rspec else None,
-                    metadata=bool(metadata), slots=int(recv_slots))
+                    metadata=opts.metadata, slots=opts.recv_slots)
     except Exception as exc:  # noqa: BLE001 - exchanged, raised on every rank
         info["err"] = _reason(exc)
     infos = exchange(info)
@@ -395,7 +400,7 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
     my_pairs = [("send", d, (rank, d), sspec) for d in me["sends"]] + \
                [("recv", s, (s, rank), rspec) for s in me["recvs"]]
     wanted = me["backend"]
-    inject = _injected(inject_failure, rank)
+    inject = _injected(opts.inject_failure, rank)
 
     chosen, ends, fallback = None, [], {}
     if wanted != FALLBACK:
@@ -407,8 +412,9 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
             fallback = {r: f"no zero-SM backend for platform {infos[r]['platform']!r}" for r in infos}
         else:
             ok, reasons, ends = _setup_peer_memory(cand, exchange, infos, my_pairs, common, tag_of, nonce,
-                                                   recv_slots=me["slots"], flag_path=flag_path,
-                                                   inline_bytes=inline_bytes, recv_views=recv_views, inject=inject)
+                                                   recv_slots=me["slots"], flag_path=opts.flag_path,
+                                                   inline_bytes=opts.inline_bytes, recv_views=opts.recv_views,
+                                                   inject=inject)
             if ok:
                 chosen = cand
             elif wanted == "auto":
@@ -416,7 +422,7 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
             else:
                 raise BackendUnavailable(cand, reasons)
     if chosen is None:
-        ends = _setup_nccl(exchange, infos, my_pairs, common, tag_of, plat, group, device_group)
+        ends = _setup_nccl(exchange, infos, my_pairs, common, tag_of, plat, group, opts.device_group)
         chosen = FALLBACK
 
     for t in ends:

@@ -39,7 +39,7 @@ def _session(rank: int, world: int, init_method: str) -> dict:
 
     from gpuxfer.errors import BackendUnavailable
     from gpuxfer.platforms import get_platform
-    from gpuxfer.pp import connect, selection
+    from gpuxfer.pp import ConnectOptions, connect, selection
     from gpuxfer.pp.launch import init_cpu_group
     real = selection._nccl_same_device
     selection._nccl_same_device = lambda infos, pairs, emulation: real(infos, pairs, False)  # as on a GPU
@@ -54,7 +54,9 @@ def _session(rank: int, world: int, init_method: str) -> dict:
             out["nccl"] = "connected"
         except BackendUnavailable as exc:
             out["nccl"] = str(exc)
-        with connect(backend="auto", **kw) as conn:
+        topology = {k: kw.pop(k) for k in ("send_to", "recv_from", "specs")}
+        opts = ConnectOptions(backend="nccl", **kw)
+        with connect(**topology, options=opts, backend="auto") as conn:     # a keyword takes an option's place
             out["auto"] = conn.backend
     finally:
         plat.close()
