@@ -701,9 +701,11 @@ def _overlap_classes(spans: list[list[tuple[int, int]]]) -> list[list[int]]:
 # ============================================================================ transfers
 
 
-def _as_ids(ids, what: str) -> np.ndarray:
+def _as_ids(ids, request: str, group: str, side: str) -> np.ndarray:
+    """Block IDs as a contiguous 1-D int64 array (``request``, ``group`` and ``side`` name them in errors)."""
     if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1 and ids.flags.c_contiguous:
         return ids
+    what = f"request {request!r}, group {group!r}, {side}"
     torch = _torch()
     if isinstance(ids, torch.Tensor):
         if ids.device.type != "cpu":
@@ -717,10 +719,10 @@ def _as_ids(ids, what: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
-def _check_range(ids: np.ndarray, limit: int, what: str) -> None:
+def _check_range(ids: np.ndarray, limit: int, request: str, group: str, side: str) -> None:
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= limit):
         bad = int(np.flatnonzero((ids < 0) | (ids >= limit))[0])
-        raise BlockIdError(f"{what}: block ID {int(ids[bad])} at position {bad} is out of range "
+        raise BlockIdError(f"request {request!r}, group {group!r}, {side}: block ID {int(ids[bad])} at position {bad} is out of range "
                            f"(the group holds blocks 0..{limit - 1})")
 
 
@@ -762,7 +764,7 @@ def _sort_order(keys: np.ndarray, limit: int) -> np.ndarray:
     return np.argsort(keys)
 
 
-def _check_unique(ids: np.ndarray, limit: int, what: str) -> None:
+def _check_unique(ids: np.ndarray, limit: int, request: str, groups: list[str]) -> None:
     """No ID twice in ``ids`` (all in ``[0, limit)``): each ID's slot takes the position of one of its
     occurrences; an occurrence that reads back another position is a duplicate. O(len(ids))."""
     if ids.size < 2:
@@ -774,7 +776,8 @@ def _check_unique(ids: np.ndarray, limit: int, what: str) -> None:
     slot[ids] = -1
     if differ.any():
         dup = np.flatnonzero(differ)
-        raise BlockIdError(f"{what}: destination block {int(ids[dup[0]])} appears more than once (two copies "
+        raise BlockIdError(f"request {request!r}, group(s) {', '.join(groups)}: destination block "
+                           f"{int(ids[dup[0]])} appears more than once (two copies "
                            "would land on the same bytes)")
 
 
@@ -1767,8 +1770,8 @@ class KVAgent(Closable, FailsOnTimeout):
         for gi, g in enumerate(route.groups):
             if g not in local_blocks:
                 continue
-            mine = _as_ids(local_blocks[g], f"request {name!r}, group {g!r}, local blocks")
-            theirs = _as_ids(remote_blocks[g], f"request {name!r}, group {g!r}, remote blocks")
+            mine = _as_ids(local_blocks[g], name, g, "local blocks")
+            theirs = _as_ids(remote_blocks[g], name, g, "remote blocks")
             s, d = (mine, theirs) if op == "push" else (theirs, mine)
             rs, rd = route.splits[gi]
             n = len(s) if rs == 1 else len(d)
@@ -1776,9 +1779,8 @@ class KVAgent(Closable, FailsOnTimeout):
                 raise BlockIdError(f"request {name!r}, group {g!r}: {len(s)} source and {len(d)} destination "
                                    f"blocks do not cover the same tokens (block-size ratio {rs}:{rd})")
             ls, ld = route.limits[gi]
-            _check_range(s, ls, f"request {name!r}, group {g!r}, source ({'local' if op == 'push' else 'remote'})")
-            _check_range(d, ld, f"request {name!r}, group {g!r}, destination "
-                                f"({'remote' if op == 'push' else 'local'})")
+            _check_range(s, ls, name, g, "source (local)" if op == "push" else "source (remote)")
+            _check_range(d, ld, name, g, "destination (remote)" if op == "push" else "destination (local)")
             if rs == rd == 1 and len(s) > 1:
                 # copies run in the order of the peer's blocks: programs running together touch
                 # neighbouring peer memory (the fastest order measured for the descriptor-copy kernel);
@@ -1794,7 +1796,7 @@ class KVAgent(Closable, FailsOnTimeout):
             ids = [dst_ids[gi] for gi in cls if dst_ids[gi].size]
             if ids:
                 _check_unique(np.concatenate(ids) if len(ids) > 1 else ids[0], max(route.limits[gi][1] for gi in cls),
-                              f"request {name!r}, group(s) {', '.join(route.groups[gi] for gi in cls)}")
+                              name, [route.groups[gi] for gi in cls])
         return self._stage(peer, route, op, name, n_seg, src_ids, dst_ids, notify_slot)
 
     def _stage(self, peer, route: _Route, op, name, n_seg, src_ids, dst_ids, notify_slot) -> KVTransfer:
