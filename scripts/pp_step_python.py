@@ -85,26 +85,27 @@ def cuda_stub():
     names = ("cuStreamWriteValue64", "cuStreamWaitValue64", "cuGraphLaunch", "cuMemcpyAsync", "cuEventRecord",
              "cuStreamWaitEvent", "cuCtxGetCurrent")
     cuda._DRIVER = types.SimpleNamespace(**{n: fn(n) for n in names})
+
+    def entry(name):                        # entry points through ctypes: a C status, 0
+        def call(*args):
+            calls[name] += 1
+            return 0
+        return call
     plat = cuda.CudaPlatform()
     plat._count, plat._ctxs[0] = 1, (None, 1)
-    plat._memop = False
+    plat._memop = entry("cuStreamBatchMemOp")   # flag_ops (GPUXFER_PP_FLAG_BATCH=1)
     stream = cuda.CudaStream(0, 0, None)       # torch's default stream, as in the bench
     plat._raw_stream = lambda device: 0
     plat._current[(0, 0)] = stream
     plat.create_stream = lambda device: cuda.CudaStream(0, 0x100, None, plat)
     plat.is_capturing = lambda s: False
     plat.capture_graph = lambda s, record: cuda.CudaGraph(0, None, 0)
-    def entry(name):                        # stream_calls' entry points: a C status, 0
-        def call(*args):
-            calls[name] += 1
-            return 0
-        return call
     plat._step_fns = tuple(entry(n) for n in ("cuStreamWriteValue64", "cuStreamWaitValue64", "cuGraphLaunch"))
     plat.calls = calls
     return plat
 
 
-def build(metadata: bool, slots: int = 2, platform: str = "null"):
+def build(metadata: bool, slots: int = 2, platform: str = "null", flag_batch: bool = False):
     """A (sender, receiver) pair on :class:`NullPlatform` (or the cuda platform over a stub driver), set up
     by hand (no peers, no device memory)."""
     import torch
@@ -133,6 +134,11 @@ def build(metadata: bool, slots: int = 2, platform: str = "null"):
             t._staging_ptr = [(1 << 43) + s * specs.slot_bytes for s in range(2)]
         else:
             t._slot_ptr = [(1 << 44) + j * specs.slot_bytes for j in range(slots)]
+            if flag_batch:      # as setup_finish makes them with GPUXFER_PP_FLAG_BATCH=1
+                from gpuxfer.platforms.base import FLAG_OP_WAIT, FLAG_OP_WRITE, flag_ops_array
+                t._lend_arrays = [flag_ops_array([(FLAG_OP_WRITE, t._peer_in_ptr[(j - 1) % slots], 0),
+                                                  (FLAG_OP_WAIT, t._in_ptr[j], 0)]) for j in range(slots)]
+                t._lend_ops = [a.reshape(-1) for a in t._lend_arrays]
             t._data_bytes = torch.zeros(slots * specs.slot_bytes, dtype=torch.uint8)
         t._state = "open"
         ends.append(t)
@@ -144,9 +150,10 @@ def build(metadata: bool, slots: int = 2, platform: str = "null"):
     return plat, ends
 
 
-def measure(steps: int, metadata: bool, size: int, profile: bool, platform: str = "null") -> dict:
+def measure(steps: int, metadata: bool, size: int, profile: bool, platform: str = "null",
+            flag_batch: bool = False) -> dict:
     import torch
-    plat, (snd, rcv) = build(metadata, platform=platform)
+    plat, (snd, rcv) = build(metadata, platform=platform, flag_batch=flag_batch)
     n = size // 4
     srcs = [{"hidden": torch.zeros(n, dtype=torch.bfloat16), "residual": torch.zeros(n, dtype=torch.bfloat16)}
             for _ in range(5)]              # five source sets in turn, as the bench's steps
@@ -184,7 +191,7 @@ def measure(steps: int, metadata: bool, size: int, profile: bool, platform: str 
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
         print(buf.getvalue())
     calls = {k: v / steps for k, v in sorted(plat.calls.items())}
-    return {"platform": platform, "size_bytes": size, "metadata": metadata, "steps": steps,
+    return {"platform": platform, "flag_batch": flag_batch, "size_bytes": size, "metadata": metadata, "steps": steps,
             "send_us_median": statistics.median(send_s) * 1e6, "recv_us_median": statistics.median(recv_s) * 1e6,
             "send_us_mean": statistics.fmean(send_s) * 1e6, "recv_us_mean": statistics.fmean(recv_s) * 1e6,
             "calls_per_step_both_sides": calls}
@@ -198,11 +205,13 @@ def main() -> int:
     ap.add_argument("--platform", choices=["null", "cuda-stub"], default="null",
                     help="null: every platform call a no-op; cuda-stub: the cuda platform's wrappers over a driver "
                          "that returns at once (their Python counted in)")
+    ap.add_argument("--flag-batch", action="store_true",
+                    help="the receiver's give-back and wait as one flag_ops call (GPUXFER_PP_FLAG_BATCH=1)")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of the timed steps")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    res = measure(args.steps, args.meta, args.size, args.profile, args.platform)
-    print(f"{args.platform}, {args.size} B, {'+' if args.meta else '-'}meta: send {res['send_us_median']:.2f} us "
+    res = measure(args.steps, args.meta, args.size, args.profile, args.platform, args.flag_batch)
+    print(f"{args.platform}{' flag-batch' if args.flag_batch else ''}, {args.size} B, {'+' if args.meta else '-'}meta: send {res['send_us_median']:.2f} us "
           f"(mean {res['send_us_mean']:.2f}), recv + .tensors {res['recv_us_median']:.2f} us "
           f"(mean {res['recv_us_mean']:.2f}); platform calls per step (both ends): "
           f"{res['calls_per_step_both_sides']}")
