@@ -24,8 +24,8 @@ then the source ``push``, the same block IDs; ``--ops`` does not apply), each po
 ``setup_p50_us`` the source's prepare; post -> complete runs from the first post to both handles
 done. Both sides prepare before either posts (a shape's first prepare loads its kernels on a GPU, which
 must not wait behind a stream waiting for the other side). A shape's first post enqueues its work op by
-op (``first_post_us``), its second captures the graphs (``capture_posts_us``: the second and third
-posts); the medians are of the posts after those.
+op (``first_post_us``); its next prepare captures the graphs (``capture_posts_us``: the second and third
+posts, the first replays); the medians are of the posts after those.
 """
 from __future__ import annotations
 
@@ -177,7 +177,7 @@ def measure_pack(plat, workload: str, isl: int, page: int, iters: int, profile: 
 
         xs, xd, first_setup_us = prepare()
         first = post(xs, xd)                           # loads the kernels: the operations one by one
-        capture = [post(*prepare()[:2]) for _ in range(2)]     # the capture of both parities' graphs, a replay
+        capture = [post(*prepare()[:2]) for _ in range(2)]     # after the captures (in prepare)
         setup, p_src_us, p_dst_us, complete = [], [], [], []
         for _ in range(iters):
             xs, xd, su = prepare()

@@ -1046,9 +1046,9 @@ class _PackShape:
     Made at the first :meth:`KVAgent.prepare` of the shape, which on a GPU also loads the route's kernels
     (launches over an all-zero table, moving nothing): a kernel's first launch loads it, which waits for
     the device's queues, so it must not come while a stream of the process waits for the peer. A post
-    uploads its request into :attr:`req` and enqueues :meth:`record`; from the shape's second post on,
-    it replays the graph of its parity (both captured then, where the platform captures): one driver
-    call whatever the number of chunks."""
+    uploads its request into :attr:`req` and enqueues :meth:`record`; once the shape was posted, its next
+    prepare or post captures the graphs of both parities (where the platform captures), and posts replay
+    them: one driver call per stream whatever the number of chunks."""
 
     def __init__(self, agent: "KVAgent", x: "_PackTransfer"):
         torch = _torch()
@@ -1090,9 +1090,10 @@ class _PackShape:
         self.capturable = True
 
     def graph(self, parity: int):
-        """The graphs of a post of ``parity`` -- ``(stream part, the source's lane part or None)`` --: from the
-        shape's second post on (a shape posted once may never come again), both parities' graphs are
-        captured once; None where the platform captures none (the post then enqueues the operations)."""
+        """The graphs of a post of ``parity`` -- ``(stream part, the source's lane part or None)`` --: once the
+        shape was posted (a shape posted once may never come again), both parities' graphs are captured, at
+        its next prepare or post (a prepare, in one process, comes before either side waits on the other);
+        None where the platform captures none (the post then enqueues the operations)."""
         agent = self.agent
         if self.graphs[parity] is None and self.capturable and self.posts and agent.graphs:
             plat = agent.platform
@@ -1239,6 +1240,8 @@ class _PackTransfer(KVTransfer):
         if chunks:
             with agent._post_lock:
                 self._shape = agent._pack_shape(self)
+                if self._shape.posts:       # a shape seen again: its graphs now, not inside a post
+                    self._shape.graph(0)
 
     def _build_launches(self, max_segments: int, launches: list) -> None:
         """Nothing per request: the kernels belong to the request's shape (:class:`_PackShape`)."""
