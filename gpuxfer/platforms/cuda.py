@@ -1398,7 +1398,7 @@ class CudaPlatform(Platform):
         fns = self._step_fns
         if fns is None:
             fns = self._step_fns = self._resolve_step_fns()
-        if not fns or (s.handle in _DEFAULT_STREAM_HANDLES and self._count != 1):
+        if not fns or (s.handle in _DEFAULT_STREAM_HANDLES and self.device_count() != 1):
             return super().stream_calls(s)
         write, wait, launch = fns
         h = s.handle

@@ -304,8 +304,14 @@ def test_stream_calls_one_driver_call_each_and_the_checked_path_otherwise(monkey
     answers[:] = [1, 1]                                 # refused by the driver: the checked path raises
     with pytest.raises(DriverError, match="CUDA_ERROR_INVALID_VALUE"):
         calls.wait_flag(0x1040, 4)
-    plat._count = 2                                     # a default stream of a multi-device process:
-    assert plat.stream_calls(cm.CudaStream(1, 0, None)).wait_flag is not calls.wait_flag   # the checked calls
+    plat._count = 1                                     # a default stream where one device is visible:
+    seen.clear()                                        # its handle means that device's context
+    plat.stream_calls(cm.CudaStream(1, 0, None)).wait_flag(0x1040, 4)
+    assert seen == [("wait", 0, 0x1040, 4, cm._WAIT_GEQ)]
+    plat._count = 2                                     # ... of a multi-device process: the checked calls,
+    seen.clear()                                        # which make the device's context current first
+    plat.stream_calls(cm.CudaStream(1, 0, None)).wait_flag(0x1040, 4)
+    assert [x[0] for x in seen] == ["checked wait"] and pushed[-1] == 1
     plat._step_fns = False                              # no entry points: the checked calls
     seen.clear()
     plat.stream_calls(s).write_flag(0x1000, 7)
