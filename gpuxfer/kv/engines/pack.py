@@ -88,7 +88,7 @@ class _FlagLink:
                 sent = True
             except Exception as exc:  # noqa: BLE001 - the remote path is optional: the probe says so
                 why = f"{type(exc).__name__}: {exc}"
-                side._streams.pop("setup", None)    # a failed stream op may leave the stream unusable
+                side.discard_stream("setup")        # a failed stream op may leave the stream unusable
         seen = False
         if side.exchange(sent)[side.peer_rank]:
             try:    # a write the sender saw complete lands in microseconds
