@@ -31,6 +31,7 @@ class NullPlatform:
 
     name = "null"
     is_emulation = False
+    host_memory = False
     QUEUED = ("wait_flag", "write_flag", "flag_ops", "copy_async", "launch_graph", "record_event",
               "stream_wait_event")
 
