@@ -838,76 +838,21 @@ class KVTransfer:
         self._build_launches(max_segments, launches)
 
     def _build_launches(self, max_segments: int, launches: list) -> None:
-        """The checks and tilings, once: a post only launches."""
-        from ..kernels.blocks import expand_launcher
-        from ..kernels.launch import copy_launcher
-        r, out = self.route, self._out
-        self._expand_launch = expand_launcher(r.planes, self._dev_req, out, n_groups=len(r.groups),
-                                              max_segments=max_segments)
-        self._copy_launches = [f for f in (copy_launcher(r.src_anchor, r.dst_anchor, out, start=a, end=b,
-                                                         nbytes_hint=hint, num_programs=progs)
-                                           for a, b, hint, progs in launches) if f is not None]
+        """What an engine binds to one request at prepare (nothing by default)."""
 
     def describe(self) -> str:
         return (f"{self.op} of request {self.name!r} with peer {self.peer.name!r} ({self.descriptors:,} "
                 f"descriptors, {self.nbytes:,} bytes)")
 
-    def _upload(self, s: Stream) -> None:
-        """The request array, pinned host -> device, as a platform copy on ``s``.
-
-        A raw stream copy, not torch's ``copy_``: torch would tie the pinned block to ``s`` and record an
-        event on it when the block is freed, which fails for a stream torch did not create. The agent keeps
-        the buffers of a posted transfer until its event completes (:meth:`KVAgent._track`)."""
-        if self._dev_req is not self._host_req:
-            self.agent.platform.copy_async(s, self._dev_req.data_ptr(), self._host_req.data_ptr(), self._req_bytes)
-
-    def _kernels(self, stream=None) -> None:
-        """The expansion and the copies, on ``stream`` (a driver handle) or torch's current stream."""
-        if self._expand_launch is not None:
-            self._expand_launch(stream)
-        for launch in self._copy_launches:
-            launch(stream)
-
     def post(self, stream: Stream | None = None) -> KVTransferHandle:
-        """Enqueue the transfer on ``stream`` (default: the agent's own) and return its handle.
-
-        Host work: one copy (the request array), the expansion and one copy kernel per kernel tiling
-        (launched straight on the stream's driver handle where the platform gives one, else inside one
-        :meth:`Platform.launch`), a notification (two stream operations) if asked for, one event; none of
-        it depends on the number of descriptors.
-        """
-        agent = self.agent
-        agent._check_usable(self.peer)
-        plat = agent.platform
-        s = agent.stream if stream is None else stream
-        self._upload(s)
-        native = plat.native_stream(s)
-        if native is None:
-            plat.launch(s, self._kernels)
-        else:
-            self._kernels(native)
-        value = None
-        if self.notify_slot is not None:
-            value = self.peer.next_seq(self.notify_slot)
-            word = self.peer.scratch.ptr + 8 * self.notify_slot
-            plat.write_flag(s, word, value)
-            plat.copy_async(s, self.peer.control_ptr + 8 * self.notify_slot, word, 8)
-        event = plat.record_event(s)
-        agent._track(event, self._buffers)
-        return KVTransferHandle(self, event, s, value)
+        """Enqueue the transfer on ``stream`` (default: the agent's own) and return its handle; host work that
+        does not depend on the number of descriptors (each engine's transfer says what it is)."""
+        raise NotImplementedError
 
     def expanded_descriptors(self) -> np.ndarray:
-        """Run only the upload and the expansion, wait, and return the ``(N, 3)`` descriptors (offsets from
-        the source and destination anchors) -- for checking the expansion; not a transfer path."""
-        plat = self.agent.platform
-        s = self.agent.stream
-        self._upload(s)
-        if self._expand_launch is not None:
-            plat.launch(s, self._expand_launch)
-        if not plat.synchronize(s, self.agent.timeout_s):
-            raise TransferTimeout(rank=self.agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
-                                  timeout_s=self.agent.timeout_s, what="expanding the descriptors")
-        return self._out.cpu().numpy().copy()
+        """The ``(N, 3)`` descriptors of this request (offsets from the source and destination anchors), as the
+        engine expands them -- for checking the expansion; not a transfer path."""
+        raise NotImplementedError
 
     def __repr__(self) -> str:
         return f"KVTransfer({self.describe()})"
@@ -939,9 +884,6 @@ class _SlotTransfer(KVTransfer):
         super().__init__(agent, peer, route, op, name, n_seg, host[0], None, None, 0, [], notify_slot, descriptors,
                          nbytes)
         self._req_bytes = self._entries * 8
-
-    def _build_launches(self, max_segments: int, launches: list) -> None:
-        """Nothing per request: the route's slots hold the launchers."""
 
     def _run(self, s: Stream, expand_only: bool = False) -> "_Slot":
         """Upload this request into a free slot and enqueue its kernels on ``s`` (the caller holds the post lock)."""
@@ -1477,7 +1419,6 @@ class KVAgent(Closable, FailsOnTimeout):
     # ------------------------------------------------------------------ registration
 
     def _torch_device(self):
-        torch = _torch()
         return self.platform.torch_device(self.device)
 
     def register_group(self, name: str, block_tokens: int, layers: Mapping[str, Any] | Sequence[Any], *,
