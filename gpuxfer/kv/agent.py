@@ -720,7 +720,8 @@ def _as_ids(ids, request: str, group: str, side: str) -> np.ndarray:
 
 
 def _check_range(ids: np.ndarray, limit: int, request: str, group: str, side: str) -> None:
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= limit):
+    """Every ID in ``[0, limit)``: one reduction (a negative ID read unsigned is past any limit)."""
+    if ids.size and int(ids.view(np.uint64).max()) >= limit:
         bad = int(np.flatnonzero((ids < 0) | (ids >= limit))[0])
         raise BlockIdError(f"request {request!r}, group {group!r}, {side}: block ID {int(ids[bad])} at position {bad} is out of range "
                            f"(the group holds blocks 0..{limit - 1})")
