@@ -113,6 +113,10 @@ VARS: dict[str, Var] = {v.name: v for v in (
     Var("GPUXFER_ROCM_DEDICATED_QUEUES", True, FLAG, "give each new ROCm stream its own hardware queue"),
     Var("GPUXFER_HSA_LIBRARY", None, TEXT, "path of libhsa-runtime64 to load first"),
     Var("GPUXFER_DIRECT_LAUNCH", True, FLAG, "launch cached Triton kernels directly (0: through Triton every time)"),
+    # peer flags (gpuxfer/flaglink.py)
+    Var("GPUXFER_FLAG_PATH", "auto", choice("auto", "remote", "copy"),
+        "how peer flags (copy_engine stage hand-off, pack KV engine) reach the peer: probed, remote stream "
+        "writes, or 8-byte copies"),
     # pipeline-parallel transports
     Var("GPUXFER_PP_TRANSPORT", "auto", TEXT, "the PP transport connect() builds: auto or a registered backend "
         "(nccl, copy_engine, sdma, copy_engine_graph)"),
@@ -121,8 +125,6 @@ VARS: dict[str, Var] = {v.name: v for v in (
         "what a failed PP transport does: raise on every later call, or also log and exit"),
     Var("GPUXFER_PP_META_CHANNEL", "auto", choice("auto", "group"),
         "where step metadata travels: a shared-memory mailbox on one host (auto) or the CPU group"),
-    Var("GPUXFER_PP_FLAG_PATH", "auto", choice("auto", "remote", "copy"),
-        "how copy_engine flags reach the peer: probed, remote stream writes, or 8-byte copies"),
     Var("GPUXFER_PP_INLINE_BYTES", 1 << 20, BYTES, "largest copy_engine step sent without staging (0: stage every step)"),
     Var("GPUXFER_PP_STEP_GRAPHS", True, FLAG, "launch a small copy_engine step's peer copies as one cached graph"),
     Var("GPUXFER_PP_FLAG_BATCH", False, FLAG, "queue a recv_views receiver's two flag operations as one call"),
@@ -133,8 +135,6 @@ VARS: dict[str, Var] = {v.name: v for v in (
     # KV engines
     Var("GPUXFER_KV_ON_TIMEOUT", "raise", choice("raise", "exit"),
         "what a failed KV side or agent does: raise on every later call, or also log and exit"),
-    Var("GPUXFER_KV_FLAG_PATH", "auto", choice("auto", "remote", "copy"),
-        "how the pack engine's flags reach the peer: probed, remote stream writes, or 8-byte copies"),
     Var("GPUXFER_KV_TRITON_ORDER", "peer", choice("peer", "local", "plan"),
         "how the triton engine orders each size class: by the peer pool's offsets, the local pool's, or as planned"),
     Var("GPUXFER_NIXL_MODULE", None, TEXT, "the NIXL Python module to import (unset: the wheel matching CUDA)"),

@@ -61,10 +61,3 @@ def wait_flag_or_raise(platform: Platform, flag_ptr: int, expected: int, timeout
                                   timeout_s=timeout_s, what=what)
         time.sleep(delay)
         delay = min(delay * 2, 1e-3)
-
-
-def flag_path_from_env(value: str | None, env: str) -> str:
-    """How flags reach the peer: ``value``, else ``$env``, else ``auto`` (remote stream writes where a
-    setup probe saw them arrive, 8-byte copies otherwise); ``remote`` and ``copy`` force one path."""
-    from . import config
-    return config.resolve(env, value, option="flag_path")

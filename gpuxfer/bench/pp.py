@@ -89,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="copy_engine receivers hand out views of the receive slot (no copy-out), lent until the next "
                         "step's .tensors")
     m.add_argument("--flag-path", default=None, choices=["auto", "remote", "copy"],
-                   help="copy_engine flag path (default: GPUXFER_PP_FLAG_PATH or auto)")
+                   help="copy_engine flag path (default: GPUXFER_FLAG_PATH or auto)")
     m.add_argument("--recv-slots", default="2", metavar="N", help="copy_engine receive slots, >= 2")
     m.add_argument("--inline-bytes", default=None, metavar="SIZE",
                    help="copy_engine steps up to SIZE go on the sender's stream without staging; 0: none "

@@ -7,15 +7,15 @@ Memory (one pair S -> R; R = number of receive slots, >= 2)::
     sender   S owns  staging = 2 slots x slot_bytes      (local only)
                      flags = [probe words | empty[0..R-1] | stage_full[0..R-1]]    (exported; R opens it)
 
-Every flag word is 64-bit, on its own 64-byte line, in a buffer of its own
-(never next to data, never in a copy batch with data). Flags hold step
-numbers (step k = 1, 2, ...; slot j = (k - 1) % R) and are waited with GEQ on
-LOCAL memory only: R waits its own ``full[j]``, S waits its own ``empty[j]``.
-A flag reaches the peer either by a remote stream write into the peer's word
-(``write_flag`` on the peer mapping's address), where the setup probe showed it
+The flags are a peer-flag link (:mod:`gpuxfer.flaglink`): every flag word is
+64-bit, on its own 64-byte line, in a buffer of its own (never next to data,
+never in a copy batch with data). Flags hold step numbers (step k = 1, 2, ...;
+slot j = (k - 1) % R) and are waited with GEQ on LOCAL memory only: R waits its
+own ``full[j]``, S waits its own ``empty[j]``. A flag reaches the peer either by a
+remote stream write into the peer's word, where the link's setup probe showed it
 works across the pair, or else by a local stream write into ``stage_*[j]`` plus
-an 8-byte ``copy_async`` to the peer's word (CUDA 13.1+ refuses remote stream
-writes). ``GPUXFER_PP_FLAG_PATH=remote|copy`` forces one path.
+an 8-byte copy to the peer's word (CUDA 13.1+ refuses remote stream writes).
+``GPUXFER_FLAG_PATH=remote|copy`` forces one path.
 
 Timeline of step k (slot j, staging slot s = k % 2)::
 
@@ -96,12 +96,10 @@ Metadata (shapes) travels before the GPU work is queued -- through the pair's
 shared-memory mailbox on one host (:mod:`gpuxfer.pp.mailbox`), else over the CPU
 group -- unless the pair was set up with ``metadata=False``.
 
-Setup (driven collectively by :mod:`gpuxfer.pp.selection`): allocate and zero
-the flags, export handles, open the peer's, then probe the pair: each end
-writes a nonce into the peer's probe words by both paths; the peer polls for
-them, checks a stream wait on its own word completes, and reports back whether
-the remote stream write arrived. The writer then uses the remote path only if
-its peer saw it.
+Setup (driven collectively by :mod:`gpuxfer.pp.selection`): the flag link's
+phases (allocate and zero the flags, export, open the peer's, probe the pair:
+the writer uses remote stream writes only where its peer saw one arrive) beside
+the receive slots and the staging ring.
 
 An ``sdma`` backend (ROCm) can subclass :class:`CopyEngineTransport` and
 override :meth:`~CopyEngineTransport.unavailable_reason`,
@@ -114,15 +112,14 @@ import time
 
 from .. import config
 from ..errors import BadInput, GpuxferError, GraphModeError, TransferTimeout
+from ..flaglink import FIRST_WORD, FLAG_STRIDE, FlagLink, flag_path_from_env
 from ..platforms.base import FLAG_OP_WAIT, FLAG_OP_WRITE, flag_ops_array
-from ..sync import flag_path_from_env, wait_event_or_raise
-from .transport import RELEASE_VALUE, Layout, Received, Transport
+from ..sync import wait_event_or_raise
+from .transport import Layout, Received, Transport
 
 log = logging.getLogger("gpuxfer.pp")
 
-FLAG_STRIDE = 64
-W_PROBE_REMOTE, W_PROBE_COPY, W_PROBE_STAGE, W_IN = 0, 1, 2, 3
-ENV_FLAG_PATH = "GPUXFER_PP_FLAG_PATH"
+W_IN = FIRST_WORD          # the first of this end's flag words (in[0..R-1], then stage[0..R-1])
 PROBE_TIMEOUT_S = 10.0
 ENV_INLINE_BYTES = "GPUXFER_PP_INLINE_BYTES"
 DEFAULT_INLINE_BYTES = config.VARS[ENV_INLINE_BYTES].default
@@ -182,16 +179,17 @@ class CopyEngineTransport(Transport):
                     f"(stream flag write/wait)")
         return None
 
-    def __init__(self, *, recv_slots: int = 2, flag_path: str = "auto", inline_bytes: "int | str | None" = None,
+    def __init__(self, *, recv_slots: int = 2, flag_path: str | None = None, inline_bytes: "int | str | None" = None,
                  recv_views: bool = False, **kw):
         super().__init__(**kw)
         if int(recv_slots) < self.min_slots:
             raise BadInput(f"the {self.name} backend needs >= {self.min_slots} receive slots, got {recv_slots}")
         self.recv_slots = int(recv_slots)
-        self.flag_path = flag_path_from_env(flag_path, ENV_FLAG_PATH)
+        self.flag_path = flag_path_from_env(flag_path)
         self.inline_bytes = inline_bytes_from_env(inline_bytes)
         self.remote_flags = False
-        self._aux = None                    # sender: the side stream; receiver: setup probes only
+        self._aux = None                    # sender: the side stream (the receiver has none)
+        self._link: FlagLink | None = None  # the pair's flags (self._flags: its local words)
         self._flags = self._data = self._staging = None
         self._peer_flags = self._peer_data = None
         self._copied = [None, None]
@@ -223,23 +221,33 @@ class CopyEngineTransport(Transport):
         return mem.ptr + word * FLAG_STRIDE
 
     @property
+    def flag_words(self) -> int:
+        """This end's flag words after the link's probe words: in[0..R-1], stage[0..R-1]."""
+        return 2 * self.recv_slots
+
+    @property
     def flags_bytes(self) -> int:
-        return (W_IN + 2 * self.recv_slots) * FLAG_STRIDE
+        return (W_IN + self.flag_words) * FLAG_STRIDE
+
+    def _alloc_flags(self, nbytes: int):
+        """The flag buffer's memory (a platform with uncached flag memory overrides this)."""
+        return self.platform.alloc(nbytes, self.device)
 
     def setup_prepare(self) -> dict:
         """Allocate and zero own memory, create the stream, export handles."""
         p, dev = self.platform, self.device
         p.set_device(dev)
-        self._aux = p.create_stream(dev)
-        self._flags = p.alloc(self.flags_bytes, dev)
-        p.memset_async(self._aux, self._flags.ptr, 0, self.flags_bytes)
+        self._link = FlagLink(p, dev, self.flag_words, path=self.flag_path, rank=self.rank, peer=self.peer,
+                              name=self.name, alloc=self._alloc_flags, copy=self._ce_copy)
+        self._flags = self._link.local
         if self.role == "recv":
             self._data = p.alloc(self.recv_slots * self.specs.slot_bytes, dev)
         else:
+            self._aux = p.create_stream(dev)
             self._prepare_send_side()
-        if not p.synchronize(self._aux, PROBE_TIMEOUT_S):
-            raise GpuxferError(f"initialising the flags did not finish in {PROBE_TIMEOUT_S:g} s")
-        payload = {"flags": self._flags.export(), "slot_bytes": self.specs.slot_bytes, "slots": self.recv_slots}
+            if not p.synchronize(self._aux, PROBE_TIMEOUT_S):
+                raise GpuxferError(f"initialising the sender's memory did not finish in {PROBE_TIMEOUT_S:g} s")
+        payload = {"flags": self._link.export(), "slot_bytes": self.specs.slot_bytes, "slots": self.recv_slots}
         if self._data is not None:
             payload["data"] = self._data.export()
         return payload
@@ -257,10 +265,8 @@ class CopyEngineTransport(Transport):
         if peer_payload.get("slot_bytes") != self.specs.slot_bytes or peer_payload.get("slots") != self.recv_slots:
             raise BadInput(f"rank {self.peer} set up {peer_payload.get('slots')} slots of "
                            f"{peer_payload.get('slot_bytes')} B, this rank {self.recv_slots} of {self.specs.slot_bytes} B")
-        self._peer_flags = p.open_handle(peer_payload["flags"], dev)
-        if self._peer_flags.nbytes < self.flags_bytes:
-            raise BadInput(f"rank {self.peer}'s flags buffer holds {self._peer_flags.nbytes} B, "
-                           f"expected {self.flags_bytes}")
+        self._link.open(peer_payload["flags"])
+        self._peer_flags = self._link.peer_mem
         if self.role == "send":
             self._peer_data = p.open_handle(peer_payload["data"], dev)
             if self._peer_data.nbytes < self.recv_slots * self.specs.slot_bytes:
@@ -268,81 +274,27 @@ class CopyEngineTransport(Transport):
                                f"{self.recv_slots * self.specs.slot_bytes}")
 
     def setup_probe_send(self, nonce: int) -> dict:
-        """Write ``nonce`` into the peer's probe words: by an 8-byte copy (required) and by a remote write.
+        """The flag link's probe: write ``nonce`` into the peer's probe words by an 8-byte copy and by a remote
+        write.
 
         Every peer has opened this end's handles by now: a platform whose exports are names in a
         namespace (the host emulation's shared memory) drops the names here, so nothing outlives
         the processes even if they are all killed."""
-        p, s = self.platform, self._aux
-        unpublish = getattr(p, "unpublish", None)
+        unpublish = getattr(self.platform, "unpublish", None)
         if unpublish is not None:
             for buf in (self._flags, self._data, self._staging):    # (staging: never exported at all)
                 if buf is not None:
                     unpublish(buf)
-        self._nonce = nonce
-        stage = self._fptr(self._flags, W_PROBE_STAGE)
-        p.write_flag(s, stage, nonce + 1)
-        self._ce_copy(s, self._fptr(self._peer_flags, W_PROBE_COPY), stage, 8)
-        wait_event_or_raise(p, p.record_event(s), PROBE_TIMEOUT_S, rank=self.rank, step=0, flag="probe (copy)",
-                            expected=nonce + 1, device=self.device,
-                            what=f"setup probe: 8-byte flag copy to rank {self.peer}")
-        if self.flag_path == "copy":
-            return {"remote_sent": False, "remote_error": f"{ENV_FLAG_PATH}=copy"}
-        try:
-            p.write_flag(s, self._fptr(self._peer_flags, W_PROBE_REMOTE), nonce + 2)
-            if not p.synchronize(s, PROBE_TIMEOUT_S):
-                raise GpuxferError(f"a remote stream write did not finish in {PROBE_TIMEOUT_S:g} s")
-        except Exception as exc:  # noqa: BLE001 - the remote path is optional: the probe says so
-            if self.flag_path == "remote":
-                raise
-            log.info("rank %d: remote stream write to rank %d refused (%s); flags go by 8-byte copies",
-                     self.rank, self.peer, exc)
-            # a failed stream op may leave the stream unusable: use a fresh one from here on
-            old, self._aux = self._aux, p.create_stream(self.device)
-            try:
-                old.close()
-            except Exception as close_exc:  # noqa: BLE001 - the stream is dropped either way
-                log.debug("closing the refused probe's stream: %s", close_exc)
-            return {"remote_sent": False, "remote_error": f"{type(exc).__name__}: {exc}"}
-        return {"remote_sent": True, "remote_error": None}
+        return self._link.probe_send(nonce)
 
     def setup_probe_check(self, peer_report: dict) -> dict:
         """Check the peer's probe writes arrived in local memory, and that a stream wait on it completes."""
-        p, dev, nonce = self.platform, self.device, self._nonce
-        from ..sync import wait_flag_or_raise
-        word_copy = self._fptr(self._flags, W_PROBE_COPY)
-        wait_flag_or_raise(p, word_copy, nonce + 1, PROBE_TIMEOUT_S, rank=self.rank, step=0, flag="probe (copy)",
-                           device=dev, what=f"setup probe: rank {self.peer}'s 8-byte flag copy never arrived")
-        seen = p.read_flag(word_copy, dev)
-        if seen != nonce + 1:
-            raise GpuxferError(f"setup probe: rank {self.peer}'s 8-byte flag copy wrote {seen}, expected {nonce + 1}")
-        p.wait_flag(self._aux, word_copy, nonce + 1)
-        ev = p.record_event(self._aux)
-        if not p.event_wait(ev, PROBE_TIMEOUT_S):
-            p.host_write_flag(word_copy, RELEASE_VALUE, dev)
-            raise GpuxferError(f"a stream wait on a flag already set did not complete in {PROBE_TIMEOUT_S:g} s")
-        remote_seen = False
-        if peer_report.get("remote_sent"):
-            word = self._fptr(self._flags, W_PROBE_REMOTE)
-            deadline = time.monotonic() + 2.0
-            while True:
-                v = p.read_flag(word, dev)
-                if v == nonce + 2:
-                    remote_seen = True
-                    break
-                if time.monotonic() > deadline:
-                    log.info("rank %d: rank %d's remote stream write did not arrive (value %d); flags go by "
-                             "8-byte copies", self.rank, self.peer, v)
-                    break
-                time.sleep(1e-3)
-        return {"remote_seen": remote_seen}
+        return self._link.probe_check(peer_report)
 
     def setup_finish(self, peer_check: dict) -> None:
         """Choose the flag path (remote writes only where the peer saw them) and pre-resolve the hot path."""
-        self.remote_flags = bool(peer_check.get("remote_seen"))
-        if self.flag_path == "remote" and not self.remote_flags:
-            raise GpuxferError(f"{ENV_FLAG_PATH}=remote but rank {self.peer} did not see this rank's remote "
-                               f"stream write")
+        self._link.finish(peer_check)
+        self.remote_flags = self._link.remote
         R, slot = self.recv_slots, self.specs.slot_bytes
         self._in_ptr = [self._fptr(self._flags, W_IN + j) for j in range(R)]
         self._stage_ptr = [self._fptr(self._flags, W_IN + R + j) for j in range(R)]
@@ -594,16 +546,14 @@ class CopyEngineTransport(Transport):
         return True
 
     def _release_waits(self) -> None:
-        if self._flags is None or self._flags.closed:
-            return
-        for j in range(self.recv_slots):
-            self.platform.host_write_flag(self._fptr(self._flags, W_IN + j), RELEASE_VALUE, self.device)
-        self.platform.host_write_flag(self._fptr(self._flags, W_PROBE_COPY), RELEASE_VALUE, self.device)
+        if self._link is not None:
+            self._link.release_waits(range(W_IN, W_IN + self.recv_slots))
 
     def _close_mappings(self) -> None:
-        for m in (self._peer_data, self._peer_flags):
-            if m is not None:
-                m.close()
+        if self._peer_data is not None:
+            self._peer_data.close()
+        if self._link is not None:
+            self._link.close_peer()
 
     def _free(self) -> None:
         self._calls = self._eager_stream = None
@@ -614,9 +564,11 @@ class CopyEngineTransport(Transport):
         self._lend_arrays = self._lend_ops = None
         self._close_streams()
         self._data_bytes = None
-        for b in (self._data, self._staging, self._flags):
+        for b in (self._data, self._staging):
             if b is not None:
                 b.close()
+        if self._link is not None:
+            self._link.close()
 
     def _free_local(self) -> None:
         """abort(): the staging ring and the streams are ours alone; flags and receive slots are mapped by the

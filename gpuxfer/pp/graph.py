@@ -89,8 +89,8 @@ from __future__ import annotations
 import functools
 import time
 
-from ..errors import GpuxferError, GraphModeError, TransferTimeout
-from .copy_engine import ENV_FLAG_PATH, W_IN, CopyEngineTransport
+from ..errors import GraphModeError, TransferTimeout
+from .copy_engine import W_IN, CopyEngineTransport
 from .transport import RELEASE_VALUE, Layout, Received
 
 
@@ -109,8 +109,9 @@ class GraphTransport(CopyEngineTransport):
 
     # ---- flag words ----
     @property
-    def flags_bytes(self) -> int:
-        return (W_IN + 4 * self.recv_slots) * 64
+    def flag_words(self) -> int:
+        """in[0..R-1], stage[0..R-1], then per slot its enter and done counters."""
+        return 4 * self.recv_slots
 
     def _word(self, j: int, which: int) -> int:
         """Word index of slot j's ``enter`` (0) or ``done`` (1) counter."""
@@ -123,10 +124,8 @@ class GraphTransport(CopyEngineTransport):
 
     def setup_finish(self, peer_check: dict) -> None:
         import torch
-        self.remote_flags = bool(peer_check.get("remote_seen"))
-        if self.flag_path == "remote" and not self.remote_flags:
-            raise GpuxferError(f"{ENV_FLAG_PATH}=remote but rank {self.peer} did not see this rank's remote "
-                               f"stream write")
+        self._link.finish(peer_check)
+        self.remote_flags = self._link.remote
         p, R, slot = self.platform, self.recv_slots, self.specs.slot_bytes
         self._in_ptr = [self._fptr(self._flags, W_IN + j) for j in range(R)]
         self._stage_ptr = [self._fptr(self._flags, W_IN + R + j) for j in range(R)]

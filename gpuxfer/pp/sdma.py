@@ -162,21 +162,21 @@ class SdmaTransport(CopyEngineTransport):
         self._sent: list[int] = []           # hsa sender: sent[s] words (staging slot s is free again)
 
     # ---- setup ----
+    def _alloc_flags(self, nbytes: int):
+        """Flag words in uncached memory."""
+        return self._sd.alloc_flags(nbytes, self.device)
+
     def setup_prepare(self) -> dict:
-        """The parent's, then the flags re-made uncached; the hsa sender also gets its stage/sent words."""
+        """The parent's (its flags uncached: :meth:`_alloc_flags`); the hsa sender also gets its stage/sent words."""
         payload = super().setup_prepare()
         p, dev = self.platform, self.device
-        old, self._flags = self._flags, self._sd.alloc_flags(self.flags_bytes, dev)
-        old.close()
-        p.memset_async(self._aux, self._flags.ptr, 0, self.flags_bytes)
         if self.role == "send" and self.sdma_path == "hsa":
             self._sdma_flags = self._sd.alloc_flags((self.ring + 2) * FLAG_STRIDE, dev)
             p.memset_async(self._aux, self._sdma_flags.ptr, 0, (self.ring + 2) * FLAG_STRIDE)
             self._stage = [self._sdma_flags.ptr + i * FLAG_STRIDE for i in range(self.ring)]
             self._sent = [self._sdma_flags.ptr + (self.ring + s) * FLAG_STRIDE for s in range(2)]
-        if not p.synchronize(self._aux, PROBE_TIMEOUT_S):
-            raise GpuxferError(f"zeroing the sdma flags did not finish in {PROBE_TIMEOUT_S:g} s")
-        payload["flags"] = self._flags.export()
+            if not p.synchronize(self._aux, PROBE_TIMEOUT_S):
+                raise GpuxferError(f"zeroing the sdma flags did not finish in {PROBE_TIMEOUT_S:g} s")
         return payload
 
     def setup_open(self, peer_payload: dict) -> None:

@@ -295,7 +295,7 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
     on the host emulation or if it is NCCL-capable, else a new NCCL group over
     ``group``'s ranks -- which needs every process of the default group to call
     ``connect``). ``recv_slots`` (>= 2), ``flag_path`` (auto|remote|copy,
-    default ``$GPUXFER_PP_FLAG_PATH``) and ``inline_bytes`` (the largest step sent
+    default ``$GPUXFER_FLAG_PATH``) and ``inline_bytes`` (the largest step sent
     without staging, default ``$GPUXFER_PP_INLINE_BYTES`` or 1 MiB; a sender's own
     choice) tune the copy-engine backend. ``meta_channel``
     (auto|group, default ``$GPUXFER_PP_META_CHANNEL``): a pair on one host passes its
@@ -576,7 +576,7 @@ def _setup_peer_memory(name, exchange, infos, my_pairs, common, tag_of, nonce, *
         payloads = {}
         for role, peer, pair, spec in my_pairs:
             t = cls(role=role, peer=peer, specs=spec, tag_base=tag_of[pair], recv_slots=recv_slots,
-                    flag_path=flag_path or "auto", inline_bytes=inline_bytes, recv_views=recv_views, **common)
+                    flag_path=flag_path, inline_bytes=inline_bytes, recv_views=recv_views, **common)
             ends.append(t)
             payloads[pair] = t.setup_prepare()
         return payloads

@@ -20,11 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuxfer.cli import main
-from gpuxfer.errors import BackendUnavailable, BadInput, DriverError
 from gpuxfer.bench.kv import report as R
+from gpuxfer.errors import BadInput
+from gpuxfer.flaglink import ENV_FLAG_PATH
 from gpuxfer.kv import engines as E
 from gpuxfer.kv.engines import pack as P
-from gpuxfer.platforms.host import HostPlatform
 
 TINY = ["--platform", "host", "--workload", "kv-mla", "--isl", "16", "--page", "16", "--batch", "1"]
 FAST = ["--warmup", "0", "--trials", "1", "--timeout", "60"]
@@ -354,100 +354,16 @@ def test_chunk_plan_covers_every_descriptor_once_within_the_slot(sizes, chunk, f
     assert sum(c[2] for c in plan) == sum(sizes)
 
 
-class _RefusesRemoteWrites(HostPlatform):
-    """The host platform, refusing stream writes into peer mappings (as CUDA 13.1+ does)."""
-
-    def open_handle(self, handle, device):
-        m = super().open_handle(handle, device)
-        self._mapped = [*getattr(self, "_mapped", []), (m.ptr, m.ptr + m.nbytes)]
-        return m
-
-    def _to_peer(self, ptr) -> bool:
-        return any(a <= ptr < b for a, b in getattr(self, "_mapped", []))
-
-    def write_flag(self, stream, ptr, value):
-        if self._to_peer(ptr):
-            raise DriverError("cuStreamWriteValue64", "CUDA_ERROR_NOT_SUPPORTED", 801, "a remote stream write")
-        super().write_flag(stream, ptr, value)
-
-
-class _LosesRemoteWrites(_RefusesRemoteWrites):
-    """The host platform, taking stream writes into peer mappings without error and dropping them."""
-
-    def write_flag(self, stream, ptr, value):
-        if not self._to_peer(ptr):
-            HostPlatform.write_flag(self, stream, ptr, value)
-
-
-def flag_link_session(rank: int, world: int, init_method: str, env: str | None, refusing: tuple,
-                      losing: tuple = ()) -> dict:
-    """One side of the pack engine's flag link: its path, what a signal from the peer wrote, or the error."""
-    import torch.distributed as dist
-
-    from gpuxfer.pp.launch import init_cpu_group
-    if env is not None:
-        os.environ[P.ENV_KV_FLAG_PATH] = env
-    init_cpu_group(rank, world, init_method)
-
-    def exchange(obj):
-        out = [None] * world
-        dist.all_gather_object(out, obj)
-        return out
-
-    plat = (_RefusesRemoteWrites if rank in refusing else _LosesRemoteWrites if rank in losing
-            else HostPlatform)(devices=2)
-    side = E.Side(platform=plat, device=rank, rank=rank, role=E.Role.SOURCE if rank == 0 else E.Role.DESTINATION,
-                  pool=None, peer_pool=None, exchange=exchange, timeout_s=10.0)
-    try:
-        link = P._FlagLink(side)
-    except BackendUnavailable as exc:
-        exchange(None)
-        return {"error": exc.reasons}
-    try:
-        s = plat.create_stream(rank)            # a signal lands in the peer's word, by either path
-        link.signal(s, 0, P._AVAIL + 1, 40 + rank)
-        assert plat.synchronize(s, 10.0)
-        exchange(None)
-        return {"path": link.path, "got": link.read(P._AVAIL + 1)}
-    finally:
-        exchange(None)
-        link.close()
-        plat.close()
-
-
-@pytest.mark.parametrize("env, refusing, losing, paths", [
-    (None, (), (), ("remote stream writes", "remote stream writes")),
-    ("auto", (0,), (), ("8-byte copies", "remote stream writes")),
-    ("auto", (), (1,), ("remote stream writes", "8-byte copies")),     # sent, never seen: the peer's wait times out
-    ("copy", (), (), ("8-byte copies", "8-byte copies")),
-    ("remote", (), (), ("remote stream writes", "remote stream writes")),
-])
-def test_pack_flag_path_follows_the_probe_and_signals_arrive(spawner, monkeypatch, env, refusing, losing, paths):
-    """Each side sends remote writes only where the probe saw its write arrive; either path delivers."""
-    monkeypatch.delenv(P.ENV_KV_FLAG_PATH, raising=False)
-    res = spawner.run_ranks(flag_link_session, 2, env, refusing, losing, timeout=120)
-    assert tuple(r["path"] for r in res) == paths
-    assert [r["got"] for r in res] == [41, 40]
-
-
-def test_forced_remote_flags_fail_on_both_sides_with_the_reason(spawner, monkeypatch):
-    monkeypatch.delenv(P.ENV_KV_FLAG_PATH, raising=False)
-    res = spawner.run_ranks(flag_link_session, 2, "remote", (1,), timeout=120)
-    for r in res:
-        assert set(r["error"]) == {1}, r
-        assert "did not reach rank 0" in r["error"][1] and "CUDA_ERROR_NOT_SUPPORTED" in r["error"][1]
-
-
 def test_bad_flag_path_is_a_clear_error_on_both_sides(capsys, tmp_path, monkeypatch):
-    monkeypatch.setenv(P.ENV_KV_FLAG_PATH, "bogus")
+    monkeypatch.setenv(ENV_FLAG_PATH, "bogus")
     rc, out, err, doc = _run(capsys, tmp_path, *TINY, *FAST, "--engine", "pack")
     assert rc == 1, out + err
-    assert (out + err).count("GPUXFER_KV_FLAG_PATH must be auto, remote or copy, got 'bogus'") >= 2, out + err
+    assert (out + err).count("GPUXFER_FLAG_PATH must be auto, remote or copy, got 'bogus'") >= 2, out + err
 
 
 @pytest.mark.slow      # 15-45 s of Triton's interpreter; the remote-write path runs by default
 def test_pack_over_flag_copies_end_to_end(capsys, tmp_path, monkeypatch):
-    monkeypatch.setenv(P.ENV_KV_FLAG_PATH, "copy")
+    monkeypatch.setenv(ENV_FLAG_PATH, "copy")
     rc, out, err, doc = _run(capsys, tmp_path, *TINY, *FAST, "--engine", "pack,bulk")
     assert rc == 0, out + err
     rows = [r for r in doc["rows"] if r["engine"] == "pack"]

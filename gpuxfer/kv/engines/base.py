@@ -198,7 +198,7 @@ class Side(FailsOnTimeout):
     failed: BaseException | None = field(default=None, repr=False)   # the error that failed the side
     _streams: dict = field(default_factory=dict, repr=False)
     _gate: "Gate | None" = field(default=None, repr=False)
-    _releasers: list = field(default_factory=list, repr=False)       # release_waits of the side's flag links
+    _releasers: list = field(default_factory=list, repr=False)       # the engines' releases of their flag words
 
     def __post_init__(self) -> None:
         self.on_timeout = on_timeout_from_env(self.on_timeout)
@@ -242,7 +242,7 @@ class Side(FailsOnTimeout):
         in a flag wait can block until that wait ends: nothing of the kind may happen
         while a burst is armed.
         """
-        for name in ("engine", "gate-trigger", "setup", "pack-kernel",
+        for name in ("engine", "gate-trigger", "pack-kernel",
                      *(f"pack-lane{i}" for i in range(self.options.pack_lanes))):
             self.stream(name)
         _ = self.gate
@@ -253,8 +253,16 @@ class Side(FailsOnTimeout):
             self._gate = Gate(self)
         return self._gate
 
+    def on_release(self, release: Callable[[], None]) -> None:
+        """Have :meth:`release_waits` (the failure path) call ``release`` too: an engine's own flag words."""
+        self._releasers.append(release)
+
+    def forget_release(self, release: Callable[[], None]) -> None:
+        if release in self._releasers:
+            self._releasers.remove(release)
+
     def release_waits(self) -> None:
-        """Abort path: satisfy the gate and every flag link's words, so no stream of ours stays blocked."""
+        """Abort path: satisfy the gate and every engine's flag words, so no stream of ours stays blocked."""
         if self._gate is not None:
             self._gate.release_waits()
         for release in list(self._releasers):

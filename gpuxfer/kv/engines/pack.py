@@ -3,9 +3,32 @@
 Pack the pages into a staging buffer on the source (a local kernel at HBM speed), one copy-engine
 transfer per chunk into the destination's staging buffer (opened over IPC), unpack on the destination.
 Chunked and pipelined across three streams in two processes: chunk *k* packs while *k-1* is on the
-wire and *k-2* unpacks. Cross-process hand-offs are 64-bit stream flags, written by a remote stream
-write where a set-up probe saw one arrive, else by an 8-byte copy-engine copy (``_FlagLink``); a slot
-is reused only once the peer says it is free. No SM touches the wire.
+wire and *k-2* unpacks. Cross-process hand-offs are 64-bit stream flags of a peer-flag link
+(:mod:`gpuxfer.flaglink`: a remote stream write where the set-up probe saw one arrive, else an 8-byte
+copy); a slot is reused only once the peer says it is free. No SM touches the wire.
+
+Flag words (each side's own; a flag counts chunks per lane, so it only grows):
+``GO`` on the source (bursts the destination asked for, pull), ``AVAIL[lane]`` on the destination
+(chunks landed, push, or packed, pull), ``FREE[lane]`` on the source (chunks unpacked, push, or copied
+out, pull). Chunk ``c`` uses slot ``c.slot``, lane ``c.lane``, value ``c.seq`` (:class:`_ChunkSchedule`).
+
+Push, the source initiates (one chunk; its streams: kernel K, lane L)::
+
+    source K: [slot free: own copy of the slot's last chunk done]  pack -> stage[slot]; record packed
+    source L: wait packed; [wait FREE[lane'] >= seq' of the slot's last chunk]
+              copy stage[slot] -> peer stage[slot]; signal AVAIL[lane] := seq  -------->
+    destination K:                                   wait AVAIL[lane] >= seq; unpack stage[slot]
+                                          <--------  signal FREE[lane] := seq
+    source L (after the burst's last chunk): wait FREE[lane] >= seq; record done
+
+Pull, the destination initiates::
+
+    destination L0: signal GO := burst  -------->  source K: wait GO >= burst
+                                                   [wait FREE[lane'] >= seq'] pack -> stage[slot]
+    destination L: wait AVAIL[lane] >= seq  <----  signal AVAIL[lane] := seq
+                   [own unpack of the slot's last chunk done]
+                   copy peer stage[slot] -> stage[slot]; signal FREE[lane] := seq  -------->
+    destination K: wait copied; unpack stage[slot]; record done (after the last chunk)
 """
 from __future__ import annotations
 
@@ -15,133 +38,22 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ...errors import BackendUnavailable, BadInput, TransferTimeout
-from ...platforms.base import RELEASE_VALUE, Event, Platform, Stream
-from ...sync import flag_path_from_env, wait_flag_or_raise
+from ...errors import BadInput
+from ...flaglink import FIRST_WORD, FlagLink
+from ...platforms.base import Event, Platform, Stream
 from .base import DescriptorBurst, Engine, Prepared, Role, Side
 from .chunks import chunk_plan, split_large
 from .launch import bind, device_table, kernel_reason, kernels, sync_uploads
 
 log = logging.getLogger("gpuxfer.kv.engines")
 
-
-_GO = 0            # on the source: burst number the destination asked for (pull)
-_AVAIL = 8         # on the destination: per lane, chunks available (push: landed; pull: packed)
-_FREE = 24         # on the source: per lane, chunks released (push: unpacked; pull: copied out)
-_SCRATCH = 40      # on either side: the value a flag copy sends: lanes 0..7, kernel stream 8, GO 9
-_PROBE = 56        # on either side: the peer's set-up remote write lands here
-_CTRL_WORDS = 64
-_PROBE_VALUE = 0x5EED_F1A6
-_PROBE_TIMEOUT_S = 10.0
-ENV_KV_FLAG_PATH = "GPUXFER_KV_FLAG_PATH"
 _MAX_LANES = 8
-
-
-class _FlagLink:
-    """A few 64-bit flags in each process's memory, written by the peer; every wait is on local memory.
-
-    A signal reaches the peer's flag by a remote stream write where a set-up
-    probe saw one arrive (no copy engine: the signal cannot queue behind
-    another stream's chunk copy), else by ``write_flag`` on a local scratch word
-    followed, on the same stream, by an 8-byte copy-engine copy of it (CUDA
-    13.1+ refuses remote stream writes). ``GPUXFER_KV_FLAG_PATH=remote|copy``
-    forces one path; ``path`` says which one this side uses.
-    """
-
-    def __init__(self, side: Side):
-        want = flag_path_from_env(None, ENV_KV_FLAG_PATH)      # bad input fails here, on both sides alike
-        self.side = side
-        plat = side.platform
-        self.local = plat.alloc(_CTRL_WORDS * 8, side.device)
-        self.peer = None
-        self.remote = False
-        try:
-            s = side.stream("setup")
-            plat.memset_async(s, self.local.ptr, 0, _CTRL_WORDS * 8)
-            if not plat.synchronize(s, side.timeout_s):
-                raise TransferTimeout(rank=side.rank, step=0, flag="pack control words (memset)", expected=1,
-                                      seen=0, timeout_s=side.timeout_s)
-            handles = side.exchange(self.local.export())
-            self.peer = plat.open_handle(handles[side.peer_rank], side.device)
-            self.remote = self._probe_remote(want)
-        except BaseException:
-            self.close()
-            raise
-        side._releasers.append(self.release_waits)     # a failing side releases our waits too
-
-    @property
-    def path(self) -> str:
-        return "remote stream writes" if self.remote else "8-byte copies"
-
-    def _probe_remote(self, want: str) -> bool:
-        """Whether this side's remote stream writes reach the peer: each side writes ``_PROBE_VALUE`` into
-        the peer's probe word and reports it sent; each polls its own word and reports it seen."""
-        side, plat = self.side, self.side.platform
-        sent, why = False, f"{ENV_KV_FLAG_PATH}=copy"
-        if want != "copy":
-            try:
-                s = side.stream("setup")
-                plat.write_flag(s, self.peer.ptr + 8 * _PROBE, _PROBE_VALUE)
-                if not plat.synchronize(s, _PROBE_TIMEOUT_S):
-                    raise TransferTimeout(rank=side.rank, step=0, flag="pack flag probe (remote write)",
-                                          expected=_PROBE_VALUE, seen=None, timeout_s=_PROBE_TIMEOUT_S)
-                sent = True
-            except Exception as exc:  # noqa: BLE001 - the remote path is optional: the probe says so
-                why = f"{type(exc).__name__}: {exc}"
-                side.discard_stream("setup")        # a failed stream op may leave the stream unusable
-        seen = False
-        if side.exchange(sent)[side.peer_rank]:
-            try:    # a write the sender saw complete lands in microseconds
-                seen = wait_flag_or_raise(plat, self.word(_PROBE), _PROBE_VALUE, 2.0, rank=side.rank, step=0,
-                                          flag="pack flag probe", device=side.device) == _PROBE_VALUE
-            except TransferTimeout:
-                pass
-        reports = side.exchange((seen, None if sent else why))    # rank r: (saw its peer's write, why not sent)
-        remote = reports[side.peer_rank][0]
-        if want == "remote" and not all(saw for saw, _ in reports):    # every side raises, with every reason
-            raise BackendUnavailable("pack", {
-                1 - r: f"{ENV_KV_FLAG_PATH}=remote, but its remote stream write did not reach rank {r}"
-                       + (f" ({reports[1 - r][1]})" if reports[1 - r][1] else "")
-                for r, (saw, _) in enumerate(reports) if not saw})
-        if not remote:
-            log.info("pack engine, rank %d: flags go to rank %d by 8-byte copies (%s)", side.rank,
-                     side.peer_rank, why if not sent else "the peer did not see the remote write")
-        return remote
-
-    def word(self, index: int) -> int:
-        return self.local.ptr + 8 * index
-
-    def signal(self, stream: Stream, scratch: int, peer_index: int, value: int) -> None:
-        """Make the peer's word ``peer_index`` hold ``value`` once earlier work on ``stream`` is done
-        (``scratch``: this stream's own staging word on the copy path)."""
-        plat = self.side.platform
-        if self.remote:
-            plat.write_flag(stream, self.peer.ptr + 8 * peer_index, value)
-        else:
-            plat.write_flag(stream, self.word(_SCRATCH + scratch), value)
-            plat.copy_async(stream, self.peer.ptr + 8 * peer_index, self.word(_SCRATCH + scratch), 8)
-
-    def wait(self, stream: Stream, index: int, value: int) -> None:
-        if value > 0:
-            self.side.platform.wait_flag(stream, self.word(index), value)
-
-    def read(self, index: int) -> int:
-        return self.side.platform.read_flag(self.word(index), self.side.device)
-
-    def release_waits(self) -> None:
-        """Abort: satisfy every local wait, so no stream of ours stays blocked."""
-        for i in range(_SCRATCH):
-            try:
-                self.side.platform.host_write_flag(self.word(i), RELEASE_VALUE, self.side.device)
-            except Exception:  # noqa: BLE001 - best effort on the abort path
-                pass
-
-    def close(self) -> None:
-        if self.release_waits in self.side._releasers:
-            self.side._releasers.remove(self.release_waits)
-        for m in (getattr(self, "peer", None), self.local):
-            if m is not None:
-                m.close()
+# flag words of the pack engine's link (each side's own)
+_GO = FIRST_WORD                     # on the source: bursts the destination asked for (pull)
+_AVAIL = _GO + 1                     # on the destination: per lane, chunks available (push: landed; pull: packed)
+_FREE = _AVAIL + _MAX_LANES          # on the source: per lane, chunks released (push: unpacked; pull: copied out)
+_STAGE = _FREE + _MAX_LANES          # on either side: a signal's stage word: lanes 0..7, kernel stream 8, GO 9
+_WORDS = _STAGE + _MAX_LANES + 2 - FIRST_WORD
 
 
 class _Chunk(NamedTuple):
@@ -222,8 +134,10 @@ class PackEngine(Engine):
         self.nslots, self.nlanes = o.pack_slots, o.pack_lanes
         self._owned: list[Any] = []
         try:
-            self.flags = _FlagLink(side)
+            self.flags = FlagLink(plat, side.device, _WORDS, rank=side.rank, peer=side.peer_rank, name="pack")
             self._owned.append(self.flags)
+            self.flags.connect(side.exchange)
+            side.on_release(self._release_flag_waits)      # a failing side releases our waits too
             self.stage = plat.alloc(self.slot_bytes * self.nslots, side.device)
             self._owned.append(self.stage)
             handles = side.exchange(self.stage.export())
@@ -346,7 +260,7 @@ class PackEngine(Engine):
             plat.stream_wait_event(cs, packed)
             self._wait_slot_free(cs, c)                  # the destination unpacked the slot's previous chunk
             self._copy_chunk(cs, c.slot, nbytes, pull=False)
-            fl.signal(cs, c.lane, _AVAIL + c.lane, c.seq)
+            fl.signal(cs, _AVAIL + c.lane, c.seq, _STAGE + c.lane)
             self._slot_event[c.slot] = plat.record_event(cs)
             last = (cs, c)
         if last is None:
@@ -362,7 +276,7 @@ class PackEngine(Engine):
         for c, a, b, nbytes in self._burst_chunks(plan):
             fl.wait(ks, _AVAIL + c.lane, c.seq)
             self._unpack(ks, plan, a, b, c.slot)
-            fl.signal(ks, _MAX_LANES, _FREE + c.lane, c.seq)
+            fl.signal(ks, _FREE + c.lane, c.seq, _STAGE + _MAX_LANES)
         p.done = plat.record_event(ks)
 
     def _post_pull_source(self, plan: _PackPlan, p: Prepared) -> None:
@@ -372,13 +286,13 @@ class PackEngine(Engine):
         for c, a, b, nbytes in self._burst_chunks(plan):
             self._wait_slot_free(ks, c)                   # the destination copied the slot's previous chunk out
             self._pack(ks, plan, a, b, c.slot)
-            fl.signal(ks, _MAX_LANES, _AVAIL + c.lane, c.seq)
+            fl.signal(ks, _AVAIL + c.lane, c.seq, _STAGE + _MAX_LANES)
         p.done = plat.record_event(ks)
 
     def _post_pull_destination(self, plan: _PackPlan, p: Prepared) -> None:
         plat, fl = self.platform, self.flags
         ks = self.kernel_stream
-        fl.signal(self.copy_streams[0], _MAX_LANES + 1, _GO, self._bursts)
+        fl.signal(self.copy_streams[0], _GO, self._bursts, _STAGE + _MAX_LANES + 1)
         for c, a, b, nbytes in self._burst_chunks(plan):
             cs = self.copy_streams[c.lane]
             fl.wait(cs, _AVAIL + c.lane, c.seq)           # packed on the source
@@ -386,15 +300,19 @@ class PackEngine(Engine):
             if busy is not None:                          # our unpack of the slot's previous chunk is done
                 plat.stream_wait_event(cs, busy)
             self._copy_chunk(cs, c.slot, nbytes, pull=True)
-            fl.signal(cs, c.lane, _FREE + c.lane, c.seq)
+            fl.signal(cs, _FREE + c.lane, c.seq, _STAGE + c.lane)
             landed = plat.record_event(cs)
             plat.stream_wait_event(ks, landed)
             self._unpack(ks, plan, a, b, c.slot)
             self._slot_event[c.slot] = plat.record_event(ks)
         p.done = plat.record_event(ks)
 
+    def _release_flag_waits(self) -> None:
+        self.flags.release_waits(range(FIRST_WORD, _STAGE))
+
     def _release(self) -> None:
         self._stage_t = self._pool_t = None
+        self.side.forget_release(self._release_flag_waits)
         for r in reversed(getattr(self, "_owned", [])):
             try:
                 r.close()

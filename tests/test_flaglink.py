@@ -1,0 +1,207 @@
+"""The peer-flag link (gpuxfer.flaglink): the probe picks the path each side's signals take, either path
+delivers, a forced path that cannot work fails every side with the reason, corrupted probes and hostile
+peers are refused, an abort releases every wait. Two host-platform ends on two threads of one process:
+opening a handle maps the exporter's buffer itself (one process cannot open its own IPC handles)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from _spawn import on_threads
+from gpuxfer import flaglink as FL
+from gpuxfer.errors import BackendUnavailable, BadInput, DriverError, GpuxferError, TransferTimeout
+from gpuxfer.platforms.base import Memory
+from gpuxfer.platforms.host import HostPlatform
+
+WORDS = 4
+_EXPORTED: dict = {}     # handle payload -> the buffer (every platform of the process)
+
+
+class _Alias(Memory):
+    """Another thread's buffer, mapped by pointer (same process)."""
+
+    def __init__(self, buf):
+        self.platform, self.device, self.ptr, self.nbytes = buf.platform, buf.device, buf.ptr, buf.nbytes
+
+    def _release(self):
+        pass
+
+
+class _OneProcess(HostPlatform):
+    """The host platform, opening the handles of buffers exported in this process."""
+
+    def export_handle(self, buf):
+        h = super().export_handle(buf)
+        _EXPORTED[h.payload] = buf
+        return h
+
+    def open_handle(self, handle, device):
+        return _Alias(_EXPORTED[handle.payload])
+
+
+class _RefusesRemoteWrites(_OneProcess):
+    """The host platform, refusing stream writes into peer mappings (as CUDA 13.1+ does)."""
+
+    def open_handle(self, handle, device):
+        m = super().open_handle(handle, device)
+        self._mapped = [*getattr(self, "_mapped", []), (m.ptr, m.ptr + m.nbytes)]
+        return m
+
+    def _to_peer(self, ptr) -> bool:
+        return any(a <= ptr < b for a, b in getattr(self, "_mapped", []))
+
+    def write_flag(self, stream, ptr, value):
+        if self._to_peer(ptr):
+            raise DriverError("cuStreamWriteValue64", "CUDA_ERROR_NOT_SUPPORTED", 801, "a remote stream write")
+        super().write_flag(stream, ptr, value)
+
+
+class _LosesRemoteWrites(_RefusesRemoteWrites):
+    """The host platform, taking stream writes into peer mappings without error and dropping them."""
+
+    def write_flag(self, stream, ptr, value):
+        if not self._to_peer(ptr):
+            _OneProcess.write_flag(self, stream, ptr, value)
+
+
+class _Exchange:
+    """An all-gather between the threads (index = rank)."""
+
+    def __init__(self, n=2):
+        self.slots = [None] * n
+        self.barrier = threading.Barrier(n, timeout=30)
+
+    def __call__(self, rank):
+        def exchange(obj):
+            self.slots[rank] = obj
+            self.barrier.wait()
+            out = list(self.slots)
+            self.barrier.wait()
+            return out
+        return exchange
+
+
+def _pair(path=None, refusing=(), losing=()):
+    """Two connected ends (or each end's error), and their platforms."""
+    plats = [(_RefusesRemoteWrites if r in refusing else _LosesRemoteWrites if r in losing else _OneProcess)(devices=2)
+             for r in range(2)]
+    ex = _Exchange()
+
+    def end(rank):
+        def run():
+            link = FL.FlagLink(plats[rank], rank, WORDS, path=path, rank=rank, peer=1 - rank, name="test")
+            try:
+                link.connect(ex(rank))
+            except BackendUnavailable as exc:
+                link.close()
+                return exc
+            return link
+        return run
+    return on_threads([end(0), end(1)]), plats
+
+
+def _close(links, plats):
+    for x in links:
+        if isinstance(x, FL.FlagLink):
+            x.close()
+    for p in plats:
+        p.close()
+
+
+@pytest.mark.parametrize("path, refusing, losing, paths", [
+    (None, (), (), (FL.REMOTE, FL.REMOTE)),
+    ("auto", (0,), (), (FL.COPY, FL.REMOTE)),
+    ("auto", (), (1,), (FL.REMOTE, FL.COPY)),     # sent, never seen: the peer's poll gives up
+    ("copy", (), (), (FL.COPY, FL.COPY)),
+    ("remote", (), (), (FL.REMOTE, FL.REMOTE)),
+])
+def test_each_side_signals_by_the_path_its_peer_saw_and_signals_arrive(path, refusing, losing, paths):
+    links, plats = _pair(path, refusing, losing)
+    try:
+        assert tuple(x.path for x in links) == paths
+        for rank, link in enumerate(links):          # a signal lands in the peer's word, by either path
+            s = plats[rank].create_stream(rank)
+            link.signal(s, FL.FIRST_WORD + 1, 40 + rank, stage=FL.FIRST_WORD + 2)
+            assert plats[rank].synchronize(s, 10.0)
+            s.close()
+        assert [x.read(FL.FIRST_WORD + 1) for x in links] == [41, 40]
+        s = plats[1].create_stream(1)                # a stream wait on a word the peer set completes
+        links[1].wait(s, FL.FIRST_WORD + 1, 40)
+        assert plats[1].synchronize(s, 10.0)
+        s.close()
+    finally:
+        _close(links, plats)
+
+
+def test_forced_remote_flags_fail_on_both_sides_with_the_reason():
+    res, plats = _pair("remote", refusing=(1,))
+    try:
+        for r in res:
+            assert isinstance(r, BackendUnavailable), r
+            assert set(r.reasons) == {1}, r.reasons
+            assert "did not reach rank 0" in r.reasons[1] and "CUDA_ERROR_NOT_SUPPORTED" in r.reasons[1]
+    finally:
+        _close(res, plats)
+
+
+def test_bad_flag_path_names_the_variable(monkeypatch):
+    monkeypatch.setenv(FL.ENV_FLAG_PATH, "bogus")
+    plat = HostPlatform()
+    try:
+        with pytest.raises(BadInput, match="GPUXFER_FLAG_PATH must be auto, remote or copy, got 'bogus'"):
+            FL.FlagLink(plat, 0, WORDS)
+        with pytest.raises(BadInput, match="at least one word"):
+            FL.FlagLink(plat, 0, 0, path="auto")
+    finally:
+        plat.close()
+
+
+def test_a_peer_buffer_too_small_is_refused():
+    plat = _OneProcess(devices=2)
+    small, big = FL.FlagLink(plat, 0, 1, path="auto"), FL.FlagLink(plat, 1, WORDS, path="auto", rank=1, peer=0)
+    try:
+        with pytest.raises(BadInput, match="rank 0's flags flag buffer holds .* expected"):
+            big.open(small.export())
+    finally:
+        big.close()
+        small.close()
+        plat.close()
+
+
+def test_a_corrupted_or_missing_probe_copy_is_an_error(monkeypatch):
+    plat = _OneProcess(devices=2)
+    a, b = FL.FlagLink(plat, 0, WORDS, path="copy"), FL.FlagLink(plat, 1, WORDS, path="copy", rank=1, peer=0)
+    try:
+        a.open(b.export())
+        b.open(a.export())
+        a.probe_send(100)
+        b._nonce = 100
+        plat.host_write_flag(b.word(FL.PROBE_COPY), 107, 1)     # the peer's copy arrived as another value
+        with pytest.raises(GpuxferError, match="flag copy wrote 107, expected 101"):
+            b.probe_check({"remote_sent": False})
+        monkeypatch.setattr(FL, "SETUP_TIMEOUT_S", 0.2)
+        a._nonce = 200                                          # nothing was sent to a: it never arrives
+        with pytest.raises(TransferTimeout, match="never arrived"):
+            a.probe_check({"remote_sent": False})
+    finally:
+        a.close()
+        b.close()
+        plat.close()
+
+
+def test_release_waits_frees_a_blocked_stream_and_close_is_idempotent():
+    links, plats = _pair("copy")
+    try:
+        s = plats[0].create_stream(0)
+        links[0].wait(s, FL.FIRST_WORD, 10)              # nothing will ever signal it
+        ev = plats[0].record_event(s)
+        assert not plats[0].event_wait(ev, 0.05)
+        links[0].release_waits([FL.FIRST_WORD])
+        assert plats[0].event_wait(ev, 10.0)
+        s.close()
+    finally:
+        _close(links, plats)
+    for x in links:
+        x.close()                                        # again: nothing happens
+        x.release_waits([FL.FIRST_WORD])                 # after close: a no-op
