@@ -95,7 +95,8 @@ import numpy as np
 
 from ..errors import (BackendUnavailable, BadInput, BadMetadata, BlockIdError, LayoutMismatch, NotRegistered,
                       TransferTimeout)
-from ..platforms.base import RELEASE_VALUE, Closable, DeviceBuffer, Event, IpcHandle, Platform, Stream
+from ..platforms.base import (FLAG_OP_WAIT, FLAG_OP_WRITE, RELEASE_VALUE, Closable, DeviceBuffer, Event, IpcHandle,
+                              Platform, Stream, flag_ops_array)
 from ..sync import wait_flag_or_raise
 from .engines.base import FailsOnTimeout, on_timeout_from_env
 from .plan import DIRECTIONS
@@ -1036,88 +1037,130 @@ class _PackShape:
         """The graphs of a post of ``parity`` -- ``(stream part, the source's lane part or None)`` --: once the
         shape was posted (a shape posted once may never come again), both parities' graphs are captured, at
         its next prepare or post (a prepare, in one process, comes before either side waits on the other);
-        None where the platform captures none (the post then enqueues the operations)."""
+        None where the platform captures none (the post then enqueues the operations). Neighbouring flag
+        operations go into a graph as one batch (fewer nodes to launch); a capture that fails so is tried
+        again with one node per operation."""
         agent = self.agent
         if self.graphs[parity] is None and self.capturable and self.posts and agent.graphs:
             plat = agent.platform
-            try:
-                if agent._capture_stream is None:
-                    agent._capture_stream = plat.create_stream(agent.device)
-                cs = agent._capture_stream
-                for p in (0, 1):
-                    g = plat.capture_graph(cs, lambda c, p=p: self.record(c, p))
-                    lane = plat.capture_graph(cs, lambda c, p=p: self.record_copies(c, p)) if self.source else None
-                    self.graphs[p] = None if g is None or (self.source and lane is None) else (g, lane)
-            except Exception as exc:  # noqa: BLE001 - the same operations are enqueued one by one instead
-                log.warning("agent %s: capturing a pack transfer failed (%s: %s); posting it op by op",
-                            agent.name, type(exc).__name__, exc)
-                self.graphs = [None] * 2
+            for batch in (True, False):
+                try:
+                    if agent._capture_stream is None:
+                        agent._capture_stream = plat.create_stream(agent.device)
+                    cs = agent._capture_stream
+                    for p in (0, 1):
+                        g = plat.capture_graph(cs, lambda c, p=p: self.record(c, p, batch))
+                        lane = (plat.capture_graph(cs, lambda c, p=p: self.record_copies(c, p, batch))
+                                if self.source else None)
+                        self.graphs[p] = None if g is None or (self.source and lane is None) else (g, lane)
+                    break
+                except Exception as exc:  # noqa: BLE001 - without batches, else one by one at each post
+                    log.warning("agent %s: capturing a pack transfer%s failed (%s: %s)", agent.name,
+                                " (flag operations in batches)" if batch else "", type(exc).__name__, exc)
+                    self.graphs = [None] * 2
             self.capturable = all(g is not None for g in self.graphs)
         return self.graphs[parity]
 
-    def _signal(self, s: Stream, word: int, value: int) -> None:
-        """The peer's control ``word`` := ``value`` after the work before it on ``s``: a write into our
-        scratch copy of the word, then an 8-byte copy-engine copy into the peer's."""
-        plat, peer = self.agent.platform, self.peer
+    def _signal(self, q: "_FlagQueue", word: int, value: int) -> None:
+        """The peer's control ``word`` := ``value`` after the work before it: a write into our scratch copy
+        of the word (queued), then an 8-byte copy-engine copy into the peer's."""
+        peer = self.peer
         local = peer.scratch.ptr + 8 * word
-        plat.write_flag(s, local, value)
-        plat.copy_async(s, peer.control_ptr + 8 * word, local, 8)
+        q.write(local, value)
+        q.copy(peer.control_ptr + 8 * word, local, 8)
 
-    def record(self, s: Stream, parity: int) -> None:
+    def record(self, s: Stream, parity: int, batch: bool = False) -> None:
         """Enqueue this side's stream part of one transfer (see :class:`_PackTransfer`) on ``s``, the request
         already in :attr:`req`: every value is a constant of the shape and the parity, so a graph replays it.
         The source's copies go on its lane (:meth:`record_copies`)."""
         agent = self.agent
-        plat = agent.platform
-        native = plat.native_stream(s)
-
-        def launch(fn) -> None:
-            if native is None:
-                plat.launch(s, fn)
-            else:
-                fn(native)
-
+        q = _FlagQueue(agent.platform, s, batch)
         ctrl = agent.control.ptr
         avail, free, go = _AVAIL + parity, _FREE + parity, _GO + parity
         if self.expand is not None:
-            launch(self.expand)
+            q.launch(self.expand)
         if self.source:
             packed, copied = _PACKED + parity, _COPIED + parity
-            plat.wait_flag(s, ctrl + 8 * go, 1)
+            q.wait(ctrl + 8 * go, 1)
             for i, (_, fn) in enumerate(self.chunks):
-                if i >= PACK_SLOTS:             # the lane copied the slot's previous chunk out
-                    plat.wait_flag(s, ctrl + 8 * copied, i - PACK_SLOTS + 1)
-                launch(fn)
-                plat.write_flag(s, ctrl + 8 * packed, i + 1)
+                if i:
+                    q.write(ctrl + 8 * packed, i)       # chunk i - 1 is in its slot
+                if i >= PACK_SLOTS:                     # the lane copied the slot's previous chunk out
+                    q.wait(ctrl + 8 * copied, i - PACK_SLOTS + 1)
+                q.launch(fn)
+            q.write(ctrl + 8 * packed, len(self.chunks))
         else:
-            self._signal(s, free, 0)            # the source is past every wait on it (its transfer before last)
-            self._signal(s, go, 1)
+            self._signal(q, free, 0)            # the source is past every wait on it (its transfer before last)
+            self._signal(q, go, 1)
             for i, (_, fn) in enumerate(self.chunks):
-                plat.wait_flag(s, ctrl + 8 * avail, i + 1)
+                q.wait(ctrl + 8 * avail, i + 1)
                 if i == 0:
-                    self._signal(s, go, 0)      # the source is past its wait on it
-                launch(fn)
-                self._signal(s, free, i + 1)
+                    self._signal(q, go, 0)      # the source is past its wait on it
+                q.launch(fn)
+                self._signal(q, free, i + 1)
+        q.flush()
 
-    def record_copies(self, c: Stream, parity: int) -> None:
+    def record_copies(self, c: Stream, parity: int, batch: bool = False) -> None:
         """The source's lane of one transfer on ``c``: each packed chunk to the peer's slot, then the signal."""
         agent, peer = self.agent, self.peer
-        plat = agent.platform
+        q = _FlagQueue(agent.platform, c, batch)
         ctrl, slot = agent.control.ptr, agent.slot_bytes
         avail, free = _AVAIL + parity, _FREE + parity
         packed, copied = _PACKED + parity, _COPIED + parity
         for i, (nbytes, _) in enumerate(self.chunks):
             k = i % PACK_SLOTS
-            plat.wait_flag(c, ctrl + 8 * packed, i + 1)
+            q.wait(ctrl + 8 * packed, i + 1)
             if i >= PACK_SLOTS:                 # the destination unpacked the slot's previous chunk
-                plat.wait_flag(c, ctrl + 8 * free, i - PACK_SLOTS + 1)
-            plat.copy_async(c, peer.staging_ptr + k * slot, agent.staging.ptr + k * slot, nbytes)
-            self._signal(c, avail, i + 1)
-            plat.write_flag(c, ctrl + 8 * copied, i + 1)
-        plat.wait_flag(c, ctrl + 8 * free, len(self.chunks))
-        self._signal(c, avail, 0)               # the destination is past every wait on it
-        plat.write_flag(c, ctrl + 8 * packed, 0)    # both lanes are past every wait on these
-        plat.write_flag(c, ctrl + 8 * copied, 0)
+                q.wait(ctrl + 8 * free, i - PACK_SLOTS + 1)
+            q.copy(peer.staging_ptr + k * slot, agent.staging.ptr + k * slot, nbytes)
+            q.write(ctrl + 8 * copied, i + 1)
+            self._signal(q, avail, i + 1)
+        q.wait(ctrl + 8 * free, len(self.chunks))
+        self._signal(q, avail, 0)               # the destination is past every wait on it
+        q.write(ctrl + 8 * packed, 0)           # both lanes are past every wait on these
+        q.write(ctrl + 8 * copied, 0)
+        q.flush()
+
+
+class _FlagQueue:
+    """Operations for one stream, in order: flag writes and waits are held until the next copy or launch
+    (or :meth:`flush`) and then go as one :meth:`Platform.flag_ops` batch when ``batch`` (one graph node
+    where captured), else one call each."""
+
+    __slots__ = ("plat", "s", "batch", "native", "ops")
+
+    def __init__(self, plat: Platform, s: Stream, batch: bool):
+        self.plat, self.s, self.batch, self.native = plat, s, batch, plat.native_stream(s)
+        self.ops: list[tuple[int, int, int]] = []
+
+    def wait(self, ptr: int, value: int) -> None:
+        self.ops.append((FLAG_OP_WAIT, ptr, value))
+
+    def write(self, ptr: int, value: int) -> None:
+        self.ops.append((FLAG_OP_WRITE, ptr, value))
+
+    def flush(self) -> None:
+        ops, self.ops = self.ops, []
+        if self.batch and len(ops) > 1:
+            self.plat.flag_ops(self.s, flag_ops_array(ops))
+            return
+        for op, ptr, value in ops:
+            if op == FLAG_OP_WAIT:
+                self.plat.wait_flag(self.s, ptr, value)
+            else:
+                self.plat.write_flag(self.s, ptr, value)
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        self.flush()
+        self.plat.copy_async(self.s, dst, src, nbytes)
+
+    def launch(self, fn) -> None:
+        """A kernel's launch: straight on the stream's driver handle where the platform gives one."""
+        self.flush()
+        if self.native is None:
+            self.plat.launch(self.s, fn)
+        else:
+            fn(self.native)
 
 
 class _PackTransfer(KVTransfer):
