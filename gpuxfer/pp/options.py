@@ -71,16 +71,16 @@ class ConnectOptions:
         object.__setattr__(self, "recv_slots", _index("recv_slots", self.recv_slots, 2))
         if self.device is not None:
             object.__setattr__(self, "device", _index("device", self.device, 0))
-        from .copy_engine import ENV_FLAG_PATH, inline_bytes_from_env
+        from ..flaglink import flag_path_from_env
+        from .copy_engine import inline_bytes_from_env
         from .selection import GRAPH_BACKEND, meta_channel_from_env, requested_backend
         from .transport import resolve_on_timeout, resolve_timeout
-        from ..sync import flag_path_from_env
         if self.timeout_s is not None:
             resolve_timeout(self.timeout_s)
         if self.on_timeout is not None:
             resolve_on_timeout(self.on_timeout)
         if self.flag_path is not None:
-            flag_path_from_env(self.flag_path, ENV_FLAG_PATH)
+            flag_path_from_env(self.flag_path)
         if self.inline_bytes is not None:
             inline_bytes_from_env(self.inline_bytes)
         if self.meta_channel is not None:
