@@ -121,6 +121,7 @@ _GO = NOTIFY_SLOTS + 4                      # the peer's destination posted the 
 _PACKED = NOTIFY_SLOTS + 6                  # chunks of our source's transfer packed (its lane copies them)
 _COPIED = NOTIFY_SLOTS + 8                  # chunks of our source's transfer its lane copied out of our staging
 _PACK_WORDS = tuple(range(NOTIFY_SLOTS, NOTIFY_SLOTS + 10))
+_PROBE = NOTIFY_SLOTS + 15                  # where a pack agent's probe of remote stream writes lands (the peer's)
 _CTRL_WORDS = NOTIFY_SLOTS + 16
 _CTRL_BYTES = _CTRL_WORDS * 8
 #: the engines the agent runs
@@ -508,6 +509,8 @@ class KVPeer(Closable):
         self._seq = [0] * NOTIFY_SLOTS
         self.pack_sent = 0                  # pack transfers (with chunks) this agent's source posted to the peer
         self.pack_recv = 0                  # pack transfers (with chunks) this agent's destination posted
+        self.remote_flags = False           # pack signals: a stream write into the peer's word (probed), else a
+                                            # write into scratch and an 8-byte copy
         plat, dev = agent.platform, agent.device
         try:
             local = _LOCAL_AGENTS.get(meta.uid) if meta.pid == os.getpid() else None
@@ -1062,9 +1065,13 @@ class _PackShape:
         return self.graphs[parity]
 
     def _signal(self, q: "_FlagQueue", word: int, value: int) -> None:
-        """The peer's control ``word`` := ``value`` after the work before it: a write into our scratch copy
-        of the word (queued), then an 8-byte copy-engine copy into the peer's."""
+        """The peer's control ``word`` := ``value`` after the work before it: a stream write into it where
+        the probe saw one land (queued, so it joins a batch), else a write into our scratch copy of the word
+        and an 8-byte copy-engine copy into the peer's."""
         peer = self.peer
+        if peer.remote_flags:
+            q.write(peer.control_ptr + 8 * word, value)
+            return
         local = peer.scratch.ptr + 8 * word
         q.write(local, value)
         q.copy(peer.control_ptr + 8 * word, local, 8)
@@ -1196,7 +1203,8 @@ class _PackTransfer(KVTransfer):
         wait the lane (event)
         event (the data has landed)                               event (the data has landed)
 
-    (S = ``PACK_SLOTS``.) Why the resets are safe: the source's transfer before last of parity ``p``
+    (S = ``PACK_SLOTS``; a signal is a stream write into the peer's word where :meth:`KVAgent.add_peer`'s
+    probe saw one land, else a local write and an 8-byte copy of it.) Why the resets are safe: the source's transfer before last of parity ``p``
     ended (its last wait on FREE[p]) before the destination's previous transfer could end; the
     destination passed its waits on AVAIL[p] before its last FREE[p]; each reset travels on the
     writer's stream ahead of anything it writes into the word later; the lane resets its local words
@@ -1587,8 +1595,36 @@ class KVAgent(Closable, FailsOnTimeout):
         peer = KVPeer(self, meta)
         with self._lock:
             self._peers[meta.agent] = peer
+        if self.engine == "pack":
+            peer.remote_flags = self._probe_remote_flags(peer)
         self._warm(peer)
         return peer
+
+    def _probe_remote_flags(self, peer: KVPeer) -> bool:
+        """Whether a stream write into the peer's control words lands (``$GPUXFER_FLAG_PATH``: ``auto`` probes
+        -- a write of a fresh value on a stream of its own, read back through the mapping --, ``remote`` /
+        ``copy`` force one path; CUDA 13.1+ refuses remote stream writes)."""
+        from ..flaglink import flag_path_from_env
+        path = flag_path_from_env()
+        if path != "auto":
+            return path == "remote"
+        plat = self.platform
+        word = peer.control_ptr + 8 * _PROBE
+        nonce = int.from_bytes(os.urandom(6), "little") + 1
+        s = plat.create_stream(self.device)
+        try:
+            plat.write_flag(s, word, nonce)
+            ok = plat.synchronize(s, 10.0) and plat.read_flag(word, self.device) == nonce
+        except Exception as exc:  # noqa: BLE001 - the copy path always works: the probe says so
+            log.info("agent %s: a remote stream write to peer %s failed (%s: %s); pack signals go by 8-byte "
+                     "copies", self.name, peer.name, type(exc).__name__, exc)
+            ok = False
+        finally:
+            try:
+                s.close()
+            except Exception:  # noqa: BLE001 - a stream a failed operation left unusable
+                pass
+        return bool(ok)
 
     def _warm(self, peer: KVPeer) -> None:
         """Build the routes of whole requests (every shared group, every layer) in both directions now, so a

@@ -39,10 +39,15 @@ class _Side:
 
 
 @pytest.fixture
-def sides(plat):
+def sides(plat, request, monkeypatch):
+    """Two pack agents, peers of each other; ``flag_path`` (indirect parameter, default ``auto``: the probe
+    finds remote writes work here) forces how signals reach the peer."""
+    path = getattr(request, "param", "auto")
+    monkeypatch.setenv("GPUXFER_FLAG_PATH", path)
     src, dst = _Side(plat, "prefill", 0), _Side(plat, "decode", 1)
     src.peer = src.agent.add_peer(dst.agent.metadata())
     dst.peer = dst.agent.add_peer(src.agent.metadata())
+    assert src.peer.remote_flags == dst.peer.remote_flags == (path != "copy")
     yield src, dst
     dst.close()
     src.close()
@@ -81,9 +86,11 @@ def _spy(monkeypatch, plat) -> dict:
     return calls
 
 
+@pytest.mark.parametrize("sides", ["auto", "copy"], indirect=True)
 def test_repeated_posts_replay_one_graph_per_parity(sides, plat, monkeypatch):
     """The same request posted again and again: the first post enqueues the operations, the second captures
-    the graphs of the two parities, every later one replays; every post moves the current bytes. A
+    the graphs of the two parities, every later one replays; every post moves the current bytes, with signals
+    by remote writes or by 8-byte copies. A
     replaying post is the upload, one graph launch (two on the source: its copies run on a lane of their own)
     and an event, whatever the number of chunks."""
     src, dst = sides
@@ -125,6 +132,7 @@ def test_interleaved_shapes_and_fresh_requests(sides):
     assert src.peer.pack_sent == dst.peer.pack_recv == len([n for n in sizes if n])
 
 
+@pytest.mark.parametrize("sides", ["copy"], indirect=True)
 def test_stuck_peer_times_out_and_releases_queued_replays(sides):
     """After graphs are captured, the destination posts twice more with no source: the first wait times out
     naming the request, the agent fails and releases its words; both replays then run through (the
@@ -168,6 +176,22 @@ def test_posts_on_several_streams_run_in_order(sides, plat):
     finally:
         s1.close()
         s2.close()
+
+
+def test_refused_remote_write_means_copies(plat, monkeypatch):
+    """A platform refusing the probe's remote stream write (CUDA 13.1+) leaves the pair on 8-byte copies."""
+    monkeypatch.setenv("GPUXFER_FLAG_PATH", "auto")
+    src, dst = _Side(plat, "prefill", 0), _Side(plat, "decode", 1)
+    try:
+        def refuse(stream, ptr, value):
+            raise RuntimeError("remote stream writes are not supported")
+        monkeypatch.setattr(plat, "write_flag", refuse)
+        assert src.agent.add_peer(dst.agent.metadata()).remote_flags is False
+        monkeypatch.undo()
+        assert dst.agent.add_peer(src.agent.metadata()).remote_flags is True
+    finally:
+        dst.close()
+        src.close()
 
 
 def test_pack_rows_launchers_place_and_bound_rows():
