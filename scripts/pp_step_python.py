@@ -101,7 +101,8 @@ def cuda_stub():
     plat.create_stream = lambda device: cuda.CudaStream(0, 0x100, None, plat)
     plat.is_capturing = lambda s: False
     plat.capture_graph = lambda s, record: cuda.CudaGraph(0, None, 0)
-    plat._step_fns = tuple(entry(n) for n in ("cuStreamWriteValue64", "cuStreamWaitValue64", "cuGraphLaunch"))
+    plat._step_fns = tuple(entry(n) for n in ("cuStreamWriteValue64", "cuStreamWaitValue64", "cuGraphLaunch",
+                                              "cuCtxGetCurrent"))
     plat.calls = calls
     return plat
 

@@ -1392,42 +1392,53 @@ class CudaPlatform(Platform):
         argument objects), where the arguments are in-range integers (and a graph of this platform), with
         the stream's checks done here, once. Any other argument, and any call the driver refuses (no
         context current on this thread included), goes through the checked method, which repeats it in
-        the stream's context or raises what is wrong. A default stream of a process that sees several
-        devices, or a driver without the entry points, keeps the checked methods."""
+        the stream's context or raises what is wrong. A default stream's handle means "the current
+        context's" stream: in a process that sees several devices each call first asks the driver which
+        context is current (one more entry-point call) and takes the checked method unless it is the
+        device's. A driver without the entry points keeps the checked methods."""
         s = self._stream(stream)
         fns = self._step_fns
         if fns is None:
             fns = self._step_fns = self._resolve_step_fns()
-        if not fns or (s.handle in _DEFAULT_STREAM_HANDLES and self.device_count() != 1):
+        if not fns:
             return super().stream_calls(s)
-        write, wait, launch = fns
+        write, wait, launch, current = fns
         h = s.handle
         write_flag, wait_flag, launch_graph = self.write_flag, self.wait_flag, self.launch_graph
+        other = None            # None, or a callable: True where another context may be current
+        if h in _DEFAULT_STREAM_HANDLES and self.device_count() != 1:
+            ctx, c = self._retain(s.device)[1], ctypes
+
+            def other() -> bool:
+                cur = c.c_void_p()
+                return bool(current(c.byref(cur))) or cur.value != ctx
 
         def write_fast(ptr: int, value: int) -> None:
             if (type(ptr) is not int or ptr & 7 or type(value) is not int or not 0 <= value <= _MASK64 or s._closed
-                    or write(h, ptr, value, 0)):
+                    or (other is not None and other()) or write(h, ptr, value, 0)):
                 write_flag(s, ptr, value)
 
         def wait_fast(ptr: int, value: int) -> None:
             if (type(ptr) is not int or ptr & 7 or type(value) is not int or not 0 <= value <= _MASK64 or s._closed
-                    or wait(h, ptr, value, _WAIT_GEQ)):
+                    or (other is not None and other()) or wait(h, ptr, value, _WAIT_GEQ)):
                 wait_flag(s, ptr, value)
 
         def launch_fast(graph) -> None:
-            if type(graph) is not CudaGraph or s._closed or launch(graph.handle, h):
+            if (type(graph) is not CudaGraph or s._closed or (other is not None and other())
+                    or launch(graph.handle, h)):
                 launch_graph(s, graph)
 
         return StreamCalls(s, write_fast, wait_fast, launch_fast)
 
     def _resolve_step_fns(self):
-        """ctypes entry points of ``cuStreamWriteValue64``, ``cuStreamWaitValue64`` and ``cuGraphLaunch``
-        (the CUDA 12 ABI; they release the GIL while they run, as a blocked launch may), or False."""
+        """ctypes entry points of ``cuStreamWriteValue64``, ``cuStreamWaitValue64``, ``cuGraphLaunch`` and
+        ``cuCtxGetCurrent`` (the CUDA 12 ABI; they release the GIL while they run, as a blocked launch
+        may), or False."""
         c = ctypes
         flag = (c.c_void_p, c.c_uint64, c.c_uint64, c.c_uint)
         out = []
         for name, args in ((b"cuStreamWriteValue64", flag), (b"cuStreamWaitValue64", flag),
-                           (b"cuGraphLaunch", (c.c_void_p, c.c_void_p))):
+                           (b"cuGraphLaunch", (c.c_void_p, c.c_void_p)), (b"cuCtxGetCurrent", (c.c_void_p,))):
             try:
                 err, pfn, status = _driver().cuGetProcAddress(name, 12000, 0)
             except Exception:  # noqa: BLE001 - an older cuda.bindings: the checked methods

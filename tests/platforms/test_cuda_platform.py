@@ -266,8 +266,16 @@ def test_stream_calls_one_driver_call_each_and_the_checked_path_otherwise(monkey
         keep[name] = c.CFUNCTYPE(c.c_int, *argtypes)(fn)
         return c.cast(keep[name], c.c_void_p).value
     flag = (c.c_void_p, c.c_uint64, c.c_uint64, c.c_uint)
+    current = [0x1111]                                  # the context current on this thread
+
+    def get_current(p):
+        seen.append(("current",))
+        c.cast(p, c.POINTER(c.c_void_p))[0] = current[0]
+        return 0
+    keep["current"] = c.CFUNCTYPE(c.c_int, c.c_void_p)(get_current)
     points = {b"cuStreamWriteValue64": entry("write", *flag), b"cuStreamWaitValue64": entry("wait", *flag),
-              b"cuGraphLaunch": entry("launch", c.c_void_p, c.c_void_p)}
+              b"cuGraphLaunch": entry("launch", c.c_void_p, c.c_void_p),
+              b"cuCtxGetCurrent": c.cast(keep["current"], c.c_void_p).value}
 
     def checked(name):      # cuda.bindings' own functions, under the checked methods
         def fn(*args):
@@ -308,10 +316,15 @@ def test_stream_calls_one_driver_call_each_and_the_checked_path_otherwise(monkey
     seen.clear()                                        # its handle means that device's context
     plat.stream_calls(cm.CudaStream(1, 0, None)).wait_flag(0x1040, 4)
     assert seen == [("wait", 0, 0x1040, 4, cm._WAIT_GEQ)]
-    plat._count = 2                                     # ... of a multi-device process: the checked calls,
-    seen.clear()                                        # which make the device's context current first
-    plat.stream_calls(cm.CudaStream(1, 0, None)).wait_flag(0x1040, 4)
-    assert [x[0] for x in seen] == ["checked wait"] and pushed[-1] == 1
+    plat._count = 2                                     # ... of a multi-device process: asked per call
+    seen.clear()                                        # which context is current: the device's,
+    default = plat.stream_calls(cm.CudaStream(1, 0, None))
+    default.wait_flag(0x1040, 4)
+    assert seen == [("current",), ("wait", 0, 0x1040, 4, cm._WAIT_GEQ)]
+    current[0], n = 0x2222, len(pushed)                 # another device's: the checked call, which makes
+    seen.clear()                                        # the device's context current first
+    default.launch_graph(g)
+    assert [x[0] for x in seen] == ["current", "checked launch"] and len(pushed) == n + 1
     plat._step_fns = False                              # no entry points: the checked calls
     seen.clear()
     plat.stream_calls(s).write_flag(0x1000, 7)
