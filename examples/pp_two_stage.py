@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     import torch
 
     from gpuxfer.platforms import PLATFORMS, unavailable_reason
-    from gpuxfer.pp.launch import run_ranks
+    from gpuxfer.spawn import run_ranks
     name = args.platform or os.environ.get("GPUXFER_PLATFORM")
     if not name or name == "auto":
         name = next((n for n in PLATFORMS if unavailable_reason(n) is None), "host")

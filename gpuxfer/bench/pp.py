@@ -996,7 +996,8 @@ def _options(args) -> dict:
 
 
 def run(args) -> int:
-    from ..pp.launch import init_cpu_group, run_ranks
+    from ..pp.launch import init_cpu_group
+    from ..spawn import run_ranks
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         opts = _options(args)

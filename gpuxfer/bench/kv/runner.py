@@ -8,11 +8,11 @@ the platform contract (a raw exportable buffer) and opens the other's over IPC.
 With two devices each process takes one; with one device both pools share it;
 with none the host emulation runs at small sizes, and says so everywhere.
 
-The command starts the two processes itself (``torch.multiprocessing`` spawn, a
-gloo CPU group over a ``file://`` rendezvous) and reads their events from a
-queue: the parent prints the table, writes the artifacts and watches the
-children (a crash in one kills the other after a grace period; no event for a
-long time kills both). Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set; the
+The command starts the two processes itself (:func:`gpuxfer.spawn.spawn`: the
+spawn context, a gloo CPU group over a ``file://`` rendezvous) and reads their
+events as they come: the parent prints the table, writes the artifacts and
+watches the children (a crash in one kills the other after a grace period; no
+event for a long time kills both). Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set; the
 world must be 2) each rank runs in place and rank 0 reports.
 
 Across hosts (the ranks' hostnames or kernel boot ids differ, or ``--cross-host``
@@ -56,12 +56,8 @@ import dataclasses
 import datetime as _dt
 import logging
 import os
-import queue as _queue
-import shutil
 import socket
 import sys
-import tempfile
-import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -951,19 +947,11 @@ class Worker:
 # ----------------------------------------------------------------------------- launching
 
 
-def _spawn_entry(rank: int, init_method: str, cfg: RunConfig, q) -> None:
-    logging.basicConfig(level=logging.WARNING, format=f"rank {rank} %(levelname)s %(name)s: %(message)s")
-
-    def sink(kind: str, payload: dict) -> None:
-        q.put((kind, payload))
-
-    code = Worker(rank, cfg, sink, init_method=init_method, launcher="spawn").run()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    q.close()
-    q.join_thread()             # every event reaches the parent before we exit
+def _spawned_rank(ctx, cfg: RunConfig) -> None:
+    logging.basicConfig(level=logging.WARNING, format=f"rank {ctx.rank} %(levelname)s %(name)s: %(message)s")
+    code = Worker(ctx.rank, cfg, ctx.emit, init_method=ctx.init_method, launcher="spawn").run()
     if code:
-        os._exit(code)          # skip interpreter teardown: a failed device may hang it
+        raise SystemExit(code)  # the worker reported why; leave without the interpreter's teardown
 
 
 def under_torchrun() -> bool:
@@ -999,71 +987,12 @@ def _run_torchrun(cfg: RunConfig) -> int:
 
 
 def _run_spawned(cfg: RunConfig) -> int:
-    import torch.multiprocessing as tmp
-    ctx = tmp.get_context("spawn")
-    q = ctx.Queue()
-    tmpdir = tempfile.mkdtemp(prefix="gpuxfer-kv-")
-    init_method = "file://" + os.path.join(tmpdir, "rendezvous")
+    """Both ranks spawned (:func:`gpuxfer.spawn.spawn`), their events into the reporter as they come."""
+    from ...spawn import spawn
     reporter = R.Reporter(out_dir=cfg.out, machine_json=cfg.json, argv=cfg.argv)
-    procs = [ctx.Process(target=_spawn_entry, args=(r, init_method, cfg, q), daemon=True,
-                         name=f"gpuxfer-kv-{'prefill' if r == 0 else 'decode'}") for r in (0, 1)]
-    watchdog_s = 3 * cfg.timeout_s + 120
-    child_errors: list[str] = []
-    try:
-        for p in procs:
-            p.start()
-        last = time.monotonic()
-        dead_since: float | None = None
-        killed: set[str] = set()
-        while True:
-            try:
-                kind, payload = q.get(timeout=0.2)
-                reporter.handle(kind, payload)
-                last = time.monotonic()
-                continue
-            except _queue.Empty:
-                pass
-            codes = [p.exitcode for p in procs]
-            if all(c is not None for c in codes):
-                break
-            now = time.monotonic()
-            if any(c not in (None, 0) for c in codes):
-                dead_since = dead_since or now
-                if now - dead_since > GRACE_S:
-                    for p in procs:
-                        if p.exitcode is None and p.name not in killed:
-                            killed.add(p.name)
-                            child_errors.append(f"{p.name} (pid {p.pid}) was killed {GRACE_S:g} s after its peer "
-                                                "failed")
-                            p.kill()
-            if now - last > watchdog_s:
-                for p in procs:
-                    if p.exitcode is None:
-                        p.kill()
-                child_errors.append(f"no progress for {watchdog_s:g} s: both processes killed")
-                break
-        for p in procs:
-            p.join(10)
-        while True:                     # events sent just before exiting
-            try:
-                kind, payload = q.get(timeout=0.5)
-            except _queue.Empty:
-                break
-            reporter.handle(kind, payload)
-        for p in procs:
-            if p.exitcode not in (0, None) and not any(p.name in e for e in child_errors):
-                child_errors.append(f"{p.name} (pid {p.pid}) exited with code {p.exitcode}")
-    except KeyboardInterrupt:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        child_errors.append("interrupted")
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        shutil.rmtree(tmpdir, ignore_errors=True)
-    for e in child_errors:
+    out = spawn(_spawned_rank, 2, (cfg,), on_event=lambda rank, kind, payload: reporter.handle(kind, payload),
+                idle_s=3 * cfg.timeout_s + 120, grace_s=GRACE_S, names=("gpuxfer-kv-prefill", "gpuxfer-kv-decode"),
+                prefix="gpuxfer-kv-")
+    for e in out.errors:
         reporter.error(e)
     return reporter.finish()

@@ -1,0 +1,75 @@
+"""gpuxfer.spawn: ranks spawned and watched; every failure, exit code and hang named by rank."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gpuxfer.errors import GpuxferError
+from gpuxfer.spawn import run_ranks, spawn
+
+
+def _events_then(ctx, code_of_rank1: int):
+    if ctx.rank == 1 and code_of_rank1:
+        raise SystemExit(code_of_rank1)
+    for i in range(3):
+        ctx.emit("step", {"i": i})
+    return {"rank": ctx.rank, "world": ctx.world, "rendezvous": ctx.init_method.startswith("file://")}
+
+
+def _one_raises_one_hangs(ctx):
+    if ctx.rank == 0:
+        raise ValueError("a broken rank")
+    time.sleep(600)
+
+
+def _one_stays_silent(ctx):
+    if ctx.rank == 1:
+        time.sleep(600)
+    return "done"
+
+
+def _sum(rank, world, base):
+    import torch.distributed as dist
+    out = [None] * world
+    dist.all_gather_object(out, base + rank)
+    return sum(out)
+
+
+@pytest.mark.timeout(120)
+def test_results_events_and_exit_codes():
+    seen = []
+    out = spawn(_events_then, 2, (0,), idle_s=60, on_event=lambda r, k, p: seen.append((r, k, p["i"])))
+    assert out.ok and out.results == [{"rank": r, "world": 2, "rendezvous": True} for r in (0, 1)]
+    assert [i for r, k, i in seen if r == 0] == [0, 1, 2] and len(seen) == 6
+    out = spawn(_events_then, 2, (3,), idle_s=60)
+    assert out.results[0]["rank"] == 0 and out.results[1] is None
+    assert out.errors == [out.errors[0]] and "rank 1" in out.errors[0] and "exited with code 3" in out.errors[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_rank_is_named_with_its_traceback_and_its_peer_is_killed():
+    out = spawn(_one_raises_one_hangs, 2, idle_s=300, grace_s=0.5)
+    assert len(out.errors) == 2 and not out.ok
+    assert "rank 0" in out.errors[0] and "ValueError: a broken rank" in out.errors[0]
+    assert "rank 1" in out.errors[1] and "killed 0.5 s after a peer failed" in out.errors[1]
+
+
+@pytest.mark.timeout(120)
+def test_a_silent_rank_is_killed_after_the_idle_limit():
+    out = spawn(_one_stays_silent, 2, idle_s=3)
+    assert any("rank 1" in e and "no word from any rank for 3 s" in e for e in out.errors)
+    assert out.results[1] is None
+
+
+@pytest.mark.timeout(120)
+def test_run_ranks_joins_a_cpu_group_and_raises_on_failure():
+    assert run_ranks(_sum, 2, (10,), timeout_s=60) == [21, 21]
+    with pytest.raises(GpuxferError, match="(?s)rank 0 .*ValueError: a broken rank"):
+        run_ranks(_bad, 2, timeout_s=60)
+
+
+def _bad(rank, world):
+    if rank == 0:
+        raise ValueError("a broken rank")
+    return rank
