@@ -357,8 +357,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
                 conn = open_conn(backend, metadata)
                 with conn:
                     t = conn.transports[0]
-                    flag_paths[backend] = ("remote stream writes" if getattr(t, "remote_flags", False)
-                                           else "8-byte copies" if backend == "copy_engine" else "-")
+                    flag_paths[backend] = getattr(t, "flags_via", None) or "-"
                     if getattr(t, "_lend_arrays", None) is not None:
                         flag_paths[backend] += " (receiver: give back + wait as one flag_ops call)"
                     if metadata:

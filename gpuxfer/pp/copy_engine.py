@@ -216,6 +216,11 @@ class CopyEngineTransport(Transport):
         step's views (``recv_views``) is not given back yet."""
         return self.recv_slots + (0 if self._lent is not None else 1)
 
+    @property
+    def flags_via(self) -> str | None:
+        """How this end's flags reach the peer (``gpuxfer.flaglink.REMOTE`` or ``COPY``), once set up."""
+        return self._link.path if self._link is not None else None
+
     # ---- setup phases (called by selection.connect, every rank in lock step) ----
     def _fptr(self, mem, word: int) -> int:
         return mem.ptr + word * FLAG_STRIDE

@@ -439,9 +439,8 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
     for t in ends:
         WATCHDOG.register(t)
     notes = []
-    if chosen != FALLBACK and ends:
-        paths = sorted({"remote stream writes" if getattr(t, "remote_flags", False) else "8-byte flag copies"
-                        for t in ends})
+    paths = sorted({t.flags_via for t in ends if getattr(t, "flags_via", None)})
+    if chosen != FALLBACK and paths:
         notes.append(f"flags: {', '.join(paths)}")
     if any(t.metadata for t in ends):
         notes.append("metadata over " + ", ".join(sorted({t.meta.what for t in ends if t.metadata})))
