@@ -496,7 +496,10 @@ class CopyEngineTransport(Transport):
                 views[name] = flat.view(shape)
                 if n:
                     self._ce_copy(cur, flat.data_ptr(), slot + o, n)
-        self._publish(cur, j, k)
+        if self._remote_publish:
+            calls.write_flag(self._peer_in_ptr[j], k)
+        else:
+            self._publish(cur, j, k)
         self._last_stream = cur
         if self._host_sync:
             self._host_keep = buf if rcv.out is None else rcv.out   # (a timed-out copy may still write it)
