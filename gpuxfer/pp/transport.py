@@ -776,7 +776,8 @@ class Transport(abc.ABC):
         k = self.step + 1
         if out is not None:
             self.specs.check_out(out, self.torch_device)
-        if self.max_pending is not None and len(self._pending) >= self.max_pending:
+        most = self.max_pending
+        if most is not None and len(self._pending) >= most:
             raise BadInput(f"rank {self.rank}: recv() of step {k} from rank {self.peer} with {len(self._pending)} "
                            f"earlier receives not yet accessed (steps {self._pending[0].step}..{self._pending[-1].step}"
                            f"): the sender cannot get further ahead of the receive slots given back, so this "
