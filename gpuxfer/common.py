@@ -8,6 +8,7 @@ import mmap
 import os
 import platform as _pyplatform
 import re
+import socket
 
 from . import __version__
 from .errors import BadInput
@@ -55,6 +56,13 @@ def unlink_shm(name: str) -> None:
         _posixshmem.shm_unlink(name)
     except FileNotFoundError:
         pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the OS picks it; another process may take it before it is used)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def package_version(*dists: str) -> str | None:

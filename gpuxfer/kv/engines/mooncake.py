@@ -37,7 +37,6 @@ import importlib
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -46,7 +45,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ... import config
-from ...common import package_version
+from ...common import free_port, package_version
 from ...errors import BackendUnavailable, BadInput, DriverError, TransferTimeout
 from ...platforms.base import Closable
 from ..plan import check_bounds
@@ -122,12 +121,6 @@ def mooncake_unavailable_reason() -> str | None:
     return find_mooncake()[1]
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def local_host() -> str:
     return config.get(HOST_ENV)
 
@@ -135,7 +128,8 @@ def local_host() -> str:
 _PROBE = r"""
 import json, os, sys
 sys.path[:0] = json.loads(sys.argv[4])
-from gpuxfer.kv.engines.mooncake import find_mooncake, _free_port, local_host
+from gpuxfer.common import free_port
+from gpuxfer.kv.engines.mooncake import find_mooncake, local_host
 TE, why = find_mooncake()
 if TE is None:
     print(json.dumps({"ok": False, "why": why})); sys.exit(0)
@@ -147,7 +141,7 @@ except Exception:
     pass
 e = TE()
 host = local_host()
-rc = e.initialize(f"{host}:{_free_port(host)}", "P2PHANDSHAKE", protocol, nic)
+rc = e.initialize(f"{host}:{free_port(host)}", "P2PHANDSHAKE", protocol, nic)
 print(json.dumps({"ok": rc == 0, "why": None if rc == 0 else f"initialize(..., {protocol!r}) returned {rc}"}))
 """
 
@@ -240,7 +234,7 @@ class MooncakeSide(Closable):
         host = local_host()
         self.host = host
         nic = f"cuda:{device}" if nic is None else nic
-        rc = self.engine.initialize(f"{host}:{_free_port(host)}", "P2PHANDSHAKE", protocol, nic)
+        rc = self.engine.initialize(f"{host}:{free_port(host)}", "P2PHANDSHAKE", protocol, nic)
         if rc != 0:
             raise BackendUnavailable("mooncake", {rank: f"TransferEngine.initialize(..., {protocol!r}) returned {rc}"})
         self.session = f"{host}:{self.engine.get_rpc_port()}"

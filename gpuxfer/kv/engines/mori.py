@@ -40,7 +40,6 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from ... import config
-from ...common import package_version
+from ...common import free_port, package_version
 from ...errors import BackendUnavailable, BadInput, DriverError, TransferTimeout
 from ..plan import check_bounds
 from .base import DescriptorBurst, Engine, Prepared, Role, Side, as_descriptors
@@ -185,12 +184,6 @@ def wait_statuses(statuses, *, timeout_s: float, rank: int, what: str) -> None:
 # --------------------------------------------------------------------------- the engine
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class MoriEngine(Engine):
     name = "amd-mori"
     description = ("MoRI-IO (AMD, ROCm): one IOEngine per process, one session between the pools; pull issues "
@@ -229,7 +222,7 @@ class MoriEngine(Engine):
             self.backend = backend_choice()
             host = config.get(HOST_ENV)
             key = f"gpuxfer-{side.role.serving_name}-{os.getpid()}"
-            self.io = mod.IOEngine(key=key, config=mod.IOEngineConfig(host=host, port=_free_port(host)))
+            self.io = mod.IOEngine(key=key, config=mod.IOEngineConfig(host=host, port=free_port(host)))
             if self.backend == "rdma":
                 cfg = {**RDMA_CONFIG, "poll_cq_mode": getattr(mod.PollCqMode, RDMA_CONFIG["poll_cq_mode"])}
                 self.io.create_backend(mod.BackendType.RDMA, mod.RdmaBackendConfig(**cfg))
