@@ -103,6 +103,7 @@ the receive slots and the staging ring.
 
 An ``sdma`` backend (ROCm) can subclass :class:`CopyEngineTransport` and
 override :meth:`~CopyEngineTransport.unavailable_reason`,
+:meth:`~CopyEngineTransport._alloc_flags` (the flag link's memory),
 :meth:`~CopyEngineTransport._ce_copy` and :meth:`~CopyEngineTransport._publish`.
 """
 from __future__ import annotations
