@@ -1,6 +1,6 @@
 """``gpuxfer bench kv``: the KV-cache hand-off benchmark's command line.
 
-Every option, their parsing and validation, and ``--plan-only`` (the sweep grid
+Every option (parsed and checked by :mod:`gpuxfer.bench.kv.options`), and ``--plan-only`` (the sweep grid
 with bytes and descriptors per point, pool per rank, and what was shed and why;
 ``--json`` for the same as JSON). The measured sweep itself (two processes, every
 engine, every byte verified, artifacts) is :mod:`gpuxfer.bench.kv.runner`.
@@ -16,85 +16,25 @@ import dataclasses
 import json
 import os
 import sys
-from dataclasses import dataclass
-from typing import Callable, TextIO
+from typing import TextIO
 
 from ... import config
 from ..cliutil import (PLATFORM_CHOICES, add_common_arguments, device_count, error_line, int_option,
                        platform_option, prepare_outputs, seconds_option)
 from ...common import parse_size
 from ...errors import BadInput
-from .grid import (DEFAULT_BATCHES, DEFAULT_DESC_BUDGET, DEFAULT_POOL_BUDGET_BYTES, HOST_GRID, SHED_DESC, Grid,
-                   build_grid, human_bytes)
-from ...kv.engines.registry import DEFAULT_ENGINES, ENGINES
+from ...kv.engines.registry import DEFAULT_ENGINES
 from ...kv.plan import DIRECTIONS
-from ...kv.workloads import WORKLOADS, get_workload
+from ...kv.workloads import WORKLOADS
+from .grid import DEFAULT_DESC_BUDGET, HOST_GRID, SHED_DESC, Grid, human_bytes
+from .options import (DEFAULTS, RunOptions, parse_grid_args, parse_grid_spec, parse_list, parse_run_options,
+                      parse_suite, resolve_defaults)
 
-__all__ = ["PLATFORM_CHOICES", "RunOptions", "add_arguments", "run", "parse_grid_args",
-           "parse_run_options", "print_plan", "parse_size", "parse_list", "plan_document"]
+__all__ = ["PLATFORM_CHOICES", "RunOptions", "add_arguments", "run", "parse_grid_args", "parse_grid_spec",
+           "parse_run_options", "parse_suite", "print_plan", "parse_size", "parse_list", "plan_document"]
 
-DEFAULT_ISL = "32k"
 #: the file a run leaves in its directory (beside one PNG per workload and ISL)
 ARTIFACT = "kv_bench.json"
-#: the grid options' defaults (a GPU run's); on the host emulation those left so shrink to HOST_GRID
-
-
-class _NotGiven(str):
-    """A default that compares as its text but is told apart from the same text typed by the user."""
-
-
-#: ``--isl``'s default (``args.isl is ISL_NOT_GIVEN``: the user gave none)
-ISL_NOT_GIVEN = _NotGiven(DEFAULT_ISL)
-GPU_DEFAULTS = {"isl": DEFAULT_ISL, "page": "auto", "batch": ",".join(map(str, DEFAULT_BATCHES)),
-                "pool_budget": f"{DEFAULT_POOL_BUDGET_BYTES >> 30}GiB", "trials": "5", "warmup": "2"}
-
-# ---------------------------------------------------------------------------- parsing
-
-
-def parse_list(text: str, *, option: str, item: Callable[[str], object]) -> list:
-    """A comma-separated list; every item parsed by ``item``; empty items are errors."""
-    if text is None or not str(text).strip():
-        raise BadInput(f"{option}: give at least one value")
-    parts = [p.strip() for p in str(text).split(",")]
-    if any(not p for p in parts):
-        raise BadInput(f"{option}: empty item in {text!r}")
-    out = []
-    for p in parts:
-        v = item(p)
-        if v not in out:
-            out.append(v)
-    return out
-
-
-def _registered_engines() -> tuple[str, ...]:
-    """Every engine of the registry (the optional ones, NIXL and Mooncake, too: named, they are measured
-    where they can run and reported with the reason where they cannot)."""
-    return tuple(dict.fromkeys(DEFAULT_ENGINES + tuple(ENGINES)))
-
-
-def _choice(known: tuple[str, ...], option: str) -> Callable[[str], str]:
-    def parse(p: str) -> str:
-        if p not in known:
-            raise BadInput(f"{option}: unknown value {p!r}; known: {', '.join(known)}")
-        return p
-    return parse
-
-
-def _workload_item(p: str) -> str:
-    try:
-        return get_workload(p).name
-    except BadInput as exc:
-        raise BadInput(f"--workload: {exc}") from None
-
-
-def _positive_int(text, option: str) -> int:
-    try:
-        value = int(str(text).strip())
-    except ValueError:
-        raise BadInput(f"{option}: {text!r} is not an integer") from None
-    if value <= 0:
-        raise BadInput(f"{option}: must be positive, got {value}")
-    return value
 
 
 # ---------------------------------------------------------------------------- arguments
@@ -103,37 +43,40 @@ def _positive_int(text, option: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Every option of ``gpuxfer bench kv`` (lists are comma-separated)."""
     g = parser.add_argument_group("what moves")
-    g.add_argument("--workload", default="kv-dsv4", metavar="NAMES",
-                   help=f"KV workload presets, comma-separated; known: {', '.join(WORKLOADS)}")
-    g.add_argument("--page", default=GPU_DEFAULTS["page"], metavar="TOKENS",
-                   help="page sizes in tokens, comma-separated; 'auto' = each workload's own "
+    g.add_argument("--workload", default=None, metavar="NAMES",
+                   help=f"KV workload presets, comma-separated; known: {', '.join(WORKLOADS)} "
+                        f"(default {DEFAULTS['workload']})")
+    g.add_argument("--page", default=None, metavar="TOKENS",
+                   help="page sizes in tokens, comma-separated; 'auto' (the default) = each workload's own "
                         "(16,64; kv-dsv4-vllm: its native 256-token block)")
-    g.add_argument("--isl", default=ISL_NOT_GIVEN, metavar="TOKENS",
-                   help=f"input lengths in tokens, comma-separated; k = 1024 (32k = 32,768); default {DEFAULT_ISL} "
+    g.add_argument("--isl", default=None, metavar="TOKENS",
+                   help=f"input lengths in tokens, comma-separated; k = 1024 (32k = 32,768); default {DEFAULTS['isl']} "
                         "(--suite collectivex: its ladder 8k,32k,128k,512k)")
-    g.add_argument("--batch", default=GPU_DEFAULTS["batch"], metavar="N",
+    g.add_argument("--batch", default=None, metavar="N",
                    help="requests per burst, comma-separated; the two smallest are always kept unless "
-                        "the pool budget forbids them")
-    g.add_argument("--seed", default="0", metavar="INT",
-                   help="block-table seed: both sides' tables derive from it and the geometry")
+                        f"the pool budget forbids them (default {DEFAULTS['batch']})")
+    g.add_argument("--seed", default=None, metavar="INT",
+                   help="block-table seed: both sides' tables derive from it and the geometry (default 0; "
+                        "--suite collectivex: its run seed)")
     b = parser.add_argument_group("budgets")
-    b.add_argument("--pool-budget", default=GPU_DEFAULTS["pool_budget"], metavar="BYTES",
+    b.add_argument("--pool-budget", default=None, metavar="BYTES",
                    help="pool bytes per rank (e.g. 64GiB, 512MiB, 100GB); capped at the device's free memory "
-                        "when a device is used; sheds a point's largest batches")
-    b.add_argument("--desc-budget", default="16M", metavar="DESCRIPTORS",
-                   help=f"descriptors per burst (16M = 2**24 = {DEFAULT_DESC_BUDGET:,}); larger bursts are shed, "
-                        "except the two smallest batches")
+                        f"when a device is used; sheds a point's largest batches (default {DEFAULTS['pool_budget']})")
+    b.add_argument("--desc-budget", default=None, metavar="DESCRIPTORS",
+                   help=f"descriptors per burst (default 16M = 2**24 = {DEFAULT_DESC_BUDGET:,}); larger bursts are "
+                        "shed, except the two smallest batches")
     r = parser.add_argument_group("how it is measured")
     r.add_argument("--engine", "--engines", dest="engine", default=",".join(DEFAULT_ENGINES), metavar="NAMES",
                    help=f"transfer engines, comma-separated; known: {', '.join(DEFAULT_ENGINES)} "
                         "(bulk: one descriptor of the same bytes, the ceiling)")
     r.add_argument("--direction", default=",".join(DIRECTIONS), metavar="DIRS",
                    help="pull (decode side reads) and/or push (prefill side writes), comma-separated")
-    r.add_argument("--trials", default=GPU_DEFAULTS["trials"], metavar="N",
-                   help=f"timed bursts per row, after warm-up (host emulation: {HOST_GRID['trials']})")
-    r.add_argument("--warmup", default=GPU_DEFAULTS["warmup"], metavar="N",
+    r.add_argument("--trials", default=None, metavar="N",
+                   help=f"timed bursts per row, after warm-up (default {DEFAULTS['trials']}; host emulation: "
+                        f"{HOST_GRID['trials']})")
+    r.add_argument("--warmup", default=None, metavar="N",
                    help="untimed bursts per row before the timed ones (a first burst slower than 1 s skips the "
-                        f"rest; host emulation: {HOST_GRID['warmup']})")
+                        f"rest; default {DEFAULTS['warmup']}; host emulation: {HOST_GRID['warmup']})")
     r.add_argument("--full", action="store_true",
                    help="on the host emulation, the full grid of a GPU run instead of the small one (slow: "
                         "Triton's interpreter moves a few MB/s)")
@@ -172,123 +115,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "shed batches and why) and exit; touches no device")
 
 
-@dataclass(frozen=True)
-class RunOptions:
-    """The measurement options, parsed and checked."""
-
-    engines: tuple[str, ...]
-    directions: tuple[str, ...]
-    trials: int
-    seed: int
-    platform: str
-    out: str
-    plan_only: bool
-    json: bool
-    suite: str | None = None
-
-
-SUITES = ("collectivex",)
-
-
-def parse_suite(args: argparse.Namespace) -> str | None:
-    suite = getattr(args, "suite", None)
-    if suite is None:
-        return None
-    suite = str(suite).strip()
-    if suite not in SUITES:
-        raise BadInput(f"--suite: unknown suite {suite!r}; known: {', '.join(SUITES)}")
-    return suite
-
-
-def _suite_grid(args: argparse.Namespace) -> Grid:
-    """The CollectiveX suite's grid; --isl, --page and --batch (when given) narrow it, nothing else may change."""
-    from . import collectivex as CX
-    fixed = [("--workload", args.workload, "kv-dsv4"),
-             ("--pool-budget", args.pool_budget, GPU_DEFAULTS["pool_budget"]),
-             ("--desc-budget", args.desc_budget, "16M")]
-    for option, value, default in fixed:
-        if str(value).strip() != default:
-            raise BadInput(f"{option}: --suite collectivex fixes it (workload {CX.WORKLOAD}, pool budget "
-                           f"{CX.POOL_BUDGET_BYTES >> 30} GiB, descriptor budget {CX.DESC_BUDGET:,}); drop {option}")
-    isls = CX.ISL_LADDER if args.isl is ISL_NOT_GIVEN else parse_list(
-        args.isl, option="--isl", item=lambda p: parse_size(p, option="--isl", kind="tokens"))
-    pages = CX.PAGES if str(args.page).strip().lower() == "auto" else parse_list(
-        args.page, option="--page", item=lambda p: parse_size(p, option="--page", kind="tokens"))
-    batches = CX.BATCHES if str(args.batch) == GPU_DEFAULTS["batch"] else parse_list(
-        args.batch, option="--batch", item=lambda p: _positive_int(p, "--batch"))
-    for p in pages:
-        try:
-            get_workload(CX.WORKLOAD).check_page(p)
-        except BadInput as exc:
-            raise BadInput(f"--page: {exc}") from None
-    return CX.build_grid(isls, pages, batches, free_memory_bytes=getattr(args, "free_memory_bytes", None),
-                         pools_per_device=getattr(args, "pools_per_device", 1))
-
-
-def parse_grid_args(args: argparse.Namespace) -> Grid:
-    """The sweep grid the options ask for (the budgets applied, nothing materialised)."""
-    if parse_suite(args):
-        return _suite_grid(args)
-    workloads = parse_list(args.workload, option="--workload", item=_workload_item)
-    page_text = str(args.page).strip()
-    pages = None if page_text.lower() == "auto" else parse_list(
-        page_text, option="--page", item=lambda p: parse_size(p, option="--page", kind="tokens"))
-    isls = parse_list(args.isl, option="--isl", item=lambda p: parse_size(p, option="--isl", kind="tokens"))
-    batches = parse_list(args.batch, option="--batch", item=lambda p: _positive_int(p, "--batch"))
-    pool_budget = parse_size(args.pool_budget, option="--pool-budget", kind="bytes")
-    desc_budget = parse_size(args.desc_budget, option="--desc-budget", kind="descriptors")
-    if pages is not None:
-        for w in workloads:
-            for p in pages:
-                try:
-                    get_workload(w).check_page(p)
-                except BadInput as exc:
-                    raise BadInput(f"--page: {exc}") from None
-    return build_grid(workloads, pages, isls, batches, pool_budget_bytes=pool_budget,
-                      free_memory_bytes=getattr(args, "free_memory_bytes", None), desc_budget=desc_budget)
-
-
-def parse_run_options(args: argparse.Namespace) -> RunOptions:
-    seed_text = str(args.seed).strip()
-    try:
-        seed = int(seed_text)
-    except ValueError:
-        raise BadInput(f"--seed: {args.seed!r} is not an integer") from None
-    if seed < 0:
-        raise BadInput(f"--seed: must be >= 0, got {seed}")
-    suite = parse_suite(args)
-    if suite and seed_text == "0":
-        from .collectivex import RUN_SEED
-        seed = RUN_SEED
-    platform = str(args.platform or "auto").strip().lower()
-    if platform not in PLATFORM_CHOICES:
-        raise BadInput(f"--platform: unknown platform {platform!r}; known: {', '.join(PLATFORM_CHOICES)}")
-    if args.out is not None and not str(args.out).strip():
-        raise BadInput("--out: give a directory")
-    return RunOptions(
-        engines=tuple(parse_list(args.engine, option="--engine", item=_choice(_registered_engines(), "--engine"))),
-        directions=tuple(parse_list(args.direction, option="--direction", item=_choice(DIRECTIONS, "--direction"))),
-        trials=_positive_int(args.trials, "--trials"),
-        seed=seed, platform=platform, out=args.out, plan_only=bool(args.plan_only), json=args.json is True,
-        suite=suite,
-    )
-
-
-def apply_host_grid(args: argparse.Namespace, platform: str) -> dict[str, str]:
-    """On the host emulation (unless ``--full``), shrink every grid option left at its GPU default to
-    :data:`~gpuxfer.bench.kv.grid.HOST_GRID`, in ``args``; returns what shrank (empty on a GPU)."""
+def host_grid_applies(args: argparse.Namespace, platform: str) -> bool:
+    """The host emulation runs the small grid (:data:`~gpuxfer.bench.kv.grid.HOST_GRID`) unless ``--full``."""
     from ...platforms import platform_class
-    if getattr(args, "full", False) or platform == "auto" or not platform_class(platform).kernels_interpreted:
-        return {}
-    shrunk = {}
-    for key, value in HOST_GRID.items():
-        if parse_suite(args) and key not in ("isl", "page", "batch"):
-            continue                    # the suite's budgets and timing stay the suite's
-        given = key == "isl" and args.isl is not ISL_NOT_GIVEN      # an --isl typed as the default stays
-        if str(getattr(args, key)) == GPU_DEFAULTS[key] and not given:
-            setattr(args, key, value)
-            shrunk[key] = value
-    return shrunk
+    return not getattr(args, "full", False) and platform != "auto" and platform_class(platform).kernels_interpreted
 
 
 def _platform_for(args: argparse.Namespace) -> str:
@@ -334,12 +164,8 @@ def check_before_start(grid: Grid, args: argparse.Namespace, platform: str) -> N
 
 def plan_document(grid: Grid, options: RunOptions | None = None) -> dict:
     """The plan as a JSON-ready dict (unit-suffixed keys)."""
-    names = []
-    for p in grid.points:
-        if p.workload.name not in names:
-            names.append(p.workload.name)
     doc = {"kind": "gpuxfer-kv-plan", "grid": grid.as_dict(),
-           "workloads": {n: get_workload(n).as_dict() for n in names}}
+           "workloads": {p.workload.name: p.workload.as_dict() for p in grid.points}}
     if options is not None:
         doc["run"] = {"engines": list(options.engines), "directions": list(options.directions),
                       "trials": options.trials, "seed": options.seed, "platform": options.platform}
@@ -432,14 +258,16 @@ def run(args: argparse.Namespace) -> int:
     """Check everything the parent can (options, devices, output places), then measure."""
     from ...errors import GpuxferError
     try:
-        parse_run_options(args)             # what needs no platform first: a typo fails at once
+        parse_run_options(argparse.Namespace(**vars(args)))   # what needs no platform first: a typo fails at once
         if not args.plan_only:
             seconds_option(args.timeout)
-            int_option(args.warmup, "--warmup", minimum=0)
+            if args.warmup is not None:
+                int_option(args.warmup, "--warmup", minimum=0)
             _parse_devices(args.devices)
         platform = _platform_for(args)
-        shrunk = apply_host_grid(args, platform)
-        grid = parse_grid_args(args)
+        shrunk = resolve_defaults(args, host=host_grid_applies(args, platform))
+        spec = parse_grid_spec(args)
+        grid = spec.build()
         options = parse_run_options(args)
         if options.plan_only:
             if shrunk:
@@ -451,8 +279,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         check_before_start(grid, args, platform)
         from .runner import config_from_args, run_sweep, under_torchrun
-        args.host_grid = shrunk
-        cfg = config_from_args(args, dataclasses.replace(options, platform=platform))
+        cfg = config_from_args(args, dataclasses.replace(options, platform=platform), spec)
         writes = not under_torchrun() or os.environ.get("RANK") == "0"
         outputs = prepare_outputs("kv", args.out, args.json, artifacts=(ARTIFACT,), create=writes)
     except GpuxferError as exc:
@@ -487,7 +314,7 @@ def run_transfers(grid: Grid, options: RunOptions, args: argparse.Namespace) -> 
     from ...errors import GpuxferError
     from .runner import config_from_args, run_sweep
     try:
-        cfg = config_from_args(args, options)
+        cfg = config_from_args(args, options, parse_grid_spec(args))
     except BadInput as exc:
         print(f"gpuxfer bench kv: error: {exc}", file=sys.stderr)
         return 2

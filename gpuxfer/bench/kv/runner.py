@@ -52,7 +52,6 @@ as a transfer that wrote past its range would. The verifier must then fail the r
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as _dt
 import logging
 import os
@@ -71,6 +70,7 @@ from ...kv import engines as E
 from ...kv.engines.launch import sync_uploads
 from ...kv.plan import DIRECTIONS
 from . import report as R
+from .options import GridSpec, RunOptions, parse_list
 from ..timing import now
 
 log = logging.getLogger("gpuxfer.bench.kv.runner")
@@ -95,9 +95,10 @@ EMULATION = {"pack_chunk_bytes": 256 << 10, "pack_first_chunk_bytes": 64 << 10}
 
 @dataclass
 class RunConfig:
-    """Everything the workers need, picklable (the grid is rebuilt in the workers with device facts)."""
+    """Everything the workers need, picklable (the grid is built in the workers with device facts)."""
 
-    grid_args: dict[str, Any]
+    grid: GridSpec
+    grid_args: dict[str, Any]           # the grid options as given (or defaulted), for the parameters record
     engines: tuple[str, ...]
     directions: tuple[str, ...]
     trials: int
@@ -212,11 +213,11 @@ def _stray_offset(desc: np.ndarray, pool_nbytes: int) -> int | None:
     return None
 
 
-def config_from_args(args: argparse.Namespace, options) -> RunConfig:
-    """Build the run configuration from the parsed command line (``options`` is bench's RunOptions)."""
+def config_from_args(args: argparse.Namespace, options: RunOptions, grid: GridSpec) -> RunConfig:
+    """Build the run configuration from the parsed command line, its defaults resolved
+    (:func:`~gpuxfer.bench.kv.options.resolve_defaults`), the measurement options and the grid."""
     platform = resolve_platform(options.platform)
-    grid_args = {k: getattr(args, k) for k in ("workload", "page", "isl", "batch", "pool_budget", "desc_budget",
-                                               "seed", "suite")}
+    grid_args = {k: getattr(args, k) for k in ("workload", "page", "isl", "batch", "pool_budget", "desc_budget")}
     opts = E.EngineOptions()
     trials, warmup = options.trials, _nonneg_int(getattr(args, "warmup", 2), "--warmup")
     # what the command shrank on the host emulation (gpuxfer.bench.kv.grid.HOST_GRID), reported in the parameters
@@ -246,7 +247,6 @@ def config_from_args(args: argparse.Namespace, options) -> RunConfig:
     inject = _parse_inject(getattr(args, "inject_fault", None) or config.get(INJECT_ENV), options.engines)
     devices = None
     if getattr(args, "devices", None):
-        from .cli import parse_list
         devs = parse_list(args.devices, option="--devices", item=lambda p: _nonneg_int(p, "--devices"))
         if len(devs) == 1:
             devs = devs * 2
@@ -258,14 +258,13 @@ def config_from_args(args: argparse.Namespace, options) -> RunConfig:
         raise BadInput(f"--post: unknown value {post!r}; use armed or host")
     if options.suite:
         # the suite's timing contract: the initiator posts every request's prepared transfer, then waits
-        from .cli import GPU_DEFAULTS
-        if post != "host" or any(str(getattr(args, k, GPU_DEFAULTS[k])) != GPU_DEFAULTS[k] for k in ("trials", "warmup")):
+        if post != "host" or {"trials", "warmup"} & args.given:
             raise BadInput("--suite collectivex fixes the timing (host posting, 3 trials x 8 timed bursts after 2 "
                            "warm-ups each); drop --post, --trials and --warmup")
         post = "host"
     for name in options.engines:
         E.engine_class(name)       # unknown names fail here, before any process starts
-    return RunConfig(grid_args=grid_args, engines=tuple(options.engines), directions=tuple(options.directions),
+    return RunConfig(grid=grid, grid_args=grid_args, engines=tuple(options.engines), directions=tuple(options.directions),
                      trials=trials, warmup=warmup, seed=options.seed, platform=platform,
                      out=options.out or None, json=options.json, timeout_s=timeout, engine_options=opts,
                      inject_fault=inject, armed=post == "armed", devices=devices, shrunk=shrunk,
@@ -542,34 +541,13 @@ class Worker:
                                        + (f"the {ceiling} row" if ceiling else "nothing (no ceiling engine runs)")})
 
     def _grid(self, free_bytes: int | None, pools_per_device: int):
-        from .grid import build_grid
-        from .cli import parse_grid_args
+        """The grid of the options, capped by this device's free memory (less what the engines reserve)."""
         free = None
         if free_bytes is not None:
             reserve = (self.cfg.engine_options.pack_chunk_bytes * self.cfg.engine_options.pack_slots
                        + (0 if self.platform.host_memory else (2 << 30)))
             free = max(0, int(free_bytes * 0.9) - reserve)
-        if self.cfg.suite:              # the suite's grid, capped by this device's memory
-            return parse_grid_args(argparse.Namespace(**self.cfg.grid_args, free_memory_bytes=free,
-                                                      pools_per_device=pools_per_device))
-        ns = argparse.Namespace(**self.cfg.grid_args)
-        base = parse_grid_args(ns)      # parses and validates exactly as --plan-only does
-        workloads, pages, isls, batches = [], set(), set(), set()
-        for p in base.points:
-            if p.workload.name not in workloads:
-                workloads.append(p.workload.name)
-            isls.add(p.isl_tokens)
-            batches.update(p.batches)
-            batches.update(s.batch for s in p.shed)
-        # rebuild per workload with its own pages (auto pages differ per workload)
-        pts = []
-        g = None
-        for w in workloads:
-            wpages = sorted({p.page_tokens for p in base.points if p.workload.name == w})
-            g = build_grid([w], wpages, sorted(isls), sorted(batches), pool_budget_bytes=base.asked_pool_budget_bytes,
-                           free_memory_bytes=free, desc_budget=base.desc_budget, pools_per_device=pools_per_device)
-            pts.extend(g.points)
-        return dataclasses.replace(g, points=tuple(pts))
+        return self.cfg.grid.build(free_memory_bytes=free, pools_per_device=pools_per_device)
 
     def _environment(self, both: list[dict], same_device: bool) -> dict:
         plat = self.platform
