@@ -683,7 +683,7 @@ def test_triton_order_policy(monkeypatch):
 
 def test_trace_env_is_off_on_the_emulation_and_when_unset(monkeypatch, tmp_path):
     """GPUXFER_KV_TRACE profiles GPU rows only: unset, or on the emulation, no profiler starts."""
-    from gpuxfer.bench.kv.runner import TRACE_ENV, Worker
+    from gpuxfer.bench.kv.worker import TRACE_ENV, Worker
     stand_in = type("W", (), {"platform": type("P", (), {"host_memory": True})()})()
     monkeypatch.delenv(TRACE_ENV, raising=False)
     assert Worker._trace_start(stand_in) is None

@@ -301,7 +301,7 @@ def test_runner_verification_counts_a_stray_write(host):
     """The benchmark's verifier (what each row runs on the destination) on the host emulation: a byte
     flipped where no descriptor points, at the offset the ``:stray`` injection picks, is counted."""
     from gpuxfer.kernels import reference as ref
-    from gpuxfer.bench.kv import runner as RN
+    from gpuxfer.bench.kv import checks as RN
     pool = host.alloc(64 << 10, 0)
     stream = host.create_stream(0)
     try:
@@ -311,7 +311,7 @@ def test_runner_verification_counts_a_stray_write(host):
         d = np.array([[100, 0, 512], [9000, 512, 64], [0, 4096, 1000]], dtype=np.int64)
         ref.copy(src, a, d)
         assert RN._pool_verify(host, stream, pool, d, 11, 30.0, 1, guard_seed=22) == (0, -1, 0, -1)
-        at = RN._stray_offset(d, pool.nbytes)
+        at = RN.stray_offset(d, pool.nbytes)
         assert at == 576                                  # just past descriptor 0's neighbour run [0, 576)
         RN._flip_byte(host, stream, pool, at)
         assert host.synchronize(stream, 30.0)
@@ -328,8 +328,8 @@ def test_runner_verification_counts_a_stray_write(host):
     ([], 8, 0),
 ])
 def test_stray_offset(rows, pool, want):
-    from gpuxfer.bench.kv import runner as RN
-    assert RN._stray_offset(np.array(rows, dtype=np.int64).reshape(-1, 3), pool) == want
+    from gpuxfer.bench.kv import checks as RN
+    assert RN.stray_offset(np.array(rows, dtype=np.int64).reshape(-1, 3), pool) == want
 
 
 @pytest.mark.slow

@@ -1,8 +1,11 @@
 """``gpuxfer bench kv``: the KV-cache hand-off benchmark.
 
-* :mod:`.cli` -- the command line (options, ``--plan-only``);
+* :mod:`.cli` -- the command line (``add_arguments``, ``run``, ``--plan-only``);
+* :mod:`.options` -- every option parsed and checked once, defaults resolved in one place;
 * :mod:`.grid` -- the sweep grid (workloads x pages x ISLs x batches, shed by budgets);
-* :mod:`.runner` -- the measured sweep: two processes, every engine, every byte verified;
-* :mod:`.report` -- the nccl-tests-style table, JSON document and plots;
+* :mod:`.runner` -- the run's configuration and the two processes' launch (spawned or torchrun);
+* :mod:`.worker` -- one process: setup, the sweep (every engine, every byte verified), teardown;
+* :mod:`.checks` -- pattern fill, verification, fault injection;
+* :mod:`.report` -- the table, summary, JSON document and plots;
 * :mod:`.collectivex` -- the CollectiveX suite's grid, verification and documents.
 """
