@@ -18,7 +18,7 @@ from . import __version__
 COMMANDS = [
     (("doctor",), "gpuxfer.doctor", "report the platform, devices, links and which backends/engines work here"),
     (("bench", "kv"), "gpuxfer.bench.kv.cli", "KV-cache hand-off benchmark: engines vs the bulk copy ceiling, every byte verified"),
-    (("bench", "pp"), "gpuxfer.bench.pp", "stage hand-off benchmark: copy engines vs NCCL, step time and SM contention"),
+    (("bench", "pp"), "gpuxfer.bench.pp.cli", "stage hand-off benchmark: copy engines vs NCCL, step time and SM contention"),
     (("bench", "kernels"), "gpuxfer.bench.kernels", "Triton copy kernels vs the copy-engine and local HBM ceilings"),
 ]
 

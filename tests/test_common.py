@@ -23,7 +23,7 @@ def test_parse_size_bad_input_names_the_option(text):
 def test_pp_bench_sizes_use_the_shared_parser():
     from gpuxfer.cli import build_parser
     from gpuxfer.errors import BadInput
-    from gpuxfer.bench.pp import _options
+    from gpuxfer.bench.pp.cli import _options
 
     def opts(*argv):
         return _options(build_parser().parse_args(["bench", "pp", "--platform", "host", *argv]))

@@ -15,7 +15,7 @@ import tempfile
 import pytest
 import torch
 
-from gpuxfer.bench.pp import count_wrong_bytes
+from gpuxfer.bench.pp.ranks import count_wrong_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -148,7 +148,7 @@ def test_one_device_leaves_nccl_out_and_the_targets_do_not_apply(monkeypatch):
 
     from gpuxfer.cli import build_parser
     from gpuxfer.errors import BadInput
-    from gpuxfer.bench import pp as B
+    from gpuxfer.bench.pp import cli as B
     monkeypatch.setattr(B, "platform_option", lambda text: "cuda")
     monkeypatch.setattr(B, "device_count", lambda name: 1)
     monkeypatch.setattr("gpuxfer.platforms.platform_class", lambda name: argparse.Namespace(is_emulation=False))
@@ -210,7 +210,7 @@ def test_example_two_stage_cuda():
 
 
 def test_targets_leave_out_rows_timed_under_a_profiler():
-    from gpuxfer.bench.pp import _targets
+    from gpuxfer.bench.pp.report import _targets
 
     def row(backend, us, instrumented=None):
         return {"backend": backend, "metadata": False, "size_bytes": 16384, "time_us": us, "algbw_gbps": 1.0,
@@ -223,7 +223,8 @@ def test_targets_leave_out_rows_timed_under_a_profiler():
 
 def test_host_target_from_the_paced_rows():
     """The eager host target: copy_engine without metadata at 16 KiB-1 MiB, each side's paced host time."""
-    from gpuxfer.bench.pp import HOST_TARGET, _host_target
+    from gpuxfer.bench.pp import HOST_TARGET
+    from gpuxfer.bench.pp.report import _host_target
 
     def row(size, snd, rcv, metadata=False, backend="copy_engine"):
         return {"backend": backend, "metadata": metadata, "size_bytes": size, "send_host_paced_us": snd,
@@ -239,7 +240,7 @@ def test_host_target_from_the_paced_rows():
 def test_targets_against_plain_nccl_and_pingpong():
     """Ratios are taken against plain torch.distributed where it was measured (+meta rows against its only,
     metadata-free, row); the graph column has its own ratio; ping-pong rows give the latency target."""
-    from gpuxfer.bench.pp import _targets
+    from gpuxfer.bench.pp.report import _targets
 
     def row(backend, us, metadata=False, size=16384):
         return {"backend": backend, "metadata": metadata, "size_bytes": size, "time_us": us, "algbw_gbps": 1.0}
