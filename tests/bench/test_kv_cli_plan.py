@@ -137,3 +137,29 @@ def test_plan_only_end_to_end_in_a_fresh_process():
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["grid"]["points"][0]["request_descriptors"] == 131_304
+
+
+def test_defaults_are_resolved_in_one_place_and_typed_values_stay():
+    """Options left out are None until resolve_defaults fills them (the host emulation's small grid, or a
+    GPU run's); a value typed equal to a default is the user's and is kept."""
+    from gpuxfer.bench.kv.options import DEFAULTS, parse_grid_spec, resolve_defaults
+    args = build_parser().parse_args(["bench", "kv", "--trials", DEFAULTS["trials"], "--batch", "1,2"])
+    assert args.isl is None and args.warmup is None
+    shrunk = resolve_defaults(args, host=True)
+    assert args.given == {"trials", "batch"} and args.trials == "5" and args.batch == "1,2"
+    assert shrunk == {"isl": "16", "page": "16", "pool_budget": "256MiB", "warmup": "0"}
+    assert resolve_defaults(args, host=False) == shrunk and args.isl == "16"      # idempotent
+    spec = parse_grid_spec(args)
+    assert [w.name for w in spec.workloads] == ["kv-dsv4"] and spec.isls == (16,) and spec.batches == (1, 2)
+    assert spec.build().points[0].workload is spec.workloads[0]           # the workload travels as an object
+    gpu = build_parser().parse_args(["bench", "kv"])
+    assert resolve_defaults(gpu) == {} and gpu.given == frozenset() and gpu.isl == DEFAULTS["isl"]
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--workload", "kv-dsv4"], "--workload"), (["--pool-budget", "64GiB"], "--pool-budget"),
+    (["--desc-budget", "16M"], "--desc-budget"),
+])
+def test_the_suite_refuses_what_it_fixes_even_when_typed_as_the_default(argv, option):
+    with pytest.raises(BadInput, match=f"{option}: --suite collectivex fixes it"):
+        parse_grid_args(build_parser().parse_args(["bench", "kv", "--suite", "collectivex", *argv]))
