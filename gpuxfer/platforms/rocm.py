@@ -317,6 +317,15 @@ class SignalMemory(Closable):
 SDMA_ARCH_PREFIXES = ("gfx94", "gfx95")
 
 
+def sdma_disabled_by() -> str | None:
+    """The ROCr variable (``HSA_ENABLE_SDMA`` or ``HSA_ENABLE_PEER_SDMA``) set to 0, which turns SDMA copies into
+    blit kernels on compute units, or None."""
+    for var in ("HSA_ENABLE_SDMA", "HSA_ENABLE_PEER_SDMA"):
+        if os.environ.get(var, "").strip() == "0":
+            return var
+    return None
+
+
 class RocmSdma(SdmaEngines):
     """The SDMA engines of a ROCm platform (:attr:`RocmPlatform.sdma`).
 
@@ -331,6 +340,9 @@ class RocmSdma(SdmaEngines):
         self.platform = platform
 
     def unavailable_reason(self, device: int, host_queued: bool) -> str | None:
+        var = sdma_disabled_by()
+        if var is not None:
+            return f"{var}=0 makes ROCr run SDMA copies as blit kernels on CUs: unset it for the sdma backend"
         try:
             info = self.platform.device_info(device)
             if not info.arch.startswith(SDMA_ARCH_PREFIXES):
@@ -560,9 +572,9 @@ class RocmPlatform(Platform):
         except Exception as exc:  # noqa: BLE001 - engine count is informative
             engines = int(getattr(props, "asyncEngineCount", 0) or 0)
             notes.append(f"SDMA engine count from hipDeviceProp_t.asyncEngineCount (HSA unavailable: {exc})")
-        for var in ("HSA_ENABLE_SDMA", "HSA_ENABLE_PEER_SDMA"):
-            if os.environ.get(var) == "0":
-                notes.append(f"{var}=0: ROCr turns SDMA copies into blit kernels (CUs)")
+        var = sdma_disabled_by()
+        if var is not None:
+            notes.append(f"{var}=0: ROCr turns SDMA copies into blit kernels (CUs)")
         info = DeviceInfo(
             index=device, name=_s(props.name) or arch, arch=arch, total_bytes=int(total or props.totalGlobalMem),
             free_bytes=int(free), pci_bus_id=self.pci_bus_id(device), sm_count=int(props.multiProcessorCount),

@@ -167,7 +167,7 @@ class CopyEngineTransport(Transport):
         """Why this backend cannot run on ``platform`` here (local checks only), or None."""
         if platform.name not in cls.platforms:
             return (f"the {cls.name} backend runs on {', '.join(cls.platforms)}, not {platform.name}"
-                    + (" (ROCm: the sdma backend)" if platform.name == "rocm" else ""))
+                    + (" (SDMA engines: the sdma backend)" if platform.sdma is not None else ""))
         try:
             n = platform.device_count()
             if n < 1:

@@ -70,7 +70,6 @@ The platform's SDMA engines come through the contract: :attr:`Platform.sdma
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -135,9 +134,6 @@ class SdmaTransport(CopyEngineTransport):
             return str(exc)
         if platform.sdma is None:
             return f"platform {platform.name} offers no SDMA engines (Platform.sdma is None)"
-        for var in ("HSA_ENABLE_SDMA", "HSA_ENABLE_PEER_SDMA"):
-            if os.environ.get(var, "").strip() == "0":
-                return f"{var}=0 makes ROCr run SDMA copies as blit kernels on CUs: unset it for the sdma backend"
         return platform.sdma.unavailable_reason(0 if device is None else device, host_queued=path == "hsa")
 
     def __init__(self, *, sdma_path: str | None = None, ring: int | None = None, copies: int | None = None, **kw):

@@ -44,27 +44,31 @@ class _PlainP2P:
 
     name = PLAIN
 
-    def __init__(self, group, peer: int, specs: dict, tdev):
+    def __init__(self, group, peer: int, specs: dict, tdev, timeout_s: float):
+        import torch.distributed as dist
         self.group, self.peer, self.tdev = group, peer, tdev
         self.names = sorted(specs)
         self.dtypes = {k: specs[k][1] for k in self.names}
         self._sent: list = []
+        self._bound = _WorkBound(dist.get_rank(), dist.get_backend(group) == "gloo", timeout_s)
+        self._sends = self._recvs = 0
 
     def send(self, tensors: dict) -> None:
         import torch.distributed as dist
-        for w in self._sent:
-            w.wait()
+        self._bound.wait(self._sent, self._sends, "isend")
+        self._sends += 1
         self._sent = [dist.isend(tensors[k], dst=self.peer, group=self.group) for k in self.names]
 
     def recv(self, shapes: dict):
         import torch
         import torch.distributed as dist
+        self._recvs += 1
         bufs = {k: torch.empty(shapes[k], dtype=self.dtypes[k], device=self.tdev) for k in self.names}
-        return _PlainReceived(bufs, [dist.irecv(bufs[k], src=self.peer, group=self.group) for k in self.names])
+        works = [dist.irecv(bufs[k], src=self.peer, group=self.group) for k in self.names]
+        return _PlainReceived(bufs, works, self._bound, self._recvs)
 
     def synchronize(self) -> None:
-        for w in self._sent:
-            w.wait()
+        self._bound.wait(self._sent, self._sends, "isend")
         self._sent = []
 
     # the Connection-shaped surface the loops use
@@ -89,15 +93,38 @@ class _PlainP2P:
 
 
 class _PlainReceived:
-    def __init__(self, bufs: dict, works: list):
-        self._bufs, self._works = bufs, works
+    def __init__(self, bufs: dict, works: list, bound: "_WorkBound", step: int):
+        self._bufs, self._works, self._bound, self._step = bufs, works, bound, step
 
     @property
     def tensors(self) -> dict:
-        for w in self._works:
-            w.wait()
+        self._bound.wait(self._works, self._step, "irecv")
         self._works = []
         return self._bufs
+
+
+class _WorkBound:
+    """Waits on ``torch.distributed`` works. On gloo the host blocks, so each wait is bounded by ``timeout_s``
+    (:class:`~gpuxfer.errors.TransferTimeout`). On NCCL ``wait()`` makes the current stream wait and returns;
+    a timeout would make the host block until the work completes and change what the baseline times, so none
+    is given there: the bounded device synchronize of the loop catches a hang."""
+
+    def __init__(self, rank: int, gloo: bool, timeout_s: float):
+        self.rank, self.gloo, self.timeout_s = rank, gloo, float(timeout_s)
+
+    def wait(self, works: list, step: int, what: str) -> None:
+        from datetime import timedelta
+
+        from ...errors import TransferTimeout
+        for w in works:
+            if not self.gloo:
+                w.wait()
+                continue
+            try:
+                w.wait(timeout=timedelta(seconds=self.timeout_s))
+            except RuntimeError as exc:
+                raise TransferTimeout(rank=self.rank, step=step, flag=what, expected=step, seen=None,
+                                      timeout_s=self.timeout_s, what=f"plain torch.distributed {what} ({exc})") from None
 
 
 @contextlib.contextmanager
@@ -171,7 +198,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
 
     def open_conn(backend: str, metadata: bool):
         if backend == PLAIN:
-            return _PlainP2P(device_group or dist.group.WORLD, peer, specs, tdev)
+            return _PlainP2P(device_group or dist.group.WORLD, peer, specs, tdev, opts["timeout"])
         return connect(send_to=peer if rank == 0 else None, recv_from=peer if rank == 1 else None, specs=specs,
                        backend=backend, platform=plat, device=dev, metadata=metadata, timeout_s=opts["timeout"],
                        recv_slots=opts["recv_slots"], flag_path=opts["flag_path"],
@@ -403,7 +430,7 @@ def _pingpong(plat, dev, tdev, rank, opts, device_group) -> list:
     rows = []
     for backend in opts["backends"]:
         if backend == PLAIN:
-            conn = _PlainP2P(device_group or dist.group.WORLD, peer, specs, tdev)
+            conn = _PlainP2P(device_group or dist.group.WORLD, peer, specs, tdev, opts["timeout"])
         else:
             conn = connect(send_to=peer, recv_from=peer, specs=specs, backend=backend, platform=plat, device=dev,
                            metadata=False, timeout_s=opts["timeout"], recv_slots=opts["recv_slots"],
