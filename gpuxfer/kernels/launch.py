@@ -323,7 +323,11 @@ def _copy_launch(mode: int, src, dst, descs, offsets, start: int, end: int, stag
     """The kernel launch ``_launch_copy`` makes, as a function of no arguments (None: nothing to copy).
 
     ``bounds``: ``(tensor, lo_at, hi_at)``: the rows are read on the device at each launch (the kernel's
-    ``DEVICE_RANGE``) and clamped into ``[start, end)`` = the whole table; the grid is then fixed."""
+    ``DEVICE_RANGE``) and clamped into ``[start, end)`` = the whole table; the grid is then fixed. Only the
+    modes that read no offsets take them (pack and unpack read ``offsets`` at the range's first row)."""
+    if bounds is not None and mode in (MODE_PACK, MODE_UNPACK):
+        raise BadInput(f"a device-read row range needs a mode that reads no offsets (copy, or pack / unpack "
+                       f"with row_bytes), got mode {mode}")
     rows = end - start
     hint = nbytes_hint if nbytes_hint is not None else (stats.max_nbytes if stats is not None else None)
     config, _ = launch_geometry(rows, src.device, nbytes_hint=hint, num_programs=num_programs, config=config,

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from gpuxfer.errors import BadInput
 from gpuxfer.kernels import reference as ref
 from gpuxfer.kernels.blocks import expand_blocks, expand_launcher
+from gpuxfer.kernels import launch
 from gpuxfer.kernels.launch import copy_range_launcher
 
 
@@ -64,6 +65,19 @@ def test_copy_range_launcher_rejects_bad_arguments(dev):
     with pytest.raises(BadInput, match="num_programs"):
         copy_range_launcher(src, src, table, bounds, lo_at=0, hi_at=1, num_programs=0)
     assert copy_range_launcher(src, src, table[:0], bounds, lo_at=0, hi_at=1) is None
+
+
+@pytest.mark.parametrize("mode", [launch.MODE_PACK, launch.MODE_UNPACK])
+def test_device_range_refuses_modes_reading_offsets(mode):
+    """Pack and unpack read ``offsets`` at the range's first row, which a device-read range may put one past
+    the table: a launch with such a range is refused, whatever its other arguments."""
+    src = torch.zeros(64, dtype=torch.uint8)
+    table = torch.zeros((4, 3), dtype=torch.int64)
+    offsets = torch.zeros(5, dtype=torch.int64)
+    bounds = torch.tensor([4, 4], dtype=torch.int64)
+    with pytest.raises(BadInput, match="reads no offsets"):
+        launch._copy_launch(mode, src, src, table, offsets, 0, 4, 0, None, None, 16, None, True,
+                            bounds=(bounds, 0, 1))
 
 
 def test_expansion_fixed_grid_matches_reference_on_hostile_input():
