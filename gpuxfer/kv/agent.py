@@ -829,6 +829,7 @@ class KVTransfer:
     """A prepared request: block IDs checked and staged; :meth:`post` may be called again and again."""
 
     waits_on_peer = False           # whether its streams wait on flags the peer writes (a timeout fails the agent)
+    _pooled = None                  # the host array's pool token (:class:`_RequestPool`), if it came from the pool
 
     def __init__(self, agent: "KVAgent", peer: KVPeer, route: _Route, op: str, name: str, n_seg: np.ndarray,
                  host_req, dev_req, out, max_segments: int, launches: list, notify_slot: int | None,
@@ -861,6 +862,13 @@ class KVTransfer:
 
     def __repr__(self) -> str:
         return f"KVTransfer({self.describe()})"
+
+    def __del__(self):
+        """The host array goes back to the agent's pool: the agent keeps a posted transfer until its last post
+        completed, so nothing reads the array any more."""
+        pool = getattr(getattr(self, "agent", None), "_requests", None)
+        if pool is not None and self._pooled is not None:
+            pool.give(self._pooled)
 
 
 class _SlotTransfer(KVTransfer):
@@ -952,10 +960,6 @@ class _SlotTransfer(KVTransfer):
                                   timeout_s=agent.timeout_s, what="expanding the descriptors")
         return slot.out[:self.descriptors].cpu().numpy().copy()
 
-    def __del__(self):
-        pool = getattr(getattr(self, "agent", None), "_requests", None)
-        if pool is not None:
-            pool.give(self._pooled)
 
 
 class _RequestPool:
@@ -1246,12 +1250,12 @@ class _PackTransfer(KVTransfer):
         one graph launch (else the operations one by one), a notification if asked for, one event."""
         agent, peer = self.agent, self.peer
         agent._check_usable(peer)
-        if agent._pack_peer not in (None, peer.meta.uid):
-            raise BadInput(f"agent {agent.name!r} already runs pack transfers with another peer: its control "
-                           "words hand chunks to one peer (use one agent per pack peer)")
-        agent._pack_peer = peer.meta.uid
         s = agent.stream if stream is None else stream
         with agent._post_lock:
+            if agent._pack_peer not in (None, peer.meta.uid):
+                raise BadInput(f"agent {agent.name!r} already runs pack transfers with another peer: its control "
+                               "words hand chunks to one peer (use one agent per pack peer)")
+            agent._pack_peer = peer.meta.uid
             return self._post(s)
 
     def _post(self, s: Stream) -> KVTransferHandle:
@@ -1318,11 +1322,6 @@ class _PackTransfer(KVTransfer):
             raise TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
                                   timeout_s=agent.timeout_s, what="expanding the descriptors")
         return shape.out[:self.descriptors].cpu().numpy().copy()
-
-    def __del__(self):
-        pool = getattr(getattr(self, "agent", None), "_requests", None)
-        if pool is not None and getattr(self, "_pooled", None) is not None:
-            pool.give(self._pooled)
 
 
 def expand_on_host(table: np.ndarray, request: np.ndarray, n_groups: int) -> np.ndarray:
