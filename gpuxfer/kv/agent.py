@@ -93,8 +93,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import (BackendUnavailable, BadInput, BadMetadata, BlockIdError, LayoutMismatch, NotRegistered,
-                      TransferTimeout)
+from ..errors import (BackendUnavailable, BadInput, BadMetadata, BlockIdError, GpuxferError, LayoutMismatch,
+                      NotRegistered, TransferTimeout)
 from ..platforms.base import (FLAG_OP_WAIT, FLAG_OP_WRITE, RELEASE_VALUE, Closable, DeviceBuffer, Event, IpcHandle,
                               Platform, Stream, flag_ops_array)
 from ..sync import wait_flag_or_raise
@@ -134,6 +134,9 @@ PACK_SLOT_BYTES_EMULATION = 1 << 20
 PACK_SHAPES = 8
 
 _LOCAL_AGENTS: "weakref.WeakValueDictionary[str, KVAgent]" = weakref.WeakValueDictionary()
+#: streams and device memory that queued work may still touch when their owner was closed (a wait that never
+#: completed): kept for the life of the process rather than destroyed or freed under that work
+_LEAKED: list = []
 
 
 # ============================================================================ layer descriptions
@@ -1603,27 +1606,37 @@ class KVAgent(Closable, FailsOnTimeout):
         """Whether a stream write into the peer's control words lands (``$GPUXFER_FLAG_PATH``: ``auto`` probes
         -- a write of a fresh value on a stream of its own, read back through the mapping --, ``remote`` /
         ``copy`` force one path; CUDA 13.1+ refuses remote stream writes)."""
-        from ..flaglink import flag_path_from_env
+        from ..flaglink import SETUP_TIMEOUT_S, flag_path_from_env
         path = flag_path_from_env()
         if path != "auto":
             return path == "remote"
         plat = self.platform
         word = peer.control_ptr + 8 * _PROBE
         nonce = int.from_bytes(os.urandom(6), "little") + 1
+        timeout = min(self.timeout_s, SETUP_TIMEOUT_S)
         s = plat.create_stream(self.device)
+        pending, ok = False, False
         try:
             plat.write_flag(s, word, nonce)
-            ok = plat.synchronize(s, 10.0) and plat.read_flag(word, self.device) == nonce
-        except Exception as exc:  # noqa: BLE001 - the copy path always works: the probe says so
-            log.info("agent %s: a remote stream write to peer %s failed (%s: %s); pack signals go by 8-byte "
-                     "copies", self.name, peer.name, type(exc).__name__, exc)
-            ok = False
-        finally:
+            pending = not plat.synchronize(s, timeout)
+            ok = not pending and plat.read_flag(word, self.device) == nonce
+        except GpuxferError as exc:         # the copy path always works: the probe says so
+            log.info("agent %s: a remote stream write to peer %s failed (%s: %s)", self.name, peer.name,
+                     type(exc).__name__, exc)
+        if pending:
+            # the write is still queued: the stream is kept, not destroyed under it
+            log.warning("agent %s: the probe's stream write to peer %s did not complete within %g s; its stream "
+                        "is kept for the life of the process", self.name, peer.name, timeout)
+            _LEAKED.append(s)
+        else:
             try:
                 s.close()
-            except Exception:  # noqa: BLE001 - a stream a failed operation left unusable
-                pass
-        return bool(ok)
+            except GpuxferError as exc:
+                log.warning("agent %s: closing the probe's stream failed (%s: %s)", self.name, type(exc).__name__,
+                            exc)
+        if not ok:
+            log.info("agent %s: pack signals to peer %s go by 8-byte copies", self.name, peer.name)
+        return ok
 
     def _warm(self, peer: KVPeer) -> None:
         """Build the routes of whole requests (every shared group, every layer) in both directions now, so a

@@ -912,6 +912,33 @@ def test_pack_goes_to_one_peer(plat, pack_pair):
         other.close()
 
 
+def test_flag_probe_bounded_and_keeps_a_stream_with_a_pending_write(pack_pair, monkeypatch):
+    """The remote-write probe waits at most the agent's timeout (at most the set-up bound); a write that did not
+    complete in time leaves its stream open (kept, not destroyed under it) and signals go by copies."""
+    from gpuxfer.kv import agent as agent_mod
+    pre, dec, a0, a1 = pack_pair
+    monkeypatch.setenv("GPUXFER_FLAG_PATH", "auto")
+    pre.timeout_s = 0.25
+    peer = pre.add_peer(dec.metadata())
+    plat = pre.platform
+    seen = []
+
+    def stuck(s, timeout_s=60.0):
+        seen.append((s, timeout_s))
+        return False
+    monkeypatch.setattr(plat, "synchronize", stuck)
+    try:
+        assert pre._probe_remote_flags(peer) is False
+        (s, t), = seen
+        assert t == 0.25 and not s.closed and s in agent_mod._LEAKED
+    finally:
+        monkeypatch.undo()
+        agent_mod._LEAKED.remove(s)
+        plat.synchronize(s, 30)
+        s.close()
+    assert pre._probe_remote_flags(peer) is True            # the host emulation's stream writes land
+
+
 def test_pack_needs_staging_on_both_sides(plat, pack_pair):
     pre, dec, a0, a1 = pack_pair
     tri = KVAgent("tri", platform=plat, device=1)
