@@ -15,6 +15,9 @@ import time
 from .errors import BadInput, TransferTimeout
 from .platforms.base import Event, Platform
 
+#: how long a wait for work that usually ends soon (a KV burst) spins on a device before blocking
+SPIN_S = 0.25
+
 
 def _seen(platform: Platform, flag_ptr: int | None, device: int) -> int | None:
     if flag_ptr is None:
@@ -25,20 +28,34 @@ def _seen(platform: Platform, flag_ptr: int | None, device: int) -> int | None:
         return None
 
 
-def wait_event_or_raise(platform: Platform, event: Event, timeout_s: float, *, rank: int, step: int,
-                        flag: str, expected: int, flag_ptr: int | None = None, device: int = 0,
-                        what: str = "") -> None:
-    """Wait on the host for ``event``; raise :class:`TransferTimeout` after ``timeout_s``.
+def wait_event_or_raise(platform: Platform, event: Event, timeout_s: float, *, rank: int, step: int = 0,
+                        flag: str | None = None, expected: int = 1, flag_ptr: int | None = None, device: int = 0,
+                        what: str = "", spin_s: float = 0.0) -> None:
+    """Wait on the host for ``event``; raise :class:`TransferTimeout` after ``timeout_s`` (0: query it once).
 
-    ``flag_ptr`` (read with ``platform.read_flag(flag_ptr, device)``) is the
-    flag the stream is waiting on behind ``event``; its last value goes into
-    the error. Errors from the stream itself (``DriverError``...) propagate.
+    ``spin_s``: on a device platform, query the event in a loop this long before
+    the blocking wait (a sleeping wait inflates short waits); host memory never
+    spins (its streams are CPU threads a spin would slow). ``flag`` names what
+    the stream waits on behind ``event`` (default ``"event: <what>"``);
+    ``flag_ptr`` (read with ``platform.read_flag(flag_ptr, device)``) is that
+    flag, its last value goes into the error. Errors from the stream itself
+    (``DriverError``...) propagate.
     """
-    if timeout_s <= 0:
-        raise BadInput(f"timeout_s must be positive, got {timeout_s}")
-    if not platform.event_wait(event, timeout_s):
-        raise TransferTimeout(rank=rank, step=step, flag=flag, expected=expected,
-                              seen=_seen(platform, flag_ptr, device), timeout_s=timeout_s, what=what)
+    if not timeout_s >= 0:
+        raise BadInput(f"timeout_s must be >= 0, got {timeout_s}")
+    start = time.perf_counter()
+    if spin_s > 0 and not platform.host_memory:
+        spin_until = start + min(spin_s, timeout_s)
+        while True:
+            if platform.event_query(event):
+                return
+            if time.perf_counter() > spin_until:
+                break
+    left = timeout_s - (time.perf_counter() - start)
+    if platform.event_wait(event, left) if left > 0 else platform.event_query(event):
+        return
+    raise TransferTimeout(rank=rank, step=step, flag=f"event: {what}" if flag is None else flag,
+                          expected=expected, seen=_seen(platform, flag_ptr, device), timeout_s=timeout_s, what=what)
 
 
 def wait_flag_or_raise(platform: Platform, flag_ptr: int, expected: int, timeout_s: float, *, rank: int,

@@ -807,12 +807,13 @@ class KVTransferHandle:
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until the transfer has completed; :class:`TransferTimeout` naming the request past ``timeout_s``."""
-        from .engines.base import wait_event
+        from ..sync import SPIN_S, wait_event_or_raise
         agent = self.transfer.agent
         agent.check()
         t = agent.timeout_s if timeout_s is None else float(timeout_s)
         try:
-            wait_event(agent.platform, self.event, t, rank=agent.rank, what=f"KV transfer {self.name!r}")
+            wait_event_or_raise(agent.platform, self.event, t, rank=agent.rank, what=f"KV transfer {self.name!r}",
+                                spin_s=SPIN_S)
         except TransferTimeout as exc:
             err = TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
                                   timeout_s=t, what=f"{self.transfer.describe()} did not complete")

@@ -125,11 +125,6 @@ class Region:
         if self.pack_group is not None and (not isinstance(self.pack_group, str) or not self.pack_group):
             raise BadInput(f"region {self.name!r}: pack_group must be a non-empty string or None")
 
-    @property
-    def grows_with_input(self) -> bool:
-        """True if the region holds every input token, False for a fixed window."""
-        return self.window_tokens is None
-
     def entries_per_page(self, page_tokens: int) -> int:
         """Entries one page holds; raises :class:`BadInput` if the page size cannot map."""
         _pos_int(page_tokens, "page size (tokens)")

@@ -213,17 +213,22 @@ class Stream:
 
     device: int
     handle: int | None
+    _platform = None               # the creating platform, set only for owned streams (it has _destroy_stream)
+    _closed = False
 
     def close(self) -> None:
         """Release a stream made by ``create_stream`` (queued work still completes).
 
         Idempotent; a no-op for borrowed streams (``current_stream``).
         """
+        if self._platform is not None and not self._closed:
+            self._closed = True
+            self._platform._destroy_stream(self)
 
     @property
     def closed(self) -> bool:
         """Whether ``close()`` released this stream (never for a borrowed one)."""
-        return False
+        return self._closed
 
 
 class Event:

@@ -314,15 +314,6 @@ class CudaStream(Stream):
     def is_legacy_default(self) -> bool:
         return self.handle in _LEGACY_STREAM_HANDLES
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def close(self) -> None:
-        if self._platform is not None and not self._closed:
-            self._closed = True
-            self._platform._destroy_stream(self)
-
     def __repr__(self) -> str:
         kind = "owned" if self.owned else ("legacy default" if self.is_legacy_default else "torch")
         return f"CudaStream(cuda:{self.device}, 0x{self.handle:x}, {kind})"

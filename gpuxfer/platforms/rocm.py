@@ -269,15 +269,6 @@ class RocmStream(Stream):
         self._platform = platform      # set only for owned streams
         self._closed = False
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def close(self) -> None:
-        if self._platform is not None and not self._closed:
-            self._closed = True
-            self._platform._destroy_stream(self)
-
     def __repr__(self) -> str:
         return (f"RocmStream(device {self.device}, 0x{self.handle:x}"
                 f"{', own hardware queue' if self.dedicated else ''})")

@@ -231,10 +231,6 @@ class CopyEngineTransport(Transport):
         """This end's flag words after the link's probe words: in[0..R-1], stage[0..R-1]."""
         return 2 * self.recv_slots
 
-    @property
-    def flags_bytes(self) -> int:
-        return (W_IN + self.flag_words) * FLAG_STRIDE
-
     def _alloc_flags(self, nbytes: int):
         """The flag buffer's memory (a platform with uncached flag memory overrides this)."""
         return self.platform.alloc(nbytes, self.device)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from .base import (CROSS_HOST_PEER_MAPPING, ENV_KV_ON_TIMEOUT, EXIT_CODE, BurstShape, DescriptorBurst, Engine,
                    EngineOptions, FailsOnTimeout, Gate, Prepared, Role, Side, as_descriptors, check_direction,
-                   initiator_of, on_timeout_from_env, wait_event)
+                   initiator_of, on_timeout_from_env)
 from .chunks import bulk_descriptors, chunk_plan, split_large
 from .copy_engine import BulkEngine, CopyEngineEngine
 from .pack import PackEngine
@@ -40,4 +40,4 @@ __all__ = ["CROSS_HOST_PEER_MAPPING", "DEFAULT_ENGINES", "ENGINES", "ENV_KV_ON_T
            "FailsOnTimeout", "Gate", "PackEngine", "Prepared", "Role", "Side", "TritonEngine", "as_descriptors",
            "bulk_descriptors", "check_direction", "chunk_plan", "engine_class", "engine_report",
            "engine_unavailable_reason", "initiator_of", "measurement_order", "on_timeout_from_env",
-           "parse_engines", "register_engine", "split_large", "wait_event"]
+           "parse_engines", "register_engine", "split_large"]

@@ -57,7 +57,6 @@ import enum
 import logging
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 
@@ -67,6 +66,7 @@ from ... import config
 from ...errors import BackendUnavailable, BadInput, TransferTimeout
 from ...platforms.base import (RELEASE_VALUE, Closable, DeviceBuffer, Event, Memory, PeerMapping, Platform,
                                Stream)
+from ...sync import SPIN_S, wait_event_or_raise
 from ..plan import DIRECTIONS, check_bounds
 
 log = logging.getLogger("gpuxfer.kv.engines")
@@ -405,27 +405,6 @@ class Prepared:
 # ----------------------------------------------------------------------------- waiting
 
 
-def wait_event(platform: Platform, event: Event, timeout_s: float, *, rank: int, what: str, step: int = 0,
-               spin_s: float = 0.25) -> None:
-    """Wait on the host for ``event``; spin first on a GPU (a sleep would inflate short bursts).
-
-    Raises :class:`TransferTimeout` past ``timeout_s``.
-    """
-    start = time.perf_counter()
-    if not platform.host_memory:      # host memory: the streams are CPU threads, a spin would slow them
-        spin_until = start + min(spin_s, timeout_s)
-        while True:
-            if platform.event_query(event):
-                return
-            if time.perf_counter() > spin_until:
-                break
-    left = timeout_s - (time.perf_counter() - start)
-    if left > 0 and platform.event_wait(event, left):
-        return
-    raise TransferTimeout(rank=rank, step=step, flag=f"event: {what}", expected=1, seen=0, timeout_s=timeout_s,
-                          what=what)
-
-
 class Gate:
     """A 64-bit flag in this process's device memory that armed work waits on; posting writes it.
 
@@ -582,8 +561,8 @@ class Engine(Closable, abc.ABC):
         self.side.check()
         if p.active and p.done is not None:
             try:
-                wait_event(self.platform, p.done, self.side.timeout_s, rank=self.side.rank,
-                           what=f"{self.name} {p.direction} burst of {p.burst.batch} request(s)")
+                wait_event_or_raise(self.platform, p.done, self.side.timeout_s, rank=self.side.rank, spin_s=SPIN_S,
+                                    what=f"{self.name} {p.direction} burst of {p.burst.batch} request(s)")
             except TransferTimeout as exc:
                 self.side.fail(exc)
                 raise

@@ -44,7 +44,8 @@ import numpy as np
 
 from ... import config
 from ...errors import BackendUnavailable, BadInput
-from .base import DescriptorBurst, Engine, Prepared, Role, Side, wait_event
+from ...sync import SPIN_S, wait_event_or_raise
+from .base import DescriptorBurst, Engine, Prepared, Role, Side
 from .chunks import bulk_descriptors, chunk_plan, split_large
 from .launch import bind, device_table, kernel_reason, kernels, sync_uploads
 from .nixl_ffi import NixlAgent, NixlError, find_nixl, nixl_unavailable_reason, to_nixl_dlists
@@ -430,7 +431,8 @@ class NixlPackEngine(_NixlEngineBase):
         return self.platform.record_event(self.kernel_stream)
 
     def _sync(self, event, what: str, step: int) -> None:
-        wait_event(self.platform, event, self.side.timeout_s, rank=self.side.rank, what=what, step=step)
+        wait_event_or_raise(self.platform, event, self.side.timeout_s, rank=self.side.rank, what=what, step=step,
+                            spin_s=SPIN_S)
 
     def _tag(self, kind: str, n: int, r: int) -> bytes:
         return f"gpuxfer:{kind}:{n}:{r}".encode()
