@@ -1251,16 +1251,28 @@ class _PackTransfer(KVTransfer):
     def post(self, stream: Stream | None = None) -> KVTransferHandle:
         """Enqueue this side's part (see the class docstring) on ``stream``; the handle completes when the
         data has landed on the destination. Host work: the request upload and, for a shape posted before,
-        one graph launch (else the operations one by one), a notification if asked for, one event."""
+        one graph launch (else the operations one by one), a notification if asked for, one event.
+
+        A post that fails part way fails the agent (:meth:`KVAgent.fail`): the peer may already have acted on
+        the signals it queued, so the two sides' transfers no longer pair up; its error is raised from every
+        later call instead of a timeout of the next transfer."""
         agent, peer = self.agent, self.peer
         agent._check_usable(peer)
         s = agent.stream if stream is None else stream
+        if not isinstance(s, Stream) or s.closed:
+            raise BadInput(f"request {self.name!r}: cannot post on {s!r}: not an open stream of the platform")
         with agent._post_lock:
             if agent._pack_peer not in (None, peer.meta.uid):
                 raise BadInput(f"agent {agent.name!r} already runs pack transfers with another peer: its control "
                                "words hand chunks to one peer (use one agent per pack peer)")
             agent._pack_peer = peer.meta.uid
-            return self._post(s)
+            try:
+                return self._post(s)
+            except Exception as exc:
+                log.error("agent %s: posting %s failed part way (%s: %s); the agent fails", agent.name,
+                          self.describe(), type(exc).__name__, exc)
+                agent.fail(exc)
+                raise
 
     def _post(self, s: Stream) -> KVTransferHandle:
         agent, peer = self.agent, self.peer
@@ -1271,10 +1283,7 @@ class _PackTransfer(KVTransfer):
         keep: tuple = self._buffers
         shape = self._shape
         if shape is not None:
-            if self.source:
-                parity, peer.pack_sent = peer.pack_sent % 2, peer.pack_sent + 1
-            else:
-                parity, peer.pack_recv = peer.pack_recv % 2, peer.pack_recv + 1
+            parity = (peer.pack_sent if self.source else peer.pack_recv) % 2
             plat.copy_async(s, shape.req.data_ptr(), self._host_ptr, self._req_bytes)
             graphs = shape.graph(parity)
             lane = agent._pack_lane() if self.source else None
@@ -1293,6 +1302,10 @@ class _PackTransfer(KVTransfer):
                 agent._lane_event = plat.record_event(lane, agent._lane_event)
                 plat.stream_wait_event(s, agent._lane_event)
             shape.posts += 1
+            if self.source:                 # counted once the transfer is queued
+                peer.pack_sent += 1
+            else:
+                peer.pack_recv += 1
             keep = (self, shape)
         value = None
         if self.notify_slot is not None:

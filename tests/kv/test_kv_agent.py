@@ -872,6 +872,38 @@ def test_pack_without_the_source_times_out_naming_the_request(pack_pair):
     assert pre.failed is None
 
 
+def test_pack_post_failing_part_way_fails_the_agent(pack_pair, monkeypatch):
+    """An operation of a pack post that raises after others were queued (the peer may have seen them) fails the
+    agent: its waits are released, the error comes from every later call, the pair's transfer count stays."""
+    pre, dec, a0, a1 = pack_pair
+    pre.register_group("g", 4, [a0.tensor((4, 4, 8))])
+    dec.register_group("g", 4, [a1.tensor((4, 4, 8))])
+    p_of_dec, _ = _connect(pre, dec)
+    x = dec.prepare(p_of_dec, "pull", local_blocks={"g": [0, 1]}, remote_blocks={"g": [1, 2]}, name="torn")
+    plat = dec.platform
+    calls = []
+    write = plat.write_flag
+
+    def flaky(s, ptr, value):
+        calls.append(ptr)
+        if len(calls) == 2:
+            raise BadInput("injected: the stream refused a flag write")
+        write(s, ptr, value)
+    monkeypatch.setattr(plat, "write_flag", flaky)
+    with pytest.raises(BadInput, match="injected"):
+        x.post()
+    monkeypatch.undo()
+    assert len(calls) == 2 and p_of_dec.pack_recv == 0
+    assert isinstance(dec.failed, BadInput)
+    assert plat.synchronize(dec.stream, 60)             # nothing of the torn post waits any more
+    with pytest.raises(BadInput, match="injected"):
+        x.post()
+    with pytest.raises(BadInput, match="not an open stream"):
+        pre.prepare(pre.peer("decode"), "push", local_blocks={"g": [1, 2]}, remote_blocks={"g": [0, 1]}).post(
+            stream=object())
+    assert pre.failed is None
+
+
 def test_stuck_peer_releases_stream_waits_on_notifications(pair):
     """A notification that never comes: wait_notification times out, fails the agent, and the stream made to
     wait on that slot is released (it drains); every later call raises the error."""
