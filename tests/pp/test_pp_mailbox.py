@@ -132,7 +132,7 @@ class _FakeExchange:
 def _setup_two(hosts=("a", "a"), modes=("auto", "auto"), monkeypatch=None, open_fails=False):
     import threading
     import types
-    from gpuxfer.pp import selection
+    from gpuxfer.pp import setup
     if open_fails:
         def bad_open(*a, **k):
             raise OSError("no such mailbox here")
@@ -150,7 +150,7 @@ def _setup_two(hosts=("a", "a"), modes=("auto", "auto"), monkeypatch=None, open_
 
     def run(rank):
         try:
-            selection._setup_mailboxes(ex, infos, [ends[rank]], tag_of, nonce, rank, modes[rank])
+            setup.setup_mailboxes(ex, infos, [ends[rank]], tag_of, nonce, rank, modes[rank])
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 

@@ -20,16 +20,16 @@ PAIR = [("send", 1, (0, 1), None)]
 
 
 def test_same_device_reason():
-    from gpuxfer.pp.selection import _nccl_same_device
-    why = _nccl_same_device(_infos("0000:1a:00.0", "0000:1a:00.0"), PAIR, False)
+    from gpuxfer.pp.setup import nccl_same_device
+    why = nccl_same_device(_infos("0000:1a:00.0", "0000:1a:00.0"), PAIR, False)
     assert "ranks 0 and 1 share device 0 (PCI 0000:1a:00.0)" in why and "NCCL refuses" in why
-    assert _nccl_same_device(_infos("0000:1a:00.0", "0000:1b:00.0", 0, 1), PAIR, False) is None
+    assert nccl_same_device(_infos("0000:1a:00.0", "0000:1b:00.0", 0, 1), PAIR, False) is None
     # device indexes may differ between processes (CUDA_VISIBLE_DEVICES): the PCI id decides
-    assert _nccl_same_device(_infos("0000:1a:00.0", "0000:1a:00.0", 0, 1), PAIR, False) is not None
-    assert _nccl_same_device(_infos(None, None, 0, 0), PAIR, False) is not None
-    assert _nccl_same_device(_infos(None, None, 0, 1), PAIR, False) is None
-    assert _nccl_same_device(_infos(None, None, 0, 0, host1="other"), PAIR, False) is None
-    assert _nccl_same_device(_infos(None, None, 0, 0), PAIR, True) is None       # the emulation: gloo
+    assert nccl_same_device(_infos("0000:1a:00.0", "0000:1a:00.0", 0, 1), PAIR, False) is not None
+    assert nccl_same_device(_infos(None, None, 0, 0), PAIR, False) is not None
+    assert nccl_same_device(_infos(None, None, 0, 1), PAIR, False) is None
+    assert nccl_same_device(_infos(None, None, 0, 0, host1="other"), PAIR, False) is None
+    assert nccl_same_device(_infos(None, None, 0, 0), PAIR, True) is None       # the emulation: gloo
 
 
 def _session(rank: int, world: int, init_method: str) -> dict:
@@ -39,10 +39,10 @@ def _session(rank: int, world: int, init_method: str) -> dict:
 
     from gpuxfer.errors import BackendUnavailable
     from gpuxfer.platforms import get_platform
-    from gpuxfer.pp import ConnectOptions, connect, selection
+    from gpuxfer.pp import ConnectOptions, connect, setup
     from gpuxfer.pp.launch import init_cpu_group
-    real = selection._nccl_same_device
-    selection._nccl_same_device = lambda infos, pairs, emulation: real(infos, pairs, False)  # as on a GPU
+    real = setup.nccl_same_device
+    setup.nccl_same_device = lambda infos, pairs, emulation: real(infos, pairs, False)  # as on a GPU
     init_cpu_group(rank, world, init_method)
     out = {}
     plat = get_platform("host")
