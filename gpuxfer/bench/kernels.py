@@ -211,6 +211,7 @@ def _run(c: dict, outputs, out) -> int:
 
     from ..platforms import get_platform
     from ..kernels import launch as L
+    from ..kernels.checks import check_copy
     from ..kernels.peer import PeerPools
 
     sizes, ops, sweep = c["sizes"], c["ops"], c["sweep"]
@@ -277,12 +278,12 @@ def _run(c: dict, outputs, out) -> int:
                     offs = L.pack_offsets(d) if {"pack", "unpack"} & set(ops) else None
                     kinds = {
                         "pull": (lambda: L.copy_descriptors(p_src, lb, d, nbytes_hint=size, validate=False),
-                                 lambda: L.check_copy(p_src, lb, d), lb, d, "pull"),
+                                 lambda: check_copy(p_src, lb, d), lb, d, "pull"),
                         "push": (lambda: L.copy_descriptors(la, p_dst, d, nbytes_hint=size, validate=False),
-                                 lambda: L.check_copy(la, p_dst, d), p_dst, d, "push"),
+                                 lambda: check_copy(la, p_dst, d), p_dst, d, "push"),
                         "local": (lambda: L.copy_descriptors(la, lb, d, nbytes_hint=size, validate=False,
                                                              local=True),
-                                  lambda: L.check_copy(la, lb, d), lb, d, "hbm"),
+                                  lambda: check_copy(la, lb, d), lb, d, "hbm"),
                         "pack": (lambda: L.pack(la, stage, d, offs, nbytes_hint=size, validate=False),
                                  lambda: L.pack(la, stage, d, offs, nbytes_hint=size), stage, None, "hbm"),
                         "unpack": (lambda: L.unpack(stage, lb, d, offs, nbytes_hint=size, validate=False),
@@ -321,7 +322,7 @@ def _run(c: dict, outputs, out) -> int:
                             L.fill_pattern(lb, POISON)
                             fn = (lambda sub=sub, g=g: L.copy_descriptors(p_src, lb, sub, nbytes_hint=size,
                                                                           num_programs=g, validate=False))
-                            L.check_copy(p_src, lb, sub)
+                            check_copy(p_src, lb, sub)
                             ts = clock.time(fn, f"sweep {s}", warmup, trials)
                             w = L.verify(lb, sub, SEED).wrong_bytes
                             p(Row("sweep", size, m, m * size, progs, min(progs, sms), ts, ceil.get("pull"), w,

@@ -20,22 +20,26 @@ from __future__ import annotations
 
 import importlib
 
-_LAUNCH_NAMES = ("CopyConfig", "DescriptorStats", "VerifyResult", "check_copy", "choose_config", "copy_descriptors",
-                 "copy_launcher", "copy_range_launcher", "default_programs", "fill_pattern", "launch_geometry", "pack",
+_LAUNCH_NAMES = ("CopyConfig", "VerifyResult", "choose_config", "copy_descriptors", "copy_launcher",
+                 "copy_range_launcher", "default_programs", "fill_pattern", "launch_geometry", "pack",
                  "pack_launcher", "pack_offsets", "packed_descriptors", "sm_count", "unpack", "unpack_launcher", "verify")
+
+_CHECK_NAMES = ("DescriptorStats", "check_copy")
 
 _BLOCK_NAMES = ("PLANE_FIELDS", "expand_blocks", "request_header_len")
 
-__all__ = list(_LAUNCH_NAMES) + list(_BLOCK_NAMES)
+__all__ = list(_LAUNCH_NAMES) + list(_CHECK_NAMES) + list(_BLOCK_NAMES)
 
 
 def __getattr__(name: str):
     if name in _LAUNCH_NAMES:
         return getattr(importlib.import_module(".launch", __name__), name)
+    if name in _CHECK_NAMES:
+        return getattr(importlib.import_module(".checks", __name__), name)
     if name in _BLOCK_NAMES:
         return getattr(importlib.import_module(".blocks", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(list(globals()) + list(_LAUNCH_NAMES) + list(_BLOCK_NAMES))
+    return sorted(list(globals()) + list(_LAUNCH_NAMES) + list(_CHECK_NAMES) + list(_BLOCK_NAMES))

@@ -28,6 +28,8 @@ import torch
 
 from ..errors import BadInput, VerificationFailed
 from . import reference
+from .checks import (DescriptorStats, check_descriptors, check_offsets, check_pool, check_range, check_rows,
+                     pool_align, validate_rows)
 from .copy_kernel import copy_kernel
 from .pattern_kernel import fill_kernel, verify_kernel
 
@@ -133,134 +135,16 @@ def default_programs(device: torch.device, config: CopyConfig) -> int:
 # --------------------------------------------------------------------------- validation
 
 
-def check_pool(pool, name: str, device: torch.device | None = None) -> torch.device:
-    """A pool must be a 1-D contiguous uint8 torch tensor (on ``device`` if given)."""
-    if not isinstance(pool, torch.Tensor):
-        raise BadInput(f"{name} must be a torch.Tensor (platform.as_tensor gives one), got {type(pool).__name__}")
-    if pool.dtype != torch.uint8:
-        raise BadInput(f"{name} must be a uint8 tensor, got {pool.dtype}")
-    if pool.dim() != 1:
-        raise BadInput(f"{name} must be one-dimensional, got shape {tuple(pool.shape)}")
-    if not pool.is_contiguous():
-        raise BadInput(f"{name} must be contiguous")
-    if pool.device.type not in ("cuda", "cpu"):
-        raise BadInput(f"{name} is on {pool.device}; the kernels run on CUDA devices (or the CPU interpreter)")
-    if device is not None and pool.device != torch.device(device):
-        raise BadInput(f"{name} is on {pool.device}, expected {torch.device(device)}")
-    return pool.device
-
-
-def check_descriptors(descs, name: str = "descs", device: torch.device | None = None) -> int:
-    """A descriptor table must be a contiguous int64 tensor of shape (N, 3); returns N."""
-    if not isinstance(descs, torch.Tensor):
-        raise BadInput(f"{name} must be an int64 torch.Tensor of shape (N, 3) on the pools' device, "
-                       f"got {type(descs).__name__} (use torch.as_tensor(array, device=...))")
-    if descs.dtype != torch.int64:
-        raise BadInput(f"{name} must be int64, got {descs.dtype}")
-    if descs.dim() != 2 or descs.shape[1] != 3:
-        raise BadInput(f"{name} must have shape (N, 3), got {tuple(descs.shape)}")
-    if not descs.is_contiguous():
-        raise BadInput(f"{name} must be contiguous")
-    if device is not None and descs.device != torch.device(device):
-        raise BadInput(f"{name} is on {descs.device}, but the pools are on {torch.device(device)}")
-    return int(descs.shape[0])
-
-
-def _check_range(start: int, end: int | None, n: int, what: str = "descs") -> tuple[int, int]:
-    if end is None:
-        end = n
-    if not (isinstance(start, int) and isinstance(end, int)):
-        raise BadInput(f"start/end must be ints, got {start!r}, {end!r}")
-    if not 0 <= start <= end <= n:
-        raise BadInput(f"row range [{start}, {end}) is not inside the {n} rows of {what}")
-    return start, end
-
-
-def _check_offsets(offsets, n: int, device: torch.device) -> None:
-    if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int64 or offsets.dim() != 1 \
-            or not offsets.is_contiguous():
-        raise BadInput("offsets must be a contiguous 1-D int64 tensor (pack_offsets(descs) gives one)")
-    if offsets.shape[0] != n + 1:
-        raise BadInput(f"offsets must have N + 1 = {n + 1} entries (exclusive cumsum of sizes plus the total), "
-                       f"got {offsets.shape[0]}")
-    if offsets.device != device:
-        raise BadInput(f"offsets are on {offsets.device}, but the pools are on {device}")
-
-
-def _pool_align(*pools: torch.Tensor) -> int:
-    a = 16
-    for p in pools:
-        ptr = p.data_ptr()
-        a = min(a, 16 if ptr % 16 == 0 else 4 if ptr % 4 == 0 else 1)
-    return a
-
-
-@dataclass(frozen=True)
-class DescriptorStats:
-    """What one validation pass learned about a descriptor range."""
-
-    rows: int
-    max_nbytes: int
-    total_bytes: int
-    align: int                # 16, 4 or 1: every offset and size is a multiple of it
-
-
-def _validate_rows(s: torch.Tensor, d: torch.Tensor, n: torch.Tensor, src_len: int | None, dst_len: int,
-                   *, first_row: int, src_name: str, dst_name: str, extra_bad: torch.Tensor | None = None,
-                   extra_why: str = "") -> DescriptorStats:
-    """Vectorised bounds check with a single host sync; raises BadInput naming the first bad row."""
-    m = int(n.shape[0])
-    if m == 0:
-        return DescriptorStats(0, 0, 0, 16)
-    bad = (s < 0) | (d < 0) | (n < 0) | (n > dst_len) | (d > dst_len - n)
-    if src_len is not None:
-        bad |= (n > src_len) | (s > src_len - n)
-    if extra_bad is not None:
-        bad |= extra_bad
-    idx = torch.arange(m, device=n.device, dtype=torch.int64)
-    first = torch.where(bad, idx, torch.full_like(idx, m)).min()
-    mis = s | d | n
-    stats = torch.stack([first, n.max(), n.sum(), ((mis & 15) != 0).any().to(torch.int64),
-                         ((mis & 3) != 0).any().to(torch.int64)]).tolist()
-    if stats[0] < m:
-        i = int(stats[0])
-        si, di, ni = (int(x) for x in torch.stack([s[i], d[i], n[i]]).tolist())
-        row = first_row + i
-        if si < 0 or di < 0 or ni < 0:
-            why = "negative offset or size"
-        elif src_len is not None and si + ni > src_len:
-            why = f"source bytes [{si}, {si + ni}) lie outside {src_name} of {src_len} bytes"
-        elif di + ni > dst_len:
-            why = f"destination bytes [{di}, {di + ni}) lie outside {dst_name} of {dst_len} bytes"
-        else:
-            why = extra_why or "inconsistent"
-        raise BadInput(f"descriptor {row} (src_offset={si}, dst_offset={di}, nbytes={ni}): {why}")
-    align = 16 if not stats[3] else 4 if not stats[4] else 1
-    return DescriptorStats(m, int(stats[1]), int(stats[2]), align)
-
-
-def check_copy(src_pool, dst_pool, descs, *, start: int = 0, end: int | None = None,
-               device: torch.device | None = None) -> DescriptorStats:
-    """Validate a copy without launching it (one host sync). Raises BadInput."""
-    dev = check_pool(src_pool, "src_pool", device)
-    check_pool(dst_pool, "dst_pool", dev)
-    n = check_descriptors(descs, "descs", dev)
-    start, end = _check_range(start, end, n)
-    t = descs[start:end]
-    return _validate_rows(t[:, 0], t[:, 1], t[:, 2], src_pool.numel(), dst_pool.numel(), first_row=start,
-                          src_name="the src pool", dst_name="the dst pool")
-
-
 def _check_packing(pool, staging, descs, offsets, start, end, staging_offset, device, *, packing: bool,
                    validate: bool):
     pool_name = "src_pool" if packing else "dst_pool"
     dev = check_pool(pool, pool_name, device)
     check_pool(staging, "staging", dev)
     n = check_descriptors(descs, "descs", dev)
-    start, end = _check_range(start, end, n)
+    start, end = check_range(start, end, n)
     if offsets is None:
         offsets = pack_offsets(descs)
-    _check_offsets(offsets, n, dev)
+    check_offsets(offsets, n, dev)
     if not isinstance(staging_offset, int) or staging_offset < 0:
         raise BadInput(f"staging_offset must be a non-negative int, got {staging_offset!r}")
     stats = None
@@ -271,11 +155,11 @@ def _check_packing(pool, staging, descs, offsets, start, end, staging_offset, de
         extra = (o[1:] - o[:-1]) != t[:, 2]
         why = "offsets[i + 1] - offsets[i] != nbytes (offsets must be pack_offsets(descs))"
         if packing:
-            stats = _validate_rows(t[:, 0], pos, t[:, 2], pool.numel(), staging.numel(), first_row=start,
+            stats = validate_rows(t[:, 0], pos, t[:, 2], pool.numel(), staging.numel(), first_row=start,
                                    src_name="the src pool", dst_name="the staging buffer", extra_bad=extra,
                                    extra_why=why)
         else:
-            stats = _validate_rows(pos, t[:, 1], t[:, 2], staging.numel(), pool.numel(), first_row=start,
+            stats = validate_rows(pos, t[:, 1], t[:, 2], staging.numel(), pool.numel(), first_row=start,
                                    src_name="the staging buffer", dst_name="the dst pool", extra_bad=extra,
                                    extra_why=why)
     return dev, start, end, offsets, stats
@@ -336,7 +220,7 @@ def _copy_launch(mode: int, src, dst, descs, offsets, start: int, end: int, stag
         return None
     if num_programs is None:
         num_programs = default_programs(src.device, config)
-    align = _pool_align(src, dst)
+    align = pool_align(src, dst)
     if stats is not None and stats.align == 4:
         align = min(align, 4)
     if align == 4 and config.rows > 1 and config.step_bytes > 32 * 1024:
@@ -365,7 +249,7 @@ def copy_launcher(src_pool, dst_pool, descs, *, start: int = 0, end: int | None 
     dev = check_pool(src_pool, "src_pool", device)
     check_pool(dst_pool, "dst_pool", dev)
     n = check_descriptors(descs, "descs", dev)
-    start, end = _check_range(start, end, n)
+    start, end = check_range(start, end, n)
     return _copy_launch(MODE_COPY, src_pool, dst_pool, descs, None, start, end, 0, None, num_programs, nbytes_hint,
                         config, local)
 
@@ -422,29 +306,14 @@ def copy_descriptors(src_pool, dst_pool, descs, *, start: int = 0, end: int | No
     dev = check_pool(src_pool, "src_pool", device)
     check_pool(dst_pool, "dst_pool", dev)
     n = check_descriptors(descs, "descs", dev)
-    start, end = _check_range(start, end, n)
+    start, end = check_range(start, end, n)
     stats = None
     if validate and end > start:
         t = descs[start:end]
-        stats = _validate_rows(t[:, 0], t[:, 1], t[:, 2], src_pool.numel(), dst_pool.numel(), first_row=start,
+        stats = validate_rows(t[:, 0], t[:, 1], t[:, 2], src_pool.numel(), dst_pool.numel(), first_row=start,
                                src_name="the src pool", dst_name="the dst pool")
     _launch_copy(MODE_COPY, src_pool, dst_pool, descs, None, start, end, 0, stats, num_programs, nbytes_hint,
                  config, local)
-
-
-def _check_rows(pool, staging, descs, start, end, staging_offset, row_bytes, device, pool_name):
-    """The checks of a launcher over rows of one size: the range, and its places inside the staging buffer."""
-    dev = check_pool(pool, pool_name, device)
-    check_pool(staging, "staging", dev)
-    n = check_descriptors(descs, "descs", dev)
-    start, end = _check_range(start, end, n)
-    for name, v, lo in (("staging_offset", staging_offset, 0), ("row_bytes", row_bytes, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise BadInput(f"{name} must be an int >= {lo}, got {v!r}")
-    if staging_offset + (end - start) * row_bytes > staging.numel():
-        raise BadInput(f"{end - start} rows of {row_bytes} bytes from staging byte {staging_offset} pass the end of "
-                       f"the staging buffer ({staging.numel()} bytes)")
-    return start, end
 
 
 def pack_launcher(src_pool, staging, descs, offsets=None, *, start: int, end: int, staging_offset: int = 0,
@@ -460,7 +329,7 @@ def pack_launcher(src_pool, staging, descs, offsets=None, *, start: int, end: in
     if row_bytes is not None:
         if offsets is not None:
             raise BadInput("pack_launcher: pass offsets or row_bytes, not both")
-        start, end = _check_rows(src_pool, staging, descs, start, end, staging_offset, row_bytes, device, "src_pool")
+        start, end = check_rows(src_pool, staging, descs, start, end, staging_offset, row_bytes, device, "src_pool")
         return _copy_launch(MODE_PACK_ROWS, src_pool, staging, descs, None, start, end, staging_offset, None,
                             num_programs, row_bytes if nbytes_hint is None else nbytes_hint, None, True,
                             row_bytes=row_bytes)
@@ -478,7 +347,7 @@ def unpack_launcher(staging, dst_pool, descs, offsets=None, *, start: int, end: 
     if row_bytes is not None:
         if offsets is not None:
             raise BadInput("unpack_launcher: pass offsets or row_bytes, not both")
-        start, end = _check_rows(dst_pool, staging, descs, start, end, staging_offset, row_bytes, device, "dst_pool")
+        start, end = check_rows(dst_pool, staging, descs, start, end, staging_offset, row_bytes, device, "dst_pool")
         return _copy_launch(MODE_UNPACK_ROWS, staging, dst_pool, descs, None, start, end, staging_offset, None,
                             num_programs, row_bytes if nbytes_hint is None else nbytes_hint, None, True,
                             row_bytes=row_bytes)
@@ -533,10 +402,10 @@ def packed_descriptors(descs, offsets=None, *, start: int = 0, end: int | None =
     """The table ``(src_offset, staging_offset, nbytes)`` that :func:`pack` executes for
     ``descs[start:end]`` -- e.g. to :func:`verify` a staging buffer against the source pattern."""
     n = check_descriptors(descs)
-    start, end = _check_range(start, end, n)
+    start, end = check_range(start, end, n)
     if offsets is None:
         offsets = pack_offsets(descs)
-    _check_offsets(offsets, n, descs.device)
+    check_offsets(offsets, n, descs.device)
     t = descs[start:end]
     o = offsets[start:end]
     pos = staging_offset + (o - offsets[start]) if end > start else o
@@ -681,7 +550,7 @@ def verify(dst_pool, descs, seed: int, *, guard_seed: int | None = None, num_pro
     wrong, first, total = 0, n, 0
     if n:
         if validate:
-            total = _validate_rows(descs[:, 0], descs[:, 1], descs[:, 2], None, dst_pool.numel(), first_row=0,
+            total = validate_rows(descs[:, 0], descs[:, 1], descs[:, 2], None, dst_pool.numel(), first_row=0,
                                    src_name="", dst_name="the dst pool").total_bytes
         else:
             total = int(descs[:, 2].sum())
