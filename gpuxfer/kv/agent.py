@@ -510,6 +510,7 @@ class KVPeer(Closable):
         self.scratch: DeviceBuffer | None = None
         self.staging_ptr: int | None = None
         self._seq = [0] * NOTIFY_SLOTS
+        self._notified: list = [None] * NOTIFY_SLOTS     # per slot: (stream, event) of its last notifying post
         self.pack_sent = 0                  # pack transfers (with chunks) this agent's source posted to the peer
         self.pack_recv = 0                  # pack transfers (with chunks) this agent's destination posted
         self.remote_flags = False           # pack signals: a stream write into the peer's word (probed), else a
@@ -560,9 +561,31 @@ class KVPeer(Closable):
         m = self._mappings[a]
         return self.agent.platform.as_tensor(m, shape=(1,), offset=off)
 
-    def next_seq(self, slot: int) -> int:
-        self._seq[slot] += 1
-        return self._seq[slot]
+    def notify(self, s: Stream, slot: int) -> tuple[int, Event]:
+        """Queue the next notification to word ``slot`` of the peer on ``s``, then the post's event: ``(value,
+        event)``. The caller holds the agent's post lock.
+
+        The n-th notification to a slot writes n once the post that wrote n - 1 completed: a post on another
+        stream waits for that post's event first (on one stream, stream order does it). So the peer's word
+        never goes down and value n says the data of the first n notifying posts landed; and the copy path's
+        scratch word (``scratch + 8 * slot``) is read by one copy at a time."""
+        plat, agent = self.agent.platform, self.agent
+        last = self._notified[slot]
+        if last is not None and last[0] is not s:
+            plat.stream_wait_event(s, last[1])
+        value = self._seq[slot] + 1
+        target = self.control_ptr + 8 * slot
+        word = target if self.remote_flags else self.scratch.ptr + 8 * slot
+        if s is agent.stream:
+            agent._calls.write_flag(word, value)
+        else:
+            plat.write_flag(s, word, value)
+        if not self.remote_flags:
+            plat.copy_async(s, target, word, 8)
+        event = plat.record_event(s)
+        self._seq[slot] = value
+        self._notified[slot] = (s, event)
+        return value, event
 
     def _release(self) -> None:
         for m in reversed(self._mappings + self._owned):
@@ -859,6 +882,13 @@ class KVTransfer:
         does not depend on the number of descriptors (each engine's transfer says what it is)."""
         raise NotImplementedError
 
+    def _finish(self, s: Stream) -> tuple[int | None, Event]:
+        """The end of a post on ``s`` (the caller holds the agent's post lock): the notification, if the request
+        has one (:meth:`KVPeer.notify`), and the post's event: ``(notified value or None, event)``."""
+        if self.notify_slot is None:
+            return None, self.agent.platform.record_event(s)
+        return self.peer.notify(s, self.notify_slot)
+
     def expanded_descriptors(self) -> np.ndarray:
         """The ``(N, 3)`` descriptors of this request (offsets from the source and destination anchors), as the
         engine expands them -- for checking the expansion; not a transfer path."""
@@ -925,25 +955,15 @@ class _SlotTransfer(KVTransfer):
 
         Host work: one copy (the request array) into a free slot of the route, one graph launch (the
         expansion and one copy per kernel tiling, captured once per slot; launched one by one where the
-        platform captures no graph), a notification (two stream operations) if asked for, one event; none of
-        it depends on the number of descriptors.
+        platform captures no graph), a notification (two stream operations, :meth:`KVPeer.notify`) if asked
+        for, one event; none of it depends on the number of descriptors.
         """
         agent = self.agent
         agent._check_usable(self.peer)
-        plat = agent.platform
         s = agent.stream if stream is None else stream
         with agent._post_lock:
             slot = self._run(s)
-            value = None
-            if self.notify_slot is not None:
-                value = self.peer.next_seq(self.notify_slot)
-                word = self.peer.scratch.ptr + 8 * self.notify_slot
-                if s is agent.stream:
-                    agent._calls.write_flag(word, value)
-                else:
-                    plat.write_flag(s, word, value)
-                plat.copy_async(s, self.peer.control_ptr + 8 * self.notify_slot, word, 8)
-            event = plat.record_event(s)
+            value, event = self._finish(s)
             slot.event, slot.stream = event, s
         agent._track(event, (self, slot))
         return KVTransferHandle(self, event, s, value)
@@ -1307,13 +1327,7 @@ class _PackTransfer(KVTransfer):
             else:
                 peer.pack_recv += 1
             keep = (self, shape)
-        value = None
-        if self.notify_slot is not None:
-            value = peer.next_seq(self.notify_slot)
-            word = peer.scratch.ptr + 8 * self.notify_slot
-            plat.write_flag(s, word, value)
-            plat.copy_async(s, peer.control_ptr + 8 * self.notify_slot, word, 8)
-        event = plat.record_event(s)
+        value, event = self._finish(s)
         agent._track(event, keep)
         agent._pack_tail = (s, event)
         return KVTransferHandle(self, event, s, value)
@@ -1378,15 +1392,11 @@ class _CopyEngineTransfer(KVTransfer):
         agent._check_usable(self.peer)
         plat = agent.platform
         s = agent.stream if stream is None else stream
-        if self._sizes.size:
-            plat.copy_batch_async(s, self._dsts, self._srcs, self._sizes)
-        value = None
-        if self.notify_slot is not None:
-            value = self.peer.next_seq(self.notify_slot)
-            word = self.peer.scratch.ptr + 8 * self.notify_slot
-            plat.write_flag(s, word, value)
-            plat.copy_async(s, self.peer.control_ptr + 8 * self.notify_slot, word, 8)
-        event = plat.record_event(s)
+        with agent._post_lock:
+            if self._sizes.size:
+                plat.copy_batch_async(s, self._dsts, self._srcs, self._sizes)
+            value, event = self._finish(s)
+        agent._track(event, (self,))
         return KVTransferHandle(self, event, s, value)
 
     def expanded_descriptors(self) -> np.ndarray:

@@ -196,6 +196,49 @@ def test_transfer_reposts_and_notifies(pair):
         dec.wait_notification(6, 1, timeout_s=0.05)
 
 
+@pytest.mark.parametrize("engine", ["triton", "copy_engine"])
+def test_notifications_from_two_streams_land_in_order(plat, engine):
+    """Posts notifying one slot from two streams: the second's notification (2) waits for the first post, held
+    on its stream, so the peer's word goes 0 -> 1 -> 2, never to 2 before the first post's data landed nor
+    back down."""
+    a0, a1 = Arena(plat, 0), Arena(plat, 1)
+    pre = KVAgent("prefill", platform=plat, device=0, engine=engine)
+    dec = KVAgent("decode", platform=plat, device=1, engine=engine)
+    gate = plat.alloc(64, 0)
+    s1, s2 = plat.create_stream(0), plat.create_stream(0)
+    try:
+        src = _vllm_layers(a0, 1, 4, 4, seed=1)
+        pre.register_group("full", 4, src)
+        dst = _vllm_layers(a1, 1, 4, 4, seed=2)
+        dec.register_group("full", 4, dst)
+        _, p_of_pre = _connect(pre, dec)
+        x1 = pre.prepare(p_of_pre, "push", local_blocks={"full": [0]}, remote_blocks={"full": [1]}, notify_slot=4)
+        x2 = pre.prepare(p_of_pre, "push", local_blocks={"full": [2]}, remote_blocks={"full": [3]}, notify_slot=4)
+        plat.memset_async(s1, gate.ptr, 0, 64)
+        plat.wait_flag(s1, gate.ptr, 1)                 # the first post is held until the gate opens
+        h1, h2 = x1.post(s1), x2.post(s2)
+        assert (h1.notify_value, h2.notify_value) == (1, 2)
+        assert not plat.event_wait(h2.event, 0.2)       # its notification waits for the first post
+        assert dec.notification(4) == 0
+        plat.host_write_flag(gate.ptr, 1, 0)
+        h2.wait(60)
+        assert h1.done() and dec.notification(4) == 2
+        for name in src:
+            assert _eq(dst[name][:, [1, 3]], src[name][:, [0, 2]])
+        x1.post(s1).wait(60)                            # a third, on the first stream
+        assert dec.notification(4) == 3
+    finally:
+        plat.host_write_flag(gate.ptr, 1, 0)
+        for s in (s1, s2):
+            plat.synchronize(s, 30)
+            s.close()
+        gate.close()
+        dec.close()
+        pre.close()
+        a0.close()
+        a1.close()
+
+
 _POST_CALLS = ("copy_async", "copy_batch_async", "launch", "launch_graph", "write_flag", "wait_flag", "record_event",
                "stream_wait_event", "memset_async", "synchronize")
 
