@@ -15,7 +15,8 @@ Which library does what, and why:
   numpy buffers: no Python object per copy. Its C signature differs between
   CUDA 12.8 (``..., size_t *failIdx, CUstream``) and 13.0 (``..., CUstream``);
   the entry point is requested for one ABI version and called with exactly that
-  signature (:data:`BATCH_ABIS`).
+  signature (:data:`~gpuxfer.platforms.cuda_entry.BATCH_ABIS`; the entry points are
+  resolved in :mod:`gpuxfer.platforms.cuda_entry`).
 * **torch** owns what kernels see: streams are wrapped as ``torch.cuda``
   streams, events are ``torch.cuda.Event``, and buffers are viewed as tensors
   through ``__cuda_array_interface__`` with the device given explicitly. The
@@ -79,15 +80,15 @@ import numpy as np
 from .. import config
 from ..common import package_version
 from ..errors import BadInput, DriverError, GpuxferError, NotExportable, TransferTimeout
+from .cuda_entry import (BATCH_MAX_PER_CALL, BATCH_MODE_ENV, CUDA_SUCCESS, SIZE_MAX, CUmemcpyAttributes,
+                         batch_call_args, batch_status, cuda_version_str, plan_batch_copies, resolve_batch,
+                         resolve_memop, resolve_step_fns)
 from .base import (DeviceBuffer, DeviceInfo, Event, ExportedRange, IpcHandle, LinkInfo, Memory, PeerMapping,
-                   Platform, Stream, StreamCalls, as_int64_array, check_flag_ptr, FLAG_OP_WORDS, RELEASE_VALUE)
+                   Platform, Stream, StreamCalls, check_flag_ptr, FLAG_OP_WORDS, RELEASE_VALUE)
 
 # --------------------------------------------------------------------------- constants
 
 IPC_HANDLE_BYTES = 64
-BATCH_MAX_PER_CALL = 8192          # copies per cuMemcpyBatchAsync call
-BATCH_ABIS = (12080, 13000)        # entry-point versions of cuMemcpyBatchAsync we know the C signature of
-SIZE_MAX = (1 << 64) - 1
 _MASK64 = (1 << 64) - 1
 
 # driver enum values (checked against cuda-bindings 12.9 and 13.x; see tests)
@@ -96,7 +97,6 @@ CU_EVENT_DISABLE_TIMING = 2
 CU_MEMHOSTALLOC_PORTABLE = 1
 CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
 CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1
-CUDA_SUCCESS = 0
 _WAIT_GEQ = 0                 # CU_STREAM_WAIT_VALUE_GEQ
 _ERR_INVALID_CONTEXT = 201     # CUDA_ERROR_INVALID_CONTEXT
 _EVENT_DISABLE_TIMING = 2      # CU_EVENT_DISABLE_TIMING
@@ -104,11 +104,6 @@ CUDA_ERROR_NOT_READY = 600
 CU_MEMORYTYPE_DEVICE = 2
 _LEGACY_STREAM_HANDLES = (0, 1)    # NULL and cudaStreamLegacy; 2 (per-thread default) is not legacy
 _DEFAULT_STREAM_HANDLES = (0, 1, 2)  # streams that mean "the current context's"
-
-# env override for the batch path (tests and debugging): "auto" (default), "ctypes", "ctypes12080"
-# (the CUDA 12.8 entry point even on a 13.x driver), "bindings" (cuda.bindings' wrapper) or "loop"
-BATCH_MODE_ENV = "GPUXFER_CUDA_BATCH"
-
 
 # --------------------------------------------------------------------------- lazy imports
 
@@ -207,85 +202,6 @@ def _cu(fn: Callable, *args, doing: "str | Callable[[], str]") -> Any:
 def _runtime_api_name(fn: Callable) -> str:
     n = getattr(fn, "__name__", "runtime")
     return "cuda" + n[:1].upper() + n[1:]
-
-
-# --------------------------------------------------------------------------- cuMemcpyBatchAsync plumbing (pure)
-
-
-class _CUmemLocation(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class CUmemcpyAttributes(ctypes.Structure):
-    """``CUmemcpyAttributes`` (24 bytes), as in ``cuda.h`` 12.8+ and 13.x."""
-
-    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _CUmemLocation),
-                ("dstLocHint", _CUmemLocation), ("flags", ctypes.c_uint)]
-
-
-def plan_batch_copies(dsts, srcs, sizes, max_per_call: int = BATCH_MAX_PER_CALL
-                      ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Validate copy descriptors and cut them into chunks of at most ``max_per_call`` copies.
-
-    Zero-byte copies are dropped. Each chunk is ``(dsts, srcs, sizes)`` as
-    contiguous ``uint64`` arrays (``CUdeviceptr`` / ``size_t`` layout), ready to
-    hand to the driver by address.
-    """
-    d = as_int64_array(dsts, "dsts")
-    s = as_int64_array(srcs, "srcs")
-    n = as_int64_array(sizes, "sizes")
-    if not len(d) == len(s) == len(n):
-        raise BadInput(f"dsts, srcs and sizes differ in length: {len(d)}, {len(s)}, {len(n)}")
-    if int(max_per_call) < 1:
-        raise BadInput(f"max_per_call must be >= 1, got {max_per_call}")
-    if len(n) and int(n.min()) < 0:
-        raise BadInput(f"a copy size is negative (copy {int(np.argmin(n))}: {int(n.min())} bytes)")
-    keep = n > 0
-    if not keep.all():
-        d, s, n = d[keep], s[keep], n[keep]
-    if len(n) and (int(d.min()) <= 0 or int(s.min()) <= 0):
-        raise BadInput("a copy has a null (or negative) source or destination pointer")
-    d64, s64, n64 = (np.ascontiguousarray(a).view(np.uint64) for a in (d, s, n))
-    m = int(max_per_call)
-    return [(d64[i:i + m], s64[i:i + m], n64[i:i + m]) for i in range(0, len(n64), m)]
-
-
-def batch_call_args(abi: int, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, attrs_addr: int,
-                    attr_idxs_addr: int, fail_idx_addr: int, stream_handle: int) -> tuple:
-    """The C arguments of one ``cuMemcpyBatchAsync`` call (one attribute for all copies).
-
-    ABI 12080: ``(dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, failIdx, hStream)``;
-    ABI 13000: the same without ``failIdx``.
-    """
-    if not (len(dsts) == len(srcs) == len(sizes)) or not len(dsts):
-        raise BadInput("a batch needs equally long, non-empty dsts, srcs and sizes")
-    for a in (dsts, srcs, sizes):
-        if a.dtype != np.uint64 or not a.flags.c_contiguous:
-            raise BadInput("batch arrays must be contiguous uint64 (use plan_batch_copies)")
-    head = (dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(dsts), attrs_addr, attr_idxs_addr, 1)
-    if abi == 12080:
-        return head + (fail_idx_addr, stream_handle)
-    if abi == 13000:
-        return head + (stream_handle,)
-    raise BadInput(f"unknown cuMemcpyBatchAsync ABI {abi}; known: {BATCH_ABIS}")
-
-
-def batch_status(result: Any) -> tuple[Any, int | None]:
-    """``(status, fail_idx)`` of a batch call, whatever its shape.
-
-    * ctypes entry point: a bare status int;
-    * cuda.bindings 12.8 / 12.9: ``(err, failIdx)`` (``failIdx`` is None on error);
-    * cuda.bindings 13.x: ``(err,)``.
-    ``fail_idx`` is None when unknown or ``SIZE_MAX`` (not about one copy).
-    """
-    if isinstance(result, tuple):
-        if len(result) == 1:
-            return result[0], None
-        if len(result) == 2:
-            fail = result[1]
-            return result[0], (None if fail is None or int(fail) == SIZE_MAX else int(fail))
-        raise TypeError(f"unexpected cuMemcpyBatchAsync result of length {len(result)}: {result!r}")
-    return result, None
 
 
 # --------------------------------------------------------------------------- stream / event wrappers
@@ -472,10 +388,6 @@ def _u64(value: int, what: str = "flag value") -> int:
     if not -(1 << 63) <= value <= _MASK64:
         raise BadInput(f"{what} {value} does not fit in 64 bits")
     return value & _MASK64
-
-
-def _cuda_version_str(v: int) -> str:
-    return f"{v // 1000}.{(v % 1000) // 10}"
 
 
 # --------------------------------------------------------------------------- the platform
@@ -691,7 +603,7 @@ class CudaPlatform(Platform):
         nor = self._attr(device, "CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR")
         flush = self._attr(device, "CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES")
         probe = self.probe_stream_mem_ops(device)
-        notes = [f"driver CUDA {_cuda_version_str(self._driver_ver())}",
+        notes = [f"driver CUDA {cuda_version_str(self._driver_ver())}",
                  f"attribute CAN_USE_64_BIT_STREAM_MEM_OPS={attr64}",
                  ("stream memory operations probe (write + wait + host release): ok" if probe is None
                   else f"stream memory operations probe failed: {probe}")]
@@ -785,7 +697,7 @@ class CudaPlatform(Platform):
             except Exception as exc:
                 out[key] = f"unavailable ({type(exc).__name__}: {exc})"
 
-        put("cuda driver", lambda: _cuda_version_str(self._driver_ver()))
+        put("cuda driver", lambda: cuda_version_str(self._driver_ver()))
 
         def nvml_driver():
             import pynvml
@@ -797,7 +709,7 @@ class CudaPlatform(Platform):
                 pynvml.nvmlShutdown()
 
         put("nvidia driver", nvml_driver)
-        put("cuda runtime (cupy)", lambda: _cuda_version_str(_cupy()[1].runtimeGetVersion()))
+        put("cuda runtime (cupy)", lambda: cuda_version_str(_cupy()[1].runtimeGetVersion()))
         put("cupy", lambda: _cupy()[0].__version__)
         put("cuda-bindings", lambda: __import__("cuda.bindings", fromlist=["__version__"]).__version__)
         put("nvidia-ml-py", lambda: package_version("nvidia-ml-py") or "not installed")
@@ -1085,36 +997,8 @@ class CudaPlatform(Platform):
             return self._batch
         with self._lock:
             if self._batch is None:
-                self._batch = self._resolve_batch()
+                self._batch = resolve_batch(_driver, self._driver_ver, config.get(BATCH_MODE_ENV))
             return self._batch
-
-    def _resolve_batch(self) -> tuple:
-        mode = config.get(BATCH_MODE_ENV)
-        if mode == "loop":
-            return ("loop", f"{BATCH_MODE_ENV}=loop", None)
-        drv = _driver()
-        ver = self._driver_ver()
-        if ver < 12080:
-            return ("loop", f"driver CUDA {_cuda_version_str(ver)} has no cuMemcpyBatchAsync (needs 12.8)", None)
-        if mode == "bindings":
-            if not hasattr(drv, "cuMemcpyBatchAsync"):
-                return ("loop", "this cuda.bindings has no cuMemcpyBatchAsync", None)
-            return ("bindings", None, None)
-        # the newest ABI this driver has; "ctypes12080" forces the 12.8 one (a 13.x driver still serves it)
-        abi = 12080 if mode == "ctypes12080" or ver < 13000 else 13000
-        err, pfn, status = drv.cuGetProcAddress(b"cuMemcpyBatchAsync", abi, 0)
-        if int(err) != CUDA_SUCCESS or not pfn or (status is not None and int(status) != 0):
-            why = f"cuGetProcAddress(cuMemcpyBatchAsync, {abi}) found no entry point ({err}, {status})"
-            if mode != "auto":
-                bad = err if int(err) != CUDA_SUCCESS else status
-                raise DriverError("cuGetProcAddress", getattr(bad, "name", "CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND"),
-                                  int(bad or 0), f"resolving cuMemcpyBatchAsync for {BATCH_MODE_ENV}={mode}", why)
-            return ("loop", why, None)
-        args = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
-                ctypes.c_void_p, ctypes.c_size_t]
-        args += [ctypes.c_void_p, ctypes.c_void_p] if abi == 12080 else [ctypes.c_void_p]
-        fn = ctypes.CFUNCTYPE(ctypes.c_int, *args)(int(pfn))
-        return ("ctypes", fn, abi)
 
     def copy_batch_async(self, stream: Stream, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> None:
         """Many independent copies on ``stream`` with ``cuMemcpyBatchAsync`` (no order among them).
@@ -1241,7 +1125,7 @@ class CudaPlatform(Platform):
         s = self._stream(stream)
         fn = self._memop
         if fn is None:
-            fn = self._memop = self._resolve_memop()
+            fn = self._memop = resolve_memop(_driver)
         if fn is False:
             return super().flag_ops(stream, ops)
         entry = self._memop_arrays.get(id(ops))
@@ -1263,14 +1147,6 @@ class CudaPlatform(Platform):
                     rc = fn(s.handle, n, addr, 0)
         if rc:
             check(rc, lambda: f"queueing {n} flag operations on {s!r}", "cuStreamBatchMemOp")
-
-    def _resolve_memop(self):
-        """The ctypes entry point of ``cuStreamBatchMemOp`` (the CUDA 12 ABI), or False."""
-        err, pfn, status = _driver().cuGetProcAddress(b"cuStreamBatchMemOp", 12000, 0)
-        if int(err) != CUDA_SUCCESS or not pfn or (status is not None and int(status) != 0):
-            return False        # flag operations go one call each
-        return ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p,
-                                ctypes.c_uint)(int(pfn))
 
     def _helper(self, device: int) -> _Helper:
         h = self._helpers.get(device)
@@ -1390,7 +1266,7 @@ class CudaPlatform(Platform):
         s = self._stream(stream)
         fns = self._step_fns
         if fns is None:
-            fns = self._step_fns = self._resolve_step_fns()
+            fns = self._step_fns = resolve_step_fns(_driver)
         if not fns:
             return super().stream_calls(s)
         write, wait, launch, current = fns
@@ -1420,24 +1296,6 @@ class CudaPlatform(Platform):
                 launch_graph(s, graph)
 
         return StreamCalls(s, write_fast, wait_fast, launch_fast)
-
-    def _resolve_step_fns(self):
-        """ctypes entry points of ``cuStreamWriteValue64``, ``cuStreamWaitValue64``, ``cuGraphLaunch`` and
-        ``cuCtxGetCurrent`` (the CUDA 12 ABI; they release the GIL while they run, as a blocked launch
-        may), or False."""
-        c = ctypes
-        flag = (c.c_void_p, c.c_uint64, c.c_uint64, c.c_uint)
-        out = []
-        for name, args in ((b"cuStreamWriteValue64", flag), (b"cuStreamWaitValue64", flag),
-                           (b"cuGraphLaunch", (c.c_void_p, c.c_void_p)), (b"cuCtxGetCurrent", (c.c_void_p,))):
-            try:
-                err, pfn, status = _driver().cuGetProcAddress(name, 12000, 0)
-            except Exception:  # noqa: BLE001 - an older cuda.bindings: the checked methods
-                return False
-            if int(err) != CUDA_SUCCESS or not pfn or (status is not None and int(status) != 0):
-                return False
-            out.append(c.CFUNCTYPE(c.c_int, *args)(int(pfn)))
-        return tuple(out)
 
     def probe_stream_mem_ops(self, device: int, timeout_s: float = 10.0) -> str | None:
         """None if 64-bit stream write / wait really work on ``device``, else why not. Cached per device.

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from gpuxfer.errors import BadInput, DriverError
 from gpuxfer.platforms import cuda as cm
+from gpuxfer.platforms import cuda_entry as ce
 from gpuxfer.platforms.base import IpcHandle
 
 T = 60.0
@@ -353,7 +354,7 @@ def test_plan_batch_copies_chunks(sizes, per_call):
     n = len(sizes)
     dsts = np.arange(1, n + 1, dtype=np.int64) * 4096
     srcs = np.arange(1, n + 1, dtype=np.int64) * 8192 + 3
-    chunks = cm.plan_batch_copies(dsts, srcs, np.array(sizes, dtype=np.int64), per_call)
+    chunks = ce.plan_batch_copies(dsts, srcs, np.array(sizes, dtype=np.int64), per_call)
     keep = np.array(sizes, dtype=np.int64) > 0
     assert all(0 < len(c[0]) <= per_call for c in chunks)
     assert sum(len(c[0]) for c in chunks) == int(keep.sum())
@@ -371,44 +372,44 @@ def test_plan_batch_copies_chunks(sizes, per_call):
 def test_plan_batch_copies_rejects_bad_input():
     a = np.array([4096, 8192], dtype=np.int64)
     with pytest.raises(BadInput, match="differ in length"):
-        cm.plan_batch_copies(a, a[:1], a)
+        ce.plan_batch_copies(a, a[:1], a)
     with pytest.raises(BadInput, match="negative"):
-        cm.plan_batch_copies(a, a, np.array([1, -1]))
+        ce.plan_batch_copies(a, a, np.array([1, -1]))
     with pytest.raises(BadInput, match="null"):
-        cm.plan_batch_copies(np.array([0, 8]), a, np.array([1, 1]))
+        ce.plan_batch_copies(np.array([0, 8]), a, np.array([1, 1]))
     with pytest.raises(BadInput, match="max_per_call"):
-        cm.plan_batch_copies(a, a, a, 0)
+        ce.plan_batch_copies(a, a, a, 0)
     with pytest.raises(BadInput, match="one-dimensional"):
-        cm.plan_batch_copies(a.reshape(2, 1), a, a)
-    assert cm.plan_batch_copies([], [], []) == []
+        ce.plan_batch_copies(a.reshape(2, 1), a, a)
+    assert ce.plan_batch_copies([], [], []) == []
     # a null pointer in a zero-byte copy is dropped with it
-    assert len(cm.plan_batch_copies(np.array([0, 8]), a, np.array([0, 1]))) == 1
+    assert len(ce.plan_batch_copies(np.array([0, 8]), a, np.array([0, 1]))) == 1
 
 
 def test_batch_call_args_both_abis():
-    d, s, n = cm.plan_batch_copies(np.array([16, 32, 48]), np.array([64, 80, 96]), np.array([1, 2, 3]))[0]
-    a12 = cm.batch_call_args(12080, d, s, n, 1000, 2000, 3000, 0xABC)
-    a13 = cm.batch_call_args(13000, d, s, n, 1000, 2000, 3000, 0xABC)
+    d, s, n = ce.plan_batch_copies(np.array([16, 32, 48]), np.array([64, 80, 96]), np.array([1, 2, 3]))[0]
+    a12 = ce.batch_call_args(12080, d, s, n, 1000, 2000, 3000, 0xABC)
+    a13 = ce.batch_call_args(13000, d, s, n, 1000, 2000, 3000, 0xABC)
     assert len(a12) == 9 and len(a13) == 8
     assert a12[:7] == a13[:7] == (d.ctypes.data, s.ctypes.data, n.ctypes.data, 3, 1000, 2000, 1)
     assert a12[7:] == (3000, 0xABC) and a13[7:] == (0xABC,)
     with pytest.raises(BadInput, match="ABI"):
-        cm.batch_call_args(12000, d, s, n, 1, 2, 3, 4)
+        ce.batch_call_args(12000, d, s, n, 1, 2, 3, 4)
     with pytest.raises(BadInput, match="uint64"):
-        cm.batch_call_args(13000, d.astype(np.int64), s, n, 1, 2, 3, 4)
+        ce.batch_call_args(13000, d.astype(np.int64), s, n, 1, 2, 3, 4)
 
 
 def test_batch_status_shapes():
     driver = pytest.importorskip("cuda.bindings.driver")
     ok, bad = driver.CUresult.CUDA_SUCCESS, driver.CUresult.CUDA_ERROR_INVALID_VALUE
-    assert cm.batch_status(0) == (0, None)                       # ctypes entry point
-    assert cm.batch_status((ok,)) == (ok, None)                  # cuda.bindings 13.x
-    assert cm.batch_status((ok, 0)) == (ok, 0)                   # cuda.bindings 12.8 / 12.9
-    assert cm.batch_status((bad, None)) == (bad, None)           # 12.x on error
-    assert cm.batch_status((bad, cm.SIZE_MAX)) == (bad, None)
-    assert cm.batch_status((bad, 7)) == (bad, 7)
+    assert ce.batch_status(0) == (0, None)                       # ctypes entry point
+    assert ce.batch_status((ok,)) == (ok, None)                  # cuda.bindings 13.x
+    assert ce.batch_status((ok, 0)) == (ok, 0)                   # cuda.bindings 12.8 / 12.9
+    assert ce.batch_status((bad, None)) == (bad, None)           # 12.x on error
+    assert ce.batch_status((bad, ce.SIZE_MAX)) == (bad, None)
+    assert ce.batch_status((bad, 7)) == (bad, 7)
     with pytest.raises(TypeError):
-        cm.batch_status((ok, 1, 2))
+        ce.batch_status((ok, 1, 2))
 
 
 def _host_batch(slot: int, k: int, seed: int):
@@ -430,7 +431,7 @@ def _host_batch(slot: int, k: int, seed: int):
     return src, dst, dsts, srcs, sizes, want
 
 
-@pytest.mark.parametrize("abi", cm.BATCH_ABIS)
+@pytest.mark.parametrize("abi", ce.BATCH_ABIS)
 def test_ctypes_batch_path_end_to_end_on_host_memory(abi):
     """The real _batch_on ctypes path, with a fake entry point of the exact C signature that memmoves."""
     pytest.importorskip("cuda.bindings.driver", reason="cuda.bindings is not installed: the path builds its "
@@ -443,7 +444,7 @@ def test_ctypes_batch_path_end_to_end_on_host_memory(abi):
 
     def fake(dsts, srcs, sizes, count, attrs, attr_idxs, num_attrs, *rest):
         stream = rest[-1]
-        a = cm.CUmemcpyAttributes.from_address(attrs)
+        a = ce.CUmemcpyAttributes.from_address(attrs)
         seen["attr"] = (a.srcAccessOrder, a.flags, a.srcLocHint.type, a.dstLocHint.type)
         seen["idx"] = ctypes.c_size_t.from_address(attr_idxs).value
         seen["num_attrs"], seen["stream"] = num_attrs, stream
@@ -457,7 +458,7 @@ def test_ctypes_batch_path_end_to_end_on_host_memory(abi):
 
     fn = proto(fake)
     src, dst, dsts, srcs, sizes, want = _host_batch(500, 40, seed=abi)
-    chunks = cm.plan_batch_copies(dsts, srcs, sizes, 7)
+    chunks = ce.plan_batch_copies(dsts, srcs, sizes, 7)
     p = cm.CudaPlatform()
     p._batch_on(("ctypes", fn, abi), 0x1234, 0, chunks)
     assert np.array_equal(dst, want)
@@ -477,7 +478,7 @@ def test_ctypes_batch_path_reports_the_failing_copy():
         return 1   # CUDA_ERROR_INVALID_VALUE
 
     fn = ctypes.CFUNCTYPE(ctypes.c_int, *args)(fake)
-    chunks = cm.plan_batch_copies(np.arange(1, 11) * 64, np.arange(1, 11) * 64 + 8192, np.ones(10, np.int64), 4)
+    chunks = ce.plan_batch_copies(np.arange(1, 11) * 64, np.arange(1, 11) * 64 + 8192, np.ones(10, np.int64), 4)
     with pytest.raises(DriverError) as info:
         cm.CudaPlatform()._batch_on(("ctypes", fn, 12080), 0x99, 1, chunks)
     e = info.value
@@ -507,7 +508,7 @@ def test_bindings_batch_path_both_return_shapes(monkeypatch, shape):
                                  CUmemcpyFlags=driver.CUmemcpyFlags, cuMemcpyBatchAsync=fake_batch)
     monkeypatch.setattr(cm, "_driver", lambda: fake)
     src, dst, dsts, srcs, sizes, want = _host_batch(400, 12, seed=3)
-    cm.CudaPlatform()._batch_on(("bindings", None, None), 77, 0, cm.plan_batch_copies(dsts, srcs, sizes, 5))
+    cm.CudaPlatform()._batch_on(("bindings", None, None), 77, 0, ce.plan_batch_copies(dsts, srcs, sizes, 5))
     assert np.array_equal(dst, want) and calls and all(s == 77 and c <= 5 for c, s in calls)
 
     def failing(*a):
@@ -515,7 +516,7 @@ def test_bindings_batch_path_both_return_shapes(monkeypatch, shape):
             (driver.CUresult.CUDA_ERROR_INVALID_VALUE,)
     fake.cuMemcpyBatchAsync = failing
     with pytest.raises(DriverError, match="CUDA_ERROR_INVALID_VALUE"):
-        cm.CudaPlatform()._batch_on(("bindings", None, None), 77, 0, cm.plan_batch_copies(dsts, srcs, sizes))
+        cm.CudaPlatform()._batch_on(("bindings", None, None), 77, 0, ce.plan_batch_copies(dsts, srcs, sizes))
 
 
 # --------------------------------------------------------------------------- hard-coded values vs cuda.bindings
@@ -550,7 +551,7 @@ def test_constants_match_cuda_bindings():
 
 def test_memcpy_attributes_layout_matches_cuda_bindings():
     d = pytest.importorskip("cuda.bindings.driver")
-    ours = cm.CUmemcpyAttributes(srcAccessOrder=cm.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+    ours = ce.CUmemcpyAttributes(srcAccessOrder=cm.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
                                  flags=cm.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE)
     theirs = d.CUmemcpyAttributes()
     theirs.srcAccessOrder = d.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
@@ -762,7 +763,7 @@ def test_gpu_copy_batch_random_descriptors(cuda_reason, monkeypatch, mode, strea
     import torch
     if cuda_reason is not None:
         pytest.skip(f"CUDA unavailable: {cuda_reason}")
-    monkeypatch.setenv(cm.BATCH_MODE_ENV, mode)
+    monkeypatch.setenv(ce.BATCH_MODE_ENV, mode)
     with cm.CudaPlatform() as p:
         note = p.batch_copy_note()
         print(mode, stream_kind, note)
