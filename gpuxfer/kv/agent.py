@@ -1438,6 +1438,7 @@ class KVAgent(Closable, FailsOnTimeout):
         self.failed = None
         self.on_timeout = on_timeout_from_env(on_timeout)
         self._waited_slots: set[int] = set()        # notification slots a stream was made to wait on
+        self._stream_waits: dict[int, Event] = {}     # per stream made to wait on a slot: an event after its wait
         if platform is None:
             from ..platforms import current
             platform = current()
@@ -2031,6 +2032,7 @@ class KVAgent(Closable, FailsOnTimeout):
         ptr = self._slot(slot)
         self._waited_slots.add(slot)
         self.platform.wait_flag(stream, ptr, int(value))
+        self._stream_waits[id(stream)] = self.platform.record_event(stream)    # close drains past it
 
     # ------------------------------------------------------------------ failure
 
@@ -2062,22 +2064,59 @@ class KVAgent(Closable, FailsOnTimeout):
         if peer.closed or self._peers.get(peer.name) is not peer:
             raise NotRegistered(f"peer {peer.name!r} was removed from agent {self.name!r}")
 
-    def _release(self) -> None:
-        _LOCAL_AGENTS.pop(getattr(self, "uid", ""), None)
+    def _drained(self) -> bool:
+        """Wait, at most the agent's timeout in all, for every posted transfer (the caller's streams included),
+        every stream made to wait on a notification and the agent's own streams; whether all completed. Work
+        that ended in an error is done (logged)."""
+        import time
         plat = self.platform
+        deadline = time.monotonic() + self.timeout_s
+        events = [e for e, _ in getattr(self, "_inflight", ())] + list(getattr(self, "_stream_waits", {}).values())
         for st in (getattr(self, "stream", None), getattr(self, "_lane", None)):
             if st is not None:
                 try:
-                    plat.synchronize(st, self.timeout_s)
-                except Exception as exc:  # noqa: BLE001 - keep releasing
-                    log.warning("agent %s: draining stream %r failed: %s", self.name, st, exc)
-        for p in list(getattr(self, "_peers", {}).values()):
+                    events.append(plat.record_event(st))
+                except Exception as exc:  # noqa: BLE001 - a stream an error stopped runs nothing more
+                    log.warning("agent %s: %r ended in an error: %s", self.name, st, exc)
+        done = True
+        for e in events:
+            try:
+                done = plat.event_wait(e, max(0.0, deadline - time.monotonic())) and done
+            except Exception as exc:  # noqa: BLE001 - the work ended in an error: nothing more runs
+                log.warning("agent %s: queued work ended in an error: %s", self.name, exc)
+        return done
+
+    def _release(self) -> None:
+        """Drain (every queued wait bounded: the agent's timeout; released once), then close the peers'
+        mappings, the streams, and free the control words and the staging. What a GPU wait that did not
+        pass may still read or write -- the control words, the staging, the peers' mappings and scratch, the
+        posted transfers' buffers -- is kept for the life of the process instead (logged)."""
+        _LOCAL_AGENTS.pop(getattr(self, "uid", ""), None)
+        drained = self._drained()
+        if not drained:
+            log.warning("agent %s: queued work did not complete within %g s of close; releasing its waits",
+                        self.name, self.timeout_s)
+            self.release_waits()
+            drained = self._drained()
+        peers = list(getattr(self, "_peers", {}).values())
+        if not drained:
+            keep = [b for b in (getattr(self, "control", None), getattr(self, "staging", None)) if b is not None]
+            for p in peers:
+                keep += p._mappings + p._owned
+                p._mappings, p._owned = [], []
+            log.error("agent %s: queued work still runs after its waits were released; keeping %d buffers and "
+                      "mappings it may touch for the life of the process", self.name, len(keep))
+            _LEAKED.extend(keep)
+            _LEAKED.append(getattr(self, "_inflight", None))
+            self.control = self.staging = None
+        for p in peers:
             p.close()
         self._pack_shapes = collections.OrderedDict()
         self._pack_tail = None
         self._peers = {}
         self._routes = {}
         self._inflight = collections.deque()
+        self._stream_waits = {}
         self._groups, self._flats = {}, {}
         if getattr(self, "stream", None) is not None:
             self.stream.close()

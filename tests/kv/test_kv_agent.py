@@ -971,6 +971,70 @@ def test_stuck_peer_releases_stream_waits_on_notifications(pair):
         s.close()
 
 
+def test_close_releases_a_post_on_the_callers_stream_stuck_on_a_dead_peer(pack_pair):
+    """A pack destination posted on the caller's stream, its source never posts: close waits (bounded) for the
+    post, releases the waits, drains that stream too, then frees the control words and the staging."""
+    pre, dec, a0, a1 = pack_pair
+    pre.register_group("g", 4, [a0.tensor((4, 4, 8))])
+    dec.register_group("g", 4, [a1.tensor((4, 4, 8))])
+    p_of_dec, _ = _connect(pre, dec)
+    plat = dec.platform
+    s = plat.create_stream(1)
+    try:
+        dec.timeout_s = 0.2
+        h = dec.prepare(p_of_dec, "pull", local_blocks={"g": [0]}, remote_blocks={"g": [1]}).post(s)
+        waiter = plat.create_stream(1)
+        dec.stream_wait_notification(waiter, 9, 1)          # nobody notifies slot 9 either
+        ctrl, staging = dec.control, dec.staging
+        dec.close()
+        assert h.done() and plat.event_wait(plat.record_event(waiter), 60)
+        assert ctrl.closed and staging.closed and dec.control is None
+        assert all(m.closed for m in p_of_dec._mappings + [p_of_dec.scratch])
+    finally:
+        s.close()
+        waiter.close()
+
+
+def test_close_keeps_memory_a_wait_it_cannot_release_may_touch(pair):
+    """A post held on the caller's stream by a wait the agent cannot release: close gives up after its
+    timeout and keeps the control words and the peer's mappings and scratch (the post later reads and
+    writes them) instead of freeing them under it."""
+    from gpuxfer.kv import agent as agent_mod
+    pre, dec, a0, a1 = pair
+    src, dst = _vllm_layers(a0, 1, 4, 4, seed=1), _vllm_layers(a1, 1, 4, 4, seed=2)
+    pre.register_group("full", 4, src)
+    dec.register_group("full", 4, dst)
+    p_of_dec, _ = _connect(pre, dec)
+    plat = dec.platform
+    gate = plat.alloc(64, 1)
+    s = plat.create_stream(1)
+    kept = []
+    try:
+        plat.memset_async(s, gate.ptr, 0, 64)
+        plat.wait_flag(s, gate.ptr, 1)
+        h = dec.transfer(p_of_dec, "pull", local_blocks={"full": [0]}, remote_blocks={"full": [3]}, stream=s,
+                         notify_slot=2)
+        dec.timeout_s = 0.1
+        ctrl = dec.control
+        expect = [ctrl, p_of_dec.scratch, *p_of_dec._mappings]     # (an in-process peer maps nothing)
+        dec.close()
+        kept = [m for m in agent_mod._LEAKED if any(m is e for e in expect)]
+        assert len(kept) == len(expect) and not any(m.closed for m in kept) and not h.done()
+        plat.host_write_flag(gate.ptr, 1, 1)
+        assert plat.event_wait(h.event, 60)             # ran through the memory close kept
+        assert pre.notification(2) == 1
+        for name in src:
+            assert _eq(dst[name][:, 0], src[name][:, 3])
+    finally:
+        plat.host_write_flag(gate.ptr, 1, 1)
+        plat.synchronize(s, 30)
+        s.close()
+        gate.close()
+        for m in kept:
+            agent_mod._LEAKED.remove(m)
+            m.close()
+
+
 def test_pack_goes_to_one_peer(plat, pack_pair):
     pre, dec, a0, a1 = pack_pair
     other = KVAgent("other", platform=plat, device=1, engine="pack", slot_bytes=512)
