@@ -1467,3 +1467,59 @@ def test_cuda_slot_graphs_grow_interleave_and_stay_in_bounds(op, monkeypatch):
         own.close()
         b.close()
         a.close()
+
+
+@pytest.mark.gpu
+def test_cuda_notifications_in_order_and_close_releases_a_stuck_pack_post():
+    """On CUDA: a notification posted on a second stream waits for the slot's earlier post (held by a gate);
+    closing a pack destination whose source never posts, its post on the caller's stream, releases that
+    stream's waits and returns."""
+    from conftest import platform_reason
+    why = platform_reason("cuda")
+    if why:
+        pytest.skip(why)
+    from gpuxfer.platforms import get_platform
+    plat = get_platform("cuda")
+    try:
+        g = torch.Generator(device="cuda:0").manual_seed(5)
+        src = {"layers.0": torch.randint(-1000, 1000, (2, 8, 16, 2, 64), generator=g, device="cuda:0",
+                                         dtype=torch.int16)}
+        dst = {k: torch.zeros_like(v) for k, v in src.items()}
+        gate = plat.alloc(64, 0)
+        s1, s2, s3 = (plat.create_stream(0) for _ in range(3))
+        a, b = KVAgent("pre", platform=plat, device=0), KVAgent("dec", platform=plat, device=0)
+        c = KVAgent("pre-pack", platform=plat, device=0, engine="pack", timeout_s=0.5)
+        d = KVAgent("dec-pack", platform=plat, device=0, engine="pack", timeout_s=0.5)
+        try:
+            a.register_group("full", 16, src)
+            b.register_group("full", 16, dst)
+            torch.cuda.synchronize()
+            peer = a.add_peer(b.metadata())
+            x1 = a.prepare(peer, "push", local_blocks={"full": [0]}, remote_blocks={"full": [1]}, notify_slot=4)
+            x2 = a.prepare(peer, "push", local_blocks={"full": [2]}, remote_blocks={"full": [3]}, notify_slot=4)
+            plat.memset_async(s1, gate.ptr, 0, 64)
+            assert plat.synchronize(s1, 60)
+            plat.wait_flag(s1, gate.ptr, 1)
+            h1, h2 = x1.post(s1), x2.post(s2)
+            assert not plat.event_wait(h2.event, 0.2) and b.notification(4) == 0
+            plat.host_write_flag(gate.ptr, 1, 0)
+            h2.wait(60)
+            assert h1.done() and b.notification(4) == 2
+            assert torch.equal(dst["layers.0"][:, [1, 3]], src["layers.0"][:, [0, 2]])
+            c.register_group("full", 16, {k: v.clone() for k, v in src.items()})
+            d.register_group("full", 16, {k: torch.zeros_like(v) for k, v in src.items()})
+            torch.cuda.synchronize()
+            h = d.prepare(d.add_peer(c.metadata()), "pull", local_blocks={"full": [0]},
+                          remote_blocks={"full": [1]}).post(s3)
+            d.close()
+            assert h.done() and d.control is None
+        finally:
+            plat.host_write_flag(gate.ptr, 1, 0)
+            for ag in (d, c, b, a):
+                ag.close()
+            for s in (s1, s2, s3):
+                plat.synchronize(s, 30)
+                s.close()
+            gate.close()
+    finally:
+        plat.close()
