@@ -985,7 +985,6 @@ class _SlotTransfer(KVTransfer):
         return slot.out[:self.descriptors].cpu().numpy().copy()
 
 
-
 class _RequestPool:
     """Host int64 arrays for request arrays, pinned where the device is a GPU (the upload is then a DMA),
     kept for reuse by capacity (powers of two): taking one costs a list pop, not an allocation."""
