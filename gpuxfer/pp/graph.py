@@ -242,7 +242,8 @@ class GraphTransport(CopyEngineTransport):
             return None
         j, waited = stuck
         seen = self._seen(j)
-        self._release_waits()
+        # no release here: _fail stores the error first and then releases, so a caller whose stream runs
+        # through once released finds the error already set
         flag = "full" if self.role == "recv" else "empty"
         return TransferTimeout(rank=self.rank, step=entered, flag=f"{flag}[{j}]", expected=1, seen=seen,
                                timeout_s=self.timeout_s,
