@@ -128,7 +128,13 @@ _CTRL_BYTES = _CTRL_WORDS * 8
 AGENT_ENGINES = ("triton", "pack", "copy_engine")
 #: the pack engine's staging: slots x bytes (the host emulation's are smaller)
 PACK_SLOTS = 2
-PACK_SLOT_BYTES = 32 << 20
+PACK_SLOT_BYTES = 128 << 20
+#: a request's chunks: at least this many bytes each (where the slot holds them), growing past it so a request
+#: takes at most about PACK_MAX_CHUNKS of them -- a graph's launch costs the host time per node, so a post's
+#: host time stays near that of a request of PACK_MAX_CHUNKS chunks, while small requests keep small chunks
+#: (a short pipeline fill)
+PACK_CHUNK_BYTES = 32 << 20
+PACK_MAX_CHUNKS = 16
 PACK_SLOT_BYTES_EMULATION = 1 << 20
 #: shapes of pack transfers an agent keeps (buffers, kernels, graphs), the least recently posted going first
 PACK_SHAPES = 8
@@ -1414,7 +1420,8 @@ class KVAgent(Closable, FailsOnTimeout):
     :func:`gpuxfer.platforms.current`); ``device``: the local device every transfer runs on; ``engine``:
     ``"triton"`` (``"auto"`` picks it), ``"pack"`` (both agents of a pair run it) or ``"copy_engine"``;
     ``timeout_s``: the default of every wait; ``rank``: how errors name this side;
-    ``slot_bytes``: the pack engine's staging slot (32 MiB; 1 MiB on the host emulation).
+    ``slot_bytes``: the pack engine's staging slot (128 MiB; 1 MiB on the host emulation); a request's chunks are
+    32 MiB or about a sixteenth of the request, whichever is larger, up to the slot.
 
     **Failure.** When a wait on a peer times out -- a ``pack`` transfer's handle (its streams wait on
     flags the peer writes) or :meth:`wait_notification` -- the agent fails, as a benchmark side does
@@ -1896,14 +1903,16 @@ class KVAgent(Closable, FailsOnTimeout):
         :class:`_PackShape`, shared by every request of that shape)."""
         chunks = []
         row_start = array[:len(route.plane_group) + 1]
+        slot = self.slot_bytes
+        target = min(slot, max(min(PACK_CHUNK_BYTES, slot), -(-nbytes // PACK_MAX_CHUNKS)))
         for a, b, c in route.classes:
             r0, r1 = int(row_start[a]), int(row_start[b])
             if r1 <= r0:
                 continue
-            if c > self.slot_bytes:
+            if c > slot:
                 raise BadInput(f"request {name!r}: {c}-byte segments do not fit the pack engine's "
-                               f"{self.slot_bytes}-byte staging slots")
-            per = self.slot_bytes // c
+                               f"{slot}-byte staging slots")
+            per = max(target // c, 1)
             chunks += [(x, min(x + per, r1), (min(x + per, r1) - x) * c, c) for x in range(r0, r1, per)]
         return _PackTransfer(self, peer, route, op, name, n_seg, host[0], None, None,
                              int(n_seg.max()) if n_seg.size else 0, [], notify_slot, n_rows, nbytes, chunks=chunks,
