@@ -128,7 +128,7 @@ _CTRL_BYTES = _CTRL_WORDS * 8
 AGENT_ENGINES = ("triton", "pack", "copy_engine")
 #: the pack engine's staging: slots x bytes (the host emulation's are smaller)
 PACK_SLOTS = 2
-PACK_SLOT_BYTES = 128 << 20
+PACK_SLOT_BYTES = 192 << 20
 #: a request's chunks: at least this many bytes each (where the slot holds them), growing past it so a request
 #: takes at most about PACK_MAX_CHUNKS of them -- a graph's launch costs the host time per node, so a post's
 #: host time stays near that of a request of PACK_MAX_CHUNKS chunks, while small requests keep small chunks
@@ -1420,7 +1420,7 @@ class KVAgent(Closable, FailsOnTimeout):
     :func:`gpuxfer.platforms.current`); ``device``: the local device every transfer runs on; ``engine``:
     ``"triton"`` (``"auto"`` picks it), ``"pack"`` (both agents of a pair run it) or ``"copy_engine"``;
     ``timeout_s``: the default of every wait; ``rank``: how errors name this side;
-    ``slot_bytes``: the pack engine's staging slot (128 MiB; 1 MiB on the host emulation); a request's chunks are
+    ``slot_bytes``: the pack engine's staging slot (192 MiB; 1 MiB on the host emulation); a request's chunks are
     32 MiB or about a sixteenth of the request, whichever is larger, up to the slot.
 
     **Failure.** When a wait on a peer times out -- a ``pack`` transfer's handle (its streams wait on
