@@ -79,7 +79,7 @@ caller queued on the views)::
     wait full[j] >= k                                   wait full[j'] >= k+1
     -> views of R.data[j]  (no copy, no allocation)     -> views of R.data[j']
 
-With ``$GPUXFER_PP_FLAG_BATCH=1`` (remote flag writes only) the publish and the wait go
+With remote flag writes the publish and the wait go (``$GPUXFER_PP_FLAG_BATCH=0`` keeps two calls)
 as one ``platform.flag_ops`` call (CUDA: ``cuStreamBatchMemOp``, executed in order).
 
 Nothing on this path waits on the CPU and nothing runs on SMs: every copy,
@@ -131,7 +131,7 @@ STEP_GRAPHS = 64            # copy graphs a sender keeps (one per slot and set o
 
 def flag_batch_from_env() -> bool:
     """Whether a ``recv_views`` receiver queues its two flag operations of a step (give the lent slot back,
-    wait for the next) as one ``platform.flag_ops`` call (``$GPUXFER_PP_FLAG_BATCH``: 0, the default, or 1;
+    wait for the next) as one ``platform.flag_ops`` call (``$GPUXFER_PP_FLAG_BATCH``: 1, the default, or 0;
     remote flag writes only)."""
     return config.get(ENV_FLAG_BATCH)
 
