@@ -1473,7 +1473,9 @@ def test_cuda_slot_graphs_grow_interleave_and_stay_in_bounds(op, monkeypatch):
 def test_cuda_notifications_in_order_and_close_releases_a_stuck_pack_post():
     """On CUDA: a notification posted on a second stream waits for the slot's earlier post (held by a gate);
     closing a pack destination whose source never posts, its post on the caller's stream, releases that
-    stream's waits and returns."""
+    stream's waits and returns. Every kernel is loaded (and every slot made) before a stream is held: a
+    kernel's first launch waits for the device's queues. A timer opens the gate whatever happens."""
+    import threading
     from conftest import platform_reason
     why = platform_reason("cuda")
     if why:
@@ -1486,6 +1488,7 @@ def test_cuda_notifications_in_order_and_close_releases_a_stuck_pack_post():
                                          dtype=torch.int16)}
         dst = {k: torch.zeros_like(v) for k, v in src.items()}
         gate = plat.alloc(64, 0)
+        opener = threading.Timer(30, plat.host_write_flag, (gate.ptr, 1, 0))
         s1, s2, s3 = (plat.create_stream(0) for _ in range(3))
         a, b = KVAgent("pre", platform=plat, device=0), KVAgent("dec", platform=plat, device=0)
         c = KVAgent("pre-pack", platform=plat, device=0, engine="pack", timeout_s=0.5)
@@ -1497,23 +1500,35 @@ def test_cuda_notifications_in_order_and_close_releases_a_stuck_pack_post():
             peer = a.add_peer(b.metadata())
             x1 = a.prepare(peer, "push", local_blocks={"full": [0]}, remote_blocks={"full": [1]}, notify_slot=4)
             x2 = a.prepare(peer, "push", local_blocks={"full": [2]}, remote_blocks={"full": [3]}, notify_slot=4)
+            warm = [x1.post(s1), x2.post(s2)]               # loads the kernels, makes a slot per stream
+            for h in warm:
+                h.wait(60)
+            assert b.notification(4) == 2
             plat.memset_async(s1, gate.ptr, 0, 64)
             assert plat.synchronize(s1, 60)
             plat.wait_flag(s1, gate.ptr, 1)
+            opener.start()
             h1, h2 = x1.post(s1), x2.post(s2)
-            assert not plat.event_wait(h2.event, 0.2) and b.notification(4) == 0
+            assert (h1.notify_value, h2.notify_value) == (3, 4)
+            assert not plat.event_wait(h2.event, 0.2) and b.notification(4) == 2
             plat.host_write_flag(gate.ptr, 1, 0)
             h2.wait(60)
-            assert h1.done() and b.notification(4) == 2
+            assert h1.done() and b.notification(4) == 4
             assert torch.equal(dst["layers.0"][:, [1, 3]], src["layers.0"][:, [0, 2]])
             c.register_group("full", 16, {k: v.clone() for k, v in src.items()})
             d.register_group("full", 16, {k: torch.zeros_like(v) for k, v in src.items()})
             torch.cuda.synchronize()
-            h = d.prepare(d.add_peer(c.metadata()), "pull", local_blocks={"full": [0]},
-                          remote_blocks={"full": [1]}).post(s3)
+            pd, pc = d.add_peer(c.metadata()), c.add_peer(d.metadata())
+            xd = d.prepare(pd, "pull", local_blocks={"full": [0]}, remote_blocks={"full": [1]})
+            xs = c.prepare(pc, "push", local_blocks={"full": [1]}, remote_blocks={"full": [0]})
+            done = [xd.post(s3), xs.post()]                 # a whole transfer first: every kernel loaded
+            for h in done:
+                h.wait(60)
+            h = xd.post(s3)                                 # its source never posts this one
             d.close()
             assert h.done() and d.control is None
         finally:
+            opener.cancel()
             plat.host_write_flag(gate.ptr, 1, 0)
             for ag in (d, c, b, a):
                 ag.close()
