@@ -1469,17 +1469,12 @@ def test_cuda_slot_graphs_grow_interleave_and_stay_in_bounds(op, monkeypatch):
         a.close()
 
 
-@pytest.mark.gpu
-def test_cuda_notifications_in_order_and_close_releases_a_stuck_pack_post():
+def _cuda_order_and_close():
     """On CUDA: a notification posted on a second stream waits for the slot's earlier post (held by a gate);
     closing a pack destination whose source never posts, its post on the caller's stream, releases that
     stream's waits and returns. Every kernel is loaded (and every slot made) before a stream is held: a
     kernel's first launch waits for the device's queues. A timer opens the gate whatever happens."""
     import threading
-    from conftest import platform_reason
-    why = platform_reason("cuda")
-    if why:
-        pytest.skip(why)
     from gpuxfer.platforms import get_platform
     plat = get_platform("cuda")
     try:
@@ -1538,3 +1533,14 @@ def test_cuda_notifications_in_order_and_close_releases_a_stuck_pack_post():
             gate.close()
     finally:
         plat.close()
+    return "ok"
+
+
+@pytest.mark.gpu
+def test_cuda_notifications_in_order_and_close_releases_a_stuck_pack_post(spawner):
+    """:func:`_cuda_order_and_close` in a process of its own (killed if it does not finish in time)."""
+    from conftest import platform_reason
+    why = platform_reason("cuda")
+    if why:
+        pytest.skip(why)
+    assert spawner.start(_cuda_order_and_close, name="order-and-close", hard_exit=True).result(100) == "ok"
