@@ -933,7 +933,7 @@ class _SlotTransfer(KVTransfer):
         self._pooled = host
         self._array = array
         self._entries = int(array.shape[0])
-        self._host_ptr = array.ctypes.data
+        self._host_ptr = host[0].data_ptr()        # the array is a view from the owner's first entry
         super().__init__(agent, peer, route, op, name, n_seg, host[0], None, None, 0, [], notify_slot, descriptors,
                          nbytes)
         self._req_bytes = self._entries * 8
