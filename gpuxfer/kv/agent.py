@@ -1683,7 +1683,12 @@ class KVAgent(Closable, FailsOnTimeout):
                 log.debug("agent %s: no %s route with peer %s yet: %s", self.name, op, peer.name, exc)
 
     def remove_peer(self, peer: "KVPeer | str") -> None:
-        """Forget a peer and close its mappings (transfers with it must have completed)."""
+        """Forget a peer, then close its mappings and free its scratch once every transfer posted with it
+        completed (waiting at most the agent's timeout).
+
+        Past the timeout the agent fails (:meth:`fail`: its waits are released, its error is raised from
+        every later call) and waits once more; what still runs then may touch the peer's mappings and
+        scratch, so those are kept for the life of the process (logged) instead of freed under it."""
         name = peer.name if isinstance(peer, KVPeer) else peer
         with self._lock:
             p = self._peers.pop(name, None)
@@ -1693,6 +1698,21 @@ class KVAgent(Closable, FailsOnTimeout):
             raise NotRegistered(f"agent {self.name!r} has no peer {name!r}")
         for key in [k for k, v in self._pack_shapes.items() if v.peer is p]:
             del self._pack_shapes[key]
+        posts = [(e, b) for e, b in self._inflight if any(getattr(x, "peer", None) is p for x in b)]
+        events = [e for e, _ in posts] + [n[1] for n in p._notified if n is not None]
+        if not self._completed(events):
+            log.warning("agent %s: transfers with peer %s did not complete within %g s of remove_peer; the agent "
+                        "fails and releases its waits", self.name, name, self.timeout_s)
+            self.fail(TransferTimeout(rank=self.rank, step=0, flag=f"transfers with peer {name!r}", expected=1,
+                                      seen=0, timeout_s=self.timeout_s, what="removing the peer"))
+            if not self._completed(events):
+                keep = p._mappings + p._owned
+                p._mappings, p._owned = [], []
+                log.error("agent %s: transfers with peer %s still run after the waits were released; keeping %d "
+                          "buffers and mappings they may touch for the life of the process", self.name, name,
+                          len(keep))
+                _LEAKED.extend(keep)
+                _LEAKED.append(posts)
         p.close()
 
     def peer(self, name: str) -> KVPeer:
@@ -2073,12 +2093,9 @@ class KVAgent(Closable, FailsOnTimeout):
             raise NotRegistered(f"peer {peer.name!r} was removed from agent {self.name!r}")
 
     def _drained(self) -> bool:
-        """Wait, at most the agent's timeout in all, for every posted transfer (the caller's streams included),
-        every stream made to wait on a notification and the agent's own streams; whether all completed. Work
-        that ended in an error is done (logged)."""
-        import time
+        """Wait (:meth:`_completed`) for every posted transfer (the caller's streams included), every stream
+        made to wait on a notification and the agent's own streams; whether all completed."""
         plat = self.platform
-        deadline = time.monotonic() + self.timeout_s
         events = [e for e, _ in getattr(self, "_inflight", ())] + list(getattr(self, "_stream_waits", {}).values())
         for st in (getattr(self, "stream", None), getattr(self, "_lane", None)):
             if st is not None:
@@ -2086,6 +2103,14 @@ class KVAgent(Closable, FailsOnTimeout):
                     events.append(plat.record_event(st))
                 except Exception as exc:  # noqa: BLE001 - a stream an error stopped runs nothing more
                     log.warning("agent %s: %r ended in an error: %s", self.name, st, exc)
+        return self._completed(events)
+
+    def _completed(self, events: list) -> bool:
+        """Wait, at most the agent's timeout in all, for ``events``; whether all completed. Work that ended in
+        an error is done (logged)."""
+        import time
+        plat = self.platform
+        deadline = time.monotonic() + self.timeout_s
         done = True
         for e in events:
             try:

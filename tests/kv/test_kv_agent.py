@@ -626,6 +626,84 @@ def test_removed_peer_and_closed_agent(pair):
         dec.metadata()
 
 
+def _held_pull(pre, dec, a0, a1):
+    """A pull with a notification posted on a stream of its own held by a gate: (src, dst, peer, gate, stream,
+    handle). The notification goes through the peer's scratch word (an in-process peer maps nothing)."""
+    src, dst = _vllm_layers(a0, 1, 4, 4, seed=1), _vllm_layers(a1, 1, 4, 4, seed=2)
+    pre.register_group("full", 4, src)
+    dec.register_group("full", 4, dst)
+    p_of_dec, _ = _connect(pre, dec)
+    plat = dec.platform
+    gate = plat.alloc(64, 1)
+    s = plat.create_stream(1)
+    plat.memset_async(s, gate.ptr, 0, 64)
+    plat.wait_flag(s, gate.ptr, 1)
+    h = dec.transfer(p_of_dec, "pull", local_blocks={"full": [0]}, remote_blocks={"full": [3]}, stream=s,
+                     notify_slot=2)
+    return src, dst, p_of_dec, gate, s, h
+
+
+def _stop_if_freed_under(s, h, peer) -> None:
+    """Drop the held work (not run it) when the peer's scratch was freed under it: running it would write
+    into freed memory."""
+    if not h.done() and peer.scratch.closed:
+        s._worker.abort()
+
+
+def test_remove_peer_waits_for_its_transfers(pair):
+    """remove_peer while a post to that peer is held: it waits for the post (the gate opens meanwhile), then
+    frees the peer's scratch; the bytes and the notification landed and the agent is fine."""
+    import threading
+    pre, dec, a0, a1 = pair
+    src, dst, p_of_dec, gate, s, h = _held_pull(pre, dec, a0, a1)
+    plat = dec.platform
+    opener = threading.Timer(0.2, plat.host_write_flag, (gate.ptr, 1, 1))
+    try:
+        opener.start()
+        dec.remove_peer("prefill")
+        assert h.done() and p_of_dec.scratch.closed and dec.failed is None
+        assert pre.notification(2) == 1
+        for name in src:
+            assert _eq(dst[name][:, 0], src[name][:, 3])
+    finally:
+        opener.cancel()
+        _stop_if_freed_under(s, h, p_of_dec)
+        plat.host_write_flag(gate.ptr, 1, 1)
+        plat.synchronize(s, 30)
+        s.close()
+        gate.close()
+
+
+def test_remove_peer_keeps_what_a_stuck_transfer_may_touch(pair):
+    """remove_peer while a post to that peer is held past the agent's timeout: the agent fails (its error
+    names the peer) and keeps the peer's scratch instead of freeing it; once the gate opens, the post runs
+    through the kept memory."""
+    from gpuxfer.kv import agent as agent_mod
+    pre, dec, a0, a1 = pair
+    src, dst, p_of_dec, gate, s, h = _held_pull(pre, dec, a0, a1)
+    plat = dec.platform
+    scratch = p_of_dec.scratch
+    before = len(agent_mod._LEAKED)
+    try:
+        dec.timeout_s = 0.1
+        dec.remove_peer("prefill")
+        assert any(m is scratch for m in agent_mod._LEAKED[before:]) and not scratch.closed and not h.done()
+        assert isinstance(dec.failed, TransferTimeout) and "transfers with peer 'prefill'" in str(dec.failed)
+        plat.host_write_flag(gate.ptr, 1, 1)
+        assert plat.event_wait(h.event, 60)
+        assert pre.notification(2) == 1
+        for name in src:
+            assert _eq(dst[name][:, 0], src[name][:, 3])
+    finally:
+        _stop_if_freed_under(s, h, p_of_dec)
+        plat.host_write_flag(gate.ptr, 1, 1)
+        plat.synchronize(s, 30)
+        s.close()
+        gate.close()
+        del agent_mod._LEAKED[before:]
+        scratch.close()
+
+
 # ----------------------------------------------------------------------------- metadata bytes
 
 
