@@ -90,8 +90,9 @@ import functools
 import time
 
 from ..errors import GraphModeError, TransferTimeout
+from ..platforms.base import RELEASE_VALUE
 from .copy_engine import W_IN, CopyEngineTransport
-from .transport import RELEASE_VALUE, Layout, Received
+from .transport import Layout, Received
 
 
 

@@ -75,10 +75,11 @@ from dataclasses import dataclass, field
 
 from .. import config
 from ..errors import BadInput, GpuxferError, TransferTimeout
+from ..platforms.base import RELEASE_VALUE
 from ..sync import wait_event_or_raise
 from .copy_engine import FLAG_STRIDE, PROBE_TIMEOUT_S, CopyEngineTransport
 from .selection import register_backend
-from .transport import ALIGN, RELEASE_VALUE, Layout
+from .transport import ALIGN, Layout
 
 log = logging.getLogger("gpuxfer.pp")
 

@@ -83,7 +83,6 @@ import numpy as np
 
 from .. import config
 from ..errors import BadInput, GpuxferError, PeerLost, ProtocolError, TransferTimeout
-from ..platforms.base import RELEASE_VALUE
 
 log = logging.getLogger("gpuxfer.pp")
 

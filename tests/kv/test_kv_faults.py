@@ -598,16 +598,3 @@ def test_a_burst_owns_read_only_descriptors():
         E.DescriptorBurst([req, req[1:]], plan=plan)
     pb = E.DescriptorBurst([plan[:2], plan[2:]], plan=plan)
     assert [r.tolist() for r in pb.requests] == [plan[:2].tolist(), plan[2:].tolist()]
-
-
-def test_a_discarded_stream_is_closed_and_made_anew(host):
-    from types import SimpleNamespace
-    from gpuxfer.kv.engines.base import Side
-    side = SimpleNamespace(_streams={}, platform=host, device=0)
-    first = Side.stream(side, "setup")
-    Side.discard_stream(side, "setup")
-    Side.discard_stream(side, "setup")          # nothing left: a no-op
-    assert first.closed and "setup" not in side._streams
-    again = Side.stream(side, "setup")
-    assert again is not first and not again.closed
-    again.close()

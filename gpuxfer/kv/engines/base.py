@@ -225,16 +225,6 @@ class Side(FailsOnTimeout):
             s = self._streams[name] = self.platform.create_stream(self.device)
         return s
 
-    def discard_stream(self, name: str) -> None:
-        """Close stream ``name`` (after a failed operation may have left it unusable); the next
-        :meth:`stream` of that name makes a new one."""
-        s = self._streams.pop(name, None)
-        if s is not None:
-            try:
-                s.close()
-            except Exception as exc:  # noqa: BLE001 - dropped either way
-                log.debug("closing stream %r: %s", name, exc)
-
     def open_streams(self) -> None:
         """Create every stream the built-in engines use, and the gate, up front.
 
