@@ -114,7 +114,7 @@ def build(metadata: bool, slots: int = 2, platform: str = "null", flag_batch: bo
 
     from gpuxfer.pp.copy_engine import W_IN, CopyEngineTransport
     from gpuxfer.pp.mailbox import Mailbox
-    from gpuxfer.pp.transport import SpecTable
+    from gpuxfer.pp.spec import SpecTable
     plat = NullPlatform() if platform == "null" else cuda_stub()
     # a device the tensors' get_device() (-1 for CPU tensors) matches, so the GPU's per-step checks run
     dev = types.SimpleNamespace(type="null", index=-1)

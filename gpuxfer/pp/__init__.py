@@ -18,7 +18,9 @@ Importing this package touches no GPU.
 from .options import ConnectOptions
 from .selection import (BACKENDS, ENV_TRANSPORT, Connection, backend_report, connect, register_backend,
                         requested_backend)
-from .transport import ENV_TIMEOUT, Received, SpecTable, Transport, close_all
+from .spec import SpecTable
+from .transport import ENV_TIMEOUT, Received, Transport
+from .watchdog import close_all
 
 __all__ = ["BACKENDS", "ENV_TIMEOUT", "ENV_TRANSPORT", "ConnectOptions", "Connection", "Received", "SpecTable", "Transport",
            "backend_report", "close_all", "connect", "register_backend", "requested_backend"]

@@ -116,7 +116,8 @@ from ..errors import BadInput, GpuxferError, GraphModeError, TransferTimeout
 from ..flaglink import FIRST_WORD, FLAG_STRIDE, FlagLink, flag_path_from_env
 from ..platforms.base import FLAG_OP_WAIT, FLAG_OP_WRITE, flag_ops_array
 from ..sync import wait_event_or_raise
-from .transport import Layout, Received, Transport
+from .spec import Layout
+from .transport import Received, Transport
 
 log = logging.getLogger("gpuxfer.pp")
 

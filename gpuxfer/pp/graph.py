@@ -92,7 +92,8 @@ import time
 from ..errors import GraphModeError, TransferTimeout
 from ..platforms.base import RELEASE_VALUE
 from .copy_engine import W_IN, CopyEngineTransport
-from .transport import Layout, Received
+from .spec import Layout
+from .transport import Received
 
 
 

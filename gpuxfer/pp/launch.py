@@ -16,11 +16,11 @@ def init_cpu_group(rank: int, world: int, init_method: str, timeout_s: float = 1
 
 def close_cpu_group() -> None:
     """Stop the transports' watchdog, then leave the group (before the interpreter goes: see
-    ``_Watchdog.stop``). Idempotent; never raises."""
+    :meth:`gpuxfer.pp.watchdog._Watchdog.stop`). Idempotent; never raises."""
     try:
         import torch.distributed as dist
 
-        from .transport import WATCHDOG
+        from .watchdog import WATCHDOG
         WATCHDOG.stop()
         if dist.is_initialized():
             dist.destroy_process_group()

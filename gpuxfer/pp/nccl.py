@@ -26,7 +26,8 @@ import time
 from datetime import timedelta
 
 from ..errors import PeerLost, TransferTimeout
-from .transport import Layout, Received, Transport, as_bytes, copy_bytes
+from .spec import as_bytes, copy_bytes, Layout
+from .transport import Received, Transport
 
 log = logging.getLogger("gpuxfer.pp")
 

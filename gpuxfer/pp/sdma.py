@@ -79,7 +79,7 @@ from ..platforms.base import RELEASE_VALUE
 from ..sync import wait_event_or_raise
 from .copy_engine import FLAG_STRIDE, PROBE_TIMEOUT_S, CopyEngineTransport
 from .selection import register_backend
-from .transport import ALIGN, Layout
+from .spec import ALIGN, Layout
 
 log = logging.getLogger("gpuxfer.pp")
 

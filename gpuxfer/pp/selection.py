@@ -49,8 +49,10 @@ from .. import config
 from ..errors import BackendUnavailable, BadInput, SetupFailed
 from .options import ConnectOptions
 from .setup import discard, reason, setup_mailboxes, setup_nccl, setup_pair_groups, setup_peer_memory
-from .transport import (PairSignals, SpecTable, Transport, close_all, resolve_on_timeout, resolve_timeout,
-                        WATCHDOG)
+from .channel import PairSignals
+from .spec import SpecTable
+from .transport import resolve_on_timeout, resolve_timeout, Transport
+from .watchdog import WATCHDOG, close_all
 
 log = logging.getLogger("gpuxfer.pp")
 

@@ -24,7 +24,7 @@ from gpuxfer.errors import BadInput, GpuxferError
 from gpuxfer.platforms.host import HostPlatform
 from gpuxfer.pp import sdma as S
 from gpuxfer.pp.sdma import SdmaTransport
-from gpuxfer.pp.transport import SpecTable
+from gpuxfer.pp.spec import SpecTable
 
 G0, G1 = 0x1000, 0x1100          # the fake's GPU agent handles
 

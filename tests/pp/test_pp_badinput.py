@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from gpuxfer.errors import BadInput, GpuxferError
-from gpuxfer.pp.transport import ALIGN, SpecTable, _Refusal, as_bytes, resolve_timeout
+from gpuxfer.pp.spec import ALIGN, as_bytes, Refusal, SpecTable
+from gpuxfer.pp.transport import resolve_timeout
 from test_pp_chain import check_equal, specs, step_shapes, step_tensors
 
 CPU = torch.device("cpu")
@@ -88,7 +89,7 @@ def test_spec_table_views_unpack_a_packed_buffer(n, w):
 
 @pytest.mark.parametrize("label,tensors,code", list(bad_inputs()), ids=[b[0] for b in bad_inputs()])
 def test_spec_table_refuses(label, tensors, code):
-    with pytest.raises(_Refusal) as ei:
+    with pytest.raises(Refusal) as ei:
         SpecTable(specs()).check_tensors(tensors, CPU)
     assert ei.value.code == code
 
@@ -145,7 +146,7 @@ def test_metadata_round_trip_and_corruption():
     corrupt[0] ^= 1
     with pytest.raises(GpuxferError, match="out of order"):
         t.decode(corrupt, step=12, peer=0, rank=1)
-    t.encode_refusal(buf, 12, _Refusal(6, 2, "x"))
+    t.encode_refusal(buf, 12, Refusal(6, 2, "x"))
     with pytest.raises(BadInput, match="refused its input for step 12 \\('residual'\\).*larger than its slot"):
         t.decode(buf, step=12, peer=0, rank=1)
 
@@ -259,7 +260,7 @@ def test_bad_input_two_ranks(spawner, platform_name, nccl_pairs):
 @pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_copy_bytes_is_bit_exact(where):
     """Every bit pattern survives the pack/unpack copies (a same-dtype float-list copy on GPU rewrites NaN payloads)."""
-    from gpuxfer.pp.transport import as_bytes, copy_bytes
+    from gpuxfer.pp.spec import as_bytes, copy_bytes
     if where == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     g = torch.Generator().manual_seed(0)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from gpuxfer.errors import BadInput, GpuxferError, PeerLost, ProtocolError, TransferTimeout
-from gpuxfer.pp.transport import MAX_NDIM, SpecTable, resolve_on_timeout, resolve_timeout
+from gpuxfer.pp.spec import MAX_NDIM, SpecTable
+from gpuxfer.pp.transport import resolve_on_timeout, resolve_timeout
 from test_pp_chain import specs
 
 
@@ -303,7 +304,7 @@ def _conn(plat, device, rank, **kw):
 def misc_session(rank: int, world: int, init_method: str, platform_name: str) -> dict:
     import torch.distributed as dist
 
-    from gpuxfer.pp.transport import META_MAGIC, MAX_NDIM
+    from gpuxfer.pp.spec import MAX_NDIM, META_MAGIC
     from test_pp_chain import check_equal, step_tensors
     plat, device, dev = _setup(rank, world, init_method, platform_name)
     out = {}
@@ -480,7 +481,7 @@ def test_on_timeout_exit_ends_the_process(spawner, platform_name, tmp_path):
     import tempfile
     import time
 
-    from gpuxfer.pp.transport import EXIT_CODE
+    from gpuxfer.pp.watchdog import EXIT_CODE
     log_path = str(tmp_path / "rank0.log")
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{os.path.join(tmp, 'rdv')}"
@@ -590,7 +591,7 @@ def test_killing_every_process_leaks_no_shared_memory(spawner, tmp_path):
 _EXIT_PROBE = """
 import os, sys, tempfile, threading, time
 import torch.distributed as dist
-from gpuxfer.pp.transport import WATCHDOG
+from gpuxfer.pp.watchdog import WATCHDOG
 
 store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
 store.set("k", b"1")
@@ -635,7 +636,7 @@ def test_pair_signals_in_a_store(tmp_path):
 
     import torch.distributed as dist
 
-    from gpuxfer.pp.transport import PairSignals
+    from gpuxfer.pp.channel import PairSignals
     store = dist.FileStore(str(tmp_path / "store"), 1)
     a, b = PairSignals(store, "p/1", 0, 1), PairSignals(store, "p/1", 1, 0)
     other = PairSignals(store, "p/2", 0, 1)          # another pair: keys never mix

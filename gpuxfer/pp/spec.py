@@ -1,0 +1,361 @@
+"""What a stage hand-off moves: the tensor spec of a pair, the packed layout of one step and its metadata message.
+
+:class:`SpecTable` holds the tensors to expect (name -> largest shape, dtype),
+checks what the caller passes (before any GPU work and before metadata goes out),
+lays out one step in a slot (offsets aligned to :data:`ALIGN` bytes, cached per
+shape tuple, :class:`Layout`) and encodes / decodes the per-step metadata message
+(shapes only: keys and dtypes are fixed by the spec). A sender's refused step
+travels as a refusal message (:class:`Refusal`). :func:`as_bytes`,
+:func:`byte_shape` and :func:`copy_bytes` move tensors as bytes, bit-exact.
+"""
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from ..errors import BadInput, ProtocolError
+
+ALIGN = 256                 # byte alignment of each tensor in a packed slot
+MAX_NDIM = 8                # most dimensions a tensor may have
+META_MAGIC = 0x67787070     # "gxpp"
+_NO_DIMS = (0,) * MAX_NDIM
+_HEADER = struct.Struct("=4q")   # a metadata message's first words: magic, step, refusal code, refused key
+
+# why a sender refused a step (travels in the refusal message)
+_REFUSALS = {
+    1: "the tensors are not a dict of torch tensors",
+    2: "its keys differ from the setup spec",
+    3: "a dtype differs from the setup spec",
+    4: "a tensor is on the wrong device",
+    5: "a tensor is not contiguous",
+    6: "a tensor is larger than its slot (the setup spec's largest shape)",
+    7: "a tensor has too many dimensions",
+    8: "a tensor is a lazily conjugated or negated view",
+}
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+# --------------------------------------------------------------------------- byte copies
+
+
+def as_bytes(t):
+    """A contiguous tensor's bytes as a uint8 view (no copy) of shape :func:`byte_shape` ``(t.shape)``."""
+    import torch
+    return (t if t.dim() else t.view(1)).view(torch.uint8)
+
+
+def byte_shape(shape: tuple, itemsize: int) -> tuple:
+    """The shape of :func:`as_bytes` of a tensor of ``shape``: the last dimension counts bytes."""
+    return (itemsize,) if not shape else tuple(shape[:-1]) + (shape[-1] * itemsize,)
+
+
+def copy_bytes(dsts: list, srcs: list) -> None:
+    """Bit-exact copies between uint8 views, in one multi-tensor launch where torch can.
+
+    Always bytes: ``torch._foreach_copy_`` on same-dtype float lists runs through
+    float arithmetic, which rewrites bf16 / fp16 NaN payloads (seen on H200).
+    """
+    import torch
+    if len(dsts) == 1:
+        dsts[0].copy_(srcs[0])
+    else:
+        torch._foreach_copy_(dsts, srcs)
+
+
+# --------------------------------------------------------------------------- specs and layout
+
+
+class Refusal(BadInput):
+    def __init__(self, code: int, key: int, message: str):
+        super().__init__(message)
+        self.code, self.key = code, key
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor of one step lies in a packed slot (byte offsets)."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]
+    nbytes: tuple[int, ...]
+    total: int          # bytes that travel: end of the last tensor
+    bshapes: tuple[tuple[int, ...], ...] = ()   # shapes of the tensors' uint8 views (as_bytes)
+    strides: tuple[tuple[int, ...], ...] = ()   # contiguous strides of ``shapes`` (elements)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of a buffer :meth:`SpecTable.views` can view this step in (whole ALIGN units, >= 1 unit)."""
+        return _align(max(self.total, 1))
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= max(int(d), 1)
+    return tuple(reversed(out))
+
+
+class SpecTable:
+    """The tensors a transport expects: name -> (largest shape, dtype), in sorted name order."""
+
+    def __init__(self, specs: Mapping[str, tuple[Sequence[int], object]]):
+        import torch
+        if not isinstance(specs, Mapping) or not specs:
+            raise BadInput("specs must be a non-empty dict: name -> (largest shape, dtype)")
+        names, shapes, dtypes = [], [], []
+        for name in sorted(specs):
+            if not isinstance(name, str) or not name:
+                raise BadInput(f"tensor names must be non-empty strings, got {name!r}")
+            entry = specs[name]
+            if isinstance(entry, torch.Tensor):
+                entry = (tuple(entry.shape), entry.dtype)
+            try:
+                shape, dtype = entry
+            except (TypeError, ValueError):
+                raise BadInput(f"spec of {name!r} must be (shape, dtype), got {entry!r}") from None
+            if not isinstance(dtype, torch.dtype):
+                raise BadInput(f"spec of {name!r}: {dtype!r} is not a torch dtype")
+            try:
+                shape = tuple(int(s) for s in shape)
+            except (TypeError, ValueError):
+                raise BadInput(f"spec of {name!r}: shape {shape!r} is not a sequence of integers") from None
+            if len(shape) > MAX_NDIM or any(s < 0 for s in shape):
+                raise BadInput(f"spec of {name!r}: shape {shape} needs <= {MAX_NDIM} non-negative dims")
+            names.append(name)
+            shapes.append(shape)
+            dtypes.append(dtype)
+        self.names: tuple[str, ...] = tuple(names)
+        self.nameset = frozenset(names)
+        self.max_shapes: tuple[tuple[int, ...], ...] = tuple(shapes)
+        self.dtypes = tuple(dtypes)
+        self.itemsizes = tuple(torch.empty((), dtype=d).element_size() for d in dtypes)
+        self.max_nbytes = tuple(int(np.prod(s, dtype=np.int64)) * i for s, i in zip(shapes, self.itemsizes))
+        self.max_numel = tuple(int(np.prod(s, dtype=np.int64)) for s in shapes)
+        self.slot_bytes = max(ALIGN, sum(_align(n) for n in self.max_nbytes))
+        self.meta_len = 4 + len(names) * (1 + MAX_NDIM)
+        self._tensor = torch.Tensor
+        self._fast = tuple(zip(names, dtypes, self.max_numel, (d.is_complex for d in dtypes)))
+        self._layouts: dict[tuple, Layout] = {}
+        self._decoded: dict[bytes, tuple] = {}     # metadata body (bytes) -> checked shapes
+        self._rows: dict[tuple, np.ndarray] = {}   # shapes -> metadata row (the step word left 0)
+
+    def digest(self) -> tuple:
+        """What both ends of a pair must agree on (compared at setup)."""
+        return (self.names, tuple(str(d) for d in self.dtypes), self.max_shapes)
+
+    def describe(self) -> str:
+        return ", ".join(f"{n}: {tuple(s)} {str(d).replace('torch.', '')}"
+                         for n, s, d in zip(self.names, self.max_shapes, self.dtypes))
+
+    def layout(self, shapes: tuple[tuple[int, ...], ...]) -> Layout:
+        lay = self._layouts.get(shapes)
+        if lay is None:
+            shapes = tuple(tuple(s) for s in shapes)    # plain tuples (a tensor's shape is a torch.Size)
+            offsets, nbytes, off, end = [], [], 0, 0
+            for shape, item in zip(shapes, self.itemsizes):
+                n = int(np.prod(shape, dtype=np.int64)) * item
+                offsets.append(off)
+                nbytes.append(n)
+                end = off + n
+                off = _align(end)
+            lay = Layout(shapes, tuple(offsets), tuple(nbytes), end,
+                         tuple(byte_shape(sh, it) for sh, it in zip(shapes, self.itemsizes)),
+                         tuple(_contiguous_strides(sh) for sh in shapes))
+            if len(self._layouts) > 4096:   # shapes vary per step (token counts): keep the cache bounded
+                self._layouts.clear()
+            self._layouts[shapes] = lay
+        return lay
+
+    def views(self, buf, layout: Layout, at: int = 0) -> dict:
+        """The step's tensors as views of ``buf`` (uint8, storage offset 0, packed as ``layout`` says from
+        byte ``at`` on, a multiple of ALIGN): one ``as_strided`` per tensor."""
+        typed, out = {}, {}
+        for name, dtype, item, shape, strides, off in zip(self.names, self.dtypes, self.itemsizes, layout.shapes,
+                                                         layout.strides, layout.offsets):
+            base = typed.get(dtype)
+            if base is None:
+                base = typed[dtype] = buf.view(dtype)
+            out[name] = base.as_strided(shape, strides, (at + off) // item)
+        return out
+
+    # ---- validation (before any GPU work and before metadata goes out) ----
+    def check_tensors(self, tensors, device) -> tuple[tuple[int, ...], ...]:
+        """The shapes of ``tensors`` (spec order), or the first :class:`Refusal` that applies."""
+        if type(tensors) is dict and device.type != "cpu":
+            shapes = self._fast_shapes(tensors, device.index or 0)
+            if shapes is not None:
+                return shapes
+        return self._checked_shapes(tensors, device)
+
+    def _fast_shapes(self, tensors: dict, index: int) -> tuple[tuple[int, ...], ...] | None:
+        """The per-step path on a GPU: every check of :meth:`_checked_shapes` in one expression per
+        tensor; None sends any doubt there (which says what is wrong). A dict of as many entries as the
+        spec that holds every name has the spec's keys."""
+        if len(tensors) != len(self._fast):
+            return None
+        Tensor, shapes = self._tensor, []
+        for name, dtype, max_numel, cplx in self._fast:
+            t = tensors.get(name)
+            if (not isinstance(t, Tensor) or t.dtype is not dtype or t.get_device() != index
+                    or not t.is_contiguous() or t.is_neg() or (cplx and t.is_conj()) or t.numel() > max_numel):
+                return None      # (only complex tensors carry a lazy conjugation)
+            shape = t.shape      # a torch.Size: equal to (and hashed as) the tuple of its dimensions
+            if len(shape) > MAX_NDIM:
+                return None
+            shapes.append(shape)
+        return tuple(shapes)
+
+    def _checked_shapes(self, tensors, device) -> tuple[tuple[int, ...], ...]:
+        import torch
+        if not isinstance(tensors, Mapping):
+            raise Refusal(1, -1, f"send() takes a dict of tensors, got {type(tensors).__name__}")
+        if tensors.keys() != self.nameset:
+            extra = sorted(set(tensors) - self.nameset)
+            missing = sorted(self.nameset - set(tensors))
+            raise Refusal(2, -1, f"the tensors' keys differ from the setup spec: unexpected {extra}, "
+                                  f"missing {missing} (spec: {self.describe()})")
+        shapes = []
+        for i, name in enumerate(self.names):
+            t = tensors[name]
+            if not isinstance(t, torch.Tensor):
+                raise Refusal(1, i, f"{name!r} is a {type(t).__name__}, not a torch tensor")
+            if t.dtype != self.dtypes[i]:
+                raise Refusal(3, i, f"{name!r} has dtype {t.dtype}, the setup spec says {self.dtypes[i]}")
+            if t.device != device:
+                raise Refusal(4, i, f"{name!r} is on {t.device}, the transport's device is {device}")
+            if not t.is_contiguous():
+                raise Refusal(5, i, f"{name!r} is not contiguous (strides {t.stride()}); pass .contiguous()")
+            if t.is_conj() or t.is_neg():    # its bytes are not its values: copies move bytes
+                raise Refusal(8, i, f"{name!r} is a lazily conjugated or negated view; pass .resolve_conj() / "
+                                     f".resolve_neg()")
+            if t.dim() > MAX_NDIM:
+                raise Refusal(7, i, f"{name!r} has {t.dim()} dimensions, at most {MAX_NDIM} are supported")
+            if t.numel() > self.max_numel[i]:
+                raise Refusal(6, i, f"{name!r} of shape {tuple(t.shape)} ({t.numel() * self.itemsizes[i]} B) "
+                                     f"is larger than its slot: the setup spec's largest shape is "
+                                     f"{self.max_shapes[i]} ({self.max_nbytes[i]} B)")
+            shapes.append(tuple(t.shape))
+        return tuple(shapes)
+
+    def check_shapes(self, shapes) -> tuple[tuple[int, ...], ...]:
+        return self.layout_of(shapes).shapes
+
+    def layout_of(self, shapes) -> Layout:
+        """The layout of ``recv(shapes=...)``'s shapes, checked: a dict of shapes seen before is one lookup
+        (a key equal to a cached one has the same, checked, integer shapes)."""
+        if type(shapes) is dict and len(shapes) == len(self.names):
+            try:
+                lay = self._layouts.get(tuple([shapes[n] for n in self.names]))
+            except (KeyError, TypeError):
+                lay = None
+            if lay is not None:
+                return lay
+        return self.layout(self._checked_shape_tuple(shapes))
+
+    def _checked_shape_tuple(self, shapes) -> tuple[tuple[int, ...], ...]:
+        if not isinstance(shapes, Mapping) or shapes.keys() != self.nameset:
+            got = sorted(shapes) if isinstance(shapes, Mapping) else type(shapes).__name__
+            raise BadInput(f"recv(shapes=...) needs a dict with exactly the keys {sorted(self.nameset)}, got {got}")
+        out = []
+        for i, name in enumerate(self.names):
+            try:
+                shape = tuple(int(s) for s in shapes[name])
+            except (TypeError, ValueError):
+                raise BadInput(f"shape of {name!r} must be a sequence of integers, got {shapes[name]!r}") from None
+            if len(shape) > MAX_NDIM or any(s < 0 for s in shape):
+                raise BadInput(f"shape of {name!r} {shape} needs <= {MAX_NDIM} non-negative dims")
+            if math.prod(shape) > self.max_numel[i]:
+                raise BadInput(f"expected shape {shape} of {name!r} is larger than its slot "
+                               f"(the setup spec's largest shape is {self.max_shapes[i]})")
+            out.append(shape)
+        return tuple(out)
+
+    def check_out(self, out, device) -> None:
+        """``recv(out=...)``: persistent tensors the data is copied into (a prefix of each, by numel)."""
+        import torch
+        if not isinstance(out, Mapping) or out.keys() != self.nameset:
+            raise BadInput(f"recv(out=...) needs a dict with exactly the keys {sorted(self.nameset)}")
+        for i, name in enumerate(self.names):
+            t = out[name]
+            if not isinstance(t, torch.Tensor) or t.dtype != self.dtypes[i] or t.device != device:
+                raise BadInput(f"out[{name!r}] must be a {self.dtypes[i]} tensor on {device}")
+            if not t.is_contiguous() or t.numel() < self.max_numel[i] or t.is_conj() or t.is_neg():
+                raise BadInput(f"out[{name!r}] must be contiguous (not a conjugated or negated view) with >= "
+                               f"{self.max_numel[i]} elements (the setup spec's largest shape {self.max_shapes[i]})")
+
+    # ---- metadata ----
+    def encode(self, buf: np.ndarray, step: int, shapes) -> None:
+        """Fill ``buf`` with the message of ``step``: the row of these shapes (built once per shape tuple),
+        then the step."""
+        row = self._rows.get(shapes)
+        if row is None:
+            vals = [META_MAGIC, 0, 0, 0]
+            for shape in shapes:
+                vals.append(len(shape))
+                vals += shape
+                vals += _NO_DIMS[len(shape):]
+            if len(self._rows) > 4096:      # shapes vary per step (token counts): keep the cache bounded
+                self._rows.clear()
+            row = self._rows[shapes] = np.array(vals, dtype=np.int64)
+        buf[:] = row
+        buf[1] = step
+
+    def encode_refusal(self, buf: np.ndarray, step: int, refusal: Refusal) -> None:
+        buf[:] = 0
+        buf[0], buf[1], buf[2], buf[3] = META_MAGIC, step, refusal.code, refusal.key
+
+    def decode(self, buf: np.ndarray, *, step: int, peer: int, rank: int):
+        """Shapes for ``step``, or raise the sender's refusal as :class:`BadInput`.
+
+        Nothing in the message is trusted: every shape is checked against the spec (dimensions,
+        element count) and the step against the slot, in Python integers (no overflow), before
+        anything is viewed or copied; a violation is :class:`ProtocolError`.
+        """
+        if len(buf) != self.meta_len:
+            raise ProtocolError(f"rank {rank}: metadata from rank {peer} holds {len(buf)} words, expected "
+                                f"{self.meta_len}")
+        raw = buf.tobytes()
+        known = self._decoded.get(raw[32:])                 # shapes seen (and checked) before: per step
+        if known is not None and raw[:32] == _HEADER.pack(META_MAGIC, step, 0, 0):
+            return known
+        vals = buf.tolist()       # one conversion, then plain ints
+        if vals[0] != META_MAGIC or vals[1] != step:
+            raise ProtocolError(f"rank {rank}: metadata from rank {peer} is out of order: expected step {step}, "
+                                f"got magic 0x{vals[0]:x} step {vals[1]}")
+        if vals[2]:
+            key = vals[3]
+            which = f" ({self.names[key]!r})" if 0 <= key < len(self.names) else ""
+            raise BadInput(f"rank {rank}: rank {peer} refused its input for step {step}{which}: "
+                           f"{_REFUSALS.get(vals[2], 'unknown reason')}; nothing was sent and the step "
+                           f"was not consumed on either side")
+        shapes, pos, total = [], 4, 0
+        for i, name in enumerate(self.names):
+            nd = vals[pos]
+            dims = vals[pos + 1:pos + 1 + MAX_NDIM]
+            if not 0 <= nd <= MAX_NDIM or any(d < 0 for d in dims) or any(dims[nd:]):
+                raise ProtocolError(f"rank {rank}: metadata from rank {peer} for step {step} is malformed: "
+                                    f"{name!r} has {nd} dimensions {tuple(dims)}")
+            shape = tuple(dims[:nd])
+            numel = math.prod(shape)
+            if numel > self.max_numel[i]:
+                raise ProtocolError(f"rank {rank}: rank {peer} claims shape {shape} for {name!r} at step {step}: "
+                                    f"{numel} elements, larger than its slot (the setup spec's largest shape "
+                                    f"is {self.max_shapes[i]}, {self.max_numel[i]} elements); nothing was read")
+            total = _align(total) + numel * self.itemsizes[i]
+            shapes.append(shape)
+            pos += 1 + MAX_NDIM
+        if total > self.slot_bytes:       # implied by the per-tensor checks; kept as the last line of defence
+            raise ProtocolError(f"rank {rank}: rank {peer}'s step {step} needs {total} B, its slot holds "
+                                f"{self.slot_bytes} B")
+        if len(self._decoded) > 4096:      # shapes vary per step (token counts): keep the cache bounded
+            self._decoded.clear()
+        shapes = self._decoded[np.asarray(vals[4:], dtype=np.int64).tobytes()] = tuple(shapes)
+        return shapes

@@ -1,0 +1,236 @@
+"""The watchdog of the stage hand-off, and teardown.
+
+:data:`WATCHDOG` is one daemon thread per process, off the transfer path, that
+polls what each open transport's streams wait on (flag words, NCCL work objects)
+and turns a wait older than ``timeout_s`` (or a wait on a peer that left a
+"gone" note) into :class:`~gpuxfer.errors.TransferTimeout` /
+:class:`~gpuxfer.errors.PeerLost`. :func:`exit_process` ends the process for
+``on_timeout="exit"``. :func:`close_all` tears any set of transports down in a
+safe order (see its docstring and :mod:`gpuxfer.pp.transport`).
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ..errors import PeerLost
+
+if TYPE_CHECKING:
+    from .transport import Transport
+
+log = logging.getLogger("gpuxfer.pp")
+
+EXIT_CODE = 70              # the process exit code of on_timeout="exit" (EX_SOFTWARE)
+FAILED_TEARDOWN_S = 1.0     # drain / barrier limit of a failed transport at teardown (its peer is likely gone)
+GONE_POLL_S = 0.25          # how often the watchdog reads a waiting transport's peer "gone" note
+
+
+# --------------------------------------------------------------------------- watchdog
+
+
+class _Watchdog:
+    """One daemon thread per process polling every open transport's pending waits (off the transfer path)."""
+
+    BUSY_S = 0.02
+    IDLE_S = 0.2
+
+    def __init__(self):
+        self._transports: "weakref.WeakSet[Transport]" = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._at_exit = False
+
+    def register(self, t: Transport) -> None:
+        with self._lock:
+            self._transports.add(t)
+            if self._thread is None or not self._thread.is_alive():
+                self._stop.clear()
+                self._thread = threading.Thread(target=self._run, name="gpuxfer-pp-watchdog", daemon=True)
+                self._thread.start()
+                if not self._at_exit:
+                    self._at_exit = True
+                    atexit.register(self.stop)
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop the thread (at interpreter exit). A daemon thread still inside a C++ call (a store read,
+        a driver query) when the interpreter finalizes is unwound by ``pthread_exit`` through C++ frames,
+        and the process aborts ("terminate called without an active exception")."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+
+    def open_transports(self) -> list:
+        with self._lock:
+            return [t for t in self._transports if t._state in ("open", "closing")]
+
+    def _run(self) -> None:
+        released = 0.0
+        while not self._stop.is_set():
+            with self._lock:
+                live = [t for t in self._transports
+                        if t._state == "open" and (t._error is None or t.watch_after_error)]
+                failed = [t for t in self._transports if t._state == "open" and t._error is not None
+                          and t.release_again and not t.watch_after_error]
+            busy = False
+            now = time.monotonic()
+            if failed and now - released > 2 * GONE_POLL_S:
+                released = now
+                for t in failed:
+                    try:
+                        t._release_waits()
+                    except Exception as exc:  # noqa: BLE001
+                        log.debug("re-release of a failed %s transport: %s", t.name, exc)
+            for t in live:
+                waiting = t._waiting_since
+                if not t._wd and waiting is None:
+                    continue
+                busy = True
+                err = None
+                if t._wd:
+                    try:
+                        with t._wd_lock:
+                            if t._state != "open":
+                                continue
+                            err = t._watch(now)
+                    except Exception as exc:  # noqa: BLE001 - a stream error found while polling
+                        err = exc
+                try:
+                    since = waiting if waiting is not None else t._wd[0][2]
+                except (IndexError, TypeError):   # popped meanwhile, or an entry without a start time
+                    since = now
+                if (err is None and t._error is None and t.signals is not None and now - since > GONE_POLL_S
+                        and now - t._gone_checked > GONE_POLL_S):   # a wait that lasts: is the peer gone?
+                    t._gone_checked = now
+                    gone = t.signals.peer_gone()
+                    if gone is not None:
+                        err = PeerLost(rank=t.rank, peer=t.peer, step=t.step + 1,
+                                       flag="metadata" if waiting is not None else "peer", after_s=now - since,
+                                       why=f"rank {t.peer} {gone}", detail=f"{t.name} {t.role}")
+                if err is not None:
+                    try:
+                        t._fail(err)
+                    except Exception as exc:  # noqa: BLE001 - the watchdog must outlive any one transport
+                        log.error("rank %d: failing the %s transport: %s", t.rank, t.name, exc)
+            self._stop.wait(self.BUSY_S if busy else self.IDLE_S)
+
+
+WATCHDOG = _Watchdog()
+
+
+def exit_process(failed: "Transport", err: BaseException) -> None:
+    """``on_timeout="exit"``: log the error and every transport of this process, then end it."""
+    try:
+        log.critical("rank %d: the %s transport with rank %d failed and on_timeout='exit': ending the process "
+                     "with code %d: %s", failed.rank, failed.name, failed.peer, EXIT_CODE, err)
+        for t in WATCHDOG.open_transports():
+            waits = ", ".join(f"step {w[0]} ({t._wait_label(w)}) for {time.monotonic() - w[2]:.1f} s"
+                              for w in list(t._wd)[:4]) or "none"
+            log.critical("rank %d: %s %s with rank %d: step %d, %s, pending waits: %s", t.rank, t.name, t.role,
+                         t.peer, t.step, f"failed: {t._error}" if t._error is not None else "healthy", waits)
+        for h in logging.getLogger().handlers + log.handlers:
+            h.flush()
+    finally:
+        os._exit(EXIT_CODE)
+
+
+# --------------------------------------------------------------------------- teardown
+
+
+def close_all(transports: Sequence[Transport], timeout_s: float | None = None) -> None:
+    """Tear transports down together in a safe order (idempotent), in at most the largest
+    ``timeout_s`` + a few seconds whatever the peers do; the caller's process group is never used.
+
+    1. release the GPU waits of every failed end first (a healthy end's drain may sit on the
+       same stream behind them);
+    2. drain each end's own streams (one deadline for all; a failed end gets
+       :data:`FAILED_TEARDOWN_S`; an end that does not drain is released and drained briefly),
+       then leave the peer a "closed" note (its waits for steps never sent fail at once);
+    3. pair barrier with each peer in the store (all posted before any is waited, so a middle
+       stage closing both of its transports cannot deadlock);
+    4. close peer mappings;  5. pair barrier again;  6. free buffers.
+    A barrier that times out (a peer gone or late) is logged; that end then frees only what no
+    peer maps (as :meth:`Transport.abort`), and the rest goes at process exit.
+    """
+    todo = [t for t in transports if t._state == "open"]
+    if not todo:
+        return
+    limit = max(t.timeout_s if timeout_s is None else float(timeout_s) for t in todo)
+    deadline = time.monotonic() + limit
+    for t in todo:
+        t._state = "closing"
+        if t._error is not None:
+            try:
+                t._release_waits()
+            except Exception as exc:  # noqa: BLE001
+                log.debug("release of a failed end: %s", exc)
+    for t in todo:
+        budget = deadline - time.monotonic()
+        if t._error is not None:
+            budget = min(budget, FAILED_TEARDOWN_S)
+        drained = False
+        try:
+            drained = t._drain(max(0.05, budget))
+        except Exception as exc:  # noqa: BLE001 - a failed stream: release and carry on
+            log.warning("rank %d: %s transport with rank %d: drain failed: %s", t.rank, t.name, t.peer, exc)
+        if not drained:
+            log.warning("rank %d: %s transport with rank %d did not drain in %.3g s; releasing its GPU waits",
+                        t.rank, t.name, t.peer, max(0.05, budget))
+            try:
+                t._release_waits()
+                t._drain(FAILED_TEARDOWN_S)
+            except Exception as exc:  # noqa: BLE001
+                log.debug("release after a failed drain: %s", exc)
+        try:
+            t.meta.drain(min(FAILED_TEARDOWN_S, max(0.05, deadline - time.monotonic())))
+            t.channel.drain(min(FAILED_TEARDOWN_S, max(0.05, deadline - time.monotonic())))
+        except Exception:  # noqa: BLE001
+            pass
+        with t._wd_lock:
+            t._wd.clear()
+        if t.signals is not None:    # after the drain: everything this end published has landed
+            t.signals.leave("closed its end" if t._error is None else
+                            f"closed its end after {type(t._error).__name__}: {t._error}")
+
+    met = {id(t): True for t in todo}
+
+    def barrier(label: str) -> None:
+        posted = [t for t in todo if t.signals is not None and t.signals.post(label)]   # posted even where
+        for t in todo:                                  # an earlier barrier failed: a late peer is not held up
+            if t not in posted:
+                met[id(t)] = False
+        for t in posted:
+            if not met[id(t)]:
+                continue
+            end = deadline if t._error is None else time.monotonic() + FAILED_TEARDOWN_S
+            end = max(end, time.monotonic() + 1.0)      # a peer a moment behind still meets us
+            if not t.signals.finish(label, end):
+                met[id(t)] = False
+                log.warning("rank %d: %s barrier with rank %d not met in time (the peer is gone or late); "
+                            "tearing down without it", t.rank, label, t.peer)
+
+    barrier("teardown-unmap")
+    for t in todo:
+        try:
+            t._close_mappings()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("rank %d: closing %s mappings: %s", t.rank, t.name, exc)
+    barrier("teardown-free")
+    for t in todo:
+        with t._wd_lock:
+            try:
+                if met[id(t)]:
+                    t._free()
+                else:   # the peer may still map (and write) this end's buffers: free only what is ours alone
+                    t._free_local()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("rank %d: freeing %s buffers: %s", t.rank, t.name, exc)
+            t._close_meta()
+            t._state = "closed"
