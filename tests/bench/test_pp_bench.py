@@ -60,6 +60,7 @@ def test_bench_pp_host(tmp_path, capsys):
     assert "(us)" in text and "(GB/s)" in text and "wrong" in text and "the median of 2 loop(s)" in text
     assert "# Out of bounds values : 0 OK" in text and "# Result: PASS (EMULATION)" in text
     assert "SM contention" in text and "bulk peer copy" in text
+    assert "# CPUs: rank 0 on CPU" in text or "# CPUs: ranks not pinned" in text
     doc = json.loads(out.read_text())
     assert doc["emulation"] is True and doc["result"] == "PASS" and doc["wrong_bytes"] == 0
     assert doc["targets"] and all(t["met"] is None for t in doc["targets"])   # not judged on the emulation
@@ -117,6 +118,7 @@ def test_bench_pp_fails_on_a_wrong_byte(capsys):
     (["--inline-bytes", "lots"], "--inline-bytes"),
     (["--platform", "tpu"], "--platform: unknown platform 'tpu'"),
     (["--recv-slots", "0"], "--recv-slots: must be >= 2"),
+    (["--cpus", "0"], "--cpus: 2 ranks need 2 CPU sets"),
     (["--iters", "-1"], "--iters: must be >= 1"),
     (["--warmup", "-3"], "--warmup: must be >= 0"),
     (["--timeout", "0"], "--timeout: must be a positive number of seconds"),

@@ -147,6 +147,8 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
 
     from ...platforms import get_platform
     from ...pp.selection import connect
+    from ..cpus import pin
+    pin(opts.get("cpus"), rank)
     if opts.get("platform"):
         os.environ["GPUXFER_PLATFORM"] = opts["platform"]
     plat = get_platform(opts.get("platform"))

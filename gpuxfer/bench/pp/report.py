@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .. import report as R
+from ..cpus import describe
 from . import (BULK_REPEATS, GRAPH, HOST_TARGET, KiB, MiB, NO_META, PING_SIZES, PLAIN, TARGET_BULK_FRACTION,
                TARGET_COMPUTE_LOSS, TARGET_HOST_US, TARGET_LATENCY_US, TARGET_SMALL_RATIO, _fmt_size)
 from .ranks import PACED, baseline, contention_backends
@@ -94,6 +95,7 @@ def format_report(res: dict, opts: dict) -> str:
              f"{'; copy_engine receives: views of the slot' if opts.get('recv_views') else ''}; flags: "
              f"{res['flag_paths'].get('copy_engine', '-')}; +meta: metadata over "
              f"{', '.join(sorted(set(res['meta_channels'].values()))) or '-'}")
+    L.append(f"# CPUs: {describe(opts.get('cpus'))}")
     for note in opts.get("notes", ()):
         L.append(f"# {note}")
     L.append(f"# time: receiver wall clock over a pipelined loop (the sender never waits), / steps, the median "
@@ -233,7 +235,8 @@ def _json_doc(res: dict, opts: dict) -> dict:
         "flag_paths": res["flag_paths"], "meta_channels": res["meta_channels"],
         "params": {"sizes_bytes": opts["sizes"], "warmup_steps": opts["warmup"], "verify_steps": opts["verify_steps"],
                    "iters": opts["iters"], "repeats": opts["repeats"], "recv_slots": opts["recv_slots"],
-                   "inline_bytes": opts["inline_bytes"], "backends": opts["backends"]},
+                   "inline_bytes": opts["inline_bytes"], "backends": opts["backends"],
+                   "cpus": opts.get("cpus")},
         "rows": res["rows"], "bulk_copy": res["bulk"], "contention": res["contention"],
         "pingpong": res.get("pingpong") or [],
         "targets": [{"target": n, "measured": g, "met": m} for n, g, m in res["targets"]],

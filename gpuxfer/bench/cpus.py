@@ -1,0 +1,95 @@
+"""Which CPUs each rank of a two-process benchmark runs on (``--cpus``).
+
+Host time per step is the time of one busy Python thread. Two ranks that spin
+on the two hardware threads of one physical core (SMT siblings) each run
+slower than on cores of their own, and where the scheduler puts them changes
+from run to run, so the same step can measure two different host times.
+``auto`` gives each rank a physical core of its own (every hardware thread of
+that core, the last cores of the process's CPUs: the first usually takes the
+machine's housekeeping); ``none`` leaves placement to the scheduler; a list
+names each rank's CPUs (``2,3``: rank 0 on CPU 2, rank 1 on CPU 3;
+``2+10,3+11``: two CPUs each).
+
+A rank calls :func:`pin` first thing: threads it starts later (the watchdog,
+torch's) inherit the set.
+"""
+from __future__ import annotations
+
+import os
+
+from ..errors import BadInput
+
+SYSFS_CPUS = "/sys/devices/system/cpu"
+
+
+def _parse_list(text: str) -> list[int]:
+    """A sysfs CPU list (``0-3,8,10-11``) as CPU numbers."""
+    out = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def physical_cores(cpus, sysfs: str = SYSFS_CPUS) -> list[tuple[int, ...]]:
+    """``cpus`` grouped by physical core (the SMT siblings of each, from sysfs), ordered by their first
+    CPU; a CPU whose siblings sysfs does not give is a core of its own."""
+    cpus = set(cpus)
+    cores: dict[tuple[int, ...], None] = {}
+    for c in sorted(cpus):
+        try:
+            with open(os.path.join(sysfs, f"cpu{c}", "topology", "thread_siblings_list")) as f:
+                sib = tuple(x for x in _parse_list(f.read()) if x in cpus) or (c,)
+        except (OSError, ValueError):
+            sib = (c,)
+        cores.setdefault(sib if c in sib else (c,), None)
+    return sorted(cores, key=lambda t: t[0])
+
+
+def rank_cpus(spec: str | None, world: int, available=None, sysfs: str = SYSFS_CPUS,
+              option: str = "--cpus") -> list[tuple[int, ...]] | None:
+    """Each rank's CPUs for ``spec`` (``auto``, ``none`` or a list, see the module docstring), or None
+    where the ranks are not pinned (``none``; ``auto`` with fewer physical cores than ranks)."""
+    spec = "auto" if spec is None else str(spec).strip()
+    if available is None:
+        available = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    available = set(available)
+    if spec == "none":
+        return None
+    if spec == "auto":
+        cores = physical_cores(available, sysfs)
+        return cores[len(cores) - world:] if len(cores) >= world else None
+    ranks = []
+    for part in spec.split(","):
+        try:
+            cpus = tuple(int(x) for x in part.split("+"))
+        except ValueError:
+            raise BadInput(f"{option}: auto, none, or one CPU set per rank (CPU numbers joined by '+', the sets "
+                           f"by ','), got {spec!r}") from None
+        bad = [c for c in cpus if c not in available]
+        if bad:
+            raise BadInput(f"{option}: CPU(s) {bad} are not among this process's CPUs "
+                           f"{_fmt(sorted(available))}")
+        ranks.append(cpus)
+    if len(ranks) != world:
+        raise BadInput(f"{option}: {world} ranks need {world} CPU sets, got {len(ranks)} in {spec!r}")
+    return ranks
+
+
+def _fmt(cpus) -> str:
+    return "+".join(str(c) for c in cpus)
+
+
+def describe(ranks: list[tuple[int, ...]] | None) -> str:
+    """``rank 0 on CPUs 6+14, rank 1 on CPUs 7+15``, or that the scheduler places them."""
+    if ranks is None:
+        return "ranks not pinned (the scheduler places them)"
+    return ", ".join(f"rank {r} on CPU{'s' if len(c) > 1 else ''} {_fmt(c)}" for r, c in enumerate(ranks))
+
+
+def pin(ranks: list[tuple[int, ...]] | None, rank: int) -> None:
+    """Pin the calling process's thread (and the threads it starts later) to ``rank``'s CPUs."""
+    if ranks is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, set(ranks[rank]))

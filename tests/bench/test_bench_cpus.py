@@ -1,0 +1,61 @@
+"""``--cpus`` of the two-rank benchmarks: physical cores read from a (fake) sysfs, one per rank for ``auto``,
+explicit sets checked against the process's CPUs with named errors."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from gpuxfer.bench.cpus import describe, physical_cores, rank_cpus
+from gpuxfer.errors import BadInput
+
+
+def _sysfs(tmp_path, siblings: dict[int, str]) -> str:
+    for cpu, text in siblings.items():
+        d = tmp_path / f"cpu{cpu}" / "topology"
+        d.mkdir(parents=True)
+        (d / "thread_siblings_list").write_text(text + "\n")
+    return str(tmp_path)
+
+
+def test_smt_siblings_group_into_cores_and_auto_gives_each_rank_its_own(tmp_path):
+    # 4 cores x 2 threads, Linux numbering: CPU c and c + 4 share a core
+    sysfs = _sysfs(tmp_path, {c: f"{c % 4},{c % 4 + 4}" for c in range(8)})
+    assert physical_cores(range(8), sysfs) == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    ranks = rank_cpus("auto", 2, available=range(8), sysfs=sysfs)
+    assert ranks == [(2, 6), (3, 7)]
+    assert not set(ranks[0]) & set(ranks[1])
+    assert describe(ranks) == "rank 0 on CPUs 2+6, rank 1 on CPUs 3+7"
+    # only the CPUs the process may use count; a lone sibling is its core
+    assert physical_cores({1, 5, 2}, sysfs) == [(1, 5), (2,)]
+    # a range list, and a CPU sysfs says nothing about: a core of its own
+    sysfs2 = _sysfs(tmp_path / "b", {0: "0-1", 1: "0-1"})
+    assert physical_cores({0, 1, 2}, sysfs2) == [(0, 1), (2,)]
+
+
+def test_auto_with_fewer_cores_than_ranks_and_none_leave_placement_alone(tmp_path):
+    sysfs = _sysfs(tmp_path, {0: "0,1", 1: "0,1"})
+    assert rank_cpus("auto", 2, available={0, 1}, sysfs=sysfs) is None
+    assert rank_cpus("none", 2, available={0, 1}, sysfs=sysfs) is None
+    assert describe(None).startswith("ranks not pinned")
+
+
+def test_explicit_sets_are_checked(tmp_path):
+    avail = {0, 1, 2, 3}
+    assert rank_cpus("2,3", 2, available=avail) == [(2,), (3,)]
+    assert rank_cpus(" 0+2,1+3 ", 2, available=avail) == [(0, 2), (1, 3)]
+    with pytest.raises(BadInput, match=r"--cpus: CPU\(s\) \[9\] are not among"):
+        rank_cpus("2,9", 2, available=avail)
+    with pytest.raises(BadInput, match="2 ranks need 2 CPU sets, got 1"):
+        rank_cpus("2", 2, available=avail)
+    with pytest.raises(BadInput, match="auto, none, or one CPU set per rank"):
+        rank_cpus("2,x", 2, available=avail)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity on this OS")
+def test_this_machine_auto_pins_within_the_process_cpus():
+    avail = os.sched_getaffinity(0)
+    ranks = rank_cpus("auto", 2)
+    if ranks is not None:
+        assert len(ranks) == 2 and not set(ranks[0]) & set(ranks[1])
+        assert set(ranks[0]) | set(ranks[1]) <= avail
