@@ -77,6 +77,9 @@ def test_bench_pp_host(tmp_path, capsys):
         assert 0 < row["send_host_us"] and 0 < row["recv_host_us"] <= row["time_us"] * 1.01
         if row["backend"] != "copy_engine_graph":     # each end's own host time, paced (graph: replays only)
             assert row["send_host_paced_us"] > 0 and row["recv_host_paced_us"] > 0
+            for side in ("send", "recv"):   # the paced loop's spread: 10th <= median <= 90th percentile step
+                lo, mid, hi = (row[f"{side}_host_paced{q}_us"] for q in ("_p10", "", "_p90"))
+                assert 0 < lo <= mid <= hi
     assert any(t["target"].startswith("copy_engine eager host time") for t in doc["targets"])
     assert "neither end waits for the other" in text
     assert {"alone_tflops", "nccl_tflops", "copy_engine_tflops", "copy_engine_loss_pct",

@@ -165,9 +165,10 @@ def run(args) -> int:
         s = sent.get((r["backend"], r["metadata"], r["size_bytes"]), {})
         r["recv_host_us"] = r.pop("host_us")
         r["send_host_us"] = s.get("host_us")
-        if "host_paced_us" in r:
-            r["recv_host_paced_us"] = r.pop("host_paced_us")
-            r["send_host_paced_us"] = s.get("host_paced_us")
+        for key in ("host_paced_us", "host_paced_p10_us", "host_paced_p90_us"):
+            if key in r:
+                r["recv_" + key] = r.pop(key)
+                r["send_" + key] = s.get(key)
         rows.append(r)
     res["rows"] = rows
     res["bulk"] = both[0]["bulk"] or both[1]["bulk"]

@@ -257,7 +257,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
         """Each end's own host time per step when neither waits for the other: the median over n steps,
         the sender starting step i at a common start + i * interval (twice the step time the receiver just
         measured), the receiver half an interval later (one host clock, CLOCK_MONOTONIC, on one host).
-        Returns (median s, the receiver's last tensors)."""
+        Returns ((median, 10th, 90th percentile) s, the receiver's last tensors)."""
         box = [now() + 0.01, max(2 * step_s, 20e-6)] if rank == 1 else [None, None]
         dist.broadcast_object_list(box, src=1)
         start, iv = box
@@ -276,7 +276,8 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
             else:
                 last = (t.recv() if metadata else t.recv(shapes=shapes)).tensors
             per.append(clock() - t0)
-        return statistics.median(per), last
+        per.sort()
+        return (statistics.median(per), per[len(per) // 10], per[len(per) * 9 // 10]), last
 
     try:
         for backend in opts["backends"]:
@@ -330,7 +331,8 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
                         rows.append({"backend": backend, "metadata": metadata, "size_bytes": size,
                                      "iters": n, "repeats": len(times), "time_us": elapsed / n * 1e6,
                                      "time_us_min": min(times) / n * 1e6, "time_us_max": max(times) / n * 1e6,
-                                     "host_us": host / n * 1e6, "host_paced_us": paced * 1e6,
+                                     "host_us": host / n * 1e6, "host_paced_us": paced[0] * 1e6,
+                                     "host_paced_p10_us": paced[1] * 1e6, "host_paced_p90_us": paced[2] * 1e6,
                                      "algbw_gbps": size / (elapsed / n) / 1e9,
                                      "wrong_bytes": wrong,
                                      "instrumented": instrumented + " (first repeat)" if instrumented else None})
