@@ -5,13 +5,15 @@ on the two hardware threads of one physical core (SMT siblings) each run
 slower than on cores of their own, and where the scheduler puts them changes
 from run to run, so the same step can measure two different host times.
 ``auto`` gives each rank a physical core of its own (every hardware thread of
-that core, the last cores of the process's CPUs: the first usually takes the
-machine's housekeeping); ``none`` leaves placement to the scheduler; a list
+that core), among the cores local to the rank's GPU where sysfs says which
+(a driver call from a far NUMA node costs more), the last such cores (the first
+usually takes the machine's housekeeping); ``none`` leaves placement to the scheduler; a list
 names each rank's CPUs (``2,3``: rank 0 on CPU 2, rank 1 on CPU 3;
 ``2+10,3+11``: two CPUs each).
 
-A rank calls :func:`pin` first thing: threads it starts later (the watchdog,
-torch's) inherit the set.
+A rank pins itself (:func:`pin`, or :func:`pin_auto` once it knows its GPU)
+before its timed work: threads it starts later (the watchdog, torch's) inherit
+the set.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import os
 from ..errors import BadInput
 
 SYSFS_CPUS = "/sys/devices/system/cpu"
+SYSFS_PCI = "/sys/bus/pci/devices"
+AUTO = "auto"       # resolved by each rank (:func:`auto_cpus`), which knows its GPU
 
 
 def _parse_list(text: str) -> list[int]:
@@ -50,8 +54,9 @@ def physical_cores(cpus, sysfs: str = SYSFS_CPUS) -> list[tuple[int, ...]]:
 
 def rank_cpus(spec: str | None, world: int, available=None, sysfs: str = SYSFS_CPUS,
               option: str = "--cpus") -> list[tuple[int, ...]] | None:
-    """Each rank's CPUs for ``spec`` (``auto``, ``none`` or a list, see the module docstring), or None
-    where the ranks are not pinned (``none``; ``auto`` with fewer physical cores than ranks)."""
+    """Each rank's CPUs for ``spec`` (a list, see the module docstring), :data:`AUTO` (each rank picks,
+    :func:`auto_cpus`), or None where the ranks are not pinned (``none``; ``auto`` with fewer physical
+    cores than ranks)."""
     spec = "auto" if spec is None else str(spec).strip()
     if available is None:
         available = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
@@ -59,8 +64,7 @@ def rank_cpus(spec: str | None, world: int, available=None, sysfs: str = SYSFS_C
     if spec == "none":
         return None
     if spec == "auto":
-        cores = physical_cores(available, sysfs)
-        return cores[len(cores) - world:] if len(cores) >= world else None
+        return AUTO if len(physical_cores(available, sysfs)) >= world else None
     ranks = []
     for part in spec.split(","):
         try:
@@ -78,18 +82,45 @@ def rank_cpus(spec: str | None, world: int, available=None, sysfs: str = SYSFS_C
     return ranks
 
 
+def gpu_local_cpus(pci_bus_id: str | None, sysfs_pci: str = SYSFS_PCI) -> set[int] | None:
+    """The CPUs sysfs calls local to the PCI device ``pci_bus_id`` (``0000:1a:00.0``), or None."""
+    try:
+        dom, bus, devfn = str(pci_bus_id).split(":")
+        name = f"{int(dom, 16):04x}:{bus.lower()}:{devfn.lower()}"
+        with open(os.path.join(sysfs_pci, name, "local_cpulist")) as f:
+            return set(_parse_list(f.read())) or None
+    except (OSError, ValueError):
+        return None
+
+
+def auto_cpus(rank: int, world: int, local: set[int] | None = None, available=None,
+              sysfs: str = SYSFS_CPUS) -> tuple[int, ...] | None:
+    """``rank``'s core for ``auto``: of the physical cores of ``available`` (the process's CPUs), those
+    whose CPUs are all in ``local`` (the rank's GPU's, where there are ``world`` of them), the
+    ``world - rank``-th from the end. Every rank computes this alone: ranks whose GPUs share the local
+    cores get distinct ones, ranks on different NUMA nodes get cores of disjoint sets."""
+    if available is None:
+        available = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    cores = physical_cores(available, sysfs)
+    near = [c for c in cores if local and set(c) <= local]
+    cores = near if len(near) >= world else cores
+    return cores[len(cores) - world + rank] if len(cores) >= world else None
+
+
 def _fmt(cpus) -> str:
     return "+".join(str(c) for c in cpus)
 
 
-def describe(ranks: list[tuple[int, ...]] | None) -> str:
-    """``rank 0 on CPUs 6+14, rank 1 on CPUs 7+15``, or that the scheduler places them."""
-    if ranks is None:
-        return "ranks not pinned (the scheduler places them)"
-    return ", ".join(f"rank {r} on CPU{'s' if len(c) > 1 else ''} {_fmt(c)}" for r, c in enumerate(ranks))
+def describe(by_rank, spec=None) -> str:
+    """``rank 0 on CPUs 6+14, rank 1 on CPUs 7+15 (--cpus auto)``: each rank's CPUs as it ran, and how
+    they were chosen (``spec``: :data:`AUTO`, a list of sets, or None for the scheduler)."""
+    how = ("auto: a physical core each, near its GPU" if spec == AUTO else
+           "not pinned: the scheduler places them" if spec is None else "as named")
+    return ", ".join(f"rank {r} on CPU{'s' if c is None or len(c) > 1 else ''} {_fmt(c) if c else '?'}"
+                     for r, c in enumerate(by_rank)) + f" ({how})"
 
 
-def pin(ranks: list[tuple[int, ...]] | None, rank: int) -> None:
-    """Pin the calling process's thread (and the threads it starts later) to ``rank``'s CPUs."""
-    if ranks is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, set(ranks[rank]))
+def pin(cpus: tuple[int, ...] | None) -> None:
+    """Pin the calling thread (and the threads it starts later) to ``cpus`` (None: leave it)."""
+    if cpus is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, set(cpus))

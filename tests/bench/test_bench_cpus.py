@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from gpuxfer.bench.cpus import describe, physical_cores, rank_cpus
+from gpuxfer.bench.cpus import AUTO, auto_cpus, describe, gpu_local_cpus, physical_cores, rank_cpus
 from gpuxfer.errors import BadInput
 
 
@@ -22,10 +22,11 @@ def test_smt_siblings_group_into_cores_and_auto_gives_each_rank_its_own(tmp_path
     # 4 cores x 2 threads, Linux numbering: CPU c and c + 4 share a core
     sysfs = _sysfs(tmp_path, {c: f"{c % 4},{c % 4 + 4}" for c in range(8)})
     assert physical_cores(range(8), sysfs) == [(0, 4), (1, 5), (2, 6), (3, 7)]
-    ranks = rank_cpus("auto", 2, available=range(8), sysfs=sysfs)
+    assert rank_cpus("auto", 2, available=range(8), sysfs=sysfs) == AUTO     # each rank picks
+    ranks = [auto_cpus(r, 2, available=range(8), sysfs=sysfs) for r in (0, 1)]
     assert ranks == [(2, 6), (3, 7)]
-    assert not set(ranks[0]) & set(ranks[1])
-    assert describe(ranks) == "rank 0 on CPUs 2+6, rank 1 on CPUs 3+7"
+    assert describe(ranks, AUTO) == ("rank 0 on CPUs 2+6, rank 1 on CPUs 3+7 "
+                                     "(auto: a physical core each, near its GPU)")
     # only the CPUs the process may use count; a lone sibling is its core
     assert physical_cores({1, 5, 2}, sysfs) == [(1, 5), (2,)]
     # a range list, and a CPU sysfs says nothing about: a core of its own
@@ -33,11 +34,32 @@ def test_smt_siblings_group_into_cores_and_auto_gives_each_rank_its_own(tmp_path
     assert physical_cores({0, 1, 2}, sysfs2) == [(0, 1), (2,)]
 
 
+def test_auto_prefers_the_cores_local_to_each_ranks_gpu(tmp_path):
+    sysfs = _sysfs(tmp_path, {c: f"{c % 4},{c % 4 + 4}" for c in range(8)})
+    pci = tmp_path / "pci" / "0000:1a:00.0"
+    pci.mkdir(parents=True)
+    (pci / "local_cpulist").write_text("0-1,4-5\n")
+    local = gpu_local_cpus("00000000:1A:00.0", str(tmp_path / "pci"))      # NVML's 8-digit domain, upper case
+    assert local == {0, 1, 4, 5}
+    assert gpu_local_cpus("0000:1b:00.0", str(tmp_path / "pci")) is None
+    assert gpu_local_cpus(None, str(tmp_path / "pci")) is None
+    # one GPU (both ranks local to cores 0 and 1): distinct cores, both near it
+    assert [auto_cpus(r, 2, local, range(8), sysfs) for r in (0, 1)] == [(0, 4), (1, 5)]
+    # two GPUs on two nodes: each rank near its own, the picks disjoint
+    other = {2, 3, 6, 7}
+    assert (auto_cpus(0, 2, local, range(8), sysfs), auto_cpus(1, 2, other, range(8), sysfs)) == ((0, 4), (3, 7))
+    # a local set with fewer cores than ranks, or unknown: any cores
+    assert auto_cpus(1, 2, {0, 4}, range(8), sysfs) == (3, 7)
+    assert auto_cpus(0, 2, None, range(8), sysfs) == (2, 6)
+
+
 def test_auto_with_fewer_cores_than_ranks_and_none_leave_placement_alone(tmp_path):
     sysfs = _sysfs(tmp_path, {0: "0,1", 1: "0,1"})
     assert rank_cpus("auto", 2, available={0, 1}, sysfs=sysfs) is None
+    assert auto_cpus(0, 2, None, {0, 1}, sysfs) is None
     assert rank_cpus("none", 2, available={0, 1}, sysfs=sysfs) is None
-    assert describe(None).startswith("ranks not pinned")
+    assert describe([[0, 1], [0, 1]], None) == ("rank 0 on CPUs 0+1, rank 1 on CPUs 0+1 "
+                                                "(not pinned: the scheduler places them)")
 
 
 def test_explicit_sets_are_checked(tmp_path):
@@ -55,7 +77,7 @@ def test_explicit_sets_are_checked(tmp_path):
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity on this OS")
 def test_this_machine_auto_pins_within_the_process_cpus():
     avail = os.sched_getaffinity(0)
-    ranks = rank_cpus("auto", 2)
-    if ranks is not None:
-        assert len(ranks) == 2 and not set(ranks[0]) & set(ranks[1])
+    ranks = [auto_cpus(r, 2) for r in (0, 1)]
+    if ranks[0] is not None:
+        assert not set(ranks[0]) & set(ranks[1])
         assert set(ranks[0]) | set(ranks[1]) <= avail

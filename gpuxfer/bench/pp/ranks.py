@@ -147,8 +147,10 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
 
     from ...platforms import get_platform
     from ...pp.selection import connect
-    from ..cpus import pin
-    pin(opts.get("cpus"), rank)
+    from ..cpus import AUTO, auto_cpus, gpu_local_cpus, pin
+    placed = opts.get("cpus")
+    if placed is not None and placed != AUTO:
+        pin(placed[rank])
     if opts.get("platform"):
         os.environ["GPUXFER_PLATFORM"] = opts["platform"]
     plat = get_platform(opts.get("platform"))
@@ -188,7 +190,11 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
     device_group = None
     if not emu and {"nccl", PLAIN} & set(opts["backends"]):
         device_group = dist.new_group(backend="nccl")
-    info = {"rank": rank, "device": dev, "device_info": plat.device_info(dev).as_dict(),
+    dinfo = plat.device_info(dev)
+    if placed == AUTO:      # a core near this rank's GPU, now that it is known
+        pin(auto_cpus(rank, world, gpu_local_cpus(None if emu else dinfo.pci_bus_id)))
+    info = {"rank": rank, "device": dev, "device_info": dinfo.as_dict(),
+            "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "link": plat.link(dev, peer % plat.device_count()).as_dict(), "versions": run_versions(plat),
             "label": plat.label, "emulation": emu, "host": _pyplatform.node()}
     rows, bulk, contention, flag_paths, meta_channels, profiles, pingpong = [], [], {}, {}, {}, [], []

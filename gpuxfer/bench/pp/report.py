@@ -95,7 +95,7 @@ def format_report(res: dict, opts: dict) -> str:
              f"{'; copy_engine receives: views of the slot' if opts.get('recv_views') else ''}; flags: "
              f"{res['flag_paths'].get('copy_engine', '-')}; +meta: metadata over "
              f"{', '.join(sorted(set(res['meta_channels'].values()))) or '-'}")
-    L.append(f"# CPUs: {describe(opts.get('cpus'))}")
+    L.append(f"# CPUs: {describe([i.get('cpus') for i in (sinfo, info)], opts.get('cpus'))}")
     for note in opts.get("notes", ()):
         L.append(f"# {note}")
     L.append(f"# time: receiver wall clock over a pipelined loop (the sender never waits), / steps, the median "
@@ -237,6 +237,7 @@ def _json_doc(res: dict, opts: dict) -> dict:
                    "iters": opts["iters"], "repeats": opts["repeats"], "recv_slots": opts["recv_slots"],
                    "inline_bytes": opts["inline_bytes"], "backends": opts["backends"],
                    "cpus": opts.get("cpus")},
+        "cpus_by_rank": [res["sender_info"].get("cpus"), info.get("cpus")],
         "rows": res["rows"], "bulk_copy": res["bulk"], "contention": res["contention"],
         "pingpong": res.get("pingpong") or [],
         "targets": [{"target": n, "measured": g, "met": m} for n, g, m in res["targets"]],
