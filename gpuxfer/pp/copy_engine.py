@@ -64,9 +64,12 @@ its ``empty`` wait.
 
 A sender launches a small step's peer copies as one graph (``platform.capture_graph``,
 the same copy-engine copies) once it has seen the same slot, source addresses and
-sizes before (``$GPUXFER_PP_STEP_GRAPHS=0`` turns it off): one host call where there
-were one per tensor. Source tensors at recurring addresses (a model's persistent
-outputs, the caching allocator's reused blocks) hit the cache.
+sizes within the last :data:`STEP_GRAPHS` steps (``$GPUXFER_PP_STEP_GRAPHS=0`` turns it
+off): one host call where there were one per tensor. Source tensors at recurring
+addresses (a model's persistent outputs, the caching allocator's reused blocks) hit
+the cache. Copy sets that recur less often than that (more of them in turn than the
+cache holds) keep plain copies: capturing them would evict a graph every step and
+capture one per step.
 
 A receiver set up with ``recv_views=True`` copies nothing out: ``.tensors`` are
 views of slot j itself, lent to the caller; ``publish empty[j] = k`` moves to the
@@ -127,7 +130,8 @@ ENV_INLINE_BYTES = "GPUXFER_PP_INLINE_BYTES"
 DEFAULT_INLINE_BYTES = config.VARS[ENV_INLINE_BYTES].default
 ENV_STEP_GRAPHS = "GPUXFER_PP_STEP_GRAPHS"
 ENV_FLAG_BATCH = "GPUXFER_PP_FLAG_BATCH"
-STEP_GRAPHS = 64            # copy graphs a sender keeps (one per slot and set of source addresses seen twice)
+STEP_GRAPHS = 64            # copy graphs a sender keeps (one per slot and set of source addresses seen twice
+                            # within this many steps)
 
 
 def flag_batch_from_env() -> bool:
@@ -206,7 +210,7 @@ class CopyEngineTransport(Transport):
         self._lend_arrays = self._lend_ops = None   # per slot j: [publish empty[j-1], wait full[j]] (flag_ops)
         self._cap = None                    # sender: the stream small steps' copy graphs are captured on
         self._graphs: dict = {}             # (slot, source pointers, sizes) -> graph of the step's peer copies
-        self._sightings: dict = {}          # copy sets seen once (a graph is captured at the second sight)
+        self._sightings: dict = {}          # copy set -> the step it was last seen at without a graph
         self._eager_stream = None           # the last stream steps came on that was checked not to capture
         self._calls = None                  # its bound flag / graph calls (platform.stream_calls)
         self._remote_publish = False        # whether a publish is one remote flag write (this class's _publish)
@@ -386,7 +390,7 @@ class CopyEngineTransport(Transport):
         if self._cap is None or not layout.total:
             self._copy_tensors(cur, self._peer_slot_ptr[j], tensors, layout)
         else:
-            self._copy_cached(cur, j, tensors, layout)
+            self._copy_cached(cur, j, tensors, layout, k)
         if self._remote_publish:
             calls.write_flag(self._peer_in_ptr[j], k)
         else:
@@ -413,19 +417,22 @@ class CopyEngineTransport(Transport):
         self._remote_publish = self.remote_flags and type(self)._publish is CopyEngineTransport._publish
         self._eager_stream = stream
 
-    def _copy_cached(self, cur, j: int, tensors, layout: Layout) -> None:
-        """A small step's peer copies as one graph launch where this copy set (slot, source addresses,
-        sizes) was seen before: the graph is captured at its second sight and kept (the oldest of
-        :data:`STEP_GRAPHS` goes first). Its nodes are the same copy-engine copies."""
+    def _copy_cached(self, cur, j: int, tensors, layout: Layout, k: int) -> None:
+        """Step k's peer copies as one graph launch where this copy set (slot, source addresses, sizes)
+        was seen before within :data:`STEP_GRAPHS` steps: the graph is captured at that second sight and
+        kept (the oldest of :data:`STEP_GRAPHS` goes first). Its nodes are the same copy-engine copies.
+        A set that recurs less often stays plain copies: the cache could not hold the sets in between."""
         key = (j, layout.nbytes, *[tensors[n].data_ptr() for n in self.specs.names])
         g = self._graphs.get(key)
         if g is None:
-            if key not in self._sightings:
-                if len(self._sightings) >= 4 * STEP_GRAPHS:
+            seen = self._sightings.get(key)
+            if seen is None or k - seen > STEP_GRAPHS:
+                if seen is None and len(self._sightings) >= 4 * STEP_GRAPHS:
                     self._sightings.clear()
-                self._sightings[key] = None
+                self._sightings[key] = k
                 self._copy_tensors(cur, self._peer_slot_ptr[j], tensors, layout)
                 return
+            del self._sightings[key]
             g = self.platform.capture_graph(
                 self._cap, lambda s: self._copy_tensors(s, self._peer_slot_ptr[j], tensors, layout))
             if g is None:        # this platform cannot capture: plain copies from now on

@@ -34,3 +34,42 @@ def test_step_harness_counts_the_calls(monkeypatch, platform, flag_batch, metada
     else:
         assert calls == {"cuGraphLaunch": 1.0, "cuStreamWaitValue64": 2.0, "cuStreamWriteValue64": 2.0}
     assert res["send_us_median"] > 0 and res["recv_us_median"] > 0
+
+
+@pytest.mark.parametrize("sets", [5, 32, 33, 200])
+def test_steady_steps_capture_no_graph_whatever_the_copy_sets_in_turn(sets):
+    """Source sets in turn on alternating slots (slot x addresses: the copy graphs' key): once steady, a step
+    captures nothing and creates no event. Sets that fit the graph cache launch one cached graph each step;
+    more of them in turn than it holds (they would evict each other) stay plain copies, not a capture per step."""
+    import torch
+
+    from gpuxfer.pp.copy_engine import STEP_GRAPHS
+    plat, (snd, rcv) = _harness().build(False)
+    captures = []
+    capture = plat.capture_graph
+    plat.capture_graph = lambda stream, record: captures.append(1) or capture(stream, record)
+    n = 256
+    base = torch.zeros(sets * 2 * n, dtype=torch.bfloat16)
+    srcs = [{"hidden": base[2 * i * n:(2 * i + 1) * n], "residual": base[(2 * i + 1) * n:(2 * i + 2) * n]}
+            for i in range(sets)]
+    shapes = {"hidden": (n,), "residual": (n,)}
+    keys = len({((k - 1) % 2, k % sets) for k in range(1, 2 * sets * 2 + 1)})   # (slot, set) pairs in turn
+    steady = 3 * keys + 2 * STEP_GRAPHS
+    for k in range(1, steady + 2 * keys + 1):
+        if k == steady + 1:
+            plat.calls.clear()
+            captures.clear()
+        snd.send(srcs[k % sets])
+        rcv.recv(shapes=shapes).tensors
+        if len(snd._wd) > 256:      # the watchdog's work, off the step
+            snd._wd.clear()
+            rcv._wd.clear()
+    steps = 2 * keys
+    calls = {name: v / steps for name, v in plat.calls.items()}
+    assert not captures and "record_event" not in calls
+    if keys <= STEP_GRAPHS:
+        assert calls == {"launch_graph": 1.0, "wait_flag": 2.0, "write_flag": 2.0}
+        assert len(snd._graphs) == keys
+    else:
+        assert calls == {"copy_async": 2.0, "wait_flag": 2.0, "write_flag": 2.0}
+        assert not snd._graphs
