@@ -4,10 +4,11 @@ Host time per step is the time of one busy Python thread. Two ranks that spin
 on the two hardware threads of one physical core (SMT siblings) each run
 slower than on cores of their own, and where the scheduler puts them changes
 from run to run, so the same step can measure two different host times.
-``auto`` gives each rank a physical core of its own (every hardware thread of
-that core), among the cores local to the rank's GPU where sysfs says which
-(a driver call from a far NUMA node costs more), the last such cores (the first
-usually takes the machine's housekeeping); ``none`` leaves placement to the scheduler; a list
+``auto`` gives each rank physical cores of its own (every hardware thread of
+them), never one the other rank also runs on: of the cores local to the rank's
+GPU where sysfs says which (a driver call from a far NUMA node costs more),
+rank r of n takes the r-th n-th part, so its helper threads have room beside
+the one that spins; ``none`` leaves placement to the scheduler; a list
 names each rank's CPUs (``2,3``: rank 0 on CPU 2, rank 1 on CPU 3;
 ``2+10,3+11``: two CPUs each).
 
@@ -95,16 +96,19 @@ def gpu_local_cpus(pci_bus_id: str | None, sysfs_pci: str = SYSFS_PCI) -> set[in
 
 def auto_cpus(rank: int, world: int, local: set[int] | None = None, available=None,
               sysfs: str = SYSFS_CPUS) -> tuple[int, ...] | None:
-    """``rank``'s core for ``auto``: of the physical cores of ``available`` (the process's CPUs), those
+    """``rank``'s CPUs for ``auto``: of the physical cores of ``available`` (the process's CPUs), those
     whose CPUs are all in ``local`` (the rank's GPU's, where there are ``world`` of them), the
-    ``world - rank``-th from the end. Every rank computes this alone: ranks whose GPUs share the local
-    cores get distinct ones, ranks on different NUMA nodes get cores of disjoint sets."""
+    ``rank``-th of ``world`` equal parts. Every rank computes this alone: ranks whose GPUs share the
+    local cores get disjoint parts, ranks on different NUMA nodes parts of disjoint sets."""
     if available is None:
         available = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
     cores = physical_cores(available, sysfs)
     near = [c for c in cores if local and set(c) <= local]
     cores = near if len(near) >= world else cores
-    return cores[len(cores) - world + rank] if len(cores) >= world else None
+    if len(cores) < world:
+        return None
+    part = cores[len(cores) * rank // world:len(cores) * (rank + 1) // world]
+    return tuple(sorted(c for core in part for c in core))
 
 
 def _fmt(cpus) -> str:
@@ -114,7 +118,7 @@ def _fmt(cpus) -> str:
 def describe(by_rank, spec=None) -> str:
     """``rank 0 on CPUs 6+14, rank 1 on CPUs 7+15 (--cpus auto)``: each rank's CPUs as it ran, and how
     they were chosen (``spec``: :data:`AUTO`, a list of sets, or None for the scheduler)."""
-    how = ("auto: a physical core each, near its GPU" if spec == AUTO else
+    how = ("auto: physical cores of its own, near its GPU" if spec == AUTO else
            "not pinned: the scheduler places them" if spec is None else "as named")
     return ", ".join(f"rank {r} on CPU{'s' if c is None or len(c) > 1 else ''} {_fmt(c) if c else '?'}"
                      for r, c in enumerate(by_rank)) + f" ({how})"

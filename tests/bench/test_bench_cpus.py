@@ -24,9 +24,9 @@ def test_smt_siblings_group_into_cores_and_auto_gives_each_rank_its_own(tmp_path
     assert physical_cores(range(8), sysfs) == [(0, 4), (1, 5), (2, 6), (3, 7)]
     assert rank_cpus("auto", 2, available=range(8), sysfs=sysfs) == AUTO     # each rank picks
     ranks = [auto_cpus(r, 2, available=range(8), sysfs=sysfs) for r in (0, 1)]
-    assert ranks == [(2, 6), (3, 7)]
-    assert describe(ranks, AUTO) == ("rank 0 on CPUs 2+6, rank 1 on CPUs 3+7 "
-                                     "(auto: a physical core each, near its GPU)")
+    assert ranks == [(0, 1, 4, 5), (2, 3, 6, 7)]      # two cores each, no core shared
+    assert describe(ranks, AUTO) == ("rank 0 on CPUs 0+1+4+5, rank 1 on CPUs 2+3+6+7 "
+                                     "(auto: physical cores of its own, near its GPU)")
     # only the CPUs the process may use count; a lone sibling is its core
     assert physical_cores({1, 5, 2}, sysfs) == [(1, 5), (2,)]
     # a range list, and a CPU sysfs says nothing about: a core of its own
@@ -48,9 +48,11 @@ def test_auto_prefers_the_cores_local_to_each_ranks_gpu(tmp_path):
     # two GPUs on two nodes: each rank near its own, the picks disjoint
     other = {2, 3, 6, 7}
     assert (auto_cpus(0, 2, local, range(8), sysfs), auto_cpus(1, 2, other, range(8), sysfs)) == ((0, 4), (3, 7))
+    # an odd number of cores: parts of 1 and 2, disjoint
+    assert [auto_cpus(r, 2, None, {0, 1, 2, 4, 5, 6}, sysfs) for r in (0, 1)] == [(0, 4), (1, 2, 5, 6)]
     # a local set with fewer cores than ranks, or unknown: any cores
-    assert auto_cpus(1, 2, {0, 4}, range(8), sysfs) == (3, 7)
-    assert auto_cpus(0, 2, None, range(8), sysfs) == (2, 6)
+    assert auto_cpus(1, 2, {0, 4}, range(8), sysfs) == (2, 3, 6, 7)
+    assert auto_cpus(0, 2, None, range(8), sysfs) == (0, 1, 4, 5)
 
 
 def test_auto_with_fewer_cores_than_ranks_and_none_leave_placement_alone(tmp_path):
