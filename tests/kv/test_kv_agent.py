@@ -17,10 +17,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from gpuxfer.errors import (BadInput, BadMetadata, BlockIdError, LayoutMismatch, NotExportable, NotRegistered,
                             TransferTimeout)
-from gpuxfer.kv.agent import (KVAgent, KVLayerSpec, METADATA_VERSION, decode_metadata, describe_layer,
-                              layout_groups)
+from gpuxfer.kv.agent import KVAgent
 from gpuxfer.kv.blocktable import burst_tables
+from gpuxfer.kv.layers import KVLayerSpec, describe_layer, layout_groups
 from gpuxfer.kv.layout import layout_for_burst
+from gpuxfer.kv.metadata import METADATA_VERSION, decode_metadata
 from gpuxfer.kv.plan import request_plan
 
 

@@ -1,4 +1,4 @@
-"""The KV API's pack engine (gpuxfer.kv.agent._PackTransfer): cached shapes, graph replays, flag parities.
+"""The KV API's pack engine (gpuxfer.kv.pack_transfer._PackTransfer): cached shapes, graph replays, flag parities.
 
 CPU tests on the host emulation (Triton's interpreter, graphs recorded and replayed by the emulated
 streams): two agents in one process, tiny staging slots so a request spans several chunks. GPU tests

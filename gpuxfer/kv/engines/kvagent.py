@@ -2,7 +2,7 @@
 
 So ``gpuxfer bench kv`` measures what a user of the API gets: each side registers the
 grid point's workload as KV-cache groups laid over its pool
-(:func:`~gpuxfer.kv.agent.layout_groups`), the two swap metadata bytes over the
+(:func:`~gpuxfer.kv.layers.layout_groups`), the two swap metadata bytes over the
 benchmark's CPU group, and every request of a burst becomes one transfer by block ID
 (the seeded block tables are the block IDs). Per burst, the initiator posts one
 transfer per request on the agent's stream; the descriptors are expanded on its
@@ -16,8 +16,10 @@ from __future__ import annotations
 import time
 
 from ...errors import BadInput
-from ..agent import KVAgent, KVTransfer, layout_groups
+from ..agent import KVAgent
 from ..blocktable import burst_tables
+from ..layers import layout_groups
+from ..transfer import KVTransfer
 from .base import DescriptorBurst, Role, Side
 from .triton import TritonEngine
 
@@ -120,8 +122,8 @@ class AgentTritonEngine(TritonEngine):
 
 
 class AgentPackEngine(AgentTritonEngine):
-    """``pack-api``: the KV API's two-sided pack engine (:class:`~gpuxfer.kv.agent._PackTransfer`): both sides
-    post every request, the source ``push``, the destination ``pull``; the source waits for the
+    """``pack-api``: the KV API's two-sided pack engine (:class:`~gpuxfer.kv.pack_transfer._PackTransfer`):
+    both sides post every request, the source ``push``, the destination ``pull``; the source waits for the
     destination's post before it moves anything. One stream per side (``pack`` pipelines over three)."""
 
     name = "pack-api"

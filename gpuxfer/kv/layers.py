@@ -1,0 +1,224 @@
+"""KV-cache layers as the agent sees them: a layer's blocks, their stride and the pieces of a block
+(:class:`KVPiece`, :class:`KVLayerSpec`, :class:`KVLayer`), read from a tensor's shape and strides
+(:func:`describe_layer`) or from a pool layout (:func:`layout_groups`), and checked."""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import BadInput
+
+_MAX_INT = 1 << 62
+_MAX_NAME = 512
+_MAX_PIECES = 16
+
+
+@dataclass(frozen=True)
+class KVPiece:
+    """A contiguous part of every block of a layer: ``nbytes`` at ``offset`` from the block's start."""
+
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class KVLayerSpec:
+    """An explicit layer description: ``tensor``'s block ``i`` starts ``i * block_stride_bytes`` bytes
+    after ``tensor.data_ptr()`` and holds ``pieces`` (``(offset, nbytes)`` pairs or :class:`KVPiece`).
+
+    ``token_major``: each piece stores its tokens (or compressed entries) in order, so a prefix of
+    a block's tokens is a prefix of each piece (needed to pair different block sizes).
+    ``index``: the model layer number layer ranges select by (default: from the name).
+    """
+
+    tensor: Any
+    num_blocks: int
+    block_stride_bytes: int
+    pieces: Sequence[Any]
+    token_major: bool = True
+    index: int | None = None
+
+
+@dataclass(frozen=True)
+class KVLayer:
+    """A registered layer, as both sides see it (addresses are this process's)."""
+
+    name: str
+    index: int
+    ptr: int                    # address of block 0
+    num_blocks: int
+    block_stride: int
+    pieces: tuple[KVPiece, ...]
+    extent: int                 # bytes from ptr the layer's memory spans
+    token_major: bool
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """``[first, end)`` addresses the layer's blocks occupy."""
+        lo = min(p.offset for p in self.pieces)
+        hi = max(p.offset + p.nbytes for p in self.pieces) + (self.num_blocks - 1) * self.block_stride
+        return self.ptr + lo, self.ptr + hi
+
+    def as_meta(self, alloc: int, offset: int) -> dict:
+        return {"name": self.name, "index": self.index, "alloc": alloc, "offset": offset,
+                "num_blocks": self.num_blocks, "block_stride": self.block_stride, "extent": self.extent,
+                "token_major": self.token_major, "pieces": [[p.offset, p.nbytes] for p in self.pieces]}
+
+
+def _check_layer(name: str, num_blocks: int, block_stride: int, pieces: tuple[KVPiece, ...], extent: int,
+                 err=BadInput) -> None:
+    """Every block of every piece inside ``extent``; distinct blocks of a piece never overlap."""
+    if num_blocks < 1 or block_stride < 1 or not pieces or len(pieces) > _MAX_PIECES:
+        raise err(f"layer {name!r}: needs >= 1 block, a positive block stride and 1..{_MAX_PIECES} pieces "
+                  f"(got {num_blocks} blocks, stride {block_stride}, {len(pieces)} pieces)")
+    for k, p in enumerate(pieces):
+        if p.offset < 0 or p.nbytes < 1:
+            raise err(f"layer {name!r}, piece {k}: offset {p.offset} and size {p.nbytes} must be >= 0 and >= 1")
+        if p.nbytes > block_stride:
+            raise err(f"layer {name!r}, piece {k}: {p.nbytes} bytes per block exceed the block stride "
+                      f"{block_stride}: consecutive blocks would overlap")
+        end = p.offset + (num_blocks - 1) * block_stride + p.nbytes
+        if end > extent:
+            raise err(f"layer {name!r}, piece {k}: block {num_blocks - 1} ends at byte {end}, past the "
+                      f"{extent} bytes of the layer's memory")
+
+
+def _layer_index(name: str, position: int) -> int:
+    """vLLM's rule: the first integer in the layer name (``model.layers.12.attn`` -> 12), else the position."""
+    m = re.search(r"\d+", name)
+    return int(m.group()) if m else position
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def _tensor_extent(t) -> int:
+    """Bytes from ``t.data_ptr()`` to the end of its last element (non-negative strides)."""
+    if any(s < 0 for s in t.stride()):
+        raise BadInput(f"a tensor of shape {tuple(t.shape)} has negative strides")
+    if t.numel() == 0:
+        raise BadInput(f"a tensor of shape {tuple(t.shape)} is empty")
+    return (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def _contiguous_tail(t, start: int) -> bool:
+    """Whether dimensions ``start:`` of ``t`` are laid out densely (row-major)."""
+    expect = 1
+    for n, s in zip(reversed(t.shape[start:]), reversed(t.stride()[start:])):
+        if n != 1 and s != expect:
+            return False
+        expect *= n
+    return True
+
+
+def describe_layer(tensor, *, name: str = "layer", position: int = 0, num_blocks: int | None = None,
+                   token_major: bool = True, index: int | None = None) -> KVLayer:
+    """A layer description from a KV-cache tensor's shape and strides.
+
+    * ``(2, num_blocks, ...)`` (vLLM's flash-attention layout): two pieces, K and V, each one
+      block's ``...`` (dense), the V piece ``stride(0)`` elements after the K piece;
+    * ``(num_blocks, 2, d2, ...)`` with 4+ dimensions (FlashInfer's): two pieces, K and V;
+    * ``(num_blocks, ...)``: one piece, the whole block (dense); the block stride may exceed it
+      (padded pages, a layer of a packed slab).
+
+    ``num_blocks`` settles the ambiguous case of 2 blocks. A :class:`KVLayerSpec` describes anything else.
+    """
+    torch = _torch()
+    if isinstance(tensor, KVLayerSpec):
+        return _from_spec(tensor, name, position)
+    if not isinstance(tensor, torch.Tensor):
+        raise BadInput(f"layer {name!r}: expected a torch.Tensor or a KVLayerSpec, got {type(tensor).__name__}")
+    t = tensor
+    shape, strides, el = tuple(t.shape), t.stride(), t.element_size()
+    if t.dim() < 2:
+        raise BadInput(f"layer {name!r}: a KV-cache tensor needs a block dimension and a block, got shape {shape}")
+    kv_first = t.dim() >= 3 and shape[0] == 2 and (num_blocks is None or shape[1] == num_blocks)
+    if num_blocks is not None and shape[0] == num_blocks and not (shape[0] == 2 and shape[1] == num_blocks):
+        kv_first = False
+    if kv_first:
+        nb, stride = shape[1], strides[1] * el
+        if not _contiguous_tail(t, 2):
+            raise BadInput(f"layer {name!r}: the block of a (2, num_blocks, ...) tensor must be dense, "
+                           f"got shape {shape} strides {strides}")
+        nbytes = math.prod(shape[2:]) * el
+        pieces = (KVPiece(0, nbytes), KVPiece(strides[0] * el, nbytes))
+    else:
+        nb, stride = shape[0], strides[0] * el
+        if t.dim() >= 4 and shape[1] == 2:
+            if not _contiguous_tail(t, 2):
+                raise BadInput(f"layer {name!r}: the K and V halves of a (num_blocks, 2, ...) tensor must be "
+                               f"dense, got shape {shape} strides {strides}")
+            nbytes = math.prod(shape[2:]) * el
+            pieces = (KVPiece(0, nbytes), KVPiece(strides[1] * el, nbytes))
+        else:
+            if not _contiguous_tail(t, 1):
+                raise BadInput(f"layer {name!r}: the block of a (num_blocks, ...) tensor must be dense, "
+                               f"got shape {shape} strides {strides}")
+            pieces = (KVPiece(0, math.prod(shape[1:]) * el),)
+    if num_blocks is not None and nb != num_blocks:
+        raise BadInput(f"layer {name!r}: shape {shape} holds {nb} blocks, not {num_blocks}")
+    layer = KVLayer(name=name, index=_layer_index(name, position) if index is None else int(index),
+                    ptr=int(t.data_ptr()), num_blocks=int(nb), block_stride=int(stride), pieces=pieces,
+                    extent=_tensor_extent(t), token_major=bool(token_major))
+    _check_layer(name, layer.num_blocks, layer.block_stride, pieces, layer.extent)
+    return layer
+
+
+def _from_spec(spec: KVLayerSpec, name: str, position: int) -> KVLayer:
+    torch = _torch()
+    t = spec.tensor
+    if not isinstance(t, torch.Tensor):
+        raise BadInput(f"layer {name!r}: KVLayerSpec.tensor must be a torch.Tensor, got {type(t).__name__}")
+    for v, what in ((spec.num_blocks, "num_blocks"), (spec.block_stride_bytes, "block_stride_bytes")):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise BadInput(f"layer {name!r}: {what} must be an int, got {v!r}")
+    pieces = []
+    for p in spec.pieces:
+        if isinstance(p, KVPiece):
+            pieces.append(p)
+        else:
+            try:
+                off, n = p
+                pieces.append(KVPiece(int(off), int(n)))
+            except (TypeError, ValueError):
+                raise BadInput(f"layer {name!r}: a piece must be (offset, nbytes), got {p!r}") from None
+    # an explicit description may reach past the view into the rest of its storage
+    extent = t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
+    layer = KVLayer(name=name, index=_layer_index(name, position) if spec.index is None else int(spec.index),
+                    ptr=int(t.data_ptr()), num_blocks=int(spec.num_blocks),
+                    block_stride=int(spec.block_stride_bytes), pieces=tuple(pieces), extent=int(extent),
+                    token_major=bool(spec.token_major))
+    _check_layer(name, layer.num_blocks, layer.block_stride, layer.pieces, layer.extent)
+    return layer
+
+
+def layout_groups(layout, pool) -> list[tuple[str, int, dict[str, KVLayerSpec]]]:
+    """The KV-cache groups of a :class:`~gpuxfer.kv.layout.PoolLayout` laid over ``pool`` (a flat uint8
+    tensor): ``(group name, block tokens, {layer name: spec})`` for :meth:`KVAgent.register_group`.
+
+    An unpacked region is a group of ``planes`` layers (one piece per block: the region's page);
+    a packed group is a group of one layer (its slab). Page indices of the layout's block
+    tables are the block IDs.
+    """
+    torch = _torch()
+    if not isinstance(pool, torch.Tensor) or pool.dtype != torch.uint8 or pool.dim() != 1:
+        raise BadInput("pool must be a flat uint8 tensor")
+    if pool.numel() < layout.pool_bytes:
+        raise BadInput(f"pool holds {pool.numel()} bytes, the layout needs {layout.pool_bytes}")
+    trs = {t.name: t for t in layout.workload.transfer_regions(layout.page_tokens)}
+    out = []
+    for r in layout.regions:
+        layers = {}
+        for plane in range(r.planes):
+            start = r.base_offset_bytes + plane * r.plane_stride_bytes
+            view = pool[start:start + r.pool_pages * r.page_stride_bytes]
+            layers[f"{r.name}.{plane}"] = KVLayerSpec(view, r.pool_pages, r.page_stride_bytes,
+                                                      [(0, r.desc_bytes)], index=plane)
+        out.append((r.name, trs[r.name].tokens_per_page, layers))
+    return out

@@ -1,0 +1,363 @@
+"""The ``pack`` engine's transfers (two-sided, staging to staging on a copy engine): what every
+transfer of one shape shares (:class:`_PackShape`), a stream's flag operations in batches
+(:class:`_FlagQueue`) and the transfer with its protocol (:class:`_PackTransfer`)."""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import BadInput, TransferTimeout
+from ..platforms.base import FLAG_OP_WAIT, FLAG_OP_WRITE, Platform, Stream, flag_ops_array
+from .control import _AVAIL, _COPIED, _FREE, _GO, PACK_SLOTS, _PACKED
+from .layers import _torch
+from .transfer import KVTransfer, KVTransferHandle
+
+if TYPE_CHECKING:
+    from .agent import KVAgent
+
+
+log = logging.getLogger("gpuxfer.kv.agent")
+
+
+class _PackShape:
+    """What every pack transfer of one shape -- one route, one number of segments per group, hence the same
+    descriptor rows and chunks -- shares: the device request and descriptor buffers, the kernels bound to
+    them (one pack or unpack per chunk, its slot fixed), and per parity the captured graph of a post.
+
+    Made at the first :meth:`KVAgent.prepare` of the shape, which on a GPU also loads the route's kernels
+    (launches over an all-zero table, moving nothing): a kernel's first launch loads it, which waits for
+    the device's queues, so it must not come while a stream of the process waits for the peer. A post
+    uploads its request into :attr:`req` and enqueues :meth:`record`; once the shape was posted, its next
+    prepare or post captures the graphs of both parities (where the platform captures), and posts replay
+    them: one driver call per stream whatever the number of chunks."""
+
+    def __init__(self, agent: "KVAgent", x: "_PackTransfer"):
+        torch = _torch()
+        from ..kernels.blocks import expand_launcher, request_header_len
+        from ..kernels.launch import pack_launcher, unpack_launcher
+        dev = agent._torch_device()
+        self.agent, self.peer, self.route, self.source = agent, x.peer, x.route, x.source
+        self.req = torch.empty(x._req_bytes // 8, dtype=torch.int64, device=dev)
+        self.out = torch.empty((max(x.descriptors, 1), 3), dtype=torch.int64, device=dev)
+        r = self.route
+        G = len(r.groups)
+        self.expand = expand_launcher(r.planes, self.req, self.out, n_groups=G,
+                                      max_segments=int(x.n_seg.max()) if x.n_seg.size else 0)
+        stage = agent.platform.as_tensor(agent.staging)
+        local = r.src_anchor if self.source else r.dst_anchor
+
+        def launcher(out, a, b, at, c):
+            if self.source:
+                return pack_launcher(local, stage, out, start=a, end=b, staging_offset=at, row_bytes=c)
+            return unpack_launcher(stage, local, out, start=a, end=b, staging_offset=at, row_bytes=c)
+
+        self.chunks: list[tuple[int, Any]] = []             # (bytes, the launch of its pack or unpack)
+        for i, (a, b, nbytes, c) in enumerate(x._chunks):
+            self.chunks.append((nbytes, launcher(self.out, a, b, (i % PACK_SLOTS) * agent.slot_bytes, c)))
+        warm = (id(r), self.source)
+        if not agent.platform.kernels_interpreted and warm not in agent._pack_warm:
+            # on torch's current stream, after the zeros: every row copies 0 bytes, the request expands nothing
+            zreq = torch.zeros(request_header_len(len(r.plane_group), G) + 1, dtype=torch.int64, device=dev)
+            zout = torch.zeros((1, 3), dtype=torch.int64, device=dev)
+            fns = [expand_launcher(r.planes, zreq, zout, n_groups=G, max_segments=1)]
+            fns += [launcher(zout, 0, 1, 0, c) for _, _, c in r.classes if c <= agent.slot_bytes]
+            for fn in fns:
+                if fn is not None:
+                    fn()
+            agent._track(agent.platform.record_event(agent.platform.current_stream(agent.device)), (zreq, zout))
+            agent._pack_warm.add(warm)
+        self.graphs: list[Any] = [None] * 2
+        self.posts = 0
+        self.capturable = True
+
+    def graph(self, parity: int):
+        """The graphs of a post of ``parity`` -- ``(stream part, the source's lane part or None)`` --: once the
+        shape was posted (a shape posted once may never come again), both parities' graphs are captured, at
+        its next prepare or post (a prepare, in one process, comes before either side waits on the other);
+        None where the platform captures none (the post then enqueues the operations). Neighbouring flag
+        operations go into a graph as one batch (fewer nodes to launch); a capture that fails so is tried
+        again with one node per operation."""
+        agent = self.agent
+        if self.graphs[parity] is None and self.capturable and self.posts and agent.graphs:
+            plat = agent.platform
+            for batch in (True, False):
+                try:
+                    if agent._capture_stream is None:
+                        agent._capture_stream = plat.create_stream(agent.device)
+                    cs = agent._capture_stream
+                    for p in (0, 1):
+                        g = plat.capture_graph(cs, lambda c, p=p: self.record(c, p, batch))
+                        lane = (plat.capture_graph(cs, lambda c, p=p: self.record_copies(c, p, batch))
+                                if self.source else None)
+                        self.graphs[p] = None if g is None or (self.source and lane is None) else (g, lane)
+                    break
+                except Exception as exc:  # noqa: BLE001 - without batches, else one by one at each post
+                    log.warning("agent %s: capturing a pack transfer%s failed (%s: %s)", agent.name,
+                                " (flag operations in batches)" if batch else "", type(exc).__name__, exc)
+                    self.graphs = [None] * 2
+            self.capturable = all(g is not None for g in self.graphs)
+        return self.graphs[parity]
+
+    def _signal(self, q: "_FlagQueue", word: int, value: int) -> None:
+        """The peer's control ``word`` := ``value`` after the work before it: a stream write into it where
+        the probe saw one land (queued, so it joins a batch), else a write into our scratch copy of the word
+        and an 8-byte copy-engine copy into the peer's."""
+        peer = self.peer
+        if peer.remote_flags:
+            q.write(peer.control_ptr + 8 * word, value)
+            return
+        local = peer.scratch.ptr + 8 * word
+        q.write(local, value)
+        q.copy(peer.control_ptr + 8 * word, local, 8)
+
+    def record(self, s: Stream, parity: int, batch: bool = False) -> None:
+        """Enqueue this side's stream part of one transfer (see :class:`_PackTransfer`) on ``s``, the request
+        already in :attr:`req`: every value is a constant of the shape and the parity, so a graph replays it.
+        The source's copies go on its lane (:meth:`record_copies`)."""
+        agent = self.agent
+        q = _FlagQueue(agent.platform, s, batch)
+        ctrl = agent.control.ptr
+        avail, free, go = _AVAIL + parity, _FREE + parity, _GO + parity
+        if self.expand is not None:
+            q.launch(self.expand)
+        if self.source:
+            packed, copied = _PACKED + parity, _COPIED + parity
+            q.wait(ctrl + 8 * go, 1)
+            for i, (_, fn) in enumerate(self.chunks):
+                if i:
+                    q.write(ctrl + 8 * packed, i)       # chunk i - 1 is in its slot
+                if i >= PACK_SLOTS:                     # the lane copied the slot's previous chunk out
+                    q.wait(ctrl + 8 * copied, i - PACK_SLOTS + 1)
+                q.launch(fn)
+            q.write(ctrl + 8 * packed, len(self.chunks))
+        else:
+            self._signal(q, free, 0)            # the source is past every wait on it (its transfer before last)
+            self._signal(q, go, 1)
+            for i, (_, fn) in enumerate(self.chunks):
+                q.wait(ctrl + 8 * avail, i + 1)
+                if i == 0:
+                    self._signal(q, go, 0)      # the source is past its wait on it
+                q.launch(fn)
+                self._signal(q, free, i + 1)
+        q.flush()
+
+    def record_copies(self, c: Stream, parity: int, batch: bool = False) -> None:
+        """The source's lane of one transfer on ``c``: each packed chunk to the peer's slot, then the signal."""
+        agent, peer = self.agent, self.peer
+        q = _FlagQueue(agent.platform, c, batch)
+        ctrl, slot = agent.control.ptr, agent.slot_bytes
+        avail, free = _AVAIL + parity, _FREE + parity
+        packed, copied = _PACKED + parity, _COPIED + parity
+        for i, (nbytes, _) in enumerate(self.chunks):
+            k = i % PACK_SLOTS
+            q.wait(ctrl + 8 * packed, i + 1)
+            if i >= PACK_SLOTS:                 # the destination unpacked the slot's previous chunk
+                q.wait(ctrl + 8 * free, i - PACK_SLOTS + 1)
+            q.copy(peer.staging_ptr + k * slot, agent.staging.ptr + k * slot, nbytes)
+            q.write(ctrl + 8 * copied, i + 1)
+            self._signal(q, avail, i + 1)
+        q.wait(ctrl + 8 * free, len(self.chunks))
+        self._signal(q, avail, 0)               # the destination is past every wait on it
+        q.write(ctrl + 8 * packed, 0)           # both lanes are past every wait on these
+        q.write(ctrl + 8 * copied, 0)
+        q.flush()
+
+
+class _FlagQueue:
+    """Operations for one stream, in order: flag writes and waits are held until the next copy or launch
+    (or :meth:`flush`) and then go as one :meth:`Platform.flag_ops` batch when ``batch`` (one graph node
+    where captured), else one call each."""
+
+    __slots__ = ("plat", "s", "batch", "native", "ops")
+
+    def __init__(self, plat: Platform, s: Stream, batch: bool):
+        self.plat, self.s, self.batch, self.native = plat, s, batch, plat.native_stream(s)
+        self.ops: list[tuple[int, int, int]] = []
+
+    def wait(self, ptr: int, value: int) -> None:
+        self.ops.append((FLAG_OP_WAIT, ptr, value))
+
+    def write(self, ptr: int, value: int) -> None:
+        self.ops.append((FLAG_OP_WRITE, ptr, value))
+
+    def flush(self) -> None:
+        ops, self.ops = self.ops, []
+        if self.batch and len(ops) > 1:
+            self.plat.flag_ops(self.s, flag_ops_array(ops))
+            return
+        for op, ptr, value in ops:
+            if op == FLAG_OP_WAIT:
+                self.plat.wait_flag(self.s, ptr, value)
+            else:
+                self.plat.write_flag(self.s, ptr, value)
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        self.flush()
+        self.plat.copy_async(self.s, dst, src, nbytes)
+
+    def launch(self, fn) -> None:
+        """A kernel's launch: straight on the stream's driver handle where the platform gives one."""
+        self.flush()
+        if self.native is None:
+            self.plat.launch(self.s, fn)
+        else:
+            fn(self.native)
+
+
+class _PackTransfer(KVTransfer):
+    """The ``pack`` engine: two-sided. The source side packs its blocks' pieces into its staging slot
+    (a local kernel), copies the slot into the destination's staging on a copy engine and signals;
+    the destination side waits, unpacks into its blocks and signals the slot free. Both sides prepare
+    and post the same request (the source ``push``, the destination ``pull``, the same block IDs); the
+    two derive the same descriptor order and chunks from the request. Chunk ``i`` of a transfer goes
+    through slot ``i % PACK_SLOTS``; a chunk holds rows of one segment size, so row ``j`` of it sits at
+    ``(j - first row) * size`` in the slot (no offsets to compute).
+
+    The source packs on the posting stream and copies on a lane stream of its own, so chunk ``i + 1`` is
+    packed while chunk ``i`` is on the wire (local words PACKED / COPIED hand the chunks between the
+    two). Every flag value is a constant of the transfer's shape, so a post of a shape seen before is a
+    graph replay per stream (:class:`_PackShape`): the words come in two sets, used by a pair's
+    transfers in turn (parity ``p``: the n-th transfer in one direction uses set ``n % 2`` on both
+    sides), and each word the peer waits on is reset by the side that writes it, once the waiting side
+    is past its last wait (nothing this side's own queued work does can undo a release of its words)::
+
+        source stream (p)          source lane (p)                destination stream (p)
+        upload, expand                                            upload, expand
+                                                                  signal the source: FREE[p] := 0,
+        wait GO[p] >= 1  <------------------------------------------------------- GO[p] := 1
+        chunk i:                   chunk i:                       chunk i:
+         [wait COPIED[p] >= i+1-S]  wait PACKED[p] >= i + 1        wait AVAIL[p] >= i + 1
+         pack -> own slot i % S     [wait FREE[p] >= i + 1 - S]    (i = 0: signal the source: GO[p] := 0)
+         PACKED[p] := i + 1         copy own slot -> peer's slot   unpack own slot -> blocks
+                                    signal AVAIL[p] := i + 1 --->  signal the source: FREE[p] := i + 1
+                                    COPIED[p] := i + 1
+                                   wait FREE[p] >= chunks  <-----
+                                   signal AVAIL[p] := 0
+                                   PACKED[p] := 0, COPIED[p] := 0
+        wait the lane (event)
+        event (the data has landed)                               event (the data has landed)
+
+    (S = ``PACK_SLOTS``; a signal is a stream write into the peer's word where :meth:`KVAgent.add_peer`'s
+    probe saw one land, else a local write and an 8-byte copy of it.) Why the resets are safe: the source's transfer before last of parity ``p``
+    ended (its last wait on FREE[p]) before the destination's previous transfer could end; the
+    destination passed its waits on AVAIL[p] before its last FREE[p]; each reset travels on the
+    writer's stream ahead of anything it writes into the word later; the lane resets its local words
+    once both lanes are past their waits, before the stream's next transfer (which waits for the lane).
+    A transfer of no chunks moves nothing and touches no flag (both sides know). An agent's pack posts
+    run one after another (a post on another stream waits for the one before): its staging serves both
+    directions.
+    """
+
+    waits_on_peer = True
+
+    def __init__(self, *a, chunks: list, pooled, entries: int, **kw):
+        self._chunks = chunks
+        self._pooled = pooled           # the host array's pool token: back to the pool when collected
+        super().__init__(*a, **kw)
+        self._req_bytes = entries * 8   # the request's entries (the pooled array may hold more)
+        agent, peer = self.agent, self.peer
+        self.source = self.op == "push"
+        if agent.staging is None:
+            raise BadInput(f"agent {agent.name!r} has no staging buffer: build it with engine='pack'")
+        if self.source and peer.staging_ptr is None:
+            raise BadInput(f"peer {peer.name!r} has no staging buffer (its agent does not run the pack engine)")
+        self._buffers = (self._host_req,)
+        self._shape_key = (id(self.route), self.source, self.n_seg.tobytes())
+        self._host_ptr = self._host_req.data_ptr()
+        self._shape = None
+        if chunks:
+            with agent._post_lock:
+                self._shape = agent._pack_shape(self)
+                if self._shape.posts:       # a shape seen again: its graphs now, not inside a post
+                    self._shape.graph(0)
+
+    def _build_launches(self, max_segments: int, launches: list) -> None:
+        """Nothing per request: the kernels belong to the request's shape (:class:`_PackShape`)."""
+
+    def post(self, stream: Stream | None = None) -> KVTransferHandle:
+        """Enqueue this side's part (see the class docstring) on ``stream``; the handle completes when the
+        data has landed on the destination. Host work: the request upload and, for a shape posted before,
+        one graph launch (else the operations one by one), a notification if asked for, one event.
+
+        A post that fails part way fails the agent (:meth:`KVAgent.fail`): the peer may already have acted on
+        the signals it queued, so the two sides' transfers no longer pair up; its error is raised from every
+        later call instead of a timeout of the next transfer."""
+        agent, peer = self.agent, self.peer
+        agent._check_usable(peer)
+        s = agent.stream if stream is None else stream
+        if not isinstance(s, Stream) or s.closed:
+            raise BadInput(f"request {self.name!r}: cannot post on {s!r}: not an open stream of the platform")
+        with agent._post_lock:
+            if agent._pack_peer not in (None, peer.meta.uid):
+                raise BadInput(f"agent {agent.name!r} already runs pack transfers with another peer: its control "
+                               "words hand chunks to one peer (use one agent per pack peer)")
+            agent._pack_peer = peer.meta.uid
+            try:
+                return self._post(s)
+            except Exception as exc:
+                log.error("agent %s: posting %s failed part way (%s: %s); the agent fails", agent.name,
+                          self.describe(), type(exc).__name__, exc)
+                agent.fail(exc)
+                raise
+
+    def _post(self, s: Stream) -> KVTransferHandle:
+        agent, peer = self.agent, self.peer
+        plat = agent.platform
+        tail = agent._pack_tail
+        if tail is not None and tail[0] is not s:
+            plat.stream_wait_event(s, tail[1])
+        keep: tuple = self._buffers
+        shape = self._shape
+        if shape is not None:
+            parity = (peer.pack_sent if self.source else peer.pack_recv) % 2
+            plat.copy_async(s, shape.req.data_ptr(), self._host_ptr, self._req_bytes)
+            graphs = shape.graph(parity)
+            lane = agent._pack_lane() if self.source else None
+            if graphs is None:
+                shape.record(s, parity)
+                if lane is not None:
+                    shape.record_copies(lane, parity)
+            else:
+                if s is agent.stream:
+                    agent._calls.launch_graph(graphs[0])
+                else:
+                    plat.launch_graph(s, graphs[0])
+                if lane is not None:
+                    plat.launch_graph(lane, graphs[1])
+            if lane is not None:            # the handle's event comes after the lane's copies
+                agent._lane_event = plat.record_event(lane, agent._lane_event)
+                plat.stream_wait_event(s, agent._lane_event)
+            shape.posts += 1
+            if self.source:                 # counted once the transfer is queued
+                peer.pack_sent += 1
+            else:
+                peer.pack_recv += 1
+            keep = (self, shape)
+        value, event = self._finish(s)
+        agent._track(event, keep)
+        agent._pack_tail = (s, event)
+        return KVTransferHandle(self, event, s, value)
+
+    def expanded_descriptors(self) -> np.ndarray:
+        """The descriptors of the request (its shape's expansion; for checking, not a transfer path)."""
+        agent = self.agent
+        plat, s = agent.platform, agent.stream
+        shape = self._shape
+        if shape is None:
+            return np.zeros((0, 3), dtype=np.int64)
+        with agent._post_lock:
+            tail = agent._pack_tail
+            if tail is not None and tail[0] is not s:
+                plat.stream_wait_event(s, tail[1])
+            plat.copy_async(s, shape.req.data_ptr(), self._host_ptr, self._req_bytes)
+            if shape.expand is not None:
+                plat.launch(s, shape.expand)
+            event = plat.record_event(s)
+            agent._pack_tail = (s, event)
+        agent._track(event, (self, shape))
+        if not plat.synchronize(s, agent.timeout_s):
+            raise TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
+                                  timeout_s=agent.timeout_s, what="expanding the descriptors")
+        return shape.out[:self.descriptors].cpu().numpy().copy()

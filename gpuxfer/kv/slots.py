@@ -1,0 +1,171 @@
+"""The ``triton`` engine's transfers: a route's slots (device buffers with their launches bound once
+and captured as a graph, :class:`_Slot`), the transfer that runs a request in one
+(:class:`_SlotTransfer`) and the pool of host request arrays (:class:`_RequestPool`). The ring of
+slots per route is kept by :meth:`KVAgent._take_slot <gpuxfer.kv.agent.KVAgent._take_slot>`."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import TransferTimeout
+from ..platforms.base import Platform, Stream
+from .layers import _torch
+from .transfer import KVTransfer, KVTransferHandle
+
+if TYPE_CHECKING:
+    from .agent import KVAgent, KVPeer, _Route
+
+
+class _Slot:
+    """A route's device buffers for one request at a time: the request array (header + block IDs) and the
+    ``(rows, 3)`` descriptors, both zeroed when made; the launchers bound to them once (the expansion over a
+    fixed grid, one copy per tiling whose row range each launch reads from the request's header on the
+    device); the graph of those launches where the platform captures one. Whatever a request writes into
+    ``req``, every access stays inside these buffers and the registered memory (the kernels' bounds), and
+    every row of ``out`` holds zeros or a descriptor the expansion wrote: so any request whose rows and
+    entries fit can run here, one after another.
+
+    A slot is free for a post on stream ``s`` once the last post on it completed, or when that post was on
+    ``s`` itself (stream order puts the new upload after it)."""
+
+    __slots__ = ("rows", "entries", "req", "out", "req_ptr", "expand", "copies", "graph", "event", "stream", "used")
+
+    def __init__(self, route: "_Route", rows: int, entries: int, device):
+        from ..kernels.blocks import expand_launcher
+        from ..kernels.launch import copy_range_launcher
+        torch = _torch()
+        self.rows, self.entries = rows, entries
+        self.req = torch.empty(entries, dtype=torch.int64, device=device)
+        self.out = torch.empty((rows, 3), dtype=torch.int64, device=device)
+        self.req_ptr = self.req.data_ptr()
+        self.expand = expand_launcher(route.planes, self.req, self.out, n_groups=len(route.groups))
+        self.copies = [f for f in (copy_range_launcher(route.src_anchor, route.dst_anchor, self.out, self.req,
+                                                       lo_at=a, hi_at=b, nbytes_hint=c)
+                                   for a, b, c in route.launch_classes) if f is not None]
+        self.graph = None
+        self.event = None
+        self.stream = None
+        self.used = 0
+
+    def kernels(self, stream=None) -> None:
+        """The expansion and the copies, on ``stream`` (a driver handle) or torch's current stream."""
+        if self.expand is not None:
+            self.expand(stream)
+        for launch in self.copies:
+            launch(stream)
+
+    def enqueue(self, plat: Platform, s: Stream) -> None:
+        """The kernels on ``s``, launched one by one: straight on its driver handle where the platform gives one."""
+        native = plat.native_stream(s)
+        if native is None:
+            plat.launch(s, self.kernels)
+        else:
+            self.kernels(native)
+
+
+class _SlotTransfer(KVTransfer):
+    """The ``triton`` engine: a prepared request is only its host array; each post runs it in a slot of the
+    route's ring (:class:`_Slot`) -- one upload of the array, one graph launch (or the slot's launches where
+    the platform captures no graph), the notification, one event::
+
+        prepare (host)                 post (host)                          stream
+        --------------                 -----------                          ------
+        check the IDs, write the       take a free slot of the route  ->
+        header and IDs into a          copy_async(slot.req, array)    ->    upload (header + IDs)
+        pooled host array              launch_graph(slot.graph)       ->    expand (IDs -> descriptors)
+                                                                             copy per tiling (rows from the header)
+                                       [notify: 2 stream operations]  ->    peer's word k := n
+                                       record_event                   ->    event
+
+    The array goes back to the agent's pool when the transfer is collected, which is after its last post
+    completed (the agent keeps a posted transfer until its event completes)."""
+
+    def __init__(self, agent: "KVAgent", peer: KVPeer, route: _Route, op: str, name: str, n_seg: np.ndarray,
+                 host, array: np.ndarray, notify_slot: int | None, descriptors: int, nbytes: int):
+        self._pooled = host
+        self._array = array
+        self._entries = int(array.shape[0])
+        self._host_ptr = host[0].data_ptr()        # the array is a view from the owner's first entry
+        super().__init__(agent, peer, route, op, name, n_seg, host[0], None, None, 0, [], notify_slot, descriptors,
+                         nbytes)
+        self._req_bytes = self._entries * 8
+
+    def _run(self, s: Stream, expand_only: bool = False) -> "_Slot":
+        """Upload this request into a free slot and enqueue its kernels on ``s`` (the caller holds the post lock)."""
+        agent = self.agent
+        plat = agent.platform
+        slot = agent._take_slot(self.route, s, self.descriptors, self._entries)
+        plat.copy_async(s, slot.req_ptr, self._host_ptr, self._req_bytes)
+        if expand_only:
+            if slot.expand is not None:
+                plat.launch(s, slot.expand)
+        elif slot.graph is not None:
+            if s is agent.stream:
+                agent._calls.launch_graph(slot.graph)
+            else:
+                plat.launch_graph(s, slot.graph)
+        else:
+            slot.enqueue(plat, s)
+        return slot
+
+    def post(self, stream: Stream | None = None) -> KVTransferHandle:
+        """Enqueue the transfer on ``stream`` (default: the agent's own) and return its handle.
+
+        Host work: one copy (the request array) into a free slot of the route, one graph launch (the
+        expansion and one copy per kernel tiling, captured once per slot; launched one by one where the
+        platform captures no graph), a notification (two stream operations, :meth:`KVPeer.notify`) if asked
+        for, one event; none of it depends on the number of descriptors.
+        """
+        agent = self.agent
+        agent._check_usable(self.peer)
+        s = agent.stream if stream is None else stream
+        with agent._post_lock:
+            slot = self._run(s)
+            value, event = self._finish(s)
+            slot.event, slot.stream = event, s
+        agent._track(event, (self, slot))
+        return KVTransferHandle(self, event, s, value)
+
+    def expanded_descriptors(self) -> np.ndarray:
+        """Run only the upload and the expansion (in a slot, on the agent's stream), wait, and return the
+        ``(N, 3)`` descriptors (offsets from the source and destination anchors) -- for checking the expansion;
+        not a transfer path."""
+        agent = self.agent
+        plat, s = agent.platform, agent.stream
+        with agent._post_lock:
+            slot = self._run(s, expand_only=True)
+            event = plat.record_event(s)
+            slot.event, slot.stream = event, s
+        agent._track(event, (self, slot))
+        if not plat.event_wait(event, agent.timeout_s):
+            raise TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
+                                  timeout_s=agent.timeout_s, what="expanding the descriptors")
+        return slot.out[:self.descriptors].cpu().numpy().copy()
+
+
+class _RequestPool:
+    """Host int64 arrays for request arrays, pinned where the device is a GPU (the upload is then a DMA),
+    kept for reuse by capacity (powers of two): taking one costs a list pop, not an allocation."""
+
+    KEEP = 16                   # arrays kept per capacity
+
+    def __init__(self, pinned: bool):
+        self.pinned = pinned
+        self.free: dict[int, list] = {}
+
+    def take(self, n: int):
+        """``(token, array)``: an array of ``n`` entries, and what to give back once it is no longer read."""
+        cap = 1 << max(10, (n - 1).bit_length())
+        try:
+            token = self.free[cap].pop()
+        except (KeyError, IndexError):
+            torch = _torch()
+            owner = torch.empty(cap, dtype=torch.int64, pin_memory=self.pinned)
+            token = (owner, owner.numpy())
+        return token, token[1][:n]
+
+    def give(self, token) -> None:
+        kept = self.free.setdefault(token[1].shape[0], [])
+        if len(kept) < self.KEEP:
+            kept.append(token)

@@ -1,0 +1,106 @@
+"""A prepared request (:class:`KVTransfer`, the base every engine's transfer extends) and the handle
+of a posted one (:class:`KVTransferHandle`)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import TransferTimeout
+from ..platforms.base import Event, Stream
+
+if TYPE_CHECKING:
+    from .agent import KVAgent, KVPeer, _Route
+
+
+class KVTransferHandle:
+    """A posted transfer: ``done()``, ``wait(timeout_s)``, ``event`` (make another stream wait on it).
+
+    ``notify_value`` is what the peer's notification word holds once it landed (None: no notification).
+    """
+
+    __slots__ = ("transfer", "event", "name", "notify_value", "_stream", "_keep")
+
+    def __init__(self, transfer: "KVTransfer", event: Event, stream: Stream, notify_value: int | None):
+        self.transfer, self.event, self._stream, self.notify_value = transfer, event, stream, notify_value
+        self.name = transfer.name
+        self._keep = transfer._buffers      # device buffers stay alive while the work may run
+
+    def done(self) -> bool:
+        return self.transfer.agent.platform.event_query(self.event)
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until the transfer has completed; :class:`TransferTimeout` naming the request past ``timeout_s``."""
+        from ..sync import SPIN_S, wait_event_or_raise
+        agent = self.transfer.agent
+        agent.check()
+        t = agent.timeout_s if timeout_s is None else float(timeout_s)
+        try:
+            wait_event_or_raise(agent.platform, self.event, t, rank=agent.rank, what=f"KV transfer {self.name!r}",
+                                spin_s=SPIN_S)
+        except TransferTimeout as exc:
+            err = TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
+                                  timeout_s=t, what=f"{self.transfer.describe()} did not complete")
+            if self.transfer.waits_on_peer:
+                agent.fail(err)
+            raise err from exc
+
+    def stream_wait(self, stream: Stream) -> None:
+        """Make ``stream``'s later work wait for this transfer."""
+        self.transfer.agent.platform.stream_wait_event(stream, self.event)
+
+    def __repr__(self) -> str:
+        return f"KVTransferHandle({self.name!r})"
+
+
+class KVTransfer:
+    """A prepared request: block IDs checked and staged; :meth:`post` may be called again and again."""
+
+    waits_on_peer = False           # whether its streams wait on flags the peer writes (a timeout fails the agent)
+    _pooled = None                  # the host array's pool token (:class:`_RequestPool`), if it came from the pool
+
+    def __init__(self, agent: "KVAgent", peer: KVPeer, route: _Route, op: str, name: str, n_seg: np.ndarray,
+                 host_req, dev_req, out, max_segments: int, launches: list, notify_slot: int | None,
+                 descriptors: int, nbytes: int):
+        self.agent, self.peer, self.route, self.op, self.name = agent, peer, route, op, name
+        self.n_seg = n_seg
+        self.descriptors, self.nbytes = descriptors, nbytes
+        self.notify_slot = notify_slot
+        self._host_req, self._dev_req, self._out = host_req, dev_req, out
+        self._buffers = (host_req, dev_req, out)
+        self._req_bytes = int(host_req.numel()) * 8
+        self._build_launches(max_segments, launches)
+
+    def _build_launches(self, max_segments: int, launches: list) -> None:
+        """What an engine binds to one request at prepare (nothing by default)."""
+
+    def describe(self) -> str:
+        return (f"{self.op} of request {self.name!r} with peer {self.peer.name!r} ({self.descriptors:,} "
+                f"descriptors, {self.nbytes:,} bytes)")
+
+    def post(self, stream: Stream | None = None) -> KVTransferHandle:
+        """Enqueue the transfer on ``stream`` (default: the agent's own) and return its handle; host work that
+        does not depend on the number of descriptors (each engine's transfer says what it is)."""
+        raise NotImplementedError
+
+    def _finish(self, s: Stream) -> tuple[int | None, Event]:
+        """The end of a post on ``s`` (the caller holds the agent's post lock): the notification, if the request
+        has one (:meth:`KVPeer.notify`), and the post's event: ``(notified value or None, event)``."""
+        if self.notify_slot is None:
+            return None, self.agent.platform.record_event(s)
+        return self.peer.notify(s, self.notify_slot)
+
+    def expanded_descriptors(self) -> np.ndarray:
+        """The ``(N, 3)`` descriptors of this request (offsets from the source and destination anchors), as the
+        engine expands them -- for checking the expansion; not a transfer path."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"KVTransfer({self.describe()})"
+
+    def __del__(self):
+        """The host array goes back to the agent's pool: the agent keeps a posted transfer until its last post
+        completed, so nothing reads the array any more."""
+        pool = getattr(getattr(self, "agent", None), "_requests", None)
+        if pool is not None and self._pooled is not None:
+            pool.give(self._pooled)
