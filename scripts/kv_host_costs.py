@@ -113,21 +113,26 @@ def measure(plat, workload: str, isl: int, page: int, op: str, engine: str, iter
                "complete_p50_us": float(np.median(complete)), "setup_p90_us": float(np.percentile(setup, 90)),
                "post_p90_us": float(np.percentile(post, 90)), "repost_p90_us": float(np.percentile(repost, 90))}
         if profile:
-            pr = cProfile.Profile()
-            pr.enable()
-            for _ in range(iters):
-                h = initiator.prepare(peer, op, local_blocks=mine, remote_blocks=theirs).post()
-                h.wait(120)
-            pr.disable()
-            out = io.StringIO()
-            pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(20)
-            row["profile"] = out.getvalue()
+            row["profile"] = _profiled(lambda: initiator.prepare(peer, op, local_blocks=mine,
+                                                                 remote_blocks=theirs).post().wait(120), iters)
         return row
     finally:
         for ag in reversed(agents):
             ag.close()
         for b in bufs:
             b.close()
+
+
+def _profiled(step, iters: int) -> str:
+    """``step()`` run ``iters`` times under cProfile: the 20 functions of most own time."""
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(iters):
+        step()
+    pr.disable()
+    out = io.StringIO()
+    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(20)
+    return out.getvalue()
 
 
 def measure_pack(plat, workload: str, isl: int, page: int, iters: int, profile: bool) -> dict:
@@ -202,14 +207,7 @@ def measure_pack(plat, workload: str, isl: int, page: int, iters: int, profile: 
                "repost_p50_us": float(np.median(repost)), "complete_p50_us": float(np.median(complete)),
                "launch": "graph", "graph_used": all(g is not None for g in xs._shape.graphs)}
         if profile:
-            pr = cProfile.Profile()
-            pr.enable()
-            for _ in range(iters):
-                post(*prepare()[:2])
-            pr.disable()
-            out = io.StringIO()
-            pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(20)
-            row["profile"] = out.getvalue()
+            row["profile"] = _profiled(lambda: post(*prepare()[:2]), iters)
         return row
     finally:
         for ag in reversed(agents):
