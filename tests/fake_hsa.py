@@ -424,6 +424,7 @@ class FakeRocmPlatform(HostPlatform):
     """
 
     name = "rocm"
+    copy_engine_peer_copies = False
 
     def __init__(self, lib: FakeHsaLib | None = None, devices: int = 2, *, hsa_error: str | None = None,
                  pcie_atomics: bool | None = None, allow_self_open: bool = False):

@@ -176,10 +176,10 @@ def _check(args) -> dict:
          "sweep_size": int_option(args.sweep_size, "--sweep-size"), "seed": int_option(args.seed, "--seed", minimum=0),
          "timeout": seconds_option(args.timeout)}
     c["platform"] = name = platform_option(args.platform)      # after the checks that need no platform
-    emu = platform_class(name).is_emulation
+    interpreted = platform_class(name).kernels_interpreted
     for key, host, gpu in (("pool", 256 << 10, 2 << 30), ("trials", 2, 7), ("warmup", 1, 2)):
         if c[key] is None:
-            c[key] = host if emu else gpu
+            c[key] = host if interpreted else gpu
     if max(sizes) > c["pool"]:
         raise BadInput(f"descriptor size {max(sizes)} is larger than the pool ({c['pool']} bytes)")
     ndev = device_count(name)

@@ -314,6 +314,10 @@ class Platform(abc.ABC):
     collective_backend: str = "nccl"
     #: Triton kernels run in Triton's CPU interpreter (far slower than a memcpy: size work down)
     kernels_interpreted: bool = False
+    #: :meth:`copy_async` into or out of a peer's mapping runs on a copy engine (no SM), in stream order with
+    #: the stream's flag writes and waits: the ``copy_engine`` stage hand-off rests on it. False where such a
+    #: copy may run as a kernel (ROCm's blits: its hand-off drives the SDMA engines, :attr:`sdma`)
+    copy_engine_peer_copies: bool = False
 
     def torch_device(self, device: int):
         """The torch device of tensors over this platform's buffers on ``device``."""

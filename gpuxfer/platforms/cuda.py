@@ -399,6 +399,7 @@ class CudaPlatform(Platform):
     name = "cuda"
     is_emulation = False
     memory_runtime = "cuda"
+    copy_engine_peer_copies = True
 
     host_op_timeout_s: float = 30.0     # read_flag / host_write_flag give up (TransferTimeout) after this
     batch_max_per_call: int = BATCH_MAX_PER_CALL

@@ -341,6 +341,7 @@ class HostPlatform(Platform):
     memory_runtime = "host"
     collective_backend = "gloo"
     kernels_interpreted = True
+    copy_engine_peer_copies = True
 
     _ids = itertools.count()
 

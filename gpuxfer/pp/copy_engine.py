@@ -162,17 +162,26 @@ class CopyEngineTransport(Transport):
     """One end of a copy-engine pair (see the module docstring for the protocol)."""
 
     name = "copy_engine"
-    platforms = ("cuda", "host")       # ROCm: the sdma backend
     min_slots = 2
     release_again = True
 
     # ---- local checks (doctor, and setup before allocating) ----
     @classmethod
+    def platform_reason(cls, platform) -> str | None:
+        """Why ``platform`` lacks what this backend rests on (a capability of the contract), or None: ``auto``
+        takes the first zero-SM backend for which this is None."""
+        if platform.copy_engine_peer_copies:
+            return None
+        return (f"platform {platform.name}'s copies to a peer do not run on copy engines "
+                f"(Platform.copy_engine_peer_copies)"
+                + (" (SDMA engines: the sdma backend)" if platform.sdma is not None else ""))
+
+    @classmethod
     def unavailable_reason(cls, platform, device: int | None = None) -> str | None:
         """Why this backend cannot run on ``platform`` here (local checks only), or None."""
-        if platform.name not in cls.platforms:
-            return (f"the {cls.name} backend runs on {', '.join(cls.platforms)}, not {platform.name}"
-                    + (" (SDMA engines: the sdma backend)" if platform.sdma is not None else ""))
+        why = cls.platform_reason(platform)
+        if why is not None:
+            return why
         try:
             n = platform.device_count()
             if n < 1:

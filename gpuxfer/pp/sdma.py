@@ -121,8 +121,13 @@ class SdmaTransport(CopyEngineTransport):
     """One end of an SDMA pair on ROCm (see the module docstring)."""
 
     name = "sdma"
-    platforms = ("rocm",)
     validated_on_hardware = VALIDATED_ON_HARDWARE
+
+    @classmethod
+    def platform_reason(cls, platform) -> str | None:
+        if platform.sdma is None:
+            return f"platform {platform.name} offers no SDMA engines (Platform.sdma is None)"
+        return None
 
     @classmethod
     def unavailable_reason(cls, platform, device: int | None = None) -> str | None:
@@ -133,8 +138,6 @@ class SdmaTransport(CopyEngineTransport):
             path = sdma_path_from_env()
         except BadInput as exc:
             return str(exc)
-        if platform.sdma is None:
-            return f"platform {platform.name} offers no SDMA engines (Platform.sdma is None)"
         return platform.sdma.unavailable_reason(0 if device is None else device, host_queued=path == "hsa")
 
     def __init__(self, *, sdma_path: str | None = None, ring: int | None = None, copies: int | None = None, **kw):

@@ -26,10 +26,11 @@ Adding a backend (e.g. ``sdma`` for ROCm, subclassing
 
     register_backend("sdma", "gpuxfer.pp.sdma", "SdmaTransport", zero_sm=True)
 
-A zero-SM backend's class provides ``platforms``, ``unavailable_reason(platform,
-device)`` and the ``setup_*`` phases of ``CopyEngineTransport``; ``auto`` tries
-the registered zero-SM backends in order and takes the first whose
-``platforms`` include the platform in use.
+A zero-SM backend's class provides ``platform_reason(platform)`` (what the
+platform's capabilities lack for it, or None), ``unavailable_reason(platform,
+device)`` and the ``setup_*`` phases of ``CopyEngineTransport``; ``auto`` takes
+the first registered zero-SM backend whose ``platform_reason`` is None on the
+lowest rank (every rank then tries that one).
 
 Test hook: ``GPUXFER_PP_INJECT_FAILURE=RANK:PHASE[,RANK:PHASE...]`` (or
 ``inject_failure=``) makes that rank's zero-SM setup fail in PHASE (``check``,
@@ -352,7 +353,8 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
                     timeout=resolve_timeout(opts.timeout_s), on_timeout=resolve_on_timeout(opts.on_timeout),
                     sends=sends, recvs=recvs,
                     sdig=sspec.digest() if sspec else None, rdig=rspec.digest() if rspec else None,
-                    metadata=opts.metadata, slots=opts.recv_slots)
+                    metadata=opts.metadata, slots=opts.recv_slots,
+                    zero_sm=next((b for b in ZERO_SM if backend_class(b).platform_reason(plat) is None), None))
     except Exception as exc:  # noqa: BLE001 - exchanged, raised on every rank
         info["err"] = reason(exc)
     infos = exchange(info)
@@ -400,8 +402,7 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
     if wanted != FALLBACK:
         cand = wanted
         if wanted == "auto":
-            lead = infos[min(infos)]["platform"]
-            cand = next((b for b in ZERO_SM if lead in getattr(backend_class(b), "platforms", ())), None)
+            cand = infos[min(infos)]["zero_sm"]
         if cand is None:
             fallback = {r: f"no zero-SM backend for platform {infos[r]['platform']!r}" for r in infos}
         else:

@@ -23,6 +23,7 @@ from gpuxfer import config
 from gpuxfer.errors import BadInput, GpuxferError
 from gpuxfer.platforms.host import HostPlatform
 from gpuxfer.pp import sdma as S
+from gpuxfer.pp.copy_engine import CopyEngineTransport
 from gpuxfer.pp.sdma import SdmaTransport
 from gpuxfer.pp.spec import SpecTable
 
@@ -248,7 +249,8 @@ def test_unavailable_reasons(monkeypatch):
     ok = FakeRocmPlatform()
     broken = FakeRocmPlatform(hsa_error="libhsa-runtime64.so.1: cannot open shared object file")
     try:
-        assert "runs on rocm, not host" in SdmaTransport.unavailable_reason(host)
+        assert "offers no SDMA engines" in SdmaTransport.unavailable_reason(host)
+        assert "the sdma backend" in CopyEngineTransport.unavailable_reason(ok, 0)
         assert host.sdma is None and ok.sdma.unavailable_reason(0, host_queued=True) is None
         assert SdmaTransport.unavailable_reason(ok, 0) is None
         why = SdmaTransport.unavailable_reason(broken, 0)

@@ -169,6 +169,29 @@ def test_backend_report_host(host):
     assert rep["nccl"] is None and rep["copy_engine"] is None
 
 
+def test_zero_sm_backends_follow_capabilities_not_names(host):
+    """copy_engine asks Platform.copy_engine_peer_copies, sdma asks Platform.sdma: a platform's name plays no part."""
+    from gpuxfer.platforms.host import HostPlatform
+    from gpuxfer.pp.copy_engine import CopyEngineTransport
+    from gpuxfer.pp.sdma import SdmaTransport
+
+    class Blits(HostPlatform):          # the host emulation, said to copy with kernels
+        copy_engine_peer_copies = False
+
+    class Renamed(HostPlatform):
+        name = "rocm"
+
+    for cls in (Blits, Renamed):
+        plat = cls()
+        try:
+            why = CopyEngineTransport.unavailable_reason(plat, 0)
+            assert (why is None) == plat.copy_engine_peer_copies, why
+            assert "copy_engine_peer_copies" in (why or "copy_engine_peer_copies")
+            assert "no SDMA engines" in SdmaTransport.platform_reason(plat)
+        finally:
+            plat.close()
+
+
 def test_backend_report_reasons():
     from gpuxfer.pp import backend_report
     plat = counting_platform("host", slow_link=True)()

@@ -113,7 +113,7 @@ def _options(args) -> dict:
     ndev = device_count(name)
     opts["same_device"] = ndev < 2
     nccls = [b for b in backends if b in ("nccl", PLAIN)]
-    if ndev < 2 and not emu and nccls:
+    if ndev < 2 and platform_class(name).collective_backend == "nccl" and nccls:
         why = f"both ranks share device 0 ({name} shows one device) and NCCL refuses two ranks on one device"
         if backends == nccls:
             raise BadInput(f"--backend {','.join(nccls)}: {why}")

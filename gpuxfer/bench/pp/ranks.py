@@ -157,7 +157,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
     emu = plat.is_emulation
     dev = rank % plat.device_count()
     tdev = plat.torch_device(dev)
-    if not emu:
+    if not plat.host_memory:
         torch.cuda.set_device(dev)
     peer = 1 - rank
     sizes = opts["sizes"]
@@ -188,7 +188,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
         return count_wrong_bytes(got, src(size, k))
 
     device_group = None
-    if not emu and {"nccl", PLAIN} & set(opts["backends"]):
+    if plat.collective_backend == "nccl" and {"nccl", PLAIN} & set(opts["backends"]):
         device_group = dist.new_group(backend="nccl")
     dinfo = plat.device_info(dev)
     if placed == AUTO:      # a core near this rank's GPU, now that it is known
@@ -542,9 +542,9 @@ def _contention(plat, dev, tdev, rank, opts, open_conn, src, run_steps, rows) ->
     back, then paced to NCCL's rate, so the two are also compared at equal traffic)."""
     import torch
     import torch.distributed as dist
-    emu = plat.is_emulation
-    n = 128 if emu else opts["matmul"]
-    dtype = torch.float32 if emu else torch.bfloat16
+    cpu = plat.host_memory          # the matmuls run on the CPU: a small float32 one
+    n = 128 if cpu else opts["matmul"]
+    dtype = torch.float32 if cpu else torch.bfloat16
     a = torch.randn(n, n, device=tdev).to(dtype)
     b = torch.randn(n, n, device=tdev).to(dtype)
     c = torch.empty(n, n, device=tdev, dtype=dtype)
