@@ -74,7 +74,7 @@ class NullPlatform:
 def cuda_stub():
     """The cuda platform's own Python, over a driver whose calls return success at once (counted; the ctypes
     entry points of ``stream_calls`` are Python functions here, so their ctypes argument conversion is left out)."""
-    from gpuxfer.platforms import cuda
+    from gpuxfer.platforms import cuda, cuda_driver
     calls = collections.Counter()
 
     def fn(name):
@@ -85,7 +85,7 @@ def cuda_stub():
         return call
     names = ("cuStreamWriteValue64", "cuStreamWaitValue64", "cuGraphLaunch", "cuMemcpyAsync", "cuEventRecord",
              "cuStreamWaitEvent", "cuCtxGetCurrent")
-    cuda._DRIVER = types.SimpleNamespace(**{n: fn(n) for n in names})
+    cuda_driver._DRIVER = types.SimpleNamespace(**{n: fn(n) for n in names})
 
     def entry(name):                        # entry points through ctypes: a C status, 0
         def call(*args):

@@ -46,7 +46,7 @@ def _contig(src, dst, n_units, BLOCK: tl.constexpr, UNROLL: tl.constexpr, LOAD_C
 def peer_buffers(local: int, peer: int, nbytes: int):
     """``nbytes`` on ``local`` and on ``peer`` with peer access both ways, and a view of the peer's bytes
     labelled as on ``local`` (what Triton takes), as ``(a, b, b_view)``."""
-    from gpuxfer.platforms.cuda import _view_by_storage
+    from gpuxfer.platforms.cuda_memory import _view_by_storage
 
     torch.cuda.set_device(local)
     a = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{local}")

@@ -28,6 +28,9 @@ from hypothesis import strategies as st
 
 from gpuxfer.errors import BadInput, DriverError
 from gpuxfer.platforms import cuda as cm
+from gpuxfer.platforms import cuda_driver as cd
+from gpuxfer.platforms import cuda_flags as cf
+from gpuxfer.platforms import cuda_memory as cmem
 from gpuxfer.platforms import cuda_entry as ce
 from gpuxfer.platforms.base import IpcHandle
 
@@ -218,7 +221,7 @@ def _plat_with(monkeypatch, calls, current_ctx=None):
     plat = cm.CudaPlatform()
     plat._ctxs[1] = (object(), 0x1111)
     monkeypatch.setattr(plat, "_on", calls.on)
-    monkeypatch.setattr(cm, "_DRIVER", _fake_driver(cuCtxGetCurrent=lambda: (0, current_ctx)))
+    monkeypatch.setattr(cd, "_DRIVER", _fake_driver(cuCtxGetCurrent=lambda: (0, current_ctx)))
     return plat
 
 
@@ -230,7 +233,7 @@ def test_stream_op_on_a_created_stream_is_one_call(monkeypatch):
 
 
 def test_stream_op_pushes_the_context_only_when_the_driver_asks(monkeypatch):
-    calls = _Calls(cm._ERR_INVALID_CONTEXT, 0)                     # no context on this thread, then fine
+    calls = _Calls(cd._ERR_INVALID_CONTEXT, 0)                     # no context on this thread, then fine
     plat = _plat_with(monkeypatch, calls)
     plat._stream_op(cm.CudaStream(1, 0x7000, None), calls.cuFake, doing="x")
     assert (calls.calls, calls.pushed) == (2, 1)
@@ -285,7 +288,7 @@ def test_stream_calls_one_driver_call_each_and_the_checked_path_otherwise(monkey
         return fn
     plat = cm.CudaPlatform()
     plat._ctxs[1] = (object(), 0x1111)
-    monkeypatch.setattr(cm, "_DRIVER", _fake_driver(
+    monkeypatch.setattr(cd, "_DRIVER", _fake_driver(
         cuCtxGetCurrent=lambda: (0, None), cuGetProcAddress=lambda name, ver, flags: (0, points[name], None),
         cuStreamWriteValue64=checked("checked write"), cuStreamWaitValue64=checked("checked wait"),
         cuGraphLaunch=checked("checked launch")))
@@ -297,7 +300,7 @@ def test_stream_calls_one_driver_call_each_and_the_checked_path_otherwise(monkey
     calls.write_flag(0x1000, 5)
     calls.wait_flag(0x1040, (1 << 64) - 1)
     calls.launch_graph(g)
-    assert seen == [("write", 0x7000, 0x1000, 5, 0), ("wait", 0x7000, 0x1040, (1 << 64) - 1, cm._WAIT_GEQ),
+    assert seen == [("write", 0x7000, 0x1000, 5, 0), ("wait", 0x7000, 0x1040, (1 << 64) - 1, cd._WAIT_GEQ),
                     ("launch", 0x99, 0x7000)] and not pushed
     seen.clear()
     with pytest.raises(BadInput, match="aligned"):
@@ -307,7 +310,7 @@ def test_stream_calls_one_driver_call_each_and_the_checked_path_otherwise(monkey
     with pytest.raises(BadInput, match="not a CUDA graph"):
         calls.launch_graph(object())
     assert not seen                                     # refused before any driver call
-    answers[:] = [cm._ERR_INVALID_CONTEXT] * 2          # no context on this thread: the checked path
+    answers[:] = [cd._ERR_INVALID_CONTEXT] * 2          # no context on this thread: the checked path
     calls.write_flag(0x1000, 6)                         # repeats it with the context pushed
     assert [x[0] for x in seen] == ["write", "checked write", "checked write"] and pushed == [1]
     answers[:] = [1, 1]                                 # refused by the driver: the checked path raises
@@ -316,12 +319,12 @@ def test_stream_calls_one_driver_call_each_and_the_checked_path_otherwise(monkey
     plat._count = 1                                     # a default stream where one device is visible:
     seen.clear()                                        # its handle means that device's context
     plat.stream_calls(cm.CudaStream(1, 0, None)).wait_flag(0x1040, 4)
-    assert seen == [("wait", 0, 0x1040, 4, cm._WAIT_GEQ)]
+    assert seen == [("wait", 0, 0x1040, 4, cd._WAIT_GEQ)]
     plat._count = 2                                     # ... of a multi-device process: asked per call
     seen.clear()                                        # which context is current: the device's,
     default = plat.stream_calls(cm.CudaStream(1, 0, None))
     default.wait_flag(0x1040, 4)
-    assert seen == [("current",), ("wait", 0, 0x1040, 4, cm._WAIT_GEQ)]
+    assert seen == [("current",), ("wait", 0, 0x1040, 4, cd._WAIT_GEQ)]
     current[0], n = 0x2222, len(pushed)                 # another device's: the checked call, which makes
     seen.clear()                                        # the device's context current first
     default.launch_graph(g)
@@ -334,11 +337,11 @@ def test_stream_calls_one_driver_call_each_and_the_checked_path_otherwise(monkey
 
 def test_event_query_reads_not_ready_and_raises_errors(monkeypatch):
     answers = []
-    monkeypatch.setattr(cm, "_driver", lambda: _fake_driver(cuEventQuery=lambda h: (answers.pop(0),)))
-    monkeypatch.setattr(cm, "_DRIVER", _fake_driver(cuEventDestroy=lambda h: (0,)))
+    monkeypatch.setattr(cd, "_DRIVER", _fake_driver(cuEventQuery=lambda h: (answers.pop(0),),
+                                                    cuEventDestroy=lambda h: (0,)))
     plat = cm.CudaPlatform()
     ev = cm.CudaEvent(0, 0x9000)
-    answers[:] = [cm.CUDA_ERROR_NOT_READY, 0, 400]
+    answers[:] = [cd.CUDA_ERROR_NOT_READY, 0, 400]
     assert plat.event_query(ev) is False
     assert plat.event_query(ev) is True
     with pytest.raises(DriverError, match="CUDA_ERROR_INVALID_HANDLE.*querying CudaEvent"):
@@ -463,7 +466,7 @@ def test_ctypes_batch_path_end_to_end_on_host_memory(abi):
     p._batch_on(("ctypes", fn, abi), 0x1234, 0, chunks)
     assert np.array_equal(dst, want)
     assert calls == [len(c[0]) for c in chunks] and max(calls) <= 7
-    assert seen["attr"] == (cm.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, cm.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
+    assert seen["attr"] == (cd.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, cd.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
                             0, 0)
     assert seen["idx"] == 0 and seen["num_attrs"] == 1 and seen["stream"] == 0x1234
 
@@ -506,7 +509,7 @@ def test_bindings_batch_path_both_return_shapes(monkeypatch, shape):
                                  CUmemcpyAttributes=driver.CUmemcpyAttributes,
                                  CUmemcpySrcAccessOrder=driver.CUmemcpySrcAccessOrder,
                                  CUmemcpyFlags=driver.CUmemcpyFlags, cuMemcpyBatchAsync=fake_batch)
-    monkeypatch.setattr(cm, "_driver", lambda: fake)
+    monkeypatch.setattr(cd, "_DRIVER", fake)
     src, dst, dsts, srcs, sizes, want = _host_batch(400, 12, seed=3)
     cm.CudaPlatform()._batch_on(("bindings", None, None), 77, 0, ce.plan_batch_copies(dsts, srcs, sizes, 5))
     assert np.array_equal(dst, want) and calls and all(s == 77 and c <= 5 for c, s in calls)
@@ -524,14 +527,14 @@ def test_bindings_batch_path_both_return_shapes(monkeypatch, shape):
 
 def test_constants_match_cuda_bindings():
     d = pytest.importorskip("cuda.bindings.driver")
-    assert cm.CU_STREAM_NON_BLOCKING == int(d.CUstream_flags.CU_STREAM_NON_BLOCKING)
-    assert cm.CU_EVENT_DISABLE_TIMING == int(d.CUevent_flags.CU_EVENT_DISABLE_TIMING)
-    assert cm.CU_MEMHOSTALLOC_PORTABLE == d.CU_MEMHOSTALLOC_PORTABLE
-    assert cm.CUDA_ERROR_NOT_READY == int(d.CUresult.CUDA_ERROR_NOT_READY)
-    assert cm.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM == int(d.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
-    assert cm.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE == int(
+    assert cd.CU_STREAM_NON_BLOCKING == int(d.CUstream_flags.CU_STREAM_NON_BLOCKING)
+    assert cd.CU_EVENT_DISABLE_TIMING == int(d.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+    assert cd.CU_MEMHOSTALLOC_PORTABLE == d.CU_MEMHOSTALLOC_PORTABLE
+    assert cd.CUDA_ERROR_NOT_READY == int(d.CUresult.CUDA_ERROR_NOT_READY)
+    assert cd.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM == int(d.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
+    assert cd.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE == int(
         d.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE)
-    assert int(d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ) == cm._WAIT_GEQ == 0
+    assert int(d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ) == cd._WAIT_GEQ == 0
     A = d.CUdevice_attribute
     assert int(A.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS) == 122
     assert int(A.CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR) == 123
@@ -551,8 +554,8 @@ def test_constants_match_cuda_bindings():
 
 def test_memcpy_attributes_layout_matches_cuda_bindings():
     d = pytest.importorskip("cuda.bindings.driver")
-    ours = ce.CUmemcpyAttributes(srcAccessOrder=cm.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-                                 flags=cm.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE)
+    ours = ce.CUmemcpyAttributes(srcAccessOrder=cd.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+                                 flags=cd.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE)
     theirs = d.CUmemcpyAttributes()
     theirs.srcAccessOrder = d.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
     theirs.flags = d.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
@@ -563,10 +566,10 @@ def test_memcpy_attributes_layout_matches_cuda_bindings():
 def test_stream_kinds_and_value_checks():
     assert cm.CudaStream(0, 0, None).is_legacy_default and cm.CudaStream(0, 1, None).is_legacy_default
     assert not cm.CudaStream(0, 2, None).is_legacy_default and not cm.CudaStream(0, 0x7F00, None).owned
-    assert cm._u64(-1) == (1 << 64) - 1 and cm._u64(5) == 5 and cm._u64((1 << 64) - 1) == (1 << 64) - 1
+    assert cf._u64(-1) == (1 << 64) - 1 and cf._u64(5) == 5 and cf._u64((1 << 64) - 1) == (1 << 64) - 1
     for bad in (1 << 64, -(1 << 63) - 1, 1.5, True):
         with pytest.raises(BadInput):
-            cm._u64(bad)
+            cf._u64(bad)
 
 
 def test_alloc_bytes_rounds_to_whole_large_pages_from_one_page_up():
@@ -584,7 +587,7 @@ def test_alloc_hands_the_rounded_size_to_cuda_malloc(monkeypatch):
     p = cm.CudaPlatform()
     monkeypatch.setattr(p, "_check_device", lambda d: d)
     monkeypatch.setattr(p, "_rt", lambda dev, fn, *a, doing: fn(*a))
-    monkeypatch.setattr(cm, "_cupy", lambda: (None, fake_rt, None))
+    monkeypatch.setattr(cmem, "_cupy", lambda: (None, fake_rt, None))
     buf = p.alloc((3 << 20) + 5, 0)
     assert seen == [4 << 20] and buf.nbytes == (3 << 20) + 5 and buf.allocated_bytes == 4 << 20
     small = p.alloc(300, 0)
@@ -724,7 +727,7 @@ def test_gpu_view_by_storage_fallback(plat):
     dev = plat.device_count() - 1
     with plat.alloc(4096, dev) as buf:
         plat.as_tensor(buf).zero_()
-        v = cm._view_by_storage(buf.ptr + 512, 1024, torch.device("cuda", dev))
+        v = cmem._view_by_storage(buf.ptr + 512, 1024, torch.device("cuda", dev))
         assert v.data_ptr() == buf.ptr + 512 and v.device == torch.device("cuda", dev) and v.numel() == 1024
         v.fill_(7)
         torch.cuda.synchronize(dev)

@@ -22,8 +22,8 @@ def _harness():
 @pytest.mark.parametrize("metadata", [False, True], ids=["no-meta", "meta"])
 @pytest.mark.parametrize("platform,flag_batch", [("null", False), ("cuda-stub", False), ("cuda-stub", True)])
 def test_step_harness_counts_the_calls(monkeypatch, platform, flag_batch, metadata):
-    from gpuxfer.platforms import cuda
-    monkeypatch.setattr(cuda, "_DRIVER", cuda._DRIVER)      # the stub driver goes with the test
+    from gpuxfer.platforms import cuda_driver
+    monkeypatch.setattr(cuda_driver, "_DRIVER", cuda_driver._DRIVER)      # the stub driver goes with the test
     res = _harness().measure(40, metadata, 16384, False, platform, flag_batch)
     calls = res["calls_per_step_both_sides"]
     if platform == "null":
