@@ -124,6 +124,42 @@ def describe(by_rank, spec=None) -> str:
                      for r, c in enumerate(by_rank)) + f" ({how})"
 
 
+def current_cpu() -> int | None:
+    """The CPU the calling thread runs on now (``sched_getcpu``), or None where unknown."""
+    global _getcpu
+    if _getcpu is None:
+        try:
+            import ctypes
+            fn = ctypes.CDLL(None, use_errno=True).sched_getcpu
+            fn.restype = ctypes.c_int
+            _getcpu = fn
+        except (OSError, AttributeError):
+            _getcpu = False
+    if not _getcpu:
+        return None
+    cpu = _getcpu()
+    return cpu if cpu >= 0 else None
+
+
+_getcpu = None
+
+
+def python_speed_us(rounds: int = 5, loops: int = 1000) -> float:
+    """A yardstick of this thread's CPU speed: the median time (us) of a fixed pure-Python loop of
+    ``loops`` iterations over ``rounds`` tries. Beside a host time it tells a slow step from a slow CPU
+    (the same loop takes longer on a core shared with another busy hardware thread, or a slower clock)."""
+    import statistics
+    import time
+    clock, per = time.perf_counter, []
+    for _ in range(rounds):
+        t0 = clock()
+        x = 0
+        for i in range(loops):
+            x += i & 7
+        per.append(clock() - t0)
+    return statistics.median(per) * 1e6
+
+
 def pin(cpus: tuple[int, ...] | None) -> None:
     """Pin the calling thread (and the threads it starts later) to ``cpus`` (None: leave it)."""
     if cpus is not None and hasattr(os, "sched_setaffinity"):

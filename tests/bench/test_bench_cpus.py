@@ -83,3 +83,10 @@ def test_this_machine_auto_pins_within_the_process_cpus():
     if ranks[0] is not None:
         assert not set(ranks[0]) & set(ranks[1])
         assert set(ranks[0]) | set(ranks[1]) <= avail
+
+
+def test_the_cpu_yardstick_and_the_current_cpu():
+    from gpuxfer.bench.cpus import current_cpu, python_speed_us
+    assert python_speed_us(rounds=3, loops=200) > 0
+    cpu = current_cpu()
+    assert cpu is None or cpu in os.sched_getaffinity(0)

@@ -147,7 +147,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
 
     from ...platforms import get_platform
     from ...pp.selection import connect
-    from ..cpus import AUTO, auto_cpus, gpu_local_cpus, pin
+    from ..cpus import AUTO, auto_cpus, current_cpu, gpu_local_cpus, pin, python_speed_us
     placed = opts.get("cpus")
     if placed is not None and placed != AUTO:
         pin(placed[rank])
@@ -263,7 +263,8 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
         """Each end's own host time per step when neither waits for the other: the median over n steps,
         the sender starting step i at a common start + i * interval (twice the step time the receiver just
         measured), the receiver half an interval later (one host clock, CLOCK_MONOTONIC, on one host).
-        Returns ((median, 10th, 90th percentile) s, the receiver's last tensors)."""
+        Returns ((median, 10th, 90th percentile) s, the receiver's last tensors, the CPU speed beside it:
+        a pure-Python yardstick's us just before the loop and the CPUs the loop started and ended on)."""
         box = [now() + 0.01, max(2 * step_s, 20e-6)] if rank == 1 else [None, None]
         dist.broadcast_object_list(box, src=1)
         start, iv = box
@@ -271,6 +272,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
             start += iv / 2
         shapes = {"hidden": (size // 4,), "residual": (size // 4,)}
         per, last, clock = [], None, now
+        speed = {"python_us": python_speed_us(), "cpus": [current_cpu()]}
         for i in range(n):
             x = src(size, first + i) if rank == 0 else None
             due = start + i * iv
@@ -282,8 +284,9 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
             else:
                 last = (t.recv() if metadata else t.recv(shapes=shapes)).tensors
             per.append(clock() - t0)
+        speed["cpus"].append(current_cpu())
         per.sort()
-        return (statistics.median(per), per[len(per) // 10], per[len(per) * 9 // 10]), last
+        return (statistics.median(per), per[len(per) // 10], per[len(per) * 9 // 10]), last, speed
 
     try:
         for backend in opts["backends"]:
@@ -329,7 +332,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
                         elapsed, host = statistics.median_high(times), statistics.median_high(hosts)
                         dist.barrier()
                         np_ = min(n, PACED_STEPS)
-                        paced, got = paced_host(t, size, k, np_, metadata, elapsed / n)
+                        paced, got, speed = paced_host(t, size, k, np_, metadata, elapsed / n)
                         t.synchronize()
                         if rank == 1:
                             wrong += wrong_bytes(got, size, k + np_ - 1)
@@ -339,6 +342,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
                                      "time_us_min": min(times) / n * 1e6, "time_us_max": max(times) / n * 1e6,
                                      "host_us": host / n * 1e6, "host_paced_us": paced[0] * 1e6,
                                      "host_paced_p10_us": paced[1] * 1e6, "host_paced_p90_us": paced[2] * 1e6,
+                                     "host_paced_python_us": speed["python_us"], "host_paced_cpus": speed["cpus"],
                                      "algbw_gbps": size / (elapsed / n) / 1e9,
                                      "wrong_bytes": wrong,
                                      "instrumented": instrumented + " (first repeat)" if instrumented else None})

@@ -72,6 +72,10 @@ def _host_target(res: dict) -> tuple[str, str, bool] | None:
     return HOST_TARGET, f"worst sender {snd:.1f} us, receiver {rcv:.1f} us", max(snd, rcv) <= TARGET_HOST_US
 
 
+def _cpus(cpus) -> str:
+    return "?" if not cpus else "-".join("?" if c is None else str(c) for c in cpus)
+
+
 def format_report(res: dict, opts: dict) -> str:
     info, sinfo = res["info"], res["sender_info"]
     emu = info["emulation"]
@@ -146,6 +150,18 @@ def format_report(res: dict, opts: dict) -> str:
             h = (r.get("send_host_paced_us"), r.get("recv_host_paced_us")) if r else (None, None)
             cells.append(f"{h[0]:>8.1f}/{h[1]:<8.1f}" if None not in h else f"{'-':^17}")
         L.append(f"  {size:>10} " + " ".join(cells))
+    for b, m in cols:
+        speed = []
+        for size in opts["sizes"]:
+            r = by.get((b, m, size))
+            if r and r.get("send_host_paced_python_us") is not None and r.get("recv_host_paced_python_us") is not None:
+                speed.append(f"{_fmt_size(size)} {r['send_host_paced_python_us']:.0f}/"
+                             f"{r['recv_host_paced_python_us']:.0f} on CPUs {_cpus(r.get('send_host_paced_cpus'))}/"
+                             f"{_cpus(r.get('recv_host_paced_cpus'))}")
+        if speed:
+            L.append(f"# paced loops' CPUs and speed, {b} {'+' if m else '-'}meta: a pure-Python yardstick just "
+                     f"before each loop (us, sender/receiver; a slower CPU takes longer), the CPUs it started/ended "
+                     f"on: " + ", ".join(speed))
     for r in res["rows"]:
         if r.get("instrumented"):
             L.append(f"# ({r['backend']} {'+' if r['metadata'] else '-'}meta at {_fmt_size(r['size_bytes'])} was timed "
