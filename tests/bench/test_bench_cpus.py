@@ -90,3 +90,21 @@ def test_the_cpu_yardstick_and_the_current_cpu():
     assert python_speed_us(rounds=3, loops=200) > 0
     cpu = current_cpu()
     assert cpu is None or cpu in os.sched_getaffinity(0)
+
+
+def test_cpu_speed_probe_runs_its_parts():
+    """scripts/cpu_speed_probe.py's parts on one CPU (not timed: each returns a positive time)."""
+    import importlib.util
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("cpu_speed_probe", os.path.join(root, "scripts", "cpu_speed_probe.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cpus = sorted(os.sched_getaffinity(0))
+    try:
+        base, tries = mod.alone(cpus[:1], 1)
+        assert base[cpus[0]] > 0 and len(tries[cpus[0]]) == 3
+        assert all(v > 0 for v in mod.over_time(cpus[0], 2))
+    finally:
+        os.sched_setaffinity(0, set(cpus))
+    assert all(v > 0 for v in mod.threads(calls=200).values())
+    assert "median" in mod.clusters([1.0, 2.0, 3.0])
