@@ -48,270 +48,37 @@ What it emulates, and how:
   garbage-collected drains its queued work first (like ``cudaStreamDestroy``).
   Freeing a buffer while torch tensors over it are alive keeps the mapping
   until the last tensor dies (on a GPU that would be a use-after-free).
+
+Layout: this module holds :class:`HostPlatform` (devices, the stream, event,
+copy, flag and capture hooks, ``close``); the shared-memory buffers and their
+IPC are :mod:`~gpuxfer.platforms.host_memory` (mixed in), the worker threads
+behind streams, events and graphs :mod:`~gpuxfer.platforms.host_streams`.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import itertools
 import logging
 import os
-import queue
-import secrets
 import shutil
 import threading
 import time
-import weakref
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 
 from .. import config
-from ..common import SHM_UNAVAILABLE, map_shm, unlink_shm
-from ..errors import BadInput, DriverError, GpuxferError, NotExportable
-from .base import (DeviceBuffer, DeviceInfo, Event, ExportedRange, IpcHandle, LinkInfo, Memory, PeerMapping,
-                   Platform, Stream, as_int64_array, check_flag_ptr)
+from ..common import SHM_UNAVAILABLE
+from ..errors import BadInput
+from .base import DeviceInfo, Event, LinkInfo, Memory, Platform, Stream, as_int64_array, check_flag_ptr
+from .host_memory import _HostMemory
+from .host_streams import (_JOIN_TIMEOUT_S, _POLL_MAX_S, _STOP_CHECK_S, HostEvent, HostGraph, HostStream, _Op,
+                           _Stopped, _Worker, _geq_cyclic, _load64, _store64, _to_signed64)
+
+__all__ = ["HostPlatform", "HostStream", "HostEvent", "HostGraph"]
 
 log = logging.getLogger("gpuxfer.platforms.host")
-
-_MASK64 = (1 << 64) - 1
-_POLL_MAX_S = 5e-4          # longest sleep between two polls of a flag
-_STOP_CHECK_S = 0.05        # how often an event wait on a worker checks for abort
-_JOIN_TIMEOUT_S = 5.0       # how long close() waits for each worker to exit
-
-
-def _to_signed64(value: int) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-        raise BadInput(f"a flag value must be an integer, got {type(value).__name__}")
-    value = int(value)
-    if not -(1 << 63) <= value <= _MASK64:
-        raise BadInput(f"flag value {value} does not fit in 64 bits")
-    value &= _MASK64
-    return value - (1 << 64) if value >> 63 else value
-
-
-def _geq_cyclic(current: int, value: int) -> bool:
-    """CUDA's ``CU_STREAM_WAIT_VALUE_GEQ``: ``(int64_t)(*addr - value) >= 0``."""
-    return _to_signed64((current - value) & _MASK64) >= 0
-
-
-def _load64(ptr: int) -> int:
-    return ctypes.c_int64.from_address(ptr).value
-
-
-_fence_lock = threading.Lock()
-
-
-def _store64(ptr: int, value: int) -> None:
-    # The lock round trip is the fence: everything this thread did before
-    # (earlier ops of the stream) is visible before the flag store.
-    with _fence_lock:
-        ctypes.c_int64.from_address(ptr).value = value
-
-
-# --------------------------------------------------------------------------- shared memory
-
-
-class _Shm:
-    """One mapped POSIX shared-memory segment."""
-
-    def __init__(self, name: str, nbytes: int, create: bool):
-        self.name, self.nbytes, self.owner = name, nbytes, create
-        self.mm = map_shm(name, nbytes, create=create)
-        anchor = ctypes.c_char.from_buffer(self.mm)   # a buffer export, released right below
-        self.ptr = ctypes.addressof(anchor)
-        del anchor
-        self.linked = create
-        if create:
-            from multiprocessing import resource_tracker
-            resource_tracker.register(name, "shared_memory")
-
-    def unlink(self) -> None:
-        """Drop the name (the owner's; idempotent): the mappings stay valid, no new opener finds it."""
-        if self.linked:
-            from multiprocessing import resource_tracker
-            self.linked = False
-            unlink_shm(self.name)
-            resource_tracker.unregister(self.name, "shared_memory")
-
-    def release(self) -> None:
-        try:
-            self.mm.close()
-        except BufferError:
-            # torch tensors over the memory are still alive: the mapping lives on
-            # until the last one dies (the mmap object closes itself then).
-            log.debug("shared memory %s still viewed by tensors; unmapped when they die", self.name)
-        self.unlink()
-
-
-# --------------------------------------------------------------------------- streams and events
-
-
-class _Stopped(Exception):
-    """Raised inside a worker when the platform aborts it."""
-
-
-class HostEvent(Event):
-    """Completed when the stream's worker reaches it; carries the stream's error, if any."""
-
-    def __init__(self, stream_name: str):
-        self.stream_name = stream_name
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-
-    def _finish(self, error: BaseException | None) -> None:
-        self._error = error
-        self._done.set()
-
-    def _check(self) -> bool:
-        if not self._done.is_set():
-            return False
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def __repr__(self) -> str:
-        state = "pending" if not self._done.is_set() else ("failed" if self._error else "done")
-        return f"HostEvent({self.stream_name}, {state})"
-
-
-class _Op:
-    __slots__ = ("what", "fn", "event")
-
-    def __init__(self, what: str, fn: Callable[[], object] | None, event: HostEvent | None = None):
-        self.what, self.fn, self.event = what, fn, event
-
-
-_DRAIN = _Op("drain and exit", None)
-
-
-class _Worker:
-    """The thread behind a :class:`HostStream` (kept apart so the stream can be garbage-collected)."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.queue: queue.SimpleQueue[_Op] = queue.SimpleQueue()
-        self.stop = threading.Event()
-        self.closing = False
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name=f"gpuxfer-{name}", daemon=True)
-        self.thread.start()
-
-    def put(self, op: _Op) -> None:
-        if self.error is not None:
-            raise self.error
-        if self.closing or self.stop.is_set() or not self.thread.is_alive():
-            raise BadInput(f"{self.name} is closed")
-        self.queue.put(op)
-
-    def drain(self) -> None:
-        """Finish the queued work, then exit (refusing new work)."""
-        if not self.closing:
-            self.closing = True
-            self.queue.put(_DRAIN)
-
-    def _run(self) -> None:
-        while True:
-            op = self.queue.get()
-            if op is _DRAIN:
-                break
-            if self.stop.is_set():
-                self.queue.put(op)   # failed with the rest by _fail_pending
-                break
-            if op.event is not None:
-                op.event._finish(self.error)
-                continue
-            if self.error is not None:
-                continue
-            try:
-                op.fn()
-            except _Stopped:
-                break
-            except BaseException as exc:  # noqa: BLE001 - stored, re-raised on the host
-                self.error = _wrap(exc, f"running {op.what} on {self.name}")
-                log.debug("%s failed: %s", self.name, self.error)
-        self._fail_pending()
-
-    def _fail_pending(self) -> None:
-        err = self.error or DriverError("host stream", "STREAM_CLOSED", -1, f"waiting on {self.name}",
-                                        "the stream was closed before this work ran")
-        while True:
-            try:
-                op = self.queue.get_nowait()
-            except queue.Empty:
-                return
-            if op.event is not None:
-                op.event._finish(err)
-
-    def abort(self) -> None:
-        self.stop.set()
-        self.queue.put(_DRAIN)
-
-    def join(self, timeout: float) -> bool:
-        self.thread.join(timeout)
-        return not self.thread.is_alive()
-
-
-def _wrap(exc: BaseException, doing: str) -> BaseException:
-    if isinstance(exc, GpuxferError):
-        return exc
-    err = DriverError("host stream", type(exc).__name__, -1, doing, str(exc))
-    err.__cause__ = exc
-    return err
-
-
-class HostGraph:
-    """Operations recorded from a capturing stream (:meth:`HostPlatform.capture`); :meth:`replay` runs them again."""
-
-    def __init__(self, stream: "HostStream"):
-        self.stream = stream
-        self.ops: list[tuple[str, Callable[[], object]]] = []
-
-    def replay(self, stream: "HostStream | None" = None) -> None:
-        """Enqueue the recorded operations, in order, on ``stream`` (default: the stream they were captured on)."""
-        s = self.stream if stream is None else stream
-        if not isinstance(s, HostStream):
-            raise BadInput(f"not a host stream: {s!r}")
-        if s._capture is not None:
-            raise BadInput(f"cannot replay a graph into {s!r} while it captures")
-        for what, fn in self.ops:
-            s._worker.put(_Op(what, fn))
-
-    def __repr__(self) -> str:
-        return f"HostGraph({len(self.ops)} ops, captured on {self.stream.name})"
-
-
-class HostStream(Stream):
-    """A FIFO of operations run by one worker thread."""
-
-    def __init__(self, device: int, name: str, owned: bool = True):
-        self.device = device
-        self.handle = None
-        self.name = name
-        self.owned = owned         # False: a current (borrowed) stream, stopped by the platform's close()
-        self._worker = _Worker(name)
-        self._capture: HostGraph | None = None     # set while capturing: operations are recorded, not run
-        self._finalizer = weakref.finalize(self, self._worker.drain)   # on GC: drain, then exit
-
-    def close(self) -> None:
-        """Let the queued work finish, then stop the worker (like ``cudaStreamDestroy``). Idempotent; a no-op
-        for a current stream (the platform's ``close()`` stops those)."""
-        if self.owned:
-            self._finalizer()
-
-    @property
-    def closed(self) -> bool:
-        return self.owned and (self._worker.closing or self._worker.stop.is_set())
-
-    def _enqueue(self, what: str, fn: Callable[[], object]) -> None:
-        if self._capture is not None:
-            self._capture.ops.append((what, fn))
-            return
-        self._worker.put(_Op(what, fn))
-
-    def __repr__(self) -> str:
-        return f"HostStream({self.name})"
 
 
 # --------------------------------------------------------------------------- the platform
@@ -321,18 +88,7 @@ def _host_device_count() -> int:
     return config.get("GPUXFER_HOST_DEVICES")
 
 
-def _torch_dtype(dtype):
-    import torch
-    if dtype is None:
-        return torch.uint8
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
-        return getattr(torch, dtype)
-    raise BadInput(f"not a torch dtype: {dtype!r}")
-
-
-class HostPlatform(Platform):
+class HostPlatform(_HostMemory, Platform):
     """The contract on the CPU: shared-memory buffers, one worker thread per stream."""
 
     name = "host"
@@ -398,124 +154,6 @@ class HostPlatform(Platform):
 
     def versions(self) -> dict[str, str]:
         return {"driver": "none (host emulation)", "emulated devices": str(self._ndev)}
-
-    # ---- memory ----
-    def alloc(self, nbytes: int, device: int) -> DeviceBuffer:
-        self._check_open()
-        device = self._check_device(device)
-        if not isinstance(nbytes, (int, np.integer)) or int(nbytes) <= 0:
-            raise BadInput(f"cannot allocate {nbytes!r} bytes: the size must be a positive integer")
-        name = f"/gx{os.getpid():x}_{next(self._ids)}_{secrets.token_hex(4)}"
-        try:
-            shm = _Shm(name, int(nbytes), create=True)
-        except OSError as exc:
-            raise DriverError("shm_open", errno.errorcode.get(exc.errno or 0, "OSError"), exc.errno or -1,
-                              f"allocating {nbytes} bytes of shared memory on host device {device}",
-                              str(exc)) from exc
-        buf = DeviceBuffer(self, device, shm.ptr, int(nbytes), impl=shm)
-        with self._lock:
-            self._memory[buf.ptr] = buf
-        return buf
-
-    def _free(self, buf: DeviceBuffer) -> None:
-        with self._lock:
-            self._memory.pop(buf.ptr, None)
-        buf.impl.release()
-
-    def _holder(self, ptr: int) -> Memory | None:
-        ptr = int(ptr)
-        with self._lock:
-            for mem in self._memory.values():
-                if mem.ptr <= ptr < mem.ptr + mem.nbytes:
-                    return mem
-        return None
-
-    def allocation_range(self, ptr: int, device: int) -> tuple[int, int] | None:
-        mem = self._holder(ptr)
-        return None if mem is None else (mem.ptr, mem.nbytes)
-
-    def export_range(self, ptr: int, nbytes: int, device: int) -> ExportedRange:
-        """The shared-memory buffer (from :meth:`alloc`) holding ``[ptr, ptr + nbytes)``; any other host
-        memory (a plain torch CPU tensor) cannot be opened by another process."""
-        device = self._check_device(device)
-        ptr, nbytes = int(ptr), int(nbytes)
-        mem = self._holder(ptr)
-        what = f"host memory [0x{ptr:x}, +{nbytes})"
-        if not isinstance(mem, DeviceBuffer):
-            why = ("it lies in another process's buffer opened here" if mem is not None else
-                   "it is not inside a shared-memory buffer of this host platform (allocate the memory with "
-                   "Platform.alloc and view it with Platform.as_tensor)")
-            raise NotExportable(what, why)
-        if nbytes < 0 or ptr + nbytes > mem.ptr + mem.nbytes:
-            raise NotExportable(what, f"it runs past the end of {mem!r}")
-        if mem.device != device:
-            raise BadInput(f"{what} belongs to emulated device {mem.device}, not {device}")
-        return ExportedRange(self.export_handle(mem), ptr - mem.ptr)
-
-    def unpublish(self, buf: DeviceBuffer) -> None:
-        """Drop the shared-memory name of ``buf`` once its peers have opened it (later opens fail;
-        existing mappings and ``buf`` stay valid). A GPU's IPC handle has no name to drop."""
-        if buf.platform is not self or not isinstance(buf.impl, _Shm):
-            raise BadInput(f"{buf!r} was not allocated by this host platform")
-        buf.impl.unlink()
-
-    def export_handle(self, buf: DeviceBuffer) -> IpcHandle:
-        if buf.platform is not self or not isinstance(buf.impl, _Shm):
-            raise BadInput(f"{buf!r} was not allocated by this host platform")
-        if buf.closed:
-            raise BadInput(f"cannot export {buf!r}: it is freed")
-        return IpcHandle(self.name, buf.device, buf.nbytes, buf.impl.name.encode(), os.getpid())
-
-    def open_handle(self, handle: IpcHandle, device: int) -> PeerMapping:
-        self._check_open()
-        device = self._check_device(device)
-        if handle.platform != self.name:
-            raise BadInput(f"a {handle.platform!r} IPC handle cannot be opened on the host platform")
-        if handle.owner_pid == os.getpid():
-            raise BadInput("cannot open an IPC handle in the process that exported it (CUDA forbids it "
-                           "too): use the DeviceBuffer itself")
-        name = handle.payload.decode()
-        try:
-            shm = _Shm(name, handle.nbytes, create=False)
-        except OSError as exc:
-            raise DriverError("shm_open", errno.errorcode.get(exc.errno or 0, "OSError"), exc.errno or -1,
-                              f"opening the IPC handle of device {handle.device} of pid {handle.owner_pid} "
-                              f"({handle.nbytes} bytes)", str(exc)) from exc
-        mapping = PeerMapping(self, device, shm.ptr, handle, impl=shm)
-        with self._lock:
-            self._memory[mapping.ptr] = mapping
-        return mapping
-
-    def _close_mapping(self, mapping: PeerMapping) -> None:
-        with self._lock:
-            self._memory.pop(mapping.ptr, None)
-        mapping.impl.release()
-
-    def as_tensor(self, mem: Memory, dtype=None, shape: Sequence[int] | None = None, offset: int = 0):
-        import torch
-        if mem.platform is not self or not isinstance(getattr(mem, "impl", None), _Shm):
-            raise BadInput(f"{mem!r} does not belong to this host platform")
-        if mem.closed:
-            raise BadInput(f"cannot view {mem!r}: it is closed")
-        dt = _torch_dtype(dtype)
-        item = torch.empty((), dtype=dt).element_size()
-        if not isinstance(offset, (int, np.integer)) or offset < 0 or offset > mem.nbytes:
-            raise BadInput(f"offset {offset!r} lies outside {mem!r}")
-        if offset % item:
-            raise BadInput(f"offset {offset} is not a multiple of the {dt} item size ({item} bytes)")
-        if shape is None:
-            shape = ((mem.nbytes - offset) // item,)
-        shape = tuple(int(s) for s in shape)
-        if any(s < 0 for s in shape):
-            raise BadInput(f"negative size in shape {shape}")
-        count = int(np.prod(shape, dtype=np.int64)) * item
-        mem.check_range(offset, count, f"a {dt} tensor of shape {shape} at byte offset {offset}")
-        if count == 0:
-            return torch.empty(shape, dtype=dt)
-        # frombuffer keeps a reference to the memoryview, whose buffer export keeps
-        # the mapping alive (mmap.close() refuses) as long as a tensor uses it.
-        flat = torch.frombuffer(memoryview(mem.impl.mm), dtype=torch.uint8, count=count, offset=int(offset))
-        return flat.view(dt).reshape(shape)
 
     # ---- streams and events ----
     def create_stream(self, device: int, owned: bool = True) -> HostStream:
@@ -734,4 +372,3 @@ class HostPlatform(Platform):
 
     def __repr__(self) -> str:
         return f"HostPlatform({self._ndev} emulated devices{', closed' if self._is_closed else ''})"
-

@@ -21,7 +21,7 @@ from gpuxfer.errors import BadInput
 from gpuxfer.kv import engines as E
 from gpuxfer.kv.plan import DIRECTIONS
 from gpuxfer.kv.plan import check_bounds
-from gpuxfer.platforms import host as host_mod
+from gpuxfer.platforms import host_memory
 from gpuxfer.platforms.base import PeerMapping
 from gpuxfer.platforms.host import HostPlatform
 
@@ -39,7 +39,7 @@ class SameProcessHost(HostPlatform):
     def open_handle(self, handle, device):
         if handle.owner_pid != os.getpid():
             return super().open_handle(handle, device)
-        shm = host_mod._Shm(handle.payload.decode(), handle.nbytes, create=False)
+        shm = host_memory._Shm(handle.payload.decode(), handle.nbytes, create=False)
         return PeerMapping(self, device, shm.ptr, handle, impl=shm)
 
 

@@ -442,7 +442,7 @@ def test_host_misaligned_flag_and_bad_values(host):
 
 
 def test_host_wait_is_cyclic_geq():
-    from gpuxfer.platforms.host import _geq_cyclic
+    from gpuxfer.platforms.host_streams import _geq_cyclic
     assert _geq_cyclic(5, 5) and _geq_cyclic(6, 5) and not _geq_cyclic(4, 5)
     assert _geq_cyclic(-(1 << 63), (1 << 63) - 1)        # wrapped past the top: reached
 

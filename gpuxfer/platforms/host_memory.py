@@ -1,0 +1,186 @@
+"""The host emulation's memory: POSIX shared-memory buffers (``shm_open`` + ``mmap``) that another
+process opens by name the way CUDA IPC opens a ``cudaMalloc`` buffer, exported ranges, and zero-copy torch
+views. Mixed into :class:`~gpuxfer.platforms.host.HostPlatform`. See :mod:`gpuxfer.platforms.host` for the
+semantics.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import secrets
+from typing import Sequence
+
+import numpy as np
+
+from ..common import map_shm, unlink_shm
+from ..errors import BadInput, DriverError, NotExportable
+from .base import DeviceBuffer, ExportedRange, IpcHandle, Memory, PeerMapping
+
+log = logging.getLogger("gpuxfer.platforms.host")
+
+
+class _Shm:
+    """One mapped POSIX shared-memory segment."""
+
+    def __init__(self, name: str, nbytes: int, create: bool):
+        self.name, self.nbytes, self.owner = name, nbytes, create
+        self.mm = map_shm(name, nbytes, create=create)
+        anchor = ctypes.c_char.from_buffer(self.mm)   # a buffer export, released right below
+        self.ptr = ctypes.addressof(anchor)
+        del anchor
+        self.linked = create
+        if create:
+            from multiprocessing import resource_tracker
+            resource_tracker.register(name, "shared_memory")
+
+    def unlink(self) -> None:
+        """Drop the name (the owner's; idempotent): the mappings stay valid, no new opener finds it."""
+        if self.linked:
+            from multiprocessing import resource_tracker
+            self.linked = False
+            unlink_shm(self.name)
+            resource_tracker.unregister(self.name, "shared_memory")
+
+    def release(self) -> None:
+        try:
+            self.mm.close()
+        except BufferError:
+            # torch tensors over the memory are still alive: the mapping lives on
+            # until the last one dies (the mmap object closes itself then).
+            log.debug("shared memory %s still viewed by tensors; unmapped when they die", self.name)
+        self.unlink()
+
+
+def _torch_dtype(dtype):
+    import torch
+    if dtype is None:
+        return torch.uint8
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        return getattr(torch, dtype)
+    raise BadInput(f"not a torch dtype: {dtype!r}")
+
+
+class _HostMemory:
+    """The memory hooks of :class:`~gpuxfer.platforms.host.HostPlatform` (its state and checks: ``_lock``,
+    ``_memory``, ``_ids``, ``_check_open``, ``_check_device``)."""
+
+    def alloc(self, nbytes: int, device: int) -> DeviceBuffer:
+        self._check_open()
+        device = self._check_device(device)
+        if not isinstance(nbytes, (int, np.integer)) or int(nbytes) <= 0:
+            raise BadInput(f"cannot allocate {nbytes!r} bytes: the size must be a positive integer")
+        name = f"/gx{os.getpid():x}_{next(self._ids)}_{secrets.token_hex(4)}"
+        try:
+            shm = _Shm(name, int(nbytes), create=True)
+        except OSError as exc:
+            raise DriverError("shm_open", errno.errorcode.get(exc.errno or 0, "OSError"), exc.errno or -1,
+                              f"allocating {nbytes} bytes of shared memory on host device {device}",
+                              str(exc)) from exc
+        buf = DeviceBuffer(self, device, shm.ptr, int(nbytes), impl=shm)
+        with self._lock:
+            self._memory[buf.ptr] = buf
+        return buf
+
+    def _free(self, buf: DeviceBuffer) -> None:
+        with self._lock:
+            self._memory.pop(buf.ptr, None)
+        buf.impl.release()
+
+    def _holder(self, ptr: int) -> Memory | None:
+        ptr = int(ptr)
+        with self._lock:
+            for mem in self._memory.values():
+                if mem.ptr <= ptr < mem.ptr + mem.nbytes:
+                    return mem
+        return None
+
+    def allocation_range(self, ptr: int, device: int) -> tuple[int, int] | None:
+        mem = self._holder(ptr)
+        return None if mem is None else (mem.ptr, mem.nbytes)
+
+    def export_range(self, ptr: int, nbytes: int, device: int) -> ExportedRange:
+        """The shared-memory buffer (from :meth:`alloc`) holding ``[ptr, ptr + nbytes)``; any other host
+        memory (a plain torch CPU tensor) cannot be opened by another process."""
+        device = self._check_device(device)
+        ptr, nbytes = int(ptr), int(nbytes)
+        mem = self._holder(ptr)
+        what = f"host memory [0x{ptr:x}, +{nbytes})"
+        if not isinstance(mem, DeviceBuffer):
+            why = ("it lies in another process's buffer opened here" if mem is not None else
+                   "it is not inside a shared-memory buffer of this host platform (allocate the memory with "
+                   "Platform.alloc and view it with Platform.as_tensor)")
+            raise NotExportable(what, why)
+        if nbytes < 0 or ptr + nbytes > mem.ptr + mem.nbytes:
+            raise NotExportable(what, f"it runs past the end of {mem!r}")
+        if mem.device != device:
+            raise BadInput(f"{what} belongs to emulated device {mem.device}, not {device}")
+        return ExportedRange(self.export_handle(mem), ptr - mem.ptr)
+
+    def unpublish(self, buf: DeviceBuffer) -> None:
+        """Drop the shared-memory name of ``buf`` once its peers have opened it (later opens fail;
+        existing mappings and ``buf`` stay valid). A GPU's IPC handle has no name to drop."""
+        if buf.platform is not self or not isinstance(buf.impl, _Shm):
+            raise BadInput(f"{buf!r} was not allocated by this host platform")
+        buf.impl.unlink()
+
+    def export_handle(self, buf: DeviceBuffer) -> IpcHandle:
+        if buf.platform is not self or not isinstance(buf.impl, _Shm):
+            raise BadInput(f"{buf!r} was not allocated by this host platform")
+        if buf.closed:
+            raise BadInput(f"cannot export {buf!r}: it is freed")
+        return IpcHandle(self.name, buf.device, buf.nbytes, buf.impl.name.encode(), os.getpid())
+
+    def open_handle(self, handle: IpcHandle, device: int) -> PeerMapping:
+        self._check_open()
+        device = self._check_device(device)
+        if handle.platform != self.name:
+            raise BadInput(f"a {handle.platform!r} IPC handle cannot be opened on the host platform")
+        if handle.owner_pid == os.getpid():
+            raise BadInput("cannot open an IPC handle in the process that exported it (CUDA forbids it "
+                           "too): use the DeviceBuffer itself")
+        name = handle.payload.decode()
+        try:
+            shm = _Shm(name, handle.nbytes, create=False)
+        except OSError as exc:
+            raise DriverError("shm_open", errno.errorcode.get(exc.errno or 0, "OSError"), exc.errno or -1,
+                              f"opening the IPC handle of device {handle.device} of pid {handle.owner_pid} "
+                              f"({handle.nbytes} bytes)", str(exc)) from exc
+        mapping = PeerMapping(self, device, shm.ptr, handle, impl=shm)
+        with self._lock:
+            self._memory[mapping.ptr] = mapping
+        return mapping
+
+    def _close_mapping(self, mapping: PeerMapping) -> None:
+        with self._lock:
+            self._memory.pop(mapping.ptr, None)
+        mapping.impl.release()
+
+    def as_tensor(self, mem: Memory, dtype=None, shape: Sequence[int] | None = None, offset: int = 0):
+        import torch
+        if mem.platform is not self or not isinstance(getattr(mem, "impl", None), _Shm):
+            raise BadInput(f"{mem!r} does not belong to this host platform")
+        if mem.closed:
+            raise BadInput(f"cannot view {mem!r}: it is closed")
+        dt = _torch_dtype(dtype)
+        item = torch.empty((), dtype=dt).element_size()
+        if not isinstance(offset, (int, np.integer)) or offset < 0 or offset > mem.nbytes:
+            raise BadInput(f"offset {offset!r} lies outside {mem!r}")
+        if offset % item:
+            raise BadInput(f"offset {offset} is not a multiple of the {dt} item size ({item} bytes)")
+        if shape is None:
+            shape = ((mem.nbytes - offset) // item,)
+        shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise BadInput(f"negative size in shape {shape}")
+        count = int(np.prod(shape, dtype=np.int64)) * item
+        mem.check_range(offset, count, f"a {dt} tensor of shape {shape} at byte offset {offset}")
+        if count == 0:
+            return torch.empty(shape, dtype=dt)
+        # frombuffer keeps a reference to the memoryview, whose buffer export keeps
+        # the mapping alive (mmap.close() refuses) as long as a tensor uses it.
+        flat = torch.frombuffer(memoryview(mem.impl.mm), dtype=torch.uint8, count=count, offset=int(offset))
+        return flat.view(dt).reshape(shape)
