@@ -97,7 +97,7 @@ from ..sync import wait_flag_or_raise
 from .control import _CTRL_BYTES, NOTIFY_SLOTS, PACK_SLOTS, _PACK_WORDS, _PROBE
 from .copy_transfer import _CopyEngineTransfer
 from .engines.base import FailsOnTimeout, on_timeout_from_env
-from .ids import _as_ids, _check_range, _check_unique, _sort_order
+from .ids import _RouteIds
 from .layers import _MAX_NAME, KVLayer, KVLayerSpec, KVPiece, describe_layer, layout_groups, _torch
 from .metadata import _HEADER, METADATA_MAGIC, METADATA_VERSION, PeerMetadata, decode_metadata
 from .pack_transfer import _PackShape, _PackTransfer
@@ -255,9 +255,7 @@ class _Route:
 
     op: str
     groups: list[str]                            # route-local group order
-    splits: list[tuple[int, int]]                # per group: (src split, dst split)
-    limits: list[tuple[int, int]]                # per group: (src blocks, dst blocks)
-    dst_classes: list[list[int]]                 # groups whose destination memory overlaps
+    ids: _RouteIds                               # how its requests' block IDs are checked and ordered
     planes: Any                                  # (P, PLANE_FIELDS) int64 on the device
     table: np.ndarray                            # the same on the host
     plane_group: np.ndarray                      # (P,) group of each plane
@@ -721,9 +719,14 @@ class KVAgent(Closable, FailsOnTimeout):
         if dev.type != "cpu":
             self.platform.synchronize(self.platform.current_stream(self.device), self.timeout_s)
         assert table.shape[1] == PLANE_FIELDS
-        return _Route(op=op, groups=names, splits=splits, limits=limits, dst_classes=_overlap_classes(dst_spans),
-                      planes=planes, table=table, plane_group=pg, classes=classes, src_anchor=src_anchor(),
-                      dst_anchor=dst_anchor(), launch_classes=[(a, b, c) for a, b, c, _ in merged],
+        # copies run in the order of the peer's blocks: programs running together touch neighbouring peer
+        # memory (the fastest order measured for the descriptor-copy kernel); the order of the copies is
+        # free, no two destinations overlap. The pack engine's two sides must agree on it: both take the
+        # source's.
+        ids = _RouteIds(names, limits, splits, _overlap_classes(dst_spans),
+                        sort_by_dst=op == "push" and self.engine != "pack")
+        return _Route(op=op, groups=names, ids=ids, planes=planes, table=table, plane_group=pg, classes=classes,
+                      src_anchor=src_anchor(), dst_anchor=dst_anchor(), launch_classes=[(a, b, c) for a, b, c, _ in merged],
                       plane_bytes=np.ascontiguousarray(table[:, 4]))
 
     # ------------------------------------------------------------------ transfers
@@ -768,50 +771,19 @@ class KVAgent(Closable, FailsOnTimeout):
         if not local_blocks:
             raise BlockIdError(f"request {name!r} names no group")
         route = self._route(peer, op, layers, tuple(g for g in self._groups if g in local_blocks))
-        G = len(route.groups)
-        n_seg = np.zeros(G, dtype=np.int64)
-        src_ids: list[np.ndarray] = [np.zeros(0, np.int64)] * G
-        dst_ids: list[np.ndarray] = [np.zeros(0, np.int64)] * G
-        for gi, g in enumerate(route.groups):
-            if g not in local_blocks:
-                continue
-            mine = _as_ids(local_blocks[g], name, g, "local blocks")
-            theirs = _as_ids(remote_blocks[g], name, g, "remote blocks")
-            s, d = (mine, theirs) if op == "push" else (theirs, mine)
-            rs, rd = route.splits[gi]
-            n = len(s) if rs == 1 else len(d)
-            if -(-n // rs) != len(s) or -(-n // rd) != len(d):
-                raise BlockIdError(f"request {name!r}, group {g!r}: {len(s)} source and {len(d)} destination "
-                                   f"blocks do not cover the same tokens (block-size ratio {rs}:{rd})")
-            ls, ld = route.limits[gi]
-            _check_range(s, ls, name, g, "source (local)" if op == "push" else "source (remote)")
-            _check_range(d, ld, name, g, "destination (remote)" if op == "push" else "destination (local)")
-            if rs == rd == 1 and len(s) > 1:
-                # copies run in the order of the peer's blocks: programs running together touch
-                # neighbouring peer memory (the fastest order measured for the descriptor-copy kernel);
-                # the order of the copies is free, no two destinations overlap. The pack engine's two
-                # sides must agree on it: both take the source's.
-                if op == "pull" or self.engine == "pack":
-                    order = _sort_order(s, ls)
-                else:
-                    order = _sort_order(d, ld)
-                s, d = s[order], d[order]
-            n_seg[gi], src_ids[gi], dst_ids[gi] = n, s, d
-        for cls in route.dst_classes:
-            ids = [dst_ids[gi] for gi in cls if dst_ids[gi].size]
-            if ids:
-                _check_unique(np.concatenate(ids) if len(ids) > 1 else ids[0], max(route.limits[gi][1] for gi in cls),
-                              name, [route.groups[gi] for gi in cls])
-        return self._stage(peer, route, op, name, n_seg, src_ids, dst_ids, notify_slot)
+        return self._stage(peer, route, op, name, route.ids.check(name, op == "push", local_blocks, remote_blocks),
+                           notify_slot)
 
-    def _stage(self, peer, route: _Route, op, name, n_seg, src_ids, dst_ids, notify_slot) -> KVTransfer:
+    def _stage(self, peer, route: _Route, op, name, checked, notify_slot) -> KVTransfer:
         """The request array (header + block IDs, as :mod:`gpuxfer.kernels.block_kernel` lays it out) in a host
-        array, and the transfer of the agent's engine around it."""
+        array, and the transfer of the agent's engine around it. ``checked``: the IDs
+        (:meth:`_RouteIds.check <gpuxfer.kv.ids._RouteIds.check>`)."""
+        n_seg, lens_s, lens_d, S, D, R = checked
         P, G = len(route.plane_group), len(route.groups)
         head = P + 1 + 3 * G
-        ids = src_ids + dst_ids
-        sizes = np.fromiter((a.size for a in ids), dtype=np.int64, count=2 * G)
-        total = head + int(sizes.sum())
+        mid = head + S.size
+        total = mid + D.size
+        n_seg = np.array(n_seg, dtype=np.int64)
         plane_rows = n_seg[route.plane_group]
         n_rows = int(plane_rows.sum())
         nbytes = int(plane_rows @ route.plane_bytes)
@@ -823,11 +795,12 @@ class KVAgent(Closable, FailsOnTimeout):
         h[0] = 0
         np.cumsum(plane_rows, out=h[1:P + 1])
         h[P + 1:P + 1 + G] = n_seg
-        starts = h[P + 1 + G:head]
-        starts[0] = head
-        np.cumsum(sizes[:-1], out=starts[1:])
-        starts[1:] += head
-        np.concatenate(ids, out=h[head:total])
+        starts, at = [], head
+        for n in lens_s + lens_d:
+            starts.append(at)
+            at += n
+        h[P + 1 + G:head] = starts
+        route.ids.write(S, D, R, lens_s, lens_d, h[head:mid], h[mid:total])
         if self.engine == "triton":
             return _SlotTransfer(self, peer, route, op, name, n_seg, host, h[:total], notify_slot, n_rows, nbytes)
         if self.engine == "copy_engine":

@@ -1,5 +1,6 @@
-"""A request's block IDs on the host: taken as contiguous int64 arrays, range-checked, ordered and
-checked for duplicate destinations in O(IDs) with a per-thread scratch array."""
+"""A request's block IDs on the host: taken as contiguous int64 arrays, range-checked, checked for
+duplicate destinations and ordered, in O(IDs) and a fixed number of NumPy calls over all groups at
+once (:class:`_RouteIds`, one per route), with per-thread scratch arrays."""
 from __future__ import annotations
 
 import threading
@@ -37,17 +38,25 @@ def _check_range(ids: np.ndarray, limit: int, request: str, group: str, side: st
 
 
 class _Scratch(threading.local):
-    """Per thread: an int64 array over block IDs, all -1 between uses (each use puts back what it wrote),
-    so checking or ordering a request's IDs costs O(IDs), not a fresh array over the group's blocks."""
+    """Per thread: an int64 array over block IDs, all -1 between uses, and a bool one, all False between uses
+    (each use puts back what it wrote), so checking or ordering a request's IDs costs O(IDs), not a fresh
+    array over the group's blocks; and work arrays whose contents do not outlive a call."""
 
     def __init__(self):
         self.slots = np.full(0, -1, dtype=np.int64)
+        self.marks = np.zeros(0, dtype=bool)
         self.positions = np.arange(0, dtype=np.int64)
+        self.work: list[np.ndarray] = [np.empty(0, dtype=np.int64) for _ in range(5)]
 
     def get(self, limit: int) -> np.ndarray:
         if self.slots.size < limit:
             self.slots = np.full(max(limit, 2 * self.slots.size), -1, dtype=np.int64)
         return self.slots[:limit]
+
+    def mask(self, limit: int) -> np.ndarray:
+        if self.marks.size < limit:
+            self.marks = np.zeros(max(limit, 2 * self.marks.size), dtype=bool)
+        return self.marks[:limit]
 
     def arange(self, n: int) -> np.ndarray:
         """``np.arange(n)`` as a read-only view of one kept array."""
@@ -56,22 +65,31 @@ class _Scratch(threading.local):
             self.positions.flags.writeable = False
         return self.positions[:n]
 
+    def buf(self, k: int, n: int) -> np.ndarray:
+        """Work array ``k`` (0..4) with room for ``n`` int64 entries."""
+        if self.work[k].size < n:
+            self.work[k] = np.empty(max(n, 2 * self.work[k].size), dtype=np.int64)
+        return self.work[k][:n]
+
 
 _SCRATCH = _Scratch()
+#: a key range at most this many times the keys goes by marks over the range, a larger one by a comparison
+#: sort (ordering) or by the slots of the keys only (duplicates)
+_DENSE = 16
 
 
 def _sort_order(keys: np.ndarray, limit: int) -> np.ndarray:
     """An order sorting ``keys`` (IDs in ``[0, limit)``). Distinct keys among a good share of the range go
     by one scatter and one pass over the range; others by a comparison sort."""
     n = keys.size
-    if limit <= 16 * n:
+    if limit <= _DENSE * n:
         slot = _SCRATCH.get(limit)
         slot[keys] = _SCRATCH.arange(n)
         order = slot[slot >= 0]
         slot[keys] = -1
         if order.size == n:
             return order
-    return np.argsort(keys)
+    return np.argsort(keys, kind="stable")
 
 
 def _check_unique(ids: np.ndarray, limit: int, request: str, groups: list[str]) -> None:
@@ -89,3 +107,158 @@ def _check_unique(ids: np.ndarray, limit: int, request: str, groups: list[str]) 
         raise BlockIdError(f"request {request!r}, group(s) {', '.join(groups)}: destination block "
                            f"{int(ids[dup[0]])} appears more than once (two copies "
                            "would land on the same bytes)")
+
+
+def _repeats(keys: np.ndarray, limit: int) -> bool:
+    """Whether a key (all in ``[0, limit)``) occurs twice: the marks over the range counted (a range of at
+    most ``_DENSE`` times the keys), else each key's slot takes the position of one of its occurrences and
+    an occurrence that reads back another position repeats. O(len(keys))."""
+    n = keys.size
+    if n < 2:
+        return False
+    if limit <= _DENSE * n:
+        marks = _SCRATCH.mask(limit)
+        marks[keys] = True
+        seen = np.count_nonzero(marks)
+        marks[:] = False
+        return seen != n
+    at = _SCRATCH.arange(n)
+    slot = _SCRATCH.get(limit)
+    slot[keys] = at
+    differ = bool((slot[keys] != at).any())
+    slot[keys] = -1
+    return differ
+
+
+def _cat(arrays: list[np.ndarray], k: int, n: int) -> np.ndarray:
+    """``arrays`` one after another in work array ``k``."""
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, out=_SCRATCH.buf(k, n))
+
+
+def _past(ids: np.ndarray, lens: list[int], limits: np.ndarray) -> bool:
+    """Whether some group's IDs (``ids``: the groups' IDs one after another, ``lens`` of each) leave ``[0,
+    limit)``: one reduction per group in one call, over the IDs read unsigned (a negative ID is past any
+    limit)."""
+    if not ids.size:
+        return False
+    starts, at = [], 0
+    for n in lens:
+        starts.append(at)
+        at += n
+    if 0 in lens:
+        keep = [i for i, n in enumerate(lens) if n]
+        starts, limits = [starts[i] for i in keep], limits[keep]
+    return bool((np.maximum.reduceat(ids.view(np.uint64), starts) >= limits).any())
+
+
+class _RouteIds:
+    """How a route checks and orders its requests' block IDs (built with the route, once).
+
+    Every group at once: each side's IDs in one array (the groups one after another), one reduction call
+    for each side's range checks, one pass over keys ``offset of the group + block ID`` -- every group a
+    key range of its own -- for duplicate destinations (groups whose destination memory overlaps share a
+    range, so a block ID serves one of them only) and one for the order. The copies run in the order of the
+    key side's blocks (``sort_by_dst``: the destination's, else the source's), group by group. A failed
+    check is then found group by group, so its error names the group, the side and the ID."""
+
+    def __init__(self, groups: tuple[str, ...], limits: list[tuple[int, int]], splits: list[tuple[int, int]],
+                 dst_classes: list[list[int]], sort_by_dst: bool):
+        self.groups, self.limits, self.splits, self.dst_classes = groups, limits, splits, dst_classes
+        self.sort_by_dst = sort_by_dst
+        self.src_limits = np.array([a for a, _ in limits], dtype=np.uint64)
+        self.dst_limits = np.array([b for _, b in limits], dtype=np.uint64)
+        self.paired = all(s == (1, 1) for s in splits)       # one block each side per segment: ordered as one
+        offsets, self.span = [], 0
+        for a, b in limits:
+            offsets.append(self.span)
+            self.span += max(a, b)
+        self.offsets = np.array(offsets, dtype=np.int64)
+        self.shared = all(len(c) == 1 for c in dst_classes)  # duplicates keyed like the order
+        if self.shared:
+            self.class_offsets, self.class_span = self.offsets, self.span
+        else:
+            cls_off, self.class_span = [0] * len(groups), 0
+            for cls in dst_classes:
+                for gi in cls:
+                    cls_off[gi] = self.class_span
+                self.class_span += max(limits[gi][1] for gi in cls)
+            self.class_offsets = np.array(cls_off, dtype=np.int64)
+
+    def check(self, request: str, push: bool, local_blocks, remote_blocks):
+        """A request's IDs taken per group (``local_blocks`` / ``remote_blocks``: ``{group: IDs}`` naming the
+        route's groups), their counts, ranges and destinations checked (:class:`BlockIdError` naming the
+        request, group and side). Returns ``(segments per group, source counts, destination counts, source
+        IDs, destination IDs, destination key offsets)``: the IDs in this thread's work arrays, for
+        :meth:`write` before the thread's next check."""
+        srcs, dsts, n_seg, lens_s, lens_d = [], [], [], [], []
+        ns = nd = 0
+        for g, (rs, rd) in zip(self.groups, self.splits):
+            mine = _as_ids(local_blocks[g], request, g, "local blocks")
+            theirs = _as_ids(remote_blocks[g], request, g, "remote blocks")
+            s, d = (mine, theirs) if push else (theirs, mine)
+            a, b = s.size, d.size
+            n = a if rs == 1 else b
+            if -(-n // rs) != a or -(-n // rd) != b:
+                raise BlockIdError(f"request {request!r}, group {g!r}: {a} source and {b} destination "
+                                   f"blocks do not cover the same tokens (block-size ratio {rs}:{rd})")
+            srcs.append(s)
+            dsts.append(d)
+            n_seg.append(n)
+            lens_s.append(a)
+            lens_d.append(b)
+            ns += a
+            nd += b
+        S, D = _cat(srcs, 0, ns), _cat(dsts, 1, nd)
+        if _past(S, lens_s, self.src_limits) or _past(D, lens_d, self.dst_limits):
+            for g, (ls, ld), s, d in zip(self.groups, self.limits, srcs, dsts):
+                _check_range(s, ls, request, g, "source (local)" if push else "source (remote)")
+                _check_range(d, ld, request, g, "destination (remote)" if push else "destination (local)")
+        R = np.repeat(self.class_offsets, lens_d)
+        keys = np.add(D, R, out=_SCRATCH.buf(2, nd))
+        if _repeats(keys, self.class_span):
+            for cls in self.dst_classes:
+                ids = [dsts[gi] for gi in cls]
+                _check_unique(np.concatenate(ids), max(self.limits[gi][1] for gi in cls), request,
+                              [self.groups[gi] for gi in cls])
+            raise BlockIdError(f"request {request!r}: a destination block appears more than once")
+        return n_seg, lens_s, lens_d, S, D, R
+
+    def write(self, S: np.ndarray, D: np.ndarray, R: np.ndarray, lens_s: list[int], lens_d: list[int],
+              out_s: np.ndarray, out_d: np.ndarray) -> None:
+        """The checked IDs (:meth:`check`'s) ordered into ``out_s`` and ``out_d``, group by group: each group's
+        pairs sorted by the key side's block (groups whose two sides' blocks differ in size keep theirs)."""
+        n = S.size
+        if not self.paired:
+            a = b = 0
+            for (rs, rd), (ls, ld), k, m in zip(self.splits, self.limits, lens_s, lens_d):
+                s, d = S[a:a + k], D[b:b + m]
+                if rs == rd == 1 and k > 1:
+                    order = _sort_order(d, ld) if self.sort_by_dst else _sort_order(s, ls)
+                    np.take(s, order, out=out_s[a:a + k])
+                    np.take(d, order, out=out_d[b:b + m])
+                else:
+                    out_s[a:a + k] = s
+                    out_d[b:b + m] = d
+                a, b = a + k, b + m
+            return
+        if self.sort_by_dst:
+            X, O, out_x, out_o = D, S, out_d, out_s
+        else:
+            X, O, out_x, out_o = S, D, out_s, out_d
+        if not self.shared:
+            R = np.repeat(self.offsets, lens_s)
+        keys = np.add(X, R, out=_SCRATCH.buf(3, n))
+        if n > 1 and self.span <= _DENSE * n:
+            # the keys' marks read in order are the keys sorted; each key's partner is kept at its key
+            marks, partner = _SCRATCH.mask(self.span), _SCRATCH.buf(4, self.span)
+            marks[keys] = True
+            partner[keys] = O
+            at = np.flatnonzero(marks)
+            marks[:] = False
+            if at.size == n:
+                np.subtract(at, R, out=out_x)
+                np.take(partner, at, out=out_o)
+                return
+        order = np.argsort(keys, kind="stable")
+        np.take(X, order, out=out_x)
+        np.take(O, order, out=out_o)

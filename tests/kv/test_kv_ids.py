@@ -1,0 +1,147 @@
+"""A request's block-ID checks and order (gpuxfer.kv.ids._RouteIds), against a per-group reference.
+
+Pure NumPy: random routes (group limits, block-size ratios, groups sharing destination memory) and
+requests; the checked, ordered IDs equal a group-by-group stable sort by the key side, and a corrupted ID
+in any group, on either side, raises :class:`BlockIdError` naming the request, the group and the ID.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from gpuxfer.errors import BlockIdError
+from gpuxfer.kv.ids import _RouteIds
+
+
+@st.composite
+def routes(draw):
+    G = draw(st.integers(1, 4), label="groups")
+    groups = tuple(f"g{i}" for i in range(G))
+    limits = [(draw(st.integers(1, 40)), draw(st.integers(1, 40))) for _ in range(G)]
+    splits = [draw(st.sampled_from([(1, 1), (1, 1), (2, 1), (1, 4)])) for _ in range(G)]
+    # groups in one class share destination memory (a block ID serves one of them)
+    labels = [draw(st.integers(0, G - 1)) for _ in range(G)]
+    classes: dict[int, list[int]] = {}
+    for gi, lab in enumerate(labels):
+        classes.setdefault(lab, []).append(gi)
+    return groups, limits, splits, list(classes.values()), draw(st.booleans(), label="sort_by_dst")
+
+
+def _request(draw_ids, groups, limits, splits, classes):
+    """Valid IDs per group: distinct destinations within each class, any sources."""
+    src, dst = {}, {}
+    for cls in classes:
+        pool = draw_ids(st.permutations(range(max(limits[gi][1] for gi in cls))))
+        for gi in cls:
+            rs, rd = splits[gi]
+            ls, ld = limits[gi]
+            room = [b for b in pool if b < ld]
+            d = room[:draw_ids(st.integers(0, min(len(room), 8)))]
+            pool = [b for b in pool if b not in d]
+            n = len(d) * rd             # tokens in segments: the destination blocks cover them
+            src[groups[gi]] = np.array([draw_ids(st.integers(0, ls - 1)) for _ in range(-(-n // rs))],
+                                       dtype=np.int64)
+            dst[groups[gi]] = np.array(d, dtype=np.int64)
+    return src, dst
+
+
+def _reference(groups, splits, sort_by_dst, src, dst):
+    out_s, out_d = [], []
+    for g, (rs, rd) in zip(groups, splits):
+        s, d = src[g], dst[g]
+        if rs == rd == 1 and s.size > 1:
+            order = np.argsort(d if sort_by_dst else s, kind="stable")
+            s, d = s[order], d[order]
+        out_s.append(s)
+        out_d.append(d)
+    return np.concatenate(out_s), np.concatenate(out_d)
+
+
+def _run(ids, push, src, dst, name="req"):
+    local, remote = (src, dst) if push else (dst, src)
+    n_seg, lens_s, lens_d, S, D, R = ids.check(name, push, local, remote)
+    out_s, out_d = np.full(S.size, -7, np.int64), np.full(D.size, -7, np.int64)
+    ids.write(S, D, R, lens_s, lens_d, out_s, out_d)
+    return n_seg, lens_s, lens_d, out_s, out_d
+
+
+@settings(max_examples=150, deadline=None)
+@given(route=routes(), data=st.data(), push=st.booleans())
+def test_order_and_counts_match_the_reference(route, data, push):
+    groups, limits, splits, classes, sort_by_dst = route
+    ids = _RouteIds(groups, limits, splits, classes, sort_by_dst)
+    src, dst = _request(data.draw, groups, limits, splits, classes)
+    n_seg, lens_s, lens_d, out_s, out_d = _run(ids, push, src, dst)
+    want_s, want_d = _reference(groups, splits, sort_by_dst, src, dst)
+    assert np.array_equal(out_s, want_s) and np.array_equal(out_d, want_d)
+    assert lens_s == [src[g].size for g in groups] and lens_d == [dst[g].size for g in groups]
+    assert n_seg == [src[g].size if rs == 1 else dst[g].size for g, (rs, _) in zip(groups, splits)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(route=routes(), data=st.data(), push=st.booleans())
+def test_a_corrupted_id_in_any_group_is_named(route, data, push):
+    groups, limits, splits, classes, sort_by_dst = route
+    ids = _RouteIds(groups, limits, splits, classes, sort_by_dst)
+    src, dst = _request(data.draw, groups, limits, splits, classes)
+    filled = [(g, side) for g in groups for side in ("src", "dst") if (src if side == "src" else dst)[g].size]
+    if not filled:
+        return
+    g, side = data.draw(st.sampled_from(filled), label="where")
+    gi = groups.index(g)
+    arr = (src if side == "src" else dst)[g]
+    pos = data.draw(st.integers(0, arr.size - 1), label="position")
+    limit = limits[gi][0 if side == "src" else 1]
+    bad = data.draw(st.sampled_from([limit, limit + 1, 2 * limit + 50, -1, -limit, -(1 << 62), (1 << 62) - 1]),
+                    label="bad ID")
+    arr[pos] = bad
+    with pytest.raises(BlockIdError, match=rf"request 'r9', group '{g}', "
+                       rf"{'source' if side == 'src' else 'destination'} .*block ID {bad} at position"):
+        _run(ids, push, src, dst, name="r9")
+
+
+@settings(max_examples=100, deadline=None)
+@given(route=routes(), data=st.data(), push=st.booleans())
+def test_a_repeated_destination_is_named(route, data, push):
+    groups, limits, splits, classes, sort_by_dst = route
+    ids = _RouteIds(groups, limits, splits, classes, sort_by_dst)
+    src, dst = _request(data.draw, groups, limits, splits, classes)
+    # a destination block of one group given again to a group of its class (or to the group itself)
+    cands = [(gi, gj) for cls in classes for gi in cls for gj in cls if dst[groups[gi]].size
+             and (gi != gj or dst[groups[gi]].size > 1) and dst[groups[gj]].size]
+    if not cands:
+        return
+    gi, gj = data.draw(st.sampled_from(cands), label="groups")
+    a, b = dst[groups[gi]], dst[groups[gj]]
+    i = data.draw(st.integers(0, a.size - 1), label="from")
+    j = data.draw(st.sampled_from([k for k in range(b.size) if gi != gj or k != i]), label="to")
+    if a[i] >= limits[gj][1]:
+        return                      # out of the other group's range: a range error, tested above
+    b[j] = a[i]
+    cls = next(c for c in classes if gi in c)
+    with pytest.raises(BlockIdError, match=rf"request 'r9', group\(s\) {', '.join(groups[k] for k in cls)}: "
+                       rf"destination block {a[i]} appears more than once"):
+        _run(ids, push, src, dst, name="r9")
+
+
+def test_counts_that_cover_different_tokens_are_named():
+    ids = _RouteIds(("a", "b"), [(8, 8), (8, 8)], [(1, 1), (2, 1)], [[0], [1]], False)
+    ids.check("r", True, {"a": [0], "b": [0, 1]}, {"a": [1], "b": [0, 1, 2]})    # 2-block sources cover 3
+    with pytest.raises(BlockIdError, match="group 'b': 2 source and 5 destination"):
+        ids.check("r", True, {"a": [0], "b": [0, 1]}, {"a": [1], "b": [0, 1, 2, 3, 4]})
+    with pytest.raises(BlockIdError, match="group 'a': 1 source and 2 destination"):
+        ids.check("r", True, {"a": [0], "b": [0]}, {"a": [1, 2], "b": [0, 1]})
+
+
+def test_large_sparse_ranges_and_repeated_sources():
+    """Few IDs in a large range (the comparison-sort path) and a source block read twice (sorted stably)."""
+    ids = _RouteIds(("a", "b"), [(1 << 20, 1 << 20), (50, 50)], [(1, 1), (1, 1)], [[0], [1]], False)
+    src = {"a": np.array([900_000, 5, 70_000], np.int64), "b": np.array([7, 3, 7, 3, 1], np.int64)}
+    dst = {"a": np.array([1, 2, 3], np.int64), "b": np.array([10, 11, 12, 13, 14], np.int64)}
+    _, _, _, out_s, out_d = _run(ids, False, src, dst)
+    assert out_s.tolist() == [5, 70_000, 900_000, 1, 3, 3, 7, 7]
+    assert out_d.tolist() == [2, 3, 1, 14, 11, 13, 10, 12]
+    dst["a"] = np.array([1, 2, 1], np.int64)
+    with pytest.raises(BlockIdError, match="group\\(s\\) a: destination block 1 appears more than once"):
+        _run(ids, False, src, dst)
