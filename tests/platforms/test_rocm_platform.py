@@ -19,6 +19,8 @@ import pytest
 from fake_hsa import FakeHsaLib
 from gpuxfer.errors import BadInput, DriverError, PlatformUnavailable
 from gpuxfer.platforms import rocm as R
+from gpuxfer.platforms import rocm_hip as RH
+from gpuxfer.platforms import rocm_memory as RM
 from gpuxfer.platforms.base import IpcHandle
 from gpuxfer.platforms.hsa import Hsa
 from gpuxfer.platforms.rocm import RocmPlatform, RocmStream
@@ -120,7 +122,7 @@ class FakeHip(types.SimpleNamespace):
     def hipExtMallocWithFlags(self, n, flags):
         if (e := self._r("hipExtMallocWithFlags", n, flags)):
             return e + (None,)
-        if flags == R.HIP_MALLOC_SIGNAL_MEMORY and self.lib is not None:
+        if flags == RH.HIP_MALLOC_SIGNAL_MEMORY and self.lib is not None:
             h = self.lib.make_signal(1)
             return (_Err.hipSuccess, _Ptr(h + 8))           # HIP's pointer is the signal's value word
         b = (ctypes.c_uint8 * max(n, 16))()
@@ -163,7 +165,7 @@ class FakeHip(types.SimpleNamespace):
     def hipExtGetLinkTypeAndHopCount(self, a, b):
         if (e := self._r("hipExtGetLinkTypeAndHopCount", a, b)):
             return e + (0, 0)
-        return (_Err.hipSuccess, self.linktype.get((a, b), R.HSA_AMD_LINK_INFO_TYPE_XGMI), 1)
+        return (_Err.hipSuccess, self.linktype.get((a, b), RH.HSA_AMD_LINK_INFO_TYPE_XGMI), 1)
 
     def hipDeviceGetAttribute(self, attr, dev):
         assert isinstance(attr, _Attr)
@@ -304,13 +306,13 @@ def test_mapped_hip_runtimes_reads_maps(tmp_path):
     maps.write_text("7f0-7f1 r-xp 0 08:01 1 /opt/rocm/lib/libamdhip64.so.6.4.0\n"
                     "7f2-7f3 r--p 0 08:01 1 /opt/rocm/lib/libamdhip64.so.6.4.0\n"
                     "7f4-7f5 r-xp 0 08:01 2 /usr/lib/libc.so.6\n")
-    assert R.mapped_hip_runtimes(str(maps)) == {"/opt/rocm/lib/libamdhip64.so.6.4.0"}
+    assert RH.mapped_hip_runtimes(str(maps)) == {"/opt/rocm/lib/libamdhip64.so.6.4.0"}
 
 
 def test_version_parsing():
-    assert R._major_minor("6.4.43482-0f2d60242") == (6, 4)
-    assert R._major_minor((7, 15, 26333, "0000000")) == (7, 15)
-    assert R._major_minor(None) is None
+    assert RH._major_minor("6.4.43482-0f2d60242") == (6, 4)
+    assert RH._major_minor((7, 15, 26333, "0000000")) == (7, 15)
+    assert RH._major_minor(None) is None
 
 
 # --------------------------------------------------------------------------- the error checker
@@ -319,7 +321,7 @@ def test_version_parsing():
 def test_hip_call_raises_driver_error_with_status_name_and_doing(fhip):
     fhip.fail["hipFree"] = 1
     with pytest.raises(DriverError) as ei:
-        R.hip_call(fhip, "hipFree", 0x1000, doing="freeing the receive slots")
+        RH.hip_call(fhip, "hipFree", 0x1000, doing="freeing the receive slots")
     e = ei.value
     assert (e.api, e.status_name, e.status) == ("hipFree", "hipErrorInvalidValue", 1)
     assert "while freeing the receive slots" in str(e)
@@ -330,25 +332,25 @@ def test_hip_call_other_failures(fhip):
         raise RuntimeError("failed to dlopen libamdhip64.so")
     fhip.hipFree = no_lib
     with pytest.raises(DriverError) as ei:
-        R.hip_call(fhip, "hipFree", 1, doing="x")
+        RH.hip_call(fhip, "hipFree", 1, doing="x")
     assert ei.value.status_name == "LIBRARY_NOT_LOADED"
     with pytest.raises(DriverError) as ei:
-        R.hip_call(fhip, "hipNoSuchCall", doing="x")
+        RH.hip_call(fhip, "hipNoSuchCall", doing="x")
     assert ei.value.status_name == "NOT_IN_BINDINGS"
     fhip.hipOdd = lambda: 0
     with pytest.raises(DriverError) as ei:
-        R.hip_call(fhip, "hipOdd", doing="x")
+        RH.hip_call(fhip, "hipOdd", doing="x")
     assert ei.value.status_name == "UNEXPECTED_RESULT"
-    assert R.hip_call(fhip, "hipGetDeviceCount", doing="x") == (2,)
-    assert R.hip_error_name(fhip, 99999) == "hipError(99999)"
+    assert RH.hip_call(fhip, "hipGetDeviceCount", doing="x") == (2,)
+    assert RH.hip_error_name(fhip, 99999) == "hipError(99999)"
 
 
 def test_hip_check_with_the_real_enum():
     hip = pytest.importorskip("hip").hip
     with pytest.raises(DriverError) as ei:
-        R.hip_check(hip, (hip.hipError_t(101),), "hipSetDevice", "making device 9 current")
+        RH.hip_check(hip, (hip.hipError_t(101),), "hipSetDevice", "making device 9 current")
     assert ei.value.status_name == "hipErrorInvalidDevice" and ei.value.status == 101
-    assert R.hip_check(hip, (hip.hipError_t.hipSuccess, 5), "x", "y") == (5,)
+    assert RH.hip_check(hip, (hip.hipError_t.hipSuccess, 5), "x", "y") == (5,)
 
 
 # --------------------------------------------------------------------------- IPC handle bytes
@@ -358,15 +360,15 @@ def test_hip_check_with_the_real_enum():
                                  bytes([255] * 64), os.urandom(64)])
 def test_handle_round_trip_real_bindings(raw):
     hip = pytest.importorskip("hip").hip
-    h = R.handle_from_bytes(hip, raw)
-    assert R.handle_bytes(h) == raw
-    assert R.handle_bytes(R.handle_from_bytes(hip, bytearray(raw))) == raw
+    h = RH.handle_from_bytes(hip, raw)
+    assert RH.handle_bytes(h) == raw
+    assert RH.handle_bytes(RH.handle_from_bytes(hip, bytearray(raw))) == raw
 
 
 def test_handle_wrong_size_is_bad_input(fhip):
     for bad in (b"", bytes(63), bytes(65), "x" * 64):
         with pytest.raises(BadInput):
-            R.handle_from_bytes(fhip, bad)
+            RH.handle_from_bytes(fhip, bad)
 
 
 def test_export_open_round_trip_through_pickle(plat, fhip):
@@ -379,7 +381,7 @@ def test_export_open_round_trip_through_pickle(plat, fhip):
     foreign = IpcHandle("rocm", 1, 4096, h2.payload, owner_pid=os.getpid() + 1)
     m = plat.open_handle(foreign, 0)
     (_, raw, flags), = fhip.named("hipIpcOpenMemHandle")
-    assert raw == h.payload and flags == R.HIP_IPC_MEM_LAZY_ENABLE_PEER_ACCESS == 1
+    assert raw == h.payload and flags == RH.HIP_IPC_MEM_LAZY_ENABLE_PEER_ACCESS == 1
     assert m.nbytes == 4096 and m.device == 0
     assert plat.is_peer_address(m.ptr + 100)
     m.close()
@@ -427,7 +429,7 @@ def test_allocation_flags(plat, fhip):
     a = plat.alloc(1024, 0)
     f = plat.alloc_flags(64, 1)
     flags = [c[2] for c in fhip.named("hipExtMallocWithFlags")]
-    assert flags == [R.HIP_DEVICE_MALLOC_DEFAULT, R.HIP_DEVICE_MALLOC_UNCACHED] and R.HIP_DEVICE_MALLOC_UNCACHED == 3
+    assert flags == [RH.HIP_DEVICE_MALLOC_DEFAULT, RH.HIP_DEVICE_MALLOC_UNCACHED] and RH.HIP_DEVICE_MALLOC_UNCACHED == 3
     assert fhip.current == 0                                   # the current device is restored
     with pytest.raises(BadInput):
         plat.alloc(0, 0)
@@ -452,7 +454,7 @@ def test_signal_memory_is_checked_against_rocr():
     try:
         sig = plat.alloc_signal(0)
         assert sig.ptr == sig.handle + 8 and lib.signal_value(sig.handle) == 1    # HIP creates it armed
-        assert [c[2] for c in fhip.named("hipExtMallocWithFlags")] == [R.HIP_MALLOC_SIGNAL_MEMORY]
+        assert [c[2] for c in fhip.named("hipExtMallocWithFlags")] == [RH.HIP_MALLOC_SIGNAL_MEMORY]
         sig.close()
         # memory that is not a ROCr signal: refused, and freed
         fhip.lib = None
@@ -472,8 +474,8 @@ def test_flag_write_and_wait_arguments(plat, fhip):
     plat.write_flag(s, 0x1010, -1)
     assert fhip.named("hipStreamWriteValue64")[0] == ("hipStreamWriteValue64", 0x5000, 0x1000, 7, 0)
     assert fhip.named("hipStreamWaitValue64")[0] == ("hipStreamWaitValue64", 0x5000, 0x1008, 9,
-                                                     R.HIP_STREAM_WAIT_VALUE_GTE, (1 << 64) - 1)
-    assert R.HIP_STREAM_WAIT_VALUE_GTE == 0
+                                                     RH.HIP_STREAM_WAIT_VALUE_GTE, (1 << 64) - 1)
+    assert RH.HIP_STREAM_WAIT_VALUE_GTE == 0
     assert fhip.named("hipStreamWriteValue64")[1][3] == (1 << 64) - 1
     with pytest.raises(BadInput):
         plat.write_flag(s, 0x1004, 1)                          # not 8-byte aligned
@@ -492,8 +494,8 @@ def test_copy_kind_uses_sdma_for_peer_memory(plat, fhip):
     plat.copy_async(s, local.ptr, local.ptr + 128, 64, force_nocu=True)
     plat.copy_async(s, local.ptr, local.ptr + 128, 0)          # nothing queued
     kinds = [c[4] for c in fhip.named("hipMemcpyAsync")]
-    nocu = R.HIP_MEMCPY_DEVICE_TO_DEVICE_NOCU
-    assert kinds == [nocu, nocu, R.HIP_MEMCPY_DEFAULT, nocu] and nocu == 1024
+    nocu = RH.HIP_MEMCPY_DEVICE_TO_DEVICE_NOCU
+    assert kinds == [nocu, nocu, RH.HIP_MEMCPY_DEFAULT, nocu] and nocu == 1024
     assert all(c[5] == 0x77 for c in fhip.named("hipMemcpyAsync"))
     m.close()
     local.close()
@@ -513,11 +515,11 @@ def test_memset_arguments(plat, fhip):
 @pytest.mark.parametrize("new_props", [True, False])
 def test_device_properties_shim(new_props, monkeypatch):
     fhip = FakeHip(new_props=new_props)
-    api = R.HipApi(fhip)
+    api = RH.HipApi(fhip)
     props = api.device_properties(0)
-    assert R._s(props.name) == "AMD Instinct MI355X" and props.gcnArchName.startswith("gfx950")
+    assert RH._s(props.name) == "AMD Instinct MI355X" and props.gcnArchName.startswith("gfx950")
     api._new_props = not new_props                              # a wrong first guess falls back on TypeError
-    assert R._s(api.device_properties(1).gcnArchName).startswith("gfx950")
+    assert RH._s(api.device_properties(1).gcnArchName).startswith("gfx950")
 
 
 def test_pci_bus_id_and_link_kinds(plat, fhip):
@@ -525,7 +527,7 @@ def test_pci_bus_id_and_link_kinds(plat, fhip):
     assert plat.link(0, 0).kind == "same-device"
     l01 = plat.link(0, 1)
     assert l01.kind == "xgmi" and l01.peer_access and l01.is_fast
-    fhip.linktype[(1, 0)] = R.HSA_AMD_LINK_INFO_TYPE_PCIE
+    fhip.linktype[(1, 0)] = RH.HSA_AMD_LINK_INFO_TYPE_PCIE
     assert plat.link(1, 0).kind == "pcie" and not plat.link(1, 0).is_fast
     fhip.fail["hipExtGetLinkTypeAndHopCount"] = 1
     l = plat.link(0, 1)
@@ -559,13 +561,13 @@ def test_tensor_view_params_validate():
             if off + n > self.nbytes:
                 raise BadInput(what)
 
-    assert R.tensor_view_params(M(), torch.bfloat16, None, 0)[1:] == ((512,), 1024)
-    assert R.tensor_view_params(M(), "float32", (4, 8), 512)[1:] == ((4, 8), 128)
+    assert RM.tensor_view_params(M(), torch.bfloat16, None, 0)[1:] == ((512,), 1024)
+    assert RM.tensor_view_params(M(), "float32", (4, 8), 512)[1:] == ((4, 8), 128)
     with pytest.raises(BadInput):
-        R.tensor_view_params(M(), torch.float32, None, 2)
+        RM.tensor_view_params(M(), torch.float32, None, 2)
     with pytest.raises(BadInput):
-        R.tensor_view_params(M(), torch.float32, (300,), 0)
-    cai = R._CudaArrayInterface(0x1000, 64).__cuda_array_interface__
+        RM.tensor_view_params(M(), torch.float32, (300,), 0)
+    cai = RM._CudaArrayInterface(0x1000, 64).__cuda_array_interface__
     assert cai["data"] == (0x1000, False) and cai["shape"] == (64,) and cai["typestr"] == "|u1"
 
 
