@@ -74,7 +74,9 @@ class Burst:
     """The requests of one burst, as one concatenated plan and per-request views.
 
     ``plan`` is the (N, 3) int64 concatenation; ``requests[r]`` is a view of request
-    r's rows; ``spans`` name every (request, region) run of rows.
+    r's rows; ``spans`` name every (request, region) run of rows. ``src_tables`` / ``dst_tables``
+    (None where the plan has no block tables, e.g. one bulk descriptor): per request, region ->
+    its page indices on each side, the block IDs the plan was expanded from.
     """
 
     workload: Workload
@@ -90,6 +92,8 @@ class Burst:
     spans: tuple[PlanSpan, ...]
     coalesced: bool = False
     _span_starts: np.ndarray = field(default=None, repr=False)
+    src_tables: tuple[dict[str, np.ndarray], ...] | None = field(default=None, repr=False)
+    dst_tables: tuple[dict[str, np.ndarray], ...] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_span_starts", np.array([s.start for s in self.spans], dtype=np.int64))
@@ -207,7 +211,7 @@ def build_burst(workload: Workload | str, isl_tokens: int, page_tokens: int, bat
     burst = Burst(workload=workload, isl_tokens=isl_tokens, page_tokens=page_tokens, batch=batch, seed=seed,
                   order=order, src_layout=layout, dst_layout=dst_layout, plan=plan,
                   request_rows=tuple((r * per_request, (r + 1) * per_request) for r in range(batch)),
-                  spans=tuple(spans))
+                  spans=tuple(spans), src_tables=tuple(src_t), dst_tables=tuple(dst_t))
     if validate:
         burst.validate()
     return burst

@@ -79,8 +79,8 @@ def test_every_engine_both_directions_end_to_end(capsys, tmp_path):
         assert r["burst_bytes"] == 61 * 9216 and r["p50_gbps"] > 0
         assert r["post"] == "host"                   # the default: post -> complete, host enqueue included
         assert r["post_p50_us"] > 0 and r["setup_us"] > 0
-        if r["engine"] == "triton":                  # through the KV API: registration, setup per request
-            assert r["register_ms"] > 0
+        if r["engine"] != "bulk":                    # through the KV API: registration, setup per request
+            assert r["api"] == "KVAgent" and r["register_ms"] > 0 and r["first_setup_us"] > 0
         assert r["initiator"] == ("decode" if r["direction"] == "pull" else "prefill")
         assert r["descriptors"] == (1 if r["engine"] == "bulk" else 61)
         assert r["ceiling_gbps"] is not None and r["of_ceiling_pct"] is not None
@@ -362,11 +362,12 @@ def test_bad_flag_path_is_a_clear_error_on_both_sides(capsys, tmp_path, monkeypa
 
 
 @pytest.mark.slow      # 15-45 s of Triton's interpreter; the remote-write path runs by default
-def test_pack_over_flag_copies_end_to_end(capsys, tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine", ["pack", "pack-table"])
+def test_pack_over_flag_copies_end_to_end(capsys, tmp_path, monkeypatch, engine):
     monkeypatch.setenv(ENV_FLAG_PATH, "copy")
-    rc, out, err, doc = _run(capsys, tmp_path, *TINY, *FAST, "--engine", "pack,bulk")
+    rc, out, err, doc = _run(capsys, tmp_path, *TINY, *FAST, "--engine", f"{engine},bulk")
     assert rc == 0, out + err
-    rows = [r for r in doc["rows"] if r["engine"] == "pack"]
+    rows = [r for r in doc["rows"] if r["engine"] == engine]
     assert len(rows) == 2 and all(r["valid"] and r["flag_path"] == "8-byte copies" for r in rows)
 
 
@@ -400,10 +401,10 @@ def test_pack_many_chunks_over_lanes_end_to_end(capsys, tmp_path, lanes):
     a burst and the last chunk takes the lane of the one before it. Every byte must land, and a wait for a
     flag value that never comes would end the row in a timeout."""
     rc, out, err, doc = _run(capsys, tmp_path, *TINY, "--warmup", "0", "--trials", "1", "--timeout", "60",
-                             "--engine", "pack,bulk", "--pack-chunk", "64K", "--pack-first-chunk", "16K",
+                             "--engine", "pack-table,bulk", "--pack-chunk", "64K", "--pack-first-chunk", "16K",
                              "--pack-lanes", lanes)
     assert rc == 0, out + err
-    rows = [r for r in doc["rows"] if r["engine"] == "pack"]
+    rows = [r for r in doc["rows"] if r["engine"] == "pack-table"]
     assert len(rows) == 2 and all(r["valid"] and r["wrong_bytes"] == 0 for r in rows), rows
     assert all(r["burst_bytes"] > 8 * (64 << 10) for r in rows)     # > 8 chunks of <= 64 KiB: slots reused
 
@@ -511,11 +512,13 @@ def test_copy_engine_cap_sheds_with_the_reason():
         options = opts
         platform = None
 
-    eng = E.CopyEngineEngine.__new__(E.CopyEngineEngine)
-    eng.options = opts
-    assert eng.shed_reason(E.BurstShape(1, 100, 1000)) is None
-    why = eng.shed_reason(E.BurstShape(2, 101, 1000))
-    assert "capped at 100 descriptors" in why and "--copy-engine-max-descs" in why
+    for name in ("copy_engine", "copy_engine-table"):
+        cls = E.engine_class(name)
+        eng = cls.__new__(cls)
+        eng.options = opts
+        assert eng.shed_reason(E.BurstShape(1, 100, 1000)) is None
+        why = eng.shed_reason(E.BurstShape(2, 101, 1000))
+        assert why.startswith(f"{name} is capped at 100 descriptors") and "--copy-engine-max-descs" in why
 
 
 def test_engine_options_are_checked():

@@ -1223,21 +1223,21 @@ def test_copy_engine_moves_tokens_and_matches_the_kernel(plat, op):
 
 
 @pytest.mark.slow
-def test_bench_pack_api_rows(tmp_path, capsys):
-    """``gpuxfer bench kv --engine pack-api``: both sides post every request by block ID through KVAgent's
-    pack engine, every byte verified, with post and setup host costs per request (the triton rows go
-    through KVAgent too: test_kv_bench's end-to-end test)."""
+def test_bench_pack_rows_through_the_agent_at_batch_2(tmp_path, capsys):
+    """``gpuxfer bench kv --engine pack``: both sides post every request of a batch by block ID through
+    KVAgent's pack engine, every byte verified, with post and setup host costs per request (the default
+    run's rows go through KVAgent too: test_kv_bench's end-to-end test)."""
     from gpuxfer.cli import main
     out = tmp_path / "out"
     rc = main(["bench", "kv", "--platform", "host", "--workload", "kv-mla", "--isl", "16", "--page", "16",
-               "--batch", "1", "--warmup", "0", "--trials", "1", "--timeout", "60", "--engine", "pack-api,bulk",
+               "--batch", "2", "--warmup", "0", "--trials", "1", "--timeout", "60", "--engine", "pack,bulk",
                "--direction", "pull", "--out", str(out)])
     text = capsys.readouterr().out
     assert rc == 0, text
     rows = {r["engine"]: r for r in json.loads((out / "kv_bench.json").read_text())["rows"]}
-    assert set(rows) == {"pack-api", "bulk"}
-    r = rows["pack-api"]
-    assert r["valid"] and r["wrong_bytes"] == 0 and r["post"] == "host"
+    assert set(rows) == {"pack", "bulk"}
+    r = rows["pack"]
+    assert r["valid"] and r["wrong_bytes"] == 0 and r["post"] == "host" and r["api"] == "KVAgent"
     assert r["post_p50_us"] > 0 and r["setup_us"] > 0 and r["register_ms"] > 0
 
 

@@ -26,7 +26,9 @@ from gpuxfer.platforms.base import PeerMapping
 from gpuxfer.platforms.host import HostPlatform
 
 POOL = 1 << 20
-BUILT_IN = ("bulk", "triton", "pack", "copy_engine")
+#: the built-in engines over descriptor tables; ``triton`` and ``copy_engine`` (KVAgent) run such bursts on
+#: their descriptor-table twins (``pack``'s twin is built collectively, so it needs both sides at once)
+BUILT_IN = ("bulk", "triton-table", "pack-table", "copy_engine-table", "triton", "copy_engine")
 
 
 # ----------------------------------------------------------------------------- both sides in one process
@@ -357,7 +359,7 @@ def test_bench_catches_a_stray_write_outside_every_descriptor(capsys, tmp_path):
 # ----------------------------------------------------------------------------- a stuck peer
 
 
-def stuck_peer_session(engine: str = "pack", direction: str = "pull", on_timeout: str | None = None,
+def stuck_peer_session(engine: str = "pack-table", direction: str = "pull", on_timeout: str | None = None,
                        waiting: str = "initiator") -> dict:
     """One side (``waiting``: the initiator or the passive side) arms and posts a burst; its peer never
     does (stuck or dead). What the waiting side sees."""
@@ -401,22 +403,22 @@ def test_a_stuck_peer_fails_the_side_releases_its_waits_and_every_later_call_rai
     """A side of the pack engine waits on flags its peer never writes: TransferTimeout, every GPU wait
     of the side released (its streams drain), the same error from every later call on the side."""
     from gpuxfer.errors import TransferTimeout
-    out = stuck_peer_session("pack", direction, waiting=waiting)
+    out = stuck_peer_session("pack-table", direction, waiting=waiting)
     err = out["wait"]
     assert isinstance(err, TransferTimeout), err
-    assert "timed out after 1 s" in str(err) and f"pack {direction} burst" in str(err)
+    assert "timed out after 1 s" in str(err) and f"pack-table {direction} burst" in str(err)
     assert out["drained"] and all(out["drained"].values()), out["drained"]
     for what, exc in out["later"].items():
         assert exc is err, (what, exc)
 
 
 def test_on_timeout_exit_ends_the_process_with_the_exit_code_and_names_the_wait():
-    code = "import test_kv_faults as t; t.stuck_peer_session('pack', 'pull'); print('NOT EXITED')"
+    code = "import test_kv_faults as t; t.stuck_peer_session('pack-table', 'pull'); print('NOT EXITED')"
     env = dict(os.environ, GPUXFER_KV_ON_TIMEOUT="exit", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
     assert res.returncode == E.EXIT_CODE, (res.returncode, res.stdout, res.stderr)
     assert "NOT EXITED" not in res.stdout
-    assert "rank 1 (decode, device 1) failed: TransferTimeout" in res.stderr and "pack pull burst" in res.stderr
+    assert "rank 1 (decode, device 1) failed: TransferTimeout" in res.stderr and "pack-table pull burst" in res.stderr
     assert f"exiting with code {E.EXIT_CODE}" in res.stderr
 
 

@@ -288,9 +288,8 @@ class Worker:
                     if pb is None or cfg.suite:     # the suite's tables depend on the direction
                         pb = point.burst(batch, seed=cfg.seed, layout=layout,
                                          **({"direction": direction} if cfg.suite else {}))
-                        # block tables ride along (engines that move blocks by ID use them); the suite's
-                        # tables are its own, so its bursts are descriptor tables only
-                        burst = E.DescriptorBurst(pb.requests, plan=pb.plan) if cfg.suite else E.DescriptorBurst.from_plan(pb)
+                        # the block tables ride along: the engines through KVAgent move blocks by ID
+                        burst = E.DescriptorBurst.from_plan(pb)
                         shape = E.BurstShape(batch, pb.descriptors, pb.total_bytes)
                     for name, eng in self.engines.items():
                         if eng.shed_reason(shape):
@@ -310,6 +309,7 @@ class Worker:
         from . import collectivex as CX
         for point in CX.bulk_points(self.grid):
             pb = point.burst(1)
+            # one descriptor, no block tables: the KVAgent engines run it on their descriptor-table twins
             burst = E.DescriptorBurst(pb.requests, plan=pb.plan)
             for direction in self.cfg.directions:
                 for eng in self.engines.values():

@@ -7,18 +7,24 @@ interface, armed posting and the failure path). The package, one module per engi
 * :mod:`.base` -- :class:`Role`, :class:`Side`, :class:`DescriptorBurst`, :class:`Prepared` (the transfer
   record), :class:`Gate`, :class:`Engine`, the bounded waits;
 * :mod:`.chunks` -- splitting and chunking descriptor tables; :mod:`.launch` -- what kernel engines share;
-* :mod:`.triton` (``triton`` over descriptor tables), :mod:`.pack` (``pack``),
-  :mod:`.copy_engine` (``copy_engine``, ``bulk``), :mod:`.kvagent` (``triton`` and ``pack-api`` through
-  the public KV API), :mod:`.nixl` over :mod:`.nixl_ffi`, :mod:`.mooncake`, :mod:`.mori`;
+* :mod:`.kvagent` (``triton``, ``pack``, ``copy_engine``: through the public KV API, by block ID);
+  :mod:`.triton` (``triton-table``), :mod:`.pack` (``pack-table``), :mod:`.copy_engine`
+  (``copy_engine-table``, ``bulk``): the same copies over descriptor tables handed in per burst;
+  :mod:`.nixl` over :mod:`.nixl_ffi`, :mod:`.mooncake`, :mod:`.mori`;
 * :mod:`.registry` -- ``ENGINES``, the one registry (name -> class or ``"module:Class"``).
 
-Built-in engines:
+Built-in engines (the default rows go through :class:`~gpuxfer.kv.agent.KVAgent`: each side registers
+its pool layout as KV-cache groups, the two swap metadata bytes, every request is one transfer by block
+ID; a ``-table`` engine is handed the burst's descriptor tables and uploads them per burst):
 
-* ``triton`` -- the descriptor-copy kernel: pull runs on the decode GPU reading the peer pool through
-  the IPC mapping, push on the prefill GPU writing it. Uses SMs of the initiating GPU, none of the other.
-* ``pack`` -- pack the pages into a staging buffer on the source, one copy-engine transfer per chunk into
-  the destination's staging buffer, unpack on the destination; chunked and pipelined. No SM touches the wire.
-* ``copy_engine`` -- ``copy_batch_async`` over the descriptors, no SM at all; a fixed cost per descriptor.
+* ``triton`` / ``triton-table`` -- the descriptor-copy kernel: pull runs on the decode GPU reading the
+  peer pool through the IPC mapping, push on the prefill GPU writing it. Uses SMs of the initiating GPU,
+  none of the other.
+* ``pack`` / ``pack-table`` -- pack the pages into a staging buffer on the source, one copy-engine transfer
+  per chunk into the destination's staging buffer, unpack on the destination; chunked and pipelined. No
+  SM touches the wire. Both sides post.
+* ``copy_engine`` / ``copy_engine-table`` -- ``copy_batch_async`` over the descriptors, no SM at all; a
+  fixed cost per descriptor.
 * ``bulk`` -- one descriptor of the same total bytes on the copy engines: the ceiling every row is divided by.
 
 Importing the package imports neither torch, Triton nor any engine's optional library.

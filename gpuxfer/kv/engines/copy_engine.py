@@ -1,9 +1,11 @@
 """Engines on the copy engines alone, no SM: ``copy_engine`` and ``bulk``.
 
-* ``copy_engine`` -- ``copy_batch_async`` (``cuMemcpyBatchAsync`` on CUDA) over the descriptors on a
-  created stream; the baseline that shows why packing matters (a fixed cost per descriptor). Capped per
-  burst (``EngineOptions.copy_engine_max_descs``); bigger bursts are shed, with the reason. Never armed: its
-  bursts hold more commands than a blocked stream's queue takes, so it posts inside the timed region.
+* ``copy_engine-table`` -- ``copy_batch_async`` (``cuMemcpyBatchAsync`` on CUDA) over a burst's descriptor
+  tables, handed in per burst, on a created stream; a fixed cost per descriptor. (The default ``copy_engine``
+  row runs the same copies through KVAgent: :class:`~gpuxfer.kv.engines.kvagent.AgentCopyEngine`.) Capped
+  per burst (``EngineOptions.copy_engine_max_descs``, :func:`copy_engine_cap_reason`); bigger bursts are
+  shed, with the reason. Never armed: its bursts hold more commands than a blocked stream's queue takes,
+  so it posts inside the timed region.
 * ``bulk`` -- one descriptor of the same total bytes on the copy engines: the ceiling every row is divided by.
 """
 from __future__ import annotations
@@ -15,24 +17,29 @@ from .base import BurstShape, DescriptorBurst, Engine, Prepared
 from .chunks import bulk_descriptors
 
 
+def copy_engine_cap_reason(name: str, cap: int, shape: BurstShape) -> str | None:
+    """Why an engine posting one copy-engine copy per descriptor does not run a burst of ``shape`` (past
+    ``cap`` descriptors), or None."""
+    if shape.descriptors > cap:
+        return (f"{name} is capped at {cap:,} descriptors per burst (this burst has {shape.descriptors:,}; "
+                f"at ~1 us per descriptor it would take ~{shape.descriptors * 1e-6:.1f} s); raise "
+                f"--copy-engine-max-descs to measure it")
+    return None
+
+
 class CopyEngineEngine(Engine):
-    name = "copy_engine"
+    name = "copy_engine-table"
     needs_peer_mapping = True
     # Not armed: a burst is up to 140k copies, far more commands than a stream's queue holds while it
     # is blocked on the gate -- the host would block enqueueing, before the trigger. Its posting is
     # timed (host mode), which is also what a copy-engine connector pays.
     armable = False
-    description = ("copy_batch_async (cuMemcpyBatchAsync) over every descriptor on a created stream, no SM; "
-                   "a fixed cost per descriptor")
+    description = ("copy_batch_async (cuMemcpyBatchAsync) over the burst's descriptor tables, handed in per "
+                   "burst, on a created stream; no SM, a fixed cost per descriptor")
     uses_sms = "none"
 
     def shed_reason(self, shape: BurstShape) -> str | None:
-        cap = self.options.copy_engine_max_descs
-        if shape.descriptors > cap:
-            return (f"copy_engine is capped at {cap:,} descriptors per burst (this burst has {shape.descriptors:,}; "
-                    f"at ~1 us per descriptor it would take ~{shape.descriptors * 1e-6:.1f} s); raise "
-                    f"--copy-engine-max-descs to measure it")
-        return None
+        return copy_engine_cap_reason(self.name, self.options.copy_engine_max_descs, shape)
 
     def prepare(self, burst: DescriptorBurst, direction: str) -> Prepared:
         p = self._new_prepared(burst, direction)

@@ -1,4 +1,6 @@
-"""The ``pack`` engine: pack on the source, one copy-engine copy per chunk, unpack on the destination.
+"""The ``pack-table`` engine: pack on the source, one copy-engine copy per chunk, unpack on the destination,
+over a burst's descriptor tables uploaded per burst. (The default ``pack`` row runs KVAgent's pack engine,
+by block ID: :class:`~gpuxfer.kv.engines.kvagent.AgentPackEngine`.)
 
 Pack the pages into a staging buffer on the source (a local kernel at HBM speed), one copy-engine
 transfer per chunk into the destination's staging buffer (opened over IPC), unpack on the destination.
@@ -112,12 +114,13 @@ class _PackPlan:
 
 
 class PackEngine(Engine):
-    name = "pack"
+    name = "pack-table"
     needs_peer_mapping = True
     launches_kernels = True
     armable = True
-    description = ("pack on the source, one copy-engine copy per chunk into the destination's staging, unpack "
-                   "on the destination; chunked and pipelined, SMs only on local memory")
+    description = ("descriptor tables uploaded per burst: pack on the source, one copy-engine copy per chunk into "
+                   "the destination's staging, unpack on the destination; chunked and pipelined over three "
+                   "streams, SMs only on local memory")
     uses_sms = "both GPUs, local HBM only"
 
     @classmethod

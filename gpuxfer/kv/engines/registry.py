@@ -18,10 +18,14 @@ from .base import Engine
 #: name -> "module:Class"; built-ins first, in the order rows are measured (bulk first: the ceiling)
 ENGINES: dict[str, str | type] = {
     "bulk": "gpuxfer.kv.engines.copy_engine:BulkEngine",
+    # through the public KV API (KVAgent): what a user of gpuxfer.kv gets
     "triton": "gpuxfer.kv.engines.kvagent:AgentTritonEngine",
-    "pack-api": "gpuxfer.kv.engines.kvagent:AgentPackEngine",
-    "pack": "gpuxfer.kv.engines.pack:PackEngine",
-    "copy_engine": "gpuxfer.kv.engines.copy_engine:CopyEngineEngine",
+    "pack": "gpuxfer.kv.engines.kvagent:AgentPackEngine",
+    "copy_engine": "gpuxfer.kv.engines.kvagent:AgentCopyEngine",
+    # the same copies over descriptor tables handed in per burst (the engines before the API)
+    "triton-table": "gpuxfer.kv.engines.triton:TritonEngine",
+    "pack-table": "gpuxfer.kv.engines.pack:PackEngine",
+    "copy_engine-table": "gpuxfer.kv.engines.copy_engine:CopyEngineEngine",
     # optional libraries (imported only when the engine is built; engine_report says why one cannot run)
     "nixl": "gpuxfer.kv.engines.nixl:NixlEngine",
     "nixl-bulk": "gpuxfer.kv.engines.nixl:NixlBulkEngine",
@@ -31,7 +35,7 @@ ENGINES: dict[str, str | type] = {
     "mooncake-rdma": "gpuxfer.kv.engines.mooncake:MooncakeRdmaEngine",
     "amd-mori": "gpuxfer.kv.engines.mori:MoriEngine",
 }
-#: the engines a default sweep measures
+#: the engines a default sweep measures: every one but the ceiling through KVAgent
 DEFAULT_ENGINES = ("triton", "pack", "copy_engine", "bulk")
 
 

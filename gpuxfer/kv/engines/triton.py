@@ -1,4 +1,6 @@
-"""The ``triton`` engine: the descriptor-copy kernel on the initiating GPU.
+"""The ``triton-table`` engine: the descriptor-copy kernel on the initiating GPU, over a burst's descriptor
+tables uploaded per burst. (The default ``triton`` row runs KVAgent's, by block ID:
+:class:`~gpuxfer.kv.engines.kvagent.AgentTritonEngine`.)
 
 Pull runs on the decode GPU reading the peer pool through the IPC mapping, push on the prefill GPU
 writing it; SMs of the initiating GPU, none of the other. One launch per descriptor size, so each
@@ -15,11 +17,12 @@ from .launch import bind, device_table, kernel_reason, kernels, sync_uploads
 
 
 class TritonEngine(Engine):
-    name = "triton"
+    name = "triton-table"
     needs_peer_mapping = True
     launches_kernels = True
     armable = True
-    description = "descriptor-copy Triton kernel on the initiating GPU (pull reads the peer pool, push writes it)"
+    description = ("descriptor tables uploaded per burst: the descriptor-copy Triton kernel on the initiating GPU "
+                   "(pull reads the peer pool, push writes it)")
     uses_sms = "initiating GPU"
 
     @classmethod

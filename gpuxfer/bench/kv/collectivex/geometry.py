@@ -104,7 +104,7 @@ def burst(isl: int, page: int, batch: int, direction: str, *, lay: PoolLayout) -
     b = Burst(workload=_workload(), isl_tokens=isl, page_tokens=page, batch=batch,
               seed=table_seed(isl, page, "initiator"), order=SUITE, src_layout=lay, dst_layout=lay, plan=plan,
               request_rows=tuple((r * per_request, (r + 1) * per_request) for r in range(batch)),
-              spans=tuple(spans))
+              spans=tuple(spans), src_tables=tuple(src_t), dst_tables=tuple(dst_t))
     validate_plan(plan, lay, lay, spans=b.spans, describe=b.describe_row)
     return b
 
