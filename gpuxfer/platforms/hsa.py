@@ -32,231 +32,54 @@ Facts this layer relies on (sources: ROCm/rocm-systems, rocr-runtime's ``hsa.h``
   PCIe ("paging") engines and ROCr rejects them for xGMI peer copies.
 * Consecutive SDMA packets may overlap: order between two copies comes only from
   dependency signals, never from queue position.
+
+Layout: this module holds the runtime (:class:`Hsa`) and what its queries return;
+the C declarations are :mod:`~gpuxfer.platforms.hsa_ffi`, the engine choice per
+GPU pair (masks, KFD topology, :func:`plan_engines`) is
+:mod:`~gpuxfer.platforms.hsa_engines`; both are re-exported here.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from .. import config
 from ..errors import BadInput, DriverError, TransferTimeout
+from .hsa_engines import (CRAT_IOLINK_FLAGS_NO_ATOMICS_64_BIT, KFD_TOPOLOGY, EnginePlan, choose_engine, engine_bits,
+                          kfd_io_links, kfd_pcie_atomics_64, kfd_recommended_mask, mask_str, plan_engines, sdma_engine)
+from .hsa_ffi import (AGENT_CALLBACK, FUNCTIONS, FUNCTIONS_BY_NAME, HSA_AGENT_INFO_DEVICE, HSA_AGENT_INFO_NAME,
+                      HSA_AGENT_INFO_NODE, HSA_AMD_AGENT_INFO_BDFID, HSA_AMD_AGENT_INFO_DOMAIN,
+                      HSA_AMD_AGENT_INFO_DRIVER_NODE_ID, HSA_AMD_AGENT_INFO_NUM_SDMA_ENG,
+                      HSA_AMD_AGENT_INFO_NUM_SDMA_XGMI_ENG, HSA_AMD_SIGNAL_AMD_GPU_ONLY, HSA_AMD_SIGNAL_IPC,
+                      HSA_DEVICE_TYPE_CPU, HSA_DEVICE_TYPE_GPU, HSA_EXT_POINTER_TYPE_GRAPHICS,
+                      HSA_EXT_POINTER_TYPE_HSA, HSA_EXT_POINTER_TYPE_IPC, HSA_EXT_POINTER_TYPE_LOCKED,
+                      HSA_EXT_POINTER_TYPE_UNKNOWN, HSA_SIGNAL_CONDITION_EQ, HSA_SIGNAL_CONDITION_GTE,
+                      HSA_SIGNAL_CONDITION_LT, HSA_SIGNAL_CONDITION_NE, HSA_STATUS_ERROR_INVALID_ARGUMENT,
+                      HSA_STATUS_ERROR_OUT_OF_RESOURCES, HSA_STATUS_INFO_BREAK, HSA_STATUS_NAMES, HSA_STATUS_SUCCESS,
+                      HSA_SYSTEM_INFO_TIMESTAMP_FREQUENCY, HSA_WAIT_STATE_ACTIVE, HSA_WAIT_STATE_BLOCKED,
+                      LIBRARY_SONAME, Function, hsa_agent_t, hsa_amd_pointer_info_t, hsa_signal_t, hsa_signal_value_t,
+                      hsa_status_t, library_candidates, _converting)
+
+__all__ = [  # the runtime, and the FFI tables and engine choice it is built on
+    "Agent", "PointerInfo", "Signal", "parse_pci_bus_id", "Hsa", "HSA_STATUS_SUCCESS",
+    "HSA_STATUS_INFO_BREAK", "HSA_STATUS_ERROR_INVALID_ARGUMENT", "HSA_STATUS_ERROR_OUT_OF_RESOURCES",
+    "HSA_STATUS_NAMES", "HSA_AGENT_INFO_NAME", "HSA_AGENT_INFO_NODE", "HSA_AGENT_INFO_DEVICE",
+    "HSA_DEVICE_TYPE_CPU", "HSA_DEVICE_TYPE_GPU", "HSA_AMD_AGENT_INFO_DRIVER_NODE_ID", "HSA_AMD_AGENT_INFO_BDFID",
+    "HSA_AMD_AGENT_INFO_DOMAIN", "HSA_AMD_AGENT_INFO_NUM_SDMA_ENG", "HSA_AMD_AGENT_INFO_NUM_SDMA_XGMI_ENG",
+    "HSA_SYSTEM_INFO_TIMESTAMP_FREQUENCY", "HSA_SIGNAL_CONDITION_EQ", "HSA_SIGNAL_CONDITION_NE",
+    "HSA_SIGNAL_CONDITION_LT", "HSA_SIGNAL_CONDITION_GTE", "HSA_WAIT_STATE_BLOCKED", "HSA_WAIT_STATE_ACTIVE",
+    "HSA_AMD_SIGNAL_AMD_GPU_ONLY", "HSA_AMD_SIGNAL_IPC", "HSA_EXT_POINTER_TYPE_UNKNOWN", "HSA_EXT_POINTER_TYPE_HSA",
+    "HSA_EXT_POINTER_TYPE_LOCKED", "HSA_EXT_POINTER_TYPE_GRAPHICS", "HSA_EXT_POINTER_TYPE_IPC", "hsa_agent_t",
+    "hsa_signal_t", "hsa_amd_pointer_info_t", "hsa_status_t", "hsa_signal_value_t", "AGENT_CALLBACK", "Function",
+    "FUNCTIONS", "FUNCTIONS_BY_NAME", "LIBRARY_SONAME", "library_candidates", "sdma_engine", "engine_bits",
+    "mask_str", "choose_engine", "KFD_TOPOLOGY", "CRAT_IOLINK_FLAGS_NO_ATOMICS_64_BIT", "kfd_io_links",
+    "kfd_recommended_mask", "kfd_pcie_atomics_64", "EnginePlan", "plan_engines",
+]
 
 log = logging.getLogger("gpuxfer.platforms.hsa")
-
-# --------------------------------------------------------------------------- constants
-# hsa.h / hsa_ext_amd.h (ROCm/rocm-systems projects/rocr-runtime/runtime/hsa-runtime/inc)
-
-HSA_STATUS_SUCCESS = 0x0
-HSA_STATUS_INFO_BREAK = 0x1
-HSA_STATUS_ERROR_INVALID_ARGUMENT = 0x1001
-HSA_STATUS_ERROR_OUT_OF_RESOURCES = 0x1008
-
-HSA_STATUS_NAMES = {
-    0x0: "HSA_STATUS_SUCCESS", 0x1: "HSA_STATUS_INFO_BREAK", 0x1000: "HSA_STATUS_ERROR",
-    0x1001: "HSA_STATUS_ERROR_INVALID_ARGUMENT", 0x1002: "HSA_STATUS_ERROR_INVALID_QUEUE_CREATION",
-    0x1003: "HSA_STATUS_ERROR_INVALID_ALLOCATION", 0x1004: "HSA_STATUS_ERROR_INVALID_AGENT",
-    0x1005: "HSA_STATUS_ERROR_INVALID_REGION", 0x1006: "HSA_STATUS_ERROR_INVALID_SIGNAL",
-    0x1007: "HSA_STATUS_ERROR_INVALID_QUEUE", 0x1008: "HSA_STATUS_ERROR_OUT_OF_RESOURCES",
-    0x1009: "HSA_STATUS_ERROR_INVALID_PACKET_FORMAT", 0x100A: "HSA_STATUS_ERROR_RESOURCE_FREE",
-    0x100B: "HSA_STATUS_ERROR_NOT_INITIALIZED", 0x100C: "HSA_STATUS_ERROR_REFCOUNT_OVERFLOW",
-    0x100D: "HSA_STATUS_ERROR_INCOMPATIBLE_ARGUMENTS", 0x100E: "HSA_STATUS_ERROR_INVALID_INDEX",
-    0x100F: "HSA_STATUS_ERROR_INVALID_ISA", 0x1010: "HSA_STATUS_ERROR_INVALID_CODE_OBJECT",
-    0x1011: "HSA_STATUS_ERROR_INVALID_EXECUTABLE", 0x1012: "HSA_STATUS_ERROR_FROZEN_EXECUTABLE",
-    0x1013: "HSA_STATUS_ERROR_INVALID_SYMBOL_NAME", 0x1014: "HSA_STATUS_ERROR_VARIABLE_ALREADY_DEFINED",
-    0x1015: "HSA_STATUS_ERROR_VARIABLE_UNDEFINED", 0x1016: "HSA_STATUS_ERROR_EXCEPTION",
-    0x1017: "HSA_STATUS_ERROR_INVALID_ISA_NAME", 0x1018: "HSA_STATUS_ERROR_INVALID_CODE_SYMBOL",
-    0x1019: "HSA_STATUS_ERROR_INVALID_EXECUTABLE_SYMBOL", 0x1020: "HSA_STATUS_ERROR_INVALID_FILE",
-    0x1021: "HSA_STATUS_ERROR_INVALID_CODE_OBJECT_READER", 0x1022: "HSA_STATUS_ERROR_INVALID_CACHE",
-    0x1023: "HSA_STATUS_ERROR_INVALID_WAVEFRONT", 0x1024: "HSA_STATUS_ERROR_INVALID_SIGNAL_GROUP",
-    0x1025: "HSA_STATUS_ERROR_INVALID_RUNTIME_STATE",
-}
-
-HSA_AGENT_INFO_NAME = 0                  # char[64]
-HSA_AGENT_INFO_NODE = 16                 # uint32
-HSA_AGENT_INFO_DEVICE = 17               # hsa_device_type_t (uint32)
-HSA_DEVICE_TYPE_CPU = 0
-HSA_DEVICE_TYPE_GPU = 1
-HSA_AMD_AGENT_INFO_DRIVER_NODE_ID = 0xA004   # uint32
-HSA_AMD_AGENT_INFO_BDFID = 0xA006            # uint32: bus << 8 | device << 3 | function
-HSA_AMD_AGENT_INFO_DOMAIN = 0xA00F           # uint32
-HSA_AMD_AGENT_INFO_NUM_SDMA_ENG = 0xA10A     # uint32 (PCIe / "paging" engines)
-HSA_AMD_AGENT_INFO_NUM_SDMA_XGMI_ENG = 0xA10B
-
-HSA_SYSTEM_INFO_TIMESTAMP_FREQUENCY = 3  # uint64, Hz: the unit of a wait's timeout hint
-
-HSA_SIGNAL_CONDITION_EQ = 0
-HSA_SIGNAL_CONDITION_NE = 1
-HSA_SIGNAL_CONDITION_LT = 2
-HSA_SIGNAL_CONDITION_GTE = 3
-HSA_WAIT_STATE_BLOCKED = 0
-HSA_WAIT_STATE_ACTIVE = 1
-
-HSA_AMD_SIGNAL_AMD_GPU_ONLY = 1   # a plain memory signal, never an interrupt one
-HSA_AMD_SIGNAL_IPC = 2
-
-HSA_EXT_POINTER_TYPE_UNKNOWN = 0
-HSA_EXT_POINTER_TYPE_HSA = 1
-HSA_EXT_POINTER_TYPE_LOCKED = 2
-HSA_EXT_POINTER_TYPE_GRAPHICS = 3
-HSA_EXT_POINTER_TYPE_IPC = 4
-
-
-def sdma_engine(n: int) -> int:
-    """``HSA_AMD_SDMA_ENGINE_n`` (one-hot)."""
-    if not 0 <= n < 32:
-        raise BadInput(f"SDMA engine index {n} is out of range")
-    return 1 << n
-
-
-def engine_bits(mask: int) -> list[int]:
-    """Engine indices set in ``mask``, lowest first."""
-    return [i for i in range(32) if mask >> i & 1]
-
-
-def mask_str(mask: int | None) -> str:
-    if mask is None:
-        return "unknown"
-    return f"0x{mask:x} (engines {', '.join(map(str, engine_bits(mask))) or 'none'})"
-
-
-# --------------------------------------------------------------------------- ctypes types
-
-
-class hsa_agent_t(ctypes.Structure):
-    _fields_ = [("handle", ctypes.c_uint64)]
-
-
-class hsa_signal_t(ctypes.Structure):
-    _fields_ = [("handle", ctypes.c_uint64)]
-
-
-class hsa_amd_pointer_info_t(ctypes.Structure):
-    # Fields up to global_flags; `size` tells the runtime how much we have ("can only grow").
-    _fields_ = [("size", ctypes.c_uint32), ("type", ctypes.c_uint32),
-                ("agentBaseAddress", ctypes.c_void_p), ("hostBaseAddress", ctypes.c_void_p),
-                ("sizeInBytes", ctypes.c_size_t), ("userData", ctypes.c_void_p),
-                ("agentOwner", hsa_agent_t), ("global_flags", ctypes.c_uint32)]
-
-
-hsa_status_t = ctypes.c_int
-hsa_signal_value_t = ctypes.c_int64
-AGENT_CALLBACK = ctypes.CFUNCTYPE(hsa_status_t, hsa_agent_t, ctypes.c_void_p)
-
-
-@dataclass(frozen=True)
-class Function:
-    """One C function: its name, return type, argument types; ``optional`` ones may be absent."""
-
-    name: str
-    restype: Any
-    argtypes: tuple
-    optional: bool = False
-    returns_status: bool = True
-
-
-_u32p = ctypes.POINTER(ctypes.c_uint32)
-_sigp = ctypes.POINTER(hsa_signal_t)
-_agentp = ctypes.POINTER(hsa_agent_t)
-
-FUNCTIONS: tuple[Function, ...] = (
-    # hsa_status_t hsa_init(void);
-    Function("hsa_init", hsa_status_t, ()),
-    # hsa_status_t hsa_shut_down(void);
-    Function("hsa_shut_down", hsa_status_t, ()),
-    # hsa_status_t hsa_status_string(hsa_status_t status, const char** status_string);
-    Function("hsa_status_string", hsa_status_t, (hsa_status_t, ctypes.POINTER(ctypes.c_char_p))),
-    # hsa_status_t hsa_system_get_info(hsa_system_info_t attribute, void* value);
-    Function("hsa_system_get_info", hsa_status_t, (ctypes.c_int, ctypes.c_void_p)),
-    # hsa_status_t hsa_iterate_agents(hsa_status_t (*callback)(hsa_agent_t agent, void* data), void* data);
-    Function("hsa_iterate_agents", hsa_status_t, (AGENT_CALLBACK, ctypes.c_void_p)),
-    # hsa_status_t hsa_agent_get_info(hsa_agent_t agent, hsa_agent_info_t attribute, void* value);
-    Function("hsa_agent_get_info", hsa_status_t, (hsa_agent_t, ctypes.c_int, ctypes.c_void_p)),
-    # hsa_status_t hsa_amd_signal_create(hsa_signal_value_t initial_value, uint32_t num_consumers,
-    #                                    const hsa_agent_t* consumers, uint64_t attributes, hsa_signal_t* signal);
-    Function("hsa_amd_signal_create", hsa_status_t,
-             (hsa_signal_value_t, ctypes.c_uint32, _agentp, ctypes.c_uint64, _sigp)),
-    # hsa_status_t hsa_signal_destroy(hsa_signal_t signal);
-    Function("hsa_signal_destroy", hsa_status_t, (hsa_signal_t,)),
-    # hsa_status_t hsa_amd_signal_value_pointer(hsa_signal_t signal, volatile hsa_signal_value_t** value_ptr);
-    Function("hsa_amd_signal_value_pointer", hsa_status_t, (hsa_signal_t, ctypes.POINTER(ctypes.c_void_p))),
-    # hsa_signal_value_t hsa_signal_load_scacquire(hsa_signal_t signal);
-    Function("hsa_signal_load_scacquire", hsa_signal_value_t, (hsa_signal_t,), returns_status=False),
-    # void hsa_signal_store_screlease(hsa_signal_t signal, hsa_signal_value_t value);
-    Function("hsa_signal_store_screlease", None, (hsa_signal_t, hsa_signal_value_t), returns_status=False),
-    # hsa_signal_value_t hsa_signal_wait_scacquire(hsa_signal_t signal, hsa_signal_condition_t condition,
-    #     hsa_signal_value_t compare_value, uint64_t timeout_hint, hsa_wait_state_t wait_state_hint);
-    Function("hsa_signal_wait_scacquire", hsa_signal_value_t,
-             (hsa_signal_t, ctypes.c_int, hsa_signal_value_t, ctypes.c_uint64, ctypes.c_int), returns_status=False),
-    # hsa_status_t hsa_amd_memory_async_copy_on_engine(void* dst, hsa_agent_t dst_agent, const void* src,
-    #     hsa_agent_t src_agent, size_t size, uint32_t num_dep_signals, const hsa_signal_t* dep_signals,
-    #     hsa_signal_t completion_signal, hsa_amd_sdma_engine_id_t engine_id, bool force_copy_on_sdma);
-    Function("hsa_amd_memory_async_copy_on_engine", hsa_status_t,
-             (ctypes.c_void_p, hsa_agent_t, ctypes.c_void_p, hsa_agent_t, ctypes.c_size_t, ctypes.c_uint32,
-              _sigp, hsa_signal_t, ctypes.c_uint, ctypes.c_bool)),
-    # hsa_status_t hsa_amd_memory_copy_engine_status(hsa_agent_t dst_agent, hsa_agent_t src_agent,
-    #                                                uint32_t* engine_ids_mask);
-    Function("hsa_amd_memory_copy_engine_status", hsa_status_t, (hsa_agent_t, hsa_agent_t, _u32p)),
-    # hsa_status_t hsa_amd_memory_get_preferred_copy_engine(hsa_agent_t dst_agent, hsa_agent_t src_agent,
-    #                                                       uint32_t* recommended_ids_mask);   (ext_amd >= 1.8)
-    Function("hsa_amd_memory_get_preferred_copy_engine", hsa_status_t, (hsa_agent_t, hsa_agent_t, _u32p),
-             optional=True),
-    # hsa_status_t hsa_amd_pointer_info(const void* ptr, hsa_amd_pointer_info_t* info, void* (*alloc)(size_t),
-    #                                   uint32_t* num_agents_accessible, hsa_agent_t** accessible);
-    Function("hsa_amd_pointer_info", hsa_status_t,
-             (ctypes.c_void_p, ctypes.POINTER(hsa_amd_pointer_info_t), ctypes.c_void_p, _u32p,
-              ctypes.POINTER(_agentp))),
-)
-
-FUNCTIONS_BY_NAME = {f.name: f for f in FUNCTIONS}
-
-LIBRARY_SONAME = "libhsa-runtime64.so.1"
-
-
-def library_candidates() -> list[str]:
-    """Where to look for ROCr, in order.
-
-    The SONAME first: libamdhip64 (torch's) depends on it, so once torch/HIP is up
-    the loader hands back the instance already in the process, the one whose
-    signals and agents HIP uses.
-    """
-    out = []
-    if config.get("GPUXFER_HSA_LIBRARY"):
-        out.append(config.get("GPUXFER_HSA_LIBRARY"))
-    out.append(LIBRARY_SONAME)
-    for var in ("ROCM_PATH", "ROCM_HOME"):
-        if os.environ.get(var):
-            out.append(os.path.join(os.environ[var], "lib", LIBRARY_SONAME))
-    out.append(os.path.join("/opt/rocm/lib", LIBRARY_SONAME))
-    return list(dict.fromkeys(out))
-
-
-def _converting(fn: Callable, f: Function) -> Callable:
-    """Wrap a Python stand-in so its arguments are type-checked exactly as a foreign call checks them.
-
-    Each argument goes through its declared type's ``from_param`` (what ctypes
-    does before a real call), so an argument the real library would refuse
-    raises ``ctypes.ArgumentError`` here too; the stand-in then receives the
-    original Python objects (``from_param`` results hide simple values).
-    """
-
-    def call(*args):
-        if len(args) != len(f.argtypes):
-            raise TypeError(f"{f.name} takes {len(f.argtypes)} arguments ({len(args)} given)")
-        for i, (a, t) in enumerate(zip(args, f.argtypes)):
-            try:
-                t.from_param(a)
-            except TypeError as exc:
-                raise ctypes.ArgumentError(f"argument {i + 1}: {exc}") from None
-        return fn(*args)
-
-    call.__name__ = f.name
-    return call
 
 
 # --------------------------------------------------------------------------- results
@@ -316,95 +139,6 @@ def parse_pci_bus_id(bus_id: str) -> tuple[int, int]:
         return int(dom, 16), int(bus, 16) << 8 | int(dev, 16) << 3 | int(fn, 16)
     except ValueError:
         raise BadInput(f"not a PCI bus id: {bus_id!r}") from None
-
-
-def choose_engine(available: int, preferred: int | None, *, pcie_engines: int = 2,
-                  xgmi_peer: bool = True) -> tuple[int, str]:
-    """Pick one engine (one-hot) for a copy, and say why.
-
-    ``preferred`` is the driver's recommended mask for the pair (0 or None: no
-    preference); ``available`` is what ``hsa_amd_memory_copy_engine_status``
-    reports for the pair. The recommendation wins (the lowest recommended engine
-    that is also available, else the lowest recommended); without one, the
-    lowest available engine that may carry this copy (not a PCIe engine for an
-    xGMI peer: ROCr refuses those). Raises BadInput when nothing qualifies.
-    """
-    if preferred:
-        both = preferred & available
-        pick = both if both else preferred
-        low = pick & -pick
-        why = (f"lowest engine of the driver's recommended mask {mask_str(preferred)}"
-               + ("" if both else f", none of which is idle now (available {mask_str(available)})"))
-        return low, why
-    usable = available
-    if xgmi_peer:
-        usable &= ~((1 << pcie_engines) - 1)
-    if not usable:
-        raise BadInput(f"no SDMA engine can carry this copy: the driver recommends none and the available "
-                       f"mask is {mask_str(available)}"
-                       + (f" (engines below {pcie_engines} are PCIe engines, refused for xGMI peers)"
-                          if xgmi_peer else ""))
-    return usable & -usable, (f"no driver recommendation; lowest available "
-                              f"{'xGMI ' if xgmi_peer else ''}engine of {mask_str(available)}")
-
-
-# --------------------------------------------------------------------------- KFD topology (sysfs)
-
-KFD_TOPOLOGY = "/sys/class/kfd/kfd/topology/nodes"
-CRAT_IOLINK_FLAGS_NO_ATOMICS_64_BIT = 1 << 3   # Linux drivers/gpu/drm/amd/amdkfd/kfd_crat.h
-
-
-def _read_properties(path: Path) -> dict[str, int]:
-    out = {}
-    for line in path.read_text().splitlines():
-        parts = line.split()
-        if len(parts) == 2:
-            try:
-                out[parts[0]] = int(parts[1])
-            except ValueError:
-                pass
-    return out
-
-
-def kfd_io_links(node: int, root: str | os.PathLike = KFD_TOPOLOGY) -> list[dict[str, int]]:
-    """The io_link property dicts of KFD topology node ``node`` (empty if unreadable)."""
-    base = Path(root) / str(node) / "io_links"
-    try:
-        return [_read_properties(p / "properties") for p in sorted(base.iterdir()) if (p / "properties").is_file()]
-    except OSError:
-        return []
-
-
-def kfd_recommended_mask(src_node: int, dst_node: int, root: str | os.PathLike = KFD_TOPOLOGY) -> int | None:
-    """``recommended_sdma_engine_id_mask`` of the io_link src -> dst, or None if absent/unreadable."""
-    for link in kfd_io_links(src_node, root):
-        if link.get("node_to") == dst_node and "recommended_sdma_engine_id_mask" in link:
-            return link["recommended_sdma_engine_id_mask"]
-    return None
-
-
-def kfd_pcie_atomics_64(gpu_node: int, root: str | os.PathLike = KFD_TOPOLOGY) -> bool | None:
-    """Whether the GPU's link to a CPU node has 64-bit atomics (None if it cannot be told).
-
-    ROCr ends an SDMA copy with an atomic decrement of the completion signal
-    only with these atomics; otherwise with a fence that writes
-    ``value_at_submit - 1``, so sharing one completion signal between copies
-    is safe only when this returns True.
-    """
-    links = kfd_io_links(gpu_node, root)
-    seen = None
-    for link in links:
-        to = link.get("node_to")
-        if to is None or "flags" not in link:
-            continue
-        try:
-            props = _read_properties(Path(root) / str(to) / "properties")
-        except OSError:
-            continue
-        if props.get("cpu_cores_count", 0) > 0 and props.get("simd_count", 0) == 0:
-            ok = not (link["flags"] & CRAT_IOLINK_FLAGS_NO_ATOMICS_64_BIT)
-            seen = ok if seen is None else (seen and ok)
-    return seen
 
 
 # --------------------------------------------------------------------------- the runtime
@@ -688,51 +422,3 @@ class Hsa:
                   doing=f"reading the owner of address 0x{int(ptr):x}")
         return PointerInfo(int(info.type), int(info.agentBaseAddress or 0), int(info.hostBaseAddress or 0),
                            int(info.sizeInBytes), int(info.agentOwner.handle))
-
-
-# --------------------------------------------------------------------------- engine choice per GPU pair
-
-
-@dataclass(frozen=True)
-class EnginePlan:
-    """Which SDMA engines carry a pair's copies, and why."""
-
-    data: tuple[int, ...]          # one-hot engine ids, used round-robin by the data copies
-    local: int                     # one-hot engine id of the local 8-byte ``sent`` copy
-    why: str
-
-
-def plan_engines(hsa, src_agent, dst_agent, copies: int, *, topology_root: str | None = None) -> EnginePlan:
-    """Pick the engines for a GPU pair from the driver's recommendation (never a hard-coded engine).
-
-    ``src_agent`` / ``dst_agent``: :class:`Agent`. The
-    recommended mask comes from ``hsa_amd_memory_get_preferred_copy_engine``
-    (ROCr with hsa_ext_amd >= 1.8) or else KFD's sysfs
-    ``recommended_sdma_engine_id_mask``; the available mask from
-    ``hsa_amd_memory_copy_engine_status``. With several recommended engines and
-    ``copies > 1`` the data copies rotate over them.
-    """
-    kw = {} if topology_root is None else {"root": topology_root}
-    pcie = src_agent.num_sdma if src_agent.num_sdma is not None else 2
-    preferred = hsa.preferred_copy_engine(dst_agent.handle, src_agent.handle)
-    source = "hsa_amd_memory_get_preferred_copy_engine"
-    if preferred is None:
-        src_node = src_agent.driver_node if src_agent.driver_node is not None else src_agent.node
-        dst_node = dst_agent.driver_node if dst_agent.driver_node is not None else dst_agent.node
-        preferred = (kfd_recommended_mask(src_node, dst_node, **kw)
-                     if src_node is not None and dst_node is not None else None)
-        source = "KFD sysfs recommended_sdma_engine_id_mask"
-    available = hsa.copy_engine_status(dst_agent.handle, src_agent.handle)
-    first, why = choose_engine(available, preferred, pcie_engines=pcie, xgmi_peer=True)
-    data = [first]
-    if copies > 1 and preferred:
-        data = [1 << b for b in engine_bits(preferred)] or data
-    local_avail = hsa.copy_engine_status(src_agent.handle, src_agent.handle)
-    local_pref = hsa.preferred_copy_engine(src_agent.handle, src_agent.handle) or 0
-    try:
-        local, _ = choose_engine(local_avail, local_pref, pcie_engines=pcie, xgmi_peer=False)
-    except BadInput:
-        local = first
-    return EnginePlan(tuple(data), local,
-                      f"data on engine(s) {[engine_bits(e)[0] for e in data]} ({why}; recommendation from {source}: "
-                      f"{mask_str(preferred)}); local flag copy on engine {engine_bits(local)[0]}")
