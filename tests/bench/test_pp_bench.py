@@ -15,7 +15,7 @@ import tempfile
 import pytest
 import torch
 
-from gpuxfer.bench.pp.ranks import count_wrong_bytes
+from gpuxfer.bench.pp.measures import count_wrong_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

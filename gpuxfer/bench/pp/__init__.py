@@ -25,7 +25,9 @@ reported as met or missed; ``--check-targets`` turns a miss into exit code 1.
 Any wrong byte or error is exit code 1.
 
 Modules: :mod:`.cli` (the options and the run: two ranks spawned, their results gathered),
-:mod:`.ranks` (what each rank measures), :mod:`.report` (targets, the nccl-tests table, the
+:mod:`.ranks` (one rank: the timed step loops), :mod:`.measures` (what a rank measures beside them:
+graph rows, ping-pong, the bulk ceiling, SM contention; the byte check), :mod:`.plain` (the plain
+``torch.distributed`` baseline), :mod:`.report` (targets, the nccl-tests table, the
 JSON document); the names they share are here.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ from .. import report as R
 from ..cpus import describe
 from . import (BULK_REPEATS, GRAPH, HOST_TARGET, KiB, MiB, NO_META, PING_SIZES, PLAIN, TARGET_BULK_FRACTION,
                TARGET_COMPUTE_LOSS, TARGET_HOST_US, TARGET_LATENCY_US, TARGET_SMALL_RATIO, _fmt_size)
-from .ranks import PACED, baseline, contention_backends
+from .measures import PACED, baseline, contention_backends
 
 
 # --------------------------------------------------------------------------- report
