@@ -785,7 +785,6 @@ class KVAgent(Closable, FailsOnTimeout):
         total = mid + D.size
         n_seg = np.array(n_seg, dtype=np.int64)
         plane_rows = n_seg[route.plane_group]
-        n_rows = int(plane_rows.sum())
         nbytes = int(plane_rows @ route.plane_bytes)
         if self.engine in ("triton", "pack"):
             host, h = self._requests.take(total)
@@ -794,6 +793,7 @@ class KVAgent(Closable, FailsOnTimeout):
             host = _torch().from_numpy(h)
         h[0] = 0
         np.cumsum(plane_rows, out=h[1:P + 1])
+        n_rows = int(h[P])
         h[P + 1:P + 1 + G] = n_seg
         starts, at = [], head
         for n in lens_s + lens_d:
