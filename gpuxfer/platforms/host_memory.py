@@ -17,6 +17,7 @@ import numpy as np
 from ..common import map_shm, unlink_shm
 from ..errors import BadInput, DriverError, NotExportable
 from .base import DeviceBuffer, ExportedRange, IpcHandle, Memory, PeerMapping
+from .views import tensor_view_params
 
 log = logging.getLogger("gpuxfer.platforms.host")
 
@@ -51,17 +52,6 @@ class _Shm:
             # until the last one dies (the mmap object closes itself then).
             log.debug("shared memory %s still viewed by tensors; unmapped when they die", self.name)
         self.unlink()
-
-
-def _torch_dtype(dtype):
-    import torch
-    if dtype is None:
-        return torch.uint8
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
-        return getattr(torch, dtype)
-    raise BadInput(f"not a torch dtype: {dtype!r}")
 
 
 class _HostMemory:
@@ -165,19 +155,7 @@ class _HostMemory:
             raise BadInput(f"{mem!r} does not belong to this host platform")
         if mem.closed:
             raise BadInput(f"cannot view {mem!r}: it is closed")
-        dt = _torch_dtype(dtype)
-        item = torch.empty((), dtype=dt).element_size()
-        if not isinstance(offset, (int, np.integer)) or offset < 0 or offset > mem.nbytes:
-            raise BadInput(f"offset {offset!r} lies outside {mem!r}")
-        if offset % item:
-            raise BadInput(f"offset {offset} is not a multiple of the {dt} item size ({item} bytes)")
-        if shape is None:
-            shape = ((mem.nbytes - offset) // item,)
-        shape = tuple(int(s) for s in shape)
-        if any(s < 0 for s in shape):
-            raise BadInput(f"negative size in shape {shape}")
-        count = int(np.prod(shape, dtype=np.int64)) * item
-        mem.check_range(offset, count, f"a {dt} tensor of shape {shape} at byte offset {offset}")
+        dt, shape, count = tensor_view_params(mem, dtype, shape, offset)
         if count == 0:
             return torch.empty(shape, dtype=dt)
         # frombuffer keeps a reference to the memoryview, whose buffer export keeps

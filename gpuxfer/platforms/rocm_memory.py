@@ -15,6 +15,7 @@ from .base import DeviceBuffer, ExportedRange, IpcHandle, Memory, PeerMapping
 from .rocm_hip import (HIP_DEVICE_MALLOC_DEFAULT, HIP_DEVICE_MALLOC_UNCACHED, HIP_IPC_MEM_LAZY_ENABLE_PEER_ACCESS,
                        HIP_MALLOC_SIGNAL_MEMORY, handle_bytes, handle_from_bytes, hip_first)
 from .rocm_sdma import SignalMemory
+from .views import tensor_view_params
 
 
 class _CudaArrayInterface:
@@ -23,36 +24,6 @@ class _CudaArrayInterface:
     def __init__(self, ptr: int, nbytes: int):
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
                                          "version": 3, "strides": None, "stream": None}
-
-
-def _torch_dtype(dtype):
-    import torch
-    if dtype is None:
-        return torch.uint8
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
-        return getattr(torch, dtype)
-    raise BadInput(f"not a torch dtype: {dtype!r}")
-
-
-def tensor_view_params(mem: Memory, dtype, shape: Sequence[int] | None, offset: int):
-    """Validate an ``as_tensor`` request: returns (torch dtype, shape, bytes)."""
-    import torch
-    dt = _torch_dtype(dtype)
-    item = torch.empty((), dtype=dt).element_size()
-    if not isinstance(offset, (int, np.integer)) or offset < 0 or offset > mem.nbytes:
-        raise BadInput(f"offset {offset!r} lies outside {mem!r}")
-    if offset % item:
-        raise BadInput(f"offset {offset} is not a multiple of the {dt} item size ({item} bytes)")
-    if shape is None:
-        shape = ((mem.nbytes - int(offset)) // item,)
-    shape = tuple(int(s) for s in shape)
-    if any(s < 0 for s in shape):
-        raise BadInput(f"negative size in shape {shape}")
-    count = int(np.prod(shape, dtype=np.int64)) * item
-    mem.check_range(int(offset), count, f"a {dt} tensor of shape {shape} at byte offset {offset}")
-    return dt, shape, count
 
 
 class _RocmMemory:

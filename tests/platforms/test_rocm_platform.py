@@ -21,6 +21,7 @@ from gpuxfer.errors import BadInput, DriverError, PlatformUnavailable
 from gpuxfer.platforms import rocm as R
 from gpuxfer.platforms import rocm_hip as RH
 from gpuxfer.platforms import rocm_memory as RM
+from gpuxfer.platforms import views
 from gpuxfer.platforms.base import IpcHandle
 from gpuxfer.platforms.hsa import Hsa
 from gpuxfer.platforms.rocm import RocmPlatform, RocmStream
@@ -561,12 +562,12 @@ def test_tensor_view_params_validate():
             if off + n > self.nbytes:
                 raise BadInput(what)
 
-    assert RM.tensor_view_params(M(), torch.bfloat16, None, 0)[1:] == ((512,), 1024)
-    assert RM.tensor_view_params(M(), "float32", (4, 8), 512)[1:] == ((4, 8), 128)
+    assert views.tensor_view_params(M(), torch.bfloat16, None, 0)[1:] == ((512,), 1024)
+    assert views.tensor_view_params(M(), "float32", (4, 8), 512)[1:] == ((4, 8), 128)
     with pytest.raises(BadInput):
-        RM.tensor_view_params(M(), torch.float32, None, 2)
+        views.tensor_view_params(M(), torch.float32, None, 2)
     with pytest.raises(BadInput):
-        RM.tensor_view_params(M(), torch.float32, (300,), 0)
+        views.tensor_view_params(M(), torch.float32, (300,), 0)
     cai = RM._CudaArrayInterface(0x1000, 64).__cuda_array_interface__
     assert cai["data"] == (0x1000, False) and cai["shape"] == (64,) and cai["typestr"] == "|u1"
 
