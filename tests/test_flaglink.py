@@ -11,7 +11,7 @@ import pytest
 from _spawn import on_threads
 from gpuxfer import flaglink as FL
 from gpuxfer.errors import BackendUnavailable, BadInput, DriverError, GpuxferError, TransferTimeout
-from gpuxfer.platforms.base import Memory
+from gpuxfer.platforms.base import RELEASE_VALUE, Memory
 from gpuxfer.platforms.host import HostPlatform
 
 WORDS = 4
@@ -205,3 +205,86 @@ def test_release_waits_frees_a_blocked_stream_and_close_is_idempotent():
     for x in links:
         x.close()                                        # again: nothing happens
         x.release_waits([FL.FIRST_WORD])                 # after close: a no-op
+
+
+class _CorruptsRemoteWrites(_RefusesRemoteWrites):
+    """The host platform, landing stream writes into peer mappings with another value."""
+
+    def write_flag(self, stream, ptr, value):
+        _OneProcess.write_flag(self, stream, ptr, value + 1 if self._to_peer(ptr) else value)
+
+
+def _shared_pair(cls=_OneProcess, path="auto"):
+    """One process's words shared by its link to a peer's words (an agent's layout): (platform, own words, peer
+    words, link)."""
+    plat = cls(devices=2)
+    mine, theirs = FL.FlagWords(plat, 0, WORDS, name="mine"), FL.FlagWords(plat, 1, WORDS, rank=1, name="theirs")
+    link = FL.FlagLink(plat, 0, WORDS, path=path, peer="theirs", name="test", shared=mine)
+    link.open(theirs.export())
+    return plat, mine, theirs, link
+
+
+@pytest.mark.parametrize("cls, path, remote", [
+    (_OneProcess, "auto", True), (_RefusesRemoteWrites, "auto", False), (_LosesRemoteWrites, "auto", False),
+    (_CorruptsRemoteWrites, "auto", False), (_OneProcess, "copy", False), (_RefusesRemoteWrites, "remote", True),
+])
+def test_one_sided_probe_picks_the_path_and_signals_arrive_through_own_stage_words(cls, path, remote):
+    """The one-sided probe takes remote writes only where its fresh value read back through the mapping (a
+    refused, lost or corrupted write: copies; a forced path: unprobed); a copy-path signal goes through the
+    link's own stage words, never the shared words; closing the link leaves both sides' words open."""
+    plat, mine, theirs, link = _shared_pair(cls, path)
+    try:
+        assert link.probe_one_sided(5.0) is remote and link.path == (FL.REMOTE if remote else FL.COPY)
+        assert link.stage_mem is not link.local and link.local is mine.buf
+        if path == "copy":
+            assert theirs.read(FL.PROBE_REMOTE) == 0                 # forced: nothing written
+        if not (remote and cls is _RefusesRemoteWrites):             # (a forced remote path the platform refuses)
+            s = plat.create_stream(0)
+            link.signal(s, FL.FIRST_WORD + 1, 7, stage=FL.FIRST_WORD + 1)
+            q = link.queue(s, batch=True)
+            q.signal(FL.FIRST_WORD + 2, 9)
+            q.write(FL.FIRST_WORD, 3)
+            q.flush()
+            assert plat.synchronize(s, 10.0)
+            s.close()
+            assert [theirs.read(FL.FIRST_WORD + i) for i in (1, 2)] == [7, 9] and mine.read(FL.FIRST_WORD) == 3
+            assert mine.read(FL.FIRST_WORD + 1) == mine.read(FL.FIRST_WORD + 2) == 0
+    finally:
+        link.close()
+        assert link.closed and not mine.closed and not theirs.closed
+        link.close()
+        mine.close()
+        theirs.close()
+        plat.close()
+
+
+def test_a_word_the_peer_never_signals_or_signals_stale_ends_in_a_timeout_naming_it():
+    """A host wait on a word the peer never signals, or signals with a stale (lower) value, raises the typed
+    timeout naming the flag and the value seen; a stream wait on it is freed by the release."""
+    plat, mine, theirs, link = _shared_pair()
+    try:
+        with pytest.raises(TransferTimeout, match=r"'notification 4' >= 1 \(last value seen: 0\)"):
+            mine.wait_host(FL.FIRST_WORD + 3, 1, 0.1, flag="notification 4")
+        s = plat.create_stream(1)
+        peer_link = FL.FlagLink(plat, 1, WORDS, path="copy", peer="mine", shared=theirs)
+        peer_link.open(mine)                                         # in one process: the words as they are
+        peer_link.signal(s, FL.FIRST_WORD, 5, stage=FL.FIRST_WORD)    # the peer is one behind
+        assert plat.synchronize(s, 10.0)
+        with pytest.raises(TransferTimeout, match=r">= 6 \(last value seen: 5\)"):
+            link.words.wait_host(FL.FIRST_WORD, 6, 0.1)
+        w = plat.create_stream(0)
+        link.wait(w, FL.FIRST_WORD, 6)
+        ev = plat.record_event(w)
+        assert not plat.event_wait(ev, 0.05)
+        link.release_waits([FL.FIRST_WORD])
+        assert plat.event_wait(ev, 10.0) and mine.read(FL.FIRST_WORD) == RELEASE_VALUE
+        peer_link.close()
+        assert not mine.closed                                       # a peer's words in one process: not closed
+        s.close()
+        w.close()
+    finally:
+        link.close()
+        mine.close()
+        theirs.close()
+        plat.close()
+    mine.release([FL.FIRST_WORD])                                    # after close: a no-op

@@ -60,7 +60,7 @@ polls it, :meth:`KVAgent.wait_notification` waits with a timeout,
     xfer = prepare(peer, "push", ...)   host: check IDs, stage them (per-request setup)
     h = xfer.post(stream)               host: ~5 calls, returns (post host time)
       stream: upload IDs -> expand -> copy pieces -> notify  ----+
-    h.done() / h.wait()                  <- complete            |  (8-byte write into decode's word k)
+    h.done() / h.wait()                  <- complete            |  (a flag-link signal into decode's word k)
                                                                 +-> wait_notification(k, n) returns, or
                                                                     stream_wait_notification(s, k, n)
                                                                     lets decode's kernels on s go on
@@ -92,9 +92,9 @@ import numpy as np
 
 from ..errors import (BackendUnavailable, BadInput, BadMetadata, BlockIdError, LayoutMismatch, NotRegistered,
                       TransferTimeout)
-from ..platforms.base import RELEASE_VALUE, Closable, DeviceBuffer, Event, IpcHandle, Platform, Stream
-from ..sync import wait_flag_or_raise
-from .control import _CTRL_BYTES, NOTIFY_SLOTS, PACK_SLOTS, _PACK_WORDS, _PROBE
+from ..flaglink import FlagLink, FlagWords
+from ..platforms.base import Closable, DeviceBuffer, Event, IpcHandle, Platform, Stream
+from .control import AGENT_WORDS, NOTIFY, NOTIFY_SLOTS, PACK_SLOTS, PACK_WORDS
 from .copy_transfer import _CopyEngineTransfer
 from .engines.base import FailsOnTimeout, on_timeout_from_env
 from .ids import _RouteIds
@@ -147,30 +147,32 @@ class _Group:
 
 
 class KVPeer(Closable):
-    """Another agent, added from its metadata: its caches mapped here (or, in this process, used as they are)."""
+    """Another agent, added from its metadata: its caches mapped here (or, in this process, used as they are),
+    and :attr:`flags`, the flag link to its words (the agent's words shared, stage words of the link's own)."""
 
     def __init__(self, agent: "KVAgent", meta: PeerMetadata):
         self.agent, self.meta, self.name = agent, meta, meta.agent
         self._closed = False
         self._mappings: list[Any] = []
         self._owned: list[Any] = []
-        self.scratch: DeviceBuffer | None = None
+        self.flags: FlagLink | None = None
         self.staging_ptr: int | None = None
         self._seq = [0] * NOTIFY_SLOTS
         self._notified: list = [None] * NOTIFY_SLOTS     # per slot: (stream, event) of its last notifying post
         self.pack_sent = 0                  # pack transfers (with chunks) this agent's source posted to the peer
         self.pack_recv = 0                  # pack transfers (with chunks) this agent's destination posted
-        self.remote_flags = False           # pack signals: a stream write into the peer's word (probed), else a
-                                            # write into scratch and an 8-byte copy
         plat, dev = agent.platform, agent.device
         try:
             local = _LOCAL_AGENTS.get(meta.uid) if meta.pid == os.getpid() else None
             if meta.pid == os.getpid() and local is None:
                 raise BadMetadata(f"peer {meta.agent!r} claims this process but is not a live agent here")
             self._local = local
+            self.flags = FlagLink(plat, dev, AGENT_WORDS, rank=agent.rank, peer=meta.agent,
+                                  name=f"agent {agent.name!r}", shared=agent.flags)
+            self._owned.append(self.flags)
             if local is not None:
                 bases = list(local._alloc_bases)
-                self.control_ptr = local.control.ptr
+                self.flags.open(local.flags)
                 self.staging_ptr = None if local.staging is None else local.staging.ptr
             else:
                 bases = []
@@ -182,9 +184,7 @@ class KVPeer(Closable):
                         raise BadMetadata(f"peer {meta.agent!r} claims an allocation of {h.nbytes} bytes; the "
                                           f"mapping holds {real[1]}")
                     bases.append(m.ptr)
-                ctrl = plat.open_handle(meta.control, dev)
-                self._mappings.append(ctrl)
-                self.control_ptr = ctrl.ptr
+                self.flags.open(meta.control)
                 if meta.staging is not None:
                     st = plat.open_handle(meta.staging, dev)
                     self._mappings.append(st)
@@ -194,8 +194,6 @@ class KVPeer(Closable):
                 layers = [KVLayer(lay.name, lay.index, bases[a] + off, lay.num_blocks, lay.block_stride, lay.pieces,
                                   lay.extent, lay.token_major) for lay, a, off in g.layers]
                 self.groups[g.name] = _Group(g.name, g.block_tokens, layers, [(a, off) for _, a, off in g.layers])
-            self.scratch = plat.alloc(_CTRL_BYTES, dev)
-            self._owned.append(self.scratch)
         except BaseException:
             self._release()
             raise
@@ -215,24 +213,23 @@ class KVPeer(Closable):
         The n-th notification to a slot writes n once the post that wrote n - 1 completed: a post on another
         stream waits for that post's event first (on one stream, stream order does it). So the peer's word
         never goes down and value n says the data of the first n notifying posts landed; and the copy path's
-        scratch word (``scratch + 8 * slot``) is read by one copy at a time."""
+        stage word of the slot is read by one copy at a time."""
         plat, agent = self.agent.platform, self.agent
         last = self._notified[slot]
         if last is not None and last[0] is not s:
             plat.stream_wait_event(s, last[1])
         value = self._seq[slot] + 1
-        target = self.control_ptr + 8 * slot
-        word = target if self.remote_flags else self.scratch.ptr + 8 * slot
-        if s is agent.stream:
-            agent._calls.write_flag(word, value)
-        else:
-            plat.write_flag(s, word, value)
-        if not self.remote_flags:
-            plat.copy_async(s, target, word, 8)
+        self.flags.signal(s, NOTIFY + slot, value, NOTIFY + slot, agent._calls if s is agent.stream else None)
         event = plat.record_event(s)
         self._seq[slot] = value
         self._notified[slot] = (s, event)
         return value, event
+
+    @property
+    def remote_flags(self) -> bool:
+        """Whether signals to the peer are stream writes into its words (probed), else stage writes and 8-byte
+        copies."""
+        return self.flags.remote
 
     def _release(self) -> None:
         for m in reversed(self._mappings + self._owned):
@@ -341,8 +338,8 @@ class KVAgent(Closable, FailsOnTimeout):
 
     **Failure.** When a wait on a peer times out -- a ``pack`` transfer's handle (its streams wait on
     flags the peer writes) or :meth:`wait_notification` -- the agent fails, as a benchmark side does
-    (:class:`~gpuxfer.kv.engines.FailsOnTimeout`): it writes a release value into its own control words
-    (the pack flags and every notification slot a stream was made to wait on), so none of its streams
+    (:class:`~gpuxfer.kv.engines.FailsOnTimeout`): it writes a release value into its own flag words
+    (:class:`~gpuxfer.flaglink.FlagWords`: the pack flags and every notification slot a stream was made to wait on), so none of its streams
     stays blocked, and raises the error from every later call; ``close`` still works.
     ``on_timeout="exit"`` (or ``GPUXFER_KV_ON_TIMEOUT=exit``) then ends the process. A ``triton``
     transfer queues no wait on the peer: its handle's timeout only raises.
@@ -394,7 +391,7 @@ class KVAgent(Closable, FailsOnTimeout):
         self._capture_stream: Stream | None = None                  # where slots' graphs are captured
         self.graphs = True                                          # capture slots' launches as graphs
         self._slot_uses = itertools.count(1)
-        self.control: DeviceBuffer | None = None
+        self.flags: FlagWords | None = None
         self.staging: DeviceBuffer | None = None
         self.stream: Stream | None = None
         if slot_bytes is None:
@@ -405,13 +402,10 @@ class KVAgent(Closable, FailsOnTimeout):
         try:
             if engine == "pack":
                 self.staging = platform.alloc(PACK_SLOTS * slot_bytes, self.device)
-            self.control = platform.alloc(_CTRL_BYTES, self.device)
+            self.flags = FlagWords(platform, self.device, AGENT_WORDS, rank=self.rank, name=f"agent {name!r}",
+                                   timeout_s=self.timeout_s)
             self.stream = platform.create_stream(self.device)
             self._calls = platform.stream_calls(self.stream)        # the stream's flag and graph calls, bound once
-            platform.memset_async(self.stream, self.control.ptr, 0, _CTRL_BYTES)
-            if not platform.synchronize(self.stream, self.timeout_s):
-                raise TransferTimeout(rank=self.rank, step=0, flag="notification words (memset)", expected=1,
-                                      seen=0, timeout_s=self.timeout_s)
         except BaseException:
             self._release()
             raise
@@ -507,7 +501,7 @@ class KVAgent(Closable, FailsOnTimeout):
     def metadata(self) -> bytes:
         """This agent's caches and notification words, as versioned bytes for :meth:`add_peer` elsewhere."""
         self._check_open()
-        ctrl = self.platform.export_handle(self.control)
+        ctrl = self.flags.export()
         body = {
             "agent": self.name, "uid": self.uid, "pid": os.getpid(), "host": socket.gethostname() or "unknown",
             "platform": self.platform.name, "device": self.device,
@@ -545,45 +539,9 @@ class KVAgent(Closable, FailsOnTimeout):
         with self._lock:
             self._peers[meta.agent] = peer
         if self.engine == "pack":
-            peer.remote_flags = self._probe_remote_flags(peer)
+            peer.flags.probe_one_sided(self.timeout_s)
         self._warm(peer)
         return peer
-
-    def _probe_remote_flags(self, peer: KVPeer) -> bool:
-        """Whether a stream write into the peer's control words lands (``$GPUXFER_FLAG_PATH``: ``auto`` probes
-        -- a write of a fresh value on a stream of its own, read back through the mapping --, ``remote`` /
-        ``copy`` force one path; CUDA 13.1+ refuses remote stream writes)."""
-        from ..flaglink import SETUP_TIMEOUT_S, flag_path_from_env
-        path = flag_path_from_env()
-        if path != "auto":
-            return path == "remote"
-        plat = self.platform
-        word = peer.control_ptr + 8 * _PROBE
-        nonce = int.from_bytes(os.urandom(6), "little") + 1
-        timeout = min(self.timeout_s, SETUP_TIMEOUT_S)
-        s = plat.create_stream(self.device)
-        pending, ok = False, False
-        try:
-            plat.write_flag(s, word, nonce)
-            pending = not plat.synchronize(s, timeout)
-            ok = not pending and plat.read_flag(word, self.device) == nonce
-        except Exception as exc:  # noqa: BLE001 - the remote path is optional (CUDA 13.1+ refuses it): logged
-            log.info("agent %s: a remote stream write to peer %s failed (%s: %s)", self.name, peer.name,
-                     type(exc).__name__, exc)
-        if pending:
-            # the write is still queued: the stream is kept, not destroyed under it
-            log.warning("agent %s: the probe's stream write to peer %s did not complete within %g s; its stream "
-                        "is kept for the life of the process", self.name, peer.name, timeout)
-            _LEAKED.append(s)
-        else:
-            try:
-                s.close()
-            except Exception as exc:  # noqa: BLE001 - a stream a refused operation left unusable: logged
-                log.warning("agent %s: closing the probe's stream failed (%s: %s)", self.name, type(exc).__name__,
-                            exc)
-        if not ok:
-            log.info("agent %s: pack signals to peer %s go by 8-byte copies", self.name, peer.name)
-        return ok
 
     def _warm(self, peer: KVPeer) -> None:
         """Build the routes of whole requests (every shared group, every layer) in both directions now, so a
@@ -599,12 +557,12 @@ class KVAgent(Closable, FailsOnTimeout):
                 log.debug("agent %s: no %s route with peer %s yet: %s", self.name, op, peer.name, exc)
 
     def remove_peer(self, peer: "KVPeer | str") -> None:
-        """Forget a peer, then close its mappings and free its scratch once every transfer posted with it
+        """Forget a peer, then close its mappings and its flag link once every transfer posted with it
         completed (waiting at most the agent's timeout).
 
         Past the timeout the agent fails (:meth:`fail`: its waits are released, its error is raised from
         every later call) and waits once more; what still runs then may touch the peer's mappings and
-        scratch, so those are kept for the life of the process (logged) instead of freed under it."""
+        flag link's words, so those are kept for the life of the process (logged) instead of freed under it."""
         name = peer.name if isinstance(peer, KVPeer) else peer
         with self._lock:
             p = self._peers.pop(name, None)
@@ -924,23 +882,23 @@ class KVAgent(Closable, FailsOnTimeout):
     # ------------------------------------------------------------------ notifications
 
     def _slot(self, slot: int) -> int:
+        """The flag word of notification slot ``slot``."""
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < NOTIFY_SLOTS:
             raise BadInput(f"notification slot must be an int in 0..{NOTIFY_SLOTS - 1}, got {slot!r}")
-        return self.control.ptr + 8 * slot
+        return NOTIFY + slot
 
     def notification(self, slot: int = 0) -> int:
         """The value of notification word ``slot`` (how many notifications reached it), read now."""
         self._check_open()
-        return self.platform.read_flag(self._slot(slot), self.device)
+        return self.flags.read(self._slot(slot))
 
     def wait_notification(self, slot: int, value: int, timeout_s: float | None = None) -> int:
         """Poll word ``slot`` until it holds ``value`` or more; :class:`TransferTimeout` past ``timeout_s``."""
         self._check_open()
         t = self.timeout_s if timeout_s is None else float(timeout_s)
         try:
-            return wait_flag_or_raise(self.platform, self._slot(slot), int(value), t, rank=self.rank,
-                                      step=int(value), flag=f"notification slot {slot} of agent {self.name!r}",
-                                      device=self.device)
+            return self.flags.wait_host(self._slot(slot), int(value), t, step=int(value),
+                                        flag=f"notification slot {slot} of agent {self.name!r}")
         except TransferTimeout as exc:
             self.fail(exc)
             raise
@@ -948,9 +906,9 @@ class KVAgent(Closable, FailsOnTimeout):
     def stream_wait_notification(self, stream: Stream, slot: int, value: int) -> None:
         """Block ``stream``'s later work (not the host) until word ``slot`` holds ``value`` or more."""
         self._check_open()
-        ptr = self._slot(slot)
+        index = self._slot(slot)
         self._waited_slots.add(slot)
-        self.platform.wait_flag(stream, ptr, int(value))
+        self.flags.wait(stream, index, int(value))
         self._stream_waits[id(stream)] = self.platform.record_event(stream)    # close drains past it
 
     # ------------------------------------------------------------------ failure
@@ -961,13 +919,8 @@ class KVAgent(Closable, FailsOnTimeout):
     def release_waits(self) -> None:
         """Write the release value into this agent's words its streams (or the caller's) may wait on: the
         pack flags and the notification slots waited on from a stream. Best effort: the abort path."""
-        if self.control is None:
-            return
-        for word in (*_PACK_WORDS, *sorted(self._waited_slots)):
-            try:
-                self.platform.host_write_flag(self.control.ptr + 8 * word, RELEASE_VALUE, self.device)
-            except Exception as exc:  # noqa: BLE001 - keep releasing
-                log.warning("agent %s: releasing control word %d failed: %s", self.name, word, exc)
+        if self.flags is not None:
+            self.flags.release((*PACK_WORDS, *(NOTIFY + k for k in sorted(self._waited_slots))))
 
     # ------------------------------------------------------------------ lifetime
 
@@ -1012,8 +965,8 @@ class KVAgent(Closable, FailsOnTimeout):
 
     def _release(self) -> None:
         """Drain (every queued wait bounded: the agent's timeout; released once), then close the peers'
-        mappings, the streams, and free the control words and the staging. What a GPU wait that did not
-        pass may still read or write -- the control words, the staging, the peers' mappings and scratch, the
+        mappings, the streams, and free the flag words and the staging. What a GPU wait that did not
+        pass may still read or write -- the flag words, the staging, the peers' mappings and flag links, the
         posted transfers' buffers -- is kept for the life of the process instead (logged)."""
         _LOCAL_AGENTS.pop(getattr(self, "uid", ""), None)
         drained = self._drained()
@@ -1024,7 +977,7 @@ class KVAgent(Closable, FailsOnTimeout):
             drained = self._drained()
         peers = list(getattr(self, "_peers", {}).values())
         if not drained:
-            keep = [b for b in (getattr(self, "control", None), getattr(self, "staging", None)) if b is not None]
+            keep = [b for b in (getattr(self, "flags", None), getattr(self, "staging", None)) if b is not None]
             for p in peers:
                 keep += p._mappings + p._owned
                 p._mappings, p._owned = [], []
@@ -1032,7 +985,7 @@ class KVAgent(Closable, FailsOnTimeout):
                       "mappings it may touch for the life of the process", self.name, len(keep))
             _LEAKED.extend(keep)
             _LEAKED.append(getattr(self, "_inflight", None))
-            self.control = self.staging = None
+            self.flags = self.staging = None
         for p in peers:
             p.close()
         self._pack_shapes = collections.OrderedDict()
@@ -1051,9 +1004,9 @@ class KVAgent(Closable, FailsOnTimeout):
         if getattr(self, "_lane", None) is not None:
             self._lane.close()
             self._lane = None
-        if getattr(self, "control", None) is not None:
-            self.control.close()
-            self.control = None
+        if getattr(self, "flags", None) is not None:
+            self.flags.close()
+            self.flags = None
         if getattr(self, "staging", None) is not None:
             self.staging.close()
             self.staging = None

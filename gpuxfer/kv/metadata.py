@@ -1,5 +1,5 @@
 """The metadata bytes an agent publishes (:meth:`~gpuxfer.kv.agent.KVAgent.metadata`) and their
-decoding: a versioned header, then JSON naming the agent, its control words, its staging, its
+decoding: a versioned header, then JSON naming the agent, its flag words (``control``), its staging, its
 allocations and its groups' layers. Hostile bytes raise :class:`~gpuxfer.errors.BadMetadata`,
 never more."""
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import Mapping
 
 from ..errors import BadMetadata
 from ..platforms.base import IpcHandle
-from .control import _CTRL_BYTES, PACK_SLOTS
+from .control import AGENT_FLAG_BYTES, PACK_SLOTS
 from .layers import _MAX_INT, _MAX_NAME, _MAX_PIECES, KVLayer, KVPiece, _check_layer
 
 METADATA_MAGIC = b"GXKV"
-METADATA_VERSION = 1
+METADATA_VERSION = 2
 _HEADER = struct.Struct("<4sHHI")           # magic, version, flags (0), body length
 MAX_METADATA_BYTES = 64 << 20
 
@@ -99,8 +99,8 @@ def decode_metadata(data: bytes) -> PeerMetadata:
     pid = _i(body, "pid", where, 0, 1 << 32)
     device = _i(body, "device", where, 0, 1 << 16)
     control = _handle(body.get("control"), "metadata control", plat, pid)
-    if control.nbytes < _CTRL_BYTES:
-        raise BadMetadata(f"metadata control: {control.nbytes} bytes, need {_CTRL_BYTES}")
+    if control.nbytes < AGENT_FLAG_BYTES:
+        raise BadMetadata(f"metadata control: {control.nbytes} bytes, need {AGENT_FLAG_BYTES}")
     staging, slot_bytes = None, 0
     if body.get("staging") is not None:
         staging = _handle(body["staging"], "metadata staging", plat, pid)

@@ -1,6 +1,7 @@
 """The ``pack`` engine's transfers (two-sided, staging to staging on a copy engine): what every
-transfer of one shape shares (:class:`_PackShape`), a stream's flag operations in batches
-(:class:`_FlagQueue`) and the transfer with its protocol (:class:`_PackTransfer`)."""
+transfer of one shape shares (:class:`_PackShape`) and the transfer with its protocol
+(:class:`_PackTransfer`). Its hand-offs are signals and waits on the peer's flag link
+(:class:`~gpuxfer.flaglink.FlagLink`, a stream's operations in batches: :class:`~gpuxfer.flaglink.FlagQueue`)."""
 from __future__ import annotations
 
 import logging
@@ -9,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import BadInput, TransferTimeout
-from ..platforms.base import FLAG_OP_WAIT, FLAG_OP_WRITE, Platform, Stream, flag_ops_array
-from .control import _AVAIL, _COPIED, _FREE, _GO, PACK_SLOTS, _PACKED
+from ..platforms.base import Stream
+from .control import AVAIL, COPIED, FREE, GO, PACK_SLOTS, PACKED
 from .layers import _torch
 from .transfer import KVTransfer, KVTransferHandle
 
@@ -100,110 +101,56 @@ class _PackShape:
             self.capturable = all(g is not None for g in self.graphs)
         return self.graphs[parity]
 
-    def _signal(self, q: "_FlagQueue", word: int, value: int) -> None:
-        """The peer's control ``word`` := ``value`` after the work before it: a stream write into it where
-        the probe saw one land (queued, so it joins a batch), else a write into our scratch copy of the word
-        and an 8-byte copy-engine copy into the peer's."""
-        peer = self.peer
-        if peer.remote_flags:
-            q.write(peer.control_ptr + 8 * word, value)
-            return
-        local = peer.scratch.ptr + 8 * word
-        q.write(local, value)
-        q.copy(peer.control_ptr + 8 * word, local, 8)
-
     def record(self, s: Stream, parity: int, batch: bool = False) -> None:
         """Enqueue this side's stream part of one transfer (see :class:`_PackTransfer`) on ``s``, the request
         already in :attr:`req`: every value is a constant of the shape and the parity, so a graph replays it.
-        The source's copies go on its lane (:meth:`record_copies`)."""
-        agent = self.agent
-        q = _FlagQueue(agent.platform, s, batch)
-        ctrl = agent.control.ptr
-        avail, free, go = _AVAIL + parity, _FREE + parity, _GO + parity
+        The source's copies go on its lane (:meth:`record_copies`). Words are the peer link's
+        (:attr:`KVPeer.flags`): ``wait`` / ``write`` this agent's own, ``signal`` the peer's."""
+        q = self.peer.flags.queue(s, batch)
+        avail, free, go = AVAIL + parity, FREE + parity, GO + parity
         if self.expand is not None:
             q.launch(self.expand)
         if self.source:
-            packed, copied = _PACKED + parity, _COPIED + parity
-            q.wait(ctrl + 8 * go, 1)
+            packed, copied = PACKED + parity, COPIED + parity
+            q.wait(go, 1)
             for i, (_, fn) in enumerate(self.chunks):
                 if i:
-                    q.write(ctrl + 8 * packed, i)       # chunk i - 1 is in its slot
+                    q.write(packed, i)                  # chunk i - 1 is in its slot
                 if i >= PACK_SLOTS:                     # the lane copied the slot's previous chunk out
-                    q.wait(ctrl + 8 * copied, i - PACK_SLOTS + 1)
+                    q.wait(copied, i - PACK_SLOTS + 1)
                 q.launch(fn)
-            q.write(ctrl + 8 * packed, len(self.chunks))
+            q.write(packed, len(self.chunks))
         else:
-            self._signal(q, free, 0)            # the source is past every wait on it (its transfer before last)
-            self._signal(q, go, 1)
+            q.signal(free, 0)                   # the source is past every wait on it (its transfer before last)
+            q.signal(go, 1)
             for i, (_, fn) in enumerate(self.chunks):
-                q.wait(ctrl + 8 * avail, i + 1)
+                q.wait(avail, i + 1)
                 if i == 0:
-                    self._signal(q, go, 0)      # the source is past its wait on it
+                    q.signal(go, 0)             # the source is past its wait on it
                 q.launch(fn)
-                self._signal(q, free, i + 1)
+                q.signal(free, i + 1)
         q.flush()
 
     def record_copies(self, c: Stream, parity: int, batch: bool = False) -> None:
         """The source's lane of one transfer on ``c``: each packed chunk to the peer's slot, then the signal."""
         agent, peer = self.agent, self.peer
-        q = _FlagQueue(agent.platform, c, batch)
-        ctrl, slot = agent.control.ptr, agent.slot_bytes
-        avail, free = _AVAIL + parity, _FREE + parity
-        packed, copied = _PACKED + parity, _COPIED + parity
+        q = peer.flags.queue(c, batch)
+        slot = agent.slot_bytes
+        avail, free = AVAIL + parity, FREE + parity
+        packed, copied = PACKED + parity, COPIED + parity
         for i, (nbytes, _) in enumerate(self.chunks):
             k = i % PACK_SLOTS
-            q.wait(ctrl + 8 * packed, i + 1)
+            q.wait(packed, i + 1)
             if i >= PACK_SLOTS:                 # the destination unpacked the slot's previous chunk
-                q.wait(ctrl + 8 * free, i - PACK_SLOTS + 1)
+                q.wait(free, i - PACK_SLOTS + 1)
             q.copy(peer.staging_ptr + k * slot, agent.staging.ptr + k * slot, nbytes)
-            q.write(ctrl + 8 * copied, i + 1)
-            self._signal(q, avail, i + 1)
-        q.wait(ctrl + 8 * free, len(self.chunks))
-        self._signal(q, avail, 0)               # the destination is past every wait on it
-        q.write(ctrl + 8 * packed, 0)           # both lanes are past every wait on these
-        q.write(ctrl + 8 * copied, 0)
+            q.write(copied, i + 1)
+            q.signal(avail, i + 1)
+        q.wait(free, len(self.chunks))
+        q.signal(avail, 0)                      # the destination is past every wait on it
+        q.write(packed, 0)                      # both lanes are past every wait on these
+        q.write(copied, 0)
         q.flush()
-
-
-class _FlagQueue:
-    """Operations for one stream, in order: flag writes and waits are held until the next copy or launch
-    (or :meth:`flush`) and then go as one :meth:`Platform.flag_ops` batch when ``batch`` (one graph node
-    where captured), else one call each."""
-
-    __slots__ = ("plat", "s", "batch", "native", "ops")
-
-    def __init__(self, plat: Platform, s: Stream, batch: bool):
-        self.plat, self.s, self.batch, self.native = plat, s, batch, plat.native_stream(s)
-        self.ops: list[tuple[int, int, int]] = []
-
-    def wait(self, ptr: int, value: int) -> None:
-        self.ops.append((FLAG_OP_WAIT, ptr, value))
-
-    def write(self, ptr: int, value: int) -> None:
-        self.ops.append((FLAG_OP_WRITE, ptr, value))
-
-    def flush(self) -> None:
-        ops, self.ops = self.ops, []
-        if self.batch and len(ops) > 1:
-            self.plat.flag_ops(self.s, flag_ops_array(ops))
-            return
-        for op, ptr, value in ops:
-            if op == FLAG_OP_WAIT:
-                self.plat.wait_flag(self.s, ptr, value)
-            else:
-                self.plat.write_flag(self.s, ptr, value)
-
-    def copy(self, dst: int, src: int, nbytes: int) -> None:
-        self.flush()
-        self.plat.copy_async(self.s, dst, src, nbytes)
-
-    def launch(self, fn) -> None:
-        """A kernel's launch: straight on the stream's driver handle where the platform gives one."""
-        self.flush()
-        if self.native is None:
-            self.plat.launch(self.s, fn)
-        else:
-            fn(self.native)
 
 
 class _PackTransfer(KVTransfer):
@@ -223,6 +170,10 @@ class _PackTransfer(KVTransfer):
     sides), and each word the peer waits on is reset by the side that writes it, once the waiting side
     is past its last wait (nothing this side's own queued work does can undo a release of its words)::
 
+        source agent                                              destination agent
+        add_peer(destination's metadata): open its words,         add_peer(source's metadata): alike
+          probe one-sided (remote writes or 8-byte copies)
+
         source stream (p)          source lane (p)                destination stream (p)
         upload, expand                                            upload, expand
                                                                   signal the source: FREE[p] := 0,
@@ -231,17 +182,19 @@ class _PackTransfer(KVTransfer):
          [wait COPIED[p] >= i+1-S]  wait PACKED[p] >= i + 1        wait AVAIL[p] >= i + 1
          pack -> own slot i % S     [wait FREE[p] >= i + 1 - S]    (i = 0: signal the source: GO[p] := 0)
          PACKED[p] := i + 1         copy own slot -> peer's slot   unpack own slot -> blocks
-                                    signal AVAIL[p] := i + 1 --->  signal the source: FREE[p] := i + 1
                                     COPIED[p] := i + 1
+                                    signal AVAIL[p] := i + 1 --->  signal the source: FREE[p] := i + 1
                                    wait FREE[p] >= chunks  <-----
                                    signal AVAIL[p] := 0
                                    PACKED[p] := 0, COPIED[p] := 0
         wait the lane (event)
         event (the data has landed)                               event (the data has landed)
 
-    (S = ``PACK_SLOTS``; a signal is a stream write into the peer's word where :meth:`KVAgent.add_peer`'s
-    probe saw one land, else a local write and an 8-byte copy of it.) Why the resets are safe: the source's transfer before last of parity ``p``
-    ended (its last wait on FREE[p]) before the destination's previous transfer could end; the
+    (S = ``PACK_SLOTS``; the words are the agent's flag words, :mod:`gpuxfer.kv.control`; a signal goes over
+    the peer's flag link, :attr:`KVPeer.flags`: a stream write into the peer's word where
+    :meth:`KVAgent.add_peer`'s one-sided probe saw one land, else a write into the link's stage word and an
+    8-byte copy of it, :mod:`gpuxfer.flaglink`.) Why the resets are safe: the source's transfer before last
+    of parity ``p`` ended (its last wait on FREE[p]) before the destination's previous transfer could end; the
     destination passed its waits on AVAIL[p] before its last FREE[p]; each reset travels on the
     writer's stream ahead of anything it writes into the word later; the lane resets its local words
     once both lanes are past their waits, before the stream's next transfer (which waits for the lane).

@@ -629,7 +629,7 @@ def test_removed_peer_and_closed_agent(pair):
 
 def _held_pull(pre, dec, a0, a1):
     """A pull with a notification posted on a stream of its own held by a gate: (src, dst, peer, gate, stream,
-    handle). The notification goes through the peer's scratch word (an in-process peer maps nothing)."""
+    handle). The notification goes through the peer link's stage word (an in-process peer maps nothing)."""
     src, dst = _vllm_layers(a0, 1, 4, 4, seed=1), _vllm_layers(a1, 1, 4, 4, seed=2)
     pre.register_group("full", 4, src)
     dec.register_group("full", 4, dst)
@@ -645,15 +645,15 @@ def _held_pull(pre, dec, a0, a1):
 
 
 def _stop_if_freed_under(s, h, peer) -> None:
-    """Drop the held work (not run it) when the peer's scratch was freed under it: running it would write
-    into freed memory."""
-    if not h.done() and peer.scratch.closed:
+    """Drop the held work (not run it) when the peer link's stage words were freed under it: running it would
+    write into freed memory."""
+    if not h.done() and peer.flags.stage_mem.closed:
         s._worker.abort()
 
 
 def test_remove_peer_waits_for_its_transfers(pair):
     """remove_peer while a post to that peer is held: it waits for the post (the gate opens meanwhile), then
-    frees the peer's scratch; the bytes and the notification landed and the agent is fine."""
+    closes the peer's flag link; the bytes and the notification landed and the agent is fine."""
     import threading
     pre, dec, a0, a1 = pair
     src, dst, p_of_dec, gate, s, h = _held_pull(pre, dec, a0, a1)
@@ -662,7 +662,7 @@ def test_remove_peer_waits_for_its_transfers(pair):
     try:
         opener.start()
         dec.remove_peer("prefill")
-        assert h.done() and p_of_dec.scratch.closed and dec.failed is None
+        assert h.done() and p_of_dec.flags.closed and p_of_dec.flags.stage_mem.closed and dec.failed is None
         assert pre.notification(2) == 1
         for name in src:
             assert _eq(dst[name][:, 0], src[name][:, 3])
@@ -677,18 +677,18 @@ def test_remove_peer_waits_for_its_transfers(pair):
 
 def test_remove_peer_keeps_what_a_stuck_transfer_may_touch(pair):
     """remove_peer while a post to that peer is held past the agent's timeout: the agent fails (its error
-    names the peer) and keeps the peer's scratch instead of freeing it; once the gate opens, the post runs
-    through the kept memory."""
+    names the peer) and keeps the peer's flag link (its stage words) instead of closing it; once the gate
+    opens, the post runs through the kept memory."""
     from gpuxfer.kv import agent as agent_mod
     pre, dec, a0, a1 = pair
     src, dst, p_of_dec, gate, s, h = _held_pull(pre, dec, a0, a1)
     plat = dec.platform
-    scratch = p_of_dec.scratch
+    link = p_of_dec.flags
     before = len(agent_mod._LEAKED)
     try:
         dec.timeout_s = 0.1
         dec.remove_peer("prefill")
-        assert any(m is scratch for m in agent_mod._LEAKED[before:]) and not scratch.closed and not h.done()
+        assert any(m is link for m in agent_mod._LEAKED[before:]) and not link.stage_mem.closed and not h.done()
         assert isinstance(dec.failed, TransferTimeout) and "transfers with peer 'prefill'" in str(dec.failed)
         plat.host_write_flag(gate.ptr, 1, 1)
         assert plat.event_wait(h.event, 60)
@@ -702,7 +702,7 @@ def test_remove_peer_keeps_what_a_stuck_transfer_may_touch(pair):
         s.close()
         gate.close()
         del agent_mod._LEAKED[before:]
-        scratch.close()
+        link.close()
 
 
 # ----------------------------------------------------------------------------- metadata bytes
@@ -1052,7 +1052,7 @@ def test_stuck_peer_releases_stream_waits_on_notifications(pair):
 
 def test_close_releases_a_post_on_the_callers_stream_stuck_on_a_dead_peer(pack_pair):
     """A pack destination posted on the caller's stream, its source never posts: close waits (bounded) for the
-    post, releases the waits, drains that stream too, then frees the control words and the staging."""
+    post, releases the waits, drains that stream too, then frees the flag words and the staging."""
     pre, dec, a0, a1 = pack_pair
     pre.register_group("g", 4, [a0.tensor((4, 4, 8))])
     dec.register_group("g", 4, [a1.tensor((4, 4, 8))])
@@ -1064,11 +1064,11 @@ def test_close_releases_a_post_on_the_callers_stream_stuck_on_a_dead_peer(pack_p
         h = dec.prepare(p_of_dec, "pull", local_blocks={"g": [0]}, remote_blocks={"g": [1]}).post(s)
         waiter = plat.create_stream(1)
         dec.stream_wait_notification(waiter, 9, 1)          # nobody notifies slot 9 either
-        ctrl, staging = dec.control, dec.staging
+        words, staging = dec.flags, dec.staging
         dec.close()
         assert h.done() and plat.event_wait(plat.record_event(waiter), 60)
-        assert ctrl.closed and staging.closed and dec.control is None
-        assert all(m.closed for m in p_of_dec._mappings + [p_of_dec.scratch])
+        assert words.closed and staging.closed and dec.flags is None
+        assert all(m.closed for m in p_of_dec._mappings) and p_of_dec.flags.stage_mem.closed
     finally:
         s.close()
         waiter.close()
@@ -1076,7 +1076,7 @@ def test_close_releases_a_post_on_the_callers_stream_stuck_on_a_dead_peer(pack_p
 
 def test_close_keeps_memory_a_wait_it_cannot_release_may_touch(pair):
     """A post held on the caller's stream by a wait the agent cannot release: close gives up after its
-    timeout and keeps the control words and the peer's mappings and scratch (the post later reads and
+    timeout and keeps the flag words and the peer's mappings and flag link (the post later reads and
     writes them) instead of freeing them under it."""
     from gpuxfer.kv import agent as agent_mod
     pre, dec, a0, a1 = pair
@@ -1094,8 +1094,7 @@ def test_close_keeps_memory_a_wait_it_cannot_release_may_touch(pair):
         h = dec.transfer(p_of_dec, "pull", local_blocks={"full": [0]}, remote_blocks={"full": [3]}, stream=s,
                          notify_slot=2)
         dec.timeout_s = 0.1
-        ctrl = dec.control
-        expect = [ctrl, p_of_dec.scratch, *p_of_dec._mappings]     # (an in-process peer maps nothing)
+        expect = [dec.flags, p_of_dec.flags, *p_of_dec._mappings]     # (an in-process peer maps nothing)
         dec.close()
         kept = [m for m in agent_mod._LEAKED if any(m is e for e in expect)]
         assert len(kept) == len(expect) and not any(m.closed for m in kept) and not h.done()
@@ -1133,7 +1132,7 @@ def test_pack_goes_to_one_peer(plat, pack_pair):
 def test_flag_probe_bounded_and_keeps_a_stream_with_a_pending_write(pack_pair, monkeypatch):
     """The remote-write probe waits at most the agent's timeout (at most the set-up bound); a write that did not
     complete in time leaves its stream open (kept, not destroyed under it) and signals go by copies."""
-    from gpuxfer.kv import agent as agent_mod
+    from gpuxfer import flaglink
     pre, dec, a0, a1 = pack_pair
     monkeypatch.setenv("GPUXFER_FLAG_PATH", "auto")
     pre.timeout_s = 0.25
@@ -1146,15 +1145,15 @@ def test_flag_probe_bounded_and_keeps_a_stream_with_a_pending_write(pack_pair, m
         return False
     monkeypatch.setattr(plat, "synchronize", stuck)
     try:
-        assert pre._probe_remote_flags(peer) is False
+        assert peer.flags.probe_one_sided(pre.timeout_s) is False and peer.remote_flags is False
         (s, t), = seen
-        assert t == 0.25 and not s.closed and s in agent_mod._LEAKED
+        assert t == 0.25 and not s.closed and s in flaglink._KEPT
     finally:
         monkeypatch.undo()
-        agent_mod._LEAKED.remove(s)
+        flaglink._KEPT.remove(s)
         plat.synchronize(s, 30)
         s.close()
-    assert pre._probe_remote_flags(peer) is True            # the host emulation's stream writes land
+    assert peer.flags.probe_one_sided(pre.timeout_s) is True      # the host emulation's stream writes land
 
 
 def test_pack_needs_staging_on_both_sides(plat, pack_pair):
@@ -1600,7 +1599,7 @@ def _cuda_order_and_close():
                 h.wait(60)
             h = xd.post(s3)                                 # its source never posts this one
             d.close()
-            assert h.done() and d.control is None
+            assert h.done() and d.flags is None
         finally:
             opener.cancel()
             plat.host_write_flag(gate.ptr, 1, 0)

@@ -64,8 +64,8 @@ import numpy as np
 
 from ... import config
 from ...errors import BackendUnavailable, BadInput, TransferTimeout
-from ...platforms.base import (RELEASE_VALUE, Closable, DeviceBuffer, Event, Memory, PeerMapping, Platform,
-                               Stream)
+from ...flaglink import FIRST_WORD, FlagWords
+from ...platforms.base import Closable, DeviceBuffer, Event, Memory, PeerMapping, Platform, Stream
 from ...sync import SPIN_S, wait_event_or_raise
 from ..plan import DIRECTIONS, check_bounds
 
@@ -140,7 +140,7 @@ class EngineOptions:
 class FailsOnTimeout:
     """What a party (a benchmark :class:`Side`, a :class:`~gpuxfer.kv.agent.KVAgent`) does when one of its
     bounded waits times out: :meth:`fail` releases every GPU-side wait it queued (its
-    :meth:`release_waits` writes :data:`RELEASE_VALUE` into its local flag words), keeps the first
+    :meth:`release_waits` writes :data:`~gpuxfer.platforms.base.RELEASE_VALUE` into its local flag words), keeps the first
     error, which :meth:`check` raises from every later call, and with ``on_timeout == "exit"`` logs it
     and ends the process with :data:`EXIT_CODE`. Subclasses set ``failed`` (None) and ``on_timeout``
     (:func:`on_timeout_from_env`) and name themselves in :meth:`failure_name`."""
@@ -396,7 +396,8 @@ class Prepared:
 
 
 class Gate:
-    """A 64-bit flag in this process's device memory that armed work waits on; posting writes it.
+    """A 64-bit flag in this process's device memory (a :class:`~gpuxfer.flaglink.FlagWords` of one word) that
+    armed work waits on; posting writes it.
 
     Values only grow (one per armed burst of the process). The trigger is a stream
     write on a stream that never waits for anything, so it cannot be held up.
@@ -404,14 +405,7 @@ class Gate:
 
     def __init__(self, side: "Side"):
         self.side = side
-        plat = side.platform
-        self.buf = plat.alloc(256, side.device)
-        s = side.stream("gate-trigger")
-        plat.memset_async(s, self.buf.ptr, 0, 256)
-        if not plat.synchronize(s, side.timeout_s):
-            self.buf.close()
-            raise TransferTimeout(rank=side.rank, step=0, flag="gate (memset)", expected=1, seen=0,
-                                  timeout_s=side.timeout_s)
+        self.words = FlagWords(side.platform, side.device, 1, rank=side.rank, name="gate", timeout_s=side.timeout_s)
         self.value = 0
 
     def next(self) -> int:
@@ -419,19 +413,16 @@ class Gate:
         return self.value
 
     def wait(self, stream: Stream, value: int) -> None:
-        self.side.platform.wait_flag(stream, self.buf.ptr, value)
+        self.words.wait(stream, FIRST_WORD, value)
 
     def trigger(self, value: int) -> None:
-        self.side.platform.write_flag(self.side.stream("gate-trigger"), self.buf.ptr, value)
+        self.words.write(self.side.stream("gate-trigger"), FIRST_WORD, value)
 
     def release_waits(self) -> None:
-        try:
-            self.side.platform.host_write_flag(self.buf.ptr, RELEASE_VALUE, self.side.device)
-        except Exception:  # noqa: BLE001 - best effort on the abort path
-            pass
+        self.words.release([FIRST_WORD])
 
     def close(self) -> None:
-        self.buf.close()
+        self.words.close()
 
 
 
