@@ -548,4 +548,6 @@ def test_capabilities_say_what_the_code_asks(platform):
     finally:
         buf.close()
     assert platform.sdma is None or platform.memory_runtime == "hip"
+    assert isinstance(platform.copy_engine_peer_copies, bool)
+    assert not (platform.copy_engine_peer_copies and platform.memory_runtime == "hip")    # ROCm's: the sdma backend
     assert torch.device(platform.torch_device(0)).type in ("cpu", "cuda")
