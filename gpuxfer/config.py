@@ -128,6 +128,8 @@ VARS: dict[str, Var] = {v.name: v for v in (
     Var("GPUXFER_PP_INLINE_BYTES", 1 << 20, BYTES, "largest copy_engine step sent without staging (0: stage every step)"),
     Var("GPUXFER_PP_STEP_GRAPHS", True, FLAG, "launch a small copy_engine step's peer copies as one cached graph"),
     Var("GPUXFER_PP_FLAG_BATCH", True, FLAG, "queue a recv_views receiver's two flag operations as one call"),
+    Var("GPUXFER_PP_HOST_GIVE_BACK", True, FLAG, "keep a copy_engine sender's empty words in host memory shared "
+        "with its receiver: a slot seen free on the host needs no GPU wait"),
     Var("GPUXFER_PP_INJECT_FAILURE", "", TEXT, "test hook: RANK:PHASE[,RANK:PHASE...] fails connect() setup there"),
     Var("GPUXFER_SDMA_PATH", "hsa", choice("hsa", "hip"), "how the sdma transport copies: HSA SDMA queues or hipMemcpy"),
     Var("GPUXFER_SDMA_RING", 16, integer(1, 1 << 16), "ring entries of the sdma transport"),

@@ -107,9 +107,11 @@ def cuda_stub():
     return plat
 
 
-def build(metadata: bool, slots: int = 2, platform: str = "null", flag_batch: bool = False):
+def build(metadata: bool, slots: int = 2, platform: str = "null", flag_batch: bool = False,
+          host_give_back: bool = False):
     """A (sender, receiver) pair on :class:`NullPlatform` (or the cuda platform over a stub driver), set up
-    by hand (no peers, no device memory)."""
+    by hand (no peers, no device memory). ``host_give_back``: the sender's empty words are host memory it
+    loads (as with ``GPUXFER_PP_HOST_GIVE_BACK=1``), here always showing the slot free."""
     import torch
 
     from gpuxfer.pp.copy_engine import W_IN, CopyEngineTransport
@@ -134,6 +136,10 @@ def build(metadata: bool, slots: int = 2, platform: str = "null", flag_batch: bo
             t._cap = plat.create_stream(0)
             t._peer_slot_ptr = [(1 << 42) + j * specs.slot_bytes for j in range(slots)]
             t._staging_ptr = [(1 << 43) + s * specs.slot_bytes for s in range(2)]
+            if host_give_back:
+                import ctypes
+                t._free_loads = (ctypes.c_int64 * (16 * slots))(*([1 << 40] * (8 * slots)))   # empty, value
+                t._value_ptr = [(1 << 45) + (slots + j) * 64 for j in range(slots)]
         else:
             t._slot_ptr = [(1 << 44) + j * specs.slot_bytes for j in range(slots)]
             if flag_batch:      # as setup_finish makes them with GPUXFER_PP_FLAG_BATCH=1
@@ -153,9 +159,9 @@ def build(metadata: bool, slots: int = 2, platform: str = "null", flag_batch: bo
 
 
 def measure(steps: int, metadata: bool, size: int, profile: bool, platform: str = "null",
-            flag_batch: bool = False) -> dict:
+            flag_batch: bool = False, host_give_back: bool = False) -> dict:
     import torch
-    plat, (snd, rcv) = build(metadata, platform=platform, flag_batch=flag_batch)
+    plat, (snd, rcv) = build(metadata, platform=platform, flag_batch=flag_batch, host_give_back=host_give_back)
     n = size // 4
     srcs = [{"hidden": torch.zeros(n, dtype=torch.bfloat16), "residual": torch.zeros(n, dtype=torch.bfloat16)}
             for _ in range(5)]              # five source sets in turn, as the bench's steps
@@ -193,7 +199,7 @@ def measure(steps: int, metadata: bool, size: int, profile: bool, platform: str 
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
         print(buf.getvalue())
     calls = {k: v / steps for k, v in sorted(plat.calls.items())}
-    return {"platform": platform, "flag_batch": flag_batch, "size_bytes": size, "metadata": metadata, "steps": steps,
+    return {"platform": platform, "flag_batch": flag_batch, "host_give_back": host_give_back, "size_bytes": size, "metadata": metadata, "steps": steps,
             "send_us_median": statistics.median(send_s) * 1e6, "recv_us_median": statistics.median(recv_s) * 1e6,
             "send_us_mean": statistics.fmean(send_s) * 1e6, "recv_us_mean": statistics.fmean(recv_s) * 1e6,
             "calls_per_step_both_sides": calls}
@@ -209,11 +215,15 @@ def main() -> int:
                          "that returns at once (their Python counted in)")
     ap.add_argument("--flag-batch", action="store_true",
                     help="the receiver's give-back and wait as one flag_ops call (GPUXFER_PP_FLAG_BATCH=1)")
+    ap.add_argument("--host-give-back", action="store_true",
+                    help="the sender sees its slot free on the host and queues no wait (GPUXFER_PP_HOST_GIVE_BACK=1)")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of the timed steps")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    res = measure(args.steps, args.meta, args.size, args.profile, args.platform, args.flag_batch)
-    print(f"{args.platform}{' flag-batch' if args.flag_batch else ''}, {args.size} B, {'+' if args.meta else '-'}meta: send {res['send_us_median']:.2f} us "
+    res = measure(args.steps, args.meta, args.size, args.profile, args.platform, args.flag_batch,
+                  args.host_give_back)
+    print(f"{args.platform}{' flag-batch' if args.flag_batch else ''}"
+          f"{' host-give-back' if args.host_give_back else ''}, {args.size} B, {'+' if args.meta else '-'}meta: send {res['send_us_median']:.2f} us "
           f"(mean {res['send_us_mean']:.2f}), recv + .tensors {res['recv_us_median']:.2f} us "
           f"(mean {res['recv_us_mean']:.2f}); platform calls per step (both ends): "
           f"{res['calls_per_step_both_sides']}")

@@ -405,6 +405,15 @@ class Platform(abc.ABC):
     @abc.abstractmethod
     def _close_mapping(self, mapping: PeerMapping) -> None: ...
 
+    def map_host_words(self, ptr: int, nbytes: int, device: int) -> int | None:
+        """Make host memory ``[ptr, ptr + nbytes)`` (a page-aligned shared-memory mapping of this process)
+        reachable by flag writes, flag waits and copies on ``device``'s streams, and return the address they
+        use; None where this platform cannot (the default). Undone by :meth:`unmap_host_words`."""
+        return None
+
+    def unmap_host_words(self, ptr: int, device: int) -> None:
+        """Undo :meth:`map_host_words` (after the streams that used the memory are drained)."""
+
     @abc.abstractmethod
     def as_tensor(self, mem: Memory, dtype=None, shape: Sequence[int] | None = None,
                   offset: int = 0):

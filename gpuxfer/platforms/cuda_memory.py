@@ -14,6 +14,8 @@ from .base import DeviceBuffer, ExportedRange, IpcHandle, Memory, PeerMapping
 from .cuda_driver import CU_MEMORYTYPE_DEVICE, _cu, _cupy, _driver
 
 IPC_HANDLE_BYTES = 64
+CU_MEMHOSTREGISTER_PORTABLE = 1
+CU_MEMHOSTREGISTER_DEVICEMAP = 2
 
 
 class _CudaArray:
@@ -192,6 +194,28 @@ class _CudaMemory:
                 del self._ipc_open[mapping.impl]
         _, rt, _ = _cupy()
         self._rt(mapping.device, rt.ipcCloseMemHandle, mapping.ptr, doing=f"closing {mapping!r}")
+
+    def map_host_words(self, ptr: int, nbytes: int, device: int) -> int:
+        """``cuMemHostRegister`` (portable, device-mapped) of a shared-memory mapping, and its device address
+        (``cuMemHostGetDevicePointer``): stream writes, waits and copies reach it over PCIe."""
+        self._check_open()
+        device = self._check_device(device)
+        ptr, nbytes = int(ptr), int(nbytes)
+        drv = _driver()
+        with self._on(device):
+            _cu(drv.cuMemHostRegister, ptr, nbytes, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP,
+                doing=f"registering {nbytes} bytes of host memory at 0x{ptr:x} for cuda:{device}")
+            try:
+                return int(_cu(drv.cuMemHostGetDevicePointer, ptr, 0,
+                               doing=f"the device address of host memory at 0x{ptr:x} on cuda:{device}"))
+            except BaseException:
+                _cu(drv.cuMemHostUnregister, ptr, doing=f"unregistering host memory at 0x{ptr:x}")
+                raise
+
+    def unmap_host_words(self, ptr: int, device: int) -> None:
+        device = self._check_device(device)
+        with self._on(device):
+            _cu(_driver().cuMemHostUnregister, int(ptr), doing=f"unregistering host memory at 0x{int(ptr):x}")
 
     def as_tensor(self, mem: Memory, dtype=None, shape: Sequence[int] | None = None, offset: int = 0):
         import torch

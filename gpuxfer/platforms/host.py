@@ -285,6 +285,12 @@ class HostPlatform(_HostMemory, Platform):
         check_flag_ptr(int(ptr))
         return _load64(int(ptr))
 
+    def map_host_words(self, ptr: int, nbytes: int, device: int) -> int:
+        """Host memory is what the emulated streams run on: its own address."""
+        self._check_open()
+        self._check_device(device)
+        return int(ptr)
+
     def host_write_flag(self, ptr: int, value: int, device: int) -> None:
         check_flag_ptr(int(ptr))
         _store64(int(ptr), _to_signed64(value))

@@ -6,6 +6,8 @@ Memory (one pair S -> R; R = number of receive slots, >= 2)::
                      flags = [probe words | full[0..R-1]  | stage_empty[0..R-1]]   (exported; S opens it)
     sender   S owns  staging = 2 slots x slot_bytes      (local only)
                      flags = [probe words | empty[0..R-1] | stage_full[0..R-1]]    (exported; R opens it)
+                     give-back = [empty[0..R-1] | value[0..R-1]]  (shared host memory, R maps it; where
+                                 it is, these empty words replace the ones in flags, see below)
 
 The flags are a peer-flag link (:mod:`gpuxfer.flaglink`): every flag word is
 64-bit, on its own 64-byte line, in a buffer of its own (never next to data,
@@ -60,7 +62,7 @@ copy-engine time at 1 MiB) where it would wait for the pack, and the host queues
 bound by those calls (scripts/host_costs.py). A sender more than R steps ahead
 of its receiver stalls its current stream on a small step. Steps of either kind
 mix freely: each slot's flags still only grow, and a slot is written only after
-its ``empty`` wait.
+its ``empty`` wait (or once the host saw ``empty`` high enough, below).
 
 A sender launches a small step's peer copies as one graph (``platform.capture_graph``,
 the same copy-engine copies) once it has seen the same slot, source addresses and
@@ -70,6 +72,24 @@ addresses (a model's persistent outputs, the caching allocator's reused blocks) 
 the cache. Copy sets that recur less often than that (more of them in turn than the
 cache holds) keep plain copies: capturing them would evict a graph every step and
 capture one per step.
+
+A sender keeps its ``empty[j]`` words in host memory shared with its receiver where both
+processes can map it (:class:`~gpuxfer.pp.hostwords.HostWords`; ``$GPUXFER_PP_HOST_GIVE_BACK=0``
+keeps them in device memory). ``send()`` then reads ``empty[j]`` with a load: a slot seen free
+needs no GPU wait (a value only grows, and R writes it after its work on the slot is done). Each
+slot also has a value word there, and a sender's cached copy graph ends with an 8-byte copy of it
+into the peer's ``full[j]`` (the publish): for a slot seen free the host stores k and one launch
+moves the step (step k-R's publish from the same word has landed: R saw it before it gave the slot
+back); otherwise a stream write sets the word after the wait::
+
+    S host, step k (slot j), small steps                 S current stream
+    -------------------------------------                ----------------
+    load empty[j] >= k-R ?
+      yes: store value[j] = k; launch graph[j] --------> copy tensors -> R.data[j]; copy 8 B value[j]
+                                                            -> R.full[j]  (publish full[j] = k)
+      no:  wait empty[j] >= k-R; write value[j] = k -> (stream order: after the wait, so after
+           launch graph[j]                                step k-R's publish read the word); the graph
+    (R's publish empty[j] = k lands in host memory: remote write or 8-byte copy, as before)
 
 A receiver set up with ``recv_views=True`` copies nothing out: ``.tensors`` are
 views of slot j itself, lent to the caller; ``publish empty[j] = k`` moves to the
@@ -119,6 +139,8 @@ from ..errors import BadInput, GpuxferError, GraphModeError, TransferTimeout
 from ..flaglink import FIRST_WORD, FLAG_STRIDE, FlagLink, flag_path_from_env
 from ..platforms.base import FLAG_OP_WAIT, FLAG_OP_WRITE, flag_ops_array
 from ..sync import wait_event_or_raise
+from ..platforms.base import RELEASE_VALUE
+from .hostwords import HostWords
 from .spec import Layout
 from .transport import Received, Transport
 
@@ -130,6 +152,7 @@ ENV_INLINE_BYTES = "GPUXFER_PP_INLINE_BYTES"
 DEFAULT_INLINE_BYTES = config.VARS[ENV_INLINE_BYTES].default
 ENV_STEP_GRAPHS = "GPUXFER_PP_STEP_GRAPHS"
 ENV_FLAG_BATCH = "GPUXFER_PP_FLAG_BATCH"
+ENV_HOST_GIVE_BACK = "GPUXFER_PP_HOST_GIVE_BACK"
 STEP_GRAPHS = 64            # copy graphs a sender keeps (one per slot and set of source addresses seen twice
                             # within this many steps)
 
@@ -139,6 +162,13 @@ def flag_batch_from_env() -> bool:
     wait for the next) as one ``platform.flag_ops`` call (``$GPUXFER_PP_FLAG_BATCH``: 1, the default, or 0;
     remote flag writes only)."""
     return config.get(ENV_FLAG_BATCH)
+
+
+def host_give_back_from_env() -> bool:
+    """Whether a sender keeps its ``empty`` words in host memory shared with its receiver, so it sees a
+    free slot on the host and queues no GPU wait for it (``$GPUXFER_PP_HOST_GIVE_BACK``: 1, the default,
+    or 0)."""
+    return config.get(ENV_HOST_GIVE_BACK)
 
 
 def step_graphs_from_env() -> bool:
@@ -164,6 +194,7 @@ class CopyEngineTransport(Transport):
     name = "copy_engine"
     min_slots = 2
     release_again = True
+    host_give_back = True              # the sender's empty words may live in shared host memory (HostWords)
 
     # ---- local checks (doctor, and setup before allocating) ----
     @classmethod
@@ -223,6 +254,9 @@ class CopyEngineTransport(Transport):
         self._eager_stream = None           # the last stream steps came on that was checked not to capture
         self._calls = None                  # its bound flag / graph calls (platform.stream_calls)
         self._remote_publish = False        # whether a publish is one remote flag write (this class's _publish)
+        self._give_back: HostWords | None = None    # sender: its empty words in host memory; receiver: the peer's
+        self._free_loads = None             # sender: host loads of those words (a[j * 8] is empty[j])
+        self._value_ptr = None              # sender: per slot, the host word a copy graph publishes from
 
     @property
     def max_pending(self) -> int:
@@ -266,6 +300,12 @@ class CopyEngineTransport(Transport):
         payload = {"flags": self._link.export(), "slot_bytes": self.specs.slot_bytes, "slots": self.recv_slots}
         if self._data is not None:
             payload["data"] = self._data.export()
+        if self.role == "send" and self.host_give_back and host_give_back_from_env():
+            try:
+                self._give_back = HostWords.create(p, dev, 2 * self.recv_slots)
+            except Exception as exc:  # noqa: BLE001 - the empty words stay in device memory
+                log.info("rank %d: %s empty words in device memory (host memory: %s)", self.rank, self.name, exc)
+        payload["give_back"] = self._give_back.name if self._give_back is not None else None
         return payload
 
     def _prepare_send_side(self) -> None:
@@ -288,6 +328,32 @@ class CopyEngineTransport(Transport):
             if self._peer_data.nbytes < self.recv_slots * self.specs.slot_bytes:
                 raise BadInput(f"rank {self.peer}'s receive buffer holds {self._peer_data.nbytes} B, expected "
                                f"{self.recv_slots * self.specs.slot_bytes}")
+        elif peer_payload.get("give_back"):
+            self._open_give_back(peer_payload["give_back"])
+
+    def _open_give_back(self, name: str) -> None:
+        """Receiver: open the sender's empty words in host memory and check that this end's publishes (a
+        stream write, or a stage write and an 8-byte copy) land there; else keep the device words."""
+        p, dev = self.platform, self.device
+        stage = self._fptr(self._flags, W_IN + self.recv_slots)
+
+        def copy(stream, dst: int, value: int) -> None:
+            p.write_flag(stream, stage, value)
+            self._ce_copy(stream, dst, stage, 8)
+        words = stream = None
+        try:
+            words = HostWords.open(p, dev, name, 2 * self.recv_slots)
+            stream = p.create_stream(dev)
+            words.check_peer_writes(stream, copy, PROBE_TIMEOUT_S)
+            self._give_back, words = words, None
+        except Exception as exc:  # noqa: BLE001 - the pair keeps the device words
+            log.info("rank %d: %s: rank %d's empty words in host memory not usable (%s)", self.rank, self.name,
+                     self.peer, exc)
+        finally:
+            if stream is not None:
+                stream.close()
+            if words is not None:
+                words.close()
 
     def setup_probe_send(self, nonce: int) -> dict:
         """The flag link's probe: write ``nonce`` into the peer's probe words by an 8-byte copy and by a remote
@@ -301,10 +367,16 @@ class CopyEngineTransport(Transport):
             for buf in (self._flags, self._data, self._staging):    # (staging: never exported at all)
                 if buf is not None:
                     unpublish(buf)
-        return self._link.probe_send(nonce)
+        if self._give_back is not None:
+            self._give_back.unlink()
+        return dict(self._link.probe_send(nonce), give_back=self.role == "recv" and self._give_back is not None)
 
     def setup_probe_check(self, peer_report: dict) -> dict:
-        """Check the peer's probe writes arrived in local memory, and that a stream wait on it completes."""
+        """Check the peer's probe writes arrived in local memory, and that a stream wait on it completes.
+        A sender whose receiver could not use its empty words in host memory keeps the device words."""
+        if self.role == "send" and self._give_back is not None and peer_report.get("give_back") is not True:
+            self._give_back.close()
+            self._give_back = None
         return self._link.probe_check(peer_report)
 
     def setup_finish(self, peer_check: dict) -> None:
@@ -315,6 +387,13 @@ class CopyEngineTransport(Transport):
         self._in_ptr = [self._fptr(self._flags, W_IN + j) for j in range(R)]
         self._stage_ptr = [self._fptr(self._flags, W_IN + R + j) for j in range(R)]
         self._peer_in_ptr = [self._fptr(self._peer_flags, W_IN + j) for j in range(R)]
+        if self._give_back is not None:     # the sender's empty words live in shared host memory
+            if self.role == "send":
+                self._in_ptr = [self._give_back.ptr(j) for j in range(R)]
+                self._value_ptr = [self._give_back.ptr(R + j) for j in range(R)]
+                self._free_loads = self._give_back.loads()
+            else:
+                self._peer_in_ptr = [self._give_back.ptr(j) for j in range(R)]
         if self.role == "recv":
             self._slot_ptr = [self._data.ptr + j * slot for j in range(R)]
             if self.recv_views:
@@ -377,7 +456,7 @@ class CopyEngineTransport(Transport):
                                     what=f"{self.name} send to rank {self.peer}: staging slot not free")
         p.stream_wait_event(side, packed)
         j = (k - 1) % R
-        if k > R:
+        if k > R and (self._free_loads is None or self._free_loads[j << 3] < k - R):   # not seen free yet
             p.wait_flag(side, self._in_ptr[j], k - R)
             self._wd.append((k, j, time.monotonic(), k - R))
         if layout.total:
@@ -393,21 +472,31 @@ class CopyEngineTransport(Transport):
             self._check_eager(cur, "send()")
         calls = self._calls
         j = (k - 1) % R
-        if k > R:
+        free = self._free_loads
+        waited = k > R and (free is None or free[j << 3] < k - R)   # slot j not seen free on the host yet
+        if waited:
             calls.wait_flag(self._in_ptr[j], k - R)
             self._wd.append((k, j, time.monotonic(), k - R))
+        g = None
         if self._cap is None or not layout.total:
             self._copy_tensors(cur, self._peer_slot_ptr[j], tensors, layout)
         else:
-            self._copy_cached(cur, j, tensors, layout, k)
-        if self._remote_publish:
-            calls.write_flag(self._peer_in_ptr[j], k)
-        else:
-            self._publish(cur, j, k)
+            g = self._copy_graph(cur, j, tensors, layout, k)
+        if g is not None:
+            if free is not None:        # the graph publishes slot j's value word: make it k
+                if waited:              # after the wait (then step k-R's publish has read the word)
+                    calls.write_flag(self._value_ptr[j], k)
+                else:                   # seen free: step k-R's publish has landed already
+                    free[(R + j) << 3] = k
+            calls.launch_graph(g)
+        if g is None or free is None:   # no graph published the step
+            if self._remote_publish:
+                calls.write_flag(self._peer_in_ptr[j], k)
+            else:
+                self._publish(cur, j, k)
         self._last_stream = cur
         if self._host_sync:     # emulation: return once the copies have read the caller's tensors
             self._host_keep = tensors
-            waited = k > R
             wait_event_or_raise(p, p.record_event(cur), self.timeout_s, rank=self.rank, step=k,
                                 flag=f"empty[{j}]" if waited else "stream", expected=k - R if waited else k,
                                 flag_ptr=self._in_ptr[j] if waited else None, device=self.device,
@@ -426,11 +515,13 @@ class CopyEngineTransport(Transport):
         self._remote_publish = self.remote_flags and type(self)._publish is CopyEngineTransport._publish
         self._eager_stream = stream
 
-    def _copy_cached(self, cur, j: int, tensors, layout: Layout, k: int) -> None:
-        """Step k's peer copies as one graph launch where this copy set (slot, source addresses, sizes)
-        was seen before within :data:`STEP_GRAPHS` steps: the graph is captured at that second sight and
-        kept (the oldest of :data:`STEP_GRAPHS` goes first). Its nodes are the same copy-engine copies.
-        A set that recurs less often stays plain copies: the cache could not hold the sets in between."""
+    def _copy_graph(self, cur, j: int, tensors, layout: Layout, k: int):
+        """The graph of step k's peer copies where this copy set (slot, source addresses, sizes) was seen
+        before within :data:`STEP_GRAPHS` steps (captured at that second sight and kept; the oldest of
+        :data:`STEP_GRAPHS` goes first), else None with the copies queued on ``cur`` one by one (a set
+        that recurs less often: the cache could not hold the sets in between). Its nodes are the same
+        copy-engine copies, and where the sender has value words in host memory, one more: the 8-byte copy
+        of slot j's value word into the peer's ``full[j]`` (the publish; the caller sets the word)."""
         key = (j, layout.nbytes, *[tensors[n].data_ptr() for n in self.specs.names])
         g = self._graphs.get(key)
         if g is None:
@@ -440,18 +531,22 @@ class CopyEngineTransport(Transport):
                     self._sightings.clear()
                 self._sightings[key] = k
                 self._copy_tensors(cur, self._peer_slot_ptr[j], tensors, layout)
-                return
+                return None
             del self._sightings[key]
-            g = self.platform.capture_graph(
-                self._cap, lambda s: self._copy_tensors(s, self._peer_slot_ptr[j], tensors, layout))
+
+            def record(s) -> None:
+                self._copy_tensors(s, self._peer_slot_ptr[j], tensors, layout)
+                if self._value_ptr is not None:
+                    self._ce_copy(s, self._peer_in_ptr[j], self._value_ptr[j], 8)
+            g = self.platform.capture_graph(self._cap, record)
             if g is None:        # this platform cannot capture: plain copies from now on
                 self._cap = None
                 self._copy_tensors(cur, self._peer_slot_ptr[j], tensors, layout)
-                return
+                return None
             if len(self._graphs) >= STEP_GRAPHS:
                 del self._graphs[next(iter(self._graphs))]
             self._graphs[key] = g
-        self._calls.launch_graph(g)
+        return g
 
     # ---- receive ----
     def _recv_impl(self, rcv: Received) -> None:
@@ -524,6 +619,8 @@ class CopyEngineTransport(Transport):
 
     # ---- watchdog and teardown ----
     def _seen(self, j: int) -> int | None:
+        if self._free_loads is not None:    # the sender's empty words in host memory: a load
+            return self._free_loads[j << 3]
         try:
             return self.platform.read_flag(self._in_ptr[j], self.device)
         except TransferTimeout:   # the platform's host read is itself stuck: report "unreadable" if it matters
@@ -570,15 +667,23 @@ class CopyEngineTransport(Transport):
     def _release_waits(self) -> None:
         if self._link is not None:
             self._link.release_waits(range(W_IN, W_IN + self.recv_slots))
+        if self._free_loads is not None:
+            for j in range(self.recv_slots):
+                self._free_loads[j << 3] = RELEASE_VALUE
 
     def _close_mappings(self) -> None:
         if self._peer_data is not None:
             self._peer_data.close()
+        if self.role == "recv" and self._give_back is not None:
+            self._give_back.close()
         if self._link is not None:
             self._link.close_peer()
 
     def _free(self) -> None:
         self._calls = self._eager_stream = None
+        self._free_loads = None
+        if self._give_back is not None:
+            self._give_back.close()
         self._copied = [None, None]
         self._packed = None
         self._graphs.clear()

@@ -122,6 +122,7 @@ class SdmaTransport(CopyEngineTransport):
 
     name = "sdma"
     validated_on_hardware = VALIDATED_ON_HARDWARE
+    host_give_back = False       # its own ring of SDMA signals; the slots' words stay in device memory
 
     @classmethod
     def platform_reason(cls, platform) -> str | None:

@@ -208,3 +208,70 @@ def test_flag_ops_in_order(platform):
         platform.synchronize(s, 10.0)
         s.close()
         buf.close()
+
+
+def give_back_session(rank: int, world: int, init_method: str, platform_name: str, host: str) -> dict:
+    """Steps in lock step (the receiver takes step k and its stream finishes before the sender sends k + 1):
+    with the sender's empty words in host memory it sees every slot free, queues no GPU wait, and its copy
+    graph publishes the step: one queued call per step."""
+    os.environ["GPUXFER_PLATFORM"] = platform_name
+    os.environ["GPUXFER_PP_HOST_GIVE_BACK"] = "0" if host == "0" else "1"
+    if host == "refused" and rank == 1:     # the receiver's check of the sender's host words fails
+        from gpuxfer.pp.hostwords import HostWords
+
+        def refuse(*a, **kw):
+            raise RuntimeError("refused by the test")
+        HostWords.check_peer_writes = refuse
+    import torch
+    import torch.distributed as dist
+
+    from gpuxfer.platforms import get_platform
+    from gpuxfer.pp import connect
+    from gpuxfer.pp.launch import init_cpu_group
+    init_cpu_group(rank, world, init_method)
+    plat = get_platform(platform_name)
+    device = rank % plat.device_count()
+    dev = torch.device("cpu") if plat.is_emulation else torch.device("cuda", device)
+    if not plat.is_emulation:
+        torch.cuda.set_device(device)
+    counts = _spy(plat)
+    specs = {"x": ((N,), torch.float32)}
+    src = {"x": torch.zeros(N, dtype=torch.float32, device=dev)}
+    out: dict = {}
+    conn = connect(dist.new_group(backend="gloo"), send_to=1 if rank == 0 else None,
+                   recv_from=0 if rank == 1 else None, specs=specs, backend="copy_engine", platform=plat,
+                   device=device, timeout_s=TIMEOUT * 4, metadata=False, recv_views=True)
+    try:
+        t = conn.transports[0]
+        out["host_words"] = t._give_back is not None
+        for k in range(1, 13):
+            if k == 5:
+                counts.clear()
+            if rank == 0:
+                src["x"].fill_(k)
+                t.send(src)
+            dist.barrier()
+            if rank == 1:
+                got = t.recv(shapes={"x": (N,)}).tensors
+                assert bool((got["x"] == k).all()), f"step {k}: wrong bytes"
+                assert plat.synchronize(plat.current_stream(device), 10.0)
+            dist.barrier()
+        out["waits"] = counts["wait_flag"] / 8
+        out["queued"] = sum(counts[q] for q in QUEUED) / 8
+        out["remote_flags"] = t.remote_flags
+        conn.close()
+    finally:
+        conn.abort()
+        dist.destroy_process_group()
+        plat.close()
+    return out
+
+
+@pytest.mark.parametrize("host", ["1", "0", "refused"], ids=["host-give-back", "device-give-back", "receiver-refuses"])
+def test_sender_queues_no_wait_for_a_slot_seen_free(spawner, platform_name, host):
+    """(A receiver that cannot use the sender's host words makes both ends keep the device words.)"""
+    sender, receiver = spawner.run_ranks(give_back_session, 2, platform_name, host, timeout=120)
+    assert sender["host_words"] == receiver["host_words"] == (host == "1")
+    assert sender["waits"] == (0 if host == "1" else 1), sender
+    # host words: one copy-graph launch (copies and publish); else wait, launch, publish (+1: a copy-path publish)
+    assert sender["queued"] == (1 if host == "1" else 3 + (0 if sender["remote_flags"] else 1)), sender

@@ -36,6 +36,15 @@ def test_step_harness_counts_the_calls(monkeypatch, platform, flag_batch, metada
     assert res["send_us_median"] > 0 and res["recv_us_median"] > 0
 
 
+def test_step_harness_sender_seeing_its_slot_free_launches_one_graph(monkeypatch):
+    """With its empty words in host memory and the slot seen free, the sender's step is one graph launch
+    (its copies and the publish); the receiver's stays one flag_ops call."""
+    from gpuxfer.platforms import cuda_driver
+    monkeypatch.setattr(cuda_driver, "_DRIVER", cuda_driver._DRIVER)
+    res = _harness().measure(40, False, 16384, False, "cuda-stub", True, host_give_back=True)
+    assert res["calls_per_step_both_sides"] == {"cuGraphLaunch": 1.0, "cuStreamBatchMemOp": 1.0}
+
+
 @pytest.mark.parametrize("sets", [5, 32, 33, 200])
 def test_steady_steps_capture_no_graph_whatever_the_copy_sets_in_turn(sets):
     """Source sets in turn on alternating slots (slot x addresses: the copy graphs' key): once steady, a step

@@ -1,0 +1,66 @@
+"""HostWords: flag words in shared host memory that the host loads and the platform's streams write and wait on
+(the copy_engine sender's give-back words). Event-driven and bounded; nothing here is timed."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from gpuxfer.errors import GpuxferError
+from gpuxfer.pp.hostwords import HostWords
+
+
+def test_streams_write_copy_and_wait_on_host_words(platform):
+    w = HostWords.create(platform, 0, 4)
+    s = platform.create_stream(0)
+    stage = platform.alloc(64, 0)
+    try:
+        assert all(w.read(i) == 0 for i in range(4))
+        assert os.path.exists(f"/dev/shm{w.name}")
+        platform.write_flag(s, w.ptr(0), 7)                 # a stream write lands, seen by a host load
+        assert platform.synchronize(s, 30.0) and w.read(0) == 7
+
+        def copy(stream, dst, value):                       # a stage write + an 8-byte copy, as a publish
+            platform.write_flag(stream, stage.ptr, value)
+            platform.copy_async(stream, dst, stage.ptr, 8)
+        w.check_peer_writes(s, copy, 30.0)
+        platform.wait_flag(s, w.ptr(1), 5)                   # a stream wait holds until a host store
+        held = platform.record_event(s)
+        time.sleep(0.02)
+        assert not platform.event_query(held)
+        w.store(1, 5)
+        assert platform.event_wait(held, 30.0)
+        w.unlink()
+        assert not os.path.exists(f"/dev/shm{w.name}") and w.read(0) == 7   # the mapping outlives the name
+    finally:
+        platform.synchronize(s, 10.0)
+        s.close()
+        stage.close()
+        w.close()
+        w.close()                                            # idempotent
+    assert not os.path.exists(f"/dev/shm{w.name}")
+
+
+def test_a_peer_opens_the_words_by_name(host):
+    """Two mappings of one segment (here in one process; the pp tests open it from the peer's): a store through
+    one is a load through the other."""
+    a = HostWords.create(host, 0, 2)
+    b = HostWords.open(host, 1, a.name, 2)
+    try:
+        b.store(1, 42)
+        assert a.read(1) == 42 and a.loads()[8] == 42
+        assert a.ptr(1) - a.ptr(0) == 64
+    finally:
+        b.close()
+        a.close()
+    with pytest.raises(GpuxferError, match="not a flag-word segment"):
+        HostWords.open(host, 0, "/not-ours", 2)
+    with pytest.raises(FileNotFoundError):
+        HostWords.open(host, 0, a.name, 2)                   # unlinked with its owner's close
+
+
+def test_a_platform_that_cannot_map_host_memory_is_refused(host, monkeypatch):
+    monkeypatch.setattr(type(host), "map_host_words", lambda self, ptr, nbytes, device: None)
+    with pytest.raises(GpuxferError, match="cannot map host memory"):
+        HostWords.create(host, 0, 2)
