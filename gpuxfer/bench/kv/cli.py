@@ -67,8 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "shed, except the two smallest batches")
     r = parser.add_argument_group("how it is measured")
     r.add_argument("--engine", "--engines", dest="engine", default=",".join(DEFAULT_ENGINES), metavar="NAMES",
-                   help=f"transfer engines, comma-separated; known: {', '.join(DEFAULT_ENGINES)} "
-                        "(bulk: one descriptor of the same bytes, the ceiling)")
+                   help=f"transfer engines, comma-separated (default: {', '.join(DEFAULT_ENGINES)}: triton, pack and "
+                        "copy_engine through the KV API, KVAgent, bulk: one descriptor of the same bytes, the "
+                        "ceiling); triton-table, pack-table, copy_engine-table: the same copies over descriptor "
+                        "tables uploaded per burst; `gpuxfer doctor` lists every registered engine")
     r.add_argument("--direction", default=",".join(DIRECTIONS), metavar="DIRS",
                    help="pull (decode side reads) and/or push (prefill side writes), comma-separated")
     r.add_argument("--trials", default=None, metavar="N",
@@ -86,12 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="copy_engine measures bursts of at most this many descriptors (default 140k: "
                         "~0.6-1 us each on H200); larger bursts are shed, with the reason")
     r.add_argument("--pack-chunk", default=None, metavar="BYTES",
-                   help="largest chunk (staging slot) of the pack engine (default 32MiB; 256KiB on the emulation)")
+                   help="staging slot of pack and pack-table: their largest chunk (default 32MiB, more for big bursts; "
+                        "256KiB on the emulation)")
     r.add_argument("--pack-first-chunk", default=None, metavar="BYTES",
-                   help="the pack engine's chunks ramp up from this size and down to it again (default 16MiB: "
+                   help="pack-table's chunks ramp up from this size and down to it again (default 16MiB: "
                         "a short pipeline fill; smaller copy-engine copies run below the link rate)")
     r.add_argument("--pack-lanes", default=None, metavar="N",
-                   help="copy streams the pack engine's chunks alternate over, 1..8 (default 2; staging slots: "
+                   help="copy streams pack-table's chunks alternate over, 1..8 (default 2; staging slots: "
                         "twice this)")
     r.add_argument("--post", default="host", metavar="MODE",
                    help="host (default): the timer runs from the first post to the last byte landed, the engine's "

@@ -82,7 +82,7 @@ COLUMNS: list[Column] = [
     Column("page_tokens", "page", "tokens", 6, integer),
     Column("isl_tokens", "ISL", "tokens", 7, integer),
     Column("batch", "batch", "reqs", 5, integer),
-    Column("engine", "engine", "", 11, text, left=True),
+    Column("engine", "engine", "", 17, text, left=True),
     Column("direction", "dir", "", 4, text, left=True),
     Column("burst_bytes", "bytes", "B", 12, integer),
     Column("descriptors", "descs", "#", 9, integer),
@@ -297,7 +297,8 @@ def write_json_atomic(path: str, doc: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------- plots
 
 _ENGINE_STYLE = {"triton": ("tab:blue", "o"), "pack": ("tab:green", "s"), "copy_engine": ("tab:red", "^"),
-                 "nixl": ("tab:purple", "D"), "mooncake": ("tab:orange", "v")}
+                 "triton-table": ("tab:cyan", "o"), "pack-table": ("tab:olive", "s"),
+                 "copy_engine-table": ("tab:pink", "^"), "nixl": ("tab:purple", "D"), "mooncake": ("tab:orange", "v")}
 
 
 def plot(rows: Sequence[dict[str, Any]], out_dir: str, *, title_suffix: str = "") -> list[str]:
