@@ -46,7 +46,7 @@ class _Scratch(threading.local):
         self.slots = np.full(0, -1, dtype=np.int64)
         self.marks = np.zeros(0, dtype=bool)
         self.positions = np.arange(0, dtype=np.int64)
-        self.work: list[np.ndarray] = [np.empty(0, dtype=np.int64) for _ in range(5)]
+        self.work: list[np.ndarray] = [np.empty(0, dtype=np.int64) for _ in range(4)]
 
     def get(self, limit: int) -> np.ndarray:
         if self.slots.size < limit:
@@ -66,7 +66,7 @@ class _Scratch(threading.local):
         return self.positions[:n]
 
     def buf(self, k: int, n: int) -> np.ndarray:
-        """Work array ``k`` (0..4) with room for ``n`` int64 entries."""
+        """Work array ``k`` (0..3) with room for ``n`` int64 entries."""
         if self.work[k].size < n:
             self.work[k] = np.empty(max(n, 2 * self.work[k].size), dtype=np.int64)
         return self.work[k][:n]
@@ -130,11 +130,6 @@ def _repeats(keys: np.ndarray, limit: int) -> bool:
     return differ
 
 
-def _cat(arrays: list[np.ndarray], k: int, n: int) -> np.ndarray:
-    """``arrays`` one after another in work array ``k``."""
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, out=_SCRATCH.buf(k, n))
-
-
 def _past(ids: np.ndarray, lens: list[int], limits: np.ndarray) -> bool:
     """Whether some group's IDs (``ids``: the groups' IDs one after another, ``lens`` of each) leave ``[0,
     limit)``: one reduction per group in one call, over the IDs read unsigned (a negative ID is past any
@@ -165,8 +160,7 @@ class _RouteIds:
                  dst_classes: list[list[int]], sort_by_dst: bool):
         self.groups, self.limits, self.splits, self.dst_classes = groups, limits, splits, dst_classes
         self.sort_by_dst = sort_by_dst
-        self.src_limits = np.array([a for a, _ in limits], dtype=np.uint64)
-        self.dst_limits = np.array([b for _, b in limits], dtype=np.uint64)
+        self.side_limits = np.array([a for a, _ in limits] + [b for _, b in limits], dtype=np.uint64)
         self.paired = all(s == (1, 1) for s in splits)       # one block each side per segment: ordered as one
         offsets, self.span = [], 0
         for a, b in limits:
@@ -208,13 +202,14 @@ class _RouteIds:
             lens_d.append(b)
             ns += a
             nd += b
-        S, D = _cat(srcs, 0, ns), _cat(dsts, 1, nd)
-        if _past(S, lens_s, self.src_limits) or _past(D, lens_d, self.dst_limits):
+        both = np.concatenate(srcs + dsts, out=_SCRATCH.buf(0, ns + nd))
+        S, D = both[:ns], both[ns:]
+        if _past(both, lens_s + lens_d, self.side_limits):
             for g, (ls, ld), s, d in zip(self.groups, self.limits, srcs, dsts):
                 _check_range(s, ls, request, g, "source (local)" if push else "source (remote)")
                 _check_range(d, ld, request, g, "destination (remote)" if push else "destination (local)")
         R = np.repeat(self.class_offsets, lens_d)
-        keys = np.add(D, R, out=_SCRATCH.buf(2, nd))
+        keys = np.add(D, R, out=_SCRATCH.buf(1, nd))
         if _repeats(keys, self.class_span):
             for cls in self.dst_classes:
                 ids = [dsts[gi] for gi in cls]
@@ -247,10 +242,10 @@ class _RouteIds:
             X, O, out_x, out_o = S, D, out_s, out_d
         if not self.shared:
             R = np.repeat(self.offsets, lens_s)
-        keys = np.add(X, R, out=_SCRATCH.buf(3, n))
+        keys = np.add(X, R, out=_SCRATCH.buf(2, n))
         if n > 1 and self.span <= _DENSE * n:
             # the keys' marks read in order are the keys sorted; each key's partner is kept at its key
-            marks, partner = _SCRATCH.mask(self.span), _SCRATCH.buf(4, self.span)
+            marks, partner = _SCRATCH.mask(self.span), _SCRATCH.buf(3, self.span)
             marks[keys] = True
             partner[keys] = O
             at = np.flatnonzero(marks)
