@@ -126,3 +126,28 @@ def test_registry_names_the_agent_engines_and_their_table_twins():
         assert "descriptor tables" in cls.table_engine.description
         assert cls.armable == cls.table_engine.armable and cls.needs_peer_mapping
     assert "pack-api" not in E.ENGINES
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_a_stuck_peer_fails_the_side_and_releases_the_agents_waits(direction):
+    """``pack`` through KVAgent, the peer never posts: the initiator's wait times out, the side fails and
+    releases the agent's control words too (its streams drain), every later call raises the same error."""
+    from gpuxfer.errors import TransferTimeout
+    pb = _burst(16, 1)
+    with Pair(pool_bytes=pb.src_layout.pool_bytes) as pair:
+        engines = pair.build("pack")
+        burst = E.DescriptorBurst.from_plan(pb)
+        ps = on_threads([lambda r=r: engines[r].prepare(burst, direction) for r in range(2)])
+        ini = 1 if direction == "pull" else 0
+        eng, side = engines[ini], pair.sides[ini]
+        side.timeout_s = 1.0
+        eng.post(ps[ini])               # the peer never posts its half
+        with pytest.raises(TransferTimeout, match=f"pack {direction} burst") as info:
+            eng.wait(ps[ini])
+        assert pair.plats[ini].synchronize(eng.agent.stream, 10.0)
+        for call in (lambda: eng.prepare(burst, direction), lambda: eng.post(ps[ini]), lambda: eng.wait(ps[ini])):
+            with pytest.raises(TransferTimeout) as later:
+                call()
+            assert later.value is info.value
+        for r in range(2):
+            engines[r].release(ps[r])
