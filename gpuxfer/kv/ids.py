@@ -74,7 +74,7 @@ class _Scratch(threading.local):
 
 _SCRATCH = _Scratch()
 #: a key range at most this many times the keys goes by marks over the range, a larger one by a comparison
-#: sort (ordering) or by the slots of the keys only (duplicates)
+#: sort (ordering) or class by class over the slots of the keys only (duplicates)
 _DENSE = 16
 
 
@@ -110,24 +110,13 @@ def _check_unique(ids: np.ndarray, limit: int, request: str, groups: list[str]) 
 
 
 def _repeats(keys: np.ndarray, limit: int) -> bool:
-    """Whether a key (all in ``[0, limit)``) occurs twice: the marks over the range counted (a range of at
-    most ``_DENSE`` times the keys), else each key's slot takes the position of one of its occurrences and
-    an occurrence that reads back another position repeats. O(len(keys))."""
-    n = keys.size
-    if n < 2:
-        return False
-    if limit <= _DENSE * n:
-        marks = _SCRATCH.mask(limit)
-        marks[keys] = True
-        seen = np.count_nonzero(marks)
-        marks[:] = False
-        return seen != n
-    at = _SCRATCH.arange(n)
-    slot = _SCRATCH.get(limit)
-    slot[keys] = at
-    differ = bool((slot[keys] != at).any())
-    slot[keys] = -1
-    return differ
+    """Whether a key (all in ``[0, limit)``, at most ``_DENSE`` times as many as the keys) occurs twice: the
+    keys' marks over the range counted."""
+    marks = _SCRATCH.mask(limit)
+    marks[keys] = True
+    seen = np.count_nonzero(marks)
+    marks[:] = False
+    return seen != keys.size
 
 
 def _past(ids: np.ndarray, lens: list[int], limits: np.ndarray) -> bool:
@@ -149,12 +138,13 @@ def _past(ids: np.ndarray, lens: list[int], limits: np.ndarray) -> bool:
 class _RouteIds:
     """How a route checks and orders its requests' block IDs (built with the route, once).
 
-    Every group at once: each side's IDs in one array (the groups one after another), one reduction call
-    for each side's range checks, one pass over keys ``offset of the group + block ID`` -- every group a
-    key range of its own -- for duplicate destinations (groups whose destination memory overlaps share a
-    range, so a block ID serves one of them only) and one for the order. The copies run in the order of the
-    key side's blocks (``sort_by_dst``: the destination's, else the source's), group by group. A failed
-    check is then found group by group, so its error names the group, the side and the ID."""
+    Every group at once: both sides' IDs in one array (the groups one after another), one reduction call
+    for the range checks, one pass over keys ``offset of the group + block ID`` -- every group a key range
+    of its own -- for duplicate destinations (groups whose destination memory overlaps share a range, so a
+    block ID serves one of them only) and one for the order. The copies run in the order of the key side's
+    blocks (``sort_by_dst``: the destination's, else the source's), group by group. A failed check is then
+    found group by group, so its error names the group, the side and the ID. Few IDs in a large range go
+    by a comparison sort and by the per-group duplicate check (memory stays O(IDs))."""
 
     def __init__(self, groups: tuple[str, ...], limits: list[tuple[int, int]], splits: list[tuple[int, int]],
                  dst_classes: list[list[int]], sort_by_dst: bool):
@@ -209,13 +199,13 @@ class _RouteIds:
                 _check_range(s, ls, request, g, "source (local)" if push else "source (remote)")
                 _check_range(d, ld, request, g, "destination (remote)" if push else "destination (local)")
         R = np.repeat(self.class_offsets, lens_d)
-        keys = np.add(D, R, out=_SCRATCH.buf(1, nd))
-        if _repeats(keys, self.class_span):
+        if nd > 1 and (self.class_span > _DENSE * nd or _repeats(np.add(D, R, out=_SCRATCH.buf(1, nd)),
+                                                                  self.class_span)):
+            # few IDs in a large range, or a repeat to find: class by class, O(IDs) each
             for cls in self.dst_classes:
                 ids = [dsts[gi] for gi in cls]
                 _check_unique(np.concatenate(ids), max(self.limits[gi][1] for gi in cls), request,
                               [self.groups[gi] for gi in cls])
-            raise BlockIdError(f"request {request!r}: a destination block appears more than once")
         return n_seg, lens_s, lens_d, S, D, R
 
     def write(self, S: np.ndarray, D: np.ndarray, R: np.ndarray, lens_s: list[int], lens_d: list[int],
