@@ -667,9 +667,10 @@ class CopyEngineTransport(Transport):
     def _release_waits(self) -> None:
         if self._link is not None:
             self._link.release_waits(range(W_IN, W_IN + self.recv_slots))
-        if self._free_loads is not None:
+        loads = self._free_loads
+        if loads is not None:
             for j in range(self.recv_slots):
-                self._free_loads[j << 3] = RELEASE_VALUE
+                loads[j << 3] = RELEASE_VALUE
 
     def _close_mappings(self) -> None:
         if self._peer_data is not None:
@@ -682,14 +683,14 @@ class CopyEngineTransport(Transport):
     def _free(self) -> None:
         self._calls = self._eager_stream = None
         self._free_loads = None
-        if self._give_back is not None:
-            self._give_back.close()
         self._copied = [None, None]
         self._packed = None
         self._graphs.clear()
         self._views.clear()
         self._lend_arrays = self._lend_ops = None
         self._close_streams()
+        if self._give_back is not None:     # after the graphs that copy from its value words
+            self._give_back.close()
         self._data_bytes = None
         for b in (self._data, self._staging):
             if b is not None:

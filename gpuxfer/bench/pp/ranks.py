@@ -175,6 +175,8 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
                     flag_paths[backend] = getattr(t, "flags_via", None) or "-"
                     if getattr(t, "_lend_arrays", None) is not None:
                         flag_paths[backend] += " (receiver: give back + wait as one flag_ops call)"
+                    if getattr(t, "_give_back", None) is not None:
+                        flag_paths[backend] += " (sender's empty words in host memory)"
                     if metadata:
                         meta_channels[backend] = t.meta.what
                     k = 1
