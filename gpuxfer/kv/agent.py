@@ -84,25 +84,25 @@ import os
 import socket
 import threading
 import uuid
-import weakref
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from ..errors import (BackendUnavailable, BadInput, BadMetadata, BlockIdError, LayoutMismatch, NotRegistered,
                       TransferTimeout)
-from ..flaglink import FlagLink, FlagWords
+from ..flaglink import FlagWords
 from ..platforms.base import Closable, DeviceBuffer, Event, IpcHandle, Platform, Stream
 from .control import AGENT_WORDS, NOTIFY, NOTIFY_SLOTS, PACK_SLOTS, PACK_WORDS
 from .copy_transfer import _CopyEngineTransfer
 from .engines.base import FailsOnTimeout, on_timeout_from_env
-from .ids import _RouteIds
 from .layers import _MAX_NAME, KVLayer, KVLayerSpec, KVPiece, describe_layer, layout_groups, _torch
-from .metadata import _HEADER, METADATA_MAGIC, METADATA_VERSION, PeerMetadata, decode_metadata
-from .pack_transfer import _PackShape, _PackTransfer
+from .metadata import _HEADER, METADATA_MAGIC, METADATA_VERSION, decode_metadata
+from .pack_transfer import _PackTransfer
+from .peers import _LEAKED, _LOCAL_AGENTS, KVPeer, _Group
 from .plan import DIRECTIONS
-from .slots import _RequestPool, _Slot, _SlotTransfer
+from .posting import _PostResources
+from .routes import _Route, _Routes
+from .slots import _RequestPool, _SlotTransfer
 from .transfer import KVTransfer, KVTransferHandle
 
 log = logging.getLogger("gpuxfer.kv.agent")
@@ -121,212 +121,9 @@ PACK_SLOT_BYTES = 192 << 20
 PACK_CHUNK_BYTES = 32 << 20
 PACK_MAX_CHUNKS = 16
 PACK_SLOT_BYTES_EMULATION = 1 << 20
-#: shapes of pack transfers an agent keeps (buffers, kernels, graphs), the least recently posted going first
-PACK_SHAPES = 8
-
-_LOCAL_AGENTS: "weakref.WeakValueDictionary[str, KVAgent]" = weakref.WeakValueDictionary()
-#: streams and device memory that queued work may still touch when their owner was closed (a wait that never
-#: completed): kept for the life of the process rather than destroyed or freed under that work
-_LEAKED: list = []
 
 
-# ============================================================================ groups and peers
-
-
-@dataclass
-class _Group:
-    name: str
-    block_tokens: int
-    layers: list[KVLayer]
-    flats: list[Any]                # per layer: a 1-element uint8 tensor at its ptr (local groups), or
-                                    # (allocation index, offset) (a peer's groups): kernel anchors
-
-    @property
-    def num_blocks(self) -> int:
-        return min(lay.num_blocks for lay in self.layers)
-
-
-class KVPeer(Closable):
-    """Another agent, added from its metadata: its caches mapped here (or, in this process, used as they are),
-    and :attr:`flags`, the flag link to its words (the agent's words shared, stage words of the link's own)."""
-
-    def __init__(self, agent: "KVAgent", meta: PeerMetadata):
-        self.agent, self.meta, self.name = agent, meta, meta.agent
-        self._closed = False
-        self._mappings: list[Any] = []
-        self._owned: list[Any] = []
-        self.flags: FlagLink | None = None
-        self.staging_ptr: int | None = None
-        self._seq = [0] * NOTIFY_SLOTS
-        self._notified: list = [None] * NOTIFY_SLOTS     # per slot: (stream, event) of its last notifying post
-        self.pack_sent = 0                  # pack transfers (with chunks) this agent's source posted to the peer
-        self.pack_recv = 0                  # pack transfers (with chunks) this agent's destination posted
-        plat, dev = agent.platform, agent.device
-        try:
-            local = _LOCAL_AGENTS.get(meta.uid) if meta.pid == os.getpid() else None
-            if meta.pid == os.getpid() and local is None:
-                raise BadMetadata(f"peer {meta.agent!r} claims this process but is not a live agent here")
-            self._local = local
-            self.flags = FlagLink(plat, dev, AGENT_WORDS, rank=agent.rank, peer=meta.agent,
-                                  name=f"agent {agent.name!r}", shared=agent.flags)
-            self._owned.append(self.flags)
-            if local is not None:
-                bases = list(local._alloc_bases)
-                self.flags.open(local.flags)
-                self.staging_ptr = None if local.staging is None else local.staging.ptr
-            else:
-                bases = []
-                for h in meta.allocations:
-                    m = plat.open_handle(h, dev)
-                    self._mappings.append(m)
-                    real = plat.allocation_range(m.ptr, dev)
-                    if real is not None and real[1] < h.nbytes:
-                        raise BadMetadata(f"peer {meta.agent!r} claims an allocation of {h.nbytes} bytes; the "
-                                          f"mapping holds {real[1]}")
-                    bases.append(m.ptr)
-                self.flags.open(meta.control)
-                if meta.staging is not None:
-                    st = plat.open_handle(meta.staging, dev)
-                    self._mappings.append(st)
-                    self.staging_ptr = st.ptr
-            self.groups: dict[str, _Group] = {}
-            for g in meta.groups:
-                layers = [KVLayer(lay.name, lay.index, bases[a] + off, lay.num_blocks, lay.block_stride, lay.pieces,
-                                  lay.extent, lay.token_major) for lay, a, off in g.layers]
-                self.groups[g.name] = _Group(g.name, g.block_tokens, layers, [(a, off) for _, a, off in g.layers])
-        except BaseException:
-            self._release()
-            raise
-
-    def anchor(self, layer_ref: tuple[int, int], ptr: int):
-        """A 1-element uint8 tensor at ``ptr`` (a layer of this peer) on the agent's device."""
-        if self._local is not None:
-            return self._local._flat_at(ptr)
-        a, off = layer_ref
-        m = self._mappings[a]
-        return self.agent.platform.as_tensor(m, shape=(1,), offset=off)
-
-    def notify(self, s: Stream, slot: int) -> tuple[int, Event]:
-        """Queue the next notification to word ``slot`` of the peer on ``s``, then the post's event: ``(value,
-        event)``. The caller holds the agent's post lock.
-
-        The n-th notification to a slot writes n once the post that wrote n - 1 completed: a post on another
-        stream waits for that post's event first (on one stream, stream order does it). So the peer's word
-        never goes down and value n says the data of the first n notifying posts landed; and the copy path's
-        stage word of the slot is read by one copy at a time."""
-        plat, agent = self.agent.platform, self.agent
-        last = self._notified[slot]
-        if last is not None and last[0] is not s:
-            plat.stream_wait_event(s, last[1])
-        value = self._seq[slot] + 1
-        self.flags.signal(s, NOTIFY + slot, value, NOTIFY + slot, agent._calls if s is agent.stream else None)
-        event = plat.record_event(s)
-        self._seq[slot] = value
-        self._notified[slot] = (s, event)
-        return value, event
-
-    @property
-    def remote_flags(self) -> bool:
-        """Whether signals to the peer are stream writes into its words (probed), else stage writes and 8-byte
-        copies."""
-        return self.flags.remote
-
-    def _release(self) -> None:
-        for m in reversed(self._mappings + self._owned):
-            try:
-                m.close()
-            except Exception as exc:  # noqa: BLE001 - keep releasing
-                log.warning("peer %s: closing %r failed: %s", self.name, m, exc)
-        self._mappings, self._owned = [], []
-
-    def __repr__(self) -> str:
-        return f"KVPeer({self.name!r}, pid {self.meta.pid}, {len(self.meta.groups)} groups)"
-
-
-# ============================================================================ routes (cached per peer, op, layers)
-
-
-@dataclass
-class _Route:
-    """Everything a transfer between the agent and a peer in one direction needs, built once."""
-
-    op: str
-    groups: list[str]                            # route-local group order
-    ids: _RouteIds                               # how its requests' block IDs are checked and ordered
-    planes: Any                                  # (P, PLANE_FIELDS) int64 on the device
-    table: np.ndarray                            # the same on the host
-    plane_group: np.ndarray                      # (P,) group of each plane
-    classes: list[tuple[int, int, int]]          # (first plane, end plane, segment bytes), planes sorted by size
-    src_anchor: Any
-    dst_anchor: Any
-    launch_classes: list[tuple[int, int, int]] = field(default_factory=list)   # per copy launch: (first plane,
-                                                 # end plane, segment bytes): neighbouring sizes tiled alike
-    plane_bytes: np.ndarray | None = None        # (P,) segment bytes of each plane
-    slots: list["_Slot"] = field(default_factory=list)    # the ring of device buffers posts run in
-
-
-#: a route's ring: at most this many slots (posts on other streams still running hold theirs)
-RING_SLOTS = 4
-#: a slot's smallest capacities (descriptor rows, request entries); larger requests grow it geometrically
-MIN_SLOT_ROWS = 1024
-MIN_SLOT_ENTRIES = 1024
-
-
-def _pair_pieces(group: str, mine: KVLayer, theirs: KVLayer, bt_src: int, bt_dst: int, src_is_mine: bool
-                 ) -> list[tuple[int, int, int]]:
-    """Per piece: (source piece offset, destination piece offset, segment bytes)."""
-    src, dst = (mine, theirs) if src_is_mine else (theirs, mine)
-    if len(src.pieces) != len(dst.pieces):
-        raise LayoutMismatch(f"group {group!r}, layer {mine.name!r}: {len(src.pieces)} pieces per block on the "
-                             f"source, {len(dst.pieces)} on the destination")
-    seg_tokens = min(bt_src, bt_dst)
-    out = []
-    for k, (ps, pd) in enumerate(zip(src.pieces, dst.pieces)):
-        if bt_src == bt_dst:
-            if ps.nbytes != pd.nbytes:
-                raise LayoutMismatch(f"group {group!r}, layer {mine.name!r}, piece {k}: {ps.nbytes} bytes per "
-                                     f"block on the source, {pd.nbytes} on the destination")
-            out.append((ps.offset, pd.offset, ps.nbytes))
-            continue
-        if not (src.token_major and dst.token_major):
-            raise LayoutMismatch(f"group {group!r}, layer {mine.name!r}: block sizes differ ({bt_src} and {bt_dst} "
-                                 "tokens) but a side's pieces are not token-major")
-        if ps.nbytes * bt_dst != pd.nbytes * bt_src:
-            raise LayoutMismatch(f"group {group!r}, layer {mine.name!r}, piece {k}: {ps.nbytes} bytes per "
-                                 f"{bt_src}-token block and {pd.nbytes} per {bt_dst}-token block are not the same "
-                                 "bytes per token")
-        small = ps.nbytes if bt_src == seg_tokens else pd.nbytes
-        big, ratio = (ps.nbytes, bt_src // seg_tokens) if bt_src > seg_tokens else (pd.nbytes, bt_dst // seg_tokens)
-        if big % ratio or big // ratio != small:
-            raise LayoutMismatch(f"group {group!r}, layer {mine.name!r}, piece {k}: {big} bytes do not split "
-                                 f"into {ratio} equal segments")
-        out.append((ps.offset, pd.offset, small))
-    return out
-
-
-def _overlap_classes(spans: list[list[tuple[int, int]]]) -> list[list[int]]:
-    """Groups (by index) whose memory spans intersect, merged transitively (union-find)."""
-    parent = list(range(len(spans)))
-
-    def find(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    for i, j in itertools.combinations(range(len(spans)), 2):
-        if any(a < d and c < b for a, b in spans[i] for c, d in spans[j]):
-            parent[find(i)] = find(j)
-    classes: dict[int, list[int]] = {}
-    for i in range(len(spans)):
-        classes.setdefault(find(i), []).append(i)
-    return list(classes.values())
-
-
-# ============================================================================ the agent
-
-
-class KVAgent(Closable, FailsOnTimeout):
+class KVAgent(_Routes, _PostResources, Closable, FailsOnTimeout):
     """One process's side of KV transfers: its registered caches, its peers, its stream.
 
     ``platform``: a :class:`~gpuxfer.platforms.base.Platform` (default: the process's,
@@ -595,98 +392,6 @@ class KVAgent(Closable, FailsOnTimeout):
             raise NotRegistered(f"agent {self.name!r} has no peer {name!r}; peers: {', '.join(self._peers) or 'none'}")
         return p
 
-    # ------------------------------------------------------------------ routes
-
-    def _route(self, peer: KVPeer, op: str, layers: tuple[int, int] | None, groups: tuple[str, ...]) -> _Route:
-        key = (peer.name, op, layers, groups)
-        r = self._routes.get(key)
-        if r is None:
-            r = self._build_route(peer, op, layers, groups)
-            with self._lock:
-                self._routes[key] = r
-        return r
-
-    def _build_route(self, peer: KVPeer, op: str, layers: tuple[int, int] | None, names: tuple[str, ...]
-                     ) -> _Route:
-        torch = _torch()
-        from ..kernels.blocks import PLANE_FIELDS
-        src_is_mine = op == "push"
-        rows, plane_group, splits, limits, dst_spans, keys = [], [], [], [], [], []
-        src_ptrs, dst_ptrs = [], []        # (absolute piece address of block 0, anchor maker)
-        for gi, gname in enumerate(names):
-            mine, theirs = self._groups[gname], peer.groups[gname]
-            bts, btd = (mine.block_tokens, theirs.block_tokens) if src_is_mine else \
-                (theirs.block_tokens, mine.block_tokens)
-            if max(bts, btd) % min(bts, btd):
-                raise LayoutMismatch(f"group {gname!r}: block sizes {bts} (source) and {btd} (destination) tokens; "
-                                     "one must divide the other")
-            seg = min(bts, btd)
-            splits.append((bts // seg, btd // seg))
-            src_g, dst_g = (mine, theirs) if src_is_mine else (theirs, mine)
-            limits.append((src_g.num_blocks, dst_g.num_blocks))
-            theirs_by_name = {lay.name: (lay, ref) for lay, ref in zip(theirs.layers, theirs.flats)}
-            selected = [(lay, fl) for lay, fl in zip(mine.layers, mine.flats)
-                        if layers is None or layers[0] <= lay.index < layers[1]]
-            if layers is None and len(theirs.layers) != len(mine.layers):
-                raise LayoutMismatch(f"group {gname!r}: {len(mine.layers)} layers here, {len(theirs.layers)} on "
-                                     f"peer {peer.name!r}")
-            spans = []
-            for lay, fl in selected:
-                other = theirs_by_name.get(lay.name)
-                if other is None:
-                    raise LayoutMismatch(f"group {gname!r}: peer {peer.name!r} has no layer {lay.name!r}")
-                olay, oref = other
-                mine_anchor = (lambda f=fl: f)
-                their_anchor = (lambda o=oref, p=olay.ptr: peer.anchor(o, p))
-                s_lay, d_lay = (lay, olay) if src_is_mine else (olay, lay)
-                s_anc, d_anc = (mine_anchor, their_anchor) if src_is_mine else (their_anchor, mine_anchor)
-                src_ptrs.append((s_lay.ptr, s_anc))
-                dst_ptrs.append((d_lay.ptr, d_anc))
-                spans.append(d_lay.span)
-                for k, (ps_off, pd_off, seg_bytes) in enumerate(_pair_pieces(gname, lay, olay, bts, btd,
-                                                                              src_is_mine)):
-                    keys.append((-seg_bytes, gname, lay.name, k))
-                    rows.append([s_lay.ptr + ps_off, s_lay.block_stride, d_lay.ptr + pd_off, d_lay.block_stride,
-                                 seg_bytes, gi, bts // seg, btd // seg, src_g.num_blocks, dst_g.num_blocks])
-                    plane_group.append(gi)
-            dst_spans.append(spans)
-        if not rows:
-            raise BadInput(f"layer range {layers} selects no layer of the groups shared with peer {peer.name!r}")
-        src_base, src_anchor = min(src_ptrs, key=lambda x: x[0])
-        dst_base, dst_anchor = min(dst_ptrs, key=lambda x: x[0])
-        table = np.array(rows, dtype=np.int64)
-        table[:, 0] -= src_base
-        table[:, 2] -= dst_base
-        # largest segments first, each size together; then by group, layer and piece names: an order
-        # both sides derive alike (whatever order they registered in)
-        order = np.array(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)
-        table, pg = table[order], np.asarray(plane_group, dtype=np.int64)[order]
-        cuts = np.flatnonzero(np.diff(table[:, 4])) + 1
-        bounds = [0, *cuts.tolist(), len(table)]
-        classes = [(a, b, int(table[a, 4])) for a, b in zip(bounds[:-1], bounds[1:])]
-        from ..kernels import launch as kl
-        merged: list[list] = []         # one copy launch per tiling: neighbouring sizes tiled alike share one
-        for a, b, c in classes:
-            key = (kl.choose_config(c), kl.choose_config(c, few_programs=True))
-            if merged and merged[-1][3] == key:
-                merged[-1][1] = b
-            else:
-                merged.append([a, b, c, key])
-        dev = self._torch_device()
-        planes = torch.from_numpy(np.ascontiguousarray(table)).to(dev)
-        if dev.type != "cpu":
-            self.platform.synchronize(self.platform.current_stream(self.device), self.timeout_s)
-        assert table.shape[1] == PLANE_FIELDS
-        # copies run in the order of the peer's blocks: programs running together touch neighbouring peer
-        # memory (the fastest order measured for the descriptor-copy kernel); the order of the copies is
-        # free, no two destinations overlap. The pack engine's two sides must agree on it: both take the
-        # source's.
-        ids = _RouteIds(names, limits, splits, _overlap_classes(dst_spans),
-                        sort_by_dst=op == "push" and self.engine != "pack")
-        return _Route(op=op, groups=names, ids=ids, planes=planes, table=table, plane_group=pg, classes=classes,
-                      src_anchor=src_anchor(), dst_anchor=dst_anchor(), launch_classes=[(a, b, c) for a, b, c, _ in merged],
-                      plane_bytes=np.ascontiguousarray(table[:, 4]))
-
     # ------------------------------------------------------------------ transfers
 
     def prepare(self, peer: "KVPeer | str", op: str, *, local_blocks: Mapping[str, Any],
@@ -787,97 +492,10 @@ class KVAgent(Closable, FailsOnTimeout):
                              int(n_seg.max()) if n_seg.size else 0, [], notify_slot, n_rows, nbytes, chunks=chunks,
                              pooled=host, entries=int(array.shape[0]))
 
-    def _take_slot(self, route: _Route, s: Stream, rows: int, entries: int) -> _Slot:
-        """A slot of ``route``'s ring free for a post on ``s`` that holds ``rows`` descriptors and ``entries``
-        request entries: one last used on ``s`` or whose last post completed (made, or remade larger --
-        geometrically --, when it is too small); a new one while the ring has room; else the least recently
-        used, once its last post completed (waiting at most the agent's timeout)."""
-        plat, slots = self.platform, route.slots
-        i = -1
-        for k, slot in enumerate(slots):
-            if slot.stream is s or plat.event_query(slot.event):     # every slot has its last event
-                i = k
-                break
-        if i < 0:
-            if len(slots) < RING_SLOTS:
-                i = len(slots)
-            else:
-                i = min(range(len(slots)), key=lambda k: slots[k].used)
-                if not plat.event_wait(slots[i].event, self.timeout_s):
-                    raise TransferTimeout(rank=self.rank, step=0, flag="a free slot", expected=1, seen=0,
-                                          timeout_s=self.timeout_s,
-                                          what=f"all {len(slots)} slots of a route still run earlier posts")
-        if i == len(slots):
-            slot = self._new_slot(route, s, max(rows, MIN_SLOT_ROWS), max(entries, MIN_SLOT_ENTRIES))
-            slots.append(slot)
-            return self._use(slot)
-        slot = slots[i]
-        if slot.rows < rows or slot.entries < entries:
-            slot = slots[i] = self._new_slot(route, s, slot.rows if rows <= slot.rows else max(rows, 2 * slot.rows),
-                                             slot.entries if entries <= slot.entries else
-                                             max(entries, 2 * slot.entries))
-        return self._use(slot)
-
-    def _use(self, slot: _Slot) -> _Slot:
-        slot.used = next(self._slot_uses)
-        return slot
-
-    def _new_slot(self, route: _Route, s: Stream, rows: int, entries: int) -> _Slot:
-        """A slot's buffers, zeroed on ``s`` (after torch's current stream, where the caching allocator may
-        have used the memory last), its launchers, and its graph (captured on a stream of the agent's)."""
-        plat = self.platform
-        slot = _Slot(route, rows, entries, self._torch_device())
-        plat.stream_wait_event(s, plat.record_event(plat.current_stream(self.device)))
-        plat.memset_async(s, slot.req_ptr, 0, entries * 8)
-        plat.memset_async(s, slot.out.data_ptr(), 0, rows * 24)
-        if not plat.kernels_interpreted:
-            # one run of the fixed launches over the zeroed request (it moves nothing) loads the compiled
-            # kernels, so the capture below records launches only
-            slot.enqueue(plat, s)
-        slot.event, slot.stream = plat.record_event(s), s
-        if self.graphs:
-            try:
-                if self._capture_stream is None:
-                    self._capture_stream = plat.create_stream(self.device)
-                slot.graph = plat.capture_graph(self._capture_stream, lambda c: slot.enqueue(plat, c))
-            except Exception as exc:  # noqa: BLE001 - the same launches run one by one instead
-                log.warning("agent %s: capturing a slot's launches as a graph failed (%s: %s); posts launch them "
-                            "one by one", self.name, type(exc).__name__, exc)
-                self.graphs = False
-            if slot.graph is None:
-                self.graphs = False
-        return slot
-
     def transfer(self, peer: "KVPeer | str", op: str, *, local_blocks: Mapping[str, Any],
                  remote_blocks: Mapping[str, Any], stream: Stream | None = None, **kw) -> KVTransferHandle:
         """:meth:`prepare` then :meth:`KVTransfer.post`."""
         return self.prepare(peer, op, local_blocks=local_blocks, remote_blocks=remote_blocks, **kw).post(stream)
-
-    def _pack_shape(self, x: "_PackTransfer") -> "_PackShape":
-        """The cached :class:`_PackShape` of ``x``'s shape (built on first use; the least recently used of
-        more than :data:`PACK_SHAPES` goes: posts in flight keep theirs alive through :meth:`_track`)."""
-        shapes = self._pack_shapes
-        shape = shapes.get(x._shape_key)
-        if shape is None:
-            shape = shapes[x._shape_key] = _PackShape(self, x)
-            while len(shapes) > PACK_SHAPES:
-                shapes.popitem(last=False)
-        else:
-            shapes.move_to_end(x._shape_key)
-        return shape
-
-    def _pack_lane(self) -> Stream:
-        if self._lane is None:
-            self._lane = self.platform.create_stream(self.device)
-        return self._lane
-
-    def _track(self, event: Event, buffers: tuple) -> None:
-        """Keep a posted transfer's buffers until its event completes (dropping the transfer and its
-        handle early must not free memory the stream still reads); completed entries go first."""
-        q = self._inflight
-        while q and self.platform.event_query(q[0][0]):
-            q.popleft()
-        q.append((event, buffers))
 
     # ------------------------------------------------------------------ notifications
 

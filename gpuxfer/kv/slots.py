@@ -1,7 +1,7 @@
 """The ``triton`` engine's transfers: a route's slots (device buffers with their launches bound once
 and captured as a graph, :class:`_Slot`), the transfer that runs a request in one
 (:class:`_SlotTransfer`) and the pool of host request arrays (:class:`_RequestPool`). The ring of
-slots per route is kept by :meth:`KVAgent._take_slot <gpuxfer.kv.agent.KVAgent._take_slot>`."""
+slots per route is kept by :meth:`KVAgent._take_slot <gpuxfer.kv.posting._PostResources._take_slot>`."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -14,7 +14,9 @@ from .layers import _torch
 from .transfer import KVTransfer, KVTransferHandle
 
 if TYPE_CHECKING:
-    from .agent import KVAgent, KVPeer, _Route
+    from .agent import KVAgent
+    from .peers import KVPeer
+    from .routes import _Route
 
 
 class _Slot:

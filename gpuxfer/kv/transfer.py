@@ -10,7 +10,9 @@ from ..errors import TransferTimeout
 from ..platforms.base import Event, Stream
 
 if TYPE_CHECKING:
-    from .agent import KVAgent, KVPeer, _Route
+    from .agent import KVAgent
+    from .peers import KVPeer
+    from .routes import _Route
 
 
 class KVTransferHandle:

@@ -1308,9 +1308,9 @@ def _route_slots(agent):
 def test_ring_reuses_its_slot_and_grows_it(pair, monkeypatch):
     """Posts on one stream reuse one slot; a request larger than the slot remakes it larger (geometrically) and
     still moves every byte; a post on another stream while the slot is busy there takes a second slot."""
-    import gpuxfer.kv.agent as agent_mod
-    monkeypatch.setattr(agent_mod, "MIN_SLOT_ROWS", 4)
-    monkeypatch.setattr(agent_mod, "MIN_SLOT_ENTRIES", 8)
+    import gpuxfer.kv.posting as posting
+    monkeypatch.setattr(posting, "MIN_SLOT_ROWS", 4)
+    monkeypatch.setattr(posting, "MIN_SLOT_ENTRIES", 8)
     pre, dec, a0, a1 = pair
     src, dst, peer = _ring_pair(pre, dec, a0, a1)
     small = dec.prepare(peer, "pull", local_blocks={"full": [3]}, remote_blocks={"full": [0]})
@@ -1348,8 +1348,8 @@ def test_ring_reuses_its_slot_and_grows_it(pair, monkeypatch):
 def test_full_ring_waits_for_a_slot_then_times_out(pair, monkeypatch):
     """With every slot busy on other streams, a post waits for the least recently used one: it proceeds once
     that completes, and raises TransferTimeout past the agent's timeout."""
-    import gpuxfer.kv.agent as agent_mod
-    monkeypatch.setattr(agent_mod, "RING_SLOTS", 1)
+    import gpuxfer.kv.posting as posting
+    monkeypatch.setattr(posting, "RING_SLOTS", 1)
     pre, dec, a0, a1 = pair
     src, dst, peer = _ring_pair(pre, dec, a0, a1)
     x = dec.prepare(peer, "pull", local_blocks={"full": [3, 4]}, remote_blocks={"full": [0, 1]})
@@ -1380,9 +1380,9 @@ def test_full_ring_waits_for_a_slot_then_times_out(pair, monkeypatch):
 def test_interleaved_posts_of_many_requests_hypothesis(plat, data, monkeypatch):
     """Several prepared requests (disjoint destinations, sizes drawn, so slots are remade larger) posted again
     and again, interleaved over three streams: every destination block holds its source, nothing else moved."""
-    import gpuxfer.kv.agent as agent_mod
-    monkeypatch.setattr(agent_mod, "MIN_SLOT_ROWS", 4)
-    monkeypatch.setattr(agent_mod, "MIN_SLOT_ENTRIES", 8)
+    import gpuxfer.kv.posting as posting
+    monkeypatch.setattr(posting, "MIN_SLOT_ROWS", 4)
+    monkeypatch.setattr(posting, "MIN_SLOT_ENTRIES", 8)
     a0, a1 = Arena(plat, 0), Arena(plat, 1)
     pre = KVAgent("p", platform=plat, device=0)
     dec = KVAgent("d", platform=plat, device=1)
@@ -1405,7 +1405,7 @@ def test_interleaved_posts_of_many_requests_hypothesis(plat, data, monkeypatch):
         handles = [xfers[i].post(streams[k]) for i, k in order]
         for h in handles:
             h.wait(60)
-        assert 1 <= len(_route_slots(dec)) <= agent_mod.RING_SLOTS
+        assert 1 <= len(_route_slots(dec)) <= posting.RING_SLOTS
         for name in src:
             want = before[name].clone()
             for d_ids, s_ids in moved:
@@ -1474,10 +1474,10 @@ def test_cuda_slot_graphs_grow_interleave_and_stay_in_bounds(op, monkeypatch):
     why = platform_reason("cuda")
     if why:
         pytest.skip(why)
-    import gpuxfer.kv.agent as agent_mod
+    import gpuxfer.kv.posting as posting
     from gpuxfer.platforms import get_platform
-    monkeypatch.setattr(agent_mod, "MIN_SLOT_ROWS", 8)
-    monkeypatch.setattr(agent_mod, "MIN_SLOT_ENTRIES", 16)
+    monkeypatch.setattr(posting, "MIN_SLOT_ROWS", 8)
+    monkeypatch.setattr(posting, "MIN_SLOT_ENTRIES", 16)
     plat = get_platform("cuda")
     layers, blocks, guard = 3, 64, 1 << 16
     shape = (2, blocks, 16, 2, 64)
@@ -1518,7 +1518,7 @@ def test_cuda_slot_graphs_grow_interleave_and_stay_in_bounds(op, monkeypatch):
         for h in handles:
             h.wait(60)
         check_moved()
-        assert agent.graphs and 1 <= len(route.slots) <= agent_mod.RING_SLOTS
+        assert agent.graphs and 1 <= len(route.slots) <= posting.RING_SLOTS
         torch.cuda.synchronize()
         before = [ar.clone() for ar in arenas]
         x = xs[1]

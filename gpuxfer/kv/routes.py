@@ -1,0 +1,184 @@
+"""Routes: everything transfers between an agent and a peer in one direction over one layer range need,
+built once per (peer, direction, layer range, groups) and cached (:class:`_Route`): the plane table (one row
+per layer piece, largest segments first, in an order both sides derive alike), the segment classes and
+copy launches, the destination overlap classes, and the ring of slots posts run in."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import BadInput, LayoutMismatch
+from .ids import _RouteIds
+from .layers import KVLayer, _torch
+
+if TYPE_CHECKING:
+    from .peers import KVPeer
+    from .slots import _Slot
+
+
+@dataclass
+class _Route:
+    """Everything a transfer between the agent and a peer in one direction needs, built once."""
+
+    op: str
+    groups: list[str]                            # route-local group order
+    ids: _RouteIds                               # how its requests' block IDs are checked and ordered
+    planes: Any                                  # (P, PLANE_FIELDS) int64 on the device
+    table: np.ndarray                            # the same on the host
+    plane_group: np.ndarray                      # (P,) group of each plane
+    classes: list[tuple[int, int, int]]          # (first plane, end plane, segment bytes), planes sorted by size
+    src_anchor: Any
+    dst_anchor: Any
+    launch_classes: list[tuple[int, int, int]] = field(default_factory=list)   # per copy launch: (first plane,
+                                                 # end plane, segment bytes): neighbouring sizes tiled alike
+    plane_bytes: np.ndarray | None = None        # (P,) segment bytes of each plane
+    slots: list["_Slot"] = field(default_factory=list)    # the ring of device buffers posts run in
+
+
+
+def _pair_pieces(group: str, mine: KVLayer, theirs: KVLayer, bt_src: int, bt_dst: int, src_is_mine: bool
+                 ) -> list[tuple[int, int, int]]:
+    """Per piece: (source piece offset, destination piece offset, segment bytes)."""
+    src, dst = (mine, theirs) if src_is_mine else (theirs, mine)
+    if len(src.pieces) != len(dst.pieces):
+        raise LayoutMismatch(f"group {group!r}, layer {mine.name!r}: {len(src.pieces)} pieces per block on the "
+                             f"source, {len(dst.pieces)} on the destination")
+    seg_tokens = min(bt_src, bt_dst)
+    out = []
+    for k, (ps, pd) in enumerate(zip(src.pieces, dst.pieces)):
+        if bt_src == bt_dst:
+            if ps.nbytes != pd.nbytes:
+                raise LayoutMismatch(f"group {group!r}, layer {mine.name!r}, piece {k}: {ps.nbytes} bytes per "
+                                     f"block on the source, {pd.nbytes} on the destination")
+            out.append((ps.offset, pd.offset, ps.nbytes))
+            continue
+        if not (src.token_major and dst.token_major):
+            raise LayoutMismatch(f"group {group!r}, layer {mine.name!r}: block sizes differ ({bt_src} and {bt_dst} "
+                                 "tokens) but a side's pieces are not token-major")
+        if ps.nbytes * bt_dst != pd.nbytes * bt_src:
+            raise LayoutMismatch(f"group {group!r}, layer {mine.name!r}, piece {k}: {ps.nbytes} bytes per "
+                                 f"{bt_src}-token block and {pd.nbytes} per {bt_dst}-token block are not the same "
+                                 "bytes per token")
+        small = ps.nbytes if bt_src == seg_tokens else pd.nbytes
+        big, ratio = (ps.nbytes, bt_src // seg_tokens) if bt_src > seg_tokens else (pd.nbytes, bt_dst // seg_tokens)
+        if big % ratio or big // ratio != small:
+            raise LayoutMismatch(f"group {group!r}, layer {mine.name!r}, piece {k}: {big} bytes do not split "
+                                 f"into {ratio} equal segments")
+        out.append((ps.offset, pd.offset, small))
+    return out
+
+
+def _overlap_classes(spans: list[list[tuple[int, int]]]) -> list[list[int]]:
+    """Groups (by index) whose memory spans intersect, merged transitively (union-find)."""
+    parent = list(range(len(spans)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i, j in itertools.combinations(range(len(spans)), 2):
+        if any(a < d and c < b for a, b in spans[i] for c, d in spans[j]):
+            parent[find(i)] = find(j)
+    classes: dict[int, list[int]] = {}
+    for i in range(len(spans)):
+        classes.setdefault(find(i), []).append(i)
+    return list(classes.values())
+
+
+class _Routes:
+    """:class:`~gpuxfer.kv.agent.KVAgent`'s routes: the cache (``_routes``) and how a route is built."""
+
+    def _route(self, peer: KVPeer, op: str, layers: tuple[int, int] | None, groups: tuple[str, ...]) -> _Route:
+        key = (peer.name, op, layers, groups)
+        r = self._routes.get(key)
+        if r is None:
+            r = self._build_route(peer, op, layers, groups)
+            with self._lock:
+                self._routes[key] = r
+        return r
+
+    def _build_route(self, peer: KVPeer, op: str, layers: tuple[int, int] | None, names: tuple[str, ...]
+                     ) -> _Route:
+        torch = _torch()
+        from ..kernels.blocks import PLANE_FIELDS
+        src_is_mine = op == "push"
+        rows, plane_group, splits, limits, dst_spans, keys = [], [], [], [], [], []
+        src_ptrs, dst_ptrs = [], []        # (absolute piece address of block 0, anchor maker)
+        for gi, gname in enumerate(names):
+            mine, theirs = self._groups[gname], peer.groups[gname]
+            bts, btd = (mine.block_tokens, theirs.block_tokens) if src_is_mine else \
+                (theirs.block_tokens, mine.block_tokens)
+            if max(bts, btd) % min(bts, btd):
+                raise LayoutMismatch(f"group {gname!r}: block sizes {bts} (source) and {btd} (destination) tokens; "
+                                     "one must divide the other")
+            seg = min(bts, btd)
+            splits.append((bts // seg, btd // seg))
+            src_g, dst_g = (mine, theirs) if src_is_mine else (theirs, mine)
+            limits.append((src_g.num_blocks, dst_g.num_blocks))
+            theirs_by_name = {lay.name: (lay, ref) for lay, ref in zip(theirs.layers, theirs.flats)}
+            selected = [(lay, fl) for lay, fl in zip(mine.layers, mine.flats)
+                        if layers is None or layers[0] <= lay.index < layers[1]]
+            if layers is None and len(theirs.layers) != len(mine.layers):
+                raise LayoutMismatch(f"group {gname!r}: {len(mine.layers)} layers here, {len(theirs.layers)} on "
+                                     f"peer {peer.name!r}")
+            spans = []
+            for lay, fl in selected:
+                other = theirs_by_name.get(lay.name)
+                if other is None:
+                    raise LayoutMismatch(f"group {gname!r}: peer {peer.name!r} has no layer {lay.name!r}")
+                olay, oref = other
+                mine_anchor = (lambda f=fl: f)
+                their_anchor = (lambda o=oref, p=olay.ptr: peer.anchor(o, p))
+                s_lay, d_lay = (lay, olay) if src_is_mine else (olay, lay)
+                s_anc, d_anc = (mine_anchor, their_anchor) if src_is_mine else (their_anchor, mine_anchor)
+                src_ptrs.append((s_lay.ptr, s_anc))
+                dst_ptrs.append((d_lay.ptr, d_anc))
+                spans.append(d_lay.span)
+                for k, (ps_off, pd_off, seg_bytes) in enumerate(_pair_pieces(gname, lay, olay, bts, btd,
+                                                                              src_is_mine)):
+                    keys.append((-seg_bytes, gname, lay.name, k))
+                    rows.append([s_lay.ptr + ps_off, s_lay.block_stride, d_lay.ptr + pd_off, d_lay.block_stride,
+                                 seg_bytes, gi, bts // seg, btd // seg, src_g.num_blocks, dst_g.num_blocks])
+                    plane_group.append(gi)
+            dst_spans.append(spans)
+        if not rows:
+            raise BadInput(f"layer range {layers} selects no layer of the groups shared with peer {peer.name!r}")
+        src_base, src_anchor = min(src_ptrs, key=lambda x: x[0])
+        dst_base, dst_anchor = min(dst_ptrs, key=lambda x: x[0])
+        table = np.array(rows, dtype=np.int64)
+        table[:, 0] -= src_base
+        table[:, 2] -= dst_base
+        # largest segments first, each size together; then by group, layer and piece names: an order
+        # both sides derive alike (whatever order they registered in)
+        order = np.array(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)
+        table, pg = table[order], np.asarray(plane_group, dtype=np.int64)[order]
+        cuts = np.flatnonzero(np.diff(table[:, 4])) + 1
+        bounds = [0, *cuts.tolist(), len(table)]
+        classes = [(a, b, int(table[a, 4])) for a, b in zip(bounds[:-1], bounds[1:])]
+        from ..kernels import launch as kl
+        merged: list[list] = []         # one copy launch per tiling: neighbouring sizes tiled alike share one
+        for a, b, c in classes:
+            key = (kl.choose_config(c), kl.choose_config(c, few_programs=True))
+            if merged and merged[-1][3] == key:
+                merged[-1][1] = b
+            else:
+                merged.append([a, b, c, key])
+        dev = self._torch_device()
+        planes = torch.from_numpy(np.ascontiguousarray(table)).to(dev)
+        if dev.type != "cpu":
+            self.platform.synchronize(self.platform.current_stream(self.device), self.timeout_s)
+        assert table.shape[1] == PLANE_FIELDS
+        # copies run in the order of the peer's blocks: programs running together touch neighbouring peer
+        # memory (the fastest order measured for the descriptor-copy kernel); the order of the copies is
+        # free, no two destinations overlap. The pack engine's two sides must agree on it: both take the
+        # source's.
+        ids = _RouteIds(names, limits, splits, _overlap_classes(dst_spans),
+                        sort_by_dst=op == "push" and self.engine != "pack")
+        return _Route(op=op, groups=names, ids=ids, planes=planes, table=table, plane_group=pg, classes=classes,
+                      src_anchor=src_anchor(), dst_anchor=dst_anchor(), launch_classes=[(a, b, c) for a, b, c, _ in merged],
+                      plane_bytes=np.ascontiguousarray(table[:, 4]))
