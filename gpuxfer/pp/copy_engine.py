@@ -257,6 +257,7 @@ class CopyEngineTransport(Transport):
         self._give_back: HostWords | None = None    # sender: its empty words in host memory; receiver: the peer's
         self._free_loads = None             # sender: host loads of those words (a[j * 8] is empty[j])
         self._value_ptr = None              # sender: per slot, the host word a copy graph publishes from
+        self.slot_waits = 0                 # sender: steps that queued a GPU wait for their slot (not seen free)
 
     @property
     def max_pending(self) -> int:
@@ -459,6 +460,7 @@ class CopyEngineTransport(Transport):
         if k > R and (self._free_loads is None or self._free_loads[j << 3] < k - R):   # not seen free yet
             p.wait_flag(side, self._in_ptr[j], k - R)
             self._wd.append((k, j, time.monotonic(), k - R))
+            self.slot_waits += 1
         if layout.total:
             self._ce_copy(side, self._peer_slot_ptr[j], self._staging_ptr[s], layout.total)
         self._publish(side, j, k)
@@ -477,6 +479,7 @@ class CopyEngineTransport(Transport):
         if waited:
             calls.wait_flag(self._in_ptr[j], k - R)
             self._wd.append((k, j, time.monotonic(), k - R))
+            self.slot_waits += 1
         g = None
         if self._cap is None or not layout.total:
             self._copy_tensors(cur, self._peer_slot_ptr[j], tensors, layout)

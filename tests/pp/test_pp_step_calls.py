@@ -259,6 +259,7 @@ def give_back_session(rank: int, world: int, init_method: str, platform_name: st
         out["waits"] = counts["wait_flag"] / 8
         out["queued"] = sum(counts[q] for q in QUEUED) / 8
         out["remote_flags"] = t.remote_flags
+        out["slot_waits"] = getattr(t, "slot_waits", None)
         conn.close()
     finally:
         conn.abort()
@@ -273,5 +274,6 @@ def test_sender_queues_no_wait_for_a_slot_seen_free(spawner, platform_name, host
     sender, receiver = spawner.run_ranks(give_back_session, 2, platform_name, host, timeout=120)
     assert sender["host_words"] == receiver["host_words"] == (host == "1")
     assert sender["waits"] == (0 if host == "1" else 1), sender
+    assert sender["slot_waits"] == (0 if host == "1" else 12 - 2), sender     # steps 3-12 reuse a slot
     # host words: one copy-graph launch (copies and publish); else wait, launch, publish (+1: a copy-path publish)
     assert sender["queued"] == (1 if host == "1" else 3 + (0 if sender["remote_flags"] else 1)), sender

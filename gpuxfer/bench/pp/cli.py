@@ -166,7 +166,7 @@ def run(args) -> int:
         r["recv_host_us"] = r.pop("host_us")
         r["send_host_us"] = s.get("host_us")
         for key in ("host_paced_us", "host_paced_p10_us", "host_paced_p90_us", "host_paced_python_us",
-                    "host_paced_cpus"):
+                    "host_paced_cpus", "host_paced_slot_waits_pct"):
             if key in r:
                 r["recv_" + key] = r.pop(key)
                 r["send_" + key] = s.get(key)

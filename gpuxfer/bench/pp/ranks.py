@@ -148,6 +148,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
         shapes = {"hidden": (size // 4,), "residual": (size // 4,)}
         per, last, clock = [], None, now
         speed = {"python_us": python_speed_us(), "cpus": [current_cpu()]}
+        waits = getattr(t, "slot_waits", None) if rank == 0 else None
         for i in range(n):
             x = src(size, first + i) if rank == 0 else None
             due = start + i * iv
@@ -160,6 +161,8 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
                 last = (t.recv() if metadata else t.recv(shapes=shapes)).tensors
             per.append(clock() - t0)
         speed["cpus"].append(current_cpu())
+        if waits is not None:      # steps whose slot the sender did not see free on the host (a GPU wait queued)
+            speed["slot_waits_pct"] = (t.slot_waits - waits) / n * 100
         per.sort()
         return (statistics.median(per), per[len(per) // 10], per[len(per) * 9 // 10]), last, speed
 
@@ -220,6 +223,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
                                      "host_us": host / n * 1e6, "host_paced_us": paced[0] * 1e6,
                                      "host_paced_p10_us": paced[1] * 1e6, "host_paced_p90_us": paced[2] * 1e6,
                                      "host_paced_python_us": speed["python_us"], "host_paced_cpus": speed["cpus"],
+                                     "host_paced_slot_waits_pct": speed.get("slot_waits_pct"),
                                      "algbw_gbps": size / (elapsed / n) / 1e9,
                                      "wrong_bytes": wrong,
                                      "instrumented": instrumented + " (first repeat)" if instrumented else None})

@@ -157,7 +157,9 @@ def format_report(res: dict, opts: dict) -> str:
             if r and r.get("send_host_paced_python_us") is not None and r.get("recv_host_paced_python_us") is not None:
                 speed.append(f"{_fmt_size(size)} {r['send_host_paced_python_us']:.0f}/"
                              f"{r['recv_host_paced_python_us']:.0f} on CPUs {_cpus(r.get('send_host_paced_cpus'))}/"
-                             f"{_cpus(r.get('recv_host_paced_cpus'))}")
+                             f"{_cpus(r.get('recv_host_paced_cpus'))}"
+                             + (f", sender waited for its slot in {r['send_host_paced_slot_waits_pct']:.0f}% of steps"
+                                if r.get("send_host_paced_slot_waits_pct") is not None else ""))
         if speed:
             L.append(f"# paced loops' CPUs and speed, {b} {'+' if m else '-'}meta: a pure-Python yardstick just "
                      f"before each loop (us, sender/receiver; a slower CPU takes longer), the CPUs it started/ended "
