@@ -156,7 +156,7 @@ def test_one_device_leaves_nccl_out_and_the_targets_do_not_apply(monkeypatch):
     from gpuxfer.bench.pp import cli as B
     monkeypatch.setattr(B, "platform_option", lambda text: "cuda")
     monkeypatch.setattr(B, "device_count", lambda name: 1)
-    monkeypatch.setattr("gpuxfer.platforms.platform_class", lambda name: argparse.Namespace(is_emulation=False))
+    monkeypatch.setattr("gpuxfer.platforms.platform_class", lambda name: argparse.Namespace(is_emulation=False, collective_backend="nccl"))
     args = build_parser().parse_args(["bench", "pp", "--inline-bytes", "1M"])
     opts = B._options(args)
     assert opts["backends"] == ["copy_engine", "copy_engine_graph"] and opts["same_device"]
