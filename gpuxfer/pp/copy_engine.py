@@ -87,8 +87,9 @@ back); otherwise a stream write sets the word after the wait::
     load empty[j] >= k-R ?
       yes: store value[j] = k; launch graph[j] --------> copy tensors -> R.data[j]; copy 8 B value[j]
                                                             -> R.full[j]  (publish full[j] = k)
-      no:  wait empty[j] >= k-R; write value[j] = k -> (stream order: after the wait, so after
-           launch graph[j]                                step k-R's publish read the word); the graph
+      no:  wait empty[j] >= k-R, write value[j] = k --> (one flag_ops call, in order: the write
+           launch graph[j]                                lands after step k-R's publish read the word,
+                                                          $GPUXFER_PP_FLAG_BATCH=0: two calls); the graph
     (R's publish empty[j] = k lands in host memory: remote write or 8-byte copy, as before)
 
 A receiver set up with ``recv_views=True`` copies nothing out: ``.tensors`` are
@@ -258,6 +259,7 @@ class CopyEngineTransport(Transport):
         self._free_loads = None             # sender: host loads of those words (a[j * 8] is empty[j])
         self._value_ptr = None              # sender: per slot, the host word a copy graph publishes from
         self.slot_waits = 0                 # sender: steps that queued a GPU wait for their slot (not seen free)
+        self._slot_arrays = self._slot_ops = None   # sender: per slot j: [wait empty[j], write value[j]] (flag_ops)
 
     @property
     def max_pending(self) -> int:
@@ -393,6 +395,10 @@ class CopyEngineTransport(Transport):
                 self._in_ptr = [self._give_back.ptr(j) for j in range(R)]
                 self._value_ptr = [self._give_back.ptr(R + j) for j in range(R)]
                 self._free_loads = self._give_back.loads()
+                if flag_batch_from_env():   # per slot: [wait empty[j] >= k-R, write value[j] = k] (flag_ops)
+                    self._slot_arrays = [flag_ops_array([(FLAG_OP_WAIT, self._in_ptr[j], 0),
+                                                         (FLAG_OP_WRITE, self._value_ptr[j], 0)]) for j in range(R)]
+                    self._slot_ops = [a.reshape(-1) for a in self._slot_arrays]   # value words: 2 and 8
             else:
                 self._peer_in_ptr = [self._give_back.ptr(j) for j in range(R)]
         if self.role == "recv":
@@ -475,24 +481,28 @@ class CopyEngineTransport(Transport):
         calls = self._calls
         j = (k - 1) % R
         free = self._free_loads
+        g = self._copy_graph(j, tensors, layout, k) if self._cap is not None and layout.total else None
+        valued = g is not None and free is not None     # the graph publishes slot j's value word: make it k
         waited = k > R and (free is None or free[j << 3] < k - R)   # slot j not seen free on the host yet
         if waited:
-            calls.wait_flag(self._in_ptr[j], k - R)
+            if valued and self._slot_ops is not None:   # wait, then set the word (step k-R's publish has
+                ops = self._slot_ops[j]                 # read it once the wait passed): one call
+                ops[2] = k - R
+                ops[8] = k
+                p.flag_ops(cur, self._slot_arrays[j])
+            else:
+                calls.wait_flag(self._in_ptr[j], k - R)
+                if valued:
+                    calls.write_flag(self._value_ptr[j], k)
             self._wd.append((k, j, time.monotonic(), k - R))
             self.slot_waits += 1
-        g = None
-        if self._cap is None or not layout.total:
+        elif valued:                    # seen free: step k-R's publish has landed already
+            free[(R + j) << 3] = k
+        if g is None:
             self._copy_tensors(cur, self._peer_slot_ptr[j], tensors, layout)
         else:
-            g = self._copy_graph(cur, j, tensors, layout, k)
-        if g is not None:
-            if free is not None:        # the graph publishes slot j's value word: make it k
-                if waited:              # after the wait (then step k-R's publish has read the word)
-                    calls.write_flag(self._value_ptr[j], k)
-                else:                   # seen free: step k-R's publish has landed already
-                    free[(R + j) << 3] = k
             calls.launch_graph(g)
-        if g is None or free is None:   # no graph published the step
+        if not valued:                  # no graph published the step
             if self._remote_publish:
                 calls.write_flag(self._peer_in_ptr[j], k)
             else:
@@ -518,11 +528,11 @@ class CopyEngineTransport(Transport):
         self._remote_publish = self.remote_flags and type(self)._publish is CopyEngineTransport._publish
         self._eager_stream = stream
 
-    def _copy_graph(self, cur, j: int, tensors, layout: Layout, k: int):
+    def _copy_graph(self, j: int, tensors, layout: Layout, k: int):
         """The graph of step k's peer copies where this copy set (slot, source addresses, sizes) was seen
-        before within :data:`STEP_GRAPHS` steps (captured at that second sight and kept; the oldest of
-        :data:`STEP_GRAPHS` goes first), else None with the copies queued on ``cur`` one by one (a set
-        that recurs less often: the cache could not hold the sets in between). Its nodes are the same
+        before within :data:`STEP_GRAPHS` steps (captured at that second sight, on the capture stream, and
+        kept; the oldest of :data:`STEP_GRAPHS` goes first), else None: the caller queues the copies one by
+        one (a set that recurs less often: the cache could not hold the sets in between). Its nodes are the same
         copy-engine copies, and where the sender has value words in host memory, one more: the 8-byte copy
         of slot j's value word into the peer's ``full[j]`` (the publish; the caller sets the word)."""
         key = (j, layout.nbytes, *[tensors[n].data_ptr() for n in self.specs.names])
@@ -533,7 +543,6 @@ class CopyEngineTransport(Transport):
                 if seen is None and len(self._sightings) >= 4 * STEP_GRAPHS:
                     self._sightings.clear()
                 self._sightings[key] = k
-                self._copy_tensors(cur, self._peer_slot_ptr[j], tensors, layout)
                 return None
             del self._sightings[key]
 
@@ -544,7 +553,6 @@ class CopyEngineTransport(Transport):
             g = self.platform.capture_graph(self._cap, record)
             if g is None:        # this platform cannot capture: plain copies from now on
                 self._cap = None
-                self._copy_tensors(cur, self._peer_slot_ptr[j], tensors, layout)
                 return None
             if len(self._graphs) >= STEP_GRAPHS:
                 del self._graphs[next(iter(self._graphs))]
@@ -690,7 +698,7 @@ class CopyEngineTransport(Transport):
         self._packed = None
         self._graphs.clear()
         self._views.clear()
-        self._lend_arrays = self._lend_ops = None
+        self._lend_arrays = self._lend_ops = self._slot_arrays = self._slot_ops = None
         self._close_streams()
         if self._give_back is not None:     # after the graphs that copy from its value words
             self._give_back.close()

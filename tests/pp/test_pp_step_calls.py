@@ -277,3 +277,57 @@ def test_sender_queues_no_wait_for_a_slot_seen_free(spawner, platform_name, host
     assert sender["slot_waits"] == (0 if host == "1" else 12 - 2), sender     # steps 3-12 reuse a slot
     # host words: one copy-graph launch (copies and publish); else wait, launch, publish (+1: a copy-path publish)
     assert sender["queued"] == (1 if host == "1" else 3 + (0 if sender["remote_flags"] else 1)), sender
+
+
+def sender_ahead_session(rank: int, world: int, init_method: str, platform_name: str) -> dict:
+    """The sender runs ahead of a late receiver: steps whose slot is not seen free queue the wait and the value
+    word's write as one flag_ops call before the copy graph, and every step arrives with its own bytes."""
+    os.environ["GPUXFER_PLATFORM"] = platform_name
+    os.environ["GPUXFER_PP_HOST_GIVE_BACK"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    from gpuxfer.platforms import get_platform
+    from gpuxfer.pp import connect
+    from gpuxfer.pp.launch import init_cpu_group
+    init_cpu_group(rank, world, init_method)
+    plat = get_platform(platform_name)
+    device = rank % plat.device_count()
+    dev = torch.device("cpu") if plat.is_emulation else torch.device("cuda", device)
+    if not plat.is_emulation:
+        torch.cuda.set_device(device)
+    counts = _spy(plat)
+    srcs = [{"x": torch.full((N,), float(i), device=dev)} for i in range(2)]    # two copy sets in turn
+    out: dict = {}
+    conn = connect(dist.new_group(backend="gloo"), send_to=1 if rank == 0 else None,
+                   recv_from=0 if rank == 1 else None, specs={"x": ((N,), torch.float32)}, backend="copy_engine",
+                   platform=plat, device=device, timeout_s=TIMEOUT * 8, metadata=False, recv_views=True)
+    try:
+        t = conn.transports[0]
+        dist.barrier()
+        steps = 24
+        if rank == 0:
+            for k in range(1, steps + 1):
+                src = srcs[k % 2]
+                src["x"].fill_(k)              # (stream-ordered after the copies that read it last)
+                t.send(src)
+            t.synchronize()
+            out["slot_waits"], out["flag_ops"] = t.slot_waits, counts["flag_ops"]
+        else:
+            time.sleep(0.3)                     # late: the sender's third step finds no free slot
+            for k in range(1, steps + 1):
+                got = t.recv(shapes={"x": (N,)}).tensors
+                assert bool((got["x"] == k).all()), f"step {k}: got {got['x'][:4].tolist()}"
+            t.synchronize()
+        dist.barrier()
+        conn.close()
+    finally:
+        conn.abort()
+        dist.destroy_process_group()
+        plat.close()
+    return out
+
+
+def test_sender_ahead_waits_and_sets_the_value_word_in_one_call(spawner, platform_name):
+    sender, _ = spawner.run_ranks(sender_ahead_session, 2, platform_name, timeout=120)
+    assert sender["slot_waits"] >= 1 and sender["flag_ops"] >= 1, sender
