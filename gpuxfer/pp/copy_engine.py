@@ -125,6 +125,9 @@ phases (allocate and zero the flags, export, open the peer's, probe the pair:
 the writer uses remote stream writes only where its peer saw one arrive) beside
 the receive slots and the staging ring.
 
+The pair's settings and setup phases are :mod:`gpuxfer.pp.copy_engine_setup` (mixed in); this module
+holds the steps, the watchdog's reads and the teardown.
+
 An ``sdma`` backend (ROCm) can subclass :class:`CopyEngineTransport` and
 override :meth:`~CopyEngineTransport.unavailable_reason`,
 :meth:`~CopyEngineTransport._alloc_flags` (the flag link's memory),
@@ -132,64 +135,26 @@ override :meth:`~CopyEngineTransport.unavailable_reason`,
 """
 from __future__ import annotations
 
-import logging
 import time
 
-from .. import config
-from ..errors import BadInput, GpuxferError, GraphModeError, TransferTimeout
-from ..flaglink import FIRST_WORD, FLAG_STRIDE, FlagLink, flag_path_from_env
-from ..platforms.base import FLAG_OP_WAIT, FLAG_OP_WRITE, flag_ops_array
-from ..sync import wait_event_or_raise
+from ..errors import BadInput, GraphModeError, TransferTimeout
+from ..flaglink import FlagLink, flag_path_from_env
 from ..platforms.base import RELEASE_VALUE
+from ..sync import wait_event_or_raise
+from .copy_engine_setup import (DEFAULT_INLINE_BYTES, ENV_FLAG_BATCH, ENV_HOST_GIVE_BACK, ENV_INLINE_BYTES,
+                                ENV_STEP_GRAPHS, FLAG_STRIDE, PROBE_TIMEOUT_S, STEP_GRAPHS, W_IN, _CopyEngineSetup,
+                                flag_batch_from_env, host_give_back_from_env, inline_bytes_from_env,
+                                step_graphs_from_env)
 from .hostwords import HostWords
 from .spec import Layout
 from .transport import Received, Transport
 
-log = logging.getLogger("gpuxfer.pp")
-
-W_IN = FIRST_WORD          # the first of this end's flag words (in[0..R-1], then stage[0..R-1])
-PROBE_TIMEOUT_S = 10.0
-ENV_INLINE_BYTES = "GPUXFER_PP_INLINE_BYTES"
-DEFAULT_INLINE_BYTES = config.VARS[ENV_INLINE_BYTES].default
-ENV_STEP_GRAPHS = "GPUXFER_PP_STEP_GRAPHS"
-ENV_FLAG_BATCH = "GPUXFER_PP_FLAG_BATCH"
-ENV_HOST_GIVE_BACK = "GPUXFER_PP_HOST_GIVE_BACK"
-STEP_GRAPHS = 64            # copy graphs a sender keeps (one per slot and set of source addresses seen twice
-                            # within this many steps)
+__all__ = ["CopyEngineTransport", "W_IN", "FLAG_STRIDE", "PROBE_TIMEOUT_S", "STEP_GRAPHS", "ENV_INLINE_BYTES",
+           "DEFAULT_INLINE_BYTES", "ENV_STEP_GRAPHS", "ENV_FLAG_BATCH", "ENV_HOST_GIVE_BACK", "flag_batch_from_env",
+           "host_give_back_from_env", "step_graphs_from_env", "inline_bytes_from_env"]
 
 
-def flag_batch_from_env() -> bool:
-    """Whether a ``recv_views`` receiver queues its two flag operations of a step (give the lent slot back,
-    wait for the next) as one ``platform.flag_ops`` call (``$GPUXFER_PP_FLAG_BATCH``: 1, the default, or 0;
-    remote flag writes only)."""
-    return config.get(ENV_FLAG_BATCH)
-
-
-def host_give_back_from_env() -> bool:
-    """Whether a sender keeps its ``empty`` words in host memory shared with its receiver, so it sees a
-    free slot on the host and queues no GPU wait for it (``$GPUXFER_PP_HOST_GIVE_BACK``: 1, the default,
-    or 0)."""
-    return config.get(ENV_HOST_GIVE_BACK)
-
-
-def step_graphs_from_env() -> bool:
-    """Whether a sender launches a small step's peer copies as one cached graph (``$GPUXFER_PP_STEP_GRAPHS``:
-    1, the default, or 0)."""
-    return config.get(ENV_STEP_GRAPHS)
-
-
-def inline_bytes_from_env(value: "int | str | None" = None, option: str = "inline_bytes") -> int:
-    """The largest step sent on the caller's stream (no staging, no side stream): ``value`` (named
-    ``option`` in errors), else ``$GPUXFER_PP_INLINE_BYTES`` (``1M``, ``65536``...), else 1 MiB; 0 sends
-    every step through staging."""
-    if value is None or isinstance(value, str):
-        return config.resolve(ENV_INLINE_BYTES, value, option=option)
-    if int(value) < 0:
-        raise BadInput(f"{option} must be >= 0, got {value}")
-    return int(value)
-
-
-class CopyEngineTransport(Transport):
+class CopyEngineTransport(_CopyEngineSetup, Transport):
     """One end of a copy-engine pair (see the module docstring for the protocol)."""
 
     name = "copy_engine"
@@ -273,148 +238,12 @@ class CopyEngineTransport(Transport):
         """How this end's flags reach the peer (``gpuxfer.flaglink.REMOTE`` or ``COPY``), once set up."""
         return self._link.path if self._link is not None else None
 
-    # ---- setup phases (called by selection.connect, every rank in lock step) ----
-    def _fptr(self, mem, word: int) -> int:
-        return mem.ptr + word * FLAG_STRIDE
-
-    @property
-    def flag_words(self) -> int:
-        """This end's flag words after the link's probe words: in[0..R-1], stage[0..R-1]."""
-        return 2 * self.recv_slots
-
-    def _alloc_flags(self, nbytes: int):
-        """The flag buffer's memory (a platform with uncached flag memory overrides this)."""
-        return self.platform.alloc(nbytes, self.device)
-
-    def setup_prepare(self) -> dict:
-        """Allocate and zero own memory, create the stream, export handles."""
-        p, dev = self.platform, self.device
-        p.set_device(dev)
-        self._link = FlagLink(p, dev, self.flag_words, path=self.flag_path, rank=self.rank, peer=self.peer,
-                              name=self.name, alloc=self._alloc_flags, copy=self._ce_copy)
-        self._flags = self._link.local
-        if self.role == "recv":
-            self._data = p.alloc(self.recv_slots * self.specs.slot_bytes, dev)
-        else:
-            self._aux = p.create_stream(dev)
-            self._prepare_send_side()
-            if not p.synchronize(self._aux, PROBE_TIMEOUT_S):
-                raise GpuxferError(f"initialising the sender's memory did not finish in {PROBE_TIMEOUT_S:g} s")
-        payload = {"flags": self._link.export(), "slot_bytes": self.specs.slot_bytes, "slots": self.recv_slots}
-        if self._data is not None:
-            payload["data"] = self._data.export()
-        if self.role == "send" and self.host_give_back and host_give_back_from_env():
-            try:
-                self._give_back = HostWords.create(p, dev, 2 * self.recv_slots)
-            except Exception as exc:  # noqa: BLE001 - the empty words stay in device memory
-                log.info("rank %d: %s empty words in device memory (host memory: %s)", self.rank, self.name, exc)
-        payload["give_back"] = self._give_back.name if self._give_back is not None else None
-        return payload
-
-    def _prepare_send_side(self) -> None:
-        """The sender's own memory: the staging ring (and the stream its copy graphs are captured on)."""
-        p, dev = self.platform, self.device
-        self._staging = p.alloc(2 * self.specs.slot_bytes, dev)
-        if self.inline_bytes and step_graphs_from_env():
-            self._cap = p.create_stream(dev)
-
-    def setup_open(self, peer_payload: dict) -> None:
-        """Open the peer's handles."""
-        p, dev = self.platform, self.device
-        if peer_payload.get("slot_bytes") != self.specs.slot_bytes or peer_payload.get("slots") != self.recv_slots:
-            raise BadInput(f"rank {self.peer} set up {peer_payload.get('slots')} slots of "
-                           f"{peer_payload.get('slot_bytes')} B, this rank {self.recv_slots} of {self.specs.slot_bytes} B")
-        self._link.open(peer_payload["flags"])
-        self._peer_flags = self._link.peer_mem
-        if self.role == "send":
-            self._peer_data = p.open_handle(peer_payload["data"], dev)
-            if self._peer_data.nbytes < self.recv_slots * self.specs.slot_bytes:
-                raise BadInput(f"rank {self.peer}'s receive buffer holds {self._peer_data.nbytes} B, expected "
-                               f"{self.recv_slots * self.specs.slot_bytes}")
-        elif peer_payload.get("give_back"):
-            self._open_give_back(peer_payload["give_back"])
-
-    def _open_give_back(self, name: str) -> None:
-        """Receiver: open the sender's empty words in host memory and check that this end's publishes (a
-        stream write, or a stage write and an 8-byte copy) land there; else keep the device words."""
-        p, dev = self.platform, self.device
-        stage = self._fptr(self._flags, W_IN + self.recv_slots)
-
-        def copy(stream, dst: int, value: int) -> None:
-            p.write_flag(stream, stage, value)
-            self._ce_copy(stream, dst, stage, 8)
-        words = stream = None
-        try:
-            words = HostWords.open(p, dev, name, 2 * self.recv_slots)
-            stream = p.create_stream(dev)
-            words.check_peer_writes(stream, copy, PROBE_TIMEOUT_S)
-            self._give_back, words = words, None
-        except Exception as exc:  # noqa: BLE001 - the pair keeps the device words
-            log.info("rank %d: %s: rank %d's empty words in host memory not usable (%s)", self.rank, self.name,
-                     self.peer, exc)
-        finally:
-            if stream is not None:
-                stream.close()
-            if words is not None:
-                words.close()
-
-    def setup_probe_send(self, nonce: int) -> dict:
-        """The flag link's probe: write ``nonce`` into the peer's probe words by an 8-byte copy and by a remote
-        write.
-
-        Every peer has opened this end's handles by now: a platform whose exports are names in a
-        namespace (the host emulation's shared memory) drops the names here, so nothing outlives
-        the processes even if they are all killed."""
-        unpublish = getattr(self.platform, "unpublish", None)
-        if unpublish is not None:
-            for buf in (self._flags, self._data, self._staging):    # (staging: never exported at all)
-                if buf is not None:
-                    unpublish(buf)
-        if self._give_back is not None:
-            self._give_back.unlink()
-        return dict(self._link.probe_send(nonce), give_back=self.role == "recv" and self._give_back is not None)
-
-    def setup_probe_check(self, peer_report: dict) -> dict:
-        """Check the peer's probe writes arrived in local memory, and that a stream wait on it completes.
-        A sender whose receiver could not use its empty words in host memory keeps the device words."""
-        if self.role == "send" and self._give_back is not None and peer_report.get("give_back") is not True:
-            self._give_back.close()
-            self._give_back = None
-        return self._link.probe_check(peer_report)
-
-    def setup_finish(self, peer_check: dict) -> None:
-        """Choose the flag path (remote writes only where the peer saw them) and pre-resolve the hot path."""
-        self._link.finish(peer_check)
-        self.remote_flags = self._link.remote
-        R, slot = self.recv_slots, self.specs.slot_bytes
-        self._in_ptr = [self._fptr(self._flags, W_IN + j) for j in range(R)]
-        self._stage_ptr = [self._fptr(self._flags, W_IN + R + j) for j in range(R)]
-        self._peer_in_ptr = [self._fptr(self._peer_flags, W_IN + j) for j in range(R)]
-        if self._give_back is not None:     # the sender's empty words live in shared host memory
-            if self.role == "send":
-                self._in_ptr = [self._give_back.ptr(j) for j in range(R)]
-                self._value_ptr = [self._give_back.ptr(R + j) for j in range(R)]
-                self._free_loads = self._give_back.loads()
-                if flag_batch_from_env():   # per slot: [wait empty[j] >= k-R, write value[j] = k] (flag_ops)
-                    self._slot_arrays = [flag_ops_array([(FLAG_OP_WAIT, self._in_ptr[j], 0),
-                                                         (FLAG_OP_WRITE, self._value_ptr[j], 0)]) for j in range(R)]
-                    self._slot_ops = [a.reshape(-1) for a in self._slot_arrays]   # value words: 2 and 8
-            else:
-                self._peer_in_ptr = [self._give_back.ptr(j) for j in range(R)]
-        if self.role == "recv":
-            self._slot_ptr = [self._data.ptr + j * slot for j in range(R)]
-            if self.recv_views:
-                self._data_bytes = self.platform.as_tensor(self._data, None, (R * slot,))
-                if self.remote_flags and type(self)._publish is CopyEngineTransport._publish and flag_batch_from_env():
-                    self._lend_arrays = [flag_ops_array([(FLAG_OP_WRITE, self._peer_in_ptr[(j - 1) % R], 0),
-                                                         (FLAG_OP_WAIT, self._in_ptr[j], 0)]) for j in range(R)]
-                    self._lend_ops = [a.reshape(-1) for a in self._lend_arrays]   # value words: 2 and 8
-        else:
-            self._peer_slot_ptr = [self._peer_data.ptr + j * slot for j in range(R)]
-            self._staging_ptr = [self._staging.ptr + s * slot for s in range(2)]
-        self._state = "open"
-
     # ---- the per-step hooks an sdma-like backend may override ----
+    @property
+    def _own_publish(self) -> bool:
+        """Whether ``_publish`` is this class's (with remote flags: one flag write), not a subclass's."""
+        return type(self)._publish is CopyEngineTransport._publish
+
     def _ce_copy(self, stream, dst: int, src: int, nbytes: int) -> None:
         """A copy on copy engines (no SM): peer data and flags, the pack and the copy-out."""
         self.platform.copy_async(stream, dst, src, nbytes)
@@ -525,7 +354,7 @@ class CopyEngineTransport(Transport):
                 f"captures a graph: eager steps carry host-supplied step numbers, which a replay cannot move; "
                 f"capture steps on a graph-mode transport (connect(..., graph=True))")
         self._calls = self.platform.stream_calls(stream)
-        self._remote_publish = self.remote_flags and type(self)._publish is CopyEngineTransport._publish
+        self._remote_publish = self.remote_flags and self._own_publish
         self._eager_stream = stream
 
     def _copy_graph(self, j: int, tensors, layout: Layout, k: int):
