@@ -364,7 +364,11 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
         one (a set that recurs less often: the cache could not hold the sets in between). Its nodes are the same
         copy-engine copies, and where the sender has value words in host memory, one more: the 8-byte copy
         of slot j's value word into the peer's ``full[j]`` (the publish; the caller sets the word)."""
-        key = (j, layout.nbytes, *[tensors[n].data_ptr() for n in self.specs.names])
+        names = self.specs.names
+        if len(names) == 2:         # (hidden states and residual, the usual pair: no list built)
+            key = (j, layout.nbytes, tensors[names[0]].data_ptr(), tensors[names[1]].data_ptr())
+        else:
+            key = (j, layout.nbytes, *[tensors[n].data_ptr() for n in names])
         g = self._graphs.get(key)
         if g is None:
             seen = self._sightings.get(key)
