@@ -4,13 +4,16 @@ Host time per step is the time of one busy Python thread. Two ranks that spin
 on the two hardware threads of one physical core (SMT siblings) each run
 slower than on cores of their own, and where the scheduler puts them changes
 from run to run, so the same step can measure two different host times.
-``auto`` gives each rank physical cores of its own (every hardware thread of
-them), never one the other rank also runs on: of the cores local to the rank's
-GPU where sysfs says which (a driver call from a far NUMA node costs more),
-rank r of n takes the r-th n-th part, so its helper threads have room beside
-the one that spins; ``none`` leaves placement to the scheduler; a list
-names each rank's CPUs (``2,3``: rank 0 on CPU 2, rank 1 on CPU 3;
-``2+10,3+11``: two CPUs each).
+A virtual machine's CPUs also differ among themselves and over time (on the
+lent H200 machine half of them ran one busy Python thread about 2x slower
+than the others, alone: ``scripts/cpu_speed_probe.py``). ``auto`` gives each
+rank physical cores of its own (every hardware thread of them), never one the
+other rank also runs on: of the cores local to the rank's GPU where sysfs says
+which (a driver call from a far NUMA node costs more), rank r of n takes the
+r-th n-th part; then it runs a pure-Python yardstick on each of them
+(:func:`fastest_cpu`) and pins itself to the fastest one; ``none`` leaves
+placement to the scheduler; a list names each rank's CPUs (``2,3``: rank 0 on
+CPU 2, rank 1 on CPU 3; ``2+10,3+11``: two CPUs each).
 
 A rank pins itself (:func:`pin`, or :func:`pin_auto` once it knows its GPU)
 before its timed work: threads it starts later (the watchdog, torch's) inherit
@@ -118,7 +121,7 @@ def _fmt(cpus) -> str:
 def describe(by_rank, spec=None) -> str:
     """``rank 0 on CPUs 6+14, rank 1 on CPUs 7+15 (--cpus auto)``: each rank's CPUs as it ran, and how
     they were chosen (``spec``: :data:`AUTO`, a list of sets, or None for the scheduler)."""
-    how = ("auto: physical cores of its own, near its GPU" if spec == AUTO else
+    how = ("auto: the fastest, by a Python yardstick, of physical cores of its own near its GPU" if spec == AUTO else
            "not pinned: the scheduler places them" if spec is None else "as named")
     return ", ".join(f"rank {r} on CPU{'s' if c is None or len(c) > 1 else ''} {_fmt(c) if c else '?'}"
                      for r, c in enumerate(by_rank)) + f" ({how})"
@@ -158,6 +161,25 @@ def python_speed_us(rounds: int = 5, loops: int = 1000) -> float:
             x += i & 7
         per.append(clock() - t0)
     return statistics.median(per) * 1e6
+
+
+def fastest_cpu(cpus, passes: int = 3) -> tuple[int, float, dict[int, float]]:
+    """Of ``cpus``, the CPU :func:`python_speed_us` runs fastest on now, each measured ``passes`` times (the
+    median kept) with the calling thread pinned there, in turns: ``(cpu, its us, {cpu: us})``. The thread is
+    left on the last CPU measured: pin it after."""
+    import statistics
+    cpus = sorted(cpus)
+    if not cpus:
+        raise BadInput("fastest_cpu needs at least one CPU")
+    times: dict[int, list[float]] = {c: [] for c in cpus}
+    for _ in range(max(1, passes)):
+        for c in cpus:
+            os.sched_setaffinity(0, {c})
+            python_speed_us(rounds=1, loops=200)        # settle on the CPU
+            times[c].append(python_speed_us(rounds=3))
+    each = {c: statistics.median(v) for c, v in times.items()}
+    best = min(cpus, key=each.__getitem__)
+    return best, each[best], each
 
 
 def pin(cpus: tuple[int, ...] | None) -> None:

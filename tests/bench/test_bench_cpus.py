@@ -26,7 +26,8 @@ def test_smt_siblings_group_into_cores_and_auto_gives_each_rank_its_own(tmp_path
     ranks = [auto_cpus(r, 2, available=range(8), sysfs=sysfs) for r in (0, 1)]
     assert ranks == [(0, 1, 4, 5), (2, 3, 6, 7)]      # two cores each, no core shared
     assert describe(ranks, AUTO) == ("rank 0 on CPUs 0+1+4+5, rank 1 on CPUs 2+3+6+7 "
-                                     "(auto: physical cores of its own, near its GPU)")
+                                     "(auto: the fastest, by a Python yardstick, of physical cores of its own "
+                                     "near its GPU)")
     # only the CPUs the process may use count; a lone sibling is its core
     assert physical_cores({1, 5, 2}, sysfs) == [(1, 5), (2,)]
     # a range list, and a CPU sysfs says nothing about: a core of its own
@@ -108,3 +109,16 @@ def test_cpu_speed_probe_runs_its_parts():
         os.sched_setaffinity(0, set(cpus))
     assert all(v > 0 for v in mod.threads(calls=200).values())
     assert "median" in mod.clusters([1.0, 2.0, 3.0])
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
+def test_fastest_cpu_measures_each_candidate_and_picks_the_quickest():
+    from gpuxfer.bench.cpus import fastest_cpu
+    avail = os.sched_getaffinity(0)
+    try:
+        cpu, us, each = fastest_cpu(avail, passes=1)
+        assert set(each) == avail and cpu in avail and us == each[cpu] == min(each.values()) > 0
+        with pytest.raises(BadInput, match="at least one CPU"):
+            fastest_cpu([])
+    finally:
+        os.sched_setaffinity(0, avail)

@@ -22,7 +22,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
 
     from ...platforms import get_platform
     from ...pp.selection import connect
-    from ..cpus import AUTO, auto_cpus, current_cpu, gpu_local_cpus, pin, python_speed_us
+    from ..cpus import AUTO, auto_cpus, current_cpu, fastest_cpu, gpu_local_cpus, pin, python_speed_us
     placed = opts.get("cpus")
     if placed is not None and placed != AUTO:
         pin(placed[rank])
@@ -66,9 +66,14 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
     if plat.collective_backend == "nccl" and {"nccl", PLAIN} & set(opts["backends"]):
         device_group = dist.new_group(backend="nccl")
     dinfo = plat.device_info(dev)
-    if placed == AUTO:      # a core near this rank's GPU, now that it is known
-        pin(auto_cpus(rank, world, gpu_local_cpus(None if emu else dinfo.pci_bus_id)))
-    info = {"rank": rank, "device": dev, "device_info": dinfo.as_dict(),
+    pick = None
+    if placed == AUTO:      # the fastest of this rank's cores near its GPU, now that it is known
+        part = auto_cpus(rank, world, gpu_local_cpus(None if emu else dinfo.pci_bus_id))
+        if part is not None and hasattr(os, "sched_setaffinity"):
+            cpu, us, each = fastest_cpu(part)
+            pin((cpu,))
+            pick = {"cpu": cpu, "python_us": us, "candidates_python_us": {str(c): v for c, v in each.items()}}
+    info = {"rank": rank, "device": dev, "device_info": dinfo.as_dict(), "cpu_pick": pick,
             "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "link": plat.link(dev, peer % plat.device_count()).as_dict(), "versions": run_versions(plat),
             "label": plat.label, "emulation": emu, "host": _pyplatform.node()}

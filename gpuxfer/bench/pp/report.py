@@ -100,6 +100,12 @@ def format_report(res: dict, opts: dict) -> str:
              f"{res['flag_paths'].get('copy_engine', '-')}; +meta: metadata over "
              f"{', '.join(sorted(set(res['meta_channels'].values()))) or '-'}")
     L.append(f"# CPUs: {describe([i.get('cpus') for i in (sinfo, info)], opts.get('cpus'))}")
+    picks = [i.get("cpu_pick") for i in (sinfo, info)]
+    if all(picks):
+        L.append("# CPUs picked (a pure-Python yardstick, us; the same loop on the rank's other cores): "
+                 + ", ".join(f"rank {r} CPU {p['cpu']} {p['python_us']:.0f} (its cores "
+                             f"{min(p['candidates_python_us'].values()):.0f}-"
+                             f"{max(p['candidates_python_us'].values()):.0f})" for r, p in enumerate(picks)))
     for note in opts.get("notes", ()):
         L.append(f"# {note}")
     L.append(f"# time: receiver wall clock over a pipelined loop (the sender never waits), / steps, the median "
@@ -256,6 +262,7 @@ def _json_doc(res: dict, opts: dict) -> dict:
                    "inline_bytes": opts["inline_bytes"], "backends": opts["backends"],
                    "cpus": opts.get("cpus")},
         "cpus_by_rank": [res["sender_info"].get("cpus"), info.get("cpus")],
+        "cpu_pick_by_rank": [res["sender_info"].get("cpu_pick"), info.get("cpu_pick")],
         "rows": res["rows"], "bulk_copy": res["bulk"], "contention": res["contention"],
         "pingpong": res.get("pingpong") or [],
         "targets": [{"target": n, "measured": g, "met": m} for n, g, m in res["targets"]],
