@@ -120,6 +120,23 @@ def main() -> int:
         plat.write_flag(side, flags.ptr + 64, k)
         state["copied"][s_] = plat.record_event(side, state["copied"][s_])
     timeit("a copy_engine sender step (10 calls)", sender_step)
+
+    # the sender's give-back words in shared host memory (gpuxfer.pp.hostwords): a host load and store, a copy
+    # graph that ends with the 8-byte publish from a value word, and the wait + value write as one flag_ops call
+    from gpuxfer.platforms.base import FLAG_OP_WAIT, FLAG_OP_WRITE, flag_ops_array
+    from gpuxfer.pp.hostwords import HostWords
+    words = HostWords.create(plat, dev, 4)
+    loads = words.loads()
+    timeit("host word load", lambda: loads[0] < 5)
+    timeit("host word store", lambda: loads.__setitem__(16, 7))
+    graph_pub = plat.capture_graph(cap, lambda st: (
+        plat.copy_async(st, buf.ptr, buf.ptr + (1 << 19), 8192),
+        plat.copy_async(st, buf.ptr + 8192, buf.ptr + (1 << 19) + 8192, 8192),
+        plat.copy_async(st, flags.ptr + 128, words.ptr(2), 8)))
+    timeit("stream_calls.launch_graph (2 copies + 8 B from host)", lambda: calls.launch_graph(graph_pub))
+    ops = flag_ops_array([(FLAG_OP_WAIT, words.ptr(0), 0), (FLAG_OP_WRITE, words.ptr(2), 0)])
+    timeit("plat.flag_ops (wait host word, write host word)", lambda: plat.flag_ops(side, ops))
+    timeit("stream_calls.wait_flag (host word)", lambda: calls.wait_flag(words.ptr(0), 0))
     timeit("cuCtxGetCurrent raw", lambda: drv.cuCtxGetCurrent())
     timeit("torch.empty 16 KiB", lambda: torch.empty(1 << 14, dtype=torch.uint8, device="cuda"))
     timeit("tensor.data_ptr", lambda: x.data_ptr())
@@ -130,6 +147,7 @@ def main() -> int:
             json.dump({"us_per_call": out, "n": args.n}, f, indent=1)
     side.close()
     cap.close()
+    words.close()
     buf.close()
     flags.close()
     plat.close()
