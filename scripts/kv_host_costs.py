@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python scripts/kv_host_costs.py [--workload kv-dsv4] [--isl 32768,524288] [--page 16,64]
         [--ops pull,push] [--engines triton,copy_engine,pack] [--launch graph,direct] [--iters 20] [--profile]
-        [--json PATH]
+        [--cpu auto|none|N] [--json PATH]
 
 A tuning aid for the KV API's host-time targets (not a test): two agents in this process, on
 devices 0 and 1 (device 0 twice when only one is present), register the benchmark's layout of
@@ -14,6 +14,15 @@ the default) or launch the slot's kernels one by one (``direct``); ``graph_used`
 platform captured one. The first prepare + post of a row (``first_*``) also makes the route's slot
 (device buffers, the kernels' first load, the capture). Runs on whatever platform is present; on the
 host emulation (Triton's interpreter) the defaults shrink to a small request.
+
+``--cpu``: a host time is the time of one busy Python thread, and the CPUs of a virtual machine differ
+(on the lent H200 machine half of them ran a pure-Python loop about 2x slower than the others, and
+changed over time). ``auto`` (the default): before each row's timed loops (after its first prepare and
+post, which compile and load the kernels) the process times a Python yardstick on each of its CPUs
+(:func:`gpuxfer.bench.cpus.fastest_cpu`) and pins its thread to the fastest; ``N``: to CPU N;
+``none``: the scheduler places it. Each row says where it ran (``cpu``, ``cpu_choice``) and the
+yardstick there before and after its timed loops (``yardstick_us``, ``yardstick_end_us``; the
+yardsticks of every CPU under ``auto``), so runs on different machines or moments compare.
 
 ``--profile`` runs the prepare + post loop under cProfile and prints where gpuxfer's own Python
 time goes (driver calls show as the built-in functions they are), to tell it apart from the driver.
@@ -33,6 +42,7 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
 import sys
 import time
@@ -48,15 +58,48 @@ def _names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+class _Cpu:
+    """Where a row's timed loops run (``--cpu``): :meth:`pin` before them, :meth:`release` after."""
+
+    def __init__(self, spec: str):
+        self.spec = spec
+        self.all = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if spec not in ("auto", "none") and (not spec.isdigit() or int(spec) not in self.all):
+            raise ValueError(f"--cpu takes auto, none or one of this process's CPUs {self.all}, got {spec!r}")
+        if not self.all:
+            self.spec = "none"          # no affinity calls here
+
+    def pin(self) -> dict:
+        """Pin the calling thread for the timed loops; what the row reports about it."""
+        from gpuxfer.bench.cpus import current_cpu, fastest_cpu, pin, python_speed_us
+        if self.spec == "auto":
+            cpu, us, each = fastest_cpu(self.all)
+            pin((cpu,))
+            return {"cpu": cpu, "cpu_choice": f"auto: the fastest of {len(each)} by a Python yardstick",
+                    "yardstick_us": us, "yardsticks_us": {str(c): round(v, 1) for c, v in each.items()}}
+        if self.spec != "none":
+            pin((int(self.spec),))
+        return {"cpu": current_cpu(), "cpu_choice": "not pinned" if self.spec == "none" else "as named",
+                "yardstick_us": python_speed_us()}
+
+    def release(self, row: dict | None) -> None:
+        """The yardstick after the timed loops (into ``row``), then the thread back on every CPU."""
+        from gpuxfer.bench.cpus import python_speed_us
+        if row is not None:
+            row["yardstick_end_us"] = python_speed_us()
+        if self.spec != "none":
+            os.sched_setaffinity(0, set(self.all))
+
+
 def measure(plat, workload: str, isl: int, page: int, op: str, engine: str, iters: int, profile: bool,
-            launch: str = "graph") -> dict:
+            launch: str = "graph", cpu: _Cpu | None = None) -> dict:
     from gpuxfer.kv.agent import KVAgent, layout_groups
     from gpuxfer.kv.blocktable import burst_tables
     from gpuxfer.kv.layout import layout_for_burst
 
     devices = (0, 1) if plat.device_count() > 1 else (0, 0)
     layout = layout_for_burst(workload, isl, page, 1)
-    bufs, agents = [], []
+    bufs, agents, where = [], [], None
     try:
         for d in devices:
             bufs.append(plat.alloc(layout.pool_bytes, d))
@@ -90,6 +133,7 @@ def measure(plat, workload: str, isl: int, page: int, op: str, engine: str, iter
             return x, (t1 - t0) * 1e6, (t2 - t1) * 1e6, (t3 - t1) * 1e6
 
         x, first_setup_us, first_post_us, _ = one()         # compiles / loads the kernels
+        where = cpu.pin() if cpu is not None else None
         setup, post, complete = [], [], []
         for _ in range(iters):
             _, s, p, c = one()
@@ -111,12 +155,18 @@ def measure(plat, workload: str, isl: int, page: int, op: str, engine: str, iter
                "first_post_us": first_post_us, "setup_p50_us": float(np.median(setup)),
                "post_p50_us": float(np.median(post)), "repost_p50_us": float(np.median(repost)),
                "complete_p50_us": float(np.median(complete)), "setup_p90_us": float(np.percentile(setup, 90)),
-               "post_p90_us": float(np.percentile(post, 90)), "repost_p90_us": float(np.percentile(repost, 90))}
+               "post_p90_us": float(np.percentile(post, 90)), "repost_p90_us": float(np.percentile(repost, 90)),
+               **(where or {})}
         if profile:
             row["profile"] = _profiled(lambda: initiator.prepare(peer, op, local_blocks=mine,
                                                                  remote_blocks=theirs).post().wait(120), iters)
+        if where is not None:         # the yardstick after the timed loops, and the thread back on every CPU
+            where = None
+            cpu.release(row)
         return row
     finally:
+        if where is not None:
+            cpu.release(None)
         for ag in reversed(agents):
             ag.close()
         for b in bufs:
@@ -135,7 +185,8 @@ def _profiled(step, iters: int) -> str:
     return out.getvalue()
 
 
-def measure_pack(plat, workload: str, isl: int, page: int, iters: int, profile: bool) -> dict:
+def measure_pack(plat, workload: str, isl: int, page: int, iters: int, profile: bool, cpu: _Cpu | None = None
+                 ) -> dict:
     """Both sides of the pack engine in this process: agents[0] the source, agents[1] the destination."""
     from gpuxfer.kv.agent import KVAgent, layout_groups
     from gpuxfer.kv.blocktable import burst_tables
@@ -143,7 +194,7 @@ def measure_pack(plat, workload: str, isl: int, page: int, iters: int, profile: 
 
     devices = (0, 1) if plat.device_count() > 1 else (0, 0)
     layout = layout_for_burst(workload, isl, page, 1)
-    bufs, agents = [], []
+    bufs, agents, where = [], [], None
     try:
         register_ms = []
         for i, d in enumerate(devices):
@@ -183,6 +234,7 @@ def measure_pack(plat, workload: str, isl: int, page: int, iters: int, profile: 
         xs, xd, first_setup_us = prepare()
         first = post(xs, xd)                           # loads the kernels: the operations one by one
         capture = [post(*prepare()[:2]) for _ in range(2)]     # after the captures (in prepare)
+        where = cpu.pin() if cpu is not None else None
         setup, p_src_us, p_dst_us, complete = [], [], [], []
         for _ in range(iters):
             xs, xd, su = prepare()
@@ -205,11 +257,16 @@ def measure_pack(plat, workload: str, isl: int, page: int, iters: int, profile: 
                "post_p90_us": max(float(np.percentile(p_src_us, 90)), float(np.percentile(p_dst_us, 90))),
                "post_src_p50_us": float(np.median(p_src_us)), "post_dst_p50_us": float(np.median(p_dst_us)),
                "repost_p50_us": float(np.median(repost)), "complete_p50_us": float(np.median(complete)),
-               "launch": "graph", "graph_used": all(g is not None for g in xs._shape.graphs)}
+               "launch": "graph", "graph_used": all(g is not None for g in xs._shape.graphs), **(where or {})}
         if profile:
             row["profile"] = _profiled(lambda: post(*prepare()[:2]), iters)
+        if where is not None:
+            where = None
+            cpu.release(row)
         return row
     finally:
+        if where is not None:
+            cpu.release(None)
         for ag in reversed(agents):
             ag.close()
         for b in bufs:
@@ -228,8 +285,15 @@ def main(argv=None) -> int:
     ap.add_argument("--launch", default="graph", help="triton posts: graph and/or direct, comma-separated")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--profile", action="store_true", help="cProfile the prepare + post loop")
+    ap.add_argument("--cpu", default="auto", metavar="auto|none|N",
+                    help="where the timed loops run: the fastest CPU by a Python yardstick (auto), CPU N, or "
+                         "where the scheduler puts them (none)")
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args(argv)
+    try:
+        cpu = _Cpu(args.cpu.strip())
+    except ValueError as exc:
+        ap.error(str(exc))
     plat = get_platform()
     emu = plat.is_emulation
     isls = _ints(args.isl or ("256" if emu else "32768,524288"))
@@ -247,10 +311,11 @@ def main(argv=None) -> int:
                         for op in (["both"] if engine == "pack" else _names(args.ops)):
                             try:
                                 if engine == "pack":
-                                    rows.append(measure_pack(plat, args.workload, isl, page, iters, args.profile))
+                                    rows.append(measure_pack(plat, args.workload, isl, page, iters, args.profile,
+                                                             cpu))
                                     continue
                                 rows.append(measure(plat, args.workload, isl, page, op, engine, iters, args.profile,
-                                                    launch))
+                                                    launch, cpu))
                             except Exception as exc:  # noqa: BLE001 - report the row and go on
                                 failed += 1
                                 rows.append({"workload": args.workload, "isl_tokens": isl, "page_tokens": page,
@@ -260,14 +325,15 @@ def main(argv=None) -> int:
         plat.close()
     cols = ["engine", "launch", "graph_used", "op", "isl_tokens", "page_tokens", "descriptors", "register_ms",
             "add_peer_ms", "setup_p50_us", "post_p50_us", "post_p90_us", "repost_p50_us", "complete_p50_us",
-            "first_setup_us", "first_post_us"]
+            "first_setup_us", "first_post_us", "cpu", "yardstick_us", "yardstick_end_us"]
     print("# " + " ".join(f"{c:>14}" for c in cols))
     for r in rows:
         if "error" in r:
             print(f"# {r['engine']} {r.get('launch', '-')} {r['op']} {r['isl_tokens']}/{r['page_tokens']}: "
                   f"{r['error']}")
             continue
-        print("  " + " ".join(f"{r[c]:>14.1f}" if isinstance(r[c], float) else f"{r[c]!s:>14}" for c in cols))
+        print("  " + " ".join(f"{r.get(c):>14.1f}" if isinstance(r.get(c), float) else f"{r.get(c, '-')!s:>14}"
+                              for c in cols))
         if "profile" in r:
             print(r.pop("profile"))
     text = json.dumps({"rows": rows}, indent=1)
