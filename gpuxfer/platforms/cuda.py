@@ -92,7 +92,7 @@ from .cuda_entry import BATCH_MAX_PER_CALL, CUDA_SUCCESS, cuda_version_str
 from .cuda_flags import _CudaFlags, _Helper
 from .cuda_graphs import CudaGraph, _CudaGraphs
 from .cuda_memory import LARGE_PAGE_BYTES, _CudaMemory, alloc_bytes
-from .cuda_streams import CudaEvent, CudaStream, _CudaStreams
+from .cuda_streams import CudaEvent, CudaStream, _CudaStreams, _EventPool
 
 __all__ = ["CudaPlatform", "CudaStream", "CudaEvent", "CudaGraph", "check", "alloc_bytes", "LARGE_PAGE_BYTES"]
 
@@ -163,6 +163,7 @@ class CudaPlatform(_CudaMemory, _CudaStreams, _CudaFlags, _CudaGraphs, Platform)
         self._proxies: dict[int, tuple[int, Any, Any]] = {}   # device -> (stream, event in, event out)
         self._proxy_locks: dict[int, threading.Lock] = {}
         self._streams: dict[int, CudaStream] = {}          # id -> owned streams still alive
+        self._events = _EventPool()                         # spare events for record_event
         self._current: dict[tuple, CudaStream] = {}        # (device, handle) -> torch's streams seen current
         self._raw_stream = None     # torch._C._cuda_getCurrentRawStream (False where torch lacks it)
         self._memop = None          # cuStreamBatchMemOp through ctypes (False where missing)
@@ -445,6 +446,7 @@ class CudaPlatform(_CudaMemory, _CudaStreams, _CudaFlags, _CudaGraphs, Platform)
             helpers, self._helpers = self._helpers, {}
             proxies, self._proxies = self._proxies, {}
             ctxs, self._ctxs = self._ctxs, {}
+        self._events.close()
         if not (streams or helpers or proxies or ctxs):
             return
         drv = _driver()

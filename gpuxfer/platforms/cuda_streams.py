@@ -64,10 +64,13 @@ class CudaEvent(Event):
     wrappers cost 0.9-1.0 (2xH200, scripts/host_costs.py), and a pp step makes four such calls.
     """
 
-    def __init__(self, device: int, handle: int):
+    def __init__(self, device: int, handle: int, pool: "_EventPool | None" = None):
         self.device = device
         self.handle = handle
-        weakref.finalize(self, _destroy_event, handle)
+        if pool is None:
+            weakref.finalize(self, _destroy_event, handle)
+        else:
+            weakref.finalize(self, pool.give, device, handle)
 
     def __repr__(self) -> str:
         return f"CudaEvent(cuda:{self.device}, 0x{self.handle:x})"
@@ -78,6 +81,43 @@ def _destroy_event(handle: int) -> None:
         cuda_driver._DRIVER.cuEventDestroy(handle)
     except Exception:  # noqa: BLE001 - interpreter exit: the driver may be gone first
         pass
+
+
+class _EventPool:
+    """A platform's spare driver events, per device: the handle of a collected :class:`CudaEvent` is kept
+    for the next :meth:`record_event` that needs a new event (creating one costs a context push, a create
+    and a pop, ~5 us of host time; recording a spare ~1 us). Reuse is invisible: no object refers to a
+    spare, and a wait queued on an event before it is recorded again waits on the recording it saw
+    (``cuStreamWaitEvent`` and ``cuEventQuery`` use the latest recording at call time). :meth:`close`
+    destroys the spares; an event collected after it is destroyed, as is one past :attr:`CAP` spares."""
+
+    CAP = 256
+
+    def __init__(self):
+        self.spare: dict[int, list[int]] = {}
+        self.closed = False
+
+    def take(self, device: int) -> int | None:
+        spare = self.spare.get(device)
+        try:
+            return spare.pop() if spare else None
+        except IndexError:          # emptied by another thread since the test
+            return None
+
+    def give(self, device: int, handle: int) -> None:
+        """A collected event's handle (weakref finalizer: any thread, list appends are atomic)."""
+        if not self.closed:
+            spare = self.spare.setdefault(device, [])
+            if len(spare) < self.CAP:
+                spare.append(handle)
+                return
+        _destroy_event(handle)
+
+    def close(self) -> None:
+        self.closed = True
+        for spare in self.spare.values():
+            while spare:
+                _destroy_event(spare.pop())
 
 
 class _CudaStreams:
@@ -133,9 +173,12 @@ class _CudaStreams:
     def record_event(self, stream: Stream, event: Event | None = None) -> CudaEvent:
         s = self._stream(stream)
         if type(event) is not CudaEvent or event.device != s.device:    # re-record: none created per step
-            with self._on(s.device):
-                event = CudaEvent(s.device, int(_cu(_driver().cuEventCreate, _EVENT_DISABLE_TIMING,
-                                                    doing=f"creating an event on cuda:{s.device}")))
+            handle = self._events.take(s.device)
+            if handle is None:
+                with self._on(s.device):
+                    handle = int(_cu(_driver().cuEventCreate, _EVENT_DISABLE_TIMING,
+                                     doing=f"creating an event on cuda:{s.device}"))
+            event = CudaEvent(s.device, handle, self._events)
         self._stream_op(s, _driver().cuEventRecord, event.handle, s.handle,
                         doing=lambda: f"recording {event!r} on {s!r}")
         return event

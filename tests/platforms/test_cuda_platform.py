@@ -707,6 +707,44 @@ def test_gpu_stream_ops_land_on_the_streams_device(plat, stream_kind):
 
 
 @gpu
+def test_gpu_record_event_reuses_collected_events(plat):
+    """A new event of record_event takes the handle of a collected one; a recycled event still tracks its
+    own recording (a copy queued after it), and after close nothing is reused."""
+    import gc
+    import torch
+    s = plat.create_stream(0)
+    first = plat.record_event(s)
+    handle = first.handle
+    del first
+    gc.collect()
+    src = torch.arange(1 << 20, device="cuda:0", dtype=torch.int32)
+    dst = torch.zeros_like(src)
+    plat.copy_async(s, dst.data_ptr(), src.data_ptr(), src.numel() * 4)
+    again = plat.record_event(s)
+    assert again.handle == handle                          # the spare, not a new event
+    assert plat.event_wait(again, T) and torch.equal(dst, src)
+    s.close()
+    plat.close()
+    assert plat._events.closed and not any(plat._events.spare.values())
+
+
+def test_event_pool_keeps_spares_up_to_its_cap_and_destroys_after_close(monkeypatch):
+    from gpuxfer.platforms import cuda_streams as cs
+    destroyed: list[int] = []
+    monkeypatch.setattr(cs, "_destroy_event", destroyed.append)
+    pool = cs._EventPool()
+    assert pool.take(0) is None
+    for h in range(pool.CAP + 2):
+        pool.give(0, 1000 + h)
+    assert destroyed == [1000 + pool.CAP, 1001 + pool.CAP]          # past the cap: destroyed
+    assert pool.take(0) == 999 + pool.CAP and pool.take(1) is None  # last in, first out; per device
+    pool.close()
+    assert len(destroyed) == pool.CAP + 1 and pool.take(0) is None
+    pool.give(0, 7)                                                  # collected after close: destroyed
+    assert destroyed[-1] == 7
+
+
+@gpu
 def test_gpu_as_tensor_bf16_round_trip(plat):
     import torch
     dev = plat.device_count() - 1
