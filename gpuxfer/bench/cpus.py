@@ -11,7 +11,8 @@ rank physical cores of its own (every hardware thread of them), never one the
 other rank also runs on: of the cores local to the rank's GPU where sysfs says
 which (a driver call from a far NUMA node costs more), rank r of n takes the
 r-th n-th part; then it runs a pure-Python yardstick on each of them
-(:func:`fastest_cpu`) and pins itself to the fastest one; ``none`` leaves
+(:func:`fastest_cpu`) and pins itself to the fastest one (``bench pp`` picks
+again before each paced host-time loop: a vCPU's speed changes within seconds); ``none`` leaves
 placement to the scheduler; a list names each rank's CPUs (``2,3``: rank 0 on
 CPU 2, rank 1 on CPU 3; ``2+10,3+11``: two CPUs each).
 

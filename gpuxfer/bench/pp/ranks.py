@@ -66,7 +66,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
     if plat.collective_backend == "nccl" and {"nccl", PLAIN} & set(opts["backends"]):
         device_group = dist.new_group(backend="nccl")
     dinfo = plat.device_info(dev)
-    pick = None
+    pick = part = None
     if placed == AUTO:      # the fastest of this rank's cores near its GPU, now that it is known
         part = auto_cpus(rank, world, gpu_local_cpus(None if emu else dinfo.pci_bus_id))
         if part is not None and hasattr(os, "sched_setaffinity"):
@@ -144,7 +144,11 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
         the sender starting step i at a common start + i * interval (twice the step time the receiver just
         measured), the receiver half an interval later (one host clock, CLOCK_MONOTONIC, on one host).
         Returns ((median, 10th, 90th percentile) s, the receiver's last tensors, the CPU speed beside it:
-        a pure-Python yardstick's us just before the loop and the CPUs the loop started and ended on)."""
+        a pure-Python yardstick's us just before the loop and the CPUs the loop started and ended on). With
+        ``--cpus auto`` each rank first moves to the fastest of its cores again: a virtual machine's CPUs change
+        speed within seconds."""
+        if pick is not None:
+            pin((fastest_cpu(part, passes=2)[0],))
         box = [now() + 0.01, max(2 * step_s, 20e-6)] if rank == 1 else [None, None]
         dist.broadcast_object_list(box, src=1)
         start, iv = box
