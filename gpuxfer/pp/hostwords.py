@@ -106,7 +106,7 @@ class HostWords:
     def close(self) -> None:
         """Unmap for the device and the process (after the streams using the words drained). Idempotent."""
         if self.dptr is not None:
-            dptr, self.dptr = self.dptr, None
+            self.dptr = None
             try:
                 self.platform.unmap_host_words(self.host_ptr, self.device)
             except Exception as exc:  # noqa: BLE001 - the process exit unmaps it

@@ -229,7 +229,6 @@ def _injected(spec: str | None, rank: int) -> set[str]:
 
 
 def _torch_device(platform, device: int):
-    import torch
     return platform.torch_device(device)
 
 

@@ -1060,7 +1060,7 @@ def test_close_releases_a_post_on_the_callers_stream_stuck_on_a_dead_peer(pack_p
     plat = dec.platform
     s = plat.create_stream(1)
     try:
-        dec.timeout_s = 0.2
+        dec.timeout_s = 2.0
         h = dec.prepare(p_of_dec, "pull", local_blocks={"g": [0]}, remote_blocks={"g": [1]}).post(s)
         waiter = plat.create_stream(1)
         dec.stream_wait_notification(waiter, 9, 1)          # nobody notifies slot 9 either
