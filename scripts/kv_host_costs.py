@@ -84,11 +84,11 @@ class _Cpu:
 
     def release(self, row: dict | None) -> None:
         """The yardstick after the timed loops (into ``row``), then the thread back on every CPU."""
-        from gpuxfer.bench.cpus import python_speed_us
+        from gpuxfer.bench.cpus import pin, python_speed_us
         if row is not None:
             row["yardstick_end_us"] = python_speed_us()
         if self.spec != "none":
-            os.sched_setaffinity(0, set(self.all))
+            pin(self.all)
 
 
 def measure(plat, workload: str, isl: int, page: int, op: str, engine: str, iters: int, profile: bool,

@@ -22,12 +22,15 @@ the set.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 from ..errors import BadInput
 
 SYSFS_CPUS = "/sys/devices/system/cpu"
 SYSFS_PCI = "/sys/bus/pci/devices"
+log = logging.getLogger("gpuxfer.bench")
+
 AUTO = "auto"       # resolved by each rank (:func:`auto_cpus`), which knows its GPU
 
 
@@ -164,26 +167,48 @@ def python_speed_us(rounds: int = 5, loops: int = 1000) -> float:
     return statistics.median(per) * 1e6
 
 
-def fastest_cpu(cpus, passes: int = 3) -> tuple[int, float, dict[int, float]]:
+def fastest_cpu(cpus, passes: int = 3) -> tuple[int | None, float, dict[int, float]]:
     """Of ``cpus``, the CPU :func:`python_speed_us` runs fastest on now, each measured ``passes`` times (the
     median kept) with the calling thread pinned there, in turns: ``(cpu, its us, {cpu: us})``. The thread is
-    left on the last CPU measured: pin it after."""
+    left on the last CPU measured: pin it after. A CPU the OS refuses (a restricted or changed CPU set) is left
+    out; where none is left, or the OS has no CPU affinity (macOS), ``(None, us where the thread runs, {})``
+    and the thread keeps its CPUs: a run never fails for its placement."""
     import statistics
     cpus = sorted(cpus)
     if not cpus:
         raise BadInput("fastest_cpu needs at least one CPU")
-    times: dict[int, list[float]] = {c: [] for c in cpus}
+    setaffinity = getattr(os, "sched_setaffinity", None)
+    before = os.sched_getaffinity(0) if setaffinity is not None else None
+    times: dict[int, list[float]] = {}
+    refused: set[int] = set() if setaffinity is not None else set(cpus)
     for _ in range(max(1, passes)):
         for c in cpus:
-            os.sched_setaffinity(0, {c})
+            if c in refused:
+                continue
+            try:
+                setaffinity(0, {c})
+            except OSError:
+                refused.add(c)
+                continue
             python_speed_us(rounds=1, loops=200)        # settle on the CPU
-            times[c].append(python_speed_us(rounds=3))
+            times.setdefault(c, []).append(python_speed_us(rounds=3))
+    if not times:
+        pin(before)
+        return None, python_speed_us(), {}
     each = {c: statistics.median(v) for c, v in times.items()}
-    best = min(cpus, key=each.__getitem__)
+    best = min(each, key=each.__getitem__)
     return best, each[best], each
 
 
-def pin(cpus: tuple[int, ...] | None) -> None:
-    """Pin the calling thread (and the threads it starts later) to ``cpus`` (None: leave it)."""
-    if cpus is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, set(cpus))
+def pin(cpus) -> bool:
+    """Pin the calling thread (and the threads it starts later) to ``cpus`` (None, or no CPU: leave it); False
+    where it stays where it was (no CPU affinity on this OS, or the OS refused the set: logged)."""
+    cpus = set() if cpus is None else {c for c in cpus if c is not None}
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        return False
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:
+        log.warning("cannot pin to CPU(s) %s (%s): placement left to the scheduler", _fmt(sorted(cpus)), exc)
+        return False
+    return True

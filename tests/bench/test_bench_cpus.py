@@ -122,3 +122,31 @@ def test_fastest_cpu_measures_each_candidate_and_picks_the_quickest():
             fastest_cpu([])
     finally:
         os.sched_setaffinity(0, avail)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
+def test_fastest_cpu_and_pin_never_fail_on_a_refused_or_missing_affinity(monkeypatch):
+    """A CPU set the OS refuses (a restricted or changed cpuset) or an OS without CPU affinity (macOS):
+    the refused CPUs are left out, and where none is left the thread stays where it was; pin() then leaves it."""
+    from gpuxfer.bench import cpus as C
+    avail = os.sched_getaffinity(0)
+    mine = min(avail)
+    real = os.sched_setaffinity
+
+    def refusing(pid, cpus):
+        if set(cpus) - {mine}:
+            raise OSError(22, "Invalid argument")
+        real(pid, cpus)
+    monkeypatch.setattr(os, "sched_setaffinity", refusing)
+    try:
+        cpu, us, each = C.fastest_cpu([mine, mine + 4096], passes=1)
+        assert cpu == mine and set(each) == {mine} and us > 0
+        cpu, us, each = C.fastest_cpu([mine + 4096], passes=1)
+        assert cpu is None and each == {} and us > 0
+        assert C.pin((cpu,)) is False and C.pin((mine + 4096,)) is False and C.pin(None) is False
+        assert C.pin((mine,)) is True
+        monkeypatch.delattr(os, "sched_setaffinity")
+        cpu, us, each = C.fastest_cpu([mine], passes=1)
+        assert cpu is None and each == {} and us > 0 and C.pin((mine,)) is False
+    finally:
+        real(0, avail)

@@ -71,8 +71,8 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
         part = auto_cpus(rank, world, gpu_local_cpus(None if emu else dinfo.pci_bus_id))
         if part is not None and hasattr(os, "sched_setaffinity"):
             cpu, us, each = fastest_cpu(part)
-            pin((cpu,))
-            pick = {"cpu": cpu, "python_us": us, "candidates_python_us": {str(c): v for c, v in each.items()}}
+            if pin((cpu,)):     # (None: the OS refused every CPU of the part; the scheduler places the rank)
+                pick = {"cpu": cpu, "python_us": us, "candidates_python_us": {str(c): v for c, v in each.items()}}
     info = {"rank": rank, "device": dev, "device_info": dinfo.as_dict(), "cpu_pick": pick,
             "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "link": plat.link(dev, peer % plat.device_count()).as_dict(), "versions": run_versions(plat),
