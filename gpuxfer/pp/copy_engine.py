@@ -544,9 +544,11 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
 
     def _free_local(self) -> None:
         """abort(): the staging ring and the streams are ours alone; flags and receive slots are mapped by the
-        peer, kept."""
+        peer, kept; the give-back words' name dropped (the peer's mapping, if any, stays)."""
         if self._staging is not None:
             self._staging.close()
+        if self._give_back is not None:
+            self._give_back.unlink()
         self._close_streams()
 
     def _close_streams(self) -> None:

@@ -64,3 +64,28 @@ def test_a_platform_that_cannot_map_host_memory_is_refused(host, monkeypatch):
     monkeypatch.setattr(type(host), "map_host_words", lambda self, ptr, nbytes, device: None)
     with pytest.raises(GpuxferError, match="cannot map host memory"):
         HostWords.create(host, 0, 2)
+
+
+def test_a_sender_discarded_after_a_failed_setup_drops_the_give_back_name():
+    """A setup that fails before the probe (a rank gone: discard(), which frees only what no peer maps) still
+    drops the give-back segment's name: nothing is left in /dev/shm."""
+    import torch
+
+    from gpuxfer.platforms.host import HostPlatform
+    from gpuxfer.pp.copy_engine import CopyEngineTransport
+    from gpuxfer.pp.setup import discard
+    from gpuxfer.pp.spec import SpecTable
+
+    plat = HostPlatform()
+    snd = CopyEngineTransport(role="send", rank=0, peer=1, device=0, platform=plat, timeout_s=20.0,
+                              specs=SpecTable({"h": ((64,), torch.float32)}), metadata=False, group=None,
+                              tag_base=0, torch_device=torch.device("cpu"), recv_slots=2)
+    try:
+        payload = snd.setup_prepare()
+        name = payload["give_back"]
+        assert name and os.path.exists(f"/dev/shm{name}")
+        discard([snd])
+        assert not os.path.exists(f"/dev/shm{name}")
+    finally:
+        snd._free()
+        plat.close()
