@@ -332,6 +332,10 @@ class KVAgent(_Routes, _PostResources, Closable, FailsOnTimeout):
             raise BadInput("an agent cannot be its own peer")
         if meta.agent in self._peers:
             raise BadInput(f"peer {meta.agent!r} is already added (remove_peer first)")
+        if self.staging is not None and meta.staging is not None and meta.slot_bytes != self.slot_bytes:
+            # each side addresses the pair's staging slots by its own slot size
+            raise LayoutMismatch(f"peer {meta.agent!r} has {meta.slot_bytes}-byte staging slots, agent "
+                                 f"{self.name!r} {self.slot_bytes}-byte ones: the pack engine needs equal slot_bytes")
         peer = KVPeer(self, meta)
         with self._lock:
             self._peers[meta.agent] = peer

@@ -1167,14 +1167,34 @@ def test_pack_needs_staging_on_both_sides(plat, pack_pair):
             pre.prepare(p, "push", local_blocks={"g": [0]}, remote_blocks={"g": [1]})
         with pytest.raises(BadInput, match="do not fit"):
             big = KVAgent("big", platform=plat, device=0, engine="pack", slot_bytes=256)
+            big2 = KVAgent("big2", platform=plat, device=1, engine="pack", slot_bytes=256)
             try:
                 big.register_group("g", 4, [a0.tensor((4, 4, 128))])
-                dec.register_group("g", 4, [a1.tensor((4, 4, 128))])
-                big.prepare(big.add_peer(dec.metadata()), "push", local_blocks={"g": [0]}, remote_blocks={"g": [1]})
+                big2.register_group("g", 4, [a1.tensor((4, 4, 128))])
+                big.prepare(big.add_peer(big2.metadata()), "push", local_blocks={"g": [0]}, remote_blocks={"g": [1]})
             finally:
+                big2.close()
                 big.close()
     finally:
         tri.close()
+
+
+def test_pack_peers_with_other_staging_slots_are_refused(plat, pack_pair):
+    """Each side addresses the pair's staging slots by its own slot size: a peer whose slots differ would take
+    chunks past its slots (past its staging) and unpack the wrong bytes; add_peer refuses it, naming both."""
+    pre, dec, a0, a1 = pack_pair
+    other = KVAgent("other", platform=plat, device=1, engine="pack", slot_bytes=256)
+    try:
+        with pytest.raises(LayoutMismatch, match="256-byte staging slots.*512"):
+            pre.add_peer(other.metadata())
+        with pytest.raises(LayoutMismatch, match="512-byte staging slots.*256"):
+            other.add_peer(pre.metadata())
+        for agent, name in ((pre, "other"), (other, "prefill")):     # nothing of the refused peer kept
+            with pytest.raises(NotRegistered):
+                agent.peer(name)
+        pre.add_peer(dec.metadata())                # equal slots: fine
+    finally:
+        other.close()
 
 
 # ----------------------------------------------------------------------------- the copy_engine engine
