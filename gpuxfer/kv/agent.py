@@ -445,6 +445,8 @@ class KVAgent(_Routes, _PostResources, Closable, FailsOnTimeout):
         """The request array (header + block IDs, as :mod:`gpuxfer.kernels.block_kernel` lays it out) in a host
         array, and the transfer of the agent's engine around it. ``checked``: the IDs
         (:meth:`_RouteIds.check <gpuxfer.kv.ids._RouteIds.check>`)."""
+        with self._post_lock:
+            self._reap()            # completed posts give their host arrays back to the pool first
         n_seg, lens_s, lens_d, S, D, R = checked
         P, G = len(route.plane_group), len(route.groups)
         head = P + 1 + 3 * G

@@ -49,7 +49,7 @@ class _CopyEngineTransfer(KVTransfer):
             if self._sizes.size:
                 plat.copy_batch_async(s, self._dsts, self._srcs, self._sizes)
             value, event = self._finish(s)
-        agent._track(event, (self,))
+            agent._track(event, (self,))
         return KVTransferHandle(self, event, s, value)
 
     def expanded_descriptors(self) -> np.ndarray:

@@ -309,7 +309,7 @@ class _PackTransfer(KVTransfer):
                 plat.launch(s, shape.expand)
             event = plat.record_event(s)
             agent._pack_tail = (s, event)
-        agent._track(event, (self, shape))
+            agent._track(event, (self, shape))
         if not plat.synchronize(s, agent.timeout_s):
             raise TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
                                   timeout_s=agent.timeout_s, what="expanding the descriptors")

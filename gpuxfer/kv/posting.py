@@ -24,6 +24,9 @@ MIN_SLOT_ROWS = 1024
 MIN_SLOT_ENTRIES = 1024
 #: shapes of pack transfers an agent keeps (buffers, kernels, graphs), the least recently posted going first
 PACK_SHAPES = 8
+#: posted transfers a post keeps without looking at their events; past it, a post first drops the completed
+#: ones (a prepare drops them all)
+INFLIGHT_KEEP = 16
 
 
 class _PostResources:
@@ -110,8 +113,17 @@ class _PostResources:
 
     def _track(self, event: Event, buffers: tuple) -> None:
         """Keep a posted transfer's buffers until its event completes (dropping the transfer and its
-        handle early must not free memory the stream still reads); completed entries go first."""
+        handle early must not free memory the stream still reads). The caller holds the post lock. The
+        completed entries go at the next prepare (:meth:`_reap`), or here once more than
+        :data:`INFLIGHT_KEEP` are kept (posts without prepares): a post does not query events otherwise."""
         q = self._inflight
-        while q and self.platform.event_query(q[0][0]):
-            q.popleft()
+        if len(q) >= INFLIGHT_KEEP:
+            self._reap()
         q.append((event, buffers))
+
+    def _reap(self) -> None:
+        """Drop the posted transfers whose events completed, oldest first (the caller holds the post lock)."""
+        q = self._inflight
+        query = self.platform.event_query
+        while q and query(q[0][0]):
+            q.popleft()

@@ -126,7 +126,7 @@ class _SlotTransfer(KVTransfer):
             slot = self._run(s)
             value, event = self._finish(s)
             slot.event, slot.stream = event, s
-        agent._track(event, (self, slot))
+            agent._track(event, (self, slot))
         return KVTransferHandle(self, event, s, value)
 
     def expanded_descriptors(self) -> np.ndarray:
@@ -139,7 +139,7 @@ class _SlotTransfer(KVTransfer):
             slot = self._run(s, expand_only=True)
             event = plat.record_event(s)
             slot.event, slot.stream = event, s
-        agent._track(event, (self, slot))
+            agent._track(event, (self, slot))
         if not plat.event_wait(event, agent.timeout_s):
             raise TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
                                   timeout_s=agent.timeout_s, what="expanding the descriptors")

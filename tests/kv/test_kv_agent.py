@@ -675,6 +675,39 @@ def test_remove_peer_waits_for_its_transfers(pair):
         gate.close()
 
 
+def test_posted_transfers_kept_until_complete_then_dropped(pair):
+    """A post keeps its transfer (host array, slot) until its event completed, though the caller dropped the
+    transfer and the handle; a prepare drops the completed ones (not a running one); posts without
+    prepares keep at most INFLIGHT_KEEP of them."""
+    import gc
+    import weakref
+    from gpuxfer.kv.posting import INFLIGHT_KEEP
+    pre, dec, a0, a1 = pair
+    src, dst, p_of_dec, gate, s, h = _held_pull(pre, dec, a0, a1)
+    plat = dec.platform
+    try:
+        held = weakref.ref(h.transfer)
+        del h
+        gc.collect()
+        y = dec.prepare(p_of_dec, "pull", local_blocks={"full": [1]}, remote_blocks={"full": [2]})
+        gc.collect()
+        assert held() is not None                       # still queued behind the gate
+        plat.host_write_flag(gate.ptr, 1, 1)
+        assert plat.synchronize(s, 30)
+        dec.prepare(p_of_dec, "pull", local_blocks={"full": [1]}, remote_blocks={"full": [2]})
+        gc.collect()
+        assert held() is None
+        for _ in range(2 * INFLIGHT_KEEP + 3):
+            y.post().wait(60)
+        assert 1 <= len(dec._inflight) <= INFLIGHT_KEEP
+        assert _eq(dst[next(iter(dst))][:, 1], src[next(iter(src))][:, 2])
+    finally:
+        plat.host_write_flag(gate.ptr, 1, 1)
+        plat.synchronize(s, 30)
+        s.close()
+        gate.close()
+
+
 def test_remove_peer_keeps_what_a_stuck_transfer_may_touch(pair):
     """remove_peer while a post to that peer is held past the agent's timeout: the agent fails (its error
     names the peer) and keeps the peer's flag link (its stage words) instead of closing it; once the gate

@@ -1,0 +1,178 @@
+"""Python host time of the KV API's ``post()`` on the CPU: the host emulation with its stream operations
+replaced by counting no-ops, so what is left is gpuxfer's own Python (no driver, no kernels run).
+
+    PYTHONPATH=. python scripts/kv_post_profile.py [--workload kv-dsv4] [--isl 32768] [--page 16]
+        [--op pull] [--iters 2000] [--profile]
+
+Two agents in this process register the benchmark's layout of ``--workload``, then three loops run:
+``fresh`` (prepare, post, wait: each post a transfer just prepared, the previous one dropped, as a
+benchmark or an engine does), ``repost`` (one prepared transfer posted again and again) and
+``prepare`` alone. Per loop: the median and p90 host time of ``post`` (``prepare`` for the last) in
+microseconds, and the platform calls per post by name. Stream operations are no-ops and every event is
+complete when recorded; recording makes a :class:`~gpuxfer.platforms.cuda_streams.CudaEvent` over a
+spare handle, as the CUDA platform does, so the event's Python costs stay in. A tuning aid (not a test):
+the numbers are this machine's Python speed; the calls per post are exact.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import collections
+import io
+import json
+import pstats
+import sys
+import time
+
+import numpy as np
+
+
+def stub_platform():
+    """A host emulation whose stream operations count and do nothing (events complete at once)."""
+    from gpuxfer.platforms.base import StreamCalls
+    from gpuxfer.platforms.cuda_streams import CudaEvent, _EventPool
+    from gpuxfer.platforms.host import HostPlatform
+
+    class StubPlatform(HostPlatform):
+        calls: collections.Counter = collections.Counter()
+
+        def __init__(self):
+            super().__init__()
+            self._pool = _EventPool()
+            self._handles = iter(range(1 << 20, 1 << 40))
+
+        def record_event(self, stream, event=None):
+            self.calls["record_event"] += 1
+            self._stream(stream)
+            if type(event) is not CudaEvent:
+                handle = self._pool.take(0)
+                event = CudaEvent(0, next(self._handles) if handle is None else handle, self._pool)
+            return event
+
+        def event_query(self, event):
+            self.calls["event_query"] += 1
+            return True
+
+        def event_wait(self, event, timeout_s):
+            self.calls["event_wait"] += 1
+            return True
+
+        def stream_wait_event(self, stream, event):
+            self.calls["stream_wait_event"] += 1
+
+        def copy_async(self, stream, dst, src, nbytes):
+            self.calls["copy_async"] += 1
+
+        def memset_async(self, stream, ptr, value, nbytes):
+            self.calls["memset_async"] += 1
+
+        def launch(self, stream, fn):
+            self.calls["launch"] += 1
+
+        def launch_graph(self, stream, graph):
+            self.calls["launch_graph"] += 1
+
+        def write_flag(self, stream, ptr, value):
+            self.calls["write_flag"] += 1
+
+        def wait_flag(self, stream, ptr, value):
+            self.calls["wait_flag"] += 1
+
+        def stream_calls(self, stream):
+            def graph(g):
+                self.calls["launch_graph"] += 1
+            return StreamCalls(stream, lambda p, v: self.write_flag(stream, p, v),
+                               lambda p, v: self.wait_flag(stream, p, v), graph)
+
+    return StubPlatform()
+
+
+def run(workload: str, isl: int, page: int, op: str, iters: int, profile: bool) -> dict:
+    from gpuxfer.kv.agent import KVAgent, layout_groups
+    from gpuxfer.kv.blocktable import burst_tables
+    from gpuxfer.kv.layout import layout_for_burst
+
+    plat = stub_platform()
+    layout = layout_for_burst(workload, isl, page, 1)
+    bufs = [plat.alloc(layout.pool_bytes, d) for d in (0, 0)]
+    agents = []
+    try:
+        for i, buf in enumerate(bufs):
+            ag = KVAgent(f"stub-{i}", platform=plat, device=0, engine="triton", timeout_s=60)
+            agents.append(ag)
+            for name, bt, layers in layout_groups(layout, plat.as_tensor(buf)):
+                ag.register_group(name, bt, layers)
+        src = burst_tables(layout, isl, 1, seed=3, side="src")[0]
+        dst = burst_tables(layout, isl, 1, seed=3, side="dst")[0]
+        initiator, other = (agents[1], agents[0]) if op == "pull" else (agents[0], agents[1])
+        peer = initiator.add_peer(other.metadata())
+        mine, theirs = (dst, src) if op == "pull" else (src, dst)
+
+        def prepare():
+            return initiator.prepare(peer, op, local_blocks=mine, remote_blocks=theirs, name="probe")
+
+        prepare().post().wait(60)           # the route's slot and graph
+        rows = {}
+
+        def loop(name, fresh: bool):
+            x = prepare()
+            times = []
+            plat.calls.clear()
+            pr = cProfile.Profile() if profile else None
+            for _ in range(iters):
+                if fresh:
+                    x = prepare()
+                if pr is not None:
+                    pr.enable()
+                t0 = time.perf_counter()
+                h = x.post()
+                t1 = time.perf_counter()
+                if pr is not None:
+                    pr.disable()
+                times.append((t1 - t0) * 1e6)
+                h.wait(60)
+                del h
+            rows[name] = {"p50_us": float(np.median(times)), "p90_us": float(np.percentile(times, 90)),
+                          "calls_per_post": {k: v / iters for k, v in sorted(plat.calls.items())}}
+            if pr is not None:
+                out = io.StringIO()
+                pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(18)
+                rows[name]["profile"] = out.getvalue()
+
+        loop("fresh", True)
+        loop("repost", False)
+        times = []
+        for _ in range(max(iters // 10, 5)):
+            t0 = time.perf_counter()
+            prepare()
+            times.append((time.perf_counter() - t0) * 1e6)
+        rows["prepare"] = {"p50_us": float(np.median(times)), "p90_us": float(np.percentile(times, 90))}
+        return {"workload": workload, "isl_tokens": isl, "page_tokens": page, "op": op, "rows": rows}
+    finally:
+        for ag in reversed(agents):
+            ag.close()
+        for b in bufs:
+            b.close()
+        plat.close()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="kv-dsv4")
+    ap.add_argument("--isl", type=int, default=32768)
+    ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--op", default="pull", choices=("pull", "push"))
+    ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--profile", action="store_true", help="cProfile the timed posts")
+    args = ap.parse_args(argv)
+    res = run(args.workload, args.isl, args.page, args.op, args.iters, args.profile)
+    for name, r in res["rows"].items():
+        print(f"{name:>8}: p50 {r['p50_us']:7.2f} us  p90 {r['p90_us']:7.2f} us  {r.get('calls_per_post', '')}")
+        if "profile" in r:
+            print(r.pop("profile"))
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
