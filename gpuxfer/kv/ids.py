@@ -20,7 +20,10 @@ def _as_ids(ids, request: str, group: str, side: str) -> np.ndarray:
     if isinstance(ids, torch.Tensor):
         if ids.device.type != "cpu":
             raise BlockIdError(f"{what}: block IDs must be on the host (a list, a numpy array or a CPU tensor)")
-        ids = ids.numpy()
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise BlockIdError(f"{what}: block IDs must be a 1-D sequence of integers, got {ids.dtype} "
+                               f"{tuple(ids.shape)}")
+        ids = ids.detach().numpy()
     arr = np.asarray(ids)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise BlockIdError(f"{what}: block IDs must be a 1-D sequence of integers, got {arr.dtype} {arr.shape}")

@@ -145,3 +145,15 @@ def test_large_sparse_ranges_and_repeated_sources():
     dst["a"] = np.array([1, 2, 1], np.int64)
     with pytest.raises(BlockIdError, match="group\\(s\\) a: destination block 1 appears more than once"):
         _run(ids, False, src, dst)
+
+
+def test_tensors_of_other_dtypes_are_named_not_crashed():
+    """CPU tensors of IDs that are not integers (bf16, a float that requires grad, bool) raise BlockIdError
+    naming the request, the group and the dtype, not torch's conversion error; integer tensors pass."""
+    torch = pytest.importorskip("torch")
+    from gpuxfer.kv.ids import _as_ids
+    for bad in (torch.tensor([1.0], dtype=torch.bfloat16), torch.tensor([1.0], requires_grad=True),
+                torch.tensor([True])):
+        with pytest.raises(BlockIdError, match=r"request 'r', group 'g', local blocks: .*integers"):
+            _as_ids(bad, "r", "g", "local blocks")
+    assert _as_ids(torch.tensor([3, 1], dtype=torch.int32), "r", "g", "local blocks").tolist() == [3, 1]
