@@ -71,6 +71,23 @@ class NullPlatform:
         return 1 << 62
 
 
+class HarnessDevice:
+    """A device the CPU tensors' get_device() (-1) matches, and their .device equals, not of type "cpu": the
+    GPU's per-step checks run (the first step of a shape takes the checked path, later ones the fast one)."""
+
+    type, index = "null", -1
+
+    def __eq__(self, other) -> bool:
+        import torch
+        return other == torch.device("cpu")
+
+    def __hash__(self) -> int:
+        return hash("cpu")
+
+    def __repr__(self) -> str:
+        return "HarnessDevice(null, -1)"
+
+
 def cuda_stub():
     """The cuda platform's own Python, over a driver whose calls return success at once (counted; the ctypes
     entry points of ``stream_calls`` are Python functions here, so their ctypes argument conversion is left out)."""
@@ -118,8 +135,7 @@ def build(metadata: bool, slots: int = 2, platform: str = "null", flag_batch: bo
     from gpuxfer.pp.mailbox import Mailbox
     from gpuxfer.pp.spec import SpecTable
     plat = NullPlatform() if platform == "null" else cuda_stub()
-    # a device the tensors' get_device() (-1 for CPU tensors) matches, so the GPU's per-step checks run
-    dev = types.SimpleNamespace(type="null", index=-1)
+    dev = HarnessDevice()
     specs = SpecTable({"hidden": ((1 << 18,), torch.bfloat16), "residual": ((1 << 18,), torch.bfloat16)})
     ends = []
     for role in ("send", "recv"):

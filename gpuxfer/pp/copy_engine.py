@@ -265,10 +265,8 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
             if n:
                 self._ce_copy(stream, base + off, tensors[name].data_ptr(), n)
 
-    def _send_impl(self, k: int, tensors, layout: Layout) -> None:
-        if self.inline_bytes and layout.total <= self.inline_bytes:
-            self._send_inline(k, tensors, layout)
-            return
+    def _send_staged(self, k: int, tensors, layout: Layout) -> None:
+        """A step larger than ``inline_bytes``: packed into the staging ring, sent from the side stream."""
         p, R = self.platform, self.recv_slots
         cur, side = p.current_stream(self.device), self._aux
         if cur is not self._eager_stream:
@@ -301,8 +299,13 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
         self._publish(side, j, k)
         self._copied[s] = p.record_event(side, copied)   # cur waited for its last recording above
 
-    def _send_inline(self, k: int, tensors, layout: Layout) -> None:
-        """A small step on the caller's stream: straight into the peer's slot, no staging, no side stream."""
+    def _send_impl(self, k: int, tensors, layout: Layout) -> None:
+        """A small step (``layout.total <= inline_bytes``) on the caller's stream: straight into the peer's
+        slot, no staging, no side stream; a larger one goes to :meth:`_send_staged`."""
+        total, inline = layout.total, self.inline_bytes
+        if not inline or total > inline:
+            self._send_staged(k, tensors, layout)
+            return
         p, R = self.platform, self.recv_slots
         cur = p.current_stream(self.device)
         if cur is not self._eager_stream:
@@ -310,7 +313,16 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
         calls = self._calls
         j = (k - 1) % R
         free = self._free_loads
-        g = self._copy_graph(j, tensors, layout, k) if self._cap is not None and layout.total else None
+        g = None
+        if total and self._cap is not None:     # the copy set's graph: cached, or captured at its second sight
+            names = self.specs.names
+            if len(names) == 2:     # (hidden states and residual, the usual pair: no list built)
+                key = (j, layout.nbytes, tensors[names[0]].data_ptr(), tensors[names[1]].data_ptr())
+            else:
+                key = (j, layout.nbytes, *[tensors[n].data_ptr() for n in names])
+            g = self._graphs.get(key)
+            if g is None:
+                g = self._copy_graph(key, tensors, layout, k)
         valued = g is not None and free is not None     # the graph publishes slot j's value word: make it k
         waited = k > R and (free is None or free[j << 3] < k - R)   # slot j not seen free on the host yet
         if waited:
@@ -357,39 +369,33 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
         self._remote_publish = self.remote_flags and self._own_publish
         self._eager_stream = stream
 
-    def _copy_graph(self, j: int, tensors, layout: Layout, k: int):
-        """The graph of step k's peer copies where this copy set (slot, source addresses, sizes) was seen
-        before within :data:`STEP_GRAPHS` steps (captured at that second sight, on the capture stream, and
-        kept; the oldest of :data:`STEP_GRAPHS` goes first), else None: the caller queues the copies one by
-        one (a set that recurs less often: the cache could not hold the sets in between). Its nodes are the same
-        copy-engine copies, and where the sender has value words in host memory, one more: the 8-byte copy
-        of slot j's value word into the peer's ``full[j]`` (the publish; the caller sets the word)."""
-        names = self.specs.names
-        if len(names) == 2:         # (hidden states and residual, the usual pair: no list built)
-            key = (j, layout.nbytes, tensors[names[0]].data_ptr(), tensors[names[1]].data_ptr())
-        else:
-            key = (j, layout.nbytes, *[tensors[n].data_ptr() for n in names])
-        g = self._graphs.get(key)
-        if g is None:
-            seen = self._sightings.get(key)
-            if seen is None or k - seen > STEP_GRAPHS:
-                if seen is None and len(self._sightings) >= 4 * STEP_GRAPHS:
-                    self._sightings.clear()
-                self._sightings[key] = k
-                return None
-            del self._sightings[key]
+    def _copy_graph(self, key: tuple, tensors, layout: Layout, k: int):
+        """The graph of step k's peer copies (``key``: slot j, sizes, source addresses; not cached yet) where
+        this copy set was seen before within :data:`STEP_GRAPHS` steps (captured now, on the capture stream,
+        and kept; the oldest of :data:`STEP_GRAPHS` goes first), else None: the caller queues the copies one
+        by one (a set that recurs less often: the cache could not hold the sets in between). Its nodes are the
+        same copy-engine copies, and where the sender has value words in host memory, one more: the 8-byte
+        copy of slot j's value word into the peer's ``full[j]`` (the publish; the caller sets the word)."""
+        seen = self._sightings.get(key)
+        if seen is None or k - seen > STEP_GRAPHS:
+            if seen is None and len(self._sightings) >= 4 * STEP_GRAPHS:
+                self._sightings.clear()
+            self._sightings[key] = k
+            return None
+        del self._sightings[key]
+        j = key[0]
 
-            def record(s) -> None:
-                self._copy_tensors(s, self._peer_slot_ptr[j], tensors, layout)
-                if self._value_ptr is not None:
-                    self._ce_copy(s, self._peer_in_ptr[j], self._value_ptr[j], 8)
-            g = self.platform.capture_graph(self._cap, record)
-            if g is None:        # this platform cannot capture: plain copies from now on
-                self._cap = None
-                return None
-            if len(self._graphs) >= STEP_GRAPHS:
-                del self._graphs[next(iter(self._graphs))]
-            self._graphs[key] = g
+        def record(s) -> None:
+            self._copy_tensors(s, self._peer_slot_ptr[j], tensors, layout)
+            if self._value_ptr is not None:
+                self._ce_copy(s, self._peer_in_ptr[j], self._value_ptr[j], 8)
+        g = self.platform.capture_graph(self._cap, record)
+        if g is None:        # this platform cannot capture: plain copies from now on
+            self._cap = None
+            return None
+        if len(self._graphs) >= STEP_GRAPHS:
+            del self._graphs[next(iter(self._graphs))]
+        self._graphs[key] = g
         return g
 
     # ---- receive ----

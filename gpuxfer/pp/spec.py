@@ -11,6 +11,7 @@ travels as a refusal message (:class:`Refusal`). :func:`as_bytes`,
 from __future__ import annotations
 
 import math
+import operator
 import struct
 from dataclasses import dataclass
 from collections.abc import Mapping, Sequence
@@ -142,7 +143,9 @@ class SpecTable:
         self.slot_bytes = max(ALIGN, sum(_align(n) for n in self.max_nbytes))
         self.meta_len = 4 + len(names) * (1 + MAX_NDIM)
         self._tensor = torch.Tensor
-        self._fast = tuple(zip(names, dtypes, self.max_numel, (d.is_complex for d in dtypes)))
+        self._fast = tuple(zip(names, dtypes, (d.is_complex for d in dtypes)))
+        # recv(shapes=...)'s shapes in spec order, one C call (a 1-tuple for one name)
+        self._pick = operator.itemgetter(*names) if len(names) > 1 else lambda d, n=names[0]: (d[n],)
         self._layouts: dict[tuple, Layout] = {}
         self._decoded: dict[bytes, tuple] = {}     # metadata body (bytes) -> checked shapes
         self._rows: dict[tuple, np.ndarray] = {}   # shapes -> metadata row (the step word left 0)
@@ -155,13 +158,23 @@ class SpecTable:
         return ", ".join(f"{n}: {tuple(s)} {str(d).replace('torch.', '')}"
                          for n, s, d in zip(self.names, self.max_shapes, self.dtypes))
 
-    def layout(self, shapes: tuple[tuple[int, ...], ...]) -> Layout:
-        lay = self._layouts.get(shapes)
+    def layout(self, shapes) -> Layout:
+        """The packed layout of one step of ``shapes`` (spec order), cached per shape tuple. Shapes outside
+        the spec (a dimension that is not a non-negative integer, more than :data:`MAX_NDIM` dimensions,
+        more elements than the largest shape) are :class:`BadInput`: every cached layout fits its slot, so
+        the per-step paths that find their shapes in the cache need no size check."""
+        try:
+            lay = self._layouts.get(shapes)
+        except TypeError:                   # unhashable (lists): checked below
+            lay = None
         if lay is None:
-            shapes = tuple(tuple(s) for s in shapes)    # plain tuples (a tensor's shape is a torch.Size)
+            if not isinstance(shapes, Sequence) or len(shapes) != len(self.names):
+                raise BadInput(f"a step's layout needs {len(self.names)} shapes (spec order {self.names}), "
+                               f"got {shapes!r}")
+            shapes = tuple(self._checked_shape(i, s) for i, s in enumerate(shapes))
             offsets, nbytes, off, end = [], [], 0, 0
             for shape, item in zip(shapes, self.itemsizes):
-                n = int(np.prod(shape, dtype=np.int64)) * item
+                n = math.prod(shape) * item
                 offsets.append(off)
                 nbytes.append(n)
                 end = off + n
@@ -187,33 +200,25 @@ class SpecTable:
         return out
 
     # ---- validation (before any GPU work and before metadata goes out) ----
-    def check_tensors(self, tensors, device) -> tuple[tuple[int, ...], ...]:
-        """The shapes of ``tensors`` (spec order), or the first :class:`Refusal` that applies."""
-        if type(tensors) is dict and device.type != "cpu":
-            shapes = self._fast_shapes(tensors, device.index or 0)
-            if shapes is not None:
-                return shapes
-        return self._checked_shapes(tensors, device)
-
-    def _fast_shapes(self, tensors: dict, index: int) -> tuple[tuple[int, ...], ...] | None:
-        """The per-step path on a GPU: every check of :meth:`_checked_shapes` in one expression per
-        tensor; None sends any doubt there (which says what is wrong). A dict of as many entries as the
-        spec that holds every name has the spec's keys."""
+    def fast_layout(self, tensors: dict, index: int) -> Layout | None:
+        """The per-step path on a GPU: the layout of ``tensors`` where each of the spec's names holds a
+        contiguous tensor of its dtype on device ``index`` (not a lazily negated or conjugated view) and
+        their shapes have a cached layout (which :meth:`layout` holds only for shapes within the spec: the
+        size checks of :meth:`check_tensors` hold); None sends any doubt to :meth:`check_tensors` (which
+        says what is wrong). A dict of as many entries as the spec that holds every name has its keys."""
         if len(tensors) != len(self._fast):
             return None
         Tensor, shapes = self._tensor, []
-        for name, dtype, max_numel, cplx in self._fast:
+        for name, dtype, cplx in self._fast:
             t = tensors.get(name)
             if (not isinstance(t, Tensor) or t.dtype is not dtype or t.get_device() != index
-                    or not t.is_contiguous() or t.is_neg() or (cplx and t.is_conj()) or t.numel() > max_numel):
+                    or not t.is_contiguous() or t.is_neg() or (cplx and t.is_conj())):
                 return None      # (only complex tensors carry a lazy conjugation)
-            shape = t.shape      # a torch.Size: equal to (and hashed as) the tuple of its dimensions
-            if len(shape) > MAX_NDIM:
-                return None
-            shapes.append(shape)
-        return tuple(shapes)
+            shapes.append(t.shape)   # a torch.Size: equal to (and hashed as) the tuple of its dimensions
+        return self._layouts.get(tuple(shapes))
 
-    def _checked_shapes(self, tensors, device) -> tuple[tuple[int, ...], ...]:
+    def check_tensors(self, tensors, device) -> tuple[tuple[int, ...], ...]:
+        """The shapes of ``tensors`` (spec order), or the first :class:`Refusal` that applies."""
         import torch
         if not isinstance(tensors, Mapping):
             raise Refusal(1, -1, f"send() takes a dict of tensors, got {type(tensors).__name__}")
@@ -253,30 +258,30 @@ class SpecTable:
         (a key equal to a cached one has the same, checked, integer shapes)."""
         if type(shapes) is dict and len(shapes) == len(self.names):
             try:
-                lay = self._layouts.get(tuple([shapes[n] for n in self.names]))
+                lay = self._layouts.get(self._pick(shapes))
             except (KeyError, TypeError):
                 lay = None
             if lay is not None:
                 return lay
-        return self.layout(self._checked_shape_tuple(shapes))
-
-    def _checked_shape_tuple(self, shapes) -> tuple[tuple[int, ...], ...]:
         if not isinstance(shapes, Mapping) or shapes.keys() != self.nameset:
             got = sorted(shapes) if isinstance(shapes, Mapping) else type(shapes).__name__
             raise BadInput(f"recv(shapes=...) needs a dict with exactly the keys {sorted(self.nameset)}, got {got}")
-        out = []
-        for i, name in enumerate(self.names):
-            try:
-                shape = tuple(int(s) for s in shapes[name])
-            except (TypeError, ValueError):
-                raise BadInput(f"shape of {name!r} must be a sequence of integers, got {shapes[name]!r}") from None
-            if len(shape) > MAX_NDIM or any(s < 0 for s in shape):
-                raise BadInput(f"shape of {name!r} {shape} needs <= {MAX_NDIM} non-negative dims")
-            if math.prod(shape) > self.max_numel[i]:
-                raise BadInput(f"expected shape {shape} of {name!r} is larger than its slot "
-                               f"(the setup spec's largest shape is {self.max_shapes[i]})")
-            out.append(shape)
-        return tuple(out)
+        return self.layout(tuple(shapes[name] for name in self.names))
+
+    def _checked_shape(self, i: int, shape) -> tuple[int, ...]:
+        """Shape ``shape`` of the spec's tensor ``i`` as a tuple of ints, or :class:`BadInput` where it is
+        not one within the spec."""
+        name = self.names[i]
+        try:
+            shape = tuple(int(s) for s in shape)
+        except (TypeError, ValueError):
+            raise BadInput(f"shape of {name!r} must be a sequence of integers, got {shape!r}") from None
+        if len(shape) > MAX_NDIM or any(s < 0 for s in shape):
+            raise BadInput(f"shape of {name!r} {shape} needs <= {MAX_NDIM} non-negative dims")
+        if math.prod(shape) > self.max_numel[i]:
+            raise BadInput(f"expected shape {shape} of {name!r} is larger than its slot "
+                           f"(the setup spec's largest shape is {self.max_shapes[i]})")
+        return shape
 
     def check_out(self, out, device) -> None:
         """``recv(out=...)``: persistent tensors the data is copied into (a prefix of each, by numel)."""

@@ -179,7 +179,7 @@ class Transport(abc.ABC):
 
     name = "abstract"
     watch_after_error = False    # whether the watchdog keeps calling _watch once the transport is broken
-    max_pending: int | None = None     # most receives left deferred at once (None: no limit)
+    max_pending: int | None = None     # most receives left deferred at once, >= 1 (None: no limit)
     release_again = False    # whether a failed end re-releases its waits while open (a live peer may
                              # still write smaller step numbers over the release value)
 
@@ -244,19 +244,18 @@ class Transport(abc.ABC):
         if self._error is not None or self._state != "open" or self.role != "send":
             self._check_usable("send")
         specs = self.specs
-        shapes = None
+        layout = None
         if type(tensors) is dict and self._gpu_index is not None:     # the per-step case: checked in one pass
-            shapes = specs._fast_shapes(tensors, self._gpu_index)
-        if shapes is None:
+            layout = specs.fast_layout(tensors, self._gpu_index)
+        if layout is None:
             try:
-                shapes = specs.check_tensors(tensors, self.torch_device)
+                layout = specs.layout(specs.check_tensors(tensors, self.torch_device))
             except Refusal as refusal:
                 if self.metadata:
                     self._send_meta(lambda buf: specs.encode_refusal(buf, self.step + 1, refusal))
                 raise BadInput(f"rank {self.rank}: step {self.step + 1} to rank {self.peer} refused, nothing "
                                f"sent: {refusal}") from None
         k = self.step + 1
-        layout = specs._layouts.get(shapes) or specs.layout(shapes)
         if self.metadata:
             self._send_meta(lambda buf: specs.encode(buf, k, layout.shapes))
         try:
@@ -281,8 +280,7 @@ class Transport(abc.ABC):
         k = self.step + 1
         if out is not None:
             self.specs.check_out(out, self.torch_device)
-        most = self.max_pending
-        if most is not None and len(self._pending) >= most:
+        if self._pending and (most := self.max_pending) is not None and len(self._pending) >= most:
             raise BadInput(f"rank {self.rank}: recv() of step {k} from rank {self.peer} with {len(self._pending)} "
                            f"earlier receives not yet accessed (steps {self._pending[0].step}..{self._pending[-1].step}"
                            f"): the sender cannot get further ahead of the receive slots given back, so this "

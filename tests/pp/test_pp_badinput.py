@@ -95,14 +95,33 @@ def test_spec_table_refuses(label, tensors, code):
 
 
 def test_spec_table_fast_path_agrees():
-    """The per-step fast path (GPUs) returns the same shapes as the checked path, and None (go and find
-    out what is wrong) for every bad input; CPU tensors stand in for a device with index -1."""
+    """The per-step fast path (GPUs) returns the layout of the checked path once that layout is cached, and
+    None (go and find out what is wrong) for every bad input, its shapes cached or not; CPU tensors stand in
+    for a device with index -1."""
     t = SpecTable(specs())
-    assert t._fast_shapes(good(), -1) == t.check_tensors(good(), CPU)
+    assert t.fast_layout(good(), -1) is None        # shapes not seen yet: the checked path
+    lay = t.layout(t.check_tensors(good(), CPU))
+    assert t.fast_layout(good(), -1) is lay
     for label, tensors, _code in bad_inputs():
         if isinstance(tensors, dict) and tensors.keys() == t.nameset:
+            shapes = tuple(tuple(tensors[n].shape) if isinstance(tensors[n], torch.Tensor) else () for n in t.names)
+            try:
+                t.layout(shapes)                    # a bad tensor's shapes cached where they fit the spec
+            except BadInput:
+                pass
             index = 0 if label == "wrong device" else -1     # a meta tensor's index is -1 too
-            assert t._fast_shapes(tensors, index) is None, label
+            assert t.fast_layout(tensors, index) is None, label
+
+
+def test_spec_table_layout_refuses_shapes_outside_the_spec():
+    """Only shapes within the spec get a (cached) layout: the fast path's cache hit stands for the size checks."""
+    t = SpecTable(specs())
+    for bad in (((49, 40), (1,), (1, 1)), ((1, 1), (49,), (1, 1)), ((1,) * 9, (1,), (1, 1)), ((1, -1), (1,), (1, 1)),
+                ((1, 1), (1,)), ((1, "x"), (1,), (1, 1)), ((1, 1), 3, (1, 1)), None):
+        with pytest.raises(BadInput):
+            t.layout(bad)
+    assert not t._layouts
+    assert t.layout([[2, 3], [2], (2, 3)]).shapes == ((2, 3), (2,), (2, 3))
 
 
 def test_spec_table_bad_specs():
