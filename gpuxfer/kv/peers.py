@@ -74,15 +74,14 @@ class KVPeer(Closable):
                 for h in meta.allocations:
                     m = plat.open_handle(h, dev)
                     self._mappings.append(m)
-                    real = plat.allocation_range(m.ptr, dev)
-                    if real is not None and real[1] < h.nbytes:
-                        raise BadMetadata(f"peer {meta.agent!r} claims an allocation of {h.nbytes} bytes; the "
-                                          f"mapping holds {real[1]}")
+                    self._check_claim(m.ptr, h.nbytes, "an allocation")
                     bases.append(m.ptr)
                 self.flags.open(meta.control)
+                self._check_claim(self.flags.peer_mem.ptr, meta.control.nbytes, "flag words")
                 if meta.staging is not None:
                     st = plat.open_handle(meta.staging, dev)
                     self._mappings.append(st)
+                    self._check_claim(st.ptr, meta.staging.nbytes, "staging")
                     self.staging_ptr = st.ptr
             self.groups: dict[str, _Group] = {}
             for g in meta.groups:
@@ -92,6 +91,13 @@ class KVPeer(Closable):
         except BaseException:
             self._release()
             raise
+
+    def _check_claim(self, ptr: int, nbytes: int, what: str) -> None:
+        """The mapping at ``ptr`` holds the ``nbytes`` the metadata claims, where the platform can tell."""
+        real = self.agent.platform.allocation_range(ptr, self.agent.device)
+        if real is not None and real[0] + real[1] < ptr + nbytes:
+            raise BadMetadata(f"peer {self.meta.agent!r} claims {what} of {nbytes} bytes; the mapping holds "
+                              f"{real[0] + real[1] - ptr}")
 
     def anchor(self, layer_ref: tuple[int, int], ptr: int):
         """A 1-element uint8 tensor at ``ptr`` (a layer of this peer) on the agent's device."""

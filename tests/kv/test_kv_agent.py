@@ -1675,3 +1675,26 @@ def test_cuda_notifications_in_order_and_close_releases_a_stuck_pack_post(spawne
     if why:
         pytest.skip(why)
     assert spawner.start(_cuda_order_and_close, name="order-and-close", hard_exit=True).result(100) == "ok"
+
+
+def test_a_peer_whose_flag_words_or_staging_are_smaller_than_claimed_is_refused(plat, pack_pair, monkeypatch):
+    """Metadata claims sizes; where the platform can tell what a mapping really holds (CUDA: the address
+    range of the IPC mapping), flag words or staging smaller than claimed are refused (the flag writes and
+    chunk copies would land past them), as allocations are. The peer's pid is forged to another process's so
+    the handles are opened as a remote peer's."""
+    import json
+    pre, dec, a0, a1 = pack_pair
+    body = json.loads(dec.metadata()[12:])
+    body["pid"] += 1
+    forged = _reblob(body)
+    for name, claimed in (("flag words", body["control"]["nbytes"]), ("staging", body["staging"]["nbytes"])):
+        real = plat.allocation_range
+
+        def short(ptr, device, claimed=claimed):
+            got = real(ptr, device)
+            return (ptr, claimed - 64) if got is None or got[1] == claimed else got
+        monkeypatch.setattr(plat, "allocation_range", short)
+        with pytest.raises(BadMetadata, match=f"claims {name} of {claimed} bytes"):
+            pre.add_peer(forged)
+        monkeypatch.undo()
+    pre.add_peer(forged)                    # the sizes as claimed: added
