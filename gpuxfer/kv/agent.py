@@ -554,6 +554,9 @@ class KVAgent(_Routes, _PostResources, Closable, FailsOnTimeout):
         self.check()
 
     def _check_usable(self, peer: KVPeer) -> None:
+        if (type(peer) is KVPeer and peer.agent is self and not peer._closed and not self._closed
+                and self.failed is None and self._peers.get(peer.name) is peer):
+            return          # the per-post case: one test
         self._check_open()
         if not isinstance(peer, KVPeer) or peer.agent is not self:
             raise NotRegistered(f"{peer!r} is not a peer of agent {self.name!r}")

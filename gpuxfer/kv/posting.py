@@ -41,6 +41,9 @@ class _PostResources:
         i = -1
         for k, slot in enumerate(slots):
             if slot.stream is s or plat.event_query(slot.event):     # every slot has its last event
+                if slot.rows >= rows and slot.entries >= entries:
+                    slot.used = next(self._slot_uses)
+                    return slot
                 i = k
                 break
         if i < 0:

@@ -21,12 +21,12 @@ class KVTransferHandle:
     ``notify_value`` is what the peer's notification word holds once it landed (None: no notification).
     """
 
-    __slots__ = ("transfer", "event", "name", "notify_value", "_stream", "_keep")
+    __slots__ = ("transfer", "event", "name", "notify_value", "_stream")
 
     def __init__(self, transfer: "KVTransfer", event: Event, stream: Stream, notify_value: int | None):
+        # the transfer keeps its buffers; the agent keeps the transfer until the event completed
         self.transfer, self.event, self._stream, self.notify_value = transfer, event, stream, notify_value
         self.name = transfer.name
-        self._keep = transfer._buffers      # device buffers stay alive while the work may run
 
     def done(self) -> bool:
         return self.transfer.agent.platform.event_query(self.event)

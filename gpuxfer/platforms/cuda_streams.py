@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -59,18 +58,28 @@ class CudaStream(Stream):
 class CudaEvent(Event):
     """A driver event (``CU_EVENT_DISABLE_TIMING``) of ``device``: ``handle`` is the ``CUevent`` as an int.
 
-    Destroyed when the object is collected. A raw event rather than a ``torch.cuda.Event``:
+    Destroyed when the object is collected, or its handle given to ``pool`` (the platform's spare
+    events) -- by ``__del__``, which costs nothing at creation where a ``weakref.finalize`` costs ~1 us
+    per event (an event per post). A raw event rather than a ``torch.cuda.Event``:
     recording and waiting through the driver cost 0.6-0.7 us of host time where torch's
     wrappers cost 0.9-1.0 (2xH200, scripts/host_costs.py), and a pp step makes four such calls.
     """
 
+    __slots__ = ("device", "handle", "_pool")
+
     def __init__(self, device: int, handle: int, pool: "_EventPool | None" = None):
         self.device = device
         self.handle = handle
-        if pool is None:
-            weakref.finalize(self, _destroy_event, handle)
-        else:
-            weakref.finalize(self, pool.give, device, handle)
+        self._pool = pool
+
+    def __del__(self):
+        try:
+            if self._pool is None:
+                _destroy_event(self.handle)
+            else:
+                self._pool.give(self.device, self.handle)
+        except Exception:  # noqa: BLE001 - interpreter exit: the module's names may be gone first
+            pass
 
     def __repr__(self) -> str:
         return f"CudaEvent(cuda:{self.device}, 0x{self.handle:x})"
@@ -105,7 +114,7 @@ class _EventPool:
             return None
 
     def give(self, device: int, handle: int) -> None:
-        """A collected event's handle (weakref finalizer: any thread, list appends are atomic)."""
+        """A collected event's handle (from its ``__del__``: any thread, list appends are atomic)."""
         if not self.closed:
             spare = self.spare.setdefault(device, [])
             if len(spare) < self.CAP:

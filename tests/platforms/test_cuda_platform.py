@@ -744,6 +744,19 @@ def test_event_pool_keeps_spares_up_to_its_cap_and_destroys_after_close(monkeypa
     assert destroyed[-1] == 7
 
 
+def test_collected_event_goes_to_its_pool_or_is_destroyed(monkeypatch):
+    import gc
+    from gpuxfer.platforms import cuda_streams as cs
+    destroyed: list[int] = []
+    monkeypatch.setattr(cs, "_destroy_event", destroyed.append)
+    pool = cs._EventPool()
+    ev = cs.CudaEvent(1, 0x51, pool)
+    lone = cs.CudaEvent(0, 0x52)
+    del ev, lone
+    gc.collect()
+    assert pool.take(1) == 0x51 and pool.take(1) is None and destroyed == [0x52]
+
+
 @gpu
 def test_gpu_as_tensor_bf16_round_trip(plat):
     import torch
