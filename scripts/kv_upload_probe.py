@@ -8,7 +8,8 @@ the timing): ``pinned_same`` one pinned array (torch ``pin_memory``, as the agen
 and again; ``pinned_alternate`` two of them in turn; ``pinned_rewritten`` the array rewritten by the CPU
 just before (as a prepare does); ``pinned_cold`` after 16 MiB of other memory was read (caches cooled);
 ``pageable`` a NumPy array; ``raw_driver`` the bare ``cuMemcpyAsync`` of the pinned array (no platform
-Python); ``record_event_new`` / ``record_event_reuse`` an event per call vs one re-recorded. Non-zero exit
+Python; ``ctypes_entry`` the same through its driver entry point, as ``Platform.stream_calls`` makes its
+calls); ``record_event_new`` / ``record_event_reuse`` an event per call vs one re-recorded. Non-zero exit
 on failure.
 """
 from __future__ import annotations
@@ -19,6 +20,23 @@ import sys
 import time
 
 import numpy as np
+
+
+def _entry(drv):
+    """``cuMemcpyAsync`` and ``cuEventRecord`` through their entry points (ctypes, plain integers), or None."""
+    import ctypes
+    c = ctypes
+    out = []
+    for name, args in ((b"cuMemcpyAsync", (c.c_uint64, c.c_uint64, c.c_size_t, c.c_void_p)),
+                       (b"cuEventRecord", (c.c_void_p, c.c_void_p))):
+        try:
+            err, pfn, status = drv.cuGetProcAddress(name, 12000, 0)
+        except Exception:  # noqa: BLE001 - an older cuda.bindings
+            return None
+        if int(err) != 0 or not pfn:
+            return None
+        out.append(c.CFUNCTYPE(c.c_int, *args)(int(pfn)))
+    return tuple(out)
 
 
 def main(argv=None) -> int:
@@ -70,12 +88,19 @@ def main(argv=None) -> int:
         timed("raw_driver", lambda i: drv.cuMemcpyAsync(dev.ptr, pa, nbytes, s.handle))
         timed("raw_driver_cold", lambda i: drv.cuMemcpyAsync(dev.ptr, pa, nbytes, s.handle),
               before=lambda i: churn.sum())
+        entry = _entry(drv)
+        if entry is not None:
+            copy, record = entry
+            timed("ctypes_entry", lambda i: copy(dev.ptr, pa, nbytes, s.handle))
+            timed("ctypes_entry_cold", lambda i: copy(dev.ptr, pa, nbytes, s.handle), before=lambda i: churn.sum())
         keep = []
         timed("record_event_new", lambda i: keep.append(plat.record_event(s)))
         keep.clear()
         ev = plat.record_event(s)
         timed("record_event_reuse", lambda i: plat.record_event(s, ev))
         timed("event_query", lambda i: plat.event_query(ev))
+        if entry is not None:
+            timed("ctypes_record_reuse", lambda i: record(ev.handle, s.handle))
     finally:
         dev.close()
         s.close()
