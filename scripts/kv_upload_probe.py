@@ -5,7 +5,7 @@ what the CPU did just before, to tell a driver cost from a cache effect.
 
 Rows (p50 / p90 of the call's host time, microseconds; the stream synchronised between calls, outside
 the timing): ``pinned_same`` one pinned array (torch ``pin_memory``, as the agent's pool makes them) again
-and again; ``pinned_alternate`` two of them in turn; ``pinned_rewritten`` the array rewritten by the CPU
+and again (``pinned_same_<n>B``: other sizes); ``pinned_alternate`` two of them in turn; ``pinned_rewritten`` the array rewritten by the CPU
 just before (as a prepare does); ``pinned_cold`` after 16 MiB of other memory was read (caches cooled);
 ``pageable`` a NumPy array; ``raw_driver`` the bare ``cuMemcpyAsync`` of the pinned array (no platform
 Python; ``ctypes_entry`` the same through its driver entry point, as ``Platform.stream_calls`` makes its
@@ -55,7 +55,8 @@ def main(argv=None) -> int:
     n = args.bytes // 8
     s = plat.create_stream(0)
     dev = plat.alloc(max(args.bytes, 1 << 16), 0)
-    a = torch.zeros(n, dtype=torch.int64, pin_memory=True)
+    big = plat.alloc(1 << 17, 0)
+    a = torch.zeros(max(n, 1 << 14), dtype=torch.int64, pin_memory=True)
     b = torch.zeros(n, dtype=torch.int64, pin_memory=True)
     page = np.zeros(n, dtype=np.int64)
     churn = np.ones(2 << 20, dtype=np.int64)
@@ -77,9 +78,11 @@ def main(argv=None) -> int:
 
     try:
         pa, pb = a.data_ptr(), b.data_ptr()
-        an = a.numpy()
+        an = a.numpy()[:n]
         nbytes = n * 8
         timed("pinned_same", lambda i: plat.copy_async(s, dev.ptr, pa, nbytes))
+        for size in (1024, 8192, 131072):           # does the call's host time grow with the bytes?
+            timed(f"pinned_same_{size}B", lambda i, size=size: plat.copy_async(s, big.ptr, pa, size))
         timed("pinned_alternate", lambda i: plat.copy_async(s, dev.ptr, pb if i % 2 else pa, nbytes))
         timed("pinned_rewritten", lambda i: plat.copy_async(s, dev.ptr, pa, nbytes),
               before=lambda i: np.copyto(an, src))
@@ -103,6 +106,7 @@ def main(argv=None) -> int:
             timed("ctypes_record_reuse", lambda i: record(ev.handle, s.handle))
     finally:
         dev.close()
+        big.close()
         s.close()
     if args.json:
         with open(args.json, "w") as f:
