@@ -55,7 +55,7 @@ class NullPlatform:
     def stream_calls(self, stream):
         from gpuxfer.platforms.base import StreamCalls
         return StreamCalls(stream, self._counter("write_flag"), self._counter("wait_flag"),
-                           self._counter("launch_graph"))
+                           self._counter("launch_graph"), self._counter("flag_ops"))
 
     def create_stream(self, device):
         return NullStream()

@@ -189,7 +189,8 @@ class _CudaFlags:
     def stream_calls(self, stream: Stream) -> StreamCalls:
         """The flag and graph calls bound to ``stream``: one driver call each, through its entry point
         (``cuGetProcAddress``, the CUDA 12 ABI, called through ctypes with plain integers: no per-call
-        argument objects), where the arguments are in-range integers (and a graph of this platform), with
+        argument objects), where the arguments are in-range integers (and a graph of this platform;
+        ``flag_ops``: an array the checked method took before, its first call goes there), with
         the stream's checks done here, once. Any other argument, and any call the driver refuses (no
         context current on this thread included), goes through the checked method, which repeats it in
         the stream's context or raises what is wrong. A default stream's handle means "the current
@@ -228,7 +229,24 @@ class _CudaFlags:
                     or launch(graph.handle, h)):
                 launch_graph(s, graph)
 
-        return StreamCalls(s, write_fast, wait_fast, launch_fast)
+        memop = self._memop
+        if memop is None:
+            memop = self._memop = resolve_memop(_driver)
+        if memop is False:
+            return StreamCalls(s, write_fast, wait_fast, launch_fast, lambda ops: self.flag_ops(s, ops))
+        arrays: dict = {}       # id -> (array, address, rows) of the arrays the checked method took
+
+        def flag_ops_fast(ops) -> None:
+            entry = arrays.get(id(ops))
+            if (entry is None or entry[0] is not ops or s._closed or (other is not None and other())
+                    or memop(h, entry[2], entry[1], 0)):
+                self.flag_ops(s, ops)           # checks the array (BadInput): later calls skip that
+                if entry is None or entry[0] is not ops:
+                    if len(arrays) > 64:
+                        arrays.clear()
+                    arrays[id(ops)] = (ops, ops.ctypes.data, len(ops))
+
+        return StreamCalls(s, write_fast, wait_fast, launch_fast, flag_ops_fast)
 
     def probe_stream_mem_ops(self, device: int, timeout_s: float = 10.0) -> str | None:
         """None if 64-bit stream write / wait really work on ``device``, else why not. Cached per device.

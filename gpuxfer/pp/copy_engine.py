@@ -330,7 +330,7 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
                 ops = self._slot_ops[j]                 # read it once the wait passed): one call
                 ops[2] = k - R
                 ops[8] = k
-                p.flag_ops(cur, self._slot_arrays[j])
+                calls.flag_ops(self._slot_arrays[j])
             else:
                 calls.wait_flag(self._in_ptr[j], k - R)
                 if valued:
@@ -423,7 +423,7 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
             else:                       # publish empty[jj] = kk, wait full[j] >= k: one call
                 ops[2] = kk
                 ops[8] = k
-                p.flag_ops(cur, self._lend_arrays[j])
+                calls.flag_ops(self._lend_arrays[j])
         else:
             calls.wait_flag(self._in_ptr[j], k)
         self._wd.append((k, j, time.monotonic(), k))

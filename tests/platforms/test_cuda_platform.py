@@ -32,7 +32,7 @@ from gpuxfer.platforms import cuda_driver as cd
 from gpuxfer.platforms import cuda_flags as cf
 from gpuxfer.platforms import cuda_memory as cmem
 from gpuxfer.platforms import cuda_entry as ce
-from gpuxfer.platforms.base import IpcHandle
+from gpuxfer.platforms.base import FLAG_OP_WAIT, FLAG_OP_WRITE, IpcHandle, flag_ops_array
 
 T = 60.0
 
@@ -279,6 +279,7 @@ def test_stream_calls_one_driver_call_each_and_the_checked_path_otherwise(monkey
     keep["current"] = c.CFUNCTYPE(c.c_int, c.c_void_p)(get_current)
     points = {b"cuStreamWriteValue64": entry("write", *flag), b"cuStreamWaitValue64": entry("wait", *flag),
               b"cuGraphLaunch": entry("launch", c.c_void_p, c.c_void_p),
+              b"cuStreamBatchMemOp": entry("memop", c.c_void_p, c.c_uint, c.c_void_p, c.c_uint),
               b"cuCtxGetCurrent": c.cast(keep["current"], c.c_void_p).value}
 
     def checked(name):      # cuda.bindings' own functions, under the checked methods
@@ -303,6 +304,13 @@ def test_stream_calls_one_driver_call_each_and_the_checked_path_otherwise(monkey
     assert seen == [("write", 0x7000, 0x1000, 5, 0), ("wait", 0x7000, 0x1040, (1 << 64) - 1, cd._WAIT_GEQ),
                     ("launch", 0x99, 0x7000)] and not pushed
     seen.clear()
+    ops = flag_ops_array([(FLAG_OP_WRITE, 0x1000, 3), (FLAG_OP_WAIT, 0x1040, 2)])
+    calls.flag_ops(ops)         # a new array: the checked method (which checks it), then straight to the driver
+    calls.flag_ops(ops)
+    assert seen == [("memop", 0x7000, 2, ops.ctypes.data, 0)] * 2 and not pushed
+    seen.clear()
+    with pytest.raises(BadInput, match="flag_ops_array"):
+        calls.flag_ops(np.zeros((2, 3), dtype=np.uint64))
     with pytest.raises(BadInput, match="aligned"):
         calls.write_flag(0x1004, 5)
     with pytest.raises(BadInput, match="integer"):
@@ -313,6 +321,10 @@ def test_stream_calls_one_driver_call_each_and_the_checked_path_otherwise(monkey
     answers[:] = [cd._ERR_INVALID_CONTEXT] * 2          # no context on this thread: the checked path
     calls.write_flag(0x1000, 6)                         # repeats it with the context pushed
     assert [x[0] for x in seen] == ["write", "checked write", "checked write"] and pushed == [1]
+    answers[:] = [cd._ERR_INVALID_CONTEXT] * 2          # the same for flag_ops
+    seen.clear()
+    calls.flag_ops(ops)
+    assert [x[0] for x in seen] == ["memop"] * 3 and pushed == [1, 1]
     answers[:] = [1, 1]                                 # refused by the driver: the checked path raises
     with pytest.raises(DriverError, match="CUDA_ERROR_INVALID_VALUE"):
         calls.wait_flag(0x1040, 4)

@@ -60,7 +60,7 @@ def _spy(plat) -> collections.Counter:
 
     def stream_calls(stream):
         calls = bind(stream)
-        for name in ("write_flag", "wait_flag", "launch_graph"):
+        for name in ("write_flag", "wait_flag", "launch_graph", "flag_ops"):
             setattr(calls, name, spied(getattr(calls, name), name))
         return calls
     plat.stream_calls = stream_calls
@@ -175,7 +175,7 @@ def test_steady_step_calls_and_stuck_peer(spawner, platform_name, batch):
 def test_flag_ops_in_order(platform):
     """flag_ops queues its rows in order: a write after a wait lands only once the wait passed."""
     from gpuxfer.errors import BadInput
-    from gpuxfer.platforms.base import FLAG_OP_WAIT, FLAG_OP_WRITE, flag_ops_array
+    from gpuxfer.platforms.base import FLAG_OP_WAIT, FLAG_OP_WRITE, StreamCalls, flag_ops_array
     s = platform.create_stream(0)
     buf = platform.alloc(256, 0)
     try:
@@ -196,6 +196,12 @@ def test_flag_ops_in_order(platform):
         ops[2, 2] = 11                               # values change in place between calls
         platform.flag_ops(s, ops)
         assert platform.synchronize(s, 30.0) and platform.read_flag(a, 0) == 11
+        bound = platform.stream_calls(s)             # the same, bound to the stream (the per-step path), and
+        plain = StreamCalls(s, bound.write_flag, bound.wait_flag, bound.launch_graph)  # one call per row
+        for calls, value in ((bound, 13), (bound, 15), (plain, 17)):
+            ops[0, 2], ops[1, 2], ops[2, 2] = value, 3, value + 1
+            calls.flag_ops(ops)
+            assert platform.synchronize(s, 30.0) and platform.read_flag(a, 0) == value + 1
         with pytest.raises(BadInput):
             flag_ops_array([(3, a, 1)])              # neither a wait nor a write
         with pytest.raises(BadInput):
@@ -204,6 +210,8 @@ def test_flag_ops_in_order(platform):
         if platform.is_emulation:                    # the default one-call-per-row path checks each row
             with pytest.raises(BadInput):
                 platform.flag_ops(s, ops)
+        with pytest.raises(BadInput):
+            plain.flag_ops(ops)
     finally:
         platform.synchronize(s, 10.0)
         s.close()
