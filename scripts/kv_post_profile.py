@@ -82,7 +82,8 @@ def stub_platform():
             def graph(g):
                 self.calls["launch_graph"] += 1
             return StreamCalls(stream, lambda p, v: self.write_flag(stream, p, v),
-                               lambda p, v: self.wait_flag(stream, p, v), graph)
+                               lambda p, v: self.wait_flag(stream, p, v), graph,
+                               copy=lambda d, s_, n: self.copy_async(stream, d, s_, n))
 
     return StubPlatform()
 

@@ -119,7 +119,7 @@ def cuda_stub():
     plat.is_capturing = lambda s: False
     plat.capture_graph = lambda s, record: cuda.CudaGraph(0, None, 0)
     plat._step_fns = tuple(entry(n) for n in ("cuStreamWriteValue64", "cuStreamWaitValue64", "cuGraphLaunch",
-                                              "cuCtxGetCurrent"))
+                                              "cuCtxGetCurrent", "cuMemcpyAsync"))
     plat.calls = calls
     return plat
 

@@ -77,6 +77,7 @@ whatever the IDs hold.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import json
 import logging
@@ -202,7 +203,9 @@ class KVAgent(_Routes, _PostResources, Closable, FailsOnTimeout):
             self.flags = FlagWords(platform, self.device, AGENT_WORDS, rank=self.rank, name=f"agent {name!r}",
                                    timeout_s=self.timeout_s)
             self.stream = platform.create_stream(self.device)
-            self._calls = platform.stream_calls(self.stream)        # the stream's flag and graph calls, bound once
+            self._calls = platform.stream_calls(self.stream)        # the stream's flag, graph and copy calls
+            if self._calls.copy is None:
+                self._calls.copy = functools.partial(platform.copy_async, self.stream)
         except BaseException:
             self._release()
             raise

@@ -41,6 +41,7 @@ class _PackShape:
         dev = agent._torch_device()
         self.agent, self.peer, self.route, self.source = agent, x.peer, x.route, x.source
         self.req = torch.empty(x._req_bytes // 8, dtype=torch.int64, device=dev)
+        self.req_ptr = self.req.data_ptr()
         self.out = torch.empty((max(x.descriptors, 1), 3), dtype=torch.int64, device=dev)
         r = self.route
         G = len(r.groups)
@@ -265,7 +266,10 @@ class _PackTransfer(KVTransfer):
         shape = self._shape
         if shape is not None:
             parity = (peer.pack_sent if self.source else peer.pack_recv) % 2
-            plat.copy_async(s, shape.req.data_ptr(), self._host_ptr, self._req_bytes)
+            if s is agent.stream:
+                agent._calls.copy(shape.req_ptr, self._host_ptr, self._req_bytes)
+            else:
+                plat.copy_async(s, shape.req_ptr, self._host_ptr, self._req_bytes)
             graphs = shape.graph(parity)
             lane = agent._pack_lane() if self.source else None
             if graphs is None:

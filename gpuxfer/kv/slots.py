@@ -98,12 +98,16 @@ class _SlotTransfer(KVTransfer):
         agent = self.agent
         plat = agent.platform
         slot = agent._take_slot(self.route, s, self.descriptors, self._entries)
-        plat.copy_async(s, slot.req_ptr, self._host_ptr, self._req_bytes)
+        own = s is agent.stream         # the agent's stream: its calls bound once (Platform.stream_calls)
+        if own:
+            agent._calls.copy(slot.req_ptr, self._host_ptr, self._req_bytes)
+        else:
+            plat.copy_async(s, slot.req_ptr, self._host_ptr, self._req_bytes)
         if expand_only:
             if slot.expand is not None:
                 plat.launch(s, slot.expand)
         elif slot.graph is not None:
-            if s is agent.stream:
+            if own:
                 agent._calls.launch_graph(slot.graph)
             else:
                 plat.launch_graph(s, slot.graph)

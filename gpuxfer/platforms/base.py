@@ -542,14 +542,15 @@ class Platform(abc.ABC):
 
     # ---- a per-step path ----
     def stream_calls(self, stream: Stream) -> "StreamCalls":
-        """:meth:`write_flag`, :meth:`wait_flag`, :meth:`launch_graph` and :meth:`flag_ops` bound to
-        ``stream``, for a path that queues a few calls per step on the same stream: same effects and errors
+        """:meth:`write_flag`, :meth:`wait_flag`, :meth:`launch_graph`, :meth:`flag_ops` and :meth:`copy_async`
+        bound to ``stream``, for a path that queues a few calls per step on the same stream: same effects and errors
         as the methods (a platform may skip the per-call stream checks there). Default: the methods
         themselves."""
         return StreamCalls(stream, lambda ptr, value: self.write_flag(stream, ptr, value),
                            lambda ptr, value: self.wait_flag(stream, ptr, value),
                            lambda graph: self.launch_graph(stream, graph),
-                           lambda ops: self.flag_ops(stream, ops))
+                           lambda ops: self.flag_ops(stream, ops),
+                           lambda dst, src, nbytes: self.copy_async(stream, dst, src, nbytes))
 
     # ---- lifetime ----
     @property
@@ -569,13 +570,15 @@ class Platform(abc.ABC):
 
 class StreamCalls:
     """What :meth:`Platform.stream_calls` returns: ``write_flag(ptr, value)``, ``wait_flag(ptr, value)``,
-    ``launch_graph(graph)`` and ``flag_ops(ops)`` queued on ``stream`` (without a ``flag_ops`` of its own:
-    the rows one ``write_flag`` / ``wait_flag`` each, as :meth:`Platform.flag_ops` by default)."""
+    ``launch_graph(graph)``, ``flag_ops(ops)`` and ``copy(dst, src, nbytes)`` queued on ``stream`` (without a
+    ``flag_ops`` of its own: the rows one ``write_flag`` / ``wait_flag`` each, as :meth:`Platform.flag_ops`
+    by default; ``copy`` may be None: the caller then uses the platform's ``copy_async``)."""
 
-    __slots__ = ("stream", "write_flag", "wait_flag", "launch_graph", "flag_ops")
+    __slots__ = ("stream", "write_flag", "wait_flag", "launch_graph", "flag_ops", "copy")
 
     def __init__(self, stream: Stream, write_flag: Callable[[int, int], None], wait_flag: Callable[[int, int], None],
-                 launch_graph: Callable[[object], None], flag_ops: Callable[[np.ndarray], None] | None = None):
+                 launch_graph: Callable[[object], None], flag_ops: Callable[[np.ndarray], None] | None = None,
+                 copy: Callable[[int, int, int], None] | None = None):
         self.stream, self.write_flag, self.wait_flag, self.launch_graph = stream, write_flag, wait_flag, launch_graph
         if flag_ops is None:
             def flag_ops(ops: np.ndarray) -> None:
@@ -588,6 +591,7 @@ class StreamCalls:
                         raise BadInput(f"flag operation {op} is neither a write ({FLAG_OP_WRITE}) nor a wait "
                                        f"({FLAG_OP_WAIT})")
         self.flag_ops = flag_ops
+        self.copy = copy
 
 
 #: operations of a :meth:`Platform.flag_ops` row (CUDA's CU_STREAM_MEM_OP_WAIT_VALUE_64 / _WRITE_VALUE_64)

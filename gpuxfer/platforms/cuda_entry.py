@@ -165,14 +165,15 @@ def resolve_memop(driver: Callable[[], Any]):
 
 
 def resolve_step_fns(driver: Callable[[], Any]):
-    """ctypes entry points of ``cuStreamWriteValue64``, ``cuStreamWaitValue64``, ``cuGraphLaunch`` and
-    ``cuCtxGetCurrent`` (the CUDA 12 ABI; they release the GIL while they run, as a blocked launch
-    may), or False (``driver`` gives the ``cuda.bindings`` driver module)."""
+    """ctypes entry points of ``cuStreamWriteValue64``, ``cuStreamWaitValue64``, ``cuGraphLaunch``,
+    ``cuCtxGetCurrent`` and ``cuMemcpyAsync`` (the CUDA 12 ABI; they release the GIL while they run, as a
+    blocked launch may), or False (``driver`` gives the ``cuda.bindings`` driver module)."""
     c = ctypes
     flag = (c.c_void_p, c.c_uint64, c.c_uint64, c.c_uint)
     out = []
     for name, args in ((b"cuStreamWriteValue64", flag), (b"cuStreamWaitValue64", flag),
-                       (b"cuGraphLaunch", (c.c_void_p, c.c_void_p)), (b"cuCtxGetCurrent", (c.c_void_p,))):
+                       (b"cuGraphLaunch", (c.c_void_p, c.c_void_p)), (b"cuCtxGetCurrent", (c.c_void_p,)),
+                       (b"cuMemcpyAsync", (c.c_uint64, c.c_uint64, c.c_size_t, c.c_void_p))):
         try:
             err, pfn, status = driver().cuGetProcAddress(name, 12000, 0)
         except Exception:  # noqa: BLE001 - an older cuda.bindings: the checked methods

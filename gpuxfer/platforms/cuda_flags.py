@@ -187,7 +187,7 @@ class _CudaFlags:
 
     # ---- a per-step path ----
     def stream_calls(self, stream: Stream) -> StreamCalls:
-        """The flag and graph calls bound to ``stream``: one driver call each, through its entry point
+        """The flag, graph and copy calls bound to ``stream``: one driver call each, through its entry point
         (``cuGetProcAddress``, the CUDA 12 ABI, called through ctypes with plain integers: no per-call
         argument objects), where the arguments are in-range integers (and a graph of this platform;
         ``flag_ops``: an array the checked method took before, its first call goes there), with
@@ -203,9 +203,10 @@ class _CudaFlags:
             fns = self._step_fns = resolve_step_fns(_driver)
         if not fns:
             return super().stream_calls(s)
-        write, wait, launch, current = fns
+        write, wait, launch, current, memcpy = fns
         h = s.handle
-        write_flag, wait_flag, launch_graph = self.write_flag, self.wait_flag, self.launch_graph
+        write_flag, wait_flag, launch_graph, copy_async = self.write_flag, self.wait_flag, self.launch_graph, \
+            self.copy_async
         other = None            # None, or a callable: True where another context may be current
         if h in _DEFAULT_STREAM_HANDLES and self.device_count() != 1:
             ctx, c = self._retain(s.device)[1], ctypes
@@ -229,11 +230,17 @@ class _CudaFlags:
                     or launch(graph.handle, h)):
                 launch_graph(s, graph)
 
+        def copy_fast(dst: int, src: int, nbytes: int) -> None:
+            if (type(dst) is not int or type(src) is not int or type(nbytes) is not int or not 0 < nbytes <= _MASK64
+                    or not 0 <= dst <= _MASK64 or not 0 <= src <= _MASK64 or s._closed
+                    or (other is not None and other()) or memcpy(dst, src, nbytes, h)):
+                copy_async(s, dst, src, nbytes)
+
         memop = self._memop
         if memop is None:
             memop = self._memop = resolve_memop(_driver)
         if memop is False:
-            return StreamCalls(s, write_fast, wait_fast, launch_fast, lambda ops: self.flag_ops(s, ops))
+            return StreamCalls(s, write_fast, wait_fast, launch_fast, lambda ops: self.flag_ops(s, ops), copy_fast)
         arrays: dict = {}       # id -> (array, address, rows) of the arrays the checked method took
 
         def flag_ops_fast(ops) -> None:
@@ -246,7 +253,7 @@ class _CudaFlags:
                         arrays.clear()
                     arrays[id(ops)] = (ops, ops.ctypes.data, len(ops))
 
-        return StreamCalls(s, write_fast, wait_fast, launch_fast, flag_ops_fast)
+        return StreamCalls(s, write_fast, wait_fast, launch_fast, flag_ops_fast, copy_fast)
 
     def probe_stream_mem_ops(self, device: int, timeout_s: float = 10.0) -> str | None:
         """None if 64-bit stream write / wait really work on ``device``, else why not. Cached per device.

@@ -280,7 +280,8 @@ def test_stream_calls_one_driver_call_each_and_the_checked_path_otherwise(monkey
     points = {b"cuStreamWriteValue64": entry("write", *flag), b"cuStreamWaitValue64": entry("wait", *flag),
               b"cuGraphLaunch": entry("launch", c.c_void_p, c.c_void_p),
               b"cuStreamBatchMemOp": entry("memop", c.c_void_p, c.c_uint, c.c_void_p, c.c_uint),
-              b"cuCtxGetCurrent": c.cast(keep["current"], c.c_void_p).value}
+              b"cuCtxGetCurrent": c.cast(keep["current"], c.c_void_p).value,
+              b"cuMemcpyAsync": entry("copy", c.c_uint64, c.c_uint64, c.c_size_t, c.c_void_p)}
 
     def checked(name):      # cuda.bindings' own functions, under the checked methods
         def fn(*args):
@@ -292,7 +293,7 @@ def test_stream_calls_one_driver_call_each_and_the_checked_path_otherwise(monkey
     monkeypatch.setattr(cd, "_DRIVER", _fake_driver(
         cuCtxGetCurrent=lambda: (0, None), cuGetProcAddress=lambda name, ver, flags: (0, points[name], None),
         cuStreamWriteValue64=checked("checked write"), cuStreamWaitValue64=checked("checked wait"),
-        cuGraphLaunch=checked("checked launch")))
+        cuGraphLaunch=checked("checked launch"), cuMemcpyAsync=checked("checked copy")))
     pushed = []
     monkeypatch.setattr(plat, "_on", lambda device: contextlib.nullcontext(pushed.append(device)))
     s = cm.CudaStream(1, 0x7000, None)
@@ -301,8 +302,18 @@ def test_stream_calls_one_driver_call_each_and_the_checked_path_otherwise(monkey
     calls.write_flag(0x1000, 5)
     calls.wait_flag(0x1040, (1 << 64) - 1)
     calls.launch_graph(g)
+    calls.copy(0x5000, 0x6000, 4096)
     assert seen == [("write", 0x7000, 0x1000, 5, 0), ("wait", 0x7000, 0x1040, (1 << 64) - 1, cd._WAIT_GEQ),
-                    ("launch", 0x99, 0x7000)] and not pushed
+                    ("launch", 0x99, 0x7000), ("copy", 0x5000, 0x6000, 4096, 0x7000)] and not pushed
+    seen.clear()
+    calls.copy(0x5000, 0x6000, 0)                       # nothing to copy: no driver call
+    with pytest.raises(BadInput, match="cannot copy -1 bytes"):
+        calls.copy(0x5000, 0x6000, -1)
+    assert not seen
+    answers[:] = [1, 1]                                 # refused by the driver: the checked copy raises
+    with pytest.raises(DriverError, match="CUDA_ERROR_INVALID_VALUE"):
+        calls.copy(0x5000, 0x6000, 8)
+    assert [x[0] for x in seen] == ["copy", "checked copy"]
     seen.clear()
     ops = flag_ops_array([(FLAG_OP_WRITE, 0x1000, 3), (FLAG_OP_WAIT, 0x1040, 2)])
     calls.flag_ops(ops)         # a new array: the checked method (which checks it), then straight to the driver
