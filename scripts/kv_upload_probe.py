@@ -3,14 +3,14 @@ what the CPU did just before, to tell a driver cost from a cache effect.
 
     PYTHONPATH=. python scripts/kv_upload_probe.py [--bytes 35840] [--iters 300] [--json PATH]
 
-Rows (p50 / p90 of the call's host time, microseconds; the stream synchronised between calls, outside
-the timing): ``pinned_same`` one pinned array (torch ``pin_memory``, as the agent's pool makes them) again
-and again (``pinned_same_<n>B``: other sizes); ``pinned_alternate`` two of them in turn; ``pinned_rewritten`` the array rewritten by the CPU
-just before (as a prepare does); ``pinned_cold`` after 16 MiB of other memory was read (caches cooled);
-``pageable`` a NumPy array; ``raw_driver`` the bare ``cuMemcpyAsync`` of the pinned array (no platform
-Python; ``ctypes_entry`` the same through its driver entry point, as ``Platform.stream_calls`` makes its
-calls); ``record_event_new`` / ``record_event_reuse`` an event per call vs one re-recorded. Non-zero exit
-on failure.
+Rows (p50 / p90 of the call's host time, microseconds; the stream synchronised between calls,
+outside the timing): ``pinned_same`` one pinned array (torch ``pin_memory``, as the agent's pool makes
+them) again and again (``pinned_same_<n>B``: other sizes); ``pinned_alternate`` two of them in turn;
+``pinned_rewritten`` the array rewritten by the CPU just before (as a prepare does); ``pinned_cold``
+after 16 MiB of other memory was read (caches cooled); ``pageable`` a NumPy array; ``raw_driver`` the
+bare ``cuMemcpyAsync`` of the pinned array (no platform Python); ``ctypes_entry`` the same through its
+driver entry point, as ``Platform.stream_calls`` makes its calls; ``record_event_new`` /
+``record_event_reuse`` an event per call vs one re-recorded. Non-zero exit on failure.
 """
 from __future__ import annotations
 
