@@ -212,6 +212,7 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
         self.recv_views = bool(recv_views)  # receiver: .tensors are views of the slot, lent until the next
         self._lent = None                   # (slot, step) lent out with the last materialized step
         self._views: dict = {}              # (slot, shapes) -> views of the slot (recv_views)
+        self._slot_views = [(None, None)] * self.recv_slots   # per slot: (layout, views) of its last step
         self._data_bytes = None             # the receive slots as one uint8 tensor (recv_views)
         self._lend_arrays = self._lend_ops = None   # per slot j: [publish empty[j-1], wait full[j]] (flag_ops)
         self._cap = None                    # sender: the stream small steps' copy graphs are captured on
@@ -405,7 +406,7 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
     def _materialize_impl(self, rcv: Received) -> None:
         p, R, k = self.platform, self.recv_slots, rcv.step
         j = (k - 1) % R
-        lay, specs = rcv.layout, self.specs
+        lay = rcv.layout
         cur = p.current_stream(self.device)
         if cur is not self._eager_stream:
             self._check_eager(cur, ".tensors")
@@ -427,21 +428,25 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
         else:
             calls.wait_flag(self._in_ptr[j], k)
         self._wd.append((k, j, time.monotonic(), k))
-        slot = self._slot_ptr[j]
+        specs = self.specs
         if self.recv_views and rcv.out is None:     # views of the slot itself, lent until the next step
-            views = self._views.get((j, lay.shapes))
-            if views is None:
-                if len(self._views) > 4096:
-                    self._views.clear()
-                views = self._views[(j, lay.shapes)] = specs.views(self._data_bytes, lay, j * specs.slot_bytes)
+            last = self._slot_views[j]              # (layout, views) of slot j's last step: the same layout
+            if last[0] is not lay:                  # object has the same shapes
+                views = self._views.get((j, lay.shapes))
+                if views is None:
+                    if len(self._views) > 4096:
+                        self._views.clear()
+                    views = self._views[(j, lay.shapes)] = specs.views(self._data_bytes, lay, j * specs.slot_bytes)
+                last = self._slot_views[j] = (lay, views)
             self._lent = (j, k)
             self._last_stream = cur
             if self._host_sync:
                 wait_event_or_raise(p, p.record_event(cur), self.timeout_s, rank=self.rank, step=k,
                                     flag=f"full[{j}]", expected=k, flag_ptr=self._in_ptr[j], device=self.device,
                                     what=f"{self.name} receive from rank {self.peer}")
-            rcv._tensors = dict(views)
+            rcv._tensors = dict(last[1])
             return
+        slot = self._slot_ptr[j]
         if rcv.out is None:        # one copy of the whole slot into a fresh buffer (torch's, on ``cur``)
             import torch
             buf = torch.empty(lay.buffer_bytes, dtype=torch.uint8, device=self.torch_device)
@@ -537,6 +542,7 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
         self._packed = None
         self._graphs.clear()
         self._views.clear()
+        self._slot_views = [(None, None)] * self.recv_slots
         self._lend_arrays = self._lend_ops = self._slot_arrays = self._slot_ops = None
         self._close_streams()
         if self._give_back is not None:     # after the graphs that copy from its value words
