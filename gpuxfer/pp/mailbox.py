@@ -166,20 +166,22 @@ class Mailbox:
     def recv(self, timeout_s: float, cancelled=None) -> np.ndarray:
         m = self._taken + 1
         j = (m - 1) % RING
-        seq, q, out, src = self._seq[j], self._q, self._copy_bytes, self._payload[j]
-
-        def arrived() -> bool:
-            if q[seq] != m:
-                return False
-            out[:] = src
-            return q[seq + 1] == _check(out, m) and q[seq] == m
-
-        if not arrived():
-            _wait(arrived, timeout_s, lambda: f"message {m}: slot {j} holds message {q[seq]} "
-                                              f"after {timeout_s:g} s", cancelled)
+        if not self._arrived(j, m):
+            seq, q = self._seq[j], self._q
+            _wait(lambda: self._arrived(j, m), timeout_s,
+                  lambda: f"message {m}: slot {j} holds message {q[seq]} after {timeout_s:g} s", cancelled)
         self._taken = m
-        q[W_CONSUMED] = m
+        self._q[W_CONSUMED] = m
         return self._recv_copy
+
+    def _arrived(self, j: int, m: int) -> bool:
+        """Whether slot j holds message m whole: copied out, its checksum matched, not overwritten meanwhile."""
+        seq, q = self._seq[j], self._q
+        if q[seq] != m:
+            return False
+        out = self._copy_bytes
+        out[:] = self._payload[j]
+        return q[seq + 1] == _check(out, m) and q[seq] == m
 
     # ---- the channel interface the transport also gets from CpuChannel ----
     def drain(self, timeout_s: float) -> None:

@@ -252,12 +252,12 @@ class Transport(abc.ABC):
                 layout = specs.layout(specs.check_tensors(tensors, self.torch_device))
             except Refusal as refusal:
                 if self.metadata:
-                    self._send_meta(lambda buf: specs.encode_refusal(buf, self.step + 1, refusal))
+                    self._send_meta(self.step + 1, refusal=refusal)
                 raise BadInput(f"rank {self.rank}: step {self.step + 1} to rank {self.peer} refused, nothing "
                                f"sent: {refusal}") from None
         k = self.step + 1
         if self.metadata:
-            self._send_meta(lambda buf: specs.encode(buf, k, layout.shapes))
+            self._send_meta(k, layout.shapes)
         try:
             self._send_impl(k, tensors, layout)
         except Exception as exc:
@@ -398,12 +398,17 @@ class Transport(abc.ABC):
         if what == "recv" and self.role != "recv":
             raise BadInput(f"rank {self.rank} sends on this transport (to rank {self.peer}); it cannot receive")
 
-    def _send_meta(self, fill) -> None:
+    def _send_meta(self, step: int, shapes=None, refusal: Refusal | None = None) -> None:
+        """Send step's metadata message: its shapes, or the sender's refusal."""
         t0 = self._waiting_since = time.monotonic()
         try:
-            i = self.meta.next_send_buffer(self.timeout_s, self._failed)
-            fill(self.meta.send_buffers[i])
-            self.meta.send(i)
+            meta = self.meta
+            i = meta.next_send_buffer(self.timeout_s, self._failed)
+            if refusal is None:
+                self.specs.encode(meta.send_buffers[i], step, shapes)
+            else:
+                self.specs.encode_refusal(meta.send_buffers[i], step, refusal)
+            meta.send(i)
         except Exception as exc:  # noqa: BLE001 - a mailbox timeout, or gloo's error (closed or timed out)
             raise self._fail(self._meta_error(exc, self.step + 1, t0, "metadata send stuck")) from None
         finally:
