@@ -162,7 +162,7 @@ def build(metadata: bool, slots: int = 2, platform: str = "null", flag_batch: bo
                 from gpuxfer.platforms.base import FLAG_OP_WAIT, FLAG_OP_WRITE, flag_ops_array
                 t._lend_arrays = [flag_ops_array([(FLAG_OP_WRITE, t._peer_in_ptr[(j - 1) % slots], 0),
                                                   (FLAG_OP_WAIT, t._in_ptr[j], 0)]) for j in range(slots)]
-                t._lend_ops = [a.reshape(-1) for a in t._lend_arrays]
+                t._lend_ops = [memoryview(a).cast("B").cast("Q") for a in t._lend_arrays]
             t._data_bytes = torch.zeros(slots * specs.slot_bytes, dtype=torch.uint8)
         t._state = "open"
         ends.append(t)

@@ -26,6 +26,11 @@ STEP_GRAPHS = 64            # copy graphs a sender keeps (one per slot and set o
                             # within this many steps)
 
 
+
+def _words(ops):
+    """A flag_ops array's words as a flat uint64 memoryview (a word set in place costs less than through numpy)."""
+    return memoryview(ops).cast("B").cast("Q")
+
 def flag_batch_from_env() -> bool:
     """Whether a ``recv_views`` receiver queues its two flag operations of a step (give the lent slot back,
     wait for the next) as one ``platform.flag_ops`` call (``$GPUXFER_PP_FLAG_BATCH``: 1, the default, or 0;
@@ -186,7 +191,7 @@ class _CopyEngineSetup:
                 if flag_batch_from_env():   # per slot: [wait empty[j] >= k-R, write value[j] = k] (flag_ops)
                     self._slot_arrays = [flag_ops_array([(FLAG_OP_WAIT, self._in_ptr[j], 0),
                                                          (FLAG_OP_WRITE, self._value_ptr[j], 0)]) for j in range(R)]
-                    self._slot_ops = [a.reshape(-1) for a in self._slot_arrays]   # value words: 2 and 8
+                    self._slot_ops = [_words(a) for a in self._slot_arrays]   # value words: 2 and 8
             else:
                 self._peer_in_ptr = [self._give_back.ptr(j) for j in range(R)]
         if self.role == "recv":
@@ -196,7 +201,7 @@ class _CopyEngineSetup:
                 if self.remote_flags and self._own_publish and flag_batch_from_env():
                     self._lend_arrays = [flag_ops_array([(FLAG_OP_WRITE, self._peer_in_ptr[(j - 1) % R], 0),
                                                          (FLAG_OP_WAIT, self._in_ptr[j], 0)]) for j in range(R)]
-                    self._lend_ops = [a.reshape(-1) for a in self._lend_arrays]   # value words: 2 and 8
+                    self._lend_ops = [_words(a) for a in self._lend_arrays]   # value words: 2 and 8
         else:
             self._peer_slot_ptr = [self._peer_data.ptr + j * slot for j in range(R)]
             self._staging_ptr = [self._staging.ptr + s * slot for s in range(2)]
