@@ -137,7 +137,7 @@ from __future__ import annotations
 
 import time
 
-from ..errors import BadInput, GraphModeError, TransferTimeout
+from ..errors import BadInput, GraphModeError, PeerLost, TransferTimeout
 from ..flaglink import FlagLink, flag_path_from_env
 from ..platforms.base import RELEASE_VALUE
 from ..sync import wait_event_or_raise
@@ -291,7 +291,11 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
                                     what=f"{self.name} send to rank {self.peer}: staging slot not free")
         p.stream_wait_event(side, packed)
         j = (k - 1) % R
-        if k > R and (self._free_loads is None or self._free_loads[j << 3] < k - R):   # not seen free yet
+        free = self._free_loads
+        v = free[j << 3] if free is not None else 0
+        if v >= RELEASE_VALUE:          # released by a failure since this send began: raise it, touch no slot
+            self._released(k, j)
+        if k > R and (free is None or v < k - R):   # not seen free yet
             p.wait_flag(side, self._in_ptr[j], k - R)
             self._wd.append((k, j, time.monotonic(), k - R))
             self.slot_waits += 1
@@ -325,7 +329,10 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
             if g is None:
                 g = self._copy_graph(key, tensors, layout, k)
         valued = g is not None and free is not None     # the graph publishes slot j's value word: make it k
-        waited = k > R and (free is None or free[j << 3] < k - R)   # slot j not seen free on the host yet
+        v = free[j << 3] if free is not None else 0
+        if v >= RELEASE_VALUE:          # released by a failure since this send began: raise it, touch no slot
+            self._released(k, j)
+        waited = k > R and (free is None or v < k - R)   # slot j not seen free on the host yet
         if waited:
             if valued and self._slot_ops is not None:   # wait, then set the word (step k-R's publish has
                 ops = self._slot_ops[j]                 # read it once the wait passed): one call
@@ -518,6 +525,14 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
             if not p.synchronize(s, max(0.01, deadline - time.monotonic())):
                 return False
         return True
+
+    def _released(self, k: int, j: int) -> None:
+        """Step ``k`` found slot ``j``'s empty word released: this end failed meanwhile (its error is raised),
+        or the receiver did."""
+        self._check_usable("send")
+        raise PeerLost(rank=self.rank, peer=self.peer, step=k, flag=f"empty[{j}]", after_s=0.0,
+                       why=f"rank {self.peer} released the slot words (its transport failed)",
+                       detail=f"{self.name} send to rank {self.peer}")
 
     def _release_waits(self) -> None:
         if self._link is not None:

@@ -339,3 +339,66 @@ def sender_ahead_session(rank: int, world: int, init_method: str, platform_name:
 def test_sender_ahead_waits_and_sets_the_value_word_in_one_call(spawner, platform_name):
     sender, _ = spawner.run_ranks(sender_ahead_session, 2, platform_name, timeout=120)
     assert sender["slot_waits"] >= 1 and sender["flag_ops"] >= 1, sender
+
+
+def released_send_session(rank: int, world: int, init_method: str, platform_name: str) -> dict:
+    """A failure releases the sender's host empty words while a send() is already past its usability check:
+    that send raises the stored error (or PeerLost where the receiver released them) and touches no slot."""
+    os.environ["GPUXFER_PLATFORM"] = platform_name
+    os.environ["GPUXFER_PP_HOST_GIVE_BACK"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    from gpuxfer.errors import PeerLost, TransferTimeout
+    from gpuxfer.platforms import get_platform
+    from gpuxfer.platforms.base import RELEASE_VALUE
+    from gpuxfer.pp import connect
+    from gpuxfer.pp.launch import init_cpu_group
+    init_cpu_group(rank, world, init_method)
+    plat = get_platform(platform_name)
+    device = rank % plat.device_count()
+    dev = torch.device("cpu") if plat.is_emulation else torch.device("cuda", device)
+    if not plat.is_emulation:
+        torch.cuda.set_device(device)
+    out: dict = {}
+    conn = connect(dist.new_group(backend="gloo"), send_to=1 if rank == 0 else None,
+                   recv_from=0 if rank == 1 else None, specs={"x": ((N,), torch.float32)}, backend="copy_engine",
+                   platform=plat, device=device, timeout_s=TIMEOUT * 8, metadata=False, recv_views=True)
+    try:
+        t = conn.transports[0]
+        dist.barrier()
+        if rank == 0:
+            src = {"x": torch.full((N,), 1.0, device=dev)}
+            t.send(src)
+            t.synchronize()
+            layout = t.specs.layout(((N,),))
+            loads = t._free_loads
+            out["host_words"] = loads is not None
+            if loads is not None:
+                j = 1 % t.recv_slots                      # step 2's slot
+                loads[j << 3] = RELEASE_VALUE             # as a receiver's release would leave it
+                try:
+                    t._send_impl(2, src, layout)
+                    out["peer_release"] = "sent"
+                except PeerLost as exc:
+                    out["peer_release"] = type(exc).__name__
+                err = TransferTimeout(rank=0, step=2, flag="test", expected=1, seen=0, timeout_s=0.0, what="test")
+                t._fail(err)                              # this end fails: its release writes every empty word
+                try:
+                    t._send_impl(2, src, layout)
+                    out["own_release"] = "sent"
+                except TransferTimeout as exc:
+                    out["own_release"] = "stored error" if exc is err else repr(exc)
+        dist.barrier()
+    finally:
+        conn.abort()
+        dist.destroy_process_group()
+        plat.close()
+    return out
+
+
+def test_a_send_past_its_check_raises_on_released_slot_words(spawner, platform_name):
+    sender, _ = spawner.run_ranks(released_send_session, 2, platform_name, timeout=120)
+    if not sender["host_words"]:
+        pytest.skip("the sender's empty words are not in host memory here")
+    assert sender["peer_release"] == "PeerLost" and sender["own_release"] == "stored error", sender
