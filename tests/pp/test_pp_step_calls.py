@@ -9,6 +9,7 @@ receives handed out as views of the slot, no metadata.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import os
 import threading
@@ -218,18 +219,14 @@ def test_flag_ops_in_order(platform):
         buf.close()
 
 
-def give_back_session(rank: int, world: int, init_method: str, platform_name: str, host: str) -> dict:
-    """Steps in lock step (the receiver takes step k and its stream finishes before the sender sends k + 1):
-    with the sender's empty words in host memory it sees every slot free, queues no GPU wait, and its copy
-    graph publishes the step: one queued call per step."""
+@contextlib.contextmanager
+def _copy_engine_pair(rank: int, world: int, init_method: str, platform_name: str, host_give_back: str,
+                      timeout_s: float, spy: bool = False):
+    """A ``copy_engine`` pair (rank 0 sends ``x``, ``N`` float32, no metadata, slot views) with the sender's
+    host empty words on (``"1"``) or off: ``(platform, device, torch device, transport, call counts)``;
+    aborted and the platform closed after."""
     os.environ["GPUXFER_PLATFORM"] = platform_name
-    os.environ["GPUXFER_PP_HOST_GIVE_BACK"] = "0" if host == "0" else "1"
-    if host == "refused" and rank == 1:     # the receiver's check of the sender's host words fails
-        from gpuxfer.pp.hostwords import HostWords
-
-        def refuse(*a, **kw):
-            raise RuntimeError("refused by the test")
-        HostWords.check_peer_writes = refuse
+    os.environ["GPUXFER_PP_HOST_GIVE_BACK"] = host_give_back
     import torch
     import torch.distributed as dist
 
@@ -242,15 +239,36 @@ def give_back_session(rank: int, world: int, init_method: str, platform_name: st
     dev = torch.device("cpu") if plat.is_emulation else torch.device("cuda", device)
     if not plat.is_emulation:
         torch.cuda.set_device(device)
-    counts = _spy(plat)
-    specs = {"x": ((N,), torch.float32)}
-    src = {"x": torch.zeros(N, dtype=torch.float32, device=dev)}
-    out: dict = {}
+    counts = _spy(plat) if spy else None
     conn = connect(dist.new_group(backend="gloo"), send_to=1 if rank == 0 else None,
-                   recv_from=0 if rank == 1 else None, specs=specs, backend="copy_engine", platform=plat,
-                   device=device, timeout_s=TIMEOUT * 4, metadata=False, recv_views=True)
+                   recv_from=0 if rank == 1 else None, specs={"x": ((N,), torch.float32)}, backend="copy_engine",
+                   platform=plat, device=device, timeout_s=timeout_s, metadata=False, recv_views=True)
     try:
-        t = conn.transports[0]
+        yield plat, device, dev, conn.transports[0], counts
+        dist.barrier()
+        conn.close()
+    finally:
+        conn.abort()
+        dist.destroy_process_group()
+        plat.close()
+
+
+def give_back_session(rank: int, world: int, init_method: str, platform_name: str, host: str) -> dict:
+    """Steps in lock step (the receiver takes step k and its stream finishes before the sender sends k + 1):
+    with the sender's empty words in host memory it sees every slot free, queues no GPU wait, and its copy
+    graph publishes the step: one queued call per step."""
+    if host == "refused" and rank == 1:     # the receiver's check of the sender's host words fails
+        from gpuxfer.pp.hostwords import HostWords
+
+        def refuse(*a, **kw):
+            raise RuntimeError("refused by the test")
+        HostWords.check_peer_writes = refuse
+    import torch
+    import torch.distributed as dist
+    out: dict = {}
+    with _copy_engine_pair(rank, world, init_method, platform_name, "0" if host == "0" else "1", TIMEOUT * 4,
+                           spy=True) as (plat, device, dev, t, counts):
+        src = {"x": torch.zeros(N, dtype=torch.float32, device=dev)}
         out["host_words"] = t._give_back is not None
         for k in range(1, 13):
             if k == 5:
@@ -268,11 +286,6 @@ def give_back_session(rank: int, world: int, init_method: str, platform_name: st
         out["queued"] = sum(counts[q] for q in QUEUED) / 8
         out["remote_flags"] = t.remote_flags
         out["slot_waits"] = getattr(t, "slot_waits", None)
-        conn.close()
-    finally:
-        conn.abort()
-        dist.destroy_process_group()
-        plat.close()
     return out
 
 
@@ -290,28 +303,12 @@ def test_sender_queues_no_wait_for_a_slot_seen_free(spawner, platform_name, host
 def sender_ahead_session(rank: int, world: int, init_method: str, platform_name: str) -> dict:
     """The sender runs ahead of a late receiver: steps whose slot is not seen free queue the wait and the value
     word's write as one flag_ops call before the copy graph, and every step arrives with its own bytes."""
-    os.environ["GPUXFER_PLATFORM"] = platform_name
-    os.environ["GPUXFER_PP_HOST_GIVE_BACK"] = "1"
     import torch
     import torch.distributed as dist
-
-    from gpuxfer.platforms import get_platform
-    from gpuxfer.pp import connect
-    from gpuxfer.pp.launch import init_cpu_group
-    init_cpu_group(rank, world, init_method)
-    plat = get_platform(platform_name)
-    device = rank % plat.device_count()
-    dev = torch.device("cpu") if plat.is_emulation else torch.device("cuda", device)
-    if not plat.is_emulation:
-        torch.cuda.set_device(device)
-    counts = _spy(plat)
-    srcs = [{"x": torch.full((N,), float(i), device=dev)} for i in range(2)]    # two copy sets in turn
     out: dict = {}
-    conn = connect(dist.new_group(backend="gloo"), send_to=1 if rank == 0 else None,
-                   recv_from=0 if rank == 1 else None, specs={"x": ((N,), torch.float32)}, backend="copy_engine",
-                   platform=plat, device=device, timeout_s=TIMEOUT * 8, metadata=False, recv_views=True)
-    try:
-        t = conn.transports[0]
+    with _copy_engine_pair(rank, world, init_method, platform_name, "1", TIMEOUT * 8,
+                           spy=True) as (plat, device, dev, t, counts):
+        srcs = [{"x": torch.full((N,), float(i), device=dev)} for i in range(2)]    # two copy sets in turn
         dist.barrier()
         steps = 24
         if rank == 0:
@@ -327,12 +324,6 @@ def sender_ahead_session(rank: int, world: int, init_method: str, platform_name:
                 got = t.recv(shapes={"x": (N,)}).tensors
                 assert bool((got["x"] == k).all()), f"step {k}: got {got['x'][:4].tolist()}"
             t.synchronize()
-        dist.barrier()
-        conn.close()
-    finally:
-        conn.abort()
-        dist.destroy_process_group()
-        plat.close()
     return out
 
 
@@ -344,28 +335,13 @@ def test_sender_ahead_waits_and_sets_the_value_word_in_one_call(spawner, platfor
 def released_send_session(rank: int, world: int, init_method: str, platform_name: str) -> dict:
     """A failure releases the sender's host empty words while a send() is already past its usability check:
     that send raises the stored error (or PeerLost where the receiver released them) and touches no slot."""
-    os.environ["GPUXFER_PLATFORM"] = platform_name
-    os.environ["GPUXFER_PP_HOST_GIVE_BACK"] = "1"
     import torch
     import torch.distributed as dist
 
     from gpuxfer.errors import PeerLost, TransferTimeout
-    from gpuxfer.platforms import get_platform
     from gpuxfer.platforms.base import RELEASE_VALUE
-    from gpuxfer.pp import connect
-    from gpuxfer.pp.launch import init_cpu_group
-    init_cpu_group(rank, world, init_method)
-    plat = get_platform(platform_name)
-    device = rank % plat.device_count()
-    dev = torch.device("cpu") if plat.is_emulation else torch.device("cuda", device)
-    if not plat.is_emulation:
-        torch.cuda.set_device(device)
     out: dict = {}
-    conn = connect(dist.new_group(backend="gloo"), send_to=1 if rank == 0 else None,
-                   recv_from=0 if rank == 1 else None, specs={"x": ((N,), torch.float32)}, backend="copy_engine",
-                   platform=plat, device=device, timeout_s=TIMEOUT * 8, metadata=False, recv_views=True)
-    try:
-        t = conn.transports[0]
+    with _copy_engine_pair(rank, world, init_method, platform_name, "1", TIMEOUT * 8) as (plat, device, dev, t, _):
         dist.barrier()
         if rank == 0:
             src = {"x": torch.full((N,), 1.0, device=dev)}
@@ -389,11 +365,6 @@ def released_send_session(rank: int, world: int, init_method: str, platform_name
                     out["own_release"] = "sent"
                 except TransferTimeout as exc:
                     out["own_release"] = "stored error" if exc is err else repr(exc)
-        dist.barrier()
-    finally:
-        conn.abort()
-        dist.destroy_process_group()
-        plat.close()
     return out
 
 
