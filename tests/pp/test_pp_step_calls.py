@@ -307,7 +307,7 @@ def sender_ahead_session(rank: int, world: int, init_method: str, platform_name:
     import torch.distributed as dist
     out: dict = {}
     with _copy_engine_pair(rank, world, init_method, platform_name, "1", TIMEOUT * 8,
-                           spy=True) as (plat, device, dev, t, counts):
+                           spy=True) as (_plat, _device, dev, t, counts):
         srcs = [{"x": torch.full((N,), float(i), device=dev)} for i in range(2)]    # two copy sets in turn
         dist.barrier()
         steps = 24
@@ -341,7 +341,7 @@ def released_send_session(rank: int, world: int, init_method: str, platform_name
     from gpuxfer.errors import PeerLost, TransferTimeout
     from gpuxfer.platforms.base import RELEASE_VALUE
     out: dict = {}
-    with _copy_engine_pair(rank, world, init_method, platform_name, "1", TIMEOUT * 8) as (plat, device, dev, t, _):
+    with _copy_engine_pair(rank, world, init_method, platform_name, "1", TIMEOUT * 8) as (_plat, _device, dev, t, _):
         dist.barrier()
         if rank == 0:
             src = {"x": torch.full((N,), 1.0, device=dev)}
