@@ -414,10 +414,11 @@ class KVAgent(_Routes, _PostResources, Closable, FailsOnTimeout):
         (0..63). ``name``: how errors and timeouts name the request.
         """
         self._check_open()
+        if type(peer) is str:
+            peer = self.peer(peer)
+        self._check_usable(peer)
         if op not in DIRECTIONS:
             raise BadInput(f"op must be one of {', '.join(DIRECTIONS)}, got {op!r}")
-        peer = self.peer(peer) if isinstance(peer, str) else peer
-        self._check_usable(peer)
         if layers is not None:
             if (not isinstance(layers, (tuple, list)) or len(layers) != 2
                     or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers)
@@ -428,8 +429,22 @@ class KVAgent(_Routes, _PostResources, Closable, FailsOnTimeout):
                                         or not 0 <= notify_slot < NOTIFY_SLOTS):
             raise BadInput(f"notify_slot must be an int in 0..{NOTIFY_SLOTS - 1}, got {notify_slot!r}")
         name = f"{self.name}#{next(self._names)}" if name is None else str(name)
-        if not isinstance(local_blocks, Mapping) or not isinstance(remote_blocks, Mapping):
+        if not (type(local_blocks) is dict or isinstance(local_blocks, Mapping)) or \
+                not (type(remote_blocks) is dict or isinstance(remote_blocks, Mapping)):
             raise BlockIdError(f"request {name!r}: local_blocks and remote_blocks must map group -> block IDs")
+        # the route of a request naming these groups in this order (cached beside the route's own key)
+        key = (peer.name, op, layers, tuple(local_blocks))
+        route = self._routes.get(key)
+        if route is None or local_blocks.keys() != remote_blocks.keys():
+            route = self._request_route(peer, op, layers, name, local_blocks, remote_blocks)
+            with self._lock:
+                self._routes[key] = route
+        return self._stage(peer, route, op, name, route.ids.check(name, op == "push", local_blocks, remote_blocks),
+                           notify_slot)
+
+    def _request_route(self, peer: KVPeer, op: str, layers, name: str, local_blocks: Mapping,
+                       remote_blocks: Mapping) -> _Route:
+        """The route of a request's groups, which must be the same on both sides and registered on both."""
         if set(local_blocks) != set(remote_blocks):
             raise BlockIdError(f"request {name!r}: local_blocks names groups {sorted(map(str, local_blocks))}, "
                                f"remote_blocks {sorted(map(str, remote_blocks))}; they must be the same")
@@ -440,9 +455,7 @@ class KVAgent(_Routes, _PostResources, Closable, FailsOnTimeout):
                                     f"{self.name!r} and peer {peer.name!r} (shared: {', '.join(shared) or 'none'})")
         if not local_blocks:
             raise BlockIdError(f"request {name!r} names no group")
-        route = self._route(peer, op, layers, tuple(g for g in self._groups if g in local_blocks))
-        return self._stage(peer, route, op, name, route.ids.check(name, op == "push", local_blocks, remote_blocks),
-                           notify_slot)
+        return self._route(peer, op, layers, tuple(g for g in self._groups if g in local_blocks))
 
     def _stage(self, peer, route: _Route, op, name, checked, notify_slot) -> KVTransfer:
         """The request array (header + block IDs, as :mod:`gpuxfer.kernels.block_kernel` lays it out) in a host
@@ -450,40 +463,49 @@ class KVAgent(_Routes, _PostResources, Closable, FailsOnTimeout):
         (:meth:`_RouteIds.check <gpuxfer.kv.ids._RouteIds.check>`)."""
         with self._post_lock:
             self._reap()            # completed posts give their host arrays back to the pool first
-        n_seg, lens_s, lens_d, S, D, R = checked
-        P, G = len(route.plane_group), len(route.groups)
+        n_seg, lens_s, lens_d, ordered = checked
+        P, G = route.plane_group.size, len(n_seg)
         head = P + 1 + 3 * G
-        mid = head + S.size
-        total = mid + D.size
-        n_seg = np.array(n_seg, dtype=np.int64)
-        plane_rows = n_seg[route.plane_group]
-        nbytes = int(plane_rows @ route.plane_bytes)
-        if self.engine in ("triton", "pack"):
+        mid = head + sum(lens_s)
+        total = mid + sum(lens_d)
+        nbytes = sum(n * b for n, b in zip(n_seg, route.group_bytes))
+        if self.engine != "copy_engine":
             host, h = self._requests.take(total)
         else:
             h = np.empty(total, dtype=np.int64)
             host = _torch().from_numpy(h)
         h[0] = 0
-        np.cumsum(plane_rows, out=h[1:P + 1])
-        n_rows = int(h[P])
         h[P + 1:P + 1 + G] = n_seg
+        np.cumsum(h[P + 1:P + 1 + G][route.plane_group], out=h[1:P + 1])
+        n_rows = int(h[P])
         starts, at = [], head
         for n in lens_s + lens_d:
             starts.append(at)
             at += n
         h[P + 1 + G:head] = starts
-        route.ids.write(S, D, R, lens_s, lens_d, h[head:mid], h[mid:total])
+        route.ids.write(ordered, h[head:mid], h[mid:total])
+        n_seg = np.array(n_seg, dtype=np.int64)
         if self.engine == "triton":
-            return _SlotTransfer(self, peer, route, op, name, n_seg, host, h[:total], notify_slot, n_rows, nbytes)
+            return _SlotTransfer(self, peer, route, op, name, n_seg, host, h, notify_slot, n_rows, nbytes)
         if self.engine == "copy_engine":
             return _CopyEngineTransfer(self, peer, route, op, name, n_seg, host, host, None, 0, [], notify_slot,
                                        n_rows, nbytes)
-        return self._stage_pack(peer, route, op, name, n_seg, host, h[:total], notify_slot, n_rows, nbytes)
+        return self._stage_pack(peer, route, op, name, n_seg, host, h, notify_slot, n_rows, nbytes)
 
     def _stage_pack(self, peer, route: _Route, op, name, n_seg, host, array, notify_slot, n_rows, nbytes
                     ) -> KVTransfer:
-        """The pack engine's transfer: its chunks (the device buffers and kernels belong to its shape,
-        :class:`_PackShape`, shared by every request of that shape)."""
+        """The pack engine's transfer: its chunks -- those of its shape where the shape was seen before (the
+        device buffers and kernels belong to the shape, :class:`_PackShape`, shared by every request of it)."""
+        key = (id(route), op == "push", n_seg.tobytes())
+        shape = self._pack_shapes.get(key)
+        chunks = shape.spec if shape is not None else self._pack_chunks(route, name, array, nbytes)
+        return _PackTransfer(self, peer, route, op, name, n_seg, host[0], None, None,
+                             int(n_seg.max()) if n_seg.size else 0, [], notify_slot, n_rows, nbytes, chunks=chunks,
+                             pooled=host, entries=int(array.shape[0]), shape_key=key)
+
+    def _pack_chunks(self, route: _Route, name: str, array: np.ndarray, nbytes: int) -> list[tuple]:
+        """A request's chunks: ``(first row, end row, bytes, segment bytes)``, rows of one segment size each,
+        about ``nbytes / PACK_MAX_CHUNKS`` (at least ``PACK_CHUNK_BYTES``, at most a staging slot) each."""
         chunks = []
         row_start = array[:len(route.plane_group) + 1]
         slot = self.slot_bytes
@@ -497,9 +519,7 @@ class KVAgent(_Routes, _PostResources, Closable, FailsOnTimeout):
                                f"{slot}-byte staging slots")
             per = max(target // c, 1)
             chunks += [(x, min(x + per, r1), (min(x + per, r1) - x) * c, c) for x in range(r0, r1, per)]
-        return _PackTransfer(self, peer, route, op, name, n_seg, host[0], None, None,
-                             int(n_seg.max()) if n_seg.size else 0, [], notify_slot, n_rows, nbytes, chunks=chunks,
-                             pooled=host, entries=int(array.shape[0]))
+        return chunks
 
     def transfer(self, peer: "KVPeer | str", op: str, *, local_blocks: Mapping[str, Any],
                  remote_blocks: Mapping[str, Any], stream: Stream | None = None, **kw) -> KVTransferHandle:

@@ -171,12 +171,12 @@ class _RouteIds:
                 self.class_span += max(limits[gi][1] for gi in cls)
             self.class_offsets = np.array(cls_off, dtype=np.int64)
 
-    def check(self, request: str, push: bool, local_blocks, remote_blocks):
+    def check(self, request: str, push: bool, local_blocks, remote_blocks) -> tuple:
         """A request's IDs taken per group (``local_blocks`` / ``remote_blocks``: ``{group: IDs}`` naming the
         route's groups), their counts, ranges and destinations checked (:class:`BlockIdError` naming the
-        request, group and side). Returns ``(segments per group, source counts, destination counts, source
-        IDs, destination IDs, destination key offsets)``: the IDs in this thread's work arrays, for
-        :meth:`write` before the thread's next check."""
+        request, group and side), and their order found. Returns ``(segments per group, source counts,
+        destination counts, the order)``: the order lives in this thread's work arrays, for :meth:`write`
+        before the thread's next check."""
         srcs, dsts, n_seg, lens_s, lens_d = [], [], [], [], []
         ns = nd = 0
         for g, (rs, rd) in zip(self.groups, self.splits):
@@ -201,42 +201,21 @@ class _RouteIds:
             for g, (ls, ld), s, d in zip(self.groups, self.limits, srcs, dsts):
                 _check_range(s, ls, request, g, "source (local)" if push else "source (remote)")
                 _check_range(d, ld, request, g, "destination (remote)" if push else "destination (local)")
-        R = np.repeat(self.class_offsets, lens_d)
-        if nd > 1 and (self.class_span > _DENSE * nd or _repeats(np.add(D, R, out=_SCRATCH.buf(1, nd)),
-                                                                  self.class_span)):
-            # few IDs in a large range, or a repeat to find: class by class, O(IDs) each
-            for cls in self.dst_classes:
-                ids = [dsts[gi] for gi in cls]
-                _check_unique(np.concatenate(ids), max(self.limits[gi][1] for gi in cls), request,
-                              [self.groups[gi] for gi in cls])
-        return n_seg, lens_s, lens_d, S, D, R
+        order = self._order(S, D, lens_s) if self.paired and ns > 1 else None
+        if order is None or order[0] != "marks" or not (self.sort_by_dst and self.shared):
+            # (else the order by destination keys found every destination once: nothing repeats)
+            self._check_destinations(request, D, dsts, lens_d, order[-1] if order and self.shared else None)
+        return n_seg, lens_s, lens_d, (S, D, order, lens_s, lens_d)
 
-    def write(self, S: np.ndarray, D: np.ndarray, R: np.ndarray, lens_s: list[int], lens_d: list[int],
-              out_s: np.ndarray, out_d: np.ndarray) -> None:
-        """The checked IDs (:meth:`check`'s) ordered into ``out_s`` and ``out_d``, group by group: each group's
-        pairs sorted by the key side's block (groups whose two sides' blocks differ in size keep theirs)."""
-        n = S.size
-        if not self.paired:
-            a = b = 0
-            for (rs, rd), (ls, ld), k, m in zip(self.splits, self.limits, lens_s, lens_d):
-                s, d = S[a:a + k], D[b:b + m]
-                if rs == rd == 1 and k > 1:
-                    order = _sort_order(d, ld) if self.sort_by_dst else _sort_order(s, ls)
-                    np.take(s, order, out=out_s[a:a + k])
-                    np.take(d, order, out=out_d[b:b + m])
-                else:
-                    out_s[a:a + k] = s
-                    out_d[b:b + m] = d
-                a, b = a + k, b + m
-            return
-        if self.sort_by_dst:
-            X, O, out_x, out_o = D, S, out_d, out_s
-        else:
-            X, O, out_x, out_o = S, D, out_s, out_d
-        if not self.shared:
-            R = np.repeat(self.offsets, lens_s)
+    def _order(self, S: np.ndarray, D: np.ndarray, lens: list[int]) -> tuple:
+        """The order of a paired route's pairs by their keys (``offset of the group + key side's ID``):
+        ``("marks", sorted keys, partners at the keys, key offsets)`` where the keys are distinct among a good
+        share of their range (a scatter and one pass over it), else ``("sort", order, key offsets)``."""
+        X, O = (D, S) if self.sort_by_dst else (S, D)
+        n = X.size
+        R = np.repeat(self.offsets, lens)
         keys = np.add(X, R, out=_SCRATCH.buf(2, n))
-        if n > 1 and self.span <= _DENSE * n:
+        if self.span <= _DENSE * n:
             # the keys' marks read in order are the keys sorted; each key's partner is kept at its key
             marks, partner = _SCRATCH.mask(self.span), _SCRATCH.buf(3, self.span)
             marks[keys] = True
@@ -244,9 +223,54 @@ class _RouteIds:
             at = np.flatnonzero(marks)
             marks[:] = False
             if at.size == n:
+                return "marks", at, partner, R
+        return "sort", np.argsort(keys, kind="stable"), R
+
+    def _check_destinations(self, request: str, D: np.ndarray, dsts: list[np.ndarray], lens_d: list[int],
+                            R: np.ndarray | None) -> None:
+        """No destination block twice among groups sharing destination memory: one pass of marks over the
+        keys ``offset of the class + ID`` (``R``: the offsets per ID where known), or class by class where the
+        IDs are few in a large range or a repeat is to be found and named."""
+        nd = D.size
+        if nd < 2:
+            return
+        if self.class_span <= _DENSE * nd:
+            if R is None:
+                R = np.repeat(self.class_offsets, lens_d)
+            if not _repeats(np.add(D, R, out=_SCRATCH.buf(1, nd)), self.class_span):
+                return
+        for cls in self.dst_classes:
+            _check_unique(np.concatenate([dsts[gi] for gi in cls]), max(self.limits[gi][1] for gi in cls),
+                          request, [self.groups[gi] for gi in cls])
+
+    def write(self, checked: tuple, out_s: np.ndarray, out_d: np.ndarray) -> None:
+        """The checked IDs (:meth:`check`'s last item) ordered into ``out_s`` and ``out_d``, group by group:
+        each group's pairs sorted by the key side's block (groups whose two sides' blocks differ in size keep
+        theirs)."""
+        S, D, order, lens_s, lens_d = checked
+        if order is not None:
+            out_x, out_o = (out_d, out_s) if self.sort_by_dst else (out_s, out_d)
+            if order[0] == "marks":
+                _, at, partner, R = order
                 np.subtract(at, R, out=out_x)
                 np.take(partner, at, out=out_o)
-                return
-        order = np.argsort(keys, kind="stable")
-        np.take(X, order, out=out_x)
-        np.take(O, order, out=out_o)
+            else:
+                X, O = (D, S) if self.sort_by_dst else (S, D)
+                np.take(X, order[1], out=out_x)
+                np.take(O, order[1], out=out_o)
+            return
+        if self.paired:
+            out_s[:] = S
+            out_d[:] = D
+            return
+        a = b = 0
+        for (rs, rd), (ls, ld), k, m in zip(self.splits, self.limits, lens_s, lens_d):
+            s, d = S[a:a + k], D[b:b + m]
+            if rs == rd == 1 and k > 1:
+                order = _sort_order(d, ld) if self.sort_by_dst else _sort_order(s, ls)
+                np.take(s, order, out=out_s[a:a + k])
+                np.take(d, order, out=out_d[b:b + m])
+            else:
+                out_s[a:a + k] = s
+                out_d[b:b + m] = d
+            a, b = a + k, b + m

@@ -55,6 +55,7 @@ class _PackShape:
                 return pack_launcher(local, stage, out, start=a, end=b, staging_offset=at, row_bytes=c)
             return unpack_launcher(stage, local, out, start=a, end=b, staging_offset=at, row_bytes=c)
 
+        self.spec = x._chunks                               # (first row, end row, bytes, segment bytes)
         self.chunks: list[tuple[int, Any]] = []             # (bytes, the launch of its pack or unpack)
         for i, (a, b, nbytes, c) in enumerate(x._chunks):
             self.chunks.append((nbytes, launcher(self.out, a, b, (i % PACK_SLOTS) * agent.slot_bytes, c)))
@@ -206,7 +207,7 @@ class _PackTransfer(KVTransfer):
 
     waits_on_peer = True
 
-    def __init__(self, *a, chunks: list, pooled, entries: int, **kw):
+    def __init__(self, *a, chunks: list, pooled, entries: int, shape_key: tuple, **kw):
         self._chunks = chunks
         self._pooled = pooled           # the host array's pool token: back to the pool when collected
         super().__init__(*a, **kw)
@@ -218,7 +219,7 @@ class _PackTransfer(KVTransfer):
         if self.source and peer.staging_ptr is None:
             raise BadInput(f"peer {peer.name!r} has no staging buffer (its agent does not run the pack engine)")
         self._buffers = (self._host_req,)
-        self._shape_key = (id(self.route), self.source, self.n_seg.tobytes())
+        self._shape_key = shape_key      # (id of the route, source?, segments per group)
         self._host_ptr = self._host_req.data_ptr()
         self._shape = None
         if chunks:

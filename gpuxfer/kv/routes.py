@@ -34,7 +34,7 @@ class _Route:
     dst_anchor: Any
     launch_classes: list[tuple[int, int, int]] = field(default_factory=list)   # per copy launch: (first plane,
                                                  # end plane, segment bytes): neighbouring sizes tiled alike
-    plane_bytes: np.ndarray | None = None        # (P,) segment bytes of each plane
+    group_bytes: list[int] = field(default_factory=list)  # per group: bytes one segment of each plane moves
     slots: list["_Slot"] = field(default_factory=list)    # the ring of device buffers posts run in
 
 
@@ -175,10 +175,10 @@ class _Routes:
         assert table.shape[1] == PLANE_FIELDS
         # copies run in the order of the peer's blocks: programs running together touch neighbouring peer
         # memory (the fastest order measured for the descriptor-copy kernel); the order of the copies is
-        # free, no two destinations overlap. The pack engine's two sides must agree on it: both take the
-        # source's.
+        # free, no two destinations overlap. The pack engine's two sides must agree on it and touch only
+        # their own memory: both take the destination's (whose order also finds repeated destinations).
         ids = _RouteIds(names, limits, splits, _overlap_classes(dst_spans),
-                        sort_by_dst=op == "push" and self.engine != "pack")
+                        sort_by_dst=op == "push" or self.engine == "pack")
         return _Route(op=op, groups=names, ids=ids, planes=planes, table=table, plane_group=pg, classes=classes,
                       src_anchor=src_anchor(), dst_anchor=dst_anchor(), launch_classes=[(a, b, c) for a, b, c, _ in merged],
-                      plane_bytes=np.ascontiguousarray(table[:, 4]))
+                      group_bytes=[int(table[pg == gi, 4].sum()) for gi in range(len(names))])

@@ -60,9 +60,9 @@ def _reference(groups, splits, sort_by_dst, src, dst):
 
 def _run(ids, push, src, dst, name="req"):
     local, remote = (src, dst) if push else (dst, src)
-    n_seg, lens_s, lens_d, S, D, R = ids.check(name, push, local, remote)
-    out_s, out_d = np.full(S.size, -7, np.int64), np.full(D.size, -7, np.int64)
-    ids.write(S, D, R, lens_s, lens_d, out_s, out_d)
+    n_seg, lens_s, lens_d, checked = ids.check(name, push, local, remote)
+    out_s, out_d = np.full(sum(lens_s), -7, np.int64), np.full(sum(lens_d), -7, np.int64)
+    ids.write(checked, out_s, out_d)
     return n_seg, lens_s, lens_d, out_s, out_d
 
 

@@ -83,8 +83,10 @@ def test_large_requests_take_larger_chunks(sides, monkeypatch):
     s_ids, d_ids = list(range(0, 40)), list(range(24, 64))         # 1280 bytes: 8 chunks of 160, not 20 of 64
     xs, xd = _prepare(src, dst, s_ids, d_ids)
     assert [c[:3] for c in xs._chunks] == [c[:3] for c in xd._chunks] == [(5 * i, 5 * i + 5, 160) for i in range(8)]
-    monkeypatch.setattr(A, "PACK_MAX_CHUNKS", 2)                   # 640 per chunk: the 256-byte slot caps it
-    assert [c[:3] for c in _prepare(src, dst, s_ids, d_ids)[0]._chunks][:2] == [(0, 8, 256), (8, 16, 256)]
+    monkeypatch.setattr(A, "PACK_MAX_CHUNKS", 2)                   # 768 per chunk: the 256-byte slot caps it
+    # (a shape not seen before: a shape's chunks are kept with it)
+    wide = _prepare(src, dst, list(range(0, 48)), list(range(16, 64)))[0]
+    assert [c[:3] for c in wide._chunks][:2] == [(0, 8, 256), (8, 16, 256)]
     monkeypatch.setattr(A, "PACK_MAX_CHUNKS", 8)
     _move(src, dst, xs, xd, s_ids, d_ids, seed=4)
     small = _prepare(src, dst, [1, 2], [3, 4])[0]                 # 64 bytes: one chunk of at least 64
