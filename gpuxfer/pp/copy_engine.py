@@ -151,7 +151,10 @@ from .transport import Received, Transport
 
 __all__ = ["CopyEngineTransport", "W_IN", "FLAG_STRIDE", "PROBE_TIMEOUT_S", "STEP_GRAPHS", "ENV_INLINE_BYTES",
            "DEFAULT_INLINE_BYTES", "ENV_STEP_GRAPHS", "ENV_FLAG_BATCH", "ENV_HOST_GIVE_BACK", "flag_batch_from_env",
-           "host_give_back_from_env", "step_graphs_from_env", "inline_bytes_from_env"]
+           "host_give_back_from_env", "step_graphs_from_env", "inline_bytes_from_env", "CALLER_STREAMS"]
+
+#: distinct caller streams a transport remembers before it forgets those seen idle (see ``_note_stream``)
+CALLER_STREAMS = 16
 
 
 class CopyEngineTransport(_CopyEngineSetup, Transport):
@@ -206,7 +209,8 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
         self._peer_flags = self._peer_data = None
         self._copied = [None, None]
         self._packed = None
-        self._last_stream = None
+        self._caller_streams: dict = {}     # every caller stream steps came on -> None, or an event recorded
+                                            # on it since (_note_stream): _drain waits for each
         self._nonce = 0
         self._host_keep = None              # emulation: tensors a queued host-stream copy may still touch
         self.recv_views = bool(recv_views)  # receiver: .tensors are views of the slot, lent until the next
@@ -356,7 +360,6 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
                 calls.write_flag(self._peer_in_ptr[j], k)
             else:
                 self._publish(cur, j, k)
-        self._last_stream = cur
         if self._host_sync:     # emulation: return once the copies have read the caller's tensors
             self._host_keep = tensors
             wait_event_or_raise(p, p.record_event(cur), self.timeout_s, rank=self.rank, step=k,
@@ -376,6 +379,23 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
         self._calls = self.platform.stream_calls(stream)
         self._remote_publish = self.remote_flags and self._own_publish
         self._eager_stream = stream
+        self._note_stream(stream)
+
+    def _note_stream(self, stream) -> None:
+        """Remember a caller stream steps are queued on (called when the steps' stream changes, not per step):
+        :meth:`_drain` waits for every one, since work queued on any of them may read this end's buffers.
+        Past :data:`CALLER_STREAMS` of them (a caller making streams as it goes), each is given an event, and
+        one whose event has completed since is forgotten: a step queued on it after the event would have
+        noted it again, which drops its event."""
+        streams = self._caller_streams
+        if len(streams) >= CALLER_STREAMS and stream not in streams:
+            p = self.platform
+            for s, ev in list(streams.items()):
+                if s.closed or (ev is not None and p.event_query(ev)):
+                    del streams[s]
+                elif not p.is_capturing(s):
+                    streams[s] = p.record_event(s, ev)
+        streams[stream] = None
 
     def _copy_graph(self, key: tuple, tensors, layout: Layout, k: int):
         """The graph of step k's peer copies (``key``: slot j, sizes, source addresses; not cached yet) where
@@ -446,7 +466,6 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
                     views = self._views[(j, lay.shapes)] = specs.views(self._data_bytes, lay, j * specs.slot_bytes)
                 last = self._slot_views[j] = (lay, views)
             self._lent = (j, k)
-            self._last_stream = cur
             if self._host_sync:
                 wait_event_or_raise(p, p.record_event(cur), self.timeout_s, rank=self.rank, step=k,
                                     flag=f"full[{j}]", expected=k, flag_ptr=self._in_ptr[j], device=self.device,
@@ -471,7 +490,6 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
             calls.write_flag(self._peer_in_ptr[j], k)
         else:
             self._publish(cur, j, k)
-        self._last_stream = cur
         if self._host_sync:
             self._host_keep = buf if rcv.out is None else rcv.out   # (a timed-out copy may still write it)
             wait_event_or_raise(p, p.record_event(cur), self.timeout_s, rank=self.rank, step=k, flag=f"full[{j}]",
@@ -518,10 +536,14 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
         return None
 
     def _drain(self, timeout_s: float) -> bool:
+        """Wait for the side stream and every caller stream steps came on (a step on any of them may still
+        read or write this end's buffers and host words), all within ``timeout_s``. A stream capturing a graph
+        now cannot be waited on (steps are refused there); a closed one's work completes without us."""
         p = self.platform
-        streams = [s for s in (self._aux if self.role == "send" else None, self._last_stream) if s is not None]
         deadline = time.monotonic() + timeout_s
-        for s in streams:
+        for s in (self._aux, *self._caller_streams):
+            if s is None or s.closed or p.is_capturing(s):
+                continue
             if not p.synchronize(s, max(0.01, deadline - time.monotonic())):
                 return False
         return True
@@ -552,6 +574,7 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
 
     def _free(self) -> None:
         self._calls = self._eager_stream = None
+        self._caller_streams.clear()
         self._free_loads = None
         self._copied = [None, None]
         self._packed = None

@@ -256,7 +256,9 @@ class SdmaTransport(CopyEngineTransport):
         p, hsa, R, N = self.platform, self._hsa, self.recv_slots, self.ring
         cur, side = p.current_stream(self.device), self._aux
         s, j, i = k & 1, (k - 1) % R, k % N
-        self._last_cur = cur
+        if cur is not self._last_cur:
+            self._note_stream(cur)
+            self._last_cur = cur
         # staging slot s was last read by step k-2's data copy, whose sent copy wrote sent[s] = k-2
         if k > 2:
             p.wait_flag(cur, self._sent[s], k - 2)
@@ -304,10 +306,7 @@ class SdmaTransport(CopyEngineTransport):
     # ---- drain and teardown ----
     def _drain(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
-        if not super()._drain(timeout_s):
-            return False
-        if self._last_cur is not None and not self.platform.synchronize(
-                self._last_cur, max(0.01, deadline - time.monotonic())):
+        if not super()._drain(timeout_s):       # the side stream and every caller stream
             return False
         for i, e in enumerate(self._entries):
             for sig in e.signals():
