@@ -17,13 +17,16 @@ A ``copy_engine`` sender keeps its ``empty[j]`` words (the slots its receiver ga
 A word's value only grows and is written by R's stream after R's work on the slot completed, so a value
 the host saw stays true: the slot is free for good. The sender's value words (the source of the 8-byte
 copy that publishes a step from inside its copy graph) sit after the empty words in the same segment.
-The owner drops the name once the peer opened it.
+The owner drops the name once the peer opened it. A process killed between the create and that unlink
+leaves the name behind; the next create on the host removes every ``gpuxfer-ppw-<pid>-<12 hex>`` segment
+whose creator ``<pid>`` no longer exists (and is ours: same user), and touches no other name.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
 import os
+import re
 import secrets
 
 from ..common import map_shm, unlink_shm
@@ -35,6 +38,47 @@ log = logging.getLogger("gpuxfer.pp")
 PAGE = 4096
 _WORD = FLAG_STRIDE // 8       # int64 words per flag line
 _PROBE_WRITE, _PROBE_COPY = 0, 1   # scratch lines after the n flag words (the peer's setup check)
+PREFIX = "gpuxfer-ppw-"
+_NAME = re.compile(PREFIX + r"([0-9a-f]{1,8})-[0-9a-f]{12}")     # as create() names them: creator pid, token
+SHM_DIR = "/dev/shm"
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:             # exists, another user's (EPERM), or cannot tell: not ours to judge dead
+        return True
+    return True
+
+
+def sweep_orphans(shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink the give-back segments left by processes that no longer exist (killed between create and
+    unlink): names of exactly :meth:`HostWords.create`'s pattern, owned by this user, whose creator pid is
+    gone. Returns the names removed. Best effort: a directory that cannot be read removes nothing."""
+    try:
+        entries = os.listdir(shm_dir)
+    except OSError:
+        return []
+    me, uid, removed = os.getpid(), os.getuid(), []
+    for entry in entries:
+        m = _NAME.fullmatch(entry)
+        if m is None:
+            continue
+        pid = int(m.group(1), 16)
+        if pid <= 0 or pid == me or _pid_exists(pid):
+            continue
+        try:
+            if os.stat(os.path.join(shm_dir, entry)).st_uid != uid:
+                continue
+        except OSError:
+            continue
+        unlink_shm("/" + entry)
+        removed.append(entry)
+    if removed:
+        log.info("removed %d give-back segment(s) left by processes gone: %s", len(removed), ", ".join(removed))
+    return removed
 
 
 class HostWords:
@@ -60,11 +104,13 @@ class HostWords:
 
     @classmethod
     def create(cls, platform, device: int, n: int) -> "HostWords":
-        return cls(platform, device, f"/gpuxfer-ppw-{os.getpid():x}-{secrets.token_hex(6)}", n, True)
+        """New words named ``/gpuxfer-ppw-<pid hex>-<12 hex>`` (after :func:`sweep_orphans`)."""
+        sweep_orphans()
+        return cls(platform, device, f"/{PREFIX}{os.getpid():x}-{secrets.token_hex(6)}", n, True)
 
     @classmethod
     def open(cls, platform, device: int, name: str, n: int) -> "HostWords":
-        if not isinstance(name, str) or not name.startswith("/gpuxfer-ppw-"):
+        if not isinstance(name, str) or not name.startswith("/" + PREFIX):
             raise GpuxferError(f"not a flag-word segment name: {name!r}")
         return cls(platform, device, name, n, False)
 

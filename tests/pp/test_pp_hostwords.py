@@ -89,3 +89,32 @@ def test_a_sender_discarded_after_a_failed_setup_drops_the_give_back_name():
     finally:
         snd._free()
         plat.close()
+
+
+def test_create_removes_segments_of_creators_gone_and_no_other(host):
+    """A creator SIGKILLed between create and unlink leaves its name: the next create removes names of the
+    give-back pattern whose pid no longer exists, and leaves a live creator's, and any other name, alone."""
+    import secrets
+    import subprocess
+    import sys
+
+    from gpuxfer.common import map_shm, unlink_shm
+    from gpuxfer.pp.hostwords import PREFIX
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    assert gone.wait(timeout=60) == 0               # exited and reaped: its pid names no process
+    token = secrets.token_hex(6)
+    dead = f"/{PREFIX}{gone.pid:x}-{token}"
+    live = f"/{PREFIX}{os.getppid():x}-{token}"
+    other = [f"/{PREFIX}{gone.pid:x}-{token}x", f"/{PREFIX}{gone.pid:x}", f"/gpuxfer-pp-{gone.pid:x}-{token}"]
+    names = [dead, live, *other]
+    try:
+        for name in names:
+            map_shm(name, 4096, create=True).close()
+        w = HostWords.create(host, 0, 2)
+        w.close()
+        assert not os.path.exists(f"/dev/shm{dead}")
+        assert all(os.path.exists(f"/dev/shm{name}") for name in [live, *other])
+    finally:
+        for name in names:
+            unlink_shm(name)
