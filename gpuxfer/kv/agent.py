@@ -413,10 +413,10 @@ class KVAgent(_Routes, _PostResources, Closable, FailsOnTimeout):
         all). ``notify_slot``: bump this word of the peer's notification area after the data
         (0..63). ``name``: how errors and timeouts name the request.
         """
-        self._check_open()
         if type(peer) is str:
+            self._check_open()
             peer = self.peer(peer)
-        self._check_usable(peer)
+        self._check_usable(peer)            # (the agent's own state too)
         if op not in DIRECTIONS:
             raise BadInput(f"op must be one of {', '.join(DIRECTIONS)}, got {op!r}")
         if layers is not None:
@@ -466,8 +466,8 @@ class KVAgent(_Routes, _PostResources, Closable, FailsOnTimeout):
         n_seg, lens_s, lens_d, ordered = checked
         P, G = route.plane_group.size, len(n_seg)
         head = P + 1 + 3 * G
-        mid = head + sum(lens_s)
-        total = mid + sum(lens_d)
+        starts = list(itertools.accumulate(lens_s + lens_d, initial=head))
+        mid, total = starts[G], starts[-1]
         nbytes = sum(n * b for n, b in zip(n_seg, route.group_bytes))
         if self.engine != "copy_engine":
             host, h = self._requests.take(total)
@@ -475,14 +475,9 @@ class KVAgent(_Routes, _PostResources, Closable, FailsOnTimeout):
             h = np.empty(total, dtype=np.int64)
             host = _torch().from_numpy(h)
         h[0] = 0
-        h[P + 1:P + 1 + G] = n_seg
+        h[P + 1:head] = n_seg + starts[:-1]
         np.cumsum(h[P + 1:P + 1 + G][route.plane_group], out=h[1:P + 1])
         n_rows = int(h[P])
-        starts, at = [], head
-        for n in lens_s + lens_d:
-            starts.append(at)
-            at += n
-        h[P + 1 + G:head] = starts
         route.ids.write(ordered, h[head:mid], h[mid:total])
         n_seg = np.array(n_seg, dtype=np.int64)
         if self.engine == "triton":

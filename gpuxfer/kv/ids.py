@@ -3,6 +3,7 @@ duplicate destinations and ordered, in O(IDs) and a fixed number of NumPy calls 
 once (:class:`_RouteIds`, one per route), with per-thread scratch arrays."""
 from __future__ import annotations
 
+import itertools
 import threading
 
 import numpy as np
@@ -128,10 +129,7 @@ def _past(ids: np.ndarray, lens: list[int], limits: np.ndarray) -> bool:
     limit)."""
     if not ids.size:
         return False
-    starts, at = [], 0
-    for n in lens:
-        starts.append(at)
-        at += n
+    starts = list(itertools.accumulate(lens[:-1], initial=0))
     if 0 in lens:
         keep = [i for i, n in enumerate(lens) if n]
         starts, limits = [starts[i] for i in keep], limits[keep]
@@ -142,12 +140,15 @@ class _RouteIds:
     """How a route checks and orders its requests' block IDs (built with the route, once).
 
     Every group at once: both sides' IDs in one array (the groups one after another), one reduction call
-    for the range checks, one pass over keys ``offset of the group + block ID`` -- every group a key range
-    of its own -- for duplicate destinations (groups whose destination memory overlaps share a range, so a
-    block ID serves one of them only) and one for the order. The copies run in the order of the key side's
-    blocks (``sort_by_dst``: the destination's, else the source's), group by group. A failed check is then
-    found group by group, so its error names the group, the side and the ID. Few IDs in a large range go
-    by a comparison sort and by the per-group duplicate check (memory stays O(IDs))."""
+    for the range checks, and one scatter of marks over keys ``offset of the group + block ID`` -- every
+    group a key range of its own -- that both orders the pairs and finds duplicate destinations (groups
+    whose destination memory overlaps share a range, so a block ID serves one of them only). The copies
+    run in the order of the key side's blocks (``sort_by_dst``: the destination's, else the source's),
+    group by group: ordered by destination keys, every destination turning up once is the duplicate
+    check; ordered by source keys, the destinations' keys get a range of marks of their own in the same
+    scatter. A failed check is then found group by group, so its error names the group, the side and the
+    ID. Few IDs in a large range go by a comparison sort and by the per-group duplicate check (memory
+    stays O(IDs))."""
 
     def __init__(self, groups: tuple[str, ...], limits: list[tuple[int, int]], splits: list[tuple[int, int]],
                  dst_classes: list[list[int]], sort_by_dst: bool):
@@ -170,6 +171,8 @@ class _RouteIds:
                     cls_off[gi] = self.class_span
                 self.class_span += max(limits[gi][1] for gi in cls)
             self.class_offsets = np.array(cls_off, dtype=np.int64)
+        # ordered by source keys: the source side's keys, then the destination side's past them
+        self.pair_offsets = np.concatenate([self.offsets, self.span + self.class_offsets])
 
     def check(self, request: str, push: bool, local_blocks, remote_blocks) -> tuple:
         """A request's IDs taken per group (``local_blocks`` / ``remote_blocks``: ``{group: IDs}`` naming the
@@ -201,42 +204,53 @@ class _RouteIds:
             for g, (ls, ld), s, d in zip(self.groups, self.limits, srcs, dsts):
                 _check_range(s, ls, request, g, "source (local)" if push else "source (remote)")
                 _check_range(d, ld, request, g, "destination (remote)" if push else "destination (local)")
-        order = self._order(S, D, lens_s) if self.paired and ns > 1 else None
-        if order is None or order[0] != "marks" or not (self.sort_by_dst and self.shared):
-            # (else the order by destination keys found every destination once: nothing repeats)
-            self._check_destinations(request, D, dsts, lens_d, order[-1] if order and self.shared else None)
+        order, distinct = self._order(both, ns, lens_s, lens_d) if self.paired and ns > 1 else (None, False)
+        if not distinct:
+            self._check_destinations(request, D, dsts, lens_d)
         return n_seg, lens_s, lens_d, (S, D, order, lens_s, lens_d)
 
-    def _order(self, S: np.ndarray, D: np.ndarray, lens: list[int]) -> tuple:
-        """The order of a paired route's pairs by their keys (``offset of the group + key side's ID``):
-        ``("marks", sorted keys, partners at the keys, key offsets)`` where the keys are distinct among a good
-        share of their range (a scatter and one pass over it), else ``("sort", order, key offsets)``."""
-        X, O = (D, S) if self.sort_by_dst else (S, D)
-        n = X.size
-        R = np.repeat(self.offsets, lens)
-        keys = np.add(X, R, out=_SCRATCH.buf(2, n))
-        if self.span <= _DENSE * n:
-            # the keys' marks read in order are the keys sorted; each key's partner is kept at its key
-            marks, partner = _SCRATCH.mask(self.span), _SCRATCH.buf(3, self.span)
+    def _order(self, both: np.ndarray, n: int, lens_s: list[int], lens_d: list[int]) -> tuple[tuple, bool]:
+        """The order of a paired route's ``n`` pairs (``both``: the sources, then the destinations) by their
+        keys (``offset of the group + key side's ID``), and whether the destinations were found distinct
+        on the way. The order: ``("marks", sorted keys, partners at the keys, key offsets)`` where the keys
+        are distinct among a good share of their range (one scatter and one pass over it), else ``("sort",
+        order)``."""
+        S, D = both[:n], both[n:]
+        by_dst = self.sort_by_dst
+        X, O = (D, S) if by_dst else (S, D)
+        if (self.span if by_dst else self.span + self.class_span) > _DENSE * n:
+            return ("sort", np.argsort(np.add(X, np.repeat(self.offsets, lens_s), out=_SCRATCH.buf(2, n)),
+                                       kind="stable")), False
+        if by_dst:
+            R = np.repeat(self.offsets, lens_s)
+            keys = np.add(X, R, out=_SCRATCH.buf(2, n))
+            marks = _SCRATCH.mask(self.span)
             marks[keys] = True
-            partner[keys] = O
-            at = np.flatnonzero(marks)
-            marks[:] = False
-            if at.size == n:
-                return "marks", at, partner, R
-        return "sort", np.argsort(keys, kind="stable"), R
+        else:           # the destinations' keys go past the sources': their marks count the distinct ones
+            R = np.repeat(self.pair_offsets, lens_s + lens_d)
+            both_keys = np.add(both, R, out=_SCRATCH.buf(2, 2 * n))
+            keys = both_keys[:n]
+            marks = _SCRATCH.mask(self.span + self.class_span)
+            marks[both_keys] = True
+        partner = _SCRATCH.buf(3, self.span)
+        partner[keys] = O
+        at = np.flatnonzero(marks[:self.span])
+        distinct = (self.shared and at.size == n) if by_dst else \
+            int(np.count_nonzero(marks[self.span:])) == n
+        marks[:] = False
+        if at.size == n:        # (ordered by source keys, a source read twice goes by the sort)
+            return ("marks", at, partner, R[:n]), distinct
+        return ("sort", np.argsort(keys, kind="stable")), distinct
 
-    def _check_destinations(self, request: str, D: np.ndarray, dsts: list[np.ndarray], lens_d: list[int],
-                            R: np.ndarray | None) -> None:
+    def _check_destinations(self, request: str, D: np.ndarray, dsts: list[np.ndarray], lens_d: list[int]) -> None:
         """No destination block twice among groups sharing destination memory: one pass of marks over the
-        keys ``offset of the class + ID`` (``R``: the offsets per ID where known), or class by class where the
-        IDs are few in a large range or a repeat is to be found and named."""
+        keys ``offset of the class + ID``, or class by class where the IDs are few in a large range or a
+        repeat is to be found and named."""
         nd = D.size
         if nd < 2:
             return
         if self.class_span <= _DENSE * nd:
-            if R is None:
-                R = np.repeat(self.class_offsets, lens_d)
+            R = np.repeat(self.class_offsets, lens_d)
             if not _repeats(np.add(D, R, out=_SCRATCH.buf(1, nd)), self.class_span):
                 return
         for cls in self.dst_classes:
