@@ -35,82 +35,12 @@ import numpy as np
 
 from .. import config
 from ..errors import BadInput, NotExportable
+from .values import DeviceInfo, ExportedRange, IpcHandle, LinkInfo     # noqa: F401 - part of the contract
 
 FLAG_BYTES = 8
 #: written into a local flag word from the host to release every stream wait on it (close, abort): larger than
 #: any step number a wait awaits
 RELEASE_VALUE = 1 << 62
-
-
-# --------------------------------------------------------------------------- data
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    """What gpuxfer needs to know about one device."""
-
-    index: int
-    name: str
-    arch: str                       # "sm_90", "gfx950", "host"
-    total_bytes: int
-    free_bytes: int | None
-    pci_bus_id: str | None
-    sm_count: int                   # SMs / CUs; host: emulated worker cores
-    copy_engines: int               # async (copy) engines; 0 if unknown
-    stream_mem_ops_64: bool         # 64-bit stream write/wait, probed for real
-    stream_wait_nor: bool = False
-    can_flush_remote_writes: bool = False
-    notes: tuple[str, ...] = ()
-
-    def as_dict(self) -> dict:
-        d = dict(self.__dict__)
-        d["notes"] = list(self.notes)
-        return d
-
-
-@dataclass(frozen=True)
-class LinkInfo:
-    """The link between two devices of this node."""
-
-    src: int
-    dst: int
-    kind: str        # "nvlink", "xgmi", "pcie", "shared-memory", "same-device", "unknown"
-    peer_access: bool
-    detail: str = ""
-
-    @property
-    def is_fast(self) -> bool:
-        """NVLink / xGMI class (or the same device, or the host emulation)."""
-        return self.kind in ("nvlink", "xgmi", "same-device", "shared-memory")
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-@dataclass(frozen=True)
-class IpcHandle:
-    """A picklable handle to a raw buffer, opened by another process.
-
-    ``payload`` is the platform's raw handle (64 bytes for CUDA/HIP, a shared
-    memory name for the host emulation).
-    """
-
-    platform: str
-    device: int
-    nbytes: int
-    payload: bytes
-    owner_pid: int
-
-
-@dataclass(frozen=True)
-class ExportedRange:
-    """Memory inside an exportable allocation: the allocation's handle and the range's offset in it.
-
-    Another process opens ``handle`` (the *whole* allocation) and adds ``offset``.
-    """
-
-    handle: IpcHandle
-    offset: int
 
 
 class Closable:
