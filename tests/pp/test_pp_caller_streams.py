@@ -1,7 +1,7 @@
 """A copy_engine end remembers every caller stream its steps came on, and its teardown waits for each of them
 (work queued on an earlier stream may still read the buffers and host words close() frees). In one process on
-the host platform, no peer: the steps' stream bookkeeping and close() itself. Event-driven: a gate holds the
-first stream's work, opened only once close() waits on that stream."""
+one process, no peer (the host platform; CUDA under ``-m gpu``): the steps' stream bookkeeping and close()
+itself. Event-driven: a gate holds the first stream's work, opened only once close() waits on that stream."""
 from __future__ import annotations
 
 import threading
@@ -14,50 +14,63 @@ from gpuxfer.pp.copy_engine import CALLER_STREAMS, CopyEngineTransport
 from gpuxfer.pp.spec import SpecTable
 
 
-@pytest.fixture
-def end():
-    plat = HostPlatform()
+def _end(plat):
     t = CopyEngineTransport(role="send", rank=0, peer=1, device=0, platform=plat, timeout_s=20.0,
                             specs=SpecTable({"h": ((64,), torch.float32)}), metadata=False, group=None,
                             tag_base=0, torch_device=torch.device("cpu"), recv_slots=2)
     t._state = "open"      # no peer: close() finds no barrier partner and frees what is its own
+    return t
+
+
+@pytest.fixture
+def end():
+    plat = HostPlatform()
+    t = _end(plat)
     yield plat, t
     t._free()
     plat.close()
 
 
-def test_close_waits_for_a_step_still_running_on_an_earlier_caller_stream(end):
-    plat, t = end
+def test_close_waits_for_a_step_still_running_on_an_earlier_caller_stream(platform):
+    """Stream a holds a step's work behind a flag wait (the gate), released only once close() waits on a;
+    stream b came last. Every unmap and free must come after a's work."""
+    plat, t = platform, _end(platform)
     a, b = plat.create_stream(0), plat.create_stream(0)
-    gate, done = threading.Event(), threading.Event()
+    words = plat.alloc(128, 0)
+    gate, done = words.ptr, words.ptr + 64
     waited_on = []
     synchronize = plat.synchronize
 
     def watched(stream, timeout_s=60.0):    # the gate opens once close() waits on stream a, not before
         waited_on.append(stream)
         if stream is a:
-            gate.set()
+            plat.host_write_flag(gate, 1, 0)
         return synchronize(stream, timeout_s)
-    plat.synchronize = watched
     at_teardown = []
     close_mappings = t._close_mappings
-    t._close_mappings = lambda: (at_teardown.append(done.is_set()), close_mappings())
+    t._close_mappings = lambda: (at_teardown.append(plat.read_flag(done, 0)), close_mappings())
     try:
+        plat.host_write_flag(gate, 0, 0)
+        plat.host_write_flag(done, 0, 0)
         t._check_eager(a, "send()")                     # steps on a: still running behind the gate
-        plat.launch(a, lambda: gate.wait(30.0))
-        plat.launch(a, done.set)
+        plat.wait_flag(a, gate, 1)
+        plat.write_flag(a, done, 1)
         t._check_eager(b, "send()")                     # then steps on b (the last stream)
-        plat.launch(b, lambda: None)
+        plat.write_flag(b, words.ptr + 8, 1)
+        plat.synchronize = watched
         t.close()
         assert a in waited_on and b in waited_on
-        assert at_teardown == [True]                    # a's work had finished before any unmap or free
+        assert at_teardown == [1]                       # a's work had finished before any unmap or free
         t.close()                                       # idempotent
-        assert at_teardown == [True]
+        assert at_teardown == [1]
     finally:
-        gate.set()
+        plat.synchronize = synchronize
+        plat.host_write_flag(gate, 1, 0)
         for s in (a, b):
             synchronize(s, 30.0)
             s.close()
+        t._free()
+        words.close()
 
 
 def test_idle_caller_streams_are_forgotten_past_the_bound(end):
