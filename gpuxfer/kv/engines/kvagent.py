@@ -21,7 +21,7 @@ seeded block tables, :attr:`gpuxfer.kv.plan.Burst.src_tables` / ``dst_tables``, 
 Per burst, a posting side posts one transfer per request on the agent's stream; the descriptors are
 expanded on its device (``copy_engine``: on the host, once, at prepare). Row fields: ``api``
 (``KVAgent``), ``setup_us`` -- the host time of a steady-state ``KVAgent.prepare`` per request (block
-IDs in hand -> ready to post) --, ``first_setup_us`` -- the route's first one (it loads the kernels and
+IDs in hand -> ready to post; the median of :data:`SETUP_SAMPLES` preparations of the batch) --, ``first_setup_us`` -- the route's first one (it loads the kernels and
 makes the slots) --, ``register_ms`` -- the registration and metadata exchange of the point's layouts
 (once per point, inside the first row's ``prep_ms``; every row of the point reports it).
 
@@ -48,6 +48,9 @@ __all__ = ["AgentTritonEngine", "AgentPackEngine", "AgentCopyEngine", "API", "TA
 
 #: a row's ``api``: moved by block ID through KVAgent, or as descriptor tables by the engine's twin
 API, TABLES = "KVAgent", "descriptor tables"
+
+#: preparations of a row's batch timed for its ``setup_us`` (their median)
+SETUP_SAMPLES = 5
 
 
 class _AgentEngine(Engine):
@@ -144,16 +147,21 @@ class _AgentEngine(Engine):
         """Engine-specific row fields of a burst through the agent."""
 
     def _timed_prepare(self, op: str, mine, theirs, batch: int) -> list:
-        """The row's requests, prepared; ``setup_us`` is a steady-state prepare per request. The first prepare
-        of a route loads its kernels and makes its slots or graphs (``first_setup_us``, untimed in
-        ``setup_us``): that one is made once more and dropped before the timed ones."""
+        """The row's requests, prepared; ``setup_us`` is a steady-state prepare per request: the median of
+        :data:`SETUP_SAMPLES` preparations of the batch (the last one kept). The first prepare of a route loads
+        its kernels and makes its slots or graphs (``first_setup_us``, untimed in ``setup_us``): that one is
+        made once more and dropped before the timed ones."""
         t0 = time.perf_counter()
         self.agent.prepare(self.peer, op, local_blocks=mine[0], remote_blocks=theirs[0], name="warm-up")
         self._extra["first_setup_us"] = (time.perf_counter() - t0) * 1e6
-        t0 = time.perf_counter()
-        xfers = [self.agent.prepare(self.peer, op, local_blocks=mine[r], remote_blocks=theirs[r],
-                                    name=f"request {r}") for r in range(batch)]
-        self._extra["setup_us"] = (time.perf_counter() - t0) * 1e6 / batch
+        times = []
+        for _ in range(SETUP_SAMPLES):
+            xfers = None            # the previous sample's transfers give their host arrays back first
+            t0 = time.perf_counter()
+            xfers = [self.agent.prepare(self.peer, op, local_blocks=mine[r], remote_blocks=theirs[r],
+                                        name=f"request {r}") for r in range(batch)]
+            times.append((time.perf_counter() - t0) * 1e6 / batch)
+        self._extra["setup_us"] = sorted(times)[len(times) // 2]
         return xfers
 
     def _entry_streams(self, p: Prepared):
