@@ -461,8 +461,6 @@ class KVAgent(_Routes, _PostResources, Closable, FailsOnTimeout):
         """The request array (header + block IDs, as :mod:`gpuxfer.kernels.block_kernel` lays it out) in a host
         array, and the transfer of the agent's engine around it. ``checked``: the IDs
         (:meth:`_RouteIds.check <gpuxfer.kv.ids._RouteIds.check>`)."""
-        with self._post_lock:
-            self._reap()            # completed posts give their host arrays back to the pool first
         n_seg, lens_s, lens_d, ordered = checked
         P, G = route.plane_group.size, len(n_seg)
         head = P + 1 + 3 * G
@@ -470,7 +468,7 @@ class KVAgent(_Routes, _PostResources, Closable, FailsOnTimeout):
         mid, total = starts[G], starts[-1]
         nbytes = sum(n * b for n, b in zip(n_seg, route.group_bytes))
         if self.engine != "copy_engine":
-            host, h = self._requests.take(total)
+            host, h = self._requests.take(total, self._reap_locked)
         else:
             h = np.empty(total, dtype=np.int64)
             host = _torch().from_numpy(h)

@@ -117,12 +117,17 @@ class _PostResources:
     def _track(self, event: Event, buffers: tuple) -> None:
         """Keep a posted transfer's buffers until its event completes (dropping the transfer and its
         handle early must not free memory the stream still reads). The caller holds the post lock. The
-        completed entries go at the next prepare (:meth:`_reap`), or here once more than
-        :data:`INFLIGHT_KEEP` are kept (posts without prepares): a post does not query events otherwise."""
+        completed entries go when a prepare finds no free host array (:meth:`_reap_locked`), or here once more than
+        :data:`INFLIGHT_KEEP` are kept: a post does not query events otherwise."""
         q = self._inflight
         if len(q) >= INFLIGHT_KEEP:
             self._reap()
         q.append((event, buffers))
+
+    def _reap_locked(self) -> None:
+        """:meth:`_reap` under the post lock (completed posts give their host arrays back to the pool)."""
+        with self._post_lock:
+            self._reap()
 
     def _reap(self) -> None:
         """Drop the posted transfers whose events completed, oldest first (the caller holds the post lock)."""

@@ -160,12 +160,21 @@ class _RequestPool:
         self.pinned = pinned
         self.free: dict[int, list] = {}
 
-    def take(self, n: int):
-        """``(token, array)``: an array of ``n`` entries, and what to give back once it is no longer read."""
+    def take(self, n: int, reap=None):
+        """``(token, array)``: an array of ``n`` entries, and what to give back once it is no longer read.
+        ``reap``: called when none of that capacity is free (it may give some back) before one is made."""
         cap = 1 << max(10, (n - 1).bit_length())
-        try:
-            token = self.free[cap].pop()
-        except (KeyError, IndexError):
+        kept = self.free.get(cap)
+        if not kept and reap is not None:
+            reap()
+            kept = self.free.get(cap)
+        token = None
+        if kept:
+            try:
+                token = kept.pop()
+            except IndexError:      # another thread took the last one
+                pass
+        if token is None:
             torch = _torch()
             owner = torch.empty(cap, dtype=torch.int64, pin_memory=self.pinned)
             token = (owner, owner.numpy())

@@ -1698,3 +1698,19 @@ def test_a_peer_whose_flag_words_or_staging_are_smaller_than_claimed_is_refused(
             pre.add_peer(forged)
         monkeypatch.undo()
     pre.add_peer(forged)                    # the sizes as claimed: added
+
+
+def test_request_pool_reaps_only_when_none_is_free():
+    """A prepare takes a free host array without looking at posted transfers; with none free, the reap runs
+    first and what it gives back is taken instead of a new array."""
+    from gpuxfer.kv.slots import _RequestPool
+    pool = _RequestPool(pinned=False)
+    calls = []
+    first, arr = pool.take(100, lambda: calls.append("reap"))
+    assert calls == ["reap"] and arr.shape == (100,)       # nothing free: reaped, then made
+    pool.give(first)
+    again, _ = pool.take(200, lambda: calls.append("reap"))
+    assert again is first and calls == ["reap"]             # a free one (same capacity): no reap
+    held = again
+    got, _ = pool.take(300, lambda: pool.give(held))          # the reap gives one back: it is taken
+    assert got is held
