@@ -87,23 +87,21 @@ import threading
 import uuid
 from typing import Any, Mapping, Sequence
 
-import numpy as np
 
 from ..errors import (BackendUnavailable, BadInput, BadMetadata, BlockIdError, LayoutMismatch, NotRegistered,
                       TransferTimeout)
 from ..flaglink import FlagWords
 from ..platforms.base import Closable, DeviceBuffer, Event, IpcHandle, Platform, Stream
 from .control import AGENT_WORDS, NOTIFY, NOTIFY_SLOTS, PACK_SLOTS, PACK_WORDS
-from .copy_transfer import _CopyEngineTransfer
 from .engines.base import FailsOnTimeout, on_timeout_from_env
 from .layers import _MAX_NAME, KVLayer, KVLayerSpec, KVPiece, describe_layer, layout_groups, _torch
 from .metadata import _HEADER, METADATA_MAGIC, METADATA_VERSION, decode_metadata
-from .pack_transfer import _PackTransfer
 from .peers import _LEAKED, _LOCAL_AGENTS, KVPeer, _Group
 from .plan import DIRECTIONS
 from .posting import _PostResources
 from .routes import _Route, _Routes
-from .slots import _RequestPool, _SlotTransfer
+from .slots import _RequestPool
+from .staging import _Staging
 from .transfer import KVTransfer, KVTransferHandle
 
 log = logging.getLogger("gpuxfer.kv.agent")
@@ -115,16 +113,10 @@ __all__ = ["KVAgent", "KVPeer", "KVTransfer", "KVTransferHandle", "KVLayerSpec",
 AGENT_ENGINES = ("triton", "pack", "copy_engine")
 #: the pack engine's staging slot, in bytes (the host emulation's is smaller)
 PACK_SLOT_BYTES = 192 << 20
-#: a request's chunks: at least this many bytes each (where the slot holds them), growing past it so a request
-#: takes at most about PACK_MAX_CHUNKS of them -- a graph's launch costs the host time per node, so a post's
-#: host time stays near that of a request of PACK_MAX_CHUNKS chunks, while small requests keep small chunks
-#: (a short pipeline fill)
-PACK_CHUNK_BYTES = 32 << 20
-PACK_MAX_CHUNKS = 16
 PACK_SLOT_BYTES_EMULATION = 1 << 20
 
 
-class KVAgent(_Routes, _PostResources, Closable, FailsOnTimeout):
+class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
     """One process's side of KV transfers: its registered caches, its peers, its stream.
 
     ``platform``: a :class:`~gpuxfer.platforms.base.Platform` (default: the process's,
@@ -456,63 +448,6 @@ class KVAgent(_Routes, _PostResources, Closable, FailsOnTimeout):
         if not local_blocks:
             raise BlockIdError(f"request {name!r} names no group")
         return self._route(peer, op, layers, tuple(g for g in self._groups if g in local_blocks))
-
-    def _stage(self, peer, route: _Route, op, name, checked, notify_slot) -> KVTransfer:
-        """The request array (header + block IDs, as :mod:`gpuxfer.kernels.block_kernel` lays it out) in a host
-        array, and the transfer of the agent's engine around it. ``checked``: the IDs
-        (:meth:`_RouteIds.check <gpuxfer.kv.ids._RouteIds.check>`)."""
-        n_seg, lens_s, lens_d, ordered = checked
-        P, G = route.plane_group.size, len(n_seg)
-        head = P + 1 + 3 * G
-        starts = list(itertools.accumulate(lens_s + lens_d, initial=head))
-        mid, total = starts[G], starts[-1]
-        nbytes = sum(n * b for n, b in zip(n_seg, route.group_bytes))
-        if self.engine != "copy_engine":
-            host, h = self._requests.take(total, self._reap_locked)
-        else:
-            h = np.empty(total, dtype=np.int64)
-            host = _torch().from_numpy(h)
-        h[0] = 0
-        h[P + 1:head] = n_seg + starts[:-1]
-        np.cumsum(h[P + 1:P + 1 + G][route.plane_group], out=h[1:P + 1])
-        n_rows = int(h[P])
-        route.ids.write(ordered, h[head:mid], h[mid:total])
-        n_seg = np.array(n_seg, dtype=np.int64)
-        if self.engine == "triton":
-            return _SlotTransfer(self, peer, route, op, name, n_seg, host, h, notify_slot, n_rows, nbytes)
-        if self.engine == "copy_engine":
-            return _CopyEngineTransfer(self, peer, route, op, name, n_seg, host, host, None, 0, [], notify_slot,
-                                       n_rows, nbytes)
-        return self._stage_pack(peer, route, op, name, n_seg, host, h, notify_slot, n_rows, nbytes)
-
-    def _stage_pack(self, peer, route: _Route, op, name, n_seg, host, array, notify_slot, n_rows, nbytes
-                    ) -> KVTransfer:
-        """The pack engine's transfer: its chunks -- those of its shape where the shape was seen before (the
-        device buffers and kernels belong to the shape, :class:`_PackShape`, shared by every request of it)."""
-        key = (id(route), op == "push", n_seg.tobytes())
-        shape = self._pack_shapes.get(key)
-        chunks = shape.spec if shape is not None else self._pack_chunks(route, name, array, nbytes)
-        return _PackTransfer(self, peer, route, op, name, n_seg, host[0], None, None,
-                             int(n_seg.max()) if n_seg.size else 0, [], notify_slot, n_rows, nbytes, chunks=chunks,
-                             pooled=host, entries=int(array.shape[0]), shape_key=key)
-
-    def _pack_chunks(self, route: _Route, name: str, array: np.ndarray, nbytes: int) -> list[tuple]:
-        """A request's chunks: ``(first row, end row, bytes, segment bytes)``, rows of one segment size each,
-        about ``nbytes / PACK_MAX_CHUNKS`` (at least ``PACK_CHUNK_BYTES``, at most a staging slot) each."""
-        chunks = []
-        row_start = array[:len(route.plane_group) + 1]
-        slot = self.slot_bytes
-        target = min(slot, max(min(PACK_CHUNK_BYTES, slot), -(-nbytes // PACK_MAX_CHUNKS)))
-        for a, b, c in route.classes:
-            r0, r1 = int(row_start[a]), int(row_start[b])
-            if r1 <= r0:
-                continue
-            if c > slot:
-                raise BadInput(f"request {name!r}: {c}-byte segments do not fit the pack engine's "
-                               f"{slot}-byte staging slots")
-            per = max(target // c, 1)
-            chunks += [(x, min(x + per, r1), (min(x + per, r1) - x) * c, c) for x in range(r0, r1, per)]
-        return chunks
 
     def transfer(self, peer: "KVPeer | str", op: str, *, local_blocks: Mapping[str, Any],
                  remote_blocks: Mapping[str, Any], stream: Stream | None = None, **kw) -> KVTransferHandle:

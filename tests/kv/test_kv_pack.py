@@ -76,18 +76,18 @@ def _move(src, dst, xs, xd, s_ids, d_ids, seed):
 def test_large_requests_take_larger_chunks(sides, monkeypatch):
     """Chunks grow past their smallest size so a request takes about PACK_MAX_CHUNKS of them (up to the slot);
     both sides cut alike and the bytes land."""
-    import gpuxfer.kv.agent as A
+    import gpuxfer.kv.staging as S
     src, dst = sides
-    monkeypatch.setattr(A, "PACK_CHUNK_BYTES", 64)
-    monkeypatch.setattr(A, "PACK_MAX_CHUNKS", 8)
+    monkeypatch.setattr(S, "PACK_CHUNK_BYTES", 64)
+    monkeypatch.setattr(S, "PACK_MAX_CHUNKS", 8)
     s_ids, d_ids = list(range(0, 40)), list(range(24, 64))         # 1280 bytes: 8 chunks of 160, not 20 of 64
     xs, xd = _prepare(src, dst, s_ids, d_ids)
     assert [c[:3] for c in xs._chunks] == [c[:3] for c in xd._chunks] == [(5 * i, 5 * i + 5, 160) for i in range(8)]
-    monkeypatch.setattr(A, "PACK_MAX_CHUNKS", 2)                   # 768 per chunk: the 256-byte slot caps it
+    monkeypatch.setattr(S, "PACK_MAX_CHUNKS", 2)                   # 768 per chunk: the 256-byte slot caps it
     # (a shape not seen before: a shape's chunks are kept with it)
     wide = _prepare(src, dst, list(range(0, 48)), list(range(16, 64)))[0]
     assert [c[:3] for c in wide._chunks][:2] == [(0, 8, 256), (8, 16, 256)]
-    monkeypatch.setattr(A, "PACK_MAX_CHUNKS", 8)
+    monkeypatch.setattr(S, "PACK_MAX_CHUNKS", 8)
     _move(src, dst, xs, xd, s_ids, d_ids, seed=4)
     small = _prepare(src, dst, [1, 2], [3, 4])[0]                 # 64 bytes: one chunk of at least 64
     assert [c[:3] for c in small._chunks] == [(0, 2, 64)]
