@@ -32,6 +32,10 @@ SYSFS_PCI = "/sys/bus/pci/devices"
 log = logging.getLogger("gpuxfer.bench")
 
 AUTO = "auto"       # resolved by each rank (:func:`auto_cpus`), which knows its GPU
+#: ``--cpus``'s help, one text for every benchmark that has the option
+HELP = ("each rank's CPUs: auto (the fastest, by a Python yardstick, of physical cores of its own near its GPU: "
+        "two spinning ranks never share one), none (the scheduler places them), or one set per rank: 2,3 or "
+        "2+10,3+11")
 
 
 def _parse_list(text: str) -> list[int]:

@@ -34,7 +34,8 @@ ROW_KEYS = {"workload", "page_tokens", "isl_tokens", "batch", "engine", "directi
             "burst_bytes", "descriptors", "request_bytes", "request_descriptors", "prep_ms", "arm_p50_ms",
             "warmup", "trials", "samples_ms", "burst_p50_ms", "burst_p10_ms", "burst_p90_ms", "burst_min_ms",
             "burst_max_ms", "p50_gbps", "min_gbps", "max_gbps", "ceiling_gbps", "of_ceiling_pct",
-            "per_descriptor_p50_us", "wrong_bytes", "first_wrong_descriptor", "verified", "valid", "error"}
+            "per_descriptor_p50_us", "wrong_bytes", "first_wrong_descriptor", "verified", "valid", "error",
+            "initiator_cpus", "initiator_python_us"}
 DOC_KEYS = {"schema", "generated_at", "command", "gbps_definition", "environment", "parameters", "rows", "shed",
             "summary", "outcome", "artifacts"}
 SUMMARY_KEYS = {"workload", "isl_tokens", "page_tokens", "direction", "engine", "batch_min", "batch_min_gbps",
@@ -62,6 +63,7 @@ def test_every_engine_both_directions_end_to_end(capsys, tmp_path):
     # the live table: preamble, header + units rows, a line per row, summary, PASS footer
     assert "EMULATION" in out and "# parameters:" in out and "# versions:" in out
     assert "GB/s" in out and "#wrong" in out and "tokens" in out
+    assert "# CPUs: rank 0 on CPU" in out           # --cpus auto (the default): where each rank ran, and how
     assert "# summary" in out and "# PASS" in out
     # the artifact
     assert doc is not None and DOC_KEYS <= set(doc)
@@ -69,6 +71,7 @@ def test_every_engine_both_directions_end_to_end(capsys, tmp_path):
     assert doc["environment"]["is_emulation"] is True and "EMULATION" in doc["environment"]["platform_label"]
     assert doc["environment"]["launcher"] == "spawn"
     assert [d["role"].split()[0] for d in doc["environment"]["devices"]] == ["prefill", "decode"]
+    assert doc["parameters"]["cpus"] == "auto" and len(doc["environment"]["cpus_by_rank"]) == 2
     rows = doc["rows"]
     engines = {r["engine"] for r in rows}
     assert engines == {"triton", "pack", "copy_engine", "bulk"}
@@ -165,6 +168,9 @@ def test_a_failing_process_does_not_hang_the_other(capsys, tmp_path):
     (["--pack-lanes", "9"], "--pack-lanes must be 1..8, got 9"),
     (["--pack-first-chunk", "0"], "--pack-first-chunk: '0' must be positive"),
     (["--workload", "kv-nope"], "unknown KV workload 'kv-nope'"),
+    (["--cpus", "0"], "--cpus: 2 ranks need 2 CPU sets, got 1"),
+    (["--cpus", "fast"], "--cpus: auto, none, or one CPU set per rank"),
+    (["--cpus", "4096,4096"], "--cpus: CPU(s) [4096] are not among this process's CPUs"),
 ])
 def test_bad_options_give_clear_errors(capsys, tmp_path, argv, message):
     """Every bad option fails in the parent at once: one line on stderr, exit 2, no process, no file."""
@@ -178,6 +184,76 @@ def test_bad_options_give_clear_errors(capsys, tmp_path, argv, message):
     assert "Traceback" not in cap.err
     assert not (tmp_path / "o").exists()
     assert time.monotonic() - t0 < 60      # no process was started (a hang guard, not a speed test)
+
+
+def _config(*argv):
+    from gpuxfer.bench.kv.cli import parse_grid_spec, parse_run_options
+    from gpuxfer.bench.kv.runner import config_from_args
+    from gpuxfer.cli import build_parser
+    args = build_parser().parse_args(["bench", "kv", *TINY, *argv])
+    spec = parse_grid_spec(args)
+    return config_from_args(args, parse_run_options(args), spec)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity on this OS")
+def test_cpus_option_parses_like_bench_pp():
+    """--cpus auto (the default), none, or one CPU set per rank ('+' joins CPUs, ',' the sets), checked
+    against this process's CPUs in the parent; the parameters record it as given."""
+    from gpuxfer.bench.cpus import AUTO
+    cpus = sorted(os.sched_getaffinity(0))
+    a, b = cpus[0], cpus[-1]
+    auto = _config()
+    assert auto.cpus in (AUTO, None) and auto.params()["cpus"] == "auto"    # None: fewer cores than ranks
+    assert _config("--cpus", "auto").cpus == auto.cpus
+    none = _config("--cpus", "none")
+    assert none.cpus is None and none.params()["cpus"] == "none"
+    named = _config("--cpus", f" {a},{b} ")
+    assert named.cpus == [(a,), (b,)] and named.params()["cpus"] == f"{a},{b}"
+    assert _config("--cpus", f"{a}+{b},{b}").cpus == [(a, b), (b,)]
+
+
+def test_cpus_preamble_says_where_each_rank_ran_and_how():
+    """The # CPUs: lines from the start event's environment (no machine involved)."""
+    from gpuxfer.bench.cpus import AUTO
+    picks = [{"cpu": 6, "python_us": 34.2, "candidates_python_us": {"6": 34.2, "7": 61.0}},
+             {"cpu": 9, "python_us": 35.0, "candidates_python_us": {"8": 70.1, "9": 35.0}}]
+    env = {"cpus_spec": AUTO, "cpus_by_rank": [[6], [9]], "cpu_pick_by_rank": picks}
+    lines = R.cpu_lines(env, "auto")
+    assert lines[0] == ("# CPUs: rank 0 on CPU 6, rank 1 on CPU 9 (auto: the fastest, by a Python yardstick, "
+                        "of physical cores of its own near its GPU)")
+    assert "rank 0 CPU 6 34 (34-61), rank 1 CPU 9 35 (35-70)" in lines[1]
+    # auto with fewer physical cores than ranks: not pinned, and why
+    env = {"cpus_spec": None, "cpus_by_rank": [[0, 1], [0, 1]], "cpu_pick_by_rank": [None, None]}
+    (line,) = R.cpu_lines(env, "auto")
+    assert "(not pinned: the scheduler places them); --cpus auto needs a physical core per rank" in line
+    # auto where the OS refused a rank's CPUs: not pinned either
+    env = {"cpus_spec": AUTO, "cpus_by_rank": [[6], [0, 1]], "cpu_pick_by_rank": [picks[0], None]}
+    assert R.cpu_lines(env, "auto")[0].endswith("; --cpus auto could not pin every rank")
+    env = {"cpus_spec": None, "cpus_by_rank": [[0, 1], [0, 1]], "cpu_pick_by_rank": [None, None]}
+    assert R.cpu_lines(env, "none") == ["# CPUs: rank 0 on CPUs 0+1, rank 1 on CPUs 0+1 (not pinned: the scheduler places them)"]
+    env = {"cpus_spec": [[2, 3], [4]], "cpus_by_rank": [[2, 3], [4]], "cpu_pick_by_rank": [None, None]}
+    assert R.cpu_lines(env, "2+3,4") == ["# CPUs: rank 0 on CPUs 2+3, rank 1 on CPU 4 (as named)"]
+    assert "# CPUs: rank 0 on CPU 6" in "\n".join(R.preamble_lines(dict(env, cpus_by_rank=[[6], [9]]), {}))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity on this OS")
+@pytest.mark.parametrize("how", ["none", pytest.param("named", marks=pytest.mark.slow)])
+def test_cpus_none_leaves_affinity_alone_and_a_list_pins(capsys, tmp_path, how):
+    cpus = sorted(os.sched_getaffinity(0))
+    spec = "none" if how == "none" else f"{cpus[0]},{cpus[-1]}"
+    rc, out, err, doc = _run(capsys, tmp_path, *TINY, *FAST, "--engine", "bulk", "--direction", "pull",
+                             "--cpus", spec)
+    assert rc == 0, out + err
+    env, (row,) = doc["environment"], doc["rows"]
+    assert doc["parameters"]["cpus"] == spec and env["cpu_pick_by_rank"] == [None, None]
+    if how == "none":       # each rank keeps the CPUs it started with (the parent's)
+        assert env["cpus_spec"] is None and env["cpus_by_rank"] == [cpus, cpus]
+        assert "(not pinned: the scheduler places them)" in out
+        assert set(row["initiator_cpus"]) <= set(cpus)
+    else:                   # pull: the decode side (rank 1) initiates, pinned to its CPU
+        assert env["cpus_by_rank"] == [[cpus[0]], [cpus[-1]]] and "(as named)" in out
+        assert row["initiator_cpus"] == [cpus[-1], cpus[-1]]
+    assert row["initiator_python_us"] > 0
 
 
 def test_a_bad_device_count_variable_is_one_line_before_any_process(capsys, tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ import sys
 from typing import TextIO
 
 from ... import config
+from ..cpus import HELP as CPUS_HELP
 from ..cliutil import (PLATFORM_CHOICES, add_common_arguments, device_count, error_line, int_option,
                        platform_option, prepare_outputs, seconds_option)
 from ...common import parse_size
@@ -105,6 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="run as if the two ranks were on different hosts (set automatically when their hostnames "
                         "or kernel boot ids differ): the peer pool is never mapped over IPC, engines that need the mapping are shed, "
                         "nixl-bulk is the ceiling; see docs/MULTINODE.md")
+    r.add_argument("--cpus", default="auto", metavar="auto|none|LIST",
+                   help=CPUS_HELP + "; auto moves each rank to its fastest core again before each row, so the "
+                        "post and setup host costs are measured there")
     # Fault injection for tests (documented in docs/kv_bench.md): ENGINE[:DIRECTION] or all.
     r.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
     r.add_argument("--suite", default=None, metavar="NAME",

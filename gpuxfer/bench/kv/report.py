@@ -31,6 +31,7 @@ import os
 import sys
 from typing import Any, Sequence
 
+from ..cpus import AUTO, describe
 from ..report import Column, Table, Verdict, fixed, integer, link_text, rate, text, versions_line
 from ..report import dumps as _dumps
 from ..timing import gbps, sample_stats
@@ -139,6 +140,8 @@ def preamble_lines(env: dict[str, Any], params: dict[str, Any]) -> list[str]:
         lines.append(f"#  rank {d['rank']} ({d['role']}) pid {d.get('pid', '?')} device {info.get('index', '?')}: "
                      f"{info.get('name', '?')} [{info.get('arch', '?')}] {mem_s}, {info.get('sm_count', '?')} SMs, "
                      f"{info.get('copy_engines', '?')} copy engines, bus {info.get('pci_bus_id') or '-'}")
+    if "cpus_by_rank" in env:
+        lines.extend(cpu_lines(env, params.get("cpus")))
     link = env.get("link")
     if link:
         lines.append(f"# link: device {link_text(link)}, peer access {link.get('peer_access')}")
@@ -155,6 +158,24 @@ def preamble_lines(env: dict[str, Any], params: dict[str, Any]) -> list[str]:
                      f"{grid.get('pools_per_device', 1)} pool(s) per device")
     lines.append("# " + GBPS_DEFINITION)
     lines.append("#")
+    return lines
+
+
+def cpu_lines(env: dict[str, Any], asked: str | None) -> list[str]:
+    """``# CPUs:`` each rank's CPUs and how they were chosen (``--cpus``); with ``auto``, the core each picked
+    and its yardstick beside its other cores' (where ``auto`` could not pin, it says why)."""
+    spec, picks = env.get("cpus_spec"), env.get("cpu_pick_by_rank") or []
+    placed = spec if spec != AUTO or (picks and all(picks)) else None
+    line = f"# CPUs: {describe(env['cpus_by_rank'], placed)}"
+    if asked == AUTO and placed is None:
+        line += ("; --cpus auto needs a physical core per rank" if spec is None else
+                 "; --cpus auto could not pin every rank")
+    lines = [line]
+    if placed == AUTO:
+        lines.append("# CPUs picked (a pure-Python yardstick, us; the same loop on the rank's other cores; picked "
+                     "again before each row): " + ", ".join(
+                         f"rank {r} CPU {p['cpu']} {p['python_us']:.0f} ({min(p['candidates_python_us'].values()):.0f}"
+                         f"-{max(p['candidates_python_us'].values()):.0f})" for r, p in enumerate(picks)))
     return lines
 
 

@@ -29,7 +29,8 @@ Every gloo operation has the group timeout; every device wait has
 
 One row (an engine, a direction, a batch at a grid point)
 ---------------------------------------------------------
-1. both sides ``prepare`` the burst (timed apart: ``prep_ms``, the larger side);
+1. both sides ``prepare`` the burst (timed apart: ``prep_ms``, the larger side), each first moved to
+   the fastest core of its own with ``--cpus auto`` (:mod:`gpuxfer.bench.cpus`);
 2. warm-up bursts, then timed bursts (``--trials`` at most; fewer when a burst is
    slow, never fewer than three: a row costs about ``ROW_BUDGET_S`` seconds);
    a burst is: the passive side posts its flag-gated part, a barrier, then the
@@ -67,6 +68,7 @@ from ...common import parse_size
 from ...errors import BadInput, PlatformUnavailable
 from ...kv import engines as E
 from ...kv.plan import DIRECTIONS
+from ..cpus import rank_cpus
 from . import report as R
 from .checks import inject_parts
 from .options import GridSpec, RunOptions, parse_list
@@ -113,6 +115,8 @@ class RunConfig:
     min_trials: int = MIN_TRIALS
     cross_host: bool = False            # --cross-host: behave as if the ranks were on different hosts
     suite: str | None = None            # --suite collectivex: the suite's grid, timing, checks and rows
+    cpus: Any = None                    # each rank's CPUs (gpuxfer.bench.cpus.rank_cpus): AUTO, one set per rank,
+    cpus_option: str = "none"           # or None (not pinned); and --cpus as given
     shrunk: dict[str, Any] = field(default_factory=dict)
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
 
@@ -126,7 +130,7 @@ class RunConfig:
             "copy_engine_max_descs": self.engine_options.copy_engine_max_descs,
             "pack_chunk_bytes": self.engine_options.pack_chunk_bytes,
             "pack_slots": self.engine_options.pack_slots, "pack_lanes": self.engine_options.pack_lanes,
-            "post": "armed" if self.armed else "host",
+            "post": "armed" if self.armed else "host", "cpus": self.cpus_option,
         }
         if self.shrunk:
             p["emulation_shrunk"] = self.shrunk
@@ -225,12 +229,14 @@ def config_from_args(args: argparse.Namespace, options: RunOptions, grid: GridSp
         post = "host"
     for name in options.engines:
         E.engine_class(name)       # unknown names fail here, before any process starts
+    cpus_option = str(getattr(args, "cpus", None) or "auto").strip()
+    cpus = rank_cpus(cpus_option, 2)
     return RunConfig(grid=grid, grid_args=grid_args, engines=tuple(options.engines), directions=tuple(options.directions),
                      trials=trials, warmup=warmup, seed=options.seed, platform=platform,
                      out=options.out or None, json=options.json, timeout_s=timeout, engine_options=opts,
                      inject_fault=inject, armed=post == "armed", devices=devices, shrunk=shrunk,
                      pack_chunk_fixed=pack_fixed, cross_host=bool(getattr(args, "cross_host", False)),
-                     suite=options.suite)
+                     suite=options.suite, cpus=cpus, cpus_option=cpus_option)
 
 
 def _nonneg_int(text, option: str) -> int:

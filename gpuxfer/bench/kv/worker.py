@@ -19,6 +19,7 @@ from ... import config
 from ...common import run_versions
 from ...errors import BackendUnavailable, BadInput, GpuxferError, PlatformUnavailable
 from ...kv import engines as E
+from ..cpus import AUTO, auto_cpus, current_cpu, fastest_cpu, gpu_local_cpus, pin, python_speed_us
 from ..timing import now
 from . import report as R
 from .checks import _flip_byte, _moves_one_copy, _pool_fill, _pool_verify, _read8, _suite_fill, _sync, \
@@ -87,6 +88,7 @@ class Worker:
         self.stream = None
         self.ceilings: dict[tuple, float | None] = {}
         self.cross_host = False         # the ranks are on different hosts (or --cross-host): no peer mapping
+        self.cpu_part: tuple[int, ...] | None = None     # --cpus auto: this rank's cores, the fastest picked per row
 
     # -- emit (rank 0 reports; any rank reports its own error)
     def emit(self, kind: str, payload: dict) -> None:
@@ -118,6 +120,8 @@ class Worker:
     def _setup(self) -> None:
         from ...platforms import get_platform
         cfg = self.cfg
+        if cfg.cpus is not None and cfg.cpus != AUTO:
+            pin(cfg.cpus[self.rank])
         # Streams blocked in flag waits must not share a hardware queue with the streams that
         # release them: give every stream its own (CUDA reads this when it initialises).
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
@@ -138,10 +142,13 @@ class Worker:
             torch.cuda.set_device(dev)
         self.group = _Group(self.rank, self.init_method, cfg.timeout_s)
         info = plat.device_info(dev)
+        pick = self._pin_auto(info.pci_bus_id) if cfg.cpus == AUTO else None
         mine = {"rank": self.rank, "role": f"{self.role.serving_name} ({self.role.value})", "pid": os.getpid(),
                 "device": dev, "info": info.as_dict(), "free_bytes": info.free_bytes,
                 "engines": {name: E.engine_unavailable_reason(name, plat) for name in cfg.engines},
-                "host": socket.gethostname(), "boot_id": _boot_id(), "cross_host_forced": cfg.cross_host}
+                "host": socket.gethostname(), "boot_id": _boot_id(), "cross_host_forced": cfg.cross_host,
+                "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+                "cpu_pick": pick}
         both = self.group.gather(mine)
         # Cross-host mode (docs/MULTINODE.md): the peer's pool cannot be mapped over IPC, so it never is;
         # engines that need the mapping are unusable, and nixl-bulk is the ceiling.
@@ -211,6 +218,29 @@ class Worker:
             self.emit("note", {"text": "cross-host mode: the peer pool is not mapped; % of ceiling is of "
                                        + (f"the {ceiling} row" if ceiling else "nothing (no ceiling engine runs)")})
 
+    def _pin_auto(self, pci_bus_id: str | None) -> dict | None:
+        """``--cpus auto``, the device known: this rank's part of the physical cores near it, pinned to the fastest
+        of them by a Python yardstick. None where it stays where it was (too few cores, or the OS refused every
+        CPU of the part): the run goes on, placed by the scheduler."""
+        part = auto_cpus(self.rank, 2, gpu_local_cpus(None if self.platform.is_emulation else pci_bus_id))
+        if part is None or not hasattr(os, "sched_setaffinity"):
+            return None
+        cpu, us, each = fastest_cpu(part)
+        if not pin((cpu,)):
+            return None
+        self.cpu_part = part
+        return {"cpu": cpu, "python_us": us, "candidates_python_us": {str(c): v for c, v in each.items()}}
+
+    def _cpu_now(self) -> dict:
+        """Before a row: with ``--cpus auto`` this rank moves to the fastest core of its part again (a virtual
+        machine's CPUs change speed within seconds); the CPU it runs on and a Python yardstick's us there."""
+        if self.cpu_part is not None:
+            cpu, us, _ = fastest_cpu(self.cpu_part, passes=2)
+            pin((cpu,))
+        else:
+            us = python_speed_us()
+        return {"cpu": current_cpu(), "python_us": us}
+
     def _grid(self, free_bytes: int | None, pools_per_device: int):
         """The grid of the options, capped by this device's free memory (less what the engines reserve)."""
         free = None
@@ -233,6 +263,8 @@ class Worker:
             except Exception as exc:  # noqa: BLE001
                 link = {"src": both[0]["device"], "dst": both[1]["device"], "kind": "unknown", "detail": str(exc)}
         env = {
+            "cpus_spec": self.cfg.cpus, "cpus_by_rank": [b["cpus"] for b in both],
+            "cpu_pick_by_rank": [b["cpu_pick"] for b in both],
             "platform": plat.name, "platform_label": plat.label, "is_emulation": plat.is_emulation,
             "versions": run_versions(plat), "hostname": socket.gethostname(), "launcher": self.launcher,
             "pids": ",".join(str(b["pid"]) for b in both),
@@ -384,7 +416,8 @@ class Worker:
             "plan_descriptors": pb.descriptors, "request_bytes": point.request_bytes,
             "request_descriptors": point.request_descriptors, "error": None,
         }
-        # 1. prepare, on both sides
+        # 1. prepare, on both sides (on this rank's fastest core, with --cpus auto)
+        cpu = self._cpu_now()
         p = None
         err = None
         t0 = now()
@@ -415,6 +448,7 @@ class Worker:
                                                f"{point.workload.name}-p{point.page_tokens}-b{batch}-{eng.name}-"
                                                f"{direction}", posts)
         extra = eng.row_extra() if p.initiator else None
+        cpu["cpu_after"] = current_cpu()
         suite_verdict = self._suite_verify(eng, p, pb, point) if cfg.suite else None
 
         # 3. verification: scrub the destination, one more burst, check every byte
@@ -447,7 +481,8 @@ class Worker:
         # 4. assemble on rank 0; an engine's own telemetry (e.g. NIXL's, unit-suffixed keys) comes from
         #    the initiator, taken right after the timed bursts
         got = self.group.gather({"samples": samples, "warm": warm, "verdict": verdict, "arms": arms,
-                                 "posts": posts, "extra": extra or {}, "suite_verdict": suite_verdict})
+                                 "posts": posts, "extra": extra or {}, "suite_verdict": suite_verdict,
+                                 "cpu": cpu})
         timing = got[ini_rank]
         row.update(timing.get("extra") or {})
         v = got[1]["verdict"]
@@ -457,6 +492,10 @@ class Worker:
         # host costs per request: the post call (the trigger alone when armed), and the setup (the
         # engine's own per-request figure, else the initiator's prep of the burst)
         row["post_p50_us"] = None if post_ms is None else post_ms * 1e3 / batch
+        # where the initiator measured them: its CPU before the prepare and after the timed bursts, and a Python
+        # yardstick's us there (a slow CPU makes slow host costs)
+        row["initiator_cpus"] = [timing["cpu"]["cpu"], timing["cpu"]["cpu_after"]]
+        row["initiator_python_us"] = timing["cpu"]["python_us"]
         if row.get("setup_us") is None:
             row["setup_us"] = row["prep_ms_by_side"][row["initiator"]] * 1e3 / batch
         row["arm_passive_p50_ms"] = R.sample_stats(got[1 - ini_rank]["arms"])["p50_ms"]

@@ -12,7 +12,7 @@ from .. import report as R
 from ..cliutil import (add_common_arguments, device_count, error_line, int_option, platform_option, prepare_outputs,
                        seconds_option)
 from . import ARTIFACT, BACKENDS, GRAPH, PLAIN, KiB, MiB
-from ..cpus import rank_cpus
+from ..cpus import HELP as CPUS_HELP, rank_cpus
 from .ranks import _rank_main
 from .report import _host_target, _json_doc, _targets, format_report, total_wrong
 
@@ -39,10 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "step's .tensors")
     m.add_argument("--flag-path", default=None, choices=["auto", "remote", "copy"],
                    help="copy_engine flag path (default: GPUXFER_FLAG_PATH or auto)")
-    m.add_argument("--cpus", default="auto", metavar="auto|none|LIST",
-                   help="each rank's CPUs: auto (the fastest, by a Python yardstick, of physical cores of its own "
-                        "near its GPU: two spinning ranks never share one), none (the scheduler places them), or one "
-                        "set per rank: 2,3 or 2+10,3+11")
+    m.add_argument("--cpus", default="auto", metavar="auto|none|LIST", help=CPUS_HELP)
     m.add_argument("--recv-slots", default="2", metavar="N", help="copy_engine receive slots, >= 2")
     m.add_argument("--inline-bytes", default=None, metavar="SIZE",
                    help="copy_engine steps up to SIZE go on the sender's stream without staging; 0: none "
