@@ -4,6 +4,7 @@ Nothing here touches a device; importing it imports no GPU library.
 """
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import platform as _pyplatform
@@ -56,6 +57,47 @@ def unlink_shm(name: str) -> None:
         _posixshmem.shm_unlink(name)
     except FileNotFoundError:
         pass
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:             # exists, another user's (EPERM), or cannot tell: not ours to judge dead
+        return True
+    return True
+
+
+def sweep_shm_orphans(pattern: re.Pattern, what: str, shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink the shared-memory segments left by processes that no longer exist (killed between creating
+    a segment and unlinking it): names in ``shm_dir`` that ``pattern`` matches whole, whose group 1 is the
+    creator's pid in hex, owned by this user, whose creator is gone (``kill(pid, 0)`` finds no process).
+    Returns the names removed (logged as ``what`` segments). Best effort: a directory that cannot be read
+    removes nothing."""
+    try:
+        entries = os.listdir(shm_dir)
+    except OSError:
+        return []
+    me, uid, removed = os.getpid(), os.getuid(), []
+    for entry in entries:
+        m = pattern.fullmatch(entry)
+        if m is None:
+            continue
+        pid = int(m.group(1), 16)
+        if pid <= 0 or pid == me or _pid_exists(pid):
+            continue
+        try:
+            if os.stat(os.path.join(shm_dir, entry)).st_uid != uid:
+                continue
+        except OSError:
+            continue
+        unlink_shm("/" + entry)
+        removed.append(entry)
+    if removed:
+        logging.getLogger("gpuxfer").info("removed %d %s segment(s) left by processes gone: %s", len(removed),
+                                          what, ", ".join(removed))
+    return removed
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -29,7 +29,7 @@ import os
 import re
 import secrets
 
-from ..common import map_shm, unlink_shm
+from ..common import map_shm, sweep_shm_orphans, unlink_shm
 from ..errors import GpuxferError
 from ..flaglink import FLAG_STRIDE
 
@@ -40,45 +40,6 @@ _WORD = FLAG_STRIDE // 8       # int64 words per flag line
 _PROBE_WRITE, _PROBE_COPY = 0, 1   # scratch lines after the n flag words (the peer's setup check)
 PREFIX = "gpuxfer-ppw-"
 _NAME = re.compile(PREFIX + r"([0-9a-f]{1,8})-[0-9a-f]{12}")     # as create() names them: creator pid, token
-SHM_DIR = "/dev/shm"
-
-
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:             # exists, another user's (EPERM), or cannot tell: not ours to judge dead
-        return True
-    return True
-
-
-def sweep_orphans(shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink the give-back segments left by processes that no longer exist (killed between create and
-    unlink): names of exactly :meth:`HostWords.create`'s pattern, owned by this user, whose creator pid is
-    gone. Returns the names removed. Best effort: a directory that cannot be read removes nothing."""
-    try:
-        entries = os.listdir(shm_dir)
-    except OSError:
-        return []
-    me, uid, removed = os.getpid(), os.getuid(), []
-    for entry in entries:
-        m = _NAME.fullmatch(entry)
-        if m is None:
-            continue
-        pid = int(m.group(1), 16)
-        if pid <= 0 or pid == me or _pid_exists(pid):
-            continue
-        try:
-            if os.stat(os.path.join(shm_dir, entry)).st_uid != uid:
-                continue
-        except OSError:
-            continue
-        unlink_shm("/" + entry)
-        removed.append(entry)
-    if removed:
-        log.info("removed %d give-back segment(s) left by processes gone: %s", len(removed), ", ".join(removed))
-    return removed
 
 
 class HostWords:
@@ -104,8 +65,9 @@ class HostWords:
 
     @classmethod
     def create(cls, platform, device: int, n: int) -> "HostWords":
-        """New words named ``/gpuxfer-ppw-<pid hex>-<12 hex>`` (after :func:`sweep_orphans`)."""
-        sweep_orphans()
+        """New words named ``/gpuxfer-ppw-<pid hex>-<12 hex>``, after removing the give-back segments whose
+        creator is gone (:func:`~gpuxfer.common.sweep_shm_orphans`)."""
+        sweep_shm_orphans(_NAME, "give-back")
         return cls(platform, device, f"/{PREFIX}{os.getpid():x}-{secrets.token_hex(6)}", n, True)
 
     @classmethod

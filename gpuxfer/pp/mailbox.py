@@ -7,7 +7,12 @@ whole transfer. When both ends of a pair run on the same host,
 POSIX shared-memory segment that both processes map, created by the receiver
 (registered with the resource tracker at once) and unlinked as soon as the sender
 has opened it (nothing is left behind, even on a crash after setup; a receiver
-killed before that: its tracker, or the surviving sender, unlinks it). ``GPUXFER_PP_META_CHANNEL=group`` keeps the CPU group.
+killed before that: its tracker, or the surviving sender, unlinks it). Its name,
+``/gpuxfer-pp-<receiver pid>-<nonce>-<tag>`` (hex; :func:`segment_name`), is built by
+both ends from what connect exchanged; a name left by a receiver whose tracker died
+with it goes at the next :meth:`Mailbox.create` on the host, which removes every
+name of that pattern whose creator pid no longer exists (same user) and touches no
+other name. ``GPUXFER_PP_META_CHANNEL=group`` keeps the CPU group.
 
 Layout (int64 words)::
 
@@ -36,16 +41,24 @@ on hosts that reorder stores.
 from __future__ import annotations
 
 import os
+import re
 import time
 import zlib
 
 import numpy as np
 
-from ..common import map_shm, unlink_shm
+from ..common import map_shm, sweep_shm_orphans, unlink_shm
 
 RING = 16
 HEADER_WORDS = 8
 W_MAGIC, W_CONSUMED = 0, 1
+PREFIX = "gpuxfer-pp-"
+_NAME = re.compile(PREFIX + r"([0-9a-f]{1,8})-[0-9a-f]{1,16}-[0-9a-f]{1,16}")   # creator pid, nonce, tag
+
+
+def segment_name(creator_pid: int, nonce: int, tag: int) -> str:
+    """The name of a pair's mailbox: its creator's (the receiver's) pid, the connection's nonce, the pair's tag."""
+    return f"/{PREFIX}{creator_pid:x}-{nonce:x}-{tag:x}"
 
 
 class MailboxTimeout(RuntimeError):
@@ -129,6 +142,9 @@ class Mailbox:
 
     @classmethod
     def create(cls, name: str, meta_len: int, magic: int) -> "Mailbox":
+        """A new mailbox ``name``, after removing the mailboxes whose creator is gone
+        (:func:`~gpuxfer.common.sweep_shm_orphans`)."""
+        sweep_shm_orphans(_NAME, "mailbox")
         return cls(name, meta_len, magic, create=True)
 
     @classmethod

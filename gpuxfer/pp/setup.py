@@ -40,10 +40,10 @@ def setup_mailboxes(exchange, infos, ends, tag_of, nonce: int, rank: int, mode: 
     the CPU group; an error is logged.
     """
     from ..common import unlink_shm
-    from .mailbox import Mailbox
+    from .mailbox import Mailbox, segment_name
 
-    def name(pair) -> str:
-        return f"/gpuxfer-pp-{nonce:x}-{tag_of[pair]:x}"
+    def name(pair) -> str:       # pair = (sender, receiver); the receiver creates it
+        return segment_name(infos[pair[1]]["pid"], nonce, tag_of[pair])
 
     def eligible(t) -> bool:
         return t.metadata and mode == "auto" and infos[t.peer]["host"] == infos[rank]["host"]

@@ -139,7 +139,7 @@ def _setup_two(hosts=("a", "a"), modes=("auto", "auto"), monkeypatch=None, open_
         monkeypatch.setattr(mb.Mailbox, "open", staticmethod(bad_open))
     ex = _FakeExchange()
     nonce = int(uuid.uuid4().int & ((1 << 40) - 1)) << 8
-    infos = {0: {"host": hosts[0]}, 1: {"host": hosts[1]}}
+    infos = {0: {"host": hosts[0], "pid": os.getpid()}, 1: {"host": hosts[1], "pid": os.getpid()}}
     tag_of = {(0, 1): 0x100000}
     sentinel = ("channel 0", "channel 1")
     ends = {0: types.SimpleNamespace(role="send", peer=1, metadata=True, specs=types.SimpleNamespace(meta_len=META_LEN),
@@ -160,7 +160,7 @@ def _setup_two(hosts=("a", "a"), modes=("auto", "auto"), monkeypatch=None, open_
     for t in threads:
         t.join(20)
     assert not errors, errors
-    assert _segments(f"gpuxfer-pp-{nonce:x}-") == []      # the segment never outlives set-up
+    assert _segments(mb.segment_name(os.getpid(), nonce, tag_of[(0, 1)])[1:]) == []   # never outlives set-up
     return ends[0].meta, ends[1].meta, sentinel
 
 
@@ -184,3 +184,33 @@ def test_setup_keeps_the_cpu_group_when_either_end_cannot(case, monkeypatch):
           "sender cannot open": {"open_fails": True, "monkeypatch": monkeypatch}}[case]
     send, recv, sentinel = _setup_two(**kw)
     assert (send, recv) == sentinel
+
+
+def test_create_removes_mailboxes_of_creators_gone_and_no_other():
+    """A receiver SIGKILLed between create and unlink (its tracker with it) leaves its name: the next create
+    removes names of the mailbox pattern whose pid no longer exists, and leaves a live creator's, and any
+    other name, alone."""
+    import subprocess
+    import sys
+
+    from gpuxfer.common import map_shm, unlink_shm
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    assert gone.wait(timeout=60) == 0               # exited and reaped: its pid names no process
+    nonce, tag = int(uuid.uuid4().int & ((1 << 40) - 1)) << 8, 0x100000
+    dead = mb.segment_name(gone.pid, nonce, tag)
+    live = mb.segment_name(os.getppid(), nonce, tag)
+    other = [dead + "x", f"/{mb.PREFIX}{gone.pid:x}-{nonce:x}", f"/gpuxfer-ppw-{gone.pid:x}-{nonce:x}-{tag:x}",
+             f"/{mb.PREFIX}{gone.pid:x}-{nonce:x}-{tag:x}-1"]
+    names = [dead, live, *other]
+    try:
+        for name in names:
+            map_shm(name, 4096, create=True).close()
+        box = mb.Mailbox.create(_name(), META_LEN, MAGIC)
+        box.unlink()
+        box.close()
+        assert not os.path.exists(f"/dev/shm{dead}")
+        assert all(os.path.exists(f"/dev/shm{name}") for name in [live, *other])
+    finally:
+        for name in names:
+            unlink_shm(name)
