@@ -64,8 +64,8 @@ def _pid_exists(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:             # exists, another user's (EPERM), or cannot tell: not ours to judge dead
-        return True
+    except (OSError, OverflowError):    # exists, another user's (EPERM), or cannot tell (past pid_t): not ours
+        return True                     # to judge dead
     return True
 
 

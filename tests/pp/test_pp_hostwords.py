@@ -118,3 +118,23 @@ def test_create_removes_segments_of_creators_gone_and_no_other(host):
     finally:
         for name in names:
             unlink_shm(name)
+
+
+def test_sweep_skips_a_name_whose_pid_no_process_can_have(tmp_path):
+    """A name of the give-back pattern whose pid is past any pid (8 hex digits, >= 2**31: any user can make one)
+    is left alone, and the sweep still removes the names of creators gone."""
+    import subprocess
+    import sys
+
+    from gpuxfer.common import sweep_shm_orphans
+    from gpuxfer.pp.hostwords import _NAME, PREFIX
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    assert gone.wait(timeout=60) == 0
+    huge = tmp_path / f"{PREFIX}ffffffff-{'0' * 12}"
+    dead = tmp_path / f"{PREFIX}{gone.pid:x}-{'1' * 12}"
+    huge.touch()
+    dead.touch()
+    removed = sweep_shm_orphans(_NAME, "give-back", str(tmp_path))
+    assert huge.exists() and huge.name not in removed
+    assert dead.name in removed
