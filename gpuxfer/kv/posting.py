@@ -25,7 +25,7 @@ MIN_SLOT_ENTRIES = 1024
 #: shapes of pack transfers an agent keeps (buffers, kernels, graphs), the least recently posted going first
 PACK_SHAPES = 8
 #: posted transfers a post keeps without looking at their events; past it, a post first drops the completed
-#: ones (a prepare drops them all)
+#: ones (so does a prepare that finds no free host array of its size)
 INFLIGHT_KEEP = 16
 
 
