@@ -405,7 +405,7 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
         all). ``notify_slot``: bump this word of the peer's notification area after the data
         (0..63). ``name``: how errors and timeouts name the request.
         """
-        if type(peer) is str:
+        if type(peer) is not KVPeer and isinstance(peer, str):
             self._check_open()
             peer = self.peer(peer)
         self._check_usable(peer)            # (the agent's own state too)

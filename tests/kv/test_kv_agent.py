@@ -1714,3 +1714,13 @@ def test_request_pool_reaps_only_when_none_is_free():
     held = again
     got, _ = pool.take(300, lambda: pool.give(held))          # the reap gives one back: it is taken
     assert got is held
+
+
+def test_a_peer_named_by_a_str_subclass_is_found(pair):
+    """``peer`` as its name: any ``str`` (a subclass too, e.g. numpy's ``str_`` from a config) names it."""
+    pre, dec, a0, a1 = pair
+    pre.register_group("g", 4, [a0.tensor((4, 4, 8))])
+    dec.register_group("g", 4, [a1.tensor((4, 4, 8))])
+    _connect(pre, dec)
+    x = dec.prepare(np.str_("prefill"), "pull", local_blocks={"g": [0]}, remote_blocks={"g": [1]})
+    assert x.peer is dec.peer("prefill")
