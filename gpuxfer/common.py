@@ -10,6 +10,7 @@ import os
 import platform as _pyplatform
 import re
 import socket
+import time
 
 from . import __version__
 from .errors import BadInput
@@ -69,12 +70,18 @@ def _pid_exists(pid: int) -> bool:
     return True
 
 
+#: a segment younger than this (by its modification time) is never swept: a pid that names no process here may
+#: be a live creator's in another PID namespace sharing /dev/shm (containers sharing IPC, not PIDs), whose
+#: segment is opened and unlinked within its connect's setup
+SHM_ORPHAN_AGE_S = 3600
+
+
 def sweep_shm_orphans(pattern: re.Pattern, what: str, shm_dir: str = "/dev/shm") -> list[str]:
     """Unlink the shared-memory segments left by processes that no longer exist (killed between creating
     a segment and unlinking it): names in ``shm_dir`` that ``pattern`` matches whole, whose group 1 is the
-    creator's pid in hex, owned by this user, whose creator is gone (``kill(pid, 0)`` finds no process).
-    Returns the names removed (logged as ``what`` segments). Best effort: a directory that cannot be read
-    removes nothing."""
+    creator's pid in hex, owned by this user, at least :data:`SHM_ORPHAN_AGE_S` old, whose creator is gone
+    (``kill(pid, 0)`` finds no process). Returns the names removed (logged as ``what`` segments). Best
+    effort: a directory that cannot be read removes nothing."""
     try:
         entries = os.listdir(shm_dir)
     except OSError:
@@ -88,9 +95,10 @@ def sweep_shm_orphans(pattern: re.Pattern, what: str, shm_dir: str = "/dev/shm")
         if pid <= 0 or pid == me or _pid_exists(pid):
             continue
         try:
-            if os.stat(os.path.join(shm_dir, entry)).st_uid != uid:
-                continue
+            st = os.stat(os.path.join(shm_dir, entry))
         except OSError:
+            continue
+        if st.st_uid != uid or time.time() - st.st_mtime < SHM_ORPHAN_AGE_S:
             continue
         unlink_shm("/" + entry)
         removed.append(entry)

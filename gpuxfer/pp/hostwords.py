@@ -18,8 +18,9 @@ A word's value only grows and is written by R's stream after R's work on the slo
 the host saw stays true: the slot is free for good. The sender's value words (the source of the 8-byte
 copy that publishes a step from inside its copy graph) sit after the empty words in the same segment.
 The owner drops the name once the peer opened it. A process killed between the create and that unlink
-leaves the name behind; the next create on the host removes every ``gpuxfer-ppw-<pid>-<12 hex>`` segment
-whose creator ``<pid>`` no longer exists (and is ours: same user), and touches no other name.
+leaves the name behind; a later create on the host removes every ``gpuxfer-ppw-<pid>-<12 hex>`` segment
+whose creator ``<pid>`` no longer exists (and is ours: same user; at least an hour old, so a live creator's
+in another PID namespace is left), and touches no other name.
 """
 from __future__ import annotations
 

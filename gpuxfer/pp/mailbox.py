@@ -10,9 +10,9 @@ has opened it (nothing is left behind, even on a crash after setup; a receiver
 killed before that: its tracker, or the surviving sender, unlinks it). Its name,
 ``/gpuxfer-pp-<receiver pid>-<nonce>-<tag>`` (hex; :func:`segment_name`), is built by
 both ends from what connect exchanged; a name left by a receiver whose tracker died
-with it goes at the next :meth:`Mailbox.create` on the host, which removes every
-name of that pattern whose creator pid no longer exists (same user) and touches no
-other name. ``GPUXFER_PP_META_CHANNEL=group`` keeps the CPU group.
+with it goes at a later :meth:`Mailbox.create` on the host, which removes every
+name of that pattern whose creator pid no longer exists (same user; at least an hour
+old, so a live creator's in another PID namespace is left) and touches no other name. ``GPUXFER_PP_META_CHANNEL=group`` keeps the CPU group.
 
 Layout (int64 words)::
 

@@ -98,7 +98,9 @@ def test_create_removes_segments_of_creators_gone_and_no_other(host):
     import subprocess
     import sys
 
-    from gpuxfer.common import map_shm, unlink_shm
+    import time
+
+    from gpuxfer.common import SHM_ORPHAN_AGE_S, map_shm, unlink_shm
     from gpuxfer.pp.hostwords import PREFIX
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -111,6 +113,9 @@ def test_create_removes_segments_of_creators_gone_and_no_other(host):
     try:
         for name in names:
             map_shm(name, 4096, create=True).close()
+        old = time.time() - SHM_ORPHAN_AGE_S - 60     # (a younger one may be another PID namespace's)
+        for name in names:
+            os.utime(f"/dev/shm{name}", (old, old))
         w = HostWords.create(host, 0, 2)
         w.close()
         assert not os.path.exists(f"/dev/shm{dead}")
@@ -126,7 +131,9 @@ def test_sweep_skips_a_name_whose_pid_no_process_can_have(tmp_path):
     import subprocess
     import sys
 
-    from gpuxfer.common import sweep_shm_orphans
+    import time
+
+    from gpuxfer.common import SHM_ORPHAN_AGE_S, sweep_shm_orphans
     from gpuxfer.pp.hostwords import _NAME, PREFIX
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -135,6 +142,29 @@ def test_sweep_skips_a_name_whose_pid_no_process_can_have(tmp_path):
     dead = tmp_path / f"{PREFIX}{gone.pid:x}-{'1' * 12}"
     huge.touch()
     dead.touch()
+    old = time.time() - SHM_ORPHAN_AGE_S - 60
+    for f in (huge, dead):
+        os.utime(f, (old, old))
     removed = sweep_shm_orphans(_NAME, "give-back", str(tmp_path))
     assert huge.exists() and huge.name not in removed
     assert dead.name in removed
+
+
+def test_sweep_leaves_a_fresh_segment_whose_pid_is_not_seen_here(tmp_path):
+    """A segment made moments ago whose pid names no process here may be a live process's of another PID
+    namespace sharing /dev/shm (containers sharing IPC, not PIDs): left alone until SHM_ORPHAN_AGE_S old."""
+    import subprocess
+    import sys
+    import time
+
+    from gpuxfer.common import SHM_ORPHAN_AGE_S, sweep_shm_orphans
+    from gpuxfer.pp.hostwords import _NAME, PREFIX
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    assert gone.wait(timeout=60) == 0
+    seg = tmp_path / f"{PREFIX}{gone.pid:x}-{'2' * 12}"
+    seg.touch()
+    assert sweep_shm_orphans(_NAME, "give-back", str(tmp_path)) == []
+    old = time.time() - SHM_ORPHAN_AGE_S - 60
+    os.utime(seg, (old, old))
+    assert sweep_shm_orphans(_NAME, "give-back", str(tmp_path)) == [seg.name]

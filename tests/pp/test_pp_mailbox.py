@@ -192,8 +192,9 @@ def test_create_removes_mailboxes_of_creators_gone_and_no_other():
     other name, alone."""
     import subprocess
     import sys
+    import time
 
-    from gpuxfer.common import map_shm, unlink_shm
+    from gpuxfer.common import SHM_ORPHAN_AGE_S, map_shm, unlink_shm
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     assert gone.wait(timeout=60) == 0               # exited and reaped: its pid names no process
@@ -206,6 +207,9 @@ def test_create_removes_mailboxes_of_creators_gone_and_no_other():
     try:
         for name in names:
             map_shm(name, 4096, create=True).close()
+        old = time.time() - SHM_ORPHAN_AGE_S - 60     # (a younger one may be another PID namespace's)
+        for name in names:
+            os.utime(f"/dev/shm{name}", (old, old))
         box = mb.Mailbox.create(_name(), META_LEN, MAGIC)
         box.unlink()
         box.close()
