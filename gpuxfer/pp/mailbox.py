@@ -12,7 +12,8 @@ killed before that: its tracker, or the surviving sender, unlinks it). Its name,
 both ends from what connect exchanged; a name left by a receiver whose tracker died
 with it goes at a later :meth:`Mailbox.create` on the host, which removes every
 name of that pattern whose creator pid no longer exists (same user; at least an hour
-old, so a live creator's in another PID namespace is left) and touches no other name. ``GPUXFER_PP_META_CHANNEL=group`` keeps the CPU group.
+old, so a live creator's in another PID namespace is left) and touches no other name.
+``GPUXFER_PP_META_CHANNEL=group`` keeps the CPU group.
 
 Layout (int64 words)::
 
