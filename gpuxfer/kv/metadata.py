@@ -15,7 +15,9 @@ from .control import AGENT_FLAG_BYTES, PACK_SLOTS
 from .layers import _MAX_INT, _MAX_NAME, _MAX_PIECES, KVLayer, KVPiece, _check_layer
 
 METADATA_MAGIC = b"GXKV"
-METADATA_VERSION = 2
+#: the layout of the metadata bytes and what two agents must derive alike from a request (the flag words, the
+#: pack engine's descriptor order and chunks): peers of another version are refused, never paired
+METADATA_VERSION = 3
 _HEADER = struct.Struct("<4sHHI")           # magic, version, flags (0), body length
 MAX_METADATA_BYTES = 64 << 20
 

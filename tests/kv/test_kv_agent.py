@@ -761,6 +761,7 @@ def test_metadata_roundtrip_and_hostile_bytes(pair):
     cases = [
         (b"", "shorter than"), (blob[:11], "shorter than"), (b"XXXX" + blob[4:], "magic"),
         (_reblob(body, version=99), "version 99"), (blob[:-1], "body bytes"), (blob + b" ", "body bytes"),
+        (_reblob(body, version=METADATA_VERSION - 1), f"version {METADATA_VERSION - 1};"),
         (blob[:12] + b"\xff" * (len(blob) - 12), "not valid JSON"), ("text", "must be bytes"),
         (_reblob([1, 2]), "JSON object"),
     ]
