@@ -173,7 +173,6 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
         self._pack_peer: str | None = None                          # the one peer pack transfers go to
         self._pack_shapes: collections.OrderedDict = collections.OrderedDict()   # shape key -> _PackShape
         self._pack_tail: tuple | None = None                        # (stream, event) of the last pack post
-        self._pack_warm: set = set()                                # (route id, source?) whose kernels are loaded
         self._lane: Stream | None = None                            # a pack source's copies (beside its packs)
         self._lane_event: Event | None = None
         self._requests = _RequestPool(pinned=not platform.host_memory)     # host arrays of requests

@@ -59,8 +59,7 @@ class _PackShape:
         self.chunks: list[tuple[int, Any]] = []             # (bytes, the launch of its pack or unpack)
         for i, (a, b, nbytes, c) in enumerate(x._chunks):
             self.chunks.append((nbytes, launcher(self.out, a, b, (i % PACK_SLOTS) * agent.slot_bytes, c)))
-        warm = (id(r), self.source)
-        if not agent.platform.kernels_interpreted and warm not in agent._pack_warm:
+        if not agent.platform.kernels_interpreted and self.source not in r.pack_warm:
             # on torch's current stream, after the zeros: every row copies 0 bytes, the request expands nothing
             zreq = torch.zeros(request_header_len(len(r.plane_group), G) + 1, dtype=torch.int64, device=dev)
             zout = torch.zeros((1, 3), dtype=torch.int64, device=dev)
@@ -70,7 +69,7 @@ class _PackShape:
                 if fn is not None:
                     fn()
             agent._track(agent.platform.record_event(agent.platform.current_stream(agent.device)), (zreq, zout))
-            agent._pack_warm.add(warm)
+            r.pack_warm.add(self.source)
         self.graphs: list[Any] = [None] * 2
         self.posts = 0
         self.capturable = True
