@@ -147,8 +147,8 @@ class _RouteIds:
     group by group: ordered by destination keys, every destination turning up once is the duplicate
     check; ordered by source keys, the destinations' keys get a range of marks of their own in the same
     scatter. A failed check is then found group by group, so its error names the group, the side and the
-    ID. Few IDs in a large range go by a comparison sort and by the per-group duplicate check (memory
-    stays O(IDs))."""
+    ID. Few IDs in a large range go by a comparison sort and by the per-group duplicate check (time O(IDs);
+    the check's per-thread array over the group's blocks is made once and kept)."""
 
     def __init__(self, groups: tuple[str, ...], limits: list[tuple[int, int]], splits: list[tuple[int, int]],
                  dst_classes: list[list[int]], sort_by_dst: bool):
