@@ -87,7 +87,6 @@ import threading
 import uuid
 from typing import Any, Mapping, Sequence
 
-
 from ..errors import (BackendUnavailable, BadInput, BadMetadata, BlockIdError, LayoutMismatch, NotRegistered,
                       TransferTimeout)
 from ..flaglink import FlagWords
