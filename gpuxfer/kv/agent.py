@@ -360,7 +360,7 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
         name = peer.name if isinstance(peer, KVPeer) else peer
         with self._lock:
             p = self._peers.pop(name, None)
-            for k in [k for k in self._routes if k[0] == name]:
+            for k in [k for k in self._routes if k[0] is p]:
                 del self._routes[k]
         if p is None:
             raise NotRegistered(f"agent {self.name!r} has no peer {name!r}")
@@ -423,12 +423,11 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
                 not (type(remote_blocks) is dict or isinstance(remote_blocks, Mapping)):
             raise BlockIdError(f"request {name!r}: local_blocks and remote_blocks must map group -> block IDs")
         # the route of a request naming these groups in this order (cached beside the route's own key)
-        key = (peer.name, op, layers, tuple(local_blocks))
+        key = (peer, op, layers, tuple(local_blocks))
         route = self._routes.get(key)
         if route is None or local_blocks.keys() != remote_blocks.keys():
             route = self._request_route(peer, op, layers, name, local_blocks, remote_blocks)
-            with self._lock:
-                self._routes[key] = route
+            self._keep_route(key, route)
         return self._stage(peer, route, op, name, route.ids.check(name, op == "push", local_blocks, remote_blocks),
                            notify_slot)
 

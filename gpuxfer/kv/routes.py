@@ -95,13 +95,19 @@ class _Routes:
     """:class:`~gpuxfer.kv.agent.KVAgent`'s routes: the cache (``_routes``) and how a route is built."""
 
     def _route(self, peer: KVPeer, op: str, layers: tuple[int, int] | None, groups: tuple[str, ...]) -> _Route:
-        key = (peer.name, op, layers, groups)
+        key = (peer, op, layers, groups)
         r = self._routes.get(key)
         if r is None:
             r = self._build_route(peer, op, layers, groups)
-            with self._lock:
-                self._routes[key] = r
+            self._keep_route(key, r)
         return r
+
+    def _keep_route(self, key: tuple, route: _Route) -> None:
+        """Cache ``route`` under ``key`` (its peer first) while that peer is still the agent's (a peer removed
+        while the route was built leaves nothing behind)."""
+        with self._lock:
+            if self._peers.get(key[0].name) is key[0]:
+                self._routes[key] = route
 
     def _build_route(self, peer: KVPeer, op: str, layers: tuple[int, int] | None, names: tuple[str, ...]
                      ) -> _Route:

@@ -1725,3 +1725,31 @@ def test_a_peer_named_by_a_str_subclass_is_found(pair):
     _connect(pre, dec)
     x = dec.prepare(np.str_("prefill"), "pull", local_blocks={"g": [0]}, remote_blocks={"g": [1]})
     assert x.peer is dec.peer("prefill")
+
+
+def test_a_peer_removed_while_its_route_is_built_leaves_no_route(pair, monkeypatch):
+    """remove_peer running while another call builds a route to that peer: the route is not cached, and the
+    peer added again under the same name gets routes of its own (never the removed peer's mappings)."""
+    pre, dec, a0, a1 = pair
+    pre.register_group("g", 4, [a0.tensor((4, 4, 8))])
+    dec.register_group("g", 4, [a1.tensor((4, 4, 8))])
+    _connect(pre, dec)
+    old = dec.peer("prefill")
+    dec._routes.clear()
+    build = type(dec)._build_route
+    built = []
+
+    def build_then_remove(self, peer, *a, **kw):
+        route = build(self, peer, *a, **kw)
+        if peer is old and old.name in self._peers:
+            built.append(route)
+            self.remove_peer(old.name)           # (as another thread would, mid-build)
+        return route
+
+    monkeypatch.setattr(type(dec), "_build_route", build_then_remove)
+    dec.prepare(old, "pull", local_blocks={"g": [0]}, remote_blocks={"g": [1]})
+    assert built and not any(r is built[0] for r in dec._routes.values())
+    monkeypatch.undo()
+    new = dec.add_peer(pre.metadata())
+    x = dec.prepare("prefill", "pull", local_blocks={"g": [0]}, remote_blocks={"g": [1]})
+    assert x.peer is new and x.route is not built[0]
