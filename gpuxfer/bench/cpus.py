@@ -216,3 +216,17 @@ def pin(cpus) -> bool:
         log.warning("cannot pin to CPU(s) %s (%s): placement left to the scheduler", _fmt(sorted(cpus)), exc)
         return False
     return True
+
+
+def pin_auto(rank: int, world: int, pci_bus_id: str | None) -> tuple[tuple[int, ...] | None, dict | None]:
+    """``auto``, the rank's GPU known (``pci_bus_id``; None: no locality): its part of the physical cores
+    (:func:`auto_cpus`), the thread pinned to the fastest of them by a Python yardstick (:func:`fastest_cpu`).
+    Returns ``(the part, {"cpu", "python_us", "candidates_python_us"})``, or ``(None, None)`` where the rank
+    stays where it was (too few cores, no CPU affinity, or the OS refused every CPU of the part)."""
+    part = auto_cpus(rank, world, gpu_local_cpus(pci_bus_id))
+    if part is None or not hasattr(os, "sched_setaffinity"):
+        return None, None
+    cpu, us, each = fastest_cpu(part)
+    if not pin((cpu,)):
+        return None, None
+    return part, {"cpu": cpu, "python_us": us, "candidates_python_us": {str(c): v for c, v in each.items()}}

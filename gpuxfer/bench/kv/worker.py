@@ -19,11 +19,12 @@ from ... import config
 from ...common import run_versions
 from ...errors import BackendUnavailable, BadInput, GpuxferError, PlatformUnavailable
 from ...kv import engines as E
-from ..cpus import AUTO, auto_cpus, current_cpu, fastest_cpu, gpu_local_cpus, pin, python_speed_us
+from ..cpus import AUTO, current_cpu, fastest_cpu, pin, pin_auto, python_speed_us
 from ..timing import now
 from . import report as R
 from .checks import _flip_byte, _moves_one_copy, _pool_fill, _pool_verify, _read8, _suite_fill, _sync, \
     fault_matches, stray_offset
+from .group import _Group, _boot_id
 
 if TYPE_CHECKING:
     from .runner import RunConfig
@@ -33,42 +34,6 @@ log = logging.getLogger("gpuxfer.bench.kv.worker")
 TRACE_ENV = "GPUXFER_KV_TRACE"
 #: a first warm-up burst slower than this skips the other warm-ups
 SLOW_BURST_S = 1.0
-
-
-def _boot_id() -> str | None:
-    """This kernel's boot id (Linux): two ranks with different ones are on different machines even when
-    their hostnames agree (e.g. both ``localhost``). None where unreadable."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
-
-
-class _Group:
-    """The gloo CPU group of the two ranks: gathers and barriers, with the group timeout."""
-
-    def __init__(self, rank: int, init_method: str, timeout_s: float):
-        import torch.distributed as dist
-        self.dist = dist
-        self.rank = rank
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2,
-                                timeout=_dt.timedelta(seconds=timeout_s))
-
-    def gather(self, obj) -> list:
-        out = [None, None]
-        self.dist.all_gather_object(out, obj)
-        return out
-
-    def barrier(self) -> None:
-        self.dist.barrier()
-
-    def close(self) -> None:
-        try:
-            if self.dist.is_initialized():
-                self.dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - teardown
-            pass
 
 
 class Worker:
@@ -142,7 +107,9 @@ class Worker:
             torch.cuda.set_device(dev)
         self.group = _Group(self.rank, self.init_method, cfg.timeout_s)
         info = plat.device_info(dev)
-        pick = self._pin_auto(info.pci_bus_id) if cfg.cpus == AUTO else None
+        pick = None
+        if cfg.cpus == AUTO:    # this rank's part of the cores near its GPU, the fastest picked again per row
+            self.cpu_part, pick = pin_auto(self.rank, 2, None if plat.is_emulation else info.pci_bus_id)
         mine = {"rank": self.rank, "role": f"{self.role.serving_name} ({self.role.value})", "pid": os.getpid(),
                 "device": dev, "info": info.as_dict(), "free_bytes": info.free_bytes,
                 "engines": {name: E.engine_unavailable_reason(name, plat) for name in cfg.engines},
@@ -217,19 +184,6 @@ class Worker:
             ceiling = next((n for n, e in self.engines.items() if e.ceiling_across_hosts), None)
             self.emit("note", {"text": "cross-host mode: the peer pool is not mapped; % of ceiling is of "
                                        + (f"the {ceiling} row" if ceiling else "nothing (no ceiling engine runs)")})
-
-    def _pin_auto(self, pci_bus_id: str | None) -> dict | None:
-        """``--cpus auto``, the device known: this rank's part of the physical cores near it, pinned to the fastest
-        of them by a Python yardstick. None where it stays where it was (too few cores, or the OS refused every
-        CPU of the part): the run goes on, placed by the scheduler."""
-        part = auto_cpus(self.rank, 2, gpu_local_cpus(None if self.platform.is_emulation else pci_bus_id))
-        if part is None or not hasattr(os, "sched_setaffinity"):
-            return None
-        cpu, us, each = fastest_cpu(part)
-        if not pin((cpu,)):
-            return None
-        self.cpu_part = part
-        return {"cpu": cpu, "python_us": us, "candidates_python_us": {str(c): v for c, v in each.items()}}
 
     def _cpu_now(self) -> dict:
         """Before a row: with ``--cpus auto`` this rank moves to the fastest core of its part again (a virtual

@@ -22,7 +22,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
 
     from ...platforms import get_platform
     from ...pp.selection import connect
-    from ..cpus import AUTO, auto_cpus, current_cpu, fastest_cpu, gpu_local_cpus, pin, python_speed_us
+    from ..cpus import AUTO, current_cpu, fastest_cpu, pin, pin_auto, python_speed_us
     placed = opts.get("cpus")
     if placed is not None and placed != AUTO:
         pin(placed[rank])
@@ -68,11 +68,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
     dinfo = plat.device_info(dev)
     pick = part = None
     if placed == AUTO:      # the fastest of this rank's cores near its GPU, now that it is known
-        part = auto_cpus(rank, world, gpu_local_cpus(None if emu else dinfo.pci_bus_id))
-        if part is not None and hasattr(os, "sched_setaffinity"):
-            cpu, us, each = fastest_cpu(part)
-            if pin((cpu,)):     # (None: the OS refused every CPU of the part; the scheduler places the rank)
-                pick = {"cpu": cpu, "python_us": us, "candidates_python_us": {str(c): v for c, v in each.items()}}
+        part, pick = pin_auto(rank, world, None if emu else dinfo.pci_bus_id)
     info = {"rank": rank, "device": dev, "device_info": dinfo.as_dict(), "cpu_pick": pick,
             "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "link": plat.link(dev, peer % plat.device_count()).as_dict(), "versions": run_versions(plat),
