@@ -96,6 +96,18 @@ class Layout:
         return _align(max(self.total, 1))
 
 
+def _dims(shape, what: str) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints, or :class:`BadInput` naming ``what`` where it is not a sequence of at
+    most :data:`MAX_NDIM` non-negative integers."""
+    try:
+        dims = tuple(int(s) for s in shape)
+    except (TypeError, ValueError):
+        raise BadInput(f"{what}: shape {shape!r} is not a sequence of integers") from None
+    if len(dims) > MAX_NDIM or any(s < 0 for s in dims):
+        raise BadInput(f"{what}: shape {dims} needs <= {MAX_NDIM} non-negative dims")
+    return dims
+
+
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     out, acc = [], 1
     for d in reversed(shape):
@@ -124,12 +136,7 @@ class SpecTable:
                 raise BadInput(f"spec of {name!r} must be (shape, dtype), got {entry!r}") from None
             if not isinstance(dtype, torch.dtype):
                 raise BadInput(f"spec of {name!r}: {dtype!r} is not a torch dtype")
-            try:
-                shape = tuple(int(s) for s in shape)
-            except (TypeError, ValueError):
-                raise BadInput(f"spec of {name!r}: shape {shape!r} is not a sequence of integers") from None
-            if len(shape) > MAX_NDIM or any(s < 0 for s in shape):
-                raise BadInput(f"spec of {name!r}: shape {shape} needs <= {MAX_NDIM} non-negative dims")
+            shape = _dims(shape, f"spec of {name!r}")
             names.append(name)
             shapes.append(shape)
             dtypes.append(dtype)
@@ -272,12 +279,7 @@ class SpecTable:
         """Shape ``shape`` of the spec's tensor ``i`` as a tuple of ints, or :class:`BadInput` where it is
         not one within the spec."""
         name = self.names[i]
-        try:
-            shape = tuple(int(s) for s in shape)
-        except (TypeError, ValueError):
-            raise BadInput(f"shape of {name!r} must be a sequence of integers, got {shape!r}") from None
-        if len(shape) > MAX_NDIM or any(s < 0 for s in shape):
-            raise BadInput(f"shape of {name!r} {shape} needs <= {MAX_NDIM} non-negative dims")
+        shape = _dims(shape, f"tensor {name!r}")
         if math.prod(shape) > self.max_numel[i]:
             raise BadInput(f"expected shape {shape} of {name!r} is larger than its slot "
                            f"(the setup spec's largest shape is {self.max_shapes[i]})")

@@ -289,3 +289,15 @@ def test_copy_bytes_is_bit_exact(where):
     copy_bytes([as_bytes(d) for d in dsts], [as_bytes(t) for t in srcs])
     for d, t in zip(dsts, srcs):
         assert torch.equal(as_bytes(d).cpu(), as_bytes(t).cpu())
+
+
+@pytest.mark.parametrize("shape, why", [(("a", 2), "not a sequence of integers"), (5, "not a sequence of integers"),
+                                        ((2, -1), "non-negative dims"), ((1,) * 9, "non-negative dims")])
+def test_a_shape_that_is_not_dims_is_named_in_the_spec_and_in_a_layout(shape, why):
+    """A spec's shape and a step's expected shape go through one check: each names its tensor and the fault."""
+    with pytest.raises(BadInput, match=f"spec of 'hidden': shape .*{why}"):
+        SpecTable({**specs(), "hidden": (shape, torch.bfloat16)})
+    t = SpecTable(specs())
+    shapes = [shape if n == "hidden" else sh for n, sh in zip(t.names, t.max_shapes)]
+    with pytest.raises(BadInput, match=f"tensor 'hidden': shape .*{why}"):
+        t.layout(shapes)
