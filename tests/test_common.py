@@ -3,6 +3,7 @@ from __future__ import annotations
 
 
 import pytest
+from _orphans import backdate, gone_pid
 
 from gpuxfer.common import parse_size, run_versions
 from gpuxfer.errors import BadInput
@@ -61,3 +62,32 @@ def test_package_version_reads_metadata():
     assert package_version("numpy") == metadata.version("numpy")
     assert package_version("no-such-dist-gpuxfer", "numpy") == metadata.version("numpy")   # the first installed
     assert package_version("no-such-dist-gpuxfer") is None
+
+
+def test_sweep_skips_a_name_whose_pid_no_process_can_have(tmp_path):
+    """A name of a swept pattern whose pid is past any pid (8 hex digits, >= 2**31: any user can make one) is
+    left alone, and the sweep still removes the names of creators gone."""
+    from gpuxfer.common import sweep_shm_orphans
+    from gpuxfer.pp.hostwords import _NAME, PREFIX
+
+    huge = tmp_path / f"{PREFIX}ffffffff-{'0' * 12}"
+    dead = tmp_path / f"{PREFIX}{gone_pid():x}-{'1' * 12}"
+    for f in (huge, dead):
+        f.touch()
+        backdate(f)
+    removed = sweep_shm_orphans(_NAME, "give-back", str(tmp_path))
+    assert huge.exists() and huge.name not in removed
+    assert dead.name in removed
+
+
+def test_sweep_leaves_a_fresh_segment_whose_pid_is_not_seen_here(tmp_path):
+    """A segment made moments ago whose pid names no process here may be a live process's of another PID
+    namespace sharing /dev/shm (containers sharing IPC, not PIDs): left alone until SHM_ORPHAN_AGE_S old."""
+    from gpuxfer.common import sweep_shm_orphans
+    from gpuxfer.pp.hostwords import _NAME, PREFIX
+
+    seg = tmp_path / f"{PREFIX}{gone_pid():x}-{'2' * 12}"
+    seg.touch()
+    assert sweep_shm_orphans(_NAME, "give-back", str(tmp_path)) == []
+    backdate(seg)
+    assert sweep_shm_orphans(_NAME, "give-back", str(tmp_path)) == [seg.name]

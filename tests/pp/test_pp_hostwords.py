@@ -6,6 +6,7 @@ import os
 import time
 
 import pytest
+from _orphans import gone_pid, planted
 
 from gpuxfer.errors import GpuxferError
 from gpuxfer.pp.hostwords import HostWords
@@ -95,76 +96,14 @@ def test_create_removes_segments_of_creators_gone_and_no_other(host):
     """A creator SIGKILLed between create and unlink leaves its name: the next create removes names of the
     give-back pattern whose pid no longer exists, and leaves a live creator's, and any other name, alone."""
     import secrets
-    import subprocess
-    import sys
 
-    import time
-
-    from gpuxfer.common import SHM_ORPHAN_AGE_S, map_shm, unlink_shm
     from gpuxfer.pp.hostwords import PREFIX
 
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    assert gone.wait(timeout=60) == 0               # exited and reaped: its pid names no process
-    token = secrets.token_hex(6)
-    dead = f"/{PREFIX}{gone.pid:x}-{token}"
+    pid, token = gone_pid(), secrets.token_hex(6)
+    dead = f"/{PREFIX}{pid:x}-{token}"
     live = f"/{PREFIX}{os.getppid():x}-{token}"
-    other = [f"/{PREFIX}{gone.pid:x}-{token}x", f"/{PREFIX}{gone.pid:x}", f"/gpuxfer-pp-{gone.pid:x}-{token}"]
-    names = [dead, live, *other]
-    try:
-        for name in names:
-            map_shm(name, 4096, create=True).close()
-        old = time.time() - SHM_ORPHAN_AGE_S - 60     # (a younger one may be another PID namespace's)
-        for name in names:
-            os.utime(f"/dev/shm{name}", (old, old))
-        w = HostWords.create(host, 0, 2)
-        w.close()
+    other = [f"/{PREFIX}{pid:x}-{token}x", f"/{PREFIX}{pid:x}", f"/gpuxfer-pp-{pid:x}-{token}"]
+    with planted([dead, live, *other]):
+        HostWords.create(host, 0, 2).close()
         assert not os.path.exists(f"/dev/shm{dead}")
         assert all(os.path.exists(f"/dev/shm{name}") for name in [live, *other])
-    finally:
-        for name in names:
-            unlink_shm(name)
-
-
-def test_sweep_skips_a_name_whose_pid_no_process_can_have(tmp_path):
-    """A name of the give-back pattern whose pid is past any pid (8 hex digits, >= 2**31: any user can make one)
-    is left alone, and the sweep still removes the names of creators gone."""
-    import subprocess
-    import sys
-
-    import time
-
-    from gpuxfer.common import SHM_ORPHAN_AGE_S, sweep_shm_orphans
-    from gpuxfer.pp.hostwords import _NAME, PREFIX
-
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    assert gone.wait(timeout=60) == 0
-    huge = tmp_path / f"{PREFIX}ffffffff-{'0' * 12}"
-    dead = tmp_path / f"{PREFIX}{gone.pid:x}-{'1' * 12}"
-    huge.touch()
-    dead.touch()
-    old = time.time() - SHM_ORPHAN_AGE_S - 60
-    for f in (huge, dead):
-        os.utime(f, (old, old))
-    removed = sweep_shm_orphans(_NAME, "give-back", str(tmp_path))
-    assert huge.exists() and huge.name not in removed
-    assert dead.name in removed
-
-
-def test_sweep_leaves_a_fresh_segment_whose_pid_is_not_seen_here(tmp_path):
-    """A segment made moments ago whose pid names no process here may be a live process's of another PID
-    namespace sharing /dev/shm (containers sharing IPC, not PIDs): left alone until SHM_ORPHAN_AGE_S old."""
-    import subprocess
-    import sys
-    import time
-
-    from gpuxfer.common import SHM_ORPHAN_AGE_S, sweep_shm_orphans
-    from gpuxfer.pp.hostwords import _NAME, PREFIX
-
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    assert gone.wait(timeout=60) == 0
-    seg = tmp_path / f"{PREFIX}{gone.pid:x}-{'2' * 12}"
-    seg.touch()
-    assert sweep_shm_orphans(_NAME, "give-back", str(tmp_path)) == []
-    old = time.time() - SHM_ORPHAN_AGE_S - 60
-    os.utime(seg, (old, old))
-    assert sweep_shm_orphans(_NAME, "give-back", str(tmp_path)) == [seg.name]

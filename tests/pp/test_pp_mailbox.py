@@ -6,6 +6,7 @@ import uuid
 
 import numpy as np
 import pytest
+from _orphans import gone_pid, planted
 
 from gpuxfer.errors import BadInput
 from gpuxfer.pp import mailbox as mb
@@ -190,31 +191,15 @@ def test_create_removes_mailboxes_of_creators_gone_and_no_other():
     """A receiver SIGKILLed between create and unlink (its tracker with it) leaves its name: the next create
     removes names of the mailbox pattern whose pid no longer exists, and leaves a live creator's, and any
     other name, alone."""
-    import subprocess
-    import sys
-    import time
-
-    from gpuxfer.common import SHM_ORPHAN_AGE_S, map_shm, unlink_shm
-
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    assert gone.wait(timeout=60) == 0               # exited and reaped: its pid names no process
+    pid = gone_pid()
     nonce, tag = int(uuid.uuid4().int & ((1 << 40) - 1)) << 8, 0x100000
-    dead = mb.segment_name(gone.pid, nonce, tag)
+    dead = mb.segment_name(pid, nonce, tag)
     live = mb.segment_name(os.getppid(), nonce, tag)
-    other = [dead + "x", f"/{mb.PREFIX}{gone.pid:x}-{nonce:x}", f"/gpuxfer-ppw-{gone.pid:x}-{nonce:x}-{tag:x}",
-             f"/{mb.PREFIX}{gone.pid:x}-{nonce:x}-{tag:x}-1"]
-    names = [dead, live, *other]
-    try:
-        for name in names:
-            map_shm(name, 4096, create=True).close()
-        old = time.time() - SHM_ORPHAN_AGE_S - 60     # (a younger one may be another PID namespace's)
-        for name in names:
-            os.utime(f"/dev/shm{name}", (old, old))
+    other = [dead + "x", f"/{mb.PREFIX}{pid:x}-{nonce:x}", f"/gpuxfer-ppw-{pid:x}-{nonce:x}-{tag:x}",
+             f"/{mb.PREFIX}{pid:x}-{nonce:x}-{tag:x}-1"]
+    with planted([dead, live, *other]):
         box = mb.Mailbox.create(_name(), META_LEN, MAGIC)
         box.unlink()
         box.close()
         assert not os.path.exists(f"/dev/shm{dead}")
         assert all(os.path.exists(f"/dev/shm{name}") for name in [live, *other])
-    finally:
-        for name in names:
-            unlink_shm(name)
