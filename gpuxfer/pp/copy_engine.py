@@ -125,7 +125,7 @@ phases (allocate and zero the flags, export, open the peer's, probe the pair:
 the writer uses remote stream writes only where its peer saw one arrive) beside
 the receive slots and the staging ring.
 
-The pair's settings and setup phases are :mod:`gpuxfer.pp.copy_engine_setup` (mixed in); this module
+The pair's settings, local checks and setup phases are :mod:`gpuxfer.pp.copy_engine_setup` (mixed in); this module
 holds the steps, the watchdog's reads and the teardown.
 
 An ``sdma`` backend (ROCm) can subclass :class:`CopyEngineTransport` and
@@ -164,35 +164,6 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
     min_slots = 2
     release_again = True
     host_give_back = True              # the sender's empty words may live in shared host memory (HostWords)
-
-    # ---- local checks (doctor, and setup before allocating) ----
-    @classmethod
-    def platform_reason(cls, platform) -> str | None:
-        """Why ``platform`` lacks what this backend rests on (a capability of the contract), or None: ``auto``
-        takes the first zero-SM backend for which this is None."""
-        if platform.copy_engine_peer_copies:
-            return None
-        return (f"platform {platform.name}'s copies to a peer do not run on copy engines "
-                f"(Platform.copy_engine_peer_copies)"
-                + (" (SDMA engines: the sdma backend)" if platform.sdma is not None else ""))
-
-    @classmethod
-    def unavailable_reason(cls, platform, device: int | None = None) -> str | None:
-        """Why this backend cannot run on ``platform`` here (local checks only), or None."""
-        why = cls.platform_reason(platform)
-        if why is not None:
-            return why
-        try:
-            n = platform.device_count()
-            if n < 1:
-                return "no device"
-            info = platform.device_info(0 if device is None else device)
-        except Exception as exc:  # noqa: BLE001 - a reason, not a crash
-            return f"cannot query the device: {type(exc).__name__}: {exc}"
-        if not info.stream_mem_ops_64:
-            return (f"device {info.index} ({info.name}) cannot run 64-bit stream memory operations "
-                    f"(stream flag write/wait)")
-        return None
 
     def __init__(self, *, recv_slots: int = 2, flag_path: str | None = None, inline_bytes: "int | str | None" = None,
                  recv_views: bool = False, **kw):

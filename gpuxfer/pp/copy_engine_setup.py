@@ -63,8 +63,37 @@ def inline_bytes_from_env(value: "int | str | None" = None, option: str = "inlin
 
 
 class _CopyEngineSetup:
-    """The setup phases of :class:`~gpuxfer.pp.copy_engine.CopyEngineTransport` (its state, set in its
-    ``__init__``, and its hooks ``_ce_copy``, ``_own_publish``)."""
+    """The local checks and setup phases of :class:`~gpuxfer.pp.copy_engine.CopyEngineTransport` (its state, set
+    in its ``__init__``, and its hooks ``_ce_copy``, ``_own_publish``)."""
+
+    # ---- local checks (doctor, and setup before allocating) ----
+    @classmethod
+    def platform_reason(cls, platform) -> str | None:
+        """Why ``platform`` lacks what this backend rests on (a capability of the contract), or None: ``auto``
+        takes the first zero-SM backend for which this is None."""
+        if platform.copy_engine_peer_copies:
+            return None
+        return (f"platform {platform.name}'s copies to a peer do not run on copy engines "
+                f"(Platform.copy_engine_peer_copies)"
+                + (" (SDMA engines: the sdma backend)" if platform.sdma is not None else ""))
+
+    @classmethod
+    def unavailable_reason(cls, platform, device: int | None = None) -> str | None:
+        """Why this backend cannot run on ``platform`` here (local checks only), or None."""
+        why = cls.platform_reason(platform)
+        if why is not None:
+            return why
+        try:
+            n = platform.device_count()
+            if n < 1:
+                return "no device"
+            info = platform.device_info(0 if device is None else device)
+        except Exception as exc:  # noqa: BLE001 - a reason, not a crash
+            return f"cannot query the device: {type(exc).__name__}: {exc}"
+        if not info.stream_mem_ops_64:
+            return (f"device {info.index} ({info.name}) cannot run 64-bit stream memory operations "
+                    f"(stream flag write/wait)")
+        return None
 
     # ---- setup phases (called by selection.connect, every rank in lock step) ----
     def _fptr(self, mem, word: int) -> int:
