@@ -9,12 +9,13 @@ One convention for ``gpuxfer bench kv|pp|kernels``:
   ``gpuxfer-out/NAME/<UTC time>`` (``gpuxfer-out/NAME/latest`` points at the newest);
   given, DIR must not hold an earlier run's results (they are never overwritten). The
   place is checked (created, written to) before anything is measured;
-* ``--json [PATH]``: print the JSON document on stdout (the tables go to stderr), or,
-  with PATH, also write it there (checked up front like ``--out``);
+* ``--json``: print the JSON document on stdout (the tables go to stderr); ``--json PATH``: write
+  it to PATH instead, a new file in an existing directory (an existing PATH is refused up front, as
+  ``--out`` refuses an earlier run, and never overwritten; the tables stay on stdout);
 * ``--timeout SECONDS``: the limit on every single wait, default :data:`DEFAULT_TIMEOUT_S`;
 * ``--iters`` / ``--trials`` >= 1 where given, ``--warmup`` >= 0;
-* files are written atomically (a temporary file in the same directory, then
-  ``os.replace``) with mode 0644.
+* files are written atomically (a temporary file in the same directory, synced, then
+  ``os.replace``, or linked into place where nothing may be overwritten) with mode 0644.
 """
 from __future__ import annotations
 
@@ -113,8 +114,8 @@ def add_common_arguments(group, *, name: str, timeout_help: str = "limit on ever
                        help=f"directory for the run's files; it must not hold an earlier run's (default: a new "
                             f"{DEFAULT_OUT_ROOT}/{name}/<UTC time>, {DEFAULT_OUT_ROOT}/{name}/latest the newest)")
     group.add_argument("--json", nargs="?", const=True, default=None, metavar="PATH",
-                       help="print the JSON document on stdout (the tables go to stderr); with PATH, write it "
-                            "there as well")
+                       help="print the JSON document on stdout (the tables go to stderr); --json PATH: write it "
+                            "to PATH instead, a new file in an existing directory (the tables stay on stdout)")
 
 
 # --------------------------------------------------------------------------- outputs
@@ -162,10 +163,11 @@ class Outputs:
 
     def publish(self, artifact: str, text: str, out) -> None:
         """Write the run's JSON ``text`` as ``artifact`` in its directory and at ``--json PATH`` (atomic,
-        0644), name each on ``out``, point ``latest`` here, and print it on stdout for a bare ``--json``."""
-        for path in (self.path(artifact), self.json_path):
+        0644; PATH never overwritten), name each on ``out``, point ``latest`` here, and print it on stdout
+        for a bare ``--json``."""
+        for path, replace in ((self.path(artifact), True), (self.json_path, False)):
             if path:
-                write_atomic(path, text + "\n")
+                write_atomic(path, text + "\n", replace=replace)
                 print(f"# json: {path}", file=out)
         self.link_latest()
         if self.json_stdout:
@@ -193,8 +195,9 @@ def _new_run_dir(root: str) -> str:
 
 
 def json_path_option(json_opt, *, create: bool = True) -> str | None:
-    """``--json PATH``: the absolute path, its directory made and proved writable (None for ``--json``
-    alone or none)."""
+    """``--json PATH``: the absolute path of a new file in an existing, writable directory (None for
+    ``--json`` alone or none). An existing PATH is refused (its contents are kept, as ``--out`` keeps an
+    earlier run's); a missing directory is refused, never created. ``create=False`` skips the write probe."""
     if json_opt in (None, True):
         return None
     path = str(json_opt)
@@ -203,8 +206,13 @@ def json_path_option(json_opt, *, create: bool = True) -> str | None:
     path = os.path.abspath(path)
     if os.path.isdir(path):
         raise BadInput(f"--json: {path} is a directory")
+    if os.path.lexists(path):
+        raise BadInput(f"--json: {path} exists; it is kept, not overwritten: choose another name or remove it")
+    directory = os.path.dirname(path)
+    if not os.path.isdir(directory):
+        raise BadInput(f"--json: directory {directory} does not exist")
     if create:
-        _probe_dir(os.path.dirname(path), "--json")
+        _probe_dir(directory, "--json")
     return path
 
 
@@ -240,9 +248,11 @@ def prepare_outputs(bench: str, out: str | None, json_opt, *, artifacts: tuple[s
     return outputs
 
 
-def write_atomic(path: str, data: str | bytes, *, mode: int = FILE_MODE) -> str:
-    """Write ``data`` to ``path`` through a temporary file in the same directory and ``os.replace``:
-    readers see the old file or the new one, never a part; a symlink at ``path`` is replaced, not followed."""
+def write_atomic(path: str, data: str | bytes, *, mode: int = FILE_MODE, replace: bool = True) -> str:
+    """Write ``data`` to ``path`` through a temporary file in the same directory, synced to disk before it
+    takes the name: readers (and a crash) see the old file or the whole new one, never a part. With
+    ``replace`` a file or symlink at ``path`` is replaced (not followed); without, an existing ``path`` is
+    left as it is and :class:`BadInput` says so (the name is taken by a hard link, which never overwrites)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
@@ -251,14 +261,37 @@ def write_atomic(path: str, data: str | bytes, *, mode: int = FILE_MODE) -> str:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fchmod(f.fileno(), mode)
-        os.replace(tmp, path)
+            os.fsync(f.fileno())
+        if replace:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise BadInput(f"{path} exists; it is kept, not overwritten") from None
+            os.unlink(tmp)
     except BaseException:
         try:
             os.unlink(tmp)
         except OSError:
             pass
         raise
+    _sync_dir(directory)
     return path
+
+
+def _sync_dir(directory: str) -> None:
+    """Make a new name in ``directory`` durable (best effort: some file systems refuse a directory fsync)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def error_line(command: str, exc: BaseException) -> int:

@@ -50,7 +50,8 @@ def test_bench_kernels_runs_end_to_end_on_the_host_emulation(tmp_path, capsys, m
     (["--warmup", "-3"], "--warmup: must be >= 0"),
     (["--timeout", "0"], "--timeout: must be a positive number"),
     (["--platform", "tpu"], "--platform: unknown platform 'tpu'"),
-    (["--json", "/proc/gpuxfer-no-such-dir/k.json"], "--json: cannot write in"),
+    (["--json", "/proc/gpuxfer-no-such-dir/k.json"], "--json: directory /proc/gpuxfer-no-such-dir does not exist"),
+    (["--json", "/proc/k.json"], "--json: cannot write in"),
     (["--out", "/proc/gpuxfer-no-such-dir"], "--out: cannot write in"),
 ])
 def test_bench_kernels_rejects_bad_arguments(capsys, monkeypatch, tmp_path, argv, match):
@@ -71,6 +72,25 @@ def test_bench_kernels_json_replaces_a_symlink_instead_of_following_it(tmp_path)
     os.symlink(target, tmp_path / "k.json.tmp")        # a symlink planted at a predictable temporary name
     write_atomic(str(tmp_path / "k.json"), "{}")
     assert not target.exists() and (tmp_path / "k.json").read_text() == "{}"
+
+
+def test_write_atomic_syncs_before_the_name_and_never_overwrites_without_replace(tmp_path, monkeypatch):
+    """The data reaches the disk before the file takes its name (a crash leaves the old file or the whole
+    new one); ``replace=False`` (``--json PATH``) keeps a file that appeared meanwhile, and leaves no temporary."""
+    import gpuxfer.bench.cliutil as cu
+    calls = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(cu.os, "fsync", lambda fd: (calls.append("fsync"), real_fsync(fd))[1])
+    monkeypatch.setattr(cu.os, "replace", lambda a, b: (calls.append("replace"), real_replace(a, b))[1])
+    cu.write_atomic(str(tmp_path / "a.json"), "{}")
+    assert calls[:2] == ["fsync", "replace"] and (tmp_path / "a.json").read_text() == "{}"
+    (tmp_path / "b.json").write_text("earlier")
+    with pytest.raises(cu.BadInput, match="exists; it is kept"):
+        cu.write_atomic(str(tmp_path / "b.json"), "{}", replace=False)
+    assert (tmp_path / "b.json").read_text() == "earlier"
+    cu.write_atomic(str(tmp_path / "c.json"), "{}", replace=False)
+    assert (tmp_path / "c.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.json", "c.json"]
 
 
 @pytest.mark.timeout(300)

@@ -156,7 +156,8 @@ def test_a_failing_process_does_not_hang_the_other(capsys, tmp_path):
     (["--isl", "100M"], "nothing to measure"),
     (["--pool-budget", "1"], "nothing to measure"),
     (["--out", "/proc/gpuxfer-no-such-dir"], "--out: cannot write in /proc/gpuxfer-no-such-dir"),
-    (["--json", "/proc/gpuxfer-no-such-dir/kv.json"], "--json: cannot write in /proc/gpuxfer-no-such-dir"),
+    (["--json", "/proc/gpuxfer-no-such-dir/kv.json"], "--json: directory /proc/gpuxfer-no-such-dir does not exist"),
+    (["--json", "/proc/kv.json"], "--json: cannot write in /proc"),
     (["--post", "eager"], "--post: unknown value 'eager'"),
     (["--inject-fault", "teleport"], "--inject-fault: unknown engine 'teleport'"),
     (["--inject-fault", "bulk:sideways"], "--inject-fault: unknown direction 'sideways'"),
@@ -319,10 +320,28 @@ def test_the_host_runs_the_small_grid_and_says_so(capsys):
 
 def test_plan_only_json_path_writes_the_plan_and_no_run_directory(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
     rc = main(["bench", "kv", "--platform", "host", "--plan-only", "--json", "sub/plan.json"])
-    assert rc == 0 and "sweep grid" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert rc == 0 and "sweep grid" in out and f"# json: {tmp_path / 'sub' / 'plan.json'}" in out
     assert json.loads((tmp_path / "sub" / "plan.json").read_text())["kind"] == "gpuxfer-kv-plan"
     assert not (tmp_path / "gpuxfer-out").exists()
+
+
+def test_json_path_is_never_overwritten_nor_its_directory_made(capsys, tmp_path, monkeypatch):
+    """--json PATH, like --out, keeps what is there: an existing file (or symlink) is refused before
+    anything is printed, a missing directory is refused, not created (one line, exit 2)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plan.json").write_text("earlier")
+    os.symlink(tmp_path / "nowhere", tmp_path / "link.json")
+    for path, said in (("plan.json", "exists; it is kept"), ("link.json", "exists; it is kept"),
+                       ("missing/plan.json", "does not exist")):
+        rc = main(["bench", "kv", "--platform", "host", "--plan-only", "--json", path])
+        cap = capsys.readouterr()
+        assert rc == 2 and cap.out == "" and cap.err.count("\n") == 1 and said in cap.err, cap.err
+        assert cap.err.startswith("gpuxfer bench kv: error: --json: ")
+    assert (tmp_path / "plan.json").read_text() == "earlier"
+    assert not (tmp_path / "missing").exists() and not (tmp_path / "nowhere").exists()
 
 
 ALL_ENGINES = ("triton", "pack", "copy_engine", "bulk", "nixl", "nixl-bulk", "nixl-oneshot", "nixl+pack", "mooncake")

@@ -128,7 +128,8 @@ def test_bench_pp_fails_on_a_wrong_byte(capsys):
     (["--contention-ms", "nan"], "--contention-ms"),
     (["--max-size", "1K", "--min-size", "4K"], "--min-size <= --max-size"),
     (["--out", "/proc/gpuxfer-no-such-dir"], "--out: cannot write in"),
-    (["--json", "/proc/gpuxfer-no-such-dir/pp.json"], "--json: cannot write in"),
+    (["--json", "/proc/gpuxfer-no-such-dir/pp.json"], "--json: directory /proc/gpuxfer-no-such-dir does not exist"),
+    (["--json", "/proc/pp.json"], "--json: cannot write in"),
 ])
 def test_bench_pp_bad_arguments(capsys, tmp_path, argv, message):
     """Checked in the parent before a rank starts: one line on stderr, exit 2, nothing written."""

@@ -277,12 +277,14 @@ def run(args: argparse.Namespace) -> int:
         grid = spec.build()
         options = parse_run_options(args)
         if options.plan_only:
+            from ..cliutil import json_path_option, write_atomic
+            json_path = json_path_option(args.json)     # checked before anything is printed
             if shrunk:
                 print(host_note(shrunk, plan=True), file=sys.stderr if options.json else sys.stdout)
             print_plan(grid, as_json=options.json, options=options)
-            if isinstance(args.json, str):       # --plan-only --json PATH: the plan's JSON there too
-                from ..cliutil import json_path_option, write_atomic
-                write_atomic(json_path_option(args.json), json.dumps(plan_document(grid, options), indent=2) + "\n")
+            if json_path:                        # --plan-only --json PATH: the plan's JSON there
+                write_atomic(json_path, json.dumps(plan_document(grid, options), indent=2) + "\n", replace=False)
+                print(f"# json: {json_path}")
             return 0
         check_before_start(grid, args, platform)
         from .runner import config_from_args, run_sweep, under_torchrun
@@ -301,7 +303,13 @@ def run(args: argparse.Namespace) -> int:
         if outputs.json_path and made and os.path.exists(made):
             from ..cliutil import write_atomic
             with open(made, "rb") as f:
-                write_atomic(outputs.json_path, f.read())
+                data = f.read()
+            try:
+                write_atomic(outputs.json_path, data, replace=False)
+            except (GpuxferError, OSError) as exc:
+                print(f"gpuxfer bench kv: error: --json: {exc} (the run's JSON is {made})", file=sys.stderr)
+                return rc or 1
+            print(f"# json: {outputs.json_path}", flush=True)
     return rc
 
 
