@@ -27,6 +27,9 @@ import time
 
 PREFILL_BLOCK, DECODE_BLOCK = 64, 16
 HEADS, HEAD_DIM, SLOT = 4, 64, 584
+#: what the first transfer of an engine pays once (copy_engine launches no kernel)
+FIRST_COST = {"triton": "compiling and loading its kernels", "pack": "compiling and loading its pack kernels",
+              "copy_engine": "building its copy lists"}
 
 
 def token_bytes(torch, layer: int, piece: int, tokens, nbytes: int):
@@ -135,12 +138,26 @@ def side_main(rank: int, conn, args) -> None:
               f"{PREFILL_BLOCK}-token blocks -> {DECODE_BLOCK}-token blocks, {x.descriptors:,} descriptors, "
               f"{x.nbytes / 1e6:.1f} MB) on {plat.label}: setup {1e6 * (t1 - t0):.0f} us, post "
               f"{1e6 * (t2 - t1):.0f} us, post -> complete {1e3 * (t3 - t1):.3f} ms (the first transfer: it "
-              f"includes loading the kernels); wrong bytes: {wrong}")
+              f"includes {FIRST_COST.get(engine, 'setting up the engine')}); wrong bytes: {wrong}")
         if wrong:
             raise SystemExit(3)
     for r in keep[::-1]:
         r.close()
     plat.close()
+
+
+def usable_platform(name: str | None) -> str | None:
+    """The platform to run on, checked here before any process starts (no device is touched): the first
+    usable one for ``auto``; a named one that cannot run here is one line on stderr (None is returned)."""
+    from gpuxfer.platforms import PLATFORMS, unavailable_reason
+    name = (name or "auto").strip().lower()
+    if name == "auto":
+        return next((n for n in PLATFORMS if unavailable_reason(n) is None), "host")
+    why = f"unknown platform; known: auto, {', '.join(PLATFORMS)}" if name not in PLATFORMS else unavailable_reason(name)
+    if why is not None:
+        print(f"{os.path.basename(sys.argv[0])}: error: platform {name} cannot run here: {why}", file=sys.stderr)
+        return None
+    return name
 
 
 def main() -> int:
@@ -151,10 +168,9 @@ def main() -> int:
                     help="auto: the engine the link between the two devices favours (gpuxfer.kv.engine_choice)")
     ap.add_argument("--platform", default=None, help="cuda, rocm or host (default: the first usable)")
     args = ap.parse_args()
-    from gpuxfer.platforms import PLATFORMS, unavailable_reason
-    name = args.platform or os.environ.get("GPUXFER_PLATFORM") or None
-    if name in (None, "auto"):      # the first usable platform, without touching a device here
-        name = next((n for n in PLATFORMS if unavailable_reason(n) is None), "host")
+    name = usable_platform(args.platform or os.environ.get("GPUXFER_PLATFORM"))
+    if name is None:
+        return 2
     args.platform = name
     emulated = name == "host"
     args.tokens = args.tokens or (200 if emulated else 4096)

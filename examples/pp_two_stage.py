@@ -100,18 +100,23 @@ def reference(platform_name: str) -> list:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--platform", default=None, help="cuda | host (default: GPUXFER_PLATFORM, else detect)")
+    ap.add_argument("--platform", default=None, help="cuda, rocm or host (default: GPUXFER_PLATFORM, else the first "
+                                                     "usable)")
     args = ap.parse_args(argv)
     import torch
 
     from gpuxfer.platforms import PLATFORMS, unavailable_reason
     from gpuxfer.spawn import run_ranks
-    name = args.platform or os.environ.get("GPUXFER_PLATFORM")
-    if not name or name == "auto":
+    name = (args.platform or os.environ.get("GPUXFER_PLATFORM") or "auto").strip().lower()
+    if name == "auto":
         name = next((n for n in PLATFORMS if unavailable_reason(n) is None), "host")
+    why = f"unknown platform; known: auto, {', '.join(PLATFORMS)}" if name not in PLATFORMS else unavailable_reason(name)
+    if why is not None:         # said here, once, before any process starts
+        print(f"pp_two_stage.py: error: platform {name} cannot run here: {why}", file=sys.stderr)
+        return 2
     print(f"platform {name}{' (EMULATION on the CPU: no GPU is used)' if name == 'host' else ''}")
     if name == "cuda" and torch.cuda.device_count() < 2:
-        print("note: fewer than 2 GPUs: both stages share GPU 0")
+        print("note: one GPU: both stages share GPU 0")
     results = run_ranks(stage, 2, (name,), timeout_s=300, env={"GPUXFER_PLATFORM": name})
     got, want = results[1], reference(name)
     ok = len(got) == len(want)

@@ -40,3 +40,17 @@ def test_example_on_cuda(script, args, expect):
     r = _run(script, *args, platform="cuda")
     assert r.returncode == 0, r.stdout + r.stderr
     assert expect in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("script", ["pp_two_stage.py", "kv_handoff.py"])
+def test_example_on_an_unusable_platform_is_one_line(script):
+    """A platform that cannot run here is said once, before any process starts: one line, exit 2."""
+    from gpuxfer.platforms import unavailable_reason
+    why = unavailable_reason("cuda")
+    if why is None:
+        pytest.skip("CUDA can run here")
+    r = _run(script, "--platform", "cuda", platform="host")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr == f"{script}: error: platform cuda cannot run here: {why}\n" and r.stdout == ""
+    r = _run(script, "--platform", "tpu", platform="host")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "unknown platform" in r.stderr, r.stderr
