@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,12 +29,17 @@ class _Result:
 def _cli(capsys, *args):
     """``gpuxfer bench pp --platform host ARGS`` in this process (it spawns its own two ranks, with timeouts)."""
     from gpuxfer.cli import main
-    if "--out" not in args:
-        args = (*args, "--out", tempfile.mkdtemp(prefix="gpuxfer-pp-test-"))
+    scratch = None
+    if "--out" not in args:         # a run directory nobody reads: removed after the run
+        scratch = tempfile.mkdtemp(prefix="gpuxfer-pp-test-")
+        args = (*args, "--out", scratch)
     try:
         rc = main(["bench", "pp", "--platform", "host", "--timeout", "180", *args])
     except SystemExit as exc:
         rc = exc.code
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     out = capsys.readouterr()
     return _Result(rc, out.out, out.err)
 
@@ -139,12 +145,14 @@ def test_bench_pp_bad_arguments(capsys, tmp_path, argv, message):
     assert not (tmp_path / "o").exists()
 
 
-def test_bench_pp_platform_rocm_without_rocm_is_one_line(capsys):
+def test_bench_pp_platform_rocm_without_rocm_is_one_line(capsys, tmp_path, monkeypatch):
     from gpuxfer.platforms import unavailable_reason
     if unavailable_reason("rocm") is None:
         pytest.skip("ROCm is usable here")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     r = _cli(capsys, "--platform", "rocm")
     assert r.returncode == 2 and r.stderr.startswith("gpuxfer bench pp: error: --platform: rocm cannot run here")
+    assert list(tmp_path.iterdir()) == []          # the tests' scratch run directory is not left behind
 
 
 def test_one_device_leaves_nccl_out_and_the_targets_do_not_apply(monkeypatch):
