@@ -42,14 +42,26 @@ def fixed(digits: int) -> Callable[[Any], str]:
 
 
 def rate(v) -> str:
-    """Up to 4 significant digits, never scientific for the sizes printed."""
-    if v is None:
+    """Up to 4 significant digits, at least 2 below 1 (an emulated 0.00041 GB/s is not printed as 0.000),
+    never scientific above 1e-6."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     if v >= 100:
         return f"{v:.1f}"
     if v >= 10:
         return f"{v:.2f}"
-    return f"{v:.3f}"
+    if v >= 0.1 or v == 0:
+        return f"{v:.3f}"
+    if v < 1e-6:
+        return f"{v:.1e}"
+    return f"{v:.{1 - math.floor(math.log10(v))}f}"
+
+
+def percent(v) -> str:
+    """A percentage with one decimal, or 2 significant digits below 1 % (``0.042``); ``-`` for None."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v:.1f}" if v >= 1 or v == 0 else rate(v)
 
 
 # ----------------------------------------------------------------------------- the table

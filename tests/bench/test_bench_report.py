@@ -44,3 +44,23 @@ def test_sample_statistics():
     assert st["n"] == 3 and st["p50_ms"] == 2.0 and st["min_ms"] == 1.0 and st["max_ms"] == 3.0
     assert T.sample_stats([])["p50_ms"] is None
     assert T.gbps(2_000_000_000, 1000.0) == 2.0 and T.gbps(1, 0) is None and T.gbps(1, None) is None
+
+
+def test_small_rates_and_percentages_keep_their_digits():
+    """The emulation's rates (well under 1 MB/s) are not printed as 0.000 GB/s and 0.0 % of the ceiling."""
+    from gpuxfer.bench.report import percent, rate
+    assert rate(0.00041234) == "0.00041" and rate(0.0412) == "0.041" and rate(3.14159) == "3.142"
+    assert rate(456.7) == "456.7" and rate(0) == "0.000" and rate(None) == "-" and rate(2e-8) == "2.0e-08"
+    assert percent(0.0423) == "0.042" and percent(42.26) == "42.3" and percent(None) == "-"
+
+
+def test_kv_parameters_never_say_more_minimum_trials_than_maximum():
+    from gpuxfer.bench.kv.options import GridSpec
+    from gpuxfer.bench.kv.runner import RunConfig
+    from gpuxfer.kv import engines as E
+    cfg = RunConfig(grid=GridSpec((), None, (16,), (1,), 1, 1), grid_args=dict.fromkeys(
+        ("workload", "page", "isl", "batch", "pool_budget", "desc_budget"), "x"), engines=("triton",),
+        directions=("pull",), trials=1, warmup=0, seed=0, platform="host", out=None, json=False, timeout_s=1.0,
+        engine_options=E.EngineOptions())
+    p = cfg.params()
+    assert (p["trials_max"], p["trials_min"]) == (1, 1)

@@ -163,3 +163,43 @@ def test_defaults_are_resolved_in_one_place_and_typed_values_stay():
 def test_the_suite_refuses_what_it_fixes_even_when_typed_as_the_default(argv, option):
     with pytest.raises(BadInput, match=f"{option}: --suite collectivex fixes it"):
         parse_grid_args(build_parser().parse_args(["bench", "kv", "--suite", "collectivex", *argv]))
+
+
+def _host_plan(capsys, *argv):
+    rc = main(["bench", "kv", "--platform", "host", "--plan-only", *argv])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return out
+
+
+def test_the_host_plan_is_the_run_rows_and_time_included(capsys):
+    """The suite's plan counts its bulk rows (page 64, one descriptor, every engine and direction), gives
+    a time, and names the suite's own --full; an estimate grows with the bytes."""
+    out = _host_plan(capsys, "--suite", "collectivex")
+    assert "16 rows (8 paged + 8 bulk" in out and "minutes" in out
+    assert "`gpuxfer bench kv --suite collectivex --full`" in out
+    small = _host_plan(capsys)
+    assert "8 rows: engines triton, pack, copy_engine, bulk; pull and push" in small
+    big = json.loads(_host_plan(capsys, "--isl", "1.5k", "--json"))["rows"]
+    default = json.loads(_host_plan(capsys, "--json"))["rows"]
+    assert big["rows"] == default["rows"] == 8 and big["estimate_s"] > 3 * default["estimate_s"]
+    assert big["emulation"] is True
+
+
+def test_the_banner_says_what_will_run(capsys):
+    """--engine triton --direction pull: one row, one engine, one direction (not every engine, both ways)."""
+    out = _host_plan(capsys, "--engine", "triton", "--direction", "pull")
+    assert "rows: 1 row: engines triton; pull;" in out
+    assert "every engine" not in out and "both directions" not in out
+
+
+def test_the_summary_covers_the_suites_bulk_rows():
+    from gpuxfer.bench.kv import report as R
+    base = {"workload": "kv-dsv4", "isl_tokens": 16, "direction": "pull", "batch": 1, "valid": True,
+            "p50_gbps": 0.5, "of_ceiling_pct": 50.0, "per_descriptor_p50_us": 3.0}
+    rows = [dict(base, engine="triton", page_tokens=16), dict(base, engine="triton", page_tokens=64, kind="bulk"),
+            dict(base, engine="bulk", page_tokens=64, kind="bulk", p50_gbps=1.0, of_ceiling_pct=100.0)]
+    summ = R.summary(rows)
+    assert [(s["kind"], s["engine"]) for s in summ] == [("paged", "triton"), ("bulk", "triton"), ("bulk", "bulk")]
+    lines = R.summary_lines(summ)
+    assert sum(" bulk pull triton" in line for line in lines) == 1

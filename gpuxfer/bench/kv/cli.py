@@ -169,10 +169,12 @@ def check_before_start(grid: Grid, args: argparse.Namespace, platform: str) -> N
 # ---------------------------------------------------------------------------- plan output
 
 
-def plan_document(grid: Grid, options: RunOptions | None = None) -> dict:
+def plan_document(grid: Grid, options: RunOptions | None = None, estimate: dict | None = None) -> dict:
     """The plan as a JSON-ready dict (unit-suffixed keys)."""
     doc = {"kind": "gpuxfer-kv-plan", "grid": grid.as_dict(),
            "workloads": {p.workload.name: p.workload.as_dict() for p in grid.points}}
+    if estimate is not None:
+        doc["rows"] = {k: estimate[k] for k in ("rows", "bulk_rows", "estimate_s", "emulation")}
     if options is not None:
         doc["run"] = {"engines": list(options.engines), "directions": list(options.directions),
                       "trials": options.trials, "seed": options.seed, "platform": options.platform}
@@ -194,11 +196,11 @@ def _count(n: int) -> str:
 
 
 def print_plan(grid: Grid, *, as_json: bool = False, options: RunOptions | None = None,
-               file: TextIO | None = None) -> None:
-    """Print the grid: one row per point, then every shed batch with its reason."""
+               file: TextIO | None = None, estimate: dict | None = None) -> None:
+    """Print the grid: one row per point, then every shed batch with its reason, then the rows and time."""
     file = file or sys.stdout
     if as_json:
-        json.dump(plan_document(grid, options), file, indent=2)
+        json.dump(plan_document(grid, options, estimate), file, indent=2)
         file.write("\n")
         return
     from rich.console import Console
@@ -221,7 +223,8 @@ def print_plan(grid: Grid, *, as_json: bool = False, options: RunOptions | None 
                       f"({CX.VERIFY_SAMPLES} x {CX.VERIFY_SAMPLE_BYTES} B per request) and every byte")
         kept = [p for p in grid.points if p.batches]
         if kept:
-            console.print("bulk rows (one descriptor, batch 1, per ISL and direction): " + ", ".join(
+            console.print("bulk rows (one descriptor of the page-64 request's bytes, batch 1, per ISL, direction "
+                          "and engine): " + ", ".join(
                 f"{p:,} tokens {_si(CX.bulk_bytes(p, grid))}" for p in sorted({q.isl_tokens for q in kept})))
     elif options is not None:
         console.print(f"engines {', '.join(options.engines)}; directions {', '.join(options.directions)}; "
@@ -256,6 +259,8 @@ def print_plan(grid: Grid, *, as_json: bool = False, options: RunOptions | None 
     else:
         console.print("no batch shed")
     console.print(f"largest pool per rank: {_si(grid.max_pool_bytes)}")
+    if estimate is not None:
+        console.print(f"rows: {estimate['line']}")
 
 
 # ---------------------------------------------------------------------------- run
@@ -276,14 +281,16 @@ def run(args: argparse.Namespace) -> int:
         spec = parse_grid_spec(args)
         grid = spec.build()
         options = parse_run_options(args)
+        estimate = plan_estimate(grid, options, args, platform)
         if options.plan_only:
             from ..cliutil import json_path_option, write_atomic
             json_path = json_path_option(args.json)     # checked before anything is printed
             if shrunk:
-                print(host_note(shrunk, plan=True), file=sys.stderr if options.json else sys.stdout)
-            print_plan(grid, as_json=options.json, options=options)
+                print(host_note(shrunk, plan=True, suite=options.suite), file=sys.stderr if options.json else sys.stdout)
+            print_plan(grid, as_json=options.json, options=options, estimate=estimate)
             if json_path:                        # --plan-only --json PATH: the plan's JSON there
-                write_atomic(json_path, json.dumps(plan_document(grid, options), indent=2) + "\n", replace=False)
+                write_atomic(json_path, json.dumps(plan_document(grid, options, estimate), indent=2) + "\n",
+                             replace=False)
                 print(f"# json: {json_path}")
             return 0
         check_before_start(grid, args, platform)
@@ -293,8 +300,11 @@ def run(args: argparse.Namespace) -> int:
         outputs = prepare_outputs("kv", args.out, args.json, artifacts=(ARTIFACT,), create=writes)
     except GpuxferError as exc:
         return error_line("gpuxfer bench kv", exc)
-    if shrunk and writes:
-        print(host_note(shrunk), file=sys.stderr if outputs.json_stdout else sys.stdout, flush=True)
+    if writes:
+        text = sys.stderr if outputs.json_stdout else sys.stdout
+        if shrunk:
+            print(host_note(shrunk, suite=options.suite), file=text)
+        print(f"# plan: {estimate['line']}", file=text, flush=True)
     cfg.out, cfg.json = outputs.directory, outputs.json_stdout
     rc = run_sweep(cfg)
     if writes:
@@ -313,14 +323,28 @@ def run(args: argparse.Namespace) -> int:
     return rc
 
 
-def host_note(shrunk: dict[str, str], *, plan: bool = False) -> str:
-    """The first lines of a host-emulation run: what it is, what it shrank, how to run the full grid."""
+def host_note(shrunk: dict[str, str], *, plan: bool = False, suite: str | None = None) -> str:
+    """The first lines of a host-emulation run: what it is, what it shrank, how to run the full grid
+    (the ``# plan:`` line after it says which rows and how long)."""
     what = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in shrunk.items())
+    cmd = "gpuxfer bench kv" + (f" --suite {suite}" if suite else "")
     return ("# host EMULATION (no GPU here): " + ("the grid below is" if plan else "this run is") +
-            f" the small one ({what}): it checks that every engine moves every byte right, in both directions, "
-            "in about a minute; its times say nothing about GPUs.\n"
-            "# The full grid: `gpuxfer bench kv --full` (hours in Triton's interpreter; `--plan-only --full` "
-            "shows it); on a GPU machine plain `gpuxfer bench kv` runs it.")
+            f" the small one ({what}): it checks that each engine asked for moves every byte right; its times "
+            "say nothing about GPUs.\n"
+            f"# The full grid: `{cmd} --full` (hours in Triton's interpreter; `{cmd} --plan-only --full` "
+            f"shows it); on a GPU machine plain `{cmd}` runs it.")
+
+
+def plan_estimate(grid: Grid, options: RunOptions, args: argparse.Namespace, platform: str) -> dict:
+    """The rows the run measures and roughly how long it takes here (:mod:`gpuxfer.bench.kv.estimate`)."""
+    from ...platforms import platform_class
+    from . import estimate as T
+    emulation = platform != "auto" and platform_class(platform).kernels_interpreted
+    rows = T.planned_rows(grid, options.engines, options.directions, suite=options.suite)
+    warmup = int(str(args.warmup).strip()) if str(args.warmup).strip().isdigit() else 0
+    seconds = T.estimate_s(rows, emulation=emulation, trials=options.trials, warmup=warmup, suite=options.suite)
+    return {"rows": len(rows), "bulk_rows": sum(1 for r in rows if r.kind == "bulk"), "estimate_s": round(seconds),
+            "emulation": emulation, "line": T.summary_line(rows, seconds, emulation=emulation)}
 
 
 def run_transfers(grid: Grid, options: RunOptions, args: argparse.Namespace) -> int:

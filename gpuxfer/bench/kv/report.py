@@ -32,7 +32,7 @@ import sys
 from typing import Any, Sequence
 
 from ..cpus import AUTO, describe
-from ..report import Column, Table, Verdict, fixed, integer, link_text, rate, text, versions_line
+from ..report import Column, Table, Verdict, integer, link_text, percent, rate, text, versions_line
 from ..report import dumps as _dumps
 from ..timing import gbps, sample_stats
 
@@ -91,7 +91,7 @@ COLUMNS: list[Column] = [
     Column("p50_gbps", "GB/s", "p50", 7, rate),
     Column("min_gbps", "min", "GB/s", 7, rate),
     Column("max_gbps", "max", "GB/s", 7, rate),
-    Column("of_ceiling_pct", "ceil", "%", 6, fixed(1)),
+    Column("of_ceiling_pct", "ceil", "%", 6, percent),
     Column("per_descriptor_p50_us", "t/desc", "us", 8, rate),
     Column("prep_ms", "prep", "ms", 8, rate),
     Column("post_p50_us", "post", "us/req", 8, rate),
@@ -188,19 +188,22 @@ def _param(v) -> str:
 
 
 def summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (workload, ISL, page, direction, engine): GB/s at batch 1 and at the largest measured batch."""
+    """Per (workload, ISL, page, direction, engine): GB/s at batch 1 and at the largest measured batch;
+    the suite's bulk rows (one descriptor) apart, ``kind`` ``bulk``, after the paged ones."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        if r.get("p50_gbps") is None or r.get("kind") == "bulk":
+        if r.get("p50_gbps") is None:
             continue
-        key = (r["workload"], r["isl_tokens"], r["page_tokens"], r["direction"], r["engine"])
+        kind = "bulk" if r.get("kind") == "bulk" else "paged"
+        key = (kind, r["workload"], r["isl_tokens"], r["page_tokens"], r["direction"], r["engine"])
         groups.setdefault(key, []).append(r)
     out = []
-    for (wl, isl, page, direction, engine), rs in groups.items():
+    for (kind, wl, isl, page, direction, engine), rs in sorted(groups.items(), key=lambda kv: kv[0][0] == "bulk"):
         rs = sorted(rs, key=lambda r: r["batch"])
         lo, hi = rs[0], rs[-1]
         out.append({
-            "workload": wl, "isl_tokens": isl, "page_tokens": page, "direction": direction, "engine": engine,
+            "kind": kind, "workload": wl, "isl_tokens": isl, "page_tokens": page, "direction": direction,
+            "engine": engine,
             "batch_min": lo["batch"], "batch_min_gbps": lo["p50_gbps"], "batch_min_of_ceiling_pct": lo.get("of_ceiling_pct"),
             "batch_max": hi["batch"], "batch_max_gbps": hi["p50_gbps"], "batch_max_of_ceiling_pct": hi.get("of_ceiling_pct"),
             "worst_of_ceiling_pct": min((r["of_ceiling_pct"] for r in rs if r.get("of_ceiling_pct") is not None),
@@ -215,17 +218,19 @@ def summary_lines(summ: Sequence[dict[str, Any]]) -> list[str]:
     if not summ:
         return ["# summary: no row was measured"]
     lines = ["#", "# summary: GB/s p50 (% of the bulk ceiling) at the smallest and the largest batch measured;",
-             "# worst % over every batch; t/desc = burst time per descriptor at the smallest batch",
+             "# worst % over every batch; t/desc = burst time per descriptor at the smallest batch; page 'bulk': "
+             "the suite's one-descriptor rows",
              f"# {'workload':<9} {'ISL':>7} {'page':>5} {'dir':<4} {'engine':<11} {'batch':>5} {'GB/s':>7} {'(%)':>7}"
              f" {'batch':>5} {'GB/s':>7} {'(%)':>7} {'worst %':>7} {'t/desc us':>9}  valid"]
     for s in summ:
         def pct(v):
-            return "(-)" if v is None else f"({v:.1f})"
+            return f"({percent(v)})"
         lines.append(
-            f"# {s['workload']:<9} {s['isl_tokens']:>7} {s['page_tokens']:>5} {s['direction']:<4} {s['engine']:<11} "
+            f"# {s['workload']:<9} {s['isl_tokens']:>7} "
+            f"{'bulk' if s.get('kind') == 'bulk' else s['page_tokens']:>5} {s['direction']:<4} {s['engine']:<11} "
             f"{s['batch_min']:>5} {rate(s['batch_min_gbps']):>7} {pct(s['batch_min_of_ceiling_pct']):>7} "
             f"{s['batch_max']:>5} {rate(s['batch_max_gbps']):>7} {pct(s['batch_max_of_ceiling_pct']):>7} "
-            f"{fixed(1)(s['worst_of_ceiling_pct']):>7} {rate(s['batch_min_per_descriptor_us']):>9}  "
+            f"{percent(s['worst_of_ceiling_pct']):>7} {rate(s['batch_min_per_descriptor_us']):>9}  "
             f"{'yes' if s['all_valid'] else 'NO'}")
     return lines
 
@@ -371,9 +376,16 @@ def plot(rows: Sequence[dict[str, Any]], out_dir: str, *, title_suffix: str = ""
                 ax.set_xticklabels([str(b) for b in batches])
                 ax.set_title(f"page {page}, {d}", fontsize=10)
                 ax.set_xlabel("batch (requests per burst)")
-                ax.set_ylabel("GB/s (p50, decimal)")
+                # rates over orders of magnitude (the emulation's interpreted engines beside its memcpy
+                # ceiling): a log axis, or the slow engines' points would all lie on the zero line
+                ys_all = [r["p50_gbps"] for r in cell if r["p50_gbps"] > 0]
+                if ys_all and max(ys_all) > 100 * min(ys_all):
+                    ax.set_yscale("log")
+                    ax.set_ylabel("GB/s (p50, decimal; log scale)")
+                else:
+                    ax.set_ylabel("GB/s (p50, decimal)")
+                    ax.set_ylim(bottom=0)
                 ax.grid(True, alpha=0.3)
-                ax.set_ylim(bottom=0)
                 ax.legend(fontsize=8, loc="best")
         fig.suptitle(f"gpuxfer bench kv: {wl}, ISL {isl}{title_suffix}", fontsize=11)
         fig.tight_layout()

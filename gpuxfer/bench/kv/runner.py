@@ -124,7 +124,7 @@ class RunConfig:
         p = {
             "workload": self.grid_args["workload"], "page": self.grid_args["page"], "isl": self.grid_args["isl"],
             "batch": self.grid_args["batch"], "engines": list(self.engines), "directions": list(self.directions),
-            "warmup": self.warmup, "trials_max": self.trials, "trials_min": self.min_trials,
+            "warmup": self.warmup, "trials_max": self.trials, "trials_min": min(self.min_trials, self.trials),
             "row_budget_s": self.row_budget_s, "seed": self.seed, "pool_budget": self.grid_args["pool_budget"],
             "desc_budget": self.grid_args["desc_budget"], "timeout_s": self.timeout_s,
             "copy_engine_max_descs": self.engine_options.copy_engine_max_descs,

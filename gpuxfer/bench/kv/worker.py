@@ -291,19 +291,25 @@ class Worker:
             self._suite_bulk_rows()
 
     def _suite_bulk_rows(self) -> None:
-        """The suite's bulk rows: per ISL and direction, every engine moves one descriptor (batch 1)."""
+        """The suite's bulk rows: per ISL and direction, every engine moves one descriptor (batch 1); the
+        ceiling engine's row comes first and is the others' ceiling."""
         from . import collectivex as CX
+        ceiling_first = sorted(self.engines.values(), key=lambda e: not (
+            e.ceiling_across_hosts if self.cross_host else e.ceiling))
         for point in CX.bulk_points(self.grid):
             pb = point.burst(1)
             # one descriptor, no block tables: the KVAgent engines run it on their descriptor-table twins
             burst = E.DescriptorBurst(pb.requests, plan=pb.plan)
             for direction in self.cfg.directions:
-                for eng in self.engines.values():
+                ceiling = None
+                for eng in ceiling_first:
                     if eng.shed_reason(burst.shape):
                         continue
                     row = self._row(eng, burst, pb, point, 1, direction)
                     if self.rank == 0:
-                        R.apply_ceiling(row, None)
+                        if ceiling is None and (eng.ceiling_across_hosts if self.cross_host else eng.ceiling):
+                            ceiling = row.get("p50_gbps")
+                        R.apply_ceiling(row, ceiling)
                         self.emit("row", row)
 
     def _load_burst(self, eng: E.Engine, p: E.Prepared) -> None:
