@@ -23,6 +23,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue as _queue
+import signal
 import sys
 import tempfile
 import time
@@ -31,6 +32,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from .errors import GpuxferError
+
+#: the note :func:`spawn` adds to its errors when Ctrl-C stopped it
+INTERRUPTED = "interrupted"
+#: how long ranks get to unwind after Ctrl-C before they are killed (seconds)
+INTERRUPT_GRACE_S = 5.0
 
 
 @dataclass
@@ -147,7 +153,8 @@ def spawn(target: Callable, world: int, args: tuple = (), *, idle_s: float,
                 except _queue.Empty:
                     break
         except KeyboardInterrupt:
-            notes.append("interrupted")
+            notes.append(INTERRUPTED)
+            _let_ranks_stop(procs)
         finally:
             for p in procs:
                 if p.is_alive():
@@ -161,6 +168,25 @@ def spawn(target: Callable, world: int, args: tuple = (), *, idle_s: float,
             elif r not in results:
                 failed[r] = f"rank {r} ({names[r]}, pid {p.pid}) exited without a result"
     return Outcome([results.get(r) for r in range(world)], [failed[r] for r in sorted(failed)] + notes)
+
+
+def _let_ranks_stop(procs, grace_s: float = INTERRUPT_GRACE_S) -> None:
+    """After Ctrl-C: every rank still running gets SIGINT (a terminal sends it to them too; ``kill -INT``
+    of the parent alone does not) and up to ``grace_s`` to unwind, so that it frees its shared memory and
+    other resources itself; what is still running then is killed by the caller. A second Ctrl-C stops
+    the wait."""
+    deadline = time.monotonic() + grace_s
+    try:
+        for p in procs:
+            if p.is_alive() and p.pid is not None:
+                try:
+                    os.kill(p.pid, signal.SIGINT)
+                except OSError:
+                    pass
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+    except KeyboardInterrupt:
+        pass
 
 
 def _in_cpu_group(ctx: RankContext, fn: Callable, *args):

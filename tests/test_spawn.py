@@ -73,3 +73,52 @@ def _bad(rank, world):
     if rank == 0:
         raise ValueError("a broken rank")
     return rank
+
+
+_CTRL_C_SCRIPT = '''
+import os, sys, time
+from multiprocessing import shared_memory
+from gpuxfer.spawn import spawn
+
+def holds_shared_memory(ctx, ready_dir):
+    shm = shared_memory.SharedMemory(create=True, size=4096)
+    try:
+        open(os.path.join(ready_dir, f"ready{ctx.rank}"), "w").close()
+        time.sleep(600)
+    finally:            # runs only if the rank is let to unwind
+        shm.close()
+        shm.unlink()
+
+if __name__ == "__main__":
+    out = spawn(holds_shared_memory, 2, (sys.argv[1],), idle_s=600)
+    print("ERRORS", out.errors, flush=True)
+'''
+
+
+@pytest.mark.timeout(240)
+def test_ctrl_c_lets_the_ranks_unwind(tmp_path):
+    """Ctrl-C on the parent alone (kill -INT): the ranks get SIGINT and time to free what they hold, so
+    nothing is reported leaked, and the outcome says 'interrupted'."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(_CTRL_C_SCRIPT)
+    root = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=root))
+    try:
+        deadline = time.monotonic() + 180
+        while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, out + err
+    assert "'interrupted'" in out and "leaked" not in err, out + err

@@ -363,7 +363,9 @@ def _preamble(out, pre: dict, params: dict) -> None:
         print(R.versions_line(pre["versions"]), file=out)
     w(f"platform: {pre['platform_label']}")
     ld, pd, lk = pre["local_device"], pre["peer_device"], pre["link"]
-    w(f"local device {ld['index']}: {ld['name']} ({ld['arch']}, {ld['sms']} SMs) runs every kernel")
+    sms = (f"no SMs: the interpreter's {ld['sms']} programs stand for them" if pre["emulation"] else
+           f"{ld['sms']} SMs")
+    w(f"local device {ld['index']}: {ld['name']} ({ld['arch']}, {sms}) runs every kernel")
     w(f"peer device {pd['index']}: {pd['name']} ({pd['arch']}), pool owned by a helper process, opened over IPC")
     w(f"link {R.link_text(lk, detail='{}')}")
     w(f"pool {params['pool_bytes']} B per buffer; every page moves, random permutation (seed {params['seed']}); "

@@ -104,10 +104,8 @@ class RocmPlatform(_RocmMemory, _RocmStreams, Platform):
 
     @classmethod
     def _unavailable_reason(cls) -> str | None:
-        try:
-            hip = _import_hip()
-        except ImportError as exc:
-            return f"hip-python is not installed ({exc}); install gpuxfer[rocm]"
+        # torch's build first: without a ROCm torch, installing hip-python would not help (a CPU machine
+        # is not told to install gpuxfer[rocm])
         try:
             import torch
         except ImportError as exc:
@@ -116,6 +114,10 @@ class RocmPlatform(_RocmMemory, _RocmStreams, Platform):
         if not t_hip:
             return (f"torch {torch.__version__} is not a ROCm build (torch.version.hip is None); "
                     f"hip-python would load a HIP runtime torch does not use")
+        try:
+            hip = _import_hip()
+        except ImportError as exc:
+            return f"hip-python is not installed ({exc}); install gpuxfer[rocm]"
         b_ver, t_ver = binding_hip_version(), _major_minor(t_hip)
         if b_ver is not None and t_ver is not None and b_ver != t_ver:
             return (f"hip-python {hip_python_version()} is generated for HIP {b_ver[0]}.{b_ver[1]} but torch "

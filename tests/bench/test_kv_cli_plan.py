@@ -203,3 +203,73 @@ def test_the_summary_covers_the_suites_bulk_rows():
     assert [(s["kind"], s["engine"]) for s in summ] == [("paged", "triton"), ("bulk", "triton"), ("bulk", "bulk")]
     lines = R.summary_lines(summ)
     assert sum(" bulk pull triton" in line for line in lines) == 1
+
+
+def test_the_engines_line_says_each_reason_once_and_short():
+    from gpuxfer.bench.kv.report import REASON_CHARS, engines_line
+    why = "NIXL is not installed (tried nixl_cu13, nixl_cu12, nixl): pip install nixl-cu13 " + "x" * 300
+    line = engines_line({"bulk": None, "triton": None, "nixl": why, "nixl-bulk": why, "mooncake": "no module"})
+    assert line.startswith("# engines: bulk, triton ok; nixl, nixl-bulk unusable (NIXL is not installed")
+    assert line.count("NIXL is not installed") == 1 and "mooncake unusable (no module)" in line
+    assert len(line) < 2 * REASON_CHARS + 100
+
+
+def test_negative_and_zero_token_counts_read_alike(capsys):
+    for isl in ("0", "-5"):
+        rc = main(["bench", "kv", "--platform", "host", "--plan-only", "--isl", isl])
+        err = capsys.readouterr().err
+        assert rc == 2 and "--isl:" in err and "must be positive" in err, err
+
+
+def test_budgets_print_in_the_units_they_are_given(capsys):
+    from gpuxfer.bench.kv.cli import binary_bytes
+    assert (binary_bytes(256 << 20), binary_bytes(64 << 30), binary_bytes(3 << 29)) == ("256 MiB", "64 GiB", "1.5 GiB")
+    out = _host_plan(capsys)
+    assert "pool budget 256 MiB per rank" in out
+
+
+def test_an_interrupted_run_says_so_first_and_exits_130(tmp_path, capsys):
+    """Ctrl-C: the headline is the interruption (not a rank's exit code -9), the exit code is 130."""
+    from gpuxfer.bench.kv import report as R
+    rep = R.Reporter(out_dir=str(tmp_path), plots=False, argv=["gpuxfer", "bench", "kv"])
+    rep.handle("start", {"env": {"is_emulation": True}, "params": {}, "shed": [], "expected_rows": 8})
+    rep.error("rank 0 (prefill): KeyboardInterrupt: ")
+    rep.error("rank 0 (gpuxfer-kv-prefill, pid 1) exited with code -9")
+    rep.error("interrupted")
+    assert rep.finish() == R.EXIT_INTERRUPTED == 130
+    out = capsys.readouterr().out
+    assert "# Result: FAIL: interrupted (Ctrl-C) after 0 of 8 rows" in out and "code -9" not in out.split("# ERROR")[-1]
+    assert json.loads((tmp_path / "kv_bench.json").read_text())["outcome"]["status"] == "interrupted"
+
+
+def test_an_interrupted_run_leaves_latest_and_no_empty_directory(tmp_path, monkeypatch, capsys):
+    import gpuxfer.bench.kv.runner as runner
+
+    def interrupted(cfg):
+        from gpuxfer.bench.kv import report as R
+        rep = R.Reporter(out_dir=cfg.out, plots=False)
+        rep.handle("start", {"env": {}, "params": {}, "shed": [], "expected_rows": 8})
+        rep.error("interrupted")
+        return rep.finish()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(runner, "run_sweep", interrupted)
+    rc = main(["bench", "kv", "--platform", "host", "--engine", "bulk", "--direction", "pull"])
+    capsys.readouterr()
+    assert rc == 130
+    root = tmp_path / "gpuxfer-out" / "kv"
+    assert not (root / "latest").exists() and [p.name for p in root.iterdir()] == []
+
+
+def test_the_progress_bar_names_the_running_row(capsys):
+    from gpuxfer.bench.kv import report as R
+    rep = R.Reporter(out_dir=None, plots=False)
+
+    class Bar:
+        def __init__(self):
+            self.calls = []
+
+        def update(self, task, **kw):
+            self.calls.append(kw)
+    rep._progress, rep._task = Bar(), 0
+    rep.handle("running", {"engine": "pack", "direction": "push", "page_tokens": 16, "batch": 4})
+    assert rep._progress.calls == [{"description": "running: pack push page 16 batch 4"}]

@@ -228,10 +228,24 @@ def test_unavailable_here_with_a_reason():
 
 
 def test_reason_without_hip_python(monkeypatch):
+    import torch
+
     def no_hip():
         raise ImportError("No module named 'hip'")
     monkeypatch.setattr(R, "_import_hip", no_hip)
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133")     # a ROCm torch: hip-python is what is missing
     assert "hip-python is not installed" in RocmPlatform.unavailable_reason()
+
+
+def test_a_cpu_torch_is_not_told_to_install_gpuxfer_rocm(monkeypatch):
+    import torch
+
+    def no_hip():
+        raise ImportError("No module named 'hip'")
+    monkeypatch.setattr(R, "_import_hip", no_hip)
+    monkeypatch.setattr(torch.version, "hip", None)
+    why = RocmPlatform.unavailable_reason()
+    assert "not a ROCm build" in why and "install gpuxfer[rocm]" not in why
 
 
 def test_reason_torch_not_rocm(monkeypatch):
@@ -296,9 +310,12 @@ def test_reason_no_devices_two_runtimes_and_runtime_mismatch(monkeypatch):
 
 
 def test_probe_never_raises(monkeypatch):
+    import torch
+
     def boom():
         raise ValueError("corrupt install")
     monkeypatch.setattr(R, "_import_hip", boom)
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133")     # past the torch-build check, into the import
     assert "ValueError" in RocmPlatform.unavailable_reason()
 
 

@@ -28,6 +28,7 @@ from ...kv.engines.registry import DEFAULT_ENGINES
 from ...kv.plan import DIRECTIONS
 from ...kv.workloads import WORKLOADS
 from .grid import DEFAULT_DESC_BUDGET, HOST_GRID, SHED_DESC, Grid, human_bytes
+from .report import EXIT_INTERRUPTED
 from .options import (DEFAULTS, RunOptions, parse_grid_args, parse_grid_spec, parse_list, parse_run_options,
                       parse_suite, resolve_defaults)
 
@@ -189,6 +190,15 @@ def plan_document(grid: Grid, options: RunOptions | None = None, estimate: dict 
 _si = human_bytes
 
 
+def binary_bytes(n: int) -> str:
+    """256 MiB, 64 GiB, 1.5 GiB: a budget as it is given on the command line."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            v = n / (1 << shift)
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
+    return f"{n} B"
+
+
 def _count(n: int) -> str:
     if n >= 10_000_000:
         return f"{n / 1e6:.1f} M"
@@ -212,7 +222,7 @@ def print_plan(grid: Grid, *, as_json: bool = False, options: RunOptions | None 
            and grid.free_memory_bytes < grid.asked_pool_budget_bytes else
            "not capped by free memory: --plan-only queries no device")
     console.print(f"[bold]gpuxfer bench kv --plan-only[/bold]: {len(grid.points)} point{'' if len(grid.points) == 1 else 's'}; "
-                  f"pool budget {budget / (1 << 30):.1f} GiB per rank ({cap}); descriptor budget "
+                  f"pool budget {binary_bytes(budget)} per rank ({cap}); descriptor budget "
                   f"{grid.desc_budget:,} per burst; the {grid.floor_batches} smallest batches are kept unless the "
                   "pool budget forbids them")
     if options is not None and options.suite:
@@ -307,6 +317,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"# plan: {estimate['line']}", file=text, flush=True)
     cfg.out, cfg.json = outputs.directory, outputs.json_stdout
     rc = run_sweep(cfg)
+    if rc == EXIT_INTERRUPTED:
+        if writes:
+            _after_interrupt(outputs)
+        return rc
     if writes:
         outputs.link_latest()
         made = outputs.path(ARTIFACT)
@@ -321,6 +335,23 @@ def run(args: argparse.Namespace) -> int:
                 return rc or 1
             print(f"# json: {outputs.json_path}", flush=True)
     return rc
+
+
+def _after_interrupt(outputs) -> None:
+    """Ctrl-C: ``latest`` keeps pointing at the last whole run; a run directory this run made and in which
+    no row was finished is removed (its finished rows, if any, are kept where the footer said)."""
+    made = outputs.path(ARTIFACT)
+    rows = None
+    if made and os.path.exists(made):
+        try:
+            with open(made) as f:
+                rows = len(json.load(f).get("rows") or [])
+        except (OSError, ValueError):
+            rows = None
+    if outputs._created and outputs.directory and rows == 0:
+        import shutil
+        shutil.rmtree(outputs.directory, ignore_errors=True)
+        print(f"# interrupted before any row finished: {outputs.directory} removed", file=sys.stderr)
 
 
 def host_note(shrunk: dict[str, str], *, plan: bool = False, suite: str | None = None) -> str:

@@ -112,7 +112,11 @@ def positive_int(text, option: str) -> int:
 
 
 def _tokens(option: str) -> Callable[[str], int]:
-    return lambda p: parse_size(p, option=option, kind="tokens")
+    def parse(p: str) -> int:
+        if p.strip().startswith("-"):        # as --isl 0 is: a count of tokens, not an unreadable number
+            raise BadInput(f"{option}: {p!r} must be positive")
+        return parse_size(p, option=option, kind="tokens")
+    return parse
 
 
 def _check_pages(workloads, pages) -> None:

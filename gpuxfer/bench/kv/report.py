@@ -147,8 +147,7 @@ def preamble_lines(env: dict[str, Any], params: dict[str, Any]) -> list[str]:
         lines.append(f"# link: device {link_text(link)}, peer access {link.get('peer_access')}")
     eng = env.get("engines")
     if eng:
-        lines.append("# engines: " + ", ".join(f"{k} {'ok' if v is None else 'unusable (' + v + ')'}"
-                                                for k, v in eng.items()))
+        lines.append(engines_line(eng))
     lines.append("# parameters: " + " ".join(f"{k}={_param(v)}" for k, v in params.items() if k != "grid"))
     grid = params.get("grid")
     if grid:
@@ -159,6 +158,25 @@ def preamble_lines(env: dict[str, Any], params: dict[str, Any]) -> list[str]:
     lines.append("# " + GBPS_DEFINITION)
     lines.append("#")
     return lines
+
+
+#: the longest reason the ``# engines:`` line prints (the JSON's environment has every reason whole)
+REASON_CHARS = 100
+
+
+def engines_line(engines: dict[str, str | None]) -> str:
+    """``# engines: bulk, triton ok; nixl, nixl-bulk unusable (NIXL is not installed ...)``: the usable ones,
+    then the unusable ones grouped by reason, each reason once and cut at :data:`REASON_CHARS`."""
+    ok = [k for k, v in engines.items() if v is None]
+    by_reason: dict[str, list[str]] = {}
+    for k, v in engines.items():
+        if v is not None:
+            by_reason.setdefault(v, []).append(k)
+    parts = [", ".join(ok) + " ok"] if ok else []
+    for why, names in by_reason.items():
+        short = why if len(why) <= REASON_CHARS else why[:REASON_CHARS].rstrip() + "..."
+        parts.append(f"{', '.join(names)} unusable ({short})")
+    return "# engines: " + "; ".join(parts)
 
 
 def cpu_lines(env: dict[str, Any], asked: str | None) -> list[str]:
@@ -235,11 +253,27 @@ def summary_lines(summ: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+#: the exit code of a run stopped by Ctrl-C (128 + SIGINT, as a shell reports it)
+EXIT_INTERRUPTED = 130
+
+
+def _after_interrupt(text: str) -> bool:
+    """An error that only says how a rank went down after Ctrl-C (its KeyboardInterrupt, its kill)."""
+    return ("KeyboardInterrupt" in text or " exited with code " in text or " was killed" in text
+            or " exited without a result" in text or "did not complete" in text)
+
+
 def outcome(rows: Sequence[dict[str, Any]], errors: Sequence[str], *, expected_rows: int | None = None,
             complete: bool = True) -> dict[str, Any]:
+    from ...spawn import INTERRUPTED
     invalid = [r for r in rows if r.get("valid") is False]
     failed = [r for r in rows if r.get("error")]
+    interrupted = INTERRUPTED in errors
     reasons = list(errors)
+    if interrupted:     # first, and without the ranks' own words about going down
+        done = f"{len(rows)} of {expected_rows}" if expected_rows else str(len(rows))
+        reasons = [f"interrupted (Ctrl-C) after {done} rows; the finished rows are kept"] + [
+            e for e in errors if e != INTERRUPTED and not _after_interrupt(e)]
     for r in failed:
         reasons.append(f"{_row_id(r)}: {r['error']}")
     for r in invalid:
@@ -251,10 +285,11 @@ def outcome(rows: Sequence[dict[str, Any]], errors: Sequence[str], *, expected_r
         if r.get("wrong_bytes") or not sampled_failed:
             reasons.append(f"{_row_id(r)}: {r.get('wrong_bytes')} wrong bytes (first wrong descriptor "
                            f"{r.get('first_wrong_descriptor')})")
-    if not complete:
+    if not complete and not interrupted:
         reasons.append("the run did not complete")
     ok = not reasons
-    return {"status": "pass" if ok else "fail", "rows": len(rows), "rows_valid": sum(1 for r in rows if r.get("valid")),
+    status = "interrupted" if interrupted else "pass" if ok else "fail"
+    return {"status": status, "rows": len(rows), "rows_valid": sum(1 for r in rows if r.get("valid")),
             "rows_invalid": len(invalid), "rows_failed": len(failed), "rows_expected": expected_rows,
             "complete": complete, "reasons": reasons}
 
@@ -280,7 +315,8 @@ def footer_lines(out: dict[str, Any], artifacts: dict[str, Any], *, wrong_bytes:
     if out["status"] == "pass":
         lines.append("# PASS: every byte of every request verified")
     else:
-        lines.append(f"# FAIL: {len(out['reasons'])} problem(s)")
+        lines.append(f"# {'INTERRUPTED' if out['status'] == 'interrupted' else 'FAIL'}: "
+                     f"{len(out['reasons'])} problem(s)")
         for r in out["reasons"][:20]:
             lines.append(f"#   {r}")
         if len(out["reasons"]) > 20:
@@ -465,13 +501,15 @@ class Reporter:
             for line in header_lines():
                 self._print(line)
             self._start_progress()
+        elif kind == "running":
+            if self._progress is not None:
+                self._progress.update(self._task, description=f"running: {payload['engine']} "
+                                      f"{payload['direction']} page {payload['page_tokens']} batch {payload['batch']}")
         elif kind == "row":
             self.rows.append(payload)
             self._print(format_row(payload))
             if self._progress is not None:
-                self._progress.update(self._task, advance=1,
-                                      description=f"{payload['engine']} {payload['direction']} page "
-                                                  f"{payload['page_tokens']} batch {payload['batch']}")
+                self._progress.update(self._task, advance=1)
         elif kind == "shed":
             self.shed.append(payload)
             self._print(format_shed(payload))
@@ -528,8 +566,8 @@ class Reporter:
         if self.machine_json:
             sys.stdout.write(dumps(doc) + "\n")
             sys.stdout.flush()
-        rc = 0 if out["status"] == "pass" else 1
-        if self.params.get("suite"):
+        rc = 0 if out["status"] == "pass" else EXIT_INTERRUPTED if out["status"] == "interrupted" else 1
+        if self.params.get("suite") and rc != EXIT_INTERRUPTED:
             from . import collectivex as CX
             rc = CX.exit_code(self.rows, rc)
         self._rc = rc

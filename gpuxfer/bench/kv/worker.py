@@ -376,6 +376,8 @@ class Worker:
             "plan_descriptors": pb.descriptors, "request_bytes": point.request_bytes,
             "request_descriptors": point.request_descriptors, "error": None,
         }
+        if self.rank == 0:              # the progress bar names the row now running
+            self.emit("running", {k: row[k] for k in ("engine", "direction", "page_tokens", "batch")})
         # 1. prepare, on both sides (on this rank's fastest core, with --cpus auto)
         cpu = self._cpu_now()
         p = None
