@@ -26,7 +26,10 @@ slab of a packed layout).
 the platform exports the allocation holding each one (``Platform.export_range``: the
 base allocation and the offset in it), once per allocation. Memory that cannot be
 exported (torch's expandable segments on CUDA) raises
-:class:`~gpuxfer.errors.NotExportable` at registration.
+:class:`~gpuxfer.errors.NotExportable` at registration. On the host emulation plain
+CPU tensors register as they are (cma handles, :mod:`gpuxfer.platforms.host_cma`): a
+peer reaches them by cross-memory-attach copies only, so ``engine="auto"`` moves that
+peer's blocks with ``copy_engine`` and ``triton`` is refused at :meth:`KVAgent.add_peer`.
 
 **Transfers.** ``pull``: the local agent's blocks are the destination and the peer's
 the source; ``push``: the reverse. With the ``triton`` engine (one-sided) the work runs
@@ -92,6 +95,7 @@ from ..errors import (BackendUnavailable, BadInput, BadMetadata, BlockIdError, L
 from ..flaglink import FlagWords
 from ..platforms.base import Closable, DeviceBuffer, Event, IpcHandle, Platform, Stream
 from .control import AGENT_WORDS, NOTIFY, NOTIFY_SLOTS, PACK_SLOTS, PACK_WORDS
+from .engine_choice import peer_engine
 from .engines.base import FailsOnTimeout, on_timeout_from_env
 from .layers import _MAX_NAME, KVLayer, KVLayerSpec, KVPiece, describe_layer, layout_groups, _torch
 from .metadata import _HEADER, METADATA_MAGIC, METADATA_VERSION, decode_metadata
@@ -120,7 +124,8 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
 
     ``platform``: a :class:`~gpuxfer.platforms.base.Platform` (default: the process's,
     :func:`gpuxfer.platforms.current`); ``device``: the local device every transfer runs on; ``engine``:
-    ``"triton"`` (``"auto"`` picks it), ``"pack"`` (both agents of a pair run it) or ``"copy_engine"``;
+    ``"triton"``, ``"pack"`` (both agents of a pair run it) or ``"copy_engine"``; ``"auto"``: ``triton``, but
+    ``copy_engine`` with a peer whose caches this process cannot address (``peer.engine`` says which);
     ``timeout_s``: the default of every wait; ``rank``: how errors name this side;
     ``slot_bytes``: the pack engine's staging slot (192 MiB; 1 MiB on the host emulation); a request's chunks are
     32 MiB or about a sixteenth of the request, whichever is larger, up to the slot.
@@ -139,6 +144,7 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
                  on_timeout: str | None = None):
         if not isinstance(name, str) or not 0 < len(name) <= _MAX_NAME:
             raise BadInput(f"agent name must be a string of 1..{_MAX_NAME} characters, got {name!r}")
+        self.auto_engine = engine == "auto"        # then each peer gets the engine that reaches it
         engine = "triton" if engine == "auto" else engine
         if engine not in AGENT_ENGINES:
             raise BadInput(f"KVAgent runs engine(s) {', '.join(AGENT_ENGINES)}; got {engine!r}")
@@ -242,8 +248,9 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
                                f"device is {want}")
             described.append(describe_layer(t, name=lname, position=pos, token_major=token_major))
         refs = []
-        for lay in described:
-            ex = self.platform.export_range(lay.ptr, lay.extent, self.device)
+        for (_, t), lay in zip(items, described):
+            st = (t.tensor if isinstance(t, KVLayerSpec) else t).untyped_storage()
+            ex = self.platform.export_range(lay.ptr, lay.extent, self.device, within=(st.data_ptr(), st.nbytes()))
             key = ex.handle.payload
             with self._lock:
                 a = self._alloc_keys.get(key)
@@ -330,6 +337,11 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
             raise LayoutMismatch(f"peer {meta.agent!r} has {meta.slot_bytes}-byte staging slots, agent "
                                  f"{self.name!r} {self.slot_bytes}-byte ones: the pack engine needs equal slot_bytes")
         peer = KVPeer(self, meta)
+        try:
+            peer.engine = peer_engine(self.engine, self.auto_engine, peer.name, peer.addressable)
+        except BaseException:
+            peer.close()
+            raise
         with self._lock:
             self._peers[meta.agent] = peer
         if self.engine == "pack":

@@ -36,8 +36,8 @@ class _CopyEngineTransfer(KVTransfer):
     def _build_launches(self, max_segments: int, launches: list) -> None:
         r = self.route
         d = expand_on_host(r.table, self._host_req.numpy(), len(r.groups))
-        self._srcs = np.ascontiguousarray(d[:, 0] + np.int64(r.src_anchor.data_ptr()))
-        self._dsts = np.ascontiguousarray(d[:, 1] + np.int64(r.dst_anchor.data_ptr()))
+        self._srcs = np.ascontiguousarray(d[:, 0] + np.int64(r.src_base))
+        self._dsts = np.ascontiguousarray(d[:, 1] + np.int64(r.dst_base))
         self._sizes = np.ascontiguousarray(d[:, 2])
 
     def post(self, stream: Stream | None = None) -> KVTransferHandle:
@@ -54,5 +54,5 @@ class _CopyEngineTransfer(KVTransfer):
 
     def expanded_descriptors(self) -> np.ndarray:
         r = self.route
-        return np.stack([self._srcs - r.src_anchor.data_ptr(), self._dsts - r.dst_anchor.data_ptr(), self._sizes],
+        return np.stack([self._srcs - r.src_base, self._dsts - r.dst_base, self._sizes],
                         axis=1)

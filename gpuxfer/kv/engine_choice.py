@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["EngineChoice", "default_engine", "default_engine_choice"]
+__all__ = ["EngineChoice", "default_engine", "default_engine_choice", "peer_engine"]
 
 
 class EngineChoice(NamedTuple):
@@ -56,3 +56,23 @@ def default_engine(platform, src_dev: int, dst_dev: int) -> str:
     """The name of :func:`default_engine_choice`'s engine (e.g. ``"pack"`` between two NVLinked GPUs,
     ``"triton"`` on one GPU)."""
     return default_engine_choice(platform, src_dev, dst_dev).name
+
+
+def peer_engine(engine: str, auto: bool, peer: str, addressable: bool) -> str:
+    """The engine of a :class:`~gpuxfer.kv.agent.KVAgent`'s transfers with a peer: the agent's ``engine``, but,
+    where this process cannot address the peer's caches (another process's plain memory the host emulation
+    reaches by cross-memory-attach copies, :mod:`gpuxfer.platforms.host_cma`), ``copy_engine`` when the agent
+    was built with ``engine="auto"`` (``auto``), and :class:`~gpuxfer.errors.BackendUnavailable` for
+    ``triton``, whose kernel runs over the peer's caches (``pack`` touches only each side's own caches and the
+    peer's shared-memory staging; ``copy_engine`` only copies)."""
+    if addressable:
+        return engine
+    if auto:
+        return "copy_engine"
+    if engine == "triton":
+        from ..errors import BackendUnavailable
+        raise BackendUnavailable("triton", {peer: (
+            "its caches are another process's memory this process cannot address (the host emulation reaches "
+            "plain process memory by cross-memory-attach copies, never by a kernel): use engine='copy_engine' or "
+            "'auto' (or register caches of Platform.alloc + as_tensor)")})
+    return engine

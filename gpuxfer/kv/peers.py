@@ -56,6 +56,8 @@ class KVPeer(Closable):
         self._notified: list = [None] * NOTIFY_SLOTS     # per slot: (stream, event) of its last notifying post
         self.pack_sent = 0                  # pack transfers (with chunks) this agent's source posted to the peer
         self.pack_recv = 0                  # pack transfers (with chunks) this agent's destination posted
+        self.engine = agent.engine          # the engine of transfers with this peer (KVAgent._peer_engine)
+        self.addressable = True             # whether this process can address the peer's caches (kernels)
         plat, dev = agent.platform, agent.device
         try:
             local = _LOCAL_AGENTS.get(meta.uid) if meta.pid == os.getpid() else None
@@ -76,6 +78,7 @@ class KVPeer(Closable):
                     self._mappings.append(m)
                     self._check_claim(m.ptr, h.nbytes, "an allocation")
                     bases.append(m.ptr)
+                    self.addressable = self.addressable and m.addressable
                 self.flags.open(meta.control)
                 self._check_claim(self.flags.peer_mem.ptr, meta.control.nbytes, "flag words")
                 if meta.staging is not None:
@@ -100,11 +103,14 @@ class KVPeer(Closable):
                               f"{real[0] + real[1] - ptr}")
 
     def anchor(self, layer_ref: tuple[int, int], ptr: int):
-        """A 1-element uint8 tensor at ``ptr`` (a layer of this peer) on the agent's device."""
+        """A 1-element uint8 tensor at ``ptr`` (a layer of this peer) on the agent's device, or None where the
+        peer's memory is not addressable here (copies reach it, no tensor may view it)."""
         if self._local is not None:
             return self._local._flat_at(ptr)
         a, off = layer_ref
         m = self._mappings[a]
+        if not m.addressable:
+            return None
         return self.agent.platform.as_tensor(m, shape=(1,), offset=off)
 
     def notify(self, s: Stream, slot: int) -> tuple[int, Event]:

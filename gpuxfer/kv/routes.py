@@ -30,8 +30,10 @@ class _Route:
     table: np.ndarray                            # the same on the host
     plane_group: np.ndarray                      # (P,) group of each plane
     classes: list[tuple[int, int, int]]          # (first plane, end plane, segment bytes), planes sorted by size
-    src_anchor: Any
-    dst_anchor: Any
+    src_anchor: Any                              # 1-element tensors at src_base / dst_base (kernels' anchors;
+    dst_anchor: Any                              # None for a peer's memory not addressable here)
+    src_base: int = 0                            # the addresses the table's offsets are from
+    dst_base: int = 0
     launch_classes: list[tuple[int, int, int]] = field(default_factory=list)   # per copy launch: (first plane,
                                                  # end plane, segment bytes): neighbouring sizes tiled alike
     group_bytes: list[int] = field(default_factory=list)  # per group: bytes one segment of each plane moves
@@ -185,7 +187,8 @@ class _Routes:
         # free, no two destinations overlap. The pack engine's two sides must agree on it and touch only
         # their own memory: both take the destination's (whose order also finds repeated destinations).
         ids = _RouteIds(names, limits, splits, _overlap_classes(dst_spans),
-                        sort_by_dst=op == "push" or self.engine == "pack")
+                        sort_by_dst=op == "push" or peer.engine == "pack")
         return _Route(op=op, groups=names, ids=ids, planes=planes, table=table, plane_group=pg, classes=classes,
-                      src_anchor=src_anchor(), dst_anchor=dst_anchor(), launch_classes=[(a, b, c) for a, b, c, _ in merged],
+                      src_anchor=src_anchor(), dst_anchor=dst_anchor(), src_base=int(src_base), dst_base=int(dst_base),
+                      launch_classes=[(a, b, c) for a, b, c, _ in merged],
                       group_bytes=[int(table[pg == gi, 4].sum()) for gi in range(len(names))])

@@ -29,7 +29,7 @@ class _Staging:
 
     def _stage(self, peer, route: _Route, op, name, checked, notify_slot) -> KVTransfer:
         """The request array (header + block IDs, as :mod:`gpuxfer.kernels.block_kernel` lays it out) in a host
-        array, and the transfer of the agent's engine around it. ``checked``: the IDs
+        array, and the transfer of the peer's engine (:meth:`KVAgent._peer_engine`) around it. ``checked``: the IDs
         (:meth:`_RouteIds.check <gpuxfer.kv.ids._RouteIds.check>`)."""
         n_seg, lens_s, lens_d, ordered = checked
         P, G = route.plane_group.size, len(n_seg)
@@ -37,7 +37,8 @@ class _Staging:
         starts = list(itertools.accumulate(lens_s + lens_d, initial=head))
         mid, total = starts[G], starts[-1]
         nbytes = sum(n * b for n, b in zip(n_seg, route.group_bytes))
-        if self.engine != "copy_engine":
+        engine = peer.engine
+        if engine != "copy_engine":
             host, h = self._requests.take(total, self._reap_locked)
         else:
             h = np.empty(total, dtype=np.int64)
@@ -48,9 +49,9 @@ class _Staging:
         n_rows = int(h[P])
         route.ids.write(ordered, h[head:mid], h[mid:total])
         n_seg = np.array(n_seg, dtype=np.int64)
-        if self.engine == "triton":
+        if engine == "triton":
             return _SlotTransfer(self, peer, route, op, name, n_seg, host, h, notify_slot, n_rows, nbytes)
-        if self.engine == "copy_engine":
+        if engine == "copy_engine":
             return _CopyEngineTransfer(self, peer, route, op, name, n_seg, host, host, None, 0, [], notify_slot,
                                        n_rows, nbytes)
         return self._stage_pack(peer, route, op, name, n_seg, host, h, notify_slot, n_rows, nbytes)

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import TransferTimeout
+from ..errors import PeerLost, TransferTimeout
 from ..platforms.base import Event, Stream
 
 if TYPE_CHECKING:
@@ -40,6 +40,8 @@ class KVTransferHandle:
         try:
             wait_event_or_raise(agent.platform, self.event, t, rank=agent.rank, what=f"KV transfer {self.name!r}",
                                 spin_s=SPIN_S)
+        except PeerLost:
+            raise               # the transfer's own error (its peer exited), not a timeout of this wait
         except TransferTimeout as exc:
             err = TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
                                   timeout_s=t, what=f"{self.transfer.describe()} did not complete")

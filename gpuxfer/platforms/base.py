@@ -92,6 +92,11 @@ class Memory(Closable):
     device: int
     ptr: int
     nbytes: int
+    #: this process can dereference ``[ptr, ptr + nbytes)``: kernels, torch views (``as_tensor``) and copies
+    #: reach it. False for the host emulation's mapping of another process's plain memory (cross-memory
+    #: attach): ``ptr`` stands for that memory in this process's address space, but only ``copy_async`` /
+    #: ``copy_batch_async`` reach it, and nothing may read or write it directly
+    addressable: bool = True
 
     def check_range(self, offset: int, nbytes: int, what: str = "range") -> None:
         if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
@@ -312,10 +317,13 @@ class Platform(abc.ABC):
     @abc.abstractmethod
     def export_handle(self, buf: DeviceBuffer) -> IpcHandle: ...
 
-    def export_range(self, ptr: int, nbytes: int, device: int) -> ExportedRange:
+    def export_range(self, ptr: int, nbytes: int, device: int, within: tuple[int, int] | None = None
+                     ) -> ExportedRange:
         """Export memory this process holds by any means (e.g. a torch tensor from the caching
         allocator, carved from a larger allocation): the handle of the allocation holding
-        ``[ptr, ptr + nbytes)`` on ``device`` and the range's offset in it.
+        ``[ptr, ptr + nbytes)`` on ``device`` and the range's offset in it. ``within``: ``(base, nbytes)``
+        of memory the caller knows holds the range (a tensor's storage), for a platform that cannot find
+        allocations itself (the host emulation's cma handles cover it); the others ignore it.
 
         Optional hook. Raises :class:`~gpuxfer.errors.NotExportable` (with the reason) for memory
         that cannot be exported; the default knows no allocation but those of :meth:`alloc`.

@@ -115,7 +115,8 @@ class _CudaMemory:
         return _cu(drv.cuPointerGetAttribute, attr, int(ptr),
                    doing=f"reading {name} of 0x{int(ptr):x} on cuda:{device}")
 
-    def export_range(self, ptr: int, nbytes: int, device: int) -> ExportedRange:
+    def export_range(self, ptr: int, nbytes: int, device: int, within: tuple[int, int] | None = None
+                     ) -> ExportedRange:
         """The IPC handle of the ``cudaMalloc`` allocation holding ``[ptr, ptr + nbytes)`` (a torch
         caching-allocator block lies in one) and the range's offset in it.
 

@@ -15,6 +15,14 @@ What it emulates, and how:
   may drop the name (:meth:`HostPlatform.unpublish`): the mappings stay, and
   nothing is left in ``/dev/shm`` even if every process (tracker included) is
   killed.
+* **Plain process memory** -- memory that is no shared-memory buffer (a plain torch CPU tensor, the KV caches
+  an engine allocated itself) is exported as a *cma* handle (the process's identity, the address, the size;
+  ``export_range``) and reached from another process by cross-memory attach: its mapping is not addressable
+  (``mapping.addressable`` is False; ``as_tensor``, fills and flags refuse it, a stray access faults on a
+  no-access reservation), and ``copy_async`` / ``copy_batch_async`` turn copies into or out of it into
+  ``process_vm_readv`` / ``process_vm_writev``, checked against its range before any system call. Their
+  errors (the process exited: ``PeerLost``; ptrace access denied: ``BackendUnavailable``) fail that transfer
+  only. :mod:`~gpuxfer.platforms.host_cma` has the design and its timeline.
 * **Opening your own handle** is refused with :class:`BadInput`, as CUDA refuses
   ``cudaIpcOpenMemHandle`` in the exporting process: code that passes on the
   emulation must not depend on something the GPU forbids.
@@ -30,7 +38,8 @@ What it emulates, and how:
   :meth:`HostPlatform.launch`, or ``synchronize`` first (host code reading
   device results on a GPU must synchronize too).
 * **Errors** -- an exception raised by an operation on a worker is stored; the
-  stream is then failed (sticky, like a CUDA context error): later operations
+  stream is then failed (sticky, like a CUDA context error; a failed cross-memory-attach copy is not: it
+  fails the operations up to the next event, which raises it): later operations
   are skipped, and every event recorded after the failure raises the error from
   ``event_query`` / ``event_wait`` / ``synchronize``; enqueuing on a failed
   stream raises it at once. gpuxfer errors keep their type; anything else is
@@ -51,7 +60,8 @@ What it emulates, and how:
 
 Layout: this module holds :class:`HostPlatform` (devices, the stream, event,
 copy, flag and capture hooks, ``close``); the shared-memory buffers and their
-IPC are :mod:`~gpuxfer.platforms.host_memory` (mixed in), the worker threads
+IPC are :mod:`~gpuxfer.platforms.host_memory` (mixed in), cross-memory attach
+:mod:`~gpuxfer.platforms.host_cma`, the worker threads
 behind streams, events and graphs :mod:`~gpuxfer.platforms.host_streams`.
 """
 from __future__ import annotations
@@ -64,6 +74,7 @@ import os
 import shutil
 import threading
 import time
+import weakref
 from typing import Callable
 
 import numpy as np
@@ -72,6 +83,7 @@ from .. import config
 from ..common import SHM_UNAVAILABLE
 from ..errors import BadInput
 from .base import DeviceInfo, Event, LinkInfo, Memory, Platform, Stream, as_int64_array, check_flag_ptr
+from .host_cma import CmaSpace, wrap_scoped
 from .host_memory import _HostMemory
 from .host_streams import (_JOIN_TIMEOUT_S, _POLL_MAX_S, _STOP_CHECK_S, HostEvent, HostGraph, HostStream, _Op,
                            _Stopped, _Worker, _geq_cyclic, _load64, _store64, _to_signed64)
@@ -117,6 +129,8 @@ class HostPlatform(_HostMemory, Platform):
         self._nstreams = itertools.count()
         self._is_closed = False
         self._memory: dict[int, Memory] = {}     # ptr -> live buffers and mappings (export_range)
+        self._cma = CmaSpace()                    # mappings of other processes' plain memory (copies only)
+        self._cma_targets = weakref.WeakValueDictionary()   # (pid, start time) -> the process cma mappings reach
 
     # ---- devices ----
     def _check_device(self, device: int) -> int:
@@ -230,7 +244,9 @@ class HostPlatform(_HostMemory, Platform):
         dst, src, nbytes = int(dst), int(src), int(nbytes)
         if nbytes < 0:
             raise BadInput(f"cannot copy {nbytes} bytes")
-        if nbytes:
+        if nbytes and self._cma:
+            self._enqueue_copies(s, *(np.array([v], dtype=np.int64) for v in (dst, src, nbytes)))
+        elif nbytes:
             s._enqueue(f"copy of {nbytes} B 0x{src:x} -> 0x{dst:x}", lambda: ctypes.memmove(dst, src, nbytes))
 
     def copy_batch_async(self, stream: Stream, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> None:
@@ -240,6 +256,9 @@ class HostPlatform(_HostMemory, Platform):
             raise BadInput(f"dsts, srcs and sizes differ in length: {len(d)}, {len(sr)}, {len(n)}")
         if len(n) and n.min() < 0:
             raise BadInput("a copy size is negative")
+        if len(n) and self._cma:
+            self._enqueue_copies(s, d, sr, n)
+            return
 
         def run() -> None:
             for dd, ss, nn in zip(d.tolist(), sr.tolist(), n.tolist()):
@@ -249,25 +268,47 @@ class HostPlatform(_HostMemory, Platform):
         if len(n):
             s._enqueue(f"batch of {len(n)} copies", run)
 
+    def _enqueue_copies(self, s: HostStream, d: np.ndarray, sr: np.ndarray, n: np.ndarray) -> None:
+        """Copies while cma mappings are open: each checked against them now; those with an end in one run as
+        cross-memory-attach calls, their errors failing the transfer (:mod:`~gpuxfer.platforms.host_cma`)."""
+        run = self._cma.plan(d, sr, n)
+        if run is not None:
+            s._enqueue(f"batch of {len(n)} copies (cross-memory attach)", wrap_scoped(run))
+            return
+
+        def plain() -> None:
+            for dd, ss, nn in zip(d.tolist(), sr.tolist(), n.tolist()):
+                if nn:
+                    ctypes.memmove(dd, ss, nn)
+
+        s._enqueue(f"batch of {len(n)} copies", plain)
+
     def memset_async(self, stream: Stream, ptr: int, value: int, nbytes: int) -> None:
         s = self._stream(stream)
         ptr, nbytes = int(ptr), int(nbytes)
         if nbytes < 0 or not 0 <= int(value) <= 255:
             raise BadInput(f"memset of {nbytes} bytes to {value!r}: need nbytes >= 0 and a byte value")
+        if self._cma:
+            self._cma.refuse(ptr, nbytes, "a memset")
         if nbytes:
             s._enqueue(f"memset of {nbytes} B at 0x{ptr:x}", lambda: ctypes.memset(ptr, int(value), nbytes))
 
     # ---- flags ----
+    def _check_flag(self, ptr: int) -> None:
+        check_flag_ptr(int(ptr))
+        if self._cma:
+            self._cma.refuse(int(ptr), 8, "a flag")
+
     def write_flag(self, stream: Stream, ptr: int, value: int) -> None:
         s = self._stream(stream)
-        check_flag_ptr(int(ptr))
+        self._check_flag(ptr)
         v = _to_signed64(value)
         s._enqueue(f"flag write {v} to 0x{int(ptr):x}", lambda: _store64(int(ptr), v))
 
     def wait_flag(self, stream: Stream, ptr: int, value: int) -> None:
         s = self._stream(stream)
         ptr = int(ptr)
-        check_flag_ptr(ptr)
+        self._check_flag(ptr)
         v = _to_signed64(value)
         stop = s._worker.stop
 
@@ -282,7 +323,7 @@ class HostPlatform(_HostMemory, Platform):
         s._enqueue(f"flag wait 0x{ptr:x} >= {v}", wait)
 
     def read_flag(self, ptr: int, device: int) -> int:
-        check_flag_ptr(int(ptr))
+        self._check_flag(ptr)
         return _load64(int(ptr))
 
     def map_host_words(self, ptr: int, nbytes: int, device: int) -> int:
@@ -292,7 +333,7 @@ class HostPlatform(_HostMemory, Platform):
         return int(ptr)
 
     def host_write_flag(self, ptr: int, value: int, device: int) -> None:
-        check_flag_ptr(int(ptr))
+        self._check_flag(ptr)
         _store64(int(ptr), _to_signed64(value))
 
     # ---- graph capture (emulated) ----

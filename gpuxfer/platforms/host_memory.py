@@ -1,6 +1,6 @@
 """The host emulation's memory: POSIX shared-memory buffers (``shm_open`` + ``mmap``) that another
-process opens by name the way CUDA IPC opens a ``cudaMalloc`` buffer, exported ranges, and zero-copy torch
-views. Mixed into :class:`~gpuxfer.platforms.host.HostPlatform`. See :mod:`gpuxfer.platforms.host` for the
+process opens by name the way CUDA IPC opens a ``cudaMalloc`` buffer, exported ranges (any other memory of
+the process as a cma handle, :mod:`~gpuxfer.platforms.host_cma`), and zero-copy torch views. Mixed into :class:`~gpuxfer.platforms.host.HostPlatform`. See :mod:`gpuxfer.platforms.host` for the
 semantics.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ import numpy as np
 
 from ..common import map_shm, unlink_shm
 from ..errors import BadInput, DriverError, NotExportable
+from . import host_cma as cma
 from .base import DeviceBuffer, ExportedRange, IpcHandle, Memory, PeerMapping
 from .views import tensor_view_params
 
@@ -92,23 +93,39 @@ class _HostMemory:
         mem = self._holder(ptr)
         return None if mem is None else (mem.ptr, mem.nbytes)
 
-    def export_range(self, ptr: int, nbytes: int, device: int) -> ExportedRange:
-        """The shared-memory buffer (from :meth:`alloc`) holding ``[ptr, ptr + nbytes)``; any other host
-        memory (a plain torch CPU tensor) cannot be opened by another process."""
+    def export_range(self, ptr: int, nbytes: int, device: int, within: tuple[int, int] | None = None
+                     ) -> ExportedRange:
+        """The shared-memory buffer (from :meth:`alloc`) holding ``[ptr, ptr + nbytes)``; any other memory of
+        this process (a plain torch CPU tensor) is named by a cma handle, which another process reaches by
+        cross-memory attach (:mod:`~gpuxfer.platforms.host_cma`): the handle covers ``within`` (``(base,
+        nbytes)``, a tensor's storage) where that holds the range, else the range itself."""
         device = self._check_device(device)
         ptr, nbytes = int(ptr), int(nbytes)
         mem = self._holder(ptr)
         what = f"host memory [0x{ptr:x}, +{nbytes})"
+        if mem is None:
+            return self._export_cma(ptr, nbytes, device, within)
         if not isinstance(mem, DeviceBuffer):
-            why = ("it lies in another process's buffer opened here" if mem is not None else
-                   "it is not inside a shared-memory buffer of this host platform (allocate the memory with "
-                   "Platform.alloc and view it with Platform.as_tensor)")
-            raise NotExportable(what, why)
+            raise NotExportable(what, "it lies in another process's buffer opened here")
         if nbytes < 0 or ptr + nbytes > mem.ptr + mem.nbytes:
             raise NotExportable(what, f"it runs past the end of {mem!r}")
         if mem.device != device:
             raise BadInput(f"{what} belongs to emulated device {mem.device}, not {device}")
         return ExportedRange(self.export_handle(mem), ptr - mem.ptr)
+
+    def _export_cma(self, ptr: int, nbytes: int, device: int, within) -> ExportedRange:
+        what = f"host memory [0x{ptr:x}, +{nbytes})"
+        if nbytes <= 0 or ptr <= 0:
+            raise NotExportable(what, "an empty range or a null address names no memory")
+        base, size = ptr, nbytes
+        if within is not None:
+            wb, wn = int(within[0]), int(within[1])
+            if 0 < wb <= ptr and nbytes <= wn - (ptr - wb):
+                base, size = wb, wn
+        if self._cma:
+            self._cma.refuse(base, size, f"exporting {what}")
+        payload = cma.encode_handle(os.getpid(), base, size)
+        return ExportedRange(IpcHandle(self.name, device, size, payload, os.getpid()), ptr - base)
 
     def unpublish(self, buf: DeviceBuffer) -> None:
         """Drop the shared-memory name of ``buf`` once its peers have opened it (later opens fail;
@@ -132,6 +149,8 @@ class _HostMemory:
         if handle.owner_pid == os.getpid():
             raise BadInput("cannot open an IPC handle in the process that exported it (CUDA forbids it "
                            "too): use the DeviceBuffer itself")
+        if cma.is_cma_payload(handle.payload):
+            return self._open_cma(handle, device)
         name = handle.payload.decode()
         try:
             shm = _Shm(name, handle.nbytes, create=False)
@@ -144,13 +163,30 @@ class _HostMemory:
             self._memory[mapping.ptr] = mapping
         return mapping
 
+    def _open_cma(self, handle: IpcHandle, device: int) -> PeerMapping:
+        """A cma handle (another process's plain memory): a mapping that is not addressable here, reached by
+        the copy hooks only."""
+        with self._lock:
+            impl = cma.open_cma(handle.payload, handle.owner_pid, handle.nbytes, self._cma_targets)
+        mapping = PeerMapping(self, device, impl.local, handle, impl=impl)
+        mapping.addressable = False
+        with self._lock:
+            self._memory[mapping.ptr] = mapping
+        self._cma.add(mapping)
+        return mapping
+
     def _close_mapping(self, mapping: PeerMapping) -> None:
         with self._lock:
             self._memory.pop(mapping.ptr, None)
+        if isinstance(mapping.impl, cma.CmaMapping):
+            self._cma.remove(mapping)       # queued copies hold the process they reach, never the reservation
         mapping.impl.release()
 
     def as_tensor(self, mem: Memory, dtype=None, shape: Sequence[int] | None = None, offset: int = 0):
         import torch
+        if isinstance(getattr(mem, "impl", None), cma.CmaMapping):
+            raise BadInput(f"{mem!r} is another process's memory reached by cross-memory attach: not addressable "
+                           "here (copy_async / copy_batch_async reach it)")
         if mem.platform is not self or not isinstance(getattr(mem, "impl", None), _Shm):
             raise BadInput(f"{mem!r} does not belong to this host platform")
         if mem.closed:

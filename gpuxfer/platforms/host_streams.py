@@ -1,6 +1,7 @@
 """The host emulation's streams: one FIFO worker thread per :class:`HostStream` runs its operations in
 order (copies, fills, 64-bit flag writes and polled waits, launched callables, event records); a worker's
-error is sticky and reaches the host through :class:`HostEvent`; :class:`HostGraph` holds operations
+error is sticky and reaches the host through :class:`HostEvent` (but a :class:`TransferFailed` fails only the
+work up to the next event); :class:`HostGraph` holds operations
 recorded from a capturing stream. See :mod:`gpuxfer.platforms.host` for the semantics.
 """
 from __future__ import annotations
@@ -58,6 +59,16 @@ class _Stopped(Exception):
     """Raised inside a worker when the platform aborts it."""
 
 
+class TransferFailed(Exception):
+    """Raised by an operation whose failure ends one transfer, not the stream (a cross-memory-attach copy to a
+    process that exited): the worker skips the operations queued after it up to the next event record, that
+    event raises ``error``, and the operations after the event run."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
 class HostEvent(Event):
     """Completed when the stream's worker reaches it; carries the stream's error, if any."""
 
@@ -101,6 +112,7 @@ class _Worker:
         self.stop = threading.Event()
         self.closing = False
         self.error: BaseException | None = None
+        self.failed_transfer: BaseException | None = None     # until the next event record (TransferFailed)
         self.thread = threading.Thread(target=self._run, name=f"gpuxfer-{name}", daemon=True)
         self.thread.start()
 
@@ -126,14 +138,18 @@ class _Worker:
                 self.queue.put(op)   # failed with the rest by _fail_pending
                 break
             if op.event is not None:
-                op.event._finish(self.error)
+                op.event._finish(self.error or self.failed_transfer)
+                self.failed_transfer = None
                 continue
-            if self.error is not None:
+            if self.error is not None or self.failed_transfer is not None:
                 continue
             try:
                 op.fn()
             except _Stopped:
                 break
+            except TransferFailed as exc:
+                self.failed_transfer = exc.error
+                log.debug("%s: a transfer failed: %s", self.name, exc.error)
             except BaseException as exc:  # noqa: BLE001 - stored, re-raised on the host
                 self.error = _wrap(exc, f"running {op.what} on {self.name}")
                 log.debug("%s failed: %s", self.name, self.error)

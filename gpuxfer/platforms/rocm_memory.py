@@ -98,7 +98,8 @@ class _RocmMemory:
                               f"hip-python returned {outs!r}")
         return int(outs[0]), int(outs[1])
 
-    def export_range(self, ptr: int, nbytes: int, device: int) -> ExportedRange:
+    def export_range(self, ptr: int, nbytes: int, device: int, within: tuple[int, int] | None = None
+                     ) -> ExportedRange:
         """The IPC handle of the ``hipMalloc`` allocation holding ``[ptr, ptr + nbytes)`` (a torch
         caching-allocator block lies in one) and the range's offset in it (``hipMemGetAddressRange``,
         then ``hipIpcGetMemHandle`` on its base)."""

@@ -588,8 +588,8 @@ def test_mismatched_layouts(pair):
 
 def test_registration_errors(pair, plat):
     pre, dec, a0, a1 = pair
-    with pytest.raises(NotExportable, match="not inside a shared-memory buffer"):
-        pre.register_group("g", 4, {"l": torch.zeros((4, 4, 8), dtype=torch.uint8)})
+    plain = torch.zeros((4, 4, 8), dtype=torch.uint8)      # plain memory: a cma handle (tests/kv/test_kv_cma.py)
+    pre.register_group("plain", 4, {"l": plain})
     with pytest.raises(BadInput, match="torch.Tensor"):
         pre.register_group("g", 4, {"l": np.zeros((4, 4, 8))})
     with pytest.raises(BadInput, match="block_tokens"):
@@ -597,7 +597,7 @@ def test_registration_errors(pair, plat):
     with pytest.raises(BadInput, match="no layers"):
         pre.register_group("g", 4, {})
     pre.register_group("g", 4, [a0.tensor((4, 4, 8))])
-    assert pre.groups == {"g": (4, 4, 1)}
+    assert pre.groups == {"plain": (4, 4, 1), "g": (4, 4, 1)}
     with pytest.raises(BadInput, match="already registered"):
         pre.register_group("g", 4, [a0.tensor((4, 4, 8))])
     with pytest.raises(BadInput, match="engine"):
@@ -822,8 +822,8 @@ def test_host_export_range(plat):
             plat.export_range(buf.ptr + 4000, 200, 0)
         with pytest.raises(BadInput, match="device 0, not 1"):
             plat.export_range(buf.ptr, 8, 1)
-        with pytest.raises(NotExportable):
-            plat.export_range(torch.zeros(8).data_ptr(), 8, 0)
+        plain = torch.zeros(8)
+        assert plat.export_range(plain.data_ptr(), 8, 0).handle.payload.startswith(b"GXCMA")   # plain memory
         assert plat.allocation_range(torch.zeros(8).data_ptr(), 0) is None
         from gpuxfer.platforms.base import Platform        # the contract's defaults: nothing but alloc's buffers
         with pytest.raises(NotExportable, match="can only export buffers it allocated"):

@@ -294,7 +294,7 @@ def _child_copy_pattern(platform_name: str, rank: int, handle, nbytes: int) -> i
         p.set_device(dev)
         src = p.alloc(nbytes, dev)
         peer = p.open_handle(handle, dev)
-        assert peer.nbytes == nbytes and peer.ptr != 0
+        assert peer.nbytes == nbytes and peer.ptr != 0 and peer.addressable
         fill(p, src, pattern(rank, nbytes), dev)
         s = p.current_stream(dev)
         p.copy_async(s, peer.ptr, src.ptr, nbytes)
@@ -542,6 +542,7 @@ def test_capabilities_say_what_the_code_asks(platform):
     assert platform.collective_backend in ("nccl", "gloo")
     buf = platform.alloc(64, 0)
     try:
+        assert buf.addressable      # alloc's buffers and their IPC mappings are; a host cma mapping is not
         t = platform.as_tensor(buf)
         assert t.device == platform.torch_device(0)
         assert (t.device.type == "cpu") == platform.host_memory == (platform.memory_runtime == "host")
