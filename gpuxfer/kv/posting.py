@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from ..errors import TransferTimeout
+from ..errors import GpuxferError, TransferTimeout
 from ..platforms.base import Event, Stream
 from .pack_transfer import _PackShape
 from .routes import _Route
@@ -29,6 +29,15 @@ PACK_SHAPES = 8
 INFLIGHT_KEEP = 16
 
 
+def _ended(platform, event) -> bool:
+    """Whether the work before ``event`` is over: completed, or failed (its transfer's handle raises the error;
+    nothing of it runs any more, and another transfer's post must not raise it)."""
+    try:
+        return platform.event_query(event)
+    except GpuxferError:
+        return True
+
+
 class _PostResources:
     """The slots, pack shapes, lane and in-flight buffers of :class:`~gpuxfer.kv.agent.KVAgent`'s posts."""
 
@@ -40,7 +49,7 @@ class _PostResources:
         plat, slots = self.platform, route.slots
         i = -1
         for k, slot in enumerate(slots):
-            if slot.stream is s or plat.event_query(slot.event):     # every slot has its last event
+            if slot.stream is s or _ended(plat, slot.event):     # every slot has its last event
                 if slot.rows >= rows and slot.entries >= entries:
                     slot.used = next(self._slot_uses)
                     return slot
@@ -132,6 +141,6 @@ class _PostResources:
     def _reap(self) -> None:
         """Drop the posted transfers whose events completed, oldest first (the caller holds the post lock)."""
         q = self._inflight
-        query = self.platform.event_query
-        while q and query(q[0][0]):
+        plat = self.platform
+        while q and _ended(plat, q[0][0]):
             q.popleft()

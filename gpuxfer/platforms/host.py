@@ -86,7 +86,7 @@ from .base import DeviceInfo, Event, LinkInfo, Memory, Platform, Stream, as_int6
 from .host_cma import CmaSpace, wrap_scoped
 from .host_memory import _HostMemory
 from .host_streams import (_JOIN_TIMEOUT_S, _POLL_MAX_S, _STOP_CHECK_S, HostEvent, HostGraph, HostStream, _Op,
-                           _Stopped, _Worker, _geq_cyclic, _load64, _store64, _to_signed64)
+                           TransferFailed, _Stopped, _Worker, _geq_cyclic, _load64, _store64, _to_signed64)
 
 __all__ = ["HostPlatform", "HostStream", "HostEvent", "HostGraph"]
 
@@ -218,6 +218,8 @@ class HostPlatform(_HostMemory, Platform):
             while not event._done.wait(_STOP_CHECK_S):
                 if stop.is_set():
                     raise _Stopped
+            if event._transfer_only and event._error is not None:
+                raise TransferFailed(event._error)      # fails what depends on that transfer, up to the next event
             event._check()   # an error on the other stream fails this one too
 
         s._enqueue(f"wait for an event of {event.stream_name}", wait)

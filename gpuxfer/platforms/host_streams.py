@@ -76,9 +76,10 @@ class HostEvent(Event):
         self.stream_name = stream_name
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._transfer_only = False     # the error failed one transfer (TransferFailed), not the stream
 
-    def _finish(self, error: BaseException | None) -> None:
-        self._error = error
+    def _finish(self, error: BaseException | None, transfer_only: bool = False) -> None:
+        self._error, self._transfer_only = error, transfer_only
         self._done.set()
 
     def _check(self) -> bool:
@@ -138,7 +139,8 @@ class _Worker:
                 self.queue.put(op)   # failed with the rest by _fail_pending
                 break
             if op.event is not None:
-                op.event._finish(self.error or self.failed_transfer)
+                op.event._finish(self.error or self.failed_transfer,
+                                 self.error is None and self.failed_transfer is not None)
                 self.failed_transfer = None
                 continue
             if self.error is not None or self.failed_transfer is not None:

@@ -124,11 +124,12 @@ def test_plain_caches_pull_and_push_across_processes(spawner, engine):
     pre.join(T)
 
 
-def _decode_survives(conn, ready):
+def _decode_survives(conn, ready, healthy_meta):
     plat = _host()
     big, swa, full = _caches(8, seed=2)
     agent = KVAgent("decode", platform=plat, timeout_s=T)
     agent.register_group("full", BS, full)
+    healthy = agent.add_peer(healthy_meta)
     try:
         peer = agent.add_peer(conn.recv())
     except BackendUnavailable as exc:
@@ -150,6 +151,11 @@ def _decode_survives(conn, ready):
     assert isinstance(err, PeerLost), f"expected PeerLost, got {err!r}"
     with pytest.raises(PeerLost):               # every later post of that peer fails alike, none hangs
         xfer.post().wait(T)
+    other = agent.prepare(healthy, "pull", local_blocks={"full": [0, 1]}, remote_blocks={"full": [5, 2]})
+    for _ in range(40):                         # another peer's transfers run on (past the kept posts' reaping)
+        big.zero_()
+        other.post().wait(T)
+        assert torch.equal(_blocks(big, [0, 1]), _blocks(_caches(6, seed=3)[0], [5, 2]))
     t0 = time.monotonic()
     agent.remove_peer(peer)
     agent.close()
@@ -162,13 +168,21 @@ def test_peer_killed_mid_transfer_typed_error_no_hang(spawner):
     import multiprocessing as mp
     a, b = mp.get_context("spawn").Pipe()
     ready = spawner.queue()
+    plat = _host()          # a healthy prefill in this process, beside the one killed
+    big, _, full = _caches(6, seed=3)
+    healthy = KVAgent("prefill-2", platform=plat, timeout_s=T)
+    healthy.register_group("full", BS, full)
     pre = spawner.start(_prefill, a, "auto", True, name="prefill")
-    dec = spawner.start(_decode_survives, b, ready, name="decode")
+    dec = spawner.start(_decode_survives, b, ready, healthy.metadata(), name="decode")
     ready.get(timeout=T * 2)
     time.sleep(0.2)
     pre.proc.kill()
     pre.proc.join(T)
-    got = dec.result(T * 2)
+    try:
+        got = dec.result(T * 2)
+    finally:
+        healthy.close()
+        plat.close()
     if isinstance(got, str) and got.startswith("skip:"):
         pytest.skip(got)
     assert got is True

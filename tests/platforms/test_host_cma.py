@@ -167,6 +167,15 @@ def test_eperm_names_ptrace_scope(host, exporter, monkeypatch):
         host.copy_batch_async(s, [buf.data_ptr()], [m.ptr], [8])
         with pytest.raises(DriverError, match="EFAULT"):
             host.synchronize(s, T)
+        other = host.create_stream(0)
+        try:                                                        # a stream waiting on the failed transfer:
+            host.copy_async(s, buf.data_ptr(), m.ptr, 8)            # its work up to its next event fails too,
+            host.stream_wait_event(other, host.record_event(s))     # then it runs on
+            with pytest.raises(DriverError, match="EFAULT"):
+                host.synchronize(other, T)
+            assert host.synchronize(other, T)
+        finally:
+            other.close()
         monkeypatch.undo()
         host.copy_async(s, buf.data_ptr(), m.ptr + 1, 8)           # the stream runs on after a failed transfer
         assert host.synchronize(s, T) and buf.tolist() == list(range(1, 9))
