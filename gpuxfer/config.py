@@ -139,6 +139,12 @@ VARS: dict[str, Var] = {v.name: v for v in (
         "what a failed KV side or agent does: raise on every later call, or also log and exit"),
     Var("GPUXFER_KV_TRITON_ORDER", "peer", choice("peer", "local", "plan"),
         "how the triton engine orders each size class: by the peer pool's offsets, the local pool's, or as planned"),
+    Var("GPUXFER_KV_REMOTE", "none", choice("none", "nixl"),
+        "how KVAgent reaches peers on other hosts (KVAgent(remote=...)): none, or through NIXL (an agent of its own)"),
+    Var("GPUXFER_NIXL_PROGRESS_THREAD", False, FLAG,
+        "run NIXL's progress thread in the KV agent's NIXL agent (off: the agent's poller progresses it)"),
+    Var("GPUXFER_TEST_REQUIRE_NIXL", False, FLAG,
+        "tests: a missing NIXL fails the NIXL route's tests (CI's NIXL step) instead of skipping them"),
     Var("GPUXFER_NIXL_MODULE", None, TEXT, "the NIXL Python module to import (unset: the wheel matching CUDA)"),
     # at ~8 us per descriptor (UCX cuda_ipc on H200) the default cap is ~17 s per burst; nixl+pack moves a few
     # bulk descriptors and has no cap

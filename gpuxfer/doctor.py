@@ -35,6 +35,7 @@ _DISTRIBUTIONS: list[tuple[str, str]] = [
 _CAPABILITY_REPORTS = [
     ("pp_backends", "gpuxfer.pp.selection", "backend_report"),
     ("kv_engines", "gpuxfer.kv.engines", "engine_report"),
+    ("kv_routes", "gpuxfer.kv.nixl_route", "route_report"),
 ]
 
 
@@ -232,7 +233,8 @@ def render(report: dict, console) -> None:
             t.add_row(str(i), *cells)
         console.print(t)
 
-    for key, title in (("pp_backends", "stage hand-off backends"), ("kv_engines", "KV engines")):
+    for key, title in (("pp_backends", "stage hand-off backends"), ("kv_engines", "KV engines"),
+                       ("kv_routes", "KVAgent routes to peers")):
         if plat is None:
             continue
         entries, note = report.get(key), report.get(f"{key}_note")

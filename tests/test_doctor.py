@@ -32,8 +32,9 @@ def test_json_on_host(capsys, monkeypatch):
     assert {ln["kind"] for ln in rep["links"] if ln["src"] != ln["dst"]} == {"shared-memory"}
     for key in ("python", "gpuxfer", "torch", "triton", "numpy", "cupy", "cuda-bindings", "nvidia-ml-py", "nixl"):
         assert rep["versions"][key]
-    for key in ("pp_backends", "kv_engines"):
+    for key in ("pp_backends", "kv_engines", "kv_routes"):
         assert (rep[key] is None) != (rep[f"{key}_note"] is None)
+    assert rep["kv_routes"]["ipc"] is None and set(rep["kv_routes"]) == {"ipc", "nixl"}
     assert rep["config"]["GPUXFER_HOST_DEVICES"] == {"value": 3, "set": True, "error": None}
 
 
@@ -42,6 +43,7 @@ def test_text_says_emulation_loudly(capsys, monkeypatch):
     assert main(["doctor", "--platform", "host"]) == 0
     out = capsys.readouterr().out
     assert "EMULATION" in out and "links" in out and "devices" in out and "versions" in out
+    assert "KVAgent routes to peers" in out
     assert "GPUXFER_PP_TIMEOUT_S" in out and "45.0" in out
 
 

@@ -98,6 +98,7 @@ from .control import AGENT_WORDS, NOTIFY, NOTIFY_SLOTS, PACK_SLOTS, PACK_WORDS
 from .engine_choice import peer_engine
 from .engines.base import FailsOnTimeout, on_timeout_from_env
 from .layers import _MAX_NAME, KVLayer, KVLayerSpec, KVPiece, describe_layer, layout_groups, _torch
+from . import nixl_route
 from .metadata import _HEADER, METADATA_MAGIC, METADATA_VERSION, decode_metadata
 from .peers import _LEAKED, _LOCAL_AGENTS, KVPeer, _Group
 from .plan import DIRECTIONS
@@ -141,7 +142,7 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
 
     def __init__(self, name: str, *, platform: Platform | None = None, device: int = 0, engine: str = "auto",
                  timeout_s: float = 60.0, rank: int = 0, slot_bytes: int | None = None,
-                 on_timeout: str | None = None):
+                 on_timeout: str | None = None, remote: str | None = None):
         if not isinstance(name, str) or not 0 < len(name) <= _MAX_NAME:
             raise BadInput(f"agent name must be a string of 1..{_MAX_NAME} characters, got {name!r}")
         self.auto_engine = engine == "auto"        # then each peer gets the engine that reaches it
@@ -188,6 +189,7 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
         self.flags: FlagWords | None = None
         self.staging: DeviceBuffer | None = None
         self.stream: Stream | None = None
+        self.nixl: nixl_route.NixlSide | None = None                # the NIXL route's side (remote="nixl")
         if slot_bytes is None:
             slot_bytes = PACK_SLOT_BYTES_EMULATION if platform.kernels_interpreted else PACK_SLOT_BYTES
         if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int) or slot_bytes < 256 or slot_bytes % 256:
@@ -202,6 +204,7 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
             self._calls = platform.stream_calls(self.stream)        # the stream's flag, graph and copy calls
             if self._calls.copy is None:
                 self._calls.copy = functools.partial(platform.copy_async, self.stream)
+            self.nixl = nixl_route.side_for(self, remote)
         except BaseException:
             self._release()
             raise
@@ -311,6 +314,8 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
                         "layers": [lay.as_meta(*self._layer_refs[(g.name, lay.name)]) for lay in g.layers]}
                        for g in self._groups.values()],
         }
+        if self.nixl is not None:
+            body["nixl"] = self.nixl.metadata()
         raw = json.dumps(body, separators=(",", ":")).encode()
         return _HEADER.pack(METADATA_MAGIC, METADATA_VERSION, 0, len(raw)) + raw
 
@@ -318,20 +323,23 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
     def _handle_meta(h: IpcHandle) -> dict:
         return {"payload": h.payload.hex(), "nbytes": h.nbytes, "device": h.device}
 
-    def add_peer(self, metadata: bytes) -> KVPeer:
-        """Add the agent whose :meth:`metadata` these bytes are: map its caches and notification words."""
+    def add_peer(self, metadata: bytes, *, route: str = "auto") -> KVPeer:
+        """Add the agent whose :meth:`metadata` these bytes are: map its caches and notification words.
+
+        ``route``: ``"auto"`` (IPC on this host, NIXL to another), ``"ipc"`` or ``"nixl"`` (both agents made
+        with ``remote="nixl"``; :mod:`gpuxfer.kv.nixl_route`). The peer's :attr:`~KVPeer.route` says which."""
         self._check_open()
         meta = decode_metadata(metadata)
         if meta.platform != self.platform.name:
             raise BadMetadata(f"peer {meta.agent!r} runs on platform {meta.platform!r}, this agent on "
                               f"{self.platform.name!r}")
-        if meta.host != (socket.gethostname() or "unknown"):
-            raise BackendUnavailable(self.engine, {meta.agent: f"the peer is on host {meta.host!r}; the "
-                                                              f"{self.engine} engine maps its memory over IPC"})
+        route = nixl_route.choose_route(self, meta, route)
         if meta.uid == self.uid:
             raise BadInput("an agent cannot be its own peer")
         if meta.agent in self._peers:
             raise BadInput(f"peer {meta.agent!r} is already added (remove_peer first)")
+        if route == "nixl":
+            return nixl_route.add_peer(self, meta)
         if self.staging is not None and meta.staging is not None and meta.slot_bytes != self.slot_bytes:
             # each side addresses the pair's staging slots by its own slot size
             raise LayoutMismatch(f"peer {meta.agent!r} has {meta.slot_bytes}-byte staging slots, agent "
@@ -434,6 +442,8 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
         if not (type(local_blocks) is dict or isinstance(local_blocks, Mapping)) or \
                 not (type(remote_blocks) is dict or isinstance(remote_blocks, Mapping)):
             raise BlockIdError(f"request {name!r}: local_blocks and remote_blocks must map group -> block IDs")
+        if peer.route == "nixl":
+            return peer.prepare(op, layers, name, local_blocks, remote_blocks, notify_slot)
         # the route of a request naming these groups in this order (cached beside the route's own key)
         key = (peer, op, layers, tuple(local_blocks))
         route = self._routes.get(key)
@@ -575,6 +585,9 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
             self.flags = self.staging = None
         for p in peers:
             p.close()
+        if getattr(self, "nixl", None) is not None:
+            self.nixl.close()
+            self.nixl = None
         self._pack_shapes = collections.OrderedDict()
         self._pack_tail = None
         self._peers = {}

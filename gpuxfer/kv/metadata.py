@@ -74,6 +74,7 @@ class PeerMetadata:
     groups: tuple[_PeerGroup, ...]
     staging: IpcHandle | None = None            # the pack engine's staging buffer, if the peer has one
     slot_bytes: int = 0
+    nixl: dict | None = None                    # its NIXL agent (:func:`gpuxfer.kv.nixl_route.decode_nixl_meta`)
 
 
 def decode_metadata(data: bytes) -> PeerMetadata:
@@ -150,4 +151,6 @@ def decode_metadata(data: bytes) -> PeerMetadata:
                          err=BadMetadata)
             layers.append((layer, a, off))
         groups.append(_PeerGroup(name, bt, tuple(layers)))
-    return PeerMetadata(agent, uid, pid, host, plat, device, control, allocs, tuple(groups), staging, slot_bytes)
+    from .nixl_route import decode_nixl_meta
+    return PeerMetadata(agent, uid, pid, host, plat, device, control, allocs, tuple(groups), staging, slot_bytes,
+                        decode_nixl_meta(body.get("nixl"), allocs))

@@ -43,7 +43,10 @@ class _Group:
 
 class KVPeer(Closable):
     """Another agent, added from its metadata: its caches mapped here (or, in this process, used as they are),
-    and :attr:`flags`, the flag link to its words (the agent's words shared, stage words of the link's own)."""
+    and :attr:`flags`, the flag link to its words (the agent's words shared, stage words of the link's own).
+    :attr:`route`: how transfers reach it (``"ipc"``; :class:`~gpuxfer.kv.nixl_route.NixlPeer`: ``"nixl"``)."""
+
+    route = "ipc"
 
     def __init__(self, agent: "KVAgent", meta: PeerMetadata):
         self.agent, self.meta, self.name = agent, meta, meta.agent

@@ -214,8 +214,10 @@ class NixlAgent(Closable):
     """
 
     def __init__(self, nixl: NixlModule, name: str, *, mem_type: str = "VRAM", rank: int = 0,
-                 backends: Sequence[str] = ("UCX",), telemetry: bool = True, num_threads: int = 0):
+                 backends: Sequence[str] = ("UCX",), telemetry: bool = True, num_threads: int = 0,
+                 progress_thread: bool = True):
         self.nixl, self.name, self.mem_type, self.rank = nixl, name, mem_type, rank
+        self.progress_thread = bool(progress_thread)
         self._closed = False
         self._regs: list[_Registration] = []
         self._remotes: list[str] = []
@@ -237,11 +239,11 @@ class NixlAgent(Closable):
     def _config(self, backends, telemetry, num_threads):
         make = self.nixl.nixl_agent_config
         try:
-            return make(enable_prog_thread=True, enable_listen_thread=False, capture_telemetry=telemetry,
+            return make(enable_prog_thread=self.progress_thread, enable_listen_thread=False, capture_telemetry=telemetry,
                         num_threads=num_threads, backends=list(backends))
         except TypeError:  # older wheels without capture_telemetry / num_threads
             self.telemetry = False
-            return make(True, False, 0, backends=list(backends))
+            return make(self.progress_thread, False, 0, backends=list(backends))
 
     def _call(self, method: str, doing: str, *args, **kwargs):
         try:

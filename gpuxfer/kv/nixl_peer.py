@@ -1,0 +1,432 @@
+"""A peer on the NIXL route (:class:`NixlPeer`, :mod:`gpuxfer.kv.nixl_route`): its groups as its metadata states
+them, both sides' prepped descriptor lists (:class:`_Lists`), a request's IDs turned into the lists' indices,
+and the route's transfers (:class:`_NixlTransfer`: one prepped NIXL transfer per post) and handles
+(:class:`_NixlHandle`). Importing this module never imports NIXL."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+
+from ..errors import BadInput, BadMetadata, BlockIdError, LayoutMismatch, NotRegistered, TransferTimeout
+from ..platforms.base import Stream
+from .control import NOTIFY_SLOTS
+from .ids import _RouteIds
+from .layers import KVLayer
+from .nixl_route import NOTIF_PREFIX, NixlSide
+from .peers import KVPeer, _Group
+from .routes import _overlap_classes, _pair_pieces
+from .transfer import KVTransfer
+
+if TYPE_CHECKING:
+    from .agent import KVAgent
+    from .metadata import PeerMetadata
+
+log = logging.getLogger("gpuxfer.kv.agent")
+
+
+class _Lists:
+    """Both sides' prepped descriptor lists over a set of groups: per group its planes (layer pieces) with
+    where each plane's descriptors start in the local and the remote list."""
+
+    def __init__(self, groups: tuple[str, ...]):
+        self.groups = groups
+        self.local_h = self.remote_h = None
+        self.planes: dict[str, list[tuple[int, int, int, int]]] = {}   # group -> (layer index, local start,
+                                                                       # remote start, segment bytes)
+        self.ratios: dict[str, tuple[int, int]] = {}                  # group -> (local, remote) segments per block
+        self.errors: dict[str, Exception] = {}                         # group -> why it cannot pair
+        self.full: dict[str, bool] = {}                                 # group -> both sides have the same layers
+
+
+class NixlPeer(KVPeer):
+    """A peer reached through NIXL: its groups as its metadata states them (addresses in its process), its NIXL
+    agent added to ours, both sides' descriptor lists prepped once per set of shared groups."""
+
+    route = "nixl"
+
+    def __init__(self, agent: "KVAgent", meta: "PeerMetadata", side: NixlSide):   # noqa: D107
+        self.agent, self.meta, self.name, self.side = agent, meta, meta.agent, side
+        self._closed = False
+        self._mappings: list[Any] = []
+        self._owned: list[Any] = []
+        self.flags = None
+        self.staging_ptr = None
+        self._local = None
+        self._seq = [0] * NOTIFY_SLOTS
+        self._notified: list = [None] * NOTIFY_SLOTS
+        self.pack_sent = self.pack_recv = 0
+        self._lists: _Lists | None = None
+        self._ids: dict[tuple, _RouteIds] = {}
+        self._inflight: list["_NixlHandle"] = []
+        nx = meta.nixl
+        self.remote: str | None = None
+        self.groups: dict[str, _Group] = {}
+        for g in meta.groups:
+            layers = [KVLayer(lay.name, lay.index, nx["bases"][a] + off, lay.num_blocks, lay.block_stride,
+                              lay.pieces, lay.extent, lay.token_major) for lay, a, off in g.layers]
+            self.groups[g.name] = _Group(g.name, g.block_tokens, layers, [(a, off) for _, a, off in g.layers])
+        with side.lock:
+            self.remote = side.nixl.add_remote(nx["md"])
+        if self.remote != nx["agent"]:
+            self._release()
+            raise BadMetadata(f"peer {meta.agent!r}: its NIXL metadata names agent {self.remote!r}, its "
+                              f"metadata {nx['agent']!r}")
+        try:
+            with side.lock:
+                side.nixl.connect(self.remote)
+        except Exception as exc:  # noqa: BLE001 - optional: the first transfer connects otherwise
+            log.info("agent %s: NIXL make_connection to %s failed (%s); connecting on first use", agent.name,
+                     self.name, exc)
+        self.lists()
+
+    # -- descriptor lists
+
+    def lists(self, want: tuple[str, ...] = ()) -> _Lists:
+        """The prepped lists over every group both sides hold (rebuilt when a request names a group registered
+        after they were made)."""
+        have = self._lists
+        if have is not None and all(g in have.groups for g in want):
+            return have
+        groups = tuple(g for g in self.agent._groups if g in self.groups)
+        self.side.register()            # allocations of groups registered since
+        built = self._build(groups)
+        self._lists = built
+        if have is not None:            # transfers made from the old lists complete first (bounded)
+            deadline = time.monotonic() + self.agent.timeout_s
+            for h in self._inflight:
+                h._settle(max(0.0, deadline - time.monotonic()))
+            self._reap()
+            self._drop_lists(have)
+        return built
+
+    def _build(self, groups: tuple[str, ...]) -> _Lists:
+        out = _Lists(groups)
+        local_rows: list[np.ndarray] = []
+        remote_rows: list[np.ndarray] = []
+        n_local = n_remote = 0
+        for gname in groups:
+            mine, theirs = self.agent._groups[gname], self.groups[gname]
+            bm, bt = mine.block_tokens, theirs.block_tokens
+            if max(bm, bt) % min(bm, bt):
+                out.errors[gname] = LayoutMismatch(f"group {gname!r}: block sizes {bm} (here) and {bt} (peer "
+                                                   f"{self.name!r}) tokens; one must divide the other")
+                continue
+            seg = min(bm, bt)
+            rm, rt = bm // seg, bt // seg
+            by_name = {lay.name: lay for lay in theirs.layers}
+            planes, rows_l, rows_r = [], [], []
+            try:
+                for lay in mine.layers:
+                    other = by_name.get(lay.name)
+                    if other is None:
+                        raise LayoutMismatch(f"group {gname!r}: peer {self.name!r} has no layer {lay.name!r}")
+                    for my_off, their_off, seg_bytes in _pair_pieces(gname, lay, other, bm, bt, True):
+                        planes.append((lay.index, n_local, n_remote, seg_bytes))
+                        rows_l.append(_segments(lay.ptr + my_off, mine.num_blocks, lay.block_stride, rm, seg_bytes))
+                        rows_r.append(_segments(other.ptr + their_off, theirs.num_blocks, other.block_stride, rt,
+                                                seg_bytes))
+                        n_local += rows_l[-1].size
+                        n_remote += rows_r[-1].size
+            except LayoutMismatch as exc:
+                out.errors[gname] = exc
+                n_local -= sum(r.size for r in rows_l)
+                n_remote -= sum(r.size for r in rows_r)
+                continue
+            out.planes[gname], out.ratios[gname] = planes, (rm, rt)
+            out.full[gname] = len(mine.layers) == len(theirs.layers)
+            local_rows += [(r, s) for r, s in zip(rows_l, (p[3] for p in planes))]
+            remote_rows += [(r, s) for r, s in zip(rows_r, (p[3] for p in planes))]
+        if max(n_local, n_remote) >= 1 << 31:
+            raise BadInput(f"peer {self.name!r}: {max(n_local, n_remote):,} descriptors per side exceed NIXL's "
+                           "int32 indices")
+        if out.planes:
+            local = _dlist(local_rows, self.side.device)
+            remote = _dlist(remote_rows, self.meta.nixl["device"])
+            with self.side.lock:
+                out.local_h = self.side.nixl.prep(None, local)
+                try:
+                    out.remote_h = self.side.nixl.prep(self.remote, remote)
+                except BaseException:
+                    self.side.nixl.release_quietly((), [out.local_h])
+                    raise
+        return out
+
+    def _drop_lists(self, lists: _Lists) -> None:
+        handles = [h for h in (lists.local_h, lists.remote_h) if h is not None]
+        with self.side.lock:
+            errors = self.side.nixl.release_quietly((), handles)
+        if errors:
+            log.warning("peer %s: releasing prepped NIXL lists: %s", self.name, "; ".join(errors))
+
+    def _route_ids(self, op: str, groups: tuple[str, ...]) -> _RouteIds:
+        ids = self._ids.get((op, groups))
+        if ids is None:
+            push = op == "push"
+            limits, splits, spans = [], [], []
+            for g in groups:
+                mine, theirs = self.agent._groups[g], self.groups[g]
+                src, dst = (mine, theirs) if push else (theirs, mine)
+                seg = min(src.block_tokens, dst.block_tokens)
+                limits.append((src.num_blocks, dst.num_blocks))
+                splits.append((src.block_tokens // seg, dst.block_tokens // seg))
+                spans.append([lay.span for lay in dst.layers])
+            ids = self._ids[(op, groups)] = _RouteIds(groups, limits, splits, _overlap_classes(spans), True)
+        return ids
+
+    # -- requests
+
+    def prepare(self, op: str, layers: tuple[int, int] | None, name: str, local_blocks: Mapping,
+                remote_blocks: Mapping, notify_slot: int | None) -> "_NixlTransfer":
+        """A request's IDs checked (as on the IPC route) and turned into both lists' indices."""
+        if set(local_blocks) != set(remote_blocks):
+            raise BlockIdError(f"request {name!r}: local_blocks names groups {sorted(map(str, local_blocks))}, "
+                               f"remote_blocks {sorted(map(str, remote_blocks))}; they must be the same")
+        if not local_blocks:
+            raise BlockIdError(f"request {name!r} names no group")
+        for g in local_blocks:
+            if g not in self.agent._groups or g not in self.groups:
+                shared = [x for x in self.agent._groups if x in self.groups]
+                raise NotRegistered(f"request {name!r}: group {g!r} is not registered on both agent "
+                                    f"{self.agent.name!r} and peer {self.name!r} (shared: {', '.join(shared) or 'none'})")
+        groups = tuple(g for g in self.agent._groups if g in local_blocks)
+        lists = self.lists(groups)
+        for g in groups:
+            if g in lists.errors:
+                raise lists.errors[g]
+            if layers is None and not lists.full[g]:
+                raise LayoutMismatch(f"group {g!r}: {len(self.agent._groups[g].layers)} layers here, "
+                                     f"{len(self.groups[g].layers)} on peer {self.name!r}")
+        push = op == "push"
+        n_seg, lens_s, lens_d, (S, D, *_rest) = self._route_ids(op, groups).check(name, push, local_blocks,
+                                                                                   remote_blocks)
+        loc, rem, nbytes = [], [], 0
+        a = b = 0
+        for g, n, ls, ld in zip(groups, n_seg, lens_s, lens_d):
+            src, dst = S[a:a + ls], D[b:b + ld]
+            a, b = a + ls, b + ld
+            mine, theirs = (src, dst) if push else (dst, src)
+            rm, rt = lists.ratios[g]
+            my_seg, their_seg = _segment_index(mine, rm, n), _segment_index(theirs, rt, n)
+            planes = [p for p in lists.planes[g] if layers is None or layers[0] <= p[0] < layers[1]]
+            if not planes or not n:
+                continue
+            starts = np.array([(p[1], p[2]) for p in planes], dtype=np.int64)
+            loc.append((starts[:, :1] + my_seg).ravel())
+            rem.append((starts[:, 1:] + their_seg).ravel())
+            nbytes += n * sum(p[3] for p in planes)
+        if not loc and layers is not None and not any(
+                layers[0] <= p[0] < layers[1] for g in groups for p in lists.planes[g]):
+            raise BadInput(f"layer range {layers} selects no layer of the groups shared with peer {self.name!r}")
+        local_idx = np.concatenate(loc).astype(np.int32) if loc else np.empty(0, np.int32)
+        remote_idx = np.concatenate(rem).astype(np.int32) if rem else np.empty(0, np.int32)
+        return _NixlTransfer(self.agent, self, lists, op, name, local_idx, remote_idx, notify_slot, nbytes)
+
+    # -- lifetime
+
+    def _reap(self) -> None:
+        """Forget completed transfers (their NIXL handles were released when seen done)."""
+        self._inflight = [h for h in self._inflight if not h._finished]
+
+    def _release(self) -> None:
+        side = self.side
+        deadline = time.monotonic() + self.agent.timeout_s
+        for h in list(self._inflight):
+            try:
+                h._settle(max(0.0, deadline - time.monotonic()))
+            except Exception as exc:  # noqa: BLE001 - closing: what failed is logged, the rest released
+                log.warning("peer %s: %s", self.name, exc)
+        with side.lock:
+            errors = side.nixl.release_quietly([h._xfer for h in self._inflight if h._xfer is not None])
+        self._inflight = []
+        if self._lists is not None:
+            self._drop_lists(self._lists)
+            self._lists = None
+        if self.remote is not None and not side.nixl.closed:
+            with side.lock:
+                try:
+                    side.nixl.agent.remove_remote_agent(self.remote)
+                    if self.remote in side.nixl._remotes:
+                        side.nixl._remotes.remove(self.remote)
+                except Exception as exc:  # noqa: BLE001 - the side's close retries
+                    errors.append(f"remove_remote_agent: {exc}")
+        if errors:
+            log.warning("peer %s: releasing NIXL state: %s", self.name, "; ".join(errors))
+
+    def __repr__(self) -> str:
+        return f"NixlPeer({self.name!r}, NIXL agent {self.remote!r}, {len(self.meta.groups)} groups)"
+
+
+def _segments(base: int, blocks: int, stride: int, ratio: int, seg_bytes: int) -> np.ndarray:
+    """Addresses of a plane's segments: block-major, ``ratio`` segments per block."""
+    return (base + np.arange(blocks, dtype=np.uint64)[:, None] * np.uint64(stride)
+            + np.arange(ratio, dtype=np.uint64)[None, :] * np.uint64(seg_bytes)).ravel()
+
+
+def _dlist(rows: list[tuple[np.ndarray, int]], device: int) -> np.ndarray:
+    """NIXL's ``(N, 3)`` uint64 rows ``(address, length, device)`` of planes' segment addresses."""
+    n = sum(a.size for a, _ in rows)
+    out = np.empty((n, 3), dtype=np.uint64)
+    at = 0
+    for addrs, seg in rows:
+        out[at:at + addrs.size, 0] = addrs
+        out[at:at + addrs.size, 1] = seg
+        at += addrs.size
+    out[:, 2] = device
+    return out
+
+
+def _segment_index(blocks: np.ndarray, ratio: int, n: int) -> np.ndarray:
+    """Per segment of a request (``n`` of them): its index in a plane's list of this side (``ratio`` segments
+    per block of ``blocks``)."""
+    if ratio == 1:
+        return blocks[:n]
+    seg = np.arange(n, dtype=np.int64)
+    return blocks[seg // ratio] * ratio + seg % ratio
+
+
+# ----------------------------------------------------------------------------- transfers and handles
+
+
+class _NixlTransfer(KVTransfer):
+    """A prepared request on the NIXL route: both lists' indices; each post is one prepped NIXL transfer."""
+
+    def __init__(self, agent: "KVAgent", peer: NixlPeer, lists: _Lists, op: str, name: str, local_idx: np.ndarray,
+                 remote_idx: np.ndarray, notify_slot: int | None, nbytes: int):   # noqa: D107
+        self.agent, self.peer, self.lists, self.op, self.name = agent, peer, lists, op, name
+        self.route = None
+        self.local_idx, self.remote_idx = local_idx, remote_idx
+        self.notify_slot = notify_slot
+        self.descriptors, self.nbytes = int(local_idx.size), int(nbytes)
+        self.n_seg = None
+
+    def describe(self) -> str:
+        return (f"NIXL {'READ' if self.op == 'pull' else 'WRITE'} of request {self.name!r} with peer "
+                f"{self.peer.name!r} ({self.descriptors:,} descriptors, {self.nbytes:,} bytes)")
+
+    def post(self, stream: Stream | None = None) -> "_NixlHandle":
+        """Start the transfer once the work already on ``stream`` (default: the agent's) completed -- NIXL's
+        transfers are not stream-ordered, so the host waits for it, at most the agent's timeout."""
+        agent, peer = self.agent, self.peer
+        agent._check_usable(peer)
+        if peer._lists is not self.lists:
+            raise BadInput(f"request {self.name!r} was prepared before peer {peer.name!r}'s descriptor lists were "
+                           "rebuilt (a group registered since): prepare it again")
+        s = agent.stream if stream is None else stream
+        plat = agent.platform
+        ev = plat.record_event(s)
+        if not plat.event_query(ev) and not plat.event_wait(ev, agent.timeout_s):
+            raise TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
+                                  timeout_s=agent.timeout_s, what="the work on the posting stream did not complete")
+        side = peer.side
+        value = None
+        notif = b""
+        if self.notify_slot is not None:
+            value = peer._seq[self.notify_slot] + 1
+            notif = NOTIF_PREFIX + f"{self.notify_slot}:{value}".encode()
+        op = "READ" if self.op == "pull" else "WRITE"
+        if not self.descriptors:            # nothing to move: only the notification
+            with side.lock:
+                if notif:
+                    side.nixl.notify(peer.remote, notif)
+            if value is not None:
+                peer._seq[self.notify_slot] = value
+            return _NixlHandle(self, None, "DONE", value)
+        with side.lock:
+            xfer = side.nixl.make_prepped(op, self.lists.local_h, self.local_idx, self.lists.remote_h,
+                                          self.remote_idx, notif)
+            try:
+                state = side.nixl.post(xfer, self.describe())
+            except BaseException:
+                side.nixl.release_quietly([xfer])
+                raise
+        if value is not None:
+            peer._seq[self.notify_slot] = value
+        h = _NixlHandle(self, xfer, state, value)
+        peer._reap()
+        peer._inflight.append(h)
+        return h
+
+    def expanded_descriptors(self) -> np.ndarray:
+        raise BadInput("the NIXL route expands no descriptor table: its requests are index arrays into NIXL's "
+                       "prepped lists")
+
+
+class _NixlHandle:
+    """A posted NIXL transfer: ``done()``, ``wait(timeout_s)``, ``stream_wait(stream)`` (the host waits, then
+    the stream's later work runs after it); ``event`` is None (NIXL's transfers have no stream event)."""
+
+    event = None
+
+    def __init__(self, transfer: _NixlTransfer, xfer, state: str, notify_value: int | None):
+        self.transfer, self.name, self.notify_value = transfer, transfer.name, notify_value
+        self._xfer = xfer
+        self._finished = xfer is None
+        self._state = state
+        if xfer is not None:
+            self._check(state)
+
+    def _check(self, state: str) -> bool:
+        """Whether ``state`` is DONE (the NIXL handle then released); ERR raises NixlError naming the request."""
+        from .engines.nixl_ffi import NixlError
+        if state == "DONE":
+            self._finish()
+            return True
+        if state == "ERR":
+            self._finish()
+            raise NixlError("check_xfer_state", self.transfer.describe(), "the transfer ended in ERR (the peer died "
+                            "or refused it)")
+        return False
+
+    def _finish(self) -> None:
+        if self._finished:
+            return
+        side = self.transfer.peer.side
+        with side.lock:
+            errors = side.nixl.release_quietly([self._xfer])
+        if errors:
+            log.warning("request %s: releasing its NIXL transfer: %s", self.name, "; ".join(errors))
+        self._finished = True
+        self._xfer = None if not errors else self._xfer
+
+    def _poll(self) -> bool:
+        if self._finished:
+            return True
+        side = self.transfer.peer.side
+        with side.lock:
+            if side.nixl.closed:
+                raise BadInput(f"agent {self.transfer.agent.name!r} is closed")
+            self._state = side.nixl.state(self._xfer)
+        return self._check(self._state)
+
+    def done(self) -> bool:
+        return self._poll()
+
+    def _settle(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        delay = 1e-5
+        while not self._poll():
+            if time.monotonic() > deadline:
+                raise TransferTimeout(rank=self.transfer.agent.rank, step=0, flag=f"request {self.name!r}",
+                                      expected=1, seen=0, timeout_s=timeout_s,
+                                      what=f"{self.transfer.describe()} did not complete (NIXL: {self._state})")
+            time.sleep(delay)
+            delay = min(2 * delay, 1e-3)
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until the transfer completed; :class:`TransferTimeout` naming the request past ``timeout_s``,
+        :class:`~gpuxfer.kv.engines.nixl_ffi.NixlError` when NIXL reports it failed."""
+        agent = self.transfer.agent
+        agent.check()
+        self._settle(agent.timeout_s if timeout_s is None else float(timeout_s))
+
+    def stream_wait(self, stream: Stream) -> None:
+        """Make ``stream``'s later work run after this transfer (the host waits for it, bounded)."""
+        self.wait()
+
+    def __repr__(self) -> str:
+        return f"_NixlHandle({self.name!r}, {self._state})"
+
+

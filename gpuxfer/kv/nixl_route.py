@@ -1,0 +1,264 @@
+"""The NIXL route of :class:`~gpuxfer.kv.agent.KVAgent`: peers whose memory cannot be mapped over IPC (another
+host, or asked for with ``add_peer(..., route="nixl")``) are reached through NIXL (UCX), behind the same API.
+
+An agent made with ``remote="nixl"`` (or ``GPUXFER_KV_REMOTE=nixl``) owns one NIXL agent (:class:`NixlSide`):
+its allocations are registered with it (``VRAM`` on GPUs, ``DRAM`` on the host emulation) before its metadata
+is taken, and the metadata bytes carry NIXL's agent metadata, the NIXL agent's name and the allocations' base
+addresses (:func:`decode_nixl_meta` bounds and checks them). A peer on the route (:class:`~gpuxfer.kv.nixl_peer.NixlPeer`) is built at
+``add_peer``: both sides' descriptor lists are prepped once (``prep_xfer_dlist``), one descriptor per block
+segment per layer piece over every shared group (the local list over this agent's memory, the remote one over
+the peer's); a request's block IDs are checked as on the IPC route (:class:`~gpuxfer.kv.ids._RouteIds`) and
+turned into two int32 index arrays with NumPy (``NixlPeer.prepare``), and a post is one
+``make_prepped_xfer`` + ``transfer`` (``READ`` pulls, ``WRITE`` pushes).
+
+NIXL's progress thread is off by default (on two cores it cost more than it gave): a poller thread of the side
+drains NIXL's notifications (which also progresses UCX for a passive peer), backing off while idle. A request's
+notification rides on its transfer (``notify_slot``): the receiving side's poller writes its notification word,
+advancing it only over values that all arrived (the n-th notification to a slot means the first n landed),
+so :meth:`~gpuxfer.kv.agent.KVAgent.wait_notification` and ``stream_wait_notification`` work unchanged.
+
+Every NIXL call goes through the side's lock (NIXL's agent is made without its own synchronisation). Every
+wait is bounded: a transfer NIXL reports failed (a dead peer) raises :class:`~gpuxfer.kv.engines.nixl_ffi.NixlError`,
+one that does not complete in time raises :class:`~gpuxfer.errors.TransferTimeout` naming the request; neither
+fails the agent (no stream waits on the peer). Importing this module never imports NIXL.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from typing import TYPE_CHECKING, Any, Mapping
+
+from .. import config
+from ..errors import BackendUnavailable, BadInput, BadMetadata
+from .control import NOTIFY, NOTIFY_SLOTS
+
+if TYPE_CHECKING:
+    from .agent import KVAgent
+    from .metadata import PeerMetadata
+    from .nixl_peer import NixlPeer
+
+log = logging.getLogger("gpuxfer.kv.agent")
+
+#: the routes ``add_peer`` takes
+ROUTES = ("auto", "ipc", "nixl")
+#: what an agent asked to reach other hosts installs
+NIXL_EXTRA = "pip install 'gpuxfer[nixl]' (the nixl wheel; on a CPU-only machine: nixl==1.5.1 nixl-cu12==1.5.1 --no-deps)"
+#: the largest NIXL agent metadata accepted from a peer
+MAX_NIXL_MD_BYTES = 4 << 20
+#: a notification riding on a transfer: this prefix, then ``<slot>:<value>``
+NOTIF_PREFIX = b"gxkv:"
+#: the poller's interval: this right after a notification, doubling while idle up to POLL_MAX_S
+POLL_MIN_S, POLL_MAX_S = 50e-6, 1e-3
+
+
+def nixl_reason(platform) -> str | None:
+    """Why the NIXL route cannot run on ``platform`` here (None: it can). Never raises."""
+    from .engines.nixl import _platform_reason
+    from .engines.nixl_ffi import nixl_unavailable_reason
+    why = _platform_reason(platform)
+    if why is not None:
+        return why
+    why = nixl_unavailable_reason()
+    return None if why is None else f"{why.split(':', 1)[0]}: {NIXL_EXTRA}"
+
+
+def route_report(platform) -> dict[str, str | None]:
+    """``{route: why not, or None}`` for ``gpuxfer doctor``: ``ipc`` (peers on this host, their memory mapped)
+    and ``nixl`` (peers on other hosts, or asked for)."""
+    return {"ipc": None, "nixl": nixl_reason(platform)}
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+def decode_nixl_meta(raw: Any, allocations: tuple) -> dict | None:
+    """The ``nixl`` section of a peer's metadata, checked: ``{"agent", "md" (bytes), "mem", "device",
+    "bases"}`` (one base address per allocation, each allocation inside the address space), or None."""
+    if raw is None:
+        return None
+    where = "metadata nixl"
+    if not isinstance(raw, dict):
+        raise BadMetadata(f"{where}: must be an object")
+    agent = raw.get("agent")
+    if not isinstance(agent, str) or not 0 < len(agent) <= 256:
+        raise BadMetadata(f"{where}: 'agent' must be a string of 1..256 characters")
+    md = raw.get("md")
+    if not isinstance(md, str) or not 0 < len(md) <= 2 * MAX_NIXL_MD_BYTES:
+        raise BadMetadata(f"{where}: 'md' must be hex of 1..{MAX_NIXL_MD_BYTES} bytes")
+    try:
+        md_bytes = bytes.fromhex(md)
+    except ValueError:
+        raise BadMetadata(f"{where}: 'md' is not hex") from None
+    mem = raw.get("mem")
+    if mem not in ("DRAM", "VRAM"):
+        raise BadMetadata(f"{where}: 'mem' must be 'DRAM' or 'VRAM', got {mem!r:.40}")
+    device = raw.get("device")
+    if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < 1 << 16:
+        raise BadMetadata(f"{where}: 'device' must be an integer in [0, 65536)")
+    bases = raw.get("bases")
+    if not isinstance(bases, list) or len(bases) != len(allocations):
+        raise BadMetadata(f"{where}: 'bases' must list one address per allocation ({len(allocations)})")
+    for i, (b, h) in enumerate(zip(bases, allocations)):
+        if isinstance(b, bool) or not isinstance(b, int) or not 0 < b or b + h.nbytes > 1 << 64:
+            raise BadMetadata(f"{where}: base {i} must be an address with its {h.nbytes} bytes below 2**64")
+    return {"agent": agent, "md": md_bytes, "mem": mem, "device": device, "bases": list(bases)}
+
+
+# ----------------------------------------------------------------------------- the agent's NIXL side
+
+
+class NixlSide:
+    """A KV agent's NIXL agent: registrations, the lock every NIXL call takes, the notification poller."""
+
+    def __init__(self, agent: "KVAgent"):
+        from .engines.nixl_ffi import NixlAgent, find_nixl
+        self.agent = agent
+        why = nixl_reason(agent.platform)
+        if why is not None:
+            raise BackendUnavailable("nixl", {agent.name: why})
+        mod, _ = find_nixl()
+        self.lock = threading.Lock()
+        self.mem_type = "DRAM" if agent.platform.host_memory else "VRAM"
+        self.device = 0 if agent.platform.host_memory else agent.device
+        self.name = f"gxkv-{agent.name}-{agent.uid}"
+        self._registered = 0                  # agent allocations registered so far (in order)
+        self._received: dict[int, set[int]] = {}     # per notification slot: values past the word that arrived
+        self._word: list[int] = [0] * NOTIFY_SLOTS
+        self.nixl = NixlAgent(mod, self.name, mem_type=self.mem_type, rank=agent.rank, telemetry=False,
+                              progress_thread=config.get("GPUXFER_NIXL_PROGRESS_THREAD"))
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll, name=f"gpuxfer-nixl-{agent.name}", daemon=True)
+        self._poller.start()
+
+    def register(self) -> None:
+        """Register the agent's allocations NIXL does not hold yet (before metadata and descriptor lists)."""
+        a = self.agent
+        with self.lock:
+            while self._registered < len(a._allocs):
+                i = self._registered
+                self.nixl.register(a._alloc_bases[i], a._allocs[i].nbytes, self.device, f"allocation {i}")
+                self._registered += 1
+
+    def metadata(self) -> dict:
+        self.register()
+        with self.lock:
+            md = self.nixl.metadata()
+        return {"agent": self.name, "md": bytes(md).hex(), "mem": self.mem_type, "device": self.device,
+                "bases": [int(b) for b in self.agent._alloc_bases[:self._registered]]}
+
+    def add_peer(self, meta: "PeerMetadata") -> "NixlPeer":
+        nx = meta.nixl
+        if nx is None:
+            raise BackendUnavailable("nixl", {meta.agent: "the peer's metadata carries no NIXL agent: create it "
+                                                         "with KVAgent(..., remote='nixl')"})
+        if nx["mem"] != self.mem_type:
+            raise BadMetadata(f"peer {meta.agent!r} registered {nx['mem']} memory with NIXL, this agent "
+                              f"{self.mem_type}")
+        self.register()
+        from .nixl_peer import NixlPeer
+        return NixlPeer(self.agent, meta, self)
+
+    # -- notifications
+
+    def _poll(self) -> None:
+        """Drain NIXL's notifications (progressing UCX for a passive side) until closed, backing off while idle."""
+        delay = POLL_MIN_S
+        while not self._stop.wait(delay):
+            try:
+                with self.lock:
+                    if self.nixl.closed:
+                        return
+                    notifs = self.nixl.agent.get_new_notifs()
+            except Exception as exc:  # noqa: BLE001 - a poller never dies of one failed call
+                log.warning("agent %s: polling NIXL notifications failed: %s", self.agent.name, exc)
+                notifs = None
+                delay = POLL_MAX_S
+            if notifs:
+                self._deliver(notifs)
+                delay = POLL_MIN_S
+            else:
+                delay = min(2 * delay, POLL_MAX_S)
+
+    def _deliver(self, notifs: Mapping) -> None:
+        """Write each slot's word up to the longest run of values that all arrived."""
+        for sender, msgs in notifs.items():
+            for msg in msgs:
+                slot_value = _parse_notif(msg)
+                if slot_value is None:
+                    log.debug("agent %s: ignored a NIXL notification from %s: %r", self.agent.name, sender,
+                              bytes(msg)[:64])
+                    continue
+                slot, value = slot_value
+                if value > self._word[slot]:
+                    self._received.setdefault(slot, set()).add(value)
+        for slot, got in self._received.items():
+            w = self._word[slot]
+            while w + 1 in got:
+                w += 1
+                got.discard(w)
+            if w != self._word[slot]:
+                self._word[slot] = w
+                flags = self.agent.flags
+                if flags is not None and not flags.closed and flags.read(NOTIFY + slot) < w:
+                    self.agent.platform.host_write_flag(flags.word(NOTIFY + slot), w, self.agent.device)
+
+    def close(self) -> None:
+        """Stop the poller (bounded) and release the NIXL agent (its transfers, lists, peers, registrations)."""
+        self._stop.set()
+        if self._poller.is_alive() and self._poller is not threading.current_thread():
+            self._poller.join(timeout=max(1.0, self.agent.timeout_s))
+        with self.lock:
+            self.nixl.close()
+
+
+def _parse_notif(msg) -> tuple[int, int] | None:
+    try:
+        raw = bytes(msg)
+        if not raw.startswith(NOTIF_PREFIX) or len(raw) > 64:
+            return None
+        slot, value = (int(x) for x in raw[len(NOTIF_PREFIX):].decode("ascii").split(":"))
+    except (ValueError, TypeError, UnicodeDecodeError):
+        return None
+    if 0 <= slot < NOTIFY_SLOTS and 0 < value < 1 << 62:
+        return slot, value
+    return None
+
+
+# ----------------------------------------------------------------------------- the agent's hooks
+
+
+def side_for(agent: "KVAgent", remote: str | None) -> NixlSide | None:
+    """The agent's NIXL side when ``remote`` (``GPUXFER_KV_REMOTE`` when not given) is ``"nixl"``, else None."""
+    return NixlSide(agent) if config.resolve("GPUXFER_KV_REMOTE", remote, option="remote") == "nixl" else None
+
+
+def add_peer(agent: "KVAgent", meta: "PeerMetadata") -> "NixlPeer":
+    """``agent.add_peer`` on the NIXL route (the caller checked the metadata and the route)."""
+    peer = agent.nixl.add_peer(meta)
+    with agent._lock:
+        agent._peers[meta.agent] = peer
+    log.info("agent %s: peer %s (host %s) over the nixl route", agent.name, meta.agent, meta.host)
+    return peer
+
+
+def choose_route(agent: "KVAgent", meta: "PeerMetadata", route: str) -> str:
+    """The route ``add_peer`` takes to ``meta``'s agent: ``"ipc"`` (same host) or ``"nixl"`` (another host, or
+    asked); a typed error naming what is missing when the route cannot be taken."""
+    if route not in ROUTES:
+        raise BadInput(f"route must be one of {', '.join(ROUTES)}, got {route!r}")
+    here = socket.gethostname() or "unknown"
+    if route == "auto":
+        route = "ipc" if meta.host == here else "nixl"
+    if route == "ipc":
+        if meta.host != here:
+            raise BackendUnavailable(agent.engine, {meta.agent: f"the peer is on host {meta.host!r}; the "
+                                                                f"{agent.engine} engine maps its memory over IPC "
+                                                                "(route='nixl' reaches other hosts)"})
+        return route
+    if agent.nixl is None:
+        raise BackendUnavailable("nixl", {meta.agent: f"the peer is on host {meta.host!r}, this agent on {here!r}"
+                                          if meta.host != here else "route='nixl' was asked"}
+                                 | {agent.name: "this agent has no NIXL agent: create it with "
+                                                "KVAgent(..., remote='nixl') (or GPUXFER_KV_REMOTE=nixl)"})
+    return route

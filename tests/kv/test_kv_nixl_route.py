@@ -1,0 +1,491 @@
+"""The NIXL route of KVAgent (gpuxfer.kv.nixl_route) against real NIXL on the host emulation.
+
+Two spawned processes with host-emulation caches registered with the agent (DRAM), their metadata bytes
+swapped, ``add_peer(..., route="nixl")`` (one machine: the route is asked for), UCX over loopback
+(``UCX_NET_DEVICES=lo``). They run the KV API's engine-independent cases over the route -- pull, push, layer
+ranges, block-size ratios, notifications, re-posts, bad IDs -- each side checking every byte of its caches
+against the same seeded caches rebuilt locally. Then: a killed peer (no hang), timeouts, a missing NIXL
+(a typed error naming the extra), hostile NIXL metadata. Without NIXL the tests that need it skip with the
+reason, unless ``GPUXFER_TEST_REQUIRE_NIXL=1`` (CI's NIXL step), where they fail. GPU (``gpu``): the same
+scenario with CUDA caches (VRAM) in two processes on one device.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from gpuxfer import config
+from gpuxfer.errors import (BackendUnavailable, BadInput, BadMetadata, BlockIdError, LayoutMismatch, NotRegistered,
+                            TransferTimeout)
+from gpuxfer.kv.agent import KVAgent
+from gpuxfer.kv.metadata import _HEADER, METADATA_MAGIC, METADATA_VERSION, decode_metadata
+
+LOOPBACK = {"UCX_NET_DEVICES": "lo"}
+
+
+def _nixl_reason() -> str | None:
+    from gpuxfer.kv.nixl_route import nixl_reason
+    from gpuxfer.platforms.host import HostPlatform
+    return nixl_reason(HostPlatform)
+
+
+@pytest.fixture
+def need_nixl(monkeypatch):
+    why = _nixl_reason()
+    if why is not None:
+        if config.get("GPUXFER_TEST_REQUIRE_NIXL"):
+            pytest.fail(f"GPUXFER_TEST_REQUIRE_NIXL=1 but the NIXL route cannot run: {why}")
+        pytest.skip(why)
+    for k, v in LOOPBACK.items():
+        monkeypatch.setenv(k, v)
+
+
+# ----------------------------------------------------------------------------- the caches both sides know
+
+
+LAYERS, BLOCKS, BT = 3, 12, 4              # group "full": vLLM layout, equal block sizes
+MLA_BT = {0: 8, 1: 4}                      # group "mla": 8-token blocks on rank 0, 4-token ones on rank 1
+MLA_BLOCKS = {0: 6, 1: 12}
+SLOT = 48                                  # bytes per token of the "mla" slab
+
+
+def _caches(rank: int, flat: torch.Tensor | None = None, device="cpu") -> dict[str, dict[str, torch.Tensor]]:
+    """Rank ``rank``'s caches, seeded: carved from ``flat`` (its registered memory) or, as the other side's
+    reference, plain CPU tensors."""
+    g = np.random.default_rng(100 + rank)
+    shapes = {"full": {f"model.layers.{i}.attn": (2, BLOCKS, BT, 2, 4) for i in range(LAYERS)},
+              "mla": {"model.layers.0.mla": (MLA_BLOCKS[rank], MLA_BT[rank], SLOT)}}
+    out, at = {}, 256
+    for grp, layers in shapes.items():
+        out[grp] = {}
+        for name, shape in layers.items():
+            n = int(np.prod(shape))
+            data = torch.from_numpy(g.integers(0, 256, n, dtype=np.uint8))
+            if flat is None:
+                t = data.view(shape).clone()
+            else:
+                t = flat[at:at + n].view(shape)
+                t.copy_(data.view(shape).to(device))
+            out[grp][name] = t
+            at += -(-n // 256) * 256
+    return out
+
+
+def _copy_full(dst, src, s_ids, d_ids, layers=None):
+    for i, name in enumerate(dst):
+        if layers is None or layers[0] <= i < layers[1]:
+            for s, d in zip(s_ids, d_ids):
+                dst[name][:, d] = src[name][:, s]
+
+
+def _copy_mla(dst, src, s_ids, d_ids, bs, bd):
+    """Token-matched copy of a (blocks, bt, SLOT) slab between block sizes ``bs`` and ``bd``."""
+    (name, d), (_, s) = next(iter(dst.items())), next(iter(src.items()))
+    n = len(d_ids) * bd if bd <= bs else len(s_ids) * bs
+    seg = min(bs, bd)
+    for i in range(n // seg):
+        t = i * seg
+        d[d_ids[t // bd], t % bd:t % bd + seg] = s[s_ids[t // bs], t % bs:t % bs + seg]
+
+
+def _check(mine: dict, expected: dict, what: str) -> None:
+    for grp in expected:
+        for name, want in expected[grp].items():
+            got = mine[grp][name].cpu()
+            if not torch.equal(got, want):
+                bad = int((got != want).nonzero()[0][0]) if got.dim() else 0
+                raise AssertionError(f"{what}: {grp}/{name} differs (first at block {bad})")
+
+
+def _setup(rank, platform_name, timeout_s=60.0):
+    plat_mod = __import__("gpuxfer.platforms", fromlist=["get_platform"])
+    plat = plat_mod.get_platform(platform_name)
+    if platform_name == "host":
+        buf = plat.alloc(1 << 16, rank)
+        flat = plat.as_tensor(buf)
+        device = rank
+        caches = _caches(rank, flat)
+    else:
+        buf = None
+        device = 0
+        flat = torch.empty(1 << 16, dtype=torch.uint8, device="cuda:0")
+        caches = _caches(rank, flat, "cuda:0")
+    agent = KVAgent(f"rank{rank}", platform=plat, device=device, timeout_s=timeout_s, remote="nixl")
+    agent.register_group("full", BT, caches["full"])
+    agent.register_group("mla", MLA_BT[rank], caches["mla"])
+    return plat, buf, agent, caches
+
+
+# ----------------------------------------------------------------------------- two processes, every case
+
+
+def _scenario(rank, world, init, platform_name):
+    """Rank 0 is prefill (8-token "mla" blocks), rank 1 decode (4-token ones); every step checked byte for byte
+    on the side whose caches changed (the rest of its caches too), the other side checks its own stayed."""
+    import datetime
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    plat, buf, agent, caches = _setup(rank, platform_name)
+    try:
+        blobs = [None, None]
+        dist.all_gather_object(blobs, agent.metadata())
+        peer = agent.add_peer(blobs[1 - rank], route="nixl")
+        assert peer.route == "nixl" and type(peer).__name__ == "NixlPeer"
+        mine = {g: {k: v.cpu().clone() for k, v in c.items()} for g, c in caches.items()}
+        theirs = _caches(1 - rank)
+        expect = mine
+
+        # 1. decode pulls "full" and the 8 -> 4-token "mla" blocks, notifying prefill's slot 1
+        src_full, dst_full = [5, 0, 3, 11], [1, 4, 2, 10]
+        src_mla, dst_mla = [4, 1], [7, 0, 9]                  # 3 decode blocks = 12 tokens of 2 prefill blocks
+        if rank == 1:
+            x = agent.prepare(peer, "pull", local_blocks={"full": dst_full, "mla": dst_mla},
+                              remote_blocks={"full": src_full, "mla": src_mla}, notify_slot=1, name="pull-1")
+            assert x.descriptors == LAYERS * 2 * 4 + 3
+            h = x.post()
+            h.wait(60)
+            assert h.done() and h.name == "pull-1" and h.notify_value == 1
+            _copy_full(expect["full"], theirs["full"], src_full, dst_full)
+            _copy_mla(expect["mla"], theirs["mla"], src_mla, dst_mla, 8, 4)
+        else:
+            assert agent.wait_notification(1, 1, timeout_s=60) >= 1
+        _check(caches, expect, f"rank {rank} after the pull")
+        dist.barrier()
+
+        # 2. prefill pushes layer 1 only, twice (a re-post), notifying decode's slot 2
+        if rank == 0:
+            x = agent.prepare(peer, "push", local_blocks={"full": [7, 8]}, remote_blocks={"full": [6, 0]},
+                              layers=(1, 2), notify_slot=2)
+            assert x.descriptors == 2 * 2
+            assert [x.post().wait(60), x.post().wait(60)] == [None, None]
+        else:
+            assert agent.wait_notification(2, 2, timeout_s=60) >= 2
+            _copy_full(expect["full"], theirs["full"], [7, 8], [6, 0], layers=(1, 2))
+        _check(caches, expect, f"rank {rank} after the layer-range push")
+        dist.barrier()
+
+        # 3. decode pushes 4 -> 8-token "mla" blocks back (its 4 blocks fill 2 prefill blocks)
+        if rank == 1:
+            agent.transfer(peer, "push", local_blocks={"mla": [3, 5, 6, 8]}, remote_blocks={"mla": [0, 5]},
+                           notify_slot=3).wait(60)
+        else:
+            agent.wait_notification(3, 1, timeout_s=60)
+            _copy_mla(expect["mla"], theirs["mla"], [3, 5, 6, 8], [0, 5], 4, 8)
+        _check(caches, expect, f"rank {rank} after the ratio push")
+        dist.barrier()
+
+        # 4. bad requests on the route: typed errors, nothing moves
+        with pytest.raises(BlockIdError, match="out of range"):
+            agent.prepare(peer, "pull", local_blocks={"full": [BLOCKS]}, remote_blocks={"full": [0]})
+        with pytest.raises(BlockIdError, match="out of range"):
+            agent.prepare(peer, "push", local_blocks={"full": [0]}, remote_blocks={"full": [-1]})
+        with pytest.raises(BlockIdError, match="more than once"):
+            agent.prepare(peer, "pull", local_blocks={"full": [1, 1]}, remote_blocks={"full": [0, 2]})
+        with pytest.raises(BlockIdError, match="same tokens"):
+            agent.prepare(peer, "pull", local_blocks={"mla": [0, 1, 2]}, remote_blocks={"mla": [0]})
+        with pytest.raises(BlockIdError, match="integers"):
+            agent.prepare(peer, "pull", local_blocks={"full": [0.5]}, remote_blocks={"full": [0]})
+        with pytest.raises(NotRegistered, match="nope"):
+            agent.prepare(peer, "pull", local_blocks={"nope": [0]}, remote_blocks={"nope": [0]})
+        with pytest.raises(BadInput, match="selects no layer"):
+            agent.prepare(peer, "pull", local_blocks={"full": [0]}, remote_blocks={"full": [0]}, layers=(50, 60))
+        with pytest.raises(BadInput, match="notify_slot"):
+            agent.prepare(peer, "pull", local_blocks={"full": [0]}, remote_blocks={"full": [0]}, notify_slot=64)
+        _check(caches, expect, f"rank {rank} after the bad requests")
+        dist.barrier()
+
+        # 5. an empty request still notifies
+        if rank == 0:
+            agent.transfer(peer, "push", local_blocks={"full": []}, remote_blocks={"full": []}, notify_slot=4).wait(30)
+        else:
+            agent.wait_notification(4, 1, timeout_s=60)
+        dist.barrier()
+        agent.remove_peer(peer)
+        with pytest.raises(NotRegistered):
+            agent.prepare(peer, "pull", local_blocks={"full": [0]}, remote_blocks={"full": [0]})
+        dist.barrier()
+        return "ok"
+    finally:
+        agent.close()
+        if buf is not None:
+            buf.close()
+        dist.destroy_process_group()
+        plat.close()
+
+
+def test_two_processes_over_nixl(need_nixl, spawner):
+    assert spawner.run_ranks(_scenario, 2, "host", timeout=240) == ["ok", "ok"]
+
+
+@pytest.mark.gpu
+def test_two_processes_over_nixl_cuda(need_nixl, spawner):
+    """The same scenario with CUDA caches (VRAM registered with NIXL), two processes on device 0."""
+    from conftest import platform_reason
+    why = platform_reason("cuda")
+    if why:
+        pytest.skip(why)
+    assert spawner.run_ranks(_scenario, 2, "cuda", timeout=300) == ["ok", "ok"]
+
+
+# ----------------------------------------------------------------------------- a killed peer
+
+
+def _doomed(to_peer, from_peer):
+    """Register, swap metadata, add the peer, then die without closing anything."""
+    import os
+    plat, buf, agent, _ = _setup(0, "host")
+    to_peer.put(agent.metadata())
+    agent.add_peer(from_peer.get(timeout=60), route="nixl")
+    to_peer.put("ready")
+    from_peer.get(timeout=60)        # the survivor's first pull went through
+    os._exit(0)
+
+
+def _survivor(to_peer, from_peer, from_parent):
+    plat, buf, agent, caches = _setup(1, "host", timeout_s=20.0)
+    try:
+        blob = from_peer.get(timeout=60)
+        to_peer.put(agent.metadata())
+        peer = agent.add_peer(blob, route="nixl")
+        assert from_peer.get(timeout=60) == "ready"
+        agent.transfer(peer, "pull", local_blocks={"full": [0]}, remote_blocks={"full": [1]}).wait(30)
+        to_peer.put("die")
+        assert from_parent.get(timeout=60) == "dead"
+        from gpuxfer.errors import GpuxferError
+        outcome = []
+        for _ in range(2):               # a dead peer: NIXL's error or a timeout, never a hang
+            try:
+                agent.transfer(peer, "pull", local_blocks={"full": [2]}, remote_blocks={"full": [3]}).wait(10)
+                outcome.append("moved")
+            except GpuxferError as exc:
+                outcome.append(type(exc).__name__)
+        assert all(o in ("NixlError", "TransferTimeout") for o in outcome), outcome
+        with pytest.raises(TransferTimeout):
+            agent.wait_notification(5, 1, timeout_s=0.5)
+        return outcome
+    finally:
+        agent.close()                    # bounded: the agent's timeout per wait
+        buf.close()
+        plat.close()
+
+
+def test_a_killed_peer_never_hangs_the_survivor(need_nixl, spawner):
+    a, b, parent = spawner.queue(), spawner.queue(), spawner.queue()
+    doomed = spawner.start(_doomed, b, a, name="doomed")
+    survivor = spawner.start(_survivor, a, b, parent, name="survivor", hard_exit=True)
+    doomed.join(120)                     # exits 0 through os._exit once told to die
+    parent.put("dead")
+    outcome = survivor.result(180)
+    survivor.join(30)
+    assert len(outcome) == 2, outcome
+    print("OUTCOME", outcome)
+
+
+# ----------------------------------------------------------------------------- one process
+
+
+@pytest.fixture
+def nixl_pair(need_nixl, host):
+    """Two NIXL-route agents in this process, their caches registered, peers added over the route."""
+    bufs = [host.alloc(1 << 16, r) for r in (0, 1)]
+    caches = [_caches(r, host.as_tensor(b)) for r, b in enumerate(bufs)]
+    agents = [KVAgent(f"side{r}", platform=host, device=r, timeout_s=20, remote="nixl") for r in (0, 1)]
+    for r, a in enumerate(agents):
+        a.register_group("full", BT, caches[r]["full"])
+    peers = [agents[0].add_peer(agents[1].metadata(), route="nixl"),
+             agents[1].add_peer(agents[0].metadata(), route="nixl")]
+    yield agents, peers, caches
+    for a in agents:
+        a.close()
+    for b in bufs:
+        b.close()
+
+
+def test_a_stuck_transfer_times_out_naming_the_request_and_the_agent_stays_usable(nixl_pair, monkeypatch):
+    from gpuxfer.kv.engines import nixl_ffi
+    (a, b), (p, _), caches = nixl_pair
+    real = nixl_ffi.NixlAgent.state
+    monkeypatch.setattr(nixl_ffi.NixlAgent, "state", lambda self, h: "PROC")
+    h = a.transfer(p, "pull", local_blocks={"full": [0]}, remote_blocks={"full": [1]}, name="stuck-req")
+    with pytest.raises(TransferTimeout, match="stuck-req"):
+        h.wait(0.3)
+    assert not h.done()
+    monkeypatch.setattr(nixl_ffi.NixlAgent, "state", real)
+    h.wait(20)
+    assert h.done()
+    assert torch.equal(caches[0]["full"]["model.layers.0.attn"][:, 0], caches[1]["full"]["model.layers.0.attn"][:, 1])
+
+
+def test_a_group_registered_after_add_peer_rebuilds_the_lists(need_nixl, host):
+    """A group the peer's metadata named, registered here after add_peer (in an allocation of its own): the
+    lists are rebuilt when a request names it; a request prepared on the old lists is refused, new ones move."""
+    bufs = [host.alloc(1 << 16, 1), host.alloc(1 << 14, 0), host.alloc(1 << 16, 0)]
+    a = KVAgent("late-a", platform=host, device=0, timeout_s=20, remote="nixl")
+    b2 = KVAgent("late-b", platform=host, device=1, timeout_s=20, remote="nixl")
+    try:
+        caches = [_caches(0, host.as_tensor(bufs[2]))]
+        a.register_group("full", BT, caches[0]["full"])
+        c = _caches(1, host.as_tensor(bufs[0]))
+        b2.register_group("full", BT, c["full"])
+        b2.register_group("mla", MLA_BT[1], c["mla"])
+        p2 = a.add_peer(b2.metadata(), route="nixl")
+        with pytest.raises(NotRegistered, match="mla"):
+            a.prepare(p2, "pull", local_blocks={"mla": [0]}, remote_blocks={"mla": [0]})
+        old = a.prepare(p2, "pull", local_blocks={"full": [2]}, remote_blocks={"full": [3]})
+        a_mla = _caches(0, host.as_tensor(bufs[1]))["mla"]["model.layers.0.mla"]
+        a.register_group("mla", MLA_BT[0], {"model.layers.0.mla": a_mla})
+        want = a_mla.clone()
+        a.transfer(p2, "pull", local_blocks={"mla": [2]}, remote_blocks={"mla": [5, 9]}).wait(20)
+        b_mla = c["mla"]["model.layers.0.mla"]
+        want[2, :4], want[2, 4:] = b_mla[5], b_mla[9]
+        assert torch.equal(a_mla, want)
+        with pytest.raises(BadInput, match="prepare it again"):
+            old.post()
+        a.transfer(p2, "pull", local_blocks={"full": [2]}, remote_blocks={"full": [3]}).wait(20)
+        for name, t in caches[0]["full"].items():
+            assert torch.equal(t[:, 2], c["full"][name][:, 3])
+        a.remove_peer(p2)
+    finally:
+        b2.close()
+        a.close()
+        for x in bufs:
+            x.close()
+
+
+def test_layouts_that_differ_are_refused_by_group(need_nixl, host):
+    bufs = [host.alloc(1 << 16, r) for r in (0, 1)]
+    try:
+        t0 = host.as_tensor(bufs[0])[:6 * 3 * 8].view(6, 3, 8)
+        t1 = host.as_tensor(bufs[1])[:6 * 2 * 8].view(6, 2, 8)
+        a = KVAgent("a", platform=host, device=0, remote="nixl", timeout_s=10)
+        b = KVAgent("b", platform=host, device=1, remote="nixl", timeout_s=10)
+        try:
+            a.register_group("g", 3, {"x": t0})
+            b.register_group("g", 2, {"x": t1})
+            p = a.add_peer(b.metadata(), route="nixl")
+            with pytest.raises(LayoutMismatch, match="one must divide the other"):
+                a.prepare(p, "pull", local_blocks={"g": [0]}, remote_blocks={"g": [0]})
+        finally:
+            b.close()
+            a.close()
+    finally:
+        for x in bufs:
+            x.close()
+
+
+def test_route_choice_and_errors_without_asking(host, monkeypatch):
+    """An agent without NIXL refuses route='nixl' and a peer on another host, naming what to do."""
+    a = KVAgent("plain-a", platform=host, device=0, timeout_s=10)
+    b = KVAgent("plain-b", platform=host, device=1, timeout_s=10)
+    try:
+        blob = b.metadata()
+        with pytest.raises(BackendUnavailable, match="remote='nixl'"):
+            a.add_peer(blob, route="nixl")
+        with pytest.raises(BadInput, match="route must be"):
+            a.add_peer(blob, route="ucx")
+        body = json.loads(blob[_HEADER.size:])
+        body["host"] = "elsewhere"
+        raw = json.dumps(body).encode()
+        far = _HEADER.pack(METADATA_MAGIC, METADATA_VERSION, 0, len(raw)) + raw
+        with pytest.raises(BackendUnavailable, match="elsewhere"):
+            a.add_peer(far)
+        with pytest.raises(BackendUnavailable, match="route='nixl'"):
+            a.add_peer(far, route="ipc")
+        assert a.add_peer(blob).route == "ipc"
+    finally:
+        b.close()
+        a.close()
+
+
+def test_missing_nixl_is_a_typed_error_naming_the_extra(host, monkeypatch):
+    from gpuxfer.kv.engines import nixl_ffi
+    monkeypatch.setattr(nixl_ffi, "find_nixl", lambda refresh=False: (None, "NIXL is not installed (tried nixl): "
+                                                                          "pip install nixl-cu13"))
+    with pytest.raises(BackendUnavailable, match=r"gpuxfer\[nixl\]"):
+        KVAgent("wants-nixl", platform=host, device=0, remote="nixl")
+    monkeypatch.setenv("GPUXFER_KV_REMOTE", "nixl")
+    with pytest.raises(BackendUnavailable, match="NIXL is not installed"):
+        KVAgent("wants-nixl-env", platform=host, device=0)
+    from gpuxfer.kv.nixl_route import route_report
+    assert "gpuxfer[nixl]" in route_report(host)["nixl"]
+    with pytest.raises(BadInput, match="remote"):
+        KVAgent("bad-remote", platform=host, device=0, remote="ucx")
+
+
+def _with_nixl_section(blob: bytes, section) -> bytes:
+    body = json.loads(blob[_HEADER.size:])
+    body["nixl"] = section
+    raw = json.dumps(body).encode()
+    return _HEADER.pack(METADATA_MAGIC, METADATA_VERSION, 0, len(raw)) + raw
+
+
+def test_hostile_nixl_metadata_is_refused(host):
+    """Forged NIXL sections: BadMetadata naming the field, before anything reaches NIXL."""
+    buf = host.alloc(1 << 14, 0)
+    a = KVAgent("meta-a", platform=host, device=0, timeout_s=10)
+    try:
+        a.register_group("g", 4, {"x": host.as_tensor(buf)[:4 * 4 * 8].view(4, 4, 8)})
+        blob = a.metadata()
+        nbytes = decode_metadata(blob).allocations[0].nbytes
+        good = {"agent": "n", "md": "00ff", "mem": "DRAM", "device": 0, "bases": [4096]}
+        assert decode_metadata(_with_nixl_section(blob, good)).nixl["md"] == b"\x00\xff"
+        for field, value, match in [
+            ("agent", "", "'agent'"), ("agent", 5, "'agent'"), ("md", "zz", "not hex"), ("md", "", "'md'"),
+            ("mem", "HBM", "'mem'"), ("device", -1, "'device'"), ("device", True, "'device'"),
+            ("bases", [], "one address per allocation"), ("bases", [0], "base 0"),
+            ("bases", [(1 << 64) - nbytes + 1], "base 0"), ("bases", ["4096"], "base 0"),
+        ]:
+            with pytest.raises(BadMetadata, match=match):
+                decode_metadata(_with_nixl_section(blob, dict(good, **{field: value})))
+        with pytest.raises(BadMetadata, match="object"):
+            decode_metadata(_with_nixl_section(blob, [1, 2]))
+        with pytest.raises(BadMetadata, match="'md'"):
+            decode_metadata(_with_nixl_section(blob, dict(good, md="00" * ((4 << 20) + 1))))
+    finally:
+        a.close()
+        buf.close()
+
+
+def test_notifications_advance_only_over_values_that_all_arrived(need_nixl, host):
+    """The receiver's word reaches n only once notifications 1..n all arrived, whatever order they came in;
+    malformed messages are ignored."""
+    a = KVAgent("notif", platform=host, device=0, timeout_s=10, remote="nixl")
+    try:
+        side = a.nixl
+        side._deliver({"peer": [b"gxkv:3:2", b"junk", b"gxkv:99:1", b"gxkv:3:x"]})
+        assert a.notification(3) == 0
+        side._deliver({"peer": [b"gxkv:3:1", b"gxkv:3:4"]})
+        assert a.notification(3) == 2
+        side._deliver({"peer": [b"gxkv:3:3"]})
+        assert a.notification(3) == 4
+        side._deliver({"peer": [b"gxkv:3:2"]})          # a repeat never lowers it
+        assert a.notification(3) == 4
+    finally:
+        a.close()
+
+
+def test_a_peer_on_another_host_takes_the_nixl_route_by_itself(need_nixl, host):
+    """``add_peer(blob)`` with no route named: a peer whose metadata names another host goes over NIXL."""
+    bufs = [host.alloc(1 << 16, r) for r in (0, 1)]
+    agents = [KVAgent(f"far{r}", platform=host, device=r, timeout_s=20, remote="nixl") for r in (0, 1)]
+    try:
+        caches = [_caches(r, host.as_tensor(b)) for r, b in enumerate(bufs)]
+        for r, a in enumerate(agents):
+            a.register_group("full", BT, caches[r]["full"])
+        body = json.loads(agents[1].metadata()[_HEADER.size:])
+        body["host"] = "another-host"
+        raw = json.dumps(body).encode()
+        peer = agents[0].add_peer(_HEADER.pack(METADATA_MAGIC, METADATA_VERSION, 0, len(raw)) + raw)
+        assert peer.route == "nixl"
+        agents[0].transfer(peer, "push", local_blocks={"full": [3, 4]}, remote_blocks={"full": [9, 1]}).wait(20)
+        for name, t in caches[0]["full"].items():
+            assert torch.equal(caches[1]["full"][name][:, [9, 1]], t[:, [3, 4]])
+    finally:
+        for a in agents:
+            a.close()
+        for b in bufs:
+            b.close()
