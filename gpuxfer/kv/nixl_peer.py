@@ -320,30 +320,27 @@ class _NixlTransfer(KVTransfer):
         if not plat.event_query(ev) and not plat.event_wait(ev, agent.timeout_s):
             raise TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
                                   timeout_s=agent.timeout_s, what="the work on the posting stream did not complete")
-        side = peer.side
-        value = None
-        notif = b""
-        if self.notify_slot is not None:
-            value = peer._seq[self.notify_slot] + 1
-            notif = NOTIF_PREFIX + f"{self.notify_slot}:{value}".encode()
+        side, slot = peer.side, self.notify_slot
         op = "READ" if self.op == "pull" else "WRITE"
-        if not self.descriptors:            # nothing to move: only the notification
-            with side.lock:
+        with side.lock:                     # the notification's value is taken and spent under the lock
+            value = None if slot is None else peer._seq[slot] + 1
+            notif = b"" if slot is None else NOTIF_PREFIX + f"{slot}:{value}".encode()
+            xfer = state = None
+            if not self.descriptors:        # nothing to move: only the notification
                 if notif:
                     side.nixl.notify(peer.remote, notif)
-            if value is not None:
-                peer._seq[self.notify_slot] = value
+            else:
+                xfer = side.nixl.make_prepped(op, self.lists.local_h, self.local_idx, self.lists.remote_h,
+                                              self.remote_idx, notif)
+                try:
+                    state = side.nixl.post(xfer, self.describe())
+                except BaseException:
+                    side.nixl.release_quietly([xfer])
+                    raise
+            if slot is not None:
+                peer._seq[slot] = value
+        if xfer is None:
             return _NixlHandle(self, None, "DONE", value)
-        with side.lock:
-            xfer = side.nixl.make_prepped(op, self.lists.local_h, self.local_idx, self.lists.remote_h,
-                                          self.remote_idx, notif)
-            try:
-                state = side.nixl.post(xfer, self.describe())
-            except BaseException:
-                side.nixl.release_quietly([xfer])
-                raise
-        if value is not None:
-            peer._seq[self.notify_slot] = value
         h = _NixlHandle(self, xfer, state, value)
         peer._reap()
         peer._inflight.append(h)
