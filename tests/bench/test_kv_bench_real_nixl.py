@@ -2,7 +2,8 @@
 emulation (two spawned ranks, UCX over loopback), every byte verified.
 
 Without NIXL these skip with the reason, unless ``GPUXFER_TEST_REQUIRE_NIXL=1`` (CI's NIXL step), where they
-fail. Timeouts are generous: the host emulation verifies in Triton's interpreter, on two shared cores.
+fail. Both are long (marked ``slow``; CI's NIXL step runs them): the host emulation verifies every byte in
+Triton's interpreter, on two shared cores; the timeouts are hang guards.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def real_nixl(monkeypatch):
     monkeypatch.delenv("GPUXFER_INJECT_FAULT", raising=False)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1800)     # a hang guard: each row verifies in Triton's interpreter
 def test_nixl_engines_against_real_nixl(real_nixl, tmp_path, capsys):
     out = tmp_path / "out"
@@ -46,6 +48,7 @@ def test_nixl_engines_against_real_nixl(real_nixl, tmp_path, capsys):
         assert r["nixl_module"].startswith("nixl_cu"), r      # the real wheel, not a fake
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_collectivex_cross_host_against_real_nixl(real_nixl, tmp_path, capsys):
     """--cross-host: NIXL reaches the peer's pool itself (no IPC mapping); nixl-bulk is the ceiling there."""
