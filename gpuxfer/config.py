@@ -69,17 +69,22 @@ def integer(low: int = 1, high: int | None = None) -> Parser:
     return Parser(f"integer >= {low}" if high is None else f"integer in [{low}, {high}]", parse)
 
 
+#: the longest wait any ``*_TIMEOUT_S`` may ask for (about 11.6 days): longer ones overflow the clocks and
+#: deadlines every wait goes through (``threading``'s, gloo's ``timedelta``, ``time_t``) instead of waiting
+MAX_SECONDS = 1e6
+
+
 def _seconds(raw: str) -> float:
     try:
         v = float(raw)
     except ValueError:
         raise ValueError(f"must be a number of seconds, got {raw!r}") from None
-    if not (math.isfinite(v) and v > 0):
-        raise ValueError(f"must be a finite number of seconds > 0, got {raw!r}")
+    if not (math.isfinite(v) and 0 < v <= MAX_SECONDS):
+        raise ValueError(f"must be a finite number of seconds > 0 and <= {MAX_SECONDS:g}, got {raw!r}")
     return v
 
 
-SECONDS = Parser("seconds > 0", _seconds)
+SECONDS = Parser(f"seconds in (0, {MAX_SECONDS:g}]", _seconds)
 
 
 def _bytes(raw: str) -> int:

@@ -6,6 +6,7 @@ peer's, probe the flag link, finish), mixed into :class:`~gpuxfer.pp.copy_engine
 from __future__ import annotations
 
 import logging
+import operator
 
 from .. import config
 from ..errors import BadInput, GpuxferError
@@ -57,9 +58,16 @@ def inline_bytes_from_env(value: "int | str | None" = None, option: str = "inlin
     every step through staging."""
     if value is None or isinstance(value, str):
         return config.resolve(ENV_INLINE_BYTES, value, option=option)
-    if int(value) < 0:
-        raise BadInput(f"{option} must be >= 0, got {value}")
-    return int(value)
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        n = operator.index(value)
+    except TypeError:
+        raise BadInput(f"{option} must be a number of bytes (an integer >= 0, or a size like '1M'), "
+                       f"got {value!r}") from None
+    if n < 0:
+        raise BadInput(f"{option} must be >= 0, got {n}")
+    return n
 
 
 class _CopyEngineSetup:

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 from ..errors import BadInput
 
+MAX_RECV_SLOTS = 1024       # most receive slots a pair may have
 
 def _index(name: str, value, least: int) -> int:
     """``value`` as an int >= ``least`` (any integer type; a bool or anything else is refused)."""
@@ -40,11 +41,13 @@ class ConnectOptions:
     platform object or name (default: the process's, :func:`gpuxfer.platforms.current`). ``device``:
     this rank's device (default ``$LOCAL_RANK`` or the rank, modulo the device count). ``timeout_s``
     (finite, > 0) and ``on_timeout`` (``raise`` | ``exit``): every wait's bound and what a failed
-    transport does. ``metadata``: shapes travel with each step. ``recv_slots`` (>= 2), ``flag_path``
+    transport does. ``metadata``: shapes travel with each step. ``recv_slots`` (2 to
+    :data:`MAX_RECV_SLOTS`), ``flag_path``
     (``auto`` | ``remote`` | ``copy``), ``inline_bytes`` and ``recv_views`` tune the copy-engine backend;
     ``graph``: steps captured in CUDA graphs (the ``copy_engine_graph`` backend). ``meta_channel``
     (``auto`` | ``group``): where per-step metadata travels. ``device_group``: the NCCL group of the
-    nccl backend. ``inject_failure``: a test hook, ``"phase"`` or ``"phase@rank"``.
+    nccl backend. ``inject_failure``: a test hook, ``"RANK:PHASE[,RANK:PHASE...]"`` (phases
+    ``check``, ``alloc``, ``open``, ``probe``).
     """
 
     backend: str | None = None
@@ -69,6 +72,9 @@ class ConnectOptions:
                 raise BadInput(f"{name} must be True or False, got {value!r}")
             object.__setattr__(self, name, bool(value))
         object.__setattr__(self, "recv_slots", _index("recv_slots", self.recv_slots, 2))
+        if self.recv_slots > MAX_RECV_SLOTS:
+            raise BadInput(f"recv_slots must be <= {MAX_RECV_SLOTS}, got {self.recv_slots} (each slot holds a "
+                           f"whole step of the largest shapes)")
         if self.device is not None:
             object.__setattr__(self, "device", _index("device", self.device, 0))
         from ..flaglink import flag_path_from_env
@@ -90,8 +96,9 @@ class ConnectOptions:
             if self.graph and wanted not in ("auto", "copy_engine", GRAPH_BACKEND):
                 raise BadInput(f"graph=True captures steps in CUDA graphs, which only the {GRAPH_BACKEND} backend "
                                f"does; backend {wanted!r} cannot be captured")
-        if self.inject_failure is not None and not isinstance(self.inject_failure, str):
-            raise BadInput(f"inject_failure must be a string, got {self.inject_failure!r}")
+        if self.inject_failure is not None:
+            from .selection import injected
+            injected(self.inject_failure, -1)
 
     @classmethod
     def fields(cls) -> tuple[str, ...]:

@@ -215,16 +215,28 @@ def _ranks(x) -> tuple[int, ...]:
     return out
 
 
-def _injected(spec: str | None, rank: int) -> set[str]:
+INJECT_PHASES = ("check", "alloc", "open", "probe")
+
+
+def injected(spec: str | None, rank: int) -> set[str]:
+    """The setup phases ``spec`` (``RANK:PHASE[,RANK:PHASE...]``, else ``$GPUXFER_PP_INJECT_FAILURE``) fails on
+    ``rank``; a malformed entry or an unknown phase is :class:`BadInput` whatever the rank."""
     spec = spec if spec is not None else config.get(ENV_INJECT)
+    if not isinstance(spec, str):
+        raise BadInput(f"inject_failure must be a string RANK:PHASE[,RANK:PHASE...], got {spec!r}")
     phases = set()
     for item in filter(None, (s.strip() for s in spec.split(","))):
         r, _, phase = item.partition(":")
+        phase = phase.strip() or "check"
         try:
-            if int(r) == rank:
-                phases.add(phase or "check")
+            r = int(r)
         except ValueError:
-            raise BadInput(f"{ENV_INJECT} entries are RANK:PHASE, got {item!r}") from None
+            r = None
+        if r is None or phase not in INJECT_PHASES:
+            raise BadInput(f"{ENV_INJECT} / inject_failure entries are RANK:PHASE with PHASE one of "
+                           f"{', '.join(INJECT_PHASES)}, got {item!r}")
+        if r == rank:
+            phases.add(phase)
     return phases
 
 
@@ -319,7 +331,7 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
     group = _cpu_group(group)
     rank = dist.get_rank()
     exchange = _Exchange(group)
-    plat = opts = None
+    plat = opts = inject = None
     info = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "counter": next(_CONN_IDS),
             "nonce": secrets.randbits(40) << 8, "err": None}
     try:
@@ -342,6 +354,7 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
         sspec = SpecTable(send_specs or specs) if sends else None
         rspec = SpecTable(recv_specs or specs) if recvs else None
         meta_mode = meta_channel_from_env(opts.meta_channel)
+        inject = injected(opts.inject_failure, rank)
         wanted = requested_backend(opts.backend)
         if opts.graph:
             if wanted not in ("auto", "copy_engine", GRAPH_BACKEND):
@@ -395,7 +408,6 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
     my_pairs = [("send", d, (rank, d), sspec) for d in me["sends"]] + \
                [("recv", s, (s, rank), rspec) for s in me["recvs"]]
     wanted = me["backend"]
-    inject = _injected(opts.inject_failure, rank)
 
     chosen, ends, fallback = None, [], {}
     if wanted != FALLBACK:

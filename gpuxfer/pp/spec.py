@@ -22,8 +22,10 @@ from ..errors import BadInput, ProtocolError
 
 ALIGN = 256                 # byte alignment of each tensor in a packed slot
 MAX_NDIM = 8                # most dimensions a tensor may have
+MAX_SLOT_BYTES = 1 << 48    # most bytes one step's largest shapes may need (past any device's memory)
 META_MAGIC = 0x67787070     # "gxpp"
 _NO_DIMS = (0,) * MAX_NDIM
+_MAX_DIM = (1 << 63) - 1    # a dimension travels as an int64 word
 _HEADER = struct.Struct("=4q")   # a metadata message's first words: magic, step, refusal code, refused key
 
 # why a sender refused a step (travels in the refusal message)
@@ -100,12 +102,21 @@ def _dims(shape, what: str) -> tuple[int, ...]:
     """``shape`` as a tuple of ints, or :class:`BadInput` naming ``what`` where it is not a sequence of at
     most :data:`MAX_NDIM` non-negative integers."""
     try:
-        dims = tuple(int(s) for s in shape)
+        if isinstance(shape, (str, bytes)):
+            raise TypeError
+        dims = tuple(_dim(s) for s in shape)
     except (TypeError, ValueError):
         raise BadInput(f"{what}: shape {shape!r} is not a sequence of integers") from None
-    if len(dims) > MAX_NDIM or any(s < 0 for s in dims):
-        raise BadInput(f"{what}: shape {dims} needs <= {MAX_NDIM} non-negative dims")
+    if len(dims) > MAX_NDIM or any(not 0 <= s <= _MAX_DIM for s in dims):
+        raise BadInput(f"{what}: shape {dims} needs <= {MAX_NDIM} dims, each in [0, 2**63 - 1]")
     return dims
+
+
+def _dim(s) -> int:
+    """One dimension as an int: any integer type (numpy's, a 0-d integer tensor), never a bool or a float."""
+    if isinstance(s, bool):
+        raise TypeError
+    return operator.index(s)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -124,9 +135,10 @@ class SpecTable:
         if not isinstance(specs, Mapping) or not specs:
             raise BadInput("specs must be a non-empty dict: name -> (largest shape, dtype)")
         names, shapes, dtypes = [], [], []
-        for name in sorted(specs):
+        for name in specs:
             if not isinstance(name, str) or not name:
                 raise BadInput(f"tensor names must be non-empty strings, got {name!r}")
+        for name in sorted(specs):
             entry = specs[name]
             if isinstance(entry, torch.Tensor):
                 entry = (tuple(entry.shape), entry.dtype)
@@ -145,9 +157,12 @@ class SpecTable:
         self.max_shapes: tuple[tuple[int, ...], ...] = tuple(shapes)
         self.dtypes = tuple(dtypes)
         self.itemsizes = tuple(torch.empty((), dtype=d).element_size() for d in dtypes)
-        self.max_nbytes = tuple(int(np.prod(s, dtype=np.int64)) * i for s, i in zip(shapes, self.itemsizes))
-        self.max_numel = tuple(int(np.prod(s, dtype=np.int64)) for s in shapes)
+        self.max_numel = tuple(math.prod(s) for s in shapes)       # Python ints: no overflow
+        self.max_nbytes = tuple(n * i for n, i in zip(self.max_numel, self.itemsizes))
         self.slot_bytes = max(ALIGN, sum(_align(n) for n in self.max_nbytes))
+        if self.slot_bytes > MAX_SLOT_BYTES:
+            raise BadInput(f"specs need {self.slot_bytes} B per step ({self.describe()}), more than the "
+                           f"{MAX_SLOT_BYTES} B a step may hold")
         self.meta_len = 4 + len(names) * (1 + MAX_NDIM)
         self._tensor = torch.Tensor
         self._fast = tuple(zip(names, dtypes, (d.is_complex for d in dtypes)))

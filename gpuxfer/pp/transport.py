@@ -86,16 +86,21 @@ ENV_TIMEOUT = "GPUXFER_PP_TIMEOUT_S"
 ENV_ON_TIMEOUT = "GPUXFER_PP_ON_TIMEOUT"
 
 def resolve_timeout(timeout_s: float | None) -> float:
-    """``timeout_s``, else ``$GPUXFER_PP_TIMEOUT_S``, else 300 s."""
+    """``timeout_s``, else ``$GPUXFER_PP_TIMEOUT_S``, else 300 s: a number of seconds in (0,
+    :data:`gpuxfer.config.MAX_SECONDS`] (a bool, a string that is no number, nan, inf or a longer wait is
+    :class:`BadInput`)."""
     if timeout_s is None:
         return config.get(ENV_TIMEOUT)
     try:
+        if isinstance(timeout_s, bool):
+            raise TypeError
         timeout_s = float(timeout_s)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise BadInput(f"the transfer timeout must be a number of seconds, got {timeout_s!r}") from None
-    if not (math.isfinite(timeout_s) and timeout_s > 0):
-        raise BadInput(f"the transfer timeout must be a finite number of seconds > 0, got {timeout_s} "
-                       f"(every wait is bounded: pick the longest a step may take)")
+    if not (math.isfinite(timeout_s) and 0 < timeout_s <= config.MAX_SECONDS):
+        raise BadInput(f"the transfer timeout must be a finite number of seconds > 0 and <= "
+                       f"{config.MAX_SECONDS:g}, got {timeout_s} (every wait is bounded: pick the longest a "
+                       f"step may take)")
     return timeout_s
 
 
@@ -318,7 +323,7 @@ class Transport(abc.ABC):
     def synchronize(self, timeout_s: float | None = None) -> None:
         """Wait (bounded) for this end's queued work; raise the first error (TransferTimeout...)."""
         self._check_usable("synchronize")
-        timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
+        timeout_s = self.timeout_s if timeout_s is None else resolve_timeout(timeout_s)
         deadline = time.monotonic() + timeout_s
         while not self._drain(min(0.1, max(0.0, deadline - time.monotonic()))):
             if self._error is not None:          # the watchdog found the stuck flag meanwhile

@@ -159,10 +159,13 @@ def close_all(transports: Sequence[Transport], timeout_s: float | None = None) -
     A barrier that times out (a peer gone or late) is logged; that end then frees only what no
     peer maps (as :meth:`Transport.abort`), and the rest goes at process exit.
     """
+    if timeout_s is not None:
+        from .transport import resolve_timeout
+        timeout_s = resolve_timeout(timeout_s)
     todo = [t for t in transports if t._state == "open"]
     if not todo:
         return
-    limit = max(t.timeout_s if timeout_s is None else float(timeout_s) for t in todo)
+    limit = max(t.timeout_s if timeout_s is None else timeout_s for t in todo)
     deadline = time.monotonic() + limit
     for t in todo:
         t._state = "closing"

@@ -292,7 +292,9 @@ def test_copy_bytes_is_bit_exact(where):
 
 
 @pytest.mark.parametrize("shape, why", [(("a", 2), "not a sequence of integers"), (5, "not a sequence of integers"),
-                                        ((2, -1), "non-negative dims"), ((1,) * 9, "non-negative dims")])
+                                        ((2, -1), r"each in \[0, 2\*\*63 - 1\]"), ((1,) * 9, "<= 8 dims"),
+                                        ((2, 1.5), "not a sequence of integers"), ((True, 2), "not a sequence of integers"),
+                                        ("12", "not a sequence of integers"), ((0, 1 << 63), r"each in \[0")])
 def test_a_shape_that_is_not_dims_is_named_in_the_spec_and_in_a_layout(shape, why):
     """A spec's shape and a step's expected shape go through one check: each names its tensor and the fault."""
     with pytest.raises(BadInput, match=f"spec of 'hidden': shape .*{why}"):
