@@ -180,6 +180,10 @@ class Transport(abc.ABC):
     ``timeout_s``, ``metadata`` (whether shapes travel per step), ``step`` (steps
     done), :attr:`allocated_bytes` (device bytes this end owns), ``on_timeout``
     (``raise`` | ``exit``: what a failure does, see :meth:`_fail`).
+
+    Any thread may call it: each public call holds the end's call lock, so calls go one at a time;
+    :meth:`close` and :meth:`abort` from another thread end a waiting call with a typed error and
+    free nothing under it (:func:`~gpuxfer.pp.watchdog.close_all`).
     """
 
     name = "abstract"
@@ -209,6 +213,8 @@ class Transport(abc.ABC):
         self._wd: collections.deque = collections.deque()    # watchdog entries, appended on the hot path
         self._wd_lock = threading.Lock()
         self._fail_lock = threading.Lock()
+        self._call_lock = threading.Lock()    # held by each public call (send, recv, .tensors, synchronize)
+                                              # and by teardown: calls from several threads go one at a time
         self._waiting_since: float | None = None   # a host wait (metadata) in progress: the watchdog reads
         self._gone_checked = 0.0                    # the peer's "gone" note meanwhile
 
@@ -246,6 +252,15 @@ class Transport(abc.ABC):
         ring slot, or for a small ``copy_engine`` step straight into the peer's
         slot -- so later work on that stream comes after them).
         """
+        lock = self._call_lock
+        if not lock.acquire(False):
+            self._acquire("send()")
+        try:
+            self._send(tensors)
+        finally:
+            lock.release()
+
+    def _send(self, tensors) -> None:
         if self._error is not None or self._state != "open" or self.role != "send":
             self._check_usable("send")
         specs = self.specs
@@ -280,6 +295,15 @@ class Transport(abc.ABC):
         and nothing travels. ``out``: persistent tensors to copy into (each with
         at least the spec's largest numel; ``.tensors`` returns views of them).
         """
+        lock = self._call_lock
+        if not lock.acquire(False):
+            self._acquire("recv()")
+        try:
+            return self._recv(shapes, out)
+        finally:
+            lock.release()
+
+    def _recv(self, shapes, out) -> Received:
         if self._error is not None or self._state != "open" or self.role != "recv":
             self._check_usable("recv")
         k = self.step + 1
@@ -322,8 +346,15 @@ class Transport(abc.ABC):
 
     def synchronize(self, timeout_s: float | None = None) -> None:
         """Wait (bounded) for this end's queued work; raise the first error (TransferTimeout...)."""
-        self._check_usable("synchronize")
         timeout_s = self.timeout_s if timeout_s is None else resolve_timeout(timeout_s)
+        self._acquire("synchronize()")
+        try:
+            self._synchronize(timeout_s)
+        finally:
+            self._call_lock.release()
+
+    def _synchronize(self, timeout_s: float) -> None:
+        self._check_usable("synchronize")
         deadline = time.monotonic() + timeout_s
         while not self._drain(min(0.1, max(0.0, deadline - time.monotonic()))):
             if self._error is not None:          # the watchdog found the stuck flag meanwhile
@@ -353,12 +384,29 @@ class Transport(abc.ABC):
         under it is undefined behaviour on a GPU. ``allocated_bytes`` keeps
         counting them.
         """
-        if self._state in ("closed", "aborted"):
+        from .watchdog import _TEARDOWN, quiesce
+        with _TEARDOWN:
+            state = self._state
+            if state in ("open", "setup"):
+                self._state = "aborted"
+        if state not in ("open", "setup"):     # closed, aborted, or a close of another thread under way
             return
-        self._state = "aborted"
-        if self._error is None:
-            self._error = GpuxferError(f"rank {self.rank}: the {self.name} transport with rank {self.peer} "
-                                       f"was aborted")
+        with self._fail_lock:
+            if self._error is None:
+                self._error = GpuxferError(f"rank {self.rank}: the {self.name} transport with rank {self.peer} "
+                                           f"was aborted")
+        if not quiesce(self, time.monotonic() + min(self.timeout_s, 5.0)):
+            log.warning("rank %d: abort of the %s transport with rank %d: a call of another thread did not "
+                        "return; its mappings and buffers are left to process exit", self.rank, self.name,
+                        self.peer)
+            self._release_waits()
+            return
+        try:
+            self._abort_held()
+        finally:
+            self._call_lock.release()
+
+    def _abort_held(self) -> None:
         if self.signals is not None:
             self.signals.leave(f"aborted its end after {type(self._error).__name__}: {self._error}")
         drained = False
@@ -424,13 +472,25 @@ class Transport(abc.ABC):
         return "a pending wait"
 
     def _failed(self) -> bool:
-        return self._error is not None
+        """Whether a host wait of a call should give up: the transport failed, or is being closed."""
+        return self._error is not None or self._state != "open"
+
+    def _acquire(self, what: str) -> None:
+        """Take the call lock (a public call of another thread holds it), bounded by ``timeout_s``."""
+        if not self._call_lock.acquire(timeout=self.timeout_s):
+            raise TransferTimeout(rank=self.rank, step=self.step + 1, flag="call", expected=self.step + 1,
+                                  seen=self.step, timeout_s=self.timeout_s,
+                                  what=f"{self.name} {what} with rank {self.peer}: a call of another thread "
+                                       f"on this transport held it")
 
     def _meta_error(self, exc: BaseException, step: int, t0: float, what: str) -> BaseException:
         """The typed error of a failed metadata wait: the peer's connection closed (gloo says so before the
         timeout), the peer left a "gone" note, or a timeout."""
         if isinstance(exc, GpuxferError):
             return exc
+        if self._error is None and self._state != "open":    # the wait gave up: another thread closes
+            return GpuxferError(f"rank {self.rank}: the {self.name} transport with rank {self.peer} was closed "
+                                f"by another thread while step {step} waited ({what})")
         elapsed = time.monotonic() - t0
         gone = self.signals.peer_gone() if self.signals is not None else None
         if gone is not None or (isinstance(exc, RuntimeError) and elapsed < 0.9 * self.timeout_s):
@@ -473,6 +533,15 @@ class Transport(abc.ABC):
         self.channel.close()
 
     def _materialize(self, rcv: Received) -> None:
+        lock = self._call_lock
+        if not lock.acquire(False):
+            self._acquire(f".tensors of step {rcv.step}")
+        try:
+            self._materialize_locked(rcv)
+        finally:
+            lock.release()
+
+    def _materialize_locked(self, rcv: Received) -> None:
         if rcv._tensors is not None:
             return
         if self._error is not None or self._state != "open":

@@ -29,6 +29,7 @@ log = logging.getLogger("gpuxfer.pp")
 EXIT_CODE = 70              # the process exit code of on_timeout="exit" (EX_SOFTWARE)
 FAILED_TEARDOWN_S = 1.0     # drain / barrier limit of a failed transport at teardown (its peer is likely gone)
 GONE_POLL_S = 0.25          # how often the watchdog reads a waiting transport's peer "gone" note
+_TEARDOWN = threading.Lock()   # a transport leaves "open" once: close_all and abort from any thread
 
 
 # --------------------------------------------------------------------------- watchdog
@@ -158,17 +159,61 @@ def close_all(transports: Sequence[Transport], timeout_s: float | None = None) -
     4. close peer mappings;  5. pair barrier again;  6. free buffers.
     A barrier that times out (a peer gone or late) is logged; that end then frees only what no
     peer maps (as :meth:`Transport.abort`), and the rest goes at process exit.
+
+    Any thread may close: an end turns "closing" at once (later calls are refused; a call's host
+    wait gives up), and teardown takes each end's call lock, so nothing is freed under a call of
+    another thread. A call still inside after :data:`FAILED_TEARDOWN_S` has the end failed
+    ("closed by another thread") and its waits released; an end whose call never returns keeps
+    its buffers to process exit. A second ``close`` while one runs returns at once.
     """
     if timeout_s is not None:
         from .transport import resolve_timeout
         timeout_s = resolve_timeout(timeout_s)
-    todo = [t for t in transports if t._state == "open"]
+    with _TEARDOWN:
+        todo = [t for t in transports if t._state == "open"]
+        for t in todo:
+            t._state = "closing"
     if not todo:
         return
     limit = max(t.timeout_s if timeout_s is None else timeout_s for t in todo)
     deadline = time.monotonic() + limit
+    busy = [t for t in todo if not quiesce(t, deadline)]
+    if busy:
+        for t in busy:
+            log.warning("rank %d: %s transport with rank %d: a call of another thread did not return; its "
+                        "buffers are left to process exit", t.rank, t.name, t.peer)
+            t._state = "closed"
+        todo = [t for t in todo if t not in busy]
+    try:
+        _teardown(todo, deadline)
+    finally:
+        for t in todo:
+            t._call_lock.release()
+
+
+def quiesce(t: "Transport", deadline: float) -> bool:
+    """Take ``t``'s call lock for teardown (``t`` is no longer open: a call of another thread inside it gives
+    up its host waits). A call that holds it past :data:`FAILED_TEARDOWN_S` fails the end and has its GPU
+    waits released (it then raises that error, never a released step's data); False if it still holds it
+    at ``deadline``."""
+    lock = t._call_lock
+    if lock.acquire(timeout=max(0.0, min(FAILED_TEARDOWN_S, deadline - time.monotonic()))):
+        return True
+    from ..errors import GpuxferError
+    with t._fail_lock:
+        if t._error is None:
+            t._error = GpuxferError(f"rank {t.rank}: the {t.name} transport with rank {t.peer} was closed by "
+                                    f"another thread while a call on it waited")
+    try:
+        t._release_waits()
+    except Exception as exc:  # noqa: BLE001
+        log.debug("release for a waiting call: %s", exc)
+    return lock.acquire(timeout=max(0.05, deadline - time.monotonic()))
+
+
+def _teardown(todo: list, deadline: float) -> None:
+    """close_all's steps over ends whose call locks it holds."""
     for t in todo:
-        t._state = "closing"
         if t._error is not None:
             try:
                 t._release_waits()

@@ -1,0 +1,151 @@
+"""Public calls of one transport from several threads: calls go one at a time (every step whole), and a close
+or abort from another thread ends a call that waits with a typed error, frees nothing under it, and returns.
+
+Two ranks on the host emulation (and, marked ``gpu``, on CUDA), one connection per scenario:
+
+* two threads send on one sender: every step arrives whole and numbered once (before, both could send the
+  same step into the same slot: the receiver took a mix of the two as step 1, then a protocol error);
+* a receiver's ``recv()`` waits for metadata that never comes; another thread closes: the wait ends in
+  "closed by another thread" (before, the mailbox was unmapped under it: a ``TypeError`` reported as the
+  peer lost);
+* a sender blocked by back-pressure (its receiver takes nothing); another thread closes, or aborts: the call
+  ends in "closed by another thread" or the abort's error, not a timeout of the healthy pair (before, the close
+  freed nothing until the call's own timeout failed the transport);
+* several threads close and abort one connection at once while calls run: nothing is torn down twice.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from test_pp_chain import specs
+
+TIMEOUT = 20.0
+JOIN_S = 60.0
+
+
+def _run(fn, box: list) -> threading.Thread:
+    def body():
+        try:
+            box.append(("ok", fn()))
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            box.append((type(exc).__name__, str(exc)))
+    th = threading.Thread(target=body, daemon=True)
+    th.start()
+    return th
+
+
+def threads_session(rank: int, world: int, init_method: str, platform_name: str) -> dict:
+    os.environ["GPUXFER_PLATFORM"] = platform_name
+    import torch
+    import torch.distributed as dist
+
+    from gpuxfer.platforms import get_platform
+    from gpuxfer.pp import connect
+    from gpuxfer.pp.launch import init_cpu_group
+    init_cpu_group(rank, world, init_method)
+    plat = get_platform(platform_name)
+    device = rank % plat.device_count()
+    dev = torch.device("cpu") if plat.is_emulation else torch.device("cuda", device)
+    if not plat.is_emulation:
+        torch.cuda.set_device(device)
+    out = {}
+
+    def conn(**kw):
+        return connect(send_to=1 if rank == 0 else None, recv_from=0 if rank else None, specs=specs(),
+                       backend="copy_engine", platform=plat, device=device, timeout_s=TIMEOUT, **kw)
+
+    def step(value: float) -> dict:
+        return {"hidden": torch.full((5, 40), value, dtype=torch.bfloat16, device=dev),
+                "pos": torch.full((5,), int(value), dtype=torch.int64, device=dev),
+                "residual": torch.full((5, 40), value, dtype=torch.float32, device=dev)}
+
+    try:
+        # A. two threads send on one sender: 2 x N steps, each whole
+        n = 40          # values t * 100 + i: exact in bfloat16
+        for inline in (1 << 20, 0):
+            c = conn(recv_slots=3, inline_bytes=inline)
+            if rank == 0:
+                boxes = [[], []]
+                ths = [_run(lambda t=t: [c.sender().send(step(t * 100 + i)) for i in range(n)], boxes[t])
+                       for t in (0, 1)]
+                for th in ths:
+                    th.join(JOIN_S)
+                    assert not th.is_alive(), "a sending thread did not finish"
+                out[f"A:{inline}:send"] = [b[0][0] for b in boxes]
+            else:
+                seen = []
+                for _ in range(2 * n):
+                    got = c.receiver().recv().tensors
+                    v = got["residual"].flatten()[0].item()
+                    whole = all(bool((t == t.flatten()[0]).all()) for t in got.values()) and \
+                        got["pos"][0].item() == int(v) and got["hidden"][0, 0].item() == v
+                    seen.append((v, whole))
+                c.synchronize(TIMEOUT)
+                out[f"A:{inline}:recv"] = seen
+            c.close()
+
+        # B. recv() waits for metadata that never comes; another thread closes the receiver
+        c = conn()
+        if rank == 1:
+            box = []
+            th = _run(lambda: c.receiver().recv().tensors, box)
+            time.sleep(0.5)
+            c.close()
+            th.join(JOIN_S)
+            assert not th.is_alive(), "recv() still waits after close()"
+            out["B"] = box[0]
+        dist.barrier()
+        c.close()
+
+        # C. a sender blocked by back-pressure; another thread closes (C) or aborts (C2) it
+        for how in ("close", "abort"):
+            c = conn(recv_slots=2)
+            if rank == 0:
+                box = []
+                th = _run(lambda: [c.sender().send(step(i)) for i in range(50)], box)
+                time.sleep(1.0)
+                getattr(c, how)()
+                th.join(JOIN_S)
+                assert not th.is_alive(), f"send() still waits after {how}()"
+                out[f"C:{how}"] = box[0]
+            dist.barrier()
+            c.close()
+
+        # D. several threads close and abort one connection while calls run on it
+        c = conn(recv_slots=2)
+        box = []
+        if rank == 0:
+            work = _run(lambda: [c.sender().send(step(i)) for i in range(10 ** 6)], box)
+        else:
+            work = _run(lambda: [c.receiver().recv().tensors for _ in range(10 ** 6)], box)
+        time.sleep(0.5)
+        enders = [_run(getattr(c, how), []) for how in ("close", "abort", "close", "abort")]
+        for th in enders + [work]:
+            th.join(JOIN_S)
+            assert not th.is_alive(), "a call or a teardown did not return"
+        out["D"] = box[0][0]
+        assert all(t.closed for t in c.transports)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+        plat.close()
+    return out
+
+
+def test_calls_from_several_threads(spawner, platform_name):
+    sender, receiver = spawner.run_ranks(threads_session, 2, platform_name, timeout=300)
+    for inline in (1 << 20, 0):
+        assert sender[f"A:{inline}:send"] == ["ok", "ok"]
+        seen = receiver[f"A:{inline}:recv"]
+        assert all(whole for _v, whole in seen), [s for s in seen if not s[1]]
+        assert sorted(v for v, _ in seen) == sorted(float(t * 100 + i) for t in (0, 1) for i in range(40))
+    kind, msg = receiver["B"]
+    assert kind == "GpuxferError" and "closed by another thread" in msg, receiver["B"]
+    kind, msg = sender["C:close"]
+    assert kind == "GpuxferError" and "closed by another thread" in msg, sender["C:close"]
+    kind, msg = sender["C:abort"]
+    assert kind == "GpuxferError" and "aborted" in msg, sender["C:abort"]
+    assert sender["D"] in ("GpuxferError", "BadInput", "PeerLost", "TransferTimeout")
+    assert receiver["D"] in ("GpuxferError", "BadInput", "PeerLost", "TransferTimeout")
