@@ -38,6 +38,7 @@ _REFUSALS = {
     6: "a tensor is larger than its slot (the setup spec's largest shape)",
     7: "a tensor has too many dimensions",
     8: "a tensor is a lazily conjugated or negated view",
+    9: "a tensor is not a dense (strided) tensor",
 }
 
 
@@ -231,12 +232,15 @@ class SpecTable:
         if len(tensors) != len(self._fast):
             return None
         Tensor, shapes = self._tensor, []
-        for name, dtype, cplx in self._fast:
-            t = tensors.get(name)
-            if (not isinstance(t, Tensor) or t.dtype is not dtype or t.get_device() != index
-                    or not t.is_contiguous() or t.is_neg() or (cplx and t.is_conj())):
-                return None      # (only complex tensors carry a lazy conjugation)
-            shapes.append(t.shape)   # a torch.Size: equal to (and hashed as) the tuple of its dimensions
+        try:
+            for name, dtype, cplx in self._fast:
+                t = tensors.get(name)
+                if (not isinstance(t, Tensor) or t.dtype is not dtype or t.get_device() != index
+                        or not t.is_contiguous() or t.is_neg() or (cplx and t.is_conj())):
+                    return None      # (only complex tensors carry a lazy conjugation)
+                shapes.append(t.shape)   # a torch.Size: equal to (and hashed as) the tuple of its dimensions
+        except RuntimeError:         # a tensor without strides (sparse CSR, nested): check_tensors refuses it
+            return None
         return self._layouts.get(tuple(shapes))
 
     def check_tensors(self, tensors, device) -> tuple[tuple[int, ...], ...]:
@@ -254,6 +258,9 @@ class SpecTable:
             t = tensors[name]
             if not isinstance(t, torch.Tensor):
                 raise Refusal(1, i, f"{name!r} is a {type(t).__name__}, not a torch tensor")
+            if t.layout is not torch.strided or t.is_nested:     # sparse, mkldnn, nested: no plain bytes
+                raise Refusal(9, i, f"{name!r} is a {'nested' if t.is_nested else t.layout} tensor; pass a "
+                                     f"dense (strided) one")
             if t.dtype != self.dtypes[i]:
                 raise Refusal(3, i, f"{name!r} has dtype {t.dtype}, the setup spec says {self.dtypes[i]}")
             if t.device != device:

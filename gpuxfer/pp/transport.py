@@ -510,6 +510,11 @@ class Transport(abc.ABC):
         ``on_timeout="exit"`` it then logs every transport's state and ends the process. Safe from
         any thread; idempotent.
         """
+        if not isinstance(err, GpuxferError):      # (a library's own error: typed, the original its cause)
+            cause = err
+            err = GpuxferError(f"rank {self.rank}: the {self.name} {self.role} end with rank {self.peer} broke: "
+                               f"{type(cause).__name__}: {cause}")
+            err.__cause__ = cause
         with self._fail_lock:
             first = self._error is None
             if first:

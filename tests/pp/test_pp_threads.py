@@ -149,3 +149,83 @@ def test_calls_from_several_threads(spawner, platform_name):
     assert kind == "GpuxferError" and "aborted" in msg, sender["C:abort"]
     assert sender["D"] in ("GpuxferError", "BadInput", "PeerLost", "TransferTimeout")
     assert receiver["D"] in ("GpuxferError", "BadInput", "PeerLost", "TransferTimeout")
+
+
+# --------------------------------------------------------------------------- one process
+
+
+def _lone_sender(fail_with=None):
+    """A send end over no peer (metadata off): its step hook runs ``fail_with`` or does nothing."""
+    import torch
+
+    from gpuxfer.platforms import get_platform
+    from gpuxfer.pp.spec import SpecTable
+    from gpuxfer.pp.transport import Transport
+
+    class Lone(Transport):
+        name = "lone"
+
+        def _send_impl(self, step, tensors, layout):
+            if fail_with is not None:
+                raise fail_with
+
+        def _recv_impl(self, rcv): ...
+        def _materialize_impl(self, rcv): ...
+        def _watch(self, now, force=False): return None
+        def _drain(self, timeout_s): return True
+        def _close_mappings(self): ...
+        def _free(self): ...
+        def _allocated(self): return 0
+
+    plat = get_platform("host")
+    t = Lone(platform=plat, role="send", rank=0, peer=1, device=0, specs=SpecTable(specs()), timeout_s=5.0,
+             metadata=False, group=None, tag_base=0, torch_device=torch.device("cpu"))
+    t._state = "open"
+    return t, plat
+
+
+def test_a_library_error_that_breaks_a_transport_is_stored_typed():
+    """An error of torch or a driver binding inside a step breaks the end with a GpuxferError (the original
+    its cause), raised by that call and every later one (before: the RuntimeError itself, untyped)."""
+    from gpuxfer.errors import GpuxferError
+    from test_pp_badinput import good
+    t, plat = _lone_sender(RuntimeError("the driver said no"))
+    try:
+        for _ in range(2):
+            try:
+                t.send(good())
+            except GpuxferError as exc:
+                assert "RuntimeError: the driver said no" in str(exc)
+                assert isinstance(exc.__cause__, RuntimeError) or isinstance(t.error.__cause__, RuntimeError)
+            else:
+                raise AssertionError("send() did not raise")
+        assert isinstance(t.error, GpuxferError) and t.step == 0
+    finally:
+        t.abort()
+        plat.close()
+
+
+def test_a_call_waiting_for_the_call_lock_is_bounded():
+    """A call that cannot get the lock within timeout_s (another thread's call holds it) raises
+    TransferTimeout and breaks nothing."""
+    from gpuxfer.errors import TransferTimeout
+    from test_pp_badinput import good
+    t, plat = _lone_sender()
+    t.timeout_s = 0.2
+    try:
+        assert t._call_lock.acquire()
+        try:
+            try:
+                t.send(good())
+            except TransferTimeout as exc:
+                assert "another thread" in str(exc)
+            else:
+                raise AssertionError("send() did not wait for the lock")
+        finally:
+            t._call_lock.release()
+        assert t.error is None
+        t.send(good())
+        assert t.step == 1
+    finally:
+        t.close()
+        plat.close()
