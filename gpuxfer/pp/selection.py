@@ -41,6 +41,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import logging
+import operator
 import os
 import secrets
 import socket
@@ -48,7 +49,7 @@ from typing import Iterable, Mapping
 
 from .. import config
 from ..errors import BackendUnavailable, BadInput, SetupFailed
-from .options import ConnectOptions
+from .options import MAX_RECV_SLOTS, ConnectOptions
 from .setup import discard, reason, setup_mailboxes, setup_nccl, setup_pair_groups, setup_peer_memory
 from .channel import PairSignals
 from .spec import SpecTable
@@ -204,12 +205,19 @@ class Connection:
 # --------------------------------------------------------------------------- helpers
 
 
+def _rank(r) -> int:
+    if isinstance(r, bool):
+        raise TypeError
+    return operator.index(r)
+
+
 def _ranks(x) -> tuple[int, ...]:
     if x is None:
         return ()
-    if isinstance(x, int):
-        return (x,)
-    out = tuple(int(r) for r in x)
+    try:
+        out = (_rank(x),) if not isinstance(x, Iterable) else tuple(_rank(r) for r in x)
+    except TypeError:
+        raise BadInput(f"peer ranks must be integers (one, or an iterable of them), got {x!r}") from None
     if len(set(out)) != len(out):
         raise BadInput(f"duplicate peer ranks in {out}")
     return out
@@ -256,18 +264,55 @@ def _cpu_group(group):
     return group
 
 
+_KINDS = {"rank": int, "err": (str, type(None)), "host": str, "pid": int, "counter": int, "nonce": int,
+          "obj": dict, "made": dict, "opened": dict}     # what each key of an exchanged object holds
+
+
+def _malformed(o, keys) -> str | None:
+    """Why an exchanged object ``o`` is not a dict holding ``keys`` (and "rank") of their kinds, or None."""
+    if type(o) is not dict:
+        return f"a {type(o).__name__}, not a dict"
+    for key in ("rank", *keys):
+        if key not in o or not isinstance(o[key], _KINDS[key]) or isinstance(o[key], bool):
+            return f"{key!r} is {o.get(key, 'missing')!r:.60}"
+    return None
+
+
+def _info_problem(i: dict) -> str | None:
+    """What is wrong with a rank's setup facts (it passed its own checks: another version of gpuxfer, or a
+    forged object), or None."""
+    def ints(v) -> bool:
+        return type(v) is tuple and all(type(r) is int for r in v)
+    try:
+        resolve_timeout(i["timeout"])
+        resolve_on_timeout(i["on_timeout"])
+        ok = (type(i["platform"]) is str and type(i["device"]) is int and type(i["backend"]) is str
+              and ints(i["sends"]) and ints(i["recvs"]) and type(i["metadata"]) is bool
+              and type(i["slots"]) is int and 2 <= i["slots"] <= MAX_RECV_SLOTS
+              and all(d is None or type(d) is tuple for d in (i["sdig"], i["rdig"]))
+              and (i["zero_sm"] is None or type(i["zero_sm"]) is str))
+    except (KeyError, TypeError, BadInput) as exc:
+        return f"malformed setup facts ({type(exc).__name__}: {exc})"
+    return None if ok else "malformed setup facts"
+
+
 class _Exchange:
     """all_gather_object over the CPU group, indexed by global rank; a rank that died or left mid-way
-    (gloo's RuntimeError) becomes :class:`SetupFailed`."""
+    (gloo's RuntimeError) becomes :class:`SetupFailed`, and so does an object of a rank that is not what
+    every rank sends in that round (another version of gpuxfer, or a forged one): the same verdict on every
+    rank, since every rank reads the same objects."""
 
     def __init__(self, group):
         import torch.distributed as dist
         self.dist, self.group = dist, group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank()
+        self.ranks = set(dist.get_process_group_ranks(group)) if group is not dist.group.WORLD else \
+            set(range(self.size))
         self.round = 0
 
-    def __call__(self, obj) -> dict[int, dict]:
+    def __call__(self, obj, keys: tuple = ()) -> dict[int, dict]:
+        """Every rank's ``obj`` by rank; each must hold ``keys`` (the same on every rank) of their kinds."""
         out = [None] * self.size
         self.round += 1
         try:
@@ -275,7 +320,16 @@ class _Exchange:
         except RuntimeError as exc:
             raise SetupFailed(f"rank {self.rank}: pp connect: exchange {self.round} over the CPU group failed: "
                               f"a rank of the group died or left connect() ({exc})") from exc
-        return {o["rank"]: o for o in out}
+        for i, o in enumerate(out):
+            why = _malformed(o, keys)
+            if why is not None:
+                raise SetupFailed(f"rank {self.rank}: pp connect: exchange {self.round}: the object of the "
+                                  f"group's rank {i} is malformed: {why}")
+        got = {o["rank"]: o for o in out}
+        if got.keys() != self.ranks:
+            raise SetupFailed(f"rank {self.rank}: pp connect: exchange {self.round}: the objects name ranks "
+                              f"{sorted(got)}, the group holds {sorted(self.ranks)}")
+        return got
 
 
 # --------------------------------------------------------------------------- connect
@@ -369,10 +423,11 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
                     zero_sm=next((b for b in ZERO_SM if backend_class(b).platform_reason(plat) is None), None))
     except Exception as exc:  # noqa: BLE001 - exchanged, raised on every rank
         info["err"] = reason(exc)
-    infos = exchange(info)
+    infos = exchange(info, ("err", "host", "pid", "counter", "nonce"))
 
     # ---- the same verdict everywhere ----
     problems: dict[int, str] = {r: i["err"] for r, i in infos.items() if i["err"]}
+    problems.update({r: why for r, i in infos.items() if not i["err"] and (why := _info_problem(i))})
     if not problems:
         wanted = {i["backend"] for i in infos.values()}
         if len(wanted) > 1:

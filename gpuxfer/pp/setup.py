@@ -58,7 +58,7 @@ def setup_mailboxes(exchange, infos, ends, tag_of, nonce: int, rank: int, mode: 
                     made[pair] = None
                 except Exception as exc:  # noqa: BLE001 - the pair keeps the CPU group
                     made[pair] = reason(exc)
-        seen = exchange({"rank": rank, "made": made})
+        seen = exchange({"rank": rank, "made": made}, ("made",))
         for t in ends:
             pair = (rank, t.peer)
             if t.role == "send" and eligible(t) and pair in seen[t.peer]["made"]:
@@ -69,7 +69,7 @@ def setup_mailboxes(exchange, infos, ends, tag_of, nonce: int, rank: int, mode: 
                     opened[pair] = None
                 except Exception as exc:  # noqa: BLE001
                     opened[pair] = reason(exc)
-        got = exchange({"rank": rank, "opened": opened})
+        got = exchange({"rank": rank, "opened": opened}, ("opened",))
     except SetupFailed:
         for t in ends:    # a receiver that died after creating its box left it: the surviving sender unlinks
             if t.role == "send" and eligible(t):
@@ -116,7 +116,7 @@ def setup_peer_memory(name, cls, exchange, infos, my_pairs, common, tag_of, nonc
             except Exception as exc:  # noqa: BLE001 - exchanged below
                 err = reason(exc)
         try:
-            got = exchange({"rank": rank, "err": err, "obj": obj})
+            got = exchange({"rank": rank, "err": err, "obj": obj}, ("err", "obj"))
         except SetupFailed:
             discard(ends)
             raise
@@ -289,7 +289,7 @@ def setup_nccl(exchange, infos, my_pairs, common, tag_of, plat, group, device_gr
     from .nccl import NcclTransport
     rank = common["rank"]
     why = unavailable or nccl_same_device(infos, my_pairs, plat.collective_backend != "nccl")
-    got = exchange({"rank": rank, "err": why})
+    got = exchange({"rank": rank, "err": why}, ("err",))
     failed = {r: g["err"] for r, g in got.items() if g["err"]}
     if failed:
         raise BackendUnavailable(NcclTransport.name, failed)
@@ -306,7 +306,7 @@ def setup_nccl(exchange, infos, my_pairs, common, tag_of, plat, group, device_gr
     except Exception as exc:  # noqa: BLE001
         err = reason(exc)
     try:
-        got = exchange({"rank": rank, "err": err})
+        got = exchange({"rank": rank, "err": err}, ("err",))
     except SetupFailed:
         discard(ends)
         raise
