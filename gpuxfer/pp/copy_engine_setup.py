@@ -195,14 +195,19 @@ class _CopyEngineSetup:
         Every peer has opened this end's handles by now: a platform whose exports are names in a
         namespace (the host emulation's shared memory) drops the names here, so nothing outlives
         the processes even if they are all killed."""
+        self._unpublish()
+        return dict(self._link.probe_send(nonce), give_back=self.role == "recv" and self._give_back is not None)
+
+    def _unpublish(self) -> None:
+        """Drop the names of what this end exported (a namespace's names: the host emulation's shared memory;
+        the mappings stay): at the probe, once the peer opened them, or after a failed setup."""
         unpublish = getattr(self.platform, "unpublish", None)
         if unpublish is not None:
             for buf in (self._flags, self._data, self._staging):    # (staging: never exported at all)
-                if buf is not None:
+                if buf is not None and not buf.closed:
                     unpublish(buf)
         if self._give_back is not None:
             self._give_back.unlink()
-        return dict(self._link.probe_send(nonce), give_back=self.role == "recv" and self._give_back is not None)
 
     def setup_probe_check(self, peer_report: dict) -> dict:
         """Check the peer's probe writes arrived in local memory, and that a stream wait on it completes.

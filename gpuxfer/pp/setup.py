@@ -244,9 +244,11 @@ def setup_pair_groups(ends, tag_of, nonce: int, rank: int) -> None:
 
 
 def discard(ends) -> None:
-    """After a failed collective setup: release and free what no peer maps (as abort does)."""
+    """After a failed collective setup: drop the names of what was exported (no peer opens them now), release
+    and free what no peer maps (as abort does)."""
     for t in ends:
         try:
+            t._unpublish()
             t._release_waits()
             t._close_mappings()
             t._free_local()

@@ -510,7 +510,7 @@ class Transport(abc.ABC):
         ``on_timeout="exit"`` it then logs every transport's state and ends the process. Safe from
         any thread; idempotent.
         """
-        if not isinstance(err, GpuxferError):      # (a library's own error: typed, the original its cause)
+        if not isinstance(err, GpuxferError):      # a library's error: typed, the original its cause
             cause = err
             err = GpuxferError(f"rank {self.rank}: the {self.name} {self.role} end with rank {self.peer} broke: "
                                f"{type(cause).__name__}: {cause}")
@@ -593,6 +593,9 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def _free(self) -> None: ...
+
+    def _unpublish(self) -> None:
+        """Drop the names of what this end exported, where exports are names (after a failed setup)."""
 
     def _free_local(self) -> None:
         """Free what no peer has mapped (abort); default: everything (nothing is exported)."""

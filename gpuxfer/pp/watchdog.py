@@ -15,7 +15,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -42,7 +41,10 @@ class _Watchdog:
     IDLE_S = 0.2
 
     def __init__(self):
-        self._transports: "weakref.WeakSet[Transport]" = weakref.WeakSet()
+        # held until closed or aborted: a transport its caller dropped unclosed is still watched, so a wait it
+        # queued on the caller's stream is still released at its timeout (else it could block that stream
+        # for good)
+        self._transports: "set[Transport]" = set()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -76,6 +78,7 @@ class _Watchdog:
         released = 0.0
         while not self._stop.is_set():
             with self._lock:
+                self._transports -= {t for t in self._transports if t._state in ("closed", "aborted")}
                 live = [t for t in self._transports
                         if t._state == "open" and (t._error is None or t.watch_after_error)]
                 failed = [t for t in self._transports if t._state == "open" and t._error is not None

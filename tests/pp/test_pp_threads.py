@@ -229,3 +229,32 @@ def test_a_call_waiting_for_the_call_lock_is_bounded():
     finally:
         t.close()
         plat.close()
+
+
+def test_a_transport_dropped_unclosed_is_still_watched():
+    """A transport its caller dropped without close() still has its stuck waits failed and released at the
+    timeout (on a GPU such a wait sits on the caller's stream, which nothing else would release); before, the
+    watchdog forgot it when it was garbage-collected."""
+    import gc
+    import types
+
+    from gpuxfer.pp.watchdog import WATCHDOG
+    released = threading.Event()
+    t, plat = _lone_sender()
+    t.timeout_s = 0.2
+    t._release_waits = released.set
+    t._wd.append((1, 0, time.monotonic(), 1))       # a wait for a flag that never comes
+
+    def watch(self, now, force=False):
+        return RuntimeError("a stuck wait") if now - self._wd[0][2] > self.timeout_s else None
+    t._watch = types.MethodType(watch, t)
+    WATCHDOG.register(t)
+    ident = id(t)
+    del t
+    gc.collect()
+    try:
+        assert released.wait(30), "the dropped transport's wait was never released"
+    finally:
+        for t in [t for t in WATCHDOG.open_transports() if id(t) == ident]:
+            t.close()
+        plat.close()
