@@ -350,7 +350,9 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
     dtype); both ends of a pair must agree. ``group``: a gloo group (default:
     the world group, which must then be gloo-capable). The settings -- ``device``: this rank's
     device (default ``$LOCAL_RANK`` or the rank, modulo the device count).
-    ``metadata=False``: shapes do not travel; receivers pass ``recv(shapes=...)``.
+    ``metadata=False``: shapes do not travel; receivers pass ``recv(shapes=...)``, which must be the
+    shapes the sender sent in that step: nothing checks that they are (the receiver reads the slot by
+    its own layout).
     ``device_group``: the NCCL group for the nccl backend (default: ``group``
     on the host emulation or if it is NCCL-capable, else a new NCCL group over
     ``group``'s ranks -- which needs every process of the default group to call

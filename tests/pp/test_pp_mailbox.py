@@ -122,7 +122,7 @@ class _FakeExchange:
         self.barrier = threading.Barrier(2, timeout=10)
         self.slots = {}
 
-    def __call__(self, obj):
+    def __call__(self, obj, keys=()):
         self.slots[obj["rank"]] = obj
         self.barrier.wait()
         out = dict(self.slots)
