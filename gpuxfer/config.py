@@ -69,9 +69,10 @@ def integer(low: int = 1, high: int | None = None) -> Parser:
     return Parser(f"integer >= {low}" if high is None else f"integer in [{low}, {high}]", parse)
 
 
-#: the longest wait any ``*_TIMEOUT_S`` may ask for (about 11.6 days): longer ones overflow the clocks and
-#: deadlines every wait goes through (``threading``'s, gloo's ``timedelta``, ``time_t``) instead of waiting
-MAX_SECONDS = 1e6
+#: the longest wait any ``*_TIMEOUT_S`` may ask for (one week): a longer one is a mistake (every wait is
+#: bounded), and past about 1e9 s the clocks and deadlines waits go through (``threading``'s, gloo's
+#: ``timedelta``, ``time_t``) overflow instead of waiting
+MAX_SECONDS = 7 * 24 * 3600.0
 
 
 def _seconds(raw: str) -> float:
