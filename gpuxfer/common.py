@@ -10,6 +10,7 @@ import os
 import platform as _pyplatform
 import re
 import socket
+import stat
 import time
 
 from . import __version__
@@ -60,6 +61,38 @@ def unlink_shm(name: str) -> None:
         pass
 
 
+_PROCESS_NAMESPACE: dict[int, str | None] = {}      # pid -> its namespace (a forked child reads its own)
+
+
+def process_namespace() -> str | None:
+    """Which PID space this process's pid counts in: the boot (``/proc/sys/kernel/random/boot_id``) and the PID
+    namespace (``/proc/self/ns/pid``'s device and inode), as text; ``None`` where ``/proc`` does not say. Two
+    processes with the same pid are the same process only if this is the same too (two containers sharing
+    IPC but not PIDs each have a pid 1)."""
+    pid = os.getpid()
+    if pid not in _PROCESS_NAMESPACE:
+        try:
+            st = os.stat("/proc/self/ns/pid")
+        except OSError:
+            _PROCESS_NAMESPACE[pid] = None
+        else:
+            try:
+                with open("/proc/sys/kernel/random/boot_id") as f:
+                    boot = f.read().strip()
+            except OSError:
+                boot = ""
+            _PROCESS_NAMESPACE[pid] = f"{boot}/{st.st_dev}:{st.st_ino}"
+    return _PROCESS_NAMESPACE[pid]
+
+
+def exported_here(owner_pid: int, owner_namespace: str | None) -> bool:
+    """Whether the process that exported an IPC handle (its pid and :func:`process_namespace`; ``None``: not
+    said) is this one: the same pid counted in the same PID namespace."""
+    if owner_pid != os.getpid():
+        return False
+    return owner_namespace is None or owner_namespace == process_namespace()
+
+
 def _pid_exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -79,9 +112,9 @@ SHM_ORPHAN_AGE_S = 3600
 def sweep_shm_orphans(pattern: re.Pattern, what: str, shm_dir: str = "/dev/shm") -> list[str]:
     """Unlink the shared-memory segments left by processes that no longer exist (killed between creating
     a segment and unlinking it): names in ``shm_dir`` that ``pattern`` matches whole, whose group 1 is the
-    creator's pid in hex, owned by this user, at least :data:`SHM_ORPHAN_AGE_S` old, whose creator is gone
+    creator's pid in hex, regular files (a symbolic link is never followed nor removed) owned by this user, at least :data:`SHM_ORPHAN_AGE_S` old, whose creator is gone
     (``kill(pid, 0)`` finds no process). Returns the names removed (logged as ``what`` segments). Best
-    effort: a directory that cannot be read removes nothing."""
+    effort: a directory that cannot be read removes nothing, a name that cannot be unlinked is skipped."""
     try:
         entries = os.listdir(shm_dir)
     except OSError:
@@ -95,12 +128,16 @@ def sweep_shm_orphans(pattern: re.Pattern, what: str, shm_dir: str = "/dev/shm")
         if pid <= 0 or pid == me or _pid_exists(pid):
             continue
         try:
-            st = os.stat(os.path.join(shm_dir, entry))
+            st = os.lstat(os.path.join(shm_dir, entry))     # a link is judged as itself, never followed
         except OSError:
             continue
-        if st.st_uid != uid or time.time() - st.st_mtime < SHM_ORPHAN_AGE_S:
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid != uid
+                or time.time() - st.st_mtime < SHM_ORPHAN_AGE_S):
             continue
-        unlink_shm("/" + entry)
+        try:
+            unlink_shm("/" + entry)
+        except OSError:                     # another user's (sticky /dev/shm), or gone meanwhile: not ours
+            continue
         removed.append(entry)
     if removed:
         logging.getLogger("gpuxfer").info("removed %d %s segment(s) left by processes gone: %s", len(removed),

@@ -1,11 +1,13 @@
 """The helpers the three benchmarks share: size parsing and the versions a run reports."""
 from __future__ import annotations
 
+import os
+import time
 
 import pytest
 from _orphans import backdate, gone_pid
 
-from gpuxfer.common import parse_size, run_versions
+from gpuxfer.common import SHM_ORPHAN_AGE_S, parse_size, run_versions
 from gpuxfer.errors import BadInput
 
 
@@ -91,3 +93,35 @@ def test_sweep_leaves_a_fresh_segment_whose_pid_is_not_seen_here(tmp_path):
     assert sweep_shm_orphans(_NAME, "give-back", str(tmp_path)) == []
     backdate(seg)
     assert sweep_shm_orphans(_NAME, "give-back", str(tmp_path)) == [seg.name]
+
+
+def test_sweep_never_follows_nor_removes_a_link(tmp_path):
+    """A name of a swept pattern that is a symbolic link (any local user can plant one in /dev/shm) is judged as
+    the link itself: never followed to an old file of ours, never removed."""
+    from gpuxfer.common import sweep_shm_orphans
+    from gpuxfer.pp.hostwords import _NAME, PREFIX
+
+    target = tmp_path / "target"
+    target.touch()
+    backdate(target)
+    link = tmp_path / f"{PREFIX}{gone_pid():x}-{'3' * 12}"
+    link.symlink_to(target)
+    old = time.time() - SHM_ORPHAN_AGE_S - 60
+    os.utime(link, (old, old), follow_symlinks=False)
+    assert sweep_shm_orphans(_NAME, "give-back", str(tmp_path)) == []
+    assert link.is_symlink() and target.exists()
+
+
+def test_sweep_skips_a_name_it_may_not_unlink(tmp_path, monkeypatch):
+    """A segment the sweep may not unlink (another user's in the sticky /dev/shm) is skipped, never raised."""
+    import gpuxfer.common as common
+    from gpuxfer.pp.hostwords import _NAME, PREFIX
+
+    refused = tmp_path / f"{PREFIX}{gone_pid():x}-{'4' * 12}"
+    refused.touch()
+    backdate(refused)
+
+    def unlink(name):
+        raise PermissionError(13, "Permission denied", name)
+    monkeypatch.setattr(common, "unlink_shm", unlink)
+    assert common.sweep_shm_orphans(_NAME, "give-back", str(tmp_path)) == []

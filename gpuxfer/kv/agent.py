@@ -82,7 +82,6 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
-import json
 import logging
 import os
 import socket
@@ -90,6 +89,7 @@ import threading
 import uuid
 from typing import Any, Mapping, Sequence
 
+from ..common import process_namespace
 from ..errors import (BackendUnavailable, BadInput, BadMetadata, BlockIdError, LayoutMismatch, NotRegistered,
                       TransferTimeout)
 from ..flaglink import FlagWords
@@ -99,7 +99,7 @@ from .engine_choice import peer_engine
 from .engines.base import FailsOnTimeout, on_timeout_from_env
 from .layers import _MAX_NAME, KVLayer, KVLayerSpec, KVPiece, describe_layer, layout_groups, _torch
 from . import nixl_route
-from .metadata import _HEADER, METADATA_MAGIC, METADATA_VERSION, decode_metadata
+from .metadata import METADATA_VERSION, decode_metadata, encode_metadata
 from .peers import _LEAKED, _LOCAL_AGENTS, KVPeer, _Group
 from .plan import DIRECTIONS
 from .posting import _PostResources
@@ -303,7 +303,8 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
         self._check_open()
         ctrl = self.flags.export()
         body = {
-            "agent": self.name, "uid": self.uid, "pid": os.getpid(), "host": socket.gethostname() or "unknown",
+            "agent": self.name, "uid": self.uid, "pid": os.getpid(), "namespace": process_namespace(),
+            "host": socket.gethostname() or "unknown",
             "platform": self.platform.name, "device": self.device,
             "control": {"payload": ctrl.payload.hex(), "nbytes": ctrl.nbytes, "device": ctrl.device},
             "staging": None if self.staging is None else dict(
@@ -316,8 +317,7 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
         }
         if self.nixl is not None:
             body["nixl"] = self.nixl.metadata()
-        raw = json.dumps(body, separators=(",", ":")).encode()
-        return _HEADER.pack(METADATA_MAGIC, METADATA_VERSION, 0, len(raw)) + raw
+        return encode_metadata(body)
 
     @staticmethod
     def _handle_meta(h: IpcHandle) -> dict:
@@ -345,30 +345,34 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
             raise LayoutMismatch(f"peer {meta.agent!r} has {meta.slot_bytes}-byte staging slots, agent "
                                  f"{self.name!r} {self.slot_bytes}-byte ones: the pack engine needs equal slot_bytes")
         peer = KVPeer(self, meta)
-        try:
+        try:        # the peer is the agent's only once every step that can fail is behind it
             peer.engine = peer_engine(self.engine, self.auto_engine, peer.name, peer.addressable)
+            if self.engine == "pack":
+                peer.flags.probe_one_sided(self.timeout_s)
+            routes = self._warm(peer)
+            with self._lock:
+                if meta.agent in self._peers:
+                    raise BadInput(f"peer {meta.agent!r} is already added (remove_peer first)")
+                self._peers[meta.agent] = peer
+                self._routes.update(routes)
         except BaseException:
             peer.close()
             raise
-        with self._lock:
-            self._peers[meta.agent] = peer
-        if self.engine == "pack":
-            peer.flags.probe_one_sided(self.timeout_s)
-        self._warm(peer)
         return peer
 
-    def _warm(self, peer: KVPeer) -> None:
-        """Build the routes of whole requests (every shared group, every layer) in both directions now, so a
-        request's setup finds them; a layout the peer does not match raises when a request names it."""
+    def _warm(self, peer: KVPeer) -> dict:
+        """The routes of whole requests (every shared group, every layer) in both directions, built now so a
+        request's setup finds them: ``{route key: route}``; a layout the peer does not match raises when a
+        request names it."""
         from ..kernels import blocks, launch  # noqa: F401 - loaded here, not in the first request's setup
         shared = tuple(g for g in self._groups if g in peer.groups)
-        if not shared:
-            return
-        for op in DIRECTIONS:
+        routes = {}
+        for op in DIRECTIONS if shared else ():
             try:
-                self._route(peer, op, None, shared)
+                routes[(peer, op, None, shared)] = self._build_route(peer, op, None, shared)
             except (LayoutMismatch, BadInput) as exc:
                 log.debug("agent %s: no %s route with peer %s yet: %s", self.name, op, peer.name, exc)
+        return routes
 
     def remove_peer(self, peer: "KVPeer | str") -> None:
         """Forget a peer, then close its mappings and its flag link once every transfer posted with it

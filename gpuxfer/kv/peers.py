@@ -4,15 +4,17 @@ here (or, in this process, used as they are), its flag words reached over a flag
 of this process, and what a close kept alive for queued work still touching it."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import BadMetadata
+from ..common import process_namespace
+from ..errors import BadInput, BadMetadata
 from ..flaglink import FlagLink
-from ..platforms.base import Closable, Event, Stream
+from ..platforms.base import Closable, Event, IpcHandle, Stream
 from .control import AGENT_WORDS, NOTIFY, NOTIFY_SLOTS
 from .layers import KVLayer
 from .metadata import PeerMetadata
@@ -41,6 +43,45 @@ class _Group:
         return min(lay.num_blocks for lay in self.layers)
 
 
+def _registered(local: "KVAgent", meta: PeerMetadata) -> list:
+    """``[(group of meta, its layers as agent local registered them)]``, for a peer in this process: its metadata
+    must say exactly what that agent holds -- its allocations, flag words and staging, every layer of every group
+    it lists (offsets, extents, strides, pieces) -- since the agent's own memory is used, as a remote peer's
+    metadata must fit the mappings of its handles. Anything else is :class:`BadMetadata`."""
+    def differs(what: str) -> BadMetadata:
+        return BadMetadata(f"peer {meta.agent!r} names agent {local.name!r} of this process, but {what}")
+
+    with local._lock:
+        allocs, groups, refs = list(local._allocs), dict(local._groups), dict(local._layer_refs)
+        flags, staging = local.flags, local.staging
+    if meta.agent != local.name or meta.device != local.device:
+        raise differs(f"as {meta.agent!r} on device {meta.device}, not {local.name!r} on device {local.device}")
+    if flags is None or local.closed:
+        raise differs("that agent is closed")
+    if len(meta.allocations) > len(allocs):
+        raise differs(f"lists {len(meta.allocations)} allocations; it holds {len(allocs)}")
+    for i, (h, real) in enumerate(zip(meta.allocations, allocs)):
+        if (h.payload, h.nbytes, h.device) != (real.payload, real.nbytes, real.device):
+            raise differs(f"its allocation {i} is not that agent's")
+    ctrl = flags.export()
+    if (meta.control.payload, meta.control.nbytes) != (ctrl.payload, ctrl.nbytes):
+        raise differs("its flag words are not that agent's")
+    if (meta.staging is None) != (staging is None) or (staging is not None and (
+            meta.slot_bytes != local.slot_bytes or meta.staging.payload != staging.export().payload
+            or meta.staging.nbytes != staging.nbytes)):
+        raise differs("its staging is not that agent's")
+    out = []
+    for g in meta.groups:
+        real = groups.get(g.name)
+        if real is None or real.block_tokens != g.block_tokens or len(real.layers) != len(g.layers):
+            raise differs(f"its group {g.name!r} is not one that agent registered")
+        for (lay, a, off), rl in zip(g.layers, real.layers):
+            if dataclasses.replace(rl, ptr=0) != lay or refs.get((g.name, rl.name)) != (a, off):
+                raise differs(f"layer {lay.name!r} of its group {g.name!r} is not as that agent registered it")
+        out.append((g, list(real.layers)))
+    return out
+
+
 class KVPeer(Closable):
     """Another agent, added from its metadata: its caches mapped here (or, in this process, used as they are),
     and :attr:`flags`, the flag link to its words (the agent's words shared, stage words of the link's own).
@@ -63,33 +104,43 @@ class KVPeer(Closable):
         self.addressable = True             # whether this process can address the peer's caches (kernels)
         plat, dev = agent.platform, agent.device
         try:
-            local = _LOCAL_AGENTS.get(meta.uid) if meta.pid == os.getpid() else None
-            if meta.pid == os.getpid() and local is None:
+            here = meta.pid == os.getpid() and meta.namespace == process_namespace()
+            local = _LOCAL_AGENTS.get(meta.uid)
+            if local is not None and not here:
+                raise BadMetadata(f"peer {meta.agent!r} names agent {local.name!r} of this process but pid "
+                                  f"{meta.pid} of another process")
+            if here and local is None:
                 raise BadMetadata(f"peer {meta.agent!r} claims this process but is not a live agent here")
             self._local = local
             self.flags = FlagLink(plat, dev, AGENT_WORDS, rank=agent.rank, peer=meta.agent,
                                   name=f"agent {agent.name!r}", shared=agent.flags)
             self._owned.append(self.flags)
+            self.groups: dict[str, _Group] = {}
             if local is not None:
-                bases = list(local._alloc_bases)
+                for g, layers in _registered(local, meta):
+                    self.groups[g.name] = _Group(g.name, g.block_tokens, layers, [(a, off) for _, a, off in g.layers])
                 self.flags.open(local.flags)
                 self.staging_ptr = None if local.staging is None else local.staging.ptr
-            else:
-                bases = []
-                for h in meta.allocations:
-                    m = plat.open_handle(h, dev)
-                    self._mappings.append(m)
-                    self._check_claim(m.ptr, h.nbytes, "an allocation")
-                    bases.append(m.ptr)
-                    self.addressable = self.addressable and m.addressable
+                return
+            bases = []
+            for i, h in enumerate(meta.allocations):
+                m = self._open(h, f"allocation {i}")
+                self._mappings.append(m)
+                self._check_claim(m.ptr, h.nbytes, "an allocation")
+                bases.append(m.ptr)
+                self.addressable = self.addressable and m.addressable
+            try:
                 self.flags.open(meta.control)
-                self._check_claim(self.flags.peer_mem.ptr, meta.control.nbytes, "flag words")
-                if meta.staging is not None:
-                    st = plat.open_handle(meta.staging, dev)
-                    self._mappings.append(st)
-                    self._check_claim(st.ptr, meta.staging.nbytes, "staging")
-                    self.staging_ptr = st.ptr
-            self.groups: dict[str, _Group] = {}
+            except BadMetadata:
+                raise
+            except BadInput as exc:
+                raise BadMetadata(f"peer {meta.agent!r}: its flag words: {exc}") from None
+            self._check_claim(self.flags.peer_mem.ptr, meta.control.nbytes, "flag words")
+            if meta.staging is not None:
+                st = self._open(meta.staging, "its staging")
+                self._mappings.append(st)
+                self._check_claim(st.ptr, meta.staging.nbytes, "staging")
+                self.staging_ptr = st.ptr
             for g in meta.groups:
                 layers = [KVLayer(lay.name, lay.index, bases[a] + off, lay.num_blocks, lay.block_stride, lay.pieces,
                                   lay.extent, lay.token_major) for lay, a, off in g.layers]
@@ -97,6 +148,15 @@ class KVPeer(Closable):
         except BaseException:
             self._release()
             raise
+
+    def _open(self, handle: IpcHandle, what: str) -> Any:
+        """Map the peer's ``handle``; a handle the platform cannot use is bad metadata."""
+        try:
+            return self.agent.platform.open_handle(handle, self.agent.device)
+        except BadMetadata:
+            raise
+        except BadInput as exc:
+            raise BadMetadata(f"peer {self.meta.agent!r}: {what}: {exc}") from None
 
     def _check_claim(self, ptr: int, nbytes: int, what: str) -> None:
         """The mapping at ``ptr`` holds the ``nbytes`` the metadata claims, where the platform can tell."""

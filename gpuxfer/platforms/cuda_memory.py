@@ -9,6 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..common import exported_here, process_namespace
 from ..errors import BadInput, DriverError, GpuxferError, NotExportable
 from .base import DeviceBuffer, ExportedRange, IpcHandle, Memory, PeerMapping
 from .cuda_driver import CU_MEMORYTYPE_DEVICE, _cu, _cupy, _driver
@@ -96,7 +97,7 @@ class _CudaMemory:
             raise DriverError("cudaIpcGetMemHandle", "UNEXPECTED_HANDLE_SIZE", -1,
                               f"exporting an IPC handle of {buf!r}",
                               f"got {len(payload)} bytes, expected {IPC_HANDLE_BYTES}")
-        return IpcHandle(self.name, buf.device, buf.nbytes, payload, os.getpid())
+        return IpcHandle(self.name, buf.device, buf.nbytes, payload, os.getpid(), process_namespace())
 
     def allocation_range(self, ptr: int, device: int) -> tuple[int, int] | None:
         """``cuMemGetAddressRange``: the allocation (or IPC mapping) holding ``ptr``."""
@@ -158,7 +159,7 @@ class _CudaMemory:
         if len(payload) != IPC_HANDLE_BYTES:
             raise DriverError("cudaIpcGetMemHandle", "UNEXPECTED_HANDLE_SIZE", -1, f"exporting {what}",
                               f"got {len(payload)} bytes, expected {IPC_HANDLE_BYTES}")
-        return ExportedRange(IpcHandle(self.name, device, size, payload, os.getpid()), ptr - base)
+        return ExportedRange(IpcHandle(self.name, device, size, payload, os.getpid(), process_namespace()), ptr - base)
 
     def open_handle(self, handle: IpcHandle, device: int) -> PeerMapping:
         self._check_open()
@@ -167,7 +168,7 @@ class _CudaMemory:
             raise BadInput(f"not a CUDA IPC handle: {handle!r}")
         if len(handle.payload) != IPC_HANDLE_BYTES:
             raise BadInput(f"a CUDA IPC handle holds {IPC_HANDLE_BYTES} bytes, this one {len(handle.payload)}")
-        if handle.owner_pid == os.getpid():
+        if exported_here(handle.owner_pid, handle.owner_namespace):
             raise BadInput("cannot open an IPC handle in the process that exported it (CUDA refuses "
                            "cudaIpcOpenMemHandle there): use the DeviceBuffer itself")
         # A context opens an allocation's handle once: a second open of the same handle shares the

@@ -9,18 +9,23 @@ import ctypes
 import errno
 import logging
 import os
+import re
 import secrets
 from typing import Sequence
 
 import numpy as np
 
-from ..common import map_shm, unlink_shm
+from ..common import exported_here, map_shm, process_namespace, unlink_shm
 from ..errors import BadInput, DriverError, NotExportable
 from . import host_cma as cma
 from .base import DeviceBuffer, ExportedRange, IpcHandle, Memory, PeerMapping
 from .views import tensor_view_params
 
 log = logging.getLogger("gpuxfer.platforms.host")
+
+#: the names :meth:`_HostMemory.alloc` gives its segments (creator's pid in hex, a counter, a random tag): an IPC
+#: handle's payload is one of them, or it is refused
+_SEGMENT_NAME = re.compile(r"/gx[0-9a-f]{1,16}_[0-9]{1,20}_[0-9a-f]{8}")
 
 
 class _Shm:
@@ -53,6 +58,17 @@ class _Shm:
             # until the last one dies (the mmap object closes itself then).
             log.debug("shared memory %s still viewed by tensors; unmapped when they die", self.name)
         self.unlink()
+
+
+def _segment_name(handle: IpcHandle) -> str:
+    """The segment name an IPC handle's payload holds, checked (the bytes come from another process)."""
+    payload, n = handle.payload, handle.nbytes
+    if isinstance(payload, (bytes, bytearray)):
+        name = bytes(payload).decode("ascii", "replace")
+        if _SEGMENT_NAME.fullmatch(name) and isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return name
+    raise BadInput(f"not a host IPC handle of a positive size ({n!r} bytes) whose payload names a shared-memory "
+                   f"buffer this platform allocates: {payload!r:.80}")
 
 
 class _HostMemory:
@@ -125,7 +141,7 @@ class _HostMemory:
         if self._cma:
             self._cma.refuse(base, size, f"exporting {what}")
         payload = cma.encode_handle(os.getpid(), base, size)
-        return ExportedRange(IpcHandle(self.name, device, size, payload, os.getpid()), ptr - base)
+        return ExportedRange(IpcHandle(self.name, device, size, payload, os.getpid(), process_namespace()), ptr - base)
 
     def unpublish(self, buf: DeviceBuffer) -> None:
         """Drop the shared-memory name of ``buf`` once its peers have opened it (later opens fail;
@@ -139,19 +155,19 @@ class _HostMemory:
             raise BadInput(f"{buf!r} was not allocated by this host platform")
         if buf.closed:
             raise BadInput(f"cannot export {buf!r}: it is freed")
-        return IpcHandle(self.name, buf.device, buf.nbytes, buf.impl.name.encode(), os.getpid())
+        return IpcHandle(self.name, buf.device, buf.nbytes, buf.impl.name.encode(), os.getpid(), process_namespace())
 
     def open_handle(self, handle: IpcHandle, device: int) -> PeerMapping:
         self._check_open()
         device = self._check_device(device)
         if handle.platform != self.name:
             raise BadInput(f"a {handle.platform!r} IPC handle cannot be opened on the host platform")
-        if handle.owner_pid == os.getpid():
+        if exported_here(handle.owner_pid, handle.owner_namespace):
             raise BadInput("cannot open an IPC handle in the process that exported it (CUDA forbids it "
                            "too): use the DeviceBuffer itself")
         if cma.is_cma_payload(handle.payload):
             return self._open_cma(handle, device)
-        name = handle.payload.decode()
+        name = _segment_name(handle)
         try:
             shm = _Shm(name, handle.nbytes, create=False)
         except OSError as exc:

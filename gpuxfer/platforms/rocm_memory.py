@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..common import exported_here, process_namespace
 from ..errors import BadInput, DriverError, NotExportable
 from .base import DeviceBuffer, ExportedRange, IpcHandle, Memory, PeerMapping
 from .rocm_hip import (HIP_DEVICE_MALLOC_DEFAULT, HIP_DEVICE_MALLOC_UNCACHED, HIP_IPC_MEM_LAZY_ENABLE_PEER_ACCESS,
@@ -85,7 +86,7 @@ class _RocmMemory:
             raise BadInput(f"cannot export {buf!r}: it is freed")
         h = hip_first(self._api("hipIpcGetMemHandle", buf.ptr,
                                 doing=f"exporting an IPC handle of {buf.nbytes} B on device {buf.device}"))
-        return IpcHandle(self.name, buf.device, buf.nbytes, handle_bytes(h), os.getpid())
+        return IpcHandle(self.name, buf.device, buf.nbytes, handle_bytes(h), os.getpid(), process_namespace())
 
     def allocation_range(self, ptr: int, device: int) -> tuple[int, int] | None:
         """``hipMemGetAddressRange``: the allocation (or IPC mapping) holding ``ptr``."""
@@ -119,14 +120,14 @@ class _RocmMemory:
         except DriverError as exc:
             raise NotExportable(what, f"hipIpcGetMemHandle refused its allocation ({exc.status_name}): "
                                       "virtual-memory allocations cannot be exported this way") from exc
-        return ExportedRange(IpcHandle(self.name, device, size, handle_bytes(h), os.getpid()), ptr - base)
+        return ExportedRange(IpcHandle(self.name, device, size, handle_bytes(h), os.getpid(), process_namespace()), ptr - base)
 
     def open_handle(self, handle: IpcHandle, device: int) -> PeerMapping:
         self._check_open()
         device = self._check_device(device)
         if handle.platform != self.name:
             raise BadInput(f"a {handle.platform!r} IPC handle cannot be opened on ROCm")
-        if handle.owner_pid == os.getpid():
+        if exported_here(handle.owner_pid, handle.owner_namespace):
             raise BadInput("cannot open an IPC handle in the process that exported it (HIP returns "
                            "hipErrorInvalidContext): use the DeviceBuffer itself")
         # an allocation's handle is opened once per device: a second open shares the first mapping

@@ -53,7 +53,9 @@ class IpcHandle:
     """A picklable handle to a raw buffer, opened by another process.
 
     ``payload`` is the platform's raw handle (64 bytes for CUDA/HIP, a shared
-    memory name for the host emulation).
+    memory name for the host emulation). ``owner_pid`` and ``owner_namespace`` name the exporting process:
+    its pid and the PID namespace that pid counts in (:func:`gpuxfer.common.process_namespace`; ``None``:
+    not said, the pid alone names it).
     """
 
     platform: str
@@ -61,6 +63,7 @@ class IpcHandle:
     nbytes: int
     payload: bytes
     owner_pid: int
+    owner_namespace: str | None = None
 
 
 @dataclass(frozen=True)

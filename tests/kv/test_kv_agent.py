@@ -1681,12 +1681,13 @@ def test_cuda_notifications_in_order_and_close_releases_a_stuck_pack_post(spawne
 def test_a_peer_whose_flag_words_or_staging_are_smaller_than_claimed_is_refused(plat, pack_pair, monkeypatch):
     """Metadata claims sizes; where the platform can tell what a mapping really holds (CUDA: the address
     range of the IPC mapping), flag words or staging smaller than claimed are refused (the flag writes and
-    chunk copies would land past them), as allocations are. The peer's pid is forged to another process's so
-    the handles are opened as a remote peer's."""
+    chunk copies would land past them), as allocations are. The peer's pid and uid are forged to another
+    process's agent's so the handles are opened as a remote peer's."""
     import json
     pre, dec, a0, a1 = pack_pair
     body = json.loads(dec.metadata()[12:])
     body["pid"] += 1
+    body["uid"] = "f" * 32
     forged = _reblob(body)
     for name, claimed in (("flag words", body["control"]["nbytes"]), ("staging", body["staging"]["nbytes"])):
         real = plat.allocation_range
