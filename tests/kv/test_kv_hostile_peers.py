@@ -51,9 +51,23 @@ class Side:
         self.buf.close()
 
 
+def _sides(plat):
+    last = plat.device_count() - 1
+    return Side(plat, "prefill", 0, seed=1), Side(plat, "decode", min(1, last), seed=2)
+
+
 @pytest.fixture
 def sides(host):
-    pre, dec = Side(host, "prefill", 0, seed=1), Side(host, "decode", 1, seed=2)
+    pre, dec = _sides(host)
+    yield pre, dec
+    dec.close()
+    pre.close()
+
+
+@pytest.fixture
+def any_sides(platform):
+    """Both agents in this process on every platform present (CUDA: ``-m gpu``; one device is enough)."""
+    pre, dec = _sides(platform)
     yield pre, dec
     dec.close()
     pre.close()
@@ -94,11 +108,11 @@ FORGERIES = [_shift, _more_blocks, _wider_stride, _moved_piece, _extra_allocatio
 
 @pytest.mark.parametrize("op", ["pull", "push"])
 @pytest.mark.parametrize("forge", FORGERIES, ids=lambda f: f.__name__.strip("_"))
-def test_forged_metadata_of_an_agent_of_this_process_is_refused(sides, op, forge):
+def test_forged_metadata_of_an_agent_of_this_process_is_refused(any_sides, op, forge):
     """Metadata naming a live agent of this process (its pid and uid) is checked against what that agent
     registered, not against the sizes it claims: a layer moved, grown or widened, an allocation added or
     enlarged is BadMetadata at add_peer (never an IndexError), and no byte of either side moves."""
-    pre, dec = sides
+    pre, dec = any_sides
     initiator, victim = (dec, pre) if op == "pull" else (pre, dec)    # pull reads the victim, push writes it
     body = _body(victim.agent)
     forge(body, initiator.agent)
@@ -110,9 +124,9 @@ def test_forged_metadata_of_an_agent_of_this_process_is_refused(sides, op, forge
     assert not initiator.agent._peers
 
 
-def test_true_metadata_of_an_agent_of_this_process_moves_its_blocks(sides):
+def test_true_metadata_of_an_agent_of_this_process_moves_its_blocks(any_sides):
     """The check lets the real metadata through: a pull moves the peer's blocks and nothing else."""
-    pre, dec = sides
+    pre, dec = any_sides
     peer = dec.agent.add_peer(pre.agent.metadata())
     assert peer._local is pre.agent and not peer._mappings
     dec.agent.transfer(peer, "pull", local_blocks={"full": [0, 1]}, remote_blocks={"full": [3, 2]}).wait(60)
