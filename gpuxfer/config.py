@@ -161,6 +161,15 @@ VARS: dict[str, Var] = {v.name: v for v in (
     Var("GPUXFER_MORI_MODULE", "mori.io", TEXT, "the MoRI-IO Python module to import"),
     Var("GPUXFER_MORI_BACKEND", "rdma", choice("rdma", "xgmi"), "MoRI-IO backend: RDMA, or XGMI within one node"),
     Var("GPUXFER_MORI_HOST", "127.0.0.1", TEXT, "the address MoRI-IO's control plane binds"),
+    # vLLM connector (gpuxfer.integrations.vllm; kv_connector_extra_config keys override each)
+    Var("GPUXFER_VLLM_LEASE_S", 120.0, SECONDS, "vLLM prefill: longest it holds a finished request's blocks for a "
+        "decode instance to read (extra config lease_s)"),
+    Var("GPUXFER_VLLM_HOST", "127.0.0.1", TEXT, "vLLM prefill: the address its side channel binds and announces "
+        "(extra config host)"),
+    Var("GPUXFER_VLLM_PORT", 0, integer(0, 65535), "vLLM prefill: the side channel's TCP port (0: any free port; "
+        "extra config port)"),
+    Var("GPUXFER_VLLM_HANDSHAKE_TIMEOUT_S", 10.0, SECONDS, "vLLM decode: longest a handshake with a prefill "
+        "instance may take before its requests' loads fail (extra config handshake_timeout_s)"),
     # KV benchmark
     Var("GPUXFER_INJECT_FAULT", None, TEXT, "test hook of bench kv: ENGINE[:DIRECTION][:stray] or all flips a byte"),
     Var("GPUXFER_KV_TRACE", None, TEXT, "bench kv on GPUs: a directory for a torch.profiler timeline of each row"),

@@ -1,0 +1,120 @@
+"""What two vLLM instances tell each other once (the engine description beside the agent's metadata
+bytes), the check that they can pair, and how vLLM 0.33's per-layer cache views become agent layers.
+No vLLM import.
+
+vLLM 0.33 allocates one backing buffer and hands each layer a strided view of it, logically
+``[blocks, heads, tokens, content]`` (the content of one token of one head, in bytes or in the cache
+dtype), laid out in the order the resolved layout says. Where K and V sit inside the content, and so
+whether a prefix of a block's tokens is a prefix of its bytes, is the attention backend's business:
+the CPU backend reads a head's block as rows of keys then values (not token-major), FlashAttention
+and FlashInfer keep a token's K and V together in its content (token-major), MLA has one latent per
+token. Only token-major layers pair different block sizes.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+from ...errors import BadInput, LayoutMismatch
+from ...kv.layers import KVLayerSpec
+
+INFO_VERSION = 1
+MAX_PIECES = 16
+
+
+def describe_view(view, token_major: bool) -> tuple[KVLayerSpec, int, bool]:
+    """``(spec, tokens per kernel block, token-major)`` of one layer's ``[B, H, N, C]`` view.
+
+    Head-major blocks (``LBHNC``: a head's tokens in a row) give one piece per head (up to 16 heads;
+    one piece for the whole block, not token-major, past that or when the content is not token-major
+    and the heads are dense); token-outer blocks (``LBNHC``) give one piece. Any other arrangement
+    raises :class:`LayoutMismatch` naming the strides."""
+    if view.dim() != 4:
+        raise LayoutMismatch(f"a vLLM 0.33 KV-cache view is [blocks, heads, tokens, content], got shape "
+                             f"{tuple(view.shape)}")
+    el = view.element_size()
+    nb, heads, tokens, content = view.shape
+    sb, sh, sn, sc = (s * el for s in view.stride())
+    cb = content * el
+    if sc != el and content > 1:
+        raise LayoutMismatch(f"the content of a token is not dense (strides {tuple(view.stride())})")
+    if sn == cb:                                            # head-major: a head's tokens in a row
+        heads_dense = heads == 1 or sh == tokens * cb
+        if heads_dense and (heads == 1 or not token_major or heads > MAX_PIECES):
+            pieces = [(0, heads * tokens * cb)]
+            token_major = token_major and heads == 1
+        elif heads <= MAX_PIECES:
+            pieces = [(h * sh, tokens * cb) for h in range(heads)]
+        else:
+            raise LayoutMismatch(f"{heads} heads apart from one another in a block (byte strides "
+                                 f"{(sb, sh, sn, sc)}): more than {MAX_PIECES} pieces")
+    elif sh == cb and sn == heads * cb:                     # token-outer: a token's heads in a row
+        pieces = [(0, tokens * heads * cb)]
+    else:
+        raise LayoutMismatch(f"unsupported KV-cache view: shape {tuple(view.shape)}, byte strides "
+                             f"{(sb, sh, sn, sc)} (neither head-major nor token-outer blocks)")
+    return KVLayerSpec(view, int(nb), int(sb), pieces, token_major=token_major), int(tokens), token_major
+
+
+def engine_info(*, engine_id: str, model: str, dtype: str, layout: str | None, groups: Sequence[dict]) -> dict:
+    """The description an instance sends with its agent metadata. ``groups``: per KV-cache group
+    ``{"kind", "block_size", "kernel_tokens", "token_major", "layers": [names], "bytes_per_token"}``."""
+    return {"version": INFO_VERSION, "engine_id": engine_id, "model": model, "dtype": dtype, "layout": layout,
+            "groups": [dict(g) for g in groups]}
+
+
+def encode_info(info: dict) -> bytes:
+    return json.dumps(info, separators=(",", ":")).encode()
+
+
+def decode_info(raw: bytes) -> dict:
+    """A peer's engine description, checked for shape (not trusted for anything else)."""
+    try:
+        info = json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise BadInput(f"the peer's engine description is not JSON: {exc}") from None
+    if not isinstance(info, dict) or info.get("version") != INFO_VERSION:
+        raise BadInput(f"the peer's engine description is of another version (want {INFO_VERSION})")
+    groups = info.get("groups")
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise BadInput("the peer's engine description lists no groups")
+    for g in groups:
+        for k in ("block_size", "kernel_tokens"):
+            v = g.get(k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise BadInput(f"the peer's engine description has a group with {k}={v!r}")
+    return info
+
+
+def check_compatible(local: dict, remote: dict) -> None:
+    """Raise :class:`LayoutMismatch` naming every difference that keeps the two instances from pairing:
+    model, KV dtype, groups (kind, layers, bytes per token), block sizes that do not divide one
+    another, or different block sizes on a layer that is not token-major."""
+    problems: list[str] = []
+    for key in ("model", "dtype"):
+        if local.get(key) != remote.get(key):
+            problems.append(f"{key}: this instance {local.get(key)!r}, the peer {remote.get(key)!r}")
+    lg, rg = local["groups"], remote["groups"]
+    if len(lg) != len(rg):
+        problems.append(f"KV-cache groups: this instance has {len(lg)}, the peer {len(rg)}")
+    for i, (a, b) in enumerate(zip(lg, rg)):
+        for key in ("kind", "layers", "bytes_per_token"):
+            if a.get(key) != b.get(key):
+                problems.append(f"group {i} {key}: this instance {_short(a.get(key))}, the peer {_short(b.get(key))}")
+        ka, kb = a["kernel_tokens"], b["kernel_tokens"]
+        if ka != kb:
+            if ka % kb and kb % ka:
+                problems.append(f"group {i}: {ka}- and {kb}-token blocks do not divide one another")
+            elif not (a.get("token_major") and b.get("token_major")):
+                problems.append(f"group {i}: block sizes differ ({ka} and {kb} tokens) and the layout is not "
+                                "token-major on both sides (the attention backend keeps a block's keys and values "
+                                "apart), so blocks cannot be split or merged: run both instances with the same "
+                                "--block-size")
+    if problems:
+        raise LayoutMismatch(f"engine {remote.get('engine_id')!r} cannot pair with engine "
+                             f"{local.get('engine_id')!r}: " + "; ".join(problems))
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 120 else r[:117] + "..."

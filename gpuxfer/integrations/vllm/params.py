@@ -1,0 +1,186 @@
+"""The connector's ``kv_transfer_params`` (what a prefill instance hands out with a finished request and a
+decode instance receives with the new one), checked as hostile input, and the pairing of a request's
+block IDs on the two instances. No vLLM import.
+
+A prefill instance's ``request_finished`` returns::
+
+    {"do_remote_prefill": True, "do_remote_decode": False, "gpuxfer": 1,
+     "remote_engine_id": str, "remote_host": str, "remote_port": int, "remote_request_id": str,
+     "remote_block_ids": [[int, ...], ...],      # per KV-cache group; 0 is vLLM's null block (skipped)
+     "remote_block_sizes": [int, ...],           # tokens per block, per group
+     "lease_deadline": float,                     # time.monotonic() on the prefill host when the blocks go
+     "tp_size": 1}
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ...errors import BadInput
+
+PARAMS_VERSION = 1
+MAX_ID = (1 << 31) - 1
+MAX_IDS = 1 << 22               # block IDs in one request's params, all groups
+MAX_TEXT = 512
+
+
+class BadTransferParams(BadInput):
+    """``kv_transfer_params`` that are malformed, hostile or stale: the request is computed locally instead."""
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """Checked ``kv_transfer_params`` of a decode request."""
+
+    engine_id: str
+    host: str
+    port: int
+    request_id: str
+    block_ids: tuple[np.ndarray, ...]       # per group, int64
+    block_sizes: tuple[int, ...]
+    lease_deadline: float
+
+    @property
+    def endpoint(self) -> tuple[str, int, str]:
+        return self.host, self.port, self.engine_id
+
+
+def _text(params: Mapping, key: str) -> str:
+    v = params.get(key)
+    if not isinstance(v, str) or not 0 < len(v) <= MAX_TEXT:
+        raise BadTransferParams(f"kv_transfer_params[{key!r}] must be a string of 1..{MAX_TEXT} characters, "
+                                f"got {_show(v)}")
+    return v
+
+
+def _int(params: Mapping, key: str, low: int, high: int) -> int:
+    v = params.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+        raise BadTransferParams(f"kv_transfer_params[{key!r}] must be an integer in [{low}, {high}], got {_show(v)}")
+    return v
+
+
+def _show(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def parse_remote_prefill(params: Any, local_block_sizes: Sequence[int]) -> RemotePrefill:
+    """Check a decode request's params against this instance's groups; :class:`BadTransferParams` names
+    the first thing wrong. Nothing here trusts a length or a value it has not bounded."""
+    if not isinstance(params, Mapping):
+        raise BadTransferParams(f"kv_transfer_params must be a mapping, got {type(params).__name__}")
+    if params.get("gpuxfer") != PARAMS_VERSION:
+        raise BadTransferParams(f"kv_transfer_params were not made by GpuxferConnector version {PARAMS_VERSION} "
+                                f"(gpuxfer={_show(params.get('gpuxfer'))})")
+    tp = params.get("tp_size", 1)
+    if tp != 1:
+        raise BadTransferParams(f"the prefill instance runs tensor parallel size {_show(tp)}; only 1 is supported")
+    engine_id = _text(params, "remote_engine_id")
+    host = _text(params, "remote_host")
+    port = _int(params, "remote_port", 1, 65535)
+    request_id = _text(params, "remote_request_id")
+    deadline = params.get("lease_deadline")
+    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline):
+        raise BadTransferParams(f"kv_transfer_params['lease_deadline'] must be a finite number, got {_show(deadline)}")
+    n_groups = len(local_block_sizes)
+    sizes = params.get("remote_block_sizes")
+    if not isinstance(sizes, (list, tuple)) or len(sizes) != n_groups:
+        raise BadTransferParams(f"kv_transfer_params['remote_block_sizes'] must list {n_groups} block sizes (one "
+                                f"per KV-cache group of this instance), got {_show(sizes)}")
+    for g, (rs, ls) in enumerate(zip(sizes, local_block_sizes)):
+        if isinstance(rs, bool) or not isinstance(rs, int) or not 0 < rs <= 1 << 20:
+            raise BadTransferParams(f"remote_block_sizes[{g}] must be a positive integer, got {_show(rs)}")
+        if rs % ls and ls % rs:
+            raise BadTransferParams(f"group {g}: the prefill instance's {rs}-token blocks and this instance's "
+                                    f"{ls}-token blocks do not divide one another")
+    ids = params.get("remote_block_ids")
+    if not isinstance(ids, (list, tuple)) or len(ids) != n_groups:
+        raise BadTransferParams(f"kv_transfer_params['remote_block_ids'] must hold {n_groups} lists of block IDs "
+                                f"(one per KV-cache group), got {_show(ids)}")
+    total = 0
+    arrays = []
+    for g, lst in enumerate(ids):
+        if not isinstance(lst, (list, tuple)):
+            raise BadTransferParams(f"remote_block_ids[{g}] must be a list of block IDs, got {_show(lst)}")
+        total += len(lst)
+        if total > MAX_IDS:
+            raise BadTransferParams(f"remote_block_ids hold more than {MAX_IDS} block IDs")
+        if any(isinstance(x, bool) or not isinstance(x, int) for x in lst):
+            raise BadTransferParams(f"remote_block_ids[{g}] must hold integers only")
+        a = np.asarray(lst, dtype=object).astype(np.int64) if lst else np.zeros(0, np.int64)
+        if a.size and (int(a.min()) < 0 or int(a.max()) > MAX_ID):
+            raise BadTransferParams(f"remote_block_ids[{g}] holds an ID outside [0, {MAX_ID}]")
+        arrays.append(a)
+    return RemotePrefill(engine_id, host, port, request_id, tuple(arrays), tuple(int(s) for s in sizes),
+                         float(deadline))
+
+
+def tokens_to_load(num_prompt_tokens: int, num_computed: int, local_block_sizes: Sequence[int],
+                   remote: RemotePrefill) -> int:
+    """How many tokens past ``num_computed`` the decode side loads: every prompt token but the last
+    (vLLM recomputes it), 0 when nothing is left or the local prefix hit does not fall on a block
+    boundary of both instances. Raises :class:`BadTransferParams` when the params list too few blocks."""
+    end = num_prompt_tokens - 1
+    if end <= num_computed:
+        return 0
+    for g, (ls, rs) in enumerate(zip(local_block_sizes, remote.block_sizes)):
+        if num_computed % rs or num_computed % ls:
+            return 0
+        need = -(-end // rs)
+        if remote.block_ids[g].size < need:
+            raise BadTransferParams(f"remote_block_ids[{g}] lists {remote.block_ids[g].size} blocks; the prompt's "
+                                    f"{end} tokens need {need} blocks of {rs} tokens")
+    return end - num_computed
+
+
+def pair_group(local: np.ndarray, remote: np.ndarray, ls: int, rs: int, start: int, end: int,
+               lk: int, rk: int) -> tuple[np.ndarray, np.ndarray]:
+    """Kernel-block IDs that move tokens ``[start, end)`` of one group: ``(local, remote)``.
+
+    ``local`` / ``remote``: the request's manager-block IDs on each side (0 is vLLM's null block, a
+    position outside a sliding window); ``ls`` / ``rs`` their tokens per block; ``lk`` / ``rk`` the
+    tokens per kernel block each side registered (a manager block is ``ls // lk`` kernel blocks in a
+    row). Leading null blocks on this side are skipped (nothing to load there); a null block after a
+    loaded one, or a remote null under a local block to load, raises :class:`BadTransferParams`.
+    The lists come out as the agent pairs them: the side with larger blocks lists ``ceil(n / ratio)``.
+    """
+    lo_l, hi_l = start // ls, -(-end // ls)
+    loc = local[lo_l:hi_l]
+    if loc.size < hi_l - lo_l:
+        raise BadTransferParams(f"the request holds {local.size} local blocks; tokens up to {end} need {hi_l}")
+    live = np.flatnonzero(loc)
+    if live.size == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    first = int(live[0])
+    if live.size != loc.size - first:
+        raise BadTransferParams("a null block follows a loaded block in the local block table")
+    tok0 = (lo_l + first) * ls
+    if tok0 % rs:
+        raise BadTransferParams(f"the first block to load starts at token {tok0}, not on a boundary of the "
+                                f"prefill instance's {rs}-token blocks")
+    n_tok = end - tok0
+    l_man = local[tok0 // ls: -(-end // ls)]
+    r_man = remote[tok0 // rs: -(-end // rs)]
+    if r_man.size < -(-end // rs) - tok0 // rs:
+        raise BadTransferParams(f"the prefill instance listed too few blocks for tokens [{tok0}, {end})")
+    if not r_man.all():
+        raise BadTransferParams(f"the prefill instance no longer holds some of tokens [{tok0}, {end}) "
+                                "(a null block where this instance needs data)")
+    lr, rr = ls // lk, rs // rk
+    l_ker = (l_man[:, None] * lr + np.arange(lr)).reshape(-1)[: -(-n_tok // lk)]
+    r_ker = (r_man[:, None] * rr + np.arange(rr)).reshape(-1)[: -(-n_tok // rk)]
+    return l_ker, r_ker
+
+
+def build_params(*, engine_id: str, host: str, port: int, request_id: str, block_ids: Sequence[Sequence[int]],
+                 block_sizes: Sequence[int], lease_deadline: float) -> dict:
+    """The ``kv_transfer_params`` a prefill instance returns for a finished request."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, "gpuxfer": PARAMS_VERSION,
+            "remote_engine_id": engine_id, "remote_host": host, "remote_port": int(port),
+            "remote_request_id": request_id, "remote_block_ids": [list(map(int, b)) for b in block_ids],
+            "remote_block_sizes": [int(s) for s in block_sizes], "lease_deadline": float(lease_deadline),
+            "tp_size": 1}

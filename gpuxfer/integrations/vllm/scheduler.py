@@ -1,0 +1,115 @@
+"""The scheduler side of the connector: which requests load remote KV, which finished prefills hold
+their blocks for a decode instance, and the per-step payload for the worker side. No vLLM import
+(requests and block lists are used through their attributes).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+import numpy as np
+
+from .params import BadTransferParams, RemotePrefill, build_params, parse_remote_prefill, tokens_to_load
+from .worker import Load
+
+log = logging.getLogger("gpuxfer.vllm")
+
+_HOLD_STATUSES = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+
+
+class SchedulerSide:
+    """``block_sizes``: tokens per block of each KV-cache group of this instance."""
+
+    def __init__(self, *, engine_id: str, block_sizes: Sequence[int], lease_s: float,
+                 endpoint: tuple[str, int] | None):
+        self.engine_id = engine_id
+        self.block_sizes = [int(b) for b in block_sizes]
+        self.lease_s = lease_s
+        self.endpoint = endpoint                    # this instance's side channel (from its worker)
+        self._parsed: dict[str, RemotePrefill] = {}
+        self._loads: list[Load] = []
+        self._holds: dict[str, float] = {}
+        self._releases: list[tuple[tuple[str, int, str], str]] = []
+        self.bad_params = 0
+
+    def _remote(self, request) -> RemotePrefill | None:
+        params = request.kv_transfer_params
+        if not params or not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return None
+        rp = self._parsed.get(request.request_id)
+        if rp is None:
+            try:
+                rp = parse_remote_prefill(params, self.block_sizes)
+            except BadTransferParams as exc:
+                self.bad_params += 1
+                params["do_remote_prefill"] = False     # computed here; asked once
+                log.error("gpuxfer: engine %s: request %s has bad kv_transfer_params (%s); computing its prompt "
+                          "locally", self.engine_id, request.request_id, exc)
+                return None
+            self._parsed[request.request_id] = rp
+        return rp
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        rp = self._remote(request)
+        if rp is None:
+            return 0, False
+        try:
+            n = tokens_to_load(request.num_prompt_tokens, num_computed_tokens, self.block_sizes, rp)
+        except BadTransferParams as exc:
+            self.bad_params += 1
+            log.error("gpuxfer: engine %s: request %s: %s; computing its prompt locally", self.engine_id,
+                      request.request_id, exc)
+            return 0, False
+        return (n, True) if n > 0 else (0, False)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        rp = self._remote(request)
+        if rp is None:
+            return
+        request.kv_transfer_params["do_remote_prefill"] = False      # a preempted request computes again
+        self._parsed.pop(request.request_id, None)
+        if num_external_tokens > 0:
+            ids = blocks.get_block_ids()
+            local = tuple(np.asarray(g, dtype=np.int64) for g in ids)
+            end = request.num_prompt_tokens - 1
+            start = max(0, end - num_external_tokens)
+            self._loads.append(Load(request.request_id, rp, local, start, end))
+        else:
+            self._releases.append((rp.endpoint, rp.request_id))
+
+    def build_payload(self) -> dict:
+        out = {"loads": self._loads, "holds": self._holds, "releases": self._releases}
+        self._loads, self._holds, self._releases = [], {}, []
+        return out
+
+    def request_finished(self, request, block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict | None]:
+        params = request.kv_transfer_params
+        rid = request.request_id
+        self._parsed.pop(rid, None)
+        if not params or not isinstance(params, dict):
+            return False, None
+        if params.get("do_remote_prefill"):
+            # a decode request that never loaded (aborted while waiting): let the prefill free its blocks
+            try:
+                rp = parse_remote_prefill(params, self.block_sizes)
+                self._releases.append((rp.endpoint, rp.request_id))
+            except BadTransferParams:
+                pass
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        status = getattr(getattr(request, "status", None), "name", "")
+        if status not in _HOLD_STATUSES:
+            return False, None
+        if not any(len(b) for b in block_ids):
+            return False, None
+        if self.endpoint is None:
+            log.error("gpuxfer: engine %s: request %s asks for remote decode, but this instance's worker announced "
+                      "no side channel; freeing its blocks", self.engine_id, rid)
+            return False, None
+        deadline = time.monotonic() + self.lease_s
+        self._holds[rid] = deadline
+        host, port = self.endpoint
+        return True, build_params(engine_id=self.engine_id, host=host, port=port, request_id=rid,
+                                  block_ids=block_ids, block_sizes=self.block_sizes, lease_deadline=deadline)

@@ -1,0 +1,395 @@
+"""The worker side of the connector: one :class:`~gpuxfer.kv.KVAgent` over vLLM's own KV caches, the
+prefill role (a side channel that hands out the agent's metadata, blocks held until the decode side
+read them or the lease ran out) and the decode role (handshakes in the background, pulls posted
+without waiting, completions and failures polled once a step). No vLLM import.
+
+Soundness of a load against a lease: both instances run on one host (the agent maps the peer's
+memory over IPC), so they share ``time.monotonic()``. The prefill frees a held request's blocks at
+a step after its ``lease_deadline``; the decode side counts a read as good only when it saw the read
+complete before that deadline, and otherwise reports the request's blocks as load errors (vLLM
+recomputes them). A posted read is never abandoned: a failure is reported once nothing the read
+queued can still write the blocks.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ...errors import GpuxferError
+from ...kv import KVAgent
+from .channel import SideChannelClient, SideChannelServer
+from .handshake import check_compatible, decode_info, describe_view, encode_info, engine_info
+from .params import BadTransferParams, RemotePrefill, pair_group
+
+log = logging.getLogger("gpuxfer.vllm")
+
+
+@dataclass
+class Settings:
+    lease_s: float
+    host: str
+    port: int
+    handshake_timeout_s: float
+    token_major: bool
+
+
+@dataclass
+class Load:
+    """What the scheduler side asks this worker to load for one request."""
+
+    req_id: str
+    remote: RemotePrefill
+    local_ids: tuple[np.ndarray, ...]       # manager block IDs per group (0: null block)
+    start: int                              # first token to load
+    end: int                                # one past the last
+
+
+@dataclass
+class _LoadState:
+    load: Load
+    t_start: float
+    remote: "_Remote | None" = None
+    handle: Any = None
+    t_post: float = 0.0
+    nbytes: int = 0
+    error: str | None = None
+
+
+@dataclass
+class _Remote:
+    key: tuple[str, int, str]
+    state: str = "pending"                  # pending | ready | failed
+    client: SideChannelClient | None = None
+    peer: Any = None
+    info: dict | None = None
+    error: str | None = None
+    inflight: int = 0
+    t0: float = field(default_factory=time.monotonic)
+
+
+class WorkerSide:
+    """One worker's connector state; ``groups``: per KV-cache group ``(kind, block_size, layer names)``."""
+
+    def __init__(self, *, engine_id: str, model: str, dtype: str, layout: str | None,
+                 groups: Sequence[tuple[str, int, Sequence[str]]], settings: Settings, platform=None):
+        self.engine_id, self.model, self.dtype, self.layout = engine_id, model, dtype, layout
+        self.group_specs = [(k, int(bs), list(names)) for k, bs, names in groups]
+        self.settings = settings
+        self.platform = platform
+        self.agent: KVAgent | None = None
+        self.server: SideChannelServer | None = None
+        self.info: dict | None = None
+        self._lock = threading.Lock()                 # the agent: posts here, add_peer on handshake threads
+        self._remotes: dict[tuple, _Remote] = {}
+        self._loads: dict[str, _LoadState] = {}
+        self._holds: dict[str, float] = {}            # prefill: request -> lease deadline
+        self._released: dict[str, float] = {}         # prefill: request -> when the decode side let go
+        self._load_errors: set[int] = set()
+        self._kernel_tokens: list[int] = []
+        self._bytes_per_block: list[int] = []
+        self.stats = _new_stats()
+
+    # ------------------------------------------------------------------ registration
+
+    def register(self, kv_caches: Mapping[str, Any]) -> None:
+        """Register every KV-cache group's layers with a new agent and open the side channel. Kernel
+        loading for transfers happens here and at each handshake, not in a request."""
+        t0 = time.perf_counter()
+        import torch
+        from ...platforms import current
+        platform = self.platform or current()
+        first = next(iter(kv_caches.values()))
+        device = first.device.index if first.device.type == "cuda" and first.device.index is not None else 0
+        if first.device.type == "cuda":
+            device = torch.cuda.current_device() if first.device.index is None else first.device.index
+        self.agent = KVAgent(f"vllm-{self.engine_id}", platform=platform, device=device)
+        groups = []
+        for g, (kind, bs, names) in enumerate(self.group_specs):
+            missing = [n for n in names if n not in kv_caches]
+            if missing:
+                raise GpuxferError(f"KV-cache group {g} names layers vLLM registered no cache for: {missing[:4]}")
+            specs, tokens, majors = {}, set(), set()
+            per_block = 0
+            for n in names:
+                spec, tok, major = describe_view(kv_caches[n], self.settings.token_major)
+                specs[n] = spec
+                tokens.add(tok)
+                majors.add(major)
+                per_block += sum(p[1] for p in spec.pieces)
+            if len(tokens) != 1 or bs % next(iter(tokens)):
+                raise GpuxferError(f"KV-cache group {g}: its layers' kernel blocks hold {sorted(tokens)} tokens, "
+                                   f"which do not split its {bs}-token blocks evenly")
+            kt = tokens.pop()
+            self.agent.register_group(f"g{g}", kt, specs, token_major=all(majors))
+            self._kernel_tokens.append(kt)
+            self._bytes_per_block.append(per_block)
+            view = kv_caches[names[0]]
+            groups.append({"kind": kind, "block_size": bs, "kernel_tokens": kt, "token_major": all(majors),
+                           "layers": names, "bytes_per_token": per_block // kt,
+                           "content": [int(view.shape[1]), int(view.shape[3]) * view.element_size()]})
+        self.info = engine_info(engine_id=self.engine_id, model=self.model, dtype=self.dtype, layout=self.layout,
+                                groups=groups)
+        self._info_bytes, self._meta_bytes = encode_info(self.info), self.agent.metadata()
+        self.server = SideChannelServer(self.settings.host, self.settings.port,
+                                        lambda: (self._info_bytes, self._meta_bytes), self.settings.handshake_timeout_s)
+        if not all(g["token_major"] for g in groups):
+            log.info("gpuxfer: engine %s: the KV layout is not token-major (attention backend's block interior), so "
+                     "it pairs only with instances of the same block size", self.engine_id)
+        log.info("gpuxfer: engine %s registered %d KV-cache group(s) (%s) in %.2f s; side channel on %s:%d",
+                 self.engine_id, len(groups), ", ".join(f"{g['kind']} {g['block_size']} tok x {len(g['layers'])} "
+                                                         f"layers" for g in groups),
+                 time.perf_counter() - t0, self.server.host, self.server.port)
+
+    @property
+    def endpoint(self) -> tuple[str, int]:
+        return self.server.host, self.server.port
+
+    # ------------------------------------------------------------------ prefill role
+
+    def hold(self, holds: Mapping[str, float]) -> None:
+        self._holds.update(holds)
+
+    def _drain_events(self, now: float) -> None:
+        if self.server is None:
+            return
+        while True:
+            try:
+                op, req = self.server.events.get_nowait()
+            except Exception:
+                break
+            self._released[req] = now
+            if op == "release":
+                log.info("gpuxfer: engine %s: decode side released request %s without reading it", self.engine_id, req)
+        if len(self._released) > 4 * len(self._holds) + 1024:      # letting go of requests held nowhere
+            cutoff = now - 2 * self.settings.lease_s
+            self._released = {r: t for r, t in self._released.items() if t >= cutoff or r in self._holds}
+
+    def _finished_sending(self, now: float) -> set[str]:
+        done = set()
+        for req, deadline in list(self._holds.items()):
+            if self._released.pop(req, None) is not None:
+                done.add(req)
+                self.stats["sends_done"] += 1
+            elif now >= deadline:
+                done.add(req)
+                self.stats["leases_expired"] += 1
+                log.warning("gpuxfer: engine %s: request %s's lease ran out (%.0f s) before a decode instance read "
+                            "its blocks; freeing them", self.engine_id, req, self.settings.lease_s)
+        for req in done:
+            del self._holds[req]
+        return done
+
+    # ------------------------------------------------------------------ decode role
+
+    def start_loads(self, loads: Sequence[Load]) -> None:
+        """Start each load without waiting: a known engine's read is posted now, a new engine's handshake
+        runs on a thread of its own and the read is posted by a later step's poll."""
+        now = time.monotonic()
+        for load in loads:
+            st = self._loads[load.req_id] = _LoadState(load, now)
+            st.remote = self._remote(load.remote)
+            if st.remote.state == "ready":
+                self._post(st, blocking=False)
+
+    def _remote(self, rp: RemotePrefill) -> _Remote:
+        r = self._remotes.get(rp.endpoint)
+        if r is None or (r.state == "failed" and r.inflight == 0):
+            r = self._remotes[rp.endpoint] = _Remote(rp.endpoint)
+            threading.Thread(target=self._handshake, args=(r,), name="gpuxfer-vllm-handshake", daemon=True).start()
+        return r
+
+    def _handshake(self, r: _Remote) -> None:
+        host, port, engine_id = r.key
+        t0 = time.perf_counter()
+        try:
+            r.client = SideChannelClient(host, port, self.settings.handshake_timeout_s)
+            info_raw, meta = r.client.handshake()
+            info = decode_info(info_raw)
+            if info.get("engine_id") != engine_id:
+                raise BadTransferParams(f"{host}:{port} is engine {info.get('engine_id')!r}, not {engine_id!r} as "
+                                        "the request's kv_transfer_params say (stale params?)")
+            check_compatible(self.info, info)
+            with self._lock:
+                name = f"vllm-{engine_id}"
+                if name in self.agent._peers:                   # the same engine again, after it restarted
+                    self.agent.remove_peer(name)
+                peer = self.agent.add_peer(meta)
+                self._warm(peer, info)
+            r.info, r.peer, r.state = info, peer, "ready"
+            self.stats["handshakes"] += 1
+            self.stats["handshake_s"].append(time.perf_counter() - t0)
+            log.info("gpuxfer: engine %s: handshake with prefill engine %s at %s:%d in %.3f s", self.engine_id,
+                     engine_id, host, port, time.perf_counter() - t0)
+        except Exception as exc:        # every failure fails this engine's loads, never the worker
+            r.error, r.state = f"{type(exc).__name__}: {exc}", "failed"
+            log.error("gpuxfer: engine %s: handshake with prefill engine %s at %s:%d failed: %s; its requests' "
+                      "loads fail and vLLM recomputes them", self.engine_id, engine_id, host, port, r.error)
+            if r.client is not None:
+                r.client.close()
+
+    def _warm(self, peer, info: dict) -> None:
+        """One read of the peer's null blocks into ours (vLLM's block 0: a placeholder no request reads),
+        so the first request finds its kernels loaded and its launch slot made."""
+        blocks = {f"g{g}": [0] for g in range(len(self.group_specs))}
+        try:
+            self.agent.prepare(peer, "pull", local_blocks=blocks, remote_blocks=blocks, name="warm-up").post().wait()
+        except GpuxferError as exc:
+            log.debug("gpuxfer: warm-up read skipped: %s", exc)
+
+    def _post(self, st: _LoadState, blocking: bool) -> bool:
+        """Pair the request's blocks and post its read; False when the agent is busy (a handshake)."""
+        if not self._lock.acquire(blocking=blocking):
+            return False
+        try:
+            load, r = st.load, st.remote
+            if time.monotonic() >= load.remote.lease_deadline:
+                raise BadTransferParams("the prefill instance's lease on the blocks ran out before the read started")
+            local, remote, nbytes = {}, {}, 0
+            for g, (kind, ls, _) in enumerate(self.group_specs):
+                rg = r.info["groups"][g]
+                lk, rk = self._kernel_tokens[g], rg["kernel_tokens"]
+                if load.remote.block_sizes[g] != rg["block_size"]:
+                    raise BadTransferParams(f"group {g}: the params say {load.remote.block_sizes[g]}-token blocks, "
+                                            f"the engine's handshake {rg['block_size']}")
+                li, ri = pair_group(load.local_ids[g], load.remote.block_ids[g], ls, rg["block_size"], load.start,
+                                    load.end, lk, rk)
+                if li.size:
+                    local[f"g{g}"], remote[f"g{g}"] = li, ri
+                    nbytes += int(li.size) * self._bytes_per_block[g]
+            t0 = time.perf_counter()
+            if local:
+                st.handle = self.agent.prepare(r.peer, "pull", local_blocks=local, remote_blocks=remote,
+                                               name=load.req_id).post()
+                r.inflight += 1
+            else:
+                st.handle = _Done()
+            self.stats["post_host_s"].append(time.perf_counter() - t0)
+            st.t_post, st.nbytes = time.perf_counter(), nbytes
+        except (GpuxferError, KeyError, IndexError, ValueError) as exc:
+            st.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._lock.release()
+        return True
+
+    def _finished_recving(self, now: float) -> tuple[set[str], set[str]]:
+        done, failed = set(), set()
+        for req, st in list(self._loads.items()):
+            r = st.remote
+            if st.handle is None and st.error is None:
+                if r.state == "failed":
+                    st.error = f"handshake failed: {r.error}"
+                elif r.state == "ready" and not (r.client and r.client.alive):
+                    st.error = f"prefill engine {r.key[2]} is gone: {r.client.closed_reason if r.client else ''}"
+                elif r.state == "ready":
+                    self._post(st, blocking=False)
+                elif now - st.t_start > self.settings.handshake_timeout_s:
+                    st.error = f"no handshake with {r.key[0]}:{r.key[1]} within {self.settings.handshake_timeout_s:g} s"
+            if st.handle is not None and st.error is None:
+                if not st.handle.done():
+                    continue
+                if not isinstance(st.handle, _Done):
+                    r.inflight -= 1
+                if time.monotonic() >= st.load.remote.lease_deadline:
+                    st.error = "the read completed after the prefill instance's lease ran out"
+                else:
+                    self.stats["transfers"] += 1
+                    self.stats["bytes"] += st.nbytes
+                    self.stats["xfer_s"].append(time.perf_counter() - st.t_post)
+                    if r.client is not None:
+                        r.client.notify("done", st.load.remote.request_id)
+                    done.add(req)
+                    del self._loads[req]
+                    continue
+            if st.error is not None:
+                self._fail(st)
+                done.add(req)
+                failed.add(req)
+                del self._loads[req]
+        self._reap(now)
+        return done, failed
+
+    def _fail(self, st: _LoadState) -> None:
+        load = st.load
+        self.stats["failed"] += 1
+        log.warning("gpuxfer: engine %s: loading request %s from engine %s failed (%s); vLLM recomputes it",
+                    self.engine_id, load.req_id, load.remote.engine_id, st.error)
+        if len(self.group_specs) == 1:
+            ids = load.local_ids[0]
+            self._load_errors.update(int(b) for b in ids[load.start // self.group_specs[0][1]:] if b)
+        r = st.remote
+        if r is not None and r.client is not None:
+            r.client.notify("release", load.remote.request_id)
+
+    def _reap(self, now: float) -> None:
+        """Forget engines whose side channel closed once no read of theirs is in flight."""
+        for key, r in list(self._remotes.items()):
+            gone = r.state == "ready" and not (r.client and r.client.alive)
+            if (gone or r.state == "failed") and r.inflight == 0 and not any(
+                    st.remote is r for st in self._loads.values()):
+                del self._remotes[key]
+                if r.peer is not None and self._lock.acquire(blocking=False):
+                    try:
+                        self.agent.remove_peer(r.peer)
+                    except GpuxferError as exc:
+                        log.debug("gpuxfer: removing peer %s: %s", key[2], exc)
+                    finally:
+                        self._lock.release()
+                if r.client is not None:
+                    r.client.close()
+                log.info("gpuxfer: engine %s: forgot prefill engine %s (%s)", self.engine_id, key[2],
+                         r.error or (r.client.closed_reason if r.client else "gone"))
+
+    def release(self, releases: Sequence[tuple[tuple[str, int, str], str]]) -> None:
+        """Tell prefill engines this instance will not read these requests (best effort, known engines)."""
+        for key, req in releases:
+            r = self._remotes.get(key)
+            if r is not None and r.state == "ready" and r.client is not None:
+                r.client.notify("release", req)
+
+    # ------------------------------------------------------------------ both
+
+    def poll(self) -> tuple[set[str], set[str], set[str]]:
+        """``(finished sending, finished receiving, failed receiving)`` now."""
+        now = time.monotonic()
+        self._drain_events(now)
+        sending = self._finished_sending(now)
+        recving, failed = self._finished_recving(now) if self._loads else (set(), set())
+        return sending, recving, failed
+
+    def take_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def take_stats(self) -> dict | None:
+        s = self.stats
+        if not (s["transfers"] or s["failed"] or s["handshakes"] or s["leases_expired"] or s["sends_done"]):
+            return None
+        self.stats = _new_stats()
+        return s
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for r in self._remotes.values():
+            if r.client is not None:
+                r.client.close()
+        if self.agent is not None:
+            with self._lock:
+                self.agent.close()
+
+
+class _Done:
+    """The handle of a load with nothing to move."""
+
+    def done(self) -> bool:
+        return True
+
+
+def _new_stats() -> dict:
+    return {"transfers": 0, "failed": 0, "bytes": 0, "handshakes": 0, "leases_expired": 0, "sends_done": 0,
+            "post_host_s": [], "xfer_s": [], "handshake_s": []}

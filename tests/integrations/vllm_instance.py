@@ -1,0 +1,331 @@
+"""A vLLM 0.33 instance without a model, for the connector's tests: the real ``Scheduler`` and the
+connector's worker side in one spawned process, in EngineCore's order (worker connector, caches
+registered, scheduler, the worker's handshake metadata to the scheduler side), with KV caches in
+vLLM's shapes laid out by vLLM's own planning and view code. A "model" writes known bytes into a
+request's blocks whenever it is scheduled; a finished load is checked byte by byte.
+
+The parent drives it over a pipe (:class:`Instance`); the child runs :func:`serve`.
+"""
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+import multiprocessing as mp
+
+
+def ctx():
+    return mp.get_context("spawn")
+
+MODEL_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+                "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "num_hidden_layers": 4, "vocab_size": 1000, "max_position_embeddings": 8192,
+                "torch_dtype": "float16"}
+
+
+def write_model(path: str) -> str:
+    import json
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(MODEL_CONFIG, f)
+    return path
+
+
+class Instance:
+    """The parent's handle on one instance process."""
+
+    def __init__(self, name: str, model_dir: str, block_size: int, *, hybrid: bool = False,
+                 extra: dict | None = None, num_blocks: int = 4096, env: dict | None = None):
+        self.name = name
+        self.conn, child = ctx().Pipe()
+        spec = dict(name=name, model_dir=model_dir, block_size=block_size, hybrid=hybrid, extra=extra or {},
+                    num_blocks=num_blocks, env=env or {})
+        self.proc = ctx().Process(target=serve, args=(child, spec), name=f"vllm-{name}", daemon=True)
+        self.proc.start()
+        child.close()
+
+    def ready(self, timeout: float = 300.0) -> dict:
+        return self._reply("ready", timeout)
+
+    def _reply(self, want: str, timeout: float):
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"instance {self.name}: no {want!r} within {timeout} s")
+        kind, payload = self.conn.recv()
+        if kind == "error":
+            raise RuntimeError(f"instance {self.name} failed:\n{payload}")
+        assert kind == want, (kind, payload)
+        return payload
+
+    def call(self, op: str, *args, timeout: float = 120.0):
+        self.conn.send((op, args))
+        return self._reply(op, timeout)
+
+    def run(self, op: str, *args, timeout: float = 120.0) -> dict:
+        """Add requests (``prefill`` / ``decode``) and wait until every one of them finished."""
+        self.conn.send((op, args))
+        return self._reply(op, timeout)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(timeout=30)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("exit", ()))
+            except OSError:
+                pass
+            self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=30)
+
+
+# ---------------------------------------------------------------------------------------------- child
+
+
+def serve(conn, spec: dict) -> None:
+    os.environ.update(spec["env"])
+    try:
+        eng = _Engine(spec)
+        conn.send(("ready", eng.describe()))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    try:
+        eng.loop(conn)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        eng.close()
+
+
+def _pattern(torch, seed: int, layer: int, tokens, heads: int, cbytes: int):
+    t = tokens.view(-1, 1, 1)
+    h = torch.arange(heads).view(1, -1, 1)
+    c = torch.arange(cbytes).view(1, 1, -1)
+    return ((seed * 97 + layer * 31 + t * 7 + h * 13 + c) % 251).to(torch.uint8)
+
+
+class _Engine:
+    def __init__(self, spec: dict):
+        import torch
+        from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
+                                 VllmConfig)
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        self.torch = torch
+        self.name = spec["name"]
+        bs = spec["block_size"]
+        mc = ModelConfig(model=spec["model_dir"], skip_tokenizer_init=True, dtype="float16", seed=0,
+                         max_model_len=8192)
+        cache = CacheConfig(block_size=bs, cache_dtype="auto", enable_prefix_caching=False)
+        cache.kv_cache_layout = "LBHNC"                 # what the CPU attention backend resolves to
+        ktc = KVTransferConfig(kv_connector="GpuxferConnector", kv_connector_module_path="gpuxfer.integrations.vllm",
+                               kv_role="kv_both", engine_id=spec["name"], kv_load_failure_policy="recompute",
+                               kv_connector_extra_config=spec["extra"])
+        sc = SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=16384, max_model_len=8192,
+                             is_encoder_decoder=False, disable_hybrid_kv_cache_manager=not spec["hybrid"])
+        self.config = VllmConfig(model_config=mc, cache_config=cache, scheduler_config=sc, kv_transfer_config=ktc,
+                                 device_config=DeviceConfig("cpu"))
+        heads, hd = MODEL_CONFIG["num_key_value_heads"], MODEL_CONFIG["hidden_size"] // MODEL_CONFIG["num_attention_heads"]
+        layer_specs = {}
+        for i in range(MODEL_CONFIG["num_hidden_layers"]):
+            name = f"model.layers.{i}.self_attn.attn"
+            if spec["hybrid"] and i % 2:
+                layer_specs[name] = SlidingWindowSpec(block_size=bs, num_kv_heads=heads, head_size=hd,
+                                                      dtype=torch.float16, sliding_window=2 * bs + 8)
+            else:
+                layer_specs[name] = FullAttentionSpec(block_size=bs, num_kv_heads=heads, head_size=hd,
+                                                      dtype=torch.float16)
+        groups = get_kv_cache_groups(self.config, layer_specs)
+        page = sum(layer_specs[g.layer_names[0]].page_size_bytes for g in groups[:1]) * max(
+            len(g.layer_names) for g in groups)
+        self.kv_cache_config = get_kv_cache_config_from_groups(self.config, groups, page * spec["num_blocks"])
+        self.kv_cache_config.kv_cache_layout = "LBHNC"
+        self.config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
+        self.caches = self._allocate(KVCacheLayout.LBHNC)
+        self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
+        self.worker.register_kv_caches(self.caches)
+        self.sched = Scheduler(vllm_config=self.config, kv_cache_config=self.kv_cache_config, log_stats=True,
+                               structured_output_manager=StructuredOutputManager(self.config),
+                               block_size=bs)
+        self.sched.connector.set_xfer_handshake_metadata({0: self.worker.get_handshake_metadata()})
+        self.layer_groups = [list(g.layer_names) for g in self.kv_cache_config.kv_cache_groups]
+        self.layer_index = {n: i for i, n in enumerate(layer_specs)}
+        self.bs = bs
+        self.seeds: dict[str, int] = {}
+        self.prompt: dict[str, int] = {}
+        self.results: dict[str, dict] = {}
+        self.waiting: set[str] = set()
+        self.stats: dict = {}
+
+    def _allocate(self, layout):
+        """vLLM's allocation: one int8 backing buffer viewed per layer by vLLM's own code. The buffer is the
+        host platform's shared memory where the platform cannot reach a plain tensor of another process."""
+        from vllm.v1.worker.utils import allocate_kv_cache
+        from vllm.v1.kv_cache_interface import create_kv_cache_views
+        torch = self.torch
+        if os.environ.get("GPUXFER_TEST_PLAIN_CACHES") == "1":
+            return allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), layout)
+        from gpuxfer.platforms import current
+        plat = current()
+        size = self.kv_cache_config.kv_cache_tensors[0].size
+        self._buf = plat.alloc(size, 0)
+        raw = plat.as_tensor(self._buf, torch.int8, (size,), 0)
+        raw.zero_()
+        caches = {}
+        for tensor in self.kv_cache_config.kv_cache_tensors:
+            gid = next(i for i, g in enumerate(self.kv_cache_config.kv_cache_groups) if tensor.layers[0] in g.layer_names)
+            spec = self.kv_cache_config.kv_cache_groups[gid].kv_cache_spec
+            views = create_kv_cache_views(raw, spec, self.kv_cache_config.num_blocks_of(tensor), layout, tensor)
+            caches.update(zip(tensor.layers, views))
+        return caches
+
+    def describe(self) -> dict:
+        return {"block_size": self.bs, "groups": [len(g) for g in self.layer_groups],
+                "num_blocks": self.kv_cache_config.num_blocks, "free": self.free_blocks()}
+
+    def free_blocks(self) -> int:
+        return self.sched.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    # ------------------------------------------------------------------ model stand-in
+
+    def _tokens(self, rid: str, g: int, upto: int):
+        """(kernel block index, token in block, token) of tokens [0, upto) of request ``rid`` in group ``g``,
+        skipping null blocks."""
+        torch = self.torch
+        ids = self.sched.kv_cache_manager.get_block_ids(rid)[g]
+        t = torch.arange(upto)
+        man = torch.as_tensor(ids, dtype=torch.int64)[t // self.bs]
+        keep = man != 0
+        t, man = t[keep], man[keep]
+        view = self.caches[self.layer_groups[g][0]]
+        n = view.shape[2]
+        r = self.bs // n
+        return man * r + (t % self.bs) // n, t % n, t
+
+    def _access(self, rid: str, upto: int, check: bool) -> tuple[int, int]:
+        bad = total = 0
+        for g, names in enumerate(self.layer_groups):
+            k, n, t = self._tokens(rid, g, upto)
+            for name in names:
+                v = self.caches[name].view(self.torch.uint8)
+                pat = _pattern(self.torch, self.seeds[rid], self.layer_index[name], t, v.shape[1], v.shape[3])
+                if check:
+                    got = v[k, :, n, :]
+                    bad += int((got != pat).sum())
+                    total += got.numel()
+                else:
+                    v[k, :, n, :] = pat
+        return bad, total
+
+    # ------------------------------------------------------------------ stepping
+
+    def add(self, kind: str, reqs: list) -> None:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+        for rid, n_tokens, seed, params in reqs:
+            sp = SamplingParams(max_tokens=1)
+            sp.update_from_generation_config({}, 999)
+            req = Request(request_id=rid, prompt_token_ids=[(seed + i) % 900 + 1 for i in range(n_tokens)],
+                          sampling_params=sp, pooling_params=None, mm_features=None)
+            req.kv_transfer_params = dict(params) if params is not None else (
+                {"do_remote_decode": True, "do_remote_prefill": False} if kind == "prefill" else None)
+            self.seeds[rid], self.prompt[rid] = seed, n_tokens
+            self.sched.add_request(req)
+            self.waiting.add(rid)
+
+    def step(self) -> None:
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        so = self.sched.schedule()
+        w = self.worker
+        w.bind_connector_metadata(so.kv_connector_metadata)
+        for rid in so.num_scheduled_tokens:             # the "model": this request's KV, whole prompt
+            self._access(rid, self.prompt[rid], check=False)
+        w.start_load_kv(None)
+        w.wait_for_save()
+        res = w.get_transfer_results(so.finished_req_ids)
+        invalid = w.get_block_ids_with_load_errors()
+        st = w.get_kv_connector_stats()
+        w.clear_connector_metadata()
+        if st is not None:
+            for k, v in st.data.items():
+                if isinstance(v, list):
+                    self.stats.setdefault(k, []).extend(v)
+                else:
+                    self.stats[k] = self.stats.get(k, 0) + v
+        for rid in res.finished_recving:
+            if rid in res.failed_recving:
+                self.results.setdefault(rid, {})["load"] = "failed"
+            else:
+                bad, total = self._access(rid, self.prompt[rid] - 1, check=True)
+                self.results.setdefault(rid, {}).update(load="ok", bad=bad, checked=total)
+        reqs = list(so.num_scheduled_tokens)
+        out = ModelRunnerOutput(req_ids=reqs, req_id_to_index={r: i for i, r in enumerate(reqs)},
+                                sampled_token_ids=[[7] for _ in reqs],
+                                kv_connector_output=KVConnectorOutput(
+                                    finished_sending=res.finished_sending or None,
+                                    finished_recving=res.finished_recving or None,
+                                    failed_recving=res.failed_recving, invalid_block_ids=invalid))
+        outs = self.sched.update_from_output(so, out)
+        for eco in outs.values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    r = self.results.setdefault(o.request_id, {})
+                    r["finished"] = str(o.finish_reason)
+                    r["params"] = o.kv_transfer_params
+                    self.waiting.discard(o.request_id)
+
+    def loop(self, conn) -> None:
+        pending: tuple | None = None         # (op, request ids) the parent waits on
+        while True:
+            if conn.poll(0 if self.sched.has_requests() else 0.02):
+                op, args = conn.recv()
+                if op == "exit":
+                    return
+                if op in ("prefill", "decode"):
+                    self.add(op, args[0])
+                    pending = (op, [r[0] for r in args[0]])
+                elif op == "abort":
+                    from vllm.v1.request import RequestStatus
+                    self.sched.finish_requests(args[0], RequestStatus.FINISHED_ABORTED)
+                    for rid in args[0]:
+                        self.results.setdefault(rid, {})["finished"] = "abort"
+                        self.waiting.discard(rid)
+                    conn.send(("abort", None))
+                elif op == "submit":                  # add without waiting for the requests
+                    self.add(args[0], args[1])
+                    conn.send(("submit", None))
+                elif op == "collect":                 # wait for requests added by submit
+                    pending = ("collect", args[0])
+                elif op == "idle":                    # step until nothing is held, then report
+                    deadline = time.monotonic() + args[0]
+                    while self.sched.has_requests() and time.monotonic() < deadline:
+                        self.step()
+                    conn.send(("idle", {"requests": len(self.sched.requests), "free": self.free_blocks(),
+                                        "stats": self.stats}))
+                elif op == "set_lease":
+                    self.sched.connector._scheduler.lease_s = args[0]
+                    conn.send(("set_lease", None))
+                elif op == "stats":
+                    conn.send(("stats", {"requests": len(self.sched.requests), "free": self.free_blocks(),
+                                         "stats": self.stats}))
+            if self.sched.has_requests():
+                self.step()
+            if pending is not None and not (set(pending[1]) & self.waiting):
+                conn.send((pending[0], {r: self.results.get(r, {}) for r in pending[1]}))
+                pending = None
+
+    def close(self) -> None:
+        try:
+            self.worker.shutdown()
+        except Exception:
+            pass
