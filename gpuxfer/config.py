@@ -168,8 +168,12 @@ VARS: dict[str, Var] = {v.name: v for v in (
         "(extra config host)"),
     Var("GPUXFER_VLLM_PORT", 0, integer(0, 65535), "vLLM prefill: the side channel's TCP port (0: any free port; "
         "extra config port)"),
+    Var("GPUXFER_VLLM_ENGINE", "auto", choice("auto", "triton", "copy_engine"), "vLLM: the KV engine the decode "
+        "side pulls with (auto: triton on GPUs, copy_engine on the host emulation; extra config engine)"),
     Var("GPUXFER_VLLM_HANDSHAKE_TIMEOUT_S", 10.0, SECONDS, "vLLM decode: longest a handshake with a prefill "
         "instance may take before its requests' loads fail (extra config handshake_timeout_s)"),
+    Var("GPUXFER_REQUIRE_VLLM", False, FLAG, "test hook: the vLLM connector's tests fail instead of skipping where "
+        "vLLM is not installed (CI's vLLM step)"),
     # KV benchmark
     Var("GPUXFER_INJECT_FAULT", None, TEXT, "test hook of bench kv: ENGINE[:DIRECTION][:stray] or all flips a byte"),
     Var("GPUXFER_KV_TRACE", None, TEXT, "bench kv on GPUs: a directory for a torch.profiler timeline of each row"),

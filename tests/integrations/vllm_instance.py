@@ -36,11 +36,11 @@ class Instance:
     """The parent's handle on one instance process."""
 
     def __init__(self, name: str, model_dir: str, block_size: int, *, hybrid: bool = False,
-                 extra: dict | None = None, num_blocks: int = 4096, env: dict | None = None):
+                 extra: dict | None = None, num_blocks: int = 4096, env: dict | None = None, device: str = "cpu"):
         self.name = name
         self.conn, child = ctx().Pipe()
         spec = dict(name=name, model_dir=model_dir, block_size=block_size, hybrid=hybrid, extra=extra or {},
-                    num_blocks=num_blocks, env=env or {})
+                    num_blocks=num_blocks, env=env or {}, device=device)
         self.proc = ctx().Process(target=serve, args=(child, spec), name=f"vllm-{name}", daemon=True)
         self.proc.start()
         child.close()
@@ -103,8 +103,8 @@ def serve(conn, spec: dict) -> None:
 
 def _pattern(torch, seed: int, layer: int, tokens, heads: int, cbytes: int):
     t = tokens.view(-1, 1, 1)
-    h = torch.arange(heads).view(1, -1, 1)
-    c = torch.arange(cbytes).view(1, 1, -1)
+    h = torch.arange(heads, device=tokens.device).view(1, -1, 1)
+    c = torch.arange(cbytes, device=tokens.device).view(1, 1, -1)
     return ((seed * 97 + layer * 31 + t * 7 + h * 13 + c) % 251).to(torch.uint8)
 
 
@@ -151,6 +151,9 @@ class _Engine:
         self.kv_cache_config = get_kv_cache_config_from_groups(self.config, groups, page * spec["num_blocks"])
         self.kv_cache_config.kv_cache_layout = "LBHNC"
         self.config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
+        self.device = torch.device(spec["device"], 0) if spec["device"] == "cuda" else torch.device("cpu")
+        if spec["device"] == "cuda":
+            torch.cuda.set_device(0)
         self.caches = self._allocate(KVCacheLayout.LBHNC)
         self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
         self.worker.register_kv_caches(self.caches)
@@ -173,8 +176,8 @@ class _Engine:
         from vllm.v1.worker.utils import allocate_kv_cache
         from vllm.v1.kv_cache_interface import create_kv_cache_views
         torch = self.torch
-        if os.environ.get("GPUXFER_TEST_PLAIN_CACHES") == "1":
-            return allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), layout)
+        if self.device.type == "cuda" or _plain_tensors_exportable():
+            return allocate_kv_cache(self.kv_cache_config, self.device, layout)
         from gpuxfer.platforms import current
         plat = current()
         size = self.kv_cache_config.kv_cache_tensors[0].size
@@ -203,8 +206,8 @@ class _Engine:
         skipping null blocks."""
         torch = self.torch
         ids = self.sched.kv_cache_manager.get_block_ids(rid)[g]
-        t = torch.arange(upto)
-        man = torch.as_tensor(ids, dtype=torch.int64)[t // self.bs]
+        t = torch.arange(min(upto, len(ids) * self.bs), device=self.device)     # a chunked prefill holds fewer
+        man = torch.as_tensor(ids, dtype=torch.int64, device=self.device)[t // self.bs]
         keep = man != 0
         t, man = t[keep], man[keep]
         view = self.caches[self.layer_groups[g][0]]
@@ -213,6 +216,7 @@ class _Engine:
         return man * r + (t % self.bs) // n, t % n, t
 
     def _access(self, rid: str, upto: int, check: bool) -> tuple[int, int]:
+        torch = self.torch
         bad = total = 0
         for g, names in enumerate(self.layer_groups):
             k, n, t = self._tokens(rid, g, upto)
@@ -225,6 +229,8 @@ class _Engine:
                     total += got.numel()
                 else:
                     v[k, :, n, :] = pat
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
         return bad, total
 
     # ------------------------------------------------------------------ stepping
@@ -250,9 +256,18 @@ class _Engine:
         w.bind_connector_metadata(so.kv_connector_metadata)
         for rid in so.num_scheduled_tokens:             # the "model": this request's KV, whole prompt
             self._access(rid, self.prompt[rid], check=False)
+        n_loads = len(getattr(so.kv_connector_metadata, "loads", ()))
+        t0 = time.perf_counter()
         w.start_load_kv(None)
+        t1 = time.perf_counter()
         w.wait_for_save()
+        t2 = time.perf_counter()
         res = w.get_transfer_results(so.finished_req_ids)
+        t3 = time.perf_counter()
+        if n_loads:
+            self.stats.setdefault("start_load_kv_s", []).append((n_loads, t1 - t0))
+        if w._worker._loads or res.finished_recving:
+            self.stats.setdefault("get_finished_s", []).append(t3 - t2)
         invalid = w.get_block_ids_with_load_errors()
         st = w.get_kv_connector_stats()
         w.clear_connector_metadata()
@@ -269,8 +284,11 @@ class _Engine:
                 bad, total = self._access(rid, self.prompt[rid] - 1, check=True)
                 self.results.setdefault(rid, {}).update(load="ok", bad=bad, checked=total)
         reqs = list(so.num_scheduled_tokens)
+        # a token is sampled only where the step reached the end of the prompt (not after a partial prefill)
+        sampled = [[7] if self.sched.requests[r].num_computed_tokens >= self.sched.requests[r].num_tokens else []
+                   for r in reqs]
         out = ModelRunnerOutput(req_ids=reqs, req_id_to_index={r: i for i, r in enumerate(reqs)},
-                                sampled_token_ids=[[7] for _ in reqs],
+                                sampled_token_ids=sampled,
                                 kv_connector_output=KVConnectorOutput(
                                     finished_sending=res.finished_sending or None,
                                     finished_recving=res.finished_recving or None,
@@ -325,7 +343,21 @@ class _Engine:
                 pending = None
 
     def close(self) -> None:
-        try:
-            self.worker.shutdown()
-        except Exception:
-            pass
+        self.worker.shutdown()
+        buf = getattr(self, "_buf", None)
+        if buf is not None:
+            self.caches.clear()
+            buf.close()
+
+
+def _plain_tensors_exportable() -> bool:
+    """Whether the platform can hand another process a plain torch CPU tensor's memory."""
+    from gpuxfer.errors import NotExportable
+    from gpuxfer.platforms import current
+    import torch
+    t = torch.zeros(4096, dtype=torch.int8)
+    try:
+        current().export_range(t.data_ptr(), t.numel(), 0)
+    except NotExportable:
+        return False
+    return True

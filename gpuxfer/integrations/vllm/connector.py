@@ -81,7 +81,7 @@ def _settings(extra: dict) -> Settings:
     return Settings(lease_s=pick("lease_s", "GPUXFER_VLLM_LEASE_S"), host=pick("host", "GPUXFER_VLLM_HOST"),
                     port=pick("port", "GPUXFER_VLLM_PORT"),
                     handshake_timeout_s=pick("handshake_timeout_s", "GPUXFER_VLLM_HANDSHAKE_TIMEOUT_S"),
-                    token_major=tm)
+                    token_major=tm, engine=pick("engine", "GPUXFER_VLLM_ENGINE"))
 
 
 class GpuxferConnector(KVConnectorBase_V1, SupportsHMA):

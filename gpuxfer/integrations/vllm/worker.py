@@ -36,6 +36,7 @@ class Settings:
     port: int
     handshake_timeout_s: float
     token_major: bool
+    engine: str = "auto"
 
 
 @dataclass
@@ -104,10 +105,13 @@ class WorkerSide:
         from ...platforms import current
         platform = self.platform or current()
         first = next(iter(kv_caches.values()))
-        device = first.device.index if first.device.type == "cuda" and first.device.index is not None else 0
+        device = 0
         if first.device.type == "cuda":
             device = torch.cuda.current_device() if first.device.index is None else first.device.index
-        self.agent = KVAgent(f"vllm-{self.engine_id}", platform=platform, device=device)
+        engine = self.settings.engine
+        if engine == "auto":        # the host emulation runs kernels in Triton's interpreter; memcpy is fast there
+            engine = "copy_engine" if platform.kernels_interpreted else "triton"
+        self.agent = KVAgent(f"vllm-{self.engine_id}", platform=platform, device=device, engine=engine)
         groups = []
         for g, (kind, bs, names) in enumerate(self.group_specs):
             missing = [n for n in names if n not in kv_caches]
@@ -140,9 +144,9 @@ class WorkerSide:
         if not all(g["token_major"] for g in groups):
             log.info("gpuxfer: engine %s: the KV layout is not token-major (attention backend's block interior), so "
                      "it pairs only with instances of the same block size", self.engine_id)
-        log.info("gpuxfer: engine %s registered %d KV-cache group(s) (%s) in %.2f s; side channel on %s:%d",
-                 self.engine_id, len(groups), ", ".join(f"{g['kind']} {g['block_size']} tok x {len(g['layers'])} "
-                                                         f"layers" for g in groups),
+        log.info("gpuxfer: engine %s registered %d KV-cache group(s) (%s) with the %s engine in %.2f s; side "
+                 "channel on %s:%d", self.engine_id, len(groups), ", ".join(f"{g['kind']} {g['block_size']} tok x {len(g['layers'])} "
+                                                         f"layers" for g in groups), engine,
                  time.perf_counter() - t0, self.server.host, self.server.port)
 
     @property

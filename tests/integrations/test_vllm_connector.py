@@ -1,0 +1,223 @@
+"""GpuxferConnector against vLLM 0.33's real Scheduler: prefill and decode instances in spawned processes
+on the host emulation (tests/integrations/vllm_instance.py), every loaded byte checked.
+
+vLLM is not a dependency: without it these tests skip, unless GPUXFER_REQUIRE_VLLM=1 (CI's vLLM step),
+which makes a missing vLLM a failure.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gpuxfer import config
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+if importlib.util.find_spec("vllm") is None:
+    if config.get("GPUXFER_REQUIRE_VLLM"):
+        raise ImportError("GPUXFER_REQUIRE_VLLM=1 but vllm is not installed (tests/integrations/requirements-vllm.txt)")
+    pytest.skip("vllm is not installed (pip install --no-deps vllm==0.33.0 and "
+                "tests/integrations/requirements-vllm.txt)", allow_module_level=True)
+
+from vllm_instance import Instance, write_model  # noqa: E402
+
+ENV = {"GPUXFER_PLATFORM": "host", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+       "VLLM_LOGGING_LEVEL": "WARNING"}
+TM = {"token_major": True}          # token-major content, as the GPU backends keep it: different block sizes pair
+
+
+@pytest.fixture(scope="module")
+def inst(tmp_path_factory):
+    """Five instances, started together: P64 (64-token blocks) read by D32 (ratio 2) and D16 (ratio 4);
+    a hybrid pair HP/HD (full attention + sliding window, 32-token blocks, the CPU backend's layout) pulling
+    with the triton engine (Triton's interpreter here: small requests), the others with copy_engine."""
+    model = write_model(str(tmp_path_factory.mktemp("model")))
+    specs = {"P64": (64, False, TM), "D32": (32, False, TM), "D16": (16, False, TM),
+             "HP": (32, True, {"engine": "triton"}), "HD": (32, True, {"engine": "triton"})}
+    out = {}
+    try:
+        for name, (bs, hybrid, extra) in specs.items():
+            out[name] = Instance(name, model, bs, hybrid=hybrid, extra=extra, env=ENV)
+        for i in out.values():
+            i.info = i.ready(timeout=600)
+        yield out
+    finally:
+        for i in out.values():
+            i.close()
+        for i in out.values():
+            assert i.proc.exitcode is not None, f"instance {i.name} did not exit"
+
+
+def prefill(P, reqs, timeout=300):
+    """``reqs``: (id, prompt tokens, seed); returns {id: kv_transfer_params}."""
+    res = P.run("prefill", [(r, n, s, None) for r, n, s in reqs], timeout=timeout)
+    for r, v in res.items():
+        assert v.get("finished") == "length", (r, v)
+        assert v["params"] and v["params"]["do_remote_prefill"], (r, v)
+    return {r: v["params"] for r, v in res.items()}
+
+
+def decode(D, reqs, params, timeout=300):
+    """Decode requests reading the prefill requests of the same seed; returns the instance's results."""
+    return D.run("decode", [(f"d-{r}", n, s, params[r]) for r, n, s in reqs], timeout=timeout)
+
+
+def assert_loaded(res):
+    for r, v in res.items():
+        assert v.get("load") == "ok", (r, v)
+        assert v["bad"] == 0 and v["checked"] > 0, (r, v)
+        assert v.get("finished") == "length", (r, v)
+
+
+def assert_idle(I, baseline_free, timeout=60):
+    s = I.call("idle", timeout, timeout=timeout + 30)
+    assert s["requests"] == 0, s
+    assert s["free"] == baseline_free, s
+    return s
+
+
+def test_ratio_2_with_64_concurrent_requests(inst):
+    P, D = inst["P64"], inst["D32"]
+    reqs = [(f"c{i}", 40 + 23 * i, 1000 + i) for i in range(64)]
+    params = prefill(P, reqs)
+    res = decode(D, reqs, params)
+    assert_loaded(res)
+    s = assert_idle(P, P.info["free"])
+    assert s["stats"]["sends_done"] >= 64 and s["stats"].get("leases_expired", 0) == 0
+    d = D.call("stats")
+    assert d["requests"] == 0 and d["free"] == D.info["free"]
+    st = d["stats"]
+    assert st["transfers"] >= 64 and st["bytes"] > 0 and st["handshakes"] == 1 and st["failed"] == 0
+    assert len(st["post_host_s"]) >= 64
+
+
+def test_ratio_4(inst):
+    P, D = inst["P64"], inst["D16"]
+    reqs = [(f"q{i}", 17 + 101 * i, 2000 + i) for i in range(8)]
+    assert_loaded(decode(D, reqs, prefill(P, reqs)))
+    assert_idle(P, P.info["free"])
+
+
+def test_hybrid_groups(inst):
+    P, D = inst["HP"], inst["HD"]
+    assert P.info["groups"] == [2, 2]           # full attention and sliding window layers
+    reqs = [(f"h{i}", 30 + 61 * i, 3000 + i) for i in range(4)]
+    assert_loaded(decode(D, reqs, prefill(P, reqs)))
+    assert_idle(P, P.info["free"])
+    assert D.call("stats")["free"] == D.info["free"]
+
+
+def test_prefill_abort_frees_blocks(inst):
+    P = inst["P64"]
+    P.call("submit", "prefill", [(f"a{i}", 300, 4000 + i, None) for i in range(4)])
+    P.call("abort", [f"a{i}" for i in range(4)])
+    assert_idle(P, P.info["free"])
+
+
+def test_decode_abort_releases_prefill(inst):
+    P, D = inst["P64"], inst["D32"]
+    reqs = [(f"b{i}", 200 + i, 5000 + i) for i in range(6)]
+    params = prefill(P, reqs)
+    D.call("submit", "decode", [(f"d-{r}", n, s, params[r]) for r, n, s in reqs])
+    D.call("abort", [f"d-{r}" for r, _, _ in reqs])
+    assert_idle(D, D.info["free"])
+    s = assert_idle(P, P.info["free"])          # read or released, not left to the lease
+    assert s["stats"].get("leases_expired", 0) == 0
+
+
+def test_lease_expiry(inst):
+    P, D = inst["P64"], inst["D32"]
+    before = P.call("stats")["stats"].get("leases_expired", 0)
+    P.call("set_lease", 1.0)
+    try:
+        reqs = [(f"l{i}", 150, 6000 + i) for i in range(2)]
+        params = prefill(P, reqs)
+        time.sleep(1.5)
+        s = assert_idle(P, P.info["free"], timeout=30)      # nobody read: the lease freed the blocks
+        assert s["stats"]["leases_expired"] == before + 2
+        res = decode(D, reqs, params)                         # stale params: the load fails, vLLM recomputes
+        for r, v in res.items():
+            assert v.get("load") == "failed" and v.get("finished") == "length", (r, v)
+    finally:
+        P.call("set_lease", 120.0)
+    assert D.call("stats")["free"] == D.info["free"]
+
+
+def _closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_hostile_transfer_params(inst):
+    """Each bad request fails alone (computed locally); the good one beside them loads. The prefill cannot be
+    told about params too broken to name it: the lease (short here) frees those blocks."""
+    P, D = inst["P64"], inst["D32"]
+    P.call("set_lease", 20.0)
+    reqs = [(f"x{i}", 130, 7000 + i) for i in range(12)]
+    params = prefill(P, reqs)
+    hp = prefill(inst["HP"], [("xh", 130, 7100)])["xh"]
+    bad = {
+        "x0": {"remote_block_ids": [[99999999, 1, 2]]},                     # past the prefill's pool
+        "x1": {"remote_block_ids": [["1", "2", "3"]]},                      # not integers
+        "x2": {"remote_block_ids": [[-5, 1, 2]]},                           # negative
+        "x3": {"remote_block_ids": [[1] * 10_000_000]},                     # huge
+        "x4": {"remote_engine_id": "someone-else"},                         # the engine at that port is not it
+        "x5": {"remote_port": _closed_port()},                              # nobody listens
+        "x6": {"remote_port": "80"},                                        # wrong type
+        "x7": {"gpuxfer": 999},                                             # another version
+        "x8": {"remote_block_sizes": [48]},                                 # 48 and 32 do not divide
+        "x9": {"remote_host": hp["remote_host"], "remote_port": hp["remote_port"],
+               "remote_engine_id": hp["remote_engine_id"]},                 # an incompatible engine (hybrid)
+        "x10": {"remote_block_ids": [[1]]},                                 # too few blocks for the prompt
+    }
+    for r, patch in bad.items():
+        params[r] = dict(params[r], **patch)
+    res = decode(D, reqs, params)
+    for r, v in res.items():
+        key = r[2:]
+        assert v.get("finished") == "length", (r, v)            # every request still completes
+        if key in ("x1", "x2", "x3", "x6", "x7", "x8", "x10"):
+            assert "load" not in v, (r, v)                      # refused up front: computed locally
+        elif key == "x11":
+            assert v.get("load") == "ok" and v["bad"] == 0, (r, v)
+        else:
+            assert v.get("load") == "failed", (r, v)
+    assert_idle(D, D.info["free"])
+    P.call("set_lease", 120.0)
+    assert_idle(P, P.info["free"], timeout=90)
+
+
+def test_dead_prefill_reports_load_errors(inst):
+    P, D = inst["HP"], inst["HD"]
+    reqs = [(f"k{i}", 160, 8000 + i) for i in range(3)]
+    params = prefill(P, reqs)
+    P.kill()
+    t0 = time.monotonic()
+    res = decode(D, reqs, params, timeout=120)
+    for r, v in res.items():
+        assert v.get("load") == "failed" and v.get("finished") == "length", (r, v)
+    assert time.monotonic() - t0 < 60
+    assert D.call("stats")["free"] == D.info["free"]
+
+
+def test_importing_gpuxfer_imports_no_vllm():
+    code = ("import sys, gpuxfer, gpuxfer.kv, gpuxfer.integrations, gpuxfer.integrations.vllm, "
+            "gpuxfer.integrations.vllm.params, gpuxfer.integrations.vllm.handshake, gpuxfer.integrations.vllm.channel, "
+            "gpuxfer.integrations.vllm.scheduler, gpuxfer.integrations.vllm.worker\n"
+            "assert not [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')], 'vllm imported'\n"
+            "import gpuxfer.integrations.vllm as v\n"
+            "v.GpuxferConnector\n"
+            "assert 'vllm' in sys.modules\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(HERE)),
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, **ENV))
+    assert p.returncode == 0, p.stderr[-3000:]

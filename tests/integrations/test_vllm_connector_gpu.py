@@ -1,0 +1,64 @@
+"""GpuxferConnector with CUDA KV caches vLLM's allocator code made (plain torch memory), prefill and decode
+in two processes on one GPU, vLLM's real Scheduler in each; every loaded byte checked.
+
+Run on a GPU machine with vLLM's pure-Python tree on PYTHONPATH (scripts/vllm_device_tree.py):
+``GPUXFER_REQUIRE_VLLM=1 python -m pytest -m gpu tests/integrations/test_vllm_connector_gpu.py``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+from gpuxfer import config
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+pytestmark = pytest.mark.gpu
+
+if importlib.util.find_spec("vllm") is None:
+    if config.get("GPUXFER_REQUIRE_VLLM"):
+        raise ImportError("GPUXFER_REQUIRE_VLLM=1 but vllm is not importable")
+    pytest.skip("vllm is not installed", allow_module_level=True)
+
+from vllm_instance import Instance, write_model  # noqa: E402
+
+ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model = write_model(str(tmp_path_factory.mktemp("model")))
+    out = {}
+    try:
+        out["P"] = Instance("gP", model, 64, extra={"token_major": True}, env=ENV, device="cuda", num_blocks=16384)
+        out["D"] = Instance("gD", model, 32, extra={"token_major": True}, env=ENV, device="cuda", num_blocks=16384)
+        out["E"] = Instance("gE", model, 64, env=ENV, device="cuda", num_blocks=16384)
+        for i in out.values():
+            i.info = i.ready(timeout=600)
+        yield out
+    finally:
+        for i in out.values():
+            i.close()
+
+
+@pytest.mark.parametrize("dec", ["D", "E"])
+def test_gpu_prefill_to_decode(pair, dec):
+    """D: 32-token blocks reading 64-token ones (ratio 2); E: equal block sizes. 64 requests up to 4k tokens."""
+    P, D = pair["P"], pair[dec]
+    reqs = [(f"{dec}{i}", 100 + 61 * i, 9000 + i) for i in range(64)]
+    res = P.run("prefill", [(r, n, s, None) for r, n, s in reqs], timeout=600)
+    params = {r: v["params"] for r, v in res.items()}
+    out = D.run("decode", [(f"d-{r}", n, s, params[r]) for r, n, s in reqs], timeout=600)
+    for r, v in out.items():
+        assert v.get("load") == "ok" and v["bad"] == 0 and v["checked"] > 0, (r, v)
+    s = P.call("idle", 60, timeout=120)
+    assert s["requests"] == 0 and s["free"] == P.info["free"], s
+    st = D.call("stats")["stats"]
+    assert st["failed"] == 0 and st["transfers"] >= 64

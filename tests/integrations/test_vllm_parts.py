@@ -1,0 +1,157 @@
+"""The vLLM connector's parts that need no vLLM: params checks, block pairing, the compatibility check,
+the view description and the side channel's framing."""
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from gpuxfer.errors import LayoutMismatch
+from gpuxfer.integrations.vllm.channel import MAX_FRAME, SideChannelClient, SideChannelServer
+from gpuxfer.integrations.vllm.handshake import check_compatible, describe_view
+from gpuxfer.integrations.vllm.params import (BadTransferParams, build_params, pair_group, parse_remote_prefill,
+                                              tokens_to_load)
+
+
+def good(**kw):
+    p = build_params(engine_id="p0", host="127.0.0.1", port=5601, request_id="r1", block_ids=[[3, 4, 5]],
+                     block_sizes=[16], lease_deadline=123.0)
+    p.update(kw)
+    return p
+
+
+def test_params_round_trip():
+    rp = parse_remote_prefill(good(), [16])
+    assert rp.endpoint == ("127.0.0.1", 5601, "p0") and rp.block_ids[0].tolist() == [3, 4, 5]
+    assert tokens_to_load(40, 0, [16], rp) == 39
+    assert tokens_to_load(40, 16, [16], rp) == 23
+    assert tokens_to_load(40, 8, [8], parse_remote_prefill(good(), [8])) == 0      # hit off the prefill's blocks
+    assert tokens_to_load(1, 0, [16], rp) == 0                                      # nothing but the last token
+
+
+@pytest.mark.parametrize("patch", [
+    {"gpuxfer": None}, {"gpuxfer": 2}, {"remote_port": 0}, {"remote_port": "80"}, {"remote_port": True},
+    {"remote_host": ""}, {"remote_host": "h" * 600}, {"remote_engine_id": 5}, {"remote_request_id": None},
+    {"lease_deadline": float("nan")}, {"lease_deadline": "soon"}, {"tp_size": 2},
+    {"remote_block_ids": [[1, 2], [3]]}, {"remote_block_ids": [[1.5]]}, {"remote_block_ids": [[-1]]},
+    {"remote_block_ids": [[1 << 40]]}, {"remote_block_ids": [["1"]]}, {"remote_block_ids": [[True]]},
+    {"remote_block_ids": "1,2,3"}, {"remote_block_ids": [[0] * ((1 << 22) + 1)]},
+    {"remote_block_sizes": [24]}, {"remote_block_sizes": [0]}, {"remote_block_sizes": []},
+])
+def test_hostile_params_are_refused(patch):
+    with pytest.raises(BadTransferParams):
+        parse_remote_prefill(good(**patch), [16])
+
+
+def test_params_too_few_blocks():
+    rp = parse_remote_prefill(good(), [16])
+    with pytest.raises(BadTransferParams, match="need 4 blocks"):
+        tokens_to_load(64, 0, [16], rp)
+
+
+def test_pair_equal_and_ratios():
+    loc, rem = np.array([7, 8, 9, 10]), np.array([1, 2, 3, 4])
+    li, ri = pair_group(loc, rem, 16, 16, 0, 63, 16, 16)
+    assert li.tolist() == [7, 8, 9, 10] and ri.tolist() == [1, 2, 3, 4]
+    # decode 16-token blocks, prefill 64-token ones: the prefill side lists ceil(n / 4)
+    li, ri = pair_group(np.array([7, 8, 9, 10, 11]), np.array([2, 6]), 16, 64, 0, 70, 16, 64)
+    assert li.tolist() == [7, 8, 9, 10, 11] and ri.tolist() == [2, 6]
+    # decode 64-token blocks, prefill 16-token ones
+    li, ri = pair_group(np.array([3, 4]), np.array([1, 2, 3, 4, 5, 6]), 64, 16, 0, 70, 64, 16)
+    assert li.tolist() == [3, 4] and ri.tolist() == [1, 2, 3, 4, 5]
+    # manager blocks split into kernel blocks (32-token blocks of 16-token kernel blocks)
+    li, ri = pair_group(np.array([5, 9]), np.array([2, 3]), 32, 32, 0, 40, 16, 32)
+    assert li.tolist() == [10, 11, 18] and ri.tolist() == [2, 3]
+    # a local prefix hit: start past it on both sides
+    li, ri = pair_group(loc, rem, 16, 16, 32, 63, 16, 16)
+    assert li.tolist() == [9, 10] and ri.tolist() == [3, 4]
+
+
+def test_pair_sliding_window_nulls():
+    li, ri = pair_group(np.array([0, 0, 8, 9]), np.array([0, 5, 6, 7]), 16, 16, 0, 63, 16, 16)
+    assert li.tolist() == [8, 9] and ri.tolist() == [6, 7]
+    with pytest.raises(BadTransferParams, match="no longer holds"):         # the prefill dropped a block we need
+        pair_group(np.array([0, 7, 8, 9]), np.array([0, 0, 6, 7]), 16, 16, 0, 63, 16, 16)
+    with pytest.raises(BadTransferParams, match="null block follows"):
+        pair_group(np.array([7, 0, 8, 9]), np.array([1, 2, 3, 4]), 16, 16, 0, 63, 16, 16)
+    with pytest.raises(BadTransferParams, match="not on a boundary"):      # window starts inside a prefill block
+        pair_group(np.array([0, 7, 8, 9]), np.array([2, 3]), 16, 32, 0, 63, 16, 32)
+
+
+def info(**kw):
+    g = {"kind": "FullAttentionSpec", "block_size": 16, "kernel_tokens": 16, "token_major": True,
+         "layers": ["l0", "l1"], "bytes_per_token": 512}
+    g.update(kw)
+    return {"version": 1, "engine_id": "e", "model": "m", "dtype": "auto/float16", "layout": "LBHNC", "groups": [g]}
+
+
+def test_compatibility_check():
+    check_compatible(info(), info(block_size=64, kernel_tokens=64))
+    with pytest.raises(LayoutMismatch, match="same --block-size"):
+        check_compatible(info(token_major=False), info(block_size=64, kernel_tokens=64, token_major=False))
+    with pytest.raises(LayoutMismatch, match="do not divide"):
+        check_compatible(info(), info(block_size=24, kernel_tokens=24))
+    with pytest.raises(LayoutMismatch, match="layers"):
+        check_compatible(info(), info(layers=["l0"]))
+    bad = info()
+    bad["model"] = "other"
+    with pytest.raises(LayoutMismatch, match="model"):
+        check_compatible(info(), bad)
+
+
+def test_describe_view_layouts():
+    buf = torch.zeros(2 * 10 * 4 * 16 * 64, dtype=torch.int8)
+    # LBHNC: [L, B, H, N, C] -> head-major blocks
+    v = buf.view(2, 10, 4, 16, 64)[1]
+    spec, tok, major = describe_view(v, True)
+    assert tok == 16 and major and spec.block_stride_bytes == 4 * 16 * 64
+    assert spec.pieces == [(h * 16 * 64, 16 * 64) for h in range(4)]
+    spec, _, major = describe_view(v, False)
+    assert not major and spec.pieces == [(0, 4 * 16 * 64)]
+    # LBNHC: [L, B, N, H, C] viewed as [B, H, N, C]
+    w = buf.view(2, 10, 16, 4, 64)[0].permute(0, 2, 1, 3)
+    spec, tok, major = describe_view(w, True)
+    assert tok == 16 and major and spec.pieces == [(0, 16 * 4 * 64)]
+    with pytest.raises(LayoutMismatch):
+        describe_view(buf.view(2, 10, 4, 16, 64)[0].permute(0, 1, 3, 2)[..., :1].expand(10, 4, 64, 16), True)
+
+
+def test_side_channel_limits():
+    events = []
+    srv = SideChannelServer("127.0.0.1", 0, lambda: (b"{}", b"meta"), timeout_s=5.0)
+    try:
+        c = SideChannelClient("127.0.0.1", srv.port, 5.0)
+        assert c.handshake() == (b"{}", b"meta")
+        assert c.notify("done", "r1") and c.notify("release", "r2")
+        for _ in range(2):
+            events.append(srv.events.get(timeout=5))
+        assert events == [("done", "r1"), ("release", "r2")]
+        # a hostile frame length closes that connection only
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        s.sendall(struct.pack(">I", MAX_FRAME + 1))
+        s.settimeout(5)
+        assert s.recv(1) == b""
+        s.close()
+        c2 = SideChannelClient("127.0.0.1", srv.port, 5.0)
+        assert c2.handshake()[1] == b"meta"
+        c2.close()
+        c.close()
+    finally:
+        srv.close()
+    # the decode side sees the prefill end go away
+    srv = SideChannelServer("127.0.0.1", 0, lambda: (b"{}", b"m"), timeout_s=5.0)
+    c = SideChannelClient("127.0.0.1", srv.port, 5.0)
+    c.handshake()
+    srv.close()
+    done = threading.Event()
+    for _ in range(100):
+        if not c.alive:
+            done.set()
+            break
+        threading.Event().wait(0.05)
+    assert done.is_set()
+    c.close()
