@@ -49,6 +49,12 @@ GOOD = {
     "GPUXFER_MORI_HOST": ("10.0.0.2", "10.0.0.2"),
     "GPUXFER_INJECT_FAULT": ("pack:pull", "pack:pull"),
     "GPUXFER_KV_TRACE": ("/tmp/trace", "/tmp/trace"),
+    "GPUXFER_VLLM_LEASE_S": ("30", 30.0),
+    "GPUXFER_VLLM_HOST": ("10.0.0.3", "10.0.0.3"),
+    "GPUXFER_VLLM_PORT": ("5601", 5601),
+    "GPUXFER_VLLM_ENGINE": ("copy_engine", "copy_engine"),
+    "GPUXFER_VLLM_HANDSHAKE_TIMEOUT_S": ("2.5", 2.5),
+    "GPUXFER_REQUIRE_VLLM": ("1", True),
 }
 
 # name -> (a bad value, part of the message); variables of free text have no bad value
@@ -78,6 +84,11 @@ BAD = {
     "GPUXFER_NIXL_MAX_DESCS": [("0", "must be >= 1")],
     "GPUXFER_NIXL_PACK_STAGE_BYTES": [("1G", "must be an integer")],
     "GPUXFER_MORI_BACKEND": [("infiniband", "must be rdma or xgmi, got 'infiniband'")],
+    "GPUXFER_VLLM_LEASE_S": [("forever", "must be a number of seconds"), ("0", "> 0")],
+    "GPUXFER_VLLM_PORT": [("70000", "must be in [0, 65535], got 70000")],
+    "GPUXFER_VLLM_ENGINE": [("pack", "must be auto, triton or copy_engine")],
+    "GPUXFER_VLLM_HANDSHAKE_TIMEOUT_S": [("-1", "> 0")],
+    "GPUXFER_REQUIRE_VLLM": [("please", "must be 1 or 0")],
 }
 
 
