@@ -116,8 +116,9 @@ def test_hybrid_groups(inst):
 
 def test_prefill_abort_frees_blocks(inst):
     P = inst["P64"]
-    P.call("submit", "prefill", [(f"a{i}", 300, 4000 + i, None) for i in range(4)])
-    P.call("abort", [f"a{i}" for i in range(4)])
+    # 4 x 6000 tokens need two steps of the 16384-token budget: aborted after the first, mid-prefill
+    states = P.call("submit_abort", "prefill", [(f"a{i}", 6000, 4000 + i, None) for i in range(4)])
+    assert "RUNNING" in states.values(), states
     assert_idle(P, P.info["free"])
 
 
@@ -125,8 +126,8 @@ def test_decode_abort_releases_prefill(inst):
     P, D = inst["P64"], inst["D32"]
     reqs = [(f"b{i}", 200 + i, 5000 + i) for i in range(6)]
     params = prefill(P, reqs)
-    D.call("submit", "decode", [(f"d-{r}", n, s, params[r]) for r, n, s in reqs])
-    D.call("abort", [f"d-{r}" for r, _, _ in reqs])
+    states = D.call("submit_abort", "decode", [(f"d-{r}", n, s, params[r]) for r, n, s in reqs])
+    assert "WAITING_FOR_REMOTE_KVS" in states.values(), states      # aborted while their loads run
     assert_idle(D, D.info["free"])
     s = assert_idle(P, P.info["free"])          # read or released, not left to the lease
     assert s["stats"].get("leases_expired", 0) == 0
@@ -202,6 +203,7 @@ def test_dead_prefill_reports_load_errors(inst):
     reqs = [(f"k{i}", 160, 8000 + i) for i in range(3)]
     params = prefill(P, reqs)
     P.kill()
+    time.sleep(1.0)             # the kill reaches the decode side as a closed side channel
     t0 = time.monotonic()
     res = decode(D, reqs, params, timeout=120)
     for r, v in res.items():

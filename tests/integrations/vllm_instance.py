@@ -322,8 +322,17 @@ class _Engine:
                 elif op == "submit":                  # add without waiting for the requests
                     self.add(args[0], args[1])
                     conn.send(("submit", None))
-                elif op == "collect":                 # wait for requests added by submit
-                    pending = ("collect", args[0])
+                elif op == "submit_abort":            # add, run one step, abort them: mid-prefill or mid-load
+                    from vllm.v1.request import RequestStatus
+                    self.add(args[0], args[1])
+                    self.step()
+                    rids = [r[0] for r in args[1]]
+                    states = {r: self.sched.requests[r].status.name for r in rids if r in self.sched.requests}
+                    self.sched.finish_requests(rids, RequestStatus.FINISHED_ABORTED)
+                    for rid in rids:
+                        self.results.setdefault(rid, {})["finished"] = "abort"
+                        self.waiting.discard(rid)
+                    conn.send(("submit_abort", states))
                 elif op == "idle":                    # step until nothing is held, then report
                     deadline = time.monotonic() + args[0]
                     while self.sched.has_requests() and time.monotonic() < deadline:

@@ -202,7 +202,8 @@ class WorkerSide:
 
     def _remote(self, rp: RemotePrefill) -> _Remote:
         r = self._remotes.get(rp.endpoint)
-        if r is None or (r.state == "failed" and r.inflight == 0):
+        gone = r is not None and r.state == "ready" and not (r.client and r.client.alive)
+        if r is None or ((r.state == "failed" or gone) and r.inflight == 0):
             r = self._remotes[rp.endpoint] = _Remote(rp.endpoint)
             threading.Thread(target=self._handshake, args=(r,), name="gpuxfer-vllm-handshake", daemon=True).start()
         return r
@@ -251,6 +252,8 @@ class WorkerSide:
             return False
         try:
             load, r = st.load, st.remote
+            if r.client is None or not r.client.alive:
+                raise BadTransferParams(f"prefill engine {r.key[2]} is gone: {r.client and r.client.closed_reason}")
             if time.monotonic() >= load.remote.lease_deadline:
                 raise BadTransferParams("the prefill instance's lease on the blocks ran out before the read started")
             local, remote, nbytes = {}, {}, 0
