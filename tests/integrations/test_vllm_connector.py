@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
-import subprocess
 import sys
 import time
 
@@ -116,7 +115,7 @@ def test_hybrid_groups(inst):
 
 def test_prefill_abort_frees_blocks(inst):
     P = inst["P64"]
-    # 4 x 6000 tokens need two steps of the 16384-token budget: aborted after the first, mid-prefill
+    # 6000-token prompts need two steps of the 4096-token budget: aborted after the first, mid-prefill
     states = P.call("submit_abort", "prefill", [(f"a{i}", 6000, 4000 + i, None) for i in range(4)])
     assert "RUNNING" in states.values(), states
     assert_idle(P, P.info["free"])
@@ -124,13 +123,14 @@ def test_prefill_abort_frees_blocks(inst):
 
 def test_decode_abort_releases_prefill(inst):
     P, D = inst["P64"], inst["D32"]
+    expired = P.call("stats")["stats"].get("leases_expired", 0)
     reqs = [(f"b{i}", 200 + i, 5000 + i) for i in range(6)]
     params = prefill(P, reqs)
     states = D.call("submit_abort", "decode", [(f"d-{r}", n, s, params[r]) for r, n, s in reqs])
     assert "WAITING_FOR_REMOTE_KVS" in states.values(), states      # aborted while their loads run
     assert_idle(D, D.info["free"])
     s = assert_idle(P, P.info["free"])          # read or released, not left to the lease
-    assert s["stats"].get("leases_expired", 0) == 0
+    assert s["stats"].get("leases_expired", 0) == expired
 
 
 def test_lease_expiry(inst):
@@ -210,16 +210,3 @@ def test_dead_prefill_reports_load_errors(inst):
         assert v.get("load") == "failed" and v.get("finished") == "length", (r, v)
     assert time.monotonic() - t0 < 60
     assert D.call("stats")["free"] == D.info["free"]
-
-
-def test_importing_gpuxfer_imports_no_vllm():
-    code = ("import sys, gpuxfer, gpuxfer.kv, gpuxfer.integrations, gpuxfer.integrations.vllm, "
-            "gpuxfer.integrations.vllm.params, gpuxfer.integrations.vllm.handshake, gpuxfer.integrations.vllm.channel, "
-            "gpuxfer.integrations.vllm.scheduler, gpuxfer.integrations.vllm.worker\n"
-            "assert not [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')], 'vllm imported'\n"
-            "import gpuxfer.integrations.vllm as v\n"
-            "v.GpuxferConnector\n"
-            "assert 'vllm' in sys.modules\n")
-    p = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(HERE)),
-                       capture_output=True, text=True, timeout=300, env=dict(os.environ, **ENV))
-    assert p.returncode == 0, p.stderr[-3000:]

@@ -2,8 +2,11 @@
 the view description and the side channel's framing."""
 from __future__ import annotations
 
+import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -155,3 +158,15 @@ def test_side_channel_limits():
         threading.Event().wait(0.05)
     assert done.is_set()
     c.close()
+
+
+def test_importing_gpuxfer_imports_no_vllm():
+    """gpuxfer and the connector's vLLM-free modules import no vLLM (vLLM loads the connector module itself)."""
+    code = ("import sys, gpuxfer, gpuxfer.kv, gpuxfer.integrations, gpuxfer.integrations.vllm, "
+            "gpuxfer.integrations.vllm.params, gpuxfer.integrations.vllm.handshake, "
+            "gpuxfer.integrations.vllm.channel, gpuxfer.integrations.vllm.scheduler, gpuxfer.integrations.vllm.worker\n"
+            "bad = [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')]\n"
+            "assert not bad, bad\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]

@@ -131,7 +131,7 @@ class _Engine:
         ktc = KVTransferConfig(kv_connector="GpuxferConnector", kv_connector_module_path="gpuxfer.integrations.vllm",
                                kv_role="kv_both", engine_id=spec["name"], kv_load_failure_policy="recompute",
                                kv_connector_extra_config=spec["extra"])
-        sc = SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=16384, max_model_len=8192,
+        sc = SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=4096, max_model_len=8192,
                              is_encoder_decoder=False, disable_hybrid_kv_cache_manager=not spec["hybrid"])
         self.config = VllmConfig(model_config=mc, cache_config=cache, scheduler_config=sc, kv_transfer_config=ktc,
                                  device_config=DeviceConfig("cpu"))
