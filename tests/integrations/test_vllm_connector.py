@@ -35,11 +35,11 @@ TM = {"token_major": True}          # token-major content, as the GPU backends k
 @pytest.fixture(scope="module")
 def inst(tmp_path_factory):
     """Five instances, started together: P64 (64-token blocks) read by D32 (ratio 2) and D16 (ratio 4);
-    a hybrid pair HP/HD (full attention + sliding window, 32-token blocks, the CPU backend's layout) pulling
-    with the triton engine (Triton's interpreter here: small requests), the others with copy_engine."""
+    a hybrid pair HP/HD (full attention + sliding window, 32-token blocks, the CPU backend's layout). The caches
+    are vLLM's own plain CPU tensors where the host platform reaches another process's memory."""
     model = write_model(str(tmp_path_factory.mktemp("model")))
     specs = {"P64": (64, False, TM), "D32": (32, False, TM), "D16": (16, False, TM),
-             "HP": (32, True, {"engine": "triton"}), "HD": (32, True, {"engine": "triton"})}
+             "HP": (32, True, {}), "HD": (32, True, {})}
     out = {}
     try:
         for name, (bs, hybrid, extra) in specs.items():
