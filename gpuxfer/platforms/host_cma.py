@@ -129,9 +129,10 @@ def _ptrace_hint() -> str:
             scope = f"kernel.yama.ptrace_scope is {fh.read().strip()}"
     except OSError:
         scope = "kernel.yama.ptrace_scope is not set (no Yama)"
-    return (f"the kernel refused cross-memory attach (EPERM: ptrace access denied; {scope}; 0 or 1 allows a "
-            "process of the same user, or grant CAP_SYS_PTRACE; a seccomp profile may also deny "
-            "process_vm_readv/process_vm_writev)")
+    return (f"the kernel refused cross-memory attach (EPERM: ptrace access denied; {scope}: 0 allows a "
+            "process of the same user, 1 too since the exporter declares any process of its user its ptracer "
+            "(PR_SET_PTRACER), 2 needs CAP_SYS_PTRACE, 3 forbids it; a seccomp profile (containers) may also "
+            "deny process_vm_readv/process_vm_writev; or register caches of Platform.alloc + as_tensor)")
 
 
 def _raise_for(call: str, ret: int, err: int, want: int, target: "_Target", doing: str) -> None:
@@ -189,6 +190,17 @@ def encode_handle(pid: int, addr: int, nbytes: int) -> bytes:
     return _PAYLOAD.pack(CMA_MAGIC, pid, start, addr, nbytes, boot_id())
 
 
+def _allow_ptracers() -> None:
+    """Let any process of this user attach (Yama's ``kernel.yama.ptrace_scope`` 1 otherwise limits it to
+    ancestors, and a prefill and a decode instance are siblings): ``prctl(PR_SET_PTRACER,
+    PR_SET_PTRACER_ANY)``, what a process that exports memory for cross-memory attach declares. The user check
+    and scopes 2 and 3 still apply. A kernel without Yama refuses the call (EINVAL): nothing to do."""
+    PR_SET_PTRACER, PR_SET_PTRACER_ANY = 0x59616D61, ctypes.c_ulong(-1).value
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    libc.prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0)
+
+
 class _Registry:
     """The ranges a process exported as cma handles, in a shared-memory segment of its own (mode 0600, named
     after its pid and start time): what an opener checks a handle against, so forged metadata (a range the
@@ -222,6 +234,7 @@ class _Registry:
                 resource_tracker.register(name, "shared_memory")   # unlinked by the tracker if killed
                 cls.HEADER.pack_into(mm, 0, CMA_MAGIC, pid, start, 0)
                 cls._mine = (pid, mm, set())
+                _allow_ptracers()
                 import atexit
                 atexit.register(cls._unlink, name)
             _, mm, ranges = cls._mine
@@ -444,8 +457,9 @@ class CmaSpace:
             for t in np.unique(tid).tolist():
                 sel = tid == t
                 target = maps[int(mi[np.flatnonzero(sel)[0]])].impl.target
-                liov = np.ascontiguousarray(np.stack([loc[sel], cnt[sel]], axis=1)).astype(np.uint64)
-                riov = np.ascontiguousarray(np.stack([rem[sel], cnt[sel]], axis=1)).astype(np.uint64)
+                lo, re, cn = _coalesce(loc[sel], rem[sel], cnt[sel])
+                liov = np.ascontiguousarray(np.stack([lo, cn], axis=1)).astype(np.uint64)
+                riov = np.ascontiguousarray(np.stack([re, cn], axis=1)).astype(np.uint64)
                 batches.append((write, target, liov, riov))
 
         def run() -> None:
@@ -456,14 +470,25 @@ class CmaSpace:
                 doing = f"{'writing' if write else 'reading'} {int(liov[:, 1].sum())} bytes " \
                         f"{'into' if write else 'of'} process {target.pid} ({len(liov)} copies)"
                 for a in range(0, len(liov), IOV_MAX):
+                    if target.exited():         # never a call on a pid the exporter no longer holds
+                        _raise_for(call, -1, errno.ESRCH, 0, target, doing)
                     lv, rv = liov[a:a + IOV_MAX], riov[a:a + IOV_MAX]
                     want = int(lv[:, 1].sum())
                     ret, err = _vm_call(write, target.pid, lv.ctypes.data, rv.ctypes.data, len(lv))
                     _raise_for(call, ret, err, want, target, doing)
-                if target.exited():
+                if target.exited():             # it exited during the calls: its pid may name another process
                     _raise_for(call, -1, errno.ESRCH, 0, target, doing)
 
         return run
+
+
+def _coalesce(loc: np.ndarray, rem: np.ndarray, cnt: np.ndarray):
+    """Copies contiguous on both sides with the copy before merged into it: one iovec each side."""
+    if loc.size < 2:
+        return loc, rem, cnt
+    joined = (loc[1:] == loc[:-1] + cnt[:-1]) & (rem[1:] == rem[:-1] + cnt[:-1])
+    first = np.flatnonzero(np.concatenate(([True], ~joined)))
+    return loc[first], rem[first], np.add.reduceat(cnt, first)
 
 
 def _inside(addrs: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:

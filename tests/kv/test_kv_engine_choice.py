@@ -41,3 +41,15 @@ def test_an_engine_that_cannot_run_is_passed_over_with_its_reason(monkeypatch):
 def test_the_emulation_uses_copy_engine(host):
     assert C.default_engine(host, 0, 1) == "copy_engine"
     assert C.default_engine(host, 0, 0) == "copy_engine"
+
+
+def test_peer_engine_for_memory_this_process_cannot_address():
+    from gpuxfer.errors import BackendUnavailable
+    from gpuxfer.kv.engine_choice import peer_engine
+    for engine in ("triton", "pack", "copy_engine"):
+        assert peer_engine(engine, False, "p", True) == engine          # addressable: the agent's engine
+    assert peer_engine("triton", True, "p", False) == "copy_engine"     # auto: the copies reach it
+    assert peer_engine("pack", False, "p", False) == "pack"             # own caches + the peer's staging
+    assert peer_engine("copy_engine", False, "p", False) == "copy_engine"
+    with pytest.raises(BackendUnavailable, match="cannot address"):
+        peer_engine("triton", False, "p", False)

@@ -109,6 +109,13 @@ def test_iovec_batches_of_at_most_iov_max(host, exporter, monkeypatch):
         assert calls == [3, 3, 3, 1]
         want = _want()
         assert np.array_equal(got.numpy().reshape(10, 16), np.stack([want[i * 100:i * 100 + 16] for i in range(10)]))
+        calls.clear()                       # copies contiguous on both sides (a run of blocks) share one iovec
+        offs = np.array([0, 16, 32, 48, 1000, 1016, 64, 80], dtype=np.int64)
+        dsts = np.array([0, 16, 32, 48, 64, 80, 96, 112], dtype=np.int64)
+        host.copy_batch_async(s, got.data_ptr() + dsts, m.ptr + offs, np.full(8, 16))
+        assert host.synchronize(s, T)
+        assert calls == [3]
+        assert np.array_equal(got.numpy()[:128], np.concatenate([want[o:o + 16] for o in offs]))
     finally:
         s.close()
         m.close()
