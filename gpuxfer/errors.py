@@ -143,5 +143,11 @@ class ProtocolError(GpuxferError):
     """A peer sent something the protocol forbids (metadata out of order, a shape larger than its slot...)."""
 
 
+class TransferMismatch(ProtocolError):
+    """The two sides of a two-sided (``pack``) transfer posted different requests: other block IDs, groups, layers
+    or block counts, or their posts paired up in another order. Found on the device before the destination's
+    blocks are touched; both agents fail with it (their pairing of transfers is lost)."""
+
+
 class SetupFailed(GpuxferError):
     """A collective setup (``pp.connect``) could not finish: a rank died or left mid-way."""

@@ -49,7 +49,8 @@ Per signal (``signal(stream, index, value, stage)``), after earlier work on ``st
     remote path:  write_flag(stream, peer[index], value)
     copy path:    write_flag(stream, stage[stage], value); copy_async(stream, peer[index], stage[stage], 8)
 
-A stage word belongs to one stream (or one slot whose signals are ordered): it must hold its value
+A value decided on the device (``FlagQueue.signal_from``: an 8-byte word of this side's device memory)
+goes by the 8-byte copy on either path. A stage word belongs to one stream (or one slot whose signals are ordered): it must hold its value
 until the copy queued behind it has read it. A link owning its words stages in them; a link sharing
 them stages in a buffer of its own. :meth:`FlagLink.queue` gives a stream's flag operations in batches
 (:class:`FlagQueue`: writes and waits held until the next copy or launch, then one
@@ -481,6 +482,12 @@ class FlagQueue:
         self.ops.append((FLAG_OP_WRITE, src, value))
         self.flush()
         link._copy(self.s, link.peer_word(index), src, 8)
+
+    def signal_from(self, index: int, src: int) -> None:
+        """The peer's word ``index`` := the 8 bytes at ``src`` (device memory of this side's, written by earlier
+        work on the stream): an 8-byte copy on either path, for a value decided on the device."""
+        self.flush()
+        self.link._copy(self.s, self.link.peer_word(index), src, 8)
 
     def flush(self) -> None:
         ops, self.ops = self.ops, []

@@ -12,9 +12,10 @@ import torch
 
 from ..errors import BadInput
 from .block_kernel import PLANE_FIELDS, expand_kernel
+from .verdict_kernel import verdict_kernel
 
 __all__ = ["PLANE_FIELDS", "EXPAND_BLOCK", "default_programs_per_plane", "expand_blocks", "expand_launcher",
-           "request_header_len"]
+           "request_header_len", "verdict_launcher"]
 
 EXPAND_BLOCK = 1024           # segments per chunk (one loop step of a program)
 _MAX_GRID_Y = 65535           # CUDA's limit on the second grid dimension
@@ -109,3 +110,30 @@ def expand_launcher(planes: torch.Tensor, request: torch.Tensor, out: torch.Tens
         return None
     return expand_kernel.launcher(dev, (n_planes, programs_per_plane), planes, request, out, n_planes, n_groups,
                                   int(request.shape[0]), int(out.shape[0]), BLOCK=block, num_warps=4)
+
+
+VERDICT_BLOCK = 256           # descriptor rows (and signal values) per program of the verdict kernel
+
+
+def verdict_launcher(word: torch.Tensor, fp: torch.Tensor, status: torch.Tensor, sig: torch.Tensor, n_sig: int,
+                     out: torch.Tensor | None, n_rows: int, *, equal: bool, refused: int):
+    """A function of no arguments (or of a driver stream handle) launching :mod:`~gpuxfer.kernels.verdict_kernel`
+    with fixed arguments: ``word`` (the flag word the peer wrote), ``fp`` (this side's fingerprint), ``status``
+    (2 entries), ``sig`` (at least ``n_sig`` entries), ``out`` (``(N, 3)`` descriptors, ``n_rows <= N`` of them
+    zeroed on a refusal; None: none), all int64 on one device; ``equal``: refused when the word differs from
+    the fingerprint, else when it is ``refused`` or more."""
+    dev = sig.device
+    for name, t, n in (("word", word, 1), ("fp", fp, 1), ("status", status, 2), ("sig", sig, max(n_sig, 1))):
+        _tensor(t, name, 1, dev)
+        if t.shape[0] < n:
+            raise BadInput(f"{name} holds {t.shape[0]} entries, needs {n}")
+    n_sig, n_rows = _int(n_sig, "n_sig"), _int(n_rows, "n_rows")
+    if out is None:
+        if n_rows:
+            raise BadInput("n_rows descriptor rows without out")
+        out = sig
+    elif _tensor(out, "out", 2, dev).shape[1] != 3 or out.shape[0] < n_rows:
+        raise BadInput(f"out must have shape (N >= {n_rows}, 3), got {tuple(out.shape)}")
+    grid = (max(1, -(-n_rows // VERDICT_BLOCK)),)
+    return verdict_kernel.launcher(dev, grid, word, fp, sig, n_sig, status, out, n_rows, EQUAL=bool(equal),
+                                   REFUSED=int(refused), BLOCK=VERDICT_BLOCK, num_warps=4)

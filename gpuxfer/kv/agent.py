@@ -188,6 +188,7 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
         self._slot_uses = itertools.count(1)
         self.flags: FlagWords | None = None
         self.staging: DeviceBuffer | None = None
+        self._status = None                 # a pack agent's refusal (control.STATUS), copied to the host by posts
         self.stream: Stream | None = None
         self.nixl: nixl_route.NixlSide | None = None                # the NIXL route's side (remote="nixl")
         if slot_bytes is None:
@@ -198,6 +199,8 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
         try:
             if engine == "pack":
                 self.staging = platform.alloc(PACK_SLOTS * slot_bytes, self.device)
+                self._status_mirror = _torch().zeros(2, dtype=_torch().int64, pin_memory=not platform.host_memory)
+                self._status, self._status_ptr = self._status_mirror.numpy(), self._status_mirror.data_ptr()
             self.flags = FlagWords(platform, self.device, AGENT_WORDS, rank=self.rank, name=f"agent {name!r}",
                                    timeout_s=self.timeout_s)
             self.stream = platform.create_stream(self.device)
@@ -514,6 +517,14 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
     def failure_name(self) -> str:
         return f"KV agent {self.name!r} (rank {self.rank}, {self.platform.name}:{self.device})"
 
+    def check(self) -> None:
+        """Raise the error that failed this agent, if any; a pack transfer refused on the device (the sides'
+        requests differ) fails it first (:func:`~gpuxfer.kv.pack_transfer.mismatch_error`)."""
+        if self._status is not None and self._status[0] and self.failed is None:
+            from .pack_transfer import mismatch_error
+            self.fail(mismatch_error(self, int(self._status[0]), int(self._status[1])))
+        super().check()
+
     def release_waits(self) -> None:
         """Write the release value into this agent's words its streams (or the caller's) may wait on: the
         pack flags and the notification slots waited on from a stream. Best effort: the abort path."""
@@ -578,7 +589,8 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
             drained = self._drained()
         peers = list(getattr(self, "_peers", {}).values())
         if not drained:
-            keep = [b for b in (getattr(self, "flags", None), getattr(self, "staging", None)) if b is not None]
+            keep = [b for b in (getattr(self, "flags", None), getattr(self, "staging", None),
+                                getattr(self, "_status_mirror", None)) if b is not None]
             for p in peers:
                 keep += p._mappings + p._owned
                 p._mappings, p._owned = [], []

@@ -16,8 +16,15 @@ GO = AVAIL + 4                              # the peer's destination posted the 
 PACKED = AVAIL + 6                          # chunks of our source's transfer packed (its lane copies them)
 COPIED = AVAIL + 8                          # chunks of our source's transfer its lane copied out of our staging
 PACK_WORDS = tuple(range(AVAIL, AVAIL + 10))
+#: a pack agent's refusal (its own, never signalled): entry 0 the fingerprint of the first request refused
+#: (0: none), entry 1 what was seen instead (the peer's fingerprint, or the peer's refusal); sticky
+STATUS = AVAIL + 10
 #: the agent's words after the probe's
-AGENT_WORDS = NOTIFY_SLOTS + len(PACK_WORDS)
+AGENT_WORDS = NOTIFY_SLOTS + len(PACK_WORDS) + 1
+#: a pack signal of at least this value means the transfer is refused (REFUSED: the two sides' requests
+#: differ) or released (an agent failed: :data:`~gpuxfer.platforms.base.RELEASE_VALUE`, above it); it passes
+#: every wait of the protocol, and a fingerprint is always below it
+REFUSED = 1 << 61
 #: the bytes of an agent's flag words (what its metadata's ``control`` handle must hold)
 AGENT_FLAG_BYTES = (FIRST_WORD + AGENT_WORDS) * FLAG_STRIDE
 #: the pack engine's staging: this many slots (of the agent's ``slot_bytes`` each)

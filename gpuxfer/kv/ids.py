@@ -3,6 +3,7 @@ duplicate destinations and ordered, in O(IDs) and a fixed number of NumPy calls 
 once (:class:`_RouteIds`, one per route), with per-thread scratch arrays."""
 from __future__ import annotations
 
+import hashlib
 import itertools
 import threading
 
@@ -288,3 +289,55 @@ class _RouteIds:
                 out_s[a:a + k] = s
                 out_d[b:b + m] = d
             a, b = a + k, b + m
+
+
+_MASK64 = (1 << 64) - 1
+_K_ID, _K_POS = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xD6E8FEB86659FD93)
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+
+def _salt(*parts) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little")
+
+
+def route_salts(groups, keys, splits, limits, agents: tuple[str, str]) -> tuple[int, np.ndarray]:
+    """What a route mixes into its requests' fingerprints (:func:`request_fingerprint`), the same on both sides
+    of a pair whatever order each registered in: a salt of the route (the source and destination agents' ids
+    ``agents``, its layer pieces' sorted keys -- segment bytes, group, layer and piece names --, each group's
+    block-size ratio and block counts, by group name) and one per group and side (the route's group order:
+    every group's source side, then every group's destination side)."""
+    by_name = sorted(zip(groups, splits, limits))
+    route = _salt("route", agents, list(keys), by_name)
+    salts = np.array([_salt(route, g, side) for side in ("src", "dst") for g in groups], dtype=np.uint64)
+    return route, salts
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser, in place over a uint64 array (wrapping)."""
+    x ^= x >> _S30
+    x *= _MIX1
+    x ^= x >> _S27
+    x *= _MIX2
+    x ^= x >> _S31
+    return x
+
+
+def request_fingerprint(ids: np.ndarray, lens: list[int], salts: tuple[int, np.ndarray]) -> int:
+    """A request's fingerprint: 64-bit hash over its written block IDs (``ids``: every group's source IDs, then
+    every group's destination IDs, ``lens`` of each, in the route's group order and the order :meth:`_RouteIds.write`
+    gives them) and its route (``salts``, :func:`route_salts`). Each ID is mixed with its group and side's salt
+    and its place among them; the sum over the IDs does not depend on the order of the groups, so both sides
+    of a pair compute the same value for the same request. In ``[1, 2**61)``. O(IDs), a fixed number of NumPy
+    calls."""
+    route, per = salts
+    total = 0
+    n = ids.size
+    if n:
+        starts = np.repeat(np.cumsum([0] + lens[:-1]), lens).astype(np.uint64, copy=False)
+        x = np.multiply(ids.view(np.uint64), _K_ID)
+        x += (_SCRATCH.arange(n).view(np.uint64) - starts) * _K_POS
+        x += np.repeat(per, lens)
+        total = int(np.add.reduce(_mix(x), dtype=np.uint64))
+    h = _mix(np.array([(total + route) & _MASK64], dtype=np.uint64))
+    return (int(h[0]) >> 3) | 1

@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import BadInput, TransferTimeout
-from ..platforms.base import Stream
-from .control import AVAIL, COPIED, FREE, GO, PACK_SLOTS, PACKED
+from ..errors import BadInput, TransferMismatch, TransferTimeout
+from ..platforms.base import RELEASE_VALUE, Stream
+from ..flaglink import FLAG_STRIDE
+from .control import AVAIL, COPIED, FREE, GO, PACK_SLOTS, PACKED, REFUSED, STATUS
 from .layers import _torch
 from .transfer import KVTransfer, KVTransferHandle
 
@@ -20,6 +21,24 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger("gpuxfer.kv.agent")
+_W = FLAG_STRIDE // 8               # int64 entries per flag word's line
+
+
+def mismatch_error(agent: "KVAgent", mine: int, seen: int) -> TransferMismatch:
+    """The error of a pack transfer refused on the device: ``mine`` the fingerprint of this side's request,
+    ``seen`` what the verdict saw instead (:data:`~gpuxfer.kv.control.STATUS`)."""
+    names = [x.name for _, b in agent._inflight for x in b if getattr(x, "fingerprint", None) == mine]
+    what = f"request {names[0]!r}" if names else "a request"
+    if seen >= RELEASE_VALUE:
+        why = "was released (an agent of the pair failed)"
+    elif seen >= REFUSED:
+        why = "refused it: the two sides' requests differ (block IDs, groups, layers or the order of posts)"
+    else:
+        why = f"posted another request (fingerprint 0x{seen:x}) in its place"
+    peer = next((p.name for p in agent._peers.values() if p.meta.uid == agent._pack_peer), "?")
+    return TransferMismatch(f"pack agent {agent.name!r}: its {what} (fingerprint 0x{mine:x}) did not pair up with "
+                            f"peer {peer!r}'s transfer: the peer {why}; no byte of the destination's blocks was "
+                            "written; the agent fails (close it and pair new agents)")
 
 
 class _PackShape:
@@ -36,7 +55,7 @@ class _PackShape:
 
     def __init__(self, agent: "KVAgent", x: "_PackTransfer"):
         torch = _torch()
-        from ..kernels.blocks import expand_launcher, request_header_len
+        from ..kernels.blocks import expand_launcher, request_header_len, verdict_launcher
         from ..kernels.launch import pack_launcher, unpack_launcher
         dev = agent._torch_device()
         self.agent, self.peer, self.route, self.source = agent, x.peer, x.route, x.source
@@ -55,6 +74,25 @@ class _PackShape:
                 return pack_launcher(local, stage, out, start=a, end=b, staging_offset=at, row_bytes=c)
             return unpack_launcher(stage, local, out, start=a, end=b, staging_offset=at, row_bytes=c)
 
+        # the verdicts (:mod:`gpuxfer.kernels.verdict_kernel`), one per parity: the source's on the go signal
+        # (its stream) and on the last free signal (its lane), the destination's on the first chunk signal; the
+        # values of this side's data-dependent signals land in ``sig``: one per chunk, then the closing reset
+        nc = len(x._chunks)
+        self.sig = torch.zeros(nc + 1, dtype=torch.int64, device=dev)
+        self.sig_ptr = self.sig.data_ptr()
+        self.fp_ptr = self.req_ptr + (x._req_bytes - 8)
+        words = agent.platform.as_tensor(agent.flags.buf, torch.int64)
+        status = words[STATUS * _W:STATUS * _W + 2]
+        fp = self.req[-1:]
+
+        def verdict(word: int, n_sig: int, out, n_rows: int, equal: bool):
+            return [verdict_launcher(words[(word + p) * _W:(word + p) * _W + 1], fp, status, self.sig, n_sig, out,
+                                     n_rows, equal=equal, refused=REFUSED) for p in (0, 1)]
+        if self.source:
+            self.verdicts = verdict(GO, nc + 1, None, 0, True)
+            self.closing = verdict(FREE, 0, None, 0, False)
+        else:
+            self.verdicts = verdict(AVAIL, nc + 1, self.out, x.descriptors, False)
         self.spec = x._chunks                               # (first row, end row, bytes, segment bytes)
         self.chunks: list[tuple[int, Any]] = []             # (bytes, the launch of its pack or unpack)
         for i, (a, b, nbytes, c) in enumerate(x._chunks):
@@ -65,6 +103,9 @@ class _PackShape:
             zout = torch.zeros((1, 3), dtype=torch.int64, device=dev)
             fns = [expand_launcher(r.planes, zreq, zout, n_groups=G, max_segments=1)]
             fns += [launcher(zout, 0, 1, 0, c) for _, _, c in r.classes if c <= agent.slot_bytes]
+            # the verdicts over zeros: the fingerprint equals the word, nothing is refused
+            fns += [verdict_launcher(zreq[:1], zreq[:1], zout[0, :2], zreq[:2], 2, zout, 1, equal=eq, refused=REFUSED)
+                    for eq in (True, False)]
             for fn in fns:
                 if fn is not None:
                     fn()
@@ -114,6 +155,7 @@ class _PackShape:
         if self.source:
             packed, copied = PACKED + parity, COPIED + parity
             q.wait(go, 1)
+            q.launch(self.verdicts[parity])         # the destination's fingerprint against ours
             for i, (_, fn) in enumerate(self.chunks):
                 if i:
                     q.write(packed, i)                  # chunk i - 1 is in its slot
@@ -122,14 +164,17 @@ class _PackShape:
                 q.launch(fn)
             q.write(packed, len(self.chunks))
         else:
+            sig = self.sig_ptr
             q.signal(free, 0)                   # the source is past every wait on it (its transfer before last)
-            q.signal(go, 1)
+            q.signal_from(go, self.fp_ptr)      # go, with our fingerprint
             for i, (_, fn) in enumerate(self.chunks):
                 q.wait(avail, i + 1)
                 if i == 0:
-                    q.signal(go, 0)             # the source is past its wait on it
+                    q.launch(self.verdicts[parity])     # the source's verdict: go ahead or refused
+                    q.signal_from(go, sig + 8 * len(self.chunks))   # 0: the source is past its wait on it
                 q.launch(fn)
-                q.signal(free, i + 1)
+                q.signal_from(free, sig + 8 * i)        # i + 1 (refused: REFUSED)
+            q.copy(self.agent._status_ptr, self.agent.flags.word(STATUS), 16)
         q.flush()
 
     def record_copies(self, c: Stream, parity: int, batch: bool = False) -> None:
@@ -146,11 +191,13 @@ class _PackShape:
                 q.wait(free, i - PACK_SLOTS + 1)
             q.copy(peer.staging_ptr + k * slot, agent.staging.ptr + k * slot, nbytes)
             q.write(copied, i + 1)
-            q.signal(avail, i + 1)
+            q.signal_from(avail, self.sig_ptr + 8 * i)    # i + 1 (refused: REFUSED)
         q.wait(free, len(self.chunks))
-        q.signal(avail, 0)                      # the destination is past every wait on it
+        q.launch(self.closing[parity])          # whether the destination refused
+        q.signal_from(avail, self.sig_ptr + 8 * len(self.chunks))     # 0: the destination is past every wait on it
         q.write(packed, 0)                      # both lanes are past every wait on these
         q.write(copied, 0)
+        q.copy(agent._status_ptr, agent.flags.word(STATUS), 16)
         q.flush()
 
 
@@ -165,11 +212,12 @@ class _PackTransfer(KVTransfer):
 
     The source packs on the posting stream and copies on a lane stream of its own, so chunk ``i + 1`` is
     packed while chunk ``i`` is on the wire (local words PACKED / COPIED hand the chunks between the
-    two). Every flag value is a constant of the transfer's shape, so a post of a shape seen before is a
-    graph replay per stream (:class:`_PackShape`): the words come in two sets, used by a pair's
-    transfers in turn (parity ``p``: the n-th transfer in one direction uses set ``n % 2`` on both
-    sides), and each word the peer waits on is reset by the side that writes it, once the waiting side
-    is past its last wait (nothing this side's own queued work does can undo a release of its words)::
+    two). Every flag value is a constant of the transfer's shape or a value decided on the device, so a
+    post of a shape seen before is a graph replay per stream (:class:`_PackShape`): the words come in two
+    sets, used by a pair's transfers in turn (parity ``p``: the n-th transfer in one direction uses set
+    ``n % 2`` on both sides), and each word the peer waits on is reset by the side that writes it, once the
+    waiting side is past its last wait (nothing this side's own queued work does can undo a release of its
+    words)::
 
         source agent                                              destination agent
         add_peer(destination's metadata): open its words,         add_peer(source's metadata): alike
@@ -178,23 +226,40 @@ class _PackTransfer(KVTransfer):
         source stream (p)          source lane (p)                destination stream (p)
         upload, expand                                            upload, expand
                                                                   signal the source: FREE[p] := 0,
-        wait GO[p] >= 1  <------------------------------------------------------- GO[p] := 1
+        wait GO[p] >= 1  <------------------------------------------------------- GO[p] := fp
+        verdict: GO[p] == fp?
         chunk i:                   chunk i:                       chunk i:
          [wait COPIED[p] >= i+1-S]  wait PACKED[p] >= i + 1        wait AVAIL[p] >= i + 1
-         pack -> own slot i % S     [wait FREE[p] >= i + 1 - S]    (i = 0: signal the source: GO[p] := 0)
-         PACKED[p] := i + 1         copy own slot -> peer's slot   unpack own slot -> blocks
-                                    COPIED[p] := i + 1
-                                    signal AVAIL[p] := i + 1 --->  signal the source: FREE[p] := i + 1
+         pack -> own slot i % S     [wait FREE[p] >= i + 1 - S]    (i = 0: verdict: AVAIL[p] < REFUSED?
+         PACKED[p] := i + 1         copy own slot -> peer's slot    signal the source: GO[p] := 0 [R])
+                                    COPIED[p] := i + 1             unpack own slot -> blocks [nothing]
+                                    signal AVAIL[p] := i + 1 [R] > signal the source: FREE[p] := i + 1 [R]
                                    wait FREE[p] >= chunks  <-----
-                                   signal AVAIL[p] := 0
+                                   verdict: FREE[p] < REFUSED?
+                                   signal AVAIL[p] := 0 [R]
                                    PACKED[p] := 0, COPIED[p] := 0
+                                   STATUS -> the host's word      STATUS -> the host's word
         wait the lane (event)
         event (the data has landed)                               event (the data has landed)
 
     (S = ``PACK_SLOTS``; the words are the agent's flag words, :mod:`gpuxfer.kv.control`; a signal goes over
     the peer's flag link, :attr:`KVPeer.flags`: a stream write into the peer's word where
     :meth:`KVAgent.add_peer`'s one-sided probe saw one land, else a write into the link's stage word and an
-    8-byte copy of it, :mod:`gpuxfer.flaglink`.) Why the resets are safe: the source's transfer before last
+    8-byte copy of it, :mod:`gpuxfer.flaglink`; a value decided on the device goes by an 8-byte copy of it.)
+
+    The verdicts (:mod:`gpuxfer.kernels.verdict_kernel`): both sides' requests carry their fingerprint ``fp``
+    (:func:`gpuxfer.kv.ids.request_fingerprint`, computed at prepare, equal for equal requests). The source
+    compares the destination's with its own before its first pack; the values of its signals ``[R]`` are
+    then the chunk counts and the closing 0, or all REFUSED (:data:`~gpuxfer.kv.control.REFUSED`) when they
+    differ. The destination's verdict reads the first chunk signal: REFUSED or more (a refusal, or a failed
+    agent's release) zeroes its descriptors' byte counts (its unpacks write nothing) and turns its signals
+    to REFUSED; the source's last verdict sees the destination's refusal. REFUSED passes every wait, so a
+    refused transfer drains on both sides whatever their numbers of chunks, and no byte of the destination's
+    blocks is written. A refusal is recorded in the agent's STATUS word (sticky), which each post copies
+    into a host word the agent reads at every call: both agents fail with
+    :class:`~gpuxfer.errors.TransferMismatch` (:func:`mismatch_error`).
+
+    Why the resets are safe: the source's transfer before last
     of parity ``p`` ended (its last wait on FREE[p]) before the destination's previous transfer could end; the
     destination passed its waits on AVAIL[p] before its last FREE[p]; each reset travels on the
     writer's stream ahead of anything it writes into the word later; the lane resets its local words
@@ -206,8 +271,9 @@ class _PackTransfer(KVTransfer):
 
     waits_on_peer = True
 
-    def __init__(self, *a, chunks: list, pooled, entries: int, shape_key: tuple, **kw):
+    def __init__(self, *a, chunks: list, pooled, entries: int, shape_key: tuple, fingerprint: int, **kw):
         self._chunks = chunks
+        self.fingerprint = fingerprint  # of the request, the same on both sides (gpuxfer.kv.ids.request_fingerprint)
         self._pooled = pooled           # the host array's pool token: back to the pool when collected
         super().__init__(*a, **kw)
         self._req_bytes = entries * 8   # the request's entries (the pooled array may hold more)
@@ -240,6 +306,8 @@ class _PackTransfer(KVTransfer):
         later call instead of a timeout of the next transfer."""
         agent, peer = self.agent, self.peer
         agent._check_usable(peer)
+        if agent._status[0]:                # a refused transfer (TransferMismatch)
+            agent.check()
         s = agent.stream if stream is None else stream
         if not isinstance(s, Stream) or s.closed:
             raise BadInput(f"request {self.name!r}: cannot post on {s!r}: not an open stream of the platform")

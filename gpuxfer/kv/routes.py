@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import BadInput, LayoutMismatch
-from .ids import _RouteIds
+from .ids import _RouteIds, route_salts
 from .layers import KVLayer, _torch
 
 if TYPE_CHECKING:
@@ -39,6 +39,7 @@ class _Route:
     group_bytes: list[int] = field(default_factory=list)  # per group: bytes one segment of each plane moves
     slots: list["_Slot"] = field(default_factory=list)    # the ring of device buffers posts run in
     pack_warm: set[bool] = field(default_factory=set)    # pack sides (source?) whose kernels are loaded
+    salts: tuple = (0, None)                     # a request fingerprint's salts (:func:`route_salts`)
 
 
 
@@ -191,4 +192,6 @@ class _Routes:
         return _Route(op=op, groups=names, ids=ids, planes=planes, table=table, plane_group=pg, classes=classes,
                       src_anchor=src_anchor(), dst_anchor=dst_anchor(), src_base=int(src_base), dst_base=int(dst_base),
                       launch_classes=[(a, b, c) for a, b, c, _ in merged],
-                      group_bytes=[int(table[pg == gi, 4].sum()) for gi in range(len(names))])
+                      group_bytes=[int(table[pg == gi, 4].sum()) for gi in range(len(names))],
+                      salts=route_salts(names, sorted(keys), splits, limits,
+                                        (self.uid, peer.meta.uid) if src_is_mine else (peer.meta.uid, self.uid)))

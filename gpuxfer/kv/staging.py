@@ -9,6 +9,7 @@ import numpy as np
 
 from ..errors import BadInput
 from .copy_transfer import _CopyEngineTransfer
+from .ids import request_fingerprint
 from .layers import _torch
 from .pack_transfer import _PackTransfer
 from .routes import _Route
@@ -38,8 +39,10 @@ class _Staging:
         mid, total = starts[G], starts[-1]
         nbytes = sum(n * b for n, b in zip(n_seg, route.group_bytes))
         engine = peer.engine
+        # a pack request ends with its fingerprint, at an even entry (16-byte aligned: a kernel's argument)
+        at = total + (total & 1)
         if engine != "copy_engine":
-            host, h = self._requests.take(total, self._reap_locked)
+            host, h = self._requests.take(at + 1 if engine == "pack" else total, self._reap_locked)
         else:
             h = np.empty(total, dtype=np.int64)
             host = _torch().from_numpy(h)
@@ -49,6 +52,9 @@ class _Staging:
         n_rows = int(h[P])
         route.ids.write(ordered, h[head:mid], h[mid:total])
         n_seg = np.array(n_seg, dtype=np.int64)
+        if engine == "pack":
+            h[total:at] = 0
+            h[at] = request_fingerprint(h[head:total], lens_s + lens_d, route.salts)
         if engine == "triton":
             return _SlotTransfer(self, peer, route, op, name, n_seg, host, h, notify_slot, n_rows, nbytes)
         if engine == "copy_engine":
@@ -65,7 +71,7 @@ class _Staging:
         chunks = shape.spec if shape is not None else self._pack_chunks(route, name, array, nbytes)
         return _PackTransfer(self, peer, route, op, name, n_seg, host[0], None, None,
                              int(n_seg.max()) if n_seg.size else 0, [], notify_slot, n_rows, nbytes, chunks=chunks,
-                             pooled=host, entries=int(array.shape[0]), shape_key=key)
+                             pooled=host, entries=int(array.shape[0]), shape_key=key, fingerprint=int(array[-1]))
 
     def _pack_chunks(self, route: _Route, name: str, array: np.ndarray, nbytes: int) -> list[tuple]:
         """A request's chunks: ``(first row, end row, bytes, segment bytes)``, rows of one segment size each,

@@ -29,10 +29,18 @@ class KVTransferHandle:
         self.name = transfer.name
 
     def done(self) -> bool:
-        return self.transfer.agent.platform.event_query(self.event)
+        """Whether the transfer completed; a completed two-sided one raises instead where its agent failed
+        (:class:`~gpuxfer.errors.TransferMismatch` where the sides did not pair up, the error of a release),
+        as :meth:`wait` does."""
+        agent = self.transfer.agent
+        done = agent.platform.event_query(self.event)
+        if done and self.transfer.waits_on_peer:
+            agent.check()
+        return done
 
     def wait(self, timeout_s: float | None = None) -> None:
-        """Block until the transfer has completed; :class:`TransferTimeout` naming the request past ``timeout_s``."""
+        """Block until the transfer has completed; :class:`TransferTimeout` naming the request past ``timeout_s``;
+        :class:`~gpuxfer.errors.TransferMismatch` where a two-sided transfer's sides posted different requests."""
         from ..sync import SPIN_S, wait_event_or_raise
         agent = self.transfer.agent
         agent.check()
@@ -48,6 +56,8 @@ class KVTransferHandle:
             if self.transfer.waits_on_peer:
                 agent.fail(err)
             raise err from exc
+        if self.transfer.waits_on_peer:     # the two sides' verdict (pack): a mismatch fails the agent
+            agent.check()
 
     def stream_wait(self, stream: Stream) -> None:
         """Make ``stream``'s later work wait for this transfer."""

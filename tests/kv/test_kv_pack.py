@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpuxfer.errors import BadInput, TransferTimeout
+from gpuxfer.errors import BadInput, TransferMismatch, TransferTimeout
 from gpuxfer.kv.agent import KVAgent
 
 SLOT = 256          # bytes per staging slot: a 32-byte row per block, 8 blocks per chunk
@@ -156,7 +156,7 @@ def test_interleaved_shapes_and_fresh_requests(sides):
 def test_stuck_peer_times_out_and_releases_queued_replays(sides):
     """After graphs are captured, the destination posts twice more with no source: the first wait times out
     naming the request, the agent fails and releases its words; both replays then run through (the
-    stream drains), and every later call raises the error."""
+    stream drains), and every later call raises the error (the released replay's done() too)."""
     src, dst = sides
     s_ids, d_ids = list(range(5)), list(range(20, 25))
     xs, xd = _prepare(src, dst, s_ids, d_ids)
@@ -169,10 +169,88 @@ def test_stuck_peer_times_out_and_releases_queued_replays(sides):
         h1.wait(0.3)
     assert dst.agent.failed is not None
     assert dst.agent.platform.synchronize(dst.agent.stream, 60)
-    assert h2.done()
+    with pytest.raises(TransferTimeout):            # completed, released: not a success
+        h2.done()
     with pytest.raises(TransferTimeout):
         xd.post()
     assert src.agent.failed is None
+
+
+# (source IDs, destination IDs the source pushes to; what the destination pulls into, from which source IDs):
+# posted in this order on each side
+_MISMATCHES = {
+    "same shape, other IDs": [((1, 2, 3), (10, 11, 12), (10, 11, 13), (1, 2, 3))],
+    "3 blocks against 1": [((1, 2, 3), (10, 11, 12), (10,), (1,))],
+    "3 chunks against 1": [(tuple(range(20)), tuple(range(30, 50)), (30, 31), (0, 1))],
+    "1 chunk against 3": [((0, 1), (30, 31), tuple(range(30, 50)), tuple(range(20)))],
+    "posted in swapped order": [((1, 2), (10, 11), (20, 21), (5, 6)), ((5, 6), (20, 21), (10, 11), (1, 2))],
+}
+
+
+@pytest.mark.parametrize("case", list(_MISMATCHES))
+def test_sides_posting_different_requests_both_fail_and_write_nothing(sides, case):
+    """The two sides post requests that differ (same shape other IDs, other block counts, other numbers of
+    chunks, two requests in swapped order): the verdict on the device refuses each, every handle on both sides
+    raises TransferMismatch (nothing hangs: the waiting side is released, whatever its number of chunks), no
+    byte of the destination's cache changes, both agents fail (every later call raises it) and still close."""
+    src, dst = sides
+    g = np.random.default_rng(11)
+    src.cache.copy_(torch.from_numpy(g.integers(0, 256, tuple(src.cache.shape), dtype=np.uint8)))
+    dst.cache.copy_(torch.from_numpy(g.integers(0, 256, tuple(dst.cache.shape), dtype=np.uint8)))
+    before = dst.cache.clone()
+    xs = [src.agent.prepare(src.peer, "push", local_blocks={"g": list(a)}, remote_blocks={"g": list(b)})
+          for a, b, _, _ in _MISMATCHES[case]]
+    xd = [dst.agent.prepare(dst.peer, "pull", local_blocks={"g": list(c)}, remote_blocks={"g": list(d)})
+          for _, _, c, d in _MISMATCHES[case]]
+    assert all(a.fingerprint != b.fingerprint for a, b in zip(xs, xd))
+    if case == "posted in swapped order":       # the same two requests on each side
+        assert [x.fingerprint for x in xs] == [x.fingerprint for x in reversed(xd)]
+    handles = [x.post() for x in xd] + [x.post() for x in xs]
+    for h in handles:
+        with pytest.raises(TransferMismatch, match="did not pair up"):
+            h.wait(60)
+    assert torch.equal(dst.cache, before)
+    for side in (src, dst):
+        assert isinstance(side.agent.failed, TransferMismatch)
+        with pytest.raises(TransferMismatch):
+            side.agent.prepare(side.peer, "push", local_blocks={"g": [1]}, remote_blocks={"g": [2]})
+        assert side.agent.platform.synchronize(side.agent.stream, 60)
+    assert "refused it" in str(dst.agent.failed) and "request" in str(src.agent.failed)
+
+
+def test_matching_requests_share_a_fingerprint_and_others_do_not(plat):
+    """Both sides compute one fingerprint for the same request whatever order they registered their groups
+    in; other IDs, another pairing of the same IDs, other layers or another group give another."""
+    a, b = _Side(plat, "prefill", 0), _Side(plat, "decode", 1)
+    extra = []
+    try:
+        for side, order in ((a, ("h", "k")), (b, ("k", "h"))):
+            for gname in order:
+                buf = plat.alloc(64 * 48, side.agent.device)
+                extra.append(buf)
+                flat = plat.as_tensor(buf)
+                side.agent.register_group(gname, 16, {f"{gname}.0": flat[:64 * 32].view(64, 32),
+                                                      f"{gname}.1": flat[64 * 32:].view(64, 16)})
+        pa, pb = a.agent.add_peer(b.agent.metadata()), b.agent.add_peer(a.agent.metadata())
+
+        def fp(side, peer, op, mine, theirs, **kw):
+            return side.agent.prepare(peer, op, local_blocks=mine, remote_blocks=theirs, **kw).fingerprint
+        req_s = {"h": [1, 2, 3], "k": [4, 5]}
+        req_d = {"h": [7, 8, 9], "k": [10, 11]}
+        base = fp(a, pa, "push", req_s, req_d)
+        assert base == fp(b, pb, "pull", req_d, req_s) and 1 <= base < 1 << 61
+        assert base == fp(a, pa, "push", {"k": [5, 4], "h": [3, 1, 2]}, {"k": [11, 10], "h": [9, 7, 8]})
+        others = [fp(a, pa, "push", {"h": [1, 2, 3], "k": [4, 6]}, req_d),
+                  fp(a, pa, "push", {"h": [2, 1, 3], "k": [4, 5]}, req_d),
+                  fp(a, pa, "push", req_s, req_d, layers=(0, 1)),
+                  fp(a, pa, "push", {"h": [1, 2, 3]}, {"h": [7, 8, 9]}),
+                  fp(a, pa, "pull", req_d, req_s)]
+        assert len({base, *others}) == len(others) + 1
+    finally:
+        b.close()
+        a.close()
+        for buf in extra:
+            buf.close()
 
 
 def test_posts_on_several_streams_run_in_order(sides, plat):
@@ -295,7 +373,9 @@ def test_cuda_pack_graph_replays_move_every_byte():
             h1, h2 = xs["long"][1].post(), xs["long"][1].post()
             with pytest.raises(TransferTimeout, match="long"):
                 h1.wait(1.0)
-            assert plat.synchronize(b.stream, 30) and h2.done()
+            assert plat.synchronize(b.stream, 30)
+            with pytest.raises(TransferTimeout):    # completed, released: not a success
+                h2.done()
         finally:
             own.close()
             b.close()
