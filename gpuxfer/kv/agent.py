@@ -97,7 +97,7 @@ from ..platforms.base import Closable, DeviceBuffer, Event, IpcHandle, Platform,
 from .control import AGENT_WORDS, NOTIFY, NOTIFY_SLOTS, PACK_SLOTS, PACK_WORDS
 from .engine_choice import peer_engine
 from .engines.base import FailsOnTimeout, on_timeout_from_env
-from .layers import _MAX_NAME, KVLayer, KVLayerSpec, KVPiece, describe_layer, layout_groups, _torch
+from .layers import _MAX_NAME, KVLayer, KVLayerSpec, KVPiece, check_disjoint, describe_layer, layout_groups, _torch
 from . import nixl_route
 from .metadata import METADATA_VERSION, decode_metadata, encode_metadata
 from .peers import _LEAKED, _LOCAL_AGENTS, KVPeer, _Group
@@ -253,6 +253,7 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
                 raise BadInput(f"group {name!r}, layer {lname!r}: the tensor is on {tensor.device}; this agent's "
                                f"device is {want}")
             described.append(describe_layer(t, name=lname, position=pos, token_major=token_major))
+        check_disjoint(name, described, [(g.name, g.layers) for g in self._groups.values()])
         refs = []
         for (_, t), lay in zip(items, described):
             st = (t.tensor if isinstance(t, KVLayerSpec) else t).untyped_storage()

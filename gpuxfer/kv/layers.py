@@ -222,3 +222,62 @@ def layout_groups(layout, pool) -> list[tuple[str, int, dict[str, KVLayerSpec]]]
                                                       [(0, r.desc_bytes)], index=plane)
         out.append((r.name, trs[r.name].tokens_per_page, layers))
     return out
+
+
+def _runs_overlap(a0: int, na: int, sa: int, ca: int, b0: int, nb: int, sb: int, cb: int,
+                  same_block: bool = False) -> bool:
+    """Whether two runs of intervals meet: run A is ``[a0 + i * sa, a0 + i * sa + na)`` for ``i < ca`` (each
+    interval at most ``sa`` bytes: its own are disjoint), run B alike. Equal strides: O(1), from the range
+    of block distances ``j - i`` that would overlap (``same_block``: only ``i == j`` meeting does not
+    count); other strides: O(intervals in the window both runs span), vectorised."""
+    lo, hi = max(a0, b0), min(a0 + (ca - 1) * sa + na, b0 + (cb - 1) * sb + nb)
+    if lo >= hi:
+        return False
+    if sa == sb:
+        d = b0 - a0                       # B_j meets A_i iff -nb < d + (j - i) * s < na
+        m_lo = (-nb - d) // sa + 1
+        m_hi = -((d - na) // sa) - 1
+        m_lo, m_hi = max(m_lo, -(ca - 1)), min(m_hi, cb - 1)
+        return m_lo <= m_hi and not (same_block and m_lo == m_hi == 0)
+    if (hi - lo) // sa > (hi - lo) // sb:     # walk the run with fewer intervals in the window
+        a0, na, sa, ca, b0, nb, sb, cb = b0, nb, sb, cb, a0, na, sa, ca
+    first = max(0, (lo - a0 - na) // sa)
+    last = min(ca - 1, (hi - a0) // sa)
+    x = a0 + np.arange(first, last + 1, dtype=np.int64) * sa        # A's intervals in the window
+    j_lo = np.maximum((x - b0 - nb) // sb + 1, 0)                   # first B_j ending after x
+    j_hi = np.minimum((x + na - 1 - b0) // sb, cb - 1)              # last B_j starting before x + na
+    return bool((j_lo <= j_hi).any())
+
+
+def check_disjoint(group: str, layers: Sequence[KVLayer], registered: Sequence[tuple[str, Sequence[KVLayer]]],
+                   err=BadInput) -> None:
+    """Refuse memory a request's copies could write twice at once: two pieces of one layer, two layers of
+    ``group``, or a layer of ``group`` and one of another registered group (``registered``: ``(group,
+    layers)``), whose blocks meet -- except groups laid over the same memory block for block (the same
+    block stride, block ``i`` of one meeting block ``i`` of the other only): they share a key range, so a
+    request names each block once (:class:`~gpuxfer.kv.ids._RouteIds`). A sweep over the pieces' spans:
+    only pieces whose spans meet are compared."""
+    items = []                  # (span start, span end, run, group, layer, piece, new)
+    for g, ls, new in [(g, ls, False) for g, ls in registered] + [(group, layers, True)]:
+        for lay in ls:
+            for k, p in enumerate(lay.pieces):
+                a0 = lay.ptr + p.offset
+                items.append((a0, a0 + (lay.num_blocks - 1) * lay.block_stride + p.nbytes,
+                              (a0, p.nbytes, lay.block_stride, lay.num_blocks), g, lay, k, new))
+    items.sort(key=lambda t: t[0])
+    active: list = []
+    for it in items:
+        active = [a for a in active if a[1] > it[0]]
+        for a in active:
+            if not (it[6] or a[6]):
+                continue
+            if _runs_overlap(*a[2], *it[2], same_block=a[3] != it[3]):
+                x, y = (it, a) if it[6] else (a, it)
+                if x[4] is y[4]:
+                    raise err(f"group {group!r}, layer {x[4].name!r}: pieces {min(x[5], y[5])} and "
+                              f"{max(x[5], y[5])} overlap (a block's copies would write the same bytes twice)")
+                where = f"layer {y[4].name!r}" + ("" if y[3] == group else f" of group {y[3]!r}")
+                raise err(f"group {group!r}, layer {x[4].name!r} overlaps {where} (a request's copies would race "
+                          "over the same bytes); register memory several layers share once, and lay groups over "
+                          "the same memory only block for block (the same block stride and blocks)")
+        active.append(it)
