@@ -519,11 +519,11 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
         return f"KV agent {self.name!r} (rank {self.rank}, {self.platform.name}:{self.device})"
 
     def check(self) -> None:
-        """Raise the error that failed this agent, if any; a pack transfer refused on the device (the sides'
-        requests differ) fails it first (:func:`~gpuxfer.kv.pack_transfer.mismatch_error`)."""
+        """Raise the error that failed this agent; a refused pack transfer fails it first (waits released, no exit)."""
         if self._status is not None and self._status[0] and self.failed is None:
             from .pack_transfer import mismatch_error
-            self.fail(mismatch_error(self, int(self._status[0]), int(self._status[1])))
+            self.failed = mismatch_error(self, int(self._status[0]), int(self._status[1]))
+            self.release_waits()
         super().check()
 
     def release_waits(self) -> None:
@@ -590,8 +590,8 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
             drained = self._drained()
         peers = list(getattr(self, "_peers", {}).values())
         if not drained:
-            keep = [b for b in (getattr(self, "flags", None), getattr(self, "staging", None),
-                                getattr(self, "_status_mirror", None)) if b is not None]
+            keep = [getattr(self, k, None) for k in ("flags", "staging", "_status_mirror")]
+            keep = [b for b in keep if b is not None]
             for p in peers:
                 keep += p._mappings + p._owned
                 p._mappings, p._owned = [], []

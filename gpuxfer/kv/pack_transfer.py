@@ -37,8 +37,8 @@ def mismatch_error(agent: "KVAgent", mine: int, seen: int) -> TransferMismatch:
         why = f"posted another request (fingerprint 0x{seen:x}) in its place"
     peer = next((p.name for p in agent._peers.values() if p.meta.uid == agent._pack_peer), "?")
     return TransferMismatch(f"pack agent {agent.name!r}: its {what} (fingerprint 0x{mine:x}) did not pair up with "
-                            f"peer {peer!r}'s transfer: the peer {why}; no byte of the destination's blocks was "
-                            "written; the agent fails (close it and pair new agents)")
+                            f"the transfer of peer {peer!r}: the peer {why}; no byte of the destination's blocks "
+                            "was written; the agent fails (close it and pair new agents)")
 
 
 class _PackShape:

@@ -407,3 +407,54 @@ def test_cuda_pack_rows_launchers():
         out = torch.zeros(n * row, dtype=torch.uint8, device="cuda:0")
         unpack_launcher(staging, out, descs, start=2, end=n, staging_offset=64, row_bytes=row)()
         assert torch.equal(out[2 * row:], want) and not out[:2 * row].any(), row
+
+
+@pytest.mark.gpu
+def test_cuda_pack_sides_posting_different_requests_both_fail():
+    """On one CUDA device (two agents of one process): requests of one shape posted, the verdicts loaded and the
+    graphs captured on matching posts; then the two sides post different requests of that shape (graph
+    replays), and other block counts (operations one by one): both handles raise TransferMismatch, the
+    destination's bytes do not change, both streams drain."""
+    from conftest import platform_reason
+    why = platform_reason("cuda")
+    if why:
+        pytest.skip(why)
+    from gpuxfer.platforms import get_platform
+    plat = get_platform("cuda")
+    try:
+        for case in ("same shape", "other counts"):
+            g = torch.Generator(device="cuda:0").manual_seed(3)
+            src = {f"layers.{i}": torch.randint(0, 255, (64, 4096), generator=g, device="cuda:0",
+                                                dtype=torch.uint8) for i in range(2)}
+            dst = {k: torch.randint(0, 255, v.shape, generator=g, device="cuda:0", dtype=torch.uint8)
+                   for k, v in src.items()}
+            a = KVAgent("pre", platform=plat, device=0, engine="pack", slot_bytes=64 << 10, timeout_s=60)
+            b = KVAgent("dec", platform=plat, device=0, engine="pack", slot_bytes=64 << 10, timeout_s=60)
+            try:
+                a.register_group("full", 16, src)
+                b.register_group("full", 16, dst)
+                pa, pb = a.add_peer(b.metadata()), b.add_peer(a.metadata())
+                s_ids, d_ids = list(range(40, 60)), list(range(0, 20))
+                xa = a.prepare(pa, "push", local_blocks={"full": s_ids}, remote_blocks={"full": d_ids})
+                xb = b.prepare(pb, "pull", local_blocks={"full": d_ids}, remote_blocks={"full": s_ids})
+                for _ in range(3):
+                    hb, ha = xb.post(), xa.post()
+                    ha.wait(60)
+                    hb.wait(60)
+                other = list(range(20, 40)) if case == "same shape" else list(range(20, 23))
+                xb2 = b.prepare(pb, "pull", local_blocks={"full": other},
+                                remote_blocks={"full": s_ids[:len(other)]})
+                torch.cuda.synchronize()
+                before = {k: v.clone() for k, v in dst.items()}
+                hb, ha = xb2.post(), xa.post()
+                for h in (ha, hb):
+                    with pytest.raises(TransferMismatch):
+                        h.wait(60)
+                assert plat.synchronize(a.stream, 60) and plat.synchronize(b.stream, 60)
+                torch.cuda.synchronize()
+                assert all(torch.equal(dst[k], before[k]) for k in dst), case
+            finally:
+                b.close()
+                a.close()
+    finally:
+        plat.close()

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from gpuxfer.errors import BadInput, BlockIdError, GpuxferError, NotRegistered
+from gpuxfer.errors import BadInput, BlockIdError, GpuxferError, NotRegistered, TransferMismatch
 from gpuxfer.kv.agent import KVAgent, KVLayerSpec
 
 BLOCKS, ROW = 8, 32             # blocks per group, bytes per block (one layer, one piece)
@@ -41,10 +41,10 @@ class AgentMachine(RuleBasedStateMachine):
         self.closed = False
         self.moves = 0
 
-    @initialize(engine=st.sampled_from(["copy_engine"] * 3 + ["triton"]))
+    @initialize(engine=st.sampled_from(["copy_engine"] * 4 + ["triton", "pack"]))
     def start(self, engine):
         self.engine = engine
-        self.agents = [KVAgent(n, platform=self.plat, device=d, engine=engine, timeout_s=60)
+        self.agents = [KVAgent(n, platform=self.plat, device=d, engine=engine, timeout_s=60, slot_bytes=256)
                        for d, n in enumerate(NAMES)]
         for i in (0, 1):                # a pair that can move group g0 from the start
             self.register(i, GROUPS[0], 0)
@@ -137,6 +137,9 @@ class AgentMachine(RuleBasedStateMachine):
             with pytest.raises(BlockIdError):
                 agent.prepare(peer, op, local_blocks={g: mine}, remote_blocks={g: theirs}, notify_slot=notify)
             return
+        if self.engine == "pack":
+            self._pack(i, op, g, mine, theirs, data.draw(st.integers(0, 4)) == 0)
+            return
         x = agent.prepare(peer, op, local_blocks={g: mine}, remote_blocks={g: theirs}, notify_slot=notify)
         posts = data.draw(st.integers(1, 2))
         for _ in range(posts):
@@ -160,6 +163,36 @@ class AgentMachine(RuleBasedStateMachine):
             got = self.agents[1 - i].wait_notification(notify, self.notified[i][notify], 60)
             assert got == self.notified[i][notify]
         self._check_bytes()
+
+    def _pack(self, i, op, g, mine, theirs, mismatch):
+        """Both sides of a pack transfer (the destination posts first); ``mismatch``: the destination names
+        other blocks (the next ones, or one fewer), so both sides raise TransferMismatch, no byte moves, and
+        both agents are failed from then on."""
+        s, d = (i, 1 - i) if op == "push" else (1 - i, i)
+        s_ids, d_ids = (mine, theirs) if op == "push" else (theirs, mine)
+        if self.peers[1 - i] is None or g not in self.peer_groups[1 - i]:
+            return                      # the other side cannot take part (its peer or group is missing)
+        mismatch = mismatch and len(d_ids) > 0
+        d_req, s_req = d_ids, s_ids
+        if mismatch and len(d_ids) > 1 and d_ids[0] % 2:
+            d_req, s_req = d_ids[:-1], s_ids[:-1]
+        elif mismatch:
+            d_req = [(x + 1) % BLOCKS for x in d_ids]
+        xs = self.agents[s].prepare(self.peers[s], "push", local_blocks={g: s_ids}, remote_blocks={g: d_ids})
+        xd = self.agents[d].prepare(self.peers[d], "pull", local_blocks={g: d_req}, remote_blocks={g: s_req})
+        handles = [xd.post(), xs.post()]
+        if not mismatch:
+            for h in handles:
+                h.wait(60)
+            self.model[d][g][d_ids] = self.model[s][g][s_ids]
+            self.moves += 1
+            self._check_bytes()
+            return
+        for h in handles:
+            with pytest.raises(TransferMismatch):
+                h.wait(60)
+        self._check_bytes()             # nothing moved
+        self.closed = True              # both agents failed: every call raises, close still works
 
     @precondition(lambda self: not self.closed)
     @rule(**_TRANSFER)
@@ -196,7 +229,7 @@ class AgentMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 1), call=st.sampled_from(["metadata", "prepare", "notification", "wait_notification",
                                                      "add_peer", "remove_peer", "close"]))
     def after_close(self, i, call):
-        """Every call on a closed agent: a typed error (close: again, nothing)."""
+        """Every call on a closed (or failed) agent: a typed error (close: again, nothing)."""
         agent = self.agents[i]
         calls = {"metadata": agent.metadata,
                  "prepare": lambda: agent.prepare(NAMES[1 - i], "pull", local_blocks={"g0": [0]},
@@ -207,6 +240,12 @@ class AgentMachine(RuleBasedStateMachine):
                  "remove_peer": lambda: agent.remove_peer(NAMES[1 - i])}
         if call == "close":
             agent.close()
+            return
+        if call == "remove_peer" and not agent._closed:     # a failed agent's peers may still be removed
+            try:
+                calls[call]()
+            except GpuxferError:
+                pass
             return
         with pytest.raises(GpuxferError):
             calls[call]()
