@@ -323,6 +323,27 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x
 
 
+def _mix_int(x: int) -> int:
+    """SplitMix64's finaliser over a Python int (64-bit)."""
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _MASK64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+_PLACES = np.zeros(0, dtype=np.uint64)      # i * _K_POS, grown as needed (read only)
+
+
+def _places(n: int) -> np.ndarray:
+    global _PLACES
+    if _PLACES.size < n:
+        grown = np.arange(max(n, 2 * _PLACES.size, 1024), dtype=np.uint64) * _K_POS
+        grown.flags.writeable = False
+        _PLACES = grown
+    return _PLACES[:n]
+
+
 def request_fingerprint(ids: np.ndarray, lens: list[int], salts: tuple[int, np.ndarray]) -> int:
     """A request's fingerprint: 64-bit hash over its written block IDs (``ids``: every group's source IDs, then
     every group's destination IDs, ``lens`` of each, in the route's group order and the order :meth:`_RouteIds.write`
@@ -334,10 +355,10 @@ def request_fingerprint(ids: np.ndarray, lens: list[int], salts: tuple[int, np.n
     total = 0
     n = ids.size
     if n:
-        starts = np.repeat(np.cumsum([0] + lens[:-1]), lens).astype(np.uint64, copy=False)
+        # place j of a run starting at entry a: (a + j) * K - a * K, the run's part folded into its salt
+        starts = np.cumsum(lens, dtype=np.uint64) - np.asarray(lens, dtype=np.uint64)
         x = np.multiply(ids.view(np.uint64), _K_ID)
-        x += (_SCRATCH.arange(n).view(np.uint64) - starts) * _K_POS
-        x += np.repeat(per, lens)
+        x += _places(n)
+        x += np.repeat(per - starts * _K_POS, lens)
         total = int(np.add.reduce(_mix(x), dtype=np.uint64))
-    h = _mix(np.array([(total + route) & _MASK64], dtype=np.uint64))
-    return (int(h[0]) >> 3) | 1
+    return (_mix_int((total + route) & _MASK64) >> 3) | 1
