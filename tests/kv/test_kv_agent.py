@@ -1038,14 +1038,16 @@ def test_pack_post_failing_part_way_fails_the_agent(pack_pair, monkeypatch):
     x = dec.prepare(p_of_dec, "pull", local_blocks={"g": [0, 1]}, remote_blocks={"g": [1, 2]}, name="torn")
     plat = dec.platform
     calls = []
-    write = plat.write_flag
 
-    def flaky(s, ptr, value):
-        calls.append(ptr)
-        if len(calls) == 2:
-            raise BadInput("injected: the stream refused a flag write")
-        write(s, ptr, value)
-    monkeypatch.setattr(plat, "write_flag", flaky)
+    def flaky(orig):            # the post's second flag operation (a write, or the go signal's copy) refused
+        def op(s, *a):
+            calls.append(a[0])
+            if len(calls) == 2:
+                raise BadInput("injected: the stream refused a flag operation")
+            orig(s, *a)
+        return op
+    monkeypatch.setattr(plat, "write_flag", flaky(plat.write_flag))
+    monkeypatch.setattr(plat, "copy_async", flaky(plat.copy_async))
     with pytest.raises(BadInput, match="injected"):
         x.post()
     monkeypatch.undo()
