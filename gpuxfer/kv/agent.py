@@ -520,7 +520,7 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
 
     def check(self) -> None:
         """Raise the error that failed this agent; a refused pack transfer fails it first (waits released, no exit)."""
-        if self._status is not None and self._status[0] and self.failed is None:
+        if self._status is not None and self._status[0] and self.failed is None and not self._closed:
             from .pack_transfer import mismatch_error
             self.failed = mismatch_error(self, int(self._status[0]), int(self._status[1]))
             self.release_waits()

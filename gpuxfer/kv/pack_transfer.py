@@ -28,7 +28,7 @@ def mismatch_error(agent: "KVAgent", mine: int, seen: int) -> TransferMismatch:
     """The error of a pack transfer refused on the device: ``mine`` the fingerprint of this side's request,
     ``seen`` what the verdict saw instead (:data:`~gpuxfer.kv.control.STATUS`)."""
     names = [x.name for _, b in agent._inflight for x in b if getattr(x, "fingerprint", None) == mine]
-    what = f"request {names[0]!r}" if names else "a request"
+    what = f"its request {names[0]!r}" if names else "one of its requests"
     if seen >= RELEASE_VALUE:
         why = "was released (an agent of the pair failed)"
     elif seen >= REFUSED:
@@ -36,7 +36,7 @@ def mismatch_error(agent: "KVAgent", mine: int, seen: int) -> TransferMismatch:
     else:
         why = f"posted another request (fingerprint 0x{seen:x}) in its place"
     peer = next((p.name for p in agent._peers.values() if p.meta.uid == agent._pack_peer), "?")
-    return TransferMismatch(f"pack agent {agent.name!r}: its {what} (fingerprint 0x{mine:x}) did not pair up with "
+    return TransferMismatch(f"pack agent {agent.name!r}: {what} (fingerprint 0x{mine:x}) did not pair up with "
                             f"the transfer of peer {peer!r}: the peer {why}; no byte of the destination's blocks "
                             "was written; the agent fails (close it and pair new agents)")
 
