@@ -90,8 +90,8 @@ REMOTE_SEEN_S = 2.0
 
 REMOTE, COPY = "remote stream writes", "8-byte copies"
 
-#: streams a one-sided probe's write had not left when its bound passed: kept for the life of the process
-#: rather than destroyed under the queued write
+#: streams a one-sided probe's write had not left when its bound passed, and flag words whose zeroing had not
+#: completed in time: kept for the life of the process rather than destroyed or freed under the queued work
 _KEPT: list = []
 
 
@@ -116,15 +116,24 @@ class FlagWords:
         self.platform, self.device, self.rank, self.name = platform, device, rank, name
         self.nbytes = (FIRST_WORD + int(words)) * FLAG_STRIDE
         self.buf = (alloc or (lambda n: platform.alloc(n, device)))(self.nbytes)
-        s = None
+        s, queued = None, False
         try:
             s = platform.create_stream(device)
             platform.memset_async(s, self.buf.ptr, 0, self.nbytes)
+            queued = True
             if not platform.synchronize(s, timeout_s):
                 raise TransferTimeout(rank=rank, step=0, flag=f"{name} flag words (zeroing)", expected=1, seen=0,
                                       timeout_s=timeout_s)
-        except BaseException:
-            self.buf.close()
+            queued = False
+        except BaseException as exc:
+            if queued and (isinstance(exc, TransferTimeout) or not isinstance(exc, GpuxferError)):
+                # the fill may still run (an error of the stream's own would have stopped it): the words stay
+                # allocated for the life of the process
+                log.warning("%s: zeroing the flag words did not complete (%s); they are kept for the life of the "
+                            "process", name, exc)
+                _KEPT.append(self.buf)
+            else:
+                self.buf.close()
             raise
         finally:
             if s is not None:

@@ -10,6 +10,7 @@ flag, the value expected and the last value seen::
 """
 from __future__ import annotations
 
+import math
 import time
 
 from .errors import BadInput, TransferTimeout
@@ -17,6 +18,25 @@ from .platforms.base import Event, Platform
 
 #: how long a wait for work that usually ends soon (a KV burst) spins on a device before blocking
 SPIN_S = 0.25
+#: the longest bound a wait takes (one week): a longer one is a mistake (every wait is bounded), and past
+#: about 1e9 s the platforms' waits cannot take it (``OverflowError`` from the operating system's clock)
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def check_timeout(timeout_s, what: str = "the timeout") -> float:
+    """``timeout_s`` as a float: a finite number of seconds, > 0 and at most :data:`MAX_TIMEOUT_S`, else
+    :class:`BadInput` naming ``what`` (the one check of every caller-given bound: ``pp.connect``'s,
+    ``KVAgent``'s and its waits')."""
+    if isinstance(timeout_s, bool):
+        raise BadInput(f"{what} must be a number of seconds, got {timeout_s!r}")
+    try:
+        value = float(timeout_s)
+    except (TypeError, ValueError, OverflowError):
+        raise BadInput(f"{what} must be a number of seconds, got {timeout_s!r}") from None
+    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
+        raise BadInput(f"{what} must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}], got {timeout_s!r} "
+                       f"(every wait is bounded: pick the longest a step may take)")
+    return value
 
 
 def _seen(platform: Platform, flag_ptr: int | None, device: int) -> int | None:

@@ -83,6 +83,7 @@ import collections
 import functools
 import itertools
 import logging
+import numbers
 import os
 import socket
 import threading
@@ -93,16 +94,18 @@ from ..common import process_namespace
 from ..errors import (BackendUnavailable, BadInput, BadMetadata, BlockIdError, LayoutMismatch, NotRegistered,
                       TransferTimeout)
 from ..flaglink import FlagWords
-from ..platforms.base import Closable, DeviceBuffer, Event, IpcHandle, Platform, Stream
-from .control import AGENT_WORDS, NOTIFY, NOTIFY_SLOTS, PACK_SLOTS, PACK_WORDS
+from ..platforms.base import RELEASE_VALUE, Closable, DeviceBuffer, Event, IpcHandle, Platform, Stream
+from ..sync import check_timeout
+from .control import AGENT_WORDS, NOTIFY, NOTIFY_SLOTS, PACK_SLOTS
 from .engine_choice import peer_engine
 from .engines.base import FailsOnTimeout, on_timeout_from_env
 from .layers import _MAX_NAME, KVLayer, KVLayerSpec, KVPiece, check_disjoint, describe_layer, layout_groups, _torch
 from . import nixl_route
 from .metadata import METADATA_VERSION, decode_metadata, encode_metadata
-from .peers import _LEAKED, _LOCAL_AGENTS, KVPeer, _Group
+from .lifetime import _Lifetime, _Shared
+from .peers import _LOCAL_AGENTS, KVPeer, _Group
 from .plan import DIRECTIONS
-from .posting import _PostResources
+from .posting import _PostResources, _ended
 from .routes import _Route, _Routes
 from .slots import _RequestPool
 from .staging import _Staging
@@ -120,7 +123,15 @@ PACK_SLOT_BYTES = 192 << 20
 PACK_SLOT_BYTES_EMULATION = 1 << 20
 
 
-class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
+def _notify_value(value) -> int:
+    """A notification count to wait for: an int in ``0 .. RELEASE_VALUE - 1`` (the release value a failure or
+    close writes must satisfy every wait), else :class:`BadInput`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < RELEASE_VALUE:
+        raise BadInput(f"a notification value must be an int in 0..2^62 - 1 (below the release value), got {value!r}")
+    return int(value)
+
+
+class KVAgent(_Routes, _Staging, _PostResources, _Lifetime, Closable, FailsOnTimeout):
     """One process's side of KV transfers: its registered caches, its peers, its stream.
 
     ``platform``: a :class:`~gpuxfer.platforms.base.Platform` (default: the process's,
@@ -152,14 +163,15 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
         self._closed = False
         self.failed = None
         self.on_timeout = on_timeout_from_env(on_timeout)
+        timeout_s = check_timeout(timeout_s, "KVAgent timeout_s")
         self._waited_slots: set[int] = set()        # notification slots a stream was made to wait on
-        self._stream_waits: dict[int, Event] = {}     # per stream made to wait on a slot: an event after its wait
+        self._stream_waits: dict[Stream, Event] = {}  # per stream made to wait on a slot: an event after its wait
         if platform is None:
             from ..platforms import current
             platform = current()
         self.platform, self.name, self.engine = platform, name, engine
         self.device = int(device)
-        self.timeout_s, self.rank = float(timeout_s), int(rank)
+        self.timeout_s, self.rank = timeout_s, int(rank)
         from .engines.launch import kernel_reason
         why = kernel_reason(platform)
         if why is not None:
@@ -203,6 +215,7 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
                 self._status, self._status_ptr = self._status_mirror.numpy(), self._status_mirror.data_ptr()
             self.flags = FlagWords(platform, self.device, AGENT_WORDS, rank=self.rank, name=f"agent {name!r}",
                                    timeout_s=self.timeout_s)
+            self._shared = _Shared(self.flags, self.staging)    # held by peer links of this process's agents
             self.stream = platform.create_stream(self.device)
             self._calls = platform.stream_calls(self.stream)        # the stream's flag, graph and copy calls
             if self._calls.copy is None:
@@ -305,14 +318,19 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
     def metadata(self) -> bytes:
         """This agent's caches and notification words, as versioned bytes for :meth:`add_peer` elsewhere."""
         self._check_open()
-        ctrl = self.flags.export()
+        flags, staging = self._hold()
+        try:
+            ctrl = flags.export()
+            staging_meta = None if staging is None else dict(
+                self._handle_meta(self.platform.export_handle(staging)), slot_bytes=self.slot_bytes)
+        finally:
+            self._shared.release()
         body = {
             "agent": self.name, "uid": self.uid, "pid": os.getpid(), "namespace": process_namespace(),
             "host": socket.gethostname() or "unknown",
             "platform": self.platform.name, "device": self.device,
             "control": {"payload": ctrl.payload.hex(), "nbytes": ctrl.nbytes, "device": ctrl.device},
-            "staging": None if self.staging is None else dict(
-                self._handle_meta(self.platform.export_handle(self.staging)), slot_bytes=self.slot_bytes),
+            "staging": staging_meta,
             "allocations": [{"payload": h.payload.hex(), "nbytes": h.nbytes, "device": h.device}
                             for h in self._allocs],
             "groups": [{"name": g.name, "block_tokens": g.block_tokens,
@@ -377,39 +395,6 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
             except (LayoutMismatch, BadInput) as exc:
                 log.debug("agent %s: no %s route with peer %s yet: %s", self.name, op, peer.name, exc)
         return routes
-
-    def remove_peer(self, peer: "KVPeer | str") -> None:
-        """Forget a peer, then close its mappings and its flag link once every transfer posted with it
-        completed (waiting at most the agent's timeout).
-
-        Past the timeout the agent fails (:meth:`fail`: its waits are released, its error is raised from
-        every later call) and waits once more; what still runs then may touch the peer's mappings and
-        flag link's words, so those are kept for the life of the process (logged) instead of freed under it."""
-        name = peer.name if isinstance(peer, KVPeer) else peer
-        with self._lock:
-            p = self._peers.pop(name, None)
-            for k in [k for k in self._routes if k[0] is p]:
-                del self._routes[k]
-        if p is None:
-            raise NotRegistered(f"agent {self.name!r} has no peer {name!r}")
-        for key in [k for k, v in self._pack_shapes.items() if v.peer is p]:
-            del self._pack_shapes[key]
-        posts = [(e, b) for e, b in self._inflight if any(getattr(x, "peer", None) is p for x in b)]
-        events = [e for e, _ in posts] + [n[1] for n in p._notified if n is not None]
-        if not self._completed(events):
-            log.warning("agent %s: transfers with peer %s did not complete within %g s of remove_peer; the agent "
-                        "fails and releases its waits", self.name, name, self.timeout_s)
-            self.fail(TransferTimeout(rank=self.rank, step=0, flag=f"transfers with peer {name!r}", expected=1,
-                                      seen=0, timeout_s=self.timeout_s, what="removing the peer"))
-            if not self._completed(events):
-                keep = p._mappings + p._owned
-                p._mappings, p._owned = [], []
-                log.error("agent %s: transfers with peer %s still run after the waits were released; keeping %d "
-                          "buffers and mappings they may touch for the life of the process", self.name, name,
-                          len(keep))
-                _LEAKED.extend(keep)
-                _LEAKED.append(posts)
-        p.close()
 
     def peer(self, name: str) -> KVPeer:
         p = self._peers.get(name)
@@ -492,26 +477,47 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
     def notification(self, slot: int = 0) -> int:
         """The value of notification word ``slot`` (how many notifications reached it), read now."""
         self._check_open()
-        return self.flags.read(self._slot(slot))
+        index = self._slot(slot)
+        flags, _ = self._hold()
+        try:
+            return flags.read(index)
+        finally:
+            self._shared.release()
 
     def wait_notification(self, slot: int, value: int, timeout_s: float | None = None) -> int:
-        """Poll word ``slot`` until it holds ``value`` or more; :class:`TransferTimeout` past ``timeout_s``."""
+        """Poll word ``slot`` until it holds ``value`` or more; :class:`TransferTimeout` past ``timeout_s``
+        (default: the agent's; a finite number of seconds > 0, at most :data:`~gpuxfer.sync.MAX_TIMEOUT_S`)."""
         self._check_open()
-        t = self.timeout_s if timeout_s is None else float(timeout_s)
+        t = self.timeout_s if timeout_s is None else check_timeout(timeout_s, "wait_notification's timeout_s")
+        value = _notify_value(value)
+        index = self._slot(slot)
+        flags, _ = self._hold()
         try:
-            return self.flags.wait_host(self._slot(slot), int(value), t, step=int(value),
-                                        flag=f"notification slot {slot} of agent {self.name!r}")
+            return flags.wait_host(index, value, t, step=value, flag=f"notification slot {slot} of agent {self.name!r}")
         except TransferTimeout as exc:
             self.fail(exc)
             raise
+        finally:
+            self._shared.release()
 
     def stream_wait_notification(self, stream: Stream, slot: int, value: int) -> None:
-        """Block ``stream``'s later work (not the host) until word ``slot`` holds ``value`` or more."""
+        """Block ``stream``'s later work (not the host) until word ``slot`` holds ``value`` or more: ``value``
+        in ``0 .. RELEASE_VALUE - 1`` (the release value, 2^62, that a failure or close writes must pass it).
+
+        The agent holds ``stream`` (and an event after the wait) until the wait passed: close drains past it."""
         self._check_open()
         index = self._slot(slot)
-        self._waited_slots.add(slot)
-        self.flags.wait(stream, index, int(value))
-        self._stream_waits[id(stream)] = self.platform.record_event(stream)    # close drains past it
+        value = _notify_value(value)
+        if not isinstance(stream, Stream):
+            raise BadInput(f"stream_wait_notification needs a Stream of the platform, got {stream!r}")
+        with self._post_lock:               # close passes through it: the wait is then in its books
+            self._check_open()
+            waits = self._stream_waits
+            for st in [st for st, e in waits.items() if _ended(self.platform, e)]:
+                del waits[st]
+            self._waited_slots.add(slot)
+            self.flags.wait(stream, index, value)
+            waits[stream] = self.platform.record_event(stream)      # close drains past it
 
     # ------------------------------------------------------------------ failure
 
@@ -525,108 +531,6 @@ class KVAgent(_Routes, _Staging, _PostResources, Closable, FailsOnTimeout):
             self.failed = mismatch_error(self, int(self._status[0]), int(self._status[1]))
             self.release_waits()
         super().check()
-
-    def release_waits(self) -> None:
-        """Write the release value into this agent's words its streams (or the caller's) may wait on: the
-        pack flags and the notification slots waited on from a stream. Best effort: the abort path."""
-        if self.flags is not None:
-            self.flags.release((*PACK_WORDS, *(NOTIFY + k for k in sorted(self._waited_slots))))
-
-    # ------------------------------------------------------------------ lifetime
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BadInput(f"agent {self.name!r} is closed")
-        self.check()
-
-    def _check_usable(self, peer: KVPeer) -> None:
-        if (type(peer) is KVPeer and peer.agent is self and not peer._closed and not self._closed
-                and self.failed is None and self._peers.get(peer.name) is peer):
-            return          # the per-post case: one test
-        self._check_open()
-        if not isinstance(peer, KVPeer) or peer.agent is not self:
-            raise NotRegistered(f"{peer!r} is not a peer of agent {self.name!r}")
-        if peer.closed or self._peers.get(peer.name) is not peer:
-            raise NotRegistered(f"peer {peer.name!r} was removed from agent {self.name!r}")
-
-    def _drained(self) -> bool:
-        """Wait (:meth:`_completed`) for every posted transfer (the caller's streams included), every stream
-        made to wait on a notification and the agent's own streams; whether all completed."""
-        plat = self.platform
-        events = [e for e, _ in getattr(self, "_inflight", ())] + list(getattr(self, "_stream_waits", {}).values())
-        for st in (getattr(self, "stream", None), getattr(self, "_lane", None)):
-            if st is not None:
-                try:
-                    events.append(plat.record_event(st))
-                except Exception as exc:  # noqa: BLE001 - a stream an error stopped runs nothing more
-                    log.warning("agent %s: %r ended in an error: %s", self.name, st, exc)
-        return self._completed(events)
-
-    def _completed(self, events: list) -> bool:
-        """Wait, at most the agent's timeout in all, for ``events``; whether all completed. Work that ended in
-        an error is done (logged)."""
-        import time
-        plat = self.platform
-        deadline = time.monotonic() + self.timeout_s
-        done = True
-        for e in events:
-            try:
-                done = plat.event_wait(e, max(0.0, deadline - time.monotonic())) and done
-            except Exception as exc:  # noqa: BLE001 - the work ended in an error: nothing more runs
-                log.warning("agent %s: queued work ended in an error: %s", self.name, exc)
-        return done
-
-    def _release(self) -> None:
-        """Drain (every queued wait bounded: the agent's timeout; released once), then close the peers'
-        mappings, the streams, and free the flag words and the staging. What a GPU wait that did not
-        pass may still read or write -- the flag words, the staging, the peers' mappings and flag links, the
-        posted transfers' buffers -- is kept for the life of the process instead (logged)."""
-        _LOCAL_AGENTS.pop(getattr(self, "uid", ""), None)
-        drained = self._drained()
-        if not drained:
-            log.warning("agent %s: queued work did not complete within %g s of close; releasing its waits",
-                        self.name, self.timeout_s)
-            self.release_waits()
-            drained = self._drained()
-        peers = list(getattr(self, "_peers", {}).values())
-        if not drained:
-            keep = [getattr(self, k, None) for k in ("flags", "staging", "_status_mirror")]
-            keep = [b for b in keep if b is not None]
-            for p in peers:
-                keep += p._mappings + p._owned
-                p._mappings, p._owned = [], []
-            log.error("agent %s: queued work still runs after its waits were released; keeping %d buffers and "
-                      "mappings it may touch for the life of the process", self.name, len(keep))
-            _LEAKED.extend(keep)
-            _LEAKED.append(getattr(self, "_inflight", None))
-            self.flags = self.staging = None
-        for p in peers:
-            p.close()
-        if getattr(self, "nixl", None) is not None:
-            self.nixl.close()
-            self.nixl = None
-        self._pack_shapes = collections.OrderedDict()
-        self._pack_tail = None
-        self._peers = {}
-        self._routes = {}
-        self._inflight = collections.deque()
-        self._stream_waits = {}
-        self._groups, self._flats = {}, {}
-        if getattr(self, "stream", None) is not None:
-            self.stream.close()
-            self.stream = None
-        if getattr(self, "_capture_stream", None) is not None:
-            self._capture_stream.close()
-            self._capture_stream = None
-        if getattr(self, "_lane", None) is not None:
-            self._lane.close()
-            self._lane = None
-        if getattr(self, "flags", None) is not None:
-            self.flags.close()
-            self.flags = None
-        if getattr(self, "staging", None) is not None:
-            self.staging.close()
-            self.staging = None
 
     def __repr__(self) -> str:
         return (f"KVAgent({self.name!r}, {self.platform.name}:{self.device}, {len(self._groups)} groups, "

@@ -42,10 +42,10 @@ class _CopyEngineTransfer(KVTransfer):
 
     def post(self, stream: Stream | None = None) -> KVTransferHandle:
         agent = self.agent
-        agent._check_usable(self.peer)
         plat = agent.platform
         s = agent.stream if stream is None else stream
-        with agent._post_lock:
+        with agent._post_lock:             # remove_peer and close exclude it: checked under it
+            agent._check_usable(self.peer)
             if self._sizes.size:
                 plat.copy_batch_async(s, self._dsts, self._srcs, self._sizes)
             value, event = self._finish(s)

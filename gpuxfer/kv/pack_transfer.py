@@ -289,6 +289,7 @@ class _PackTransfer(KVTransfer):
         self._shape = None
         if chunks:
             with agent._post_lock:
+                agent._check_usable(peer)   # a shape holds the peer: none for a removed one
                 self._shape = agent._pack_shape(self)
                 if self._shape.posts:       # a shape seen again: its graphs now, not inside a post
                     self._shape.graph(0)
@@ -305,13 +306,13 @@ class _PackTransfer(KVTransfer):
         the signals it queued, so the two sides' transfers no longer pair up; its error is raised from every
         later call instead of a timeout of the next transfer."""
         agent, peer = self.agent, self.peer
-        agent._check_usable(peer)
-        if agent._status[0]:                # a refused transfer (TransferMismatch)
-            agent.check()
         s = agent.stream if stream is None else stream
         if not isinstance(s, Stream) or s.closed:
             raise BadInput(f"request {self.name!r}: cannot post on {s!r}: not an open stream of the platform")
-        with agent._post_lock:
+        with agent._post_lock:             # remove_peer and close exclude it: checked under it
+            agent._check_usable(peer)
+            if agent._status[0]:            # a refused transfer (TransferMismatch)
+                agent.check()
             if agent._pack_peer not in (None, peer.meta.uid):
                 raise BadInput(f"agent {agent.name!r} already runs pack transfers with another peer: its control "
                                "words hand chunks to one peer (use one agent per pack peer)")
@@ -368,11 +369,13 @@ class _PackTransfer(KVTransfer):
     def expanded_descriptors(self) -> np.ndarray:
         """The descriptors of the request (its shape's expansion; for checking, not a transfer path)."""
         agent = self.agent
-        plat, s = agent.platform, agent.stream
+        plat = agent.platform
         shape = self._shape
         if shape is None:
             return np.zeros((0, 3), dtype=np.int64)
         with agent._post_lock:
+            agent._check_usable(self.peer)
+            s = agent.stream
             tail = agent._pack_tail
             if tail is not None and tail[0] is not s:
                 plat.stream_wait_event(s, tail[1])

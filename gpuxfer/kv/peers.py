@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..common import process_namespace
-from ..errors import BadInput, BadMetadata
+from ..errors import BadInput, BadMetadata, NotRegistered
 from ..flaglink import FlagLink
 from ..platforms.base import Closable, Event, IpcHandle, Stream
 from .control import AGENT_WORDS, NOTIFY, NOTIFY_SLOTS
@@ -88,6 +88,7 @@ class KVPeer(Closable):
     :attr:`route`: how transfers reach it (``"ipc"``; :class:`~gpuxfer.kv.nixl_route.NixlPeer`: ``"nixl"``)."""
 
     route = "ipc"
+    _held = None                            # a peer agent of this process: its _Shared, held while this is open
 
     def __init__(self, agent: "KVAgent", meta: PeerMetadata):
         self.agent, self.meta, self.name = agent, meta, meta.agent
@@ -112,6 +113,11 @@ class KVPeer(Closable):
             if here and local is None:
                 raise BadMetadata(f"peer {meta.agent!r} claims this process but is not a live agent here")
             self._local = local
+            held = None if local is None else local._shared.acquire()
+            if local is not None and held is None:
+                raise BadMetadata(f"peer {meta.agent!r} of this process is closed")
+            if held is not None:
+                self._held = local._shared
             self.flags = FlagLink(plat, dev, AGENT_WORDS, rank=agent.rank, peer=meta.agent,
                                   name=f"agent {agent.name!r}", shared=agent.flags)
             self._owned.append(self.flags)
@@ -119,8 +125,9 @@ class KVPeer(Closable):
             if local is not None:
                 for g, layers in _registered(local, meta):
                     self.groups[g.name] = _Group(g.name, g.block_tokens, layers, [(a, off) for _, a, off in g.layers])
-                self.flags.open(local.flags)
-                self.staging_ptr = None if local.staging is None else local.staging.ptr
+                flags, staging = held
+                self.flags.open(flags)
+                self.staging_ptr = None if staging is None else staging.ptr
                 return
             bases = []
             for i, h in enumerate(meta.allocations):
@@ -171,7 +178,10 @@ class KVPeer(Closable):
         if self._local is not None:
             return self._local._flat_at(ptr)
         a, off = layer_ref
-        m = self._mappings[a]
+        mappings = self._mappings
+        if self._closed or not 0 <= a < len(mappings):
+            raise NotRegistered(f"peer {self.name!r} was removed from agent {self.agent.name!r}")
+        m = mappings[a]
         if not m.addressable:
             return None
         return self.agent.platform.as_tensor(m, shape=(1,), offset=off)
@@ -201,6 +211,13 @@ class KVPeer(Closable):
         copies."""
         return self.flags.remote
 
+    def _keep(self) -> list:
+        """Give up what queued work may still touch -- the mappings, the flag link, a peer agent of this process's
+        memory held -- for the life of the process: the list to keep (closing the peer then frees nothing)."""
+        keep = self._mappings + self._owned + ([self._held] if self._held is not None else [])
+        self._mappings, self._owned, self._held = [], [], None
+        return keep
+
     def _release(self) -> None:
         for m in reversed(self._mappings + self._owned):
             try:
@@ -208,6 +225,9 @@ class KVPeer(Closable):
             except Exception as exc:  # noqa: BLE001 - keep releasing
                 log.warning("peer %s: closing %r failed: %s", self.name, m, exc)
         self._mappings, self._owned = [], []
+        held, self._held = self._held, None
+        if held is not None:
+            held.release()
 
     def __repr__(self) -> str:
         return f"KVPeer({self.name!r}, pid {self.meta.pid}, {len(self.meta.groups)} groups)"

@@ -124,9 +124,9 @@ class _SlotTransfer(KVTransfer):
         for, one event; none of it depends on the number of descriptors.
         """
         agent = self.agent
-        agent._check_usable(self.peer)
         s = agent.stream if stream is None else stream
-        with agent._post_lock:
+        with agent._post_lock:             # remove_peer and close exclude it: checked under it
+            agent._check_usable(self.peer)
             slot = self._run(s)
             value, event = self._finish(s)
             slot.event, slot.stream = event, s
@@ -138,8 +138,10 @@ class _SlotTransfer(KVTransfer):
         ``(N, 3)`` descriptors (offsets from the source and destination anchors) -- for checking the expansion;
         not a transfer path."""
         agent = self.agent
-        plat, s = agent.platform, agent.stream
+        plat = agent.platform
         with agent._post_lock:
+            agent._check_usable(self.peer)
+            s = agent.stream
             slot = self._run(s, expand_only=True)
             event = plat.record_event(s)
             slot.event, slot.stream = event, s

@@ -39,12 +39,14 @@ class KVTransferHandle:
         return done
 
     def wait(self, timeout_s: float | None = None) -> None:
-        """Block until the transfer has completed; :class:`TransferTimeout` naming the request past ``timeout_s``;
+        """Block until the transfer has completed; :class:`TransferTimeout` naming the request past ``timeout_s``
+        (default: the agent's; a finite number of seconds > 0, at most :data:`~gpuxfer.sync.MAX_TIMEOUT_S`,
+        else :class:`~gpuxfer.errors.BadInput`: :meth:`done` asks without waiting);
         :class:`~gpuxfer.errors.TransferMismatch` where a two-sided transfer's sides posted different requests."""
-        from ..sync import SPIN_S, wait_event_or_raise
+        from ..sync import SPIN_S, check_timeout, wait_event_or_raise
         agent = self.transfer.agent
         agent.check()
-        t = agent.timeout_s if timeout_s is None else float(timeout_s)
+        t = agent.timeout_s if timeout_s is None else check_timeout(timeout_s, f"KV transfer {self.name!r}: timeout_s")
         try:
             wait_event_or_raise(agent.platform, self.event, t, rank=agent.rank, what=f"KV transfer {self.name!r}",
                                 spin_s=SPIN_S)

@@ -67,7 +67,6 @@ nothing reaches the receiver; its wait for that step then ends in
 from __future__ import annotations
 
 import abc
-import math
 import collections
 import logging
 import threading
@@ -76,6 +75,7 @@ from collections.abc import Mapping, Sequence
 
 from .. import config
 from ..errors import BadInput, GpuxferError, PeerLost, ProtocolError, TransferTimeout
+from ..sync import check_timeout
 from .channel import CpuChannel, PairSignals
 from .spec import Layout, Refusal, SpecTable
 from .watchdog import close_all, exit_process
@@ -86,22 +86,10 @@ ENV_TIMEOUT = "GPUXFER_PP_TIMEOUT_S"
 ENV_ON_TIMEOUT = "GPUXFER_PP_ON_TIMEOUT"
 
 def resolve_timeout(timeout_s: float | None) -> float:
-    """``timeout_s``, else ``$GPUXFER_PP_TIMEOUT_S``, else 300 s: a number of seconds in (0,
-    :data:`gpuxfer.config.MAX_SECONDS`] (a bool, a string that is no number, nan, inf or a longer wait is
-    :class:`BadInput`)."""
+    """``timeout_s``, else ``$GPUXFER_PP_TIMEOUT_S``, else 300 s (checked: :func:`gpuxfer.sync.check_timeout`)."""
     if timeout_s is None:
         return config.get(ENV_TIMEOUT)
-    try:
-        if isinstance(timeout_s, bool):
-            raise TypeError
-        timeout_s = float(timeout_s)
-    except (TypeError, ValueError, OverflowError):
-        raise BadInput(f"the transfer timeout must be a number of seconds, got {timeout_s!r}") from None
-    if not (math.isfinite(timeout_s) and 0 < timeout_s <= config.MAX_SECONDS):
-        raise BadInput(f"the transfer timeout must be a finite number of seconds > 0 and <= "
-                       f"{config.MAX_SECONDS:g}, got {timeout_s} (every wait is bounded: pick the longest a "
-                       f"step may take)")
-    return timeout_s
+    return check_timeout(timeout_s, "the transfer timeout")
 
 
 def resolve_on_timeout(value: str | None) -> str:
