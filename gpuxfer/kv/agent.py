@@ -103,7 +103,7 @@ from .layers import _MAX_NAME, KVLayer, KVLayerSpec, KVPiece, check_disjoint, de
 from . import nixl_route
 from .metadata import METADATA_VERSION, decode_metadata, encode_metadata
 from .lifetime import _Lifetime, _Shared
-from .peers import _LOCAL_AGENTS, KVPeer, _Group
+from .peers import _LEAKED, _LOCAL_AGENTS, KVPeer, _Group  # noqa: F401 - _LEAKED: what close kept (tests look)
 from .plan import DIRECTIONS
 from .posting import _PostResources, _ended
 from .routes import _Route, _Routes
