@@ -98,6 +98,8 @@ class _Lifetime:
             raise NotRegistered(f"{peer!r} is not a peer of agent {self.name!r}")
         if peer.closed or self._peers.get(peer.name) is not peer:
             raise NotRegistered(f"peer {peer.name!r} was removed from agent {self.name!r}")
+        if peer._local is None or not peer._local._closed:
+            return          # usable: a peer of another kind (NIXL's) or of another process
         raise PeerLost(rank=self.rank, peer=peer._local.rank, step=0, flag=f"peer {peer.name!r}", after_s=0.0,
                        why=f"agent {peer.name!r} of this process was closed (remove_peer it)")
 
