@@ -113,8 +113,11 @@ def test_describe_view_layouts():
     spec, tok, major = describe_view(v, True)
     assert tok == 16 and major and spec.block_stride_bytes == 4 * 16 * 64
     assert spec.pieces == [(h * 16 * 64, 16 * 64) for h in range(4)]
-    spec, _, major = describe_view(v, False)
-    assert not major and spec.pieces == [(0, 4 * 16 * 64)]
+    spec, _, major = describe_view(v, False)            # described alike: the two instances pair
+    assert not major and spec.pieces == [(h * 16 * 64, 16 * 64) for h in range(4)]
+    many = torch.zeros(10 * 17 * 16 * 64, dtype=torch.int8).view(10, 17, 16, 64)
+    spec, _, major = describe_view(many, True)          # past 16 heads: one piece, not token-major
+    assert not major and spec.pieces == [(0, 17 * 16 * 64)]
     # LBNHC: [L, B, N, H, C] viewed as [B, H, N, C]
     w = buf.view(2, 10, 16, 4, 64)[0].permute(0, 2, 1, 3)
     spec, tok, major = describe_view(w, True)
@@ -170,3 +173,52 @@ def test_importing_gpuxfer_imports_no_vllm():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     p = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
+
+
+def test_handshake_by_pumps_alone_and_by_the_idle_thread():
+    """The engine thread's pumps complete a handshake with the server's thread kept out (the engine is
+    busy); an idle engine's server thread answers by itself."""
+    import time
+    srv = SideChannelServer("127.0.0.1", 0, lambda: (b"info", b"m" * 300_000), timeout_s=5.0)
+    try:
+        c = SideChannelClient("127.0.0.1", srv.port, 5.0)
+        got, deadline = None, time.monotonic() + 5
+        while got is None and time.monotonic() < deadline:
+            srv.pump()                  # the engine thread's step; it also keeps the server's thread idle
+            got = c.pump()
+        assert got == (b"info", b"m" * 300_000)
+        assert c.alive and c.notify("done", "r9")
+        deadline = time.monotonic() + 5
+        while srv.events.empty() and time.monotonic() < deadline:
+            srv.pump()
+        assert srv.events.get_nowait() == ("done", "r9")
+        c.close()
+        time.sleep(2 * srv.IDLE_S)      # no pumps: the server's thread serves
+        c2 = SideChannelClient("127.0.0.1", srv.port, 5.0)
+        assert c2.handshake() == (b"info", b"m" * 300_000)
+        c2.close()
+    finally:
+        srv.close()
+
+
+def test_handshake_times_out_and_refused_connect_fails():
+    """A prefill that accepts and never answers: the pumps raise TimeoutError after timeout_s; a port with
+    no listener fails the handshake (a ConnectionError), never a hang."""
+    import time
+    mute = socket.create_server(("127.0.0.1", 0))
+    try:
+        c = SideChannelClient("127.0.0.1", mute.getsockname()[1], 0.3)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            while time.monotonic() - t0 < 5:
+                c.pump()
+                time.sleep(0.01)
+        assert 0.3 <= time.monotonic() - t0 < 3 and not c.alive
+        c.close()
+        port = mute.getsockname()[1]
+    finally:
+        mute.close()
+    c = SideChannelClient("127.0.0.1", port, 5.0)
+    with pytest.raises(ConnectionError):
+        c.handshake()
+    c.close()

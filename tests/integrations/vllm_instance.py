@@ -24,11 +24,12 @@ MODEL_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "h
                 "torch_dtype": "float16"}
 
 
-def write_model(path: str) -> str:
+def write_model(path: str, **overrides) -> str:
+    """The model's config.json (no weights); ``overrides`` change its keys (``num_hidden_layers=32``)."""
     import json
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(MODEL_CONFIG, f)
+        json.dump({**MODEL_CONFIG, **overrides}, f)
     return path
 
 
@@ -36,11 +37,12 @@ class Instance:
     """The parent's handle on one instance process."""
 
     def __init__(self, name: str, model_dir: str, block_size: int, *, hybrid: bool = False,
-                 extra: dict | None = None, num_blocks: int = 4096, env: dict | None = None, device: str = "cpu"):
+                 extra: dict | None = None, num_blocks: int = 4096, env: dict | None = None, device: str = "cpu",
+                 max_model_len: int = 8192):
         self.name = name
         self.conn, child = ctx().Pipe()
         spec = dict(name=name, model_dir=model_dir, block_size=block_size, hybrid=hybrid, extra=extra or {},
-                    num_blocks=num_blocks, env=env or {}, device=device)
+                    num_blocks=num_blocks, env=env or {}, device=device, max_model_len=max_model_len)
         self.proc = ctx().Process(target=serve, args=(child, spec), name=f"vllm-{name}", daemon=True)
         self.proc.start()
         child.close()
@@ -124,20 +126,24 @@ class _Engine:
         self.torch = torch
         self.name = spec["name"]
         bs = spec["block_size"]
+        max_len = spec.get("max_model_len", 8192)
         mc = ModelConfig(model=spec["model_dir"], skip_tokenizer_init=True, dtype="float16", seed=0,
-                         max_model_len=8192)
+                         max_model_len=max_len)
         cache = CacheConfig(block_size=bs, cache_dtype="auto", enable_prefix_caching=False)
         cache.kv_cache_layout = "LBHNC"                 # what the CPU attention backend resolves to
         ktc = KVTransferConfig(kv_connector="GpuxferConnector", kv_connector_module_path="gpuxfer.integrations.vllm",
                                kv_role="kv_both", engine_id=spec["name"], kv_load_failure_policy="recompute",
                                kv_connector_extra_config=spec["extra"])
-        sc = SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=4096, max_model_len=8192,
+        sc = SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=4096, max_model_len=max_len,
                              is_encoder_decoder=False, disable_hybrid_kv_cache_manager=not spec["hybrid"])
         self.config = VllmConfig(model_config=mc, cache_config=cache, scheduler_config=sc, kv_transfer_config=ktc,
                                  device_config=DeviceConfig("cpu"))
-        heads, hd = MODEL_CONFIG["num_key_value_heads"], MODEL_CONFIG["hidden_size"] // MODEL_CONFIG["num_attention_heads"]
+        import json
+        with open(os.path.join(spec["model_dir"], "config.json")) as f:
+            model = json.load(f)
+        heads, hd = model["num_key_value_heads"], model["hidden_size"] // model["num_attention_heads"]
         layer_specs = {}
-        for i in range(MODEL_CONFIG["num_hidden_layers"]):
+        for i in range(model["num_hidden_layers"]):
             name = f"model.layers.{i}.self_attn.attn"
             if spec["hybrid"] and i % 2:
                 layer_specs[name] = SlidingWindowSpec(block_size=bs, num_kv_heads=heads, head_size=hd,
@@ -169,6 +175,7 @@ class _Engine:
         self.results: dict[str, dict] = {}
         self.waiting: set[str] = set()
         self.stats: dict = {}
+        self.load_t0: dict[str, float] = {}
 
     def _allocate(self, layout):
         """vLLM's allocation: one int8 backing buffer viewed per layer by vLLM's own code. The buffer is the
@@ -256,8 +263,11 @@ class _Engine:
         w.bind_connector_metadata(so.kv_connector_metadata)
         for rid in so.num_scheduled_tokens:             # the "model": this request's KV, whole prompt
             self._access(rid, self.prompt[rid], check=False)
-        n_loads = len(getattr(so.kv_connector_metadata, "loads", ()))
+        loads = getattr(so.kv_connector_metadata, "loads", ())
+        n_loads = len(loads)
         t0 = time.perf_counter()
+        for ld in loads:
+            self.load_t0.setdefault(ld.req_id, t0)
         w.start_load_kv(None)
         t1 = time.perf_counter()
         w.wait_for_save()
@@ -281,8 +291,9 @@ class _Engine:
             if rid in res.failed_recving:
                 self.results.setdefault(rid, {})["load"] = "failed"
             else:
+                load_s = t3 - self.load_t0.pop(rid, t3)     # start_load_kv -> reported done
                 bad, total = self._access(rid, self.prompt[rid] - 1, check=True)
-                self.results.setdefault(rid, {}).update(load="ok", bad=bad, checked=total)
+                self.results.setdefault(rid, {}).update(load="ok", bad=bad, checked=total, load_s=load_s)
         reqs = list(so.num_scheduled_tokens)
         # a token is sampled only where the step reached the end of the prompt (not after a partial prefill)
         sampled = [[7] if self.sched.requests[r].num_computed_tokens >= self.sched.requests[r].num_tokens else []
@@ -342,9 +353,11 @@ class _Engine:
                 elif op == "set_lease":
                     self.sched.connector._scheduler.lease_s = args[0]
                     conn.send(("set_lease", None))
-                elif op == "stats":
+                elif op == "stats":                   # args: (True,) to start counting anew
                     conn.send(("stats", {"requests": len(self.sched.requests), "free": self.free_blocks(),
                                          "stats": self.stats}))
+                    if args and args[0]:
+                        self.stats = {}
             if self.sched.has_requests():
                 self.step()
             if pending is not None and not (set(pending[1]) & self.waiting):

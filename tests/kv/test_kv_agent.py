@@ -1758,3 +1758,34 @@ def test_a_peer_removed_while_its_route_is_built_leaves_no_route(pair, monkeypat
     new = dec.add_peer(pre.metadata())
     x = dec.prepare("prefill", "pull", local_blocks={"g": [0]}, remote_blocks={"g": [1]})
     assert x.peer is new and x.route is not built[0]
+
+
+@pytest.mark.parametrize("engine", ["triton", "copy_engine", "pack"])
+def test_warm_up_changes_no_byte_and_leaves_no_peer(plat, engine):
+    """warm_up's pull of block 0 onto itself through a mirror agent: every cache byte as before, the mirror gone,
+    a real request with a peer afterwards still moves the right bytes; pack agents do nothing."""
+    a0, a1 = Arena(plat, 0), Arena(plat, 1)
+    pre = KVAgent("prefill", platform=plat, device=0, timeout_s=60, engine=engine)
+    dec = KVAgent("decode", platform=plat, device=1, timeout_s=60, engine=engine)
+    try:
+        src, dst = _vllm_layers(a0, 2, 6, 4, seed=1), _vllm_layers(a1, 2, 6, 4, seed=50)
+        pre.register_group("full", 4, src)
+        dec.register_group("full", 4, dst)
+        before = {k: v.clone() for k, v in dst.items()}
+        took = dec.warm_up()
+        assert took == 0.0 if engine == "pack" else took > 0.0
+        assert dec._peers == {} and dec._routes == {}
+        for name in dst:
+            assert _eq(dst[name], before[name])
+        if engine == "pack":
+            return
+        peer = dec.add_peer(pre.metadata())
+        dec.prepare(peer, "pull", local_blocks={"full": [2, 5]}, remote_blocks={"full": [4, 1]}).post().wait(60)
+        for name in src:
+            assert _eq(dst[name][:, [2, 5]], src[name][:, [4, 1]])
+            assert _eq(dst[name][:, [0, 1, 3, 4]], before[name][:, [0, 1, 3, 4]])
+    finally:
+        dec.close()
+        pre.close()
+        a0.close()
+        a1.close()

@@ -8,22 +8,30 @@ body. No vLLM import.
   ``{"op": "release", "req": id}``: it will not read them (its request was aborted or computed
   locally). The prefill frees the blocks at its next step. No answer.
 
-A frame longer than ``MAX_FRAME`` or a message that is not what the protocol says closes that
-connection only; every socket operation has a timeout.
+Both ends are non-blocking sockets that the engine's own thread advances once a step
+(:meth:`SideChannelServer.pump`, :meth:`SideChannelClient.pump`): a background Python thread gets the
+GIL only when the engine thread lets go of it, and an engine thread that keeps releasing and
+retaking it (a loop of short system calls) starves such a thread for hundreds of milliseconds. The
+server's own thread pumps too, so an idle prefill instance still answers. A frame longer than
+``MAX_FRAME``, a message the protocol does not allow, or an answer not drained within the timeout
+closes that connection only.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import queue
+import selectors
 import socket
 import struct
 import threading
-from typing import Callable
+import time
 
 log = logging.getLogger("gpuxfer.vllm")
 
 MAX_FRAME = 64 << 20
+MAX_REQUEST_ID = 512
 _LEN = struct.Struct(">I")
 
 
@@ -31,34 +39,31 @@ class ChannelClosed(ConnectionError):
     """The other end closed the connection or sent something the protocol does not allow."""
 
 
-def send_frame(sock: socket.socket, body: bytes) -> None:
-    sock.sendall(_LEN.pack(len(body)) + body)
+def frame(body: bytes) -> bytes:
+    return _LEN.pack(len(body)) + body
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(min(n - len(buf), 1 << 20))
-        if not chunk:
-            raise ChannelClosed("the connection closed")
-        buf += chunk
-    return bytes(buf)
+def message(msg: dict) -> bytes:
+    return frame(json.dumps(msg, separators=(",", ":")).encode())
 
 
-def recv_frame(sock: socket.socket) -> bytes:
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if n > MAX_FRAME:
-        raise ChannelClosed(f"a frame of {n} bytes (more than {MAX_FRAME})")
-    return _recv_exact(sock, n)
+def take_frames(buf: bytearray) -> list[bytes]:
+    """Cut the complete frames off the front of ``buf``; :class:`ChannelClosed` on an oversized length."""
+    out = []
+    while len(buf) >= _LEN.size:
+        (n,) = _LEN.unpack_from(buf)
+        if n > MAX_FRAME:
+            raise ChannelClosed(f"a frame of {n} bytes (more than {MAX_FRAME})")
+        if len(buf) < _LEN.size + n:
+            break
+        out.append(bytes(buf[_LEN.size:_LEN.size + n]))
+        del buf[:_LEN.size + n]
+    return out
 
 
-def send_msg(sock: socket.socket, msg: dict) -> None:
-    send_frame(sock, json.dumps(msg, separators=(",", ":")).encode())
-
-
-def recv_msg(sock: socket.socket) -> dict:
+def parse_message(body: bytes) -> dict:
     try:
-        msg = json.loads(recv_frame(sock).decode())
+        msg = json.loads(body.decode())
     except (UnicodeDecodeError, ValueError):
         raise ChannelClosed("a message that is not JSON") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
@@ -66,121 +71,262 @@ def recv_msg(sock: socket.socket) -> dict:
     return msg
 
 
+def _recv_some(sock: socket.socket) -> bytes | None:
+    """What the socket holds now (None: nothing yet); :class:`ChannelClosed` when the other end closed."""
+    try:
+        data = sock.recv(1 << 20)
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError as exc:
+        raise ChannelClosed(f"the connection failed: {exc}") from None
+    if not data:
+        raise ChannelClosed("the connection closed")
+    return data
+
+
+def _send_some(sock: socket.socket, out: bytearray) -> None:
+    try:
+        n = sock.send(out)
+    except (BlockingIOError, InterruptedError):
+        return
+    except OSError as exc:
+        raise ChannelClosed(f"the connection failed: {exc}") from None
+    del out[:n]
+
+
+class _Conn:
+    __slots__ = ("sock", "addr", "inbuf", "outbuf", "since")
+
+    def __init__(self, sock: socket.socket, addr):
+        self.sock, self.addr = sock, addr
+        self.inbuf, self.outbuf = bytearray(), bytearray()
+        self.since = 0.0                    # when the unsent answer was queued
+
+
 class SideChannelServer:
     """The prefill worker's listener: answers hellos with ``hello()`` (two frames) and queues
-    ``(op, request id)`` of done and release messages on :attr:`events` for the worker to drain."""
+    ``(op, request id)`` of done and release messages on :attr:`events` for the worker to drain.
+    :meth:`pump` serves whatever is ready without blocking; the worker calls it each step and the
+    server's thread calls it while the engine is idle."""
 
-    def __init__(self, host: str, port: int, hello: Callable[[], tuple[bytes, bytes]], timeout_s: float):
+    def __init__(self, host: str, port: int, hello, timeout_s: float):
         self._hello = hello
         self.timeout_s = timeout_s
         self.events: "queue.SimpleQueue[tuple[str, str]]" = queue.SimpleQueue()
         self._sock = socket.create_server((host, port), reuse_port=False)
-        self._sock.settimeout(0.2)
+        self._sock.setblocking(False)
         self.host, self.port = host, self._sock.getsockname()[1]
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._sock, selectors.EVENT_READ, None)
+        self._conns: dict[socket.socket, _Conn] = {}
+        self._lock = threading.Lock()           # one pump at a time
+        self._pumped = 0.0                      # when the engine thread last pumped
         self._stop = threading.Event()
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._accept, name="gpuxfer-vllm-side-channel", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="gpuxfer-vllm-side-channel", daemon=True)
         self._thread.start()
 
-    def _accept(self) -> None:
+    def _run(self) -> None:
+        """Serve while the engine thread does not: past ``IDLE_S`` without its :meth:`pump`. (A thread
+        holding the lock while starved of the GIL would keep the engine thread from serving.)"""
         while not self._stop.is_set():
             try:
-                conn, addr = self._sock.accept()
-            except socket.timeout:
+                ready = self._sel.select(0.2)
+            except (OSError, ValueError):      # closed under the select
+                return
+            if time.monotonic() - self._pumped < self.IDLE_S:
                 continue
+            if ready or any(c.outbuf for c in list(self._conns.values())):
+                with self._lock:
+                    if not self._stop.is_set():
+                        self._pump_locked()
+
+    IDLE_S = 0.1
+
+    def pump(self) -> None:
+        """Serve what is ready now (the engine thread, once a step)."""
+        self._pumped = time.monotonic()
+        if self._lock.acquire(timeout=0.005):   # the thread holds it only for a pump of its own
+            try:
+                if not self._stop.is_set():
+                    self._pump_locked()
+            finally:
+                self._lock.release()
+
+    def _pump_locked(self) -> None:
+        for key, _ in self._sel.select(0):
+            if key.fileobj is self._sock:
+                self._accept()
+            else:
+                self._serve(self._conns[key.fileobj])
+        now = time.monotonic()
+        for c in [c for c in self._conns.values() if c.outbuf]:
+            try:
+                _send_some(c.sock, c.outbuf)
+                if c.outbuf and now - c.since > self.timeout_s:
+                    raise ChannelClosed(f"the answer was not read within {self.timeout_s:g} s")
+            except ChannelClosed as exc:
+                self._drop(c, exc)
+                continue
+            self._sel.modify(c.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if c.outbuf else 0))
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, addr = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
             except OSError:
                 return
-            with self._lock:
-                if self._stop.is_set():
-                    conn.close()
-                    return
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn, addr), name="gpuxfer-vllm-peer", daemon=True).start()
+            sock.setblocking(False)
+            log.debug("side channel: connection from %s", addr)
+            self._conns[sock] = _Conn(sock, addr)
+            self._sel.register(sock, selectors.EVENT_READ, None)
 
-    def _serve(self, conn: socket.socket, addr) -> None:
-        conn.settimeout(None)           # a decode instance may stay quiet for long; closing ends the read
+    def _serve(self, c: _Conn) -> None:
         try:
-            while not self._stop.is_set():
-                msg = recv_msg(conn)
-                op = msg["op"]
+            data = _recv_some(c.sock)
+            if data is None:
+                return
+            c.inbuf += data
+            for body in take_frames(c.inbuf):
+                msg = parse_message(body)
+                op, req = msg["op"], msg.get("req")
                 if op == "hello":
+                    log.debug("side channel: hello from %s", c.addr)
                     info, meta = self._hello()
-                    conn.settimeout(self.timeout_s)
-                    send_frame(conn, info)
-                    send_frame(conn, meta)
-                    conn.settimeout(None)
-                elif op in ("done", "release") and isinstance(msg.get("req"), str) and len(msg["req"]) <= 512:
-                    self.events.put((op, msg["req"]))
+                    if not c.outbuf:
+                        c.since = time.monotonic()
+                    c.outbuf += frame(info) + frame(meta)
+                elif op in ("done", "release") and isinstance(req, str) and len(req) <= MAX_REQUEST_ID:
+                    self.events.put((op, req))
                 else:
                     raise ChannelClosed(f"an unknown message {str(msg)[:80]!r}")
-        except (ChannelClosed, OSError) as exc:
-            if not self._stop.is_set():
-                log.debug("side channel: connection from %s ended: %s", addr, exc)
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
+        except ChannelClosed as exc:
+            self._drop(c, exc)
+
+    def _drop(self, c: _Conn, why) -> None:
+        if not self._stop.is_set():
+            log.debug("side channel: connection from %s ended: %s", c.addr, why)
+        self._conns.pop(c.sock, None)
+        try:
+            self._sel.unregister(c.sock)
+        except (KeyError, ValueError):
+            pass
+        c.sock.close()
 
     def close(self) -> None:
         self._stop.set()
-        self._sock.close()
         with self._lock:
-            conns = list(self._conns)
-        for c in conns:
+            for c in list(self._conns.values()):
+                try:
+                    c.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                self._drop(c, "closing")
             try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
+                self._sel.unregister(self._sock)
+            except (KeyError, ValueError):
                 pass
-            c.close()
+            self._sock.close()
         self._thread.join(timeout=2.0)
+        self._sel.close()
 
 
 class SideChannelClient:
-    """The decode worker's connection to one prefill engine: :meth:`handshake` (blocking, bounded),
-    then fire-and-forget :meth:`notify`; :attr:`alive` turns False when the prefill end closes."""
+    """The decode worker's connection to one prefill engine, advanced by the engine's thread:
+    :meth:`pump` until it returns the handshake (bounded by ``timeout_s`` from the connect), then
+    :meth:`notify`; :attr:`alive` is False once the prefill end closed."""
 
     def __init__(self, host: str, port: int, timeout_s: float):
         self.timeout_s = timeout_s
-        self._sock = socket.create_connection((host, port), timeout=timeout_s)
-        self._lock = threading.Lock()
-        self.alive = True
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        self._sock = socket.socket(family, kind, proto)
+        self._sock.setblocking(False)
+        err = self._sock.connect_ex(addr)
+        if err not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
+            self._sock.close()
+            raise ChannelClosed(f"connecting to {host}:{port} failed: {err}")
+        self._t0 = time.monotonic()
+        self._out = bytearray(message({"op": "hello"}))
+        self._in = bytearray()
+        self._got: list[bytes] = []
+        self._closed = False
         self.closed_reason: str | None = None
 
-    def handshake(self) -> tuple[bytes, bytes]:
-        send_msg(self._sock, {"op": "hello"})
-        info = recv_frame(self._sock)
-        meta = recv_frame(self._sock)
-        self._sock.settimeout(None)
-        threading.Thread(target=self._watch, name="gpuxfer-vllm-peer-watch", daemon=True).start()
-        return info, meta
-
-    def _watch(self) -> None:
-        """The prefill end sends nothing after the handshake: a read that returns means it closed (or died)."""
+    def pump(self) -> tuple[bytes, bytes] | None:
+        """Advance the handshake without blocking: ``(description, metadata)`` once both arrived, None
+        before; :class:`ChannelClosed` when the prefill end failed it, :class:`TimeoutError` past ``timeout_s``."""
+        if len(self._got) == 2:
+            return self._got[0], self._got[1]
+        if self._closed:
+            raise ChannelClosed(self.closed_reason or "closed")
         try:
-            data = self._sock.recv(1)
-            reason = "the prefill instance closed the side channel" if not data else "unexpected bytes"
+            if self._out:
+                _send_some(self._sock, self._out)
+            data = _recv_some(self._sock)
+            if data is not None:
+                self._in += data
+                self._got += take_frames(self._in)
+                if len(self._got) > 2:
+                    raise ChannelClosed("more than the two frames of a handshake")
+        except ChannelClosed as exc:
+            self._fail(str(exc))
+            raise
+        if len(self._got) == 2:
+            log.debug("side channel: %d + %d bytes of handshake in %.3f s", len(self._got[0]), len(self._got[1]),
+                      time.monotonic() - self._t0)
+            return self._got[0], self._got[1]
+        if time.monotonic() - self._t0 > self.timeout_s:
+            self._fail(f"no handshake within {self.timeout_s:g} s")
+            raise TimeoutError(self.closed_reason)
+        return None
+
+    def handshake(self) -> tuple[bytes, bytes]:
+        """:meth:`pump` until done (blocking; for tools and tests)."""
+        while True:
+            got = self.pump()
+            if got is not None:
+                return got
+            time.sleep(0.001)
+
+    @property
+    def alive(self) -> bool:
+        """False once the prefill end closed (it sends nothing after the handshake) or a send failed."""
+        if self._closed:
+            return False
+        try:
+            data = self._sock.recv(1, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return True
         except OSError as exc:
-            reason = f"the side channel failed: {exc}"
-        self.closed_reason = reason
-        self.alive = False
+            self._fail(f"the side channel failed: {exc}")
+            return False
+        if len(self._got) < 2:
+            return True             # the handshake's own bytes
+        self._fail("the prefill instance closed the side channel" if not data else "unexpected bytes")
+        return False
 
     def notify(self, op: str, request_id: str) -> bool:
-        """Send a done or release message; False (and the connection marked dead) when it cannot."""
+        """Send a done or release message (at most ``timeout_s``); False (the connection then dead) when it cannot."""
         if not self.alive:
             return False
         try:
-            with self._lock:
-                self._sock.settimeout(self.timeout_s)
-                send_msg(self._sock, {"op": op, "req": request_id})
+            self._sock.settimeout(self.timeout_s)
+            try:
+                self._sock.sendall(message({"op": op, "req": request_id}))
+            finally:
+                self._sock.setblocking(False)
         except OSError as exc:
-            self.alive = False
-            self.closed_reason = f"sending {op} failed: {exc}"
+            self._fail(f"sending {op} failed: {exc}")
             return False
         return True
 
+    def _fail(self, reason: str) -> None:
+        if not self._closed:
+            self._closed, self.closed_reason = True, reason
+
     def close(self) -> None:
-        self.alive = False
+        self._fail("closed by this instance")
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:

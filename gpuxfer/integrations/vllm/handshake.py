@@ -26,8 +26,8 @@ def describe_view(view, token_major: bool) -> tuple[KVLayerSpec, int, bool]:
     """``(spec, tokens per kernel block, token-major)`` of one layer's ``[B, H, N, C]`` view.
 
     Head-major blocks (``LBHNC``: a head's tokens in a row) give one piece per head (up to 16 heads;
-    one piece for the whole block, not token-major, past that or when the content is not token-major
-    and the heads are dense); token-outer blocks (``LBNHC``) give one piece. Any other arrangement
+    one piece for the whole block, not token-major, past that), whether or not the content is
+    token-major, so that two instances of one model describe a block alike; token-outer blocks (``LBNHC``) give one piece. Any other arrangement
     raises :class:`LayoutMismatch` naming the strides."""
     if view.dim() != 4:
         raise LayoutMismatch(f"a vLLM 0.33 KV-cache view is [blocks, heads, tokens, content], got shape "
@@ -40,7 +40,7 @@ def describe_view(view, token_major: bool) -> tuple[KVLayerSpec, int, bool]:
         raise LayoutMismatch(f"the content of a token is not dense (strides {tuple(view.stride())})")
     if sn == cb:                                            # head-major: a head's tokens in a row
         heads_dense = heads == 1 or sh == tokens * cb
-        if heads_dense and (heads == 1 or not token_major or heads > MAX_PIECES):
+        if heads_dense and (heads == 1 or heads > MAX_PIECES):
             pieces = [(0, heads * tokens * cb)]
             token_major = token_major and heads == 1
         elif heads <= MAX_PIECES:

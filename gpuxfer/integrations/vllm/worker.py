@@ -1,7 +1,9 @@
 """The worker side of the connector: one :class:`~gpuxfer.kv.KVAgent` over vLLM's own KV caches, the
 prefill role (a side channel that hands out the agent's metadata, blocks held until the decode side
-read them or the lease ran out) and the decode role (handshakes in the background, pulls posted
-without waiting, completions and failures polled once a step). No vLLM import.
+read them or the lease ran out) and the decode role (handshakes, pulls, completions and failures, each
+advanced without blocking once a step). Everything runs on the engine's thread: kernels load at
+registration, a handshake is a non-blocking exchange on the side channel, and mapping a new engine's
+caches takes milliseconds. No vLLM import.
 
 Soundness of a load against a lease: both instances run on one host (the agent maps the peer's
 memory over IPC), so they share ``time.monotonic()``. The prefill frees a held request's blocks at
@@ -64,10 +66,11 @@ class _LoadState:
 @dataclass
 class _Remote:
     key: tuple[str, int, str]
-    state: str = "pending"                  # pending | ready | failed
+    state: str = "pending"                  # pending | ready (caches mapped) | failed
     client: SideChannelClient | None = None
     peer: Any = None
     info: dict | None = None
+    meta: bytes | None = None
     error: str | None = None
     inflight: int = 0
     t0: float = field(default_factory=time.monotonic)
@@ -85,7 +88,7 @@ class WorkerSide:
         self.agent: KVAgent | None = None
         self.server: SideChannelServer | None = None
         self.info: dict | None = None
-        self._lock = threading.Lock()                 # the agent: posts here, add_peer on handshake threads
+        self._lock = threading.Lock()                 # the agent: posts and add_peer against close
         self._remotes: dict[tuple, _Remote] = {}
         self._loads: dict[str, _LoadState] = {}
         self._holds: dict[str, float] = {}            # prefill: request -> lease deadline
@@ -138,16 +141,27 @@ class WorkerSide:
                            "content": [int(view.shape[1]), int(view.shape[3]) * view.element_size()]})
         self.info = engine_info(engine_id=self.engine_id, model=self.model, dtype=self.dtype, layout=self.layout,
                                 groups=groups)
+        warm_s = self._warm_up()
         self._info_bytes, self._meta_bytes = encode_info(self.info), self.agent.metadata()
         self.server = SideChannelServer(self.settings.host, self.settings.port,
                                         lambda: (self._info_bytes, self._meta_bytes), self.settings.handshake_timeout_s)
         if not all(g["token_major"] for g in groups):
             log.info("gpuxfer: engine %s: the KV layout is not token-major (attention backend's block interior), so "
                      "it pairs only with instances of the same block size", self.engine_id)
-        log.info("gpuxfer: engine %s registered %d KV-cache group(s) (%s) with the %s engine in %.2f s; side "
-                 "channel on %s:%d", self.engine_id, len(groups), ", ".join(f"{g['kind']} {g['block_size']} tok x {len(g['layers'])} "
-                                                         f"layers" for g in groups), engine,
-                 time.perf_counter() - t0, self.server.host, self.server.port)
+        log.info("gpuxfer: engine %s registered %d KV-cache group(s) (%s) with the %s engine in %.2f s (kernels "
+                 "loaded in %.2f s); side channel on %s:%d", self.engine_id, len(groups),
+                 ", ".join(f"{g['kind']} {g['block_size']} tok x {len(g['layers'])} layers" for g in groups), engine,
+                 time.perf_counter() - t0, warm_s, self.server.host, self.server.port)
+
+    def _warm_up(self) -> float:
+        """The agent's kernels loaded now (engine startup), not in the first request: a read of vLLM's null
+        block 0 onto itself. A failure here only moves that cost to the first request."""
+        try:
+            return self.agent.warm_up(block=0)
+        except GpuxferError as exc:
+            log.warning("gpuxfer: engine %s: loading the transfer kernels at startup failed (%s: %s); the first "
+                        "request loads them", self.engine_id, type(exc).__name__, exc)
+            return 0.0
 
     @property
     def endpoint(self) -> tuple[str, int]:
@@ -161,6 +175,7 @@ class WorkerSide:
     def _drain_events(self, now: float) -> None:
         if self.server is None:
             return
+        self.server.pump()
         while True:
             try:
                 op, req = self.server.events.get_nowait()
@@ -191,12 +206,14 @@ class WorkerSide:
     # ------------------------------------------------------------------ decode role
 
     def start_loads(self, loads: Sequence[Load]) -> None:
-        """Start each load without waiting: a known engine's read is posted now, a new engine's handshake
-        runs on a thread of its own and the read is posted by a later step's poll."""
+        """Start each load without waiting: a known engine's read is posted now; a new engine's handshake
+        starts (a non-blocking connect and hello) and later steps finish it, map the engine's caches and
+        post the read."""
         now = time.monotonic()
         for load in loads:
             st = self._loads[load.req_id] = _LoadState(load, now)
             st.remote = self._remote(load.remote)
+            self._advance(st.remote)
             if st.remote.state == "ready":
                 self._post(st, blocking=False)
 
@@ -205,46 +222,73 @@ class WorkerSide:
         gone = r is not None and r.state == "ready" and not (r.client and r.client.alive)
         if r is None or ((r.state == "failed" or gone) and r.inflight == 0):
             r = self._remotes[rp.endpoint] = _Remote(rp.endpoint)
-            threading.Thread(target=self._handshake, args=(r,), name="gpuxfer-vllm-handshake", daemon=True).start()
+            try:
+                r.client = SideChannelClient(r.key[0], r.key[1], self.settings.handshake_timeout_s)
+            except (OSError, ValueError) as exc:
+                self._handshake_failed(r, exc)
         return r
 
-    def _handshake(self, r: _Remote) -> None:
+    def _advance(self, r: _Remote) -> None:
+        """Move a pending handshake on, on the engine's thread and without blocking: read what the prefill
+        sent; once its description and metadata are in, check they pair and map its caches (:meth:`_attach`)."""
+        if r.state != "pending":
+            return
         host, port, engine_id = r.key
-        t0 = time.perf_counter()
         try:
-            r.client = SideChannelClient(host, port, self.settings.handshake_timeout_s)
-            info_raw, meta = r.client.handshake()
+            got = r.client.pump()
+            if got is None:
+                return
+            info_raw, r.meta = got
             info = decode_info(info_raw)
             if info.get("engine_id") != engine_id:
                 raise BadTransferParams(f"{host}:{port} is engine {info.get('engine_id')!r}, not {engine_id!r} as "
                                         "the request's kv_transfer_params say (stale params?)")
             check_compatible(self.info, info)
+            r.info = info
+        except Exception as exc:        # every failure fails this engine's loads, never the worker
+            self._handshake_failed(r, exc)
+            return
+        self._attach(r)
+
+    def _handshake_failed(self, r: _Remote, exc: Exception) -> None:
+        host, port, engine_id = r.key
+        r.error, r.state = f"{type(exc).__name__}: {exc}", "failed"
+        log.error("gpuxfer: engine %s: handshake with prefill engine %s at %s:%d failed: %s; its requests' "
+                  "loads fail and vLLM recomputes them", self.engine_id, engine_id, host, port, r.error)
+        if r.client is not None:
+            r.client.close()
+
+    def _attach(self, r: _Remote) -> None:
+        """Map a checked engine's caches (``add_peer``) and make its first read's slot: a few milliseconds
+        once the kernels were loaded at registration."""
+        t0 = time.perf_counter()
+        try:
             with self._lock:
-                name = f"vllm-{engine_id}"
+                name = f"vllm-{r.key[2]}"
                 if name in self.agent._peers:                   # the same engine again, after it restarted
                     self.agent.remove_peer(name)
-                peer = self.agent.add_peer(meta)
-                self._warm(peer, info)
-            r.info, r.peer, r.state = info, peer, "ready"
-            self.stats["handshakes"] += 1
-            self.stats["handshake_s"].append(time.perf_counter() - t0)
-            log.info("gpuxfer: engine %s: handshake with prefill engine %s at %s:%d in %.3f s", self.engine_id,
-                     engine_id, host, port, time.perf_counter() - t0)
-        except Exception as exc:        # every failure fails this engine's loads, never the worker
-            r.error, r.state = f"{type(exc).__name__}: {exc}", "failed"
-            log.error("gpuxfer: engine %s: handshake with prefill engine %s at %s:%d failed: %s; its requests' "
-                      "loads fail and vLLM recomputes them", self.engine_id, engine_id, host, port, r.error)
-            if r.client is not None:
-                r.client.close()
+                r.peer = self.agent.add_peer(r.meta)
+                self._warm(r.peer)
+            r.state = "ready"
+        except Exception as exc:
+            self._handshake_failed(r, exc)
+            return
+        now = time.perf_counter()
+        self.stats["handshakes"] += 1
+        self.stats["handshake_s"].append(time.monotonic() - r.t0)
+        log.info("gpuxfer: engine %s: handshake with prefill engine %s at %s:%d in %.3f s (its caches mapped in "
+                 "%.3f s)", self.engine_id, r.key[2], r.key[0], r.key[1], time.monotonic() - r.t0, now - t0)
 
-    def _warm(self, peer, info: dict) -> None:
-        """One read of the peer's null blocks into ours (vLLM's block 0: a placeholder no request reads),
-        so the first request finds its kernels loaded and its launch slot made."""
-        blocks = {f"g{g}": [0] for g in range(len(self.group_specs))}
-        try:
-            self.agent.prepare(peer, "pull", local_blocks=blocks, remote_blocks=blocks, name="warm-up").post().wait()
-        except GpuxferError as exc:
-            log.debug("gpuxfer: warm-up read skipped: %s", exc)
+    def _warm(self, peer) -> None:
+        """One read of the peer's null block into ours per group (vLLM's block 0: a placeholder no request
+        reads; a group at a time, as hybrid groups share memory), so the first request finds its route's
+        slot made."""
+        for g in range(len(self.group_specs)):
+            blocks = {f"g{g}": [0]}
+            try:
+                self.agent.prepare(peer, "pull", local_blocks=blocks, remote_blocks=blocks, name="warm-up").post().wait()
+            except GpuxferError as exc:
+                log.debug("gpuxfer: warm-up read of group %d skipped: %s", g, exc)
 
     def _post(self, st: _LoadState, blocking: bool) -> bool:
         """Pair the request's blocks and post its read; False when the agent is busy (a handshake)."""
@@ -285,6 +329,8 @@ class WorkerSide:
 
     def _finished_recving(self, now: float) -> tuple[set[str], set[str]]:
         done, failed = set(), set()
+        for r in list(self._remotes.values()):
+            self._advance(r)
         for req, st in list(self._loads.items()):
             r = st.remote
             if st.handle is None and st.error is None:
