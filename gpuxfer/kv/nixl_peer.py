@@ -311,15 +311,21 @@ class _NixlTransfer(KVTransfer):
         transfers are not stream-ordered, so the host waits for it, at most the agent's timeout."""
         agent, peer = self.agent, self.peer
         agent._check_usable(peer)
-        if peer._lists is not self.lists:
-            raise BadInput(f"request {self.name!r} was prepared before peer {peer.name!r}'s descriptor lists were "
-                           "rebuilt (a group registered since): prepare it again")
         s = agent.stream if stream is None else stream
         plat = agent.platform
         ev = plat.record_event(s)
         if not plat.event_query(ev) and not plat.event_wait(ev, agent.timeout_s):
             raise TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
                                   timeout_s=agent.timeout_s, what="the work on the posting stream did not complete")
+        with agent._post_lock:              # remove_peer and close exclude it: the peer's lists stay while it posts
+            agent._check_usable(peer)
+            if peer._lists is not self.lists:
+                raise BadInput(f"request {self.name!r} was prepared before peer {peer.name!r}'s descriptor lists "
+                               "were rebuilt (a group registered since): prepare it again")
+            return self._post_locked()
+
+    def _post_locked(self) -> "_NixlHandle":
+        agent, peer = self.agent, self.peer
         side, slot = peer.side, self.notify_slot
         op = "READ" if self.op == "pull" else "WRITE"
         with side.lock:                     # the notification's value is taken and spent under the lock

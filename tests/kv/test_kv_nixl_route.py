@@ -320,6 +320,58 @@ def test_a_stuck_transfer_times_out_naming_the_request_and_the_agent_stays_usabl
     assert torch.equal(caches[0]["full"]["model.layers.0.attn"][:, 0], caches[1]["full"]["model.layers.0.attn"][:, 1])
 
 
+def test_a_peer_removed_while_a_post_waits_on_its_stream_is_never_posted_to(nixl_pair, monkeypatch):
+    """remove_peer completes while a post waits for the work on its stream (after the post's first check):
+    the post then raises NotRegistered instead of handing NIXL the removed peer's released lists; the agent
+    stays usable; posts racing remove_peer from threads end in moved blocks or NotRegistered only."""
+    import threading
+    from gpuxfer.errors import GpuxferError, NotRegistered
+    (a, b), (p, _), caches = nixl_pair
+    x = a.prepare(p, "pull", local_blocks={"full": [3]}, remote_blocks={"full": [5]}, name="late")
+    real = a.platform.event_query
+    removed = threading.Event()
+
+    def query_after_removal(ev):
+        t = threading.Thread(target=lambda: (a.remove_peer(p), removed.set()))
+        t.start()
+        t.join(30)
+        return real(ev)
+
+    monkeypatch.setattr(a.platform, "event_query", query_after_removal)
+    with pytest.raises(NotRegistered, match="removed"):
+        x.post()
+    assert removed.is_set()
+    monkeypatch.setattr(a.platform, "event_query", real)
+    p2 = a.add_peer(b.metadata(), route="nixl")
+    xs = [a.prepare(p2, "pull", local_blocks={"full": [i]}, remote_blocks={"full": [i]}, name=f"r{i}")
+          for i in range(4)]
+    outcomes, go = [], threading.Event()
+
+    def poster(x):
+        go.wait(10)
+        for _ in range(20):
+            try:
+                x.post().wait(20)
+                outcomes.append("moved")
+            except GpuxferError as exc:
+                outcomes.append(type(exc).__name__)
+            except BaseException as exc:  # noqa: BLE001 - what the test is looking for
+                outcomes.append(f"untyped {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=poster, args=(x,)) for x in xs]
+    for t in threads:
+        t.start()
+    go.set()
+    a.remove_peer(p2)
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert len(outcomes) == 80 and set(outcomes) <= {"moved", "NotRegistered"}, outcomes
+    name = "model.layers.0.attn"
+    if "moved" in outcomes:
+        assert torch.equal(caches[0]["full"][name][:, 0], caches[1]["full"][name][:, 0])
+
+
 def test_a_group_registered_after_add_peer_rebuilds_the_lists(need_nixl, host):
     """A group the peer's metadata named, registered here after add_peer (in an allocation of its own): the
     lists are rebuilt when a request names it; a request prepared on the old lists is refused, new ones move."""
