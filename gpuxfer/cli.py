@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import logging
 import sys
 
-from . import __version__
+from . import __version__, config
 
 # (command path, module, one-line help)
 COMMANDS = [
@@ -35,7 +36,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpuxfer", description="GPU-to-GPU transfers for LLM inference, in pure Python.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log at INFO level, the benchmarks' ranks included (GPUXFER_LOG_LEVEL=INFO)")
     parser.add_argument("--version", action="version", version=f"gpuxfer {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     groups: dict[str, argparse._SubParsersAction] = {}
@@ -58,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:     # said by the subcommand's parser, with its usage, not the top level's
         getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    if args.verbose:                # the benchmarks' spawned ranks read it too
+        os.environ["GPUXFER_LOG_LEVEL"] = "info"
+    logging.basicConfig(level=config.get("GPUXFER_LOG_LEVEL").upper(), format="%(levelname)s %(name)s: %(message)s")
     if not getattr(args, "_module", None):
         parser.print_help()
         return 2

@@ -140,6 +140,8 @@ VARS: dict[str, Var] = {v.name: v for v in (
     Var("GPUXFER_SDMA_PATH", "hsa", choice("hsa", "hip"), "how the sdma transport copies: HSA SDMA queues or hipMemcpy"),
     Var("GPUXFER_SDMA_RING", 16, integer(1, 1 << 16), "ring entries of the sdma transport"),
     Var("GPUXFER_SDMA_COPIES", 1, integer(1, 16), "SDMA engines one sdma step is split over"),
+    Var("GPUXFER_LOG_LEVEL", "warning", choice("debug", "info", "warning", "error"),
+        "log level of the gpuxfer command and of the ranks a benchmark spawns (gpuxfer -v: INFO)"),
     # KV engines
     Var("GPUXFER_KV_ON_TIMEOUT", "raise", choice("raise", "exit"),
         "what a failed KV side or agent does: raise on every later call, or also log and exit"),

@@ -20,6 +20,7 @@ may hang it), and the parent reports the exit code alone.
 """
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import queue as _queue
@@ -31,6 +32,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from . import config
 from .errors import GpuxferError
 
 #: the note :func:`spawn` adds to its errors when Ctrl-C stopped it
@@ -69,6 +71,8 @@ def _child(target, rank: int, world: int, init_method: str, env: dict, args: tup
     os.environ.update(env)
     code = 0
     try:
+        logging.basicConfig(level=config.get("GPUXFER_LOG_LEVEL").upper(),
+                            format=f"rank {rank} %(levelname)s %(name)s: %(message)s")
         q.put(("result", rank, target(RankContext(rank, world, init_method, q), *args)))
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1

@@ -122,3 +122,22 @@ def test_ctrl_c_lets_the_ranks_unwind(tmp_path):
             proc.wait(10)
     assert proc.returncode == 0, out + err
     assert "'interrupted'" in out and "leaked" not in err, out + err
+
+
+def _log_level(ctx) -> int:
+    import logging
+    logging.getLogger("gpuxfer.test").info("rank %d says hello at INFO", ctx.rank)
+    return logging.getLogger("gpuxfer.test").getEffectiveLevel()
+
+
+@pytest.mark.timeout(120)
+def test_ranks_log_at_the_level_the_command_asked(capfd):
+    """GPUXFER_LOG_LEVEL (what ``gpuxfer -v`` sets) reaches the spawned ranks: INFO lines from a rank, prefixed
+    with its rank; WARNING without it."""
+    import logging
+    out = spawn(_log_level, 1, (), idle_s=60, env={"GPUXFER_LOG_LEVEL": "info"})
+    assert out.ok and out.results == [logging.INFO]
+    assert "rank 0 INFO gpuxfer.test: rank 0 says hello at INFO" in capfd.readouterr().err
+    out = spawn(_log_level, 1, (), idle_s=60, env={"GPUXFER_LOG_LEVEL": "warning"})
+    assert out.ok and out.results == [logging.WARNING]
+    assert "says hello" not in capfd.readouterr().err

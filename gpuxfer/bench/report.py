@@ -14,6 +14,8 @@ Every ``gpuxfer bench`` command prints the same shape:
 """
 from __future__ import annotations
 
+import textwrap
+
 import json
 import math
 from dataclasses import dataclass, field
@@ -148,6 +150,19 @@ class Verdict:
 
     def lines(self) -> list[str]:
         return footer_lines(self.wrong_bytes, self.result, emulation=self.emulation)
+
+
+def wrap_comments(lines: list[str], width: int = 120) -> list[str]:
+    """The report's prose comments (``# `` then a word) wrapped at ``width``, continued as ``#   ...``;
+    table rows and their headers (``#`` then spaces, or no ``#``) as they are."""
+    out = []
+    for ln in lines:
+        if len(ln) <= width or not ln.startswith("# ") or ln[2:3].isspace():
+            out.append(ln)
+            continue
+        out.extend(textwrap.wrap(ln[2:], width - 4, initial_indent="# ", subsequent_indent="#   ",
+                                 break_on_hyphens=False))
+    return out
 
 
 def footer_lines(wrong_bytes: int, result: str, *, emulation: bool = False) -> list[str]:

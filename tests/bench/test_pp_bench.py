@@ -67,6 +67,8 @@ def test_bench_pp_host(tmp_path, capsys):
     assert "# Out of bounds values : 0 OK" in text and "# Result: PASS (EMULATION)" in text
     assert "SM contention" in text and "bulk peer copy" in text
     assert "# CPUs: rank 0 on CPU" in text or "# CPUs: ranks not pinned" in text
+    long = [ln for ln in text.splitlines() if len(ln) > (120 if ln.startswith("# ") and ln[2] != " " else 240)]
+    assert not long, f"{len(long)} report lines too long, the longest {max(map(len, long))}: {long[0][:120]}"
     doc = json.loads(out.read_text())
     assert doc["emulation"] is True and doc["result"] == "PASS" and doc["wrong_bytes"] == 0
     assert doc["targets"] and all(t["met"] is None for t in doc["targets"])   # not judged on the emulation

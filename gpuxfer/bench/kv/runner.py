@@ -253,7 +253,6 @@ def _nonneg_int(text, option: str) -> int:
 
 
 def _spawned_rank(ctx, cfg: RunConfig) -> None:
-    logging.basicConfig(level=logging.WARNING, format=f"rank {ctx.rank} %(levelname)s %(name)s: %(message)s")
     code = Worker(ctx.rank, cfg, ctx.emit, init_method=ctx.init_method, launcher="spawn").run()
     if code:
         raise SystemExit(code)  # the worker reported why; leave without the interpreter's teardown

@@ -161,15 +161,15 @@ def format_report(res: dict, opts: dict) -> str:
         for size in opts["sizes"]:
             r = by.get((b, m, size))
             if r and r.get("send_host_paced_python_us") is not None and r.get("recv_host_paced_python_us") is not None:
-                speed.append(f"{_fmt_size(size)} {r['send_host_paced_python_us']:.0f}/"
-                             f"{r['recv_host_paced_python_us']:.0f} on CPUs {_cpus(r.get('send_host_paced_cpus'))}/"
+                speed.append(f"#   {_fmt_size(size):>8}  {r['send_host_paced_python_us']:.0f}/"
+                             f"{r['recv_host_paced_python_us']:.0f} us on CPUs {_cpus(r.get('send_host_paced_cpus'))}/"
                              f"{_cpus(r.get('recv_host_paced_cpus'))}"
                              + (f", sender waited for its slot in {r['send_host_paced_slot_waits_pct']:.0f}% of steps"
                                 if r.get("send_host_paced_slot_waits_pct") is not None else ""))
         if speed:
-            L.append(f"# paced loops' CPUs and speed, {b} {'+' if m else '-'}meta: a pure-Python yardstick just "
-                     f"before each loop (us, sender/receiver; a slower CPU takes longer), the CPUs it started/ended "
-                     f"on: " + ", ".join(speed))
+            L.append(f"# paced loops' CPUs, {b} {'+' if m else '-'}meta: a pure-Python yardstick just before each "
+                     "loop (sender/receiver; a slower CPU takes longer), the CPUs it started/ended on:")
+            L.extend(speed)
     for r in res["rows"]:
         if r.get("instrumented"):
             L.append(f"# ({r['backend']} {'+' if r['metadata'] else '-'}meta at {_fmt_size(r['size_bytes'])} was timed "
@@ -242,7 +242,7 @@ def format_report(res: dict, opts: dict) -> str:
                    else "met" if met else "MISSED")
         L.append(f"# target ({'any GPU' if name == HOST_TARGET else '2x H200'}): {name}: {got}: {verdict}")
     L += R.footer_lines(wrong, res["result"], emulation=emu)
-    return "\n".join(L)
+    return "\n".join(R.wrap_comments(L))
 
 
 def total_wrong(res: dict) -> int:
