@@ -1,4 +1,5 @@
-"""Every ``GPUXFER_*`` environment variable gpuxfer reads, declared once.
+"""Every environment variable gpuxfer reads, declared once: its own ``GPUXFER_*`` ones and those other
+tools set (torchrun's ``RANK``, ``CUDA_VISIBLE_DEVICES``, ...; :data:`EXTERNAL`).
 
 Each :class:`Var` has a name, a default, a parser and a one-line meaning. Nothing is read at import:
 :func:`get` reads the environment when it is called (when an object is built), so a test or a
@@ -181,12 +182,24 @@ VARS: dict[str, Var] = {v.name: v for v in (
     Var("GPUXFER_KV_TRACE", None, TEXT, "bench kv on GPUs: a directory for a torch.profiler timeline of each row"),
 )}
 
+#: variables other tools set that gpuxfer reads (torchrun, CUDA, ROCm): read through :func:`get` as well
+EXTERNAL: dict[str, Var] = {v.name: v for v in (
+    Var("RANK", None, integer(0), "torchrun: this process's rank (with WORLD_SIZE: the benchmarks run under torchrun)"),
+    Var("WORLD_SIZE", None, integer(1), "torchrun: the number of ranks"),
+    Var("LOCAL_RANK", None, integer(0), "torchrun: this process's rank on its host (the device it takes)"),
+    Var("CUDA_VISIBLE_DEVICES", None, TEXT, "CUDA: the devices a process sees (named in detection's reasons)"),
+    Var("HSA_ENABLE_SDMA", None, TEXT, "ROCr: 0 turns SDMA copies into blit kernels (the sdma transport refuses it)"),
+    Var("HSA_ENABLE_PEER_SDMA", None, TEXT, "ROCr: 0 turns peer SDMA copies into blit kernels (likewise)"),
+    Var("ROCM_PATH", None, TEXT, "ROCm: the installation whose lib/ is searched for libhsa-runtime64"),
+    Var("ROCM_HOME", None, TEXT, "ROCm: the same, where ROCM_PATH is unset"),
+)}
+
 # ----------------------------------------------------------------------------- API
 
 
 def _var(name: str) -> Var:
     try:
-        return VARS[name]
+        return VARS[name] if name in VARS else EXTERNAL[name]
     except KeyError:
         raise KeyError(f"{name} is not a declared gpuxfer variable (see gpuxfer/config.py)") from None
 
@@ -224,6 +237,16 @@ def is_set(name: str) -> bool:
     return bool(os.environ.get(name, "").strip())
 
 
+def torchrun() -> tuple[int, int, int] | None:
+    """``(rank, world size, local rank)`` when the process runs under torchrun (``RANK`` and ``WORLD_SIZE``
+    set), else None; the local rank defaults to the rank."""
+    if not (is_set("RANK") and is_set("WORLD_SIZE")):
+        return None
+    rank = get("RANK")
+    local = get("LOCAL_RANK")
+    return rank, get("WORLD_SIZE"), rank if local is None else local
+
+
 def effective() -> dict[str, Any]:
     """Every variable's value now, by name (raises BadInput on the first bad one)."""
     return {name: get(name) for name in VARS}
@@ -240,10 +263,10 @@ def report() -> dict[str, dict]:
     return out
 
 
-def table() -> str:
+def table(variables: dict[str, Var] | None = None) -> str:
     """The declarations as a Markdown table (docs/CONFIGURATION.md)."""
     rows = ["| Variable | Values | Default | Meaning |", "|---|---|---|---|"]
-    for v in VARS.values():
+    for v in (VARS if variables is None else variables).values():
         default = ("unset" if v.default is None else "empty" if v.default == "" else
                    "`1`" if v.default is True else "`0`" if v.default is False else f"`{v.default}`")
         rows.append(f"| `{v.name}` | {v.parser.kind} | {default} | {v.doc} |")
@@ -258,7 +281,8 @@ def document() -> str:
             "that uses it is built, never at import. Unset or blank takes the default; a bad value raises `BadInput`\n"
             "naming the variable and the value. Flags take `1`/`0` (also `on`/`off`, `true`/`false`). `gpuxfer doctor`\n"
             "shows the variables set in the environment; `gpuxfer doctor --json` lists every effective value.\n\n"
-            + table())
+            + table()
+            + "\nVariables of other tools that gpuxfer reads (set by them, declared here too):\n\n" + table(EXTERNAL))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,10 @@ can handle and let the rest through. All derive from :class:`GpuxferError`.
 from __future__ import annotations
 
 
+#: the exit code of a process that ends itself on a failed wait (``on_timeout="exit"``): EX_SOFTWARE
+EXIT_CODE = 70
+
+
 class GpuxferError(Exception):
     """Base class of every gpuxfer error."""
 

@@ -224,3 +224,41 @@ def test_report_marks_set_and_bad_variables(monkeypatch):
     assert rep["GPUXFER_PP_TIMEOUT_S"] == {"value": 30.0, "set": True, "error": None}
     assert rep["GPUXFER_HOST_DEVICES"] == {"value": 2, "set": False, "error": None}
     assert rep["GPUXFER_SDMA_RING"]["set"] and "GPUXFER_SDMA_RING must be in [1, 65536]" in rep["GPUXFER_SDMA_RING"]["error"]
+
+
+def test_no_module_reads_the_environment_outside_config():
+    """Reads go through config.get (declared, parsed, documented); writes for child processes are allowed."""
+    import re
+    read = re.compile(r"os\.environ\.get\(|os\.getenv\(|os\.environ\[[^\]]+\](?!\s*=[^=])|\bin os\.environ\b")
+    offenders = []
+    for path in sorted((ROOT / "gpuxfer").rglob("*.py")):
+        if path.name == "config.py" and path.parent.name == "gpuxfer":
+            continue
+        for no, line in enumerate(path.read_text().splitlines(), 1):
+            if read.search(line):
+                offenders.append(f"{path.relative_to(ROOT)}:{no}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_torchrun_is_read_once_and_checked():
+    from gpuxfer.errors import BadInput
+    env = {"RANK": "1", "WORLD_SIZE": "2"}
+    import os
+    old = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    try:
+        for k in old:
+            os.environ.pop(k, None)
+        assert config.torchrun() is None
+        os.environ.update(env)
+        assert config.torchrun() == (1, 2, 1)
+        os.environ["LOCAL_RANK"] = "0"
+        assert config.torchrun() == (1, 2, 0)
+        os.environ["WORLD_SIZE"] = "two"
+        with pytest.raises(BadInput, match="WORLD_SIZE"):
+            config.torchrun()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -77,12 +77,12 @@ probe) and :mod:`~gpuxfer.platforms.cuda_graphs` (capture, launch), over
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from typing import Any, Callable
 
 import numpy as np
 
+from .. import config
 from ..common import package_version
 from ..errors import BadInput
 from .base import DeviceInfo, LinkInfo, Platform
@@ -146,7 +146,7 @@ class CudaPlatform(_CudaMemory, _CudaStreams, _CudaFlags, _CudaGraphs, Platform)
                 _, name, _ = _status_info(err)
                 return f"cuDeviceGetCount failed with {name}"
             if int(count) == 0:
-                vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+                vis = config.get("CUDA_VISIBLE_DEVICES")
                 return "no CUDA device is visible" + (f" (CUDA_VISIBLE_DEVICES={vis!r})" if vis is not None else "")
             if not torch.cuda.is_available():
                 return f"torch {torch.__version__} sees no usable CUDA device"

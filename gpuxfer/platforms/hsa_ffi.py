@@ -173,8 +173,8 @@ def library_candidates() -> list[str]:
         out.append(config.get("GPUXFER_HSA_LIBRARY"))
     out.append(LIBRARY_SONAME)
     for var in ("ROCM_PATH", "ROCM_HOME"):
-        if os.environ.get(var):
-            out.append(os.path.join(os.environ[var], "lib", LIBRARY_SONAME))
+        if config.get(var):
+            out.append(os.path.join(config.get(var), "lib", LIBRARY_SONAME))
     out.append(os.path.join("/opt/rocm/lib", LIBRARY_SONAME))
     return list(dict.fromkeys(out))
 

@@ -4,9 +4,9 @@ HIP stream operations may write (:class:`SignalMemory`). ROCr itself is :mod:`gp
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING
 
+from .. import config
 from ..errors import GpuxferError
 from .base import Closable, DeviceBuffer, SdmaEngines, Stream
 
@@ -49,7 +49,7 @@ def sdma_disabled_by() -> str | None:
     """The ROCr variable (``HSA_ENABLE_SDMA`` or ``HSA_ENABLE_PEER_SDMA``) set to 0, which turns SDMA copies into
     blit kernels on compute units, or None."""
     for var in ("HSA_ENABLE_SDMA", "HSA_ENABLE_PEER_SDMA"):
-        if os.environ.get(var, "").strip() == "0":
+        if (config.get(var) or "").strip() == "0":
             return var
     return None
 

@@ -49,6 +49,7 @@ import zlib
 import numpy as np
 
 from ..common import map_shm, sweep_shm_orphans, unlink_shm
+from ..errors import GpuxferError
 
 RING = 16
 HEADER_WORDS = 8
@@ -62,7 +63,7 @@ def segment_name(creator_pid: int, nonce: int, tag: int) -> str:
     return f"/{PREFIX}{creator_pid:x}-{nonce:x}-{tag:x}"
 
 
-class MailboxTimeout(RuntimeError):
+class MailboxTimeout(GpuxferError, TimeoutError):
     """A mailbox wait ran past its deadline (the transport raises TransferTimeout for it)."""
 
 

@@ -401,7 +401,8 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
             plat = opts.platform
         device = opts.device
         if device is None:
-            device = int(os.environ.get("LOCAL_RANK", rank)) % plat.device_count()
+            tr = config.torchrun()
+            device = (rank if tr is None else tr[2]) % plat.device_count()
         plat.set_device(device)
         dinfo = plat.device_info(device)
         sends, recvs = _ranks(send_to), _ranks(recv_from)

@@ -36,7 +36,7 @@ shares, with what it builds on (:mod:`~gpuxfer.pp.spec`, :mod:`~gpuxfer.pp.chann
   garbage: steps that did not complete are never handed out); the peer is told
   through the store. ``on_timeout="exit"`` (or ``GPUXFER_PP_ON_TIMEOUT=exit``)
   instead logs every transport's rank, step and pending flag and ends the
-  process with :data:`~gpuxfer.pp.watchdog.EXIT_CODE`, like torch's NCCL async error handling.
+  process with :data:`~gpuxfer.errors.EXIT_CODE`, like torch's NCCL async error handling.
 * :func:`~gpuxfer.pp.watchdog.close_all` -- teardown in a safe order for any set of transports,
   bounded by ``timeout_s`` + a few seconds whatever the peers do: release the
   waits of failed ends, drain own streams, pair barrier, close peer mappings,

@@ -18,14 +18,13 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..errors import PeerLost
+from ..errors import EXIT_CODE, PeerLost
 
 if TYPE_CHECKING:
     from .transport import Transport
 
 log = logging.getLogger("gpuxfer.pp")
 
-EXIT_CODE = 70              # the process exit code of on_timeout="exit" (EX_SOFTWARE)
 FAILED_TEARDOWN_S = 1.0     # drain / barrier limit of a failed transport at teardown (its peer is likely gone)
 GONE_POLL_S = 0.25          # how often the watchdog reads a waiting transport's peer "gone" note
 _TEARDOWN = threading.Lock()   # a transport leaves "open" once: close_all and abort from any thread

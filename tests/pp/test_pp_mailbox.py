@@ -55,8 +55,10 @@ def test_the_sender_waits_for_a_free_slot_then_times_out(pair):
     send, recv = pair
     for _ in range(mb.RING):
         _send(send, np.arange(META_LEN))
-    with pytest.raises(mb.MailboxTimeout, match=f"message {mb.RING + 1}: the receiver has taken 0"):
+    with pytest.raises(mb.MailboxTimeout, match=f"message {mb.RING + 1}: the receiver has taken 0") as info:
         send.next_send_buffer(0.05)
+    from gpuxfer.errors import GpuxferError
+    assert isinstance(info.value, GpuxferError) and isinstance(info.value, TimeoutError)
     recv.recv(1.0)
     _send(send, np.arange(META_LEN))          # one slot came free
 

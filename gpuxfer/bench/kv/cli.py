@@ -306,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
         check_before_start(grid, args, platform)
         from .runner import config_from_args, run_sweep, under_torchrun
         cfg = config_from_args(args, dataclasses.replace(options, platform=platform), spec)
-        writes = not under_torchrun() or os.environ.get("RANK") == "0"
+        writes = not under_torchrun() or config.torchrun()[0] == 0
         outputs = prepare_outputs("kv", args.out, args.json, artifacts=(ARTIFACT,), create=writes)
     except GpuxferError as exc:
         return error_line("gpuxfer bench kv", exc)

@@ -259,7 +259,7 @@ def _spawned_rank(ctx, cfg: RunConfig) -> None:
 
 
 def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    return config.torchrun() is not None
 
 
 def run_sweep(cfg: RunConfig) -> int:
@@ -270,11 +270,9 @@ def run_sweep(cfg: RunConfig) -> int:
 
 
 def _run_torchrun(cfg: RunConfig) -> int:
-    world = int(os.environ["WORLD_SIZE"])
-    rank = int(os.environ["RANK"])
+    rank, world, local = config.torchrun()
     if world != 2:
         raise BadInput(f"gpuxfer bench kv runs on exactly 2 ranks (prefill, decode); torchrun gave WORLD_SIZE={world}")
-    local = int(os.environ.get("LOCAL_RANK", rank))
     reporter = R.Reporter(out_dir=cfg.out, machine_json=cfg.json, argv=cfg.argv) if rank == 0 else None
 
     def sink(kind: str, payload: dict) -> None:

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from ... import config
 from ...common import parse_size
 from ...errors import BadInput, GpuxferError
 from .. import report as R
@@ -124,12 +125,12 @@ def _options(args) -> dict:
 def run(args) -> int:
     from ...pp.launch import init_cpu_group
     from ...spawn import run_ranks
-    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
+        torchrun = config.torchrun()
         opts = _options(args)
-        if torchrun and os.environ["WORLD_SIZE"] != "2":
-            raise BadInput(f"runs on exactly 2 ranks; torchrun gave WORLD_SIZE={os.environ['WORLD_SIZE']}")
-        reports = not torchrun or os.environ["RANK"] == "1"      # the receiver reports
+        if torchrun and torchrun[1] != 2:
+            raise BadInput(f"runs on exactly 2 ranks; torchrun gave WORLD_SIZE={torchrun[1]}")
+        reports = not torchrun or torchrun[0] == 1      # the receiver reports
         outputs = prepare_outputs("pp", args.out, args.json, artifacts=(ARTIFACT,), create=reports)
     except GpuxferError as exc:
         return error_line("gpuxfer bench pp", exc)
@@ -137,7 +138,7 @@ def run(args) -> int:
     env = {"GPUXFER_PLATFORM": opts["platform"]}
     try:
         if torchrun:
-            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            rank, world, _ = torchrun
             os.environ.update(env)
             init_cpu_group(rank, world, "env://")
             import torch.distributed as dist

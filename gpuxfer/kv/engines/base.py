@@ -63,7 +63,7 @@ from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 import numpy as np
 
 from ... import config
-from ...errors import BackendUnavailable, BadInput, TransferTimeout
+from ...errors import EXIT_CODE, BackendUnavailable, BadInput, TransferTimeout
 from ...flaglink import FIRST_WORD, FlagWords
 from ...platforms.base import Closable, DeviceBuffer, Event, Memory, PeerMapping, Platform, Stream
 from ...sync import SPIN_S, wait_event_or_raise
@@ -72,7 +72,6 @@ from ..plan import DIRECTIONS, check_bounds
 log = logging.getLogger("gpuxfer.kv.engines")
 
 ENV_KV_ON_TIMEOUT = "GPUXFER_KV_ON_TIMEOUT"
-EXIT_CODE = 70          # the process exit code of on_timeout="exit" (EX_SOFTWARE)
 #: why an engine with ``needs_peer_mapping`` cannot run when the ranks are on different hosts
 CROSS_HOST_PEER_MAPPING = "needs the peer pool mapped over IPC; the ranks are on different hosts"
 
