@@ -121,6 +121,7 @@ class GpuxferKVManager(CommonKVManager):
     """SGLang's per-rank KV manager with a :class:`KVAgent` over the rank's KV pool."""
 
     supports_deferred_decode_kv_release = True
+    kv_status_msg_carries_reason = True         # a Failed status tells the decode why (an abort, a dead peer)
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: ServerArgs,
                  is_mla_backend: Optional[bool] = False):
