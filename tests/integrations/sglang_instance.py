@@ -237,6 +237,15 @@ class _State:
         st = int(self.ends[room].poll())
         return _NAMES[st], st
 
+    def await_status(self, rooms, name, timeout):
+        """Poll until every room of ``rooms`` is in status ``name``; the rooms that never got there."""
+        deadline = time.monotonic() + timeout
+        left = set(rooms)
+        while left and time.monotonic() < deadline:
+            left = {r for r in left if _NAMES[int(self.ends[r].poll())] != name}
+            time.sleep(0.005)
+        return sorted(left)
+
     def wait(self, rooms, timeout):
         """Poll ``rooms`` until each is Success or Failed or ``timeout`` passed: ``{room: (status, seconds)}``."""
         t0 = time.monotonic()

@@ -173,3 +173,31 @@ def test_killed_prefill_fails_the_decode_within_its_timeout():
     finally:
         codes = _close(p, d)
     assert codes == [-9, 0], codes
+
+
+def test_killed_decode_fails_the_prefill_within_its_timeout():
+    """A decode rank killed once its pages reached the prefill (64-token pages): the prefill's pushes find it
+    gone and every request ends Failed well within the timeout, the transfer thread never stuck on the dead
+    rank's socket (requests queued behind the first fail as fast)."""
+    p, d = _pair(64)
+    try:
+        p.ready(timeout=600)
+        d.ready(timeout=600)
+        pages = _Pages(6)
+        plan = [pages.take(room, 3) for room in range(4000, 4006)]
+        rooms = [r[0] for r in plan]
+        assert set(p.call("senders", rooms).values()) == {"Bootstrapping"}
+        assert set(d.call("receivers", plan, 60, timeout=120).values()) == {"WaitingForInput"}
+        assert p.call("await_status", rooms, "WaitingForInput", 60, timeout=120) == []
+        d.proc.kill()
+        d.proc.join(30)
+        assert d.proc.exitcode == -9, d.proc.exitcode
+        assert p.call("send", [(r, src, srow, 1, "send") for r, src, dst, srow, drow in plan], 60) == []
+        prefill = p.call("wait", rooms, WAITING_TIMEOUT_S + 10, timeout=WAITING_TIMEOUT_S + 60)
+        assert {s for s, _ in prefill.values()} == {"Failed"}, prefill
+        assert max(t for _, t in prefill.values()) < WAITING_TIMEOUT_S / 2, prefill
+        reasons = p.call("clear", rooms)
+        assert all("gone" in r or "PeerLost" in r for r in reasons.values()), reasons
+    finally:
+        codes = _close(p, d)
+    assert codes == [0, -9], codes

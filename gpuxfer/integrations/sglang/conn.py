@@ -58,7 +58,7 @@ from sglang.srt.environ import envs
 from sglang.srt.server_args import ServerArgs
 
 from ... import config
-from ...errors import BadInput, GpuxferError
+from ...errors import BadInput, GpuxferError, PeerLost
 from ...kv import KVAgent
 from .layout import (GROUP, decode_registration, encode_registration, geometry, geometry_differences,
                      read_aux_rows, register_kv_args, write_aux_rows)
@@ -154,6 +154,7 @@ class GpuxferKVManager(CommonKVManager):
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self._peers: Dict[str, Any] = {}
             self._rejected: Dict[str, str] = {}
+            self._dead: Dict[str, str] = {}             # decode ranks a push found gone: told nothing more
             self._room_lock = threading.Lock()          # a room's Failed mark against a chunk's post
             self._queue: "queue.Queue[_Chunk]" = queue.Queue()
             self._spawn(self._prefill_control, "gpuxfer-sglang-control")
@@ -301,8 +302,15 @@ class GpuxferKVManager(CommonKVManager):
             try:
                 self._transfer(chunk)
             except Exception as exc:            # a room's failure, never the thread's end
-                log.exception("gpuxfer: room %s failed", chunk.room)
-                self.conclude_failure(bootstrap_room=chunk.room, failure_reason=f"{type(exc).__name__}: {exc}")
+                log.error("gpuxfer: room %s failed: %s: %s", chunk.room, type(exc).__name__, exc)
+                self.conclude_failure(bootstrap_room=chunk.room, failure_reason=f"{type(exc).__name__}: {exc}",
+                                      targets=self._live_targets(chunk.room))
+
+    def _live_targets(self, room: int) -> List[tuple]:
+        """The room's decode endpoints but those found dead: a message to a dead endpoint would hold this
+        thread for ZMQ's send timeout (30 s), and every other room's chunks behind it."""
+        infos = self.transfer_infos.get(room) or {}
+        return [(i.endpoint, i.dst_port) for i in infos.values() if not i.is_dummy and i.session not in self._dead]
 
     def _transfer(self, chunk: _Chunk) -> None:
         room = chunk.room
@@ -313,23 +321,29 @@ class GpuxferKVManager(CommonKVManager):
             if self.request_status.get(room) == KVPoll.Failed:
                 # aborted here or by the decode: tell the decode once, on the last chunk
                 if chunk.is_last:
-                    self.conclude_failure(bootstrap_room=room,
-                                          failure_reason=self.failure_records.get(room, "Aborted"))
+                    self.conclude_failure(bootstrap_room=room, failure_reason=self.failure_records.get(room, "Aborted"),
+                                          targets=self._live_targets(room))
                 return
             self._staging_outstanding[room] += 1
         handles = []
         try:
             for info in infos.values():
                 if not info.is_dummy:
-                    handles.append(self._post(chunk, info))
+                    try:
+                        handles.append((info, self._post(chunk, info)))
+                    except PeerLost as exc:
+                        self._dead[info.session] = f"{type(exc).__name__}: {exc}"
+                        raise
         finally:
             # a posted push is never abandoned: each is waited for (bounded) before the room is concluded
             errors = []
-            for h in handles:
+            for info, h in handles:
                 try:
                     if h is not None:
                         h.wait(self.timeout_s)
                 except GpuxferError as exc:
+                    if isinstance(exc, PeerLost):
+                        self._dead[info.session] = f"{type(exc).__name__}: {exc}"
                     errors.append(exc)
             with self._room_lock:
                 self._staging_outstanding[room] -= 1
@@ -340,7 +354,8 @@ class GpuxferKVManager(CommonKVManager):
             raise errors[0]
         if chunk.is_last:
             if self.request_status.get(room) == KVPoll.Failed:
-                self.conclude_failure(bootstrap_room=room, failure_reason=self.failure_records.get(room, "Aborted"))
+                self.conclude_failure(bootstrap_room=room, failure_reason=self.failure_records.get(room, "Aborted"),
+                                      targets=self._live_targets(room))
                 return
             for info in infos.values():
                 if not info.is_dummy:
@@ -348,6 +363,8 @@ class GpuxferKVManager(CommonKVManager):
             self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success)
 
     def _post(self, chunk: _Chunk, info: TransferInfo):
+        if info.session in self._dead:
+            raise GpuxferError(f"decode rank {info.session} is gone ({self._dead[info.session]})")
         peer = self._peers.get(info.session)
         if peer is None:
             why = self._rejected.get(info.session, "its registration never arrived")
