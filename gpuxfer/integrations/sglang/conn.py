@@ -60,8 +60,8 @@ from sglang.srt.server_args import ServerArgs
 from ... import config
 from ...errors import BadInput, GpuxferError, PeerLost
 from ...kv import KVAgent
-from .layout import (GROUP, decode_registration, encode_registration, geometry, geometry_differences,
-                     read_aux_rows, register_kv_args, write_aux_rows)
+from .layout import (GROUP, check_supported, decode_registration, encode_registration, geometry,
+                     geometry_differences, read_aux_rows, register_kv_args, write_aux_rows)
 
 log = logging.getLogger("gpuxfer.sglang")
 
@@ -125,7 +125,6 @@ class GpuxferKVManager(CommonKVManager):
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: ServerArgs,
                  is_mla_backend: Optional[bool] = False):
-        from .layout import check_supported
         check_supported(args)           # before the base class binds sockets and registers the rank
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         if self.defer_decode_allocation:
@@ -152,6 +151,7 @@ class GpuxferKVManager(CommonKVManager):
             self.agent.close()
             raise
         if disaggregation_mode == DisaggregationMode.PREFILL:
+            self._warm_up()
             self._peers: Dict[str, Any] = {}
             self._rejected: Dict[str, str] = {}
             self._dead: Dict[str, str] = {}             # decode ranks a push found gone: told nothing more
@@ -165,6 +165,15 @@ class GpuxferKVManager(CommonKVManager):
             self._threads.append(self._start_heartbeat_checker_thread())
         log.info("gpuxfer: SGLang %s rank %s registered %d KV entries (%d-token pages) with the %s engine",
                  role, self.session_id, len(args.kv_data_ptrs), int(args.page_size), self.agent.engine)
+
+    def _warm_up(self) -> None:
+        """The push's kernels loaded at startup, not in the first request: SGLang's padding page 0 (never
+        handed out) copied onto itself. A failure here only moves that cost to the first request."""
+        try:
+            log.info("gpuxfer: transfer kernels loaded in %.2f s", self.agent.warm_up(block=0))
+        except GpuxferError as exc:
+            log.warning("gpuxfer: loading the transfer kernels at startup failed (%s: %s); the first request "
+                        "loads them", type(exc).__name__, exc)
 
     def _spawn(self, target, name: str) -> None:
         t = threading.Thread(target=target, name=name, daemon=True)
