@@ -20,7 +20,8 @@ import multiprocessing as mp
 HERE = os.path.dirname(os.path.abspath(__file__))
 STUBS = os.path.join(HERE, "sglang_stubs")           # the torchvision stand-in SGLang's import chain needs
 
-#: the pool's geometry: LAYERS layers (2 * LAYERS entries), PAGES pages of PAGE_SIZE tokens per entry
+#: the pool's geometry: LAYERS layers, an MHA pool's K and V buffer per layer (2 * LAYERS entries) or an MLA
+#: pool's one buffer per layer (MLA_DIM elements per token), ``pages`` pages of ``page_size`` tokens per entry
 LAYERS, HEADS, HEAD_DIM, ITEMSIZE = 2, 2, 8, 2
 AUX_ITEM_LENS = (64, 128)
 AUX_ROWS = 128
@@ -30,8 +31,11 @@ def ctx():
     return mp.get_context("spawn")
 
 
-def item_len(page_size: int) -> int:
-    return page_size * HEADS * HEAD_DIM * ITEMSIZE
+MLA_DIM = 576
+
+
+def item_len(page_size: int, mla: bool = False) -> int:
+    return page_size * (MLA_DIM if mla else HEADS * HEAD_DIM) * ITEMSIZE
 
 
 def pattern(seed: int, entry: int, nbytes: int):
@@ -44,10 +48,11 @@ def pattern(seed: int, entry: int, nbytes: int):
 class Rank:
     """The parent's handle on one rank process."""
 
-    def __init__(self, role: str, *, port: int, page_size: int, pages: int, seed: int, env: dict | None = None):
+    def __init__(self, role: str, *, port: int, page_size: int, pages: int, seed: int, env: dict | None = None,
+                 mla: bool = False):
         self.role = role
         self.conn, child = ctx().Pipe()
-        spec = dict(role=role, port=port, page_size=page_size, pages=pages, seed=seed, env=env or {})
+        spec = dict(role=role, port=port, page_size=page_size, pages=pages, seed=seed, env=env or {}, mla=mla)
         self.proc = ctx().Process(target=serve, args=(child, spec), name=f"sglang-{role}", daemon=True)
         self.proc.start()
         child.close()
@@ -107,8 +112,9 @@ class _State:
         self.server = None
         if self.role == "prefill":
             self.server = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=self.port)
-        il = item_len(self.page_size)
-        self.kv = [pattern(self.seed, e, self.pages * il) for e in range(2 * LAYERS)]
+        self.mla = spec["mla"]
+        il = self.item_len = item_len(self.page_size, self.mla)
+        self.kv = [pattern(self.seed, e, self.pages * il) for e in range(LAYERS if self.mla else 2 * LAYERS)]
         self.aux = [pattern(self.seed, 1000 + j, AUX_ROWS * n) for j, n in enumerate(AUX_ITEM_LENS)]
         a = KVArgs()
         a.engine_rank, a.pp_rank, a.system_dp_rank, a.rust_http_port = 0, 0, 0, None
@@ -118,8 +124,9 @@ class _State:
         a.kv_data_lens = [t.numel() for t in self.kv]
         a.kv_item_lens = [il] * len(self.kv)
         a.num_draft_entries = 0
-        a.kv_layer_ids = list(range(LAYERS)) * 2
-        a.kv_head_num, a.total_kv_head_num, a.page_size = HEADS, HEADS, self.page_size
+        a.kv_layer_ids = list(range(LAYERS)) * (1 if self.mla else 2)
+        heads = 1 if self.mla else HEADS
+        a.kv_head_num, a.total_kv_head_num, a.page_size = heads, heads, self.page_size
         a.aux_data_ptrs = [t.data_ptr() for t in self.aux]
         a.aux_data_lens = [t.numel() for t in self.aux]
         a.aux_item_lens = list(AUX_ITEM_LENS)
@@ -129,7 +136,7 @@ class _State:
         a.ib_device, a.gpu_id, a.kv_buf_groups, a.hidden_kv_layers, a.draft_kv_layers = None, 0, 1, 0, 0
         self.kv_args = a
         mode = DisaggregationMode.PREFILL if self.role == "prefill" else DisaggregationMode.DECODE
-        self.mgr = get_kv_class(backend, KVClassType.MANAGER)(a, mode, self.server_args, False)
+        self.mgr = get_kv_class(backend, KVClassType.MANAGER)(a, mode, self.server_args, self.mla)
         self.sender_cls = get_kv_class(backend, KVClassType.SENDER)
         self.receiver_cls = get_kv_class(backend, KVClassType.RECEIVER)
         self.ends: dict[int, object] = {}           # room -> KVSender / KVReceiver
@@ -199,7 +206,7 @@ class _State:
         """Every byte of each room of ``rooms`` (its decode pages and metadata row) against the prefill's;
         every other page and row against this rank's own bytes (nothing else was written), but those of the
         rooms in ``unknown`` (an outcome the test does not pin down) and of rooms an earlier call checked."""
-        il = item_len(self.page_size)
+        il = self.item_len
         bad, checked = {}, 0
         skip_pages, skip_rows = set(), set()
         for room in rooms:

@@ -45,10 +45,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pair(page_size: int):
+def _pair(page_size: int, mla: bool = False):
     port = _free_port()
-    p = Rank("prefill", port=port, page_size=page_size, pages=PAGES, seed=1, env=ENV)
-    d = Rank("decode", port=port, page_size=page_size, pages=PAGES, seed=2, env=ENV)
+    p = Rank("prefill", port=port, page_size=page_size, pages=PAGES, seed=1, env=ENV, mla=mla)
+    d = Rank("decode", port=port, page_size=page_size, pages=PAGES, seed=2, env=ENV, mla=mla)
     return p, d
 
 
@@ -147,15 +147,25 @@ def test_aborts_on_either_side_fail_both_and_write_nothing(pair):
     assert "Aborted by the decode" in reasons[2000] and "Aborted" in reasons[2001], reasons
 
 
-def test_killed_prefill_fails_the_decode_within_its_timeout():
-    """A prefill rank killed while its requests wait for their KV (1-token pages): the decode reports every
-    one Failed well within SGLang's waiting timeout (its heartbeat finds the dead bootstrap server), without
-    a byte written into its pages."""
-    p, d = _pair(1)
+def test_mla_pool_then_killed_prefill_fails_the_decode_within_its_timeout():
+    """An MLA pool (one buffer per layer, SGLang's MLA manager path) with 1-token pages: requests land byte for
+    byte; then the prefill rank is killed while the next requests wait for their KV: the decode reports every
+    one Failed well within SGLang's waiting timeout (its heartbeat finds the dead bootstrap server), without a
+    byte written into their pages."""
+    p, d = _pair(1, mla=True)
     try:
         p.ready(timeout=600)
         d.ready(timeout=600)
         pages = _Pages(5)
+        landed = [pages.take(room, n) for room, n in ((3100, 1), (3101, 7), (3102, 33))]
+        prefill, d = _run(p, d, landed, {r[0]: (5, "send") for r in landed})
+        done = [r[0] for r in landed]
+        assert {s for s, _ in prefill.values()} == {"Success"}, prefill
+        assert {s for s, _ in d.call("wait", done, 60, timeout=120).values()} == {"Success"}
+        res = d.call("check", done, 1)
+        assert res["bad"] == {r: 0 for r in done} and res["others_changed"] == 0, res
+        d.call("clear", done)
+        p.call("clear", done)
         plan = [pages.take(room, 3) for room in range(3000, 3008)]
         rooms = [r[0] for r in plan]
         assert set(p.call("senders", rooms).values()) == {"Bootstrapping"}
