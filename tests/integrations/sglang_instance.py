@@ -34,8 +34,8 @@ def ctx():
 MLA_DIM = 576
 
 
-def item_len(page_size: int, mla: bool = False) -> int:
-    return page_size * (MLA_DIM if mla else HEADS * HEAD_DIM) * ITEMSIZE
+def item_len(page_size: int, mla: bool = False, heads: int = HEADS) -> int:
+    return page_size * (MLA_DIM if mla else heads * HEAD_DIM) * ITEMSIZE
 
 
 def pattern(seed: int, entry: int, nbytes: int):
@@ -49,10 +49,11 @@ class Rank:
     """The parent's handle on one rank process."""
 
     def __init__(self, role: str, *, port: int, page_size: int, pages: int, seed: int, env: dict | None = None,
-                 mla: bool = False):
-        self.role = role
+                 mla: bool = False, heads: int = HEADS):
+        self.role, self.port = role, port
         self.conn, child = ctx().Pipe()
-        spec = dict(role=role, port=port, page_size=page_size, pages=pages, seed=seed, env=env or {}, mla=mla)
+        spec = dict(role=role, port=port, page_size=page_size, pages=pages, seed=seed, env=env or {}, mla=mla,
+                    heads=heads)
         self.proc = ctx().Process(target=serve, args=(child, spec), name=f"sglang-{role}", daemon=True)
         self.proc.start()
         child.close()
@@ -113,7 +114,7 @@ class _State:
         if self.role == "prefill":
             self.server = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=self.port)
         self.mla = spec["mla"]
-        il = self.item_len = item_len(self.page_size, self.mla)
+        il = self.item_len = item_len(self.page_size, self.mla, spec["heads"])
         self.kv = [pattern(self.seed, e, self.pages * il) for e in range(LAYERS if self.mla else 2 * LAYERS)]
         self.aux = [pattern(self.seed, 1000 + j, AUX_ROWS * n) for j, n in enumerate(AUX_ITEM_LENS)]
         a = KVArgs()
@@ -125,7 +126,7 @@ class _State:
         a.kv_item_lens = [il] * len(self.kv)
         a.num_draft_entries = 0
         a.kv_layer_ids = list(range(LAYERS)) * (1 if self.mla else 2)
-        heads = 1 if self.mla else HEADS
+        heads = 1 if self.mla else spec["heads"]
         a.kv_head_num, a.total_kv_head_num, a.page_size = heads, heads, self.page_size
         a.aux_data_ptrs = [t.data_ptr() for t in self.aux]
         a.aux_data_lens = [t.numel() for t in self.aux]

@@ -211,3 +211,26 @@ def test_killed_decode_fails_the_prefill_within_its_timeout():
     finally:
         codes = _close(p, d)
     assert codes == [0, -9], codes
+
+
+def test_decode_whose_pages_do_not_pair_is_refused(pair):
+    """A decode rank whose pages hold other bytes per page (4 KV heads, the prefill 2; the same page size, so
+    SGLang's own check passes): the prefill refuses its registration, naming the difference; its requests
+    fail on both sides with that reason and none of its pages is written. The prefill serves on."""
+    p, _, pages = pair
+    d = Rank("decode", port=p.port, page_size=16, pages=PAGES, seed=3, env=ENV, heads=4)
+    try:
+        d.ready(timeout=600)
+        plan = [pages.take(room, 2) for room in (5000, 5001)]
+        rooms = [r[0] for r in plan]
+        prefill, d = _run(p, d, plan, {r: (2, "send") for r in rooms})
+        decode = d.call("wait", rooms, 60, timeout=120)
+        assert {s for s, _ in prefill.values()} == {"Failed"}, prefill
+        assert {s for s, _ in decode.values()} == {"Failed"}, decode
+        assert d.call("check", [], 1, [])["others_changed"] == 0
+        reasons = d.call("clear", rooms)
+        assert all("kv_item_lens" in r and "does not pair" in r for r in reasons.values()), reasons
+        p.call("clear", rooms)
+    finally:
+        codes = _close(d)
+    assert codes == [0], codes

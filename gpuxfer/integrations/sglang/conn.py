@@ -219,7 +219,11 @@ class GpuxferKVManager(CommonKVManager):
         if msg and msg[0] == AUX_TAG:
             room, index = int(msg[1].decode("ascii")), int(msg[2].decode("ascii"))
             if room in self.request_status:
-                write_aux_rows(self.kv_args, index, list(msg[3:]))
+                try:
+                    write_aux_rows(self.kv_args, index, list(msg[3:]))
+                except BadInput as exc:     # the room must not succeed without its row (Failed is final)
+                    self.record_failure(room, f"its metadata row could not be written: {exc}")
+                    self.update_status(room, KVPoll.Failed)
             return
         if self.handle_abort_ack_message(msg):
             return
