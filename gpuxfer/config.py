@@ -177,6 +177,11 @@ VARS: dict[str, Var] = {v.name: v for v in (
         "instance may take before its requests' loads fail (extra config handshake_timeout_s)"),
     Var("GPUXFER_REQUIRE_VLLM", False, FLAG, "test hook: the vLLM connector's tests fail instead of skipping where "
         "vLLM is not installed (CI's vLLM step)"),
+    # SGLang transfer backend (gpuxfer.integrations.sglang; --disaggregation-transfer-backend gpuxfer)
+    Var("GPUXFER_SGLANG_ENGINE", "auto", choice("auto", "triton", "copy_engine"), "SGLang: the KV engine the "
+        "prefill side pushes with (auto: triton on GPUs, copy_engine on the host emulation)"),
+    Var("GPUXFER_REQUIRE_SGLANG", False, FLAG, "test hook: the SGLang backend's tests fail instead of skipping "
+        "where SGLang is not installed (CI's SGLang step)"),
     # KV benchmark
     Var("GPUXFER_INJECT_FAULT", None, TEXT, "test hook of bench kv: ENGINE[:DIRECTION][:stray] or all flips a byte"),
     Var("GPUXFER_KV_TRACE", None, TEXT, "bench kv on GPUs: a directory for a torch.profiler timeline of each row"),

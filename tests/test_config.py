@@ -56,6 +56,8 @@ GOOD = {
     "GPUXFER_VLLM_ENGINE": ("copy_engine", "copy_engine"),
     "GPUXFER_VLLM_HANDSHAKE_TIMEOUT_S": ("2.5", 2.5),
     "GPUXFER_REQUIRE_VLLM": ("1", True),
+    "GPUXFER_SGLANG_ENGINE": ("copy_engine", "copy_engine"),
+    "GPUXFER_REQUIRE_SGLANG": ("1", True),
 }
 
 # name -> (a bad value, part of the message); variables of free text have no bad value
@@ -91,6 +93,8 @@ BAD = {
     "GPUXFER_VLLM_ENGINE": [("pack", "must be auto, triton or copy_engine")],
     "GPUXFER_VLLM_HANDSHAKE_TIMEOUT_S": [("-1", "> 0")],
     "GPUXFER_REQUIRE_VLLM": [("please", "must be 1 or 0")],
+    "GPUXFER_SGLANG_ENGINE": [("pack", "must be auto, triton or copy_engine")],
+    "GPUXFER_REQUIRE_SGLANG": [("please", "must be 1 or 0")],
 }
 
 

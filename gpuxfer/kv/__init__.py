@@ -7,7 +7,7 @@ The benchmark (``gpuxfer bench kv``, its sweep grid and reports) lives in :mod:`
 from __future__ import annotations
 
 from .agent import (KVAgent, KVLayerSpec, KVPeer, KVPiece, KVTransfer, KVTransferHandle, describe_layer,
-                    layout_groups)
+                    layout_groups, memory_at)
 from .blocktable import burst_tables, derive_seed, space_permutation
 from .layout import (PoolLayout, RegionLayout, build_layout, layout_for_burst, max_batch_for_budget,
                      pages_for_burst, pool_bytes_for_burst, pool_pages_for_budget)
@@ -17,7 +17,7 @@ from .workloads import (WORKLOADS, PageMap, Region, RequestShape, TransferRegion
 
 __all__ = [
     "KVAgent", "KVLayerSpec", "KVPeer", "KVPiece", "KVTransfer", "KVTransferHandle", "describe_layer",
-    "layout_groups",
+    "layout_groups", "memory_at",
     "WORKLOADS", "PageMap", "Region", "RequestShape", "TransferRegion", "Workload", "dsv4_vllm_workload",
     "get_workload", "workload_names",
     "PoolLayout", "RegionLayout", "build_layout", "layout_for_burst", "max_batch_for_budget", "pages_for_burst",

@@ -100,7 +100,8 @@ from ..sync import check_timeout
 from .control import AGENT_WORDS, NOTIFY, NOTIFY_SLOTS, PACK_SLOTS
 from .engine_choice import peer_engine
 from .engines.base import FailsOnTimeout, on_timeout_from_env
-from .layers import _MAX_NAME, KVLayer, KVLayerSpec, KVPiece, check_disjoint, describe_layer, layout_groups, _torch
+from .layers import (_MAX_NAME, KVLayer, KVLayerSpec, KVPiece, check_disjoint, describe_layer, layout_groups,
+                     memory_at, _torch)
 from . import nixl_route
 from .metadata import METADATA_VERSION, decode_metadata, encode_metadata
 from .lifetime import _Lifetime, _Shared
@@ -115,7 +116,7 @@ from .transfer import KVTransfer, KVTransferHandle
 log = logging.getLogger("gpuxfer.kv.agent")
 
 __all__ = ["KVAgent", "KVPeer", "KVTransfer", "KVTransferHandle", "KVLayerSpec", "KVPiece", "KVLayer",
-           "describe_layer", "layout_groups", "METADATA_VERSION", "NOTIFY_SLOTS", "AGENT_ENGINES"]
+           "describe_layer", "layout_groups", "memory_at", "METADATA_VERSION", "NOTIFY_SLOTS", "AGENT_ENGINES"]
 
 #: the engines the agent runs
 AGENT_ENGINES = ("triton", "pack", "copy_engine")
@@ -290,6 +291,22 @@ class KVAgent(_Routes, _Staging, _PostResources, _Lifetime, Closable, FailsOnTim
             for lay, ref in zip(described, refs):
                 self._layer_refs[(name, lay.name)] = ref
             self._routes.clear()
+
+    def layer_at(self, ptr: int, nbytes: int, page_bytes: int, *, pieces: Sequence[Any] | None = None,
+                 token_major: bool = True, index: int | None = None) -> KVLayerSpec:
+        """A layer known only by its memory (SGLang's ``KVArgs``: a pointer, a length and the bytes of a
+        page): pages of ``page_bytes`` back to back from ``ptr``, as many as ``nbytes`` holds, each one piece
+        (or ``pieces``). The memory is this process's, on this agent's device; the caller keeps it alive
+        while the agent uses it. Pass the result to :meth:`register_group` (which exports it as a tensor)."""
+        for v, what in ((nbytes, "length"), (page_bytes, "page_bytes")):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or int(v) < 1:
+                raise BadInput(f"layer_at: the {what} must be a positive int, got {v!r}")
+        if nbytes < page_bytes:
+            raise BadInput(f"layer_at: {nbytes} bytes at 0x{int(ptr):x} hold no whole {page_bytes}-byte page")
+        view = memory_at(ptr, nbytes, self._torch_device())
+        return KVLayerSpec(view, int(nbytes) // int(page_bytes), int(page_bytes),
+                           pieces if pieces is not None else [(0, int(page_bytes))], token_major=token_major,
+                           index=index)
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any], block_tokens: int, *, group: str = "kv") -> None:
         """vLLM's ``register_kv_caches``: every layer in one group of ``block_tokens``-token blocks."""

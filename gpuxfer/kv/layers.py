@@ -170,6 +170,39 @@ def describe_layer(tensor, *, name: str = "layer", position: int = 0, num_blocks
     return layer
 
 
+class _DeviceBytes:
+    """A minimal ``__cuda_array_interface__`` (v3) over raw device bytes (torch aliases it, CUDA and ROCm)."""
+
+    __slots__ = ("__cuda_array_interface__",)
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "strides": None, "version": 3}
+
+
+def memory_at(ptr: int, nbytes: int, device) -> Any:
+    """A uint8 tensor aliasing ``[ptr, ptr + nbytes)`` of this process's memory on torch ``device``: an
+    engine's KV buffer known only by its address (SGLang's ``KVArgs``). Nothing is copied and nothing is
+    owned: the memory must outlive the tensor and everything registered from it. Registration then exports
+    it as it exports a tensor (``NotExportable`` where the platform cannot)."""
+    torch = _torch()
+    for v, what in ((ptr, "pointer"), (nbytes, "length")):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 < int(v) < _MAX_INT:
+            raise BadInput(f"memory_at: the {what} must be a positive int, got {v!r}")
+    ptr, nbytes, device = int(ptr), int(nbytes), torch.device(device)
+    if device.type == "cpu":
+        import ctypes
+        t = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
+    elif device.type == "cuda":
+        t = torch.as_tensor(_DeviceBytes(ptr, nbytes), device=device)
+    else:
+        raise BadInput(f"memory_at: no raw-pointer view for torch device {device}")
+    if t.data_ptr() != ptr or t.numel() != nbytes or t.device != device:
+        raise BadInput(f"memory_at: torch did not alias [0x{ptr:x}, +{nbytes}) on {device} (got "
+                       f"0x{t.data_ptr():x}, {t.numel()} bytes on {t.device})")
+    return t
+
+
 def _from_spec(spec: KVLayerSpec, name: str, position: int) -> KVLayer:
     torch = _torch()
     t = spec.tensor

@@ -1,0 +1,432 @@
+"""gpuxfer as an SGLang 0.5.23 disaggregation transfer backend: a KV manager, sender, receiver and bootstrap
+server on SGLang's ``Common*`` classes. The only module of gpuxfer that imports SGLang besides the plugin
+hook (:mod:`.plugin`), and SGLang imports it only once ``--disaggregation-transfer-backend gpuxfer`` chose it.
+
+Each KV manager holds one :class:`~gpuxfer.kv.KVAgent` over SGLang's own KV pool (``KVArgs``: raw pointers,
+registered with :meth:`~gpuxfer.kv.KVAgent.layer_at`, :mod:`.layout`). The prefill side pushes (SGLang's
+shape): every ``send()`` chunk becomes one ``prepare`` + ``post`` of its pages onto the decode pages the
+receiver named, on the manager's transfer thread; the last chunk then carries the request's aux metadata row
+(bytes on SGLang's control socket, behind the KV) and the status. Control messages are SGLang's (ZMQ, the
+bootstrap server's ``/route``); what gpuxfer adds is the decode agent's metadata in its registration::
+
+    decode (receiver)                           bootstrap server         prefill (manager threads)
+    -----------------                           ----------------         -------------------------
+                                                                         PUT /route (rank ip, ZMQ port)
+    GET /route (try_ensure_parallel_info) ----> prefill rank's address
+    KVReceiver.init: ["None", ip, port, session,
+       geometry + agent metadata] -------------------------------------> bootstrap thread: geometry checked,
+                                                                          add_peer (maps decode's KV pool)
+    send_metadata: [room, ip, port, session,
+       decode pages, aux row, n] --------------------------------------> room -> WaitingForInput
+                                                                         KVSender.init(pages, aux row)
+                                                                         send(chunk) -> transfer thread:
+                                                                           prepare(push) + post + wait
+                                                                         ... one per chunk ...
+    decode thread: aux row written <-------------------------------------- last chunk: [AUX, room, rows]
+    decode thread: room -> Success <-------------------------------------- [room, Success, rank]
+    poll() == Success                                                    poll() == Success
+
+Failures end in ``KVPoll.Failed`` on both sides, never a hang: a decode abort reaches the prefill as SGLang's
+ABORT (chunks not yet posted are dropped; an ABORT_ACK follows once none is in flight); a prefill abort or
+a failed push (a dead decode: ``PeerLost``) is sent to the decode as a Failed status; a dead prefill is found
+by SGLang's heartbeat on the decode side, and every wait is bounded by SGLang's disaggregation timeouts.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import numpy.typing as npt
+import zmq
+
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+from sglang.srt.disaggregation.common.conn import (
+    ABORT_TAG,
+    AbortNotification,
+    CommonKVBootstrapServer,
+    CommonKVManager,
+    CommonKVReceiver,
+    CommonKVSender,
+)
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.environ import envs
+from sglang.srt.server_args import ServerArgs
+
+from ... import config
+from ...errors import BadInput, GpuxferError, PeerLost
+from ...kv import KVAgent
+from .layout import (GROUP, check_supported, decode_registration, encode_registration, geometry,
+                     geometry_differences, read_aux_rows, register_kv_args, write_aux_rows)
+
+log = logging.getLogger("gpuxfer.sglang")
+
+AUX_TAG = b"GXAUX"
+REGISTER_ROOM = b"None"         # SGLang's marker of a registration message (Mooncake's too)
+_RECV_POLL_MS = 200             # how often a control thread looks at its stop flag
+
+
+@dataclass
+class TransferInfo:
+    """One decode rank's destination for a room (the fields ``CommonKVManager`` reads: ``endpoint``,
+    ``dst_port``, ``is_dummy``, ``required_dst_info_num``, ``decode_prefix_len``)."""
+
+    room: int
+    endpoint: str
+    dst_port: int
+    session: str
+    dst_kv_indices: npt.NDArray[np.int32]
+    dst_aux_index: Optional[int]
+    required_dst_info_num: int
+    is_dummy: bool
+    decode_prefix_len: Optional[int] = None
+
+    @classmethod
+    def from_zmq(cls, msg: List[bytes]) -> "TransferInfo":
+        if len(msg) < 7:
+            raise BadInput(f"a gpuxfer SGLang metadata message has {len(msg)} frames, not 7 or 8")
+        dummy = msg[4] == b"" and msg[5] == b""
+        if not dummy and len(msg[4]) % 4:
+            raise BadInput(f"decode page indices of {len(msg[4])} bytes are not int32s")
+        return cls(room=int(msg[0].decode("ascii")), endpoint=msg[1].decode("ascii"),
+                   dst_port=int(msg[2].decode("ascii")), session=msg[3].decode("ascii"),
+                   dst_kv_indices=(np.array([], dtype=np.int32) if dummy
+                                   else np.frombuffer(msg[4], dtype=np.int32)),
+                   dst_aux_index=None if dummy else int(msg[5].decode("ascii")),
+                   required_dst_info_num=int(msg[6].decode("ascii")), is_dummy=dummy,
+                   decode_prefix_len=int(msg[7].decode("ascii")) if len(msg) > 7 and msg[7] else None)
+
+
+@dataclass
+class _Chunk:
+    room: int
+    pages: npt.NDArray[np.int32]
+    index_slice: slice
+    is_last: bool
+    aux_index: Optional[int]
+
+
+def _engine(platform) -> str:
+    engine = config.get("GPUXFER_SGLANG_ENGINE")
+    if engine == "auto":            # Triton runs interpreted on the host emulation; memcpy is fast there
+        engine = "copy_engine" if platform.kernels_interpreted else "triton"
+    return engine
+
+
+class GpuxferKVManager(CommonKVManager):
+    """SGLang's per-rank KV manager with a :class:`KVAgent` over the rank's KV pool."""
+
+    supports_deferred_decode_kv_release = True
+    kv_status_msg_carries_reason = True         # a Failed status tells the decode why (an abort, a dead peer)
+
+    def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: ServerArgs,
+                 is_mla_backend: Optional[bool] = False):
+        check_supported(args)           # before the base class binds sockets and registers the rank
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        if self.defer_decode_allocation:
+            raise BadInput("the gpuxfer SGLang backend supports --disaggregation-decode-allocation-policy early "
+                           "only (prefill_complete is not implemented)")
+        if self.kv_shard_size > 1 or self.attn_cp_size > 1 or self.pp_size > 1:
+            raise BadInput("the gpuxfer SGLang backend does not support KV sharding, context or pipeline "
+                           "parallelism yet")
+        from ...platforms import current
+        platform = current()
+        self.timeout_s = float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
+        self.session_id = f"{self.local_ip}:{self.rank_port}"
+        self.geometry = geometry(args)
+        device = 0 if platform.host_memory else int(getattr(args, "gpu_id", 0) or 0)
+        role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
+        self.agent = KVAgent(f"sglang-{role}-{self.session_id}", platform=platform, device=device,
+                             engine=_engine(platform), timeout_s=self.timeout_s)
+        self._agent_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: List[threading.Thread] = []
+        try:
+            register_kv_args(self.agent, args)
+        except BaseException:
+            self.agent.close()
+            raise
+        if disaggregation_mode == DisaggregationMode.PREFILL:
+            self._warm_up()
+            self._peers: Dict[str, Any] = {}
+            self._rejected: Dict[str, str] = {}
+            self._dead: Dict[str, str] = {}             # decode ranks a push found gone: told nothing more
+            self._room_lock = threading.Lock()          # a room's Failed mark against a chunk's post
+            self._queue: "queue.Queue[_Chunk]" = queue.Queue()
+            self._spawn(self._prefill_control, "gpuxfer-sglang-control")
+            self._spawn(self._transfer_worker, "gpuxfer-sglang-transfer")
+        else:
+            self._registration = encode_registration(self.geometry, self.agent.metadata())
+            self._spawn(self._decode_control, "gpuxfer-sglang-control")
+            self._threads.append(self._start_heartbeat_checker_thread())
+        log.info("gpuxfer: SGLang %s rank %s registered %d KV entries (%d-token pages) with the %s engine",
+                 role, self.session_id, len(args.kv_data_ptrs), int(args.page_size), self.agent.engine)
+
+    def _warm_up(self) -> None:
+        """The push's kernels loaded at startup, not in the first request: SGLang's padding page 0 (never
+        handed out) copied onto itself. A failure here only moves that cost to the first request."""
+        try:
+            log.info("gpuxfer: transfer kernels loaded in %.2f s", self.agent.warm_up(block=0))
+        except GpuxferError as exc:
+            log.warning("gpuxfer: loading the transfer kernels at startup failed (%s: %s); the first request "
+                        "loads them", type(exc).__name__, exc)
+
+    def _spawn(self, target, name: str) -> None:
+        t = threading.Thread(target=target, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _recv_loop(self, handle) -> None:
+        """Hand each control message to ``handle`` until stopped; a message that fails is logged, never
+        the end of the thread."""
+        poller = zmq.Poller()
+        poller.register(self.server_socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(_RECV_POLL_MS):
+                continue
+            msg = self.server_socket.recv_multipart()
+            try:
+                handle(msg)
+            except Exception:
+                log.exception("gpuxfer: SGLang control message %r failed", [m[:32] for m in msg[:4]])
+
+    # ------------------------------------------------------------------ decode role
+
+    def build_receiver_registration_message(self) -> List[bytes]:
+        return [REGISTER_ROOM, self.local_ip.encode("ascii"), str(self.rank_port).encode("ascii"),
+                self.session_id.encode("ascii"), self._registration]
+
+    def build_receiver_metadata_message(self, *, bootstrap_room: int, required_dst_info_num: int,
+                                        kv_indices: npt.NDArray[np.int32], aux_index: Optional[int],
+                                        state_indices: Optional[List], decode_prefix_len: Optional[int],
+                                        is_dummy: bool, device_kv_indices=None) -> List[bytes]:
+        if state_indices:
+            raise BadInput("the gpuxfer SGLang backend does not move state buffers (state_indices given)")
+        return [str(bootstrap_room).encode("ascii"), self.local_ip.encode("ascii"),
+                str(self.rank_port).encode("ascii"), self.session_id.encode("ascii"),
+                b"" if is_dummy else np.ascontiguousarray(kv_indices, dtype=np.int32).tobytes(),
+                b"" if is_dummy else str(int(aux_index)).encode("ascii"),
+                str(required_dst_info_num).encode("ascii"), str(decode_prefix_len or 0).encode("ascii")]
+
+    def _decode_control(self) -> None:
+        self._recv_loop(self._on_decode_message)
+
+    def _on_decode_message(self, msg: List[bytes]) -> None:
+        if msg and msg[0] == AUX_TAG:
+            room, index = int(msg[1].decode("ascii")), int(msg[2].decode("ascii"))
+            if room in self.request_status:
+                try:
+                    write_aux_rows(self.kv_args, index, list(msg[3:]))
+                except BadInput as exc:     # the room must not succeed without its row (Failed is final)
+                    self.record_failure(room, f"its metadata row could not be written: {exc}")
+                    self.update_status(room, KVPoll.Failed)
+            return
+        if self.handle_abort_ack_message(msg):
+            return
+        parsed = self.parse_kv_status_message(msg)
+        if parsed is not None:
+            room, status, rank, reason = parsed
+            self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank, failure_reason=reason)
+
+    # ------------------------------------------------------------------ prefill role
+
+    def _prefill_control(self) -> None:
+        self._recv_loop(self._on_prefill_message)
+
+    def _on_prefill_message(self, msg: List[bytes]) -> None:
+        if msg and msg[0] == ABORT_TAG:
+            self._on_abort(msg)
+        elif msg and msg[0] == REGISTER_ROOM:
+            self._on_registration(msg)
+        else:
+            self._on_transfer_info(TransferInfo.from_zmq(msg))
+
+    def _on_registration(self, msg: List[bytes]) -> None:
+        """A decode rank's KV pool: its geometry checked against ours, then its agent added (its memory
+        mapped; milliseconds). A rank that does not pair is remembered with the reason its rooms fail for."""
+        session = msg[3].decode("ascii")
+        try:
+            geom, meta = decode_registration(msg[4] if len(msg) > 4 else b"")
+            diffs = geometry_differences(self.geometry, geom)
+            if diffs:
+                raise BadInput("the decode's KV pool does not pair page for page with this prefill's: "
+                               + "; ".join(diffs))
+            with self._agent_lock:
+                old = self._peers.pop(session, None)
+                if old is not None:
+                    self.agent.remove_peer(old)
+                self._peers[session] = self.agent.add_peer(meta)
+            self._rejected.pop(session, None)
+            log.info("gpuxfer: decode rank %s added (%s route, %s engine)", session,
+                     self._peers[session].route, self._peers[session].engine)
+        except GpuxferError as exc:
+            self._rejected[session] = f"{type(exc).__name__}: {exc}"
+            log.error("gpuxfer: refusing decode rank %s: %s", session, self._rejected[session])
+
+    def _on_transfer_info(self, info: TransferInfo) -> None:
+        infos = self.transfer_infos.setdefault(info.room, {})
+        infos[info.session] = info
+        if len(infos) == info.required_dst_info_num:
+            self.resolve_kv_replica_factor(infos)
+            self.req_to_decode_prefix_len[info.room] = next(
+                (i.decode_prefix_len for i in infos.values() if i.decode_prefix_len is not None), 0)
+            self.update_status(info.room, KVPoll.WaitingForInput)
+
+    def _on_abort(self, msg: List[bytes]) -> None:
+        """The decode gave a room up: no chunk of it is posted from now on; the ACK (where the decode asked
+        for one) goes once none is in flight."""
+        note = AbortNotification.from_zmq(msg)
+        if note is None:
+            return
+        with self._room_lock:
+            status = self.request_status.get(note.room)
+            if status is not None and status != KVPoll.Success:
+                self.record_failure(note.room, "Aborted by the decode instance")
+                self.update_status(note.room, KVPoll.Failed)
+            target = note.deferred_ack_target()
+            if target is not None:
+                self.register_deferred_ack_target(note.room, target)
+            self._maybe_ack_drained_abort(note.room)
+
+    def add_transfer_request(self, bootstrap_room: int, kv_indices: npt.NDArray[np.int32], index_slice: slice,
+                             is_last_chunk: bool, aux_index: Optional[int] = None,
+                             state_indices: Optional[List] = None, num_kv_tokens: Optional[int] = None,
+                             **_: Any) -> None:
+        """One ``send()`` chunk, queued for the transfer thread (the scheduler's thread does not wait)."""
+        if state_indices:
+            self.record_failure(bootstrap_room, "the gpuxfer backend does not move state buffers")
+            self.update_status(bootstrap_room, KVPoll.Failed)
+            return
+        if bootstrap_room not in self.request_status:
+            return
+        self._queue.put(_Chunk(bootstrap_room, np.asarray(kv_indices, dtype=np.int32), index_slice,
+                               bool(is_last_chunk), aux_index))
+
+    def _transfer_worker(self) -> None:
+        while not self._stop.is_set():
+            try:
+                chunk = self._queue.get(timeout=_RECV_POLL_MS / 1000)
+            except queue.Empty:
+                continue
+            try:
+                self._transfer(chunk)
+            except Exception as exc:            # a room's failure, never the thread's end
+                log.error("gpuxfer: room %s failed: %s: %s", chunk.room, type(exc).__name__, exc)
+                self.conclude_failure(bootstrap_room=chunk.room, failure_reason=f"{type(exc).__name__}: {exc}",
+                                      targets=self._live_targets(chunk.room))
+
+    def _live_targets(self, room: int) -> List[tuple]:
+        """The room's decode endpoints but those found dead: a message to a dead endpoint would hold this
+        thread for ZMQ's send timeout (30 s), and every other room's chunks behind it."""
+        infos = self.transfer_infos.get(room) or {}
+        return [(i.endpoint, i.dst_port) for i in infos.values() if not i.is_dummy and i.session not in self._dead]
+
+    def _transfer(self, chunk: _Chunk) -> None:
+        room = chunk.room
+        infos = self.transfer_infos.get(room)
+        if infos is None:               # cleared by its sender, or a dummy rank with nothing to send
+            return
+        with self._room_lock:
+            if self.request_status.get(room) == KVPoll.Failed:
+                # aborted here or by the decode: tell the decode once, on the last chunk
+                if chunk.is_last:
+                    self.conclude_failure(bootstrap_room=room, failure_reason=self.failure_records.get(room, "Aborted"),
+                                          targets=self._live_targets(room))
+                return
+            self._staging_outstanding[room] += 1
+        handles = []
+        try:
+            for info in infos.values():
+                if not info.is_dummy:
+                    try:
+                        handles.append((info, self._post(chunk, info)))
+                    except PeerLost as exc:
+                        self._dead[info.session] = f"{type(exc).__name__}: {exc}"
+                        raise
+        finally:
+            # a posted push is never abandoned: each is waited for (bounded) before the room is concluded
+            errors = []
+            for info, h in handles:
+                try:
+                    if h is not None:
+                        h.wait(self.timeout_s)
+                except GpuxferError as exc:
+                    if isinstance(exc, PeerLost):
+                        self._dead[info.session] = f"{type(exc).__name__}: {exc}"
+                    errors.append(exc)
+            with self._room_lock:
+                self._staging_outstanding[room] -= 1
+                if self._staging_outstanding[room] <= 0:
+                    self._staging_outstanding.pop(room, None)
+                self._maybe_ack_drained_abort(room)
+        if errors:
+            raise errors[0]
+        if chunk.is_last:
+            if self.request_status.get(room) == KVPoll.Failed:
+                self.conclude_failure(bootstrap_room=room, failure_reason=self.failure_records.get(room, "Aborted"),
+                                      targets=self._live_targets(room))
+                return
+            for info in infos.values():
+                if not info.is_dummy:
+                    self._send_aux(chunk, info)
+            self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success)
+
+    def _post(self, chunk: _Chunk, info: TransferInfo):
+        if info.session in self._dead:
+            raise GpuxferError(f"decode rank {info.session} is gone ({self._dead[info.session]})")
+        peer = self._peers.get(info.session)
+        if peer is None:
+            why = self._rejected.get(info.session, "its registration never arrived")
+            raise BadInput(f"decode rank {info.session} cannot be written: {why}")
+        dst = info.dst_kv_indices[chunk.index_slice]
+        if len(dst) != len(chunk.pages):
+            raise BadInput(f"room {chunk.room}: the decode named {len(info.dst_kv_indices)} pages; this chunk "
+                           f"sends pages {chunk.index_slice.start}..{chunk.index_slice.stop}")
+        if not len(dst):
+            return None
+        with self._agent_lock:
+            xfer = self.agent.prepare(peer, "push", local_blocks={GROUP: chunk.pages}, remote_blocks={GROUP: dst},
+                                      name=f"room {chunk.room} pages {chunk.index_slice.start}+{len(dst)}")
+            return xfer.post()
+
+    def _send_aux(self, chunk: _Chunk, info: TransferInfo) -> None:
+        """The room's metadata row, on the control socket behind the KV (the decode's thread writes it before
+        it reads the Success status that follows on the same socket)."""
+        if chunk.aux_index is None or info.dst_aux_index is None:
+            raise BadInput(f"room {chunk.room}: the last chunk has no metadata row")
+        rows = read_aux_rows(self.kv_args, int(chunk.aux_index))
+        parts = [AUX_TAG, str(chunk.room).encode("ascii"), str(info.dst_aux_index).encode("ascii"), *rows]
+        from sglang.srt.utils.network import NetworkAddress
+        na = NetworkAddress(info.endpoint, info.dst_port)
+        self._send_multipart_locked(na.to_tcp(), parts, is_ipv6=na.is_ipv6)
+
+    # ------------------------------------------------------------------ both
+
+    def teardown(self) -> None:
+        """Stop the control threads (bounded joins) and close the agent."""
+        self._stop.set()
+        if hasattr(self, "_heartbeat_shutdown"):
+            self._heartbeat_shutdown.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        with self._agent_lock:
+            self.agent.close()
+
+
+class GpuxferKVSender(CommonKVSender):
+    def abort(self) -> None:
+        """SGLang's abort, and the decode told at once (it would otherwise wait for its timeout)."""
+        super().abort()
+        self.kv_mgr.conclude_failure(bootstrap_room=self.bootstrap_room, failure_reason="Aborted by the prefill")
+
+
+class GpuxferKVReceiver(CommonKVReceiver):
+    pass
+
+
+class GpuxferKVBootstrapServer(CommonKVBootstrapServer):
+    pass

@@ -1,0 +1,319 @@
+"""An SGLang 0.5.23 prefill or decode rank without a model, for the gpuxfer backend's tests: SGLang's own
+bootstrap server (prefill), KV manager, sender and receiver classes, chosen by the backend name through the
+``sglang.srt.plugins`` entry point, over a KV pool laid out as SGLang's MHA pool hands it to a backend
+(``KVArgs``: K layers then V layers, one buffer each, ``page_size``-token pages, page 0 padding; aux metadata
+rows). Every page and row is filled with bytes known from a seed, so the decode side checks each byte it got.
+
+The parent drives it over a pipe (:class:`Rank`); the child runs :func:`serve`. A full SGLang server cannot
+run on a CPU (no CPU build of ``sgl_kernel``), so the scheduler's calls are made here in its order:
+decode ``KVReceiver(...)``, ``init``, ``send_metadata``; prefill ``KVSender(...)``, ``init``, chunked ``send``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+import multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STUBS = os.path.join(HERE, "sglang_stubs")           # the torchvision stand-in SGLang's import chain needs
+
+#: the pool's geometry: LAYERS layers, an MHA pool's K and V buffer per layer (2 * LAYERS entries) or an MLA
+#: pool's one buffer per layer (MLA_DIM elements per token), ``pages`` pages of ``page_size`` tokens per entry
+LAYERS, HEADS, HEAD_DIM, ITEMSIZE = 2, 2, 8, 2
+AUX_ITEM_LENS = (64, 128)
+AUX_ROWS = 128
+
+
+def ctx():
+    return mp.get_context("spawn")
+
+
+MLA_DIM = 576
+
+
+def item_len(page_size: int, mla: bool = False, heads: int = HEADS) -> int:
+    return page_size * (MLA_DIM if mla else heads * HEAD_DIM) * ITEMSIZE
+
+
+def pattern(seed: int, entry: int, nbytes: int):
+    """The bytes a rank of ``seed`` holds in KV entry ``entry`` (``entry >= 1000``: aux buffer ``entry - 1000``)."""
+    import torch
+    g = torch.Generator().manual_seed(seed * 100003 + entry)
+    return torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8)
+
+
+class Rank:
+    """The parent's handle on one rank process."""
+
+    def __init__(self, role: str, *, port: int, page_size: int, pages: int, seed: int, env: dict | None = None,
+                 mla: bool = False, heads: int = HEADS):
+        self.role, self.port = role, port
+        self.conn, child = ctx().Pipe()
+        spec = dict(role=role, port=port, page_size=page_size, pages=pages, seed=seed, env=env or {}, mla=mla,
+                    heads=heads)
+        self.proc = ctx().Process(target=serve, args=(child, spec), name=f"sglang-{role}", daemon=True)
+        self.proc.start()
+        child.close()
+
+    def ready(self, timeout: float = 300.0) -> dict:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"{self.role}: not ready within {timeout} s")
+        kind, payload = self.conn.recv()
+        if kind == "error":
+            raise RuntimeError(f"{self.role} failed to start:\n{payload}")
+        return payload
+
+    def call(self, cmd: str, *args, timeout: float = 120.0):
+        self.conn.send((cmd, args))
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"{self.role}: no answer to {cmd!r} within {timeout} s")
+        kind, payload = self.conn.recv()
+        if kind == "error":
+            raise RuntimeError(f"{self.role} failed in {cmd!r}:\n{payload}")
+        return payload
+
+    def close(self, timeout: float = 60.0) -> int | None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("close", ()))
+            except (BrokenPipeError, OSError):
+                pass
+            self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+        return self.proc.exitcode
+
+
+# ---------------------------------------------------------------------- child
+
+
+class _State:
+    def __init__(self, spec: dict):
+        import torch
+        from sglang.srt.disaggregation.base.conn import KVArgs
+        from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend, get_kv_class
+        from sglang.srt.runtime_context import get_context
+
+        self.spec = spec
+        self.role, self.port, self.seed = spec["role"], spec["port"], spec["seed"]
+        self.page_size, self.pages = spec["page_size"], spec["pages"]
+        self.addr = f"127.0.0.1:{self.port}"
+        backend = TransferBackend("gpuxfer")            # resolves only through the plugin
+        self.server_args = get_context().override_server_args(
+            disaggregation_mode=self.role, disaggregation_transfer_backend="gpuxfer",
+            disaggregation_bootstrap_port=self.port, host="127.0.0.1").install()
+        # one rank of TP/DP/CP/PP size 1, as a single-GPU SGLang server's scheduler publishes itself
+        from sglang.srt.runtime_context import get_parallel
+        get_parallel().override_permanently(attn_tp_rank=0, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0,
+                                            dp_rank=0, tp_rank=0, pp_rank=0, pp_group=None)
+        self.server = None
+        if self.role == "prefill":
+            self.server = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=self.port)
+        self.mla = spec["mla"]
+        il = self.item_len = item_len(self.page_size, self.mla, spec["heads"])
+        self.kv = [pattern(self.seed, e, self.pages * il) for e in range(LAYERS if self.mla else 2 * LAYERS)]
+        self.aux = [pattern(self.seed, 1000 + j, AUX_ROWS * n) for j, n in enumerate(AUX_ITEM_LENS)]
+        a = KVArgs()
+        a.engine_rank, a.pp_rank, a.system_dp_rank, a.rust_http_port = 0, 0, 0, None
+        a.kv_cache_dtype_str, a.kv_layout = "bfloat16", None
+        a.prefill_start_layer, a.prefill_end_layer, a.mla_compression_ratios = 0, LAYERS, None
+        a.kv_data_ptrs = [t.data_ptr() for t in self.kv]
+        a.kv_data_lens = [t.numel() for t in self.kv]
+        a.kv_item_lens = [il] * len(self.kv)
+        a.num_draft_entries = 0
+        a.kv_layer_ids = list(range(LAYERS)) * (1 if self.mla else 2)
+        heads = 1 if self.mla else spec["heads"]
+        a.kv_head_num, a.total_kv_head_num, a.page_size = heads, heads, self.page_size
+        a.aux_data_ptrs = [t.data_ptr() for t in self.aux]
+        a.aux_data_lens = [t.numel() for t in self.aux]
+        a.aux_item_lens = list(AUX_ITEM_LENS)
+        a.state_types, a.state_data_ptrs, a.state_data_lens, a.state_item_lens = [], [], [], []
+        a.state_layer_ids, a.state_dim_per_tensor, a.state_slice_outer_counts = [], [], []
+        a.state_conv_shard_groups, a.swa_kv_cache_layout, a.is_hybrid_mla_backend = [], None, False
+        a.ib_device, a.gpu_id, a.kv_buf_groups, a.hidden_kv_layers, a.draft_kv_layers = None, 0, 1, 0, 0
+        self.kv_args = a
+        mode = DisaggregationMode.PREFILL if self.role == "prefill" else DisaggregationMode.DECODE
+        self.mgr = get_kv_class(backend, KVClassType.MANAGER)(a, mode, self.server_args, self.mla)
+        self.sender_cls = get_kv_class(backend, KVClassType.SENDER)
+        self.receiver_cls = get_kv_class(backend, KVClassType.RECEIVER)
+        self.ends: dict[int, object] = {}           # room -> KVSender / KVReceiver
+        self.plan: dict[int, tuple] = {}            # decode: room -> (prefill pages, decode pages, rows)
+        self.reasons: dict[int, str] = {}           # room -> the failure SGLang reported
+        self.landed: set[int] = set()               # decode: rooms whose bytes were checked as the prefill's
+
+    # -- prefill
+
+    def senders(self, rooms):
+        for room in rooms:
+            self.ends[room] = self.sender_cls(self.mgr, self.addr, room)
+        return {room: self._poll_one(room)[0] for room in rooms}
+
+    def send(self, plan, timeout):
+        """``plan``: ``(room, prefill pages, aux row, chunk pages, action)``; action ``send``, ``abort`` (the
+        prefill aborts it once the decode's pages arrived) or ``hold`` (nothing is sent)."""
+        from sglang.srt.disaggregation.base.conn import KVPoll
+        import numpy as np
+        deadline = time.monotonic() + timeout
+        todo = {p[0]: p for p in plan}
+        while todo and time.monotonic() < deadline:
+            for room, (_, pages, row, chunk, action) in list(todo.items()):
+                s = self.ends[room]
+                st = s.poll()
+                if st == KVPoll.Failed:         # given up (the decode aborted it): the scheduler drops it
+                    del todo[room]
+                if st != KVPoll.WaitingForInput:
+                    continue
+                del todo[room]
+                if action == "hold":
+                    continue
+                if action == "abort":
+                    s.abort()
+                    continue
+                pages = np.asarray(pages, dtype=np.int32)
+                s.init(len(pages), row)
+                for i in range(0, len(pages), chunk):
+                    s.send(pages[i:i + chunk])
+            time.sleep(0.005)
+        return sorted(todo)                 # rooms whose decode pages never arrived
+
+    # -- decode
+
+    def receivers(self, plan, timeout):
+        """``plan``: ``(room, prefill pages, decode pages, prefill aux row, decode aux row)``: each room's
+        receiver made, ``init`` and ``send_metadata`` called (the decode scheduler's order)."""
+        import numpy as np
+        deadline = time.monotonic() + timeout
+        while not self.mgr.try_ensure_parallel_info(self.addr):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the prefill's bootstrap server at {self.addr} never answered")
+            time.sleep(0.05)
+        for room, src, dst, src_row, dst_row in plan:
+            r = self.receiver_cls(self.mgr, self.addr, room)
+            r.init(0)
+            r.send_metadata(np.asarray(dst, dtype=np.int32), dst_row)
+            self.ends[room] = r
+            self.plan[room] = (src, dst, src_row, dst_row)
+        return {room: self._poll_one(room)[0] for room, *_ in plan}
+
+    def abort(self, rooms):
+        for room in rooms:
+            self.ends[room].abort()
+
+    def check(self, rooms, prefill_seed, unknown=()):
+        """Every byte of each room of ``rooms`` (its decode pages and metadata row) against the prefill's;
+        every other page and row against this rank's own bytes (nothing else was written), but those of the
+        rooms in ``unknown`` (an outcome the test does not pin down) and of rooms an earlier call checked."""
+        il = self.item_len
+        bad, checked = {}, 0
+        skip_pages, skip_rows = set(), set()
+        for room in rooms:
+            src, dst, src_row, dst_row = self.plan[room]
+            wrong = 0
+            for e, t in enumerate(self.kv):
+                want = pattern(prefill_seed, e, self.pages * il).view(self.pages, il)
+                wrong += int((t.view(self.pages, il)[list(dst)] != want[list(src)]).sum())
+                checked += len(dst) * il
+            for j, (t, n) in enumerate(zip(self.aux, AUX_ITEM_LENS)):
+                want = pattern(prefill_seed, 1000 + j, AUX_ROWS * n).view(AUX_ROWS, n)
+                wrong += int((t.view(AUX_ROWS, n)[dst_row] != want[src_row]).sum())
+                checked += n
+            bad[room] = wrong
+            skip_pages.update(dst)
+            skip_rows.add(dst_row)
+        self.landed.update(rooms)
+        for room in {*unknown, *self.landed}:          # rooms checked by an earlier call hold the prefill's bytes
+            skip_pages.update(self.plan[room][1])
+            skip_rows.add(self.plan[room][3])
+        keep = [p for p in range(self.pages) if p not in skip_pages]
+        changed = 0
+        for e, t in enumerate(self.kv):
+            own = pattern(self.seed, e, self.pages * il).view(self.pages, il)
+            changed += int((t.view(self.pages, il)[keep] != own[keep]).sum())
+        rows = [r for r in range(AUX_ROWS) if r not in skip_rows]
+        for j, (t, n) in enumerate(zip(self.aux, AUX_ITEM_LENS)):
+            own = pattern(self.seed, 1000 + j, AUX_ROWS * n).view(AUX_ROWS, n)
+            changed += int((t.view(AUX_ROWS, n)[rows] != own[rows]).sum())
+        return {"bad": bad, "checked": checked, "others_changed": changed}
+
+    # -- both
+
+    def _poll_one(self, room):
+        st = int(self.ends[room].poll())
+        return _NAMES[st], st
+
+    def await_status(self, rooms, name, timeout):
+        """Poll until every room of ``rooms`` is in status ``name``; the rooms that never got there."""
+        deadline = time.monotonic() + timeout
+        left = set(rooms)
+        while left and time.monotonic() < deadline:
+            left = {r for r in left if _NAMES[int(self.ends[r].poll())] != name}
+            time.sleep(0.005)
+        return sorted(left)
+
+    def wait(self, rooms, timeout):
+        """Poll ``rooms`` until each is Success or Failed or ``timeout`` passed: ``{room: (status, seconds)}``."""
+        t0 = time.monotonic()
+        out = {}
+        while True:
+            for room in rooms:
+                if room in out:
+                    continue
+                st = int(self.ends[room].poll())
+                if st in (0, 4):
+                    out[room] = (_NAMES[st], round(time.monotonic() - t0, 3))
+            if len(out) == len(rooms) or time.monotonic() - t0 > timeout:
+                break
+            time.sleep(0.005)
+        for room in rooms:
+            out.setdefault(room, (_NAMES[int(self.ends[room].poll())], None))
+        return out
+
+    def clear(self, rooms):
+        for room in rooms:
+            end = self.ends.pop(room)
+            if int(end.poll()) == 0:
+                try:
+                    end.failure_exception()
+                except Exception as exc:            # SGLang's KVTransferError: the reason, reported
+                    self.reasons[room] = str(exc)
+            else:
+                end.clear()
+        return {room: self.reasons.get(room) for room in rooms}
+
+    def close(self):
+        self.mgr.teardown()
+        if self.server is not None:
+            self.server.close()
+
+
+_NAMES = {0: "Failed", 1: "Bootstrapping", 2: "WaitingForInput", 3: "Transferring", 4: "Success"}
+
+
+def serve(conn, spec: dict) -> None:
+    os.environ.update(spec["env"])
+    sys.path.insert(0, STUBS)
+    state = None
+    try:
+        from sglang.srt.plugins import load_plugins
+        load_plugins()                      # what every SGLang process does first: the entry point registers
+        state = _State(spec)
+        conn.send(("ready", {"session": state.mgr.session_id, "pid": os.getpid()}))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        if not conn.poll(600):
+            break                           # the parent is gone or stuck: never outlive it by much
+        cmd, args = conn.recv()
+        if cmd == "close":
+            state.close()
+            conn.send(("closed", None))
+            break
+        try:
+            conn.send(("ok", getattr(state, cmd)(*args)))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))

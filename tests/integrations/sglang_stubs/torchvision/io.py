@@ -1,0 +1,8 @@
+"""``torchvision.io``: importable; any name taken from it raises when used (see the stand-in's README)."""
+from . import _unusable
+
+
+def __getattr__(name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _unusable(f"io.{name}")

@@ -1,0 +1,9 @@
+"""``torchvision.transforms.v2``: importable; any name taken from it raises when used (see the stand-in's README)."""
+from ... import _unusable
+from . import functional  # noqa: F401  (a submodule, not a name to stand in for)
+
+
+def __getattr__(name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _unusable(f"transforms.v2.{name}")

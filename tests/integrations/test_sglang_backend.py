@@ -1,0 +1,236 @@
+"""gpuxfer as SGLang 0.5.23's transfer backend, through SGLang's own classes: two spawned processes (a
+prefill rank with SGLang's real bootstrap server, a decode rank), the backend chosen by name through the
+``sglang.srt.plugins`` entry point, SGLang's KV manager, ``KVSender`` and ``KVReceiver`` driven in the
+schedulers' order (tests/integrations/sglang_instance.py), every byte of every page and metadata row checked.
+
+SGLang is not a dependency: without it these tests skip, unless GPUXFER_REQUIRE_SGLANG=1 (CI's SGLang step),
+which makes a missing SGLang a failure.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import socket
+import sys
+
+import pytest
+
+from gpuxfer import config
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+if importlib.util.find_spec("sglang") is None:
+    if config.get("GPUXFER_REQUIRE_SGLANG"):
+        raise ImportError("GPUXFER_REQUIRE_SGLANG=1 but sglang is not installed "
+                          "(tests/integrations/requirements-sglang.txt)")
+    pytest.skip("sglang is not installed (pip install --no-deps sglang==0.5.23 and "
+                "tests/integrations/requirements-sglang.txt)", allow_module_level=True)
+
+from sglang_instance import Rank  # noqa: E402
+
+WAITING_TIMEOUT_S = 20          # SGLang's decode-side limit for a room's transfer (and the backend's waits)
+HEARTBEAT_S = 2                 # SGLang's minimum heartbeat interval; one miss marks the prefill dead
+ENV = {"GPUXFER_PLATFORM": "host", "SGLANG_HOST_IP": "127.0.0.1",
+       "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(WAITING_TIMEOUT_S),
+       "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": str(HEARTBEAT_S),
+       "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1"}
+PAGES = 1024                    # pages per KV entry on each side (page 0: SGLang's padding, never handed out)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pair(page_size: int, mla: bool = False):
+    port = _free_port()
+    p = Rank("prefill", port=port, page_size=page_size, pages=PAGES, seed=1, env=ENV, mla=mla)
+    d = Rank("decode", port=port, page_size=page_size, pages=PAGES, seed=2, env=ENV, mla=mla)
+    return p, d
+
+
+def _close(*ranks):
+    codes = [r.close() for r in ranks]
+    for r in ranks:
+        assert not r.proc.is_alive(), f"{r.role} did not exit"
+    return codes
+
+
+class _Pages:
+    """Disjoint page and metadata-row numbers for each side, drawn as an allocator hands them out."""
+
+    def __init__(self, seed: int):
+        rng = random.Random(seed)
+        self.src, self.dst = list(range(1, PAGES)), list(range(1, PAGES))
+        rng.shuffle(self.src)
+        rng.shuffle(self.dst)
+        self.rows_src, self.rows_dst = list(range(128)), list(range(128))
+        rng.shuffle(self.rows_src)
+        rng.shuffle(self.rows_dst)
+
+    def take(self, room: int, n: int):
+        src, self.src = self.src[:n], self.src[n:]
+        dst, self.dst = self.dst[:n], self.dst[n:]
+        return (room, src, dst, self.rows_src.pop(), self.rows_dst.pop())
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """A prefill and a decode rank with 16-token pages, started together (SGLang's import takes seconds)."""
+    p, d = _pair(16)
+    try:
+        p.ready(timeout=600)
+        d.ready(timeout=600)
+        yield p, d, _Pages(0)
+    finally:
+        codes = _close(p, d)
+        assert codes == [0, 0], codes
+
+
+def _run(p, d, plan, actions, *, timeout=60):
+    """The schedulers' calls for ``plan`` (``(room, prefill pages, decode pages, prefill row, decode row)``):
+    senders, then receivers (init + send_metadata), then each sender's init and chunked sends (``actions``:
+    room -> (chunk pages, send | abort | hold)). Returns both sides' final statuses."""
+    rooms = [r[0] for r in plan]
+    assert set(p.call("senders", rooms).values()) == {"Bootstrapping"}
+    assert set(d.call("receivers", plan, 60, timeout=120).values()) == {"WaitingForInput"}
+    never = p.call("send", [(r, src, srow, *actions[r]) for r, src, dst, srow, drow in plan], 60, timeout=120)
+    assert never == [], f"the prefill never saw the decode's pages of rooms {never}"
+    return p.call("wait", rooms, timeout, timeout=timeout + 60), d
+
+
+def test_rooms_land_byte_for_byte(pair):
+    """64 concurrent requests of 1 to 9 pages, sent in chunks of 1, 2 or all pages: every page of every KV
+    entry and every metadata row lands on the decode's pages, nothing else changes, both sides say Success."""
+    p, d, pages = pair
+    rng = random.Random(1)
+    plan = [pages.take(room, rng.randint(1, 9)) for room in range(1000, 1064)]
+    actions = {r[0]: (rng.choice([1, 2, 16]), "send") for r in plan}
+    prefill, d = _run(p, d, plan, actions)
+    rooms = [r[0] for r in plan]
+    decode = d.call("wait", rooms, 60, timeout=120)
+    assert {s for s, _ in prefill.values()} == {"Success"}, prefill
+    assert {s for s, _ in decode.values()} == {"Success"}, decode
+    res = d.call("check", rooms, 1)
+    assert res["bad"] == {r: 0 for r in rooms} and res["checked"] > 0, res
+    assert res["others_changed"] == 0, res
+    assert set(p.call("clear", rooms).values()) == {None}
+    assert set(d.call("clear", rooms).values()) == {None}
+
+
+def test_aborts_on_either_side_fail_both_and_write_nothing(pair):
+    """A request the decode aborts (its prefill holding it) and one the prefill aborts once the decode's pages
+    arrived: both sides end Failed, the decode at once (not at its timeout), with SGLang's reason; a request
+    beside them lands; the aborted requests' pages and rows keep the decode's own bytes."""
+    p, d, pages = pair
+    plan = [pages.take(room, 4) for room in (2000, 2001, 2002)]
+    rooms = [r[0] for r in plan]
+    actions = {2000: (2, "hold"), 2001: (2, "abort"), 2002: (2, "send")}
+    assert set(p.call("senders", rooms).values()) == {"Bootstrapping"}
+    assert set(d.call("receivers", plan, 60, timeout=120).values()) == {"WaitingForInput"}
+    d.call("abort", [2000])
+    assert p.call("send", [(r, src, srow, *actions[r]) for r, src, dst, srow, drow in plan], 60, timeout=120) == []
+    decode = d.call("wait", rooms, 60, timeout=120)
+    prefill = p.call("wait", rooms, 60, timeout=120)
+    assert decode[2002][0] == prefill[2002][0] == "Success", (decode, prefill)
+    for room in (2000, 2001):
+        assert decode[room][0] == "Failed" and prefill[room][0] == "Failed", (room, decode, prefill)
+        assert decode[room][1] < WAITING_TIMEOUT_S / 2, (room, decode)
+    res = d.call("check", [2002], 1)
+    assert res["bad"] == {2002: 0} and res["others_changed"] == 0, res
+    reasons = d.call("clear", rooms)
+    assert "Aborted" in reasons[2000] and "Aborted" in reasons[2001] and reasons[2002] is None, reasons
+    reasons = p.call("clear", rooms)
+    assert "Aborted by the decode" in reasons[2000] and "Aborted" in reasons[2001], reasons
+
+
+def test_mla_pool_then_killed_prefill_fails_the_decode_within_its_timeout():
+    """An MLA pool (one buffer per layer, SGLang's MLA manager path) with 1-token pages: requests land byte for
+    byte; then the prefill rank is killed while the next requests wait for their KV: the decode reports every
+    one Failed well within SGLang's waiting timeout (its heartbeat finds the dead bootstrap server), without a
+    byte written into their pages."""
+    p, d = _pair(1, mla=True)
+    try:
+        p.ready(timeout=600)
+        d.ready(timeout=600)
+        pages = _Pages(5)
+        landed = [pages.take(room, n) for room, n in ((3100, 1), (3101, 7), (3102, 33))]
+        prefill, d = _run(p, d, landed, {r[0]: (5, "send") for r in landed})
+        done = [r[0] for r in landed]
+        assert {s for s, _ in prefill.values()} == {"Success"}, prefill
+        assert {s for s, _ in d.call("wait", done, 60, timeout=120).values()} == {"Success"}
+        res = d.call("check", done, 1)
+        assert res["bad"] == {r: 0 for r in done} and res["others_changed"] == 0, res
+        d.call("clear", done)
+        p.call("clear", done)
+        plan = [pages.take(room, 3) for room in range(3000, 3008)]
+        rooms = [r[0] for r in plan]
+        assert set(p.call("senders", rooms).values()) == {"Bootstrapping"}
+        assert set(d.call("receivers", plan, 60, timeout=120).values()) == {"WaitingForInput"}
+        assert p.call("send", [(r, src, srow, 1, "hold") for r, src, dst, srow, drow in plan], 60) == []
+        p.proc.kill()
+        p.proc.join(30)
+        assert p.proc.exitcode == -9, p.proc.exitcode
+        decode = d.call("wait", rooms, WAITING_TIMEOUT_S + 10, timeout=WAITING_TIMEOUT_S + 60)
+        assert {s for s, _ in decode.values()} == {"Failed"}, decode
+        assert max(t for _, t in decode.values()) < WAITING_TIMEOUT_S, decode
+        assert d.call("check", [], 1, rooms)["others_changed"] == 0
+        reasons = d.call("clear", rooms)
+        assert all("Lost connection with prefill" in r for r in reasons.values()), reasons
+    finally:
+        codes = _close(p, d)
+    assert codes == [-9, 0], codes
+
+
+def test_killed_decode_fails_the_prefill_within_its_timeout():
+    """A decode rank killed once its pages reached the prefill (64-token pages): the prefill's pushes find it
+    gone and every request ends Failed well within the timeout, the transfer thread never stuck on the dead
+    rank's socket (requests queued behind the first fail as fast)."""
+    p, d = _pair(64)
+    try:
+        p.ready(timeout=600)
+        d.ready(timeout=600)
+        pages = _Pages(6)
+        plan = [pages.take(room, 3) for room in range(4000, 4006)]
+        rooms = [r[0] for r in plan]
+        assert set(p.call("senders", rooms).values()) == {"Bootstrapping"}
+        assert set(d.call("receivers", plan, 60, timeout=120).values()) == {"WaitingForInput"}
+        assert p.call("await_status", rooms, "WaitingForInput", 60, timeout=120) == []
+        d.proc.kill()
+        d.proc.join(30)
+        assert d.proc.exitcode == -9, d.proc.exitcode
+        assert p.call("send", [(r, src, srow, 1, "send") for r, src, dst, srow, drow in plan], 60) == []
+        prefill = p.call("wait", rooms, WAITING_TIMEOUT_S + 10, timeout=WAITING_TIMEOUT_S + 60)
+        assert {s for s, _ in prefill.values()} == {"Failed"}, prefill
+        assert max(t for _, t in prefill.values()) < WAITING_TIMEOUT_S / 2, prefill
+        reasons = p.call("clear", rooms)
+        assert all("gone" in r or "PeerLost" in r for r in reasons.values()), reasons
+    finally:
+        codes = _close(p, d)
+    assert codes == [0, -9], codes
+
+
+def test_decode_whose_pages_do_not_pair_is_refused(pair):
+    """A decode rank whose pages hold other bytes per page (4 KV heads, the prefill 2; the same page size, so
+    SGLang's own check passes): the prefill refuses its registration, naming the difference; its requests
+    fail on both sides with that reason and none of its pages is written. The prefill serves on."""
+    p, _, pages = pair
+    d = Rank("decode", port=p.port, page_size=16, pages=PAGES, seed=3, env=ENV, heads=4)
+    try:
+        d.ready(timeout=600)
+        plan = [pages.take(room, 2) for room in (5000, 5001)]
+        rooms = [r[0] for r in plan]
+        prefill, d = _run(p, d, plan, {r: (2, "send") for r in rooms})
+        decode = d.call("wait", rooms, 60, timeout=120)
+        assert {s for s, _ in prefill.values()} == {"Failed"}, prefill
+        assert {s for s, _ in decode.values()} == {"Failed"}, decode
+        assert d.call("check", [], 1, [])["others_changed"] == 0
+        reasons = d.call("clear", rooms)
+        assert all("kv_item_lens" in r and "does not pair" in r for r in reasons.values()), reasons
+        p.call("clear", rooms)
+    finally:
+        codes = _close(d)
+    assert codes == [0], codes
