@@ -75,6 +75,7 @@ from collections.abc import Mapping, Sequence
 
 from .. import config
 from ..errors import BadInput, GpuxferError, PeerLost, ProtocolError, TransferTimeout
+from .mailbox import MailboxTimeout
 from ..sync import check_timeout
 from .channel import CpuChannel, PairSignals
 from .spec import Layout, Refusal, SpecTable
@@ -474,7 +475,7 @@ class Transport(abc.ABC):
     def _meta_error(self, exc: BaseException, step: int, t0: float, what: str) -> BaseException:
         """The typed error of a failed metadata wait: the peer's connection closed (gloo says so before the
         timeout), the peer left a "gone" note, or a timeout."""
-        if isinstance(exc, GpuxferError):
+        if isinstance(exc, GpuxferError) and not isinstance(exc, MailboxTimeout):
             return exc
         if self._error is None and self._state != "open":    # the wait gave up: another thread closes
             return GpuxferError(f"rank {self.rank}: the {self.name} transport with rank {self.peer} was closed "
