@@ -76,9 +76,12 @@ def _bad(rank, world):
 
 
 _CTRL_C_SCRIPT = '''
-import os, sys, time
+import os, signal, sys, time
 from multiprocessing import shared_memory
 from gpuxfer.spawn import spawn
+
+# a shell's background job starts with SIGINT ignored, and Python keeps an inherited SIG_IGN: take Ctrl-C back
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 def holds_shared_memory(ctx, ready_dir):
     shm = shared_memory.SharedMemory(create=True, size=4096)
