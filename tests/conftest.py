@@ -12,15 +12,10 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # for _spawn, also in spawned children
+sys.path.insert(0, os.path.dirname(__file__))  # for _spawn, _skips and the fakes, also in spawned children
 
+from _skips import platform_reason  # noqa: E402
 from _spawn import Spawner  # noqa: E402
-
-
-@functools.lru_cache(maxsize=None)
-def platform_reason(name: str) -> str | None:
-    from gpuxfer.platforms import unavailable_reason
-    return unavailable_reason(name)
 
 
 PLATFORM_PARAMS = [

@@ -33,7 +33,7 @@ def test_example_on_host(script, args, expect):
     ("kv_handoff.py", ("--tokens", "32768"), "wrong bytes: 0"),
 ])
 def test_example_on_cuda(script, args, expect):
-    from conftest import platform_reason
+    from _skips import platform_reason
     why = platform_reason("cuda")
     if why:
         pytest.skip(why)

@@ -42,7 +42,7 @@ def test_readme_snippet_runs_on_the_emulation(which, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("which", [0, 1], ids=["kv", "pp"])
 def test_readme_snippet_runs_on_cuda(which, tmp_path):
-    from conftest import platform_reason
+    from _skips import platform_reason
     why = platform_reason("cuda")
     if why:
         pytest.skip(why)

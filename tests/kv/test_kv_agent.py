@@ -916,7 +916,7 @@ def test_two_processes_host(spawner, op, engine):
 @pytest.mark.parametrize("op, carve, engine", [("pull", True, "triton"), ("push", False, "triton"),
                                                ("push", True, "pack"), ("pull", True, "copy_engine")])
 def test_two_processes_one_cuda_device(spawner, op, carve, engine):
-    from conftest import platform_reason
+    from _skips import platform_reason
     why = platform_reason("cuda")
     if why:
         pytest.skip(why)
@@ -941,7 +941,7 @@ def _expandable_child():
 
 @pytest.mark.gpu
 def test_cuda_export_range_and_expandable_segments(spawner):
-    from conftest import platform_reason
+    from _skips import platform_reason
     why = platform_reason("cuda")
     if why:
         pytest.skip(why)
@@ -1304,7 +1304,7 @@ def test_cuda_reposts_through_the_bound_launchers(op):
     """On CUDA a transfer's posts launch the compiled kernels directly (arguments bound once, the compiled
     kernel found by the arguments' kind); every post moves the current bytes: the source changes between
     posts, the destination follows, on three kinds of stream; a fresh request over other blocks too."""
-    from conftest import platform_reason
+    from _skips import platform_reason
     why = platform_reason("cuda")
     if why:
         pytest.skip(why)
@@ -1528,7 +1528,7 @@ def test_cuda_slot_graphs_grow_interleave_and_stay_in_bounds(op, monkeypatch):
     interleaved over three streams all land, and a forged request array writes nothing outside the
     destination's layers (the bytes around them and the whole source side keep their values); honest
     posts afterwards move every byte again."""
-    from conftest import platform_reason
+    from _skips import platform_reason
     why = platform_reason("cuda")
     if why:
         pytest.skip(why)
@@ -1675,7 +1675,7 @@ def _cuda_order_and_close():
 @pytest.mark.gpu
 def test_cuda_notifications_in_order_and_close_releases_a_stuck_pack_post(spawner):
     """:func:`_cuda_order_and_close` in a process of its own (killed if it does not finish in time)."""
-    from conftest import platform_reason
+    from _skips import platform_reason
     why = platform_reason("cuda")
     if why:
         pytest.skip(why)

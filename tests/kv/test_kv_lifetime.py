@@ -594,7 +594,7 @@ def test_threads_on_two_agents_raise_only_typed_errors(spawner, seed):
 def test_cuda_lifetime(spawner, case):
     """Two agents of one process on CUDA device 0: a closed peer agent, removal during a post, the threads
     stress -- each in a spawned child (a signal or a device fault is its exit code)."""
-    from conftest import platform_reason
+    from _skips import platform_reason
     why = platform_reason("cuda")
     if why is not None:
         pytest.skip(f"CUDA unavailable: {why}")

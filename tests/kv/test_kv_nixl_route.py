@@ -224,7 +224,7 @@ def test_two_processes_over_nixl(need_nixl, spawner):
 @pytest.mark.gpu
 def test_two_processes_over_nixl_cuda(need_nixl, spawner):
     """The same scenario with CUDA caches (VRAM registered with NIXL), two processes on device 0."""
-    from conftest import platform_reason
+    from _skips import platform_reason
     why = platform_reason("cuda")
     if why:
         pytest.skip(why)

@@ -324,7 +324,7 @@ def test_cuda_pack_graph_replays_move_every_byte():
     (op by op, the two captures, graph replays) on the agent's, a created and torch's current stream,
     every byte checked each time; then the destination posts with no source: a timeout naming the
     request, and the released stream drains."""
-    from conftest import platform_reason
+    from _skips import platform_reason
     why = platform_reason("cuda")
     if why:
         pytest.skip(why)
@@ -387,7 +387,7 @@ def test_cuda_pack_graph_replays_move_every_byte():
 @pytest.mark.gpu
 def test_cuda_pack_rows_launchers():
     """The rows-of-one-size pack and unpack compiled: places, the cut of a longer row, 16-byte and odd sizes."""
-    from conftest import platform_reason
+    from _skips import platform_reason
     why = platform_reason("cuda")
     if why:
         pytest.skip(why)
@@ -415,7 +415,7 @@ def test_cuda_pack_sides_posting_different_requests_both_fail():
     graphs captured on matching posts; then the two sides post different requests of that shape (graph
     replays), and other block counts (operations one by one): both handles raise TransferMismatch, the
     destination's bytes do not change, both streams drain."""
-    from conftest import platform_reason
+    from _skips import platform_reason
     why = platform_reason("cuda")
     if why:
         pytest.skip(why)

@@ -10,7 +10,7 @@ from gpuxfer.errors import BadInput, PlatformUnavailable
 from gpuxfer.platforms import PLATFORMS, detect, get_platform, unavailable_reason
 from gpuxfer.platforms.host import HostPlatform
 
-from conftest import platform_reason
+from _skips import platform_reason
 
 
 @pytest.mark.skipif(platform_reason("cuda") is None, reason="this machine has a usable CUDA GPU")

@@ -308,7 +308,7 @@ GPU = pytest.mark.gpu
                         pytest.param("cuda-2", id="cuda-2gpu", marks=GPU)])
 def graph_platform(request):
     """host; cuda: two processes on device 0; cuda-2: rank r on device r (skipped with fewer than two)."""
-    from conftest import platform_reason
+    from _skips import platform_reason
     name = request.param.partition("-")[0]
     why = platform_reason(name)
     if why is not None:
@@ -351,7 +351,7 @@ def test_captured_decode_loop_bit_exact(spawner, graph_platform):
 @GPU
 @pytest.mark.slow
 def test_captured_decode_loop_ten_thousand_steps(spawner):
-    from conftest import platform_reason
+    from _skips import platform_reason
     why = platform_reason("cuda")
     if why is not None:
         pytest.skip(why)
