@@ -16,14 +16,6 @@ from gpuxfer.kv.agent import KVAgent
 SLOT = 256          # bytes per staging slot: a 32-byte row per block, 8 blocks per chunk
 
 
-@pytest.fixture
-def plat():
-    from gpuxfer.platforms.host import HostPlatform
-    p = HostPlatform()
-    yield p
-    p.close()
-
-
 class _Side:
     """One agent and a cache of ``blocks`` blocks of ``row`` bytes (one layer, one piece) on a host buffer."""
 
