@@ -1,4 +1,4 @@
-"""The fake NIXL of tests/kv/test_kv_nixl.py, reaching across processes as a network transport would.
+"""The fake NIXL of tests/fake_nixl.py, reaching across processes as a network transport would.
 
 Inject it as the NIXL module of the benchmark's spawned ranks: ``GPUXFER_NIXL_MODULE=fake_nixl_net``
 and ``FAKE_NIXL_NET_DIR`` = an empty directory (the notification mailboxes); ``tests/`` must be on
@@ -22,7 +22,7 @@ import pickle
 
 import numpy as np
 
-from test_kv_nixl import FakeNixl
+from fake_nixl import FakeNixl
 
 DIR_ENV = "FAKE_NIXL_NET_DIR"
 

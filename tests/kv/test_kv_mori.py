@@ -2,7 +2,7 @@
 
 MoRI-IO runs over tests/fake_mori.py (its Python API, moving bytes with memmove) on the host
 emulation's pools: every byte of every request is checked after each burst (the pair runner of
-test_kv_nixl.py), every call is checked against the API, and the failure paths (a failed status,
+_nixl_engines.py), every call is checked against the API, and the failure paths (a failed status,
 a stuck one, a session that does not open, a missing library) end in typed errors. GPU tests
 (marked ``gpu``) need a ROCm machine with MoRI-IO installed.
 """
@@ -19,7 +19,7 @@ from gpuxfer.errors import BackendUnavailable, BadInput, DriverError, TransferTi
 from gpuxfer.bench.kv import collectivex as CX
 from gpuxfer.kv.engines import mooncake as me
 from gpuxfer.kv.engines import mori as mo
-from test_kv_nixl import _run_engine_pair, fake_mooncake  # noqa: F401 - a fixture
+from _nixl_engines import run_engine_pair
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def test_offsets_reject_bad_tables(bad, match):
 @pytest.mark.parametrize("direction", ["pull", "push"])
 def test_mori_engine_moves_and_verifies_every_byte(fake, monkeypatch, direction):
     monkeypatch.setattr(mo, "BATCH_CAP", 16)                  # several batch calls per request
-    _run_engine_pair("amd-mori", direction, bursts=2)         # checks every byte after each of 6 bursts
+    run_engine_pair("amd-mori", direction, bursts=2)         # checks every byte after each of 6 bursts
     kinds = [c[0] for c in fake.calls]
     want = "batch_read" if direction == "pull" else "batch_write"
     moves = [c for c in fake.calls if c[0].startswith("batch_")]
@@ -81,12 +81,12 @@ def test_mori_engine_moves_and_verifies_every_byte(fake, monkeypatch, direction)
 
 def test_mori_xgmi_backend_and_bad_choice(fake, monkeypatch):
     monkeypatch.setenv(mo.BACKEND_ENV, "xgmi")
-    _run_engine_pair("amd-mori", "pull", bursts=1)
+    run_engine_pair("amd-mori", "pull", bursts=1)
     assert {c[1] for c in fake.calls if c[0] == "create_backend"} == {"XGMI"}
     assert "one host only" in mo.MoriEngine.cross_host_reason()
     monkeypatch.setenv(mo.BACKEND_ENV, "infiniband")
     with pytest.raises(BackendUnavailable, match="GPUXFER_MORI_BACKEND must be rdma or xgmi, got 'infiniband'"):
-        _run_engine_pair("amd-mori", "pull", bursts=0)
+        run_engine_pair("amd-mori", "pull", bursts=0)
     assert "GPUXFER_MORI_BACKEND" in mo.MoriEngine.cross_host_reason()
     monkeypatch.setenv(mo.BACKEND_ENV, "rdma")
     assert mo.MoriEngine.cross_host_reason() is None
@@ -95,7 +95,7 @@ def test_mori_xgmi_backend_and_bad_choice(fake, monkeypatch):
 def test_mori_failed_status_is_a_driver_error(fake):
     fake.behaviour["fail"] = True
     with pytest.raises(DriverError, match="ERR_RDMA_OP.*EINVAL"):
-        _run_engine_pair("amd-mori", "push", bursts=1)
+        run_engine_pair("amd-mori", "push", bursts=1)
     kinds = [c[0] for c in fake.calls]
     assert kinds.count("deregister_memory") == 2               # closed cleanly all the same
 
@@ -103,19 +103,19 @@ def test_mori_failed_status_is_a_driver_error(fake):
 def test_mori_stuck_status_times_out(fake):
     fake.behaviour["stuck"] = True
     with pytest.raises(TransferTimeout, match="amd-mori READ"):
-        _run_engine_pair("amd-mori", "pull", bursts=1, timeout_s=0.3)
+        run_engine_pair("amd-mori", "pull", bursts=1, timeout_s=0.3)
 
 
 def test_mori_wrong_byte_is_seen_by_the_pair_check(fake):
     fake.behaviour["flip"] = True
     with pytest.raises(AssertionError):
-        _run_engine_pair("amd-mori", "pull", bursts=1)
+        run_engine_pair("amd-mori", "pull", bursts=1)
 
 
 def test_mori_session_failure_fails_both_sides(fake):
     fake.behaviour["fail_session"] = True
     with pytest.raises(BackendUnavailable) as ei:
-        _run_engine_pair("amd-mori", "pull", bursts=0)
+        run_engine_pair("amd-mori", "pull", bursts=0)
     assert "rank 0" in str(ei.value) and "rank 1" in str(ei.value) and "create_session" in str(ei.value)
     kinds = [c[0] for c in fake.calls]
     assert kinds.count("deregister_memory") == 2
@@ -166,7 +166,7 @@ def test_mooncake_rdma_engine_over_fake(fake_mooncake, monkeypatch, direction): 
     probes = []
     monkeypatch.setattr(me, "probe_transport", lambda protocol, device=0, nic=None, timeout_s=60.0:
                         probes.append((protocol, nic, dict((k, os.environ.get(k)) for k in CX.MOONCAKE_ENV))))
-    _run_engine_pair("mooncake-rdma", direction, bursts=2)
+    run_engine_pair("mooncake-rdma", direction, bursts=2)
     inits = [c for c in fake.calls if c[0] == "initialize"]
     assert {(c[1], c[2]) for c in inits} == {("P2PHANDSHAKE", "rdma")}
     assert {c[3] for c in inits} == {"rdma0", "rdma1"}               # {gpu}: each side's device
@@ -186,7 +186,7 @@ def test_mooncake_rdma_keeps_an_operators_settings(fake_mooncake, monkeypatch): 
     assert me.apply_suite_env() == {"MC_USE_NVLINK_IPC": "0", "MC_TRANSFER_TIMEOUT": "300"}
     monkeypatch.setattr(me, "probe_transport", lambda *a, **k: "no rdma device found")
     with pytest.raises(BackendUnavailable, match="no rdma device"):
-        _run_engine_pair("mooncake-rdma", "pull", bursts=0)
+        run_engine_pair("mooncake-rdma", "pull", bursts=0)
 
 
 @pytest.mark.gpu
@@ -207,7 +207,7 @@ def test_mori_engine_two_rocm_gpus(direction):
 def test_hostile_descriptors_are_refused_by_amd_mori(fake):
     """Overflowing, negative, zero-size and out-of-range descriptors: BadInput naming the descriptor from
     prepare on both sides (the engines' one bounds check)."""
-    from test_kv_nixl import _hostile_results
-    res = _hostile_results("amd-mori")
+    from _nixl_engines import hostile_results
+    res = hostile_results("amd-mori")
     assert res and all(v.startswith("BadInput: descriptor ") for v in res.values()), \
         {k: v for k, v in res.items() if not v.startswith("BadInput: descriptor ")}
