@@ -5,7 +5,6 @@ validation steps use these: ``pytest -m gpu tests/platforms/test_rocm_gpu.py -k 
 """
 from __future__ import annotations
 
-import functools
 import os
 import time
 from datetime import timedelta
@@ -15,77 +14,61 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
-@functools.lru_cache(maxsize=None)
-def _reason():
-    from gpuxfer.platforms.rocm import RocmPlatform
-    return RocmPlatform.unavailable_reason()
-
-
-@pytest.fixture
-def plat():
-    if _reason() is not None:
-        pytest.skip(f"ROCm unavailable: {_reason()}")
-    from gpuxfer.platforms.rocm import RocmPlatform
-    p = RocmPlatform()
-    yield p
-    p.close()
-
-
-def _need_two(plat):
-    if plat.device_count() < 2:
+def _need_two(rocm_plat):
+    if rocm_plat.device_count() < 2:
         pytest.skip("needs two AMD GPUs")
 
 
 # --------------------------------------------------------------------------- platform
 
 
-def test_platform_device_info_and_links(plat):
-    info = plat.device_info(0)
+def test_platform_device_info_and_links(rocm_plat):
+    info = rocm_plat.device_info(0)
     print(info.as_dict())
-    print(plat.versions())
+    print(rocm_plat.versions())
     assert info.arch.startswith("gfx") and info.sm_count > 0 and info.pci_bus_id
     assert info.stream_mem_ops_64, "a 64-bit stream write + wait + synchronize did not work"
-    if plat.device_count() >= 2:
-        link = plat.link(0, 1)
+    if rocm_plat.device_count() >= 2:
+        link = rocm_plat.link(0, 1)
         print(link.as_dict())
         assert link.peer_access and link.kind in ("xgmi", "pcie")
 
 
-def test_platform_memory_tensor_flags_and_copies(plat):
+def test_platform_memory_tensor_flags_and_copies(rocm_plat):
     import torch
-    plat.set_device(0)
-    buf = plat.alloc(1 << 20, 0)
-    flags = plat.alloc_flags(64, 0)
-    s1, s2 = plat.create_stream(0), plat.create_stream(0)
+    rocm_plat.set_device(0)
+    buf = rocm_plat.alloc(1 << 20, 0)
+    flags = rocm_plat.alloc_flags(64, 0)
+    s1, s2 = rocm_plat.create_stream(0), rocm_plat.create_stream(0)
     try:
-        t = plat.as_tensor(buf, torch.bfloat16)
+        t = rocm_plat.as_tensor(buf, torch.bfloat16)
         assert t.device == torch.device("cuda", 0) and t.data_ptr() == buf.ptr and t.numel() == (1 << 19)
         t.copy_(torch.arange(t.numel(), device="cuda:0").to(torch.bfloat16))
         torch.cuda.synchronize(0)
-        plat.memset_async(s1, flags.ptr, 0, 64)
-        plat.write_flag(s1, flags.ptr, 5)
-        assert plat.synchronize(s1, 10.0) and plat.read_flag(flags.ptr, 0) == 5
-        plat.host_write_flag(flags.ptr + 8, 9, 0)
-        assert plat.read_flag(flags.ptr + 8, 0) == 9
+        rocm_plat.memset_async(s1, flags.ptr, 0, 64)
+        rocm_plat.write_flag(s1, flags.ptr, 5)
+        assert rocm_plat.synchronize(s1, 10.0) and rocm_plat.read_flag(flags.ptr, 0) == 5
+        rocm_plat.host_write_flag(flags.ptr + 8, 9, 0)
+        assert rocm_plat.read_flag(flags.ptr + 8, 0) == 9
         # a wait blocks later work on its own stream only
-        plat.wait_flag(s2, flags.ptr + 16, 3)
-        plat.write_flag(s2, flags.ptr + 24, 1)
-        plat.write_flag(s1, flags.ptr + 32, 1)
-        assert plat.synchronize(s1, 10.0)
+        rocm_plat.wait_flag(s2, flags.ptr + 16, 3)
+        rocm_plat.write_flag(s2, flags.ptr + 24, 1)
+        rocm_plat.write_flag(s1, flags.ptr + 32, 1)
+        assert rocm_plat.synchronize(s1, 10.0)
         time.sleep(0.2)
-        assert plat.read_flag(flags.ptr + 24, 0) == 0
-        plat.write_flag(s1, flags.ptr + 16, 3)
-        assert plat.synchronize(s2, 10.0) and plat.read_flag(flags.ptr + 24, 0) == 1
+        assert rocm_plat.read_flag(flags.ptr + 24, 0) == 0
+        rocm_plat.write_flag(s1, flags.ptr + 16, 3)
+        assert rocm_plat.synchronize(s2, 10.0) and rocm_plat.read_flag(flags.ptr + 24, 0) == 1
         # copies, default and forced SDMA
         half = 1 << 19
-        plat.copy_async(s1, buf.ptr + half, buf.ptr, half // 2)
-        plat.copy_async(s1, buf.ptr + half + half // 2, buf.ptr + half // 2, half // 2, force_nocu=True)
-        assert plat.synchronize(s1, 10.0)
-        u8 = plat.as_tensor(buf)
+        rocm_plat.copy_async(s1, buf.ptr + half, buf.ptr, half // 2)
+        rocm_plat.copy_async(s1, buf.ptr + half + half // 2, buf.ptr + half // 2, half // 2, force_nocu=True)
+        assert rocm_plat.synchronize(s1, 10.0)
+        u8 = rocm_plat.as_tensor(buf)
         assert torch.equal(u8[half:], u8[:half])
     finally:
         for s in (s1, s2):
-            plat._destroy_stream(s)
+            rocm_plat._destroy_stream(s)
         flags.close()
         buf.close()
 
@@ -112,13 +95,13 @@ def _child_ipc(handle, device: int, n: int) -> int:
         p.close()
 
 
-def test_platform_ipc_to_a_second_process(plat, spawner):
+def test_platform_ipc_to_a_second_process(rocm_plat, spawner):
     import torch
-    _need_two(plat)
+    _need_two(rocm_plat)
     n = 8 << 20
-    buf = plat.alloc(n, 0)
+    buf = rocm_plat.alloc(n, 0)
     try:
-        plat.as_tensor(buf).copy_((torch.arange(n, device="cuda:0") % 251).to(torch.uint8))
+        rocm_plat.as_tensor(buf).copy_((torch.arange(n, device="cuda:0") % 251).to(torch.uint8))
         torch.cuda.synchronize(0)
         child = spawner.start(_child_ipc, buf.export(), 1, n, name="peer on device 1")
         assert child.result(timeout=180) == 1
@@ -130,24 +113,24 @@ def test_platform_ipc_to_a_second_process(plat, spawner):
 # --------------------------------------------------------------------------- HSA
 
 
-def test_hsa_agents_engine_plan_and_a_dependent_local_sdma_copy(plat):
+def test_hsa_agents_engine_plan_and_a_dependent_local_sdma_copy(rocm_plat):
     from gpuxfer.errors import TransferTimeout
     from gpuxfer.platforms.hsa import choose_engine, engine_bits, mask_str, plan_engines
-    hsa = plat.hsa()
-    me = plat.agent(0)
+    hsa = rocm_plat.hsa()
+    me = rocm_plat.agent(0)
     print(me)
-    assert me.is_gpu and me.pci_bus_id == plat.pci_bus_id(0)
-    for d in range(1, plat.device_count()):
-        peer = plat.agent(d)
+    assert me.is_gpu and me.pci_bus_id == rocm_plat.pci_bus_id(0)
+    for d in range(1, rocm_plat.device_count()):
+        peer = rocm_plat.agent(d)
         print(f"0 -> {d}: preferred {mask_str(hsa.preferred_copy_engine(peer.handle, me.handle))}, available "
               f"{mask_str(hsa.copy_engine_status(peer.handle, me.handle))}, plan "
               f"{plan_engines(hsa, me, peer, 1).why}")
     import torch
-    buf = plat.alloc(2 << 20, 0)
+    buf = rocm_plat.alloc(2 << 20, 0)
     dep, done = hsa.signal_create(1), hsa.signal_create(1)
     try:
-        plat.as_tensor(buf)[: 1 << 20].fill_(7)
-        plat.as_tensor(buf)[1 << 20:].fill_(0)
+        rocm_plat.as_tensor(buf)[: 1 << 20].fill_(7)
+        rocm_plat.as_tensor(buf)[1 << 20:].fill_(0)
         torch.cuda.synchronize(0)
         eng, _ = choose_engine(hsa.copy_engine_status(me.handle, me.handle),
                                hsa.preferred_copy_engine(me.handle, me.handle), xgmi_peer=False)
@@ -156,7 +139,7 @@ def test_hsa_agents_engine_plan_and_a_dependent_local_sdma_copy(plat):
         assert hsa.signal_load(done) == 1, "the copy ran although its dependency was still 1"
         hsa.signal_store(dep, 0)
         assert hsa.signal_wait_at_most(done, 0, 10.0) == 0
-        u8 = plat.as_tensor(buf)
+        u8 = rocm_plat.as_tensor(buf)
         assert torch.equal(u8[1 << 20:], u8[: 1 << 20]), f"SDMA copy on engine {engine_bits(eng)} corrupted"
         stuck = hsa.signal_create(1)
         with pytest.raises(TransferTimeout):
@@ -168,11 +151,11 @@ def test_hsa_agents_engine_plan_and_a_dependent_local_sdma_copy(plat):
         buf.close()
 
 
-def test_hsa_signal_memory_layout(plat):
+def test_hsa_signal_memory_layout(rocm_plat):
     from gpuxfer.platforms.hsa import Signal
-    sig = plat.alloc_signal(0)          # raises if ROCr disagrees with handle = value pointer - 8
+    sig = rocm_plat.alloc_signal(0)          # raises if ROCr disagrees with handle = value pointer - 8
     try:
-        assert plat.hsa().signal_load(Signal(sig.handle)) == 1     # HIP creates signal memory armed (1)
+        assert rocm_plat.hsa().signal_load(Signal(sig.handle)) == 1     # HIP creates signal memory armed (1)
     finally:
         sig.close()
 
@@ -222,8 +205,8 @@ def _child_pipeline(rank: int, rdv: str, path: str, steps: int, max_elems: int) 
 
 
 @pytest.mark.parametrize("path", ["hsa", "hip"])
-def test_sdma_two_processes_every_byte(plat, spawner, tmp_path, path):
-    _need_two(plat)
+def test_sdma_two_processes_every_byte(rocm_plat, spawner, tmp_path, path):
+    _need_two(rocm_plat)
     rdv = str(tmp_path / "rdv")
     kids = [spawner.start(_child_pipeline, r, rdv, path, 200, 16 << 20, name=f"rank {r}") for r in (0, 1)]
     outs = [k.result(timeout=550) for k in kids]

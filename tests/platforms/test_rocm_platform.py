@@ -197,7 +197,7 @@ def fhip():
 
 
 @pytest.fixture
-def plat(fhip):
+def fake_rocm_plat(fhip):
     p = RocmPlatform(hip=fhip)
     yield p
     p.close()
@@ -389,78 +389,78 @@ def test_handle_wrong_size_is_bad_input(fhip):
             RH.handle_from_bytes(fhip, bad)
 
 
-def test_export_open_round_trip_through_pickle(plat, fhip):
-    buf = plat.alloc(4096, 1)
+def test_export_open_round_trip_through_pickle(fake_rocm_plat, fhip):
+    buf = fake_rocm_plat.alloc(4096, 1)
     h = buf.export()
     assert h.platform == "rocm" and h.device == 1 and h.nbytes == 4096 and len(h.payload) == 64
     assert h.payload[0] == 0                                   # a leading NUL survives (never .reserved)
     h2 = pickle.loads(pickle.dumps(h))
     assert h2 == h
     foreign = IpcHandle("rocm", 1, 4096, h2.payload, owner_pid=os.getpid() + 1)
-    m = plat.open_handle(foreign, 0)
+    m = fake_rocm_plat.open_handle(foreign, 0)
     (_, raw, flags), = fhip.named("hipIpcOpenMemHandle")
     assert raw == h.payload and flags == RH.HIP_IPC_MEM_LAZY_ENABLE_PEER_ACCESS == 1
     assert m.nbytes == 4096 and m.device == 0
-    assert plat.is_peer_address(m.ptr + 100)
+    assert fake_rocm_plat.is_peer_address(m.ptr + 100)
     m.close()
     m.close()
-    assert len(fhip.named("hipIpcCloseMemHandle")) == 1 and not plat.is_peer_address(m.ptr + 100)
+    assert len(fhip.named("hipIpcCloseMemHandle")) == 1 and not fake_rocm_plat.is_peer_address(m.ptr + 100)
     buf.close()
     buf.close()
     assert len(fhip.named("hipFree")) == 1
 
 
-def test_a_second_open_shares_the_mapping(plat, fhip):
+def test_a_second_open_shares_the_mapping(fake_rocm_plat, fhip):
     """HIP maps an allocation once per device: a second open of its handle shares the first mapping, and
     only the last close unmaps it."""
-    buf = plat.alloc(4096, 1)
+    buf = fake_rocm_plat.alloc(4096, 1)
     foreign = IpcHandle("rocm", 1, 4096, buf.export().payload, owner_pid=os.getpid() + 1)
-    m1, m2 = plat.open_handle(foreign, 0), plat.open_handle(foreign, 0)
+    m1, m2 = fake_rocm_plat.open_handle(foreign, 0), fake_rocm_plat.open_handle(foreign, 0)
     assert m1.ptr == m2.ptr and len(fhip.named("hipIpcOpenMemHandle")) == 1
     m1.close()
-    assert not fhip.named("hipIpcCloseMemHandle") and plat.is_peer_address(m2.ptr + 100)
+    assert not fhip.named("hipIpcCloseMemHandle") and fake_rocm_plat.is_peer_address(m2.ptr + 100)
     m2.close()
-    assert len(fhip.named("hipIpcCloseMemHandle")) == 1 and not plat.is_peer_address(m2.ptr + 100)
+    assert len(fhip.named("hipIpcCloseMemHandle")) == 1 and not fake_rocm_plat.is_peer_address(m2.ptr + 100)
     buf.close()
 
 
-def test_open_own_handle_or_foreign_platform_refused(plat):
-    buf = plat.alloc(64, 0)
+def test_open_own_handle_or_foreign_platform_refused(fake_rocm_plat):
+    buf = fake_rocm_plat.alloc(64, 0)
     with pytest.raises(BadInput, match="exported it"):
-        plat.open_handle(buf.export(), 1)
+        fake_rocm_plat.open_handle(buf.export(), 1)
     with pytest.raises(BadInput, match="cannot be opened on ROCm"):
-        plat.open_handle(IpcHandle("cuda", 0, 64, bytes(64), 1), 1)
+        fake_rocm_plat.open_handle(IpcHandle("cuda", 0, 64, bytes(64), 1), 1)
     buf.close()
 
 
-def test_open_failure_is_a_driver_error(plat, fhip):
+def test_open_failure_is_a_driver_error(fake_rocm_plat, fhip):
     fhip.fail["hipIpcOpenMemHandle"] = 201
     with pytest.raises(DriverError) as ei:
-        plat.open_handle(IpcHandle("rocm", 1, 64, bytes(64), os.getpid() + 1), 0)
+        fake_rocm_plat.open_handle(IpcHandle("rocm", 1, 64, bytes(64), os.getpid() + 1), 0)
     assert ei.value.status_name == "hipErrorInvalidContext" and "opening the IPC handle" in ei.value.doing
 
 
 # --------------------------------------------------------------------------- memory and flags
 
 
-def test_allocation_flags(plat, fhip):
-    a = plat.alloc(1024, 0)
-    f = plat.alloc_flags(64, 1)
+def test_allocation_flags(fake_rocm_plat, fhip):
+    a = fake_rocm_plat.alloc(1024, 0)
+    f = fake_rocm_plat.alloc_flags(64, 1)
     flags = [c[2] for c in fhip.named("hipExtMallocWithFlags")]
     assert flags == [RH.HIP_DEVICE_MALLOC_DEFAULT, RH.HIP_DEVICE_MALLOC_UNCACHED] and RH.HIP_DEVICE_MALLOC_UNCACHED == 3
     assert fhip.current == 0                                   # the current device is restored
     with pytest.raises(BadInput):
-        plat.alloc(0, 0)
+        fake_rocm_plat.alloc(0, 0)
     with pytest.raises(BadInput):
-        plat.alloc(8, 5)
+        fake_rocm_plat.alloc(8, 5)
     a.close()
     f.close()
 
 
-def test_allocation_failure_names_size_and_device(plat, fhip):
+def test_allocation_failure_names_size_and_device(fake_rocm_plat, fhip):
     fhip.fail["hipExtMallocWithFlags"] = 2
     with pytest.raises(DriverError) as ei:
-        plat.alloc_flags(64, 1)
+        fake_rocm_plat.alloc_flags(64, 1)
     assert ei.value.status_name == "hipErrorOutOfMemory" and "64 B of uncached flag memory on device 1" in str(ei.value)
 
 
@@ -468,49 +468,49 @@ def test_signal_memory_is_checked_against_rocr():
     lib = FakeHsaLib()
     hsa = Hsa(lib=lib).init()
     fhip = FakeHip(lib=lib)
-    plat = RocmPlatform(hip=fhip, hsa=hsa)
+    fake_rocm_plat = RocmPlatform(hip=fhip, hsa=hsa)
     try:
-        sig = plat.alloc_signal(0)
+        sig = fake_rocm_plat.alloc_signal(0)
         assert sig.ptr == sig.handle + 8 and lib.signal_value(sig.handle) == 1    # HIP creates it armed
         assert [c[2] for c in fhip.named("hipExtMallocWithFlags")] == [RH.HIP_MALLOC_SIGNAL_MEMORY]
         sig.close()
         # memory that is not a ROCr signal: refused, and freed
         fhip.lib = None
         with pytest.raises(DriverError) as ei:
-            plat.alloc_signal(0)
+            fake_rocm_plat.alloc_signal(0)
         assert ei.value.status_name == "HSA_STATUS_ERROR_INVALID_SIGNAL"
         assert len(fhip.named("hipFree")) == 2
     finally:
-        plat.close()
+        fake_rocm_plat.close()
     assert lib.init_count == 0
 
 
-def test_flag_write_and_wait_arguments(plat, fhip):
+def test_flag_write_and_wait_arguments(fake_rocm_plat, fhip):
     s = _stream(0, 0x5000)
-    plat.write_flag(s, 0x1000, 7)
-    plat.wait_flag(s, 0x1008, 9)
-    plat.write_flag(s, 0x1010, -1)
+    fake_rocm_plat.write_flag(s, 0x1000, 7)
+    fake_rocm_plat.wait_flag(s, 0x1008, 9)
+    fake_rocm_plat.write_flag(s, 0x1010, -1)
     assert fhip.named("hipStreamWriteValue64")[0] == ("hipStreamWriteValue64", 0x5000, 0x1000, 7, 0)
     assert fhip.named("hipStreamWaitValue64")[0] == ("hipStreamWaitValue64", 0x5000, 0x1008, 9,
                                                      RH.HIP_STREAM_WAIT_VALUE_GTE, (1 << 64) - 1)
     assert RH.HIP_STREAM_WAIT_VALUE_GTE == 0
     assert fhip.named("hipStreamWriteValue64")[1][3] == (1 << 64) - 1
     with pytest.raises(BadInput):
-        plat.write_flag(s, 0x1004, 1)                          # not 8-byte aligned
+        fake_rocm_plat.write_flag(s, 0x1004, 1)                          # not 8-byte aligned
     with pytest.raises(BadInput):
-        plat.wait_flag(object(), 0x1000, 1)
+        fake_rocm_plat.wait_flag(object(), 0x1000, 1)
 
 
-def test_copy_kind_uses_sdma_for_peer_memory(plat, fhip):
+def test_copy_kind_uses_sdma_for_peer_memory(fake_rocm_plat, fhip):
     s = _stream(0, 0x77)
-    local = plat.alloc(256, 0)
-    other = plat.alloc(256, 1)
-    m = plat.open_handle(IpcHandle("rocm", 1, 4096, bytes(64), os.getpid() + 1), 0)
-    plat.copy_async(s, m.ptr + 64, local.ptr, 128)             # to a peer: SDMA, no CU
-    plat.copy_async(s, local.ptr, other.ptr + 8, 8)            # from another device's buffer: SDMA
-    plat.copy_async(s, local.ptr, local.ptr + 128, 64)         # local: HIP decides
-    plat.copy_async(s, local.ptr, local.ptr + 128, 64, force_nocu=True)
-    plat.copy_async(s, local.ptr, local.ptr + 128, 0)          # nothing queued
+    local = fake_rocm_plat.alloc(256, 0)
+    other = fake_rocm_plat.alloc(256, 1)
+    m = fake_rocm_plat.open_handle(IpcHandle("rocm", 1, 4096, bytes(64), os.getpid() + 1), 0)
+    fake_rocm_plat.copy_async(s, m.ptr + 64, local.ptr, 128)             # to a peer: SDMA, no CU
+    fake_rocm_plat.copy_async(s, local.ptr, other.ptr + 8, 8)            # from another device's buffer: SDMA
+    fake_rocm_plat.copy_async(s, local.ptr, local.ptr + 128, 64)         # local: HIP decides
+    fake_rocm_plat.copy_async(s, local.ptr, local.ptr + 128, 64, force_nocu=True)
+    fake_rocm_plat.copy_async(s, local.ptr, local.ptr + 128, 0)          # nothing queued
     kinds = [c[4] for c in fhip.named("hipMemcpyAsync")]
     nocu = RH.HIP_MEMCPY_DEVICE_TO_DEVICE_NOCU
     assert kinds == [nocu, nocu, RH.HIP_MEMCPY_DEFAULT, nocu] and nocu == 1024
@@ -520,11 +520,11 @@ def test_copy_kind_uses_sdma_for_peer_memory(plat, fhip):
     other.close()
 
 
-def test_memset_arguments(plat, fhip):
-    plat.memset_async(_stream(), 0x2000, 0, 64)
+def test_memset_arguments(fake_rocm_plat, fhip):
+    fake_rocm_plat.memset_async(_stream(), 0x2000, 0, 64)
     assert fhip.named("hipMemsetAsync") == [("hipMemsetAsync", 0x2000, 0, 64, 0xABC)]
     with pytest.raises(BadInput):
-        plat.memset_async(_stream(), 0x2000, 300, 64)
+        fake_rocm_plat.memset_async(_stream(), 0x2000, 300, 64)
 
 
 # --------------------------------------------------------------------------- devices and links
@@ -540,33 +540,33 @@ def test_device_properties_shim(new_props, monkeypatch):
     assert RH._s(api.device_properties(1).gcnArchName).startswith("gfx950")
 
 
-def test_pci_bus_id_and_link_kinds(plat, fhip):
-    assert plat.pci_bus_id(1) == "0000:c2:00.0"
-    assert plat.link(0, 0).kind == "same-device"
-    l01 = plat.link(0, 1)
+def test_pci_bus_id_and_link_kinds(fake_rocm_plat, fhip):
+    assert fake_rocm_plat.pci_bus_id(1) == "0000:c2:00.0"
+    assert fake_rocm_plat.link(0, 0).kind == "same-device"
+    l01 = fake_rocm_plat.link(0, 1)
     assert l01.kind == "xgmi" and l01.peer_access and l01.is_fast
     fhip.linktype[(1, 0)] = RH.HSA_AMD_LINK_INFO_TYPE_PCIE
-    assert plat.link(1, 0).kind == "pcie" and not plat.link(1, 0).is_fast
+    assert fake_rocm_plat.link(1, 0).kind == "pcie" and not fake_rocm_plat.link(1, 0).is_fast
     fhip.fail["hipExtGetLinkTypeAndHopCount"] = 1
-    l = plat.link(0, 1)
+    l = fake_rocm_plat.link(0, 1)
     assert l.kind == "unknown" and "unreadable" in l.detail
 
 
-def test_versions_and_attributes(plat):
-    v = plat.versions()
+def test_versions_and_attributes(fake_rocm_plat):
+    v = fake_rocm_plat.versions()
     assert v["HIP runtime"].startswith("6.4") and "hip-python" in v
-    assert plat.attribute("CanUseStreamWaitValue", 0) == 1
-    assert plat.device_count() == 2
+    assert fake_rocm_plat.attribute("CanUseStreamWaitValue", 0) == 1
+    assert fake_rocm_plat.device_count() == 2
 
 
 def test_agent_is_matched_by_pci_bus_id():
     lib = FakeHsaLib()
-    plat = RocmPlatform(hip=FakeHip(), hsa=Hsa(lib=lib).init())
+    fake_rocm_plat = RocmPlatform(hip=FakeHip(), hsa=Hsa(lib=lib).init())
     try:
-        assert plat.agent(1).handle == lib.gpus[1].handle
-        assert plat.agent(0).handle == lib.gpus[0].handle
+        assert fake_rocm_plat.agent(1).handle == lib.gpus[1].handle
+        assert fake_rocm_plat.agent(0).handle == lib.gpus[0].handle
     finally:
-        plat.close()
+        fake_rocm_plat.close()
 
 
 def test_tensor_view_params_validate():
