@@ -6,24 +6,14 @@ which makes a missing vLLM a failure.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 import socket
-import sys
 import time
 
 import pytest
 
-from gpuxfer import config
+from _requires import require
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-if importlib.util.find_spec("vllm") is None:
-    if config.get("GPUXFER_REQUIRE_VLLM"):
-        raise ImportError("GPUXFER_REQUIRE_VLLM=1 but vllm is not installed (tests/integrations/requirements-vllm.txt)")
-    pytest.skip("vllm is not installed (pip install --no-deps vllm==0.33.0 and "
-                "tests/integrations/requirements-vllm.txt)", allow_module_level=True)
+require("vllm", "GPUXFER_REQUIRE_VLLM", "vllm==0.33.0")
 
 from vllm_instance import Instance, write_model  # noqa: E402
 

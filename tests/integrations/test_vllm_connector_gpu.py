@@ -6,23 +6,13 @@ Run on a GPU machine with vLLM's pure-Python tree on PYTHONPATH (scripts/vllm_de
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import pytest
 
-from gpuxfer import config
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+from _requires import require
 
 pytestmark = pytest.mark.gpu
 
-if importlib.util.find_spec("vllm") is None:
-    if config.get("GPUXFER_REQUIRE_VLLM"):
-        raise ImportError("GPUXFER_REQUIRE_VLLM=1 but vllm is not importable")
-    pytest.skip("vllm is not installed", allow_module_level=True)
+require("vllm", "GPUXFER_REQUIRE_VLLM", "vllm==0.33.0")
 
 from vllm_instance import Instance, write_model  # noqa: E402
 
