@@ -8,25 +8,14 @@ which makes a missing SGLang a failure.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
 import socket
-import sys
 
 import pytest
 
-from gpuxfer import config
+from _requires import require
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-if importlib.util.find_spec("sglang") is None:
-    if config.get("GPUXFER_REQUIRE_SGLANG"):
-        raise ImportError("GPUXFER_REQUIRE_SGLANG=1 but sglang is not installed "
-                          "(tests/integrations/requirements-sglang.txt)")
-    pytest.skip("sglang is not installed (pip install --no-deps sglang==0.5.23 and "
-                "tests/integrations/requirements-sglang.txt)", allow_module_level=True)
+require("sglang", "GPUXFER_REQUIRE_SGLANG", "sglang==0.5.23")
 
 from sglang_instance import Rank  # noqa: E402
 
@@ -90,7 +79,7 @@ def pair():
         assert codes == [0, 0], codes
 
 
-def _run(p, d, plan, actions, *, timeout=60):
+def _drive_rooms(p, d, plan, actions, *, timeout=60):
     """The schedulers' calls for ``plan`` (``(room, prefill pages, decode pages, prefill row, decode row)``):
     senders, then receivers (init + send_metadata), then each sender's init and chunked sends (``actions``:
     room -> (chunk pages, send | abort | hold)). Returns both sides' final statuses."""
@@ -109,7 +98,7 @@ def test_rooms_land_byte_for_byte(pair):
     rng = random.Random(1)
     plan = [pages.take(room, rng.randint(1, 9)) for room in range(1000, 1064)]
     actions = {r[0]: (rng.choice([1, 2, 16]), "send") for r in plan}
-    prefill, d = _run(p, d, plan, actions)
+    prefill, d = _drive_rooms(p, d, plan, actions)
     rooms = [r[0] for r in plan]
     decode = d.call("wait", rooms, 60, timeout=120)
     assert {s for s, _ in prefill.values()} == {"Success"}, prefill
@@ -158,7 +147,7 @@ def test_mla_pool_then_killed_prefill_fails_the_decode_within_its_timeout():
         d.ready(timeout=600)
         pages = _Pages(5)
         landed = [pages.take(room, n) for room, n in ((3100, 1), (3101, 7), (3102, 33))]
-        prefill, d = _run(p, d, landed, {r[0]: (5, "send") for r in landed})
+        prefill, d = _drive_rooms(p, d, landed, {r[0]: (5, "send") for r in landed})
         done = [r[0] for r in landed]
         assert {s for s, _ in prefill.values()} == {"Success"}, prefill
         assert {s for s, _ in d.call("wait", done, 60, timeout=120).values()} == {"Success"}
@@ -223,7 +212,7 @@ def test_decode_whose_pages_do_not_pair_is_refused(pair):
         d.ready(timeout=600)
         plan = [pages.take(room, 2) for room in (5000, 5001)]
         rooms = [r[0] for r in plan]
-        prefill, d = _run(p, d, plan, {r: (2, "send") for r in rooms})
+        prefill, d = _drive_rooms(p, d, plan, {r: (2, "send") for r in rooms})
         decode = d.call("wait", rooms, 60, timeout=120)
         assert {s for s, _ in prefill.values()} == {"Failed"}, prefill
         assert {s for s, _ in decode.values()} == {"Failed"}, decode
