@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, *args: str, platform: str) -> subprocess.CompletedProcess:
+def _run_example(script: str, *args: str, platform: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, GPUXFER_PLATFORM=platform, PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
@@ -22,7 +22,7 @@ def _run(script: str, *args: str, platform: str) -> subprocess.CompletedProcess:
     ("kv_handoff.py", (), "wrong bytes: 0"),
 ])
 def test_example_on_host(script, args, expect):
-    r = _run(script, *args, platform="host")
+    r = _run_example(script, *args, platform="host")
     assert r.returncode == 0, r.stdout + r.stderr
     assert expect in r.stdout, r.stdout
 
@@ -37,7 +37,7 @@ def test_example_on_cuda(script, args, expect):
     why = platform_reason("cuda")
     if why:
         pytest.skip(why)
-    r = _run(script, *args, platform="cuda")
+    r = _run_example(script, *args, platform="cuda")
     assert r.returncode == 0, r.stdout + r.stderr
     assert expect in r.stdout, r.stdout
 
@@ -49,8 +49,8 @@ def test_example_on_an_unusable_platform_is_one_line(script):
     why = unavailable_reason("cuda")
     if why is None:
         pytest.skip("CUDA can run here")
-    r = _run(script, "--platform", "cuda", platform="host")
+    r = _run_example(script, "--platform", "cuda", platform="host")
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr == f"{script}: error: platform cuda cannot run here: {why}\n" and r.stdout == ""
-    r = _run(script, "--platform", "tpu", platform="host")
+    r = _run_example(script, "--platform", "tpu", platform="host")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "unknown platform" in r.stderr, r.stderr

@@ -17,7 +17,7 @@ def snippets() -> list[str]:
     return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
 
 
-def _run(code: str, tmp_path: Path, platform: str) -> subprocess.CompletedProcess:
+def _run_snippet(code: str, tmp_path: Path, platform: str) -> subprocess.CompletedProcess:
     script = tmp_path / "snippet.py"
     script.write_text(code)
     env = dict(os.environ, GPUXFER_PLATFORM=platform, PYTHONPATH=str(ROOT), PYTHONWARNINGS="always")
@@ -32,7 +32,7 @@ def test_the_readme_has_the_two_library_snippets():
 
 @pytest.mark.parametrize("which", [0, 1], ids=["kv", "pp"])
 def test_readme_snippet_runs_on_the_emulation(which, tmp_path):
-    r = _run(snippets()[which], tmp_path, "host")
+    r = _run_snippet(snippets()[which], tmp_path, "host")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "leaked" not in r.stderr and "Traceback" not in r.stderr, r.stderr   # nothing left behind
     if which == 1:
@@ -46,5 +46,5 @@ def test_readme_snippet_runs_on_cuda(which, tmp_path):
     why = platform_reason("cuda")
     if why:
         pytest.skip(why)
-    r = _run(snippets()[which], tmp_path, "cuda")
+    r = _run_snippet(snippets()[which], tmp_path, "cuda")
     assert r.returncode == 0, r.stdout + r.stderr

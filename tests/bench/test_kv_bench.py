@@ -43,7 +43,7 @@ SUMMARY_KEYS = {"workload", "isl_tokens", "page_tokens", "direction", "engine", 
                 "worst_of_ceiling_pct", "batch_min_per_descriptor_us", "all_valid"}
 
 
-def _run(capsys, tmp_path, *argv) -> tuple[int, str, str, dict | None]:
+def _bench_kv(capsys, tmp_path, *argv) -> tuple[int, str, str, dict | None]:
     out_dir = tmp_path / "out"
     rc = main(["bench", "kv", *argv, "--out", str(out_dir)])
     cap = capsys.readouterr()
@@ -58,7 +58,7 @@ def _run(capsys, tmp_path, *argv) -> tuple[int, str, str, dict | None]:
 
 
 def test_every_engine_both_directions_end_to_end(capsys, tmp_path):
-    rc, out, err, doc = _run(capsys, tmp_path, *TINY, *FAST)
+    rc, out, err, doc = _bench_kv(capsys, tmp_path, *TINY, *FAST)
     assert rc == 0, out + err
     # the live table: preamble, header + units rows, a line per row, summary, PASS footer
     assert "EMULATION" in out and "# parameters:" in out and "# versions:" in out
@@ -102,8 +102,8 @@ def test_every_engine_both_directions_end_to_end(capsys, tmp_path):
 
 
 def test_corrupted_transfer_fails_verification_and_exits_nonzero(capsys, tmp_path):
-    rc, out, err, doc = _run(capsys, tmp_path, *TINY, *FAST, "--engine", "bulk,copy_engine", "--direction", "push",
-                             "--inject-fault", "copy_engine:push")
+    rc, out, err, doc = _bench_kv(capsys, tmp_path, *TINY, *FAST, "--engine", "bulk,copy_engine", "--direction", "push",
+                                  "--inject-fault", "copy_engine:push")
     assert rc == 1, out + err
     assert "INVALID" in out and "# FAIL" in out
     rows = {r["engine"]: r for r in doc["rows"]}
@@ -117,8 +117,8 @@ def test_corrupted_transfer_fails_verification_and_exits_nonzero(capsys, tmp_pat
 
 def test_fault_injection_by_environment_on_the_bulk_row(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("GPUXFER_INJECT_FAULT", "bulk")
-    rc, out, err, doc = _run(capsys, tmp_path, *TINY, *FAST, "--engine", "bulk", "--direction", "pull",
-                             "--post", "host")
+    rc, out, err, doc = _bench_kv(capsys, tmp_path, *TINY, *FAST, "--engine", "bulk", "--direction", "pull",
+                                  "--post", "host")
     assert rc == 1, out + err
     (row,) = doc["rows"]
     assert row["wrong_bytes"] == 1 and not row["valid"] and row["post"] == "host"
@@ -242,8 +242,8 @@ def test_cpus_preamble_says_where_each_rank_ran_and_how():
 def test_cpus_none_leaves_affinity_alone_and_a_list_pins(capsys, tmp_path, how):
     cpus = sorted(os.sched_getaffinity(0))
     spec = "none" if how == "none" else f"{cpus[0]},{cpus[-1]}"
-    rc, out, err, doc = _run(capsys, tmp_path, *TINY, *FAST, "--engine", "bulk", "--direction", "pull",
-                             "--cpus", spec)
+    rc, out, err, doc = _bench_kv(capsys, tmp_path, *TINY, *FAST, "--engine", "bulk", "--direction", "pull",
+                                  "--cpus", spec)
     assert rc == 0, out + err
     env, (row,) = doc["environment"], doc["rows"]
     assert doc["parameters"]["cpus"] == spec and env["cpu_pick_by_rank"] == [None, None]
@@ -352,7 +352,7 @@ def test_cross_host_without_nixl_sheds_every_engine_and_fails(capsys, tmp_path, 
     'nothing could run' failure (exit 1), and no hang."""
     monkeypatch.setenv("GPUXFER_NIXL_MODULE", "no_such_nixl_module_for_tests")   # even where NIXL is installed
     t0 = time.monotonic()
-    rc, out, err, doc = _run(capsys, tmp_path, *TINY, *FAST, "--cross-host", "--engine", ",".join(ALL_ENGINES))
+    rc, out, err, doc = _bench_kv(capsys, tmp_path, *TINY, *FAST, "--cross-host", "--engine", ",".join(ALL_ENGINES))
     assert time.monotonic() - t0 < 60
     assert rc == 1, out + err
     assert "nothing could run" in out and "# FAIL" in out
@@ -371,7 +371,7 @@ def test_cross_host_without_nixl_sheds_every_engine_and_fails(capsys, tmp_path, 
 def test_no_usable_engine_on_one_host_fails(capsys, tmp_path, monkeypatch):
     """An engine set of which nothing can run here is a failure, not an empty PASS."""
     monkeypatch.setenv("GPUXFER_NIXL_MODULE", "no_such_nixl_module_for_tests")
-    rc, out, err, doc = _run(capsys, tmp_path, *TINY, *FAST, "--engine", "nixl,mooncake")
+    rc, out, err, doc = _bench_kv(capsys, tmp_path, *TINY, *FAST, "--engine", "nixl,mooncake")
     assert rc == 1, out + err
     assert "nothing could run" in out and "usable here" in out
     assert doc is not None and doc["rows"] == [] and doc["outcome"]["status"] == "fail"
@@ -451,7 +451,7 @@ def test_chunk_plan_covers_every_descriptor_once_within_the_slot(sizes, chunk, f
 
 def test_bad_flag_path_is_a_clear_error_on_both_sides(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_FLAG_PATH, "bogus")
-    rc, out, err, doc = _run(capsys, tmp_path, *TINY, *FAST, "--engine", "pack")
+    rc, out, err, doc = _bench_kv(capsys, tmp_path, *TINY, *FAST, "--engine", "pack")
     assert rc == 1, out + err
     assert (out + err).count("GPUXFER_FLAG_PATH must be auto, remote or copy, got 'bogus'") >= 2, out + err
 
@@ -460,7 +460,7 @@ def test_bad_flag_path_is_a_clear_error_on_both_sides(capsys, tmp_path, monkeypa
 @pytest.mark.parametrize("engine", ["pack", "pack-table"])
 def test_pack_over_flag_copies_end_to_end(capsys, tmp_path, monkeypatch, engine):
     monkeypatch.setenv(ENV_FLAG_PATH, "copy")
-    rc, out, err, doc = _run(capsys, tmp_path, *TINY, *FAST, "--engine", f"{engine},bulk")
+    rc, out, err, doc = _bench_kv(capsys, tmp_path, *TINY, *FAST, "--engine", f"{engine},bulk")
     assert rc == 0, out + err
     rows = [r for r in doc["rows"] if r["engine"] == engine]
     assert len(rows) == 2 and all(r["valid"] and r["flag_path"] == "8-byte copies" for r in rows)
@@ -495,9 +495,9 @@ def test_pack_many_chunks_over_lanes_end_to_end(capsys, tmp_path, lanes):
     """Many chunks per burst, two bursts a row (timed, then verified), 1-3 lanes: slots are reused within
     a burst and the last chunk takes the lane of the one before it. Every byte must land, and a wait for a
     flag value that never comes would end the row in a timeout."""
-    rc, out, err, doc = _run(capsys, tmp_path, *TINY, "--warmup", "0", "--trials", "1", "--timeout", "60",
-                             "--engine", "pack-table,bulk", "--pack-chunk", "64K", "--pack-first-chunk", "16K",
-                             "--pack-lanes", lanes)
+    rc, out, err, doc = _bench_kv(capsys, tmp_path, *TINY, "--warmup", "0", "--trials", "1", "--timeout", "60",
+                                  "--engine", "pack-table,bulk", "--pack-chunk", "64K", "--pack-first-chunk", "16K",
+                                  "--pack-lanes", lanes)
     assert rc == 0, out + err
     rows = [r for r in doc["rows"] if r["engine"] == "pack-table"]
     assert len(rows) == 2 and all(r["valid"] and r["wrong_bytes"] == 0 for r in rows), rows
@@ -719,8 +719,8 @@ def test_gpu_short_sweep_every_engine_every_byte(capsys, tmp_path):
     n = _cuda_count()
     if n < 2:
         pytest.skip(f"needs two CUDA GPUs, found {n}")
-    rc, out, err, doc = _run(capsys, tmp_path, "--platform", "cuda", "--isl", "8k", "--page", "16,64",
-                             "--batch", "1,4", "--trials", "3", "--warmup", "1")
+    rc, out, err, doc = _bench_kv(capsys, tmp_path, "--platform", "cuda", "--isl", "8k", "--page", "16,64",
+                                  "--batch", "1,4", "--trials", "3", "--warmup", "1")
     assert rc == 0, out + err
     rows = doc["rows"]
     assert {r["engine"] for r in rows} == {"triton", "pack", "copy_engine", "bulk"}
@@ -736,9 +736,9 @@ def test_gpu_short_sweep_every_engine_every_byte(capsys, tmp_path):
 def test_gpu_corrupted_transfer_fails(capsys, tmp_path):
     if _cuda_count() < 1:
         pytest.skip("needs a CUDA GPU")
-    rc, out, err, doc = _run(capsys, tmp_path, "--platform", "cuda", "--isl", "8k", "--page", "64", "--batch", "1",
-                             "--engine", "triton,pack", "--trials", "1", "--warmup", "0", "--devices", "0,0",
-                             "--inject-fault", "pack")
+    rc, out, err, doc = _bench_kv(capsys, tmp_path, "--platform", "cuda", "--isl", "8k", "--page", "64", "--batch", "1",
+                                  "--engine", "triton,pack", "--trials", "1", "--warmup", "0", "--devices", "0,0",
+                                  "--inject-fault", "pack")
     assert rc == 1, out + err
     assert doc["environment"]["same_device"] is True
     rows = {(r["engine"], r["direction"]): r for r in doc["rows"]}

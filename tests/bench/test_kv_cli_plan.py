@@ -14,7 +14,7 @@ from gpuxfer.bench.kv.cli import parse_grid_args, parse_list, parse_run_options,
 from gpuxfer.kv.engines import DEFAULT_ENGINES
 
 
-def _run(capsys, *argv):
+def _full_plan(capsys, *argv):
     """The command with --full: the grid of a GPU run, whatever this machine has (the host's small grid
     is tests/bench/test_kv_bench.py's)."""
     rc = main(["bench", "kv", "--full", *argv])
@@ -23,21 +23,21 @@ def _run(capsys, *argv):
 
 
 def test_plan_only_prints_the_grid(capsys):
-    rc, out, err = _run(capsys, "--plan-only")
+    rc, out, err = _full_plan(capsys, "--plan-only")
     assert rc == 0, err
     for text in ("kv-dsv4", "131,304", "38,778", "183.1 MB", "1,2,4,8,16,32,64", "pool", "no batch shed"):
         assert text in out
 
 
 def test_plan_only_reports_shed_batches_with_reasons(capsys):
-    rc, out, _ = _run(capsys, "--plan-only", "--isl", "8k,32k,128k,512k", "--pool-budget", "16GiB")
+    rc, out, _ = _full_plan(capsys, "--plan-only", "--isl", "8k,32k,128k,512k", "--pool-budget", "16GiB")
     assert rc == 0
     assert "shed batches" in out and "descriptor-budget" in out and "pool-budget" in out
     assert "2,093,544" in out                  # 512k at 16-token pages
 
 
 def test_plan_only_json_matches_the_grid(capsys):
-    rc, out, _ = _run(capsys, "--plan-only", "--json", "--isl", "32k,512k", "--workload", "kv-dsv4,kv-dsv4-vllm")
+    rc, out, _ = _full_plan(capsys, "--plan-only", "--json", "--isl", "32k,512k", "--workload", "kv-dsv4,kv-dsv4-vllm")
     assert rc == 0
     doc = json.loads(out)
     assert doc["kind"] == "gpuxfer-kv-plan"
@@ -57,7 +57,7 @@ def test_plan_only_json_matches_the_grid(capsys):
     assert doc["run"]["engines"] == list(DEFAULT_ENGINES) and doc["run"]["trials"] == 5
     assert set(doc["workloads"]) == {"kv-dsv4", "kv-dsv4-vllm"}
     # same content as the table
-    _, table, _ = _run(capsys, "--plan-only", "--isl", "32k,512k", "--workload", "kv-dsv4,kv-dsv4-vllm")
+    _, table, _ = _full_plan(capsys, "--plan-only", "--isl", "32k,512k", "--workload", "kv-dsv4,kv-dsv4-vllm")
     for key in pts:
         assert f"{pts[key]['request_descriptors']:,}" in table
 
@@ -98,13 +98,13 @@ def test_defaults():
     (["--out", " "], "--out"),
 ])
 def test_bad_options_fail_clearly(capsys, argv, option):
-    rc, out, err = _run(capsys, "--plan-only", *argv)
+    rc, out, err = _full_plan(capsys, "--plan-only", *argv)
     assert rc == 2 and out == ""
     assert err.startswith("gpuxfer bench kv: error: ") and option in err
 
 
 def test_unknown_workload_error_lists_the_known_ones(capsys):
-    _, _, err = _run(capsys, "--plan-only", "--workload", "kv-llama")
+    _, _, err = _full_plan(capsys, "--plan-only", "--workload", "kv-llama")
     for name in ("kv-dsv4", "kv-dsv4-vllm", "kv-mla", "kv-gqa"):
         assert name in err
 

@@ -58,7 +58,7 @@ def _reference(groups, splits, sort_by_dst, src, dst):
     return np.concatenate(out_s), np.concatenate(out_d)
 
 
-def _run(ids, push, src, dst, name="req"):
+def _check_and_write(ids, push, src, dst, name="req"):
     local, remote = (src, dst) if push else (dst, src)
     n_seg, lens_s, lens_d, checked = ids.check(name, push, local, remote)
     out_s, out_d = np.full(sum(lens_s), -7, np.int64), np.full(sum(lens_d), -7, np.int64)
@@ -72,7 +72,7 @@ def test_order_and_counts_match_the_reference(route, data, push):
     groups, limits, splits, classes, sort_by_dst = route
     ids = _RouteIds(groups, limits, splits, classes, sort_by_dst)
     src, dst = _request(data.draw, groups, limits, splits, classes)
-    n_seg, lens_s, lens_d, out_s, out_d = _run(ids, push, src, dst)
+    n_seg, lens_s, lens_d, out_s, out_d = _check_and_write(ids, push, src, dst)
     want_s, want_d = _reference(groups, splits, sort_by_dst, src, dst)
     assert np.array_equal(out_s, want_s) and np.array_equal(out_d, want_d)
     assert lens_s == [src[g].size for g in groups] and lens_d == [dst[g].size for g in groups]
@@ -98,7 +98,7 @@ def test_a_corrupted_id_in_any_group_is_named(route, data, push):
     arr[pos] = bad
     with pytest.raises(BlockIdError, match=rf"request 'r9', group '{g}', "
                        rf"{'source' if side == 'src' else 'destination'} .*block ID {bad} at position"):
-        _run(ids, push, src, dst, name="r9")
+        _check_and_write(ids, push, src, dst, name="r9")
 
 
 @settings(max_examples=100, deadline=None)
@@ -122,7 +122,7 @@ def test_a_repeated_destination_is_named(route, data, push):
     cls = next(c for c in classes if gi in c)
     with pytest.raises(BlockIdError, match=rf"request 'r9', group\(s\) {', '.join(groups[k] for k in cls)}: "
                        rf"destination block {a[i]} appears more than once"):
-        _run(ids, push, src, dst, name="r9")
+        _check_and_write(ids, push, src, dst, name="r9")
 
 
 def test_counts_that_cover_different_tokens_are_named():
@@ -139,12 +139,12 @@ def test_large_sparse_ranges_and_repeated_sources():
     ids = _RouteIds(("a", "b"), [(1 << 20, 1 << 20), (50, 50)], [(1, 1), (1, 1)], [[0], [1]], False)
     src = {"a": np.array([900_000, 5, 70_000], np.int64), "b": np.array([7, 3, 7, 3, 1], np.int64)}
     dst = {"a": np.array([1, 2, 3], np.int64), "b": np.array([10, 11, 12, 13, 14], np.int64)}
-    _, _, _, out_s, out_d = _run(ids, False, src, dst)
+    _, _, _, out_s, out_d = _check_and_write(ids, False, src, dst)
     assert out_s.tolist() == [5, 70_000, 900_000, 1, 3, 3, 7, 7]
     assert out_d.tolist() == [2, 3, 1, 14, 11, 13, 10, 12]
     dst["a"] = np.array([1, 2, 1], np.int64)
     with pytest.raises(BlockIdError, match="group\\(s\\) a: destination block 1 appears more than once"):
-        _run(ids, False, src, dst)
+        _check_and_write(ids, False, src, dst)
 
 
 def test_tensors_of_other_dtypes_are_named_not_crashed():

@@ -25,7 +25,7 @@ TIMEOUT = 20.0
 JOIN_S = 60.0
 
 
-def _run(fn, box: list) -> threading.Thread:
+def _start_thread(fn, box: list) -> threading.Thread:
     def body():
         try:
             box.append(("ok", fn()))
@@ -68,7 +68,7 @@ def threads_session(rank: int, world: int, init_method: str, platform_name: str)
             c = conn(recv_slots=3, inline_bytes=inline)
             if rank == 0:
                 boxes = [[], []]
-                ths = [_run(lambda t=t: [c.sender().send(step(t * 100 + i)) for i in range(n)], boxes[t])
+                ths = [_start_thread(lambda t=t: [c.sender().send(step(t * 100 + i)) for i in range(n)], boxes[t])
                        for t in (0, 1)]
                 for th in ths:
                     th.join(JOIN_S)
@@ -90,7 +90,7 @@ def threads_session(rank: int, world: int, init_method: str, platform_name: str)
         c = conn()
         if rank == 1:
             box = []
-            th = _run(lambda: c.receiver().recv().tensors, box)
+            th = _start_thread(lambda: c.receiver().recv().tensors, box)
             time.sleep(0.5)
             c.close()
             th.join(JOIN_S)
@@ -104,7 +104,7 @@ def threads_session(rank: int, world: int, init_method: str, platform_name: str)
             c = conn(recv_slots=2)
             if rank == 0:
                 box = []
-                th = _run(lambda: [c.sender().send(step(i)) for i in range(50)], box)
+                th = _start_thread(lambda: [c.sender().send(step(i)) for i in range(50)], box)
                 time.sleep(1.0)
                 getattr(c, how)()
                 th.join(JOIN_S)
@@ -117,11 +117,11 @@ def threads_session(rank: int, world: int, init_method: str, platform_name: str)
         c = conn(recv_slots=2)
         box = []
         if rank == 0:
-            work = _run(lambda: [c.sender().send(step(i)) for i in range(10 ** 6)], box)
+            work = _start_thread(lambda: [c.sender().send(step(i)) for i in range(10 ** 6)], box)
         else:
-            work = _run(lambda: [c.receiver().recv().tensors for _ in range(10 ** 6)], box)
+            work = _start_thread(lambda: [c.receiver().recv().tensors for _ in range(10 ** 6)], box)
         time.sleep(0.5)
-        enders = [_run(getattr(c, how), []) for how in ("close", "abort", "close", "abort")]
+        enders = [_start_thread(getattr(c, how), []) for how in ("close", "abort", "close", "abort")]
         for th in enders + [work]:
             th.join(JOIN_S)
             assert not th.is_alive(), "a call or a teardown did not return"
