@@ -157,6 +157,7 @@ class _RouteIds:
         self.sort_by_dst = sort_by_dst
         self.side_limits = np.array([a for a, _ in limits] + [b for _, b in limits], dtype=np.uint64)
         self.paired = all(s == (1, 1) for s in splits)       # one block each side per segment: ordered as one
+        self.single = self.paired and len(groups) == 1
         offsets, self.span = [], 0
         for a, b in limits:
             offsets.append(self.span)
@@ -181,6 +182,37 @@ class _RouteIds:
         request, group and side), and their order found. Returns ``(segments per group, source counts,
         destination counts, the order)``: the order lives in this thread's work arrays, for :meth:`write`
         before the thread's next check."""
+        if self.single:
+            g = self.groups[0]
+            mine = _as_ids(local_blocks[g], request, g, "local blocks")
+            theirs = _as_ids(remote_blocks[g], request, g, "remote blocks")
+            if (self.span if self.sort_by_dst else self.span + self.class_span) > _DENSE * mine.size:
+                return self._check_one(request, push, mine, theirs)
+            local_blocks, remote_blocks = {g: mine}, {g: theirs}
+        return self._check_all(request, push, local_blocks, remote_blocks)
+
+    def _check_one(self, request: str, push: bool, mine: np.ndarray, theirs: np.ndarray) -> tuple:
+        """:meth:`check` of a route of one group whose blocks pair one to one, for IDs few in their range
+        (what an engine's request is): the general path's checks and order in about six NumPy calls (two
+        reductions for the ranges, one stable sort, the duplicate check over the destinations' slots)."""
+        g = self.groups[0]
+        s, d = (mine, theirs) if push else (theirs, mine)
+        n = s.size
+        if d.size != n:
+            raise BlockIdError(f"request {request!r}, group {g!r}: {n} source and {d.size} destination "
+                               "blocks do not cover the same tokens (block-size ratio 1:1)")
+        ls, ld = self.limits[0]
+        if n and (int(s.view(np.uint64).max()) >= ls or int(d.view(np.uint64).max()) >= ld):
+            _check_range(s, ls, request, g, "source (local)" if push else "source (remote)")
+            _check_range(d, ld, request, g, "destination (remote)" if push else "destination (local)")
+        order = None
+        if n > 1:
+            order = ("sort", np.argsort(d if self.sort_by_dst else s, kind="stable"))
+            _check_unique(d, ld, request, [g])
+        return [n], [n], [n], (s, d, order, [n], [n])
+
+    def _check_all(self, request: str, push: bool, local_blocks, remote_blocks) -> tuple:
+        """:meth:`check` over every group at once."""
         srcs, dsts, n_seg, lens_s, lens_d = [], [], [], [], []
         ns = nd = 0
         for g, (rs, rd) in zip(self.groups, self.splits):

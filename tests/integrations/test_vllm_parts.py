@@ -74,6 +74,31 @@ def test_pair_equal_and_ratios():
     assert li.tolist() == [9, 10] and ri.tolist() == [3, 4]
 
 
+def test_pair_one_block_size_matches_the_general_path():
+    """The one-block-size shortcut (int64 IDs) gives what the general path (taken for int32 IDs) gives,
+    errors included."""
+    rng = np.random.default_rng(5)
+    for _ in range(400):
+        n = int(rng.integers(1, 9))
+        loc = rng.integers(1, 50, n)
+        rem = rng.integers(1, 50, n + int(rng.integers(-1, 2)))
+        for arr in (loc, rem):
+            if rng.random() < 0.3:
+                arr[: int(rng.integers(0, arr.size + 1))] = 0
+            if rng.random() < 0.2 and arr.size:
+                arr[int(rng.integers(0, arr.size))] = 0
+        start = int(rng.integers(0, 16 * n))
+        end = int(rng.integers(start + 1, 16 * n + 2))
+        outs = []
+        for dt in (np.int64, np.int32):
+            try:
+                li, ri = pair_group(loc.astype(dt), rem.astype(dt), 16, 16, start, end, 16, 16)
+                outs.append((li.tolist(), ri.tolist()))
+            except BadTransferParams as exc:
+                outs.append(str(exc))
+        assert outs[0] == outs[1], (loc, rem, start, end)
+
+
 def test_pair_sliding_window_nulls():
     li, ri = pair_group(np.array([0, 0, 8, 9]), np.array([0, 5, 6, 7]), 16, 16, 0, 63, 16, 16)
     assert li.tolist() == [8, 9] and ri.tolist() == [6, 7]

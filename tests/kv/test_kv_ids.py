@@ -147,6 +147,32 @@ def test_large_sparse_ranges_and_repeated_sources():
         _check_and_write(ids, False, src, dst)
 
 
+@pytest.mark.parametrize("sort_by_dst", [False, True])
+@pytest.mark.parametrize("push", [False, True])
+def test_one_group_few_ids_in_a_large_range(sort_by_dst, push):
+    """One group of 1:1 blocks, few IDs in a large range (an engine's request: its own shortcut) orders and
+    refuses as the reference does."""
+    ids = _RouteIds(("a",), [(1 << 20, 1 << 16)], [(1, 1)], [[0]], sort_by_dst)
+    assert ids.single
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        n = int(rng.integers(0, 40))
+        src = {"a": rng.integers(0, 1 << 20, n)}
+        dst = {"a": rng.permutation(1 << 16)[:n].astype(np.int64)}
+        _, lens_s, lens_d, out_s, out_d = _check_and_write(ids, push, src, dst)
+        want_s, want_d = _reference(("a",), [(1, 1)], sort_by_dst, src, dst)
+        assert np.array_equal(out_s, want_s) and np.array_equal(out_d, want_d) and lens_s == lens_d == [n]
+    src, dst = {"a": np.array([5, 9, 5], np.int64)}, {"a": np.array([4, 4, 1], np.int64)}
+    with pytest.raises(BlockIdError, match="group\\(s\\) a: destination block 4 appears more than once"):
+        _check_and_write(ids, push, src, dst)
+    with pytest.raises(BlockIdError, match="group 'a', destination .*block ID 65536 at position 1"):
+        _check_and_write(ids, push, src, {"a": np.array([4, 1 << 16, 1], np.int64)})
+    with pytest.raises(BlockIdError, match="group 'a', source .*block ID -3 at position 2"):
+        _check_and_write(ids, push, {"a": np.array([5, 9, -3], np.int64)}, {"a": np.array([4, 2, 1], np.int64)})
+    with pytest.raises(BlockIdError, match="group 'a': 3 source and 2 destination"):
+        _check_and_write(ids, push, src, {"a": np.array([4, 2], np.int64)})
+
+
 def test_tensors_of_other_dtypes_are_named_not_crashed():
     """CPU tensors of IDs that are not integers (bf16, a float that requires grad, bool) raise BlockIdError
     naming the request, the group and the dtype, not torch's conversion error; integer tensors pass."""
