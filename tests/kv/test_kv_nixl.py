@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuxfer.errors import BackendUnavailable, BadInput, TransferTimeout
-from gpuxfer.kv.engines import nixl as ne
-from gpuxfer.kv.engines import nixl_ffi as nf
-from gpuxfer.kv.engines.chunks import bulk_descriptors
+from gpuxfer.bench.kv.engines import nixl as ne
+from gpuxfer.kv import nixl_ffi as nf
+from gpuxfer.bench.kv.engines.chunks import bulk_descriptors
 
 
 # --------------------------------------------------------------------------- translation
@@ -463,7 +463,7 @@ def test_missing_telemetry_leaves_fields_empty(fake_nixl):
 import threading  # noqa: E402
 
 from _spawn import on_threads  # noqa: E402
-from gpuxfer.kv.engines import DescriptorBurst, Role, Side  # noqa: E402
+from gpuxfer.bench.kv.engines import DescriptorBurst, Role, Side  # noqa: E402
 from gpuxfer.platforms.base import Memory  # noqa: E402
 
 
@@ -531,7 +531,7 @@ def _random_requests(rng, pool_bytes, n_req, n_desc, max_len):
 
 def _run_engine_pair(engine_name, direction, *, pool_bytes=1 << 18, bursts=2, n_req=3, stage_bytes=None,
                      timeout_s=20.0):
-    from gpuxfer.kv.engines import engine_class
+    from gpuxfer.bench.kv.engines import engine_class
     from gpuxfer.platforms.host import HostPlatform
     cls = engine_class(engine_name)
     plats = [HostPlatform(), HostPlatform()]
@@ -722,8 +722,8 @@ def _two_proc_child(rank, engine_name, direction, platform_name, q_out, q_in, se
     import os as _os
     if patch_kernels:
         _os.environ["GPUXFER_NIXL_PACK_STAGE_BYTES"] = str(64 << 10)
-    from gpuxfer.kv.engines import nixl as _ne
-    from gpuxfer.kv.engines import DescriptorBurst as _Burst, Role as _Role, Side as _Side, engine_class
+    from gpuxfer.bench.kv.engines import nixl as _ne
+    from gpuxfer.bench.kv.engines import DescriptorBurst as _Burst, Role as _Role, Side as _Side, engine_class
     from gpuxfer.platforms import get_platform
     if patch_kernels:  # the reference copy in place of the Triton kernel (host emulation)
         _ne.kernels = _reference_kernels
@@ -883,7 +883,7 @@ def test_nixl_engines_through_the_benchmark_runner(tmp_path):
 
 # --------------------------------------------------------------------------- Mooncake
 
-from gpuxfer.kv.engines import mooncake as me  # noqa: E402
+from gpuxfer.bench.kv.engines import mooncake as me  # noqa: E402
 
 
 @settings(max_examples=40, deadline=None)
@@ -1063,7 +1063,7 @@ def _hostile_results(engine_name: str) -> dict:
     test_kv_faults, both directions."""
     from test_kv_faults import HOSTILE, POOL, _hostile_burst
 
-    from gpuxfer.kv.engines import engine_class
+    from gpuxfer.bench.kv.engines import engine_class
     from gpuxfer.platforms.host import HostPlatform
     cls = engine_class(engine_name)
     plats = [HostPlatform(), HostPlatform()]
