@@ -34,7 +34,7 @@ _DISTRIBUTIONS: list[tuple[str, str]] = [
 # (report key, module, function(platform) -> {name: reason or None})
 _CAPABILITY_REPORTS = [
     ("pp_backends", "gpuxfer.pp.selection", "backend_report"),
-    ("kv_engines", "gpuxfer.kv.engines", "engine_report"),
+    ("kv_engines", "gpuxfer.kv.engine_choice", "engine_report"),
     ("kv_routes", "gpuxfer.kv.nixl_route", "route_report"),
 ]
 

@@ -10,7 +10,7 @@ word of the waiter's own memory (``wait_flag``, GEQ) or a bounded host poll of i
 ``GPUXFER_FLAG_PATH=remote|copy`` forces one path (``auto``: the probe decides).
 
 Users: the ``copy_engine`` stage hand-off (:mod:`gpuxfer.pp.copy_engine`: ``full`` / ``empty`` per slot)
-and the benchmark's ``pack`` KV engine (:mod:`gpuxfer.kv.engines.pack`: ``GO`` / ``AVAIL`` / ``FREE``), each
+and the benchmark's ``pack`` KV engine (:mod:`gpuxfer.bench.kv.engines.pack`: ``GO`` / ``AVAIL`` / ``FREE``), each
 end owning its words; and :class:`~gpuxfer.kv.agent.KVAgent` (its notification words and its ``pack``
 transfers' words, :mod:`gpuxfer.kv.control`): the agent's one set of words, published in its metadata, is
 shared by one link per peer, each link with stage words of its own. The owner lays its words out from

@@ -93,9 +93,9 @@ class _Cpu:
 
 def measure(plat, workload: str, isl: int, page: int, op: str, engine: str, iters: int, profile: bool,
             launch: str = "graph", cpu: _Cpu | None = None) -> dict:
-    from gpuxfer.kv.agent import KVAgent, layout_groups
-    from gpuxfer.kv.blocktable import burst_tables
-    from gpuxfer.kv.layout import layout_for_burst
+    from gpuxfer.kv.agent import KVAgent
+    from gpuxfer.bench.kv.model.blocktable import burst_tables
+    from gpuxfer.bench.kv.model.layout import layout_for_burst, layout_groups
 
     devices = (0, 1) if plat.device_count() > 1 else (0, 0)
     layout = layout_for_burst(workload, isl, page, 1)
@@ -188,9 +188,9 @@ def _profiled(step, iters: int) -> str:
 def measure_pack(plat, workload: str, isl: int, page: int, iters: int, profile: bool, cpu: _Cpu | None = None
                  ) -> dict:
     """Both sides of the pack engine in this process: agents[0] the source, agents[1] the destination."""
-    from gpuxfer.kv.agent import KVAgent, layout_groups
-    from gpuxfer.kv.blocktable import burst_tables
-    from gpuxfer.kv.layout import layout_for_burst
+    from gpuxfer.kv.agent import KVAgent
+    from gpuxfer.bench.kv.model.blocktable import burst_tables
+    from gpuxfer.bench.kv.model.layout import layout_for_burst, layout_groups
 
     devices = (0, 1) if plat.device_count() > 1 else (0, 0)
     layout = layout_for_burst(workload, isl, page, 1)

@@ -89,9 +89,9 @@ def stub_platform():
 
 
 def run(workload: str, isl: int, page: int, op: str, iters: int, profile: bool) -> dict:
-    from gpuxfer.kv.agent import KVAgent, layout_groups
-    from gpuxfer.kv.blocktable import burst_tables
-    from gpuxfer.kv.layout import layout_for_burst
+    from gpuxfer.kv.agent import KVAgent
+    from gpuxfer.bench.kv.model.blocktable import burst_tables
+    from gpuxfer.bench.kv.model.layout import layout_for_burst, layout_groups
 
     plat = stub_platform()
     layout = layout_for_burst(workload, isl, page, 1)

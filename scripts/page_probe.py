@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from gpuxfer.kernels.launch import copy_descriptors
-from gpuxfer.kv.engines.triton import size_classes
-from gpuxfer.kv.layout import layout_for_burst
-from gpuxfer.kv.plan import build_burst
+from gpuxfer.bench.kv.engines.triton import size_classes
+from gpuxfer.bench.kv.model.layout import layout_for_burst
+from gpuxfer.bench.kv.model.plan import build_burst
 from gpuxfer.platforms.cuda_memory import LARGE_PAGE_BYTES, _view_by_storage
 
 REPS = 5

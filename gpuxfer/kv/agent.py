@@ -98,15 +98,15 @@ from ..flaglink import FlagWords
 from ..platforms.base import RELEASE_VALUE, Closable, DeviceBuffer, Event, IpcHandle, Platform, Stream
 from ..sync import check_timeout
 from .control import AGENT_WORDS, NOTIFY, NOTIFY_SLOTS, PACK_SLOTS
-from .engine_choice import peer_engine
-from .engines.base import FailsOnTimeout, on_timeout_from_env
-from .layers import (_MAX_NAME, KVLayer, KVLayerSpec, KVPiece, check_disjoint, describe_layer, layout_groups,
-                     memory_at, _torch)
+from .descriptors import DIRECTIONS
+from .engine_choice import AGENT_ENGINES, kernel_reason, peer_engine
+from .failure import FailsOnTimeout, on_timeout_from_env
+from .layers import (_MAX_NAME, KVLayer, KVLayerSpec, KVPiece, check_disjoint, describe_layer, memory_at,
+                     _torch)
 from . import nixl_route
 from .metadata import METADATA_VERSION, decode_metadata, encode_metadata
 from .lifetime import _Lifetime, _Shared
 from .peers import _LEAKED, _LOCAL_AGENTS, KVPeer, _Group  # noqa: F401 - _LEAKED: what close kept (tests look)
-from .plan import DIRECTIONS
 from .posting import _PostResources, _ended
 from .routes import _Route, _Routes
 from .slots import _RequestPool
@@ -116,10 +116,8 @@ from .transfer import KVTransfer, KVTransferHandle
 log = logging.getLogger("gpuxfer.kv.agent")
 
 __all__ = ["KVAgent", "KVPeer", "KVTransfer", "KVTransferHandle", "KVLayerSpec", "KVPiece", "KVLayer",
-           "describe_layer", "layout_groups", "memory_at", "METADATA_VERSION", "NOTIFY_SLOTS", "AGENT_ENGINES"]
+           "describe_layer", "memory_at", "METADATA_VERSION", "NOTIFY_SLOTS", "AGENT_ENGINES"]
 
-#: the engines the agent runs
-AGENT_ENGINES = ("triton", "pack", "copy_engine")
 #: the pack engine's staging slot, in bytes (the host emulation's is smaller)
 PACK_SLOT_BYTES = 192 << 20
 PACK_SLOT_BYTES_EMULATION = 1 << 20
@@ -146,7 +144,7 @@ class KVAgent(_Routes, _Staging, _PostResources, _Lifetime, Closable, FailsOnTim
 
     **Failure.** When a wait on a peer times out -- a ``pack`` transfer's handle (its streams wait on
     flags the peer writes) or :meth:`wait_notification` -- the agent fails, as a benchmark side does
-    (:class:`~gpuxfer.kv.engines.FailsOnTimeout`): it writes a release value into its own flag words
+    (:class:`~gpuxfer.kv.failure.FailsOnTimeout`): it writes a release value into its own flag words
     (:class:`~gpuxfer.flaglink.FlagWords`: the pack flags and every notification slot a stream was made to wait on), so none of its streams
     stays blocked, and raises the error from every later call; ``close`` still works.
     ``on_timeout="exit"`` (or ``GPUXFER_KV_ON_TIMEOUT=exit``) then ends the process. A ``triton``
@@ -174,7 +172,6 @@ class KVAgent(_Routes, _Staging, _PostResources, _Lifetime, Closable, FailsOnTim
         self.platform, self.name, self.engine = platform, name, engine
         self.device = int(device)
         self.timeout_s, self.rank = timeout_s, int(rank)
-        from .engines.launch import kernel_reason
         why = kernel_reason(platform)
         if why is not None:
             raise BackendUnavailable(engine, {name: why})

@@ -9,13 +9,49 @@ bus. Without peer access no kernel can reach the other pool: ``copy_engine`` (th
 On the host emulation the kernels run in Triton's interpreter: ``copy_engine`` (memcpy) is the
 only one that moves a real request in reasonable time.
 
-An engine the platform cannot run is passed over for the next candidate, with the reason kept.
+An engine the platform cannot run is passed over for the next candidate, with the reason kept: every
+engine of the agent needs torch and the Triton kernels (:func:`kernel_reason`), whichever copies the bytes.
+:func:`engine_report` says, for ``gpuxfer doctor``, whether each can run here.
+
+Importing this module never imports torch or Triton.
 """
 from __future__ import annotations
 
+import importlib
 from typing import NamedTuple
 
-__all__ = ["EngineChoice", "default_engine", "default_engine_choice", "peer_engine"]
+__all__ = ["AGENT_ENGINES", "EngineChoice", "default_engine", "default_engine_choice", "engine_report",
+           "engine_unavailable_reason", "kernel_reason", "peer_engine"]
+
+#: the engines the agent runs
+AGENT_ENGINES = ("triton", "pack", "copy_engine")
+
+
+def kernel_reason(platform) -> str | None:
+    """Why the Triton kernels cannot run here (None if they can). Never raises."""
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - a reason, not a crash
+        return f"triton is not importable: {type(exc).__name__}: {exc}"
+    try:
+        importlib.import_module("gpuxfer.kernels")
+    except Exception as exc:  # noqa: BLE001
+        return f"gpuxfer.kernels is not importable: {type(exc).__name__}: {exc}"
+    return None
+
+
+def engine_unavailable_reason(name: str, platform) -> str | None:
+    """Why the agent's engine ``name`` cannot run on ``platform`` (None if it can). Never raises for an engine of
+    :data:`AGENT_ENGINES`; :class:`~gpuxfer.errors.BadInput` for any other name."""
+    if name not in AGENT_ENGINES:
+        from ..errors import BadInput
+        raise BadInput(f"unknown engine {name!r}; the agent runs {', '.join(AGENT_ENGINES)}")
+    return kernel_reason(platform)      # the agent needs torch and the kernels, whatever its engine
+
+
+def engine_report(platform) -> dict[str, str | None]:
+    """For ``gpuxfer doctor``: every engine of the agent -> None (usable here) or why not."""
+    return {name: engine_unavailable_reason(name, platform) for name in AGENT_ENGINES}
 
 
 class EngineChoice(NamedTuple):
@@ -42,7 +78,6 @@ def _candidates(platform, src_dev: int, dst_dev: int) -> list[tuple[str, str]]:
 
 def default_engine_choice(platform, src_dev: int, dst_dev: int) -> EngineChoice:
     """The engine to move KV blocks from ``src_dev`` to ``dst_dev`` by default, and why."""
-    from .engines import engine_unavailable_reason
     passed = []
     for name, why in _candidates(platform, int(src_dev), int(dst_dev)):
         not_here = engine_unavailable_reason(name, platform)

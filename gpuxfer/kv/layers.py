@@ -1,6 +1,6 @@
 """KV-cache layers as the agent sees them: a layer's blocks, their stride and the pieces of a block
 (:class:`KVPiece`, :class:`KVLayerSpec`, :class:`KVLayer`), read from a tensor's shape and strides
-(:func:`describe_layer`) or from a pool layout (:func:`layout_groups`), and checked."""
+(:func:`describe_layer`), and checked."""
 from __future__ import annotations
 
 import math
@@ -229,32 +229,6 @@ def _from_spec(spec: KVLayerSpec, name: str, position: int) -> KVLayer:
                     token_major=bool(spec.token_major))
     _check_layer(name, layer.num_blocks, layer.block_stride, layer.pieces, layer.extent)
     return layer
-
-
-def layout_groups(layout, pool) -> list[tuple[str, int, dict[str, KVLayerSpec]]]:
-    """The KV-cache groups of a :class:`~gpuxfer.kv.layout.PoolLayout` laid over ``pool`` (a flat uint8
-    tensor): ``(group name, block tokens, {layer name: spec})`` for :meth:`KVAgent.register_group`.
-
-    An unpacked region is a group of ``planes`` layers (one piece per block: the region's page);
-    a packed group is a group of one layer (its slab). Page indices of the layout's block
-    tables are the block IDs.
-    """
-    torch = _torch()
-    if not isinstance(pool, torch.Tensor) or pool.dtype != torch.uint8 or pool.dim() != 1:
-        raise BadInput("pool must be a flat uint8 tensor")
-    if pool.numel() < layout.pool_bytes:
-        raise BadInput(f"pool holds {pool.numel()} bytes, the layout needs {layout.pool_bytes}")
-    trs = {t.name: t for t in layout.workload.transfer_regions(layout.page_tokens)}
-    out = []
-    for r in layout.regions:
-        layers = {}
-        for plane in range(r.planes):
-            start = r.base_offset_bytes + plane * r.plane_stride_bytes
-            view = pool[start:start + r.pool_pages * r.page_stride_bytes]
-            layers[f"{r.name}.{plane}"] = KVLayerSpec(view, r.pool_pages, r.page_stride_bytes,
-                                                      [(0, r.desc_bytes)], index=plane)
-        out.append((r.name, trs[r.name].tokens_per_page, layers))
-    return out
 
 
 def _runs_overlap(a0: int, na: int, sa: int, ca: int, b0: int, nb: int, sb: int, cb: int,

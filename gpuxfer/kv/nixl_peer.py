@@ -373,7 +373,7 @@ class _NixlHandle:
 
     def _check(self, state: str) -> bool:
         """Whether ``state`` is DONE (the NIXL handle then released); ERR raises NixlError naming the request."""
-        from .engines.nixl_ffi import NixlError
+        from .nixl_ffi import NixlError
         if state == "DONE":
             self._finish()
             return True
@@ -420,7 +420,7 @@ class _NixlHandle:
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until the transfer completed; :class:`TransferTimeout` naming the request past ``timeout_s``,
-        :class:`~gpuxfer.kv.engines.nixl_ffi.NixlError` when NIXL reports it failed."""
+        :class:`~gpuxfer.kv.nixl_ffi.NixlError` when NIXL reports it failed."""
         agent = self.transfer.agent
         agent.check()
         self._settle(agent.timeout_s if timeout_s is None else float(timeout_s))

@@ -18,7 +18,7 @@ advancing it only over values that all arrived (the n-th notification to a slot 
 so :meth:`~gpuxfer.kv.agent.KVAgent.wait_notification` and ``stream_wait_notification`` work unchanged.
 
 Every NIXL call goes through the side's lock (NIXL's agent is made without its own synchronisation). Every
-wait is bounded: a transfer NIXL reports failed (a dead peer) raises :class:`~gpuxfer.kv.engines.nixl_ffi.NixlError`,
+wait is bounded: a transfer NIXL reports failed (a dead peer) raises :class:`~gpuxfer.kv.nixl_ffi.NixlError`,
 one that does not complete in time raises :class:`~gpuxfer.errors.TransferTimeout` naming the request; neither
 fails the agent (no stream waits on the peer). Importing this module never imports NIXL.
 """
@@ -54,9 +54,8 @@ POLL_MIN_S, POLL_MAX_S = 50e-6, 1e-3
 
 def nixl_reason(platform) -> str | None:
     """Why the NIXL route cannot run on ``platform`` here (None: it can). Never raises."""
-    from .engines.nixl import _platform_reason
-    from .engines.nixl_ffi import nixl_unavailable_reason
-    why = _platform_reason(platform)
+    from .nixl_ffi import nixl_platform_reason, nixl_unavailable_reason
+    why = nixl_platform_reason(platform)
     if why is not None:
         return why
     why = nixl_unavailable_reason()
@@ -112,7 +111,7 @@ class NixlSide:
     """A KV agent's NIXL agent: registrations, the lock every NIXL call takes, the notification poller."""
 
     def __init__(self, agent: "KVAgent"):
-        from .engines.nixl_ffi import NixlAgent, find_nixl
+        from .nixl_ffi import NixlAgent, find_nixl
         self.agent = agent
         why = nixl_reason(agent.platform)
         if why is not None:

@@ -57,7 +57,7 @@ def test_small_rates_and_percentages_keep_their_digits():
 def test_kv_parameters_never_say_more_minimum_trials_than_maximum():
     from gpuxfer.bench.kv.options import GridSpec
     from gpuxfer.bench.kv.runner import RunConfig
-    from gpuxfer.kv import engines as E
+    from gpuxfer.bench.kv import engines as E
     cfg = RunConfig(grid=GridSpec((), None, (16,), (1,), 1, 1), grid_args=dict.fromkeys(
         ("workload", "page", "isl", "batch", "pool_budget", "desc_budget"), "x"), engines=("triton",),
         directions=("pull",), trials=1, warmup=0, seed=0, platform="host", out=None, json=False, timeout_s=1.0,

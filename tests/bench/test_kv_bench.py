@@ -23,8 +23,8 @@ from gpuxfer.cli import main
 from gpuxfer.bench.kv import report as R
 from gpuxfer.errors import BadInput
 from gpuxfer.flaglink import ENV_FLAG_PATH
-from gpuxfer.kv import engines as E
-from gpuxfer.kv.engines import pack as P
+from gpuxfer.bench.kv import engines as E
+from gpuxfer.bench.kv.engines import pack as P
 
 TINY = ["--platform", "host", "--workload", "kv-mla", "--isl", "16", "--page", "16", "--batch", "1"]
 FAST = ["--warmup", "0", "--trials", "1", "--timeout", "60"]
@@ -749,7 +749,7 @@ def test_gpu_corrupted_transfer_fails(capsys, tmp_path):
 def test_size_classes_partition_the_plan():
     """The triton engine launches once per descriptor size: the classes must partition the plan."""
     import numpy as np
-    from gpuxfer.kv.engines.triton import size_classes
+    from gpuxfer.bench.kv.engines.triton import size_classes
     rng = np.random.default_rng(0)
     plan = np.stack([rng.permutation(64) * 10_000, rng.permutation(64) * 10_000,
                      rng.choice([528, 2304, 9216], 64)], axis=1).astype(np.int64)
@@ -767,7 +767,7 @@ def test_size_classes_partition_the_plan():
 
 def test_triton_order_policy(monkeypatch):
     """GPUXFER_KV_TRITON_ORDER: the peer pool's column by default, the local one, the plan's order, or an error."""
-    from gpuxfer.kv.engines.triton import order_column
+    from gpuxfer.bench.kv.engines.triton import order_column
     monkeypatch.delenv("GPUXFER_KV_TRITON_ORDER", raising=False)
     assert (order_column("pull"), order_column("push")) == (0, 1)        # pull reads the source, push writes the destination
     monkeypatch.setenv("GPUXFER_KV_TRITON_ORDER", "local")

@@ -20,7 +20,7 @@ TINY = ["--platform", "host", "--workload", "kv-mla", "--isl", "16", "--page", "
 
 @pytest.fixture
 def real_nixl(monkeypatch):
-    from gpuxfer.kv.engines.nixl import _NixlEngineBase
+    from gpuxfer.bench.kv.engines.nixl import _NixlEngineBase
     from gpuxfer.platforms.host import HostPlatform
     why = _NixlEngineBase.unavailable_reason(HostPlatform)
     if why is not None:

@@ -11,7 +11,7 @@ import pytest
 from gpuxfer.cli import build_parser, main
 from gpuxfer.errors import BadInput
 from gpuxfer.bench.kv.cli import parse_grid_args, parse_list, parse_run_options, parse_size
-from gpuxfer.kv.engines import DEFAULT_ENGINES
+from gpuxfer.bench.kv.engines import DEFAULT_ENGINES
 
 
 def _full_plan(capsys, *argv):

@@ -419,7 +419,7 @@ def test_suite_on_two_gpus(tmp_path, capsys):
 
 def test_ceiling_engines_are_not_suite_rows():
     """``bulk`` and ``nixl-bulk`` move a burst as one contiguous copy: gpuxfer's ceiling, no sampled check."""
-    from gpuxfer.kv.engines import engine_class
+    from gpuxfer.bench.kv.engines import engine_class
     from gpuxfer.bench.kv.checks import _moves_one_copy
     assert _moves_one_copy(engine_class("bulk")) and _moves_one_copy(engine_class("nixl-bulk"))
     assert not any(_moves_one_copy(engine_class(n)) for n in ("triton", "pack", "copy_engine", "nixl", "amd-mori",

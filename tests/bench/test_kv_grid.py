@@ -7,8 +7,8 @@ from hypothesis import given, settings, strategies as st
 from gpuxfer.errors import BadInput
 from gpuxfer.bench.kv.grid import (DEFAULT_BATCHES, DEFAULT_DESC_BUDGET, DEFAULT_ISLS, DEFAULT_PAGES,
                              DEFAULT_POOL_BUDGET_BYTES, FLOOR_BATCHES, SHED_DESC, SHED_POOL, build_grid)
-from gpuxfer.kv.layout import pool_bytes_for_burst
-from gpuxfer.kv.workloads import get_workload
+from gpuxfer.bench.kv.model.layout import pool_bytes_for_burst
+from gpuxfer.bench.kv.model.workloads import get_workload
 
 SETTINGS = settings(max_examples=30, deadline=None)
 GiB = 1 << 30

@@ -15,10 +15,10 @@ import numpy as np
 from hypothesis import strategies as st
 
 from _spawn import on_threads
-from gpuxfer.kv.engines import DescriptorBurst, Role, Side
-from gpuxfer.kv.engines import mooncake as me
-from gpuxfer.kv.engines import nixl as ne
-from gpuxfer.kv.engines import nixl_ffi as nf
+from gpuxfer.bench.kv.engines import DescriptorBurst, Role, Side
+from gpuxfer.bench.kv.engines import mooncake as me
+from gpuxfer.bench.kv.engines import nixl as ne
+from gpuxfer.kv import nixl_ffi as nf
 from gpuxfer.platforms.base import Memory
 
 
@@ -97,7 +97,7 @@ def random_requests(rng, pool_bytes, n_req, n_desc, max_len):
 
 def run_engine_pair(engine_name, direction, *, pool_bytes=1 << 18, bursts=2, n_req=3, stage_bytes=None,
                      timeout_s=20.0):
-    from gpuxfer.kv.engines import engine_class
+    from gpuxfer.bench.kv.engines import engine_class
     from gpuxfer.platforms.host import HostPlatform
     cls = engine_class(engine_name)
     plats = [HostPlatform(), HostPlatform()]
@@ -148,8 +148,8 @@ def two_proc_child(rank, engine_name, direction, platform_name, q_out, q_in, see
     import os as _os
     if patch_kernels:
         _os.environ["GPUXFER_NIXL_PACK_STAGE_BYTES"] = str(64 << 10)
-    from gpuxfer.kv.engines import nixl as _ne
-    from gpuxfer.kv.engines import DescriptorBurst as _Burst, Role as _Role, Side as _Side, engine_class
+    from gpuxfer.bench.kv.engines import nixl as _ne
+    from gpuxfer.bench.kv.engines import DescriptorBurst as _Burst, Role as _Role, Side as _Side, engine_class
     from gpuxfer.platforms import get_platform
     if patch_kernels:  # the reference copy in place of the Triton kernel (host emulation)
         _ne.kernels = reference_kernels
@@ -299,7 +299,7 @@ def hostile_results(engine_name: str) -> dict:
     test_kv_faults, both directions."""
     from test_kv_faults import HOSTILE, POOL, _hostile_burst
 
-    from gpuxfer.kv.engines import engine_class
+    from gpuxfer.bench.kv.engines import engine_class
     from gpuxfer.platforms.host import HostPlatform
     cls = engine_class(engine_name)
     plats = [HostPlatform(), HostPlatform()]

@@ -11,8 +11,8 @@ from _agent_arena import Arena
 from _nixl_engines import FakeMooncake, fake_kernels
 from fake_nixl import FakeNixl
 from gpuxfer.kv.agent import KVAgent
-from gpuxfer.kv.engines import mooncake as me
-from gpuxfer.kv.engines import nixl_ffi as nf
+from gpuxfer.bench.kv.engines import mooncake as me
+from gpuxfer.kv import nixl_ffi as nf
 
 
 @pytest.fixture

@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from gpuxfer.errors import BadInput, TransferTimeout
 from gpuxfer.kv.agent import KVAgent
-from gpuxfer.kv.blocktable import burst_tables
-from gpuxfer.kv.layers import KVLayerSpec, describe_layer, layout_groups
-from gpuxfer.kv.layout import layout_for_burst
-from gpuxfer.kv.plan import request_plan
+from gpuxfer.bench.kv.model.blocktable import burst_tables
+from gpuxfer.kv.layers import KVLayerSpec, describe_layer
+from gpuxfer.bench.kv.model.layout import layout_for_burst, layout_groups
+from gpuxfer.bench.kv.model.plan import request_plan
 
 from _agent_arena import Arena, connect, same_bytes, token_oracle, vllm_layers
 
@@ -292,7 +292,7 @@ def test_expansion_matches_the_numpy_plan(plat, workload, isl, page):
 def test_expansion_matches_the_plan_hypothesis(plat, data):
     """Hypothesis over the bench's workloads, input lengths, page sizes, seeds and block-table orders: the
     device expansion of a pull or push equals :func:`request_plan` (the numpy oracle)."""
-    from gpuxfer.kv.workloads import get_workload
+    from gpuxfer.bench.kv.model.workloads import get_workload
     name = data.draw(st.sampled_from(["kv-mla", "kv-gqa", "kv-dsv4", "kv-dsv4-vllm"]), label="workload")
     w = get_workload(name)
     page = data.draw(st.sampled_from(w.allowed_pages or [p for p in (4, 8, 16, 32) if w.supports_page(p)]),

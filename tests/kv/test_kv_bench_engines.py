@@ -13,11 +13,11 @@ import pytest
 
 from _spawn import on_threads
 from gpuxfer.errors import BadInput
-from gpuxfer.kv import engines as E
-from gpuxfer.kv.engines.kvagent import API, TABLES
-from gpuxfer.kv.layout import layout_for_burst
-from gpuxfer.kv.plan import DIRECTIONS, build_burst
-from gpuxfer.kv.workloads import Region, Workload
+from gpuxfer.bench.kv import engines as E
+from gpuxfer.bench.kv.engines.kvagent import API, TABLES
+from gpuxfer.bench.kv.model.layout import layout_for_burst
+from gpuxfer.bench.kv.model.plan import DIRECTIONS, build_burst
+from gpuxfer.bench.kv.model.workloads import Region, Workload
 from test_kv_faults import Pair
 
 #: two regions (two layers of 8 B per token, one of 16 B per token): a few dozen descriptors of 128-1,024 B
@@ -117,7 +117,7 @@ def test_agent_engines_refuse_hostile_descriptors_before_any_set_up(engine):
 
 
 def test_registry_names_the_agent_engines_and_their_table_twins():
-    from gpuxfer.kv.engines.kvagent import AgentCopyEngine, AgentPackEngine, AgentTritonEngine
+    from gpuxfer.bench.kv.engines.kvagent import AgentCopyEngine, AgentPackEngine, AgentTritonEngine
     assert E.DEFAULT_ENGINES == ("triton", "pack", "copy_engine", "bulk")
     for name, cls, twin in (("triton", AgentTritonEngine, "triton-table"), ("pack", AgentPackEngine, "pack-table"),
                             ("copy_engine", AgentCopyEngine, "copy_engine-table")):

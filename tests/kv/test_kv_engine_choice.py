@@ -25,14 +25,14 @@ class FakePlatform:
     ("nvlink", True, 0, 0, "triton"),
 ])
 def test_the_link_picks_the_engine(monkeypatch, kind, peer, src, dst, want):
-    monkeypatch.setattr("gpuxfer.kv.engines.engine_unavailable_reason", lambda name, plat: None)
+    monkeypatch.setattr("gpuxfer.kv.engine_choice.engine_unavailable_reason", lambda name, plat: None)
     choice = C.default_engine_choice(FakePlatform(kind, peer), src, dst)
     assert choice.name == want == C.default_engine(FakePlatform(kind, peer), src, dst)
     assert choice.reason
 
 
 def test_an_engine_that_cannot_run_is_passed_over_with_its_reason(monkeypatch):
-    monkeypatch.setattr("gpuxfer.kv.engines.engine_unavailable_reason",
+    monkeypatch.setattr("gpuxfer.kv.engine_choice.engine_unavailable_reason",
                         lambda name, plat: "no Triton here" if name in ("pack", "triton") else None)
     choice = C.default_engine_choice(FakePlatform("nvlink"), 0, 1)
     assert choice.name == "copy_engine" and "pack cannot run here: no Triton here" in choice.reason

@@ -18,9 +18,9 @@ import pytest
 
 from _spawn import on_threads
 from gpuxfer.errors import BadInput
-from gpuxfer.kv import engines as E
-from gpuxfer.kv.plan import DIRECTIONS
-from gpuxfer.kv.plan import check_bounds
+from gpuxfer.bench.kv import engines as E
+from gpuxfer.bench.kv.model.plan import DIRECTIONS
+from gpuxfer.bench.kv.model.plan import check_bounds
 from gpuxfer.platforms import host_memory
 from gpuxfer.platforms.base import PeerMapping
 from gpuxfer.platforms.host import HostPlatform
@@ -46,7 +46,7 @@ class SameProcessHost(HostPlatform):
 
 
 class Exchange:
-    """The all-gather of :class:`gpuxfer.kv.engines.Side` between two threads."""
+    """The all-gather of :class:`gpuxfer.bench.kv.engines.Side` between two threads."""
 
     def __init__(self, n: int = 2, timeout_s: float = 30.0):
         self.slots = [None] * n

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuxfer.errors import BackendUnavailable, BadInput, TransferTimeout
-from gpuxfer.kv.engines import mooncake as me
+from gpuxfer.bench.kv.engines import mooncake as me
 
 from _nixl_engines import descriptor_tables, run_engine_pair, run_two_processes, two_gpus_reason
 

@@ -17,8 +17,8 @@ import pytest
 import fake_mori
 from gpuxfer.errors import BackendUnavailable, BadInput, DriverError, TransferTimeout
 from gpuxfer.bench.kv import collectivex as CX
-from gpuxfer.kv.engines import mooncake as me
-from gpuxfer.kv.engines import mori as mo
+from gpuxfer.bench.kv.engines import mooncake as me
+from gpuxfer.bench.kv.engines import mori as mo
 from _nixl_engines import run_engine_pair
 
 
@@ -141,7 +141,7 @@ def test_mori_unavailable_reasons(monkeypatch):
 
 
 def test_doctor_lists_amd_mori_with_its_reason(monkeypatch):
-    from gpuxfer.kv.engines import engine_report
+    from gpuxfer.bench.kv.engines import engine_report
     from gpuxfer.platforms.host import HostPlatform
     monkeypatch.setenv(mo.MODULE_ENV, "no_such_mori_module_xyz")
     mo._found.clear()

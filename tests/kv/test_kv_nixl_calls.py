@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuxfer.errors import BackendUnavailable, BadInput, TransferTimeout
-from gpuxfer.kv.engines import nixl_ffi as nf
-from gpuxfer.kv.engines.chunks import bulk_descriptors
+from gpuxfer.kv import nixl_ffi as nf
+from gpuxfer.bench.kv.engines.chunks import bulk_descriptors
 
 from _nixl_engines import descriptor_tables
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from gpuxfer.errors import BackendUnavailable, TransferTimeout
-from gpuxfer.kv.engines import DescriptorBurst
-from gpuxfer.kv.engines import nixl as ne
-from gpuxfer.kv.engines import nixl_ffi as nf
+from gpuxfer.bench.kv.engines import DescriptorBurst
+from gpuxfer.bench.kv.engines import nixl as ne
+from gpuxfer.kv import nixl_ffi as nf
 
 from _nixl_engines import hostile_results, run_engine_pair
 

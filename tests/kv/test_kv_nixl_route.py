@@ -306,7 +306,7 @@ def nixl_pair(need_nixl, host):
 
 
 def test_a_stuck_transfer_times_out_naming_the_request_and_the_agent_stays_usable(nixl_pair, monkeypatch):
-    from gpuxfer.kv.engines import nixl_ffi
+    from gpuxfer.kv import nixl_ffi
     (a, b), (p, _), caches = nixl_pair
     real = nixl_ffi.NixlAgent.state
     monkeypatch.setattr(nixl_ffi.NixlAgent, "state", lambda self, h: "PROC")
@@ -454,7 +454,7 @@ def test_route_choice_and_errors_without_asking(host, monkeypatch):
 
 
 def test_missing_nixl_is_a_typed_error_naming_the_extra(host, monkeypatch):
-    from gpuxfer.kv.engines import nixl_ffi
+    from gpuxfer.kv import nixl_ffi
     monkeypatch.setattr(nixl_ffi, "find_nixl", lambda refresh=False: (None, "NIXL is not installed (tried nixl): "
                                                                           "pip install nixl-cu13"))
     with pytest.raises(BackendUnavailable, match=r"gpuxfer\[nixl\]"):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from gpuxfer.kv.engines import nixl_ffi as nf
+from gpuxfer.kv import nixl_ffi as nf
 
 from _nixl_engines import run_two_processes, two_gpus_reason
 

@@ -6,12 +6,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from gpuxfer.errors import BadInput
-from gpuxfer.kv.blocktable import burst_tables, derive_seed, space_permutation
-from gpuxfer.kv.layout import (POOL_ALIGN_BYTES, build_layout, layout_for_burst, max_batch_for_budget,
+from gpuxfer.bench.kv.model.blocktable import burst_tables, derive_seed, space_permutation
+from gpuxfer.bench.kv.model.layout import (POOL_ALIGN_BYTES, build_layout, layout_for_burst, max_batch_for_budget,
                                pages_for_burst, pool_bytes_for_burst, pool_pages_for_budget)
-from gpuxfer.kv.plan import (PlanSpan, build_burst, bulk_plan, coalesce, find_dst_overlap, request_plan,
+from gpuxfer.bench.kv.model.plan import (PlanSpan, build_burst, bulk_plan, coalesce, find_dst_overlap, request_plan,
                              validate_plan)
-from gpuxfer.kv.workloads import WORKLOADS, Region, Workload, get_workload
+from gpuxfer.bench.kv.model.workloads import WORKLOADS, Region, Workload, get_workload
 
 SETTINGS = settings(max_examples=30, deadline=None)
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from gpuxfer.errors import BadInput
-from gpuxfer.kv.workloads import (WORKLOADS, PageMap, Region, Workload, dsv4_vllm_workload, get_workload,
+from gpuxfer.bench.kv.model.workloads import (WORKLOADS, PageMap, Region, Workload, dsv4_vllm_workload, get_workload,
                                   workload_names)
 
 SETTINGS = settings(max_examples=40, deadline=None)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import TransferTimeout
-from ...kv import engines as E
-from ...kv.engines.launch import sync_uploads
+from . import engines as E
+from .engines.launch import sync_uploads
 
 
 def inject_parts(spec: str) -> tuple[str, str, str]:

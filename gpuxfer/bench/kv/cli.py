@@ -24,9 +24,9 @@ from ..cliutil import (PLATFORM_CHOICES, add_common_arguments, device_count, err
                        platform_option, prepare_outputs, seconds_option)
 from ...common import parse_size
 from ...errors import BadInput
-from ...kv.engines.registry import DEFAULT_ENGINES
-from ...kv.plan import DIRECTIONS
-from ...kv.workloads import WORKLOADS
+from .engines.registry import DEFAULT_ENGINES
+from .model.plan import DIRECTIONS
+from .model.workloads import WORKLOADS
 from .grid import DEFAULT_DESC_BUDGET, HOST_GRID, SHED_DESC, Grid, human_bytes
 from .report import EXIT_INTERRUPTED
 from .options import (DEFAULTS, RunOptions, parse_grid_args, parse_grid_spec, parse_list, parse_run_options,

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from ...errors import BadInput
-from ...kv.layout import PoolLayout, layout_for_burst, pages_for_burst
-from ...kv.plan import Burst, build_burst
-from ...kv.workloads import Workload, _pos_int, get_workload
+from .model.layout import PoolLayout, layout_for_burst, pages_for_burst
+from .model.plan import Burst, build_burst
+from .model.workloads import Workload, _pos_int, get_workload
 
 __all__ = [
     "DEFAULT_PAGES", "DEFAULT_ISLS", "DEFAULT_BATCHES", "DEFAULT_POOL_BUDGET_BYTES", "DEFAULT_DESC_BUDGET",

@@ -16,9 +16,9 @@ from typing import Callable
 
 from ...common import parse_size
 from ...errors import BadInput
-from ...kv.engines.registry import DEFAULT_ENGINES, ENGINES
-from ...kv.plan import DIRECTIONS
-from ...kv.workloads import Workload, get_workload
+from .engines.registry import DEFAULT_ENGINES, ENGINES
+from .model.plan import DIRECTIONS
+from .model.workloads import Workload, get_workload
 from ..cliutil import PLATFORM_CHOICES
 from .grid import DEFAULT_BATCHES, DEFAULT_POOL_BUDGET_BYTES, HOST_GRID, Grid, build_grid
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ... import config
 from ...common import run_versions
 from ...errors import BackendUnavailable, BadInput, GpuxferError, PlatformUnavailable
-from ...kv import engines as E
+from . import engines as E
 from ..cpus import AUTO, current_cpu, fastest_cpu, pin, pin_auto, python_speed_us
 from ..timing import now
 from . import report as R
@@ -27,7 +27,7 @@ from .checks import _flip_byte, _moves_one_copy, _pool_fill, _pool_verify, _read
 from .group import _Group, _boot_id
 
 if TYPE_CHECKING:
-    from .runner import RunConfig
+    from .runconfig import RunConfig
 
 log = logging.getLogger("gpuxfer.bench.kv.worker")
 
@@ -148,7 +148,7 @@ class Worker:
             handles = self.group.gather(self.pool.export())
             self.peer_pool = plat.open_handle(handles[1 - self.rank], dev)
         self.stream = plat.create_stream(dev)
-        from ...kv.blocktable import derive_seed
+        from .model.blocktable import derive_seed
         self.src_seed = derive_seed(cfg.seed, "pattern", "src") & ((1 << 62) - 1)
         self.dst_seed = derive_seed(cfg.seed, "pattern", "dst") & ((1 << 62) - 1)
         _pool_fill(plat, self.stream, self.pool, self.src_seed if self.role is E.Role.SOURCE else self.dst_seed)

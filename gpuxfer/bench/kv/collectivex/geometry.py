@@ -8,9 +8,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ....errors import BadInput
-from ....kv.layout import PoolLayout, build_layout
-from ....kv.plan import Burst, PlanSpan, validate_plan
-from ....kv.workloads import Workload, _pos_int
+from ..model.layout import PoolLayout, build_layout
+from ..model.plan import Burst, PlanSpan, validate_plan
+from ..model.workloads import Workload, _pos_int
 from ..grid import SHED_DESC, SHED_POOL, Grid, GridPoint, ShedBatch, human_bytes
 from .suite import (BATCHES, BATCH_SLACK_QUARTERS, BULK_CAP_BYTES, BULK_PAGE_TOKENS, DESC_BUDGET, FLOOR_BATCHES,
                     ISL_LADDER, OPS, PAGES, PATTERN_ADD, PATTERN_CHUNK_BYTES, PATTERN_MULT, POOL_BUDGET_BYTES,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ....kv.engines import mooncake as mooncake_engine
-from ....kv.engines import mori as mori_engine
-from ....kv.workloads import Workload, _pos_int, get_workload
+from ..engines import mooncake as mooncake_engine
+from ..engines import mori as mori_engine
+from ..model.workloads import Workload, _pos_int, get_workload
 
 SUITE = "collectivex"
 SOURCE = ("SemiAnalysisAI/InferenceX PR #2510 @ dc95b1fc0ce7, experimental/CollectiveX/ "

@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from enum import Enum
-from ..errors import BadInput
+from ....errors import BadInput
 
 __all__ = [
     "PageMap", "Region", "TransferRegion", "RequestShape", "Workload",

@@ -3,7 +3,8 @@ translation between gpuxfer's descriptor tables and NIXL's descriptor lists.
 
 NIXL (``nixl-cu13`` / ``nixl-cu12`` wheels, UCX backend) is imported only by :func:`find_nixl`, and
 every call into an agent goes through :meth:`NixlAgent._call`, which turns a failure into
-:class:`NixlError`. The engines built on it are in :mod:`gpuxfer.kv.engines.nixl`. Everything here that
+:class:`NixlError`. The KV agent's NIXL route (:mod:`gpuxfer.kv.nixl_route`) and the benchmark's NIXL engines
+(:mod:`gpuxfer.bench.kv.engines.nixl`) are built on it. Everything here that
 does not need NIXL (descriptor translation, module discovery) is a pure function, tested on the CPU with
 a fake agent module. Importing this module never imports NIXL nor touches a GPU.
 """
@@ -17,12 +18,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ... import config
-from ...common import package_version
-from ...errors import BackendUnavailable, BadInput, DriverError, GpuxferError, TransferTimeout
-from ...platforms.base import Closable
-from ..plan import check_bounds
-from .base import as_descriptors
+from .. import config
+from ..common import package_version
+from ..errors import BackendUnavailable, BadInput, DriverError, GpuxferError, TransferTimeout
+from ..platforms.base import Closable
+from .descriptors import as_descriptors, check_bounds
 
 log = logging.getLogger("gpuxfer.kv.nixl")
 
@@ -165,6 +165,14 @@ def find_nixl(refresh: bool = False) -> tuple[NixlModule | None, str | None]:
             result = (None, "NIXL is not importable (" + "; ".join(reasons) + f"): {hint}")
     _found[order] = result
     return result
+
+
+def nixl_platform_reason(platform) -> str | None:
+    """Why the NIXL wheels cannot move ``platform``'s memory (None: they can)."""
+    if platform.memory_runtime not in ("cuda", "host"):
+        return (f"the NIXL wheels move CUDA device memory (VRAM) or host memory (DRAM); "
+                f"platform {platform.name!r} is neither")
+    return None
 
 
 def nixl_unavailable_reason() -> str | None:

@@ -10,30 +10,30 @@ from __future__ import annotations
 import importlib
 from typing import Sequence
 
-from ...errors import BadInput
-from ...platforms.base import Platform
+from ....errors import BadInput
+from ....platforms.base import Platform
 from .base import Engine
 
 
 #: name -> "module:Class"; built-ins first, in the order rows are measured (bulk first: the ceiling)
 ENGINES: dict[str, str | type] = {
-    "bulk": "gpuxfer.kv.engines.copy_engine:BulkEngine",
+    "bulk": "gpuxfer.bench.kv.engines.copy_engine:BulkEngine",
     # through the public KV API (KVAgent): what a user of gpuxfer.kv gets
-    "triton": "gpuxfer.kv.engines.kvagent:AgentTritonEngine",
-    "pack": "gpuxfer.kv.engines.kvagent:AgentPackEngine",
-    "copy_engine": "gpuxfer.kv.engines.kvagent:AgentCopyEngine",
+    "triton": "gpuxfer.bench.kv.engines.kvagent:AgentTritonEngine",
+    "pack": "gpuxfer.bench.kv.engines.kvagent:AgentPackEngine",
+    "copy_engine": "gpuxfer.bench.kv.engines.kvagent:AgentCopyEngine",
     # the same copies over descriptor tables handed in per burst (the engines before the API)
-    "triton-table": "gpuxfer.kv.engines.triton:TritonEngine",
-    "pack-table": "gpuxfer.kv.engines.pack:PackEngine",
-    "copy_engine-table": "gpuxfer.kv.engines.copy_engine:CopyEngineEngine",
+    "triton-table": "gpuxfer.bench.kv.engines.triton:TritonEngine",
+    "pack-table": "gpuxfer.bench.kv.engines.pack:PackEngine",
+    "copy_engine-table": "gpuxfer.bench.kv.engines.copy_engine:CopyEngineEngine",
     # optional libraries (imported only when the engine is built; engine_report says why one cannot run)
-    "nixl": "gpuxfer.kv.engines.nixl:NixlEngine",
-    "nixl-bulk": "gpuxfer.kv.engines.nixl:NixlBulkEngine",
-    "nixl-oneshot": "gpuxfer.kv.engines.nixl:NixlOneshotEngine",
-    "nixl+pack": "gpuxfer.kv.engines.nixl:NixlPackEngine",
-    "mooncake": "gpuxfer.kv.engines.mooncake:MooncakeEngine",
-    "mooncake-rdma": "gpuxfer.kv.engines.mooncake:MooncakeRdmaEngine",
-    "amd-mori": "gpuxfer.kv.engines.mori:MoriEngine",
+    "nixl": "gpuxfer.bench.kv.engines.nixl:NixlEngine",
+    "nixl-bulk": "gpuxfer.bench.kv.engines.nixl:NixlBulkEngine",
+    "nixl-oneshot": "gpuxfer.bench.kv.engines.nixl:NixlOneshotEngine",
+    "nixl+pack": "gpuxfer.bench.kv.engines.nixl:NixlPackEngine",
+    "mooncake": "gpuxfer.bench.kv.engines.mooncake:MooncakeEngine",
+    "mooncake-rdma": "gpuxfer.bench.kv.engines.mooncake:MooncakeRdmaEngine",
+    "amd-mori": "gpuxfer.bench.kv.engines.mori:MoriEngine",
 }
 #: the engines a default sweep measures: every one but the ceiling through KVAgent
 DEFAULT_ENGINES = ("triton", "pack", "copy_engine", "bulk")

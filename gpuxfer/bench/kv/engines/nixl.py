@@ -30,7 +30,7 @@ How it runs (one agent in each of the benchmark's two processes):
 NIXL's own telemetry (``get_xfer_telemetry``: post and transfer durations, the
 descriptor count after merging) is collected when the wheel provides it.
 
-The agent wrapper and the descriptor translation are :mod:`gpuxfer.kv.engines.nixl_ffi`.
+The agent wrapper and the descriptor translation are :mod:`gpuxfer.kv.nixl_ffi`.
 Importing this module never imports NIXL nor touches a GPU.
 """
 from __future__ import annotations
@@ -42,13 +42,14 @@ from typing import Any
 
 import numpy as np
 
-from ... import config
-from ...errors import BackendUnavailable, BadInput
-from ...sync import SPIN_S, wait_event_or_raise
+from .... import config
+from ....errors import BackendUnavailable, BadInput
+from ....sync import SPIN_S, wait_event_or_raise
 from .base import DescriptorBurst, Engine, Prepared, Role, Side
 from .chunks import bulk_descriptors, chunk_plan, split_large
 from .launch import bind, device_table, kernel_reason, kernels, sync_uploads
-from .nixl_ffi import NixlAgent, NixlError, find_nixl, nixl_unavailable_reason, to_nixl_dlists
+from ....kv.nixl_ffi import (NixlAgent, NixlError, find_nixl, nixl_platform_reason, nixl_unavailable_reason,
+                              to_nixl_dlists)
 
 log = logging.getLogger("gpuxfer.kv.nixl")
 
@@ -57,13 +58,6 @@ BULK_CHUNK_BYTES = 256 << 20
 
 OPS = {"pull": "READ", "push": "WRITE"}
 
-
-
-def _platform_reason(platform) -> str | None:
-    if platform.memory_runtime not in ("cuda", "host"):
-        return (f"the NIXL wheels move CUDA device memory (VRAM) or host memory (DRAM); "
-                f"platform {platform.name!r} is neither")
-    return None
 
 
 @dataclass
@@ -83,7 +77,7 @@ class _NixlEngineBase(Engine):
 
     @classmethod
     def unavailable_reason(cls, platform) -> str | None:
-        return _platform_reason(platform) or nixl_unavailable_reason()
+        return nixl_platform_reason(platform) or nixl_unavailable_reason()
 
     def _extra_registrations(self) -> dict:
         """Register more buffers before the metadata is taken (subclasses); returns what the peer needs."""

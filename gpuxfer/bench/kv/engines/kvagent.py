@@ -6,7 +6,7 @@
 layout of the burst as KV-cache groups laid over its pool (:func:`~gpuxfer.kv.layers.layout_groups`;
 the two sides' layouts may differ where their regions match), the two swap metadata bytes over the
 benchmark's CPU group, and every request of a burst becomes one transfer by block ID (the burst's
-seeded block tables, :attr:`gpuxfer.kv.plan.Burst.src_tables` / ``dst_tables``, are the block IDs)::
+seeded block tables, :attr:`gpuxfer.bench.kv.model.plan.Burst.src_tables` / ``dst_tables``, are the block IDs)::
 
     prefill (source)                              decode (destination)
     ----------------                              --------------------
@@ -25,7 +25,7 @@ IDs in hand -> ready to post; the median of :data:`SETUP_SAMPLES` preparations o
 makes the slots) --, ``register_ms`` -- the registration and metadata exchange of the point's layouts
 (once per point, inside the first row's ``prep_ms``; every row of the point reports it).
 
-A burst without block tables (a :class:`~gpuxfer.kv.engines.DescriptorBurst` of descriptor tables
+A burst without block tables (a :class:`~gpuxfer.bench.kv.engines.DescriptorBurst` of descriptor tables
 only, e.g. ``--suite collectivex``'s one-descriptor bulk rows) cannot be expressed by block ID: it runs
 on the engine's descriptor-table twin (``triton-table``, ``pack-table``, ``copy_engine-table``: tables
 uploaded per burst), built on first use, and its row says so (``api``: ``descriptor tables``).
@@ -35,9 +35,9 @@ from __future__ import annotations
 import time
 from typing import ClassVar
 
-from ...platforms.base import Platform
-from ..agent import KVAgent
-from ..layers import layout_groups
+from ....platforms.base import Platform
+from ....kv.agent import KVAgent
+from ..model.layout import layout_groups
 from .base import BurstShape, DescriptorBurst, Engine, Prepared, Role, Side
 from .copy_engine import CopyEngineEngine, copy_engine_cap_reason
 from .launch import kernel_reason
@@ -223,7 +223,7 @@ class AgentPackEngine(_AgentEngine):
     uses_sms = "both GPUs, local HBM only"
 
     def _add_extra(self) -> None:
-        from ...flaglink import COPY, REMOTE
+        from ....flaglink import COPY, REMOTE
         self._extra["flag_path"] = REMOTE if self.peer.remote_flags else COPY
 
 

@@ -1,35 +1,22 @@
 """What the kernel-launching engines share: the Triton launchers (imported when first used), descriptor
-tables uploaded to a device, and why the kernels cannot run here.
+tables uploaded to a device, and why the kernels cannot run here (the runtime's
+:func:`~gpuxfer.kv.engine_choice.kernel_reason`).
 
 Importing this module never imports torch or Triton.
 """
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 
-from ...errors import TransferTimeout
-from ...platforms.base import Platform
+from ....errors import TransferTimeout
+from ....kv.engine_choice import kernel_reason  # noqa: F401 - the engines take it from here
+from ....platforms.base import Platform
 
 
 def kernels():
     """The Triton launchers (:mod:`gpuxfer.kernels`), imported lazily: importing the engines never imports Triton."""
-    from ... import kernels as launchers
+    from .... import kernels as launchers
     return launchers
-
-
-def kernel_reason(platform: Platform) -> str | None:
-    """Why the Triton kernels cannot run here (None if they can). Never raises."""
-    try:
-        import triton  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - a reason, not a crash
-        return f"triton is not importable: {type(exc).__name__}: {exc}"
-    try:
-        importlib.import_module("gpuxfer.kernels")
-    except Exception as exc:  # noqa: BLE001
-        return f"gpuxfer.kernels is not importable: {type(exc).__name__}: {exc}"
-    return None
 
 
 def device_table(like, table: np.ndarray):

@@ -54,24 +54,18 @@ from __future__ import annotations
 
 import abc
 import enum
-import logging
-import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 
 import numpy as np
 
-from ... import config
-from ...errors import EXIT_CODE, BackendUnavailable, BadInput, TransferTimeout
-from ...flaglink import FIRST_WORD, FlagWords
-from ...platforms.base import Closable, DeviceBuffer, Event, Memory, PeerMapping, Platform, Stream
-from ...sync import SPIN_S, wait_event_or_raise
-from ..plan import DIRECTIONS, check_bounds
+from ....errors import EXIT_CODE, BackendUnavailable, BadInput, TransferTimeout
+from ....flaglink import FIRST_WORD, FlagWords
+from ....platforms.base import Closable, DeviceBuffer, Event, Memory, PeerMapping, Platform, Stream
+from ....sync import SPIN_S, wait_event_or_raise
+from ....kv.descriptors import DIRECTIONS, as_descriptors, check_bounds
+from ....kv.failure import ENV_KV_ON_TIMEOUT, FailsOnTimeout, on_timeout_from_env
 
-log = logging.getLogger("gpuxfer.kv.engines")
-
-ENV_KV_ON_TIMEOUT = "GPUXFER_KV_ON_TIMEOUT"
 #: why an engine with ``needs_peer_mapping`` cannot run when the ranks are on different hosts
 CROSS_HOST_PEER_MAPPING = "needs the peer pool mapped over IPC; the ranks are on different hosts"
 
@@ -85,13 +79,6 @@ class Role(str, enum.Enum):
     @property
     def serving_name(self) -> str:
         return "prefill" if self is Role.SOURCE else "decode"
-
-
-def on_timeout_from_env(value: str | None) -> str:
-    """``value``, else ``$GPUXFER_KV_ON_TIMEOUT``, else ``raise``: what a side does when a bounded wait
-    times out (``raise``: store the error, release every GPU wait, raise on every later call; ``exit``: the
-    same, then log and end the process with :data:`EXIT_CODE`)."""
-    return config.resolve(ENV_KV_ON_TIMEOUT, value, option="on_timeout")
 
 
 def check_direction(direction: str) -> str:
@@ -134,44 +121,6 @@ class EngineOptions:
         if self.pack_first_chunk_bytes > self.pack_chunk_bytes:
             self.pack_first_chunk_bytes = self.pack_chunk_bytes
         return self
-
-
-class FailsOnTimeout:
-    """What a party (a benchmark :class:`Side`, a :class:`~gpuxfer.kv.agent.KVAgent`) does when one of its
-    bounded waits times out: :meth:`fail` releases every GPU-side wait it queued (its
-    :meth:`release_waits` writes :data:`~gpuxfer.platforms.base.RELEASE_VALUE` into its local flag words), keeps the first
-    error, which :meth:`check` raises from every later call, and with ``on_timeout == "exit"`` logs it
-    and ends the process with :data:`EXIT_CODE`. Subclasses set ``failed`` (None) and ``on_timeout``
-    (:func:`on_timeout_from_env`) and name themselves in :meth:`failure_name`."""
-
-    failed: BaseException | None = None
-    on_timeout: str | None = None
-
-    def release_waits(self) -> None:
-        """Satisfy every GPU wait this party queued (best effort: the abort path)."""
-
-    def failure_name(self) -> str:
-        return type(self).__name__
-
-    def fail(self, exc: BaseException) -> None:
-        """A bounded wait timed out: release every GPU wait, keep ``exc`` (the first error) for every later
-        call, and with ``on_timeout="exit"`` log and end the process."""
-        if self.failed is None:
-            self.failed = exc
-        self.release_waits()
-        if self.on_timeout == "exit":
-            msg = (f"gpuxfer kv: {self.failure_name()} failed: {type(self.failed).__name__}: {self.failed}; "
-                   f"on_timeout=exit: every GPU wait released, exiting with code {EXIT_CODE}")
-            log.critical("%s", msg)
-            try:
-                print(msg, file=sys.stderr, flush=True)
-            finally:
-                os._exit(EXIT_CODE)
-
-    def check(self) -> None:
-        """Raise the error that failed this party, if any."""
-        if self.failed is not None:
-            raise self.failed
 
 
 @dataclass
@@ -281,15 +230,6 @@ class Side(FailsOnTimeout):
         return 1 - self.rank
 
 
-def as_descriptors(table, name: str = "descriptors") -> np.ndarray:
-    arr = np.asarray(table)
-    if arr.ndim != 2 or arr.shape[1] != 3:
-        raise BadInput(f"{name} must have shape (N, 3), got {arr.shape}")
-    if arr.dtype.kind not in "iu":
-        raise BadInput(f"{name} must be integers, got {arr.dtype}")
-    return np.ascontiguousarray(arr, dtype=np.int64)
-
-
 class BurstShape(NamedTuple):
     """What a cap needs to know about a burst, without materialising it."""
 
@@ -302,7 +242,7 @@ class DescriptorBurst:
     """The descriptors of one batch's requests, posted together and awaited together.
 
     ``requests[r]`` is request r's ``(N_r, 3)`` table; ``plan`` (optional) is their
-    concatenation when the caller already has it (e.g. :class:`gpuxfer.kv.plan.Burst`'s
+    concatenation when the caller already has it (e.g. :class:`gpuxfer.bench.kv.model.plan.Burst`'s
     ``plan``, whose ``requests`` are views into it).
 
     The burst holds its own read-only copy of the descriptors (``requests`` are views
@@ -311,8 +251,8 @@ class DescriptorBurst:
     """
 
     def __init__(self, requests: Sequence[np.ndarray], plan: np.ndarray | None = None, source=None):
-        #: the :class:`gpuxfer.kv.plan.Burst` (layouts, seeded block tables) these descriptors come from, if any:
-        #: engines that move blocks by ID (``triton``, through the KV API) need it
+        #: the :class:`~gpuxfer.bench.kv.model.plan.Burst` (layouts, seeded block tables) these descriptors come
+        #: from, if any: engines that move blocks by ID (``triton``, through the KV API) need it
         self.source = source
         if not len(requests):
             raise BadInput("a burst needs at least one request")
@@ -334,7 +274,7 @@ class DescriptorBurst:
 
     @classmethod
     def from_plan(cls, plan_burst) -> "DescriptorBurst":
-        """From a :class:`gpuxfer.kv.plan.Burst`."""
+        """From a :class:`gpuxfer.bench.kv.model.plan.Burst`."""
         return cls(plan_burst.requests, plan=plan_burst.plan, source=plan_burst)
 
     @property
@@ -368,7 +308,7 @@ class DescriptorBurst:
     def check_bounds(self, src_nbytes: int | None, dst_nbytes: int | None) -> None:
         """Every descriptor moves at least one byte and lies inside both pools (``None``: a pool whose
         size is not known here). :class:`BadInput` names the first that does not; see
-        :func:`gpuxfer.kv.plan.check_bounds` (overflow-safe). Checked once per pair of sizes (the
+        :func:`gpuxfer.kv.descriptors.check_bounds` (overflow-safe). Checked once per pair of sizes (the
         descriptors are the burst's own, read-only)."""
         if self._checked == (src_nbytes, dst_nbytes):
             return
@@ -572,7 +512,8 @@ class Engine(Closable, abc.ABC):
             raise BadInput(f"engine {self.name} is closed")
         self.side.check()
         if not isinstance(burst, DescriptorBurst):
-            raise BadInput(f"{self.name}: prepare takes a gpuxfer.kv.engines.DescriptorBurst, got {type(burst).__name__}")
+            raise BadInput(f"{self.name}: prepare takes a gpuxfer.bench.kv.engines.DescriptorBurst, "
+                           f"got {type(burst).__name__}")
         burst.check_bounds(*self._pool_limits())
         ini = self.is_initiator(direction)
         return Prepared(self.name, direction, burst, active=ini if active is None else active, initiator=ini)

@@ -1,6 +1,6 @@
 """The ``pack-table`` engine: pack on the source, one copy-engine copy per chunk, unpack on the destination,
 over a burst's descriptor tables uploaded per burst. (The default ``pack`` row runs KVAgent's pack engine,
-by block ID: :class:`~gpuxfer.kv.engines.kvagent.AgentPackEngine`.)
+by block ID: :class:`~gpuxfer.bench.kv.engines.kvagent.AgentPackEngine`.)
 
 Pack the pages into a staging buffer on the source (a local kernel at HBM speed), one copy-engine
 transfer per chunk into the destination's staging buffer (opened over IPC), unpack on the destination.
@@ -40,9 +40,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ...errors import BadInput
-from ...flaglink import FIRST_WORD, FlagLink
-from ...platforms.base import Event, Platform, Stream
+from ....errors import BadInput
+from ....flaglink import FIRST_WORD, FlagLink
+from ....platforms.base import Event, Platform, Stream
 from .base import DescriptorBurst, Engine, Prepared, Role, Side
 from .chunks import chunk_plan, split_large
 from .launch import bind, device_table, kernel_reason, kernels, sync_uploads

@@ -10,7 +10,7 @@ and a descriptor there moves ``R.desc_bytes``.
 * Unpacked regions are laid out region-major, ``[plane][page]`` inside (the
   CollectiveX layout): ``page_stride = desc_bytes``, ``plane_stride = pool_pages *
   desc_bytes``. Each region has its own page space.
-* Packed groups share one array of slabs (:data:`~gpuxfer.kv.workloads.SLAB_SPACE`):
+* Packed groups share one array of slabs (:data:`~gpuxfer.bench.kv.model.workloads.SLAB_SPACE`):
   every group's block sits at the start of a slab whose stride is the largest
   group's stack (vLLM's ``block_stride``); groups draw disjoint slabs from one block
   table, so their extents coincide while their descriptors never overlap.
@@ -29,13 +29,14 @@ from typing import Mapping
 
 import numpy as np
 
-from ..errors import BadInput
+from ....errors import BadInput
+from ....kv.layers import KVLayerSpec, _torch
 from .workloads import TransferRegion, Workload, _pos_int, get_workload
 
 __all__ = [
     "POOL_ALIGN_BYTES", "POOL_SPARE_PAGES", "RegionLayout", "PoolLayout", "build_layout",
     "pages_for_burst", "layout_for_burst", "pool_bytes_for_burst", "pool_pages_for_budget",
-    "max_batch_for_budget",
+    "max_batch_for_budget", "layout_groups",
 ]
 
 #: Alignment of every region base (and of the pool size).
@@ -247,3 +248,29 @@ def max_batch_for_budget(workload: Workload | str, isl_tokens: int, page_tokens:
         else:
             hi = mid
     return lo
+
+
+def layout_groups(layout: PoolLayout, pool) -> list[tuple[str, int, dict[str, KVLayerSpec]]]:
+    """The KV-cache groups of a :class:`PoolLayout` laid over ``pool`` (a flat uint8
+    tensor): ``(group name, block tokens, {layer name: spec})`` for :meth:`KVAgent.register_group`.
+
+    An unpacked region is a group of ``planes`` layers (one piece per block: the region's page);
+    a packed group is a group of one layer (its slab). Page indices of the layout's block
+    tables are the block IDs.
+    """
+    torch = _torch()
+    if not isinstance(pool, torch.Tensor) or pool.dtype != torch.uint8 or pool.dim() != 1:
+        raise BadInput("pool must be a flat uint8 tensor")
+    if pool.numel() < layout.pool_bytes:
+        raise BadInput(f"pool holds {pool.numel()} bytes, the layout needs {layout.pool_bytes}")
+    trs = {t.name: t for t in layout.workload.transfer_regions(layout.page_tokens)}
+    out = []
+    for r in layout.regions:
+        layers = {}
+        for plane in range(r.planes):
+            start = r.base_offset_bytes + plane * r.plane_stride_bytes
+            view = pool[start:start + r.pool_pages * r.page_stride_bytes]
+            layers[f"{r.name}.{plane}"] = KVLayerSpec(view, r.pool_pages, r.page_stride_bytes,
+                                                      [(0, r.desc_bytes)], index=plane)
+        out.append((r.name, trs[r.name].tokens_per_page, layers))
+    return out

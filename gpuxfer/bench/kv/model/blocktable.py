@@ -19,7 +19,7 @@ import json
 
 import numpy as np
 
-from ..errors import BadInput
+from ....errors import BadInput
 from .layout import PoolLayout
 from .workloads import _pos_int
 

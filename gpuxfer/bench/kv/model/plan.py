@@ -7,7 +7,7 @@ groups the requests of one burst: one concatenated (N_total, 3) array and per-re
 views into it, plus the spans saying which rows belong to which request and region.
 
 Everything is vectorised numpy; counting without materialising lives in
-:mod:`gpuxfer.kv.workloads` (``descriptors_per_request``, ``bytes_per_request``).
+:mod:`gpuxfer.bench.kv.model.workloads` (``descriptors_per_request``, ``bytes_per_request``).
 """
 from __future__ import annotations
 
@@ -16,18 +16,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..errors import BadInput
+from ....errors import BadInput
+from ....kv.descriptors import DIRECTIONS, PLAN_DTYPE, _as_plan, _first, check_bounds
 from .blocktable import burst_tables
 from .layout import PoolLayout, layout_for_burst
 from .workloads import Workload, _pos_int, get_workload
 
 __all__ = ["DIRECTIONS", "PlanSpan", "Burst", "build_burst", "request_plan", "coalesce", "bulk_plan", "validate_plan",
            "check_bounds", "find_dst_overlap"]
-
-PLAN_DTYPE = np.int64
-#: how a plan moves: ``pull`` (the decode side reads the prefill side's pool) or ``push`` (the prefill
-#: side writes the decode side's)
-DIRECTIONS = ("pull", "push")
 
 
 @dataclass(frozen=True)
@@ -169,7 +165,7 @@ def build_burst(workload: Workload | str, isl_tokens: int, page_tokens: int, bat
 
     ``layout`` is the pool layout of both sides (default: :func:`layout_for_burst`);
     ``dst_layout`` overrides the destination's. Source and destination block tables are
-    drawn independently from ``seed`` (see :mod:`gpuxfer.kv.blocktable`).
+    drawn independently from ``seed`` (see :mod:`gpuxfer.bench.kv.model.blocktable`).
     """
     workload = get_workload(workload)
     _pos_int(batch, "batch (requests per burst)")
@@ -257,50 +253,6 @@ def bulk_plan(nbytes: int, *, src_offset: int = 0, dst_offset: int = 0) -> np.nd
 
 
 # ---------------------------------------------------------------------------- validation
-
-
-def _as_plan(plan) -> np.ndarray:
-    if not isinstance(plan, np.ndarray):
-        raise BadInput(f"a descriptor plan must be a numpy array, got {type(plan).__name__}")
-    if plan.dtype != PLAN_DTYPE or plan.ndim != 2 or plan.shape[1] != 3:
-        raise BadInput(f"a descriptor plan must be int64 of shape (N, 3), got {plan.dtype} {plan.shape}")
-    return plan
-
-
-def _first(mask: np.ndarray) -> int | None:
-    idx = np.flatnonzero(mask)
-    return int(idx[0]) if idx.size else None
-
-
-def check_bounds(plan: np.ndarray, src_nbytes: int | None, dst_nbytes: int | None, *,
-                 describe: Callable[[int], str] | None = None) -> None:
-    """Every row moves at least one byte and lies inside both pools; :class:`BadInput` names the first
-    row that does not. The one bounds check of plans and of every KV engine's descriptors.
-
-    A pool size of ``None`` (not known here) checks only that the row's offsets are non-negative.
-    Overflow-safe: a range is compared as ``offset <= pool - nbytes`` once ``0 < nbytes`` is known,
-    never as ``offset + nbytes``, which wraps in int64 for an offset or size near ``2**63``.
-    """
-    plan = _as_plan(plan)
-    if plan.shape[0] == 0:
-        return
-    name = describe or (lambda i: f"descriptor {i}")
-    size = plan[:, 2]
-    i = _first(size <= 0)
-    if i is not None:
-        raise BadInput(f"{name(i)} moves {int(size[i])} bytes; every descriptor must move at least one")
-    for side, col, pool in (("source", plan[:, 0], src_nbytes), ("destination", plan[:, 1], dst_nbytes)):
-        if pool is None:
-            i = _first(col < 0)
-        else:
-            pool = int(pool)
-            if not 0 <= pool < 1 << 63:
-                raise BadInput(f"the {side} pool size must be in [0, 2**63), got {pool}")
-            i = _first((col < 0) | (col > np.int64(pool) - size))     # pool - size: no overflow for size > 0
-        if i is not None:
-            where = f"the {side} pool" + ("" if pool is None else f" of {pool} bytes")
-            raise BadInput(f"{name(i)}: {side} range [{int(col[i])}, {int(col[i]) + int(size[i])}) lies outside "
-                           f"{where}")
 
 
 def find_dst_overlap(plan: np.ndarray) -> tuple[int, int] | None:

@@ -44,11 +44,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ... import config
-from ...common import free_port, package_version
-from ...errors import BackendUnavailable, BadInput, DriverError, TransferTimeout
-from ...platforms.base import Closable
-from ..plan import check_bounds
+from .... import config
+from ....common import free_port, package_version
+from ....errors import BackendUnavailable, BadInput, DriverError, TransferTimeout
+from ....platforms.base import Closable
+from ....kv.descriptors import check_bounds
 from .base import DescriptorBurst, Engine, Prepared, Role, Side, as_descriptors
 
 log = logging.getLogger("gpuxfer.kv.mooncake")
@@ -129,7 +129,7 @@ _PROBE = r"""
 import json, os, sys
 sys.path[:0] = json.loads(sys.argv[4])
 from gpuxfer.common import free_port
-from gpuxfer.kv.engines.mooncake import find_mooncake, local_host
+from gpuxfer.bench.kv.engines.mooncake import find_mooncake, local_host
 TE, why = find_mooncake()
 if TE is None:
     print(json.dumps({"ok": False, "why": why})); sys.exit(0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import BadInput
+from ....errors import BadInput
 from .base import as_descriptors
 
 

@@ -1,6 +1,6 @@
 """The ``triton-table`` engine: the descriptor-copy kernel on the initiating GPU, over a burst's descriptor
 tables uploaded per burst. (The default ``triton`` row runs KVAgent's, by block ID:
-:class:`~gpuxfer.kv.engines.kvagent.AgentTritonEngine`.)
+:class:`~gpuxfer.bench.kv.engines.kvagent.AgentTritonEngine`.)
 
 Pull runs on the decode GPU reading the peer pool through the IPC mapping, push on the prefill GPU
 writing it; SMs of the initiating GPU, none of the other. One launch per descriptor size, so each
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ... import config
-from ...platforms.base import Platform
+from .... import config
+from ....platforms.base import Platform
 from .base import DescriptorBurst, Engine, Prepared, Side
 from .launch import bind, device_table, kernel_reason, kernels, sync_uploads
 

@@ -46,10 +46,10 @@ from typing import Any
 
 import numpy as np
 
-from ... import config
-from ...common import free_port, package_version
-from ...errors import BackendUnavailable, BadInput, DriverError, TransferTimeout
-from ..plan import check_bounds
+from .... import config
+from ....common import free_port, package_version
+from ....errors import BackendUnavailable, BadInput, DriverError, TransferTimeout
+from ....kv.descriptors import check_bounds
 from .base import DescriptorBurst, Engine, Prepared, Role, Side, as_descriptors
 from .chunks import split_large
 

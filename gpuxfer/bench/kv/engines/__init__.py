@@ -10,7 +10,7 @@ interface, armed posting and the failure path). The package, one module per engi
 * :mod:`.kvagent` (``triton``, ``pack``, ``copy_engine``: through the public KV API, by block ID);
   :mod:`.triton` (``triton-table``), :mod:`.pack` (``pack-table``), :mod:`.copy_engine`
   (``copy_engine-table``, ``bulk``): the same copies over descriptor tables handed in per burst;
-  :mod:`.nixl` over :mod:`.nixl_ffi`, :mod:`.mooncake`, :mod:`.mori`;
+  :mod:`.nixl` over :mod:`gpuxfer.kv.nixl_ffi`, :mod:`.mooncake`, :mod:`.mori`;
 * :mod:`.registry` -- ``ENGINES``, the one registry (name -> class or ``"module:Class"``).
 
 Built-in engines (the default rows go through :class:`~gpuxfer.kv.agent.KVAgent`: each side registers

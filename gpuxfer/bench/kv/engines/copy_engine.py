@@ -2,7 +2,7 @@
 
 * ``copy_engine-table`` -- ``copy_batch_async`` (``cuMemcpyBatchAsync`` on CUDA) over a burst's descriptor
   tables, handed in per burst, on a created stream; a fixed cost per descriptor. (The default ``copy_engine``
-  row runs the same copies through KVAgent: :class:`~gpuxfer.kv.engines.kvagent.AgentCopyEngine`.) Capped
+  row runs the same copies through KVAgent: :class:`~gpuxfer.bench.kv.engines.kvagent.AgentCopyEngine`.) Capped
   per burst (``EngineOptions.copy_engine_max_descs``, :func:`copy_engine_cap_reason`); bigger bursts are
   shed, with the reason. Never armed: its bursts hold more commands than a blocked stream's queue takes,
   so it posts inside the timed region.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import BadInput
+from ....errors import BadInput
 from .base import BurstShape, DescriptorBurst, Engine, Prepared
 from .chunks import bulk_descriptors
 

@@ -1,0 +1,138 @@
+"""The package's import graph, read with ``ast``: every import statement is an edge, those inside functions and
+``if TYPE_CHECKING:`` blocks included. The benchmark wing is imported by nothing outside it, the KV runtime
+imports nothing of the benchmark, and no import cycle runs through the KV runtime's shared pieces or the
+benchmark's KV model and engines. The cycles left elsewhere are printed (``pytest -rP`` shows them)."""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import gpuxfer
+
+ROOT = pathlib.Path(gpuxfer.__file__).parent
+WING = "gpuxfer.bench"
+RUNTIME = "gpuxfer.kv"
+#: modules no cycle may run through: what the runtime and the benchmark share, the KV runtime's package, the
+#: KV benchmark's runner and worker (the run's configuration lies below both)
+ACYCLIC_MODULES = ("gpuxfer.kv", "gpuxfer.kv.descriptors", "gpuxfer.kv.failure", "gpuxfer.kv.engine_choice",
+                   "gpuxfer.kv.nixl_ffi", "gpuxfer.bench.kv.runconfig", "gpuxfer.bench.kv.runner",
+                   "gpuxfer.bench.kv.worker")
+#: packages no cycle may run through, any module of them: the benchmark's KV model and engines
+ACYCLIC_PACKAGES = ("gpuxfer.bench.kv.model", "gpuxfer.bench.kv.engines")
+
+def _inside(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def modules() -> dict[str, pathlib.Path]:
+    """``{dotted name: path}`` of every module of the package (a package by its ``__init__``)."""
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def imports(source: str, module: str, known, *, is_package: bool = False) -> set[str]:
+    """The modules of ``known`` that ``source`` (module ``module``) imports, anywhere in it."""
+    package = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+
+    def add(name: str) -> None:
+        while name and name not in known:           # a name inside a module: the module
+            name = name.rpartition(".")[0]
+        if name:
+            found.add(name)
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                add(a.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                base = f"{base}.{node.module}" if node.module else base
+            else:
+                base = node.module or ""
+            for a in node.names:
+                add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
+    found.discard(module)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(path.read_text(), name, known, is_package=path.name == "__init__.py")
+            for name, path in known.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                out.append(sorted(scc))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def test_nothing_outside_the_wing_imports_it():
+    offenders = {m: sorted(t for t in ts if _inside(t, WING)) for m, ts in graph().items() if not _inside(m, WING)}
+    offenders = {m: ts for m, ts in offenders.items() if ts}
+    assert not offenders, f"modules outside {WING} importing it: {offenders}"
+
+
+def test_the_kv_runtime_imports_nothing_of_the_benchmark():
+    offenders = {m: sorted(t for t in ts if _inside(t, WING)) for m, ts in graph().items() if _inside(m, RUNTIME)}
+    offenders = {m: ts for m, ts in offenders.items() if ts}
+    assert not offenders, f"KV runtime modules importing the benchmark: {offenders}"
+
+
+def test_no_cycle_runs_through_the_shared_pieces_and_the_rest_are_listed():
+    found = cycles(graph())
+    bad = [c for c in found if any(m in ACYCLIC_MODULES or any(_inside(m, p) for p in ACYCLIC_PACKAGES) for m in c)]
+    assert not bad, f"import cycles through modules that must have none: {bad}"
+    print(f"{len(found)} import cycle(s) left:")
+    for c in found:
+        print("  " + " <-> ".join(c))
+
+
+def test_the_graph_sees_every_kind_of_import():
+    known = {"gpuxfer", "gpuxfer.kv", "gpuxfer.kv.agent", "gpuxfer.kv.control", "gpuxfer.bench",
+             "gpuxfer.bench.cliutil", "gpuxfer.errors"}
+    src = ("from typing import TYPE_CHECKING\nfrom .control import AGENT_WORDS\nfrom .. import errors\n"
+           "if TYPE_CHECKING:\n    from ..bench import cliutil\n"
+           "def f():\n    import gpuxfer.errors.sub\n")
+    assert imports(src, "gpuxfer.kv.agent", known) == {"gpuxfer.kv.control", "gpuxfer.errors",
+                                                       "gpuxfer.bench.cliutil"}
+    assert imports("from . import control\n", "gpuxfer.kv", known, is_package=True) == {"gpuxfer.kv.control"}
+    assert cycles({"a": {"b"}, "b": {"a", "c"}, "c": set(), "d": {"d"}}) == [["a", "b"]]
