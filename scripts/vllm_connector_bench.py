@@ -61,8 +61,10 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
     blocks = max(4096, 2 * total * per_req_blocks + 16)
     t0 = time.perf_counter()
     kw = dict(extra={"token_major": True}, env=env, device=dev, num_blocks=blocks, max_model_len=a.tokens + 64)
-    P = Instance(f"bP{run}", model, a.block_size, **kw)
-    D = Instance(f"bD{run}", model, a.block_size, **kw)
+    auto = a.cpus == "auto"
+    P = Instance(f"bP{run}", model, a.block_size, cpus=(0, 2) if auto else None, **kw)
+    D = Instance(f"bD{run}", model, a.block_size, cpus=(1, 2) if auto else None, **kw)
+    yardstick = []
     try:
         P.ready(timeout=600)
         D.ready(timeout=600)
@@ -73,8 +75,10 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
         loads: dict[str, dict] = {}
         phases = [reqs[:1]] + [[r] for r in reqs[1:1 + a.warm]] + ([reqs[1 + a.warm:]] if a.batch else [])
         for phase in phases:
+            yardstick.append(D.call("cpu"))         # (pinned: onto the fastest of its cores now)
             out = D.run("decode", [(f"d-{r}", n, s, res[r]["params"]) for r, n, s in phase], timeout=600)
             loads.update(out)
+        yardstick.append(D.call("cpu"))
         st = D.call("stats", True)["stats"]
         P.call("idle", 60, timeout=120)
     finally:
@@ -89,7 +93,8 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
     extra = [(t - s_med) / (n - 1) for n, t in batched] if s_med is not None else []
     us = lambda x: None if x is None else 1e6 * x          # noqa: E731
     return {
-        "run": run, "startup_s": startup,
+        "run": run, "startup_s": startup, "python_us": statistics.median(y["python_us"] for y in yardstick),
+        "decode_cpus": sorted({y["cpu"] for y in yardstick if y["cpu"] is not None}),
         "start_load_kv_us_p50": us(pct(single[1:], 0.5)), "start_load_kv_us_p90": us(pct(single[1:], 0.9)),
         "start_load_kv_first_us": us(single[0]) if single else None,
         "extra_request_us": us(max(extra)) if extra else None,
@@ -116,6 +121,10 @@ def main(argv=None) -> int:
     ap.add_argument("--warm", type=int, default=5, help="single requests after the first (default 5)")
     ap.add_argument("--batch", type=int, default=8, help="requests loaded in one step (default 8; 0: none)")
     ap.add_argument("--runs", type=int, default=3, help="runs, each with fresh instances (default 3)")
+    ap.add_argument("--cpus", choices=("auto", "none"), default="auto",
+                    help="auto (default): each instance's engine thread pinned to the fastest, by a Python yardstick, "
+                         "of physical cores of its own, the decode side picked again before each phase; none: the "
+                         "scheduler places them")
     ap.add_argument("--out", required=True, help="JSON file to write (must not exist)")
     a = ap.parse_args(argv)
     for k in ("tokens", "layers", "block_size", "runs"):
@@ -139,10 +148,12 @@ def main(argv=None) -> int:
     print(f"# request: {a.tokens} tokens x {a.layers} layers, fp16, 2 KV heads x 16, block {a.block_size} "
           f"({kv_bytes / 2**20:.1f} MiB of KV); per run: 1 first + {a.warm} warm + a step of {a.batch}; "
           f"{a.runs} runs, fresh instances and Triton cache each")
+    print(f"# CPU placement: {'each engine thread pinned (auto)' if a.cpus == 'auto' else 'the scheduler (none)'}; "
+          "py_us: the Python yardstick (gpuxfer.bench.cpus.python_speed_us) on the decode thread's CPU, median")
     print("# times: host time of the decode engine thread's connector calls (us); load = start_load_kv -> "
           "reported done (ms)")
     hdr = (f"{'run':>3} {'start_s':>8} {'slk_p50':>8} {'slk_p90':>8} {'slk_1st':>9} {'extra/rq':>8} {'gf_p50':>7} "
-           f"{'gf_p90':>7} {'1st_ms':>8} {'warm_ms':>8} {'hs_ms':>7} {'wrong':>6}")
+           f"{'gf_p90':>7} {'1st_ms':>8} {'warm_ms':>8} {'hs_ms':>7} {'py_us':>6} {'wrong':>6}")
     print(hdr)
     rows = []
     for run in range(a.runs):
@@ -152,7 +163,7 @@ def main(argv=None) -> int:
         print(f"{run:>3} {f(r['startup_s'], 8)} {f(r['start_load_kv_us_p50'], 8)} {f(r['start_load_kv_us_p90'], 8)} "
               f"{f(r['start_load_kv_first_us'], 9)} {f(r['extra_request_us'], 8)} {f(r['get_finished_us_p50'], 7)} "
               f"{f(r['get_finished_us_p90'], 7)} {f(r['first_load_ms'], 8, 2)} {f(r['warm_load_ms'], 8, 2)} "
-              f"{f(r['handshake_ms'], 7)} {r['wrong_bytes']:>6}", flush=True)
+              f"{f(r['handshake_ms'], 7)} {f(r['python_us'], 6)} {r['wrong_bytes']:>6}", flush=True)
     pool = lambda key: [x for r in rows for x in r["samples"][key]]      # noqa: E731
     single = [t for r in rows for n, t in r["samples"]["start_load_kv_s"][1:] if n == 1]
     summary = {

@@ -38,11 +38,14 @@ class Instance:
 
     def __init__(self, name: str, model_dir: str, block_size: int, *, hybrid: bool = False,
                  extra: dict | None = None, num_blocks: int = 4096, env: dict | None = None, device: str = "cpu",
-                 max_model_len: int = 8192):
+                 max_model_len: int = 8192, cpus: tuple[int, int] | None = None):
+        """``cpus``: ``(rank, world)`` to pin the instance's engine thread as a benchmark rank with ``--cpus
+        auto`` does (:func:`gpuxfer.bench.cpus.pin_auto`: the fastest of physical cores of its own); None: the
+        scheduler places it."""
         self.name = name
         self.conn, child = ctx().Pipe()
         spec = dict(name=name, model_dir=model_dir, block_size=block_size, hybrid=hybrid, extra=extra or {},
-                    num_blocks=num_blocks, env=env or {}, device=device, max_model_len=max_model_len)
+                    num_blocks=num_blocks, env=env or {}, device=device, max_model_len=max_model_len, cpus=cpus)
         self.proc = ctx().Process(target=serve, args=(child, spec), name=f"vllm-{name}", daemon=True)
         self.proc.start()
         child.close()
@@ -90,7 +93,12 @@ class Instance:
 def serve(conn, spec: dict) -> None:
     os.environ.update(spec["env"])
     try:
+        placed = None
+        if spec.get("cpus"):
+            from gpuxfer.bench.cpus import pin_auto
+            placed = pin_auto(*spec["cpus"], None)
         eng = _Engine(spec)
+        eng.cpus = placed
         conn.send(("ready", eng.describe()))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -350,6 +358,15 @@ class _Engine:
                         self.step()
                     conn.send(("idle", {"requests": len(self.sched.requests), "free": self.free_blocks(),
                                         "stats": self.stats}))
+                elif op == "cpu":                     # pinned: move to the fastest of its cores now
+                    from gpuxfer.bench.cpus import fastest_cpu, pin, python_speed_us
+                    part = self.cpus[0] if self.cpus and self.cpus[0] else None
+                    if part:
+                        cpu, us, _ = fastest_cpu(part)
+                        pin((cpu,))
+                        conn.send(("cpu", {"cpu": cpu, "python_us": us}))
+                    else:
+                        conn.send(("cpu", {"cpu": None, "python_us": python_speed_us()}))
                 elif op == "set_lease":
                     self.sched.connector._scheduler.lease_s = args[0]
                     conn.send(("set_lease", None))

@@ -32,6 +32,9 @@ log = logging.getLogger("gpuxfer.vllm")
 
 MAX_FRAME = 64 << 20
 MAX_REQUEST_ID = 512
+#: how long a client's "the prefill end is still there" holds before :attr:`SideChannelClient.alive` asks the
+#: socket again (a syscall and a raised BlockingIOError, asked several times per request otherwise)
+ALIVE_FOR_S = 0.05
 _LEN = struct.Struct(">I")
 
 
@@ -251,6 +254,7 @@ class SideChannelClient:
         self._in = bytearray()
         self._got: list[bytes] = []
         self._closed = False
+        self._seen_alive = -1.0             # when alive last saw the socket open (monotonic)
         self.closed_reason: str | None = None
 
     def pump(self) -> tuple[bytes, bytes] | None:
@@ -294,9 +298,13 @@ class SideChannelClient:
         """False once the prefill end closed (it sends nothing after the handshake) or a send failed."""
         if self._closed:
             return False
+        now = time.monotonic()
+        if now - self._seen_alive < ALIVE_FOR_S:
+            return True
         try:
             data = self._sock.recv(1, socket.MSG_PEEK)
         except (BlockingIOError, InterruptedError):
+            self._seen_alive = now
             return True
         except OSError as exc:
             self._fail(f"the side channel failed: {exc}")
@@ -310,12 +318,18 @@ class SideChannelClient:
         """Send a done or release message (at most ``timeout_s``); False (the connection then dead) when it cannot."""
         if not self.alive:
             return False
+        data = message({"op": op, "req": request_id})
         try:
-            self._sock.settimeout(self.timeout_s)
             try:
-                self._sock.sendall(message({"op": op, "req": request_id}))
-            finally:
-                self._sock.setblocking(False)
+                sent = self._sock.send(data)        # a few dozen bytes: the socket's buffer takes them at once
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            if sent < len(data):
+                self._sock.settimeout(self.timeout_s)
+                try:
+                    self._sock.sendall(data[sent:])
+                finally:
+                    self._sock.setblocking(False)
         except OSError as exc:
             self._fail(f"sending {op} failed: {exc}")
             return False

@@ -176,11 +176,9 @@ class WorkerSide:
         if self.server is None:
             return
         self.server.pump()
-        while True:
-            try:
-                op, req = self.server.events.get_nowait()
-            except Exception:
-                break
+        events = self.server.events
+        while not events.empty():               # (this thread is the only one taking events)
+            op, req = events.get_nowait()
             self._released[req] = now
             if op == "release":
                 log.info("gpuxfer: engine %s: decode side released request %s without reading it", self.engine_id, req)
