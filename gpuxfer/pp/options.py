@@ -7,7 +7,8 @@ maps them onto the options object, the one place that does.
 
 Values left ``None`` take their ``GPUXFER_*`` variable (:mod:`gpuxfer.config`) when ``connect`` runs;
 values given are checked when the object is built (a bad one raises :class:`~gpuxfer.errors.BadInput`
-naming it).
+naming it). :func:`meta_channel_from_env` and :func:`injected` resolve two of them; the backend registry
+(:mod:`~gpuxfer.pp.backends`) and the timeouts (:mod:`~gpuxfer.pp.timeouts`) lie below this module.
 """
 from __future__ import annotations
 
@@ -16,9 +17,15 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .. import config
 from ..errors import BadInput
+from .backends import GRAPH_BACKEND, requested_backend
+from .timeouts import resolve_on_timeout, resolve_timeout
 
 MAX_RECV_SLOTS = 1024       # most receive slots a pair may have
+ENV_INJECT = "GPUXFER_PP_INJECT_FAILURE"
+ENV_META = "GPUXFER_PP_META_CHANNEL"
+
 
 def _index(name: str, value, least: int) -> int:
     """``value`` as an int >= ``least`` (any integer type; a bool or anything else is refused)."""
@@ -31,6 +38,36 @@ def _index(name: str, value, least: int) -> int:
     if n < least:
         raise BadInput(f"{name} must be >= {least}, got {n}")
     return n
+
+
+def meta_channel_from_env(value: str | None = None) -> str:
+    """``auto`` (a shared-memory mailbox for a pair on one host, else the CPU group) or ``group``."""
+    return config.resolve(ENV_META, value, option="meta_channel")
+
+
+INJECT_PHASES = ("check", "alloc", "open", "probe")
+
+
+def injected(spec: str | None, rank: int) -> set[str]:
+    """The setup phases ``spec`` (``RANK:PHASE[,RANK:PHASE...]``, else ``$GPUXFER_PP_INJECT_FAILURE``) fails on
+    ``rank``; a malformed entry or an unknown phase is :class:`BadInput` whatever the rank."""
+    spec = spec if spec is not None else config.get(ENV_INJECT)
+    if not isinstance(spec, str):
+        raise BadInput(f"inject_failure must be a string RANK:PHASE[,RANK:PHASE...], got {spec!r}")
+    phases = set()
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        r, _, phase = item.partition(":")
+        phase = phase.strip() or "check"
+        try:
+            r = int(r)
+        except ValueError:
+            r = None
+        if r is None or phase not in INJECT_PHASES:
+            raise BadInput(f"{ENV_INJECT} / inject_failure entries are RANK:PHASE with PHASE one of "
+                           f"{', '.join(INJECT_PHASES)}, got {item!r}")
+        if r == rank:
+            phases.add(phase)
+    return phases
 
 
 @dataclass(frozen=True)
@@ -79,8 +116,6 @@ class ConnectOptions:
             object.__setattr__(self, "device", _index("device", self.device, 0))
         from ..flaglink import flag_path_from_env
         from .copy_engine import inline_bytes_from_env
-        from .selection import GRAPH_BACKEND, meta_channel_from_env, requested_backend
-        from .transport import resolve_on_timeout, resolve_timeout
         if self.timeout_s is not None:
             resolve_timeout(self.timeout_s)
         if self.on_timeout is not None:
@@ -97,7 +132,6 @@ class ConnectOptions:
                 raise BadInput(f"graph=True captures steps in CUDA graphs, which only the {GRAPH_BACKEND} backend "
                                f"does; backend {wanted!r} cannot be captured")
         if self.inject_failure is not None:
-            from .selection import injected
             injected(self.inject_failure, -1)
 
     @classmethod

@@ -78,7 +78,7 @@ from ..errors import BadInput, GpuxferError, TransferTimeout
 from ..platforms.base import RELEASE_VALUE
 from ..sync import wait_event_or_raise
 from .copy_engine import FLAG_STRIDE, PROBE_TIMEOUT_S, CopyEngineTransport
-from .selection import register_backend
+from .backends import register_backend
 from .spec import ALIGN, Layout
 
 log = logging.getLogger("gpuxfer.pp")
@@ -87,7 +87,7 @@ ENV_PATH = "GPUXFER_SDMA_PATH"
 ENV_RING = "GPUXFER_SDMA_RING"
 ENV_COPIES = "GPUXFER_SDMA_COPIES"
 
-#: Flip to True (and add "sdma" to selection.ZERO_SM) once the backend has passed
+#: Flip to True (and add "sdma" to backends.ZERO_SM) once the backend has passed
 #: docs/ROCM.md's validation on an MI355X; until then ``auto`` keeps NCCL on ROCm.
 VALIDATED_ON_HARDWARE = False
 

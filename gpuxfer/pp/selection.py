@@ -1,7 +1,7 @@
 """Choosing and setting up a stage hand-off backend, collectively, so every rank makes the same choice.
 
 ``GPUXFER_PP_TRANSPORT`` (or ``connect(backend=...)``) is ``auto`` (default),
-``nccl`` or ``copy_engine`` (or any backend in :data:`BACKENDS`).
+``nccl`` or ``copy_engine`` (or any backend in :data:`~gpuxfer.pp.backends.BACKENDS`).
 
 :func:`connect` is called by EVERY rank of the CPU group (ranks holding no
 transport too). Each rank runs every check that can differ between ranks --
@@ -38,7 +38,6 @@ Test hook: ``GPUXFER_PP_INJECT_FAILURE=RANK:PHASE[,RANK:PHASE...]`` (or
 """
 from __future__ import annotations
 
-import importlib
 import itertools
 import logging
 import operator
@@ -49,57 +48,24 @@ from typing import Iterable, Mapping
 
 from .. import config
 from ..errors import BackendUnavailable, BadInput, SetupFailed
-from .options import MAX_RECV_SLOTS, ConnectOptions
+from . import backends
+from .backends import (BACKENDS, ENV_TRANSPORT, GRAPH_BACKEND, ZERO_SM,  # noqa: F401 - re-exported
+                       backend_class, register_backend, requested_backend)
+from .options import (ENV_INJECT, ENV_META, INJECT_PHASES, MAX_RECV_SLOTS,  # noqa: F401 - re-exported
+                      ConnectOptions, injected, meta_channel_from_env)
 from .setup import discard, reason, setup_mailboxes, setup_nccl, setup_pair_groups, setup_peer_memory
 from .channel import PairSignals
 from .spec import SpecTable
-from .transport import resolve_on_timeout, resolve_timeout, Transport
+from .timeouts import resolve_on_timeout, resolve_timeout
+from .transport import Transport
 from .watchdog import WATCHDOG, close_all
 
 log = logging.getLogger("gpuxfer.pp")
 
-ENV_TRANSPORT = "GPUXFER_PP_TRANSPORT"
-ENV_INJECT = "GPUXFER_PP_INJECT_FAILURE"
-ENV_META = "GPUXFER_PP_META_CHANNEL"
 FALLBACK = "nccl"
 TAG_BASE = 1 << 20
 _TAGS_PER_CONNECTION = 1024
 _CONN_IDS = itertools.count()
-
-# name -> (module, class); zero-SM (peer-memory) backends in auto's order of preference
-BACKENDS: dict[str, tuple[str, str]] = {
-    "nccl": ("gpuxfer.pp.nccl", "NcclTransport"),
-    "copy_engine": ("gpuxfer.pp.copy_engine", "CopyEngineTransport"),
-    # ROCm; forced only (GPUXFER_PP_TRANSPORT=sdma) until it has run on hardware: see gpuxfer/pp/sdma.py
-    "sdma": ("gpuxfer.pp.sdma", "SdmaTransport"),
-    # steps captured in CUDA graphs (connect(graph=True)); never chosen by auto: see gpuxfer/pp/graph.py
-    "copy_engine_graph": ("gpuxfer.pp.graph", "GraphTransport"),
-}
-GRAPH_BACKEND = "copy_engine_graph"
-ZERO_SM: list[str] = ["copy_engine"]
-
-
-def register_backend(name: str, module: str, cls: str, *, zero_sm: bool = True) -> None:
-    """Add a backend (``zero_sm``: a peer-memory backend with CopyEngineTransport's setup phases)."""
-    BACKENDS[name] = (module, cls)
-    if zero_sm and name not in ZERO_SM:
-        ZERO_SM.append(name)
-
-
-def backend_class(name: str) -> type[Transport]:
-    if name not in BACKENDS:
-        raise BadInput(f"unknown PP transport {name!r}; known: auto, {', '.join(BACKENDS)}")
-    module, cls = BACKENDS[name]
-    return getattr(importlib.import_module(module), cls)
-
-
-def requested_backend(backend: str | None = None) -> str:
-    """``backend``, else ``$GPUXFER_PP_TRANSPORT``, else ``auto`` (validated)."""
-    name = str(backend or config.get(ENV_TRANSPORT)).strip().lower()
-    if name != "auto" and name not in BACKENDS:
-        raise BadInput(f"{ENV_TRANSPORT}={name!r} is not a PP transport; choose auto, {', '.join(BACKENDS)}")
-    return name
-
 
 def _nccl_reason(platform) -> str | None:
     try:
@@ -116,7 +82,7 @@ def _nccl_reason(platform) -> str | None:
 def backend_report(platform) -> dict[str, str | None]:
     """Each backend: None if usable on this node as far as local checks tell, else the reason."""
     report: dict[str, str | None] = {}
-    for name in BACKENDS:
+    for name in backends.BACKENDS:
         try:
             cls = backend_class(name)
             if name == FALLBACK:
@@ -221,31 +187,6 @@ def _ranks(x) -> tuple[int, ...]:
     if len(set(out)) != len(out):
         raise BadInput(f"duplicate peer ranks in {out}")
     return out
-
-
-INJECT_PHASES = ("check", "alloc", "open", "probe")
-
-
-def injected(spec: str | None, rank: int) -> set[str]:
-    """The setup phases ``spec`` (``RANK:PHASE[,RANK:PHASE...]``, else ``$GPUXFER_PP_INJECT_FAILURE``) fails on
-    ``rank``; a malformed entry or an unknown phase is :class:`BadInput` whatever the rank."""
-    spec = spec if spec is not None else config.get(ENV_INJECT)
-    if not isinstance(spec, str):
-        raise BadInput(f"inject_failure must be a string RANK:PHASE[,RANK:PHASE...], got {spec!r}")
-    phases = set()
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        r, _, phase = item.partition(":")
-        phase = phase.strip() or "check"
-        try:
-            r = int(r)
-        except ValueError:
-            r = None
-        if r is None or phase not in INJECT_PHASES:
-            raise BadInput(f"{ENV_INJECT} / inject_failure entries are RANK:PHASE with PHASE one of "
-                           f"{', '.join(INJECT_PHASES)}, got {item!r}")
-        if r == rank:
-            phases.add(phase)
-    return phases
 
 
 def _torch_device(platform, device: int):
@@ -423,7 +364,7 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
                     sends=sends, recvs=recvs,
                     sdig=sspec.digest() if sspec else None, rdig=rspec.digest() if rspec else None,
                     metadata=opts.metadata, slots=opts.recv_slots,
-                    zero_sm=next((b for b in ZERO_SM if backend_class(b).platform_reason(plat) is None), None))
+                    zero_sm=next((b for b in backends.ZERO_SM if backend_class(b).platform_reason(plat) is None), None))
     except Exception as exc:  # noqa: BLE001 - exchanged, raised on every rank
         info["err"] = reason(exc)
     infos = exchange(info, ("err", "host", "pid", "counter", "nonce"))
@@ -517,10 +458,3 @@ def connect(group=None, *, send_to: int | Iterable[int] | None = None, recv_from
         log.info("rank %d: PP transport: %s%s%s", rank, chosen, detail,
                  "" if wanted == chosen else f" (requested {wanted})")
     return Connection(chosen, senders, receivers, fallback, rank)
-
-
-def meta_channel_from_env(value: str | None = None) -> str:
-    """``auto`` (a shared-memory mailbox for a pair on one host, else the CPU group) or ``group``."""
-    return config.resolve(ENV_META, value, option="meta_channel")
-
-

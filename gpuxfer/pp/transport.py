@@ -73,31 +73,14 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from .. import config
 from ..errors import BadInput, GpuxferError, PeerLost, ProtocolError, TransferTimeout
 from .mailbox import MailboxTimeout
-from ..sync import check_timeout
 from .channel import CpuChannel, PairSignals
 from .spec import Layout, Refusal, SpecTable
+from .timeouts import ENV_ON_TIMEOUT, ENV_TIMEOUT, resolve_on_timeout, resolve_timeout  # noqa: F401 - re-exported
 from .watchdog import close_all, exit_process
 
 log = logging.getLogger("gpuxfer.pp")
-
-ENV_TIMEOUT = "GPUXFER_PP_TIMEOUT_S"
-ENV_ON_TIMEOUT = "GPUXFER_PP_ON_TIMEOUT"
-
-def resolve_timeout(timeout_s: float | None) -> float:
-    """``timeout_s``, else ``$GPUXFER_PP_TIMEOUT_S``, else 300 s (checked: :func:`gpuxfer.sync.check_timeout`)."""
-    if timeout_s is None:
-        return config.get(ENV_TIMEOUT)
-    return check_timeout(timeout_s, "the transfer timeout")
-
-
-def resolve_on_timeout(value: str | None) -> str:
-    """``value``, else ``$GPUXFER_PP_ON_TIMEOUT``, else ``raise``: what a failed transport does
-    (``raise``: store the error, release its GPU waits, raise on every later call; ``exit``: also
-    log every transport's state and end the process with :data:`EXIT_CODE`)."""
-    return config.resolve(ENV_ON_TIMEOUT, value, option="on_timeout")
 
 
 def torch_is_stream_ordered(platform) -> bool:

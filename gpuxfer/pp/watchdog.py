@@ -16,18 +16,50 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from ..errors import EXIT_CODE, PeerLost
-
-if TYPE_CHECKING:
-    from .transport import Transport
+from .timeouts import resolve_timeout
 
 log = logging.getLogger("gpuxfer.pp")
 
 FAILED_TEARDOWN_S = 1.0     # drain / barrier limit of a failed transport at teardown (its peer is likely gone)
 GONE_POLL_S = 0.25          # how often the watchdog reads a waiting transport's peer "gone" note
 _TEARDOWN = threading.Lock()   # a transport leaves "open" once: close_all and abort from any thread
+
+
+class Watched(Protocol):
+    """What the watchdog and teardown use of a transport (:class:`gpuxfer.pp.transport.Transport` has it all)."""
+
+    rank: int
+    peer: int
+    name: str
+    role: str
+    step: int
+    timeout_s: float
+    signals: Any                # PairSignals, or None
+    meta: Any                   # the metadata channel (drained at teardown)
+    channel: Any
+    watch_after_error: bool
+    release_again: bool
+    _state: str
+    _error: BaseException | None
+    _waiting_since: float | None
+    _gone_checked: float
+    _wd: Any                    # pending GPU-side waits, oldest first
+    _wd_lock: Any
+    _call_lock: Any
+    _fail_lock: Any
+
+    def _watch(self, now: float) -> BaseException | None: ...
+    def _fail(self, err: BaseException) -> BaseException: ...
+    def _release_waits(self) -> None: ...
+    def _wait_label(self, wait) -> str: ...
+    def _drain(self, timeout_s: float) -> bool: ...
+    def _close_mappings(self) -> None: ...
+    def _free(self) -> None: ...
+    def _free_local(self) -> None: ...
+    def _close_meta(self) -> None: ...
 
 
 # --------------------------------------------------------------------------- watchdog
@@ -43,13 +75,13 @@ class _Watchdog:
         # held until closed or aborted: a transport its caller dropped unclosed is still watched, so a wait it
         # queued on the caller's stream is still released at its timeout (else it could block that stream
         # for good)
-        self._transports: "set[Transport]" = set()
+        self._transports: "set[Watched]" = set()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._at_exit = False
 
-    def register(self, t: Transport) -> None:
+    def register(self, t: Watched) -> None:
         with self._lock:
             self._transports.add(t)
             if self._thread is None or not self._thread.is_alive():
@@ -128,7 +160,7 @@ class _Watchdog:
 WATCHDOG = _Watchdog()
 
 
-def exit_process(failed: "Transport", err: BaseException) -> None:
+def exit_process(failed: Watched, err: BaseException) -> None:
     """``on_timeout="exit"``: log the error and every transport of this process, then end it."""
     try:
         log.critical("rank %d: the %s transport with rank %d failed and on_timeout='exit': ending the process "
@@ -147,7 +179,7 @@ def exit_process(failed: "Transport", err: BaseException) -> None:
 # --------------------------------------------------------------------------- teardown
 
 
-def close_all(transports: Sequence[Transport], timeout_s: float | None = None) -> None:
+def close_all(transports: Sequence[Watched], timeout_s: float | None = None) -> None:
     """Tear transports down together in a safe order (idempotent), in at most the largest
     ``timeout_s`` + a few seconds whatever the peers do; the caller's process group is never used.
 
@@ -160,7 +192,7 @@ def close_all(transports: Sequence[Transport], timeout_s: float | None = None) -
        stage closing both of its transports cannot deadlock);
     4. close peer mappings;  5. pair barrier again;  6. free buffers.
     A barrier that times out (a peer gone or late) is logged; that end then frees only what no
-    peer maps (as :meth:`Transport.abort`), and the rest goes at process exit.
+    peer maps (as :meth:`~gpuxfer.pp.transport.Transport.abort`), and the rest goes at process exit.
 
     Any thread may close: an end turns "closing" at once (later calls are refused; a call's host
     wait gives up), and teardown takes each end's call lock, so nothing is freed under a call of
@@ -169,7 +201,6 @@ def close_all(transports: Sequence[Transport], timeout_s: float | None = None) -
     its buffers to process exit. A second ``close`` while one runs returns at once.
     """
     if timeout_s is not None:
-        from .transport import resolve_timeout
         timeout_s = resolve_timeout(timeout_s)
     with _TEARDOWN:
         todo = [t for t in transports if t._state == "open"]
@@ -193,7 +224,7 @@ def close_all(transports: Sequence[Transport], timeout_s: float | None = None) -
             t._call_lock.release()
 
 
-def quiesce(t: "Transport", deadline: float) -> bool:
+def quiesce(t: Watched, deadline: float) -> bool:
     """Take ``t``'s call lock for teardown (``t`` is no longer open: a call of another thread inside it gives
     up its host waits). A call that holds it past :data:`FAILED_TEARDOWN_S` fails the end and has its GPU
     waits released (it then raises that error, never a released step's data); False if it still holds it

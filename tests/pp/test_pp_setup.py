@@ -207,13 +207,14 @@ def test_backend_report_reasons():
 
 
 def test_register_backend_hook(monkeypatch):
-    from gpuxfer.pp import selection
-    monkeypatch.setattr(selection, "BACKENDS", dict(selection.BACKENDS))
-    monkeypatch.setattr(selection, "ZERO_SM", list(selection.ZERO_SM))
+    from gpuxfer.pp import backends, selection
+    monkeypatch.setattr(backends, "BACKENDS", dict(backends.BACKENDS))
+    monkeypatch.setattr(backends, "ZERO_SM", list(backends.ZERO_SM))
     selection.register_backend("sdma_test", "gpuxfer.pp.copy_engine", "CopyEngineTransport")
     assert selection.requested_backend("sdma_test") == "sdma_test"
-    assert selection.ZERO_SM[-1] == "sdma_test"
+    assert backends.ZERO_SM[-1] == "sdma_test"
     assert selection.backend_class("sdma_test").name == "copy_engine"
+    assert "sdma_test" not in selection.BACKENDS     # the registry as imported, untouched by the patched one
 
 
 def test_connect_needs_distributed():
