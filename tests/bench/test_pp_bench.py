@@ -242,13 +242,17 @@ def test_host_target_from_the_paced_rows():
     from gpuxfer.bench.pp import HOST_TARGET
     from gpuxfer.bench.pp.report import _host_target
 
-    def row(size, snd, rcv, metadata=False, backend="copy_engine"):
+    def row(size, snd, rcv, metadata=False, backend="copy_engine", p90=None):
         return {"backend": backend, "metadata": metadata, "size_bytes": size, "send_host_paced_us": snd,
-                "recv_host_paced_us": rcv}
-    res = {"rows": [row(16384, 6.0, 4.0), row(1 << 20, 8.0, 5.0), row(4 << 20, 30.0, 30.0),
-                    row(16384, 40.0, 40.0, metadata=True), row(16384, 50.0, 50.0, backend="nccl")]}
-    assert _host_target(res) == (HOST_TARGET, "worst sender 8.0 us, receiver 5.0 us", True)
-    res["rows"].append(row(65536, 7.0, 11.0))
+                "recv_host_paced_us": rcv, "send_host_paced_p90_us": p90 and p90[0],
+                "recv_host_paced_p90_us": p90 and p90[1]}
+    res = {"rows": [row(16384, 6.0, 4.0, p90=(7.0, 6.0)), row(1 << 20, 8.0, 5.0, p90=(9.5, 6.5)),
+                    row(4 << 20, 30.0, 30.0), row(16384, 40.0, 40.0, metadata=True),
+                    row(16384, 50.0, 50.0, backend="nccl")]}
+    assert _host_target(res) == (HOST_TARGET, "worst sender 8.0 us (p90 9.5), receiver 5.0 us (p90 6.5)", True)
+    res["rows"].append(row(65536, 7.0, 6.0, p90=(8.0, 10.5)))        # medians inside, a p90 outside: missed
+    assert _host_target(res)[2] is False
+    res["rows"][-1] = row(65536, 7.0, 11.0)                           # no p90 in the row: its median judged
     assert _host_target(res)[2] is False
     assert _host_target({"rows": [row(16384, 1.0, 1.0, metadata=True)]}) is None
 

@@ -44,7 +44,7 @@ TARGET_COMPUTE_LOSS = 0.01      # matmul throughput lost next to copy-engine tra
 TARGET_LATENCY_US = 10.0        # one-way step latency at <= 64 KiB
 TARGET_HOST_US = 10.0           # copy_engine eager host time per side and step at 16 KiB - 1 MiB (paced)
 HOST_TARGET = (f"copy_engine eager host time <= {TARGET_HOST_US:g} us per side and step at 16 KiB-1 MiB "
-               f"(paced, without metadata)")
+               f"(paced, without metadata; the p90 step)")
 PACED_STEPS = 200               # most steps of the paced host-time loop
 
 
