@@ -40,9 +40,9 @@ the source's packed chunks travel staging to staging on a copy engine.
 Descriptors are expanded on the device from the block IDs and the registered layout
 (:mod:`gpuxfer.kernels.block_kernel`). Everything per (peer, direction, layer range) -- the
 plane table, the tilings, a ring of device buffers with their launches bound once and
-captured as a graph (:class:`~gpuxfer.kv.slots._Slot`) -- is built once and cached; per request ``prepare``
+captured as a graph (:class:`~gpuxfer.kv.triton_transfer._Slot`) -- is built once and cached; per request ``prepare``
 writes one small int64 array (a header and the block IDs) on the host, and ``post``
-uploads it into a free slot and launches the slot's graph (:class:`~gpuxfer.kv.slots._SlotTransfer`).
+uploads it into a free slot and launches the slot's graph (:class:`~gpuxfer.kv.triton_transfer._SlotTransfer`).
 
 **Different block sizes.** When one side's block size divides the other's (prefill
 64-token blocks, decode 16-token blocks), tokens are matched, not blocks: a 64-token
@@ -109,7 +109,7 @@ from .lifetime import _Lifetime, _Shared
 from .peers import _LEAKED, _LOCAL_AGENTS, KVPeer, _Group  # noqa: F401 - _LEAKED: what close kept (tests look)
 from .posting import _PostResources, _ended
 from .routes import _Route, _Routes
-from .slots import _RequestPool
+from .triton_transfer import _RequestPool
 from .staging import _Staging
 from .transfer import KVTransfer, KVTransferHandle
 

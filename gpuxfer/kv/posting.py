@@ -10,7 +10,7 @@ from ..errors import GpuxferError, TransferTimeout
 from ..platforms.base import Event, Stream
 from .pack_transfer import _PackShape
 from .routes import _Route
-from .slots import _Slot
+from .triton_transfer import _Slot
 
 if TYPE_CHECKING:
     from .pack_transfer import _PackTransfer

@@ -16,7 +16,7 @@ from .layers import KVLayer, _torch
 
 if TYPE_CHECKING:
     from .peers import KVPeer
-    from .slots import _Slot
+    from .triton_transfer import _Slot
 
 
 @dataclass

@@ -13,7 +13,7 @@ from .ids import request_fingerprint
 from .layers import _torch
 from .pack_transfer import _PackTransfer
 from .routes import _Route
-from .slots import _SlotTransfer
+from .triton_transfer import _SlotTransfer
 from .transfer import KVTransfer
 
 #: a request's chunks: at least this many bytes each (where the slot holds them), growing past it so a request

@@ -377,7 +377,7 @@ def test_a_peer_whose_flag_words_or_staging_are_smaller_than_claimed_is_refused(
 def test_request_pool_reaps_only_when_none_is_free():
     """A prepare takes a free host array without looking at posted transfers; with none free, the reap runs
     first and what it gives back is taken instead of a new array."""
-    from gpuxfer.kv.slots import _RequestPool
+    from gpuxfer.kv.triton_transfer import _RequestPool
     pool = _RequestPool(pinned=False)
     calls = []
     first, arr = pool.take(100, lambda: calls.append("reap"))
