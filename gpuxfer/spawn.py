@@ -67,8 +67,18 @@ class Outcome:
         return not self.errors
 
 
+def _interrupt_once(signum, frame) -> None:
+    """A rank's first SIGINT raises KeyboardInterrupt and later ones are ignored: Ctrl-C at a terminal
+    reaches the rank and the parent, which passes it on (:func:`_let_ranks_stop`), and that second signal
+    must not cut short the unwinding the first one started (freeing shared memory, joining threads)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def _child(target, rank: int, world: int, init_method: str, env: dict, args: tuple, q) -> None:
     os.environ.update(env)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupt_once)
     code = 0
     try:
         logging.basicConfig(level=config.get("GPUXFER_LOG_LEVEL").upper(),

@@ -39,3 +39,18 @@ def test_the_benchmarks_share_one_convention(bench):
     ns = leaf.parse_args([])
     assert ns.timeout == "120" and ns.out is None and ns.json is None
     assert leaf.parse_args(["--json"]).json is True and leaf.parse_args(["--json", "x.json"]).json == "x.json"
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """`gpuxfer ... | head`: the closed pipe ends the command quietly, with the shell's code for SIGPIPE."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.Popen([sys.executable, "-m", "gpuxfer.cli", "bench", "kv", "--platform", "host", "--plan-only",
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(os.environ, PYTHONPATH=root))
+    proc.stdout.close()             # before the command writes a byte
+    err = proc.stderr.read().decode()
+    assert proc.wait(120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err

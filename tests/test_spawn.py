@@ -89,6 +89,7 @@ def holds_shared_memory(ctx, ready_dir):
         open(os.path.join(ready_dir, f"ready{ctx.rank}"), "w").close()
         time.sleep(600)
     finally:            # runs only if the rank is let to unwind
+        time.sleep(float(os.environ.get("UNWIND_S", "0")))    # a slow unwind, which a second SIGINT must not cut
         shm.close()
         shm.unlink()
 
@@ -99,9 +100,11 @@ if __name__ == "__main__":
 
 
 @pytest.mark.timeout(240)
-def test_ctrl_c_lets_the_ranks_unwind(tmp_path):
-    """Ctrl-C on the parent alone (kill -INT): the ranks get SIGINT and time to free what they hold, so
-    nothing is reported leaked, and the outcome says 'interrupted'."""
+@pytest.mark.parametrize("to_group", [False, True], ids=["parent-only", "terminal"])
+def test_ctrl_c_lets_the_ranks_unwind(tmp_path, to_group):
+    """Ctrl-C on the parent alone (kill -INT), or at a terminal (SIGINT to the parent and the ranks, which
+    then get the parent's too, during a slow unwind): the ranks get time to free what they hold, so nothing
+    is reported leaked, and the outcome says 'interrupted'."""
     import os
     import signal
     import subprocess
@@ -111,13 +114,17 @@ def test_ctrl_c_lets_the_ranks_unwind(tmp_path):
     script.write_text(_CTRL_C_SCRIPT)
     root = str(Path(__file__).resolve().parents[1])
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=root))
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, PYTHONPATH=root, UNWIND_S="1" if to_group else "0"))
     try:
         deadline = time.monotonic() + 180
         while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
+        if to_group:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

@@ -230,7 +230,9 @@ def _run(c: dict, outputs, out) -> int:
         pre = {"command": "gpuxfer bench kernels", "date": _dt.datetime.now().astimezone().isoformat(),
                "host": _pyplatform.node(), "platform": plat.name, "platform_label": plat.label,
                "emulation": emu, "versions": run_versions(plat),
-               "local_device": {"index": local, "name": info_l.name, "arch": info_l.arch, "sms": sms},
+               # the emulation has no SMs (doctor's count is the host's CPUs): the interpreter's programs stand in
+               "local_device": {"index": local, "name": info_l.name, "arch": info_l.arch,
+                                "sms": None if emu else sms, "programs_per_grid": sms},
                "peer_device": {"index": peer, "name": info_p.name, "arch": info_p.arch},
                "link": link.as_dict()}
         params = {"sizes_bytes": sizes, "pool_bytes": pool, "ops": ops, "sweep_programs": sweep,
@@ -308,7 +310,7 @@ def _run(c: dict, outputs, out) -> int:
                         packed = packed or op == "pack"
                         cfg, progs = L.launch_geometry(n, tdev, nbytes_hint=size,
                                                        local=op in ("local", "pack", "unpack"))
-                        p(Row(op, size, n, total, progs, min(progs, sms), ts, ceil.get(ceiling_of), w,
+                        p(Row(op, size, n, total, progs, None if emu else min(progs, sms), ts, ceil.get(ceiling_of), w,
                               extra={"config": cfg.__dict__}))
 
                     if sweep and size == c["sweep_size"]:
@@ -325,7 +327,8 @@ def _run(c: dict, outputs, out) -> int:
                             check_copy(p_src, lb, sub)
                             ts = clock.time(fn, f"sweep {s}", warmup, trials)
                             w = L.verify(lb, sub, SEED).wrong_bytes
-                            p(Row("sweep", size, m, m * size, progs, min(progs, sms), ts, ceil.get("pull"), w,
+                            p(Row("sweep", size, m, m * size, progs, None if emu else min(progs, sms), ts,
+                                  ceil.get("pull"), w,
                                   note="all: the default grid" if g is None else
                                   "one program per SM" if s == "sms" else "",
                                   extra={"config": cfg.__dict__}))
@@ -343,8 +346,8 @@ def _run(c: dict, outputs, out) -> int:
     print("#", file=out)
     print(f"# rows: {len(rows)}, wrong bytes: {wrong}, elapsed: {elapsed:.1f} s", file=out)
     if emu:
-        print("# EMULATION: the host platform ran the kernels in Triton's interpreter on the CPU; "
-              "these numbers are not GPU performance.", file=out)
+        print("# EMULATION: the host platform ran the kernels in Triton's interpreter on the CPU;\n"
+              "#   these numbers are not GPU performance.", file=out)
     for line in verdict.lines():
         print(line, file=out, flush=True)
     result = "PASS" if verdict.ok else "FAIL"
@@ -357,13 +360,14 @@ def _run(c: dict, outputs, out) -> int:
 
 
 def _preamble(out, pre: dict, params: dict) -> None:
-    w = lambda s="": print(f"# {s}".rstrip(), file=out)  # noqa: E731
+    def w(s: str = "") -> None:
+        print("\n".join(R.wrap_comments([f"# {s}".rstrip()])), file=out)
     w(f"gpuxfer bench kernels  {pre['date']}  host {pre['host']}")
     if R.versions_line(pre["versions"]):
-        print(R.versions_line(pre["versions"]), file=out)
+        print("\n".join(R.wrap_comments([R.versions_line(pre["versions"])])), file=out)
     w(f"platform: {pre['platform_label']}")
     ld, pd, lk = pre["local_device"], pre["peer_device"], pre["link"]
-    sms = (f"no SMs: the interpreter's {ld['sms']} programs stand for them" if pre["emulation"] else
+    sms = (f"no SMs: the interpreter's {ld['programs_per_grid']} programs stand for them" if pre["emulation"] else
            f"{ld['sms']} SMs")
     w(f"local device {ld['index']}: {ld['name']} ({ld['arch']}, {sms}) runs every kernel")
     w(f"peer device {pd['index']}: {pd['name']} ({pd['arch']}), pool owned by a helper process, opened over IPC")

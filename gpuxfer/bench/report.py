@@ -154,14 +154,15 @@ class Verdict:
 
 def wrap_comments(lines: list[str], width: int = 120) -> list[str]:
     """The report's prose comments (``# `` then a word) wrapped at ``width``, continued as ``#   ...``;
-    table rows and their headers (``#`` then spaces, or no ``#``) as they are."""
+    table rows and their headers (``#`` then spaces, or no ``#``) as they are; a word longer than a line
+    (a path) is never split."""
     out = []
     for ln in lines:
         if len(ln) <= width or not ln.startswith("# ") or ln[2:3].isspace():
             out.append(ln)
             continue
         out.extend(textwrap.wrap(ln[2:], width - 4, initial_indent="# ", subsequent_indent="#   ",
-                                 break_on_hyphens=False))
+                                 break_on_hyphens=False, break_long_words=False))
     return out
 
 

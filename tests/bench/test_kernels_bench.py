@@ -36,6 +36,9 @@ def test_bench_kernels_runs_end_to_end_on_the_host_emulation(tmp_path, capsys, m
         if r["op"] in ("pull", "push", "local", "pack", "unpack", "sweep"):
             assert r["ceiling_gbps"] > 0 and r["ceiling_pct"] > 0 and r["programs"] >= 1
     assert doc["parameters"]["pool_bytes"] == 24 * 1024
+    # the emulation has no SMs (doctor counts the host's CPUs there): no SM count pretends otherwise
+    assert doc["preamble"]["local_device"]["sms"] is None and all(r["sms_used"] is None for r in doc["rows"])
+    assert all(len(ln) <= 120 for ln in lines if ln.startswith("# ") and not ln[2:3].isspace()), text
 
 
 @pytest.mark.parametrize("argv, match", [

@@ -169,7 +169,25 @@ def _host_plan(capsys, *argv):
     rc = main(["bench", "kv", "--platform", "host", "--plan-only", *argv])
     out, err = capsys.readouterr()
     assert rc == 0, err
+    if "--json" not in argv:           # the plan fits 120 columns when piped
+        assert max(len(ln) for ln in out.splitlines()) <= 120, out
     return out
+
+
+def test_the_run_report_wraps_its_prose_at_120_columns(capsys):
+    """Long prose (an engine's reason, a shed row's, a note) is wrapped; table rows keep their columns."""
+    from gpuxfer.bench.kv import report as R
+    rep = R.Reporter(out_dir=None, plots=False)
+    why = "NIXL is not installed: " + "pip install something long " * 12
+    rep.handle("start", {"env": {"is_emulation": True, "engines": {"nixl": why, "nixl-bulk": why}},
+                         "params": {"engines": ["bulk"]}, "expected_rows": 1,
+                         "shed": [{"engine": "nixl", "reason": why, "rows": 0}]})
+    rep.handle("note", {"text": why})
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    prose = [ln for ln in lines if ln.startswith("# ") and not ln[2:3].isspace() and ln not in R.header_lines()]
+    assert len(prose) > 3 and max(len(ln) for ln in prose) <= 120, out
+    assert any(ln.startswith("#   ") for ln in lines), out
 
 
 def test_the_host_plan_is_the_run_rows_and_time_included(capsys):

@@ -20,6 +20,7 @@ from typing import TextIO
 
 from ... import config
 from ..cpus import HELP as CPUS_HELP
+from ..report import wrap_comments
 from ..cliutil import (PLATFORM_CHOICES, add_common_arguments, device_count, error_line, int_option,
                        platform_option, prepare_outputs, seconds_option)
 from ...common import parse_size
@@ -216,7 +217,7 @@ def print_plan(grid: Grid, *, as_json: bool = False, options: RunOptions | None 
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(file=file, width=None if file.isatty() else 150, highlight=False)
+    console = Console(file=file, width=None if file.isatty() else 120, highlight=False)
     budget = grid.pool_budget_bytes
     cap = ("capped at free memory " + _si(grid.free_memory_bytes) if grid.free_memory_bytes is not None
            and grid.free_memory_bytes < grid.asked_pool_budget_bytes else
@@ -238,12 +239,12 @@ def print_plan(grid: Grid, *, as_json: bool = False, options: RunOptions | None 
                 f"{p:,} tokens {_si(CX.bulk_bytes(p, grid))}" for p in sorted({q.isl_tokens for q in kept})))
     elif options is not None:
         console.print(f"engines {', '.join(options.engines)}; directions {', '.join(options.directions)}; "
-                      f"{options.trials} trials; seed {options.seed}")
+                      f"{options.trials} trial{'' if options.trials == 1 else 's'}; seed {options.seed}")
     table = Table(title="sweep grid", header_style="bold")
     for col, just in (("workload", "left"), ("ISL\ntokens", "right"), ("page\ntokens", "right"),
-                      ("bytes /\nrequest", "right"), ("descriptors /\nrequest", "right"),
-                      ("mean B /\ndescriptor", "right"), ("batches kept", "left"),
-                      ("largest burst\nbytes", "right"), ("largest burst\ndescriptors", "right"),
+                      ("bytes /\nrequest", "right"), ("descs /\nrequest", "right"),
+                      ("mean B /\ndesc", "right"), ("batches\nkept", "left"),
+                      ("largest\nburst\nbytes", "right"), ("largest\nburst\ndescs", "right"),
                       ("pool /\nrank", "right"), ("shed", "left")):
         table.add_column(col, justify=just, overflow="fold")
     for p in grid.points:
@@ -314,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
         text = sys.stderr if outputs.json_stdout else sys.stdout
         if shrunk:
             print(host_note(shrunk, suite=options.suite), file=text)
-        print(f"# plan: {estimate['line']}", file=text, flush=True)
+        print("\n".join(wrap_comments([f"# plan: {estimate['line']}"])), file=text, flush=True)
     cfg.out, cfg.json = outputs.directory, outputs.json_stdout
     rc = run_sweep(cfg)
     if rc == EXIT_INTERRUPTED:
@@ -359,11 +360,12 @@ def host_note(shrunk: dict[str, str], *, plan: bool = False, suite: str | None =
     (the ``# plan:`` line after it says which rows and how long)."""
     what = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in shrunk.items())
     cmd = "gpuxfer bench kv" + (f" --suite {suite}" if suite else "")
-    return ("# host EMULATION (no GPU here): " + ("the grid below is" if plan else "this run is") +
-            f" the small one ({what}): it checks that each engine asked for moves every byte right; its times "
-            "say nothing about GPUs.\n"
-            f"# The full grid: `{cmd} --full` (hours in Triton's interpreter; `{cmd} --plan-only --full` "
-            f"shows it); on a GPU machine plain `{cmd}` runs it.")
+    return "\n".join(wrap_comments([
+        "# host EMULATION (no GPU here): " + ("the grid below is" if plan else "this run is") +
+        f" the small one ({what}): it checks that each engine asked for moves every byte right; its times "
+        "say nothing about GPUs.",
+        f"# The full grid: `{cmd} --full` (hours in Triton's interpreter; `{cmd} --plan-only --full` "
+        f"shows it); on a GPU machine plain `{cmd}` runs it."]))
 
 
 def plan_estimate(grid: Grid, options: RunOptions, args: argparse.Namespace, platform: str) -> dict:

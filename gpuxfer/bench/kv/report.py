@@ -32,7 +32,8 @@ import sys
 from typing import Any, Sequence
 
 from ..cpus import AUTO, describe
-from ..report import Column, Table, Verdict, integer, link_text, percent, rate, text, versions_line
+from ..report import (Column, Table, Verdict, integer, link_text, percent, rate, text, versions_line,
+                      wrap_comments)
 from ..report import dumps as _dumps
 from ..timing import gbps, sample_stats
 
@@ -236,8 +237,8 @@ def summary_lines(summ: Sequence[dict[str, Any]]) -> list[str]:
     if not summ:
         return ["# summary: no row was measured"]
     lines = ["#", "# summary: GB/s p50 (% of the bulk ceiling) at the smallest and the largest batch measured;",
-             "# worst % over every batch; t/desc = burst time per descriptor at the smallest batch; page 'bulk': "
-             "the suite's one-descriptor rows",
+             "# worst % over every batch; t/desc = burst time per descriptor at the smallest batch;",
+             "# page 'bulk': the suite's one-descriptor rows",
              f"# {'workload':<9} {'ISL':>7} {'page':>5} {'dir':<4} {'engine':<11} {'batch':>5} {'GB/s':>7} {'(%)':>7}"
              f" {'batch':>5} {'GB/s':>7} {'(%)':>7} {'worst %':>7} {'t/desc us':>9}  valid"]
     for s in summ:
@@ -468,8 +469,11 @@ class Reporter:
         self._finished = False
 
     # -- printing
-    def _print(self, line: str) -> None:
-        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+    def _print(self, line: str, *, prose: bool = False) -> None:
+        """One line as it is (table rows keep their columns), or, with ``prose``, a ``# `` comment
+        wrapped at 120 characters."""
+        for ln in wrap_comments([line]) if prose else [line]:
+            self.console.print(ln, markup=False, highlight=False, soft_wrap=True)
 
     def _start_progress(self) -> None:
         if not self.console.is_terminal or not self.expected:
@@ -494,10 +498,10 @@ class Reporter:
             self.env, self.params = payload["env"], payload["params"]
             self.expected = payload.get("expected_rows")
             for line in preamble_lines(self.env, self.params):
-                self._print(line)
+                self._print(line, prose=True)
             for item in payload.get("shed", []):
                 self.shed.append(item)
-                self._print(format_shed(item))
+                self._print(format_shed(item), prose=True)
             for line in header_lines():
                 self._print(line)
             self._start_progress()
@@ -512,11 +516,11 @@ class Reporter:
                 self._progress.update(self._task, advance=1)
         elif kind == "shed":
             self.shed.append(payload)
-            self._print(format_shed(payload))
+            self._print(format_shed(payload), prose=True)
             if self._progress is not None:
                 self._progress.update(self._task, advance=payload.get("rows", 0))
         elif kind == "note":
-            self._print(f"# {payload['text']}")
+            self._print(f"# {payload['text']}", prose=True)
         elif kind == "error":
             self.errors.append(payload["text"])
             self._print(f"# ERROR: {payload['text']}")
@@ -562,7 +566,7 @@ class Reporter:
             self._print(line)
         wrong = sum(int(r.get("wrong_bytes") or 0) for r in self.rows)
         for line in footer_lines(out, artifacts, wrong_bytes=wrong, emulation=bool(self.env.get("is_emulation"))):
-            self._print(line)
+            self._print(line, prose=True)
         if self.machine_json:
             sys.stdout.write(dumps(doc) + "\n")
             sys.stdout.flush()
