@@ -87,8 +87,12 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
     first = loads.get(f"d-{reqs[0][0]}", {})
     warm = [loads.get(f"d-{r}", {}).get("load_s") for r, _, _ in reqs[1:1 + a.warm]]
     warm = [w for w in warm if w is not None]
-    single = [t for n, t in st.get("start_load_kv_s", []) if n == 1]
-    batched = [(n, t) for n, t in st.get("start_load_kv_s", []) if n > 1]
+    slk = st.get("start_load_kv_s", [])
+    single = [x[1] for x in slk if x[0] == 1]
+    batched = [(x[0], x[1]) for x in slk if x[0] > 1]
+    # the single loads timed while the CPU ran at its fast speed (yardstick within 1.25x of the run's fastest)
+    ys = [x[2] for x in slk if len(x) > 2]
+    fast = [x[1] for x in slk[1:] if x[0] == 1 and len(x) > 2 and x[2] <= 1.25 * min(ys)] if ys else []
     s_med = statistics.median(single[1:] or single) if single else None
     extra = [(t - s_med) / (n - 1) for n, t in batched] if s_med is not None else []
     us = lambda x: None if x is None else 1e6 * x          # noqa: E731
@@ -97,6 +101,8 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
         "decode_cpus": sorted({y["cpu"] for y in yardstick if y["cpu"] is not None}),
         "start_load_kv_us_p50": us(pct(single[1:], 0.5)), "start_load_kv_us_p90": us(pct(single[1:], 0.9)),
         "start_load_kv_first_us": us(single[0]) if single else None,
+        "start_load_kv_fast_cpu_us_p50": us(pct(fast, 0.5)), "start_load_kv_fast_cpu_n": len(fast),
+        "step_python_us": [round(y, 1) for y in ys],
         "extra_request_us": us(max(extra)) if extra else None,
         "get_finished_us_p50": us(pct(st.get("get_finished_s", []), 0.5)),
         "get_finished_us_p90": us(pct(st.get("get_finished_s", []), 0.9)),
@@ -165,7 +171,7 @@ def main(argv=None) -> int:
               f"{f(r['get_finished_us_p90'], 7)} {f(r['first_load_ms'], 8, 2)} {f(r['warm_load_ms'], 8, 2)} "
               f"{f(r['handshake_ms'], 7)} {f(r['python_us'], 6)} {r['wrong_bytes']:>6}", flush=True)
     pool = lambda key: [x for r in rows for x in r["samples"][key]]      # noqa: E731
-    single = [t for r in rows for n, t in r["samples"]["start_load_kv_s"][1:] if n == 1]
+    single = [x[1] for r in rows for x in r["samples"]["start_load_kv_s"][1:] if x[0] == 1]
     summary = {
         "start_load_kv_us": 1e6 * pct(single, 0.9) if single else None,
         "extra_request_us": pct([r["extra_request_us"] for r in rows if r["extra_request_us"] is not None], 0.9),
@@ -175,6 +181,12 @@ def main(argv=None) -> int:
     }
     wrong = sum(r["wrong_bytes"] for r in rows)
     failed = [x for r in rows for x in r["failed"]]
+    print("# start_load_kv (one load) on steps whose yardstick was within 1.25x of the run's fastest, p50: "
+          + ", ".join(f"run {r['run']}: " + ("-" if r["start_load_kv_fast_cpu_us_p50"] is None else
+                      f"{r['start_load_kv_fast_cpu_us_p50']:.0f} us of {r['start_load_kv_fast_cpu_n']}")
+                      for r in rows)
+          + "; step yardsticks (us): " + " | ".join(f"{min(r['step_python_us'], default=0):.0f}-"
+                                                   f"{max(r['step_python_us'], default=0):.0f}" for r in rows))
     print("# targets, p90 over the runs:")
     verdicts = {}
     for k, target in TARGETS.items():

@@ -283,7 +283,10 @@ class _Engine:
         res = w.get_transfer_results(so.finished_req_ids)
         t3 = time.perf_counter()
         if n_loads:
-            self.stats.setdefault("start_load_kv_s", []).append((n_loads, t1 - t0))
+            from gpuxfer.bench.cpus import python_speed_us
+            # the CPU's speed right after the timed calls (a VM's vCPU changes speed within seconds)
+            self.stats.setdefault("start_load_kv_s", []).append(
+                (n_loads, t1 - t0, python_speed_us(rounds=1)))
         if w._worker._loads or res.finished_recving:
             self.stats.setdefault("get_finished_s", []).append(t3 - t2)
         invalid = w.get_block_ids_with_load_errors()
