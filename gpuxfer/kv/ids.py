@@ -34,6 +34,12 @@ def _as_ids(ids, request: str, group: str, side: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
+def _uncovered(request: str, group: str, a: int, b: int, rs: int, rd: int) -> BlockIdError:
+    """The error of ``a`` source and ``b`` destination blocks that do not cover the same tokens."""
+    return BlockIdError(f"request {request!r}, group {group!r}: {a} source and {b} destination blocks do not "
+                        f"cover the same tokens (block-size ratio {rs}:{rd})")
+
+
 def _check_range(ids: np.ndarray, limit: int, request: str, group: str, side: str) -> None:
     """Every ID in ``[0, limit)``: one reduction (a negative ID read unsigned is past any limit)."""
     if ids.size and int(ids.view(np.uint64).max()) >= limit:
@@ -199,8 +205,7 @@ class _RouteIds:
         s, d = (mine, theirs) if push else (theirs, mine)
         n = s.size
         if d.size != n:
-            raise BlockIdError(f"request {request!r}, group {g!r}: {n} source and {d.size} destination "
-                               "blocks do not cover the same tokens (block-size ratio 1:1)")
+            raise _uncovered(request, g, n, d.size, 1, 1)
         ls, ld = self.limits[0]
         if n and (int(s.view(np.uint64).max()) >= ls or int(d.view(np.uint64).max()) >= ld):
             _check_range(s, ls, request, g, "source (local)" if push else "source (remote)")
@@ -222,8 +227,7 @@ class _RouteIds:
             a, b = s.size, d.size
             n = a if rs == 1 else b
             if -(-n // rs) != a or -(-n // rd) != b:
-                raise BlockIdError(f"request {request!r}, group {g!r}: {a} source and {b} destination "
-                                   f"blocks do not cover the same tokens (block-size ratio {rs}:{rd})")
+                raise _uncovered(request, g, a, b, rs, rd)
             srcs.append(s)
             dsts.append(d)
             n_seg.append(n)
