@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python scripts/kv_host_costs.py [--workload kv-dsv4] [--isl 32768,524288] [--page 16,64]
         [--ops pull,push] [--engines triton,copy_engine,pack] [--launch graph,direct] [--iters 20] [--profile]
-        [--cpu auto|none|N] [--json PATH]
+        [--cpu auto|none|N] [--batch N] [--json PATH]
 
 A tuning aid for the KV API's host-time targets (not a test): two agents in this process, on
 devices 0 and 1 (device 0 twice when only one is present), register the benchmark's layout of
@@ -23,6 +23,9 @@ post, which compile and load the kernels) the process times a Python yardstick o
 ``none``: the scheduler places it. Each row says where it ran (``cpu``, ``cpu_choice``) and the
 yardstick there before and after its timed loops (``yardstick_us``, ``yardstick_end_us``; the
 yardsticks of every CPU under ``auto``), so runs on different machines or moments compare.
+
+``--batch N`` also times N requests of one burst posted by one ``KVAgent.post_many`` (one upload and one
+graph launch per route) against N ``post`` calls, each request prepared beforehand.
 
 ``--profile`` runs the prepare + post loop under cProfile and prints where gpuxfer's own Python
 time goes (driver calls show as the built-in functions they are), to tell it apart from the driver.
@@ -173,6 +176,67 @@ def measure(plat, workload: str, isl: int, page: int, op: str, engine: str, iter
             b.close()
 
 
+def measure_batch(plat, workload: str, isl: int, page: int, op: str, batch: int, iters: int,
+                  cpu: _Cpu | None = None) -> dict:
+    """``batch`` requests of one burst (distinct blocks) posted by one ``post_many`` against one ``post`` each,
+    the ``triton`` engine: the host time of the call(s), each request prepared beforehand."""
+    from gpuxfer.kv.agent import KVAgent
+    from gpuxfer.bench.kv.model.blocktable import burst_tables
+    from gpuxfer.bench.kv.model.layout import layout_for_burst, layout_groups
+
+    devices = (0, 1) if plat.device_count() > 1 else (0, 0)
+    layout = layout_for_burst(workload, isl, page, batch)
+    bufs, agents, where = [], [], None
+    try:
+        for i, d in enumerate(devices):
+            bufs.append(plat.alloc(layout.pool_bytes, d))
+            ag = KVAgent(f"batch-{i}", platform=plat, device=d, engine="triton", timeout_s=120)
+            agents.append(ag)
+            for name, bt, layers in layout_groups(layout, plat.as_tensor(bufs[-1])):
+                ag.register_group(name, bt, layers)
+        src = burst_tables(layout, isl, batch, seed=3, side="src")
+        dst = burst_tables(layout, isl, batch, seed=3, side="dst")
+        initiator, other = (agents[1], agents[0]) if op == "pull" else (agents[0], agents[1])
+        peer = initiator.add_peer(other.metadata())
+        mine, theirs = (dst, src) if op == "pull" else (src, dst)
+
+        def prepared():
+            return [initiator.prepare(peer, op, local_blocks=m, remote_blocks=t, name=f"r{k}")
+                    for k, (m, t) in enumerate(zip(mine, theirs))]
+
+        def timed(xs, many: bool) -> float:
+            t0 = time.perf_counter()
+            hs = initiator.post_many(xs) if many else [x.post() for x in xs]
+            dt = (time.perf_counter() - t0) * 1e6
+            for h in hs:
+                h.wait(120)
+            return dt
+
+        timed(prepared(), True)                 # makes the slots (the merged request's size) and loads kernels
+        timed(prepared(), False)
+        where = cpu.pin() if cpu is not None else None
+        many, single = [], []
+        for _ in range(iters):
+            many.append(timed(prepared(), True))
+            single.append(timed(prepared(), False))
+        row = {"platform": plat.name, "workload": workload, "isl_tokens": isl, "page_tokens": page, "op": op,
+               "engine": "triton", "batch": batch, "graph_used": bool(initiator.graphs),
+               "post_many_p50_us": float(np.median(many)), "post_many_p90_us": float(np.percentile(many, 90)),
+               "posts_p50_us": float(np.median(single)), "posts_p90_us": float(np.percentile(single, 90)),
+               **(where or {})}
+        if where is not None:
+            where = None
+            cpu.release(row)
+        return row
+    finally:
+        if where is not None:
+            cpu.release(None)
+        for ag in reversed(agents):
+            ag.close()
+        for b in bufs:
+            b.close()
+
+
 def _profiled(step, iters: int) -> str:
     """``step()`` run ``iters`` times under cProfile: the 20 functions of most own time."""
     pr = cProfile.Profile()
@@ -288,8 +352,12 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu", default="auto", metavar="auto|none|N",
                     help="where the timed loops run: the fastest CPU by a Python yardstick (auto), CPU N, or "
                          "where the scheduler puts them (none)")
+    ap.add_argument("--batch", type=int, default=0,
+                    help="also time N requests posted by one post_many against N posts (triton; 0: not)")
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args(argv)
+    if args.batch < 0 or args.batch == 1:
+        ap.error("--batch takes 0 (none) or at least 2 requests")
     try:
         cpu = _Cpu(args.cpu.strip())
     except ValueError as exc:
@@ -321,6 +389,17 @@ def main(argv=None) -> int:
                                 rows.append({"workload": args.workload, "isl_tokens": isl, "page_tokens": page,
                                              "op": op, "engine": engine, "launch": launch,
                                              "error": f"{type(exc).__name__}: {exc}"})
+        if args.batch:
+            for isl in isls:
+                for page in pages:
+                    for op in _names(args.ops):
+                        try:
+                            rows.append(measure_batch(plat, args.workload, isl, page, op, args.batch, iters, cpu))
+                        except Exception as exc:  # noqa: BLE001 - report the row and go on
+                            failed += 1
+                            rows.append({"workload": args.workload, "isl_tokens": isl, "page_tokens": page,
+                                         "op": op, "engine": "triton", "batch": args.batch, "launch": "-",
+                                         "error": f"{type(exc).__name__}: {exc}"})
     finally:
         plat.close()
     cols = ["engine", "launch", "graph_used", "op", "isl_tokens", "page_tokens", "descriptors", "register_ms",
@@ -328,6 +407,11 @@ def main(argv=None) -> int:
             "first_setup_us", "first_post_us", "cpu", "yardstick_us", "yardstick_end_us"]
     print("# " + " ".join(f"{c:>14}" for c in cols))
     for r in rows:
+        if "batch" in r and "error" not in r:
+            print(f"# post_many of {r['batch']} {r['op']} requests ({r['isl_tokens']}/{r['page_tokens']}): "
+                  f"p50 {r['post_many_p50_us']:.1f} us, p90 {r['post_many_p90_us']:.1f} us; {r['batch']} posts: "
+                  f"p50 {r['posts_p50_us']:.1f} us, p90 {r['posts_p90_us']:.1f} us")
+            continue
         if "error" in r:
             print(f"# {r['engine']} {r.get('launch', '-')} {r['op']} {r['isl_tokens']}/{r['page_tokens']}: "
                   f"{r['error']}")

@@ -506,6 +506,16 @@ class KVAgent(_Routes, _Staging, _PostResources, _Lifetime, Closable, FailsOnTim
             raise BlockIdError(f"request {name!r} names no group")
         return self._route(peer, op, layers, tuple(g for g in self._groups if g in local_blocks))
 
+    def post_many(self, transfers: Sequence[KVTransfer], stream: Stream | None = None) -> list[KVTransferHandle]:
+        """Post several prepared transfers on ``stream`` (default: the agent's own) at once: the ``triton``
+        transfers of one route (same peer, direction, groups and layers) as one request -- one upload, one graph
+        launch, one event for all of them (:mod:`gpuxfer.kv.batch`) --, the others one by one. Returns their
+        handles in order (those merged share one event). Every transfer's peer is checked before anything is
+        queued. Two transfers of one route writing the same destination block run one after another instead, in
+        order; between routes the order is not defined, as between posts on different streams."""
+        from .batch import post_many
+        return post_many(self, transfers, stream)
+
     def transfer(self, peer: "KVPeer | str", op: str, *, local_blocks: Mapping[str, Any],
                  remote_blocks: Mapping[str, Any], stream: Stream | None = None, **kw) -> KVTransferHandle:
         """:meth:`prepare` then :meth:`KVTransfer.post`."""

@@ -294,6 +294,12 @@ class _RouteIds:
             _check_unique(np.concatenate([dsts[gi] for gi in cls]), max(self.limits[gi][1] for gi in cls),
                           request, [self.groups[gi] for gi in cls])
 
+    def check_distinct(self, request: str, dsts: list[np.ndarray]) -> None:
+        """No destination block twice among ``dsts`` (per group of the route, IDs already checked in range):
+        :class:`BlockIdError` naming ``request`` otherwise."""
+        lens = [int(d.size) for d in dsts]
+        self._check_destinations(request, np.concatenate(dsts), dsts, lens)
+
     def write(self, checked: tuple, out_s: np.ndarray, out_d: np.ndarray) -> None:
         """The checked IDs (:meth:`check`'s last item) ordered into ``out_s`` and ``out_d``, group by group:
         each group's pairs sorted by the key side's block (groups whose two sides' blocks differ in size keep

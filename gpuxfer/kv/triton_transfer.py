@@ -66,6 +66,31 @@ class _Slot:
             self.kernels(native)
 
 
+def run_in_slot(agent: "KVAgent", route: "_Route", s: Stream, host_ptr: int, nbytes: int, rows: int, entries: int,
+                expand_only: bool = False) -> _Slot:
+    """Upload a request array (``nbytes`` at ``host_ptr``: ``entries`` entries, ``rows`` descriptors) into a free
+    slot of ``route`` and enqueue its kernels on ``s``: the slot's graph, or its launches one by one (the caller
+    holds the agent's post lock)."""
+    plat = agent.platform
+    slot = agent._take_slot(route, s, rows, entries)
+    own = s is agent.stream         # the agent's stream: its calls bound once (Platform.stream_calls)
+    if own:
+        agent._calls.copy(slot.req_ptr, host_ptr, nbytes)
+    else:
+        plat.copy_async(s, slot.req_ptr, host_ptr, nbytes)
+    if expand_only:
+        if slot.expand is not None:
+            plat.launch(s, slot.expand)
+    elif slot.graph is not None:
+        if own:
+            agent._calls.launch_graph(slot.graph)
+        else:
+            plat.launch_graph(s, slot.graph)
+    else:
+        slot.enqueue(plat, s)
+    return slot
+
+
 class _SlotTransfer(KVTransfer):
     """The ``triton`` engine: a prepared request is only its host array; each post runs it in a slot of the
     route's ring (:class:`_Slot`) -- one upload of the array, one graph launch (or the slot's launches where
@@ -95,25 +120,8 @@ class _SlotTransfer(KVTransfer):
 
     def _run(self, s: Stream, expand_only: bool = False) -> "_Slot":
         """Upload this request into a free slot and enqueue its kernels on ``s`` (the caller holds the post lock)."""
-        agent = self.agent
-        plat = agent.platform
-        slot = agent._take_slot(self.route, s, self.descriptors, self._entries)
-        own = s is agent.stream         # the agent's stream: its calls bound once (Platform.stream_calls)
-        if own:
-            agent._calls.copy(slot.req_ptr, self._host_ptr, self._req_bytes)
-        else:
-            plat.copy_async(s, slot.req_ptr, self._host_ptr, self._req_bytes)
-        if expand_only:
-            if slot.expand is not None:
-                plat.launch(s, slot.expand)
-        elif slot.graph is not None:
-            if own:
-                agent._calls.launch_graph(slot.graph)
-            else:
-                plat.launch_graph(s, slot.graph)
-        else:
-            slot.enqueue(plat, s)
-        return slot
+        return run_in_slot(self.agent, self.route, s, self._host_ptr, self._req_bytes, self.descriptors,
+                           self._entries, expand_only)
 
     def post(self, stream: Stream | None = None) -> KVTransferHandle:
         """Enqueue the transfer on ``stream`` (default: the agent's own) and return its handle.
@@ -127,10 +135,14 @@ class _SlotTransfer(KVTransfer):
         s = agent.stream if stream is None else stream
         with agent._post_lock:             # remove_peer and close exclude it: checked under it
             agent._check_usable(self.peer)
-            slot = self._run(s)
-            value, event = self._finish(s)
-            slot.event, slot.stream = event, s
-            agent._track(event, (self, slot))
+            return self._post_locked(s)
+
+    def _post_locked(self, s: Stream) -> KVTransferHandle:
+        """:meth:`post` on ``s`` once the caller holds the post lock and checked the peer."""
+        slot = self._run(s)
+        value, event = self._finish(s)
+        slot.event, slot.stream = event, s
+        self.agent._track(event, (self, slot))
         return KVTransferHandle(self, event, s, value)
 
     def expanded_descriptors(self) -> np.ndarray:

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from gpuxfer.errors import LayoutMismatch
-from gpuxfer.integrations.vllm.channel import MAX_FRAME, SideChannelClient, SideChannelServer
+from gpuxfer.integrations.vllm.channel import (MAX_FRAME, MAX_REQUEST_ID, SideChannelClient, SideChannelServer,
+                                               frame, message)
 from gpuxfer.integrations.vllm.handshake import check_compatible, describe_view
 from gpuxfer.integrations.vllm.params import (BadTransferParams, build_params, pair_group, parse_remote_prefill,
                                               tokens_to_load)
@@ -157,10 +158,20 @@ def test_side_channel_limits():
     try:
         c = SideChannelClient("127.0.0.1", srv.port, 5.0)
         assert c.handshake() == (b"{}", b"meta")
-        assert c.notify("done", "r1") and c.notify("release", "r2")
+        assert c.notify("done", ["r1"]) and c.notify("release", ["r2"])
         for _ in range(2):
             events.append(srv.events.get(timeout=5))
         assert events == [("done", "r1"), ("release", "r2")]
+        assert c.notify("done", ["a", "b", "c"])             # one message for a step's reads
+        assert [srv.events.get(timeout=5) for _ in range(3)] == [("done", "a"), ("done", "b"), ("done", "c")]
+        for bad in ({"op": "done", "req": "r1"}, {"op": "done", "reqs": "r1"}, {"op": "done", "reqs": ["a", 7]},
+                    {"op": "release", "reqs": ["x" * (MAX_REQUEST_ID + 1)]}):
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+            s.sendall(frame(message(bad)))
+            s.settimeout(5)
+            assert s.recv(1) == b"", bad                    # that connection closed, no event
+            s.close()
+        assert srv.events.empty()
         # a hostile frame length closes that connection only
         s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
         s.sendall(struct.pack(">I", MAX_FRAME + 1))
@@ -212,7 +223,7 @@ def test_handshake_by_pumps_alone_and_by_the_idle_thread():
             srv.pump()                  # the engine thread's step; it also keeps the server's thread idle
             got = c.pump()
         assert got == (b"info", b"m" * 300_000)
-        assert c.alive and c.notify("done", "r9")
+        assert c.alive and c.notify("done", ["r9"])
         deadline = time.monotonic() + 5
         while srv.events.empty() and time.monotonic() < deadline:
             srv.pump()

@@ -4,9 +4,9 @@ body. No vLLM import.
 
 * decode -> prefill ``{"op": "hello"}``; the prefill answers with two frames: its engine description
   (JSON) and its agent's metadata bytes. Once per remote engine; the decode side caches the result.
-* decode -> prefill ``{"op": "done", "req": id}``: the decode instance has read the request's blocks;
-  ``{"op": "release", "req": id}``: it will not read them (its request was aborted or computed
-  locally). The prefill frees the blocks at its next step. No answer.
+* decode -> prefill ``{"op": "done", "reqs": [id, ...]}``: the decode instance has read these requests'
+  blocks (one message for a step's reads); ``{"op": "release", "reqs": [id, ...]}``: it will not read
+  them (aborted, or computed locally). The prefill frees the blocks at its next step. No answer.
 
 Both ends are non-blocking sockets that the engine's own thread advances once a step
 (:meth:`SideChannelServer.pump`, :meth:`SideChannelClient.pump`): a background Python thread gets the
@@ -193,15 +193,17 @@ class SideChannelServer:
             c.inbuf += data
             for body in take_frames(c.inbuf):
                 msg = parse_message(body)
-                op, req = msg["op"], msg.get("req")
+                op, reqs = msg["op"], msg.get("reqs")
                 if op == "hello":
                     log.debug("side channel: hello from %s", c.addr)
                     info, meta = self._hello()
                     if not c.outbuf:
                         c.since = time.monotonic()
                     c.outbuf += frame(info) + frame(meta)
-                elif op in ("done", "release") and isinstance(req, str) and len(req) <= MAX_REQUEST_ID:
-                    self.events.put((op, req))
+                elif op in ("done", "release") and isinstance(reqs, list) and all(
+                        isinstance(r, str) and len(r) <= MAX_REQUEST_ID for r in reqs):
+                    for req in reqs:
+                        self.events.put((op, req))
                 else:
                     raise ChannelClosed(f"an unknown message {str(msg)[:80]!r}")
         except ChannelClosed as exc:
@@ -314,11 +316,12 @@ class SideChannelClient:
         self._fail("the prefill instance closed the side channel" if not data else "unexpected bytes")
         return False
 
-    def notify(self, op: str, request_id: str) -> bool:
-        """Send a done or release message (at most ``timeout_s``); False (the connection then dead) when it cannot."""
+    def notify(self, op: str, request_ids: list[str]) -> bool:
+        """Send a done or release message for ``request_ids`` (at most ``timeout_s``); False (the connection then
+        dead) when it cannot."""
         if not self.alive:
             return False
-        data = message({"op": op, "req": request_id})
+        data = message({"op": op, "reqs": list(request_ids)})
         try:
             try:
                 sent = self._sock.send(data)        # a few dozen bytes: the socket's buffer takes them at once

@@ -208,12 +208,14 @@ class WorkerSide:
         starts (a non-blocking connect and hello) and later steps finish it, map the engine's caches and
         post the read."""
         now = time.monotonic()
+        ready = []
         for load in loads:
             st = self._loads[load.req_id] = _LoadState(load, now)
             st.remote = self._remote(load.remote)
             self._advance(st.remote)
             if st.remote.state == "ready":
-                self._post(st, blocking=False)
+                ready.append(st)
+        self._post(ready, blocking=False)
 
     def _remote(self, rp: RemotePrefill) -> _Remote:
         r = self._remotes.get(rp.endpoint)
@@ -288,48 +290,72 @@ class WorkerSide:
             except GpuxferError as exc:
                 log.debug("gpuxfer: warm-up read of group %d skipped: %s", g, exc)
 
-    def _post(self, st: _LoadState, blocking: bool) -> bool:
-        """Pair the request's blocks and post its read; False when the agent is busy (a handshake)."""
-        if not self._lock.acquire(blocking=blocking):
-            return False
+    def _post(self, sts: list[_LoadState], blocking: bool) -> None:
+        """Pair each request's blocks and post the reads together (:meth:`KVAgent.post_many`: one upload and one
+        launch per prefill engine); left for a later step when the agent is busy (a handshake). A request whose
+        blocks do not pair fails alone."""
+        if not sts or not self._lock.acquire(blocking=blocking):
+            return
         try:
-            load, r = st.load, st.remote
-            if r.client is None or not r.client.alive:
-                raise BadTransferParams(f"prefill engine {r.key[2]} is gone: {r.client and r.client.closed_reason}")
-            if time.monotonic() >= load.remote.lease_deadline:
-                raise BadTransferParams("the prefill instance's lease on the blocks ran out before the read started")
-            local, remote, nbytes = {}, {}, 0
-            for g, (kind, ls, _) in enumerate(self.group_specs):
-                rg = r.info["groups"][g]
-                lk, rk = self._kernel_tokens[g], rg["kernel_tokens"]
-                if load.remote.block_sizes[g] != rg["block_size"]:
-                    raise BadTransferParams(f"group {g}: the params say {load.remote.block_sizes[g]}-token blocks, "
-                                            f"the engine's handshake {rg['block_size']}")
-                li, ri = pair_group(load.local_ids[g], load.remote.block_ids[g], ls, rg["block_size"], load.start,
-                                    load.end, lk, rk)
-                if li.size:
-                    local[f"g{g}"], remote[f"g{g}"] = li, ri
-                    nbytes += int(li.size) * self._bytes_per_block[g]
             t0 = time.perf_counter()
-            if local:
-                st.handle = self.agent.prepare(r.peer, "pull", local_blocks=local, remote_blocks=remote,
-                                               name=load.req_id).post()
-                r.inflight += 1
-            else:
-                st.handle = _Done()
-            self.stats["post_host_s"].append(time.perf_counter() - t0)
-            st.t_post, st.nbytes = time.perf_counter(), nbytes
-        except (GpuxferError, KeyError, IndexError, ValueError) as exc:
-            st.error = f"{type(exc).__name__}: {exc}"
+            posts = []
+            for st in sts:
+                try:
+                    x = self._prepare(st)
+                except (GpuxferError, KeyError, IndexError, ValueError) as exc:
+                    st.error = f"{type(exc).__name__}: {exc}"
+                    continue
+                if x is None:
+                    st.handle = _Done()
+                else:
+                    posts.append((st, x))
+            try:
+                handles = self.agent.post_many([x for _, x in posts]) if posts else []
+            except GpuxferError as exc:
+                for st, _ in posts:
+                    st.error = f"{type(exc).__name__}: {exc}"
+                handles = []
+            t1 = time.perf_counter()
+            for (st, _), h in zip(posts, handles):
+                st.handle = h
+                st.remote.inflight += 1
+            share = (t1 - t0) / len(sts)            # the step's host time, per request it started
+            for st in sts:
+                if st.handle is not None:
+                    self.stats["post_host_s"].append(share)
+                    st.t_post = t1
         finally:
             self._lock.release()
-        return True
+
+    def _prepare(self, st: _LoadState):
+        """The request's read, prepared (its blocks paired per group; None: nothing to move)."""
+        load, r = st.load, st.remote
+        if r.client is None or not r.client.alive:
+            raise BadTransferParams(f"prefill engine {r.key[2]} is gone: {r.client and r.client.closed_reason}")
+        if time.monotonic() >= load.remote.lease_deadline:
+            raise BadTransferParams("the prefill instance's lease on the blocks ran out before the read started")
+        local, remote, nbytes = {}, {}, 0
+        for g, (kind, ls, _) in enumerate(self.group_specs):
+            rg = r.info["groups"][g]
+            if load.remote.block_sizes[g] != rg["block_size"]:
+                raise BadTransferParams(f"group {g}: the params say {load.remote.block_sizes[g]}-token blocks, "
+                                        f"the engine's handshake {rg['block_size']}")
+            li, ri = pair_group(load.local_ids[g], load.remote.block_ids[g], ls, rg["block_size"], load.start,
+                                load.end, self._kernel_tokens[g], rg["kernel_tokens"])
+            if li.size:
+                local[f"g{g}"], remote[f"g{g}"] = li, ri
+                nbytes += int(li.size) * self._bytes_per_block[g]
+        st.nbytes = nbytes
+        if not local:
+            return None
+        return self.agent.prepare(r.peer, "pull", local_blocks=local, remote_blocks=remote, name=load.req_id)
 
     def _finished_recving(self, now: float) -> tuple[set[str], set[str]]:
         done, failed = set(), set()
         for r in list(self._remotes.values()):
             self._advance(r)
-        for req, st in list(self._loads.items()):
+        ready = []
+        for st in self._loads.values():
             r = st.remote
             if st.handle is None and st.error is None:
                 if r.state == "failed":
@@ -337,9 +363,13 @@ class WorkerSide:
                 elif r.state == "ready" and not (r.client and r.client.alive):
                     st.error = f"prefill engine {r.key[2]} is gone: {r.client.closed_reason if r.client else ''}"
                 elif r.state == "ready":
-                    self._post(st, blocking=False)
+                    ready.append(st)
                 elif now - st.t_start > self.settings.handshake_timeout_s:
                     st.error = f"no handshake with {r.key[0]}:{r.key[1]} within {self.settings.handshake_timeout_s:g} s"
+        self._post(ready, blocking=False)
+        read: dict[int, tuple] = {}             # per prefill engine: its client and the requests read
+        for req, st in list(self._loads.items()):
+            r = st.remote
             if st.handle is not None and st.error is None:
                 if not st.handle.done():
                     continue
@@ -352,7 +382,7 @@ class WorkerSide:
                     self.stats["bytes"] += st.nbytes
                     self.stats["xfer_s"].append(time.perf_counter() - st.t_post)
                     if r.client is not None:
-                        r.client.notify("done", st.load.remote.request_id)
+                        read.setdefault(id(r), (r.client, []))[1].append(st.load.remote.request_id)
                     done.add(req)
                     del self._loads[req]
                     continue
@@ -361,6 +391,8 @@ class WorkerSide:
                 done.add(req)
                 failed.add(req)
                 del self._loads[req]
+        for client, reqs in read.values():      # one message per engine for the step's reads
+            client.notify("done", reqs)
         self._reap(now)
         return done, failed
 
@@ -374,7 +406,7 @@ class WorkerSide:
             self._load_errors.update(int(b) for b in ids[load.start // self.group_specs[0][1]:] if b)
         r = st.remote
         if r is not None and r.client is not None:
-            r.client.notify("release", load.remote.request_id)
+            r.client.notify("release", [load.remote.request_id])
 
     def _reap(self, now: float) -> None:
         """Forget engines whose side channel closed once no read of theirs is in flight."""
@@ -400,7 +432,7 @@ class WorkerSide:
         for key, req in releases:
             r = self._remotes.get(key)
             if r is not None and r.state == "ready" and r.client is not None:
-                r.client.notify("release", req)
+                r.client.notify("release", [req])
 
     # ------------------------------------------------------------------ both
 

@@ -1,0 +1,180 @@
+"""Many prepared requests in one post (:meth:`KVAgent.post_many <gpuxfer.kv.agent.KVAgent.post_many>`): a
+decode step that admits several requests moves them with one upload and one graph launch per route.
+
+The ``triton`` transfers of one route merge into one request array: per group, every request's source IDs
+one after another, then every request's destination IDs, the header's counts summed. Where a group's two
+sides have blocks of different sizes (a segment ``j`` reads block ``j // split``), each request's segments
+are rounded up to a whole number of the larger blocks with IDs of ``-1`` on the side of the smaller blocks:
+the expansion writes a zero-byte row for an ID outside the group (:mod:`gpuxfer.kernels.block_kernel`), so
+the next request's segments start on a block of its own and the padding moves nothing::
+
+    post_many([a, b, c])  (host, the post lock held)            stream
+    -----------------------------------------------             ------
+    every transfer's peer checked usable
+    merged array of a + b + c (their checked IDs),
+      no destination block twice among them        ->
+    copy_async(slot.req, merged)                   ->           upload
+    launch_graph(slot.graph)                       ->           expand + copies of a, b and c
+    [a's, then c's notification]                   ->           the peers' words
+    record_event                                   ->           one event: the handles of a, b and c
+
+Two requests of a batch that write the same destination block are not merged (their order would not be
+defined): that route's requests are posted one after another, as :meth:`KVTransfer.post` would. Transfers of
+other engines (``pack``, ``copy_engine``, the NIXL route) are posted one by one after the merged ones.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from ..errors import BadInput, BlockIdError
+from ..platforms.base import Stream
+from .transfer import KVTransfer, KVTransferHandle
+from .triton_transfer import _SlotTransfer, run_in_slot
+
+if TYPE_CHECKING:
+    from .agent import KVAgent
+    from .routes import _Route
+
+#: a merged post's descriptors at most (24 MiB of slot), unless one request alone has more: a longer batch is
+#: cut into several posts
+BATCH_ROWS = 1 << 20
+
+
+class _Merged:
+    """A merged request array, given back to the agent's pool once the agent lets go of it (after its event)."""
+
+    __slots__ = ("pool", "token")
+
+    def __init__(self, pool, token):
+        self.pool, self.token = pool, token
+
+    def __del__(self):
+        self.pool.give(self.token)
+
+
+def post_many(agent: "KVAgent", transfers: Sequence[KVTransfer], stream: Stream | None) -> list[KVTransferHandle]:
+    """:meth:`KVAgent.post_many`: the handles, in the order of ``transfers``."""
+    if isinstance(transfers, (str, bytes)) or not isinstance(transfers, Sequence):
+        raise BadInput(f"post_many takes a sequence of prepared transfers, got {type(transfers).__name__}")
+    for i, x in enumerate(transfers):
+        if not isinstance(x, KVTransfer) or x.agent is not agent:
+            raise BadInput(f"post_many: item {i} ({x!r}) is not a transfer prepared by agent {agent.name!r}")
+    if len({id(x) for x in transfers}) != len(transfers):
+        raise BadInput("post_many: a transfer appears twice (post it again in a later call)")
+    s = agent.stream if stream is None else stream
+    handles: list[KVTransferHandle | None] = [None] * len(transfers)
+    routes: dict[int, list[int]] = {}
+    others = []
+    for i, x in enumerate(transfers):
+        if type(x) is _SlotTransfer:
+            routes.setdefault(id(x.route), []).append(i)
+        else:
+            others.append(i)
+    if routes:
+        with agent._post_lock:
+            for x in transfers:         # every check before anything is queued
+                if type(x) is _SlotTransfer:
+                    agent._check_usable(x.peer)
+            for idx in routes.values():
+                for part in _parts(transfers, idx):
+                    xs = [transfers[i] for i in part]
+                    for i, h in zip(part, _post_route(agent, xs, s)):
+                        handles[i] = h
+    for i in others:
+        handles[i] = transfers[i].post(s)
+    return handles
+
+
+def _parts(transfers, idx: list[int]) -> list[list[int]]:
+    """``idx`` cut into runs of at most :data:`BATCH_ROWS` descriptors (a run of one where a request alone has more)."""
+    parts, cur, rows = [], [], 0
+    for i in idx:
+        n = transfers[i].descriptors
+        if cur and rows + n > BATCH_ROWS:
+            parts.append(cur)
+            cur, rows = [], 0
+        cur.append(i)
+        rows += n
+    if cur:
+        parts.append(cur)
+    return parts
+
+
+def _post_route(agent: "KVAgent", xs: list[_SlotTransfer], s: Stream) -> list[KVTransferHandle]:
+    """One route's requests on ``s``: merged (one upload, one launch, one event), else one post each."""
+    if len(xs) == 1:
+        return [xs[0]._post_locked(s)]
+    merged = _merge(agent, xs[0].route, xs)
+    if merged is None:
+        return [x._post_locked(s) for x in xs]
+    keep, array, rows = merged
+    slot = run_in_slot(agent, xs[0].route, s, array.ctypes.data, array.nbytes, rows, int(array.shape[0]))
+    values = [x.peer.notify(s, x.notify_slot)[0] if x.notify_slot is not None else None for x in xs]
+    event = agent.platform.record_event(s)
+    slot.event, slot.stream = event, s
+    agent._track(event, (tuple(xs), slot, keep))
+    return [KVTransferHandle(x, event, s, v) for x, v in zip(xs, values)]
+
+
+def _merge(agent: "KVAgent", route: "_Route", xs: list[_SlotTransfer]):
+    """``(keeper, merged array, descriptors)`` of ``xs`` (one route's staged requests), or None where two of them
+    write the same destination block."""
+    P, G = int(route.plane_group.size), len(route.groups)
+    head = P + 1 + 3 * G
+    hdr = np.stack([x._array[P + 1:head] for x in xs])                 # (requests, 3G): counts, starts
+    ends = np.concatenate([hdr[:, G + 1:], [[x._entries] for x in xs]], axis=1)
+    if route.ids.paired:
+        n_seg, parts, lens = _paired_parts(xs, hdr, ends, G)
+    else:
+        n_seg, parts, lens = _padded_parts(xs, hdr, ends, G, route.ids.splits)
+    starts = list(itertools.accumulate(lens, initial=head))
+    total = starts[-1]
+    token, h = agent._requests.take(total, agent._reap)
+    keep = _Merged(agent._requests, token)
+    np.concatenate(parts, out=h[head:total])
+    dsts = [h[starts[G + g]:starts[G + g + 1]] for g in range(G)]
+    if not route.ids.paired:            # without the padding's -1s
+        dsts = [d[d >= 0] for d in dsts]
+    try:
+        route.ids.check_distinct(f"batch of {len(xs)}", dsts)
+    except BlockIdError:
+        return None
+    h[0] = 0
+    h[P + 1:P + 1 + G] = n_seg
+    h[P + 1 + G:head] = starts[:-1]
+    np.cumsum(h[P + 1:P + 1 + G][route.plane_group], out=h[1:P + 1])
+    return keep, h, int(h[P])
+
+
+def _paired_parts(xs, hdr: np.ndarray, ends: np.ndarray, G: int):
+    """Segments per group, the requests' ID runs in the merged order (per side and group, request by request)
+    and the merged runs' lengths, for a route whose blocks pair one to one (no padding)."""
+    st, ln = hdr[:, G:].tolist(), (ends - hdr[:, G:]).tolist()
+    K = len(xs)
+    arrays = [x._array for x in xs]
+    parts = [arrays[k][st[k][j]:st[k][j] + ln[k][j]] for j in range(2 * G) for k in range(K)]
+    return hdr[:, :G].sum(axis=0), parts, (ends - hdr[:, G:]).sum(axis=0).tolist()
+
+
+def _padded_parts(xs, hdr: np.ndarray, ends: np.ndarray, G: int, splits):
+    """:func:`_paired_parts` where a group's blocks differ in size: each request's segments rounded up to whole
+    larger blocks by ``-1`` IDs on the side of the smaller ones."""
+    srcs: list[list[np.ndarray]] = [[] for _ in range(G)]
+    dsts: list[list[np.ndarray]] = [[] for _ in range(G)]
+    n_seg = [0] * G
+    for x, row, end in zip(xs, hdr.tolist(), ends.tolist()):
+        a = x._array
+        for g in range(G):
+            n = row[g]
+            srcs[g].append(a[row[G + g]:end[g]])
+            dsts[g].append(a[row[2 * G + g]:end[G + g]])
+            rs, rd = splits[g]
+            pad = -n % max(rs, rd)
+            if pad:
+                (srcs if rs == 1 else dsts)[g].append(np.full(pad, -1, dtype=np.int64))
+            n_seg[g] += n + pad
+    runs = srcs + dsts
+    return n_seg, [p for ps in runs for p in ps], [sum(int(p.size) for p in ps) for ps in runs]

@@ -1,0 +1,218 @@
+"""KVAgent.post_many: several prepared requests in one post -- one upload and one launch per route, every
+byte of every request where it belongs, requests whose destinations overlap run in order, bad input refused
+before anything is queued."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from gpuxfer.errors import BadInput, NotRegistered
+from gpuxfer.kv import batch
+from gpuxfer.kv.agent import KVAgent
+
+from _agent_arena import Arena, connect, same_bytes, token_oracle, vllm_layers
+
+
+def _count_uploads(agent, monkeypatch) -> list:
+    """Every upload of a request array into a slot on the agent's stream, recorded."""
+    seen = []
+    copy = agent._calls.copy
+
+    def counted(dst, src, n):
+        seen.append(n)
+        return copy(dst, src, n)
+    monkeypatch.setattr(agent._calls, "copy", counted)
+    return seen
+
+
+def test_one_upload_for_a_route_every_byte(pair, monkeypatch):
+    pre, dec, a0, a1 = pair
+    src = vllm_layers(a0, 2, 12, 4, seed=1)
+    dst = vllm_layers(a1, 2, 12, 4, seed=50)
+    pre.register_group("full", 4, src)
+    dec.register_group("full", 4, dst)
+    peer, _ = connect(pre, dec)
+    reqs = [([3, 0, 7], [1, 5, 2]), ([9], [11]), ([4, 10], [0, 8])]
+    xs = [dec.prepare(peer, "pull", local_blocks={"full": d}, remote_blocks={"full": s}, name=f"r{i}")
+          for i, (s, d) in enumerate(reqs)]
+    before = {k: v.clone() for k, v in dst.items()}
+    uploads = _count_uploads(dec, monkeypatch)
+    hs = dec.post_many(xs)
+    assert len(uploads) == 1                                    # one request array for the three
+    assert [h.name for h in hs] == ["r0", "r1", "r2"]
+    assert len({id(h.event) for h in hs}) == 1
+    for h in hs:
+        h.wait(60)
+        assert h.done()
+    written = [d for _, ds in reqs for d in ds]
+    for name in src:
+        for s_ids, d_ids in reqs:
+            for s, d in zip(s_ids, d_ids):
+                assert same_bytes(dst[name][:, d], src[name][:, s])
+        rest = [b for b in range(12) if b not in written]
+        assert same_bytes(dst[name][:, rest], before[name][:, rest])
+
+
+@pytest.mark.parametrize("op", ["pull", "push"])
+@pytest.mark.parametrize("bs, bd", [(8, 2), (2, 8)])
+def test_block_sizes_differ_partial_blocks(pair, op, bs, bd):
+    """Requests whose last larger block is partly used: each request's tokens land in its own blocks (the
+    padding between requests moves nothing)."""
+    pre, dec, a0, a1 = pair
+    nb_s, nb_d = 96 // bs, 96 // bd
+    src = a0.tensor((2, nb_s, bs, 3, 2), torch.float16, seed=3)
+    dst = a1.tensor((2, nb_d, bd, 3, 2), torch.float16, seed=4)
+    pre.register_group("g", bs, {"l0": src})
+    dec.register_group("g", bd, {"l0": dst})
+    p_of_dec, p_of_pre = connect(pre, dec)
+    rng = np.random.default_rng(1)
+    s_perm, d_perm = rng.permutation(nb_s), rng.permutation(nb_d)
+    expect = dst.clone()
+    xs, si, di = [], 0, 0
+    for k, tokens in enumerate((10, 3, 17)):            # none a multiple of the larger block
+        s_ids = s_perm[si:si + -(-tokens // bs)]
+        d_ids = d_perm[di:di + -(-tokens // bd)]
+        si, di = si + len(s_ids), di + len(d_ids)
+        want = token_oracle(src, expect, s_ids, d_ids, bs, bd, kv_first=True)
+        expect = torch.from_numpy(want).view(torch.float16) if want.dtype != np.float16 else torch.from_numpy(want)
+        if op == "pull":
+            xs.append(dec.prepare(p_of_dec, "pull", local_blocks={"g": d_ids}, remote_blocks={"g": s_ids}))
+        else:
+            xs.append(pre.prepare(p_of_pre, "push", local_blocks={"g": s_ids}, remote_blocks={"g": d_ids}))
+    agent = dec if op == "pull" else pre
+    for h in agent.post_many(xs):
+        h.wait(60)
+    assert np.array_equal(dst.numpy().view(np.uint8), expect.numpy().view(np.uint8))
+
+
+def test_overlapping_destinations_run_in_order(pair, monkeypatch):
+    """Two requests writing the same block: not merged; posted one after another, the later one's bytes stay."""
+    pre, dec, a0, a1 = pair
+    src = vllm_layers(a0, 1, 8, 2, seed=5)
+    dst = vllm_layers(a1, 1, 8, 2, seed=6)
+    pre.register_group("full", 2, src)
+    dec.register_group("full", 2, dst)
+    peer, _ = connect(pre, dec)
+    a = dec.prepare(peer, "pull", local_blocks={"full": [1, 2]}, remote_blocks={"full": [3, 4]})
+    b = dec.prepare(peer, "pull", local_blocks={"full": [2, 6]}, remote_blocks={"full": [5, 0]})
+    uploads = _count_uploads(dec, monkeypatch)
+    hs = dec.post_many([a, b])
+    for h in hs:
+        h.wait(60)
+    assert len(uploads) == 2
+    (name,) = src
+    assert same_bytes(dst[name][:, 1], src[name][:, 3])
+    assert same_bytes(dst[name][:, 2], src[name][:, 5])         # b's, posted after a's
+    assert same_bytes(dst[name][:, 6], src[name][:, 0])
+
+
+def test_routes_notifications_and_cut_batches(pair, monkeypatch):
+    """Two routes (different groups), notifications of the merged ones in order, and a batch cut in two by the
+    descriptor budget: every byte, and the peer's notification word counts every notifying request."""
+    pre, dec, a0, a1 = pair
+    src = vllm_layers(a0, 2, 10, 2, seed=7)
+    dst = vllm_layers(a1, 2, 10, 2, seed=8)
+    slab_s, slab_d = a0.tensor((6, 2, 40), seed=9), a1.tensor((6, 2, 40), seed=10)
+    pre.register_group("full", 2, src)
+    dec.register_group("full", 2, dst)
+    pre.register_group("slab", 2, {"s": slab_s})
+    dec.register_group("slab", 2, {"s": slab_d})
+    peer, _ = connect(pre, dec)
+    monkeypatch.setattr(batch, "BATCH_ROWS", 8)       # each "full" request has 2 layers x 2 pieces x 2 = 8 rows
+    xs = [dec.prepare(peer, "pull", local_blocks={"full": [2 * i, 2 * i + 1]},
+                      remote_blocks={"full": [9 - 2 * i, 8 - 2 * i]}, notify_slot=3) for i in range(4)]
+    xs.insert(2, dec.prepare(peer, "pull", local_blocks={"slab": [5, 0]}, remote_blocks={"slab": [1, 2]}))
+    hs = dec.post_many(xs)
+    for h in hs:
+        h.wait(60)
+    assert [h.notify_value for h in hs] == [1, 2, None, 3, 4]
+    assert pre.wait_notification(3, 4, timeout_s=30) >= 4
+    for name in src:
+        for i in range(4):
+            assert same_bytes(dst[name][:, [2 * i, 2 * i + 1]], src[name][:, [9 - 2 * i, 8 - 2 * i]])
+    assert same_bytes(slab_d[[5, 0]], slab_s[[1, 2]])
+
+
+def test_bad_batches_refused_before_anything_moves(pair, plat):
+    pre, dec, a0, a1 = pair
+    src = vllm_layers(a0, 1, 4, 2, seed=11)
+    dst = vllm_layers(a1, 1, 4, 2, seed=12)
+    pre.register_group("full", 2, src)
+    dec.register_group("full", 2, dst)
+    peer, _ = connect(pre, dec)
+    x = dec.prepare(peer, "pull", local_blocks={"full": [0]}, remote_blocks={"full": [1]})
+    with pytest.raises(BadInput, match="sequence"):
+        dec.post_many(x)
+    with pytest.raises(BadInput, match="item 1"):
+        dec.post_many([x, "r2"])
+    with pytest.raises(BadInput, match="twice"):
+        dec.post_many([x, x])
+    other = KVAgent("other", platform=plat, device=1)
+    try:
+        other.register_group("full", 2, vllm_layers(a1, 1, 4, 2, seed=13))
+        z = other.prepare(other.add_peer(pre.metadata()), "pull", local_blocks={"full": [0]},
+                          remote_blocks={"full": [1]})
+        with pytest.raises(BadInput, match="item 1 .* not a transfer prepared by agent 'decode'"):
+            dec.post_many([x, z])
+    finally:
+        other.close()
+    before = {k: v.clone() for k, v in dst.items()}
+    y = dec.prepare(peer, "pull", local_blocks={"full": [2]}, remote_blocks={"full": [3]})
+    dec.remove_peer(peer)
+    with pytest.raises(NotRegistered):
+        dec.post_many([x, y])
+    for k in dst:
+        assert same_bytes(dst[k], before[k])
+    assert dec.post_many([]) == []
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_batches_against_posts_one_by_one(plat, data):
+    """Hypothesis: a batch of requests (random counts, ratios, groups, notifications) moved by post_many leaves
+    the destination exactly as posting them one by one does, in a second pair of agents."""
+    bs = data.draw(st.sampled_from([1, 2, 4]), label="source block")
+    bd = data.draw(st.sampled_from([1, 2, 4] if bs == 1 else [1, bs]), label="destination block")
+    if bs > 1 and bd > 1:
+        bd = bs
+    nb_s, nb_d = 48 // bs, 48 // bd
+    sides = []
+    for run in range(2):
+        a0, a1 = Arena(plat, 0, 1 << 15), Arena(plat, 1, 1 << 15)
+        pre = KVAgent(f"p{run}", platform=plat, device=0)
+        dec = KVAgent(f"d{run}", platform=plat, device=1)
+        src = a0.tensor((2, nb_s, bs, 3), seed=1)
+        dst = a1.tensor((2, nb_d, bd, 3), seed=2)
+        pre.register_group("g", bs, {"l": src})
+        dec.register_group("g", bd, {"l": dst})
+        sides.append((a0, a1, pre, dec, dst, connect(pre, dec)[0]))
+    try:
+        n_req = data.draw(st.integers(1, 5), label="requests")
+        s_perm = data.draw(st.permutations(range(nb_s)), label="source blocks")
+        d_perm = data.draw(st.permutations(range(nb_d)), label="destination blocks")
+        overlap = data.draw(st.booleans(), label="destinations may repeat")
+        reqs, si, di = [], 0, 0
+        for _ in range(n_req):
+            tokens = data.draw(st.integers(1, 6), label="tokens")
+            ns, nd = -(-tokens // bs), -(-tokens // bd)
+            if si + ns > nb_s or di + nd > nb_d:
+                break
+            reqs.append((list(s_perm[si:si + ns]), list(d_perm[di:di + nd]),
+                         data.draw(st.sampled_from([None, 0, 5]), label="notify")))
+            si += ns
+            di = di + nd if not overlap else max(0, di + nd - 1)
+        for k, (a0, a1, pre, dec, dst, peer) in enumerate(sides):
+            xs = [dec.prepare(peer, "pull", local_blocks={"g": d}, remote_blocks={"g": s}, notify_slot=n)
+                  for s, d, n in reqs]
+            hs = dec.post_many(xs) if k == 0 else [x.post() for x in xs]
+            for h in hs:
+                h.wait(60)
+        assert same_bytes(sides[0][4], sides[1][4])
+    finally:
+        for a0, a1, pre, dec, _, _ in sides:
+            dec.close()
+            pre.close()
+            a0.close()
+            a1.close()
