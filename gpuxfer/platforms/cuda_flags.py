@@ -271,7 +271,8 @@ class CudaFlags:
         return StreamCalls(s, write_fast, wait_fast, launch_fast, flag_ops_fast, copy_fast)
 
     def probe(self, plat: Platform, device: int, timeout_s: float) -> str | None:
-        """:func:`run_probe` on ``plat``'s ``device`` (checked), once: later calls return its first answer."""
+        """:func:`run_probe` on ``plat``'s ``device`` (a checked index), once per device: later calls return its first
+        answer."""
         if device in self._probes:
             return self._probes[device]
         why = run_probe(plat, device, timeout_s)
