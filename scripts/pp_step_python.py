@@ -110,16 +110,16 @@ def cuda_stub():
             return 0
         return call
     plat = cuda.CudaPlatform()
-    plat._count, plat._ctxs[0] = 1, (None, 1)
-    plat._memop = entry("cuStreamBatchMemOp")   # flag_ops (GPUXFER_PP_FLAG_BATCH=1)
+    plat._contexts.count, plat._contexts.ctxs[0] = 1, (None, 1)
+    plat._flags._memop = entry("cuStreamBatchMemOp")   # flag_ops (GPUXFER_PP_FLAG_BATCH=1)
     stream = cuda.CudaStream(0, 0, None)       # torch's default stream, as in the bench
-    plat._raw_stream = lambda device: 0
-    plat._current[(0, 0)] = stream
+    plat._streams._raw_stream = lambda device: 0
+    plat._streams._current[(0, 0)] = stream
     plat.create_stream = lambda device: cuda.CudaStream(0, 0x100, None, plat)
     plat.is_capturing = lambda s: False
     plat.capture_graph = lambda s, record: cuda.CudaGraph(0, None, 0)
-    plat._step_fns = tuple(entry(n) for n in ("cuStreamWriteValue64", "cuStreamWaitValue64", "cuGraphLaunch",
-                                              "cuCtxGetCurrent", "cuMemcpyAsync"))
+    plat._flags._step_fns = tuple(entry(n) for n in ("cuStreamWriteValue64", "cuStreamWaitValue64",
+                                                     "cuGraphLaunch", "cuCtxGetCurrent", "cuMemcpyAsync"))
     plat.calls = calls
     return plat
 

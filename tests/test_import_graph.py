@@ -1,8 +1,9 @@
 """The package's import graph, read with ``ast``: every import statement is an edge, those inside functions and
 ``if TYPE_CHECKING:`` blocks included. The benchmark wing is imported by nothing outside it, the KV runtime
 imports nothing of the benchmark, and no import cycle runs through the KV runtime's shared pieces, the
-benchmark's KV model and engines, or any module of the pipeline-parallel hand-off (``gpuxfer.pp``). The cycles
-left elsewhere are printed (``pytest -rP`` shows them)."""
+benchmark's KV model and engines, any module of the pipeline-parallel hand-off (``gpuxfer.pp``) or of the
+platforms (``gpuxfer.platforms``), whose components never import the platform module that owns them. The
+cycles left elsewhere are printed (``pytest -rP`` shows them)."""
 from __future__ import annotations
 
 import ast
@@ -19,8 +20,11 @@ ACYCLIC_MODULES = ("gpuxfer.kv", "gpuxfer.kv.descriptors", "gpuxfer.kv.failure",
                    "gpuxfer.kv.nixl_ffi", "gpuxfer.bench.kv.runconfig", "gpuxfer.bench.kv.runner",
                    "gpuxfer.bench.kv.worker")
 #: packages no cycle may run through, any module of them: the benchmark's KV model and engines, the
-#: pipeline-parallel hand-off
-ACYCLIC_PACKAGES = ("gpuxfer.bench.kv.model", "gpuxfer.bench.kv.engines", "gpuxfer.pp")
+#: pipeline-parallel hand-off, the platforms
+ACYCLIC_PACKAGES = ("gpuxfer.bench.kv.model", "gpuxfer.bench.kv.engines", "gpuxfer.pp", "gpuxfer.platforms")
+#: the platform modules, each the owner of its components: no module of the package imports them (the package
+#: loads them by name, on demand)
+PLATFORM_MODULES = ("gpuxfer.platforms.cuda", "gpuxfer.platforms.rocm", "gpuxfer.platforms.host")
 
 def _inside(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
@@ -126,6 +130,13 @@ def test_no_cycle_runs_through_the_shared_pieces_and_the_rest_are_listed():
     print(f"{len(found)} import cycle(s) left:")
     for c in found:
         print("  " + " <-> ".join(c))
+
+
+def test_no_platform_module_is_imported_inside_the_platforms_package():
+    offenders = {m: sorted(t for t in ts if t in PLATFORM_MODULES) for m, ts in graph().items()
+                 if _inside(m, "gpuxfer.platforms")}
+    offenders = {m: ts for m, ts in offenders.items() if ts}
+    assert not offenders, f"platforms modules importing a platform module: {offenders}"
 
 
 def test_the_graph_sees_every_kind_of_import():

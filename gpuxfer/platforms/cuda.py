@@ -67,32 +67,34 @@ Semantics worth knowing:
   wait for pending device work; drain streams stuck in flag waits first.
 
 Layout: this module holds :class:`CudaPlatform` (detection, devices, links,
-versions, the context switches every hook uses, ``close``); its hooks come from
-one mixin per concept: :mod:`~gpuxfer.platforms.cuda_memory` (buffers, IPC,
-tensor views), :mod:`~gpuxfer.platforms.cuda_streams` (streams, events, copies,
-fills), :mod:`~gpuxfer.platforms.cuda_flags` (flags, ``stream_calls``, the
-probe) and :mod:`~gpuxfer.platforms.cuda_graphs` (capture, launch), over
-:mod:`~gpuxfer.platforms.cuda_driver` (the lazy loaders and :func:`check`).
+versions, ``close``), which builds and owns one component per concept and
+hands each hook to it: :class:`~gpuxfer.platforms.cuda_driver.CudaContexts`
+(devices, primary contexts, the context switches every component uses, the
+driver version), :class:`~gpuxfer.platforms.cuda_memory.CudaMemory` (buffers,
+IPC, tensor views), :class:`~gpuxfer.platforms.cuda_streams.CudaStreams`
+(streams, events, copies, fills), :class:`~gpuxfer.platforms.cuda_flags.CudaFlags`
+(flags, ``stream_calls``, the probe) and
+:class:`~gpuxfer.platforms.cuda_graphs.CudaGraphs` (capture, launch). The
+components import :mod:`~gpuxfer.platforms.cuda_driver` (the lazy loaders and
+:func:`check`), never this module.
 """
 from __future__ import annotations
 
 import ctypes
-import threading
-from typing import Any, Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
 from .. import config
 from ..common import package_version
-from ..errors import BadInput
-from .base import DeviceInfo, LinkInfo, Platform
-from .cuda_driver import (_DEFAULT_STREAM_HANDLES, _ERR_INVALID_CONTEXT, _OnDevice, _OnDeviceCtx, _cu, _cupy,
-                          _driver, _runtime_api_name, _status_info, check)
+from .base import (DeviceBuffer, DeviceInfo, Event, ExportedRange, IpcHandle, LinkInfo, Memory, PeerMapping, Platform,
+                   Stream, StreamCalls)
+from .cuda_driver import CudaContexts, _cu, _cupy, _driver, _status_info, check
 from .cuda_entry import BATCH_MAX_PER_CALL, CUDA_SUCCESS, cuda_version_str
-from .cuda_flags import _CudaFlags, _Helper
-from .cuda_graphs import CudaGraph, _CudaGraphs
-from .cuda_memory import LARGE_PAGE_BYTES, _CudaMemory, alloc_bytes
-from .cuda_streams import CudaEvent, CudaStream, _CudaStreams, _EventPool
+from .cuda_flags import CudaFlags
+from .cuda_graphs import CudaGraph, CudaGraphs
+from .cuda_memory import LARGE_PAGE_BYTES, CudaMemory, alloc_bytes
+from .cuda_streams import CudaEvent, CudaStream, CudaStreams, as_stream
 
 __all__ = ["CudaPlatform", "CudaStream", "CudaEvent", "CudaGraph", "check", "alloc_bytes", "LARGE_PAGE_BYTES"]
 
@@ -100,8 +102,9 @@ __all__ = ["CudaPlatform", "CudaStream", "CudaEvent", "CudaGraph", "check", "all
 # --------------------------------------------------------------------------- the platform
 
 
-class CudaPlatform(_CudaMemory, _CudaStreams, _CudaFlags, _CudaGraphs, Platform):
-    """The contract on CUDA: CuPy runtime for memory and IPC, cuda.bindings for stream work, NVML for links."""
+class CudaPlatform(Platform):
+    """The contract on CUDA: CuPy runtime for memory and IPC, cuda.bindings for stream work, NVML for links.
+    Built of components it owns and closes (see the module docstring's layout)."""
 
     name = "cuda"
     is_emulation = False
@@ -155,164 +158,41 @@ class CudaPlatform(_CudaMemory, _CudaStreams, _CudaFlags, _CudaGraphs, Platform)
             return f"CUDA detection failed ({type(exc).__name__}: {exc})"
 
     def __init__(self):
-        self._lock = threading.RLock()
-        self._closed_platform = False
-        self._count: int | None = None
-        self._ctxs: dict[int, tuple[Any, int]] = {}       # device -> (CUcontext, as int)
-        self._helpers: dict[int, _Helper] = {}
-        self._proxies: dict[int, tuple[int, Any, Any]] = {}   # device -> (stream, event in, event out)
-        self._proxy_locks: dict[int, threading.Lock] = {}
-        self._streams: dict[int, CudaStream] = {}          # id -> owned streams still alive
-        self._events = _EventPool()                         # spare events for record_event
-        self._current: dict[tuple, CudaStream] = {}        # (device, handle) -> torch's streams seen current
-        self._raw_stream = None     # torch._C._cuda_getCurrentRawStream (False where torch lacks it)
-        self._memop = None          # cuStreamBatchMemOp through ctypes (False where missing)
-        self._step_fns = None       # stream_calls' entry points through ctypes (False where missing)
-        self._memop_arrays: dict[int, tuple] = {}     # id -> (flag_ops array, its address, rows)
-        self._probes: dict[int, str | None] = {}
+        self._contexts = CudaContexts()
+        self._memory = CudaMemory(self._contexts, self)
+        self._streams = CudaStreams(self._contexts, self, self.batch_max_per_call)
+        self._flags = CudaFlags(self._contexts, self.host_op_timeout_s)
+        self._graphs = CudaGraphs(self._contexts)
         self._links: dict[tuple[int, int], LinkInfo] = {}
-        self._batch: tuple | None = None                   # resolved batch path (see _batch_impl)
-        self._driver_version: int | None = None
-        self._cai_views_peers: bool | None = None          # does __cuda_array_interface__ view IPC mappings?
-        self._ipc_open: dict[tuple[int, bytes], list] = {}  # (device, handle) -> [mapped pointer, open count]
-
-    # ---- small helpers ----
-    def _check_open(self) -> None:
-        if self._closed_platform:
-            raise BadInput("the cuda platform is closed")
-
-    def _check_device(self, device: int) -> int:
-        if isinstance(device, bool) or not isinstance(device, (int, np.integer)):
-            raise BadInput(f"device must be an integer, got {device!r}")
-        n = self.device_count()
-        if not 0 <= int(device) < n:
-            raise BadInput(f"device {device!r} does not exist: {n} CUDA device(s) are visible")
-        return int(device)
-
-    def _retain(self, device: int) -> tuple[Any, int]:
-        with self._lock:
-            if device not in self._ctxs:
-                ctx = _cu(_driver().cuDevicePrimaryCtxRetain, device,
-                          doing=f"retaining the primary context of cuda:{device}")
-                self._ctxs[device] = (ctx, int(ctx))
-            return self._ctxs[device]
-
-    def _make_current(self, device: int) -> bool:
-        """Make ``device``'s primary context current; True if it was pushed (pop it after)."""
-        ctx, _ = self._retain(device)
-        if self._is_current(device):
-            return False
-        _cu(_driver().cuCtxPushCurrent, ctx, doing=f"making the primary context of cuda:{device} current")
-        return True
-
-    def _on(self, device: int) -> _OnDevice:
-        return _OnDevice(self, device)
-
-    def _stream_op(self, s: CudaStream, fn: Callable, *args, doing: "str | Callable[[], str]") -> None:
-        """``fn(*args)`` (a driver call queued on ``s``) in ``s``'s context, errors through :func:`check`.
-
-        The per-step hot path. A created stream names its context, and stream-ordered
-        calls on it run there whatever context is current (measured on 2x H200:
-        copies, flag writes and waits on device 1's stream with device 0's context
-        current), so it is one driver call. The default streams (handles 0-2) mean
-        "the current context's", so for them the device's context is made current
-        first -- without that check, work meant for device 1's default stream would
-        land on device 0's (measured: an event record there fails, INVALID_HANDLE).
-        A process that sees one device skips the check (a driver call per op): any
-        context current on its thread is that device's (torch's primary context; a
-        context of the caller's own, made with the driver API, would take the work),
-        and with none current the call fails with INVALID_CONTEXT and is repeated
-        with the device's context pushed.
-        """
-        if s.handle in _DEFAULT_STREAM_HANDLES and self._count != 1 and not self._is_current(s.device):
-            with self._on(s.device):
-                _cu(fn, *args, doing=doing)
-            return
-        res = fn(*args)
-        status = int(res[0])
-        if status == CUDA_SUCCESS:
-            return
-        if status != _ERR_INVALID_CONTEXT:
-            check(res, doing, fn.__name__)
-            return
-        with self._on(s.device):           # no context current on this thread: repeat it with one pushed
-            _cu(fn, *args, doing=doing)
-
-    def _is_current(self, device: int) -> bool:
-        """Is ``device``'s primary context (already retained) current on this thread?"""
-        entry = self._ctxs.get(device)
-        if entry is None:
-            return False
-        _, cur = _driver().cuCtxGetCurrent()
-        return cur is not None and int(cur) == entry[1]
-
-    def _rt(self, device: int, fn: Callable, *args, doing: str) -> Any:
-        """Call a CuPy runtime function with ``device`` current; CuPy errors become DriverError via check()."""
-        cupy, _, CUDARuntimeError = _cupy()
-        try:
-            with cupy.cuda.Device(device):
-                return fn(*args)
-        except CUDARuntimeError as exc:
-            check(exc, doing, _runtime_api_name(fn))
-
-    @staticmethod
-    def _stream(stream) -> CudaStream:
-        if type(stream) is CudaStream and not stream._closed:    # the per-step case first
-            return stream
-        if not isinstance(stream, CudaStream):
-            raise BadInput(f"not a CUDA stream: {stream!r}")
-        if stream._closed:
-            raise BadInput(f"{stream!r} is closed")
-        return stream
-
-    @staticmethod
-    def _event(event) -> CudaEvent:
-        if not isinstance(event, CudaEvent):
-            raise BadInput(f"not a CUDA event: {event!r}")
-        return event
-
-    def _driver_ver(self) -> int:
-        if self._driver_version is None:
-            self._driver_version = int(_cu(_driver().cuDriverGetVersion, doing="reading the driver version"))
-        return self._driver_version
-
-    def _attr(self, device: int, name: str) -> int:
-        drv = _driver()
-        attr = getattr(drv.CUdevice_attribute, name)
-        return int(_cu(drv.cuDeviceGetAttribute, attr, device, doing=f"reading {name} of cuda:{device}"))
 
     # ---- devices ----
     def device_count(self) -> int:
-        if self._count is None:
-            drv = _driver()
-            _cu(drv.cuInit, 0, doing="initialising the CUDA driver")
-            self._count = int(_cu(drv.cuDeviceGetCount, doing="counting CUDA devices"))
-        return self._count
+        return self._contexts.device_count()
 
     def set_device(self, device: int) -> None:
         import torch
-        torch.cuda.set_device(self._check_device(device))
+        torch.cuda.set_device(self._contexts.check_device(device))
 
     def pci_bus_id(self, device: int) -> str:
-        device = self._check_device(device)
+        device = self._contexts.check_device(device)
         raw = _cu(_driver().cuDeviceGetPCIBusId, 64, device, doing=f"reading the PCI bus id of cuda:{device}")
         return raw.split(b"\0", 1)[0].decode().strip()
 
     def device_info(self, device: int) -> DeviceInfo:
-        device = self._check_device(device)
+        device = self._contexts.check_device(device)
         drv = _driver()
         raw = _cu(drv.cuDeviceGetName, 256, device, doing=f"reading the name of cuda:{device}")
         name = raw.split(b"\0", 1)[0].decode(errors="replace").strip()
-        major = self._attr(device, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR")
-        minor = self._attr(device, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR")
+        major = self._contexts.attr(device, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR")
+        minor = self._contexts.attr(device, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR")
         total = int(_cu(drv.cuDeviceTotalMem, device, doing=f"reading the memory size of cuda:{device}"))
-        with self._on(device):
+        with self._contexts.on(device):
             free, _ = _cu(drv.cuMemGetInfo, doing=f"reading the free memory of cuda:{device}")
-        attr64 = self._attr(device, "CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS")
-        nor = self._attr(device, "CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR")
-        flush = self._attr(device, "CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES")
+        attr64 = self._contexts.attr(device, "CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS")
+        nor = self._contexts.attr(device, "CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR")
+        flush = self._contexts.attr(device, "CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES")
         probe = self.probe_stream_mem_ops(device)
-        notes = [f"driver CUDA {cuda_version_str(self._driver_ver())}",
+        notes = [f"driver CUDA {cuda_version_str(self._contexts.driver_version())}",
                  f"attribute CAN_USE_64_BIT_STREAM_MEM_OPS={attr64}",
                  ("stream memory operations probe (write + wait + host release): ok" if probe is None
                   else f"stream memory operations probe failed: {probe}")]
@@ -323,13 +203,13 @@ class CudaPlatform(_CudaMemory, _CudaStreams, _CudaFlags, _CudaGraphs, Platform)
         return DeviceInfo(
             index=device, name=name, arch=f"sm_{major}{minor}", total_bytes=total, free_bytes=int(free),
             pci_bus_id=self.pci_bus_id(device),
-            sm_count=self._attr(device, "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT"),
-            copy_engines=self._attr(device, "CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT"),
+            sm_count=self._contexts.attr(device, "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT"),
+            copy_engines=self._contexts.attr(device, "CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT"),
             stream_mem_ops_64=probe is None, stream_wait_nor=bool(nor), can_flush_remote_writes=bool(flush),
             notes=tuple(notes))
 
     def link(self, src: int, dst: int) -> LinkInfo:
-        src, dst = self._check_device(src), self._check_device(dst)
+        src, dst = self._contexts.check_device(src), self._contexts.check_device(dst)
         if src == dst:
             return LinkInfo(src, dst, "same-device", True)
         key = (src, dst)
@@ -406,7 +286,7 @@ class CudaPlatform(_CudaMemory, _CudaStreams, _CudaFlags, _CudaGraphs, Platform)
             except Exception as exc:
                 out[key] = f"unavailable ({type(exc).__name__}: {exc})"
 
-        put("cuda driver", lambda: cuda_version_str(self._driver_ver()))
+        put("cuda driver", lambda: cuda_version_str(self._contexts.driver_version()))
 
         def nvml_driver():
             import pynvml
@@ -426,10 +306,116 @@ class CudaPlatform(_CudaMemory, _CudaStreams, _CudaFlags, _CudaGraphs, Platform)
         put("torch cuda", lambda: __import__("torch").version.cuda)
         return out
 
+    # ---- memory (CudaMemory) ----
+    def alloc(self, nbytes: int, device: int) -> DeviceBuffer:
+        return self._memory.alloc(nbytes, device)
+
+    def _free(self, buf: DeviceBuffer) -> None:
+        self._memory.free(buf)
+
+    def export_handle(self, buf: DeviceBuffer) -> IpcHandle:
+        return self._memory.export_handle(buf)
+
+    def allocation_range(self, ptr: int, device: int) -> tuple[int, int] | None:
+        return self._memory.allocation_range(ptr, device)
+
+    def export_range(self, ptr: int, nbytes: int, device: int, within: tuple[int, int] | None = None
+                     ) -> ExportedRange:
+        return self._memory.export_range(ptr, nbytes, device, within)
+
+    def open_handle(self, handle: IpcHandle, device: int) -> PeerMapping:
+        return self._memory.open_handle(handle, device)
+
+    def _close_mapping(self, mapping: PeerMapping) -> None:
+        self._memory.close_mapping(mapping)
+
+    def map_host_words(self, ptr: int, nbytes: int, device: int) -> int:
+        return self._memory.map_host_words(ptr, nbytes, device)
+
+    def unmap_host_words(self, ptr: int, device: int) -> None:
+        self._memory.unmap_host_words(ptr, device)
+
+    def as_tensor(self, mem: Memory, dtype=None, shape: Sequence[int] | None = None, offset: int = 0):
+        return self._memory.as_tensor(mem, dtype, shape, offset)
+
+    # ---- streams, events, copies (CudaStreams) ----
+    def create_stream(self, device: int) -> CudaStream:
+        return self._streams.create(device)
+
+    def _destroy_stream(self, s: CudaStream) -> None:
+        self._streams.destroy(s)
+
+    def current_stream(self, device: int) -> CudaStream:
+        return self._streams.current(device)
+
+    def record_event(self, stream: Stream, event: Event | None = None) -> CudaEvent:
+        return self._streams.record_event(stream, event)
+
+    def stream_wait_event(self, stream: Stream, event: Event) -> None:
+        self._streams.stream_wait_event(stream, event)
+
+    def event_query(self, event: Event) -> bool:
+        return self._streams.event_query(event)
+
+    def launch(self, stream: Stream, fn: Callable[[], object]) -> None:
+        self._streams.launch(stream, fn)
+
+    def native_stream(self, stream: Stream) -> int | None:
+        return self._streams.native_stream(stream)
+
+    def copy_async(self, stream: Stream, dst: int, src: int, nbytes: int) -> None:
+        self._streams.copy_async(stream, dst, src, nbytes)
+
+    def copy_batch_async(self, stream: Stream, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> None:
+        self._streams.copy_batch_async(stream, dsts, srcs, sizes)
+
+    def batch_copy_note(self) -> str:
+        """How ``copy_batch_async`` runs here (for device_info notes and doctor)."""
+        return self._streams.batch_copy_note()
+
+    def memset_async(self, stream: Stream, ptr: int, value: int, nbytes: int) -> None:
+        self._streams.memset_async(stream, ptr, value, nbytes)
+
+    # ---- flags (CudaFlags) ----
+    def write_flag(self, stream: Stream, ptr: int, value: int) -> None:
+        self._flags.write_flag(stream, ptr, value)
+
+    def wait_flag(self, stream: Stream, ptr: int, value: int) -> None:
+        self._flags.wait_flag(stream, ptr, value)
+
+    def flag_ops(self, stream: Stream, ops: np.ndarray) -> None:
+        if not self._flags.flag_ops(stream, ops):       # no cuStreamBatchMemOp: one call per row
+            super().flag_ops(stream, ops)
+
+    def read_flag(self, ptr: int, device: int) -> int:
+        return self._flags.read_flag(ptr, device)
+
+    def host_write_flag(self, ptr: int, value: int, device: int) -> None:
+        self._flags.host_write_flag(ptr, value, device)
+
+    def stream_calls(self, stream: Stream) -> StreamCalls:
+        s = as_stream(stream)
+        return self._flags.stream_calls(s, self) or super().stream_calls(s)
+
+    def probe_stream_mem_ops(self, device: int, timeout_s: float = 10.0) -> str | None:
+        """None if 64-bit stream write / wait really work on ``device``, else why not (cached per device;
+        :func:`~gpuxfer.platforms.cuda_flags.run_probe`)."""
+        return self._flags.probe(self, self._contexts.check_device(device), timeout_s)
+
+    # ---- graphs (CudaGraphs) ----
+    def is_capturing(self, stream: Stream) -> bool:
+        return self._graphs.is_capturing(stream)
+
+    def capture_graph(self, stream: Stream, record: Callable[[Stream], object]) -> CudaGraph:
+        return self._graphs.capture(stream, record)
+
+    def launch_graph(self, stream: Stream, graph) -> None:
+        self._graphs.launch(stream, graph)
+
     # ---- lifetime ----
     @property
     def closed(self) -> bool:
-        return self._closed_platform
+        return self._contexts.closed
 
     def close(self) -> None:
         """Destroy owned and helper streams, free pinned memory, release primary contexts. Idempotent.
@@ -437,52 +423,12 @@ class CudaPlatform(_CudaMemory, _CudaStreams, _CudaFlags, _CudaGraphs, Platform)
         Streams created here become unusable; buffers and mappings stay valid (close them
         before exiting).
         """
-        with self._lock:
-            if self._closed_platform:
-                return
-            self._closed_platform = True
-            streams = list(self._streams.values())
-            self._streams.clear()
-            helpers, self._helpers = self._helpers, {}
-            proxies, self._proxies = self._proxies, {}
-            ctxs, self._ctxs = self._ctxs, {}
-        self._events.close()
-        if not (streams or helpers or proxies or ctxs):
+        release = self._contexts.detach()
+        if release is None:
             return
-        drv = _driver()
-        errors: list[BaseException] = []
-
-        def attempt(fn: Callable, *args, doing: str) -> None:
-            try:
-                _cu(fn, *args, doing=doing)
-            except Exception as exc:  # keep releasing the rest, report the first failure
-                errors.append(exc)
-
-        for dev in sorted({s.device for s in streams} | set(helpers) | set(proxies)):
-            if dev not in ctxs:
-                continue
-            try:
-                with _OnDeviceCtx(ctxs[dev][0]):
-                    for s in streams:
-                        if s.device == dev:
-                            s._closed = True
-                            attempt(drv.cuStreamDestroy, s.handle, doing=f"destroying {s!r}")
-                    if dev in helpers:
-                        attempt(drv.cuStreamDestroy, helpers[dev].stream,
-                                doing=f"destroying the flag helper stream of cuda:{dev}")
-                        attempt(drv.cuMemFreeHost, helpers[dev].host_ptr,
-                                doing=f"freeing the pinned flag memory of cuda:{dev}")
-                    if dev in proxies:
-                        st, e1, e2 = proxies[dev]
-                        attempt(drv.cuStreamDestroy, st, doing=f"destroying the proxy stream of cuda:{dev}")
-                        attempt(drv.cuEventDestroy, e1, doing="destroying a proxy event")
-                        attempt(drv.cuEventDestroy, e2, doing="destroying a proxy event")
-            except Exception as exc:
-                errors.append(exc)
-        for dev in sorted(ctxs):
-            attempt(drv.cuDevicePrimaryCtxRelease, dev, doing=f"releasing the primary context of cuda:{dev}")
-        if errors:
-            raise errors[0]
+        self._streams.close(release)
+        self._flags.close(release)
+        release.finish()
 
     def __repr__(self) -> str:
-        return f"CudaPlatform({'closed' if self._closed_platform else 'open'})"
+        return f"CudaPlatform({'closed' if self.closed else 'open'})"

@@ -1,17 +1,18 @@
 """The CUDA driver's gate: the lazy loaders of ``cuda.bindings`` and CuPy, the one error checker
 (:func:`check`: every driver / runtime status becomes a :class:`~gpuxfer.errors.DriverError` naming the
-API, the status and what gpuxfer was doing), the driver's enum values, and the context switches driver
-calls run in. Importing it loads neither library.
+API, the status and what gpuxfer was doing), the driver's enum values, and :class:`CudaContexts`: the
+devices a platform sees and the primary contexts driver calls run in, which every component of
+:class:`~gpuxfer.platforms.cuda.CudaPlatform` shares. Importing it loads neither library.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+import threading
+from typing import Any, Callable
 
-from ..errors import DriverError
+import numpy as np
+
+from ..errors import BadInput, DriverError
 from .cuda_entry import CUDA_SUCCESS
-
-if TYPE_CHECKING:
-    from .cuda import CudaPlatform
 
 # driver enum values (checked against cuda-bindings 12.9 and 13.x; see tests)
 CU_STREAM_NON_BLOCKING = 1
@@ -128,15 +129,15 @@ def _runtime_api_name(fn: Callable) -> str:
 
 
 class _OnDevice:
-    """``with plat._on(dev):`` -- the device's primary context is current inside (pushed only if needed)."""
+    """``with contexts.on(dev):`` -- the device's primary context is current inside (pushed only if needed)."""
 
-    __slots__ = ("_plat", "_dev", "_pushed")
+    __slots__ = ("_contexts", "_dev", "_pushed")
 
-    def __init__(self, plat: "CudaPlatform", dev: int):
-        self._plat, self._dev, self._pushed = plat, dev, False
+    def __init__(self, contexts: "CudaContexts", dev: int):
+        self._contexts, self._dev, self._pushed = contexts, dev, False
 
     def __enter__(self):
-        self._pushed = self._plat._make_current(self._dev)
+        self._pushed = self._contexts.make_current(self._dev)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -157,3 +158,158 @@ class _OnDeviceCtx:
 
     def __exit__(self, *exc) -> None:
         _cu(_driver().cuCtxPopCurrent, doing="restoring the caller's context")
+
+
+class CudaContexts:
+    """The devices this process sees and their primary contexts, retained on first use: device checks,
+    the context switches every driver call runs in (:meth:`on`, :meth:`stream_op`, :meth:`rt`), the
+    driver's version and device attributes. Closing it (:meth:`detach`) closes the platform: new
+    resources are refused from then on."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self.closed = False
+        self.count: int | None = None
+        self.ctxs: dict[int, tuple[Any, int]] = {}       # device -> (CUcontext, as int)
+        self._driver_version: int | None = None
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise BadInput("the cuda platform is closed")
+
+    def device_count(self) -> int:
+        if self.count is None:
+            drv = _driver()
+            _cu(drv.cuInit, 0, doing="initialising the CUDA driver")
+            self.count = int(_cu(drv.cuDeviceGetCount, doing="counting CUDA devices"))
+        return self.count
+
+    def check_device(self, device: int) -> int:
+        if isinstance(device, bool) or not isinstance(device, (int, np.integer)):
+            raise BadInput(f"device must be an integer, got {device!r}")
+        n = self.device_count()
+        if not 0 <= int(device) < n:
+            raise BadInput(f"device {device!r} does not exist: {n} CUDA device(s) are visible")
+        return int(device)
+
+    def retain(self, device: int) -> tuple[Any, int]:
+        with self._lock:
+            if device not in self.ctxs:
+                ctx = _cu(_driver().cuDevicePrimaryCtxRetain, device,
+                          doing=f"retaining the primary context of cuda:{device}")
+                self.ctxs[device] = (ctx, int(ctx))
+            return self.ctxs[device]
+
+    def make_current(self, device: int) -> bool:
+        """Make ``device``'s primary context current; True if it was pushed (pop it after)."""
+        ctx, _ = self.retain(device)
+        if self.is_current(device):
+            return False
+        _cu(_driver().cuCtxPushCurrent, ctx, doing=f"making the primary context of cuda:{device} current")
+        return True
+
+    def is_current(self, device: int) -> bool:
+        """Is ``device``'s primary context (already retained) current on this thread?"""
+        entry = self.ctxs.get(device)
+        if entry is None:
+            return False
+        _, cur = _driver().cuCtxGetCurrent()
+        return cur is not None and int(cur) == entry[1]
+
+    def on(self, device: int) -> _OnDevice:
+        return _OnDevice(self, device)
+
+    def stream_op(self, s, fn: Callable, *args, doing: "str | Callable[[], str]") -> None:
+        """``fn(*args)`` (a driver call queued on stream ``s``) in ``s``'s context, errors through :func:`check`.
+
+        The per-step hot path. A created stream names its context, and stream-ordered
+        calls on it run there whatever context is current (measured on 2x H200:
+        copies, flag writes and waits on device 1's stream with device 0's context
+        current), so it is one driver call. The default streams (handles 0-2) mean
+        "the current context's", so for them the device's context is made current
+        first -- without that check, work meant for device 1's default stream would
+        land on device 0's (measured: an event record there fails, INVALID_HANDLE).
+        A process that sees one device skips the check (a driver call per op): any
+        context current on its thread is that device's (torch's primary context; a
+        context of the caller's own, made with the driver API, would take the work),
+        and with none current the call fails with INVALID_CONTEXT and is repeated
+        with the device's context pushed.
+        """
+        if s.handle in _DEFAULT_STREAM_HANDLES and self.count != 1 and not self.is_current(s.device):
+            with self.on(s.device):
+                _cu(fn, *args, doing=doing)
+            return
+        res = fn(*args)
+        status = int(res[0])
+        if status == CUDA_SUCCESS:
+            return
+        if status != _ERR_INVALID_CONTEXT:
+            check(res, doing, fn.__name__)
+            return
+        with self.on(s.device):           # no context current on this thread: repeat it with one pushed
+            _cu(fn, *args, doing=doing)
+
+    @staticmethod
+    def rt(device: int, fn: Callable, *args, doing: str) -> Any:
+        """Call a CuPy runtime function with ``device`` current; CuPy errors become DriverError via check()."""
+        cupy, _, CUDARuntimeError = _cupy()
+        try:
+            with cupy.cuda.Device(device):
+                return fn(*args)
+        except CUDARuntimeError as exc:
+            check(exc, doing, _runtime_api_name(fn))
+
+    def driver_version(self) -> int:
+        if self._driver_version is None:
+            self._driver_version = int(_cu(_driver().cuDriverGetVersion, doing="reading the driver version"))
+        return self._driver_version
+
+    def attr(self, device: int, name: str) -> int:
+        drv = _driver()
+        attr = getattr(drv.CUdevice_attribute, name)
+        return int(_cu(drv.cuDeviceGetAttribute, attr, device, doing=f"reading {name} of cuda:{device}"))
+
+    def detach(self) -> "Release | None":
+        """Close: refuse new resources from now on and hand the retained contexts to a :class:`Release`
+        (None where this was closed already)."""
+        with self._lock:
+            if self.closed:
+                return None
+            self.closed = True
+            ctxs, self.ctxs = self.ctxs, {}
+        return Release(ctxs)
+
+
+class Release:
+    """What closing a platform releases, component by component: each releases its resources per device with
+    that device's context pushed (:meth:`on_each`, through :meth:`attempt`, which keeps going past a failure),
+    then :meth:`finish` releases the primary contexts and raises the first failure."""
+
+    def __init__(self, ctxs: dict[int, tuple[Any, int]]):
+        self.ctxs = ctxs
+        self.errors: list[BaseException] = []
+
+    def attempt(self, fn: Callable, *args, doing: str) -> None:
+        try:
+            _cu(fn, *args, doing=doing)
+        except Exception as exc:  # keep releasing the rest, report the first failure
+            self.errors.append(exc)
+
+    def on_each(self, devices, release: Callable[[int], None]) -> None:
+        """``release(device)`` for each of ``devices`` with a retained context, that context current."""
+        for dev in sorted(devices):
+            if dev not in self.ctxs:
+                continue
+            try:
+                with _OnDeviceCtx(self.ctxs[dev][0]):
+                    release(dev)
+            except Exception as exc:
+                self.errors.append(exc)
+
+    def finish(self) -> None:
+        if self.ctxs:
+            drv = _driver()
+            for dev in sorted(self.ctxs):
+                self.attempt(drv.cuDevicePrimaryCtxRelease, dev, doing=f"releasing the primary context of cuda:{dev}")
+        if self.errors:
+            raise self.errors[0]

@@ -1,7 +1,8 @@
 """CUDA flags: 64-bit words written and waited on streams (``cuStreamWriteValue64`` /
 ``cuStreamWaitValue64``, ``cuStreamBatchMemOp``), read and written from the host on a per-device helper
 stream with a bounded poll, the per-step :meth:`stream_calls` through the driver's entry points, and the
-probe that stream memory operations really work. Mixed into :class:`~gpuxfer.platforms.cuda.CudaPlatform`.
+probe that stream memory operations really work: :class:`CudaFlags`, a component of
+:class:`~gpuxfer.platforms.cuda.CudaPlatform`, and :func:`run_probe`.
 """
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import time
 import numpy as np
 
 from ..errors import BadInput, GpuxferError, TransferTimeout
-from .base import FLAG_OP_WORDS, RELEASE_VALUE, Stream, StreamCalls, check_flag_ptr
+from .base import FLAG_OP_WORDS, RELEASE_VALUE, Platform, Stream, StreamCalls, check_flag_ptr
 from .cuda_driver import (_DEFAULT_STREAM_HANDLES, _ERR_INVALID_CONTEXT, _WAIT_GEQ, CU_MEMHOSTALLOC_PORTABLE,
-                          CU_STREAM_NON_BLOCKING, CUDA_ERROR_NOT_READY, _cu, _driver, check)
+                          CU_STREAM_NON_BLOCKING, CUDA_ERROR_NOT_READY, CudaContexts, Release, _cu, _driver,
+                          check)
 from .cuda_entry import CUDA_SUCCESS, resolve_memop, resolve_step_fns
 from .cuda_graphs import CudaGraph
+from .cuda_streams import as_stream
 
 _MASK64 = (1 << 64) - 1
 
@@ -64,42 +67,51 @@ def _u64(value: int, what: str = "flag value") -> int:
     return value & _MASK64
 
 
-class _CudaFlags:
-    """The flag hooks of :class:`~gpuxfer.platforms.cuda.CudaPlatform` (its state and context switches:
-    ``_lock``, ``_helpers``, ``_memop``, ``_memop_arrays``, ``_step_fns``, ``_probes``, ``_count``, ``_on``,
-    ``_is_current``, ``_retain``, ``_stream_op``, ``_stream``, ``_check_device``)."""
+class CudaFlags:
+    """The flags of a :class:`~gpuxfer.platforms.cuda.CudaPlatform`: stream writes and waits (one call, or a row
+    of them through ``cuStreamBatchMemOp``), host reads and writes on a per-device helper stream given up after
+    ``host_op_timeout_s``, the per-step :meth:`stream_calls`, and the probe's results per device."""
 
-    # ---- flags ----
+    def __init__(self, contexts: CudaContexts, host_op_timeout_s: float):
+        self._ctx = contexts
+        self.host_op_timeout_s = host_op_timeout_s
+        self._lock = threading.RLock()
+        self._helpers: dict[int, _Helper] = {}
+        self._memop = None          # cuStreamBatchMemOp through ctypes (False where missing)
+        self._step_fns = None       # stream_calls' entry points through ctypes (False where missing)
+        self._memop_arrays: dict[int, tuple] = {}     # id -> (flag_ops array, its address, rows)
+        self._probes: dict[int, str | None] = {}
+
     def write_flag(self, stream: Stream, ptr: int, value: int) -> None:
         """``cuStreamWriteValue64`` (default flags: a fence before the write). ``ptr`` may be a peer mapping."""
-        s = self._stream(stream)
+        s = as_stream(stream)
         ptr = int(ptr)
         check_flag_ptr(ptr)
         v = _u64(value)
-        self._stream_op(s, _driver().cuStreamWriteValue64, s.handle, ptr, v, 0,
-                        doing=lambda: f"writing flag 0x{ptr:x} := {int(value)} on {s!r}")
+        self._ctx.stream_op(s, _driver().cuStreamWriteValue64, s.handle, ptr, v, 0,
+                            doing=lambda: f"writing flag 0x{ptr:x} := {int(value)} on {s!r}")
 
     def wait_flag(self, stream: Stream, ptr: int, value: int) -> None:
         """``cuStreamWaitValue64`` with ``CU_STREAM_WAIT_VALUE_GEQ`` (cyclic: ``(int64)(*ptr - value) >= 0``)."""
-        s = self._stream(stream)
+        s = as_stream(stream)
         ptr = int(ptr)
         check_flag_ptr(ptr)
         v = _u64(value)
         drv = _driver()
-        self._stream_op(s, drv.cuStreamWaitValue64, s.handle, ptr, v, _WAIT_GEQ,
-                        doing=lambda: f"enqueuing a wait for flag 0x{ptr:x} >= {int(value)} on {s!r}")
+        self._ctx.stream_op(s, drv.cuStreamWaitValue64, s.handle, ptr, v, _WAIT_GEQ,
+                            doing=lambda: f"enqueuing a wait for flag 0x{ptr:x} >= {int(value)} on {s!r}")
 
-    def flag_ops(self, stream: Stream, ops: np.ndarray) -> None:
+    def flag_ops(self, stream: Stream, ops: np.ndarray) -> bool:
         """``cuStreamBatchMemOp``: every row of ``ops`` (a ``flag_ops_array``, its rows laid out as
         ``CUstreamBatchMemOpParams``) in one driver call, resolved with ``cuGetProcAddress`` and called
-        through ctypes with the array's address (no per-call conversion). Where the entry point is
-        missing: one call per row (the base class)."""
-        s = self._stream(stream)
+        through ctypes with the array's address (no per-call conversion). False, with nothing queued, where
+        the entry point is missing (the caller then queues one call per row)."""
+        s = as_stream(stream)
         fn = self._memop
         if fn is None:
             fn = self._memop = resolve_memop(_driver)
         if fn is False:
-            return super().flag_ops(stream, ops)
+            return False
         entry = self._memop_arrays.get(id(ops))
         if entry is None or entry[0] is not ops:
             if (type(ops) is not np.ndarray or ops.dtype != np.uint64 or ops.ndim != 2
@@ -109,16 +121,17 @@ class _CudaFlags:
                 self._memop_arrays.clear()
             entry = self._memop_arrays[id(ops)] = (ops, ops.ctypes.data, len(ops))
         _, addr, n = entry
-        if s.handle in _DEFAULT_STREAM_HANDLES and self._count != 1 and not self._is_current(s.device):
-            with self._on(s.device):
+        if s.handle in _DEFAULT_STREAM_HANDLES and self._ctx.count != 1 and not self._ctx.is_current(s.device):
+            with self._ctx.on(s.device):
                 rc = fn(s.handle, n, addr, 0)
         else:
             rc = fn(s.handle, n, addr, 0)
             if rc == _ERR_INVALID_CONTEXT:
-                with self._on(s.device):
+                with self._ctx.on(s.device):
                     rc = fn(s.handle, n, addr, 0)
         if rc:
             check(rc, lambda: f"queueing {n} flag operations on {s!r}", "cuStreamBatchMemOp")
+        return True
 
     def _helper(self, device: int) -> _Helper:
         h = self._helpers.get(device)
@@ -127,7 +140,7 @@ class _CudaFlags:
         with self._lock:
             if device not in self._helpers:
                 drv = _driver()
-                with self._on(device):
+                with self._ctx.on(device):
                     st = int(_cu(drv.cuStreamCreate, CU_STREAM_NON_BLOCKING,
                                  doing=f"creating the flag helper stream of cuda:{device}"))
                     try:
@@ -164,9 +177,9 @@ class _CudaFlags:
         """An 8-byte device-to-host copy on the device's helper stream, polled with a timeout."""
         ptr = int(ptr)
         check_flag_ptr(ptr)
-        device = self._check_device(device)
+        device = self._ctx.check_device(device)
         h = self._helper(device)
-        with h.lock, self._on(device), _RelaxedCapture():
+        with h.lock, self._ctx.on(device), _RelaxedCapture():
             _cu(_driver().cuMemcpyDtoHAsync, h.host_ptr, ptr, 8, h.stream,
                 doing=f"reading flag 0x{ptr:x} from the host (cuda:{device})")
             self._finish_helper(h, device, ptr, "a host read", -1)
@@ -177,16 +190,16 @@ class _CudaFlags:
         ptr = int(ptr)
         check_flag_ptr(ptr)
         v = _u64(value)
-        device = self._check_device(device)
+        device = self._ctx.check_device(device)
         h = self._helper(device)
-        with h.lock, self._on(device), _RelaxedCapture():
+        with h.lock, self._ctx.on(device), _RelaxedCapture():
             ctypes.c_uint64.from_address(h.host_ptr + 8).value = v
             _cu(_driver().cuMemcpyHtoDAsync, ptr, h.host_ptr + 8, 8, h.stream,
                 doing=f"writing flag 0x{ptr:x} := {int(value)} from the host (cuda:{device})")
             self._finish_helper(h, device, ptr, "a host write", int(value))
 
     # ---- a per-step path ----
-    def stream_calls(self, stream: Stream) -> StreamCalls:
+    def stream_calls(self, stream: Stream, checked: Platform) -> StreamCalls | None:
         """The flag, graph and copy calls bound to ``stream``: one driver call each, through its entry point
         (``cuGetProcAddress``, the CUDA 12 ABI, called through ctypes with plain integers: no per-call
         argument objects), where the arguments are in-range integers (and a graph of this platform;
@@ -196,20 +209,22 @@ class _CudaFlags:
         the stream's context or raises what is wrong. A default stream's handle means "the current
         context's" stream: in a process that sees several devices each call first asks the driver which
         context is current (one more entry-point call) and takes the checked method unless it is the
-        device's. A driver without the entry points keeps the checked methods."""
-        s = self._stream(stream)
+        device's. The checked methods are ``checked``'s (the platform's ``write_flag``, ``wait_flag``,
+        ``launch_graph``, ``copy_async`` and ``flag_ops``). None where the driver has no entry points (the
+        caller keeps the checked methods)."""
+        s = as_stream(stream)
         fns = self._step_fns
         if fns is None:
             fns = self._step_fns = resolve_step_fns(_driver)
         if not fns:
-            return super().stream_calls(s)
+            return None
         write, wait, launch, current, memcpy = fns
         h = s.handle
-        write_flag, wait_flag, launch_graph, copy_async = self.write_flag, self.wait_flag, self.launch_graph, \
-            self.copy_async
+        write_flag, wait_flag, launch_graph, copy_async = checked.write_flag, checked.wait_flag, \
+            checked.launch_graph, checked.copy_async
         other = None            # None, or a callable: True where another context may be current
-        if h in _DEFAULT_STREAM_HANDLES and self.device_count() != 1:
-            ctx, c = self._retain(s.device)[1], ctypes
+        if h in _DEFAULT_STREAM_HANDLES and self._ctx.device_count() != 1:
+            ctx, c = self._ctx.retain(s.device)[1], ctypes
 
             def other() -> bool:
                 cur = c.c_void_p()
@@ -240,14 +255,14 @@ class _CudaFlags:
         if memop is None:
             memop = self._memop = resolve_memop(_driver)
         if memop is False:
-            return StreamCalls(s, write_fast, wait_fast, launch_fast, lambda ops: self.flag_ops(s, ops), copy_fast)
+            return StreamCalls(s, write_fast, wait_fast, launch_fast, lambda ops: checked.flag_ops(s, ops), copy_fast)
         arrays: dict = {}       # id -> (array, address, rows) of the arrays the checked method took
 
         def flag_ops_fast(ops) -> None:
             entry = arrays.get(id(ops))
             if (entry is None or entry[0] is not ops or s._closed or (other is not None and other())
                     or memop(h, entry[2], entry[1], 0)):
-                self.flag_ops(s, ops)           # checks the array (BadInput): later calls skip that
+                checked.flag_ops(s, ops)        # checks the array (BadInput): later calls skip that
                 if entry is None or entry[0] is not ops:
                     if len(arrays) > 64:
                         arrays.clear()
@@ -255,61 +270,79 @@ class _CudaFlags:
 
         return StreamCalls(s, write_fast, wait_fast, launch_fast, flag_ops_fast, copy_fast)
 
-    def probe_stream_mem_ops(self, device: int, timeout_s: float = 10.0) -> str | None:
-        """None if 64-bit stream write / wait really work on ``device``, else why not. Cached per device.
-
-        On a fresh buffer and a fresh stream: write 7 + wait >= 7 must complete and
-        read back 7; then a wait >= 1 on a zero word must hold the stream until the
-        host writes 1. If a wait never completes, the buffer and stream are leaked on
-        purpose (freeing them could block behind the stuck wait).
-        """
-        device = self._check_device(device)
+    def probe(self, plat: Platform, device: int, timeout_s: float) -> str | None:
+        """:func:`run_probe` on ``plat``'s ``device`` (a checked index), once per device: later calls return its first
+        answer."""
         if device in self._probes:
             return self._probes[device]
-        why = self._run_probe(device, timeout_s)
+        why = run_probe(plat, device, timeout_s)
         with self._lock:
             self._probes.setdefault(device, why)
         return self._probes[device]
 
-    def _run_probe(self, device: int, timeout_s: float) -> str | None:
-        try:
-            buf = self.alloc(64, device)
-        except GpuxferError as exc:
-            return f"could not allocate the probe buffer: {exc}"
-        stream = None
-        stuck = False
-        try:
-            stream = self.create_stream(device)
-            self.memset_async(stream, buf.ptr, 0, 64)
-            self.write_flag(stream, buf.ptr, 7)
-            self.wait_flag(stream, buf.ptr, 7)
-            if not self.event_wait(self.record_event(stream), timeout_s):
-                stuck = True
-                return f"a stream write of 7 then a wait for >= 7 did not complete within {timeout_s:g} s"
-            seen = self.read_flag(buf.ptr, device)
-            if seen != 7:
-                return f"cuStreamWriteValue64 wrote nothing visible: read back {seen}, expected 7"
-            self.wait_flag(stream, buf.ptr + 8, 1)
-            held = self.record_event(stream)
-            time.sleep(0.005)
-            if self.event_query(held):
-                return "cuStreamWaitValue64 did not hold the stream (a wait for >= 1 on a zero word completed)"
-            self.host_write_flag(buf.ptr + 8, 1, device)
-            if not self.event_wait(held, timeout_s):
-                stuck = True
-                return f"a stream wait was not released within {timeout_s:g} s of the host writing the flag"
-            return None
-        except GpuxferError as exc:
-            return f"{exc}"
-        finally:
-            if stuck:
-                try:   # try to let it go; leak the buffer and stream either way
-                    self.host_write_flag(buf.ptr, RELEASE_VALUE, device)
-                    self.host_write_flag(buf.ptr + 8, RELEASE_VALUE, device)
-                except Exception:
-                    pass
-                buf._closed = True          # leaked on purpose: freeing could block behind the wait
-            else:
-                if stream is not None:
-                    stream.close()
-                buf.close()
+    def close(self, release: Release) -> None:
+        """Destroy the helper streams and free their pinned words."""
+        with self._lock:
+            helpers, self._helpers = self._helpers, {}
+        if not helpers:
+            return
+        drv = _driver()
+
+        def on_device(dev: int) -> None:
+            release.attempt(drv.cuStreamDestroy, helpers[dev].stream,
+                            doing=f"destroying the flag helper stream of cuda:{dev}")
+            release.attempt(drv.cuMemFreeHost, helpers[dev].host_ptr,
+                            doing=f"freeing the pinned flag memory of cuda:{dev}")
+
+        release.on_each(helpers, on_device)
+
+
+def run_probe(plat: Platform, device: int, timeout_s: float) -> str | None:
+    """None if 64-bit stream write / wait really work on ``plat``'s ``device``, else why not.
+
+    On a fresh buffer and a fresh stream: write 7 + wait >= 7 must complete and
+    read back 7; then a wait >= 1 on a zero word must hold the stream until the
+    host writes 1. If a wait never completes, the buffer and stream are leaked on
+    purpose (freeing them could block behind the stuck wait).
+    """
+    try:
+        buf = plat.alloc(64, device)
+    except GpuxferError as exc:
+        return f"could not allocate the probe buffer: {exc}"
+    stream = None
+    stuck = False
+    try:
+        stream = plat.create_stream(device)
+        plat.memset_async(stream, buf.ptr, 0, 64)
+        plat.write_flag(stream, buf.ptr, 7)
+        plat.wait_flag(stream, buf.ptr, 7)
+        if not plat.event_wait(plat.record_event(stream), timeout_s):
+            stuck = True
+            return f"a stream write of 7 then a wait for >= 7 did not complete within {timeout_s:g} s"
+        seen = plat.read_flag(buf.ptr, device)
+        if seen != 7:
+            return f"cuStreamWriteValue64 wrote nothing visible: read back {seen}, expected 7"
+        plat.wait_flag(stream, buf.ptr + 8, 1)
+        held = plat.record_event(stream)
+        time.sleep(0.005)
+        if plat.event_query(held):
+            return "cuStreamWaitValue64 did not hold the stream (a wait for >= 1 on a zero word completed)"
+        plat.host_write_flag(buf.ptr + 8, 1, device)
+        if not plat.event_wait(held, timeout_s):
+            stuck = True
+            return f"a stream wait was not released within {timeout_s:g} s of the host writing the flag"
+        return None
+    except GpuxferError as exc:
+        return f"{exc}"
+    finally:
+        if stuck:
+            try:   # try to let it go; leak the buffer and stream either way
+                plat.host_write_flag(buf.ptr, RELEASE_VALUE, device)
+                plat.host_write_flag(buf.ptr + 8, RELEASE_VALUE, device)
+            except Exception:
+                pass
+            buf._closed = True          # leaked on purpose: freeing could block behind the wait
+        else:
+            if stream is not None:
+                stream.close()
+            buf.close()

@@ -1,5 +1,6 @@
 """CUDA graphs: stream capture of what a callable enqueues on an owned stream, instantiated as a
-:class:`CudaGraph` and launched on any stream. Mixed into :class:`~gpuxfer.platforms.cuda.CudaPlatform`.
+:class:`CudaGraph` and launched on any stream: :class:`CudaGraphs`, a component of
+:class:`~gpuxfer.platforms.cuda.CudaPlatform`.
 """
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from typing import Callable
 from ..errors import BadInput
 from . import cuda_driver
 from .base import Stream
-from .cuda_driver import _cu, _driver
+from .cuda_driver import CudaContexts, _cu, _driver
 from .cuda_entry import CUDA_SUCCESS
+from .cuda_streams import as_stream
 
 
 class CudaGraph:
@@ -35,25 +37,27 @@ def _destroy_graph(exe, graph) -> None:
         pass
 
 
-class _CudaGraphs:
-    """The graph hooks of :class:`~gpuxfer.platforms.cuda.CudaPlatform` (``_stream``, ``_on``,
-    ``_stream_op``)."""
+class CudaGraphs:
+    """Graph capture and launch on the streams of a :class:`~gpuxfer.platforms.cuda.CudaPlatform` (no state of
+    its own: a graph is freed when collected)."""
 
-    # ---- graph capture ----
+    def __init__(self, contexts: CudaContexts):
+        self._ctx = contexts
+
     def is_capturing(self, stream: Stream) -> bool:
         """``cuStreamIsCapturing``: True while ``stream`` records a graph (an invalidated capture included)."""
-        s = self._stream(stream)
-        with self._on(s.device):
+        s = as_stream(stream)
+        with self._ctx.on(s.device):
             status = _cu(_driver().cuStreamIsCapturing, s.handle, doing=lambda: f"asking whether {s!r} captures")
         return int(status) != 0      # CU_STREAM_CAPTURE_STATUS_NONE
 
-    def capture_graph(self, stream: Stream, record: Callable[[Stream], object]) -> CudaGraph:
+    def capture(self, stream: Stream, record: Callable[[Stream], object]) -> CudaGraph:
         """Stream capture (thread-local mode) of what ``record(stream)`` enqueues, instantiated."""
-        s = self._stream(stream)
+        s = as_stream(stream)
         if not s.owned:
             raise BadInput(f"capture_graph needs a stream of create_stream, got {s!r}")
         drv = _driver()
-        with self._on(s.device):
+        with self._ctx.on(s.device):
             _cu(drv.cuStreamBeginCapture, s.handle, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
                 doing=lambda: f"starting a capture on {s!r}")
             try:
@@ -71,9 +75,9 @@ class _CudaGraphs:
                 raise
         return CudaGraph(s.device, graph, exe)
 
-    def launch_graph(self, stream: Stream, graph) -> None:
-        s = self._stream(stream)
+    def launch(self, stream: Stream, graph) -> None:
+        s = as_stream(stream)
         if type(graph) is not CudaGraph:
             raise BadInput(f"not a CUDA graph: {graph!r}")
-        self._stream_op(s, _driver().cuGraphLaunch, graph.exe, s.handle,
-                        doing=lambda: f"launching {graph!r} on {s!r}")
+        self._ctx.stream_op(s, _driver().cuGraphLaunch, graph.exe, s.handle,
+                            doing=lambda: f"launching {graph!r} on {s!r}")

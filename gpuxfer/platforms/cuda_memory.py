@@ -1,18 +1,19 @@
 """CUDA memory: raw ``cudaMalloc`` buffers in whole large pages, IPC handles exported and opened
 (an allocation opened once per context, shared by later opens), ranges of torch's allocations exported,
-and zero-copy torch views. Mixed into :class:`~gpuxfer.platforms.cuda.CudaPlatform`.
+and zero-copy torch views: :class:`CudaMemory`, a component of :class:`~gpuxfer.platforms.cuda.CudaPlatform`.
 """
 from __future__ import annotations
 
 import os
+import threading
 from typing import Sequence
 
 import numpy as np
 
 from ..common import exported_here, process_namespace
 from ..errors import BadInput, DriverError, GpuxferError, NotExportable
-from .base import DeviceBuffer, ExportedRange, IpcHandle, Memory, PeerMapping
-from .cuda_driver import CU_MEMORYTYPE_DEVICE, _cu, _cupy, _driver
+from .base import DeviceBuffer, ExportedRange, IpcHandle, Memory, PeerMapping, Platform
+from .cuda_driver import CU_MEMORYTYPE_DEVICE, CudaContexts, _cu, _cupy, _driver
 
 IPC_HANDLE_BYTES = 64
 CU_MEMHOSTREGISTER_PORTABLE = 1
@@ -67,23 +68,33 @@ def _torch_dtype(dtype):
     raise BadInput(f"not a torch dtype: {dtype!r}")
 
 
-class _CudaMemory:
-    """The memory hooks of :class:`~gpuxfer.platforms.cuda.CudaPlatform` (its device checks, context
-    switches and runtime calls: ``_check_open``, ``_check_device``, ``_on``, ``_rt``)."""
+class CudaMemory:
+    """The buffers and mappings of a :class:`~gpuxfer.platforms.cuda.CudaPlatform` (``owner``: the platform
+    they belong to, whose ``_free`` / ``_close_mapping`` come back here): allocation, IPC export and open (an
+    allocation's handle opened once per device, counted), host memory mapped for the device, tensor views."""
+
+    name = "cuda"
+
+    def __init__(self, contexts: CudaContexts, owner: Platform):
+        self._ctx = contexts
+        self._owner = owner
+        self._lock = threading.Lock()
+        self._ipc_open: dict[tuple[int, bytes], list] = {}  # (device, handle) -> [mapped pointer, open count]
+        self._cai_views_peers: bool | None = None          # does __cuda_array_interface__ view IPC mappings?
 
     def alloc(self, nbytes: int, device: int) -> DeviceBuffer:
-        self._check_open()
-        device = self._check_device(device)
+        self._ctx.check_open()
+        device = self._ctx.check_device(device)
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or int(nbytes) <= 0:
             raise BadInput(f"cannot allocate {nbytes!r} bytes: the size must be a positive integer")
         size = alloc_bytes(int(nbytes))
         _, rt, _ = _cupy()
-        ptr = self._rt(device, rt.malloc, size, doing=f"allocating {size} bytes on cuda:{device}")
-        return DeviceBuffer(self, device, int(ptr), int(nbytes), impl="cudaMalloc", allocated_bytes=size)
+        ptr = self._ctx.rt(device, rt.malloc, size, doing=f"allocating {size} bytes on cuda:{device}")
+        return DeviceBuffer(self._owner, device, int(ptr), int(nbytes), impl="cudaMalloc", allocated_bytes=size)
 
-    def _free(self, buf: DeviceBuffer) -> None:
+    def free(self, buf: DeviceBuffer) -> None:
         _, rt, _ = _cupy()
-        self._rt(buf.device, rt.free, buf.ptr, doing=f"freeing {buf!r}")
+        self._ctx.rt(buf.device, rt.free, buf.ptr, doing=f"freeing {buf!r}")
 
     def export_handle(self, buf: DeviceBuffer) -> IpcHandle:
         if not isinstance(buf, DeviceBuffer) or getattr(buf.platform, "name", None) != self.name:
@@ -91,7 +102,7 @@ class _CudaMemory:
         if buf.closed:
             raise BadInput(f"cannot export {buf!r}: it is freed")
         _, rt, _ = _cupy()
-        payload = self._rt(buf.device, rt.ipcGetMemHandle, buf.ptr, doing=f"exporting an IPC handle of {buf!r}")
+        payload = self._ctx.rt(buf.device, rt.ipcGetMemHandle, buf.ptr, doing=f"exporting an IPC handle of {buf!r}")
         payload = bytes(payload)
         if len(payload) != IPC_HANDLE_BYTES:
             raise DriverError("cudaIpcGetMemHandle", "UNEXPECTED_HANDLE_SIZE", -1,
@@ -101,8 +112,8 @@ class _CudaMemory:
 
     def allocation_range(self, ptr: int, device: int) -> tuple[int, int] | None:
         """``cuMemGetAddressRange``: the allocation (or IPC mapping) holding ``ptr``."""
-        device = self._check_device(device)
-        with self._on(device):
+        device = self._ctx.check_device(device)
+        with self._ctx.on(device):
             base, size = _cu(_driver().cuMemGetAddressRange, int(ptr),
                              doing=f"finding the allocation holding 0x{int(ptr):x} on cuda:{device}")
         return int(base), int(size)
@@ -126,11 +137,11 @@ class _CudaMemory:
         ``cuMemCreate``, such as torch's expandable segments, is not); ``cuMemGetAddressRange``
         gives the allocation; ``cudaIpcGetMemHandle`` exports its base.
         """
-        self._check_open()
-        device = self._check_device(device)
+        self._ctx.check_open()
+        device = self._ctx.check_device(device)
         ptr, nbytes = int(ptr), int(nbytes)
         what = f"memory [0x{ptr:x}, +{nbytes}) on cuda:{device}"
-        with self._on(device):
+        with self._ctx.on(device):
             try:
                 mtype = self._pointer_attr("CU_POINTER_ATTRIBUTE_MEMORY_TYPE", ptr, device)
             except DriverError as exc:
@@ -153,8 +164,8 @@ class _CudaMemory:
         if nbytes < 0 or ptr + nbytes > base + size:
             raise NotExportable(what, f"it runs past the end of its allocation [0x{base:x}, +{size})")
         _, rt, _ = _cupy()
-        payload = bytes(self._rt(device, rt.ipcGetMemHandle, base,
-                                 doing=f"exporting an IPC handle of the allocation [0x{base:x}, +{size}) "
+        payload = bytes(self._ctx.rt(device, rt.ipcGetMemHandle, base,
+                                     doing=f"exporting an IPC handle of the allocation [0x{base:x}, +{size}) "
                                        f"on cuda:{device}"))
         if len(payload) != IPC_HANDLE_BYTES:
             raise DriverError("cudaIpcGetMemHandle", "UNEXPECTED_HANDLE_SIZE", -1, f"exporting {what}",
@@ -162,8 +173,8 @@ class _CudaMemory:
         return ExportedRange(IpcHandle(self.name, device, size, payload, os.getpid(), process_namespace()), ptr - base)
 
     def open_handle(self, handle: IpcHandle, device: int) -> PeerMapping:
-        self._check_open()
-        device = self._check_device(device)
+        self._ctx.check_open()
+        device = self._ctx.check_device(device)
         if not isinstance(handle, IpcHandle) or handle.platform != self.name:
             raise BadInput(f"not a CUDA IPC handle: {handle!r}")
         if len(handle.payload) != IPC_HANDLE_BYTES:
@@ -178,15 +189,15 @@ class _CudaMemory:
             entry = self._ipc_open.get(key)
             if entry is not None:
                 entry[1] += 1
-                return PeerMapping(self, device, entry[0], handle, impl=key)
+                return PeerMapping(self._owner, device, entry[0], handle, impl=key)
             _, rt, _ = _cupy()
-            ptr = self._rt(device, rt.ipcOpenMemHandle, bytes(handle.payload), rt.cudaIpcMemLazyEnablePeerAccess,
-                           doing=(f"opening on cuda:{device} the IPC handle of device {handle.device} of pid "
+            ptr = self._ctx.rt(device, rt.ipcOpenMemHandle, bytes(handle.payload), rt.cudaIpcMemLazyEnablePeerAccess,
+                               doing=(f"opening on cuda:{device} the IPC handle of device {handle.device} of pid "
                                   f"{handle.owner_pid} ({handle.nbytes} bytes)"))
             self._ipc_open[key] = [int(ptr), 1]
-        return PeerMapping(self, device, int(ptr), handle, impl=key)
+        return PeerMapping(self._owner, device, int(ptr), handle, impl=key)
 
-    def _close_mapping(self, mapping: PeerMapping) -> None:
+    def close_mapping(self, mapping: PeerMapping) -> None:
         with self._lock:
             entry = self._ipc_open.get(mapping.impl)
             if entry is not None:
@@ -195,16 +206,16 @@ class _CudaMemory:
                     return
                 del self._ipc_open[mapping.impl]
         _, rt, _ = _cupy()
-        self._rt(mapping.device, rt.ipcCloseMemHandle, mapping.ptr, doing=f"closing {mapping!r}")
+        self._ctx.rt(mapping.device, rt.ipcCloseMemHandle, mapping.ptr, doing=f"closing {mapping!r}")
 
     def map_host_words(self, ptr: int, nbytes: int, device: int) -> int:
         """``cuMemHostRegister`` (portable, device-mapped) of a shared-memory mapping, and its device address
         (``cuMemHostGetDevicePointer``): stream writes, waits and copies reach it over PCIe."""
-        self._check_open()
-        device = self._check_device(device)
+        self._ctx.check_open()
+        device = self._ctx.check_device(device)
         ptr, nbytes = int(ptr), int(nbytes)
         drv = _driver()
-        with self._on(device):
+        with self._ctx.on(device):
             _cu(drv.cuMemHostRegister, ptr, nbytes, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP,
                 doing=f"registering {nbytes} bytes of host memory at 0x{ptr:x} for cuda:{device}")
             try:
@@ -215,8 +226,8 @@ class _CudaMemory:
                 raise
 
     def unmap_host_words(self, ptr: int, device: int) -> None:
-        device = self._check_device(device)
-        with self._on(device):
+        device = self._ctx.check_device(device)
+        with self._ctx.on(device):
             _cu(_driver().cuMemHostUnregister, int(ptr), doing=f"unregistering host memory at 0x{int(ptr):x}")
 
     def as_tensor(self, mem: Memory, dtype=None, shape: Sequence[int] | None = None, offset: int = 0):

@@ -1,30 +1,26 @@
-"""CUDA streams, events, copies and fills: dedicated non-blocking streams and torch's current
-stream wrapped as :class:`CudaStream`, raw driver events, ``cuMemcpyAsync``, ``cuMemcpyBatchAsync``
-(through its entry point, or on a proxy stream for the legacy default stream) and ``cuMemsetD8Async``.
-Mixed into :class:`~gpuxfer.platforms.cuda.CudaPlatform`.
+"""CUDA streams, events, copies and fills (:class:`CudaStreams`, a component of
+:class:`~gpuxfer.platforms.cuda.CudaPlatform`): dedicated non-blocking streams and torch's current stream
+wrapped as :class:`CudaStream`, raw driver events, ``cuMemcpyAsync``, ``cuMemcpyBatchAsync`` (through its
+entry point, or on a proxy stream for the legacy default stream) and ``cuMemsetD8Async``.
 """
 from __future__ import annotations
 
 import ctypes
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from .. import config
 from ..errors import BadInput
-from .base import Event, Stream
+from .base import Event, Platform, Stream
 from .cuda_driver import (_DEFAULT_STREAM_HANDLES, _EVENT_DISABLE_TIMING, _LEGACY_STREAM_HANDLES,
                           CU_EVENT_DISABLE_TIMING, CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
-                          CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, CU_STREAM_NON_BLOCKING, CUDA_ERROR_NOT_READY, _cu,
-                          _driver, check)
+                          CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, CU_STREAM_NON_BLOCKING, CUDA_ERROR_NOT_READY, CudaContexts,
+                          Release, _cu, _driver, check)
 from . import cuda_driver
 from .cuda_entry import (BATCH_MODE_ENV, CUDA_SUCCESS, SIZE_MAX, CUmemcpyAttributes, batch_call_args,
                          batch_status, plan_batch_copies, resolve_batch)
-
-if TYPE_CHECKING:
-    from .cuda import CudaPlatform
-
 
 
 class CudaStream(Stream):
@@ -35,7 +31,7 @@ class CudaStream(Stream):
     owned: ``close()`` destroys them (idempotent; the platform's ``close()`` does it too).
     """
 
-    def __init__(self, device: int, handle: int, torch_stream, platform: "CudaPlatform | None" = None):
+    def __init__(self, device: int, handle: int, torch_stream, platform: "Platform | None" = None):
         self.device = device
         self.handle = handle
         self.torch = torch_stream
@@ -129,42 +125,72 @@ class _EventPool:
                 _destroy_event(spare.pop())
 
 
-class _CudaStreams:
-    """The stream, event, copy and fill hooks of :class:`~gpuxfer.platforms.cuda.CudaPlatform` (its
-    state and context switches: ``_lock``, ``_streams``, ``_current``, ``_proxies``, ``_on``,
-    ``_stream_op``, ``_stream``, ``_check_device``)."""
+def as_stream(stream) -> CudaStream:
+    """``stream`` if it is an open :class:`CudaStream`, else :class:`~gpuxfer.errors.BadInput`."""
+    if type(stream) is CudaStream and not stream._closed:    # the per-step case first
+        return stream
+    if not isinstance(stream, CudaStream):
+        raise BadInput(f"not a CUDA stream: {stream!r}")
+    if stream._closed:
+        raise BadInput(f"{stream!r} is closed")
+    return stream
+
+
+def as_event(event) -> CudaEvent:
+    if not isinstance(event, CudaEvent):
+        raise BadInput(f"not a CUDA event: {event!r}")
+    return event
+
+
+class CudaStreams:
+    """The streams, events, copies and fills of a :class:`~gpuxfer.platforms.cuda.CudaPlatform`: the streams it
+    created (``owner`` is their platform: ``stream.close()`` comes back through it), torch's streams seen
+    current, the spare events, the batch-copy path and its proxy streams."""
+
+    def __init__(self, contexts: CudaContexts, owner: Platform, batch_max_per_call: int):
+        self._ctx = contexts
+        self._owner = owner
+        self.batch_max_per_call = batch_max_per_call
+        self._lock = threading.RLock()
+        self._streams: dict[int, CudaStream] = {}          # id -> owned streams still alive
+        self._events = _EventPool()                         # spare events for record_event
+        self._current: dict[tuple, CudaStream] = {}        # (device, handle) -> torch's streams seen current
+        self._raw_stream = None     # torch._C._cuda_getCurrentRawStream (False where torch lacks it)
+        self._proxies: dict[int, tuple[int, Any, Any]] = {}   # device -> (stream, event in, event out)
+        self._proxy_locks: dict[int, threading.Lock] = {}
+        self._batch: tuple | None = None                   # resolved batch path (see _batch_impl)
 
     # ---- streams and events ----
-    def create_stream(self, device: int) -> CudaStream:
+    def create(self, device: int) -> CudaStream:
         """A dedicated non-blocking stream on ``device`` (not one of torch's pooled streams)."""
         import torch
-        self._check_open()
-        device = self._check_device(device)
+        self._ctx.check_open()
+        device = self._ctx.check_device(device)
         drv = _driver()
-        with self._on(device):
+        with self._ctx.on(device):
             handle = int(_cu(drv.cuStreamCreate, CU_STREAM_NON_BLOCKING,
                              doing=f"creating a non-blocking stream on cuda:{device}"))
         try:
             ts = torch.cuda.ExternalStream(handle, device=torch.device("cuda", device))
         except Exception:
-            with self._on(device):
+            with self._ctx.on(device):
                 _cu(drv.cuStreamDestroy, handle, doing=f"destroying stream 0x{handle:x} of cuda:{device}")
             raise
-        s = CudaStream(device, handle, ts, platform=self)
+        s = CudaStream(device, handle, ts, platform=self._owner)
         with self._lock:
             self._streams[id(s)] = s
         return s
 
-    def _destroy_stream(self, s: CudaStream) -> None:
+    def destroy(self, s: CudaStream) -> None:
         with self._lock:
             self._streams.pop(id(s), None)
-        with self._on(s.device):
+        with self._ctx.on(s.device):
             _cu(_driver().cuStreamDestroy, s.handle, doing=f"destroying {s!r}")
 
-    def current_stream(self, device: int) -> CudaStream:
+    def current(self, device: int) -> CudaStream:
         """torch's current stream of ``device``: one handle lookup, then a cached wrapper (the per-step path)."""
-        if type(device) is not int or device not in self._ctxs:     # known devices skip the check
-            device = self._check_device(device)
+        if type(device) is not int or device not in self._ctx.ctxs:     # known devices skip the check
+            device = self._ctx.check_device(device)
         raw = self._raw_stream
         if raw is None:
             import torch
@@ -180,26 +206,26 @@ class _CudaStreams:
         return s
 
     def record_event(self, stream: Stream, event: Event | None = None) -> CudaEvent:
-        s = self._stream(stream)
+        s = as_stream(stream)
         if type(event) is not CudaEvent or event.device != s.device:    # re-record: none created per step
             handle = self._events.take(s.device)
             if handle is None:
-                with self._on(s.device):
+                with self._ctx.on(s.device):
                     handle = int(_cu(_driver().cuEventCreate, _EVENT_DISABLE_TIMING,
                                      doing=f"creating an event on cuda:{s.device}"))
             event = CudaEvent(s.device, handle, self._events)
-        self._stream_op(s, _driver().cuEventRecord, event.handle, s.handle,
-                        doing=lambda: f"recording {event!r} on {s!r}")
+        self._ctx.stream_op(s, _driver().cuEventRecord, event.handle, s.handle,
+                            doing=lambda: f"recording {event!r} on {s!r}")
         return event
 
     def stream_wait_event(self, stream: Stream, event: Event) -> None:
-        s = self._stream(stream)
-        e = event if type(event) is CudaEvent else self._event(event)
-        self._stream_op(s, _driver().cuStreamWaitEvent, s.handle, e.handle, 0,
-                        doing=lambda: f"making {s!r} wait for {e!r}")
+        s = as_stream(stream)
+        e = event if type(event) is CudaEvent else as_event(event)
+        self._ctx.stream_op(s, _driver().cuStreamWaitEvent, s.handle, e.handle, 0,
+                            doing=lambda: f"making {s!r} wait for {e!r}")
 
     def event_query(self, event: Event) -> bool:
-        e = self._event(event)
+        e = as_event(event)
         res = _driver().cuEventQuery(e.handle)
         if int(res[0]) == CUDA_ERROR_NOT_READY:
             return False
@@ -208,7 +234,7 @@ class _CudaStreams:
 
     def launch(self, stream: Stream, fn: Callable[[], object]) -> None:
         import torch
-        s = self._stream(stream)
+        s = as_stream(stream)
         if not callable(fn):
             raise BadInput(f"launch needs a callable, got {fn!r}")
         with torch.cuda.device(s.device), torch.cuda.stream(s.torch):
@@ -217,19 +243,19 @@ class _CudaStreams:
     def native_stream(self, stream: Stream) -> int | None:
         """The ``CUstream`` of a created or wrapped stream; None for the default streams (their handles mean
         "the current context's", which only :meth:`launch` makes sure of)."""
-        s = self._stream(stream)
+        s = as_stream(stream)
         return None if s.handle in _DEFAULT_STREAM_HANDLES else s.handle
 
     # ---- copies ----
     def copy_async(self, stream: Stream, dst: int, src: int, nbytes: int) -> None:
-        s = self._stream(stream)
+        s = as_stream(stream)
         dst, src, nbytes = int(dst), int(src), int(nbytes)
         if nbytes < 0:
             raise BadInput(f"cannot copy {nbytes} bytes")
         if nbytes == 0:
             return
-        self._stream_op(s, _driver().cuMemcpyAsync, dst, src, nbytes, s.handle,
-                        doing=lambda: f"copying {nbytes} bytes 0x{src:x} -> 0x{dst:x} on {s!r}")
+        self._ctx.stream_op(s, _driver().cuMemcpyAsync, dst, src, nbytes, s.handle,
+                            doing=lambda: f"copying {nbytes} bytes 0x{src:x} -> 0x{dst:x} on {s!r}")
 
     def batch_copy_note(self) -> str:
         """How ``copy_batch_async`` runs here (for device_info notes and doctor)."""
@@ -247,7 +273,7 @@ class _CudaStreams:
             return self._batch
         with self._lock:
             if self._batch is None:
-                self._batch = resolve_batch(_driver, self._driver_ver, config.get(BATCH_MODE_ENV))
+                self._batch = resolve_batch(_driver, self._ctx.driver_version, config.get(BATCH_MODE_ENV))
             return self._batch
 
     def copy_batch_async(self, stream: Stream, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> None:
@@ -259,7 +285,7 @@ class _CudaStreams:
         stream ordered after, and before, the legacy stream's work with events.
         Falls back to one ``cuMemcpyAsync`` per copy only where the API is missing.
         """
-        s = self._stream(stream)
+        s = as_stream(stream)
         chunks = plan_batch_copies(dsts, srcs, sizes, self.batch_max_per_call)
         if not chunks:
             return
@@ -270,12 +296,12 @@ class _CudaStreams:
                     self.copy_async(s, dd, ss, nn)
             return
         if not s.is_legacy_default:
-            with self._on(s.device):
+            with self._ctx.on(s.device):
                 self._batch_on(impl, s.handle, s.device, chunks)
             return
         drv = _driver()
         proxy, ev_in, ev_out = self._proxy(s.device)
-        with self._proxy_locks[s.device], self._on(s.device):
+        with self._proxy_locks[s.device], self._ctx.on(s.device):
             what = f"ordering a copy batch of {s!r} through the proxy stream 0x{proxy:x}"
             _cu(drv.cuEventRecord, ev_in, s.handle, doing=what)
             _cu(drv.cuStreamWaitEvent, proxy, ev_in, 0, doing=what)
@@ -326,7 +352,7 @@ class _CudaStreams:
         with self._lock:
             if device not in self._proxies:
                 drv = _driver()
-                with self._on(device):
+                with self._ctx.on(device):
                     doing = f"creating the batch-copy proxy stream of cuda:{device}"
                     st = int(_cu(drv.cuStreamCreate, CU_STREAM_NON_BLOCKING, doing=doing))
                     e1 = _cu(drv.cuEventCreate, CU_EVENT_DISABLE_TIMING, doing=doing)
@@ -336,13 +362,38 @@ class _CudaStreams:
             return self._proxies[device]
 
     def memset_async(self, stream: Stream, ptr: int, value: int, nbytes: int) -> None:
-        s = self._stream(stream)
+        s = as_stream(stream)
         ptr, nbytes = int(ptr), int(nbytes)
         if nbytes < 0 or isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
                 or not 0 <= int(value) <= 255:
             raise BadInput(f"memset of {nbytes} bytes to {value!r}: need nbytes >= 0 and a byte value")
         if nbytes == 0:
             return
-        with self._on(s.device):
+        with self._ctx.on(s.device):
             _cu(_driver().cuMemsetD8Async, ptr, int(value), nbytes, s.handle,
                 doing=f"setting {nbytes} bytes at 0x{ptr:x} to {int(value)} on {s!r}")
+
+    def close(self, release: Release) -> None:
+        """Destroy the owned streams still open and the proxy streams and events; destroy the spare events
+        (later collected events are destroyed, not kept)."""
+        with self._lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+            proxies, self._proxies = self._proxies, {}
+        self._events.close()
+        if not (streams or proxies):
+            return
+        drv = _driver()
+
+        def on_device(dev: int) -> None:
+            for s in streams:
+                if s.device == dev:
+                    s._closed = True
+                    release.attempt(drv.cuStreamDestroy, s.handle, doing=f"destroying {s!r}")
+            if dev in proxies:
+                st, e1, e2 = proxies[dev]
+                release.attempt(drv.cuStreamDestroy, st, doing=f"destroying the proxy stream of cuda:{dev}")
+                release.attempt(drv.cuEventDestroy, e1, doing="destroying a proxy event")
+                release.attempt(drv.cuEventDestroy, e2, doing="destroying a proxy event")
+
+        release.on_each({s.device for s in streams} | set(proxies), on_device)

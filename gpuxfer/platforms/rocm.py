@@ -53,31 +53,33 @@ HSA (SDMA copies on a chosen engine, signals) lives in :mod:`gpuxfer.platforms.h
 :meth:`RocmPlatform.hsa` opens it on first use.
 
 Layout: this module holds :class:`RocmPlatform` (detection, devices, links,
-versions, HSA and its agents, ``close``); hip-python access and the error
-checker are :mod:`~gpuxfer.platforms.rocm_hip`, the SDMA capability and signal
-words :mod:`~gpuxfer.platforms.rocm_sdma`, and the hooks come from one mixin
-per concept: :mod:`~gpuxfer.platforms.rocm_memory` (buffers, IPC, tensor views)
-and :mod:`~gpuxfer.platforms.rocm_streams` (streams, events, copies, flags).
+versions, HSA and its agents, ``close``), which builds and owns one component
+per concept and hands each hook to it:
+:class:`~gpuxfer.platforms.rocm_hip.HipDevices` (device checks, the current
+device, attributes), :class:`~gpuxfer.platforms.rocm_memory.RocmMemory`
+(buffers, IPC, signal words, tensor views) and
+:class:`~gpuxfer.platforms.rocm_streams.RocmStreams` (streams, events, copies,
+flags); :class:`~gpuxfer.platforms.rocm_sdma.RocmSdma` (the SDMA capability)
+works through the platform's hooks. hip-python access and the error checker
+are :mod:`~gpuxfer.platforms.rocm_hip`. No component imports this module.
 """
 from __future__ import annotations
 
 import logging
 import threading
-from contextlib import contextmanager
-from typing import Any
-
-import numpy as np
+from typing import Any, Callable, Sequence
 
 from .. import config
-from ..errors import BadInput, DriverError, PlatformUnavailable
-from .base import DeviceInfo, LinkInfo, Platform
+from ..errors import DriverError, PlatformUnavailable
+from .base import (DeviceBuffer, DeviceInfo, Event, ExportedRange, IpcHandle, LinkInfo, Memory, PeerMapping, Platform,
+                   Stream)
 from .rocm_hip import (HOST_FLAG_TIMEOUT_ENV, HOST_FLAG_TIMEOUT_S, HSA_AMD_LINK_INFO_TYPE_PCIE,
-                       HSA_AMD_LINK_INFO_TYPE_XGMI, HipApi, _import_hip, _major_minor, _s, binding_hip_version,
-                       hip_call, hip_first, hip_python_version, host_flag_timeout_from_env, mapped_hip_runtimes,
-                       torch_hip_version)
-from .rocm_memory import _RocmMemory
-from .rocm_sdma import SDMA_ARCH_PREFIXES, RocmSdma, SignalMemory, sdma_disabled_by
-from .rocm_streams import RocmEvent, RocmStream, _RocmStreams
+                       HSA_AMD_LINK_INFO_TYPE_XGMI, HipApi, HipDevices, _import_hip, _major_minor, _s,
+                       binding_hip_version, hip_call, hip_first, hip_python_version, host_flag_timeout_from_env,
+                       mapped_hip_runtimes, torch_hip_version)
+from .rocm_memory import RocmMemory, SignalMemory
+from .rocm_sdma import SDMA_ARCH_PREFIXES, RocmSdma, sdma_disabled_by
+from .rocm_streams import RocmEvent, RocmStream, RocmStreams
 
 __all__ = ["RocmPlatform", "RocmStream", "RocmEvent", "RocmSdma", "SignalMemory", "SDMA_ARCH_PREFIXES",
            "HOST_FLAG_TIMEOUT_ENV", "HOST_FLAG_TIMEOUT_S"]
@@ -88,8 +90,9 @@ log = logging.getLogger("gpuxfer.platforms.rocm")
 # --------------------------------------------------------------------------- the platform
 
 
-class RocmPlatform(_RocmMemory, _RocmStreams, Platform):
-    """The contract on ROCm (hip-python + torch's ROCm build). See the module docstring."""
+class RocmPlatform(Platform):
+    """The contract on ROCm (hip-python + torch's ROCm build), built of components it owns and closes. See the
+    module docstring."""
 
     name = "rocm"
     memory_runtime = "hip"
@@ -148,7 +151,7 @@ class RocmPlatform(_RocmMemory, _RocmStreams, Platform):
         return None
 
     def __init__(self, hip=None, hsa=None):
-        self.host_flag_timeout_s = host_flag_timeout_from_env()     # a bad value is a configuration error
+        host_flag_timeout_s = host_flag_timeout_from_env()     # a bad value is a configuration error
         if hip is None:
             why = type(self).unavailable_reason()
             if why is not None:
@@ -158,65 +161,48 @@ class RocmPlatform(_RocmMemory, _RocmStreams, Platform):
         self.hip = hip
         self._hsa = hsa
         self._lock = threading.RLock()
-        self._peer_ranges: dict[int, int] = {}          # start -> end of opened peer mappings
-        self._ipc_open: dict[tuple[int, bytes], list] = {}  # (device, handle) -> [mapped pointer, open count]
-        self._own: dict[int, tuple[int, int]] = {}      # ptr -> (device, nbytes) of our allocations
         self._stream_ops_ok: dict[int, bool] = {}
         self._info: dict[int, DeviceInfo] = {}
-        self._host_io: dict[int, tuple] = {}            # device -> (pinned ptr, RocmStream, lock)
-        self._streams: list[RocmStream] = []
         self._agents: dict[int, Any] = {}
-        self._is_closed = False
-        self.dedicated_queues = config.get("GPUXFER_ROCM_DEDICATED_QUEUES")
+        self._devices = HipDevices(self._api)
+        self._memory = RocmMemory(self._devices, self._api, self, self.hsa)
+        self._streams = RocmStreams(self._devices, self._api, self, self._memory.is_peer_address,
+                                    config.get("GPUXFER_ROCM_DEDICATED_QUEUES"), host_flag_timeout_s)
 
-    # ---- helpers ----
-    def _check_open(self) -> None:
-        if self._is_closed:
-            raise BadInput("the ROCm platform is closed")
+    @property
+    def host_flag_timeout_s(self) -> float:
+        """How long a host read or write of a flag word may take, in seconds."""
+        return self._streams.host_flag_timeout_s
 
-    def _check_device(self, device: int) -> int:
-        n = self.device_count()
-        if not isinstance(device, (int, np.integer)) or not 0 <= int(device) < n:
-            raise BadInput(f"device {device!r} does not exist: {n} AMD GPU(s) visible")
-        return int(device)
-
-    @contextmanager
-    def _on_device(self, device: int):
-        prev = hip_first(self._api("hipGetDevice", doing="reading the current device"))
-        if prev != device:
-            self._api("hipSetDevice", device, doing=f"making device {device} current")
-        try:
-            yield
-        finally:
-            if prev != device:
-                self._api("hipSetDevice", prev, doing=f"restoring device {prev} as current")
+    @property
+    def dedicated_queues(self) -> bool:
+        """Whether :meth:`create_stream` gives a stream its own hardware queue by default."""
+        return self._streams.dedicated_queues
 
     # ---- devices ----
     def device_count(self) -> int:
-        return int(hip_first(self._api("hipGetDeviceCount", doing="counting AMD GPUs")))
+        return self._devices.count()
 
     def set_device(self, device: int) -> None:
-        device = self._check_device(device)
+        device = self._devices.check(device)
         self._api("hipSetDevice", device, doing=f"making device {device} current")
         import torch
         torch.cuda.set_device(device)
 
     def attribute(self, name: str, device: int) -> int:
         """``hipDeviceGetAttribute(hipDeviceAttribute<name>)``."""
-        attr = getattr(self.hip.hipDeviceAttribute_t, f"hipDeviceAttribute{name}")
-        return int(hip_first(self._api("hipDeviceGetAttribute", attr, device,
-                                       doing=f"reading attribute {name} of device {device}")))
+        return self._devices.attribute(name, device)
 
     def pci_bus_id(self, device: int) -> str:
         return self._api.pci_bus_id(device)
 
     def device_info(self, device: int) -> DeviceInfo:
-        device = self._check_device(device)
+        device = self._devices.check(device)
         if device in self._info:
             return self._info[device]
         props = self._api.device_properties(device)
         arch = _s(props.gcnArchName).split(":")[0] or f"gfx{props.major}{props.minor}"
-        with self._on_device(device):
+        with self._devices.on(device):
             free, total = self._api("hipMemGetInfo", doing=f"reading free memory of device {device}")[:2]
         notes = ["hipStreamWaitValue64 runs as a one-work-item kernel unless GPU_STREAMOPS_CP_WAIT=1; "
                  "gpuxfer streams get their own hardware queue so a wait blocks nothing else"]
@@ -267,7 +253,7 @@ class RocmPlatform(_RocmMemory, _RocmStreams, Platform):
         return ok
 
     def link(self, src: int, dst: int) -> LinkInfo:
-        src, dst = self._check_device(src), self._check_device(dst)
+        src, dst = self._devices.check(src), self._devices.check(dst)
         if src == dst:
             return LinkInfo(src, dst, "same-device", True)
         peer = bool(hip_first(self._api("hipDeviceCanAccessPeer", src, dst,
@@ -295,6 +281,89 @@ class RocmPlatform(_RocmMemory, _RocmStreams, Platform):
         if runtimes:
             out["libamdhip64"] = ", ".join(sorted(runtimes))
         return out
+
+    # ---- memory (RocmMemory) ----
+    def alloc(self, nbytes: int, device: int) -> DeviceBuffer:
+        return self._memory.alloc(nbytes, device)
+
+    def alloc_flags(self, nbytes: int, device: int) -> DeviceBuffer:
+        """Uncached device memory for flag words (exportable like :meth:`alloc`)."""
+        return self._memory.alloc_flags(nbytes, device)
+
+    def alloc_signal(self, device: int) -> SignalMemory:
+        """A ``hipMallocSignalMemory`` word (value 1) and its HSA signal handle, checked with ROCr."""
+        return self._memory.alloc_signal(device)
+
+    def _free(self, buf: DeviceBuffer) -> None:
+        self._memory.free(buf)
+
+    def export_handle(self, buf: DeviceBuffer) -> IpcHandle:
+        return self._memory.export_handle(buf)
+
+    def allocation_range(self, ptr: int, device: int) -> tuple[int, int] | None:
+        return self._memory.allocation_range(ptr, device)
+
+    def export_range(self, ptr: int, nbytes: int, device: int, within: tuple[int, int] | None = None
+                     ) -> ExportedRange:
+        return self._memory.export_range(ptr, nbytes, device, within)
+
+    def open_handle(self, handle: IpcHandle, device: int) -> PeerMapping:
+        return self._memory.open_handle(handle, device)
+
+    def _close_mapping(self, mapping: PeerMapping) -> None:
+        self._memory.close_mapping(mapping)
+
+    def is_peer_address(self, ptr: int, device: int | None = None) -> bool:
+        """Whether ``ptr`` lies in an opened peer mapping (or in our memory on another device)."""
+        return self._memory.is_peer_address(ptr, device)
+
+    def as_tensor(self, mem: Memory, dtype=None, shape: Sequence[int] | None = None, offset: int = 0):
+        return self._memory.as_tensor(mem, dtype, shape, offset)
+
+    # ---- streams, events, copies, flags (RocmStreams) ----
+    def create_stream(self, device: int, dedicated: bool | None = None) -> RocmStream:
+        """A new stream; with ``dedicated`` (the default, ``GPUXFER_ROCM_DEDICATED_QUEUES=0`` turns it
+        off) it has its own hardware queue, so a flag wait on it blocks nothing else."""
+        return self._streams.create(device, dedicated)
+
+    def _destroy_stream(self, stream: RocmStream) -> None:
+        self._streams.destroy(stream)
+
+    def current_stream(self, device: int) -> RocmStream:
+        return self._streams.current(device)
+
+    def record_event(self, stream: Stream, event: Event | None = None) -> RocmEvent:
+        return self._streams.record_event(stream, event)
+
+    def stream_wait_event(self, stream: Stream, event: Event) -> None:
+        self._streams.stream_wait_event(stream, event)
+
+    def event_query(self, event: Event) -> bool:
+        return self._streams.event_query(event)
+
+    def launch(self, stream: Stream, fn: Callable[[], object]) -> None:
+        self._streams.launch(stream, fn)
+
+    def copy_kind(self, dst: int, src: int, device: int, force_nocu: bool = False) -> int:
+        return self._streams.copy_kind(dst, src, device, force_nocu)
+
+    def copy_async(self, stream: Stream, dst: int, src: int, nbytes: int, *, force_nocu: bool = False) -> None:
+        self._streams.copy_async(stream, dst, src, nbytes, force_nocu=force_nocu)
+
+    def memset_async(self, stream: Stream, ptr: int, value: int, nbytes: int) -> None:
+        self._streams.memset_async(stream, ptr, value, nbytes)
+
+    def write_flag(self, stream: Stream, ptr: int, value: int) -> None:
+        self._streams.write_flag(stream, ptr, value)
+
+    def wait_flag(self, stream: Stream, ptr: int, value: int) -> None:
+        self._streams.wait_flag(stream, ptr, value)
+
+    def read_flag(self, ptr: int, device: int) -> int:
+        return self._streams.read_flag(ptr, device)
+
+    def host_write_flag(self, ptr: int, value: int, device: int) -> None:
+        self._streams.host_write_flag(ptr, value, device)
 
     # ---- SDMA engines and HSA ----
     @property
@@ -333,30 +402,17 @@ class RocmPlatform(_RocmMemory, _RocmStreams, Platform):
     # ---- lifetime ----
     @property
     def closed(self) -> bool:
-        return self._is_closed
+        return self._devices.closed
 
     def close(self) -> None:
         """Destroy gpuxfer's streams, free the pinned words, drop the HSA reference. Idempotent."""
         with self._lock:
-            if self._is_closed:
+            if not self._devices.close():
                 return
-            self._is_closed = True
-            streams, self._streams = list(self._streams), []
-            host_io, self._host_io = dict(self._host_io), {}
             hsa, self._hsa = self._hsa, None
-        for s in streams:
-            s._closed = True
-            try:
-                self._destroy_stream(s)
-            except DriverError as exc:
-                log.warning("%s", exc)
-        for pinned, _, _ in host_io.values():
-            try:
-                self._api("hipHostFree", pinned, doing="freeing the pinned flag word")
-            except DriverError as exc:
-                log.warning("%s", exc)
+        self._streams.close()
         if hsa is not None:
             hsa.close()
 
     def __repr__(self) -> str:
-        return f"RocmPlatform({'closed' if self._is_closed else 'open'})"
+        return f"RocmPlatform({'closed' if self.closed else 'open'})"

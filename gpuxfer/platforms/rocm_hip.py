@@ -1,6 +1,8 @@
 """hip-python for the ROCm platform: the HIP enum values gpuxfer passes, the lazy import of hip-python,
 the version checks detection runs, the one error checker every call goes through (:func:`hip_call`), the
-10.x signature shim (:class:`HipApi`) and an IPC handle's 64 raw bytes. Importing it loads no HIP.
+10.x signature shim (:class:`HipApi`), the devices a platform sees (:class:`HipDevices`, shared by the
+components of :class:`~gpuxfer.platforms.rocm.RocmPlatform`) and an IPC handle's 64 raw bytes. Importing it
+loads no HIP.
 """
 from __future__ import annotations
 
@@ -8,7 +10,10 @@ import ctypes
 import importlib
 import os
 import re
+from contextlib import contextmanager
 from typing import Any, Iterable
+
+import numpy as np
 
 from .. import config
 from ..common import package_version
@@ -184,6 +189,53 @@ class HipApi:
     def pci_bus_id(self, device: int) -> str:
         out = hip_first(self("hipDeviceGetPCIBusId", 64, device, doing=f"reading the PCI bus id of device {device}"))
         return _s(bytes(out) if not isinstance(out, str) else out).lower()
+
+
+class HipDevices:
+    """The devices a ROCm platform sees: device checks, the current-device switch calls run under
+    (:meth:`on`), device attributes, and whether the platform is closed (:meth:`close`: new resources are
+    refused from then on)."""
+
+    def __init__(self, api: HipApi):
+        self._api = api
+        self.closed = False
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise BadInput("the ROCm platform is closed")
+
+    def close(self) -> bool:
+        """Refuse new resources from now on; False where this was closed already."""
+        if self.closed:
+            return False
+        self.closed = True
+        return True
+
+    def count(self) -> int:
+        return int(hip_first(self._api("hipGetDeviceCount", doing="counting AMD GPUs")))
+
+    def check(self, device: int) -> int:
+        n = self.count()
+        if not isinstance(device, (int, np.integer)) or not 0 <= int(device) < n:
+            raise BadInput(f"device {device!r} does not exist: {n} AMD GPU(s) visible")
+        return int(device)
+
+    @contextmanager
+    def on(self, device: int):
+        prev = hip_first(self._api("hipGetDevice", doing="reading the current device"))
+        if prev != device:
+            self._api("hipSetDevice", device, doing=f"making device {device} current")
+        try:
+            yield
+        finally:
+            if prev != device:
+                self._api("hipSetDevice", prev, doing=f"restoring device {prev} as current")
+
+    def attribute(self, name: str, device: int) -> int:
+        """``hipDeviceGetAttribute(hipDeviceAttribute<name>)``."""
+        attr = getattr(self._api.hip.hipDeviceAttribute_t, f"hipDeviceAttribute{name}")
+        return int(hip_first(self._api("hipDeviceGetAttribute", attr, device,
+                                       doing=f"reading attribute {name} of device {device}")))
 
 
 # --------------------------------------------------------------------------- IPC handle bytes

@@ -1,21 +1,21 @@
 """ROCm memory: raw ``hipExtMallocWithFlags`` buffers (default, uncached flag words, signal words), IPC
 handles exported and opened (an allocation opened once per device, shared by later opens), ranges of
-torch's allocations exported, and zero-copy torch views. Mixed into
-:class:`~gpuxfer.platforms.rocm.RocmPlatform`.
+torch's allocations exported, and zero-copy torch views: :class:`RocmMemory`, a component of
+:class:`~gpuxfer.platforms.rocm.RocmPlatform`, and the signal words it allocates (:class:`SignalMemory`).
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+import threading
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ..common import exported_here, process_namespace
 from ..errors import BadInput, DriverError, NotExportable
-from .base import DeviceBuffer, ExportedRange, IpcHandle, Memory, PeerMapping
+from .base import Closable, DeviceBuffer, ExportedRange, IpcHandle, Memory, PeerMapping, Platform
 from .rocm_hip import (HIP_DEVICE_MALLOC_DEFAULT, HIP_DEVICE_MALLOC_UNCACHED, HIP_IPC_MEM_LAZY_ENABLE_PEER_ACCESS,
-                       HIP_MALLOC_SIGNAL_MEMORY, handle_bytes, handle_from_bytes, hip_first)
-from .rocm_sdma import SignalMemory
+                       HIP_MALLOC_SIGNAL_MEMORY, HipApi, HipDevices, handle_bytes, handle_from_bytes, hip_first)
 from .views import tensor_view_params
 
 
@@ -27,18 +27,55 @@ class _CudaArrayInterface:
                                          "version": 3, "strides": None, "stream": None}
 
 
-class _RocmMemory:
-    """The memory hooks of :class:`~gpuxfer.platforms.rocm.RocmPlatform` (its state, checks and calls:
-    ``_lock``, ``_own``, ``_ipc_open``, ``_peer_ranges``, ``_api``, ``hip``, ``hsa``, ``_check_open``,
-    ``_check_device``, ``_on_device``)."""
+class SignalMemory(Closable):
+    """An 8-byte ``hipMallocSignalMemory`` word: a ROCr signal HIP stream operations may write.
 
-    # ---- memory ----
+    ``ptr`` is the value word (HIP's pointer), ``handle`` the ``hsa_signal_t``
+    (``ptr - 8``: ``amd_signal_t`` starts ``{int64 kind; int64 value; ...}``),
+    checked at allocation with ``hsa_amd_signal_value_pointer``. HIP creates
+    it with the value 1. ``memory`` is the :class:`RocmMemory` that frees it.
+    """
+
+    def __init__(self, memory: "RocmMemory", device: int, ptr: int, handle: int, impl=None):
+        self.memory, self.device, self.ptr, self.handle, self.impl = memory, device, ptr, handle, impl
+
+    @property
+    def signal(self):
+        """The :class:`~gpuxfer.platforms.hsa.Signal` of this word (a copy's dependency or completion)."""
+        from .hsa import Signal
+        return Signal(self.handle)
+
+    def _release(self) -> None:
+        self.memory.free_raw(self.ptr, self.device, "a signal word")
+
+    def __repr__(self) -> str:
+        return f"SignalMemory(device {self.device}, value at 0x{self.ptr:x}, signal 0x{self.handle:x})"
+
+
+class RocmMemory:
+    """The memory of a :class:`~gpuxfer.platforms.rocm.RocmPlatform` (``owner``: the platform its buffers and
+    mappings belong to, whose ``_free`` / ``_close_mapping`` come back here): allocations (default, uncached
+    flag words, signal words checked with ROCr through ``hsa``), IPC export and open (an allocation's handle
+    opened once per device, counted), which addresses are a peer's, tensor views."""
+
+    name = "rocm"
+
+    def __init__(self, devices: HipDevices, api: HipApi, owner: Platform, hsa: Callable[[], Any]):
+        self._devices = devices
+        self._api = api
+        self._owner = owner
+        self._hsa = hsa
+        self._lock = threading.RLock()
+        self._peer_ranges: dict[int, int] = {}          # start -> end of opened peer mappings
+        self._ipc_open: dict[tuple[int, bytes], list] = {}  # (device, handle) -> [mapped pointer, open count]
+        self._own: dict[int, tuple[int, int]] = {}      # ptr -> (device, nbytes) of our allocations
+
     def _malloc(self, nbytes: int, device: int, flags: int, what: str) -> tuple[int, Any]:
-        self._check_open()
-        device = self._check_device(device)
+        self._devices.check_open()
+        device = self._devices.check(device)
         if not isinstance(nbytes, (int, np.integer)) or int(nbytes) <= 0:
             raise BadInput(f"cannot allocate {nbytes!r} bytes: the size must be a positive integer")
-        with self._on_device(device):
+        with self._devices.on(device):
             arr = hip_first(self._api("hipExtMallocWithFlags", int(nbytes), flags,
                                       doing=f"allocating {nbytes} B of {what} on device {device}"))
         ptr = int(arr)
@@ -48,12 +85,12 @@ class _RocmMemory:
 
     def alloc(self, nbytes: int, device: int) -> DeviceBuffer:
         ptr, arr = self._malloc(nbytes, device, HIP_DEVICE_MALLOC_DEFAULT, "device memory")
-        return DeviceBuffer(self, device, ptr, int(nbytes), impl=arr)
+        return DeviceBuffer(self._owner, device, ptr, int(nbytes), impl=arr)
 
     def alloc_flags(self, nbytes: int, device: int) -> DeviceBuffer:
         """Uncached device memory for flag words (exportable like :meth:`alloc`)."""
         ptr, arr = self._malloc(nbytes, device, HIP_DEVICE_MALLOC_UNCACHED, "uncached flag memory")
-        return DeviceBuffer(self, device, ptr, int(nbytes), impl=arr)
+        return DeviceBuffer(self._owner, device, ptr, int(nbytes), impl=arr)
 
     def alloc_signal(self, device: int) -> SignalMemory:
         """A ``hipMallocSignalMemory`` word (value 1) and its HSA signal handle, checked with ROCr."""
@@ -61,7 +98,7 @@ class _RocmMemory:
         sig = SignalMemory(self, device, ptr, ptr - 8, impl=arr)
         try:
             from .hsa import Signal
-            seen = self.hsa().signal_value_pointer(Signal(sig.handle))
+            seen = self._hsa().signal_value_pointer(Signal(sig.handle))
             if seen != ptr:
                 raise DriverError("hsa_amd_signal_value_pointer", "LAYOUT_MISMATCH", -1,
                                   "checking that a hipMallocSignalMemory word is the value of signal (ptr - 8)",
@@ -71,16 +108,16 @@ class _RocmMemory:
             raise
         return sig
 
-    def _free_raw(self, ptr: int, device: int, what: str) -> None:
+    def free_raw(self, ptr: int, device: int, what: str) -> None:
         with self._lock:
             self._own.pop(ptr, None)
         self._api("hipFree", ptr, doing=f"freeing {what} at 0x{ptr:x} on device {device}")
 
-    def _free(self, buf: DeviceBuffer) -> None:
-        self._free_raw(buf.ptr, buf.device, f"{buf.nbytes} B")
+    def free(self, buf: DeviceBuffer) -> None:
+        self.free_raw(buf.ptr, buf.device, f"{buf.nbytes} B")
 
     def export_handle(self, buf: DeviceBuffer) -> IpcHandle:
-        if buf.platform is not self:
+        if buf.platform is not self._owner:
             raise BadInput(f"{buf!r} was not allocated by this ROCm platform")
         if buf.closed:
             raise BadInput(f"cannot export {buf!r}: it is freed")
@@ -90,8 +127,8 @@ class _RocmMemory:
 
     def allocation_range(self, ptr: int, device: int) -> tuple[int, int] | None:
         """``hipMemGetAddressRange``: the allocation (or IPC mapping) holding ``ptr``."""
-        device = self._check_device(device)
-        with self._on_device(device):
+        device = self._devices.check(device)
+        with self._devices.on(device):
             outs = self._api("hipMemGetAddressRange", int(ptr),
                              doing=f"finding the allocation holding 0x{int(ptr):x} on device {device}")
         if len(outs) != 2:
@@ -104,8 +141,8 @@ class _RocmMemory:
         """The IPC handle of the ``hipMalloc`` allocation holding ``[ptr, ptr + nbytes)`` (a torch
         caching-allocator block lies in one) and the range's offset in it (``hipMemGetAddressRange``,
         then ``hipIpcGetMemHandle`` on its base)."""
-        self._check_open()
-        device = self._check_device(device)
+        self._devices.check_open()
+        device = self._devices.check(device)
         ptr, nbytes = int(ptr), int(nbytes)
         what = f"memory [0x{ptr:x}, +{nbytes}) on device {device}"
         try:
@@ -123,8 +160,8 @@ class _RocmMemory:
         return ExportedRange(IpcHandle(self.name, device, size, handle_bytes(h), os.getpid(), process_namespace()), ptr - base)
 
     def open_handle(self, handle: IpcHandle, device: int) -> PeerMapping:
-        self._check_open()
-        device = self._check_device(device)
+        self._devices.check_open()
+        device = self._devices.check(device)
         if handle.platform != self.name:
             raise BadInput(f"a {handle.platform!r} IPC handle cannot be opened on ROCm")
         if exported_here(handle.owner_pid, handle.owner_namespace):
@@ -138,9 +175,9 @@ class _RocmMemory:
             if entry is not None:
                 entry[1] += 1
                 self._peer_ranges[entry[0]] = max(self._peer_ranges.get(entry[0], 0), entry[0] + handle.nbytes)
-                return PeerMapping(self, device, entry[0], handle, impl=key)
-        h = handle_from_bytes(self.hip, handle.payload)
-        with self._on_device(device):
+                return PeerMapping(self._owner, device, entry[0], handle, impl=key)
+        h = handle_from_bytes(self._api.hip, handle.payload)
+        with self._devices.on(device):
             p = hip_first(self._api("hipIpcOpenMemHandle", h, HIP_IPC_MEM_LAZY_ENABLE_PEER_ACCESS,
                                     doing=f"opening the IPC handle of device {handle.device} of pid "
                                           f"{handle.owner_pid} ({handle.nbytes} B) on device {device}"))
@@ -148,9 +185,9 @@ class _RocmMemory:
         with self._lock:
             self._peer_ranges[ptr] = ptr + handle.nbytes
             self._ipc_open[key] = [ptr, 1]
-        return PeerMapping(self, device, ptr, handle, impl=key)
+        return PeerMapping(self._owner, device, ptr, handle, impl=key)
 
-    def _close_mapping(self, mapping: PeerMapping) -> None:
+    def close_mapping(self, mapping: PeerMapping) -> None:
         with self._lock:
             entry = self._ipc_open.get(mapping.impl)
             if entry is not None:
@@ -159,7 +196,7 @@ class _RocmMemory:
                     return
                 del self._ipc_open[mapping.impl]
             self._peer_ranges.pop(mapping.ptr, None)
-        with self._on_device(mapping.device):
+        with self._devices.on(mapping.device):
             self._api("hipIpcCloseMemHandle", mapping.ptr,
                       doing=f"closing the IPC mapping of device {mapping.handle.device} on device {mapping.device}")
 
@@ -176,7 +213,7 @@ class _RocmMemory:
 
     def as_tensor(self, mem: Memory, dtype=None, shape: Sequence[int] | None = None, offset: int = 0):
         import torch
-        if mem.platform is not self:
+        if mem.platform is not self._owner:
             raise BadInput(f"{mem!r} does not belong to this ROCm platform")
         if mem.closed:
             raise BadInput(f"cannot view {mem!r}: it is closed")

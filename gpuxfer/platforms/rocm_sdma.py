@@ -1,44 +1,17 @@
-"""The ROCm platform's SDMA capability (:class:`RocmSdma`, the platform's ``sdma``) and the signal words
-HIP stream operations may write (:class:`SignalMemory`). ROCr itself is :mod:`gpuxfer.platforms.hsa`.
+"""The ROCm platform's SDMA capability (:class:`RocmSdma`, the platform's ``sdma``), over the hooks of
+:class:`SdmaHost` (what :class:`~gpuxfer.platforms.rocm.RocmPlatform` offers besides the contract). ROCr
+itself is :mod:`gpuxfer.platforms.hsa`.
 """
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from .. import config
 from ..errors import GpuxferError
-from .base import Closable, DeviceBuffer, SdmaEngines, Stream
-
-if TYPE_CHECKING:
-    from .rocm import RocmPlatform
+from .base import DeviceBuffer, DeviceInfo, SdmaEngines, Stream
 
 log = logging.getLogger("gpuxfer.platforms.rocm")
-
-
-class SignalMemory(Closable):
-    """An 8-byte ``hipMallocSignalMemory`` word: a ROCr signal HIP stream operations may write.
-
-    ``ptr`` is the value word (HIP's pointer), ``handle`` the ``hsa_signal_t``
-    (``ptr - 8``: ``amd_signal_t`` starts ``{int64 kind; int64 value; ...}``),
-    checked at allocation with ``hsa_amd_signal_value_pointer``. HIP creates
-    it with the value 1.
-    """
-
-    def __init__(self, platform: "RocmPlatform", device: int, ptr: int, handle: int, impl=None):
-        self.platform, self.device, self.ptr, self.handle, self.impl = platform, device, ptr, handle, impl
-
-    @property
-    def signal(self):
-        """The :class:`~gpuxfer.platforms.hsa.Signal` of this word (a copy's dependency or completion)."""
-        from .hsa import Signal
-        return Signal(self.handle)
-
-    def _release(self) -> None:
-        self.platform._free_raw(self.ptr, self.device, "a signal word")
-
-    def __repr__(self) -> str:
-        return f"SignalMemory(device {self.device}, value at 0x{self.ptr:x}, signal 0x{self.handle:x})"
 
 
 #: architectures whose driver recommends SDMA engines per GPU pair (KFD masks exist from gfx9.4 on)
@@ -54,6 +27,24 @@ def sdma_disabled_by() -> str | None:
     return None
 
 
+class SdmaHost(Protocol):
+    """The platform hooks :class:`RocmSdma` works through (:class:`~gpuxfer.platforms.rocm.RocmPlatform`'s)."""
+
+    def device_info(self, device: int) -> DeviceInfo: ...
+
+    def hsa(self) -> Any: ...
+
+    def agent(self, device: int) -> Any: ...
+
+    def alloc_flags(self, nbytes: int, device: int) -> DeviceBuffer: ...
+
+    def alloc_signal(self, device: int) -> Any: ...
+
+    def pcie_atomics_64(self, device: int) -> bool | None: ...
+
+    def copy_async(self, stream: Stream, dst: int, src: int, nbytes: int, *, force_nocu: bool = False) -> None: ...
+
+
 class RocmSdma(SdmaEngines):
     """The SDMA engines of a ROCm platform (:attr:`RocmPlatform.sdma`).
 
@@ -64,7 +55,7 @@ class RocmSdma(SdmaEngines):
     ``alloc_signal()``, ``pcie_atomics_64()`` and ``copy_async(..., force_nocu=True)``.
     """
 
-    def __init__(self, platform: "RocmPlatform"):
+    def __init__(self, platform: SdmaHost):
         self.platform = platform
 
     def unavailable_reason(self, device: int, host_queued: bool) -> str | None:

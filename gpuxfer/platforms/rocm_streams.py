@@ -1,23 +1,23 @@
 """ROCm streams, events, copies and flags: torch's streams (or dedicated ones with their own hardware
 queue) wrapped as :class:`RocmStream`, torch events, ``hipMemcpyAsync`` (SDMA, no CU, where a peer's memory
 is touched), ``hipStreamWriteValue64`` / ``hipStreamWaitValue64``, and host flag access through a pinned
-word on a private stream. Mixed into :class:`~gpuxfer.platforms.rocm.RocmPlatform`.
+word on a private stream: :class:`RocmStreams`, a component of :class:`~gpuxfer.platforms.rocm.RocmPlatform`.
 """
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from ..errors import BadInput, DriverError
-from .base import Event, Stream, check_flag_ptr
+from .base import Event, Platform, Stream, check_flag_ptr
 from .rocm_hip import (HIP_ERROR_NOT_READY, HIP_MEMCPY_DEFAULT, HIP_MEMCPY_DEVICE_TO_DEVICE_NOCU,
                        HIP_MEMCPY_DEVICE_TO_HOST, HIP_MEMCPY_HOST_TO_DEVICE, HIP_STREAM_WAIT_VALUE_GTE, MASK64,
-                       hip_first)
+                       HipApi, HipDevices, hip_first)
 
-if TYPE_CHECKING:
-    from .rocm import RocmPlatform
+log = logging.getLogger("gpuxfer.platforms.rocm")
 
 
 class RocmStream(Stream):
@@ -29,7 +29,7 @@ class RocmStream(Stream):
     """
 
     def __init__(self, device: int, torch_stream, hip_stream=None, dedicated: bool = False,
-                 platform: "RocmPlatform | None" = None):
+                 platform: "Platform | None" = None):
         self.device = device
         self.torch_stream = torch_stream
         self.handle = int(torch_stream.cuda_stream)
@@ -48,58 +48,71 @@ class RocmEvent(Event):
         self.torch_event = torch_event
 
 
-class _RocmStreams:
-    """The stream, event, copy and flag hooks of :class:`~gpuxfer.platforms.rocm.RocmPlatform` (its state,
-    checks and calls: ``_lock``, ``_streams``, ``_host_io``, ``_api``, ``host_flag_timeout_s``,
-    ``dedicated_queues``, ``_check_open``, ``_check_device``, ``_on_device``, ``attribute``,
-    ``is_peer_address``)."""
+def as_stream(stream) -> RocmStream:
+    """``stream`` if it is an open :class:`RocmStream`, else :class:`~gpuxfer.errors.BadInput`."""
+    if not isinstance(stream, RocmStream):
+        raise BadInput(f"not a ROCm stream: {stream!r}")
+    if stream._closed:
+        raise BadInput(f"{stream!r} is closed")
+    return stream
 
-    # ---- streams and events ----
-    def _stream(self, stream) -> RocmStream:
-        if not isinstance(stream, RocmStream):
-            raise BadInput(f"not a ROCm stream: {stream!r}")
-        if stream._closed:
-            raise BadInput(f"{stream!r} is closed")
-        return stream
 
-    def create_stream(self, device: int, dedicated: bool | None = None) -> RocmStream:
+class RocmStreams:
+    """The streams, events, copies and flags of a :class:`~gpuxfer.platforms.rocm.RocmPlatform`: the dedicated
+    streams it created (``owner`` is their platform: ``stream.close()`` comes back through it), copies that
+    take SDMA where ``is_peer_address`` says a peer's memory is touched, and host flag access through a
+    pinned word on a private stream per device, given up after ``host_flag_timeout_s``."""
+
+    def __init__(self, devices: HipDevices, api: HipApi, owner: Platform, is_peer_address: Callable[..., bool],
+                 dedicated_queues: bool, host_flag_timeout_s: float):
+        self._devices = devices
+        self._api = api
+        self._owner = owner
+        self._is_peer_address = is_peer_address
+        self.dedicated_queues = dedicated_queues
+        self.host_flag_timeout_s = host_flag_timeout_s
+        self._lock = threading.RLock()
+        self._owned: list[RocmStream] = []              # dedicated streams still open
+        self._host_io: dict[int, tuple] = {}            # device -> (pinned ptr, RocmStream, lock)
+
+    def create(self, device: int, dedicated: bool | None = None) -> RocmStream:
         """A new stream; with ``dedicated`` (the default, ``GPUXFER_ROCM_DEDICATED_QUEUES=0`` turns it
         off) it has its own hardware queue, so a flag wait on it blocks nothing else."""
         import torch
-        self._check_open()
-        device = self._check_device(device)
+        self._devices.check_open()
+        device = self._devices.check(device)
         dedicated = self.dedicated_queues if dedicated is None else dedicated
         tdev = torch.device("cuda", device)
         if not dedicated:
-            return RocmStream(device, torch.cuda.Stream(device=tdev), platform=self)
-        cus = max(1, self.attribute("MultiprocessorCount", device))
+            return RocmStream(device, torch.cuda.Stream(device=tdev), platform=self._owner)
+        cus = max(1, self._devices.attribute("MultiprocessorCount", device))
         words = (cus + 31) // 32
-        with self._on_device(device):
+        with self._devices.on(device):
             hs = hip_first(self._api("hipExtStreamCreateWithCUMask", words, [0xFFFFFFFF] * words,
                                      doing=f"creating a stream with its own hardware queue on device {device}"))
         s = RocmStream(device, torch.cuda.ExternalStream(int(hs), device=tdev), hip_stream=hs, dedicated=True,
-                       platform=self)
+                       platform=self._owner)
         with self._lock:
-            self._streams.append(s)
+            self._owned.append(s)
         return s
 
-    def _destroy_stream(self, stream: RocmStream) -> None:
+    def destroy(self, stream: RocmStream) -> None:
         if stream.hip_stream is None:
             return
         with self._lock:
-            if stream in self._streams:
-                self._streams.remove(stream)
+            if stream in self._owned:
+                self._owned.remove(stream)
         hs, stream.hip_stream = stream.hip_stream, None
         self._api("hipStreamDestroy", hs, doing=f"destroying {stream!r}")
 
-    def current_stream(self, device: int) -> RocmStream:
+    def current(self, device: int) -> RocmStream:
         import torch
-        device = self._check_device(device)
+        device = self._devices.check(device)
         return RocmStream(device, torch.cuda.current_stream(torch.device("cuda", device)))
 
     def record_event(self, stream: Stream, event: Event | None = None) -> RocmEvent:
         import torch
-        s = self._stream(stream)
+        s = as_stream(stream)
         if type(event) is RocmEvent:
             event.torch_event.record(s.torch_stream)
             return event
@@ -110,7 +123,7 @@ class _RocmStreams:
     def stream_wait_event(self, stream: Stream, event: Event) -> None:
         if not isinstance(event, RocmEvent):
             raise BadInput(f"not a ROCm event: {event!r}")
-        self._stream(stream).torch_stream.wait_event(event.torch_event)
+        as_stream(stream).torch_stream.wait_event(event.torch_event)
 
     def event_query(self, event: Event) -> bool:
         if not isinstance(event, RocmEvent):
@@ -121,17 +134,17 @@ class _RocmStreams:
         import torch
         if not callable(fn):
             raise BadInput(f"launch needs a callable, got {fn!r}")
-        with torch.cuda.stream(self._stream(stream).torch_stream):
+        with torch.cuda.stream(as_stream(stream).torch_stream):
             fn()
 
     # ---- copies ----
     def copy_kind(self, dst: int, src: int, device: int, force_nocu: bool = False) -> int:
-        if force_nocu or self.is_peer_address(dst, device) or self.is_peer_address(src, device):
+        if force_nocu or self._is_peer_address(dst, device) or self._is_peer_address(src, device):
             return HIP_MEMCPY_DEVICE_TO_DEVICE_NOCU
         return HIP_MEMCPY_DEFAULT
 
     def copy_async(self, stream: Stream, dst: int, src: int, nbytes: int, *, force_nocu: bool = False) -> None:
-        s = self._stream(stream)
+        s = as_stream(stream)
         if nbytes < 0:
             raise BadInput(f"cannot copy {nbytes} bytes")
         if not nbytes:
@@ -142,7 +155,7 @@ class _RocmStreams:
                         f"({'SDMA, no CU' if kind == HIP_MEMCPY_DEVICE_TO_DEVICE_NOCU else 'default'}) on {s!r}")
 
     def memset_async(self, stream: Stream, ptr: int, value: int, nbytes: int) -> None:
-        s = self._stream(stream)
+        s = as_stream(stream)
         if nbytes < 0 or not 0 <= int(value) <= 255:
             raise BadInput(f"memset of {nbytes} bytes to {value!r}: need nbytes >= 0 and a byte value")
         if nbytes:
@@ -151,13 +164,13 @@ class _RocmStreams:
 
     # ---- flags ----
     def write_flag(self, stream: Stream, ptr: int, value: int) -> None:
-        s = self._stream(stream)
+        s = as_stream(stream)
         check_flag_ptr(int(ptr))
         self._api("hipStreamWriteValue64", s.handle, int(ptr), int(value) & MASK64, 0,
                   doing=f"queueing a flag write of {value} to 0x{int(ptr):x} on {s!r}")
 
     def wait_flag(self, stream: Stream, ptr: int, value: int) -> None:
-        s = self._stream(stream)
+        s = as_stream(stream)
         check_flag_ptr(int(ptr))
         self._api("hipStreamWaitValue64", s.handle, int(ptr), int(value) & MASK64, HIP_STREAM_WAIT_VALUE_GTE, MASK64,
                   doing=f"queueing a flag wait 0x{int(ptr):x} >= {value} on {s!r}")
@@ -166,10 +179,10 @@ class _RocmStreams:
         with self._lock:
             io = self._host_io.get(device)
             if io is None:
-                with self._on_device(device):
+                with self._devices.on(device):
                     pinned = int(hip_first(self._api("hipHostMalloc", 16, 0,
                                                      doing="allocating a pinned word for host flag access")))
-                io = (pinned, self.create_stream(device, dedicated=True), threading.Lock())
+                io = (pinned, self.create(device, dedicated=True), threading.Lock())
                 self._host_io[device] = io
             return io
 
@@ -193,7 +206,7 @@ class _RocmStreams:
 
     def read_flag(self, ptr: int, device: int) -> int:
         check_flag_ptr(int(ptr))
-        pinned, _, lock = self._host_io_for(self._check_device(device))
+        pinned, _, lock = self._host_io_for(self._devices.check(device))
         with lock:
             self._host_copy(device, pinned, int(ptr), HIP_MEMCPY_DEVICE_TO_HOST,
                             f"reading the flag at 0x{int(ptr):x} from the host")
@@ -201,8 +214,26 @@ class _RocmStreams:
 
     def host_write_flag(self, ptr: int, value: int, device: int) -> None:
         check_flag_ptr(int(ptr))
-        pinned, _, lock = self._host_io_for(self._check_device(device))
+        pinned, _, lock = self._host_io_for(self._devices.check(device))
         with lock:
             ctypes.c_uint64.from_address(pinned + 8).value = int(value) & MASK64
             self._host_copy(device, int(ptr), pinned + 8, HIP_MEMCPY_HOST_TO_DEVICE,
                             f"writing {value} to the flag at 0x{int(ptr):x} from the host")
+
+    def close(self) -> None:
+        """Destroy the dedicated streams still open (the host-access ones included) and free the pinned words;
+        a failure is logged, and the rest released."""
+        with self._lock:
+            owned, self._owned = list(self._owned), []
+            host_io, self._host_io = dict(self._host_io), {}
+        for s in owned:
+            s._closed = True
+            try:
+                self.destroy(s)
+            except DriverError as exc:
+                log.warning("%s", exc)
+        for pinned, _, _ in host_io.values():
+            try:
+                self._api("hipHostFree", pinned, doing="freeing the pinned flag word")
+            except DriverError as exc:
+                log.warning("%s", exc)

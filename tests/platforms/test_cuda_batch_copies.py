@@ -111,7 +111,7 @@ def _host_batch(slot: int, k: int, seed: int):
 
 @pytest.mark.parametrize("abi", ce.BATCH_ABIS)
 def test_ctypes_batch_path_end_to_end_on_host_memory(abi):
-    """The real _batch_on ctypes path, with a fake entry point of the exact C signature that memmoves."""
+    """The real CudaStreams._batch_on ctypes path, with a fake entry point of the exact C signature that memmoves."""
     pytest.importorskip("cuda.bindings.driver", reason="cuda.bindings is not installed: the path builds its "
                         "attributes with it")
     calls = []
@@ -138,7 +138,7 @@ def test_ctypes_batch_path_end_to_end_on_host_memory(abi):
     src, dst, dsts, srcs, sizes, want = _host_batch(500, 40, seed=abi)
     chunks = ce.plan_batch_copies(dsts, srcs, sizes, 7)
     p = cm.CudaPlatform()
-    p._batch_on(("ctypes", fn, abi), 0x1234, 0, chunks)
+    p._streams._batch_on(("ctypes", fn, abi), 0x1234, 0, chunks)
     assert np.array_equal(dst, want)
     assert calls == [len(c[0]) for c in chunks] and max(calls) <= 7
     assert seen["attr"] == (cd.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, cd.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
@@ -158,7 +158,7 @@ def test_ctypes_batch_path_reports_the_failing_copy():
     fn = ctypes.CFUNCTYPE(ctypes.c_int, *args)(fake)
     chunks = ce.plan_batch_copies(np.arange(1, 11) * 64, np.arange(1, 11) * 64 + 8192, np.ones(10, np.int64), 4)
     with pytest.raises(DriverError) as info:
-        cm.CudaPlatform()._batch_on(("ctypes", fn, 12080), 0x99, 1, chunks)
+        cm.CudaPlatform()._streams._batch_on(("ctypes", fn, 12080), 0x99, 1, chunks)
     e = info.value
     assert e.api == "cuMemcpyBatchAsync" and e.status_name == "CUDA_ERROR_INVALID_VALUE"
     assert "copies 0..3" in e.doing and "failing at copy 2" in e.doing and "cuda:1" in e.doing
@@ -186,7 +186,7 @@ def test_bindings_batch_path_both_return_shapes(monkeypatch, shape):
                                  CUmemcpyFlags=driver.CUmemcpyFlags, cuMemcpyBatchAsync=fake_batch)
     monkeypatch.setattr(cd, "_DRIVER", fake)
     src, dst, dsts, srcs, sizes, want = _host_batch(400, 12, seed=3)
-    cm.CudaPlatform()._batch_on(("bindings", None, None), 77, 0, ce.plan_batch_copies(dsts, srcs, sizes, 5))
+    cm.CudaPlatform()._streams._batch_on(("bindings", None, None), 77, 0, ce.plan_batch_copies(dsts, srcs, sizes, 5))
     assert np.array_equal(dst, want) and calls and all(s == 77 and c <= 5 for c, s in calls)
 
     def failing(*a):
@@ -194,7 +194,7 @@ def test_bindings_batch_path_both_return_shapes(monkeypatch, shape):
             (driver.CUresult.CUDA_ERROR_INVALID_VALUE,)
     fake.cuMemcpyBatchAsync = failing
     with pytest.raises(DriverError, match="CUDA_ERROR_INVALID_VALUE"):
-        cm.CudaPlatform()._batch_on(("bindings", None, None), 77, 0, ce.plan_batch_copies(dsts, srcs, sizes))
+        cm.CudaPlatform()._streams._batch_on(("bindings", None, None), 77, 0, ce.plan_batch_copies(dsts, srcs, sizes))
 
 
 # --------------------------------------------------------------------------- hard-coded values vs cuda.bindings
@@ -260,8 +260,8 @@ def test_alloc_hands_the_rounded_size_to_cuda_malloc(monkeypatch):
     seen = []
     fake_rt = types.SimpleNamespace(malloc=lambda n: seen.append(n) or 0x7000_0000)
     p = cm.CudaPlatform()
-    monkeypatch.setattr(p, "_check_device", lambda d: d)
-    monkeypatch.setattr(p, "_rt", lambda dev, fn, *a, doing: fn(*a))
+    monkeypatch.setattr(p._contexts, "check_device", lambda d: d)
+    monkeypatch.setattr(p._contexts, "rt", lambda dev, fn, *a, doing: fn(*a))
     monkeypatch.setattr(cmem, "_cupy", lambda: (None, fake_rt, None))
     buf = p.alloc((3 << 20) + 5, 0)
     assert seen == [4 << 20] and buf.nbytes == (3 << 20) + 5 and buf.allocated_bytes == 4 << 20
@@ -272,7 +272,7 @@ def test_alloc_hands_the_rounded_size_to_cuda_malloc(monkeypatch):
 
 def test_open_own_handle_is_refused_before_any_driver_call(monkeypatch):
     p = cm.CudaPlatform()
-    monkeypatch.setattr(p, "_check_device", lambda d: d)
+    monkeypatch.setattr(p._contexts, "check_device", lambda d: d)
     h = IpcHandle("cuda", 0, 64, b"\0" * 64, os.getpid())
     with pytest.raises(BadInput, match="exported"):
         p.open_handle(h, 0)

@@ -170,13 +170,13 @@ def test_rt_routes_cupy_errors_through_check(monkeypatch):
             return False
 
     fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=Dev))
-    monkeypatch.setattr(cm, "_cupy", lambda: (fake_cupy, None, CUDARuntimeError))
+    monkeypatch.setattr(cd, "_cupy", lambda: (fake_cupy, None, CUDARuntimeError))
 
     def ipcOpenMemHandle(h, f):
         raise CUDARuntimeError(400)   # cudaErrorInvalidResourceHandle
 
     with pytest.raises(DriverError) as info:
-        cm.CudaPlatform()._rt(1, ipcOpenMemHandle, b"x", 1, doing="opening a handle")
+        cm.CudaPlatform()._contexts.rt(1, ipcOpenMemHandle, b"x", 1, doing="opening a handle")
     assert info.value.api == "cudaIpcOpenMemHandle"
     assert info.value.status_name == "cudaErrorInvalidResourceHandle"
 
@@ -185,7 +185,7 @@ def test_rt_routes_cupy_errors_through_check(monkeypatch):
 
 
 class _Calls:
-    """A fake stream-ordered driver call answering ``results`` in turn, and a fake ``_on``."""
+    """A fake stream-ordered driver call answering ``results`` in turn, and a fake ``CudaContexts.on``."""
 
     def __init__(self, *results):
         self.results, self.calls, self.pushed = list(results), 0, 0
@@ -202,8 +202,8 @@ class _Calls:
 
 def _plat_with(monkeypatch, calls, current_ctx=None):
     plat = cm.CudaPlatform()
-    plat._ctxs[1] = (object(), 0x1111)
-    monkeypatch.setattr(plat, "_on", calls.on)
+    plat._contexts.ctxs[1] = (object(), 0x1111)
+    monkeypatch.setattr(plat._contexts, "on", calls.on)
     monkeypatch.setattr(cd, "_DRIVER", _fake_driver(cuCtxGetCurrent=lambda: (0, current_ctx)))
     return plat
 
@@ -211,19 +211,19 @@ def _plat_with(monkeypatch, calls, current_ctx=None):
 def test_stream_op_on_a_created_stream_is_one_call(monkeypatch):
     calls = _Calls(0)
     plat = _plat_with(monkeypatch, calls, current_ctx=0x2222)      # another device's context is current
-    plat._stream_op(cm.CudaStream(1, 0x7000, None), calls.cuFake, doing="x")
+    plat._contexts.stream_op(cm.CudaStream(1, 0x7000, None), calls.cuFake, doing="x")
     assert (calls.calls, calls.pushed) == (1, 0)
 
 
 def test_stream_op_pushes_the_context_only_when_the_driver_asks(monkeypatch):
     calls = _Calls(cd._ERR_INVALID_CONTEXT, 0)                     # no context on this thread, then fine
     plat = _plat_with(monkeypatch, calls)
-    plat._stream_op(cm.CudaStream(1, 0x7000, None), calls.cuFake, doing="x")
+    plat._contexts.stream_op(cm.CudaStream(1, 0x7000, None), calls.cuFake, doing="x")
     assert (calls.calls, calls.pushed) == (2, 1)
     calls = _Calls(1)                                              # any other error is raised, not retried
     plat = _plat_with(monkeypatch, calls)
     with pytest.raises(DriverError, match="cuFake failed with CUDA_ERROR_INVALID_VALUE.*while copying"):
-        plat._stream_op(cm.CudaStream(1, 0x7000, None), calls.cuFake, doing=lambda: "copying")
+        plat._contexts.stream_op(cm.CudaStream(1, 0x7000, None), calls.cuFake, doing=lambda: "copying")
     assert (calls.calls, calls.pushed) == (1, 0)
 
 
@@ -231,11 +231,11 @@ def test_stream_op_pushes_the_context_only_when_the_driver_asks(monkeypatch):
 def test_stream_op_on_a_default_stream_makes_its_device_current(monkeypatch, handle):
     calls = _Calls(0)
     plat = _plat_with(monkeypatch, calls, current_ctx=0x2222)      # device 0's: handle 0 would mean its stream
-    plat._stream_op(cm.CudaStream(1, handle, None), calls.cuFake, doing="x")
+    plat._contexts.stream_op(cm.CudaStream(1, handle, None), calls.cuFake, doing="x")
     assert (calls.calls, calls.pushed) == (1, 1)
     calls = _Calls(0)
     plat = _plat_with(monkeypatch, calls, current_ctx=0x1111)      # device 1's already: no push
-    plat._stream_op(cm.CudaStream(1, handle, None), calls.cuFake, doing="x")
+    plat._contexts.stream_op(cm.CudaStream(1, handle, None), calls.cuFake, doing="x")
     assert (calls.calls, calls.pushed) == (1, 0)
 
 
@@ -272,13 +272,13 @@ def test_stream_calls_one_driver_call_each_and_the_checked_path_otherwise(monkey
             return (answers.pop(0) if answers else 0,)
         return fn
     plat = cm.CudaPlatform()
-    plat._ctxs[1] = (object(), 0x1111)
+    plat._contexts.ctxs[1] = (object(), 0x1111)
     monkeypatch.setattr(cd, "_DRIVER", _fake_driver(
         cuCtxGetCurrent=lambda: (0, None), cuGetProcAddress=lambda name, ver, flags: (0, points[name], None),
         cuStreamWriteValue64=checked("checked write"), cuStreamWaitValue64=checked("checked wait"),
         cuGraphLaunch=checked("checked launch"), cuMemcpyAsync=checked("checked copy")))
     pushed = []
-    monkeypatch.setattr(plat, "_on", lambda device: contextlib.nullcontext(pushed.append(device)))
+    monkeypatch.setattr(plat._contexts, "on", lambda device: contextlib.nullcontext(pushed.append(device)))
     s = cm.CudaStream(1, 0x7000, None)
     calls = plat.stream_calls(s)
     g = cm.CudaGraph(1, None, 0x99)
@@ -322,11 +322,11 @@ def test_stream_calls_one_driver_call_each_and_the_checked_path_otherwise(monkey
     answers[:] = [1, 1]                                 # refused by the driver: the checked path raises
     with pytest.raises(DriverError, match="CUDA_ERROR_INVALID_VALUE"):
         calls.wait_flag(0x1040, 4)
-    plat._count = 1                                     # a default stream where one device is visible:
+    plat._contexts.count = 1                            # a default stream where one device is visible:
     seen.clear()                                        # its handle means that device's context
     plat.stream_calls(cm.CudaStream(1, 0, None)).wait_flag(0x1040, 4)
     assert seen == [("wait", 0, 0x1040, 4, cd._WAIT_GEQ)]
-    plat._count = 2                                     # ... of a multi-device process: asked per call
+    plat._contexts.count = 2                            # ... of a multi-device process: asked per call
     seen.clear()                                        # which context is current: the device's,
     default = plat.stream_calls(cm.CudaStream(1, 0, None))
     default.wait_flag(0x1040, 4)
@@ -335,7 +335,7 @@ def test_stream_calls_one_driver_call_each_and_the_checked_path_otherwise(monkey
     seen.clear()                                        # the device's context current first
     default.launch_graph(g)
     assert [x[0] for x in seen] == ["current", "checked launch"] and len(pushed) == n + 1
-    plat._step_fns = False                              # no entry points: the checked calls
+    plat._flags._step_fns = False                       # no entry points: the checked calls
     seen.clear()
     plat.stream_calls(s).write_flag(0x1000, 7)
     assert [x[0] for x in seen] == ["checked write"]

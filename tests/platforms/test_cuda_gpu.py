@@ -119,7 +119,7 @@ def test_gpu_record_event_reuses_collected_events(cuda_plat):
     assert cuda_plat.event_wait(again, T) and torch.equal(dst, src)
     s.close()
     cuda_plat.close()
-    assert cuda_plat._events.closed and not any(cuda_plat._events.spare.values())
+    assert cuda_plat._streams._events.closed and not any(cuda_plat._streams._events.spare.values())
 
 
 @gpu
@@ -187,8 +187,8 @@ def test_gpu_copy_batch_random_descriptors(cuda_reason, monkeypatch, mode, strea
         note = p.batch_copy_note()
         print(mode, stream_kind, note)
         if mode in ("auto", "ctypes12080"):
-            assert "cuMemcpyBatchAsync" in note and ("12080" in note) == (mode == "ctypes12080" or
-                                                                        p._driver_ver() < 13000)
+            assert "cuMemcpyBatchAsync" in note and ("12080" in note) == (
+                mode == "ctypes12080" or p._contexts.driver_version() < 13000)
         src_dev, dst_dev = 0, p.device_count() - 1
         page, npages = 576, 20000                               # > 2 chunks of 8192
         rng = np.random.default_rng(7)
@@ -247,10 +247,10 @@ def _child_ipc_peer(handle, dev: int, n: int) -> dict:
         try:
             t = p.as_tensor(m, torch.bfloat16, (n,))
             out["view_ok"] = t.data_ptr() == m.ptr and t.device == torch.device("cuda", dev)
-            out["cai_views_peers"] = p._cai_views_peers
+            out["cai_views_peers"] = p._memory._cai_views_peers
             want = torch.arange(n, device=f"cuda:{dev}").to(torch.bfloat16)
             out["read_ok"] = bool(torch.equal(t, want))
-            p._cai_views_peers = False                  # force the non-owning-storage view too
+            p._memory._cai_views_peers = False                  # force the non-owning-storage view too
             t2 = p.as_tensor(m, torch.bfloat16, (n,))
             out["fallback_ok"] = t2.data_ptr() == m.ptr and bool(torch.equal(t2, want))
             del t2

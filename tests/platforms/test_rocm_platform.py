@@ -594,7 +594,7 @@ def test_owned_streams_are_destroyed_once_and_refused_when_closed(fhip):
     own = RocmStream(0, types.SimpleNamespace(cuda_stream=0x5000), hip_stream=0x5000, dedicated=True, platform=p)
     pooled = RocmStream(0, types.SimpleNamespace(cuda_stream=0x6000), platform=p)
     left = RocmStream(1, types.SimpleNamespace(cuda_stream=0x7000), hip_stream=0x7000, dedicated=True, platform=p)
-    p._streams += [own, left]
+    p._streams._owned += [own, left]
     borrowed = _stream(0, 0x8000)
     for s in (own, pooled, borrowed):
         s.close()
