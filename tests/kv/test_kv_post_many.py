@@ -15,6 +15,21 @@ from gpuxfer.kv.agent import KVAgent
 from _agent_arena import Arena, connect, same_bytes, token_oracle, vllm_layers
 
 
+@pytest.fixture
+def bpair(platform):
+    """Two agents (prefill, decode) and their arenas on every platform present: the host emulation (devices 0
+    and 1) and, with -m gpu, CUDA (both on device 0 where only one is present)."""
+    d1 = 1 if platform.device_count() > 1 else 0
+    a0, a1 = Arena(platform, 0, 1 << 20), Arena(platform, d1, 1 << 20)
+    pre = KVAgent("prefill", platform=platform, device=0, timeout_s=60)
+    dec = KVAgent("decode", platform=platform, device=d1, timeout_s=60)
+    yield pre, dec, a0, a1
+    dec.close()
+    pre.close()
+    a0.close()
+    a1.close()
+
+
 def _count_uploads(agent, monkeypatch) -> list:
     """Every upload of a request array into a slot on the agent's stream, recorded."""
     seen = []
@@ -27,8 +42,8 @@ def _count_uploads(agent, monkeypatch) -> list:
     return seen
 
 
-def test_one_upload_for_a_route_every_byte(pair, monkeypatch):
-    pre, dec, a0, a1 = pair
+def test_one_upload_for_a_route_every_byte(bpair, monkeypatch):
+    pre, dec, a0, a1 = bpair
     src = vllm_layers(a0, 2, 12, 4, seed=1)
     dst = vllm_layers(a1, 2, 12, 4, seed=50)
     pre.register_group("full", 4, src)
@@ -57,10 +72,10 @@ def test_one_upload_for_a_route_every_byte(pair, monkeypatch):
 
 @pytest.mark.parametrize("op", ["pull", "push"])
 @pytest.mark.parametrize("bs, bd", [(8, 2), (2, 8)])
-def test_block_sizes_differ_partial_blocks(pair, op, bs, bd):
+def test_block_sizes_differ_partial_blocks(bpair, op, bs, bd):
     """Requests whose last larger block is partly used: each request's tokens land in its own blocks (the
     padding between requests moves nothing)."""
-    pre, dec, a0, a1 = pair
+    pre, dec, a0, a1 = bpair
     nb_s, nb_d = 96 // bs, 96 // bd
     src = a0.tensor((2, nb_s, bs, 3, 2), torch.float16, seed=3)
     dst = a1.tensor((2, nb_d, bd, 3, 2), torch.float16, seed=4)
@@ -69,13 +84,13 @@ def test_block_sizes_differ_partial_blocks(pair, op, bs, bd):
     p_of_dec, p_of_pre = connect(pre, dec)
     rng = np.random.default_rng(1)
     s_perm, d_perm = rng.permutation(nb_s), rng.permutation(nb_d)
-    expect = dst.clone()
+    expect = dst.cpu().clone()
     xs, si, di = [], 0, 0
     for k, tokens in enumerate((10, 3, 17)):            # none a multiple of the larger block
         s_ids = s_perm[si:si + -(-tokens // bs)]
         d_ids = d_perm[di:di + -(-tokens // bd)]
         si, di = si + len(s_ids), di + len(d_ids)
-        want = token_oracle(src, expect, s_ids, d_ids, bs, bd, kv_first=True)
+        want = token_oracle(src.cpu(), expect, s_ids, d_ids, bs, bd, kv_first=True)
         expect = torch.from_numpy(want).view(torch.float16) if want.dtype != np.float16 else torch.from_numpy(want)
         if op == "pull":
             xs.append(dec.prepare(p_of_dec, "pull", local_blocks={"g": d_ids}, remote_blocks={"g": s_ids}))
@@ -84,12 +99,12 @@ def test_block_sizes_differ_partial_blocks(pair, op, bs, bd):
     agent = dec if op == "pull" else pre
     for h in agent.post_many(xs):
         h.wait(60)
-    assert np.array_equal(dst.numpy().view(np.uint8), expect.numpy().view(np.uint8))
+    assert np.array_equal(dst.cpu().numpy().view(np.uint8), expect.numpy().view(np.uint8))
 
 
-def test_overlapping_destinations_run_in_order(pair, monkeypatch):
+def test_overlapping_destinations_run_in_order(bpair, monkeypatch):
     """Two requests writing the same block: not merged; posted one after another, the later one's bytes stay."""
-    pre, dec, a0, a1 = pair
+    pre, dec, a0, a1 = bpair
     src = vllm_layers(a0, 1, 8, 2, seed=5)
     dst = vllm_layers(a1, 1, 8, 2, seed=6)
     pre.register_group("full", 2, src)
@@ -108,10 +123,10 @@ def test_overlapping_destinations_run_in_order(pair, monkeypatch):
     assert same_bytes(dst[name][:, 6], src[name][:, 0])
 
 
-def test_routes_notifications_and_cut_batches(pair, monkeypatch):
+def test_routes_notifications_and_cut_batches(bpair, monkeypatch):
     """Two routes (different groups), notifications of the merged ones in order, and a batch cut in two by the
     descriptor budget: every byte, and the peer's notification word counts every notifying request."""
-    pre, dec, a0, a1 = pair
+    pre, dec, a0, a1 = bpair
     src = vllm_layers(a0, 2, 10, 2, seed=7)
     dst = vllm_layers(a1, 2, 10, 2, seed=8)
     slab_s, slab_d = a0.tensor((6, 2, 40), seed=9), a1.tensor((6, 2, 40), seed=10)
