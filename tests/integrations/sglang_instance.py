@@ -1,12 +1,18 @@
 """An SGLang 0.5.23 prefill or decode rank without a model, for the gpuxfer backend's tests: SGLang's own
 bootstrap server (prefill), KV manager, sender and receiver classes, chosen by the backend name through the
-``sglang.srt.plugins`` entry point, over a KV pool laid out as SGLang's MHA pool hands it to a backend
-(``KVArgs``: K layers then V layers, one buffer each, ``page_size``-token pages, page 0 padding; aux metadata
-rows). Every page and row is filled with bytes known from a seed, so the decode side checks each byte it got.
+``sglang.srt.plugins`` entry point, over a KV pool laid out as SGLang's MHA or MLA pool hands it to a backend
+(``KVArgs``: K layers then V layers, or one buffer per layer; ``page_size``-token pages, page 0 padding; aux
+metadata rows). Every page and row is filled with bytes known from a seed, so the decode side checks each
+byte it got.
 
-The parent drives it over a pipe (:class:`Rank`); the child runs :func:`serve`. A full SGLang server cannot
-run on a CPU (no CPU build of ``sgl_kernel``), so the scheduler's calls are made here in its order:
-decode ``KVReceiver(...)``, ``init``, ``send_metadata``; prefill ``KVSender(...)``, ``init``, chunked ``send``.
+The prefill rank runs SGLang's own ``PrefillBootstrapQueue`` (which builds its ``KVArgs`` from the pool and
+makes the KV manager and each request's ``KVSender``) and its scheduler's ``send_kv_chunk``
+(tests/integrations/sglang_queues.py): ``queue_add`` then ``queue_run``; ``senders``/``send`` call the
+``KVSender`` directly instead. The decode rank replays the decode queues' calls in their order:
+``KVReceiver(...)``, ``try_ensure_parallel_info``, ``init``, ``send_metadata``, then ``poll``. A full SGLang
+server cannot run on a CPU (no CPU build of ``sgl_kernel``).
+
+The parent drives it over a pipe (:class:`Rank`); the child runs :func:`serve`.
 """
 from __future__ import annotations
 
@@ -94,7 +100,6 @@ class Rank:
 class _State:
     def __init__(self, spec: dict):
         import torch
-        from sglang.srt.disaggregation.base.conn import KVArgs
         from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend, get_kv_class
         from sglang.srt.runtime_context import get_context
 
@@ -114,19 +119,49 @@ class _State:
         if self.role == "prefill":
             self.server = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=self.port)
         self.mla = spec["mla"]
-        il = self.item_len = item_len(self.page_size, self.mla, spec["heads"])
-        self.kv = [pattern(self.seed, e, self.pages * il) for e in range(LAYERS if self.mla else 2 * LAYERS)]
+        heads = 1 if self.mla else spec["heads"]
+        layers = spec.get("layers") or LAYERS
+        n_entries = layers if self.mla else 2 * layers
+        self.item_lens = list(spec.get("item_lens") or [item_len(self.page_size, self.mla, spec["heads"])] * n_entries)
+        self.item_len = self.item_lens[0]
+        device = spec.get("device") or "cpu"
+        self.kv = [pattern(self.seed, e, self.pages * il).to(device) for e, il in enumerate(self.item_lens)]
         self.aux = [pattern(self.seed, 1000 + j, AUX_ROWS * n) for j, n in enumerate(AUX_ITEM_LENS)]
+        ptrs, lens = [t.data_ptr() for t in self.kv], [t.numel() for t in self.kv]
+        mode = DisaggregationMode.PREFILL if self.role == "prefill" else DisaggregationMode.DECODE
+        self.driver = None
+        if self.role == "prefill":
+            # SGLang's own PrefillBootstrapQueue builds the KVArgs from the pool and makes the KV manager
+            from sglang_queues import MetadataRows, QueueDriver, init_world_of_one, make_pool, prefill_scheduler
+            init_world_of_one()
+            pool = make_pool(self.mla, self.page_size, layers, heads, ptrs, lens, self.item_lens)
+            sched = prefill_scheduler(pool=pool, meta=MetadataRows(self.aux, AUX_ITEM_LENS), page_size=self.page_size,
+                                      layers=layers, heads=heads, port=self.port, server_args=self.server_args,
+                                      max_reqs=AUX_ROWS, max_tokens=self.pages * self.page_size, aux_rows=AUX_ROWS,
+                                      backend=backend)
+            self.driver = QueueDriver(sched, "127.0.0.1")
+            self.mgr = sched.disagg_prefill_bootstrap_queue.kv_manager
+            self.kv_args = self.mgr.kv_args
+        else:
+            self.kv_args = self._kv_args(ptrs, lens, layers, heads)
+            self.mgr = get_kv_class(backend, KVClassType.MANAGER)(self.kv_args, mode, self.server_args, self.mla)
+        self.sender_cls = get_kv_class(backend, KVClassType.SENDER)
+        self.receiver_cls = get_kv_class(backend, KVClassType.RECEIVER)
+        self.ends: dict[int, object] = {}           # room -> KVSender / KVReceiver
+        self.plan: dict[int, tuple] = {}            # decode: room -> (prefill pages, decode pages, rows)
+        self.reasons: dict[int, str] = {}           # room -> the failure SGLang reported
+        self.landed: set[int] = set()               # decode: rooms whose bytes were checked as the prefill's
+
+    def _kv_args(self, ptrs, lens, layers, heads):
+        """The decode rank's ``KVArgs`` as ``DecodePreallocQueue`` fills them for an MHA or MLA pool."""
+        from sglang.srt.disaggregation.base.conn import KVArgs
         a = KVArgs()
         a.engine_rank, a.pp_rank, a.system_dp_rank, a.rust_http_port = 0, 0, 0, None
         a.kv_cache_dtype_str, a.kv_layout = "bfloat16", None
-        a.prefill_start_layer, a.prefill_end_layer, a.mla_compression_ratios = 0, LAYERS, None
-        a.kv_data_ptrs = [t.data_ptr() for t in self.kv]
-        a.kv_data_lens = [t.numel() for t in self.kv]
-        a.kv_item_lens = [il] * len(self.kv)
+        a.prefill_start_layer, a.prefill_end_layer, a.mla_compression_ratios = 0, layers, None
+        a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = ptrs, lens, list(self.item_lens)
         a.num_draft_entries = 0
-        a.kv_layer_ids = list(range(LAYERS)) * (1 if self.mla else 2)
-        heads = 1 if self.mla else spec["heads"]
+        a.kv_layer_ids = []
         a.kv_head_num, a.total_kv_head_num, a.page_size = heads, heads, self.page_size
         a.aux_data_ptrs = [t.data_ptr() for t in self.aux]
         a.aux_data_lens = [t.numel() for t in self.aux]
@@ -135,17 +170,23 @@ class _State:
         a.state_layer_ids, a.state_dim_per_tensor, a.state_slice_outer_counts = [], [], []
         a.state_conv_shard_groups, a.swa_kv_cache_layout, a.is_hybrid_mla_backend = [], None, False
         a.ib_device, a.gpu_id, a.kv_buf_groups, a.hidden_kv_layers, a.draft_kv_layers = None, 0, 1, 0, 0
-        self.kv_args = a
-        mode = DisaggregationMode.PREFILL if self.role == "prefill" else DisaggregationMode.DECODE
-        self.mgr = get_kv_class(backend, KVClassType.MANAGER)(a, mode, self.server_args, self.mla)
-        self.sender_cls = get_kv_class(backend, KVClassType.SENDER)
-        self.receiver_cls = get_kv_class(backend, KVClassType.RECEIVER)
-        self.ends: dict[int, object] = {}           # room -> KVSender / KVReceiver
-        self.plan: dict[int, tuple] = {}            # decode: room -> (prefill pages, decode pages, rows)
-        self.reasons: dict[int, str] = {}           # room -> the failure SGLang reported
-        self.landed: set[int] = set()               # decode: rooms whose bytes were checked as the prefill's
+        return a
 
     # -- prefill
+
+    def queue_add(self, plan):
+        """``plan``: ``(room, prefill pages, tokens, chunk tokens)``: each request added to SGLang's
+        ``PrefillBootstrapQueue``, which makes its ``KVSender``; their statuses."""
+        out = {}
+        for room, pages, tokens, chunk in plan:
+            out[room] = _NAMES[self.driver.add(room, list(pages), tokens, chunk)]
+            self.ends[room] = self.driver.reqs[room].disagg_kv_sender
+        return out
+
+    def queue_run(self, timeout):
+        """``pop_bootstrapped`` and ``send_kv_chunk`` (per prefill chunk) until the queue is empty:
+        ``{"left", "failed", "rows"}`` (:meth:`sglang_queues.QueueDriver.run`)."""
+        return self.driver.run(timeout)
 
     def senders(self, rooms):
         for room in rooms:
@@ -203,19 +244,24 @@ class _State:
         for room in rooms:
             self.ends[room].abort()
 
-    def check(self, rooms, prefill_seed, unknown=()):
+    def check(self, rooms, prefill_seed, unknown=(), src_rows=None):
         """Every byte of each room of ``rooms`` (its decode pages and metadata row) against the prefill's;
         every other page and row against this rank's own bytes (nothing else was written), but those of the
-        rooms in ``unknown`` (an outcome the test does not pin down) and of rooms an earlier call checked."""
-        il = self.item_len
+        rooms in ``unknown`` (an outcome the test does not pin down) and of rooms an earlier call checked.
+        ``src_rows``: room -> the prefill's metadata row, where the prefill's queue allocated it."""
+        if src_rows:
+            for room, row in src_rows.items():
+                src, dst, _, dst_row = self.plan[room]
+                self.plan[room] = (src, dst, row, dst_row)
         bad, checked = {}, 0
         skip_pages, skip_rows = set(), set()
         for room in rooms:
             src, dst, src_row, dst_row = self.plan[room]
             wrong = 0
             for e, t in enumerate(self.kv):
+                il = self.item_lens[e]
                 want = pattern(prefill_seed, e, self.pages * il).view(self.pages, il)
-                wrong += int((t.view(self.pages, il)[list(dst)] != want[list(src)]).sum())
+                wrong += int((t.view(self.pages, il)[list(dst)].cpu() != want[list(src)]).sum())
                 checked += len(dst) * il
             for j, (t, n) in enumerate(zip(self.aux, AUX_ITEM_LENS)):
                 want = pattern(prefill_seed, 1000 + j, AUX_ROWS * n).view(AUX_ROWS, n)
@@ -231,8 +277,9 @@ class _State:
         keep = [p for p in range(self.pages) if p not in skip_pages]
         changed = 0
         for e, t in enumerate(self.kv):
+            il = self.item_lens[e]
             own = pattern(self.seed, e, self.pages * il).view(self.pages, il)
-            changed += int((t.view(self.pages, il)[keep] != own[keep]).sum())
+            changed += int((t.view(self.pages, il)[keep].cpu() != own[keep]).sum())
         rows = [r for r in range(AUX_ROWS) if r not in skip_rows]
         for j, (t, n) in enumerate(zip(self.aux, AUX_ITEM_LENS)):
             own = pattern(self.seed, 1000 + j, AUX_ROWS * n).view(AUX_ROWS, n)
@@ -274,6 +321,8 @@ class _State:
 
     def clear(self, rooms):
         for room in rooms:
+            if self.driver is not None:
+                self.driver.release(room)
             end = self.ends.pop(room)
             if int(end.poll()) == 0:
                 try:

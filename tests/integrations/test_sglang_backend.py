@@ -91,12 +91,53 @@ def _drive_rooms(p, d, plan, actions, *, timeout=60):
     return p.call("wait", rooms, timeout, timeout=timeout + 60), d
 
 
+def _drive_queue(p, d, plan, tokens, chunks, *, timeout=60):
+    """The prefill's requests through SGLang's ``PrefillBootstrapQueue`` (its ``KVSender`` made by the queue),
+    the decode's receivers made (init + send_metadata), then the queue popped and each request's prefill
+    chunks sent with SGLang's ``send_kv_chunk`` (``tokens``/``chunks``: room -> its tokens / chunked-prefill
+    size). Returns the prefill's final statuses and the metadata rows its queue allocated."""
+    rooms = [r[0] for r in plan]
+    assert set(p.call("queue_add", [(r, src, tokens[r], chunks[r]) for r, src, *_ in plan]).values()) \
+        == {"Bootstrapping"}
+    assert set(d.call("receivers", plan, 60, timeout=120).values()) == {"WaitingForInput"}
+    ran = p.call("queue_run", 60, timeout=120)
+    assert ran["left"] == [] and ran["failed"] == [], ran
+    return p.call("wait", rooms, timeout, timeout=timeout + 60), {r: ran["rows"][r] for r in rooms}
+
+
+def _land_through_queue(p, d, plan, page_size, rng):
+    """``plan``'s requests (a partial last page for most) sent through the queue in chunks of a size that is
+    no page multiple for most; both sides Success, every byte of every page and row checked, nothing else
+    changed, both sides cleared."""
+    rooms = [r[0] for r in plan]
+    tokens = {r: len(src) * page_size - rng.randrange(page_size) for r, src, *_ in plan}
+    chunks = {r: rng.choice([page_size, 3 * page_size + 5, 40, 300]) for r in rooms}
+    prefill, rows = _drive_queue(p, d, plan, tokens, chunks)
+    decode = d.call("wait", rooms, 60, timeout=120)
+    assert {s for s, _ in prefill.values()} == {"Success"}, prefill
+    assert {s for s, _ in decode.values()} == {"Success"}, decode
+    res = d.call("check", rooms, 1, (), rows)
+    assert res["bad"] == {r: 0 for r in rooms} and res["checked"] > 0, res
+    assert res["others_changed"] == 0, res
+    assert set(p.call("clear", rooms).values()) == {None}
+    assert set(d.call("clear", rooms).values()) == {None}
+
+
 def test_rooms_land_byte_for_byte(pair):
-    """64 concurrent requests of 1 to 9 pages, sent in chunks of 1, 2 or all pages: every page of every KV
+    """64 concurrent requests of 1 to 9 pages through SGLang's prefill queue and ``send_kv_chunk`` (chunked
+    prefill of 16 to 300 tokens, a partial last page held back to the last chunk): every page of every KV
     entry and every metadata row lands on the decode's pages, nothing else changes, both sides say Success."""
     p, d, pages = pair
     rng = random.Random(1)
-    plan = [pages.take(room, rng.randint(1, 9)) for room in range(1000, 1064)]
+    _land_through_queue(p, d, [pages.take(room, rng.randint(1, 9)) for room in range(1000, 1064)], 16, rng)
+
+
+def test_sender_calls_land_byte_for_byte(pair):
+    """The same exchange with ``KVSender.init`` and chunked ``send`` called directly (chunks of 1, 2 or all
+    pages), as a scheduler of another SGLang version may make them."""
+    p, d, pages = pair
+    rng = random.Random(2)
+    plan = [pages.take(room, rng.randint(1, 9)) for room in range(1100, 1116)]
     actions = {r[0]: (rng.choice([1, 2, 16]), "send") for r in plan}
     prefill, d = _drive_rooms(p, d, plan, actions)
     rooms = [r[0] for r in plan]
@@ -104,8 +145,7 @@ def test_rooms_land_byte_for_byte(pair):
     assert {s for s, _ in prefill.values()} == {"Success"}, prefill
     assert {s for s, _ in decode.values()} == {"Success"}, decode
     res = d.call("check", rooms, 1)
-    assert res["bad"] == {r: 0 for r in rooms} and res["checked"] > 0, res
-    assert res["others_changed"] == 0, res
+    assert res["bad"] == {r: 0 for r in rooms} and res["others_changed"] == 0, res
     assert set(p.call("clear", rooms).values()) == {None}
     assert set(d.call("clear", rooms).values()) == {None}
 
@@ -137,8 +177,8 @@ def test_aborts_on_either_side_fail_both_and_write_nothing(pair):
 
 
 def test_mla_pool_then_killed_prefill_fails_the_decode_within_its_timeout():
-    """An MLA pool (one buffer per layer, SGLang's MLA manager path) with 1-token pages: requests land byte for
-    byte; then the prefill rank is killed while the next requests wait for their KV: the decode reports every
+    """An MLA pool (one buffer per layer, SGLang's MLA manager path) with 1-token pages: requests of 1 to 301
+    pages land byte for byte through SGLang's prefill queue and ``send_kv_chunk``; then the prefill rank is killed while the next requests wait for their KV: the decode reports every
     one Failed well within SGLang's waiting timeout (its heartbeat finds the dead bootstrap server), without a
     byte written into their pages."""
     p, d = _pair(1, mla=True)
@@ -146,21 +186,14 @@ def test_mla_pool_then_killed_prefill_fails_the_decode_within_its_timeout():
         p.ready(timeout=600)
         d.ready(timeout=600)
         pages = _Pages(5)
-        landed = [pages.take(room, n) for room, n in ((3100, 1), (3101, 7), (3102, 33))]
-        prefill, d = _drive_rooms(p, d, landed, {r[0]: (5, "send") for r in landed})
-        done = [r[0] for r in landed]
-        assert {s for s, _ in prefill.values()} == {"Success"}, prefill
-        assert {s for s, _ in d.call("wait", done, 60, timeout=120).values()} == {"Success"}
-        res = d.call("check", done, 1)
-        assert res["bad"] == {r: 0 for r in done} and res["others_changed"] == 0, res
-        d.call("clear", done)
-        p.call("clear", done)
+        landed = [pages.take(room, n) for room, n in ((3100, 1), (3101, 7), (3102, 33), (3103, 301))]
+        _land_through_queue(p, d, landed, 1, random.Random(3))
         plan = [pages.take(room, 3) for room in range(3000, 3008)]
         rooms = [r[0] for r in plan]
-        assert set(p.call("senders", rooms).values()) == {"Bootstrapping"}
+        assert set(p.call("queue_add", [(r, src, 3, 1) for r, src, *_ in plan]).values()) == {"Bootstrapping"}
         assert set(d.call("receivers", plan, 60, timeout=120).values()) == {"WaitingForInput"}
-        assert p.call("send", [(r, src, srow, 1, "hold") for r, src, dst, srow, drow in plan], 60) == []
-        p.proc.kill()
+        assert p.call("await_status", rooms, "WaitingForInput", 60, timeout=120) == []
+        p.proc.kill()                       # before its queue popped them: no chunk sent
         p.proc.join(30)
         assert p.proc.exitcode == -9, p.proc.exitcode
         decode = d.call("wait", rooms, WAITING_TIMEOUT_S + 10, timeout=WAITING_TIMEOUT_S + 60)
@@ -175,7 +208,8 @@ def test_mla_pool_then_killed_prefill_fails_the_decode_within_its_timeout():
 
 
 def test_killed_decode_fails_the_prefill_within_its_timeout():
-    """A decode rank killed once its pages reached the prefill (64-token pages): the prefill's pushes find it
+    """64-token pages: 16 requests land byte for byte through SGLang's prefill queue and ``send_kv_chunk``;
+    then the decode rank is killed once its next requests' pages reached the prefill: the prefill's pushes find it
     gone and every request ends Failed well within the timeout, the transfer thread never stuck on the dead
     rank's socket (requests queued behind the first fail as fast)."""
     p, d = _pair(64)
@@ -183,15 +217,18 @@ def test_killed_decode_fails_the_prefill_within_its_timeout():
         p.ready(timeout=600)
         d.ready(timeout=600)
         pages = _Pages(6)
+        rng = random.Random(6)
+        _land_through_queue(p, d, [pages.take(room, rng.randint(1, 5)) for room in range(4100, 4116)], 64, rng)
         plan = [pages.take(room, 3) for room in range(4000, 4006)]
         rooms = [r[0] for r in plan]
-        assert set(p.call("senders", rooms).values()) == {"Bootstrapping"}
+        assert set(p.call("queue_add", [(r, src, 3 * 64, 64) for r, src, *_ in plan]).values()) == {"Bootstrapping"}
         assert set(d.call("receivers", plan, 60, timeout=120).values()) == {"WaitingForInput"}
         assert p.call("await_status", rooms, "WaitingForInput", 60, timeout=120) == []
         d.proc.kill()
         d.proc.join(30)
         assert d.proc.exitcode == -9, d.proc.exitcode
-        assert p.call("send", [(r, src, srow, 1, "send") for r, src, dst, srow, drow in plan], 60) == []
+        ran = p.call("queue_run", 60, timeout=120)      # popped as bootstrapped; their chunks' pushes fail
+        assert ran["left"] == [] and ran["failed"] == [], ran
         prefill = p.call("wait", rooms, WAITING_TIMEOUT_S + 10, timeout=WAITING_TIMEOUT_S + 60)
         assert {s for s, _ in prefill.values()} == {"Failed"}, prefill
         assert max(t for _, t in prefill.values()) < WAITING_TIMEOUT_S / 2, prefill
