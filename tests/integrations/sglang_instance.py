@@ -44,22 +44,32 @@ def item_len(page_size: int, mla: bool = False, heads: int = HEADS) -> int:
     return page_size * (MLA_DIM if mla else heads * HEAD_DIM) * ITEMSIZE
 
 
+_PATTERNS: dict = {}
+
+
 def pattern(seed: int, entry: int, nbytes: int):
-    """The bytes a rank of ``seed`` holds in KV entry ``entry`` (``entry >= 1000``: aux buffer ``entry - 1000``)."""
+    """The bytes a rank of ``seed`` holds in KV entry ``entry`` (``entry >= 1000``: aux buffer ``entry - 1000``),
+    kept for the checks: read it, copy it to make a buffer."""
     import torch
-    g = torch.Generator().manual_seed(seed * 100003 + entry)
-    return torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8)
+    key = (seed, entry, nbytes)
+    if key not in _PATTERNS:
+        g = torch.Generator().manual_seed(seed * 100003 + entry)
+        _PATTERNS[key] = torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8)
+    return _PATTERNS[key]
 
 
 class Rank:
     """The parent's handle on one rank process."""
 
     def __init__(self, role: str, *, port: int, page_size: int, pages: int, seed: int, env: dict | None = None,
-                 mla: bool = False, heads: int = HEADS):
+                 mla: bool = False, heads: int = HEADS, **extra):
+        """``extra``: ``layers`` (entries: one per layer for MLA, two for MHA), ``item_lens`` (each entry's
+        bytes per page, else the MHA/MLA page of ``HEADS`` x ``HEAD_DIM``), ``device`` (``cuda``: the KV
+        buffers on GPU 0), ``cpus`` (``(rank, world)``: pinned as a benchmark rank)."""
         self.role, self.port = role, port
         self.conn, child = ctx().Pipe()
         spec = dict(role=role, port=port, page_size=page_size, pages=pages, seed=seed, env=env or {}, mla=mla,
-                    heads=heads)
+                    heads=heads, **extra)
         self.proc = ctx().Process(target=serve, args=(child, spec), name=f"sglang-{role}", daemon=True)
         self.proc.start()
         child.close()
@@ -125,8 +135,8 @@ class _State:
         self.item_lens = list(spec.get("item_lens") or [item_len(self.page_size, self.mla, spec["heads"])] * n_entries)
         self.item_len = self.item_lens[0]
         device = spec.get("device") or "cpu"
-        self.kv = [pattern(self.seed, e, self.pages * il).to(device) for e, il in enumerate(self.item_lens)]
-        self.aux = [pattern(self.seed, 1000 + j, AUX_ROWS * n) for j, n in enumerate(AUX_ITEM_LENS)]
+        self.kv = [pattern(self.seed, e, self.pages * il).to(device, copy=True) for e, il in enumerate(self.item_lens)]
+        self.aux = [pattern(self.seed, 1000 + j, AUX_ROWS * n).clone() for j, n in enumerate(AUX_ITEM_LENS)]
         ptrs, lens = [t.data_ptr() for t in self.kv], [t.numel() for t in self.kv]
         mode = DisaggregationMode.PREFILL if self.role == "prefill" else DisaggregationMode.DECODE
         self.driver = None
@@ -286,6 +296,71 @@ class _State:
             changed += int((t.view(AUX_ROWS, n)[rows] != own[rows]).sum())
         return {"bad": bad, "checked": checked, "others_changed": changed}
 
+    # -- the benchmark's (scripts/sglang_backend_bench.py)
+
+    def scrub(self, pages):
+        """Zero ``pages`` of every KV entry (a decode page that then holds the prefill's bytes was written)."""
+        import torch
+        idx = torch.tensor(list(pages), dtype=torch.int64, device=self.kv[0].device)
+        for t, il in zip(self.kv, self.item_lens):
+            t.view(self.pages, il).index_fill_(0, idx, 0)
+        if self.kv[0].device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def timings(self):
+        """The host times of SGLang's ``KVSender.send`` and ``send_kv_chunk`` calls since the last call, and
+        each room's first ``send_kv_chunk`` (``CLOCK_MONOTONIC``, comparable across processes)."""
+        d = self.driver
+        out = {"send_s": d.send_s, "chunk_s": d.chunk_s, "first_send": dict(d.first_send)}
+        d.send_s, d.chunk_s = [], []
+        d.first_send.clear()
+        return out
+
+    def watch_start(self, rooms):
+        """A thread polling ``rooms``' receivers back to back, noting the clock when each is first Success
+        or Failed (the decode scheduler polls once per iteration; this polls every ~20 us)."""
+        import threading
+        self._seen: dict[int, tuple] = {}
+        left = set(rooms)
+
+        def run():
+            deadline = time.monotonic() + 600
+            while left and time.monotonic() < deadline:
+                for room in list(left):
+                    st = int(self.ends[room].poll())
+                    if st in (0, 4):
+                        self._seen[room] = (_NAMES[st], time.monotonic())
+                        left.discard(room)
+                time.sleep(20e-6)
+        self._watch = threading.Thread(target=run, name="bench-watch", daemon=True)
+        self._watch.start()
+
+    def watch_result(self, timeout):
+        self._watch.join(timeout)
+        return dict(self._seen)
+
+    def direct_push(self, src, dst, timeout):
+        """``src`` pages pushed onto the decode's ``dst`` pages by this rank's ``KVAgent`` itself: one
+        ``prepare`` + ``post`` + ``wait`` (the same agent, peer and pages the backend uses)."""
+        import numpy as np
+        from gpuxfer.integrations.sglang.layout import GROUP
+        mgr = self.mgr
+        with mgr._agent_lock:
+            peer = next(iter(mgr._peers.values()))
+            t0 = time.monotonic()
+            x = mgr.agent.prepare(peer, "push", local_blocks={GROUP: np.asarray(src, dtype=np.int32)},
+                                  remote_blocks={GROUP: np.asarray(dst, dtype=np.int32)}, name="direct")
+            t1 = time.monotonic()
+            h = x.post()
+            t2 = time.monotonic()
+            h.wait(timeout)
+            t3 = time.monotonic()
+        return {"prepare_s": t1 - t0, "post_s": t2 - t1, "total_s": t3 - t0}
+
+    def cpu(self):
+        from gpuxfer.bench.cpus import current_cpu, python_speed_us
+        return {"cpu": current_cpu(), "python_us": python_speed_us()}
+
     # -- both
 
     def _poll_one(self, room):
@@ -347,6 +422,9 @@ def serve(conn, spec: dict) -> None:
     sys.path.insert(0, STUBS)
     state = None
     try:
+        if spec.get("cpus"):                # (rank, world): pinned as a benchmark rank with --cpus auto is
+            from gpuxfer.bench.cpus import pin_auto
+            pin_auto(*spec["cpus"], None)
         from sglang.srt.plugins import load_plugins
         load_plugins()                      # what every SGLang process does first: the entry point registers
         state = _State(spec)

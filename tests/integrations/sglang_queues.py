@@ -136,7 +136,7 @@ class QueueDriver:
         self.chunks: dict[int, int] = {}
         self.send_s: list[float] = []               # host time of each KVSender.send call
         self.chunk_s: list[float] = []              # host time of each send_kv_chunk call
-        self.first_send: dict[int, float] = {}      # room -> perf_counter at its first send_kv_chunk
+        self.first_send: dict[int, float] = {}      # room -> time.monotonic() at its first send_kv_chunk
         self._slots = list(range(sched.req_to_token_pool.req_to_token.shape[0]))
 
     def add(self, room: int, pages, tokens: int, chunk_tokens: int) -> str:
@@ -180,8 +180,8 @@ class QueueDriver:
         n, step = len(req.origin_input_ids), self.chunks[req.bootstrap_room]
         for end in range(step, n + step, step):
             req.extend_end = min(end, n)
+            self.first_send.setdefault(req.bootstrap_room, time.monotonic())     # CLOCK_MONOTONIC: any process's
             t0 = time.perf_counter()
-            self.first_send.setdefault(req.bootstrap_room, t0)
             self.sched.send_kv_chunk(req, last_chunk=req.extend_end == n)
             self.chunk_s.append(time.perf_counter() - t0)
 

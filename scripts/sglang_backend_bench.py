@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""gpuxfer's SGLang 0.5.23 transfer backend under SGLang's own prefill queue: host time per ``send()`` chunk,
+and a whole request's transfer beside the same request moved by ``KVAgent`` directly.
+
+One device, two processes (tests/integrations/sglang_instance.py): a prefill rank running SGLang's
+``PrefillBootstrapQueue`` and its scheduler's ``send_kv_chunk`` with SGLang's real bootstrap server, a decode
+rank replaying the decode queues' calls, the backend chosen by name through the plugin. The KV pool has
+kv-dsv4-like geometry (``gpuxfer.bench.kv.model``'s ``kv-dsv4``: 30 compressed-attention layers at 576 B per
+4 tokens, their 30 indexer layers at 132 B per 4 tokens, 31 heavily-compressed layers at one 576 B entry per
+page), one buffer per layer as SGLang's MLA pool hands it over, every entry paged alike; the 128-token
+sliding window is left out (SGLang keeps it as a state buffer, which the backend does not move yet).
+
+Per request (``--repeats`` of them, after one warm-up request not counted):
+
+* ``send_us``: host time of each ``KVSender.send`` call SGLang's ``send_kv_chunk`` makes (one per
+  ``--chunk-tokens`` chunk of chunked prefill; the last carries the metadata row), and of ``send_kv_chunk``;
+* ``request_ms``: from the first ``send_kv_chunk`` to the decode rank's ``KVPoll.Success`` (its receiver
+  polled back to back; both clocks ``CLOCK_MONOTONIC``);
+* ``direct_ms``: the same pages moved onto the same decode pages by the prefill's ``KVAgent`` itself, one
+  ``prepare`` + ``post`` + ``wait`` of one push;
+* every byte of every decode page and of the metadata row checked after each (the decode pages zeroed
+  before each).
+
+Targets (issue #39, p90 over the repeats): ``send()`` <= 100 us; the request within 100 us of the direct push.
+
+    python scripts/sglang_backend_bench.py --platform cuda --json out.json                  # 32k tokens
+    python scripts/sglang_backend_bench.py --platform host --tokens 512 --layers 2 --chunk-tokens 128 \\
+        --repeats 2 --json o.json
+
+Needs SGLang 0.5.23 importable (docs/SGLANG.md; on a GPU machine with no network,
+scripts/sglang_device_tree.py). Exit status 1 on a wrong byte or a failed request, 2 on bad options.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "integrations"))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+TARGETS = {"send_us": 100.0, "request_minus_direct_us": 100.0}
+REGIONS = ("csa", "csa-idx", "hca")         # kv-dsv4's paged regions (its window is a state buffer in SGLang)
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+
+def cpus() -> str:
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{len(os.sched_getaffinity(0))} usable cores of {os.cpu_count()}, {model}"
+
+
+def geometry(page_size: int, layers: int):
+    """kv-dsv4's paged regions at ``page_size``: ``[(region, layers, bytes per page)]``; ``layers`` > 0
+    caps each region's layer count (small runs)."""
+    from gpuxfer.bench.kv.model import get_workload
+    w = get_workload("kv-dsv4")
+    return [(r.name, min(r.layers, layers) if layers else r.layers, r.page_bytes(page_size))
+            for r in w.regions if r.name in REGIONS]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(a) -> dict:
+    from sglang_instance import Rank
+    regions = geometry(a.page_size, a.layers)
+    item_lens = [pb for _, n, pb in regions for _ in range(n)]
+    n_pages = -(-a.tokens // a.page_size)
+    pool_pages = n_pages + 1                    # page 0: SGLang's padding page, never handed out
+    env = {"SGLANG_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "GPUXFER_PLATFORM": a.platform, "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(a.timeout)}
+    port = free_port()
+    kw = dict(port=port, page_size=a.page_size, pages=pool_pages, env=env, mla=True, layers=len(item_lens),
+              item_lens=item_lens, device="cuda" if a.platform == "cuda" else "cpu")
+    auto = a.cpus == "auto"
+    t0 = time.perf_counter()
+    P = Rank("prefill", seed=1, cpus=(0, 2) if auto else None, **kw)
+    D = Rank("decode", seed=2, cpus=(1, 2) if auto else None, **kw)
+    rng = random.Random(0)
+    src, dst = list(range(1, pool_pages)), list(range(1, pool_pages))
+    rng.shuffle(src)
+    rng.shuffle(dst)
+    rows = []
+    try:
+        P.ready(timeout=600)
+        D.ready(timeout=600)
+        startup = time.perf_counter() - t0
+        for i in range(1 + a.repeats):
+            room = 7000 + i
+            py = P.call("cpu")
+            D.call("scrub", dst, timeout=600)
+            assert P.call("queue_add", [(room, src, a.tokens, a.chunk_tokens)]) == {room: "Bootstrapping"}
+            st = D.call("receivers", [(room, src, dst, 0, i % 128)], 60, timeout=120)
+            P.call("await_status", [room], "WaitingForInput", 60, timeout=120)
+            D.call("watch_start", [room])
+            ran = P.call("queue_run", a.timeout, timeout=a.timeout + 60)
+            seen = D.call("watch_result", a.timeout, timeout=a.timeout + 60)
+            prefill = P.call("wait", [room], a.timeout, timeout=a.timeout + 60)
+            tm = P.call("timings")
+            chk = D.call("check", [room], 1, (), ran["rows"], timeout=600)
+            status, t_done = seen.get(room, ("Timeout", None))
+            ok = status == "Success" and prefill[room][0] == "Success" and not ran["left"] and not ran["failed"]
+            request_s = t_done - tm["first_send"][room] if ok else None
+            P.call("clear", [room])
+            D.call("clear", [room])
+            D.call("scrub", dst, timeout=600)
+            direct = P.call("direct_push", src, dst, a.timeout, timeout=a.timeout + 60)
+            dchk = D.call("check", [room], 1, (), ran["rows"], timeout=600)
+            rows.append({
+                "request": i, "warm_up": i == 0, "status": status, "prefill_status": prefill[room][0],
+                "decode_receiver": st.get(room), "python_us": py["python_us"], "cpu": py["cpu"],
+                "send_s": tm["send_s"], "send_kv_chunk_s": tm["chunk_s"], "request_s": request_s,
+                "direct": direct, "wrong_bytes": sum(chk["bad"].values()) + chk["others_changed"],
+                "direct_wrong_bytes": sum(dchk["bad"].values()) + dchk["others_changed"],
+                "checked_bytes": chk["checked"] + dchk["checked"], "ok": ok})
+            f = lambda v, w, p=1: f"{v:>{w}.{p}f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"  # noqa: E731
+            r = rows[-1]
+            sends = [1e6 * x for x in r["send_s"]]
+            print(f"{'warm' if i == 0 else i:>4} {len(sends):>6} {f(pct(sends, 0.5), 8)} {f(max(sends, default=None), 8)} "
+                  f"{f(1e6 * max(r['send_kv_chunk_s'], default=0), 9)} "
+                  f"{f(None if request_s is None else 1e3 * request_s, 10, 3)} {f(1e3 * direct['total_s'], 10, 3)} "
+                  f"{f(None if request_s is None else 1e6 * (request_s - direct['total_s']), 10)} "
+                  f"{f(r['python_us'], 6)} {r['wrong_bytes'] + r['direct_wrong_bytes']:>6} {status}", flush=True)
+    finally:
+        codes = [P.close(), D.close()]
+    return {"startup_s": startup, "exit_codes": codes, "requests": rows, "regions": regions, "pages": n_pages,
+            "kv_bytes": n_pages * sum(item_lens)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--platform", choices=("cuda", "host"), default="cuda",
+                    help="cuda: KV on GPU 0 (both ranks); host: gpuxfer's host emulation (default cuda)")
+    ap.add_argument("--tokens", type=int, default=32768, help="the request's tokens (default 32768)")
+    ap.add_argument("--page-size", type=int, default=64, help="SGLang --page-size on both ranks (default 64)")
+    ap.add_argument("--chunk-tokens", type=int, default=8192,
+                    help="chunked-prefill size: one send_kv_chunk (and KVSender.send) per chunk (default 8192)")
+    ap.add_argument("--layers", type=int, default=0, help="cap each region's layers (default 0: kv-dsv4's 30/30/31)")
+    ap.add_argument("--repeats", type=int, default=3, help="requests measured after the warm-up one (default 3)")
+    ap.add_argument("--timeout", type=int, default=60, help="SGLang's waiting timeout and every wait (s, default 60)")
+    ap.add_argument("--cpus", choices=("auto", "none"), default="auto",
+                    help="auto (default): each rank pinned to the fastest, by a Python yardstick, of physical cores of "
+                         "its own; none: the scheduler places them")
+    ap.add_argument("--json", required=True, help="JSON file to write (must not exist)")
+    a = ap.parse_args(argv)
+    for k in ("tokens", "page_size", "chunk_tokens", "repeats", "timeout"):
+        if getattr(a, k) < 1:
+            ap.error(f"--{k.replace('_', '-')} must be >= 1")
+    if a.layers < 0:
+        ap.error("--layers must be >= 0")
+    if os.path.exists(a.json):
+        ap.error(f"--json {a.json} exists; name a new file")
+    regions = geometry(a.page_size, a.layers)
+    n_pages = -(-a.tokens // a.page_size)
+    kv_bytes = n_pages * sum(n * pb for _, n, pb in regions)
+    print(f"# gpuxfer SGLang backend bench: SGLang 0.5.23 PrefillBootstrapQueue + send_kv_chunk, {a.platform}, "
+          f"python {platform.python_version()}")
+    print(f"# CPUs: {cpus()}")
+    print(f"# request: {a.tokens} tokens, {a.page_size}-token pages ({n_pages}), kv-dsv4-like entries "
+          + ", ".join(f"{name} {n} x {pb} B/page" for name, n, pb in regions)
+          + f" ({kv_bytes / 2**20:.1f} MiB of KV); chunked prefill {a.chunk_tokens} tokens; 1 warm-up + "
+            f"{a.repeats} requests")
+    print(f"# CPU placement: {'each rank pinned (auto)' if a.cpus == 'auto' else 'the scheduler (none)'}; "
+          "py_us: the Python yardstick (gpuxfer.bench.cpus.python_speed_us) on the prefill rank before each request")
+    print("# send: KVSender.send host time (us, p50 and max of the request's chunks); chunk: send_kv_chunk max (us); "
+          "request: first send_kv_chunk -> decode KVPoll.Success (ms); direct: KVAgent prepare+post+wait (ms)")
+    print(f"{'req':>4} {'sends':>6} {'send_p50':>8} {'send_max':>8} {'chunk_max':>9} {'request_ms':>10} "
+          f"{'direct_ms':>10} {'req-dir_us':>10} {'py_us':>6} {'wrong':>6} status")
+    res = run(a)
+    measured = [r for r in res["requests"] if not r["warm_up"]]
+    sends = [x for r in measured for x in r["send_s"]]
+    diffs = [r["request_s"] - r["direct"]["total_s"] for r in measured if r["request_s"] is not None]
+    summary = {
+        "send_us": 1e6 * pct(sends, 0.9) if sends else None,
+        "send_us_p50": 1e6 * pct(sends, 0.5) if sends else None,
+        "send_kv_chunk_us": 1e6 * pct([x for r in measured for x in r["send_kv_chunk_s"]], 0.9) if measured else None,
+        "request_ms_p50": 1e3 * pct([r["request_s"] for r in measured if r["request_s"] is not None], 0.5)
+        if diffs else None,
+        "request_ms_p90": 1e3 * pct([r["request_s"] for r in measured if r["request_s"] is not None], 0.9)
+        if diffs else None,
+        "direct_ms_p50": 1e3 * pct([r["direct"]["total_s"] for r in measured], 0.5) if measured else None,
+        "direct_ms_p90": 1e3 * pct([r["direct"]["total_s"] for r in measured], 0.9) if measured else None,
+        "request_minus_direct_us": 1e6 * pct(diffs, 0.9) if diffs else None,
+    }
+    print(f"# p50 / p90 over the {len(measured)} requests: send {summary['send_us_p50'] or 0:.1f} / "
+          f"{summary['send_us'] or 0:.1f} us; request {summary['request_ms_p50'] or 0:.3f} / "
+          f"{summary['request_ms_p90'] or 0:.3f} ms; direct {summary['direct_ms_p50'] or 0:.3f} / "
+          f"{summary['direct_ms_p90'] or 0:.3f} ms")
+    print("# targets, p90 over the requests:")
+    verdicts = {}
+    for k, target in TARGETS.items():
+        v = summary[k]
+        verdicts[k] = "n/a" if v is None else ("met" if v <= target else "MISSED")
+        print(f"#   {k:24s} {'-' if v is None else f'{v:.1f}':>10} (target <= {target:g}) {verdicts[k]}")
+    wrong = sum(r["wrong_bytes"] + r["direct_wrong_bytes"] for r in res["requests"])
+    failed = [r["request"] for r in res["requests"] if not r["ok"]]
+    ok = wrong == 0 and not failed and len(res["requests"]) == 1 + a.repeats and res["exit_codes"] == [0, 0]
+    print(f"# wrong bytes: {wrong} of {sum(r['checked_bytes'] for r in res['requests'])} checked; failed requests: "
+          f"{len(failed)}; rank exit codes {res['exit_codes']}; startup {res['startup_s']:.1f} s")
+    print(f"# {'PASS' if ok else 'FAIL'}")
+    with open(a.json, "x") as fh:
+        json.dump({"params": vars(a), "cpus": cpus(), "summary": summary, "verdicts": verdicts, "wrong_bytes": wrong,
+                   "failed": failed, **res}, fh, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""scripts/sglang_backend_bench.py at tiny sizes on the host emulation: it runs SGLang's prefill queue and the
+direct KVAgent push end to end, checks every byte, writes its JSON and exits 0; bad options exit 2.
+
+Skipped without SGLang, unless GPUXFER_REQUIRE_SGLANG=1 (CI's SGLang step).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from _requires import require
+
+require("sglang", "GPUXFER_REQUIRE_SGLANG", "sglang==0.5.23")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "scripts", "sglang_backend_bench.py")
+
+
+def _run(*args, timeout=600):
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, SGLANG_HOST_IP="127.0.0.1"))
+
+
+def test_bench_runs_tiny_and_checks_every_byte(tmp_path):
+    out = tmp_path / "bench.json"
+    p = _run("--platform", "host", "--tokens", "300", "--page-size", "16", "--layers", "1", "--chunk-tokens", "100",
+             "--repeats", "2", "--cpus", "none", "--json", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "# PASS" in p.stdout, p.stdout
+    res = json.loads(out.read_text())
+    assert res["wrong_bytes"] == 0 and res["failed"] == [], res["requests"]
+    assert [r["warm_up"] for r in res["requests"]] == [True, False, False]
+    assert res["pages"] == 19 and res["exit_codes"] == [0, 0]
+    for r in res["requests"]:
+        assert r["status"] == r["prefill_status"] == "Success", r
+        assert len(r["send_s"]) == 3, r                 # one KVSender.send per 100-token prefill chunk
+        assert r["checked_bytes"] > 0 and r["request_s"] > 0 and r["direct"]["total_s"] > 0, r
+    assert set(res["summary"]) >= {"send_us", "request_minus_direct_us", "direct_ms_p90", "request_ms_p90"}
+    assert set(res["verdicts"]) == {"send_us", "request_minus_direct_us"}
+
+
+def test_bench_refuses_bad_options(tmp_path):
+    existing = tmp_path / "exists.json"
+    existing.write_text("{}")
+    assert _run("--json", str(existing), timeout=120).returncode == 2
+    assert _run("--tokens", "0", "--json", str(tmp_path / "x.json"), timeout=120).returncode == 2
