@@ -15,8 +15,9 @@ compiled kernels are not needed by the transfer backend's tests and benchmark). 
 the ``sglang.srt.plugins`` entry point, so SGLang's ``load_plugins()`` finds the backend while gpuxfer itself
 comes from the checkout on ``PYTHONPATH``. ``wheels/`` holds, for ``--python-version`` on manylinux x86_64,
 every distribution the ranks import (found by importing the chain here, in a child process) at the version
-installed here, but those the device has (``--skip``: torch, triton and their dependencies). The script
-prints the sizes: a device call carries at most 64 MiB.
+installed here, but those the device has (``--skip``; its transformers 5.17.0 serves SGLang's import chain
+where 5.19.0 is pinned here: ``--skip`` without ``transformers`` carries 5.19.0, 12.6 MB more). The script
+prints the sizes (~20 MiB with the default ``--skip``): a device call carries at most 64 MiB.
 """
 from __future__ import annotations
 
@@ -31,9 +32,14 @@ import tarfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 LEAVE_OUT = ("sglang/test/", "sglang/benchmark/", "sglang/multimodal_gen/")
-# torch's own dependencies and what the device's image has with it (the device of 2026-12: Python 3.12, torch 2.11)
+# what the device's image has (seen 2026-12-02: Python 3.12.3, torch 2.11.0+cu130, triton 3.6.0, transformers
+# 5.17.0 and its dependencies, numpy, pillow, aiohttp, ...): its versions serve; the rest travels as wheels
 DEVICE_HAS = {"torch", "triton", "numpy", "filelock", "fsspec", "jinja2", "markupsafe", "mpmath", "networkx",
-              "sympy", "setuptools", "gpuxfer", "sglang"}
+              "sympy", "setuptools", "gpuxfer", "sglang", "transformers", "tokenizers", "huggingface-hub",
+              "safetensors", "pillow", "psutil", "regex", "requests", "pyyaml", "tqdm", "aiohttp", "aiohappyeyeballs",
+              "aiosignal", "multidict", "yarl", "frozenlist", "propcache", "anyio", "attrs", "certifi", "idna",
+              "charset-normalizer", "click", "einops", "h11", "httpx", "pygments", "rich", "sentencepiece",
+              "typing-extensions", "urllib3", "packaging"}
 _IMPORTS = r"""
 import importlib.metadata as md, json, sys, warnings
 warnings.simplefilter("ignore")
