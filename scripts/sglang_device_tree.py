@@ -11,7 +11,8 @@ compiled kernels are not needed by the transfer backend's tests and benchmark). 
     #   PYTHONPATH="/tmp/sd:$PWD" python scripts/sglang_backend_bench.py --platform cuda --json $OUT/bench.json
 
 ``sglang-py.tgz`` holds SGLang's ``*.py`` files as installed here (``sglang/test``, ``sglang/benchmark`` and
-``sglang/multimodal_gen`` left out), its ``dist-info`` metadata, and a ``gpuxfer`` ``dist-info`` holding only
+``sglang/multimodal_gen`` left out; the JIT kernel source folders, which its imports look for, empty), its
+``dist-info`` metadata, and a ``gpuxfer`` ``dist-info`` holding only
 the ``sglang.srt.plugins`` entry point, so SGLang's ``load_plugins()`` finds the backend while gpuxfer itself
 comes from the checkout on ``PYTHONPATH``. ``wheels/`` holds, for ``--python-version`` on manylinux x86_64,
 every distribution the ranks import (found by importing the chain here, in a child process) at the version
@@ -32,6 +33,8 @@ import tarfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 LEAVE_OUT = ("sglang/test/", "sglang/benchmark/", "sglang/multimodal_gen/")
+# folders SGLang's import chain checks exist (its JIT kernel sources' location), carried empty
+EMPTY_DIRS = ("sglang/kernels/jit/include", "sglang/kernels/jit/csrc")
 # what the device's image has (seen 2026-12-02: Python 3.12.3, torch 2.11.0+cu130, triton 3.6.0, transformers
 # 5.17.0 and its dependencies, numpy, pillow, aiohttp, ...): its versions serve; the rest travels as wheels
 DEVICE_HAS = {"torch", "triton", "numpy", "filelock", "fsspec", "jinja2", "markupsafe", "mpmath", "networkx",
@@ -84,6 +87,10 @@ def pack_sglang(out: str) -> int:
                 if f.endswith(".py") and not rel.startswith(LEAVE_OUT):
                     tar.add(path, rel)
                     total += os.path.getsize(path)
+        for d in EMPTY_DIRS:
+            ti = tarfile.TarInfo(d)
+            ti.type, ti.mode = tarfile.DIRTYPE, 0o755
+            tar.addfile(ti)
         dist = md.distribution("sglang")
         info = f"sglang-{dist.version}.dist-info"
         for f in ("METADATA", "entry_points.txt", "top_level.txt"):
