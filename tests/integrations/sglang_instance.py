@@ -234,20 +234,23 @@ class _State:
     # -- decode
 
     def receivers(self, plan, timeout):
-        """``plan``: ``(room, prefill pages, decode pages, prefill aux row, decode aux row)``: each room's
-        receiver made, ``init`` and ``send_metadata`` called (the decode scheduler's order)."""
+        """``plan``: ``(room, prefill pages, decode pages, prefill aux row, decode aux row)``: the calls the
+        decode queues make, in their order: each room's receiver made (``DecodePreallocQueue.add``), the
+        prefill's parallel info fetched (``_ensure_prefill_info``), ``init`` (the handshake), then
+        ``send_metadata`` with the room's pages and row (``pop_preallocated``)."""
         import numpy as np
+        for room, src, dst, src_row, dst_row in plan:
+            self.ends[room] = self.receiver_cls(self.mgr, self.addr, room)
+            self.plan[room] = (src, dst, src_row, dst_row)
         deadline = time.monotonic() + timeout
         while not self.mgr.try_ensure_parallel_info(self.addr):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the prefill's bootstrap server at {self.addr} never answered")
             time.sleep(0.05)
+        for room, *_ in plan:
+            self.ends[room].init(0)
         for room, src, dst, src_row, dst_row in plan:
-            r = self.receiver_cls(self.mgr, self.addr, room)
-            r.init(0)
-            r.send_metadata(np.asarray(dst, dtype=np.int32), dst_row)
-            self.ends[room] = r
-            self.plan[room] = (src, dst, src_row, dst_row)
+            self.ends[room].send_metadata(np.asarray(dst, dtype=np.int32), dst_row)
         return {room: self._poll_one(room)[0] for room, *_ in plan}
 
     def abort(self, rooms):
