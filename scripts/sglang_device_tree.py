@@ -7,7 +7,7 @@ compiled kernels are not needed by the transfer backend's tests and benchmark). 
     python scripts/sglang_device_tree.py --out .sglang-device       # an ignored folder (.gitignore), carried
     # then, on the device, from the repository root:
     #   mkdir -p /tmp/sd && tar xzf .sglang-device/sglang-py.tgz -C /tmp/sd
-    #   pip install -q --no-index --no-deps --target /tmp/sd .sglang-device/wheels/*.whl
+    #   python -m pip install -q --no-index --no-deps --target /tmp/sd .sglang-device/wheels/*.whl
     #   PYTHONPATH="/tmp/sd:$PWD" python scripts/sglang_backend_bench.py --platform cuda --json $OUT/bench.json
 
 ``sglang-py.tgz`` holds SGLang's ``*.py`` files as installed here (``sglang/test``, ``sglang/benchmark`` and
