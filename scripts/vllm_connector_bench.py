@@ -63,7 +63,7 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
     kw = dict(extra={"token_major": True}, env=env, device=dev, num_blocks=blocks, max_model_len=a.tokens + 64)
     auto = a.cpus == "auto"
     P = Instance(f"bP{run}", model, a.block_size, cpus=(0, 2) if auto else None, **kw)
-    D = Instance(f"bD{run}", model, a.block_size, cpus=(1, 2) if auto else None, **kw)
+    D = Instance(f"bD{run}", model, a.block_size, cpus=(1, 2) if auto else None, profile=a.profile, **kw)
     yardstick = []
     try:
         P.ready(timeout=600)
@@ -110,6 +110,8 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
         "first_load_ms": 1e3 * first["load_s"] if "load_s" in first else None,
         "warm_load_ms": 1e3 * statistics.median(warm) if warm else None,
         "handshake_ms": 1e3 * st["handshake_s"][0] if st.get("handshake_s") else None,
+        "calls_us": {k: {"n": len(v), "p50": us(pct(v, 0.5)), "p90": us(pct(v, 0.9))}
+                     for k, v in st.get("calls_s", {}).items()},
         "wrong_bytes": sum(v.get("bad", 0) for v in loads.values()),
         "checked_bytes": sum(v.get("checked", 0) for v in loads.values()),
         "failed": sorted(r for r, v in loads.items() if v.get("load") != "ok"),
@@ -131,6 +133,9 @@ def main(argv=None) -> int:
                     help="auto (default): each instance's engine thread pinned to the fastest, by a Python yardstick, "
                          "of physical cores of its own, the decode side picked again before each phase; none: the "
                          "scheduler places them")
+    ap.add_argument("--profile", action="store_true",
+                    help="time each call a load makes inside the decode engine (the connector, the agent, the ID "
+                         "checks, the driver calls): their medians are printed and kept in the JSON (calls_us)")
     ap.add_argument("--out", required=True, help="JSON file to write (must not exist)")
     a = ap.parse_args(argv)
     for k in ("tokens", "layers", "block_size", "runs"):
@@ -187,6 +192,13 @@ def main(argv=None) -> int:
                       for r in rows)
           + "; step yardsticks (us): " + " | ".join(f"{min(r['step_python_us'], default=0):.0f}-"
                                                    f"{max(r['step_python_us'], default=0):.0f}" for r in rows))
+    if a.profile:
+        print("# inside the decode engine, per call (us, p50 / p90 over the runs' calls; nested calls included "
+              "in their callers):")
+        names = sorted({k for r in rows for k in r["calls_us"]})
+        for k in names:
+            cells = [r["calls_us"][k] for r in rows if k in r["calls_us"]]
+            print(f"#   {k:<32} " + " | ".join(f"{c['p50']:8.1f} / {c['p90']:8.1f} ({c['n']})" for c in cells))
     print("# targets, p90 over the runs:")
     verdicts = {}
     for k, target in TARGETS.items():

@@ -26,9 +26,10 @@ import zipfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 REQS = os.path.join(HERE, "..", "tests", "integrations", "requirements-vllm.txt")
 KEEP = (".py", ".json", ".jinja", ".txt")
-# what the requirements pull in that the device image lacks (seen with vLLM 0.33 and the device of 2026-11)
+# what the requirements pull in that the device image lacks (seen with vLLM 0.33 and the device of 2026-11;
+# openai 3.x imports httpx2)
 EXTRA = ["pydantic", "pydantic-core", "annotated-types", "typing-inspection", "starlette", "jiter", "sniffio",
-         "apache-tvm-ffi"]
+         "apache-tvm-ffi", "httpx2", "httpcore2", "truststore", "h11", "anyio", "idna"]
 DEVICE_HAS = {"numpy", "packaging", "psutil", "regex", "transformers", "requests", "pillow", "torch", "triton"}
 
 

@@ -38,14 +38,16 @@ class Instance:
 
     def __init__(self, name: str, model_dir: str, block_size: int, *, hybrid: bool = False,
                  extra: dict | None = None, num_blocks: int = 4096, env: dict | None = None, device: str = "cpu",
-                 max_model_len: int = 8192, cpus: tuple[int, int] | None = None):
+                 max_model_len: int = 8192, cpus: tuple[int, int] | None = None, profile: bool = False):
         """``cpus``: ``(rank, world)`` to pin the instance's engine thread as a benchmark rank with ``--cpus
         auto`` does (:func:`gpuxfer.bench.cpus.pin_auto`: the fastest of physical cores of its own); None: the
-        scheduler places it."""
+        scheduler places it. ``profile``: time the calls a load makes inside the engine (:func:`_profile`,
+        under ``stats["calls_s"]``)."""
         self.name = name
         self.conn, child = ctx().Pipe()
         spec = dict(name=name, model_dir=model_dir, block_size=block_size, hybrid=hybrid, extra=extra or {},
-                    num_blocks=num_blocks, env=env or {}, device=device, max_model_len=max_model_len, cpus=cpus)
+                    num_blocks=num_blocks, env=env or {}, device=device, max_model_len=max_model_len, cpus=cpus,
+                    profile=profile)
         self.proc = ctx().Process(target=serve, args=(child, spec), name=f"vllm-{name}", daemon=True)
         self.proc.start()
         child.close()
@@ -121,6 +123,7 @@ def _pattern(torch, seed: int, layer: int, tokens, heads: int, cbytes: int):
 class _Engine:
     def __init__(self, spec: dict):
         import torch
+        self.stats_calls: dict[str, list] = {}
         from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
                                  VllmConfig)
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -171,6 +174,8 @@ class _Engine:
         self.caches = self._allocate(KVCacheLayout.LBHNC)
         self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
         self.worker.register_kv_caches(self.caches)
+        if spec.get("profile"):
+            _profile(self.worker, self.stats_calls)
         self.sched = Scheduler(vllm_config=self.config, kv_cache_config=self.kv_cache_config, log_stats=True,
                                structured_output_manager=StructuredOutputManager(self.config),
                                block_size=bs)
@@ -292,6 +297,11 @@ class _Engine:
         invalid = w.get_block_ids_with_load_errors()
         st = w.get_kv_connector_stats()
         w.clear_connector_metadata()
+        if self.stats_calls:
+            calls = self.stats.setdefault("calls_s", {})
+            for k, v in self.stats_calls.items():
+                calls.setdefault(k, []).extend(v)
+            self.stats_calls.clear()
         if st is not None:
             for k, v in st.data.items():
                 if isinstance(v, list):
@@ -390,6 +400,38 @@ class _Engine:
         if buf is not None:
             self.caches.clear()
             buf.close()
+
+
+def _profile(connector, acc: dict) -> None:
+    """Time, inside this engine, each call a load makes on its way from ``start_load_kv`` to the driver (the
+    connector's worker side, the agent, the ID checks, the slot and the driver calls the post makes): every
+    call's seconds under its name in ``acc``. A measuring aid of the benchmark, not of the product."""
+    import gpuxfer.integrations.vllm.worker as wk
+    import gpuxfer.kv.agent as ka
+    import gpuxfer.kv.batch as kb
+    import gpuxfer.kv.ids as ki
+    import gpuxfer.kv.staging as ks
+
+    def timed(name, f):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                acc.setdefault(name, []).append(time.perf_counter() - t)
+        return wrapper
+
+    for owner, attr in ((wk, "pair_group"), (wk.WorkerSide, "_post"), (wk.WorkerSide, "_prepare"),
+                        (ka.KVAgent, "prepare"), (ka.KVAgent, "post_many"), (ki._RouteIds, "check"),
+                        (ks._Staging, "_stage"), (kb, "run_in_slot"), (kb, "_post_route")):
+        setattr(owner, attr, timed(f"{getattr(owner, '__name__', owner)}.{attr}", getattr(owner, attr)))
+    agent = connector._worker.agent
+    calls = agent._calls
+    for attr in ("copy", "launch_graph"):
+        if getattr(calls, attr, None) is not None:
+            setattr(calls, attr, timed(f"driver.{attr}", getattr(calls, attr)))
+    for attr in ("record_event", "event_query"):
+        setattr(agent.platform, attr, timed(f"driver.{attr}", getattr(agent.platform, attr)))
 
 
 def _plain_tensors_exportable() -> bool:
