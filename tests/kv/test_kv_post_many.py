@@ -231,3 +231,30 @@ def test_random_batches_against_posts_one_by_one(plat, data):
             pre.close()
             a0.close()
             a1.close()
+
+
+def test_other_engines_post_one_by_one(plat):
+    """copy_engine transfers (no slot to merge into) in a post_many: each posted as post() would, every byte."""
+    a0, a1 = Arena(plat, 0), Arena(plat, 1)
+    pre = KVAgent("p", platform=plat, device=0, engine="copy_engine")
+    dec = KVAgent("d", platform=plat, device=1, engine="copy_engine")
+    try:
+        src = vllm_layers(a0, 2, 6, 2, seed=21)
+        dst = vllm_layers(a1, 2, 6, 2, seed=22)
+        pre.register_group("full", 2, src)
+        dec.register_group("full", 2, dst)
+        peer, _ = connect(pre, dec)
+        reqs = [([0, 1], [5, 4]), ([2], [3])]
+        xs = [dec.prepare(peer, "pull", local_blocks={"full": d}, remote_blocks={"full": s}) for s, d in reqs]
+        hs = dec.post_many(xs)
+        assert len({id(h.event) for h in hs}) == 2
+        for h in hs:
+            h.wait(60)
+        for name in src:
+            for s_ids, d_ids in reqs:
+                assert same_bytes(dst[name][:, d_ids], src[name][:, s_ids])
+    finally:
+        dec.close()
+        pre.close()
+        a0.close()
+        a1.close()
