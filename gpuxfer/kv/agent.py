@@ -110,7 +110,7 @@ from .peers import _LEAKED, _LOCAL_AGENTS, KVPeer, _Group  # noqa: F401 - _LEAKE
 from .posting import _PostResources, _ended
 from .routes import _Route, _Routes
 from .triton_transfer import _RequestPool
-from .staging import _Staging
+from .request_arrays import _RequestArrays
 from .transfer import KVTransfer, KVTransferHandle
 
 log = logging.getLogger("gpuxfer.kv.agent")
@@ -131,7 +131,7 @@ def _notify_value(value) -> int:
     return int(value)
 
 
-class KVAgent(_Routes, _Staging, _PostResources, _Lifetime, Closable, FailsOnTimeout):
+class KVAgent(_Routes, _RequestArrays, _PostResources, _Lifetime, Closable, FailsOnTimeout):
     """One process's side of KV transfers: its registered caches, its peers, its stream.
 
     ``platform``: a :class:`~gpuxfer.platforms.base.Platform` (default: the process's,

@@ -410,7 +410,7 @@ def _profile(connector, acc: dict) -> None:
     import gpuxfer.kv.agent as ka
     import gpuxfer.kv.batch as kb
     import gpuxfer.kv.ids as ki
-    import gpuxfer.kv.staging as ks
+    import gpuxfer.kv.request_arrays as ks
 
     def timed(name, f):
         def wrapper(*a, **k):
@@ -423,7 +423,7 @@ def _profile(connector, acc: dict) -> None:
 
     for owner, attr in ((wk, "pair_group"), (wk.WorkerSide, "_post"), (wk.WorkerSide, "_prepare"),
                         (ka.KVAgent, "prepare"), (ka.KVAgent, "post_many"), (ki._RouteIds, "check"),
-                        (ks._Staging, "_stage"), (kb, "run_in_slot"), (kb, "_post_route")):
+                        (ks._RequestArrays, "_stage"), (kb, "run_in_slot"), (kb, "_post_route")):
         setattr(owner, attr, timed(f"{getattr(owner, '__name__', owner)}.{attr}", getattr(owner, attr)))
     agent = connector._worker.agent
     calls = agent._calls

@@ -68,7 +68,7 @@ def _move(src, dst, xs, xd, s_ids, d_ids, seed):
 def test_large_requests_take_larger_chunks(sides, monkeypatch):
     """Chunks grow past their smallest size so a request takes about PACK_MAX_CHUNKS of them (up to the slot);
     both sides cut alike and the bytes land."""
-    import gpuxfer.kv.staging as S
+    import gpuxfer.kv.request_arrays as S
     src, dst = sides
     monkeypatch.setattr(S, "PACK_CHUNK_BYTES", 64)
     monkeypatch.setattr(S, "PACK_MAX_CHUNKS", 8)

@@ -1,4 +1,4 @@
-"""How :class:`~gpuxfer.kv.agent.KVAgent` stages a checked request: the request array (a header and the block
+"""How :class:`~gpuxfer.kv.agent.KVAgent` turns a checked request into its request array (a header and the block
 IDs, as :mod:`gpuxfer.kernels.block_kernel` lays it out) in a pooled host array, and the transfer of the agent's
 engine around it (``pack``: with its chunks, kept with the request's shape)."""
 from __future__ import annotations
@@ -24,8 +24,8 @@ PACK_CHUNK_BYTES = 32 << 20
 PACK_MAX_CHUNKS = 16
 
 
-class _Staging:
-    """:class:`~gpuxfer.kv.agent.KVAgent`'s per-request staging, after :meth:`~gpuxfer.kv.agent.KVAgent.prepare`
+class _RequestArrays:
+    """:class:`~gpuxfer.kv.agent.KVAgent`'s request arrays (and the transfer around each), after :meth:`~gpuxfer.kv.agent.KVAgent.prepare`
     checked the IDs."""
 
     def _stage(self, peer, route: _Route, op, name, checked, notify_slot) -> KVTransfer:
