@@ -5,9 +5,10 @@ hook (:mod:`.plugin`), and SGLang imports it only once ``--disaggregation-transf
 Each KV manager holds one :class:`~gpuxfer.kv.KVAgent` over SGLang's own KV pool (``KVArgs``: raw pointers,
 registered with :meth:`~gpuxfer.kv.KVAgent.layer_at`, :mod:`.layout`). The prefill side pushes (SGLang's
 shape): every ``send()`` chunk becomes one ``prepare`` + ``post`` of its pages onto the decode pages the
-receiver named, on the manager's transfer thread; the last chunk then carries the request's aux metadata row
-(bytes on SGLang's control socket, behind the KV) and the status. Control messages are SGLang's (ZMQ, the
-bootstrap server's ``/route``); what gpuxfer adds is the decode agent's metadata in its registration::
+receiver named, on the manager's transfer thread, which does not wait for it; at the last chunk the thread
+waits for all of the request's posts, then sends its aux metadata row (bytes on SGLang's control socket,
+behind the KV) and the status. Control messages are SGLang's (ZMQ, the bootstrap server's ``/route``); what
+gpuxfer adds is the decode agent's metadata in its registration::
 
     decode (receiver)                           bootstrap server         prefill (manager threads)
     -----------------                           ----------------         -------------------------
@@ -20,16 +21,18 @@ bootstrap server's ``/route``); what gpuxfer adds is the decode agent's metadata
        decode pages, aux row, n] --------------------------------------> room -> WaitingForInput
                                                                          KVSender.init(pages, aux row)
                                                                          send(chunk) -> transfer thread:
-                                                                           prepare(push) + post + wait
+                                                                           prepare(push) + post
                                                                          ... one per chunk ...
-    decode thread: aux row written <-------------------------------------- last chunk: [AUX, room, rows]
+                                                                         last chunk: wait for every post
+    decode thread: aux row written <-------------------------------------- [AUX, room, rows]
     decode thread: room -> Success <-------------------------------------- [room, Success, rank]
     poll() == Success                                                    poll() == Success
 
 Failures end in ``KVPoll.Failed`` on both sides, never a hang: a decode abort reaches the prefill as SGLang's
-ABORT (chunks not yet posted are dropped; an ABORT_ACK follows once none is in flight); a prefill abort or
-a failed push (a dead decode: ``PeerLost``) is sent to the decode as a Failed status; a dead prefill is found
-by SGLang's heartbeat on the decode side, and every wait is bounded by SGLang's disaggregation timeouts.
+ABORT (chunks not yet posted are dropped; an ABORT_ACK follows once the posted ones were waited for); a
+prefill abort or a failed push (a dead decode: ``PeerLost``) is sent to the decode as a Failed status; a dead
+prefill is found by SGLang's heartbeat on the decode side, and every wait is bounded by SGLang's
+disaggregation timeouts.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -58,7 +61,7 @@ from sglang.srt.environ import envs
 from sglang.srt.server_args import ServerArgs
 
 from ... import config
-from ...errors import BadInput, GpuxferError, PeerLost
+from ...errors import BadInput, GpuxferError, PeerLost, TransferTimeout
 from ...kv import KVAgent
 from .layout import (GROUP, check_supported, decode_registration, encode_registration, geometry,
                      geometry_differences, read_aux_rows, register_kv_args, write_aux_rows)
@@ -67,7 +70,7 @@ log = logging.getLogger("gpuxfer.sglang")
 
 AUX_TAG = b"GXAUX"
 REGISTER_ROOM = b"None"         # SGLang's marker of a registration message (Mooncake's too)
-_RECV_POLL_MS = 200             # how often a control thread looks at its stop flag
+_RECV_POLL_MS = 200             # how often an idle thread looks at its stop flag (a message wakes it at once)
 
 
 @dataclass
@@ -104,10 +107,23 @@ class TransferInfo:
 @dataclass
 class _Chunk:
     room: int
-    pages: npt.NDArray[np.int32]
+    pages: Optional[npt.NDArray[np.int32]]      # None: no chunk, the room's pushes to be drained (an abort)
     index_slice: slice
     is_last: bool
     aux_index: Optional[int]
+
+
+def _drain_marker(room: int) -> _Chunk:
+    return _Chunk(room, None, slice(0, 0), False, None)
+
+
+@dataclass
+class _Posted:
+    """A room's pushes posted and not yet waited for (the transfer thread's alone): ``chunks`` is what the
+    room counts in ``_staging_outstanding`` for them, ``handles`` the posts' ``(TransferInfo, handle)``."""
+
+    chunks: int = 0
+    handles: List[tuple] = field(default_factory=list)
 
 
 def _engine(platform) -> str:
@@ -157,6 +173,7 @@ class GpuxferKVManager(CommonKVManager):
             self._dead: Dict[str, str] = {}             # decode ranks a push found gone: told nothing more
             self._room_lock = threading.Lock()          # a room's Failed mark against a chunk's post
             self._queue: "queue.Queue[_Chunk]" = queue.Queue()
+            self._posted: Dict[int, _Posted] = {}       # rooms with pushes in flight (transfer thread only)
             self._spawn(self._prefill_control, "gpuxfer-sglang-control")
             self._spawn(self._transfer_worker, "gpuxfer-sglang-transfer")
         else:
@@ -291,6 +308,8 @@ class GpuxferKVManager(CommonKVManager):
             if target is not None:
                 self.register_deferred_ack_target(note.room, target)
             self._maybe_ack_drained_abort(note.room)
+        # pushes already posted are waited for on the transfer thread, which then sends the ACK
+        self._queue.put(_drain_marker(note.room))
 
     def add_transfer_request(self, bootstrap_room: int, kv_indices: npt.NDArray[np.int32], index_slice: slice,
                              is_last_chunk: bool, aux_index: Optional[int] = None,
@@ -311,13 +330,17 @@ class GpuxferKVManager(CommonKVManager):
             try:
                 chunk = self._queue.get(timeout=_RECV_POLL_MS / 1000)
             except queue.Empty:
+                self._drain_ended_rooms()
                 continue
             try:
                 self._transfer(chunk)
             except Exception as exc:            # a room's failure, never the thread's end
                 log.error("gpuxfer: room %s failed: %s: %s", chunk.room, type(exc).__name__, exc)
+                self._drain(chunk.room)         # normally drained already; never concluded with a push in flight
                 self.conclude_failure(bootstrap_room=chunk.room, failure_reason=f"{type(exc).__name__}: {exc}",
                                       targets=self._live_targets(chunk.room))
+        # Stopped (teardown): the pushes still posted are not waited for here; the agent's close drains every
+        # post it queued before it frees anything.
 
     def _live_targets(self, room: int) -> List[tuple]:
         """The room's decode endpoints but those found dead: a message to a dead endpoint would hold this
@@ -326,54 +349,92 @@ class GpuxferKVManager(CommonKVManager):
         return [(i.endpoint, i.dst_port) for i in infos.values() if not i.is_dummy and i.session not in self._dead]
 
     def _transfer(self, chunk: _Chunk) -> None:
+        """Post one chunk's pushes and return without waiting for them: a room's chunks follow one another
+        on the copy streams while the scheduler computes the next. The room's posts are waited for only when
+        it is concluded (its last chunk, a failure, an abort), before its metadata row and its status go to
+        the decode, so the decode never sees Success before every byte landed."""
         room = chunk.room
+        if chunk.pages is None:         # an abort: wait for what was posted, then the ACK
+            self._drain(room)
+            return
         infos = self.transfer_infos.get(room)
         if infos is None:               # cleared by its sender, or a dummy rank with nothing to send
+            self._drain(room)
             return
         with self._room_lock:
-            if self.request_status.get(room) == KVPoll.Failed:
-                # aborted here or by the decode: tell the decode once, on the last chunk
-                if chunk.is_last:
-                    self.conclude_failure(bootstrap_room=room, failure_reason=self.failure_records.get(room, "Aborted"),
-                                          targets=self._live_targets(room))
-                return
-            self._staging_outstanding[room] += 1
-        handles = []
-        try:
-            for info in infos.values():
-                if not info.is_dummy:
-                    try:
-                        handles.append((info, self._post(chunk, info)))
-                    except PeerLost as exc:
-                        self._dead[info.session] = f"{type(exc).__name__}: {exc}"
-                        raise
-        finally:
-            # a posted push is never abandoned: each is waited for (bounded) before the room is concluded
-            errors = []
-            for info, h in handles:
-                try:
-                    if h is not None:
-                        h.wait(self.timeout_s)
-                except GpuxferError as exc:
-                    if isinstance(exc, PeerLost):
-                        self._dead[info.session] = f"{type(exc).__name__}: {exc}"
-                    errors.append(exc)
-            with self._room_lock:
-                self._staging_outstanding[room] -= 1
-                if self._staging_outstanding[room] <= 0:
-                    self._staging_outstanding.pop(room, None)
-                self._maybe_ack_drained_abort(room)
-        if errors:
-            raise errors[0]
-        if chunk.is_last:
-            if self.request_status.get(room) == KVPoll.Failed:
+            failed = self.request_status.get(room) == KVPoll.Failed
+            if not failed:              # counted before the post: an abort from now on waits for it
+                self._staging_outstanding[room] += 1
+                posted = self._posted.setdefault(room, _Posted())
+                posted.chunks += 1
+        if failed:
+            # aborted here or by the decode: nothing more posted; tell the decode once, on the last chunk,
+            # after the pushes already posted were waited for
+            self._drain(room)
+            if chunk.is_last:
                 self.conclude_failure(bootstrap_room=room, failure_reason=self.failure_records.get(room, "Aborted"),
                                       targets=self._live_targets(room))
-                return
-            for info in infos.values():
-                if not info.is_dummy:
-                    self._send_aux(chunk, info)
-            self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success)
+            return
+        for info in infos.values():
+            if not info.is_dummy:
+                try:
+                    h = self._post(chunk, info)
+                except PeerLost as exc:
+                    self._dead[info.session] = f"{type(exc).__name__}: {exc}"
+                    raise                       # the worker drains the room, then concludes it Failed
+                if h is not None:
+                    posted.handles.append((info, h))
+        if not chunk.is_last:
+            return
+        errors = self._drain(room)
+        if errors:
+            raise errors[0]             # the first error of any of the room's chunks fails the room
+        if self.request_status.get(room) == KVPoll.Failed:
+            self.conclude_failure(bootstrap_room=room, failure_reason=self.failure_records.get(room, "Aborted"),
+                                  targets=self._live_targets(room))
+            return
+        for info in infos.values():
+            if not info.is_dummy:
+                self._send_aux(chunk, info)
+        self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success)
+
+    def _drain(self, room: int) -> List[GpuxferError]:
+        """Wait for every push of ``room`` still posted (together bounded by ``timeout_s``), then take the
+        room's chunks off ``_staging_outstanding`` and send an ABORT_ACK that waited on them. Returns the
+        posts' errors, first posted first. A push that did not complete in time may still land: an ACK would
+        let the decode reuse pages it can write, so the room's ACK is withheld (SGLang's poisoned room: the
+        decode releases them on its own timeout)."""
+        posted = self._posted.pop(room, None)
+        if posted is None:
+            return []
+        errors: List[GpuxferError] = []
+        timed_out = False
+        deadline = time.monotonic() + self.timeout_s
+        for info, h in posted.handles:
+            try:
+                h.wait(max(deadline - time.monotonic(), 1e-3))
+            except GpuxferError as exc:
+                if isinstance(exc, PeerLost):
+                    self._dead[info.session] = f"{type(exc).__name__}: {exc}"
+                timed_out = timed_out or isinstance(exc, TransferTimeout)
+                errors.append(exc)
+        with self._room_lock:
+            left = self._staging_outstanding.get(room, 0) - posted.chunks
+            if left > 0:
+                self._staging_outstanding[room] = left
+            else:
+                self._staging_outstanding.pop(room, None)
+            if timed_out:
+                self.poison_deferred_ack_room(room)
+            self._maybe_ack_drained_abort(room)
+        return errors
+
+    def _drain_ended_rooms(self) -> None:
+        """When idle: drain the rooms with pushes posted that ended without a marker reaching this thread
+        (failed or cleared while their chunks stopped coming), so none holds its ACK or its count."""
+        for room in list(self._posted):
+            if self.request_status.get(room, KVPoll.Failed) == KVPoll.Failed:
+                self._drain(room)
 
     def _post(self, chunk: _Chunk, info: TransferInfo):
         if info.session in self._dead:
@@ -422,6 +483,7 @@ class GpuxferKVSender(CommonKVSender):
         """SGLang's abort, and the decode told at once (it would otherwise wait for its timeout)."""
         super().abort()
         self.kv_mgr.conclude_failure(bootstrap_room=self.bootstrap_room, failure_reason="Aborted by the prefill")
+        self.kv_mgr._queue.put(_drain_marker(self.bootstrap_room))     # its posted pushes waited for
 
 
 class GpuxferKVReceiver(CommonKVReceiver):
