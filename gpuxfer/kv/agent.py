@@ -511,8 +511,10 @@ class KVAgent(_Routes, _RequestArrays, _PostResources, _Lifetime, Closable, Fail
         transfers of one route (same peer, direction, groups and layers) as one request -- one upload, one graph
         launch, one event for all of them (:mod:`gpuxfer.kv.batch`) --, the others one by one. Returns their
         handles in order (those merged share one event). Every transfer's peer is checked before anything is
-        queued. Two transfers of one route writing the same destination block run one after another instead, in
-        order; between routes the order is not defined, as between posts on different streams."""
+        queued; an error after some were queued carries their handles in its ``handles`` attribute (None for
+        those not queued): their blocks stay in use until those complete. Two transfers of one route writing
+        the same destination block run one after another instead, in order; between routes the order is not
+        defined, as between posts on different streams."""
         from .batch import post_many
         return post_many(self, transfers, stream)
 

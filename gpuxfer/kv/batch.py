@@ -65,7 +65,21 @@ def post_many(agent: "KVAgent", transfers: Sequence[KVTransfer], stream: Stream 
     if len({id(x) for x in transfers}) != len(transfers):
         raise BadInput("post_many: a transfer appears twice (post it again in a later call)")
     s = agent.stream if stream is None else stream
+    for x in transfers:             # every peer checked before anything is queued (the posts check again)
+        agent._check_usable(x.peer)
     handles: list[KVTransferHandle | None] = [None] * len(transfers)
+    try:
+        _post_all(agent, transfers, s, handles)
+    except Exception as exc:
+        # some transfers may be queued already: the caller learns which (and must not reuse their blocks
+        # before they complete)
+        exc.handles = list(handles)
+        raise
+    return handles
+
+
+def _post_all(agent: "KVAgent", transfers: Sequence[KVTransfer], s: Stream, handles: list) -> None:
+    """:func:`post_many`'s posts, each handle into ``handles`` as it is made."""
     routes: dict[int, list[int]] = {}
     others = []
     for i, x in enumerate(transfers):
@@ -85,7 +99,6 @@ def post_many(agent: "KVAgent", transfers: Sequence[KVTransfer], stream: Stream 
                         handles[i] = h
     for i in others:
         handles[i] = transfers[i].post(s)
-    return handles
 
 
 def _parts(transfers, idx: list[int]) -> list[list[int]]:
@@ -111,12 +124,28 @@ def _post_route(agent: "KVAgent", xs: list[_SlotTransfer], s: Stream) -> list[KV
     if merged is None:
         return [x._post_locked(s) for x in xs]
     keep, array, rows = merged
-    slot = run_in_slot(agent, xs[0].route, s, array.ctypes.data, array.nbytes, rows, int(array.shape[0]))
-    values = [x.peer.notify(s, x.notify_slot)[0] if x.notify_slot is not None else None for x in xs]
-    event = agent.platform.record_event(s)
+    try:
+        slot = run_in_slot(agent, xs[0].route, s, array.ctypes.data, array.nbytes, rows, int(array.shape[0]))
+        values = [x.peer.notify(s, x.notify_slot)[0] if x.notify_slot is not None else None for x in xs]
+        event = agent.platform.record_event(s)
+    except BaseException:
+        _hold_until_drained(agent, s, (tuple(xs), keep))
+        raise
     slot.event, slot.stream = event, s
     agent._track(event, (tuple(xs), slot, keep))
     return [KVTransferHandle(x, event, s, v) for x, v in zip(xs, values)]
+
+
+def _hold_until_drained(agent: "KVAgent", s: Stream, buffers: tuple) -> None:
+    """A merged post failed part way: its upload may be queued and still read the merged array. Keep
+    ``buffers`` until ``s`` drained (at most the agent's timeout), else for the life of the process."""
+    from .peers import _LEAKED
+    try:
+        if agent.platform.synchronize(s, agent.timeout_s):
+            return
+    except Exception:       # noqa: BLE001 - a failed stream: nothing proves the upload is over
+        pass
+    _LEAKED.append(buffers)
 
 
 def _merge(agent: "KVAgent", route: "_Route", xs: list[_SlotTransfer]):

@@ -258,3 +258,74 @@ def test_other_engines_post_one_by_one(plat):
         pre.close()
         a0.close()
         a1.close()
+
+
+def test_an_error_after_some_posts_carries_their_handles(pair, plat, monkeypatch):
+    """A batch over two routes whose second post fails: the first is queued and lands, and the error says so
+    (its ``handles``); nothing of the second moved."""
+    from gpuxfer.errors import TransferTimeout
+    pre, dec, a0, a1 = pair
+    src = vllm_layers(a0, 1, 6, 2, seed=31)
+    dst = vllm_layers(a1, 1, 6, 2, seed=32)
+    pre.register_group("full", 2, src)
+    dec.register_group("full", 2, dst)
+    other = KVAgent("prefill-2", platform=plat, device=0)
+    try:
+        other.register_group("full", 2, vllm_layers(a0, 1, 6, 2, seed=33))
+        p1, _ = connect(pre, dec)
+        p2 = dec.add_peer(other.metadata())
+        before = {k: v.clone() for k, v in dst.items()}
+        x1 = dec.prepare(p1, "pull", local_blocks={"full": [0, 1]}, remote_blocks={"full": [4, 5]})
+        x2 = dec.prepare(p2, "pull", local_blocks={"full": [2]}, remote_blocks={"full": [3]})
+        take, calls = dec._take_slot, []
+
+        def failing(*a, **k):
+            calls.append(1)
+            if len(calls) == 2:
+                raise TransferTimeout(rank=0, step=0, flag="a free slot", expected=1, seen=0, timeout_s=1.0,
+                                      what="test")
+            return take(*a, **k)
+        monkeypatch.setattr(dec, "_take_slot", failing)
+        with pytest.raises(TransferTimeout) as info:
+            dec.post_many([x1, x2])
+        h1, h2 = info.value.handles
+        assert h2 is None and h1 is not None
+        h1.wait(60)
+        (name,) = src
+        assert same_bytes(dst[name][:, [0, 1]], src[name][:, [4, 5]])
+        assert same_bytes(dst[name][:, 2], before[name][:, 2])
+    finally:
+        other.close()
+
+
+def test_a_merged_post_failing_late_keeps_its_array_until_the_stream_drained(pair, monkeypatch):
+    """The event of a merged post cannot be recorded: the upload may still read the merged array, so it stays
+    out of the pool until the stream drained (and the error reaches the caller)."""
+    from gpuxfer.errors import GpuxferError
+    pre, dec, a0, a1 = pair
+    src = vllm_layers(a0, 1, 6, 2, seed=41)
+    dst = vllm_layers(a1, 1, 6, 2, seed=42)
+    pre.register_group("full", 2, src)
+    dec.register_group("full", 2, dst)
+    peer, _ = connect(pre, dec)
+    xs = [dec.prepare(peer, "pull", local_blocks={"full": [i]}, remote_blocks={"full": [5 - i]}) for i in range(3)]
+    drained = []
+    sync = dec.platform.synchronize
+
+    def recording_sync(s, timeout_s=60.0):
+        drained.append(s)
+        return sync(s, timeout_s)
+    record = dec.platform.record_event
+    state = {"fail": True}
+
+    def failing_record(s):
+        if state["fail"]:
+            state["fail"] = False
+            raise GpuxferError("test: no event")
+        return record(s)
+    monkeypatch.setattr(dec.platform, "synchronize", recording_sync)
+    monkeypatch.setattr(dec.platform, "record_event", failing_record)
+    with pytest.raises(GpuxferError, match="no event") as info:
+        dec.post_many(xs)
+    assert drained == [dec.stream]
+    assert info.value.handles == [None, None, None]

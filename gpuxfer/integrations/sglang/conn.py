@@ -330,7 +330,10 @@ class GpuxferKVManager(CommonKVManager):
             try:
                 chunk = self._queue.get(timeout=_RECV_POLL_MS / 1000)
             except queue.Empty:
-                self._drain_ended_rooms()
+                try:
+                    self._drain_ended_rooms()
+                except Exception as exc:        # noqa: BLE001 - never the thread's end
+                    log.error("gpuxfer: draining ended rooms failed: %s: %s", type(exc).__name__, exc)
                 continue
             try:
                 self._transfer(chunk)
@@ -413,11 +416,13 @@ class GpuxferKVManager(CommonKVManager):
         for info, h in posted.handles:
             try:
                 h.wait(max(deadline - time.monotonic(), 1e-3))
-            except GpuxferError as exc:
+            except Exception as exc:            # noqa: BLE001 - every push is accounted for, whatever it raised
                 if isinstance(exc, PeerLost):
                     self._dead[info.session] = f"{type(exc).__name__}: {exc}"
-                timed_out = timed_out or isinstance(exc, TransferTimeout)
-                errors.append(exc)
+                # a wait can raise before the push ended (a failed agent raises at once): only a push seen
+                # complete lets the room's ACK go
+                timed_out = timed_out or isinstance(exc, TransferTimeout) or not self._push_ended(h)
+                errors.append(exc if isinstance(exc, GpuxferError) else GpuxferError(f"{type(exc).__name__}: {exc}"))
         with self._room_lock:
             left = self._staging_outstanding.get(room, 0) - posted.chunks
             if left > 0:
@@ -428,6 +433,15 @@ class GpuxferKVManager(CommonKVManager):
                 self.poison_deferred_ack_room(room)
             self._maybe_ack_drained_abort(room)
         return errors
+
+    def _push_ended(self, h) -> bool:
+        """Whether the work a push queued is over (its event completed, or failed on the device)."""
+        try:
+            return bool(self.agent.platform.event_query(h.event))
+        except GpuxferError:
+            return True
+        except Exception:           # noqa: BLE001 - unknown: not proven over
+            return False
 
     def _drain_ended_rooms(self) -> None:
         """When idle: drain the rooms with pushes posted that ended without a marker reaching this thread

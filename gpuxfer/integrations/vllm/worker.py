@@ -312,11 +312,16 @@ class WorkerSide:
             try:
                 handles = self.agent.post_many([x for _, x in posts]) if posts else []
             except GpuxferError as exc:
-                for st, _ in posts:
-                    st.error = f"{type(exc).__name__}: {exc}"
-                handles = []
+                # the reads queued before the error keep their handles (their blocks are in use until they
+                # complete); only the others fail
+                handles = getattr(exc, "handles", None) or [None] * len(posts)
+                for (st, _), h in zip(posts, handles):
+                    if h is None:
+                        st.error = f"{type(exc).__name__}: {exc}"
             t1 = time.perf_counter()
             for (st, _), h in zip(posts, handles):
+                if h is None:
+                    continue
                 st.handle = h
                 st.remote.inflight += 1
             share = (t1 - t0) / len(sts)            # the step's host time, per request it started
