@@ -94,26 +94,40 @@ class _Cpu:
             pin(self.all)
 
 
+def _open_agents(plat, layout, engine: str, prefix: str, agents: list, bufs: list) -> list[float]:
+    """Two agents of ``engine``, on devices 0 and 1 (device 0 twice where only one is present), each with a pool
+    from ``Platform.alloc`` where ``layout`` is registered; appended to ``agents`` and ``bufs`` as they are made
+    (the caller closes them: :func:`_close_agents`). Returns each side's registration time (ms)."""
+    from gpuxfer.kv.agent import KVAgent
+    from gpuxfer.bench.kv.model.layout import layout_groups
+    register_ms = []
+    for i, d in enumerate((0, 1) if plat.device_count() > 1 else (0, 0)):
+        bufs.append(plat.alloc(layout.pool_bytes, d))
+        ag = KVAgent(f"{prefix}-{i}", platform=plat, device=d, engine=engine, timeout_s=120)
+        agents.append(ag)
+        t0 = time.perf_counter()
+        for name, bt, layers in layout_groups(layout, plat.as_tensor(bufs[-1])):
+            ag.register_group(name, bt, layers)
+        register_ms.append((time.perf_counter() - t0) * 1e3)
+    return register_ms
+
+
+def _close_agents(agents: list, bufs: list) -> None:
+    for ag in reversed(agents):
+        ag.close()
+    for b in bufs:
+        b.close()
+
+
 def measure(plat, workload: str, isl: int, page: int, op: str, engine: str, iters: int, profile: bool,
             launch: str = "graph", cpu: _Cpu | None = None) -> dict:
-    from gpuxfer.kv.agent import KVAgent
     from gpuxfer.bench.kv.model.blocktable import burst_tables
     from gpuxfer.bench.kv.model.layout import layout_for_burst, layout_groups
 
-    devices = (0, 1) if plat.device_count() > 1 else (0, 0)
     layout = layout_for_burst(workload, isl, page, 1)
     bufs, agents, where = [], [], None
     try:
-        for d in devices:
-            bufs.append(plat.alloc(layout.pool_bytes, d))
-        register_ms = []
-        for i, (d, buf) in enumerate(zip(devices, bufs)):
-            ag = KVAgent(f"probe-{i}", platform=plat, device=d, engine=engine, timeout_s=120)
-            agents.append(ag)
-            t0 = time.perf_counter()
-            for name, bt, layers in layout_groups(layout, plat.as_tensor(buf)):
-                ag.register_group(name, bt, layers)
-            register_ms.append((time.perf_counter() - t0) * 1e3)
+        register_ms = _open_agents(plat, layout, engine, "probe", agents, bufs)
         layers = sum(len(lay) for _, _, lay in layout_groups(layout, plat.as_tensor(bufs[0])))
         src = burst_tables(layout, isl, 1, seed=3, side="src")[0]
         dst = burst_tables(layout, isl, 1, seed=3, side="dst")[0]
@@ -170,30 +184,20 @@ def measure(plat, workload: str, isl: int, page: int, op: str, engine: str, iter
     finally:
         if where is not None:
             cpu.release(None)
-        for ag in reversed(agents):
-            ag.close()
-        for b in bufs:
-            b.close()
+        _close_agents(agents, bufs)
 
 
 def measure_batch(plat, workload: str, isl: int, page: int, op: str, batch: int, iters: int,
                   cpu: _Cpu | None = None) -> dict:
     """``batch`` requests of one burst (distinct blocks) posted by one ``post_many`` against one ``post`` each,
     the ``triton`` engine: the host time of the call(s), each request prepared beforehand."""
-    from gpuxfer.kv.agent import KVAgent
     from gpuxfer.bench.kv.model.blocktable import burst_tables
-    from gpuxfer.bench.kv.model.layout import layout_for_burst, layout_groups
+    from gpuxfer.bench.kv.model.layout import layout_for_burst
 
-    devices = (0, 1) if plat.device_count() > 1 else (0, 0)
     layout = layout_for_burst(workload, isl, page, batch)
     bufs, agents, where = [], [], None
     try:
-        for i, d in enumerate(devices):
-            bufs.append(plat.alloc(layout.pool_bytes, d))
-            ag = KVAgent(f"batch-{i}", platform=plat, device=d, engine="triton", timeout_s=120)
-            agents.append(ag)
-            for name, bt, layers in layout_groups(layout, plat.as_tensor(bufs[-1])):
-                ag.register_group(name, bt, layers)
+        _open_agents(plat, layout, "triton", "batch", agents, bufs)
         src = burst_tables(layout, isl, batch, seed=3, side="src")
         dst = burst_tables(layout, isl, batch, seed=3, side="dst")
         initiator, other = (agents[1], agents[0]) if op == "pull" else (agents[0], agents[1])
@@ -231,10 +235,7 @@ def measure_batch(plat, workload: str, isl: int, page: int, op: str, batch: int,
     finally:
         if where is not None:
             cpu.release(None)
-        for ag in reversed(agents):
-            ag.close()
-        for b in bufs:
-            b.close()
+        _close_agents(agents, bufs)
 
 
 def _profiled(step, iters: int) -> str:
@@ -252,23 +253,13 @@ def _profiled(step, iters: int) -> str:
 def measure_pack(plat, workload: str, isl: int, page: int, iters: int, profile: bool, cpu: _Cpu | None = None
                  ) -> dict:
     """Both sides of the pack engine in this process: agents[0] the source, agents[1] the destination."""
-    from gpuxfer.kv.agent import KVAgent
     from gpuxfer.bench.kv.model.blocktable import burst_tables
     from gpuxfer.bench.kv.model.layout import layout_for_burst, layout_groups
 
-    devices = (0, 1) if plat.device_count() > 1 else (0, 0)
     layout = layout_for_burst(workload, isl, page, 1)
     bufs, agents, where = [], [], None
     try:
-        register_ms = []
-        for i, d in enumerate(devices):
-            bufs.append(plat.alloc(layout.pool_bytes, d))
-            ag = KVAgent(f"probe-{i}", platform=plat, device=d, engine="pack", timeout_s=120)
-            agents.append(ag)
-            t0 = time.perf_counter()
-            for name, bt, layers in layout_groups(layout, plat.as_tensor(bufs[-1])):
-                ag.register_group(name, bt, layers)
-            register_ms.append((time.perf_counter() - t0) * 1e3)
+        register_ms = _open_agents(plat, layout, "pack", "probe", agents, bufs)
         layers = sum(len(lay) for _, _, lay in layout_groups(layout, plat.as_tensor(bufs[0])))
         src = burst_tables(layout, isl, 1, seed=3, side="src")[0]
         dst = burst_tables(layout, isl, 1, seed=3, side="dst")[0]
@@ -331,10 +322,7 @@ def measure_pack(plat, workload: str, isl: int, page: int, iters: int, profile: 
     finally:
         if where is not None:
             cpu.release(None)
-        for ag in reversed(agents):
-            ag.close()
-        for b in bufs:
-            b.close()
+        _close_agents(agents, bufs)
 
 
 def main(argv=None) -> int:

@@ -50,19 +50,8 @@ TARGETS = {"send_us": 100.0, "request_minus_direct_us": 100.0}
 REGIONS = ("csa", "csa-idx", "hca")         # kv-dsv4's paged regions (its window is a state buffer in SGLang)
 
 
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
-
-
-def cpus() -> str:
-    model = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
-    except OSError:
-        pass
-    return f"{len(os.sched_getaffinity(0))} usable cores of {os.cpu_count()}, {model}"
+from gpuxfer.bench.cpus import machine_line as cpus  # noqa: E402
+from gpuxfer.bench.report import nearest_rank as pct  # noqa: E402
 
 
 def geometry(page_size: int, layers: int):

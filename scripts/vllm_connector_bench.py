@@ -39,19 +39,8 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 TARGETS = {"start_load_kv_us": 100.0, "extra_request_us": 20.0, "get_finished_us": 20.0, "first_minus_warm_ms": 50.0}
 
 
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
-
-
-def cpus() -> str:
-    model = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
-    except OSError:
-        pass
-    return f"{len(os.sched_getaffinity(0))} usable cores of {os.cpu_count()}, {model}"
+from gpuxfer.bench.cpus import machine_line as cpus  # noqa: E402
+from gpuxfer.bench.report import nearest_rank as pct  # noqa: E402
 
 
 def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -> dict:

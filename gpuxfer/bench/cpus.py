@@ -135,6 +135,17 @@ def describe(by_rank, spec=None) -> str:
                      for r, c in enumerate(by_rank)) + f" ({how})"
 
 
+def machine_line() -> str:
+    """``"N usable cores of M, <CPU model>"``: the CPUs a benchmark's preamble names."""
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{len(os.sched_getaffinity(0))} usable cores of {os.cpu_count()}, {model}"
+
+
 def current_cpu() -> int | None:
     """The CPU the calling thread runs on now (``sched_getcpu``), or None where unknown."""
     global _getcpu

@@ -26,6 +26,12 @@ import numpy as np
 # ----------------------------------------------------------------------------- cell formats
 
 
+def nearest_rank(xs, q: float):
+    """The ``q`` quantile of ``xs`` by nearest rank (a sample, not an interpolation); None when empty."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+
 def text(v) -> str:
     return "-" if v is None else str(v)
 

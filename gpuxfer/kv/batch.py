@@ -65,8 +65,9 @@ def post_many(agent: "KVAgent", transfers: Sequence[KVTransfer], stream: Stream 
     if len({id(x) for x in transfers}) != len(transfers):
         raise BadInput("post_many: a transfer appears twice (post it again in a later call)")
     s = agent.stream if stream is None else stream
-    for x in transfers:             # every peer checked before anything is queued (the posts check again)
-        agent._check_usable(x.peer)
+    for x in transfers:             # the other engines' peers before anything is queued (triton's: under the lock)
+        if type(x) is not _SlotTransfer:
+            agent._check_usable(x.peer)
     handles: list[KVTransferHandle | None] = [None] * len(transfers)
     try:
         _post_all(agent, transfers, s, handles)
@@ -89,7 +90,7 @@ def _post_all(agent: "KVAgent", transfers: Sequence[KVTransfer], s: Stream, hand
             others.append(i)
     if routes:
         with agent._post_lock:
-            for x in transfers:         # every check before anything is queued
+            for x in transfers:         # before anything is queued, and with remove_peer and close kept out
                 if type(x) is _SlotTransfer:
                     agent._check_usable(x.peer)
             for idx in routes.values():

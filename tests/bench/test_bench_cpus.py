@@ -150,3 +150,9 @@ def test_fastest_cpu_and_pin_never_fail_on_a_refused_or_missing_affinity(monkeyp
         assert cpu is None and each == {} and us > 0 and C.pin((mine,)) is False
     finally:
         real(0, avail)
+
+
+def test_machine_line_names_the_usable_cores():
+    from gpuxfer.bench.cpus import machine_line
+    line = machine_line()
+    assert line.startswith(f"{len(os.sched_getaffinity(0))} usable cores of {os.cpu_count()}, ")

@@ -64,3 +64,11 @@ def test_kv_parameters_never_say_more_minimum_trials_than_maximum():
         engine_options=E.EngineOptions())
     p = cfg.params()
     assert (p["trials_max"], p["trials_min"]) == (1, 1)
+
+
+def test_nearest_rank():
+    from gpuxfer.bench.report import nearest_rank
+    assert nearest_rank([], 0.9) is None
+    assert nearest_rank([3, 1, 2], 0.5) == 2
+    assert nearest_rank(list(range(10)), 0.9) == 9
+    assert nearest_rank([5], 0.99) == 5
