@@ -30,6 +30,15 @@ def bpair(platform):
     a1.close()
 
 
+def _full(pre, dec, a0, a1, layers: int, blocks: int, bt: int, seed: int):
+    """Group "full" of vLLM-shaped layers registered on both agents: ``(source layers, destination layers)``."""
+    src = vllm_layers(a0, layers, blocks, bt, seed=seed)
+    dst = vllm_layers(a1, layers, blocks, bt, seed=seed + 1)
+    pre.register_group("full", bt, src)
+    dec.register_group("full", bt, dst)
+    return src, dst
+
+
 def _count_uploads(agent, monkeypatch) -> list:
     """Every upload of a request array into a slot on the agent's stream, recorded."""
     seen = []
@@ -44,10 +53,7 @@ def _count_uploads(agent, monkeypatch) -> list:
 
 def test_one_upload_for_a_route_every_byte(bpair, monkeypatch):
     pre, dec, a0, a1 = bpair
-    src = vllm_layers(a0, 2, 12, 4, seed=1)
-    dst = vllm_layers(a1, 2, 12, 4, seed=50)
-    pre.register_group("full", 4, src)
-    dec.register_group("full", 4, dst)
+    src, dst = _full(pre, dec, a0, a1, 2, 12, 4, seed=1)
     peer, _ = connect(pre, dec)
     reqs = [([3, 0, 7], [1, 5, 2]), ([9], [11]), ([4, 10], [0, 8])]
     xs = [dec.prepare(peer, "pull", local_blocks={"full": d}, remote_blocks={"full": s}, name=f"r{i}")
@@ -105,10 +111,7 @@ def test_block_sizes_differ_partial_blocks(bpair, op, bs, bd):
 def test_overlapping_destinations_run_in_order(bpair, monkeypatch):
     """Two requests writing the same block: not merged; posted one after another, the later one's bytes stay."""
     pre, dec, a0, a1 = bpair
-    src = vllm_layers(a0, 1, 8, 2, seed=5)
-    dst = vllm_layers(a1, 1, 8, 2, seed=6)
-    pre.register_group("full", 2, src)
-    dec.register_group("full", 2, dst)
+    src, dst = _full(pre, dec, a0, a1, 1, 8, 2, seed=5)
     peer, _ = connect(pre, dec)
     a = dec.prepare(peer, "pull", local_blocks={"full": [1, 2]}, remote_blocks={"full": [3, 4]})
     b = dec.prepare(peer, "pull", local_blocks={"full": [2, 6]}, remote_blocks={"full": [5, 0]})
@@ -127,11 +130,8 @@ def test_routes_notifications_and_cut_batches(bpair, monkeypatch):
     """Two routes (different groups), notifications of the merged ones in order, and a batch cut in two by the
     descriptor budget: every byte, and the peer's notification word counts every notifying request."""
     pre, dec, a0, a1 = bpair
-    src = vllm_layers(a0, 2, 10, 2, seed=7)
-    dst = vllm_layers(a1, 2, 10, 2, seed=8)
+    src, dst = _full(pre, dec, a0, a1, 2, 10, 2, seed=7)
     slab_s, slab_d = a0.tensor((6, 2, 40), seed=9), a1.tensor((6, 2, 40), seed=10)
-    pre.register_group("full", 2, src)
-    dec.register_group("full", 2, dst)
     pre.register_group("slab", 2, {"s": slab_s})
     dec.register_group("slab", 2, {"s": slab_d})
     peer, _ = connect(pre, dec)
@@ -152,10 +152,7 @@ def test_routes_notifications_and_cut_batches(bpair, monkeypatch):
 
 def test_bad_batches_refused_before_anything_moves(pair, plat):
     pre, dec, a0, a1 = pair
-    src = vllm_layers(a0, 1, 4, 2, seed=11)
-    dst = vllm_layers(a1, 1, 4, 2, seed=12)
-    pre.register_group("full", 2, src)
-    dec.register_group("full", 2, dst)
+    src, dst = _full(pre, dec, a0, a1, 1, 4, 2, seed=11)
     peer, _ = connect(pre, dec)
     x = dec.prepare(peer, "pull", local_blocks={"full": [0]}, remote_blocks={"full": [1]})
     with pytest.raises(BadInput, match="sequence"):
@@ -239,10 +236,7 @@ def test_other_engines_post_one_by_one(plat):
     pre = KVAgent("p", platform=plat, device=0, engine="copy_engine")
     dec = KVAgent("d", platform=plat, device=1, engine="copy_engine")
     try:
-        src = vllm_layers(a0, 2, 6, 2, seed=21)
-        dst = vllm_layers(a1, 2, 6, 2, seed=22)
-        pre.register_group("full", 2, src)
-        dec.register_group("full", 2, dst)
+        src, dst = _full(pre, dec, a0, a1, 2, 6, 2, seed=21)
         peer, _ = connect(pre, dec)
         reqs = [([0, 1], [5, 4]), ([2], [3])]
         xs = [dec.prepare(peer, "pull", local_blocks={"full": d}, remote_blocks={"full": s}) for s, d in reqs]
@@ -265,10 +259,7 @@ def test_an_error_after_some_posts_carries_their_handles(pair, plat, monkeypatch
     (its ``handles``); nothing of the second moved."""
     from gpuxfer.errors import TransferTimeout
     pre, dec, a0, a1 = pair
-    src = vllm_layers(a0, 1, 6, 2, seed=31)
-    dst = vllm_layers(a1, 1, 6, 2, seed=32)
-    pre.register_group("full", 2, src)
-    dec.register_group("full", 2, dst)
+    src, dst = _full(pre, dec, a0, a1, 1, 6, 2, seed=31)
     other = KVAgent("prefill-2", platform=plat, device=0)
     try:
         other.register_group("full", 2, vllm_layers(a0, 1, 6, 2, seed=33))
@@ -303,10 +294,7 @@ def test_a_merged_post_failing_late_keeps_its_array_until_the_stream_drained(pai
     out of the pool until the stream drained (and the error reaches the caller)."""
     from gpuxfer.errors import GpuxferError
     pre, dec, a0, a1 = pair
-    src = vllm_layers(a0, 1, 6, 2, seed=41)
-    dst = vllm_layers(a1, 1, 6, 2, seed=42)
-    pre.register_group("full", 2, src)
-    dec.register_group("full", 2, dst)
+    src, dst = _full(pre, dec, a0, a1, 1, 6, 2, seed=41)
     peer, _ = connect(pre, dec)
     xs = [dec.prepare(peer, "pull", local_blocks={"full": [i]}, remote_blocks={"full": [5 - i]}) for i in range(3)]
     drained = []
