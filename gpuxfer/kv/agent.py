@@ -99,6 +99,7 @@ from ..platforms.base import RELEASE_VALUE, Closable, DeviceBuffer, Event, IpcHa
 from ..sync import check_timeout
 from .control import AGENT_WORDS, NOTIFY, NOTIFY_SLOTS, PACK_SLOTS
 from .descriptors import DIRECTIONS
+from .device_ids import prepare_device, wants_device_ids
 from .engine_choice import AGENT_ENGINES, kernel_reason, peer_engine
 from .failure import FailsOnTimeout, on_timeout_from_env
 from .layers import (_MAX_NAME, KVLayer, KVLayerSpec, KVPiece, check_disjoint, describe_layer, memory_at,
@@ -200,6 +201,7 @@ class KVAgent(_Routes, _RequestArrays, _PostResources, _Lifetime, Closable, Fail
         self.flags: FlagWords | None = None
         self.staging: DeviceBuffer | None = None
         self._status = None                 # a pack agent's refusal (control.STATUS), copied to the host by posts
+        self._device_status = None          # device-ID posts' status words (device_ids._StatusWords)
         self.stream: Stream | None = None
         self.nixl: nixl_route.NixlSide | None = None                # the NIXL route's side (remote="nixl")
         if slot_bytes is None:
@@ -451,7 +453,8 @@ class KVAgent(_Routes, _RequestArrays, _PostResources, _Lifetime, Closable, Fail
 
     def prepare(self, peer: "KVPeer | str", op: str, *, local_blocks: Mapping[str, Any],
                 remote_blocks: Mapping[str, Any], layers: tuple[int, int] | None = None,
-                notify_slot: int | None = None, name: str | None = None) -> KVTransfer:
+                notify_slot: int | None = None, name: str | None = None, device_ids: bool | None = None
+                ) -> KVTransfer:
         """Per-request setup: check the block IDs, stage them for upload, size the launches.
 
         ``op``: ``"pull"`` (the peer's blocks -> ours) or ``"push"`` (ours -> the peer's).
@@ -459,7 +462,9 @@ class KVAgent(_Routes, _RequestArrays, _PostResources, _Lifetime, Closable, Fail
         where block sizes differ, the side with larger blocks lists ``ceil(n / ratio)`` of them for
         the other side's ``n``. ``layers``: ``(first, stop)`` model layer numbers to move (default:
         all). ``notify_slot``: bump this word of the peer's notification area after the data
-        (0..63). ``name``: how errors and timeouts name the request.
+        (0..63). ``name``: how errors and timeouts name the request. ``device_ids``: the IDs are tensors on
+        the agent's device, checked there at each post (:mod:`gpuxfer.kv.device_ids`; the ``triton``
+        engine); default: when the first group's IDs are a GPU tensor.
         """
         if type(peer) is not KVPeer and isinstance(peer, str):
             self._check_open()
@@ -481,6 +486,8 @@ class KVAgent(_Routes, _RequestArrays, _PostResources, _Lifetime, Closable, Fail
                 not (type(remote_blocks) is dict or isinstance(remote_blocks, Mapping)):
             raise BlockIdError(f"request {name!r}: local_blocks and remote_blocks must map group -> block IDs")
         if peer.route == "nixl":
+            if device_ids:
+                raise BadInput(f"request {name!r}: the NIXL route takes block IDs on the host")
             return peer.prepare(op, layers, name, local_blocks, remote_blocks, notify_slot)
         # the route of a request naming these groups in this order (cached beside the route's own key)
         key = (peer, op, layers, tuple(local_blocks))
@@ -488,6 +495,8 @@ class KVAgent(_Routes, _RequestArrays, _PostResources, _Lifetime, Closable, Fail
         if route is None or local_blocks.keys() != remote_blocks.keys():
             route = self._request_route(peer, op, layers, name, local_blocks, remote_blocks)
             self._keep_route(key, route)
+        if wants_device_ids(local_blocks, device_ids):
+            return prepare_device(self, peer, route, op, name, local_blocks, remote_blocks, notify_slot)
         return self._stage(peer, route, op, name, route.ids.check(name, op == "push", local_blocks, remote_blocks),
                            notify_slot)
 

@@ -38,6 +38,7 @@ class _Route:
                                                  # end plane, segment bytes): neighbouring sizes tiled alike
     group_bytes: list[int] = field(default_factory=list)  # per group: bytes one segment of each plane moves
     slots: list["_Slot"] = field(default_factory=list)    # the ring of device buffers posts run in
+    device_ids: Any = None                       # what device-ID requests need (:class:`~gpuxfer.kv.device_ids._DeviceRoute`)
     pack_warm: set[bool] = field(default_factory=set)    # pack sides (source?) whose kernels are loaded
     salts: tuple = (0, None)                     # a request fingerprint's salts (:func:`route_salts`)
 

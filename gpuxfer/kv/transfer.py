@@ -19,14 +19,18 @@ class KVTransferHandle:
     """A posted transfer: ``done()``, ``wait(timeout_s)``, ``event`` (make another stream wait on it).
 
     ``notify_value`` is what the peer's notification word holds once it landed (None: no notification).
+    A request whose block IDs were checked on the device carries its post's status word: a completed one that
+    failed the check raises :class:`~gpuxfer.errors.BlockIdError` from ``done()`` and ``wait()``.
     """
 
-    __slots__ = ("transfer", "event", "name", "notify_value", "_stream")
+    __slots__ = ("transfer", "event", "name", "notify_value", "_stream", "_status")
 
-    def __init__(self, transfer: "KVTransfer", event: Event, stream: Stream, notify_value: int | None):
+    def __init__(self, transfer: "KVTransfer", event: Event, stream: Stream, notify_value: int | None,
+                 status=None):
         # the transfer keeps its buffers; the agent keeps the transfer until the event completed
         self.transfer, self.event, self._stream, self.notify_value = transfer, event, stream, notify_value
         self.name = transfer.name
+        self._status = status
 
     def done(self) -> bool:
         """Whether the transfer completed; a completed two-sided one raises instead where its agent failed
@@ -34,8 +38,11 @@ class KVTransferHandle:
         as :meth:`wait` does."""
         agent = self.transfer.agent
         done = agent.platform.event_query(self.event)
-        if done and self.transfer.waits_on_peer:
-            agent.check()
+        if done:
+            if self.transfer.waits_on_peer:
+                agent.check()
+            if self._status is not None:
+                self._status.raise_if_bad(self.name)
         return done
 
     def wait(self, timeout_s: float | None = None) -> None:
@@ -60,6 +67,8 @@ class KVTransferHandle:
             raise err from exc
         if self.transfer.waits_on_peer:     # the two sides' verdict (pack): a mismatch fails the agent
             agent.check()
+        if self._status is not None:
+            self._status.raise_if_bad(self.name)
 
     def stream_wait(self, stream: Stream) -> None:
         """Make ``stream``'s later work wait for this transfer."""

@@ -31,7 +31,8 @@ class _Slot:
     A slot is free for a post on stream ``s`` once the last post on it completed, or when that post was on
     ``s`` itself (stream order puts the new upload after it)."""
 
-    __slots__ = ("rows", "entries", "req", "out", "req_ptr", "expand", "copies", "graph", "event", "stream", "used")
+    __slots__ = ("rows", "entries", "req", "out", "req_ptr", "expand", "copies", "graph", "event", "stream", "used",
+                 "_checked")
 
     def __init__(self, route: "_Route", rows: int, entries: int, device):
         from ..kernels.blocks import expand_launcher
@@ -49,6 +50,16 @@ class _Slot:
         self.event = None
         self.stream = None
         self.used = 0
+        self._checked = None
+
+    def checked(self, agent: "KVAgent", route: "_Route", s: Stream):
+        """This slot's parts for requests whose IDs are checked on the device
+        (:class:`~gpuxfer.kv.device_ids._Checked`), made on first use: the check's kernels loaded by a launch over
+        a zeroed request of their own on ``s``, then the checked graph captured where the platform captures."""
+        if self._checked is None:
+            from .device_ids import make_checked
+            self._checked = make_checked(agent, route, self, s)
+        return self._checked
 
     def kernels(self, stream=None) -> None:
         """The expansion and the copies, on ``stream`` (a driver handle) or torch's current stream."""

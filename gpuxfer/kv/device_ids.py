@@ -1,0 +1,353 @@
+"""Requests whose block IDs live on the device (an engine's block table is already there): the host never
+reads them. :meth:`KVAgent.prepare <gpuxfer.kv.agent.KVAgent.prepare>` checks what the tensors' shapes say
+(the counts cover the same tokens, the dtypes, the device) and keeps a header per request shape; each post
+copies the IDs device to device into a slot of the route, and the slot's checked graph checks them before
+anything moves (:mod:`gpuxfer.kernels.id_check_kernel`)::
+
+    prepare (host, O(groups))            post (host)                              stream
+    -------------------------            -----------                              ------
+    the IDs' shapes, dtypes, device;     take a free slot of the route
+    the header of this request shape     copy_async(slot.req, header)        ->   header, status := 0
+    (kept per route)                     copy_async(slot.req | slot.in32,         every group's IDs,
+                                                    each ID tensor)          ->     device to device
+                                         launch_graph(slot.checked_graph)    ->   check: ranges, a destination
+                                                                                    twice (status |= bits)
+                                                                                  settle: marks cleared; bad ->
+                                                                                    the header's rows zeroed
+                                                                                  expand, copies (nothing if bad)
+                                         copy_async(word, slot.req[status])  ->   the post's status word (host)
+                                         [notify]                            ->   peer's word k := n
+                                         record_event                        ->   event
+
+A request that fails the check moves no byte and its handle raises :class:`~gpuxfer.errors.BlockIdError`
+naming it (``done()`` once complete, ``wait()``). The IDs must be ready in the order of the post's stream
+(written on it, or before it); the transfer keeps the tensors alive until its posts completed.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import TYPE_CHECKING, Mapping
+
+import numpy as np
+
+from ..errors import BadInput, BlockIdError
+from ..kernels.id_check_kernel import (CHECK_DEST_RANGE, CHECK_DEST_TWICE, CHECK_FIELDS_FIXED, CHECK_SOURCE_RANGE)
+from ..platforms.base import Stream
+from .layers import _torch
+from .triton_transfer import _SlotTransfer
+
+if TYPE_CHECKING:
+    from .agent import KVAgent
+    from .peers import KVPeer
+    from .routes import _Route
+
+#: request shapes whose headers a route keeps (the least recently made goes first)
+HEADERS_KEPT = 64
+
+
+def wants_device_ids(local_blocks: Mapping, device_ids) -> bool:
+    """Whether a request goes by device IDs: ``device_ids`` when given, else whether its first group's IDs are
+    a tensor on a GPU."""
+    if device_ids is not None:
+        if not isinstance(device_ids, bool):
+            raise BadInput(f"device_ids must be True, False or None, got {device_ids!r}")
+        return device_ids
+    for ids in local_blocks.values():
+        return bool(getattr(ids, "is_cuda", False))
+    return False
+
+
+class _DeviceRoute:
+    """What a route keeps for device-ID requests: the group table the check reads (``(G, 3)``: source blocks,
+    destination blocks, mark offset), the marks bitmap's size in words, and the headers of request shapes."""
+
+    def __init__(self, route: "_Route", device):
+        torch = _torch()
+        ids = route.ids
+        table = [(a, b, int(off)) for (a, b), off in zip(ids.limits, ids.class_offsets)]
+        self.gtab = torch.tensor(table, dtype=torch.int64, device=device).reshape(len(table), 3)
+        self.n_words = max(1, -(-int(ids.class_span) // 32))
+        self.headers: dict = {}
+        self.lock = threading.Lock()
+
+
+class _Header:
+    """A request shape's header (a host array, never written once made), its size and layout."""
+
+    __slots__ = ("tensor", "ptr", "nbytes", "entries", "starts", "n_seg", "n_rows", "nbytes_moved")
+
+    def __init__(self, tensor, starts: list[int], entries: int, n_seg: np.ndarray, n_rows: int, moved: int):
+        self.tensor, self.ptr, self.nbytes = tensor, tensor.data_ptr(), int(tensor.numel()) * 8
+        self.starts, self.entries, self.n_seg, self.n_rows, self.nbytes_moved = starts, entries, n_seg, n_rows, moved
+
+
+def _header(agent: "KVAgent", route: "_Route", dev: _DeviceRoute, lens_s: tuple, lens_d: tuple, n_seg: tuple,
+            wide: bool) -> _Header:
+    key = (lens_s, lens_d, wide)
+    h = dev.headers.get(key)
+    if h is not None:
+        return h
+    P, G = route.plane_group.size, len(n_seg)
+    head = P + 1 + 3 * G
+    first = head + CHECK_FIELDS_FIXED + 2 * G
+    starts = list(itertools.accumulate(lens_s + lens_d, initial=first))
+    torch = _torch()
+    t = torch.zeros(first, dtype=torch.int64, pin_memory=not agent.platform.host_memory)
+    a = t.numpy()
+    a[P + 1:head] = list(n_seg) + starts[:-1]
+    np.cumsum(a[P + 1:P + 1 + G][route.plane_group], out=a[1:P + 1])
+    a[head + 1] = 1 if wide else 0
+    a[head + 2:head + 2 + G] = lens_s
+    a[head + 2 + G:first] = lens_d
+    moved = sum(n * b for n, b in zip(n_seg, route.group_bytes))
+    h = _Header(t, starts, starts[-1], np.array(n_seg, dtype=np.int64), int(a[P]), moved)
+    with dev.lock:
+        if len(dev.headers) >= HEADERS_KEPT:
+            dev.headers.pop(next(iter(dev.headers)))
+        dev.headers[key] = h
+    return h
+
+
+def prepare_device(agent: "KVAgent", peer: "KVPeer", route: "_Route", op: str, name: str, local_blocks: Mapping,
+                   remote_blocks: Mapping, notify_slot: int | None) -> "_DeviceIdTransfer":
+    """:meth:`KVAgent.prepare` of a request whose IDs are device tensors (see the module): O(groups) host work."""
+    if peer.engine != "triton":
+        raise BadInput(f"request {name!r}: block IDs on the device need the triton engine; peer {peer.name!r} "
+                       f"runs {peer.engine!r} (pass the IDs on the host)")
+    torch = _torch()
+    device = agent._torch_device()
+    push = op == "push"
+    srcs, dsts, n_seg, lens_s, lens_d = [], [], [], [], []
+    dtype = None
+    for g, (rs, rd) in zip(route.groups, route.ids.splits):
+        pair = []
+        for side, ids in (("local blocks", local_blocks[g]), ("remote blocks", remote_blocks[g])):
+            what = f"request {name!r}, group {g!r}, {side}"
+            if not isinstance(ids, torch.Tensor) or ids.device != device:
+                raise BlockIdError(f"{what}: block IDs on the device must be tensors on {device}, got "
+                                   f"{type(ids).__name__ if not isinstance(ids, torch.Tensor) else ids.device}")
+            if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1 or not ids.is_contiguous():
+                raise BlockIdError(f"{what}: block IDs on the device must be a contiguous 1-D int32 or int64 "
+                                   f"tensor, got {ids.dtype} {tuple(ids.shape)}")
+            if dtype is None:
+                dtype = ids.dtype
+            elif ids.dtype != dtype:
+                raise BlockIdError(f"{what}: {ids.dtype} beside {dtype}: a request's device IDs share one dtype")
+            pair.append(ids)
+        s, d = pair if push else pair[::-1]
+        a, b = int(s.shape[0]), int(d.shape[0])
+        n = a if rs == 1 else b
+        if -(-n // rs) != a or -(-n // rd) != b:
+            raise BlockIdError(f"request {name!r}, group {g!r}: {a} source and {b} destination blocks do not "
+                               f"cover the same tokens (block-size ratio {rs}:{rd})")
+        srcs.append(s)
+        dsts.append(d)
+        n_seg.append(n)
+        lens_s.append(a)
+        lens_d.append(b)
+    if route.device_ids is None:
+        route.device_ids = _DeviceRoute(route, device)
+    wide = dtype == torch.int64
+    head = _header(agent, route, route.device_ids, tuple(lens_s), tuple(lens_d), tuple(n_seg), wide)
+    width = 8 if wide else 4
+    pieces = tuple((at * width, t.data_ptr(), int(t.shape[0]) * width, t)
+                   for at, t in zip(head.starts, srcs + dsts) if t.shape[0])
+    return _DeviceIdTransfer(agent, peer, route, op, name, head, pieces, wide, notify_slot)
+
+
+class _StatusWords:
+    """Host words a device-ID post's status lands in (pinned where the device is a GPU), one per post, taken
+    from chunks of :attr:`CHUNK` and given back when the post's :class:`_Status` goes."""
+
+    CHUNK = 1024
+
+    def __init__(self, pinned: bool):
+        self.pinned = pinned
+        self.chunks: list = []
+        self.free: list[tuple[int, int]] = []
+        self.lock = threading.Lock()
+
+    def take(self) -> "_Status":
+        try:
+            c, i = self.free.pop()
+        except IndexError:
+            with self.lock:
+                torch = _torch()
+                t = torch.zeros(self.CHUNK, dtype=torch.int64, pin_memory=self.pinned)
+                self.chunks.append((t, t.numpy()))
+                c = len(self.chunks) - 1
+                self.free.extend((c, k) for k in range(1, self.CHUNK))
+                i = 0
+        t, a = self.chunks[c]
+        return _Status(self, c, i, a, t.data_ptr() + 8 * i)
+
+
+class _Status:
+    """One post's status word (its bits: :mod:`gpuxfer.kernels.id_check_kernel`); read once the post completed."""
+
+    __slots__ = ("words", "chunk", "index", "array", "ptr")
+
+    def __init__(self, words: _StatusWords, chunk: int, index: int, array, ptr: int):
+        self.words, self.chunk, self.index, self.array, self.ptr = words, chunk, index, array, ptr
+
+    def raise_if_bad(self, name: str) -> None:
+        bits = int(self.array[self.index])
+        if bits:
+            what = [w for b, w in ((CHECK_SOURCE_RANGE, "a source block ID out of range"),
+                                   (CHECK_DEST_RANGE, "a destination block ID out of range"),
+                                   (CHECK_DEST_TWICE, "a destination block named twice")) if bits & b]
+            raise BlockIdError(f"request {name!r}: its block IDs, checked on the device, hold "
+                               f"{' and '.join(what) or f'status {bits:#x}'}; nothing was moved")
+
+    def __del__(self):
+        self.words.free.append((self.chunk, self.index))
+
+
+class _DeviceIdTransfer(_SlotTransfer):
+    """The ``triton`` engine's transfer of a request whose IDs are device tensors (see the module)."""
+
+    def __init__(self, agent: "KVAgent", peer: "KVPeer", route: "_Route", op: str, name: str, head: _Header,
+                 pieces: tuple, wide: bool, notify_slot: int | None):
+        self._header = head
+        self._pieces = pieces            # (byte offset in the slot's buffer, source address, bytes, tensor)
+        self._wide = wide
+        self._entries = head.entries
+        self._host_ptr = head.ptr
+        self._pooled = None
+        super(_SlotTransfer, self).__init__(agent, peer, route, op, name, head.n_seg, head.tensor, None, None, 0,
+                                            [], notify_slot, head.n_rows, head.nbytes_moved)
+        self._req_bytes = head.nbytes
+
+    def _run(self, s: Stream, expand_only: bool = False):
+        agent, plat = self.agent, self.agent.platform
+        slot = agent._take_slot(self.route, s, self.descriptors, self._entries)
+        checked = slot.checked(agent, self.route, s)
+        own = s is agent.stream         # the agent's stream: its calls bound once (Platform.stream_calls)
+        copy = agent._calls.copy if own else (lambda d, src, n: plat.copy_async(s, d, src, n))
+        copy(slot.req_ptr, self._host_ptr, self._req_bytes)
+        base = slot.req_ptr if self._wide else checked.in32_ptr
+        for at, src, nbytes, _ in self._pieces:
+            copy(base + at, src, nbytes)
+        if expand_only:
+            plat.launch(s, checked.check_and_expand)
+        elif checked.graph is not None:
+            if own:
+                agent._calls.launch_graph(checked.graph)
+            else:
+                plat.launch_graph(s, checked.graph)
+        else:
+            checked.enqueue(plat, s)
+        if agent._device_status is None:
+            agent._device_status = _StatusWords(pinned=not plat.host_memory)
+        status = agent._device_status.take()
+        copy(status.ptr, slot.req_ptr + 8 * checked.status_at, 8)
+        return slot, status
+
+    def _post_locked(self, s: Stream):
+        from .transfer import KVTransferHandle
+        slot, status = self._run(s)
+        value, event = self._finish(s)
+        slot.event, slot.stream = event, s
+        self.agent._track(event, (self, slot, status))
+        return KVTransferHandle(self, event, s, value, status)
+
+    def expanded_descriptors(self) -> np.ndarray:
+        """As :meth:`_SlotTransfer.expanded_descriptors`, after the device check (:class:`BlockIdError` where the
+        IDs fail it)."""
+        from ..errors import TransferTimeout
+        agent = self.agent
+        plat = agent.platform
+        with agent._post_lock:
+            agent._check_usable(self.peer)
+            s = agent.stream
+            slot, status = self._run(s, expand_only=True)
+            event = plat.record_event(s)
+            slot.event, slot.stream = event, s
+            agent._track(event, (self, slot, status))
+        if not plat.event_wait(event, agent.timeout_s):
+            raise TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
+                                  timeout_s=agent.timeout_s, what="expanding the descriptors")
+        status.raise_if_bad(self.name)
+        return slot.out[:self.descriptors].cpu().numpy().copy()
+
+
+class _Checked:
+    """A slot's parts for device-ID requests, made on the slot's first such post: the int32 ID buffer, the marks
+    bitmap (zeroed), the check and settle launches and the checked graph (check, settle, expand, copies)."""
+
+    __slots__ = ("in32", "in32_ptr", "marks", "check", "settle", "graph", "status_at", "slot")
+
+    def __init__(self, agent: "KVAgent", route: "_Route", slot, device):
+        from ..kernels.blocks import check_ids_launchers, request_header_len
+        torch = _torch()
+        dev = route.device_ids
+        self.slot = slot
+        self.in32 = torch.zeros(slot.entries, dtype=torch.int32, device=device)
+        self.in32_ptr = self.in32.data_ptr()
+        self.marks = torch.zeros(dev.n_words, dtype=torch.int32, device=device)
+        self.status_at = request_header_len(int(route.plane_group.size), len(route.groups))
+        launches = check_ids_launchers(slot.req, self.in32, dev.gtab, self.marks, n_planes=int(route.plane_group.size),
+                                       n_groups=len(route.groups))
+        self.check, self.settle = launches if launches is not None else (None, None)
+        self.graph = None
+
+    def kernels(self, stream=None) -> None:
+        if self.check is not None:
+            self.check(stream)
+            self.settle(stream)
+        self.slot.kernels(stream)
+
+    def check_and_expand(self, stream=None) -> None:
+        if self.check is not None:
+            self.check(stream)
+            self.settle(stream)
+        if self.slot.expand is not None:
+            self.slot.expand(stream)
+
+    def enqueue(self, plat, s: Stream) -> None:
+        native = plat.native_stream(s)
+        if native is None:
+            plat.launch(s, self.kernels)
+        else:
+            self.kernels(native)
+
+
+def make_checked(agent: "KVAgent", route: "_Route", slot, s: Stream) -> _Checked:
+    """A slot's :class:`_Checked`: the check's kernels loaded first by a launch on ``s`` over a zeroed request,
+    ID buffer and bitmap of their own (the slot's request may hold a request of before), then the checked graph
+    captured (as :meth:`KVAgent._new_slot <gpuxfer.kv.posting._PostResources._new_slot>` captures a slot's)."""
+    from ..kernels.blocks import check_ids_launchers
+    plat = agent.platform
+    device = agent._torch_device()
+    checked = _Checked(agent, route, slot, device)
+    if checked.check is None:
+        return checked
+    torch = _torch()
+    if not plat.kernels_interpreted:
+        G = len(route.groups)
+        scratch = (torch.zeros(checked.status_at + 2 + 2 * G, dtype=torch.int64, device=device),
+                   torch.zeros(checked.status_at + 2 + 2 * G, dtype=torch.int32, device=device),
+                   torch.zeros(1, dtype=torch.int32, device=device))
+        plat.stream_wait_event(s, plat.record_event(plat.current_stream(agent.device)))
+        check, settle = check_ids_launchers(scratch[0], scratch[1], route.device_ids.gtab, scratch[2],
+                                            n_planes=int(route.plane_group.size), n_groups=G)
+        native = plat.native_stream(s)
+        if native is None:
+            plat.launch(s, lambda: (check(), settle()))
+        else:
+            check(native)
+            settle(native)
+        event = plat.record_event(s)
+        agent._track(event, scratch)
+    if agent.graphs:
+        try:
+            if agent._capture_stream is None:
+                agent._capture_stream = plat.create_stream(agent.device)
+            checked.graph = plat.capture_graph(agent._capture_stream, lambda c: checked.enqueue(plat, c))
+        except Exception as exc:  # noqa: BLE001 - the same launches run one by one instead
+            import logging
+            logging.getLogger("gpuxfer.kv.agent").warning(
+                "agent %s: capturing a slot's checked launches as a graph failed (%s: %s); posts launch them one "
+                "by one", agent.name, type(exc).__name__, exc)
+    return checked

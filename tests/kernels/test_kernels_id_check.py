@@ -1,0 +1,127 @@
+"""The device ID check's kernels (gpuxfer.kernels.id_check_kernel) on the CPU interpreter: what they find in a
+well-formed request, and that no content of the request -- a forged header, counts, offsets, IDs -- makes them
+read or write outside their buffers (each a window of a larger buffer whose guard bytes must not change)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from gpuxfer.errors import BadInput
+from gpuxfer.kernels.blocks import check_ids_launchers, request_header_len
+from gpuxfer.kernels.id_check_kernel import CHECK_DEST_RANGE, CHECK_DEST_TWICE, CHECK_SOURCE_RANGE
+
+GUARD = 64
+
+
+def _window(n: int, dtype, fill: int = 0):
+    """A tensor of ``n`` entries inside a larger one: ``(window, whole, guard value)``."""
+    whole = torch.full((n + 2 * GUARD,), 0x5A, dtype=dtype)
+    w = whole[GUARD:GUARD + n]
+    w.fill_(fill)
+    return w, whole
+
+
+def _guards_intact(whole, n: int) -> bool:
+    return bool((whole[:GUARD] == 0x5A).all() and (whole[GUARD + n:] == 0x5A).all())
+
+
+def _request(P: int, groups: list[tuple[list[int], list[int]]], wide: bool, extra: int = 0):
+    """A well-formed request array of ``P`` planes (one group per plane row's count is irrelevant here) and the
+    int32 copy of its IDs."""
+    G = len(groups)
+    head = request_header_len(P, G)
+    first = head + 2 + 2 * G
+    lens = [len(s) for s, _ in groups] + [len(d) for _, d in groups]
+    starts = np.cumsum([first] + lens)
+    n = int(starts[-1]) + extra
+    req, req_whole = _window(n, torch.int64)
+    in32, in32_whole = _window(n, torch.int32)
+    for g in range(G):
+        req[P + 1 + g] = max(len(groups[g][0]), len(groups[g][1]))
+        req[P + 1 + G + g] = int(starts[g])
+        req[P + 1 + 2 * G + g] = int(starts[G + g])
+    req[head + 1] = 1 if wide else 0
+    for g, (s, d) in enumerate(groups):
+        req[head + 2 + g], req[head + 2 + G + g] = len(s), len(d)
+    target = req if wide else in32
+    ids = [x for s, _ in groups for x in s] + [x for _, d in groups for x in d]
+    target[first:first + len(ids)] = torch.tensor(ids, dtype=target.dtype)
+    return req, req_whole, in32, in32_whole, head, n
+
+
+def _run(req, in32, gtab, marks, P, G):
+    check, settle = check_ids_launchers(req, in32, gtab, marks, n_planes=P, n_groups=G, programs_per_group=2)
+    check()
+    settle()
+
+
+@pytest.mark.parametrize("wide", [True, False])
+@pytest.mark.parametrize("groups, bits", [
+    ([([0, 3, 5], [1, 2, 9])], 0),
+    ([([0, 3, 8], [1, 2, 9])], CHECK_SOURCE_RANGE),
+    ([([0, 3, 5], [1, 2, 10])], CHECK_DEST_RANGE),
+    ([([0, 3, 5], [1, -2, 3])], CHECK_DEST_RANGE),
+    ([([0, 3, 5], [4, 2, 4])], CHECK_DEST_TWICE),
+    ([([0, 1], [4, 2]), ([2, 3], [4, 5])], CHECK_DEST_TWICE),        # groups 0 and 1 share destination memory
+    ([([0, 1], [4, 2]), ([2, 9], [4, 5])], CHECK_DEST_TWICE | CHECK_SOURCE_RANGE),
+])
+def test_findings_and_settle(wide, groups, bits):
+    P, G = 3, len(groups)
+    req, _, in32, _, head, n = _request(P, groups, wide)
+    req[:P + 1] = torch.arange(1, P + 2)
+    gtab = torch.tensor([[8, 10, 0]] * G, dtype=torch.int64)      # one destination class: mark offset 0 for all
+    marks = torch.zeros(1, dtype=torch.int32)
+    before = req.clone()
+    _run(req, in32, gtab, marks, P, G)
+    assert int(req[head]) == bits
+    assert int(marks.abs().sum()) == 0                             # every mark the request set is cleared
+    first = head + 2 + 2 * G
+    ids = [x for s, _ in groups for x in s] + [x for _, d in groups for x in d]
+    assert req[first:first + len(ids)].tolist() == ids              # widened (int32) or left (int64)
+    if bits:
+        assert int(req[:P + 1 + G].abs().sum()) == 0                # nothing for the expansion and copies
+        assert torch.equal(req[P + 1 + G:head], before[P + 1 + G:head])
+    else:
+        assert torch.equal(req[:head], before[:head])
+
+
+def test_launcher_checks_its_tensors():
+    req = torch.zeros(64, dtype=torch.int64)
+    in32 = torch.zeros(64, dtype=torch.int32)
+    gtab = torch.zeros((1, 3), dtype=torch.int64)
+    marks = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(BadInput, match="in32"):
+        check_ids_launchers(req, in32[:10], gtab, marks, n_planes=2, n_groups=1)
+    with pytest.raises(BadInput, match="marks"):
+        check_ids_launchers(req, in32, gtab, marks.long(), n_planes=2, n_groups=1)
+    with pytest.raises(BadInput, match="gtab"):
+        check_ids_launchers(req, in32, gtab, marks, n_planes=2, n_groups=2)
+    with pytest.raises(BadInput, match="header and check fields need"):
+        check_ids_launchers(req[:8], in32, gtab, marks, n_planes=2, n_groups=1)
+
+
+word = st.one_of(st.integers(-(1 << 63), (1 << 63) - 1), st.integers(-40, 80))
+
+
+@settings(max_examples=60, deadline=None)
+@given(P=st.integers(0, 3), G=st.integers(1, 3), body=st.lists(word, min_size=0, max_size=80),
+       table=st.lists(st.integers(-(1 << 40), 1 << 40), min_size=9, max_size=9), n_words=st.integers(1, 3))
+def test_any_request_content_stays_in_its_buffers(P, G, body, table, n_words):
+    """Forged request arrays (any header, check fields, offsets and IDs) and group tables: every access stays
+    inside the request, the int32 buffer and the bitmap."""
+    head = request_header_len(P, G)
+    n = head + 2 + 2 * G + len(body)
+    req, req_whole = _window(n, torch.int64)
+    in32, in32_whole = _window(n, torch.int32)
+    marks, marks_whole = _window(n_words, torch.int32)
+    req[:min(n, len(body))] = torch.tensor(body[:n], dtype=torch.int64)[:min(n, len(body))]
+    if len(body) > n // 2:
+        req[head + 1:head + 2 + 2 * G] = torch.tensor(body[:1 + 2 * G], dtype=torch.int64)[:1 + 2 * G] if \
+            len(body) >= 1 + 2 * G else req[head + 1:head + 2 + 2 * G]
+    in32.copy_(torch.tensor([(x & 0xFFFFFFFF) - (1 << 32) * ((x >> 31) & 1) for x in (body + [0] * n)[:n]],
+                            dtype=torch.int32))
+    gtab = torch.tensor(table[:3 * G], dtype=torch.int64).reshape(G, 3)
+    _run(req, in32, gtab, marks, P, G)
+    assert _guards_intact(req_whole, n) and _guards_intact(in32_whole, n) and _guards_intact(marks_whole, n_words)
