@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python scripts/kv_host_costs.py [--workload kv-dsv4] [--isl 32768,524288] [--page 16,64]
         [--ops pull,push] [--engines triton,copy_engine,pack] [--launch graph,direct] [--iters 20] [--profile]
-        [--cpu auto|none|N] [--batch N] [--json PATH]
+        [--cpu auto|none|N] [--batch N] [--ids host,device] [--json PATH]
 
 A tuning aid for the KV API's host-time targets (not a test): two agents in this process, on
 devices 0 and 1 (device 0 twice when only one is present), register the benchmark's layout of
@@ -23,6 +23,11 @@ post, which compile and load the kernels) the process times a Python yardstick o
 ``none``: the scheduler places it. Each row says where it ran (``cpu``, ``cpu_choice``) and the
 yardstick there before and after its timed loops (``yardstick_us``, ``yardstick_end_us``; the
 yardsticks of every CPU under ``auto``), so runs on different machines or moments compare.
+
+``--ids device``: the ``triton`` rows again with each request's block IDs as int32 tensors on the
+initiator's device (uploaded once, before the timed loops, as an engine's block table already lives
+there), passed with ``device_ids=True``: checked on the device at each post, nothing on the host
+proportional to the IDs (:mod:`gpuxfer.kv.device_ids`); ``ids`` in each row says which.
 
 ``--batch N`` also times N requests of one burst posted by one ``KVAgent.post_many`` (one upload and one
 graph launch per route) against N ``post`` calls, each request prepared beforehand.
@@ -120,7 +125,7 @@ def _close_agents(agents: list, bufs: list) -> None:
 
 
 def measure(plat, workload: str, isl: int, page: int, op: str, engine: str, iters: int, profile: bool,
-            launch: str = "graph", cpu: _Cpu | None = None) -> dict:
+            launch: str = "graph", cpu: _Cpu | None = None, ids: str = "host") -> dict:
     from gpuxfer.bench.kv.model.blocktable import burst_tables
     from gpuxfer.bench.kv.model.layout import layout_for_burst, layout_groups
 
@@ -138,10 +143,17 @@ def measure(plat, workload: str, isl: int, page: int, op: str, engine: str, iter
         peer = initiator.add_peer(other.metadata())
         add_peer_ms = (time.perf_counter() - t0) * 1e3
         mine, theirs = (dst, src) if op == "pull" else (src, dst)
+        kw = {}
+        if ids == "device":
+            import torch
+            dev = initiator._torch_device()
+            mine, theirs = ({g: torch.as_tensor(np.asarray(v), dtype=torch.int32).to(dev) for g, v in m.items()}
+                            for m in (mine, theirs))
+            kw = {"device_ids": True}
 
         def one():
             t0 = time.perf_counter()
-            x = initiator.prepare(peer, op, local_blocks=mine, remote_blocks=theirs, name="probe")
+            x = initiator.prepare(peer, op, local_blocks=mine, remote_blocks=theirs, name="probe", **kw)
             t1 = time.perf_counter()
             h = x.post()
             t2 = time.perf_counter()
@@ -165,7 +177,7 @@ def measure(plat, workload: str, isl: int, page: int, op: str, engine: str, iter
             h.wait(120)
         slots = [len(r.slots) for r in initiator._routes.values() if r.slots]
         row = {"platform": plat.name, "workload": workload, "isl_tokens": isl, "page_tokens": page, "op": op,
-               "engine": engine, "launch": launch if engine == "triton" else "-",
+               "engine": engine, "ids": ids, "launch": launch if engine == "triton" else "-",
                "graph_used": bool(engine == "triton" and initiator.graphs), "slots": sum(slots),
                "layers": layers, "descriptors": x.descriptors, "bytes": x.nbytes,
                "register_ms": max(register_ms), "add_peer_ms": add_peer_ms, "first_setup_us": first_setup_us,
@@ -175,8 +187,8 @@ def measure(plat, workload: str, isl: int, page: int, op: str, engine: str, iter
                "post_p90_us": float(np.percentile(post, 90)), "repost_p90_us": float(np.percentile(repost, 90)),
                **(where or {})}
         if profile:
-            row["profile"] = _profiled(lambda: initiator.prepare(peer, op, local_blocks=mine,
-                                                                 remote_blocks=theirs).post().wait(120), iters)
+            row["profile"] = _profiled(lambda: initiator.prepare(peer, op, local_blocks=mine, remote_blocks=theirs,
+                                                                 **kw).post().wait(120), iters)
         if where is not None:         # the yardstick after the timed loops, and the thread back on every CPU
             where = None
             cpu.release(row)
@@ -342,8 +354,14 @@ def main(argv=None) -> int:
                          "where the scheduler puts them (none)")
     ap.add_argument("--batch", type=int, default=0,
                     help="also time N requests posted by one post_many against N posts (triton; 0: not)")
+    ap.add_argument("--ids", default="host",
+                    help="triton rows with block IDs on the host and/or on the device (device_ids=True), "
+                         "comma-separated")
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args(argv)
+    id_kinds = _names(args.ids)
+    if not id_kinds or any(x not in ("host", "device") for x in id_kinds):
+        ap.error(f"--ids takes host and/or device, got {args.ids!r}")
     if args.batch < 0 or args.batch == 1:
         ap.error("--batch takes 0 (none) or at least 2 requests")
     try:
@@ -370,8 +388,9 @@ def main(argv=None) -> int:
                                     rows.append(measure_pack(plat, args.workload, isl, page, iters, args.profile,
                                                              cpu))
                                     continue
-                                rows.append(measure(plat, args.workload, isl, page, op, engine, iters, args.profile,
-                                                    launch, cpu))
+                                for kind in (id_kinds if engine == "triton" else ["host"]):
+                                    rows.append(measure(plat, args.workload, isl, page, op, engine, iters,
+                                                        args.profile, launch, cpu, kind))
                             except Exception as exc:  # noqa: BLE001 - report the row and go on
                                 failed += 1
                                 rows.append({"workload": args.workload, "isl_tokens": isl, "page_tokens": page,
@@ -390,7 +409,7 @@ def main(argv=None) -> int:
                                          "error": f"{type(exc).__name__}: {exc}"})
     finally:
         plat.close()
-    cols = ["engine", "launch", "graph_used", "op", "isl_tokens", "page_tokens", "descriptors", "register_ms",
+    cols = ["engine", "ids", "launch", "graph_used", "op", "isl_tokens", "page_tokens", "descriptors", "register_ms",
             "add_peer_ms", "setup_p50_us", "post_p50_us", "post_p90_us", "repost_p50_us", "complete_p50_us",
             "first_setup_us", "first_post_us", "cpu", "yardstick_us", "yardstick_end_us"]
     print("# " + " ".join(f"{c:>14}" for c in cols))

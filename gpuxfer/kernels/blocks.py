@@ -140,21 +140,20 @@ def verdict_launcher(word: torch.Tensor, fp: torch.Tensor, status: torch.Tensor,
 
 
 CHECK_BLOCK = 1024            # IDs per chunk of the device ID check (one loop step of a program)
+CHECK_PROGRAMS = 32           # programs per group of the check by default (each loops over its chunks)
 
 
-def check_ids_launchers(request: torch.Tensor, in32: torch.Tensor, gtab: torch.Tensor, marks: torch.Tensor, *,
-                        n_planes: int, n_groups: int, programs_per_group: int | None = None):
-    """The two launches of a request whose block IDs were checked on the device
+def check_ids_launchers(request: torch.Tensor, gtab: torch.Tensor, marks: torch.Tensor, *, n_planes: int,
+                        n_groups: int, programs_per_group: int | None = None):
+    """The two launches of a request whose block IDs are checked on the device
     (:mod:`gpuxfer.kernels.id_check_kernel`): ``(check, settle)``, each a function of no arguments (or of a
-    driver stream handle), or None when the route has no group. Checked here, once: ``request`` (int64) and
-    ``in32`` (int32, as many entries), ``gtab`` (``(G, 3)`` int64), ``marks`` (int32 bitmap), one device."""
-    from .id_check_kernel import GROUP_TABLE_FIELDS, check_ids_kernel, settle_ids_kernel
+    driver stream handle), or None when the route has no group. Checked here, once: ``request`` (int64),
+    ``gtab`` (``(G, 3)`` int64), ``marks`` (int32 bitmap), one device."""
+    from .id_check_kernel import (CHECK_FIELDS_FIXED, CHECK_FIELDS_PER_GROUP, GROUP_TABLE_FIELDS, check_ids_kernel,
+                                  settle_ids_kernel)
     request = _tensor(request, "request", 1)
     dev = request.device
     gtab = _tensor(gtab, "gtab", 2, dev)
-    if not isinstance(in32, torch.Tensor) or in32.dtype != torch.int32 or in32.dim() != 1 \
-            or not in32.is_contiguous() or in32.device != dev or in32.shape[0] < request.shape[0]:
-        raise BadInput(f"in32 must be a contiguous 1-D int32 tensor on {dev} of at least {request.shape[0]} entries")
     if not isinstance(marks, torch.Tensor) or marks.dtype != torch.int32 or marks.dim() != 1 \
             or not marks.is_contiguous() or marks.device != dev:
         raise BadInput(f"marks must be a contiguous 1-D int32 tensor on {dev}")
@@ -162,19 +161,19 @@ def check_ids_launchers(request: torch.Tensor, in32: torch.Tensor, gtab: torch.T
     if tuple(gtab.shape) != (n_groups, GROUP_TABLE_FIELDS):
         raise BadInput(f"gtab must have shape ({n_groups}, {GROUP_TABLE_FIELDS}), got {tuple(gtab.shape)}")
     head = request_header_len(n_planes, n_groups)
-    if request.shape[0] < head + 2 + 2 * n_groups:
-        raise BadInput(f"request holds {request.shape[0]} entries; the header and check fields need "
-                       f"{head + 2 + 2 * n_groups}")
+    need = head + CHECK_FIELDS_FIXED + CHECK_FIELDS_PER_GROUP * n_groups
+    if request.shape[0] < need:
+        raise BadInput(f"request holds {request.shape[0]} entries; the header and check fields need {need}")
     if n_groups == 0:
         return None
     if programs_per_group is None:
-        programs_per_group = 1 if dev.type == "cpu" else default_programs_per_plane(dev, n_groups)
+        programs_per_group = 1 if dev.type == "cpu" else min(CHECK_PROGRAMS, default_programs_per_plane(dev, n_groups))
     programs_per_group = _int(programs_per_group, "programs_per_group", 1)
     if programs_per_group > _MAX_GRID_Y:
         raise BadInput(f"{programs_per_group} programs per group exceed the grid's limit {_MAX_GRID_Y}")
     grid = (n_groups, programs_per_group)
     req_len, n_words = int(request.shape[0]), int(marks.shape[0])
-    check = check_ids_kernel.launcher(dev, grid, request, in32, gtab, marks, n_groups, head, req_len, n_words,
+    check = check_ids_kernel.launcher(dev, grid, request, gtab, marks, n_groups, head, req_len, n_words,
                                       BLOCK=CHECK_BLOCK, num_warps=4)
     settle = settle_ids_kernel.launcher(dev, grid, request, gtab, marks, n_groups, head, req_len, n_words,
                                         n_planes + 1 + n_groups, BLOCK=CHECK_BLOCK, num_warps=4)

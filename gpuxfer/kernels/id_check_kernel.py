@@ -5,23 +5,27 @@ The request array is the expansion's (header, then the IDs) with *check fields* 
 IDs, at ``head = P + 1 + 3G``::
 
     [head]                 status: 0 when uploaded; the check ORs its findings in (CHECK_* bits)
-    [head + 1]             1: the IDs are int64 entries of the request itself; 0: int32, in ``in32`` at the
-                           same positions (the check widens them into the request)
-    [head + 2 + g]         group g's source IDs (from the header's "where group g's source IDs start")
-    [head + 2 + G + g]     group g's destination IDs
+    [head + 1]             1: the caller's IDs are int64; 0: int32
+    [head + 2 + g]         group g's source IDs: how many
+    [head + 2 + G + g]     ... destination IDs: how many
+    [head + 2 + 2G + g]    the address of the caller's tensor of group g's source IDs
+    [head + 2 + 3G + g]    ... of its destination IDs
 
 and a *group table* ``gtab`` of ``(source blocks, destination blocks, mark offset)`` per group. ``marks`` is a
 bitmap over every group's destination blocks (bit ``mark offset + ID``; groups whose destination memory
 overlaps share their offsets), all zero between requests.
 
-:func:`check_ids_kernel` (grid ``(G, C)``): every source ID in ``[0, source blocks)``, every destination ID in
-``[0, destination blocks)``, and each in-range destination sets its bit with an atomic OR: a bit found set
-is a destination named twice. :func:`settle_ids_kernel` (the same grid, a later launch): clears the bits
+:func:`check_ids_kernel` (grid ``(G, C)``): reads the caller's IDs and writes them into the request as int64
+(where the header says group g's IDs start), checks every source ID in ``[0, source blocks)``, every
+destination ID in ``[0, destination blocks)``, and each in-range destination sets its bit with an atomic OR:
+a bit found set is a destination named twice. :func:`settle_ids_kernel` (the same grid, a later launch): clears the bits
 the request set; where the status is not 0, program ``(0, 0)`` zeroes the header's first rows and segment
 counts (entries ``[0, P + 1 + G)``), so the expansion writes nothing and every copy's row range is empty.
 
-Bounds hold for any content of the request: an ID position outside ``[0, req_len)`` is not read, a mark
-word outside the bitmap is not touched, a group past the table is not checked.
+The addresses and counts are the host's: it wrote them from tensors it checked (on the device, of that
+many IDs each), and the kernel reads ``count`` IDs from each. Bounds hold for any other content of the
+request and of the group table: an ID position outside ``[0, req_len)`` is not written, a mark word outside
+the bitmap is not touched, a group past the table is not checked.
 """
 from __future__ import annotations
 
@@ -35,12 +39,13 @@ CHECK_DEST_RANGE = 2
 CHECK_DEST_TWICE = 4
 #: check fields before a request's IDs
 CHECK_FIELDS_FIXED = 2
+#: check fields per group: source and destination counts and addresses
+CHECK_FIELDS_PER_GROUP = 4
 GROUP_TABLE_FIELDS = 3
 
 
 @dual_kernel(do_not_specialize=["n_groups", "head", "req_len", "n_words"])
-def check_ids_kernel(req_ptr, in32_ptr, gtab_ptr, marks_ptr, n_groups, head, req_len, n_words,
-                     BLOCK: tl.constexpr):
+def check_ids_kernel(req_ptr, gtab_ptr, marks_ptr, n_groups, head, req_len, n_words, BLOCK: tl.constexpr):
     g = tl.cast(tl.program_id(0), tl.int64)
     c0 = tl.program_id(1)
     n_c = tl.num_programs(1)
@@ -49,7 +54,7 @@ def check_ids_kernel(req_ptr, in32_ptr, gtab_ptr, marks_ptr, n_groups, head, req
     rl = zero + req_len
     ng = zero + n_groups
     h = zero + head
-    fields_ok = (h + 2 + 2 * ng <= rl) & (h >= 1 + 3 * ng) & (g < ng)
+    fields_ok = (h + 2 + 4 * ng <= rl) & (h >= 1 + 3 * ng) & (g < ng)
     gv = zero + g
     src_nb = tl.load(gtab_ptr + gv * 3, mask=fields_ok, other=0)
     dst_nb = tl.load(gtab_ptr + gv * 3 + 1, mask=fields_ok, other=0)
@@ -59,33 +64,40 @@ def check_ids_kernel(req_ptr, in32_ptr, gtab_ptr, marks_ptr, n_groups, head, req
     doff = tl.load(req_ptr + h - ng + gv, mask=fields_ok, other=0)
     ls = tl.load(req_ptr + h + 2 + gv, mask=fields_ok, other=0)
     ld = tl.load(req_ptr + h + 2 + ng + gv, mask=fields_ok, other=0)
-    ls = tl.where(fields_ok, tl.minimum(tl.maximum(ls, 0), rl), 0)
-    ld = tl.where(fields_ok, tl.minimum(tl.maximum(ld, 0), rl), 0)
+    ls = tl.where(fields_ok, tl.maximum(ls, 0), 0)
+    ld = tl.where(fields_ok, tl.maximum(ld, 0), 0)
+    # where the caller's IDs are (the host wrote the addresses of the tensors it checked, ls / ld IDs each)
+    s_at = tl.max(tl.load(req_ptr + h + 2 + 2 * ng + gv, mask=fields_ok, other=0), axis=0)
+    d_at = tl.max(tl.load(req_ptr + h + 2 + 3 * ng + gv, mask=fields_ok, other=0), axis=0)
+    s64p = s_at.to(tl.pointer_type(tl.int64))
+    s32p = s_at.to(tl.pointer_type(tl.int32))
+    d64p = d_at.to(tl.pointer_type(tl.int64))
+    d32p = d_at.to(tl.pointer_type(tl.int32))
     n = tl.max(tl.maximum(ls, ld), axis=0)
     bad_s = zero
     bad_d = zero
     dup = zero
     for start in range(c0 * BLOCK, n, n_c * BLOCK):
         j = start + lanes
-        # sources
-        sp = soff + j
-        s_live = (j < ls) & (sp >= 0) & (sp < rl)
-        s64 = tl.load(req_ptr + sp, mask=s_live & wide, other=0)
-        s32 = tl.load(in32_ptr + sp, mask=s_live & (wide == 0), other=0).to(tl.int64)
+        # sources: read from the caller's tensor, written into the request as int64
+        s_in = j < ls
+        s64 = tl.load(s64p + j, mask=s_in & wide, other=0)
+        s32 = tl.load(s32p + j, mask=s_in & (wide == 0), other=0).to(tl.int64)
         sv = tl.where(wide, s64, s32)
-        tl.store(req_ptr + sp, sv, mask=s_live & (wide == 0))
-        bad_s = tl.maximum(bad_s, tl.where(s_live & ((sv < 0) | (sv >= src_nb)), 1, 0))
+        sp = soff + j
+        tl.store(req_ptr + sp, sv, mask=s_in & (sp >= 0) & (sp < rl))
+        bad_s = tl.maximum(bad_s, tl.where(s_in & ((sv < 0) | (sv >= src_nb)), 1, 0))
         # destinations
-        dp = doff + j
-        d_live = (j < ld) & (dp >= 0) & (dp < rl)
-        d64 = tl.load(req_ptr + dp, mask=d_live & wide, other=0)
-        d32 = tl.load(in32_ptr + dp, mask=d_live & (wide == 0), other=0).to(tl.int64)
+        d_in = j < ld
+        d64 = tl.load(d64p + j, mask=d_in & wide, other=0)
+        d32 = tl.load(d32p + j, mask=d_in & (wide == 0), other=0).to(tl.int64)
         dv = tl.where(wide, d64, d32)
-        tl.store(req_ptr + dp, dv, mask=d_live & (wide == 0))
-        d_bad = d_live & ((dv < 0) | (dv >= dst_nb))
+        dp = doff + j
+        tl.store(req_ptr + dp, dv, mask=d_in & (dp >= 0) & (dp < rl))
+        d_bad = d_in & ((dv < 0) | (dv >= dst_nb))
         key = moff + dv
         word = key >> 5
-        d_ok = d_live & (d_bad == 0) & (key >= 0) & (word < n_words)
+        d_ok = d_in & (d_bad == 0) & (key >= 0) & (word < n_words)
         bit = (tl.cast(1, tl.int32) << (key & 31).to(tl.int32))
         old = tl.atomic_or(marks_ptr + word, bit, mask=d_ok)
         twice = d_ok & ((old & bit) != 0)
@@ -107,7 +119,7 @@ def settle_ids_kernel(req_ptr, gtab_ptr, marks_ptr, n_groups, head, req_len, n_w
     rl = zero + req_len
     ng = zero + n_groups
     h = zero + head
-    fields_ok = (h + 2 + 2 * ng <= rl) & (h >= 1 + 3 * ng) & (g < ng)
+    fields_ok = (h + 2 + 4 * ng <= rl) & (h >= 1 + 3 * ng) & (g < ng)
     gv = zero + g
     dst_nb = tl.load(gtab_ptr + gv * 3 + 1, mask=fields_ok, other=0)
     moff = tl.load(gtab_ptr + gv * 3 + 2, mask=fields_ok, other=0)

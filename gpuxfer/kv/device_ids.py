@@ -1,16 +1,16 @@
 """Requests whose block IDs live on the device (an engine's block table is already there): the host never
 reads them. :meth:`KVAgent.prepare <gpuxfer.kv.agent.KVAgent.prepare>` checks what the tensors' shapes say
-(the counts cover the same tokens, the dtypes, the device) and keeps a header per request shape; each post
-copies the IDs device to device into a slot of the route, and the slot's checked graph checks them before
-anything moves (:mod:`gpuxfer.kernels.id_check_kernel`)::
+(the counts cover the same tokens, the dtypes, the device) and keeps a header per request shape; its
+request array is that header and the addresses of the ID tensors; the slot's checked graph reads the IDs
+from those tensors and checks them before anything moves (:mod:`gpuxfer.kernels.id_check_kernel`)::
 
     prepare (host, O(groups))            post (host)                              stream
     -------------------------            -----------                              ------
     the IDs' shapes, dtypes, device;     take a free slot of the route
     the header of this request shape     copy_async(slot.req, header)        ->   header, status := 0
-    (kept per route)                     copy_async(slot.req | slot.in32,         every group's IDs,
-                                                    each ID tensor)          ->     device to device
-                                         launch_graph(slot.checked_graph)    ->   check: ranges, a destination
+    (kept per route) + the tensors'      launch_graph(slot.checked_graph)    ->   check: the IDs read from the
+    addresses, in a pooled host array                                               tensors into the request;
+                                                                                    ranges, a destination
                                                                                     twice (status |= bits)
                                                                                   settle: marks cleared; bad ->
                                                                                     the header's rows zeroed
@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Mapping
 import numpy as np
 
 from ..errors import BadInput, BlockIdError
-from ..kernels.id_check_kernel import (CHECK_DEST_RANGE, CHECK_DEST_TWICE, CHECK_FIELDS_FIXED, CHECK_SOURCE_RANGE)
+from ..kernels.id_check_kernel import (CHECK_DEST_RANGE, CHECK_DEST_TWICE, CHECK_FIELDS_FIXED, CHECK_FIELDS_PER_GROUP,
+                                      CHECK_SOURCE_RANGE)
 from ..platforms.base import Stream
 from .layers import _torch
 from .triton_transfer import _SlotTransfer
@@ -67,6 +68,8 @@ class _DeviceRoute:
         ids = route.ids
         table = [(a, b, int(off)) for (a, b), off in zip(ids.limits, ids.class_offsets)]
         self.gtab = torch.tensor(table, dtype=torch.int64, device=device).reshape(len(table), 3)
+        self.device = device
+        self.index = -1 if device.type == "cpu" else (device.index or 0)     # what Tensor.get_device() says
         self.n_words = max(1, -(-int(ids.class_span) // 32))
         self.headers: dict = {}
         self.lock = threading.Lock()
@@ -75,11 +78,11 @@ class _DeviceRoute:
 class _Header:
     """A request shape's header (a host array, never written once made), its size and layout."""
 
-    __slots__ = ("tensor", "ptr", "nbytes", "entries", "starts", "n_seg", "n_rows", "nbytes_moved")
+    __slots__ = ("array", "addresses", "entries", "n_seg", "n_rows", "nbytes_moved")
 
-    def __init__(self, tensor, starts: list[int], entries: int, n_seg: np.ndarray, n_rows: int, moved: int):
-        self.tensor, self.ptr, self.nbytes = tensor, tensor.data_ptr(), int(tensor.numel()) * 8
-        self.starts, self.entries, self.n_seg, self.n_rows, self.nbytes_moved = starts, entries, n_seg, n_rows, moved
+    def __init__(self, array: np.ndarray, addresses: int, entries: int, n_seg: np.ndarray, n_rows: int, moved: int):
+        self.array, self.addresses = array, addresses       # the tensors' addresses go at [addresses, len(array))
+        self.entries, self.n_seg, self.n_rows, self.nbytes_moved = entries, n_seg, n_rows, moved
 
 
 def _header(agent: "KVAgent", route: "_Route", dev: _DeviceRoute, lens_s: tuple, lens_d: tuple, n_seg: tuple,
@@ -90,18 +93,16 @@ def _header(agent: "KVAgent", route: "_Route", dev: _DeviceRoute, lens_s: tuple,
         return h
     P, G = route.plane_group.size, len(n_seg)
     head = P + 1 + 3 * G
-    first = head + CHECK_FIELDS_FIXED + 2 * G
+    first = head + CHECK_FIELDS_FIXED + CHECK_FIELDS_PER_GROUP * G
     starts = list(itertools.accumulate(lens_s + lens_d, initial=first))
-    torch = _torch()
-    t = torch.zeros(first, dtype=torch.int64, pin_memory=not agent.platform.host_memory)
-    a = t.numpy()
+    a = np.zeros(first, dtype=np.int64)
     a[P + 1:head] = list(n_seg) + starts[:-1]
     np.cumsum(a[P + 1:P + 1 + G][route.plane_group], out=a[1:P + 1])
     a[head + 1] = 1 if wide else 0
     a[head + 2:head + 2 + G] = lens_s
-    a[head + 2 + G:first] = lens_d
+    a[head + 2 + G:head + 2 + 2 * G] = lens_d
     moved = sum(n * b for n, b in zip(n_seg, route.group_bytes))
-    h = _Header(t, starts, starts[-1], np.array(n_seg, dtype=np.int64), int(a[P]), moved)
+    h = _Header(a, head + 2 + 2 * G, starts[-1], np.array(n_seg, dtype=np.int64), int(a[P]), moved)
     with dev.lock:
         if len(dev.headers) >= HEADERS_KEPT:
             dev.headers.pop(next(iter(dev.headers)))
@@ -116,27 +117,23 @@ def prepare_device(agent: "KVAgent", peer: "KVPeer", route: "_Route", op: str, n
         raise BadInput(f"request {name!r}: block IDs on the device need the triton engine; peer {peer.name!r} "
                        f"runs {peer.engine!r} (pass the IDs on the host)")
     torch = _torch()
-    device = agent._torch_device()
+    dev = route.device_ids
+    if dev is None:
+        dev = route.device_ids = _DeviceRoute(route, agent._torch_device())
+    T, where = torch.Tensor, dev.index
     push = op == "push"
     srcs, dsts, n_seg, lens_s, lens_d = [], [], [], [], []
     dtype = None
     for g, (rs, rd) in zip(route.groups, route.ids.splits):
-        pair = []
-        for side, ids in (("local blocks", local_blocks[g]), ("remote blocks", remote_blocks[g])):
-            what = f"request {name!r}, group {g!r}, {side}"
-            if not isinstance(ids, torch.Tensor) or ids.device != device:
-                raise BlockIdError(f"{what}: block IDs on the device must be tensors on {device}, got "
-                                   f"{type(ids).__name__ if not isinstance(ids, torch.Tensor) else ids.device}")
-            if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1 or not ids.is_contiguous():
-                raise BlockIdError(f"{what}: block IDs on the device must be a contiguous 1-D int32 or int64 "
-                                   f"tensor, got {ids.dtype} {tuple(ids.shape)}")
-            if dtype is None:
-                dtype = ids.dtype
-            elif ids.dtype != dtype:
-                raise BlockIdError(f"{what}: {ids.dtype} beside {dtype}: a request's device IDs share one dtype")
-            pair.append(ids)
-        s, d = pair if push else pair[::-1]
-        a, b = int(s.shape[0]), int(d.shape[0])
+        mine, theirs = local_blocks[g], remote_blocks[g]
+        if dtype is None:
+            dtype = getattr(mine, "dtype", None)
+        for t in (mine, theirs):
+            if type(t) is not T or t.get_device() != where or t.dtype is not dtype or t.dim() != 1 \
+                    or not t.is_contiguous() or (dtype is not torch.int32 and dtype is not torch.int64):
+                _refuse(name, g, "local blocks" if t is mine else "remote blocks", t, dev.device, dtype)
+        s, d = (mine, theirs) if push else (theirs, mine)
+        a, b = s.shape[0], d.shape[0]
         n = a if rs == 1 else b
         if -(-n // rs) != a or -(-n // rd) != b:
             raise BlockIdError(f"request {name!r}, group {g!r}: {a} source and {b} destination blocks do not "
@@ -146,14 +143,26 @@ def prepare_device(agent: "KVAgent", peer: "KVPeer", route: "_Route", op: str, n
         n_seg.append(n)
         lens_s.append(a)
         lens_d.append(b)
-    if route.device_ids is None:
-        route.device_ids = _DeviceRoute(route, device)
-    wide = dtype == torch.int64
-    head = _header(agent, route, route.device_ids, tuple(lens_s), tuple(lens_d), tuple(n_seg), wide)
-    width = 8 if wide else 4
-    pieces = tuple((at * width, t.data_ptr(), int(t.shape[0]) * width, t)
-                   for at, t in zip(head.starts, srcs + dsts) if t.shape[0])
-    return _DeviceIdTransfer(agent, peer, route, op, name, head, pieces, wide, notify_slot)
+    head = _header(agent, route, route.device_ids, tuple(lens_s), tuple(lens_d), tuple(n_seg), dtype == torch.int64)
+    tensors = srcs + dsts
+    n = head.array.shape[0]
+    pooled, h = agent._requests.take(n, agent._reap_locked)
+    h[:] = head.array
+    h[head.addresses:] = [t.data_ptr() for t in tensors]
+    return _DeviceIdTransfer(agent, peer, route, op, name, head, pooled, h, tensors, notify_slot)
+
+
+def _refuse(name: str, group: str, side: str, ids, device, dtype) -> None:
+    """The :class:`BlockIdError` of a device-ID request's tensor that is not what :func:`prepare_device` takes."""
+    torch = _torch()
+    what = f"request {name!r}, group {group!r}, {side}"
+    if not isinstance(ids, torch.Tensor) or ids.device != device:
+        raise BlockIdError(f"{what}: block IDs on the device must be tensors on {device}, got "
+                           f"{ids.device if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+    if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1 or not ids.is_contiguous():
+        raise BlockIdError(f"{what}: block IDs on the device must be a contiguous 1-D int32 or int64 tensor, got "
+                           f"{ids.dtype} {tuple(ids.shape)}")
+    raise BlockIdError(f"{what}: {ids.dtype} beside {dtype}: a request's device IDs share one dtype")
 
 
 class _StatusWords:
@@ -208,16 +217,15 @@ class _DeviceIdTransfer(_SlotTransfer):
     """The ``triton`` engine's transfer of a request whose IDs are device tensors (see the module)."""
 
     def __init__(self, agent: "KVAgent", peer: "KVPeer", route: "_Route", op: str, name: str, head: _Header,
-                 pieces: tuple, wide: bool, notify_slot: int | None):
-        self._header = head
-        self._pieces = pieces            # (byte offset in the slot's buffer, source address, bytes, tensor)
-        self._wide = wide
+                 pooled, array: np.ndarray, tensors: list, notify_slot: int | None):
+        self._tensors = tensors          # the caller's IDs: read by the posts' check, kept alive with the transfer
+        self._pooled = pooled
+        self._array = array
         self._entries = head.entries
-        self._host_ptr = head.ptr
-        self._pooled = None
-        super(_SlotTransfer, self).__init__(agent, peer, route, op, name, head.n_seg, head.tensor, None, None, 0,
+        self._host_ptr = pooled[0].data_ptr()
+        super(_SlotTransfer, self).__init__(agent, peer, route, op, name, head.n_seg, pooled[0], None, None, 0,
                                             [], notify_slot, head.n_rows, head.nbytes_moved)
-        self._req_bytes = head.nbytes
+        self._req_bytes = int(array.shape[0]) * 8
 
     def _run(self, s: Stream, expand_only: bool = False):
         agent, plat = self.agent, self.agent.platform
@@ -226,9 +234,6 @@ class _DeviceIdTransfer(_SlotTransfer):
         own = s is agent.stream         # the agent's stream: its calls bound once (Platform.stream_calls)
         copy = agent._calls.copy if own else (lambda d, src, n: plat.copy_async(s, d, src, n))
         copy(slot.req_ptr, self._host_ptr, self._req_bytes)
-        base = slot.req_ptr if self._wide else checked.in32_ptr
-        for at, src, nbytes, _ in self._pieces:
-            copy(base + at, src, nbytes)
         if expand_only:
             plat.launch(s, checked.check_and_expand)
         elif checked.graph is not None:
@@ -273,21 +278,19 @@ class _DeviceIdTransfer(_SlotTransfer):
 
 
 class _Checked:
-    """A slot's parts for device-ID requests, made on the slot's first such post: the int32 ID buffer, the marks
-    bitmap (zeroed), the check and settle launches and the checked graph (check, settle, expand, copies)."""
+    """A slot's parts for device-ID requests, made on the slot's first such post: the marks bitmap (zeroed), the
+    check and settle launches and the checked graph (check, settle, expand, copies)."""
 
-    __slots__ = ("in32", "in32_ptr", "marks", "check", "settle", "graph", "status_at", "slot")
+    __slots__ = ("marks", "check", "settle", "graph", "status_at", "slot")
 
     def __init__(self, agent: "KVAgent", route: "_Route", slot, device):
         from ..kernels.blocks import check_ids_launchers, request_header_len
         torch = _torch()
         dev = route.device_ids
         self.slot = slot
-        self.in32 = torch.zeros(slot.entries, dtype=torch.int32, device=device)
-        self.in32_ptr = self.in32.data_ptr()
         self.marks = torch.zeros(dev.n_words, dtype=torch.int32, device=device)
         self.status_at = request_header_len(int(route.plane_group.size), len(route.groups))
-        launches = check_ids_launchers(slot.req, self.in32, dev.gtab, self.marks, n_planes=int(route.plane_group.size),
+        launches = check_ids_launchers(slot.req, dev.gtab, self.marks, n_planes=int(route.plane_group.size),
                                        n_groups=len(route.groups))
         self.check, self.settle = launches if launches is not None else (None, None)
         self.graph = None
@@ -326,11 +329,10 @@ def make_checked(agent: "KVAgent", route: "_Route", slot, s: Stream) -> _Checked
     torch = _torch()
     if not plat.kernels_interpreted:
         G = len(route.groups)
-        scratch = (torch.zeros(checked.status_at + 2 + 2 * G, dtype=torch.int64, device=device),
-                   torch.zeros(checked.status_at + 2 + 2 * G, dtype=torch.int32, device=device),
-                   torch.zeros(1, dtype=torch.int32, device=device))
+        scratch = (torch.zeros(checked.status_at + CHECK_FIELDS_FIXED + CHECK_FIELDS_PER_GROUP * G, dtype=torch.int64,
+                               device=device), torch.zeros(1, dtype=torch.int32, device=device))
         plat.stream_wait_event(s, plat.record_event(plat.current_stream(agent.device)))
-        check, settle = check_ids_launchers(scratch[0], scratch[1], route.device_ids.gtab, scratch[2],
+        check, settle = check_ids_launchers(scratch[0], route.device_ids.gtab, scratch[1],
                                             n_planes=int(route.plane_group.size), n_groups=G)
         native = plat.native_stream(s)
         if native is None:

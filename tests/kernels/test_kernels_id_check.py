@@ -27,17 +27,19 @@ def _guards_intact(whole, n: int) -> bool:
     return bool((whole[:GUARD] == 0x5A).all() and (whole[GUARD + n:] == 0x5A).all())
 
 
-def _request(P: int, groups: list[tuple[list[int], list[int]]], wide: bool, extra: int = 0):
-    """A well-formed request array of ``P`` planes (one group per plane row's count is irrelevant here) and the
-    int32 copy of its IDs."""
+def _request(P: int, groups: list[tuple[list[int], list[int]]], wide: bool):
+    """A well-formed request array of ``P`` planes for ``groups`` (source, destination IDs each), the IDs in tensors
+    of their own (int64 or int32) whose addresses the check fields hold: ``(request, its whole, the tensors,
+    header length, entries)``."""
     G = len(groups)
     head = request_header_len(P, G)
-    first = head + 2 + 2 * G
+    first = head + 2 + 4 * G
     lens = [len(s) for s, _ in groups] + [len(d) for _, d in groups]
     starts = np.cumsum([first] + lens)
-    n = int(starts[-1]) + extra
+    n = int(starts[-1])
     req, req_whole = _window(n, torch.int64)
-    in32, in32_whole = _window(n, torch.int32)
+    dtype = torch.int64 if wide else torch.int32
+    tensors = [torch.tensor(ids, dtype=dtype) for ids in [s for s, _ in groups] + [d for _, d in groups]]
     for g in range(G):
         req[P + 1 + g] = max(len(groups[g][0]), len(groups[g][1]))
         req[P + 1 + G + g] = int(starts[g])
@@ -45,14 +47,13 @@ def _request(P: int, groups: list[tuple[list[int], list[int]]], wide: bool, extr
     req[head + 1] = 1 if wide else 0
     for g, (s, d) in enumerate(groups):
         req[head + 2 + g], req[head + 2 + G + g] = len(s), len(d)
-    target = req if wide else in32
-    ids = [x for s, _ in groups for x in s] + [x for _, d in groups for x in d]
-    target[first:first + len(ids)] = torch.tensor(ids, dtype=target.dtype)
-    return req, req_whole, in32, in32_whole, head, n
+    for k, t in enumerate(tensors):
+        req[head + 2 + 2 * G + k] = t.data_ptr()
+    return req, req_whole, tensors, head, n
 
 
-def _run(req, in32, gtab, marks, P, G):
-    check, settle = check_ids_launchers(req, in32, gtab, marks, n_planes=P, n_groups=G, programs_per_group=2)
+def _run(req, gtab, marks, P, G):
+    check, settle = check_ids_launchers(req, gtab, marks, n_planes=P, n_groups=G, programs_per_group=2)
     check()
     settle()
 
@@ -69,17 +70,17 @@ def _run(req, in32, gtab, marks, P, G):
 ])
 def test_findings_and_settle(wide, groups, bits):
     P, G = 3, len(groups)
-    req, _, in32, _, head, n = _request(P, groups, wide)
+    req, _, tensors, head, n = _request(P, groups, wide)
     req[:P + 1] = torch.arange(1, P + 2)
     gtab = torch.tensor([[8, 10, 0]] * G, dtype=torch.int64)      # one destination class: mark offset 0 for all
     marks = torch.zeros(1, dtype=torch.int32)
     before = req.clone()
-    _run(req, in32, gtab, marks, P, G)
+    _run(req, gtab, marks, P, G)
     assert int(req[head]) == bits
     assert int(marks.abs().sum()) == 0                             # every mark the request set is cleared
-    first = head + 2 + 2 * G
+    first = head + 2 + 4 * G
     ids = [x for s, _ in groups for x in s] + [x for _, d in groups for x in d]
-    assert req[first:first + len(ids)].tolist() == ids              # widened (int32) or left (int64)
+    assert req[first:first + len(ids)].tolist() == ids              # read from the tensors, as int64
     if bits:
         assert int(req[:P + 1 + G].abs().sum()) == 0                # nothing for the expansion and copies
         assert torch.equal(req[P + 1 + G:head], before[P + 1 + G:head])
@@ -89,39 +90,37 @@ def test_findings_and_settle(wide, groups, bits):
 
 def test_launcher_checks_its_tensors():
     req = torch.zeros(64, dtype=torch.int64)
-    in32 = torch.zeros(64, dtype=torch.int32)
     gtab = torch.zeros((1, 3), dtype=torch.int64)
     marks = torch.zeros(4, dtype=torch.int32)
-    with pytest.raises(BadInput, match="in32"):
-        check_ids_launchers(req, in32[:10], gtab, marks, n_planes=2, n_groups=1)
     with pytest.raises(BadInput, match="marks"):
-        check_ids_launchers(req, in32, gtab, marks.long(), n_planes=2, n_groups=1)
+        check_ids_launchers(req, gtab, marks.long(), n_planes=2, n_groups=1)
     with pytest.raises(BadInput, match="gtab"):
-        check_ids_launchers(req, in32, gtab, marks, n_planes=2, n_groups=2)
+        check_ids_launchers(req, gtab, marks, n_planes=2, n_groups=2)
     with pytest.raises(BadInput, match="header and check fields need"):
-        check_ids_launchers(req[:8], in32, gtab, marks, n_planes=2, n_groups=1)
+        check_ids_launchers(req[:8], gtab, marks, n_planes=2, n_groups=1)
 
 
 word = st.one_of(st.integers(-(1 << 63), (1 << 63) - 1), st.integers(-40, 80))
 
 
 @settings(max_examples=60, deadline=None)
-@given(P=st.integers(0, 3), G=st.integers(1, 3), body=st.lists(word, min_size=0, max_size=80),
+@given(P=st.integers(0, 3), wide=st.booleans(), groups=st.lists(
+           st.tuples(st.lists(word, max_size=20), st.lists(word, max_size=20)), min_size=1, max_size=3),
+       forged=st.lists(st.tuples(st.integers(0, 200), word), max_size=12),
        table=st.lists(st.integers(-(1 << 40), 1 << 40), min_size=9, max_size=9), n_words=st.integers(1, 3))
-def test_any_request_content_stays_in_its_buffers(P, G, body, table, n_words):
-    """Forged request arrays (any header, check fields, offsets and IDs) and group tables: every access stays
-    inside the request, the int32 buffer and the bitmap."""
-    head = request_header_len(P, G)
-    n = head + 2 + 2 * G + len(body)
-    req, req_whole = _window(n, torch.int64)
-    in32, in32_whole = _window(n, torch.int32)
+def test_any_request_content_stays_in_its_buffers(P, wide, groups, forged, table, n_words):
+    """Forged requests -- any header (rows, counts, where each group's IDs go), any IDs, any group table -- with
+    the host's own fields (the tensors' addresses and how many IDs each holds) left as written: every write
+    stays inside the request and the bitmap."""
+    if not wide:
+        groups = [([x % (1 << 31) for x in s], [x % (1 << 31) for x in d]) for s, d in groups]
+    G = len(groups)
+    req, req_whole, tensors, head, n = _request(P, groups, wide)
+    trusted = set(range(head + 2, head + 2 + 4 * G))
+    for at, value in forged:
+        if at < n and at not in trusted:
+            req[at] = value
     marks, marks_whole = _window(n_words, torch.int32)
-    req[:min(n, len(body))] = torch.tensor(body[:n], dtype=torch.int64)[:min(n, len(body))]
-    if len(body) > n // 2:
-        req[head + 1:head + 2 + 2 * G] = torch.tensor(body[:1 + 2 * G], dtype=torch.int64)[:1 + 2 * G] if \
-            len(body) >= 1 + 2 * G else req[head + 1:head + 2 + 2 * G]
-    in32.copy_(torch.tensor([(x & 0xFFFFFFFF) - (1 << 32) * ((x >> 31) & 1) for x in (body + [0] * n)[:n]],
-                            dtype=torch.int32))
     gtab = torch.tensor(table[:3 * G], dtype=torch.int64).reshape(G, 3)
-    _run(req, in32, gtab, marks, P, G)
-    assert _guards_intact(req_whole, n) and _guards_intact(in32_whole, n) and _guards_intact(marks_whole, n_words)
+    _run(req, gtab, marks, P, G)
+    assert _guards_intact(req_whole, n) and _guards_intact(marks_whole, n_words)
