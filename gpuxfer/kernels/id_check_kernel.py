@@ -140,6 +140,6 @@ def settle_ids_kernel(req_ptr, gtab_ptr, marks_ptr, n_groups, head, req_len, n_w
         status = tl.load(req_ptr + h, mask=h < rl, other=0)
         bad = status != 0
         nz = tl.minimum(zero + n_zero, tl.minimum(h, rl))
-        for start in range(0, n_zero, BLOCK):
-            i = start + lanes
+        for z in range(0, n_zero, BLOCK):
+            i = z + lanes
             tl.store(req_ptr + i, zero, mask=bad & (i < nz))

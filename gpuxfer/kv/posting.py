@@ -105,6 +105,19 @@ class _PostResources:
                 self.graphs = False
         return slot
 
+    def device_bytes(self) -> dict[str, int]:
+        """Device memory this agent holds beyond the registered caches and its flag words, in bytes: the routes'
+        slots -- descriptor buffers (``(rows, 3)`` int64: 24 bytes per descriptor of the largest request a slot
+        ran), request buffers and the device ID check's bitmaps -- and the pack engine's staging slots; with the
+        number of routes and slots."""
+        routes = {id(r): r for r in list(self._routes.values())}.values()
+        slots = [s for r in routes for s in list(r.slots)]
+        return {"routes": len(routes), "slots": len(slots),
+                "descriptors": sum(s.rows * 24 for s in slots),
+                "requests": sum(s.entries * 8 for s in slots),
+                "id_marks": sum(s._checked.marks.numel() * 4 for s in slots if s._checked is not None),
+                "pack_staging": self.staging.nbytes if self.staging is not None else 0}
+
     def _pack_shape(self, x: "_PackTransfer") -> "_PackShape":
         """The cached :class:`_PackShape` of ``x``'s shape (built on first use; the least recently used of
         more than :data:`PACK_SHAPES` goes: posts in flight keep theirs alive through :meth:`_track`)."""

@@ -8,6 +8,7 @@ import pytest
 from gpuxfer.kernels import launch as kl
 from gpuxfer.kernels.block_kernel import expand_kernel
 from gpuxfer.kernels.copy_kernel import copy_kernel
+from gpuxfer.kernels.id_check_kernel import check_ids_kernel, settle_ids_kernel
 
 
 def _compile(kernel, signature: dict, constexprs: dict, **options):
@@ -49,3 +50,13 @@ def test_pack_of_rows_of_one_size_compiles_for_sm90(mode, nbytes):
            "lo_at": "i32", "hi_at": "i32", "row_bytes": "i32"}
     _compile(copy_kernel, sig, {"MODE": mode, "ALIGN": 16, "ROWS": cfg.rows, "W": cfg.width, "UNROLL": cfg.unroll,
                                 "LOAD_CACHE": "", "STORE_CACHE": "", "DEVICE_RANGE": False}, num_warps=cfg.num_warps)
+
+
+@pytest.mark.parametrize("ints", ["i32", "i64"])     # as Triton types the integers by their values
+@pytest.mark.parametrize("kernel", [check_ids_kernel, settle_ids_kernel])
+def test_device_id_check_compiles_for_sm90(kernel, ints):
+    sig = {"req_ptr": "*i64", "gtab_ptr": "*i64", "marks_ptr": "*i32", "n_groups": ints, "head": ints,
+           "req_len": ints, "n_words": ints}
+    if kernel is settle_ids_kernel:
+        sig["n_zero"] = ints
+    _compile(kernel, sig, {"BLOCK": 1024}, num_warps=4)

@@ -255,3 +255,19 @@ def test_same_verdict_and_bytes_as_host_ids(dpair, s_ids, d_ids, narrow):
     assert (host_err is None) == (dev_err is None), (host_err, dev_err)
     assert torch.equal(a1.flat, host_bytes if host_err is None else snap)
     a1.flat.copy_(snap)
+
+
+def test_device_bytes_counts_the_slots(dpair):
+    """What the routes' slots hold on the device is counted: descriptors, request buffers, the check's bitmap."""
+    pre, dec, a0, a1 = dpair
+    _full(pre, dec, a0, a1)
+    peer, _ = connect(pre, dec)
+    assert dec.device_bytes()["slots"] == 0
+    dec.prepare(peer, "pull", local_blocks={"full": _on(dec, [1, 2])}, remote_blocks={"full": _on(dec, [3, 4])},
+                device_ids=True).post().wait(60)
+    got = dec.device_bytes()
+    assert got["slots"] == 1 and got["routes"] >= 1
+    slot = next(s for r in dec._routes.values() for s in r.slots)
+    assert got["descriptors"] == slot.rows * 24 and got["requests"] == slot.entries * 8
+    assert got["id_marks"] == slot._checked.marks.numel() * 4 > 0
+    assert got["pack_staging"] == 0
