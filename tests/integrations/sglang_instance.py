@@ -5,12 +5,14 @@ bootstrap server (prefill), KV manager, sender and receiver classes, chosen by t
 metadata rows). Every page and row is filled with bytes known from a seed, so the decode side checks each
 byte it got.
 
-The prefill rank runs SGLang's own ``PrefillBootstrapQueue`` (which builds its ``KVArgs`` from the pool and
-makes the KV manager and each request's ``KVSender``) and its scheduler's ``send_kv_chunk``
-(tests/integrations/sglang_queues.py): ``queue_add`` then ``queue_run``; ``senders``/``send`` call the
-``KVSender`` directly instead. The decode rank replays the decode queues' calls in their order:
-``KVReceiver(...)``, ``try_ensure_parallel_info``, ``init``, ``send_metadata``, then ``poll``. A full SGLang
-server cannot run on a CPU (no CPU build of ``sgl_kernel``).
+Each rank runs SGLang's own queues over stand-ins for what they read of a scheduler
+(tests/integrations/sglang_queues.py). The prefill: ``PrefillBootstrapQueue`` (which builds its ``KVArgs`` from
+the pool and makes the KV manager and each request's ``KVSender``) and its scheduler's ``send_kv_chunk``:
+``queue_add`` then ``queue_run``; ``senders``/``send`` call the ``KVSender`` directly instead. The decode:
+``DecodePreallocQueue`` (its ``KVArgs``, KV manager and each request's ``KVReceiver``) and
+``DecodeTransferQueue`` driven by the scheduler's ``process_decode_queue`` over SGLang's allocators and
+req-to-token pool: ``requests`` then ``finish``; ``receivers`` makes the receiver calls by hand onto fixed pages
+(the benchmark's). A full SGLang server cannot run on a CPU (no CPU build of ``sgl_kernel``).
 
 The parent drives it over a pipe (:class:`Rank`); the child runs :func:`serve`.
 """

@@ -1,12 +1,21 @@
-"""SGLang 0.5.23's prefill-side queue code, run without a model: its ``PrefillBootstrapQueue`` (which builds the
-rank's ``KVArgs`` from the KV pool and makes the KV manager and each request's ``KVSender``) and the prefill
-scheduler's ``send_kv_chunk`` (SGLang's ``SchedulerDisaggregationPrefillMixin``: page indices from the
-request's token locations, a partial last page held back until the last chunk, the metadata row with it).
+"""SGLang 0.5.23's disaggregation queue code, run without a model.
 
-What a real scheduler would hold and these do not need (a model, a radix cache, GPU pools) is stood in for by
-the few attributes the queue code reads: :class:`Pool` (SGLang's MHA or MLA pool class, its buffers this
-rank's), :class:`Req`, :class:`MetadataRows` and :class:`PrefillScheduler`. Imported only in a spawned rank
-process (``sglang_instance``) where SGLang is installed.
+Prefill: its ``PrefillBootstrapQueue`` (which builds the rank's ``KVArgs`` from the KV pool and makes the KV
+manager and each request's ``KVSender``) and the prefill scheduler's ``send_kv_chunk`` (SGLang's
+``SchedulerDisaggregationPrefillMixin``: page indices from the request's token locations, a partial last page
+held back until the last chunk, the metadata row with it). What a real scheduler would hold and these do not
+need (a model, a radix cache, GPU pools) is stood in for by the few attributes the queue code reads:
+:class:`Pool` (SGLang's MHA or MLA pool class, its buffers this rank's), :class:`Req`, :class:`MetadataRows`
+and :class:`PrefillScheduler`.
+
+Decode: its ``DecodePreallocQueue`` (the rank's ``KVArgs``, KV manager and each request's ``KVReceiver``; the
+handshake, admission, page allocation and ``send_metadata``) and ``DecodeTransferQueue`` (polling, the metadata
+gate, committing or failing and releasing each request), run by the decode scheduler's own
+``process_decode_queue`` (``SchedulerDisaggregationDecodeMixin``) over SGLang's ``Req``, ``DecodeReqToTokenPool``,
+token or paged KV allocator and (disabled) ``RadixCache``; the scheduler's attributes the queues read and the
+metadata buffers are stood in for (:func:`decode_scheduler`, :class:`MetadataRows`).
+
+Imported only in a spawned rank process (``sglang_instance``) where SGLang is installed.
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """gpuxfer as SGLang 0.5.23's transfer backend, through SGLang's own classes: two spawned processes (a
 prefill rank with SGLang's real bootstrap server, ``PrefillBootstrapQueue`` and ``send_kv_chunk``; a decode
-rank making the decode queues' calls in their order), the backend chosen by name through the
-``sglang.srt.plugins`` entry point (tests/integrations/sglang_instance.py, sglang_queues.py), MHA and MLA
-pools at 1-, 16- and 64-token pages, every byte of every page and metadata row checked.
+rank with SGLang's ``DecodePreallocQueue`` and ``DecodeTransferQueue`` run by ``process_decode_queue``), the
+backend chosen by name through the ``sglang.srt.plugins`` entry point (tests/integrations/sglang_instance.py,
+sglang_queues.py), MHA and MLA pools at 1-, 16- and 64-token pages, every byte of every page and metadata row
+checked.
 
 SGLang is not a dependency: without it these tests skip, unless GPUXFER_REQUIRE_SGLANG=1 (CI's SGLang step),
 which makes a missing SGLang a failure.
