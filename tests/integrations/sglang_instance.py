@@ -5,12 +5,14 @@ bootstrap server (prefill), KV manager, sender and receiver classes, chosen by t
 metadata rows). Every page and row is filled with bytes known from a seed, so the decode side checks each
 byte it got.
 
-The prefill rank runs SGLang's own ``PrefillBootstrapQueue`` (which builds its ``KVArgs`` from the pool and
-makes the KV manager and each request's ``KVSender``) and its scheduler's ``send_kv_chunk``
-(tests/integrations/sglang_queues.py): ``queue_add`` then ``queue_run``; ``senders``/``send`` call the
-``KVSender`` directly instead. The decode rank replays the decode queues' calls in their order:
-``KVReceiver(...)``, ``try_ensure_parallel_info``, ``init``, ``send_metadata``, then ``poll``. A full SGLang
-server cannot run on a CPU (no CPU build of ``sgl_kernel``).
+Each rank runs SGLang's own queues over stand-ins for what they read of a scheduler
+(tests/integrations/sglang_queues.py). The prefill: ``PrefillBootstrapQueue`` (which builds its ``KVArgs`` from
+the pool and makes the KV manager and each request's ``KVSender``) and its scheduler's ``send_kv_chunk``:
+``queue_add`` then ``queue_run``; ``senders``/``send`` call the ``KVSender`` directly instead. The decode:
+``DecodePreallocQueue`` (its ``KVArgs``, KV manager and each request's ``KVReceiver``) and
+``DecodeTransferQueue`` driven by the scheduler's ``process_decode_queue`` over SGLang's allocators and
+req-to-token pool: ``requests`` then ``finish``; ``receivers`` makes the receiver calls by hand onto fixed pages
+(the benchmark's). A full SGLang server cannot run on a CPU (no CPU build of ``sgl_kernel``).
 
 The parent drives it over a pipe (:class:`Rank`); the child runs :func:`serve`.
 """
@@ -20,6 +22,7 @@ import os
 import sys
 import time
 import traceback
+from types import SimpleNamespace
 
 import multiprocessing as mp
 
@@ -29,7 +32,9 @@ STUBS = os.path.join(HERE, "sglang_stubs")           # the torchvision stand-in 
 #: the pool's geometry: LAYERS layers, an MHA pool's K and V buffer per layer (2 * LAYERS entries) or an MLA
 #: pool's one buffer per layer (MLA_DIM elements per token), ``pages`` pages of ``page_size`` tokens per entry
 LAYERS, HEADS, HEAD_DIM, ITEMSIZE = 2, 2, 8, 2
-AUX_ITEM_LENS = (64, 128)
+#: the aux (metadata) buffers' bytes per row; the last is laid out as SGLang's ``bootstrap_room`` buffer (eight
+#: 64-bit slots, zero until the prefill's ``set_buf`` writes the request's room into slot 0)
+AUX_ITEM_LENS = (64, 128, 64)
 AUX_ROWS = 128
 
 
@@ -45,6 +50,23 @@ def item_len(page_size: int, mla: bool = False, heads: int = HEADS) -> int:
 
 
 _PATTERNS: dict = {}
+
+
+def aux_rows(seed: int, j: int, room: int | None = None, row: int | None = None):
+    """A rank of ``seed``'s aux buffer ``j`` (``AUX_ROWS`` rows): seeded bytes, the room buffer zero; with
+    ``room``, row ``row`` as the prefill's ``set_buf`` left it for that request (a copy)."""
+    import torch
+    n = AUX_ITEM_LENS[j]
+    if j == len(AUX_ITEM_LENS) - 1:
+        rows = torch.zeros((AUX_ROWS, n), dtype=torch.uint8)
+    else:
+        rows = pattern(seed, 1000 + j, AUX_ROWS * n).view(AUX_ROWS, n)
+    if room is None:
+        return rows
+    out = rows[row].clone()
+    if j == len(AUX_ITEM_LENS) - 1:
+        out.view(torch.int64)[0] = room
+    return out
 
 
 def pattern(seed: int, entry: int, nbytes: int):
@@ -110,7 +132,7 @@ class Rank:
 class _State:
     def __init__(self, spec: dict):
         import torch
-        from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend, get_kv_class
+        from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
         from sglang.srt.runtime_context import get_context
 
         self.spec = spec
@@ -124,7 +146,8 @@ class _State:
         # one rank of TP/DP/CP/PP size 1, as a single-GPU SGLang server's scheduler publishes itself
         from sglang.srt.runtime_context import get_parallel
         get_parallel().override_permanently(attn_tp_rank=0, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0,
-                                            dp_rank=0, tp_rank=0, pp_rank=0, pp_group=None)
+                                            dp_rank=0, tp_rank=0, pp_rank=0, pp_group=None,
+                                            attn_tp_group=SimpleNamespace(cpu_group=None))  # gloo: the world of one
         self.server = None
         if self.role == "prefill":
             self.server = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=self.port)
@@ -136,51 +159,36 @@ class _State:
         self.item_len = self.item_lens[0]
         device = spec.get("device") or "cpu"
         self.kv = [pattern(self.seed, e, self.pages * il).to(device, copy=True) for e, il in enumerate(self.item_lens)]
-        self.aux = [pattern(self.seed, 1000 + j, AUX_ROWS * n).clone() for j, n in enumerate(AUX_ITEM_LENS)]
+        self.aux = [aux_rows(self.seed, j).clone().view(-1) for j in range(len(AUX_ITEM_LENS))]
         ptrs, lens = [t.data_ptr() for t in self.kv], [t.numel() for t in self.kv]
-        mode = DisaggregationMode.PREFILL if self.role == "prefill" else DisaggregationMode.DECODE
         self.driver = None
+        # SGLang's own queues build the rank's KVArgs from the pool and make the KV manager: the prefill's
+        # PrefillBootstrapQueue, the decode's DecodePreallocQueue
+        from sglang_queues import (DecodeQueueDriver, MetadataRows, QueueDriver, decode_scheduler, init_world_of_one,
+                                   make_pool, prefill_scheduler)
+        init_world_of_one()
+        pool = make_pool(self.mla, self.page_size, layers, heads, ptrs, lens, self.item_lens)
+        self.meta = MetadataRows(self.aux, AUX_ITEM_LENS)
         if self.role == "prefill":
-            # SGLang's own PrefillBootstrapQueue builds the KVArgs from the pool and makes the KV manager
-            from sglang_queues import MetadataRows, QueueDriver, init_world_of_one, make_pool, prefill_scheduler
-            init_world_of_one()
-            pool = make_pool(self.mla, self.page_size, layers, heads, ptrs, lens, self.item_lens)
-            sched = prefill_scheduler(pool=pool, meta=MetadataRows(self.aux, AUX_ITEM_LENS), page_size=self.page_size,
+            sched = prefill_scheduler(pool=pool, meta=self.meta, page_size=self.page_size,
                                       layers=layers, heads=heads, port=self.port, server_args=self.server_args,
                                       max_reqs=AUX_ROWS, max_tokens=self.pages * self.page_size, aux_rows=AUX_ROWS,
                                       backend=backend)
             self.driver = QueueDriver(sched, "127.0.0.1")
             self.mgr = sched.disagg_prefill_bootstrap_queue.kv_manager
-            self.kv_args = self.mgr.kv_args
         else:
-            self.kv_args = self._kv_args(ptrs, lens, layers, heads)
-            self.mgr = get_kv_class(backend, KVClassType.MANAGER)(self.kv_args, mode, self.server_args, self.mla)
+            sched = decode_scheduler(pool=pool, meta=self.meta, page_size=self.page_size, pages=self.pages,
+                                     layers=layers, server_args=self.server_args, max_reqs=AUX_ROWS,
+                                     aux_rows=AUX_ROWS, backend=backend, seed=self.seed)
+            self.driver = DecodeQueueDriver(sched, "127.0.0.1", self.port)
+            self.mgr = sched.disagg_decode_prealloc_queue.kv_manager
+        self.kv_args = self.mgr.kv_args
         self.sender_cls = get_kv_class(backend, KVClassType.SENDER)
         self.receiver_cls = get_kv_class(backend, KVClassType.RECEIVER)
         self.ends: dict[int, object] = {}           # room -> KVSender / KVReceiver
-        self.plan: dict[int, tuple] = {}            # decode: room -> (prefill pages, decode pages, rows)
+        self.plan: dict[int, tuple] = {}            # decode: room -> (prefill pages, decode pages, decode row)
         self.reasons: dict[int, str] = {}           # room -> the failure SGLang reported
         self.landed: set[int] = set()               # decode: rooms whose bytes were checked as the prefill's
-
-    def _kv_args(self, ptrs, lens, layers, heads):
-        """The decode rank's ``KVArgs`` as ``DecodePreallocQueue`` fills them for an MHA or MLA pool."""
-        from sglang.srt.disaggregation.base.conn import KVArgs
-        a = KVArgs()
-        a.engine_rank, a.pp_rank, a.system_dp_rank, a.rust_http_port = 0, 0, 0, None
-        a.kv_cache_dtype_str, a.kv_layout = "bfloat16", None
-        a.prefill_start_layer, a.prefill_end_layer, a.mla_compression_ratios = 0, layers, None
-        a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = ptrs, lens, list(self.item_lens)
-        a.num_draft_entries = 0
-        a.kv_layer_ids = []
-        a.kv_head_num, a.total_kv_head_num, a.page_size = heads, heads, self.page_size
-        a.aux_data_ptrs = [t.data_ptr() for t in self.aux]
-        a.aux_data_lens = [t.numel() for t in self.aux]
-        a.aux_item_lens = list(AUX_ITEM_LENS)
-        a.state_types, a.state_data_ptrs, a.state_data_lens, a.state_item_lens = [], [], [], []
-        a.state_layer_ids, a.state_dim_per_tensor, a.state_slice_outer_counts = [], [], []
-        a.state_conv_shard_groups, a.swa_kv_cache_layout, a.is_hybrid_mla_backend = [], None, False
-        a.ib_device, a.gpu_id, a.kv_buf_groups, a.hidden_kv_layers, a.draft_kv_layers = None, 0, 1, 0, 0
-        return a
 
     # -- prefill
 
@@ -225,6 +233,7 @@ class _State:
                     s.abort()
                     continue
                 pages = np.asarray(pages, dtype=np.int32)
+                self.meta.bootstrap_room[row, 0] = room     # what the scheduler's set_buf writes of the row
                 s.init(len(pages), row)
                 for i in range(0, len(pages), chunk):
                     s.send(pages[i:i + chunk])
@@ -233,15 +242,41 @@ class _State:
 
     # -- decode
 
+    def requests(self, plan, timeout):
+        """``plan``: ``(room, prompt tokens)``: each request added to SGLang's ``DecodePreallocQueue`` (which
+        makes its ``KVReceiver``), then the scheduler's ``process_decode_queue`` run until each request's pages
+        and metadata row went to the prefill (``pop_preallocated``: the prefill's parallel info, the
+        handshake, SGLang's allocators, ``send_metadata``) or the queue failed it. Returns room -> (decode
+        pages, decode row, its receiver's status)."""
+        rooms = [room for room, _ in plan]
+        for room, tokens in plan:
+            self.ends[room] = self.driver.add(room, tokens)
+        d = self.driver
+        if not d.until(lambda: all(r in d.sent or r in d.ended for r in rooms), timeout):
+            raise TimeoutError(f"rooms {[r for r in rooms if r not in d.sent]} not preallocated in {timeout} s")
+        for room in rooms:
+            if room in d.sent:
+                self.plan[room] = (None, *d.sent[room])
+        return {room: (*d.sent.get(room, (None, None)), self._poll_one(room)[0]) for room in rooms}
+
+    def finish(self, rooms, timeout):
+        """``process_decode_queue`` until every room of ``rooms`` left SGLang's queues or ``timeout`` passed:
+        room -> (``Success`` (``pop_transferred`` handed it to the decode batch) or ``Failed`` (its queue
+        aborted it), seconds since it was added, SGLang's abort message), ``("Pending", None, None)`` where
+        still queued."""
+        d = self.driver
+        d.until(lambda: all(r in d.ended for r in rooms), timeout)
+        return {r: d.ended.get(r, ("Pending", None, None)) for r in rooms}
+
     def receivers(self, plan, timeout):
-        """``plan``: ``(room, prefill pages, decode pages, prefill aux row, decode aux row)``: the calls the
-        decode queues make, in their order: each room's receiver made (``DecodePreallocQueue.add``), the
-        prefill's parallel info fetched (``_ensure_prefill_info``), ``init`` (the handshake), then
-        ``send_metadata`` with the room's pages and row (``pop_preallocated``)."""
+        """The benchmark's (scripts/sglang_backend_bench.py), which times the backend onto fixed pages: the
+        decode queues' receiver calls made by hand. ``plan``: ``(room, prefill pages, decode pages, prefill
+        aux row, decode aux row)``: each room's ``KVReceiver`` made, the prefill's parallel info fetched,
+        ``init`` (the handshake), then ``send_metadata`` with the room's pages and row."""
         import numpy as np
         for room, src, dst, src_row, dst_row in plan:
             self.ends[room] = self.receiver_cls(self.mgr, self.addr, room)
-            self.plan[room] = (src, dst, src_row, dst_row)
+            self.plan[room] = (src, dst, dst_row)
         deadline = time.monotonic() + timeout
         while not self.mgr.try_ensure_parallel_info(self.addr):
             if time.monotonic() > deadline:
@@ -254,22 +289,26 @@ class _State:
         return {room: self._poll_one(room)[0] for room, *_ in plan}
 
     def abort(self, rooms):
+        """SGLang's ``Scheduler.abort_request`` for each room's request (its receiver aborted in the queue
+        that holds it)."""
         for room in rooms:
-            self.ends[room].abort()
+            self.driver.sched.abort(f"req-{room}")
 
-    def check(self, rooms, prefill_seed, unknown=(), src_rows=None):
-        """Every byte of each room of ``rooms`` (its decode pages and metadata row) against the prefill's;
-        every other page and row against this rank's own bytes (nothing else was written), but those of the
-        rooms in ``unknown`` (an outcome the test does not pin down) and of rooms an earlier call checked.
-        ``src_rows``: room -> the prefill's metadata row, where the prefill's queue allocated it."""
-        if src_rows:
-            for room, row in src_rows.items():
-                src, dst, _, dst_row = self.plan[room]
-                self.plan[room] = (src, dst, row, dst_row)
+    def check(self, rooms, prefill_seed, unknown=(), src_rows=None, src_pages=None):
+        """Every byte of each room of ``rooms`` (its decode pages and the metadata row the transfer queue read,
+        or the row itself where no queue read it) against the prefill's; every other page and row against
+        this rank's own bytes (nothing else was written), but those of the rooms in ``unknown`` (an outcome
+        the test does not pin down) and of rooms an earlier call checked. ``src_rows`` / ``src_pages``: room
+        -> the prefill's metadata row / pages (else those ``receivers`` was given)."""
         bad, checked = {}, 0
         skip_pages, skip_rows = set(), set()
         for room in rooms:
-            src, dst, src_row, dst_row = self.plan[room]
+            src, dst, dst_row = self.plan[room]
+            src = (src_pages or {}).get(room, src)
+            src_row = (src_rows or {})[room]
+            got = self.meta.got.get(room)
+            if got is not None and got[0] != dst_row:
+                raise AssertionError(f"room {room}: its row {got[0]} read, {dst_row} sent")
             wrong = 0
             for e, t in enumerate(self.kv):
                 il = self.item_lens[e]
@@ -277,8 +316,8 @@ class _State:
                 wrong += int((t.view(self.pages, il)[list(dst)].cpu() != want[list(src)]).sum())
                 checked += len(dst) * il
             for j, (t, n) in enumerate(zip(self.aux, AUX_ITEM_LENS)):
-                want = pattern(prefill_seed, 1000 + j, AUX_ROWS * n).view(AUX_ROWS, n)
-                wrong += int((t.view(AUX_ROWS, n)[dst_row] != want[src_row]).sum())
+                row = got[1][j] if got is not None else t.view(AUX_ROWS, n)[dst_row]
+                wrong += int((row != aux_rows(prefill_seed, j, room, src_row)).sum())
                 checked += n
             bad[room] = wrong
             skip_pages.update(dst)
@@ -286,7 +325,7 @@ class _State:
         self.landed.update(rooms)
         for room in {*unknown, *self.landed}:          # rooms checked by an earlier call hold the prefill's bytes
             skip_pages.update(self.plan[room][1])
-            skip_rows.add(self.plan[room][3])
+            skip_rows.add(self.plan[room][2])
         keep = [p for p in range(self.pages) if p not in skip_pages]
         changed = 0
         for e, t in enumerate(self.kv):
@@ -295,8 +334,7 @@ class _State:
             changed += int((t.view(self.pages, il)[keep].cpu() != own[keep]).sum())
         rows = [r for r in range(AUX_ROWS) if r not in skip_rows]
         for j, (t, n) in enumerate(zip(self.aux, AUX_ITEM_LENS)):
-            own = pattern(self.seed, 1000 + j, AUX_ROWS * n).view(AUX_ROWS, n)
-            changed += int((t.view(AUX_ROWS, n)[rows] != own[rows]).sum())
+            changed += int((t.view(AUX_ROWS, n)[rows] != aux_rows(self.seed, j)[rows]).sum())
         return {"bad": bad, "checked": checked, "others_changed": changed}
 
     # -- the benchmark's (scripts/sglang_backend_bench.py)
@@ -399,7 +437,7 @@ class _State:
 
     def clear(self, rooms):
         for room in rooms:
-            if self.driver is not None:
+            if self.role == "prefill":
                 self.driver.release(room)
             end = self.ends.pop(room)
             if int(end.poll()) == 0:

@@ -1,5 +1,5 @@
 """gpuxfer's SGLang backend with CUDA KV buffers: a prefill and a decode rank in two processes on one GPU,
-SGLang's ``PrefillBootstrapQueue`` and ``send_kv_chunk`` on the prefill, the decode queues' calls on the decode
+SGLang's ``PrefillBootstrapQueue`` and ``send_kv_chunk`` on the prefill, its decode queues on the decode
 (tests/integrations/sglang_instance.py), every byte of every page and metadata row checked.
 
 Run on a GPU machine with SGLang's pure-Python tree on PYTHONPATH (scripts/sglang_device_tree.py):
