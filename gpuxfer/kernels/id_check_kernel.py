@@ -6,17 +6,20 @@ IDs, at ``head = P + 1 + 3G``::
 
     [head]                 status: 0 when uploaded; the check ORs its findings in (CHECK_* bits)
     [head + 1]             1: the caller's IDs are int64; 0: int32
-    [head + 2 + g]         group g's source IDs: how many
-    [head + 2 + G + g]     ... destination IDs: how many
-    [head + 2 + 2G + g]    the address of the caller's tensor of group g's source IDs
-    [head + 2 + 3G + g]    ... of its destination IDs
+    [head + 2 + g]         group g's destination IDs in all (where the header says they start)
+    [head + 2 + G + g]     where group g's pieces start in this array
+    [head + 2 + 2G + g]    how many pieces it has
+    a piece (4 entries):   0 (source IDs) or 1 (destination IDs), the address of a caller's tensor of them,
+                           how many IDs it holds, where they go in this array
 
+(one request: two pieces per group; several requests posted together: two per request and group, each
+group's sources one after another, then its destinations in the same order)
 and a *group table* ``gtab`` of ``(source blocks, destination blocks, mark offset)`` per group. ``marks`` is a
 bitmap over every group's destination blocks (bit ``mark offset + ID``; groups whose destination memory
 overlaps share their offsets), all zero between requests.
 
-:func:`check_ids_kernel` (grid ``(G, C)``): reads the caller's IDs and writes them into the request as int64
-(where the header says group g's IDs start), checks every source ID in ``[0, source blocks)``, every
+:func:`check_ids_kernel` (grid ``(G, C)``): program ``(g, c)`` reads group g's pieces -- the caller's IDs --
+and writes them into the request as int64, checks every source ID in ``[0, source blocks)``, every
 destination ID in ``[0, destination blocks)``, and each in-range destination sets its bit with an atomic OR:
 a bit found set is a destination named twice. :func:`settle_ids_kernel` (the same grid, a later launch): clears the bits
 the request set; where the status is not 0, program ``(0, 0)`` zeroes the header's first rows and segment
@@ -39,8 +42,10 @@ CHECK_DEST_RANGE = 2
 CHECK_DEST_TWICE = 4
 #: check fields before a request's IDs
 CHECK_FIELDS_FIXED = 2
-#: check fields per group: source and destination counts and addresses
-CHECK_FIELDS_PER_GROUP = 4
+#: check fields per group: its destination IDs in all, where its pieces start and how many
+CHECK_FIELDS_PER_GROUP = 3
+#: entries of a piece: side, address, count, position
+PIECE_FIELDS = 4
 GROUP_TABLE_FIELDS = 3
 
 
@@ -54,55 +59,49 @@ def check_ids_kernel(req_ptr, gtab_ptr, marks_ptr, n_groups, head, req_len, n_wo
     rl = zero + req_len
     ng = zero + n_groups
     h = zero + head
-    fields_ok = (h + 2 + 4 * ng <= rl) & (h >= 1 + 3 * ng) & (g < ng)
+    fields_ok = (h + 2 + 3 * ng <= rl) & (h >= 1 + 3 * ng) & (g < ng)
     gv = zero + g
     src_nb = tl.load(gtab_ptr + gv * 3, mask=fields_ok, other=0)
     dst_nb = tl.load(gtab_ptr + gv * 3 + 1, mask=fields_ok, other=0)
     moff = tl.load(gtab_ptr + gv * 3 + 2, mask=fields_ok, other=0)
     wide = tl.load(req_ptr + h + 1, mask=fields_ok, other=1) != 0
-    soff = tl.load(req_ptr + h - 2 * ng + gv, mask=fields_ok, other=0)
-    doff = tl.load(req_ptr + h - ng + gv, mask=fields_ok, other=0)
-    ls = tl.load(req_ptr + h + 2 + gv, mask=fields_ok, other=0)
-    ld = tl.load(req_ptr + h + 2 + ng + gv, mask=fields_ok, other=0)
-    ls = tl.where(fields_ok, tl.maximum(ls, 0), 0)
-    ld = tl.where(fields_ok, tl.maximum(ld, 0), 0)
-    # where the caller's IDs are (the host wrote the addresses of the tensors it checked, ls / ld IDs each)
-    s_at = tl.max(tl.load(req_ptr + h + 2 + 2 * ng + gv, mask=fields_ok, other=0), axis=0)
-    d_at = tl.max(tl.load(req_ptr + h + 2 + 3 * ng + gv, mask=fields_ok, other=0), axis=0)
-    s64p = s_at.to(tl.pointer_type(tl.int64))
-    s32p = s_at.to(tl.pointer_type(tl.int32))
-    d64p = d_at.to(tl.pointer_type(tl.int64))
-    d32p = d_at.to(tl.pointer_type(tl.int32))
-    n = tl.max(tl.maximum(ls, ld), axis=0)
+    first = tl.load(req_ptr + h + 2 + ng + gv, mask=fields_ok, other=0)
+    count = tl.load(req_ptr + h + 2 + 2 * ng + gv, mask=fields_ok, other=0)
+    # the pieces inside the request only
+    count = tl.where(fields_ok & (first >= 0) & (first <= rl), tl.minimum(tl.maximum(count, 0), (rl - first) // 4), 0)
+    n_pieces = tl.max(count, axis=0)
+    at = tl.max(first, axis=0)
     bad_s = zero
     bad_d = zero
     dup = zero
-    for start in range(c0 * BLOCK, n, n_c * BLOCK):
-        j = start + lanes
-        # sources: read from the caller's tensor, written into the request as int64
-        s_in = j < ls
-        s64 = tl.load(s64p + j, mask=s_in & wide, other=0)
-        s32 = tl.load(s32p + j, mask=s_in & (wide == 0), other=0).to(tl.int64)
-        sv = tl.where(wide, s64, s32)
-        sp = soff + j
-        tl.store(req_ptr + sp, sv, mask=s_in & (sp >= 0) & (sp < rl))
-        bad_s = tl.maximum(bad_s, tl.where(s_in & ((sv < 0) | (sv >= src_nb)), 1, 0))
-        # destinations
-        d_in = j < ld
-        d64 = tl.load(d64p + j, mask=d_in & wide, other=0)
-        d32 = tl.load(d32p + j, mask=d_in & (wide == 0), other=0).to(tl.int64)
-        dv = tl.where(wide, d64, d32)
-        dp = doff + j
-        tl.store(req_ptr + dp, dv, mask=d_in & (dp >= 0) & (dp < rl))
-        d_bad = d_in & ((dv < 0) | (dv >= dst_nb))
-        key = moff + dv
-        word = key >> 5
-        d_ok = d_in & (d_bad == 0) & (key >= 0) & (word < n_words)
-        bit = (tl.cast(1, tl.int32) << (key & 31).to(tl.int32))
-        old = tl.atomic_or(marks_ptr + word, bit, mask=d_ok)
-        twice = d_ok & ((old & bit) != 0)
-        bad_d = tl.maximum(bad_d, tl.where(d_bad, 1, 0))
-        dup = tl.maximum(dup, tl.where(twice, 1, 0))
+    for q in range(0, n_pieces):
+        e = zero + at + q * 4
+        side = tl.load(req_ptr + e, mask=fields_ok, other=0)
+        # where the caller's IDs are, and how many (the host wrote them from a tensor it checked)
+        addr = tl.max(tl.load(req_ptr + e + 1, mask=fields_ok, other=0), axis=0)
+        cnt = tl.load(req_ptr + e + 2, mask=fields_ok, other=0)
+        pos = tl.load(req_ptr + e + 3, mask=fields_ok, other=0)
+        is_dst = side != 0
+        limit = tl.where(is_dst, dst_nb, src_nb)
+        p64 = addr.to(tl.pointer_type(tl.int64))
+        p32 = addr.to(tl.pointer_type(tl.int32))
+        for start in range(c0 * BLOCK, tl.max(cnt, axis=0), n_c * BLOCK):
+            j = start + lanes
+            live = j < cnt
+            v64 = tl.load(p64 + j, mask=live & wide, other=0)
+            v32 = tl.load(p32 + j, mask=live & (wide == 0), other=0).to(tl.int64)
+            v = tl.where(wide, v64, v32)
+            rp = pos + j
+            tl.store(req_ptr + rp, v, mask=live & (rp >= 0) & (rp < rl))
+            out = live & ((v < 0) | (v >= limit))
+            bad_s = tl.maximum(bad_s, tl.where(out & (is_dst == 0), 1, 0))
+            bad_d = tl.maximum(bad_d, tl.where(out & is_dst, 1, 0))
+            key = moff + v
+            word = key >> 5
+            d_ok = live & is_dst & (out == 0) & (key >= 0) & (word < n_words)
+            bit = (tl.cast(1, tl.int32) << (key & 31).to(tl.int32))
+            old = tl.atomic_or(marks_ptr + word, bit, mask=d_ok)
+            dup = tl.maximum(dup, tl.where(d_ok & ((old & bit) != 0), 1, 0))
     bits = tl.max(bad_s, axis=0) * 1 + tl.max(bad_d, axis=0) * 2 + tl.max(dup, axis=0) * 4
     if bits != 0:
         tl.atomic_or(req_ptr + head, bits.to(tl.int64))
@@ -119,12 +118,12 @@ def settle_ids_kernel(req_ptr, gtab_ptr, marks_ptr, n_groups, head, req_len, n_w
     rl = zero + req_len
     ng = zero + n_groups
     h = zero + head
-    fields_ok = (h + 2 + 4 * ng <= rl) & (h >= 1 + 3 * ng) & (g < ng)
+    fields_ok = (h + 2 + 3 * ng <= rl) & (h >= 1 + 3 * ng) & (g < ng)
     gv = zero + g
     dst_nb = tl.load(gtab_ptr + gv * 3 + 1, mask=fields_ok, other=0)
     moff = tl.load(gtab_ptr + gv * 3 + 2, mask=fields_ok, other=0)
     doff = tl.load(req_ptr + h - ng + gv, mask=fields_ok, other=0)
-    ld = tl.load(req_ptr + h + 2 + ng + gv, mask=fields_ok, other=0)
+    ld = tl.load(req_ptr + h + 2 + gv, mask=fields_ok, other=0)
     ld = tl.where(fields_ok, tl.minimum(tl.maximum(ld, 0), rl), 0)
     n = tl.max(ld, axis=0)
     for start in range(c0 * BLOCK, n, n_c * BLOCK):

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import BadInput, BlockIdError
 from ..kernels.id_check_kernel import (CHECK_DEST_RANGE, CHECK_DEST_TWICE, CHECK_FIELDS_FIXED, CHECK_FIELDS_PER_GROUP,
-                                      CHECK_SOURCE_RANGE)
+                                      CHECK_SOURCE_RANGE, PIECE_FIELDS)
 from ..platforms.base import Stream
 from .layers import _torch
 from .triton_transfer import _SlotTransfer
@@ -76,33 +76,58 @@ class _DeviceRoute:
 
 
 class _Header:
-    """A request shape's header (a host array, never written once made), its size and layout."""
+    """The request array of a request shape, or of several requests posted together, but for the ID tensors'
+    addresses (a host array, never written once made), where those go, and the request's size and layout."""
 
     __slots__ = ("array", "addresses", "entries", "n_seg", "n_rows", "nbytes_moved")
 
-    def __init__(self, array: np.ndarray, addresses: int, entries: int, n_seg: np.ndarray, n_rows: int, moved: int):
-        self.array, self.addresses = array, addresses       # the tensors' addresses go at [addresses, len(array))
+    def __init__(self, array: np.ndarray, addresses: np.ndarray, entries: int, n_seg: np.ndarray, n_rows: int,
+                 moved: int):
+        self.array, self.addresses = array, addresses       # per request: its 2G tensors' entries (sources first)
         self.entries, self.n_seg, self.n_rows, self.nbytes_moved = entries, n_seg, n_rows, moved
 
 
-def _header(agent: "KVAgent", route: "_Route", dev: _DeviceRoute, lens_s: tuple, lens_d: tuple, n_seg: tuple,
-            wide: bool) -> _Header:
+def _layout(route: "_Route", LS: np.ndarray, LD: np.ndarray, NS: np.ndarray, wide: bool) -> _Header:
+    """The request array of ``K`` requests (``LS`` / ``LD`` / ``NS``: ``(K, G)`` source IDs, destination IDs and
+    segments per request and group) as :mod:`gpuxfer.kernels.id_check_kernel` lays it out: per group, every
+    request's source IDs one after another, then their destination IDs; a piece per request, group and side."""
+    K, G = LS.shape
+    P = int(route.plane_group.size)
+    head = P + 1 + 3 * G
+    p0 = head + CHECK_FIELDS_FIXED + CHECK_FIELDS_PER_GROUP * G
+    per = 2 * K * PIECE_FIELDS                          # entries of one group's pieces
+    first = p0 + G * per
+    ls, ld, ns = LS.sum(axis=0), LD.sum(axis=0), NS.sum(axis=0)
+    starts = first + np.concatenate([[0], np.cumsum(np.concatenate([ls, ld]))])
+    a = np.zeros(first, dtype=np.int64)
+    a[P + 1:P + 1 + G] = ns
+    a[P + 1 + G:head] = starts[:2 * G]
+    np.cumsum(a[P + 1:P + 1 + G][route.plane_group], out=a[1:P + 1])
+    a[head + 1] = 1 if wide else 0
+    a[head + 2:head + 2 + G] = ld
+    a[head + 2 + G:head + 2 + 2 * G] = p0 + per * np.arange(G)
+    a[head + 2 + 2 * G:head + 2 + 3 * G] = 2 * K
+    pieces = a[p0:first].reshape(G, 2 * K, PIECE_FIELDS)
+    pieces[:, K:, 0] = 1
+    pieces[:, :K, 2] = LS.T
+    pieces[:, K:, 2] = LD.T
+    pieces[:, :K, 3] = starts[:G, None] + (np.cumsum(LS, axis=0) - LS).T
+    pieces[:, K:, 3] = starts[G:2 * G, None] + (np.cumsum(LD, axis=0) - LD).T
+    k, g = np.arange(K)[:, None], np.arange(G)[None, :]
+    at = p0 + per * g + PIECE_FIELDS * k + 1
+    addresses = np.concatenate([at, at + PIECE_FIELDS * K], axis=1)         # (K, 2G): sources, then destinations
+    moved = int(sum(int(n) * b for n, b in zip(ns, route.group_bytes)))
+    return _Header(a, addresses, int(starts[-1]), ns, int(a[P]), moved)
+
+
+def _header(route: "_Route", dev: _DeviceRoute, lens_s: tuple, lens_d: tuple, n_seg: tuple, wide: bool) -> _Header:
+    """One request shape's :class:`_Header`, made once per route and kept."""
     key = (lens_s, lens_d, wide)
     h = dev.headers.get(key)
     if h is not None:
         return h
-    P, G = route.plane_group.size, len(n_seg)
-    head = P + 1 + 3 * G
-    first = head + CHECK_FIELDS_FIXED + CHECK_FIELDS_PER_GROUP * G
-    starts = list(itertools.accumulate(lens_s + lens_d, initial=first))
-    a = np.zeros(first, dtype=np.int64)
-    a[P + 1:head] = list(n_seg) + starts[:-1]
-    np.cumsum(a[P + 1:P + 1 + G][route.plane_group], out=a[1:P + 1])
-    a[head + 1] = 1 if wide else 0
-    a[head + 2:head + 2 + G] = lens_s
-    a[head + 2 + G:head + 2 + 2 * G] = lens_d
-    moved = sum(n * b for n, b in zip(n_seg, route.group_bytes))
-    h = _Header(a, head + 2 + 2 * G, starts[-1], np.array(n_seg, dtype=np.int64), int(a[P]), moved)
+    h = _layout(route, np.array([lens_s], dtype=np.int64), np.array([lens_d], dtype=np.int64),
+                np.array([n_seg], dtype=np.int64), wide)
     with dev.lock:
         if len(dev.headers) >= HEADERS_KEPT:
             dev.headers.pop(next(iter(dev.headers)))
@@ -143,13 +168,14 @@ def prepare_device(agent: "KVAgent", peer: "KVPeer", route: "_Route", op: str, n
         n_seg.append(n)
         lens_s.append(a)
         lens_d.append(b)
-    head = _header(agent, route, route.device_ids, tuple(lens_s), tuple(lens_d), tuple(n_seg), dtype == torch.int64)
+    head = _header(route, dev, tuple(lens_s), tuple(lens_d), tuple(n_seg), dtype is torch.int64)
     tensors = srcs + dsts
-    n = head.array.shape[0]
-    pooled, h = agent._requests.take(n, agent._reap_locked)
+    pooled, h = agent._requests.take(head.array.shape[0], agent._reap_locked)
     h[:] = head.array
-    h[head.addresses:] = [t.data_ptr() for t in tensors]
-    return _DeviceIdTransfer(agent, peer, route, op, name, head, pooled, h, tensors, notify_slot)
+    addresses = [t.data_ptr() for t in tensors]
+    h[head.addresses[0]] = addresses
+    return _DeviceIdTransfer(agent, peer, route, op, name, head, pooled, h, tensors, notify_slot,
+                             (lens_s, lens_d, n_seg, addresses, dtype is torch.int64))
 
 
 def _refuse(name: str, group: str, side: str, ids, device, dtype) -> None:
@@ -217,8 +243,9 @@ class _DeviceIdTransfer(_SlotTransfer):
     """The ``triton`` engine's transfer of a request whose IDs are device tensors (see the module)."""
 
     def __init__(self, agent: "KVAgent", peer: "KVPeer", route: "_Route", op: str, name: str, head: _Header,
-                 pooled, array: np.ndarray, tensors: list, notify_slot: int | None):
+                 pooled, array: np.ndarray, tensors: list, notify_slot: int | None, shape: tuple):
         self._tensors = tensors          # the caller's IDs: read by the posts' check, kept alive with the transfer
+        self.shape = shape               # (source and destination IDs and segments per group, addresses, int64?)
         self._pooled = pooled
         self._array = array
         self._entries = head.entries
