@@ -43,12 +43,23 @@ def test_params_round_trip():
     {"lease_deadline": float("nan")}, {"lease_deadline": "soon"}, {"tp_size": 2},
     {"remote_block_ids": [[1, 2], [3]]}, {"remote_block_ids": [[1.5]]}, {"remote_block_ids": [[-1]]},
     {"remote_block_ids": [[1 << 40]]}, {"remote_block_ids": [["1"]]}, {"remote_block_ids": [[True]]},
-    {"remote_block_ids": "1,2,3"}, {"remote_block_ids": [[0] * ((1 << 22) + 1)]},
+    {"remote_block_ids": "1,2,3"}, {"remote_block_ids": [[0] * ((1 << 22) + 1)]}, {"remote_block_ids": [[1 << 70]]},
+    {"remote_block_ids": [[1, 2.0]]}, {"remote_block_ids": [[1, None]]},
     {"remote_block_sizes": [24]}, {"remote_block_sizes": [0]}, {"remote_block_sizes": []},
 ])
 def test_hostile_params_are_refused(patch):
     with pytest.raises(BadTransferParams):
         parse_remote_prefill(good(**patch), [16])
+
+
+def test_params_take_int_subclasses_but_not_bools():
+    import enum
+
+    class B(enum.IntEnum):
+        X = 7
+    assert parse_remote_prefill(good(remote_block_ids=[[3, B.X]]), [16]).block_ids[0].tolist() == [3, 7]
+    with pytest.raises(BadTransferParams, match="integers only"):
+        parse_remote_prefill(good(remote_block_ids=[[3, 4, False]]), [16])
 
 
 def test_params_too_few_blocks():
