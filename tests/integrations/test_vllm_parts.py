@@ -248,6 +248,36 @@ def test_handshake_by_pumps_alone_and_by_the_idle_thread():
         srv.close()
 
 
+def test_the_server_thread_sleeps_while_the_engine_serves():
+    """With the engine thread pumping, the server's thread leaves a ready connection to it and sleeps, not
+    selecting again and again on what stays ready (a spin that takes the GIL from the engine thread)."""
+    import time
+    srv = SideChannelServer("127.0.0.1", 0, lambda: (b"info", b"m"), timeout_s=5.0)
+    try:
+        srv.pump()
+        calls = []
+        select = srv._sel.select
+
+        def counted(timeout=None):
+            if threading.current_thread() is srv._thread:
+                calls.append(timeout)
+            return select(timeout)
+        srv._sel.select = counted
+        c = SideChannelClient("127.0.0.1", srv.port, 5.0)
+        c.pump()                        # the hello sent; the engine thread does not read it yet
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            srv._pumped = time.monotonic()      # the engine stepping (serving nothing: its data stays ready)
+            time.sleep(0.005)
+        # a pass of the thread per IDLE_S at most (a spin makes thousands)
+        assert len(calls) <= 0.5 / srv.IDLE_S + 3, len(calls)
+        srv.pump()
+        assert c.handshake() == (b"info", b"m")
+        c.close()
+    finally:
+        srv.close()
+
+
 def test_handshake_times_out_and_refused_connect_fails():
     """A prefill that accepts and never answers: the pumps raise TimeoutError after timeout_s; a port with
     no listener fails the handshake (a ConnectionError), never a hang."""
