@@ -9,7 +9,7 @@ import numpy as np
 
 from ..errors import BadInput
 from .copy_transfer import _CopyEngineTransfer
-from .ids import request_fingerprint
+from .ids import _SCRATCH, request_fingerprint
 from .layers import _torch
 from .pack_transfer import _PackTransfer
 from .routes import _Route
@@ -35,9 +35,15 @@ class _RequestArrays:
         n_seg, lens_s, lens_d, ordered = checked
         P, G = route.plane_group.size, len(n_seg)
         head = P + 1 + 3 * G
-        starts = list(itertools.accumulate(lens_s + lens_d, initial=head))
-        mid, total = starts[G], starts[-1]
-        nbytes = sum(n * b for n, b in zip(n_seg, route.group_bytes))
+        if G == 1:
+            n = n_seg[0]
+            mid = head + lens_s[0]
+            total = mid + lens_d[0]
+            nbytes = n * route.group_bytes[0]
+        else:
+            starts = list(itertools.accumulate(lens_s + lens_d, initial=head))
+            mid, total = starts[G], starts[-1]
+            nbytes = sum(n * b for n, b in zip(n_seg, route.group_bytes))
         engine = peer.engine
         # a pack request ends with its fingerprint, at an even entry (16-byte aligned: a kernel's argument)
         at = total + (total & 1)
@@ -47,9 +53,14 @@ class _RequestArrays:
             h = np.empty(total, dtype=np.int64)
             host = _torch().from_numpy(h)
         h[0] = 0
-        h[P + 1:head] = n_seg + starts[:-1]
-        np.cumsum(h[P + 1:P + 1 + G][route.plane_group], out=h[1:P + 1])
-        n_rows = int(h[P])
+        if G == 1:          # every plane's rows are the group's segments: plane p's rows start at p * n
+            h[P + 1:head] = (n, head, mid)
+            np.multiply(_SCRATCH.arange(P + 1)[1:], n, out=h[1:P + 1])
+            n_rows = n * P
+        else:
+            h[P + 1:head] = n_seg + starts[:-1]
+            np.cumsum(h[P + 1:P + 1 + G][route.plane_group], out=h[1:P + 1])
+            n_rows = int(h[P])
         route.ids.write(ordered, h[head:mid], h[mid:total])
         n_seg = np.array(n_seg, dtype=np.int64)
         if engine == "pack":

@@ -43,12 +43,23 @@ def test_params_round_trip():
     {"lease_deadline": float("nan")}, {"lease_deadline": "soon"}, {"tp_size": 2},
     {"remote_block_ids": [[1, 2], [3]]}, {"remote_block_ids": [[1.5]]}, {"remote_block_ids": [[-1]]},
     {"remote_block_ids": [[1 << 40]]}, {"remote_block_ids": [["1"]]}, {"remote_block_ids": [[True]]},
-    {"remote_block_ids": "1,2,3"}, {"remote_block_ids": [[0] * ((1 << 22) + 1)]},
+    {"remote_block_ids": "1,2,3"}, {"remote_block_ids": [[0] * ((1 << 22) + 1)]}, {"remote_block_ids": [[1 << 70]]},
+    {"remote_block_ids": [[1, 2.0]]}, {"remote_block_ids": [[1, None]]},
     {"remote_block_sizes": [24]}, {"remote_block_sizes": [0]}, {"remote_block_sizes": []},
 ])
 def test_hostile_params_are_refused(patch):
     with pytest.raises(BadTransferParams):
         parse_remote_prefill(good(**patch), [16])
+
+
+def test_params_take_int_subclasses_but_not_bools():
+    import enum
+
+    class B(enum.IntEnum):
+        X = 7
+    assert parse_remote_prefill(good(remote_block_ids=[[3, B.X]]), [16]).block_ids[0].tolist() == [3, 7]
+    with pytest.raises(BadTransferParams, match="integers only"):
+        parse_remote_prefill(good(remote_block_ids=[[3, 4, False]]), [16])
 
 
 def test_params_too_few_blocks():
@@ -233,6 +244,36 @@ def test_handshake_by_pumps_alone_and_by_the_idle_thread():
         c2 = SideChannelClient("127.0.0.1", srv.port, 5.0)
         assert c2.handshake() == (b"info", b"m" * 300_000)
         c2.close()
+    finally:
+        srv.close()
+
+
+def test_the_server_thread_sleeps_while_the_engine_serves():
+    """With the engine thread pumping, the server's thread leaves a ready connection to it and sleeps, not
+    selecting again and again on what stays ready (a spin that takes the GIL from the engine thread)."""
+    import time
+    srv = SideChannelServer("127.0.0.1", 0, lambda: (b"info", b"m"), timeout_s=5.0)
+    try:
+        srv.pump()
+        calls = []
+        select = srv._sel.select
+
+        def counted(timeout=None):
+            if threading.current_thread() is srv._thread:
+                calls.append(timeout)
+            return select(timeout)
+        srv._sel.select = counted
+        c = SideChannelClient("127.0.0.1", srv.port, 5.0)
+        c.pump()                        # the hello sent; the engine thread does not read it yet
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            srv._pumped = time.monotonic()      # the engine stepping (serving nothing: its data stays ready)
+            time.sleep(0.005)
+        # a pass of the thread per IDLE_S at most (a spin makes thousands)
+        assert len(calls) <= 0.5 / srv.IDLE_S + 3, len(calls)
+        srv.pump()
+        assert c.handshake() == (b"info", b"m")
+        c.close()
     finally:
         srv.close()
 

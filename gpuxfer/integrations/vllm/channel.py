@@ -136,7 +136,11 @@ class SideChannelServer:
                 ready = self._sel.select(0.2)
             except (OSError, ValueError):      # closed under the select
                 return
-            if time.monotonic() - self._pumped < self.IDLE_S:
+            busy_for = self.IDLE_S - (time.monotonic() - self._pumped)
+            if busy_for > 0:
+                # the engine thread serves while it steps: sleep until it would count as idle (a select
+                # again now returns at once for what it left unread, and spinning on it takes the GIL)
+                self._stop.wait(busy_for)
                 continue
             if ready or any(c.outbuf for c in list(self._conns.values())):
                 with self._lock:

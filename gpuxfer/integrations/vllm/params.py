@@ -109,9 +109,14 @@ def parse_remote_prefill(params: Any, local_block_sizes: Sequence[int]) -> Remot
         total += len(lst)
         if total > MAX_IDS:
             raise BadTransferParams(f"remote_block_ids hold more than {MAX_IDS} block IDs")
-        if any(isinstance(x, bool) or not isinstance(x, int) for x in lst):
+        # plain ints (what JSON gives) are told apart in one pass over their types; anything else is looked at
+        # one by one (an int subclass other than bool is an integer too)
+        if set(map(type, lst)) - {int} and any(isinstance(x, bool) or not isinstance(x, int) for x in lst):
             raise BadTransferParams(f"remote_block_ids[{g}] must hold integers only")
-        a = np.asarray(lst, dtype=object).astype(np.int64) if lst else np.zeros(0, np.int64)
+        try:
+            a = np.fromiter(lst, dtype=np.int64, count=len(lst))
+        except OverflowError:
+            raise BadTransferParams(f"remote_block_ids[{g}] holds an ID outside [0, {MAX_ID}]") from None
         if a.size and (int(a.min()) < 0 or int(a.max()) > MAX_ID):
             raise BadTransferParams(f"remote_block_ids[{g}] holds an ID outside [0, {MAX_ID}]")
         arrays.append(a)
@@ -154,7 +159,8 @@ def pair_group(local: np.ndarray, remote: np.ndarray, ls: int, rs: int, start: i
         # one block size everywhere, no null block on either side: the blocks pair one to one (four NumPy
         # calls; anything else, an error included, takes the general path below)
         rem = remote[lo_l:hi_l]
-        if rem.size == loc.size and loc.all() and rem.all():
+        n = loc.size
+        if rem.size == n and np.count_nonzero(loc) == n and np.count_nonzero(rem) == n:
             return loc, rem
     if loc.size < hi_l - lo_l:
         raise BadTransferParams(f"the request holds {local.size} local blocks; tokens up to {end} need {hi_l}")

@@ -71,7 +71,7 @@ class SchedulerSide:
         self._parsed.pop(request.request_id, None)
         if num_external_tokens > 0:
             ids = blocks.get_block_ids()
-            local = tuple(np.asarray(g, dtype=np.int64) for g in ids)
+            local = tuple(np.fromiter(g, dtype=np.int64, count=len(g)) for g in ids)
             end = request.num_prompt_tokens - 1
             start = max(0, end - num_external_tokens)
             self._loads.append(Load(request.request_id, rp, local, start, end))

@@ -14,9 +14,11 @@ queued can still write the blocks.
 """
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -70,6 +72,7 @@ class _Remote:
     client: SideChannelClient | None = None
     peer: Any = None
     info: dict | None = None
+    groups: tuple = ()                      # per group: (block size, kernel tokens) from its handshake
     meta: bytes | None = None
     error: str | None = None
     inflight: int = 0
@@ -90,9 +93,17 @@ class WorkerSide:
         self.info: dict | None = None
         self._lock = threading.Lock()                 # the agent: posts and add_peer against close
         self._remotes: dict[tuple, _Remote] = {}
+        # decode: every load not reported yet, by request; each is in one of: waiting (not posted: a handshake
+        # under way, or the agent busy), in flight (posted, in post order) or ended (nothing to wait for)
         self._loads: dict[str, _LoadState] = {}
+        self._waiting: dict[str, _LoadState] = {}
+        self._inflight: deque[_LoadState] = deque()
+        self._ended: list[_LoadState] = []
         self._holds: dict[str, float] = {}            # prefill: request -> lease deadline
-        self._released: dict[str, float] = {}         # prefill: request -> when the decode side let go
+        self._expiry: list[tuple[float, str]] = []    # prefill: heap of (deadline, request) of the holds
+        self._released: dict[str, float] = {}         # prefill: request not held (yet) -> when the decode side let go
+        self._let_go: list[str] = []                  # prefill: held requests the decode side let go of
+        self._group_names = [f"g{g}" for g in range(len(self.group_specs))]
         self._load_errors: set[int] = set()
         self._kernel_tokens: list[int] = []
         self._bytes_per_block: list[int] = []
@@ -170,7 +181,11 @@ class WorkerSide:
     # ------------------------------------------------------------------ prefill role
 
     def hold(self, holds: Mapping[str, float]) -> None:
-        self._holds.update(holds)
+        for req, deadline in holds.items():
+            self._holds[req] = deadline
+            heapq.heappush(self._expiry, (deadline, req))
+            if self._released.pop(req, None) is not None:      # let go of before its hold came
+                self._let_go.append(req)
 
     def _drain_events(self, now: float) -> None:
         if self.server is None:
@@ -179,7 +194,10 @@ class WorkerSide:
         events = self.server.events
         while not events.empty():               # (this thread is the only one taking events)
             op, req = events.get_nowait()
-            self._released[req] = now
+            if req in self._holds:
+                self._let_go.append(req)
+            else:
+                self._released[req] = now
             if op == "release":
                 log.info("gpuxfer: engine %s: decode side released request %s without reading it", self.engine_id, req)
         if len(self._released) > 4 * len(self._holds) + 1024:      # letting go of requests held nowhere
@@ -187,18 +205,25 @@ class WorkerSide:
             self._released = {r: t for r, t in self._released.items() if t >= cutoff or r in self._holds}
 
     def _finished_sending(self, now: float) -> set[str]:
+        """Held requests the decode side let go of, then those whose lease ran out: O(1) when neither (the
+        expiries are a heap by deadline; an entry of a request no longer held, or held again, is skipped)."""
         done = set()
-        for req, deadline in list(self._holds.items()):
-            if self._released.pop(req, None) is not None:
-                done.add(req)
-                self.stats["sends_done"] += 1
-            elif now >= deadline:
-                done.add(req)
-                self.stats["leases_expired"] += 1
-                log.warning("gpuxfer: engine %s: request %s's lease ran out (%.0f s) before a decode instance read "
-                            "its blocks; freeing them", self.engine_id, req, self.settings.lease_s)
-        for req in done:
+        if self._let_go:
+            for req in self._let_go:
+                if self._holds.pop(req, None) is not None:
+                    done.add(req)
+                    self.stats["sends_done"] += 1
+            self._let_go = []
+        heap = self._expiry
+        while heap and heap[0][0] <= now:
+            deadline, req = heapq.heappop(heap)
+            if self._holds.get(req) != deadline:
+                continue
             del self._holds[req]
+            done.add(req)
+            self.stats["leases_expired"] += 1
+            log.warning("gpuxfer: engine %s: request %s's lease ran out (%.0f s) before a decode instance read "
+                        "its blocks; freeing them", self.engine_id, req, self.settings.lease_s)
         return done
 
     # ------------------------------------------------------------------ decode role
@@ -210,7 +235,7 @@ class WorkerSide:
         now = time.monotonic()
         ready = []
         for load in loads:
-            st = self._loads[load.req_id] = _LoadState(load, now)
+            st = self._loads[load.req_id] = self._waiting[load.req_id] = _LoadState(load, now)
             st.remote = self._remote(load.remote)
             self._advance(st.remote)
             if st.remote.state == "ready":
@@ -245,6 +270,7 @@ class WorkerSide:
                                         "the request's kv_transfer_params say (stale params?)")
             check_compatible(self.info, info)
             r.info = info
+            r.groups = tuple((g["block_size"], g["kernel_tokens"]) for g in info["groups"])
         except Exception as exc:        # every failure fails this engine's loads, never the worker
             self._handshake_failed(r, exc)
             return
@@ -292,13 +318,14 @@ class WorkerSide:
 
     def _post(self, sts: list[_LoadState], blocking: bool) -> None:
         """Pair each request's blocks and post the reads together (:meth:`KVAgent.post_many`: one upload and one
-        launch per prefill engine); left for a later step when the agent is busy (a handshake). A request whose
-        blocks do not pair fails alone."""
+        launch per prefill engine); left waiting for a later step when the agent is busy (a handshake). A
+        request whose blocks do not pair fails alone. A posted read goes in flight; one with nothing to move or
+        that failed ends (reported at the next poll)."""
         if not sts or not self._lock.acquire(blocking=blocking):
             return
         try:
             t0 = time.perf_counter()
-            posts = []
+            posts, xs = [], []
             for st in sts:
                 try:
                     x = self._prepare(st)
@@ -308,47 +335,59 @@ class WorkerSide:
                 if x is None:
                     st.handle = _Done()
                 else:
-                    posts.append((st, x))
+                    posts.append(st)
+                    xs.append(x)
             try:
-                handles = self.agent.post_many([x for _, x in posts]) if posts else []
+                handles = self.agent.post_many(xs) if xs else []
             except GpuxferError as exc:
                 # the reads queued before the error keep their handles (their blocks are in use until they
                 # complete); only the others fail
                 handles = getattr(exc, "handles", None) or [None] * len(posts)
-                for (st, _), h in zip(posts, handles):
+                for st, h in zip(posts, handles):
                     if h is None:
                         st.error = f"{type(exc).__name__}: {exc}"
             t1 = time.perf_counter()
-            for (st, _), h in zip(posts, handles):
-                if h is None:
-                    continue
-                st.handle = h
-                st.remote.inflight += 1
+            inflight = self._inflight
+            for st, h in zip(posts, handles):
+                if h is not None:
+                    st.handle = h
+                    st.remote.inflight += 1
+                    inflight.append(st)
             share = (t1 - t0) / len(sts)            # the step's host time, per request it started
+            post_s = self.stats["post_host_s"]
+            waiting = self._waiting
             for st in sts:
+                if waiting.get(st.load.req_id) is st:
+                    del waiting[st.load.req_id]
                 if st.handle is not None:
-                    self.stats["post_host_s"].append(share)
+                    post_s.append(share)
                     st.t_post = t1
+                    if st.error is None and type(st.handle) is _Done:
+                        self._ended.append(st)
+                if st.error is not None:
+                    self._ended.append(st)
         finally:
             self._lock.release()
 
     def _prepare(self, st: _LoadState):
         """The request's read, prepared (its blocks paired per group; None: nothing to move)."""
         load, r = st.load, st.remote
+        rp = load.remote
         if r.client is None or not r.client.alive:
             raise BadTransferParams(f"prefill engine {r.key[2]} is gone: {r.client and r.client.closed_reason}")
-        if time.monotonic() >= load.remote.lease_deadline:
+        if time.monotonic() >= rp.lease_deadline:
             raise BadTransferParams("the prefill instance's lease on the blocks ran out before the read started")
         local, remote, nbytes = {}, {}, 0
         for g, (kind, ls, _) in enumerate(self.group_specs):
-            rg = r.info["groups"][g]
-            if load.remote.block_sizes[g] != rg["block_size"]:
-                raise BadTransferParams(f"group {g}: the params say {load.remote.block_sizes[g]}-token blocks, "
-                                        f"the engine's handshake {rg['block_size']}")
-            li, ri = pair_group(load.local_ids[g], load.remote.block_ids[g], ls, rg["block_size"], load.start,
-                                load.end, self._kernel_tokens[g], rg["kernel_tokens"])
+            rs, rk = r.groups[g]
+            if rp.block_sizes[g] != rs:
+                raise BadTransferParams(f"group {g}: the params say {rp.block_sizes[g]}-token blocks, "
+                                        f"the engine's handshake {rs}")
+            li, ri = pair_group(load.local_ids[g], rp.block_ids[g], ls, rs, load.start, load.end,
+                                self._kernel_tokens[g], rk)
             if li.size:
-                local[f"g{g}"], remote[f"g{g}"] = li, ri
+                name = self._group_names[g]
+                local[name], remote[name] = li, ri
                 nbytes += int(li.size) * self._bytes_per_block[g]
         st.nbytes = nbytes
         if not local:
@@ -356,13 +395,16 @@ class WorkerSide:
         return self.agent.prepare(r.peer, "pull", local_blocks=local, remote_blocks=remote, name=load.req_id)
 
     def _finished_recving(self, now: float) -> tuple[set[str], set[str]]:
+        """Loads done and failed since the last poll. Reads complete in the order they were posted (all on the
+        agent's stream), so the in-flight ones are asked oldest first up to the first not done: O(1) when
+        nothing finished. Loads still waiting (handshakes under way) are looked at each poll."""
         done, failed = set(), set()
-        for r in list(self._remotes.values()):
-            self._advance(r)
-        ready = []
-        for st in self._loads.values():
-            r = st.remote
-            if st.handle is None and st.error is None:
+        if self._waiting:
+            for r in list(self._remotes.values()):
+                self._advance(r)
+            ready = []
+            for st in list(self._waiting.values()):
+                r = st.remote
                 if r.state == "failed":
                     st.error = f"handshake failed: {r.error}"
                 elif r.state == "ready" and not (r.client and r.client.alive):
@@ -371,35 +413,43 @@ class WorkerSide:
                     ready.append(st)
                 elif now - st.t_start > self.settings.handshake_timeout_s:
                     st.error = f"no handshake with {r.key[0]}:{r.key[1]} within {self.settings.handshake_timeout_s:g} s"
-        self._post(ready, blocking=False)
+                if st.error is not None:
+                    del self._waiting[st.load.req_id]
+                    self._ended.append(st)
+            self._post(ready, blocking=False)
         read: dict[int, tuple] = {}             # per prefill engine: its client and the requests read
-        for req, st in list(self._loads.items()):
-            r = st.remote
-            if st.handle is not None and st.error is None:
-                if not st.handle.done():
-                    continue
-                if not isinstance(st.handle, _Done):
-                    r.inflight -= 1
-                if time.monotonic() >= st.load.remote.lease_deadline:
-                    st.error = "the read completed after the prefill instance's lease ran out"
-                else:
-                    self.stats["transfers"] += 1
-                    self.stats["bytes"] += st.nbytes
-                    self.stats["xfer_s"].append(time.perf_counter() - st.t_post)
-                    if r.client is not None:
-                        read.setdefault(id(r), (r.client, []))[1].append(st.load.remote.request_id)
-                    done.add(req)
-                    del self._loads[req]
-                    continue
-            if st.error is not None:
-                self._fail(st)
-                done.add(req)
-                failed.add(req)
-                del self._loads[req]
+        inflight = self._inflight
+        while inflight and inflight[0].handle.done():
+            st = inflight.popleft()
+            st.remote.inflight -= 1
+            self._complete(st, done, failed, read)
+        if self._ended:
+            ended, self._ended = self._ended, []
+            for st in ended:
+                self._complete(st, done, failed, read)
         for client, reqs in read.values():      # one message per engine for the step's reads
             client.notify("done", reqs)
         self._reap(now)
         return done, failed
+
+    def _complete(self, st: _LoadState, done: set, failed: set, read: dict) -> None:
+        """Report a load whose read completed (or that had nothing to move, or failed)."""
+        req = st.load.req_id
+        if st.error is None and time.monotonic() >= st.load.remote.lease_deadline:
+            st.error = "the read completed after the prefill instance's lease ran out"
+        if self._loads.get(req) is st:
+            del self._loads[req]
+        done.add(req)
+        if st.error is not None:
+            self._fail(st)
+            failed.add(req)
+            return
+        r = st.remote
+        self.stats["transfers"] += 1
+        self.stats["bytes"] += st.nbytes
+        self.stats["xfer_s"].append(time.perf_counter() - st.t_post)
+        if r.client is not None:
+            read.setdefault(id(r), (r.client, []))[1].append(st.load.remote.request_id)
 
     def _fail(self, st: _LoadState) -> None:
         load = st.load

@@ -1,0 +1,149 @@
+"""The vLLM connector's worker-side bookkeeping without an agent or vLLM: a poll asks only the oldest read in
+flight (O(1) when nothing finished), reports reads in order with one done message per engine, fails a read seen
+complete past its lease; the prefill's holds end on the decode side's word or at their lease, found without a
+scan; and the one-group ID check's shortcut for rising block IDs (a fresh allocator's) against the reference."""
+from __future__ import annotations
+
+import queue
+import time
+
+import numpy as np
+import pytest
+
+from gpuxfer.errors import BlockIdError
+from gpuxfer.integrations.vllm.params import RemotePrefill
+from gpuxfer.integrations.vllm.worker import Load, Settings, WorkerSide, _LoadState, _Remote
+from gpuxfer.kv.ids import _RouteIds
+
+
+class _Handle:
+    def __init__(self):
+        self.finished, self.asked = False, 0
+
+    def done(self) -> bool:
+        self.asked += 1
+        return self.finished
+
+
+class _Client:
+    alive, closed_reason = True, None
+
+    def __init__(self):
+        self.sent = []
+
+    def notify(self, op, reqs) -> bool:
+        self.sent.append((op, list(reqs)))
+        return True
+
+    def close(self) -> None:
+        self.alive = False
+
+
+class _Server:
+    def __init__(self):
+        self.events = queue.SimpleQueue()
+
+    def pump(self) -> None:
+        return
+
+
+def _worker() -> WorkerSide:
+    return WorkerSide(engine_id="d", model="m", dtype="auto/float16", layout=None,
+                      groups=[("FullAttentionSpec", 16, ["l0"])],
+                      settings=Settings(lease_s=60, host="127.0.0.1", port=0, handshake_timeout_s=5, token_major=True))
+
+
+def _in_flight(w: WorkerSide, n: int, deadline: float):
+    r = _Remote(("127.0.0.1", 1, "p"), state="ready", client=_Client())
+    w._remotes[r.key] = r
+    sts = []
+    for i in range(n):
+        rp = RemotePrefill("p", "127.0.0.1", 1, f"p{i}", (np.arange(1, 3),), (16,), deadline)
+        st = _LoadState(Load(f"d{i}", rp, (np.arange(10 + 2 * i, 12 + 2 * i),), 0, 31), 0.0, remote=r,
+                        handle=_Handle())
+        w._loads[st.load.req_id] = st
+        w._inflight.append(st)
+        r.inflight += 1
+        sts.append(st)
+    return r, sts
+
+
+def test_a_poll_asks_only_the_oldest_read_in_flight():
+    w = _worker()
+    r, sts = _in_flight(w, 64, time.monotonic() + 60)
+    for _ in range(3):
+        assert w.poll() == (set(), set(), set())
+    assert sts[0].handle.asked == 3 and not any(st.handle.asked for st in sts[1:])
+    for st in sts[:10]:
+        st.handle.finished = True
+    sts[20].handle.finished = True              # done behind one that is not: reported once that one is
+    assert w.poll() == (set(), {f"d{i}" for i in range(10)}, set())
+    assert sts[10].handle.asked == 1 and sts[11].handle.asked == 0
+    assert r.client.sent == [("done", [f"p{i}" for i in range(10)])]      # one message for the step's reads
+    assert r.inflight == 54 and len(w._loads) == 54 and w._inflight[0] is sts[10]
+    for st in sts[10:]:
+        st.handle.finished = True
+    assert w.poll()[1] == {f"d{i}" for i in range(10, 64)}
+    assert not w._loads and not w._inflight and r.inflight == 0
+    assert w.take_stats()["transfers"] == 64
+
+
+def test_a_read_seen_complete_after_its_lease_fails():
+    w = _worker()
+    r, sts = _in_flight(w, 2, time.monotonic() - 1)
+    sts[0].handle.finished = True
+    assert w.poll() == (set(), {"d0"}, {"d0"})
+    assert r.client.sent == [("release", ["p0"])]
+    assert w.take_load_errors() == {10, 11}
+    assert list(w._loads) == ["d1"]
+
+
+def test_holds_end_on_the_decode_sides_word_or_at_their_lease():
+    w = _worker()
+    w.server = srv = _Server()
+    now = time.monotonic()
+    srv.events.put(("done", "early"))           # read before its hold reached this worker
+    assert w.poll()[0] == set()
+    w.hold({"early": now + 60, "late": now + 60, "short": now - 1, "again": now - 1})
+    w.hold({"again": now + 60})                 # held again: the first deadline no longer ends it
+    assert w.poll()[0] == {"early", "short"}
+    assert w.poll()[0] == set()
+    srv.events.put(("release", "late"))
+    srv.events.put(("done", "unknown"))
+    assert w.poll()[0] == {"late"}
+    assert w._holds == {"again": now + 60} and "unknown" in w._released
+    st = w.take_stats()
+    assert st["sends_done"] == 2 and st["leases_expired"] == 1
+
+
+def _reference_one(sort_by_dst: bool, s: np.ndarray, d: np.ndarray):
+    if np.unique(d).size != d.size:
+        raise AssertionError("repeated destination")
+    order = np.argsort(d if sort_by_dst else s, kind="stable")
+    return s[order], d[order]
+
+
+@pytest.mark.parametrize("sort_by_dst", [False, True])
+@pytest.mark.parametrize("push", [False, True])
+def test_rising_block_ids_order_and_refuse_as_the_reference(sort_by_dst, push):
+    ids = _RouteIds(("g0",), [(1 << 16, 1 << 16)], [(1, 1)], [[0]], sort_by_dst)
+    rng = np.random.default_rng(5)
+    for case in range(120):
+        n = int(rng.integers(2, 600))
+        rising = np.sort(rng.choice(1 << 16, n, replace=False)).astype(np.int64)
+        other = rng.permutation(1 << 16)[:n].astype(np.int64)
+        mine, theirs = [(rising, rising + 0), (rising, other), (other, rising), (rising[::-1].copy(), rising)][case % 4]
+        s, d = (mine, theirs) if push else (theirs, mine)
+        if case % 8 >= 4:                       # a repeated destination: rising no more, refused
+            d[n // 2] = d[n // 2 - 1]
+        checked = None
+        try:
+            want_s, want_d = _reference_one(sort_by_dst, s, d)
+        except AssertionError:
+            with pytest.raises(BlockIdError, match="appears more than once"):
+                ids.check("r", push, {"g0": mine}, {"g0": theirs})
+            continue
+        checked = ids.check("r", push, {"g0": mine}, {"g0": theirs})
+        out_s, out_d = np.empty(n, np.int64), np.empty(n, np.int64)
+        ids.write(checked[3], out_s, out_d)
+        assert np.array_equal(out_s, want_s) and np.array_equal(out_d, want_d)
