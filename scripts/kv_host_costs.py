@@ -200,7 +200,7 @@ def measure(plat, workload: str, isl: int, page: int, op: str, engine: str, iter
 
 
 def measure_batch(plat, workload: str, isl: int, page: int, op: str, batch: int, iters: int,
-                  cpu: _Cpu | None = None) -> dict:
+                  cpu: _Cpu | None = None, ids: str = "host") -> dict:
     """``batch`` requests of one burst (distinct blocks) posted by one ``post_many`` against one ``post`` each,
     the ``triton`` engine: the host time of the call(s), each request prepared beforehand."""
     from gpuxfer.bench.kv.model.blocktable import burst_tables
@@ -215,9 +215,16 @@ def measure_batch(plat, workload: str, isl: int, page: int, op: str, batch: int,
         initiator, other = (agents[1], agents[0]) if op == "pull" else (agents[0], agents[1])
         peer = initiator.add_peer(other.metadata())
         mine, theirs = (dst, src) if op == "pull" else (src, dst)
+        kw = {}
+        if ids == "device":
+            import torch
+            dev = initiator._torch_device()
+            mine, theirs = ([{g: torch.as_tensor(np.asarray(v), dtype=torch.int32).to(dev) for g, v in m.items()}
+                             for m in side] for side in (mine, theirs))
+            kw = {"device_ids": True}
 
         def prepared():
-            return [initiator.prepare(peer, op, local_blocks=m, remote_blocks=t, name=f"r{k}")
+            return [initiator.prepare(peer, op, local_blocks=m, remote_blocks=t, name=f"r{k}", **kw)
                     for k, (m, t) in enumerate(zip(mine, theirs))]
 
         def timed(xs, many: bool) -> float:
@@ -236,7 +243,7 @@ def measure_batch(plat, workload: str, isl: int, page: int, op: str, batch: int,
             many.append(timed(prepared(), True))
             single.append(timed(prepared(), False))
         row = {"platform": plat.name, "workload": workload, "isl_tokens": isl, "page_tokens": page, "op": op,
-               "engine": "triton", "batch": batch, "graph_used": bool(initiator.graphs),
+               "engine": "triton", "ids": ids, "batch": batch, "graph_used": bool(initiator.graphs),
                "post_many_p50_us": float(np.median(many)), "post_many_p90_us": float(np.percentile(many, 90)),
                "posts_p50_us": float(np.median(single)), "posts_p90_us": float(np.percentile(single, 90)),
                **(where or {})}
@@ -399,9 +406,10 @@ def main(argv=None) -> int:
         if args.batch:
             for isl in isls:
                 for page in pages:
-                    for op in _names(args.ops):
+                    for op, kind in ((o, k) for o in _names(args.ops) for k in id_kinds):
                         try:
-                            rows.append(measure_batch(plat, args.workload, isl, page, op, args.batch, iters, cpu))
+                            rows.append(measure_batch(plat, args.workload, isl, page, op, args.batch, iters, cpu,
+                                                      kind))
                         except Exception as exc:  # noqa: BLE001 - report the row and go on
                             failed += 1
                             rows.append({"workload": args.workload, "isl_tokens": isl, "page_tokens": page,
@@ -415,7 +423,8 @@ def main(argv=None) -> int:
     print("# " + " ".join(f"{c:>14}" for c in cols))
     for r in rows:
         if "batch" in r and "error" not in r:
-            print(f"# post_many of {r['batch']} {r['op']} requests ({r['isl_tokens']}/{r['page_tokens']}): "
+            print(f"# post_many of {r['batch']} {r['op']} requests ({r['isl_tokens']}/{r['page_tokens']}, "
+                  f"{r['ids']} IDs): "
                   f"p50 {r['post_many_p50_us']:.1f} us, p90 {r['post_many_p90_us']:.1f} us; {r['batch']} posts: "
                   f"p50 {r['posts_p50_us']:.1f} us, p90 {r['posts_p90_us']:.1f} us")
             continue

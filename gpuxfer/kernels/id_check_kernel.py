@@ -25,10 +25,11 @@ a bit found set is a destination named twice. :func:`settle_ids_kernel` (the sam
 the request set; where the status is not 0, program ``(0, 0)`` zeroes the header's first rows and segment
 counts (entries ``[0, P + 1 + G)``), so the expansion writes nothing and every copy's row range is empty.
 
-The addresses and counts are the host's: it wrote them from tensors it checked (on the device, of that
-many IDs each), and the kernel reads ``count`` IDs from each. Bounds hold for any other content of the
-request and of the group table: an ID position outside ``[0, req_len)`` is not written, a mark word outside
-the bitmap is not touched, a group past the table is not checked.
+What describes the caller's tensors is the host's: it wrote, from tensors it checked, each piece's address
+and count, the width of their integers and where the pieces are; the kernel reads ``count`` IDs from each.
+Bounds hold for any other content of the request and of the group table: an ID position outside
+``[0, req_len)`` is not written, a piece outside the request is not read, a mark word outside the bitmap is
+not touched, a group past the table is not checked.
 """
 from __future__ import annotations
 

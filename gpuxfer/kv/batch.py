@@ -19,8 +19,14 @@ the next request's segments start on a block of its own and the padding moves no
     record_event                                   ->           one event: the handles of a, b and c
 
 Two requests of a batch that write the same destination block are not merged (their order would not be
-defined): that route's requests are posted one after another, as :meth:`KVTransfer.post` would. Transfers of
-other engines (``pack``, ``copy_engine``, the NIXL route) are posted one by one after the merged ones.
+defined): that route's requests are posted one after another, as :meth:`KVTransfer.post` would.
+
+Requests whose IDs are device tensors (:mod:`gpuxfer.kv.device_ids`) of a route whose blocks pair one to one
+merge too (:func:`~gpuxfer.kv.device_ids.post_together`): one request array listing every request's tensors,
+one upload, one checked graph; the host never sees their IDs, so a batch in which two requests name the same
+destination block fails the device check as a whole (nothing moves, every handle raises). Transfers of other
+engines (``pack``, ``copy_engine``, the NIXL route), and device-ID requests of routes whose block sizes
+differ, are posted one by one after the merged ones.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import numpy as np
 from ..errors import BadInput, BlockIdError
 from ..platforms.base import Stream
 from .transfer import KVTransfer, KVTransferHandle
+from .device_ids import _DeviceIdTransfer, post_together
 from .triton_transfer import _SlotTransfer, run_in_slot
 
 if TYPE_CHECKING:
@@ -66,7 +73,7 @@ def post_many(agent: "KVAgent", transfers: Sequence[KVTransfer], stream: Stream 
         raise BadInput("post_many: a transfer appears twice (post it again in a later call)")
     s = agent.stream if stream is None else stream
     for x in transfers:             # the other engines' peers before anything is queued (triton's: under the lock)
-        if type(x) is not _SlotTransfer:
+        if type(x) is not _SlotTransfer and type(x) is not _DeviceIdTransfer:
             agent._check_usable(x.peer)
     handles: list[KVTransferHandle | None] = [None] * len(transfers)
     try:
@@ -82,22 +89,26 @@ def post_many(agent: "KVAgent", transfers: Sequence[KVTransfer], stream: Stream 
 def _post_all(agent: "KVAgent", transfers: Sequence[KVTransfer], s: Stream, handles: list) -> None:
     """:func:`post_many`'s posts, each handle into ``handles`` as it is made."""
     routes: dict[int, list[int]] = {}
+    together: dict[tuple, list[int]] = {}           # device-ID requests: (route, width) -> indices
     others = []
     for i, x in enumerate(transfers):
         if type(x) is _SlotTransfer:
             routes.setdefault(id(x.route), []).append(i)
+        elif type(x) is _DeviceIdTransfer and x.route.ids.paired:
+            together.setdefault((id(x.route), x.shape[4]), []).append(i)
         else:
             others.append(i)
-    if routes:
+    if routes or together:
         with agent._post_lock:
             for x in transfers:         # before anything is queued, and with remove_peer and close kept out
-                if type(x) is _SlotTransfer:
+                if type(x) is _SlotTransfer or type(x) is _DeviceIdTransfer:
                     agent._check_usable(x.peer)
-            for idx in routes.values():
-                for part in _parts(transfers, idx):
-                    xs = [transfers[i] for i in part]
-                    for i, h in zip(part, _post_route(agent, xs, s)):
-                        handles[i] = h
+            for post, groups in ((_post_route, routes), (post_together, together)):
+                for idx in groups.values():
+                    for part in _parts(transfers, idx):
+                        xs = [transfers[i] for i in part]
+                        for i, h in zip(part, post(agent, xs, s)):
+                            handles[i] = h
     for i in others:
         handles[i] = transfers[i].post(s)
 

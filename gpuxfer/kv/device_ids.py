@@ -203,7 +203,7 @@ class _StatusWords:
         self.free: list[tuple[int, int]] = []
         self.lock = threading.Lock()
 
-    def take(self) -> "_Status":
+    def take(self, batch: int = 1) -> "_Status":
         try:
             c, i = self.free.pop()
         except IndexError:
@@ -215,16 +215,17 @@ class _StatusWords:
                 self.free.extend((c, k) for k in range(1, self.CHUNK))
                 i = 0
         t, a = self.chunks[c]
-        return _Status(self, c, i, a, t.data_ptr() + 8 * i)
+        return _Status(self, c, i, a, t.data_ptr() + 8 * i, batch)
 
 
 class _Status:
     """One post's status word (its bits: :mod:`gpuxfer.kernels.id_check_kernel`); read once the post completed."""
 
-    __slots__ = ("words", "chunk", "index", "array", "ptr")
+    __slots__ = ("words", "chunk", "index", "array", "ptr", "batch")
 
-    def __init__(self, words: _StatusWords, chunk: int, index: int, array, ptr: int):
+    def __init__(self, words: _StatusWords, chunk: int, index: int, array, ptr: int, batch: int):
         self.words, self.chunk, self.index, self.array, self.ptr = words, chunk, index, array, ptr
+        self.batch = batch          # requests posted together with this word (post_many)
 
     def raise_if_bad(self, name: str) -> None:
         bits = int(self.array[self.index])
@@ -232,7 +233,9 @@ class _Status:
             what = [w for b, w in ((CHECK_SOURCE_RANGE, "a source block ID out of range"),
                                    (CHECK_DEST_RANGE, "a destination block ID out of range"),
                                    (CHECK_DEST_TWICE, "a destination block named twice")) if bits & b]
-            raise BlockIdError(f"request {name!r}: its block IDs, checked on the device, hold "
+            whose = "its block IDs" if self.batch == 1 else \
+                f"the block IDs of the {self.batch} requests posted with it (post_many)"
+            raise BlockIdError(f"request {name!r}: {whose}, checked on the device, hold "
                                f"{' and '.join(what) or f'status {bits:#x}'}; nothing was moved")
 
     def __del__(self):
@@ -263,13 +266,8 @@ class _DeviceIdTransfer(_SlotTransfer):
         copy(slot.req_ptr, self._host_ptr, self._req_bytes)
         if expand_only:
             plat.launch(s, checked.check_and_expand)
-        elif checked.graph is not None:
-            if own:
-                agent._calls.launch_graph(checked.graph)
-            else:
-                plat.launch_graph(s, checked.graph)
         else:
-            checked.enqueue(plat, s)
+            _launch_checked(agent, checked, s, own)
         if agent._device_status is None:
             agent._device_status = _StatusWords(pinned=not plat.host_memory)
         status = agent._device_status.take()
@@ -302,6 +300,74 @@ class _DeviceIdTransfer(_SlotTransfer):
                                   timeout_s=agent.timeout_s, what="expanding the descriptors")
         status.raise_if_bad(self.name)
         return slot.out[:self.descriptors].cpu().numpy().copy()
+
+
+class _Together:
+    """The request array of device-ID requests posted together, given back to the agent's pool once the agent lets
+    go of it (after the post's event)."""
+
+    __slots__ = ("pool", "token")
+
+    def __init__(self, pool, token):
+        self.pool, self.token = pool, token
+
+    def __del__(self):
+        self.pool.give(self.token)
+
+
+def post_together(agent: "KVAgent", xs: list[_DeviceIdTransfer], s: Stream) -> list:
+    """Device-ID requests of one route whose blocks pair one to one and whose IDs have one width, in one post (the
+    caller holds the post lock and checked their peers): one request array of every request's pieces
+    (:func:`_layout`), one upload, one checked graph, one status word and one event for all. A batch whose IDs
+    fail the check -- a destination named by two of its requests included -- moves nothing: every handle
+    raises :class:`BlockIdError`."""
+    from .transfer import KVTransferHandle
+    if len(xs) == 1:
+        return [xs[0]._post_locked(s)]
+    route, plat = xs[0].route, agent.platform
+    shapes = [x.shape for x in xs]
+    head = _layout(route, np.array([sh[0] for sh in shapes], dtype=np.int64),
+                   np.array([sh[1] for sh in shapes], dtype=np.int64),
+                   np.array([sh[2] for sh in shapes], dtype=np.int64), shapes[0][4])
+    token, h = agent._requests.take(head.array.shape[0], agent._reap)
+    keep = _Together(agent._requests, token)
+    h[:] = head.array
+    h[head.addresses] = np.array([sh[3] for sh in shapes], dtype=np.int64)
+    slot = agent._take_slot(route, s, head.n_rows, head.entries)
+    checked = slot.checked(agent, route, s)
+    own = s is agent.stream
+    try:
+        if own:
+            agent._calls.copy(slot.req_ptr, h.ctypes.data, h.nbytes)
+        else:
+            plat.copy_async(s, slot.req_ptr, h.ctypes.data, h.nbytes)
+        _launch_checked(agent, checked, s, own)
+        if agent._device_status is None:
+            agent._device_status = _StatusWords(pinned=not plat.host_memory)
+        status = agent._device_status.take(len(xs))
+        if own:
+            agent._calls.copy(status.ptr, slot.req_ptr + 8 * checked.status_at, 8)
+        else:
+            plat.copy_async(s, status.ptr, slot.req_ptr + 8 * checked.status_at, 8)
+        values = [x.peer.notify(s, x.notify_slot)[0] if x.notify_slot is not None else None for x in xs]
+        event = plat.record_event(s)
+    except BaseException:
+        from .batch import _hold_until_drained
+        _hold_until_drained(agent, s, (tuple(xs), keep))
+        raise
+    slot.event, slot.stream = event, s
+    agent._track(event, (tuple(xs), slot, keep, status))
+    return [KVTransferHandle(x, event, s, v, status) for x, v in zip(xs, values)]
+
+
+def _launch_checked(agent: "KVAgent", checked: "_Checked", s: Stream, own: bool) -> None:
+    """A slot's checked graph on ``s`` (its launches one by one where the platform captured none)."""
+    if checked.graph is None:
+        checked.enqueue(agent.platform, s)
+    elif own:
+        agent._calls.launch_graph(checked.graph)
+    else:
+        agent.platform.launch_graph(s, checked.graph)
 
 
 class _Checked:

@@ -28,28 +28,31 @@ def _guards_intact(whole, n: int) -> bool:
 
 
 def _request(P: int, groups: list[tuple[list[int], list[int]]], wide: bool):
-    """A well-formed request array of ``P`` planes for ``groups`` (source, destination IDs each), the IDs in tensors
-    of their own (int64 or int32) whose addresses the check fields hold: ``(request, its whole, the tensors,
-    header length, entries)``."""
+    """A well-formed request array of ``P`` planes for ``groups`` (source, destination IDs each; one request), the
+    IDs in tensors of their own (int64 or int32), one piece each: ``(request, its whole, the tensors, header
+    length, entries, the pieces' entries)``."""
     G = len(groups)
     head = request_header_len(P, G)
-    first = head + 2 + 4 * G
+    p0 = head + 2 + 3 * G
+    first = p0 + 8 * G
     lens = [len(s) for s, _ in groups] + [len(d) for _, d in groups]
     starts = np.cumsum([first] + lens)
     n = int(starts[-1])
     req, req_whole = _window(n, torch.int64)
     dtype = torch.int64 if wide else torch.int32
     tensors = [torch.tensor(ids, dtype=dtype) for ids in [s for s, _ in groups] + [d for _, d in groups]]
-    for g in range(G):
-        req[P + 1 + g] = max(len(groups[g][0]), len(groups[g][1]))
-        req[P + 1 + G + g] = int(starts[g])
-        req[P + 1 + 2 * G + g] = int(starts[G + g])
     req[head + 1] = 1 if wide else 0
     for g, (s, d) in enumerate(groups):
-        req[head + 2 + g], req[head + 2 + G + g] = len(s), len(d)
-    for k, t in enumerate(tensors):
-        req[head + 2 + 2 * G + k] = t.data_ptr()
-    return req, req_whole, tensors, head, n
+        req[P + 1 + g] = max(len(s), len(d))
+        req[P + 1 + G + g] = int(starts[g])
+        req[P + 1 + 2 * G + g] = int(starts[G + g])
+        req[head + 2 + g] = len(d)
+        req[head + 2 + G + g] = p0 + 8 * g
+        req[head + 2 + 2 * G + g] = 2
+        req[p0 + 8 * g:p0 + 8 * g + 8] = torch.tensor(
+            [0, tensors[g].data_ptr(), len(s), int(starts[g]), 1, tensors[G + g].data_ptr(), len(d), int(starts[G + g])])
+    pieces = {e for g in range(G) for e in range(p0 + 8 * g, p0 + 8 * g + 8)}
+    return req, req_whole, tensors, head, n, pieces
 
 
 def _run(req, gtab, marks, P, G):
@@ -70,7 +73,7 @@ def _run(req, gtab, marks, P, G):
 ])
 def test_findings_and_settle(wide, groups, bits):
     P, G = 3, len(groups)
-    req, _, tensors, head, n = _request(P, groups, wide)
+    req, _, tensors, head, n, _ = _request(P, groups, wide)
     req[:P + 1] = torch.arange(1, P + 2)
     gtab = torch.tensor([[8, 10, 0]] * G, dtype=torch.int64)      # one destination class: mark offset 0 for all
     marks = torch.zeros(1, dtype=torch.int32)
@@ -78,7 +81,7 @@ def test_findings_and_settle(wide, groups, bits):
     _run(req, gtab, marks, P, G)
     assert int(req[head]) == bits
     assert int(marks.abs().sum()) == 0                             # every mark the request set is cleared
-    first = head + 2 + 4 * G
+    first = head + 2 + 3 * G + 8 * G
     ids = [x for s, _ in groups for x in s] + [x for _, d in groups for x in d]
     assert req[first:first + len(ids)].tolist() == ids              # read from the tensors, as int64
     if bits:
@@ -109,14 +112,17 @@ word = st.one_of(st.integers(-(1 << 63), (1 << 63) - 1), st.integers(-40, 80))
        forged=st.lists(st.tuples(st.integers(0, 200), word), max_size=12),
        table=st.lists(st.integers(-(1 << 40), 1 << 40), min_size=9, max_size=9), n_words=st.integers(1, 3))
 def test_any_request_content_stays_in_its_buffers(P, wide, groups, forged, table, n_words):
-    """Forged requests -- any header (rows, counts, where each group's IDs go), any IDs, any group table -- with
-    the host's own fields (the tensors' addresses and how many IDs each holds) left as written: every write
-    stays inside the request and the bitmap."""
+    """Forged requests -- any header (rows, counts, where each piece's IDs go, its side), any IDs, any group
+    table -- with the host's own fields (where the pieces are, the tensors' addresses and how many IDs each
+    holds) left as written: every write stays inside the request and the bitmap."""
     if not wide:
         groups = [([x % (1 << 31) for x in s], [x % (1 << 31) for x in d]) for s, d in groups]
     G = len(groups)
-    req, req_whole, tensors, head, n = _request(P, groups, wide)
-    trusted = set(range(head + 2, head + 2 + 4 * G))
+    req, req_whole, tensors, head, n, pieces = _request(P, groups, wide)
+    # the host's own fields: each piece's address and count (a tensor it checked, of that many IDs), where the
+    # pieces are
+    trusted = {e for e in pieces if (e - head - 2 - 3 * G) % 4 in (1, 2)} | set(range(head + 2 + G, head + 2 + 3 * G)) \
+        | {head + 1}         # and the width of the tensors' integers
     for at, value in forged:
         if at < n and at not in trusted:
             req[at] = value

@@ -271,3 +271,106 @@ def test_device_bytes_counts_the_slots(dpair):
     assert got["descriptors"] == slot.rows * 24 and got["requests"] == slot.entries * 8
     assert got["id_marks"] == slot._checked.marks.numel() * 4 > 0
     assert got["pack_staging"] == 0
+
+
+def _count_copies(agent, monkeypatch) -> list:
+    seen = []
+    copy = agent._calls.copy
+
+    def counted(dst, src, n):
+        seen.append(n)
+        return copy(dst, src, n)
+    monkeypatch.setattr(agent._calls, "copy", counted)
+    return seen
+
+
+def test_post_many_one_upload_every_byte(dpair, monkeypatch):
+    """Device-ID requests of one route posted together: one request array upload (and one status word back),
+    every request's bytes where they belong, host-ID requests of the same call beside them."""
+    pre, dec, a0, a1 = dpair
+    src, dst = _full(pre, dec, a0, a1)
+    peer, _ = connect(pre, dec)
+    reqs = [([3, 0, 7], [1, 5, 2]), ([9], [11]), ([4, 10], [0, 8])]
+    xs = [dec.prepare(peer, "pull", local_blocks={"full": _on(dec, d, torch.int32)},
+                      remote_blocks={"full": _on(dec, s, torch.int32)}, name=f"r{i}", device_ids=True)
+          for i, (s, d) in enumerate(reqs)]
+    host = dec.prepare(peer, "pull", local_blocks={"full": [6]}, remote_blocks={"full": [1]}, name="host")
+    snap = _snapshot(dst)
+    copies = _count_copies(dec, monkeypatch)
+    hs = dec.post_many(xs + [host])
+    assert sorted(n > 8 for n in copies).count(True) == 2     # the device batch's array and the host request's
+    assert copies.count(8) == 1                               # one status word for the batch
+    for h in hs:
+        h.wait(60)
+        assert h.done()
+    pairs = [(s, d) for ss, ds in reqs for s, d in zip(ss, ds)] + [(1, 6)]
+    for k in src:
+        for s, d in pairs:
+            assert same_bytes(dst[k][:, d], src[k][:, s])
+        rest = [b for b in range(12) if b not in {d for _, d in pairs}]
+        assert same_bytes(dst[k][:, rest], snap[k][:, rest])
+
+
+def test_post_many_a_destination_in_two_requests_moves_nothing(dpair):
+    pre, dec, a0, a1 = dpair
+    src, dst = _full(pre, dec, a0, a1)
+    peer, _ = connect(pre, dec)
+    xs = [dec.prepare(peer, "pull", local_blocks={"full": _on(dec, mine)}, remote_blocks={"full": _on(dec, theirs)},
+                      name=n, device_ids=True)
+          for n, mine, theirs in (("a", [1, 2], [3, 4]), ("b", [2, 6], [5, 0]), ("c", [7], [11]))]
+    snap = _snapshot(dst)
+    ha, hb, hc = dec.post_many(xs)
+    for h, name in ((ha, "a"), (hb, "b"), (hc, "c")):
+        with pytest.raises(BlockIdError, match=f"request '{name}'.*3 requests posted with it.*named twice"):
+            h.wait(60)
+    assert _unchanged(dst, snap)
+    ok = dec.post_many([dec.prepare(peer, "pull", local_blocks={"full": _on(dec, [1])},
+                                    remote_blocks={"full": _on(dec, [3])}, device_ids=True),
+                        dec.prepare(peer, "pull", local_blocks={"full": _on(dec, [2])},
+                                    remote_blocks={"full": _on(dec, [4])}, device_ids=True)])
+    for h in ok:
+        h.wait(60)
+    for k in src:
+        assert same_bytes(dst[k][:, 1], src[k][:, 3]) and same_bytes(dst[k][:, 2], src[k][:, 4])
+
+
+batches = st.lists(st.tuples(st.lists(st.integers(-1, 12), min_size=1, max_size=4),
+                             st.lists(st.integers(-1, 12), min_size=1, max_size=4)), min_size=2, max_size=4)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reqs=batches)
+def test_post_many_against_host_ids(dpair, reqs):
+    """Hypothesis: device-ID requests posted together move what the same requests with host IDs move when each
+    passes the host checks and no two name one destination; otherwise the whole batch moves nothing and every
+    handle raises."""
+    pre, dec, a0, a1 = dpair
+    if "full" not in dec.groups:
+        _full(pre, dec, a0, a1)
+        connect(pre, dec)
+    peer = dec.peer("prefill")
+    reqs = [(s[:len(d)], d[:len(s)]) for s, d in reqs]
+    snap = a1.flat.clone()
+    ok = True
+    try:
+        xs = [dec.prepare(peer, "pull", local_blocks={"full": d}, remote_blocks={"full": s}) for s, d in reqs]
+    except BlockIdError:
+        ok = False
+    dsts = [b for _, d in reqs for b in d]
+    ok = ok and len(set(dsts)) == len(dsts)
+    if ok:
+        for h in dec.post_many(xs):
+            h.wait(60)
+    want = a1.flat.clone()
+    a1.flat.copy_(snap)
+    hs = dec.post_many([dec.prepare(peer, "pull", local_blocks={"full": _on(dec, d)},
+                                    remote_blocks={"full": _on(dec, s)}, device_ids=True) for s, d in reqs])
+    refused = 0
+    for h in hs:
+        try:
+            h.wait(60)
+        except BlockIdError:
+            refused += 1
+    assert refused == (0 if ok else len(hs))
+    assert torch.equal(a1.flat, want if ok else snap)
+    a1.flat.copy_(snap)
