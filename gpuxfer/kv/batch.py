@@ -24,9 +24,10 @@ defined): that route's requests are posted one after another, as :meth:`KVTransf
 Requests whose IDs are device tensors (:mod:`gpuxfer.kv.device_ids`) of a route whose blocks pair one to one
 merge too (:func:`~gpuxfer.kv.device_ids.post_together`): one request array listing every request's tensors,
 one upload, one checked graph; the host never sees their IDs, so a batch in which two requests name the same
-destination block fails the device check as a whole (nothing moves, every handle raises). Transfers of other
-engines (``pack``, ``copy_engine``, the NIXL route), and device-ID requests of routes whose block sizes
-differ, are posted one by one after the merged ones.
+destination block fails the device check as a whole (nothing moves, every handle raises). A route whose batch
+mixes host and device IDs, or whose device-ID requests' block sizes differ, is posted one request after
+another, in order. Transfers of other engines (``pack``, ``copy_engine``, the NIXL route) are posted one by
+one after the triton engine's.
 """
 from __future__ import annotations
 
@@ -88,29 +89,33 @@ def post_many(agent: "KVAgent", transfers: Sequence[KVTransfer], stream: Stream 
 
 def _post_all(agent: "KVAgent", transfers: Sequence[KVTransfer], s: Stream, handles: list) -> None:
     """:func:`post_many`'s posts, each handle into ``handles`` as it is made."""
-    routes: dict[int, list[int]] = {}
-    together: dict[tuple, list[int]] = {}           # device-ID requests: (route, width) -> indices
+    routes: dict[int, list[int]] = {}               # the triton engine's requests, host or device IDs, by route
     others = []
     for i, x in enumerate(transfers):
-        if type(x) is _SlotTransfer:
+        if type(x) is _SlotTransfer or type(x) is _DeviceIdTransfer:
             routes.setdefault(id(x.route), []).append(i)
-        elif type(x) is _DeviceIdTransfer and x.route.ids.paired:
-            together.setdefault((id(x.route), x.shape[4]), []).append(i)
         else:
             others.append(i)
-    if routes or together:
+    if routes:
         with agent._post_lock:
-            for x in transfers:         # before anything is queued, and with remove_peer and close kept out
-                if type(x) is _SlotTransfer or type(x) is _DeviceIdTransfer:
-                    agent._check_usable(x.peer)
-            for post, groups in ((_post_route, routes), (post_together, together)):
-                for idx in groups.values():
-                    for part in _parts(transfers, idx):
-                        xs = [transfers[i] for i in part]
-                        for i, h in zip(part, post(agent, xs, s)):
-                            handles[i] = h
+            for i in itertools.chain.from_iterable(routes.values()):    # before anything is queued, with
+                agent._check_usable(transfers[i].peer)                    # remove_peer and close kept out
+            for idx in routes.values():
+                kinds = {(type(transfers[i]), getattr(transfers[i], "shape", (0,) * 5)[4]) for i in idx}
+                post = _post_route if kinds == {(_SlotTransfer, 0)} else \
+                    post_together if len(kinds) == 1 and transfers[idx[0]].route.ids.paired else _one_by_one
+                for part in _parts(transfers, idx):
+                    xs = [transfers[i] for i in part]
+                    for i, h in zip(part, post(agent, xs, s)):
+                        handles[i] = h
     for i in others:
         handles[i] = transfers[i].post(s)
+
+
+def _one_by_one(agent: "KVAgent", xs: list, s: Stream) -> list[KVTransferHandle]:
+    """A route's requests posted one after another, in order: host and device IDs mixed (the host cannot tell
+    whether their destinations overlap), or device IDs of a route whose block sizes differ."""
+    return [x._post_locked(s) for x in xs]
 
 
 def _parts(transfers, idx: list[int]) -> list[list[int]]:

@@ -141,6 +141,12 @@ def prepare_device(agent: "KVAgent", peer: "KVPeer", route: "_Route", op: str, n
     if peer.engine != "triton":
         raise BadInput(f"request {name!r}: block IDs on the device need the triton engine; peer {peer.name!r} "
                        f"runs {peer.engine!r} (pass the IDs on the host)")
+    if notify_slot is not None:
+        # the notification is queued whatever the device check finds: the peer would go ahead on blocks a
+        # refused request did not write
+        raise BadInput(f"request {name!r}: a notification needs block IDs on the host (the peer must not be "
+                       "signalled for a request the device check may refuse); notify with a later request "
+                       "or KVPeer.notify once the handle's wait passed")
     torch = _torch()
     dev = route.device_ids
     if dev is None:
@@ -173,6 +179,11 @@ def prepare_device(agent: "KVAgent", peer: "KVPeer", route: "_Route", op: str, n
     pooled, h = agent._requests.take(head.array.shape[0], agent._reap_locked)
     h[:] = head.array
     addresses = [t.data_ptr() for t in tensors]
+    width = 8 if dtype is torch.int64 else 4
+    for t, a in zip(tensors, addresses):
+        if (a == 0 or a % width) and t.shape[0]:
+            raise BlockIdError(f"request {name!r}: a tensor of block IDs has no memory of its own on the device "
+                               f"(address {a:#x}): a meta tensor, or not aligned to its {width}-byte integers")
     h[head.addresses[0]] = addresses
     return _DeviceIdTransfer(agent, peer, route, op, name, head, pooled, h, tensors, notify_slot,
                              (lens_s, lens_d, n_seg, addresses, dtype is torch.int64))
@@ -182,6 +193,8 @@ def _refuse(name: str, group: str, side: str, ids, device, dtype) -> None:
     """The :class:`BlockIdError` of a device-ID request's tensor that is not what :func:`prepare_device` takes."""
     torch = _torch()
     what = f"request {name!r}, group {group!r}, {side}"
+    if isinstance(ids, torch.Tensor) and type(ids) is not torch.Tensor:
+        raise BlockIdError(f"{what}: block IDs on the device must be a plain torch.Tensor, got {type(ids).__name__}")
     if not isinstance(ids, torch.Tensor) or ids.device != device:
         raise BlockIdError(f"{what}: block IDs on the device must be tensors on {device}, got "
                            f"{ids.device if isinstance(ids, torch.Tensor) else type(ids).__name__}")
@@ -257,8 +270,18 @@ class _DeviceIdTransfer(_SlotTransfer):
                                             [], notify_slot, head.n_rows, head.nbytes_moved)
         self._req_bytes = int(array.shape[0]) * 8
 
+    def _check_tensors(self) -> None:
+        """The ID tensors still where :meth:`KVAgent.prepare` found them (a tensor given other memory since --
+        ``set_``, ``resize_`` -- would have the check read memory that may be free): O(groups)."""
+        sh = self.shape
+        for t, a, n in zip(self._tensors, sh[3], sh[0] + sh[1]):
+            if t.data_ptr() != a or t.shape[0] != n:
+                raise BlockIdError(f"request {self.name!r}: a tensor of its block IDs moved or changed size since "
+                                   "prepare (set_ or resize_): prepare the request again")
+
     def _run(self, s: Stream, expand_only: bool = False):
         agent, plat = self.agent, self.agent.platform
+        self._check_tensors()
         slot = agent._take_slot(self.route, s, self.descriptors, self._entries)
         checked = slot.checked(agent, self.route, s)
         own = s is agent.stream         # the agent's stream: its calls bound once (Platform.stream_calls)
@@ -277,7 +300,12 @@ class _DeviceIdTransfer(_SlotTransfer):
     def _post_locked(self, s: Stream):
         from .transfer import KVTransferHandle
         slot, status = self._run(s)
-        value, event = self._finish(s)
+        try:
+            value, event = self._finish(s)
+        except BaseException:
+            from .batch import _hold_until_drained
+            _hold_until_drained(self.agent, s, (self, slot, status))
+            raise
         slot.event, slot.stream = event, s
         self.agent._track(event, (self, slot, status))
         return KVTransferHandle(self, event, s, value, status)
@@ -325,6 +353,8 @@ def post_together(agent: "KVAgent", xs: list[_DeviceIdTransfer], s: Stream) -> l
     if len(xs) == 1:
         return [xs[0]._post_locked(s)]
     route, plat = xs[0].route, agent.platform
+    for x in xs:
+        x._check_tensors()
     shapes = [x.shape for x in xs]
     head = _layout(route, np.array([sh[0] for sh in shapes], dtype=np.int64),
                    np.array([sh[1] for sh in shapes], dtype=np.int64),
@@ -349,15 +379,14 @@ def post_together(agent: "KVAgent", xs: list[_DeviceIdTransfer], s: Stream) -> l
             agent._calls.copy(status.ptr, slot.req_ptr + 8 * checked.status_at, 8)
         else:
             plat.copy_async(s, status.ptr, slot.req_ptr + 8 * checked.status_at, 8)
-        values = [x.peer.notify(s, x.notify_slot)[0] if x.notify_slot is not None else None for x in xs]
-        event = plat.record_event(s)
+        event = plat.record_event(s)          # (device-ID requests carry no notification: prepare_device)
     except BaseException:
         from .batch import _hold_until_drained
-        _hold_until_drained(agent, s, (tuple(xs), keep))
+        _hold_until_drained(agent, s, (tuple(xs), keep, status))
         raise
     slot.event, slot.stream = event, s
     agent._track(event, (tuple(xs), slot, keep, status))
-    return [KVTransferHandle(x, event, s, v, status) for x, v in zip(xs, values)]
+    return [KVTransferHandle(x, event, s, None, status) for x in xs]
 
 
 def _launch_checked(agent: "KVAgent", checked: "_Checked", s: Stream, own: bool) -> None:
