@@ -125,7 +125,7 @@ def cuda_stub():
 
 
 def build(metadata: bool, slots: int = 2, platform: str = "null", flag_batch: bool = False,
-          host_give_back: bool = False):
+          host_give_back: bool = False, recv_views: bool = True):
     """A (sender, receiver) pair on :class:`NullPlatform` (or the cuda platform over a stub driver), set up
     by hand (no peers, no device memory). ``host_give_back``: the sender's empty words are host memory it
     loads (as with ``GPUXFER_PP_HOST_GIVE_BACK=1``), here always showing the slot free."""
@@ -141,8 +141,9 @@ def build(metadata: bool, slots: int = 2, platform: str = "null", flag_batch: bo
     for role in ("send", "recv"):
         t = CopyEngineTransport(platform=plat, role=role, rank=0 if role == "send" else 1,
                                 peer=1 if role == "send" else 0, device=0, specs=specs, timeout_s=30.0,
-                                metadata=metadata, group=None, tag_base=0, torch_device=dev,
-                                recv_slots=slots, recv_views=True, flag_path="remote")
+                                metadata=metadata, group=None, tag_base=0,
+                                torch_device=dev if role == "send" else torch.device("cpu"),
+                                recv_slots=slots, recv_views=recv_views, flag_path="remote")
         base = 1 << 40 if role == "send" else 1 << 41
         t.remote_flags = True
         t._in_ptr = [base + (W_IN + j) * 64 for j in range(slots)]
@@ -175,9 +176,10 @@ def build(metadata: bool, slots: int = 2, platform: str = "null", flag_batch: bo
 
 
 def measure(steps: int, metadata: bool, size: int, profile: bool, platform: str = "null",
-            flag_batch: bool = False, host_give_back: bool = False) -> dict:
+            flag_batch: bool = False, host_give_back: bool = False, recv_views: bool = True) -> dict:
     import torch
-    plat, (snd, rcv) = build(metadata, platform=platform, flag_batch=flag_batch, host_give_back=host_give_back)
+    plat, (snd, rcv) = build(metadata, platform=platform, flag_batch=flag_batch, host_give_back=host_give_back,
+                             recv_views=recv_views)
     n = size // 4
     srcs = [{"hidden": torch.zeros(n, dtype=torch.bfloat16), "residual": torch.zeros(n, dtype=torch.bfloat16)}
             for _ in range(5)]              # five source sets in turn, as the bench's steps
@@ -233,11 +235,13 @@ def main() -> int:
                     help="the receiver's give-back and wait as one flag_ops call (GPUXFER_PP_FLAG_BATCH=1)")
     ap.add_argument("--host-give-back", action="store_true",
                     help="the sender sees its slot free on the host and queues no wait (GPUXFER_PP_HOST_GIVE_BACK=1)")
+    ap.add_argument("--copy-out", action="store_true",
+                    help="the default receiver: each step copied out into new tensors (no recv_views)")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of the timed steps")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     res = measure(args.steps, args.meta, args.size, args.profile, args.platform, args.flag_batch,
-                  args.host_give_back)
+                  args.host_give_back, not args.copy_out)
     print(f"{args.platform}{' flag-batch' if args.flag_batch else ''}"
           f"{' host-give-back' if args.host_give_back else ''}, {args.size} B, {'+' if args.meta else '-'}meta: send {res['send_us_median']:.2f} us "
           f"(mean {res['send_us_mean']:.2f}), recv + .tensors {res['recv_us_median']:.2f} us "

@@ -33,8 +33,8 @@ def _words(ops):
     return memoryview(ops).cast("B").cast("Q")
 
 def flag_batch_from_env() -> bool:
-    """Whether a ``recv_views`` receiver queues its two flag operations of a step (give the lent slot back,
-    wait for the next) as one ``platform.flag_ops`` call (``$GPUXFER_PP_FLAG_BATCH``: 1, the default, or 0;
+    """Whether a receiver queues its two flag operations of a step (give back the slot held since the last
+    step, wait for the next) as one ``platform.flag_ops`` call (``$GPUXFER_PP_FLAG_BATCH``: 1, the default, or 0;
     remote flag writes only)."""
     return config.get(ENV_FLAG_BATCH)
 
@@ -240,10 +240,10 @@ class _CopyEngineSetup:
             self._slot_ptr = [self._data.ptr + j * slot for j in range(R)]
             if self.recv_views:
                 self._data_bytes = self.platform.as_tensor(self._data, None, (R * slot,))
-                if self.remote_flags and self._own_publish and flag_batch_from_env():
-                    self._lend_arrays = [flag_ops_array([(FLAG_OP_WRITE, self._peer_in_ptr[(j - 1) % R], 0),
-                                                         (FLAG_OP_WAIT, self._in_ptr[j], 0)]) for j in range(R)]
-                    self._lend_ops = [_words(a) for a in self._lend_arrays]   # value words: 2 and 8
+            if self.remote_flags and self._own_publish and flag_batch_from_env():
+                self._lend_arrays = [flag_ops_array([(FLAG_OP_WRITE, self._peer_in_ptr[(j - 1) % R], 0),
+                                                     (FLAG_OP_WAIT, self._in_ptr[j], 0)]) for j in range(R)]
+                self._lend_ops = [_words(a) for a in self._lend_arrays]   # value words: 2 and 8
         else:
             self._peer_slot_ptr = [self._peer_data.ptr + j * slot for j in range(R)]
             self._staging_ptr = [self._staging.ptr + s * slot for s in range(2)]
