@@ -1,11 +1,13 @@
 """The Python cost of one eager ``copy_engine`` step per side, with every platform call a no-op (CPU; a tuning aid).
 
-    PYTHONPATH=. python scripts/pp_step_python.py [--steps N] [--meta] [--profile] [--json PATH]
+    PYTHONPATH=. python scripts/pp_step_python.py [--steps N] [--meta] [--copy-out] [--profile] [--json PATH]
 
 Builds a sender and a receiver in one process on a platform whose stream calls (flag waits and writes,
 copies, graph launches, events) do nothing but count themselves, and times ``send()`` and
-``recv().tensors`` (``recv_views``: the path ``gpuxfer bench pp --recv-views`` times) step by step,
-alternating the two ends. What it prints is the host time a step costs on top of its driver calls (the
+``recv().tensors`` step by step, alternating the two ends. The receiver hands out views of its slot
+(``recv_views``: what ``gpuxfer bench pp --recv-views`` times), or with ``--copy-out`` copies each step
+out into new tensors of its own (the default receiver, what ``gpuxfer bench pp`` times; its allocation is
+torch's CPU one here). What it prints is the host time a step costs on top of its driver calls (the
 calls per step are counted beside it): on a GPU add ~1-2 us per call.
 """
 from __future__ import annotations
@@ -128,7 +130,8 @@ def build(metadata: bool, slots: int = 2, platform: str = "null", flag_batch: bo
           host_give_back: bool = False, recv_views: bool = True):
     """A (sender, receiver) pair on :class:`NullPlatform` (or the cuda platform over a stub driver), set up
     by hand (no peers, no device memory). ``host_give_back``: the sender's empty words are host memory it
-    loads (as with ``GPUXFER_PP_HOST_GIVE_BACK=1``), here always showing the slot free."""
+    loads (as with ``GPUXFER_PP_HOST_GIVE_BACK=1``), here always showing the slot free. ``recv_views``
+    False: the receiver copies each step out into new CPU tensors (the copy itself a counted no-op)."""
     import torch
 
     from gpuxfer.pp.copy_engine import W_IN, CopyEngineTransport
@@ -217,7 +220,8 @@ def measure(steps: int, metadata: bool, size: int, profile: bool, platform: str 
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
         print(buf.getvalue())
     calls = {k: v / steps for k, v in sorted(plat.calls.items())}
-    return {"platform": platform, "flag_batch": flag_batch, "host_give_back": host_give_back, "size_bytes": size, "metadata": metadata, "steps": steps,
+    return {"platform": platform, "flag_batch": flag_batch, "host_give_back": host_give_back,
+            "recv_views": recv_views, "size_bytes": size, "metadata": metadata, "steps": steps,
             "send_us_median": statistics.median(send_s) * 1e6, "recv_us_median": statistics.median(recv_s) * 1e6,
             "send_us_mean": statistics.fmean(send_s) * 1e6, "recv_us_mean": statistics.fmean(recv_s) * 1e6,
             "calls_per_step_both_sides": calls}
@@ -243,7 +247,7 @@ def main() -> int:
     res = measure(args.steps, args.meta, args.size, args.profile, args.platform, args.flag_batch,
                   args.host_give_back, not args.copy_out)
     print(f"{args.platform}{' flag-batch' if args.flag_batch else ''}"
-          f"{' host-give-back' if args.host_give_back else ''}, {args.size} B, {'+' if args.meta else '-'}meta: send {res['send_us_median']:.2f} us "
+          f"{' host-give-back' if args.host_give_back else ''}{' copy-out' if args.copy_out else ' recv-views'}, {args.size} B, {'+' if args.meta else '-'}meta: send {res['send_us_median']:.2f} us "
           f"(mean {res['send_us_mean']:.2f}), recv + .tensors {res['recv_us_median']:.2f} us "
           f"(mean {res['recv_us_mean']:.2f}); platform calls per step (both ends): "
           f"{res['calls_per_step_both_sides']}")

@@ -39,8 +39,12 @@ Timeline of step k (slot j, staging slot s = k % 2)::
                             remote write R.full[j], or
                             write stage_full[j] = k;
                             copy_async 8 B -> R.full[j] -----> wait full[j] >= k  (local)
-                          record ev copied[s]                copy-out R.data[j] -> fresh tensors
-                                                               (copy engine, one local copy)
+                          record ev copied[s]                copy-out R.data[j] -> one new buffer
+                                                               (copy engine, one local copy of the
+                                                                step's bytes; its tensors are views
+                                                                of that buffer, the caller's own)
+                                                             ... the caller's work on them ...
+                                                             at .tensors of step k+1 (before its wait):
                                                              publish empty[j] = k:
                        empty[j] >= k  <---------------------   remote write S.empty[j], or
                        (lets step k+R reuse slot j)            write stage_empty[j] = k;
@@ -92,19 +96,29 @@ back); otherwise a stream write sets the word after the wait::
                                                           $GPUXFER_PP_FLAG_BATCH=0: two calls); the graph
     (R's publish empty[j] = k lands in host memory: remote write or 8-byte copy, as before)
 
-A receiver set up with ``recv_views=True`` copies nothing out: ``.tensors`` are
-views of slot j itself, lent to the caller; ``publish empty[j] = k`` moves to the
-next ``.tensors`` access (queued before that step's wait, so after the work the
-caller queued on the views)::
+A receiver gives slot j back (``publish empty[j] = k``) at the next ``.tensors`` access, queued
+before that step's wait; by default ``.tensors`` are copied out of the slot, and the publish lands
+after that copy (stream order); with ``recv_views=True`` nothing is copied out: ``.tensors`` are views
+of slot j itself, lent to the caller, and the publish lands after the work the caller queued on them::
 
     R current stream, .tensors of step k (slot j)      of step k+1 (slot j')
     ---------------------------------------------      ---------------------
-    publish empty[j_prev] = k-1 (the lent slot back)    publish empty[j] = k
+    publish empty[j_prev] = k-1 (the slot back)         publish empty[j] = k
     wait full[j] >= k                                   wait full[j'] >= k+1
-    -> views of R.data[j]  (no copy, no allocation)     -> views of R.data[j']
+    default: copy R.data[j] -> one new buffer           default: copy R.data[j'] -> one new buffer
+      -> its views (one allocation, one copy)             -> its views
+    recv_views: -> views of R.data[j]                   recv_views: -> views of R.data[j']
+      (no copy, no allocation)
 
 With remote flag writes the publish and the wait go (``$GPUXFER_PP_FLAG_BATCH=0`` keeps two calls)
-as one ``platform.flag_ops`` call (CUDA: ``cuStreamBatchMemOp``, executed in order).
+as one ``platform.flag_ops`` call (CUDA: ``cuStreamBatchMemOp``, executed in order): a steady step is
+that call (and the copy-out's one copy). A copied-out slot needs nothing of the caller's, so it goes
+back earlier where waiting would cost: on the old stream before steps move to another, at
+``synchronize()`` and close, and before a ``recv()`` that the sender could only reach with it
+(``recv_slots`` receives not yet accessed): such a receiver may leave ``recv_slots + 1`` receives
+unaccessed, a ``recv_views`` one ``recv_slots`` while a slot is lent. Holding the slot to the next
+step lets a sender get ``recv_slots - 1`` steps ahead of the receiver's stream before a slot wait.
+``recv(out=...)`` copies into the caller's tensors and gives the slot back at once.
 
 Nothing on this path waits on the CPU and nothing runs on SMs: every copy,
 the pack and the copy-out included, is a copy-engine copy; the sender's side
@@ -125,8 +139,8 @@ phases (allocate and zero the flags, export, open the peer's, probe the pair:
 the writer uses remote stream writes only where its peer saw one arrive) beside
 the receive slots and the staging ring.
 
-The pair's settings, local checks and setup phases are :mod:`gpuxfer.pp.copy_engine_setup` (mixed in); this module
-holds the steps, the watchdog's reads and the teardown.
+The pair's settings, local checks, setup phases and teardown are :mod:`gpuxfer.pp.copy_engine_setup` (mixed in);
+this module holds the steps, the watchdog's reads and the drain.
 
 An ``sdma`` backend (ROCm) can subclass :class:`CopyEngineTransport` and
 override :meth:`~CopyEngineTransport.unavailable_reason`,
@@ -563,51 +577,3 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
         if loads is not None:
             for j in range(self.recv_slots):
                 loads[j << 3] = RELEASE_VALUE
-
-    def _close_mappings(self) -> None:
-        if self._peer_data is not None:
-            self._peer_data.close()
-        if self.role == "recv" and self._give_back is not None:
-            self._give_back.close()
-        if self._link is not None:
-            self._link.close_peer()
-
-    def _free(self) -> None:
-        self._calls = self._eager_stream = self._copy_out = None
-        self._lent, self._lent_copied = None, False
-        self._caller_streams.clear()
-        self._free_loads = None
-        self._copied = [None, None]
-        self._packed = None
-        self._graphs.clear()
-        self._views.clear()
-        self._slot_views = [(None, None)] * self.recv_slots
-        self._lend_arrays = self._lend_ops = self._slot_arrays = self._slot_ops = None
-        self._close_streams()
-        if self._give_back is not None:     # after the graphs that copy from its value words
-            self._give_back.close()
-        self._data_bytes = None
-        for b in (self._data, self._staging):
-            if b is not None:
-                b.close()
-        if self._link is not None:
-            self._link.close()
-
-    def _free_local(self) -> None:
-        """abort(): the staging ring and the streams are ours alone; flags and receive slots are mapped by the
-        peer, kept; the give-back words' name dropped (the peer's mapping, if any, stays)."""
-        if self._staging is not None:
-            self._staging.close()
-        if self._give_back is not None:
-            self._give_back.unlink()
-        self._close_streams()
-
-    def _close_streams(self) -> None:
-        for s in (self._cap, self._aux):
-            if s is not None:
-                s.close()
-        self._cap = self._aux = None
-
-    def _allocated(self) -> int:
-        return sum(b.allocated_bytes for b in (self._data, self._staging, self._flags)
-                   if b is not None and not b.closed)

@@ -71,8 +71,8 @@ def inline_bytes_from_env(value: "int | str | None" = None, option: str = "inlin
 
 
 class _CopyEngineSetup:
-    """The local checks and setup phases of :class:`~gpuxfer.pp.copy_engine.CopyEngineTransport` (its state, set
-    in its ``__init__``, and its hooks ``_ce_copy``, ``_own_publish``)."""
+    """The local checks, setup phases and teardown of :class:`~gpuxfer.pp.copy_engine.CopyEngineTransport` (its
+    state, set in its ``__init__``, and its hooks ``_ce_copy``, ``_own_publish``)."""
 
     # ---- local checks (doctor, and setup before allocating) ----
     @classmethod
@@ -248,3 +248,52 @@ class _CopyEngineSetup:
             self._peer_slot_ptr = [self._peer_data.ptr + j * slot for j in range(R)]
             self._staging_ptr = [self._staging.ptr + s * slot for s in range(2)]
         self._state = "open"
+
+    # ---- teardown (after the drain) ----
+    def _close_mappings(self) -> None:
+        if self._peer_data is not None:
+            self._peer_data.close()
+        if self.role == "recv" and self._give_back is not None:
+            self._give_back.close()
+        if self._link is not None:
+            self._link.close_peer()
+
+    def _free(self) -> None:
+        self._calls = self._eager_stream = self._copy_out = None
+        self._lent, self._lent_copied = None, False
+        self._caller_streams.clear()
+        self._free_loads = None
+        self._copied = [None, None]
+        self._packed = None
+        self._graphs.clear()
+        self._views.clear()
+        self._slot_views = [(None, None)] * self.recv_slots
+        self._lend_arrays = self._lend_ops = self._slot_arrays = self._slot_ops = None
+        self._close_streams()
+        if self._give_back is not None:     # after the graphs that copy from its value words
+            self._give_back.close()
+        self._data_bytes = None
+        for b in (self._data, self._staging):
+            if b is not None:
+                b.close()
+        if self._link is not None:
+            self._link.close()
+
+    def _free_local(self) -> None:
+        """abort(): the staging ring and the streams are ours alone; flags and receive slots are mapped by the
+        peer, kept; the give-back words' name dropped (the peer's mapping, if any, stays)."""
+        if self._staging is not None:
+            self._staging.close()
+        if self._give_back is not None:
+            self._give_back.unlink()
+        self._close_streams()
+
+    def _close_streams(self) -> None:
+        for s in (self._cap, self._aux):
+            if s is not None:
+                s.close()
+        self._cap = self._aux = None
+
+    def _allocated(self) -> int:
+        return sum(b.allocated_bytes for b in (self._data, self._staging, self._flags)
+                   if b is not None and not b.closed)
