@@ -247,7 +247,8 @@ def main() -> int:
     res = measure(args.steps, args.meta, args.size, args.profile, args.platform, args.flag_batch,
                   args.host_give_back, not args.copy_out)
     print(f"{args.platform}{' flag-batch' if args.flag_batch else ''}"
-          f"{' host-give-back' if args.host_give_back else ''}{' copy-out' if args.copy_out else ' recv-views'}, {args.size} B, {'+' if args.meta else '-'}meta: send {res['send_us_median']:.2f} us "
+          f"{' host-give-back' if args.host_give_back else ''}{' copy-out' if args.copy_out else ' recv-views'}, "
+          f"{args.size} B, {'+' if args.meta else '-'}meta: send {res['send_us_median']:.2f} us "
           f"(mean {res['send_us_mean']:.2f}), recv + .tensors {res['recv_us_median']:.2f} us "
           f"(mean {res['recv_us_mean']:.2f}); platform calls per step (both ends): "
           f"{res['calls_per_step_both_sides']}")
