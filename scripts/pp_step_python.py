@@ -1,11 +1,13 @@
 """The Python cost of one eager ``copy_engine`` step per side, with every platform call a no-op (CPU; a tuning aid).
 
-    PYTHONPATH=. python scripts/pp_step_python.py [--steps N] [--meta] [--profile] [--json PATH]
+    PYTHONPATH=. python scripts/pp_step_python.py [--steps N] [--meta] [--copy-out] [--profile] [--json PATH]
 
 Builds a sender and a receiver in one process on a platform whose stream calls (flag waits and writes,
 copies, graph launches, events) do nothing but count themselves, and times ``send()`` and
-``recv().tensors`` (``recv_views``: the path ``gpuxfer bench pp --recv-views`` times) step by step,
-alternating the two ends. What it prints is the host time a step costs on top of its driver calls (the
+``recv().tensors`` step by step, alternating the two ends. The receiver hands out views of its slot
+(``recv_views``: what ``gpuxfer bench pp --recv-views`` times), or with ``--copy-out`` copies each step
+out into new tensors of its own (the default receiver, what ``gpuxfer bench pp`` times; its allocation is
+torch's CPU one here). What it prints is the host time a step costs on top of its driver calls (the
 calls per step are counted beside it): on a GPU add ~1-2 us per call.
 """
 from __future__ import annotations
@@ -125,10 +127,11 @@ def cuda_stub():
 
 
 def build(metadata: bool, slots: int = 2, platform: str = "null", flag_batch: bool = False,
-          host_give_back: bool = False):
+          host_give_back: bool = False, recv_views: bool = True):
     """A (sender, receiver) pair on :class:`NullPlatform` (or the cuda platform over a stub driver), set up
     by hand (no peers, no device memory). ``host_give_back``: the sender's empty words are host memory it
-    loads (as with ``GPUXFER_PP_HOST_GIVE_BACK=1``), here always showing the slot free."""
+    loads (as with ``GPUXFER_PP_HOST_GIVE_BACK=1``), here always showing the slot free. ``recv_views``
+    False: the receiver copies each step out into new CPU tensors (the copy itself a counted no-op)."""
     import torch
 
     from gpuxfer.pp.copy_engine import W_IN, CopyEngineTransport
@@ -141,8 +144,9 @@ def build(metadata: bool, slots: int = 2, platform: str = "null", flag_batch: bo
     for role in ("send", "recv"):
         t = CopyEngineTransport(platform=plat, role=role, rank=0 if role == "send" else 1,
                                 peer=1 if role == "send" else 0, device=0, specs=specs, timeout_s=30.0,
-                                metadata=metadata, group=None, tag_base=0, torch_device=dev,
-                                recv_slots=slots, recv_views=True, flag_path="remote")
+                                metadata=metadata, group=None, tag_base=0,
+                                torch_device=dev if role == "send" else torch.device("cpu"),
+                                recv_slots=slots, recv_views=recv_views, flag_path="remote")
         base = 1 << 40 if role == "send" else 1 << 41
         t.remote_flags = True
         t._in_ptr = [base + (W_IN + j) * 64 for j in range(slots)]
@@ -175,9 +179,10 @@ def build(metadata: bool, slots: int = 2, platform: str = "null", flag_batch: bo
 
 
 def measure(steps: int, metadata: bool, size: int, profile: bool, platform: str = "null",
-            flag_batch: bool = False, host_give_back: bool = False) -> dict:
+            flag_batch: bool = False, host_give_back: bool = False, recv_views: bool = True) -> dict:
     import torch
-    plat, (snd, rcv) = build(metadata, platform=platform, flag_batch=flag_batch, host_give_back=host_give_back)
+    plat, (snd, rcv) = build(metadata, platform=platform, flag_batch=flag_batch, host_give_back=host_give_back,
+                             recv_views=recv_views)
     n = size // 4
     srcs = [{"hidden": torch.zeros(n, dtype=torch.bfloat16), "residual": torch.zeros(n, dtype=torch.bfloat16)}
             for _ in range(5)]              # five source sets in turn, as the bench's steps
@@ -215,7 +220,8 @@ def measure(steps: int, metadata: bool, size: int, profile: bool, platform: str 
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
         print(buf.getvalue())
     calls = {k: v / steps for k, v in sorted(plat.calls.items())}
-    return {"platform": platform, "flag_batch": flag_batch, "host_give_back": host_give_back, "size_bytes": size, "metadata": metadata, "steps": steps,
+    return {"platform": platform, "flag_batch": flag_batch, "host_give_back": host_give_back,
+            "recv_views": recv_views, "size_bytes": size, "metadata": metadata, "steps": steps,
             "send_us_median": statistics.median(send_s) * 1e6, "recv_us_median": statistics.median(recv_s) * 1e6,
             "send_us_mean": statistics.fmean(send_s) * 1e6, "recv_us_mean": statistics.fmean(recv_s) * 1e6,
             "calls_per_step_both_sides": calls}
@@ -233,13 +239,16 @@ def main() -> int:
                     help="the receiver's give-back and wait as one flag_ops call (GPUXFER_PP_FLAG_BATCH=1)")
     ap.add_argument("--host-give-back", action="store_true",
                     help="the sender sees its slot free on the host and queues no wait (GPUXFER_PP_HOST_GIVE_BACK=1)")
+    ap.add_argument("--copy-out", action="store_true",
+                    help="the default receiver: each step copied out into new tensors (no recv_views)")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of the timed steps")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     res = measure(args.steps, args.meta, args.size, args.profile, args.platform, args.flag_batch,
-                  args.host_give_back)
+                  args.host_give_back, not args.copy_out)
     print(f"{args.platform}{' flag-batch' if args.flag_batch else ''}"
-          f"{' host-give-back' if args.host_give_back else ''}, {args.size} B, {'+' if args.meta else '-'}meta: send {res['send_us_median']:.2f} us "
+          f"{' host-give-back' if args.host_give_back else ''}{' copy-out' if args.copy_out else ' recv-views'}, "
+          f"{args.size} B, {'+' if args.meta else '-'}meta: send {res['send_us_median']:.2f} us "
           f"(mean {res['send_us_mean']:.2f}), recv + .tensors {res['recv_us_median']:.2f} us "
           f"(mean {res['recv_us_mean']:.2f}); platform calls per step (both ends): "
           f"{res['calls_per_step_both_sides']}")

@@ -39,8 +39,12 @@ Timeline of step k (slot j, staging slot s = k % 2)::
                             remote write R.full[j], or
                             write stage_full[j] = k;
                             copy_async 8 B -> R.full[j] -----> wait full[j] >= k  (local)
-                          record ev copied[s]                copy-out R.data[j] -> fresh tensors
-                                                               (copy engine, one local copy)
+                          record ev copied[s]                copy-out R.data[j] -> one new buffer
+                                                               (copy engine, one local copy of the
+                                                                step's bytes; its tensors are views
+                                                                of that buffer, the caller's own)
+                                                             ... the caller's work on them ...
+                                                             at .tensors of step k+1 (before its wait):
                                                              publish empty[j] = k:
                        empty[j] >= k  <---------------------   remote write S.empty[j], or
                        (lets step k+R reuse slot j)            write stage_empty[j] = k;
@@ -92,19 +96,29 @@ back); otherwise a stream write sets the word after the wait::
                                                           $GPUXFER_PP_FLAG_BATCH=0: two calls); the graph
     (R's publish empty[j] = k lands in host memory: remote write or 8-byte copy, as before)
 
-A receiver set up with ``recv_views=True`` copies nothing out: ``.tensors`` are
-views of slot j itself, lent to the caller; ``publish empty[j] = k`` moves to the
-next ``.tensors`` access (queued before that step's wait, so after the work the
-caller queued on the views)::
+A receiver gives slot j back (``publish empty[j] = k``) at the next ``.tensors`` access, queued
+before that step's wait; by default ``.tensors`` are copied out of the slot, and the publish lands
+after that copy (stream order); with ``recv_views=True`` nothing is copied out: ``.tensors`` are views
+of slot j itself, lent to the caller, and the publish lands after the work the caller queued on them::
 
     R current stream, .tensors of step k (slot j)      of step k+1 (slot j')
     ---------------------------------------------      ---------------------
-    publish empty[j_prev] = k-1 (the lent slot back)    publish empty[j] = k
+    publish empty[j_prev] = k-1 (the slot back)         publish empty[j] = k
     wait full[j] >= k                                   wait full[j'] >= k+1
-    -> views of R.data[j]  (no copy, no allocation)     -> views of R.data[j']
+    default: copy R.data[j] -> one new buffer           default: copy R.data[j'] -> one new buffer
+      -> its views (one allocation, one copy)             -> its views
+    recv_views: -> views of R.data[j]                   recv_views: -> views of R.data[j']
+      (no copy, no allocation)
 
 With remote flag writes the publish and the wait go (``$GPUXFER_PP_FLAG_BATCH=0`` keeps two calls)
-as one ``platform.flag_ops`` call (CUDA: ``cuStreamBatchMemOp``, executed in order).
+as one ``platform.flag_ops`` call (CUDA: ``cuStreamBatchMemOp``, executed in order): a steady step is
+that call (and the copy-out's one copy). A copied-out slot needs nothing of the caller's, so it goes
+back earlier where waiting would cost: on the old stream before steps move to another, at
+``synchronize()`` and close, and before a ``recv()`` that the sender could only reach with it
+(``recv_slots`` receives not yet accessed): such a receiver may leave ``recv_slots + 1`` receives
+unaccessed, a ``recv_views`` one ``recv_slots`` while a slot is lent. Holding the slot to the next
+step lets a sender get ``recv_slots - 1`` steps ahead of the receiver's stream before a slot wait.
+``recv(out=...)`` copies into the caller's tensors and gives the slot back at once.
 
 Nothing on this path waits on the CPU and nothing runs on SMs: every copy,
 the pack and the copy-out included, is a copy-engine copy; the sender's side
@@ -125,8 +139,8 @@ phases (allocate and zero the flags, export, open the peer's, probe the pair:
 the writer uses remote stream writes only where its peer saw one arrive) beside
 the receive slots and the staging ring.
 
-The pair's settings, local checks and setup phases are :mod:`gpuxfer.pp.copy_engine_setup` (mixed in); this module
-holds the steps, the watchdog's reads and the teardown.
+The pair's settings, local checks, setup phases and teardown are :mod:`gpuxfer.pp.copy_engine_setup` (mixed in);
+this module holds the steps, the watchdog's reads and the drain.
 
 An ``sdma`` backend (ROCm) can subclass :class:`CopyEngineTransport` and
 override :meth:`~CopyEngineTransport.unavailable_reason`,
@@ -135,6 +149,7 @@ override :meth:`~CopyEngineTransport.unavailable_reason`,
 """
 from __future__ import annotations
 
+import functools
 import time
 
 from ..errors import BadInput, GraphModeError, PeerLost, TransferTimeout
@@ -185,7 +200,11 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
         self._nonce = 0
         self._host_keep = None              # emulation: tensors a queued host-stream copy may still touch
         self.recv_views = bool(recv_views)  # receiver: .tensors are views of the slot, lent until the next
-        self._lent = None                   # (slot, step) lent out with the last materialized step
+        self._lent = None                   # (slot, step) held since the last materialized step: lent to the
+                                            # caller (recv_views) or copied out (_lent_copied), given back
+                                            # with the next step's wait
+        self._lent_copied = False           # whether the held slot's step was copied out (it may go back early)
+        self._copy_out = None               # copy(dst, src, nbytes) on the steps' stream (stream_calls' own)
         self._views: dict = {}              # (slot, shapes) -> views of the slot (recv_views)
         self._slot_views = [(None, None)] * self.recv_slots   # per slot: (layout, views) of its last step
         self._data_bytes = None             # the receive slots as one uint8 tensor (recv_views)
@@ -206,7 +225,8 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
     def max_pending(self) -> int:
         """Most receives left deferred at once: the sender gets at most R steps past the last slot given
         back, and its next metadata is the one more receive that can arrive; a slot lent with the last
-        step's views (``recv_views``) is not given back yet."""
+        step's views (``recv_views``) is not given back yet (one held after a copy-out goes back before the
+        limit would count it: :meth:`_make_room`)."""
         return self.recv_slots + (0 if self._lent is not None else 1)
 
     @property
@@ -347,8 +367,11 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
                 f"rank {self.rank}: {what} on the {self.name} transport with rank {self.peer} while the stream "
                 f"captures a graph: eager steps carry host-supplied step numbers, which a replay cannot move; "
                 f"capture steps on a graph-mode transport (connect(..., graph=True))")
-        self._calls = self.platform.stream_calls(stream)
+        calls = self._calls = self.platform.stream_calls(stream)
         self._remote_publish = self.remote_flags and self._own_publish
+        own_copy = type(self)._ce_copy is CopyEngineTransport._ce_copy
+        self._copy_out = calls.copy if own_copy and calls.copy is not None else functools.partial(self._ce_copy,
+                                                                                                  stream)
         self._eager_stream = stream
         self._note_stream(stream)
 
@@ -398,6 +421,22 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
         return g
 
     # ---- receive ----
+    def _make_room(self, queued: int) -> None:
+        """A slot held after a copy-out goes back before a receive the sender could only reach with it (the
+        ``queued`` receives not yet accessed fill the other slots): such a receiver keeps the limit of
+        ``recv_slots + 1`` receives."""
+        if self._lent_copied and self._lent is not None and queued >= self.recv_slots:
+            self._return_copied()
+
+    def _return_copied(self) -> None:
+        """Give the slot held after a copy-out back now, on the stream that copy was queued on."""
+        jj, kk = self._lent
+        self._lent, self._lent_copied = None, False
+        if self._remote_publish:
+            self._calls.write_flag(self._peer_in_ptr[jj], kk)
+        else:
+            self._publish(self._eager_stream, jj, kk)
+
     def _recv_impl(self, rcv: Received) -> None:
         pass   # nothing to do before the first .tensors access
 
@@ -407,9 +446,11 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
         lay = rcv.layout
         cur = p.current_stream(self.device)
         if cur is not self._eager_stream:
+            if self._lent_copied and self._lent is not None and not self._eager_stream.closed:
+                self._return_copied()       # after its copy, on that copy's stream
             self._check_eager(cur, ".tensors")
         calls = self._calls
-        if self._lent is not None:      # the slot lent with the last step goes back after the work queued on it
+        if self._lent is not None:      # the slot held since the last step goes back after the work queued on it
             jj, kk = self._lent
             self._lent = None
             ops = self._lend_ops[j] if self._lend_ops is not None and jj == (j - 1) % R else None
@@ -427,7 +468,20 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
             calls.wait_flag(self._in_ptr[j], k)
         self._wd.append((k, j, time.monotonic(), k))
         specs = self.specs
-        if self.recv_views and rcv.out is None:     # views of the slot itself, lent until the next step
+        if rcv.out is not None:         # the caller's persistent tensors: one copy each, the slot back at once
+            views = {}
+            slot = self._slot_ptr[j]
+            for name, o, n, shape, item in zip(specs.names, lay.offsets, lay.nbytes, lay.shapes, specs.itemsizes):
+                flat = rcv.out[name].view(-1)[:n // item]
+                views[name] = flat.view(shape)
+                if n:
+                    self._ce_copy(cur, flat.data_ptr(), slot + o, n)
+            if self._remote_publish:
+                calls.write_flag(self._peer_in_ptr[j], k)
+            else:
+                self._publish(cur, j, k)
+            keep = rcv.out
+        elif self.recv_views:           # views of the slot itself, lent until the next step
             last = self._slot_views[j]              # (layout, views) of slot j's last step: the same layout
             if last[0] is not lay:                  # object has the same shapes
                 views = self._views.get((j, lay.shapes))
@@ -436,33 +490,17 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
                         self._views.clear()
                     views = self._views[(j, lay.shapes)] = specs.views(self._data_bytes, lay, j * specs.slot_bytes)
                 last = self._slot_views[j] = (lay, views)
-            self._lent = (j, k)
-            if self._host_sync:
-                wait_event_or_raise(p, p.record_event(cur), self.timeout_s, rank=self.rank, step=k,
-                                    flag=f"full[{j}]", expected=k, flag_ptr=self._in_ptr[j], device=self.device,
-                                    what=f"{self.name} receive from rank {self.peer}")
-            rcv._tensors = dict(last[1])
-            return
-        slot = self._slot_ptr[j]
-        if rcv.out is None:        # one copy of the whole slot into a fresh buffer (torch's, on ``cur``)
-            import torch
-            buf = torch.empty(lay.buffer_bytes, dtype=torch.uint8, device=self.torch_device)
+            views = dict(last[1])
+            self._lent, self._lent_copied = (j, k), False
+            keep = None
+        else:                           # one copy of the step's bytes into one new buffer, the caller's; the
+            views, keep = specs.fresh(lay, self.torch_device)     # slot goes back with the next wait
             if lay.total:
-                self._ce_copy(cur, buf.data_ptr(), slot, lay.total)
-            views = specs.views(buf, lay)
-        else:
-            views = {}
-            for name, o, n, shape, item in zip(specs.names, lay.offsets, lay.nbytes, lay.shapes, specs.itemsizes):
-                flat = rcv.out[name].view(-1)[:n // item]
-                views[name] = flat.view(shape)
-                if n:
-                    self._ce_copy(cur, flat.data_ptr(), slot + o, n)
-        if self._remote_publish:
-            calls.write_flag(self._peer_in_ptr[j], k)
-        else:
-            self._publish(cur, j, k)
+                self._copy_out(keep.data_ptr(), self._slot_ptr[j], lay.total)
+            self._lent, self._lent_copied = (j, k), True
         if self._host_sync:
-            self._host_keep = buf if rcv.out is None else rcv.out   # (a timed-out copy may still write it)
+            if keep is not None:
+                self._host_keep = keep      # (a timed-out copy may still write it)
             wait_event_or_raise(p, p.record_event(cur), self.timeout_s, rank=self.rank, step=k, flag=f"full[{j}]",
                                 expected=k, flag_ptr=self._in_ptr[j], device=self.device,
                                 what=f"{self.name} receive from rank {self.peer}")
@@ -512,6 +550,11 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
         now cannot be waited on (steps are refused there); a closed one's work completes without us."""
         p = self.platform
         deadline = time.monotonic() + timeout_s
+        if self._lent_copied and self._lent is not None and self._error is None and not self._eager_stream.closed:
+            try:                # nothing waits for the next step's wait to give the copied-out slot back
+                self._return_copied()
+            except Exception as exc:
+                raise self._fail(exc) from (None if exc is self._error else exc)
         for s in (self._aux, *self._caller_streams):
             if s is None or s.closed or p.is_capturing(s):
                 continue
@@ -534,50 +577,3 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
         if loads is not None:
             for j in range(self.recv_slots):
                 loads[j << 3] = RELEASE_VALUE
-
-    def _close_mappings(self) -> None:
-        if self._peer_data is not None:
-            self._peer_data.close()
-        if self.role == "recv" and self._give_back is not None:
-            self._give_back.close()
-        if self._link is not None:
-            self._link.close_peer()
-
-    def _free(self) -> None:
-        self._calls = self._eager_stream = None
-        self._caller_streams.clear()
-        self._free_loads = None
-        self._copied = [None, None]
-        self._packed = None
-        self._graphs.clear()
-        self._views.clear()
-        self._slot_views = [(None, None)] * self.recv_slots
-        self._lend_arrays = self._lend_ops = self._slot_arrays = self._slot_ops = None
-        self._close_streams()
-        if self._give_back is not None:     # after the graphs that copy from its value words
-            self._give_back.close()
-        self._data_bytes = None
-        for b in (self._data, self._staging):
-            if b is not None:
-                b.close()
-        if self._link is not None:
-            self._link.close()
-
-    def _free_local(self) -> None:
-        """abort(): the staging ring and the streams are ours alone; flags and receive slots are mapped by the
-        peer, kept; the give-back words' name dropped (the peer's mapping, if any, stays)."""
-        if self._staging is not None:
-            self._staging.close()
-        if self._give_back is not None:
-            self._give_back.unlink()
-        self._close_streams()
-
-    def _close_streams(self) -> None:
-        for s in (self._cap, self._aux):
-            if s is not None:
-                s.close()
-        self._cap = self._aux = None
-
-    def _allocated(self) -> int:
-        return sum(b.allocated_bytes for b in (self._data, self._staging, self._flags)
-                   if b is not None and not b.closed)

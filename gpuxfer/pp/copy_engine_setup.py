@@ -33,8 +33,8 @@ def _words(ops):
     return memoryview(ops).cast("B").cast("Q")
 
 def flag_batch_from_env() -> bool:
-    """Whether a ``recv_views`` receiver queues its two flag operations of a step (give the lent slot back,
-    wait for the next) as one ``platform.flag_ops`` call (``$GPUXFER_PP_FLAG_BATCH``: 1, the default, or 0;
+    """Whether a receiver queues its two flag operations of a step (give back the slot held since the last
+    step, wait for the next) as one ``platform.flag_ops`` call (``$GPUXFER_PP_FLAG_BATCH``: 1, the default, or 0;
     remote flag writes only)."""
     return config.get(ENV_FLAG_BATCH)
 
@@ -71,8 +71,8 @@ def inline_bytes_from_env(value: "int | str | None" = None, option: str = "inlin
 
 
 class _CopyEngineSetup:
-    """The local checks and setup phases of :class:`~gpuxfer.pp.copy_engine.CopyEngineTransport` (its state, set
-    in its ``__init__``, and its hooks ``_ce_copy``, ``_own_publish``)."""
+    """The local checks, setup phases and teardown of :class:`~gpuxfer.pp.copy_engine.CopyEngineTransport` (its
+    state, set in its ``__init__``, and its hooks ``_ce_copy``, ``_own_publish``)."""
 
     # ---- local checks (doctor, and setup before allocating) ----
     @classmethod
@@ -240,11 +240,60 @@ class _CopyEngineSetup:
             self._slot_ptr = [self._data.ptr + j * slot for j in range(R)]
             if self.recv_views:
                 self._data_bytes = self.platform.as_tensor(self._data, None, (R * slot,))
-                if self.remote_flags and self._own_publish and flag_batch_from_env():
-                    self._lend_arrays = [flag_ops_array([(FLAG_OP_WRITE, self._peer_in_ptr[(j - 1) % R], 0),
-                                                         (FLAG_OP_WAIT, self._in_ptr[j], 0)]) for j in range(R)]
-                    self._lend_ops = [_words(a) for a in self._lend_arrays]   # value words: 2 and 8
+            if self.remote_flags and self._own_publish and flag_batch_from_env():
+                self._lend_arrays = [flag_ops_array([(FLAG_OP_WRITE, self._peer_in_ptr[(j - 1) % R], 0),
+                                                     (FLAG_OP_WAIT, self._in_ptr[j], 0)]) for j in range(R)]
+                self._lend_ops = [_words(a) for a in self._lend_arrays]   # value words: 2 and 8
         else:
             self._peer_slot_ptr = [self._peer_data.ptr + j * slot for j in range(R)]
             self._staging_ptr = [self._staging.ptr + s * slot for s in range(2)]
         self._state = "open"
+
+    # ---- teardown (after the drain) ----
+    def _close_mappings(self) -> None:
+        if self._peer_data is not None:
+            self._peer_data.close()
+        if self.role == "recv" and self._give_back is not None:
+            self._give_back.close()
+        if self._link is not None:
+            self._link.close_peer()
+
+    def _free(self) -> None:
+        self._calls = self._eager_stream = self._copy_out = None
+        self._lent, self._lent_copied = None, False
+        self._caller_streams.clear()
+        self._free_loads = None
+        self._copied = [None, None]
+        self._packed = None
+        self._graphs.clear()
+        self._views.clear()
+        self._slot_views = [(None, None)] * self.recv_slots
+        self._lend_arrays = self._lend_ops = self._slot_arrays = self._slot_ops = None
+        self._close_streams()
+        if self._give_back is not None:     # after the graphs that copy from its value words
+            self._give_back.close()
+        self._data_bytes = None
+        for b in (self._data, self._staging):
+            if b is not None:
+                b.close()
+        if self._link is not None:
+            self._link.close()
+
+    def _free_local(self) -> None:
+        """abort(): the staging ring and the streams are ours alone; flags and receive slots are mapped by the
+        peer, kept; the give-back words' name dropped (the peer's mapping, if any, stays)."""
+        if self._staging is not None:
+            self._staging.close()
+        if self._give_back is not None:
+            self._give_back.unlink()
+        self._close_streams()
+
+    def _close_streams(self) -> None:
+        for s in (self._cap, self._aux):
+            if s is not None:
+                s.close()
+        self._cap = self._aux = None
+
+    def _allocated(self) -> int:
+        return sum(b.allocated_bytes for b in (self._data, self._staging, self._flags)
+                   if b is not None and not b.closed)

@@ -172,6 +172,7 @@ class SpecTable:
         self._layouts: dict[tuple, Layout] = {}
         self._decoded: dict[bytes, tuple] = {}     # metadata body (bytes) -> checked shapes
         self._rows: dict[tuple, np.ndarray] = {}   # shapes -> metadata row (the step word left 0)
+        self._fresh: dict[tuple, tuple] = {}      # shapes -> how fresh() makes a step's tensors
 
     def digest(self) -> tuple:
         """What both ends of a pair must agree on (compared at setup)."""
@@ -221,6 +222,40 @@ class SpecTable:
                 base = typed[dtype] = buf.view(dtype)
             out[name] = base.as_strided(shape, strides, (at + off) // item)
         return out
+
+    def fresh(self, layout: Layout, device) -> tuple[dict, object]:
+        """New tensors for one step of ``layout`` on ``device``, the caller's own: views of one new buffer
+        (one allocation, packed as ``layout`` says, its bytes from offset 0 on) and that buffer. The recipe
+        is kept per layout: tensors of one dtype whose shapes differ only in their first dimension, packed
+        without gaps (hidden states and residual), are one split of the buffer along it; other tensors of
+        one dtype one ``as_strided`` each; mixed dtypes :meth:`views` of a uint8 buffer."""
+        make = self._fresh.get(layout.shapes)
+        if make is None:
+            if len(self._fresh) > 4096:     # shapes vary per step (token counts): keep the cache bounded
+                self._fresh.clear()
+            make = self._fresh[layout.shapes] = self._fresh_recipe(layout)
+        dtype, shape, split, parts = make
+        import torch
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        if split is not None:
+            return dict(zip(self.names, buf.split_with_sizes(split))), buf
+        if parts is not None:
+            return {name: buf.as_strided(sh, strides, off) for name, sh, strides, off in parts}, buf
+        return self.views(buf, layout), buf
+
+    def _fresh_recipe(self, layout: Layout) -> tuple:
+        """How :meth:`fresh` makes a step of ``layout``: (buffer dtype, buffer shape, first dimensions to split
+        it into or None, per tensor (name, shape, strides, element offset) or None)."""
+        import torch
+        if len(set(self.dtypes)) > 1:
+            return torch.uint8, (layout.buffer_bytes,), None, None
+        item, shapes = self.itemsizes[0], layout.shapes
+        packed = all(off == sum(layout.nbytes[:i]) for i, off in enumerate(layout.offsets))
+        if packed and all(sh and sh[1:] == shapes[0][1:] for sh in shapes):
+            return self.dtypes[0], (sum(sh[0] for sh in shapes), *shapes[0][1:]), tuple(sh[0] for sh in shapes), None
+        return self.dtypes[0], (layout.buffer_bytes // item,), None, tuple(
+            (name, sh, strides, off // item)
+            for name, sh, strides, off in zip(self.names, shapes, layout.strides, layout.offsets))
 
     # ---- validation (before any GPU work and before metadata goes out) ----
     def fast_layout(self, tensors: dict, index: int) -> Layout | None:

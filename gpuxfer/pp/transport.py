@@ -281,6 +281,11 @@ class Transport(abc.ABC):
         k = self.step + 1
         if out is not None:
             self.specs.check_out(out, self.torch_device)
+        if self._pending:
+            try:
+                self._make_room(len(self._pending))
+            except Exception as exc:
+                raise self._fail(exc) from (None if exc is self._error else exc)
         if self._pending and (most := self.max_pending) is not None and len(self._pending) >= most:
             raise BadInput(f"rank {self.rank}: recv() of step {k} from rank {self.peer} with {len(self._pending)} "
                            f"earlier receives not yet accessed (steps {self._pending[0].step}..{self._pending[-1].step}"
@@ -540,6 +545,10 @@ class Transport(abc.ABC):
                                timeout_s=self.timeout_s, what=f"{self.name} {what}")
 
     # ---- backend hooks ----
+    def _make_room(self, queued: int) -> None:
+        """Called by ``recv()`` while ``queued`` receives are not yet accessed, before :attr:`max_pending` is
+        checked: a backend gives back here what would otherwise count against the limit."""
+
     @abc.abstractmethod
     def _send_impl(self, step: int, tensors, layout: Layout) -> None: ...
 

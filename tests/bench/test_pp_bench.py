@@ -249,7 +249,9 @@ def test_host_target_from_the_paced_rows():
     res = {"rows": [row(16384, 6.0, 4.0, p90=(7.0, 6.0)), row(1 << 20, 8.0, 5.0, p90=(9.5, 6.5)),
                     row(4 << 20, 30.0, 30.0), row(16384, 40.0, 40.0, metadata=True),
                     row(16384, 50.0, 50.0, backend="nccl")]}
-    assert _host_target(res) == (HOST_TARGET, "worst sender 8.0 us (p90 9.5), receiver 5.0 us (p90 6.5)", True)
+    assert _host_target(res) == (HOST_TARGET, "worst sender 8.0 us (p90 9.5), receiver (copies out, the default) "
+                                              "5.0 us (p90 6.5)", True)
+    assert "receiver (views of the slot, --recv-views) 5.0 us" in _host_target(res, recv_views=True)[1]
     res["rows"].append(row(65536, 7.0, 6.0, p90=(8.0, 10.5)))        # medians inside, a p90 outside: missed
     assert _host_target(res)[2] is False
     res["rows"][-1] = row(65536, 7.0, 11.0)                           # no p90 in the row: its median judged

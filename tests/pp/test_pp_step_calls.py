@@ -63,6 +63,8 @@ def _spy(plat) -> collections.Counter:
         calls = bind(stream)
         for name in ("write_flag", "wait_flag", "launch_graph", "flag_ops"):
             setattr(calls, name, spied(getattr(calls, name), name))
+        if calls.copy is not None:
+            calls.copy = spied(calls.copy, "copy_async")
         return calls
     plat.stream_calls = stream_calls
     return counts

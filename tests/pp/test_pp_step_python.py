@@ -36,6 +36,34 @@ def test_step_harness_counts_the_calls(monkeypatch, platform, flag_batch, metada
     assert res["send_us_median"] > 0 and res["recv_us_median"] > 0
 
 
+@pytest.mark.parametrize("platform,flag_batch", [("null", False), ("cuda-stub", False), ("cuda-stub", True)])
+def test_step_harness_default_receiver_copies_each_step_out_in_one_call(monkeypatch, platform, flag_batch):
+    """The default receiver (no recv_views): the give-back and wait as with views, plus one copy of the step
+    into a new buffer (through the stream-bound copy call on CUDA); its tensors are new each step."""
+    from gpuxfer.platforms import cuda_driver
+    monkeypatch.setattr(cuda_driver, "_DRIVER", cuda_driver._DRIVER)
+    res = _harness().measure(40, False, 16384, False, platform, flag_batch, recv_views=False)
+    calls = res["calls_per_step_both_sides"]
+    if platform == "null":
+        assert calls == {"launch_graph": 1.0, "wait_flag": 2.0, "write_flag": 2.0, "copy_async": 1.0}
+    elif flag_batch:
+        assert calls == {"cuGraphLaunch": 1.0, "cuStreamWaitValue64": 1.0, "cuStreamWriteValue64": 1.0,
+                         "cuStreamBatchMemOp": 1.0, "cuMemcpyAsync": 1.0}
+    else:
+        assert calls == {"cuGraphLaunch": 1.0, "cuStreamWaitValue64": 2.0, "cuStreamWriteValue64": 2.0,
+                         "cuMemcpyAsync": 1.0}
+    plat, (snd, rcv) = _harness().build(False, recv_views=False)
+    import torch
+    src = {"hidden": torch.ones(256, dtype=torch.bfloat16), "residual": torch.ones(256, dtype=torch.bfloat16)}
+    shapes = {"hidden": (256,), "residual": (256,)}
+    got = []
+    for _ in range(4):
+        snd.send(src)
+        got.append(rcv.recv(shapes=shapes).tensors)
+    ptrs = {t.untyped_storage().data_ptr() for g in got for t in g.values()}
+    assert len(ptrs) == 4 and all(g["hidden"].shape == (256,) for g in got)   # one new buffer per step
+
+
 def test_step_harness_sender_seeing_its_slot_free_launches_one_graph(monkeypatch):
     """With its empty words in host memory and the slot seen free, the sender's step is one graph launch
     (its copies and the publish); the receiver's stays one flag_ops call."""

@@ -191,7 +191,7 @@ def run(args) -> int:
     judged = not res["info"]["emulation"] and not res["same_device"]
     # a target is about a link between two GPUs: on the emulation or one device it is not judged (None)
     res["targets"] = [(n, g, m if judged else None) for n, g, m in _targets(res, opts["backends"])]
-    host = _host_target(res)
+    host = _host_target(res, opts.get("recv_views", False))
     if host is not None:       # host costs show on one device too
         res["targets"].append(host if not res["info"]["emulation"] else host[:2] + (None,))
     missed = [t for t in res["targets"] if t[2] is False]
