@@ -244,6 +244,9 @@ def decode_scheduler(*, pool, meta: MetadataRows, page_size: int, pages: int, la
         allocator = TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", pool, need_sort=False)
     else:
         allocator = PagedTokenToKVPoolAllocator(size, page_size, torch.bfloat16, "cpu", pool, need_sort=False)
+        # its page indices live on the CPU (the KV buffers may be CUDA's): SGLang picks its Triton kernels by the
+        # platform, which cannot take CPU tensors where CUDA is present
+        allocator.use_triton_kernels = False
     order = torch.randperm(len(allocator.free_pages), generator=torch.Generator().manual_seed(seed))
     allocator.free_pages = allocator.free_pages[order]
     req_to_token = DecodeReqToTokenPool(size=max_reqs, max_context_len=size, device="cpu",
