@@ -134,7 +134,7 @@ VARS: dict[str, Var] = {v.name: v for v in (
         "where step metadata travels: a shared-memory mailbox on one host (auto) or the CPU group"),
     Var("GPUXFER_PP_INLINE_BYTES", 1 << 20, BYTES, "largest copy_engine step sent without staging (0: stage every step)"),
     Var("GPUXFER_PP_STEP_GRAPHS", True, FLAG, "launch a small copy_engine step's peer copies as one cached graph"),
-    Var("GPUXFER_PP_FLAG_BATCH", True, FLAG, "queue a recv_views receiver's two flag operations as one call"),
+    Var("GPUXFER_PP_FLAG_BATCH", True, FLAG, "queue a copy_engine receiver's two flag operations of a step (give back, wait) as one call"),
     Var("GPUXFER_PP_HOST_GIVE_BACK", True, FLAG, "keep a copy_engine sender's empty words in host memory shared "
         "with its receiver: a slot seen free on the host needs no GPU wait"),
     Var("GPUXFER_PP_INJECT_FAILURE", "", TEXT, "test hook: RANK:PHASE[,RANK:PHASE...] fails connect() setup there"),

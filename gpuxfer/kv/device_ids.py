@@ -271,12 +271,13 @@ class _DeviceIdTransfer(_SlotTransfer):
         self._req_bytes = int(array.shape[0]) * 8
 
     def _check_tensors(self) -> None:
-        """The ID tensors still where :meth:`KVAgent.prepare` found them (a tensor given other memory since --
-        ``set_``, ``resize_`` -- would have the check read memory that may be free): O(groups)."""
-        sh = self.shape
-        for t, a, n in zip(self._tensors, sh[3], sh[0] + sh[1]):
-            if t.data_ptr() != a or t.shape[0] != n:
-                raise BlockIdError(f"request {self.name!r}: a tensor of its block IDs moved or changed size since "
+        """The ID tensors still where :meth:`KVAgent.prepare` found them: a tensor given other memory since
+        (``set_``, or ``resize_`` past its storage) would have the check read memory that may be free; one
+        address read per tensor. (A tensor made smaller in place keeps its memory: the check reads the IDs
+        prepare counted, all inside it.)"""
+        for t, a in zip(self._tensors, self.shape[3]):
+            if t.data_ptr() != a:
+                raise BlockIdError(f"request {self.name!r}: a tensor of its block IDs moved to other memory since "
                                    "prepare (set_ or resize_): prepare the request again")
 
     def _run(self, s: Stream, expand_only: bool = False):
