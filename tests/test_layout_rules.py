@@ -15,6 +15,22 @@ def test_no_test_file_is_over_the_line_limit():
 
 
 ROOT = TESTS.parent
+MAX_DOC_LINES = 1000
+
+
+def test_no_document_repeats_a_paragraph_or_runs_long():
+    """The docs are read whole: none is over the line limit, and none holds the same paragraph twice (what a
+    botched scripted edit leaves)."""
+    bad = {}
+    for p in sorted([*(ROOT / "docs").rglob("*.md"), ROOT / "README.md"]):
+        text = p.read_text()
+        paras = [b.strip() for b in text.split("\n\n") if len(b.strip()) > 200 and not b.strip().startswith("```")]
+        repeated = {b[:60] for b in paras if paras.count(b) > 1}
+        if len(text.splitlines()) > MAX_DOC_LINES or repeated:
+            bad[str(p.relative_to(ROOT))] = (len(text.splitlines()), sorted(repeated)[:2])
+    assert not bad, f"documents over {MAX_DOC_LINES} lines or with a repeated paragraph: {bad}"
+
+
 ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
 #: a package paragraph of docs/ARCHITECTURE.md: **`kv/`** (imports `kernels`, `platforms`, ...)
 _PARAGRAPH = re.compile(r"^\*\*`(?P<unit>[\w]+)(?:/|\.py)`\*\* \(imports (?P<imports>[^)]*)\)", re.M)
