@@ -535,17 +535,18 @@ class StreamCalls:
 #: operations of a :meth:`Platform.flag_ops` row (CUDA's CU_STREAM_MEM_OP_WAIT_VALUE_64 / _WRITE_VALUE_64)
 FLAG_OP_WAIT, FLAG_OP_WRITE = 4, 5
 FLAG_OP_WORDS = 6       # a row: CUDA's CUstreamBatchMemOpParams (48 bytes) as uint64 words
+FLAG_OP_ADDRESS, FLAG_OP_VALUE = 1, 2   # a row's address and value words (its first word: the operation)
 
 
 def flag_ops_array(ops: Sequence[tuple[int, int, int]]) -> np.ndarray:
     """Rows for :meth:`Platform.flag_ops` from ``(op, address, value)`` triples; callers change the address
-    and value columns (1, 2) in place between calls. The wait compares with >= (cyclic, as :meth:`wait_flag`)."""
+    and value columns (:data:`FLAG_OP_ADDRESS`, :data:`FLAG_OP_VALUE`) in place between calls. The wait compares with >= (cyclic, as :meth:`wait_flag`)."""
     arr = np.zeros((len(ops), FLAG_OP_WORDS), dtype=np.uint64)
     for i, (op, ptr, value) in enumerate(ops):
         if op not in (FLAG_OP_WAIT, FLAG_OP_WRITE):
             raise BadInput(f"flag operation {op} is neither a write ({FLAG_OP_WRITE}) nor a wait ({FLAG_OP_WAIT})")
         check_flag_ptr(int(ptr))
-        arr[i, 0], arr[i, 1], arr[i, 2] = op, int(ptr), int(value) & ((1 << 64) - 1)
+        arr[i, 0], arr[i, FLAG_OP_ADDRESS], arr[i, FLAG_OP_VALUE] = op, int(ptr), int(value) & ((1 << 64) - 1)
     return arr
 
 

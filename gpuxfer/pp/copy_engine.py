@@ -157,10 +157,10 @@ from ..flaglink import FlagLink, flag_path_from_env
 from ..platforms.base import RELEASE_VALUE
 from ..sync import wait_event_or_raise
 from .copy_engine_setup import (DEFAULT_INLINE_BYTES, ENV_FLAG_BATCH, ENV_HOST_GIVE_BACK, ENV_INLINE_BYTES,
-                                ENV_STEP_GRAPHS, FLAG_STRIDE, PROBE_TIMEOUT_S, STEP_GRAPHS, W_IN, _CopyEngineSetup,
+                                ENV_STEP_GRAPHS, FIRST_VALUE, FLAG_STRIDE, PROBE_TIMEOUT_S, SECOND_VALUE, STEP_GRAPHS, W_IN, _CopyEngineSetup,
                                 flag_batch_from_env, host_give_back_from_env, inline_bytes_from_env,
                                 step_graphs_from_env)
-from .hostwords import HostWords
+from .hostwords import WORD_STRIDE, HostWords
 from .spec import Layout
 from .transport import Received, Transport
 
@@ -287,7 +287,7 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
         p.stream_wait_event(side, packed)
         j = (k - 1) % R
         free = self._free_loads
-        v = free[j << 3] if free is not None else 0
+        v = free[j * WORD_STRIDE] if free is not None else 0
         if v >= RELEASE_VALUE:          # released by a failure since this send began: raise it, touch no slot
             self._released(k, j)
         if k > R and (free is None or v < k - R):   # not seen free yet
@@ -324,15 +324,15 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
             if g is None:
                 g = self._copy_graph(key, tensors, layout, k)
         valued = g is not None and free is not None     # the graph publishes slot j's value word: make it k
-        v = free[j << 3] if free is not None else 0
+        v = free[j * WORD_STRIDE] if free is not None else 0
         if v >= RELEASE_VALUE:          # released by a failure since this send began: raise it, touch no slot
             self._released(k, j)
         waited = k > R and (free is None or v < k - R)   # slot j not seen free on the host yet
         if waited:
             if valued and self._slot_ops is not None:   # wait, then set the word (step k-R's publish has
                 ops = self._slot_ops[j]                 # read it once the wait passed): one call
-                ops[2] = k - R
-                ops[8] = k
+                ops[FIRST_VALUE] = k - R
+                ops[SECOND_VALUE] = k
                 calls.flag_ops(self._slot_arrays[j])
             else:
                 calls.wait_flag(self._in_ptr[j], k - R)
@@ -341,7 +341,7 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
             self._wd.append((k, j, time.monotonic(), k - R))
             self.slot_waits += 1
         elif valued:                    # seen free: step k-R's publish has landed already
-            free[(R + j) << 3] = k
+            free[(R + j) * WORD_STRIDE] = k
         if g is None:
             self._copy_tensors(cur, self._peer_slot_ptr[j], tensors, layout)
         else:
@@ -461,8 +461,8 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
                     self._publish(cur, jj, kk)
                 calls.wait_flag(self._in_ptr[j], k)
             else:                       # publish empty[jj] = kk, wait full[j] >= k: one call
-                ops[2] = kk
-                ops[8] = k
+                ops[FIRST_VALUE] = kk
+                ops[SECOND_VALUE] = k
                 calls.flag_ops(self._lend_arrays[j])
         else:
             calls.wait_flag(self._in_ptr[j], k)
@@ -509,7 +509,7 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
     # ---- watchdog and teardown ----
     def _seen(self, j: int) -> int | None:
         if self._free_loads is not None:    # the sender's empty words in host memory: a load
-            return self._free_loads[j << 3]
+            return self._free_loads[j * WORD_STRIDE]
         try:
             return self.platform.read_flag(self._in_ptr[j], self.device)
         except TransferTimeout:   # the platform's host read is itself stuck: report "unreadable" if it matters
@@ -576,4 +576,4 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
         loads = self._free_loads
         if loads is not None:
             for j in range(self.recv_slots):
-                loads[j << 3] = RELEASE_VALUE
+                loads[j * WORD_STRIDE] = RELEASE_VALUE

@@ -11,7 +11,7 @@ import operator
 from .. import config
 from ..errors import BadInput, GpuxferError
 from ..flaglink import FIRST_WORD, FLAG_STRIDE, FlagLink
-from ..platforms.base import FLAG_OP_WAIT, FLAG_OP_WRITE, flag_ops_array
+from ..platforms.base import FLAG_OP_VALUE, FLAG_OP_WAIT, FLAG_OP_WORDS, FLAG_OP_WRITE, flag_ops_array
 from .hostwords import HostWords
 
 log = logging.getLogger("gpuxfer.pp")
@@ -29,8 +29,12 @@ STEP_GRAPHS = 64            # copy graphs a sender keeps (one per slot and set o
 
 
 def _words(ops):
-    """A flag_ops array's words as a flat uint64 memoryview (a word set in place costs less than through numpy)."""
+    """A flag_ops array's words as a flat uint64 memoryview (a word set in place costs less than through numpy):
+    the value of its first row at :data:`FIRST_VALUE`, of its second at :data:`SECOND_VALUE`."""
     return memoryview(ops).cast("B").cast("Q")
+
+
+FIRST_VALUE, SECOND_VALUE = FLAG_OP_VALUE, FLAG_OP_WORDS + FLAG_OP_VALUE   # in a two-row flag_ops array's words
 
 def flag_batch_from_env() -> bool:
     """Whether a receiver queues its two flag operations of a step (give back the slot held since the last
@@ -233,7 +237,7 @@ class _CopyEngineSetup:
                 if flag_batch_from_env():   # per slot: [wait empty[j] >= k-R, write value[j] = k] (flag_ops)
                     self._slot_arrays = [flag_ops_array([(FLAG_OP_WAIT, self._in_ptr[j], 0),
                                                          (FLAG_OP_WRITE, self._value_ptr[j], 0)]) for j in range(R)]
-                    self._slot_ops = [_words(a) for a in self._slot_arrays]   # value words: 2 and 8
+                    self._slot_ops = [_words(a) for a in self._slot_arrays]
             else:
                 self._peer_in_ptr = [self._give_back.ptr(j) for j in range(R)]
         if self.role == "recv":
@@ -243,7 +247,7 @@ class _CopyEngineSetup:
             if self.remote_flags and self._own_publish and flag_batch_from_env():
                 self._lend_arrays = [flag_ops_array([(FLAG_OP_WRITE, self._peer_in_ptr[(j - 1) % R], 0),
                                                      (FLAG_OP_WAIT, self._in_ptr[j], 0)]) for j in range(R)]
-                self._lend_ops = [_words(a) for a in self._lend_arrays]   # value words: 2 and 8
+                self._lend_ops = [_words(a) for a in self._lend_arrays]
         else:
             self._peer_slot_ptr = [self._peer_data.ptr + j * slot for j in range(R)]
             self._staging_ptr = [self._staging.ptr + s * slot for s in range(2)]

@@ -37,7 +37,7 @@ from ..flaglink import FLAG_STRIDE
 log = logging.getLogger("gpuxfer.pp")
 
 PAGE = 4096
-_WORD = FLAG_STRIDE // 8       # int64 words per flag line
+WORD_STRIDE = FLAG_STRIDE // 8     # int64 words per flag line: word i of loads() is at i * WORD_STRIDE
 _PROBE_WRITE, _PROBE_COPY = 0, 1   # scratch lines after the n flag words (the peer's setup check)
 PREFIX = "gpuxfer-ppw-"
 _NAME = re.compile(PREFIX + r"([0-9a-f]{1,8})-[0-9a-f]{12}")     # as create() names them: creator pid, token
@@ -82,14 +82,14 @@ class HostWords:
         return self.dptr + i * FLAG_STRIDE
 
     def loads(self):
-        """A ctypes array over the words: ``a[i * 8]`` loads word ``i`` (no copy, no caching)."""
+        """A ctypes array over the words: ``a[i * WORD_STRIDE]`` loads word ``i`` (no copy, no caching)."""
         return self._words
 
     def read(self, i: int) -> int:
-        return self._words[i * _WORD]
+        return self._words[i * WORD_STRIDE]
 
     def store(self, i: int, value: int) -> None:
-        self._words[i * _WORD] = value
+        self._words[i * WORD_STRIDE] = value
 
     def check_peer_writes(self, stream, copy, timeout_s: float) -> None:
         """A peer's check that its stream reaches these words: a flag write into one scratch line and an
