@@ -152,8 +152,10 @@ class KVAgent(Closable, FailsOnTimeout):
     **Parts.** The agent holds what it registered and its peers (:class:`~gpuxfer.kv.peers.Registry`), its routes
     (:class:`~gpuxfer.kv.routes.RouteCache`), what its posts run on (:class:`~gpuxfer.kv.posting.Poster`: the post
     lock, the posted transfers, the host arrays, the slots), how a request becomes its request array and transfer
-    (:class:`~gpuxfer.kv.request_arrays.RequestStaging`) and its pack transfers' state
-    (:class:`~gpuxfer.kv.pack_transfer.PackState`); its transfers post through the poster.
+    (:class:`~gpuxfer.kv.request_arrays.RequestStaging`), its pack transfers' state
+    (:class:`~gpuxfer.kv.pack_transfer.PackState`) and what its memory lives through
+    (:class:`~gpuxfer.kv.lifetime.Lifetime`: ``remove_peer``, the release of waits, close's drain); its transfers
+    post through the poster.
     """
 
     def __init__(self, name: str, *, platform: Platform | None = None, device: int = 0, engine: str = "auto",
