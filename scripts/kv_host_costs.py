@@ -175,10 +175,9 @@ def measure(plat, workload: str, isl: int, page: int, op: str, engine: str, iter
             h = x.post()
             repost.append((time.perf_counter() - t0) * 1e6)
             h.wait(120)
-        slots = [len(r.slots) for r in initiator._routes.values() if r.slots]
         row = {"platform": plat.name, "workload": workload, "isl_tokens": isl, "page_tokens": page, "op": op,
                "engine": engine, "ids": ids, "launch": launch if engine == "triton" else "-",
-               "graph_used": bool(engine == "triton" and initiator.graphs), "slots": sum(slots),
+               "graph_used": bool(engine == "triton" and initiator.graphs), "slots": initiator.device_bytes()["slots"],
                "layers": layers, "descriptors": x.descriptors, "bytes": x.nbytes,
                "register_ms": max(register_ms), "add_peer_ms": add_peer_ms, "first_setup_us": first_setup_us,
                "first_post_us": first_post_us, "setup_p50_us": float(np.median(setup)),

@@ -1,9 +1,10 @@
 """The package's import graph, read with ``ast``: every import statement is an edge, those inside functions and
 ``if TYPE_CHECKING:`` blocks included. The benchmark wing is imported by nothing outside it, the KV runtime
-imports nothing of the benchmark, and no import cycle runs through the KV runtime's shared pieces, the
+imports nothing of the benchmark, and no import cycle runs through the KV runtime (``gpuxfer.kv``), the
 benchmark's KV model and engines, any module of the pipeline-parallel hand-off (``gpuxfer.pp``) or of the
 platforms (``gpuxfer.platforms``), whose components never import the platform module that owns them. The
-cycles left elsewhere are printed (``pytest -rP`` shows them)."""
+cycles left elsewhere are printed (``pytest -rP`` shows them). Inside the KV runtime, no module but the agent's
+reads the agent's private state: its parts are handed to the modules that use them."""
 from __future__ import annotations
 
 import ast
@@ -19,9 +20,12 @@ RUNTIME = "gpuxfer.kv"
 ACYCLIC_MODULES = ("gpuxfer.kv", "gpuxfer.kv.descriptors", "gpuxfer.kv.failure", "gpuxfer.kv.engine_choice",
                    "gpuxfer.kv.nixl_ffi", "gpuxfer.bench.kv.runconfig", "gpuxfer.bench.kv.runner",
                    "gpuxfer.bench.kv.worker")
-#: packages no cycle may run through, any module of them: the benchmark's KV model and engines, the
-#: pipeline-parallel hand-off, the platforms
-ACYCLIC_PACKAGES = ("gpuxfer.bench.kv.model", "gpuxfer.bench.kv.engines", "gpuxfer.pp", "gpuxfer.platforms")
+#: packages no cycle may run through, any module of them: the KV runtime, the benchmark's KV model and engines,
+#: the pipeline-parallel hand-off, the platforms
+ACYCLIC_PACKAGES = ("gpuxfer.kv", "gpuxfer.bench.kv.model", "gpuxfer.bench.kv.engines", "gpuxfer.pp",
+                    "gpuxfer.platforms")
+#: the KV runtime's module that owns the agent (the only one that may read its private attributes)
+AGENT_MODULE = "gpuxfer.kv.agent"
 #: the platform modules, each the owner of its components: no module of the package imports them (the package
 #: loads them by name, on demand)
 PLATFORM_MODULES = ("gpuxfer.platforms.cuda", "gpuxfer.platforms.rocm", "gpuxfer.platforms.host")
@@ -149,3 +153,47 @@ def test_the_graph_sees_every_kind_of_import():
                                                        "gpuxfer.bench.cliutil"}
     assert imports("from . import control\n", "gpuxfer.kv", known, is_package=True) == {"gpuxfer.kv.control"}
     assert cycles({"a": {"b"}, "b": {"a", "c"}, "c": set(), "d": {"d"}}) == [["a", "b"]]
+
+
+def _is_agent(node: ast.AST) -> bool:
+    """Whether ``node`` names an agent: ``agent``, ``self.agent`` or ``self._agent``."""
+    if isinstance(node, ast.Name):
+        return node.id == "agent"
+    return (isinstance(node, ast.Attribute) and node.attr in ("agent", "_agent") and isinstance(node.value, ast.Name)
+            and node.value.id == "self")
+
+
+def private_agent_reads(source: str) -> list[str]:
+    """``line: code`` of each place ``source`` touches a private attribute of an agent (an attribute, or
+    ``getattr`` / ``setattr`` / ``hasattr`` of a literal name, beginning with one underscore)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        name = None
+        if isinstance(node, ast.Attribute) and _is_agent(node.value):
+            name = node.attr
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "setattr", "hasattr") and len(node.args) >= 2
+              and _is_agent(node.args[0]) and isinstance(node.args[1], ast.Constant)
+              and isinstance(node.args[1].value, str)):
+            name = node.args[1].value
+        if name is not None and name.startswith("_") and not name.startswith("__"):
+            found.append((node.lineno, ast.unparse(node)))
+    return [f"{line}: {code}" for line, code in sorted(found)]
+
+
+def test_no_kv_module_but_the_agents_reads_the_agents_private_state():
+    """The KV runtime's modules talk to the parts the agent hands them (its registry, route cache, poster,
+    request staging, pack state) and to its public attributes, never to ``agent._*``."""
+    offenders = {}
+    for name, path in modules().items():
+        if _inside(name, RUNTIME) and name != AGENT_MODULE:
+            if found := private_agent_reads(path.read_text()):
+                offenders[name] = found
+    assert not offenders, f"KV modules reading an agent's private attributes: {offenders}"
+
+
+def test_private_agent_reads_are_found():
+    src = ("def f(agent, self):\n    agent._track(1)\n    x = self.agent._post_lock\n    self._agent._calls.copy()\n"
+           "    getattr(agent, '_requests', None)\n    agent.name, self._lock, agent.__class__, peer._local\n")
+    assert [f.split(":")[0] for f in private_agent_reads(src)] == ["2", "3", "4", "5"]
+

@@ -79,39 +79,37 @@ whatever the IDs hold.
 """
 from __future__ import annotations
 
-import collections
-import functools
 import itertools
 import logging
 import numbers
 import os
 import socket
-import threading
 import time
+import types
 import uuid
 from typing import Any, Mapping, Sequence
 
 from ..common import process_namespace
-from ..errors import (BackendUnavailable, BadInput, BadMetadata, BlockIdError, LayoutMismatch, NotRegistered,
-                      TransferTimeout)
+from ..errors import BackendUnavailable, BadInput, BadMetadata, BlockIdError, LayoutMismatch, TransferTimeout
 from ..flaglink import FlagWords
-from ..platforms.base import RELEASE_VALUE, Closable, DeviceBuffer, Event, IpcHandle, Platform, Stream
+from ..platforms.base import RELEASE_VALUE, Closable, DeviceBuffer, Platform, Stream
 from ..sync import check_timeout
+from .batch import post_many
 from .control import AGENT_WORDS, NOTIFY, NOTIFY_SLOTS, PACK_SLOTS
 from .descriptors import DIRECTIONS
 from .device_ids import prepare_device, wants_device_ids
 from .engine_choice import AGENT_ENGINES, kernel_reason, peer_engine
 from .failure import FailsOnTimeout, on_timeout_from_env
-from .layers import (_MAX_NAME, KVLayer, KVLayerSpec, KVPiece, check_disjoint, describe_layer, memory_at,
-                     _torch)
+from .layers import _MAX_NAME, KVLayer, KVLayerSpec, KVPiece, check_disjoint, describe_layer, memory_at, _torch
 from . import nixl_route
-from .metadata import METADATA_VERSION, decode_metadata, encode_metadata
-from .lifetime import _Lifetime, _Shared
-from .peers import _LEAKED, _LOCAL_AGENTS, KVPeer, _Group  # noqa: F401 - _LEAKED: what close kept (tests look)
-from .posting import _PostResources, _ended
-from .routes import _Route, _Routes
-from .triton_transfer import _RequestPool
-from .request_arrays import _RequestArrays
+from .metadata import METADATA_VERSION, decode_metadata, encode_metadata, handle_meta
+from .lifetime import Lifetime, _Shared
+from .nixl_peer import NixlPeer
+from .pack_transfer import PackState
+from .peers import _LEAKED, _LOCAL_AGENTS, KVPeer, Registry, _Group  # noqa: F401 - _LEAKED: what close kept
+from .posting import Poster
+from .request_arrays import RequestStaging
+from .routes import RouteCache, request_groups
 from .transfer import KVTransfer, KVTransferHandle
 
 log = logging.getLogger("gpuxfer.kv.agent")
@@ -132,7 +130,7 @@ def _notify_value(value) -> int:
     return int(value)
 
 
-class KVAgent(_Routes, _RequestArrays, _PostResources, _Lifetime, Closable, FailsOnTimeout):
+class KVAgent(Closable, FailsOnTimeout):
     """One process's side of KV transfers: its registered caches, its peers, its stream.
 
     ``platform``: a :class:`~gpuxfer.platforms.base.Platform` (default: the process's,
@@ -150,6 +148,14 @@ class KVAgent(_Routes, _RequestArrays, _PostResources, _Lifetime, Closable, Fail
     stays blocked, and raises the error from every later call; ``close`` still works.
     ``on_timeout="exit"`` (or ``GPUXFER_KV_ON_TIMEOUT=exit``) then ends the process. A ``triton``
     transfer queues no wait on the peer: its handle's timeout only raises.
+
+    **Parts.** The agent holds what it registered and its peers (:class:`~gpuxfer.kv.peers.Registry`), its routes
+    (:class:`~gpuxfer.kv.routes.RouteCache`), what its posts run on (:class:`~gpuxfer.kv.posting.Poster`: the post
+    lock, the posted transfers, the host arrays, the slots), how a request becomes its request array and transfer
+    (:class:`~gpuxfer.kv.request_arrays.RequestStaging`), its pack transfers' state
+    (:class:`~gpuxfer.kv.pack_transfer.PackState`) and what its memory lives through
+    (:class:`~gpuxfer.kv.lifetime.Lifetime`: ``remove_peer``, the release of waits, close's drain); its transfers
+    post through the poster.
     """
 
     def __init__(self, name: str, *, platform: Platform | None = None, device: int = 0, engine: str = "auto",
@@ -165,8 +171,6 @@ class KVAgent(_Routes, _RequestArrays, _PostResources, _Lifetime, Closable, Fail
         self.failed = None
         self.on_timeout = on_timeout_from_env(on_timeout)
         timeout_s = check_timeout(timeout_s, "KVAgent timeout_s")
-        self._waited_slots: set[int] = set()        # notification slots a stream was made to wait on
-        self._stream_waits: dict[Stream, Event] = {}  # per stream made to wait on a slot: an event after its wait
         if platform is None:
             from ..platforms import current
             platform = current()
@@ -177,55 +181,52 @@ class KVAgent(_Routes, _RequestArrays, _PostResources, _Lifetime, Closable, Fail
         if why is not None:
             raise BackendUnavailable(engine, {name: why})
         self.uid = uuid.uuid4().hex
-        self._lock = threading.Lock()
-        self._groups: dict[str, _Group] = {}
-        self._allocs: list[IpcHandle] = []
-        self._alloc_bases: list[int] = []
-        self._alloc_keys: dict[bytes, int] = {}
-        self._layer_refs: dict[tuple[str, str], tuple[int, int]] = {}
-        self._flats: dict[int, Any] = {}
-        self._peers: dict[str, KVPeer] = {}
-        self._routes: dict[tuple, _Route] = {}
         self._names = itertools.count()
-        self._inflight: collections.deque = collections.deque()     # (event, buffers) of posted transfers
-        self._pack_peer: str | None = None                          # the one peer pack transfers go to
-        self._pack_shapes: collections.OrderedDict = collections.OrderedDict()   # shape key -> _PackShape
-        self._pack_tail: tuple | None = None                        # (stream, event) of the last pack post
-        self._lane: Stream | None = None                            # a pack source's copies (beside its packs)
-        self._lane_event: Event | None = None
-        self._requests = _RequestPool(pinned=not platform.host_memory)     # host arrays of requests
-        self._post_lock = threading.Lock()                          # a route's ring, one post at a time
-        self._capture_stream: Stream | None = None                  # where slots' graphs are captured
-        self.graphs = True                                          # capture slots' launches as graphs
-        self._slot_uses = itertools.count(1)
         self.flags: FlagWords | None = None
         self.staging: DeviceBuffer | None = None
-        self._status = None                 # a pack agent's refusal (control.STATUS), copied to the host by posts
-        self._device_status = None          # device-ID posts' status words (device_ids._StatusWords)
         self.stream: Stream | None = None
         self.nixl: nixl_route.NixlSide | None = None                # the NIXL route's side (remote="nixl")
+        self._shared: _Shared | None = None         # flags and staging, held by peer links of this process's agents
         if slot_bytes is None:
             slot_bytes = PACK_SLOT_BYTES_EMULATION if platform.kernels_interpreted else PACK_SLOT_BYTES
         if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int) or slot_bytes < 256 or slot_bytes % 256:
             raise BadInput(f"slot_bytes must be a positive multiple of 256, got {slot_bytes!r}")
         self.slot_bytes = slot_bytes
+        self._registry = Registry(name, self.device, self.rank, slot_bytes)
+        self._routes = RouteCache(self, self._registry)
+        self._poster = Poster(self, self._registry)
+        self._pack = PackState(self)
+        self._lifetime = Lifetime(self, self._registry, self._routes, self._poster, self._pack)
+        self._staging = RequestStaging(self._poster, self._pack)
         try:
             if engine == "pack":
+                self._pack.make_status_words()
                 self.staging = platform.alloc(PACK_SLOTS * slot_bytes, self.device)
-                self._status_mirror = _torch().zeros(2, dtype=_torch().int64, pin_memory=not platform.host_memory)
-                self._status, self._status_ptr = self._status_mirror.numpy(), self._status_mirror.data_ptr()
             self.flags = FlagWords(platform, self.device, AGENT_WORDS, rank=self.rank, name=f"agent {name!r}",
                                    timeout_s=self.timeout_s)
-            self._shared = _Shared(self.flags, self.staging)    # held by peer links of this process's agents
+            self._shared = self._registry.shared = _Shared(self.flags, self.staging)
             self.stream = platform.create_stream(self.device)
-            self._calls = platform.stream_calls(self.stream)        # the stream's flag, graph and copy calls
-            if self._calls.copy is None:
-                self._calls.copy = functools.partial(platform.copy_async, self.stream)
-            self.nixl = nixl_route.side_for(self, remote)
+            self._poster.bind(self.stream)
+            self.nixl = nixl_route.side_for(self, self._registry, remote)
         except BaseException:
             self._release()
             raise
-        _LOCAL_AGENTS[self.uid] = self
+        _LOCAL_AGENTS[self.uid] = self._registry
+
+    @property
+    def graphs(self) -> bool:
+        """Whether posts capture a route's launches as graphs (where the platform captures; a failed capture turns
+        it off); set it to False to launch them one by one."""
+        return self._poster.graphs
+
+    @graphs.setter
+    def graphs(self, value: bool) -> None:
+        self._poster.graphs = value
+
+    @property
+    def peers(self) -> Mapping[str, KVPeer]:
+        """``{name: peer}``, read-only."""
+        return types.MappingProxyType(self._registry.peers)
 
     # ------------------------------------------------------------------ registration
 
@@ -241,12 +242,13 @@ class KVAgent(_Routes, _RequestArrays, _PostResources, _Lifetime, Closable, Fail
         memory the platform can export. Adding a peer or a transfer does not need every group: a
         request names the groups it moves.
         """
-        self._check_open()
+        self._poster.check_open()
         if not isinstance(name, str) or not 0 < len(name) <= _MAX_NAME:
             raise BadInput(f"group name must be a string of 1..{_MAX_NAME} characters, got {name!r}")
         if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or not 0 < block_tokens < 1 << 32:
             raise BadInput(f"group {name!r}: block_tokens must be a positive int, got {block_tokens!r}")
-        if name in self._groups:
+        reg = self._registry
+        if name in reg.groups:
             raise BadInput(f"group {name!r} is already registered")
         if isinstance(layers, Mapping):
             items = list(layers.items())
@@ -267,29 +269,20 @@ class KVAgent(_Routes, _RequestArrays, _PostResources, _Lifetime, Closable, Fail
                 raise BadInput(f"group {name!r}, layer {lname!r}: the tensor is on {tensor.device}; this agent's "
                                f"device is {want}")
             described.append(describe_layer(t, name=lname, position=pos, token_major=token_major))
-        check_disjoint(name, described, [(g.name, g.layers) for g in self._groups.values()])
+        check_disjoint(name, described, [(g.name, g.layers) for g in reg.groups.values()])
         refs = []
         for (_, t), lay in zip(items, described):
             st = (t.tensor if isinstance(t, KVLayerSpec) else t).untyped_storage()
             ex = self.platform.export_range(lay.ptr, lay.extent, self.device, within=(st.data_ptr(), st.nbytes()))
-            key = ex.handle.payload
-            with self._lock:
-                a = self._alloc_keys.get(key)
-                if a is None:
-                    a = self._alloc_keys[key] = len(self._allocs)
-                    self._allocs.append(ex.handle)
-                    self._alloc_bases.append(lay.ptr - ex.offset)
-            refs.append((a, ex.offset))
-        flats = []
-        for (lname, t), lay in zip(items, described):
-            flats.append(self._flat(t.tensor if isinstance(t, KVLayerSpec) else t))
-        with self._lock:
-            if name in self._groups:
+            refs.append((reg.allocation(ex.handle, lay.ptr - ex.offset), ex.offset))
+        flats = [reg.flat(t.tensor if isinstance(t, KVLayerSpec) else t) for _, t in items]
+        with reg.lock:
+            if name in reg.groups:
                 raise BadInput(f"group {name!r} is already registered")
-            self._groups[name] = _Group(name, block_tokens, described, flats)
+            reg.groups[name] = _Group(name, block_tokens, described, flats)
             for lay, ref in zip(described, refs):
-                self._layer_refs[(name, lay.name)] = ref
-            self._routes.clear()
+                reg.layer_refs[(name, lay.name)] = ref
+            self._routes.routes.clear()
 
     def layer_at(self, ptr: int, nbytes: int, page_bytes: int, *, pieces: Sequence[Any] | None = None,
                  token_major: bool = True, index: int | None = None) -> KVLayerSpec:
@@ -311,63 +304,45 @@ class KVAgent(_Routes, _RequestArrays, _PostResources, _Lifetime, Closable, Fail
         """vLLM's ``register_kv_caches``: every layer in one group of ``block_tokens``-token blocks."""
         self.register_group(group, block_tokens, kv_caches)
 
-    def _flat(self, tensor):
-        """A 1-element uint8 tensor at ``tensor.data_ptr()`` over its storage (a kernel anchor)."""
-        torch = _torch()
-        flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
-        flat.set_(tensor.untyped_storage(), tensor.storage_offset() * tensor.element_size(), (1,), (1,))
-        self._flats[int(tensor.data_ptr())] = flat
-        return flat
-
-    def _flat_at(self, ptr: int):
-        flat = self._flats.get(int(ptr))
-        if flat is None:
-            raise NotRegistered(f"no registered tensor of agent {self.name!r} starts at 0x{int(ptr):x}")
-        return flat
-
     @property
     def groups(self) -> dict[str, tuple[int, int, int]]:
         """``{group: (block tokens, blocks, layers)}``."""
-        return {g.name: (g.block_tokens, g.num_blocks, len(g.layers)) for g in self._groups.values()}
+        return {g.name: (g.block_tokens, g.num_blocks, len(g.layers)) for g in self._registry.groups.values()}
+
+    def device_bytes(self) -> dict[str, int]:
+        """Device memory this agent holds beyond the registered caches and its flag words, in bytes: the routes'
+        slots -- descriptor buffers (``(rows, 3)`` int64: 24 bytes per descriptor of the largest request a slot
+        ran), request buffers and the device ID check's bitmaps -- and the pack engine's staging slots; with the
+        number of routes and slots."""
+        return {**self._routes.slot_bytes(), "pack_staging": self.staging.nbytes if self.staging is not None else 0}
 
     # ------------------------------------------------------------------ metadata and peers
 
     def metadata(self) -> bytes:
         """This agent's caches and notification words, as versioned bytes for :meth:`add_peer` elsewhere."""
-        self._check_open()
-        flags, staging = self._hold()
+        self._poster.check_open()
+        flags, staging = self._lifetime.hold()
         try:
-            ctrl = flags.export()
+            control = handle_meta(flags.export())
             staging_meta = None if staging is None else dict(
-                self._handle_meta(self.platform.export_handle(staging)), slot_bytes=self.slot_bytes)
+                handle_meta(self.platform.export_handle(staging)), slot_bytes=self.slot_bytes)
         finally:
             self._shared.release()
         body = {
             "agent": self.name, "uid": self.uid, "pid": os.getpid(), "namespace": process_namespace(),
-            "host": socket.gethostname() or "unknown",
-            "platform": self.platform.name, "device": self.device,
-            "control": {"payload": ctrl.payload.hex(), "nbytes": ctrl.nbytes, "device": ctrl.device},
-            "staging": staging_meta,
-            "allocations": [{"payload": h.payload.hex(), "nbytes": h.nbytes, "device": h.device}
-                            for h in self._allocs],
-            "groups": [{"name": g.name, "block_tokens": g.block_tokens,
-                        "layers": [lay.as_meta(*self._layer_refs[(g.name, lay.name)]) for lay in g.layers]}
-                       for g in self._groups.values()],
+            "host": socket.gethostname() or "unknown", "platform": self.platform.name, "device": self.device,
+            "control": control, "staging": staging_meta, **self._registry.metadata(),
         }
         if self.nixl is not None:
             body["nixl"] = self.nixl.metadata()
         return encode_metadata(body)
-
-    @staticmethod
-    def _handle_meta(h: IpcHandle) -> dict:
-        return {"payload": h.payload.hex(), "nbytes": h.nbytes, "device": h.device}
 
     def add_peer(self, metadata: bytes, *, route: str = "auto") -> KVPeer:
         """Add the agent whose :meth:`metadata` these bytes are: map its caches and notification words.
 
         ``route``: ``"auto"`` (IPC on this host, NIXL to another), ``"ipc"`` or ``"nixl"`` (both agents made
         with ``remote="nixl"``; :mod:`gpuxfer.kv.nixl_route`). The peer's :attr:`~KVPeer.route` says which."""
-        self._check_open()
+        self._poster.check_open()
         meta = decode_metadata(metadata)
         if meta.platform != self.platform.name:
             raise BadMetadata(f"peer {meta.agent!r} runs on platform {meta.platform!r}, this agent on "
@@ -375,25 +350,30 @@ class KVAgent(_Routes, _RequestArrays, _PostResources, _Lifetime, Closable, Fail
         route = nixl_route.choose_route(self, meta, route)
         if meta.uid == self.uid:
             raise BadInput("an agent cannot be its own peer")
-        if meta.agent in self._peers:
+        reg = self._registry
+        if meta.agent in reg.peers:
             raise BadInput(f"peer {meta.agent!r} is already added (remove_peer first)")
         if route == "nixl":
-            return nixl_route.add_peer(self, meta)
+            nixl_peer = NixlPeer(self, meta, self.nixl, reg, self._poster)
+            with reg.lock:
+                reg.peers[meta.agent] = nixl_peer
+            log.info("agent %s: peer %s (host %s) over the nixl route", self.name, meta.agent, meta.host)
+            return nixl_peer
         if self.staging is not None and meta.staging is not None and meta.slot_bytes != self.slot_bytes:
             # each side addresses the pair's staging slots by its own slot size
             raise LayoutMismatch(f"peer {meta.agent!r} has {meta.slot_bytes}-byte staging slots, agent "
                                  f"{self.name!r} {self.slot_bytes}-byte ones: the pack engine needs equal slot_bytes")
-        peer = KVPeer(self, meta)
+        peer = KVPeer(self, meta, self._poster.calls)
         try:        # the peer is the agent's only once every step that can fail is behind it
             peer.engine = peer_engine(self.engine, self.auto_engine, peer.name, peer.addressable)
             if self.engine == "pack":
                 peer.flags.probe_one_sided(self.timeout_s)
             routes = self._warm(peer)
-            with self._lock:
-                if meta.agent in self._peers:
+            with reg.lock:
+                if meta.agent in reg.peers:
                     raise BadInput(f"peer {meta.agent!r} is already added (remove_peer first)")
-                self._peers[meta.agent] = peer
-                self._routes.update(routes)
+                reg.peers[meta.agent] = peer
+                self._routes.routes.update(routes)
         except BaseException:
             peer.close()
             raise
@@ -404,11 +384,11 @@ class KVAgent(_Routes, _RequestArrays, _PostResources, _Lifetime, Closable, Fail
         request's setup finds them: ``{route key: route}``; a layout the peer does not match raises when a
         request names it."""
         from ..kernels import blocks, launch  # noqa: F401 - loaded here, not in the first request's setup
-        shared = tuple(g for g in self._groups if g in peer.groups)
+        shared = tuple(g for g in self._registry.groups if g in peer.groups)
         routes = {}
         for op in DIRECTIONS if shared else ():
             try:
-                routes[(peer, op, None, shared)] = self._build_route(peer, op, None, shared)
+                routes[(peer, op, None, shared)] = self._routes.build(peer, op, None, shared)
             except (LayoutMismatch, BadInput) as exc:
                 log.debug("agent %s: no %s route with peer %s yet: %s", self.name, op, peer.name, exc)
         return routes
@@ -421,20 +401,21 @@ class KVAgent(_Routes, _RequestArrays, _PostResources, _Lifetime, Closable, Fail
         onto itself, a group at a time: every byte written is the byte already there. So call it before the engine writes its
         caches, or name a block nothing writes (vLLM's null block 0). Returns the seconds it took. A ``pack``
         agent returns 0 at once, since its requests need the peer's post."""
-        self._check_open()
-        if self.engine == "pack" or not self._groups:
+        self._poster.check_open()
+        groups = self._registry.groups
+        if self.engine == "pack" or not groups:
             return 0.0
         t0 = time.perf_counter()
         mirror = KVAgent(f"{self.name[:_MAX_NAME - 5]}~warm", platform=self.platform, device=self.device,
                          engine=self.engine, timeout_s=self.timeout_s, rank=self.rank)
         try:
-            for g in list(self._groups.values()):
+            for g in list(groups.values()):
                 mirror.register_group(g.name, g.block_tokens, {
                     lay.name: KVLayerSpec(flat, lay.num_blocks, lay.block_stride, lay.pieces, lay.token_major, lay.index)
                     for lay, flat in zip(g.layers, g.flats)})
             peer = self.add_peer(mirror.metadata())
             try:
-                for g in self._groups:          # one group at a time: groups may share memory (vLLM's hybrid ones)
+                for g in list(groups):          # one group at a time: groups may share memory (vLLM's hybrid ones)
                     ids = {g: [block]}
                     self.prepare(peer, "pull", local_blocks=ids, remote_blocks=ids, name="warm-up").post().wait()
             finally:
@@ -444,10 +425,7 @@ class KVAgent(_Routes, _RequestArrays, _PostResources, _Lifetime, Closable, Fail
         return time.perf_counter() - t0
 
     def peer(self, name: str) -> KVPeer:
-        p = self._peers.get(name)
-        if p is None:
-            raise NotRegistered(f"agent {self.name!r} has no peer {name!r}; peers: {', '.join(self._peers) or 'none'}")
-        return p
+        return self._registry.peer(name)
 
     # ------------------------------------------------------------------ transfers
 
@@ -467,9 +445,9 @@ class KVAgent(_Routes, _RequestArrays, _PostResources, _Lifetime, Closable, Fail
         engine); default: when the first group's IDs are a GPU tensor.
         """
         if type(peer) is not KVPeer and isinstance(peer, str):
-            self._check_open()
+            self._poster.check_open()
             peer = self.peer(peer)
-        self._check_usable(peer)            # (the agent's own state too)
+        self._poster.check_usable(peer)     # (the agent's own state too)
         if op not in DIRECTIONS:
             raise BadInput(f"op must be one of {', '.join(DIRECTIONS)}, got {op!r}")
         if layers is not None:
@@ -491,29 +469,15 @@ class KVAgent(_Routes, _RequestArrays, _PostResources, _Lifetime, Closable, Fail
             return peer.prepare(op, layers, name, local_blocks, remote_blocks, notify_slot)
         # the route of a request naming these groups in this order (cached beside the route's own key)
         key = (peer, op, layers, tuple(local_blocks))
-        route = self._routes.get(key)
+        route = self._routes.routes.get(key)
         if route is None or local_blocks.keys() != remote_blocks.keys():
-            route = self._request_route(peer, op, layers, name, local_blocks, remote_blocks)
-            self._keep_route(key, route)
+            groups = request_groups(self._registry, peer, name, local_blocks, remote_blocks)
+            route = self._routes.route(peer, op, layers, groups)
+            self._routes.keep(key, route)
         if wants_device_ids(local_blocks, device_ids):
-            return prepare_device(self, peer, route, op, name, local_blocks, remote_blocks, notify_slot)
-        return self._stage(peer, route, op, name, route.ids.check(name, op == "push", local_blocks, remote_blocks),
-                           notify_slot)
-
-    def _request_route(self, peer: KVPeer, op: str, layers, name: str, local_blocks: Mapping,
-                       remote_blocks: Mapping) -> _Route:
-        """The route of a request's groups, which must be the same on both sides and registered on both."""
-        if set(local_blocks) != set(remote_blocks):
-            raise BlockIdError(f"request {name!r}: local_blocks names groups {sorted(map(str, local_blocks))}, "
-                               f"remote_blocks {sorted(map(str, remote_blocks))}; they must be the same")
-        for g in local_blocks:
-            if g not in self._groups or g not in peer.groups:
-                shared = [x for x in self._groups if x in peer.groups]
-                raise NotRegistered(f"request {name!r}: group {g!r} is not registered on both agent "
-                                    f"{self.name!r} and peer {peer.name!r} (shared: {', '.join(shared) or 'none'})")
-        if not local_blocks:
-            raise BlockIdError(f"request {name!r} names no group")
-        return self._route(peer, op, layers, tuple(g for g in self._groups if g in local_blocks))
+            return prepare_device(self._poster, peer, route, op, name, local_blocks, remote_blocks, notify_slot)
+        checked = route.ids.check(name, op == "push", local_blocks, remote_blocks)
+        return self._staging.stage(peer, route, op, name, checked, notify_slot)
 
     def post_many(self, transfers: Sequence[KVTransfer], stream: Stream | None = None) -> list[KVTransferHandle]:
         """Post several prepared transfers on ``stream`` (default: the agent's own) at once: the ``triton``
@@ -524,8 +488,7 @@ class KVAgent(_Routes, _RequestArrays, _PostResources, _Lifetime, Closable, Fail
         those not queued): their blocks stay in use until those complete. Two transfers of one route writing
         the same destination block run one after another instead, in order; between routes the order is not
         defined, as between posts on different streams."""
-        from .batch import post_many
-        return post_many(self, transfers, stream)
+        return post_many(self._poster, transfers, stream)
 
     def transfer(self, peer: "KVPeer | str", op: str, *, local_blocks: Mapping[str, Any],
                  remote_blocks: Mapping[str, Any], stream: Stream | None = None, **kw) -> KVTransferHandle:
@@ -542,9 +505,9 @@ class KVAgent(_Routes, _RequestArrays, _PostResources, _Lifetime, Closable, Fail
 
     def notification(self, slot: int = 0) -> int:
         """The value of notification word ``slot`` (how many notifications reached it), read now."""
-        self._check_open()
+        self._poster.check_open()
         index = self._slot(slot)
-        flags, _ = self._hold()
+        flags, _ = self._lifetime.hold()
         try:
             return flags.read(index)
         finally:
@@ -553,11 +516,11 @@ class KVAgent(_Routes, _RequestArrays, _PostResources, _Lifetime, Closable, Fail
     def wait_notification(self, slot: int, value: int, timeout_s: float | None = None) -> int:
         """Poll word ``slot`` until it holds ``value`` or more; :class:`TransferTimeout` past ``timeout_s``
         (default: the agent's; a finite number of seconds > 0, at most :data:`~gpuxfer.sync.MAX_TIMEOUT_S`)."""
-        self._check_open()
+        self._poster.check_open()
         t = self.timeout_s if timeout_s is None else check_timeout(timeout_s, "wait_notification's timeout_s")
         value = _notify_value(value)
         index = self._slot(slot)
-        flags, _ = self._hold()
+        flags, _ = self._lifetime.hold()
         try:
             return flags.wait_host(index, value, t, step=value, flag=f"notification slot {slot} of agent {self.name!r}")
         except TransferTimeout as exc:
@@ -571,19 +534,50 @@ class KVAgent(_Routes, _RequestArrays, _PostResources, _Lifetime, Closable, Fail
         in ``0 .. RELEASE_VALUE - 1`` (the release value, 2^62, that a failure or close writes must pass it).
 
         The agent holds ``stream`` (and an event after the wait) until the wait passed: close drains past it."""
-        self._check_open()
+        self._poster.check_open()
         index = self._slot(slot)
         value = _notify_value(value)
         if not isinstance(stream, Stream):
             raise BadInput(f"stream_wait_notification needs a Stream of the platform, got {stream!r}")
-        with self._post_lock:               # close passes through it: the wait is then in its books
-            self._check_open()
-            waits = self._stream_waits
-            for st in [st for st, e in waits.items() if _ended(self.platform, e)]:
-                del waits[st]
-            self._waited_slots.add(slot)
-            self.flags.wait(stream, index, value)
-            waits[stream] = self.platform.record_event(stream)      # close drains past it
+        self._lifetime.stream_wait(stream, slot, index, value)
+
+    # ------------------------------------------------------------------ lifetime
+
+    def remove_peer(self, peer: "KVPeer | str") -> None:
+        """Forget a peer, then close its mappings and its flag link once every transfer posted with it
+        completed (waiting at most the agent's timeout). Posts to it from then on raise
+        :class:`~gpuxfer.errors.NotRegistered` having queued nothing.
+
+        Past the timeout the agent fails (:meth:`fail`: its waits are released, its error is raised from
+        every later call) and waits once more; what still runs then may touch the peer's mappings and
+        flag link's words, so those are kept for the life of the process (logged) instead of freed under it."""
+        self._lifetime.remove_peer(peer)
+
+    def release_waits(self) -> None:
+        """Write the release value into this agent's words its streams (or the caller's) may wait on: the
+        pack flags and the notification slots waited on from a stream. Best effort: the abort path."""
+        self._lifetime.release_waits()
+
+    def _release(self) -> None:
+        """:meth:`Lifetime.release <gpuxfer.kv.lifetime.Lifetime.release>` (the drain, the peers, the parts), then
+        the NIXL side and the stream closed, and the flag words and the staging retired (:class:`_Shared`: freed
+        once no peer link of this process holds them; kept for the life of the process where queued work may
+        still touch them)."""
+        _LOCAL_AGENTS.pop(self.uid, None)
+        drained = self._lifetime.release()
+        if self.nixl is not None:
+            self.nixl.close()
+            self.nixl = None
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+        if self._shared is not None:
+            self._shared.retire(free=drained)
+        elif drained:           # a construction that failed before its words were shared
+            for b in (self.flags, self.staging):
+                if b is not None:
+                    b.close()
+        self.flags = self.staging = None
 
     # ------------------------------------------------------------------ failure
 
@@ -592,12 +586,13 @@ class KVAgent(_Routes, _RequestArrays, _PostResources, _Lifetime, Closable, Fail
 
     def check(self) -> None:
         """Raise the error that failed this agent; a refused pack transfer fails it first (waits released, no exit)."""
-        if self._status is not None and self._status[0] and self.failed is None and not self._closed:
-            from .pack_transfer import mismatch_error
-            self.failed = mismatch_error(self, int(self._status[0]), int(self._status[1]))
+        status = self._pack.status
+        if status is not None and status[0] and self.failed is None and not self._closed:
+            self.failed = self._pack.mismatch_error(self._poster.inflight, self._registry.peers, int(status[0]),
+                                                    int(status[1]))
             self.release_waits()
         super().check()
 
     def __repr__(self) -> str:
-        return (f"KVAgent({self.name!r}, {self.platform.name}:{self.device}, {len(self._groups)} groups, "
-                f"{len(self._peers)} peers{', closed' if self._closed else ''})")
+        return (f"KVAgent({self.name!r}, {self.platform.name}:{self.device}, {len(self._registry.groups)} groups, "
+                f"{len(self._registry.peers)} peers{', closed' if self._closed else ''})")

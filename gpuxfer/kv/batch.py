@@ -32,7 +32,7 @@ one after the triton engine's.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -40,31 +40,17 @@ from ..errors import BadInput, BlockIdError
 from ..platforms.base import Stream
 from .transfer import KVTransfer, KVTransferHandle
 from .device_ids import _DeviceIdTransfer, post_together
-from .triton_transfer import _SlotTransfer, run_in_slot
-
-if TYPE_CHECKING:
-    from .agent import KVAgent
-    from .routes import _Route
+from .triton_transfer import _Pooled, _SlotTransfer, run_in_slot
 
 #: a merged post's descriptors at most (24 MiB of slot), unless one request alone has more: a longer batch is
 #: cut into several posts
 BATCH_ROWS = 1 << 20
 
 
-class _Merged:
-    """A merged request array, given back to the agent's pool once the agent lets go of it (after its event)."""
-
-    __slots__ = ("pool", "token")
-
-    def __init__(self, pool, token):
-        self.pool, self.token = pool, token
-
-    def __del__(self):
-        self.pool.give(self.token)
-
-
-def post_many(agent: "KVAgent", transfers: Sequence[KVTransfer], stream: Stream | None) -> list[KVTransferHandle]:
-    """:meth:`KVAgent.post_many`: the handles, in the order of ``transfers``."""
+def post_many(poster, transfers: Sequence[KVTransfer], stream: Stream | None) -> list[KVTransferHandle]:
+    """:meth:`KVAgent.post_many` of the agent whose :class:`~gpuxfer.kv.posting.Poster` ``poster`` is: the
+    handles, in the order of ``transfers``."""
+    agent = poster.agent
     if isinstance(transfers, (str, bytes)) or not isinstance(transfers, Sequence):
         raise BadInput(f"post_many takes a sequence of prepared transfers, got {type(transfers).__name__}")
     for i, x in enumerate(transfers):
@@ -75,10 +61,10 @@ def post_many(agent: "KVAgent", transfers: Sequence[KVTransfer], stream: Stream 
     s = agent.stream if stream is None else stream
     for x in transfers:             # the other engines' peers before anything is queued (triton's: under the lock)
         if type(x) is not _SlotTransfer and type(x) is not _DeviceIdTransfer:
-            agent._check_usable(x.peer)
+            poster.check_usable(x.peer)
     handles: list[KVTransferHandle | None] = [None] * len(transfers)
     try:
-        _post_all(agent, transfers, s, handles)
+        _post_all(poster, transfers, s, handles)
     except Exception as exc:
         # some transfers may be queued already: the caller learns which (and must not reuse their blocks
         # before they complete)
@@ -87,7 +73,7 @@ def post_many(agent: "KVAgent", transfers: Sequence[KVTransfer], stream: Stream 
     return handles
 
 
-def _post_all(agent: "KVAgent", transfers: Sequence[KVTransfer], s: Stream, handles: list) -> None:
+def _post_all(poster, transfers: Sequence[KVTransfer], s: Stream, handles: list) -> None:
     """:func:`post_many`'s posts, each handle into ``handles`` as it is made."""
     routes: dict[int, list[int]] = {}               # the triton engine's requests, host or device IDs, by route
     others = []
@@ -97,22 +83,22 @@ def _post_all(agent: "KVAgent", transfers: Sequence[KVTransfer], s: Stream, hand
         else:
             others.append(i)
     if routes:
-        with agent._post_lock:
+        with poster.lock:
             for i in itertools.chain.from_iterable(routes.values()):    # before anything is queued, with
-                agent._check_usable(transfers[i].peer)                    # remove_peer and close kept out
+                poster.check_usable(transfers[i].peer)                    # remove_peer and close kept out
             for idx in routes.values():
                 kinds = {(type(transfers[i]), getattr(transfers[i], "shape", (0,) * 5)[4]) for i in idx}
                 post = _post_route if kinds == {(_SlotTransfer, 0)} else \
                     post_together if len(kinds) == 1 and transfers[idx[0]].route.ids.paired else _one_by_one
                 for part in _parts(transfers, idx):
                     xs = [transfers[i] for i in part]
-                    for i, h in zip(part, post(agent, xs, s)):
+                    for i, h in zip(part, post(poster, xs, s)):
                         handles[i] = h
     for i in others:
         handles[i] = transfers[i].post(s)
 
 
-def _one_by_one(agent: "KVAgent", xs: list, s: Stream) -> list[KVTransferHandle]:
+def _one_by_one(poster, xs: list, s: Stream) -> list[KVTransferHandle]:
     """A route's requests posted one after another, in order: host and device IDs mixed (the host cannot tell
     whether their destinations overlap), or device IDs of a route whose block sizes differ."""
     return [x._post_locked(s) for x in xs]
@@ -133,39 +119,27 @@ def _parts(transfers, idx: list[int]) -> list[list[int]]:
     return parts
 
 
-def _post_route(agent: "KVAgent", xs: list[_SlotTransfer], s: Stream) -> list[KVTransferHandle]:
+def _post_route(poster, xs: list[_SlotTransfer], s: Stream) -> list[KVTransferHandle]:
     """One route's requests on ``s``: merged (one upload, one launch, one event), else one post each."""
     if len(xs) == 1:
         return [xs[0]._post_locked(s)]
-    merged = _merge(agent, xs[0].route, xs)
+    merged = _merge(poster, xs[0].route, xs)
     if merged is None:
         return [x._post_locked(s) for x in xs]
     keep, array, rows = merged
     try:
-        slot = run_in_slot(agent, xs[0].route, s, array.ctypes.data, array.nbytes, rows, int(array.shape[0]))
+        slot = run_in_slot(poster, xs[0].route, s, array.ctypes.data, array.nbytes, rows, int(array.shape[0]))
         values = [x.peer.notify(s, x.notify_slot)[0] if x.notify_slot is not None else None for x in xs]
-        event = agent.platform.record_event(s)
+        event = poster.agent.platform.record_event(s)
     except BaseException:
-        _hold_until_drained(agent, s, (tuple(xs), keep))
+        poster.hold_until_drained(s, (tuple(xs), keep))
         raise
     slot.event, slot.stream = event, s
-    agent._track(event, (tuple(xs), slot, keep))
+    poster.track(event, (tuple(xs), slot, keep))
     return [KVTransferHandle(x, event, s, v) for x, v in zip(xs, values)]
 
 
-def _hold_until_drained(agent: "KVAgent", s: Stream, buffers: tuple) -> None:
-    """A merged post failed part way: its upload may be queued and still read the merged array. Keep
-    ``buffers`` until ``s`` drained (at most the agent's timeout), else for the life of the process."""
-    from .peers import _LEAKED
-    try:
-        if agent.platform.synchronize(s, agent.timeout_s):
-            return
-    except Exception:       # noqa: BLE001 - a failed stream: nothing proves the upload is over
-        pass
-    _LEAKED.append(buffers)
-
-
-def _merge(agent: "KVAgent", route: "_Route", xs: list[_SlotTransfer]):
+def _merge(poster, route, xs: list[_SlotTransfer]):
     """``(keeper, merged array, descriptors)`` of ``xs`` (one route's staged requests), or None where two of them
     write the same destination block."""
     P, G = int(route.plane_group.size), len(route.groups)
@@ -178,8 +152,8 @@ def _merge(agent: "KVAgent", route: "_Route", xs: list[_SlotTransfer]):
         n_seg, parts, lens = _padded_parts(xs, hdr, ends, G, route.ids.splits)
     starts = list(itertools.accumulate(lens, initial=head))
     total = starts[-1]
-    token, h = agent._requests.take(total, agent._reap)
-    keep = _Merged(agent._requests, token)
+    token, h = poster.requests.take(total, poster.reap)
+    keep = _Pooled(poster.requests, token)
     np.concatenate(parts, out=h[head:total])
     dsts = [h[starts[G + g]:starts[G + g + 1]] for g in range(G)]
     if not route.ids.paired:            # without the padding's -1s

@@ -41,15 +41,14 @@ class _CopyEngineTransfer(KVTransfer):
         self._sizes = np.ascontiguousarray(d[:, 2])
 
     def post(self, stream: Stream | None = None) -> KVTransferHandle:
-        agent = self.agent
-        plat = agent.platform
-        s = agent.stream if stream is None else stream
-        with agent._post_lock:             # remove_peer and close exclude it: checked under it
-            agent._check_usable(self.peer)
+        poster = self.poster
+        s = self.agent.stream if stream is None else stream
+        with poster.lock:                  # remove_peer and close exclude it: checked under it
+            poster.check_usable(self.peer)
             if self._sizes.size:
-                plat.copy_batch_async(s, self._dsts, self._srcs, self._sizes)
+                self.agent.platform.copy_batch_async(s, self._dsts, self._srcs, self._sizes)
             value, event = self._finish(s)
-            agent._track(event, (self,))
+            poster.track(event, (self,))
         return KVTransferHandle(self, event, s, value)
 
     def expanded_descriptors(self) -> np.ndarray:

@@ -25,23 +25,21 @@ naming it (``done()`` once complete, ``wait()``). The IDs must be ready in the o
 """
 from __future__ import annotations
 
-import itertools
+import logging
 import threading
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 import numpy as np
 
-from ..errors import BadInput, BlockIdError
+from ..errors import BadInput, BlockIdError, TransferTimeout
 from ..kernels.id_check_kernel import (CHECK_DEST_RANGE, CHECK_DEST_TWICE, CHECK_FIELDS_FIXED, CHECK_FIELDS_PER_GROUP,
                                       CHECK_SOURCE_RANGE, PIECE_FIELDS)
 from ..platforms.base import Stream
 from .layers import _torch
-from .triton_transfer import _SlotTransfer
+from .transfer import KVTransferHandle
+from .triton_transfer import _Pooled, _SlotTransfer
 
-if TYPE_CHECKING:
-    from .agent import KVAgent
-    from .peers import KVPeer
-    from .routes import _Route
+log = logging.getLogger("gpuxfer.kv.agent")
 
 #: request shapes whose headers a route keeps (the least recently made goes first)
 HEADERS_KEPT = 64
@@ -63,7 +61,7 @@ class _DeviceRoute:
     """What a route keeps for device-ID requests: the group table the check reads (``(G, 3)``: source blocks,
     destination blocks, mark offset), the marks bitmap's size in words, and the headers of request shapes."""
 
-    def __init__(self, route: "_Route", device):
+    def __init__(self, route, device):
         torch = _torch()
         ids = route.ids
         table = [(a, b, int(off)) for (a, b), off in zip(ids.limits, ids.class_offsets)]
@@ -87,7 +85,7 @@ class _Header:
         self.entries, self.n_seg, self.n_rows, self.nbytes_moved = entries, n_seg, n_rows, moved
 
 
-def _layout(route: "_Route", LS: np.ndarray, LD: np.ndarray, NS: np.ndarray, wide: bool) -> _Header:
+def _layout(route, LS: np.ndarray, LD: np.ndarray, NS: np.ndarray, wide: bool) -> _Header:
     """The request array of ``K`` requests (``LS`` / ``LD`` / ``NS``: ``(K, G)`` source IDs, destination IDs and
     segments per request and group) as :mod:`gpuxfer.kernels.id_check_kernel` lays it out: per group, every
     request's source IDs one after another, then their destination IDs; a piece per request, group and side."""
@@ -120,7 +118,7 @@ def _layout(route: "_Route", LS: np.ndarray, LD: np.ndarray, NS: np.ndarray, wid
     return _Header(a, addresses, int(starts[-1]), ns, int(a[P]), moved)
 
 
-def _header(route: "_Route", dev: _DeviceRoute, lens_s: tuple, lens_d: tuple, n_seg: tuple, wide: bool) -> _Header:
+def _header(route, dev: _DeviceRoute, lens_s: tuple, lens_d: tuple, n_seg: tuple, wide: bool) -> _Header:
     """One request shape's :class:`_Header`, made once per route and kept."""
     key = (lens_s, lens_d, wide)
     h = dev.headers.get(key)
@@ -135,9 +133,10 @@ def _header(route: "_Route", dev: _DeviceRoute, lens_s: tuple, lens_d: tuple, n_
     return h
 
 
-def prepare_device(agent: "KVAgent", peer: "KVPeer", route: "_Route", op: str, name: str, local_blocks: Mapping,
-                   remote_blocks: Mapping, notify_slot: int | None) -> "_DeviceIdTransfer":
-    """:meth:`KVAgent.prepare` of a request whose IDs are device tensors (see the module): O(groups) host work."""
+def prepare_device(poster, peer, route, op: str, name: str, local_blocks: Mapping, remote_blocks: Mapping,
+                   notify_slot: int | None) -> "_DeviceIdTransfer":
+    """:meth:`KVAgent.prepare` of a request whose IDs are device tensors (see the module): O(groups) host work.
+    ``poster``: the agent's :class:`~gpuxfer.kv.posting.Poster`."""
     if peer.engine != "triton":
         raise BadInput(f"request {name!r}: block IDs on the device need the triton engine; peer {peer.name!r} "
                        f"runs {peer.engine!r} (pass the IDs on the host)")
@@ -150,7 +149,7 @@ def prepare_device(agent: "KVAgent", peer: "KVPeer", route: "_Route", op: str, n
     torch = _torch()
     dev = route.device_ids
     if dev is None:
-        dev = route.device_ids = _DeviceRoute(route, agent._torch_device())
+        dev = route.device_ids = _DeviceRoute(route, poster.torch_device())
     T, where = torch.Tensor, dev.index
     push = op == "push"
     srcs, dsts, n_seg, lens_s, lens_d = [], [], [], [], []
@@ -176,7 +175,7 @@ def prepare_device(agent: "KVAgent", peer: "KVPeer", route: "_Route", op: str, n
         lens_d.append(b)
     head = _header(route, dev, tuple(lens_s), tuple(lens_d), tuple(n_seg), dtype is torch.int64)
     tensors = srcs + dsts
-    pooled, h = agent._requests.take(head.array.shape[0], agent._reap_locked)
+    pooled, h = poster.requests.take(head.array.shape[0], poster.reap_locked)
     h[:] = head.array
     addresses = [t.data_ptr() for t in tensors]
     width = 8 if dtype is torch.int64 else 4
@@ -185,7 +184,7 @@ def prepare_device(agent: "KVAgent", peer: "KVPeer", route: "_Route", op: str, n
             raise BlockIdError(f"request {name!r}: a tensor of block IDs has no memory of its own on the device "
                                f"(address {a:#x}): a meta tensor, or not aligned to its {width}-byte integers")
     h[head.addresses[0]] = addresses
-    return _DeviceIdTransfer(agent, peer, route, op, name, head, pooled, h, tensors, notify_slot,
+    return _DeviceIdTransfer(poster, peer, route, op, name, head, pooled, h, tensors, notify_slot,
                              (lens_s, lens_d, n_seg, addresses, dtype is torch.int64))
 
 
@@ -258,7 +257,7 @@ class _Status:
 class _DeviceIdTransfer(_SlotTransfer):
     """The ``triton`` engine's transfer of a request whose IDs are device tensors (see the module)."""
 
-    def __init__(self, agent: "KVAgent", peer: "KVPeer", route: "_Route", op: str, name: str, head: _Header,
+    def __init__(self, poster, peer, route, op: str, name: str, head: _Header,
                  pooled, array: np.ndarray, tensors: list, notify_slot: int | None, shape: tuple):
         self._tensors = tensors          # the caller's IDs: read by the posts' check, kept alive with the transfer
         self.shape = shape               # (source and destination IDs and segments per group, addresses, int64?)
@@ -266,7 +265,7 @@ class _DeviceIdTransfer(_SlotTransfer):
         self._array = array
         self._entries = head.entries
         self._host_ptr = pooled[0].data_ptr()
-        super(_SlotTransfer, self).__init__(agent, peer, route, op, name, head.n_seg, pooled[0], None, None, 0,
+        super(_SlotTransfer, self).__init__(poster, peer, route, op, name, head.n_seg, pooled[0], None, None, 0,
                                             [], notify_slot, head.n_rows, head.nbytes_moved)
         self._req_bytes = int(array.shape[0]) * 8
 
@@ -281,49 +280,44 @@ class _DeviceIdTransfer(_SlotTransfer):
                                    "prepare (set_ or resize_): prepare the request again")
 
     def _run(self, s: Stream, expand_only: bool = False):
-        agent, plat = self.agent, self.agent.platform
+        poster, plat = self.poster, self.agent.platform
         self._check_tensors()
-        slot = agent._take_slot(self.route, s, self.descriptors, self._entries)
-        checked = slot.checked(agent, self.route, s)
-        own = s is agent.stream         # the agent's stream: its calls bound once (Platform.stream_calls)
-        copy = agent._calls.copy if own else (lambda d, src, n: plat.copy_async(s, d, src, n))
+        slot = poster.take_slot(self.route, s, self.descriptors, self._entries)
+        checked = _checked(poster, self.route, slot, s)
+        own = s is self.agent.stream    # the agent's stream: its calls bound once (Platform.stream_calls)
+        copy = poster.calls.copy if own else (lambda d, src, n: plat.copy_async(s, d, src, n))
         copy(slot.req_ptr, self._host_ptr, self._req_bytes)
         if expand_only:
             plat.launch(s, checked.check_and_expand)
         else:
-            _launch_checked(agent, checked, s, own)
-        if agent._device_status is None:
-            agent._device_status = _StatusWords(pinned=not plat.host_memory)
-        status = agent._device_status.take()
+            _launch_checked(poster, checked, s, own)
+        status = poster.status_words.take()
         copy(status.ptr, slot.req_ptr + 8 * checked.status_at, 8)
         return slot, status
 
     def _post_locked(self, s: Stream):
-        from .transfer import KVTransferHandle
         slot, status = self._run(s)
         try:
             value, event = self._finish(s)
         except BaseException:
-            from .batch import _hold_until_drained
-            _hold_until_drained(self.agent, s, (self, slot, status))
+            self.poster.hold_until_drained(s, (self, slot, status))
             raise
         slot.event, slot.stream = event, s
-        self.agent._track(event, (self, slot, status))
+        self.poster.track(event, (self, slot, status))
         return KVTransferHandle(self, event, s, value, status)
 
     def expanded_descriptors(self) -> np.ndarray:
         """As :meth:`_SlotTransfer.expanded_descriptors`, after the device check (:class:`BlockIdError` where the
         IDs fail it)."""
-        from ..errors import TransferTimeout
-        agent = self.agent
+        agent, poster = self.agent, self.poster
         plat = agent.platform
-        with agent._post_lock:
-            agent._check_usable(self.peer)
+        with poster.lock:
+            poster.check_usable(self.peer)
             s = agent.stream
             slot, status = self._run(s, expand_only=True)
             event = plat.record_event(s)
             slot.event, slot.stream = event, s
-            agent._track(event, (self, slot, status))
+            poster.track(event, (self, slot, status))
         if not plat.event_wait(event, agent.timeout_s):
             raise TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
                                   timeout_s=agent.timeout_s, what="expanding the descriptors")
@@ -331,28 +325,15 @@ class _DeviceIdTransfer(_SlotTransfer):
         return slot.out[:self.descriptors].cpu().numpy().copy()
 
 
-class _Together:
-    """The request array of device-ID requests posted together, given back to the agent's pool once the agent lets
-    go of it (after the post's event)."""
-
-    __slots__ = ("pool", "token")
-
-    def __init__(self, pool, token):
-        self.pool, self.token = pool, token
-
-    def __del__(self):
-        self.pool.give(self.token)
-
-
-def post_together(agent: "KVAgent", xs: list[_DeviceIdTransfer], s: Stream) -> list:
+def post_together(poster, xs: list[_DeviceIdTransfer], s: Stream) -> list:
     """Device-ID requests of one route whose blocks pair one to one and whose IDs have one width, in one post (the
     caller holds the post lock and checked their peers): one request array of every request's pieces
     (:func:`_layout`), one upload, one checked graph, one status word and one event for all. A batch whose IDs
     fail the check -- a destination named by two of its requests included -- moves nothing: every handle
     raises :class:`BlockIdError`."""
-    from .transfer import KVTransferHandle
     if len(xs) == 1:
         return [xs[0]._post_locked(s)]
+    agent = poster.agent
     route, plat = xs[0].route, agent.platform
     for x in xs:
         x._check_tensors()
@@ -360,44 +341,41 @@ def post_together(agent: "KVAgent", xs: list[_DeviceIdTransfer], s: Stream) -> l
     head = _layout(route, np.array([sh[0] for sh in shapes], dtype=np.int64),
                    np.array([sh[1] for sh in shapes], dtype=np.int64),
                    np.array([sh[2] for sh in shapes], dtype=np.int64), shapes[0][4])
-    token, h = agent._requests.take(head.array.shape[0], agent._reap)
-    keep = _Together(agent._requests, token)
+    token, h = poster.requests.take(head.array.shape[0], poster.reap)
+    keep = _Pooled(poster.requests, token)
     h[:] = head.array
     h[head.addresses] = np.array([sh[3] for sh in shapes], dtype=np.int64)
-    slot = agent._take_slot(route, s, head.n_rows, head.entries)
-    checked = slot.checked(agent, route, s)
+    slot = poster.take_slot(route, s, head.n_rows, head.entries)
+    checked = _checked(poster, route, slot, s)
     own = s is agent.stream
     try:
         if own:
-            agent._calls.copy(slot.req_ptr, h.ctypes.data, h.nbytes)
+            poster.calls.copy(slot.req_ptr, h.ctypes.data, h.nbytes)
         else:
             plat.copy_async(s, slot.req_ptr, h.ctypes.data, h.nbytes)
-        _launch_checked(agent, checked, s, own)
-        if agent._device_status is None:
-            agent._device_status = _StatusWords(pinned=not plat.host_memory)
-        status = agent._device_status.take(len(xs))
+        _launch_checked(poster, checked, s, own)
+        status = poster.status_words.take(len(xs))
         if own:
-            agent._calls.copy(status.ptr, slot.req_ptr + 8 * checked.status_at, 8)
+            poster.calls.copy(status.ptr, slot.req_ptr + 8 * checked.status_at, 8)
         else:
             plat.copy_async(s, status.ptr, slot.req_ptr + 8 * checked.status_at, 8)
         event = plat.record_event(s)          # (device-ID requests carry no notification: prepare_device)
     except BaseException:
-        from .batch import _hold_until_drained
-        _hold_until_drained(agent, s, (tuple(xs), keep, status))
+        poster.hold_until_drained(s, (tuple(xs), keep, status))
         raise
     slot.event, slot.stream = event, s
-    agent._track(event, (tuple(xs), slot, keep, status))
+    poster.track(event, (tuple(xs), slot, keep, status))
     return [KVTransferHandle(x, event, s, None, status) for x in xs]
 
 
-def _launch_checked(agent: "KVAgent", checked: "_Checked", s: Stream, own: bool) -> None:
+def _launch_checked(poster, checked: "_Checked", s: Stream, own: bool) -> None:
     """A slot's checked graph on ``s`` (its launches one by one where the platform captured none)."""
     if checked.graph is None:
-        checked.enqueue(agent.platform, s)
+        checked.enqueue(poster.agent.platform, s)
     elif own:
-        agent._calls.launch_graph(checked.graph)
+        poster.calls.launch_graph(checked.graph)
     else:
-        agent.platform.launch_graph(s, checked.graph)
+        poster.agent.platform.launch_graph(s, checked.graph)
 
 
 class _Checked:
@@ -406,7 +384,7 @@ class _Checked:
 
     __slots__ = ("marks", "check", "settle", "graph", "status_at", "slot")
 
-    def __init__(self, agent: "KVAgent", route: "_Route", slot, device):
+    def __init__(self, route, slot, device):
         from ..kernels.blocks import check_ids_launchers, request_header_len
         torch = _torch()
         dev = route.device_ids
@@ -439,15 +417,20 @@ class _Checked:
             self.kernels(native)
 
 
-def make_checked(agent: "KVAgent", route: "_Route", slot, s: Stream) -> _Checked:
-    """A slot's :class:`_Checked`: the check's kernels loaded first by a launch on ``s`` over a zeroed request,
-    ID buffer and bitmap of their own (the slot's request may hold a request of before), then the checked graph
-    captured (as :meth:`KVAgent._new_slot <gpuxfer.kv.posting._PostResources._new_slot>` captures a slot's)."""
+def _checked(poster, route, slot, s: Stream) -> _Checked:
+    """A slot's :class:`_Checked`, made on its first device-ID post: the check's kernels loaded first by a launch
+    on ``s`` over a zeroed request, ID buffer and bitmap of their own (the slot's request may hold a request of
+    before), then the checked graph captured (as :meth:`Poster._new_slot <gpuxfer.kv.posting.Poster._new_slot>`
+    captures a slot's)."""
+    if slot.checked is not None:
+        return slot.checked
     from ..kernels.blocks import check_ids_launchers
+    agent = poster.agent
     plat = agent.platform
-    device = agent._torch_device()
-    checked = _Checked(agent, route, slot, device)
+    device = poster.torch_device()
+    checked = _Checked(route, slot, device)
     if checked.check is None:
+        slot.checked = checked
         return checked
     torch = _torch()
     if not plat.kernels_interpreted:
@@ -464,15 +447,13 @@ def make_checked(agent: "KVAgent", route: "_Route", slot, s: Stream) -> _Checked
             check(native)
             settle(native)
         event = plat.record_event(s)
-        agent._track(event, scratch)
-    if agent.graphs:
+        poster.track(event, scratch)
+    if poster.graphs:
         try:
-            if agent._capture_stream is None:
-                agent._capture_stream = plat.create_stream(agent.device)
-            checked.graph = plat.capture_graph(agent._capture_stream, lambda c: checked.enqueue(plat, c))
+            checked.graph = plat.capture_graph(poster.capture_stream(), lambda c: checked.enqueue(plat, c))
         except Exception as exc:  # noqa: BLE001 - the same launches run one by one instead
-            import logging
-            logging.getLogger("gpuxfer.kv.agent").warning(
+            log.warning(
                 "agent %s: capturing a slot's checked launches as a graph failed (%s: %s); posts launch them one "
                 "by one", agent.name, type(exc).__name__, exc)
+    slot.checked = checked
     return checked

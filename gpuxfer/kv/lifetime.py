@@ -12,10 +12,11 @@ not free what an importer still maps: each side removes the other before closing
 
 **Posts against removal.** Everything that queues work touching a peer's or the agent's memory -- a post, a
 ``pack`` prepare's shape, ``stream_wait_notification`` -- holds the agent's post lock and checks, under it, that
-the agent is open and the peer still its own (:meth:`_Lifetime._check_usable`). ``remove_peer`` takes the peer
-out under the same lock and ``close`` passes through it after marking the agent closed, so a post either was
-queued (and is waited for before anything is freed) or raises a typed error having queued nothing. Host reads
-of the flag words (notifications, the release on failure) hold them like a peer does.
+the agent is open and the peer still its own (:meth:`Poster.check_usable
+<gpuxfer.kv.posting.Poster.check_usable>`). ``remove_peer`` takes the peer out under the same lock and ``close``
+passes through it after marking the agent closed, so a post either was queued (and is waited for before anything
+is freed) or raises a typed error having queued nothing. Host reads of the flag words (notifications, the
+release on failure) hold them like a peer does (:class:`Lifetime` does all of this for the agent).
 """
 from __future__ import annotations
 
@@ -25,9 +26,11 @@ import threading
 import time
 from typing import Any
 
-from ..errors import BadInput, GpuxferError, NotRegistered, PeerLost, TransferTimeout
+from ..errors import BadInput, GpuxferError, NotRegistered, TransferTimeout
+from ..platforms.base import Event, Stream
 from .control import NOTIFY, PACK_WORDS
-from .peers import _LEAKED, _LOCAL_AGENTS, KVPeer
+from .peers import _LEAKED, KVPeer
+from .posting import _ended
 
 log = logging.getLogger("gpuxfer.kv.agent")
 
@@ -75,73 +78,66 @@ class _Shared:
                 item.close()
 
 
-class _Lifetime:
-    """:class:`~gpuxfer.kv.agent.KVAgent`'s lifetime: the checks a post makes, ``remove_peer``, the drain and
-    the release of ``close``."""
+class Lifetime:
+    """What :class:`~gpuxfer.kv.agent.KVAgent`'s memory lives through, given its parts: ``remove_peer``, the
+    streams made to wait on a notification slot, the release of waits on failure, host accesses to its flag
+    words, and the drain and release of ``close``. ``agent``: its name, rank, platform, timeout, stream and flag
+    words and staging are read from it, and it is failed (``fail``) where queued work does not complete;
+    ``registry``, ``routes``, ``poster``, ``pack``: its :class:`~gpuxfer.kv.peers.Registry`,
+    :class:`~gpuxfer.kv.routes.RouteCache`, :class:`~gpuxfer.kv.posting.Poster` and
+    :class:`~gpuxfer.kv.pack_transfer.PackState`."""
 
-    # ------------------------------------------------------------------ checks
+    def __init__(self, agent, registry, routes, poster, pack):
+        self.agent, self.registry, self.routes, self.poster, self.pack = agent, registry, routes, poster, pack
+        self.waited_slots: set[int] = set()             # notification slots a stream was made to wait on
+        self.stream_waits: dict[Stream, Event] = {}     # per stream made to wait on a slot: an event after its wait
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BadInput(f"agent {self.name!r} is closed")
-        self.check()
-
-    def _check_usable(self, peer: KVPeer) -> None:
-        """The agent is open and usable and ``peer`` is still its own (and, in this process, open): else a typed
-        error. Queuing work on the peer's memory calls it under the post lock."""
-        if (type(peer) is KVPeer and peer.agent is self and not peer._closed and not self._closed
-                and self.failed is None and self._peers.get(peer.name) is peer
-                and (peer._local is None or not peer._local._closed)):
-            return          # the per-post case
-        self._check_open()
-        if not isinstance(peer, KVPeer) or peer.agent is not self:
-            raise NotRegistered(f"{peer!r} is not a peer of agent {self.name!r}")
-        if peer.closed or self._peers.get(peer.name) is not peer:
-            raise NotRegistered(f"peer {peer.name!r} was removed from agent {self.name!r}")
-        if peer._local is None or not peer._local._closed:
-            return          # usable: a peer of another kind (NIXL's) or of another process
-        raise PeerLost(rank=self.rank, peer=peer._local.rank, step=0, flag=f"peer {peer.name!r}", after_s=0.0,
-                       why=f"agent {peer.name!r} of this process was closed (remove_peer it)")
-
-    def _hold(self) -> tuple:
-        """This agent's ``(flags, staging)``, held for a host access (:meth:`_Shared.release` after it);
+    def hold(self) -> tuple:
+        """The agent's ``(flags, staging)``, held for a host access (:meth:`_Shared.release` after it);
         :class:`BadInput` once closed."""
-        held = self._shared.acquire() if getattr(self, "_shared", None) is not None else None
+        shared = self.registry.shared
+        held = shared.acquire() if shared is not None else None
         if held is None:
-            raise BadInput(f"agent {self.name!r} is closed")
+            raise BadInput(f"agent {self.agent.name!r} is closed")
         return held
+
+    def stream_wait(self, stream: Stream, slot: int, index: int, value: int) -> None:
+        """Queue on ``stream`` a wait for flag word ``index`` (notification slot ``slot``) to hold ``value``, and
+        keep an event after it until it passed (close drains past it)."""
+        agent, poster = self.agent, self.poster
+        with poster.lock:                   # close passes through it: the wait is then in its books
+            poster.check_open()
+            waits = self.stream_waits
+            for st in [st for st, e in waits.items() if _ended(agent.platform, e)]:
+                del waits[st]
+            self.waited_slots.add(slot)
+            agent.flags.wait(stream, index, value)
+            waits[stream] = agent.platform.record_event(stream)
 
     # ------------------------------------------------------------------ peers
 
     def remove_peer(self, peer: "KVPeer | str") -> None:
-        """Forget a peer, then close its mappings and its flag link once every transfer posted with it
-        completed (waiting at most the agent's timeout). Posts to it from then on raise
-        :class:`~gpuxfer.errors.NotRegistered` having queued nothing.
-
-        Past the timeout the agent fails (:meth:`fail`: its waits are released, its error is raised from
-        every later call) and waits once more; what still runs then may touch the peer's mappings and
-        flag link's words, so those are kept for the life of the process (logged) instead of freed under it."""
+        """:meth:`KVAgent.remove_peer <gpuxfer.kv.agent.KVAgent.remove_peer>`."""
+        agent, registry = self.agent, self.registry
         name = peer.name if isinstance(peer, KVPeer) else peer
-        with self._post_lock:               # no post with the peer is half queued, none comes after
-            with self._lock:
-                p = self._peers.pop(name, None) if isinstance(name, str) else None
-                for k in [k for k in self._routes if k[0] is p]:
-                    del self._routes[k]
+        with self.poster.lock:              # no post with the peer is half queued, none comes after
+            with registry.lock:
+                p = registry.peers.pop(name, None) if isinstance(name, str) else None
+                self.routes.forget(p)
             if p is None:
-                raise NotRegistered(f"agent {self.name!r} has no peer {name!r}")
-            for key in [k for k, v in self._pack_shapes.items() if v.peer is p]:
-                del self._pack_shapes[key]
-            posts = [(e, b) for e, b in self._inflight if any(getattr(x, "peer", None) is p for x in b)]
+                raise NotRegistered(f"agent {agent.name!r} has no peer {name!r}")
+            self.pack.forget(p)
+            posts = [(e, b) for e, b in self.poster.inflight if any(getattr(x, "peer", None) is p for x in b)]
             events = [e for e, _ in posts] + [n[1] for n in p._notified if n is not None]
-        if not self._completed(events):
+        if not self.completed(events):
             log.warning("agent %s: transfers with peer %s did not complete within %g s of remove_peer; the agent "
-                        "fails and releases its waits", self.name, name, self.timeout_s)
-            self.fail(TransferTimeout(rank=self.rank, step=0, flag=f"transfers with peer {name!r}", expected=1,
-                                      seen=0, timeout_s=self.timeout_s, what="removing the peer"))
-            if not self._completed(events):
+                        "fails and releases its waits", agent.name, name, agent.timeout_s)
+            agent.fail(TransferTimeout(rank=agent.rank, step=0, flag=f"transfers with peer {name!r}", expected=1,
+                                       seen=0, timeout_s=agent.timeout_s, what="removing the peer"))
+            if not self.completed(events):
                 keep = p._keep()
                 log.error("agent %s: transfers with peer %s still run after the waits were released; keeping %d "
-                          "buffers and mappings they may touch for the life of the process", self.name, name,
+                          "buffers and mappings they may touch for the life of the process", agent.name, name,
                           len(keep))
                 _LEAKED.extend(keep)
                 _LEAKED.append(posts)
@@ -150,98 +146,85 @@ class _Lifetime:
     # ------------------------------------------------------------------ failure
 
     def release_waits(self) -> None:
-        """Write the release value into this agent's words its streams (or the caller's) may wait on: the
-        pack flags and the notification slots waited on from a stream. Best effort: the abort path."""
-        shared = getattr(self, "_shared", None)
+        """:meth:`KVAgent.release_waits <gpuxfer.kv.agent.KVAgent.release_waits>`."""
+        shared = self.registry.shared
         held = shared.acquire() if shared is not None else None
         if held is None:
             return
         try:
-            held[0].release((*PACK_WORDS, *(NOTIFY + k for k in sorted(self._waited_slots))))
+            held[0].release((*PACK_WORDS, *(NOTIFY + k for k in sorted(self.waited_slots))))
         finally:
             shared.release()
 
     # ------------------------------------------------------------------ close
 
-    def _drained(self) -> bool:
-        """Wait (:meth:`_completed`) for every posted transfer (the caller's streams included), every stream
+    def drained(self) -> bool:
+        """Wait (:meth:`completed`) for every posted transfer (the caller's streams included), every stream
         made to wait on a notification and the agent's own streams; whether all completed."""
-        plat = self.platform
-        events = [e for e, _ in getattr(self, "_inflight", ())] + list(getattr(self, "_stream_waits", {}).values())
-        for st in (getattr(self, "stream", None), getattr(self, "_lane", None)):
+        agent = self.agent
+        plat = agent.platform
+        events = [e for e, _ in self.poster.inflight] + list(self.stream_waits.values())
+        for st in (agent.stream, self.pack.lane):
             if st is not None:
                 try:
                     events.append(plat.record_event(st))
                 except Exception as exc:  # noqa: BLE001 - a stream an error stopped runs nothing more
-                    log.warning("agent %s: %r ended in an error: %s", self.name, st, exc)
-        return self._completed(events)
+                    log.warning("agent %s: %r ended in an error: %s", agent.name, st, exc)
+        return self.completed(events)
 
-    def _completed(self, events: list) -> bool:
+    def completed(self, events: list) -> bool:
         """Wait, at most the agent's timeout in all, for ``events``; whether all completed. Work that ended in
         an error of its stream is done (logged); a wait that itself fails is not."""
-        plat = self.platform
-        deadline = time.monotonic() + self.timeout_s
+        agent = self.agent
+        plat = agent.platform
+        deadline = time.monotonic() + agent.timeout_s
         done = True
         for e in events:
             try:
                 done = plat.event_wait(e, max(0.0, deadline - time.monotonic())) and done
             except GpuxferError as exc:     # the stream's own error: its work stopped, nothing more runs
-                log.warning("agent %s: queued work ended in an error: %s", self.name, exc)
+                log.warning("agent %s: queued work ended in an error: %s", agent.name, exc)
             except Exception as exc:  # noqa: BLE001 - the wait itself failed: the work may still run
-                log.warning("agent %s: waiting for queued work failed (%s: %s)", self.name, type(exc).__name__, exc)
+                log.warning("agent %s: waiting for queued work failed (%s: %s)", agent.name, type(exc).__name__,
+                            exc)
                 done = False
         return done
 
-    def _release(self) -> None:
-        """Pass through the post lock (a post holding it is then tracked; later ones see the agent closed),
-        drain (every queued wait bounded: the agent's timeout; released once), then close the peers'
-        mappings, the streams, and retire the flag words and the staging (:class:`_Shared`: freed once no peer
-        link of this process holds them). What a GPU wait that did not pass may still read or write -- the
-        flag words, the staging, the peers' mappings and flag links, the posted transfers' buffers -- is kept
-        for the life of the process instead (logged)."""
-        _LOCAL_AGENTS.pop(getattr(self, "uid", ""), None)
-        lock = getattr(self, "_post_lock", None)
-        if lock is not None:
-            with lock:
-                pass
-        drained = self._drained()
+    def release(self) -> bool:
+        """Close's part but the agent's own streams, NIXL side, flag words and staging: pass through the post lock
+        (a post holding it is then tracked; later ones see the agent closed), drain (every queued wait bounded:
+        the agent's timeout; released once), then close the peers, forget the parts' contents and close their
+        streams. What a GPU wait that did not pass may still read or write -- the flag words, the staging, the
+        peers' mappings and flag links, the posted transfers' buffers -- is kept for the life of the process
+        instead (logged). Returns whether everything drained."""
+        agent, registry, poster, pack = self.agent, self.registry, self.poster, self.pack
+        registry.closed = True
+        with poster.lock:
+            pass
+        drained = self.drained()
         if not drained:
             log.warning("agent %s: queued work did not complete within %g s of close; releasing its waits",
-                        self.name, self.timeout_s)
+                        agent.name, agent.timeout_s)
             self.release_waits()
-            drained = self._drained()
-        peers = list(getattr(self, "_peers", {}).values())
-        shared = getattr(self, "_shared", None)
+            drained = self.drained()
+        peers = list(registry.peers.values())
         if not drained:
-            keep = [getattr(self, k, None) for k in ("flags", "staging", "_status_mirror")]
-            keep = [b for b in keep if b is not None]
+            keep = [b for b in (agent.flags, agent.staging, pack.status_mirror) if b is not None]
             for p in peers:
                 keep += p._keep()
             log.error("agent %s: queued work still runs after its waits were released; keeping %d buffers and "
-                      "mappings it may touch for the life of the process", self.name, len(keep))
+                      "mappings it may touch for the life of the process", agent.name, len(keep))
             _LEAKED.extend(keep)
-            _LEAKED.append(getattr(self, "_inflight", None))
+            _LEAKED.append(poster.inflight)
         for p in peers:
             p.close()
-        if getattr(self, "nixl", None) is not None:
-            self.nixl.close()
-            self.nixl = None
-        self._pack_shapes = collections.OrderedDict()
-        self._pack_tail = None
-        self._peers = {}
-        self._routes = {}
-        self._inflight = collections.deque()
-        self._stream_waits = {}
-        self._groups, self._flats = {}, {}
-        for attr in ("stream", "_capture_stream", "_lane"):
-            st = getattr(self, attr, None)
+        registry.clear()
+        self.routes.routes = {}
+        poster.inflight = collections.deque()       # a new one: one kept above stays as it is
+        self.stream_waits = {}
+        pack.shapes, pack.tail = collections.OrderedDict(), None
+        for st in (poster.capture, pack.lane):
             if st is not None:
                 st.close()
-                setattr(self, attr, None)
-        if shared is not None:
-            shared.retire(free=drained)
-        elif drained:           # a construction that failed before its words were shared
-            for b in (getattr(self, "flags", None), getattr(self, "staging", None)):
-                if b is not None:
-                    b.close()
-        self.flags = self.staging = None
+        poster.capture = pack.lane = None
+        return drained

@@ -69,6 +69,11 @@ def encode_metadata(body: dict) -> bytes:
     return _HEADER.pack(METADATA_MAGIC, METADATA_VERSION, 0, len(raw)) + raw
 
 
+def handle_meta(h: IpcHandle) -> dict:
+    """How the metadata lists an IPC handle (:func:`_handle` reads it back, with the publisher's pid)."""
+    return {"payload": h.payload.hex(), "nbytes": h.nbytes, "device": h.device}
+
+
 def _i(d: Mapping, key: str, where: str, lo: int = 0, hi: int = _MAX_INT) -> int:
     v = d.get(key) if isinstance(d, Mapping) else None
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v < hi:

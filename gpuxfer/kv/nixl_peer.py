@@ -6,23 +6,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import BadInput, BadMetadata, BlockIdError, LayoutMismatch, NotRegistered, TransferTimeout
+from ..errors import BadInput, BadMetadata, LayoutMismatch, TransferTimeout
 from ..platforms.base import Stream
 from .control import NOTIFY_SLOTS
 from .ids import _RouteIds
 from .layers import KVLayer
 from .nixl_route import NOTIF_PREFIX, NixlSide
 from .peers import KVPeer, _Group
-from .routes import _overlap_classes, _pair_pieces
+from .routes import _overlap_classes, _pair_pieces, request_groups
 from .transfer import KVTransfer
-
-if TYPE_CHECKING:
-    from .agent import KVAgent
-    from .metadata import PeerMetadata
 
 log = logging.getLogger("gpuxfer.kv.agent")
 
@@ -47,8 +43,12 @@ class NixlPeer(KVPeer):
 
     route = "nixl"
 
-    def __init__(self, agent: "KVAgent", meta: "PeerMetadata", side: NixlSide):   # noqa: D107
+    def __init__(self, agent, meta, side: NixlSide, registry, poster):
+        """``agent``: the :class:`~gpuxfer.kv.agent.KVAgent` adding it, with its :class:`~gpuxfer.kv.peers.Registry`
+        and :class:`~gpuxfer.kv.posting.Poster`; ``meta``: the peer's decoded metadata."""
+        side.check_peer(meta)
         self.agent, self.meta, self.name, self.side = agent, meta, meta.agent, side
+        self.registry, self.poster = registry, poster
         self._closed = False
         self._mappings: list[Any] = []
         self._owned: list[Any] = []
@@ -90,7 +90,7 @@ class NixlPeer(KVPeer):
         have = self._lists
         if have is not None and all(g in have.groups for g in want):
             return have
-        groups = tuple(g for g in self.agent._groups if g in self.groups)
+        groups = tuple(g for g in self.registry.groups if g in self.groups)
         self.side.register()            # allocations of groups registered since
         built = self._build(groups)
         self._lists = built
@@ -108,7 +108,7 @@ class NixlPeer(KVPeer):
         remote_rows: list[np.ndarray] = []
         n_local = n_remote = 0
         for gname in groups:
-            mine, theirs = self.agent._groups[gname], self.groups[gname]
+            mine, theirs = self.registry.groups[gname], self.groups[gname]
             bm, bt = mine.block_tokens, theirs.block_tokens
             if max(bm, bt) % min(bm, bt):
                 out.errors[gname] = LayoutMismatch(f"group {gname!r}: block sizes {bm} (here) and {bt} (peer "
@@ -167,7 +167,7 @@ class NixlPeer(KVPeer):
             push = op == "push"
             limits, splits, spans = [], [], []
             for g in groups:
-                mine, theirs = self.agent._groups[g], self.groups[g]
+                mine, theirs = self.registry.groups[g], self.groups[g]
                 src, dst = (mine, theirs) if push else (theirs, mine)
                 seg = min(src.block_tokens, dst.block_tokens)
                 limits.append((src.num_blocks, dst.num_blocks))
@@ -181,23 +181,13 @@ class NixlPeer(KVPeer):
     def prepare(self, op: str, layers: tuple[int, int] | None, name: str, local_blocks: Mapping,
                 remote_blocks: Mapping, notify_slot: int | None) -> "_NixlTransfer":
         """A request's IDs checked (as on the IPC route) and turned into both lists' indices."""
-        if set(local_blocks) != set(remote_blocks):
-            raise BlockIdError(f"request {name!r}: local_blocks names groups {sorted(map(str, local_blocks))}, "
-                               f"remote_blocks {sorted(map(str, remote_blocks))}; they must be the same")
-        if not local_blocks:
-            raise BlockIdError(f"request {name!r} names no group")
-        for g in local_blocks:
-            if g not in self.agent._groups or g not in self.groups:
-                shared = [x for x in self.agent._groups if x in self.groups]
-                raise NotRegistered(f"request {name!r}: group {g!r} is not registered on both agent "
-                                    f"{self.agent.name!r} and peer {self.name!r} (shared: {', '.join(shared) or 'none'})")
-        groups = tuple(g for g in self.agent._groups if g in local_blocks)
+        groups = request_groups(self.registry, self, name, local_blocks, remote_blocks)
         lists = self.lists(groups)
         for g in groups:
             if g in lists.errors:
                 raise lists.errors[g]
             if layers is None and not lists.full[g]:
-                raise LayoutMismatch(f"group {g!r}: {len(self.agent._groups[g].layers)} layers here, "
+                raise LayoutMismatch(f"group {g!r}: {len(self.registry.groups[g].layers)} layers here, "
                                      f"{len(self.groups[g].layers)} on peer {self.name!r}")
         push = op == "push"
         n_seg, lens_s, lens_d, (S, D, *_rest) = self._route_ids(op, groups).check(name, push, local_blocks,
@@ -222,7 +212,7 @@ class NixlPeer(KVPeer):
             raise BadInput(f"layer range {layers} selects no layer of the groups shared with peer {self.name!r}")
         local_idx = np.concatenate(loc).astype(np.int32) if loc else np.empty(0, np.int32)
         remote_idx = np.concatenate(rem).astype(np.int32) if rem else np.empty(0, np.int32)
-        return _NixlTransfer(self.agent, self, lists, op, name, local_idx, remote_idx, notify_slot, nbytes)
+        return _NixlTransfer(self.poster, self, lists, op, name, local_idx, remote_idx, notify_slot, nbytes)
 
     # -- lifetime
 
@@ -293,9 +283,10 @@ def _segment_index(blocks: np.ndarray, ratio: int, n: int) -> np.ndarray:
 class _NixlTransfer(KVTransfer):
     """A prepared request on the NIXL route: both lists' indices; each post is one prepped NIXL transfer."""
 
-    def __init__(self, agent: "KVAgent", peer: NixlPeer, lists: _Lists, op: str, name: str, local_idx: np.ndarray,
+    def __init__(self, poster, peer: NixlPeer, lists: _Lists, op: str, name: str, local_idx: np.ndarray,
                  remote_idx: np.ndarray, notify_slot: int | None, nbytes: int):   # noqa: D107
-        self.agent, self.peer, self.lists, self.op, self.name = agent, peer, lists, op, name
+        self.poster, self.agent = poster, poster.agent
+        self.peer, self.lists, self.op, self.name = peer, lists, op, name
         self.route = None
         self.local_idx, self.remote_idx = local_idx, remote_idx
         self.notify_slot = notify_slot
@@ -309,16 +300,16 @@ class _NixlTransfer(KVTransfer):
     def post(self, stream: Stream | None = None) -> "_NixlHandle":
         """Start the transfer once the work already on ``stream`` (default: the agent's) completed -- NIXL's
         transfers are not stream-ordered, so the host waits for it, at most the agent's timeout."""
-        agent, peer = self.agent, self.peer
-        agent._check_usable(peer)
+        agent, poster, peer = self.agent, self.poster, self.peer
+        poster.check_usable(peer)
         s = agent.stream if stream is None else stream
         plat = agent.platform
         ev = plat.record_event(s)
         if not plat.event_query(ev) and not plat.event_wait(ev, agent.timeout_s):
             raise TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
                                   timeout_s=agent.timeout_s, what="the work on the posting stream did not complete")
-        with agent._post_lock:              # remove_peer and close exclude it: the peer's lists stay while it posts
-            agent._check_usable(peer)
+        with poster.lock:                   # remove_peer and close exclude it: the peer's lists stay while it posts
+            poster.check_usable(peer)
             if peer._lists is not self.lists:
                 raise BadInput(f"request {self.name!r} was prepared before peer {peer.name!r}'s descriptor lists "
                                "were rebuilt (a group registered since): prepare it again")

@@ -27,16 +27,11 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from .. import config
 from ..errors import BackendUnavailable, BadInput, BadMetadata
 from .control import NOTIFY, NOTIFY_SLOTS
-
-if TYPE_CHECKING:
-    from .agent import KVAgent
-    from .metadata import PeerMetadata
-    from .nixl_peer import NixlPeer
 
 log = logging.getLogger("gpuxfer.kv.agent")
 
@@ -108,11 +103,13 @@ def decode_nixl_meta(raw: Any, allocations: tuple) -> dict | None:
 
 
 class NixlSide:
-    """A KV agent's NIXL agent: registrations, the lock every NIXL call takes, the notification poller."""
+    """A KV agent's NIXL agent: registrations, the lock every NIXL call takes, the notification poller.
+    ``agent``: the :class:`~gpuxfer.kv.agent.KVAgent` (its name, uid, rank, platform, device and flag words);
+    ``registry``: its :class:`~gpuxfer.kv.peers.Registry` (the allocations to register)."""
 
-    def __init__(self, agent: "KVAgent"):
+    def __init__(self, agent, registry):
         from .nixl_ffi import NixlAgent, find_nixl
-        self.agent = agent
+        self.agent, self.registry = agent, registry
         why = nixl_reason(agent.platform)
         if why is not None:
             raise BackendUnavailable("nixl", {agent.name: why})
@@ -132,11 +129,11 @@ class NixlSide:
 
     def register(self) -> None:
         """Register the agent's allocations NIXL does not hold yet (before metadata and descriptor lists)."""
-        a = self.agent
+        reg = self.registry
         with self.lock:
-            while self._registered < len(a._allocs):
+            while self._registered < len(reg.allocs):
                 i = self._registered
-                self.nixl.register(a._alloc_bases[i], a._allocs[i].nbytes, self.device, f"allocation {i}")
+                self.nixl.register(reg.alloc_bases[i], reg.allocs[i].nbytes, self.device, f"allocation {i}")
                 self._registered += 1
 
     def metadata(self) -> dict:
@@ -144,9 +141,11 @@ class NixlSide:
         with self.lock:
             md = self.nixl.metadata()
         return {"agent": self.name, "md": bytes(md).hex(), "mem": self.mem_type, "device": self.device,
-                "bases": [int(b) for b in self.agent._alloc_bases[:self._registered]]}
+                "bases": [int(b) for b in self.registry.alloc_bases[:self._registered]]}
 
-    def add_peer(self, meta: "PeerMetadata") -> "NixlPeer":
+    def check_peer(self, meta) -> None:
+        """Whether the agent of ``meta`` (:class:`~gpuxfer.kv.metadata.PeerMetadata`) is one this side reaches (a
+        typed error if not), with the allocations registered since made known to NIXL."""
         nx = meta.nixl
         if nx is None:
             raise BackendUnavailable("nixl", {meta.agent: "the peer's metadata carries no NIXL agent: create it "
@@ -155,8 +154,6 @@ class NixlSide:
             raise BadMetadata(f"peer {meta.agent!r} registered {nx['mem']} memory with NIXL, this agent "
                               f"{self.mem_type}")
         self.register()
-        from .nixl_peer import NixlPeer
-        return NixlPeer(self.agent, meta, self)
 
     # -- notifications
 
@@ -227,21 +224,14 @@ def _parse_notif(msg) -> tuple[int, int] | None:
 # ----------------------------------------------------------------------------- the agent's hooks
 
 
-def side_for(agent: "KVAgent", remote: str | None) -> NixlSide | None:
+def side_for(agent, registry, remote: str | None) -> NixlSide | None:
     """The agent's NIXL side when ``remote`` (``GPUXFER_KV_REMOTE`` when not given) is ``"nixl"``, else None."""
-    return NixlSide(agent) if config.resolve("GPUXFER_KV_REMOTE", remote, option="remote") == "nixl" else None
+    if config.resolve("GPUXFER_KV_REMOTE", remote, option="remote") != "nixl":
+        return None
+    return NixlSide(agent, registry)
 
 
-def add_peer(agent: "KVAgent", meta: "PeerMetadata") -> "NixlPeer":
-    """``agent.add_peer`` on the NIXL route (the caller checked the metadata and the route)."""
-    peer = agent.nixl.add_peer(meta)
-    with agent._lock:
-        agent._peers[meta.agent] = peer
-    log.info("agent %s: peer %s (host %s) over the nixl route", agent.name, meta.agent, meta.host)
-    return peer
-
-
-def choose_route(agent: "KVAgent", meta: "PeerMetadata", route: str) -> str:
+def choose_route(agent, meta, route: str) -> str:
     """The route ``add_peer`` takes to ``meta``'s agent: ``"ipc"`` (same host) or ``"nixl"`` (another host, or
     asked); a typed error naming what is missing when the route cannot be taken."""
     if route not in ROUTES:

@@ -1,11 +1,13 @@
 """The ``pack`` engine's transfers (two-sided, staging to staging on a copy engine): what every
 transfer of one shape shares (:class:`_PackShape`) and the transfer with its protocol
-(:class:`_PackTransfer`). Its hand-offs are signals and waits on the peer's flag link
-(:class:`~gpuxfer.flaglink.FlagLink`, a stream's operations in batches: :class:`~gpuxfer.flaglink.FlagQueue`)."""
+(:class:`_PackTransfer`), and what an agent keeps for them (:class:`PackState`). Its hand-offs are signals and
+waits on the peer's flag link (:class:`~gpuxfer.flaglink.FlagLink`, a stream's operations in batches:
+:class:`~gpuxfer.flaglink.FlagQueue`)."""
 from __future__ import annotations
 
+import collections
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -16,29 +18,73 @@ from .control import AVAIL, COPIED, FREE, GO, PACK_SLOTS, PACKED, REFUSED, STATU
 from .layers import _torch
 from .transfer import KVTransfer, KVTransferHandle
 
-if TYPE_CHECKING:
-    from .agent import KVAgent
-
-
 log = logging.getLogger("gpuxfer.kv.agent")
 _W = FLAG_STRIDE // 8               # int64 entries per flag word's line
+#: shapes of pack transfers an agent keeps (buffers, kernels, graphs), the least recently posted going first
+PACK_SHAPES = 8
 
 
-def mismatch_error(agent: "KVAgent", mine: int, seen: int) -> TransferMismatch:
-    """The error of a pack transfer refused on the device: ``mine`` the fingerprint of this side's request,
-    ``seen`` what the verdict saw instead (:data:`~gpuxfer.kv.control.STATUS`)."""
-    names = [x.name for _, b in agent._inflight for x in b if getattr(x, "fingerprint", None) == mine]
-    what = f"its request {names[0]!r}" if names else "one of its requests"
-    if seen >= RELEASE_VALUE:
-        why = "was released (an agent of the pair failed)"
-    elif seen >= REFUSED:
-        why = "refused it: the two sides' requests differ (block IDs, groups, layers or the order of posts)"
-    else:
-        why = f"posted another request (fingerprint 0x{seen:x}) in its place"
-    peer = next((p.name for p in agent._peers.values() if p.meta.uid == agent._pack_peer), "?")
-    return TransferMismatch(f"pack agent {agent.name!r}: {what} (fingerprint 0x{mine:x}) did not pair up with "
-                            f"the transfer of peer {peer!r}: the peer {why}; no byte of the destination's blocks "
-                            "was written; the agent fails (close it and pair new agents)")
+class PackState:
+    """What an agent keeps for its pack transfers: the one peer they go to (by uid), the shapes seen
+    (:class:`_PackShape`, by shape key), the stream and event of the last post, the lane stream a source copies
+    on, and -- a ``pack`` agent's -- the host words a refusal is copied into (:data:`~gpuxfer.kv.control.STATUS`:
+    ``status``, at ``status_ptr``). ``agent``: its platform and device are read from it."""
+
+    def __init__(self, agent):
+        self.agent = agent
+        self.peer_uid: str | None = None
+        self.shapes: collections.OrderedDict = collections.OrderedDict()     # shape key -> _PackShape
+        self.tail: tuple | None = None          # (stream, event) of the last pack post
+        self.lane: Any = None                   # a pack source's copies (beside its packs)
+        self.lane_event: Any = None
+        self.status = self.status_ptr = self.status_mirror = None
+
+    def make_status_words(self) -> None:
+        """A ``pack`` agent's host words its posts copy :data:`~gpuxfer.kv.control.STATUS` into."""
+        torch = _torch()
+        self.status_mirror = torch.zeros(2, dtype=torch.int64, pin_memory=not self.agent.platform.host_memory)
+        self.status, self.status_ptr = self.status_mirror.numpy(), self.status_mirror.data_ptr()
+
+    def shape(self, poster, x: "_PackTransfer") -> "_PackShape":
+        """The cached :class:`_PackShape` of ``x``'s shape (built on first use; the least recently used of
+        more than :data:`PACK_SHAPES` goes: posts in flight keep theirs alive through :meth:`Poster.track
+        <gpuxfer.kv.posting.Poster.track>`)."""
+        shapes = self.shapes
+        shape = shapes.get(x._shape_key)
+        if shape is None:
+            shape = shapes[x._shape_key] = _PackShape(poster, self, x)
+            while len(shapes) > PACK_SHAPES:
+                shapes.popitem(last=False)
+        else:
+            shapes.move_to_end(x._shape_key)
+        return shape
+
+    def lane_stream(self):
+        if self.lane is None:
+            self.lane = self.agent.platform.create_stream(self.agent.device)
+        return self.lane
+
+    def forget(self, peer) -> None:
+        """Drop the shapes of ``peer`` (removed)."""
+        for key in [k for k, v in self.shapes.items() if v.peer is peer]:
+            del self.shapes[key]
+
+    def mismatch_error(self, inflight, peers, mine: int, seen: int) -> TransferMismatch:
+        """The error of a pack transfer refused on the device: ``mine`` the fingerprint of this side's request,
+        ``seen`` what the verdict saw instead (:data:`~gpuxfer.kv.control.STATUS`); ``inflight``: the agent's
+        posted transfers, ``peers``: its peers."""
+        names = [x.name for _, b in inflight for x in b if getattr(x, "fingerprint", None) == mine]
+        what = f"its request {names[0]!r}" if names else "one of its requests"
+        if seen >= RELEASE_VALUE:
+            why = "was released (an agent of the pair failed)"
+        elif seen >= REFUSED:
+            why = "refused it: the two sides' requests differ (block IDs, groups, layers or the order of posts)"
+        else:
+            why = f"posted another request (fingerprint 0x{seen:x}) in its place"
+        peer = next((p.name for p in peers.values() if p.meta.uid == self.peer_uid), "?")
+        return TransferMismatch(f"pack agent {self.agent.name!r}: {what} (fingerprint 0x{mine:x}) did not pair up "
+                                f"with the transfer of peer {peer!r}: the peer {why}; no byte of the destination's "
+                                "blocks was written; the agent fails (close it and pair new agents)")
 
 
 class _PackShape:
@@ -53,12 +99,14 @@ class _PackShape:
     prepare or post captures the graphs of both parities (where the platform captures), and posts replay
     them: one driver call per stream whatever the number of chunks."""
 
-    def __init__(self, agent: "KVAgent", x: "_PackTransfer"):
+    def __init__(self, poster, pack: PackState, x: "_PackTransfer"):
         torch = _torch()
         from ..kernels.blocks import expand_launcher, request_header_len, verdict_launcher
         from ..kernels.launch import pack_launcher, unpack_launcher
-        dev = agent._torch_device()
-        self.agent, self.peer, self.route, self.source = agent, x.peer, x.route, x.source
+        agent = poster.agent
+        dev = poster.torch_device()
+        self.agent, self.poster, self.pack = agent, poster, pack
+        self.peer, self.route, self.source = x.peer, x.route, x.source
         self.req = torch.empty(x._req_bytes // 8, dtype=torch.int64, device=dev)
         self.req_ptr = self.req.data_ptr()
         self.out = torch.empty((max(x.descriptors, 1), 3), dtype=torch.int64, device=dev)
@@ -109,7 +157,7 @@ class _PackShape:
             for fn in fns:
                 if fn is not None:
                     fn()
-            agent._track(agent.platform.record_event(agent.platform.current_stream(agent.device)), (zreq, zout))
+            poster.track(agent.platform.record_event(agent.platform.current_stream(agent.device)), (zreq, zout))
             r.pack_warm.add(self.source)
         self.graphs: list[Any] = [None] * 2
         self.posts = 0
@@ -123,13 +171,11 @@ class _PackShape:
         operations go into a graph as one batch (fewer nodes to launch); a capture that fails so is tried
         again with one node per operation."""
         agent = self.agent
-        if self.graphs[parity] is None and self.capturable and self.posts and agent.graphs:
+        if self.graphs[parity] is None and self.capturable and self.posts and self.poster.graphs:
             plat = agent.platform
             for batch in (True, False):
                 try:
-                    if agent._capture_stream is None:
-                        agent._capture_stream = plat.create_stream(agent.device)
-                    cs = agent._capture_stream
+                    cs = self.poster.capture_stream()
                     for p in (0, 1):
                         g = plat.capture_graph(cs, lambda c, p=p: self.record(c, p, batch))
                         lane = (plat.capture_graph(cs, lambda c, p=p: self.record_copies(c, p, batch))
@@ -174,7 +220,7 @@ class _PackShape:
                     q.signal_from(go, sig + 8 * len(self.chunks))   # 0: the source is past its wait on it
                 q.launch(fn)
                 q.signal_from(free, sig + 8 * i)        # i + 1 (refused: REFUSED)
-            q.copy(self.agent._status_ptr, self.agent.flags.word(STATUS), 16)
+            q.copy(self.pack.status_ptr, self.agent.flags.word(STATUS), 16)
         q.flush()
 
     def record_copies(self, c: Stream, parity: int, batch: bool = False) -> None:
@@ -197,7 +243,7 @@ class _PackShape:
         q.signal_from(avail, self.sig_ptr + 8 * len(self.chunks))     # 0: the destination is past every wait on it
         q.write(packed, 0)                      # both lanes are past every wait on these
         q.write(copied, 0)
-        q.copy(agent._status_ptr, agent.flags.word(STATUS), 16)
+        q.copy(self.pack.status_ptr, agent.flags.word(STATUS), 16)
         q.flush()
 
 
@@ -257,7 +303,7 @@ class _PackTransfer(KVTransfer):
     refused transfer drains on both sides whatever their numbers of chunks, and no byte of the destination's
     blocks is written. A refusal is recorded in the agent's STATUS word (sticky), which each post copies
     into a host word the agent reads at every call: both agents fail with
-    :class:`~gpuxfer.errors.TransferMismatch` (:func:`mismatch_error`).
+    :class:`~gpuxfer.errors.TransferMismatch` (:meth:`PackState.mismatch_error`).
 
     Why the resets are safe: the source's transfer before last
     of parity ``p`` ended (its last wait on FREE[p]) before the destination's previous transfer could end; the
@@ -271,13 +317,15 @@ class _PackTransfer(KVTransfer):
 
     waits_on_peer = True
 
-    def __init__(self, *a, chunks: list, pooled, entries: int, shape_key: tuple, fingerprint: int, **kw):
+    def __init__(self, *a, pack: PackState, chunks: list, pooled, entries: int, shape_key: tuple, fingerprint: int,
+                 **kw):
+        self.pack = pack                # the agent's PackState
         self._chunks = chunks
         self.fingerprint = fingerprint  # of the request, the same on both sides (gpuxfer.kv.ids.request_fingerprint)
         self._pooled = pooled           # the host array's pool token: back to the pool when collected
         super().__init__(*a, **kw)
         self._req_bytes = entries * 8   # the request's entries (the pooled array may hold more)
-        agent, peer = self.agent, self.peer
+        agent, poster, peer = self.agent, self.poster, self.peer
         self.source = self.op == "push"
         if agent.staging is None:
             raise BadInput(f"agent {agent.name!r} has no staging buffer: build it with engine='pack'")
@@ -288,9 +336,9 @@ class _PackTransfer(KVTransfer):
         self._host_ptr = self._host_req.data_ptr()
         self._shape = None
         if chunks:
-            with agent._post_lock:
-                agent._check_usable(peer)   # a shape holds the peer: none for a removed one
-                self._shape = agent._pack_shape(self)
+            with poster.lock:
+                poster.check_usable(peer)   # a shape holds the peer: none for a removed one
+                self._shape = pack.shape(poster, self)
                 if self._shape.posts:       # a shape seen again: its graphs now, not inside a post
                     self._shape.graph(0)
 
@@ -305,18 +353,18 @@ class _PackTransfer(KVTransfer):
         A post that fails part way fails the agent (:meth:`KVAgent.fail`): the peer may already have acted on
         the signals it queued, so the two sides' transfers no longer pair up; its error is raised from every
         later call instead of a timeout of the next transfer."""
-        agent, peer = self.agent, self.peer
+        agent, peer, pack = self.agent, self.peer, self.pack
         s = agent.stream if stream is None else stream
         if not isinstance(s, Stream) or s.closed:
             raise BadInput(f"request {self.name!r}: cannot post on {s!r}: not an open stream of the platform")
-        with agent._post_lock:             # remove_peer and close exclude it: checked under it
-            agent._check_usable(peer)
-            if agent._status[0]:            # a refused transfer (TransferMismatch)
+        with self.poster.lock:             # remove_peer and close exclude it: checked under it
+            self.poster.check_usable(peer)
+            if pack.status[0]:              # a refused transfer (TransferMismatch)
                 agent.check()
-            if agent._pack_peer not in (None, peer.meta.uid):
+            if pack.peer_uid not in (None, peer.meta.uid):
                 raise BadInput(f"agent {agent.name!r} already runs pack transfers with another peer: its control "
                                "words hand chunks to one peer (use one agent per pack peer)")
-            agent._pack_peer = peer.meta.uid
+            pack.peer_uid = peer.meta.uid
             try:
                 return self._post(s)
             except Exception as exc:
@@ -326,9 +374,9 @@ class _PackTransfer(KVTransfer):
                 raise
 
     def _post(self, s: Stream) -> KVTransferHandle:
-        agent, peer = self.agent, self.peer
+        agent, poster, pack, peer = self.agent, self.poster, self.pack, self.peer
         plat = agent.platform
-        tail = agent._pack_tail
+        tail = pack.tail
         if tail is not None and tail[0] is not s:
             plat.stream_wait_event(s, tail[1])
         keep: tuple = self._buffers
@@ -336,25 +384,25 @@ class _PackTransfer(KVTransfer):
         if shape is not None:
             parity = (peer.pack_sent if self.source else peer.pack_recv) % 2
             if s is agent.stream:
-                agent._calls.copy(shape.req_ptr, self._host_ptr, self._req_bytes)
+                poster.calls.copy(shape.req_ptr, self._host_ptr, self._req_bytes)
             else:
                 plat.copy_async(s, shape.req_ptr, self._host_ptr, self._req_bytes)
             graphs = shape.graph(parity)
-            lane = agent._pack_lane() if self.source else None
+            lane = pack.lane_stream() if self.source else None
             if graphs is None:
                 shape.record(s, parity)
                 if lane is not None:
                     shape.record_copies(lane, parity)
             else:
                 if s is agent.stream:
-                    agent._calls.launch_graph(graphs[0])
+                    poster.calls.launch_graph(graphs[0])
                 else:
                     plat.launch_graph(s, graphs[0])
                 if lane is not None:
                     plat.launch_graph(lane, graphs[1])
             if lane is not None:            # the handle's event comes after the lane's copies
-                agent._lane_event = plat.record_event(lane, agent._lane_event)
-                plat.stream_wait_event(s, agent._lane_event)
+                pack.lane_event = plat.record_event(lane, pack.lane_event)
+                plat.stream_wait_event(s, pack.lane_event)
             shape.posts += 1
             if self.source:                 # counted once the transfer is queued
                 peer.pack_sent += 1
@@ -362,29 +410,29 @@ class _PackTransfer(KVTransfer):
                 peer.pack_recv += 1
             keep = (self, shape)
         value, event = self._finish(s)
-        agent._track(event, keep)
-        agent._pack_tail = (s, event)
+        poster.track(event, keep)
+        pack.tail = (s, event)
         return KVTransferHandle(self, event, s, value)
 
     def expanded_descriptors(self) -> np.ndarray:
         """The descriptors of the request (its shape's expansion; for checking, not a transfer path)."""
-        agent = self.agent
+        agent, poster, pack = self.agent, self.poster, self.pack
         plat = agent.platform
         shape = self._shape
         if shape is None:
             return np.zeros((0, 3), dtype=np.int64)
-        with agent._post_lock:
-            agent._check_usable(self.peer)
+        with poster.lock:
+            poster.check_usable(self.peer)
             s = agent.stream
-            tail = agent._pack_tail
+            tail = pack.tail
             if tail is not None and tail[0] is not s:
                 plat.stream_wait_event(s, tail[1])
             plat.copy_async(s, shape.req.data_ptr(), self._host_ptr, self._req_bytes)
             if shape.expand is not None:
                 plat.launch(s, shape.expand)
             event = plat.record_event(s)
-            agent._pack_tail = (s, event)
-            agent._track(event, (self, shape))
+            pack.tail = (s, event)
+            poster.track(event, (self, shape))
         if not plat.synchronize(s, agent.timeout_s):
             raise TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
                                   timeout_s=agent.timeout_s, what="expanding the descriptors")

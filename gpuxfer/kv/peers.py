@@ -1,30 +1,30 @@
 """An agent's peers (:class:`KVPeer`): another agent, added from its metadata bytes -- its caches mapped
 here (or, in this process, used as they are), its flag words reached over a flag link
-(:class:`~gpuxfer.flaglink.FlagLink`) -- and the registries an agent and its peers share: the live agents
-of this process, and what a close kept alive for queued work still touching it."""
+(:class:`~gpuxfer.flaglink.FlagLink`) -- and the registries an agent and its peers share: what an agent
+registered (:class:`Registry`: its groups, their allocations, its peers), the live agents of this process,
+and what a close kept alive for queued work still touching it."""
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
+import threading
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..common import process_namespace
 from ..errors import BadInput, BadMetadata, NotRegistered
 from ..flaglink import FlagLink
 from ..platforms.base import Closable, Event, IpcHandle, Stream
 from .control import AGENT_WORDS, NOTIFY, NOTIFY_SLOTS
-from .layers import KVLayer
-from .metadata import PeerMetadata
-
-if TYPE_CHECKING:
-    from .agent import KVAgent
+from .layers import KVLayer, _torch
+from .metadata import PeerMetadata, handle_meta
 
 log = logging.getLogger("gpuxfer.kv.agent")
 
-_LOCAL_AGENTS: "weakref.WeakValueDictionary[str, KVAgent]" = weakref.WeakValueDictionary()
+#: the registries of this process's open agents, by uid (a peer that is one of them uses its memory as it is)
+_LOCAL_AGENTS: "weakref.WeakValueDictionary[str, Registry]" = weakref.WeakValueDictionary()
 #: streams and device memory that queued work may still touch when their owner was closed (a wait that never
 #: completed): kept for the life of the process rather than destroyed or freed under that work
 _LEAKED: list = []
@@ -43,7 +43,71 @@ class _Group:
         return min(lay.num_blocks for lay in self.layers)
 
 
-def _registered(local: "KVAgent", meta: PeerMetadata) -> list:
+class Registry:
+    """What an agent registered, under one lock: its groups, the allocations holding their layers (each once,
+    by IPC handle), where each layer lies in them, the kernels' anchors per tensor, and its peers by name.
+    Another agent of this process that adds it as a peer reads it here (:data:`_LOCAL_AGENTS`); ``shared`` is
+    then the agent's flag words and staging (:class:`~gpuxfer.kv.lifetime._Shared`), ``closed`` whether it
+    was closed."""
+
+    def __init__(self, name: str, device: int, rank: int, slot_bytes: int):
+        self.name, self.device, self.rank, self.slot_bytes = name, device, rank, slot_bytes
+        self.lock = threading.Lock()
+        self.groups: dict[str, _Group] = {}
+        self.allocs: list[IpcHandle] = []
+        self.alloc_bases: list[int] = []
+        self.alloc_keys: dict[bytes, int] = {}
+        self.layer_refs: dict[tuple[str, str], tuple[int, int]] = {}
+        self.flats: dict[int, Any] = {}
+        self.peers: dict[str, KVPeer] = {}
+        self.shared: Any = None
+        self.closed = False
+
+    def allocation(self, handle: IpcHandle, base: int) -> int:
+        """The index of the allocation ``handle`` exports (at ``base`` here), listed on first sight."""
+        with self.lock:
+            a = self.alloc_keys.get(handle.payload)
+            if a is None:
+                a = self.alloc_keys[handle.payload] = len(self.allocs)
+                self.allocs.append(handle)
+                self.alloc_bases.append(base)
+            return a
+
+    def flat(self, tensor):
+        """A 1-element uint8 tensor at ``tensor.data_ptr()`` over its storage (a kernel anchor), kept by address."""
+        torch = _torch()
+        flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+        flat.set_(tensor.untyped_storage(), tensor.storage_offset() * tensor.element_size(), (1,), (1,))
+        self.flats[int(tensor.data_ptr())] = flat
+        return flat
+
+    def flat_at(self, ptr: int):
+        flat = self.flats.get(int(ptr))
+        if flat is None:
+            raise NotRegistered(f"no registered tensor of agent {self.name!r} starts at 0x{int(ptr):x}")
+        return flat
+
+    def peer(self, name: str) -> "KVPeer":
+        p = self.peers.get(name)
+        if p is None:
+            raise NotRegistered(f"agent {self.name!r} has no peer {name!r}; peers: {', '.join(self.peers) or 'none'}")
+        return p
+
+    def metadata(self) -> dict:
+        """The metadata's ``allocations`` and ``groups`` (:meth:`KVAgent.metadata
+        <gpuxfer.kv.agent.KVAgent.metadata>`)."""
+        with self.lock:
+            return {"allocations": [handle_meta(h) for h in self.allocs],
+                    "groups": [{"name": g.name, "block_tokens": g.block_tokens,
+                                "layers": [lay.as_meta(*self.layer_refs[(g.name, lay.name)]) for lay in g.layers]}
+                               for g in self.groups.values()]}
+
+    def clear(self) -> None:
+        """Forget the groups, their anchors and the peers (a closed agent's)."""
+        self.groups, self.flats, self.peers = {}, {}, {}
+
+
+def _registered(local: Registry, meta: PeerMetadata, held: tuple) -> list:
     """``[(group of meta, its layers as agent local registered them)]``, for a peer in this process: its metadata
     must say exactly what that agent holds -- its allocations, flag words and staging, every layer of every group
     it lists (offsets, extents, strides, pieces) -- since the agent's own memory is used, as a remote peer's
@@ -51,23 +115,24 @@ def _registered(local: "KVAgent", meta: PeerMetadata) -> list:
     def differs(what: str) -> BadMetadata:
         return BadMetadata(f"peer {meta.agent!r} names agent {local.name!r} of this process, but {what}")
 
-    with local._lock:
-        allocs, groups, refs = list(local._allocs), dict(local._groups), dict(local._layer_refs)
-        flags, staging = local.flags, local.staging
+    with local.lock:
+        allocs, groups, refs = list(local.allocs), dict(local.groups), dict(local.layer_refs)
     if meta.agent != local.name or meta.device != local.device:
         raise differs(f"as {meta.agent!r} on device {meta.device}, not {local.name!r} on device {local.device}")
-    if flags is None or local.closed:
+    if local.closed:
         raise differs("that agent is closed")
+    flags, staging = held           # (the caller holds them)
+    ctrl = flags.export()
+    staging_payload = None if staging is None else staging.export().payload
     if len(meta.allocations) > len(allocs):
         raise differs(f"lists {len(meta.allocations)} allocations; it holds {len(allocs)}")
     for i, (h, real) in enumerate(zip(meta.allocations, allocs)):
         if (h.payload, h.nbytes, h.device) != (real.payload, real.nbytes, real.device):
             raise differs(f"its allocation {i} is not that agent's")
-    ctrl = flags.export()
     if (meta.control.payload, meta.control.nbytes) != (ctrl.payload, ctrl.nbytes):
         raise differs("its flag words are not that agent's")
     if (meta.staging is None) != (staging is None) or (staging is not None and (
-            meta.slot_bytes != local.slot_bytes or meta.staging.payload != staging.export().payload
+            meta.slot_bytes != local.slot_bytes or meta.staging.payload != staging_payload
             or meta.staging.nbytes != staging.nbytes)):
         raise differs("its staging is not that agent's")
     out = []
@@ -90,8 +155,11 @@ class KVPeer(Closable):
     route = "ipc"
     _held = None                            # a peer agent of this process: its _Shared, held while this is open
 
-    def __init__(self, agent: "KVAgent", meta: PeerMetadata):
+    def __init__(self, agent, meta: PeerMetadata, calls):
+        """``agent``: the :class:`~gpuxfer.kv.agent.KVAgent` adding it; ``calls``: the calls of that agent's
+        stream bound once (:meth:`Platform.stream_calls <gpuxfer.platforms.base.Platform.stream_calls>`)."""
         self.agent, self.meta, self.name = agent, meta, meta.agent
+        self._calls = calls
         self._closed = False
         self._mappings: list[Any] = []
         self._owned: list[Any] = []
@@ -113,17 +181,17 @@ class KVPeer(Closable):
             if here and local is None:
                 raise BadMetadata(f"peer {meta.agent!r} claims this process but is not a live agent here")
             self._local = local
-            held = None if local is None else local._shared.acquire()
+            held = None if local is None else local.shared.acquire()
             if local is not None and held is None:
                 raise BadMetadata(f"peer {meta.agent!r} of this process is closed")
             if held is not None:
-                self._held = local._shared
+                self._held = local.shared
             self.flags = FlagLink(plat, dev, AGENT_WORDS, rank=agent.rank, peer=meta.agent,
                                   name=f"agent {agent.name!r}", shared=agent.flags)
             self._owned.append(self.flags)
             self.groups: dict[str, _Group] = {}
             if local is not None:
-                for g, layers in _registered(local, meta):
+                for g, layers in _registered(local, meta, held):
                     self.groups[g.name] = _Group(g.name, g.block_tokens, layers, [(a, off) for _, a, off in g.layers])
                 flags, staging = held
                 self.flags.open(flags)
@@ -176,7 +244,7 @@ class KVPeer(Closable):
         """A 1-element uint8 tensor at ``ptr`` (a layer of this peer) on the agent's device, or None where the
         peer's memory is not addressable here (copies reach it, no tensor may view it)."""
         if self._local is not None:
-            return self._local._flat_at(ptr)
+            return self._local.flat_at(ptr)
         a, off = layer_ref
         mappings = self._mappings
         if self._closed or not 0 <= a < len(mappings):
@@ -199,7 +267,7 @@ class KVPeer(Closable):
         if last is not None and last[0] is not s:
             plat.stream_wait_event(s, last[1])
         value = self._seq[slot] + 1
-        self.flags.signal(s, NOTIFY + slot, value, NOTIFY + slot, agent._calls if s is agent.stream else None)
+        self.flags.signal(s, NOTIFY + slot, value, NOTIFY + slot, self._calls if s is agent.stream else None)
         event = plat.record_event(s)
         self._seq[slot] = value
         self._notified[slot] = (s, event)

@@ -1,19 +1,22 @@
-"""What :class:`~gpuxfer.kv.agent.KVAgent`'s posts run on, made once and reused: a route's ring of slots (the
-``triton`` engine's device buffers, launchers and graphs), the ``pack`` engine's shapes and lane stream, and
-the posted transfers' buffers kept until their events complete."""
+"""What :class:`~gpuxfer.kv.agent.KVAgent`'s posts run on (:class:`Poster`, one per agent, handed to its transfers):
+the post lock, the posted transfers' buffers kept until their events complete, the pooled host arrays of
+requests and of device-ID posts' status words, the agent's stream's calls bound once, the stream slots' graphs
+are captured on, and each route's ring of slots (the ``triton`` engine's device buffers, launchers and
+graphs)."""
 from __future__ import annotations
 
+import collections
+import functools
+import itertools
 import logging
-from typing import TYPE_CHECKING
+import threading
 
-from ..errors import GpuxferError, TransferTimeout
+from ..errors import BadInput, GpuxferError, NotRegistered, PeerLost, TransferTimeout
 from ..platforms.base import Event, Stream
-from .pack_transfer import _PackShape
+from .device_ids import _StatusWords
+from .peers import _LEAKED, KVPeer
 from .routes import _Route
-from .triton_transfer import _Slot
-
-if TYPE_CHECKING:
-    from .pack_transfer import _PackTransfer
+from .triton_transfer import _RequestPool, _Slot
 
 log = logging.getLogger("gpuxfer.kv.agent")
 
@@ -22,8 +25,6 @@ RING_SLOTS = 4
 #: a slot's smallest capacities (descriptor rows, request entries); larger requests grow it geometrically
 MIN_SLOT_ROWS = 1024
 MIN_SLOT_ENTRIES = 1024
-#: shapes of pack transfers an agent keeps (buffers, kernels, graphs), the least recently posted going first
-PACK_SHAPES = 8
 #: posted transfers a post keeps without looking at their events; past it, a post first drops the completed
 #: ones (so does a prepare that finds no free host array of its size)
 INFLIGHT_KEEP = 16
@@ -38,15 +39,108 @@ def _ended(platform, event) -> bool:
         return True
 
 
-class _PostResources:
-    """The slots, pack shapes, lane and in-flight buffers of :class:`~gpuxfer.kv.agent.KVAgent`'s posts."""
+class Poster:
+    """The post side of an agent (``agent``: its platform, device, stream, timeout, rank and name are read from
+    it; ``registry``: its :class:`~gpuxfer.kv.peers.Registry`). Everything that queues work touching a peer's or
+    the agent's memory holds :attr:`lock` and calls :meth:`check_usable` under it."""
 
-    def _take_slot(self, route: _Route, s: Stream, rows: int, entries: int) -> _Slot:
+    def __init__(self, agent, registry):
+        self.agent, self.registry = agent, registry
+        self.lock = threading.Lock()
+        self.inflight: collections.deque = collections.deque()     # (event, buffers) of posted transfers
+        pinned = not agent.platform.host_memory
+        self.requests = _RequestPool(pinned=pinned)                 # host arrays of requests
+        self.status_words = _StatusWords(pinned=pinned)            # device-ID posts' status words
+        self.calls = None                       # the agent's stream's flag, graph and copy calls (bind)
+        self.graphs = True                      # capture slots' launches as graphs
+        self.capture: Stream | None = None      # where graphs are captured (capture_stream)
+        self._slot_uses = itertools.count(1)
+
+    def bind(self, stream: Stream) -> None:
+        """Bind the agent's stream's calls once (:meth:`Platform.stream_calls`)."""
+        plat = self.agent.platform
+        self.calls = plat.stream_calls(stream)
+        if self.calls.copy is None:
+            self.calls.copy = functools.partial(plat.copy_async, stream)
+
+    def check_open(self) -> None:
+        """The agent is open (else :class:`BadInput`) and has not failed (else the error that failed it)."""
+        agent = self.agent
+        if agent.closed:
+            raise BadInput(f"agent {agent.name!r} is closed")
+        agent.check()
+
+    def check_usable(self, peer) -> None:
+        """The agent is open and usable and ``peer`` is still its own (and, in this process, open): else a typed
+        error. Queuing work on the peer's memory calls it under the post lock."""
+        agent = self.agent
+        if (type(peer) is KVPeer and peer.agent is agent and not peer.closed and not agent.closed
+                and agent.failed is None and self.registry.peers.get(peer.name) is peer
+                and (peer._local is None or not peer._local.closed)):
+            return          # the per-post case
+        self.check_open()
+        if not isinstance(peer, KVPeer) or peer.agent is not agent:
+            raise NotRegistered(f"{peer!r} is not a peer of agent {agent.name!r}")
+        if peer.closed or self.registry.peers.get(peer.name) is not peer:
+            raise NotRegistered(f"peer {peer.name!r} was removed from agent {agent.name!r}")
+        if peer._local is None or not peer._local.closed:
+            return          # usable: a peer of another kind (NIXL's) or of another process
+        raise PeerLost(rank=agent.rank, peer=peer._local.rank, step=0, flag=f"peer {peer.name!r}", after_s=0.0,
+                       why=f"agent {peer.name!r} of this process was closed (remove_peer it)")
+
+    def torch_device(self):
+        return self.agent.platform.torch_device(self.agent.device)
+
+    def capture_stream(self) -> Stream:
+        """The stream graphs are captured on (made on first use)."""
+        if self.capture is None:
+            self.capture = self.agent.platform.create_stream(self.agent.device)
+        return self.capture
+
+    # ------------------------------------------------------------------ posted transfers
+
+    def track(self, event: Event, buffers: tuple) -> None:
+        """Keep a posted transfer's buffers until its event completes (dropping the transfer and its
+        handle early must not free memory the stream still reads). The caller holds the post lock. The
+        completed entries go when a prepare finds no free host array (:meth:`reap_locked`), or here once more than
+        :data:`INFLIGHT_KEEP` are kept: a post does not query events otherwise."""
+        q = self.inflight
+        if len(q) >= INFLIGHT_KEEP:
+            self.reap()
+        q.append((event, buffers))
+
+    def reap_locked(self) -> None:
+        """:meth:`reap` under the post lock (completed posts give their host arrays back to the pool)."""
+        with self.lock:
+            self.reap()
+
+    def reap(self) -> None:
+        """Drop the posted transfers whose events completed, oldest first (the caller holds the post lock)."""
+        q = self.inflight
+        plat = self.agent.platform
+        while q and _ended(plat, q[0][0]):
+            q.popleft()
+
+    def hold_until_drained(self, s: Stream, buffers: tuple) -> None:
+        """A post failed part way: its upload may be queued and still read its host array. Keep ``buffers``
+        until ``s`` drained (at most the agent's timeout), else for the life of the process."""
+        agent = self.agent
+        try:
+            if agent.platform.synchronize(s, agent.timeout_s):
+                return
+        except Exception:       # noqa: BLE001 - a failed stream: nothing proves the upload is over
+            pass
+        _LEAKED.append(buffers)
+
+    # ------------------------------------------------------------------ slots
+
+    def take_slot(self, route: _Route, s: Stream, rows: int, entries: int) -> _Slot:
         """A slot of ``route``'s ring free for a post on ``s`` that holds ``rows`` descriptors and ``entries``
         request entries: one last used on ``s`` or whose last post completed (made, or remade larger --
         geometrically --, when it is too small); a new one while the ring has room; else the least recently
         used, once its last post completed (waiting at most the agent's timeout)."""
-        plat, slots = self.platform, route.slots
+        agent = self.agent
+        plat, slots = agent.platform, route.slots
         i = -1
         for k, slot in enumerate(slots):
             if slot.stream is s or _ended(plat, slot.event):     # every slot has its last event
@@ -60,9 +154,9 @@ class _PostResources:
                 i = len(slots)
             else:
                 i = min(range(len(slots)), key=lambda k: slots[k].used)
-                if not plat.event_wait(slots[i].event, self.timeout_s):
-                    raise TransferTimeout(rank=self.rank, step=0, flag="a free slot", expected=1, seen=0,
-                                          timeout_s=self.timeout_s,
+                if not plat.event_wait(slots[i].event, agent.timeout_s):
+                    raise TransferTimeout(rank=agent.rank, step=0, flag="a free slot", expected=1, seen=0,
+                                          timeout_s=agent.timeout_s,
                                           what=f"all {len(slots)} slots of a route still run earlier posts")
         if i == len(slots):
             slot = self._new_slot(route, s, max(rows, MIN_SLOT_ROWS), max(entries, MIN_SLOT_ENTRIES))
@@ -82,9 +176,10 @@ class _PostResources:
     def _new_slot(self, route: _Route, s: Stream, rows: int, entries: int) -> _Slot:
         """A slot's buffers, zeroed on ``s`` (after torch's current stream, where the caching allocator may
         have used the memory last), its launchers, and its graph (captured on a stream of the agent's)."""
-        plat = self.platform
-        slot = _Slot(route, rows, entries, self._torch_device())
-        plat.stream_wait_event(s, plat.record_event(plat.current_stream(self.device)))
+        agent = self.agent
+        plat = agent.platform
+        slot = _Slot(route, rows, entries, self.torch_device())
+        plat.stream_wait_event(s, plat.record_event(plat.current_stream(agent.device)))
         plat.memset_async(s, slot.req_ptr, 0, entries * 8)
         plat.memset_async(s, slot.out.data_ptr(), 0, rows * 24)
         if not plat.kernels_interpreted:
@@ -94,66 +189,11 @@ class _PostResources:
         slot.event, slot.stream = plat.record_event(s), s
         if self.graphs:
             try:
-                if self._capture_stream is None:
-                    self._capture_stream = plat.create_stream(self.device)
-                slot.graph = plat.capture_graph(self._capture_stream, lambda c: slot.enqueue(plat, c))
+                slot.graph = plat.capture_graph(self.capture_stream(), lambda c: slot.enqueue(plat, c))
             except Exception as exc:  # noqa: BLE001 - the same launches run one by one instead
                 log.warning("agent %s: capturing a slot's launches as a graph failed (%s: %s); posts launch them "
-                            "one by one", self.name, type(exc).__name__, exc)
+                            "one by one", agent.name, type(exc).__name__, exc)
                 self.graphs = False
             if slot.graph is None:
                 self.graphs = False
         return slot
-
-    def device_bytes(self) -> dict[str, int]:
-        """Device memory this agent holds beyond the registered caches and its flag words, in bytes: the routes'
-        slots -- descriptor buffers (``(rows, 3)`` int64: 24 bytes per descriptor of the largest request a slot
-        ran), request buffers and the device ID check's bitmaps -- and the pack engine's staging slots; with the
-        number of routes and slots."""
-        routes = {id(r): r for r in list(self._routes.values())}.values()
-        slots = [s for r in routes for s in list(r.slots)]
-        return {"routes": len(routes), "slots": len(slots),
-                "descriptors": sum(s.rows * 24 for s in slots),
-                "requests": sum(s.entries * 8 for s in slots),
-                "id_marks": sum(s._checked.marks.numel() * 4 for s in slots if s._checked is not None),
-                "pack_staging": self.staging.nbytes if self.staging is not None else 0}
-
-    def _pack_shape(self, x: "_PackTransfer") -> "_PackShape":
-        """The cached :class:`_PackShape` of ``x``'s shape (built on first use; the least recently used of
-        more than :data:`PACK_SHAPES` goes: posts in flight keep theirs alive through :meth:`_track`)."""
-        shapes = self._pack_shapes
-        shape = shapes.get(x._shape_key)
-        if shape is None:
-            shape = shapes[x._shape_key] = _PackShape(self, x)
-            while len(shapes) > PACK_SHAPES:
-                shapes.popitem(last=False)
-        else:
-            shapes.move_to_end(x._shape_key)
-        return shape
-
-    def _pack_lane(self) -> Stream:
-        if self._lane is None:
-            self._lane = self.platform.create_stream(self.device)
-        return self._lane
-
-    def _track(self, event: Event, buffers: tuple) -> None:
-        """Keep a posted transfer's buffers until its event completes (dropping the transfer and its
-        handle early must not free memory the stream still reads). The caller holds the post lock. The
-        completed entries go when a prepare finds no free host array (:meth:`_reap_locked`), or here once more than
-        :data:`INFLIGHT_KEEP` are kept: a post does not query events otherwise."""
-        q = self._inflight
-        if len(q) >= INFLIGHT_KEEP:
-            self._reap()
-        q.append((event, buffers))
-
-    def _reap_locked(self) -> None:
-        """:meth:`_reap` under the post lock (completed posts give their host arrays back to the pool)."""
-        with self._post_lock:
-            self._reap()
-
-    def _reap(self) -> None:
-        """Drop the posted transfers whose events completed, oldest first (the caller holds the post lock)."""
-        q = self._inflight
-        plat = self.platform
-        while q and _ended(plat, q[0][0]):
-            q.popleft()

@@ -1,6 +1,6 @@
 """How :class:`~gpuxfer.kv.agent.KVAgent` turns a checked request into its request array (a header and the block
-IDs, as :mod:`gpuxfer.kernels.block_kernel` lays it out) in a pooled host array, and the transfer of the agent's
-engine around it (``pack``: with its chunks, kept with the request's shape)."""
+IDs, as :mod:`gpuxfer.kernels.block_kernel` lays it out) in a pooled host array, and the transfer of the peer's
+engine around it (``pack``: with its chunks, kept with the request's shape): :class:`RequestStaging`."""
 from __future__ import annotations
 
 import itertools
@@ -11,7 +11,7 @@ from ..errors import BadInput
 from .copy_transfer import _CopyEngineTransfer
 from .ids import _SCRATCH, request_fingerprint
 from .layers import _torch
-from .pack_transfer import _PackTransfer
+from .pack_transfer import PackState, _PackTransfer
 from .routes import _Route
 from .triton_transfer import _SlotTransfer
 from .transfer import KVTransfer
@@ -24,13 +24,17 @@ PACK_CHUNK_BYTES = 32 << 20
 PACK_MAX_CHUNKS = 16
 
 
-class _RequestArrays:
-    """:class:`~gpuxfer.kv.agent.KVAgent`'s request arrays (and the transfer around each), after :meth:`~gpuxfer.kv.agent.KVAgent.prepare`
-    checked the IDs."""
+class RequestStaging:
+    """An agent's request arrays (and the transfer around each), after :meth:`~gpuxfer.kv.agent.KVAgent.prepare`
+    checked the IDs: in host arrays of ``poster``'s pool (:class:`~gpuxfer.kv.posting.Poster`, which the
+    transfers post with); ``pack``: the agent's :class:`~gpuxfer.kv.pack_transfer.PackState`."""
 
-    def _stage(self, peer, route: _Route, op, name, checked, notify_slot) -> KVTransfer:
+    def __init__(self, poster, pack: PackState):
+        self.poster, self.pack = poster, pack
+
+    def stage(self, peer, route: _Route, op, name, checked, notify_slot) -> KVTransfer:
         """The request array (header + block IDs, as :mod:`gpuxfer.kernels.block_kernel` lays it out) in a host
-        array, and the transfer of the peer's engine (:meth:`KVAgent._peer_engine`) around it. ``checked``: the IDs
+        array, and the transfer of the peer's engine (``peer.engine``) around it. ``checked``: the IDs
         (:meth:`_RouteIds.check <gpuxfer.kv.ids._RouteIds.check>`)."""
         n_seg, lens_s, lens_d, ordered = checked
         P, G = route.plane_group.size, len(n_seg)
@@ -48,7 +52,7 @@ class _RequestArrays:
         # a pack request ends with its fingerprint, at an even entry (16-byte aligned: a kernel's argument)
         at = total + (total & 1)
         if engine != "copy_engine":
-            host, h = self._requests.take(at + 1 if engine == "pack" else total, self._reap_locked)
+            host, h = self.poster.requests.take(at + 1 if engine == "pack" else total, self.poster.reap_locked)
         else:
             h = np.empty(total, dtype=np.int64)
             host = _torch().from_numpy(h)
@@ -67,9 +71,9 @@ class _RequestArrays:
             h[total:at] = 0
             h[at] = request_fingerprint(h[head:total], lens_s + lens_d, route.salts)
         if engine == "triton":
-            return _SlotTransfer(self, peer, route, op, name, n_seg, host, h, notify_slot, n_rows, nbytes)
+            return _SlotTransfer(self.poster, peer, route, op, name, n_seg, host, h, notify_slot, n_rows, nbytes)
         if engine == "copy_engine":
-            return _CopyEngineTransfer(self, peer, route, op, name, n_seg, host, host, None, 0, [], notify_slot,
+            return _CopyEngineTransfer(self.poster, peer, route, op, name, n_seg, host, host, None, 0, [], notify_slot,
                                        n_rows, nbytes)
         return self._stage_pack(peer, route, op, name, n_seg, host, h, notify_slot, n_rows, nbytes)
 
@@ -78,10 +82,11 @@ class _RequestArrays:
         """The pack engine's transfer: its chunks -- those of its shape where the shape was seen before (the
         device buffers and kernels belong to the shape, :class:`_PackShape`, shared by every request of it)."""
         key = (id(route), op == "push", n_seg.tobytes())
-        shape = self._pack_shapes.get(key)
+        shape = self.pack.shapes.get(key)
         chunks = shape.spec if shape is not None else self._pack_chunks(route, name, array, nbytes)
-        return _PackTransfer(self, peer, route, op, name, n_seg, host[0], None, None,
-                             int(n_seg.max()) if n_seg.size else 0, [], notify_slot, n_rows, nbytes, chunks=chunks,
+        return _PackTransfer(self.poster, peer, route, op, name, n_seg, host[0], None, None,
+                             int(n_seg.max()) if n_seg.size else 0, [], notify_slot, n_rows, nbytes, pack=self.pack,
+                             chunks=chunks,
                              pooled=host, entries=int(array.shape[0]), shape_key=key, fingerprint=int(array[-1]))
 
     def _pack_chunks(self, route: _Route, name: str, array: np.ndarray, nbytes: int) -> list[tuple]:
@@ -89,7 +94,7 @@ class _RequestArrays:
         about ``nbytes / PACK_MAX_CHUNKS`` (at least ``PACK_CHUNK_BYTES``, at most a staging slot) each."""
         chunks = []
         row_start = array[:len(route.plane_group) + 1]
-        slot = self.slot_bytes
+        slot = self.poster.agent.slot_bytes
         target = min(slot, max(min(PACK_CHUNK_BYTES, slot), -(-nbytes // PACK_MAX_CHUNKS)))
         for a, b, c in route.classes:
             r0, r1 = int(row_start[a]), int(row_start[b])

@@ -1,22 +1,19 @@
 """Routes: everything transfers between an agent and a peer in one direction over one layer range need,
 built once per (peer, direction, layer range, groups) and cached (:class:`_Route`): the plane table (one row
 per layer piece, largest segments first, in an order both sides derive alike), the segment classes and
-copy launches, the destination overlap classes, and the ring of slots posts run in."""
+copy launches, the destination overlap classes, and the ring of slots posts run in -- and an agent's cache of
+them (:class:`RouteCache`)."""
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from ..errors import BadInput, LayoutMismatch
+from ..errors import BadInput, BlockIdError, LayoutMismatch, NotRegistered
 from .ids import _RouteIds, route_salts
 from .layers import KVLayer, _torch
-
-if TYPE_CHECKING:
-    from .peers import KVPeer
-    from .triton_transfer import _Slot
 
 
 @dataclass
@@ -37,7 +34,7 @@ class _Route:
     launch_classes: list[tuple[int, int, int]] = field(default_factory=list)   # per copy launch: (first plane,
                                                  # end plane, segment bytes): neighbouring sizes tiled alike
     group_bytes: list[int] = field(default_factory=list)  # per group: bytes one segment of each plane moves
-    slots: list["_Slot"] = field(default_factory=list)    # the ring of device buffers posts run in
+    slots: list = field(default_factory=list)    # the ring of device buffers posts run in (triton_transfer._Slot)
     device_ids: Any = None                       # what device-ID requests need (:class:`~gpuxfer.kv.device_ids._DeviceRoute`)
     pack_warm: set[bool] = field(default_factory=set)    # pack sides (source?) whose kernels are loaded
     salts: tuple = (0, None)                     # a request fingerprint's salts (:func:`route_salts`)
@@ -95,33 +92,74 @@ def _overlap_classes(spans: list[list[tuple[int, int]]]) -> list[list[int]]:
     return list(classes.values())
 
 
-class _Routes:
-    """:class:`~gpuxfer.kv.agent.KVAgent`'s routes: the cache (``_routes``) and how a route is built."""
+def request_groups(registry, peer, name: str, local_blocks, remote_blocks) -> tuple[str, ...]:
+    """The groups a request names (``local_blocks`` and ``remote_blocks``: the same ones, each registered on both
+    the agent whose :class:`~gpuxfer.kv.peers.Registry` ``registry`` is and ``peer``), in the agent's order."""
+    if set(local_blocks) != set(remote_blocks):
+        raise BlockIdError(f"request {name!r}: local_blocks names groups {sorted(map(str, local_blocks))}, "
+                           f"remote_blocks {sorted(map(str, remote_blocks))}; they must be the same")
+    if not local_blocks:
+        raise BlockIdError(f"request {name!r} names no group")
+    groups = registry.groups
+    for g in local_blocks:
+        if g not in groups or g not in peer.groups:
+            shared = [x for x in groups if x in peer.groups]
+            raise NotRegistered(f"request {name!r}: group {g!r} is not registered on both agent "
+                                f"{registry.name!r} and peer {peer.name!r} (shared: {', '.join(shared) or 'none'})")
+    return tuple(g for g in groups if g in local_blocks)
 
-    def _route(self, peer: KVPeer, op: str, layers: tuple[int, int] | None, groups: tuple[str, ...]) -> _Route:
+
+class RouteCache:
+    """An agent's routes (:attr:`routes`: ``{(peer, direction, layer range or None, groups): route}``; a request
+    naming its groups in another order is cached under that order too) and how a route is built. ``agent``:
+    its platform, device, timeout and uid are read from it; ``registry``: its
+    :class:`~gpuxfer.kv.peers.Registry` (its groups, and its peers: a route is kept while its peer is one)."""
+
+    def __init__(self, agent, registry):
+        self.agent, self.registry = agent, registry
+        self.routes: dict[tuple, _Route] = {}
+
+    def route(self, peer, op: str, layers: tuple[int, int] | None, groups: tuple[str, ...]) -> _Route:
         key = (peer, op, layers, groups)
-        r = self._routes.get(key)
+        r = self.routes.get(key)
         if r is None:
-            r = self._build_route(peer, op, layers, groups)
-            self._keep_route(key, r)
+            r = self.build(peer, op, layers, groups)
+            self.keep(key, r)
         return r
 
-    def _keep_route(self, key: tuple, route: _Route) -> None:
+    def keep(self, key: tuple, route: _Route) -> None:
         """Cache ``route`` under ``key`` (its peer first) while that peer is still the agent's (a peer removed
         while the route was built leaves nothing behind)."""
-        with self._lock:
-            if self._peers.get(key[0].name) is key[0]:
-                self._routes[key] = route
+        with self.registry.lock:
+            if self.registry.peers.get(key[0].name) is key[0]:
+                self.routes[key] = route
 
-    def _build_route(self, peer: KVPeer, op: str, layers: tuple[int, int] | None, names: tuple[str, ...]
-                     ) -> _Route:
+    def forget(self, peer) -> None:
+        """Drop the routes of ``peer`` (the caller holds the registry's lock)."""
+        for k in [k for k in self.routes if k[0] is peer]:
+            del self.routes[k]
+
+    def slot_bytes(self) -> dict[str, int]:
+        """The routes' slots: how many routes and slots, and the bytes of their descriptor and request buffers
+        and of the device ID check's bitmaps."""
+        routes = {id(r): r for r in list(self.routes.values())}.values()
+        slots = [s for r in routes for s in list(r.slots)]
+        return {"routes": len(routes), "slots": len(slots),
+                "descriptors": sum(s.rows * 24 for s in slots),
+                "requests": sum(s.entries * 8 for s in slots),
+                "id_marks": sum(s.checked.marks.numel() * 4 for s in slots if s.checked is not None)}
+
+    def build(self, peer, op: str, layers: tuple[int, int] | None, names: tuple[str, ...]) -> _Route:
+        """The route of ``peer`` (a :class:`~gpuxfer.kv.peers.KVPeer`) in direction ``op`` over ``layers`` of
+        groups ``names``; :class:`LayoutMismatch` where the two sides' layouts do not pair up."""
         torch = _torch()
+        agent = self.agent
         from ..kernels.blocks import PLANE_FIELDS
         src_is_mine = op == "push"
         rows, plane_group, splits, limits, dst_spans, keys = [], [], [], [], [], []
         src_ptrs, dst_ptrs = [], []        # (absolute piece address of block 0, anchor maker)
         for gi, gname in enumerate(names):
-            mine, theirs = self._groups[gname], peer.groups[gname]
+            mine, theirs = self.registry.groups[gname], peer.groups[gname]
             bts, btd = (mine.block_tokens, theirs.block_tokens) if src_is_mine else \
                 (theirs.block_tokens, mine.block_tokens)
             if max(bts, btd) % min(bts, btd):
@@ -179,10 +217,10 @@ class _Routes:
                 merged[-1][1] = b
             else:
                 merged.append([a, b, c, key])
-        dev = self._torch_device()
+        dev = agent.platform.torch_device(agent.device)
         planes = torch.from_numpy(np.ascontiguousarray(table)).to(dev)
         if dev.type != "cpu":
-            self.platform.synchronize(self.platform.current_stream(self.device), self.timeout_s)
+            agent.platform.synchronize(agent.platform.current_stream(agent.device), agent.timeout_s)
         assert table.shape[1] == PLANE_FIELDS
         # copies run in the order of the peer's blocks: programs running together touch neighbouring peer
         # memory (the fastest order measured for the descriptor-copy kernel); the order of the copies is
@@ -195,4 +233,4 @@ class _Routes:
                       launch_classes=[(a, b, c) for a, b, c, _ in merged],
                       group_bytes=[int(table[pg == gi, 4].sum()) for gi in range(len(names))],
                       salts=route_salts(names, sorted(keys), splits, limits,
-                                        (self.uid, peer.meta.uid) if src_is_mine else (peer.meta.uid, self.uid)))
+                                        (agent.uid, peer.meta.uid) if src_is_mine else (peer.meta.uid, agent.uid)))

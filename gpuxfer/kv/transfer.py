@@ -2,17 +2,10 @@
 of a posted one (:class:`KVTransferHandle`)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from ..errors import PeerLost, TransferTimeout
 from ..platforms.base import Event, Stream
-
-if TYPE_CHECKING:
-    from .agent import KVAgent
-    from .peers import KVPeer
-    from .routes import _Route
 
 
 class KVTransferHandle:
@@ -25,7 +18,7 @@ class KVTransferHandle:
 
     __slots__ = ("transfer", "event", "name", "notify_value", "_stream", "_status")
 
-    def __init__(self, transfer: "KVTransfer", event: Event, stream: Stream, notify_value: int | None,
+    def __init__(self, transfer: KVTransfer, event: Event, stream: Stream, notify_value: int | None,
                  status=None):
         # the transfer keeps its buffers; the agent keeps the transfer until the event completed
         self.transfer, self.event, self._stream, self.notify_value = transfer, event, stream, notify_value
@@ -79,15 +72,19 @@ class KVTransferHandle:
 
 
 class KVTransfer:
-    """A prepared request: block IDs checked and staged; :meth:`post` may be called again and again."""
+    """A prepared request: block IDs checked and staged; :meth:`post` may be called again and again.
+
+    ``poster``: its agent's :class:`~gpuxfer.kv.posting.Poster`, what its posts run on; :attr:`agent` is that
+    agent; ``peer``: a :class:`~gpuxfer.kv.peers.KVPeer`; ``route``: a :class:`~gpuxfer.kv.routes._Route`."""
 
     waits_on_peer = False           # whether its streams wait on flags the peer writes (a timeout fails the agent)
     _pooled = None                  # the host array's pool token (:class:`_RequestPool`), if it came from the pool
 
-    def __init__(self, agent: "KVAgent", peer: KVPeer, route: _Route, op: str, name: str, n_seg: np.ndarray,
+    def __init__(self, poster, peer, route, op: str, name: str, n_seg: np.ndarray,
                  host_req, dev_req, out, max_segments: int, launches: list, notify_slot: int | None,
                  descriptors: int, nbytes: int):
-        self.agent, self.peer, self.route, self.op, self.name = agent, peer, route, op, name
+        self.poster, self.agent = poster, poster.agent
+        self.peer, self.route, self.op, self.name = peer, route, op, name
         self.n_seg = n_seg
         self.descriptors, self.nbytes = descriptors, nbytes
         self.notify_slot = notify_slot
@@ -126,6 +123,6 @@ class KVTransfer:
     def __del__(self):
         """The host array goes back to the agent's pool: the agent keeps a posted transfer until its last post
         completed, so nothing reads the array any more."""
-        pool = getattr(getattr(self, "agent", None), "_requests", None)
-        if pool is not None and self._pooled is not None:
-            pool.give(self._pooled)
+        poster = getattr(self, "poster", None)
+        if poster is not None and self._pooled is not None:
+            poster.requests.give(self._pooled)

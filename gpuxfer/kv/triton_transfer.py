@@ -1,10 +1,8 @@
 """The ``triton`` engine's transfers: a route's slots (device buffers with their launches bound once
 and captured as a graph, :class:`_Slot`), the transfer that runs a request in one
 (:class:`_SlotTransfer`) and the pool of host request arrays (:class:`_RequestPool`). The ring of
-slots per route is kept by :meth:`KVAgent._take_slot <gpuxfer.kv.posting._PostResources._take_slot>`."""
+slots per route is kept by :meth:`Poster.take_slot <gpuxfer.kv.posting.Poster.take_slot>`."""
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -12,11 +10,6 @@ from ..errors import TransferTimeout
 from ..platforms.base import Platform, Stream
 from .layers import _torch
 from .transfer import KVTransfer, KVTransferHandle
-
-if TYPE_CHECKING:
-    from .agent import KVAgent
-    from .peers import KVPeer
-    from .routes import _Route
 
 
 class _Slot:
@@ -32,9 +25,9 @@ class _Slot:
     ``s`` itself (stream order puts the new upload after it)."""
 
     __slots__ = ("rows", "entries", "req", "out", "req_ptr", "expand", "copies", "graph", "event", "stream", "used",
-                 "_checked")
+                 "checked")
 
-    def __init__(self, route: "_Route", rows: int, entries: int, device):
+    def __init__(self, route, rows: int, entries: int, device):
         from ..kernels.blocks import expand_launcher
         from ..kernels.launch import copy_range_launcher
         torch = _torch()
@@ -50,16 +43,7 @@ class _Slot:
         self.event = None
         self.stream = None
         self.used = 0
-        self._checked = None
-
-    def checked(self, agent: "KVAgent", route: "_Route", s: Stream):
-        """This slot's parts for requests whose IDs are checked on the device
-        (:class:`~gpuxfer.kv.device_ids._Checked`), made on first use: the check's kernels loaded by a launch over
-        a zeroed request of their own on ``s``, then the checked graph captured where the platform captures."""
-        if self._checked is None:
-            from .device_ids import make_checked
-            self._checked = make_checked(agent, route, self, s)
-        return self._checked
+        self.checked = None         # its parts for device-ID requests (made by :mod:`~gpuxfer.kv.device_ids`)
 
     def kernels(self, stream=None) -> None:
         """The expansion and the copies, on ``stream`` (a driver handle) or torch's current stream."""
@@ -77,16 +61,16 @@ class _Slot:
             self.kernels(native)
 
 
-def run_in_slot(agent: "KVAgent", route: "_Route", s: Stream, host_ptr: int, nbytes: int, rows: int, entries: int,
+def run_in_slot(poster, route, s: Stream, host_ptr: int, nbytes: int, rows: int, entries: int,
                 expand_only: bool = False) -> _Slot:
     """Upload a request array (``nbytes`` at ``host_ptr``: ``entries`` entries, ``rows`` descriptors) into a free
     slot of ``route`` and enqueue its kernels on ``s``: the slot's graph, or its launches one by one (the caller
-    holds the agent's post lock)."""
-    plat = agent.platform
-    slot = agent._take_slot(route, s, rows, entries)
-    own = s is agent.stream         # the agent's stream: its calls bound once (Platform.stream_calls)
+    holds the post lock of ``poster``, a :class:`~gpuxfer.kv.posting.Poster`)."""
+    plat = poster.agent.platform
+    slot = poster.take_slot(route, s, rows, entries)
+    own = s is poster.agent.stream      # the agent's stream: its calls bound once (Platform.stream_calls)
     if own:
-        agent._calls.copy(slot.req_ptr, host_ptr, nbytes)
+        poster.calls.copy(slot.req_ptr, host_ptr, nbytes)
     else:
         plat.copy_async(s, slot.req_ptr, host_ptr, nbytes)
     if expand_only:
@@ -94,7 +78,7 @@ def run_in_slot(agent: "KVAgent", route: "_Route", s: Stream, host_ptr: int, nby
             plat.launch(s, slot.expand)
     elif slot.graph is not None:
         if own:
-            agent._calls.launch_graph(slot.graph)
+            poster.calls.launch_graph(slot.graph)
         else:
             plat.launch_graph(s, slot.graph)
     else:
@@ -119,19 +103,19 @@ class _SlotTransfer(KVTransfer):
     The array goes back to the agent's pool when the transfer is collected, which is after its last post
     completed (the agent keeps a posted transfer until its event completes)."""
 
-    def __init__(self, agent: "KVAgent", peer: KVPeer, route: _Route, op: str, name: str, n_seg: np.ndarray,
+    def __init__(self, poster, peer, route, op: str, name: str, n_seg: np.ndarray,
                  host, array: np.ndarray, notify_slot: int | None, descriptors: int, nbytes: int):
         self._pooled = host
         self._array = array
         self._entries = int(array.shape[0])
         self._host_ptr = host[0].data_ptr()        # the array is a view from the owner's first entry
-        super().__init__(agent, peer, route, op, name, n_seg, host[0], None, None, 0, [], notify_slot, descriptors,
+        super().__init__(poster, peer, route, op, name, n_seg, host[0], None, None, 0, [], notify_slot, descriptors,
                          nbytes)
         self._req_bytes = self._entries * 8
 
     def _run(self, s: Stream, expand_only: bool = False) -> "_Slot":
         """Upload this request into a free slot and enqueue its kernels on ``s`` (the caller holds the post lock)."""
-        return run_in_slot(self.agent, self.route, s, self._host_ptr, self._req_bytes, self.descriptors,
+        return run_in_slot(self.poster, self.route, s, self._host_ptr, self._req_bytes, self.descriptors,
                            self._entries, expand_only)
 
     def post(self, stream: Stream | None = None) -> KVTransferHandle:
@@ -142,10 +126,10 @@ class _SlotTransfer(KVTransfer):
         platform captures no graph), a notification (two stream operations, :meth:`KVPeer.notify`) if asked
         for, one event; none of it depends on the number of descriptors.
         """
-        agent = self.agent
-        s = agent.stream if stream is None else stream
-        with agent._post_lock:             # remove_peer and close exclude it: checked under it
-            agent._check_usable(self.peer)
+        poster = self.poster
+        s = self.agent.stream if stream is None else stream
+        with poster.lock:                  # remove_peer and close exclude it: checked under it
+            poster.check_usable(self.peer)
             return self._post_locked(s)
 
     def _post_locked(self, s: Stream) -> KVTransferHandle:
@@ -153,22 +137,22 @@ class _SlotTransfer(KVTransfer):
         slot = self._run(s)
         value, event = self._finish(s)
         slot.event, slot.stream = event, s
-        self.agent._track(event, (self, slot))
+        self.poster.track(event, (self, slot))
         return KVTransferHandle(self, event, s, value)
 
     def expanded_descriptors(self) -> np.ndarray:
         """Run only the upload and the expansion (in a slot, on the agent's stream), wait, and return the
         ``(N, 3)`` descriptors (offsets from the source and destination anchors) -- for checking the expansion;
         not a transfer path."""
-        agent = self.agent
+        agent, poster = self.agent, self.poster
         plat = agent.platform
-        with agent._post_lock:
-            agent._check_usable(self.peer)
+        with poster.lock:
+            poster.check_usable(self.peer)
             s = agent.stream
             slot = self._run(s, expand_only=True)
             event = plat.record_event(s)
             slot.event, slot.stream = event, s
-            agent._track(event, (self, slot))
+            poster.track(event, (self, slot))
         if not plat.event_wait(event, agent.timeout_s):
             raise TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
                                   timeout_s=agent.timeout_s, what="expanding the descriptors")
@@ -209,3 +193,16 @@ class _RequestPool:
         kept = self.free.setdefault(token[1].shape[0], [])
         if len(kept) < self.KEEP:
             kept.append(token)
+
+
+class _Pooled:
+    """A request array of a post alone (several requests merged into one), given back to the pool once the agent
+    lets go of it (after the post's event)."""
+
+    __slots__ = ("pool", "token")
+
+    def __init__(self, pool: _RequestPool, token):
+        self.pool, self.token = pool, token
+
+    def __del__(self):
+        self.pool.give(self.token)

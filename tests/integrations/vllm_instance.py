@@ -423,10 +423,10 @@ def _profile(connector, acc: dict) -> None:
 
     for owner, attr in ((wk, "pair_group"), (wk.WorkerSide, "_post"), (wk.WorkerSide, "_prepare"),
                         (ka.KVAgent, "prepare"), (ka.KVAgent, "post_many"), (ki._RouteIds, "check"),
-                        (ks._RequestArrays, "_stage"), (kb, "run_in_slot"), (kb, "_post_route")):
+                        (ks.RequestStaging, "stage"), (kb, "run_in_slot"), (kb, "_post_route")):
         setattr(owner, attr, timed(f"{getattr(owner, '__name__', owner)}.{attr}", getattr(owner, attr)))
     agent = connector._worker.agent
-    calls = agent._calls
+    calls = agent._poster.calls
     for attr in ("copy", "launch_graph"):
         if getattr(calls, attr, None) is not None:
             setattr(calls, attr, timed(f"driver.{attr}", getattr(calls, attr)))

@@ -214,7 +214,7 @@ def test_posted_transfers_kept_until_complete_then_dropped(pair):
         assert held() is None
         for _ in range(2 * INFLIGHT_KEEP + 3):
             y.post().wait(60)
-        assert 1 <= len(dec._inflight) <= INFLIGHT_KEEP
+        assert 1 <= len(dec._poster.inflight) <= INFLIGHT_KEEP
         assert same_bytes(dst[next(iter(dst))][:, 1], src[next(iter(src))][:, 2])
     finally:
         plat.host_write_flag(gate.ptr, 1, 1)

@@ -27,7 +27,7 @@ def _ring_pair(pre, dec, a0, a1, blocks=24):
 
 
 def _route_slots(agent):
-    (route,) = [r for r in agent._routes.values() if r.slots]
+    (route,) = [r for r in agent._routes.routes.values() if r.slots]
     return route.slots
 
 
@@ -162,7 +162,7 @@ def test_forged_request_stays_inside_the_buffers(pair):
     spans = [(t.data_ptr() - a1.flat.data_ptr(), t.numel() * t.element_size()) for t in dst.values()]
     src_bytes, dst_bytes = a0.flat.clone(), a1.flat.clone()
     honest = x._array.copy()
-    (route,) = [r for r in dec._routes.values() if r.slots]
+    (route,) = [r for r in dec._routes.routes.values() if r.slots]
     P, G = len(route.plane_group), len(route.groups)
     head = P + 1 + 3 * G
     big, neg = (1 << 63) - 1, -(1 << 63)
@@ -234,7 +234,7 @@ def test_cuda_slot_graphs_grow_interleave_and_stay_in_bounds(op, monkeypatch):
                     assert torch.equal(dst[name].view(torch.int16)[:, d_ids], src[name].view(torch.int16)[:, s_ids])
 
         xs[0].post().wait(60)
-        (route,) = [r for r in agent._routes.values() if r.slots]
+        (route,) = [r for r in agent._routes.routes.values() if r.slots]
         (first,) = route.slots
         assert agent.graphs and first.graph is not None
         xs[1].post().wait(60)
@@ -408,20 +408,20 @@ def test_a_peer_removed_while_its_route_is_built_leaves_no_route(pair, monkeypat
     dec.register_group("g", 4, [a1.tensor((4, 4, 8))])
     connect(pre, dec)
     old = dec.peer("prefill")
-    dec._routes.clear()
-    build = type(dec)._build_route
+    dec._routes.routes.clear()
+    build = dec._routes.build
     built = []
 
-    def build_then_remove(self, peer, *a, **kw):
-        route = build(self, peer, *a, **kw)
-        if peer is old and old.name in self._peers:
+    def build_then_remove(peer, *a, **kw):
+        route = build(peer, *a, **kw)
+        if peer is old and old.name in dec.peers:
             built.append(route)
-            self.remove_peer(old.name)           # (as another thread would, mid-build)
+            dec.remove_peer(old.name)           # (as another thread would, mid-build)
         return route
 
-    monkeypatch.setattr(type(dec), "_build_route", build_then_remove)
+    monkeypatch.setattr(dec._routes, "build", build_then_remove)
     dec.prepare(old, "pull", local_blocks={"g": [0]}, remote_blocks={"g": [1]})
-    assert built and not any(r is built[0] for r in dec._routes.values())
+    assert built and not any(r is built[0] for r in dec._routes.routes.values())
     monkeypatch.undo()
     new = dec.add_peer(pre.metadata())
     x = dec.prepare("prefill", "pull", local_blocks={"g": [0]}, remote_blocks={"g": [1]})
@@ -442,7 +442,7 @@ def test_warm_up_changes_no_byte_and_leaves_no_peer(plat, engine):
         before = {k: v.clone() for k, v in dst.items()}
         took = dec.warm_up()
         assert took == 0.0 if engine == "pack" else took > 0.0
-        assert dec._peers == {} and dec._routes == {}
+        assert dec.peers == {} and dec._routes.routes == {}
         for name in dst:
             assert same_bytes(dst[name], before[name])
         if engine == "pack":

@@ -267,20 +267,20 @@ def test_device_bytes_counts_the_slots(dpair):
                 device_ids=True).post().wait(60)
     got = dec.device_bytes()
     assert got["slots"] == 1 and got["routes"] >= 1
-    slot = next(s for r in dec._routes.values() for s in r.slots)
+    slot = next(s for r in dec._routes.routes.values() for s in r.slots)
     assert got["descriptors"] == slot.rows * 24 and got["requests"] == slot.entries * 8
-    assert got["id_marks"] == slot._checked.marks.numel() * 4 > 0
+    assert got["id_marks"] == slot.checked.marks.numel() * 4 > 0
     assert got["pack_staging"] == 0
 
 
 def _count_copies(agent, monkeypatch) -> list:
     seen = []
-    copy = agent._calls.copy
+    copy = agent._poster.calls.copy
 
     def counted(dst, src, n):
         seen.append(n)
         return copy(dst, src, n)
-    monkeypatch.setattr(agent._calls, "copy", counted)
+    monkeypatch.setattr(agent._poster.calls, "copy", counted)
     return seen
 
 

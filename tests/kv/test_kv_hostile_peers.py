@@ -121,14 +121,14 @@ def test_forged_metadata_of_an_agent_of_this_process_is_refused(any_sides, op, f
         # reached only where the forgery was accepted: the transfer shows what it touches
         initiator.agent.transfer(peer, op, local_blocks=ALL, remote_blocks=ALL).wait(60)
     assert pre.untouched() and dec.untouched()
-    assert not initiator.agent._peers
+    assert not initiator.agent.peers
 
 
 def test_true_metadata_of_an_agent_of_this_process_moves_its_blocks(any_sides):
     """The check lets the real metadata through: a pull moves the peer's blocks and nothing else."""
     pre, dec = any_sides
     peer = dec.agent.add_peer(pre.agent.metadata())
-    assert peer._local is pre.agent and not peer._mappings
+    assert peer._local is pre.agent._registry and not peer._mappings
     dec.agent.transfer(peer, "pull", local_blocks={"full": [0, 1]}, remote_blocks={"full": [3, 2]}).wait(60)
     assert torch.equal(dec.layer[:2], pre.saved[0][[3, 2]]) and torch.equal(dec.layer[2:], dec.saved[0][2:])
     assert pre.untouched() and torch.equal(dec.guard, dec.saved[1])
@@ -163,7 +163,7 @@ def test_same_process_means_the_same_pid_in_the_same_namespace(sides):
         dec.agent.add_peer(_blob(dict(body, namespace="another-boot/0:1")))
     with pytest.raises(BadMetadata, match="of another process"):
         dec.agent.add_peer(_blob(dict(body, pid=body["pid"] + 1)))
-    assert not dec.agent._peers
+    assert not dec.agent.peers
 
 
 def _mappings(plat) -> int:
@@ -188,10 +188,10 @@ def test_a_failed_add_peer_leaves_nothing_behind(sides, host, monkeypatch):
 
     def broken(*a, **k):
         raise RuntimeError("route building failed")
-    monkeypatch.setattr(dec.agent, "_build_route", broken)
+    monkeypatch.setattr(dec.agent._routes, "build", broken)
     with pytest.raises(RuntimeError, match="route building"):
         dec.agent.add_peer(_blob(body))
-    assert not dec.agent._peers and not dec.agent._routes and _mappings(host) == before
+    assert not dec.agent.peers and not dec.agent._routes.routes and _mappings(host) == before
     monkeypatch.undo()
     peer = dec.agent.add_peer(_blob(body))
     dec.agent.transfer(peer, "pull", local_blocks={"full": [0]}, remote_blocks={"full": [1]}).wait(60)
@@ -256,7 +256,7 @@ def test_a_host_payload_that_names_no_buffer_is_bad_metadata(sides, host, payloa
         with pytest.raises(BadMetadata):
             dec.agent.add_peer(_blob(body))
         entry["payload"] = saved
-    assert _mappings(host) == before and not dec.agent._peers
+    assert _mappings(host) == before and not dec.agent.peers
 
 
 def test_a_host_payload_whose_buffer_is_smaller_than_claimed_is_bad_metadata(sides, host):
@@ -265,7 +265,7 @@ def test_a_host_payload_whose_buffer_is_smaller_than_claimed_is_bad_metadata(sid
     body["allocations"][0]["nbytes"] *= 2
     with pytest.raises(BadMetadata, match="holds"):
         dec.agent.add_peer(_blob(body))
-    assert not dec.agent._peers
+    assert not dec.agent.peers
 
 
 @pytest.mark.parametrize("copies", [2, 65535])

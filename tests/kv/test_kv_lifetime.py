@@ -153,9 +153,9 @@ def test_a_wait_that_raises_is_not_completed():
         def broken(e, t):
             raise OverflowError("timestamp out of range for platform time_t")
         plat.event_wait = broken
-        assert a._completed([plat.record_event(a.stream)]) is False
+        assert a._lifetime.completed([plat.record_event(a.stream)]) is False
         plat.event_wait = real
-        assert a._completed([plat.record_event(a.stream)]) is True
+        assert a._lifetime.completed([plat.record_event(a.stream)]) is True
     finally:
         plat.event_wait = real
         a.close()
@@ -249,7 +249,7 @@ def test_stream_waits_that_passed_are_let_go():
             a.stream_wait_notification(s, 0, 0)
             assert plat.synchronize(s, 30)
         a.stream_wait_notification(streams[0], 0, 0)
-        assert len(a._stream_waits) <= 2 and streams[0] in a._stream_waits
+        assert len(a._lifetime.stream_waits) <= 2 and streams[0] in a._lifetime.stream_waits
     finally:
         a.close()
         for s in streams:
@@ -411,8 +411,8 @@ def test_a_post_after_remove_peer_queues_nothing():
         x = dec.prepare(p_of_dec, "pull", local_blocks={"g": [0]}, remote_blocks={"g": [1]}, notify_slot=0)
         dec.remove_peer("prefill")
         taken = []
-        real = dec._take_slot
-        dec._take_slot = lambda *a: taken.append(a) or real(*a)
+        real = dec._poster.take_slot
+        dec._poster.take_slot = lambda *a: taken.append(a) or real(*a)
         with pytest.raises(NotRegistered, match="removed"):
             x.post()
         assert not taken
@@ -432,13 +432,13 @@ def _removal_during_a_post(what: str, platform_name: str = "host"):
     pre, dec, c0, c1, p_of_dec, _ = _pair(plat)
     x = dec.prepare(p_of_dec, "pull", local_blocks={"g": [4]}, remote_blocks={"g": [7]}, notify_slot=1)
     in_post, done = threading.Event(), threading.Event()
-    real = dec._take_slot
+    real = dec._poster.take_slot
 
     def slow(*a):
         in_post.set()
         done.wait(2)                     # a removal that does not wait for this post is over by then
         return real(*a)
-    dec._take_slot = slow
+    dec._poster.take_slot = slow
 
     def remover():
         in_post.wait(60)

@@ -113,9 +113,9 @@ def _check_added(world, peer) -> None:
     pre, dec = world.pre, world.dec
     try:
         if peer._local is not None:
-            assert peer._local is pre
+            assert peer._local is pre._registry
             for name, g in peer.groups.items():
-                assert g.layers == pre._groups[name].layers
+                assert g.layers == pre._registry.groups[name].layers
         else:
             for g in peer.groups.values():
                 for lay, (a, off) in zip(g.layers, g.flats):
@@ -142,7 +142,7 @@ def _add(world, blob) -> None:
 def test_structured_mutations_of_real_metadata(world, data):
     body = data.draw(_mutated(world.body))
     _add(world, _blob(_identity(data.draw, body)))
-    assert not world.dec._peers
+    assert not world.dec.peers
 
 
 @_SETTINGS
@@ -163,4 +163,4 @@ def test_byte_mutations_of_real_metadata(world, data):
     else:
         blob = bytearray(data.draw(st.binary(max_size=200)))
     _add(world, bytes(blob))
-    assert not world.dec._peers
+    assert not world.dec.peers

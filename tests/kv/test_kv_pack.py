@@ -138,8 +138,8 @@ def test_interleaved_shapes_and_fresh_requests(sides):
         d_ids = rng.choice(64, n, replace=False).tolist()
         xs, xd = _prepare(src, dst, s_ids, d_ids, name=f"req-{i}")
         _move(src, dst, xs, xd, s_ids, d_ids, seed=100 + i)
-    shapes = src.agent._pack_shapes
-    assert sorted(sh.posts for sh in shapes.values()) == [2, 3] and len(dst.agent._pack_shapes) == 2
+    shapes = src.agent._pack.shapes
+    assert sorted(sh.posts for sh in shapes.values()) == [2, 3] and len(dst.agent._pack.shapes) == 2
     assert all(any(g is not None for g in sh.graphs) for sh in shapes.values())
     assert src.peer.pack_sent == dst.peer.pack_recv == len([n for n in sizes if n])
 

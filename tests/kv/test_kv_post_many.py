@@ -42,12 +42,12 @@ def _full(pre, dec, a0, a1, layers: int, blocks: int, bt: int, seed: int):
 def _count_uploads(agent, monkeypatch) -> list:
     """Every upload of a request array into a slot on the agent's stream, recorded."""
     seen = []
-    copy = agent._calls.copy
+    copy = agent._poster.calls.copy
 
     def counted(dst, src, n):
         seen.append(n)
         return copy(dst, src, n)
-    monkeypatch.setattr(agent._calls, "copy", counted)
+    monkeypatch.setattr(agent._poster.calls, "copy", counted)
     return seen
 
 
@@ -268,7 +268,7 @@ def test_an_error_after_some_posts_carries_their_handles(pair, plat, monkeypatch
         before = {k: v.clone() for k, v in dst.items()}
         x1 = dec.prepare(p1, "pull", local_blocks={"full": [0, 1]}, remote_blocks={"full": [4, 5]})
         x2 = dec.prepare(p2, "pull", local_blocks={"full": [2]}, remote_blocks={"full": [3]})
-        take, calls = dec._take_slot, []
+        take, calls = dec._poster.take_slot, []
 
         def failing(*a, **k):
             calls.append(1)
@@ -276,7 +276,7 @@ def test_an_error_after_some_posts_carries_their_handles(pair, plat, monkeypatch
                 raise TransferTimeout(rank=0, step=0, flag="a free slot", expected=1, seen=0, timeout_s=1.0,
                                       what="test")
             return take(*a, **k)
-        monkeypatch.setattr(dec, "_take_slot", failing)
+        monkeypatch.setattr(dec._poster, "take_slot", failing)
         with pytest.raises(TransferTimeout) as info:
             dec.post_many([x1, x2])
         h1, h2 = info.value.handles

@@ -291,7 +291,7 @@ class WorkerSide:
         try:
             with self._lock:
                 name = f"vllm-{r.key[2]}"
-                if name in self.agent._peers:                   # the same engine again, after it restarted
+                if name in self.agent.peers:                   # the same engine again, after it restarted
                     self.agent.remove_peer(name)
                 r.peer = self.agent.add_peer(r.meta)
                 self._warm(r.peer)
