@@ -1,7 +1,9 @@
 """The vLLM connector's worker-side bookkeeping without an agent or vLLM: a poll asks only the oldest read in
 flight (O(1) when nothing finished), reports reads in order with one done message per engine, fails a read seen
 complete past its lease; the prefill's holds end on the decode side's word or at their lease, found without a
-scan; and the one-group ID check's shortcut for rising block IDs (a fresh allocator's) against the reference."""
+scan; a handle that raises fails its loads alone (a read of several refused by the device check goes again with
+host IDs); a gone engine is forgotten once no load names it; and the one-group ID check's shortcut for rising
+block IDs (a fresh allocator's) against the reference."""
 from __future__ import annotations
 
 import queue
@@ -182,3 +184,17 @@ def test_a_read_of_several_refused_on_the_device_goes_again_with_host_ids():
     assert w.poll() == (set(), {"d2"}, set())
     assert posted == [["d0", "d1"]] and all(st.host_ids and st.together == 1 for st in sts[:2])
     assert set(w._waiting) == {"d0", "d1"} and r.inflight == 0 and r.loads == 2
+
+
+def test_a_gone_engine_is_forgotten_once_no_load_names_it():
+    """The reap counts an engine's loads (no scan of the loads in flight): a gone engine with a load not reported
+    stays; once that load is reported, it goes."""
+    w = _worker()
+    r, sts = _in_flight(w, 2, time.monotonic() + 60)
+    r.client.alive = False
+    sts[0].handle.finished = True
+    w.poll()
+    assert r.key in w._remotes and r.loads == 1
+    sts[1].handle.finished = True
+    w.poll()
+    assert r.key not in w._remotes and r.loads == 0
