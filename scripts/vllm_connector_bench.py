@@ -18,6 +18,11 @@ Targets (issue #34, p90 over the runs): ``start_load_kv`` <= 100 us, <= 20 us pe
 
     python scripts/vllm_connector_bench.py --device cuda --tokens 32768 --runs 3 --out out.json
     python scripts/vllm_connector_bench.py --device host --tokens 2048 --layers 4 --runs 1 --out o.json
+    python scripts/vllm_connector_bench.py --device host --engine triton ...   # device IDs on the host emulation
+
+The decode side pulls with block IDs on the device where it can (the triton engine, kernel blocks alike on both
+sides; ``--ids host`` turns it off); each run's ``path`` column says how its loads went (``dev``: every load
+with device IDs, ``host``: every load with host IDs, ``mixed``).
 
 Needs vLLM importable (docs/VLLM.md). Exit status 1 on a wrong byte or a failed load, 2 on bad options.
 """
@@ -49,7 +54,11 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
     total = 1 + a.warm + a.batch
     blocks = max(4096, 2 * total * per_req_blocks + 16)
     t0 = time.perf_counter()
-    kw = dict(extra={"token_major": True}, env=env, device=dev, num_blocks=blocks, max_model_len=a.tokens + 64)
+    extra = {"token_major": True, "device_ids": a.ids == "auto"}
+    if a.engine != "auto":
+        extra["engine"] = a.engine
+    kw = dict(extra=extra, env=env, device=dev, num_blocks=blocks, max_model_len=a.tokens + 64,
+              shm_caches=a.engine == "triton" and dev == "cpu")
     auto = a.cpus == "auto"
     P = Instance(f"bP{run}", model, a.block_size, cpus=(0, 2) if auto else None, **kw)
     D = Instance(f"bD{run}", model, a.block_size, cpus=(1, 2) if auto else None, profile=a.profile, **kw)
@@ -101,12 +110,19 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
         "handshake_ms": 1e3 * st["handshake_s"][0] if st.get("handshake_s") else None,
         "calls_us": {k: {"n": len(v), "p50": us(pct(v, 0.5)), "p90": us(pct(v, 0.9))}
                      for k, v in st.get("calls_s", {}).items()},
+        "device_id_loads": st.get("device_id_loads", 0), "host_id_loads": st.get("host_id_loads", 0),
+        "path": _path(st.get("device_id_loads", 0), st.get("host_id_loads", 0)),
         "wrong_bytes": sum(v.get("bad", 0) for v in loads.values()),
         "checked_bytes": sum(v.get("checked", 0) for v in loads.values()),
         "failed": sorted(r for r, v in loads.items() if v.get("load") != "ok"),
         "samples": {"start_load_kv_s": st.get("start_load_kv_s", []), "get_finished_s": st.get("get_finished_s", []),
                     "load_s": {r: v.get("load_s") for r, v in loads.items()}},
     }
+
+
+def _path(device: int, host: int) -> str:
+    """How a run's loads went: ``dev`` (block IDs on the device), ``host`` or ``mixed``."""
+    return "mixed" if device and host else "dev" if device else "host" if host else "-"
 
 
 def main(argv=None) -> int:
@@ -118,6 +134,11 @@ def main(argv=None) -> int:
     ap.add_argument("--warm", type=int, default=5, help="single requests after the first (default 5)")
     ap.add_argument("--batch", type=int, default=8, help="requests loaded in one step (default 8; 0: none)")
     ap.add_argument("--runs", type=int, default=3, help="runs, each with fresh instances (default 3)")
+    ap.add_argument("--engine", choices=("auto", "triton", "copy_engine"), default="auto",
+                    help="the decode side's engine (default auto: triton on GPUs, copy_engine on the host emulation; "
+                         "triton there puts the caches in the platform's shared memory and runs Triton interpreted)")
+    ap.add_argument("--ids", choices=("auto", "host"), default="auto",
+                    help="auto (default): block IDs on the device where the engine allows; host: always on the host")
     ap.add_argument("--cpus", choices=("auto", "none"), default="auto",
                     help="auto (default): each instance's engine thread pinned to the fastest, by a Python yardstick, "
                          "of physical cores of its own, the decode side picked again before each phase; none: the "
@@ -148,12 +169,13 @@ def main(argv=None) -> int:
     print(f"# request: {a.tokens} tokens x {a.layers} layers, fp16, 2 KV heads x 16, block {a.block_size} "
           f"({kv_bytes / 2**20:.1f} MiB of KV); per run: 1 first + {a.warm} warm + a step of {a.batch}; "
           f"{a.runs} runs, fresh instances and Triton cache each")
+    print(f"# decode engine {a.engine}, block IDs {a.ids} (path per run: dev = on the device, host = on the host)")
     print(f"# CPU placement: {'each engine thread pinned (auto)' if a.cpus == 'auto' else 'the scheduler (none)'}; "
           "py_us: the Python yardstick (gpuxfer.bench.cpus.python_speed_us) on the decode thread's CPU, median")
     print("# times: host time of the decode engine thread's connector calls (us); load = start_load_kv -> "
           "reported done (ms)")
     hdr = (f"{'run':>3} {'start_s':>8} {'slk_p50':>8} {'slk_p90':>8} {'slk_1st':>9} {'extra/rq':>8} {'gf_p50':>7} "
-           f"{'gf_p90':>7} {'1st_ms':>8} {'warm_ms':>8} {'hs_ms':>7} {'py_us':>6} {'wrong':>6}")
+           f"{'gf_p90':>7} {'1st_ms':>8} {'warm_ms':>8} {'hs_ms':>7} {'py_us':>6} {'wrong':>6} {'path':>5}")
     print(hdr)
     rows = []
     for run in range(a.runs):
@@ -163,7 +185,7 @@ def main(argv=None) -> int:
         print(f"{run:>3} {f(r['startup_s'], 8)} {f(r['start_load_kv_us_p50'], 8)} {f(r['start_load_kv_us_p90'], 8)} "
               f"{f(r['start_load_kv_first_us'], 9)} {f(r['extra_request_us'], 8)} {f(r['get_finished_us_p50'], 7)} "
               f"{f(r['get_finished_us_p90'], 7)} {f(r['first_load_ms'], 8, 2)} {f(r['warm_load_ms'], 8, 2)} "
-              f"{f(r['handshake_ms'], 7)} {f(r['python_us'], 6)} {r['wrong_bytes']:>6}", flush=True)
+              f"{f(r['handshake_ms'], 7)} {f(r['python_us'], 6)} {r['wrong_bytes']:>6} {r['path']:>5}", flush=True)
     pool = lambda key: [x for r in rows for x in r["samples"][key]]      # noqa: E731
     single = [x[1] for r in rows for x in r["samples"]["start_load_kv_s"][1:] if x[0] == 1]
     summary = {
@@ -195,10 +217,13 @@ def main(argv=None) -> int:
         verdicts[k] = "n/a" if v is None else ("met" if v <= target else "MISSED")
         print(f"#   {k:22s} {'-' if v is None else f'{v:.1f}':>9} (target <= {target:g}) {verdicts[k]}")
     ok = wrong == 0 and not failed
+    print(f"# block IDs: on the device for {sum(r['device_id_loads'] for r in rows)} loads, on the host for "
+          f"{sum(r['host_id_loads'] for r in rows)}")
     print(f"# wrong bytes: {wrong} of {sum(r['checked_bytes'] for r in rows)} checked; failed loads: {len(failed)}")
     print(f"# {'PASS' if ok else 'FAIL'}")
     with open(a.out, "x") as fh:
-        json.dump({"params": vars(a), "cpus": cpus(), "summary": summary, "verdicts": verdicts, "wrong_bytes": wrong,
+        json.dump({"params": vars(a), "cpus": cpus(), "summary": summary,
+                   "path": _path(sum(r["device_id_loads"] for r in rows), sum(r["host_id_loads"] for r in rows)), "verdicts": verdicts, "wrong_bytes": wrong,
                    "failed": failed, "runs": rows}, fh, indent=1)
     return 0 if ok else 1
 

@@ -299,3 +299,142 @@ def test_handshake_times_out_and_refused_connect_fails():
     with pytest.raises(ConnectionError):
         c.handshake()
     c.close()
+
+
+# ---------------------------------------------------------------------------------------------- the decode worker
+# A prefill and a decode WorkerSide in this process over the host emulation's shared memory (LBHNC views, as vLLM
+# lays them out), pulling with the triton engine: the reads take their block IDs on the device.
+
+BLOCKS, BS, HEADS, CONTENT, LAYERS = 24, 16, 2, 32, 2
+
+
+def _caches(host, fill: bool):
+    size = LAYERS * BLOCKS * HEADS * BS * CONTENT
+    buf = host.alloc(size, 0)
+    raw = host.as_tensor(buf, torch.uint8, (size,), 0)
+    if fill:
+        raw.copy_(torch.randint(1, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)))
+    else:
+        raw.zero_()
+    whole = raw.view(LAYERS, BLOCKS, HEADS, BS, CONTENT)
+    return buf, {f"model.layers.{i}.self_attn.attn": whole[i] for i in range(LAYERS)}
+
+
+@pytest.fixture
+def workers(host):
+    from gpuxfer.integrations.vllm.worker import Settings, WorkerSide
+    made, bufs = [], []
+
+    def make(device_ids: bool = True):
+        out = []
+        for name, fill in (("p", True), ("d", False)):
+            buf, caches = _caches(host, fill)
+            bufs.append(buf)
+            w = WorkerSide(engine_id=name, model="m", dtype="auto/float16", layout="LBHNC",
+                           groups=[("FullAttentionSpec", BS, list(caches))], platform=host,
+                           settings=Settings(lease_s=60, host="127.0.0.1", port=0, handshake_timeout_s=30,
+                                             token_major=True, engine="triton", device_ids=device_ids))
+            w.register(caches)
+            w.caches = caches
+            made.append(w)
+            out.append(w)
+        return out
+    yield make
+    for w in reversed(made):
+        w.close()
+    for b in bufs:
+        b.close()
+
+
+def _load(P, req: str, local: list[int], remote: list[int]):
+    import time
+    from gpuxfer.integrations.vllm.params import RemotePrefill
+    from gpuxfer.integrations.vllm.worker import Load
+    rp = RemotePrefill("p", "127.0.0.1", P.server.port, f"p-{req}", (np.array(remote, dtype=np.int64),), (BS,),
+                       time.monotonic() + 60)
+    return Load(req, rp, (np.array(local, dtype=np.int64),), 0, BS * len(local) - 1)
+
+
+def _drive(P, D, want: set, timeout: float = 120.0) -> tuple[set, set]:
+    import time
+    got, failed = set(), set()
+    deadline = time.monotonic() + timeout
+    while want - got:
+        assert time.monotonic() < deadline, f"loads {sorted(want - got)} not reported"
+        P.poll()
+        _, r, f = D.poll()
+        got |= r
+        failed |= f
+    return got, failed
+
+
+def _moved(P, D, local: list[int], remote: list[int]) -> bool:
+    return all(torch.equal(D.caches[n][b], P.caches[n][a]) for n in D.caches for a, b in zip(remote, local))
+
+
+def _zero(D, blocks) -> bool:
+    return all(not D.caches[n][b].any() for n in D.caches for b in blocks)
+
+
+def test_decode_reads_with_device_ids(workers):
+    """Equal kernel blocks on a triton peer: a step's loads go as one read with device IDs; every byte lands."""
+    P, D = workers()
+    assert D._staging is not None
+    D.start_loads([_load(P, "a", [3, 4, 5], [7, 8, 9])])
+    assert _drive(P, D, {"a"}) == ({"a"}, set())
+    assert D._remotes[("127.0.0.1", P.server.port, "p")].device_ids
+    D.start_loads([_load(P, "b", [10, 11], [1, 2]), _load(P, "c", [12, 13, 14], [20, 21, 22])])
+    assert D._inflight[0].handle is D._inflight[1].handle          # one read for the step
+    assert _drive(P, D, {"b", "c"}) == ({"b", "c"}, set())
+    assert _moved(P, D, [3, 4, 5], [7, 8, 9]) and _moved(P, D, [10, 11, 12, 13, 14], [1, 2, 20, 21, 22])
+    stats = D.take_stats()
+    assert stats["device_id_loads"] == 3 and stats["host_id_loads"] == 0 and stats["failed"] == 0
+
+
+def test_device_ids_off_reads_with_host_ids(workers):
+    P, D = workers(device_ids=False)
+    assert D._staging is None
+    D.start_loads([_load(P, "a", [3, 4], [7, 8])])
+    assert _drive(P, D, {"a"}) == ({"a"}, set())
+    assert _moved(P, D, [3, 4], [7, 8])
+    stats = D.take_stats()
+    assert stats["device_id_loads"] == 0 and stats["host_id_loads"] == 1
+
+
+def test_a_bad_block_id_on_the_device_fails_only_its_load(workers, caplog):
+    """A remote ID past the prefill's blocks: alone, the device check refuses the read; posted with good loads,
+    the step's read is refused as a whole, posted again load by load with host IDs, and only the load at fault
+    fails. Its blocks get no byte; vLLM is told its block IDs."""
+    P, D = workers()
+    D.start_loads([_load(P, "bad", [3, 4], [5, BLOCKS + 1])])
+    with caplog.at_level("WARNING", logger="gpuxfer.vllm"):
+        assert _drive(P, D, {"bad"}) == ({"bad"}, {"bad"})
+    assert "checked on the device" in caplog.text
+    assert _zero(D, [3, 4]) and D.take_load_errors() == {3, 4}
+    D.start_loads([_load(P, "g1", [6, 7], [1, 2]), _load(P, "bad2", [8, 9], [BLOCKS, 3]),
+                   _load(P, "g2", [10], [4])])
+    assert _drive(P, D, {"g1", "bad2", "g2"}) == ({"g1", "bad2", "g2"}, {"bad2"})
+    assert _moved(P, D, [6, 7, 10], [1, 2, 4]) and _zero(D, [3, 4, 8, 9])
+    assert D.take_load_errors() == {8, 9}
+    stats = D.take_stats()
+    assert stats["failed"] == 2 and stats["transfers"] == 2 and stats["host_id_loads"] == 2
+
+
+def test_the_staged_ids_are_not_reused_while_a_copy_can_read_them(workers, host):
+    """The agent's stream held up: a second step's IDs must not go where the first step's copy, still queued,
+    reads them (each step lands its own bytes once the stream runs)."""
+    import threading
+    P, D = workers()
+    D.start_loads([_load(P, "w", [1], [1])])            # the handshake, out of the way
+    _drive(P, D, {"w"})
+    gate = threading.Event()
+    host.launch(D.agent.stream, lambda: gate.wait(60))
+    try:
+        D.start_loads([_load(P, "s1", [3, 4, 5], [7, 8, 9])])
+        D.start_loads([_load(P, "s2", [10, 11, 12], [13, 14, 15])])
+        assert D._inflight[0].handle is not D._inflight[-1].handle
+    finally:
+        gate.set()
+    assert _drive(P, D, {"s1", "s2"}) == ({"s1", "s2"}, set())
+    assert _moved(P, D, [3, 4, 5], [7, 8, 9]) and _moved(P, D, [10, 11, 12], [13, 14, 15])
+    assert len(D._staging.entries) == 2

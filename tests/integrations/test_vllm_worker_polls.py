@@ -1,7 +1,9 @@
 """The vLLM connector's worker-side bookkeeping without an agent or vLLM: a poll asks only the oldest read in
 flight (O(1) when nothing finished), reports reads in order with one done message per engine, fails a read seen
 complete past its lease; the prefill's holds end on the decode side's word or at their lease, found without a
-scan; and the one-group ID check's shortcut for rising block IDs (a fresh allocator's) against the reference."""
+scan; a handle that raises fails its loads alone (a read of several refused by the device check goes again with
+host IDs); a gone engine is forgotten once no load names it; and the one-group ID check's shortcut for rising
+block IDs (a fresh allocator's) against the reference."""
 from __future__ import annotations
 
 import queue
@@ -17,11 +19,13 @@ from gpuxfer.kv.ids import _RouteIds
 
 
 class _Handle:
-    def __init__(self):
-        self.finished, self.asked = False, 0
+    def __init__(self, error: Exception | None = None):
+        self.finished, self.asked, self.error = False, 0, error
 
     def done(self) -> bool:
         self.asked += 1
+        if self.finished and self.error is not None:
+            raise self.error
         return self.finished
 
 
@@ -64,6 +68,7 @@ def _in_flight(w: WorkerSide, n: int, deadline: float):
         w._loads[st.load.req_id] = st
         w._inflight.append(st)
         r.inflight += 1
+        r.loads += 1
         sts.append(st)
     return r, sts
 
@@ -147,3 +152,49 @@ def test_rising_block_ids_order_and_refuse_as_the_reference(sort_by_dst, push):
         out_s, out_d = np.empty(n, np.int64), np.empty(n, np.int64)
         ids.write(checked[3], out_s, out_d)
         assert np.array_equal(out_s, want_s) and np.array_equal(out_d, want_d)
+
+
+def test_a_read_whose_handle_raises_fails_its_loads_alone():
+    """A handle raising (a failed copy, the device check of a read of one load) fails that load; the poll goes on to
+    the next."""
+    from gpuxfer.errors import GpuxferError
+    w = _worker()
+    r, sts = _in_flight(w, 3, time.monotonic() + 60)
+    sts[0].handle = _Handle(GpuxferError("the copy failed"))
+    sts[1].handle = _Handle(BlockIdError("request 'd1': a destination block named twice"))
+    for st in sts:
+        st.handle.finished = True
+    assert w.poll() == (set(), {"d0", "d1", "d2"}, {"d0", "d1"})
+    assert w.take_load_errors() == {10, 11, 12, 13}
+    assert r.client.sent == [("release", ["p0"]), ("release", ["p1"]), ("done", ["p2"])]
+    assert r.loads == 0 and r.inflight == 0
+
+
+def test_a_read_of_several_refused_on_the_device_goes_again_with_host_ids():
+    """The loads of a read that failed the device check are not failed: each is posted again alone, with host IDs
+    (the host check then names the one at fault)."""
+    w = _worker()
+    r, sts = _in_flight(w, 3, time.monotonic() + 60)
+    shared = _Handle(BlockIdError("request 'd0 and 1 more': checked on the device"))
+    for st in sts[:2]:
+        st.handle, st.together, st.device_ids = shared, 2, True
+    shared.finished = sts[2].handle.finished = True
+    posted = []
+    w._post = lambda ready, blocking: posted.append([st.load.req_id for st in ready])
+    assert w.poll() == (set(), {"d2"}, set())
+    assert posted == [["d0", "d1"]] and all(st.host_ids and st.together == 1 for st in sts[:2])
+    assert set(w._waiting) == {"d0", "d1"} and r.inflight == 0 and r.loads == 2
+
+
+def test_a_gone_engine_is_forgotten_once_no_load_names_it():
+    """The reap counts an engine's loads (no scan of the loads in flight): a gone engine with a load not reported
+    stays; once that load is reported, it goes."""
+    w = _worker()
+    r, sts = _in_flight(w, 2, time.monotonic() + 60)
+    r.client.alive = False
+    sts[0].handle.finished = True
+    w.poll()
+    assert r.key in w._remotes and r.loads == 1
+    sts[1].handle.finished = True
+    w.poll()
+    assert r.key not in w._remotes and r.loads == 0

@@ -38,16 +38,18 @@ class Instance:
 
     def __init__(self, name: str, model_dir: str, block_size: int, *, hybrid: bool = False,
                  extra: dict | None = None, num_blocks: int = 4096, env: dict | None = None, device: str = "cpu",
-                 max_model_len: int = 8192, cpus: tuple[int, int] | None = None, profile: bool = False):
+                 max_model_len: int = 8192, cpus: tuple[int, int] | None = None, profile: bool = False,
+                 shm_caches: bool = False):
         """``cpus``: ``(rank, world)`` to pin the instance's engine thread as a benchmark rank with ``--cpus
         auto`` does (:func:`gpuxfer.bench.cpus.pin_auto`: the fastest of physical cores of its own); None: the
         scheduler places it. ``profile``: time the calls a load makes inside the engine (:func:`_profile`,
-        under ``stats["calls_s"]``)."""
+        under ``stats["calls_s"]``). ``shm_caches``: on the host emulation, the caches in the platform's shared
+        memory (the triton engine reaches a peer's caches only there)."""
         self.name = name
         self.conn, child = ctx().Pipe()
         spec = dict(name=name, model_dir=model_dir, block_size=block_size, hybrid=hybrid, extra=extra or {},
                     num_blocks=num_blocks, env=env or {}, device=device, max_model_len=max_model_len, cpus=cpus,
-                    profile=profile)
+                    profile=profile, shm_caches=shm_caches)
         self.proc = ctx().Process(target=serve, args=(child, spec), name=f"vllm-{name}", daemon=True)
         self.proc.start()
         child.close()
@@ -171,7 +173,7 @@ class _Engine:
         self.device = torch.device(spec["device"], 0) if spec["device"] == "cuda" else torch.device("cpu")
         if spec["device"] == "cuda":
             torch.cuda.set_device(0)
-        self.caches = self._allocate(KVCacheLayout.LBHNC)
+        self.caches = self._allocate(KVCacheLayout.LBHNC, spec.get("shm_caches", False))
         self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
         self.worker.register_kv_caches(self.caches)
         if spec.get("profile"):
@@ -190,13 +192,14 @@ class _Engine:
         self.stats: dict = {}
         self.load_t0: dict[str, float] = {}
 
-    def _allocate(self, layout):
+    def _allocate(self, layout, shm: bool):
         """vLLM's allocation: one int8 backing buffer viewed per layer by vLLM's own code. The buffer is the
-        host platform's shared memory where the platform cannot reach a plain tensor of another process."""
+        host platform's shared memory where asked or where the platform cannot reach a plain tensor of another
+        process."""
         from vllm.v1.worker.utils import allocate_kv_cache
         from vllm.v1.kv_cache_interface import create_kv_cache_views
         torch = self.torch
-        if self.device.type == "cuda" or _plain_tensors_exportable():
+        if self.device.type == "cuda" or (not shm and _plain_tensors_exportable()):
             return allocate_kv_cache(self.kv_cache_config, self.device, layout)
         from gpuxfer.platforms import current
         plat = current()
@@ -406,9 +409,12 @@ def _profile(connector, acc: dict) -> None:
     """Time, inside this engine, each call a load makes on its way from ``start_load_kv`` to the driver (the
     connector's worker side, the agent, the ID checks, the slot and the driver calls the post makes): every
     call's seconds under its name in ``acc``. A measuring aid of the benchmark, not of the product."""
+    import gpuxfer.integrations.vllm.channel as kc
+    import gpuxfer.integrations.vllm.staging as kst
     import gpuxfer.integrations.vllm.worker as wk
     import gpuxfer.kv.agent as ka
     import gpuxfer.kv.batch as kb
+    import gpuxfer.kv.device_ids as kd
     import gpuxfer.kv.ids as ki
     import gpuxfer.kv.request_arrays as ks
 
@@ -421,16 +427,21 @@ def _profile(connector, acc: dict) -> None:
                 acc.setdefault(name, []).append(time.perf_counter() - t)
         return wrapper
 
-    for owner, attr in ((wk, "pair_group"), (wk.WorkerSide, "_post"), (wk.WorkerSide, "_prepare"),
-                        (ka.KVAgent, "prepare"), (ka.KVAgent, "post_many"), (ki._RouteIds, "check"),
-                        (ks.RequestStaging, "stage"), (kb, "run_in_slot"), (kb, "_post_route")):
+    for owner, attr in ((wk, "pair_group"), (wk.WorkerSide, "start_loads"), (wk.WorkerSide, "_post"),
+                        (wk.WorkerSide, "_pair"), (wk.WorkerSide, "_prepare_host"),
+                        (wk.WorkerSide, "_prepare_on_device"), (kst.IdStaging, "take"), (kst.IdStaging, "send"),
+                        (wk.WorkerSide, "poll"), (wk.WorkerSide, "_drain_events"), (wk.WorkerSide, "_finished_recving"),
+                        (kc.SideChannelClient, "notify"), (ka.KVAgent, "prepare"), (ka.KVAgent, "post_many"),
+                        (ka, "prepare_device"), (kd._DeviceIdTransfer, "_post_locked"), (kb, "post_together"),
+                        (ki._RouteIds, "check"), (ks.RequestStaging, "stage"), (kb, "run_in_slot"),
+                        (kb, "_post_route")):
         setattr(owner, attr, timed(f"{getattr(owner, '__name__', owner)}.{attr}", getattr(owner, attr)))
     agent = connector._worker.agent
     calls = agent._poster.calls
     for attr in ("copy", "launch_graph"):
         if getattr(calls, attr, None) is not None:
             setattr(calls, attr, timed(f"driver.{attr}", getattr(calls, attr)))
-    for attr in ("record_event", "event_query"):
+    for attr in ("record_event", "event_query", "copy_async"):
         setattr(agent.platform, attr, timed(f"driver.{attr}", getattr(agent.platform, attr)))
 
 

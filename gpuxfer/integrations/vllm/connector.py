@@ -45,7 +45,8 @@ class GpuxferStats(KVConnectorStats):
 
     def reset(self):
         self.data = {"transfers": 0, "failed": 0, "bytes": 0, "handshakes": 0, "leases_expired": 0,
-                     "sends_done": 0, "post_host_s": [], "xfer_s": [], "handshake_s": []}
+                     "sends_done": 0, "device_id_loads": 0, "host_id_loads": 0, "post_host_s": [], "xfer_s": [],
+                     "handshake_s": []}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in other.data.items():
@@ -58,7 +59,8 @@ class GpuxferStats(KVConnectorStats):
     def reduce(self) -> dict[str, int | float]:
         d = self.data
         out: dict[str, int | float] = {k: d.get(k, 0) for k in ("transfers", "failed", "bytes", "handshakes",
-                                                              "leases_expired", "sends_done")}
+                                                              "leases_expired", "sends_done", "device_id_loads",
+                                                              "host_id_loads")}
         for k in ("post_host_s", "xfer_s", "handshake_s"):
             xs = sorted(d.get(k, []))
             if xs:
@@ -75,13 +77,15 @@ class GpuxferStats(KVConnectorStats):
 def _settings(extra: dict) -> Settings:
     def pick(key: str, var: str):
         return config.resolve(var, extra.get(key), option=f"kv_connector_extra_config[{key!r}]")
-    tm = extra.get("token_major")
+    tm, dev = extra.get("token_major"), extra.get("device_ids", True)
     if tm is not None and not isinstance(tm, bool):
         raise BadInput(f"kv_connector_extra_config['token_major'] must be true or false, got {tm!r}")
+    if not isinstance(dev, bool):
+        raise BadInput(f"kv_connector_extra_config['device_ids'] must be true or false, got {dev!r}")
     return Settings(lease_s=pick("lease_s", "GPUXFER_VLLM_LEASE_S"), host=pick("host", "GPUXFER_VLLM_HOST"),
                     port=pick("port", "GPUXFER_VLLM_PORT"),
                     handshake_timeout_s=pick("handshake_timeout_s", "GPUXFER_VLLM_HANDSHAKE_TIMEOUT_S"),
-                    token_major=tm, engine=pick("engine", "GPUXFER_VLLM_ENGINE"))
+                    token_major=tm, engine=pick("engine", "GPUXFER_VLLM_ENGINE"), device_ids=dev)
 
 
 class GpuxferConnector(KVConnectorBase_V1, SupportsHMA):

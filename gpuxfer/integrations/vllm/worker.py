@@ -24,11 +24,12 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ...errors import GpuxferError
+from ...errors import BlockIdError, GpuxferError
 from ...kv import KVAgent
 from .channel import SideChannelClient, SideChannelServer
 from .handshake import check_compatible, decode_info, describe_view, encode_info, engine_info
 from .params import BadTransferParams, RemotePrefill, pair_group
+from .staging import IdStaging
 
 log = logging.getLogger("gpuxfer.vllm")
 
@@ -41,6 +42,7 @@ class Settings:
     handshake_timeout_s: float
     token_major: bool
     engine: str = "auto"
+    device_ids: bool = True                 # pull with block IDs on the device where the peer allows it
 
 
 @dataclass
@@ -63,6 +65,10 @@ class _LoadState:
     t_post: float = 0.0
     nbytes: int = 0
     error: str | None = None
+    pairs: tuple | None = None              # (local, remote): {group name: kernel block IDs} once paired
+    together: int = 1                       # loads in the read this one was posted in
+    device_ids: bool = False                # posted with its block IDs on the device
+    host_ids: bool = False                  # post with host IDs (a read of several failed the device check)
 
 
 @dataclass
@@ -75,7 +81,9 @@ class _Remote:
     groups: tuple = ()                      # per group: (block size, kernel tokens) from its handshake
     meta: bytes | None = None
     error: str | None = None
-    inflight: int = 0
+    device_ids: bool = False                # its reads take block IDs on the device
+    inflight: int = 0                       # reads posted and not seen complete
+    loads: int = 0                          # loads naming it not reported yet
     t0: float = field(default_factory=time.monotonic)
 
 
@@ -107,6 +115,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._kernel_tokens: list[int] = []
         self._bytes_per_block: list[int] = []
+        self._staging: IdStaging | None = None
         self.stats = _new_stats()
 
     # ------------------------------------------------------------------ registration
@@ -126,7 +135,7 @@ class WorkerSide:
         if engine == "auto":        # the host emulation runs kernels in Triton's interpreter; memcpy is fast there
             engine = "copy_engine" if platform.kernels_interpreted else "triton"
         self.agent = KVAgent(f"vllm-{self.engine_id}", platform=platform, device=device, engine=engine)
-        groups = []
+        groups, layer_specs = [], []
         for g, (kind, bs, names) in enumerate(self.group_specs):
             missing = [n for n in names if n not in kv_caches]
             if missing:
@@ -144,6 +153,7 @@ class WorkerSide:
                                    f"which do not split its {bs}-token blocks evenly")
             kt = tokens.pop()
             self.agent.register_group(f"g{g}", kt, specs, token_major=all(majors))
+            layer_specs.append((specs, all(majors)))
             self._kernel_tokens.append(kt)
             self._bytes_per_block.append(per_block)
             view = kv_caches[names[0]]
@@ -152,7 +162,9 @@ class WorkerSide:
                            "content": [int(view.shape[1]), int(view.shape[3]) * view.element_size()]})
         self.info = engine_info(engine_id=self.engine_id, model=self.model, dtype=self.dtype, layout=self.layout,
                                 groups=groups)
-        warm_s = self._warm_up()
+        if self.settings.device_ids and self.agent.engine == "triton":
+            self._staging = IdStaging(self.agent)
+        warm_s = self._warm_up(layer_specs)
         self._info_bytes, self._meta_bytes = encode_info(self.info), self.agent.metadata()
         self.server = SideChannelServer(self.settings.host, self.settings.port,
                                         lambda: (self._info_bytes, self._meta_bytes), self.settings.handshake_timeout_s)
@@ -164,15 +176,31 @@ class WorkerSide:
                  ", ".join(f"{g['kind']} {g['block_size']} tok x {len(g['layers'])} layers" for g in groups), engine,
                  time.perf_counter() - t0, warm_s, self.server.host, self.server.port)
 
-    def _warm_up(self) -> float:
+    def _warm_up(self, layer_specs: list) -> float:
         """The agent's kernels loaded now (engine startup), not in the first request: a read of vLLM's null
-        block 0 onto itself. A failure here only moves that cost to the first request."""
+        block 0 onto itself, with host IDs (:meth:`KVAgent.warm_up`) and, where reads take device IDs, with
+        device IDs from a mirror agent over the same memory (the device check's kernels). A failure here only
+        moves that cost to the first request."""
+        t0 = time.perf_counter()
         try:
-            return self.agent.warm_up(block=0)
+            self.agent.warm_up(block=0)
+            if self._staging is not None:
+                mirror = KVAgent(f"vllm-{self.engine_id}"[:500] + "~ids", platform=self.agent.platform,
+                                 device=self.agent.device, engine="triton")
+                try:
+                    for g, (specs, major) in enumerate(layer_specs):
+                        mirror.register_group(self._group_names[g], self._kernel_tokens[g], specs, token_major=major)
+                    peer = self.agent.add_peer(mirror.metadata())
+                    try:
+                        self._warm(peer, device_ids=True)
+                    finally:
+                        self.agent.remove_peer(peer)
+                finally:
+                    mirror.close()
         except GpuxferError as exc:
             log.warning("gpuxfer: engine %s: loading the transfer kernels at startup failed (%s: %s); the first "
                         "request loads them", self.engine_id, type(exc).__name__, exc)
-            return 0.0
+        return time.perf_counter() - t0
 
     @property
     def endpoint(self) -> tuple[str, int]:
@@ -237,6 +265,7 @@ class WorkerSide:
         for load in loads:
             st = self._loads[load.req_id] = self._waiting[load.req_id] = _LoadState(load, now)
             st.remote = self._remote(load.remote)
+            st.remote.loads += 1
             self._advance(st.remote)
             if st.remote.state == "ready":
                 ready.append(st)
@@ -294,7 +323,11 @@ class WorkerSide:
                 if name in self.agent.peers:                   # the same engine again, after it restarted
                     self.agent.remove_peer(name)
                 r.peer = self.agent.add_peer(r.meta)
-                self._warm(r.peer)
+                # device IDs: the triton engine over the peer's mapped caches, kernel blocks alike on both sides
+                # (a step's reads then merge into one request per engine; other block sizes pair on the host)
+                r.device_ids = (self._staging is not None and r.peer.route == "ipc" and r.peer.engine == "triton"
+                                and all(rk == lk for (_, rk), lk in zip(r.groups, self._kernel_tokens)))
+                self._warm(r.peer, r.device_ids)
             r.state = "ready"
         except Exception as exc:
             self._handshake_failed(r, exc)
@@ -305,54 +338,77 @@ class WorkerSide:
         log.info("gpuxfer: engine %s: handshake with prefill engine %s at %s:%d in %.3f s (its caches mapped in "
                  "%.3f s)", self.engine_id, r.key[2], r.key[0], r.key[1], time.monotonic() - r.t0, now - t0)
 
-    def _warm(self, peer) -> None:
+    def _warm(self, peer, device_ids: bool = False) -> None:
         """One read of the peer's null block into ours per group (vLLM's block 0: a placeholder no request
         reads; a group at a time, as hybrid groups share memory), so the first request finds its route's
-        slot made."""
-        for g in range(len(self.group_specs)):
-            blocks = {f"g{g}": [0]}
+        slot made; with ``device_ids`` one more per group with the IDs on the device."""
+        for name in self._group_names:
+            blocks = {name: [0]}
             try:
                 self.agent.prepare(peer, "pull", local_blocks=blocks, remote_blocks=blocks, name="warm-up").post().wait()
+                if device_ids:
+                    e = self._staging.take(1)
+                    e.array[0] = 0
+                    self._staging.send(e, 1)
+                    ids = {name: e.device[:1]}
+                    h = self.agent.prepare(peer, "pull", local_blocks=ids, remote_blocks=ids, name="warm-up",
+                                           device_ids=True).post()
+                    e.fence = h.event
+                    h.wait()
             except GpuxferError as exc:
-                log.debug("gpuxfer: warm-up read of group %d skipped: %s", g, exc)
+                log.debug("gpuxfer: warm-up read of group %s skipped: %s", name, exc)
 
     def _post(self, sts: list[_LoadState], blocking: bool) -> None:
         """Pair each request's blocks and post the reads together (:meth:`KVAgent.post_many`: one upload and one
-        launch per prefill engine); left waiting for a later step when the agent is busy (a handshake). A
-        request whose blocks do not pair fails alone. A posted read goes in flight; one with nothing to move or
-        that failed ends (reported at the next poll)."""
+        launch per prefill engine); left waiting for a later step when the agent is busy (a handshake). The
+        reads of an engine that takes device IDs become one request whose IDs go to the device in one copy
+        (:meth:`_prepare_on_device`); the others are prepared one by one with host IDs. A request whose blocks
+        do not pair fails alone. A posted read goes in flight; one with nothing to move or that failed ends
+        (reported at the next poll)."""
         if not sts or not self._lock.acquire(blocking=blocking):
             return
         try:
             t0 = time.perf_counter()
-            posts, xs = [], []
+            xs, owners, on_device = [], [], {}
             for st in sts:
                 try:
-                    x = self._prepare(st)
+                    st.pairs = self._pair(st)
+                    if st.pairs is None:
+                        st.handle = _Done()
+                    elif st.remote.device_ids and not st.host_ids:
+                        on_device.setdefault(id(st.remote), []).append(st)
+                    else:
+                        xs.append(self._prepare_host(st))
+                        owners.append((st,))
                 except (GpuxferError, KeyError, IndexError, ValueError) as exc:
                     st.error = f"{type(exc).__name__}: {exc}"
-                    continue
-                if x is None:
-                    st.handle = _Done()
-                else:
-                    posts.append(st)
-                    xs.append(x)
+            entry = self._prepare_on_device(list(on_device.values()), xs, owners) if on_device else None
+            handles = []
             try:
                 handles = self.agent.post_many(xs) if xs else []
             except GpuxferError as exc:
                 # the reads queued before the error keep their handles (their blocks are in use until they
                 # complete); only the others fail
-                handles = getattr(exc, "handles", None) or [None] * len(posts)
-                for st, h in zip(posts, handles):
+                handles = getattr(exc, "handles", None) or [None] * len(xs)
+                for group, h in zip(owners, handles):
                     if h is None:
-                        st.error = f"{type(exc).__name__}: {exc}"
+                        for st in group:
+                            st.error = f"{type(exc).__name__}: {exc}"
+            finally:
+                if entry is not None:       # the staged IDs are read until the step's last post completed
+                    last = next((h for h in reversed(handles) if h is not None), None)
+                    if last is not None:
+                        entry.fence = last.event
+                    else:
+                        self._staging.fence_now(entry)
             t1 = time.perf_counter()
             inflight = self._inflight
-            for st, h in zip(posts, handles):
+            for group, h in zip(owners, handles):
                 if h is not None:
-                    st.handle = h
-                    st.remote.inflight += 1
-                    inflight.append(st)
+                    for st in group:
+                        st.handle = h
+                        st.remote.inflight += 1
+                        inflight.append(st)
             share = (t1 - t0) / len(sts)            # the step's host time, per request it started
             post_s = self.stats["post_host_s"]
             waiting = self._waiting
@@ -369,8 +425,9 @@ class WorkerSide:
         finally:
             self._lock.release()
 
-    def _prepare(self, st: _LoadState):
-        """The request's read, prepared (its blocks paired per group; None: nothing to move)."""
+    def _pair(self, st: _LoadState) -> tuple[dict, dict] | None:
+        """The request's kernel block IDs paired per group: ``(local, remote)`` by group name, or None when
+        nothing is to be moved."""
         load, r = st.load, st.remote
         rp = load.remote
         if r.client is None or not r.client.alive:
@@ -390,15 +447,100 @@ class WorkerSide:
                 local[name], remote[name] = li, ri
                 nbytes += int(li.size) * self._bytes_per_block[g]
         st.nbytes = nbytes
-        if not local:
+        return (local, remote) if local else None
+
+    def _prepare_host(self, st: _LoadState):
+        """The request's read with its IDs on the host (checked there by :meth:`KVAgent.prepare`)."""
+        local, remote = st.pairs
+        st.device_ids = False
+        return self.agent.prepare(st.remote.peer, "pull", local_blocks=local, remote_blocks=remote,
+                                  name=st.load.req_id)
+
+    def _prepare_on_device(self, batches: list[list[_LoadState]], xs: list, owners: list):
+        """One read per prefill engine of its loads in ``batches``, with their block IDs on the device: per engine
+        and group, every load's local IDs then every load's remote IDs, all of the step's in one host array,
+        copied to the device at once on the agent's stream (:class:`IdStaging`) before the posts that read it;
+        each read is prepared on slices of that copy (``device_ids=True``: checked on the device at the post).
+        Returns the staging entry the step used. A read the agent refuses at prepare goes by host IDs, load by
+        load, so the load at fault fails alone."""
+        parts, spans, n = [], [], 0
+        for batch in batches:
+            span = {}
+            for name in self._group_names:
+                loc = [st.pairs[0][name] for st in batch if name in st.pairs[0]]
+                if not loc:
+                    continue
+                rem = [st.pairs[1][name] for st in batch if name in st.pairs[1]]
+                a = n
+                b = a + sum(x.size for x in loc)
+                n = b + sum(x.size for x in rem)
+                parts += loc
+                parts += rem
+                span[name] = (a, b, n)
+            spans.append(span)
+        staging = self._staging
+        try:
+            entry = staging.take(n)
+            np.concatenate(parts, out=entry.array[:n])
+            staging.send(entry, n)
+        except (GpuxferError, RuntimeError) as exc:        # (torch's allocator raises RuntimeErrors)
+            log.warning("gpuxfer: engine %s: staging block IDs for the device failed (%s: %s); this step's reads "
+                        "go with host IDs", self.engine_id, type(exc).__name__, exc)
+            for batch in batches:
+                self._prepare_each_host(batch, xs, owners)
             return None
-        return self.agent.prepare(r.peer, "pull", local_blocks=local, remote_blocks=remote, name=load.req_id)
+        dev = entry.device
+        for batch, span in zip(batches, spans):
+            first = batch[0]
+            name = first.load.req_id if len(batch) == 1 else f"{first.load.req_id} and {len(batch) - 1} more"
+            try:
+                x = self.agent.prepare(first.remote.peer, "pull", name=name, device_ids=True,
+                                       local_blocks={k: dev[a:b] for k, (a, b, _) in span.items()},
+                                       remote_blocks={k: dev[b:c] for k, (_, b, c) in span.items()})
+            except GpuxferError:
+                self._prepare_each_host(batch, xs, owners)
+                continue
+            for st in batch:
+                st.together, st.device_ids = len(batch), True
+            xs.append(x)
+            owners.append(batch)
+        return entry
+
+    def _prepare_each_host(self, batch: list[_LoadState], xs: list, owners: list) -> None:
+        for st in batch:
+            try:
+                xs.append(self._prepare_host(st))
+                owners.append((st,))
+            except GpuxferError as exc:
+                st.error = f"{type(exc).__name__}: {exc}"
 
     def _finished_recving(self, now: float) -> tuple[set[str], set[str]]:
         """Loads done and failed since the last poll. Reads complete in the order they were posted (all on the
         agent's stream), so the in-flight ones are asked oldest first up to the first not done: O(1) when
-        nothing finished. Loads still waiting (handshakes under way) are looked at each poll."""
+        nothing finished. A read of several loads that failed the device check is posted again load by load with
+        host IDs, so only the load at fault fails. Loads still waiting (handshakes under way, those reposts) are
+        looked at each poll."""
         done, failed = set(), set()
+        read: dict[int, tuple] = {}             # per prefill engine: its client and the requests read
+        inflight = self._inflight
+        while inflight:
+            st = inflight[0]
+            try:
+                if not st.handle.done():
+                    break
+            except BlockIdError as exc:
+                if st.together > 1:
+                    st.host_ids, st.together, st.handle = True, 1, None
+                else:
+                    st.error = f"{type(exc).__name__}: {exc}"
+            except GpuxferError as exc:
+                st.error = f"{type(exc).__name__}: {exc}"
+            inflight.popleft()
+            st.remote.inflight -= 1
+            if st.host_ids and st.handle is None:
+                self._waiting[st.load.req_id] = st
+            else:
+                self._complete(st, done, failed, read)
         if self._waiting:
             for r in list(self._remotes.values()):
                 self._advance(r)
@@ -417,12 +559,6 @@ class WorkerSide:
                     del self._waiting[st.load.req_id]
                     self._ended.append(st)
             self._post(ready, blocking=False)
-        read: dict[int, tuple] = {}             # per prefill engine: its client and the requests read
-        inflight = self._inflight
-        while inflight and inflight[0].handle.done():
-            st = inflight.popleft()
-            st.remote.inflight -= 1
-            self._complete(st, done, failed, read)
         if self._ended:
             ended, self._ended = self._ended, []
             for st in ended:
@@ -439,15 +575,20 @@ class WorkerSide:
             st.error = "the read completed after the prefill instance's lease ran out"
         if self._loads.get(req) is st:
             del self._loads[req]
+        r = st.remote
+        if r is not None:
+            r.loads -= 1
         done.add(req)
         if st.error is not None:
             self._fail(st)
             failed.add(req)
             return
-        r = st.remote
-        self.stats["transfers"] += 1
-        self.stats["bytes"] += st.nbytes
-        self.stats["xfer_s"].append(time.perf_counter() - st.t_post)
+        stats = self.stats
+        stats["transfers"] += 1
+        stats["bytes"] += st.nbytes
+        if type(st.handle) is not _Done:
+            stats["device_id_loads" if st.device_ids else "host_id_loads"] += 1
+        stats["xfer_s"].append(time.perf_counter() - st.t_post)
         if r.client is not None:
             read.setdefault(id(r), (r.client, []))[1].append(st.load.remote.request_id)
 
@@ -457,8 +598,8 @@ class WorkerSide:
         log.warning("gpuxfer: engine %s: loading request %s from engine %s failed (%s); vLLM recomputes it",
                     self.engine_id, load.req_id, load.remote.engine_id, st.error)
         if len(self.group_specs) == 1:
-            ids = load.local_ids[0]
-            self._load_errors.update(int(b) for b in ids[load.start // self.group_specs[0][1]:] if b)
+            ids = load.local_ids[0][load.start // self.group_specs[0][1]:]
+            self._load_errors.update(ids[ids != 0].tolist())
         r = st.remote
         if r is not None and r.client is not None:
             r.client.notify("release", [load.remote.request_id])
@@ -467,8 +608,7 @@ class WorkerSide:
         """Forget engines whose side channel closed once no read of theirs is in flight."""
         for key, r in list(self._remotes.items()):
             gone = r.state == "ready" and not (r.client and r.client.alive)
-            if (gone or r.state == "failed") and r.inflight == 0 and not any(
-                    st.remote is r for st in self._loads.values()):
+            if (gone or r.state == "failed") and r.inflight == 0 and r.loads == 0:
                 del self._remotes[key]
                 if r.peer is not None and self._lock.acquire(blocking=False):
                     try:
@@ -530,4 +670,4 @@ class _Done:
 
 def _new_stats() -> dict:
     return {"transfers": 0, "failed": 0, "bytes": 0, "handshakes": 0, "leases_expired": 0, "sends_done": 0,
-            "post_host_s": [], "xfer_s": [], "handshake_s": []}
+            "device_id_loads": 0, "host_id_loads": 0, "post_host_s": [], "xfer_s": [], "handshake_s": []}

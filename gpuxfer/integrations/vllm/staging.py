@@ -1,0 +1,87 @@
+"""A decode step's block IDs on their way to the device: the worker pairs every load of the step into one host
+array, copies it to the device once on the agent's stream and prepares each read with ``device_ids=True`` on
+slices of the device copy (the agent checks them there, :mod:`gpuxfer.kv.device_ids`). No vLLM import.
+
+An :class:`IdStaging` entry is a host array (pinned on a GPU) and a device array of the same size::
+
+    take(n)        an entry no queued work reads any more: its fence (the event after the last post of the step
+                   that used it) completed, or a new one
+    send(e, n)     copy_async(agent stream, e.device, e.host, 8 n)     -> queued before the step's posts, which
+                                                                          run on the same stream and read e.device
+    e.fence = ...  the event of the step's last post (or one recorded after the copy where nothing was posted)
+
+So the host array is not written while its copy may still read it, and the device array not while a check
+may still read it. The device array comes from torch's allocator on the current (compute) stream, so the agent's
+stream first waits for the work queued there when the array is made.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ...errors import GpuxferError
+
+#: IDs an entry holds at least (32 KiB)
+MIN_IDS = 4096
+
+
+class _Entry:
+    __slots__ = ("host", "array", "device", "size", "fence")
+
+    def __init__(self, host, device):
+        self.host, self.device = host, device
+        self.array = host.numpy()
+        self.size = int(host.shape[0])
+        self.fence: Any = None          # the event after the last work that reads this entry; None: none queued
+
+
+class IdStaging:
+    """The staging entries of one agent's device-ID reads (see the module); the engine's thread alone uses it."""
+
+    def __init__(self, agent):
+        import torch
+        self.torch, self.agent, self.platform = torch, agent, agent.platform
+        self.device = agent.platform.torch_device(agent.device)
+        self.entries: list[_Entry] = []
+
+    def _free(self, e: _Entry) -> bool:
+        if e.fence is None:
+            return True
+        try:
+            done = self.platform.event_query(e.fence)
+        except GpuxferError:            # the stream failed: none of its work runs any more
+            done = True
+        if done:
+            e.fence = None
+        return done
+
+    def take(self, n: int) -> _Entry:
+        """An entry of at least ``n`` IDs that nothing queued reads; free entries too small for ``n`` go."""
+        for e in self.entries:
+            if e.size >= n and self._free(e):
+                return e
+        size = max(MIN_IDS, 1 << (n - 1).bit_length())
+        self.entries = [e for e in self.entries if e.size >= size or not self._free(e)]
+        torch, plat = self.torch, self.platform
+        e = _Entry(torch.empty(size, dtype=torch.int64, pin_memory=not plat.host_memory),
+                   torch.empty(size, dtype=torch.int64, device=self.device))
+        # the new device memory may have been freed by work still queued on torch's stream: the agent's waits
+        plat.stream_wait_event(self.agent.stream, plat.record_event(plat.current_stream(self.agent.device)))
+        self.entries.append(e)
+        return e
+
+    def send(self, e: _Entry, n: int) -> None:
+        """Queue the copy of ``e``'s first ``n`` IDs to the device on the agent's stream."""
+        self.platform.copy_async(self.agent.stream, e.device.data_ptr(), e.host.data_ptr(), 8 * n)
+
+    def fence_now(self, e: _Entry) -> None:
+        """Fence ``e`` with an event recorded now on the agent's stream (a step that posted nothing after its
+        copy); an entry that cannot be fenced is never used again."""
+        try:
+            e.fence = self.platform.record_event(self.agent.stream)
+        except Exception:  # noqa: BLE001 - kept out of use instead
+            self.entries = [x for x in self.entries if x is not e]
+            _KEPT.append(e)
+
+
+#: entries that could not be fenced: kept for the life of the process (a copy may still read them)
+_KEPT: list[_Entry] = []
