@@ -98,7 +98,7 @@ from .batch import post_many
 from .control import AGENT_WORDS, NOTIFY, NOTIFY_SLOTS, PACK_SLOTS
 from .descriptors import DIRECTIONS
 from .device_ids import prepare_device, wants_device_ids
-from .engine_choice import AGENT_ENGINES, kernel_reason, peer_engine
+from .engine_choice import AGENT_ENGINES, agent_engine_choice, kernel_reason, peer_engine
 from .failure import FailsOnTimeout, on_timeout_from_env
 from .layers import _MAX_NAME, KVLayer, KVLayerSpec, KVPiece, check_disjoint, describe_layer, memory_at, _torch
 from . import nixl_route
@@ -135,8 +135,10 @@ class KVAgent(Closable, FailsOnTimeout):
 
     ``platform``: a :class:`~gpuxfer.platforms.base.Platform` (default: the process's,
     :func:`gpuxfer.platforms.current`); ``device``: the local device every transfer runs on; ``engine``:
-    ``"triton"``, ``"pack"`` (both agents of a pair run it) or ``"copy_engine"``; ``"auto"``: ``triton``, but
-    ``copy_engine`` with a peer whose caches this process cannot address (``peer.engine`` says which);
+    ``"triton"``, ``"pack"`` (both agents of a pair run it) or ``"copy_engine"``; ``"auto"``: what
+    :func:`~gpuxfer.kv.engine_choice.agent_engine_choice` picks (``triton`` on a GPU, ``copy_engine`` on the
+    host emulation; ``engine_reason`` says why), and ``copy_engine`` with a peer whose caches this process
+    cannot address (``peer.engine`` says which);
     ``timeout_s``: the default of every wait; ``rank``: how errors name this side;
     ``slot_bytes``: the pack engine's staging slot (192 MiB; 1 MiB on the host emulation); a request's chunks are
     32 MiB or about a sixteenth of the request, whichever is larger, up to the slot.
@@ -164,9 +166,8 @@ class KVAgent(Closable, FailsOnTimeout):
         if not isinstance(name, str) or not 0 < len(name) <= _MAX_NAME:
             raise BadInput(f"agent name must be a string of 1..{_MAX_NAME} characters, got {name!r}")
         self.auto_engine = engine == "auto"        # then each peer gets the engine that reaches it
-        engine = "triton" if engine == "auto" else engine
-        if engine not in AGENT_ENGINES:
-            raise BadInput(f"KVAgent runs engine(s) {', '.join(AGENT_ENGINES)}; got {engine!r}")
+        if engine not in AGENT_ENGINES and not self.auto_engine:
+            raise BadInput(f"KVAgent runs engine(s) {', '.join(AGENT_ENGINES)} or 'auto'; got {engine!r}")
         self._closed = False
         self.failed = None
         self.on_timeout = on_timeout_from_env(on_timeout)
@@ -174,6 +175,9 @@ class KVAgent(Closable, FailsOnTimeout):
         if platform is None:
             from ..platforms import current
             platform = current()
+        self.engine_reason = f"engine={engine!r} asked"
+        if self.auto_engine:
+            engine, self.engine_reason = agent_engine_choice(platform)
         self.platform, self.name, self.engine = platform, name, engine
         self.device = int(device)
         self.timeout_s, self.rank = timeout_s, int(rank)

@@ -20,7 +20,8 @@ from __future__ import annotations
 import importlib
 from typing import NamedTuple
 
-__all__ = ["AGENT_ENGINES", "EngineChoice", "default_engine", "default_engine_choice", "engine_report",
+__all__ = ["AGENT_ENGINES", "EngineChoice", "agent_engine_choice", "default_engine", "default_engine_choice",
+           "engine_report",
            "engine_unavailable_reason", "kernel_reason", "peer_engine"]
 
 #: the engines the agent runs
@@ -85,6 +86,17 @@ def default_engine_choice(platform, src_dev: int, dst_dev: int) -> EngineChoice:
             return EngineChoice(name, why + "".join(f"; {p}" for p in passed))
         passed.append(f"{name} cannot run here: {not_here}")
     return EngineChoice("copy_engine", "; ".join(passed))
+
+
+def agent_engine_choice(platform) -> EngineChoice:
+    """The engine of ``KVAgent(engine="auto")``: :func:`default_engine_choice`'s candidates an agent can take on
+    its own. ``pack`` is left out, since both agents of a pair must run it (pass ``engine="pack"`` to both where
+    :func:`default_engine` says it wins); a peer whose caches this process cannot address then gets
+    ``copy_engine`` (:func:`peer_engine`)."""
+    if platform.kernels_interpreted:
+        return EngineChoice("copy_engine", "the host emulation: the kernels run in Triton's interpreter, "
+                                           "memcpy does not")
+    return EngineChoice("triton", "one kernel over the peer's blocks, posted by one side alone")
 
 
 def default_engine(platform, src_dev: int, dst_dev: int) -> str:

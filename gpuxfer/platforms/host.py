@@ -129,6 +129,7 @@ class HostPlatform(_HostMemory, Platform):
         self._nstreams = itertools.count()
         self._is_closed = False
         self._memory: dict[int, Memory] = {}     # ptr -> live buffers and mappings (export_range)
+        self._unmapped_later: list = []          # freed while streams ran: unmapped once they are idle
         self._cma = CmaSpace()                    # mappings of other processes' plain memory (copies only)
         self._cma_targets = weakref.WeakValueDictionary()   # (pid, start time) -> the process cma mappings reach
 
@@ -414,10 +415,16 @@ class HostPlatform(_HostMemory, Platform):
             self._default.clear()
         for w in workers:
             w.abort()
+        stuck = False
         for w in workers:
             if not w.join(_JOIN_TIMEOUT_S):
+                stuck = True
                 log.warning("%s did not stop within %g s (a launched callable is still running)",
                             w.name, _JOIN_TIMEOUT_S)
+        with self._lock:
+            later, self._unmapped_later = ([], self._unmapped_later) if stuck else (self._unmapped_later, [])
+        for impl in later:          # (kept mapped, for the process's life, while a stuck callable may touch it)
+            impl.release()
 
     def __repr__(self) -> str:
         return f"HostPlatform({self._ndev} emulated devices{', closed' if self._is_closed else ''})"

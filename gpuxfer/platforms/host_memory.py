@@ -95,7 +95,20 @@ class _HostMemory:
     def _free(self, buf: DeviceBuffer) -> None:
         with self._lock:
             self._memory.pop(buf.ptr, None)
-        buf.impl.release()
+        self._unmap_when_idle(buf.impl)
+
+    def _unmap_when_idle(self, impl) -> None:
+        """Unmap ``impl`` now if no stream of this platform has work queued or running, which could touch it (a
+        flag wait on it never satisfied, a copy from it); else at the first free that finds them idle, or once
+        ``close`` has stopped them. The memory is gone from the platform's books at once either way."""
+        with self._lock:
+            self._unmapped_later.append(impl)
+            if any(w.busy for w in self._workers):
+                log.debug("a buffer freed while streams still run: unmapped once they are idle")
+                return
+            ready, self._unmapped_later = self._unmapped_later, []
+        for x in ready:
+            x.release()
 
     def _holder(self, ptr: int) -> Memory | None:
         ptr = int(ptr)
@@ -196,7 +209,7 @@ class _HostMemory:
             self._memory.pop(mapping.ptr, None)
         if isinstance(mapping.impl, cma.CmaMapping):
             self._cma.remove(mapping)       # queued copies hold the process they reach, never the reservation
-        mapping.impl.release()
+        self._unmap_when_idle(mapping.impl)
 
     def as_tensor(self, mem: Memory, dtype=None, shape: Sequence[int] | None = None, offset: int = 0):
         import torch

@@ -114,6 +114,8 @@ class _Worker:
         self.closing = False
         self.error: BaseException | None = None
         self.failed_transfer: BaseException | None = None     # until the next event record (TransferFailed)
+        self._count_lock = threading.Lock()
+        self._unfinished = 0        # operations put and not yet finished (the one running included)
         self.thread = threading.Thread(target=self._run, name=f"gpuxfer-{name}", daemon=True)
         self.thread.start()
 
@@ -122,7 +124,18 @@ class _Worker:
             raise self.error
         if self.closing or self.stop.is_set() or not self.thread.is_alive():
             raise BadInput(f"{self.name} is closed")
+        with self._count_lock:
+            self._unfinished += 1
         self.queue.put(op)
+
+    @property
+    def busy(self) -> bool:
+        """Work put on this stream may still touch memory: some is queued or running."""
+        return self._unfinished > 0 and self.thread.is_alive()
+
+    def _finished_one(self) -> None:
+        with self._count_lock:
+            self._unfinished -= 1
 
     def drain(self) -> None:
         """Finish the queued work, then exit (refusing new work)."""
@@ -138,24 +151,33 @@ class _Worker:
             if self.stop.is_set():
                 self.queue.put(op)   # failed with the rest by _fail_pending
                 break
-            if op.event is not None:
-                op.event._finish(self.error or self.failed_transfer,
-                                 self.error is None and self.failed_transfer is not None)
-                self.failed_transfer = None
-                continue
-            if self.error is not None or self.failed_transfer is not None:
-                continue
             try:
-                op.fn()
-            except _Stopped:
-                break
-            except TransferFailed as exc:
-                self.failed_transfer = exc.error
-                log.debug("%s: a transfer failed: %s", self.name, exc.error)
-            except BaseException as exc:  # noqa: BLE001 - stored, re-raised on the host
-                self.error = _wrap(exc, f"running {op.what} on {self.name}")
-                log.debug("%s failed: %s", self.name, self.error)
+                if not self._run_one(op):
+                    break
+            finally:
+                self._finished_one()
         self._fail_pending()
+
+    def _run_one(self, op: _Op) -> bool:
+        """Run ``op``; False when the worker was stopped inside it."""
+        if op.event is not None:
+            op.event._finish(self.error or self.failed_transfer,
+                             self.error is None and self.failed_transfer is not None)
+            self.failed_transfer = None
+            return True
+        if self.error is not None or self.failed_transfer is not None:
+            return True
+        try:
+            op.fn()
+        except _Stopped:
+            return False
+        except TransferFailed as exc:
+            self.failed_transfer = exc.error
+            log.debug("%s: a transfer failed: %s", self.name, exc.error)
+        except BaseException as exc:  # noqa: BLE001 - stored, re-raised on the host
+            self.error = _wrap(exc, f"running {op.what} on {self.name}")
+            log.debug("%s failed: %s", self.name, self.error)
+        return True
 
     def _fail_pending(self) -> None:
         err = self.error or DriverError("host stream", "STREAM_CLOSED", -1, f"waiting on {self.name}",

@@ -25,8 +25,8 @@ def plat(host):
 def pair(plat):
     """Two agents (prefill on device 0, decode on device 1) and their arenas."""
     a0, a1 = Arena(plat, 0), Arena(plat, 1)
-    pre = KVAgent("prefill", platform=plat, device=0, timeout_s=60)
-    dec = KVAgent("decode", platform=plat, device=1, timeout_s=60)
+    pre = KVAgent("prefill", platform=plat, device=0, engine="triton", timeout_s=60)
+    dec = KVAgent("decode", platform=plat, device=1, engine="triton", timeout_s=60)
     yield pre, dec, a0, a1
     dec.close()
     pre.close()

@@ -110,8 +110,8 @@ def test_interleaved_posts_of_many_requests_hypothesis(plat, data, monkeypatch):
     monkeypatch.setattr(posting, "MIN_SLOT_ROWS", 4)
     monkeypatch.setattr(posting, "MIN_SLOT_ENTRIES", 8)
     a0, a1 = Arena(plat, 0), Arena(plat, 1)
-    pre = KVAgent("p", platform=plat, device=0)
-    dec = KVAgent("d", platform=plat, device=1)
+    pre = KVAgent("p", platform=plat, device=0, engine="triton")
+    dec = KVAgent("d", platform=plat, device=1, engine="triton")
     streams = [None, plat.create_stream(1), plat.create_stream(1)]
     try:
         blocks = 24
@@ -214,8 +214,8 @@ def test_cuda_slot_graphs_grow_interleave_and_stay_in_bounds(op, monkeypatch):
     caches = [{f"layers.{i}": ar[guard + i * n:guard + (i + 1) * n].view(torch.bfloat16).view(shape)
                for i in range(layers)} for ar in arenas]
     src, dst = caches
-    a = KVAgent("pre", platform=plat, device=0)
-    b = KVAgent("dec", platform=plat, device=0)
+    a = KVAgent("pre", platform=plat, device=0, engine="triton")
+    b = KVAgent("dec", platform=plat, device=0, engine="triton")
     own = plat.create_stream(0)
     try:
         a.register_group("full", 16, src)
@@ -289,7 +289,7 @@ def _cuda_order_and_close():
         gate = plat.alloc(64, 0)
         opener = threading.Timer(30, plat.host_write_flag, (gate.ptr, 1, 0))
         s1, s2, s3 = (plat.create_stream(0) for _ in range(3))
-        a, b = KVAgent("pre", platform=plat, device=0), KVAgent("dec", platform=plat, device=0)
+        a, b = KVAgent("pre", platform=plat, device=0, engine="triton"), KVAgent("dec", platform=plat, device=0, engine="triton")
         c = KVAgent("pre-pack", platform=plat, device=0, engine="pack", timeout_s=0.5)
         d = KVAgent("dec-pack", platform=plat, device=0, engine="pack", timeout_s=0.5)
         try:

@@ -265,7 +265,7 @@ def test_expansion_matches_the_numpy_plan(plat, workload, isl, page):
     device expands are exactly :func:`request_plan`'s."""
     layout = layout_for_burst(workload, isl, page, 1)
     bufs = [plat.alloc(layout.pool_bytes, d) for d in (0, 1)]
-    agents = [KVAgent(f"side{d}", platform=plat, device=d) for d in (0, 1)]
+    agents = [KVAgent(f"side{d}", platform=plat, device=d, engine="triton") for d in (0, 1)]
     try:
         for ag, buf in zip(agents, bufs):
             for name, bt, layers in layout_groups(layout, plat.as_tensor(buf)):
@@ -303,7 +303,7 @@ def test_expansion_matches_the_plan_hypothesis(plat, data):
     op = data.draw(st.sampled_from(["pull", "push"]), label="op")
     layout = layout_for_burst(w, isl, page, 1)
     bufs = [plat.alloc(layout.pool_bytes, d) for d in (0, 1)]
-    agents = [KVAgent(f"h{d}", platform=plat, device=d) for d in (0, 1)]
+    agents = [KVAgent(f"h{d}", platform=plat, device=d, engine="triton") for d in (0, 1)]
     try:
         for ag, buf in zip(agents, bufs):
             for gname, bt, layers in layout_groups(layout, plat.as_tensor(buf)):
@@ -356,8 +356,8 @@ def test_random_groups_ratios_and_ids(plat, data):
     """Hypothesis over groups (layouts, pieces, block sizes one dividing the other) and block IDs: the
     destination holds what a token-by-token numpy copy says."""
     a0, a1 = Arena(plat, 0, 1 << 15), Arena(plat, 1, 1 << 15)
-    pre = KVAgent("p", platform=plat, device=0)
-    dec = KVAgent("d", platform=plat, device=1)
+    pre = KVAgent("p", platform=plat, device=0, engine="triton")
+    dec = KVAgent("d", platform=plat, device=1, engine="triton")
     try:
         groups = []
         for gi in range(data.draw(st.integers(1, 2), label="groups")):

@@ -20,8 +20,8 @@ def dpair(platform):
     -m gpu, both on device 0 where only one is present)."""
     d1 = 1 if platform.device_count() > 1 else 0
     a0, a1 = Arena(platform, 0, 1 << 20), Arena(platform, d1, 1 << 20)
-    pre = KVAgent("prefill", platform=platform, device=0, timeout_s=60)
-    dec = KVAgent("decode", platform=platform, device=d1, timeout_s=60)
+    pre = KVAgent("prefill", platform=platform, device=0, engine="triton", timeout_s=60)
+    dec = KVAgent("decode", platform=platform, device=d1, engine="triton", timeout_s=60)
     yield pre, dec, a0, a1
     dec.close()
     pre.close()
@@ -179,8 +179,8 @@ def test_shared_destination_memory_across_groups(plat):
     """Two groups laid over one slab block for block: a block named in both is a destination twice (checked
     on the device as on the host); other blocks of each move."""
     a0, a1 = Arena(plat, 0), Arena(plat, 1)
-    pre = KVAgent("prefill", platform=plat, device=0)
-    dec = KVAgent("decode", platform=plat, device=1)
+    pre = KVAgent("prefill", platform=plat, device=0, engine="triton")
+    dec = KVAgent("decode", platform=plat, device=1, engine="triton")
     try:
         for agent, arena, seed in ((pre, a0, 5), (dec, a1, 6)):
             slab = arena.tensor((8 * 96,), torch.uint8, seed=seed)

@@ -53,3 +53,15 @@ def test_peer_engine_for_memory_this_process_cannot_address():
     assert peer_engine("copy_engine", False, "p", False) == "copy_engine"
     with pytest.raises(BackendUnavailable, match="cannot address"):
         peer_engine("triton", False, "p", False)
+
+
+def test_auto_agent_takes_the_choice_one_side_can_make(host):
+    """``engine="auto"``: ``agent_engine_choice`` -- triton where kernels run natively (never ``pack``, which
+    both agents of a pair must ask for), copy_engine on the emulation; the agent says which and why."""
+    assert C.agent_engine_choice(FakePlatform("nvlink")).name == "triton"
+    choice = C.agent_engine_choice(host)
+    assert choice.name == "copy_engine" and "emulation" in choice.reason
+    from gpuxfer.kv import KVAgent
+    with KVAgent("a", platform=host, engine="auto") as auto, KVAgent("t", platform=host, engine="triton") as t:
+        assert (auto.engine, auto.engine_reason) == tuple(choice)
+        assert t.engine == "triton" and "asked" in t.engine_reason

@@ -21,8 +21,8 @@ def bpair(platform):
     and 1) and, with -m gpu, CUDA (both on device 0 where only one is present)."""
     d1 = 1 if platform.device_count() > 1 else 0
     a0, a1 = Arena(platform, 0, 1 << 20), Arena(platform, d1, 1 << 20)
-    pre = KVAgent("prefill", platform=platform, device=0, timeout_s=60)
-    dec = KVAgent("decode", platform=platform, device=d1, timeout_s=60)
+    pre = KVAgent("prefill", platform=platform, device=0, engine="triton", timeout_s=60)
+    dec = KVAgent("decode", platform=platform, device=d1, engine="triton", timeout_s=60)
     yield pre, dec, a0, a1
     dec.close()
     pre.close()
@@ -161,7 +161,7 @@ def test_bad_batches_refused_before_anything_moves(pair, plat):
         dec.post_many([x, "r2"])
     with pytest.raises(BadInput, match="twice"):
         dec.post_many([x, x])
-    other = KVAgent("other", platform=plat, device=1)
+    other = KVAgent("other", platform=plat, device=1, engine="triton")
     try:
         other.register_group("full", 2, vllm_layers(a1, 1, 4, 2, seed=13))
         z = other.prepare(other.add_peer(pre.metadata()), "pull", local_blocks={"full": [0]},
@@ -193,8 +193,8 @@ def test_random_batches_against_posts_one_by_one(plat, data):
     sides = []
     for run in range(2):
         a0, a1 = Arena(plat, 0, 1 << 15), Arena(plat, 1, 1 << 15)
-        pre = KVAgent(f"p{run}", platform=plat, device=0)
-        dec = KVAgent(f"d{run}", platform=plat, device=1)
+        pre = KVAgent(f"p{run}", platform=plat, device=0, engine="triton")
+        dec = KVAgent(f"d{run}", platform=plat, device=1, engine="triton")
         src = a0.tensor((2, nb_s, bs, 3), seed=1)
         dst = a1.tensor((2, nb_d, bd, 3), seed=2)
         pre.register_group("g", bs, {"l": src})
@@ -260,7 +260,7 @@ def test_an_error_after_some_posts_carries_their_handles(pair, plat, monkeypatch
     from gpuxfer.errors import TransferTimeout
     pre, dec, a0, a1 = pair
     src, dst = _full(pre, dec, a0, a1, 1, 6, 2, seed=31)
-    other = KVAgent("prefill-2", platform=plat, device=0)
+    other = KVAgent("prefill-2", platform=plat, device=0, engine="triton")
     try:
         other.register_group("full", 2, vllm_layers(a0, 1, 6, 2, seed=33))
         p1, _ = connect(pre, dec)

@@ -495,6 +495,23 @@ def test_host_close_stops_a_stuck_wait(host):
     buf.close()
 
 
+def test_host_free_under_a_waiting_stream_is_unmapped_once_it_stops(host):
+    """Freeing the flag a closed stream still waits on (no one will ever write it) never ends in a signal: the
+    memory leaves the platform's books at once and is unmapped when the platform has stopped the stream."""
+    buf = zeroed(host, 64, 0)
+    s = host.create_stream(0)
+    host.wait_flag(s, buf.ptr, 1)
+    s.close()                   # drains: the wait stays queued on the worker
+    buf.close()
+    assert host.allocation_range(buf.ptr, 0) is None
+    other = zeroed(host, 64, 0)
+    other.close()               # nothing is unmapped while the wait may still read its flag
+    time.sleep(0.01)
+    assert s._worker.thread.is_alive() and host._unmapped_later
+    host.close()
+    assert not s._worker.thread.is_alive() and not host._unmapped_later
+
+
 def test_host_free_with_live_tensor_and_unlink(host):
     import os
     buf = host.alloc(4096, 0)

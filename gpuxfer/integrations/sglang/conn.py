@@ -126,13 +126,6 @@ class _Posted:
     handles: List[tuple] = field(default_factory=list)
 
 
-def _engine(platform) -> str:
-    engine = config.get("GPUXFER_SGLANG_ENGINE")
-    if engine == "auto":            # Triton runs interpreted on the host emulation; memcpy is fast there
-        engine = "copy_engine" if platform.kernels_interpreted else "triton"
-    return engine
-
-
 class GpuxferKVManager(CommonKVManager):
     """SGLang's per-rank KV manager with a :class:`KVAgent` over the rank's KV pool."""
 
@@ -157,7 +150,7 @@ class GpuxferKVManager(CommonKVManager):
         device = 0 if platform.host_memory else int(getattr(args, "gpu_id", 0) or 0)
         role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
         self.agent = KVAgent(f"sglang-{role}-{self.session_id}", platform=platform, device=device,
-                             engine=_engine(platform), timeout_s=self.timeout_s)
+                             engine=config.get("GPUXFER_SGLANG_ENGINE"), timeout_s=self.timeout_s)
         self._agent_lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: List[threading.Thread] = []

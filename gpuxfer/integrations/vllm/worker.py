@@ -131,10 +131,9 @@ class WorkerSide:
         device = 0
         if first.device.type == "cuda":
             device = torch.cuda.current_device() if first.device.index is None else first.device.index
-        engine = self.settings.engine
-        if engine == "auto":        # the host emulation runs kernels in Triton's interpreter; memcpy is fast there
-            engine = "copy_engine" if platform.kernels_interpreted else "triton"
-        self.agent = KVAgent(f"vllm-{self.engine_id}", platform=platform, device=device, engine=engine)
+        self.agent = KVAgent(f"vllm-{self.engine_id}", platform=platform, device=device,
+                             engine=self.settings.engine)
+        engine = self.agent.engine
         groups, layer_specs = [], []
         for g, (kind, bs, names) in enumerate(self.group_specs):
             missing = [n for n in names if n not in kv_caches]
