@@ -77,7 +77,7 @@ class GpuxferStats(KVConnectorStats):
 def _settings(extra: dict) -> Settings:
     def pick(key: str, var: str):
         return config.resolve(var, extra.get(key), option=f"kv_connector_extra_config[{key!r}]")
-    tm, dev = extra.get("token_major"), extra.get("device_ids", True)
+    tm, dev = extra.get("token_major"), extra.get("device_ids", False)
     if tm is not None and not isinstance(tm, bool):
         raise BadInput(f"kv_connector_extra_config['token_major'] must be true or false, got {tm!r}")
     if not isinstance(dev, bool):

@@ -42,7 +42,7 @@ class Settings:
     handshake_timeout_s: float
     token_major: bool
     engine: str = "auto"
-    device_ids: bool = True                 # pull with block IDs on the device where the peer allows it
+    device_ids: bool = False                # pull with block IDs on the device where the peer allows it
 
 
 @dataclass
