@@ -56,7 +56,10 @@ What it emulates, and how:
   one stuck in a flag wait, and fails the events still pending. A stream that is
   garbage-collected drains its queued work first (like ``cudaStreamDestroy``).
   Freeing a buffer while torch tensors over it are alive keeps the mapping
-  until the last tensor dies (on a GPU that would be a use-after-free).
+  until the last tensor dies (on a GPU that would be a use-after-free), and
+  freeing one (or closing a mapping) while any stream has work queued or
+  running keeps it mapped until the streams are idle or the platform closed
+  them: a wait that will never be satisfied never reads unmapped memory.
 
 Layout: this module holds :class:`HostPlatform` (devices, the stream, event,
 copy, flag and capture hooks, ``close``); the shared-memory buffers and their
