@@ -397,14 +397,15 @@ class KVAgent(Closable, FailsOnTimeout):
                 log.debug("agent %s: no %s route with peer %s yet: %s", self.name, op, peer.name, exc)
         return routes
 
-    def warm_up(self, block: int = 0) -> float:
+    def warm_up(self, block: int = 0, *, device_ids: bool = False) -> float:
         """Load now what this agent's requests run (compiled kernels, a route's slot and graph), so the first
         request after startup pays none of it; engines call it once their caches are registered.
 
         A mirror agent in this process registers the same memory, and each group's block ``block`` is pulled
         onto itself, a group at a time: every byte written is the byte already there. So call it before the engine writes its
-        caches, or name a block nothing writes (vLLM's null block 0). Returns the seconds it took. A ``pack``
-        agent returns 0 at once, since its requests need the peer's post."""
+        caches, or name a block nothing writes (vLLM's null block 0). ``device_ids``: each group's pull once more
+        with the ID as a device tensor (the device check's kernels; the ``triton`` engine). Returns the seconds it
+        took. A ``pack`` agent returns 0 at once, since its requests need the peer's post."""
         self._poster.check_open()
         groups = self._registry.groups
         if self.engine == "pack" or not groups:
@@ -422,6 +423,10 @@ class KVAgent(Closable, FailsOnTimeout):
                 for g in list(groups):          # one group at a time: groups may share memory (vLLM's hybrid ones)
                     ids = {g: [block]}
                     self.prepare(peer, "pull", local_blocks=ids, remote_blocks=ids, name="warm-up").post().wait()
+                    if device_ids:
+                        ids = {g: _torch().tensor([block], dtype=_torch().int64, device=self._poster.torch_device())}
+                        self.prepare(peer, "pull", local_blocks=ids, remote_blocks=ids, name="warm-up",
+                                     device_ids=True).post().wait()
             finally:
                 self.remove_peer(peer)
         finally:

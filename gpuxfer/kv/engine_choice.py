@@ -55,6 +55,9 @@ def engine_report(platform) -> dict[str, str | None]:
     return {name: engine_unavailable_reason(name, platform) for name in AGENT_ENGINES}
 
 
+_EMULATION = "the host emulation: the kernels run in Triton's interpreter, memcpy does not"
+
+
 class EngineChoice(NamedTuple):
     name: str
     reason: str
@@ -62,7 +65,7 @@ class EngineChoice(NamedTuple):
 
 def _candidates(platform, src_dev: int, dst_dev: int) -> list[tuple[str, str]]:
     if platform.kernels_interpreted:
-        return [("copy_engine", "the host emulation: the kernels run in Triton's interpreter, memcpy does not")]
+        return [("copy_engine", _EMULATION)]
     link = platform.link(src_dev, dst_dev)
     if src_dev == dst_dev or link.kind == "same-device":
         return [("triton", f"both pools on device {src_dev}: one kernel copies within its memory "
@@ -94,8 +97,7 @@ def agent_engine_choice(platform) -> EngineChoice:
     :func:`default_engine` says it wins); a peer whose caches this process cannot address then gets
     ``copy_engine`` (:func:`peer_engine`)."""
     if platform.kernels_interpreted:
-        return EngineChoice("copy_engine", "the host emulation: the kernels run in Triton's interpreter, "
-                                           "memcpy does not")
+        return EngineChoice("copy_engine", _EMULATION)
     return EngineChoice("triton", "one kernel over the peer's blocks, posted by one side alone")
 
 

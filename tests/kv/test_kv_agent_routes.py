@@ -428,10 +428,12 @@ def test_a_peer_removed_while_its_route_is_built_leaves_no_route(pair, monkeypat
     assert x.peer is new and x.route is not built[0]
 
 
-@pytest.mark.parametrize("engine", ["triton", "copy_engine", "pack"])
-def test_warm_up_changes_no_byte_and_leaves_no_peer(plat, engine):
-    """warm_up's pull of block 0 onto itself through a mirror agent: every cache byte as before, the mirror gone,
-    a real request with a peer afterwards still moves the right bytes; pack agents do nothing."""
+@pytest.mark.parametrize("engine, device_ids", [("triton", False), ("triton", True), ("copy_engine", False),
+                                               ("pack", False)])
+def test_warm_up_changes_no_byte_and_leaves_no_peer(plat, engine, device_ids):
+    """warm_up's pull of block 0 onto itself through a mirror agent (with host IDs, and with device IDs too):
+    every cache byte as before, the mirror gone, a real request with a peer afterwards still moves the right
+    bytes; pack agents do nothing."""
     a0, a1 = Arena(plat, 0), Arena(plat, 1)
     pre = KVAgent("prefill", platform=plat, device=0, timeout_s=60, engine=engine)
     dec = KVAgent("decode", platform=plat, device=1, timeout_s=60, engine=engine)
@@ -440,7 +442,7 @@ def test_warm_up_changes_no_byte_and_leaves_no_peer(plat, engine):
         pre.register_group("full", 4, src)
         dec.register_group("full", 4, dst)
         before = {k: v.clone() for k, v in dst.items()}
-        took = dec.warm_up()
+        took = dec.warm_up(device_ids=device_ids)
         assert took == 0.0 if engine == "pack" else took > 0.0
         assert dec.peers == {} and dec._routes.routes == {}
         for name in dst:

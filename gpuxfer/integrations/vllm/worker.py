@@ -133,8 +133,7 @@ class WorkerSide:
             device = torch.cuda.current_device() if first.device.index is None else first.device.index
         self.agent = KVAgent(f"vllm-{self.engine_id}", platform=platform, device=device,
                              engine=self.settings.engine)
-        engine = self.agent.engine
-        groups, layer_specs = [], []
+        groups = []
         for g, (kind, bs, names) in enumerate(self.group_specs):
             missing = [n for n in names if n not in kv_caches]
             if missing:
@@ -152,7 +151,6 @@ class WorkerSide:
                                    f"which do not split its {bs}-token blocks evenly")
             kt = tokens.pop()
             self.agent.register_group(f"g{g}", kt, specs, token_major=all(majors))
-            layer_specs.append((specs, all(majors)))
             self._kernel_tokens.append(kt)
             self._bytes_per_block.append(per_block)
             view = kv_caches[names[0]]
@@ -163,7 +161,7 @@ class WorkerSide:
                                 groups=groups)
         if self.settings.device_ids and self.agent.engine == "triton":
             self._staging = IdStaging(self.agent)
-        warm_s = self._warm_up(layer_specs)
+        warm_s = self._warm_up()
         self._info_bytes, self._meta_bytes = encode_info(self.info), self.agent.metadata()
         self.server = SideChannelServer(self.settings.host, self.settings.port,
                                         lambda: (self._info_bytes, self._meta_bytes), self.settings.handshake_timeout_s)
@@ -172,30 +170,16 @@ class WorkerSide:
                      "it pairs only with instances of the same block size", self.engine_id)
         log.info("gpuxfer: engine %s registered %d KV-cache group(s) (%s) with the %s engine in %.2f s (kernels "
                  "loaded in %.2f s); side channel on %s:%d", self.engine_id, len(groups),
-                 ", ".join(f"{g['kind']} {g['block_size']} tok x {len(g['layers'])} layers" for g in groups), engine,
+                 ", ".join(f"{g['kind']} {g['block_size']} tok x {len(g['layers'])} layers" for g in groups), self.agent.engine,
                  time.perf_counter() - t0, warm_s, self.server.host, self.server.port)
 
-    def _warm_up(self, layer_specs: list) -> float:
+    def _warm_up(self) -> float:
         """The agent's kernels loaded now (engine startup), not in the first request: a read of vLLM's null
-        block 0 onto itself, with host IDs (:meth:`KVAgent.warm_up`) and, where reads take device IDs, with
-        device IDs from a mirror agent over the same memory (the device check's kernels). A failure here only
-        moves that cost to the first request."""
+        block 0 onto itself (:meth:`KVAgent.warm_up`), with device IDs too where reads take them. A failure here
+        only moves that cost to the first request."""
         t0 = time.perf_counter()
         try:
-            self.agent.warm_up(block=0)
-            if self._staging is not None:
-                mirror = KVAgent(f"vllm-{self.engine_id}"[:500] + "~ids", platform=self.agent.platform,
-                                 device=self.agent.device, engine="triton")
-                try:
-                    for g, (specs, major) in enumerate(layer_specs):
-                        mirror.register_group(self._group_names[g], self._kernel_tokens[g], specs, token_major=major)
-                    peer = self.agent.add_peer(mirror.metadata())
-                    try:
-                        self._warm(peer, device_ids=True)
-                    finally:
-                        self.agent.remove_peer(peer)
-                finally:
-                    mirror.close()
+            self.agent.warm_up(block=0, device_ids=self._staging is not None)
         except GpuxferError as exc:
             log.warning("gpuxfer: engine %s: loading the transfer kernels at startup failed (%s: %s); the first "
                         "request loads them", self.engine_id, type(exc).__name__, exc)
