@@ -72,6 +72,14 @@ def check_ids_kernel(req_ptr, gtab_ptr, marks_ptr, n_groups, head, req_len, n_wo
     count = tl.where(fields_ok & (first >= 0) & (first <= rl), tl.minimum(tl.maximum(count, 0), (rl - first) // 4), 0)
     n_pieces = tl.max(count, axis=0)
     at = tl.max(first, axis=0)
+    # the IDs are written after every group's pieces only: a forged position never overwrites a field or a
+    # piece (whose address another program reads)
+    ids_from = h + 2 + 3 * ng
+    for k in range(0, n_groups):
+        fk = tl.load(req_ptr + h + 2 + ng + k, mask=fields_ok, other=0)
+        ck = tl.load(req_ptr + h + 2 + 2 * ng + k, mask=fields_ok, other=0)
+        ck = tl.where(fields_ok & (fk >= 0) & (fk <= rl), tl.minimum(tl.maximum(ck, 0), (rl - fk) // 4), 0)
+        ids_from = tl.maximum(ids_from, tl.where(ck > 0, fk + 4 * ck, 0))
     bad_s = zero
     bad_d = zero
     dup = zero
@@ -93,7 +101,7 @@ def check_ids_kernel(req_ptr, gtab_ptr, marks_ptr, n_groups, head, req_len, n_wo
             v32 = tl.load(p32 + j, mask=live & (wide == 0), other=0).to(tl.int64)
             v = tl.where(wide, v64, v32)
             rp = pos + j
-            tl.store(req_ptr + rp, v, mask=live & (rp >= 0) & (rp < rl))
+            tl.store(req_ptr + rp, v, mask=live & (rp >= ids_from) & (rp < rl))
             out = live & ((v < 0) | (v >= limit))
             bad_s = tl.maximum(bad_s, tl.where(out & (is_dst == 0), 1, 0))
             bad_d = tl.maximum(bad_d, tl.where(out & is_dst, 1, 0))

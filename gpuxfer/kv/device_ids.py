@@ -435,9 +435,8 @@ def _checked(poster, route, slot, s: Stream) -> _Checked:
     torch = _torch()
     if not plat.kernels_interpreted:
         G = len(route.groups)
-        # the lengths of the slot's request and bitmap: Triton specializes its integer arguments (a length of 1,
-        # a multiple of 16), so loading any other variant leaves the capture below to load the real one, which
-        # a capture cannot do
+        # scratch made like the slot's request and bitmap, so the kernels the capture below launches are the
+        # variants loaded here (a capture cannot load a module)
         scratch = (torch.zeros_like(slot.req), torch.zeros_like(checked.marks))
         plat.stream_wait_event(s, plat.record_event(plat.current_stream(agent.device)))
         check, settle = check_ids_launchers(scratch[0], route.device_ids.gtab, scratch[1],

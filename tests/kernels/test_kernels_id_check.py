@@ -103,6 +103,26 @@ def test_launcher_checks_its_tensors():
         check_ids_launchers(req[:8], gtab, marks, n_planes=2, n_groups=1)
 
 
+@pytest.mark.parametrize("target", ["header", "own piece", "other group's piece"])
+def test_forged_id_positions_never_overwrite_the_fields_or_pieces(target):
+    """A piece whose IDs are sent to the header, to the position field of its group's next piece or to another
+    group's piece: the check writes no ID there (a piece's fields are what later pieces and other programs
+    read), only at and after the end of the pieces."""
+    P, groups = 2, [([0, 1, 2], [3, 4, 5]), ([1, 2], [6, 7])]
+    G = len(groups)
+    req, req_whole, tensors, head, n, pieces = _request(P, groups, wide=True)
+    p0 = head + 2 + 3 * G
+    req[p0 + 3] = {"header": 0, "own piece": p0 + 7, "other group's piece": p0 + 8 + 3}[target]
+    before = req.clone()
+    marks = torch.zeros(1, dtype=torch.int32)
+    _run(req, torch.tensor([[8, 10, 0]] * G, dtype=torch.int64), marks, P, G)
+    assert _guards_intact(req_whole, n)
+    assert torch.equal(req[P + 1 + G:head], before[P + 1 + G:head])
+    assert torch.equal(req[head + 1:p0 + 8 * G], before[head + 1:p0 + 8 * G])
+    first = p0 + 8 * G
+    assert req[first + 3:first + 10].tolist() == [1, 2, 3, 4, 5, 6, 7]      # the well-placed pieces' IDs
+
+
 word = st.one_of(st.integers(-(1 << 63), (1 << 63) - 1), st.integers(-40, 80))
 
 
