@@ -3,6 +3,7 @@ the view description and the side channel's framing."""
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import struct
 import subprocess
@@ -273,6 +274,70 @@ def test_the_server_thread_sleeps_while_the_engine_serves():
         assert len(calls) <= 0.5 / srv.IDLE_S + 3, len(calls)
         srv.pump()
         assert c.handshake() == (b"info", b"m")
+        c.close()
+    finally:
+        srv.close()
+
+
+def test_notify_never_waits_for_the_socket():
+    """A prefill end that stops reading: the engine thread's notify calls return at once however much is queued;
+    the sender thread gives up after timeout_s and the client is then dead; close() is bounded."""
+    import time
+    srv = SideChannelServer("127.0.0.1", 0, lambda: (b"{}", b"m"), timeout_s=5.0)
+    try:
+        c = SideChannelClient("127.0.0.1", srv.port, 4.0)
+        assert c.handshake() == (b"{}", b"m")
+        srv._stop.set()             # the server stops reading: its thread and the pumps serve nothing
+        with srv._lock:
+            big = ["x" * MAX_REQUEST_ID] * 2000
+            t0 = time.monotonic()
+            n = 0
+            while n < 24:
+                assert c.notify("done", big)
+                n += 1
+            assert time.monotonic() - t0 < 2.0          # 24 MB queued (more than the socket buffers take), no wait
+            deadline = time.monotonic() + 10
+            while c.alive and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not c.alive and "not taken within" in c.closed_reason
+            assert not c.notify("done", ["r"])
+            t0 = time.monotonic()
+            c.close()
+            assert time.monotonic() - t0 < 3.0
+    finally:
+        srv._stop.clear()
+        srv.close()
+
+
+def test_a_message_the_sender_thread_leaves_is_sent_by_the_engine_thread():
+    """A sender thread that does not run (as one starved of the GIL by a busy engine thread): the engine
+    thread's poll sends a message once it has waited LATE_S, not before."""
+    import time
+
+    class _Starved:
+        def put(self, x):
+            pass
+
+        def get(self, timeout):
+            time.sleep(timeout)
+            raise queue.Empty
+
+    srv = SideChannelServer("127.0.0.1", 0, lambda: (b"{}", b"m"), timeout_s=5.0)
+    try:
+        c = SideChannelClient("127.0.0.1", srv.port, 5.0)
+        c._wake = _Starved()
+        assert c.handshake() == (b"{}", b"m")
+        assert c.notify("done", ["late"])
+        c.flush_late(time.monotonic())
+        time.sleep(0.2)
+        srv.pump()
+        assert srv.events.empty()
+        time.sleep(c.LATE_S)
+        c.flush_late(time.monotonic())
+        deadline = time.monotonic() + 5
+        while srv.events.empty() and time.monotonic() < deadline:
+            srv.pump()
+        assert srv.events.get_nowait() == ("done", "late")
         c.close()
     finally:
         srv.close()

@@ -12,16 +12,21 @@ Both ends are non-blocking sockets that the engine's own thread advances once a 
 (:meth:`SideChannelServer.pump`, :meth:`SideChannelClient.pump`): a background Python thread gets the
 GIL only when the engine thread lets go of it, and an engine thread that keeps releasing and
 retaking it (a loop of short system calls) starves such a thread for hundreds of milliseconds. The
-server's own thread pumps too, so an idle prefill instance still answers. A frame longer than
+server's own thread pumps too, so an idle prefill instance still answers. The one thing a thread of
+the client does is send the done and release messages, which nobody waits for (a late one holds the
+prefill's blocks a little longer): the engine thread queues them and does not pay the loopback
+``send``, which costs tens of microseconds inside an engine process. A frame longer than
 ``MAX_FRAME``, a message the protocol does not allow, or an answer not drained within the timeout
 closes that connection only.
 """
 from __future__ import annotations
 
+import collections
 import errno
 import json
 import logging
 import queue
+import select
 import selectors
 import socket
 import struct
@@ -32,10 +37,12 @@ log = logging.getLogger("gpuxfer.vllm")
 
 MAX_FRAME = 64 << 20
 MAX_REQUEST_ID = 512
-#: how long a client's "the prefill end is still there" holds before :attr:`SideChannelClient.alive` asks the
-#: socket again (a syscall and a raised BlockingIOError, asked several times per request otherwise)
-ALIVE_FOR_S = 0.05
+#: how often a client's sender thread, idle, looks whether the prefill end closed (what
+#: :attr:`SideChannelClient.alive` then says without a system call on the engine thread)
+WATCH_S = 0.05
 _LEN = struct.Struct(">I")
+_BY_US = "closed by this instance"
+_ENCODER = json.JSONEncoder(separators=(",", ":"))     # made once: json.dumps with separators makes one a call
 
 
 class ChannelClosed(ConnectionError):
@@ -47,7 +54,7 @@ def frame(body: bytes) -> bytes:
 
 
 def message(msg: dict) -> bytes:
-    return frame(json.dumps(msg, separators=(",", ":")).encode())
+    return frame(_ENCODER.encode(msg).encode())
 
 
 def take_frames(buf: bytearray) -> list[bytes]:
@@ -260,8 +267,12 @@ class SideChannelClient:
         self._in = bytearray()
         self._got: list[bytes] = []
         self._closed = False
-        self._seen_alive = -1.0             # when alive last saw the socket open (monotonic)
         self.closed_reason: str | None = None
+        self._pending: "collections.deque[tuple[float, bytes]]" = collections.deque()   # (when queued, message)
+        self._wake: "queue.SimpleQueue[bool]" = queue.SimpleQueue()    # True: a message; False: close
+        self._send_lock = threading.Lock()      # one sender of whole messages at a time
+        self._sender: threading.Thread | None = None
+        self._stopping = False
 
     def pump(self) -> tuple[bytes, bytes] | None:
         """Advance the handshake without blocking: ``(description, metadata)`` once both arrived, None
@@ -285,6 +296,7 @@ class SideChannelClient:
         if len(self._got) == 2:
             log.debug("side channel: %d + %d bytes of handshake in %.3f s", len(self._got[0]), len(self._got[1]),
                       time.monotonic() - self._t0)
+            self._start_sender()            # here, not in a request's step (a thread start costs ~0.1 ms)
             return self._got[0], self._got[1]
         if time.monotonic() - self._t0 > self.timeout_s:
             self._fail(f"no handshake within {self.timeout_s:g} s")
@@ -301,53 +313,102 @@ class SideChannelClient:
 
     @property
     def alive(self) -> bool:
-        """False once the prefill end closed (it sends nothing after the handshake) or a send failed."""
-        if self._closed:
-            return False
-        now = time.monotonic()
-        if now - self._seen_alive < ALIVE_FOR_S:
-            return True
+        """False once the prefill end closed (it sends nothing after the handshake: the sender thread watches
+        for it), a send failed or :meth:`close` was called."""
+        return not self._closed
+
+    def _watch(self) -> None:
+        """The sender thread, idle: whether the prefill end closed the connection."""
         try:
             data = self._sock.recv(1, socket.MSG_PEEK)
         except (BlockingIOError, InterruptedError):
-            self._seen_alive = now
-            return True
-        except OSError as exc:
+            return
+        except (OSError, ValueError) as exc:
             self._fail(f"the side channel failed: {exc}")
-            return False
-        if len(self._got) < 2:
-            return True             # the handshake's own bytes
+            return
         self._fail("the prefill instance closed the side channel" if not data else "unexpected bytes")
-        return False
 
     def notify(self, op: str, request_ids: list[str]) -> bool:
-        """Send a done or release message for ``request_ids`` (at most ``timeout_s``); False (the connection then
-        dead) when it cannot."""
+        """Queue a done or release message for ``request_ids``: the client's sender thread (started when the
+        handshake completes, so nothing interleaves with the hello) sends the messages in order, each within
+        ``timeout_s`` or the connection is dead. False when it is dead already."""
         if not self.alive:
             return False
-        data = message({"op": op, "reqs": list(request_ids)})
-        try:
-            try:
-                sent = self._sock.send(data)        # a few dozen bytes: the socket's buffer takes them at once
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            if sent < len(data):
-                self._sock.settimeout(self.timeout_s)
-                try:
-                    self._sock.sendall(data[sent:])
-                finally:
-                    self._sock.setblocking(False)
-        except OSError as exc:
-            self._fail(f"sending {op} failed: {exc}")
-            return False
+        self._pending.append((time.monotonic(), message({"op": op, "reqs": list(request_ids)})))
+        self._wake.put(True)
         return True
+
+    def flush_late(self, now: float) -> None:
+        """Send, on the calling (engine) thread, the queued messages when the oldest has waited ``LATE_S``: a
+        sender thread starved of the GIL by a busy engine thread holds them no longer than that."""
+        pending = self._pending
+        if pending and now - pending[0][0] > self.LATE_S and self._sender is not None \
+                and self._send_lock.acquire(blocking=False):
+            try:
+                self._send_pending()
+            finally:
+                self._send_lock.release()
+
+    LATE_S = 0.02
+
+    def _start_sender(self) -> None:
+        if self._sender is None:
+            self._sender = threading.Thread(target=self._send_queued, name="gpuxfer-vllm-notify", daemon=True)
+            self._sender.start()
+
+    def _send_pending(self) -> None:
+        """Each queued message whole, oldest first (the caller holds the send lock); a message not taken within
+        ``timeout_s`` or a failed send ends the connection."""
+        pending = self._pending
+        try:
+            while pending and not self._broken:
+                out = bytearray(pending[0][1])
+                deadline = time.monotonic() + self.timeout_s
+                while out:
+                    _send_some(self._sock, out)         # the socket stays non-blocking: the engine thread peeks
+                    if not out:
+                        break
+                    left = deadline - time.monotonic()
+                    if left <= 0 or self._stopping:
+                        raise ChannelClosed(f"a message was not taken within {self.timeout_s:g} s")
+                    select.select([], [self._sock], [], min(left, 0.05))
+                pending.popleft()
+        except (ChannelClosed, OSError, ValueError) as exc:
+            self._fail(f"sending a message failed: {exc}")
+
+    def _send_queued(self) -> None:
+        """The sender thread (from the handshake on): the queued messages as they come; idle, it watches the
+        connection every ``WATCH_S``. A dead connection or :meth:`close` ends it."""
+        while True:
+            try:
+                more = self._wake.get(timeout=WATCH_S)
+            except queue.Empty:
+                more = not self._closed
+                if more:
+                    self._watch()
+                    continue
+            with self._send_lock:
+                self._send_pending()
+            if not more or self._broken:
+                return
+
+    @property
+    def _broken(self) -> bool:
+        """Closed other than by :meth:`close` (which still sends what was queued before it)."""
+        return self._closed and self.closed_reason != _BY_US
 
     def _fail(self, reason: str) -> None:
         if not self._closed:
             self._closed, self.closed_reason = True, reason
 
     def close(self) -> None:
-        self._fail("closed by this instance")
+        """Send what :meth:`notify` queued (for at most a second), then close."""
+        self._fail(_BY_US)
+        if self._sender is not None:
+            self._wake.put(False)
+            self._sender.join(timeout=1.0)
+            self._stopping = True
+            self._sender.join(timeout=1.0)
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:

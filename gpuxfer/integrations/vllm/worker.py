@@ -620,6 +620,9 @@ class WorkerSide:
         self._drain_events(now)
         sending = self._finished_sending(now)
         recving, failed = self._finished_recving(now) if self._loads else (set(), set())
+        for r in self._remotes.values():        # done messages a busy engine kept from the sender thread
+            if r.client is not None:
+                r.client.flush_late(now)
         return sending, recving, failed
 
     def take_load_errors(self) -> set[int]:
