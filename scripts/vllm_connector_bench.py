@@ -7,7 +7,8 @@ fp16, 2 KV heads of 16), each with an empty Triton kernel cache, then loads on t
 
 * the **first** request after startup (its handshake, the peer's mapping and the first read included);
 * ``--warm`` more single requests, one after another (the warm case);
-* ``--batch`` requests arriving in one scheduler step.
+* ``--batch`` requests arriving in one scheduler step, ``--batch-steps`` times (the first such step grows the
+  route's launch slots to the batch's size, a cost paid once; the later ones are the steady state).
 
 Per run it reports, from the decode instance: ``start_load_kv`` host time per step with one load and per
 extra request in a batched step; ``get_finished`` (``get_transfer_results``) host time per step while loads
@@ -52,7 +53,7 @@ from gpuxfer.bench.report import nearest_rank as pct  # noqa: E402
 def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -> dict:
     from vllm_instance import Instance
     env = dict(env, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="gpuxfer-triton-"))    # a fresh kernel cache
-    total = 1 + a.warm + a.batch
+    total = 1 + a.warm + a.batch * a.batch_steps
     blocks = max(4096, 2 * total * per_req_blocks + 16)
     t0 = time.perf_counter()
     extra = {"token_major": True, "device_ids": a.ids == "device"}
@@ -72,7 +73,9 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
         res = P.run("prefill", [(r, n, s, None) for r, n, s in reqs], timeout=600)
         D.call("stats", True)
         loads: dict[str, dict] = {}
-        phases = [reqs[:1]] + [[r] for r in reqs[1:1 + a.warm]] + ([reqs[1 + a.warm:]] if a.batch else [])
+        b0 = 1 + a.warm
+        phases = [reqs[:1]] + [[r] for r in reqs[1:b0]] + [reqs[b0 + i * a.batch:b0 + (i + 1) * a.batch]
+                                                           for i in range(a.batch_steps if a.batch else 0)]
         for phase in phases:
             yardstick.append(D.call("cpu"))         # (pinned: onto the fastest of its cores now)
             out = D.run("decode", [(f"d-{r}", n, s, res[r]["params"]) for r, n, s in phase], timeout=600)
@@ -93,7 +96,10 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
     ys = [x[2] for x in slk if len(x) > 2]
     fast = [x[1] for x in slk[1:] if x[0] == 1 and len(x) > 2 and x[2] <= 1.25 * min(ys)] if ys else []
     s_med = statistics.median(single[1:] or single) if single else None
+    # per extra request of each batched step: the first grows the route's launch slots to the batch's size
+    # (once), the later ones are the steady state
     extra = [(t - s_med) / (n - 1) for n, t in batched] if s_med is not None else []
+    steady = extra[1:] or extra
     us = lambda x: None if x is None else 1e6 * x          # noqa: E731
     return {
         "run": run, "startup_s": startup, "python_us": statistics.median(y["python_us"] for y in yardstick),
@@ -102,7 +108,8 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
         "start_load_kv_first_us": us(single[0]) if single else None,
         "start_load_kv_fast_cpu_us_p50": us(pct(fast, 0.5)), "start_load_kv_fast_cpu_n": len(fast),
         "step_python_us": [round(y, 1) for y in ys],
-        "extra_request_us": us(max(extra)) if extra else None,
+        "extra_request_us": us(max(steady)) if steady else None,
+        "extra_request_first_us": us(extra[0]) if extra else None,
         "get_finished_us_p50": us(pct(st.get("get_finished_s", []), 0.5)),
         "get_finished_us_p90": us(pct(st.get("get_finished_s", []), 0.9)),
         "post_host_us_p90": us(pct(st.get("post_host_s", []), 0.9)),
@@ -134,6 +141,9 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=64, help="vLLM block size on both instances (default 64)")
     ap.add_argument("--warm", type=int, default=5, help="single requests after the first (default 5)")
     ap.add_argument("--batch", type=int, default=8, help="requests loaded in one step (default 8; 0: none)")
+    ap.add_argument("--batch-steps", type=int, default=2,
+                    help="steps of --batch requests each (default 2: the first grows the route's launch slots to "
+                         "the batch's size, once; extra/rq is the later steps', x_1st the first's)")
     ap.add_argument("--runs", type=int, default=3, help="runs, each with fresh instances (default 3)")
     ap.add_argument("--engine", choices=("auto", "triton", "copy_engine"), default="auto",
                     help="the decode side's engine (default auto: triton on GPUs, copy_engine on the host emulation; "
@@ -153,8 +163,8 @@ def main(argv=None) -> int:
     for k in ("tokens", "layers", "block_size", "runs"):
         if getattr(a, k) < 1:
             ap.error(f"--{k.replace('_', '-')} must be >= 1")
-    if a.warm < 1 or a.batch < 0 or a.batch == 1:
-        ap.error("--warm must be >= 1 and --batch 0 or >= 2")
+    if a.warm < 1 or a.batch < 0 or a.batch == 1 or a.batch_steps < 1:
+        ap.error("--warm must be >= 1, --batch 0 or >= 2 and --batch-steps >= 1")
     if os.path.exists(a.out):
         ap.error(f"--out {a.out} exists; name a new file")
     from vllm_instance import write_model
@@ -169,14 +179,14 @@ def main(argv=None) -> int:
     print(f"# gpuxfer vllm connector bench: vLLM 0.33 Scheduler, {a.device}, python {platform.python_version()}")
     print(f"# CPUs: {cpus()}")
     print(f"# request: {a.tokens} tokens x {a.layers} layers, fp16, 2 KV heads x 16, block {a.block_size} "
-          f"({kv_bytes / 2**20:.1f} MiB of KV); per run: 1 first + {a.warm} warm + a step of {a.batch}; "
+          f"({kv_bytes / 2**20:.1f} MiB of KV); per run: 1 first + {a.warm} warm + {a.batch_steps} steps of {a.batch}; "
           f"{a.runs} runs, fresh instances and Triton cache each")
     print(f"# decode engine {a.engine}, block IDs {a.ids} (path per run: dev = on the device, host = on the host)")
     print(f"# CPU placement: {'each engine thread pinned (auto)' if a.cpus == 'auto' else 'the scheduler (none)'}; "
           "py_us: the Python yardstick (gpuxfer.bench.cpus.python_speed_us) on the decode thread's CPU, median")
     print("# times: host time of the decode engine thread's connector calls (us); load = start_load_kv -> "
           "reported done (ms)")
-    hdr = (f"{'run':>3} {'start_s':>8} {'slk_p50':>8} {'slk_p90':>8} {'slk_1st':>9} {'extra/rq':>8} {'gf_p50':>7} "
+    hdr = (f"{'run':>3} {'start_s':>8} {'slk_p50':>8} {'slk_p90':>8} {'slk_1st':>9} {'extra/rq':>8} {'x_1st':>7} {'gf_p50':>7} "
            f"{'gf_p90':>7} {'1st_ms':>8} {'warm_ms':>8} {'hs_ms':>7} {'py_us':>6} {'wrong':>6} {'path':>5}")
     print(hdr)
     rows = []
@@ -185,7 +195,7 @@ def main(argv=None) -> int:
         rows.append(r)
         f = lambda v, w, p=1: f"{v:>{w}.{p}f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"  # noqa: E731
         print(f"{run:>3} {f(r['startup_s'], 8)} {f(r['start_load_kv_us_p50'], 8)} {f(r['start_load_kv_us_p90'], 8)} "
-              f"{f(r['start_load_kv_first_us'], 9)} {f(r['extra_request_us'], 8)} {f(r['get_finished_us_p50'], 7)} "
+              f"{f(r['start_load_kv_first_us'], 9)} {f(r['extra_request_us'], 8)} {f(r['extra_request_first_us'], 7)} {f(r['get_finished_us_p50'], 7)} "
               f"{f(r['get_finished_us_p90'], 7)} {f(r['first_load_ms'], 8, 2)} {f(r['warm_load_ms'], 8, 2)} "
               f"{f(r['handshake_ms'], 7)} {f(r['python_us'], 6)} {r['wrong_bytes']:>6} {r['path']:>5}", flush=True)
     pool = lambda key: [x for r in rows for x in r["samples"][key]]      # noqa: E731

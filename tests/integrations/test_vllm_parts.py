@@ -313,15 +313,6 @@ def test_a_message_the_sender_thread_leaves_is_sent_by_the_engine_thread():
     """A sender thread that does not run (as one starved of the GIL by a busy engine thread): the engine
     thread's poll sends a message once it has waited LATE_S, not before."""
     import time
-
-    class _Starved:
-        def put(self, x):
-            pass
-
-        def get(self, timeout):
-            time.sleep(timeout)
-            raise queue.Empty
-
     srv = SideChannelServer("127.0.0.1", 0, lambda: (b"{}", b"m"), timeout_s=5.0)
     try:
         c = SideChannelClient("127.0.0.1", srv.port, 5.0)
@@ -341,6 +332,97 @@ def test_a_message_the_sender_thread_leaves_is_sent_by_the_engine_thread():
         c.close()
     finally:
         srv.close()
+
+
+class _Starved:
+    """A sender thread's wake-ups that never come (a thread starved of the GIL)."""
+
+    def put(self, x):
+        pass
+
+    def get(self, timeout):
+        import time
+        time.sleep(timeout)
+        raise queue.Empty
+
+
+def _slow_peer(read: int, pause: float = 0.0):
+    """A listener whose one connection answers the hello, then reads nothing for ``pause`` seconds and then
+    ``read`` bytes at a time: ``(port, what it received, stop)``."""
+    lst = socket.socket()
+    lst.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    lst.bind(("127.0.0.1", 0))
+    lst.listen()
+    got, stop = bytearray(), threading.Event()
+
+    def serve():
+        s, _ = lst.accept()
+        s.recv(100)
+        s.sendall(frame(b"{}") + frame(b"m"))
+        stop.wait(pause)
+        s.settimeout(0.05)
+        while not stop.is_set():
+            try:
+                d = s.recv(read)
+            except socket.timeout:
+                continue
+            if not d:
+                break
+            got.extend(d)
+        s.close()
+        lst.close()
+    threading.Thread(target=serve, daemon=True).start()
+    return lst.getsockname()[1], got, stop
+
+
+def test_close_never_sends_a_message_twice():
+    """close() while a long message is half sent to a slow reader: what the prefill end receives is a prefix of
+    the messages in order, never a message begun again (a corrupt stream)."""
+    import time
+    from gpuxfer.integrations.vllm.channel import message
+    port, got, stop = _slow_peer(1)
+    c = SideChannelClient("127.0.0.1", port, 30.0)
+    c._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    assert c.handshake() == (b"{}", b"m")
+    big = ["x" * 500] * 16000
+    c.notify("done", big)
+    for i in range(200):
+        c.notify("release", [f"r{i}"])
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    c.close()
+    assert time.monotonic() - t0 < 5
+    time.sleep(0.3)
+    stop.set()
+    sent = message({"op": "done", "reqs": big}) + b"".join(message({"op": "release", "reqs": [f"r{i}"]})
+                                                           for i in range(200))
+    assert len(got) > 12 and bytes(got) == sent[:len(got)]
+
+
+def test_a_late_flush_does_not_wait_for_a_full_socket():
+    """The engine thread's flush of a message a starved sender left sends what the socket takes and returns; the
+    rest goes later, whole and once."""
+    import time
+    from gpuxfer.integrations.vllm.channel import message
+    port, got, stop = _slow_peer(1 << 16, pause=3.0)
+    c = SideChannelClient("127.0.0.1", port, 30.0)
+    c._wake = _Starved()
+    c._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    assert c.handshake() == (b"{}", b"m")
+    big = ["y" * 500] * 40000                            # 20 MB
+    c.notify("done", big)
+    time.sleep(c.LATE_S)
+    t0 = time.monotonic()
+    c.flush_late(time.monotonic())
+    assert time.monotonic() - t0 < 1.5                  # (a blocking send waits for the reader: 3 s)
+    deadline = time.monotonic() + 60
+    m = message({"op": "done", "reqs": big})
+    while len(got) < len(m) and time.monotonic() < deadline:
+        c.flush_late(time.monotonic())
+        time.sleep(0.001)
+    stop.set()
+    assert bytes(got) == m
+    c.close()
 
 
 def test_handshake_times_out_and_refused_connect_fails():
@@ -503,3 +585,18 @@ def test_the_staged_ids_are_not_reused_while_a_copy_can_read_them(workers, host)
     assert _drive(P, D, {"s1", "s2"}) == ({"s1", "s2"}, set())
     assert _moved(P, D, [3, 4, 5], [7, 8, 9]) and _moved(P, D, [10, 11, 12], [13, 14, 15])
     assert len(D._staging.entries) == 2
+
+
+def test_the_id_staging_is_made_at_startup(workers, monkeypatch):
+    """Registration makes the staging entries a step's IDs need (twice the blocks the caches hold, a bounded
+    size), so a step allocates no pinned memory."""
+    from gpuxfer.integrations.vllm import staging
+    P, D = workers()
+    made = list(D._staging.entries)
+    assert len(made) == staging.RESERVE_ENTRIES and all(e.size >= 2 * BLOCKS for e in made)
+    D.start_loads([_load(P, "a", [1, 2], [3, 4]), _load(P, "b", [5, 6], [7, 8])])
+    assert _drive(P, D, {"a", "b"}) == ({"a", "b"}, set())
+    assert D._staging.entries == made
+    monkeypatch.setattr(staging, "RESERVE_MAX_IDS", 5000)
+    D._staging.reserve(10 ** 9)
+    assert [e.size for e in D._staging.entries[len(made):]] == [8192] * staging.RESERVE_ENTRIES

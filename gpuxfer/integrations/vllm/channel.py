@@ -273,6 +273,9 @@ class SideChannelClient:
         self._send_lock = threading.Lock()      # one sender of whole messages at a time
         self._sender: threading.Thread | None = None
         self._stopping = False
+        self._head: bytearray | None = None     # the oldest message's unsent rest (under the send lock)
+        self._head_deadline = 0.0
+        self._abandoned = False
 
     def pump(self) -> tuple[bytes, bytes] | None:
         """Advance the handshake without blocking: ``(description, metadata)`` once both arrived, None
@@ -341,11 +344,13 @@ class SideChannelClient:
     def flush_late(self, now: float) -> None:
         """Send, on the calling (engine) thread, the queued messages when the oldest has waited ``LATE_S``: a
         sender thread starved of the GIL by a busy engine thread holds them no longer than that."""
-        pending = self._pending
-        if pending and now - pending[0][0] > self.LATE_S and self._sender is not None \
-                and self._send_lock.acquire(blocking=False):
+        try:
+            oldest = self._pending[0][0]        # no lock: the sender thread may pop it meanwhile
+        except IndexError:
+            return
+        if now - oldest > self.LATE_S and self._sender is not None and self._send_lock.acquire(blocking=False):
             try:
-                self._send_pending()
+                self._send_pending(block=False)     # what the socket takes now; the thread sends the rest
             finally:
                 self._send_lock.release()
 
@@ -356,24 +361,30 @@ class SideChannelClient:
             self._sender = threading.Thread(target=self._send_queued, name="gpuxfer-vllm-notify", daemon=True)
             self._sender.start()
 
-    def _send_pending(self) -> None:
+    def _send_pending(self, block: bool = True) -> None:
         """Each queued message whole, oldest first (the caller holds the send lock); a message not taken within
-        ``timeout_s`` or a failed send ends the connection."""
+        ``timeout_s`` or a failed send ends the connection. A message partly sent stays in ``_head`` (never
+        sent again from its start); ``block=False`` (the engine thread) returns when the socket is full."""
         pending = self._pending
         try:
             while pending and not self._broken:
-                out = bytearray(pending[0][1])
-                deadline = time.monotonic() + self.timeout_s
+                if self._head is None:
+                    self._head, self._head_deadline = bytearray(pending[0][1]), time.monotonic() + self.timeout_s
+                out = self._head
                 while out:
-                    _send_some(self._sock, out)         # the socket stays non-blocking: the engine thread peeks
+                    _send_some(self._sock, out)
                     if not out:
                         break
-                    left = deadline - time.monotonic()
+                    left = self._head_deadline - time.monotonic()
                     if left <= 0 or self._stopping:
                         raise ChannelClosed(f"a message was not taken within {self.timeout_s:g} s")
+                    if not block:
+                        return
                     select.select([], [self._sock], [], min(left, 0.05))
+                self._head = None
                 pending.popleft()
         except (ChannelClosed, OSError, ValueError) as exc:
+            self._abandoned = True              # a half-sent message: nothing may follow it on this socket
             self._fail(f"sending a message failed: {exc}")
 
     def _send_queued(self) -> None:
@@ -384,7 +395,7 @@ class SideChannelClient:
                 more = self._wake.get(timeout=WATCH_S)
             except queue.Empty:
                 more = not self._closed
-                if more:
+                if more and self._head is None:     # else: send the rest flush_late left
                     self._watch()
                     continue
             with self._send_lock:
@@ -395,11 +406,12 @@ class SideChannelClient:
     @property
     def _broken(self) -> bool:
         """Closed other than by :meth:`close` (which still sends what was queued before it)."""
-        return self._closed and self.closed_reason != _BY_US
+        return self._abandoned or (self._closed and self.closed_reason != _BY_US)
 
     def _fail(self, reason: str) -> None:
         if not self._closed:
-            self._closed, self.closed_reason = True, reason
+            self.closed_reason = reason         # before _closed: _broken reads both without a lock
+            self._closed = True
 
     def close(self) -> None:
         """Send what :meth:`notify` queued (for at most a second), then close."""
@@ -410,7 +422,9 @@ class SideChannelClient:
             self._stopping = True
             self._sender.join(timeout=1.0)
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)
+            self._sock.shutdown(socket.SHUT_RDWR)      # a send still under way fails now
         except OSError:
             pass
+        if self._sender is not None:
+            self._sender.join(timeout=0.2)
         self._sock.close()

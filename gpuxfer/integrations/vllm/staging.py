@@ -4,6 +4,7 @@ slices of the device copy (the agent checks them there, :mod:`gpuxfer.kv.device_
 
 An :class:`IdStaging` entry is a host array (pinned on a GPU) and a device array of the same size::
 
+    reserve(n)     two entries of n IDs made at engine startup (n: twice the blocks the caches hold)
     take(n)        an entry no queued work reads any more: its fence (the event after the last post of the step
                    that used it) completed, or a new one
     send(e, n)     copy_async(agent stream, e.device, e.host, 8 n)     -> queued before the step's posts, which
@@ -22,6 +23,10 @@ from ...errors import GpuxferError
 
 #: IDs an entry holds at least (32 KiB)
 MIN_IDS = 4096
+#: entries made at startup (a step's entry is read until its last post completes: two let the next step in)
+RESERVE_ENTRIES = 2
+#: the most IDs an entry made at startup holds (8 MiB of host and as much of device memory)
+RESERVE_MAX_IDS = 1 << 20
 
 
 class _Entry:
@@ -59,8 +64,18 @@ class IdStaging:
         for e in self.entries:
             if e.size >= n and self._free(e):
                 return e
-        size = max(MIN_IDS, 1 << (n - 1).bit_length())
+        size = _size(n)
         self.entries = [e for e in self.entries if e.size >= size or not self._free(e)]
+        return self._new(size)
+
+    def reserve(self, n: int) -> None:
+        """``RESERVE_ENTRIES`` entries of at least ``n`` IDs (at most ``RESERVE_MAX_IDS``) made now, at engine
+        startup, so that steps of up to ``n`` IDs allocate nothing (pinned host memory takes milliseconds to
+        allocate: in a step, it is most of that step's host time)."""
+        for _ in range(RESERVE_ENTRIES):
+            self._new(_size(min(n, RESERVE_MAX_IDS)))
+
+    def _new(self, size: int) -> _Entry:
         torch, plat = self.torch, self.platform
         e = _Entry(torch.empty(size, dtype=torch.int64, pin_memory=not plat.host_memory),
                    torch.empty(size, dtype=torch.int64, device=self.device))
@@ -81,6 +96,10 @@ class IdStaging:
         except Exception:  # noqa: BLE001 - kept out of use instead
             self.entries = [x for x in self.entries if x is not e]
             _KEPT.append(e)
+
+
+def _size(n: int) -> int:
+    return max(MIN_IDS, 1 << (max(n, 1) - 1).bit_length())
 
 
 #: entries that could not be fenced: kept for the life of the process (a copy may still read them)

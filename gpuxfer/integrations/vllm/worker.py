@@ -161,6 +161,8 @@ class WorkerSide:
                                 groups=groups)
         if self.settings.device_ids and self.agent.engine == "triton":
             self._staging = IdStaging(self.agent)
+            # a step's IDs: each load's local blocks (distinct blocks of these caches) and as many remote ones
+            self._staging.reserve(2 * sum(nb for _, nb, _ in self.agent.groups.values()))
         warm_s = self._warm_up()
         self._info_bytes, self._meta_bytes = encode_info(self.info), self.agent.metadata()
         self.server = SideChannelServer(self.settings.host, self.settings.port,
