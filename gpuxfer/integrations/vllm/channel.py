@@ -12,10 +12,10 @@ Both ends are non-blocking sockets that the engine's own thread advances once a 
 (:meth:`SideChannelServer.pump`, :meth:`SideChannelClient.pump`): a background Python thread gets the
 GIL only when the engine thread lets go of it, and an engine thread that keeps releasing and
 retaking it (a loop of short system calls) starves such a thread for hundreds of milliseconds. The
-server's own thread pumps too, so an idle prefill instance still answers. The one thing a thread of
-the client does is send the done and release messages, which nobody waits for (a late one holds the
-prefill's blocks a little longer): the engine thread queues them and does not pay the loopback
-``send``, which costs tens of microseconds inside an engine process. A frame longer than
+server's own thread pumps too, so an idle prefill instance still answers. A thread of the client
+encodes and sends the done and release messages, which nobody waits for (a late one holds the
+prefill's blocks a little longer), and watches the connection: the engine thread only queues them and
+does not pay the loopback ``send``, which costs tens of microseconds inside an engine process. A frame longer than
 ``MAX_FRAME``, a message the protocol does not allow, or an answer not drained within the timeout
 closes that connection only.
 """
@@ -268,7 +268,7 @@ class SideChannelClient:
         self._got: list[bytes] = []
         self._closed = False
         self.closed_reason: str | None = None
-        self._pending: "collections.deque[tuple[float, bytes]]" = collections.deque()   # (when queued, message)
+        self._pending: "collections.deque[tuple[float, str, list]]" = collections.deque()   # (when queued, op, ids)
         self._wake: "queue.SimpleQueue[bool]" = queue.SimpleQueue()    # True: a message; False: close
         self._send_lock = threading.Lock()      # one sender of whole messages at a time
         self._sender: threading.Thread | None = None
@@ -337,7 +337,7 @@ class SideChannelClient:
         ``timeout_s`` or the connection is dead. False when it is dead already."""
         if not self.alive:
             return False
-        self._pending.append((time.monotonic(), message({"op": op, "reqs": list(request_ids)})))
+        self._pending.append((time.monotonic(), op, list(request_ids)))
         self._wake.put(True)
         return True
 
@@ -369,7 +369,9 @@ class SideChannelClient:
         try:
             while pending and not self._broken:
                 if self._head is None:
-                    self._head, self._head_deadline = bytearray(pending[0][1]), time.monotonic() + self.timeout_s
+                    _, op, reqs = pending[0]
+                    self._head = bytearray(message({"op": op, "reqs": reqs}))
+                    self._head_deadline = time.monotonic() + self.timeout_s
                 out = self._head
                 while out:
                     _send_some(self._sock, out)
