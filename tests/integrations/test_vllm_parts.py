@@ -496,7 +496,7 @@ def workers(host):
 def _load(P, req: str, local: list[int], remote: list[int]):
     import time
     from gpuxfer.integrations.vllm.params import RemotePrefill
-    from gpuxfer.integrations.vllm.worker import Load
+    from gpuxfer.integrations.vllm.loads import Load
     rp = RemotePrefill("p", "127.0.0.1", P.server.port, f"p-{req}", (np.array(remote, dtype=np.int64),), (BS,),
                        time.monotonic() + 60)
     return Load(req, rp, (np.array(local, dtype=np.int64),), 0, BS * len(local) - 1)
@@ -526,12 +526,12 @@ def _zero(D, blocks) -> bool:
 def test_decode_reads_with_device_ids(workers):
     """Equal kernel blocks on a triton peer: a step's loads go as one read with device IDs; every byte lands."""
     P, D = workers()
-    assert D._staging is not None
+    assert D.decode.staging is not None
     D.start_loads([_load(P, "a", [3, 4, 5], [7, 8, 9])])
     assert _drive(P, D, {"a"}) == ({"a"}, set())
-    assert D._remotes[("127.0.0.1", P.server.port, "p")].device_ids
+    assert D.decode.remotes[("127.0.0.1", P.server.port, "p")].device_ids
     D.start_loads([_load(P, "b", [10, 11], [1, 2]), _load(P, "c", [12, 13, 14], [20, 21, 22])])
-    assert D._inflight[0].handle is D._inflight[1].handle          # one read for the step
+    assert D.decode.inflight[0].handle is D.decode.inflight[1].handle          # one read for the step
     assert _drive(P, D, {"b", "c"}) == ({"b", "c"}, set())
     assert _moved(P, D, [3, 4, 5], [7, 8, 9]) and _moved(P, D, [10, 11, 12, 13, 14], [1, 2, 20, 21, 22])
     stats = D.take_stats()
@@ -540,7 +540,7 @@ def test_decode_reads_with_device_ids(workers):
 
 def test_device_ids_off_reads_with_host_ids(workers):
     P, D = workers(device_ids=False)
-    assert D._staging is None
+    assert D.decode.staging is None
     D.start_loads([_load(P, "a", [3, 4], [7, 8])])
     assert _drive(P, D, {"a"}) == ({"a"}, set())
     assert _moved(P, D, [3, 4], [7, 8])
@@ -579,12 +579,12 @@ def test_the_staged_ids_are_not_reused_while_a_copy_can_read_them(workers, host)
     try:
         D.start_loads([_load(P, "s1", [3, 4, 5], [7, 8, 9])])
         D.start_loads([_load(P, "s2", [10, 11, 12], [13, 14, 15])])
-        assert D._inflight[0].handle is not D._inflight[-1].handle
+        assert D.decode.inflight[0].handle is not D.decode.inflight[-1].handle
     finally:
         gate.set()
     assert _drive(P, D, {"s1", "s2"}) == ({"s1", "s2"}, set())
     assert _moved(P, D, [3, 4, 5], [7, 8, 9]) and _moved(P, D, [10, 11, 12], [13, 14, 15])
-    assert len(D._staging.entries) == 2
+    assert len(D.decode.staging.entries) == 2
 
 
 def test_the_id_staging_is_made_at_startup(workers, monkeypatch):
@@ -592,11 +592,11 @@ def test_the_id_staging_is_made_at_startup(workers, monkeypatch):
     size), so a step allocates no pinned memory."""
     from gpuxfer.integrations.vllm import staging
     P, D = workers()
-    made = list(D._staging.entries)
+    made = list(D.decode.staging.entries)
     assert len(made) == staging.RESERVE_ENTRIES and all(e.size >= 2 * BLOCKS for e in made)
     D.start_loads([_load(P, "a", [1, 2], [3, 4]), _load(P, "b", [5, 6], [7, 8])])
     assert _drive(P, D, {"a", "b"}) == ({"a", "b"}, set())
-    assert D._staging.entries == made
+    assert D.decode.staging.entries == made
     monkeypatch.setattr(staging, "RESERVE_MAX_IDS", 5000)
-    D._staging.reserve(10 ** 9)
-    assert [e.size for e in D._staging.entries[len(made):]] == [8192] * staging.RESERVE_ENTRIES
+    D.decode.staging.reserve(10 ** 9)
+    assert [e.size for e in D.decode.staging.entries[len(made):]] == [8192] * staging.RESERVE_ENTRIES

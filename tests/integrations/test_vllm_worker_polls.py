@@ -14,7 +14,8 @@ import pytest
 
 from gpuxfer.errors import BlockIdError
 from gpuxfer.integrations.vllm.params import RemotePrefill
-from gpuxfer.integrations.vllm.worker import Load, Settings, WorkerSide, _LoadState, _Remote
+from gpuxfer.integrations.vllm.loads import Load, _LoadState, _Remote
+from gpuxfer.integrations.vllm.worker import Settings, WorkerSide
 from gpuxfer.kv.ids import _RouteIds
 
 
@@ -62,14 +63,14 @@ def _worker() -> WorkerSide:
 
 def _in_flight(w: WorkerSide, n: int, deadline: float):
     r = _Remote(("127.0.0.1", 1, "p"), state="ready", client=_Client())
-    w._remotes[r.key] = r
+    w.decode.remotes[r.key] = r
     sts = []
     for i in range(n):
         rp = RemotePrefill("p", "127.0.0.1", 1, f"p{i}", (np.arange(1, 3),), (16,), deadline)
         st = _LoadState(Load(f"d{i}", rp, (np.arange(10 + 2 * i, 12 + 2 * i),), 0, 31), 0.0, remote=r,
                         handle=_Handle())
-        w._loads[st.load.req_id] = st
-        w._inflight.append(st)
+        w.decode.pending[st.load.req_id] = st
+        w.decode.inflight.append(st)
         r.inflight += 1
         r.loads += 1
         sts.append(st)
@@ -88,11 +89,11 @@ def test_a_poll_asks_only_the_oldest_read_in_flight():
     assert w.poll() == (set(), {f"d{i}" for i in range(10)}, set())
     assert sts[10].handle.asked == 1 and sts[11].handle.asked == 0
     assert r.client.sent == [("done", [f"p{i}" for i in range(10)])]      # one message for the step's reads
-    assert r.inflight == 54 and len(w._loads) == 54 and w._inflight[0] is sts[10]
+    assert r.inflight == 54 and len(w.decode.pending) == 54 and w.decode.inflight[0] is sts[10]
     for st in sts[10:]:
         st.handle.finished = True
     assert w.poll()[1] == {f"d{i}" for i in range(10, 64)}
-    assert not w._loads and not w._inflight and r.inflight == 0
+    assert not w.decode.pending and not w.decode.inflight and r.inflight == 0
     assert w.take_stats()["transfers"] == 64
 
 
@@ -103,7 +104,7 @@ def test_a_read_seen_complete_after_its_lease_fails():
     assert w.poll() == (set(), {"d0"}, {"d0"})
     assert r.client.sent == [("release", ["p0"])]
     assert w.take_load_errors() == {10, 11}
-    assert list(w._loads) == ["d1"]
+    assert list(w.decode.pending) == ["d1"]
 
 
 def test_holds_end_on_the_decode_sides_word_or_at_their_lease():
@@ -119,7 +120,7 @@ def test_holds_end_on_the_decode_sides_word_or_at_their_lease():
     srv.events.put(("release", "late"))
     srv.events.put(("done", "unknown"))
     assert w.poll()[0] == {"late"}
-    assert w._holds == {"again": now + 60} and "unknown" in w._released
+    assert w.prefill.held == {"again": now + 60} and "unknown" in w.prefill.released
     st = w.take_stats()
     assert st["sends_done"] == 2 and st["leases_expired"] == 1
 
@@ -183,10 +184,10 @@ def test_a_read_of_several_refused_on_the_device_goes_again_with_host_ids():
         st.handle, st.together, st.device_ids = shared, 2, True
     shared.finished = sts[2].handle.finished = True
     posted = []
-    w._post = lambda ready, blocking: posted.append([st.load.req_id for st in ready])
+    w.decode._post = lambda ready, blocking: posted.append([st.load.req_id for st in ready])
     assert w.poll() == (set(), {"d2"}, set())
     assert posted == [["d0", "d1"]] and all(st.host_ids and st.together == 1 for st in sts[:2])
-    assert set(w._waiting) == {"d0", "d1"} and r.inflight == 0 and r.loads == 2
+    assert set(w.decode.waiting) == {"d0", "d1"} and r.inflight == 0 and r.loads == 2
 
 
 def test_a_gone_engine_is_forgotten_once_no_load_names_it():
@@ -197,7 +198,7 @@ def test_a_gone_engine_is_forgotten_once_no_load_names_it():
     r.client.alive = False
     sts[0].handle.finished = True
     w.poll()
-    assert r.key in w._remotes and r.loads == 1
+    assert r.key in w.decode.remotes and r.loads == 1
     sts[1].handle.finished = True
     w.poll()
-    assert r.key not in w._remotes and r.loads == 0
+    assert r.key not in w.decode.remotes and r.loads == 0

@@ -295,7 +295,7 @@ class _Engine:
             # the CPU's speed right after the timed calls (a VM's vCPU changes speed within seconds)
             self.stats.setdefault("start_load_kv_s", []).append(
                 (n_loads, t1 - t0, python_speed_us(rounds=1)))
-        if w._worker._loads or res.finished_recving:
+        if w._worker.decode.pending or res.finished_recving:
             self.stats.setdefault("get_finished_s", []).append(t3 - t2)
         invalid = w.get_block_ids_with_load_errors()
         st = w.get_kv_connector_stats()
@@ -410,6 +410,8 @@ def _profile(connector, acc: dict) -> None:
     connector's worker side, the agent, the ID checks, the slot and the driver calls the post makes): every
     call's seconds under its name in ``acc``. A measuring aid of the benchmark, not of the product."""
     import gpuxfer.integrations.vllm.channel as kc
+    import gpuxfer.integrations.vllm.holds as kh
+    import gpuxfer.integrations.vllm.loads as kl
     import gpuxfer.integrations.vllm.staging as kst
     import gpuxfer.integrations.vllm.worker as wk
     import gpuxfer.kv.agent as ka
@@ -427,10 +429,10 @@ def _profile(connector, acc: dict) -> None:
                 acc.setdefault(name, []).append(time.perf_counter() - t)
         return wrapper
 
-    for owner, attr in ((wk, "pair_group"), (wk.WorkerSide, "start_loads"), (wk.WorkerSide, "_post"),
-                        (wk.WorkerSide, "_pair"), (wk.WorkerSide, "_prepare_host"),
-                        (wk.WorkerSide, "_prepare_on_device"), (kst.IdStaging, "take"), (kst.IdStaging, "send"),
-                        (wk.WorkerSide, "poll"), (wk.WorkerSide, "_drain_events"), (wk.WorkerSide, "_finished_recving"),
+    for owner, attr in ((kl, "pair_group"), (kl.DecodeLoads, "start"), (kl.DecodeLoads, "_post"),
+                        (kl.DecodeLoads, "_pair"), (kl.DecodeLoads, "_prepare_host"),
+                        (kl.DecodeLoads, "_prepare_on_device"), (kst.IdStaging, "take"), (kst.IdStaging, "send"),
+                        (wk.WorkerSide, "poll"), (kh.PrefillHolds, "drain"), (kl.DecodeLoads, "finished"),
                         (kc.SideChannelClient, "notify"), (ka.KVAgent, "prepare"), (ka.KVAgent, "post_many"),
                         (ka, "prepare_device"), (kd._DeviceIdTransfer, "_post_locked"), (kb, "post_together"),
                         (ki._RouteIds, "check"), (ks.RequestStaging, "stage"), (kb, "run_in_slot"),

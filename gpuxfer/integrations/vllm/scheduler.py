@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from .params import BadTransferParams, RemotePrefill, build_params, parse_remote_prefill, tokens_to_load
-from .worker import Load
+from .loads import Load
 
 log = logging.getLogger("gpuxfer.vllm")
 

@@ -1,0 +1,504 @@
+"""The decode role of the connector's worker: :class:`DecodeLoads` starts each load vLLM's scheduler asks for
+without blocking (a known prefill engine's read posted at once; a new engine's handshake begun on the side
+channel and finished by later polls, its caches then mapped) and reports the loads done and failed, oldest
+read first. Everything runs on the engine's thread. No vLLM import.
+
+Soundness of a load against a lease: both instances run on one host (the agent maps the peer's memory over
+IPC), so they share ``time.monotonic()``. The prefill frees a held request's blocks at a step after its
+``lease_deadline``; a load counts as good only when its read was seen complete before that deadline, and
+otherwise its blocks are reported as load errors (vLLM recomputes them). A posted read is never abandoned: a
+failure is reported once nothing the read queued can still write the blocks.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from ...errors import BlockIdError, GpuxferError
+from .channel import SideChannelClient
+from .handshake import check_compatible, decode_info
+from .params import BadTransferParams, RemotePrefill, pair_group
+from .staging import IdStaging
+
+if TYPE_CHECKING:
+    from .worker import Settings
+
+log = logging.getLogger("gpuxfer.vllm")
+
+
+@dataclass
+class Load:
+    """What the scheduler side asks this worker to load for one request."""
+
+    req_id: str
+    remote: RemotePrefill
+    local_ids: tuple[np.ndarray, ...]       # manager block IDs per group (0: null block)
+    start: int                              # first token to load
+    end: int                                # one past the last
+
+
+@dataclass
+class _LoadState:
+    load: Load
+    t_start: float
+    remote: "_Remote | None" = None
+    handle: Any = None
+    t_post: float = 0.0
+    nbytes: int = 0
+    error: str | None = None
+    pairs: tuple | None = None              # (local, remote): {group name: kernel block IDs} once paired
+    together: int = 1                       # loads in the read this one was posted in
+    device_ids: bool = False                # posted with its block IDs on the device
+    host_ids: bool = False                  # post with host IDs (a read of several failed the device check)
+
+
+@dataclass
+class _Remote:
+    key: tuple[str, int, str]
+    state: str = "pending"                  # pending | ready (caches mapped) | failed
+    client: SideChannelClient | None = None
+    peer: Any = None
+    info: dict | None = None
+    groups: tuple = ()                      # per group: (block size, kernel tokens) from its handshake
+    meta: bytes | None = None
+    error: str | None = None
+    device_ids: bool = False                # its reads take block IDs on the device
+    inflight: int = 0                       # reads posted and not seen complete
+    loads: int = 0                          # loads naming it not reported yet
+    t0: float = field(default_factory=time.monotonic)
+
+
+class DecodeLoads:
+    """A worker's loads: every load not reported yet (``pending``, by request) is waiting (not posted: a
+    handshake under way, or the agent busy), in flight (posted, in post order) or ended (nothing to wait for);
+    the prefill engines it reads from (``remotes``, by endpoint); the block IDs of failed loads not yet taken
+    (``load_errors``). ``group_specs``: per KV-cache group ``(kind, block_size, layer names)``; ``lock``: the
+    worker's, held for posts and ``add_peer`` against the agent's close; ``stats``: the worker's counters,
+    updated in place. :meth:`bind` hands it the registered agent."""
+
+    def __init__(self, *, engine_id: str, group_specs: list, settings: "Settings", lock: threading.Lock,
+                 stats: dict):
+        self.engine_id, self.group_specs, self.settings = engine_id, group_specs, settings
+        self._lock, self.stats = lock, stats
+        self.agent = self.info = None
+        self.staging: IdStaging | None = None
+        self._group_names = [f"g{g}" for g in range(len(group_specs))]
+        self._kernel_tokens: list[int] = []
+        self._bytes_per_block: list[int] = []
+        self.remotes: dict[tuple, _Remote] = {}
+        self.pending: dict[str, _LoadState] = {}
+        self.waiting: dict[str, _LoadState] = {}
+        self.inflight: deque[_LoadState] = deque()
+        self.ended: list[_LoadState] = []
+        self.load_errors: set[int] = set()
+
+    def bind(self, agent, info: dict, kernel_tokens: list[int], bytes_per_block: list[int],
+             staging: IdStaging | None) -> None:
+        """The registered agent, this engine's description (checked against each prefill engine's), each group's
+        kernel block tokens and bytes per vLLM block, and the device-ID staging where reads take device IDs."""
+        self.agent, self.info, self.staging = agent, info, staging
+        self._kernel_tokens, self._bytes_per_block = list(kernel_tokens), list(bytes_per_block)
+
+    def start(self, loads: Sequence[Load]) -> None:
+        """Start each load without waiting: a known engine's read is posted now; a new engine's handshake
+        starts (a non-blocking connect and hello) and later steps finish it, map the engine's caches and
+        post the read."""
+        now = time.monotonic()
+        ready = []
+        for load in loads:
+            st = self.pending[load.req_id] = self.waiting[load.req_id] = _LoadState(load, now)
+            st.remote = self._remote(load.remote)
+            st.remote.loads += 1
+            self._advance(st.remote)
+            if st.remote.state == "ready":
+                ready.append(st)
+        self._post(ready, blocking=False)
+
+    def _remote(self, rp: RemotePrefill) -> _Remote:
+        r = self.remotes.get(rp.endpoint)
+        gone = r is not None and r.state == "ready" and not (r.client and r.client.alive)
+        if r is None or ((r.state == "failed" or gone) and r.inflight == 0):
+            r = self.remotes[rp.endpoint] = _Remote(rp.endpoint)
+            try:
+                r.client = SideChannelClient(r.key[0], r.key[1], self.settings.handshake_timeout_s)
+            except (OSError, ValueError) as exc:
+                self._handshake_failed(r, exc)
+        return r
+
+    def _advance(self, r: _Remote) -> None:
+        """Move a pending handshake on, on the engine's thread and without blocking: read what the prefill
+        sent; once its description and metadata are in, check they pair and map its caches (:meth:`_attach`)."""
+        if r.state != "pending":
+            return
+        host, port, engine_id = r.key
+        try:
+            got = r.client.pump()
+            if got is None:
+                return
+            info_raw, r.meta = got
+            info = decode_info(info_raw)
+            if info.get("engine_id") != engine_id:
+                raise BadTransferParams(f"{host}:{port} is engine {info.get('engine_id')!r}, not {engine_id!r} as "
+                                        "the request's kv_transfer_params say (stale params?)")
+            check_compatible(self.info, info)
+            r.info = info
+            r.groups = tuple((g["block_size"], g["kernel_tokens"]) for g in info["groups"])
+        except Exception as exc:        # every failure fails this engine's loads, never the worker
+            self._handshake_failed(r, exc)
+            return
+        self._attach(r)
+
+    def _handshake_failed(self, r: _Remote, exc: Exception) -> None:
+        host, port, engine_id = r.key
+        r.error, r.state = f"{type(exc).__name__}: {exc}", "failed"
+        log.error("gpuxfer: engine %s: handshake with prefill engine %s at %s:%d failed: %s; its requests' "
+                  "loads fail and vLLM recomputes them", self.engine_id, engine_id, host, port, r.error)
+        if r.client is not None:
+            r.client.close()
+
+    def _attach(self, r: _Remote) -> None:
+        """Map a checked engine's caches (``add_peer``) and make its first read's slot: a few milliseconds
+        once the kernels were loaded at registration."""
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                name = f"vllm-{r.key[2]}"
+                if name in self.agent.peers:                   # the same engine again, after it restarted
+                    self.agent.remove_peer(name)
+                r.peer = self.agent.add_peer(r.meta)
+                # device IDs: the triton engine over the peer's mapped caches, kernel blocks alike on both sides
+                # (a step's reads then merge into one request per engine; other block sizes pair on the host)
+                r.device_ids = (self.staging is not None and r.peer.route == "ipc" and r.peer.engine == "triton"
+                                and all(rk == lk for (_, rk), lk in zip(r.groups, self._kernel_tokens)))
+                self._warm(r.peer, r.device_ids)
+            r.state = "ready"
+        except Exception as exc:
+            self._handshake_failed(r, exc)
+            return
+        now = time.perf_counter()
+        self.stats["handshakes"] += 1
+        self.stats["handshake_s"].append(time.monotonic() - r.t0)
+        log.info("gpuxfer: engine %s: handshake with prefill engine %s at %s:%d in %.3f s (its caches mapped in "
+                 "%.3f s)", self.engine_id, r.key[2], r.key[0], r.key[1], time.monotonic() - r.t0, now - t0)
+
+    def _warm(self, peer, device_ids: bool = False) -> None:
+        """One read of the peer's null block into ours per group (vLLM's block 0: a placeholder no request
+        reads; a group at a time, as hybrid groups share memory), so the first request finds its route's
+        slot made; with ``device_ids`` one more per group with the IDs on the device."""
+        for name in self._group_names:
+            blocks = {name: [0]}
+            try:
+                self.agent.prepare(peer, "pull", local_blocks=blocks, remote_blocks=blocks, name="warm-up").post().wait()
+                if device_ids:
+                    e = self.staging.take(1)
+                    e.array[0] = 0
+                    self.staging.send(e, 1)
+                    ids = {name: e.device[:1]}
+                    h = self.agent.prepare(peer, "pull", local_blocks=ids, remote_blocks=ids, name="warm-up",
+                                           device_ids=True).post()
+                    e.fence = h.event
+                    h.wait()
+            except GpuxferError as exc:
+                log.debug("gpuxfer: warm-up read of group %s skipped: %s", name, exc)
+
+    def _post(self, sts: list[_LoadState], blocking: bool) -> None:
+        """Pair each request's blocks and post the reads together (:meth:`KVAgent.post_many`: one upload and one
+        launch per prefill engine); left waiting for a later step when the agent is busy (a handshake). The
+        reads of an engine that takes device IDs become one request whose IDs go to the device in one copy
+        (:meth:`_prepare_on_device`); the others are prepared one by one with host IDs. A request whose blocks
+        do not pair fails alone. A posted read goes in flight; one with nothing to move or that failed ends
+        (reported at the next poll)."""
+        if not sts or not self._lock.acquire(blocking=blocking):
+            return
+        try:
+            t0 = time.perf_counter()
+            xs, owners, on_device = [], [], {}
+            for st in sts:
+                try:
+                    st.pairs = self._pair(st)
+                    if st.pairs is None:
+                        st.handle = _Done()
+                    elif st.remote.device_ids and not st.host_ids:
+                        on_device.setdefault(id(st.remote), []).append(st)
+                    else:
+                        xs.append(self._prepare_host(st))
+                        owners.append((st,))
+                except (GpuxferError, KeyError, IndexError, ValueError) as exc:
+                    st.error = f"{type(exc).__name__}: {exc}"
+            entry = self._prepare_on_device(list(on_device.values()), xs, owners) if on_device else None
+            handles = []
+            try:
+                handles = self.agent.post_many(xs) if xs else []
+            except GpuxferError as exc:
+                # the reads queued before the error keep their handles (their blocks are in use until they
+                # complete); only the others fail
+                handles = getattr(exc, "handles", None) or [None] * len(xs)
+                for group, h in zip(owners, handles):
+                    if h is None:
+                        for st in group:
+                            st.error = f"{type(exc).__name__}: {exc}"
+            finally:
+                if entry is not None:       # the staged IDs are read until the step's last post completed
+                    last = next((h for h in reversed(handles) if h is not None), None)
+                    if last is not None:
+                        entry.fence = last.event
+                    else:
+                        self.staging.fence_now(entry)
+            t1 = time.perf_counter()
+            inflight = self.inflight
+            for group, h in zip(owners, handles):
+                if h is not None:
+                    for st in group:
+                        st.handle = h
+                        st.remote.inflight += 1
+                        inflight.append(st)
+            share = (t1 - t0) / len(sts)            # the step's host time, per request it started
+            post_s = self.stats["post_host_s"]
+            waiting = self.waiting
+            for st in sts:
+                if waiting.get(st.load.req_id) is st:
+                    del waiting[st.load.req_id]
+                if st.handle is not None:
+                    post_s.append(share)
+                    st.t_post = t1
+                    if st.error is None and type(st.handle) is _Done:
+                        self.ended.append(st)
+                if st.error is not None:
+                    self.ended.append(st)
+        finally:
+            self._lock.release()
+
+    def _pair(self, st: _LoadState) -> tuple[dict, dict] | None:
+        """The request's kernel block IDs paired per group: ``(local, remote)`` by group name, or None when
+        nothing is to be moved."""
+        load, r = st.load, st.remote
+        rp = load.remote
+        if r.client is None or not r.client.alive:
+            raise BadTransferParams(f"prefill engine {r.key[2]} is gone: {r.client and r.client.closed_reason}")
+        if time.monotonic() >= rp.lease_deadline:
+            raise BadTransferParams("the prefill instance's lease on the blocks ran out before the read started")
+        local, remote, nbytes = {}, {}, 0
+        for g, (kind, ls, _) in enumerate(self.group_specs):
+            rs, rk = r.groups[g]
+            if rp.block_sizes[g] != rs:
+                raise BadTransferParams(f"group {g}: the params say {rp.block_sizes[g]}-token blocks, "
+                                        f"the engine's handshake {rs}")
+            li, ri = pair_group(load.local_ids[g], rp.block_ids[g], ls, rs, load.start, load.end,
+                                self._kernel_tokens[g], rk)
+            if li.size:
+                name = self._group_names[g]
+                local[name], remote[name] = li, ri
+                nbytes += int(li.size) * self._bytes_per_block[g]
+        st.nbytes = nbytes
+        return (local, remote) if local else None
+
+    def _prepare_host(self, st: _LoadState):
+        """The request's read with its IDs on the host (checked there by :meth:`KVAgent.prepare`)."""
+        local, remote = st.pairs
+        st.device_ids = False
+        return self.agent.prepare(st.remote.peer, "pull", local_blocks=local, remote_blocks=remote,
+                                  name=st.load.req_id)
+
+    def _prepare_on_device(self, batches: list[list[_LoadState]], xs: list, owners: list):
+        """One read per prefill engine of its loads in ``batches``, with their block IDs on the device: per engine
+        and group, every load's local IDs then every load's remote IDs, all of the step's in one host array,
+        copied to the device at once on the agent's stream (:class:`IdStaging`) before the posts that read it;
+        each read is prepared on slices of that copy (``device_ids=True``: checked on the device at the post).
+        Returns the staging entry the step used. A read the agent refuses at prepare goes by host IDs, load by
+        load, so the load at fault fails alone."""
+        parts, spans, n = [], [], 0
+        for batch in batches:
+            span = {}
+            for name in self._group_names:
+                loc = [st.pairs[0][name] for st in batch if name in st.pairs[0]]
+                if not loc:
+                    continue
+                rem = [st.pairs[1][name] for st in batch if name in st.pairs[1]]
+                a = n
+                b = a + sum(x.size for x in loc)
+                n = b + sum(x.size for x in rem)
+                parts += loc
+                parts += rem
+                span[name] = (a, b, n)
+            spans.append(span)
+        staging = self.staging
+        try:
+            entry = staging.take(n)
+            np.concatenate(parts, out=entry.array[:n])
+            staging.send(entry, n)
+        except (GpuxferError, RuntimeError) as exc:        # (torch's allocator raises RuntimeErrors)
+            log.warning("gpuxfer: engine %s: staging block IDs for the device failed (%s: %s); this step's reads "
+                        "go with host IDs", self.engine_id, type(exc).__name__, exc)
+            for batch in batches:
+                self._prepare_each_host(batch, xs, owners)
+            return None
+        dev = entry.device
+        for batch, span in zip(batches, spans):
+            first = batch[0]
+            name = first.load.req_id if len(batch) == 1 else f"{first.load.req_id} and {len(batch) - 1} more"
+            try:
+                x = self.agent.prepare(first.remote.peer, "pull", name=name, device_ids=True,
+                                       local_blocks={k: dev[a:b] for k, (a, b, _) in span.items()},
+                                       remote_blocks={k: dev[b:c] for k, (_, b, c) in span.items()})
+            except GpuxferError:
+                self._prepare_each_host(batch, xs, owners)
+                continue
+            for st in batch:
+                st.together, st.device_ids = len(batch), True
+            xs.append(x)
+            owners.append(batch)
+        return entry
+
+    def _prepare_each_host(self, batch: list[_LoadState], xs: list, owners: list) -> None:
+        for st in batch:
+            try:
+                xs.append(self._prepare_host(st))
+                owners.append((st,))
+            except GpuxferError as exc:
+                st.error = f"{type(exc).__name__}: {exc}"
+
+    def finished(self, now: float) -> tuple[set[str], set[str]]:
+        """Loads done and failed since the last poll. Reads complete in the order they were posted (all on the
+        agent's stream), so the in-flight ones are asked oldest first up to the first not done: O(1) when
+        nothing finished. A read of several loads that failed the device check is posted again load by load with
+        host IDs, so only the load at fault fails. Loads still waiting (handshakes under way, those reposts) are
+        looked at each poll."""
+        done, failed = set(), set()
+        read: dict[int, tuple] = {}             # per prefill engine: its client and the requests read
+        inflight = self.inflight
+        while inflight:
+            st = inflight[0]
+            try:
+                if not st.handle.done():
+                    break
+            except BlockIdError as exc:
+                if st.together > 1:
+                    st.host_ids, st.together, st.handle = True, 1, None
+                else:
+                    st.error = f"{type(exc).__name__}: {exc}"
+            except GpuxferError as exc:
+                st.error = f"{type(exc).__name__}: {exc}"
+            inflight.popleft()
+            st.remote.inflight -= 1
+            if st.host_ids and st.handle is None:
+                self.waiting[st.load.req_id] = st
+            else:
+                self._complete(st, done, failed, read)
+        if self.waiting:
+            for r in list(self.remotes.values()):
+                self._advance(r)
+            ready = []
+            for st in list(self.waiting.values()):
+                r = st.remote
+                if r.state == "failed":
+                    st.error = f"handshake failed: {r.error}"
+                elif r.state == "ready" and not (r.client and r.client.alive):
+                    st.error = f"prefill engine {r.key[2]} is gone: {r.client.closed_reason if r.client else ''}"
+                elif r.state == "ready":
+                    ready.append(st)
+                elif now - st.t_start > self.settings.handshake_timeout_s:
+                    st.error = f"no handshake with {r.key[0]}:{r.key[1]} within {self.settings.handshake_timeout_s:g} s"
+                if st.error is not None:
+                    del self.waiting[st.load.req_id]
+                    self.ended.append(st)
+            self._post(ready, blocking=False)
+        if self.ended:
+            ended, self.ended = self.ended, []
+            for st in ended:
+                self._complete(st, done, failed, read)
+        for client, reqs in read.values():      # one message per engine for the step's reads
+            client.notify("done", reqs)
+        self._reap(now)
+        return done, failed
+
+    def _complete(self, st: _LoadState, done: set, failed: set, read: dict) -> None:
+        """Report a load whose read completed (or that had nothing to move, or failed)."""
+        req = st.load.req_id
+        if st.error is None and time.monotonic() >= st.load.remote.lease_deadline:
+            st.error = "the read completed after the prefill instance's lease ran out"
+        if self.pending.get(req) is st:
+            del self.pending[req]
+        r = st.remote
+        if r is not None:
+            r.loads -= 1
+        done.add(req)
+        if st.error is not None:
+            self._fail(st)
+            failed.add(req)
+            return
+        stats = self.stats
+        stats["transfers"] += 1
+        stats["bytes"] += st.nbytes
+        if type(st.handle) is not _Done:
+            stats["device_id_loads" if st.device_ids else "host_id_loads"] += 1
+        stats["xfer_s"].append(time.perf_counter() - st.t_post)
+        if r.client is not None:
+            read.setdefault(id(r), (r.client, []))[1].append(st.load.remote.request_id)
+
+    def _fail(self, st: _LoadState) -> None:
+        load = st.load
+        self.stats["failed"] += 1
+        log.warning("gpuxfer: engine %s: loading request %s from engine %s failed (%s); vLLM recomputes it",
+                    self.engine_id, load.req_id, load.remote.engine_id, st.error)
+        if len(self.group_specs) == 1:
+            ids = load.local_ids[0][load.start // self.group_specs[0][1]:]
+            self.load_errors.update(ids[ids != 0].tolist())
+        r = st.remote
+        if r is not None and r.client is not None:
+            r.client.notify("release", [load.remote.request_id])
+
+    def _reap(self, now: float) -> None:
+        """Forget engines whose side channel closed once no read of theirs is in flight."""
+        for key, r in list(self.remotes.items()):
+            gone = r.state == "ready" and not (r.client and r.client.alive)
+            if (gone or r.state == "failed") and r.inflight == 0 and r.loads == 0:
+                del self.remotes[key]
+                if r.peer is not None and self._lock.acquire(blocking=False):
+                    try:
+                        self.agent.remove_peer(r.peer)
+                    except GpuxferError as exc:
+                        log.debug("gpuxfer: removing peer %s: %s", key[2], exc)
+                    finally:
+                        self._lock.release()
+                if r.client is not None:
+                    r.client.close()
+                log.info("gpuxfer: engine %s: forgot prefill engine %s (%s)", self.engine_id, key[2],
+                         r.error or (r.client.closed_reason if r.client else "gone"))
+
+    def release(self, releases: Sequence[tuple[tuple[str, int, str], str]]) -> None:
+        """Tell prefill engines this instance will not read these requests (best effort, known engines)."""
+        for key, req in releases:
+            r = self.remotes.get(key)
+            if r is not None and r.state == "ready" and r.client is not None:
+                r.client.notify("release", [req])
+
+    # ------------------------------------------------------------------ both
+
+    def flush_late(self, now: float) -> None:
+        """Done messages a busy engine kept from the side channel's sender threads, sent now."""
+        for r in self.remotes.values():
+            if r.client is not None:
+                r.client.flush_late(now)
+
+    def take_load_errors(self) -> set[int]:
+        out, self.load_errors = self.load_errors, set()
+        return out
+
+    def close(self) -> None:
+        for r in self.remotes.values():
+            if r.client is not None:
+                r.client.close()
+
+
+class _Done:
+    """The handle of a load with nothing to move."""
+
+    def done(self) -> bool:
+        return True
+
