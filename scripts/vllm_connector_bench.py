@@ -14,6 +14,8 @@ Per run it reports, from the decode instance: ``start_load_kv`` host time per st
 extra request in a batched step; ``get_finished`` (``get_transfer_results``) host time per step while loads
 are in flight; each request's time from ``start_load_kv`` to ``get_finished`` reporting it done (the
 first vs the warm median); the handshake; and every loaded byte checked against what the prefill wrote.
+After the loads (``--loop``), the decode process times the same read back to back (prepare, post, wait):
+what the calls cost in that process without the scheduler's work between them.
 Targets (issue #34, p90 over the runs): ``start_load_kv`` <= 100 us, <= 20 us per extra request,
 ``get_finished`` <= 20 us, first request within 50 ms of the warm case, 0 wrong bytes.
 
@@ -82,6 +84,7 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
             loads.update(out)
         yardstick.append(D.call("cpu"))
         st = D.call("stats", True)["stats"]
+        loop = D.call("read_loop", a.tokens // a.block_size, a.loop, timeout=600) if a.loop else None
         P.call("idle", 60, timeout=120)
     finally:
         P.close()
@@ -123,6 +126,10 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
         "wrong_bytes": sum(v.get("bad", 0) for v in loads.values()),
         "checked_bytes": sum(v.get("checked", 0) for v in loads.values()),
         "failed": sorted(r for r, v in loads.items() if v.get("load") != "ok"),
+        "read_loop": None if loop is None else {
+            "prepare_us_p50": us(pct(loop["prepare_s"], 0.5)), "prepare_us_p90": us(pct(loop["prepare_s"], 0.9)),
+            "post_us_p50": us(pct(loop["post_s"], 0.5)), "post_us_p90": us(pct(loop["post_s"], 0.9)),
+            "python_us": [round(loop["python_us"], 1), round(loop["python_us_end"], 1)]},
         "samples": {"start_load_kv_s": st.get("start_load_kv_s", []), "get_finished_s": st.get("get_finished_s", []),
                     "load_s": {r: v.get("load_s") for r, v in loads.items()}},
     }
@@ -155,6 +162,10 @@ def main(argv=None) -> int:
                     help="auto (default): each instance's engine thread pinned to the fastest, by a Python yardstick, "
                          "of physical cores of its own, the decode side picked again before each phase; none: the "
                          "scheduler places them")
+    ap.add_argument("--loop", type=int, default=20,
+                    help="after the loads, time this many reads of a request's blocks back to back in the decode "
+                         "engine's process (prepare, then post_many of one; 0: none): the same calls as a load's "
+                         "without the scheduler's work between them (default 20)")
     ap.add_argument("--profile", action="store_true",
                     help="time each call a load makes inside the decode engine (the connector, the agent, the ID "
                          "checks, the driver calls): their medians are printed and kept in the JSON (calls_us)")
@@ -215,6 +226,13 @@ def main(argv=None) -> int:
                       for r in rows)
           + "; step yardsticks (us): " + " | ".join(f"{min(r['step_python_us'], default=0):.0f}-"
                                                    f"{max(r['step_python_us'], default=0):.0f}" for r in rows))
+    loops = [r["read_loop"] for r in rows if r["read_loop"]]
+    if loops:
+        print("# the same read back to back in the decode engine's process (--loop), p50 / p90 per run (us): prepare "
+              + " | ".join(f"{x['prepare_us_p50']:.0f} / {x['prepare_us_p90']:.0f}" for x in loops)
+              + "; post_many " + " | ".join(f"{x['post_us_p50']:.0f} / {x['post_us_p90']:.0f}" for x in loops)
+              + "; yardstick before / after " + " | ".join(f"{x['python_us'][0]:.0f} / {x['python_us'][1]:.0f}"
+                                                           for x in loops))
     if a.profile:
         print("# inside the decode engine, per call (us, p50 / p90 over the runs' calls; nested calls included "
               "in their callers):")

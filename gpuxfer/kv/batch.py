@@ -59,6 +59,12 @@ def post_many(poster, transfers: Sequence[KVTransfer], stream: Stream | None) ->
     if len({id(x) for x in transfers}) != len(transfers):
         raise BadInput("post_many: a transfer appears twice (post it again in a later call)")
     s = agent.stream if stream is None else stream
+    if len(transfers) == 1:         # (what a decode step admitting one request posts)
+        try:
+            return [transfers[0].post(s)]
+        except Exception as exc:
+            exc.handles = [None]
+            raise
     for x in transfers:             # the other engines' peers before anything is queued (triton's: under the lock)
         if type(x) is not _SlotTransfer and type(x) is not _DeviceIdTransfer:
             poster.check_usable(x.peer)

@@ -50,9 +50,10 @@ class _Client:
 class _Server:
     def __init__(self):
         self.events = queue.SimpleQueue()
+        self.pumps = 0
 
     def pump(self) -> None:
-        return
+        self.pumps += 1
 
 
 def _worker() -> WorkerSide:
@@ -202,3 +203,22 @@ def test_a_gone_engine_is_forgotten_once_no_load_names_it():
     sts[1].handle.finished = True
     w.poll()
     assert r.key not in w.decode.remotes and r.loads == 0
+
+
+def test_the_engine_thread_serves_the_side_channel_only_while_it_holds_requests():
+    """A worker holding nothing (a decode instance) leaves the side channel to the server's thread: its polls make
+    no socket call, yet take what that thread queued; while requests are held, each poll serves the channel."""
+    w = _worker()
+    w.server = srv = _Server()
+    srv.events.put(("done", "early"))
+    for _ in range(3):
+        w.poll()
+    assert srv.pumps == 0 and w.prefill.released.keys() == {"early"}
+    w.hold({"held": time.monotonic() + 60})
+    w.poll()
+    w.poll()
+    assert srv.pumps == 2
+    srv.events.put(("done", "held"))
+    assert w.poll()[0] == {"held"}
+    w.poll()
+    assert srv.pumps == 3

@@ -337,6 +337,30 @@ class _Engine:
                     r["params"] = o.kv_transfer_params
                     self.waiting.discard(o.request_id)
 
+    def read_loop(self, blocks: int, iterations: int) -> dict:
+        """The read a load makes, back to back in this process: each prepared (block IDs in hand -> ready) and
+        posted (``post_many`` of one) by the worker's agent, then waited for; the host seconds of each call.
+        Blocks 1..``blocks`` of the first known prefill engine into ours (a measuring aid for after the run's
+        loads were checked: it overwrites those blocks)."""
+        import numpy as np
+        from gpuxfer.bench.cpus import python_speed_us
+        worker = self.worker._worker
+        peer = next(r.peer for r in worker.decode.remotes.values() if r.peer is not None)
+        ids = {"g0": np.arange(1, blocks + 1, dtype=np.int64)}
+        agent = worker.agent
+        out = {"prepare_s": [], "post_s": [], "python_us": python_speed_us(rounds=1)}
+        for _ in range(iterations):
+            t0 = time.perf_counter()
+            x = agent.prepare(peer, "pull", local_blocks=ids, remote_blocks=ids, name="read-loop")
+            t1 = time.perf_counter()
+            [h] = agent.post_many([x])
+            t2 = time.perf_counter()
+            h.wait(60)
+            out["prepare_s"].append(t1 - t0)
+            out["post_s"].append(t2 - t1)
+        out["python_us_end"] = python_speed_us(rounds=1)
+        return out
+
     def loop(self, conn) -> None:
         pending: tuple | None = None         # (op, request ids) the parent waits on
         while True:
@@ -383,6 +407,8 @@ class _Engine:
                         conn.send(("cpu", {"cpu": cpu, "python_us": us}))
                     else:
                         conn.send(("cpu", {"cpu": None, "python_us": python_speed_us()}))
+                elif op == "read_loop":               # args: (blocks, iterations)
+                    conn.send(("read_loop", self.read_loop(*args)))
                 elif op == "set_lease":
                     self.sched.connector._scheduler.lease_s = args[0]
                     conn.send(("set_lease", None))

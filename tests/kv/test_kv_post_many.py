@@ -317,3 +317,22 @@ def test_a_merged_post_failing_late_keeps_its_array_until_the_stream_drained(pai
         dec.post_many(xs)
     assert drained == [dec.stream]
     assert info.value.handles == [None, None, None]
+
+
+def test_one_transfer_posts_as_post_does(pair):
+    """``post_many`` of one transfer is its ``post``: the bytes land, and an error (here the peer removed) carries
+    ``handles == [None]`` as a batch's error does."""
+    from gpuxfer.errors import GpuxferError
+    pre, dec, a0, a1 = pair
+    src, dst = _full(pre, dec, a0, a1, 1, 6, 2, seed=43)
+    peer, _ = connect(pre, dec)
+    x = dec.prepare(peer, "pull", local_blocks={"full": [1]}, remote_blocks={"full": [4]})
+    [h] = dec.post_many([x])
+    h.wait(60)
+    for name in src:
+        assert same_bytes(dst[name][:, 1], src[name][:, 4])
+    y = dec.prepare(peer, "pull", local_blocks={"full": [2]}, remote_blocks={"full": [3]})
+    dec.remove_peer(peer)
+    with pytest.raises(GpuxferError) as info:
+        dec.post_many([y])
+    assert info.value.handles == [None]

@@ -31,8 +31,11 @@ class PrefillHolds:
                 self._let_go.append(req)
 
     def drain(self, server, now: float) -> None:
-        """What the decode instances said on the side channel (``server``): requests read or released."""
-        server.pump()
+        """What the decode instances said on the side channel (``server``): requests read or released. While
+        requests are held the engine thread serves the channel itself, once a step (done messages then end holds
+        at the next step); while none are, the server's thread serves it and this only takes what it queued."""
+        if self.held:
+            server.pump()
         events = server.events
         while not events.empty():               # (this thread is the only one taking events)
             op, req = events.get_nowait()
