@@ -1,6 +1,7 @@
 """A vLLM 0.33 instance without a model, for the connector's tests: the real ``Scheduler`` and the
 connector's worker side in one spawned process, in EngineCore's order (worker connector, caches
-registered, scheduler, the worker's handshake metadata to the scheduler side), with KV caches in
+registered, scheduler, the worker's handshake metadata to the scheduler side, the startup heap frozen
+out of the garbage collector's scans as vLLM's ``freeze_gc_heap``), with KV caches in
 vLLM's shapes laid out by vLLM's own planning and view code. A "model" writes known bytes into a
 request's blocks whenever it is scheduled; a finished load is checked byte by byte.
 
@@ -8,6 +9,7 @@ The parent drives it over a pipe (:class:`Instance`); the child runs :func:`serv
 """
 from __future__ import annotations
 
+import gc
 import os
 import time
 import traceback
@@ -182,6 +184,11 @@ class _Engine:
                                structured_output_manager=StructuredOutputManager(self.config),
                                block_size=bs)
         self.sched.connector.set_xfer_handshake_metadata({0: self.worker.get_handshake_metadata()})
+        # what EngineCore and the GPU worker do once made: the startup heap frozen, out of the collector's scans
+        from vllm.utils.gc_utils import freeze_gc_heap
+        freeze_gc_heap()
+        self.gc_s = 0.0                                 # seconds in the collector since startup
+        gc.callbacks.append(self._gc_timer)
         self.layer_groups = [list(g.layer_names) for g in self.kv_cache_config.kv_cache_groups]
         self.layer_index = {n: i for i, n in enumerate(layer_specs)}
         self.bs = bs
@@ -191,6 +198,12 @@ class _Engine:
         self.waiting: set[str] = set()
         self.stats: dict = {}
         self.load_t0: dict[str, float] = {}
+
+    def _gc_timer(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self.gc_s += time.perf_counter() - self._gc_t0
 
     def _allocate(self, layout, shm: bool):
         """vLLM's allocation: one int8 backing buffer viewed per layer by vLLM's own code. The buffer is the
@@ -284,19 +297,24 @@ class _Engine:
         t0 = time.perf_counter()
         for ld in loads:
             self.load_t0.setdefault(ld.req_id, t0)
+        gc0 = self.gc_s
         w.start_load_kv(None)
         t1 = time.perf_counter()
+        gc1 = self.gc_s
         w.wait_for_save()
         t2 = time.perf_counter()
+        gc2 = self.gc_s
         res = w.get_transfer_results(so.finished_req_ids)
         t3 = time.perf_counter()
         if n_loads:
             from gpuxfer.bench.cpus import python_speed_us
-            # the CPU's speed right after the timed calls (a VM's vCPU changes speed within seconds)
+            # the CPU's speed right after the timed calls (a VM's vCPU changes speed within seconds); the
+            # collector's seconds inside the call
             self.stats.setdefault("start_load_kv_s", []).append(
-                (n_loads, t1 - t0, python_speed_us(rounds=1)))
+                (n_loads, t1 - t0, python_speed_us(rounds=1), gc1 - gc0))
         if w._worker.decode.pending or res.finished_recving:
             self.stats.setdefault("get_finished_s", []).append(t3 - t2)
+            self.stats.setdefault("get_finished_gc_s", []).append(self.gc_s - gc2)
         invalid = w.get_block_ids_with_load_errors()
         st = w.get_kv_connector_stats()
         w.clear_connector_metadata()
@@ -337,11 +355,12 @@ class _Engine:
                     r["params"] = o.kv_transfer_params
                     self.waiting.discard(o.request_id)
 
-    def read_loop(self, blocks: int, iterations: int) -> dict:
+    def read_loop(self, blocks: int, iterations: int, flush_mb: int = 0) -> dict:
         """The read a load makes, back to back in this process: each prepared (block IDs in hand -> ready) and
         posted (``post_many`` of one) by the worker's agent, then waited for; the host seconds of each call.
         Blocks 1..``blocks`` of the first known prefill engine into ours (a measuring aid for after the run's
-        loads were checked: it overwrites those blocks)."""
+        loads were checked: it overwrites those blocks). ``flush_mb``: before each read (untimed), write that
+        many MiB of memory of this process, so the read starts with the CPU's caches holding other data."""
         import numpy as np
         from gpuxfer.bench.cpus import python_speed_us
         worker = self.worker._worker
@@ -349,7 +368,10 @@ class _Engine:
         ids = {"g0": np.arange(1, blocks + 1, dtype=np.int64)}
         agent = worker.agent
         out = {"prepare_s": [], "post_s": [], "python_us": python_speed_us(rounds=1)}
+        junk = np.zeros(flush_mb << 17, dtype=np.int64)
         for _ in range(iterations):
+            if flush_mb:
+                junk += 1
             t0 = time.perf_counter()
             x = agent.prepare(peer, "pull", local_blocks=ids, remote_blocks=ids, name="read-loop")
             t1 = time.perf_counter()

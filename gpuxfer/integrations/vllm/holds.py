@@ -32,8 +32,9 @@ class PrefillHolds:
 
     def drain(self, server, now: float) -> None:
         """What the decode instances said on the side channel (``server``): requests read or released. While
-        requests are held the engine thread serves the channel itself, once a step (done messages then end holds
-        at the next step); while none are, the server's thread serves it and this only takes what it queued."""
+        requests are held, the engine thread serves the channel itself, once a step, so a done message ends its
+        hold at the step it arrives by; while none are, the server's thread serves it and this only takes what
+        that thread queued (no socket call on the engine thread)."""
         if self.held:
             server.pump()
         events = server.events
