@@ -24,10 +24,11 @@ Targets (issue #34, p90 over the runs): ``start_load_kv`` <= 100 us, <= 20 us pe
     python scripts/vllm_connector_bench.py --device host --tokens 2048 --layers 4 --runs 1 --out o.json
     python scripts/vllm_connector_bench.py --device host --engine triton --ids device ...   # on the host emulation
 
-The decode side pulls with block IDs on the host (the connector's default, ``device_ids: false``); ``--ids
-device`` sets ``device_ids: true``: on the device where it can (the triton engine, kernel blocks alike on both
-sides). Each run's ``path`` column says how its loads went (``dev``: every load
-with device IDs, ``host``: every load with host IDs, ``mixed``).
+``--ids`` sets the connector's ``device_ids``: ``auto`` (its default: a step's several reads of one prefill
+engine with their block IDs on the device, a lone read with host IDs), ``host`` (false) or ``device`` (true:
+on the device wherever it can -- the triton engine, kernel blocks alike on both sides). Each run's ``path``
+column says how its loads went (``dev``: every load with device IDs, ``host``: every load with host IDs,
+``mixed``).
 
 Needs vLLM importable (docs/VLLM.md). Exit status 1 on a wrong byte or a failed load, 2 on bad options.
 """
@@ -61,7 +62,7 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
     total = 1 + a.warm + a.batch * a.batch_steps
     blocks = max(4096, 2 * total * per_req_blocks + 16)
     t0 = time.perf_counter()
-    extra = {"token_major": True, "device_ids": a.ids == "device"}
+    extra = {"token_major": True, "device_ids": {"host": False, "device": True, "auto": "auto"}[a.ids]}
     if a.engine != "auto":
         extra["engine"] = a.engine
     kw = dict(extra=extra, env=env, device=dev, num_blocks=blocks, max_model_len=a.tokens + 64,
@@ -169,9 +170,10 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", choices=("auto", "triton", "copy_engine"), default="auto",
                     help="the decode side's engine (default auto: triton on GPUs, copy_engine on the host emulation; "
                          "triton there puts the caches in the platform's shared memory and runs Triton interpreted)")
-    ap.add_argument("--ids", choices=("host", "device"), default="host",
-                    help="host (default, the connector's): block IDs checked on the host; device: on the device "
-                         "where the engine allows (kv_connector_extra_config device_ids: true)")
+    ap.add_argument("--ids", choices=("auto", "host", "device"), default="auto",
+                    help="the connector's device_ids: auto (default, the connector's): a step's several reads of "
+                         "one engine with their block IDs on the device, a lone read with host IDs; host: every "
+                         "read with host IDs (false); device: on the device wherever the engine allows (true)")
     ap.add_argument("--cpus", choices=("auto", "none"), default="auto",
                     help="auto (default): each instance's engine thread pinned to the fastest, by a Python yardstick, "
                          "of physical cores of its own, the decode side picked again before each phase; none: the "

@@ -200,3 +200,15 @@ def test_dead_prefill_reports_load_errors(inst):
         assert v.get("load") == "failed" and v.get("finished") == "length", (r, v)
     assert time.monotonic() - t0 < 60
     assert D.call("stats")["free"] == D.info["free"]
+
+
+def test_the_extra_config_is_checked():
+    """``kv_connector_extra_config``: ``device_ids`` is true, false or "auto" (the default); anything else, and a
+    ``token_major`` that is not a bool, is a typed error naming the key."""
+    from gpuxfer.errors import BadInput
+    from gpuxfer.integrations.vllm.connector import _settings
+    assert _settings({}).device_ids == "auto"
+    assert _settings({"device_ids": True}).device_ids is True and _settings({"device_ids": False}).device_ids is False
+    for key, bad in (("device_ids", "yes"), ("device_ids", 1), ("token_major", "true")):
+        with pytest.raises(BadInput, match=key):
+            _settings({key: bad})

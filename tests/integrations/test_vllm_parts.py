@@ -472,7 +472,7 @@ def workers(host):
     from gpuxfer.integrations.vllm.worker import Settings, WorkerSide
     made, bufs = [], []
 
-    def make(device_ids: bool = True):
+    def make(device_ids: bool | str = True):
         out = []
         for name, fill in (("p", True), ("d", False)):
             buf, caches = _caches(host, fill)
@@ -546,6 +546,24 @@ def test_device_ids_off_reads_with_host_ids(workers):
     assert _moved(P, D, [3, 4], [7, 8])
     stats = D.take_stats()
     assert stats["device_id_loads"] == 0 and stats["host_id_loads"] == 1
+
+
+def test_device_ids_auto_reads_a_lone_load_with_host_ids_and_a_step_of_several_on_the_device(workers):
+    """``device_ids`` "auto": a step's single read of an engine goes with host IDs, a step's several reads of it
+    with device IDs in one read; every byte lands."""
+    P, D = workers(device_ids="auto")
+    assert D.decode.staging is not None
+    D.start_loads([_load(P, "a", [3, 4, 5], [7, 8, 9])])
+    assert _drive(P, D, {"a"}) == ({"a"}, set())
+    assert D.take_stats()["host_id_loads"] == 1
+    D.start_loads([_load(P, "b", [10, 11], [1, 2]), _load(P, "c", [12, 13, 14], [20, 21, 22])])
+    assert D.decode.inflight[0].handle is D.decode.inflight[1].handle          # one read for the step
+    assert _drive(P, D, {"b", "c"}) == ({"b", "c"}, set())
+    D.start_loads([_load(P, "d", [15], [23])])
+    assert _drive(P, D, {"d"}) == ({"d"}, set())
+    assert _moved(P, D, [3, 4, 5, 10, 11, 12, 13, 14, 15], [7, 8, 9, 1, 2, 20, 21, 22, 23])
+    stats = D.take_stats()
+    assert stats["device_id_loads"] == 2 and stats["host_id_loads"] == 1 and stats["failed"] == 0
 
 
 def test_a_bad_block_id_on_the_device_fails_only_its_load(workers, caplog):

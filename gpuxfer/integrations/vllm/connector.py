@@ -77,11 +77,11 @@ class GpuxferStats(KVConnectorStats):
 def _settings(extra: dict) -> Settings:
     def pick(key: str, var: str):
         return config.resolve(var, extra.get(key), option=f"kv_connector_extra_config[{key!r}]")
-    tm, dev = extra.get("token_major"), extra.get("device_ids", False)
+    tm, dev = extra.get("token_major"), extra.get("device_ids", "auto")
     if tm is not None and not isinstance(tm, bool):
         raise BadInput(f"kv_connector_extra_config['token_major'] must be true or false, got {tm!r}")
-    if not isinstance(dev, bool):
-        raise BadInput(f"kv_connector_extra_config['device_ids'] must be true or false, got {dev!r}")
+    if not isinstance(dev, bool) and dev != "auto":
+        raise BadInput(f"kv_connector_extra_config['device_ids'] must be true, false or \"auto\", got {dev!r}")
     return Settings(lease_s=pick("lease_s", "GPUXFER_VLLM_LEASE_S"), host=pick("host", "GPUXFER_VLLM_HOST"),
                     port=pick("port", "GPUXFER_VLLM_PORT"),
                     handshake_timeout_s=pick("handshake_timeout_s", "GPUXFER_VLLM_HANDSHAKE_TIMEOUT_S"),

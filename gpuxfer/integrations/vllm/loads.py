@@ -31,6 +31,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gpuxfer.vllm")
 
+#: with ``device_ids`` "auto": a step's reads of one prefill engine go with their block IDs on the device from this
+#: many on (one H200: a single read costs the engine thread more that way -- two more driver calls than with host
+#: IDs --, a step of 8 reads much less: one ID copy and one checked launch for all, nothing per ID on the host)
+AUTO_DEVICE_IDS_FROM = 2
+
 
 @dataclass
 class Load:
@@ -211,7 +216,8 @@ class DecodeLoads:
         """Pair each request's blocks and post the reads together (:meth:`KVAgent.post_many`: one upload and one
         launch per prefill engine); left waiting for a later step when the agent is busy (a handshake). The
         reads of an engine that takes device IDs become one request whose IDs go to the device in one copy
-        (:meth:`_prepare_on_device`); the others are prepared one by one with host IDs. A request whose blocks
+        (:meth:`_prepare_on_device`; with ``device_ids`` "auto", where the step has
+        :data:`AUTO_DEVICE_IDS_FROM` or more of them); the others are prepared one by one with host IDs. A request whose blocks
         do not pair fails alone. A posted read goes in flight; one with nothing to move or that failed ends
         (reported at the next poll)."""
         if not sts or not self._lock.acquire(blocking=blocking):
@@ -231,6 +237,11 @@ class DecodeLoads:
                         owners.append((st,))
                 except (GpuxferError, KeyError, IndexError, ValueError) as exc:
                     st.error = f"{type(exc).__name__}: {exc}"
+            if on_device and self.settings.device_ids == "auto":
+                for key, batch in list(on_device.items()):
+                    if len(batch) < AUTO_DEVICE_IDS_FROM:
+                        del on_device[key]
+                        self._prepare_each_host(batch, xs, owners)
             entry = self._prepare_on_device(list(on_device.values()), xs, owners) if on_device else None
             handles = []
             try:

@@ -31,7 +31,9 @@ class Settings:
     handshake_timeout_s: float
     token_major: bool
     engine: str = "auto"
-    device_ids: bool = False                # pull with block IDs on the device where the peer allows it
+    # pull with block IDs on the device where the peer allows it: True, False, or "auto" (a step's reads of one
+    # engine from AUTO_DEVICE_IDS_FROM on)
+    device_ids: bool | str = False
 
 
 class WorkerSide:
