@@ -33,7 +33,7 @@ class Settings:
     engine: str = "auto"
     # pull with block IDs on the device where the peer allows it: True, False, or "auto" (a step's reads of one
     # engine from AUTO_DEVICE_IDS_FROM on)
-    device_ids: bool | str = False
+    device_ids: bool | str = "auto"
 
 
 class WorkerSide:
