@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -25,9 +25,6 @@ from .channel import SideChannelClient
 from .handshake import check_compatible, decode_info
 from .params import BadTransferParams, RemotePrefill, pair_group
 from .staging import IdStaging
-
-if TYPE_CHECKING:
-    from .worker import Settings
 
 log = logging.getLogger("gpuxfer.vllm")
 
@@ -83,11 +80,12 @@ class DecodeLoads:
     """A worker's loads: every load not reported yet (``pending``, by request) is waiting (not posted: a
     handshake under way, or the agent busy), in flight (posted, in post order) or ended (nothing to wait for);
     the prefill engines it reads from (``remotes``, by endpoint); the block IDs of failed loads not yet taken
-    (``load_errors``). ``group_specs``: per KV-cache group ``(kind, block_size, layer names)``; ``lock``: the
-    worker's, held for posts and ``add_peer`` against the agent's close; ``stats``: the worker's counters,
-    updated in place. :meth:`bind` hands it the registered agent."""
+    (``load_errors``). ``group_specs``: per KV-cache group ``(kind, block_size, layer names)``; ``settings``:
+    the worker's (:class:`~.worker.Settings`); ``lock``: the worker's, held for posts and ``add_peer`` against
+    the agent's close; ``stats``: the worker's counters, updated in place. :meth:`bind` hands it the registered
+    agent."""
 
-    def __init__(self, *, engine_id: str, group_specs: list, settings: "Settings", lock: threading.Lock,
+    def __init__(self, *, engine_id: str, group_specs: list, settings, lock: threading.Lock,
                  stats: dict):
         self.engine_id, self.group_specs, self.settings = engine_id, group_specs, settings
         self._lock, self.stats = lock, stats
