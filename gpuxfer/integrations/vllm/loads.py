@@ -215,9 +215,9 @@ class DecodeLoads:
         launch per prefill engine); left waiting for a later step when the agent is busy (a handshake). The
         reads of an engine that takes device IDs become one request whose IDs go to the device in one copy
         (:meth:`_prepare_on_device`; with ``device_ids`` "auto", where the step has
-        :data:`AUTO_DEVICE_IDS_FROM` or more of them); the others are prepared one by one with host IDs. A request whose blocks
-        do not pair fails alone. A posted read goes in flight; one with nothing to move or that failed ends
-        (reported at the next poll)."""
+        :data:`AUTO_DEVICE_IDS_FROM` or more of them); the others are prepared one by one with host IDs. A
+        request whose blocks do not pair fails alone. A posted read goes in flight; one with nothing to move or
+        that failed ends (reported at the next poll)."""
         if not sts or not self._lock.acquire(blocking=blocking):
             return
         try:
