@@ -429,7 +429,7 @@ class _Engine:
                         conn.send(("cpu", {"cpu": cpu, "python_us": us}))
                     else:
                         conn.send(("cpu", {"cpu": None, "python_us": python_speed_us()}))
-                elif op == "read_loop":               # args: (blocks, iterations)
+                elif op == "read_loop":               # args: (blocks, iterations[, MiB to flush])
                     conn.send(("read_loop", self.read_loop(*args)))
                 elif op == "set_lease":
                     self.sched.connector._scheduler.lease_s = args[0]
