@@ -59,18 +59,15 @@ def post_many(poster, transfers: Sequence[KVTransfer], stream: Stream | None) ->
     if len({id(x) for x in transfers}) != len(transfers):
         raise BadInput("post_many: a transfer appears twice (post it again in a later call)")
     s = agent.stream if stream is None else stream
-    if len(transfers) == 1:         # (what a decode step admitting one request posts)
-        try:
-            return [transfers[0].post(s)]
-        except Exception as exc:
-            exc.handles = [None]
-            raise
     for x in transfers:             # the other engines' peers before anything is queued (triton's: under the lock)
         if type(x) is not _SlotTransfer and type(x) is not _DeviceIdTransfer:
             poster.check_usable(x.peer)
     handles: list[KVTransferHandle | None] = [None] * len(transfers)
     try:
-        _post_all(poster, transfers, s, handles)
+        if len(transfers) == 1:     # (what a decode step admitting one request posts): its own post
+            handles[0] = transfers[0].post(s)
+        else:
+            _post_all(poster, transfers, s, handles)
     except Exception as exc:
         # some transfers may be queued already: the caller learns which (and must not reuse their blocks
         # before they complete)
