@@ -131,7 +131,7 @@ def _post_route(poster, xs: list[_SlotTransfer], s: Stream) -> list[KVTransferHa
         return [x._post_locked(s) for x in xs]
     keep, array, rows = merged
     try:
-        slot = run_in_slot(poster, xs[0].route, s, array.ctypes.data, array.nbytes, rows, int(array.shape[0]))
+        slot, landed = run_in_slot(poster, xs[0].route, s, array, rows, int(array.shape[0]))
         values = [x.peer.notify(s, x.notify_slot)[0] if x.notify_slot is not None else None for x in xs]
         event = poster.agent.platform.record_event(s)
     except BaseException:
@@ -139,7 +139,9 @@ def _post_route(poster, xs: list[_SlotTransfer], s: Stream) -> list[KVTransferHa
         raise
     slot.event, slot.stream = event, s
     poster.track(event, (tuple(xs), slot, keep))
-    return [KVTransferHandle(x, event, s, v) for x, v in zip(xs, values)]
+    if any(v is not None for v in values):
+        landed = None               # (the handles' events then cover the notifications)
+    return [KVTransferHandle(x, event, s, v, landed=landed) for x, v in zip(xs, values)]
 
 
 def _merge(poster, route, xs: list[_SlotTransfer]):

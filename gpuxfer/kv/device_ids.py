@@ -240,18 +240,41 @@ class _Status:
         self.batch = batch          # requests posted together with this word (post_many)
 
     def raise_if_bad(self, name: str) -> None:
-        bits = int(self.array[self.index])
-        if bits:
-            what = [w for b, w in ((CHECK_SOURCE_RANGE, "a source block ID out of range"),
-                                   (CHECK_DEST_RANGE, "a destination block ID out of range"),
-                                   (CHECK_DEST_TWICE, "a destination block named twice")) if bits & b]
-            whose = "its block IDs" if self.batch == 1 else \
-                f"the block IDs of the {self.batch} requests posted with it (post_many)"
-            raise BlockIdError(f"request {name!r}: {whose}, checked on the device, hold "
-                               f"{' and '.join(what) or f'status {bits:#x}'}; nothing was moved")
+        _raise_if_bad(int(self.array[self.index]), name, self.batch)
 
     def __del__(self):
         self.words.free.append((self.chunk, self.index))
+
+
+def _raise_if_bad(bits: int, name: str, batch: int) -> None:
+    """The :class:`BlockIdError` of a device check's status ``bits`` (nothing when 0)."""
+    if bits:
+        what = [w for b, w in ((CHECK_SOURCE_RANGE, "a source block ID out of range"),
+                               (CHECK_DEST_RANGE, "a destination block ID out of range"),
+                               (CHECK_DEST_TWICE, "a destination block named twice")) if bits & b]
+        whose = "its block IDs" if batch == 1 else f"the block IDs of the {batch} requests posted with it (post_many)"
+        raise BlockIdError(f"request {name!r}: {whose}, checked on the device, hold "
+                           f"{' and '.join(what) or f'status {bits:#x}'}; nothing was moved")
+
+
+class _SlotStatus:
+    """A folded checked post's status: the slot's status host word while the slot's next folded checked post has
+    not taken it over, then the value it held, kept here (:meth:`hand_over`, called once this post landed)."""
+
+    __slots__ = ("slot", "batch", "live", "bits")
+
+    def __init__(self, slot, batch: int):
+        self.slot, self.batch, self.live, self.bits = slot, batch, True, 0
+
+    def hand_over(self) -> None:
+        self.bits = int(self.slot.host[self.slot.entries + 2])
+        self.live = False
+
+    def raise_if_bad(self, name: str) -> None:
+        bits = int(self.slot.host[self.slot.entries + 2])
+        if not self.live:           # (read first: a hand-over keeps the value before the word is written again)
+            bits = self.bits
+        _raise_if_bad(bits, name, self.batch)
 
 
 class _DeviceIdTransfer(_SlotTransfer):
@@ -264,7 +287,6 @@ class _DeviceIdTransfer(_SlotTransfer):
         self._pooled = pooled
         self._array = array
         self._entries = head.entries
-        self._host_ptr = pooled[0].data_ptr()
         super(_SlotTransfer, self).__init__(poster, peer, route, op, name, head.n_seg, pooled[0], None, None, 0,
                                             [], notify_slot, head.n_rows, head.nbytes_moved)
         self._req_bytes = int(array.shape[0]) * 8
@@ -280,23 +302,12 @@ class _DeviceIdTransfer(_SlotTransfer):
                                    "prepare (set_ or resize_): prepare the request again")
 
     def _run(self, s: Stream, expand_only: bool = False):
-        poster, plat = self.poster, self.agent.platform
         self._check_tensors()
-        slot = poster.take_slot(self.route, s, self.descriptors, self._entries)
-        checked = _checked(poster, self.route, slot, s)
-        own = s is self.agent.stream    # the agent's stream: its calls bound once (Platform.stream_calls)
-        copy = poster.calls.copy if own else (lambda d, src, n: plat.copy_async(s, d, src, n))
-        copy(slot.req_ptr, self._host_ptr, self._req_bytes)
-        if expand_only:
-            plat.launch(s, checked.check_and_expand)
-        else:
-            _launch_checked(poster, checked, s, own)
-        status = poster.status_words.take()
-        copy(status.ptr, slot.req_ptr + 8 * checked.status_at, 8)
-        return slot, status
+        slot = self.poster.take_slot(self.route, s, self.descriptors, self._entries)
+        return (slot,) + _run_checked(self.poster, self.route, slot, s, self._array, 1, expand_only)
 
     def _post_locked(self, s: Stream):
-        slot, status = self._run(s)
+        slot, status, landed = self._run(s)
         try:
             value, event = self._finish(s)
         except BaseException:
@@ -304,7 +315,7 @@ class _DeviceIdTransfer(_SlotTransfer):
             raise
         slot.event, slot.stream = event, s
         self.poster.track(event, (self, slot, status))
-        return KVTransferHandle(self, event, s, value, status)
+        return KVTransferHandle(self, event, s, value, status, landed)
 
     def expanded_descriptors(self) -> np.ndarray:
         """As :meth:`_SlotTransfer.expanded_descriptors`, after the device check (:class:`BlockIdError` where the
@@ -314,7 +325,7 @@ class _DeviceIdTransfer(_SlotTransfer):
         with poster.lock:
             poster.check_usable(self.peer)
             s = agent.stream
-            slot, status = self._run(s, expand_only=True)
+            slot, status, _ = self._run(s, expand_only=True)
             event = plat.record_event(s)
             slot.event, slot.stream = event, s
             poster.track(event, (self, slot, status))
@@ -346,26 +357,44 @@ def post_together(poster, xs: list[_DeviceIdTransfer], s: Stream) -> list:
     h[:] = head.array
     h[head.addresses] = np.array([sh[3] for sh in shapes], dtype=np.int64)
     slot = poster.take_slot(route, s, head.n_rows, head.entries)
-    checked = _checked(poster, route, slot, s)
-    own = s is agent.stream
+    status = None
     try:
-        if own:
-            poster.calls.copy(slot.req_ptr, h.ctypes.data, h.nbytes)
-        else:
-            plat.copy_async(s, slot.req_ptr, h.ctypes.data, h.nbytes)
-        _launch_checked(poster, checked, s, own)
-        status = poster.status_words.take(len(xs))
-        if own:
-            poster.calls.copy(status.ptr, slot.req_ptr + 8 * checked.status_at, 8)
-        else:
-            plat.copy_async(s, status.ptr, slot.req_ptr + 8 * checked.status_at, 8)
+        status, landed = _run_checked(poster, route, slot, s, h, len(xs))
         event = plat.record_event(s)          # (device-ID requests carry no notification: prepare_device)
     except BaseException:
         poster.hold_until_drained(s, (tuple(xs), keep, status))
         raise
     slot.event, slot.stream = event, s
     poster.track(event, (tuple(xs), slot, keep, status))
-    return [KVTransferHandle(x, event, s, None, status) for x in xs]
+    return [KVTransferHandle(x, event, s, None, status, landed) for x in xs]
+
+
+def _run_checked(poster, route, slot, s: Stream, array: np.ndarray, batch: int, expand_only: bool = False):
+    """A checked request array (``array``: the requests' header, ``batch`` requests) run in ``slot`` on ``s``:
+    on the agent's stream, where the slot's host words are free, its folded checked graph alone (the status
+    lands in the slot's host words); else the upload, the checked graph and the status copied into a pooled
+    word. ``(status, landed)``: what the handles read (landed: None unless folded)."""
+    plat = poster.agent.platform
+    checked = _checked(poster, route, slot, s)
+    own = s is poster.agent.stream    # the agent's stream: its calls bound once (Platform.stream_calls)
+    if own and checked.folded is not None and not expand_only and slot.host_free():
+        status = _SlotStatus(slot, batch)
+        before, slot.status_owner = slot.status_owner, status
+        if before is not None:
+            before.hand_over()
+        landed = slot.fill(array, poster.next_seq())
+        poster.calls.launch_graph(checked.folded)
+        slot.seq = landed.seq
+        return status, landed
+    copy = poster.calls.copy if own else (lambda d, src, n: plat.copy_async(s, d, src, n))
+    copy(slot.req_ptr, array.ctypes.data, array.nbytes)
+    if expand_only:
+        plat.launch(s, checked.check_and_expand)
+    else:
+        _launch_checked(poster, checked, s, own)
+    status = poster.status_words.take(batch)
+    copy(status.ptr, slot.req_ptr + 8 * checked.status_at, 8)
+    return status, None
 
 
 def _launch_checked(poster, checked: "_Checked", s: Stream, own: bool) -> None:
@@ -382,7 +411,7 @@ class _Checked:
     """A slot's parts for device-ID requests, made on the slot's first such post: the marks bitmap (zeroed), the
     check and settle launches and the checked graph (check, settle, expand, copies)."""
 
-    __slots__ = ("marks", "check", "settle", "graph", "status_at", "slot")
+    __slots__ = ("marks", "check", "settle", "graph", "status_at", "slot", "folded")
 
     def __init__(self, route, slot, device):
         from ..kernels.blocks import check_ids_launchers, request_header_len
@@ -394,7 +423,7 @@ class _Checked:
         launches = check_ids_launchers(slot.req, dev.gtab, self.marks, n_planes=int(route.plane_group.size),
                                        n_groups=len(route.groups))
         self.check, self.settle = launches if launches is not None else (None, None)
-        self.graph = None
+        self.graph = self.folded = None      # folded: the upload, these launches, the status and landed words
 
     def kernels(self, stream=None) -> None:
         if self.check is not None:
@@ -456,5 +485,8 @@ def _checked(poster, route, slot, s: Stream) -> _Checked:
             log.warning(
                 "agent %s: capturing a slot's checked launches as a graph failed (%s: %s); posts launch them one "
                 "by one", agent.name, type(exc).__name__, exc)
+        if checked.graph is not None and slot.host is not None:
+            poster._fold(slot, lambda c: slot.record_folded(plat, c, checked.enqueue, checked.status_at), "folded",
+                         owner=checked)
     slot.checked = checked
     return checked

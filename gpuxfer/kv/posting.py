@@ -55,6 +55,7 @@ class Poster:
         self.graphs = True                      # capture slots' launches as graphs
         self.capture: Stream | None = None      # where graphs are captured (capture_stream)
         self._slot_uses = itertools.count(1)
+        self.next_seq = functools.partial(next, itertools.count(1))     # folded posts' sequence numbers
 
     def bind(self, stream: Stream) -> None:
         """Bind the agent's stream's calls once (:meth:`Platform.stream_calls`)."""
@@ -178,7 +179,7 @@ class Poster:
         have used the memory last), its launchers, and its graph (captured on a stream of the agent's)."""
         agent = self.agent
         plat = agent.platform
-        slot = _Slot(route, rows, entries, self.torch_device())
+        slot = _Slot(route, rows, entries, self.torch_device(), pinned=self.requests.pinned)
         plat.stream_wait_event(s, plat.record_event(plat.current_stream(agent.device)))
         plat.memset_async(s, slot.req_ptr, 0, entries * 8)
         plat.memset_async(s, slot.out.data_ptr(), 0, rows * 24)
@@ -196,4 +197,15 @@ class Poster:
                 self.graphs = False
             if slot.graph is None:
                 self.graphs = False
+            elif slot.host is not None:
+                self._fold(slot, lambda c: slot.record_folded(plat, c, slot.enqueue), "folded")
         return slot
+
+    def _fold(self, slot: _Slot, record, attr: str, owner=None) -> None:
+        """Capture ``record`` (a slot's folded graph, :meth:`_Slot.record_folded`) into ``owner.attr`` (default:
+        the slot); posts keep the unfolded graph where the capture fails."""
+        try:
+            setattr(owner or slot, attr, self.agent.platform.capture_graph(self.capture_stream(), record))
+        except Exception as exc:  # noqa: BLE001 - the upload stays a call of its own
+            log.warning("agent %s: capturing a slot's folded graph failed (%s: %s); its posts upload with a call "
+                        "of their own", self.agent.name, type(exc).__name__, exc)

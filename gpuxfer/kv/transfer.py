@@ -16,21 +16,24 @@ class KVTransferHandle:
     failed the check raises :class:`~gpuxfer.errors.BlockIdError` from ``done()`` and ``wait()``.
     """
 
-    __slots__ = ("transfer", "event", "name", "notify_value", "_stream", "_status")
+    __slots__ = ("transfer", "event", "name", "notify_value", "_stream", "_status", "_landed")
 
     def __init__(self, transfer: KVTransfer, event: Event, stream: Stream, notify_value: int | None,
-                 status=None):
+                 status=None, landed=None):
         # the transfer keeps its buffers; the agent keeps the transfer until the event completed
         self.transfer, self.event, self._stream, self.notify_value = transfer, event, stream, notify_value
         self.name = transfer.name
         self._status = status
+        self._landed = landed       # a folded post's host word (:class:`~gpuxfer.kv.triton_transfer._Landed`)
 
     def done(self) -> bool:
         """Whether the transfer completed; a completed two-sided one raises instead where its agent failed
         (:class:`~gpuxfer.errors.TransferMismatch` where the sides did not pair up, the error of a release),
-        as :meth:`wait` does."""
+        as :meth:`wait` does. A post whose completion lands in a host word reads it first (no driver call);
+        the event is asked while it has not landed (a failed stream raises from there)."""
         agent = self.transfer.agent
-        done = agent.platform.event_query(self.event)
+        landed = self._landed
+        done = (landed is not None and landed.landed()) or agent.platform.event_query(self.event)
         if done:
             if self.transfer.waits_on_peer:
                 agent.check()

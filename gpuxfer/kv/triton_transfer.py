@@ -12,6 +12,11 @@ from .layers import _torch
 from .transfer import KVTransfer, KVTransferHandle
 
 
+#: a slot folds its upload into its graph (:attr:`_Slot.folded`) up to this many request entries: the folded
+#: upload copies the slot's whole capacity, so a large slot uploads what its requests need instead
+FOLD_MAX_ENTRIES = 1 << 15
+
+
 class _Slot:
     """A route's device buffers for one request at a time: the request array (header + block IDs) and the
     ``(rows, 3)`` descriptors, both zeroed when made; the launchers bound to them once (the expansion over a
@@ -21,18 +26,28 @@ class _Slot:
     every row of ``out`` holds zeros or a descriptor the expansion wrote: so any request whose rows and
     entries fit can run here, one after another.
 
+    A slot of at most :data:`FOLD_MAX_ENTRIES` entries also has ``host``, host words of its own (pinned on a
+    GPU): ``[0, entries)`` the next request, ``[entries]`` its post's sequence number, ``[entries + 1]`` the
+    last sequence number that landed, ``[entries + 2]`` the device check's status. Its folded graph
+    (:attr:`folded`) is the upload of ``host[:entries + 1]`` into ``req``, the launches, then the copy of the
+    sequence number back into ``host[entries + 1]``: a post is one graph launch, and whether it completed is
+    a host load (:class:`_Landed`). The host words are written only once the last folded post landed
+    (:meth:`host_free`).
+
     A slot is free for a post on stream ``s`` once the last post on it completed, or when that post was on
     ``s`` itself (stream order puts the new upload after it)."""
 
     __slots__ = ("rows", "entries", "req", "out", "req_ptr", "expand", "copies", "graph", "event", "stream", "used",
-                 "checked")
+                 "checked", "host", "host_t", "host_ptr", "folded", "seq", "status_owner")
 
-    def __init__(self, route, rows: int, entries: int, device):
+    def __init__(self, route, rows: int, entries: int, device, pinned: bool = False):
         from ..kernels.blocks import expand_launcher
         from ..kernels.launch import copy_range_launcher
         torch = _torch()
         self.rows, self.entries = rows, entries
-        self.req = torch.empty(entries, dtype=torch.int64, device=device)
+        fold = entries <= FOLD_MAX_ENTRIES
+        # (one more entry when folded: the post's sequence number, uploaded with the request)
+        self.req = torch.empty(entries + int(fold), dtype=torch.int64, device=device)[:entries]
         self.out = torch.empty((rows, 3), dtype=torch.int64, device=device)
         self.req_ptr = self.req.data_ptr()
         self.expand = expand_launcher(route.planes, self.req, self.out, n_groups=len(route.groups))
@@ -44,6 +59,12 @@ class _Slot:
         self.stream = None
         self.used = 0
         self.checked = None         # its parts for device-ID requests (made by :mod:`~gpuxfer.kv.device_ids`)
+        self.host = self.host_t = self.folded = self.status_owner = None
+        self.host_ptr = 0
+        self.seq = 0                # the last folded post's sequence number
+        if fold:
+            self.host_t = torch.zeros(entries + 3, dtype=torch.int64, pin_memory=pinned)
+            self.host, self.host_ptr = self.host_t.numpy(), self.host_t.data_ptr()
 
     def kernels(self, stream=None) -> None:
         """The expansion and the copies, on ``stream`` (a driver handle) or torch's current stream."""
@@ -60,19 +81,61 @@ class _Slot:
         else:
             self.kernels(native)
 
+    def record_folded(self, plat: Platform, s: Stream, launches, status_at: int | None = None) -> None:
+        """What a folded graph holds, enqueued on ``s`` (a capturing stream): the upload of the host words,
+        ``launches(plat, s)``, the status (``req[status_at]``, a checked graph's) and the sequence number copied
+        back."""
+        e = self.entries
+        plat.copy_async(s, self.req_ptr, self.host_ptr, 8 * (e + 1))
+        launches(plat, s)
+        if status_at is not None:
+            plat.copy_async(s, self.host_ptr + 8 * (e + 2), self.req_ptr + 8 * status_at, 8)
+        plat.copy_async(s, self.host_ptr + 8 * (e + 1), self.req_ptr + 8 * e, 8)
 
-def run_in_slot(poster, route, s: Stream, host_ptr: int, nbytes: int, rows: int, entries: int,
-                expand_only: bool = False) -> _Slot:
-    """Upload a request array (``nbytes`` at ``host_ptr``: ``entries`` entries, ``rows`` descriptors) into a free
-    slot of ``route`` and enqueue its kernels on ``s``: the slot's graph, or its launches one by one (the caller
-    holds the post lock of ``poster``, a :class:`~gpuxfer.kv.posting.Poster`)."""
+    def host_free(self) -> bool:
+        """Whether the host words may be written: no folded post of this slot is still to land."""
+        return self.host[self.entries + 1] >= self.seq
+
+    def fill(self, array: np.ndarray, seq: int) -> "_Landed":
+        """Write a request and its sequence number into the host words (the caller checked :meth:`host_free`)."""
+        h = self.host
+        h[:array.shape[0]] = array
+        h[self.entries] = seq
+        return _Landed(h, self.entries + 1, seq)
+
+
+class _Landed:
+    """Where a folded post's completion shows: ``words[at] >= seq`` once its graph ran to the end (the slot's
+    later folded posts land later numbers)."""
+
+    __slots__ = ("words", "at", "seq")
+
+    def __init__(self, words: np.ndarray, at: int, seq: int):
+        self.words, self.at, self.seq = words, at, seq
+
+    def landed(self) -> bool:
+        return self.words[self.at] >= self.seq
+
+
+def run_in_slot(poster, route, s: Stream, array: np.ndarray, rows: int, entries: int,
+                expand_only: bool = False) -> tuple[_Slot, _Landed | None]:
+    """Upload a request array (``array``: ``rows`` descriptors, ``entries`` entries in the slot) into a free
+    slot of ``route`` and enqueue its kernels on ``s`` (the caller holds the post lock of ``poster``, a
+    :class:`~gpuxfer.kv.posting.Poster`): on the agent's stream, where the slot's host words are free, the
+    slot's folded graph alone (returned: where its completion shows); else the upload, then the slot's graph
+    or its launches one by one (None)."""
     plat = poster.agent.platform
     slot = poster.take_slot(route, s, rows, entries)
     own = s is poster.agent.stream      # the agent's stream: its calls bound once (Platform.stream_calls)
+    if own and slot.folded is not None and not expand_only and slot.host_free():
+        landed = slot.fill(array, poster.next_seq())
+        poster.calls.launch_graph(slot.folded)
+        slot.seq = landed.seq
+        return slot, landed
     if own:
-        poster.calls.copy(slot.req_ptr, host_ptr, nbytes)
+        poster.calls.copy(slot.req_ptr, array.ctypes.data, array.nbytes)
     else:
-        plat.copy_async(s, slot.req_ptr, host_ptr, nbytes)
+        plat.copy_async(s, slot.req_ptr, array.ctypes.data, array.nbytes)
     if expand_only:
         if slot.expand is not None:
             plat.launch(s, slot.expand)
@@ -83,22 +146,31 @@ def run_in_slot(poster, route, s: Stream, host_ptr: int, nbytes: int, rows: int,
             plat.launch_graph(s, slot.graph)
     else:
         slot.enqueue(plat, s)
-    return slot
+    return slot, None
 
 
 class _SlotTransfer(KVTransfer):
     """The ``triton`` engine: a prepared request is only its host array; each post runs it in a slot of the
-    route's ring (:class:`_Slot`) -- one upload of the array, one graph launch (or the slot's launches where
-    the platform captures no graph), the notification, one event::
+    route's ring (:class:`_Slot`) -- on the agent's stream the slot's folded graph (its host words written,
+    one graph launch), else one upload of the array and one graph launch (or the slot's launches where the
+    platform captures no graph); then the notification and one event::
 
         prepare (host)                 post (host)                          stream
         --------------                 -----------                          ------
         check the IDs, write the       take a free slot of the route  ->
-        header and IDs into a          copy_async(slot.req, array)    ->    upload (header + IDs)
-        pooled host array              launch_graph(slot.graph)       ->    expand (IDs -> descriptors)
+        header and IDs into a          folded: slot.host := array, seq
+        pooled host array                launch_graph(slot.folded)    ->    upload (host words -> slot.req)
+                                                                             expand (IDs -> descriptors)
                                                                              copy per tiling (rows from the header)
+                                                                             slot.host[landed] := seq
+                                       else: copy_async(slot.req,     ->    upload (header + IDs)
+                                               array)
+                                         launch_graph(slot.graph)     ->    expand, copies
                                        [notify: 2 stream operations]  ->    peer's word k := n
                                        record_event                   ->    event
+
+    A folded post's handle asks the host word whether it completed (no driver call) and the event only while
+    it has not.
 
     The array goes back to the agent's pool when the transfer is collected, which is after its last post
     completed (the agent keeps a posted transfer until its event completes)."""
@@ -108,23 +180,21 @@ class _SlotTransfer(KVTransfer):
         self._pooled = host
         self._array = array
         self._entries = int(array.shape[0])
-        self._host_ptr = host[0].data_ptr()        # the array is a view from the owner's first entry
         super().__init__(poster, peer, route, op, name, n_seg, host[0], None, None, 0, [], notify_slot, descriptors,
                          nbytes)
-        self._req_bytes = self._entries * 8
 
-    def _run(self, s: Stream, expand_only: bool = False) -> "_Slot":
+    def _run(self, s: Stream, expand_only: bool = False) -> tuple[_Slot, _Landed | None]:
         """Upload this request into a free slot and enqueue its kernels on ``s`` (the caller holds the post lock)."""
-        return run_in_slot(self.poster, self.route, s, self._host_ptr, self._req_bytes, self.descriptors,
-                           self._entries, expand_only)
+        return run_in_slot(self.poster, self.route, s, self._array, self.descriptors, self._entries, expand_only)
 
     def post(self, stream: Stream | None = None) -> KVTransferHandle:
         """Enqueue the transfer on ``stream`` (default: the agent's own) and return its handle.
 
-        Host work: one copy (the request array) into a free slot of the route, one graph launch (the
-        expansion and one copy per kernel tiling, captured once per slot; launched one by one where the
-        platform captures no graph), a notification (two stream operations, :meth:`KVPeer.notify`) if asked
-        for, one event; none of it depends on the number of descriptors.
+        Host work: on the agent's stream, the request array written into a free slot's host words and one
+        graph launch (the upload, the expansion and one copy per kernel tiling, captured once per slot); else
+        one copy (the request array) and one graph launch (launches one by one where the platform captures no
+        graph); then a notification (two stream operations, :meth:`KVPeer.notify`) if asked for and one event.
+        None of it depends on the number of descriptors.
         """
         poster = self.poster
         s = self.agent.stream if stream is None else stream
@@ -134,11 +204,11 @@ class _SlotTransfer(KVTransfer):
 
     def _post_locked(self, s: Stream) -> KVTransferHandle:
         """:meth:`post` on ``s`` once the caller holds the post lock and checked the peer."""
-        slot = self._run(s)
+        slot, landed = self._run(s)
         value, event = self._finish(s)
         slot.event, slot.stream = event, s
         self.poster.track(event, (self, slot))
-        return KVTransferHandle(self, event, s, value)
+        return KVTransferHandle(self, event, s, value, landed=landed if self.notify_slot is None else None)
 
     def expanded_descriptors(self) -> np.ndarray:
         """Run only the upload and the expansion (in a slot, on the agent's stream), wait, and return the
@@ -149,7 +219,7 @@ class _SlotTransfer(KVTransfer):
         with poster.lock:
             poster.check_usable(self.peer)
             s = agent.stream
-            slot = self._run(s, expand_only=True)
+            slot, _ = self._run(s, expand_only=True)
             event = plat.record_event(s)
             slot.event, slot.stream = event, s
             poster.track(event, (self, slot))

@@ -40,14 +40,24 @@ def _full(pre, dec, a0, a1, layers: int, blocks: int, bt: int, seed: int):
 
 
 def _count_uploads(agent, monkeypatch) -> list:
-    """Every upload of a request array into a slot on the agent's stream, recorded."""
+    """Every upload of a request array into a slot on the agent's stream, recorded: a copy of its own (its bytes)
+    or a slot's folded graph ("folded": the upload is the graph's first node)."""
     seen = []
-    copy = agent._poster.calls.copy
+    calls = agent._poster.calls
+    copy, launch = calls.copy, calls.launch_graph
 
     def counted(dst, src, n):
         seen.append(n)
         return copy(dst, src, n)
-    monkeypatch.setattr(agent._poster.calls, "copy", counted)
+
+    def launched(graph):
+        slots = [s for r in agent._routes.routes.values() for s in r.slots]
+        folded = [s.folded for s in slots] + [s.checked.folded for s in slots if s.checked is not None]
+        if any(graph is g for g in folded):
+            seen.append("folded")
+        return launch(graph)
+    monkeypatch.setattr(calls, "copy", counted)
+    monkeypatch.setattr(calls, "launch_graph", launched)
     return seen
 
 
