@@ -138,9 +138,9 @@ def _post_route(poster, xs: list[_SlotTransfer], s: Stream) -> list[KVTransferHa
         poster.hold_until_drained(s, (tuple(xs), keep))
         raise
     slot.event, slot.stream = event, s
-    poster.track(event, (tuple(xs), slot, keep))
     if any(v is not None for v in values):
         landed = None               # (the handles' events then cover the notifications)
+    poster.track(event, (tuple(xs), slot, keep) if landed is None else (tuple(xs), slot, keep, landed))
     return [KVTransferHandle(x, event, s, v, landed=landed) for x, v in zip(xs, values)]
 
 

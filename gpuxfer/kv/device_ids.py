@@ -314,7 +314,7 @@ class _DeviceIdTransfer(_SlotTransfer):
             self.poster.hold_until_drained(s, (self, slot, status))
             raise
         slot.event, slot.stream = event, s
-        self.poster.track(event, (self, slot, status))
+        self.poster.track(event, (self, slot, status) if landed is None else (self, slot, status, landed))
         return KVTransferHandle(self, event, s, value, status, landed)
 
     def expanded_descriptors(self) -> np.ndarray:
@@ -365,7 +365,7 @@ def post_together(poster, xs: list[_DeviceIdTransfer], s: Stream) -> list:
         poster.hold_until_drained(s, (tuple(xs), keep, status))
         raise
     slot.event, slot.stream = event, s
-    poster.track(event, (tuple(xs), slot, keep, status))
+    poster.track(event, (tuple(xs), slot, keep, status) + ((landed,) if landed is not None else ()))
     return [KVTransferHandle(x, event, s, None, status, landed) for x in xs]
 
 

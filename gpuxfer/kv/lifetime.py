@@ -127,7 +127,7 @@ class Lifetime:
             if p is None:
                 raise NotRegistered(f"agent {agent.name!r} has no peer {name!r}")
             self.pack.forget(p)
-            posts = [(e, b) for e, b in self.poster.inflight if any(getattr(x, "peer", None) is p for x in b)]
+            posts = [(e, b) for e, b in self.poster.inflight if _names_peer(b, p)]
             events = [e for e, _ in posts] + [n[1] for n in p._notified if n is not None]
         if not self.completed(events):
             log.warning("agent %s: transfers with peer %s did not complete within %g s of remove_peer; the agent "
@@ -228,3 +228,12 @@ class Lifetime:
                 st.close()
         poster.capture = pack.lane = None
         return drained
+
+
+def _names_peer(buffers: tuple, peer) -> bool:
+    """Whether a posted transfer's kept ``buffers`` hold a transfer with ``peer`` (a batch's transfers are a tuple
+    of their own: :mod:`~gpuxfer.kv.batch`, :func:`~gpuxfer.kv.device_ids.post_together`)."""
+    for x in buffers:
+        if any(getattr(y, "peer", None) is peer for y in (x if type(x) is tuple else (x,))):
+            return True
+    return False

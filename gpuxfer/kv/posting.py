@@ -16,7 +16,7 @@ from ..platforms.base import Event, Stream
 from .device_ids import _StatusWords
 from .peers import _LEAKED, KVPeer
 from .routes import _Route
-from .triton_transfer import _RequestPool, _Slot
+from .triton_transfer import _Landed, _RequestPool, _Slot
 
 log = logging.getLogger("gpuxfer.kv.agent")
 
@@ -104,7 +104,9 @@ class Poster:
         """Keep a posted transfer's buffers until its event completes (dropping the transfer and its
         handle early must not free memory the stream still reads). The caller holds the post lock. The
         completed entries go when a prepare finds no free host array (:meth:`reap_locked`), or here once more than
-        :data:`INFLIGHT_KEEP` are kept: a post does not query events otherwise."""
+        :data:`INFLIGHT_KEEP` are kept: a post does not query events otherwise. ``buffers`` of a folded post
+        without a notification end with its :class:`~gpuxfer.kv.triton_transfer._Landed`: nothing of the post
+        reads them once its graph ran to the end, so :meth:`reap` reads that host word before the event."""
         q = self.inflight
         if len(q) >= INFLIGHT_KEEP:
             self.reap()
@@ -119,7 +121,11 @@ class Poster:
         """Drop the posted transfers whose events completed, oldest first (the caller holds the post lock)."""
         q = self.inflight
         plat = self.agent.platform
-        while q and _ended(plat, q[0][0]):
+        while q:
+            event, buffers = q[0]
+            last = buffers[-1] if buffers else None
+            if not ((type(last) is _Landed and last.landed()) or _ended(plat, event)):
+                return
             q.popleft()
 
     def hold_until_drained(self, s: Stream, buffers: tuple) -> None:

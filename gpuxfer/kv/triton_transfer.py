@@ -207,8 +207,10 @@ class _SlotTransfer(KVTransfer):
         slot, landed = self._run(s)
         value, event = self._finish(s)
         slot.event, slot.stream = event, s
-        self.poster.track(event, (self, slot))
-        return KVTransferHandle(self, event, s, value, landed=landed if self.notify_slot is None else None)
+        if self.notify_slot is not None:
+            landed = None           # (the event then covers the notification)
+        self.poster.track(event, (self, slot) if landed is None else (self, slot, landed))
+        return KVTransferHandle(self, event, s, value, landed=landed)
 
     def expanded_descriptors(self) -> np.ndarray:
         """Run only the upload and the expansion (in a slot, on the agent's stream), wait, and return the

@@ -112,3 +112,17 @@ def test_a_checked_posts_status_survives_the_slots_next_post(fpair):
         slot.host[slot.entries + 2] = 1                 # a status word corrupted: the live handle reads it
         with pytest.raises(BlockIdError, match="'good'"):
             hg.done()
+
+
+def test_completed_folded_posts_are_dropped_by_their_landed_words(fpair, monkeypatch):
+    dec, peer, src, dst, arena = fpair
+    if _slot(dec).folded is None:
+        pytest.skip("this platform captures no graph: nothing is folded")
+    for s, d in ((3, 1), (4, 2)):       # (each waited for: the next finds the slot's host words free)
+        dec.prepare(peer, "pull", local_blocks={"full": [d]}, remote_blocks={"full": [s]}).post().wait(60)
+    poster = dec._poster
+    assert poster.inflight
+    queries = _queries(dec, monkeypatch)
+    with poster.lock:
+        poster.reap()
+    assert not poster.inflight and queries == []

@@ -346,3 +346,32 @@ def test_one_transfer_posts_as_post_does(pair):
     with pytest.raises(GpuxferError) as info:
         dec.post_many([y])
     assert info.value.handles == [None]
+
+
+def test_remove_peer_waits_for_a_merged_post_with_it(platform):
+    """A merged post (one request for several transfers) still queued when its peer is removed: ``remove_peer``
+    waits for it (here the stream is held past the agent's timeout: the agent fails, the peer's memory is kept),
+    never unmaps memory the post still reads."""
+    a0, a1 = Arena(platform, 0, 1 << 20), Arena(platform, 0, 1 << 20)
+    pre = KVAgent("prefill", platform=platform, device=0, engine="triton", timeout_s=60)
+    dec = KVAgent("decode", platform=platform, device=0, engine="triton", timeout_s=0.5)
+    try:
+        _full(pre, dec, a0, a1, 1, 8, 2, seed=11)
+        peer, _ = connect(pre, dec)
+        gate = platform.alloc(64, 0)
+        platform.host_write_flag(gate.ptr, 0, 0)
+        platform.wait_flag(dec.stream, gate.ptr, 1)
+        xs = [dec.prepare(peer, "pull", local_blocks={"full": [d]}, remote_blocks={"full": [s]}, name=f"r{d}")
+              for s, d in ((3, 1), (4, 2))]
+        hs = dec.post_many(xs)
+        assert len({id(h.event) for h in hs}) == 1          # merged
+        dec.remove_peer(peer)
+        assert dec.failed is not None and "removing the peer" in str(dec.failed)
+        platform.host_write_flag(gate.ptr, 1, 0)
+        platform.synchronize(dec.stream, 30)
+        gate.close()
+    finally:
+        dec.close()
+        pre.close()
+        a0.close()
+        a1.close()
