@@ -146,7 +146,7 @@ class RouteCache:
         slots = [s for r in routes for s in list(r.slots)]
         return {"routes": len(routes), "slots": len(slots),
                 "descriptors": sum(s.rows * 24 for s in slots),
-                "requests": sum(s.entries * 8 for s in slots),
+                "requests": sum((s.entries + (s.host is not None)) * 8 for s in slots),   # (+ a folded slot's seq)
                 "id_marks": sum(s.checked.marks.numel() * 4 for s in slots if s.checked is not None)}
 
     def build(self, peer, op: str, layers: tuple[int, int] | None, names: tuple[str, ...]) -> _Route:
