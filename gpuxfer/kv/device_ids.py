@@ -7,16 +7,21 @@ from those tensors and checks them before anything moves (:mod:`gpuxfer.kernels.
     prepare (host, O(groups))            post (host)                              stream
     -------------------------            -----------                              ------
     the IDs' shapes, dtypes, device;     take a free slot of the route
-    the header of this request shape     copy_async(slot.req, header)        ->   header, status := 0
-    (kept per route) + the tensors'      launch_graph(slot.checked_graph)    ->   check: the IDs read from the
-    addresses, in a pooled host array                                               tensors into the request;
+    the header of this request shape     folded (the agent's stream, the slot's host words free):
+    (kept per route) + the tensors'        slot.host := header, seq
+    addresses, in a pooled host array      launch_graph(checked.folded)      ->   header, status := 0 (upload)
+                                                                                  check: the IDs read from the
+                                                                                    tensors into the request;
                                                                                     ranges, a destination
                                                                                     twice (status |= bits)
                                                                                   settle: marks cleared; bad ->
                                                                                     the header's rows zeroed
                                                                                   expand, copies (nothing if bad)
-                                         copy_async(word, slot.req[status])  ->   the post's status word (host)
-                                         [notify]                            ->   peer's word k := n
+                                                                                  slot.host[status] := status
+                                                                                  slot.host[landed] := seq
+                                         else: copy_async(slot.req, header)  ->   header, status := 0
+                                           launch_graph(checked.graph)       ->   check, settle, expand, copies
+                                           copy_async(word, slot.req[status])->   the post's status word (host)
                                          record_event                        ->   event
 
 A request that fails the check moves no byte and its handle raises :class:`~gpuxfer.errors.BlockIdError`
