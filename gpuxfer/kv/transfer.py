@@ -2,6 +2,8 @@
 of a posted one (:class:`KVTransferHandle`)."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ..errors import PeerLost, TransferTimeout
@@ -29,11 +31,20 @@ class KVTransferHandle:
     def done(self) -> bool:
         """Whether the transfer completed; a completed two-sided one raises instead where its agent failed
         (:class:`~gpuxfer.errors.TransferMismatch` where the sides did not pair up, the error of a release),
-        as :meth:`wait` does. A post whose completion lands in a host word reads it first (no driver call);
-        the event is asked while it has not landed (a failed stream raises from there)."""
+        as :meth:`wait` does. A post whose completion lands in a host word (a folded post) reads it first, no
+        driver call; while it has not landed, the answer is "not yet" for the first
+        :data:`~gpuxfer.kv.triton_transfer.LANDED_ONLY_S` after the post, then the event's (a failed stream
+        raises from there)."""
         agent = self.transfer.agent
         landed = self._landed
-        done = (landed is not None and landed.landed()) or agent.platform.event_query(self.event)
+        if landed is None:
+            done = agent.platform.event_query(self.event)
+        elif landed.landed():
+            done = True
+        elif time.monotonic() < landed.until:
+            return False
+        else:
+            done = agent.platform.event_query(self.event)
         if done:
             if self.transfer.waits_on_peer:
                 agent.check()

@@ -4,6 +4,8 @@ and captured as a graph, :class:`_Slot`), the transfer that runs a request in on
 slots per route is kept by :meth:`Poster.take_slot <gpuxfer.kv.posting.Poster.take_slot>`."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ..errors import TransferTimeout
@@ -12,6 +14,9 @@ from .layers import _torch
 from .transfer import KVTransfer, KVTransferHandle
 
 
+#: a folded post's handle answers "not done yet" from its host word alone for this long after the post, then asks
+#: the event too (a failed stream raises from there, a bit later than from the event alone)
+LANDED_ONLY_S = 0.05
 #: a slot folds its upload into its graph (:attr:`_Slot.folded`) up to this many request entries: the folded
 #: upload copies the slot's whole capacity, so a large slot uploads what its requests need instead
 FOLD_MAX_ENTRIES = 1 << 15
@@ -106,12 +111,14 @@ class _Slot:
 
 class _Landed:
     """Where a folded post's completion shows: ``words[at] >= seq`` once its graph ran to the end (the slot's
-    later folded posts land later numbers)."""
+    later folded posts land later numbers); ``until``: till when a word not landed yet is taken as "not done"
+    without asking the event (:data:`LANDED_ONLY_S`)."""
 
-    __slots__ = ("words", "at", "seq")
+    __slots__ = ("words", "at", "seq", "until")
 
     def __init__(self, words: np.ndarray, at: int, seq: int):
         self.words, self.at, self.seq = words, at, seq
+        self.until = time.monotonic() + LANDED_ONLY_S
 
     def landed(self) -> bool:
         return self.words[self.at] >= self.seq

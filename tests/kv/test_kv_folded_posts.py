@@ -81,7 +81,10 @@ def test_a_post_behind_a_queued_folded_one_uploads_its_own_array(fpair, monkeypa
     queries = _queries(dec, monkeypatch)
     assert ha.done() and queries == []              # the landed word answers, not the event
     slot = _slot(dec)
-    slot.host[slot.entries + 1] = 0                 # a word that has not landed: the event answers instead
+    slot.host[slot.entries + 1] = 0                 # a word that has not landed: "not yet" for a while after the
+    ha._landed.until = float("inf")                 # post, without the event ...
+    assert not ha.done() and queries == []
+    ha._landed.until = 0.0                          # ... then the event answers
     assert ha.done() and len(queries) == 1
     gate.close()
 
