@@ -130,12 +130,14 @@ def _post_route(poster, xs: list[_SlotTransfer], s: Stream) -> list[KVTransferHa
     if merged is None:
         return [x._post_locked(s) for x in xs]
     keep, array, rows = merged
+    route, slot = xs[0].route, None
     try:
-        slot, landed = run_in_slot(poster, xs[0].route, s, array, rows, int(array.shape[0]))
+        slot, landed = run_in_slot(poster, route, s, array, rows, int(array.shape[0]))
         values = [x.peer.notify(s, x.notify_slot)[0] if x.notify_slot is not None else None for x in xs]
         event = poster.agent.platform.record_event(s)
     except BaseException:
-        poster.hold_until_drained(s, (tuple(xs), keep))
+        poster.retire(route, slot)
+        poster.hold_until_drained(s, (tuple(xs), keep, slot))
         raise
     slot.event, slot.stream = event, s
     if any(v is not None for v in values):

@@ -308,14 +308,21 @@ class _DeviceIdTransfer(_SlotTransfer):
 
     def _run(self, s: Stream, expand_only: bool = False):
         self._check_tensors()
-        slot = self.poster.take_slot(self.route, s, self.descriptors, self._entries)
-        return (slot,) + _run_checked(self.poster, self.route, slot, s, self._array, 1, expand_only)
+        poster = self.poster
+        slot = poster.take_slot(self.route, s, self.descriptors, self._entries)
+        try:
+            return (slot,) + _run_checked(poster, self.route, slot, s, self._array, 1, expand_only)
+        except BaseException:
+            poster.retire(self.route, slot)
+            poster.hold_until_drained(s, (self, slot))
+            raise
 
     def _post_locked(self, s: Stream):
         slot, status, landed = self._run(s)
         try:
             value, event = self._finish(s)
         except BaseException:
+            self.poster.retire(self.route, slot)
             self.poster.hold_until_drained(s, (self, slot, status))
             raise
         slot.event, slot.stream = event, s
@@ -367,7 +374,8 @@ def post_together(poster, xs: list[_DeviceIdTransfer], s: Stream) -> list:
         status, landed = _run_checked(poster, route, slot, s, h, len(xs))
         event = plat.record_event(s)          # (device-ID requests carry no notification: prepare_device)
     except BaseException:
-        poster.hold_until_drained(s, (tuple(xs), keep, status))
+        poster.retire(route, slot)
+        poster.hold_until_drained(s, (tuple(xs), keep, status, slot))
         raise
     slot.event, slot.stream = event, s
     poster.track(event, (tuple(xs), slot, keep, status) + ((landed,) if landed is not None else ()))
@@ -388,8 +396,8 @@ def _run_checked(poster, route, slot, s: Stream, array: np.ndarray, batch: int, 
         if before is not None:
             before.hand_over()
         landed = slot.fill(array, poster.next_seq())
+        slot.seq = landed.seq           # (before the launch: words a failed launch may have queued stay unwritten)
         poster.calls.launch_graph(checked.folded)
-        slot.seq = landed.seq
         return status, landed
     copy = poster.calls.copy if own else (lambda d, src, n: plat.copy_async(s, d, src, n))
     copy(slot.req_ptr, array.ctypes.data, array.nbytes)

@@ -128,6 +128,14 @@ class Poster:
                 return
             q.popleft()
 
+    def retire(self, route: _Route, slot: _Slot | None) -> None:
+        """A post failed after taking ``slot`` (it may have queued an upload or launches there): the slot leaves
+        the route's ring, so no later post -- on another stream, once the slot's earlier event completed --
+        writes buffers that queued work still uses; a later post makes another. The caller keeps the slot's
+        buffers (:meth:`hold_until_drained`)."""
+        if slot is not None:
+            route.slots[:] = [x for x in route.slots if x is not slot]
+
     def hold_until_drained(self, s: Stream, buffers: tuple) -> None:
         """A post failed part way: its upload may be queued and still read its host array. Keep ``buffers``
         until ``s`` drained (at most the agent's timeout), else for the life of the process."""

@@ -131,14 +131,23 @@ def run_in_slot(poster, route, s: Stream, array: np.ndarray, rows: int, entries:
     :class:`~gpuxfer.kv.posting.Poster`): on the agent's stream, where the slot's host words are free, the
     slot's folded graph alone (returned: where its completion shows); else the upload, then the slot's graph
     or its launches one by one (None)."""
-    plat = poster.agent.platform
     slot = poster.take_slot(route, s, rows, entries)
+    try:
+        return slot, _enqueue(poster, slot, s, array, expand_only)
+    except BaseException:
+        poster.retire(route, slot)
+        poster.hold_until_drained(s, (slot,))
+        raise
+
+
+def _enqueue(poster, slot: _Slot, s: Stream, array: np.ndarray, expand_only: bool) -> _Landed | None:
+    plat = poster.agent.platform
     own = s is poster.agent.stream      # the agent's stream: its calls bound once (Platform.stream_calls)
     if own and slot.folded is not None and not expand_only and slot.host_free():
         landed = slot.fill(array, poster.next_seq())
+        slot.seq = landed.seq           # (before the launch: words a failed launch may have queued stay unwritten)
         poster.calls.launch_graph(slot.folded)
-        slot.seq = landed.seq
-        return slot, landed
+        return landed
     if own:
         poster.calls.copy(slot.req_ptr, array.ctypes.data, array.nbytes)
     else:
@@ -153,7 +162,7 @@ def run_in_slot(poster, route, s: Stream, array: np.ndarray, rows: int, entries:
             plat.launch_graph(s, slot.graph)
     else:
         slot.enqueue(plat, s)
-    return slot, None
+    return None
 
 
 class _SlotTransfer(KVTransfer):
@@ -189,6 +198,7 @@ class _SlotTransfer(KVTransfer):
         self._entries = int(array.shape[0])
         super().__init__(poster, peer, route, op, name, n_seg, host[0], None, None, 0, [], notify_slot, descriptors,
                          nbytes)
+        self._req_bytes = self._entries * 8
 
     def _run(self, s: Stream, expand_only: bool = False) -> tuple[_Slot, _Landed | None]:
         """Upload this request into a free slot and enqueue its kernels on ``s`` (the caller holds the post lock)."""
@@ -212,7 +222,12 @@ class _SlotTransfer(KVTransfer):
     def _post_locked(self, s: Stream) -> KVTransferHandle:
         """:meth:`post` on ``s`` once the caller holds the post lock and checked the peer."""
         slot, landed = self._run(s)
-        value, event = self._finish(s)
+        try:
+            value, event = self._finish(s)
+        except BaseException:
+            self.poster.retire(self.route, slot)
+            self.poster.hold_until_drained(s, (self, slot))
+            raise
         slot.event, slot.stream = event, s
         if self.notify_slot is not None:
             landed = None           # (the event then covers the notification)

@@ -129,3 +129,27 @@ def test_completed_folded_posts_are_dropped_by_their_landed_words(fpair, monkeyp
     with poster.lock:
         poster.reap()
     assert not poster.inflight and queries == []
+
+
+def test_a_post_failing_in_its_slot_retires_the_slot(fpair, monkeypatch):
+    """A post that fails after taking a slot (its launch refused) leaves the slot out of the route's ring: no later
+    post, on any stream, writes buffers work it queued may still use; the next post makes a slot and moves its
+    bytes."""
+    dec, peer, src, dst, arena = fpair
+    route = next(iter(dec._routes.routes.values()))
+    (before,) = route.slots
+    calls = dec._poster.calls
+    launch = calls.launch_graph
+
+    def refused(graph):
+        raise RuntimeError("launch refused")
+    monkeypatch.setattr(calls, "launch_graph", refused)
+    x = dec.prepare(peer, "pull", local_blocks={"full": [1]}, remote_blocks={"full": [3]}, name="refused")
+    with pytest.raises(RuntimeError, match="launch refused"):
+        x.post()
+    assert all(s is not before for s in route.slots)
+    monkeypatch.setattr(calls, "launch_graph", launch)
+    dec.prepare(peer, "pull", local_blocks={"full": [2]}, remote_blocks={"full": [4]}).post().wait(60)
+    assert len(route.slots) == 1 and route.slots[0] is not before
+    for k in src:
+        assert same_bytes(dst[k][:, 2], src[k][:, 4])
