@@ -395,10 +395,7 @@ def _run_checked(poster, route, slot, s: Stream, array: np.ndarray, batch: int, 
         before, slot.status_owner = slot.status_owner, status
         if before is not None:
             before.hand_over()
-        landed = slot.fill(array, poster.next_seq())
-        slot.seq = landed.seq           # (before the launch: words a failed launch may have queued stay unwritten)
-        poster.calls.launch_graph(checked.folded)
-        return status, landed
+        return status, slot.post_folded(poster, checked.folded, array)
     copy = poster.calls.copy if own else (lambda d, src, n: plat.copy_async(s, d, src, n))
     copy(slot.req_ptr, array.ctypes.data, array.nbytes)
     if expand_only:

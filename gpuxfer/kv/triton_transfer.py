@@ -101,11 +101,15 @@ class _Slot:
         """Whether the host words may be written: no folded post of this slot is still to land."""
         return self.host[self.entries + 1] >= self.seq
 
-    def fill(self, array: np.ndarray, seq: int) -> "_Landed":
-        """Write a request and its sequence number into the host words (the caller checked :meth:`host_free`)."""
-        h = self.host
+    def post_folded(self, poster, graph, array: np.ndarray) -> "_Landed":
+        """Write a request and the next sequence number of ``poster`` into the host words (the caller checked
+        :meth:`host_free`) and launch ``graph`` (this slot's folded graph or its checked one) on the agent's
+        stream; where the post's completion shows."""
+        h, seq = self.host, poster.next_seq()
         h[:array.shape[0]] = array
         h[self.entries] = seq
+        self.seq = seq                  # (before the launch: words a failed launch may have queued stay unwritten)
+        poster.calls.launch_graph(graph)
         return _Landed(h, self.entries + 1, seq)
 
 
@@ -144,10 +148,7 @@ def _enqueue(poster, slot: _Slot, s: Stream, array: np.ndarray, expand_only: boo
     plat = poster.agent.platform
     own = s is poster.agent.stream      # the agent's stream: its calls bound once (Platform.stream_calls)
     if own and slot.folded is not None and not expand_only and slot.host_free():
-        landed = slot.fill(array, poster.next_seq())
-        slot.seq = landed.seq           # (before the launch: words a failed launch may have queued stay unwritten)
-        poster.calls.launch_graph(slot.folded)
-        return landed
+        return slot.post_folded(poster, slot.folded, array)
     if own:
         poster.calls.copy(slot.req_ptr, array.ctypes.data, array.nbytes)
     else:
