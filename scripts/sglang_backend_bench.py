@@ -18,10 +18,16 @@ Per request (``--repeats`` of them, after one warm-up request not counted):
   polled back to back; both clocks ``CLOCK_MONOTONIC``);
 * ``direct_ms``: the same pages moved onto the same decode pages by the prefill's ``KVAgent`` itself, one
   ``prepare`` + ``post`` + ``wait`` of one push;
+* ``tail_ms``: from the last ``send_kv_chunk`` to the decode's ``KVPoll.Success``: with ``--forward-ms``
+  (the scheduler sleeping between chunks, standing in for their forward passes) the earlier chunks move while
+  the next ones are computed, and the tail is what the request waits for once its prefill is done, against
+  ``direct_ms``, what moving the whole request then costs;
 * every byte of every decode page and of the metadata row checked after each (the decode pages zeroed
   before each).
 
 Targets (issue #39, p90 over the repeats): ``send()`` <= 100 us; the request within 100 us of the direct push.
+``--trace`` prints, per request, the clock at the backend's steps (chunks queued, posts, the metadata row,
+the drain, the status) on both ranks.
 
     python scripts/sglang_backend_bench.py --platform cuda --json out.json                  # 32k tokens
     python scripts/sglang_backend_bench.py --platform host --tokens 512 --layers 2 --chunk-tokens 128 \\
@@ -63,6 +69,25 @@ def geometry(page_size: int, layers: int):
             for r in w.regions if r.name in REGIONS]
 
 
+def trace_steps(prefill_marks, decode_marks, room, first, t_done) -> dict | None:
+    """The clock at each traced step of ``room`` (first and last occurrence where it repeats), in us after its
+    first ``send_kv_chunk``: both ranks' ``CLOCK_MONOTONIC``."""
+    if first is None:
+        return None
+    out: dict = {}
+    for step, r, t in list(prefill_marks) + list(decode_marks):
+        if r not in (room, None):
+            continue
+        us = 1e6 * (t - first)
+        if step not in out:
+            out[step] = us
+        elif step + ".last" not in out or us > out[step + ".last"]:
+            out[step + ".last"] = us
+    if t_done is not None:
+        out["decode_success"] = 1e6 * (t_done - first)
+    return dict(sorted(out.items(), key=lambda kv: kv[1]))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -80,10 +105,11 @@ def run(a) -> dict:
     port = free_port()
     kw = dict(port=port, page_size=a.page_size, pages=pool_pages, env=env, mla=True, layers=len(item_lens),
               item_lens=item_lens, device="cuda" if a.platform == "cuda" else "cpu")
-    auto = a.cpus == "auto"
+    auto = a.cpus != "none"
     t0 = time.perf_counter()
-    P = Rank("prefill", seed=1, cpus=(0, 2) if auto else None, **kw)
-    D = Rank("decode", seed=2, cpus=(1, 2) if auto else None, **kw)
+    mode = "one" if a.cpus == "one" else "split"
+    P = Rank("prefill", seed=1, cpus=(0, 2) if auto else None, cpu_mode=mode, **kw)
+    D = Rank("decode", seed=2, cpus=(1, 2) if auto else None, cpu_mode=mode, **kw)
     rng = random.Random(0)
     src, dst = list(range(1, pool_pages)), list(range(1, pool_pages))
     rng.shuffle(src)
@@ -93,6 +119,10 @@ def run(a) -> dict:
         P.ready(timeout=600)
         D.ready(timeout=600)
         startup = time.perf_counter() - t0
+        if a.trace:
+            P.call("trace_on")
+            D.call("trace_on")
+        P.call("forward", a.forward_ms / 1e3)
         for i in range(1 + a.repeats):
             room = 7000 + i
             py = P.call("cpu")
@@ -105,10 +135,13 @@ def run(a) -> dict:
             seen = D.call("watch_result", a.timeout, timeout=a.timeout + 60)
             prefill = P.call("wait", [room], a.timeout, timeout=a.timeout + 60)
             tm = P.call("timings")
+            steps = trace_steps(P.call("trace"), D.call("trace"), room, tm["first_send"].get(room), t_done=
+                                seen.get(room, (None, None))[1]) if a.trace else None
             chk = D.call("check", [room], 1, (), ran["rows"], timeout=600)
             status, t_done = seen.get(room, ("Timeout", None))
             ok = status == "Success" and prefill[room][0] == "Success" and not ran["left"] and not ran["failed"]
             request_s = t_done - tm["first_send"][room] if ok else None
+            tail_s = t_done - tm["last_send"][room] if ok else None
             P.call("clear", [room])
             D.call("clear", [room])
             D.call("scrub", dst, timeout=600)
@@ -117,10 +150,10 @@ def run(a) -> dict:
             rows.append({
                 "request": i, "warm_up": i == 0, "status": status, "prefill_status": prefill[room][0],
                 "decode_receiver": st.get(room), "python_us": py["python_us"], "cpu": py["cpu"],
-                "send_s": tm["send_s"], "send_kv_chunk_s": tm["chunk_s"], "request_s": request_s,
+                "send_s": tm["send_s"], "send_kv_chunk_s": tm["chunk_s"], "request_s": request_s, "tail_s": tail_s,
                 "direct": direct, "wrong_bytes": sum(chk["bad"].values()) + chk["others_changed"],
                 "direct_wrong_bytes": sum(dchk["bad"].values()) + dchk["others_changed"],
-                "checked_bytes": chk["checked"] + dchk["checked"], "ok": ok})
+                "checked_bytes": chk["checked"] + dchk["checked"], "ok": ok, "trace_us": steps})
             f = lambda v, w, p=1: f"{v:>{w}.{p}f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"  # noqa: E731
             r = rows[-1]
             sends = [1e6 * x for x in r["send_s"]]
@@ -128,7 +161,11 @@ def run(a) -> dict:
                   f"{f(1e6 * max(r['send_kv_chunk_s'], default=0), 9)} "
                   f"{f(None if request_s is None else 1e3 * request_s, 10, 3)} {f(1e3 * direct['total_s'], 10, 3)} "
                   f"{f(None if request_s is None else 1e6 * (request_s - direct['total_s']), 10)} "
+                  f"{f(None if tail_s is None else 1e3 * tail_s, 8, 3)} "
                   f"{f(r['python_us'], 6)} {r['wrong_bytes'] + r['direct_wrong_bytes']:>6} {status}", flush=True)
+            if steps:
+                print("#      trace (us after the first send_kv_chunk): "
+                      + ", ".join(f"{k} {v:.0f}" for k, v in steps.items()), flush=True)
     finally:
         codes = [P.close(), D.close()]
     return {"startup_s": startup, "exit_codes": codes, "requests": rows, "regions": regions, "pages": n_pages,
@@ -146,9 +183,17 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=0, help="cap each region's layers (default 0: kv-dsv4's 30/30/31)")
     ap.add_argument("--repeats", type=int, default=3, help="requests measured after the warm-up one (default 3)")
     ap.add_argument("--timeout", type=int, default=60, help="SGLang's waiting timeout and every wait (s, default 60)")
-    ap.add_argument("--cpus", choices=("auto", "none"), default="auto",
-                    help="auto (default): each rank pinned to the fastest, by a Python yardstick, of physical cores of "
-                         "its own; none: the scheduler places them")
+    ap.add_argument("--cpus", choices=("auto", "one", "none"), default="auto",
+                    help="auto (default): each rank gets physical cores of its own, its main (scheduler) thread "
+                         "pinned to the fastest of them by a Python yardstick and the threads it starts (SGLang's and "
+                         "the backend's) to the rest; one: every thread of a rank on that fastest core; none: the "
+                         "scheduler places them")
+    ap.add_argument("--forward-ms", type=float, default=0.0,
+                    help="the prefill scheduler sleeps this long before each chunk but the first, standing in for "
+                         "the chunk's forward pass (default 0: chunks sent back to back)")
+    ap.add_argument("--trace", action="store_true",
+                    help="note the clock at the backend's steps of each request (chunks queued, posts, the drain, "
+                         "the decode's row and status) and print them after each request's row")
     ap.add_argument("--json", required=True, help="JSON file to write (must not exist)")
     a = ap.parse_args(argv)
     for k in ("tokens", "page_size", "chunk_tokens", "repeats", "timeout"):
@@ -156,6 +201,8 @@ def main(argv=None) -> int:
             ap.error(f"--{k.replace('_', '-')} must be >= 1")
     if a.layers < 0:
         ap.error("--layers must be >= 0")
+    if not 0 <= a.forward_ms <= 10_000:
+        ap.error("--forward-ms must be in 0..10000")
     if os.path.exists(a.json):
         ap.error(f"--json {a.json} exists; name a new file")
     regions = geometry(a.page_size, a.layers)
@@ -168,16 +215,24 @@ def main(argv=None) -> int:
           + ", ".join(f"{name} {n} x {pb} B/page" for name, n, pb in regions)
           + f" ({kv_bytes / 2**20:.1f} MiB of KV); chunked prefill {a.chunk_tokens} tokens; 1 warm-up + "
             f"{a.repeats} requests")
-    print(f"# CPU placement: {'each rank pinned (auto)' if a.cpus == 'auto' else 'the scheduler (none)'}; "
+    print(f"# forward pass between chunks: "
+          + (f"{a.forward_ms:g} ms (the scheduler thread sleeps, the GIL free)" if a.forward_ms else "none (back to back)"))
+    placement = {"auto": "each rank on cores of its own: its main thread on the fastest, the threads it starts on "
+                         "the rest (auto)",
+                 "one": "every thread of a rank on one core of its own (one)", "none": "the scheduler (none)"}[a.cpus]
+    print(f"# CPU placement: {placement}; "
           "py_us: the Python yardstick (gpuxfer.bench.cpus.python_speed_us) on the prefill rank before each request")
     print("# send: KVSender.send host time (us, p50 and max of the request's chunks); chunk: send_kv_chunk max (us); "
-          "request: first send_kv_chunk -> decode KVPoll.Success (ms); direct: KVAgent prepare+post+wait (ms)")
+          "request: first send_kv_chunk -> decode KVPoll.Success (ms); direct: KVAgent prepare+post+wait (ms); "
+          "tail: last send_kv_chunk -> decode KVPoll.Success (ms)")
     print(f"{'req':>4} {'sends':>6} {'send_p50':>8} {'send_max':>8} {'chunk_max':>9} {'request_ms':>10} "
-          f"{'direct_ms':>10} {'req-dir_us':>10} {'py_us':>6} {'wrong':>6} status")
+          f"{'direct_ms':>10} {'req-dir_us':>10} {'tail_ms':>8} {'py_us':>6} {'wrong':>6} status")
     res = run(a)
     measured = [r for r in res["requests"] if not r["warm_up"]]
     sends = [x for r in measured for x in r["send_s"]]
     diffs = [r["request_s"] - r["direct"]["total_s"] for r in measured if r["request_s"] is not None]
+    tails = [r["tail_s"] for r in measured if r["tail_s"] is not None]
+    tail_diffs = [r["tail_s"] - r["direct"]["total_s"] for r in measured if r["tail_s"] is not None]
     summary = {
         "send_us": 1e6 * pct(sends, 0.9) if sends else None,
         "send_us_p50": 1e6 * pct(sends, 0.5) if sends else None,
@@ -189,11 +244,17 @@ def main(argv=None) -> int:
         "direct_ms_p50": 1e3 * pct([r["direct"]["total_s"] for r in measured], 0.5) if measured else None,
         "direct_ms_p90": 1e3 * pct([r["direct"]["total_s"] for r in measured], 0.9) if measured else None,
         "request_minus_direct_us": 1e6 * pct(diffs, 0.9) if diffs else None,
+        "tail_ms_p50": 1e3 * pct(tails, 0.5) if tails else None,
+        "tail_ms_p90": 1e3 * pct(tails, 0.9) if tails else None,
+        "tail_minus_direct_us": 1e6 * pct(tail_diffs, 0.9) if tail_diffs else None,
     }
     print(f"# p50 / p90 over the {len(measured)} requests: send {summary['send_us_p50'] or 0:.1f} / "
           f"{summary['send_us'] or 0:.1f} us; request {summary['request_ms_p50'] or 0:.3f} / "
           f"{summary['request_ms_p90'] or 0:.3f} ms; direct {summary['direct_ms_p50'] or 0:.3f} / "
           f"{summary['direct_ms_p90'] or 0:.3f} ms")
+    print(f"# tail (last send_kv_chunk -> decode Success) p50 / p90 {summary['tail_ms_p50'] or 0:.3f} / "
+          f"{summary['tail_ms_p90'] or 0:.3f} ms; tail minus direct (the whole request moved once prefill is "
+          f"done), p90: {summary['tail_minus_direct_us'] or 0:.1f} us")
     print("# targets, p90 over the requests:")
     verdicts = {}
     for k, target in TARGETS.items():

@@ -7,10 +7,10 @@ lives in :mod:`gpuxfer.bench.kv`.
 """
 from __future__ import annotations
 
-from .agent import (KVAgent, KVLayerSpec, KVPeer, KVPiece, KVTransfer, KVTransferHandle, describe_layer,
-                    memory_at)
+from .agent import (NOTIFY_SLOTS, KVAgent, KVLayerSpec, KVPeer, KVPiece, KVTransfer, KVTransferHandle,
+                    describe_layer, memory_at)
 
 __all__ = [
-    "KVAgent", "KVLayerSpec", "KVPeer", "KVPiece", "KVTransfer", "KVTransferHandle", "describe_layer",
-    "memory_at",
+    "KVAgent", "KVLayerSpec", "KVPeer", "KVPiece", "KVTransfer", "KVTransferHandle", "NOTIFY_SLOTS",
+    "describe_layer", "memory_at",
 ]

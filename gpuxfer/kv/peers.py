@@ -254,6 +254,13 @@ class KVPeer(Closable):
             return None
         return self.agent.platform.as_tensor(m, shape=(1,), offset=off)
 
+    def next_notification(self, slot: int) -> int:
+        """The value the next notification this agent sends to word ``slot`` of the peer writes (the n-th
+        writes n): what a post with ``notify_slot=slot`` made next, and nothing else in between, will write."""
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < NOTIFY_SLOTS:
+            raise BadInput(f"notification slot must be an int in 0..{NOTIFY_SLOTS - 1}, got {slot!r}")
+        return self._seq[slot] + 1
+
     def notify(self, s: Stream, slot: int) -> tuple[int, Event]:
         """Queue the next notification to word ``slot`` of the peer on ``s``, then the post's event: ``(value,
         event)``. The caller holds the agent's post lock.

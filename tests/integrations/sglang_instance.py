@@ -87,7 +87,9 @@ class Rank:
                  mla: bool = False, heads: int = HEADS, **extra):
         """``extra``: ``layers`` (entries: one per layer for MLA, two for MHA), ``item_lens`` (each entry's
         bytes per page, else the MHA/MLA page of ``HEADS`` x ``HEAD_DIM``), ``device`` (``cuda``: the KV
-        buffers on GPU 0), ``cpus`` (``(rank, world)``: pinned as a benchmark rank)."""
+        buffers on GPU 0), ``cpus`` (``(rank, world)``: pinned as a benchmark rank), ``cpu_mode`` (with
+        ``cpus``: ``split``, the default: the rank's main thread on the fastest core of its part and every
+        thread the rank starts on the rest of the part; ``one``: every thread on that one core)."""
         self.role, self.port = role, port
         self.conn, child = ctx().Pipe()
         spec = dict(role=role, port=port, page_size=page_size, pages=pages, seed=seed, env=env or {}, mla=mla,
@@ -350,12 +352,19 @@ class _State:
 
     def timings(self):
         """The host times of SGLang's ``KVSender.send`` and ``send_kv_chunk`` calls since the last call, and
-        each room's first ``send_kv_chunk`` (``CLOCK_MONOTONIC``, comparable across processes)."""
+        each room's first and last ``send_kv_chunk`` (``CLOCK_MONOTONIC``, comparable across processes)."""
         d = self.driver
-        out = {"send_s": d.send_s, "chunk_s": d.chunk_s, "first_send": dict(d.first_send)}
+        out = {"send_s": d.send_s, "chunk_s": d.chunk_s, "first_send": dict(d.first_send),
+               "last_send": dict(d.last_send)}
         d.send_s, d.chunk_s = [], []
         d.first_send.clear()
+        d.last_send.clear()
         return out
+
+    def forward(self, seconds):
+        """The prefill scheduler sleeps ``seconds`` before each chunk but the first (its forward pass)."""
+        self.driver.forward_s = float(seconds)
+        return self.driver.forward_s
 
     def watch_start(self, rooms):
         """A thread polling ``rooms``' receivers back to back, noting the clock when each is first Success
@@ -365,6 +374,8 @@ class _State:
         left = set(rooms)
 
         def run():
+            if getattr(self, "helper_cpus", None):
+                os.sched_setaffinity(0, self.helper_cpus)
             deadline = time.monotonic() + 600
             while left and time.monotonic() < deadline:
                 for room in list(left):
@@ -397,6 +408,57 @@ class _State:
             h.wait(timeout)
             t3 = time.monotonic()
         return {"prepare_s": t1 - t0, "post_s": t2 - t1, "total_s": t3 - t0}
+
+    def drop_success(self, on):
+        """Prefill: from now on drop (``on``) or send again the Success status messages to the decode, as if
+        lost on the way (a decode then ends its rooms by their notification alone)."""
+        mgr = self.mgr
+        if not on:
+            mgr.__dict__.pop("send_kv_status_message", None)
+            return False
+        from sglang.srt.disaggregation.base.conn import KVPoll
+        send = type(mgr).send_kv_status_message.__get__(mgr)
+
+        def dropping(**kw):
+            if kw.get("status") != KVPoll.Success:
+                send(**kw)
+        mgr.send_kv_status_message = dropping
+        return True
+
+    def trace_on(self):
+        """Note the clock (``CLOCK_MONOTONIC``) at the backend's steps of a request, for the benchmark's
+        ``--trace``: the prefill's chunk queued, each post's start and end, the room's drain (its posts waited
+        for) and its conclusion; the decode's metadata row and status arriving. :meth:`trace` returns them."""
+        from gpuxfer.integrations.sglang import conn
+        self._marks: list[tuple] = []
+        mgr, marks = self.mgr, self._marks
+
+        def wrap(name, obj=mgr, room=lambda a, k: a[0]):
+            fn = getattr(obj, name)
+
+            def traced(*a, **k):
+                r = room(a, k)
+                marks.append((name, r, time.monotonic()))
+                try:
+                    return fn(*a, **k)
+                finally:
+                    marks.append((name + ".end", r, time.monotonic()))
+            setattr(obj, name, traced)
+        if self.role == "prefill":
+            wrap("add_transfer_request", room=lambda a, k: k.get("bootstrap_room", a[0] if a else None))
+            wrap("_post", room=lambda a, k: a[0].room)
+            wrap("_drain")
+            wrap("_send_aux", room=lambda a, k: a[0].room)
+            wrap("conclude_transfer", room=lambda a, k: k.get("bootstrap_room"))
+        else:
+            wrap("write_aux_rows", obj=conn, room=lambda a, k: None)
+            wrap("apply_prefill_status", room=lambda a, k: k.get("bootstrap_room"))
+        return True
+
+    def trace(self):
+        """The marks since :meth:`trace_on` or the last call: ``[(step, room, clock)]``."""
+        out, self._marks[:] = list(self._marks), []
+        return out
 
     def cpu(self):
         from gpuxfer.bench.cpus import current_cpu, python_speed_us
@@ -463,12 +525,21 @@ def serve(conn, spec: dict) -> None:
     sys.path.insert(0, STUBS)
     state = None
     try:
+        main_cpu = None
         if spec.get("cpus"):                # (rank, world): pinned as a benchmark rank with --cpus auto is
-            from gpuxfer.bench.cpus import pin_auto
-            pin_auto(*spec["cpus"], None)
+            from gpuxfer.bench.cpus import pin, pin_auto
+            part, placed = pin_auto(*spec["cpus"], None)
+            if part is not None and placed and spec.get("cpu_mode", "split") == "split" and len(part) > 1:
+                # a server's scheduler thread has a core of its own; the threads the rank starts (SGLang's
+                # and the backend's) inherit the rest of the part, never the scheduler's core
+                main_cpu = placed["cpu"]
+                pin(set(part) - {main_cpu})
         from sglang.srt.plugins import load_plugins
         load_plugins()                      # what every SGLang process does first: the entry point registers
         state = _State(spec)
+        if main_cpu is not None:
+            state.helper_cpus = os.sched_getaffinity(0)
+            pin((main_cpu,))
         conn.send(("ready", {"session": state.mgr.session_id, "pid": os.getpid()}))
     except Exception:
         conn.send(("error", traceback.format_exc()))

@@ -169,6 +169,9 @@ class QueueDriver:
         self.send_s: list[float] = []               # host time of each KVSender.send call
         self.chunk_s: list[float] = []              # host time of each send_kv_chunk call
         self.first_send: dict[int, float] = {}      # room -> time.monotonic() at its first send_kv_chunk
+        self.last_send: dict[int, float] = {}       # room -> time.monotonic() at its last send_kv_chunk
+        self.forward_s = 0.0                        # the scheduler thread sleeps this long after each chunk but
+                                                    # the last (a forward pass that leaves the GIL free)
         self._slots = list(range(sched.req_to_token_pool.req_to_token.shape[0]))
 
     def add(self, room: int, pages, tokens: int, chunk_tokens: int) -> str:
@@ -211,7 +214,10 @@ class QueueDriver:
         n, step = len(req.origin_input_ids), self.chunks[req.bootstrap_room]
         for end in range(step, n + step, step):
             req.extend_end = min(end, n)
+            if self.forward_s and end > step:
+                time.sleep(self.forward_s)
             self.first_send.setdefault(req.bootstrap_room, time.monotonic())     # CLOCK_MONOTONIC: any process's
+            self.last_send[req.bootstrap_room] = time.monotonic()
             t0 = time.perf_counter()
             self.sched.send_kv_chunk(req, last_chunk=req.extend_end == n)
             self.chunk_s.append(time.perf_counter() - t0)

@@ -152,6 +152,19 @@ def test_sender_calls_land_byte_for_byte(pair):
     _landed(p, d, plan, prefill, rows)
 
 
+def test_rooms_end_by_their_notification_with_no_success_message(pair):
+    """The prefill's Success messages dropped: the decode ends each room when the notification word its
+    registration gave the prefill reaches the value the room's metadata row named (its last push bumps it once
+    every push of the room landed), and every byte is there."""
+    p, d, pages = pair
+    rng = random.Random(4)
+    assert p.call("drop_success", True)
+    try:
+        _land_through_queue(p, d, [pages.take(room, rng.randint(1, 9)) for room in range(1300, 1308)], 16, rng)
+    finally:
+        p.call("drop_success", False)
+
+
 def test_aborts_on_either_side_fail_both_and_write_nothing(pair):
     """A request the decode's scheduler aborts while its queue waits for the KV (its prefill holding it) and
     one the prefill aborts once the decode's pages arrived: the decode's transfer queue fails and releases

@@ -12,7 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gpuxfer.errors import BadInput, BadMetadata
+from gpuxfer.errors import BadInput, BadMetadata, GpuxferError
+from gpuxfer.integrations.sglang.landing import Landings, landing_frame, parse_landing, parse_slot, slot_frame
+from gpuxfer.platforms.base import RELEASE_VALUE
 from gpuxfer.integrations.sglang.layout import (decode_registration, encode_registration, geometry,
                                                 geometry_differences, read_aux_rows, register_kv_args,
                                                 write_aux_rows)
@@ -110,3 +112,83 @@ def test_metadata_rows_copy_and_bounds():
     with pytest.raises(BadInput):                       # a short row: nothing written, not even the first
         write_aux_rows(dst, 0, [rows[0], rows[1][:10]])
     assert int(dst_aux[0].view(-1, 64)[0].count_nonzero()) == 0
+
+
+def test_slot_and_landing_frames_round_trip_and_refuse_anything_else():
+    assert parse_slot(slot_frame(7)) == 7 and parse_slot(slot_frame(None)) is None
+    assert parse_landing(landing_frame((3, 12))) == (3, 12) and parse_landing(landing_frame(None)) is None
+    for bad in (b"64", b"-1", b"x", b"00000"):
+        with pytest.raises(BadInput, match="notification slot"):
+            parse_slot(bad)
+    for bad in (b"1", b"1:", b":3", b"1:0", b"64:1", b"1:x", b"1:" + b"9" * 20, b"1:%d" % RELEASE_VALUE):
+        with pytest.raises(BadInput):
+            parse_landing(bad)
+
+
+class _Words:
+    def __init__(self):
+        self.values, self.reads, self.fail = {}, 0, False
+
+    def __call__(self, slot):
+        self.reads += 1
+        if self.fail:
+            raise GpuxferError("the agent failed")
+        return self.values.get(slot, 0)
+
+
+def _landings(handed=2):
+    words = _Words()
+    lands = Landings(words)
+    for _ in range(handed):
+        lands.new_slot()
+    return lands, words
+
+
+def _poll(lands, room):
+    lands._read_at = [0.0] * len(lands._read_at)       # past the read interval: the next poll reads the word
+    return lands.landed(room)
+
+
+def test_a_room_lands_only_once_its_word_reaches_its_value():
+    lands, words = _landings()
+    assert not _poll(lands, 7)                           # nothing expected yet: nothing read
+    assert lands.expect(7, (1, 3)) and words.reads == 0
+    for seen in (0, 2):
+        words.values[1] = seen
+        assert not _poll(lands, 7)
+    words.values[1] = 3
+    assert _poll(lands, 7) and not lands.waiting(7)
+    assert lands.expect(8, (1, 2))                       # an earlier value of the same word: no read
+    reads = words.reads
+    assert lands.landed(8) and words.reads == reads
+
+
+def test_a_word_is_read_at_most_once_per_interval():
+    lands, words = _landings()
+    for room in range(8):
+        lands.expect(room, (0, 5))
+    words.values[0] = 1
+    assert not _poll(lands, 0)
+    assert not any(lands.landed(room) for room in range(1, 8))    # within the interval: the value read reused
+    assert words.reads == 1
+
+
+def test_a_released_word_a_failed_read_or_a_foreign_slot_never_lands_a_room():
+    lands, words = _landings(handed=2)
+    lands.expect(7, (0, 1))
+    words.values[0] = RELEASE_VALUE                      # the agent failed: its words released, nothing landed
+    assert not _poll(lands, 7)
+    words.values[0], words.fail = 1, True
+    assert not _poll(lands, 7)
+    assert not lands.expect(8, (5, 1)) and not lands.waiting(8)    # never handed out
+    lands.expect(9, (1, 1))
+    lands.forget(9)                                      # a new request of the room: the old value forgotten
+    words.fail, words.values[1] = False, 4
+    assert not _poll(lands, 9)
+
+
+def test_slots_are_handed_out_once_each():
+    lands, _ = _landings(handed=0)
+    from gpuxfer.kv import NOTIFY_SLOTS
+    assert [lands.new_slot() for _ in range(NOTIFY_SLOTS)] == list(range(NOTIFY_SLOTS))
+    assert lands.new_slot() is None and lands.new_slot() is None

@@ -10,8 +10,10 @@ from __future__ import annotations
 import queue
 import threading
 from collections import defaultdict
+from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from _requires import require
 
@@ -21,6 +23,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
 from sglang.srt.disaggregation.common.conn import ABORT_TAG  # noqa: E402
 
 from gpuxfer.errors import BadInput, PeerLost, TransferTimeout  # noqa: E402
+from gpuxfer.integrations.sglang.landing import Landings  # noqa: E402
 from gpuxfer.integrations.sglang.conn import (GpuxferKVManager, TransferInfo, _Chunk,  # noqa: E402
                                               _drain_marker)
 
@@ -70,13 +73,15 @@ class Manager(GpuxferKVManager):
         start = chunk.index_slice.start
         if start in self.post_errors:
             raise self.post_errors[start]
+        if chunk.is_last:                       # the row goes before the last push is posted
+            self._send_aux(chunk, info, None)
         self.log.append(("post", start))
         self.handles[start] = FakeHandle(f"chunk {start}", self.log)
         if self.landed_at_once:
             self.handles[start].finish()
         return self.handles[start]
 
-    def _send_aux(self, chunk, info):
+    def _send_aux(self, chunk, info, landing):
         self.log.append(("aux", chunk.room))
 
     def send_kv_status_message(self, *, targets, bootstrap_room, status, failure_reason=None):
@@ -110,8 +115,23 @@ def _room(mgr, pages=8):
     mgr.update_status(ROOM, KVPoll.WaitingForInput)
 
 
-def _chunk(start, n=2, last=False):
-    return _Chunk(ROOM, np.arange(start, start + n, dtype=np.int32), slice(start, start + n), last, 5)
+def _chunk(start, n=2, last=False, wait_event=None):
+    return _Chunk(ROOM, np.arange(start, start + n, dtype=np.int32), slice(start, start + n), last, 5, wait_event)
+
+
+class FakeEvent:
+    """SGLang's ``wait_event`` (a torch CUDA event on the forward stream): complete after ``pending`` queries
+    (never where ``pending`` is None)."""
+
+    def __init__(self, pending, log):
+        self.pending, self.log = pending, log
+
+    def query(self):
+        self.log.append(("query",))
+        if self.pending is None:
+            return False
+        self.pending -= 1
+        return self.pending < 0
 
 
 def _abort(mgr, generation=1):
@@ -136,8 +156,8 @@ def test_chunks_are_posted_without_waiting_and_waited_before_the_row_and_success
     last.join(5)
     assert not last.is_alive()
     assert all(h.waited for h in mgr.handles.values())
-    tail = mgr.log[4:]
-    assert [e[0] for e in tail] == ["wait"] * 4 + ["aux", "status"]
+    tail = mgr.log[3:]
+    assert [e[0] for e in tail] == ["aux", "post"] + ["wait"] * 4 + ["status"]   # the row goes as the last push
     assert tail[-1][2] == KVPoll.Success and mgr.request_status[ROOM] == KVPoll.Success
     assert ROOM not in mgr._staging_outstanding and not mgr._posted
 
@@ -156,7 +176,8 @@ def test_an_error_of_a_middle_chunk_fails_the_room_when_it_is_concluded():
     assert all(h.waited for h in mgr.handles.values())      # every post waited for, the failed one's too
     (status,) = mgr.statuses()
     assert status[2] == KVPoll.Failed and "PeerLost" in status[3]
-    assert ("aux", ROOM) not in mgr.log and mgr.request_status[ROOM] == KVPoll.Failed
+    # the row went with the last chunk, before the error was found; the Failed status follows it
+    assert mgr.log.index(("aux", ROOM)) < mgr.log.index(status) and mgr.request_status[ROOM] == KVPoll.Failed
     assert "decode" in mgr._dead                # a lost peer is sent nothing more
     assert ROOM not in mgr._staging_outstanding and not mgr._posted
 
@@ -247,3 +268,169 @@ def test_a_prefill_abort_drains_the_room():
     mgr.handles[0].finish()
     mgr.run(mgr._queue.get_nowait())
     assert mgr.handles[0].waited and not mgr._posted and ROOM not in mgr._staging_outstanding
+
+
+def test_a_chunk_with_a_wait_event_is_posted_only_once_the_event_completed():
+    mgr = Manager()
+    _room(mgr)
+    mgr.run(_chunk(0, wait_event=FakeEvent(3, mgr.log)))
+    assert [e[0] for e in mgr.log] == ["query"] * 4 + ["post"]
+
+
+def test_a_wait_event_that_never_completes_fails_the_room_and_posts_nothing():
+    mgr = Manager(timeout_s=0.2)
+    _room(mgr)
+    mgr.run(_chunk(0))
+    mgr.handles[0].finish()
+    mgr.run(_chunk(2, wait_event=FakeEvent(None, mgr.log)))
+    assert [e for e in mgr.log if e[0] == "post"] == [("post", 0)]
+    (status,) = mgr.statuses()
+    assert status[2] == KVPoll.Failed and "TransferTimeout" in status[3] and "forward pass" in status[3]
+    assert mgr.handles[0].waited and not mgr._posted
+
+
+
+# ---------------------------------------------------------------------- the decode ends a room by its notification
+
+
+class Decode(GpuxferKVManager):
+    """The decode manager's handling of a metadata row message without its sockets or threads: one metadata
+    buffer of 8-byte rows, notification words the test sets (``words``)."""
+
+    def __init__(self, slots_handed=2):         # noqa: super().__init__ binds sockets and makes an agent
+        import torch
+        self.request_status, self.failure_records, self.failure_lock = {}, {}, threading.Lock()
+        self.required_prefill_response_num_table = {}
+        self.deferred_bootstrap = None
+        self._staging_outstanding = defaultdict(int)
+        self._deferred_ack_targets, self._deferred_ack_poisoned_rooms = {}, set()
+        self.words = {}
+        self.landings = Landings(lambda slot: self.words.get(slot, 0))
+        for _ in range(slots_handed):
+            self.landings.new_slot()
+        self.aux = torch.zeros(4 * 8, dtype=torch.uint8)
+        self.kv_args = SimpleNamespace(aux_data_ptrs=[self.aux.data_ptr()], aux_data_lens=[32], aux_item_lens=[8])
+
+    def room(self, room, responses=1):
+        self.update_status(room, KVPoll.Bootstrapping)
+        self.update_status(room, KVPoll.WaitingForInput)
+        self.required_prefill_response_num_table[room] = responses
+
+    def aux_message(self, room, landing, row=b"ROW-0123", index=2):
+        self._on_aux([b"GXAUX", str(room).encode(), str(index).encode(), landing, row])
+
+
+def test_a_row_message_writes_the_row_and_arms_its_landing():
+    mgr = Decode()
+    mgr.room(7)
+    mgr.aux_message(7, b"1:3")
+    assert bytes(mgr.aux[16:24]) == b"ROW-0123" and mgr.landings.waiting(7)
+    mgr.words[1] = 3
+    assert mgr.landings.landed(7) and not mgr.landings.waiting(7)
+
+
+def test_a_room_of_several_prefill_ranks_or_a_foreign_slot_is_not_armed():
+    mgr = Decode(slots_handed=2)
+    mgr.room(9, responses=2)                     # two prefill ranks: SGLang's Success messages count them
+    mgr.aux_message(9, b"1:1")
+    mgr.room(8)
+    mgr.aux_message(8, b"5:1")                   # a slot this rank never handed out
+    assert not mgr.landings.waiting(9) and not mgr.landings.waiting(8)
+    assert bytes(mgr.aux[16:24]) == b"ROW-0123"
+
+
+@pytest.mark.parametrize("landing", [b"1", b"1:", b":3", b"1:0", b"64:1", b"-1:2", b"1:x", b"1:" + b"9" * 20,
+                                     b"1:4611686018427387904"])
+def test_a_hostile_landing_fails_the_room_and_writes_no_row(landing):
+    mgr = Decode()
+    mgr.room(7)
+    mgr.aux_message(7, landing)
+    assert mgr.request_status[7] == KVPoll.Failed and "metadata row" in mgr.failure_records[7]
+    assert not mgr.aux.any() and not mgr.landings.waiting(7)
+
+
+# ---------------------------------------------------------------------- the prefill announces the value it writes
+
+
+class FakePeer:
+    def __init__(self):
+        self.seq = 0
+
+    def next_notification(self, slot):
+        return self.seq + 1
+
+
+class FakeXfer:
+    def __init__(self, agent, peer, slot, log):
+        self.agent, self.peer, self.slot, self.log = agent, peer, slot, log
+
+    def post(self):
+        if self.agent.fail_posts:
+            raise PeerLost(rank=0, peer=1, step=0, flag="push", after_s=0.0)
+        value = None
+        if self.slot is not None:
+            self.peer.seq += 1 + self.agent.skew
+            value = self.peer.seq
+        self.log.append(("post", self.slot, value))
+        h = FakeHandle("push", self.log)
+        h.notify_value = value
+        h.finish()
+        return h
+
+
+class FakePushAgent:
+    def __init__(self, log):
+        self.log, self.fail_posts, self.skew = log, False, 0
+
+    def prepare(self, peer, op, *, local_blocks, remote_blocks, name, notify_slot=None):
+        self.log.append(("prepare", notify_slot))
+        return FakeXfer(self, peer, notify_slot, self.log)
+
+
+class RealPost(Manager):
+    """The manager's own ``_post`` over a stand-in agent whose peer counts notifications."""
+
+    _post = GpuxferKVManager._post
+
+    def __init__(self):
+        super().__init__()
+        self.agent, self.peer = FakePushAgent(self.log), FakePeer()
+        self._peers, self._notify_slots = {"decode": self.peer}, {"decode": 3}
+
+    def _send_aux(self, chunk, info, landing):
+        self.log.append(("aux", landing))
+
+
+def test_the_row_names_the_value_the_last_push_writes_and_goes_before_it():
+    mgr = RealPost()
+    _room(mgr)
+    mgr.run(_chunk(0))
+    mgr.run(_chunk(2, last=True))
+    assert [e for e in mgr.log if e[0] in ("prepare", "aux", "post")] == [
+        ("prepare", None), ("post", None, None), ("aux", (3, 1)), ("prepare", 3), ("post", 3, 1)]
+    assert mgr.statuses()[-1][2] == KVPoll.Success
+
+
+def test_a_last_push_that_fails_after_its_row_went_retires_the_slot():
+    mgr = RealPost()
+    _room(mgr)
+    mgr.agent.fail_posts = True                 # (a prepare that raises is the same path)
+    mgr.run(_chunk(0, last=True))
+    assert ("aux", (3, 1)) in mgr.log and mgr.statuses()[-1][2] == KVPoll.Failed
+    assert mgr._notify_slots["decode"] is None      # value 1 may be written by a later push: never announced again
+    mgr.agent.fail_posts = False
+    mgr._dead.clear()
+    mgr.request_status.clear()
+    _room(mgr)
+    mgr.run(_chunk(2, last=True))
+    tail = [e for e in mgr.log if e[0] in ("prepare", "aux", "post")][-3:]
+    assert tail == [("aux", None), ("prepare", None), ("post", None, None)]     # the room ends by its Success
+
+
+def test_a_push_that_wrote_another_value_than_announced_retires_the_slot():
+    mgr = RealPost()
+    _room(mgr)
+    mgr.agent.skew = 1
+    mgr.run(_chunk(0, last=True))
+    assert ("aux", (3, 1)) in mgr.log and ("post", 3, 2) in mgr.log
+    assert mgr._notify_slots["decode"] is None

@@ -105,9 +105,14 @@ def test_transfer_reposts_and_notifies(pair):
     _, p_of_pre = connect(pre, dec)
     x = pre.prepare(p_of_pre, "push", local_blocks={"full": [0, 1]}, remote_blocks={"full": [2, 3]}, notify_slot=5)
     assert dec.notification(5) == 0
+    assert p_of_pre.next_notification(5) == 1 and p_of_pre.next_notification(6) == 1
     h1 = x.post()
     h2 = x.post()
     assert (h1.notify_value, h2.notify_value) == (1, 2)
+    assert p_of_pre.next_notification(5) == 3 and p_of_pre.next_notification(6) == 1
+    for bad in (-1, 64, True, "5"):
+        with pytest.raises(BadInput, match="notification slot"):
+            p_of_pre.next_notification(bad)
     h2.wait(60)
     assert dec.wait_notification(5, 2, timeout_s=30) >= 2
     s = dec.platform.create_stream(1)

@@ -5,17 +5,22 @@ hook (:mod:`.plugin`), and SGLang imports it only once ``--disaggregation-transf
 Each KV manager holds one :class:`~gpuxfer.kv.KVAgent` over SGLang's own KV pool (``KVArgs``: raw pointers,
 registered with :meth:`~gpuxfer.kv.KVAgent.layer_at`, :mod:`.layout`). The prefill side pushes (SGLang's
 shape): every ``send()`` chunk becomes one ``prepare`` + ``post`` of its pages onto the decode pages the
-receiver named, on the manager's transfer thread, which does not wait for it; at the last chunk the thread
-waits for all of the request's posts, then sends its aux metadata row (bytes on SGLang's control socket,
-behind the KV) and the status. Control messages are SGLang's (ZMQ, the bootstrap server's ``/route``); what
-gpuxfer adds is the decode agent's metadata in its registration::
+receiver named, on the manager's transfer thread, which does not wait for it. The last chunk's push also bumps
+the decode agent's notification word that the decode's registration gave this prefill rank (stream order:
+after every push of the room landed), and its aux metadata row goes on SGLang's control socket just before
+that push, with the value it will write. The decode's ``poll()`` ends the room when the word holds that value; the
+prefill waits for the room's pushes, then sends SGLang's Success status behind the row, which also ends the
+room where no notification could be used (a rank past its ``NOTIFY_SLOTS`` registrations, or a room of
+several prefill ranks). Control messages are SGLang's (ZMQ, the bootstrap server's ``/route``); what gpuxfer
+adds is the decode agent's metadata and a notification slot in its registration, and the value in the row's
+message::
 
     decode (receiver)                           bootstrap server         prefill (manager threads)
     -----------------                           ----------------         -------------------------
                                                                          PUT /route (rank ip, ZMQ port)
     GET /route (try_ensure_parallel_info) ----> prefill rank's address
     KVReceiver.init: ["None", ip, port, session,
-       geometry + agent metadata] -------------------------------------> bootstrap thread: geometry checked,
+       geometry + agent metadata, slot k] ----------------------------> bootstrap thread: geometry checked,
                                                                           add_peer (maps decode's KV pool)
     send_metadata: [room, ip, port, session,
        decode pages, aux row, n] --------------------------------------> room -> WaitingForInput
@@ -23,10 +28,14 @@ gpuxfer adds is the decode agent's metadata in its registration::
                                                                          send(chunk) -> transfer thread:
                                                                            prepare(push) + post
                                                                          ... one per chunk ...
-                                                                         last chunk: wait for every post
-    decode thread: aux row written <-------------------------------------- [AUX, room, rows]
-    decode thread: room -> Success <-------------------------------------- [room, Success, rank]
-    poll() == Success                                                    poll() == Success
+                                                                         last chunk: v = next value of k
+    decode thread: aux row written,   <----------------------------------- [AUX, room, row, "k:v", rows]
+      room waits for word k >= v                                         post(notify_slot=k): agent stream:
+                                                                           KV, then word k := v
+    poll(): word k >= v -> Success                                       wait for every post of the room
+    (word k written by prefill's stream)
+    decode thread: (Success again) <-------------------------------------- [room, Success, rank]
+                                                                         poll() == Success
 
 Failures end in ``KVPoll.Failed`` on both sides, never a hang: a decode abort reaches the prefill as SGLang's
 ABORT (chunks not yet posted are dropped; an ABORT_ACK follows once the posted ones were waited for); a
@@ -63,6 +72,7 @@ from sglang.srt.server_args import ServerArgs
 from ... import config
 from ...errors import BadInput, GpuxferError, PeerLost, TransferTimeout
 from ...kv import KVAgent
+from .landing import Landings, landing_frame, parse_landing, parse_slot, slot_frame
 from .layout import (GROUP, check_supported, decode_registration, encode_registration, geometry,
                      geometry_differences, read_aux_rows, register_kv_args, write_aux_rows)
 
@@ -111,6 +121,7 @@ class _Chunk:
     index_slice: slice
     is_last: bool
     aux_index: Optional[int]
+    wait_event: Any = None                      # SGLang's event after which the pages hold the chunk's KV
 
 
 def _drain_marker(room: int) -> _Chunk:
@@ -162,6 +173,7 @@ class GpuxferKVManager(CommonKVManager):
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self._warm_up()
             self._peers: Dict[str, Any] = {}
+            self._notify_slots: Dict[str, Optional[int]] = {}   # decode rank -> the slot its registration gave
             self._rejected: Dict[str, str] = {}
             self._dead: Dict[str, str] = {}             # decode ranks a push found gone: told nothing more
             self._room_lock = threading.Lock()          # a room's Failed mark against a chunk's post
@@ -171,6 +183,7 @@ class GpuxferKVManager(CommonKVManager):
             self._spawn(self._transfer_worker, "gpuxfer-sglang-transfer")
         else:
             self._registration = encode_registration(self.geometry, self.agent.metadata())
+            self.landings = Landings(self.agent.notification)
             self._spawn(self._decode_control, "gpuxfer-sglang-control")
             self._threads.append(self._start_heartbeat_checker_thread())
         log.info("gpuxfer: SGLang %s rank %s registered %d KV entries (%d-token pages) with the %s engine",
@@ -206,9 +219,12 @@ class GpuxferKVManager(CommonKVManager):
 
     # ------------------------------------------------------------------ decode role
 
-    def build_receiver_registration_message(self) -> List[bytes]:
+    def build_receiver_registration_message(self, notify_slot: Optional[int] = None) -> List[bytes]:
+        """The registration a receiver sends a prefill rank: SGLang's fields, this rank's geometry and agent
+        metadata, and ``notify_slot``, the notification word of this agent that rank's pushes bump
+        (:meth:`Landings.new_slot <.landing.Landings.new_slot>`; none: its rooms end by its Success message)."""
         return [REGISTER_ROOM, self.local_ip.encode("ascii"), str(self.rank_port).encode("ascii"),
-                self.session_id.encode("ascii"), self._registration]
+                self.session_id.encode("ascii"), self._registration, slot_frame(notify_slot)]
 
     def build_receiver_metadata_message(self, *, bootstrap_room: int, required_dst_info_num: int,
                                         kv_indices: npt.NDArray[np.int32], aux_index: Optional[int],
@@ -216,6 +232,7 @@ class GpuxferKVManager(CommonKVManager):
                                         is_dummy: bool, device_kv_indices=None) -> List[bytes]:
         if state_indices:
             raise BadInput("the gpuxfer SGLang backend does not move state buffers (state_indices given)")
+        self.landings.forget(bootstrap_room)        # a landing heard of before belongs to an earlier request
         return [str(bootstrap_room).encode("ascii"), self.local_ip.encode("ascii"),
                 str(self.rank_port).encode("ascii"), self.session_id.encode("ascii"),
                 b"" if is_dummy else np.ascontiguousarray(kv_indices, dtype=np.int32).tobytes(),
@@ -227,13 +244,7 @@ class GpuxferKVManager(CommonKVManager):
 
     def _on_decode_message(self, msg: List[bytes]) -> None:
         if msg and msg[0] == AUX_TAG:
-            room, index = int(msg[1].decode("ascii")), int(msg[2].decode("ascii"))
-            if room in self.request_status:
-                try:
-                    write_aux_rows(self.kv_args, index, list(msg[3:]))
-                except BadInput as exc:     # the room must not succeed without its row (Failed is final)
-                    self.record_failure(room, f"its metadata row could not be written: {exc}")
-                    self.update_status(room, KVPoll.Failed)
+            self._on_aux(msg)
             return
         if self.handle_abort_ack_message(msg):
             return
@@ -241,6 +252,25 @@ class GpuxferKVManager(CommonKVManager):
         if parsed is not None:
             room, status, rank, reason = parsed
             self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank, failure_reason=reason)
+
+    def _on_aux(self, msg: List[bytes]) -> None:
+        """A room's metadata row, written into its row here, and the notification that says its KV landed:
+        from then on :meth:`landed` may end the room before its Success message arrives (a room one prefill
+        rank sends, from a slot this rank handed out)."""
+        if len(msg) < 4:
+            raise BadInput(f"a gpuxfer metadata row message has {len(msg)} frames")
+        room, index = int(msg[1].decode("ascii")), int(msg[2].decode("ascii"))
+        if room not in self.request_status:
+            return
+        try:
+            landing = parse_landing(msg[3])
+            write_aux_rows(self.kv_args, index, list(msg[4:]))
+        except BadInput as exc:     # the room must not succeed without its row (Failed is final)
+            self.record_failure(room, f"its metadata row could not be written: {exc}")
+            self.update_status(room, KVPoll.Failed)
+            return
+        if landing is not None and self.required_prefill_response_num_table.get(room) == 1:
+            self.landings.expect(room, landing)
 
     # ------------------------------------------------------------------ prefill role
 
@@ -261,6 +291,7 @@ class GpuxferKVManager(CommonKVManager):
         session = msg[3].decode("ascii")
         try:
             geom, meta = decode_registration(msg[4] if len(msg) > 4 else b"")
+            slot = parse_slot(msg[5] if len(msg) > 5 else b"")
             diffs = geometry_differences(self.geometry, geom)
             if diffs:
                 raise BadInput("the decode's KV pool does not pair page for page with this prefill's: "
@@ -270,6 +301,7 @@ class GpuxferKVManager(CommonKVManager):
                 if old is not None:
                     self.agent.remove_peer(old)
                 self._peers[session] = self.agent.add_peer(meta)
+                self._notify_slots[session] = slot
             self._rejected.pop(session, None)
             log.info("gpuxfer: decode rank %s added (%s route, %s engine)", session,
                      self._peers[session].route, self._peers[session].engine)
@@ -307,8 +339,11 @@ class GpuxferKVManager(CommonKVManager):
     def add_transfer_request(self, bootstrap_room: int, kv_indices: npt.NDArray[np.int32], index_slice: slice,
                              is_last_chunk: bool, aux_index: Optional[int] = None,
                              state_indices: Optional[List] = None, num_kv_tokens: Optional[int] = None,
-                             **_: Any) -> None:
-        """One ``send()`` chunk, queued for the transfer thread (the scheduler's thread does not wait)."""
+                             wait_event: Any = None, **_: Any) -> None:
+        """One ``send()`` chunk, queued for the transfer thread (the scheduler's thread does not wait).
+        ``wait_event``: what SGLang hands with an early send of cached prefix pages under its overlap
+        scheduler (recorded on the forward stream, whose previous step may still write them): the thread
+        waits for it before it posts the chunk."""
         if state_indices:
             self.record_failure(bootstrap_room, "the gpuxfer backend does not move state buffers")
             self.update_status(bootstrap_room, KVPoll.Failed)
@@ -316,7 +351,7 @@ class GpuxferKVManager(CommonKVManager):
         if bootstrap_room not in self.request_status:
             return
         self._queue.put(_Chunk(bootstrap_room, np.asarray(kv_indices, dtype=np.int32), index_slice,
-                               bool(is_last_chunk), aux_index))
+                               bool(is_last_chunk), aux_index, wait_event))
 
     def _transfer_worker(self) -> None:
         while not self._stop.is_set():
@@ -371,6 +406,8 @@ class GpuxferKVManager(CommonKVManager):
                 self.conclude_failure(bootstrap_room=room, failure_reason=self.failure_records.get(room, "Aborted"),
                                       targets=self._live_targets(room))
             return
+        if chunk.wait_event is not None:
+            self._wait_source(chunk)
         for info in infos.values():
             if not info.is_dummy:
                 try:
@@ -389,10 +426,22 @@ class GpuxferKVManager(CommonKVManager):
             self.conclude_failure(bootstrap_room=room, failure_reason=self.failure_records.get(room, "Aborted"),
                                   targets=self._live_targets(room))
             return
-        for info in infos.values():
-            if not info.is_dummy:
-                self._send_aux(chunk, info)
         self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success)
+
+    def _wait_source(self, chunk: _Chunk) -> None:
+        """Wait (bounded by ``timeout_s``) for the event SGLang handed with the chunk: its pages are written
+        by the forward pass it was recorded behind. Polled, not synchronized on, so a forward that never
+        ends fails the room instead of holding this thread."""
+        deadline = time.monotonic() + self.timeout_s
+        pause = 20e-6
+        while not chunk.wait_event.query():
+            if time.monotonic() > deadline:
+                raise TransferTimeout(rank=0, step=0, flag=f"room {chunk.room}'s source KV", expected=1, seen=0,
+                                      timeout_s=self.timeout_s,
+                                      what="the forward pass writing the chunk's pages did not finish")
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+        chunk.wait_event = None
 
     def _drain(self, room: int) -> List[GpuxferError]:
         """Wait for every push of ``room`` still posted (together bounded by ``timeout_s``), then take the
@@ -444,30 +493,66 @@ class GpuxferKVManager(CommonKVManager):
                 self._drain(room)
 
     def _post(self, chunk: _Chunk, info: TransferInfo):
+        """Post one chunk's push to one decode rank (None: no pages of it for that rank). A last chunk's push
+        carries the rank's notification, and the room's metadata row goes first, with the value that push's
+        notification will write (only this thread notifies), so the row travels while the push is prepared
+        and runs. A push that then fails takes the slot out of use: the value announced is never written."""
         if info.session in self._dead:
             raise GpuxferError(f"decode rank {info.session} is gone ({self._dead[info.session]})")
         peer = self._peers.get(info.session)
         if peer is None:
             why = self._rejected.get(info.session, "its registration never arrived")
             raise BadInput(f"decode rank {info.session} cannot be written: {why}")
+        slot = self._notify_slots.get(info.session) if chunk.is_last else None
         dst = info.dst_kv_indices[chunk.index_slice]
         if len(dst) != len(chunk.pages):
             raise BadInput(f"room {chunk.room}: the decode named {len(info.dst_kv_indices)} pages; this chunk "
                            f"sends pages {chunk.index_slice.start}..{chunk.index_slice.stop}")
         if not len(dst):
+            if chunk.is_last:
+                self._send_aux(chunk, info, None)
             return None
+        name = f"room {chunk.room} pages {chunk.index_slice.start}+{len(dst)}"
+        if not chunk.is_last:
+            with self._agent_lock:
+                return self.agent.prepare(peer, "push", local_blocks={GROUP: chunk.pages},
+                                          remote_blocks={GROUP: dst}, name=name).post()
         with self._agent_lock:
-            xfer = self.agent.prepare(peer, "push", local_blocks={GROUP: chunk.pages}, remote_blocks={GROUP: dst},
-                                      name=f"room {chunk.room} pages {chunk.index_slice.start}+{len(dst)}")
-            return xfer.post()
+            value = None if slot is None else peer.next_notification(slot)
+        self._send_aux(chunk, info, None if slot is None else (slot, value))
+        try:
+            with self._agent_lock:
+                h = self.agent.prepare(peer, "push", local_blocks={GROUP: chunk.pages}, remote_blocks={GROUP: dst},
+                                       name=name, notify_slot=slot).post()
+        except BaseException:
+            if slot is not None:
+                self._retire_slot(info.session, slot)
+            raise
+        if slot is not None and h.notify_value != value:        # only this thread notifies: never expected
+            log.error("gpuxfer: room %s: its push to %s wrote notification %s, not the %s announced; that rank's "
+                      "rooms end by their Success message from now on", chunk.room, info.session,
+                      h.notify_value, value)
+            self._retire_slot(info.session, slot)
+        return h
 
-    def _send_aux(self, chunk: _Chunk, info: TransferInfo) -> None:
-        """The room's metadata row, on the control socket behind the KV (the decode's thread writes it before
-        it reads the Success status that follows on the same socket)."""
+    def _retire_slot(self, session: str, slot: int) -> None:
+        """No more notifications to ``slot`` of decode rank ``session`` (a value announced may never be written,
+        or was written by another post): its rooms end by their Success message (a new registration of the rank
+        brings a fresh slot)."""
+        with self._agent_lock:
+            if self._notify_slots.get(session) == slot:
+                self._notify_slots[session] = None
+
+    def _send_aux(self, chunk: _Chunk, info: TransferInfo, landing: Optional[tuple]) -> None:
+        """The room's metadata row on the control socket, ahead of its Success status on the same socket (the
+        decode's thread writes it on arrival), with ``landing``: ``(slot, value)``, the notification word the
+        room's last push to that rank bumps and the value it writes once every push of the room landed (None:
+        the room ends by its Success message)."""
         if chunk.aux_index is None or info.dst_aux_index is None:
             raise BadInput(f"room {chunk.room}: the last chunk has no metadata row")
         rows = read_aux_rows(self.kv_args, int(chunk.aux_index))
-        parts = [AUX_TAG, str(chunk.room).encode("ascii"), str(info.dst_aux_index).encode("ascii"), *rows]
+        landing = landing_frame(landing)
+        parts = [AUX_TAG, str(chunk.room).encode("ascii"), str(info.dst_aux_index).encode("ascii"), landing, *rows]
         from sglang.srt.utils.network import NetworkAddress
         na = NetworkAddress(info.endpoint, info.dst_port)
         self._send_multipart_locked(na.to_tcp(), parts, is_ipv6=na.is_ipv6)
@@ -494,7 +579,28 @@ class GpuxferKVSender(CommonKVSender):
 
 
 class GpuxferKVReceiver(CommonKVReceiver):
-    pass
+    def _register_kv_args(self) -> bool:
+        """SGLang's registration with each prefill rank of the room, each given a notification slot of its own."""
+        if self.bootstrap_infos is None:
+            return False
+        for info in self.bootstrap_infos:
+            message = self.kv_mgr.build_receiver_registration_message(self.kv_mgr.landings.new_slot())
+            if not self._send_bootstrap_message(bootstrap_info=info, message=message, operation="_register_kv_args"):
+                return False
+        return True
+
+    def poll(self) -> KVPoll:
+        """SGLang's poll, and Success as soon as the room's notification word says its KV landed."""
+        status = super().poll()
+        if (status in (KVPoll.WaitingForInput, KVPoll.Transferring)
+                and self.kv_mgr.landings.landed(self.bootstrap_room)):
+            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Success)
+            status = super().poll()
+        return status
+
+    def _clear(self) -> None:
+        super()._clear()
+        self.kv_mgr.landings.forget(self.bootstrap_room)
 
 
 class GpuxferKVBootstrapServer(CommonKVBootstrapServer):

@@ -1,0 +1,117 @@
+"""How a decode rank of the SGLang backend learns a request's KV landed without a message: notification words.
+
+Each registration a decode rank sends a prefill rank gives it one notification slot of the decode's
+:class:`~gpuxfer.kv.KVAgent` (:meth:`Landings.new_slot`; one writer per word keeps its count exact: the n-th
+notification writes n). The prefill's last push of a request bumps that word on its stream after the copies,
+and the request's metadata row names the value it writes (``b"slot:value"``, :func:`landing_frame`). Once
+the row arrived (:meth:`Landings.expect`), the decode's poll asks :meth:`Landings.landed`: one 8-byte read of
+the word, at most every ``READ_EVERY_S`` per slot (the polls in between reuse the last value read). No SGLang
+here: :mod:`.conn` wires it into SGLang's classes.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Dict, Optional, Tuple
+
+from ...errors import BadInput, GpuxferError
+from ...kv import NOTIFY_SLOTS
+from ...platforms.base import RELEASE_VALUE
+
+log = logging.getLogger("gpuxfer.sglang")
+
+READ_EVERY_S = 20e-6            # a word is read from the device at most this often
+
+
+def slot_frame(slot: Optional[int]) -> bytes:
+    """A notification slot as a registration carries it (empty: none)."""
+    return b"" if slot is None else str(int(slot)).encode("ascii")
+
+
+def parse_slot(frame: bytes) -> Optional[int]:
+    """Inverse of :func:`slot_frame`; ``BadInput`` for anything but an int in ``0..NOTIFY_SLOTS - 1``."""
+    if not frame:
+        return None
+    if len(frame) > 4 or not frame.isdigit() or not 0 <= int(frame) < NOTIFY_SLOTS:
+        raise BadInput(f"a notification slot must be an int in 0..{NOTIFY_SLOTS - 1}, got {frame[:16]!r}")
+    return int(frame)
+
+
+def landing_frame(landing: Optional[Tuple[int, int]]) -> bytes:
+    """``(slot, value)`` as a metadata row's message carries it (empty: none)."""
+    return b"" if landing is None else f"{int(landing[0])}:{int(landing[1])}".encode("ascii")
+
+
+def parse_landing(frame: bytes) -> Optional[Tuple[int, int]]:
+    """Inverse of :func:`landing_frame`; ``BadInput`` for anything but a slot and a value in
+    ``1..RELEASE_VALUE - 1`` (the release value a failed agent writes never says a request landed)."""
+    if not frame:
+        return None
+    slot, sep, value = frame.partition(b":")
+    if not sep or not slot or not value.isdigit() or len(value) > 19 or not 0 < int(value) < RELEASE_VALUE:
+        raise BadInput(f"a landing notification must be b'slot:value', got {frame[:40]!r}")
+    return parse_slot(slot), int(value)
+
+
+class Landings:
+    """A decode rank's notification slots and the requests waiting on them. ``read(slot)``: the word's value
+    now (:meth:`KVAgent.notification <gpuxfer.kv.KVAgent.notification>`)."""
+
+    def __init__(self, read: Callable[[int], int]):
+        self._read = read
+        self._lock = threading.Lock()
+        self._handed = 0                                    # slots given to prefill ranks, in order
+        self._waiting: Dict[int, Tuple[int, int]] = {}      # room -> (slot, value)
+        self._seen = [0] * NOTIFY_SLOTS                     # the highest value read of each slot
+        self._read_at = [0.0] * NOTIFY_SLOTS
+
+    def new_slot(self) -> Optional[int]:
+        """A slot no prefill rank was given before; None once all ``NOTIFY_SLOTS`` were handed out (that
+        rank's requests then end by their Success message)."""
+        with self._lock:
+            if self._handed >= NOTIFY_SLOTS:
+                if self._handed == NOTIFY_SLOTS:
+                    log.warning("gpuxfer: all %d notification slots were handed out; requests of prefill ranks "
+                                "registered from now on end by their Success message", NOTIFY_SLOTS)
+                    self._handed += 1
+                return None
+            self._handed += 1
+            return self._handed - 1
+
+    def expect(self, room: int, landing: Tuple[int, int]) -> bool:
+        """``room`` landed once word ``landing[0]`` holds ``landing[1]``: kept where the slot was handed out
+        by this rank (else ignored: False)."""
+        if not 0 <= landing[0] < min(self._handed, NOTIFY_SLOTS):
+            return False
+        self._waiting[room] = landing
+        return True
+
+    def forget(self, room: int) -> None:
+        self._waiting.pop(room, None)
+
+    def waiting(self, room: int) -> bool:
+        return room in self._waiting
+
+    def landed(self, room: int) -> bool:
+        """Whether ``room``'s word reached its value (False while none is expected; then forgotten)."""
+        landing = self._waiting.get(room)
+        if landing is None:
+            return False
+        slot, value = landing
+        if self._seen[slot] < value:
+            now = time.monotonic()
+            if now - self._read_at[slot] < READ_EVERY_S:
+                return False
+            self._read_at[slot] = now
+            try:
+                seen = self._read(slot)
+            except GpuxferError:
+                return False            # the agent failed: the request ends by its status (or its timeout)
+            if seen >= RELEASE_VALUE:   # released by a failure, not bumped by pushes
+                return False
+            self._seen[slot] = max(self._seen[slot], seen)
+            if seen < value:
+                return False
+        self._waiting.pop(room, None)
+        return True
