@@ -277,6 +277,18 @@ def test_a_chunk_with_a_wait_event_is_posted_only_once_the_event_completed():
     assert [e[0] for e in mgr.log] == ["query"] * 4 + ["post"]
 
 
+def test_a_chunk_whose_room_is_aborted_during_its_wait_event_is_not_posted():
+    mgr = Manager()
+    _room(mgr)
+
+    class AbortedMeanwhile:
+        def query(self):
+            _abort(mgr)                         # the decode gives the room up while the forward runs
+            return True
+    mgr.run(_chunk(0, wait_event=AbortedMeanwhile()))
+    assert not [e for e in mgr.log if e[0] == "post"] and mgr.request_status[ROOM] == KVPoll.Failed
+
+
 def test_a_wait_event_that_never_completes_fails_the_room_and_posts_nothing():
     mgr = Manager(timeout_s=0.2)
     _room(mgr)
@@ -299,6 +311,7 @@ class Decode(GpuxferKVManager):
 
     def __init__(self, slots_handed=2):         # noqa: super().__init__ binds sockets and makes an agent
         import torch
+        self._ended_lock, self._ended_by_word, self.applied = threading.Lock(), set(), []
         self.request_status, self.failure_records, self.failure_lock = {}, {}, threading.Lock()
         self.required_prefill_response_num_table = {}
         self.deferred_bootstrap = None
@@ -317,7 +330,13 @@ class Decode(GpuxferKVManager):
         self.required_prefill_response_num_table[room] = responses
 
     def aux_message(self, room, landing, row=b"ROW-0123", index=2):
-        self._on_aux([b"GXAUX", str(room).encode(), str(index).encode(), landing, row])
+        self._on_aux([b"GXAUX2", str(room).encode(), str(index).encode(), landing, row])
+
+    def parse_kv_status_message(self, msg):
+        return msg[0], msg[1], 0, None
+
+    def apply_prefill_status(self, *, bootstrap_room, status, prefill_rank, failure_reason):
+        self.applied.append((bootstrap_room, status))
 
 
 def test_a_row_message_writes_the_row_and_arms_its_landing():
@@ -339,6 +358,35 @@ def test_a_room_of_several_prefill_ranks_or_a_foreign_slot_is_not_armed():
     assert bytes(mgr.aux[16:24]) == b"ROW-0123"
 
 
+def test_the_prefill_conclusion_of_a_room_ended_by_its_word_is_dropped_once():
+    mgr = Decode()
+    mgr.room(7)
+    mgr.end_by_word(7)
+    assert mgr.request_status[7] == KVPoll.Success
+    mgr.request_status.pop(7)                   # cleared, and the room id used again by a new request
+    mgr.room(7)
+    mgr._on_decode_message([7, KVPoll.Success])             # the old request's Success, late: not the new one's
+    assert mgr.applied == [] and mgr.request_status[7] == KVPoll.WaitingForInput
+    mgr._on_decode_message([7, KVPoll.Success])             # the new request's own
+    assert mgr.applied == [(7, KVPoll.Success)]
+
+
+def test_a_status_that_got_there_first_is_applied_and_nothing_is_dropped_later():
+    mgr = Decode()
+    mgr.room(7)
+    mgr._on_decode_message([7, KVPoll.Success])
+    mgr.request_status[7] = KVPoll.Success      # what apply_prefill_status did
+    mgr.end_by_word(7)                          # the word seen after it: nothing more to drop
+    assert not mgr._ended_by_word and mgr.applied == [(7, KVPoll.Success)]
+
+
+def test_a_row_of_an_earlier_gpuxfer_is_written_with_no_landing():
+    mgr = Decode()
+    mgr.room(7)
+    mgr._on_decode_message([b"GXAUX", b"7", b"2", b"ROW-0123"])
+    assert bytes(mgr.aux[16:24]) == b"ROW-0123" and not mgr.landings.waiting(7)
+
+
 @pytest.mark.parametrize("landing", [b"1", b"1:", b":3", b"1:0", b"64:1", b"-1:2", b"1:x", b"1:" + b"9" * 20,
                                      b"1:4611686018427387904"])
 def test_a_hostile_landing_fails_the_room_and_writes_no_row(landing):
@@ -353,6 +401,8 @@ def test_a_hostile_landing_fails_the_room_and_writes_no_row(landing):
 
 
 class FakePeer:
+    route = "ipc"
+
     def __init__(self):
         self.seq = 0
 
@@ -425,6 +475,14 @@ def test_a_last_push_that_fails_after_its_row_went_retires_the_slot():
     mgr.run(_chunk(2, last=True))
     tail = [e for e in mgr.log if e[0] in ("prepare", "aux", "post")][-3:]
     assert tail == [("aux", None), ("prepare", None), ("post", None, None)]     # the room ends by its Success
+
+
+def test_a_peer_reached_through_nixl_announces_no_value():
+    mgr = RealPost()
+    mgr.peer.route = "nixl"                     # its notification follows its last transfer alone
+    _room(mgr)
+    mgr.run(_chunk(0, last=True))
+    assert ("aux", None) in mgr.log and ("post", None, None) in mgr.log
 
 
 def test_a_push_that_wrote_another_value_than_announced_retires_the_slot():

@@ -10,8 +10,9 @@ the decode agent's notification word that the decode's registration gave this pr
 after every push of the room landed), and its aux metadata row goes on SGLang's control socket just before
 that push, with the value it will write. The decode's ``poll()`` ends the room when the word holds that value; the
 prefill waits for the room's pushes, then sends SGLang's Success status behind the row, which also ends the
-room where no notification could be used (a rank past its ``NOTIFY_SLOTS`` registrations, or a room of
-several prefill ranks). Control messages are SGLang's (ZMQ, the bootstrap server's ``/route``); what gpuxfer
+room where no notification could be used (a rank past its ``NOTIFY_SLOTS`` registrations, a room of several
+prefill ranks, a peer on the NIXL route, whose notification follows its last transfer alone); for a room the
+decode ended by its word, that message is dropped on arrival (the room id may already be a new request's). Control messages are SGLang's (ZMQ, the bootstrap server's ``/route``); what gpuxfer
 adds is the decode agent's metadata and a notification slot in its registration, and the value in the row's
 message::
 
@@ -34,7 +35,7 @@ message::
                                                                            KV, then word k := v
     poll(): word k >= v -> Success                                       wait for every post of the room
     (word k written by prefill's stream)
-    decode thread: (Success again) <-------------------------------------- [room, Success, rank]
+    decode thread: dropped (ended) <-------------------------------------- [room, Success, rank]
                                                                          poll() == Success
 
 Failures end in ``KVPoll.Failed`` on both sides, never a hang: a decode abort reaches the prefill as SGLang's
@@ -78,7 +79,8 @@ from .layout import (GROUP, check_supported, decode_registration, encode_registr
 
 log = logging.getLogger("gpuxfer.sglang")
 
-AUX_TAG = b"GXAUX"
+AUX_TAG = b"GXAUX2"             # a metadata row with its landing value (b"GXAUX": a row alone)
+_AUX_TAG_V1 = b"GXAUX"
 REGISTER_ROOM = b"None"         # SGLang's marker of a registration message (Mooncake's too)
 _RECV_POLL_MS = 200             # how often an idle thread looks at its stop flag (a message wakes it at once)
 
@@ -184,6 +186,8 @@ class GpuxferKVManager(CommonKVManager):
         else:
             self._registration = encode_registration(self.geometry, self.agent.metadata())
             self.landings = Landings(self.agent.notification)
+            self._ended_lock = threading.Lock()         # a room ended by its word against its status message
+            self._ended_by_word: set = set()            # rooms whose prefill conclusion is still to be dropped
             self._spawn(self._decode_control, "gpuxfer-sglang-control")
             self._threads.append(self._start_heartbeat_checker_thread())
         log.info("gpuxfer: SGLang %s rank %s registered %d KV entries (%d-token pages) with the %s engine",
@@ -246,12 +250,30 @@ class GpuxferKVManager(CommonKVManager):
         if msg and msg[0] == AUX_TAG:
             self._on_aux(msg)
             return
+        if msg and msg[0] == _AUX_TAG_V1:       # a prefill of an earlier gpuxfer: the row, no landing value
+            self._on_aux([AUX_TAG, *msg[1:3], b"", *msg[3:]])
+            return
         if self.handle_abort_ack_message(msg):
             return
         parsed = self.parse_kv_status_message(msg)
         if parsed is not None:
             room, status, rank, reason = parsed
-            self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank, failure_reason=reason)
+            with self._ended_lock:
+                if status in (KVPoll.Success, KVPoll.Failed) and room in self._ended_by_word:
+                    # the prefill's conclusion of a request this rank already ended by its word: never
+                    # applied (the room may already be a new request's)
+                    self._ended_by_word.discard(room)
+                    return
+                self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank,
+                                          failure_reason=reason)
+
+    def end_by_word(self, room: int) -> None:
+        """``room`` landed by its notification word: Success, unless a status got there first; then the
+        prefill's own conclusion of it, still on its way, is dropped when it arrives."""
+        with self._ended_lock:
+            if self.request_status.get(room) in (KVPoll.WaitingForInput, KVPoll.Transferring):
+                self.update_status(room, KVPoll.Success)
+                self._ended_by_word.add(room)
 
     def _on_aux(self, msg: List[bytes]) -> None:
         """A room's metadata row, written into its row here, and the notification that says its KV landed:
@@ -382,8 +404,8 @@ class GpuxferKVManager(CommonKVManager):
     def _transfer(self, chunk: _Chunk) -> None:
         """Post one chunk's pushes and return without waiting for them: a room's chunks follow one another
         on the copy streams while the scheduler computes the next. The room's posts are waited for only when
-        it is concluded (its last chunk, a failure, an abort), before its metadata row and its status go to
-        the decode, so the decode never sees Success before every byte landed."""
+        it is concluded (its last chunk, a failure, an abort), before its Success status goes to the decode;
+        the decode ends it earlier only by the notification word its last push writes after every byte."""
         room = chunk.room
         if chunk.pages is None:         # an abort: wait for what was posted, then the ACK
             self._drain(room)
@@ -392,6 +414,8 @@ class GpuxferKVManager(CommonKVManager):
         if infos is None:               # cleared by its sender, or a dummy rank with nothing to send
             self._drain(room)
             return
+        if chunk.wait_event is not None and self.request_status.get(room) != KVPoll.Failed:
+            self._wait_source(chunk)    # before the check below: an abort during the wait posts nothing
         with self._room_lock:
             failed = self.request_status.get(room) == KVPoll.Failed
             if not failed:              # counted before the post: an abort from now on waits for it
@@ -406,8 +430,6 @@ class GpuxferKVManager(CommonKVManager):
                 self.conclude_failure(bootstrap_room=room, failure_reason=self.failure_records.get(room, "Aborted"),
                                       targets=self._live_targets(room))
             return
-        if chunk.wait_event is not None:
-            self._wait_source(chunk)
         for info in infos.values():
             if not info.is_dummy:
                 try:
@@ -496,14 +518,15 @@ class GpuxferKVManager(CommonKVManager):
         """Post one chunk's push to one decode rank (None: no pages of it for that rank). A last chunk's push
         carries the rank's notification, and the room's metadata row goes first, with the value that push's
         notification will write (only this thread notifies), so the row travels while the push is prepared
-        and runs. A push that then fails takes the slot out of use: the value announced is never written."""
+        and runs. A push that then fails takes the slot out of use: the value announced is never written.
+        Only an IPC peer's notification follows every earlier push of the stream; a NIXL peer's would follow
+        the last transfer alone, so its rooms end by their Success message."""
         if info.session in self._dead:
             raise GpuxferError(f"decode rank {info.session} is gone ({self._dead[info.session]})")
         peer = self._peers.get(info.session)
         if peer is None:
             why = self._rejected.get(info.session, "its registration never arrived")
             raise BadInput(f"decode rank {info.session} cannot be written: {why}")
-        slot = self._notify_slots.get(info.session) if chunk.is_last else None
         dst = info.dst_kv_indices[chunk.index_slice]
         if len(dst) != len(chunk.pages):
             raise BadInput(f"room {chunk.room}: the decode named {len(info.dst_kv_indices)} pages; this chunk "
@@ -517,7 +540,9 @@ class GpuxferKVManager(CommonKVManager):
             with self._agent_lock:
                 return self.agent.prepare(peer, "push", local_blocks={GROUP: chunk.pages},
                                           remote_blocks={GROUP: dst}, name=name).post()
-        with self._agent_lock:
+        with self._agent_lock:          # the peer and its slot as the control thread last set them, together
+            peer = self._peers.get(info.session, peer)
+            slot = self._notify_slots.get(info.session) if peer.route == "ipc" else None
             value = None if slot is None else peer.next_notification(slot)
         self._send_aux(chunk, info, None if slot is None else (slot, value))
         try:
@@ -580,22 +605,26 @@ class GpuxferKVSender(CommonKVSender):
 
 class GpuxferKVReceiver(CommonKVReceiver):
     def _register_kv_args(self) -> bool:
-        """SGLang's registration with each prefill rank of the room, each given a notification slot of its own."""
+        """SGLang's registration with each prefill rank of the room, each rank that sends KV alone given a
+        notification slot of its own (not a dummy rank, nor one of several ranks answering for a request)."""
         if self.bootstrap_infos is None:
             return False
+        single = getattr(self, "required_prefill_response_num", 1) == 1
         for info in self.bootstrap_infos:
-            message = self.kv_mgr.build_receiver_registration_message(self.kv_mgr.landings.new_slot())
+            slot = self.kv_mgr.landings.new_slot() if single and not info.get("is_dummy") else None
+            message = self.kv_mgr.build_receiver_registration_message(slot)
             if not self._send_bootstrap_message(bootstrap_info=info, message=message, operation="_register_kv_args"):
                 return False
         return True
 
-    def poll(self) -> KVPoll:
-        """SGLang's poll, and Success as soon as the room's notification word says its KV landed."""
-        status = super().poll()
+    def _poll(self) -> KVPoll:
+        """SGLang's poll (under the receiver's lifecycle lock), and Success as soon as the room's notification
+        word says its KV landed."""
+        status = super()._poll()
         if (status in (KVPoll.WaitingForInput, KVPoll.Transferring)
                 and self.kv_mgr.landings.landed(self.bootstrap_room)):
-            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Success)
-            status = super().poll()
+            self.kv_mgr.end_by_word(self.bootstrap_room)
+            status = super()._poll()
         return status
 
     def _clear(self) -> None:
