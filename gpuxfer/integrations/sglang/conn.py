@@ -50,7 +50,6 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -74,6 +73,7 @@ from ... import config
 from ...errors import BadInput, GpuxferError, PeerLost, TransferTimeout
 from ...kv import KVAgent
 from .landing import Landings, landing_frame, parse_landing, parse_slot, slot_frame
+from .requests import TransferInfo, _Chunk, _drain_marker, _Posted
 from .layout import (GROUP, check_supported, decode_registration, encode_registration, geometry,
                      geometry_differences, read_aux_rows, register_kv_args, write_aux_rows)
 
@@ -83,60 +83,6 @@ AUX_TAG = b"GXAUX2"             # a metadata row with its landing value (b"GXAUX
 _AUX_TAG_V1 = b"GXAUX"
 REGISTER_ROOM = b"None"         # SGLang's marker of a registration message (Mooncake's too)
 _RECV_POLL_MS = 200             # how often an idle thread looks at its stop flag (a message wakes it at once)
-
-
-@dataclass
-class TransferInfo:
-    """One decode rank's destination for a room (the fields ``CommonKVManager`` reads: ``endpoint``,
-    ``dst_port``, ``is_dummy``, ``required_dst_info_num``, ``decode_prefix_len``)."""
-
-    room: int
-    endpoint: str
-    dst_port: int
-    session: str
-    dst_kv_indices: npt.NDArray[np.int32]
-    dst_aux_index: Optional[int]
-    required_dst_info_num: int
-    is_dummy: bool
-    decode_prefix_len: Optional[int] = None
-
-    @classmethod
-    def from_zmq(cls, msg: List[bytes]) -> "TransferInfo":
-        if len(msg) < 7:
-            raise BadInput(f"a gpuxfer SGLang metadata message has {len(msg)} frames, not 7 or 8")
-        dummy = msg[4] == b"" and msg[5] == b""
-        if not dummy and len(msg[4]) % 4:
-            raise BadInput(f"decode page indices of {len(msg[4])} bytes are not int32s")
-        return cls(room=int(msg[0].decode("ascii")), endpoint=msg[1].decode("ascii"),
-                   dst_port=int(msg[2].decode("ascii")), session=msg[3].decode("ascii"),
-                   dst_kv_indices=(np.array([], dtype=np.int32) if dummy
-                                   else np.frombuffer(msg[4], dtype=np.int32)),
-                   dst_aux_index=None if dummy else int(msg[5].decode("ascii")),
-                   required_dst_info_num=int(msg[6].decode("ascii")), is_dummy=dummy,
-                   decode_prefix_len=int(msg[7].decode("ascii")) if len(msg) > 7 and msg[7] else None)
-
-
-@dataclass
-class _Chunk:
-    room: int
-    pages: Optional[npt.NDArray[np.int32]]      # None: no chunk, the room's pushes to be drained (an abort)
-    index_slice: slice
-    is_last: bool
-    aux_index: Optional[int]
-    wait_event: Any = None                      # SGLang's event after which the pages hold the chunk's KV
-
-
-def _drain_marker(room: int) -> _Chunk:
-    return _Chunk(room, None, slice(0, 0), False, None)
-
-
-@dataclass
-class _Posted:
-    """A room's pushes posted and not yet waited for (the transfer thread's alone): ``chunks`` is what the
-    room counts in ``_staging_outstanding`` for them, ``handles`` the posts' ``(TransferInfo, handle)``."""
-
-    chunks: int = 0
-    handles: List[tuple] = field(default_factory=list)
 
 
 class GpuxferKVManager(CommonKVManager):
