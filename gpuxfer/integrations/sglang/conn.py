@@ -12,9 +12,9 @@ that push, with the value it will write. The decode's ``poll()`` ends the room w
 prefill waits for the room's pushes, then sends SGLang's Success status behind the row, which also ends the
 room where no notification could be used (a rank past its ``NOTIFY_SLOTS`` registrations, a room of several
 prefill ranks, a peer on the NIXL route, whose notification follows its last transfer alone); for a room the
-decode ended by its word, that message is dropped on arrival (the room id may already be a new request's). Control messages are SGLang's (ZMQ, the bootstrap server's ``/route``); what gpuxfer
-adds is the decode agent's metadata and a notification slot in its registration, and the value in the row's
-message::
+decode ended by its word, that message is dropped on arrival (the room id may already be a new request's).
+Control messages are SGLang's (ZMQ, the bootstrap server's ``/route``); what gpuxfer adds is the decode
+agent's metadata and a notification slot in its registration, and the value in the row's message::
 
     decode (receiver)                           bootstrap server         prefill (manager threads)
     -----------------                           ----------------         -------------------------
@@ -223,8 +223,8 @@ class GpuxferKVManager(CommonKVManager):
 
     def _on_aux(self, msg: List[bytes]) -> None:
         """A room's metadata row, written into its row here, and the notification that says its KV landed:
-        from then on :meth:`landed` may end the room before its Success message arrives (a room one prefill
-        rank sends, from a slot this rank handed out)."""
+        from then on :meth:`Landings.landed <.landing.Landings.landed>` may end the room before its Success
+        message arrives (a room one prefill rank sends, from a slot this rank handed out)."""
         if len(msg) < 4:
             raise BadInput(f"a gpuxfer metadata row message has {len(msg)} frames")
         room, index = int(msg[1].decode("ascii")), int(msg[2].decode("ascii"))
