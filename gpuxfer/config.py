@@ -150,6 +150,9 @@ VARS: dict[str, Var] = {v.name: v for v in (
         "how the triton engine orders each size class: by the peer pool's offsets, the local pool's, or as planned"),
     Var("GPUXFER_KV_REMOTE", "none", choice("none", "nixl"),
         "how KVAgent reaches peers on other hosts (KVAgent(remote=...)): none, or through NIXL (an agent of its own)"),
+    Var("GPUXFER_KV_ROUTE", "auto", choice("auto", "ipc", "nixl"),
+        "the route KVAgent.add_peer takes when not given one: auto (IPC on this host, NIXL to another), ipc, or "
+        "nixl (every peer through NIXL, one on this host included)"),
     Var("GPUXFER_NIXL_PROGRESS_THREAD", False, FLAG,
         "run NIXL's progress thread in the KV agent's NIXL agent (off: the agent's poller progresses it)"),
     Var("GPUXFER_TEST_REQUIRE_NIXL", False, FLAG,

@@ -89,6 +89,7 @@ import types
 import uuid
 from typing import Any, Mapping, Sequence
 
+from .. import config
 from ..common import process_namespace
 from ..errors import BackendUnavailable, BadInput, BadMetadata, BlockIdError, LayoutMismatch, TransferTimeout
 from ..flaglink import FlagWords
@@ -341,12 +342,14 @@ class KVAgent(Closable, FailsOnTimeout):
             body["nixl"] = self.nixl.metadata()
         return encode_metadata(body)
 
-    def add_peer(self, metadata: bytes, *, route: str = "auto") -> KVPeer:
+    def add_peer(self, metadata: bytes, *, route: str | None = None) -> KVPeer:
         """Add the agent whose :meth:`metadata` these bytes are: map its caches and notification words.
 
         ``route``: ``"auto"`` (IPC on this host, NIXL to another), ``"ipc"`` or ``"nixl"`` (both agents made
-        with ``remote="nixl"``; :mod:`gpuxfer.kv.nixl_route`). The peer's :attr:`~KVPeer.route` says which."""
+        with ``remote="nixl"``; :mod:`gpuxfer.kv.nixl_route`); None: ``GPUXFER_KV_ROUTE`` (default ``"auto"``).
+        The peer's :attr:`~KVPeer.route` says which."""
         self._poster.check_open()
+        route = config.resolve("GPUXFER_KV_ROUTE", route, option="route")
         meta = decode_metadata(metadata)
         if meta.platform != self.platform.name:
             raise BadMetadata(f"peer {meta.agent!r} runs on platform {meta.platform!r}, this agent on "
@@ -412,13 +415,13 @@ class KVAgent(Closable, FailsOnTimeout):
             return 0.0
         t0 = time.perf_counter()
         mirror = KVAgent(f"{self.name[:_MAX_NAME - 5]}~warm", platform=self.platform, device=self.device,
-                         engine=self.engine, timeout_s=self.timeout_s, rank=self.rank)
+                         engine=self.engine, timeout_s=self.timeout_s, rank=self.rank, remote="none")
         try:
             for g in list(groups.values()):
                 mirror.register_group(g.name, g.block_tokens, {
                     lay.name: KVLayerSpec(flat, lay.num_blocks, lay.block_stride, lay.pieces, lay.token_major, lay.index)
                     for lay, flat in zip(g.layers, g.flats)})
-            peer = self.add_peer(mirror.metadata())
+            peer = self.add_peer(mirror.metadata(), route="ipc")
             try:
                 for g in list(groups):          # one group at a time: groups may share memory (vLLM's hybrid ones)
                     ids = {g: [block]}
