@@ -89,6 +89,19 @@ def _seconds(raw: str) -> float:
 SECONDS = Parser(f"seconds in (0, {MAX_SECONDS:g}]", _seconds)
 
 
+def _offset(raw: str) -> float:
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ValueError(f"must be a number of seconds, got {raw!r}") from None
+    if not (math.isfinite(v) and abs(v) <= 1e9):
+        raise ValueError(f"must be a finite number of seconds within +-1e9, got {raw!r}")
+    return v
+
+
+OFFSET = Parser("seconds in [-1e9, 1e9]", _offset)
+
+
 def _bytes(raw: str) -> int:
     from .common import parse_size
     return 0 if raw.strip() == "0" else parse_size(raw.strip(), option="", kind="bytes")
@@ -178,6 +191,8 @@ VARS: dict[str, Var] = {v.name: v for v in (
         "side pulls with (auto: triton on GPUs, copy_engine on the host emulation; extra config engine)"),
     Var("GPUXFER_VLLM_HANDSHAKE_TIMEOUT_S", 10.0, SECONDS, "vLLM decode: longest a handshake with a prefill "
         "instance may take before its requests' loads fail (extra config handshake_timeout_s)"),
+    Var("GPUXFER_VLLM_TEST_CLOCK_SHIFT_S", 0.0, OFFSET, "test hook: seconds added to this process's lease clock "
+        "(stands in for another host's clock)"),
     Var("GPUXFER_REQUIRE_VLLM", False, FLAG, "test hook: the vLLM connector's tests fail instead of skipping where "
         "vLLM is not installed (CI's vLLM step)"),
     # SGLang transfer backend (gpuxfer.integrations.sglang; --disaggregation-transfer-backend gpuxfer)

@@ -358,7 +358,7 @@ def _slow_peer(read: int, pause: float = 0.0):
     def serve():
         s, _ = lst.accept()
         s.recv(100)
-        s.sendall(frame(b"{}") + frame(b"m"))
+        s.sendall(frame(b"{}") + frame(b"m") + frame(struct.pack(">d", 1.0)))
         stop.wait(pause)
         s.settimeout(0.05)
         while not stop.is_set():

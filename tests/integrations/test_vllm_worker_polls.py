@@ -2,8 +2,10 @@
 flight (O(1) when nothing finished), reports reads in order with one done message per engine, fails a read seen
 complete past its lease; the prefill's holds end on the decode side's word or at their lease, found without a
 scan; a handle that raises fails its loads alone (a read of several refused by the device check goes again with
-host IDs); a gone engine is forgotten once no load names it; and the one-group ID check's shortcut for rising
-block IDs (a fresh allocator's) against the reference."""
+host IDs); a gone engine is forgotten once no load names it; the one-group ID check's shortcut for rising
+block IDs (a fresh allocator's) against the reference; and a prefill on another host: its reads (the NIXL
+route) reported in any order, a stuck one cancelled before its load fails, its lease deadlines read through
+the clock bound its handshake carries."""
 from __future__ import annotations
 
 import queue
@@ -222,3 +224,104 @@ def test_the_engine_thread_serves_the_side_channel_only_while_it_holds_requests(
     assert w.poll()[0] == {"held"}
     w.poll()
     assert srv.pumps == 3
+
+
+class _NixlHandle(_Handle):
+    """A NIXL-route read: ``cancel()`` releases it unless ``refuse``."""
+
+    def __init__(self, refuse: bool = False):
+        super().__init__()
+        self.refuse, self.cancelled = refuse, 0
+
+    def cancel(self) -> bool:
+        self.cancelled += 1
+        return not self.refuse
+
+
+def _on_nixl(w: WorkerSide, n: int, clock, deadline: float, timeout_s: float = 60.0):
+    """``n`` reads in flight on the NIXL route from a prefill engine whose lease clock is ``clock``."""
+    import types
+    w.decode.agent = types.SimpleNamespace(timeout_s=timeout_s)
+    r = _Remote(("127.0.0.1", 2, "q"), state="ready", client=_Client(), ordered=False, clock=clock)
+    w.decode.remotes[r.key] = r
+    sts = []
+    for i in range(n):
+        rp = RemotePrefill("q", "127.0.0.1", 2, f"q{i}", (np.arange(1, 3),), (16,), deadline)
+        st = _LoadState(Load(f"n{i}", rp, (np.arange(10 + 2 * i, 12 + 2 * i),), 0, 31), 0.0, remote=r,
+                        handle=_NixlHandle(), t_post=time.perf_counter())
+        w.decode.pending[st.load.req_id] = st
+        w.decode.unordered.append(st)
+        r.inflight += 1
+        r.loads += 1
+        sts.append(st)
+    return r, sts
+
+
+def test_nixl_reads_end_in_any_order_and_a_stuck_one_is_cancelled_first():
+    from gpuxfer.integrations.vllm.lease import SAME_HOST
+    w = _worker()
+    r, sts = _on_nixl(w, 4, SAME_HOST, time.monotonic() + 60, timeout_s=0.2)
+    sts[2].handle.finished = True               # the third ends first: reported at once
+    assert w.poll() == (set(), {"n2"}, set())
+    assert [st.load.req_id for st in w.decode.unordered] == ["n0", "n1", "n3"]
+    sts[0].handle.finished = sts[3].handle.finished = True
+    sts[1].handle.refuse = True
+    time.sleep(0.25)                            # n1 is past the agent's timeout
+    assert w.poll() == (set(), {"n0", "n3"}, set())
+    assert sts[1].handle.cancelled == 1 and w.decode.unordered == [sts[1]]     # NIXL would not release it: kept
+    sts[1].handle.refuse = False
+    assert w.poll() == (set(), {"n1"}, {"n1"})  # released, then failed
+    assert sts[1].handle.cancelled == 2 and not w.decode.unordered and r.inflight == 0
+    assert w.take_load_errors() == {12, 13}
+
+
+def test_a_lease_on_another_hosts_clock_is_read_through_the_handshake_bound():
+    """The prefill's clock runs 5000 s ahead of this one: its deadlines compared as they are would never run out.
+    Through :class:`PeerClock` a read seen complete before the deadline loads and one after it fails."""
+    from gpuxfer.integrations.vllm.lease import RATE_BOUND, PeerClock, now
+    t = now()
+    clock = PeerClock(sent=t - 0.01, peer=t + 5000.0, same=False)       # answered 10 ms after the hello left
+    assert clock.deadline(t + 5060.0) == pytest.approx(t - 0.01 + 60.0 - RATE_BOUND * 60.0)
+    assert PeerClock().deadline(123.0) == 123.0
+    w = _worker()
+    _, live = _on_nixl(w, 1, clock, t + 5060.0)           # 60 s left on the prefill's clock
+    live[0].handle.finished = True
+    assert w.poll() == (set(), {"n0"}, set())
+    w = _worker()
+    _, late = _on_nixl(w, 1, clock, t + 4999.0)           # ran out a second ago there
+    late[0].handle.finished = True
+    assert w.poll() == (set(), {"n0"}, {"n0"})
+
+
+def test_the_handshake_carries_the_prefills_clock_and_refuses_a_bad_one():
+    import socket
+    import struct
+    import threading
+    from gpuxfer.integrations.vllm.channel import ChannelClosed, SideChannelClient, SideChannelServer, frame
+    from gpuxfer.integrations.vllm.lease import now
+    srv = SideChannelServer("127.0.0.1", 0, lambda: (b"{}", b"m"), 5.0)
+    try:
+        before = now()
+        c = SideChannelClient("127.0.0.1", srv.port, 5.0)
+        assert c.handshake() == (b"{}", b"m")
+        pc = c.peer_clock
+        assert not pc.same and before <= pc.sent <= pc.peer <= now()     # one host: the same clock
+        c.close()
+    finally:
+        srv.close()
+    for clock in (struct.pack(">d", float("nan")), b"1234"):
+        lst = socket.create_server(("127.0.0.1", 0))
+
+        def answer(lst=lst, clock=clock):
+            s, _ = lst.accept()
+            s.recv(100)
+            s.sendall(frame(b"{}") + frame(b"m") + frame(clock))
+            time.sleep(0.5)
+            s.close()
+        threading.Thread(target=answer, daemon=True).start()
+        c = SideChannelClient("127.0.0.1", lst.getsockname()[1], 5.0)
+        with pytest.raises(ChannelClosed, match="clock"):
+            c.handshake()
+        assert not c.alive and c.peer_clock is None
+        c.close()
+        lst.close()

@@ -435,8 +435,9 @@ class _Engine:
                     self.sched.connector._scheduler.lease_s = args[0]
                     conn.send(("set_lease", None))
                 elif op == "stats":                   # args: (True,) to start counting anew
+                    agent = self.worker._worker.agent
                     conn.send(("stats", {"requests": len(self.sched.requests), "free": self.free_blocks(),
-                                         "stats": self.stats}))
+                                         "stats": self.stats, "routes": {p.route for p in agent.peers.values()}}))
                     if args and args[0]:
                         self.stats = {}
             if self.sched.has_requests():

@@ -2,8 +2,10 @@
 one TCP connection per (decode worker, prefill engine), frames of a 4-byte big-endian length and a
 body. No vLLM import.
 
-* decode -> prefill ``{"op": "hello"}``; the prefill answers with two frames: its engine description
-  (JSON) and its agent's metadata bytes. Once per remote engine; the decode side caches the result.
+* decode -> prefill ``{"op": "hello"}``; the prefill answers with three frames: its engine description
+  (JSON), its agent's metadata bytes and its lease clock when it answered (an 8-byte big-endian double:
+  :mod:`.lease` reads the prefill's deadlines with it). Once per remote engine; the decode side caches the
+  result.
 * decode -> prefill ``{"op": "done", "reqs": [id, ...]}``: the decode instance has read these requests'
   blocks (one message for a step's reads); ``{"op": "release", "reqs": [id, ...]}``: it will not read
   them (aborted, or computed locally). The prefill frees the blocks at its next step. No answer.
@@ -30,8 +32,11 @@ import select
 import selectors
 import socket
 import struct
+import math
 import threading
 import time
+
+from . import lease
 
 log = logging.getLogger("gpuxfer.vllm")
 
@@ -41,6 +46,7 @@ MAX_REQUEST_ID = 512
 #: :attr:`SideChannelClient.alive` then says without a system call on the engine thread)
 WATCH_S = 0.05
 _LEN = struct.Struct(">I")
+_CLOCK = struct.Struct(">d")
 _BY_US = "closed by this instance"
 _ENCODER = json.JSONEncoder(separators=(",", ":"))     # made once: json.dumps with separators makes one a call
 
@@ -210,7 +216,7 @@ class SideChannelServer:
                     info, meta = self._hello()
                     if not c.outbuf:
                         c.since = time.monotonic()
-                    c.outbuf += frame(info) + frame(meta)
+                    c.outbuf += frame(info) + frame(meta) + frame(_CLOCK.pack(lease.now()))
                 elif op in ("done", "release") and isinstance(reqs, list) and all(
                         isinstance(r, str) and len(r) <= MAX_REQUEST_ID for r in reqs):
                     for req in reqs:
@@ -251,7 +257,8 @@ class SideChannelServer:
 class SideChannelClient:
     """The decode worker's connection to one prefill engine, advanced by the engine's thread:
     :meth:`pump` until it returns the handshake (bounded by ``timeout_s`` from the connect), then
-    :meth:`notify`; :attr:`alive` is False once the prefill end closed."""
+    :meth:`notify`; :attr:`alive` is False once the prefill end closed; :attr:`peer_clock` (once the handshake
+    is in) bounds the prefill's lease clock against this one."""
 
     def __init__(self, host: str, port: int, timeout_s: float):
         self.timeout_s = timeout_s
@@ -263,6 +270,8 @@ class SideChannelClient:
             self._sock.close()
             raise ChannelClosed(f"connecting to {host}:{port} failed: {err}")
         self._t0 = time.monotonic()
+        self._sent = lease.now()                # before the hello leaves (the prefill reads its clock after)
+        self.peer_clock: lease.PeerClock | None = None
         self._out = bytearray(message({"op": "hello"}))
         self._in = bytearray()
         self._got: list[bytes] = []
@@ -280,7 +289,7 @@ class SideChannelClient:
     def pump(self) -> tuple[bytes, bytes] | None:
         """Advance the handshake without blocking: ``(description, metadata)`` once both arrived, None
         before; :class:`ChannelClosed` when the prefill end failed it, :class:`TimeoutError` past ``timeout_s``."""
-        if len(self._got) == 2:
+        if self.peer_clock is not None:
             return self._got[0], self._got[1]
         if self._closed:
             raise ChannelClosed(self.closed_reason or "closed")
@@ -291,12 +300,18 @@ class SideChannelClient:
             if data is not None:
                 self._in += data
                 self._got += take_frames(self._in)
-                if len(self._got) > 2:
-                    raise ChannelClosed("more than the two frames of a handshake")
+                if len(self._got) > 3:
+                    raise ChannelClosed("more than the three frames of a handshake")
+                if len(self._got) == 3:
+                    clock = self._got[2]
+                    peer = _CLOCK.unpack(clock)[0] if len(clock) == _CLOCK.size else math.nan
+                    if not math.isfinite(peer):
+                        raise ChannelClosed(f"a handshake whose clock frame is not a finite double ({len(clock)} bytes)")
+                    self.peer_clock = lease.PeerClock(sent=self._sent, peer=peer, same=False)
         except ChannelClosed as exc:
             self._fail(str(exc))
             raise
-        if len(self._got) == 2:
+        if self.peer_clock is not None:
             log.debug("side channel: %d + %d bytes of handshake in %.3f s", len(self._got[0]), len(self._got[1]),
                       time.monotonic() - self._t0)
             self._start_sender()            # here, not in a request's step (a thread start costs ~0.1 ms)

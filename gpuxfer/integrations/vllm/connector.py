@@ -85,7 +85,8 @@ def _settings(extra: dict) -> Settings:
     return Settings(lease_s=pick("lease_s", "GPUXFER_VLLM_LEASE_S"), host=pick("host", "GPUXFER_VLLM_HOST"),
                     port=pick("port", "GPUXFER_VLLM_PORT"),
                     handshake_timeout_s=pick("handshake_timeout_s", "GPUXFER_VLLM_HANDSHAKE_TIMEOUT_S"),
-                    token_major=tm, engine=pick("engine", "GPUXFER_VLLM_ENGINE"), device_ids=dev)
+                    token_major=tm, engine=pick("engine", "GPUXFER_VLLM_ENGINE"), device_ids=dev,
+                    remote=pick("remote", "GPUXFER_KV_REMOTE"), route=pick("route", "GPUXFER_KV_ROUTE"))
 
 
 class GpuxferConnector(KVConnectorBase_V1, SupportsHMA):

@@ -3,11 +3,14 @@ without blocking (a known prefill engine's read posted at once; a new engine's h
 channel and finished by later polls, its caches then mapped) and reports the loads done and failed, oldest
 read first. Everything runs on the engine's thread. No vLLM import.
 
-Soundness of a load against a lease: both instances run on one host (the agent maps the peer's memory over
-IPC), so they share ``time.monotonic()``. The prefill frees a held request's blocks at a step after its
-``lease_deadline``; a load counts as good only when its read was seen complete before that deadline, and
-otherwise its blocks are reported as load errors (vLLM recomputes them). A posted read is never abandoned: a
-failure is reported once nothing the read queued can still write the blocks.
+Soundness of a load against a lease: the prefill frees a held request's blocks at a step after its
+``lease_deadline`` (on its host's lease clock); a load counts as good only when its read was seen complete
+before that deadline, read on this instance's clock (:meth:`.lease.PeerClock.deadline`: as it is on one host,
+the IPC route; bounded by the handshake for a prefill on another host, the NIXL route), and otherwise its
+blocks are reported as load errors (vLLM recomputes them). A posted read is never abandoned: a failure is
+reported once nothing the read queued can still write the blocks. Reads on the IPC route complete in the order
+they were posted (one stream); those on the NIXL route in any order, each bounded by the agent's timeout (a
+read past it is cancelled, ``cancel()`` of its handle, before its load fails).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ...errors import BlockIdError, GpuxferError
+from . import lease
 from .channel import SideChannelClient
 from .handshake import check_compatible, decode_info
 from .params import BadTransferParams, RemotePrefill, pair_group
@@ -71,6 +75,8 @@ class _Remote:
     meta: bytes | None = None
     error: str | None = None
     device_ids: bool = False                # its reads take block IDs on the device
+    ordered: bool = True                    # its reads complete in post order (the IPC route: one stream)
+    clock: lease.PeerClock = lease.SAME_HOST    # its lease clock read on this one
     inflight: int = 0                       # reads posted and not seen complete
     loads: int = 0                          # loads naming it not reported yet
     t0: float = field(default_factory=time.monotonic)
@@ -97,7 +103,8 @@ class DecodeLoads:
         self.remotes: dict[tuple, _Remote] = {}
         self.pending: dict[str, _LoadState] = {}
         self.waiting: dict[str, _LoadState] = {}
-        self.inflight: deque[_LoadState] = deque()
+        self.inflight: deque[_LoadState] = deque()          # posted on the agent's stream, in post order
+        self.unordered: list[_LoadState] = []                # posted on the NIXL route
         self.ended: list[_LoadState] = []
         self.load_errors: set[int] = set()
 
@@ -174,7 +181,9 @@ class DecodeLoads:
                 name = f"vllm-{r.key[2]}"
                 if name in self.agent.peers:                   # the same engine again, after it restarted
                     self.agent.remove_peer(name)
-                r.peer = self.agent.add_peer(r.meta)
+                r.peer = self.agent.add_peer(r.meta, route=self.settings.route)
+                r.ordered = r.peer.route == "ipc"
+                r.clock = lease.SAME_HOST if r.ordered else r.client.peer_clock
                 # device IDs: the triton engine over the peer's mapped caches, kernel blocks alike on both sides
                 # (a step's reads then merge into one request per engine; other block sizes pair on the host)
                 r.device_ids = (self.staging is not None and r.peer.route == "ipc" and r.peer.engine == "triton"
@@ -260,13 +269,13 @@ class DecodeLoads:
                     else:
                         self.staging.fence_now(entry)
             t1 = time.perf_counter()
-            inflight = self.inflight
+            inflight, unordered = self.inflight, self.unordered
             for group, h in zip(owners, handles):
                 if h is not None:
                     for st in group:
                         st.handle = h
                         st.remote.inflight += 1
-                        inflight.append(st)
+                        (inflight if st.remote.ordered else unordered).append(st)
             share = (t1 - t0) / len(sts)            # the step's host time, per request it started
             post_s = self.stats["post_host_s"]
             waiting = self.waiting
@@ -290,7 +299,7 @@ class DecodeLoads:
         rp = load.remote
         if r.client is None or not r.client.alive:
             raise BadTransferParams(f"prefill engine {r.key[2]} is gone: {r.client and r.client.closed_reason}")
-        if time.monotonic() >= rp.lease_deadline:
+        if lease.now() >= r.clock.deadline(rp.lease_deadline):
             raise BadTransferParams("the prefill instance's lease on the blocks ran out before the read started")
         local, remote, nbytes = {}, {}, 0
         for g, (kind, ls, _) in enumerate(self.group_specs):
@@ -399,6 +408,8 @@ class DecodeLoads:
                 self.waiting[st.load.req_id] = st
             else:
                 self._complete(st, done, failed, read)
+        if self.unordered:
+            self._finish_unordered(done, failed, read)
         if self.waiting:
             for r in list(self.remotes.values()):
                 self._advance(r)
@@ -426,14 +437,35 @@ class DecodeLoads:
         self._reap(now)
         return done, failed
 
+    def _finish_unordered(self, done: set, failed: set, read: dict) -> None:
+        """The NIXL route's reads: each asked, in any order. One not complete within the agent's timeout is
+        cancelled (NIXL releases it) and its load fails; one NIXL will not release yet is asked again next poll."""
+        keep, limit, t = [], self.agent.timeout_s, time.perf_counter()
+        for st in self.unordered:
+            try:
+                if not st.handle.done():
+                    if t - st.t_post <= limit:
+                        keep.append(st)
+                        continue
+                    if not st.handle.cancel():
+                        keep.append(st)
+                        continue
+                    st.error = f"the read did not complete within {limit:g} s (cancelled)"
+            except GpuxferError as exc:
+                st.error = f"{type(exc).__name__}: {exc}"
+            st.remote.inflight -= 1
+            self._complete(st, done, failed, read)
+        self.unordered = keep
+
     def _complete(self, st: _LoadState, done: set, failed: set, read: dict) -> None:
         """Report a load whose read completed (or that had nothing to move, or failed)."""
         req = st.load.req_id
-        if st.error is None and time.monotonic() >= st.load.remote.lease_deadline:
+        r = st.remote
+        if st.error is None and lease.now() >= (r.clock if r is not None else lease.SAME_HOST).deadline(
+                st.load.remote.lease_deadline):
             st.error = "the read completed after the prefill instance's lease ran out"
         if self.pending.get(req) is st:
             del self.pending[req]
-        r = st.remote
         if r is not None:
             r.loads -= 1
         done.add(req)

@@ -8,7 +8,7 @@ A prefill instance's ``request_finished`` returns::
      "remote_engine_id": str, "remote_host": str, "remote_port": int, "remote_request_id": str,
      "remote_block_ids": [[int, ...], ...],      # per KV-cache group; 0 is vLLM's null block (skipped)
      "remote_block_sizes": [int, ...],           # tokens per block, per group
-     "lease_deadline": float,                     # time.monotonic() on the prefill host when the blocks go
+     "lease_deadline": float,                     # the prefill host's lease clock when the blocks go (lease.py)
      "tp_size": 1}
 """
 from __future__ import annotations

@@ -5,11 +5,11 @@ their blocks for a decode instance, and the per-step payload for the worker side
 from __future__ import annotations
 
 import logging
-import time
 from typing import Sequence
 
 import numpy as np
 
+from . import lease
 from .params import BadTransferParams, RemotePrefill, build_params, parse_remote_prefill, tokens_to_load
 from .loads import Load
 
@@ -108,7 +108,7 @@ class SchedulerSide:
             log.error("gpuxfer: engine %s: request %s asks for remote decode, but this instance's worker announced "
                       "no side channel; freeing its blocks", self.engine_id, rid)
             return False, None
-        deadline = time.monotonic() + self.lease_s
+        deadline = lease.now() + self.lease_s
         self._holds[rid] = deadline
         host, port = self.endpoint
         return True, build_params(engine_id=self.engine_id, host=host, port=port, request_id=rid,

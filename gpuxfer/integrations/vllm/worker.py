@@ -16,6 +16,7 @@ from ...errors import GpuxferError
 from ...kv import KVAgent
 from .channel import SideChannelServer
 from .handshake import describe_view, encode_info, engine_info
+from . import lease
 from .holds import PrefillHolds
 from .loads import DecodeLoads, Load
 from .staging import IdStaging
@@ -34,6 +35,8 @@ class Settings:
     # pull with block IDs on the device where the peer allows it: True, False, or "auto" (a step's reads of one
     # engine from AUTO_DEVICE_IDS_FROM on)
     device_ids: bool | str = "auto"
+    remote: str = "none"            # how the agent reaches other hosts: none, or nixl (KVAgent's ``remote``)
+    route: str = "auto"             # the route to a prefill engine (KVAgent.add_peer's ``route``)
 
 
 class WorkerSide:
@@ -68,7 +71,7 @@ class WorkerSide:
         if first.device.type == "cuda":
             device = torch.cuda.current_device() if first.device.index is None else first.device.index
         self.agent = KVAgent(f"vllm-{self.engine_id}", platform=platform, device=device,
-                             engine=self.settings.engine)
+                             engine=self.settings.engine, remote=self.settings.remote)
         groups, kernel_tokens, bytes_per_block = [], [], []
         for g, (kind, bs, names) in enumerate(self.group_specs):
             missing = [n for n in names if n not in kv_caches]
@@ -150,7 +153,7 @@ class WorkerSide:
         now = time.monotonic()
         if self.server is not None:
             self.prefill.drain(self.server, now)
-        sending = self.prefill.finished(now)
+        sending = self.prefill.finished(lease.now())
         decode = self.decode
         recving, failed = decode.finished(now) if decode.pending else (set(), set())
         decode.flush_late(now)

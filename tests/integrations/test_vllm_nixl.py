@@ -1,0 +1,130 @@
+"""GpuxferConnector across hosts: the decode instance reads through the agent's NIXL route (real NIXL 1.5.1, UCX
+over loopback) instead of mapping the prefill's memory, with vLLM 0.33's real Scheduler in spawned processes on
+the host emulation (tests/integrations/vllm_instance.py), every loaded byte checked.
+
+One machine stands in for two hosts: ``GPUXFER_KV_ROUTE=nixl`` sends every peer through NIXL, and the prefill's
+lease clock is shifted by ``GPUXFER_VLLM_TEST_CLOCK_SHIFT_S`` (two hosts' monotonic clocks share no origin), so a
+decode instance that compared the prefill's deadlines with its own clock as they are would get every verdict
+wrong: shifted ahead, no lease would ever run out for it; shifted back, every read would count as too late.
+
+Without NIXL these tests skip with the reason, unless GPUXFER_TEST_REQUIRE_NIXL=1 (CI's vLLM step), where they
+fail; without vLLM they skip unless GPUXFER_REQUIRE_VLLM=1.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from _requires import require
+
+require("vllm", "GPUXFER_REQUIRE_VLLM", "vllm==0.33.0")
+
+from gpuxfer import config  # noqa: E402
+from vllm_instance import Instance, write_model  # noqa: E402
+
+BASE = {"GPUXFER_PLATFORM": "host", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING", "UCX_NET_DEVICES": "lo", "GPUXFER_KV_REMOTE": "nixl",
+        "GPUXFER_KV_ROUTE": "nixl"}
+TM = {"token_major": True}
+SHIFT = {"P": "-5000", "Q": "5000"}         # the prefill hosts' clocks: behind and ahead of the decode's
+
+
+def _nixl_reason() -> str | None:
+    from gpuxfer.kv.nixl_route import nixl_reason
+    from gpuxfer.platforms.host import HostPlatform
+    return nixl_reason(HostPlatform)
+
+
+@pytest.fixture(scope="module")
+def inst(tmp_path_factory):
+    """Two prefill instances with 64-token blocks on clocks 5000 s behind (P) and ahead (Q) of the decode
+    instance D (32-token blocks: ratio 2), all with NIXL agents and every peer on the NIXL route."""
+    why = _nixl_reason()
+    if why is not None:
+        if config.get("GPUXFER_TEST_REQUIRE_NIXL"):
+            pytest.fail(f"GPUXFER_TEST_REQUIRE_NIXL=1 but the NIXL route cannot run: {why}")
+        pytest.skip(why)
+    model = write_model(str(tmp_path_factory.mktemp("model")))
+    out = {}
+    try:
+        for name, bs in (("P", 64), ("Q", 64), ("D", 32)):
+            env = dict(BASE, GPUXFER_VLLM_TEST_CLOCK_SHIFT_S=SHIFT.get(name, "0"))
+            out[name] = Instance(name, model, bs, extra=TM, env=env, num_blocks=1024)
+        for i in out.values():
+            i.info = i.ready(timeout=600)
+        yield out
+    finally:
+        for i in out.values():
+            i.close()
+        for i in out.values():
+            assert i.proc.exitcode is not None, f"instance {i.name} did not exit"
+
+
+def prefill(P, reqs, timeout=300):
+    res = P.run("prefill", [(r, n, s, None) for r, n, s in reqs], timeout=timeout)
+    for r, v in res.items():
+        assert v.get("finished") == "length" and v["params"]["do_remote_prefill"], (r, v)
+    return {r: v["params"] for r, v in res.items()}
+
+
+def decode(D, reqs, params, timeout=300):
+    return D.run("decode", [(f"d-{r}", n, s, params[r]) for r, n, s in reqs], timeout=timeout)
+
+
+def assert_loaded(res):
+    for r, v in res.items():
+        assert v.get("load") == "ok" and v["bad"] == 0 and v["checked"] > 0, (r, v)
+        assert v.get("finished") == "length", (r, v)
+
+
+def assert_idle(I, timeout=60):
+    s = I.call("idle", timeout, timeout=timeout + 30)
+    assert s["requests"] == 0 and s["free"] == I.info["free"], s
+    return s
+
+
+@pytest.mark.parametrize("name", ["P", "Q"])
+def test_reads_over_nixl_from_a_host_on_another_clock(inst, name):
+    P, D = inst[name], inst["D"]
+    reqs = [(f"{name}{i}", 40 + 97 * i, 11000 + 100 * (name == "Q") + i) for i in range(16)]
+    params = prefill(P, reqs)
+    assert_loaded(decode(D, reqs, params))
+    s = assert_idle(P)
+    assert s["stats"]["sends_done"] >= 16 and s["stats"].get("leases_expired", 0) == 0
+    st = D.call("stats")
+    assert st["free"] == D.info["free"] and st["stats"]["failed"] == 0
+    assert st["routes"] == {"nixl"}, st["routes"]            # the reads went through NIXL, not IPC
+
+
+@pytest.mark.parametrize("name", ["P", "Q"])
+def test_a_lease_that_ran_out_on_the_prefill_host_fails_the_load(inst, name):
+    P, D = inst[name], inst["D"]
+    before = P.call("stats")["stats"].get("leases_expired", 0)
+    P.call("set_lease", 1.0)
+    try:
+        reqs = [(f"e{name}{i}", 150, 12000 + i) for i in range(2)]
+        params = prefill(P, reqs)
+        time.sleep(1.5)
+        s = assert_idle(P, timeout=30)                       # nobody read: the lease freed the blocks
+        assert s["stats"]["leases_expired"] == before + 2
+        res = decode(D, reqs, params)
+        for r, v in res.items():
+            assert v.get("load") == "failed" and v.get("finished") == "length", (r, v)
+    finally:
+        P.call("set_lease", 120.0)
+    assert D.call("stats")["free"] == D.info["free"]
+
+
+def test_dead_prefill_over_nixl_reports_load_errors(inst):
+    P, D = inst["Q"], inst["D"]
+    reqs = [(f"k{i}", 160, 13000 + i) for i in range(3)]
+    params = prefill(P, reqs)
+    P.kill()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    res = decode(D, reqs, params, timeout=120)
+    for r, v in res.items():
+        assert v.get("load") == "failed" and v.get("finished") == "length", (r, v)
+    assert time.monotonic() - t0 < 60
+    assert D.call("stats")["free"] == D.info["free"]
