@@ -18,6 +18,7 @@ The parent drives it over a pipe (:class:`Rank`); the child runs :func:`serve`.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -191,6 +192,10 @@ class _State:
         self.plan: dict[int, tuple] = {}            # decode: room -> (prefill pages, decode pages, decode row)
         self.reasons: dict[int, str] = {}           # room -> the failure SGLang reported
         self.landed: set[int] = set()               # decode: rooms whose bytes were checked as the prefill's
+        self.logged_errors: list[str] = []          # the backend's error log records (a failed control message)
+        handler = logging.Handler(logging.ERROR)
+        handler.emit = lambda record: self.logged_errors.append(record.getMessage())
+        logging.getLogger("gpuxfer.sglang").addHandler(handler)
 
     # -- prefill
 
@@ -459,6 +464,13 @@ class _State:
         """The marks since :meth:`trace_on` or the last call: ``[(step, room, clock)]``."""
         out, self._marks[:] = list(self._marks), []
         return out
+
+    def routes(self):
+        """Whether this rank's agent has a NIXL side, the route each decode rank was added on (prefill), and the
+        backend's error log records so far."""
+        return {"nixl": self.mgr.agent.nixl is not None,
+                "peers": {s: p.route for s, p in getattr(self.mgr, "_peers", {}).items()},
+                "errors": list(self.logged_errors)}
 
     def cpu(self):
         from gpuxfer.bench.cpus import current_cpu, python_speed_us

@@ -22,7 +22,8 @@ require("sglang", "GPUXFER_REQUIRE_SGLANG", "sglang==0.5.23")
 from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
 from sglang.srt.disaggregation.common.conn import ABORT_TAG  # noqa: E402
 
-from gpuxfer.errors import BadInput, PeerLost, TransferTimeout  # noqa: E402
+from gpuxfer.errors import BadInput, GpuxferError, PeerLost, TransferTimeout  # noqa: E402
+from gpuxfer.kv.nixl_ffi import NixlError  # noqa: E402
 from gpuxfer.integrations.sglang.landing import Landings  # noqa: E402
 from gpuxfer.integrations.sglang.conn import (GpuxferKVManager, TransferInfo, _Chunk,  # noqa: E402
                                               _drain_marker)
@@ -32,20 +33,29 @@ DECODE = ("127.0.0.1", 5555)
 
 
 class FakeHandle:
-    """A posted push: ``wait`` blocks until the test ends it (bounded), then raises its error if it has one."""
+    """A posted push: ``wait`` blocks until the test ends it (bounded), then raises its error if it has one;
+    ``early``: an error ``wait`` raises at once, the push still running. No event, as a NIXL push's handle:
+    ``done()`` says whether it is over."""
+
+    event = None
 
     def __init__(self, name, log):
         self.name, self.log = name, log
         self.landed = threading.Event()
-        self.error = None
+        self.error = self.early = None
         self.waited = False
 
     def finish(self, error=None):
         self.error = error
         self.landed.set()
 
+    def done(self):
+        return self.landed.is_set()
+
     def wait(self, timeout_s=None):
         self.log.append(("wait", self.name))
+        if self.early is not None:
+            raise self.early
         if not self.landed.wait(timeout_s):
             raise TransferTimeout(rank=0, step=0, flag=self.name, expected=1, seen=0, timeout_s=timeout_s,
                                   what=f"{self.name} did not complete")
@@ -257,6 +267,23 @@ def test_a_push_past_the_timeout_fails_the_room_and_withholds_the_ack():
     mgr.run(mgr._queue.get_nowait())            # the push never completes
     assert ("ack", ROOM) not in mgr.log         # it may still land: the decode must not reuse its pages on an ACK
     assert ROOM in mgr._deferred_ack_poisoned_rooms and not mgr._posted
+
+
+def test_an_abort_acks_once_a_push_without_an_event_is_over_whatever_its_wait_raised():
+    """Pushes whose handle has no event (the NIXL route): one that ended in NIXL's error lets the ACK go; one
+    whose wait raised while it still ran (a failed agent raises at once) withholds it, as it may still land."""
+    for over in (True, False):
+        mgr = Manager()
+        _room(mgr)
+        mgr.run(_chunk(0))
+        _abort(mgr)
+        if over:
+            mgr.handles[0].finish(NixlError("check_xfer_state", "waiting", "the transfer ended in ERR"))
+        else:
+            mgr.handles[0].early = GpuxferError("the agent failed")
+        mgr.run(mgr._queue.get_nowait())
+        assert (("ack", ROOM) in mgr.log) == over, (over, mgr.log)
+        assert (ROOM in mgr._deferred_ack_poisoned_rooms) != over and not mgr._posted
 
 
 def test_a_prefill_abort_drains_the_room():

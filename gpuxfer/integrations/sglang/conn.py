@@ -271,8 +271,9 @@ class GpuxferKVManager(CommonKVManager):
                 self._peers[session] = self.agent.add_peer(meta)
                 self._notify_slots[session] = slot
             self._rejected.pop(session, None)
-            log.info("gpuxfer: decode rank %s added (%s route, %s engine)", session,
-                     self._peers[session].route, self._peers[session].engine)
+            peer = self._peers[session]
+            log.info("gpuxfer: decode rank %s added (%s route%s)", session, peer.route,
+                     f", {peer.engine} engine" if peer.route == "ipc" else "")
         except GpuxferError as exc:
             self._rejected[session] = f"{type(exc).__name__}: {exc}"
             log.error("gpuxfer: refusing decode rank %s: %s", session, self._rejected[session])
@@ -445,7 +446,15 @@ class GpuxferKVManager(CommonKVManager):
         return errors
 
     def _push_ended(self, h) -> bool:
-        """Whether the work a push queued is over (its event completed, or failed on the device)."""
+        """Whether the work a push queued is over: its event completed, or failed on the device (an IPC peer);
+        NIXL reported it done or failed (a NIXL peer, whose handle has no event)."""
+        if h.event is None:
+            for _ in range(2):      # a done() that raises for an ERR it saw finished the handle: the next says so
+                try:
+                    return bool(h.done())
+                except Exception:   # noqa: BLE001 - unknown: not proven over
+                    pass
+            return False
         try:
             return bool(self.agent.platform.event_query(h.event))
         except GpuxferError:

@@ -1,0 +1,170 @@
+"""gpuxfer's SGLang backend over the NIXL route of its agents: the two-process exchange of
+tests/integrations/test_sglang_backend.py (SGLang's own prefill and decode queues, tests/integrations/sglang_instance.py)
+with both ranks' agents made with NIXL (``GPUXFER_KV_REMOTE=nixl``) and every peer taking the NIXL route
+(``GPUXFER_KV_ROUTE=nixl``: one machine stands in for two hosts), UCX over loopback (``UCX_NET_DEVICES=lo``), the
+KV pools registered with NIXL as DRAM on the host emulation. Every byte of every page and metadata row is
+checked; a room ends on the decode by the prefill's Success message alone (a NIXL notification follows its own
+transfer, not the room's earlier ones); a dead rank fails the survivor's requests within its timeout.
+
+Without SGLang these skip (unless GPUXFER_REQUIRE_SGLANG=1); without NIXL they skip with the reason, unless
+GPUXFER_TEST_REQUIRE_NIXL=1, which makes a missing NIXL a failure.
+"""
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from _requires import require
+
+require("sglang", "GPUXFER_REQUIRE_SGLANG", "sglang==0.5.23")
+
+from sglang_instance import Rank  # noqa: E402
+from test_sglang_backend import (ENV, PAGES, WAITING_TIMEOUT_S, _close, _decode_requests,  # noqa: E402
+                                 _free_port, _land_through_queue, _landed, _Pages, _send_directly)
+
+NIXL_ENV = {**ENV, "GPUXFER_KV_REMOTE": "nixl", "GPUXFER_KV_ROUTE": "nixl", "UCX_NET_DEVICES": "lo"}
+
+
+def _need_nixl() -> None:
+    from gpuxfer import config
+    from gpuxfer.kv.nixl_route import nixl_reason
+    from gpuxfer.platforms.host import HostPlatform
+    why = nixl_reason(HostPlatform)
+    if why is not None:
+        if config.get("GPUXFER_TEST_REQUIRE_NIXL"):
+            pytest.fail(f"GPUXFER_TEST_REQUIRE_NIXL=1 but the NIXL route cannot run: {why}")
+        pytest.skip(why)
+
+
+def _pair(page_size: int, mla: bool = False):
+    """A prefill and a decode rank over the NIXL route, started together and ready."""
+    _need_nixl()
+    port = _free_port()
+    p = Rank("prefill", port=port, page_size=page_size, pages=PAGES, seed=1, env=NIXL_ENV, mla=mla)
+    d = Rank("decode", port=port, page_size=page_size, pages=PAGES, seed=2, env=NIXL_ENV, mla=mla)
+    try:
+        p.ready(timeout=600)
+        d.ready(timeout=600)
+    except BaseException:
+        _close(p, d)
+        raise
+    return p, d
+
+
+def _took_nixl(p, d) -> None:
+    """Both agents have a NIXL side, the prefill added the decode rank on the NIXL route, and neither rank
+    logged an error (a control message that failed)."""
+    routes, decode = p.call("routes"), d.call("routes")
+    assert routes["nixl"] and decode["nixl"], (routes, decode)
+    assert list(routes["peers"].values()) == ["nixl"], routes
+    assert routes["errors"] == decode["errors"] == [], (routes, decode)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """MHA pool, 16-token pages."""
+    p, d = _pair(16)
+    try:
+        yield p, d, _Pages(10)
+    finally:
+        codes = _close(p, d)
+        assert codes == [0, 0], codes
+
+
+def test_rooms_land_byte_for_byte_over_nixl(pair):
+    """64 concurrent requests of 1 to 9 pages through both sides' queues (chunked prefill, partial last pages),
+    then 16 with the prefill's ``KVSender`` called directly: every page of every KV entry and every metadata row
+    lands where the decode's queue put it, nothing else changes; the decode rank was added on the NIXL route."""
+    p, d, pages = pair
+    rng = random.Random(11)
+    _land_through_queue(p, d, [pages.take(room, rng.randint(1, 9)) for room in range(7000, 7064)], 16, rng)
+    _took_nixl(p, d)
+    plan = [pages.take(room, rng.randint(1, 9)) for room in range(7100, 7116)]
+    rows = {r: pages.rows.pop() for r, _ in plan}
+    prefill = _send_directly(p, d, plan, {r: (rng.choice([1, 2, 16]), "send") for r, _ in plan}, rows)
+    _landed(p, d, plan, prefill, rows)
+
+
+def test_a_room_whose_success_message_is_lost_is_not_ended_by_a_word(pair):
+    """The prefill's Success messages dropped: on the NIXL route a room's notification would follow its last
+    push alone, so the prefill announces no value and the decode, its pages written, still waits for the
+    message (then its scheduler aborts the rooms: Failed with SGLang's reason, never Success)."""
+    p, d, pages = pair
+    plan = [pages.take(room, 3) for room in range(7200, 7204)]
+    rooms = [r for r, _ in plan]
+    rows = {r: pages.rows.pop() for r in rooms}
+    assert p.call("drop_success", True)
+    try:
+        prefill = _send_directly(p, d, plan, {r: (1, "send") for r in rooms}, rows)
+        assert {s for s, _ in prefill.values()} == {"Success"}, prefill
+        decode = d.call("finish", rooms, 2, timeout=60)
+        assert {s for s, _, _ in decode.values()} == {"Pending"}, decode
+        res = d.call("check", rooms, 1, (), rows, dict(plan))   # the bytes are there all the same
+        assert res["bad"] == {r: 0 for r in rooms} and res["others_changed"] == 0, res
+        d.call("abort", rooms)
+        decode = d.call("finish", rooms, 30, timeout=60)
+        assert {s for s, _, _ in decode.values()} == {"Failed"}, decode
+    finally:
+        p.call("drop_success", False)
+    p.call("clear", rooms)
+
+
+def test_mla_pool_over_nixl_then_killed_prefill_fails_the_decode_within_its_timeout():
+    """An MLA pool at 1-token pages: requests of 1 to 301 pages land byte for byte; then the prefill rank is
+    killed while the decode's next requests wait: SGLang's heartbeat fails each well within the waiting timeout,
+    nothing written."""
+    p, d = _pair(1, mla=True)
+    try:
+        pages = _Pages(12)
+        _land_through_queue(p, d, [pages.take(room, n) for room, n in ((7300, 1), (7301, 7), (7302, 33), (7303, 301))],
+                            1, random.Random(12))
+        _took_nixl(p, d)
+        plan = [pages.take(room, 3) for room in range(7310, 7318)]
+        rooms = [r for r, _ in plan]
+        assert set(p.call("queue_add", [(r, src, 3, 1) for r, src in plan]).values()) == {"Bootstrapping"}
+        _decode_requests(d, plan, {r: 3 for r in rooms})
+        assert p.call("await_status", rooms, "WaitingForInput", 60, timeout=120) == []
+        p.proc.kill()
+        p.proc.join(30)
+        assert p.proc.exitcode == -9, p.proc.exitcode
+        decode = d.call("finish", rooms, WAITING_TIMEOUT_S + 10, timeout=WAITING_TIMEOUT_S + 60)
+        assert {s for s, _, _ in decode.values()} == {"Failed"}, decode
+        assert max(t for _, t, _ in decode.values()) < WAITING_TIMEOUT_S, decode
+        assert all("Lost connection with prefill" in r for _, _, r in decode.values()), decode
+        assert d.call("check", [], 1)["others_changed"] == 0
+    finally:
+        codes = _close(p, d)
+    assert codes == [-9, 0], codes
+
+
+def test_killed_decode_fails_the_prefill_over_nixl_within_its_timeout():
+    """64-token pages: 16 requests land byte for byte; then the decode rank is killed once its next requests'
+    pages reached the prefill: their NIXL pushes to the dead rank end in NIXL's error or the timeout, never a
+    Success, and every request ends Failed within the timeout."""
+    p, d = _pair(64)
+    try:
+        pages = _Pages(13)
+        rng = random.Random(13)
+        _land_through_queue(p, d, [pages.take(room, rng.randint(1, 5)) for room in range(7400, 7416)], 64, rng)
+        _took_nixl(p, d)
+        plan = [pages.take(room, 3) for room in range(7500, 7506)]
+        rooms = [r for r, _ in plan]
+        assert set(p.call("queue_add", [(r, src, 3 * 64, 64) for r, src in plan]).values()) == {"Bootstrapping"}
+        _decode_requests(d, plan, {r: 3 * 64 for r in rooms})
+        assert p.call("await_status", rooms, "WaitingForInput", 60, timeout=120) == []
+        d.proc.kill()
+        d.proc.join(30)
+        assert d.proc.exitcode == -9, d.proc.exitcode
+        t0 = time.monotonic()
+        ran = p.call("queue_run", 60, timeout=120)
+        assert ran["left"] == [] and ran["failed"] == [], ran
+        prefill = p.call("wait", rooms, WAITING_TIMEOUT_S + 10, timeout=WAITING_TIMEOUT_S + 60)
+        assert {s for s, _ in prefill.values()} == {"Failed"}, prefill
+        assert time.monotonic() - t0 < WAITING_TIMEOUT_S, prefill
+        reasons = p.call("clear", rooms)
+        assert all("NixlError" in r or "TransferTimeout" in r for r in reasons.values()), reasons
+    finally:
+        codes = _close(p, d)
+    assert codes == [0, -9], codes
