@@ -24,6 +24,11 @@ Targets (issue #34, p90 over the runs): ``start_load_kv`` <= 100 us, <= 20 us pe
     python scripts/vllm_connector_bench.py --device host --tokens 2048 --layers 4 --runs 1 --out o.json
     python scripts/vllm_connector_bench.py --device host --engine triton --ids device ...   # on the host emulation
 
+``--connector nixl`` runs vLLM's own NixlConnector on the same instances and caches instead (the baseline a
+vLLM user has: NIXL 1.5.1 over UCX, its side channel on a free port), with the same loads, timings and byte
+checks (no ``--loop``: it times gpuxfer's calls). ``--remote nixl`` runs gpuxfer's connector with every peer on
+the agent's NIXL route (``remote``/``route`` nixl: how it reads from another host).
+
 ``--ids`` sets the connector's ``device_ids``: ``auto`` (its default: a step's several reads of one prefill
 engine with their block IDs on the device, a lone read with host IDs), ``host`` (false) or ``device`` (true:
 on the device wherever it can -- the triton engine, kernel blocks alike on both sides). Each run's ``path``
@@ -62,14 +67,19 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
     total = 1 + a.warm + a.batch * a.batch_steps
     blocks = max(4096, 2 * total * per_req_blocks + 16)
     t0 = time.perf_counter()
-    extra = {"token_major": True, "device_ids": {"host": False, "device": True, "auto": "auto"}[a.ids]}
-    if a.engine != "auto":
+    nixl = a.connector == "nixl"
+    extra = {} if nixl else {"token_major": True, "device_ids": {"host": False, "device": True, "auto": "auto"}[a.ids]}
+    if a.engine != "auto" and not nixl:
         extra["engine"] = a.engine
-    kw = dict(extra=extra, env=env, device=dev, num_blocks=blocks, max_model_len=a.tokens + 64,
-              shm_caches=a.engine == "triton" and dev == "cpu")
+    if a.remote == "nixl":
+        extra.update(remote="nixl", route="nixl")
+    kw = dict(extra=extra, device=dev, num_blocks=blocks, max_model_len=a.tokens + 64,
+              shm_caches=a.engine == "triton" and dev == "cpu", connector=a.connector)
+    envs = [dict(env, VLLM_NIXL_SIDE_CHANNEL_PORT=str(_free_port())) if nixl else env for _ in range(2)]
     auto = a.cpus == "auto"
-    P = Instance(f"bP{run}", model, a.block_size, cpus=(0, 2) if auto else None, **kw)
-    D = Instance(f"bD{run}", model, a.block_size, cpus=(1, 2) if auto else None, profile=a.profile, **kw)
+    P = Instance(f"bP{run}", model, a.block_size, cpus=(0, 2) if auto else None, env=envs[0], **kw)
+    D = Instance(f"bD{run}", model, a.block_size, cpus=(1, 2) if auto else None, profile=a.profile and not nixl,
+                 env=envs[1], **kw)
     yardstick = []
     try:
         P.ready(timeout=600)
@@ -88,8 +98,9 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
             loads.update(out)
         yardstick.append(D.call("cpu"))
         st = D.call("stats", True)["stats"]
-        loop = D.call("read_loop", a.tokens // a.block_size, a.loop, timeout=600) if a.loop else None
-        cold = D.call("read_loop", a.tokens // a.block_size, a.loop, FLUSH_MB, timeout=600) if a.loop else None
+        loops = a.loop if a.connector == "gpuxfer" else 0
+        loop = D.call("read_loop", a.tokens // a.block_size, loops, timeout=600) if loops else None
+        cold = D.call("read_loop", a.tokens // a.block_size, loops, FLUSH_MB, timeout=600) if loops else None
         P.call("idle", 60, timeout=120)
     finally:
         P.close()
@@ -140,6 +151,15 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
     }
 
 
+def _free_port() -> int:
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
 def _loop_row(loop: dict | None) -> dict | None:
     """A ``read_loop``'s p50 and p90 of each call (us) and the yardstick before and after it."""
     if loop is None:
@@ -174,6 +194,12 @@ def main(argv=None) -> int:
                     help="the connector's device_ids: auto (default, the connector's): a step's several reads of "
                          "one engine with their block IDs on the device, a lone read with host IDs; host: every "
                          "read with host IDs (false); device: on the device wherever the engine allows (true)")
+    ap.add_argument("--connector", choices=("gpuxfer", "nixl"), default="gpuxfer",
+                    help="gpuxfer (default): GpuxferConnector; nixl: vLLM's own NixlConnector on the same instances and "
+                         "caches (needs the nixl wheel), the baseline")
+    ap.add_argument("--remote", choices=("none", "nixl"), default="none",
+                    help="gpuxfer's connector: none (default: the IPC route on one host), or nixl: every peer on the "
+                         "agent's NIXL route, as for a prefill on another host")
     ap.add_argument("--cpus", choices=("auto", "none"), default="auto",
                     help="auto (default): each instance's engine thread pinned to the fastest, by a Python yardstick, "
                          "of physical cores of its own, the decode side picked again before each phase; none: the "
@@ -192,6 +218,8 @@ def main(argv=None) -> int:
             ap.error(f"--{k.replace('_', '-')} must be >= 1")
     if a.warm < 1 or a.batch < 0 or a.batch == 1 or a.batch_steps < 1:
         ap.error("--warm must be >= 1, --batch 0 or >= 2 and --batch-steps >= 1")
+    if a.connector == "nixl" and (a.remote != "none" or a.ids != "auto" or a.engine != "auto" or a.profile):
+        ap.error("--remote, --ids, --engine and --profile are options of gpuxfer's connector, not of --connector nixl")
     if os.path.exists(a.out):
         ap.error(f"--out {a.out} exists; name a new file")
     from vllm_instance import write_model
@@ -199,11 +227,13 @@ def main(argv=None) -> int:
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     dev = "cuda" if a.device == "cuda" else "cpu"
     if a.device == "host":
-        env.update(GPUXFER_PLATFORM="host", VLLM_TARGET_DEVICE="cpu")
+        env.update(GPUXFER_PLATFORM="host", VLLM_TARGET_DEVICE="cpu", UCX_NET_DEVICES="lo")
     model = write_model(tempfile.mkdtemp(prefix="gpuxfer-vllm-model-"), num_hidden_layers=a.layers,
                         max_position_embeddings=a.tokens + 64)
     kv_bytes = a.tokens * a.layers * 2 * 2 * 16 * 2
-    print(f"# gpuxfer vllm connector bench: vLLM 0.33 Scheduler, {a.device}, python {platform.python_version()}")
+    name = "vLLM's NixlConnector (baseline)" if a.connector == "nixl" else (
+        "GpuxferConnector" + (" over the agent's NIXL route" if a.remote == "nixl" else ""))
+    print(f"# vllm connector bench: {name}; vLLM 0.33 Scheduler, {a.device}, python {platform.python_version()}")
     print(f"# CPUs: {cpus()}")
     print(f"# request: {a.tokens} tokens x {a.layers} layers, fp16, 2 KV heads x 16, block {a.block_size} "
           f"({kv_bytes / 2**20:.1f} MiB of KV); per run: 1 first + {a.warm} warm + {a.batch_steps} steps of {a.batch}; "

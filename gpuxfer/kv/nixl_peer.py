@@ -42,6 +42,7 @@ class NixlPeer(KVPeer):
     agent added to ours, both sides' descriptor lists prepped once per set of shared groups."""
 
     route = "nixl"
+    engine = "nixl"                     # its transfers are NIXL's (READ / WRITE), whatever the agent's engine
 
     def __init__(self, agent, meta, side: NixlSide, registry, poster):
         """``agent``: the :class:`~gpuxfer.kv.agent.KVAgent` adding it, with its :class:`~gpuxfer.kv.peers.Registry`

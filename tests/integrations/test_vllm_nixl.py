@@ -36,15 +36,19 @@ def _nixl_reason() -> str | None:
     return nixl_reason(HostPlatform)
 
 
-@pytest.fixture(scope="module")
-def inst(tmp_path_factory):
-    """Two prefill instances with 64-token blocks on clocks 5000 s behind (P) and ahead (Q) of the decode
-    instance D (32-token blocks: ratio 2), all with NIXL agents and every peer on the NIXL route."""
+def _need_nixl() -> None:
     why = _nixl_reason()
     if why is not None:
         if config.get("GPUXFER_TEST_REQUIRE_NIXL"):
             pytest.fail(f"GPUXFER_TEST_REQUIRE_NIXL=1 but the NIXL route cannot run: {why}")
         pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def inst(tmp_path_factory):
+    """Two prefill instances with 64-token blocks on clocks 5000 s behind (P) and ahead (Q) of the decode
+    instance D (32-token blocks: ratio 2), all with NIXL agents and every peer on the NIXL route."""
+    _need_nixl()
     model = write_model(str(tmp_path_factory.mktemp("model")))
     out = {}
     try:
@@ -128,3 +132,30 @@ def test_dead_prefill_over_nixl_reports_load_errors(inst):
         assert v.get("load") == "failed" and v.get("finished") == "length", (r, v)
     assert time.monotonic() - t0 < 60
     assert D.call("stats")["free"] == D.info["free"]
+
+
+def test_vllms_own_nixl_connector_runs_in_the_same_harness(tmp_path):
+    """The baseline ``scripts/vllm_connector_bench.py --connector nixl`` measures: vLLM's NixlConnector on the same
+    instances, caches and loads, every byte checked."""
+    import socket
+    _need_nixl()
+    model = write_model(str(tmp_path))
+    env = {k: v for k, v in BASE.items() if not k.startswith("GPUXFER_KV")}
+    out = {}
+    try:
+        for name in ("NP", "ND"):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            s.close()
+            out[name] = Instance(name, model, 64, env=dict(env, VLLM_NIXL_SIDE_CHANNEL_PORT=str(port)),
+                                 num_blocks=512, connector="nixl")
+        for i in out.values():
+            i.info = i.ready(timeout=600)
+        reqs = [(f"v{i}", 100 + 37 * i, 14000 + i) for i in range(4)]
+        assert_loaded(decode(out["ND"], reqs, prefill(out["NP"], reqs)))
+    finally:
+        for i in out.values():
+            i.close()
+    for i in out.values():
+        assert i.proc.exitcode is not None, f"instance {i.name} did not exit"

@@ -41,17 +41,18 @@ class Instance:
     def __init__(self, name: str, model_dir: str, block_size: int, *, hybrid: bool = False,
                  extra: dict | None = None, num_blocks: int = 4096, env: dict | None = None, device: str = "cpu",
                  max_model_len: int = 8192, cpus: tuple[int, int] | None = None, profile: bool = False,
-                 shm_caches: bool = False):
+                 shm_caches: bool = False, connector: str = "gpuxfer"):
         """``cpus``: ``(rank, world)`` to pin the instance's engine thread as a benchmark rank with ``--cpus
         auto`` does (:func:`gpuxfer.bench.cpus.pin_auto`: the fastest of physical cores of its own); None: the
         scheduler places it. ``profile``: time the calls a load makes inside the engine (:func:`_profile`,
         under ``stats["calls_s"]``). ``shm_caches``: on the host emulation, the caches in the platform's shared
-        memory (the triton engine reaches a peer's caches only there)."""
+        memory (the triton engine reaches a peer's caches only there). ``connector``: ``"gpuxfer"``, or ``"nixl"``
+        for vLLM's own NixlConnector on the same caches (a baseline; its side channel on a free port)."""
         self.name = name
         self.conn, child = ctx().Pipe()
         spec = dict(name=name, model_dir=model_dir, block_size=block_size, hybrid=hybrid, extra=extra or {},
                     num_blocks=num_blocks, env=env or {}, device=device, max_model_len=max_model_len, cpus=cpus,
-                    profile=profile, shm_caches=shm_caches)
+                    profile=profile, shm_caches=shm_caches, connector=connector)
         self.proc = ctx().Process(target=serve, args=(child, spec), name=f"vllm-{name}", daemon=True)
         self.proc.start()
         child.close()
@@ -146,9 +147,15 @@ class _Engine:
                          max_model_len=max_len)
         cache = CacheConfig(block_size=bs, cache_dtype="auto", enable_prefix_caching=False)
         cache.kv_cache_layout = "LBHNC"                 # what the CPU attention backend resolves to
-        ktc = KVTransferConfig(kv_connector="GpuxferConnector", kv_connector_module_path="gpuxfer.integrations.vllm",
-                               kv_role="kv_both", engine_id=spec["name"], kv_load_failure_policy="recompute",
-                               kv_connector_extra_config=spec["extra"])
+        self.nixl = spec.get("connector") == "nixl"
+        if self.nixl:
+            ktc = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both", engine_id=spec["name"],
+                                   kv_load_failure_policy="recompute", kv_buffer_device=spec["device"],
+                                   kv_connector_extra_config=spec["extra"])
+        else:
+            ktc = KVTransferConfig(kv_connector="GpuxferConnector", kv_connector_module_path="gpuxfer.integrations.vllm",
+                                   kv_role="kv_both", engine_id=spec["name"], kv_load_failure_policy="recompute",
+                                   kv_connector_extra_config=spec["extra"])
         sc = SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=4096, max_model_len=max_len,
                              is_encoder_decoder=False, disable_hybrid_kv_cache_manager=not spec["hybrid"])
         self.config = VllmConfig(model_config=mc, cache_config=cache, scheduler_config=sc, kv_transfer_config=ktc,
@@ -176,6 +183,8 @@ class _Engine:
         if spec["device"] == "cuda":
             torch.cuda.set_device(0)
         self.caches = self._allocate(KVCacheLayout.LBHNC, spec.get("shm_caches", False))
+        if self.nixl:
+            _single_rank_groups(self.config)
         self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
         self.worker.register_kv_caches(self.caches)
         if spec.get("profile"):
@@ -183,7 +192,11 @@ class _Engine:
         self.sched = Scheduler(vllm_config=self.config, kv_cache_config=self.kv_cache_config, log_stats=True,
                                structured_output_manager=StructuredOutputManager(self.config),
                                block_size=bs)
-        self.sched.connector.set_xfer_handshake_metadata({0: self.worker.get_handshake_metadata()})
+        md = self.worker.get_handshake_metadata()
+        if self.nixl:       # (vLLM's NixlConnector serves its metadata by pipeline and tensor rank)
+            self.sched.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): md})
+        else:
+            self.sched.connector.set_xfer_handshake_metadata({0: md})
         # what EngineCore and the GPU worker do once made: the startup heap frozen, out of the collector's scans
         from vllm.utils.gc_utils import freeze_gc_heap
         freeze_gc_heap()
@@ -292,11 +305,12 @@ class _Engine:
         w.bind_connector_metadata(so.kv_connector_metadata)
         for rid in so.num_scheduled_tokens:             # the "model": this request's KV, whole prompt
             self._access(rid, self.prompt[rid], check=False)
-        loads = getattr(so.kv_connector_metadata, "loads", ())
+        meta = so.kv_connector_metadata
+        loads = [ld.req_id for ld in getattr(meta, "loads", ())] or list(getattr(meta, "reqs_to_recv", ()))
         n_loads = len(loads)
         t0 = time.perf_counter()
-        for ld in loads:
-            self.load_t0.setdefault(ld.req_id, t0)
+        for rid in loads:
+            self.load_t0.setdefault(rid, t0)
         gc0 = self.gc_s
         w.start_load_kv(None)
         t1 = time.perf_counter()
@@ -312,7 +326,7 @@ class _Engine:
             # collector's seconds inside the call
             self.stats.setdefault("start_load_kv_s", []).append(
                 (n_loads, t1 - t0, python_speed_us(rounds=1), gc1 - gc0))
-        if w._worker.decode.pending or res.finished_recving:
+        if self.load_t0 or res.finished_recving:
             self.stats.setdefault("get_finished_s", []).append(t3 - t2)
             self.stats.setdefault("get_finished_gc_s", []).append(self.gc_s - gc2)
         invalid = w.get_block_ids_with_load_errors()
@@ -331,6 +345,7 @@ class _Engine:
                     self.stats[k] = self.stats.get(k, 0) + v
         for rid in res.finished_recving:
             if rid in res.failed_recving:
+                self.load_t0.pop(rid, None)
                 self.results.setdefault(rid, {})["load"] = "failed"
             else:
                 load_s = t3 - self.load_t0.pop(rid, t3)     # start_load_kv -> reported done
@@ -435,9 +450,10 @@ class _Engine:
                     self.sched.connector._scheduler.lease_s = args[0]
                     conn.send(("set_lease", None))
                 elif op == "stats":                   # args: (True,) to start counting anew
-                    agent = self.worker._worker.agent
+                    agent = None if self.nixl else self.worker._worker.agent
+                    routes = {p.route for p in agent.peers.values()} if agent is not None else {"nixl"}
                     conn.send(("stats", {"requests": len(self.sched.requests), "free": self.free_blocks(),
-                                         "stats": self.stats, "routes": {p.route for p in agent.peers.values()}}))
+                                         "stats": self.stats, "routes": routes}))
                     if args and args[0]:
                         self.stats = {}
             if self.sched.has_requests():
@@ -452,6 +468,21 @@ class _Engine:
         if buf is not None:
             self.caches.clear()
             buf.close()
+
+
+def _single_rank_groups(config) -> None:
+    """The one-rank tensor and pipeline parallel groups vLLM's NixlConnector asks for (a gloo world of one)."""
+    import socket as _socket
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.parallel_state import ensure_model_parallel_initialized, init_distributed_environment
+    s = _socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    with set_current_vllm_config(config):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        ensure_model_parallel_initialized(1, 1)
 
 
 def _profile(connector, acc: dict) -> None:
