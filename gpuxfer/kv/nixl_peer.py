@@ -35,6 +35,9 @@ class _Lists:
         self.ratios: dict[str, tuple[int, int]] = {}                  # group -> (local, remote) segments per block
         self.errors: dict[str, Exception] = {}                         # group -> why it cannot pair
         self.full: dict[str, bool] = {}                                 # group -> both sides have the same layers
+        # group -> per plane (local address of block 0, local block stride, remote address, remote stride) where the
+        # plane's one segment per block is the whole block on both sides (consecutive blocks adjoin), else None
+        self.spans: dict[str, list[tuple[int, int, int, int] | None]] = {}
 
 
 class NixlPeer(KVPeer):
@@ -118,14 +121,18 @@ class NixlPeer(KVPeer):
             seg = min(bm, bt)
             rm, rt = bm // seg, bt // seg
             by_name = {lay.name: lay for lay in theirs.layers}
-            planes, rows_l, rows_r = [], [], []
+            planes, spans, rows_l, rows_r = [], [], [], []
             try:
                 for lay in mine.layers:
                     other = by_name.get(lay.name)
                     if other is None:
                         raise LayoutMismatch(f"group {gname!r}: peer {self.name!r} has no layer {lay.name!r}")
-                    for my_off, their_off, seg_bytes in _pair_pieces(gname, lay, other, bm, bt, True):
+                    pairs = _pair_pieces(gname, lay, other, bm, bt, True)
+                    for my_off, their_off, seg_bytes in (_coalesce(pairs) if rm == rt == 1 else pairs):
                         planes.append((lay.index, n_local, n_remote, seg_bytes))
+                        whole = rm == rt == 1 and seg_bytes == lay.block_stride == other.block_stride
+                        spans.append((lay.ptr + my_off, lay.block_stride, other.ptr + their_off, other.block_stride)
+                                     if whole else None)
                         rows_l.append(_segments(lay.ptr + my_off, mine.num_blocks, lay.block_stride, rm, seg_bytes))
                         rows_r.append(_segments(other.ptr + their_off, theirs.num_blocks, other.block_stride, rt,
                                                 seg_bytes))
@@ -136,7 +143,7 @@ class NixlPeer(KVPeer):
                 n_local -= sum(r.size for r in rows_l)
                 n_remote -= sum(r.size for r in rows_r)
                 continue
-            out.planes[gname], out.ratios[gname] = planes, (rm, rt)
+            out.planes[gname], out.ratios[gname], out.spans[gname] = planes, (rm, rt), spans
             out.full[gname] = len(mine.layers) == len(theirs.layers)
             local_rows += [(r, s) for r, s in zip(rows_l, (p[3] for p in planes))]
             remote_rows += [(r, s) for r, s in zip(rows_r, (p[3] for p in planes))]
@@ -193,7 +200,7 @@ class NixlPeer(KVPeer):
         push = op == "push"
         n_seg, lens_s, lens_d, (S, D, *_rest) = self._route_ids(op, groups).check(name, push, local_blocks,
                                                                                    remote_blocks)
-        loc, rem, nbytes = [], [], 0
+        loc, rem, nbytes, parts = [], [], 0, []
         a = b = 0
         for g, n, ls, ld in zip(groups, n_seg, lens_s, lens_d):
             src, dst = S[a:a + ls], D[b:b + ld]
@@ -201,19 +208,22 @@ class NixlPeer(KVPeer):
             mine, theirs = (src, dst) if push else (dst, src)
             rm, rt = lists.ratios[g]
             my_seg, their_seg = _segment_index(mine, rm, n), _segment_index(theirs, rt, n)
-            planes = [p for p in lists.planes[g] if layers is None or layers[0] <= p[0] < layers[1]]
-            if not planes or not n:
+            sel = [i for i, p in enumerate(lists.planes[g]) if layers is None or layers[0] <= p[0] < layers[1]]
+            if not sel or not n:
                 continue
+            planes = [lists.planes[g][i] for i in sel]
             starts = np.array([(p[1], p[2]) for p in planes], dtype=np.int64)
             loc.append((starts[:, :1] + my_seg).ravel())
             rem.append((starts[:, 1:] + their_seg).ravel())
             nbytes += n * sum(p[3] for p in planes)
+            parts.append((my_seg, their_seg, [lists.spans[g][i] for i in sel]))
         if not loc and layers is not None and not any(
                 layers[0] <= p[0] < layers[1] for g in groups for p in lists.planes[g]):
             raise BadInput(f"layer range {layers} selects no layer of the groups shared with peer {self.name!r}")
         local_idx = np.concatenate(loc).astype(np.int32) if loc else np.empty(0, np.int32)
         remote_idx = np.concatenate(rem).astype(np.int32) if rem else np.empty(0, np.int32)
-        return _NixlTransfer(self.poster, self, lists, op, name, local_idx, remote_idx, notify_slot, nbytes)
+        rows = _runs(parts, local_idx.size, self.side.device, self.meta.nixl["device"])
+        return _NixlTransfer(self.poster, self, lists, op, name, local_idx, remote_idx, notify_slot, nbytes, rows)
 
     # -- lifetime
 
@@ -250,6 +260,19 @@ class NixlPeer(KVPeer):
         return f"NixlPeer({self.name!r}, NIXL agent {self.remote!r}, {len(self.meta.groups)} groups)"
 
 
+def _coalesce(pairs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Whole-block pieces ``(my offset, their offset, bytes)`` with each one that starts, on both sides, where the one
+    before it ends folded into it: one NIXL descriptor per block for a layer whose heads lie in a row on both sides
+    (NIXL's cost is per descriptor)."""
+    out: list[tuple[int, int, int]] = []
+    for m, t, n in pairs:
+        if out and out[-1][0] + out[-1][2] == m and out[-1][1] + out[-1][2] == t:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
+        else:
+            out.append((m, t, n))
+    return out
+
+
 def _segments(base: int, blocks: int, stride: int, ratio: int, seg_bytes: int) -> np.ndarray:
     """Addresses of a plane's segments: block-major, ``ratio`` segments per block."""
     return (base + np.arange(blocks, dtype=np.uint64)[:, None] * np.uint64(stride)
@@ -269,6 +292,31 @@ def _dlist(rows: list[tuple[np.ndarray, int]], device: int) -> np.ndarray:
     return out
 
 
+def _runs(parts: list, descriptors: int, local_dev: int, remote_dev: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """A request's blocks as runs: where every plane of it is whole blocks on both sides (:attr:`_Lists.spans`),
+    each run of blocks consecutive on both sides is one descriptor per plane -- NIXL rows ``(address, bytes,
+    device)`` of both sides --, if that at least halves the prepped lists' ``descriptors``; else None.
+    ``parts``: per group ``(local block IDs, remote block IDs, spans of its planes)``."""
+    if not parts or any(sp is None for _, _, spans in parts for sp in spans):
+        return None
+    cuts = []
+    for mine, theirs, spans in parts:
+        brk = np.flatnonzero((np.diff(mine) != 1) | (np.diff(theirs) != 1)) + 1
+        first = np.concatenate(([0], brk))
+        cuts.append((first, np.diff(np.append(first, mine.size)), len(spans)))
+    if 2 * sum(f.size * k for f, _, k in cuts) > descriptors:
+        return None
+    loc, rem = [], []
+    for (mine, theirs, spans), (first, count, _) in zip(parts, cuts):
+        m0, t0 = mine[first].astype(np.uint64), theirs[first].astype(np.uint64)
+        for lb, ls, rb, rs in spans:
+            loc.append(np.stack([np.uint64(lb) + m0 * np.uint64(ls), count.astype(np.uint64) * np.uint64(ls),
+                                 np.full(first.size, local_dev, np.uint64)], axis=1))
+            rem.append(np.stack([np.uint64(rb) + t0 * np.uint64(rs), count.astype(np.uint64) * np.uint64(rs),
+                                 np.full(first.size, remote_dev, np.uint64)], axis=1))
+    return np.concatenate(loc), np.concatenate(rem)
+
+
 def _segment_index(blocks: np.ndarray, ratio: int, n: int) -> np.ndarray:
     """Per segment of a request (``n`` of them): its index in a plane's list of this side (``ratio`` segments
     per block of ``blocks``)."""
@@ -282,16 +330,20 @@ def _segment_index(blocks: np.ndarray, ratio: int, n: int) -> np.ndarray:
 
 
 class _NixlTransfer(KVTransfer):
-    """A prepared request on the NIXL route: both lists' indices; each post is one prepped NIXL transfer."""
+    """A prepared request on the NIXL route: both lists' indices, or (:func:`_runs`) its runs of consecutive blocks
+    as descriptors of their own; each post is one NIXL transfer, prepped or made from the runs."""
 
     def __init__(self, poster, peer: NixlPeer, lists: _Lists, op: str, name: str, local_idx: np.ndarray,
-                 remote_idx: np.ndarray, notify_slot: int | None, nbytes: int):   # noqa: D107
+                 remote_idx: np.ndarray, notify_slot: int | None, nbytes: int,
+                 rows: tuple[np.ndarray, np.ndarray] | None = None):   # noqa: D107
         self.poster, self.agent = poster, poster.agent
         self.peer, self.lists, self.op, self.name = peer, lists, op, name
         self.route = None
         self.local_idx, self.remote_idx = local_idx, remote_idx
+        self.rows = rows                # runs of blocks as descriptors of their own (:func:`_runs`), or None
         self.notify_slot = notify_slot
-        self.descriptors, self.nbytes = int(local_idx.size), int(nbytes)
+        self.descriptors = int(local_idx.size if rows is None else len(rows[0]))
+        self.nbytes = int(nbytes)
         self.n_seg = None
 
     def describe(self) -> str:
@@ -328,8 +380,11 @@ class _NixlTransfer(KVTransfer):
                 if notif:
                     side.nixl.notify(peer.remote, notif)
             else:
-                xfer = side.nixl.make_prepped(op, self.lists.local_h, self.local_idx, self.lists.remote_h,
-                                              self.remote_idx, notif)
+                if self.rows is not None:
+                    xfer = side.nixl.oneshot(op, self.rows[0], self.rows[1], peer.remote, notif)
+                else:
+                    xfer = side.nixl.make_prepped(op, self.lists.local_h, self.local_idx, self.lists.remote_h,
+                                                  self.remote_idx, notif)
                 try:
                     state = side.nixl.post(xfer, self.describe())
                 except BaseException:

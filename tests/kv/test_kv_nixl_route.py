@@ -541,3 +541,48 @@ def test_a_peer_on_another_host_takes_the_nixl_route_by_itself(need_nixl, host):
             a.close()
         for b in bufs:
             b.close()
+
+
+@pytest.mark.parametrize("pieces,per_block,src,dst,descriptors", [
+    ([(0, 64), (64, 64)], 1, [5, 6, 9], [1, 2, 3], 2 * 3),                  # whole blocks, runs too short to merge
+    ([(0, 64), (72, 56)], 2, [5, 6, 9], [1, 2, 3], 2 * 3 * 2),              # pieces apart: one descriptor each
+    ([(0, 64), (64, 64)], 1, [4, 5, 6, 7, 8, 9], [0, 1, 2, 3, 10, 11], 2 * 2),  # two runs of whole blocks
+    ([(0, 64), (72, 56)], 2, [4, 5, 6, 7, 8, 9], [0, 1, 2, 3, 10, 11], 2 * 6 * 2),  # runs of pieces apart: no
+])
+def test_nixl_descriptors_cover_pieces_in_a_row_and_runs_of_blocks(need_nixl, pieces, per_block, src, dst,
+                                                                    descriptors):
+    """Equal block sizes: a block's pieces that lie in a row on both sides (a layer's heads, head-major) are one
+    NIXL descriptor, pieces apart stay one each; where the pieces make whole blocks, a request's runs of blocks
+    consecutive on both sides are one descriptor per layer when that at least halves the count. The bytes land
+    in every case, and the gap between pieces stays."""
+    from gpuxfer.kv.layers import KVLayerSpec
+    from gpuxfer.platforms import get_platform
+    plat = get_platform("host")
+    rng = np.random.default_rng(7)
+    bufs, agents, flats = [], [], []
+    try:
+        for r in range(2):
+            bufs.append(plat.alloc(1 << 13, r))
+            flat = plat.as_tensor(bufs[-1])
+            flat.copy_(torch.from_numpy(rng.integers(0, 256, flat.numel(), dtype=np.uint8)))
+            flats.append(flat)
+            agents.append(KVAgent(f"coalesce{r}", platform=plat, device=r, remote="nixl"))
+            agents[-1].register_group("heads", 4, {f"model.layers.{i}.attn": KVLayerSpec(
+                flat[i * 2048:(i + 1) * 2048], 16, 128, pieces) for i in range(2)})
+        before = [f.clone() for f in flats]
+        peer = agents[1].add_peer(agents[0].metadata(), route="nixl")
+        x = agents[1].prepare(peer, "pull", local_blocks={"heads": dst}, remote_blocks={"heads": src})
+        assert x.descriptors == descriptors
+        x.post().wait(60)
+        want = before[1].clone()
+        for i in range(2):
+            for s, d in zip(src, dst):
+                for off, n in pieces:
+                    a, b = i * 2048 + d * 128 + off, i * 2048 + s * 128 + off
+                    want[a:a + n] = before[0][b:b + n]
+        assert torch.equal(flats[1], want) and torch.equal(flats[0], before[0])
+    finally:
+        for a in agents:
+            a.close()
+        for b in bufs:
+            b.close()
