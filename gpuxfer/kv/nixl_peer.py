@@ -294,27 +294,33 @@ def _dlist(rows: list[tuple[np.ndarray, int]], device: int) -> np.ndarray:
 
 def _runs(parts: list, descriptors: int, local_dev: int, remote_dev: int) -> tuple[np.ndarray, np.ndarray] | None:
     """A request's blocks as runs: where every plane of it is whole blocks on both sides (:attr:`_Lists.spans`),
-    each run of blocks consecutive on both sides is one descriptor per plane -- NIXL rows ``(address, bytes,
-    device)`` of both sides --, if that at least halves the prepped lists' ``descriptors``; else None.
-    ``parts``: per group ``(local block IDs, remote block IDs, spans of its planes)``."""
+    its block pairs taken in the order of the local IDs (a request's pairs are a set: no destination twice), each
+    run of pairs consecutive on both sides is one descriptor per plane -- NIXL rows ``(address, bytes, device)`` of
+    both sides --, if that at least halves the prepped lists' ``descriptors``; else None. ``parts``: per group
+    ``(local block IDs, remote block IDs, spans of its planes)``."""
     if not parts or any(sp is None for _, _, spans in parts for sp in spans):
         return None
-    cuts = []
+    cuts, total = [], 0
     for mine, theirs, spans in parts:
-        brk = np.flatnonzero((np.diff(mine) != 1) | (np.diff(theirs) != 1)) + 1
-        first = np.concatenate(([0], brk))
-        cuts.append((first, np.diff(np.append(first, mine.size)), len(spans)))
-    if 2 * sum(f.size * k for f, _, k in cuts) > descriptors:
+        if mine.size > 1 and not (mine[1:] > mine[:-1]).all():
+            order = np.argsort(mine, kind="stable")
+            mine, theirs = mine[order], theirs[order]
+        first = np.flatnonzero(np.concatenate(([True], (np.diff(mine) != 1) | (np.diff(theirs) != 1))))
+        cuts.append((mine[first], theirs[first], np.diff(np.append(first, mine.size)), spans))
+        total += first.size * len(spans)
+    if 2 * total > descriptors:
         return None
-    loc, rem = [], []
-    for (mine, theirs, spans), (first, count, _) in zip(parts, cuts):
-        m0, t0 = mine[first].astype(np.uint64), theirs[first].astype(np.uint64)
-        for lb, ls, rb, rs in spans:
-            loc.append(np.stack([np.uint64(lb) + m0 * np.uint64(ls), count.astype(np.uint64) * np.uint64(ls),
-                                 np.full(first.size, local_dev, np.uint64)], axis=1))
-            rem.append(np.stack([np.uint64(rb) + t0 * np.uint64(rs), count.astype(np.uint64) * np.uint64(rs),
-                                 np.full(first.size, remote_dev, np.uint64)], axis=1))
-    return np.concatenate(loc), np.concatenate(rem)
+    loc, rem = np.empty((total, 3), np.uint64), np.empty((total, 3), np.uint64)
+    at = 0
+    for m0, t0, count, spans in cuts:
+        sp = np.array(spans, dtype=np.uint64)                 # (planes, 4): local base, stride, remote base, stride
+        k = sp.shape[0] * m0.size
+        for rows, base, stride, start in ((loc, sp[:, 0:1], sp[:, 1:2], m0), (rem, sp[:, 2:3], sp[:, 3:4], t0)):
+            rows[at:at + k, 0] = (base + start.astype(np.uint64)[None, :] * stride).ravel()
+            rows[at:at + k, 1] = (count.astype(np.uint64)[None, :] * stride).ravel()
+        at += k
+    loc[:, 2], rem[:, 2] = local_dev, remote_dev
+    return loc, rem
 
 
 def _segment_index(blocks: np.ndarray, ratio: int, n: int) -> np.ndarray:

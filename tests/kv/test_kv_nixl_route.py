@@ -548,6 +548,8 @@ def test_a_peer_on_another_host_takes_the_nixl_route_by_itself(need_nixl, host):
     ([(0, 64), (72, 56)], 2, [5, 6, 9], [1, 2, 3], 2 * 3 * 2),              # pieces apart: one descriptor each
     ([(0, 64), (64, 64)], 1, [4, 5, 6, 7, 8, 9], [0, 1, 2, 3, 10, 11], 2 * 2),  # two runs of whole blocks
     ([(0, 64), (72, 56)], 2, [4, 5, 6, 7, 8, 9], [0, 1, 2, 3, 10, 11], 2 * 6 * 2),  # runs of pieces apart: no
+    ([(0, 64), (64, 64)], 1, [9, 8, 7, 6], [3, 2, 1, 0], 2 * 1),            # both sides descending: one run
+    ([(0, 64), (64, 64)], 1, [6, 7, 8, 9], [3, 2, 1, 0], 2 * 4),            # opposite orders: no run
 ])
 def test_nixl_descriptors_cover_pieces_in_a_row_and_runs_of_blocks(need_nixl, pieces, per_block, src, dst,
                                                                     descriptors):
