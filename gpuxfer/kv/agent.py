@@ -5,7 +5,7 @@ Shaped like NIXL's agent, Mooncake's TransferEngine and vLLM's ``register_kv_cac
     agent = KVAgent("decode-0", device=0)                       # one per process (and device)
     agent.register_group("full", block_tokens=16, layers=kv_caches)   # {layer name: torch tensor}
     blob = agent.metadata()                                     # bytes: send them over any channel
-    peer = agent.add_peer(blob_from_prefill)                    # opens the peer's caches over IPC
+    peer = agent.add_peer(blob_from_prefill)                    # opens the peer's caches (IPC on one host)
     xfer = agent.prepare(peer, "pull", local_blocks={"full": decode_ids},
                          remote_blocks={"full": prefill_ids})   # per-request setup: checks the IDs
     handle = xfer.post()                                        # a few launches, one small upload

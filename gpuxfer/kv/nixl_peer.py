@@ -460,21 +460,6 @@ class _NixlHandle:
     def done(self) -> bool:
         return self._poll()
 
-    def cancel(self) -> bool:
-        """Give up on the transfer: release its NIXL handle now, done or not (NIXL cancels one in progress).
-        True once released (or already finished); False when NIXL refused, so the transfer may still move bytes
-        (ask again later)."""
-        if self._finished:
-            return True
-        side = self.transfer.peer.side
-        with side.lock:
-            errors = [] if side.nixl.closed else side.nixl.release_quietly([self._xfer])
-        if errors:
-            log.warning("request %s: cancelling its NIXL transfer: %s", self.name, "; ".join(errors))
-            return False
-        self._finished, self._xfer, self._state = True, None, "CANCELLED"
-        return True
-
     def _settle(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         delay = 1e-5

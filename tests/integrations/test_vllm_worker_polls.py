@@ -4,7 +4,7 @@ complete past its lease; the prefill's holds end on the decode side's word or at
 scan; a handle that raises fails its loads alone (a read of several refused by the device check goes again with
 host IDs); a gone engine is forgotten once no load names it; the one-group ID check's shortcut for rising
 block IDs (a fresh allocator's) against the reference; and a prefill on another host: its reads (the NIXL
-route) reported in any order, a stuck one cancelled before its load fails, its lease deadlines read through
+route) reported in any order, a late one never given up before NIXL ends it, its lease deadlines read through
 the clock bound its handshake carries."""
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from gpuxfer.errors import BlockIdError
+from gpuxfer.integrations.vllm.lease import now
 from gpuxfer.integrations.vllm.params import RemotePrefill
 from gpuxfer.integrations.vllm.loads import Load, _LoadState, _Remote
 from gpuxfer.integrations.vllm.worker import Settings, WorkerSide
@@ -82,7 +83,7 @@ def _in_flight(w: WorkerSide, n: int, deadline: float):
 
 def test_a_poll_asks_only_the_oldest_read_in_flight():
     w = _worker()
-    r, sts = _in_flight(w, 64, time.monotonic() + 60)
+    r, sts = _in_flight(w, 64, now() + 60)
     for _ in range(3):
         assert w.poll() == (set(), set(), set())
     assert sts[0].handle.asked == 3 and not any(st.handle.asked for st in sts[1:])
@@ -102,7 +103,7 @@ def test_a_poll_asks_only_the_oldest_read_in_flight():
 
 def test_a_read_seen_complete_after_its_lease_fails():
     w = _worker()
-    r, sts = _in_flight(w, 2, time.monotonic() - 1)
+    r, sts = _in_flight(w, 2, now() - 1)
     sts[0].handle.finished = True
     assert w.poll() == (set(), {"d0"}, {"d0"})
     assert r.client.sent == [("release", ["p0"])]
@@ -113,17 +114,17 @@ def test_a_read_seen_complete_after_its_lease_fails():
 def test_holds_end_on_the_decode_sides_word_or_at_their_lease():
     w = _worker()
     w.server = srv = _Server()
-    now = time.monotonic()
+    t = now()
     srv.events.put(("done", "early"))           # read before its hold reached this worker
     assert w.poll()[0] == set()
-    w.hold({"early": now + 60, "late": now + 60, "short": now - 1, "again": now - 1})
-    w.hold({"again": now + 60})                 # held again: the first deadline no longer ends it
+    w.hold({"early": t + 60, "late": t + 60, "short": t - 1, "again": t - 1})
+    w.hold({"again": t + 60})                 # held again: the first deadline no longer ends it
     assert w.poll()[0] == {"early", "short"}
     assert w.poll()[0] == set()
     srv.events.put(("release", "late"))
     srv.events.put(("done", "unknown"))
     assert w.poll()[0] == {"late"}
-    assert w.prefill.held == {"again": now + 60} and "unknown" in w.prefill.released
+    assert w.prefill.held == {"again": t + 60} and "unknown" in w.prefill.released
     st = w.take_stats()
     assert st["sends_done"] == 2 and st["leases_expired"] == 1
 
@@ -166,7 +167,7 @@ def test_a_read_whose_handle_raises_fails_its_loads_alone():
     the next."""
     from gpuxfer.errors import GpuxferError
     w = _worker()
-    r, sts = _in_flight(w, 3, time.monotonic() + 60)
+    r, sts = _in_flight(w, 3, now() + 60)
     sts[0].handle = _Handle(GpuxferError("the copy failed"))
     sts[1].handle = _Handle(BlockIdError("request 'd1': a destination block named twice"))
     for st in sts:
@@ -181,7 +182,7 @@ def test_a_read_of_several_refused_on_the_device_goes_again_with_host_ids():
     """The loads of a read that failed the device check are not failed: each is posted again alone, with host IDs
     (the host check then names the one at fault)."""
     w = _worker()
-    r, sts = _in_flight(w, 3, time.monotonic() + 60)
+    r, sts = _in_flight(w, 3, now() + 60)
     shared = _Handle(BlockIdError("request 'd0 and 1 more': checked on the device"))
     for st in sts[:2]:
         st.handle, st.together, st.device_ids = shared, 2, True
@@ -197,7 +198,7 @@ def test_a_gone_engine_is_forgotten_once_no_load_names_it():
     """The reap counts an engine's loads (no scan of the loads in flight): a gone engine with a load not reported
     stays; once that load is reported, it goes."""
     w = _worker()
-    r, sts = _in_flight(w, 2, time.monotonic() + 60)
+    r, sts = _in_flight(w, 2, now() + 60)
     r.client.alive = False
     sts[0].handle.finished = True
     w.poll()
@@ -216,7 +217,7 @@ def test_the_engine_thread_serves_the_side_channel_only_while_it_holds_requests(
     for _ in range(3):
         w.poll()
     assert srv.pumps == 0 and w.prefill.released.keys() == {"early"}
-    w.hold({"held": time.monotonic() + 60})
+    w.hold({"held": now() + 60})
     w.poll()
     w.poll()
     assert srv.pumps == 2
@@ -224,18 +225,6 @@ def test_the_engine_thread_serves_the_side_channel_only_while_it_holds_requests(
     assert w.poll()[0] == {"held"}
     w.poll()
     assert srv.pumps == 3
-
-
-class _NixlHandle(_Handle):
-    """A NIXL-route read: ``cancel()`` releases it unless ``refuse``."""
-
-    def __init__(self, refuse: bool = False):
-        super().__init__()
-        self.refuse, self.cancelled = refuse, 0
-
-    def cancel(self) -> bool:
-        self.cancelled += 1
-        return not self.refuse
 
 
 def _on_nixl(w: WorkerSide, n: int, clock, deadline: float, timeout_s: float = 60.0):
@@ -248,7 +237,7 @@ def _on_nixl(w: WorkerSide, n: int, clock, deadline: float, timeout_s: float = 6
     for i in range(n):
         rp = RemotePrefill("q", "127.0.0.1", 2, f"q{i}", (np.arange(1, 3),), (16,), deadline)
         st = _LoadState(Load(f"n{i}", rp, (np.arange(10 + 2 * i, 12 + 2 * i),), 0, 31), 0.0, remote=r,
-                        handle=_NixlHandle(), t_post=time.perf_counter())
+                        handle=_Handle(), t_post=time.perf_counter())
         w.decode.pending[st.load.req_id] = st
         w.decode.unordered.append(st)
         r.inflight += 1
@@ -257,32 +246,39 @@ def _on_nixl(w: WorkerSide, n: int, clock, deadline: float, timeout_s: float = 6
     return r, sts
 
 
-def test_nixl_reads_end_in_any_order_and_a_stuck_one_is_cancelled_first():
+def test_nixl_reads_end_in_any_order_and_a_late_one_is_never_given_up(caplog):
+    """A NIXL read cannot be recalled: one past the agent's timeout is logged once and stays in flight until NIXL
+    ends it; then it is reported (done, or failed when NIXL says so)."""
+    from gpuxfer.errors import GpuxferError
     from gpuxfer.integrations.vllm.lease import SAME_HOST
     w = _worker()
-    r, sts = _on_nixl(w, 4, SAME_HOST, time.monotonic() + 60, timeout_s=0.2)
+    r, sts = _on_nixl(w, 4, SAME_HOST, now() + 60, timeout_s=0.2)
     sts[2].handle.finished = True               # the third ends first: reported at once
     assert w.poll() == (set(), {"n2"}, set())
     assert [st.load.req_id for st in w.decode.unordered] == ["n0", "n1", "n3"]
     sts[0].handle.finished = sts[3].handle.finished = True
-    sts[1].handle.refuse = True
     time.sleep(0.25)                            # n1 is past the agent's timeout
-    assert w.poll() == (set(), {"n0", "n3"}, set())
-    assert sts[1].handle.cancelled == 1 and w.decode.unordered == [sts[1]]     # NIXL would not release it: kept
-    sts[1].handle.refuse = False
-    assert w.poll() == (set(), {"n1"}, {"n1"})  # released, then failed
-    assert sts[1].handle.cancelled == 2 and not w.decode.unordered and r.inflight == 0
+    with caplog.at_level("WARNING", logger="gpuxfer.vllm"):
+        assert w.poll() == (set(), {"n0", "n3"}, set())
+        assert w.poll() == (set(), set(), set())
+    assert w.decode.unordered == [sts[1]] and r.inflight == 1
+    assert sum("still running" in m for m in caplog.messages) == 1        # logged once
+    sts[1].handle.finished, sts[1].handle.error = True, GpuxferError("NIXL: ERR")
+    assert w.poll() == (set(), {"n1"}, {"n1"})  # failed once NIXL said so
+    assert not w.decode.unordered and r.inflight == 0
     assert w.take_load_errors() == {12, 13}
 
 
 def test_a_lease_on_another_hosts_clock_is_read_through_the_handshake_bound():
     """The prefill's clock runs 5000 s ahead of this one: its deadlines compared as they are would never run out.
     Through :class:`PeerClock` a read seen complete before the deadline loads and one after it fails."""
-    from gpuxfer.integrations.vllm.lease import RATE_BOUND, PeerClock, now
+    import math
+    from gpuxfer.integrations.vllm.lease import MARGIN, RATE_BOUND, PeerClock
     t = now()
     clock = PeerClock(sent=t - 0.01, peer=t + 5000.0, same=False)       # answered 10 ms after the hello left
-    assert clock.deadline(t + 5060.0) == pytest.approx(t - 0.01 + 60.0 - RATE_BOUND * 60.0)
+    assert clock.deadline(t + 5060.0) == pytest.approx(t - 0.01 + 60.0 - RATE_BOUND * 60.0 - MARGIN)
     assert PeerClock().deadline(123.0) == 123.0
+    assert math.isnan(PeerClock(sent=t, peer=-1.7e308, same=False).deadline(1.7e308))   # counts as run out
     w = _worker()
     _, live = _on_nixl(w, 1, clock, t + 5060.0)           # 60 s left on the prefill's clock
     live[0].handle.finished = True
@@ -290,6 +286,10 @@ def test_a_lease_on_another_hosts_clock_is_read_through_the_handshake_bound():
     w = _worker()
     _, late = _on_nixl(w, 1, clock, t + 4999.0)           # ran out a second ago there
     late[0].handle.finished = True
+    assert w.poll() == (set(), {"n0"}, {"n0"})
+    w = _worker()
+    _, forged = _on_nixl(w, 1, PeerClock(sent=t, peer=-1.7e308, same=False), 1.7e308)   # a forged clock frame
+    forged[0].handle.finished = True
     assert w.poll() == (set(), {"n0"}, {"n0"})
 
 

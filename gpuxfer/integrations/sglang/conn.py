@@ -271,9 +271,8 @@ class GpuxferKVManager(CommonKVManager):
                 self._peers[session] = self.agent.add_peer(meta)
                 self._notify_slots[session] = slot
             self._rejected.pop(session, None)
-            peer = self._peers[session]
-            log.info("gpuxfer: decode rank %s added (%s route%s)", session, peer.route,
-                     f", {peer.engine} engine" if peer.route == "ipc" else "")
+            log.info("gpuxfer: decode rank %s added (%s route, %s engine)", session,
+                     self._peers[session].route, self._peers[session].engine)
         except GpuxferError as exc:
             self._rejected[session] = f"{type(exc).__name__}: {exc}"
             log.error("gpuxfer: refusing decode rank %s: %s", session, self._rejected[session])

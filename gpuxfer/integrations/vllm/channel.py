@@ -306,7 +306,8 @@ class SideChannelClient:
                     clock = self._got[2]
                     peer = _CLOCK.unpack(clock)[0] if len(clock) == _CLOCK.size else math.nan
                     if not math.isfinite(peer):
-                        raise ChannelClosed(f"a handshake whose clock frame is not a finite double ({len(clock)} bytes)")
+                        raise ChannelClosed("a handshake whose clock frame is not a finite double "
+                                            f"({len(clock)} bytes)")
                     self.peer_clock = lease.PeerClock(sent=self._sent, peer=peer, same=False)
         except ChannelClosed as exc:
             self._fail(str(exc))

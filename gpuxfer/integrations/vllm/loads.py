@@ -9,8 +9,9 @@ before that deadline, read on this instance's clock (:meth:`.lease.PeerClock.dea
 the IPC route; bounded by the handshake for a prefill on another host, the NIXL route), and otherwise its
 blocks are reported as load errors (vLLM recomputes them). A posted read is never abandoned: a failure is
 reported once nothing the read queued can still write the blocks. Reads on the IPC route complete in the order
-they were posted (one stream); those on the NIXL route in any order, each bounded by the agent's timeout (a
-read past it is cancelled, ``cancel()`` of its handle, before its load fails).
+they were posted (one stream); those on the NIXL route in any order. A NIXL read cannot be recalled once issued
+(UCX goes on with a read it was asked to cancel), so one is never reported failed before NIXL reports it done
+or failed: past the agent's timeout it is logged, and UCX's own failure detection bounds it.
 """
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ class _LoadState:
     together: int = 1                       # loads in the read this one was posted in
     device_ids: bool = False                # posted with its block IDs on the device
     host_ids: bool = False                  # post with host IDs (a read of several failed the device check)
+    late: bool = False                      # a NIXL read logged as running past the agent's timeout
 
 
 @dataclass
@@ -179,7 +181,10 @@ class DecodeLoads:
         try:
             with self._lock:
                 name = f"vllm-{r.key[2]}"
-                if name in self.agent.peers:                   # the same engine again, after it restarted
+                old = self.agent.peers.get(name)
+                if old is not None:                            # the same engine again, after it restarted
+                    if any(x.peer is old and x.inflight for x in self.remotes.values()):
+                        return      # its reads in flight end first (the handshake stays pending until then)
                     self.agent.remove_peer(name)
                 r.peer = self.agent.add_peer(r.meta, route=self.settings.route)
                 r.ordered = r.peer.route == "ipc"
@@ -299,7 +304,7 @@ class DecodeLoads:
         rp = load.remote
         if r.client is None or not r.client.alive:
             raise BadTransferParams(f"prefill engine {r.key[2]} is gone: {r.client and r.client.closed_reason}")
-        if lease.now() >= r.clock.deadline(rp.lease_deadline):
+        if not lease.now() < r.clock.deadline(rp.lease_deadline):      # (a NaN deadline has run out)
             raise BadTransferParams("the prefill instance's lease on the blocks ran out before the read started")
         local, remote, nbytes = {}, {}, 0
         for g, (kind, ls, _) in enumerate(self.group_specs):
@@ -438,30 +443,34 @@ class DecodeLoads:
         return done, failed
 
     def _finish_unordered(self, done: set, failed: set, read: dict) -> None:
-        """The NIXL route's reads: each asked, in any order. One not complete within the agent's timeout is
-        cancelled (NIXL releases it) and its load fails; one NIXL will not release yet is asked again next poll."""
-        keep, limit, t = [], self.agent.timeout_s, time.perf_counter()
+        """The NIXL route's reads: each asked, in any order, and reported once NIXL says it completed or failed.
+        One still running past the agent's timeout is logged once and asked again at later polls (it cannot be
+        recalled: its load is reported when NIXL has its verdict)."""
+        ended, limit, t = [], self.agent.timeout_s, time.perf_counter()
         for st in self.unordered:
             try:
                 if not st.handle.done():
-                    if t - st.t_post <= limit:
-                        keep.append(st)
-                        continue
-                    if not st.handle.cancel():
-                        keep.append(st)
-                        continue
-                    st.error = f"the read did not complete within {limit:g} s (cancelled)"
+                    if t - st.t_post > limit and not st.late:
+                        st.late = True
+                        log.warning("gpuxfer: engine %s: the read of request %s from engine %s is still running "
+                                    "after %.0f s; its load is reported when NIXL ends it", self.engine_id,
+                                    st.load.req_id, st.load.remote.engine_id, t - st.t_post)
+                    continue
             except GpuxferError as exc:
                 st.error = f"{type(exc).__name__}: {exc}"
-            st.remote.inflight -= 1
-            self._complete(st, done, failed, read)
-        self.unordered = keep
+            ended.append(st)
+        if ended:
+            gone = set(map(id, ended))
+            self.unordered = [st for st in self.unordered if id(st) not in gone]
+            for st in ended:
+                st.remote.inflight -= 1
+                self._complete(st, done, failed, read)
 
     def _complete(self, st: _LoadState, done: set, failed: set, read: dict) -> None:
         """Report a load whose read completed (or that had nothing to move, or failed)."""
         req = st.load.req_id
         r = st.remote
-        if st.error is None and lease.now() >= (r.clock if r is not None else lease.SAME_HOST).deadline(
+        if st.error is None and not lease.now() < (r.clock if r is not None else lease.SAME_HOST).deadline(
                 st.load.remote.lease_deadline):
             st.error = "the read completed after the prefill instance's lease ran out"
         if self.pending.get(req) is st:

@@ -95,7 +95,7 @@ class _AgentEngine(Engine):
             for name, block_tokens, layers in layout_groups(mine, self.platform.as_tensor(side.pool)):
                 agent.register_group(name, block_tokens, layers)
             blobs = side.exchange(agent.metadata())
-            self.peer = agent.add_peer(blobs[side.peer_rank])
+            self.peer = agent.add_peer(blobs[side.peer_rank], route="ipc")      # (the IPC engines are measured)
         except BaseException:
             agent.close()
             raise
