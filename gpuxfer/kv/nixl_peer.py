@@ -375,7 +375,7 @@ class _NixlTransfer(KVTransfer):
             return self._post_locked()
 
     def _post_locked(self) -> "_NixlHandle":
-        agent, peer = self.agent, self.peer
+        peer = self.peer
         side, slot = peer.side, self.notify_slot
         op = "READ" if self.op == "pull" else "WRITE"
         with side.lock:                     # the notification's value is taken and spent under the lock

@@ -204,22 +204,27 @@ def test_mla_pool_then_killed_prefill_fails_the_decode_within_its_timeout():
         pages = _Pages(5)
         landed = [pages.take(room, n) for room, n in ((3100, 1), (3101, 7), (3102, 33), (3103, 301))]
         _land_through_queue(p, d, landed, 1, random.Random(3))
-        plan = [pages.take(room, 3) for room in range(3000, 3008)]
-        rooms = [r for r, _ in plan]
-        assert set(p.call("queue_add", [(r, src, 3, 1) for r, src in plan]).values()) == {"Bootstrapping"}
-        _decode_requests(d, plan, {r: 3 for r in rooms})
-        assert p.call("await_status", rooms, "WaitingForInput", 60, timeout=120) == []
-        p.proc.kill()                       # before its queue popped them: no chunk sent
-        p.proc.join(30)
-        assert p.proc.exitcode == -9, p.proc.exitcode
-        decode = d.call("finish", rooms, WAITING_TIMEOUT_S + 10, timeout=WAITING_TIMEOUT_S + 60)
-        assert {s for s, _, _ in decode.values()} == {"Failed"}, decode
-        assert max(t for _, t, _ in decode.values()) < WAITING_TIMEOUT_S, decode
-        assert all("Lost connection with prefill" in r for _, _, r in decode.values()), decode
-        assert d.call("check", [], 1)["others_changed"] == 0
+        _kill_prefill_under_waiting_rooms(p, d, [pages.take(room, 3) for room in range(3000, 3008)])
     finally:
         codes = _close(p, d)
     assert codes == [-9, 0], codes
+
+
+def _kill_prefill_under_waiting_rooms(p, d, plan) -> None:
+    """Queue ``plan``'s 3-page rooms on both sides, kill the prefill before its queue pops them (no chunk sent):
+    every room fails on the decode within SGLang's waiting timeout, for the lost prefill, nothing written."""
+    rooms = [r for r, _ in plan]
+    assert set(p.call("queue_add", [(r, src, 3, 1) for r, src in plan]).values()) == {"Bootstrapping"}
+    _decode_requests(d, plan, {r: 3 for r in rooms})
+    assert p.call("await_status", rooms, "WaitingForInput", 60, timeout=120) == []
+    p.proc.kill()
+    p.proc.join(30)
+    assert p.proc.exitcode == -9, p.proc.exitcode
+    decode = d.call("finish", rooms, WAITING_TIMEOUT_S + 10, timeout=WAITING_TIMEOUT_S + 60)
+    assert {s for s, _, _ in decode.values()} == {"Failed"}, decode
+    assert max(t for _, t, _ in decode.values()) < WAITING_TIMEOUT_S, decode
+    assert all("Lost connection with prefill" in r for _, _, r in decode.values()), decode
+    assert d.call("check", [], 1)["others_changed"] == 0
 
 
 def test_killed_decode_fails_the_prefill_within_its_timeout():

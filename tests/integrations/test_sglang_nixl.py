@@ -22,7 +22,8 @@ require("sglang", "GPUXFER_REQUIRE_SGLANG", "sglang==0.5.23")
 
 from sglang_instance import Rank  # noqa: E402
 from test_sglang_backend import (ENV, PAGES, WAITING_TIMEOUT_S, _close, _decode_requests,  # noqa: E402
-                                 _free_port, _land_through_queue, _landed, _Pages, _send_directly)
+                                 _free_port, _kill_prefill_under_waiting_rooms, _land_through_queue, _landed,
+                                 _Pages, _send_directly)
 
 NIXL_ENV = {**ENV, "GPUXFER_KV_REMOTE": "nixl", "GPUXFER_KV_ROUTE": "nixl", "UCX_NET_DEVICES": "lo"}
 
@@ -121,19 +122,7 @@ def test_mla_pool_over_nixl_then_killed_prefill_fails_the_decode_within_its_time
         _land_through_queue(p, d, [pages.take(room, n) for room, n in ((7300, 1), (7301, 7), (7302, 33), (7303, 301))],
                             1, random.Random(12))
         _took_nixl(p, d)
-        plan = [pages.take(room, 3) for room in range(7310, 7318)]
-        rooms = [r for r, _ in plan]
-        assert set(p.call("queue_add", [(r, src, 3, 1) for r, src in plan]).values()) == {"Bootstrapping"}
-        _decode_requests(d, plan, {r: 3 for r in rooms})
-        assert p.call("await_status", rooms, "WaitingForInput", 60, timeout=120) == []
-        p.proc.kill()
-        p.proc.join(30)
-        assert p.proc.exitcode == -9, p.proc.exitcode
-        decode = d.call("finish", rooms, WAITING_TIMEOUT_S + 10, timeout=WAITING_TIMEOUT_S + 60)
-        assert {s for s, _, _ in decode.values()} == {"Failed"}, decode
-        assert max(t for _, t, _ in decode.values()) < WAITING_TIMEOUT_S, decode
-        assert all("Lost connection with prefill" in r for _, _, r in decode.values()), decode
-        assert d.call("check", [], 1)["others_changed"] == 0
+        _kill_prefill_under_waiting_rooms(p, d, [pages.take(room, 3) for room in range(7310, 7318)])
     finally:
         codes = _close(p, d)
     assert codes == [-9, 0], codes

@@ -15,7 +15,7 @@ from _requires import require
 
 require("vllm", "GPUXFER_REQUIRE_VLLM", "vllm==0.33.0")
 
-from vllm_instance import Instance, write_model  # noqa: E402
+from vllm_instance import Instance, assert_idle, assert_loaded, decode, prefill, write_model  # noqa: E402
 
 ENV = {"GPUXFER_PLATFORM": "host", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
        "VLLM_LOGGING_LEVEL": "WARNING"}
@@ -44,41 +44,13 @@ def inst(tmp_path_factory):
             assert i.proc.exitcode is not None, f"instance {i.name} did not exit"
 
 
-def prefill(P, reqs, timeout=300):
-    """``reqs``: (id, prompt tokens, seed); returns {id: kv_transfer_params}."""
-    res = P.run("prefill", [(r, n, s, None) for r, n, s in reqs], timeout=timeout)
-    for r, v in res.items():
-        assert v.get("finished") == "length", (r, v)
-        assert v["params"] and v["params"]["do_remote_prefill"], (r, v)
-    return {r: v["params"] for r, v in res.items()}
-
-
-def decode(D, reqs, params, timeout=300):
-    """Decode requests reading the prefill requests of the same seed; returns the instance's results."""
-    return D.run("decode", [(f"d-{r}", n, s, params[r]) for r, n, s in reqs], timeout=timeout)
-
-
-def assert_loaded(res):
-    for r, v in res.items():
-        assert v.get("load") == "ok", (r, v)
-        assert v["bad"] == 0 and v["checked"] > 0, (r, v)
-        assert v.get("finished") == "length", (r, v)
-
-
-def assert_idle(I, baseline_free, timeout=60):
-    s = I.call("idle", timeout, timeout=timeout + 30)
-    assert s["requests"] == 0, s
-    assert s["free"] == baseline_free, s
-    return s
-
-
 def test_ratio_2_with_64_concurrent_requests(inst):
     P, D = inst["P64"], inst["D32"]
     reqs = [(f"c{i}", 40 + 23 * i, 1000 + i) for i in range(64)]
     params = prefill(P, reqs)
     res = decode(D, reqs, params)
     assert_loaded(res)
-    s = assert_idle(P, P.info["free"])
+    s = assert_idle(P)
     assert s["stats"]["sends_done"] >= 64 and s["stats"].get("leases_expired", 0) == 0
     d = D.call("stats")
     assert d["requests"] == 0 and d["free"] == D.info["free"]
@@ -91,7 +63,7 @@ def test_ratio_4(inst):
     P, D = inst["P64"], inst["D16"]
     reqs = [(f"q{i}", 17 + 101 * i, 2000 + i) for i in range(8)]
     assert_loaded(decode(D, reqs, prefill(P, reqs)))
-    assert_idle(P, P.info["free"])
+    assert_idle(P)
 
 
 def test_hybrid_groups(inst):
@@ -99,7 +71,7 @@ def test_hybrid_groups(inst):
     assert P.info["groups"] == [2, 2]           # full attention and sliding window layers
     reqs = [(f"h{i}", 30 + 61 * i, 3000 + i) for i in range(4)]
     assert_loaded(decode(D, reqs, prefill(P, reqs)))
-    assert_idle(P, P.info["free"])
+    assert_idle(P)
     assert D.call("stats")["free"] == D.info["free"]
 
 
@@ -108,7 +80,7 @@ def test_prefill_abort_frees_blocks(inst):
     # 6000-token prompts need two steps of the 4096-token budget: aborted after the first, mid-prefill
     states = P.call("submit_abort", "prefill", [(f"a{i}", 6000, 4000 + i, None) for i in range(4)])
     assert "RUNNING" in states.values(), states
-    assert_idle(P, P.info["free"])
+    assert_idle(P)
 
 
 def test_decode_abort_releases_prefill(inst):
@@ -118,8 +90,8 @@ def test_decode_abort_releases_prefill(inst):
     params = prefill(P, reqs)
     states = D.call("submit_abort", "decode", [(f"d-{r}", n, s, params[r]) for r, n, s in reqs])
     assert "WAITING_FOR_REMOTE_KVS" in states.values(), states      # aborted while their loads run
-    assert_idle(D, D.info["free"])
-    s = assert_idle(P, P.info["free"])          # read or released, not left to the lease
+    assert_idle(D)
+    s = assert_idle(P)          # read or released, not left to the lease
     assert s["stats"].get("leases_expired", 0) == expired
 
 
@@ -131,7 +103,7 @@ def test_lease_expiry(inst):
         reqs = [(f"l{i}", 150, 6000 + i) for i in range(2)]
         params = prefill(P, reqs)
         time.sleep(1.5)
-        s = assert_idle(P, P.info["free"], timeout=30)      # nobody read: the lease freed the blocks
+        s = assert_idle(P, timeout=30)      # nobody read: the lease freed the blocks
         assert s["stats"]["leases_expired"] == before + 2
         res = decode(D, reqs, params)                         # stale params: the load fails, vLLM recomputes
         for r, v in res.items():
@@ -183,9 +155,9 @@ def test_hostile_transfer_params(inst):
             assert v.get("load") == "ok" and v["bad"] == 0, (r, v)
         else:
             assert v.get("load") == "failed", (r, v)
-    assert_idle(D, D.info["free"])
+    assert_idle(D)
     P.call("set_lease", 120.0)
-    assert_idle(P, P.info["free"], timeout=90)
+    assert_idle(P, timeout=90)
 
 
 def test_dead_prefill_reports_load_errors(inst):

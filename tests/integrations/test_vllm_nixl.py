@@ -21,7 +21,7 @@ from _requires import require
 require("vllm", "GPUXFER_REQUIRE_VLLM", "vllm==0.33.0")
 
 from gpuxfer import config  # noqa: E402
-from vllm_instance import Instance, write_model  # noqa: E402
+from vllm_instance import Instance, assert_idle, assert_loaded, decode, prefill, write_model  # noqa: E402
 
 BASE = {"GPUXFER_PLATFORM": "host", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
         "VLLM_LOGGING_LEVEL": "WARNING", "UCX_NET_DEVICES": "lo", "GPUXFER_KV_REMOTE": "nixl",
@@ -63,29 +63,6 @@ def inst(tmp_path_factory):
             i.close()
         for i in out.values():
             assert i.proc.exitcode is not None, f"instance {i.name} did not exit"
-
-
-def prefill(P, reqs, timeout=300):
-    res = P.run("prefill", [(r, n, s, None) for r, n, s in reqs], timeout=timeout)
-    for r, v in res.items():
-        assert v.get("finished") == "length" and v["params"]["do_remote_prefill"], (r, v)
-    return {r: v["params"] for r, v in res.items()}
-
-
-def decode(D, reqs, params, timeout=300):
-    return D.run("decode", [(f"d-{r}", n, s, params[r]) for r, n, s in reqs], timeout=timeout)
-
-
-def assert_loaded(res):
-    for r, v in res.items():
-        assert v.get("load") == "ok" and v["bad"] == 0 and v["checked"] > 0, (r, v)
-        assert v.get("finished") == "length", (r, v)
-
-
-def assert_idle(I, timeout=60):
-    s = I.call("idle", timeout, timeout=timeout + 30)
-    assert s["requests"] == 0 and s["free"] == I.info["free"], s
-    return s
 
 
 @pytest.mark.parametrize("name", ["P", "Q"])

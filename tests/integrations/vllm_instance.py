@@ -94,6 +94,35 @@ class Instance:
             self.proc.join(timeout=30)
 
 
+def prefill(P: Instance, reqs, timeout: float = 300) -> dict:
+    """Prefill ``reqs`` (id, prompt tokens, seed) on ``P`` for remote decode; returns {id: kv_transfer_params}."""
+    res = P.run("prefill", [(r, n, s, None) for r, n, s in reqs], timeout=timeout)
+    for r, v in res.items():
+        assert v.get("finished") == "length", (r, v)
+        assert v["params"] and v["params"]["do_remote_prefill"], (r, v)
+    return {r: v["params"] for r, v in res.items()}
+
+
+def decode(D: Instance, reqs, params: dict, timeout: float = 300) -> dict:
+    """Decode requests reading the prefill requests of the same seed; returns the instance's results."""
+    return D.run("decode", [(f"d-{r}", n, s, params[r]) for r, n, s in reqs], timeout=timeout)
+
+
+def assert_loaded(res: dict) -> None:
+    for r, v in res.items():
+        assert v.get("load") == "ok", (r, v)
+        assert v["bad"] == 0 and v["checked"] > 0, (r, v)
+        assert v.get("finished") == "length", (r, v)
+
+
+def assert_idle(I: Instance, timeout: float = 60) -> dict:
+    """Step ``I`` until it holds nothing; its free blocks are those it started with."""
+    s = I.call("idle", timeout, timeout=timeout + 30)
+    assert s["requests"] == 0, s
+    assert s["free"] == I.info["free"], s
+    return s
+
+
 # ---------------------------------------------------------------------------------------------- child
 
 
