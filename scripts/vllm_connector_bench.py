@@ -62,7 +62,7 @@ from gpuxfer.bench.report import nearest_rank as pct  # noqa: E402
 
 
 def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -> dict:
-    from vllm_instance import Instance
+    from vllm_instance import Instance, free_port
     env = dict(env, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="gpuxfer-triton-"))    # a fresh kernel cache
     total = 1 + a.warm + a.batch * a.batch_steps
     blocks = max(4096, 2 * total * per_req_blocks + 16)
@@ -75,7 +75,7 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
         extra.update(remote="nixl", route="nixl")
     kw = dict(extra=extra, device=dev, num_blocks=blocks, max_model_len=a.tokens + 64,
               shm_caches=a.engine == "triton" and dev == "cpu", connector=a.connector)
-    envs = [dict(env, VLLM_NIXL_SIDE_CHANNEL_PORT=str(_free_port())) if nixl else env for _ in range(2)]
+    envs = [dict(env, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port())) if nixl else env for _ in range(2)]
     auto = a.cpus == "auto"
     P = Instance(f"bP{run}", model, a.block_size, cpus=(0, 2) if auto else None, env=envs[0], **kw)
     D = Instance(f"bD{run}", model, a.block_size, cpus=(1, 2) if auto else None, profile=a.profile and not nixl,
@@ -149,15 +149,6 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
         "samples": {"start_load_kv_s": st.get("start_load_kv_s", []), "get_finished_s": st.get("get_finished_s", []),
                     "load_s": {r: v.get("load_s") for r, v in loads.items()}},
     }
-
-
-def _free_port() -> int:
-    import socket
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def _loop_row(loop: dict | None) -> dict | None:

@@ -11,6 +11,7 @@ which makes a missing SGLang a failure.
 from __future__ import annotations
 
 import random
+import time
 import socket
 
 import pytest
@@ -210,6 +211,25 @@ def test_mla_pool_then_killed_prefill_fails_the_decode_within_its_timeout():
     assert codes == [-9, 0], codes
 
 
+def _kill_decode_under_posted_rooms(p, d, plan) -> tuple[dict, dict, float]:
+    """Queue ``plan``'s 3-page rooms (64-token pages) on both sides, kill the decode once its pages reached the
+    prefill, run the prefill's queue (their chunks' pushes fail): every room ends Failed on the prefill.
+    Returns the prefill's ``{room: (status, seconds)}``, its failure reasons and the seconds from the queue run."""
+    rooms = [r for r, _ in plan]
+    assert set(p.call("queue_add", [(r, src, 3 * 64, 64) for r, src in plan]).values()) == {"Bootstrapping"}
+    _decode_requests(d, plan, {r: 3 * 64 for r in rooms})
+    assert p.call("await_status", rooms, "WaitingForInput", 60, timeout=120) == []
+    d.proc.kill()
+    d.proc.join(30)
+    assert d.proc.exitcode == -9, d.proc.exitcode
+    t0 = time.monotonic()
+    ran = p.call("queue_run", 60, timeout=120)          # popped as bootstrapped
+    assert ran["left"] == [] and ran["failed"] == [], ran
+    prefill = p.call("wait", rooms, WAITING_TIMEOUT_S + 10, timeout=WAITING_TIMEOUT_S + 60)
+    assert {s for s, _ in prefill.values()} == {"Failed"}, prefill
+    return prefill, p.call("clear", rooms), time.monotonic() - t0
+
+
 def _kill_prefill_under_waiting_rooms(p, d, plan) -> None:
     """Queue ``plan``'s 3-page rooms on both sides, kill the prefill before its queue pops them (no chunk sent):
     every room fails on the decode within SGLang's waiting timeout, for the lost prefill, nothing written."""
@@ -239,20 +259,8 @@ def test_killed_decode_fails_the_prefill_within_its_timeout():
         pages = _Pages(6)
         rng = random.Random(6)
         _land_through_queue(p, d, [pages.take(room, rng.randint(1, 5)) for room in range(4100, 4116)], 64, rng)
-        plan = [pages.take(room, 3) for room in range(4000, 4006)]
-        rooms = [r for r, _ in plan]
-        assert set(p.call("queue_add", [(r, src, 3 * 64, 64) for r, src in plan]).values()) == {"Bootstrapping"}
-        _decode_requests(d, plan, {r: 3 * 64 for r in rooms})
-        assert p.call("await_status", rooms, "WaitingForInput", 60, timeout=120) == []
-        d.proc.kill()
-        d.proc.join(30)
-        assert d.proc.exitcode == -9, d.proc.exitcode
-        ran = p.call("queue_run", 60, timeout=120)      # popped as bootstrapped; their chunks' pushes fail
-        assert ran["left"] == [] and ran["failed"] == [], ran
-        prefill = p.call("wait", rooms, WAITING_TIMEOUT_S + 10, timeout=WAITING_TIMEOUT_S + 60)
-        assert {s for s, _ in prefill.values()} == {"Failed"}, prefill
+        prefill, reasons, _ = _kill_decode_under_posted_rooms(p, d, [pages.take(room, 3) for room in range(4000, 4006)])
         assert max(t for _, t in prefill.values()) < WAITING_TIMEOUT_S / 2, prefill
-        reasons = p.call("clear", rooms)
         assert all("gone" in r or "PeerLost" in r for r in reasons.values()), reasons
     finally:
         codes = _close(p, d)

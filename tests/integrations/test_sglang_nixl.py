@@ -12,7 +12,6 @@ GPUXFER_TEST_REQUIRE_NIXL=1, which makes a missing NIXL a failure.
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
@@ -21,9 +20,9 @@ from _requires import require
 require("sglang", "GPUXFER_REQUIRE_SGLANG", "sglang==0.5.23")
 
 from sglang_instance import Rank  # noqa: E402
-from test_sglang_backend import (ENV, PAGES, WAITING_TIMEOUT_S, _close, _decode_requests,  # noqa: E402
-                                 _free_port, _kill_prefill_under_waiting_rooms, _land_through_queue, _landed,
-                                 _Pages, _send_directly)
+from test_sglang_backend import (ENV, PAGES, WAITING_TIMEOUT_S, _close,  # noqa: E402
+                                 _free_port, _kill_decode_under_posted_rooms, _kill_prefill_under_waiting_rooms,
+                                 _land_through_queue, _landed, _Pages, _send_directly)
 
 NIXL_ENV = {**ENV, "GPUXFER_KV_REMOTE": "nixl", "GPUXFER_KV_ROUTE": "nixl", "UCX_NET_DEVICES": "lo"}
 
@@ -139,20 +138,8 @@ def test_killed_decode_fails_the_prefill_over_nixl_within_its_timeout():
         _land_through_queue(p, d, [pages.take(room, rng.randint(1, 5)) for room in range(7400, 7416)], 64, rng)
         _took_nixl(p, d)
         plan = [pages.take(room, 3) for room in range(7500, 7506)]
-        rooms = [r for r, _ in plan]
-        assert set(p.call("queue_add", [(r, src, 3 * 64, 64) for r, src in plan]).values()) == {"Bootstrapping"}
-        _decode_requests(d, plan, {r: 3 * 64 for r in rooms})
-        assert p.call("await_status", rooms, "WaitingForInput", 60, timeout=120) == []
-        d.proc.kill()
-        d.proc.join(30)
-        assert d.proc.exitcode == -9, d.proc.exitcode
-        t0 = time.monotonic()
-        ran = p.call("queue_run", 60, timeout=120)
-        assert ran["left"] == [] and ran["failed"] == [], ran
-        prefill = p.call("wait", rooms, WAITING_TIMEOUT_S + 10, timeout=WAITING_TIMEOUT_S + 60)
-        assert {s for s, _ in prefill.values()} == {"Failed"}, prefill
-        assert time.monotonic() - t0 < WAITING_TIMEOUT_S, prefill
-        reasons = p.call("clear", rooms)
+        prefill, reasons, took = _kill_decode_under_posted_rooms(p, d, plan)
+        assert took < WAITING_TIMEOUT_S, prefill
         assert all("NixlError" in r or "TransferTimeout" in r for r in reasons.values()), reasons
     finally:
         codes = _close(p, d)

@@ -6,7 +6,6 @@ which makes a missing vLLM a failure.
 """
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -15,7 +14,7 @@ from _requires import require
 
 require("vllm", "GPUXFER_REQUIRE_VLLM", "vllm==0.33.0")
 
-from vllm_instance import Instance, assert_idle, assert_loaded, decode, prefill, write_model  # noqa: E402
+from vllm_instance import assert_idle, assert_loaded, decode, free_port, prefill, running, write_model  # noqa: E402
 
 ENV = {"GPUXFER_PLATFORM": "host", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
        "VLLM_LOGGING_LEVEL": "WARNING"}
@@ -30,18 +29,9 @@ def inst(tmp_path_factory):
     model = write_model(str(tmp_path_factory.mktemp("model")))
     specs = {"P64": (64, False, TM), "D32": (32, False, TM), "D16": (16, False, TM),
              "HP": (32, True, {}), "HD": (32, True, {})}
-    out = {}
-    try:
-        for name, (bs, hybrid, extra) in specs.items():
-            out[name] = Instance(name, model, bs, hybrid=hybrid, extra=extra, env=ENV)
-        for i in out.values():
-            i.info = i.ready(timeout=600)
+    with running({name: dict(model_dir=model, block_size=bs, hybrid=hybrid, extra=extra, env=ENV)
+                  for name, (bs, hybrid, extra) in specs.items()}) as out:
         yield out
-    finally:
-        for i in out.values():
-            i.close()
-        for i in out.values():
-            assert i.proc.exitcode is not None, f"instance {i.name} did not exit"
 
 
 def test_ratio_2_with_64_concurrent_requests(inst):
@@ -113,14 +103,6 @@ def test_lease_expiry(inst):
     assert D.call("stats")["free"] == D.info["free"]
 
 
-def _closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 def test_hostile_transfer_params(inst):
     """Each bad request fails alone (computed locally); the good one beside them loads. The prefill cannot be
     told about params too broken to name it: the lease (short here) frees those blocks."""
@@ -135,7 +117,7 @@ def test_hostile_transfer_params(inst):
         "x2": {"remote_block_ids": [[-5, 1, 2]]},                           # negative
         "x3": {"remote_block_ids": [[1] * 10_000_000]},                     # huge
         "x4": {"remote_engine_id": "someone-else"},                         # the engine at that port is not it
-        "x5": {"remote_port": _closed_port()},                              # nobody listens
+        "x5": {"remote_port": free_port()},                              # nobody listens
         "x6": {"remote_port": "80"},                                        # wrong type
         "x7": {"gpuxfer": 999},                                             # another version
         "x8": {"remote_block_sizes": [48]},                                 # 48 and 32 do not divide

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 
 require("vllm", "GPUXFER_REQUIRE_VLLM", "vllm==0.33.0")
 
-from vllm_instance import Instance, write_model  # noqa: E402
+from vllm_instance import running, write_model  # noqa: E402
 
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
 
@@ -25,17 +25,11 @@ def pair(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     model = write_model(str(tmp_path_factory.mktemp("model")))
-    out = {}
-    try:
-        out["P"] = Instance("gP", model, 64, extra={"token_major": True}, env=ENV, device="cuda", num_blocks=16384)
-        out["D"] = Instance("gD", model, 32, extra={"token_major": True}, env=ENV, device="cuda", num_blocks=16384)
-        out["E"] = Instance("gE", model, 64, env=ENV, device="cuda", num_blocks=16384)
-        for i in out.values():
-            i.info = i.ready(timeout=600)
-        yield out
-    finally:
-        for i in out.values():
-            i.close()
+    tm = {"token_major": True}
+    with running({"gP": dict(model_dir=model, block_size=64, extra=tm, env=ENV, device="cuda", num_blocks=16384),
+                  "gD": dict(model_dir=model, block_size=32, extra=tm, env=ENV, device="cuda", num_blocks=16384),
+                  "gE": dict(model_dir=model, block_size=64, env=ENV, device="cuda", num_blocks=16384)}) as out:
+        yield {"P": out["gP"], "D": out["gD"], "E": out["gE"]}
 
 
 @pytest.mark.parametrize("dec", ["D", "E"])

@@ -21,7 +21,7 @@ from _requires import require
 require("vllm", "GPUXFER_REQUIRE_VLLM", "vllm==0.33.0")
 
 from gpuxfer import config  # noqa: E402
-from vllm_instance import Instance, assert_idle, assert_loaded, decode, prefill, write_model  # noqa: E402
+from vllm_instance import assert_idle, assert_loaded, decode, free_port, prefill, running, write_model  # noqa: E402
 
 BASE = {"GPUXFER_PLATFORM": "host", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
         "VLLM_LOGGING_LEVEL": "WARNING", "UCX_NET_DEVICES": "lo", "GPUXFER_KV_REMOTE": "nixl",
@@ -50,19 +50,10 @@ def inst(tmp_path_factory):
     instance D (32-token blocks: ratio 2), all with NIXL agents and every peer on the NIXL route."""
     _need_nixl()
     model = write_model(str(tmp_path_factory.mktemp("model")))
-    out = {}
-    try:
-        for name, bs in (("P", 64), ("Q", 64), ("D", 32)):
-            env = dict(BASE, GPUXFER_VLLM_TEST_CLOCK_SHIFT_S=SHIFT.get(name, "0"))
-            out[name] = Instance(name, model, bs, extra=TM, env=env, num_blocks=1024)
-        for i in out.values():
-            i.info = i.ready(timeout=600)
+    with running({name: dict(model_dir=model, block_size=bs, extra=TM, num_blocks=1024,
+                             env=dict(BASE, GPUXFER_VLLM_TEST_CLOCK_SHIFT_S=SHIFT.get(name, "0")))
+                  for name, bs in (("P", 64), ("Q", 64), ("D", 32))}) as out:
         yield out
-    finally:
-        for i in out.values():
-            i.close()
-        for i in out.values():
-            assert i.proc.exitcode is not None, f"instance {i.name} did not exit"
 
 
 @pytest.mark.parametrize("name", ["P", "Q"])
@@ -114,25 +105,11 @@ def test_dead_prefill_over_nixl_reports_load_errors(inst):
 def test_vllms_own_nixl_connector_runs_in_the_same_harness(tmp_path):
     """The baseline ``scripts/vllm_connector_bench.py --connector nixl`` measures: vLLM's NixlConnector on the same
     instances, caches and loads, every byte checked."""
-    import socket
     _need_nixl()
     model = write_model(str(tmp_path))
     env = {k: v for k, v in BASE.items() if not k.startswith("GPUXFER_KV")}
-    out = {}
-    try:
-        for name in ("NP", "ND"):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            s.close()
-            out[name] = Instance(name, model, 64, env=dict(env, VLLM_NIXL_SIDE_CHANNEL_PORT=str(port)),
-                                 num_blocks=512, connector="nixl")
-        for i in out.values():
-            i.info = i.ready(timeout=600)
+    with running({name: dict(model_dir=model, block_size=64, num_blocks=512, connector="nixl",
+                             env=dict(env, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port())))
+                  for name in ("NP", "ND")}) as out:
         reqs = [(f"v{i}", 100 + 37 * i, 14000 + i) for i in range(4)]
         assert_loaded(decode(out["ND"], reqs, prefill(out["NP"], reqs)))
-    finally:
-        for i in out.values():
-            i.close()
-    for i in out.values():
-        assert i.proc.exitcode is not None, f"instance {i.name} did not exit"

@@ -9,8 +9,10 @@ The parent drives it over a pipe (:class:`Instance`); the child runs :func:`serv
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import socket
 import time
 import traceback
 
@@ -92,6 +94,33 @@ class Instance:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(timeout=30)
+
+
+@contextlib.contextmanager
+def running(specs: dict[str, dict]):
+    """Instances started together (``{name: Instance's keyword arguments}``, ``model_dir`` and ``block_size`` among
+    them), each ready (its ``info``), closed whatever happened; each process must have exited."""
+    out: dict[str, Instance] = {}
+    try:
+        for name, kw in specs.items():
+            out[name] = Instance(name, **kw)
+        for i in out.values():
+            i.info = i.ready(timeout=600)
+        yield out
+    finally:
+        for i in out.values():
+            i.close()
+    for i in out.values():
+        assert i.proc.exitcode is not None, f"instance {i.name} did not exit"
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 nobody listens on (free when this returns)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
 
 
 def prefill(P: Instance, reqs, timeout: float = 300) -> dict:
@@ -182,8 +211,9 @@ class _Engine:
                                    kv_load_failure_policy="recompute", kv_buffer_device=spec["device"],
                                    kv_connector_extra_config=spec["extra"])
         else:
-            ktc = KVTransferConfig(kv_connector="GpuxferConnector", kv_connector_module_path="gpuxfer.integrations.vllm",
-                                   kv_role="kv_both", engine_id=spec["name"], kv_load_failure_policy="recompute",
+            ktc = KVTransferConfig(kv_connector="GpuxferConnector",
+                                   kv_connector_module_path="gpuxfer.integrations.vllm", kv_role="kv_both",
+                                   engine_id=spec["name"], kv_load_failure_policy="recompute",
                                    kv_connector_extra_config=spec["extra"])
         sc = SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=4096, max_model_len=max_len,
                              is_encoder_decoder=False, disable_hybrid_kv_cache_manager=not spec["hybrid"])
@@ -501,16 +531,11 @@ class _Engine:
 
 def _single_rank_groups(config) -> None:
     """The one-rank tensor and pipeline parallel groups vLLM's NixlConnector asks for (a gloo world of one)."""
-    import socket as _socket
     from vllm.config import set_current_vllm_config
     from vllm.distributed.parallel_state import ensure_model_parallel_initialized, init_distributed_environment
-    s = _socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
     with set_current_vllm_config(config):
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+                                     distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
         ensure_model_parallel_initialized(1, 1)
 
 
