@@ -6,7 +6,6 @@ which makes a missing vLLM a failure.
 """
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -14,7 +13,8 @@ from _requires import require
 
 require("vllm", "GPUXFER_REQUIRE_VLLM", "vllm==0.33.0")
 
-from vllm_instance import assert_idle, assert_loaded, decode, free_port, prefill, running, write_model  # noqa: E402
+from vllm_instance import (assert_idle, assert_loaded, decode, free_port, lease_runs_out, prefill,  # noqa: E402
+                           prefill_dies, running, write_model)
 
 ENV = {"GPUXFER_PLATFORM": "host", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
        "VLLM_LOGGING_LEVEL": "WARNING"}
@@ -86,21 +86,7 @@ def test_decode_abort_releases_prefill(inst):
 
 
 def test_lease_expiry(inst):
-    P, D = inst["P64"], inst["D32"]
-    before = P.call("stats")["stats"].get("leases_expired", 0)
-    P.call("set_lease", 1.0)
-    try:
-        reqs = [(f"l{i}", 150, 6000 + i) for i in range(2)]
-        params = prefill(P, reqs)
-        time.sleep(1.5)
-        s = assert_idle(P, timeout=30)      # nobody read: the lease freed the blocks
-        assert s["stats"]["leases_expired"] == before + 2
-        res = decode(D, reqs, params)                         # stale params: the load fails, vLLM recomputes
-        for r, v in res.items():
-            assert v.get("load") == "failed" and v.get("finished") == "length", (r, v)
-    finally:
-        P.call("set_lease", 120.0)
-    assert D.call("stats")["free"] == D.info["free"]
+    lease_runs_out(inst["P64"], inst["D32"], [(f"l{i}", 150, 6000 + i) for i in range(2)])
 
 
 def test_hostile_transfer_params(inst):
@@ -143,17 +129,7 @@ def test_hostile_transfer_params(inst):
 
 
 def test_dead_prefill_reports_load_errors(inst):
-    P, D = inst["HP"], inst["HD"]
-    reqs = [(f"k{i}", 160, 8000 + i) for i in range(3)]
-    params = prefill(P, reqs)
-    P.kill()
-    time.sleep(1.0)             # the kill reaches the decode side as a closed side channel
-    t0 = time.monotonic()
-    res = decode(D, reqs, params, timeout=120)
-    for r, v in res.items():
-        assert v.get("load") == "failed" and v.get("finished") == "length", (r, v)
-    assert time.monotonic() - t0 < 60
-    assert D.call("stats")["free"] == D.info["free"]
+    prefill_dies(inst["HP"], inst["HD"], [(f"k{i}", 160, 8000 + i) for i in range(3)])
 
 
 def test_the_extra_config_is_checked():

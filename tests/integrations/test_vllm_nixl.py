@@ -12,7 +12,6 @@ fail; without vLLM they skip unless GPUXFER_REQUIRE_VLLM=1.
 """
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -21,7 +20,8 @@ from _requires import require
 require("vllm", "GPUXFER_REQUIRE_VLLM", "vllm==0.33.0")
 
 from gpuxfer import config  # noqa: E402
-from vllm_instance import assert_idle, assert_loaded, decode, free_port, prefill, running, write_model  # noqa: E402
+from vllm_instance import (assert_idle, assert_loaded, decode, free_port, lease_runs_out, prefill,  # noqa: E402
+                           prefill_dies, running, write_model)
 
 BASE = {"GPUXFER_PLATFORM": "host", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
         "VLLM_LOGGING_LEVEL": "WARNING", "UCX_NET_DEVICES": "lo", "GPUXFER_KV_REMOTE": "nixl",
@@ -71,35 +71,11 @@ def test_reads_over_nixl_from_a_host_on_another_clock(inst, name):
 
 @pytest.mark.parametrize("name", ["P", "Q"])
 def test_a_lease_that_ran_out_on_the_prefill_host_fails_the_load(inst, name):
-    P, D = inst[name], inst["D"]
-    before = P.call("stats")["stats"].get("leases_expired", 0)
-    P.call("set_lease", 1.0)
-    try:
-        reqs = [(f"e{name}{i}", 150, 12000 + i) for i in range(2)]
-        params = prefill(P, reqs)
-        time.sleep(1.5)
-        s = assert_idle(P, timeout=30)                       # nobody read: the lease freed the blocks
-        assert s["stats"]["leases_expired"] == before + 2
-        res = decode(D, reqs, params)
-        for r, v in res.items():
-            assert v.get("load") == "failed" and v.get("finished") == "length", (r, v)
-    finally:
-        P.call("set_lease", 120.0)
-    assert D.call("stats")["free"] == D.info["free"]
+    lease_runs_out(inst[name], inst["D"], [(f"e{name}{i}", 150, 12000 + i) for i in range(2)])
 
 
 def test_dead_prefill_over_nixl_reports_load_errors(inst):
-    P, D = inst["Q"], inst["D"]
-    reqs = [(f"k{i}", 160, 13000 + i) for i in range(3)]
-    params = prefill(P, reqs)
-    P.kill()
-    time.sleep(1.0)
-    t0 = time.monotonic()
-    res = decode(D, reqs, params, timeout=120)
-    for r, v in res.items():
-        assert v.get("load") == "failed" and v.get("finished") == "length", (r, v)
-    assert time.monotonic() - t0 < 60
-    assert D.call("stats")["free"] == D.info["free"]
+    prefill_dies(inst["Q"], inst["D"], [(f"k{i}", 160, 13000 + i) for i in range(3)])
 
 
 def test_vllms_own_nixl_connector_runs_in_the_same_harness(tmp_path):

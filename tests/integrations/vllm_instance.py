@@ -152,6 +152,40 @@ def assert_idle(I: Instance, timeout: float = 60) -> dict:
     return s
 
 
+def assert_failed(D: Instance, res: dict) -> None:
+    """Every load of ``res`` failed and vLLM computed the prompt itself; ``D`` holds no block for them."""
+    for r, v in res.items():
+        assert v.get("load") == "failed" and v.get("finished") == "length", (r, v)
+    assert D.call("stats")["free"] == D.info["free"]
+
+
+def lease_runs_out(P: Instance, D: Instance, reqs) -> None:
+    """Prefill ``reqs`` under a 1 s lease nobody reads within: the prefill frees their blocks (its counter says
+    so); loading them on ``D`` then fails, and vLLM computes the prompts."""
+    before = P.call("stats")["stats"].get("leases_expired", 0)
+    P.call("set_lease", 1.0)
+    try:
+        params = prefill(P, reqs)
+        time.sleep(1.5)
+        s = assert_idle(P, timeout=30)
+        assert s["stats"]["leases_expired"] == before + len(reqs)
+        res = decode(D, reqs, params)
+    finally:
+        P.call("set_lease", 120.0)
+    assert_failed(D, res)
+
+
+def prefill_dies(P: Instance, D: Instance, reqs) -> None:
+    """Prefill ``reqs``, kill ``P``, then load them on ``D``: every load fails well within a minute, no hang."""
+    params = prefill(P, reqs)
+    P.kill()
+    time.sleep(1.0)             # the kill reaches the decode side as a closed side channel
+    t0 = time.monotonic()
+    res = decode(D, reqs, params, timeout=120)
+    assert time.monotonic() - t0 < 60
+    assert_failed(D, res)
+
+
 # ---------------------------------------------------------------------------------------------- child
 
 
