@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from gpuxfer.errors import BlockIdError
-from gpuxfer.integrations.vllm.lease import now
+from gpuxfer.integrations.vllm.lease import SAME_HOST, now
 from gpuxfer.integrations.vllm.params import RemotePrefill
 from gpuxfer.integrations.vllm.loads import Load, _LoadState, _Remote
 from gpuxfer.integrations.vllm.worker import Settings, WorkerSide
@@ -65,16 +65,23 @@ def _worker() -> WorkerSide:
                       settings=Settings(lease_s=60, host="127.0.0.1", port=0, handshake_timeout_s=5, token_major=True))
 
 
-def _in_flight(w: WorkerSide, n: int, deadline: float):
-    r = _Remote(("127.0.0.1", 1, "p"), state="ready", client=_Client())
+def _in_flight(w: WorkerSide, n: int, deadline: float, *, clock=None, timeout_s: float = 60.0):
+    """``n`` reads in flight from one prefill engine: on the IPC route (its deadlines on this clock), or with
+    ``clock`` (its lease clock read on this one) on the NIXL route, whose reads end in any order."""
+    import types
+    nixl = clock is not None
+    e = "q" if nixl else "p"
+    w.decode.agent = types.SimpleNamespace(timeout_s=timeout_s)
+    r = _Remote(("127.0.0.1", 2 if nixl else 1, e), state="ready", client=_Client(), ordered=not nixl,
+                clock=clock or SAME_HOST)
     w.decode.remotes[r.key] = r
     sts = []
     for i in range(n):
-        rp = RemotePrefill("p", "127.0.0.1", 1, f"p{i}", (np.arange(1, 3),), (16,), deadline)
-        st = _LoadState(Load(f"d{i}", rp, (np.arange(10 + 2 * i, 12 + 2 * i),), 0, 31), 0.0, remote=r,
-                        handle=_Handle())
+        rp = RemotePrefill(e, "127.0.0.1", r.key[1], f"{e}{i}", (np.arange(1, 3),), (16,), deadline)
+        st = _LoadState(Load(f"{'n' if nixl else 'd'}{i}", rp, (np.arange(10 + 2 * i, 12 + 2 * i),), 0, 31), 0.0,
+                        remote=r, handle=_Handle(), t_post=time.perf_counter())
         w.decode.pending[st.load.req_id] = st
-        w.decode.inflight.append(st)
+        (w.decode.unordered if nixl else w.decode.inflight).append(st)
         r.inflight += 1
         r.loads += 1
         sts.append(st)
@@ -227,32 +234,12 @@ def test_the_engine_thread_serves_the_side_channel_only_while_it_holds_requests(
     assert srv.pumps == 3
 
 
-def _on_nixl(w: WorkerSide, n: int, clock, deadline: float, timeout_s: float = 60.0):
-    """``n`` reads in flight on the NIXL route from a prefill engine whose lease clock is ``clock``."""
-    import types
-    w.decode.agent = types.SimpleNamespace(timeout_s=timeout_s)
-    r = _Remote(("127.0.0.1", 2, "q"), state="ready", client=_Client(), ordered=False, clock=clock)
-    w.decode.remotes[r.key] = r
-    sts = []
-    for i in range(n):
-        rp = RemotePrefill("q", "127.0.0.1", 2, f"q{i}", (np.arange(1, 3),), (16,), deadline)
-        st = _LoadState(Load(f"n{i}", rp, (np.arange(10 + 2 * i, 12 + 2 * i),), 0, 31), 0.0, remote=r,
-                        handle=_Handle(), t_post=time.perf_counter())
-        w.decode.pending[st.load.req_id] = st
-        w.decode.unordered.append(st)
-        r.inflight += 1
-        r.loads += 1
-        sts.append(st)
-    return r, sts
-
-
 def test_nixl_reads_end_in_any_order_and_a_late_one_is_never_given_up(caplog):
     """A NIXL read cannot be recalled: one past the agent's timeout is logged once and stays in flight until NIXL
     ends it; then it is reported (done, or failed when NIXL says so)."""
     from gpuxfer.errors import GpuxferError
-    from gpuxfer.integrations.vllm.lease import SAME_HOST
     w = _worker()
-    r, sts = _on_nixl(w, 4, SAME_HOST, now() + 60, timeout_s=0.2)
+    r, sts = _in_flight(w, 4, now() + 60, clock=SAME_HOST, timeout_s=0.2)
     sts[2].handle.finished = True               # the third ends first: reported at once
     assert w.poll() == (set(), {"n2"}, set())
     assert [st.load.req_id for st in w.decode.unordered] == ["n0", "n1", "n3"]
@@ -280,15 +267,15 @@ def test_a_lease_on_another_hosts_clock_is_read_through_the_handshake_bound():
     assert PeerClock().deadline(123.0) == 123.0
     assert math.isnan(PeerClock(sent=t, peer=-1.7e308, same=False).deadline(1.7e308))   # counts as run out
     w = _worker()
-    _, live = _on_nixl(w, 1, clock, t + 5060.0)           # 60 s left on the prefill's clock
+    _, live = _in_flight(w, 1, t + 5060.0, clock=clock)           # 60 s left on the prefill's clock
     live[0].handle.finished = True
     assert w.poll() == (set(), {"n0"}, set())
     w = _worker()
-    _, late = _on_nixl(w, 1, clock, t + 4999.0)           # ran out a second ago there
+    _, late = _in_flight(w, 1, t + 4999.0, clock=clock)           # ran out a second ago there
     late[0].handle.finished = True
     assert w.poll() == (set(), {"n0"}, {"n0"})
     w = _worker()
-    _, forged = _on_nixl(w, 1, PeerClock(sent=t, peer=-1.7e308, same=False), 1.7e308)   # a forged clock frame
+    _, forged = _in_flight(w, 1, 1.7e308, clock=PeerClock(sent=t, peer=-1.7e308, same=False))   # a forged clock frame
     forged[0].handle.finished = True
     assert w.poll() == (set(), {"n0"}, {"n0"})
 
