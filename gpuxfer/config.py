@@ -76,11 +76,15 @@ def integer(low: int = 1, high: int | None = None) -> Parser:
 MAX_SECONDS = 7 * 24 * 3600.0
 
 
-def _seconds(raw: str) -> float:
+def _number_of_seconds(raw: str) -> float:
     try:
-        v = float(raw)
+        return float(raw)
     except ValueError:
         raise ValueError(f"must be a number of seconds, got {raw!r}") from None
+
+
+def _seconds(raw: str) -> float:
+    v = _number_of_seconds(raw)
     if not (math.isfinite(v) and 0 < v <= MAX_SECONDS):
         raise ValueError(f"must be a finite number of seconds > 0 and <= {MAX_SECONDS:g}, got {raw!r}")
     return v
@@ -90,10 +94,7 @@ SECONDS = Parser(f"seconds in (0, {MAX_SECONDS:g}]", _seconds)
 
 
 def _offset(raw: str) -> float:
-    try:
-        v = float(raw)
-    except ValueError:
-        raise ValueError(f"must be a number of seconds, got {raw!r}") from None
+    v = _number_of_seconds(raw)
     if not (math.isfinite(v) and abs(v) <= 1e9):
         raise ValueError(f"must be a finite number of seconds within +-1e9, got {raw!r}")
     return v

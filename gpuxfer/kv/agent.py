@@ -89,14 +89,13 @@ import types
 import uuid
 from typing import Any, Mapping, Sequence
 
-from .. import config
 from ..common import process_namespace
 from ..errors import BackendUnavailable, BadInput, BadMetadata, BlockIdError, LayoutMismatch, TransferTimeout
 from ..flaglink import FlagWords
 from ..platforms.base import RELEASE_VALUE, Closable, DeviceBuffer, Platform, Stream
 from ..sync import check_timeout
 from .batch import post_many
-from .control import AGENT_WORDS, NOTIFY, NOTIFY_SLOTS, PACK_SLOTS
+from .control import AGENT_WORDS, NOTIFY, NOTIFY_SLOTS, PACK_SLOTS, check_slot
 from .descriptors import DIRECTIONS
 from .device_ids import prepare_device, wants_device_ids
 from .engine_choice import AGENT_ENGINES, agent_engine_choice, kernel_reason, peer_engine
@@ -105,7 +104,6 @@ from .layers import _MAX_NAME, KVLayer, KVLayerSpec, KVPiece, check_disjoint, de
 from . import nixl_route
 from .metadata import METADATA_VERSION, decode_metadata, encode_metadata, handle_meta
 from .lifetime import Lifetime, _Shared
-from .nixl_peer import NixlPeer
 from .pack_transfer import PackState
 from .peers import _LEAKED, _LOCAL_AGENTS, KVPeer, Registry, _Group  # noqa: F401 - _LEAKED: what close kept
 from .posting import Poster
@@ -349,7 +347,6 @@ class KVAgent(Closable, FailsOnTimeout):
         with ``remote="nixl"``; :mod:`gpuxfer.kv.nixl_route`); None: ``GPUXFER_KV_ROUTE`` (default ``"auto"``).
         The peer's :attr:`~KVPeer.route` says which."""
         self._poster.check_open()
-        route = config.resolve("GPUXFER_KV_ROUTE", route, option="route")
         meta = decode_metadata(metadata)
         if meta.platform != self.platform.name:
             raise BadMetadata(f"peer {meta.agent!r} runs on platform {meta.platform!r}, this agent on "
@@ -361,11 +358,7 @@ class KVAgent(Closable, FailsOnTimeout):
         if meta.agent in reg.peers:
             raise BadInput(f"peer {meta.agent!r} is already added (remove_peer first)")
         if route == "nixl":
-            nixl_peer = NixlPeer(self, meta, self.nixl, reg, self._poster)
-            with reg.lock:
-                reg.peers[meta.agent] = nixl_peer
-            log.info("agent %s: peer %s (host %s) over the nixl route", self.name, meta.agent, meta.host)
-            return nixl_peer
+            return nixl_route.add_peer(self, meta, reg, self._poster)
         if self.staging is not None and meta.staging is not None and meta.slot_bytes != self.slot_bytes:
             # each side addresses the pair's staging slots by its own slot size
             raise LayoutMismatch(f"peer {meta.agent!r} has {meta.slot_bytes}-byte staging slots, agent "
@@ -468,9 +461,8 @@ class KVAgent(Closable, FailsOnTimeout):
                     or not 0 <= layers[0] < layers[1]):
                 raise BadInput(f"layers must be (first, stop) with 0 <= first < stop, got {layers!r}")
             layers = (int(layers[0]), int(layers[1]))
-        if notify_slot is not None and (isinstance(notify_slot, bool) or not isinstance(notify_slot, int)
-                                        or not 0 <= notify_slot < NOTIFY_SLOTS):
-            raise BadInput(f"notify_slot must be an int in 0..{NOTIFY_SLOTS - 1}, got {notify_slot!r}")
+        if notify_slot is not None:
+            check_slot(notify_slot, "notify_slot")
         name = f"{self.name}#{next(self._names)}" if name is None else str(name)
         if not (type(local_blocks) is dict or isinstance(local_blocks, Mapping)) or \
                 not (type(remote_blocks) is dict or isinstance(remote_blocks, Mapping)):
@@ -509,16 +501,10 @@ class KVAgent(Closable, FailsOnTimeout):
 
     # ------------------------------------------------------------------ notifications
 
-    def _slot(self, slot: int) -> int:
-        """The flag word of notification slot ``slot``."""
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < NOTIFY_SLOTS:
-            raise BadInput(f"notification slot must be an int in 0..{NOTIFY_SLOTS - 1}, got {slot!r}")
-        return NOTIFY + slot
-
     def notification(self, slot: int = 0) -> int:
         """The value of notification word ``slot`` (how many notifications reached it), read now."""
         self._poster.check_open()
-        index = self._slot(slot)
+        index = NOTIFY + check_slot(slot)
         flags, _ = self._lifetime.hold()
         try:
             return flags.read(index)
@@ -531,7 +517,7 @@ class KVAgent(Closable, FailsOnTimeout):
         self._poster.check_open()
         t = self.timeout_s if timeout_s is None else check_timeout(timeout_s, "wait_notification's timeout_s")
         value = _notify_value(value)
-        index = self._slot(slot)
+        index = NOTIFY + check_slot(slot)
         flags, _ = self._lifetime.hold()
         try:
             return flags.wait_host(index, value, t, step=value, flag=f"notification slot {slot} of agent {self.name!r}")
@@ -547,7 +533,7 @@ class KVAgent(Closable, FailsOnTimeout):
 
         The agent holds ``stream`` (and an event after the wait) until the wait passed: close drains past it."""
         self._poster.check_open()
-        index = self._slot(slot)
+        index = NOTIFY + check_slot(slot)
         value = _notify_value(value)
         if not isinstance(stream, Stream):
             raise BadInput(f"stream_wait_notification needs a Stream of the platform, got {stream!r}")

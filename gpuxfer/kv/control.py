@@ -5,10 +5,20 @@ sets, by parity); and the number of slots of a ``pack`` agent's staging. Both ag
 same words: this layout is part of what they agree on, like the metadata version."""
 from __future__ import annotations
 
+from ..errors import BadInput
 from ..flaglink import FIRST_WORD, FLAG_STRIDE
 
 NOTIFY_SLOTS = 64                           # notification words per agent
 NOTIFY = FIRST_WORD                         # word of notification slot k: NOTIFY + k
+
+
+def check_slot(slot, what: str = "notification slot") -> int:
+    """``slot`` when it names a notification slot (an int in ``0 .. NOTIFY_SLOTS - 1``), else :class:`BadInput`."""
+    if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < NOTIFY_SLOTS:
+        raise BadInput(f"{what} must be an int in 0..{NOTIFY_SLOTS - 1}, got {slot!r}")
+    return slot
+
+
 # the pack engine's words, two of each (a transfer of parity p uses word + p; see _PackTransfer):
 AVAIL = NOTIFY + NOTIFY_SLOTS               # chunks of the transfer the peer's source copied into our staging
 FREE = AVAIL + 2                            # chunks of our source's transfer the peer's destination unpacked

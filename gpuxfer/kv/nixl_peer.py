@@ -120,6 +120,7 @@ class NixlPeer(KVPeer):
                 continue
             seg = min(bm, bt)
             rm, rt = bm // seg, bt // seg
+            whole_blocks = rm == rt == 1            # one segment per block on both sides
             by_name = {lay.name: lay for lay in theirs.layers}
             planes, spans, rows_l, rows_r = [], [], [], []
             try:
@@ -128,11 +129,11 @@ class NixlPeer(KVPeer):
                     if other is None:
                         raise LayoutMismatch(f"group {gname!r}: peer {self.name!r} has no layer {lay.name!r}")
                     pairs = _pair_pieces(gname, lay, other, bm, bt, True)
-                    for my_off, their_off, seg_bytes in (_coalesce(pairs) if rm == rt == 1 else pairs):
+                    for my_off, their_off, seg_bytes in (_coalesce(pairs) if whole_blocks else pairs):
                         planes.append((lay.index, n_local, n_remote, seg_bytes))
-                        whole = rm == rt == 1 and seg_bytes == lay.block_stride == other.block_stride
+                        adjoin = whole_blocks and seg_bytes == lay.block_stride == other.block_stride
                         spans.append((lay.ptr + my_off, lay.block_stride, other.ptr + their_off, other.block_stride)
-                                     if whole else None)
+                                     if adjoin else None)
                         rows_l.append(_segments(lay.ptr + my_off, mine.num_blocks, lay.block_stride, rm, seg_bytes))
                         rows_r.append(_segments(other.ptr + their_off, theirs.num_blocks, other.block_stride, rt,
                                                 seg_bytes))

@@ -30,13 +30,11 @@ import threading
 from typing import Any, Mapping
 
 from .. import config
-from ..errors import BackendUnavailable, BadInput, BadMetadata
+from ..errors import BackendUnavailable, BadMetadata
 from .control import NOTIFY, NOTIFY_SLOTS
 
 log = logging.getLogger("gpuxfer.kv.agent")
 
-#: the routes ``add_peer`` takes
-ROUTES = ("auto", "ipc", "nixl")
 #: what an agent asked to reach other hosts installs
 NIXL_EXTRA = "pip install 'gpuxfer[nixl]' (the nixl wheel; on a CPU-only machine: nixl==1.5.1 nixl-cu12==1.5.1 --no-deps)"
 #: the largest NIXL agent metadata accepted from a peer
@@ -231,11 +229,11 @@ def side_for(agent, registry, remote: str | None) -> NixlSide | None:
     return NixlSide(agent, registry)
 
 
-def choose_route(agent, meta, route: str) -> str:
+def choose_route(agent, meta, route: str | None) -> str:
     """The route ``add_peer`` takes to ``meta``'s agent: ``"ipc"`` (same host) or ``"nixl"`` (another host, or
-    asked); a typed error naming what is missing when the route cannot be taken."""
-    if route not in ROUTES:
-        raise BadInput(f"route must be one of {', '.join(ROUTES)}, got {route!r}")
+    asked; ``route`` None: ``GPUXFER_KV_ROUTE``); a typed error naming what is missing when the route cannot be
+    taken."""
+    route = config.resolve("GPUXFER_KV_ROUTE", route, option="route")
     here = socket.gethostname() or "unknown"
     if route == "auto":
         route = "ipc" if meta.host == here else "nixl"
@@ -251,3 +249,13 @@ def choose_route(agent, meta, route: str) -> str:
                                  | {agent.name: "this agent has no NIXL agent: create it with "
                                                 "KVAgent(..., remote='nixl') (or GPUXFER_KV_REMOTE=nixl)"})
     return route
+
+
+def add_peer(agent, meta, registry, poster):
+    """``meta``'s agent as a peer on the NIXL route (:class:`~gpuxfer.kv.nixl_peer.NixlPeer`), added to ``registry``."""
+    from .nixl_peer import NixlPeer         # (it imports this module)
+    peer = NixlPeer(agent, meta, agent.nixl, registry, poster)
+    with registry.lock:
+        registry.peers[meta.agent] = peer
+    log.info("agent %s: peer %s (host %s) over the nixl route", agent.name, meta.agent, meta.host)
+    return peer

@@ -17,7 +17,7 @@ from ..common import process_namespace
 from ..errors import BadInput, BadMetadata, NotRegistered
 from ..flaglink import FlagLink
 from ..platforms.base import Closable, Event, IpcHandle, Stream
-from .control import AGENT_WORDS, NOTIFY, NOTIFY_SLOTS
+from .control import AGENT_WORDS, NOTIFY, NOTIFY_SLOTS, check_slot
 from .layers import KVLayer, _torch
 from .metadata import PeerMetadata, handle_meta
 
@@ -257,9 +257,7 @@ class KVPeer(Closable):
     def next_notification(self, slot: int) -> int:
         """The value the next notification this agent sends to word ``slot`` of the peer writes (the n-th
         writes n): what a post with ``notify_slot=slot`` made next, and nothing else in between, will write."""
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < NOTIFY_SLOTS:
-            raise BadInput(f"notification slot must be an int in 0..{NOTIFY_SLOTS - 1}, got {slot!r}")
-        return self._seq[slot] + 1
+        return self._seq[check_slot(slot)] + 1
 
     def notify(self, s: Stream, slot: int) -> tuple[int, Event]:
         """Queue the next notification to word ``slot`` of the peer on ``s``, then the post's event: ``(value,

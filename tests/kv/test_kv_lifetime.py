@@ -14,6 +14,7 @@ import torch
 
 from gpuxfer.errors import BadInput, GpuxferError, NotRegistered, PeerLost, TransferTimeout
 from gpuxfer.kv.agent import KVAgent
+from gpuxfer.kv.control import NOTIFY
 from gpuxfer.platforms.base import RELEASE_VALUE
 from gpuxfer.sync import MAX_TIMEOUT_S
 
@@ -229,7 +230,7 @@ def test_a_dropped_waited_stream_is_held_until_its_wait_passed():
         del s
         gc.collect()
         assert held() is not None
-        plat.host_write_flag(a.flags.word(a._slot(0)), 1, 0)
+        plat.host_write_flag(a.flags.word(NOTIFY), 1, 0)
         assert plat.synchronize(held(), 30)
         a.stream_wait_notification(other, 1, 0)
         gc.collect()
