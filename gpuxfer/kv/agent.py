@@ -104,6 +104,7 @@ from .layers import _MAX_NAME, KVLayer, KVLayerSpec, KVPiece, check_disjoint, de
 from . import nixl_route
 from .metadata import METADATA_VERSION, decode_metadata, encode_metadata, handle_meta
 from .lifetime import Lifetime, _Shared
+from .nixl_peer import NixlPeer
 from .pack_transfer import PackState
 from .peers import _LEAKED, _LOCAL_AGENTS, KVPeer, Registry, _Group  # noqa: F401 - _LEAKED: what close kept
 from .posting import Poster
@@ -343,9 +344,8 @@ class KVAgent(Closable, FailsOnTimeout):
     def add_peer(self, metadata: bytes, *, route: str | None = None) -> KVPeer:
         """Add the agent whose :meth:`metadata` these bytes are: map its caches and notification words.
 
-        ``route``: ``"auto"`` (IPC on this host, NIXL to another), ``"ipc"`` or ``"nixl"`` (both agents made
-        with ``remote="nixl"``; :mod:`gpuxfer.kv.nixl_route`); None: ``GPUXFER_KV_ROUTE`` (default ``"auto"``).
-        The peer's :attr:`~KVPeer.route` says which."""
+        ``route``: ``"auto"`` (IPC on this host, NIXL to another), ``"ipc"``, ``"nixl"`` (both agents made with
+        ``remote="nixl"``; :mod:`gpuxfer.kv.nixl_route`) or None (``GPUXFER_KV_ROUTE``); see :attr:`KVPeer.route`."""
         self._poster.check_open()
         meta = decode_metadata(metadata)
         if meta.platform != self.platform.name:
@@ -358,7 +358,11 @@ class KVAgent(Closable, FailsOnTimeout):
         if meta.agent in reg.peers:
             raise BadInput(f"peer {meta.agent!r} is already added (remove_peer first)")
         if route == "nixl":
-            return nixl_route.add_peer(self, meta, reg, self._poster)
+            nixl_peer = NixlPeer(self, meta, self.nixl, reg, self._poster)
+            with reg.lock:
+                reg.peers[meta.agent] = nixl_peer
+            log.info("agent %s: peer %s (host %s) over the nixl route", self.name, meta.agent, meta.host)
+            return nixl_peer
         if self.staging is not None and meta.staging is not None and meta.slot_bytes != self.slot_bytes:
             # each side addresses the pair's staging slots by its own slot size
             raise LayoutMismatch(f"peer {meta.agent!r} has {meta.slot_bytes}-byte staging slots, agent "

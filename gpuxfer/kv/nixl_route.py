@@ -249,13 +249,3 @@ def choose_route(agent, meta, route: str | None) -> str:
                                  | {agent.name: "this agent has no NIXL agent: create it with "
                                                 "KVAgent(..., remote='nixl') (or GPUXFER_KV_REMOTE=nixl)"})
     return route
-
-
-def add_peer(agent, meta, registry, poster):
-    """``meta``'s agent as a peer on the NIXL route (:class:`~gpuxfer.kv.nixl_peer.NixlPeer`), added to ``registry``."""
-    from .nixl_peer import NixlPeer         # (it imports this module)
-    peer = NixlPeer(agent, meta, agent.nixl, registry, poster)
-    with registry.lock:
-        registry.peers[meta.agent] = peer
-    log.info("agent %s: peer %s (host %s) over the nixl route", agent.name, meta.agent, meta.host)
-    return peer
