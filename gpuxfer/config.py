@@ -171,6 +171,9 @@ VARS: dict[str, Var] = {v.name: v for v in (
         "run NIXL's progress thread in the KV agent's NIXL agent (off: the agent's poller progresses it)"),
     Var("GPUXFER_TEST_REQUIRE_NIXL", False, FLAG,
         "tests: a missing NIXL fails the NIXL route's tests (CI's NIXL step) instead of skipping them"),
+    Var("GPUXFER_TEST_REQUIRE_MOONCAKE", False, FLAG,
+        "tests: a missing Mooncake fails the SGLang Mooncake reference tests (CI's SGLang step) instead of "
+        "skipping them"),
     Var("GPUXFER_NIXL_MODULE", None, TEXT, "the NIXL Python module to import (unset: the wheel matching CUDA)"),
     # at ~8 us per descriptor (UCX cuda_ipc on H200) the default cap is ~17 s per burst; nixl+pack moves a few
     # bulk descriptors and has no cap

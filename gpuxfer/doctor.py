@@ -149,7 +149,6 @@ def render(report: dict, console) -> None:
     """The report as rich tables. Every text from the report is escaped: ``gpuxfer[rocm]`` is not markup."""
     from rich.markup import escape as e
     from rich.panel import Panel
-    from rich.table import Table
 
     plat = report["platform"]
     if plat is None:
@@ -167,8 +166,7 @@ def render(report: dict, console) -> None:
 
     chosen = {k: v for k, v in report.get("config", {}).items() if v["set"]}
     if chosen:
-        t = Table(title="configuration set in the environment (the rest at defaults: docs/CONFIGURATION.md)",
-                  title_justify="left")
+        t = _table("configuration set in the environment (the rest at defaults: docs/CONFIGURATION.md)")
         t.add_column("variable")
         t.add_column("value")
         for k, v in chosen.items():
@@ -178,14 +176,14 @@ def render(report: dict, console) -> None:
         console.print("configuration: every GPUXFER_* variable at its default (docs/CONFIGURATION.md)")
 
     if report["skipped"]:
-        t = Table(title="other platforms", title_justify="left")
+        t = _table("other platforms")
         t.add_column("platform")
         t.add_column("why not used")
         for name, why in report["skipped"].items():
             t.add_row(e(name), e(str(why)))
         console.print(t)
 
-    t = Table(title="versions", title_justify="left")
+    t = _table("versions")
     t.add_column("library")
     t.add_column("version")
     for k, v in report["versions"].items():
@@ -194,7 +192,7 @@ def render(report: dict, console) -> None:
 
     devices = report["devices"]
     if devices:   # one column per device, one row per property
-        t = Table(title="devices", title_justify="left")
+        t = _table("devices")
         t.add_column("")
         for d in devices:
             t.add_column(str(d["index"]))
@@ -220,7 +218,7 @@ def render(report: dict, console) -> None:
     n = len(report["devices"])
     if n > 1:
         kinds = {(ln["src"], ln["dst"]): ln for ln in report["links"]}
-        t = Table(title="links (row: source, column: destination)", title_justify="left")
+        t = _table("links (row: source, column: destination)")
         t.add_column("")
         for j in range(n):
             t.add_column(str(j))
@@ -241,12 +239,18 @@ def render(report: dict, console) -> None:
         if entries is None:
             console.print(f"[bold]{title}:[/] {e(str(note))}")
             continue
-        t = Table(title=title, title_justify="left")
+        t = _table(title)
         t.add_column("name")
         t.add_column("usable here")
         for name, why in entries.items():
             t.add_row(e(name), "[green]yes[/]" if why is None else f"[red]no[/]: {e(why)}")
         console.print(t)
+
+
+def _table(title: str):
+    """A table whose title stays on one line however narrow its rows are (as wide as the console allows)."""
+    from rich.table import Table
+    return Table(title=title, title_justify="left", min_width=len(title) + 2)
 
 
 def _yes(v) -> str:

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """gpuxfer's SGLang 0.5.23 transfer backend under SGLang's own prefill queue: host time per ``send()`` chunk,
-and a whole request's transfer beside the same request moved by ``KVAgent`` directly.
+and a whole request's transfer beside the same request moved by ``KVAgent`` directly; ``--backend mooncake``:
+SGLang's built-in Mooncake backend in the same harness on the same buffers, the reference (no direct push).
 
 One device, two processes (tests/integrations/sglang_instance.py): a prefill rank running SGLang's
 ``PrefillBootstrapQueue`` and its scheduler's ``send_kv_chunk`` with SGLang's real bootstrap server, a decode
@@ -26,12 +27,15 @@ Per request (``--repeats`` of them, after one warm-up request not counted):
   before each).
 
 Targets (issue #39, p90 over the repeats): ``send()`` <= 100 us; the request within 100 us of the direct push.
-``--trace`` prints, per request, the clock at the backend's steps (chunks queued, posts, the metadata row,
+Mooncake runs over TCP (``MC_FORCE_TCP=1``: its wheel ``mooncake-transfer-engine-non-cuda``, where no system
+libibverbs is found with NIXL's bundled copy on the ranks' library path), KV in host memory:
+``--platform host`` only. ``--trace`` prints, per request, the clock at the backend's steps (chunks queued, posts, the metadata row,
 the drain, the status) on both ranks.
 
     python scripts/sglang_backend_bench.py --platform cuda --json out.json                  # 32k tokens
     python scripts/sglang_backend_bench.py --platform host --tokens 512 --layers 2 --chunk-tokens 128 \\
         --repeats 2 --json o.json
+    python scripts/sglang_backend_bench.py --platform host --backend mooncake --json m.json   # the reference
 
 Needs SGLang 0.5.23 importable (docs/SGLANG.md; on a GPU machine with no network,
 scripts/sglang_device_tree.py). Exit status 1 on a wrong byte or a failed request, 2 on bad options.
@@ -94,17 +98,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def mooncake_ready() -> str | None:
+    """None where the ranks can import Mooncake (``LD_LIBRARY_PATH`` set for them where needed), else why not."""
+    import tempfile
+    from sglang_instance import mooncake_library_path
+    why, path = mooncake_library_path(tempfile.mkdtemp(prefix="gpuxfer-mooncake-libs-"))
+    if path is not None:
+        os.environ["LD_LIBRARY_PATH"] = path
+    return why
+
+
 def run(a) -> dict:
-    from sglang_instance import Rank
+    from sglang_instance import MOONCAKE_ENV, Rank
     regions = geometry(a.page_size, a.layers)
     item_lens = [pb for _, n, pb in regions for _ in range(n)]
     n_pages = -(-a.tokens // a.page_size)
     pool_pages = n_pages + 1                    # page 0: SGLang's padding page, never handed out
     env = {"SGLANG_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "GPUXFER_PLATFORM": a.platform, "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(a.timeout)}
+    if a.backend == "mooncake":
+        env.update(MOONCAKE_ENV)
     port = free_port()
     kw = dict(port=port, page_size=a.page_size, pages=pool_pages, env=env, mla=True, layers=len(item_lens),
-              item_lens=item_lens, device="cuda" if a.platform == "cuda" else "cpu")
+              item_lens=item_lens, device="cuda" if a.platform == "cuda" else "cpu", backend=a.backend)
     auto = a.cpus != "none"
     t0 = time.perf_counter()
     mode = "one" if a.cpus == "one" else "split"
@@ -145,8 +161,10 @@ def run(a) -> dict:
             P.call("clear", [room])
             D.call("clear", [room])
             D.call("scrub", dst, timeout=600)
-            direct = P.call("direct_push", src, dst, a.timeout, timeout=a.timeout + 60)
-            dchk = D.call("check", [room], 1, (), ran["rows"], timeout=600)
+            direct, dchk = None, {"bad": {}, "others_changed": 0, "checked": 0}
+            if a.backend == "gpuxfer":
+                direct = P.call("direct_push", src, dst, a.timeout, timeout=a.timeout + 60)
+                dchk = D.call("check", [room], 1, (), ran["rows"], timeout=600)
             rows.append({
                 "request": i, "warm_up": i == 0, "status": status, "prefill_status": prefill[room][0],
                 "decode_receiver": st.get(room), "python_us": py["python_us"], "cpu": py["cpu"],
@@ -159,8 +177,9 @@ def run(a) -> dict:
             sends = [1e6 * x for x in r["send_s"]]
             print(f"{'warm' if i == 0 else i:>4} {len(sends):>6} {f(pct(sends, 0.5), 8)} {f(max(sends, default=None), 8)} "
                   f"{f(1e6 * max(r['send_kv_chunk_s'], default=0), 9)} "
-                  f"{f(None if request_s is None else 1e3 * request_s, 10, 3)} {f(1e3 * direct['total_s'], 10, 3)} "
-                  f"{f(None if request_s is None else 1e6 * (request_s - direct['total_s']), 10)} "
+                  f"{f(None if request_s is None else 1e3 * request_s, 10, 3)} "
+                  f"{f(None if direct is None else 1e3 * direct['total_s'], 10, 3)} "
+                  f"{f(None if request_s is None or direct is None else 1e6 * (request_s - direct['total_s']), 10)} "
                   f"{f(None if tail_s is None else 1e3 * tail_s, 8, 3)} "
                   f"{f(r['python_us'], 6)} {r['wrong_bytes'] + r['direct_wrong_bytes']:>6} {status}", flush=True)
             if steps:
@@ -194,8 +213,16 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", action="store_true",
                     help="note the clock at the backend's steps of each request (chunks queued, posts, the drain, "
                          "the decode's row and status) and print them after each request's row")
+    ap.add_argument("--backend", choices=("gpuxfer", "mooncake"), default="gpuxfer",
+                    help="the transfer backend SGLang is given: gpuxfer (default), or its built-in Mooncake backend "
+                         "over TCP as the reference (--platform host; no direct push, no --trace)")
     ap.add_argument("--json", required=True, help="JSON file to write (must not exist)")
     a = ap.parse_args(argv)
+    if a.backend == "mooncake":
+        if a.platform != "host":
+            ap.error("--backend mooncake runs over TCP on host memory: use --platform host")
+        if a.trace:
+            ap.error("--trace notes gpuxfer's steps: not with --backend mooncake")
     for k in ("tokens", "page_size", "chunk_tokens", "repeats", "timeout"):
         if getattr(a, k) < 1:
             ap.error(f"--{k.replace('_', '-')} must be >= 1")
@@ -208,8 +235,13 @@ def main(argv=None) -> int:
     regions = geometry(a.page_size, a.layers)
     n_pages = -(-a.tokens // a.page_size)
     kv_bytes = n_pages * sum(n * pb for _, n, pb in regions)
-    print(f"# gpuxfer SGLang backend bench: SGLang 0.5.23 PrefillBootstrapQueue + send_kv_chunk, {a.platform}, "
-          f"python {platform.python_version()}")
+    print(f"# gpuxfer SGLang backend bench: SGLang 0.5.23 PrefillBootstrapQueue + send_kv_chunk, backend "
+          f"{a.backend}{' (TCP)' if a.backend == 'mooncake' else ''}, {a.platform}, python {platform.python_version()}")
+    if a.backend == "mooncake":
+        why = mooncake_ready()
+        if why is not None:
+            print(f"# FAIL: {why}")
+            return 1
     print(f"# CPUs: {cpus()}")
     print(f"# request: {a.tokens} tokens, {a.page_size}-token pages ({n_pages}), kv-dsv4-like entries "
           + ", ".join(f"{name} {n} x {pb} B/page" for name, n, pb in regions)
@@ -230,31 +262,30 @@ def main(argv=None) -> int:
     res = run(a)
     measured = [r for r in res["requests"] if not r["warm_up"]]
     sends = [x for r in measured for x in r["send_s"]]
-    diffs = [r["request_s"] - r["direct"]["total_s"] for r in measured if r["request_s"] is not None]
+    done = [r["request_s"] for r in measured if r["request_s"] is not None]
+    diffs = [r["request_s"] - r["direct"]["total_s"] for r in measured if r["request_s"] is not None and r["direct"]]
     tails = [r["tail_s"] for r in measured if r["tail_s"] is not None]
-    tail_diffs = [r["tail_s"] - r["direct"]["total_s"] for r in measured if r["tail_s"] is not None]
+    tail_diffs = [r["tail_s"] - r["direct"]["total_s"] for r in measured if r["tail_s"] is not None and r["direct"]]
+    directs = [r["direct"]["total_s"] for r in measured if r["direct"]]
     summary = {
         "send_us": 1e6 * pct(sends, 0.9) if sends else None,
         "send_us_p50": 1e6 * pct(sends, 0.5) if sends else None,
         "send_kv_chunk_us": 1e6 * pct([x for r in measured for x in r["send_kv_chunk_s"]], 0.9) if measured else None,
-        "request_ms_p50": 1e3 * pct([r["request_s"] for r in measured if r["request_s"] is not None], 0.5)
-        if diffs else None,
-        "request_ms_p90": 1e3 * pct([r["request_s"] for r in measured if r["request_s"] is not None], 0.9)
-        if diffs else None,
-        "direct_ms_p50": 1e3 * pct([r["direct"]["total_s"] for r in measured], 0.5) if measured else None,
-        "direct_ms_p90": 1e3 * pct([r["direct"]["total_s"] for r in measured], 0.9) if measured else None,
+        "request_ms_p50": 1e3 * pct(done, 0.5) if done else None,
+        "request_ms_p90": 1e3 * pct(done, 0.9) if done else None,
+        "direct_ms_p50": 1e3 * pct(directs, 0.5) if directs else None,
+        "direct_ms_p90": 1e3 * pct(directs, 0.9) if directs else None,
         "request_minus_direct_us": 1e6 * pct(diffs, 0.9) if diffs else None,
         "tail_ms_p50": 1e3 * pct(tails, 0.5) if tails else None,
         "tail_ms_p90": 1e3 * pct(tails, 0.9) if tails else None,
         "tail_minus_direct_us": 1e6 * pct(tail_diffs, 0.9) if tail_diffs else None,
     }
-    print(f"# p50 / p90 over the {len(measured)} requests: send {summary['send_us_p50'] or 0:.1f} / "
-          f"{summary['send_us'] or 0:.1f} us; request {summary['request_ms_p50'] or 0:.3f} / "
-          f"{summary['request_ms_p90'] or 0:.3f} ms; direct {summary['direct_ms_p50'] or 0:.3f} / "
-          f"{summary['direct_ms_p90'] or 0:.3f} ms")
-    print(f"# tail (last send_kv_chunk -> decode Success) p50 / p90 {summary['tail_ms_p50'] or 0:.3f} / "
-          f"{summary['tail_ms_p90'] or 0:.3f} ms; tail minus direct (the whole request moved once prefill is "
-          f"done), p90: {summary['tail_minus_direct_us'] or 0:.1f} us")
+    n = lambda k, p=3: "-" if summary[k] is None else f"{summary[k]:.{p}f}"  # noqa: E731
+    print(f"# p50 / p90 over the {len(measured)} requests: send {n('send_us_p50', 1)} / {n('send_us', 1)} us; "
+          f"request {n('request_ms_p50')} / {n('request_ms_p90')} ms; direct {n('direct_ms_p50')} / "
+          f"{n('direct_ms_p90')} ms")
+    print(f"# tail (last send_kv_chunk -> decode Success) p50 / p90 {n('tail_ms_p50')} / {n('tail_ms_p90')} ms; "
+          f"tail minus direct (the whole request moved once prefill is done), p90: {n('tail_minus_direct_us', 1)} us")
     print("# targets, p90 over the requests:")
     verdicts = {}
     for k, target in TARGETS.items():

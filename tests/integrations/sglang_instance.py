@@ -1,6 +1,6 @@
 """An SGLang 0.5.23 prefill or decode rank without a model, for the gpuxfer backend's tests: SGLang's own
 bootstrap server (prefill), KV manager, sender and receiver classes, chosen by the backend name through the
-``sglang.srt.plugins`` entry point, over a KV pool laid out as SGLang's MHA or MLA pool hands it to a backend
+``sglang.srt.plugins`` entry point (or SGLang's built-in Mooncake backend, the reference), over a KV pool laid out as SGLang's MHA or MLA pool hands it to a backend
 (``KVArgs``: K layers then V layers, or one buffer per layer; ``page_size``-token pages, page 0 padding; aux
 metadata rows). Every page and row is filled with bytes known from a seed, so the decode side checks each
 byte it got.
@@ -41,6 +41,53 @@ AUX_ROWS = 128
 
 def ctx():
     return mp.get_context("spawn")
+
+
+#: SGLang's Mooncake backend (the reference beside gpuxfer's) over TCP: Mooncake's TCP transport, no RDMA device
+MOONCAKE_ENV = {"MC_FORCE_TCP": "1", "MOONCAKE_PROTOCOL": "tcp", "MC_LOG_LEVEL": "WARNING"}
+#: the shared libraries Mooncake's TCP wheel links beyond its own, and the names NIXL's wheel bundles them by
+_MOONCAKE_LINKS = {"libibverbs.so.1": "libibverbs-*.so*", "libnl-3.so.200": "libnl-3-*.so*",
+                   "libnl-route-3.so.200": "libnl-route-3-*.so*"}
+
+
+def _mooncake_imports(env: dict) -> str | None:
+    """None where a fresh interpreter with ``env`` imports Mooncake's engine, else its error's last line."""
+    import subprocess
+    r = subprocess.run([sys.executable, "-c", "import mooncake.engine"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    return None if r.returncode == 0 else (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+
+
+def mooncake_library_path(tmp: str) -> tuple[str | None, str | None]:
+    """``(why Mooncake cannot run, or None; the LD_LIBRARY_PATH the ranks need, or None: the one they have)``.
+    Mooncake's TCP wheel (``mooncake-transfer-engine-non-cuda``) links libibverbs and libnl; where the machine
+    has none, ``tmp`` gets links naming NIXL's bundled copies as Mooncake asks for them, and NIXL's library
+    directory (their own dependencies) follows it on the path. Set it in ``os.environ`` before the ranks spawn
+    (the loader reads it at a process's start)."""
+    import glob
+    import importlib.util
+    if importlib.util.find_spec("mooncake") is None:
+        return "Mooncake is not installed (pip install --no-deps mooncake-transfer-engine-non-cuda)", None
+    why = _mooncake_imports(dict(os.environ))
+    if why is None:
+        return None, None
+    for name in ("nixl_cu12", "nixl_cu13"):
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        libs = os.path.join(os.path.dirname(list(spec.submodule_search_locations)[0]), f"{name}.libs")
+        found = {want: sorted(glob.glob(os.path.join(libs, pat))) for want, pat in _MOONCAKE_LINKS.items()}
+        if not all(found.values()):
+            continue
+        os.makedirs(tmp, exist_ok=True)
+        for want, paths in found.items():
+            link = os.path.join(tmp, want)
+            if not os.path.lexists(link):
+                os.symlink(paths[0], link)
+        path = os.pathsep.join(p for p in (tmp, libs, os.environ.get("LD_LIBRARY_PATH")) if p)
+        if _mooncake_imports({**os.environ, "LD_LIBRARY_PATH": path}) is None:
+            return None, path
+    return f"Mooncake's engine does not import: {why}", None
 
 
 MLA_DIM = 576
@@ -90,7 +137,9 @@ class Rank:
         bytes per page, else the MHA/MLA page of ``HEADS`` x ``HEAD_DIM``), ``device`` (``cuda``: the KV
         buffers on GPU 0), ``cpus`` (``(rank, world)``: pinned as a benchmark rank), ``cpu_mode`` (with
         ``cpus``: ``split``, the default: the rank's main thread on the fastest core of its part and every
-        thread the rank starts on the rest of the part; ``one``: every thread on that one core)."""
+        thread the rank starts on the rest of the part; ``one``: every thread on that one core), ``backend``
+        (``gpuxfer``, the default, or ``mooncake``: SGLang's built-in Mooncake backend, the reference; with
+        ``MOONCAKE_ENV`` in ``env``)."""
         self.role, self.port = role, port
         self.conn, child = ctx().Pipe()
         spec = dict(role=role, port=port, page_size=page_size, pages=pages, seed=seed, env=env or {}, mla=mla,
@@ -142,9 +191,10 @@ class _State:
         self.role, self.port, self.seed = spec["role"], spec["port"], spec["seed"]
         self.page_size, self.pages = spec["page_size"], spec["pages"]
         self.addr = f"127.0.0.1:{self.port}"
-        backend = TransferBackend("gpuxfer")            # resolves only through the plugin
+        self.backend = name = spec.get("backend") or "gpuxfer"
+        backend = TransferBackend(name)             # "gpuxfer" resolves only through the plugin
         self.server_args = get_context().override_server_args(
-            disaggregation_mode=self.role, disaggregation_transfer_backend="gpuxfer",
+            disaggregation_mode=self.role, disaggregation_transfer_backend=name,
             disaggregation_bootstrap_port=self.port, host="127.0.0.1").install()
         # one rank of TP/DP/CP/PP size 1, as a single-GPU SGLang server's scheduler publishes itself
         from sglang.srt.runtime_context import get_parallel
@@ -187,6 +237,10 @@ class _State:
             self.mgr = sched.disagg_decode_prealloc_queue.kv_manager
         self.kv_args = self.mgr.kv_args
         self.sender_cls = get_kv_class(backend, KVClassType.SENDER)
+        if device == "cpu" and getattr(self.sender_cls, "supports_host_tensor_indices", False):
+            # Mooncake's sender takes page indices as a pinned host tensor with a CUDA event (its D2H copy off
+            # the scheduler's stream); on a CPU the scheduler hands it the plain index array instead
+            self.sender_cls.supports_host_tensor_indices = False
         self.receiver_cls = get_kv_class(backend, KVClassType.RECEIVER)
         self.ends: dict[int, object] = {}           # room -> KVSender / KVReceiver
         self.plan: dict[int, tuple] = {}            # decode: room -> (prefill pages, decode pages, decode row)
@@ -524,7 +578,10 @@ class _State:
         return {room: self.reasons.get(room) for room in rooms}
 
     def close(self):
-        self.mgr.teardown()
+        if self.backend == "gpuxfer":
+            self.mgr.teardown()
+        # else the process's exit releases the reference backend's threads and sockets, as a server's shutdown
+        # does (Mooncake's teardown, meant for a role switch, destroys its ZMQ context under a polling thread)
         if self.server is not None:
             self.server.close()
 
@@ -552,7 +609,7 @@ def serve(conn, spec: dict) -> None:
         if main_cpu is not None:
             state.helper_cpus = os.sched_getaffinity(0)
             pin((main_cpu,))
-        conn.send(("ready", {"session": state.mgr.session_id, "pid": os.getpid()}))
+        conn.send(("ready", {"session": getattr(state.mgr, "session_id", None), "pid": os.getpid()}))
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return

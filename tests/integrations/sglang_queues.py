@@ -26,10 +26,15 @@ import torch
 
 
 def init_world_of_one() -> None:
-    """A one-rank gloo group: SGLang's poll all-reduce asks its world size (1: the polls pass unchanged)."""
+    """A one-rank gloo group: SGLang's poll all-reduce asks its world size (1: the polls pass unchanged); then,
+    as SGLang's distributed bootstrap does once its groups exist, the shared Mooncake transfer engine where the
+    server's transfer backend is Mooncake (a no-op for any other backend)."""
     import torch.distributed as dist
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+        maybe_init_shared_mooncake_transfer_engine)
+    maybe_init_shared_mooncake_transfer_engine(gpu_id=0)
 
 
 def make_pool(mla: bool, page_size: int, layers: int, heads: int, ptrs, lens, items):

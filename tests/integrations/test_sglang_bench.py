@@ -46,3 +46,30 @@ def test_bench_refuses_bad_options(tmp_path):
     existing.write_text("{}")
     assert _run("--json", str(existing), timeout=120).returncode == 2
     assert _run("--tokens", "0", "--json", str(tmp_path / "x.json"), timeout=120).returncode == 2
+    assert _run("--backend", "mooncake", "--platform", "cuda", "--json", str(tmp_path / "m.json"),
+                timeout=120).returncode == 2
+    assert _run("--backend", "mooncake", "--platform", "host", "--trace", "--json", str(tmp_path / "t.json"),
+                timeout=120).returncode == 2
+
+
+def test_bench_runs_the_mooncake_reference_tiny(tmp_path):
+    """``--backend mooncake``: SGLang's Mooncake backend over TCP in the same harness, every byte checked, no
+    direct push (its columns and the request-minus-direct verdict are empty, not zero)."""
+    import importlib.util
+    from gpuxfer import config
+    if importlib.util.find_spec("mooncake") is None:
+        if config.get("GPUXFER_TEST_REQUIRE_MOONCAKE"):
+            raise AssertionError("GPUXFER_TEST_REQUIRE_MOONCAKE=1 but Mooncake is not installed")
+        import pytest
+        pytest.skip("Mooncake is not installed (pip install --no-deps mooncake-transfer-engine-non-cuda)")
+    out = tmp_path / "mooncake.json"
+    p = _run("--platform", "host", "--backend", "mooncake", "--tokens", "300", "--page-size", "16", "--layers", "1",
+             "--chunk-tokens", "100", "--repeats", "2", "--cpus", "none", "--json", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "# PASS" in p.stdout and "backend mooncake (TCP)" in p.stdout, p.stdout
+    res = json.loads(out.read_text())
+    assert res["wrong_bytes"] == 0 and res["failed"] == [] and res["exit_codes"] == [0, 0], res["requests"]
+    for r in res["requests"]:
+        assert r["status"] == r["prefill_status"] == "Success" and r["direct"] is None, r
+        assert r["checked_bytes"] > 0 and r["request_s"] > 0 and len(r["send_s"]) == 3, r
+    assert res["summary"]["request_minus_direct_us"] is None and res["verdicts"]["request_minus_direct_us"] == "n/a"
