@@ -139,7 +139,8 @@ class Rank:
         ``cpus``: ``split``, the default: the rank's main thread on the fastest core of its part and every
         thread the rank starts on the rest of the part; ``one``: every thread on that one core), ``backend``
         (``gpuxfer``, the default, or ``mooncake``: SGLang's built-in Mooncake backend, the reference; with
-        ``MOONCAKE_ENV`` in ``env``)."""
+        ``MOONCAKE_ENV`` in ``env``), ``tp`` (``(rank, size)``: this rank of a server of that TP size; the
+        prefill's rank 0 runs the bootstrap server)."""
         self.role, self.port = role, port
         self.conn, child = ctx().Pipe()
         spec = dict(role=role, port=port, page_size=page_size, pages=pages, seed=seed, env=env or {}, mla=mla,
@@ -193,16 +194,18 @@ class _State:
         self.addr = f"127.0.0.1:{self.port}"
         self.backend = name = spec.get("backend") or "gpuxfer"
         backend = TransferBackend(name)             # "gpuxfer" resolves only through the plugin
+        self.tp_rank, tp_size = spec.get("tp") or (0, 1)
         self.server_args = get_context().override_server_args(
             disaggregation_mode=self.role, disaggregation_transfer_backend=name,
-            disaggregation_bootstrap_port=self.port, host="127.0.0.1").install()
-        # one rank of TP/DP/CP/PP size 1, as a single-GPU SGLang server's scheduler publishes itself
+            disaggregation_bootstrap_port=self.port, host="127.0.0.1", tp_size=tp_size).install()
+        # rank tp_rank of a server of TP size tp_size (DP/CP/PP size 1), as its scheduler publishes itself; its
+        # polls are not all-reduced over the TP group (the gloo world of one): the test drives every rank alike
         from sglang.srt.runtime_context import get_parallel
-        get_parallel().override_permanently(attn_tp_rank=0, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0,
-                                            dp_rank=0, tp_rank=0, pp_rank=0, pp_group=None,
-                                            attn_tp_group=SimpleNamespace(cpu_group=None))  # gloo: the world of one
+        get_parallel().override_permanently(attn_tp_rank=self.tp_rank, attn_cp_rank=0, attn_dcp_rank=0,
+                                            attn_dp_rank=0, dp_rank=0, tp_rank=self.tp_rank, pp_rank=0,
+                                            pp_group=None, attn_tp_group=SimpleNamespace(cpu_group=None))
         self.server = None
-        if self.role == "prefill":
+        if self.role == "prefill" and self.tp_rank == 0:     # a server's bootstrap server runs beside its rank 0
             self.server = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=self.port)
         self.mla = spec["mla"]
         heads = 1 if self.mla else spec["heads"]

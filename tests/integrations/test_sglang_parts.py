@@ -83,6 +83,11 @@ def test_geometry_differences_name_each_field():
     diffs = geometry_differences(ours, theirs)
     assert any(d.startswith("page_size: prefill 4, decode 8") for d in diffs)
     assert any(d.startswith("kv_item_lens") for d in diffs)
+    # an MHA pool's pages hold a TP slice of the heads: different attention TP sizes do not pair even where the
+    # page bytes match; an MLA pool (None: every rank holds all of it) pairs at any TP size
+    tp2, tp1 = geometry(_kv_args()[0], 2), geometry(_kv_args()[0], 1)
+    assert [d for d in geometry_differences(tp2, tp1) if d.startswith("attention TP size: prefill 2, decode 1")]
+    assert geometry_differences(tp2, dict(tp2)) == [] and geometry_differences(ours, geometry(_kv_args()[0])) == []
 
 
 def test_registration_payload_round_trip_and_bounds():

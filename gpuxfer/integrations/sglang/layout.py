@@ -62,9 +62,12 @@ def register_kv_args(agent: Any, kv_args: Any) -> None:
     agent.register_group(GROUP, page_size, layers)
 
 
-def geometry(kv_args: Any) -> dict:
-    """What a prefill and a decode instance must agree on for their pages to pair one to one."""
+def geometry(kv_args: Any, attn_tp_size: int | None = None) -> dict:
+    """What a prefill and a decode instance must agree on for their pages to pair one to one. ``attn_tp_size``:
+    the rank's attention TP size where its pool holds a TP slice of the KV heads (MHA); None where every rank
+    holds all of it (MLA)."""
     return {"page_size": int(kv_args.page_size), "kv_item_lens": _ints(kv_args, "kv_item_lens"),
+            "attn_tp_size": None if attn_tp_size is None else int(attn_tp_size),
             "aux_item_lens": _ints(kv_args, "aux_item_lens"),
             "kv_cache_dtype": str(getattr(kv_args, "kv_cache_dtype_str", "") or ""),
             "kv_layout": getattr(kv_args, "kv_layout", None),
@@ -77,6 +80,10 @@ def geometry_differences(ours: dict, theirs: dict) -> list[str]:
     for key in ("page_size", "kv_item_lens", "aux_item_lens", "kv_cache_dtype", "kv_layout", "num_draft_entries"):
         if ours.get(key) != theirs.get(key):
             out.append(f"{key}: prefill {ours.get(key)!r}, decode {theirs.get(key)!r}")
+    if ours.get("attn_tp_size") != theirs.get("attn_tp_size"):
+        out.append(f"attention TP size: prefill {ours.get('attn_tp_size')!r}, decode {theirs.get('attn_tp_size')!r} "
+                   "(pages move whole, rank to rank: an MHA pool's heads are split by TP, and different TP sizes "
+                   "would need head slicing, which this backend does not do)")
     return out
 
 

@@ -1,0 +1,130 @@
+"""gpuxfer's SGLang backend with tensor parallelism: every rank of a prefill and a decode server in a process of
+its own (tests/integrations/sglang_instance.py, ``tp=(rank, size)``), SGLang's own rank mapping (the bootstrap
+server's ``/route`` per prefill rank, each receiver's target prefill ranks) deciding who sends to whom.
+
+* Equal TP sizes with an MHA pool (each rank holds a slice of the KV heads): decode rank ``i`` gets prefill rank
+  ``i``'s pages, every byte checked against that rank's (the ranks' bytes differ).
+* An MLA pool (every rank holds all of it) at different TP sizes (2 -> 1, 1 -> 2): SGLang picks the prefill
+  rank each decode rank reads from; every byte checked.
+* An MHA pool at different TP sizes: refused (moving whole pages would mix the ranks' heads), every request
+  Failed on both sides naming the attention TP sizes, nothing written.
+
+Each rank runs SGLang's queues alone (its polls are not all-reduced over the TP group); the test drives every
+rank of a server with the same requests, as SGLang's scheduler does. Skipped without SGLang, unless
+GPUXFER_REQUIRE_SGLANG=1.
+"""
+from __future__ import annotations
+
+import random
+
+from _requires import require
+
+require("sglang", "GPUXFER_REQUIRE_SGLANG", "sglang==0.5.23")
+
+from sglang_instance import Rank  # noqa: E402
+from test_sglang_backend import ENV, PAGES, _close, _free_port, _Pages  # noqa: E402
+
+
+def _servers(prefill_tp: int, decode_tp: int, page_size: int, *, mla: bool = False, replicas: bool = False):
+    """Every rank of a prefill server of TP ``prefill_tp`` (rank r seeded ``1 + 10 r``, or all ``1`` with
+    ``replicas``: an MLA pool is the same on every rank) and of a decode server of TP ``decode_tp`` (rank r
+    seeded ``2 + 10 r``), started together and ready."""
+    port = _free_port()
+    prefill = [Rank("prefill", port=port, page_size=page_size, pages=PAGES, seed=1 if replicas else 1 + 10 * r,
+                    env=ENV, mla=mla, tp=(r, prefill_tp)) for r in range(prefill_tp)]
+    decode = [Rank("decode", port=port, page_size=page_size, pages=PAGES, seed=2 + 10 * r, env=ENV, mla=mla,
+                   tp=(r, decode_tp)) for r in range(decode_tp)]
+    try:
+        for rank in prefill + decode:
+            rank.ready(timeout=600)
+    except BaseException:
+        _close(*prefill, *decode)
+        raise
+    return prefill, decode
+
+
+def _exchange(prefill, decode, plan, page_size, rng):
+    """``plan``'s requests through every rank's queues (the prefill's chunked, most last pages partial): the
+    prefill ranks' ``{room: status}`` and rows, the decode ranks' ``{room: (status, seconds, reason)}``."""
+    rooms = [r for r, _ in plan]
+    tokens = {r: len(src) * page_size - rng.randrange(page_size) for r, src in plan}
+    chunks = {r: rng.choice([page_size, 3 * page_size + 5, 40, 300]) for r in rooms}
+    for p in prefill:
+        assert set(p.call("queue_add", [(r, src, tokens[r], chunks[r]) for r, src in plan]).values()) \
+            == {"Bootstrapping"}
+    for d in decode:
+        d.call("requests", [(r, tokens[r]) for r in rooms], 60, timeout=120)
+    ran = [p.call("queue_run", 60, timeout=120) for p in prefill]
+    assert all(x["left"] == [] for x in ran), ran
+    done = [p.call("wait", rooms, 60, timeout=120) for p in prefill]
+    ends = [d.call("finish", rooms, 60, timeout=120) for d in decode]
+    return done, [x["rows"] for x in ran], ends
+
+
+def _all(statuses, want):
+    return all({v[0] for v in s.values()} == {want} for s in statuses)
+
+
+def test_equal_tp_mha_lands_rank_to_rank():
+    """Prefill and decode at TP 2, MHA pool, 16-token pages: 32 concurrent requests; decode rank ``i``'s pages
+    and metadata rows hold prefill rank ``i``'s bytes (each rank's differ), nothing else changed."""
+    prefill, decode = _servers(2, 2, 16)
+    try:
+        pages = _Pages(30)
+        rng = random.Random(30)
+        plan = [pages.take(room, rng.randint(1, 9)) for room in range(9000, 9032)]
+        done, rows, ends = _exchange(prefill, decode, plan, 16, rng)
+        assert _all(done, "Success") and _all(ends, "Success"), (done, ends)
+        rooms = [r for r, _ in plan]
+        for r, d in enumerate(decode):
+            res = d.call("check", rooms, 1 + 10 * r, (), rows[r], dict(plan))
+            assert res["bad"] == {room: 0 for room in rooms} and res["checked"] > 0, (r, res)
+            assert res["others_changed"] == 0, (r, res)
+        for p in prefill:
+            assert set(p.call("clear", rooms).values()) == {None}
+    finally:
+        codes = _close(*prefill, *decode)
+    assert codes == [0, 0, 0, 0], codes
+
+
+def test_mla_pool_at_different_tp_sizes_lands():
+    """An MLA pool (the same on every rank) from a prefill at TP 2 to a decode at TP 1, then from TP 1 to
+    TP 2: every request lands on every decode rank byte for byte."""
+    for prefill_tp, decode_tp in ((2, 1), (1, 2)):
+        prefill, decode = _servers(prefill_tp, decode_tp, 16, mla=True, replicas=True)
+        try:
+            pages = _Pages(31)
+            rng = random.Random(31)
+            plan = [pages.take(room, rng.randint(1, 9)) for room in range(9100, 9108)]
+            done, rows, ends = _exchange(prefill, decode, plan, 16, rng)
+            assert _all(done, "Success") and _all(ends, "Success"), (prefill_tp, decode_tp, done, ends)
+            rooms = [r for r, _ in plan]
+            for d in decode:
+                res = d.call("check", rooms, 1, (), rows[0], dict(plan))
+                assert res["bad"] == {room: 0 for room in rooms} and res["others_changed"] == 0, res
+        finally:
+            codes = _close(*prefill, *decode)
+        assert codes == [0] * (prefill_tp + decode_tp), codes
+
+
+def test_mha_pool_at_different_tp_sizes_is_refused():
+    """An MHA pool from a prefill at TP 2 to a decode at TP 1, the pages the same size on every rank (so only
+    the TP sizes tell them apart): both prefill ranks refuse the decode's registration, every request ends
+    Failed on both sides naming the attention TP sizes, and no byte of the decode's pool is written (whole
+    pages from two ranks would land on the same decode pages, each holding other heads)."""
+    prefill, decode = _servers(2, 1, 16)
+    try:
+        pages = _Pages(32)
+        rng = random.Random(32)
+        plan = [pages.take(room, rng.randint(1, 5)) for room in range(9200, 9208)]
+        done, _, ends = _exchange(prefill, decode, plan, 16, rng)
+        assert _all(done, "Failed") and _all(ends, "Failed"), (done, ends)
+        assert all("attention TP size: prefill 2, decode 1" in reason for _, _, reason in ends[0].values()), ends
+        assert decode[0].call("check", [], 1)["others_changed"] == 0
+        for p in prefill:           # the refusal, or the decode's abort of the rooms it failed
+            reasons = p.call("clear", [r for r, _ in plan])
+            assert all("attention TP size" in (why or "") or "Aborted by the decode" in (why or "")
+                       for why in reasons.values()), reasons
+    finally:
+        codes = _close(*prefill, *decode)
+    assert codes == [0, 0, 0], codes
