@@ -1,6 +1,7 @@
 """gpuxfer's SGLang backend with CUDA KV buffers: a prefill and a decode rank in two processes on one GPU,
 SGLang's ``PrefillBootstrapQueue`` and ``send_kv_chunk`` on the prefill, its decode queues on the decode
-(tests/integrations/sglang_instance.py), every byte of every page and metadata row checked.
+(tests/integrations/sglang_instance.py), every byte of every page and metadata row checked; and both servers at
+TP 2 (four rank processes on the GPU, tests/integrations/test_sglang_tp.py's exchange).
 
 Run on a GPU machine with SGLang's pure-Python tree on PYTHONPATH (scripts/sglang_device_tree.py):
 ``GPUXFER_REQUIRE_SGLANG=1 python -m pytest -m gpu tests/integrations/test_sglang_backend_gpu.py``.
@@ -40,3 +41,13 @@ def test_gpu_rooms_land_byte_for_byte(page_size, mla):
     finally:
         codes = [p.close(), d.close()]
     assert codes == [0, 0], codes
+
+
+def test_gpu_equal_tp_lands_rank_to_rank():
+    """Prefill and decode at TP 2 on CUDA KV buffers (every rank a process on GPU 0), MHA pool: decode rank
+    ``i`` gets prefill rank ``i``'s bytes."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from test_sglang_tp import _servers, equal_tp_lands_rank_to_rank
+    equal_tp_lands_rank_to_rank(*_servers(2, 2, 16, env=ENV, device="cuda"))

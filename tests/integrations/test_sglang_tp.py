@@ -25,15 +25,16 @@ from sglang_instance import Rank  # noqa: E402
 from test_sglang_backend import ENV, PAGES, _close, _free_port, _Pages  # noqa: E402
 
 
-def _servers(prefill_tp: int, decode_tp: int, page_size: int, *, mla: bool = False, replicas: bool = False):
+def _servers(prefill_tp: int, decode_tp: int, page_size: int, *, mla: bool = False, replicas: bool = False,
+             env: dict = ENV, **extra):
     """Every rank of a prefill server of TP ``prefill_tp`` (rank r seeded ``1 + 10 r``, or all ``1`` with
     ``replicas``: an MLA pool is the same on every rank) and of a decode server of TP ``decode_tp`` (rank r
-    seeded ``2 + 10 r``), started together and ready."""
+    seeded ``2 + 10 r``), started together and ready; ``extra``: :class:`Rank`'s (``device``)."""
     port = _free_port()
     prefill = [Rank("prefill", port=port, page_size=page_size, pages=PAGES, seed=1 if replicas else 1 + 10 * r,
-                    env=ENV, mla=mla, tp=(r, prefill_tp)) for r in range(prefill_tp)]
-    decode = [Rank("decode", port=port, page_size=page_size, pages=PAGES, seed=2 + 10 * r, env=ENV, mla=mla,
-                   tp=(r, decode_tp)) for r in range(decode_tp)]
+                    env=env, mla=mla, tp=(r, prefill_tp), **extra) for r in range(prefill_tp)]
+    decode = [Rank("decode", port=port, page_size=page_size, pages=PAGES, seed=2 + 10 * r, env=env, mla=mla,
+                  tp=(r, decode_tp), **extra) for r in range(decode_tp)]
     try:
         for rank in prefill + decode:
             rank.ready(timeout=600)
@@ -68,7 +69,10 @@ def _all(statuses, want):
 def test_equal_tp_mha_lands_rank_to_rank():
     """Prefill and decode at TP 2, MHA pool, 16-token pages: 32 concurrent requests; decode rank ``i``'s pages
     and metadata rows hold prefill rank ``i``'s bytes (each rank's differ), nothing else changed."""
-    prefill, decode = _servers(2, 2, 16)
+    equal_tp_lands_rank_to_rank(*_servers(2, 2, 16))
+
+
+def equal_tp_lands_rank_to_rank(prefill, decode):
     try:
         pages = _Pages(30)
         rng = random.Random(30)
