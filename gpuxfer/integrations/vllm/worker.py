@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from ...errors import GpuxferError
+from ...errors import BadInput, GpuxferError
 from ...kv import KVAgent
 from .channel import SideChannelServer
 from .handshake import agent_name, describe_view, encode_info, engine_info
@@ -113,6 +113,9 @@ class WorkerSide:
         warm_s = self._warm_up(staging is not None)
         self._info_bytes, self._meta_bytes = encode_info(self.info), self.agent.metadata()
         port = self.settings.port + self.tp_rank if self.settings.port else 0
+        if port > 65535:
+            raise BadInput(f"the side channel of tensor parallel rank {self.tp_rank} would listen on port {port} "
+                           f"(port {self.settings.port} + rank): past 65535")
         self.server = SideChannelServer(self.settings.host, port,
                                         lambda: (self._info_bytes, self._meta_bytes), self.settings.handshake_timeout_s)
         if not all(g["token_major"] for g in groups):
