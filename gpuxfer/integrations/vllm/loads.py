@@ -128,10 +128,8 @@ class DecodeLoads:
             st = self.pending[load.req_id] = _LoadState(load, now)
             try:
                 key = load.remote.endpoint_of(self.tp_rank)
-            except BadTransferParams as exc:
+            except BadTransferParams as exc:       # a prefill of fewer ranks: fails (and is logged) at the poll
                 st.error = f"{type(exc).__name__}: {exc}"
-                log.error("gpuxfer: engine %s rank %d: request %s: %s", self.engine_id, self.tp_rank, load.req_id,
-                          exc)
                 self.ended.append(st)
                 continue
             self.waiting[load.req_id] = st
