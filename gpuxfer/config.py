@@ -190,7 +190,7 @@ VARS: dict[str, Var] = {v.name: v for v in (
     Var("GPUXFER_VLLM_HOST", "127.0.0.1", TEXT, "vLLM prefill: the address its side channel binds and announces "
         "(extra config host)"),
     Var("GPUXFER_VLLM_PORT", 0, integer(0, 65535), "vLLM prefill: the side channel's TCP port (0: any free port; "
-        "extra config port)"),
+        "tensor parallel rank r listens on port + r; extra config port)"),
     Var("GPUXFER_VLLM_ENGINE", "auto", choice("auto", "triton", "copy_engine"), "vLLM: the KV engine the decode "
         "side pulls with (auto: triton on GPUs, copy_engine on the host emulation; extra config engine)"),
     Var("GPUXFER_VLLM_HANDSHAKE_TIMEOUT_S", 10.0, SECONDS, "vLLM decode: longest a handshake with a prefill "

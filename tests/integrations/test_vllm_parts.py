@@ -23,7 +23,7 @@ from gpuxfer.integrations.vllm.params import (BadTransferParams, build_params, p
 
 
 def good(**kw):
-    p = build_params(engine_id="p0", host="127.0.0.1", port=5601, request_id="r1", block_ids=[[3, 4, 5]],
+    p = build_params(engine_id="p0", endpoints=[("127.0.0.1", 5601)], request_id="r1", block_ids=[[3, 4, 5]],
                      block_sizes=[16], lease_deadline=123.0)
     p.update(kw)
     return p
@@ -31,7 +31,7 @@ def good(**kw):
 
 def test_params_round_trip():
     rp = parse_remote_prefill(good(), [16])
-    assert rp.endpoint == ("127.0.0.1", 5601, "p0") and rp.block_ids[0].tolist() == [3, 4, 5]
+    assert rp.endpoint_of(0) == ("127.0.0.1", 5601, "p0") and rp.block_ids[0].tolist() == [3, 4, 5]
     assert tokens_to_load(40, 0, [16], rp) == 39
     assert tokens_to_load(40, 16, [16], rp) == 23
     assert tokens_to_load(40, 8, [8], parse_remote_prefill(good(), [8])) == 0      # hit off the prefill's blocks
@@ -51,6 +51,47 @@ def test_params_round_trip():
 def test_hostile_params_are_refused(patch):
     with pytest.raises(BadTransferParams):
         parse_remote_prefill(good(**patch), [16])
+
+
+def tp2(**kw):
+    p = build_params(engine_id="p0", endpoints=[("127.0.0.1", 5601), ("10.0.0.2", 5602)], request_id="r1",
+                     block_ids=[[3, 4, 5]], block_sizes=[16], lease_deadline=123.0)
+    p.update(kw)
+    return p
+
+
+def test_tp_params_name_each_rank():
+    p = tp2()
+    assert p["tp_size"] == 2 and p["remote_endpoints"] == [["127.0.0.1", 5601], ["10.0.0.2", 5602]]
+    assert (p["remote_host"], p["remote_port"]) == ("127.0.0.1", 5601)
+    rp = parse_remote_prefill(p, [16])
+    assert rp.tp_size == 2 and rp.endpoint_of(1) == ("10.0.0.2", 5602, "p0")
+    assert rp.endpoint_of(0) == ("127.0.0.1", 5601, "p0")
+    assert "remote_endpoints" not in good() and parse_remote_prefill(good(), [16]).tp_size == 1
+    for rank in (2, -1):                            # a rank the prefill instance does not have
+        with pytest.raises(BadTransferParams, match="same tensor parallel size"):
+            rp.endpoint_of(rank)
+    with pytest.raises(BadTransferParams, match="no rank 1"):
+        parse_remote_prefill(good(), [16]).endpoint_of(1)
+
+
+@pytest.mark.parametrize("patch", [
+    {"tp_size": 0}, {"tp_size": -2}, {"tp_size": "2"}, {"tp_size": True}, {"tp_size": 2.0}, {"tp_size": 1 << 20},
+    {"tp_size": 3}, {"tp_size": 1}, {"tp_size": None}, {"remote_endpoints": None},
+    {"remote_endpoints": "127.0.0.1:5601,10.0.0.2:5602"}, {"remote_endpoints": [["127.0.0.1", 5601]]},
+    {"remote_endpoints": [["127.0.0.1", 5601], ["10.0.0.2", 5602], ["h", 1]]},
+    {"remote_endpoints": [["127.0.0.1", 5601], ["10.0.0.2"]]}, {"remote_endpoints": [["127.0.0.1", 5601], "h:1"]},
+    {"remote_endpoints": [["127.0.0.1", 5601], ["10.0.0.2", "5602"]]},
+    {"remote_endpoints": [["127.0.0.1", 5601], ["10.0.0.2", 0]]},
+    {"remote_endpoints": [["127.0.0.1", 5601], ["10.0.0.2", True]]},
+    {"remote_endpoints": [["127.0.0.1", 5601], ["", 5602]]}, {"remote_endpoints": [["127.0.0.1", 5601], [7, 5602]]},
+    {"remote_endpoints": [["127.0.0.1", 5601], ["h" * 600, 5602]]},
+    {"remote_endpoints": [["10.0.0.9", 5601], ["10.0.0.2", 5602]]},          # rank 0 is not remote_host/port
+    {"remote_port": 5602},
+])
+def test_hostile_tp_params_are_refused(patch):
+    with pytest.raises(BadTransferParams):
+        parse_remote_prefill(tp2(**patch), [16])
 
 
 def test_params_take_int_subclasses_but_not_bools():

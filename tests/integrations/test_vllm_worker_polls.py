@@ -312,3 +312,29 @@ def test_the_handshake_carries_the_prefills_clock_and_refuses_a_bad_one():
         assert not c.alive and c.peer_clock is None
         c.close()
         lst.close()
+
+
+def test_a_decode_rank_talks_to_its_own_prefill_rank_and_a_load_naming_no_such_rank_fails_alone(caplog):
+    """Rank 1 of 2: a release goes to the prefill's rank 1 (its endpoint in the params); a load whose params name
+    one rank (a prefill of another TP size) fails at once, its blocks reported as load errors, the reason logged."""
+    import types
+    w = WorkerSide(engine_id="d", model="m", dtype="auto/float16", layout=None,
+                   groups=[("FullAttentionSpec", 16, ["l0"])],
+                   settings=Settings(lease_s=60, host="127.0.0.1", port=0, handshake_timeout_s=5, token_major=True),
+                   tp=(1, 2))
+    w.decode.agent = types.SimpleNamespace(timeout_s=60.0)
+    ranks = [_Remote(("127.0.0.1", port, "p"), state="ready", client=_Client()) for port in (1, 2)]
+    for r in ranks:
+        w.decode.remotes[r.key] = r
+    two = (("127.0.0.1", 1), ("127.0.0.1", 2))
+    ids = (np.arange(1, 3),)
+    w.release([RemotePrefill("p", "127.0.0.1", 1, "p0", ids, (16,), now() + 60, two),
+               RemotePrefill("p", "127.0.0.1", 1, "p1", ids, (16,), now() + 60)])
+    assert ranks[0].client.sent == [] and ranks[1].client.sent == [("release", ["p0"])]
+    one = RemotePrefill("p", "127.0.0.1", 1, "p2", ids, (16,), now() + 60)
+    w.start_loads([Load("d2", one, (np.array([7, 8]),), 0, 31)])
+    _, recving, failed = w.poll()
+    assert recving == failed == {"d2"}
+    assert w.take_load_errors() == {7, 8}
+    assert any("has no rank 1" in m for m in caplog.messages)
+    assert ranks[0].client.sent == [] and ranks[1].client.sent == [("release", ["p0"])]

@@ -5,12 +5,19 @@ out of the garbage collector's scans as vLLM's ``freeze_gc_heap``), with KV cach
 vLLM's shapes laid out by vLLM's own planning and view code. A "model" writes known bytes into a
 request's blocks whenever it is scheduled; a finished load is checked byte by byte.
 
+With ``tp`` N > 1 the process runs N worker-side connectors, one per tensor parallel rank, each made while
+vLLM's tensor parallel group says that rank (:func:`_as_rank`) and each with caches of its own holding its
+shard of the KV heads (the "model" writes each head's own bytes). Every step runs each rank's connector; their
+outputs go to the scheduler through vLLM's own ``KVOutputAggregator``, and the ranks' handshake metadata
+through ``set_xfer_handshake_metadata_pp_aware`` keyed ``(0, rank)``, as EngineCore gathers them.
+
 The parent drives it over a pipe (:class:`Instance`); the child runs :func:`serve`.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import socket
 import time
@@ -43,18 +50,19 @@ class Instance:
     def __init__(self, name: str, model_dir: str, block_size: int, *, hybrid: bool = False,
                  extra: dict | None = None, num_blocks: int = 4096, env: dict | None = None, device: str = "cpu",
                  max_model_len: int = 8192, cpus: tuple[int, int] | None = None, profile: bool = False,
-                 shm_caches: bool = False, connector: str = "gpuxfer"):
+                 shm_caches: bool = False, connector: str = "gpuxfer", tp: int = 1):
         """``cpus``: ``(rank, world)`` to pin the instance's engine thread as a benchmark rank with ``--cpus
         auto`` does (:func:`gpuxfer.bench.cpus.pin_auto`: the fastest of physical cores of its own); None: the
         scheduler places it. ``profile``: time the calls a load makes inside the engine (:func:`_profile`,
         under ``stats["calls_s"]``). ``shm_caches``: on the host emulation, the caches in the platform's shared
         memory (the triton engine reaches a peer's caches only there). ``connector``: ``"gpuxfer"``, or ``"nixl"``
-        for vLLM's own NixlConnector on the same caches (a baseline; its side channel on a free port)."""
+        for vLLM's own NixlConnector on the same caches (a baseline; its side channel on a free port). ``tp``: the
+        tensor parallel size (one worker-side connector per rank in the process)."""
         self.name = name
         self.conn, child = ctx().Pipe()
         spec = dict(name=name, model_dir=model_dir, block_size=block_size, hybrid=hybrid, extra=extra or {},
                     num_blocks=num_blocks, env=env or {}, device=device, max_model_len=max_model_len, cpus=cpus,
-                    profile=profile, shm_caches=shm_caches, connector=connector)
+                    profile=profile, shm_caches=shm_caches, connector=connector, tp=tp)
         self.proc = ctx().Process(target=serve, args=(child, spec), name=f"vllm-{name}", daemon=True)
         self.proc.start()
         child.close()
@@ -159,16 +167,17 @@ def assert_failed(D: Instance, res: dict) -> None:
     assert D.call("stats")["free"] == D.info["free"]
 
 
-def lease_runs_out(P: Instance, D: Instance, reqs) -> None:
-    """Prefill ``reqs`` under a 1 s lease nobody reads within: the prefill frees their blocks (its counter says
-    so); loading them on ``D`` then fails, and vLLM computes the prompts."""
+def lease_runs_out(P: Instance, D: Instance, reqs, ranks: int = 1) -> None:
+    """Prefill ``reqs`` under a 1 s lease nobody reads within: the prefill frees their blocks (its counter, of
+    each of its ``ranks`` tensor parallel ranks, says so); loading them on ``D`` then fails, and vLLM computes
+    the prompts."""
     before = P.call("stats")["stats"].get("leases_expired", 0)
     P.call("set_lease", 1.0)
     try:
         params = prefill(P, reqs)
         time.sleep(1.5)
         s = assert_idle(P, timeout=30)
-        assert s["stats"]["leases_expired"] == before + len(reqs)
+        assert s["stats"]["leases_expired"] == before + ranks * len(reqs)
         res = decode(D, reqs, params)
     finally:
         P.call("set_lease", 120.0)
@@ -189,8 +198,21 @@ def prefill_dies(P: Instance, D: Instance, reqs) -> None:
 # ---------------------------------------------------------------------------------------------- child
 
 
+class _Errors(logging.Handler):
+    """The connector's warnings and errors in this process, for the parent's ``logs`` (the last 1000)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record) -> None:
+        self.lines = self.lines[-999:] + [record.getMessage()]
+
+
 def serve(conn, spec: dict) -> None:
     os.environ.update(spec["env"])
+    errors = _Errors()
+    logging.getLogger("gpuxfer.vllm").addHandler(errors)
     try:
         placed = None
         if spec.get("cpus"):
@@ -198,6 +220,7 @@ def serve(conn, spec: dict) -> None:
             placed = pin_auto(*spec["cpus"], None)
         eng = _Engine(spec)
         eng.cpus = placed
+        eng.errors = errors
         conn.send(("ready", eng.describe()))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -210,9 +233,10 @@ def serve(conn, spec: dict) -> None:
         eng.close()
 
 
-def _pattern(torch, seed: int, layer: int, tokens, heads: int, cbytes: int):
+def _pattern(torch, seed: int, layer: int, tokens, heads: int, cbytes: int, head0: int = 0):
+    """The bytes of ``heads`` KV heads from ``head0`` on (a tensor parallel rank's shard) of ``tokens``."""
     t = tokens.view(-1, 1, 1)
-    h = torch.arange(heads, device=tokens.device).view(1, -1, 1)
+    h = torch.arange(head0, head0 + heads, device=tokens.device).view(1, -1, 1)
     c = torch.arange(cbytes, device=tokens.device).view(1, 1, -1)
     return ((seed * 97 + layer * 31 + t * 7 + h * 13 + c) % 251).to(torch.uint8)
 
@@ -221,8 +245,8 @@ class _Engine:
     def __init__(self, spec: dict):
         import torch
         self.stats_calls: dict[str, list] = {}
-        from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
-                                 VllmConfig)
+        from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
+                                 SchedulerConfig, VllmConfig)
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
@@ -251,12 +275,15 @@ class _Engine:
                                    kv_connector_extra_config=spec["extra"])
         sc = SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=4096, max_model_len=max_len,
                              is_encoder_decoder=False, disable_hybrid_kv_cache_manager=not spec["hybrid"])
+        self.tp = tp = spec.get("tp", 1)
         self.config = VllmConfig(model_config=mc, cache_config=cache, scheduler_config=sc, kv_transfer_config=ktc,
-                                 device_config=DeviceConfig("cpu"))
+                                 device_config=DeviceConfig("cpu"),
+                                 parallel_config=ParallelConfig(tensor_parallel_size=tp))
         import json
         with open(os.path.join(spec["model_dir"], "config.json")) as f:
             model = json.load(f)
-        heads, hd = model["num_key_value_heads"], model["hidden_size"] // model["num_attention_heads"]
+        hd = model["hidden_size"] // model["num_attention_heads"]
+        heads = mc.get_num_kv_heads(self.config.parallel_config)        # one rank's shard of the KV heads
         layer_specs = {}
         for i in range(model["num_hidden_layers"]):
             name = f"model.layers.{i}.self_attn.attn"
@@ -275,21 +302,29 @@ class _Engine:
         self.device = torch.device(spec["device"], 0) if spec["device"] == "cuda" else torch.device("cpu")
         if spec["device"] == "cuda":
             torch.cuda.set_device(0)
-        self.caches = self._allocate(KVCacheLayout.LBHNC, spec.get("shm_caches", False))
+        self._bufs = []
+        self.rank_caches = [self._allocate(KVCacheLayout.LBHNC, spec.get("shm_caches", False)) for _ in range(tp)]
+        self.caches = self.rank_caches[0]
         if self.nixl:
             _single_rank_groups(self.config)
-        self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
-        self.worker.register_kv_caches(self.caches)
+        self.workers = []
+        for rank, caches in enumerate(self.rank_caches):
+            with _as_rank(rank, tp):
+                w = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
+            w.register_kv_caches(caches)
+            self.workers.append(w)
+        self.worker = self.workers[0]
         if spec.get("profile"):
             _profile(self.worker, self.stats_calls)
         self.sched = Scheduler(vllm_config=self.config, kv_cache_config=self.kv_cache_config, log_stats=True,
                                structured_output_manager=StructuredOutputManager(self.config),
                                block_size=bs)
-        md = self.worker.get_handshake_metadata()
-        if self.nixl:       # (vLLM's NixlConnector serves its metadata by pipeline and tensor rank)
-            self.sched.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): md})
-        else:
-            self.sched.connector.set_xfer_handshake_metadata({0: md})
+        # EngineCore's gathering: each worker's metadata by (pipeline rank, tensor rank)
+        self.sched.connector.set_xfer_handshake_metadata_pp_aware(
+            {(0, r): w.get_handshake_metadata() for r, w in enumerate(self.workers)})
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+        self.aggregator = KVOutputAggregator.from_connector(self.sched.connector,
+                                                            self.config.parallel_config.world_size)
         # what EngineCore and the GPU worker do once made: the startup heap frozen, out of the collector's scans
         from vllm.utils.gc_utils import freeze_gc_heap
         freeze_gc_heap()
@@ -323,8 +358,9 @@ class _Engine:
         from gpuxfer.platforms import current
         plat = current()
         size = self.kv_cache_config.kv_cache_tensors[0].size
-        self._buf = plat.alloc(size, 0)
-        raw = plat.as_tensor(self._buf, torch.int8, (size,), 0)
+        buf = plat.alloc(size, 0)
+        self._bufs.append(buf)
+        raw = plat.as_tensor(buf, torch.int8, (size,), 0)
         raw.zero_()
         caches = {}
         for tensor in self.kv_cache_config.kv_cache_tensors:
@@ -336,7 +372,8 @@ class _Engine:
 
     def describe(self) -> dict:
         return {"block_size": self.bs, "groups": [len(g) for g in self.layer_groups],
-                "num_blocks": self.kv_cache_config.num_blocks, "free": self.free_blocks()}
+                "num_blocks": self.kv_cache_config.num_blocks, "free": self.free_blocks(),
+                "heads": [int(c[self.layer_groups[0][0]].shape[1]) for c in self.rank_caches]}
 
     def free_blocks(self) -> int:
         return self.sched.kv_cache_manager.block_pool.get_num_free_blocks()
@@ -363,14 +400,17 @@ class _Engine:
         for g, names in enumerate(self.layer_groups):
             k, n, t = self._tokens(rid, g, upto)
             for name in names:
-                v = self.caches[name].view(self.torch.uint8)
-                pat = _pattern(self.torch, self.seeds[rid], self.layer_index[name], t, v.shape[1], v.shape[3])
-                if check:
-                    got = v[k, :, n, :]
-                    bad += int((got != pat).sum())
-                    total += got.numel()
-                else:
-                    v[k, :, n, :] = pat
+                for rank, caches in enumerate(self.rank_caches):
+                    v = caches[name].view(self.torch.uint8)
+                    heads = v.shape[1]
+                    pat = _pattern(self.torch, self.seeds[rid], self.layer_index[name], t, heads, v.shape[3],
+                                   head0=rank * heads)
+                    if check:
+                        got = v[k, :, n, :]
+                        bad += int((got != pat).sum())
+                        total += got.numel()
+                    else:
+                        v[k, :, n, :] = pat
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return bad, total
@@ -394,8 +434,6 @@ class _Engine:
     def step(self) -> None:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
         so = self.sched.schedule()
-        w = self.worker
-        w.bind_connector_metadata(so.kv_connector_metadata)
         for rid in so.num_scheduled_tokens:             # the "model": this request's KV, whole prompt
             self._access(rid, self.prompt[rid], check=False)
         meta = so.kv_connector_metadata
@@ -404,56 +442,64 @@ class _Engine:
         t0 = time.perf_counter()
         for rid in loads:
             self.load_t0.setdefault(rid, t0)
-        gc0 = self.gc_s
-        w.start_load_kv(None)
-        t1 = time.perf_counter()
-        gc1 = self.gc_s
-        w.wait_for_save()
-        t2 = time.perf_counter()
-        gc2 = self.gc_s
-        res = w.get_transfer_results(so.finished_req_ids)
-        t3 = time.perf_counter()
+        reqs = list(so.num_scheduled_tokens)
+        # a token is sampled only where the step reached the end of the prompt (not after a partial prefill)
+        sampled = [[7] if self.sched.requests[r].num_computed_tokens >= self.sched.requests[r].num_tokens else []
+                   for r in reqs]
+        rank_outs, start_s, finished_s, gc_start, gc_finished = [], 0.0, 0.0, 0.0, 0.0
+        for w in self.workers:                          # each rank's worker, as each rank's process runs it
+            w.bind_connector_metadata(meta)
+            gc0 = self.gc_s
+            t0 = time.perf_counter()
+            w.start_load_kv(None)
+            t1 = time.perf_counter()
+            gc1 = self.gc_s
+            w.wait_for_save()
+            t2 = time.perf_counter()
+            gc2 = self.gc_s
+            res = w.get_transfer_results(so.finished_req_ids)
+            t3 = time.perf_counter()
+            start_s, finished_s = start_s + t1 - t0, finished_s + t3 - t2
+            gc_start, gc_finished = gc_start + gc1 - gc0, gc_finished + self.gc_s - gc2
+            kv_out = KVConnectorOutput(finished_sending=res.finished_sending or None,
+                                       finished_recving=res.finished_recving or None,
+                                       failed_recving=res.failed_recving,
+                                       invalid_block_ids=w.get_block_ids_with_load_errors(),
+                                       kv_connector_stats=w.get_kv_connector_stats())
+            w.clear_connector_metadata()
+            rank_outs.append(ModelRunnerOutput(req_ids=reqs, req_id_to_index={r: i for i, r in enumerate(reqs)},
+                                          sampled_token_ids=sampled, kv_connector_output=kv_out))
+        out = self.aggregator.aggregate(rank_outs)      # what the executor hands the scheduler
+        kv = out.kv_connector_output
+        recving, failed = kv.finished_recving or set(), kv.failed_recving or set()
         if n_loads:
             from gpuxfer.bench.cpus import python_speed_us
             # the CPU's speed right after the timed calls (a VM's vCPU changes speed within seconds); the
             # collector's seconds inside the call
-            self.stats.setdefault("start_load_kv_s", []).append(
-                (n_loads, t1 - t0, python_speed_us(rounds=1), gc1 - gc0))
-        if self.load_t0 or res.finished_recving:
-            self.stats.setdefault("get_finished_s", []).append(t3 - t2)
-            self.stats.setdefault("get_finished_gc_s", []).append(self.gc_s - gc2)
-        invalid = w.get_block_ids_with_load_errors()
-        st = w.get_kv_connector_stats()
-        w.clear_connector_metadata()
+            self.stats.setdefault("start_load_kv_s", []).append((n_loads, start_s, python_speed_us(rounds=1), gc_start))
+        if self.load_t0 or recving:
+            self.stats.setdefault("get_finished_s", []).append(finished_s)
+            self.stats.setdefault("get_finished_gc_s", []).append(gc_finished)
         if self.stats_calls:
             calls = self.stats.setdefault("calls_s", {})
             for k, v in self.stats_calls.items():
                 calls.setdefault(k, []).extend(v)
             self.stats_calls.clear()
-        if st is not None:
-            for k, v in st.data.items():
+        if kv.kv_connector_stats is not None:
+            for k, v in kv.kv_connector_stats.data.items():
                 if isinstance(v, list):
                     self.stats.setdefault(k, []).extend(v)
                 else:
                     self.stats[k] = self.stats.get(k, 0) + v
-        for rid in res.finished_recving:
-            if rid in res.failed_recving:
+        t3 = time.perf_counter()
+        for rid in recving:
+            if rid in failed:
                 self.load_t0.pop(rid, None)
                 self.results.setdefault(rid, {})["load"] = "failed"
             else:
                 load_s = t3 - self.load_t0.pop(rid, t3)     # start_load_kv -> reported done
                 bad, total = self._access(rid, self.prompt[rid] - 1, check=True)
                 self.results.setdefault(rid, {}).update(load="ok", bad=bad, checked=total, load_s=load_s)
-        reqs = list(so.num_scheduled_tokens)
-        # a token is sampled only where the step reached the end of the prompt (not after a partial prefill)
-        sampled = [[7] if self.sched.requests[r].num_computed_tokens >= self.sched.requests[r].num_tokens else []
-                   for r in reqs]
-        out = ModelRunnerOutput(req_ids=reqs, req_id_to_index={r: i for i, r in enumerate(reqs)},
-                                sampled_token_ids=sampled,
-                                kv_connector_output=KVConnectorOutput(
-                                    finished_sending=res.finished_sending or None,
-                                    finished_recving=res.finished_recving or None,
-                                    failed_recving=res.failed_recving, invalid_block_ids=invalid))
         outs = self.sched.update_from_output(so, out)
         for eco in outs.values():
             for o in eco.outputs:
@@ -539,6 +585,9 @@ class _Engine:
                         conn.send(("cpu", {"cpu": None, "python_us": python_speed_us()}))
                 elif op == "read_loop":               # args: (blocks, iterations[, MiB to flush])
                     conn.send(("read_loop", self.read_loop(*args)))
+                elif op == "logs":                    # the connector's warnings and errors since the last call
+                    conn.send(("logs", self.errors.lines))
+                    self.errors.lines = []
                 elif op == "set_lease":
                     self.sched.connector._scheduler.lease_s = args[0]
                     conn.send(("set_lease", None))
@@ -556,11 +605,33 @@ class _Engine:
                 pending = None
 
     def close(self) -> None:
-        self.worker.shutdown()
-        buf = getattr(self, "_buf", None)
-        if buf is not None:
-            self.caches.clear()
-            buf.close()
+        for w in self.workers:
+            w.shutdown()
+        if self._bufs:
+            for caches in self.rank_caches:
+                caches.clear()
+            for buf in self._bufs:
+                buf.close()
+
+
+@contextlib.contextmanager
+def _as_rank(rank: int, world: int):
+    """vLLM's tensor parallel group as rank ``rank`` of ``world`` sees it, for the worker connector made inside
+    (each rank of a real engine makes its connector in its own process, after the group exists; this process
+    stands in for all of them). Only the group's rank and size: what a connector reads of it. An engine of one
+    rank keeps vLLM's state as it is."""
+    if world == 1:
+        yield
+        return
+    import types
+    from vllm.distributed import parallel_state as ps
+    saved = ps._TP, ps._PP
+    ps._TP = types.SimpleNamespace(rank_in_group=rank, world_size=world)
+    ps._PP = types.SimpleNamespace(rank_in_group=0, world_size=1)
+    try:
+        yield
+    finally:
+        ps._TP, ps._PP = saved
 
 
 def _single_rank_groups(config) -> None:

@@ -2,6 +2,7 @@
 This module imports vLLM; vLLM imports it through ``kv_connector_module_path``."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,8 @@ from ...errors import BadInput
 from .scheduler import SchedulerSide
 from .worker import Settings, WorkerSide
 
+log = logging.getLogger("gpuxfer.vllm")
+
 
 @dataclass
 class GpuxferConnectorMetadata(KVConnectorMetadata):
@@ -27,11 +30,12 @@ class GpuxferConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class GpuxferHandshakeMetadata(KVConnectorHandshakeMetadata):
-    """What a worker tells its scheduler: where its side channel listens."""
+    """What a worker tells its scheduler: where its side channel listens, and its tensor parallel rank."""
 
     engine_id: str
     host: str
     port: int
+    tp_rank: int = 0
 
 
 @dataclass
@@ -89,6 +93,24 @@ def _settings(extra: dict) -> Settings:
                     remote=pick("remote", "GPUXFER_KV_REMOTE"), route=pick("route", "GPUXFER_KV_ROUTE"))
 
 
+def tensor_parallel_rank(tp_size: int) -> tuple[int, int]:
+    """``(rank, world size)`` of this worker in vLLM's tensor parallel group, as vLLM's own connectors read it.
+    vLLM makes the group before a worker's connector; without one (an engine of one rank made without
+    torch.distributed) the rank is 0. :class:`BadInput` when the group is missing or disagrees with the config."""
+    from vllm.distributed import parallel_state as ps
+    if ps.model_parallel_is_initialized():
+        rank, world = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    elif tp_size == 1:
+        return 0, 1
+    else:
+        raise BadInput(f"GpuxferConnector's worker side runs TP={tp_size} but vLLM's tensor parallel group is not "
+                       "made (the connector must be made after vLLM's distributed groups)")
+    if world != tp_size or not 0 <= rank < world:
+        raise BadInput(f"vLLM's tensor parallel group has rank {rank} of {world}; the engine's config says "
+                       f"TP={tp_size}")
+    return rank, world
+
+
 class GpuxferConnector(KVConnectorBase_V1, SupportsHMA):
     """Prefill/decode KV hand-off through gpuxfer (``kv_role`` kv_both, kv_producer or kv_consumer)."""
 
@@ -97,9 +119,10 @@ class GpuxferConnector(KVConnectorBase_V1, SupportsHMA):
         if kv_cache_config is None:
             raise BadInput("GpuxferConnector needs vLLM's kv_cache_config (vLLM 0.33's three-argument constructor)")
         par = vllm_config.parallel_config
-        if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
-            raise BadInput(f"GpuxferConnector supports tensor and pipeline parallel size 1; this engine runs "
-                           f"TP={par.tensor_parallel_size}, PP={par.pipeline_parallel_size}")
+        if par.pipeline_parallel_size != 1:
+            raise BadInput(f"GpuxferConnector supports pipeline parallel size 1; this engine runs "
+                           f"PP={par.pipeline_parallel_size}")
+        self.tp_size, self.tp_rank = int(par.tensor_parallel_size), 0
         ktc = vllm_config.kv_transfer_config
         self.engine_id = str(ktc.engine_id)
         extra = dict(ktc.kv_connector_extra_config or {})
@@ -110,10 +133,13 @@ class GpuxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            fixed = (self.settings.host, self.settings.port) if self.settings.port else None
+            # a fixed port: rank r's side channel listens on port + r
+            fixed = [(self.settings.host, self.settings.port + r) for r in range(self.tp_size)
+                     ] if self.settings.port else None
             self._scheduler = SchedulerSide(engine_id=self.engine_id, block_sizes=block_sizes,
-                                            lease_s=self.settings.lease_s, endpoint=fixed)
+                                            lease_s=self.settings.lease_s, endpoints=fixed)
         else:
+            self.tp_rank, _ = tensor_parallel_rank(self.tp_size)
             on_cpu = str(vllm_config.device_config.device_type) == "cpu"
             if self.settings.token_major is None:
                 # the CPU backend keeps a head's keys and values apart in a block; the GPU backends keep a
@@ -124,7 +150,7 @@ class GpuxferConnector(KVConnectorBase_V1, SupportsHMA):
                 engine_id=self.engine_id, model=str(mc.model), dtype=str(vllm_config.cache_config.cache_dtype) +
                 "/" + str(mc.dtype), layout=getattr(kv_cache_config, "kv_cache_layout", None),
                 groups=[(type(g.kv_cache_spec).__name__, g.kv_cache_spec.block_size, list(g.layer_names))
-                        for g in groups], settings=self.settings)
+                        for g in groups], settings=self.settings, tp=(self.tp_rank, self.tp_size))
 
     # ------------------------------------------------------------------ worker side
 
@@ -135,7 +161,7 @@ class GpuxferConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None or self._worker.server is None:
             return None
         host, port = self._worker.endpoint
-        return GpuxferHandshakeMetadata(self.engine_id, host, port)
+        return GpuxferHandshakeMetadata(self.engine_id, host, port, self.tp_rank)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._connector_metadata
@@ -185,9 +211,18 @@ class GpuxferConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------------ scheduler side
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        m = metadata.get(0)
-        if self._scheduler is not None and isinstance(m, GpuxferHandshakeMetadata):
-            self._scheduler.endpoint = (m.host, m.port)
+        """Every tensor parallel rank's side channel (``{rank: metadata}``, gathered from the workers): the
+        params of a finished request list them by rank. Without all of them no request is held."""
+        if self._scheduler is None:
+            return
+        ms = [metadata.get(r) for r in range(self.tp_size)]
+        if all(isinstance(m, GpuxferHandshakeMetadata) and m.tp_rank == r for r, m in enumerate(ms)):
+            self._scheduler.endpoints = [(m.host, m.port) for m in ms]
+        else:
+            self._scheduler.endpoints = None
+            log.error("gpuxfer: engine %s: the workers' handshake metadata names ranks %s, not each of the %d tensor "
+                      "parallel ranks; no request is held for a decode instance", self.engine_id,
+                      sorted(metadata), self.tp_size)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

@@ -56,11 +56,18 @@ def describe_view(view, token_major: bool) -> tuple[KVLayerSpec, int, bool]:
     return KVLayerSpec(view, int(nb), int(sb), pieces, token_major=token_major), int(tokens), token_major
 
 
-def engine_info(*, engine_id: str, model: str, dtype: str, layout: str | None, groups: Sequence[dict]) -> dict:
-    """The description an instance sends with its agent metadata. ``groups``: per KV-cache group
-    ``{"kind", "block_size", "kernel_tokens", "token_major", "layers": [names], "bytes_per_token"}``."""
+def engine_info(*, engine_id: str, model: str, dtype: str, layout: str | None, groups: Sequence[dict],
+                tp: tuple[int, int] = (0, 1)) -> dict:
+    """The description a worker sends with its agent metadata. ``groups``: per KV-cache group
+    ``{"kind", "block_size", "kernel_tokens", "token_major", "layers": [names], "bytes_per_token"}``; ``tp``: the
+    worker's ``(rank, world size)`` in its engine's tensor parallel group."""
     return {"version": INFO_VERSION, "engine_id": engine_id, "model": model, "dtype": dtype, "layout": layout,
-            "groups": [dict(g) for g in groups]}
+            "groups": [dict(g) for g in groups], "tp_rank": tp[0], "tp_size": tp[1]}
+
+
+def agent_name(engine_id: str, rank: int, world: int) -> str:
+    """The KV agent of tensor parallel rank ``rank`` of ``world`` of an engine."""
+    return f"vllm-{engine_id}" if world == 1 else f"vllm-{engine_id}-tp{rank}"
 
 
 def encode_info(info: dict) -> bytes:
@@ -87,10 +94,18 @@ def decode_info(raw: bytes) -> dict:
 
 
 def check_compatible(local: dict, remote: dict) -> None:
-    """Raise :class:`LayoutMismatch` naming every difference that keeps the two instances from pairing:
-    model, KV dtype, groups (kind, layers, bytes per token), block sizes that do not divide one
-    another, or different block sizes on a layer that is not token-major."""
+    """Raise :class:`LayoutMismatch` naming every difference that keeps the two workers from pairing:
+    tensor parallel size or rank (a decode rank reads the same rank's shard of the heads), model, KV dtype,
+    groups (kind, layers, bytes per token), block sizes that do not divide one another, or different block
+    sizes on a layer that is not token-major."""
     problems: list[str] = []
+    lt, rt = local.get("tp_size", 1), remote.get("tp_size", 1)
+    if lt != rt:
+        problems.append(f"tensor parallel size: this instance {_short(lt)}, the peer {_short(rt)} (both instances "
+                        "must run the same tensor parallel size)")
+    elif local.get("tp_rank", 0) != remote.get("tp_rank", 0):
+        problems.append(f"tensor parallel rank: this worker {_short(local.get('tp_rank', 0))}, the peer "
+                        f"{_short(remote.get('tp_rank', 0))} (a decode rank reads the same prefill rank)")
     for key in ("model", "dtype"):
         if local.get(key) != remote.get(key):
             problems.append(f"{key}: this instance {local.get(key)!r}, the peer {remote.get(key)!r}")

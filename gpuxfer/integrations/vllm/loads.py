@@ -27,7 +27,7 @@ import numpy as np
 from ...errors import BlockIdError, GpuxferError
 from . import lease
 from .channel import SideChannelClient
-from .handshake import check_compatible, decode_info
+from .handshake import agent_name, check_compatible, decode_info
 from .params import BadTransferParams, RemotePrefill, pair_group
 from .staging import IdStaging
 
@@ -94,8 +94,9 @@ class DecodeLoads:
     agent."""
 
     def __init__(self, *, engine_id: str, group_specs: list, settings, lock: threading.Lock,
-                 stats: dict):
+                 stats: dict, tp: tuple[int, int] = (0, 1)):
         self.engine_id, self.group_specs, self.settings = engine_id, group_specs, settings
+        self.tp_rank, self.tp_size = tp         # this worker reads the same rank of each prefill engine
         self._lock, self.stats = lock, stats
         self.agent = self.info = None
         self.staging: IdStaging | None = None
@@ -124,19 +125,26 @@ class DecodeLoads:
         now = time.monotonic()
         ready = []
         for load in loads:
-            st = self.pending[load.req_id] = self.waiting[load.req_id] = _LoadState(load, now)
-            st.remote = self._remote(load.remote)
+            st = self.pending[load.req_id] = _LoadState(load, now)
+            try:
+                key = load.remote.endpoint_of(self.tp_rank)
+            except BadTransferParams as exc:       # a prefill of fewer ranks: fails (and is logged) at the poll
+                st.error = f"{type(exc).__name__}: {exc}"
+                self.ended.append(st)
+                continue
+            self.waiting[load.req_id] = st
+            st.remote = self._remote(key)
             st.remote.loads += 1
             self._advance(st.remote)
             if st.remote.state == "ready":
                 ready.append(st)
         self._post(ready, blocking=False)
 
-    def _remote(self, rp: RemotePrefill) -> _Remote:
-        r = self.remotes.get(rp.endpoint)
+    def _remote(self, key: tuple[str, int, str]) -> _Remote:
+        r = self.remotes.get(key)
         gone = r is not None and r.state == "ready" and not (r.client and r.client.alive)
         if r is None or ((r.state == "failed" or gone) and r.inflight == 0):
-            r = self.remotes[rp.endpoint] = _Remote(rp.endpoint)
+            r = self.remotes[key] = _Remote(key)
             try:
                 r.client = SideChannelClient(r.key[0], r.key[1], self.settings.handshake_timeout_s)
             except (OSError, ValueError) as exc:
@@ -180,7 +188,7 @@ class DecodeLoads:
         t0 = time.perf_counter()
         try:
             with self._lock:
-                name = f"vllm-{r.key[2]}"
+                name = agent_name(r.key[2], self.tp_rank, self.tp_size)
                 old = self.agent.peers.get(name)
                 if old is not None:                            # the same engine again, after it restarted
                     if any(x.peer is old and x.inflight for x in self.remotes.values()):
@@ -521,12 +529,16 @@ class DecodeLoads:
                 log.info("gpuxfer: engine %s: forgot prefill engine %s (%s)", self.engine_id, key[2],
                          r.error or (r.client.closed_reason if r.client else "gone"))
 
-    def release(self, releases: Sequence[tuple[tuple[str, int, str], str]]) -> None:
-        """Tell prefill engines this instance will not read these requests (best effort, known engines)."""
-        for key, req in releases:
-            r = self.remotes.get(key)
+    def release(self, releases: Sequence[RemotePrefill]) -> None:
+        """Tell prefill engines (this worker's rank of each) this instance will not read these requests (best
+        effort, known engines)."""
+        for rp in releases:
+            try:
+                r = self.remotes.get(rp.endpoint_of(self.tp_rank))
+            except BadTransferParams:
+                continue
             if r is not None and r.state == "ready" and r.client is not None:
-                r.client.notify("release", [req])
+                r.client.notify("release", [rp.request_id])
 
     # ------------------------------------------------------------------ both
 

@@ -9,7 +9,11 @@ A prefill instance's ``request_finished`` returns::
      "remote_block_ids": [[int, ...], ...],      # per KV-cache group; 0 is vLLM's null block (skipped)
      "remote_block_sizes": [int, ...],           # tokens per block, per group
      "lease_deadline": float,                     # the prefill host's lease clock when the blocks go (lease.py)
-     "tp_size": 1}
+     "tp_size": int,                              # the prefill instance's tensor parallel size N
+     "remote_endpoints": [[host, port], ...]}     # with N > 1: where each rank's side channel listens
+
+``remote_host`` / ``remote_port`` are rank 0's (``remote_endpoints[0]``). Decode worker rank i reads its KV shard
+from prefill rank i (:meth:`RemotePrefill.endpoint_of`).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ PARAMS_VERSION = 1
 MAX_ID = (1 << 31) - 1
 MAX_IDS = 1 << 22               # block IDs in one request's params, all groups
 MAX_TEXT = 512
+MAX_TP = 256                    # tensor parallel ranks named in one request's params
 
 
 class BadTransferParams(BadInput):
@@ -42,10 +47,21 @@ class RemotePrefill:
     block_ids: tuple[np.ndarray, ...]       # per group, int64
     block_sizes: tuple[int, ...]
     lease_deadline: float
+    endpoints: tuple[tuple[str, int], ...] = ()     # per tensor parallel rank; () means ((host, port),)
 
     @property
-    def endpoint(self) -> tuple[str, int, str]:
-        return self.host, self.port, self.engine_id
+    def tp_size(self) -> int:
+        return len(self.endpoints) or 1
+
+    def endpoint_of(self, rank: int) -> tuple[str, int, str]:
+        """``(host, port, engine id)`` of the prefill worker that decode worker ``rank`` reads from (the same
+        rank); :class:`BadTransferParams` when the prefill instance has no such rank."""
+        if not 0 <= rank < self.tp_size:
+            raise BadTransferParams(f"the prefill instance runs tensor parallel size {self.tp_size}; it has no rank "
+                                    f"{rank} for this decode worker to read from (both instances must run the same "
+                                    "tensor parallel size)")
+        host, port = self.endpoints[rank] if self.endpoints else (self.host, self.port)
+        return host, port, self.engine_id
 
 
 def _text(params: Mapping, key: str) -> str:
@@ -76,12 +92,14 @@ def parse_remote_prefill(params: Any, local_block_sizes: Sequence[int]) -> Remot
     if params.get("gpuxfer") != PARAMS_VERSION:
         raise BadTransferParams(f"kv_transfer_params were not made by GpuxferConnector version {PARAMS_VERSION} "
                                 f"(gpuxfer={_show(params.get('gpuxfer'))})")
-    tp = params.get("tp_size", 1)
-    if tp != 1:
-        raise BadTransferParams(f"the prefill instance runs tensor parallel size {_show(tp)}; only 1 is supported")
+    tp = _int(params, "tp_size", 1, MAX_TP) if "tp_size" in params else 1
     engine_id = _text(params, "remote_engine_id")
     host = _text(params, "remote_host")
     port = _int(params, "remote_port", 1, 65535)
+    endpoints = _endpoints(params.get("remote_endpoints"), tp)
+    if endpoints and endpoints[0] != (host, port):
+        raise BadTransferParams(f"kv_transfer_params['remote_endpoints'][0] {_show(list(endpoints[0]))} is not "
+                                f"remote_host and remote_port {_show([host, port])}")
     request_id = _text(params, "remote_request_id")
     deadline = params.get("lease_deadline")
     if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline):
@@ -121,7 +139,28 @@ def parse_remote_prefill(params: Any, local_block_sizes: Sequence[int]) -> Remot
             raise BadTransferParams(f"remote_block_ids[{g}] holds an ID outside [0, {MAX_ID}]")
         arrays.append(a)
     return RemotePrefill(engine_id, host, port, request_id, tuple(arrays), tuple(int(s) for s in sizes),
-                         float(deadline))
+                         float(deadline), endpoints)
+
+
+def _endpoints(eps: Any, tp: int) -> tuple[tuple[str, int], ...]:
+    """``remote_endpoints`` checked: ``tp`` pairs of a host and a port; () when absent with ``tp`` 1."""
+    if eps is None and tp == 1:
+        return ()
+    if not isinstance(eps, (list, tuple)) or len(eps) != tp:
+        raise BadTransferParams(f"kv_transfer_params['remote_endpoints'] must list {tp} [host, port] pairs (one per "
+                                f"tensor parallel rank, tp_size={tp}), got {_show(eps)}")
+    out = []
+    for r, ep in enumerate(eps):
+        if not isinstance(ep, (list, tuple)) or len(ep) != 2:
+            raise BadTransferParams(f"remote_endpoints[{r}] must be [host, port], got {_show(ep)}")
+        h, p = ep
+        if not isinstance(h, str) or not 0 < len(h) <= MAX_TEXT:
+            raise BadTransferParams(f"remote_endpoints[{r}]'s host must be a string of 1..{MAX_TEXT} characters, "
+                                    f"got {_show(h)}")
+        if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= 65535:
+            raise BadTransferParams(f"remote_endpoints[{r}]'s port must be an integer in [1, 65535], got {_show(p)}")
+        out.append((h, p))
+    return tuple(out)
 
 
 def tokens_to_load(num_prompt_tokens: int, num_computed: int, local_block_sizes: Sequence[int],
@@ -188,11 +227,16 @@ def pair_group(local: np.ndarray, remote: np.ndarray, ls: int, rs: int, start: i
     return l_ker, r_ker
 
 
-def build_params(*, engine_id: str, host: str, port: int, request_id: str, block_ids: Sequence[Sequence[int]],
-                 block_sizes: Sequence[int], lease_deadline: float) -> dict:
-    """The ``kv_transfer_params`` a prefill instance returns for a finished request."""
-    return {"do_remote_prefill": True, "do_remote_decode": False, "gpuxfer": PARAMS_VERSION,
-            "remote_engine_id": engine_id, "remote_host": host, "remote_port": int(port),
-            "remote_request_id": request_id, "remote_block_ids": [list(map(int, b)) for b in block_ids],
-            "remote_block_sizes": [int(s) for s in block_sizes], "lease_deadline": float(lease_deadline),
-            "tp_size": 1}
+def build_params(*, engine_id: str, endpoints: Sequence[tuple[str, int]], request_id: str,
+                 block_ids: Sequence[Sequence[int]], block_sizes: Sequence[int], lease_deadline: float) -> dict:
+    """The ``kv_transfer_params`` a prefill instance returns for a finished request; ``endpoints``: each tensor
+    parallel rank's side channel, by rank."""
+    host, port = endpoints[0]
+    out = {"do_remote_prefill": True, "do_remote_decode": False, "gpuxfer": PARAMS_VERSION,
+           "remote_engine_id": engine_id, "remote_host": host, "remote_port": int(port),
+           "remote_request_id": request_id, "remote_block_ids": [list(map(int, b)) for b in block_ids],
+           "remote_block_sizes": [int(s) for s in block_sizes], "lease_deadline": float(lease_deadline),
+           "tp_size": len(endpoints)}
+    if len(endpoints) > 1:
+        out["remote_endpoints"] = [[h, int(p)] for h, p in endpoints]
+    return out

@@ -19,18 +19,19 @@ _HOLD_STATUSES = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 
 
 class SchedulerSide:
-    """``block_sizes``: tokens per block of each KV-cache group of this instance."""
+    """``block_sizes``: tokens per block of each KV-cache group of this instance; ``endpoints``: each tensor
+    parallel rank's side channel, by rank (from the workers' handshake metadata; None until known)."""
 
     def __init__(self, *, engine_id: str, block_sizes: Sequence[int], lease_s: float,
-                 endpoint: tuple[str, int] | None):
+                 endpoints: Sequence[tuple[str, int]] | None):
         self.engine_id = engine_id
         self.block_sizes = [int(b) for b in block_sizes]
         self.lease_s = lease_s
-        self.endpoint = endpoint                    # this instance's side channel (from its worker)
+        self.endpoints = list(endpoints) if endpoints else None
         self._parsed: dict[str, RemotePrefill] = {}
         self._loads: list[Load] = []
         self._holds: dict[str, float] = {}
-        self._releases: list[tuple[tuple[str, int, str], str]] = []
+        self._releases: list[RemotePrefill] = []
         self.bad_params = 0
 
     def _remote(self, request) -> RemotePrefill | None:
@@ -76,7 +77,7 @@ class SchedulerSide:
             start = max(0, end - num_external_tokens)
             self._loads.append(Load(request.request_id, rp, local, start, end))
         else:
-            self._releases.append((rp.endpoint, rp.request_id))
+            self._releases.append(rp)
 
     def build_payload(self) -> dict:
         out = {"loads": self._loads, "holds": self._holds, "releases": self._releases}
@@ -93,7 +94,7 @@ class SchedulerSide:
             # a decode request that never loaded (aborted while waiting): let the prefill free its blocks
             try:
                 rp = parse_remote_prefill(params, self.block_sizes)
-                self._releases.append((rp.endpoint, rp.request_id))
+                self._releases.append(rp)
             except BadTransferParams:
                 pass
             return False, None
@@ -104,12 +105,11 @@ class SchedulerSide:
             return False, None
         if not any(len(b) for b in block_ids):
             return False, None
-        if self.endpoint is None:
-            log.error("gpuxfer: engine %s: request %s asks for remote decode, but this instance's worker announced "
-                      "no side channel; freeing its blocks", self.engine_id, rid)
+        if not self.endpoints:
+            log.error("gpuxfer: engine %s: request %s asks for remote decode, but this instance's workers announced "
+                      "no side channel of every rank; freeing its blocks", self.engine_id, rid)
             return False, None
         deadline = lease.now() + self.lease_s
         self._holds[rid] = deadline
-        host, port = self.endpoint
-        return True, build_params(engine_id=self.engine_id, host=host, port=port, request_id=rid,
+        return True, build_params(engine_id=self.engine_id, endpoints=self.endpoints, request_id=rid,
                                   block_ids=block_ids, block_sizes=self.block_sizes, lease_deadline=deadline)

@@ -12,13 +12,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from ...errors import GpuxferError
+from ...errors import BadInput, GpuxferError
 from ...kv import KVAgent
 from .channel import SideChannelServer
-from .handshake import describe_view, encode_info, engine_info
+from .handshake import agent_name, describe_view, encode_info, engine_info
 from . import lease
 from .holds import PrefillHolds
 from .loads import DecodeLoads, Load
+from .params import RemotePrefill
 from .staging import IdStaging
 
 log = logging.getLogger("gpuxfer.vllm")
@@ -40,11 +41,16 @@ class Settings:
 
 
 class WorkerSide:
-    """One worker's connector state; ``groups``: per KV-cache group ``(kind, block_size, layer names)``."""
+    """One worker's connector state; ``groups``: per KV-cache group ``(kind, block_size, layer names)``; ``tp``:
+    this worker's ``(rank, world size)`` in the engine's tensor parallel group. A worker holds its rank's shard of
+    the KV heads: decode rank i reads from prefill rank i, and its side channel listens on ``port + i`` where the
+    port is fixed."""
 
     def __init__(self, *, engine_id: str, model: str, dtype: str, layout: str | None,
-                 groups: Sequence[tuple[str, int, Sequence[str]]], settings: Settings, platform=None):
+                 groups: Sequence[tuple[str, int, Sequence[str]]], settings: Settings, platform=None,
+                 tp: tuple[int, int] = (0, 1)):
         self.engine_id, self.model, self.dtype, self.layout = engine_id, model, dtype, layout
+        self.tp_rank, self.tp_size = tp
         self.group_specs = [(k, int(bs), list(names)) for k, bs, names in groups]
         self.settings = settings
         self.platform = platform
@@ -55,7 +61,7 @@ class WorkerSide:
         self.stats = _new_stats()                     # (one dict, counted into by both roles, reset in place)
         self.prefill = PrefillHolds(engine_id=engine_id, lease_s=settings.lease_s, stats=self.stats)
         self.decode = DecodeLoads(engine_id=engine_id, group_specs=self.group_specs, settings=settings,
-                                  lock=self._lock, stats=self.stats)
+                                  lock=self._lock, stats=self.stats, tp=tp)
 
     # ------------------------------------------------------------------ registration
 
@@ -70,7 +76,7 @@ class WorkerSide:
         device = 0
         if first.device.type == "cuda":
             device = torch.cuda.current_device() if first.device.index is None else first.device.index
-        self.agent = KVAgent(f"vllm-{self.engine_id}", platform=platform, device=device,
+        self.agent = KVAgent(agent_name(self.engine_id, self.tp_rank, self.tp_size), platform=platform, device=device,
                              engine=self.settings.engine, remote=self.settings.remote)
         groups, kernel_tokens, bytes_per_block = [], [], []
         for g, (kind, bs, names) in enumerate(self.group_specs):
@@ -97,7 +103,7 @@ class WorkerSide:
                            "layers": names, "bytes_per_token": per_block // kt,
                            "content": [int(view.shape[1]), int(view.shape[3]) * view.element_size()]})
         self.info = engine_info(engine_id=self.engine_id, model=self.model, dtype=self.dtype, layout=self.layout,
-                                groups=groups)
+                                groups=groups, tp=(self.tp_rank, self.tp_size))
         staging = None
         if self.settings.device_ids and self.agent.engine == "triton":
             staging = IdStaging(self.agent)
@@ -106,7 +112,11 @@ class WorkerSide:
         self.decode.bind(self.agent, self.info, kernel_tokens, bytes_per_block, staging)
         warm_s = self._warm_up(staging is not None)
         self._info_bytes, self._meta_bytes = encode_info(self.info), self.agent.metadata()
-        self.server = SideChannelServer(self.settings.host, self.settings.port,
+        port = self.settings.port + self.tp_rank if self.settings.port else 0
+        if port > 65535:
+            raise BadInput(f"the side channel of tensor parallel rank {self.tp_rank} would listen on port {port} "
+                           f"(port {self.settings.port} + rank): past 65535")
+        self.server = SideChannelServer(self.settings.host, port,
                                         lambda: (self._info_bytes, self._meta_bytes), self.settings.handshake_timeout_s)
         if not all(g["token_major"] for g in groups):
             log.info("gpuxfer: engine %s: the KV layout is not token-major (attention backend's block interior), so "
@@ -132,8 +142,6 @@ class WorkerSide:
     def endpoint(self) -> tuple[str, int]:
         return self.server.host, self.server.port
 
-    # ------------------------------------------------------------------ prefill role
-
     # ------------------------------------------------------------------ the roles
 
     def hold(self, holds: Mapping[str, float]) -> None:
@@ -144,7 +152,7 @@ class WorkerSide:
         """Decode: start these loads without waiting (:meth:`DecodeLoads.start`)."""
         self.decode.start(loads)
 
-    def release(self, releases: Sequence[tuple[tuple[str, int, str], str]]) -> None:
+    def release(self, releases: Sequence[RemotePrefill]) -> None:
         """Decode: tell prefill engines this instance will not read these requests."""
         self.decode.release(releases)
 

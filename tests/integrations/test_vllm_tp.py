@@ -1,0 +1,187 @@
+"""GpuxferConnector with tensor parallelism against vLLM 0.33's real Scheduler: instances of two ranks
+(tests/integrations/vllm_instance.py, ``tp=2``: one worker-side connector per rank, each with its own caches
+holding its half of the KV heads, their outputs combined by vLLM's ``KVOutputAggregator``). Decode rank i reads
+prefill rank i's shard; every loaded byte of both ranks is checked. Instances of different TP sizes are refused
+at the handshake: their loads fail, with the reason logged.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from _requires import require
+
+require("vllm", "GPUXFER_REQUIRE_VLLM", "vllm==0.33.0")
+
+from vllm_instance import (assert_failed, assert_idle, assert_loaded, decode, free_port,  # noqa: E402
+                           lease_runs_out, prefill, running, write_model)
+
+ENV = {"GPUXFER_PLATFORM": "host", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+       "VLLM_LOGGING_LEVEL": "WARNING"}
+TM = {"token_major": True}
+
+
+@pytest.fixture(scope="module")
+def inst(tmp_path_factory):
+    """P2 (TP=2, 32-token blocks) read by D2 (TP=2, 16-token blocks); P1 and D1 (TP=1) for the refusals. Four KV
+    heads: two per rank under TP=2."""
+    model = write_model(str(tmp_path_factory.mktemp("model")), num_key_value_heads=4)
+    specs = {"P2": (32, 2), "D2": (16, 2), "P1": (32, 1), "D1": (16, 1)}
+    with running({name: dict(model_dir=model, block_size=bs, tp=tp, extra=TM, env=ENV)
+                  for name, (bs, tp) in specs.items()}) as out:
+        yield out
+
+
+def test_tp2_many_concurrent_requests_land_on_both_ranks(inst):
+    P, D = inst["P2"], inst["D2"]
+    assert P.info["heads"] == D.info["heads"] == [2, 2] and inst["D1"].info["heads"] == [4]
+    D.call("stats", True)
+    reqs = [(f"c{i}", 30 + 37 * i, 1000 + i) for i in range(48)]
+    params = prefill(P, reqs)
+    p0 = next(iter(params.values()))
+    assert p0["tp_size"] == 2 and len(p0["remote_endpoints"]) == 2
+    assert p0["remote_endpoints"][0] != p0["remote_endpoints"][1]
+    res = decode(D, reqs, params)
+    assert_loaded(res)
+    s = assert_idle(P)
+    # each rank of the prefill let go of each request on its own decode rank's word, none by its lease
+    assert s["stats"]["sends_done"] >= 2 * len(reqs) and s["stats"].get("leases_expired", 0) == 0
+    d = D.call("stats")
+    assert d["requests"] == 0 and d["free"] == D.info["free"]
+    st = d["stats"]
+    assert st["handshakes"] == 2 and st["failed"] == 0           # one handshake per rank
+    assert st["transfers"] == 2 * len(reqs)                        # each request read by both ranks
+    assert not [m for m in D.call("logs") if "fail" in m]
+
+
+def _refused(P, D, reqs, want: list[str]) -> None:
+    """Loads of ``P``'s requests on ``D`` fail, the reason logged on ``D``; ``P`` frees the blocks at a short
+    lease (nobody read them), and both end holding nothing."""
+    D.call("logs")
+    P.call("set_lease", 3.0)
+    try:
+        params = prefill(P, reqs)
+        t0 = time.monotonic()
+        res = decode(D, reqs, params, timeout=60)
+        assert time.monotonic() - t0 < 30
+        assert_failed(D, res)
+        logs = D.call("logs")
+        for w in want:
+            assert any(w in m for m in logs), (w, logs)
+        assert_idle(D)
+        assert_idle(P, timeout=30)
+    finally:
+        P.call("set_lease", 120.0)
+
+
+def test_prefill_tp2_decode_tp1_is_refused_at_the_handshake(inst):
+    _refused(inst["P2"], inst["D1"], [(f"m{i}", 100 + i, 2000 + i) for i in range(4)],
+             ["tensor parallel size: this instance 1, the peer 2"])
+
+
+def test_prefill_tp1_decode_tp2_is_refused(inst):
+    # rank 0 reaches the prefill's one rank and the handshake refuses it; rank 1 has no rank to read from
+    _refused(inst["P1"], inst["D2"], [(f"n{i}", 100 + i, 3000 + i) for i in range(4)],
+             ["tensor parallel size: this instance 2, the peer 1", "has no rank 1"])
+
+
+def test_a_load_failing_on_one_rank_fails_the_request_and_the_prefill_waits_for_every_rank(inst):
+    """Rank 1 of the decode cannot reach its prefill rank (params pointing it elsewhere): rank 0 reads its shard
+    and says so, rank 1 fails. vLLM's aggregation fails the request (rank 1's load errors), and the prefill frees
+    the blocks only once its rank 1 lets go of them too: at its lease."""
+    P, D = inst["P2"], inst["D2"]
+    before = P.call("stats")["stats"]
+    P.call("set_lease", 4.0)
+    try:
+        reqs = [(f"o{i}", 120 + i, 7000 + i) for i in range(3)]
+        params = prefill(P, reqs)
+        nobody = free_port()
+        for p in params.values():
+            p["remote_endpoints"][1] = ["127.0.0.1", nobody]
+        assert_failed(D, decode(D, reqs, params, timeout=60))
+        assert P.call("stats")["free"] < P.info["free"]           # rank 1 still holds them
+        s = assert_idle(P, timeout=30)
+    finally:
+        P.call("set_lease", 120.0)
+    assert s["stats"]["leases_expired"] == before.get("leases_expired", 0) + len(reqs)      # rank 1's
+    assert s["stats"]["sends_done"] == before.get("sends_done", 0) + len(reqs)              # rank 0's
+    assert_idle(D)
+
+
+def test_tp2_decode_abort_releases_both_prefill_ranks(inst):
+    P, D = inst["P2"], inst["D2"]
+    expired = P.call("stats")["stats"].get("leases_expired", 0)
+    reqs = [(f"b{i}", 200 + i, 5000 + i) for i in range(6)]
+    params = prefill(P, reqs)
+    states = D.call("submit_abort", "decode", [(f"d-{r}", n, s, params[r]) for r, n, s in reqs])
+    assert "WAITING_FOR_REMOTE_KVS" in states.values(), states
+    assert_idle(D)
+    s = assert_idle(P)          # read or released by each rank, not left to the lease
+    assert s["stats"].get("leases_expired", 0) == expired
+
+
+def test_tp2_lease_expiry(inst):
+    lease_runs_out(inst["P2"], inst["D2"], [(f"l{i}", 150, 6000 + i) for i in range(2)], ranks=2)
+
+
+def test_the_worker_reads_its_rank_from_vllms_tensor_parallel_group():
+    """The rank and size of vLLM's group; without a group, rank 0 of an engine of one rank and a typed error
+    for more; a group that disagrees with the config is refused."""
+    from gpuxfer.errors import BadInput
+    from gpuxfer.integrations.vllm.connector import tensor_parallel_rank
+    from vllm_instance import _as_rank
+    assert tensor_parallel_rank(1) == (0, 1)
+    with pytest.raises(BadInput, match="tensor parallel group is not made"):
+        tensor_parallel_rank(2)
+    with _as_rank(1, 2):
+        assert tensor_parallel_rank(2) == (1, 2)
+        with pytest.raises(BadInput, match="rank 1 of 2; the engine's config says TP=4"):
+            tensor_parallel_rank(4)
+
+
+def test_the_scheduler_side_takes_every_ranks_side_channel(caplog):
+    """``set_xfer_handshake_metadata``: the endpoints by rank; with a rank missing (or metadata of another rank
+    under its key) none, logged, and a finished request is then not held."""
+    import types
+    from gpuxfer.integrations.vllm.connector import GpuxferConnector, GpuxferHandshakeMetadata as M
+    from gpuxfer.integrations.vllm.scheduler import SchedulerSide
+    me = types.SimpleNamespace(tp_size=2, engine_id="P", _scheduler=SchedulerSide(engine_id="P", block_sizes=[16],
+                                                                                  lease_s=60, endpoints=None))
+    GpuxferConnector.set_xfer_handshake_metadata(me, {1: M("P", "h1", 6002, 1), 0: M("P", "h0", 6001, 0)})
+    assert me._scheduler.endpoints == [("h0", 6001), ("h1", 6002)]
+    for bad in ({0: M("P", "h0", 6001, 0)}, {0: M("P", "h0", 6001, 0), 1: M("P", "h1", 6002, 0)}):
+        GpuxferConnector.set_xfer_handshake_metadata(me, bad)
+        assert me._scheduler.endpoints is None
+    assert any("not each of the 2 tensor parallel ranks" in m for m in caplog.messages)
+    req = types.SimpleNamespace(request_id="r", kv_transfer_params={"do_remote_decode": True},
+                                status=types.SimpleNamespace(name="FINISHED_LENGTH_CAPPED"))
+    assert me._scheduler.request_finished(req, ([1, 2],)) == (False, None)
+
+
+def test_pipeline_parallelism_is_refused():
+    import types
+    from gpuxfer.errors import BadInput
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from gpuxfer.integrations.vllm.connector import GpuxferConnector
+    cfg = types.SimpleNamespace(kv_transfer_config=object(),
+                                parallel_config=types.SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=2))
+    with pytest.raises(BadInput, match="PP=2"):
+        GpuxferConnector(cfg, KVConnectorRole.SCHEDULER, object())
+
+
+def test_tp2_over_nixl_from_a_host_on_another_clock(tmp_path_factory):
+    """Both ranks read through NIXL (each rank's own NIXL agent) from a prefill whose lease clock is 5000 s behind."""
+    from test_vllm_nixl import BASE, _need_nixl
+    _need_nixl()
+    model = write_model(str(tmp_path_factory.mktemp("model")), num_key_value_heads=4)
+    specs = {"NP": dict(block_size=32, env=dict(BASE, GPUXFER_VLLM_TEST_CLOCK_SHIFT_S="-5000")),
+             "ND": dict(block_size=16, env=BASE)}
+    with running({n: dict(kw, model_dir=model, tp=2, extra=TM, num_blocks=1024) for n, kw in specs.items()}) as i:
+        P, D = i["NP"], i["ND"]
+        reqs = [(f"x{k}", 40 + 61 * k, 9000 + k) for k in range(16)]
+        assert_loaded(decode(D, reqs, prefill(P, reqs)))
+        s = assert_idle(P)
+        assert s["stats"]["sends_done"] >= 2 * len(reqs) and s["stats"].get("leases_expired", 0) == 0
+        d = D.call("stats")
+        assert d["routes"] == {"nixl"} and d["stats"]["handshakes"] == 2 and d["stats"]["transfers"] == 2 * len(reqs)
