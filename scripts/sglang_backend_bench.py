@@ -48,7 +48,6 @@ import os
 import platform
 import random
 import socket
-import statistics
 import sys
 import time
 
@@ -247,7 +246,7 @@ def main(argv=None) -> int:
           + ", ".join(f"{name} {n} x {pb} B/page" for name, n, pb in regions)
           + f" ({kv_bytes / 2**20:.1f} MiB of KV); chunked prefill {a.chunk_tokens} tokens; 1 warm-up + "
             f"{a.repeats} requests")
-    print(f"# forward pass between chunks: "
+    print("# forward pass between chunks: "
           + (f"{a.forward_ms:g} ms (the scheduler thread sleeps, the GIL free)" if a.forward_ms else "none (back to back)"))
     placement = {"auto": "each rank on cores of its own: its main thread on the fastest, the threads it starts on "
                          "the rest (auto)",

@@ -184,7 +184,6 @@ class Rank:
 
 class _State:
     def __init__(self, spec: dict):
-        import torch
         from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
         from sglang.srt.runtime_context import get_context
 

@@ -44,6 +44,21 @@ def _pair(page_size: int, mla: bool = False):
     return p, d
 
 
+def _ready_pair(page_size: int, env: dict, mla: bool = False, **extra):
+    """A prefill (seed 1) and a decode (seed 2) rank with ``env`` (``extra``: :class:`Rank`'s), started
+    together and ready."""
+    port = _free_port()
+    p = Rank("prefill", port=port, page_size=page_size, pages=PAGES, seed=1, env=env, mla=mla, **extra)
+    d = Rank("decode", port=port, page_size=page_size, pages=PAGES, seed=2, env=env, mla=mla, **extra)
+    try:
+        p.ready(timeout=600)
+        d.ready(timeout=600)
+    except BaseException:
+        _close(p, d)
+        raise
+    return p, d
+
+
 def _close(*ranks):
     codes = [r.close() for r in ranks]
     for r in ranks:
@@ -131,6 +146,17 @@ def _send_directly(p, d, plan, actions, rows):
     never = p.call("send", [(r, src, rows[r], *actions[r]) for r, src in plan], 60, timeout=120)
     assert never == [], f"the prefill never saw the decode's pages of rooms {never}"
     return p.call("wait", rooms, 60, timeout=120)
+
+
+def _queued_then_direct(p, d, pages, first_room: int, rng) -> None:
+    """64 concurrent requests of 1 to 9 pages (16-token pages) through both sides' queues, then 16 with the
+    prefill's ``KVSender`` called directly (chunks of 1, 2 or all pages): every byte checked."""
+    _land_through_queue(p, d, [pages.take(room, rng.randint(1, 9)) for room in range(first_room, first_room + 64)],
+                        16, rng)
+    plan = [pages.take(room, rng.randint(1, 9)) for room in range(first_room + 100, first_room + 116)]
+    rows = {r: pages.rows.pop() for r, _ in plan}
+    prefill = _send_directly(p, d, plan, {r: (rng.choice([1, 2, 16]), "send") for r, _ in plan}, rows)
+    _landed(p, d, plan, prefill, rows)
 
 
 def test_rooms_land_byte_for_byte(pair):

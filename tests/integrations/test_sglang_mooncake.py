@@ -22,10 +22,10 @@ from _requires import require
 
 require("sglang", "GPUXFER_REQUIRE_SGLANG", "sglang==0.5.23")
 
-from sglang_instance import MOONCAKE_ENV, Rank, mooncake_library_path  # noqa: E402
-from test_sglang_backend import (ENV, PAGES, WAITING_TIMEOUT_S, _close, _decode_requests,  # noqa: E402
-                                 _free_port, _kill_decode_under_posted_rooms, _kill_prefill_under_waiting_rooms,
-                                 _land_through_queue, _landed, _Pages, _send_directly)
+from sglang_instance import MOONCAKE_ENV, mooncake_library_path  # noqa: E402
+from test_sglang_backend import (ENV, WAITING_TIMEOUT_S, _close, _decode_requests,  # noqa: E402
+                                 _kill_decode_under_posted_rooms, _kill_prefill_under_waiting_rooms,
+                                 _land_through_queue, _Pages, _queued_then_direct, _ready_pair)
 
 
 @pytest.fixture(scope="module")
@@ -51,18 +51,7 @@ def mooncake(tmp_path_factory):
 
 
 def _pair(page_size: int, mla: bool = False):
-    port = _free_port()
-    p = Rank("prefill", port=port, page_size=page_size, pages=PAGES, seed=1, env={**ENV, **MOONCAKE_ENV},
-             mla=mla, backend="mooncake")
-    d = Rank("decode", port=port, page_size=page_size, pages=PAGES, seed=2, env={**ENV, **MOONCAKE_ENV},
-             mla=mla, backend="mooncake")
-    try:
-        p.ready(timeout=600)
-        d.ready(timeout=600)
-    except BaseException:
-        _close(p, d)
-        raise
-    return p, d
+    return _ready_pair(page_size, {**ENV, **MOONCAKE_ENV}, mla, backend="mooncake")
 
 
 @pytest.fixture(scope="module")
@@ -81,12 +70,7 @@ def test_mooncake_rooms_land_byte_for_byte(pair):
     then 16 with the prefill's ``KVSender`` called directly: every page and metadata row lands where the
     decode's queue put it, nothing else changes, both sides Success: the exchange gpuxfer's backend passes."""
     p, d, pages = pair
-    rng = random.Random(21)
-    _land_through_queue(p, d, [pages.take(room, rng.randint(1, 9)) for room in range(8000, 8064)], 16, rng)
-    plan = [pages.take(room, rng.randint(1, 9)) for room in range(8100, 8116)]
-    rows = {r: pages.rows.pop() for r, _ in plan}
-    prefill = _send_directly(p, d, plan, {r: (rng.choice([1, 2, 16]), "send") for r, _ in plan}, rows)
-    _landed(p, d, plan, prefill, rows)
+    _queued_then_direct(p, d, pages, 8000, random.Random(21))
 
 
 def test_mooncake_aborts_on_either_side_fail_both_and_write_nothing(pair):

@@ -19,10 +19,9 @@ from _requires import require
 
 require("sglang", "GPUXFER_REQUIRE_SGLANG", "sglang==0.5.23")
 
-from sglang_instance import Rank  # noqa: E402
-from test_sglang_backend import (ENV, PAGES, WAITING_TIMEOUT_S, _close,  # noqa: E402
-                                 _free_port, _kill_decode_under_posted_rooms, _kill_prefill_under_waiting_rooms,
-                                 _land_through_queue, _landed, _Pages, _send_directly)
+from test_sglang_backend import (ENV, WAITING_TIMEOUT_S, _close, _kill_decode_under_posted_rooms,  # noqa: E402
+                                 _kill_prefill_under_waiting_rooms, _land_through_queue, _Pages,
+                                 _queued_then_direct, _ready_pair, _send_directly)
 
 NIXL_ENV = {**ENV, "GPUXFER_KV_REMOTE": "nixl", "GPUXFER_KV_ROUTE": "nixl", "UCX_NET_DEVICES": "lo"}
 
@@ -41,16 +40,7 @@ def _need_nixl() -> None:
 def _pair(page_size: int, mla: bool = False):
     """A prefill and a decode rank over the NIXL route, started together and ready."""
     _need_nixl()
-    port = _free_port()
-    p = Rank("prefill", port=port, page_size=page_size, pages=PAGES, seed=1, env=NIXL_ENV, mla=mla)
-    d = Rank("decode", port=port, page_size=page_size, pages=PAGES, seed=2, env=NIXL_ENV, mla=mla)
-    try:
-        p.ready(timeout=600)
-        d.ready(timeout=600)
-    except BaseException:
-        _close(p, d)
-        raise
-    return p, d
+    return _ready_pair(page_size, NIXL_ENV, mla)
 
 
 def _took_nixl(p, d) -> None:
@@ -78,13 +68,8 @@ def test_rooms_land_byte_for_byte_over_nixl(pair):
     then 16 with the prefill's ``KVSender`` called directly: every page of every KV entry and every metadata row
     lands where the decode's queue put it, nothing else changes; the decode rank was added on the NIXL route."""
     p, d, pages = pair
-    rng = random.Random(11)
-    _land_through_queue(p, d, [pages.take(room, rng.randint(1, 9)) for room in range(7000, 7064)], 16, rng)
+    _queued_then_direct(p, d, pages, 7000, random.Random(11))
     _took_nixl(p, d)
-    plan = [pages.take(room, rng.randint(1, 9)) for room in range(7100, 7116)]
-    rows = {r: pages.rows.pop() for r, _ in plan}
-    prefill = _send_directly(p, d, plan, {r: (rng.choice([1, 2, 16]), "send") for r, _ in plan}, rows)
-    _landed(p, d, plan, prefill, rows)
 
 
 def test_a_room_whose_success_message_is_lost_is_not_ended_by_a_word(pair):

@@ -88,6 +88,8 @@ def test_geometry_differences_name_each_field():
     tp2, tp1 = geometry(_kv_args()[0], 2), geometry(_kv_args()[0], 1)
     assert [d for d in geometry_differences(tp2, tp1) if d.startswith("attention TP size: prefill 2, decode 1")]
     assert geometry_differences(tp2, dict(tp2)) == [] and geometry_differences(ours, geometry(_kv_args()[0])) == []
+    older = {k: v for k, v in tp1.items() if k != "attn_tp_size"}       # a decode of a version without the key
+    assert geometry_differences(tp1, older) == []
 
 
 def test_registration_payload_round_trip_and_bounds():

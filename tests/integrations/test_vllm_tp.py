@@ -92,7 +92,7 @@ def test_a_load_failing_on_one_rank_fails_the_request_and_the_prefill_waits_for_
     the blocks only once its rank 1 lets go of them too: at its lease."""
     P, D = inst["P2"], inst["D2"]
     before = P.call("stats")["stats"]
-    P.call("set_lease", 4.0)
+    P.call("set_lease", 10.0)           # long enough for rank 0's read, short enough to wait for
     try:
         reqs = [(f"o{i}", 120 + i, 7000 + i) for i in range(3)]
         params = prefill(P, reqs)
@@ -101,7 +101,7 @@ def test_a_load_failing_on_one_rank_fails_the_request_and_the_prefill_waits_for_
             p["remote_endpoints"][1] = ["127.0.0.1", nobody]
         assert_failed(D, decode(D, reqs, params, timeout=60))
         assert P.call("stats")["free"] < P.info["free"]           # rank 1 still holds them
-        s = assert_idle(P, timeout=30)
+        s = assert_idle(P, timeout=60)
     finally:
         P.call("set_lease", 120.0)
     assert s["stats"]["leases_expired"] == before.get("leases_expired", 0) + len(reqs)      # rank 1's
@@ -159,14 +159,19 @@ def test_the_scheduler_side_takes_every_ranks_side_channel(caplog):
     assert me._scheduler.request_finished(req, ([1, 2],)) == (False, None)
 
 
-def test_pipeline_parallelism_is_refused():
+@pytest.mark.parametrize("sizes,says", [(dict(pipeline_parallel_size=2), "PP=2"),
+                                         (dict(decode_context_parallel_size=2), "DCP=2"),
+                                         (dict(prefill_context_parallel_size=2), "PCP=2")])
+def test_pipeline_and_context_parallelism_are_refused(sizes, says):
+    """Context parallelism spreads a block's tokens over the ranks: refused with pipeline parallelism."""
     import types
     from gpuxfer.errors import BadInput
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from gpuxfer.integrations.vllm.connector import GpuxferConnector
-    cfg = types.SimpleNamespace(kv_transfer_config=object(),
-                                parallel_config=types.SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=2))
-    with pytest.raises(BadInput, match="PP=2"):
+    par = dict(tensor_parallel_size=2, pipeline_parallel_size=1, decode_context_parallel_size=1,
+               prefill_context_parallel_size=1)
+    cfg = types.SimpleNamespace(kv_transfer_config=object(), parallel_config=types.SimpleNamespace(**{**par, **sizes}))
+    with pytest.raises(BadInput, match=says):
         GpuxferConnector(cfg, KVConnectorRole.SCHEDULER, object())
 
 

@@ -105,7 +105,8 @@ class GpuxferKVManager(CommonKVManager):
         platform = current()
         self.timeout_s = float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
         self.session_id = f"{self.local_ip}:{self.rank_port}"
-        self.geometry = geometry(args, None if is_mla_backend else self.attn_tp_size)
+        mla = is_mla_backend or getattr(self, "is_hybrid_mla_backend", False)   # every rank holds all the KV
+        self.geometry = geometry(args, None if mla else self.attn_tp_size)
         device = 0 if platform.host_memory else int(getattr(args, "gpu_id", 0) or 0)
         role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
         self.agent = KVAgent(f"sglang-{role}-{self.session_id}", platform=platform, device=device,

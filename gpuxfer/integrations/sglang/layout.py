@@ -80,8 +80,8 @@ def geometry_differences(ours: dict, theirs: dict) -> list[str]:
     for key in ("page_size", "kv_item_lens", "aux_item_lens", "kv_cache_dtype", "kv_layout", "num_draft_entries"):
         if ours.get(key) != theirs.get(key):
             out.append(f"{key}: prefill {ours.get(key)!r}, decode {theirs.get(key)!r}")
-    if ours.get("attn_tp_size") != theirs.get("attn_tp_size"):
-        out.append(f"attention TP size: prefill {ours.get('attn_tp_size')!r}, decode {theirs.get('attn_tp_size')!r} "
+    if "attn_tp_size" in theirs and ours.get("attn_tp_size") != theirs["attn_tp_size"]:
+        out.append(f"attention TP size: prefill {ours.get('attn_tp_size')!r}, decode {theirs['attn_tp_size']!r} "
                    "(pages move whole, rank to rank: an MHA pool's heads are split by TP, and different TP sizes "
                    "would need head slicing, which this backend does not do)")
     return out

@@ -119,9 +119,12 @@ class GpuxferConnector(KVConnectorBase_V1, SupportsHMA):
         if kv_cache_config is None:
             raise BadInput("GpuxferConnector needs vLLM's kv_cache_config (vLLM 0.33's three-argument constructor)")
         par = vllm_config.parallel_config
-        if par.pipeline_parallel_size != 1:
-            raise BadInput(f"GpuxferConnector supports pipeline parallel size 1; this engine runs "
-                           f"PP={par.pipeline_parallel_size}")
+        sizes = {"PP": par.pipeline_parallel_size, "PCP": getattr(par, "prefill_context_parallel_size", 1),
+                 "DCP": getattr(par, "decode_context_parallel_size", 1)}
+        if any(v != 1 for v in sizes.values()):
+            # context parallelism spreads a block's tokens over ranks: rank i's blocks would not pair with rank i's
+            raise BadInput("GpuxferConnector supports pipeline and context parallel sizes 1; this engine runs "
+                           + ", ".join(f"{k}={v}" for k, v in sizes.items()))
         self.tp_size, self.tp_rank = int(par.tensor_parallel_size), 0
         ktc = vllm_config.kv_transfer_config
         self.engine_id = str(ktc.engine_id)
