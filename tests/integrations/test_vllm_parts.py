@@ -75,6 +75,19 @@ def test_tp_params_name_each_rank():
         parse_remote_prefill(good(), [16]).endpoint_of(1)
 
 
+def test_a_release_names_each_rank_but_carries_no_block_ids():
+    """A decode request that never loaded: the step's metadata tells every worker its rank's prefill endpoint
+    and the request, without the block-ID arrays of the params (they would travel to every worker)."""
+    import types
+    from gpuxfer.integrations.vllm.scheduler import SchedulerSide
+    side = SchedulerSide(engine_id="d0", block_sizes=[16], lease_s=30.0, endpoints=None)
+    req = types.SimpleNamespace(request_id="r", kv_transfer_params=tp2(), status=None)
+    assert side.request_finished(req, ([],)) == (False, None)
+    (rp,) = side.build_payload()["releases"]
+    assert rp.block_ids == () and rp.request_id == parse_remote_prefill(tp2(), [16]).request_id
+    assert rp.endpoint_of(1) == ("10.0.0.2", 5602, "p0")
+
+
 @pytest.mark.parametrize("patch", [
     {"tp_size": 0}, {"tp_size": -2}, {"tp_size": "2"}, {"tp_size": True}, {"tp_size": 2.0}, {"tp_size": 1 << 20},
     {"tp_size": 3}, {"tp_size": 1}, {"tp_size": None}, {"remote_endpoints": None},
