@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from gpuxfer.errors import LayoutMismatch
+from gpuxfer.errors import BadInput, LayoutMismatch
 from gpuxfer.integrations.vllm.channel import (MAX_FRAME, MAX_REQUEST_ID, SideChannelClient, SideChannelServer,
                                                frame, message)
-from gpuxfer.integrations.vllm.handshake import check_compatible, describe_view
+from gpuxfer.integrations.vllm.handshake import INFO_VERSION, check_compatible, decode_info, describe_view, encode_info
 from gpuxfer.integrations.vllm.params import (BadTransferParams, build_params, pair_group, parse_remote_prefill,
                                               tokens_to_load)
 
@@ -196,6 +196,18 @@ def test_compatibility_check():
     bad["model"] = "other"
     with pytest.raises(LayoutMismatch, match="model"):
         check_compatible(info(), bad)
+
+
+def test_engine_description_of_another_version_or_shape_is_refused_by_name():
+    assert decode_info(encode_info(dict(info(), version=INFO_VERSION)))["engine_id"] == "e"
+    with pytest.raises(BadInput, match=f"of version 99, this instance's of version {INFO_VERSION}"):
+        decode_info(encode_info(dict(info(), version=99)))
+    with pytest.raises(BadInput, match="of version None"):
+        decode_info(b'{"engine_id": "e"}')
+    with pytest.raises(BadInput, match="JSON list, not an object"):
+        decode_info(b"[1, 2]")
+    with pytest.raises(BadInput, match="not JSON"):
+        decode_info(b"\xff")
 
 
 def test_describe_view_layouts():

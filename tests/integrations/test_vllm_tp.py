@@ -56,8 +56,8 @@ def test_tp2_many_concurrent_requests_land_on_both_ranks(inst):
 
 
 def _refused(P, D, reqs, want: list[str]) -> None:
-    """Loads of ``P``'s requests on ``D`` fail, the reason logged on ``D``; ``P`` frees the blocks at a short
-    lease (nobody read them), and both end holding nothing."""
+    """Loads of ``P``'s requests on ``D`` fail, the reason logged on ``D``; ``P`` frees the blocks (released by
+    the rank that refused it, at a short lease where no rank reached it), and both end holding nothing."""
     D.call("logs")
     P.call("set_lease", 3.0)
     try:
@@ -84,6 +84,20 @@ def test_prefill_tp1_decode_tp2_is_refused(inst):
     # rank 0 reaches the prefill's one rank and the handshake refuses it; rank 1 has no rank to read from
     _refused(inst["P1"], inst["D2"], [(f"n{i}", 100 + i, 3000 + i) for i in range(4)],
              ["tensor parallel size: this instance 2, the peer 1", "has no rank 1"])
+
+
+def test_a_refused_handshake_releases_the_blocks_at_once(inst):
+    """The prefill's rank answers and the decode refuses it (another TP size): the decode releases the requests
+    on its side channel, so the prefill frees them now, not at their lease (120 s here)."""
+    P, D = inst["P1"], inst["D2"]
+    before = P.call("stats")["stats"]
+    reqs = [(f"q{i}", 100 + i, 3500 + i) for i in range(3)]
+    params = prefill(P, reqs)
+    assert_failed(D, decode(D, reqs, params, timeout=60))
+    s = assert_idle(P, timeout=20)["stats"]
+    assert s["sends_done"] == before["sends_done"] + len(reqs)
+    assert s["leases_expired"] == before["leases_expired"]
+    assert_idle(D)
 
 
 def test_a_load_failing_on_one_rank_fails_the_request_and_the_prefill_waits_for_every_rank(inst):

@@ -80,8 +80,11 @@ def decode_info(raw: bytes) -> dict:
         info = json.loads(raw.decode())
     except (UnicodeDecodeError, ValueError) as exc:
         raise BadInput(f"the peer's engine description is not JSON: {exc}") from None
-    if not isinstance(info, dict) or info.get("version") != INFO_VERSION:
-        raise BadInput(f"the peer's engine description is of another version (want {INFO_VERSION})")
+    if not isinstance(info, dict):
+        raise BadInput(f"the peer's engine description is a JSON {type(info).__name__}, not an object")
+    if info.get("version") != INFO_VERSION:
+        raise BadInput(f"the peer's engine description is of version {_short(info.get('version'))}, this "
+                       f"instance's of version {INFO_VERSION}: run the same gpuxfer version on both instances")
     groups = info.get("groups")
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         raise BadInput("the peer's engine description lists no groups")

@@ -166,8 +166,8 @@ class DecodeLoads:
             if info.get("engine_id") != engine_id:
                 raise BadTransferParams(f"{host}:{port} is engine {info.get('engine_id')!r}, not {engine_id!r} as "
                                         "the request's kv_transfer_params say (stale params?)")
-            check_compatible(self.info, info)
             r.info = info
+            check_compatible(self.info, info)
             r.groups = tuple((g["block_size"], g["kernel_tokens"]) for g in info["groups"])
         except Exception as exc:        # every failure fails this engine's loads, never the worker
             self._handshake_failed(r, exc)
@@ -175,12 +175,21 @@ class DecodeLoads:
         self._attach(r)
 
     def _handshake_failed(self, r: _Remote, exc: Exception) -> None:
+        """Fail the engine: its loads fail at the next poll. Where the peer is the engine and rank the params
+        name (its description read) but cannot pair, or its caches could not be mapped, the loads waiting on it
+        are released on its side channel first, so it frees their blocks now rather than at their lease."""
         host, port, engine_id = r.key
         r.error, r.state = f"{type(exc).__name__}: {exc}", "failed"
         log.error("gpuxfer: engine %s: handshake with prefill engine %s at %s:%d failed: %s; its requests' "
                   "loads fail and vLLM recomputes them", self.engine_id, engine_id, host, port, r.error)
-        if r.client is not None:
-            r.client.close()
+        if r.client is None:
+            return
+        info = r.info
+        if info is not None and info.get("engine_id") == engine_id and info.get("tp_rank", 0) == self.tp_rank:
+            reqs = [st.load.remote.request_id for st in self.waiting.values() if st.remote is r]
+            if reqs:
+                r.client.notify("release", reqs)
+        r.client.close()            # (sends what was queued first)
 
     def _attach(self, r: _Remote) -> None:
         """Map a checked engine's caches (``add_peer``) and make its first read's slot: a few milliseconds
