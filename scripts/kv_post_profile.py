@@ -2,7 +2,7 @@
 replaced by counting no-ops, so what is left is gpuxfer's own Python (no driver, no kernels run).
 
     PYTHONPATH=. python scripts/kv_post_profile.py [--workload kv-dsv4] [--isl 32768] [--page 16]
-        [--op pull] [--iters 2000] [--profile]
+        [--op pull] [--iters 2000] [--ids host|device] [--profile]
 
 Two agents in this process register the benchmark's layout of ``--workload``, then three loops run:
 ``fresh`` (prepare, post, wait: each post a transfer just prepared, the previous one dropped, as a
@@ -11,7 +11,9 @@ benchmark or an engine does), ``repost`` (one prepared transfer posted again and
 microseconds, and the platform calls a post makes, by name (averaged over the posts). Stream operations are no-ops and every event is
 complete when recorded; recording makes a :class:`~gpuxfer.platforms.cuda_streams.CudaEvent` over a
 spare handle, as the CUDA platform does, so the event's Python costs stay in. A tuning aid (not a test):
-the numbers are this machine's Python speed; the calls per post are exact.
+the numbers are this machine's Python speed; the calls per post are exact. ``--ids device``: the block IDs
+as int32 tensors on the emulation's device (the CPU), prepared with ``device_ids=True``, as an engine whose
+block table lives on its GPU prepares them (:mod:`gpuxfer.kv.device_ids`: the check's kernels do not run here).
 """
 from __future__ import annotations
 
@@ -88,7 +90,7 @@ def stub_platform():
     return StubPlatform()
 
 
-def run(workload: str, isl: int, page: int, op: str, iters: int, profile: bool) -> dict:
+def run(workload: str, isl: int, page: int, op: str, iters: int, profile: bool, ids: str = "host") -> dict:
     from gpuxfer.kv.agent import KVAgent
     from gpuxfer.bench.kv.model.blocktable import burst_tables
     from gpuxfer.bench.kv.model.layout import layout_for_burst, layout_groups
@@ -108,9 +110,15 @@ def run(workload: str, isl: int, page: int, op: str, iters: int, profile: bool) 
         initiator, other = (agents[1], agents[0]) if op == "pull" else (agents[0], agents[1])
         peer = initiator.add_peer(other.metadata())
         mine, theirs = (dst, src) if op == "pull" else (src, dst)
+        on_device = ids == "device"
+        if on_device:
+            import torch
+            mine, theirs = ({g: torch.as_tensor(np.asarray(v), dtype=torch.int32) for g, v in t.items()}
+                            for t in (mine, theirs))
 
         def prepare():
-            return initiator.prepare(peer, op, local_blocks=mine, remote_blocks=theirs, name="probe")
+            return initiator.prepare(peer, op, local_blocks=mine, remote_blocks=theirs, name="probe",
+                                     device_ids=on_device)
 
         prepare().post().wait(60)           # the route's slot and graph
         rows = {}
@@ -150,7 +158,7 @@ def run(workload: str, isl: int, page: int, op: str, iters: int, profile: bool) 
             prepare()
             times.append((time.perf_counter() - t0) * 1e6)
         rows["prepare"] = {"p50_us": float(np.median(times)), "p90_us": float(np.percentile(times, 90))}
-        return {"workload": workload, "isl_tokens": isl, "page_tokens": page, "op": op, "rows": rows}
+        return {"workload": workload, "isl_tokens": isl, "page_tokens": page, "op": op, "ids": ids, "rows": rows}
     finally:
         for ag in reversed(agents):
             ag.close()
@@ -166,9 +174,11 @@ def main(argv=None) -> int:
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--op", default="pull", choices=("pull", "push"))
     ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--ids", default="host", choices=("host", "device"),
+                    help="block IDs as numpy arrays (host) or as tensors checked on the device (device)")
     ap.add_argument("--profile", action="store_true", help="cProfile the timed posts")
     args = ap.parse_args(argv)
-    res = run(args.workload, args.isl, args.page, args.op, args.iters, args.profile)
+    res = run(args.workload, args.isl, args.page, args.op, args.iters, args.profile, args.ids)
     for name, r in res["rows"].items():
         print(f"{name:>8}: p50 {r['p50_us']:7.2f} us  p90 {r['p90_us']:7.2f} us  {r.get('calls_per_post', '')}")
         if "profile" in r:

@@ -30,3 +30,11 @@ def test_post_harness_counts_the_calls(op):
     assert repost.pop("event_query", 0.0) <= 1.0
     assert repost == {"copy_async": 1.0, "launch_graph": 1.0, "record_event": 1.0}
     assert all(rows[k]["p50_us"] > 0 for k in ("fresh", "repost", "prepare"))
+
+
+def test_post_harness_with_device_ids_counts_the_checked_post():
+    """Device IDs: the header upload, the checked graph, the status word's copy back and the event (on the
+    emulation a slot has no host words, so the post is not folded)."""
+    res = _harness().run("kv-dsv4", 256, 16, "pull", 40, False, "device")
+    assert res["ids"] == "device"
+    assert res["rows"]["fresh"]["calls_per_post"] == {"copy_async": 2.0, "launch_graph": 1.0, "record_event": 1.0}
