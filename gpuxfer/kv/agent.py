@@ -79,6 +79,7 @@ whatever the IDs hold.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import numbers
@@ -120,6 +121,30 @@ __all__ = ["KVAgent", "KVPeer", "KVTransfer", "KVTransferHandle", "KVLayerSpec",
 #: the pack engine's staging slot, in bytes (the host emulation's is smaller)
 PACK_SLOT_BYTES = 192 << 20
 PACK_SLOT_BYTES_EMULATION = 1 << 20
+
+
+def _piece_view(meta, pieces: Mapping[str, tuple[int, int]]):
+    """``meta`` with each named group's layers cut to their pieces ``[start, stop)`` (a subset of checked pieces:
+    every byte still inside its layer); :class:`BadInput` naming a group the peer lacks or a range past a layer's
+    pieces."""
+    if not isinstance(pieces, Mapping):
+        raise BadInput(f"pieces must map group -> (start, stop), got {type(pieces).__name__}")
+    groups = {g.name: g for g in meta.groups}
+    for name, rng in pieces.items():
+        g = groups.get(name)
+        if g is None:
+            raise BadInput(f"pieces names group {name!r}; peer {meta.agent!r} has groups {sorted(groups)}")
+        if (not isinstance(rng, (tuple, list)) or len(rng) != 2
+                or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in rng)):
+            raise BadInput(f"pieces[{name!r}] must be (start, stop), got {rng!r:.80}")
+        a, b = int(rng[0]), int(rng[1])
+        for lay, _, _ in g.layers:
+            if not 0 <= a < b <= len(lay.pieces):
+                raise BadInput(f"pieces[{name!r}] = ({a}, {b}), but layer {lay.name!r} of peer {meta.agent!r} has "
+                               f"{len(lay.pieces)} pieces per block")
+        groups[name] = dataclasses.replace(g, layers=tuple(
+            (dataclasses.replace(lay, pieces=lay.pieces[a:b]), alloc, off) for lay, alloc, off in g.layers))
+    return dataclasses.replace(meta, groups=tuple(groups[g.name] for g in meta.groups))
 
 
 def _notify_value(value) -> int:
@@ -341,13 +366,19 @@ class KVAgent(Closable, FailsOnTimeout):
             body["nixl"] = self.nixl.metadata()
         return encode_metadata(body)
 
-    def add_peer(self, metadata: bytes, *, route: str | None = None) -> KVPeer:
+    def add_peer(self, metadata: bytes, *, route: str | None = None,
+                 pieces: Mapping[str, tuple[int, int]] | None = None) -> KVPeer:
         """Add the agent whose :meth:`metadata` these bytes are: map its caches and notification words.
 
         ``route``: ``"auto"`` (IPC on this host, NIXL to another), ``"ipc"``, ``"nixl"`` (both agents made with
-        ``remote="nixl"``; :mod:`gpuxfer.kv.nixl_route`) or None (``GPUXFER_KV_ROUTE``); see :attr:`KVPeer.route`."""
+        ``remote="nixl"``; :mod:`gpuxfer.kv.nixl_route`) or None (``GPUXFER_KV_ROUTE``); see :attr:`KVPeer.route`.
+        ``pieces``: ``{group: (start, stop)}``: every layer of the peer's group is seen through its pieces
+        ``[start, stop)`` only (e.g. the heads one tensor parallel rank of this side holds, of a peer holding
+        several ranks' heads, one piece per head); transfers then pair this side's pieces with those."""
         self._poster.check_open()
         meta = decode_metadata(metadata)
+        if pieces:
+            meta = _piece_view(meta, pieces)
         if meta.platform != self.platform.name:
             raise BadMetadata(f"peer {meta.agent!r} runs on platform {meta.platform!r}, this agent on "
                               f"{self.platform.name!r}")
@@ -363,6 +394,8 @@ class KVAgent(Closable, FailsOnTimeout):
                 reg.peers[meta.agent] = nixl_peer
             log.info("agent %s: peer %s (host %s) over the nixl route", self.name, meta.agent, meta.host)
             return nixl_peer
+        if pieces and meta.pid == os.getpid() and meta.namespace == process_namespace():
+            raise BadInput(f"peer {meta.agent!r}: a view of its pieces needs a peer in another process")
         if self.staging is not None and meta.staging is not None and meta.slot_bytes != self.slot_bytes:
             # each side addresses the pair's staging slots by its own slot size
             raise LayoutMismatch(f"peer {meta.agent!r} has {meta.slot_bytes}-byte staging slots, agent "

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from gpuxfer.errors import BadInput, LayoutMismatch
-from gpuxfer.integrations.vllm.channel import (MAX_FRAME, MAX_REQUEST_ID, SideChannelClient, SideChannelServer,
-                                               frame, message)
+from gpuxfer.integrations.vllm.channel import (MAX_FRAME, MAX_READERS, MAX_REQUEST_ID, SideChannelClient,
+                                               SideChannelServer, frame, message)
 from gpuxfer.integrations.vllm.handshake import INFO_VERSION, check_compatible, decode_info, describe_view, encode_info
 from gpuxfer.integrations.vllm.params import (BadTransferParams, build_params, pair_group, parse_remote_prefill,
                                               tokens_to_load)
@@ -69,9 +69,15 @@ def test_tp_params_name_each_rank():
     assert rp.endpoint_of(0) == ("127.0.0.1", 5601, "p0")
     assert "remote_endpoints" not in good() and parse_remote_prefill(good(), [16]).tp_size == 1
     for rank in (2, -1):                            # a rank the prefill instance does not have
-        with pytest.raises(BadTransferParams, match="same tensor parallel size"):
+        with pytest.raises(BadTransferParams, match="has no rank"):
             rp.endpoint_of(rank)
-    with pytest.raises(BadTransferParams, match="no rank 1"):
+    # a decode of k times the prefill's size: rank i reads prefill rank i // k
+    assert [rp.endpoint_of(i, 4)[1] for i in range(4)] == [5601, 5601, 5602, 5602]
+    assert parse_remote_prefill(good(), [16]).endpoint_of(1, 2) == ("127.0.0.1", 5601, "p0")
+    for rank, world in ((1, 1), (0, 3), (2, 3), (4, 4)):   # no such rank here, or a size the prefill's does not divide
+        with pytest.raises(BadTransferParams, match="has no rank for decode rank"):
+            rp.endpoint_of(rank, world)
+    with pytest.raises(BadTransferParams, match="multiple of the prefill's"):
         parse_remote_prefill(good(), [16]).endpoint_of(1)
 
 
@@ -210,6 +216,37 @@ def test_engine_description_of_another_version_or_shape_is_refused_by_name():
         decode_info(b"\xff")
 
 
+def tp_info(rank: int, size: int, heads: int, pieces: int | None = None, kind: str = "FullAttentionSpec", **kw):
+    g = dict(kind=kind, content=[heads, 128], bytes_per_token=heads * 128 * 2,
+             pieces=heads if pieces is None else pieces)
+    g.update(kw)
+    d = info(**g)
+    d.update(tp_rank=rank, tp_size=size)
+    return d
+
+
+def test_compatibility_of_tensor_parallel_sizes():
+    """A decode of k times the prefill's TP size: rank i reads prefill rank i // k, its share of the heads (one
+    piece per head on both sides), or an MLA latent whole; anything else is refused by name."""
+    assert check_compatible(tp_info(1, 2, 4), tp_info(1, 2, 4)) == {}
+    assert check_compatible(tp_info(1, 2, 2), tp_info(0, 1, 4)) == {0: (2, 4)}
+    assert check_compatible(tp_info(2, 4, 1), tp_info(1, 2, 2)) == {0: (0, 1)}
+    assert check_compatible(tp_info(3, 4, 1, kind="MLAAttentionSpec"), tp_info(0, 1, 1, kind="MLAAttentionSpec")) == {}
+    for local, remote, says in [
+            (tp_info(0, 1, 4), tp_info(0, 2, 2), "tensor parallel size: this instance 1, the peer 2"),
+            (tp_info(0, 3, 2), tp_info(0, 2, 3), "tensor parallel size: this instance 3, the peer 2"),
+            (tp_info(1, 2, 4), tp_info(0, 2, 4), "this worker 1 reads prefill rank 1, the peer is rank 0"),
+            (tp_info(2, 4, 1), tp_info(0, 2, 2), "this worker 2 reads prefill rank 1, the peer is rank 0"),
+            (tp_info(1, 2, 2), tp_info(0, 1, 2), "1/2 of a prefill rank's heads"),          # heads not split
+            (tp_info(1, 2, 2), tp_info(0, 1, 4, pieces=1), "VLLM_KV_CACHE_LAYOUT=LBHNC"),   # token-outer blocks
+            (tp_info(1, 2, 2, pieces=1), tp_info(0, 1, 4), "VLLM_KV_CACHE_LAYOUT=LBHNC"),
+            (tp_info(1, 2, 2), tp_info(0, 1, 4, content="x"), "1/2 of a prefill rank's heads"),
+            (tp_info(1, 2, 2), dict(tp_info(0, 1, 4), tp_size="2"), "tensor parallel size"),
+            (tp_info(1, 2, 1, kind="MLAAttentionSpec"), tp_info(0, 1, 2, kind="MLAAttentionSpec"), "heads")]:
+        with pytest.raises(LayoutMismatch, match=says):
+            check_compatible(local, remote)
+
+
 def test_describe_view_layouts():
     buf = torch.zeros(2 * 10 * 4 * 16 * 64, dtype=torch.int8)
     # LBHNC: [L, B, H, N, C] -> head-major blocks
@@ -239,11 +276,15 @@ def test_side_channel_limits():
         assert c.notify("done", ["r1"]) and c.notify("release", ["r2"])
         for _ in range(2):
             events.append(srv.events.get(timeout=5))
-        assert events == [("done", "r1"), ("release", "r2")]
+        assert events == [("done", "r1", 1), ("release", "r2", 1)]
         assert c.notify("done", ["a", "b", "c"])             # one message for a step's reads
-        assert [srv.events.get(timeout=5) for _ in range(3)] == [("done", "a"), ("done", "b"), ("done", "c")]
+        assert [srv.events.get(timeout=5) for _ in range(3)] == [("done", "a", 1), ("done", "b", 1), ("done", "c", 1)]
+        c.readers = 2                                       # one of two decode ranks reading this prefill rank
+        assert c.notify("done", ["h"]) and srv.events.get(timeout=5) == ("done", "h", 2)
         for bad in ({"op": "done", "req": "r1"}, {"op": "done", "reqs": "r1"}, {"op": "done", "reqs": ["a", 7]},
-                    {"op": "release", "reqs": ["x" * (MAX_REQUEST_ID + 1)]}):
+                    {"op": "release", "reqs": ["x" * (MAX_REQUEST_ID + 1)]}, {"op": "done", "reqs": ["a"], "of": 0},
+                    {"op": "done", "reqs": ["a"], "of": MAX_READERS + 1}, {"op": "done", "reqs": ["a"], "of": True},
+                    {"op": "done", "reqs": ["a"], "of": 2.0}):
             s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
             s.sendall(frame(message(bad)))
             s.settimeout(5)
@@ -305,7 +346,7 @@ def test_handshake_by_pumps_alone_and_by_the_idle_thread():
         deadline = time.monotonic() + 5
         while srv.events.empty() and time.monotonic() < deadline:
             srv.pump()
-        assert srv.events.get_nowait() == ("done", "r9")
+        assert srv.events.get_nowait() == ("done", "r9", 1)
         c.close()
         time.sleep(2 * srv.IDLE_S)      # no pumps: the server's thread serves
         c2 = SideChannelClient("127.0.0.1", srv.port, 5.0)
@@ -394,7 +435,7 @@ def test_a_message_the_sender_thread_leaves_is_sent_by_the_engine_thread():
         deadline = time.monotonic() + 5
         while srv.events.empty() and time.monotonic() < deadline:
             srv.pump()
-        assert srv.events.get_nowait() == ("done", "late")
+        assert srv.events.get_nowait() == ("done", "late", 1)
         c.close()
     finally:
         srv.close()

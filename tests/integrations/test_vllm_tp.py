@@ -1,8 +1,9 @@
 """GpuxferConnector with tensor parallelism against vLLM 0.33's real Scheduler: instances of two ranks
 (tests/integrations/vllm_instance.py, ``tp=2``: one worker-side connector per rank, each with its own caches
 holding its half of the KV heads, their outputs combined by vLLM's ``KVOutputAggregator``). Decode rank i reads
-prefill rank i's shard; every loaded byte of both ranks is checked. Instances of different TP sizes are refused
-at the handshake: their loads fail, with the reason logged.
+prefill rank i's shard; a decode of twice the prefill's TP size reads half a prefill rank's heads per rank; every
+loaded byte of both ranks is checked. A decode of a smaller TP size is refused at the handshake: its loads fail,
+with the reason logged.
 """
 from __future__ import annotations
 
@@ -24,12 +25,13 @@ TM = {"token_major": True}
 
 @pytest.fixture(scope="module")
 def inst(tmp_path_factory):
-    """P2 (TP=2, 32-token blocks) read by D2 (TP=2, 16-token blocks); P1 and D1 (TP=1) for the refusals. Four KV
-    heads: two per rank under TP=2."""
+    """P2 (TP=2, 32-token blocks) read by D2 (TP=2, 16-token blocks); P1 and D1 (TP=1); DX (TP=1, 16-token
+    blocks, described as not token-major, so P1 cannot pair with it). Four KV heads: two per rank under TP=2."""
     model = write_model(str(tmp_path_factory.mktemp("model")), num_key_value_heads=4)
-    specs = {"P2": (32, 2), "D2": (16, 2), "P1": (32, 1), "D1": (16, 1)}
-    with running({name: dict(model_dir=model, block_size=bs, tp=tp, extra=TM, env=ENV)
-                  for name, (bs, tp) in specs.items()}) as out:
+    specs = {"P2": (32, 2, TM), "D2": (16, 2, TM), "P1": (32, 1, TM), "D1": (16, 1, TM),
+             "DX": (16, 1, {"token_major": False})}
+    with running({name: dict(model_dir=model, block_size=bs, tp=tp, extra=extra, env=ENV)
+                  for name, (bs, tp, extra) in specs.items()}) as out:
         yield out
 
 
@@ -75,28 +77,43 @@ def _refused(P, D, reqs, want: list[str]) -> None:
         P.call("set_lease", 120.0)
 
 
-def test_prefill_tp2_decode_tp1_is_refused_at_the_handshake(inst):
+def test_prefill_tp2_decode_tp1_is_refused(inst):
+    # a decode rank reads one prefill rank: a prefill of more ranks has none for it (no handshake is made)
     _refused(inst["P2"], inst["D1"], [(f"m{i}", 100 + i, 2000 + i) for i in range(4)],
-             ["tensor parallel size: this instance 1, the peer 2"])
+             ["has no rank for decode rank 0 of 1"])
 
 
-def test_prefill_tp1_decode_tp2_is_refused(inst):
-    # rank 0 reaches the prefill's one rank and the handshake refuses it; rank 1 has no rank to read from
-    _refused(inst["P1"], inst["D2"], [(f"n{i}", 100 + i, 3000 + i) for i in range(4)],
-             ["tensor parallel size: this instance 2, the peer 1", "has no rank 1"])
+def test_decode_of_twice_the_prefills_tp_reads_half_its_heads_per_rank(inst):
+    """P1 holds four heads per block; each rank of D2 reads its two of them (rank i: heads 2i and 2i + 1, one
+    piece each) from P1's one rank. P1 frees a request once both decode ranks said they read it."""
+    P, D = inst["P1"], inst["D2"]
+    before = P.call("stats")["stats"]
+    D.call("stats", True)
+    reqs = [(f"h{i}", 40 + 29 * i, 4000 + i) for i in range(16)]
+    params = prefill(P, reqs)
+    assert all(p["tp_size"] == 1 for p in params.values())
+    assert_loaded(decode(D, reqs, params))
+    s = assert_idle(P)["stats"]
+    assert s["sends_done"] == before.get("sends_done", 0) + len(reqs)          # one let-go per request, after both ranks
+    assert s["leases_expired"] == before.get("leases_expired", 0)
+    assert P.call("stats")["unheld"] == [0]         # the second rank's word ended it, the first's did not
+    st = D.call("stats")["stats"]
+    assert st["handshakes"] == 2 and st["transfers"] == 2 * len(reqs) and st["failed"] == 0
+    assert_idle(D)
 
 
 def test_a_refused_handshake_releases_the_blocks_at_once(inst):
-    """The prefill's rank answers and the decode refuses it (another TP size): the decode releases the requests
-    on its side channel, so the prefill frees them now, not at their lease (120 s here)."""
-    P, D = inst["P1"], inst["D2"]
+    """The prefill's rank answers and the decode refuses it (blocks of other sizes that are not token-major):
+    the decode releases the requests on its side channel, so the prefill frees them now, not at their lease
+    (120 s here)."""
+    P, D = inst["P1"], inst["DX"]
     before = P.call("stats")["stats"]
     reqs = [(f"q{i}", 100 + i, 3500 + i) for i in range(3)]
     params = prefill(P, reqs)
     assert_failed(D, decode(D, reqs, params, timeout=60))
     s = assert_idle(P, timeout=20)["stats"]
-    assert s["sends_done"] == before["sends_done"] + len(reqs)
-    assert s["leases_expired"] == before["leases_expired"]
+    assert s["sends_done"] == before.get("sends_done", 0) + len(reqs)
+    assert s["leases_expired"] == before.get("leases_expired", 0)
     assert_idle(D)
 
 

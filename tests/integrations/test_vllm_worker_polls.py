@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from gpuxfer.errors import BlockIdError
+from gpuxfer.errors import BlockIdError, GpuxferError
 from gpuxfer.integrations.vllm.lease import SAME_HOST, now
 from gpuxfer.integrations.vllm.params import RemotePrefill
 from gpuxfer.integrations.vllm.loads import Load, _LoadState, _Remote
@@ -122,18 +122,93 @@ def test_holds_end_on_the_decode_sides_word_or_at_their_lease():
     w = _worker()
     w.server = srv = _Server()
     t = now()
-    srv.events.put(("done", "early"))           # read before its hold reached this worker
+    srv.events.put(("done", "early", 1))           # read before its hold reached this worker
     assert w.poll()[0] == set()
     w.hold({"early": t + 60, "late": t + 60, "short": t - 1, "again": t - 1})
     w.hold({"again": t + 60})                 # held again: the first deadline no longer ends it
     assert w.poll()[0] == {"early", "short"}
     assert w.poll()[0] == set()
-    srv.events.put(("release", "late"))
-    srv.events.put(("done", "unknown"))
+    srv.events.put(("release", "late", 1))
+    srv.events.put(("done", "unknown", 1))
     assert w.poll()[0] == {"late"}
     assert w.prefill.held == {"again": t + 60} and "unknown" in w.prefill.released
     st = w.take_stats()
     assert st["sends_done"] == 2 and st["leases_expired"] == 1
+
+
+def test_a_hold_read_by_several_decode_ranks_ends_once_every_one_said_so():
+    """Two decode ranks read shares of this rank's heads (each message: "of" 2): a request goes at the second
+    word, whether the words came before or after its hold, a release among them; a message naming more readers
+    than another keeps the request for the most; the lease still ends a request whose readers went quiet."""
+    w = _worker()
+    w.server = srv = _Server()
+    t = now()
+    srv.events.put(("done", "early", 2))
+    srv.events.put(("done", "early", 2))        # both readers, before the hold
+    srv.events.put(("done", "half", 2))
+    assert w.poll()[0] == set()
+    w.hold({"early": t + 60, "half": t + 60, "split": t + 60, "more": t + 60, "quiet": t - 1})
+    assert w.poll()[0] == {"early", "quiet"}
+    srv.events.put(("release", "split", 2))
+    srv.events.put(("done", "more", 2))
+    srv.events.put(("done", "more", 4))
+    assert w.poll()[0] == set()
+    srv.events.put(("done", "half", 2))
+    srv.events.put(("done", "split", 2))
+    srv.events.put(("done", "more", 4))
+    assert w.poll()[0] == {"half", "split"}
+    srv.events.put(("done", "more", 4))
+    assert w.poll()[0] == {"more"}
+    assert not w.prefill.held and not w.prefill.heard
+    st = w.take_stats()
+    assert st["sends_done"] == 4 and st["leases_expired"] == 1
+
+
+def test_a_decode_rank_sharing_a_prefill_rank_says_so_in_each_message(monkeypatch):
+    """Rank 1 of a decode of TP 2 handshakes with a prefill of TP 1 (four heads where it holds two): its client
+    learns that two decode ranks read that prefill rank before any message, so the release that follows a
+    failed mapping names both readers; the peer is added seen through heads 2 and 3."""
+    import types
+    from gpuxfer.integrations.vllm import loads as loads_mod
+    from gpuxfer.integrations.vllm.handshake import encode_info, engine_info
+
+    def group(heads):
+        return {"kind": "FullAttentionSpec", "block_size": 16, "kernel_tokens": 16, "token_major": True,
+                "layers": ["l0"], "bytes_per_token": heads * 256, "pieces": heads, "content": [heads, 128]}
+
+    remote = engine_info(engine_id="p", model="m", dtype="auto/float16", layout=None, groups=[group(4)], tp=(0, 1))
+
+    class Client(_Client):
+        readers = 1
+
+        def __init__(self, *a):
+            super().__init__()
+
+        def pump(self):
+            return encode_info(remote), b"meta"
+
+        def notify(self, op, reqs) -> bool:
+            self.sent.append((op, list(reqs), self.readers))
+            return True
+
+    added = []
+
+    def add_peer(meta, route=None, pieces=None):
+        added.append(pieces)
+        raise GpuxferError("no mapping here")
+
+    monkeypatch.setattr(loads_mod, "SideChannelClient", Client)
+    w = WorkerSide(engine_id="d", model="m", dtype="auto/float16", layout=None,
+                   groups=[("FullAttentionSpec", 16, ["l0"])],
+                   settings=Settings(lease_s=60, host="127.0.0.1", port=0, handshake_timeout_s=5, token_major=True),
+                   tp=(1, 2))
+    local = engine_info(engine_id="d", model="m", dtype="auto/float16", layout=None, groups=[group(2)], tp=(1, 2))
+    w.decode.bind(types.SimpleNamespace(timeout_s=60.0, peers={}, add_peer=add_peer), local, [16], [512], None)
+    rp = RemotePrefill("p", "127.0.0.1", 1, "p0", (np.arange(1, 3),), (16,), now() + 60)
+    w.start_loads([Load("d0", rp, (np.array([7, 8]),), 0, 31)])
+    (r,) = w.decode.remotes.values()
+    assert added == [{"g0": (2, 4)}] and r.state == "failed"
+    assert r.client.sent == [("release", ["p0"], 2)]
 
 
 def _reference_one(sort_by_dst: bool, s: np.ndarray, d: np.ndarray):
@@ -220,7 +295,7 @@ def test_the_engine_thread_serves_the_side_channel_only_while_it_holds_requests(
     no socket call, yet take what that thread queued; while requests are held, each poll serves the channel."""
     w = _worker()
     w.server = srv = _Server()
-    srv.events.put(("done", "early"))
+    srv.events.put(("done", "early", 1))
     for _ in range(3):
         w.poll()
     assert srv.pumps == 0 and w.prefill.released.keys() == {"early"}
@@ -228,7 +303,7 @@ def test_the_engine_thread_serves_the_side_channel_only_while_it_holds_requests(
     w.poll()
     w.poll()
     assert srv.pumps == 2
-    srv.events.put(("done", "held"))
+    srv.events.put(("done", "held", 1))
     assert w.poll()[0] == {"held"}
     w.poll()
     assert srv.pumps == 3
@@ -315,8 +390,9 @@ def test_the_handshake_carries_the_prefills_clock_and_refuses_a_bad_one():
 
 
 def test_a_decode_rank_talks_to_its_own_prefill_rank_and_a_load_naming_no_such_rank_fails_alone(caplog):
-    """Rank 1 of 2: a release goes to the prefill's rank 1 (its endpoint in the params); a load whose params name
-    one rank (a prefill of another TP size) fails at once, its blocks reported as load errors, the reason logged."""
+    """Rank 1 of 2: a release goes to the prefill's rank 1 (its endpoint in the params), or to rank 0 of a prefill
+    of one rank (both decode ranks read shares of its heads); a load whose params name four ranks (a prefill
+    size that does not divide this one's) fails at once, its blocks reported as load errors, the reason logged."""
     import types
     w = WorkerSide(engine_id="d", model="m", dtype="auto/float16", layout=None,
                    groups=[("FullAttentionSpec", 16, ["l0"])],
@@ -330,11 +406,11 @@ def test_a_decode_rank_talks_to_its_own_prefill_rank_and_a_load_naming_no_such_r
     ids = (np.arange(1, 3),)
     w.release([RemotePrefill("p", "127.0.0.1", 1, "p0", ids, (16,), now() + 60, two),
                RemotePrefill("p", "127.0.0.1", 1, "p1", ids, (16,), now() + 60)])
-    assert ranks[0].client.sent == [] and ranks[1].client.sent == [("release", ["p0"])]
-    one = RemotePrefill("p", "127.0.0.1", 1, "p2", ids, (16,), now() + 60)
-    w.start_loads([Load("d2", one, (np.array([7, 8]),), 0, 31)])
+    assert ranks[0].client.sent == [("release", ["p1"])] and ranks[1].client.sent == [("release", ["p0"])]
+    four = RemotePrefill("p", "127.0.0.1", 1, "p2", ids, (16,), now() + 60, two + (("127.0.0.1", 3), ("127.0.0.1", 4)))
+    w.start_loads([Load("d2", four, (np.array([7, 8]),), 0, 31)])
     _, recving, failed = w.poll()
     assert recving == failed == {"d2"}
     assert w.take_load_errors() == {7, 8}
-    assert any("has no rank 1" in m for m in caplog.messages)
-    assert ranks[0].client.sent == [] and ranks[1].client.sent == [("release", ["p0"])]
+    assert any("has no rank for decode rank 1 of 2" in m for m in caplog.messages)
+    assert ranks[0].client.sent == [("release", ["p1"])] and ranks[1].client.sent == [("release", ["p0"])]

@@ -8,7 +8,9 @@ body. No vLLM import.
   result.
 * decode -> prefill ``{"op": "done", "reqs": [id, ...]}``: the decode instance has read these requests'
   blocks (one message for a step's reads); ``{"op": "release", "reqs": [id, ...]}``: it will not read
-  them (aborted, or computed locally). The prefill frees the blocks at its next step. No answer.
+  them (aborted, or computed locally). With ``"of": k`` (k > 1), the sender is one of k decode ranks that
+  each read a share of this prefill rank's heads: the prefill frees the blocks at its next step once k such
+  messages came (:class:`~.holds.PrefillHolds`). No answer.
 
 Both ends are non-blocking sockets that the engine's own thread advances once a step
 (:meth:`SideChannelServer.pump`, :meth:`SideChannelClient.pump`): a background Python thread gets the
@@ -42,6 +44,7 @@ log = logging.getLogger("gpuxfer.vllm")
 
 MAX_FRAME = 64 << 20
 MAX_REQUEST_ID = 512
+MAX_READERS = 256                   # decode ranks sharing one prefill rank's heads (a message's "of")
 #: how often a client's sender thread, idle, looks whether the prefill end closed (what
 #: :attr:`SideChannelClient.alive` then says without a system call on the engine thread)
 WATCH_S = 0.05
@@ -87,6 +90,12 @@ def parse_message(body: bytes) -> dict:
     return msg
 
 
+def _readers(msg: dict) -> bool:
+    """Whether a done or release message's ``of`` (absent: 1) is a count of readers this end takes."""
+    of = msg.get("of", 1)
+    return type(of) is int and 1 <= of <= MAX_READERS
+
+
 def _recv_some(sock: socket.socket) -> bytes | None:
     """What the socket holds now (None: nothing yet); :class:`ChannelClosed` when the other end closed."""
     try:
@@ -121,14 +130,14 @@ class _Conn:
 
 class SideChannelServer:
     """The prefill worker's listener: answers hellos with ``hello()`` (two frames) and queues
-    ``(op, request id)`` of done and release messages on :attr:`events` for the worker to drain.
+    ``(op, request id, readers)`` of done and release messages on :attr:`events` for the worker to drain.
     :meth:`pump` serves whatever is ready without blocking; the worker calls it each step and the
     server's thread calls it while the engine is idle."""
 
     def __init__(self, host: str, port: int, hello, timeout_s: float):
         self._hello = hello
         self.timeout_s = timeout_s
-        self.events: "queue.SimpleQueue[tuple[str, str]]" = queue.SimpleQueue()
+        self.events: "queue.SimpleQueue[tuple[str, str, int]]" = queue.SimpleQueue()
         self._sock = socket.create_server((host, port), reuse_port=False)
         self._sock.setblocking(False)
         self.host, self.port = host, self._sock.getsockname()[1]
@@ -218,9 +227,10 @@ class SideChannelServer:
                         c.since = time.monotonic()
                     c.outbuf += frame(info) + frame(meta) + frame(_CLOCK.pack(lease.now()))
                 elif op in ("done", "release") and isinstance(reqs, list) and all(
-                        isinstance(r, str) and len(r) <= MAX_REQUEST_ID for r in reqs):
+                        isinstance(r, str) and len(r) <= MAX_REQUEST_ID for r in reqs) and _readers(msg):
+                    of = msg.get("of", 1)
                     for req in reqs:
-                        self.events.put((op, req))
+                        self.events.put((op, req, of))
                 else:
                     raise ChannelClosed(f"an unknown message {str(msg)[:80]!r}")
         except ChannelClosed as exc:
@@ -285,6 +295,9 @@ class SideChannelClient:
         self._head: bytearray | None = None     # the oldest message's unsent rest (under the send lock)
         self._head_deadline = 0.0
         self._abandoned = False
+        #: decode ranks that read shares of this prefill rank's heads (each done or release says so); set at
+        #: the handshake, before any message
+        self.readers = 1
 
     def pump(self) -> tuple[bytes, bytes] | None:
         """Advance the handshake without blocking: ``(description, metadata)`` once both arrived, None
@@ -386,7 +399,10 @@ class SideChannelClient:
             while pending and not self._broken:
                 if self._head is None:
                     _, op, reqs = pending[0]
-                    self._head = bytearray(message({"op": op, "reqs": reqs}))
+                    msg = {"op": op, "reqs": reqs}
+                    if self.readers > 1:
+                        msg["of"] = self.readers
+                    self._head = bytearray(message(msg))
                     self._head_deadline = time.monotonic() + self.timeout_s
                 out = self._head
                 while out:

@@ -96,19 +96,34 @@ def decode_info(raw: bytes) -> dict:
     return info
 
 
-def check_compatible(local: dict, remote: dict) -> None:
-    """Raise :class:`LayoutMismatch` naming every difference that keeps the two workers from pairing:
-    tensor parallel size or rank (a decode rank reads the same rank's shard of the heads), model, KV dtype,
-    groups (kind, layers, bytes per token), block sizes that do not divide one another, or different block
-    sizes on a layer that is not token-major."""
-    problems: list[str] = []
+def readers(local: dict, remote: dict) -> int:
+    """How many decode ranks read shares of one prefill rank: the decode's tensor parallel size over the
+    prefill's where it is a multiple of it, else 1. ``local``: this (decode) worker's description."""
     lt, rt = local.get("tp_size", 1), remote.get("tp_size", 1)
-    if lt != rt:
-        problems.append(f"tensor parallel size: this instance {_short(lt)}, the peer {_short(rt)} (both instances "
-                        "must run the same tensor parallel size)")
-    elif local.get("tp_rank", 0) != remote.get("tp_rank", 0):
-        problems.append(f"tensor parallel rank: this worker {_short(local.get('tp_rank', 0))}, the peer "
-                        f"{_short(remote.get('tp_rank', 0))} (a decode rank reads the same prefill rank)")
+    return lt // rt if type(rt) is int and 1 <= rt <= lt and lt % rt == 0 else 1
+
+
+def check_compatible(local: dict, remote: dict) -> dict[int, tuple[int, int]]:
+    """Raise :class:`LayoutMismatch` naming every difference that keeps this (decode) worker from reading the
+    peer: tensor parallel sizes (the same, or the decode's ``k`` times the prefill's) and ranks (decode rank i
+    reads prefill rank ``i // k``), model, KV dtype, groups (kind, layers, heads, bytes per token), block sizes
+    that do not divide one another, or different block sizes on a layer that is not token-major.
+
+    With ``k`` > 1 a decode rank reads its share of the prefill rank's heads: share ``i % k`` of an MHA group's
+    ``k`` times as many heads, which needs one piece per head on both sides (head-major blocks, vLLM's
+    ``LBHNC`` layout), or an MLA group's whole latent. Returns, per group index read by a share of its heads,
+    the pieces ``[start, stop)`` of the peer's blocks to read (empty: whole blocks)."""
+    problems: list[str] = []
+    views: dict[int, tuple[int, int]] = {}
+    lt, rt = local.get("tp_size", 1), remote.get("tp_size", 1)
+    lr, rr = local.get("tp_rank", 0), remote.get("tp_rank", 0)
+    k = readers(local, remote)
+    if lt != rt and k == 1:
+        problems.append(f"tensor parallel size: this instance {_short(lt)}, the peer {_short(rt)} (the decode "
+                        "instance's must be the prefill's or a multiple of it)")
+    elif rr != lr // k:
+        problems.append(f"tensor parallel rank: this worker {_short(lr)} reads prefill rank {lr // k}, the peer is "
+                        f"rank {_short(rr)}")
     for key in ("model", "dtype"):
         if local.get(key) != remote.get(key):
             problems.append(f"{key}: this instance {local.get(key)!r}, the peer {remote.get(key)!r}")
@@ -116,9 +131,15 @@ def check_compatible(local: dict, remote: dict) -> None:
     if len(lg) != len(rg):
         problems.append(f"KV-cache groups: this instance has {len(lg)}, the peer {len(rg)}")
     for i, (a, b) in enumerate(zip(lg, rg)):
-        for key in ("kind", "layers", "bytes_per_token"):
+        for key in ("kind", "layers") if k > 1 else ("kind", "layers", "bytes_per_token"):
             if a.get(key) != b.get(key):
                 problems.append(f"group {i} {key}: this instance {_short(a.get(key))}, the peer {_short(b.get(key))}")
+        if k > 1:
+            view, why = _head_share(a, b, k, lr % k)
+            if why:
+                problems.append(f"group {i}: {why}")
+            elif view is not None:
+                views[i] = view
         ka, kb = a["kernel_tokens"], b["kernel_tokens"]
         if ka != kb:
             if ka % kb and kb % ka:
@@ -131,6 +152,33 @@ def check_compatible(local: dict, remote: dict) -> None:
     if problems:
         raise LayoutMismatch(f"engine {remote.get('engine_id')!r} cannot pair with engine "
                              f"{local.get('engine_id')!r}: " + "; ".join(problems))
+    return views
+
+
+def _head_share(mine: dict, theirs: dict, k: int, share: int) -> tuple[tuple[int, int] | None, str | None]:
+    """``(pieces of the peer's blocks to read or None for whole blocks, None)`` for decode share ``share`` of
+    ``k`` of one group, or ``(None, why not)``."""
+    def pair(g):
+        c = g.get("content")
+        ok = isinstance(c, list) and len(c) == 2 and all(type(x) is int and x > 0 for x in c)
+        return tuple(c) if ok else None
+    (hl, cl), (hr, cr) = pair(mine) or (0, 0), pair(theirs) or (0, 0)
+    bl, br = mine.get("bytes_per_token"), theirs.get("bytes_per_token")
+    if "MLA" in str(mine.get("kind")):         # a latent every rank holds whole
+        if hl == hr and cl == cr and bl == br:
+            return None, None
+        return None, (f"an MLA latent is read whole, but the peer's ranks hold {_short(hr)} heads of {_short(cr)} "
+                      f"bytes per token, this worker's {hl} of {cl}")
+    if not (hl and hr == k * hl and cl == cr and type(bl) is int and br == k * bl):
+        return None, (f"the peer's ranks hold {_short(hr)} heads of {_short(cr)} bytes per token "
+                      f"({_short(br)} bytes per token in all), this worker's {hl} of {cl} ({bl}): with {k} decode "
+                      f"ranks per prefill rank, each reads 1/{k} of a prefill rank's heads")
+    if theirs.get("pieces") != hr or mine.get("pieces") != hl:
+        return None, (f"a decode rank reads a share of a prefill rank's heads from blocks of one piece per head "
+                      f"(the peer's blocks: {_short(theirs.get('pieces'))} pieces for {hr} heads, this worker's: "
+                      f"{_short(mine.get('pieces'))} for {hl}): run both instances with "
+                      "VLLM_KV_CACHE_LAYOUT=LBHNC, at most 16 KV heads per prefill rank")
+    return (share * hl, (share + 1) * hl), None
 
 
 def _short(v: Any) -> str:

@@ -1,6 +1,7 @@
 """The prefill role of the connector's worker: :class:`PrefillHolds` keeps a finished request's blocks until a
 decode instance read them (its done message on the side channel), released them, or the request's lease ran
-out. No vLLM import."""
+out. Where several decode ranks read shares of this rank's heads, each says so (a message's ``of``), and the
+blocks go once every one of them did. No vLLM import."""
 from __future__ import annotations
 
 import heapq
@@ -12,14 +13,16 @@ log = logging.getLogger("gpuxfer.vllm")
 
 class PrefillHolds:
     """Requests held for decode instances: ``held`` (request -> lease deadline), a heap of the deadlines, the
-    requests a decode instance let go of before their hold came (``released``: request -> when) and the held
-    ones it let go of. ``stats``: the worker's counters, updated in place."""
+    requests a decode instance let go of before their hold came (``released``: request -> when), the held
+    ones it let go of, and the requests some but not all of their readers let go of (``heard``: request ->
+    (when first, messages, readers)). ``stats``: the worker's counters, updated in place."""
 
     def __init__(self, *, engine_id: str, lease_s: float, stats: dict):
         self.engine_id, self.lease_s, self.stats = engine_id, lease_s, stats
         self.held: dict[str, float] = {}
         self._expiry: list[tuple[float, str]] = []
         self.released: dict[str, float] = {}
+        self.heard: dict[str, tuple[float, int, int]] = {}
         self._let_go: list[str] = []
 
     def hold(self, holds: Mapping[str, float]) -> None:
@@ -39,16 +42,24 @@ class PrefillHolds:
             server.pump()
         events = server.events
         while not events.empty():               # (this thread is the only one taking events)
-            op, req = events.get_nowait()
+            op, req, of = events.get_nowait()
+            if op == "release":
+                log.info("gpuxfer: engine %s: decode side released request %s without reading it", self.engine_id, req)
+            if of > 1 or req in self.heard:
+                t, n, most = self.heard.get(req, (now, 0, 1))
+                n, most = n + 1, max(most, of)          # (never sooner than the most readers a message named)
+                if n < most:
+                    self.heard[req] = (t, n, most)
+                    continue
+                del self.heard[req]
             if req in self.held:
                 self._let_go.append(req)
             else:
                 self.released[req] = now
-            if op == "release":
-                log.info("gpuxfer: engine %s: decode side released request %s without reading it", self.engine_id, req)
-        if len(self.released) > 4 * len(self.held) + 1024:      # letting go of requests held nowhere
+        if len(self.released) + len(self.heard) > 4 * len(self.held) + 1024:      # requests held nowhere
             cutoff = now - 2 * self.lease_s
             self.released = {r: t for r, t in self.released.items() if t >= cutoff or r in self.held}
+            self.heard = {r: v for r, v in self.heard.items() if v[0] >= cutoff or r in self.held}
 
     def finished(self, now: float) -> set[str]:
         """Held requests the decode side let go of, then those whose lease ran out: O(1) when neither (the
@@ -66,6 +77,7 @@ class PrefillHolds:
             if self.held.get(req) != deadline:
                 continue
             del self.held[req]
+            self.heard.pop(req, None)
             done.add(req)
             self.stats["leases_expired"] += 1
             log.warning("gpuxfer: engine %s: request %s's lease ran out (%.0f s) before a decode instance read "

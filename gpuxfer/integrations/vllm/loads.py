@@ -27,7 +27,7 @@ import numpy as np
 from ...errors import BlockIdError, GpuxferError
 from . import lease
 from .channel import SideChannelClient
-from .handshake import agent_name, check_compatible, decode_info
+from .handshake import agent_name, check_compatible, decode_info, readers
 from .params import BadTransferParams, RemotePrefill, pair_group
 from .staging import IdStaging
 
@@ -74,6 +74,9 @@ class _Remote:
     peer: Any = None
     info: dict | None = None
     groups: tuple = ()                      # per group: (block size, kernel tokens) from its handshake
+    views: dict = field(default_factory=dict)   # {group name: (start, stop)}: the pieces (heads) of its blocks read
+    rank: int = 0                           # its tensor parallel rank and size
+    world: int = 1
     meta: bytes | None = None
     error: str | None = None
     device_ids: bool = False                # its reads take block IDs on the device
@@ -96,7 +99,7 @@ class DecodeLoads:
     def __init__(self, *, engine_id: str, group_specs: list, settings, lock: threading.Lock,
                  stats: dict, tp: tuple[int, int] = (0, 1)):
         self.engine_id, self.group_specs, self.settings = engine_id, group_specs, settings
-        self.tp_rank, self.tp_size = tp         # this worker reads the same rank of each prefill engine
+        self.tp_rank, self.tp_size = tp         # the rank of each prefill engine it reads: params.source_rank
         self._lock, self.stats = lock, stats
         self.agent = self.info = None
         self.staging: IdStaging | None = None
@@ -127,7 +130,7 @@ class DecodeLoads:
         for load in loads:
             st = self.pending[load.req_id] = _LoadState(load, now)
             try:
-                key = load.remote.endpoint_of(self.tp_rank)
+                key = load.remote.endpoint_of(self.tp_rank, self.tp_size)
             except BadTransferParams as exc:       # a prefill of fewer ranks: fails (and is logged) at the poll
                 st.error = f"{type(exc).__name__}: {exc}"
                 self.ended.append(st)
@@ -167,7 +170,11 @@ class DecodeLoads:
                 raise BadTransferParams(f"{host}:{port} is engine {info.get('engine_id')!r}, not {engine_id!r} as "
                                         "the request's kv_transfer_params say (stale params?)")
             r.info = info
-            check_compatible(self.info, info)
+            r.client.readers = readers(self.info, info)      # (before any message: each names its readers)
+            views = check_compatible(self.info, info)
+            r.views = {self._group_names[g]: v for g, v in views.items()}
+            r.world = info.get("tp_size", 1)
+            r.rank = self.tp_rank // readers(self.info, info)
             r.groups = tuple((g["block_size"], g["kernel_tokens"]) for g in info["groups"])
         except Exception as exc:        # every failure fails this engine's loads, never the worker
             self._handshake_failed(r, exc)
@@ -185,7 +192,8 @@ class DecodeLoads:
         if r.client is None:
             return
         info = r.info
-        if info is not None and info.get("engine_id") == engine_id and info.get("tp_rank", 0) == self.tp_rank:
+        if info is not None and info.get("engine_id") == engine_id and \
+                info.get("tp_rank", 0) == self.tp_rank // readers(self.info, info):
             reqs = [st.load.remote.request_id for st in self.waiting.values() if st.remote is r]
             if reqs:
                 r.client.notify("release", reqs)
@@ -197,13 +205,13 @@ class DecodeLoads:
         t0 = time.perf_counter()
         try:
             with self._lock:
-                name = agent_name(r.key[2], self.tp_rank, self.tp_size)
+                name = agent_name(r.key[2], r.rank, r.world)
                 old = self.agent.peers.get(name)
                 if old is not None:                            # the same engine again, after it restarted
                     if any(x.peer is old and x.inflight for x in self.remotes.values()):
                         return      # its reads in flight end first (the handshake stays pending until then)
                     self.agent.remove_peer(name)
-                r.peer = self.agent.add_peer(r.meta, route=self.settings.route)
+                r.peer = self.agent.add_peer(r.meta, route=self.settings.route, pieces=r.views or None)
                 r.ordered = r.peer.route == "ipc"
                 r.clock = lease.SAME_HOST if r.ordered else r.client.peer_clock
                 # device IDs: the triton engine over the peer's mapped caches, kernel blocks alike on both sides
@@ -543,7 +551,7 @@ class DecodeLoads:
         effort, known engines)."""
         for rp in releases:
             try:
-                r = self.remotes.get(rp.endpoint_of(self.tp_rank))
+                r = self.remotes.get(rp.endpoint_of(self.tp_rank, self.tp_size))
             except BadTransferParams:
                 continue
             if r is not None and r.state == "ready" and r.client is not None:

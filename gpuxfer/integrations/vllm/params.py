@@ -13,7 +13,8 @@ A prefill instance's ``request_finished`` returns::
      "remote_endpoints": [[host, port], ...]}     # with N > 1: where each rank's side channel listens
 
 ``remote_host`` / ``remote_port`` are rank 0's (``remote_endpoints[0]``). Decode worker rank i reads its KV shard
-from prefill rank i (:meth:`RemotePrefill.endpoint_of`).
+from prefill rank i, or, where the decode runs k times the prefill's tensor parallel size, from prefill rank
+i // k (:func:`source_rank`).
 """
 from __future__ import annotations
 
@@ -53,15 +54,23 @@ class RemotePrefill:
     def tp_size(self) -> int:
         return len(self.endpoints) or 1
 
-    def endpoint_of(self, rank: int) -> tuple[str, int, str]:
-        """``(host, port, engine id)`` of the prefill worker that decode worker ``rank`` reads from (the same
-        rank); :class:`BadTransferParams` when the prefill instance has no such rank."""
-        if not 0 <= rank < self.tp_size:
-            raise BadTransferParams(f"the prefill instance runs tensor parallel size {self.tp_size}; it has no rank "
-                                    f"{rank} for this decode worker to read from (both instances must run the same "
-                                    "tensor parallel size)")
-        host, port = self.endpoints[rank] if self.endpoints else (self.host, self.port)
+    def endpoint_of(self, rank: int, world: int | None = None) -> tuple[str, int, str]:
+        """``(host, port, engine id)`` of the prefill worker that decode worker ``rank`` of ``world`` (default:
+        the prefill's size) reads from: :func:`source_rank`; :class:`BadTransferParams` when there is none."""
+        r = source_rank(rank, self.tp_size if world is None else world, self.tp_size)
+        host, port = self.endpoints[r] if self.endpoints else (self.host, self.port)
         return host, port, self.engine_id
+
+
+def source_rank(rank: int, world: int, prefill_world: int) -> int:
+    """The prefill tensor parallel rank that decode rank ``rank`` of ``world`` reads from: with the decode's
+    size ``k`` times the prefill's, prefill rank ``rank // k`` (whose heads ``k`` decode ranks share);
+    :class:`BadTransferParams` where the prefill's size does not divide the decode's."""
+    if not 0 <= rank < world or world % prefill_world:
+        raise BadTransferParams(f"the prefill instance runs tensor parallel size {prefill_world}; it has no rank for "
+                                f"decode rank {rank} of {world} to read from (the decode's tensor parallel size must "
+                                "be a multiple of the prefill's)")
+    return rank // (world // prefill_world)
 
 
 def _text(params: Mapping, key: str) -> str:

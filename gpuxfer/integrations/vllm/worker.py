@@ -100,7 +100,7 @@ class WorkerSide:
             bytes_per_block.append(per_block)
             view = kv_caches[names[0]]
             groups.append({"kind": kind, "block_size": bs, "kernel_tokens": kt, "token_major": all(majors),
-                           "layers": names, "bytes_per_token": per_block // kt,
+                           "layers": names, "bytes_per_token": per_block // kt, "pieces": len(specs[names[0]].pieces),
                            "content": [int(view.shape[1]), int(view.shape[3]) * view.element_size()]})
         self.info = engine_info(engine_id=self.engine_id, model=self.model, dtype=self.dtype, layout=self.layout,
                                 groups=groups, tp=(self.tp_rank, self.tp_size))
