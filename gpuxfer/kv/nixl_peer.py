@@ -97,7 +97,8 @@ class NixlPeer(KVPeer):
         groups = tuple(g for g in self.registry.groups if g in self.groups)
         self.side.register()            # allocations of groups registered since
         built = self._build(groups)
-        self._lists = built
+        with self.poster.lock:          # a post checks its lists and hands them to NIXL under it
+            have, self._lists = self._lists, built
         if have is not None:            # transfers made from the old lists complete first (bounded)
             deadline = time.monotonic() + self.agent.timeout_s
             for h in self._inflight:
@@ -473,11 +474,14 @@ class _NixlHandle:
             delay = min(2 * delay, 1e-3)
 
     def wait(self, timeout_s: float | None = None) -> None:
-        """Block until the transfer completed; :class:`TransferTimeout` naming the request past ``timeout_s``,
-        :class:`~gpuxfer.kv.nixl_ffi.NixlError` when NIXL reports it failed."""
+        """Block until the transfer completed; :class:`TransferTimeout` naming the request past ``timeout_s``
+        (default: the agent's; a finite number of seconds > 0, at most :data:`~gpuxfer.sync.MAX_TIMEOUT_S`, else
+        :class:`~gpuxfer.errors.BadInput`), :class:`~gpuxfer.kv.nixl_ffi.NixlError` when NIXL reports it failed."""
+        from ..sync import check_timeout
         agent = self.transfer.agent
         agent.check()
-        self._settle(agent.timeout_s if timeout_s is None else float(timeout_s))
+        self._settle(agent.timeout_s if timeout_s is None else
+                     check_timeout(timeout_s, f"KV transfer {self.name!r}: timeout_s"))
 
     def stream_wait(self, stream: Stream) -> None:
         """Make ``stream``'s later work run after this transfer (the host waits for it, bounded)."""
