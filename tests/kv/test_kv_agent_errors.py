@@ -337,3 +337,30 @@ def test_host_export_range(plat):
         assert Platform.allocation_range(plat, buf.ptr, 0) is None
     finally:
         buf.close()
+
+
+def test_remove_peer_of_a_stale_or_foreign_peer_leaves_the_live_one(pair, plat):
+    """remove_peer(peer) removes that peer only: a peer object removed before (its name since added again) or
+    another agent's peer of the same name raises NotRegistered and the live peer of that name keeps working."""
+    pre, dec, a0, a1 = pair
+    src, dst = a0.tensor((4, 4, 8), seed=1), a1.tensor((4, 4, 8), seed=2)
+    pre.register_group("g", 4, [src])
+    dec.register_group("g", 4, [dst])
+    stale = dec.add_peer(pre.metadata())
+    dec.remove_peer(stale)
+    live = dec.add_peer(pre.metadata())
+    with pytest.raises(NotRegistered, match="removed before"):
+        dec.remove_peer(stale)
+    other = KVAgent("other", platform=plat, device=1, engine="triton", timeout_s=60)
+    try:
+        other.register_group("g", 4, [a1.tensor((4, 4, 8))])
+        foreign = other.add_peer(pre.metadata())
+        with pytest.raises(NotRegistered, match="another agent"):
+            dec.remove_peer(foreign)
+        assert not foreign.closed
+    finally:
+        other.close()
+    assert dec.peers["prefill"] is live and not live.closed
+    dec.transfer(live, "pull", local_blocks={"g": [0]}, remote_blocks={"g": [1]}).wait(30)
+    assert same_bytes(dst[0], src[1])
+    dec.remove_peer(live)
