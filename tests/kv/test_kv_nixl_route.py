@@ -666,3 +666,67 @@ def test_lists_rebuilt_while_a_post_is_under_way_are_not_released_under_it(need_
         a.close()
         for buf in bufs:
             buf.close()
+
+
+def test_a_handle_whose_transfer_remove_peer_released_never_polls_it(nixl_pair, monkeypatch):
+    """remove_peer past its bound releases a transfer still running: the handle then raises a typed error naming
+    the request (from done() and wait()) -- it never asks NIXL about the released transfer, nor reports it done."""
+    from gpuxfer.kv import nixl_ffi
+    (a, _), (p, _), _ = nixl_pair
+    real, real_post = nixl_ffi.NixlAgent.state, nixl_ffi.NixlAgent.post
+    monkeypatch.setattr(nixl_ffi.NixlAgent, "state", lambda self, h: "PROC")
+    monkeypatch.setattr(nixl_ffi.NixlAgent, "post", lambda self, h, what: real_post(self, h, what) and "PROC")
+    monkeypatch.setattr(a, "timeout_s", 0.3)
+    h = a.transfer(p, "pull", local_blocks={"full": [0]}, remote_blocks={"full": [1]}, name="cut-short")
+    a.remove_peer(p)
+    asked = []
+
+    def state(self, x):
+        asked.append(x in self._xfers)          # a handle NIXL still holds, not one released
+        return real(self, x)
+
+    monkeypatch.setattr(nixl_ffi.NixlAgent, "state", state)
+    with pytest.raises(NotRegistered, match="cut-short"):
+        h.done()
+    with pytest.raises(NotRegistered, match="cut-short"):
+        h.wait(5)
+    assert asked == []
+
+
+def test_a_handle_polled_while_another_caller_releases_it_is_done(nixl_pair, monkeypatch):
+    """Two callers of one handle (a wait and close's settle, or two threads): one that polls right after the other
+    released the completed transfer sees it done, never asks NIXL about the released transfer."""
+    from gpuxfer.kv import nixl_ffi
+    (a, _), (p, _), _ = nixl_pair
+    side = a.nixl
+    h = a.transfer(p, "pull", local_blocks={"full": [0]}, remote_blocks={"full": [1]}, name="polled-twice")
+    asked, armed, real_state, real_release = [], [], nixl_ffi.NixlAgent.state, nixl_ffi.NixlAgent.release_quietly
+
+    class Lock:                         # the side's lock, running `after` once it is let go
+        def __init__(self, inner):
+            self.inner, self.after = inner, None
+
+        def __enter__(self):
+            self.inner.acquire()
+
+        def __exit__(self, *exc):
+            self.inner.release()
+            after, self.after = self.after, None
+            if after is not None:
+                after()
+
+    def state(self, x):
+        asked.append(x in self._xfers)
+        return real_state(self, x)
+
+    def release_quietly(self, handles=(), dlists=()):
+        if not armed and any(x is h._xfer for x in handles):
+            armed.append(True)
+            side.lock.after = lambda: asked.append(("done", h.done()))     # the other caller, in the window
+        return real_release(self, handles, dlists)
+
+    monkeypatch.setattr(side, "lock", Lock(side.lock))
+    monkeypatch.setattr(nixl_ffi.NixlAgent, "state", state)
+    monkeypatch.setattr(nixl_ffi.NixlAgent, "release_quietly", release_quietly)
+    h.wait(20)
+    assert armed and asked[-1] == ("done", True) and all(x is True for x in asked[:-1]), asked
