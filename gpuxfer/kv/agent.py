@@ -256,8 +256,11 @@ class KVAgent(Closable, FailsOnTimeout):
             raise BadInput(f"group {name!r} is already registered")
         if isinstance(layers, Mapping):
             items = list(layers.items())
-        else:
+        elif isinstance(layers, Sequence) and not isinstance(layers, (str, bytes)):
             items = [(f"{name}.{i}", t) for i, t in enumerate(layers)]
+        else:
+            raise BadInput(f"group {name!r}: layers must be a mapping of layer names to tensors or a sequence of "
+                           f"tensors, got {type(layers).__name__}")
         if not items:
             raise BadInput(f"group {name!r} has no layers")
         torch = _torch()

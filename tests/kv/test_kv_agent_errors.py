@@ -121,6 +121,24 @@ def test_registration_errors(pair, plat):
         pre.peer("ghost")
 
 
+def test_layers_a_peer_could_not_read_are_refused_at_registration(pair):
+    """A layer whose index the metadata cannot carry (negative, not an int, or a number in its name past 2^62) is
+    BadInput naming the layer at register_group -- not metadata the peer then refuses -- and layers that are not a
+    mapping or a sequence are BadInput too."""
+    pre, dec, a0, a1 = pair
+    for layer, match in [({"x": KVLayerSpec(a0.tensor((4, 4, 8)), 4, 32, [(0, 32)], index=-1)}, "'x'.*index"),
+                         ({"x": KVLayerSpec(a0.tensor((4, 4, 8)), 4, 32, [(0, 32)], index="3")}, "'x'.*index"),
+                         ({"model.layers.99999999999999999999.attn": a0.tensor((4, 4, 8))}, "99999999999999999999")]:
+        with pytest.raises(BadInput, match=match):
+            pre.register_group("g", 4, layer)
+    with pytest.raises(BadInput, match="layers"):
+        pre.register_group("g", 4, 5)
+    assert pre.groups == {}
+    pre.register_group("g", 4, {"x": KVLayerSpec(a0.tensor((4, 4, 8)), 4, 32, [(0, 32)], index=7)})
+    dec.register_group("g", 4, {"x": a1.tensor((4, 4, 8))})
+    dec.add_peer(pre.metadata())
+
+
 def test_removed_peer_and_closed_agent(pair):
     pre, dec, a0, a1 = pair
     pre.register_group("g", 4, [a0.tensor((4, 4, 8))])
