@@ -172,6 +172,9 @@ class KVAgent(Closable, FailsOnTimeout):
         self.failed = None
         self.on_timeout = on_timeout_from_env(on_timeout)
         timeout_s = check_timeout(timeout_s, "KVAgent timeout_s")
+        for v, what in ((device, "device"), (rank, "rank")):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+                raise BadInput(f"KVAgent {what} must be a non-negative int, got {v!r}")
         if platform is None:
             from ..platforms import current
             platform = current()

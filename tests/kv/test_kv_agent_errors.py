@@ -139,6 +139,12 @@ def test_layers_a_peer_could_not_read_are_refused_at_registration(pair):
     dec.add_peer(pre.metadata())
 
 
+@pytest.mark.parametrize("kw", [{"device": "x"}, {"device": 1.5}, {"rank": None}, {"rank": "x"}, {"rank": True}])
+def test_agent_device_and_rank_that_are_not_ints_are_refused(plat, kw):
+    with pytest.raises(BadInput, match=next(iter(kw))):
+        KVAgent("bad", platform=plat, **kw)
+
+
 def test_removed_peer_and_closed_agent(pair):
     pre, dec, a0, a1 = pair
     pre.register_group("g", 4, [a0.tensor((4, 4, 8))])
