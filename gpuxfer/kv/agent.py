@@ -197,6 +197,9 @@ class KVAgent(Closable, FailsOnTimeout):
         self.failed = None
         self.on_timeout = on_timeout_from_env(on_timeout)
         timeout_s = check_timeout(timeout_s, "KVAgent timeout_s")
+        for v, what in ((device, "device"), (rank, "rank")):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+                raise BadInput(f"KVAgent {what} must be a non-negative int, got {v!r}")
         if platform is None:
             from ..platforms import current
             platform = current()
@@ -281,8 +284,11 @@ class KVAgent(Closable, FailsOnTimeout):
             raise BadInput(f"group {name!r} is already registered")
         if isinstance(layers, Mapping):
             items = list(layers.items())
-        else:
+        elif isinstance(layers, Sequence) and not isinstance(layers, (str, bytes)):
             items = [(f"{name}.{i}", t) for i, t in enumerate(layers)]
+        else:
+            raise BadInput(f"group {name!r}: layers must be a mapping of layer names to tensors or a sequence of "
+                           f"tensors, got {type(layers).__name__}")
         if not items:
             raise BadInput(f"group {name!r} has no layers")
         torch = _torch()

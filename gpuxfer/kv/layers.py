@@ -93,6 +93,14 @@ def _layer_index(name: str, position: int) -> int:
     return int(m.group()) if m else position
 
 
+def _checked_index(name: str, index) -> int:
+    """A layer's model layer number, as metadata carries it: an int in ``[0, 2^62)``, else :class:`BadInput`."""
+    if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= int(index) < _MAX_INT:
+        raise BadInput(f"layer {name!r}: its layer index must be an int in [0, 2^62), got {index!r} (the first "
+                       "integer in its name unless given: KVLayerSpec(index=...) or describe_layer(index=...))")
+    return int(index)
+
+
 def _torch():
     import torch
     return torch
@@ -163,7 +171,7 @@ def describe_layer(tensor, *, name: str = "layer", position: int = 0, num_blocks
             pieces = (KVPiece(0, math.prod(shape[1:]) * el),)
     if num_blocks is not None and nb != num_blocks:
         raise BadInput(f"layer {name!r}: shape {shape} holds {nb} blocks, not {num_blocks}")
-    layer = KVLayer(name=name, index=_layer_index(name, position) if index is None else int(index),
+    layer = KVLayer(name=name, index=_checked_index(name, _layer_index(name, position) if index is None else index),
                     ptr=int(t.data_ptr()), num_blocks=int(nb), block_stride=int(stride), pieces=pieces,
                     extent=_tensor_extent(t), token_major=bool(token_major))
     _check_layer(name, layer.num_blocks, layer.block_stride, pieces, layer.extent)
@@ -223,7 +231,8 @@ def _from_spec(spec: KVLayerSpec, name: str, position: int) -> KVLayer:
                 raise BadInput(f"layer {name!r}: a piece must be (offset, nbytes), got {p!r}") from None
     # an explicit description may reach past the view into the rest of its storage
     extent = t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
-    layer = KVLayer(name=name, index=_layer_index(name, position) if spec.index is None else int(spec.index),
+    layer = KVLayer(name=name,
+                    index=_checked_index(name, _layer_index(name, position) if spec.index is None else spec.index),
                     ptr=int(t.data_ptr()), num_blocks=int(spec.num_blocks),
                     block_stride=int(spec.block_stride_bytes), pieces=tuple(pieces), extent=int(extent),
                     token_major=bool(spec.token_major))

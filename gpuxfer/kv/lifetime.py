@@ -122,10 +122,16 @@ class Lifetime:
         name = peer.name if isinstance(peer, KVPeer) else peer
         with self.poster.lock:              # no post with the peer is half queued, none comes after
             with registry.lock:
-                p = registry.peers.pop(name, None) if isinstance(name, str) else None
-                self.routes.forget(p)
+                p = registry.peers.get(name) if isinstance(name, str) else None
+                if isinstance(peer, KVPeer) and p is not peer:
+                    p = None            # a peer removed before, or another agent's: not the one of that name here
+                if p is not None:
+                    del registry.peers[name]
+                    self.routes.forget(p)
             if p is None:
-                raise NotRegistered(f"agent {agent.name!r} has no peer {name!r}")
+                raise NotRegistered(f"agent {agent.name!r} has no peer {name!r}" if not isinstance(peer, KVPeer) else
+                                    f"{peer!r} is not a peer of agent {agent.name!r} (removed before, or another "
+                                    "agent's)")
             self.pack.forget(p)
             posts = [(e, b) for e, b in self.poster.inflight if _names_peer(b, p)]
             events = [e for e, _ in posts] + [n[1] for n in p._notified if n is not None]

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import BadInput, BadMetadata, LayoutMismatch, TransferTimeout
+from ..errors import BadInput, BadMetadata, LayoutMismatch, NotRegistered, TransferTimeout
 from ..platforms.base import Stream
 from .control import NOTIFY_SLOTS
 from .ids import _RouteIds
@@ -97,7 +97,8 @@ class NixlPeer(KVPeer):
         groups = tuple(g for g in self.registry.groups if g in self.groups)
         self.side.register()            # allocations of groups registered since
         built = self._build(groups)
-        self._lists = built
+        with self.poster.lock:          # a post checks its lists and hands them to NIXL under it
+            have, self._lists = self._lists, built
         if have is not None:            # transfers made from the old lists complete first (bounded)
             deadline = time.monotonic() + self.agent.timeout_s
             for h in self._inflight:
@@ -241,7 +242,10 @@ class NixlPeer(KVPeer):
             except Exception as exc:  # noqa: BLE001 - closing: what failed is logged, the rest released
                 log.warning("peer %s: %s", self.name, exc)
         with side.lock:
-            errors = side.nixl.release_quietly([h._xfer for h in self._inflight if h._xfer is not None])
+            left = [h for h in self._inflight if not h._finished]
+            errors = side.nixl.release_quietly([h._xfer for h in left if h._xfer is not None])
+            for h in left:              # released unfinished: its handle never asks NIXL about it again
+                h._cut = f"peer {self.name!r} was removed before it completed (its NIXL transfer was released)"
         self._inflight = []
         if self._lists is not None:
             self._drop_lists(self._lists)
@@ -421,6 +425,7 @@ class _NixlHandle:
         self.transfer, self.name, self.notify_value = transfer, transfer.name, notify_value
         self._xfer = xfer
         self._finished = xfer is None
+        self._cut: str | None = None        # why its transfer was released before it completed
         self._state = state
         if xfer is not None:
             self._check(state)
@@ -438,21 +443,23 @@ class _NixlHandle:
         return False
 
     def _finish(self) -> None:
-        if self._finished:
-            return
         side = self.transfer.peer.side
-        with side.lock:
+        with side.lock:                 # once: another thread polling the handle sees it finished
+            if self._finished or self._cut is not None:
+                return
             errors = side.nixl.release_quietly([self._xfer])
+            self._finished = True
+            self._xfer = None if not errors else self._xfer
         if errors:
             log.warning("request %s: releasing its NIXL transfer: %s", self.name, "; ".join(errors))
-        self._finished = True
-        self._xfer = None if not errors else self._xfer
 
     def _poll(self) -> bool:
-        if self._finished:
-            return True
         side = self.transfer.peer.side
-        with side.lock:
+        with side.lock:                 # (a release by another thread is seen here, before NIXL is asked)
+            if self._finished:
+                return True
+            if self._cut is not None:
+                raise NotRegistered(f"request {self.name!r}: {self._cut}")
             if side.nixl.closed:
                 raise BadInput(f"agent {self.transfer.agent.name!r} is closed")
             self._state = side.nixl.state(self._xfer)
@@ -473,11 +480,14 @@ class _NixlHandle:
             delay = min(2 * delay, 1e-3)
 
     def wait(self, timeout_s: float | None = None) -> None:
-        """Block until the transfer completed; :class:`TransferTimeout` naming the request past ``timeout_s``,
-        :class:`~gpuxfer.kv.nixl_ffi.NixlError` when NIXL reports it failed."""
+        """Block until the transfer completed; :class:`TransferTimeout` naming the request past ``timeout_s``
+        (default: the agent's; a finite number of seconds > 0, at most :data:`~gpuxfer.sync.MAX_TIMEOUT_S`, else
+        :class:`~gpuxfer.errors.BadInput`), :class:`~gpuxfer.kv.nixl_ffi.NixlError` when NIXL reports it failed."""
+        from ..sync import check_timeout
         agent = self.transfer.agent
         agent.check()
-        self._settle(agent.timeout_s if timeout_s is None else float(timeout_s))
+        self._settle(agent.timeout_s if timeout_s is None else
+                     check_timeout(timeout_s, f"KV transfer {self.name!r}: timeout_s"))
 
     def stream_wait(self, stream: Stream) -> None:
         """Make ``stream``'s later work run after this transfer (the host waits for it, bounded)."""

@@ -121,6 +121,30 @@ def test_registration_errors(pair, plat):
         pre.peer("ghost")
 
 
+def test_layers_a_peer_could_not_read_are_refused_at_registration(pair):
+    """A layer whose index the metadata cannot carry (negative, not an int, or a number in its name past 2^62) is
+    BadInput naming the layer at register_group -- not metadata the peer then refuses -- and layers that are not a
+    mapping or a sequence are BadInput too."""
+    pre, dec, a0, a1 = pair
+    for layer, match in [({"x": KVLayerSpec(a0.tensor((4, 4, 8)), 4, 32, [(0, 32)], index=-1)}, "'x'.*index"),
+                         ({"x": KVLayerSpec(a0.tensor((4, 4, 8)), 4, 32, [(0, 32)], index="3")}, "'x'.*index"),
+                         ({"model.layers.99999999999999999999.attn": a0.tensor((4, 4, 8))}, "99999999999999999999")]:
+        with pytest.raises(BadInput, match=match):
+            pre.register_group("g", 4, layer)
+    with pytest.raises(BadInput, match="layers"):
+        pre.register_group("g", 4, 5)
+    assert pre.groups == {}
+    pre.register_group("g", 4, {"x": KVLayerSpec(a0.tensor((4, 4, 8)), 4, 32, [(0, 32)], index=7)})
+    dec.register_group("g", 4, {"x": a1.tensor((4, 4, 8))})
+    dec.add_peer(pre.metadata())
+
+
+@pytest.mark.parametrize("kw", [{"device": "x"}, {"device": 1.5}, {"rank": None}, {"rank": "x"}, {"rank": True}])
+def test_agent_device_and_rank_that_are_not_ints_are_refused(plat, kw):
+    with pytest.raises(BadInput, match=next(iter(kw))):
+        KVAgent("bad", platform=plat, **kw)
+
+
 def test_removed_peer_and_closed_agent(pair):
     pre, dec, a0, a1 = pair
     pre.register_group("g", 4, [a0.tensor((4, 4, 8))])
@@ -337,3 +361,30 @@ def test_host_export_range(plat):
         assert Platform.allocation_range(plat, buf.ptr, 0) is None
     finally:
         buf.close()
+
+
+def test_remove_peer_of_a_stale_or_foreign_peer_leaves_the_live_one(pair, plat):
+    """remove_peer(peer) removes that peer only: a peer object removed before (its name since added again) or
+    another agent's peer of the same name raises NotRegistered and the live peer of that name keeps working."""
+    pre, dec, a0, a1 = pair
+    src, dst = a0.tensor((4, 4, 8), seed=1), a1.tensor((4, 4, 8), seed=2)
+    pre.register_group("g", 4, [src])
+    dec.register_group("g", 4, [dst])
+    stale = dec.add_peer(pre.metadata())
+    dec.remove_peer(stale)
+    live = dec.add_peer(pre.metadata())
+    with pytest.raises(NotRegistered, match="removed before"):
+        dec.remove_peer(stale)
+    other = KVAgent("other", platform=plat, device=1, engine="triton", timeout_s=60)
+    try:
+        other.register_group("g", 4, [a1.tensor((4, 4, 8))])
+        foreign = other.add_peer(pre.metadata())
+        with pytest.raises(NotRegistered, match="another agent"):
+            dec.remove_peer(foreign)
+        assert not foreign.closed
+    finally:
+        other.close()
+    assert dec.peers["prefill"] is live and not live.closed
+    dec.transfer(live, "pull", local_blocks={"g": [0]}, remote_blocks={"g": [1]}).wait(30)
+    assert same_bytes(dst[0], src[1])
+    dec.remove_peer(live)

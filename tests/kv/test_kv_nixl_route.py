@@ -588,3 +588,145 @@ def test_nixl_descriptors_cover_pieces_in_a_row_and_runs_of_blocks(need_nixl, pi
             a.close()
         for b in bufs:
             b.close()
+
+
+@pytest.mark.parametrize("bad", ["soon", -1, 0, float("nan"), float("inf")])
+def test_a_handle_wait_refuses_timeouts_that_are_not_bounded(nixl_pair, monkeypatch, bad):
+    """``handle.wait(timeout_s)`` on the NIXL route holds its bound to the IPC route's rule: a finite number of
+    seconds in (0, one week], else BadInput at once -- never a wait without end (NaN, infinity) nor an untyped
+    error."""
+    import threading
+    from gpuxfer.kv import nixl_ffi
+    (a, _), (p, _), _ = nixl_pair
+    monkeypatch.setattr(nixl_ffi.NixlAgent, "state", lambda self, h: "PROC")
+    h = a.transfer(p, "pull", local_blocks={"full": [0]}, remote_blocks={"full": [1]}, name="bounded")
+    got = []
+
+    def wait():
+        try:
+            h.wait(bad)
+            got.append("returned")
+        except BaseException as exc:  # noqa: BLE001 - what the test looks at
+            got.append(exc)
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    t.join(5)
+    assert got, f"handle.wait({bad!r}) still waits after 5 s"
+    assert isinstance(got[0], BadInput) and "timeout" in str(got[0]), got
+    monkeypatch.undo()
+    h.wait(20)
+
+
+def test_lists_rebuilt_while_a_post_is_under_way_are_not_released_under_it(need_nixl, host, monkeypatch):
+    """A request naming a group registered since add_peer rebuilds the peer's lists while another thread posts a
+    request prepared on the old ones (past the post's check of its lists): NIXL is never handed a list already
+    released -- the post either runs on the old lists (kept until it completes) or is refused (prepare again)."""
+    import threading
+    from gpuxfer.kv import nixl_ffi, nixl_peer
+    bufs = [host.alloc(1 << 16, 1), host.alloc(1 << 14, 0), host.alloc(1 << 16, 0)]
+    a = KVAgent("race-a", platform=host, device=0, timeout_s=20, remote="nixl")
+    b = KVAgent("race-b", platform=host, device=1, timeout_s=20, remote="nixl")
+    try:
+        mine = _caches(0, host.as_tensor(bufs[2]))
+        a.register_group("full", BT, mine["full"])
+        theirs = _caches(1, host.as_tensor(bufs[0]))
+        b.register_group("full", BT, theirs["full"])
+        b.register_group("mla", MLA_BT[1], theirs["mla"])
+        p = a.add_peer(b.metadata(), route="nixl")
+        x = a.prepare(p, "pull", local_blocks={"full": [2]}, remote_blocks={"full": [3]}, name="on-old-lists")
+        a.register_group("mla", MLA_BT[0], _caches(0, host.as_tensor(bufs[1]))["mla"])
+        real_post, real_make = nixl_peer._NixlTransfer._post_locked, nixl_ffi.NixlAgent.make_prepped
+        handed = []
+
+        def post_locked(self):          # another thread's request rebuilds the lists in this post's window
+            t = threading.Thread(target=lambda: a.prepare(p, "pull", local_blocks={"mla": [2]},
+                                                          remote_blocks={"mla": [5, 9]}))
+            t.start()
+            t.join(20)
+            return real_post(self)
+
+        def make_prepped(self, op, local_h, local_idx, remote_h, remote_idx, notif=b""):
+            handed.append((local_h in self._dlists, remote_h in self._dlists))
+            return real_make(self, op, local_h, local_idx, remote_h, remote_idx, notif)
+
+        monkeypatch.setattr(nixl_peer._NixlTransfer, "_post_locked", post_locked)
+        monkeypatch.setattr(nixl_ffi.NixlAgent, "make_prepped", make_prepped)
+        try:
+            x.post().wait(20)
+            for name, t in mine["full"].items():
+                assert torch.equal(t[:, 2], theirs["full"][name][:, 3])
+        except BadInput as exc:
+            assert "prepare it again" in str(exc)
+        assert all(h == (True, True) for h in handed), f"NIXL was handed released lists: {handed}"
+        monkeypatch.undo()
+        a.remove_peer(p)
+    finally:
+        b.close()
+        a.close()
+        for buf in bufs:
+            buf.close()
+
+
+def test_a_handle_whose_transfer_remove_peer_released_never_polls_it(nixl_pair, monkeypatch):
+    """remove_peer past its bound releases a transfer still running: the handle then raises a typed error naming
+    the request (from done() and wait()) -- it never asks NIXL about the released transfer, nor reports it done."""
+    from gpuxfer.kv import nixl_ffi
+    (a, _), (p, _), _ = nixl_pair
+    real, real_post = nixl_ffi.NixlAgent.state, nixl_ffi.NixlAgent.post
+    monkeypatch.setattr(nixl_ffi.NixlAgent, "state", lambda self, h: "PROC")
+    monkeypatch.setattr(nixl_ffi.NixlAgent, "post", lambda self, h, what: real_post(self, h, what) and "PROC")
+    monkeypatch.setattr(a, "timeout_s", 0.3)
+    h = a.transfer(p, "pull", local_blocks={"full": [0]}, remote_blocks={"full": [1]}, name="cut-short")
+    a.remove_peer(p)
+    asked = []
+
+    def state(self, x):
+        asked.append(x in self._xfers)          # a handle NIXL still holds, not one released
+        return real(self, x)
+
+    monkeypatch.setattr(nixl_ffi.NixlAgent, "state", state)
+    with pytest.raises(NotRegistered, match="cut-short"):
+        h.done()
+    with pytest.raises(NotRegistered, match="cut-short"):
+        h.wait(5)
+    assert asked == []
+
+
+def test_a_handle_polled_while_another_caller_releases_it_is_done(nixl_pair, monkeypatch):
+    """Two callers of one handle (a wait and close's settle, or two threads): one that polls right after the other
+    released the completed transfer sees it done, never asks NIXL about the released transfer."""
+    from gpuxfer.kv import nixl_ffi
+    (a, _), (p, _), _ = nixl_pair
+    side = a.nixl
+    h = a.transfer(p, "pull", local_blocks={"full": [0]}, remote_blocks={"full": [1]}, name="polled-twice")
+    asked, armed, real_state, real_release = [], [], nixl_ffi.NixlAgent.state, nixl_ffi.NixlAgent.release_quietly
+
+    class Lock:                         # the side's lock, running `after` once it is let go
+        def __init__(self, inner):
+            self.inner, self.after = inner, None
+
+        def __enter__(self):
+            self.inner.acquire()
+
+        def __exit__(self, *exc):
+            self.inner.release()
+            after, self.after = self.after, None
+            if after is not None:
+                after()
+
+    def state(self, x):
+        asked.append(x in self._xfers)
+        return real_state(self, x)
+
+    def release_quietly(self, handles=(), dlists=()):
+        if not armed and any(x is h._xfer for x in handles):
+            armed.append(True)
+            side.lock.after = lambda: asked.append(("done", h.done()))     # the other caller, in the window
+        return real_release(self, handles, dlists)
+
+    monkeypatch.setattr(side, "lock", Lock(side.lock))
+    monkeypatch.setattr(nixl_ffi.NixlAgent, "state", state)
+    monkeypatch.setattr(nixl_ffi.NixlAgent, "release_quietly", release_quietly)
+    h.wait(20)
+    assert armed and asked[-1] == ("done", True) and all(x is True for x in asked[:-1]), asked
