@@ -104,7 +104,10 @@ class Manager(GpuxferKVManager):
         return 0
 
     def run(self, chunk):
-        """One item of the transfer thread's queue, as its worker handles it (errors fail the room)."""
+        """One item of the transfer thread's queue, as its worker handles it (errors fail the room); a chunk
+        made by the test belongs to the room's request now, as one ``add_transfer_request`` queued."""
+        if chunk.pages is not None and chunk.infos is None:
+            chunk.infos = self.transfer_infos.get(chunk.room)
         try:
             self._transfer(chunk)
         except Exception as exc:
@@ -689,3 +692,20 @@ def test_two_decode_ranks_claiming_one_room_fail_it_for_both():
     mgr.run(_chunk(0, last=True))
     assert mgr.request_status[ROOM] == KVPoll.Failed
     assert KVPoll.Success not in [s[2] for s in mgr.statuses()]
+
+
+def test_a_cleared_requests_queued_chunk_is_not_posted_for_a_new_request_of_its_room():
+    """Request A's last chunk still queued when A is aborted and cleared, and a new request B of the same room
+    id is waiting for its KV: A's chunk must not be pushed into B's pages nor conclude B's room."""
+    mgr = Manager()
+    mgr.landed_at_once = True
+    _room(mgr, pages=2)
+    mgr.add_transfer_request(ROOM, np.array([1, 2]), slice(0, 2), True, aux_index=5)     # A's, not run yet
+    _abort(mgr)                                 # the decode gives A up; A's sender fails and is cleared
+    mgr.failure_records.pop(ROOM)               # (SGLang's failure_exception, then clear)
+    mgr.request_status.pop(ROOM)
+    mgr.transfer_infos.pop(ROOM)
+    _room(mgr, pages=2)                         # B: the same room id, its decode pages named
+    _run_all(mgr)
+    assert not [e for e in mgr.log if e[0] == "post"], mgr.log
+    assert mgr.request_status[ROOM] == KVPoll.WaitingForInput and not mgr.statuses()

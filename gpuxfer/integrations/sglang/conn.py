@@ -350,8 +350,8 @@ class GpuxferKVManager(CommonKVManager):
         if bootstrap_room not in self.request_status:
             return
         # a copy as given: the agent checks the IDs' type and range (a cast could turn them into other pages)
-        self._queue.put(_Chunk(bootstrap_room, np.array(kv_indices), index_slice,
-                               bool(is_last_chunk), aux_index, wait_event))
+        self._queue.put(_Chunk(bootstrap_room, np.array(kv_indices), index_slice, bool(is_last_chunk), aux_index,
+                               wait_event, self.transfer_infos.get(bootstrap_room)))
 
     def _transfer_worker(self) -> None:
         while not self._stop.is_set():
@@ -391,6 +391,8 @@ class GpuxferKVManager(CommonKVManager):
         infos = self.transfer_infos.get(room)
         if infos is None:               # cleared by its sender, or a dummy rank with nothing to send
             self._drain(room)
+            return
+        if infos is not chunk.infos:    # queued by an earlier request of this room id, cleared since
             return
         if chunk.wait_event is not None and self.request_status.get(room) != KVPoll.Failed:
             self._wait_source(chunk)    # before the check below: an abort during the wait posts nothing

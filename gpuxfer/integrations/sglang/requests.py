@@ -54,6 +54,7 @@ class _Chunk:
     is_last: bool
     aux_index: Optional[int]
     wait_event: Any = None                      # SGLang's event after which the pages hold the chunk's KV
+    infos: Any = None                           # the room's decode destinations when the chunk was queued
 
 
 def _drain_marker(room: int) -> _Chunk:
