@@ -104,7 +104,10 @@ class Manager(GpuxferKVManager):
         return 0
 
     def run(self, chunk):
-        """One item of the transfer thread's queue, as its worker handles it (errors fail the room)."""
+        """One item of the transfer thread's queue, as its worker handles it (errors fail the room); a chunk
+        made by the test belongs to the room's request now, as one ``add_transfer_request`` queued."""
+        if chunk.pages is not None and chunk.infos is None:
+            chunk.infos = self.transfer_infos.get(chunk.room)
         try:
             self._transfer(chunk)
         except Exception as exc:
@@ -480,7 +483,7 @@ class RealPost(Manager):
 
 def test_the_row_names_the_value_the_last_push_writes_and_goes_before_it():
     mgr = RealPost()
-    _room(mgr)
+    _room(mgr, pages=4)
     mgr.run(_chunk(0))
     mgr.run(_chunk(2, last=True))
     assert [e for e in mgr.log if e[0] in ("prepare", "aux", "post")] == [
@@ -490,7 +493,7 @@ def test_the_row_names_the_value_the_last_push_writes_and_goes_before_it():
 
 def test_a_last_push_that_fails_after_its_row_went_retires_the_slot():
     mgr = RealPost()
-    _room(mgr)
+    _room(mgr, pages=2)
     mgr.agent.fail_posts = True                 # (a prepare that raises is the same path)
     mgr.run(_chunk(0, last=True))
     assert ("aux", (3, 1)) in mgr.log and mgr.statuses()[-1][2] == KVPoll.Failed
@@ -498,7 +501,8 @@ def test_a_last_push_that_fails_after_its_row_went_retires_the_slot():
     mgr.agent.fail_posts = False
     mgr._dead.clear()
     mgr.request_status.clear()
-    _room(mgr)
+    _room(mgr, pages=4)
+    mgr.run(_chunk(0))
     mgr.run(_chunk(2, last=True))
     tail = [e for e in mgr.log if e[0] in ("prepare", "aux", "post")][-3:]
     assert tail == [("aux", None), ("prepare", None), ("post", None, None)]     # the room ends by its Success
@@ -507,15 +511,201 @@ def test_a_last_push_that_fails_after_its_row_went_retires_the_slot():
 def test_a_peer_reached_through_nixl_announces_no_value():
     mgr = RealPost()
     mgr.peer.route = "nixl"                     # its notification follows its last transfer alone
-    _room(mgr)
+    _room(mgr, pages=2)
     mgr.run(_chunk(0, last=True))
     assert ("aux", None) in mgr.log and ("post", None, None) in mgr.log
 
 
 def test_a_push_that_wrote_another_value_than_announced_retires_the_slot():
     mgr = RealPost()
-    _room(mgr)
+    _room(mgr, pages=2)
     mgr.agent.skew = 1
     mgr.run(_chunk(0, last=True))
     assert ("aux", (3, 1)) in mgr.log and ("post", 3, 2) in mgr.log
     assert mgr._notify_slots["decode"] is None
+
+
+# ---------------------------------------------------------------------- the prefill's pushes over real agents
+
+
+class RealAgents(Manager):
+    """The manager's own ``_post`` over two real agents of this process (host emulation): the prefill's pool
+    (``ENTRIES`` entries of ``PAGES`` pages, random bytes) pushed onto a decode agent's (zeros), as
+    ``KVArgs`` hands them over."""
+
+    _post = GpuxferKVManager._post
+    ENTRIES, PAGES, ITEM = 2, 16, 64
+
+    def __init__(self):
+        super().__init__()
+        import sys
+        import pathlib
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "kv"))
+        from _agent_arena import Arena
+        from gpuxfer.integrations.sglang.layout import geometry, register_kv_args
+        from gpuxfer.kv import KVAgent
+        from gpuxfer.platforms import get_platform
+        plat = get_platform("host")
+        self.arena = Arena(plat, 0, 2 * self.ENTRIES * self.PAGES * self.ITEM + 4096)
+        self.src = [self.arena.tensor((self.PAGES, self.ITEM), seed=e + 1) for e in range(self.ENTRIES)]
+        self.dst = [self.arena.tensor((self.PAGES, self.ITEM)) for _ in range(self.ENTRIES)]
+        for t in self.dst:
+            t.zero_()
+        self.agent = KVAgent("sglang-prefill-test", platform=plat, engine="copy_engine", timeout_s=5)
+        self.dec = KVAgent("sglang-decode-test", platform=plat, engine="copy_engine", timeout_s=5)
+        self.args = {}
+        for agent, pool in ((self.agent, self.src), (self.dec, self.dst)):
+            self.args[agent] = SimpleNamespace(
+                kv_data_ptrs=[t.data_ptr() for t in pool], kv_data_lens=[t.numel() for t in pool],
+                kv_item_lens=[self.ITEM] * self.ENTRIES, page_size=4, state_types=[], host_kv_data_ptrs=None,
+                aux_item_lens=[64], kv_cache_dtype_str="bfloat16", kv_layout=None, num_draft_entries=0)
+            register_kv_args(agent, self.args[agent])
+        self.geometry = geometry(self.args[self.agent], 1)
+        self._peers, self._notify_slots = {"decode": self.agent.add_peer(self.dec.metadata())}, {"decode": None}
+
+    def _send_aux(self, chunk, info, landing):
+        self.log.append(("aux", chunk.room))
+
+    def close(self):
+        self.agent.close()
+        self.dec.close()
+        self.arena.close()
+
+    def decode_pages_equal(self, src_pages, dst_pages):
+        return all(torch_equal(s[list(src_pages)], d[list(dst_pages)]) for s, d in zip(self.src, self.dst))
+
+
+def torch_equal(a, b):
+    import torch
+    return torch.equal(a, b)
+
+
+@pytest.fixture
+def real():
+    mgr = RealAgents()
+    yield mgr
+    mgr.close()
+
+
+def test_real_agents_land_a_room_byte_for_byte(real):
+    _room(real, pages=4)                        # decode pages 100.. are past its 16: name its own
+    real.transfer_infos[ROOM]["decode"].dst_kv_indices = np.array([9, 10, 11, 12], dtype=np.int32)
+    real.add_transfer_request(ROOM, np.array([1, 2]), slice(0, 2), False)
+    real.add_transfer_request(ROOM, np.array([3, 4]), slice(2, 4), True, aux_index=5)
+    while not real._queue.empty():
+        real.run(real._queue.get_nowait())
+    assert real.statuses()[-1][2] == KVPoll.Success
+    assert real.decode_pages_equal([1, 2, 3, 4], [9, 10, 11, 12])
+
+
+def _decode_names(mgr, pages):
+    """Room ``ROOM``'s decode pages as the decode's metadata message carries them."""
+    mgr.transfer_infos[ROOM]["decode"] = TransferInfo.from_zmq(
+        [str(ROOM).encode(), DECODE[0].encode(), str(DECODE[1]).encode(), b"decode",
+         np.array(pages, dtype=np.int32).tobytes(), b"3", b"1"])
+
+
+def _run_all(mgr):
+    while not mgr._queue.empty():
+        mgr.run(mgr._queue.get_nowait())
+
+
+@pytest.mark.parametrize("pages", [np.array([2**32 + 1, 2**32 + 2], dtype=np.int64), np.array([1.9, 2.7]),
+                                   np.array([2**64 - 15, 2**64 - 14], dtype=np.uint64)],
+                         ids=["past-int32", "float", "uint64"])
+def test_send_page_indices_that_are_no_pool_pages_fail_the_room_and_write_nothing(real, pages):
+    """Prefill page indices past the pool (past an int32 too) or not integers: never taken for other pages."""
+    _room(real, pages=2)
+    real.transfer_infos[ROOM]["decode"].dst_kv_indices = np.array([9, 10], dtype=np.int32)
+    real.add_transfer_request(ROOM, pages, slice(0, 2), True, aux_index=5)
+    _run_all(real)
+    assert real.request_status[ROOM] == KVPoll.Failed and real.statuses()[-1][2] == KVPoll.Failed
+    assert not any(t.any() for t in real.dst)
+
+
+def test_a_decode_naming_more_pages_than_the_room_sends_fails_it(real):
+    """The decode named 4 pages, the prefill's last chunk ends at 2: its last 2 pages would never be written."""
+    _room(real, pages=4)
+    real.transfer_infos[ROOM]["decode"].dst_kv_indices = np.array([9, 10, 11, 12], dtype=np.int32)
+    real.add_transfer_request(ROOM, np.array([1, 2]), slice(0, 2), True, aux_index=5)
+    _run_all(real)
+    assert real.request_status[ROOM] == KVPoll.Failed and real.statuses()[-1][2] == KVPoll.Failed
+
+
+def test_a_decode_naming_one_page_twice_across_chunks_fails_the_room(real):
+    """Decode pages [9, 10, 9, 11]: each chunk's push has distinct destinations, the room does not."""
+    _room(real, pages=4)
+    _decode_names(real, [9, 10, 9, 11])
+    real.add_transfer_request(ROOM, np.array([1, 2]), slice(0, 2), False)
+    real.add_transfer_request(ROOM, np.array([3, 4]), slice(2, 4), True, aux_index=5)
+    _run_all(real)
+    assert real.request_status[ROOM] == KVPoll.Failed and real.statuses()[-1][2] == KVPoll.Failed
+
+
+@pytest.mark.parametrize("pages", [np.array([2**32 + 1, 2**32 + 2], dtype=np.int64), np.array([1.9, 2.7])],
+                         ids=["past-int32", "float"])
+def test_decode_page_indices_that_do_not_fit_the_message_are_refused(pages):
+    """The decode's pages travel as int32s: one past an int32 is never sent as another page."""
+    from gpuxfer.errors import BlockIdError
+    mgr = Decode()
+    mgr.local_ip, mgr.rank_port, mgr.session_id = "127.0.0.1", 5555, "127.0.0.1:5555"
+    with pytest.raises(BlockIdError):
+        mgr.build_receiver_metadata_message(bootstrap_room=7, required_dst_info_num=1, kv_indices=pages,
+                                            aux_index=1, state_indices=None, decode_prefix_len=None,
+                                            is_dummy=False)
+
+
+def _registration(mgr, **change):
+    """The decode's registration message, its geometry changed by ``change``."""
+    from gpuxfer.integrations.sglang.layout import encode_registration, geometry
+    geom = {**geometry(mgr.args[mgr.dec], 1), **change}
+    return [b"None", DECODE[0].encode(), str(DECODE[1]).encode(), b"decode",
+            encode_registration(geom, mgr.dec.metadata()), b""]
+
+
+def test_a_refused_registration_fails_the_ranks_rooms_even_after_an_accepted_one(real):
+    """The decode rank registers again with a geometry that does not pair (another page size): its rooms fail
+    with that reason, not pushed through the peer its earlier registration added."""
+    real.agent.remove_peer(real._peers.pop("decode"))
+    real._on_registration(_registration(real))
+    assert "decode" in real._peers
+    real._on_registration(_registration(real, page_size=8))
+    assert "page_size" in real._rejected["decode"]
+    _room(real, pages=2)
+    _decode_names(real, [9, 10])
+    real.add_transfer_request(ROOM, np.array([1, 2]), slice(0, 2), True, aux_index=5)
+    _run_all(real)
+    assert real.request_status[ROOM] == KVPoll.Failed and "page_size" in real.statuses()[-1][3]
+    assert not any(t.any() for t in real.dst)
+
+
+def test_two_decode_ranks_claiming_one_room_fail_it_for_both():
+    """A room of one decode rank (``required_dst_info_num`` 1) claimed by a second one (a room id two requests
+    drew, or a forged message): neither is written the other's KV and reported Success."""
+    mgr = Manager()
+    mgr.landed_at_once, mgr.is_mla_backend, mgr.req_to_decode_prefix_len = True, False, {}
+    mgr.update_status(ROOM, KVPoll.Bootstrapping)
+    for session, port in (("decode", DECODE[1]), ("other", DECODE[1] + 1)):
+        mgr._on_transfer_info(TransferInfo.from_zmq(
+            [str(ROOM).encode(), DECODE[0].encode(), str(port).encode(), session.encode(),
+             np.array([9, 10], dtype=np.int32).tobytes(), b"3", b"1"]))
+    mgr.run(_chunk(0, last=True))
+    assert mgr.request_status[ROOM] == KVPoll.Failed
+    assert KVPoll.Success not in [s[2] for s in mgr.statuses()]
+
+
+def test_a_cleared_requests_queued_chunk_is_not_posted_for_a_new_request_of_its_room():
+    """Request A's last chunk still queued when A is aborted and cleared, and a new request B of the same room
+    id is waiting for its KV: A's chunk must not be pushed into B's pages nor conclude B's room."""
+    mgr = Manager()
+    mgr.landed_at_once = True
+    _room(mgr, pages=2)
+    mgr.add_transfer_request(ROOM, np.array([1, 2]), slice(0, 2), True, aux_index=5)     # A's, not run yet
+    _abort(mgr)                                 # the decode gives A up; A's sender fails and is cleared
+    mgr.failure_records.pop(ROOM)               # (SGLang's failure_exception, then clear)
+    mgr.request_status.pop(ROOM)
+    mgr.transfer_infos.pop(ROOM)
+    _room(mgr, pages=2)                         # B: the same room id, its decode pages named
+    _run_all(mgr)
+    assert not [e for e in mgr.log if e[0] == "post"], mgr.log
+    assert mgr.request_status[ROOM] == KVPoll.WaitingForInput and not mgr.statuses()

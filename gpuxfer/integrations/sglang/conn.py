@@ -70,7 +70,7 @@ from sglang.srt.environ import envs
 from sglang.srt.server_args import ServerArgs
 
 from ... import config
-from ...errors import BadInput, GpuxferError, PeerLost, TransferTimeout
+from ...errors import BadInput, BlockIdError, GpuxferError, PeerLost, TransferTimeout
 from ...kv import KVAgent
 from .landing import Landings, landing_frame, parse_landing, parse_slot, slot_frame
 from .requests import TransferInfo, _Chunk, _drain_marker, _Posted
@@ -83,6 +83,17 @@ AUX_TAG = b"GXAUX2"             # a metadata row with its landing value (b"GXAUX
 _AUX_TAG_V1 = b"GXAUX"
 REGISTER_ROOM = b"None"         # SGLang's marker of a registration message (Mooncake's too)
 _RECV_POLL_MS = 200             # how often an idle thread looks at its stop flag (a message wakes it at once)
+
+
+def _int32_pages(kv_indices) -> bytes:
+    """A decode's page indices as its metadata message carries them (int32s); ``BlockIdError`` for any that is
+    no integer or does not fit (a cast would name another page)."""
+    arr = np.asarray(kv_indices)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise BlockIdError(f"decode page indices must be a 1-D array of integers, got {arr.dtype} {arr.shape}")
+    if arr.size and not (0 <= int(arr.min()) and int(arr.max()) <= np.iinfo(np.int32).max):
+        raise BlockIdError(f"decode page indices {int(arr.min())}..{int(arr.max())} do not fit an int32 page index")
+    return np.ascontiguousarray(arr, dtype=np.int32).tobytes()
 
 
 class GpuxferKVManager(CommonKVManager):
@@ -183,10 +194,10 @@ class GpuxferKVManager(CommonKVManager):
                                         is_dummy: bool, device_kv_indices=None) -> List[bytes]:
         if state_indices:
             raise BadInput("the gpuxfer SGLang backend does not move state buffers (state_indices given)")
+        pages = b"" if is_dummy else _int32_pages(kv_indices)
         self.landings.forget(bootstrap_room)        # a landing heard of before belongs to an earlier request
         return [str(bootstrap_room).encode("ascii"), self.local_ip.encode("ascii"),
-                str(self.rank_port).encode("ascii"), self.session_id.encode("ascii"),
-                b"" if is_dummy else np.ascontiguousarray(kv_indices, dtype=np.int32).tobytes(),
+                str(self.rank_port).encode("ascii"), self.session_id.encode("ascii"), pages,
                 b"" if is_dummy else str(int(aux_index)).encode("ascii"),
                 str(required_dst_info_num).encode("ascii"), str(decode_prefix_len or 0).encode("ascii")]
 
@@ -277,9 +288,28 @@ class GpuxferKVManager(CommonKVManager):
         except GpuxferError as exc:
             self._rejected[session] = f"{type(exc).__name__}: {exc}"
             log.error("gpuxfer: refusing decode rank %s: %s", session, self._rejected[session])
+            with self._agent_lock:      # an earlier registration of the rank no longer describes it
+                old = self._peers.pop(session, None)
+                self._notify_slots.pop(session, None)
+                if old is not None:
+                    self.agent.remove_peer(old)
 
     def _on_transfer_info(self, info: TransferInfo) -> None:
         infos = self.transfer_infos.setdefault(info.room, {})
+        need = next(iter(infos.values()), info).required_dst_info_num
+        if info.session not in infos and (len(infos) >= need or info.required_dst_info_num != need):
+            # more decode ranks than the room has (a room id two requests drew, or a forged claim): none may be
+            # written another's KV, so the room fails for all of them
+            reason = (f"decode rank {info.session} claims room {info.room}, which {len(infos)} decode rank(s) "
+                      f"{sorted(infos)} of {need} already claimed")
+            with self._room_lock:
+                if self.request_status.get(info.room) != KVPoll.Success:
+                    self.record_failure(info.room, reason)
+                    self.update_status(info.room, KVPoll.Failed)
+            if not info.is_dummy:
+                self.send_kv_status_message(targets=[(info.endpoint, info.dst_port)], bootstrap_room=info.room,
+                                            status=KVPoll.Failed, failure_reason=reason)
+            return
         infos[info.session] = info
         if len(infos) == info.required_dst_info_num:
             self.resolve_kv_replica_factor(infos)
@@ -319,8 +349,9 @@ class GpuxferKVManager(CommonKVManager):
             return
         if bootstrap_room not in self.request_status:
             return
-        self._queue.put(_Chunk(bootstrap_room, np.asarray(kv_indices, dtype=np.int32), index_slice,
-                               bool(is_last_chunk), aux_index, wait_event))
+        # a copy as given: the agent checks the IDs' type and range (a cast could turn them into other pages)
+        self._queue.put(_Chunk(bootstrap_room, np.array(kv_indices), index_slice, bool(is_last_chunk), aux_index,
+                               wait_event, self.transfer_infos.get(bootstrap_room)))
 
     def _transfer_worker(self) -> None:
         while not self._stop.is_set():
@@ -360,6 +391,8 @@ class GpuxferKVManager(CommonKVManager):
         infos = self.transfer_infos.get(room)
         if infos is None:               # cleared by its sender, or a dummy rank with nothing to send
             self._drain(room)
+            return
+        if infos is not chunk.infos:    # queued by an earlier request of this room id, cleared since
             return
         if chunk.wait_event is not None and self.request_status.get(room) != KVPoll.Failed:
             self._wait_source(chunk)    # before the check below: an abort during the wait posts nothing
@@ -482,10 +515,14 @@ class GpuxferKVManager(CommonKVManager):
         if peer is None:
             why = self._rejected.get(info.session, "its registration never arrived")
             raise BadInput(f"decode rank {info.session} cannot be written: {why}")
+        if info.error is not None:
+            raise BadInput(f"room {chunk.room}: {info.error}")
         dst = info.dst_kv_indices[chunk.index_slice]
-        if len(dst) != len(chunk.pages):
-            raise BadInput(f"room {chunk.room}: the decode named {len(info.dst_kv_indices)} pages; this chunk "
-                           f"sends pages {chunk.index_slice.start}..{chunk.index_slice.stop}")
+        # every page the decode named is written: the last chunk ends where its list ends
+        if len(dst) != len(chunk.pages) or (chunk.is_last and chunk.index_slice.stop != len(info.dst_kv_indices)):
+            raise BadInput(f"room {chunk.room}: the decode named {len(info.dst_kv_indices)} pages; this "
+                           f"{'last ' if chunk.is_last else ''}chunk sends pages "
+                           f"{chunk.index_slice.start}..{chunk.index_slice.stop}")
         if not len(dst):
             if chunk.is_last:
                 self._send_aux(chunk, info, None)

@@ -26,6 +26,7 @@ class TransferInfo:
     required_dst_info_num: int
     is_dummy: bool
     decode_prefix_len: Optional[int] = None
+    error: Optional[str] = None         # why the room cannot be written as named (its first push fails with it)
 
     @classmethod
     def from_zmq(cls, msg: List[bytes]) -> "TransferInfo":
@@ -34,13 +35,15 @@ class TransferInfo:
         dummy = msg[4] == b"" and msg[5] == b""
         if not dummy and len(msg[4]) % 4:
             raise BadInput(f"decode page indices of {len(msg[4])} bytes are not int32s")
+        pages = np.array([], dtype=np.int32) if dummy else np.frombuffer(msg[4], dtype=np.int32)
+        error = None
+        if np.unique(pages).size != pages.size:     # each chunk's push sees its own pages only
+            error = "the decode named one of its pages more than once"
         return cls(room=int(msg[0].decode("ascii")), endpoint=msg[1].decode("ascii"),
-                   dst_port=int(msg[2].decode("ascii")), session=msg[3].decode("ascii"),
-                   dst_kv_indices=(np.array([], dtype=np.int32) if dummy
-                                   else np.frombuffer(msg[4], dtype=np.int32)),
+                   dst_port=int(msg[2].decode("ascii")), session=msg[3].decode("ascii"), dst_kv_indices=pages,
                    dst_aux_index=None if dummy else int(msg[5].decode("ascii")),
                    required_dst_info_num=int(msg[6].decode("ascii")), is_dummy=dummy,
-                   decode_prefix_len=int(msg[7].decode("ascii")) if len(msg) > 7 and msg[7] else None)
+                   decode_prefix_len=int(msg[7].decode("ascii")) if len(msg) > 7 and msg[7] else None, error=error)
 
 
 @dataclass
@@ -51,6 +54,7 @@ class _Chunk:
     is_last: bool
     aux_index: Optional[int]
     wait_event: Any = None                      # SGLang's event after which the pages hold the chunk's KV
+    infos: Any = None                           # the room's decode destinations when the chunk was queued
 
 
 def _drain_marker(room: int) -> _Chunk:
