@@ -2,7 +2,7 @@
 replaced by counting no-ops, so what is left is gpuxfer's own Python (no driver, no kernels run).
 
     PYTHONPATH=. python scripts/kv_post_profile.py [--workload kv-dsv4] [--isl 32768] [--page 16]
-        [--op pull] [--iters 2000] [--ids host|device] [--profile]
+        [--op pull] [--iters 2000] [--ids host|device] [--flush-mb N] [--profile]
 
 Two agents in this process register the benchmark's layout of ``--workload``, then three loops run:
 ``fresh`` (prepare, post, wait: each post a transfer just prepared, the previous one dropped, as a
@@ -14,6 +14,8 @@ spare handle, as the CUDA platform does, so the event's Python costs stay in. A 
 the numbers are this machine's Python speed; the calls per post are exact. ``--ids device``: the block IDs
 as int32 tensors on the emulation's device (the CPU), prepared with ``device_ids=True``, as an engine whose
 block table lives on its GPU prepares them (:mod:`gpuxfer.kv.device_ids`: the check's kernels do not run here).
+``--flush-mb N``: before each timed call, untimed, write N MiB (more than the CPU's caches hold): the call then
+starts on cold caches, as a load inside an engine's step does after the scheduler's and the model's work.
 """
 from __future__ import annotations
 
@@ -90,7 +92,8 @@ def stub_platform():
     return StubPlatform()
 
 
-def run(workload: str, isl: int, page: int, op: str, iters: int, profile: bool, ids: str = "host") -> dict:
+def run(workload: str, isl: int, page: int, op: str, iters: int, profile: bool, ids: str = "host",
+        flush_mb: int = 0) -> dict:
     from gpuxfer.kv.agent import KVAgent
     from gpuxfer.bench.kv.model.blocktable import burst_tables
     from gpuxfer.bench.kv.model.layout import layout_for_burst, layout_groups
@@ -122,6 +125,11 @@ def run(workload: str, isl: int, page: int, op: str, iters: int, profile: bool, 
 
         prepare().post().wait(60)           # the route's slot and graph
         rows = {}
+        junk = np.zeros(flush_mb << 17, dtype=np.int64)
+
+        def flush():
+            if flush_mb:
+                np.add(junk, 1, out=junk)
 
         def loop(name, fresh: bool):
             x = prepare()
@@ -132,6 +140,7 @@ def run(workload: str, isl: int, page: int, op: str, iters: int, profile: bool, 
                 if fresh:
                     x = prepare()
                 plat.calls.clear()
+                flush()
                 if pr is not None:
                     pr.enable()
                 t0 = time.perf_counter()
@@ -154,11 +163,13 @@ def run(workload: str, isl: int, page: int, op: str, iters: int, profile: bool, 
         loop("repost", False)
         times = []
         for _ in range(max(iters // 10, 5)):
+            flush()
             t0 = time.perf_counter()
             prepare()
             times.append((time.perf_counter() - t0) * 1e6)
         rows["prepare"] = {"p50_us": float(np.median(times)), "p90_us": float(np.percentile(times, 90))}
-        return {"workload": workload, "isl_tokens": isl, "page_tokens": page, "op": op, "ids": ids, "rows": rows}
+        return {"workload": workload, "isl_tokens": isl, "page_tokens": page, "op": op, "ids": ids,
+                "flush_mb": flush_mb, "rows": rows}
     finally:
         for ag in reversed(agents):
             ag.close()
@@ -176,9 +187,13 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--ids", default="host", choices=("host", "device"),
                     help="block IDs as numpy arrays (host) or as tensors checked on the device (device)")
+    ap.add_argument("--flush-mb", type=int, default=0,
+                    help="write this many MiB before each timed call (cold caches, as inside an engine's step)")
     ap.add_argument("--profile", action="store_true", help="cProfile the timed posts")
     args = ap.parse_args(argv)
-    res = run(args.workload, args.isl, args.page, args.op, args.iters, args.profile, args.ids)
+    if args.flush_mb < 0:
+        ap.error("--flush-mb must be >= 0")
+    res = run(args.workload, args.isl, args.page, args.op, args.iters, args.profile, args.ids, args.flush_mb)
     for name, r in res["rows"].items():
         print(f"{name:>8}: p50 {r['p50_us']:7.2f} us  p90 {r['p90_us']:7.2f} us  {r.get('calls_per_post', '')}")
         if "profile" in r:

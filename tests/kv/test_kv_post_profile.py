@@ -38,3 +38,9 @@ def test_post_harness_with_device_ids_counts_the_checked_post():
     res = _harness().run("kv-dsv4", 256, 16, "pull", 40, False, "device")
     assert res["ids"] == "device"
     assert res["rows"]["fresh"]["calls_per_post"] == {"copy_async": 2.0, "launch_graph": 1.0, "record_event": 1.0}
+
+
+def test_post_harness_flushes_the_caches_between_calls():
+    res = _harness().run("kv-dsv4", 256, 16, "pull", 10, False, "host", 1)
+    assert res["flush_mb"] == 1
+    assert res["rows"]["fresh"]["calls_per_post"] == {"copy_async": 1.0, "launch_graph": 1.0, "record_event": 1.0}
