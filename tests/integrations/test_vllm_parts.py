@@ -41,7 +41,7 @@ def test_params_round_trip():
 @pytest.mark.parametrize("patch", [
     {"gpuxfer": None}, {"gpuxfer": 2}, {"remote_port": 0}, {"remote_port": "80"}, {"remote_port": True},
     {"remote_host": ""}, {"remote_host": "h" * 600}, {"remote_engine_id": 5}, {"remote_request_id": None},
-    {"lease_deadline": float("nan")}, {"lease_deadline": "soon"}, {"tp_size": 2},
+    {"lease_deadline": float("nan")}, {"lease_deadline": "soon"}, {"lease_deadline": 10 ** 400}, {"tp_size": 2},
     {"remote_block_ids": [[1, 2], [3]]}, {"remote_block_ids": [[1.5]]}, {"remote_block_ids": [[-1]]},
     {"remote_block_ids": [[1 << 40]]}, {"remote_block_ids": [["1"]]}, {"remote_block_ids": [[True]]},
     {"remote_block_ids": "1,2,3"}, {"remote_block_ids": [[0] * ((1 << 22) + 1)]}, {"remote_block_ids": [[1 << 70]]},
@@ -263,6 +263,72 @@ def test_side_channel_limits():
         threading.Event().wait(0.05)
     assert done.is_set()
     c.close()
+
+
+def test_a_deeply_nested_message_closes_only_its_connection():
+    """A frame of JSON nested past the parser's recursion limit (a RecursionError, not a ValueError): the engine
+    thread's pump and the server's own thread close that connection and go on serving."""
+    import time
+    srv = SideChannelServer("127.0.0.1", 0, lambda: (b"{}", b"m"), timeout_s=5.0)
+    try:
+        for engine_pumps in (True, False):
+            srv.pump()
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+            s.sendall(frame(b'{"op":"done","reqs":' + b"[" * 100_000))
+            if engine_pumps:
+                end = time.monotonic() + 1.0
+                while time.monotonic() < end:
+                    srv.pump()                          # the engine thread's steps: must not raise
+                    time.sleep(0.01)
+            else:
+                time.sleep(3 * srv.IDLE_S)              # the server's thread serves it
+            assert s.recv(1) == b""
+            s.close()
+            time.sleep(3 * srv.IDLE_S)
+            c = SideChannelClient("127.0.0.1", srv.port, 5.0)
+            assert c.handshake() == (b"{}", b"m")       # the server's thread still answers
+            c.close()
+    finally:
+        srv.close()
+
+
+def test_hellos_repeated_on_one_connection_do_not_pile_up_answers():
+    """A peer that sends hello after hello and reads nothing: the server does not queue an answer (the agent's
+    metadata, large) per hello; one connection cannot make it buffer without bound."""
+    import time
+    meta = b"m" * 50_000
+    srv = SideChannelServer("127.0.0.1", 0, lambda: (b"{}", meta), timeout_s=30.0)
+    try:
+        srv.pump()
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.sendall(message({"op": "hello"}) * 2000)      # 40 KB asking for 100 MB of answers
+        time.sleep(0.1)
+        for _ in range(5):
+            srv.pump()
+        buffered = sum(len(c.outbuf) for c in list(srv._conns.values()))
+        assert buffered <= 2 * len(meta), buffered
+        s.close()
+    finally:
+        srv.close()
+
+
+def test_a_flood_of_releases_for_unknown_requests_is_bounded():
+    """Done and release messages naming requests this prefill never held (forged, or for another instance): what
+    the prefill keeps of them is bounded, however many arrive within the lease."""
+    from gpuxfer.integrations.vllm.holds import PrefillHolds
+
+    class Srv:
+        events = queue.SimpleQueue()
+
+        def pump(self):
+            pass
+    holds, srv = PrefillHolds(engine_id="p", lease_s=120.0, stats={"sends_done": 0, "leases_expired": 0}), Srv()
+    for step in range(20):
+        for i in range(20_000):
+            srv.events.put(("release", f"s{step}-{i}"))
+        holds.drain(srv, 1000.0 + step)
+    assert len(holds.released) <= 100_000, len(holds.released)
 
 
 def test_importing_gpuxfer_imports_no_vllm():

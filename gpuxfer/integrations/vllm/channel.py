@@ -80,7 +80,7 @@ def take_frames(buf: bytearray) -> list[bytes]:
 def parse_message(body: bytes) -> dict:
     try:
         msg = json.loads(body.decode())
-    except (UnicodeDecodeError, ValueError):
+    except (ValueError, RecursionError):        # (JSON nested past the parser's depth raises a RecursionError)
         raise ChannelClosed("a message that is not JSON") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
         raise ChannelClosed("a message without an op")
@@ -111,12 +111,13 @@ def _send_some(sock: socket.socket, out: bytearray) -> None:
 
 
 class _Conn:
-    __slots__ = ("sock", "addr", "inbuf", "outbuf", "since")
+    __slots__ = ("sock", "addr", "inbuf", "outbuf", "since", "greeted")
 
     def __init__(self, sock: socket.socket, addr):
         self.sock, self.addr = sock, addr
         self.inbuf, self.outbuf = bytearray(), bytearray()
         self.since = 0.0                    # when the unsent answer was queued
+        self.greeted = False                # its hello was answered (a connection gets one answer)
 
 
 class SideChannelServer:
@@ -212,6 +213,9 @@ class SideChannelServer:
                 msg = parse_message(body)
                 op, reqs = msg["op"], msg.get("reqs")
                 if op == "hello":
+                    if c.greeted:           # each answer is the agent's metadata: a peer asking again and again
+                        raise ChannelClosed("a second hello")       # would have it buffered without bound
+                    c.greeted = True
                     log.debug("side channel: hello from %s", c.addr)
                     info, meta = self._hello()
                     if not c.outbuf:

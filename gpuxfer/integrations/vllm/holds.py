@@ -9,6 +9,9 @@ from typing import Mapping
 
 log = logging.getLogger("gpuxfer.vllm")
 
+#: the most requests let go of before their hold came that a prefill worker remembers (the newest are kept)
+MAX_RELEASED = 1 << 16
+
 
 class PrefillHolds:
     """Requests held for decode instances: ``held`` (request -> lease deadline), a heap of the deadlines, the
@@ -20,6 +23,7 @@ class PrefillHolds:
         self.held: dict[str, float] = {}
         self._expiry: list[tuple[float, str]] = []
         self.released: dict[str, float] = {}
+        self._prune_at = 1024                       # the size of ``released`` that prunes it
         self._let_go: list[str] = []
 
     def hold(self, holds: Mapping[str, float]) -> None:
@@ -46,9 +50,12 @@ class PrefillHolds:
                 self.released[req] = now
             if op == "release":
                 log.info("gpuxfer: engine %s: decode side released request %s without reading it", self.engine_id, req)
-        if len(self.released) > 4 * len(self.held) + 1024:      # letting go of requests held nowhere
+        if len(self.released) > self._prune_at:       # letting go of requests held nowhere
             cutoff = now - 2 * self.lease_s
-            self.released = {r: t for r, t in self.released.items() if t >= cutoff or r in self.held}
+            kept = [(r, t) for r, t in self.released.items() if t >= cutoff]
+            self.released = dict(kept[-(MAX_RELEASED // 2):])
+            # the next prune once as many more came (each message pruned O(1) times), never past MAX_RELEASED
+            self._prune_at = min(MAX_RELEASED, max(4 * len(self.held) + 1024, 2 * len(self.released)))
 
     def finished(self, now: float) -> set[str]:
         """Held requests the decode side let go of, then those whose lease ran out: O(1) when neither (the
