@@ -331,6 +331,28 @@ def test_a_flood_of_releases_for_unknown_requests_is_bounded():
     assert len(holds.released) <= 100_000, len(holds.released)
 
 
+def test_messages_queued_while_the_engine_is_idle_are_bounded():
+    """An idle prefill engine takes no events (no steps) while the server's thread serves: a peer streaming
+    release messages cannot make that thread queue them without bound."""
+    import time
+    from gpuxfer.integrations.vllm import channel
+    srv = SideChannelServer("127.0.0.1", 0, lambda: (b"{}", b"m"), timeout_s=5.0)
+    try:
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        sent = 0
+        try:
+            for chunk in range(2 * channel.MAX_EVENTS // 10_000):
+                s.sendall(message({"op": "release", "reqs": [f"r{chunk}-{i}" for i in range(10_000)]}))
+                sent += 10_000
+        except OSError:
+            pass                                        # the server closed the connection
+        time.sleep(1.0)
+        assert srv.events.qsize() <= channel.MAX_EVENTS, (srv.events.qsize(), sent)
+        s.close()
+    finally:
+        srv.close()
+
+
 def test_importing_gpuxfer_imports_no_vllm():
     """gpuxfer and the connector's vLLM-free modules import no vLLM (vLLM loads the connector module itself)."""
     code = ("import sys, gpuxfer, gpuxfer.kv, gpuxfer.integrations, gpuxfer.integrations.vllm, "

@@ -42,6 +42,9 @@ log = logging.getLogger("gpuxfer.vllm")
 
 MAX_FRAME = 64 << 20
 MAX_REQUEST_ID = 512
+#: the most done and release events queued for the worker (an idle engine takes none until its next step); a
+#: connection that would queue more is closed
+MAX_EVENTS = 1 << 18
 #: how often a client's sender thread, idle, looks whether the prefill end closed (what
 #: :attr:`SideChannelClient.alive` then says without a system call on the engine thread)
 WATCH_S = 0.05
@@ -223,6 +226,8 @@ class SideChannelServer:
                     c.outbuf += frame(info) + frame(meta) + frame(_CLOCK.pack(lease.now()))
                 elif op in ("done", "release") and isinstance(reqs, list) and all(
                         isinstance(r, str) and len(r) <= MAX_REQUEST_ID for r in reqs):
+                    if self.events.qsize() + len(reqs) > MAX_EVENTS:
+                        raise ChannelClosed(f"more than {MAX_EVENTS} done and release events queued")
                     for req in reqs:
                         self.events.put((op, req))
                 else:
