@@ -760,3 +760,31 @@ def test_the_id_staging_is_made_at_startup(workers, monkeypatch):
     monkeypatch.setattr(staging, "RESERVE_MAX_IDS", 5000)
     D.decode.staging.reserve(10 ** 9)
     assert [e.size for e in D.decode.staging.entries[len(made):]] == [8192] * staging.RESERVE_ENTRIES
+
+
+def test_a_second_load_of_one_prefill_request_fails_and_releases_nothing(workers):
+    """Two loads of one prefill request in a step (vLLM's n > 1 children share the parent's params): the first
+    reads; the second fails at once, and the prefill hears one done and no release (a release would free the
+    blocks under the first read)."""
+    import dataclasses
+    P, D = workers(device_ids=False)
+    first = _load(P, "a", [3, 4], [7, 8])
+    second = dataclasses.replace(_load(P, "b", [5, 6], [7, 8]), remote=first.remote)
+    D.start_loads([first, second])
+    assert _drive(P, D, {"a", "b"}) == ({"a", "b"}, {"b"})
+    assert _moved(P, D, [3, 4], [7, 8]) and _zero(D, [5, 6]) and D.take_load_errors() == {5, 6}
+    import time
+    time.sleep(0.3)
+    P.server.pump()
+    events = []
+    while not P.server.events.empty():
+        events.append(P.server.events.get_nowait())
+    assert events == [("done", "p-a")], events
+    # the claim goes once the prefill's lease on it ran out (a load after that fails on the lease anyway)
+    from gpuxfer.integrations.vllm import lease
+    assert len(D.decode.claims) == 1
+    D.decode._prune_claims()
+    assert len(D.decode.claims) == 1
+    D.decode.claims = {c: (r, lease.now() - 1) for c, (r, _) in D.decode.claims.items()}
+    D.decode._prune_claims()
+    assert D.decode.claims == {}
