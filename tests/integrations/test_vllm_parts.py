@@ -788,3 +788,28 @@ def test_a_second_load_of_one_prefill_request_fails_and_releases_nothing(workers
     D.decode.claims = {c: (r, lease.now() - 1) for c, (r, _) in D.decode.claims.items()}
     D.decode._prune_claims()
     assert D.decode.claims == {}
+
+
+@pytest.mark.xfail(strict=True, reason="not fixed: a done or release message names a request by its vLLM id alone, "
+                   "so any peer that reaches the side channel can end a hold (needs a per-hold secret in the params)")
+def test_a_stranger_cannot_end_a_hold():
+    """A connection that is no decode instance (it never said hello, and could not have read the params) sends a
+    done naming a held request: the prefill must keep the blocks, which a real reader may still be reading."""
+    import time
+    from gpuxfer.integrations.vllm import lease
+    from gpuxfer.integrations.vllm.holds import PrefillHolds
+    srv = SideChannelServer("127.0.0.1", 0, lambda: (b"{}", b"m"), timeout_s=5.0)
+    try:
+        holds = PrefillHolds(engine_id="p", lease_s=120.0, stats={"sends_done": 0, "leases_expired": 0})
+        holds.hold({"cmpl-1": lease.now() + 120})
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        s.sendall(message({"op": "done", "reqs": ["cmpl-1"]}))
+        freed, end = set(), time.monotonic() + 2
+        while time.monotonic() < end and not freed:
+            holds.drain(srv, time.monotonic())
+            freed = holds.finished(lease.now())
+            time.sleep(0.01)
+        s.close()
+        assert freed == set()
+    finally:
+        srv.close()
