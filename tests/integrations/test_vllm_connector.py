@@ -142,3 +142,30 @@ def test_the_extra_config_is_checked():
     for key, bad in (("device_ids", "yes"), ("device_ids", 1), ("token_major", "true")):
         with pytest.raises(BadInput, match=key):
             _settings({key: bad})
+
+
+def test_params_loaded_twice_never_read_freed_blocks(tmp_path):
+    """Two decode requests with one prefill request's params (vLLM's ``n > 1`` hands each child the parent's
+    ``kv_transfer_params``; a proxy may retry): the first load's done message frees the prefill's blocks, which
+    then hold another request's KV. The second request must not load them and report success; it is computed
+    locally."""
+    import time
+    model = write_model(str(tmp_path / "model"))
+    with running({"P": dict(model_dir=model, block_size=16, extra=TM, env=ENV, num_blocks=64, max_model_len=1024),
+                  "D": dict(model_dir=model, block_size=16, extra=TM, env=ENV, num_blocks=64, max_model_len=1024)}
+                 ) as inst:
+        P, D = inst["P"], inst["D"]
+        a = [("a", 100, 11)]
+        pa = prefill(P, a)
+        assert_loaded(decode(D, a, pa))
+        assert_idle(P)                                      # the done message freed a's blocks
+        P.call("set_lease", 1.0)
+        prefill(P, [("f1", 900, 12)])                       # reuses the 63 free blocks, a's among them
+        time.sleep(1.5)
+        assert_idle(P)
+        P.call("set_lease", 120.0)
+        res = D.run("decode", [("d-a-again", 100, 11, pa["a"])])
+        v = res["d-a-again"]
+        assert v.get("finished") == "length", v
+        assert v.get("load") != "ok", v                     # no load reported good over freed blocks
+        assert_idle(D)

@@ -45,6 +45,9 @@ log = logging.getLogger("gpuxfer.vllm")
 MAX_FRAME = 64 << 20
 MAX_REQUEST_ID = 512
 MAX_READERS = 256                   # decode ranks sharing one prefill rank's heads (a message's "of")
+#: the most done and release events queued for the worker (an idle engine takes none until its next step); a
+#: connection that would queue more is closed
+MAX_EVENTS = 1 << 18
 #: how often a client's sender thread, idle, looks whether the prefill end closed (what
 #: :attr:`SideChannelClient.alive` then says without a system call on the engine thread)
 WATCH_S = 0.05
@@ -83,7 +86,7 @@ def take_frames(buf: bytearray) -> list[bytes]:
 def parse_message(body: bytes) -> dict:
     try:
         msg = json.loads(body.decode())
-    except (UnicodeDecodeError, ValueError):
+    except (ValueError, RecursionError):        # (JSON nested past the parser's depth raises a RecursionError)
         raise ChannelClosed("a message that is not JSON") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
         raise ChannelClosed("a message without an op")
@@ -120,12 +123,13 @@ def _send_some(sock: socket.socket, out: bytearray) -> None:
 
 
 class _Conn:
-    __slots__ = ("sock", "addr", "inbuf", "outbuf", "since")
+    __slots__ = ("sock", "addr", "inbuf", "outbuf", "since", "greeted")
 
     def __init__(self, sock: socket.socket, addr):
         self.sock, self.addr = sock, addr
         self.inbuf, self.outbuf = bytearray(), bytearray()
         self.since = 0.0                    # when the unsent answer was queued
+        self.greeted = False                # its hello was answered (a connection gets one answer)
 
 
 class SideChannelServer:
@@ -221,6 +225,9 @@ class SideChannelServer:
                 msg = parse_message(body)
                 op, reqs = msg["op"], msg.get("reqs")
                 if op == "hello":
+                    if c.greeted:           # each answer is the agent's metadata: a peer asking again and again
+                        raise ChannelClosed("a second hello")       # would have it buffered without bound
+                    c.greeted = True
                     log.debug("side channel: hello from %s", c.addr)
                     info, meta = self._hello()
                     if not c.outbuf:
@@ -228,6 +235,8 @@ class SideChannelServer:
                     c.outbuf += frame(info) + frame(meta) + frame(_CLOCK.pack(lease.now()))
                 elif op in ("done", "release") and isinstance(reqs, list) and all(
                         isinstance(r, str) and len(r) <= MAX_REQUEST_ID for r in reqs) and _readers(msg):
+                    if self.events.qsize() + len(reqs) > MAX_EVENTS:
+                        raise ChannelClosed(f"more than {MAX_EVENTS} done and release events queued")
                     of = msg.get("of", 1)
                     for req in reqs:
                         self.events.put((op, req, of))

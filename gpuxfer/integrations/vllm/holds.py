@@ -10,6 +10,9 @@ from typing import Mapping
 
 log = logging.getLogger("gpuxfer.vllm")
 
+#: the most requests let go of before their hold came that a prefill worker remembers (the newest are kept)
+MAX_RELEASED = 1 << 16
+
 
 class PrefillHolds:
     """Requests held for decode instances: ``held`` (request -> lease deadline), a heap of the deadlines, the
@@ -23,6 +26,7 @@ class PrefillHolds:
         self._expiry: list[tuple[float, str]] = []
         self.released: dict[str, float] = {}
         self.heard: dict[str, tuple[float, int, int]] = {}
+        self._prune_at = 1024                       # the size of ``released`` and ``heard`` that prunes them
         self._let_go: list[str] = []
 
     def hold(self, holds: Mapping[str, float]) -> None:
@@ -56,10 +60,15 @@ class PrefillHolds:
                 self._let_go.append(req)
             else:
                 self.released[req] = now
-        if len(self.released) + len(self.heard) > 4 * len(self.held) + 1024:      # requests held nowhere
+        if len(self.released) + len(self.heard) > self._prune_at:       # requests held nowhere, or not yet
             cutoff = now - 2 * self.lease_s
-            self.released = {r: t for r, t in self.released.items() if t >= cutoff or r in self.held}
-            self.heard = {r: v for r, v in self.heard.items() if v[0] >= cutoff or r in self.held}
+            kept = [(r, t) for r, t in self.released.items() if t >= cutoff]
+            self.released = dict(kept[-(MAX_RELEASED // 2):])
+            heard = [(r, v) for r, v in self.heard.items() if v[0] >= cutoff or r in self.held]
+            self.heard = dict(heard[-(MAX_RELEASED // 2):])
+            # the next prune once as many more came (each message pruned O(1) times), never past MAX_RELEASED
+            self._prune_at = min(MAX_RELEASED, max(4 * len(self.held) + 1024,
+                                                   2 * (len(self.released) + len(self.heard))))
 
     def finished(self, now: float) -> set[str]:
         """Held requests the decode side let go of, then those whose lease ran out: O(1) when neither (the

@@ -37,6 +37,8 @@ log = logging.getLogger("gpuxfer.vllm")
 #: many on (one H200: a single read costs the engine thread more that way -- two more driver calls than with host
 #: IDs --, a step of 8 reads much less: one ID copy and one checked launch for all, nothing per ID on the host)
 AUTO_DEVICE_IDS_FROM = 2
+#: the most loads (prefill engine, request) a worker remembers past the prefill's lease (:attr:`DecodeLoads.claims`)
+MAX_CLAIMS = 1 << 20
 
 
 @dataclass
@@ -113,6 +115,12 @@ class DecodeLoads:
         self.unordered: list[_LoadState] = []                # posted on the NIXL route
         self.ended: list[_LoadState] = []
         self.load_errors: set[int] = set()
+        # every (prefill endpoint, prefill request) a load started from: (its engine, the lease deadline). The first
+        # load's done or release message lets the prefill free the blocks, so a second load of one prefill request
+        # (vLLM gives each of a request's n > 1 children the parent's params) fails at once, sending nothing. Kept
+        # until the lease ran out on the engine's clock (a read after it fails anyway).
+        self.claims: dict[tuple, tuple[_Remote, float]] = {}
+        self._prune_claims_at = 1024
 
     def bind(self, agent, info: dict, kernel_tokens: list[int], bytes_per_block: list[int],
              staging: IdStaging | None) -> None:
@@ -135,8 +143,15 @@ class DecodeLoads:
                 st.error = f"{type(exc).__name__}: {exc}"
                 self.ended.append(st)
                 continue
+            claim = (key, load.remote.request_id)
+            if claim in self.claims:
+                st.error = (f"request {load.remote.request_id!r} of prefill engine {key[2]} is loaded by another "
+                            "request of this instance already (its blocks are freed once that load ends)")
+                self.ended.append(st)
+                continue
             self.waiting[load.req_id] = st
             st.remote = self._remote(key)
+            self.claims[claim] = (st.remote, load.remote.lease_deadline)
             st.remote.loads += 1
             self._advance(st.remote)
             if st.remote.state == "ready":
@@ -528,8 +543,26 @@ class DecodeLoads:
         if r is not None and r.client is not None:
             r.client.notify("release", [load.remote.request_id])
 
+    def _prune_claims(self) -> None:
+        """Forget the loads whose lease ran out on their engine's clock (once the claims doubled: O(1) a load);
+        past :data:`MAX_CLAIMS` the oldest go too."""
+        t = lease.now()
+        kept = {}
+        for claim, (r, deadline) in self.claims.items():
+            # the lease on the clock of the handshake the load went by (a remote that never finished one sent
+            # nothing the prefill could free the blocks by, and reads nothing: its claim may go)
+            pending = r.state == "pending" and self.remotes.get(r.key) is r
+            if pending or t < r.clock.deadline(deadline):       # (NaN: ran out)
+                kept[claim] = (r, deadline)
+        if len(kept) > MAX_CLAIMS:
+            kept = dict(list(kept.items())[-(MAX_CLAIMS // 2):])
+        self.claims = kept
+        self._prune_claims_at = max(1024, 2 * len(kept))
+
     def _reap(self, now: float) -> None:
         """Forget engines whose side channel closed once no read of theirs is in flight."""
+        if len(self.claims) > self._prune_claims_at:
+            self._prune_claims()
         for key, r in list(self.remotes.items()):
             gone = r.state == "ready" and not (r.client and r.client.alive)
             if (gone or r.state == "failed") and r.inflight == 0 and r.loads == 0:

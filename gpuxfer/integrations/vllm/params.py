@@ -88,6 +88,14 @@ def _int(params: Mapping, key: str, low: int, high: int) -> int:
     return v
 
 
+def _finite(v: int | float) -> bool:
+    """Whether ``v`` is a finite float or an integer a float holds (one past that overflows ``isfinite``)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def _show(v: Any) -> str:
     r = repr(v)
     return r if len(r) <= 80 else r[:77] + "..."
@@ -111,7 +119,7 @@ def parse_remote_prefill(params: Any, local_block_sizes: Sequence[int]) -> Remot
                                 f"remote_host and remote_port {_show([host, port])}")
     request_id = _text(params, "remote_request_id")
     deadline = params.get("lease_deadline")
-    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline):
+    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not _finite(deadline):
         raise BadTransferParams(f"kv_transfer_params['lease_deadline'] must be a finite number, got {_show(deadline)}")
     n_groups = len(local_block_sizes)
     sizes = params.get("remote_block_sizes")
