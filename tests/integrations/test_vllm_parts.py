@@ -30,6 +30,8 @@ def good(**kw):
 
 
 def test_params_round_trip():
+    assert parse_remote_prefill(good(), [16]).key is None
+    assert parse_remote_prefill(good(remote_key="0123abcd"), [16]).key == "0123abcd"
     rp = parse_remote_prefill(good(), [16])
     assert rp.endpoint_of(0) == ("127.0.0.1", 5601, "p0") and rp.block_ids[0].tolist() == [3, 4, 5]
     assert tokens_to_load(40, 0, [16], rp) == 39
@@ -47,6 +49,7 @@ def test_params_round_trip():
     {"remote_block_ids": "1,2,3"}, {"remote_block_ids": [[0] * ((1 << 22) + 1)]}, {"remote_block_ids": [[1 << 70]]},
     {"remote_block_ids": [[1, 2.0]]}, {"remote_block_ids": [[1, None]]},
     {"remote_block_sizes": [24]}, {"remote_block_sizes": [0]}, {"remote_block_sizes": []},
+    {"remote_key": 7}, {"remote_key": ""}, {"remote_key": "k" * 65}, {"remote_key": "clé"}, {"remote_key": ["k"]},
 ])
 def test_hostile_params_are_refused(patch):
     with pytest.raises(BadTransferParams):
@@ -276,15 +279,19 @@ def test_side_channel_limits():
         assert c.notify("done", ["r1"]) and c.notify("release", ["r2"])
         for _ in range(2):
             events.append(srv.events.get(timeout=5))
-        assert events == [("done", "r1", 1), ("release", "r2", 1)]
+        assert events == [("done", "r1", 1, None), ("release", "r2", 1, None)]
         assert c.notify("done", ["a", "b", "c"])             # one message for a step's reads
-        assert [srv.events.get(timeout=5) for _ in range(3)] == [("done", "a", 1), ("done", "b", 1), ("done", "c", 1)]
+        assert [srv.events.get(timeout=5) for _ in range(3)] == [("done", "a", 1, None), ("done", "b", 1, None), ("done", "c", 1, None)]
         c.readers = 2                                       # one of two decode ranks reading this prefill rank
-        assert c.notify("done", ["h"]) and srv.events.get(timeout=5) == ("done", "h", 2)
+        assert c.notify("done", ["h"]) and srv.events.get(timeout=5) == ("done", "h", 2, None)
+        assert c.notify("done", ["k", "n"], ["abc", None])                  # each request's hold key, if any
+        assert [srv.events.get(timeout=5) for _ in range(2)] == [("done", "k", 2, "abc"), ("done", "n", 2, None)]
         for bad in ({"op": "done", "req": "r1"}, {"op": "done", "reqs": "r1"}, {"op": "done", "reqs": ["a", 7]},
                     {"op": "release", "reqs": ["x" * (MAX_REQUEST_ID + 1)]}, {"op": "done", "reqs": ["a"], "of": 0},
                     {"op": "done", "reqs": ["a"], "of": MAX_READERS + 1}, {"op": "done", "reqs": ["a"], "of": True},
-                    {"op": "done", "reqs": ["a"], "of": 2.0}):
+                    {"op": "done", "reqs": ["a"], "of": 2.0}, {"op": "done", "reqs": ["a"], "keys": "k"},
+                    {"op": "done", "reqs": ["a"], "keys": ["k", "l"]}, {"op": "done", "reqs": ["a"], "keys": [7]},
+                    {"op": "done", "reqs": ["a"], "keys": ["x" * 65]}):
             s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
             s.sendall(frame(message(bad)))
             s.settimeout(5)
@@ -379,9 +386,9 @@ def test_a_flood_of_releases_for_unknown_requests_is_bounded():
     holds, srv = PrefillHolds(engine_id="p", lease_s=120.0, stats={"sends_done": 0, "leases_expired": 0}), Srv()
     for step in range(20):
         for i in range(20_000):
-            srv.events.put(("release", f"s{step}-{i}", 1))
+            srv.events.put(("release", f"s{step}-{i}", 1, None))
         holds.drain(srv, 1000.0 + step)
-    assert len(holds.released) <= 100_000, len(holds.released)
+    assert len(holds.early) <= 100_000, len(holds.early)
 
 
 def test_messages_queued_while_the_engine_is_idle_are_bounded():
@@ -434,7 +441,7 @@ def test_handshake_by_pumps_alone_and_by_the_idle_thread():
         deadline = time.monotonic() + 5
         while srv.events.empty() and time.monotonic() < deadline:
             srv.pump()
-        assert srv.events.get_nowait() == ("done", "r9", 1)
+        assert srv.events.get_nowait() == ("done", "r9", 1, None)
         c.close()
         time.sleep(2 * srv.IDLE_S)      # no pumps: the server's thread serves
         c2 = SideChannelClient("127.0.0.1", srv.port, 5.0)
@@ -523,7 +530,7 @@ def test_a_message_the_sender_thread_leaves_is_sent_by_the_engine_thread():
         deadline = time.monotonic() + 5
         while srv.events.empty() and time.monotonic() < deadline:
             srv.pump()
-        assert srv.events.get_nowait() == ("done", "late", 1)
+        assert srv.events.get_nowait() == ("done", "late", 1, None)
         c.close()
     finally:
         srv.close()
@@ -832,7 +839,7 @@ def test_a_second_load_of_one_prefill_request_fails_and_releases_nothing(workers
     events = []
     while not P.server.events.empty():
         events.append(P.server.events.get_nowait())
-    assert events == [("done", "p-a", 1)], events
+    assert events == [("done", "p-a", 1, None)], events
     # the claim goes once the prefill's lease on it ran out (a load after that fails on the lease anyway)
     from gpuxfer.integrations.vllm import lease
     assert len(D.decode.claims) == 1
@@ -843,26 +850,55 @@ def test_a_second_load_of_one_prefill_request_fails_and_releases_nothing(workers
     assert D.decode.claims == {}
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed: a done or release message names a request by its vLLM id alone, "
-                   "so any peer that reaches the side channel can end a hold (needs a per-hold secret in the params)")
 def test_a_stranger_cannot_end_a_hold():
     """A connection that is no decode instance (it never said hello, and could not have read the params) sends a
-    done naming a held request: the prefill must keep the blocks, which a real reader may still be reading."""
+    done naming a held request, without the hold's key or with another one: the prefill keeps the blocks, which
+    a real reader may still be reading, and counts it; the reader's done, carrying the key from the params,
+    ends the hold, also where it came before the hold."""
     import time
     from gpuxfer.integrations.vllm import lease
     from gpuxfer.integrations.vllm.holds import PrefillHolds
+    from gpuxfer.integrations.vllm.scheduler import SchedulerSide
     srv = SideChannelServer("127.0.0.1", 0, lambda: (b"{}", b"m"), timeout_s=5.0)
-    try:
-        holds = PrefillHolds(engine_id="p", lease_s=120.0, stats={"sends_done": 0, "leases_expired": 0})
-        holds.hold({"cmpl-1": lease.now() + 120})
-        s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
-        s.sendall(message({"op": "done", "reqs": ["cmpl-1"]}))
-        freed, end = set(), time.monotonic() + 2
-        while time.monotonic() < end and not freed:
+    stats = {"sends_done": 0, "leases_expired": 0, "forged": 0}
+    holds = PrefillHolds(engine_id="p", lease_s=120.0, stats=stats)
+
+    def drive(want: set, wait_s: float) -> set:
+        freed, end = set(), time.monotonic() + wait_s
+        while time.monotonic() < end and freed != want:
             holds.drain(srv, time.monotonic())
-            freed = holds.finished(lease.now())
+            freed |= holds.finished(lease.now())
             time.sleep(0.01)
+        return freed
+
+    try:
+        import types
+        side = SchedulerSide(engine_id="p", block_sizes=[16], lease_s=120.0, endpoints=[("127.0.0.1", srv.port)])
+        req = types.SimpleNamespace(request_id="cmpl-1", kv_transfer_params={"do_remote_decode": True},
+                                    status=types.SimpleNamespace(name="FINISHED_LENGTH_CAPPED"))
+        held, params = side.request_finished(req, ([3, 4],))
+        key = parse_remote_prefill(params, [16]).key
+        assert held and len(key) == 16 and side.build_payload()["holds"]["cmpl-1"][1] == key
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        s.sendall(message({"op": "done", "reqs": ["early"], "keys": ["0" * 16]}))
+        holds.hold({"cmpl-1": side_hold(side, params), "early": (lease.now() + 120, key)})
+        s.sendall(message({"op": "done", "reqs": ["cmpl-1"]}) +
+                  message({"op": "release", "reqs": ["cmpl-1"], "keys": ["f" * 16]}))
+        assert drive({"cmpl-1"}, 1.0) == set() and stats["forged"] == 3
+        c = SideChannelClient("127.0.0.1", srv.port, 5.0)
+        c.handshake()
+        c.notify("done", ["cmpl-1"], [key])
+        assert drive({"cmpl-1"}, 5.0) == {"cmpl-1"}
+        c.notify("done", ["late"], [key])
+        assert drive({"late"}, 0.3) == set()
+        holds.hold({"late": (lease.now() + 120, key)})      # its word came before the hold, with its key
+        assert drive({"late"}, 5.0) == {"late"}
         s.close()
-        assert freed == set()
+        c.close()
     finally:
         srv.close()
+
+
+def side_hold(side, params) -> tuple:
+    """The ``(deadline, key)`` a prefill worker holds a request's blocks by, as the scheduler side made it."""
+    return params["lease_deadline"], params["remote_key"]

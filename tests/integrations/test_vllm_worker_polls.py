@@ -39,7 +39,7 @@ class _Client:
     def __init__(self):
         self.sent = []
 
-    def notify(self, op, reqs) -> bool:
+    def notify(self, op, reqs, keys=None) -> bool:
         self.sent.append((op, list(reqs)))
         return True
 
@@ -122,16 +122,16 @@ def test_holds_end_on_the_decode_sides_word_or_at_their_lease():
     w = _worker()
     w.server = srv = _Server()
     t = now()
-    srv.events.put(("done", "early", 1))           # read before its hold reached this worker
+    srv.events.put(("done", "early", 1, None))           # read before its hold reached this worker
     assert w.poll()[0] == set()
-    w.hold({"early": t + 60, "late": t + 60, "short": t - 1, "again": t - 1})
-    w.hold({"again": t + 60})                 # held again: the first deadline no longer ends it
+    w.hold({"early": (t + 60, None), "late": (t + 60, None), "short": (t - 1, None), "again": (t - 1, None)})
+    w.hold({"again": (t + 60, None)})                 # held again: the first deadline no longer ends it
     assert w.poll()[0] == {"early", "short"}
     assert w.poll()[0] == set()
-    srv.events.put(("release", "late", 1))
-    srv.events.put(("done", "unknown", 1))
+    srv.events.put(("release", "late", 1, None))
+    srv.events.put(("done", "unknown", 1, None))
     assert w.poll()[0] == {"late"}
-    assert w.prefill.held == {"again": t + 60} and "unknown" in w.prefill.released
+    assert w.prefill.held == {"again": t + 60} and "unknown" in w.prefill.early
     st = w.take_stats()
     assert st["sends_done"] == 2 and st["leases_expired"] == 1
 
@@ -143,21 +143,22 @@ def test_a_hold_read_by_several_decode_ranks_ends_once_every_one_said_so():
     w = _worker()
     w.server = srv = _Server()
     t = now()
-    srv.events.put(("done", "early", 2))
-    srv.events.put(("done", "early", 2))        # both readers, before the hold
-    srv.events.put(("done", "half", 2))
+    srv.events.put(("done", "early", 2, None))
+    srv.events.put(("done", "early", 2, None))        # both readers, before the hold
+    srv.events.put(("done", "half", 2, None))
     assert w.poll()[0] == set()
-    w.hold({"early": t + 60, "half": t + 60, "split": t + 60, "more": t + 60, "quiet": t - 1})
+    w.hold({"early": (t + 60, None), "half": (t + 60, None), "split": (t + 60, None), "more": (t + 60, None),
+            "quiet": (t - 1, None)})
     assert w.poll()[0] == {"early", "quiet"}
-    srv.events.put(("release", "split", 2))
-    srv.events.put(("done", "more", 2))
-    srv.events.put(("done", "more", 4))
+    srv.events.put(("release", "split", 2, None))
+    srv.events.put(("done", "more", 2, None))
+    srv.events.put(("done", "more", 4, None))
     assert w.poll()[0] == set()
-    srv.events.put(("done", "half", 2))
-    srv.events.put(("done", "split", 2))
-    srv.events.put(("done", "more", 4))
+    srv.events.put(("done", "half", 2, None))
+    srv.events.put(("done", "split", 2, None))
+    srv.events.put(("done", "more", 4, None))
     assert w.poll()[0] == {"half", "split"}
-    srv.events.put(("done", "more", 4))
+    srv.events.put(("done", "more", 4, None))
     assert w.poll()[0] == {"more"}
     assert not w.prefill.held and not w.prefill.heard
     st = w.take_stats()
@@ -187,7 +188,7 @@ def test_a_decode_rank_sharing_a_prefill_rank_says_so_in_each_message(monkeypatc
         def pump(self):
             return encode_info(remote), b"meta"
 
-        def notify(self, op, reqs) -> bool:
+        def notify(self, op, reqs, keys=None) -> bool:
             self.sent.append((op, list(reqs), self.readers))
             return True
 
@@ -295,15 +296,15 @@ def test_the_engine_thread_serves_the_side_channel_only_while_it_holds_requests(
     no socket call, yet take what that thread queued; while requests are held, each poll serves the channel."""
     w = _worker()
     w.server = srv = _Server()
-    srv.events.put(("done", "early", 1))
+    srv.events.put(("done", "early", 1, None))
     for _ in range(3):
         w.poll()
-    assert srv.pumps == 0 and w.prefill.released.keys() == {"early"}
-    w.hold({"held": now() + 60})
+    assert srv.pumps == 0 and w.prefill.early.keys() == {"early"}
+    w.hold({"held": (now() + 60, None)})
     w.poll()
     w.poll()
     assert srv.pumps == 2
-    srv.events.put(("done", "held", 1))
+    srv.events.put(("done", "held", 1, None))
     assert w.poll()[0] == {"held"}
     w.poll()
     assert srv.pumps == 3

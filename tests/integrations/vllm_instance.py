@@ -596,7 +596,7 @@ class _Engine:
                     routes = {p.route for p in agent.peers.values()} if agent is not None else {"nixl"}
                     # per rank: requests decode ranks let go of that this rank does not hold (a word that came
                     # before the hold, or one too many)
-                    unheld = [len(w._worker.prefill.released) for w in self.workers] if not self.nixl else []
+                    unheld = [len(w._worker.prefill.early) for w in self.workers] if not self.nixl else []
                     conn.send(("stats", {"requests": len(self.sched.requests), "free": self.free_blocks(),
                                          "stats": self.stats, "routes": routes, "unheld": unheld}))
                     if args and args[0]:

@@ -8,9 +8,10 @@ body. No vLLM import.
   result.
 * decode -> prefill ``{"op": "done", "reqs": [id, ...]}``: the decode instance has read these requests'
   blocks (one message for a step's reads); ``{"op": "release", "reqs": [id, ...]}``: it will not read
-  them (aborted, or computed locally). With ``"of": k`` (k > 1), the sender is one of k decode ranks that
-  each read a share of this prefill rank's heads: the prefill frees the blocks at its next step once k such
-  messages came (:class:`~.holds.PrefillHolds`). No answer.
+  them (aborted, or computed locally). ``"keys": [key, ...]``: each request's hold key, from its
+  ``kv_transfer_params`` (a message without the hold's key does not count). With ``"of": k`` (k > 1), the
+  sender is one of k decode ranks that each read a share of this prefill rank's heads: the prefill frees the
+  blocks at its next step once k such messages came (:class:`~.holds.PrefillHolds`). No answer.
 
 Both ends are non-blocking sockets that the engine's own thread advances once a step
 (:meth:`SideChannelServer.pump`, :meth:`SideChannelClient.pump`): a background Python thread gets the
@@ -45,6 +46,7 @@ log = logging.getLogger("gpuxfer.vllm")
 MAX_FRAME = 64 << 20
 MAX_REQUEST_ID = 512
 MAX_READERS = 256                   # decode ranks sharing one prefill rank's heads (a message's "of")
+MAX_KEY = 64                        # characters of a hold's key
 #: the most done and release events queued for the worker (an idle engine takes none until its next step); a
 #: connection that would queue more is closed
 MAX_EVENTS = 1 << 18
@@ -99,6 +101,13 @@ def _readers(msg: dict) -> bool:
     return type(of) is int and 1 <= of <= MAX_READERS
 
 
+def _keys(msg: dict, n: int) -> bool:
+    """Whether a done or release message's ``keys`` (absent: none) are ``n`` strings a hold's key could be."""
+    keys = msg.get("keys")
+    return keys is None or (type(keys) is list and len(keys) == n and all(
+        type(k) is str and len(k) <= MAX_KEY for k in keys))
+
+
 def _recv_some(sock: socket.socket) -> bytes | None:
     """What the socket holds now (None: nothing yet); :class:`ChannelClosed` when the other end closed."""
     try:
@@ -134,14 +143,15 @@ class _Conn:
 
 class SideChannelServer:
     """The prefill worker's listener: answers hellos with ``hello()`` (two frames) and queues
-    ``(op, request id, readers)`` of done and release messages on :attr:`events` for the worker to drain.
+    ``(op, request id, readers, key or None)`` of done and release messages on :attr:`events` for the worker to
+    drain.
     :meth:`pump` serves whatever is ready without blocking; the worker calls it each step and the
     server's thread calls it while the engine is idle."""
 
     def __init__(self, host: str, port: int, hello, timeout_s: float):
         self._hello = hello
         self.timeout_s = timeout_s
-        self.events: "queue.SimpleQueue[tuple[str, str, int]]" = queue.SimpleQueue()
+        self.events: "queue.SimpleQueue[tuple[str, str, int, str | None]]" = queue.SimpleQueue()
         self._sock = socket.create_server((host, port), reuse_port=False)
         self._sock.setblocking(False)
         self.host, self.port = host, self._sock.getsockname()[1]
@@ -234,12 +244,13 @@ class SideChannelServer:
                         c.since = time.monotonic()
                     c.outbuf += frame(info) + frame(meta) + frame(_CLOCK.pack(lease.now()))
                 elif op in ("done", "release") and isinstance(reqs, list) and all(
-                        isinstance(r, str) and len(r) <= MAX_REQUEST_ID for r in reqs) and _readers(msg):
+                        isinstance(r, str) and len(r) <= MAX_REQUEST_ID for r in reqs) and _readers(msg) and \
+                        _keys(msg, len(reqs)):
                     if self.events.qsize() + len(reqs) > MAX_EVENTS:
                         raise ChannelClosed(f"more than {MAX_EVENTS} done and release events queued")
                     of = msg.get("of", 1)
-                    for req in reqs:
-                        self.events.put((op, req, of))
+                    for req, key in zip(reqs, msg.get("keys") or [""] * len(reqs)):
+                        self.events.put((op, req, of, key or None))
                 else:
                     raise ChannelClosed(f"an unknown message {str(msg)[:80]!r}")
         except ChannelClosed as exc:
@@ -296,7 +307,8 @@ class SideChannelClient:
         self._got: list[bytes] = []
         self._closed = False
         self.closed_reason: str | None = None
-        self._pending: "collections.deque[tuple[float, str, list]]" = collections.deque()   # (when queued, op, ids)
+        self._pending: "collections.deque[tuple[float, str, list, list | None]]" = collections.deque()
+        # (when queued, op, request ids, their hold keys)
         self._wake: "queue.SimpleQueue[bool]" = queue.SimpleQueue()    # True: a message; False: close
         self._send_lock = threading.Lock()      # one sender of whole messages at a time
         self._sender: threading.Thread | None = None
@@ -369,13 +381,14 @@ class SideChannelClient:
             return
         self._fail("the prefill instance closed the side channel" if not data else "unexpected bytes")
 
-    def notify(self, op: str, request_ids: list[str]) -> bool:
-        """Queue a done or release message for ``request_ids``: the client's sender thread (started when the
-        handshake completes, so nothing interleaves with the hello) sends the messages in order, each within
-        ``timeout_s`` or the connection is dead. False when it is dead already."""
+    def notify(self, op: str, request_ids: list[str], keys: list[str | None] | None = None) -> bool:
+        """Queue a done or release message for ``request_ids`` (``keys``: their holds' keys, from their params):
+        the client's sender thread (started when the handshake completes, so nothing interleaves with the hello)
+        sends the messages in order, each within ``timeout_s`` or the connection is dead. False when it is dead
+        already."""
         if not self.alive:
             return False
-        self._pending.append((time.monotonic(), op, list(request_ids)))
+        self._pending.append((time.monotonic(), op, list(request_ids), None if keys is None else list(keys)))
         self._wake.put(True)
         return True
 
@@ -407,8 +420,10 @@ class SideChannelClient:
         try:
             while pending and not self._broken:
                 if self._head is None:
-                    _, op, reqs = pending[0]
+                    _, op, reqs, keys = pending[0]
                     msg = {"op": op, "reqs": reqs}
+                    if keys is not None and any(keys):
+                        msg["keys"] = [k or "" for k in keys]
                     if self.readers > 1:
                         msg["of"] = self.readers
                     self._head = bytearray(message(msg))

@@ -49,7 +49,7 @@ class GpuxferStats(KVConnectorStats):
 
     def reset(self):
         self.data = {"transfers": 0, "failed": 0, "bytes": 0, "handshakes": 0, "leases_expired": 0,
-                     "sends_done": 0, "device_id_loads": 0, "host_id_loads": 0, "post_host_s": [], "xfer_s": [],
+                     "sends_done": 0, "forged": 0, "device_id_loads": 0, "host_id_loads": 0, "post_host_s": [], "xfer_s": [],
                      "handshake_s": []}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
@@ -63,8 +63,8 @@ class GpuxferStats(KVConnectorStats):
     def reduce(self) -> dict[str, int | float]:
         d = self.data
         out: dict[str, int | float] = {k: d.get(k, 0) for k in ("transfers", "failed", "bytes", "handshakes",
-                                                              "leases_expired", "sends_done", "device_id_loads",
-                                                              "host_id_loads")}
+                                                              "leases_expired", "sends_done", "forged",
+                                                              "device_id_loads", "host_id_loads")}
         for k in ("post_host_s", "xfer_s", "handshake_s"):
             xs = sorted(d.get(k, []))
             if xs:
@@ -75,7 +75,7 @@ class GpuxferStats(KVConnectorStats):
     def is_empty(self) -> bool:
         d = self.data
         return not (d.get("transfers") or d.get("failed") or d.get("handshakes") or d.get("leases_expired")
-                    or d.get("sends_done"))
+                    or d.get("sends_done") or d.get("forged"))
 
 
 def _settings(extra: dict) -> Settings:

@@ -1,7 +1,9 @@
 """The prefill role of the connector's worker: :class:`PrefillHolds` keeps a finished request's blocks until a
 decode instance read them (its done message on the side channel), released them, or the request's lease ran
-out. Where several decode ranks read shares of this rank's heads, each says so (a message's ``of``), and the
-blocks go once every one of them did. No vLLM import."""
+out. A hold has a key (random, in the request's ``kv_transfer_params``): a done or release message counts only
+with the hold's key, so a peer that never saw the params cannot end a hold while its reader still reads. Where
+several decode ranks read shares of this rank's heads, each says so (a message's ``of``), and the blocks go once
+every one of them did. No vLLM import."""
 from __future__ import annotations
 
 import heapq
@@ -10,32 +12,54 @@ from typing import Mapping
 
 log = logging.getLogger("gpuxfer.vllm")
 
-#: the most requests let go of before their hold came that a prefill worker remembers (the newest are kept)
+#: the most requests with words that came before their hold that a prefill worker remembers (the newest are kept)
 MAX_RELEASED = 1 << 16
 
 
 class PrefillHolds:
-    """Requests held for decode instances: ``held`` (request -> lease deadline), a heap of the deadlines, the
-    requests a decode instance let go of before their hold came (``released``: request -> when), the held
-    ones it let go of, and the requests some but not all of their readers let go of (``heard``: request ->
-    (when first, messages, readers)). ``stats``: the worker's counters, updated in place."""
+    """Requests held for decode instances: ``held`` (request -> lease deadline) and their keys, a heap of the
+    deadlines, the words of decode ranks that came before their request's hold (``early``: request -> [(when,
+    readers, key)], looked at when the hold comes), the held requests let go of, and the held requests some but
+    not all of their readers let go of (``heard``: request -> (messages, readers)). ``stats``: the worker's
+    counters, updated in place."""
 
     def __init__(self, *, engine_id: str, lease_s: float, stats: dict):
         self.engine_id, self.lease_s, self.stats = engine_id, lease_s, stats
         self.held: dict[str, float] = {}
+        self.keys: dict[str, str | None] = {}
         self._expiry: list[tuple[float, str]] = []
-        self.released: dict[str, float] = {}
-        self.heard: dict[str, tuple[float, int, int]] = {}
-        self._prune_at = 1024                       # the size of ``released`` and ``heard`` that prunes them
+        self.early: dict[str, list[tuple[float, int, str | None]]] = {}
+        self.heard: dict[str, tuple[int, int]] = {}
+        self._prune_at = 1024                       # the size of ``early`` that prunes it
         self._let_go: list[str] = []
 
-    def hold(self, holds: Mapping[str, float]) -> None:
-        """Hold these requests' blocks until their lease deadlines (``{request: deadline}``)."""
-        for req, deadline in holds.items():
+    def hold(self, holds: Mapping[str, tuple[float, str | None]]) -> None:
+        """Hold these requests' blocks until their lease deadlines (``{request: (deadline, key)}``; a key of None
+        takes any message)."""
+        for req, (deadline, key) in holds.items():
             self.held[req] = deadline
+            self.keys[req] = key
             heapq.heappush(self._expiry, (deadline, req))
-            if self.released.pop(req, None) is not None:      # let go of before its hold came
-                self._let_go.append(req)
+            for _, of, got in self.early.pop(req, ()):       # words that came before the hold
+                self._heard("done", req, of, got)
+
+    def _heard(self, op: str, req: str, of: int, key: str | None) -> None:
+        """A held request's word from a decode rank: counted when it carries the hold's key, and let go of once
+        its readers all spoke."""
+        want = self.keys.get(req)
+        if want is not None and key != want:
+            self.stats["forged"] += 1
+            log.warning("gpuxfer: engine %s: a %s message for request %s without its key (not from a reader of "
+                        "its kv_transfer_params); ignored", self.engine_id, op, req)
+            return
+        if of > 1 or req in self.heard:
+            n, most = self.heard.get(req, (0, 1))
+            n, most = n + 1, max(most, of)          # (never sooner than the most readers a message named)
+            if n < most:
+                self.heard[req] = (n, most)
+                return
+            del self.heard[req]
+        self._let_go.append(req)
 
     def drain(self, server, now: float) -> None:
         """What the decode instances said on the side channel (``server``): requests read or released. While
@@ -46,29 +70,21 @@ class PrefillHolds:
             server.pump()
         events = server.events
         while not events.empty():               # (this thread is the only one taking events)
-            op, req, of = events.get_nowait()
+            op, req, of, key = events.get_nowait()
             if op == "release":
                 log.info("gpuxfer: engine %s: decode side released request %s without reading it", self.engine_id, req)
-            if of > 1 or req in self.heard:
-                t, n, most = self.heard.get(req, (now, 0, 1))
-                n, most = n + 1, max(most, of)          # (never sooner than the most readers a message named)
-                if n < most:
-                    self.heard[req] = (t, n, most)
-                    continue
-                del self.heard[req]
             if req in self.held:
-                self._let_go.append(req)
+                self._heard(op, req, of, key)
             else:
-                self.released[req] = now
-        if len(self.released) + len(self.heard) > self._prune_at:       # requests held nowhere, or not yet
+                words = self.early.setdefault(req, [])
+                if len(words) < 2 * of:         # (a reader's word each; more are noise)
+                    words.append((now, of, key))
+        if len(self.early) > self._prune_at:        # words of requests held nowhere
             cutoff = now - 2 * self.lease_s
-            kept = [(r, t) for r, t in self.released.items() if t >= cutoff]
-            self.released = dict(kept[-(MAX_RELEASED // 2):])
-            heard = [(r, v) for r, v in self.heard.items() if v[0] >= cutoff or r in self.held]
-            self.heard = dict(heard[-(MAX_RELEASED // 2):])
-            # the next prune once as many more came (each message pruned O(1) times), never past MAX_RELEASED
-            self._prune_at = min(MAX_RELEASED, max(4 * len(self.held) + 1024,
-                                                   2 * (len(self.released) + len(self.heard))))
+            kept = [(r, w) for r, w in self.early.items() if w[0][0] >= cutoff]
+            self.early = dict(kept[-(MAX_RELEASED // 2):])
+            # the next prune once as many more came (each word pruned O(1) times), never past MAX_RELEASED
+            self._prune_at = min(MAX_RELEASED, max(4 * len(self.held) + 1024, 2 * len(self.early)))
 
     def finished(self, now: float) -> set[str]:
         """Held requests the decode side let go of, then those whose lease ran out: O(1) when neither (the
@@ -77,6 +93,8 @@ class PrefillHolds:
         if self._let_go:
             for req in self._let_go:
                 if self.held.pop(req, None) is not None:
+                    self.keys.pop(req, None)
+                    self.heard.pop(req, None)
                     done.add(req)
                     self.stats["sends_done"] += 1
             self._let_go = []
@@ -86,6 +104,7 @@ class PrefillHolds:
             if self.held.get(req) != deadline:
                 continue
             del self.held[req]
+            self.keys.pop(req, None)
             self.heard.pop(req, None)
             done.add(req)
             self.stats["leases_expired"] += 1

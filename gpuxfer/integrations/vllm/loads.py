@@ -209,9 +209,9 @@ class DecodeLoads:
         info = r.info
         if info is not None and info.get("engine_id") == engine_id and \
                 info.get("tp_rank", 0) == self.tp_rank // readers(self.info, info):
-            reqs = [st.load.remote.request_id for st in self.waiting.values() if st.remote is r]
-            if reqs:
-                r.client.notify("release", reqs)
+            rps = [st.load.remote for st in self.waiting.values() if st.remote is r]
+            if rps:
+                r.client.notify("release", [rp.request_id for rp in rps], [rp.key for rp in rps])
         r.client.close()            # (sends what was queued first)
 
     def _attach(self, r: _Remote) -> None:
@@ -478,7 +478,7 @@ class DecodeLoads:
             for st in ended:
                 self._complete(st, done, failed, read)
         for client, reqs in read.values():      # one message per engine for the step's reads
-            client.notify("done", reqs)
+            client.notify("done", [rp.request_id for rp in reqs], [rp.key for rp in reqs])
         self._reap(now)
         return done, failed
 
@@ -529,7 +529,7 @@ class DecodeLoads:
             stats["device_id_loads" if st.device_ids else "host_id_loads"] += 1
         stats["xfer_s"].append(time.perf_counter() - st.t_post)
         if r.client is not None:
-            read.setdefault(id(r), (r.client, []))[1].append(st.load.remote.request_id)
+            read.setdefault(id(r), (r.client, []))[1].append(st.load.remote)
 
     def _fail(self, st: _LoadState) -> None:
         load = st.load
@@ -541,7 +541,7 @@ class DecodeLoads:
             self.load_errors.update(ids[ids != 0].tolist())
         r = st.remote
         if r is not None and r.client is not None:
-            r.client.notify("release", [load.remote.request_id])
+            r.client.notify("release", [load.remote.request_id], [load.remote.key])
 
     def _prune_claims(self) -> None:
         """Forget the loads whose lease ran out on their engine's clock (once the claims doubled: O(1) a load);
@@ -588,7 +588,7 @@ class DecodeLoads:
             except BadTransferParams:
                 continue
             if r is not None and r.state == "ready" and r.client is not None:
-                r.client.notify("release", [rp.request_id])
+                r.client.notify("release", [rp.request_id], [rp.key])
 
     # ------------------------------------------------------------------ both
 

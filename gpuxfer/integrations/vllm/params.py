@@ -10,7 +10,8 @@ A prefill instance's ``request_finished`` returns::
      "remote_block_sizes": [int, ...],           # tokens per block, per group
      "lease_deadline": float,                     # the prefill host's lease clock when the blocks go (lease.py)
      "tp_size": int,                              # the prefill instance's tensor parallel size N
-     "remote_endpoints": [[host, port], ...]}     # with N > 1: where each rank's side channel listens
+     "remote_endpoints": [[host, port], ...],     # with N > 1: where each rank's side channel listens
+     "remote_key": str}                           # the hold's key: a done or release message carries it
 
 ``remote_host`` / ``remote_port`` are rank 0's (``remote_endpoints[0]``). Decode worker rank i reads its KV shard
 from prefill rank i, or, where the decode runs k times the prefill's tensor parallel size, from prefill rank
@@ -31,6 +32,7 @@ MAX_ID = (1 << 31) - 1
 MAX_IDS = 1 << 22               # block IDs in one request's params, all groups
 MAX_TEXT = 512
 MAX_TP = 256                    # tensor parallel ranks named in one request's params
+MAX_KEY = 64                    # characters of a hold's key
 
 
 class BadTransferParams(BadInput):
@@ -49,6 +51,7 @@ class RemotePrefill:
     block_sizes: tuple[int, ...]
     lease_deadline: float
     endpoints: tuple[tuple[str, int], ...] = ()     # per tensor parallel rank; () means ((host, port),)
+    key: str | None = None                          # the hold's key (None: the prefill gave none)
 
     @property
     def tp_size(self) -> int:
@@ -118,6 +121,10 @@ def parse_remote_prefill(params: Any, local_block_sizes: Sequence[int]) -> Remot
         raise BadTransferParams(f"kv_transfer_params['remote_endpoints'][0] {_show(list(endpoints[0]))} is not "
                                 f"remote_host and remote_port {_show([host, port])}")
     request_id = _text(params, "remote_request_id")
+    key = params.get("remote_key")
+    if key is not None and (not isinstance(key, str) or not 0 < len(key) <= MAX_KEY or not key.isascii()):
+        raise BadTransferParams(f"kv_transfer_params['remote_key'] must be an ASCII string of 1..{MAX_KEY} "
+                                f"characters, got {_show(key)}")
     deadline = params.get("lease_deadline")
     if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not _finite(deadline):
         raise BadTransferParams(f"kv_transfer_params['lease_deadline'] must be a finite number, got {_show(deadline)}")
@@ -156,7 +163,7 @@ def parse_remote_prefill(params: Any, local_block_sizes: Sequence[int]) -> Remot
             raise BadTransferParams(f"remote_block_ids[{g}] holds an ID outside [0, {MAX_ID}]")
         arrays.append(a)
     return RemotePrefill(engine_id, host, port, request_id, tuple(arrays), tuple(int(s) for s in sizes),
-                         float(deadline), endpoints)
+                         float(deadline), endpoints, key)
 
 
 def _endpoints(eps: Any, tp: int) -> tuple[tuple[str, int], ...]:
@@ -245,15 +252,18 @@ def pair_group(local: np.ndarray, remote: np.ndarray, ls: int, rs: int, start: i
 
 
 def build_params(*, engine_id: str, endpoints: Sequence[tuple[str, int]], request_id: str,
-                 block_ids: Sequence[Sequence[int]], block_sizes: Sequence[int], lease_deadline: float) -> dict:
+                 block_ids: Sequence[Sequence[int]], block_sizes: Sequence[int], lease_deadline: float,
+                 key: str | None = None) -> dict:
     """The ``kv_transfer_params`` a prefill instance returns for a finished request; ``endpoints``: each tensor
-    parallel rank's side channel, by rank."""
+    parallel rank's side channel, by rank; ``key``: the hold's."""
     host, port = endpoints[0]
     out = {"do_remote_prefill": True, "do_remote_decode": False, "gpuxfer": PARAMS_VERSION,
            "remote_engine_id": engine_id, "remote_host": host, "remote_port": int(port),
            "remote_request_id": request_id, "remote_block_ids": [list(map(int, b)) for b in block_ids],
            "remote_block_sizes": [int(s) for s in block_sizes], "lease_deadline": float(lease_deadline),
            "tp_size": len(endpoints)}
+    if key is not None:
+        out["remote_key"] = key
     if len(endpoints) > 1:
         out["remote_endpoints"] = [[h, int(p)] for h, p in endpoints]
     return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 from typing import Sequence
 
 import numpy as np
@@ -37,7 +38,7 @@ class SchedulerSide:
         self.endpoints = list(endpoints) if endpoints else None
         self._parsed: dict[str, RemotePrefill] = {}
         self._loads: list[Load] = []
-        self._holds: dict[str, float] = {}
+        self._holds: dict[str, tuple[float, str]] = {}
         self._releases: list[RemotePrefill] = []
         self.bad_params = 0
 
@@ -117,6 +118,8 @@ class SchedulerSide:
                       "no side channel of every rank; freeing its blocks", self.engine_id, rid)
             return False, None
         deadline = lease.now() + self.lease_s
-        self._holds[rid] = deadline
+        key = secrets.token_hex(8)      # what a done or release for the hold must carry (holds.PrefillHolds)
+        self._holds[rid] = (deadline, key)
         return True, build_params(engine_id=self.engine_id, endpoints=self.endpoints, request_id=rid,
-                                  block_ids=block_ids, block_sizes=self.block_sizes, lease_deadline=deadline)
+                                  block_ids=block_ids, block_sizes=self.block_sizes, lease_deadline=deadline,
+                                  key=key)

@@ -144,8 +144,8 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ the roles
 
-    def hold(self, holds: Mapping[str, float]) -> None:
-        """Prefill: hold these requests' blocks (``{request: lease deadline}``)."""
+    def hold(self, holds: Mapping[str, tuple[float, str | None]]) -> None:
+        """Prefill: hold these requests' blocks (``{request: (lease deadline, key)}``)."""
         self.prefill.hold(holds)
 
     def start_loads(self, loads: Sequence[Load]) -> None:
@@ -173,7 +173,8 @@ class WorkerSide:
     def take_stats(self) -> dict | None:
         """The counters since the last call (None when nothing happened), the worker's reset."""
         s = self.stats
-        if not (s["transfers"] or s["failed"] or s["handshakes"] or s["leases_expired"] or s["sends_done"]):
+        if not (s["transfers"] or s["failed"] or s["handshakes"] or s["leases_expired"] or s["sends_done"]
+                or s["forged"]):
             return None
         out = dict(s)
         s.update(_new_stats())
@@ -189,5 +190,5 @@ class WorkerSide:
 
 
 def _new_stats() -> dict:
-    return {"transfers": 0, "failed": 0, "bytes": 0, "handshakes": 0, "leases_expired": 0, "sends_done": 0,
+    return {"transfers": 0, "failed": 0, "bytes": 0, "handshakes": 0, "leases_expired": 0, "sends_done": 0, "forged": 0,
             "device_id_loads": 0, "host_id_loads": 0, "post_host_s": [], "xfer_s": [], "handshake_s": []}
