@@ -293,7 +293,7 @@ def test_side_channel_limits():
                     {"op": "done", "reqs": ["a"], "keys": ["k", "l"]}, {"op": "done", "reqs": ["a"], "keys": [7]},
                     {"op": "done", "reqs": ["a"], "keys": ["x" * 65]}):
             s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
-            s.sendall(frame(message(bad)))
+            s.sendall(message(bad))
             s.settimeout(5)
             assert s.recv(1) == b"", bad                    # that connection closed, no event
             s.close()
@@ -323,6 +323,51 @@ def test_side_channel_limits():
         threading.Event().wait(0.05)
     assert done.is_set()
     c.close()
+
+
+def test_connections_that_say_nothing_or_too_much_are_bounded(monkeypatch):
+    """Past MAX_CONNECTIONS a new connection is closed at once; one that says no hello, or leaves a message half
+    sent, goes after the timeout; a message longer than MAX_MESSAGE closes its connection; a done list longer
+    than one message goes in several, every request arriving."""
+    import time
+    from gpuxfer.integrations.vllm import channel
+    monkeypatch.setattr(channel, "MAX_CONNECTIONS", 4)
+    monkeypatch.setattr(channel.SideChannelServer, "SWEEP_S", 0.05)
+    srv = SideChannelServer("127.0.0.1", 0, lambda: (b"{}", b"meta"), timeout_s=1.0)
+
+    def closed(sock, wait_s: float) -> bool:
+        sock.settimeout(wait_s)
+        try:
+            return sock.recv(1) == b""
+        except socket.timeout:
+            return False
+
+    try:
+        c = SideChannelClient("127.0.0.1", srv.port, 5.0)
+        c.handshake()
+        quiet = socket.create_connection(("127.0.0.1", srv.port), timeout=5)        # never says hello
+        half = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        half.sendall(message({"op": "hello"})[:6])                                  # and never the rest
+        big = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        extra = socket.create_connection(("127.0.0.1", srv.port), timeout=5)        # the fifth
+        assert closed(extra, 5.0)
+        assert not closed(quiet, 0.3) and not closed(half, 0.1)
+        big.sendall(struct.pack(">I", channel.MAX_MESSAGE + 1))
+        assert closed(big, 5.0)
+        t0 = time.monotonic()
+        assert closed(quiet, 5.0) and closed(half, 5.0) and time.monotonic() - t0 < 4.0
+        ids = [f"r{i}" for i in range(2 * channel.MAX_IDS_PER_MESSAGE + 5)]
+        assert c.notify("done", ids, ["k"] * len(ids))
+        got = [srv.events.get(timeout=5)[1] for _ in ids]
+        assert got == ids and c.alive                   # (the greeted client is kept)
+        c2 = SideChannelClient("127.0.0.1", srv.port, 5.0)                          # room again
+        assert c2.handshake()[1] == b"meta"
+        for sock in (quiet, half, big, extra):
+            sock.close()
+        c2.close()
+        c.close()
+    finally:
+        srv.close()
 
 
 def test_a_deeply_nested_message_closes_only_its_connection():

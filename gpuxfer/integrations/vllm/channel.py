@@ -21,8 +21,9 @@ server's own thread pumps too, so an idle prefill instance still answers. A thre
 encodes and sends the done and release messages, which nobody waits for (a late one holds the
 prefill's blocks a little longer), and watches the connection: the engine thread only queues them and
 does not pay the loopback ``send``, which costs tens of microseconds inside an engine process. A frame longer than
-``MAX_FRAME``, a message the protocol does not allow, or an answer not drained within the timeout
-closes that connection only.
+``MAX_FRAME`` (``MAX_MESSAGE`` for what a decode sends), a message the protocol does not allow, an answer not
+drained within the timeout, a connection that sent no hello or left a message half sent for longer than the
+timeout close that connection only; past ``MAX_CONNECTIONS`` open, a new one is closed at once.
 """
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ from . import lease
 log = logging.getLogger("gpuxfer.vllm")
 
 MAX_FRAME = 64 << 20
+#: the longest message a decode sends (a step's done list goes in messages of at most ``MAX_IDS_PER_MESSAGE``
+#: requests), and the most connections a prefill worker keeps open: what hostile peers can make it buffer
+MAX_MESSAGE = 1 << 20
+MAX_IDS_PER_MESSAGE = 1024
+MAX_CONNECTIONS = 1024
 MAX_REQUEST_ID = 512
 MAX_READERS = 256                   # decode ranks sharing one prefill rank's heads (a message's "of")
 MAX_KEY = 64                        # characters of a hold's key
@@ -71,13 +77,13 @@ def message(msg: dict) -> bytes:
     return frame(_ENCODER.encode(msg).encode())
 
 
-def take_frames(buf: bytearray) -> list[bytes]:
-    """Cut the complete frames off the front of ``buf``; :class:`ChannelClosed` on an oversized length."""
+def take_frames(buf: bytearray, limit: int = MAX_FRAME) -> list[bytes]:
+    """Cut the complete frames off the front of ``buf``; :class:`ChannelClosed` on a length past ``limit``."""
     out = []
     while len(buf) >= _LEN.size:
         (n,) = _LEN.unpack_from(buf)
-        if n > MAX_FRAME:
-            raise ChannelClosed(f"a frame of {n} bytes (more than {MAX_FRAME})")
+        if n > limit:
+            raise ChannelClosed(f"a frame of {n} bytes (more than {limit})")
         if len(buf) < _LEN.size + n:
             break
         out.append(bytes(buf[_LEN.size:_LEN.size + n]))
@@ -132,13 +138,15 @@ def _send_some(sock: socket.socket, out: bytearray) -> None:
 
 
 class _Conn:
-    __slots__ = ("sock", "addr", "inbuf", "outbuf", "since", "greeted")
+    __slots__ = ("sock", "addr", "inbuf", "outbuf", "since", "greeted", "opened", "partial")
 
-    def __init__(self, sock: socket.socket, addr):
+    def __init__(self, sock: socket.socket, addr, now: float):
         self.sock, self.addr = sock, addr
         self.inbuf, self.outbuf = bytearray(), bytearray()
         self.since = 0.0                    # when the unsent answer was queued
         self.greeted = False                # its hello was answered (a connection gets one answer)
+        self.opened = now                   # accepted (a peer that says no hello within the timeout goes)
+        self.partial = 0.0                  # since when ``inbuf`` holds part of a message
 
 
 class SideChannelServer:
@@ -160,6 +168,7 @@ class SideChannelServer:
         self._conns: dict[socket.socket, _Conn] = {}
         self._lock = threading.Lock()           # one pump at a time
         self._pumped = 0.0                      # when the engine thread last pumped
+        self._swept = 0.0                       # when connections were last looked at for timeouts
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpuxfer-vllm-side-channel", daemon=True)
         self._thread.start()
@@ -178,7 +187,8 @@ class SideChannelServer:
                 # again now returns at once for what it left unread, and spinning on it takes the GIL)
                 self._stop.wait(busy_for)
                 continue
-            if ready or any(c.outbuf for c in list(self._conns.values())):
+            due = self._conns and time.monotonic() - self._swept > self.SWEEP_S       # (timeouts looked at)
+            if ready or due or any(c.outbuf for c in list(self._conns.values())):
                 with self._lock:
                     if not self._stop.is_set():
                         self._pump_locked()
@@ -202,6 +212,8 @@ class SideChannelServer:
             else:
                 self._serve(self._conns[key.fileobj])
         now = time.monotonic()
+        if now - self._swept > self.SWEEP_S:
+            self._sweep(now)
         for c in [c for c in self._conns.values() if c.outbuf]:
             try:
                 _send_some(c.sock, c.outbuf)
@@ -212,6 +224,18 @@ class SideChannelServer:
                 continue
             self._sel.modify(c.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if c.outbuf else 0))
 
+    SWEEP_S = 0.5
+
+    def _sweep(self, now: float) -> None:
+        """Close the connections that said no hello, or left a message half sent, for longer than the timeout."""
+        self._swept = now
+        limit = self.timeout_s
+        for c in list(self._conns.values()):
+            if not c.greeted and now - c.opened > limit:
+                self._drop(c, f"no hello within {limit:g} s")
+            elif c.inbuf and now - c.partial > limit:
+                self._drop(c, f"a message left half sent for {limit:g} s")
+
     def _accept(self) -> None:
         while True:
             try:
@@ -220,9 +244,13 @@ class SideChannelServer:
                 return
             except OSError:
                 return
+            if len(self._conns) >= MAX_CONNECTIONS:
+                log.warning("side channel: %d connections open; closing the one from %s", len(self._conns), addr)
+                sock.close()
+                continue
             sock.setblocking(False)
             log.debug("side channel: connection from %s", addr)
-            self._conns[sock] = _Conn(sock, addr)
+            self._conns[sock] = _Conn(sock, addr, time.monotonic())
             self._sel.register(sock, selectors.EVENT_READ, None)
 
     def _serve(self, c: _Conn) -> None:
@@ -230,8 +258,12 @@ class SideChannelServer:
             data = _recv_some(c.sock)
             if data is None:
                 return
+            fresh = not c.inbuf
             c.inbuf += data
-            for body in take_frames(c.inbuf):
+            bodies = take_frames(c.inbuf, MAX_MESSAGE)
+            if c.inbuf and (fresh or bodies):      # what is left began with this data
+                c.partial = time.monotonic()
+            for body in bodies:
                 msg = parse_message(body)
                 op, reqs = msg["op"], msg.get("reqs")
                 if op == "hello":
@@ -388,7 +420,9 @@ class SideChannelClient:
         already."""
         if not self.alive:
             return False
-        self._pending.append((time.monotonic(), op, list(request_ids), None if keys is None else list(keys)))
+        t, n = time.monotonic(), MAX_IDS_PER_MESSAGE
+        for i in range(0, len(request_ids), n):
+            self._pending.append((t, op, list(request_ids[i:i + n]), None if keys is None else list(keys[i:i + n])))
         self._wake.put(True)
         return True
 
