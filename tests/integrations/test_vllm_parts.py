@@ -221,7 +221,7 @@ def test_engine_description_of_another_version_or_shape_is_refused_by_name():
 
 def tp_info(rank: int, size: int, heads: int, pieces: int | None = None, kind: str = "FullAttentionSpec", **kw):
     g = dict(kind=kind, content=[heads, 128], bytes_per_token=heads * 128 * 2,
-             pieces=heads if pieces is None else pieces)
+             pieces=heads if pieces is None else pieces, kv_heads=heads)
     g.update(kw)
     d = info(**g)
     d.update(tp_rank=rank, tp_size=size)
@@ -245,7 +245,9 @@ def test_compatibility_of_tensor_parallel_sizes():
             (tp_info(1, 2, 2, pieces=1), tp_info(0, 1, 4), "VLLM_KV_CACHE_LAYOUT=LBHNC"),
             (tp_info(1, 2, 2), tp_info(0, 1, 4, content="x"), "1/2 of a prefill rank's heads"),
             (tp_info(1, 2, 2), dict(tp_info(0, 1, 4), tp_size="2"), "tensor parallel size"),
-            (tp_info(1, 2, 1, kind="MLAAttentionSpec"), tp_info(0, 1, 2, kind="MLAAttentionSpec"), "heads")]:
+            (tp_info(1, 2, 1, kind="MLAAttentionSpec"), tp_info(0, 1, 2, kind="MLAAttentionSpec"), "heads"),
+            (tp_info(1, 2, 2), tp_info(0, 1, 4, kv_heads=None), "not one per KV head"),         # packed slots
+            (tp_info(1, 2, 2), tp_info(0, 1, 4, kv_heads=2), "not one per KV head")]:
         with pytest.raises(LayoutMismatch, match=says):
             check_compatible(local, remote)
 
@@ -622,6 +624,12 @@ def _slow_peer(read: int, pause: float = 0.0):
     return lst.getsockname()[1], got, stop
 
 
+def _messages(op: str, ids: list[str]) -> bytes:
+    """What a client sends for ``notify(op, ids)``: messages of at most MAX_IDS_PER_MESSAGE requests, in order."""
+    from gpuxfer.integrations.vllm.channel import MAX_IDS_PER_MESSAGE as n
+    return b"".join(message({"op": op, "reqs": ids[i:i + n]}) for i in range(0, len(ids), n))
+
+
 def test_close_never_sends_a_message_twice():
     """close() while a long message is half sent to a slow reader: what the prefill end receives is a prefix of
     the messages in order, never a message begun again (a corrupt stream)."""
@@ -641,8 +649,7 @@ def test_close_never_sends_a_message_twice():
     assert time.monotonic() - t0 < 5
     time.sleep(0.3)
     stop.set()
-    sent = message({"op": "done", "reqs": big}) + b"".join(message({"op": "release", "reqs": [f"r{i}"]})
-                                                           for i in range(200))
+    sent = _messages("done", big) + b"".join(message({"op": "release", "reqs": [f"r{i}"]}) for i in range(200))
     assert len(got) > 12 and bytes(got) == sent[:len(got)]
 
 
@@ -663,7 +670,7 @@ def test_a_late_flush_does_not_wait_for_a_full_socket():
     c.flush_late(time.monotonic())
     assert time.monotonic() - t0 < 1.5                  # (a blocking send waits for the reader: 3 s)
     deadline = time.monotonic() + 60
-    m = message({"op": "done", "reqs": big})
+    m = _messages("done", big)
     while len(got) < len(m) and time.monotonic() < deadline:
         c.flush_late(time.monotonic())
         time.sleep(0.001)
@@ -947,3 +954,50 @@ def test_a_stranger_cannot_end_a_hold():
 def side_hold(side, params) -> tuple:
     """The ``(deadline, key)`` a prefill worker holds a request's blocks by, as the scheduler side made it."""
     return params["lease_deadline"], params["remote_key"]
+
+
+# ---------------------------------------------------------------------------------------------- head slots
+def _connector_info(host, spec, heads_slots: int, tp: tuple[int, int]):
+    """The engine description of a worker-side GpuxferConnector (TP 1 as vLLM made it, then described as rank
+    ``tp`` of its size) over one LBHNC layer of ``heads_slots`` head slots per block, its group's spec ``spec``."""
+    import types
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from gpuxfer.integrations.vllm.connector import GpuxferConnector
+    cfg = types.SimpleNamespace(
+        kv_transfer_config=types.SimpleNamespace(engine_id=f"e{tp[0]}", kv_connector_extra_config={"engine": "copy_engine"}),
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
+                                              decode_context_parallel_size=1, prefill_context_parallel_size=1),
+        device_config=types.SimpleNamespace(device_type="cpu"),
+        model_config=types.SimpleNamespace(model="m", dtype="bfloat16"), cache_config=types.SimpleNamespace(cache_dtype="nvfp4"))
+    kcc = types.SimpleNamespace(kv_cache_groups=[types.SimpleNamespace(kv_cache_spec=spec, layer_names=["l0"])],
+                                kv_cache_layout="LBHNC")
+    c = GpuxferConnector(cfg, KVConnectorRole.WORKER, kcc)
+    c._worker.platform = host
+    cache = torch.zeros(8, heads_slots, 16, 64, dtype=torch.uint8)
+    try:
+        c.register_kv_caches({"l0": cache})
+        return dict(c._worker.info, tp_rank=tp[0], tp_size=tp[1])
+    finally:
+        c._worker.close()
+
+
+def test_head_slots_that_are_not_kv_heads_are_not_split_between_decode_ranks(host):
+    """vLLM's FlashInfer NVFP4 cache publishes 2 x num_kv_heads head slots per block: every K head's slot, then
+    every V head's (``num_head_slots``). A decode rank of twice the prefill's TP size cannot read its heads as a
+    range of the prefill rank's slots (rank 1 would get slots 4..7: the V of all four heads, written over its K
+    and V), so the handshake refuses it; with one slot per KV head the share is read as before."""
+    import dataclasses
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    def spec(heads, nvfp4=False):
+        s = FullAttentionSpec(block_size=16, num_kv_heads=heads, head_size=64, dtype=torch.bfloat16)
+        # what FlashInferBackend.customize_spec makes of an NVFP4 cache (flashinfer is not installed here)
+        return dataclasses.replace(s, num_head_slots=2 * heads, state_content_bytes=64) if nvfp4 else s
+    nvfp4 = dict(nvfp4=True)
+    prefill = _connector_info(host, spec(4, **nvfp4), 8, (0, 1))
+    decode = _connector_info(host, spec(2, **nvfp4), 4, (1, 2))
+    with pytest.raises(LayoutMismatch, match="slots"):
+        check_compatible(decode, prefill)
+    plain_p = _connector_info(host, spec(4), 4, (0, 1))
+    plain_d = _connector_info(host, spec(2), 2, (1, 2))
+    assert check_compatible(plain_d, plain_p) == {0: (2, 4)}

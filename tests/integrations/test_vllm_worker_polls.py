@@ -175,7 +175,8 @@ def test_a_decode_rank_sharing_a_prefill_rank_says_so_in_each_message(monkeypatc
 
     def group(heads):
         return {"kind": "FullAttentionSpec", "block_size": 16, "kernel_tokens": 16, "token_major": True,
-                "layers": ["l0"], "bytes_per_token": heads * 256, "pieces": heads, "content": [heads, 128]}
+                "layers": ["l0"], "bytes_per_token": heads * 256, "pieces": heads, "content": [heads, 128],
+                "kv_heads": heads}
 
     remote = engine_info(engine_id="p", model="m", dtype="auto/float16", layout=None, groups=[group(4)], tp=(0, 1))
 

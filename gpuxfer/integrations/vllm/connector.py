@@ -111,6 +111,15 @@ def tensor_parallel_rank(tp_size: int) -> tuple[int, int]:
     return rank, world
 
 
+def _kv_heads(spec) -> int | None:
+    """The KV heads of a block of a group whose spec is ``spec`` where its logical ``[B, H, N, C]`` page holds one
+    slot per KV head, else None: a backend that packs its pages otherwise publishes ``num_head_slots`` (FlashInfer's
+    NVFP4 pages: every K head's slot, then every V head's; others: K and V as two slots), and no range of those
+    slots is a share of the heads."""
+    heads, slots = getattr(spec, "num_kv_heads", None), getattr(spec, "num_head_slots", None)
+    return heads if type(heads) is int and slots in (None, heads) else None
+
+
 class GpuxferConnector(KVConnectorBase_V1, SupportsHMA):
     """Prefill/decode KV hand-off through gpuxfer (``kv_role`` kv_both, kv_producer or kv_consumer)."""
 
@@ -153,7 +162,8 @@ class GpuxferConnector(KVConnectorBase_V1, SupportsHMA):
                 engine_id=self.engine_id, model=str(mc.model), dtype=str(vllm_config.cache_config.cache_dtype) +
                 "/" + str(mc.dtype), layout=getattr(kv_cache_config, "kv_cache_layout", None),
                 groups=[(type(g.kv_cache_spec).__name__, g.kv_cache_spec.block_size, list(g.layer_names))
-                        for g in groups], settings=self.settings, tp=(self.tp_rank, self.tp_size))
+                        for g in groups], settings=self.settings, tp=(self.tp_rank, self.tp_size),
+                kv_heads=[_kv_heads(g.kv_cache_spec) for g in groups])
 
     # ------------------------------------------------------------------ worker side
 

@@ -173,6 +173,11 @@ def _head_share(mine: dict, theirs: dict, k: int, share: int) -> tuple[tuple[int
         return None, (f"the peer's ranks hold {_short(hr)} heads of {_short(cr)} bytes per token "
                       f"({_short(br)} bytes per token in all), this worker's {hl} of {cl} ({bl}): with {k} decode "
                       f"ranks per prefill rank, each reads 1/{k} of a prefill rank's heads")
+    if theirs.get("kv_heads") != hr or mine.get("kv_heads") != hl:
+        return None, (f"a block's {_short(hr)} head slots on the peer and {hl} here are not one per KV head (the "
+                      f"peer's KV heads: {_short(theirs.get('kv_heads'))}, this worker's: {mine.get('kv_heads')}; the "
+                      "attention backend packs its pages otherwise, e.g. FlashInfer's NVFP4 K slots then V slots): "
+                      "no range of them is a decode rank's share of the heads")
     if theirs.get("pieces") != hr or mine.get("pieces") != hl:
         return None, (f"a decode rank reads a share of a prefill rank's heads from blocks of one piece per head "
                       f"(the peer's blocks: {_short(theirs.get('pieces'))} pieces for {hr} heads, this worker's: "

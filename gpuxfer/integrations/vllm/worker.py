@@ -42,14 +42,17 @@ class Settings:
 
 class WorkerSide:
     """One worker's connector state; ``groups``: per KV-cache group ``(kind, block_size, layer names)``; ``tp``:
-    this worker's ``(rank, world size)`` in the engine's tensor parallel group. A worker holds its rank's shard of
+    this worker's ``(rank, world size)`` in the engine's tensor parallel group; ``kv_heads``: per group, the KV heads
+    of a block where its view's head axis holds one slot per KV head, None where it does not (default: every
+    group's head axis is its KV heads). A worker holds its rank's shard of
     the KV heads: decode rank i reads from prefill rank i, and its side channel listens on ``port + i`` where the
     port is fixed."""
 
     def __init__(self, *, engine_id: str, model: str, dtype: str, layout: str | None,
                  groups: Sequence[tuple[str, int, Sequence[str]]], settings: Settings, platform=None,
-                 tp: tuple[int, int] = (0, 1)):
+                 tp: tuple[int, int] = (0, 1), kv_heads: Sequence[int | None] | None = None):
         self.engine_id, self.model, self.dtype, self.layout = engine_id, model, dtype, layout
+        self.kv_heads = None if kv_heads is None else list(kv_heads)
         self.tp_rank, self.tp_size = tp
         self.group_specs = [(k, int(bs), list(names)) for k, bs, names in groups]
         self.settings = settings
@@ -99,9 +102,11 @@ class WorkerSide:
             kernel_tokens.append(kt)
             bytes_per_block.append(per_block)
             view = kv_caches[names[0]]
+            heads = int(view.shape[1]) if self.kv_heads is None else self.kv_heads[g]
             groups.append({"kind": kind, "block_size": bs, "kernel_tokens": kt, "token_major": all(majors),
                            "layers": names, "bytes_per_token": per_block // kt, "pieces": len(specs[names[0]].pieces),
-                           "content": [int(view.shape[1]), int(view.shape[3]) * view.element_size()]})
+                           "content": [int(view.shape[1]), int(view.shape[3]) * view.element_size()],
+                           "kv_heads": heads})
         self.info = engine_info(engine_id=self.engine_id, model=self.model, dtype=self.dtype, layout=self.layout,
                                 groups=groups, tp=(self.tp_rank, self.tp_size))
         staging = None
