@@ -230,11 +230,18 @@ def tp_info(rank: int, size: int, heads: int, pieces: int | None = None, kind: s
 
 def test_compatibility_of_tensor_parallel_sizes():
     """A decode of k times the prefill's TP size: rank i reads prefill rank i // k, its share of the heads (one
-    piece per head on both sides), or an MLA latent whole; anything else is refused by name."""
+    piece per head on both sides), the one head it holds where ranks outnumber the KV heads, or an MLA latent
+    whole; anything else is refused by name."""
     assert check_compatible(tp_info(1, 2, 4), tp_info(1, 2, 4)) == {}
     assert check_compatible(tp_info(1, 2, 2), tp_info(0, 1, 4)) == {0: (2, 4)}
     assert check_compatible(tp_info(2, 4, 1), tp_info(1, 2, 2)) == {0: (0, 1)}
     assert check_compatible(tp_info(3, 4, 1, kind="MLAAttentionSpec"), tp_info(0, 1, 1, kind="MLAAttentionSpec")) == {}
+    # more decode ranks than KV heads: rank r holds head r * H // TP, a replica shared with its neighbours
+    assert check_compatible(tp_info(1, 2, 1), tp_info(0, 1, 1)) == {}                       # MQA: the one head
+    assert [check_compatible(tp_info(r, 4, 1), tp_info(0, 1, 2))[0] for r in range(4)] == [(0, 1), (0, 1), (1, 2),
+                                                                                           (1, 2)]
+    assert check_compatible(tp_info(3, 4, 1), tp_info(1, 2, 1)) == {}                       # 2 heads, TP 2 -> 4
+    assert [check_compatible(tp_info(r, 8, 1), tp_info(0, 1, 4))[0][0] for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     for local, remote, says in [
             (tp_info(0, 1, 4), tp_info(0, 2, 2), "tensor parallel size: this instance 1, the peer 2"),
             (tp_info(0, 3, 2), tp_info(0, 2, 3), "tensor parallel size: this instance 3, the peer 2"),
@@ -247,7 +254,9 @@ def test_compatibility_of_tensor_parallel_sizes():
             (tp_info(1, 2, 2), dict(tp_info(0, 1, 4), tp_size="2"), "tensor parallel size"),
             (tp_info(1, 2, 1, kind="MLAAttentionSpec"), tp_info(0, 1, 2, kind="MLAAttentionSpec"), "heads"),
             (tp_info(1, 2, 2), tp_info(0, 1, 4, kv_heads=None), "not one per KV head"),         # packed slots
-            (tp_info(1, 2, 2), tp_info(0, 1, 4, kv_heads=2), "not one per KV head")]:
+            (tp_info(1, 2, 2), tp_info(0, 1, 4, kv_heads=2), "not one per KV head"),
+            (tp_info(1, 2, 1), tp_info(0, 1, 3), "replicas of one head"),       # 3 heads do not spread on 2 ranks
+            (tp_info(1, 4, 1), tp_info(0, 1, 2, pieces=1), "VLLM_KV_CACHE_LAYOUT=LBHNC")]:
         with pytest.raises(LayoutMismatch, match=says):
             check_compatible(local, remote)
 

@@ -102,6 +102,25 @@ def test_decode_of_twice_the_prefills_tp_reads_half_its_heads_per_rank(inst):
     assert_idle(D)
 
 
+def test_decode_ranks_holding_replicas_of_a_head_read_that_head(tmp_path_factory):
+    """Two KV heads: a prefill of TP 1 holds both; a decode of TP 4 gives each rank one head, ranks 0 and 1 head
+    0, ranks 2 and 3 head 1 (vLLM's replicas). Each rank reads its head of the prefill's two, every byte checked;
+    the prefill frees a request once all four ranks said they read it."""
+    model = write_model(str(tmp_path_factory.mktemp("model2")), num_key_value_heads=2)
+    with running({"P": dict(model_dir=model, block_size=32, tp=1, extra=TM, env=ENV),
+                  "D": dict(model_dir=model, block_size=32, tp=4, extra=TM, env=ENV)}) as out:
+        P, D = out["P"], out["D"]
+        assert P.info["heads"] == [2] and D.info["heads"] == [1, 1, 1, 1]
+        reqs = [(f"v{i}", 50 + 41 * i, 4500 + i) for i in range(6)]
+        params = prefill(P, reqs)
+        assert_loaded(decode(D, reqs, params))
+        s = assert_idle(P)["stats"]
+        assert s["sends_done"] == len(reqs) and s.get("leases_expired", 0) == 0
+        assert P.call("stats")["unheld"] == [0]
+        st = D.call("stats")["stats"]
+        assert st["handshakes"] == 4 and st["transfers"] == 4 * len(reqs) and st["failed"] == 0
+
+
 def test_a_refused_handshake_releases_the_blocks_at_once(inst):
     """The prefill's rank answers and the decode refuses it (blocks of other sizes that are not token-major):
     the decode releases the requests on its side channel, so the prefill frees them now, not at their lease

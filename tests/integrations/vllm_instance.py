@@ -284,6 +284,9 @@ class _Engine:
             model = json.load(f)
         hd = model["hidden_size"] // model["num_attention_heads"]
         heads = mc.get_num_kv_heads(self.config.parallel_config)        # one rank's shard of the KV heads
+        # rank r's first head: r * H // TP (vLLM's QKVParallelLinear; with more ranks than heads, replicas of one
+        # head on neighbouring ranks)
+        self.head0 = [r * mc.get_total_num_kv_heads() // tp for r in range(tp)]
         layer_specs = {}
         for i in range(model["num_hidden_layers"]):
             name = f"model.layers.{i}.self_attn.attn"
@@ -404,7 +407,7 @@ class _Engine:
                     v = caches[name].view(self.torch.uint8)
                     heads = v.shape[1]
                     pat = _pattern(self.torch, self.seeds[rid], self.layer_index[name], t, heads, v.shape[3],
-                                   head0=rank * heads)
+                                   head0=self.head0[rank])
                     if check:
                         got = v[k, :, n, :]
                         bad += int((got != pat).sum())

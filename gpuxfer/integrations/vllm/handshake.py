@@ -111,7 +111,8 @@ def check_compatible(local: dict, remote: dict) -> dict[int, tuple[int, int]]:
 
     With ``k`` > 1 a decode rank reads its share of the prefill rank's heads: share ``i % k`` of an MHA group's
     ``k`` times as many heads, which needs one piece per head on both sides (head-major blocks, vLLM's
-    ``LBHNC`` layout), or an MLA group's whole latent. Returns, per group index read by a share of its heads,
+    ``LBHNC`` layout); where the decode ranks outnumber the KV heads (each holds a replica of one), the one head
+    it holds; or an MLA group's whole latent. Returns, per group index read by a share of its heads,
     the pieces ``[start, stop)`` of the peer's blocks to read (empty: whole blocks)."""
     problems: list[str] = []
     views: dict[int, tuple[int, int]] = {}
@@ -169,21 +170,31 @@ def _head_share(mine: dict, theirs: dict, k: int, share: int) -> tuple[tuple[int
             return None, None
         return None, (f"an MLA latent is read whole, but the peer's ranks hold {_short(hr)} heads of {_short(cr)} "
                       f"bytes per token, this worker's {hl} of {cl}")
-    if not (hl and hr == k * hl and cl == cr and type(bl) is int and br == k * bl):
+    ok = hl and cl == cr and type(bl) is int and type(br) is int and br * hl == bl * hr
+    if ok and hr == k * hl:
+        first, n = share * hl, hl           # each decode rank its own heads
+    elif ok and hl == 1 and hr < k and k % hr == 0:
+        # more decode ranks than KV heads: vLLM gives rank r head r * H // TP (replicas of one head on
+        # neighbouring ranks), which is head share * hr // k of the prefill rank it reads
+        first, n = share * hr // k, 1
+    else:
         return None, (f"the peer's ranks hold {_short(hr)} heads of {_short(cr)} bytes per token "
                       f"({_short(br)} bytes per token in all), this worker's {hl} of {cl} ({bl}): with {k} decode "
-                      f"ranks per prefill rank, each reads 1/{k} of a prefill rank's heads")
+                      f"ranks per prefill rank, each reads 1/{k} of a prefill rank's heads, or one of them where "
+                      "the decode ranks hold replicas of one head")
     if theirs.get("kv_heads") != hr or mine.get("kv_heads") != hl:
         return None, (f"a block's {_short(hr)} head slots on the peer and {hl} here are not one per KV head (the "
                       f"peer's KV heads: {_short(theirs.get('kv_heads'))}, this worker's: {mine.get('kv_heads')}; the "
                       "attention backend packs its pages otherwise, e.g. FlashInfer's NVFP4 K slots then V slots): "
                       "no range of them is a decode rank's share of the heads")
+    if hr == 1:
+        return None, None                   # the prefill rank's one head, whole
     if theirs.get("pieces") != hr or mine.get("pieces") != hl:
         return None, (f"a decode rank reads a share of a prefill rank's heads from blocks of one piece per head "
                       f"(the peer's blocks: {_short(theirs.get('pieces'))} pieces for {hr} heads, this worker's: "
                       f"{_short(mine.get('pieces'))} for {hl}): run both instances with "
                       "VLLM_KV_CACHE_LAYOUT=LBHNC, at most 16 KV heads per prefill rank")
-    return (share * hl, (share + 1) * hl), None
+    return (first, first + n), None
 
 
 def _short(v: Any) -> str:
