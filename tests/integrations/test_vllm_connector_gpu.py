@@ -48,23 +48,26 @@ def test_gpu_prefill_to_decode(pair, dec):
     assert st["failed"] == 0 and st["transfers"] >= 64
 
 
-def test_gpu_tensor_parallel_ranks_read_their_own_shards(tmp_path):
-    """Prefill and decode at TP 2 (tests/integrations/test_vllm_tp.py's instances) with CUDA caches: each rank's
-    caches hold its half of the KV heads; decode rank i reads prefill rank i's; every byte of both ranks checked."""
+@pytest.mark.parametrize("p_tp, d_tp", [(2, 2), (1, 2)])
+def test_gpu_tensor_parallel_ranks_read_their_own_shards(tmp_path, p_tp, d_tp):
+    """Prefill and decode with CUDA caches (tests/integrations/test_vllm_tp.py's instances), four KV heads: at TP 2
+    and 2, decode rank i reads prefill rank i's half of the heads; at TP 1 and 2, decode rank i reads its two of
+    the prefill's four (a view of the prefill's pieces). Every byte of both ranks checked."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from vllm_instance import assert_idle, assert_loaded, decode, prefill
     model = write_model(str(tmp_path / "model"), num_key_value_heads=4)
     tm = {"token_major": True}
-    with running({"tP": dict(model_dir=model, block_size=64, tp=2, extra=tm, env=ENV, device="cuda", num_blocks=4096),
-                  "tD": dict(model_dir=model, block_size=32, tp=2, extra=tm, env=ENV, device="cuda",
+    with running({"tP": dict(model_dir=model, block_size=64, tp=p_tp, extra=tm, env=ENV, device="cuda",
+                             num_blocks=4096),
+                  "tD": dict(model_dir=model, block_size=32, tp=d_tp, extra=tm, env=ENV, device="cuda",
                              num_blocks=4096)}) as out:
         P, D = out["tP"], out["tD"]
-        assert P.info["heads"] == D.info["heads"] == [2, 2]
+        assert P.info["heads"] == [4 // p_tp] * p_tp and D.info["heads"] == [4 // d_tp] * d_tp
         reqs = [(f"t{i}", 100 + 61 * i, 9500 + i) for i in range(32)]
         res = decode(D, reqs, prefill(P, reqs))
         assert_loaded(res)
         assert_idle(P)
         st = D.call("stats")["stats"]
-        assert st["failed"] == 0 and st["transfers"] == 2 * len(reqs) and st["handshakes"] == 2
+        assert st["failed"] == 0 and st["transfers"] == d_tp * len(reqs) and st["handshakes"] == d_tp
