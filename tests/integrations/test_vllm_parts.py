@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from gpuxfer.errors import BadInput, LayoutMismatch
-from gpuxfer.integrations.vllm.channel import (MAX_FRAME, MAX_READERS, MAX_REQUEST_ID, SideChannelClient,
-                                               SideChannelServer, frame, message)
+from gpuxfer.integrations.vllm.channel import (MAX_FRAME, MAX_READERS, MAX_REQUEST_ID, ChannelClosed,
+                                               SideChannelClient, SideChannelServer, frame, message)
 from gpuxfer.integrations.vllm.handshake import INFO_VERSION, check_compatible, decode_info, describe_view, encode_info
 from gpuxfer.integrations.vllm.params import (BadTransferParams, build_params, pair_group, parse_remote_prefill,
                                               tokens_to_load)
@@ -292,7 +292,7 @@ def test_side_channel_limits():
             events.append(srv.events.get(timeout=5))
         assert events == [("done", "r1", 1, None), ("release", "r2", 1, None)]
         assert c.notify("done", ["a", "b", "c"])             # one message for a step's reads
-        assert [srv.events.get(timeout=5) for _ in range(3)] == [("done", "a", 1, None), ("done", "b", 1, None), ("done", "c", 1, None)]
+        assert [srv.events.get(timeout=5) for _ in range(3)] == [("done", r, 1, None) for r in "abc"]
         c.readers = 2                                       # one of two decode ranks reading this prefill rank
         assert c.notify("done", ["h"]) and srv.events.get(timeout=5) == ("done", "h", 2, None)
         assert c.notify("done", ["k", "n"], ["abc", None])                  # each request's hold key, if any
@@ -378,6 +378,46 @@ def test_connections_that_say_nothing_or_too_much_are_bounded(monkeypatch):
         c2.close()
         c.close()
     finally:
+        srv.close()
+
+
+def test_a_prefill_named_by_host_name_is_resolved_off_the_engine_thread(monkeypatch):
+    """A name's lookup (seconds where DNS is slow) runs on a thread: making the client and each pump return at
+    once; the handshake goes on once the name resolved; a name that does not resolve, or not within the
+    timeout, fails the handshake with a typed error (never a hang)."""
+    import time
+    real = socket.getaddrinfo
+    gate = threading.Event()
+
+    def lookup(host, port, *a, **kw):
+        if host.endswith(".slow"):
+            if kw.get("flags", 0) & socket.AI_NUMERICHOST:
+                raise socket.gaierror(socket.EAI_NONAME, "not numeric")
+            gate.wait(10)
+            if host == "bad.slow":
+                raise socket.gaierror(socket.EAI_NONAME, "no such host")
+            return real("127.0.0.1", port, *a, **kw)
+        return real(host, port, *a, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    srv = SideChannelServer("127.0.0.1", 0, lambda: (b"{}", b"meta"), timeout_s=5.0)
+    try:
+        t0 = time.monotonic()
+        c = SideChannelClient("prefill.slow", srv.port, 5.0)
+        bad = SideChannelClient("bad.slow", srv.port, 5.0)
+        late = SideChannelClient("late.slow", srv.port, 0.2)
+        assert c.pump() is None and bad.pump() is None and time.monotonic() - t0 < 0.5
+        time.sleep(0.3)
+        with pytest.raises(TimeoutError, match="not resolved"):
+            late.pump()
+        gate.set()
+        assert c.handshake() == (b"{}", b"meta")
+        with pytest.raises(ChannelClosed, match="resolving bad.slow"):
+            bad.handshake()
+        for x in (c, bad, late):
+            x.close()
+    finally:
+        gate.set()
         srv.close()
 
 

@@ -324,13 +324,16 @@ class SideChannelClient:
 
     def __init__(self, host: str, port: int, timeout_s: float):
         self.timeout_s = timeout_s
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        self._sock = socket.socket(family, kind, proto)
-        self._sock.setblocking(False)
-        err = self._sock.connect_ex(addr)
-        if err not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
-            self._sock.close()
-            raise ChannelClosed(f"connecting to {host}:{port} failed: {err}")
+        self._where = f"{host}:{port}"
+        self._sock: socket.socket | None = None
+        self._resolved: list = []               # a host name's address (or the error), from its resolver thread
+        try:
+            info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+        except socket.gaierror:                 # a name: resolved on a thread (a lookup may take seconds)
+            threading.Thread(target=self._resolve, args=(host, port), name="gpuxfer-vllm-resolve",
+                             daemon=True).start()
+        else:
+            self._connect(info[0])
         self._t0 = time.monotonic()
         self._sent = lease.now()                # before the hello leaves (the prefill reads its clock after)
         self.peer_clock: lease.PeerClock | None = None
@@ -352,14 +355,41 @@ class SideChannelClient:
         #: the handshake, before any message
         self.readers = 1
 
+    def _resolve(self, host: str, port: int) -> None:
+        try:
+            self._resolved.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0])
+        except (OSError, UnicodeError) as exc:
+            self._resolved.append(exc)
+
+    def _connect(self, info) -> None:
+        family, kind, proto, _, addr = info
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        err = sock.connect_ex(addr)
+        if err not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
+            sock.close()
+            raise ChannelClosed(f"connecting to {self._where} failed: {err}")
+        self._sock = sock
+
     def pump(self) -> tuple[bytes, bytes] | None:
         """Advance the handshake without blocking: ``(description, metadata)`` once both arrived, None
-        before; :class:`ChannelClosed` when the prefill end failed it, :class:`TimeoutError` past ``timeout_s``."""
+        before; :class:`ChannelClosed` when the prefill end failed it (or its host name did not resolve),
+        :class:`TimeoutError` past ``timeout_s``."""
         if self.peer_clock is not None:
             return self._got[0], self._got[1]
         if self._closed:
             raise ChannelClosed(self.closed_reason or "closed")
         try:
+            if self._sock is None:
+                if not self._resolved:
+                    if time.monotonic() - self._t0 > self.timeout_s:
+                        self._fail(f"{self._where} not resolved within {self.timeout_s:g} s")
+                        raise TimeoutError(self.closed_reason)
+                    return None
+                got = self._resolved[0]
+                if isinstance(got, Exception):
+                    raise ChannelClosed(f"resolving {self._where} failed: {got}")
+                self._connect(got)
             if self._out:
                 _send_some(self._sock, self._out)
             data = _recv_some(self._sock)
@@ -513,6 +543,8 @@ class SideChannelClient:
             self._sender.join(timeout=1.0)
             self._stopping = True
             self._sender.join(timeout=1.0)
+        if self._sock is None:                  # (closed while its host name was resolved)
+            return
         try:
             self._sock.shutdown(socket.SHUT_RDWR)      # a send still under way fails now
         except OSError:

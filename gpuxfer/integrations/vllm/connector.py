@@ -49,8 +49,8 @@ class GpuxferStats(KVConnectorStats):
 
     def reset(self):
         self.data = {"transfers": 0, "failed": 0, "bytes": 0, "handshakes": 0, "leases_expired": 0,
-                     "sends_done": 0, "forged": 0, "device_id_loads": 0, "host_id_loads": 0, "post_host_s": [], "xfer_s": [],
-                     "handshake_s": []}
+                     "sends_done": 0, "forged": 0, "device_id_loads": 0, "host_id_loads": 0, "post_host_s": [],
+                     "xfer_s": [], "handshake_s": []}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in other.data.items():
