@@ -123,6 +123,20 @@ PACK_SLOT_BYTES = 192 << 20
 PACK_SLOT_BYTES_EMULATION = 1 << 20
 
 
+def _piece_range(name: str, rng, layers, whose: str) -> tuple[int, int]:
+    """``rng`` as ``(start, stop)`` inside every layer's pieces (``layers``: a group's :class:`KVLayer` objects);
+    :class:`BadInput` naming ``whose`` layers otherwise."""
+    if (not isinstance(rng, (tuple, list)) or len(rng) != 2
+            or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in rng)):
+        raise BadInput(f"pieces[{name!r}] must be (start, stop), got {rng!r:.80}")
+    a, b = int(rng[0]), int(rng[1])
+    for lay in layers:
+        if not 0 <= a < b <= len(lay.pieces):
+            raise BadInput(f"pieces[{name!r}] = ({a}, {b}), but layer {lay.name!r} of {whose} has "
+                           f"{len(lay.pieces)} pieces per block")
+    return a, b
+
+
 def _piece_view(meta, pieces: Mapping[str, tuple[int, int]]):
     """``meta`` with each named group's layers cut to their pieces ``[start, stop)`` (a subset of checked pieces:
     every byte still inside its layer); :class:`BadInput` naming a group the peer lacks or a range past a layer's
@@ -134,17 +148,26 @@ def _piece_view(meta, pieces: Mapping[str, tuple[int, int]]):
         g = groups.get(name)
         if g is None:
             raise BadInput(f"pieces names group {name!r}; peer {meta.agent!r} has groups {sorted(groups)}")
-        if (not isinstance(rng, (tuple, list)) or len(rng) != 2
-                or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in rng)):
-            raise BadInput(f"pieces[{name!r}] must be (start, stop), got {rng!r:.80}")
-        a, b = int(rng[0]), int(rng[1])
-        for lay, _, _ in g.layers:
-            if not 0 <= a < b <= len(lay.pieces):
-                raise BadInput(f"pieces[{name!r}] = ({a}, {b}), but layer {lay.name!r} of peer {meta.agent!r} has "
-                               f"{len(lay.pieces)} pieces per block")
+        a, b = _piece_range(name, rng, [lay for lay, _, _ in g.layers], f"peer {meta.agent!r}")
         groups[name] = dataclasses.replace(g, layers=tuple(
             (dataclasses.replace(lay, pieces=lay.pieces[a:b]), alloc, off) for lay, alloc, off in g.layers))
     return dataclasses.replace(meta, groups=tuple(groups[g.name] for g in meta.groups))
+
+
+def _local_view(registry, pieces: Mapping[str, tuple[int, int]]) -> dict:
+    """This agent's groups named in ``pieces``, their layers cut to pieces ``[start, stop)`` (as
+    :func:`_piece_view` cuts a peer's): ``{group: _Group}``."""
+    if not isinstance(pieces, Mapping):
+        raise BadInput(f"local_pieces must map group -> (start, stop), got {type(pieces).__name__}")
+    out = {}
+    for name, rng in pieces.items():
+        g = registry.groups.get(name)
+        if g is None:
+            raise BadInput(f"local_pieces names group {name!r}; this agent has groups {sorted(registry.groups)}")
+        a, b = _piece_range(name, rng, g.layers, "this agent")
+        out[name] = _Group(g.name, g.block_tokens, [dataclasses.replace(lay, pieces=lay.pieces[a:b])
+                                                    for lay in g.layers], g.flats)
+    return out
 
 
 def _notify_value(value) -> int:
@@ -373,18 +396,22 @@ class KVAgent(Closable, FailsOnTimeout):
         return encode_metadata(body)
 
     def add_peer(self, metadata: bytes, *, route: str | None = None,
-                 pieces: Mapping[str, tuple[int, int]] | None = None) -> KVPeer:
+                 pieces: Mapping[str, tuple[int, int]] | None = None,
+                 local_pieces: Mapping[str, tuple[int, int]] | None = None) -> KVPeer:
         """Add the agent whose :meth:`metadata` these bytes are: map its caches and notification words.
 
         ``route``: ``"auto"`` (IPC on this host, NIXL to another), ``"ipc"``, ``"nixl"`` (both agents made with
         ``remote="nixl"``; :mod:`gpuxfer.kv.nixl_route`) or None (``GPUXFER_KV_ROUTE``); see :attr:`KVPeer.route`.
         ``pieces``: ``{group: (start, stop)}``: every layer of the peer's group is seen through its pieces
         ``[start, stop)`` only (e.g. the heads one tensor parallel rank of this side holds, of a peer holding
-        several ranks' heads, one piece per head); transfers then pair this side's pieces with those."""
+        several ranks' heads, one piece per head); transfers then pair this side's pieces with those.
+        ``local_pieces``: the same for this agent's own layers in transfers with this peer (the heads of this
+        side's blocks that a peer holding fewer heads supplies); the ``ipc`` route, not the ``pack`` engine."""
         self._poster.check_open()
         meta = decode_metadata(metadata)
         if pieces:
             meta = _piece_view(meta, pieces)
+        local_view = _local_view(self._registry, local_pieces) if local_pieces else None
         if meta.platform != self.platform.name:
             raise BadMetadata(f"peer {meta.agent!r} runs on platform {meta.platform!r}, this agent on "
                               f"{self.platform.name!r}")
@@ -394,21 +421,27 @@ class KVAgent(Closable, FailsOnTimeout):
         reg = self._registry
         if meta.agent in reg.peers:
             raise BadInput(f"peer {meta.agent!r} is already added (remove_peer first)")
+        if local_pieces and route == "nixl":
+            raise BadInput(f"peer {meta.agent!r}: a view of this agent's pieces needs the ipc route")
         if route == "nixl":
             nixl_peer = NixlPeer(self, meta, self.nixl, reg, self._poster)
             with reg.lock:
                 reg.peers[meta.agent] = nixl_peer
             log.info("agent %s: peer %s (host %s) over the nixl route", self.name, meta.agent, meta.host)
             return nixl_peer
-        if pieces and meta.pid == os.getpid() and meta.namespace == process_namespace():
+        if (pieces or local_pieces) and meta.pid == os.getpid() and meta.namespace == process_namespace():
             raise BadInput(f"peer {meta.agent!r}: a view of its pieces needs a peer in another process")
         if self.staging is not None and meta.staging is not None and meta.slot_bytes != self.slot_bytes:
             # each side addresses the pair's staging slots by its own slot size
             raise LayoutMismatch(f"peer {meta.agent!r} has {meta.slot_bytes}-byte staging slots, agent "
                                  f"{self.name!r} {self.slot_bytes}-byte ones: the pack engine needs equal slot_bytes")
         peer = KVPeer(self, meta, self._poster.calls)
+        peer.local_view = local_view
         try:        # the peer is the agent's only once every step that can fail is behind it
             peer.engine = peer_engine(self.engine, self.auto_engine, peer.name, peer.addressable)
+            if local_view and peer.engine == "pack":
+                raise BadInput(f"peer {meta.agent!r}: the pack engine's two sides move whole blocks (a view of "
+                               "this agent's pieces needs the triton or copy_engine engine)")
             if self.engine == "pack":
                 peer.flags.probe_one_sided(self.timeout_s)
             routes = self._warm(peer)

@@ -154,6 +154,7 @@ class KVPeer(Closable):
 
     route = "ipc"
     _held = None                            # a peer agent of this process: its _Shared, held while this is open
+    local_view = None                       # {group: this agent's _Group seen through some pieces} (add_peer)
 
     def __init__(self, agent, meta: PeerMetadata, calls):
         """``agent``: the :class:`~gpuxfer.kv.agent.KVAgent` adding it; ``calls``: the calls of that agent's
