@@ -232,18 +232,30 @@ def test_compatibility_of_tensor_parallel_sizes():
     """A decode of k times the prefill's TP size: rank i reads prefill rank i // k, its share of the heads (one
     piece per head on both sides), the one head it holds where ranks outnumber the KV heads, or an MLA latent
     whole; anything else is refused by name."""
-    assert check_compatible(tp_info(1, 2, 4), tp_info(1, 2, 4)) == {}
-    assert check_compatible(tp_info(1, 2, 2), tp_info(0, 1, 4)) == {0: (2, 4)}
-    assert check_compatible(tp_info(2, 4, 1), tp_info(1, 2, 2)) == {0: (0, 1)}
-    assert check_compatible(tp_info(3, 4, 1, kind="MLAAttentionSpec"), tp_info(0, 1, 1, kind="MLAAttentionSpec")) == {}
+    def views(local, remote):
+        return check_compatible(local, remote).remote
+    mla = dict(kind="MLAAttentionSpec")
+    assert check_compatible(tp_info(1, 2, 4), tp_info(1, 2, 4)) == ({}, {}, frozenset())
+    assert views(tp_info(1, 2, 2), tp_info(0, 1, 4)) == {0: (2, 4)}
+    assert views(tp_info(2, 4, 1), tp_info(1, 2, 2)) == {0: (0, 1)}
+    assert views(tp_info(3, 4, 1, **mla), tp_info(0, 1, 1, **mla)) == {}
     # more decode ranks than KV heads: rank r holds head r * H // TP, a replica shared with its neighbours
-    assert check_compatible(tp_info(1, 2, 1), tp_info(0, 1, 1)) == {}                       # MQA: the one head
-    assert [check_compatible(tp_info(r, 4, 1), tp_info(0, 1, 2))[0] for r in range(4)] == [(0, 1), (0, 1), (1, 2),
-                                                                                           (1, 2)]
-    assert check_compatible(tp_info(3, 4, 1), tp_info(1, 2, 1)) == {}                       # 2 heads, TP 2 -> 4
-    assert [check_compatible(tp_info(r, 8, 1), tp_info(0, 1, 4))[0][0] for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert views(tp_info(1, 2, 1), tp_info(0, 1, 1)) == {}                       # MQA: the one head
+    assert [views(tp_info(r, 4, 1), tp_info(0, 1, 2))[0] for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert views(tp_info(3, 4, 1), tp_info(1, 2, 1)) == {}                       # 2 heads, TP 2 -> 4
+    assert [views(tp_info(r, 8, 1), tp_info(0, 1, 4))[0][0] for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    # a prefill of m times the decode's size: decode rank i reads prefill ranks i * m .. i * m + m - 1, each into
+    # its part of this rank's heads; an MLA latent from the first of them alone
+    assert [check_compatible(tp_info(0, 1, 4), tp_info(r, 2, 2)).local for r in range(2)] == [{0: (0, 2)}, {0: (2, 4)}]
+    assert [check_compatible(tp_info(1, 2, 2), tp_info(r, 4, 1)).local for r in (2, 3)] == [{0: (0, 1)}, {0: (1, 2)}]
+    assert [check_compatible(tp_info(0, 1, 1, **mla), tp_info(r, 4, 1, **mla)).skip for r in range(4)] == \
+        [frozenset(), {0}, {0}, {0}]
+    assert views(tp_info(0, 1, 4), tp_info(1, 2, 2)) == {}
     for local, remote, says in [
-            (tp_info(0, 1, 4), tp_info(0, 2, 2), "tensor parallel size: this instance 1, the peer 2"),
+            (tp_info(1, 2, 2), tp_info(1, 4, 1), "this worker 1 reads prefill ranks 2 to 3, the peer is rank 1"),
+            (tp_info(0, 1, 4), tp_info(0, 2, 4), "1/2 of a decode rank's heads"),
+            (tp_info(0, 1, 4, pieces=1), tp_info(0, 2, 2), "VLLM_KV_CACHE_LAYOUT=LBHNC"),
+            (tp_info(0, 1, 4), tp_info(1, 2, 2, kv_heads=None), "not one per KV head"),
             (tp_info(0, 3, 2), tp_info(0, 2, 3), "tensor parallel size: this instance 3, the peer 2"),
             (tp_info(1, 2, 4), tp_info(0, 2, 4), "this worker 1 reads prefill rank 1, the peer is rank 0"),
             (tp_info(2, 4, 1), tp_info(0, 2, 2), "this worker 2 reads prefill rank 1, the peer is rank 0"),
@@ -1049,4 +1061,4 @@ def test_head_slots_that_are_not_kv_heads_are_not_split_between_decode_ranks(hos
         check_compatible(decode, prefill)
     plain_p = _connector_info(host, spec(4), 4, (0, 1))
     plain_d = _connector_info(host, spec(2), 2, (1, 2))
-    assert check_compatible(plain_d, plain_p) == {0: (2, 4)}
+    assert check_compatible(plain_d, plain_p).remote == {0: (2, 4)}

@@ -1,9 +1,8 @@
 """GpuxferConnector with tensor parallelism against vLLM 0.33's real Scheduler: instances of two ranks
 (tests/integrations/vllm_instance.py, ``tp=2``: one worker-side connector per rank, each with its own caches
 holding its half of the KV heads, their outputs combined by vLLM's ``KVOutputAggregator``). Decode rank i reads
-prefill rank i's shard; a decode of twice the prefill's TP size reads half a prefill rank's heads per rank; every
-loaded byte of both ranks is checked. A decode of a smaller TP size is refused at the handshake: its loads fail,
-with the reason logged.
+prefill rank i's shard; a decode of twice the prefill's TP size reads half a prefill rank's heads per rank, and one
+of half the prefill's reads two prefill ranks into its heads; every loaded byte of every rank is checked.
 """
 from __future__ import annotations
 
@@ -77,10 +76,42 @@ def _refused(P, D, reqs, want: list[str]) -> None:
         P.call("set_lease", 120.0)
 
 
-def test_prefill_tp2_decode_tp1_is_refused(inst):
-    # a decode rank reads one prefill rank: a prefill of more ranks has none for it (no handshake is made)
-    _refused(inst["P2"], inst["D1"], [(f"m{i}", 100 + i, 2000 + i) for i in range(4)],
-             ["has no rank for decode rank 0 of 1"])
+def test_decode_of_half_the_prefills_tp_reads_both_ranks_into_its_heads(inst):
+    """P2's ranks hold two of four heads each; D1's one rank reads both (prefill rank j into its heads 2j and
+    2j + 1, a view of its own blocks' pieces), reported once both reads ended; each prefill rank frees the request
+    on its own done word."""
+    P, D = inst["P2"], inst["D1"]
+    before = P.call("stats")["stats"]
+    D.call("stats", True)
+    reqs = [(f"m{i}", 45 + 37 * i, 2000 + i) for i in range(12)]
+    assert_loaded(decode(D, reqs, prefill(P, reqs)))
+    s = assert_idle(P)["stats"]
+    assert s["sends_done"] == before.get("sends_done", 0) + 2 * len(reqs)        # both prefill ranks
+    assert s.get("leases_expired", 0) == before.get("leases_expired", 0)
+    st = D.call("stats")["stats"]
+    assert st["handshakes"] == 2 and st["transfers"] == 2 * len(reqs) and st["failed"] == 0
+    assert_idle(D)
+
+
+def test_a_decode_whose_read_from_one_of_two_prefill_ranks_fails_recomputes_after_both_ended(inst):
+    """D1 reads P2's rank 0 and cannot reach rank 1 (params pointing it elsewhere): the load fails (vLLM
+    recomputes it) once rank 0's read ended too; rank 0 frees the blocks on its done word, rank 1 at its lease."""
+    P, D = inst["P2"], inst["D1"]
+    before = P.call("stats")["stats"]
+    P.call("set_lease", 10.0)
+    try:
+        reqs = [(f"k{i}", 120 + i, 7500 + i) for i in range(3)]
+        params = prefill(P, reqs)
+        nobody = free_port()
+        for p in params.values():
+            p["remote_endpoints"][1] = ["127.0.0.1", nobody]
+        assert_failed(D, decode(D, reqs, params, timeout=60))
+        s = assert_idle(P, timeout=60)["stats"]
+    finally:
+        P.call("set_lease", 120.0)
+    assert s["sends_done"] == before.get("sends_done", 0) + len(reqs)              # rank 0's
+    assert s["leases_expired"] == before.get("leases_expired", 0) + len(reqs)      # rank 1's
+    assert_idle(D)
 
 
 def test_decode_of_twice_the_prefills_tp_reads_half_its_heads_per_rank(inst):

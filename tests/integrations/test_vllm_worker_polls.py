@@ -80,7 +80,7 @@ def _in_flight(w: WorkerSide, n: int, deadline: float, *, clock=None, timeout_s:
         rp = RemotePrefill(e, "127.0.0.1", r.key[1], f"{e}{i}", (np.arange(1, 3),), (16,), deadline)
         st = _LoadState(Load(f"{'n' if nixl else 'd'}{i}", rp, (np.arange(10 + 2 * i, 12 + 2 * i),), 0, 31), 0.0,
                         remote=r, handle=_Handle(), t_post=time.perf_counter())
-        w.decode.pending[st.load.req_id] = st
+        w.decode.pending[st.key] = st
         (w.decode.unordered if nixl else w.decode.inflight).append(st)
         r.inflight += 1
         r.loads += 1
@@ -115,7 +115,7 @@ def test_a_read_seen_complete_after_its_lease_fails():
     assert w.poll() == (set(), {"d0"}, {"d0"})
     assert r.client.sent == [("release", ["p0"])]
     assert w.take_load_errors() == {10, 11}
-    assert list(w.decode.pending) == ["d1"]
+    assert list(w.decode.pending) == [("d1", 0)]
 
 
 def test_holds_end_on_the_decode_sides_word_or_at_their_lease():
@@ -195,7 +195,7 @@ def test_a_decode_rank_sharing_a_prefill_rank_says_so_in_each_message(monkeypatc
 
     added = []
 
-    def add_peer(meta, route=None, pieces=None):
+    def add_peer(meta, route=None, pieces=None, local_pieces=None):
         added.append(pieces)
         raise GpuxferError("no mapping here")
 
@@ -211,6 +211,64 @@ def test_a_decode_rank_sharing_a_prefill_rank_says_so_in_each_message(monkeypatc
     (r,) = w.decode.remotes.values()
     assert added == [{"g0": (2, 4)}] and r.state == "failed"
     assert r.client.sent == [("release", ["p0"], 2)]
+
+
+def test_a_load_read_from_two_prefill_ranks_ends_once_both_reads_did():
+    """A decode of TP 1 reads a prefill of TP 2 (one read per prefill rank). The read from rank 1 failing is not
+    reported while rank 0's read may still write the blocks: the load fails, its blocks reported as load errors,
+    only once that read completed; each prefill rank hears of its own read (done, release)."""
+    import types
+    w = _worker()
+    w.decode.agent = types.SimpleNamespace(timeout_s=60.0)
+    ranks = [_Remote(("127.0.0.1", port, "p"), state="ready", client=_Client()) for port in (1, 2)]
+    for r in ranks:
+        w.decode.remotes[r.key] = r
+    rp = RemotePrefill("p", "127.0.0.1", 1, "p0", (np.arange(1, 3),), (16,), now() + 60,
+                       (("127.0.0.1", 1), ("127.0.0.1", 2)))
+    load = Load("d0", rp, (np.array([7, 8]),), 0, 31)
+    w.decode._parts["d0"] = [2, False]
+    for part, r in enumerate(ranks):
+        st = _LoadState(load, 0.0, remote=r, handle=_Handle(), t_post=time.perf_counter(), part=part)
+        w.decode.pending[st.key] = st
+        w.decode.inflight.append(st)
+        r.inflight += 1
+        r.loads += 1
+    first, second = w.decode.inflight
+    second.handle.error, second.handle.finished = BlockIdError("refused on the device"), True
+    assert w.poll() == (set(), set(), set())            # (post order: the second waits behind the first)
+    assert w.take_load_errors() == set()
+    first.handle.finished = True
+    assert w.poll() == (set(), {"d0"}, {"d0"})
+    assert w.take_load_errors() == {7, 8}
+    assert ranks[0].client.sent == [("done", ["p0"])] and ranks[1].client.sent == [("release", ["p0"])]
+    assert not w.decode.pending and not w.decode._parts
+
+
+def test_a_load_whose_first_read_fails_waits_for_its_other_read():
+    """The same with the read from rank 0 failing first (reads of another engine, or on the NIXL route, end in
+    any order): nothing is reported until rank 1's read ended."""
+    import types
+    w = _worker()
+    w.decode.agent = types.SimpleNamespace(timeout_s=60.0)
+    ranks = [_Remote(("127.0.0.1", port, "p"), state="ready", client=_Client(), ordered=False) for port in (1, 2)]
+    for r in ranks:
+        w.decode.remotes[r.key] = r
+    rp = RemotePrefill("p", "127.0.0.1", 1, "p0", (np.arange(1, 3),), (16,), now() + 60,
+                       (("127.0.0.1", 1), ("127.0.0.1", 2)))
+    load = Load("d0", rp, (np.array([7, 8]),), 0, 31)
+    w.decode._parts["d0"] = [2, False]
+    sts = []
+    for part, r in enumerate(ranks):
+        st = _LoadState(load, 0.0, remote=r, handle=_Handle(), t_post=time.perf_counter(), part=part)
+        w.decode.pending[st.key] = st
+        w.decode.unordered.append(st)
+        r.inflight += 1
+        r.loads += 1
+        sts.append(st)
+    sts[0].handle.error, sts[0].handle.finished = GpuxferError("NIXL said no"), True
+    assert w.poll() == (set(), set(), set()) and w.take_load_errors() == set()
+    sts[1].handle.finished = True
+    assert w.poll() == (set(), {"d0"}, {"d0"}) and w.take_load_errors() == {7, 8}
 
 
 def _reference_one(sort_by_dst: bool, s: np.ndarray, d: np.ndarray):
@@ -275,7 +333,7 @@ def test_a_read_of_several_refused_on_the_device_goes_again_with_host_ids():
     w.decode._post = lambda ready, blocking: posted.append([st.load.req_id for st in ready])
     assert w.poll() == (set(), {"d2"}, set())
     assert posted == [["d0", "d1"]] and all(st.host_ids and st.together == 1 for st in sts[:2])
-    assert set(w.decode.waiting) == {"d0", "d1"} and r.inflight == 0 and r.loads == 2
+    assert set(w.decode.waiting) == {("d0", 0), ("d1", 0)} and r.inflight == 0 and r.loads == 2
 
 
 def test_a_gone_engine_is_forgotten_once_no_load_names_it():
@@ -393,8 +451,9 @@ def test_the_handshake_carries_the_prefills_clock_and_refuses_a_bad_one():
 
 def test_a_decode_rank_talks_to_its_own_prefill_rank_and_a_load_naming_no_such_rank_fails_alone(caplog):
     """Rank 1 of 2: a release goes to the prefill's rank 1 (its endpoint in the params), or to rank 0 of a prefill
-    of one rank (both decode ranks read shares of its heads); a load whose params name four ranks (a prefill
-    size that does not divide this one's) fails at once, its blocks reported as load errors, the reason logged."""
+    of one rank (both decode ranks read shares of its heads); a load whose params name three ranks (a prefill
+    size neither dividing this one's nor a multiple of it) fails at once, its blocks reported as load errors, the
+    reason logged."""
     import types
     w = WorkerSide(engine_id="d", model="m", dtype="auto/float16", layout=None,
                    groups=[("FullAttentionSpec", 16, ["l0"])],
@@ -409,8 +468,8 @@ def test_a_decode_rank_talks_to_its_own_prefill_rank_and_a_load_naming_no_such_r
     w.release([RemotePrefill("p", "127.0.0.1", 1, "p0", ids, (16,), now() + 60, two),
                RemotePrefill("p", "127.0.0.1", 1, "p1", ids, (16,), now() + 60)])
     assert ranks[0].client.sent == [("release", ["p1"])] and ranks[1].client.sent == [("release", ["p0"])]
-    four = RemotePrefill("p", "127.0.0.1", 1, "p2", ids, (16,), now() + 60, two + (("127.0.0.1", 3), ("127.0.0.1", 4)))
-    w.start_loads([Load("d2", four, (np.array([7, 8]),), 0, 31)])
+    three = RemotePrefill("p", "127.0.0.1", 1, "p2", ids, (16,), now() + 60, two + (("127.0.0.1", 3),))
+    w.start_loads([Load("d2", three, (np.array([7, 8]),), 0, 31)])
     _, recving, failed = w.poll()
     assert recving == failed == {"d2"}
     assert w.take_load_errors() == {7, 8}

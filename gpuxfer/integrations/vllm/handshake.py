@@ -13,7 +13,7 @@ token. Only token-major layers pair different block sizes.
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from ...errors import BadInput, LayoutMismatch
 from ...kv.layers import KVLayerSpec
@@ -103,7 +103,24 @@ def readers(local: dict, remote: dict) -> int:
     return lt // rt if type(rt) is int and 1 <= rt <= lt and lt % rt == 0 else 1
 
 
-def check_compatible(local: dict, remote: dict) -> dict[int, tuple[int, int]]:
+def sources(local: dict, remote: dict) -> int:
+    """How many prefill ranks one decode rank reads from: the prefill's tensor parallel size over the decode's
+    where it is a multiple of it, else 1. ``local``: this (decode) worker's description."""
+    lt, rt = local.get("tp_size", 1), remote.get("tp_size", 1)
+    return rt // lt if type(rt) is int and type(lt) is int and 1 <= lt < rt and rt % lt == 0 else 1
+
+
+class Pairing(NamedTuple):
+    """How this (decode) worker reads one prefill rank, per group index: the pieces ``[start, stop)`` of the
+    peer's blocks to read (``remote``), of this worker's blocks to write (``local``), and the groups it reads
+    nothing of (``skip``: an MLA latent another prefill rank supplies). Empty everywhere: whole blocks."""
+
+    remote: dict
+    local: dict
+    skip: frozenset
+
+
+def check_compatible(local: dict, remote: dict) -> Pairing:
     """Raise :class:`LayoutMismatch` naming every difference that keeps this (decode) worker from reading the
     peer: tensor parallel sizes (the same, or the decode's ``k`` times the prefill's) and ranks (decode rank i
     reads prefill rank ``i // k``), model, KV dtype, groups (kind, layers, heads, bytes per token), block sizes
@@ -112,17 +129,23 @@ def check_compatible(local: dict, remote: dict) -> dict[int, tuple[int, int]]:
     With ``k`` > 1 a decode rank reads its share of the prefill rank's heads: share ``i % k`` of an MHA group's
     ``k`` times as many heads, which needs one piece per head on both sides (head-major blocks, vLLM's
     ``LBHNC`` layout); where the decode ranks outnumber the KV heads (each holds a replica of one), the one head
-    it holds; or an MLA group's whole latent. Returns, per group index read by a share of its heads,
-    the pieces ``[start, stop)`` of the peer's blocks to read (empty: whole blocks)."""
+    it holds; or an MLA group's whole latent. With the prefill's size ``m`` times the decode's, decode rank i
+    reads prefill ranks ``i * m`` to ``i * m + m - 1``, each into its part of this worker's heads (the peer's j-th
+    of them: this worker's heads ``j * h`` to ``(j + 1) * h``), an MLA latent from the first alone."""
     problems: list[str] = []
-    views: dict[int, tuple[int, int]] = {}
+    remote_views: dict[int, tuple[int, int]] = {}
+    local_views: dict[int, tuple[int, int]] = {}
+    skip: set[int] = set()
     lt, rt = local.get("tp_size", 1), remote.get("tp_size", 1)
     lr, rr = local.get("tp_rank", 0), remote.get("tp_rank", 0)
-    k = readers(local, remote)
-    if lt != rt and k == 1:
-        problems.append(f"tensor parallel size: this instance {_short(lt)}, the peer {_short(rt)} (the decode "
-                        "instance's must be the prefill's or a multiple of it)")
-    elif rr != lr // k:
+    k, m = readers(local, remote), sources(local, remote)
+    if lt != rt and k == 1 and m == 1:
+        problems.append(f"tensor parallel size: this instance {_short(lt)}, the peer {_short(rt)} (one must be a "
+                        "multiple of the other)")
+    elif m > 1 and (type(rr) is not int or rr // m != lr):
+        problems.append(f"tensor parallel rank: this worker {_short(lr)} reads prefill ranks {lr * m} to "
+                        f"{lr * m + m - 1}, the peer is rank {_short(rr)}")
+    elif m == 1 and rr != lr // k:
         problems.append(f"tensor parallel rank: this worker {_short(lr)} reads prefill rank {lr // k}, the peer is "
                         f"rank {_short(rr)}")
     for key in ("model", "dtype"):
@@ -132,7 +155,7 @@ def check_compatible(local: dict, remote: dict) -> dict[int, tuple[int, int]]:
     if len(lg) != len(rg):
         problems.append(f"KV-cache groups: this instance has {len(lg)}, the peer {len(rg)}")
     for i, (a, b) in enumerate(zip(lg, rg)):
-        for key in ("kind", "layers") if k > 1 else ("kind", "layers", "bytes_per_token"):
+        for key in ("kind", "layers") if k > 1 or m > 1 else ("kind", "layers", "bytes_per_token"):
             if a.get(key) != b.get(key):
                 problems.append(f"group {i} {key}: this instance {_short(a.get(key))}, the peer {_short(b.get(key))}")
         if k > 1:
@@ -140,7 +163,15 @@ def check_compatible(local: dict, remote: dict) -> dict[int, tuple[int, int]]:
             if why:
                 problems.append(f"group {i}: {why}")
             elif view is not None:
-                views[i] = view
+                remote_views[i] = view
+        elif m > 1 and type(rr) is int:
+            view, why = _head_part(a, b, m, rr % m)
+            if why:
+                problems.append(f"group {i}: {why}")
+            elif view == "skip":
+                skip.add(i)
+            elif view is not None:
+                local_views[i] = view
         ka, kb = a["kernel_tokens"], b["kernel_tokens"]
         if ka != kb:
             if ka % kb and kb % ka:
@@ -153,7 +184,43 @@ def check_compatible(local: dict, remote: dict) -> dict[int, tuple[int, int]]:
     if problems:
         raise LayoutMismatch(f"engine {remote.get('engine_id')!r} cannot pair with engine "
                              f"{local.get('engine_id')!r}: " + "; ".join(problems))
-    return views
+    return Pairing(remote_views, local_views, frozenset(skip))
+
+
+def _contents(mine: dict, theirs: dict) -> tuple:
+    """``(heads, content bytes, bytes per token)`` of a group on each side (zeros where a peer's are not
+    positive ints)."""
+    def pair(g):
+        c = g.get("content")
+        ok = isinstance(c, list) and len(c) == 2 and all(type(x) is int and x > 0 for x in c)
+        return tuple(c) if ok else (0, 0)
+    (hl, cl), (hr, cr) = pair(mine), pair(theirs)
+    return hl, cl, mine.get("bytes_per_token"), hr, cr, theirs.get("bytes_per_token")
+
+
+def _head_part(mine: dict, theirs: dict, m: int, part: int) -> tuple:
+    """``(pieces of this worker's blocks the peer writes, or None for whole blocks, or "skip", None)`` for the
+    peer that is prefill rank ``part`` of this worker's ``m``, of one group, or ``(None, why not)``."""
+    hl, cl, bl, hr, cr, br = _contents(mine, theirs)
+    if "MLA" in str(mine.get("kind")):         # a latent every prefill rank holds whole: read from the first
+        if hl == hr and cl == cr and bl == br:
+            return ("skip" if part else None), None
+        return None, (f"an MLA latent is read whole, but the peer's ranks hold {_short(hr)} heads of {_short(cr)} "
+                      f"bytes per token, this worker's {hl} of {cl}")
+    if not (hr and hl == m * hr and cl == cr and type(br) is int and bl == m * br):
+        return None, (f"the peer's ranks hold {_short(hr)} heads of {_short(cr)} bytes per token "
+                      f"({_short(br)} bytes per token in all), this worker's {hl} of {cl} ({bl}): with {m} prefill "
+                      f"ranks per decode rank, each supplies 1/{m} of a decode rank's heads")
+    if theirs.get("kv_heads") != hr or mine.get("kv_heads") != hl:
+        return None, (f"a block's {_short(hr)} head slots on the peer and {hl} here are not one per KV head (the "
+                      f"peer's KV heads: {_short(theirs.get('kv_heads'))}, this worker's: {mine.get('kv_heads')}): "
+                      "no range of this worker's slots is a prefill rank's heads")
+    if mine.get("pieces") != hl or (hr > 1 and theirs.get("pieces") != hr):
+        return None, (f"a prefill rank writes its part of a decode rank's heads into blocks of one piece per head "
+                      f"(this worker's blocks: {_short(mine.get('pieces'))} pieces for {hl} heads, the peer's: "
+                      f"{_short(theirs.get('pieces'))} for {hr}): run both instances with "
+                      "VLLM_KV_CACHE_LAYOUT=LBHNC, at most 16 KV heads per decode rank")
+    return (part * hr, (part + 1) * hr), None
 
 
 def _head_share(mine: dict, theirs: dict, k: int, share: int) -> tuple[tuple[int, int] | None, str | None]:

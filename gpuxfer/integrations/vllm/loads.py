@@ -28,7 +28,7 @@ from ...errors import BlockIdError, GpuxferError
 from . import lease
 from .channel import SideChannelClient
 from .handshake import agent_name, check_compatible, decode_info, readers
-from .params import BadTransferParams, RemotePrefill, pair_group
+from .params import BadTransferParams, RemotePrefill, pair_group, source_ranks
 from .staging import IdStaging
 
 log = logging.getLogger("gpuxfer.vllm")
@@ -66,6 +66,11 @@ class _LoadState:
     device_ids: bool = False                # posted with its block IDs on the device
     host_ids: bool = False                  # post with host IDs (a read of several failed the device check)
     late: bool = False                      # a NIXL read logged as running past the agent's timeout
+    part: int = 0                           # which of the load's prefill ranks this reads (a prefill of more ranks)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.load.req_id, self.part
 
 
 @dataclass
@@ -77,6 +82,8 @@ class _Remote:
     info: dict | None = None
     groups: tuple = ()                      # per group: (block size, kernel tokens) from its handshake
     views: dict = field(default_factory=dict)   # {group name: (start, stop)}: the pieces (heads) of its blocks read
+    local_views: dict = field(default_factory=dict)     # ... of this worker's blocks it writes
+    skip: frozenset = frozenset()           # names of the groups read from another prefill rank
     rank: int = 0                           # its tensor parallel rank and size
     world: int = 1
     meta: bytes | None = None
@@ -120,6 +127,8 @@ class DecodeLoads:
         # (vLLM gives each of a request's n > 1 children the parent's params) fails at once, sending nothing. Kept
         # until the lease ran out on the engine's clock (a read after it fails anyway).
         self.claims: dict[tuple, tuple[_Remote, float]] = {}
+        # loads read from several prefill ranks: request -> [reads not reported yet, whether one failed]
+        self._parts: dict[str, list] = {}
         self._prune_claims_at = 1024
 
     def bind(self, agent, info: dict, kernel_tokens: list[int], bytes_per_block: list[int],
@@ -136,26 +145,30 @@ class DecodeLoads:
         now = time.monotonic()
         ready = []
         for load in loads:
-            st = self.pending[load.req_id] = _LoadState(load, now)
             try:
-                key = load.remote.endpoint_of(self.tp_rank, self.tp_size)
-            except BadTransferParams as exc:       # a prefill of fewer ranks: fails (and is logged) at the poll
+                keys = load.remote.endpoints_of(self.tp_rank, self.tp_size)
+            except BadTransferParams as exc:       # no prefill rank for this one: fails (and is logged) at the poll
+                st = self.pending[(load.req_id, 0)] = _LoadState(load, now)
                 st.error = f"{type(exc).__name__}: {exc}"
                 self.ended.append(st)
                 continue
-            claim = (key, load.remote.request_id)
-            if claim in self.claims:
-                st.error = (f"request {load.remote.request_id!r} of prefill engine {key[2]} is loaded by another "
-                            "request of this instance already (its blocks are freed once that load ends)")
-                self.ended.append(st)
-                continue
-            self.waiting[load.req_id] = st
-            st.remote = self._remote(key)
-            self.claims[claim] = (st.remote, load.remote.lease_deadline)
-            st.remote.loads += 1
-            self._advance(st.remote)
-            if st.remote.state == "ready":
-                ready.append(st)
+            if len(keys) > 1:               # a prefill of more ranks: one read from each, reported together
+                self._parts[load.req_id] = [len(keys), False]
+            for part, key in enumerate(keys):
+                st = self.pending[(load.req_id, part)] = _LoadState(load, now, part=part)
+                claim = (key, load.remote.request_id)
+                if claim in self.claims:
+                    st.error = (f"request {load.remote.request_id!r} of prefill engine {key[2]} is loaded by another "
+                                "request of this instance already (its blocks are freed once that load ends)")
+                    self.ended.append(st)
+                    continue
+                self.waiting[st.key] = st
+                st.remote = self._remote(key)
+                self.claims[claim] = (st.remote, load.remote.lease_deadline)
+                st.remote.loads += 1
+                self._advance(st.remote)
+                if st.remote.state == "ready":
+                    ready.append(st)
         self._post(ready, blocking=False)
 
     def _remote(self, key: tuple[str, int, str]) -> _Remote:
@@ -186,10 +199,11 @@ class DecodeLoads:
                                         "the request's kv_transfer_params say (stale params?)")
             r.info = info
             r.client.readers = readers(self.info, info)      # (before any message: each names its readers)
-            views = check_compatible(self.info, info)
-            r.views = {self._group_names[g]: v for g, v in views.items()}
-            r.world = info.get("tp_size", 1)
-            r.rank = self.tp_rank // readers(self.info, info)
+            pairing, names = check_compatible(self.info, info), self._group_names
+            r.views = {names[g]: v for g, v in pairing.remote.items()}
+            r.local_views = {names[g]: v for g, v in pairing.local.items()}
+            r.skip = frozenset(names[g] for g in pairing.skip)
+            r.rank, r.world = info.get("tp_rank", 0), info.get("tp_size", 1)      # (checked just now)
             r.groups = tuple((g["block_size"], g["kernel_tokens"]) for g in info["groups"])
         except Exception as exc:        # every failure fails this engine's loads, never the worker
             self._handshake_failed(r, exc)
@@ -207,12 +221,21 @@ class DecodeLoads:
         if r.client is None:
             return
         info = r.info
-        if info is not None and info.get("engine_id") == engine_id and \
-                info.get("tp_rank", 0) == self.tp_rank // readers(self.info, info):
+        if info is not None and info.get("engine_id") == engine_id and self._reads_rank(info):
             rps = [st.load.remote for st in self.waiting.values() if st.remote is r]
             if rps:
                 r.client.notify("release", [rp.request_id for rp in rps], [rp.key for rp in rps])
         r.client.close()            # (sends what was queued first)
+
+    def _reads_rank(self, info: dict) -> bool:
+        """Whether the peer that sent ``info`` is one of the prefill ranks this worker reads."""
+        rank, world = info.get("tp_rank", 0), info.get("tp_size", 1)
+        if type(rank) is not int or type(world) is not int or world < 1:
+            return False
+        try:
+            return rank in source_ranks(self.tp_rank, self.tp_size, world)
+        except BadTransferParams:
+            return False
 
     def _attach(self, r: _Remote) -> None:
         """Map a checked engine's caches (``add_peer``) and make its first read's slot: a few milliseconds
@@ -226,7 +249,8 @@ class DecodeLoads:
                     if any(x.peer is old and x.inflight for x in self.remotes.values()):
                         return      # its reads in flight end first (the handshake stays pending until then)
                     self.agent.remove_peer(name)
-                r.peer = self.agent.add_peer(r.meta, route=self.settings.route, pieces=r.views or None)
+                r.peer = self.agent.add_peer(r.meta, route=self.settings.route, pieces=r.views or None,
+                                             local_pieces=r.local_views or None)
                 r.ordered = r.peer.route == "ipc"
                 r.clock = lease.SAME_HOST if r.ordered else r.client.peer_clock
                 # device IDs: the triton engine over the peer's mapped caches, kernel blocks alike on both sides
@@ -325,8 +349,8 @@ class DecodeLoads:
             post_s = self.stats["post_host_s"]
             waiting = self.waiting
             for st in sts:
-                if waiting.get(st.load.req_id) is st:
-                    del waiting[st.load.req_id]
+                if waiting.get(st.key) is st:
+                    del waiting[st.key]
                 if st.handle is not None:
                     post_s.append(share)
                     st.t_post = t1
@@ -348,6 +372,9 @@ class DecodeLoads:
             raise BadTransferParams("the prefill instance's lease on the blocks ran out before the read started")
         local, remote, nbytes = {}, {}, 0
         for g, (kind, ls, _) in enumerate(self.group_specs):
+            name = self._group_names[g]
+            if name in r.skip:              # (read from another prefill rank)
+                continue
             rs, rk = r.groups[g]
             if rp.block_sizes[g] != rs:
                 raise BadTransferParams(f"group {g}: the params say {rp.block_sizes[g]}-token blocks, "
@@ -355,9 +382,10 @@ class DecodeLoads:
             li, ri = pair_group(load.local_ids[g], rp.block_ids[g], ls, rs, load.start, load.end,
                                 self._kernel_tokens[g], rk)
             if li.size:
-                name = self._group_names[g]
                 local[name], remote[name] = li, ri
-                nbytes += int(li.size) * self._bytes_per_block[g]
+                part = r.local_views.get(name)          # (the pieces of this worker's blocks it writes)
+                share = 1.0 if part is None else (part[1] - part[0]) / self.info["groups"][g]["pieces"]
+                nbytes += int(li.size * self._bytes_per_block[g] * share)
         st.nbytes = nbytes
         return (local, remote) if local else None
 
@@ -450,7 +478,7 @@ class DecodeLoads:
             inflight.popleft()
             st.remote.inflight -= 1
             if st.host_ids and st.handle is None:
-                self.waiting[st.load.req_id] = st
+                self.waiting[st.key] = st
             else:
                 self._complete(st, done, failed, read)
         if self.unordered:
@@ -470,7 +498,7 @@ class DecodeLoads:
                 elif now - st.t_start > self.settings.handshake_timeout_s:
                     st.error = f"no handshake with {r.key[0]}:{r.key[1]} within {self.settings.handshake_timeout_s:g} s"
                 if st.error is not None:
-                    del self.waiting[st.load.req_id]
+                    del self.waiting[st.key]
                     self.ended.append(st)
             self._post(ready, blocking=False)
         if self.ended:
@@ -507,38 +535,50 @@ class DecodeLoads:
                 self._complete(st, done, failed, read)
 
     def _complete(self, st: _LoadState, done: set, failed: set, read: dict) -> None:
-        """Report a load whose read completed (or that had nothing to move, or failed)."""
+        """Report a load whose read completed (or that had nothing to move, or failed); a load read from several
+        prefill ranks once all its reads ended, failed where one did (its blocks are then written by nothing)."""
         req = st.load.req_id
         r = st.remote
         if st.error is None and not lease.now() < (r.clock if r is not None else lease.SAME_HOST).deadline(
                 st.load.remote.lease_deadline):
             st.error = "the read completed after the prefill instance's lease ran out"
-        if self.pending.get(req) is st:
-            del self.pending[req]
+        if self.pending.get(st.key) is st:
+            del self.pending[st.key]
         if r is not None:
             r.loads -= 1
-        done.add(req)
         if st.error is not None:
             self._fail(st)
+        else:
+            stats = self.stats
+            stats["transfers"] += 1
+            stats["bytes"] += st.nbytes
+            if type(st.handle) is not _Done:
+                stats["device_id_loads" if st.device_ids else "host_id_loads"] += 1
+            stats["xfer_s"].append(time.perf_counter() - st.t_post)
+            if r.client is not None:
+                read.setdefault(id(r), (r.client, []))[1].append(st.load.remote)
+        bad = st.error is not None
+        parts = self._parts.get(req)
+        if parts is not None:
+            parts[0] -= 1
+            parts[1] = bad = parts[1] or bad
+            if parts[0]:
+                return
+            del self._parts[req]
+        done.add(req)
+        if bad:
             failed.add(req)
-            return
-        stats = self.stats
-        stats["transfers"] += 1
-        stats["bytes"] += st.nbytes
-        if type(st.handle) is not _Done:
-            stats["device_id_loads" if st.device_ids else "host_id_loads"] += 1
-        stats["xfer_s"].append(time.perf_counter() - st.t_post)
-        if r.client is not None:
-            read.setdefault(id(r), (r.client, []))[1].append(st.load.remote)
+            load = st.load
+            if len(self.group_specs) == 1:
+                ids = load.local_ids[0][load.start // self.group_specs[0][1]:]
+                self.load_errors.update(ids[ids != 0].tolist())
 
     def _fail(self, st: _LoadState) -> None:
+        """A failed read: logged, and its prefill rank told this instance will not read it."""
         load = st.load
         self.stats["failed"] += 1
         log.warning("gpuxfer: engine %s: loading request %s from engine %s failed (%s); vLLM recomputes it",
                     self.engine_id, load.req_id, load.remote.engine_id, st.error)
-        if len(self.group_specs) == 1:
-            ids = load.local_ids[0][load.start // self.group_specs[0][1]:]
-            self.load_errors.update(ids[ids != 0].tolist())
         r = st.remote
         if r is not None and r.client is not None:
             r.client.notify("release", [load.remote.request_id], [load.remote.key])
@@ -580,15 +620,17 @@ class DecodeLoads:
                          r.error or (r.client.closed_reason if r.client else "gone"))
 
     def release(self, releases: Sequence[RemotePrefill]) -> None:
-        """Tell prefill engines (this worker's rank of each) this instance will not read these requests (best
-        effort, known engines)."""
+        """Tell prefill engines (the ranks of each this worker reads) this instance will not read these requests
+        (best effort, known engines)."""
         for rp in releases:
             try:
-                r = self.remotes.get(rp.endpoint_of(self.tp_rank, self.tp_size))
+                keys = rp.endpoints_of(self.tp_rank, self.tp_size)
             except BadTransferParams:
                 continue
-            if r is not None and r.state == "ready" and r.client is not None:
-                r.client.notify("release", [rp.request_id], [rp.key])
+            for key in keys:
+                r = self.remotes.get(key)
+                if r is not None and r.state == "ready" and r.client is not None:
+                    r.client.notify("release", [rp.request_id], [rp.key])
 
     # ------------------------------------------------------------------ both
 

@@ -64,6 +64,23 @@ class RemotePrefill:
         host, port = self.endpoints[r] if self.endpoints else (self.host, self.port)
         return host, port, self.engine_id
 
+    def endpoints_of(self, rank: int, world: int) -> list[tuple[str, int, str]]:
+        """``(host, port, engine id)`` of each prefill worker decode worker ``rank`` of ``world`` reads from
+        (:func:`source_ranks`)."""
+        ranks = source_ranks(rank, world, self.tp_size)
+        eps = self.endpoints or ((self.host, self.port),)
+        return [(*eps[r], self.engine_id) for r in ranks]
+
+
+def source_ranks(rank: int, world: int, prefill_world: int) -> list[int]:
+    """The prefill tensor parallel ranks decode rank ``rank`` of ``world`` reads from: :func:`source_rank`'s one;
+    or, with the prefill's size ``m`` times the decode's, ranks ``rank * m`` to ``rank * m + m - 1`` (each holds
+    a part of this rank's heads); :class:`BadTransferParams` where neither size divides the other."""
+    if world < prefill_world and 0 <= rank < world and prefill_world % world == 0:
+        m = prefill_world // world
+        return list(range(rank * m, rank * m + m))
+    return [source_rank(rank, world, prefill_world)]
+
 
 def source_rank(rank: int, world: int, prefill_world: int) -> int:
     """The prefill tensor parallel rank that decode rank ``rank`` of ``world`` reads from: with the decode's
@@ -72,7 +89,7 @@ def source_rank(rank: int, world: int, prefill_world: int) -> int:
     if not 0 <= rank < world or world % prefill_world:
         raise BadTransferParams(f"the prefill instance runs tensor parallel size {prefill_world}; it has no rank for "
                                 f"decode rank {rank} of {world} to read from (the decode's tensor parallel size must "
-                                "be a multiple of the prefill's)")
+                                "be a multiple of the prefill's, or the prefill's of the decode's)")
     return rank // (world // prefill_world)
 
 
