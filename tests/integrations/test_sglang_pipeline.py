@@ -7,8 +7,10 @@ tests/integrations/test_sglang_backend.py.
 """
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
+import time
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -24,7 +26,7 @@ from sglang.srt.disaggregation.common.conn import ABORT_TAG  # noqa: E402
 
 from gpuxfer.errors import BadInput, GpuxferError, PeerLost, TransferTimeout  # noqa: E402
 from gpuxfer.kv.nixl_ffi import NixlError  # noqa: E402
-from gpuxfer.integrations.sglang.landing import Landings  # noqa: E402
+from gpuxfer.integrations.sglang.landing import READ_EVERY_S, Landings  # noqa: E402
 from gpuxfer.integrations.sglang.conn import (GpuxferKVManager, TransferInfo, _Chunk,  # noqa: E402
                                               _drain_marker)
 
@@ -78,6 +80,7 @@ class Manager(GpuxferKVManager):
         self._queue, self._posted, self._dead, self._peers, self._rejected = queue.Queue(), {}, {}, {}, {}
         self.log, self.handles, self.post_errors = [], {}, {}
         self.landed_at_once = False             # new pushes complete as they are posted
+        self.before_drain = None                # run once as a room's pushes are next waited for
 
     def _post(self, chunk, info):
         start = chunk.index_slice.start
@@ -94,7 +97,13 @@ class Manager(GpuxferKVManager):
     def _send_aux(self, chunk, info, landing):
         self.log.append(("aux", chunk.room))
 
-    def send_kv_status_message(self, *, targets, bootstrap_room, status, failure_reason=None):
+    def _drain(self, room, *args, **kwargs):
+        hook, self.before_drain = self.before_drain, None
+        if hook is not None:
+            hook()
+        return super()._drain(room, *args, **kwargs)
+
+    def send_kv_status_message(self, *, targets, bootstrap_room, status, failure_reason=None, infos=None):
         self.log.append(("status", bootstrap_room, status, failure_reason))
 
     def _send_abort_ack(self, room, target):
@@ -108,12 +117,7 @@ class Manager(GpuxferKVManager):
         made by the test belongs to the room's request now, as one ``add_transfer_request`` queued."""
         if chunk.pages is not None and chunk.infos is None:
             chunk.infos = self.transfer_infos.get(chunk.room)
-        try:
-            self._transfer(chunk)
-        except Exception as exc:
-            self._drain(chunk.room)
-            self.conclude_failure(bootstrap_room=chunk.room, failure_reason=f"{type(exc).__name__}: {exc}",
-                                  targets=self._live_targets(chunk.room))
+        self._handle(chunk)
 
     def statuses(self):
         return [e for e in self.log if e[0] == "status"]
@@ -341,7 +345,8 @@ class Decode(GpuxferKVManager):
 
     def __init__(self, slots_handed=2):         # noqa: super().__init__ binds sockets and makes an agent
         import torch
-        self._ended_lock, self._ended_by_word, self.applied = threading.Lock(), set(), []
+        self._ended_lock, self._ended_by_word, self.applied = threading.Lock(), {}, []
+        self._tokens, self._token_seq = {}, itertools.count(1)
         self.request_status, self.failure_records, self.failure_lock = {}, {}, threading.Lock()
         self.required_prefill_response_num_table = {}
         self.deferred_bootstrap = None
@@ -360,7 +365,7 @@ class Decode(GpuxferKVManager):
         self.required_prefill_response_num_table[room] = responses
 
     def aux_message(self, room, landing, row=b"ROW-0123", index=2):
-        self._on_aux([b"GXAUX2", str(room).encode(), str(index).encode(), landing, row])
+        self._on_decode_message([b"GXAUX2", str(room).encode(), str(index).encode(), landing, row])   # no token
 
     def parse_kv_status_message(self, msg):
         return msg[0], msg[1], 0, None
@@ -709,3 +714,209 @@ def test_a_cleared_requests_queued_chunk_is_not_posted_for_a_new_request_of_its_
     _run_all(mgr)
     assert not [e for e in mgr.log if e[0] == "post"], mgr.log
     assert mgr.request_status[ROOM] == KVPoll.WaitingForInput and not mgr.statuses()
+
+
+# ---------------------------------------------------------------------- a room id used by one request after another
+
+
+def test_an_earlier_requests_push_never_fails_a_new_request_of_its_room():
+    """Request A's push is still posted when A fails with no drain queued (as a second decode rank's claim of
+    its room fails it) and is cleared; a new request B of the same room id then sends its KV. A's push (which
+    fails) is waited for, but its error is A's: B succeeds."""
+    mgr = Manager()
+    _room(mgr)
+    mgr.run(_chunk(0))                          # A's push, in flight
+    mgr.record_failure(ROOM, "claimed by another decode rank")
+    mgr.update_status(ROOM, KVPoll.Failed)
+    mgr.failure_records.pop(ROOM)               # A's sender: failure_exception, then clear
+    mgr.request_status.pop(ROOM)
+    mgr.transfer_infos.pop(ROOM)
+    a = mgr.handles[0]
+    a.finish(BadInput("A's push failed"))
+    _room(mgr, pages=4)                         # B
+    mgr.landed_at_once = True
+    mgr.run(_chunk(0))
+    mgr.run(_chunk(2, last=True))
+    assert a.waited and mgr.handles[0] is not a
+    assert mgr.statuses()[-1][2] == KVPoll.Success, mgr.statuses()
+    assert mgr.request_status[ROOM] == KVPoll.Success and not mgr._posted and ROOM not in mgr._staging_outstanding
+
+
+class WirePrefill(RealPost):
+    """The prefill's own row and status messages over :class:`RealPost`'s pushes (slot 3 of the decode),
+    kept in ``wire`` as they would go to the decode."""
+
+    _send_aux = GpuxferKVManager._send_aux
+    send_kv_status_message = GpuxferKVManager.send_kv_status_message
+
+    def __init__(self):
+        super().__init__()
+        import torch
+        self.is_mla_backend, self.req_to_decode_prefix_len, self.kv_status_msg_tag = False, {}, None
+        self.aux = torch.zeros(8 * 8, dtype=torch.uint8)
+        self.kv_args = SimpleNamespace(aux_data_ptrs=[self.aux.data_ptr()], aux_data_lens=[64], aux_item_lens=[8])
+        self.wire = []
+
+    def row(self, data):
+        """The row the room's last chunk (metadata index 5) sends."""
+        self.aux[40:48] = torch_tensor(data)
+
+    def request(self, meta):
+        """A request of room ``ROOM`` whose decode named its pages by ``meta`` (its metadata message)."""
+        self.request_status.pop(ROOM, None)     # an earlier request's sender cleared (failure_exception, clear)
+        self.transfer_infos.pop(ROOM, None)
+        self.failure_records.pop(ROOM, None)
+        self.update_status(ROOM, KVPoll.Bootstrapping)
+        self._on_transfer_info(TransferInfo.from_zmq(meta))
+
+    def _send_multipart_locked(self, addr, parts, is_ipv6=False):
+        self.wire.append(list(parts))
+
+    def take(self):
+        out, self.wire = self.wire, []
+        return out
+
+
+def torch_tensor(data):
+    import torch
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+class WireDecode(Decode):
+    """The decode's own handling of the prefill's messages (SGLang's status parsing and applying) and its
+    receivers' ``send_metadata`` message, ``poll`` and ``clear`` for room ``ROOM``; notification slot 3 is
+    the prefill's (``words[3]``)."""
+
+    parse_kv_status_message = GpuxferKVManager.parse_kv_status_message
+    apply_prefill_status = GpuxferKVManager.apply_prefill_status
+
+    def __init__(self):
+        super().__init__(slots_handed=4)
+        self.local_ip, self.rank_port, self.session_id = DECODE[0], DECODE[1], "decode"
+        self.prefill_response_tracker, self.addr_to_rooms_tracker = {}, defaultdict(set)
+        self.enable_staging = self.defer_decode_allocation = self.enable_deferred_decode_kv_release = False
+        self.kv_status_msg_tag, self.rx = None, None
+
+    def request(self):
+        """A new receiver of room ``ROOM``: its metadata message (pages 9 and 10, metadata row 2)."""
+        from gpuxfer.integrations.sglang.conn import GpuxferKVReceiver
+        self.room(ROOM)
+        self.prefill_response_tracker[ROOM] = set()
+        self.rx = rx = object.__new__(GpuxferKVReceiver)
+        rx.kv_mgr, rx.bootstrap_room, rx.bootstrap_addr, rx.conclude_state, rx.init_time = self, ROOM, "p", None, None
+        return self.build_receiver_metadata_message(
+            bootstrap_room=ROOM, required_dst_info_num=1, kv_indices=np.array([9, 10], dtype=np.int32),
+            aux_index=2, state_indices=None, decode_prefix_len=None, is_dummy=False)
+
+    def poll(self):
+        time.sleep(2 * READ_EVERY_S)            # a word read by the last poll is read again
+        return self.rx.poll()
+
+    def clear(self):
+        self.rx.clear()
+
+    def deliver(self, msgs):
+        for m in msgs:
+            self._on_decode_message(m)
+
+    def row(self):
+        return bytes(self.aux[16:24])
+
+
+def test_a_late_row_and_status_of_a_given_up_request_never_end_a_new_request_of_its_room():
+    """Request A of room ``ROOM`` is given up on the decode (its waiting timeout, an abort) and cleared just as
+    the prefill sends its last chunk: A's row (naming the value A's push writes) and A's Success arrive once
+    a new request B of the same room id named its pages. Neither may end B (its KV not sent: wrong bytes
+    reported good) nor write B's row; B then ends by its own."""
+    pre, dec = WirePrefill(), WireDecode()
+    pre.row(b"ROW-AAAA")
+    pre.request(dec.request())                  # A
+    pre.run(_chunk(0, last=True))               # A's row, push, Success: on their way
+    late = pre.take()
+    assert [m[0] for m in late][0].startswith(b"GXAUX") and len(late) == 2
+    dec.clear()                                 # A given up and cleared on the decode
+    b_meta = dec.request()                      # B: the same room id
+    dec.deliver(late)
+    dec.words[3] = 1                            # A's push wrote the value A's row named
+    assert dec.poll() == KVPoll.WaitingForInput and dec.row() == bytes(8)
+    pre.row(b"ROW-BBBB")
+    pre.request(b_meta)                         # B's KV sent
+    pre.run(_chunk(0, last=True))
+    dec.deliver(pre.take()[:1])                 # B's row: B ends by its word
+    assert dec.poll() == KVPoll.WaitingForInput
+    dec.words[3] = 2
+    assert dec.poll() == KVPoll.Success and dec.row() == b"ROW-BBBB"
+
+
+def test_a_late_failure_of_an_earlier_request_never_fails_a_new_request_of_its_room():
+    pre, dec = WirePrefill(), WireDecode()
+    pre.request(dec.request())                  # A
+    pre.conclude_failure(bootstrap_room=ROOM, failure_reason="Aborted by the prefill")
+    late = pre.take()
+    dec.clear()
+    b_meta = dec.request()                      # B
+    dec.deliver(late)
+    assert dec.poll() == KVPoll.WaitingForInput
+    pre.row(b"ROW-BBBB")
+    pre.request(b_meta)
+    pre.run(_chunk(0, last=True))
+    dec.deliver(pre.take())                     # B's row and Success
+    assert dec.poll() == KVPoll.Success and dec.row() == b"ROW-BBBB"
+
+
+def test_a_new_request_naming_its_pages_while_the_earlier_one_is_concluded_is_failed_not_hung():
+    """A ends on the decode by its word and is cleared; B, of the same room id, names its pages to the prefill
+    while the prefill still waits for A's push. A's conclusion must not end B (B's KV was never sent), and B
+    must not wait for its timeout: it is told Failed (the prefill cannot hold two requests of one room id)."""
+    pre, dec = WirePrefill(), WireDecode()
+    pre.request(dec.request())                  # A
+
+    def a_lands_then_b_names_its_pages():
+        dec.deliver(pre.take())                 # A's row
+        dec.words[3] = 1
+        assert dec.poll() == KVPoll.Success     # A ended by its word
+        dec.clear()
+        pre._on_transfer_info(TransferInfo.from_zmq(dec.request()))     # B's pages, A still there
+    pre.before_drain = a_lands_then_b_names_its_pages
+    pre.run(_chunk(0, last=True))
+    dec.deliver(pre.take())
+    assert dec.poll() == KVPoll.Failed and "another of its requests" in dec.failure_records[ROOM]
+
+
+def test_a_new_request_of_a_decode_rank_never_takes_the_pushes_of_its_earlier_one(real):
+    """A's first chunk is posted into A's decode pages; the decode rank then names pages for a new request of
+    the same room id (it gave A up and told this prefill nothing: its heartbeat declared it dead). A's last
+    chunk must not be pushed into the new request's pages, nor either reported Success."""
+    def meta(pages, token):
+        return [str(ROOM).encode(), DECODE[0].encode(), str(DECODE[1]).encode(), b"decode",
+                np.array(pages, dtype=np.int32).tobytes(), b"3", b"1", b"0", token]
+    real.is_mla_backend, real.req_to_decode_prefix_len = False, {}
+    real.update_status(ROOM, KVPoll.Bootstrapping)
+    real._on_transfer_info(TransferInfo.from_zmq(meta([5, 6, 7, 8], b"1")))         # A
+    real.add_transfer_request(ROOM, np.array([1, 2]), slice(0, 2), False)
+    _run_all(real)
+    real._on_transfer_info(TransferInfo.from_zmq(meta([12, 13, 14, 15], b"2")))     # B's pages
+    real.add_transfer_request(ROOM, np.array([3, 4]), slice(2, 4), True, aux_index=5)
+    _run_all(real)
+    assert real.decode_pages_equal([1, 2], [5, 6]) and not any(t[7:].any() for t in real.dst)
+    assert real.request_status[ROOM] == KVPoll.Failed
+    assert KVPoll.Success not in [s[2] for s in real.statuses()]
+
+
+def test_a_request_cleared_while_its_pushes_are_waited_for_never_concludes_a_new_request_of_its_room():
+    """A's last push is slow; while the transfer thread waits for it the decode aborts A, A's sender is
+    cleared and a new request B of the same room id names its pages. A's conclusion, once its push is over,
+    must not mark B Success (B's KV not sent) nor tell B's decode anything."""
+    mgr = Manager()
+    _room(mgr, pages=2)
+
+    def a_aborted_cleared_and_b_begins():
+        _abort(mgr)
+        mgr.failure_records.pop(ROOM)           # A's sender: failure_exception, then clear
+        mgr.request_status.pop(ROOM)
+        mgr.transfer_infos.pop(ROOM)
+        _room(mgr, pages=2)                     # B
+        mgr.handles[0].finish()                 # A's push over
+    mgr.before_drain = a_aborted_cleared_and_b_begins
+    mgr.run(_chunk(0, last=True))
+    assert mgr.request_status[ROOM] == KVPoll.WaitingForInput and not mgr.statuses(), mgr.log

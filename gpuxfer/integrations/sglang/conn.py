@@ -24,18 +24,18 @@ agent's metadata and a notification slot in its registration, and the value in t
        geometry + agent metadata, slot k] ----------------------------> bootstrap thread: geometry checked,
                                                                           add_peer (maps decode's KV pool)
     send_metadata: [room, ip, port, session,
-       decode pages, aux row, n] --------------------------------------> room -> WaitingForInput
+       decode pages, aux row, n, token t] ----------------------------> room -> WaitingForInput
                                                                          KVSender.init(pages, aux row)
                                                                          send(chunk) -> transfer thread:
                                                                            prepare(push) + post
                                                                          ... one per chunk ...
                                                                          last chunk: v = next value of k
-    decode thread: aux row written,   <----------------------------------- [AUX, room, row, "k:v", rows]
+    decode thread: aux row written,   <----------------------------------- [AUX, room, row, "k:v", t, rows]
       room waits for word k >= v                                         post(notify_slot=k): agent stream:
                                                                            KV, then word k := v
     poll(): word k >= v -> Success                                       wait for every post of the room
     (word k written by prefill's stream)
-    decode thread: dropped (ended) <-------------------------------------- [room, Success, rank]
+    decode thread: dropped (ended) <-------------------------------------- [room, Success, rank, "", t]
                                                                          poll() == Success
 
 Failures end in ``KVPoll.Failed`` on both sides, never a hang: a decode abort reaches the prefill as SGLang's
@@ -43,9 +43,17 @@ ABORT (chunks not yet posted are dropped; an ABORT_ACK follows once the posted o
 prefill abort or a failed push (a dead decode: ``PeerLost``) is sent to the decode as a Failed status; a dead
 prefill is found by SGLang's heartbeat on the decode side, and every wait is bounded by SGLang's
 disaggregation timeouts.
+
+SGLang names a request by its room id alone, and a room id may name a new request once the last one ended. The
+decode's metadata message names the request by a token of its own (``t``), which the prefill echoes in the
+room's row and status messages: the decode drops those of an earlier request of the room id (late: it was
+given up there first) instead of writing, landing or concluding the new one with them. On the prefill, a
+request's pushes, its conclusion and its errors stay its own (``_Posted.infos``, :meth:`_conclude`), and a
+decode rank naming pages for a new request of a room id its earlier request still holds fails both.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -79,8 +87,9 @@ from .layout import (GROUP, check_supported, decode_registration, encode_registr
 
 log = logging.getLogger("gpuxfer.sglang")
 
-AUX_TAG = b"GXAUX2"             # a metadata row with its landing value (b"GXAUX": a row alone)
-_AUX_TAG_V1 = b"GXAUX"
+AUX_TAG = b"GXAUX3"             # a metadata row with its landing value and the decode's request token
+_AUX_TAG_V2 = b"GXAUX2"         # a row with its landing value, no token (to or from an earlier gpuxfer)
+_AUX_TAG_V1 = b"GXAUX"          # a row alone (from an earlier gpuxfer)
 REGISTER_ROOM = b"None"         # SGLang's marker of a registration message (Mooncake's too)
 _RECV_POLL_MS = 200             # how often an idle thread looks at its stop flag (a message wakes it at once)
 
@@ -145,7 +154,10 @@ class GpuxferKVManager(CommonKVManager):
             self._registration = encode_registration(self.geometry, self.agent.metadata())
             self.landings = Landings(self.agent.notification)
             self._ended_lock = threading.Lock()         # a room ended by its word against its status message
-            self._ended_by_word: set = set()            # rooms whose prefill conclusion is still to be dropped
+            # room -> the token of its request ended by its word, whose prefill conclusion is still to be dropped
+            self._ended_by_word: Dict[int, Optional[bytes]] = {}
+            self._tokens: Dict[int, bytes] = {}         # room -> the token its current request was named by
+            self._token_seq = itertools.count(1)
             self._spawn(self._decode_control, "gpuxfer-sglang-control")
             self._threads.append(self._start_heartbeat_checker_thread())
         log.info("gpuxfer: SGLang %s rank %s registered %d KV entries (%d-token pages) with the %s engine",
@@ -196,31 +208,49 @@ class GpuxferKVManager(CommonKVManager):
             raise BadInput("the gpuxfer SGLang backend does not move state buffers (state_indices given)")
         pages = b"" if is_dummy else _int32_pages(kv_indices)
         self.landings.forget(bootstrap_room)        # a landing heard of before belongs to an earlier request
+        # the request's token (one for every prefill rank it names its pages to, until the receiver is cleared):
+        # the prefill echoes it in the room's row and status messages, so an earlier request's late ones,
+        # naming the same room id, are told apart and dropped
+        token = self._tokens.setdefault(bootstrap_room, str(next(self._token_seq)).encode("ascii"))
         return [str(bootstrap_room).encode("ascii"), self.local_ip.encode("ascii"),
                 str(self.rank_port).encode("ascii"), self.session_id.encode("ascii"), pages,
                 b"" if is_dummy else str(int(aux_index)).encode("ascii"),
-                str(required_dst_info_num).encode("ascii"), str(decode_prefix_len or 0).encode("ascii")]
+                str(required_dst_info_num).encode("ascii"), str(decode_prefix_len or 0).encode("ascii"), token]
+
+    def _current(self, room: int, token: Optional[bytes]) -> bool:
+        """Whether a message naming ``room`` with ``token`` is about the room's current request (a message
+        without a token, from a prefill of an earlier gpuxfer, is taken as it always was)."""
+        return token is None or self._tokens.get(room) == token
 
     def _decode_control(self) -> None:
         self._recv_loop(self._on_decode_message)
 
     def _on_decode_message(self, msg: List[bytes]) -> None:
         if msg and msg[0] == AUX_TAG:
-            self._on_aux(msg)
+            self._on_aux(msg[1:4], msg[4] if len(msg) > 4 else b"", msg[5:])
+            return
+        if msg and msg[0] == _AUX_TAG_V2:       # a prefill that had no token (an earlier gpuxfer)
+            self._on_aux(msg[1:4], None, msg[4:])
             return
         if msg and msg[0] == _AUX_TAG_V1:       # a prefill of an earlier gpuxfer: the row, no landing value
-            self._on_aux([AUX_TAG, *msg[1:3], b"", *msg[3:]])
+            self._on_aux([*msg[1:3], b""], None, msg[3:])
             return
         if self.handle_abort_ack_message(msg):
             return
         parsed = self.parse_kv_status_message(msg)
         if parsed is not None:
             room, status, rank, reason = parsed
+            token = msg[4] if len(msg) > 4 and msg[4] else None     # after room, status, rank and reason
             with self._ended_lock:
                 if status in (KVPoll.Success, KVPoll.Failed) and room in self._ended_by_word:
-                    # the prefill's conclusion of a request this rank already ended by its word: never
-                    # applied (the room may already be a new request's)
-                    self._ended_by_word.discard(room)
+                    ended = self._ended_by_word.pop(room)
+                    if token is None or ended is None or token == ended:
+                        # the prefill's conclusion of a request this rank already ended by its word: never
+                        # applied (the room may already be a new request's)
+                        return
+                if not self._current(room, token):
+                    log.debug("gpuxfer: room %s: status %s of an earlier request of the room id dropped", room,
+                              status)
                     return
                 self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank,
                                           failure_reason=reason)
@@ -231,20 +261,25 @@ class GpuxferKVManager(CommonKVManager):
         with self._ended_lock:
             if self.request_status.get(room) in (KVPoll.WaitingForInput, KVPoll.Transferring):
                 self.update_status(room, KVPoll.Success)
-                self._ended_by_word.add(room)
+                self._ended_by_word[room] = self._tokens.get(room)
 
-    def _on_aux(self, msg: List[bytes]) -> None:
-        """A room's metadata row, written into its row here, and the notification that says its KV landed:
-        from then on :meth:`Landings.landed <.landing.Landings.landed>` may end the room before its Success
-        message arrives (a room one prefill rank sends, from a slot this rank handed out)."""
-        if len(msg) < 4:
-            raise BadInput(f"a gpuxfer metadata row message has {len(msg)} frames")
-        room, index = int(msg[1].decode("ascii")), int(msg[2].decode("ascii"))
+    def _on_aux(self, head: List[bytes], token: Optional[bytes], rows: List[bytes]) -> None:
+        """A room's metadata row (``head``: room, row index, landing), written into its row here, and the
+        notification that says its KV landed: from then on :meth:`Landings.landed <.landing.Landings.landed>`
+        may end the room before its Success message arrives (a room one prefill rank sends, from a slot this
+        rank handed out). ``token``: the request it is for; a row of another request of the room id (an earlier
+        one's, late) is dropped, neither written nor armed."""
+        if len(head) < 3:
+            raise BadInput(f"a gpuxfer metadata row message has {len(head) + 1} frames")
+        room, index = int(head[0].decode("ascii")), int(head[1].decode("ascii"))
         if room not in self.request_status:
             return
+        if not self._current(room, token):
+            log.debug("gpuxfer: room %s: the metadata row of an earlier request of the room id dropped", room)
+            return
         try:
-            landing = parse_landing(msg[3])
-            write_aux_rows(self.kv_args, index, list(msg[4:]))
+            landing = parse_landing(head[2])
+            write_aux_rows(self.kv_args, index, list(rows))
         except BadInput as exc:     # the room must not succeed without its row (Failed is final)
             self.record_failure(room, f"its metadata row could not be written: {exc}")
             self.update_status(room, KVPoll.Failed)
@@ -297,18 +332,22 @@ class GpuxferKVManager(CommonKVManager):
     def _on_transfer_info(self, info: TransferInfo) -> None:
         infos = self.transfer_infos.setdefault(info.room, {})
         need = next(iter(infos.values()), info).required_dst_info_num
-        if info.session not in infos and (len(infos) >= need or info.required_dst_info_num != need):
-            # more decode ranks than the room has (a room id two requests drew, or a forged claim): none may be
-            # written another's KV, so the room fails for all of them
+        known = infos.get(info.session)
+        if ((known is None and (len(infos) >= need or info.required_dst_info_num != need))
+                or (known is not None and known.token != info.token)):
+            # more decode ranks than the room has (a room id two requests drew, or a forged claim), or a decode
+            # rank's new request of a room id its earlier request still holds here (that one was given up
+            # there): none may be written another's KV, so the room fails for all of them
             reason = (f"decode rank {info.session} claims room {info.room}, which {len(infos)} decode rank(s) "
-                      f"{sorted(infos)} of {need} already claimed")
+                      f"{sorted(infos)} of {need} already claimed"
+                      + (" for another of its requests" if known is not None else ""))
             with self._room_lock:
                 if self.request_status.get(info.room) != KVPoll.Success:
                     self.record_failure(info.room, reason)
                     self.update_status(info.room, KVPoll.Failed)
             if not info.is_dummy:
                 self.send_kv_status_message(targets=[(info.endpoint, info.dst_port)], bootstrap_room=info.room,
-                                            status=KVPoll.Failed, failure_reason=reason)
+                                            status=KVPoll.Failed, failure_reason=reason, infos=[info])
             return
         infos[info.session] = info
         if len(infos) == info.required_dst_info_num:
@@ -316,6 +355,28 @@ class GpuxferKVManager(CommonKVManager):
             self.req_to_decode_prefix_len[info.room] = next(
                 (i.decode_prefix_len for i in infos.values() if i.decode_prefix_len is not None), 0)
             self.update_status(info.room, KVPoll.WaitingForInput)
+
+    def send_kv_status_message(self, *, targets: List[tuple], bootstrap_room: int, status: KVPoll,
+                               failure_reason: Optional[str] = None, infos: Optional[List[TransferInfo]] = None) -> None:
+        """SGLang's status message to each decode endpoint, with the token that rank named the room's request by
+        (``infos``: the destinations to take it from; the room's own by default), so the decode applies it to
+        that request alone, never to a later request of the same room id."""
+        if not targets:
+            return
+        if infos is None:
+            infos = list((getattr(self, "transfer_infos", {}).get(bootstrap_room) or {}).values())
+        tokens = {(i.endpoint, i.dst_port): i.token for i in infos}
+        parts = self._encode_kv_status_message(bootstrap_room=bootstrap_room, status=status,
+                                               failure_reason=failure_reason)
+        from sglang.srt.utils.network import NetworkAddress
+        for endpoint, dst_port in targets:
+            token = tokens.get((endpoint, dst_port))
+            na = NetworkAddress(endpoint, dst_port)
+            try:
+                self._send_multipart_locked(na.to_tcp(), parts + ([token] if token else []), is_ipv6=na.is_ipv6)
+            except Exception as exc:    # noqa: BLE001 - best effort, as SGLang's: the decode has its timeout
+                log.warning("gpuxfer: status %s of room %s to %s failed: %s", status, bootstrap_room,
+                            na.to_host_port_str(), exc)
 
     def _on_abort(self, msg: List[bytes]) -> None:
         """The decode gave a room up: no chunk of it is posted from now on; the ACK (where the decode asked
@@ -363,21 +424,40 @@ class GpuxferKVManager(CommonKVManager):
                 except Exception as exc:        # noqa: BLE001 - never the thread's end
                     log.error("gpuxfer: draining ended rooms failed: %s: %s", type(exc).__name__, exc)
                 continue
-            try:
-                self._transfer(chunk)
-            except Exception as exc:            # a room's failure, never the thread's end
-                log.error("gpuxfer: room %s failed: %s: %s", chunk.room, type(exc).__name__, exc)
-                self._drain(chunk.room)         # normally drained already; never concluded with a push in flight
-                self.conclude_failure(bootstrap_room=chunk.room, failure_reason=f"{type(exc).__name__}: {exc}",
-                                      targets=self._live_targets(chunk.room))
+            self._handle(chunk)
         # Stopped (teardown): the pushes still posted are not waited for here; the agent's close drains every
         # post it queued before it frees anything.
 
-    def _live_targets(self, room: int) -> List[tuple]:
-        """The room's decode endpoints but those found dead: a message to a dead endpoint would hold this
-        thread for ZMQ's send timeout (30 s), and every other room's chunks behind it."""
-        infos = self.transfer_infos.get(room) or {}
-        return [(i.endpoint, i.dst_port) for i in infos.values() if not i.is_dummy and i.session not in self._dead]
+    def _handle(self, chunk: _Chunk) -> None:
+        """One item of the transfer thread's queue; an error fails the chunk's request, never the thread."""
+        try:
+            self._transfer(chunk)
+        except Exception as exc:                # noqa: BLE001 - a room's failure, never the thread's end
+            log.error("gpuxfer: room %s failed: %s: %s", chunk.room, type(exc).__name__, exc)
+            self._drain(chunk.room)             # normally drained already; never concluded with a push in flight
+            self._conclude(chunk.room, chunk.infos, KVPoll.Failed, f"{type(exc).__name__}: {exc}")
+
+    def _conclude(self, room: int, infos: Any, status: KVPoll, reason: Optional[str] = None) -> None:
+        """SGLang's ``conclude_transfer`` of the request of ``room`` whose decode destinations are ``infos``,
+        only while the room is still that request's (one cleared while its pushes were waited for is concluded
+        by no one: a later request of the room id is not it), its decode ranks told with that request's
+        tokens. Success turns Failed where a failure was recorded (an abort, a claim)."""
+        with self._room_lock:
+            if infos is None or self.transfer_infos.get(room) is not infos:
+                return
+            with self.failure_lock:
+                recorded = self.failure_records.get(room)
+                if status == KVPoll.Success and (recorded is not None
+                                                 or self.request_status.get(room) == KVPoll.Failed):
+                    status = KVPoll.Failed
+                if status == KVPoll.Failed:
+                    reason = self.failure_records.setdefault(room, recorded or reason or "KV transfer failed")
+                else:
+                    reason = None
+            self.update_status(room, status)
+        targets = [(i.endpoint, i.dst_port) for i in infos.values() if not i.is_dummy and i.session not in self._dead]
+        self.send_kv_status_message(targets=targets, bootstrap_room=room, status=status, failure_reason=reason,
+                                    infos=list(infos.values()))
 
     def _transfer(self, chunk: _Chunk) -> None:
         """Post one chunk's pushes and return without waiting for them: a room's chunks follow one another
@@ -394,21 +474,23 @@ class GpuxferKVManager(CommonKVManager):
             return
         if infos is not chunk.infos:    # queued by an earlier request of this room id, cleared since
             return
+        earlier = self._posted.get(room)
+        if earlier is not None and earlier.infos is not infos:
+            self._drain(room, earlier=True)     # an earlier request's pushes: waited for, never this one's
         if chunk.wait_event is not None and self.request_status.get(room) != KVPoll.Failed:
             self._wait_source(chunk)    # before the check below: an abort during the wait posts nothing
         with self._room_lock:
             failed = self.request_status.get(room) == KVPoll.Failed
             if not failed:              # counted before the post: an abort from now on waits for it
                 self._staging_outstanding[room] += 1
-                posted = self._posted.setdefault(room, _Posted())
+                posted = self._posted.setdefault(room, _Posted(infos))
                 posted.chunks += 1
         if failed:
             # aborted here or by the decode: nothing more posted; tell the decode once, on the last chunk,
             # after the pushes already posted were waited for
             self._drain(room)
             if chunk.is_last:
-                self.conclude_failure(bootstrap_room=room, failure_reason=self.failure_records.get(room, "Aborted"),
-                                      targets=self._live_targets(room))
+                self._conclude(room, infos, KVPoll.Failed, "Aborted")
             return
         for info in infos.values():
             if not info.is_dummy:
@@ -424,11 +506,7 @@ class GpuxferKVManager(CommonKVManager):
         errors = self._drain(room)
         if errors:
             raise errors[0]             # the first error of any of the room's chunks fails the room
-        if self.request_status.get(room) == KVPoll.Failed:
-            self.conclude_failure(bootstrap_room=room, failure_reason=self.failure_records.get(room, "Aborted"),
-                                  targets=self._live_targets(room))
-            return
-        self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success)
+        self._conclude(room, infos, KVPoll.Success, "Aborted")     # Failed where aborted meanwhile
 
     def _wait_source(self, chunk: _Chunk) -> None:
         """Wait (bounded by ``timeout_s``) for the event SGLang handed with the chunk: its pages are written
@@ -445,12 +523,14 @@ class GpuxferKVManager(CommonKVManager):
             pause = min(2 * pause, 1e-3)
         chunk.wait_event = None
 
-    def _drain(self, room: int) -> List[GpuxferError]:
+    def _drain(self, room: int, earlier: bool = False) -> List[GpuxferError]:
         """Wait for every push of ``room`` still posted (together bounded by ``timeout_s``), then take the
         room's chunks off ``_staging_outstanding`` and send an ABORT_ACK that waited on them. Returns the
         posts' errors, first posted first. A push that did not complete in time may still land: an ACK would
         let the decode reuse pages it can write, so the room's ACK is withheld (SGLang's poisoned room: the
-        decode releases them on its own timeout)."""
+        decode releases them on its own timeout). ``earlier``: the pushes are an earlier request's of the room
+        id, whose count and ACK state SGLang dropped when the new request began: they are waited for, their
+        errors logged, and the new request's state is left alone."""
         posted = self._posted.pop(room, None)
         if posted is None:
             return []
@@ -467,6 +547,11 @@ class GpuxferKVManager(CommonKVManager):
                 # complete lets the room's ACK go
                 timed_out = timed_out or isinstance(exc, TransferTimeout) or not self._push_ended(h)
                 errors.append(exc if isinstance(exc, GpuxferError) else GpuxferError(f"{type(exc).__name__}: {exc}"))
+        if earlier:
+            for exc in errors:
+                log.warning("gpuxfer: room %s: a push of an earlier request of the room id failed: %s: %s", room,
+                            type(exc).__name__, exc)
+            return []
         with self._room_lock:
             left = self._staging_outstanding.get(room, 0) - posted.chunks
             if left > 0:
@@ -498,9 +583,11 @@ class GpuxferKVManager(CommonKVManager):
     def _drain_ended_rooms(self) -> None:
         """When idle: drain the rooms with pushes posted that ended without a marker reaching this thread
         (failed or cleared while their chunks stopped coming), so none holds its ACK or its count."""
-        for room in list(self._posted):
-            if self.request_status.get(room, KVPoll.Failed) == KVPoll.Failed:
-                self._drain(room)
+        for room, posted in list(self._posted.items()):
+            current = self.transfer_infos.get(room)
+            earlier = current is not None and current is not posted.infos     # a new request of the room id's
+            if earlier or self.request_status.get(room, KVPoll.Failed) == KVPoll.Failed:
+                self._drain(room, earlier=earlier)
 
     def _post(self, chunk: _Chunk, info: TransferInfo):
         """Post one chunk's push to one decode rank (None: no pages of it for that rank). A last chunk's push
@@ -568,8 +655,10 @@ class GpuxferKVManager(CommonKVManager):
         if chunk.aux_index is None or info.dst_aux_index is None:
             raise BadInput(f"room {chunk.room}: the last chunk has no metadata row")
         rows = read_aux_rows(self.kv_args, int(chunk.aux_index))
-        landing = landing_frame(landing)
-        parts = [AUX_TAG, str(chunk.room).encode("ascii"), str(info.dst_aux_index).encode("ascii"), landing, *rows]
+        head = [str(chunk.room).encode("ascii"), str(info.dst_aux_index).encode("ascii"), landing_frame(landing)]
+        # the decode's token for the request: it writes the row for that request alone (none: a decode that
+        # named none reads the row without it)
+        parts = [AUX_TAG, *head, info.token, *rows] if info.token else [_AUX_TAG_V2, *head, *rows]
         from sglang.srt.utils.network import NetworkAddress
         na = NetworkAddress(info.endpoint, info.dst_port)
         self._send_multipart_locked(na.to_tcp(), parts, is_ipv6=na.is_ipv6)
@@ -622,6 +711,7 @@ class GpuxferKVReceiver(CommonKVReceiver):
     def _clear(self) -> None:
         super()._clear()
         self.kv_mgr.landings.forget(self.bootstrap_room)
+        self.kv_mgr._tokens.pop(self.bootstrap_room, None)      # the room id's next request gets a new one
 
 
 class GpuxferKVBootstrapServer(CommonKVBootstrapServer):

@@ -27,11 +27,15 @@ class TransferInfo:
     is_dummy: bool
     decode_prefix_len: Optional[int] = None
     error: Optional[str] = None         # why the room cannot be written as named (its first push fails with it)
+    token: Optional[bytes] = None       # the decode's name for this request of the room (echoed to it; None: none)
 
     @classmethod
     def from_zmq(cls, msg: List[bytes]) -> "TransferInfo":
         if len(msg) < 7:
-            raise BadInput(f"a gpuxfer SGLang metadata message has {len(msg)} frames, not 7 or 8")
+            raise BadInput(f"a gpuxfer SGLang metadata message has {len(msg)} frames, not 7 to 9")
+        token = msg[8] if len(msg) > 8 and msg[8] else None
+        if token is not None and (len(token) > 20 or not token.isdigit()):
+            raise BadInput(f"a request token must be at most 20 digits, got {token[:24]!r}")
         dummy = msg[4] == b"" and msg[5] == b""
         if not dummy and len(msg[4]) % 4:
             raise BadInput(f"decode page indices of {len(msg[4])} bytes are not int32s")
@@ -43,7 +47,8 @@ class TransferInfo:
                    dst_port=int(msg[2].decode("ascii")), session=msg[3].decode("ascii"), dst_kv_indices=pages,
                    dst_aux_index=None if dummy else int(msg[5].decode("ascii")),
                    required_dst_info_num=int(msg[6].decode("ascii")), is_dummy=dummy,
-                   decode_prefix_len=int(msg[7].decode("ascii")) if len(msg) > 7 and msg[7] else None, error=error)
+                   decode_prefix_len=int(msg[7].decode("ascii")) if len(msg) > 7 and msg[7] else None, error=error,
+                   token=token)
 
 
 @dataclass
@@ -64,7 +69,10 @@ def _drain_marker(room: int) -> _Chunk:
 @dataclass
 class _Posted:
     """A room's pushes posted and not yet waited for (the transfer thread's alone): ``chunks`` is what the
-    room counts in ``_staging_outstanding`` for them, ``handles`` the posts' ``(TransferInfo, handle)``."""
+    room counts in ``_staging_outstanding`` for them, ``handles`` the posts' ``(TransferInfo, handle)``,
+    ``infos`` the room's decode destinations of the request that posted them (a room id names one request
+    after another)."""
 
+    infos: Any = None
     chunks: int = 0
     handles: List[tuple] = field(default_factory=list)
