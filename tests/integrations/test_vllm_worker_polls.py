@@ -213,44 +213,13 @@ def test_a_decode_rank_sharing_a_prefill_rank_says_so_in_each_message(monkeypatc
     assert r.client.sent == [("release", ["p0"], 2)]
 
 
-def test_a_load_read_from_two_prefill_ranks_ends_once_both_reads_did():
-    """A decode of TP 1 reads a prefill of TP 2 (one read per prefill rank). The read from rank 1 failing is not
-    reported while rank 0's read may still write the blocks: the load fails, its blocks reported as load errors,
-    only once that read completed; each prefill rank hears of its own read (done, release)."""
+def _two_part_load(ordered: bool):
+    """A decode of TP 1 reading a prefill of TP 2: one load, a read in flight from each prefill rank (on one
+    stream, reported in post order, or ``ordered`` False: in any order)."""
     import types
     w = _worker()
     w.decode.agent = types.SimpleNamespace(timeout_s=60.0)
-    ranks = [_Remote(("127.0.0.1", port, "p"), state="ready", client=_Client()) for port in (1, 2)]
-    for r in ranks:
-        w.decode.remotes[r.key] = r
-    rp = RemotePrefill("p", "127.0.0.1", 1, "p0", (np.arange(1, 3),), (16,), now() + 60,
-                       (("127.0.0.1", 1), ("127.0.0.1", 2)))
-    load = Load("d0", rp, (np.array([7, 8]),), 0, 31)
-    w.decode._parts["d0"] = [2, False]
-    for part, r in enumerate(ranks):
-        st = _LoadState(load, 0.0, remote=r, handle=_Handle(), t_post=time.perf_counter(), part=part)
-        w.decode.pending[st.key] = st
-        w.decode.inflight.append(st)
-        r.inflight += 1
-        r.loads += 1
-    first, second = w.decode.inflight
-    second.handle.error, second.handle.finished = BlockIdError("refused on the device"), True
-    assert w.poll() == (set(), set(), set())            # (post order: the second waits behind the first)
-    assert w.take_load_errors() == set()
-    first.handle.finished = True
-    assert w.poll() == (set(), {"d0"}, {"d0"})
-    assert w.take_load_errors() == {7, 8}
-    assert ranks[0].client.sent == [("done", ["p0"])] and ranks[1].client.sent == [("release", ["p0"])]
-    assert not w.decode.pending and not w.decode._parts
-
-
-def test_a_load_whose_first_read_fails_waits_for_its_other_read():
-    """The same with the read from rank 0 failing first (reads of another engine, or on the NIXL route, end in
-    any order): nothing is reported until rank 1's read ended."""
-    import types
-    w = _worker()
-    w.decode.agent = types.SimpleNamespace(timeout_s=60.0)
-    ranks = [_Remote(("127.0.0.1", port, "p"), state="ready", client=_Client(), ordered=False) for port in (1, 2)]
+    ranks = [_Remote(("127.0.0.1", port, "p"), state="ready", client=_Client(), ordered=ordered) for port in (1, 2)]
     for r in ranks:
         w.decode.remotes[r.key] = r
     rp = RemotePrefill("p", "127.0.0.1", 1, "p0", (np.arange(1, 3),), (16,), now() + 60,
@@ -261,14 +230,31 @@ def test_a_load_whose_first_read_fails_waits_for_its_other_read():
     for part, r in enumerate(ranks):
         st = _LoadState(load, 0.0, remote=r, handle=_Handle(), t_post=time.perf_counter(), part=part)
         w.decode.pending[st.key] = st
-        w.decode.unordered.append(st)
+        (w.decode.inflight if ordered else w.decode.unordered).append(st)
         r.inflight += 1
         r.loads += 1
         sts.append(st)
-    sts[0].handle.error, sts[0].handle.finished = GpuxferError("NIXL said no"), True
-    assert w.poll() == (set(), set(), set()) and w.take_load_errors() == set()
-    sts[1].handle.finished = True
-    assert w.poll() == (set(), {"d0"}, {"d0"}) and w.take_load_errors() == {7, 8}
+    return w, ranks, sts
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_a_load_read_from_two_prefill_ranks_ends_once_both_reads_did(ordered):
+    """A decode of TP 1 reads a prefill of TP 2 (one read per prefill rank). One read failing is not reported
+    while the other may still write the blocks: the load fails, its blocks reported as load errors, only once
+    that read ended too (the failed one second in post order on one stream, or first where reads end in any
+    order); each prefill rank hears of its own read (done, release)."""
+    w, ranks, sts = _two_part_load(ordered)
+    bad, good = (sts[1], sts[0]) if ordered else (sts[0], sts[1])
+    bad.handle.error = BlockIdError("refused on the device") if ordered else GpuxferError("NIXL said no")
+    bad.handle.finished = True
+    assert w.poll() == (set(), set(), set())
+    assert w.take_load_errors() == set()
+    good.handle.finished = True
+    assert w.poll() == (set(), {"d0"}, {"d0"})
+    assert w.take_load_errors() == {7, 8}
+    assert [r.client.sent for r in ranks] == ([[("done", ["p0"])], [("release", ["p0"])]] if ordered else
+                                              [[("release", ["p0"])], [("done", ["p0"])]])
+    assert not w.decode.pending and not w.decode._parts
 
 
 def _reference_one(sort_by_dst: bool, s: np.ndarray, d: np.ndarray):

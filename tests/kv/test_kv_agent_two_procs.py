@@ -141,9 +141,12 @@ def test_cuda_export_range_and_expandable_segments(spawner):
     assert "not legacy-IPC capable" in msg or "expandable" in msg, msg
 
 
-def _heads_side(rank, world, init, platform_name):
-    """Rank 0 holds 4 heads per block (one piece each), rank 1 (the reader) 2 heads: it adds rank 0 seen through
-    pieces [2, 4) and pulls; its blocks then hold rank 0's heads 2 and 3, and nothing else changed."""
+def _pieces_side(rank, world, init, platform_name, whose):
+    """A view of pieces [2, 4), one piece per head, every byte checked (rank 1 pulls from rank 0):
+    ``whose`` "peer": rank 0 holds 4 heads per block, rank 1 2, and rank 1 adds rank 0 seen through pieces
+    [2, 4) (``pieces``): its blocks then hold rank 0's heads 2 and 3. "local": rank 0 holds 2 heads, rank 1 4,
+    and rank 1 sees its own layers through pieces [2, 4) (``local_pieces``): its heads 2 and 3 then hold rank
+    0's two. Nothing else of rank 1's memory changes; ranges a layer does not have are ``BadInput``."""
     import datetime
     import torch.distributed as dist
     from gpuxfer.errors import BadInput
@@ -154,7 +157,7 @@ def _heads_side(rank, world, init, platform_name):
                             timeout=datetime.timedelta(seconds=60))
     keep = []
     try:
-        heads, blocks, hbytes = (4, 2)[rank], 6, 64          # a head's piece of a block: 64 bytes
+        heads, blocks, hbytes = ((4, 2) if whose == "peer" else (2, 4))[rank], 6, 64    # a head's piece: 64 B
         buf = plat.alloc(2 * blocks * heads * hbytes + 4096, rank)
         keep.append(buf)
         flat = plat.as_tensor(buf, dtype=torch.uint8)
@@ -165,21 +168,22 @@ def _heads_side(rank, world, init, platform_name):
                                      dtype=torch.uint8))
             layers[f"l{i}"] = (view, KVLayerSpec(view, blocks, heads * hbytes,
                                                  [(h * hbytes, hbytes) for h in range(heads)]))
-        agent = KVAgent(f"heads{rank}", platform=plat, device=rank, engine="triton")
+        agent = KVAgent(f"{whose}{rank}", platform=plat, device=rank, engine="triton")
         keep.append(agent)
         agent.register_group("g", 4, {k: spec for k, (_, spec) in layers.items()})
         blobs = [None, None]
         dist.all_gather_object(blobs, agent.metadata())
+        src, dst = [5, 0, 3], [1, 4, 2]
         if rank == 1:
             before = {k: v.clone() for k, (v, _) in layers.items()}
-            for bad in ({"g": (2, 5)}, {"g": (1, 1)}, {"h": (0, 2)}, {"g": (True, 2)}):
+            key = "pieces" if whose == "peer" else "local_pieces"
+            for bad in ({"g": (2, 5)}, {"g": (1, 1)}, {"h": (0, 2)}, {"g": (True, 2)}, [(0, 2)]):
                 try:
-                    agent.add_peer(blobs[0], pieces=bad)
-                    raise AssertionError(f"pieces {bad} accepted")
+                    agent.add_peer(blobs[0], **{key: bad})
+                    raise AssertionError(f"{key} {bad} accepted")
                 except BadInput:
                     pass
-            peer = agent.add_peer(blobs[0], pieces={"g": (2, 4)})
-            src, dst = [5, 0, 3], [1, 4, 2]
+            peer = agent.add_peer(blobs[0], **{key: {"g": (2, 4)}})
             agent.transfer(peer, "pull", local_blocks={"g": dst}, remote_blocks={"g": src}).wait(60)
         dist.barrier()
         got = [None, None]
@@ -187,8 +191,11 @@ def _heads_side(rank, world, init, platform_name):
         if rank == 1:
             for k, (v, _) in layers.items():
                 want = before[k].clone()
-                for s, d in zip(src, dst):
-                    want[d] = got[0][k][s, 2:4]
+                for s_, d in zip(src, dst):
+                    if whose == "peer":
+                        want[d] = got[0][k][s_, 2:4]
+                    else:
+                        want[d, 2:4] = got[0][k][s_]
                 assert torch.equal(v, want), k
         dist.barrier()
         return "ok"
@@ -199,68 +206,6 @@ def _heads_side(rank, world, init, platform_name):
         plat.close()
 
 
-def test_a_peer_seen_through_some_of_its_pieces(spawner):
-    assert spawner.run_ranks(_heads_side, 2, "host", timeout=180) == ["ok", "ok"]
-
-
-def _local_heads_side(rank, world, init, platform_name):
-    """Rank 0 holds 2 heads per block, rank 1 (the reader) 4: it adds rank 0 with its own layers seen through
-    pieces [2, 4) and pulls; its blocks' heads 2 and 3 then hold rank 0's two heads, its heads 0 and 1 and every
-    other block are as they were."""
-    import datetime
-    import torch.distributed as dist
-    from gpuxfer.errors import BadInput
-    from gpuxfer.kv.layers import KVLayerSpec
-    from gpuxfer.platforms import get_platform
-    plat = get_platform(platform_name)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
-    keep = []
-    try:
-        heads, blocks, hbytes = (2, 4)[rank], 6, 64
-        buf = plat.alloc(2 * blocks * heads * hbytes + 4096, rank)
-        keep.append(buf)
-        flat = plat.as_tensor(buf, dtype=torch.uint8)
-        layers = {}
-        for i in range(2):
-            view = flat[i * blocks * heads * hbytes:(i + 1) * blocks * heads * hbytes].view(blocks, heads, hbytes)
-            view.copy_(torch.randint(0, 256, view.shape, generator=torch.Generator().manual_seed(10 * rank + i),
-                                     dtype=torch.uint8))
-            layers[f"l{i}"] = (view, KVLayerSpec(view, blocks, heads * hbytes,
-                                                 [(h * hbytes, hbytes) for h in range(heads)]))
-        agent = KVAgent(f"local{rank}", platform=plat, device=rank, engine="triton")
-        keep.append(agent)
-        agent.register_group("g", 4, {k: spec for k, (_, spec) in layers.items()})
-        blobs = [None, None]
-        dist.all_gather_object(blobs, agent.metadata())
-        if rank == 1:
-            before = {k: v.clone() for k, (v, _) in layers.items()}
-            for bad in ({"g": (3, 5)}, {"h": (0, 2)}, [(0, 2)]):
-                try:
-                    agent.add_peer(blobs[0], local_pieces=bad)
-                    raise AssertionError(f"local_pieces {bad} accepted")
-                except BadInput:
-                    pass
-            peer = agent.add_peer(blobs[0], local_pieces={"g": (2, 4)})
-            src, dst = [5, 0, 3], [1, 4, 2]
-            agent.transfer(peer, "pull", local_blocks={"g": dst}, remote_blocks={"g": src}).wait(60)
-        dist.barrier()
-        got = [None, None]
-        dist.all_gather_object(got, {k: v.clone() for k, (v, _) in layers.items()})
-        if rank == 1:
-            for k, (v, _) in layers.items():
-                want = before[k].clone()
-                for s, d in zip(src, dst):
-                    want[d, 2:4] = got[0][k][s]
-                assert torch.equal(v, want), k
-        dist.barrier()
-        return "ok"
-    finally:
-        for r in keep[::-1]:
-            r.close()
-        dist.destroy_process_group()
-        plat.close()
-
-
-def test_this_agents_blocks_seen_through_some_of_their_pieces(spawner):
-    assert spawner.run_ranks(_local_heads_side, 2, "host", timeout=180) == ["ok", "ok"]
+@pytest.mark.parametrize("whose", ["peer", "local"])
+def test_a_view_of_some_pieces_of_each_block(spawner, whose):
+    assert spawner.run_ranks(_pieces_side, 2, "host", whose, timeout=180) == ["ok", "ok"]
