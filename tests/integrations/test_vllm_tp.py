@@ -93,25 +93,31 @@ def test_decode_of_half_the_prefills_tp_reads_both_ranks_into_its_heads(inst):
     assert_idle(D)
 
 
-def test_a_decode_whose_read_from_one_of_two_prefill_ranks_fails_recomputes_after_both_ended(inst):
-    """D1 reads P2's rank 0 and cannot reach rank 1 (params pointing it elsewhere): the load fails (vLLM
-    recomputes it) once rank 0's read ended too; rank 0 frees the blocks on its done word, rank 1 at its lease."""
-    P, D = inst["P2"], inst["D1"]
+def _prefill_rank_one_unreachable(P, D, reqs) -> None:
+    """Load ``reqs`` of ``P`` (TP 2) on ``D`` with the params pointing prefill rank 1 at a port nobody listens on:
+    the loads fail (vLLM computes the prompts) while rank 1 still holds the blocks; rank 0 frees them on its done
+    word, rank 1 at its lease (10 s here)."""
     before = P.call("stats")["stats"]
-    P.call("set_lease", 10.0)
+    P.call("set_lease", 10.0)           # long enough for rank 0's read, short enough to wait for
     try:
-        reqs = [(f"k{i}", 120 + i, 7500 + i) for i in range(3)]
         params = prefill(P, reqs)
         nobody = free_port()
         for p in params.values():
             p["remote_endpoints"][1] = ["127.0.0.1", nobody]
         assert_failed(D, decode(D, reqs, params, timeout=60))
+        assert P.call("stats")["free"] < P.info["free"]           # rank 1 still holds them
         s = assert_idle(P, timeout=60)["stats"]
     finally:
         P.call("set_lease", 120.0)
     assert s["sends_done"] == before.get("sends_done", 0) + len(reqs)              # rank 0's
     assert s["leases_expired"] == before.get("leases_expired", 0) + len(reqs)      # rank 1's
     assert_idle(D)
+
+
+def test_a_decode_whose_read_from_one_of_two_prefill_ranks_fails_recomputes_after_both_ended(inst):
+    """D1 reads P2's rank 0 and cannot reach rank 1: the load fails (vLLM recomputes it) once rank 0's read ended
+    too."""
+    _prefill_rank_one_unreachable(inst["P2"], inst["D1"], [(f"k{i}", 120 + i, 7500 + i) for i in range(3)])
 
 
 def test_decode_of_twice_the_prefills_tp_reads_half_its_heads_per_rank(inst):
@@ -168,26 +174,10 @@ def test_a_refused_handshake_releases_the_blocks_at_once(inst):
 
 
 def test_a_load_failing_on_one_rank_fails_the_request_and_the_prefill_waits_for_every_rank(inst):
-    """Rank 1 of the decode cannot reach its prefill rank (params pointing it elsewhere): rank 0 reads its shard
-    and says so, rank 1 fails. vLLM's aggregation fails the request (rank 1's load errors), and the prefill frees
-    the blocks only once its rank 1 lets go of them too: at its lease."""
-    P, D = inst["P2"], inst["D2"]
-    before = P.call("stats")["stats"]
-    P.call("set_lease", 10.0)           # long enough for rank 0's read, short enough to wait for
-    try:
-        reqs = [(f"o{i}", 120 + i, 7000 + i) for i in range(3)]
-        params = prefill(P, reqs)
-        nobody = free_port()
-        for p in params.values():
-            p["remote_endpoints"][1] = ["127.0.0.1", nobody]
-        assert_failed(D, decode(D, reqs, params, timeout=60))
-        assert P.call("stats")["free"] < P.info["free"]           # rank 1 still holds them
-        s = assert_idle(P, timeout=60)
-    finally:
-        P.call("set_lease", 120.0)
-    assert s["stats"]["leases_expired"] == before.get("leases_expired", 0) + len(reqs)      # rank 1's
-    assert s["stats"]["sends_done"] == before.get("sends_done", 0) + len(reqs)              # rank 0's
-    assert_idle(D)
+    """Rank 1 of the decode cannot reach its prefill rank: rank 0 reads its shard and says so, rank 1 fails.
+    vLLM's aggregation fails the request (rank 1's load errors), and the prefill frees the blocks only once its
+    rank 1 lets go of them too: at its lease."""
+    _prefill_rank_one_unreachable(inst["P2"], inst["D2"], [(f"o{i}", 120 + i, 7000 + i) for i in range(3)])
 
 
 def test_tp2_decode_abort_releases_both_prefill_ranks(inst):
