@@ -484,13 +484,21 @@ class SideChannelClient:
         try:
             while pending and not self._broken:
                 if self._head is None:
-                    _, op, reqs, keys = pending[0]
+                    t, op, reqs, keys = pending[0]
                     msg = {"op": op, "reqs": reqs}
                     if keys is not None and any(keys):
                         msg["keys"] = [k or "" for k in keys]
                     if self.readers > 1:
                         msg["of"] = self.readers
-                    self._head = bytearray(message(msg))
+                    head = message(msg)
+                    if len(head) - _LEN.size > MAX_MESSAGE and len(reqs) > 1:
+                        # IDs JSON writes as escapes (up to 12 bytes a character): halves until each fits the
+                        # prefill's MAX_MESSAGE (one ID of MAX_REQUEST_ID characters always does)
+                        h = len(reqs) // 2
+                        pending[0] = (t, op, reqs[h:], None if keys is None else keys[h:])
+                        pending.appendleft((t, op, reqs[:h], None if keys is None else keys[:h]))
+                        continue
+                    self._head = bytearray(head)
                     self._head_deadline = time.monotonic() + self.timeout_s
                 out = self._head
                 while out:
