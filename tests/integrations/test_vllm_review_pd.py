@@ -9,6 +9,7 @@ import time
 import types
 
 import numpy as np
+import pytest
 
 from gpuxfer.integrations.vllm import channel, loads as loads_mod
 from gpuxfer.integrations.vllm.handshake import encode_info, engine_info
@@ -176,3 +177,34 @@ def test_words_before_their_hold_are_bounded_in_all():
         h.drain(srv, t)
     words = sum(len(w) for w in h.early.values())      # (entries kept)
     assert words <= 1 << 18, words
+
+
+def test_host_names_resolving_at_once_are_bounded(monkeypatch):
+    """Params naming a new host name each (hostile, or a resolver that hangs): each client resolves its name on a
+    thread; while lookups hang, no more than MAX_RESOLVING run, and a client past them fails its handshake at
+    its first pump instead of starting another thread."""
+    import socket
+    import threading
+    gate = threading.Event()
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, port, *a, flags=0, **k):
+        if flags & socket.AI_NUMERICHOST or host == "127.0.0.1":
+            return real(host, port, *a, flags=flags, **k)
+        gate.wait(10)
+        raise socket.gaierror("no such name")
+
+    monkeypatch.setattr(channel.socket, "getaddrinfo", getaddrinfo)
+    limit = getattr(channel, "MAX_RESOLVING", 64)
+    clients = []
+    try:
+        for i in range(limit + 32):
+            clients.append(channel.SideChannelClient(f"h{i}.invalid", 1, 5.0))
+        running = [t for t in threading.enumerate() if t.name == "gpuxfer-vllm-resolve"]
+        assert len(running) <= limit
+        with pytest.raises(channel.ChannelClosed, match="being resolved already"):
+            clients[-1].pump()
+    finally:
+        gate.set()
+        for c in clients:
+            c.close()

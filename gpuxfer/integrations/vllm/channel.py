@@ -56,6 +56,11 @@ MAX_KEY = 64                        # characters of a hold's key
 #: the most done and release events queued for the worker (an idle engine takes none until its next step); a
 #: connection that would queue more is closed
 MAX_EVENTS = 1 << 18
+#: the most host names the clients of a process resolve at once (each on a thread of its own, which a lookup that
+#: hangs keeps for the resolver's timeout); a client past them fails its handshake
+MAX_RESOLVING = 64
+_resolving = [0]
+_resolving_lock = threading.Lock()
 #: how often a client's sender thread, idle, looks whether the prefill end closed (what
 #: :attr:`SideChannelClient.alive` then says without a system call on the engine thread)
 WATCH_S = 0.05
@@ -330,8 +335,20 @@ class SideChannelClient:
         try:
             info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
         except socket.gaierror:                 # a name: resolved on a thread (a lookup may take seconds)
-            threading.Thread(target=self._resolve, args=(host, port), name="gpuxfer-vllm-resolve",
-                             daemon=True).start()
+            with _resolving_lock:
+                busy = _resolving[0] >= MAX_RESOLVING
+                if not busy:
+                    _resolving[0] += 1
+            if busy:
+                self._resolved.append(OSError(f"{MAX_RESOLVING} host names are being resolved already"))
+            else:
+                try:
+                    threading.Thread(target=self._resolve, args=(host, port), name="gpuxfer-vllm-resolve",
+                                     daemon=True).start()
+                except BaseException:
+                    with _resolving_lock:
+                        _resolving[0] -= 1
+                    raise
         else:
             self._connect(info[0])
         self._t0 = time.monotonic()
@@ -360,6 +377,9 @@ class SideChannelClient:
             self._resolved.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0])
         except (OSError, UnicodeError) as exc:
             self._resolved.append(exc)
+        finally:
+            with _resolving_lock:
+                _resolving[0] -= 1
 
     def _connect(self, info) -> None:
         family, kind, proto, _, addr = info
