@@ -56,6 +56,11 @@ MAX_KEY = 64                        # characters of a hold's key
 #: the most done and release events queued for the worker (an idle engine takes none until its next step); a
 #: connection that would queue more is closed
 MAX_EVENTS = 1 << 18
+#: the most host names the clients of a process resolve at once (each on a thread of its own, which a lookup that
+#: hangs keeps for the resolver's timeout); a client past them fails its handshake
+MAX_RESOLVING = 64
+_resolving = [0]
+_resolving_lock = threading.Lock()
 #: how often a client's sender thread, idle, looks whether the prefill end closed (what
 #: :attr:`SideChannelClient.alive` then says without a system call on the engine thread)
 WATCH_S = 0.05
@@ -330,8 +335,20 @@ class SideChannelClient:
         try:
             info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
         except socket.gaierror:                 # a name: resolved on a thread (a lookup may take seconds)
-            threading.Thread(target=self._resolve, args=(host, port), name="gpuxfer-vllm-resolve",
-                             daemon=True).start()
+            with _resolving_lock:
+                busy = _resolving[0] >= MAX_RESOLVING
+                if not busy:
+                    _resolving[0] += 1
+            if busy:
+                self._resolved.append(OSError(f"{MAX_RESOLVING} host names are being resolved already"))
+            else:
+                try:
+                    threading.Thread(target=self._resolve, args=(host, port), name="gpuxfer-vllm-resolve",
+                                     daemon=True).start()
+                except BaseException:
+                    with _resolving_lock:
+                        _resolving[0] -= 1
+                    raise
         else:
             self._connect(info[0])
         self._t0 = time.monotonic()
@@ -360,6 +377,9 @@ class SideChannelClient:
             self._resolved.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0])
         except (OSError, UnicodeError) as exc:
             self._resolved.append(exc)
+        finally:
+            with _resolving_lock:
+                _resolving[0] -= 1
 
     def _connect(self, info) -> None:
         family, kind, proto, _, addr = info
@@ -484,13 +504,21 @@ class SideChannelClient:
         try:
             while pending and not self._broken:
                 if self._head is None:
-                    _, op, reqs, keys = pending[0]
+                    t, op, reqs, keys = pending[0]
                     msg = {"op": op, "reqs": reqs}
                     if keys is not None and any(keys):
                         msg["keys"] = [k or "" for k in keys]
                     if self.readers > 1:
                         msg["of"] = self.readers
-                    self._head = bytearray(message(msg))
+                    head = message(msg)
+                    if len(head) - _LEN.size > MAX_MESSAGE and len(reqs) > 1:
+                        # IDs JSON writes as escapes (up to 12 bytes a character): halves until each fits the
+                        # prefill's MAX_MESSAGE (one ID of MAX_REQUEST_ID characters always does)
+                        h = len(reqs) // 2
+                        pending[0] = (t, op, reqs[h:], None if keys is None else keys[h:])
+                        pending.appendleft((t, op, reqs[:h], None if keys is None else keys[:h]))
+                        continue
+                    self._head = bytearray(head)
                     self._head_deadline = time.monotonic() + self.timeout_s
                 out = self._head
                 while out:

@@ -14,12 +14,14 @@ log = logging.getLogger("gpuxfer.vllm")
 
 #: the most requests with words that came before their hold that a prefill worker remembers (the newest are kept)
 MAX_RELEASED = 1 << 16
+#: the most kinds of word (readers named, key) kept for a request before its hold
+EARLY_KINDS = 4
 
 
 class PrefillHolds:
     """Requests held for decode instances: ``held`` (request -> lease deadline) and their keys, a heap of the
-    deadlines, the words of decode ranks that came before their request's hold (``early``: request -> [(when,
-    readers, key)], looked at when the hold comes), the held requests let go of, and the held requests some but
+    deadlines, the words of decode ranks that came before their request's hold (``early``: request -> [[when
+    first, readers, key, words]], looked at when the hold comes), the held requests let go of, and the held requests some but
     not all of their readers let go of (``heard``: request -> (messages, readers)). ``stats``: the worker's
     counters, updated in place."""
 
@@ -28,7 +30,7 @@ class PrefillHolds:
         self.held: dict[str, float] = {}
         self.keys: dict[str, str | None] = {}
         self._expiry: list[tuple[float, str]] = []
-        self.early: dict[str, list[tuple[float, int, str | None]]] = {}
+        self.early: dict[str, list[list]] = {}
         self.heard: dict[str, tuple[int, int]] = {}
         self._prune_at = 1024                       # the size of ``early`` that prunes it
         self._let_go: list[str] = []
@@ -40,8 +42,9 @@ class PrefillHolds:
             self.held[req] = deadline
             self.keys[req] = key
             heapq.heappush(self._expiry, (deadline, req))
-            for _, of, got in self.early.pop(req, ()):       # words that came before the hold
-                self._heard("done", req, of, got)
+            for _, of, got, n in self.early.pop(req, ()):       # words that came before the hold
+                for _ in range(n):
+                    self._heard("done", req, of, got)
 
     def _heard(self, op: str, req: str, of: int, key: str | None) -> None:
         """A held request's word from a decode rank: counted when it carries the hold's key, and let go of once
@@ -76,9 +79,17 @@ class PrefillHolds:
             if req in self.held:
                 self._heard(op, req, of, key)
             else:
+                # words alike (readers and key) are counted in one entry, at most EARLY_KINDS entries a request:
+                # a peer naming many readers cannot have each of its words kept
                 words = self.early.setdefault(req, [])
-                if len(words) < 2 * of:         # (a reader's word each; more are noise)
-                    words.append((now, of, key))
+                for w in words:
+                    if w[1] == of and w[2] == key:
+                        if w[3] < 2 * of:       # (a reader's word each; more are noise)
+                            w[3] += 1
+                        break
+                else:
+                    if len(words) < EARLY_KINDS:
+                        words.append([now, of, key, 1])
         if len(self.early) > self._prune_at:        # words of requests held nowhere
             cutoff = now - 2 * self.lease_s
             kept = [(r, w) for r, w in self.early.items() if w[0][0] >= cutoff]

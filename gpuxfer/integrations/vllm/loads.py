@@ -370,6 +370,13 @@ class DecodeLoads:
             raise BadTransferParams(f"prefill engine {r.key[2]} is gone: {r.client and r.client.closed_reason}")
         if not lease.now() < r.clock.deadline(rp.lease_deadline):      # (a NaN deadline has run out)
             raise BadTransferParams("the prefill instance's lease on the blocks ran out before the read started")
+        # the peer must be the prefill rank the params name for this read, of the size they name: a part's view of
+        # this worker's heads comes from the peer's own rank and size, so another rank (one rank under two
+        # addresses) or a prefill of more ranks than the params list would leave heads written by no read
+        want = source_ranks(self.tp_rank, self.tp_size, rp.tp_size)[st.part]
+        if r.world != rp.tp_size or r.rank != want:
+            raise BadTransferParams(f"prefill engine {r.key[2]} at {r.key[0]}:{r.key[1]} is rank {r.rank} of {r.world}; "
+                                    f"the params name rank {want} of {rp.tp_size} there")
         local, remote, nbytes = {}, {}, 0
         for g, (kind, ls, _) in enumerate(self.group_specs):
             name = self._group_names[g]
