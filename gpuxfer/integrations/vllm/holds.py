@@ -21,9 +21,9 @@ EARLY_KINDS = 4
 class PrefillHolds:
     """Requests held for decode instances: ``held`` (request -> lease deadline) and their keys, a heap of the
     deadlines, the words of decode ranks that came before their request's hold (``early``: request -> [[when
-    first, readers, key, words]], looked at when the hold comes), the held requests let go of, and the held requests some but
-    not all of their readers let go of (``heard``: request -> (messages, readers)). ``stats``: the worker's
-    counters, updated in place."""
+    first, readers, key, words]], looked at when the hold comes), the held requests let go of, and the held
+    requests some but not all of their readers let go of (``heard``: request -> (messages, readers)).
+    ``stats``: the worker's counters, updated in place."""
 
     def __init__(self, *, engine_id: str, lease_s: float, stats: dict):
         self.engine_id, self.lease_s, self.stats = engine_id, lease_s, stats

@@ -375,8 +375,8 @@ class DecodeLoads:
         # addresses) or a prefill of more ranks than the params list would leave heads written by no read
         want = source_ranks(self.tp_rank, self.tp_size, rp.tp_size)[st.part]
         if r.world != rp.tp_size or r.rank != want:
-            raise BadTransferParams(f"prefill engine {r.key[2]} at {r.key[0]}:{r.key[1]} is rank {r.rank} of {r.world}; "
-                                    f"the params name rank {want} of {rp.tp_size} there")
+            raise BadTransferParams(f"prefill engine {r.key[2]} at {r.key[0]}:{r.key[1]} is rank {r.rank} of "
+                                    f"{r.world}; the params name rank {want} of {rp.tp_size} there")
         local, remote, nbytes = {}, {}, 0
         for g, (kind, ls, _) in enumerate(self.group_specs):
             name = self._group_names[g]

@@ -1,8 +1,8 @@
-"""Hostile review of the vLLM connector's reads from a prefill of more ranks, the holds' keys and the side
-channel's limits: a load is never reported done while heads of its blocks were read from no prefill rank (the
-peer a part reached is the rank the params name for that part, of the size they name); a decode's message stays
-within MAX_MESSAGE whatever its request IDs' characters; the words that come before their hold are bounded in
-all, not per request by what a message claims. No vLLM import."""
+"""The vLLM connector against peers and params that disagree, and peers that send too much: a load is never
+reported done while heads of its blocks were read from no prefill rank (the peer a part reached is the rank the
+params name for that part, of the size they name); a decode's message stays within MAX_MESSAGE whatever its
+request IDs' characters; the words that come before their hold are bounded in all, not per request by what a
+message claims; so are the host names resolved at once. No vLLM import."""
 from __future__ import annotations
 
 import time
