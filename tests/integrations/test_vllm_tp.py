@@ -264,3 +264,55 @@ def test_tp2_over_nixl_from_a_host_on_another_clock(tmp_path_factory, p_tp):
         assert s["stats"]["sends_done"] >= p_tp * len(reqs) and s["stats"].get("leases_expired", 0) == 0
         d = D.call("stats")
         assert d["routes"] == {"nixl"} and d["stats"]["handshakes"] == 2 and d["stats"]["transfers"] == 2 * len(reqs)
+
+
+def _connector_info(host, spec, heads_slots: int, tp: tuple[int, int]):
+    """The engine description of a worker-side GpuxferConnector (TP 1 as vLLM made it, then described as rank
+    ``tp`` of its size) over one LBHNC layer of ``heads_slots`` head slots per block, its group's spec ``spec``."""
+    import types
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from gpuxfer.integrations.vllm.connector import GpuxferConnector
+    cfg = types.SimpleNamespace(
+        kv_transfer_config=types.SimpleNamespace(engine_id=f"e{tp[0]}",
+                                                 kv_connector_extra_config={"engine": "copy_engine"}),
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
+                                              decode_context_parallel_size=1, prefill_context_parallel_size=1),
+        device_config=types.SimpleNamespace(device_type="cpu"),
+        model_config=types.SimpleNamespace(model="m", dtype="bfloat16"),
+        cache_config=types.SimpleNamespace(cache_dtype="nvfp4"))
+    kcc = types.SimpleNamespace(kv_cache_groups=[types.SimpleNamespace(kv_cache_spec=spec, layer_names=["l0"])],
+                                kv_cache_layout="LBHNC")
+    c = GpuxferConnector(cfg, KVConnectorRole.WORKER, kcc)
+    c._worker.platform = host
+    cache = torch.zeros(8, heads_slots, 16, 64, dtype=torch.uint8)
+    try:
+        c.register_kv_caches({"l0": cache})
+        return dict(c._worker.info, tp_rank=tp[0], tp_size=tp[1])
+    finally:
+        c._worker.close()
+
+
+def test_head_slots_that_are_not_kv_heads_are_not_split_between_decode_ranks(host):
+    """vLLM's FlashInfer NVFP4 cache publishes 2 x num_kv_heads head slots per block: every K head's slot, then
+    every V head's (``num_head_slots``). A decode rank of twice the prefill's TP size cannot read its heads as a
+    range of the prefill rank's slots (rank 1 would get slots 4..7: the V of all four heads, written over its K
+    and V), so the handshake refuses it; with one slot per KV head the share is read as before."""
+    import dataclasses
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from gpuxfer.errors import LayoutMismatch
+    from gpuxfer.integrations.vllm.handshake import check_compatible
+
+    def spec(heads, nvfp4=False):
+        s = FullAttentionSpec(block_size=16, num_kv_heads=heads, head_size=64, dtype=torch.bfloat16)
+        # what FlashInferBackend.customize_spec makes of an NVFP4 cache (flashinfer is not installed here)
+        return dataclasses.replace(s, num_head_slots=2 * heads, state_content_bytes=64) if nvfp4 else s
+    nvfp4 = dict(nvfp4=True)
+    prefill = _connector_info(host, spec(4, **nvfp4), 8, (0, 1))
+    decode = _connector_info(host, spec(2, **nvfp4), 4, (1, 2))
+    with pytest.raises(LayoutMismatch, match="slots"):
+        check_compatible(decode, prefill)
+    plain_p = _connector_info(host, spec(4), 4, (0, 1))
+    plain_d = _connector_info(host, spec(2), 2, (1, 2))
+    assert check_compatible(plain_d, plain_p).remote == {0: (2, 4)}
