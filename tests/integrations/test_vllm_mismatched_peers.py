@@ -18,6 +18,7 @@ from gpuxfer.integrations.vllm.lease import now
 from gpuxfer.integrations.vllm.loads import Load
 from gpuxfer.integrations.vllm.params import RemotePrefill
 from gpuxfer.integrations.vllm.worker import Settings, WorkerSide
+from test_vllm_worker_polls import _Client
 
 
 def _group(heads):
@@ -36,27 +37,17 @@ class _Handle:
 def _decode(monkeypatch, peers: dict):
     """A decode worker of TP 1 (four heads) whose side channel reaches, at each port of ``peers``, the prefill
     rank ``(rank, world)`` it names; its agent records the pieces each read writes."""
-    class Client:
-        alive, closed_reason, readers = True, None, 1
+    class Client(_Client):
+        readers = 1
 
         def __init__(self, host, port, timeout_s):
+            super().__init__()
             rank, world = peers[port]
             self.info = engine_info(engine_id="p", model="m", dtype="auto/float16", layout=None,
                                     groups=[_group(4 // world)], tp=(rank, world))
-            self.sent = []
 
         def pump(self):
             return encode_info(self.info), b"meta"
-
-        def notify(self, op, reqs, keys=None) -> bool:
-            self.sent.append((op, list(reqs)))
-            return True
-
-        def flush_late(self, now) -> None:
-            return
-
-        def close(self) -> None:
-            self.alive = False
 
     written = []
 

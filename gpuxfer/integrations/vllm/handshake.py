@@ -226,12 +226,7 @@ def _head_part(mine: dict, theirs: dict, m: int, part: int) -> tuple:
 def _head_share(mine: dict, theirs: dict, k: int, share: int) -> tuple[tuple[int, int] | None, str | None]:
     """``(pieces of the peer's blocks to read or None for whole blocks, None)`` for decode share ``share`` of
     ``k`` of one group, or ``(None, why not)``."""
-    def pair(g):
-        c = g.get("content")
-        ok = isinstance(c, list) and len(c) == 2 and all(type(x) is int and x > 0 for x in c)
-        return tuple(c) if ok else None
-    (hl, cl), (hr, cr) = pair(mine) or (0, 0), pair(theirs) or (0, 0)
-    bl, br = mine.get("bytes_per_token"), theirs.get("bytes_per_token")
+    hl, cl, bl, hr, cr, br = _contents(mine, theirs)
     if "MLA" in str(mine.get("kind")):         # a latent every rank holds whole
         if hl == hr and cl == cr and bl == br:
             return None, None
