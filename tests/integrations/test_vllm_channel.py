@@ -115,6 +115,45 @@ def test_connections_that_say_nothing_or_too_much_are_bounded(monkeypatch):
         srv.close()
 
 
+def test_one_address_cannot_take_every_connection(monkeypatch):
+    """Past MAX_CONNECTIONS_PER_HOST open from one address, that address's next connection is closed at once,
+    while another address's still gets its handshake; a connection that went makes room for its address."""
+    from gpuxfer.integrations.vllm import channel
+    monkeypatch.setattr(channel, "MAX_CONNECTIONS_PER_HOST", 2)
+    srv = SideChannelServer("127.0.0.1", 0, lambda: (b"{}", b"meta"), timeout_s=5.0)
+
+    def connect(source: str) -> socket.socket:
+        return socket.create_connection(("127.0.0.1", srv.port), timeout=5, source_address=(source, 0))
+
+    def answered(sock) -> bool:         # a hello answered (three frames), or the connection closed unanswered
+        try:
+            sock.sendall(message({"op": "hello"}))
+            return sock.recv(4) != b""
+        except OSError:                 # (reset by the close)
+            return False
+
+    socks = []
+    try:
+        socks = [connect("127.0.0.2") for _ in range(3)]
+        assert [answered(s) for s in socks] == [True, True, False]
+        other = connect("127.0.0.3")
+        socks.append(other)
+        assert answered(other)
+        socks[0].close()
+        for _ in range(100):            # the server sees the close at its next pump
+            again = connect("127.0.0.2")
+            socks.append(again)
+            if answered(again):
+                break
+            threading.Event().wait(0.05)
+        else:
+            raise AssertionError("a closed connection did not make room for its address")
+    finally:
+        for s in socks:
+            s.close()
+        srv.close()
+
+
 def test_a_prefill_named_by_host_name_is_resolved_off_the_engine_thread(monkeypatch):
     """A name's lookup (seconds where DNS is slow) runs on a thread: making the client and each pump return at
     once; the handshake goes on once the name resolved; a name that does not resolve, or not within the

@@ -23,7 +23,8 @@ prefill's blocks a little longer), and watches the connection: the engine thread
 does not pay the loopback ``send``, which costs tens of microseconds inside an engine process. A frame longer than
 ``MAX_FRAME`` (``MAX_MESSAGE`` for what a decode sends), a message the protocol does not allow, an answer not
 drained within the timeout, a connection that sent no hello or left a message half sent for longer than the
-timeout close that connection only; past ``MAX_CONNECTIONS`` open, a new one is closed at once.
+timeout close that connection only; past ``MAX_CONNECTIONS`` open, or ``MAX_CONNECTIONS_PER_HOST`` from one
+address, a new one is closed at once (a host opening many cannot lock the others' decode workers out).
 """
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ MAX_FRAME = 64 << 20
 MAX_MESSAGE = 1 << 20
 MAX_IDS_PER_MESSAGE = 1024
 MAX_CONNECTIONS = 1024
+#: the most of them from one address (a decode worker keeps one per prefill engine: a host runs a few dozen)
+MAX_CONNECTIONS_PER_HOST = 256
 MAX_REQUEST_ID = 512
 MAX_READERS = 256                   # decode ranks sharing one prefill rank's heads (a message's "of")
 MAX_KEY = 64                        # characters of a hold's key
@@ -171,6 +174,7 @@ class SideChannelServer:
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._sock, selectors.EVENT_READ, None)
         self._conns: dict[socket.socket, _Conn] = {}
+        self._per_host: collections.Counter = collections.Counter()     # open connections by address
         self._lock = threading.Lock()           # one pump at a time
         self._pumped = 0.0                      # when the engine thread last pumped
         self._swept = 0.0                       # when connections were last looked at for timeouts
@@ -249,13 +253,16 @@ class SideChannelServer:
                 return
             except OSError:
                 return
-            if len(self._conns) >= MAX_CONNECTIONS:
-                log.warning("side channel: %d connections open; closing the one from %s", len(self._conns), addr)
+            host = addr[0] if isinstance(addr, tuple) else addr
+            if len(self._conns) >= MAX_CONNECTIONS or self._per_host[host] >= MAX_CONNECTIONS_PER_HOST:
+                log.warning("side channel: %d connections open, %d from %s; closing the new one", len(self._conns),
+                            self._per_host[host], host)
                 sock.close()
                 continue
             sock.setblocking(False)
             log.debug("side channel: connection from %s", addr)
             self._conns[sock] = _Conn(sock, addr, time.monotonic())
+            self._per_host[host] += 1
             self._sel.register(sock, selectors.EVENT_READ, None)
 
     def _serve(self, c: _Conn) -> None:
@@ -296,7 +303,11 @@ class SideChannelServer:
     def _drop(self, c: _Conn, why) -> None:
         if not self._stop.is_set():
             log.debug("side channel: connection from %s ended: %s", c.addr, why)
-        self._conns.pop(c.sock, None)
+        if self._conns.pop(c.sock, None) is not None:
+            host = c.addr[0] if isinstance(c.addr, tuple) else c.addr
+            self._per_host[host] -= 1
+            if not self._per_host[host]:
+                del self._per_host[host]
         try:
             self._sel.unregister(c.sock)
         except (KeyError, ValueError):
