@@ -3,6 +3,7 @@ duplicate destinations and ordered, in O(IDs) and a fixed number of NumPy calls 
 once (:class:`_RouteIds`, one per route), with per-thread scratch arrays."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import threading
@@ -11,6 +12,13 @@ import numpy as np
 
 from ..errors import BlockIdError
 from .layers import _MAX_INT, _torch
+
+
+@functools.cache
+def _int_dtypes(torch) -> frozenset:
+    """The torch dtypes of block IDs: plain integers (not bool, quantized or sub-byte ones, which numpy has not)."""
+    return frozenset((torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32,
+                      torch.uint64))
 
 
 def _as_ids(ids, request: str, group: str, side: str) -> np.ndarray:
@@ -22,9 +30,9 @@ def _as_ids(ids, request: str, group: str, side: str) -> np.ndarray:
     if isinstance(ids, torch.Tensor):
         if ids.device.type != "cpu":
             raise BlockIdError(f"{what}: block IDs must be on the host (a list, a numpy array or a CPU tensor)")
-        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        if ids.dtype not in _int_dtypes(torch) or ids.layout is not torch.strided:
             raise BlockIdError(f"{what}: block IDs must be a 1-D sequence of integers, got {ids.dtype} "
-                               f"{tuple(ids.shape)}")
+                               f"{tuple(ids.shape)} ({ids.layout})")
         ids = ids.detach().numpy()
     arr = np.asarray(ids)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):

@@ -55,6 +55,11 @@ def test_bad_block_ids(pair):
         prep({"full": [0.5]}, {"full": [0]})
     with pytest.raises(BlockIdError, match="out of range"):
         prep({"full": np.array([2**63 - 1], dtype=np.uint64)}, {"full": [0]})
+    for odd in (torch.tensor([0], dtype=torch.uint8).view(torch.bool), torch.tensor([0]).to_sparse(),
+                torch.zeros(1, dtype=torch.float8_e4m3fn), torch.zeros(8, dtype=torch.uint8).view(torch.uint1)):
+        with pytest.raises(BlockIdError, match="integers"):     # (torch cannot give numpy these)
+            prep({"full": [0]}, {"full": odd})
+    prep({"full": torch.tensor([1], dtype=torch.uint16)}, {"full": torch.tensor([2], dtype=torch.int8)})
     with pytest.raises(BadInput, match="op must be"):
         dec.prepare(p, "send", local_blocks={}, remote_blocks={})
     with pytest.raises(BadInput, match="notify_slot"):
