@@ -406,7 +406,7 @@ class KVAgent(Closable, FailsOnTimeout):
         ``[start, stop)`` only (e.g. the heads one tensor parallel rank of this side holds, of a peer holding
         several ranks' heads, one piece per head); transfers then pair this side's pieces with those.
         ``local_pieces``: the same for this agent's own layers in transfers with this peer (the heads of this
-        side's blocks that a peer holding fewer heads supplies); the ``ipc`` route, not the ``pack`` engine."""
+        side's blocks that a peer holding fewer heads supplies); not with the ``pack`` engine."""
         self._poster.check_open()
         meta = decode_metadata(metadata)
         if pieces:
@@ -421,10 +421,8 @@ class KVAgent(Closable, FailsOnTimeout):
         reg = self._registry
         if meta.agent in reg.peers:
             raise BadInput(f"peer {meta.agent!r} is already added (remove_peer first)")
-        if local_pieces and route == "nixl":
-            raise BadInput(f"peer {meta.agent!r}: a view of this agent's pieces needs the ipc route")
         if route == "nixl":
-            nixl_peer = NixlPeer(self, meta, self.nixl, reg, self._poster)
+            nixl_peer = NixlPeer(self, meta, self.nixl, reg, self._poster, local_view)
             with reg.lock:
                 reg.peers[meta.agent] = nixl_peer
             log.info("agent %s: peer %s (host %s) over the nixl route", self.name, meta.agent, meta.host)

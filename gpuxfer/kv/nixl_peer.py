@@ -47,11 +47,14 @@ class NixlPeer(KVPeer):
     route = "nixl"
     engine = "nixl"                     # its transfers are NIXL's (READ / WRITE), whatever the agent's engine
 
-    def __init__(self, agent, meta, side: NixlSide, registry, poster):
+    def __init__(self, agent, meta, side: NixlSide, registry, poster, local_view: dict | None = None):
         """``agent``: the :class:`~gpuxfer.kv.agent.KVAgent` adding it, with its :class:`~gpuxfer.kv.peers.Registry`
-        and :class:`~gpuxfer.kv.posting.Poster`; ``meta``: the peer's decoded metadata."""
+        and :class:`~gpuxfer.kv.posting.Poster`; ``meta``: the peer's decoded metadata; ``local_view``: ``{group:
+        this agent's group seen through some of its pieces}`` (``add_peer(local_pieces=...)``), the groups whose
+        local side this peer's descriptors cover only those pieces of."""
         side.check_peer(meta)
         self.agent, self.meta, self.name, self.side = agent, meta, meta.agent, side
+        self.local_view = local_view or {}
         self.registry, self.poster = registry, poster
         self._closed = False
         self._mappings: list[Any] = []
@@ -88,6 +91,10 @@ class NixlPeer(KVPeer):
 
     # -- descriptor lists
 
+    def _mine(self, group: str) -> _Group:
+        """This agent's ``group`` as transfers with this peer see it."""
+        return self.local_view.get(group) or self.registry.groups[group]
+
     def lists(self, want: tuple[str, ...] = ()) -> _Lists:
         """The prepped lists over every group both sides hold (rebuilt when a request names a group registered
         after they were made)."""
@@ -113,7 +120,7 @@ class NixlPeer(KVPeer):
         remote_rows: list[np.ndarray] = []
         n_local = n_remote = 0
         for gname in groups:
-            mine, theirs = self.registry.groups[gname], self.groups[gname]
+            mine, theirs = self._mine(gname), self.groups[gname]
             bm, bt = mine.block_tokens, theirs.block_tokens
             if max(bm, bt) % min(bm, bt):
                 out.errors[gname] = LayoutMismatch(f"group {gname!r}: block sizes {bm} (here) and {bt} (peer "
@@ -177,7 +184,7 @@ class NixlPeer(KVPeer):
             push = op == "push"
             limits, splits, spans = [], [], []
             for g in groups:
-                mine, theirs = self.registry.groups[g], self.groups[g]
+                mine, theirs = self._mine(g), self.groups[g]
                 src, dst = (mine, theirs) if push else (theirs, mine)
                 seg = min(src.block_tokens, dst.block_tokens)
                 limits.append((src.num_blocks, dst.num_blocks))
@@ -197,7 +204,7 @@ class NixlPeer(KVPeer):
             if g in lists.errors:
                 raise lists.errors[g]
             if layers is None and not lists.full[g]:
-                raise LayoutMismatch(f"group {g!r}: {len(self.registry.groups[g].layers)} layers here, "
+                raise LayoutMismatch(f"group {g!r}: {len(self._mine(g).layers)} layers here, "
                                      f"{len(self.groups[g].layers)} on peer {self.name!r}")
         push = op == "push"
         n_seg, lens_s, lens_d, (S, D, *_rest) = self._route_ids(op, groups).check(name, push, local_blocks,

@@ -246,16 +246,17 @@ def test_pipeline_and_context_parallelism_are_refused(sizes, says):
         GpuxferConnector(cfg, KVConnectorRole.SCHEDULER, object())
 
 
-@pytest.mark.parametrize("p_tp", [2, 1])
-def test_tp2_over_nixl_from_a_host_on_another_clock(tmp_path_factory, p_tp):
-    """Both ranks read through NIXL (each rank's own NIXL agent) from a prefill whose lease clock is 5000 s behind:
-    of TP 2 (rank to rank) or TP 1 (each decode rank its two of the prefill's four heads, a view of the peer's
-    pieces in NIXL's descriptors)."""
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 2), (1, 2), (2, 1)])
+def test_tp_over_nixl_from_a_host_on_another_clock(tmp_path_factory, p_tp, d_tp):
+    """Every decode rank reads through NIXL (each rank's own NIXL agent) from a prefill whose lease clock is 5000 s
+    behind: TP 2 from TP 2 (rank to rank), TP 2 from TP 1 (each decode rank its two of the prefill's four heads, a
+    view of the peer's pieces in NIXL's descriptors) or TP 1 from TP 2 (each prefill rank's two heads into two of
+    the decode's four, a view of the decode's own pieces)."""
     from test_vllm_nixl import BASE, _need_nixl
     _need_nixl()
     model = write_model(str(tmp_path_factory.mktemp("model")), num_key_value_heads=4)
     specs = {"NP": dict(block_size=32, tp=p_tp, env=dict(BASE, GPUXFER_VLLM_TEST_CLOCK_SHIFT_S="-5000")),
-             "ND": dict(block_size=16, tp=2, env=BASE)}
+             "ND": dict(block_size=16, tp=d_tp, env=BASE)}
     with running({n: dict(kw, model_dir=model, extra=TM, num_blocks=1024) for n, kw in specs.items()}) as i:
         P, D = i["NP"], i["ND"]
         reqs = [(f"x{k}", 40 + 61 * k, 9000 + k) for k in range(16)]

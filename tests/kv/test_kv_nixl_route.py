@@ -21,6 +21,7 @@ from gpuxfer import config
 from gpuxfer.errors import (BackendUnavailable, BadInput, BadMetadata, BlockIdError, LayoutMismatch, NotRegistered,
                             TransferTimeout)
 from gpuxfer.kv.agent import KVAgent
+from gpuxfer.kv.layers import KVLayerSpec
 from gpuxfer.kv.metadata import _HEADER, METADATA_MAGIC, METADATA_VERSION, decode_metadata
 
 LOOPBACK = {"UCX_NET_DEVICES": "lo"}
@@ -404,6 +405,55 @@ def test_a_group_registered_after_add_peer_rebuilds_the_lists(need_nixl, host):
     finally:
         b2.close()
         a.close()
+        for x in bufs:
+            x.close()
+
+
+@pytest.mark.parametrize("whose", ["peer", "local"])
+def test_a_view_of_some_pieces_over_nixl(need_nixl, host, whose):
+    """Pieces [2, 4) of each block, one piece per head, over the NIXL route: ``pieces`` (agent b reads heads 2
+    and 3 of a's four into its two) or ``local_pieces`` (b's heads 2 and 3 of four take a's two), in both
+    directions; every byte of b checked, nothing else of b's memory changed."""
+    heads = (4, 2) if whose == "peer" else (2, 4)
+    blocks, hb = 6, 64
+    bufs = [host.alloc(2 * blocks * heads[r] * hb + 4096, r) for r in (0, 1)]
+    agents = []
+    try:
+        views = []
+        for r in (0, 1):
+            flat = host.as_tensor(bufs[r])
+            layers = {}
+            for i in range(2):
+                v = flat[i * blocks * heads[r] * hb:(i + 1) * blocks * heads[r] * hb].view(blocks, heads[r], hb)
+                v.copy_(torch.randint(0, 256, v.shape, generator=torch.Generator().manual_seed(10 * r + i),
+                                      dtype=torch.uint8))
+                layers[f"l{i}"] = KVLayerSpec(v, blocks, heads[r] * hb, [(h * hb, hb) for h in range(heads[r])])
+                views.append(v)
+            ag = KVAgent(f"view{r}", platform=host, device=r, timeout_s=20, remote="nixl", engine="triton")
+            agents.append(ag)
+            ag.register_group("g", 4, layers)
+        a, b = agents
+        key = "pieces" if whose == "peer" else "local_pieces"
+        pa = a.add_peer(b.metadata(), route="nixl", **{"local_pieces" if whose == "peer" else "pieces": {"g": (2, 4)}})
+        pb = b.add_peer(a.metadata(), route="nixl", **{key: {"g": (2, 4)}})
+        for op, who, peer, first in (("pull", b, pb, [5, 0]), ("push", a, pa, [1, 3])):
+            before = [v.clone() for v in views[2:]]
+            src, dst = first, [4, 2]
+            if op == "pull":
+                b.transfer(peer, "pull", local_blocks={"g": dst}, remote_blocks={"g": src}).wait(20)
+            else:
+                a.transfer(peer, "push", local_blocks={"g": src}, remote_blocks={"g": dst}).wait(20)
+            for i in range(2):
+                want = before[i].clone()
+                for s_, d in zip(src, dst):
+                    if whose == "peer":
+                        want[d] = views[i][s_, 2:4]
+                    else:
+                        want[d, 2:4] = views[i][s_]
+                assert torch.equal(views[2 + i], want), (op, i)
+    finally:
+        for ag in agents[::-1]:
+            ag.close()
         for x in bufs:
             x.close()
 
