@@ -540,7 +540,7 @@ def test_a_stranger_cannot_end_a_hold():
                                     status=types.SimpleNamespace(name="FINISHED_LENGTH_CAPPED"))
         held, params = side.request_finished(req, ([3, 4],))
         key = parse_remote_prefill(params, [16]).key
-        assert held and len(key) == 16 and side.build_payload()["holds"]["cmpl-1"][1] == key
+        assert held and len(key) == 24 and side.build_payload()["holds"]["cmpl-1"][1] == key
         s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
         s.sendall(message({"op": "done", "reqs": ["early"], "keys": ["0" * 16]}))
         holds.hold({"cmpl-1": side_hold(side, params), "early": (lease.now() + 120, key)})
@@ -559,6 +559,41 @@ def test_a_stranger_cannot_end_a_hold():
         c.close()
     finally:
         srv.close()
+
+
+def test_forged_words_before_a_hold_cannot_crowd_out_the_readers():
+    """Many done messages with keys of their own (each a kind of word the prefill would keep) name a request before
+    its hold reaches the worker, then its reader's done, with the key from the params: once the worker has the
+    engine's secret, each forged word is refused as it comes, so the reader's is kept and ends the hold as it
+    comes; words of another request's key, or with none, are refused too."""
+    import types
+    from gpuxfer.integrations.vllm import lease
+    from gpuxfer.integrations.vllm.holds import EARLY_KINDS, PrefillHolds
+    from gpuxfer.integrations.vllm.scheduler import SchedulerSide
+
+    class Srv:
+        events = queue.SimpleQueue()
+
+        def pump(self):
+            pass
+
+    side = SchedulerSide(engine_id="p", block_sizes=[16], lease_s=120.0, endpoints=[("127.0.0.1", 1)])
+    keys = {}
+    for rid in ("cmpl-1", "cmpl-2"):
+        req = types.SimpleNamespace(request_id=rid, kv_transfer_params={"do_remote_decode": True},
+                                    status=types.SimpleNamespace(name="FINISHED_STOPPED"))
+        keys[rid] = parse_remote_prefill(side.request_finished(req, ([3, 4],))[1], [16]).key
+    payload = side.build_payload()
+    stats = {"sends_done": 0, "leases_expired": 0, "forged": 0}
+    holds, srv = PrefillHolds(engine_id="p", lease_s=120.0, stats=stats), Srv()
+    holds.secret = payload["secret"]
+    forged = [f"{i:08x}" + "0" * 16 for i in range(4 * EARLY_KINDS)] + [keys["cmpl-2"], None, keys["cmpl-1"][:-1]]
+    for k in forged + [keys["cmpl-1"]]:
+        srv.events.put(("done", "cmpl-1", 1, k))
+    holds.drain(srv, 1.0)
+    assert stats["forged"] == len(forged)
+    holds.hold({"cmpl-1": payload["holds"]["cmpl-1"]})
+    assert holds.finished(lease.now()) == {"cmpl-1"} and stats["sends_done"] == 1
 
 
 def side_hold(side, params) -> tuple:

@@ -26,6 +26,7 @@ class GpuxferConnectorMetadata(KVConnectorMetadata):
     loads: list = field(default_factory=list)
     holds: dict = field(default_factory=dict)
     releases: list = field(default_factory=list)
+    secret: bytes | None = None             # the holds' keys' secret (holds.make_key)
 
 
 @dataclass
@@ -180,6 +181,8 @@ class GpuxferConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._connector_metadata
         if not isinstance(meta, GpuxferConnectorMetadata):
             return
+        if meta.secret is not None:
+            self._worker.keyed_by(meta.secret)
         if meta.holds:
             self._worker.hold(meta.holds)
         if meta.releases:

@@ -1,13 +1,18 @@
 """The prefill role of the connector's worker: :class:`PrefillHolds` keeps a finished request's blocks until a
 decode instance read them (its done message on the side channel), released them, or the request's lease ran
-out. A hold has a key (random, in the request's ``kv_transfer_params``): a done or release message counts only
-with the hold's key, so a peer that never saw the params cannot end a hold while its reader still reads. Where
-several decode ranks read shares of this rank's heads, each says so (a message's ``of``), and the blocks go once
-every one of them did. No vLLM import."""
+out. A hold has a key (in the request's ``kv_transfer_params``): a done or release message counts only with the
+hold's key, so a peer that never saw the params cannot end a hold while its reader still reads. The key is a
+random nonce and the request's MAC under the prefill engine's secret (:func:`make_key`; the scheduler side makes
+the secret and hands it to its workers with each step's metadata), so a word that comes before its hold is
+checked as it comes: forged words cannot take the room a real one needs. Where several decode ranks read shares
+of this rank's heads, each says so (a message's ``of``), and the blocks go once every one of them did. No vLLM
+import."""
 from __future__ import annotations
 
 import heapq
+import hmac
 import logging
+import secrets
 from typing import Mapping
 
 log = logging.getLogger("gpuxfer.vllm")
@@ -16,6 +21,23 @@ log = logging.getLogger("gpuxfer.vllm")
 MAX_RELEASED = 1 << 16
 #: the most kinds of word (readers named, key) kept for a request before its hold
 EARLY_KINDS = 4
+_NONCE = 8                  # hex digits of a key's nonce; its MAC takes the next 16
+
+
+def make_key(secret: bytes, request: str) -> str:
+    """A hold's key for ``request``: a fresh nonce, then the request's and the nonce's MAC under ``secret``."""
+    nonce = secrets.token_hex(_NONCE // 2)
+    return nonce + _mac(secret, request, nonce)
+
+
+def _mac(secret: bytes, request: str, nonce: str) -> str:
+    return hmac.new(secret, f"{request}\0{nonce}".encode(), "sha256").hexdigest()[:16]
+
+
+def authentic(secret: bytes, request: str, key) -> bool:
+    """``key`` was made by :func:`make_key` for ``request`` under ``secret``."""
+    return (isinstance(key, str) and len(key) == _NONCE + 16 and key.isascii()
+            and hmac.compare_digest(key[_NONCE:], _mac(secret, request, key[:_NONCE])))
 
 
 class PrefillHolds:
@@ -23,7 +45,8 @@ class PrefillHolds:
     deadlines, the words of decode ranks that came before their request's hold (``early``: request -> [[when
     first, readers, key, words]], looked at when the hold comes), the held requests let go of, and the held
     requests some but not all of their readers let go of (``heard``: request -> (messages, readers)).
-    ``stats``: the worker's counters, updated in place."""
+    ``stats``: the worker's counters, updated in place. ``secret``: the engine's key secret, once the scheduler
+    side's metadata brought it (None before: early words are then kept unchecked, as many kinds as fit)."""
 
     def __init__(self, *, engine_id: str, lease_s: float, stats: dict):
         self.engine_id, self.lease_s, self.stats = engine_id, lease_s, stats
@@ -34,6 +57,7 @@ class PrefillHolds:
         self.heard: dict[str, tuple[int, int]] = {}
         self._prune_at = 1024                       # the size of ``early`` that prunes it
         self._let_go: list[str] = []
+        self.secret: bytes | None = None
 
     def hold(self, holds: Mapping[str, tuple[float, str | None]]) -> None:
         """Hold these requests' blocks until their lease deadlines (``{request: (deadline, key)}``; a key of None
@@ -78,6 +102,10 @@ class PrefillHolds:
                 log.info("gpuxfer: engine %s: decode side released request %s without reading it", self.engine_id, req)
             if req in self.held:
                 self._heard(op, req, of, key)
+            elif self.secret is not None and not authentic(self.secret, req, key):
+                self.stats["forged"] += 1
+                log.debug("gpuxfer: engine %s: a %s message for request %s, not held, without a key of this "
+                          "engine's; ignored", self.engine_id, op, req)
             else:
                 # words alike (readers and key) are counted in one entry, at most EARLY_KINDS entries a request:
                 # a peer naming many readers cannot have each of its words kept

@@ -12,6 +12,7 @@ from typing import Sequence
 import numpy as np
 
 from . import lease
+from .holds import make_key
 from .params import BadTransferParams, RemotePrefill, build_params, parse_remote_prefill, tokens_to_load
 from .loads import Load
 
@@ -41,6 +42,7 @@ class SchedulerSide:
         self._holds: dict[str, tuple[float, str]] = {}
         self._releases: list[RemotePrefill] = []
         self.bad_params = 0
+        self.secret = secrets.token_bytes(16)      # the holds' keys' MAC secret (holds.make_key): this engine's only
 
     def _remote(self, request) -> RemotePrefill | None:
         params = request.kv_transfer_params
@@ -88,7 +90,7 @@ class SchedulerSide:
             self._releases.append(_for_release(rp))
 
     def build_payload(self) -> dict:
-        out = {"loads": self._loads, "holds": self._holds, "releases": self._releases}
+        out = {"loads": self._loads, "holds": self._holds, "releases": self._releases, "secret": self.secret}
         self._loads, self._holds, self._releases = [], {}, []
         return out
 
@@ -118,7 +120,7 @@ class SchedulerSide:
                       "no side channel of every rank; freeing its blocks", self.engine_id, rid)
             return False, None
         deadline = lease.now() + self.lease_s
-        key = secrets.token_hex(8)      # what a done or release for the hold must carry (holds.PrefillHolds)
+        key = make_key(self.secret, rid)    # what a done or release for the hold must carry (holds.PrefillHolds)
         self._holds[rid] = (deadline, key)
         return True, build_params(engine_id=self.engine_id, endpoints=self.endpoints, request_id=rid,
                                   block_ids=block_ids, block_sizes=self.block_sizes, lease_deadline=deadline,

@@ -149,6 +149,10 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ the roles
 
+    def keyed_by(self, secret: bytes) -> None:
+        """Prefill: the secret this engine's hold keys are made with (:func:`~.holds.make_key`)."""
+        self.prefill.secret = secret
+
     def hold(self, holds: Mapping[str, tuple[float, str | None]]) -> None:
         """Prefill: hold these requests' blocks (``{request: (lease deadline, key)}``)."""
         self.prefill.hold(holds)
