@@ -63,6 +63,7 @@ stream waiting on them stays blocked.
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import time
 from typing import Any, Callable, Iterable
@@ -99,6 +100,15 @@ def flag_path_from_env(value: str | None = None) -> str:
     """How flags reach the peer: ``value``, else ``$GPUXFER_FLAG_PATH``, else ``auto`` (remote stream writes
     where the set-up probe saw them arrive, 8-byte copies otherwise); ``remote`` and ``copy`` force one."""
     return config.resolve(ENV_FLAG_PATH, value, option="flag_path")
+
+
+def _word_in(mem, index, nbytes: int, what: str) -> int:
+    """The address of word ``index`` of the ``nbytes`` of flag words at ``mem`` (None: not open), checked."""
+    if mem is None or mem.closed:
+        raise BadInput(f"{what} flag words are {'not open' if mem is None else 'closed'}")
+    if isinstance(index, bool) or not isinstance(index, numbers.Integral) or not 0 <= index < nbytes // FLAG_STRIDE:
+        raise BadInput(f"{what} flag words: no word {index!r} (there are {nbytes // FLAG_STRIDE})")
+    return mem.ptr + int(index) * FLAG_STRIDE
 
 
 class FlagWords:
@@ -144,8 +154,9 @@ class FlagWords:
         return self.buf.closed
 
     def word(self, index: int) -> int:
-        """The address of word ``index``."""
-        return self.buf.ptr + index * FLAG_STRIDE
+        """The address of word ``index``: :class:`BadInput` once the words are closed, or for an index outside
+        them (an address past the buffer, or into freed memory, would fault the stream or the host reading it)."""
+        return _word_in(self.buf, index, self.nbytes, self.name)
 
     def export(self) -> Any:
         return self.buf.export()
@@ -241,11 +252,11 @@ class FlagLink:
 
     def stage_word(self, index: int) -> int:
         """The address of stage word ``index`` (a copy-path signal's source)."""
-        return self.stage_mem.ptr + index * FLAG_STRIDE
+        return _word_in(self.stage_mem, index, self.nbytes, f"{self.name} stage")
 
     def peer_word(self, index: int) -> int:
         """The address of the peer's word ``index`` in this process (after :meth:`open`)."""
-        return self.peer_mem.ptr + index * FLAG_STRIDE
+        return _word_in(self.peer_mem, index, self.nbytes, f"{self._peer_label()}'s {self.name}")
 
     def _copy(self, stream: Stream, dst: int, src: int, nbytes: int) -> None:
         (self._copy_fn or self.platform.copy_async)(stream, dst, src, nbytes)
