@@ -283,8 +283,9 @@ class _Registry:
             raise BadInput(f"{what}: the process never exported that range (forged or stale metadata)")
 
 
-def is_cma_payload(payload: bytes) -> bool:
-    return bytes(payload[:len(CMA_MAGIC)]) == CMA_MAGIC
+def is_cma_payload(payload) -> bool:
+    """Whether a handle's payload is a cma handle's (the payload comes from another process: any object)."""
+    return isinstance(payload, (bytes, bytearray)) and bytes(payload[:len(CMA_MAGIC)]) == CMA_MAGIC
 
 
 # --------------------------------------------------------------------------- a process reached

@@ -239,3 +239,9 @@ def test_export_range_of_plain_memory(host):
     with pytest.raises(BadInput, match="exported"):
         host.open_handle(ex.handle, 0)
     assert ctypes.sizeof(ctypes.c_void_p) == 8
+
+
+@pytest.mark.parametrize("payload", ["/gx1_1_abcdef12", None, 5, [b"GXCMA"], memoryview(b"/gx1_1_abcdef12")])
+def test_a_handle_whose_payload_is_not_bytes_is_bad_input(host, payload):
+    with pytest.raises(BadInput, match="not a host IPC handle"):
+        host.open_handle(IpcHandle("host", 0, 4096, payload, os.getppid()), 0)
