@@ -279,6 +279,8 @@ class _Registry:
         if magic != CMA_MAGIC or (rpid, rstart) != (pid, start) or count > cls.CAPACITY:
             raise BadInput(f"{what}: its registry is malformed")
         entries = data[cls.HEADER.size:cls.HEADER.size + count * cls.ENTRY.size]
+        if len(entries) != count * cls.ENTRY.size:
+            raise BadInput(f"{what}: its registry holds fewer than the {count} entries it counts")
         if (addr, nbytes) not in set(cls.ENTRY.iter_unpack(entries)):
             raise BadInput(f"{what}: the process never exported that range (forged or stale metadata)")
 
