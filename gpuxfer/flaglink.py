@@ -65,6 +65,7 @@ from __future__ import annotations
 import logging
 import numbers
 import os
+import threading
 import time
 from typing import Any, Callable, Iterable
 
@@ -125,6 +126,7 @@ class FlagWords:
             raise BadInput(f"flag words: at least one, got {words}")
         self.platform, self.device, self.rank, self.name = platform, device, rank, name
         self.nbytes = (FIRST_WORD + int(words)) * FLAG_STRIDE
+        self._release_lock = threading.Lock()   # a release (any thread: a watchdog's) never meets the free
         self.buf = (alloc or (lambda n: platform.alloc(n, device)))(self.nbytes)
         s, queued = None, False
         try:
@@ -182,17 +184,19 @@ class FlagWords:
     def release(self, indices: Iterable[int]) -> None:
         """Abort path: write the release value into words ``indices`` and the probe's copy word (best effort,
         never raises)."""
-        if self.buf.closed:
-            return
-        for i in (*indices, PROBE_COPY):
-            try:
-                self.platform.host_write_flag(self.word(i), RELEASE_VALUE, self.device)
-            except Exception as exc:  # noqa: BLE001 - best effort on the abort path
-                log.warning("releasing %s flag word %d: %s", self.name, i, exc)
+        with self._release_lock:
+            if self.buf.closed:
+                return
+            for i in (*indices, PROBE_COPY):
+                try:
+                    self.platform.host_write_flag(self.word(i), RELEASE_VALUE, self.device)
+                except Exception as exc:  # noqa: BLE001 - best effort on the abort path
+                    log.warning("releasing %s flag word %d: %s", self.name, i, exc)
 
     def close(self) -> None:
-        """Free the words (idempotent)."""
-        self.buf.close()
+        """Free the words (idempotent; after a release under way in another thread)."""
+        with self._release_lock:
+            self.buf.close()
 
     def __repr__(self) -> str:
         return f"FlagWords({self.name!r}, {self.nbytes} B{', closed' if self.closed else ''})"

@@ -333,3 +333,34 @@ def _use_closed_words() -> list:
 def test_closed_words_and_indices_outside_them_are_refused_not_touched(spawner):
     # in a child: reaching freed words would end the process with a signal
     assert len(spawner.start(_use_closed_words).result(60)) == 12
+
+
+def _release_meets_close() -> bool:
+    """A release under way on one thread (a watchdog's) while another closes the words: the close waits for it
+    (a free in between would have the release's next write land in unmapped memory)."""
+    plat = HostPlatform()
+    words = FL.FlagWords(plat, 0, WORDS)
+    real, inside, go = plat.host_write_flag, threading.Event(), threading.Event()
+
+    def held_write(ptr, value, device):
+        inside.set()
+        assert go.wait(30)
+        real(ptr, value, device)
+    plat.host_write_flag = held_write
+    releaser = threading.Thread(target=words.release, args=([FL.FIRST_WORD, FL.FIRST_WORD + 1],))
+    releaser.start()
+    assert inside.wait(30)
+    closer = threading.Thread(target=words.close)
+    closer.start()
+    closer.join(0.2)        # (the close either waits for the release or, unguarded, frees under it)
+    go.set()
+    releaser.join(30)
+    closer.join(30)
+    assert not releaser.is_alive() and not closer.is_alive() and words.closed
+    plat.close()
+    return True
+
+
+def test_a_release_on_another_thread_is_never_met_by_the_free(spawner):
+    # in a child: a release writing into freed words ends the process with a signal
+    assert spawner.start(_release_meets_close).result(60)
