@@ -63,7 +63,9 @@ stream waiting on them stays blocked.
 from __future__ import annotations
 
 import logging
+import numbers
 import os
+import threading
 import time
 from typing import Any, Callable, Iterable
 
@@ -101,6 +103,15 @@ def flag_path_from_env(value: str | None = None) -> str:
     return config.resolve(ENV_FLAG_PATH, value, option="flag_path")
 
 
+def _word_in(mem, index, nbytes: int, what: str) -> int:
+    """The address of word ``index`` of the ``nbytes`` of flag words at ``mem`` (None: not open), checked."""
+    if mem is None or mem.closed:
+        raise BadInput(f"{what} flag words are {'not open' if mem is None else 'closed'}")
+    if isinstance(index, bool) or not isinstance(index, numbers.Integral) or not 0 <= index < nbytes // FLAG_STRIDE:
+        raise BadInput(f"{what} flag words: no word {index!r} (there are {nbytes // FLAG_STRIDE})")
+    return mem.ptr + int(index) * FLAG_STRIDE
+
+
 class FlagWords:
     """This process's flag words: ``FIRST_WORD + words`` of them (the probe's, then the owner's), each on its
     own line, allocated (``alloc(nbytes)``, default ``platform.alloc`` on ``device``), zeroed (bounded:
@@ -115,6 +126,7 @@ class FlagWords:
             raise BadInput(f"flag words: at least one, got {words}")
         self.platform, self.device, self.rank, self.name = platform, device, rank, name
         self.nbytes = (FIRST_WORD + int(words)) * FLAG_STRIDE
+        self._release_lock = threading.Lock()   # a release (any thread: a watchdog's) never meets the free
         self.buf = (alloc or (lambda n: platform.alloc(n, device)))(self.nbytes)
         s, queued = None, False
         try:
@@ -144,8 +156,9 @@ class FlagWords:
         return self.buf.closed
 
     def word(self, index: int) -> int:
-        """The address of word ``index``."""
-        return self.buf.ptr + index * FLAG_STRIDE
+        """The address of word ``index``: :class:`BadInput` once the words are closed, or for an index outside
+        them (an address past the buffer, or into freed memory, would fault the stream or the host reading it)."""
+        return _word_in(self.buf, index, self.nbytes, self.name)
 
     def export(self) -> Any:
         return self.buf.export()
@@ -171,17 +184,19 @@ class FlagWords:
     def release(self, indices: Iterable[int]) -> None:
         """Abort path: write the release value into words ``indices`` and the probe's copy word (best effort,
         never raises)."""
-        if self.buf.closed:
-            return
-        for i in (*indices, PROBE_COPY):
-            try:
-                self.platform.host_write_flag(self.word(i), RELEASE_VALUE, self.device)
-            except Exception as exc:  # noqa: BLE001 - best effort on the abort path
-                log.warning("releasing %s flag word %d: %s", self.name, i, exc)
+        with self._release_lock:
+            if self.buf.closed:
+                return
+            for i in (*indices, PROBE_COPY):
+                try:
+                    self.platform.host_write_flag(self.word(i), RELEASE_VALUE, self.device)
+                except Exception as exc:  # noqa: BLE001 - best effort on the abort path
+                    log.warning("releasing %s flag word %d: %s", self.name, i, exc)
 
     def close(self) -> None:
-        """Free the words (idempotent)."""
-        self.buf.close()
+        """Free the words (idempotent; after a release under way in another thread)."""
+        with self._release_lock:
+            self.buf.close()
 
     def __repr__(self) -> str:
         return f"FlagWords({self.name!r}, {self.nbytes} B{', closed' if self.closed else ''})"
@@ -241,11 +256,11 @@ class FlagLink:
 
     def stage_word(self, index: int) -> int:
         """The address of stage word ``index`` (a copy-path signal's source)."""
-        return self.stage_mem.ptr + index * FLAG_STRIDE
+        return _word_in(self.stage_mem, index, self.nbytes, f"{self.name} stage")
 
     def peer_word(self, index: int) -> int:
         """The address of the peer's word ``index`` in this process (after :meth:`open`)."""
-        return self.peer_mem.ptr + index * FLAG_STRIDE
+        return _word_in(self.peer_mem, index, self.nbytes, f"{self._peer_label()}'s {self.name}")
 
     def _copy(self, stream: Stream, dst: int, src: int, nbytes: int) -> None:
         (self._copy_fn or self.platform.copy_async)(stream, dst, src, nbytes)

@@ -288,3 +288,79 @@ def test_a_word_the_peer_never_signals_or_signals_stale_ends_in_a_timeout_naming
         theirs.close()
         plat.close()
     mine.release([FL.FIRST_WORD])                                    # after close: a no-op
+
+
+def _use_closed_words() -> list:
+    """Every way to reach flag words after their close, and an index outside them: each a BadInput (the
+    address would be freed memory or past the buffer: a stream or host access there faults)."""
+    plat = HostPlatform()
+    s = plat.create_stream(0)
+    words = FL.FlagWords(plat, 0, WORDS)
+    link = FL.FlagLink(plat, 0, WORDS)
+    calls = {
+        "past the words": lambda: words.read(FL.FIRST_WORD + WORDS),
+        "negative index": lambda: words.write(s, -1, 1),
+        "bool index": lambda: words.read(True),
+        "peer word before open": lambda: link.signal(s, FL.FIRST_WORD, 1, FL.FIRST_WORD),
+    }
+    refused = []
+    for what, call in calls.items():
+        with pytest.raises(BadInput):
+            call()
+        refused.append(what)
+    words.close()
+    link.close()
+    calls = {
+        "read": lambda: words.read(FL.FIRST_WORD),
+        "host wait": lambda: words.wait_host(FL.FIRST_WORD, 1, 0.5),
+        "stream write": lambda: words.write(s, FL.FIRST_WORD, 1),
+        "stream wait": lambda: words.wait(s, FL.FIRST_WORD, 1),
+        "link read": lambda: link.read(FL.FIRST_WORD),
+        "link wait": lambda: link.wait(s, FL.FIRST_WORD, 1),
+        "link stage word": lambda: link.stage_word(FL.FIRST_WORD),
+        "queued write": lambda: link.queue(s).write(FL.FIRST_WORD, 1),
+    }
+    for what, call in calls.items():
+        with pytest.raises(BadInput, match="closed"):
+            call()
+        refused.append(what)
+    assert plat.synchronize(s, 10.0)          # nothing reached the stream
+    words.release([FL.FIRST_WORD])            # the abort path stays a no-op
+    plat.close()
+    return refused
+
+
+def test_closed_words_and_indices_outside_them_are_refused_not_touched(spawner):
+    # in a child: reaching freed words would end the process with a signal
+    assert len(spawner.start(_use_closed_words).result(60)) == 12
+
+
+def _release_meets_close() -> bool:
+    """A release under way on one thread (a watchdog's) while another closes the words: the close waits for it
+    (a free in between would have the release's next write land in unmapped memory)."""
+    plat = HostPlatform()
+    words = FL.FlagWords(plat, 0, WORDS)
+    real, inside, go = plat.host_write_flag, threading.Event(), threading.Event()
+
+    def held_write(ptr, value, device):
+        inside.set()
+        assert go.wait(30)
+        real(ptr, value, device)
+    plat.host_write_flag = held_write
+    releaser = threading.Thread(target=words.release, args=([FL.FIRST_WORD, FL.FIRST_WORD + 1],))
+    releaser.start()
+    assert inside.wait(30)
+    closer = threading.Thread(target=words.close)
+    closer.start()
+    closer.join(0.2)        # (the close either waits for the release or, unguarded, frees under it)
+    go.set()
+    releaser.join(30)
+    closer.join(30)
+    assert not releaser.is_alive() and not closer.is_alive() and words.closed
+    plat.close()
+    return True
+
+
+def test_a_release_on_another_thread_is_never_met_by_the_free(spawner):
+    # in a child: a release writing into freed words ends the process with a signal
+    assert spawner.start(_release_meets_close).result(60)

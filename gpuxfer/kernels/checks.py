@@ -46,6 +46,13 @@ def check_descriptors(descs, name: str = "descs", device: torch.device | None = 
     return int(descs.shape[0])
 
 
+def check_int(v, name: str, lo: int, hi: int | None = None) -> int:
+    """An int argument (not a bool) in ``[lo, hi]`` (no upper bound where ``hi`` is None), or BadInput naming it."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        raise BadInput(f"{name} must be an int in [{lo}, {'...' if hi is None else hi}], got {v!r}")
+    return v
+
+
 def check_range(start: int, end: int | None, n: int, what: str = "descs") -> tuple[int, int]:
     if end is None:
         end = n

@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import BadInput, VerificationFailed
 from . import reference
-from .checks import (DescriptorStats, check_descriptors, check_offsets, check_pool, check_range, check_rows,
-                     pool_align, validate_rows)
+from .checks import (DescriptorStats, check_descriptors, check_int, check_offsets, check_pool, check_range,
+                     check_rows, pool_align, validate_rows)
 from .copy_kernel import copy_kernel
 from .pattern_kernel import fill_kernel, verify_kernel
 
@@ -145,8 +146,7 @@ def _check_packing(pool, staging, descs, offsets, start, end, staging_offset, de
     if offsets is None:
         offsets = pack_offsets(descs)
     check_offsets(offsets, n, dev)
-    if not isinstance(staging_offset, int) or staging_offset < 0:
-        raise BadInput(f"staging_offset must be a non-negative int, got {staging_offset!r}")
+    check_int(staging_offset, "staging_offset", 0, staging.numel())
     stats = None
     if validate and end > start:
         t = descs[start:end]
@@ -184,6 +184,11 @@ def launch_geometry(rows: int, device, *, nbytes_hint: int | None = None, num_pr
     if num_programs is not None and (not isinstance(num_programs, int) or isinstance(num_programs, bool)
                                      or num_programs < 1):
         raise BadInput(f"num_programs must be a positive int, got {num_programs!r}")
+    if nbytes_hint is not None and (isinstance(nbytes_hint, bool) or not isinstance(nbytes_hint, numbers.Integral)
+                                    or nbytes_hint < 0):
+        raise BadInput(f"nbytes_hint must be a non-negative integer, got {nbytes_hint!r}")
+    if config is not None and not isinstance(config, CopyConfig):
+        raise BadInput(f"config must be a CopyConfig, got {type(config).__name__}")
     if config is None:
         few = num_programs is not None and device.type != "cpu" and num_programs <= sm_count(device)
         config = choose_config(nbytes_hint, few_programs=few, local=local)
@@ -403,6 +408,7 @@ def packed_descriptors(descs, offsets=None, *, start: int = 0, end: int | None =
     ``descs[start:end]`` -- e.g. to :func:`verify` a staging buffer against the source pattern."""
     n = check_descriptors(descs)
     start, end = check_range(start, end, n)
+    check_int(staging_offset, "staging_offset", 0)
     if offsets is None:
         offsets = pack_offsets(descs)
     check_offsets(offsets, n, descs.device)
@@ -425,6 +431,8 @@ def fill_pattern(pool, seed: int, *, start: int = 0, nbytes: int | None = None,
     dev = check_pool(pool, "pool", device)
     if not isinstance(seed, int):
         raise BadInput(f"seed must be an int, got {seed!r}")
+    if not isinstance(start, int) or not isinstance(nbytes, (int, type(None))):
+        raise BadInput(f"fill range [{start!r}, +{nbytes!r}): start and nbytes must be ints")
     if nbytes is None:
         nbytes = pool.numel() - start
     if not (isinstance(start, int) and isinstance(nbytes, int)) or start < 0 or nbytes < 0 \

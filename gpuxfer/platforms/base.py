@@ -27,6 +27,7 @@ Rules every implementation keeps:
 from __future__ import annotations
 
 import abc
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
@@ -389,7 +390,7 @@ class Platform(abc.ABC):
     def event_wait(self, event: Event, timeout_s: float) -> bool:
         """Wait on the host for ``event``; False on timeout (never hangs)."""
         import time
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + wait_seconds(timeout_s)
         delay = 1e-5
         while not self.event_query(event):
             if time.monotonic() > deadline:
@@ -551,12 +552,26 @@ def flag_ops_array(ops: Sequence[tuple[int, int, int]]) -> np.ndarray:
 
 
 def check_flag_ptr(ptr: int) -> None:
+    if not 0 < ptr < 1 << 64:
+        raise BadInput(f"flag address {ptr:#x} is not an address (null, negative or past 64 bits)")
     if ptr % FLAG_BYTES:
         raise BadInput(f"flag address 0x{ptr:x} is not {FLAG_BYTES}-byte aligned")
 
 
+def wait_seconds(timeout_s) -> float:
+    """A host wait's bound in seconds (below 0: do not wait); :class:`BadInput` where it is not a finite number,
+    since no host wait may go unbounded."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(timeout_s):
+        raise BadInput(f"a wait's timeout must be a finite number of seconds, got {timeout_s!r}")
+    return max(0.0, float(timeout_s))
+
+
 def as_int64_array(values: Iterable[int] | np.ndarray, name: str) -> np.ndarray:
-    arr = np.ascontiguousarray(values, dtype=np.int64)
+    try:
+        arr = np.ascontiguousarray(values, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise BadInput(f"{name} must hold 64-bit integers: {exc}") from None
     if arr.ndim != 1:
         raise BadInput(f"{name} must be one-dimensional, got shape {arr.shape}")
     return arr

@@ -85,7 +85,8 @@ import numpy as np
 from .. import config
 from ..common import SHM_UNAVAILABLE
 from ..errors import BadInput
-from .base import DeviceInfo, Event, LinkInfo, Memory, Platform, Stream, as_int64_array, check_flag_ptr
+from .base import (DeviceInfo, Event, LinkInfo, Memory, Platform, Stream, as_int64_array, check_flag_ptr,
+                   wait_seconds)
 from .host_cma import CmaSpace, wrap_scoped
 from .host_memory import _HostMemory
 from .host_streams import (_JOIN_TIMEOUT_S, _POLL_MAX_S, _STOP_CHECK_S, HostEvent, HostGraph, HostStream, _Op,
@@ -97,6 +98,13 @@ log = logging.getLogger("gpuxfer.platforms.host")
 
 
 # --------------------------------------------------------------------------- the platform
+
+
+def _int64(v, what: str) -> int:
+    """An address, size or byte value of a copy or fill as an int: an integer of 64 bits, else BadInput."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not -(1 << 63) <= int(v) < 1 << 63:
+        raise BadInput(f"{what} must be a 64-bit integer, got {v!r}")
+    return int(v)
 
 
 def _host_device_count() -> int:
@@ -236,7 +244,7 @@ class HostPlatform(_HostMemory, Platform):
     def event_wait(self, event: Event, timeout_s: float) -> bool:
         if not isinstance(event, HostEvent):
             raise BadInput(f"not a host event: {event!r}")
-        event._done.wait(max(0.0, timeout_s))
+        event._done.wait(wait_seconds(timeout_s))
         return event._check()
 
     def launch(self, stream: Stream, fn: Callable[[], object]) -> None:
@@ -247,7 +255,8 @@ class HostPlatform(_HostMemory, Platform):
     # ---- copies ----
     def copy_async(self, stream: Stream, dst: int, src: int, nbytes: int) -> None:
         s = self._stream(stream)
-        dst, src, nbytes = int(dst), int(src), int(nbytes)
+        dst, src, nbytes = (_int64(v, what) for v, what in ((dst, "copy destination"), (src, "copy source"),
+                                                             (nbytes, "copy size")))
         if nbytes < 0:
             raise BadInput(f"cannot copy {nbytes} bytes")
         if nbytes and self._cma:
@@ -291,8 +300,8 @@ class HostPlatform(_HostMemory, Platform):
 
     def memset_async(self, stream: Stream, ptr: int, value: int, nbytes: int) -> None:
         s = self._stream(stream)
-        ptr, nbytes = int(ptr), int(nbytes)
-        if nbytes < 0 or not 0 <= int(value) <= 255:
+        ptr, value, nbytes = _int64(ptr, "memset address"), _int64(value, "memset value"), _int64(nbytes, "memset size")
+        if nbytes < 0 or not 0 <= value <= 255:
             raise BadInput(f"memset of {nbytes} bytes to {value!r}: need nbytes >= 0 and a byte value")
         if self._cma:
             self._cma.refuse(ptr, nbytes, "a memset")

@@ -279,12 +279,15 @@ class _Registry:
         if magic != CMA_MAGIC or (rpid, rstart) != (pid, start) or count > cls.CAPACITY:
             raise BadInput(f"{what}: its registry is malformed")
         entries = data[cls.HEADER.size:cls.HEADER.size + count * cls.ENTRY.size]
+        if len(entries) != count * cls.ENTRY.size:
+            raise BadInput(f"{what}: its registry holds fewer than the {count} entries it counts")
         if (addr, nbytes) not in set(cls.ENTRY.iter_unpack(entries)):
             raise BadInput(f"{what}: the process never exported that range (forged or stale metadata)")
 
 
-def is_cma_payload(payload: bytes) -> bool:
-    return bytes(payload[:len(CMA_MAGIC)]) == CMA_MAGIC
+def is_cma_payload(payload) -> bool:
+    """Whether a handle's payload is a cma handle's (the payload comes from another process: any object)."""
+    return isinstance(payload, (bytes, bytearray)) and bytes(payload[:len(CMA_MAGIC)]) == CMA_MAGIC
 
 
 # --------------------------------------------------------------------------- a process reached

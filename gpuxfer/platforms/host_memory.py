@@ -78,8 +78,8 @@ class _HostMemory:
     def alloc(self, nbytes: int, device: int) -> DeviceBuffer:
         self._check_open()
         device = self._check_device(device)
-        if not isinstance(nbytes, (int, np.integer)) or int(nbytes) <= 0:
-            raise BadInput(f"cannot allocate {nbytes!r} bytes: the size must be a positive integer")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or not 0 < int(nbytes) < 1 << 63:
+            raise BadInput(f"cannot allocate {nbytes!r} bytes: the size must be a positive 64-bit integer")
         name = f"/gx{os.getpid():x}_{next(self._ids)}_{secrets.token_hex(4)}"
         try:
             shm = _Shm(name, int(nbytes), create=True)

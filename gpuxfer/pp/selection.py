@@ -141,9 +141,13 @@ class Connection:
             if len(d) != 1:
                 raise BadInput(f"rank {self.rank} {what} {sorted(d)}: name the peer")
             return next(iter(d.values()))
-        if peer not in d:
+        try:
+            found = d.get(_rank(peer))
+        except TypeError:
+            raise BadInput(f"a peer is a rank (an integer), got {peer!r}") from None
+        if found is None:
             raise BadInput(f"rank {self.rank} {what} {sorted(d)}, not rank {peer}")
-        return d[peer]
+        return found
 
     def synchronize(self, timeout_s: float | None = None) -> None:
         for t in self.transports:

@@ -354,6 +354,14 @@ class SpecTable:
             if not t.is_contiguous() or t.numel() < self.max_numel[i] or t.is_conj() or t.is_neg():
                 raise BadInput(f"out[{name!r}] must be contiguous (not a conjugated or negated view) with >= "
                                f"{self.max_numel[i]} elements (the setup spec's largest shape {self.max_shapes[i]})")
+        # each tensor's bytes a step may fill: tensors sharing any would hand out another tensor's bytes
+        spans = sorted((out[name].data_ptr(), out[name].data_ptr() + n, name)
+                       for name, n in zip(self.names, self.max_nbytes) if n)
+        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+            if start < end:
+                raise BadInput(f"recv(out=...): out[{a!r}] and out[{b!r}] share memory (the first "
+                               f"{self.max_nbytes[self.names.index(a)]} B of each receive a step); pass tensors "
+                               f"that do not overlap")
 
     # ---- metadata ----
     def encode(self, buf: np.ndarray, step: int, shapes) -> None:

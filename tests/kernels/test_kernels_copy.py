@@ -339,6 +339,25 @@ def test_pack_and_unpack_reject_bad_staging_and_offsets(dev):
         pack(src, staging.to(torch.int16), t, offs)
 
 
+def test_scalar_arguments_of_the_wrong_type_or_past_the_buffers_are_bad_input(dev):
+    from gpuxfer.kernels import fill_pattern
+    from gpuxfer.kernels.launch import pack_launcher, unpack_launcher
+    src, dst, t = _ok(dev)
+    offs = pack_offsets(t)
+    staging = torch.zeros(2048, dtype=torch.uint8, device=dev)
+    for call in (lambda: pack(src, staging, t, offs, staging_offset=1 << 70),       # past int64
+                 lambda: pack(src, staging, t, offs, staging_offset=True),
+                 lambda: pack_launcher(src, staging, t, offs, start=0, end=2, staging_offset=2049),   # unchecked rows,
+                 lambda: unpack_launcher(staging, dst, t, offs, start=0, end=2, staging_offset=1 << 70),  # checked scalar
+                 lambda: packed_descriptors(t, offs, staging_offset="x"),
+                 lambda: fill_pattern(src, 1, start="x"),
+                 lambda: copy_descriptors(src, dst, t, nbytes_hint="x"),
+                 lambda: copy_descriptors(src, dst, t, config="x")):
+        with pytest.raises(BadInput):
+            call()
+    copy_descriptors(src, dst, t, nbytes_hint=np.int64(512))       # any integer type
+
+
 def test_direct_launcher_binds_arguments_once(monkeypatch):
     """DualKernel.launcher on a CUDA device (driver calls faked): the first launch of a kind goes through
     Triton; later launches -- of this launcher and of a fresh one whose arguments are of the same kind --

@@ -239,3 +239,27 @@ def test_export_range_of_plain_memory(host):
     with pytest.raises(BadInput, match="exported"):
         host.open_handle(ex.handle, 0)
     assert ctypes.sizeof(ctypes.c_void_p) == 8
+
+
+@pytest.mark.parametrize("payload", ["/gx1_1_abcdef12", None, 5, [b"GXCMA"], memoryview(b"/gx1_1_abcdef12")])
+def test_a_handle_whose_payload_is_not_bytes_is_bad_input(host, payload):
+    with pytest.raises(BadInput, match="not a host IPC handle"):
+        host.open_handle(IpcHandle("host", 0, 4096, payload, os.getppid()), 0)
+
+
+def test_a_registry_shorter_than_its_count_is_bad_input(host):
+    """A registry segment another process of the user put under a live process's name, counting more entries
+    than it holds: refused, not read past its end."""
+    from gpuxfer.common import map_shm, unlink_shm
+    pid = os.getppid()
+    start = host_cma.start_time(pid)
+    name = host_cma._Registry.name(pid, start)
+    mm = map_shm(name, host_cma._Registry.HEADER.size + 8, create=True)
+    try:
+        host_cma._Registry.HEADER.pack_into(mm, 0, host_cma.CMA_MAGIC, pid, start, 1)
+        payload = host_cma._PAYLOAD.pack(host_cma.CMA_MAGIC, pid, start, 4096, 4096, host_cma.boot_id())
+        with pytest.raises(BadInput, match="fewer than"):
+            host.open_handle(IpcHandle("host", 0, 4096, payload, pid), 0)
+    finally:
+        mm.close()
+        unlink_shm(name)

@@ -441,6 +441,38 @@ def test_host_misaligned_flag_and_bad_values(host):
             host.as_tensor(buf, torch.float32, (2,), offset=2)
 
 
+def _host_values_outside_what_they_name() -> int:
+    from gpuxfer.platforms.base import FLAG_OP_WAIT, flag_ops_array
+    from gpuxfer.platforms.host import HostPlatform
+    host = HostPlatform()
+    s = host.create_stream(0)
+    calls = [
+        lambda: host.copy_batch_async(s, [1 << 64], [0], [1]),       # past 64 bits
+        lambda: host.copy_batch_async(s, ["x"], [0], [1]),
+        lambda: host.copy_async(s, 1 << 70, 0, 1),
+        lambda: host.memset_async(s, 8, "a", 1),
+        lambda: host.alloc(1 << 70, 0),
+        lambda: flag_ops_array([(FLAG_OP_WAIT, -8, 1)]),
+        lambda: flag_ops_array([(FLAG_OP_WAIT, 1 << 70, 1)]),
+        lambda: host.write_flag(s, 0, 1),                            # a null flag: its worker would fault
+        lambda: host.host_write_flag(0, 1, 0),
+        lambda: host.synchronize(s, float("inf")),                   # a host wait is bounded
+        lambda: host.event_wait(host.record_event(s), float("nan")),
+    ]
+    for call in calls:
+        with pytest.raises(BadInput):
+            call()
+    ev = host.record_event(s)
+    assert host.synchronize(s, 10.0) and host.event_wait(ev, -1.0)     # below 0: a poll
+    host.close()
+    return len(calls)
+
+
+def test_host_values_outside_64_bits_null_flags_and_unbounded_waits_are_bad_input(spawner):
+    # in a child: a null flag reached ends the process with a signal
+    assert spawner.start(_host_values_outside_what_they_name).result(60) == 11
+
+
 def test_host_wait_is_cyclic_geq():
     from gpuxfer.platforms.host_streams import _geq_cyclic
     assert _geq_cyclic(5, 5) and _geq_cyclic(6, 5) and not _geq_cyclic(4, 5)

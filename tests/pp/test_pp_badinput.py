@@ -154,6 +154,18 @@ def test_check_shapes_and_out():
                  "residual": torch.zeros(48, 40)}, CPU)
 
 
+def test_out_tensors_sharing_memory_are_refused():
+    """recv(out=...) copies each tensor into its out: two outs over the same bytes would hand out one tensor's
+    data as the other's."""
+    t = SpecTable({"a": ((64,), torch.float32), "b": ((64,), torch.float32), "e": ((0,), torch.float32)})
+    buf = torch.zeros(160)
+    for a, b in ((buf[:64], buf[:64]), (buf[:64], buf[32:96]), (buf[63:127], buf[:64]), (buf[:160], buf[40:104])):
+        with pytest.raises(BadInput, match="share memory"):
+            t.check_out({"a": a, "b": b, "e": buf[:0]}, CPU)
+    t.check_out({"a": buf[:64], "b": buf[64:128], "e": buf[64:64]}, CPU)     # adjacent; an empty one anywhere
+    t.check_out({"a": buf[96:160], "b": buf[:96], "e": buf[:0]}, CPU)          # a larger out: its first 64 used
+
+
 def test_metadata_round_trip_and_corruption():
     t = SpecTable(specs())
     buf = np.zeros(t.meta_len, dtype=np.int64)
@@ -305,3 +317,12 @@ def test_a_shape_that_is_not_dims_is_named_in_the_spec_and_in_a_layout(shape, wh
     shapes = [shape if n == "hidden" else sh for n, sh in zip(t.names, t.max_shapes)]
     with pytest.raises(BadInput, match=f"tensor 'hidden': shape .*{why}"):
         t.layout(shapes)
+
+
+def test_a_peer_that_is_not_a_rank_is_bad_input():
+    from gpuxfer.pp.selection import Connection
+    conn = Connection("copy_engine", {1: "to 1"}, {2: "from 2"}, {}, rank=0)
+    assert conn.sender(1) == "to 1" and conn.receiver(np.int64(2)) == "from 2" and conn.sender() == "to 1"
+    for peer in ([1], {1: 1}, "1", True, 1.0, 3):
+        with pytest.raises(BadInput):
+            conn.sender(peer)
