@@ -280,13 +280,18 @@ class FlagLink:
     def open(self, handle) -> None:
         """Open the peer's flag words: its :meth:`export` or, for a peer in this process, its :class:`FlagWords`
         (used as they are, not closed by this link)."""
+        if self.peer_mem is not None:
+            raise BadInput(f"{self._peer_label()}'s {self.name} flag words are open already")
         if isinstance(handle, FlagWords):
-            self.peer_mem, self._owns_peer = handle.buf, False
+            mem, owns = handle.buf, False
         else:
-            self.peer_mem, self._owns_peer = self.platform.open_handle(handle, self.device), True
-        if self.peer_mem.nbytes < self.nbytes:
-            raise BadInput(f"{self._peer_label()}'s {self.name} flag buffer holds {self.peer_mem.nbytes} B, "
+            mem, owns = self.platform.open_handle(handle, self.device), True
+        if mem.nbytes < self.nbytes:
+            if owns:
+                mem.close()
+            raise BadInput(f"{self._peer_label()}'s {self.name} flag buffer holds {mem.nbytes} B, "
                            f"expected {self.nbytes}")
+        self.peer_mem, self._owns_peer = mem, owns
 
     def probe_send(self, nonce: int) -> dict:
         """Write ``nonce + 1`` into the peer's copy probe word by an 8-byte copy (required) and ``nonce + 2``

@@ -157,13 +157,23 @@ def test_bad_flag_path_names_the_variable(monkeypatch):
         plat.close()
 
 
-def test_a_peer_buffer_too_small_is_refused():
+def test_a_peer_buffer_too_small_is_refused_and_a_second_open_too():
+    """A peer buffer too small is refused and its mapping closed (the link stays unopened); a link opened once
+    refuses a second open instead of dropping its first mapping unclosed."""
     plat = _OneProcess(devices=2)
     small, big = FL.FlagLink(plat, 0, 1, path="auto"), FL.FlagLink(plat, 1, WORDS, path="auto", rank=1, peer=0)
+    other = FL.FlagLink(plat, 0, WORDS, path="auto")
     try:
         with pytest.raises(BadInput, match="rank 0's flags flag buffer holds .* expected"):
             big.open(small.export())
+        assert big.peer_mem is None
+        big.open(other.export())
+        first = big.peer_mem
+        with pytest.raises(BadInput, match="open already"):
+            big.open(other.export())
+        assert big.peer_mem is first
     finally:
+        other.close()
         big.close()
         small.close()
         plat.close()
