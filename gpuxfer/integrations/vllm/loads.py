@@ -83,9 +83,12 @@ class _Remote:
     groups: tuple = ()                      # per group: (block size, kernel tokens) from its handshake
     views: dict = field(default_factory=dict)   # {group name: (start, stop)}: the pieces (heads) of its blocks read
     local_views: dict = field(default_factory=dict)     # ... of this worker's blocks it writes
-    skip: frozenset = frozenset()           # names of the groups read from another prefill rank
+    # per group read from it (not from another prefill rank), from its handshake: (index, name, block size here,
+    # kernel tokens here, its block size, its kernel tokens, bytes per block here, share of them written)
+    reads: tuple = ()
     rank: int = 0                           # its tensor parallel rank and size
     world: int = 1
+    sources: tuple = ()                     # the prefill ranks of its size this worker reads (params.source_ranks)
     meta: bytes | None = None
     error: str | None = None
     device_ids: bool = False                # its reads take block IDs on the device
@@ -202,13 +205,25 @@ class DecodeLoads:
             pairing, names = check_compatible(self.info, info), self._group_names
             r.views = {names[g]: v for g, v in pairing.remote.items()}
             r.local_views = {names[g]: v for g, v in pairing.local.items()}
-            r.skip = frozenset(names[g] for g in pairing.skip)
             r.rank, r.world = info.get("tp_rank", 0), info.get("tp_size", 1)      # (checked just now)
             r.groups = tuple((g["block_size"], g["kernel_tokens"]) for g in info["groups"])
+            r.reads = tuple(self._read_plan(g, r.groups[g], pairing.local.get(g))
+                            for g in range(len(self.group_specs)) if g not in pairing.skip)
+            try:
+                r.sources = tuple(source_ranks(self.tp_rank, self.tp_size, r.world))
+            except BadTransferParams:       # (its loads fail at their pairing: the params name another size)
+                r.sources = ()
         except Exception as exc:        # every failure fails this engine's loads, never the worker
             self._handshake_failed(r, exc)
             return
         self._attach(r)
+
+    def _read_plan(self, g: int, theirs: tuple[int, int], part: tuple[int, int] | None) -> tuple:
+        """What pairing a request's group ``g`` reads from a checked engine (:attr:`_Remote.reads`): ``theirs``,
+        its block size and kernel tokens; ``part``, the pieces of this worker's blocks it writes (None: all)."""
+        share = 1.0 if part is None else (part[1] - part[0]) / self.info["groups"][g]["pieces"]
+        return (g, self._group_names[g], self.group_specs[g][1], self._kernel_tokens[g], *theirs,
+                self._bytes_per_block[g], share)
 
     def _handshake_failed(self, r: _Remote, exc: Exception) -> None:
         """Fail the engine: its loads fail at the next poll. Where the peer is the engine and rank the params
@@ -373,26 +388,20 @@ class DecodeLoads:
         # the peer must be the prefill rank the params name for this read, of the size they name: a part's view of
         # this worker's heads comes from the peer's own rank and size, so another rank (one rank under two
         # addresses) or a prefill of more ranks than the params list would leave heads written by no read
-        want = source_ranks(self.tp_rank, self.tp_size, rp.tp_size)[st.part]
-        if r.world != rp.tp_size or r.rank != want:
+        # (with the sizes equal, r.sources are the ranks the load's parts were made from: st.part indexes them)
+        if r.world != rp.tp_size or r.rank != r.sources[st.part]:
+            want = source_ranks(self.tp_rank, self.tp_size, rp.tp_size)[st.part]
             raise BadTransferParams(f"prefill engine {r.key[2]} at {r.key[0]}:{r.key[1]} is rank {r.rank} of "
                                     f"{r.world}; the params name rank {want} of {rp.tp_size} there")
         local, remote, nbytes = {}, {}, 0
-        for g, (kind, ls, _) in enumerate(self.group_specs):
-            name = self._group_names[g]
-            if name in r.skip:              # (read from another prefill rank)
-                continue
-            rs, rk = r.groups[g]
+        for g, name, ls, lk, rs, rk, per_block, share in r.reads:
             if rp.block_sizes[g] != rs:
                 raise BadTransferParams(f"group {g}: the params say {rp.block_sizes[g]}-token blocks, "
                                         f"the engine's handshake {rs}")
-            li, ri = pair_group(load.local_ids[g], rp.block_ids[g], ls, rs, load.start, load.end,
-                                self._kernel_tokens[g], rk)
+            li, ri = pair_group(load.local_ids[g], rp.block_ids[g], ls, rs, load.start, load.end, lk, rk)
             if li.size:
                 local[name], remote[name] = li, ri
-                part = r.local_views.get(name)          # (the pieces of this worker's blocks it writes)
-                share = 1.0 if part is None else (part[1] - part[0]) / self.info["groups"][g]["pieces"]
-                nbytes += int(li.size * self._bytes_per_block[g] * share)
+                nbytes += int(li.size * per_block * share)
         st.nbytes = nbytes
         return (local, remote) if local else None
 
@@ -401,7 +410,7 @@ class DecodeLoads:
         local, remote = st.pairs
         st.device_ids = False
         return self.agent.prepare(st.remote.peer, "pull", local_blocks=local, remote_blocks=remote,
-                                  name=st.load.req_id)
+                                  name=st.load.req_id, device_ids=False)
 
     def _prepare_on_device(self, batches: list[list[_LoadState]], xs: list, owners: list):
         """One read per prefill engine of its loads in ``batches``, with their block IDs on the device: per engine
