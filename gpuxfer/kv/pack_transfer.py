@@ -342,9 +342,6 @@ class _PackTransfer(KVTransfer):
                 if self._shape.posts:       # a shape seen again: its graphs now, not inside a post
                     self._shape.graph(0)
 
-    def _build_launches(self, max_segments: int, launches: list) -> None:
-        """Nothing per request: the kernels belong to the request's shape (:class:`_PackShape`)."""
-
     def post(self, stream: Stream | None = None) -> KVTransferHandle:
         """Enqueue this side's part (see the class docstring) on ``stream``; the handle completes when the
         data has landed on the destination. Host work: the request upload and, for a shape posted before,

@@ -73,8 +73,7 @@ class RequestStaging:
         if engine == "triton":
             return _SlotTransfer(self.poster, peer, route, op, name, n_seg, host, h, notify_slot, n_rows, nbytes)
         if engine == "copy_engine":
-            return _CopyEngineTransfer(self.poster, peer, route, op, name, n_seg, host, host, None, 0, [], notify_slot,
-                                       n_rows, nbytes)
+            return _CopyEngineTransfer(self.poster, peer, route, op, name, n_seg, host, notify_slot, n_rows, nbytes)
         return self._stage_pack(peer, route, op, name, n_seg, host, h, notify_slot, n_rows, nbytes)
 
     def _stage_pack(self, peer, route: _Route, op, name, n_seg, host, array, notify_slot, n_rows, nbytes
@@ -84,10 +83,9 @@ class RequestStaging:
         key = (id(route), op == "push", n_seg.tobytes())
         shape = self.pack.shapes.get(key)
         chunks = shape.spec if shape is not None else self._pack_chunks(route, name, array, nbytes)
-        return _PackTransfer(self.poster, peer, route, op, name, n_seg, host[0], None, None,
-                             int(n_seg.max()) if n_seg.size else 0, [], notify_slot, n_rows, nbytes, pack=self.pack,
-                             chunks=chunks,
-                             pooled=host, entries=int(array.shape[0]), shape_key=key, fingerprint=int(array[-1]))
+        return _PackTransfer(self.poster, peer, route, op, name, n_seg, host[0], notify_slot, n_rows, nbytes,
+                             pack=self.pack, chunks=chunks, pooled=host, entries=int(array.shape[0]), shape_key=key,
+                             fingerprint=int(array[-1]))
 
     def _pack_chunks(self, route: _Route, name: str, array: np.ndarray, nbytes: int) -> list[tuple]:
         """A request's chunks: ``(first row, end row, bytes, segment bytes)``, rows of one segment size each,

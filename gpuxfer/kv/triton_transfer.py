@@ -197,9 +197,7 @@ class _SlotTransfer(KVTransfer):
         self._pooled = host
         self._array = array
         self._entries = int(array.shape[0])
-        super().__init__(poster, peer, route, op, name, n_seg, host[0], None, None, 0, [], notify_slot, descriptors,
-                         nbytes)
-        self._req_bytes = self._entries * 8
+        super().__init__(poster, peer, route, op, name, n_seg, host[0], notify_slot, descriptors, nbytes)
 
     def _run(self, s: Stream, expand_only: bool = False) -> tuple[_Slot, _Landed | None]:
         """Upload this request into a free slot and enqueue its kernels on ``s`` (the caller holds the post lock)."""
