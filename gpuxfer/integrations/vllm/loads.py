@@ -477,7 +477,7 @@ class DecodeLoads:
         host IDs, so only the load at fault fails. Loads still waiting (handshakes under way, those reposts) are
         looked at each poll."""
         done, failed = set(), set()
-        read: dict[int, tuple] = {}             # per prefill engine: its client and the requests read
+        read: dict[int, tuple] = {}             # per prefill engine: its client, the requests read and their keys
         inflight = self.inflight
         while inflight:
             st = inflight[0]
@@ -521,8 +521,8 @@ class DecodeLoads:
             ended, self.ended = self.ended, []
             for st in ended:
                 self._complete(st, done, failed, read)
-        for client, reqs in read.values():      # one message per engine for the step's reads
-            client.notify("done", [rp.request_id for rp in reqs], [rp.key for rp in reqs])
+        for client, reqs, keys in read.values():        # one message per engine for the step's reads
+            client.notify("done", reqs, keys)
         self._reap(now)
         return done, failed
 
@@ -553,13 +553,13 @@ class DecodeLoads:
     def _complete(self, st: _LoadState, done: set, failed: set, read: dict) -> None:
         """Report a load whose read completed (or that had nothing to move, or failed); a load read from several
         prefill ranks once all its reads ended, failed where one did (its blocks are then written by nothing)."""
-        req = st.load.req_id
-        r = st.remote
+        load, r, key = st.load, st.remote, st.key
+        req, rp = load.req_id, load.remote
         if st.error is None and not lease.now() < (r.clock if r is not None else lease.SAME_HOST).deadline(
-                st.load.remote.lease_deadline):
+                rp.lease_deadline):
             st.error = "the read completed after the prefill instance's lease ran out"
-        if self.pending.get(st.key) is st:
-            del self.pending[st.key]
+        if self.pending.get(key) is st:
+            del self.pending[key]
         if r is not None:
             r.loads -= 1
         if st.error is not None:
@@ -572,7 +572,9 @@ class DecodeLoads:
                 stats["device_id_loads" if st.device_ids else "host_id_loads"] += 1
             stats["xfer_s"].append(time.perf_counter() - st.t_post)
             if r.client is not None:
-                read.setdefault(id(r), (r.client, []))[1].append(st.load.remote)
+                _, reqs, keys = read.setdefault(id(r), (r.client, [], []))
+                reqs.append(rp.request_id)
+                keys.append(rp.key)
         bad = st.error is not None
         parts = self._parts.get(req)
         if parts is not None:
@@ -584,7 +586,6 @@ class DecodeLoads:
         done.add(req)
         if bad:
             failed.add(req)
-            load = st.load
             if len(self.group_specs) == 1:
                 ids = load.local_ids[0][load.start // self.group_specs[0][1]:]
                 self.load_errors.update(ids[ids != 0].tolist())
