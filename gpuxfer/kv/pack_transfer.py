@@ -113,7 +113,7 @@ class _PackShape:
         r = self.route
         G = len(r.groups)
         self.expand = expand_launcher(r.planes, self.req, self.out, n_groups=G,
-                                      max_segments=int(x.n_seg.max()) if x.n_seg.size else 0)
+                                      max_segments=max(x.n_seg, default=0))
         stage = agent.platform.as_tensor(agent.staging)
         local = r.src_anchor if self.source else r.dst_anchor
 

@@ -94,11 +94,11 @@ class KVTransfer:
     waits_on_peer = False           # whether its streams wait on flags the peer writes (a timeout fails the agent)
     _pooled = None                  # the host array's pool token (:class:`_RequestPool`), if it came from the pool
 
-    def __init__(self, poster, peer, route, op: str, name: str, n_seg: np.ndarray, host_req,
-                 notify_slot: int | None, descriptors: int, nbytes: int):
+    def __init__(self, poster, peer, route, op: str, name: str, n_seg, host_req, notify_slot: int | None,
+                 descriptors: int, nbytes: int):
         self.poster, self.agent = poster, poster.agent
         self.peer, self.route, self.op, self.name = peer, route, op, name
-        self.n_seg = n_seg
+        self.n_seg = n_seg              # segments per group of the route
         self.descriptors, self.nbytes = descriptors, nbytes
         self.notify_slot = notify_slot
         self._host_req = host_req       # the request array's host memory (a tensor)

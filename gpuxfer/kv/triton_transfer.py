@@ -192,7 +192,7 @@ class _SlotTransfer(KVTransfer):
     The array goes back to the agent's pool when the transfer is collected, which is after its last post
     completed (the agent keeps a posted transfer until its event completes)."""
 
-    def __init__(self, poster, peer, route, op: str, name: str, n_seg: np.ndarray,
+    def __init__(self, poster, peer, route, op: str, name: str, n_seg: list[int],
                  host, array: np.ndarray, notify_slot: int | None, descriptors: int, nbytes: int):
         self._pooled = host
         self._array = array
