@@ -52,7 +52,7 @@ class Load:
     end: int                                # one past the last
 
 
-@dataclass
+@dataclass(slots=True)
 class _LoadState:
     load: Load
     t_start: float
@@ -67,10 +67,10 @@ class _LoadState:
     host_ids: bool = False                  # post with host IDs (a read of several failed the device check)
     late: bool = False                      # a NIXL read logged as running past the agent's timeout
     part: int = 0                           # which of the load's prefill ranks this reads (a prefill of more ranks)
+    key: tuple[str, int] = field(init=False)    # (request, part): how pending and waiting hold it
 
-    @property
-    def key(self) -> tuple[str, int]:
-        return self.load.req_id, self.part
+    def __post_init__(self):
+        self.key = self.load.req_id, self.part
 
 
 @dataclass
@@ -151,14 +151,16 @@ class DecodeLoads:
             try:
                 keys = load.remote.endpoints_of(self.tp_rank, self.tp_size)
             except BadTransferParams as exc:       # no prefill rank for this one: fails (and is logged) at the poll
-                st = self.pending[(load.req_id, 0)] = _LoadState(load, now)
+                st = _LoadState(load, now)
+                self.pending[st.key] = st
                 st.error = f"{type(exc).__name__}: {exc}"
                 self.ended.append(st)
                 continue
             if len(keys) > 1:               # a prefill of more ranks: one read from each, reported together
                 self._parts[load.req_id] = [len(keys), False]
             for part, key in enumerate(keys):
-                st = self.pending[(load.req_id, part)] = _LoadState(load, now, part=part)
+                st = _LoadState(load, now, part=part)
+                self.pending[st.key] = st
                 claim = (key, load.remote.request_id)
                 if claim in self.claims:
                     st.error = (f"request {load.remote.request_id!r} of prefill engine {key[2]} is loaded by another "
@@ -166,11 +168,12 @@ class DecodeLoads:
                     self.ended.append(st)
                     continue
                 self.waiting[st.key] = st
-                st.remote = self._remote(key)
-                self.claims[claim] = (st.remote, load.remote.lease_deadline)
-                st.remote.loads += 1
-                self._advance(st.remote)
-                if st.remote.state == "ready":
+                st.remote = r = self._remote(key)
+                self.claims[claim] = (r, load.remote.lease_deadline)
+                r.loads += 1
+                if r.state == "pending":
+                    self._advance(r)
+                if r.state == "ready":
                     ready.append(st)
         self._post(ready, blocking=False)
 
