@@ -51,23 +51,26 @@ def post_many(poster, transfers: Sequence[KVTransfer], stream: Stream | None) ->
     """:meth:`KVAgent.post_many` of the agent whose :class:`~gpuxfer.kv.posting.Poster` ``poster`` is: the
     handles, in the order of ``transfers``."""
     agent = poster.agent
-    if isinstance(transfers, (str, bytes)) or not isinstance(transfers, Sequence):
+    if type(transfers) is not list and (isinstance(transfers, (str, bytes)) or not isinstance(transfers, Sequence)):
         raise BadInput(f"post_many takes a sequence of prepared transfers, got {type(transfers).__name__}")
     for i, x in enumerate(transfers):
         if not isinstance(x, KVTransfer) or x.agent is not agent:
             raise BadInput(f"post_many: item {i} ({x!r}) is not a transfer prepared by agent {agent.name!r}")
+    s = agent.stream if stream is None else stream
+    if len(transfers) == 1:         # (what a decode step admitting one request posts): its own post, which checks
+        try:                        # its peer
+            return [transfers[0].post(s)]
+        except Exception as exc:
+            exc.handles = [None]
+            raise
     if len({id(x) for x in transfers}) != len(transfers):
         raise BadInput("post_many: a transfer appears twice (post it again in a later call)")
-    s = agent.stream if stream is None else stream
     for x in transfers:             # the other engines' peers before anything is queued (triton's: under the lock)
         if type(x) is not _SlotTransfer and type(x) is not _DeviceIdTransfer:
             poster.check_usable(x.peer)
     handles: list[KVTransferHandle | None] = [None] * len(transfers)
     try:
-        if len(transfers) == 1:     # (what a decode step admitting one request posts): its own post
-            handles[0] = transfers[0].post(s)
-        else:
-            _post_all(poster, transfers, s, handles)
+        _post_all(poster, transfers, s, handles)
     except Exception as exc:
         # some transfers may be queued already: the caller learns which (and must not reuse their blocks
         # before they complete)

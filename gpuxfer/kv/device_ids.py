@@ -292,9 +292,8 @@ class _DeviceIdTransfer(_SlotTransfer):
         self._pooled = pooled
         self._array = array
         self._entries = head.entries
-        super(_SlotTransfer, self).__init__(poster, peer, route, op, name, head.n_seg, pooled[0], None, None, 0,
-                                            [], notify_slot, head.n_rows, head.nbytes_moved)
-        self._req_bytes = int(array.shape[0]) * 8
+        super(_SlotTransfer, self).__init__(poster, peer, route, op, name, head.n_seg, pooled[0], notify_slot,
+                                            head.n_rows, head.nbytes_moved)
 
     def _check_tensors(self) -> None:
         """The ID tensors still where :meth:`KVAgent.prepare` found them: a tensor given other memory since

@@ -48,6 +48,14 @@ def _uncovered(request: str, group: str, a: int, b: int, rs: int, rd: int) -> Bl
                         f"cover the same tokens (block-size ratio {rs}:{rd})")
 
 
+def _beyond(ids: np.ndarray, rising: bool, limit: int) -> bool:
+    """Whether an ID of ``ids`` (not empty) leaves ``[0, limit)``: the ends of rising IDs, else their largest read
+    unsigned (a negative ID is past any limit)."""
+    if rising:
+        return int(ids[0]) < 0 or int(ids[-1]) >= limit
+    return int(ids.view(np.uint64).max()) >= limit
+
+
 def _check_range(ids: np.ndarray, limit: int, request: str, group: str, side: str) -> None:
     """Every ID in ``[0, limit)``: one reduction (a negative ID read unsigned is past any limit)."""
     if ids.size and int(ids.view(np.uint64).max()) >= limit:
@@ -207,30 +215,28 @@ class _RouteIds:
 
     def _check_one(self, request: str, push: bool, mine: np.ndarray, theirs: np.ndarray) -> tuple:
         """:meth:`check` of a route of one group whose blocks pair one to one, for IDs few in their range
-        (what an engine's request is): the general path's checks and order in a few NumPy calls (two reductions
-        for the ranges; a stable sort unless the key side's IDs rise; the duplicate check over the destinations'
-        slots unless they rise)."""
+        (what an engine's request is): the general path's checks and order in a few NumPy calls. Blocks listed
+        in rising order (an allocator's fresh blocks come so), a comparison per side, need no reduction for the
+        range (their ends bound it), no sort on the key side, and rising destinations are distinct (no duplicate
+        check); other IDs take a reduction, a stable sort and the duplicate check over the destinations' slots."""
         g = self.groups[0]
         s, d = (mine, theirs) if push else (theirs, mine)
         n = s.size
         if d.size != n:
             raise _uncovered(request, g, n, d.size, 1, 1)
         ls, ld = self.limits[0]
-        if n and (int(s.view(np.uint64).max()) >= ls or int(d.view(np.uint64).max()) >= ld):
+        s_up = d_up = True
+        if n > 1:
+            s_up = not np.count_nonzero(s[1:] <= s[:-1])
+            d_up = not np.count_nonzero(d[1:] <= d[:-1])
+        if n and (_beyond(s, s_up, ls) or _beyond(d, d_up, ld)):
             _check_range(s, ls, request, g, "source (local)" if push else "source (remote)")
             _check_range(d, ld, request, g, "destination (remote)" if push else "destination (local)")
         order = None
-        if n > 1:
-            # blocks listed in rising order (an allocator's fresh blocks come so) need no sort on the key side, and
-            # rising destinations are distinct: a comparison each instead of a sort and the duplicate check
-            x = d if self.sort_by_dst else s
-            rising = not np.count_nonzero(x[1:] <= x[:-1])
-            if not rising:
-                order = ("sort", np.argsort(x, kind="stable"))
-            if x is not d:
-                rising = not np.count_nonzero(d[1:] <= d[:-1])
-            if not rising:
-                _check_unique(d, ld, request, [g])
+        if not (d_up if self.sort_by_dst else s_up):
+            order = ("sort", np.argsort(d if self.sort_by_dst else s, kind="stable"))
+        if not d_up:
+            _check_unique(d, ld, request, [g])
         return [n], [n], [n], (s, d, order, [n], [n])
 
     def _check_all(self, request: str, push: bool, local_blocks, remote_blocks) -> tuple:

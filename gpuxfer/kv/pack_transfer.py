@@ -113,7 +113,7 @@ class _PackShape:
         r = self.route
         G = len(r.groups)
         self.expand = expand_launcher(r.planes, self.req, self.out, n_groups=G,
-                                      max_segments=int(x.n_seg.max()) if x.n_seg.size else 0)
+                                      max_segments=max(x.n_seg, default=0))
         stage = agent.platform.as_tensor(agent.staging)
         local = r.src_anchor if self.source else r.dst_anchor
 
@@ -341,9 +341,6 @@ class _PackTransfer(KVTransfer):
                 self._shape = pack.shape(poster, self)
                 if self._shape.posts:       # a shape seen again: its graphs now, not inside a post
                     self._shape.graph(0)
-
-    def _build_launches(self, max_segments: int, launches: list) -> None:
-        """Nothing per request: the kernels belong to the request's shape (:class:`_PackShape`)."""
 
     def post(self, stream: Stream | None = None) -> KVTransferHandle:
         """Enqueue this side's part (see the class docstring) on ``stream``; the handle completes when the

@@ -56,38 +56,35 @@ class RequestStaging:
         else:
             h = np.empty(total, dtype=np.int64)
             host = _torch().from_numpy(h)
-        h[0] = 0
         if G == 1:          # every plane's rows are the group's segments: plane p's rows start at p * n
-            h[P + 1:head] = (n, head, mid)
-            np.multiply(_SCRATCH.arange(P + 1)[1:], n, out=h[1:P + 1])
+            np.multiply(_SCRATCH.arange(P + 1), n, out=h[:P + 1])
+            h[P + 1], h[P + 2], h[P + 3] = n, head, mid
             n_rows = n * P
         else:
+            h[0] = 0
             h[P + 1:head] = n_seg + starts[:-1]
             np.cumsum(h[P + 1:P + 1 + G][route.plane_group], out=h[1:P + 1])
             n_rows = int(h[P])
         route.ids.write(ordered, h[head:mid], h[mid:total])
-        n_seg = np.array(n_seg, dtype=np.int64)
         if engine == "pack":
             h[total:at] = 0
             h[at] = request_fingerprint(h[head:total], lens_s + lens_d, route.salts)
         if engine == "triton":
             return _SlotTransfer(self.poster, peer, route, op, name, n_seg, host, h, notify_slot, n_rows, nbytes)
         if engine == "copy_engine":
-            return _CopyEngineTransfer(self.poster, peer, route, op, name, n_seg, host, host, None, 0, [], notify_slot,
-                                       n_rows, nbytes)
+            return _CopyEngineTransfer(self.poster, peer, route, op, name, n_seg, host, notify_slot, n_rows, nbytes)
         return self._stage_pack(peer, route, op, name, n_seg, host, h, notify_slot, n_rows, nbytes)
 
     def _stage_pack(self, peer, route: _Route, op, name, n_seg, host, array, notify_slot, n_rows, nbytes
                     ) -> KVTransfer:
         """The pack engine's transfer: its chunks -- those of its shape where the shape was seen before (the
         device buffers and kernels belong to the shape, :class:`_PackShape`, shared by every request of it)."""
-        key = (id(route), op == "push", n_seg.tobytes())
+        key = (id(route), op == "push", tuple(n_seg))
         shape = self.pack.shapes.get(key)
         chunks = shape.spec if shape is not None else self._pack_chunks(route, name, array, nbytes)
-        return _PackTransfer(self.poster, peer, route, op, name, n_seg, host[0], None, None,
-                             int(n_seg.max()) if n_seg.size else 0, [], notify_slot, n_rows, nbytes, pack=self.pack,
-                             chunks=chunks,
-                             pooled=host, entries=int(array.shape[0]), shape_key=key, fingerprint=int(array[-1]))
+        return _PackTransfer(self.poster, peer, route, op, name, n_seg, host[0], notify_slot, n_rows, nbytes,
+                             pack=self.pack, chunks=chunks, pooled=host, entries=int(array.shape[0]), shape_key=key,
+                             fingerprint=int(array[-1]))
 
     def _pack_chunks(self, route: _Route, name: str, array: np.ndarray, nbytes: int) -> list[tuple]:
         """A request's chunks: ``(first row, end row, bytes, segment bytes)``, rows of one segment size each,

@@ -94,20 +94,17 @@ class KVTransfer:
     waits_on_peer = False           # whether its streams wait on flags the peer writes (a timeout fails the agent)
     _pooled = None                  # the host array's pool token (:class:`_RequestPool`), if it came from the pool
 
-    def __init__(self, poster, peer, route, op: str, name: str, n_seg: np.ndarray,
-                 host_req, dev_req, out, max_segments: int, launches: list, notify_slot: int | None,
+    def __init__(self, poster, peer, route, op: str, name: str, n_seg, host_req, notify_slot: int | None,
                  descriptors: int, nbytes: int):
         self.poster, self.agent = poster, poster.agent
         self.peer, self.route, self.op, self.name = peer, route, op, name
-        self.n_seg = n_seg
+        self.n_seg = n_seg              # segments per group of the route
         self.descriptors, self.nbytes = descriptors, nbytes
         self.notify_slot = notify_slot
-        self._host_req, self._dev_req, self._out = host_req, dev_req, out
-        self._buffers = (host_req, dev_req, out)
-        self._req_bytes = int(host_req.numel()) * 8
-        self._build_launches(max_segments, launches)
+        self._host_req = host_req       # the request array's host memory (a tensor)
+        self._build_launches()
 
-    def _build_launches(self, max_segments: int, launches: list) -> None:
+    def _build_launches(self) -> None:
         """What an engine binds to one request at prepare (nothing by default)."""
 
     def describe(self) -> str:

@@ -192,14 +192,12 @@ class _SlotTransfer(KVTransfer):
     The array goes back to the agent's pool when the transfer is collected, which is after its last post
     completed (the agent keeps a posted transfer until its event completes)."""
 
-    def __init__(self, poster, peer, route, op: str, name: str, n_seg: np.ndarray,
+    def __init__(self, poster, peer, route, op: str, name: str, n_seg: list[int],
                  host, array: np.ndarray, notify_slot: int | None, descriptors: int, nbytes: int):
         self._pooled = host
         self._array = array
         self._entries = int(array.shape[0])
-        super().__init__(poster, peer, route, op, name, n_seg, host[0], None, None, 0, [], notify_slot, descriptors,
-                         nbytes)
-        self._req_bytes = self._entries * 8
+        super().__init__(poster, peer, route, op, name, n_seg, host[0], notify_slot, descriptors, nbytes)
 
     def _run(self, s: Stream, expand_only: bool = False) -> tuple[_Slot, _Landed | None]:
         """Upload this request into a free slot and enqueue its kernels on ``s`` (the caller holds the post lock)."""

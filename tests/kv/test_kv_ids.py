@@ -173,6 +173,23 @@ def test_one_group_few_ids_in_a_large_range(sort_by_dst, push):
         _check_and_write(ids, push, src, {"a": np.array([4, 2], np.int64)})
 
 
+@pytest.mark.parametrize("sort_by_dst", [False, True])
+@pytest.mark.parametrize("push", [False, True])
+def test_one_group_rising_ids_out_of_range_are_named(sort_by_dst, push):
+    """Rising IDs (whose range the one-group shortcut reads from their ends) past the group's blocks, or negative,
+    on either side, are refused as any others are, naming the side, the ID and its position."""
+    ids = _RouteIds(("a",), [(1 << 20, 1 << 16)], [(1, 1)], [[0]], sort_by_dst)
+    rising = np.arange(3, 3 + 7 * 40, 7, dtype=np.int64)
+    for side, limit in (("source", 1 << 20), ("destination", 1 << 16)):
+        for bad, pos in ((limit, 39), (limit + 5, 39), (1 << 62, 39), (-1, 0), (-(1 << 62), 0)):
+            ours = rising.copy()
+            ours[pos] = bad
+            src, dst = ({"a": ours}, {"a": rising}) if side == "source" else ({"a": rising}, {"a": ours})
+            with pytest.raises(BlockIdError, match=rf"group 'a', {side} .*block ID {bad} at position {pos}"):
+                _check_and_write(ids, push, src, dst)
+    _check_and_write(ids, push, {"a": rising}, {"a": rising + (1 << 16) - 1 - int(rising[-1])})     # (at the ends)
+
+
 def test_tensors_of_other_dtypes_are_named_not_crashed():
     """CPU tensors of IDs that are not integers (bf16, a float that requires grad, bool) raise BlockIdError
     naming the request, the group and the dtype, not torch's conversion error; integer tensors pass."""

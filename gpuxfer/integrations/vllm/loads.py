@@ -52,7 +52,7 @@ class Load:
     end: int                                # one past the last
 
 
-@dataclass
+@dataclass(slots=True)
 class _LoadState:
     load: Load
     t_start: float
@@ -67,10 +67,10 @@ class _LoadState:
     host_ids: bool = False                  # post with host IDs (a read of several failed the device check)
     late: bool = False                      # a NIXL read logged as running past the agent's timeout
     part: int = 0                           # which of the load's prefill ranks this reads (a prefill of more ranks)
+    key: tuple[str, int] = field(init=False)    # (request, part): how pending and waiting hold it
 
-    @property
-    def key(self) -> tuple[str, int]:
-        return self.load.req_id, self.part
+    def __post_init__(self):
+        self.key = self.load.req_id, self.part
 
 
 @dataclass
@@ -83,9 +83,12 @@ class _Remote:
     groups: tuple = ()                      # per group: (block size, kernel tokens) from its handshake
     views: dict = field(default_factory=dict)   # {group name: (start, stop)}: the pieces (heads) of its blocks read
     local_views: dict = field(default_factory=dict)     # ... of this worker's blocks it writes
-    skip: frozenset = frozenset()           # names of the groups read from another prefill rank
+    # per group read from it (not from another prefill rank), from its handshake: (index, name, block size here,
+    # kernel tokens here, its block size, its kernel tokens, bytes per block here, share of them written)
+    reads: tuple = ()
     rank: int = 0                           # its tensor parallel rank and size
     world: int = 1
+    sources: tuple = ()                     # the prefill ranks of its size this worker reads (params.source_ranks)
     meta: bytes | None = None
     error: str | None = None
     device_ids: bool = False                # its reads take block IDs on the device
@@ -148,14 +151,16 @@ class DecodeLoads:
             try:
                 keys = load.remote.endpoints_of(self.tp_rank, self.tp_size)
             except BadTransferParams as exc:       # no prefill rank for this one: fails (and is logged) at the poll
-                st = self.pending[(load.req_id, 0)] = _LoadState(load, now)
+                st = _LoadState(load, now)
+                self.pending[st.key] = st
                 st.error = f"{type(exc).__name__}: {exc}"
                 self.ended.append(st)
                 continue
             if len(keys) > 1:               # a prefill of more ranks: one read from each, reported together
                 self._parts[load.req_id] = [len(keys), False]
             for part, key in enumerate(keys):
-                st = self.pending[(load.req_id, part)] = _LoadState(load, now, part=part)
+                st = _LoadState(load, now, part=part)
+                self.pending[st.key] = st
                 claim = (key, load.remote.request_id)
                 if claim in self.claims:
                     st.error = (f"request {load.remote.request_id!r} of prefill engine {key[2]} is loaded by another "
@@ -163,11 +168,12 @@ class DecodeLoads:
                     self.ended.append(st)
                     continue
                 self.waiting[st.key] = st
-                st.remote = self._remote(key)
-                self.claims[claim] = (st.remote, load.remote.lease_deadline)
-                st.remote.loads += 1
-                self._advance(st.remote)
-                if st.remote.state == "ready":
+                st.remote = r = self._remote(key)
+                self.claims[claim] = (r, load.remote.lease_deadline)
+                r.loads += 1
+                if r.state == "pending":
+                    self._advance(r)
+                if r.state == "ready":
                     ready.append(st)
         self._post(ready, blocking=False)
 
@@ -202,13 +208,25 @@ class DecodeLoads:
             pairing, names = check_compatible(self.info, info), self._group_names
             r.views = {names[g]: v for g, v in pairing.remote.items()}
             r.local_views = {names[g]: v for g, v in pairing.local.items()}
-            r.skip = frozenset(names[g] for g in pairing.skip)
             r.rank, r.world = info.get("tp_rank", 0), info.get("tp_size", 1)      # (checked just now)
             r.groups = tuple((g["block_size"], g["kernel_tokens"]) for g in info["groups"])
+            r.reads = tuple(self._read_plan(g, r.groups[g], pairing.local.get(g))
+                            for g in range(len(self.group_specs)) if g not in pairing.skip)
+            try:
+                r.sources = tuple(source_ranks(self.tp_rank, self.tp_size, r.world))
+            except BadTransferParams:       # (its loads fail at their pairing: the params name another size)
+                r.sources = ()
         except Exception as exc:        # every failure fails this engine's loads, never the worker
             self._handshake_failed(r, exc)
             return
         self._attach(r)
+
+    def _read_plan(self, g: int, theirs: tuple[int, int], part: tuple[int, int] | None) -> tuple:
+        """What pairing a request's group ``g`` reads from a checked engine (:attr:`_Remote.reads`): ``theirs``,
+        its block size and kernel tokens; ``part``, the pieces of this worker's blocks it writes (None: all)."""
+        share = 1.0 if part is None else (part[1] - part[0]) / self.info["groups"][g]["pieces"]
+        return (g, self._group_names[g], self.group_specs[g][1], self._kernel_tokens[g], *theirs,
+                self._bytes_per_block[g], share)
 
     def _handshake_failed(self, r: _Remote, exc: Exception) -> None:
         """Fail the engine: its loads fail at the next poll. Where the peer is the engine and rank the params
@@ -373,26 +391,20 @@ class DecodeLoads:
         # the peer must be the prefill rank the params name for this read, of the size they name: a part's view of
         # this worker's heads comes from the peer's own rank and size, so another rank (one rank under two
         # addresses) or a prefill of more ranks than the params list would leave heads written by no read
-        want = source_ranks(self.tp_rank, self.tp_size, rp.tp_size)[st.part]
-        if r.world != rp.tp_size or r.rank != want:
+        # (with the sizes equal, r.sources are the ranks the load's parts were made from: st.part indexes them)
+        if r.world != rp.tp_size or r.rank != r.sources[st.part]:
+            want = source_ranks(self.tp_rank, self.tp_size, rp.tp_size)[st.part]
             raise BadTransferParams(f"prefill engine {r.key[2]} at {r.key[0]}:{r.key[1]} is rank {r.rank} of "
                                     f"{r.world}; the params name rank {want} of {rp.tp_size} there")
         local, remote, nbytes = {}, {}, 0
-        for g, (kind, ls, _) in enumerate(self.group_specs):
-            name = self._group_names[g]
-            if name in r.skip:              # (read from another prefill rank)
-                continue
-            rs, rk = r.groups[g]
+        for g, name, ls, lk, rs, rk, per_block, share in r.reads:
             if rp.block_sizes[g] != rs:
                 raise BadTransferParams(f"group {g}: the params say {rp.block_sizes[g]}-token blocks, "
                                         f"the engine's handshake {rs}")
-            li, ri = pair_group(load.local_ids[g], rp.block_ids[g], ls, rs, load.start, load.end,
-                                self._kernel_tokens[g], rk)
+            li, ri = pair_group(load.local_ids[g], rp.block_ids[g], ls, rs, load.start, load.end, lk, rk)
             if li.size:
                 local[name], remote[name] = li, ri
-                part = r.local_views.get(name)          # (the pieces of this worker's blocks it writes)
-                share = 1.0 if part is None else (part[1] - part[0]) / self.info["groups"][g]["pieces"]
-                nbytes += int(li.size * self._bytes_per_block[g] * share)
+                nbytes += int(li.size * per_block * share)
         st.nbytes = nbytes
         return (local, remote) if local else None
 
@@ -401,7 +413,7 @@ class DecodeLoads:
         local, remote = st.pairs
         st.device_ids = False
         return self.agent.prepare(st.remote.peer, "pull", local_blocks=local, remote_blocks=remote,
-                                  name=st.load.req_id)
+                                  name=st.load.req_id, device_ids=False)
 
     def _prepare_on_device(self, batches: list[list[_LoadState]], xs: list, owners: list):
         """One read per prefill engine of its loads in ``batches``, with their block IDs on the device: per engine
@@ -468,7 +480,7 @@ class DecodeLoads:
         host IDs, so only the load at fault fails. Loads still waiting (handshakes under way, those reposts) are
         looked at each poll."""
         done, failed = set(), set()
-        read: dict[int, tuple] = {}             # per prefill engine: its client and the requests read
+        read: dict[int, tuple] = {}             # per prefill engine: its client, the requests read and their keys
         inflight = self.inflight
         while inflight:
             st = inflight[0]
@@ -512,8 +524,8 @@ class DecodeLoads:
             ended, self.ended = self.ended, []
             for st in ended:
                 self._complete(st, done, failed, read)
-        for client, reqs in read.values():      # one message per engine for the step's reads
-            client.notify("done", [rp.request_id for rp in reqs], [rp.key for rp in reqs])
+        for client, reqs, keys in read.values():        # one message per engine for the step's reads
+            client.notify("done", reqs, keys)
         self._reap(now)
         return done, failed
 
@@ -544,13 +556,13 @@ class DecodeLoads:
     def _complete(self, st: _LoadState, done: set, failed: set, read: dict) -> None:
         """Report a load whose read completed (or that had nothing to move, or failed); a load read from several
         prefill ranks once all its reads ended, failed where one did (its blocks are then written by nothing)."""
-        req = st.load.req_id
-        r = st.remote
+        load, r, key = st.load, st.remote, st.key
+        req, rp = load.req_id, load.remote
         if st.error is None and not lease.now() < (r.clock if r is not None else lease.SAME_HOST).deadline(
-                st.load.remote.lease_deadline):
+                rp.lease_deadline):
             st.error = "the read completed after the prefill instance's lease ran out"
-        if self.pending.get(st.key) is st:
-            del self.pending[st.key]
+        if self.pending.get(key) is st:
+            del self.pending[key]
         if r is not None:
             r.loads -= 1
         if st.error is not None:
@@ -563,7 +575,9 @@ class DecodeLoads:
                 stats["device_id_loads" if st.device_ids else "host_id_loads"] += 1
             stats["xfer_s"].append(time.perf_counter() - st.t_post)
             if r.client is not None:
-                read.setdefault(id(r), (r.client, []))[1].append(st.load.remote)
+                _, reqs, keys = read.setdefault(id(r), (r.client, [], []))
+                reqs.append(rp.request_id)
+                keys.append(rp.key)
         bad = st.error is not None
         parts = self._parts.get(req)
         if parts is not None:
@@ -575,7 +589,6 @@ class DecodeLoads:
         done.add(req)
         if bad:
             failed.add(req)
-            load = st.load
             if len(self.group_specs) == 1:
                 ids = load.local_ids[0][load.start // self.group_specs[0][1]:]
                 self.load_errors.update(ids[ids != 0].tolist())

@@ -33,6 +33,7 @@ MAX_IDS = 1 << 22               # block IDs in one request's params, all groups
 MAX_TEXT = 512
 MAX_TP = 256                    # tensor parallel ranks named in one request's params
 MAX_KEY = 64                    # characters of a hold's key
+_INT64 = np.dtype(np.int64)     # (a dtype compares with a dtype at once, with a type by making one from it)
 
 
 class BadTransferParams(BadInput):
@@ -235,7 +236,7 @@ def pair_group(local: np.ndarray, remote: np.ndarray, ls: int, rs: int, start: i
     """
     lo_l, hi_l = start // ls, -(-end // ls)
     loc = local[lo_l:hi_l]
-    if ls == rs == lk == rk and loc.size == hi_l - lo_l and local.dtype == remote.dtype == np.int64:
+    if ls == rs == lk == rk and loc.size == hi_l - lo_l and local.dtype == remote.dtype == _INT64:
         # one block size everywhere, no null block on either side: the blocks pair one to one (four NumPy
         # calls; anything else, an error included, takes the general path below)
         rem = remote[lo_l:hi_l]
