@@ -74,7 +74,6 @@ def test_connections_that_say_nothing_or_too_much_are_bounded(monkeypatch):
     """Past MAX_CONNECTIONS a new connection is closed at once; one that says no hello, or leaves a message half
     sent, goes after the timeout; a message longer than MAX_MESSAGE closes its connection; a done list longer
     than one message goes in several, every request arriving."""
-    import time
     from gpuxfer.integrations.vllm import channel
     monkeypatch.setattr(channel, "MAX_CONNECTIONS", 4)
     monkeypatch.setattr(channel.SideChannelServer, "SWEEP_S", 0.05)
@@ -99,8 +98,7 @@ def test_connections_that_say_nothing_or_too_much_are_bounded(monkeypatch):
         assert not closed(quiet, 0.3) and not closed(half, 0.1)
         big.sendall(struct.pack(">I", channel.MAX_MESSAGE + 1))
         assert closed(big, 5.0)
-        t0 = time.monotonic()
-        assert closed(quiet, 5.0) and closed(half, 5.0) and time.monotonic() - t0 < 4.0
+        assert closed(quiet, 5.0) and closed(half, 5.0)
         ids = [f"r{i}" for i in range(2 * channel.MAX_IDS_PER_MESSAGE + 5)]
         assert c.notify("done", ids, ["k"] * len(ids))
         got = [srv.events.get(timeout=5)[1] for _ in ids]
@@ -179,7 +177,7 @@ def test_a_prefill_named_by_host_name_is_resolved_off_the_engine_thread(monkeypa
         c = SideChannelClient("prefill.slow", srv.port, 5.0)
         bad = SideChannelClient("bad.slow", srv.port, 5.0)
         late = SideChannelClient("late.slow", srv.port, 0.2)
-        assert c.pump() is None and bad.pump() is None and time.monotonic() - t0 < 0.5
+        assert c.pump() is None and bad.pump() is None and time.monotonic() - t0 < 5   # (the lookups wait 10 s)
         time.sleep(0.3)
         with pytest.raises(TimeoutError, match="not resolved"):
             late.pump()
@@ -344,7 +342,7 @@ def test_notify_never_waits_for_the_socket():
     import time
     srv = SideChannelServer("127.0.0.1", 0, lambda: (b"{}", b"m"), timeout_s=5.0)
     try:
-        c = SideChannelClient("127.0.0.1", srv.port, 4.0)
+        c = SideChannelClient("127.0.0.1", srv.port, 8.0)
         assert c.handshake() == (b"{}", b"m")
         srv._stop.set()             # the server stops reading: its thread and the pumps serve nothing
         with srv._lock:
@@ -354,15 +352,17 @@ def test_notify_never_waits_for_the_socket():
             while n < 24:
                 assert c.notify("done", big)
                 n += 1
-            assert time.monotonic() - t0 < 2.0          # 24 MB queued (more than the socket buffers take), no wait
-            deadline = time.monotonic() + 10
+            # 24 MB queued (more than the socket buffers take) without waiting for the socket, which takes none of
+            # it until the sender thread gives up, 8 s on
+            assert time.monotonic() - t0 < 6.0 and c.alive
+            deadline = time.monotonic() + 20
             while c.alive and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert not c.alive and "not taken within" in c.closed_reason
             assert not c.notify("done", ["r"])
             t0 = time.monotonic()
             c.close()
-            assert time.monotonic() - t0 < 3.0
+            assert time.monotonic() - t0 < 30           # (bounded: a hang guard)
     finally:
         srv._stop.clear()
         srv.close()
@@ -405,9 +405,9 @@ class _Starved:
         raise queue.Empty
 
 
-def _slow_peer(read: int, pause: float = 0.0):
-    """A listener whose one connection answers the hello, then reads nothing for ``pause`` seconds and then
-    ``read`` bytes at a time: ``(port, what it received, stop)``."""
+def _slow_peer(read: int, go: threading.Event | None = None):
+    """A listener whose one connection answers the hello, then reads nothing until ``go`` is set (at most 60 s)
+    and then ``read`` bytes at a time: ``(port, what it received, stop)``."""
     lst = socket.socket()
     lst.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     lst.bind(("127.0.0.1", 0))
@@ -418,7 +418,8 @@ def _slow_peer(read: int, pause: float = 0.0):
         s, _ = lst.accept()
         s.recv(100)
         s.sendall(frame(b"{}") + frame(b"m") + frame(struct.pack(">d", 1.0)))
-        stop.wait(pause)
+        if go is not None:
+            go.wait(60)
         s.settimeout(0.05)
         while not stop.is_set():
             try:
@@ -456,7 +457,7 @@ def test_close_never_sends_a_message_twice():
     time.sleep(0.2)
     t0 = time.monotonic()
     c.close()
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 30                   # (bounded: about 2 s at most, besides the machine)
     time.sleep(0.3)
     stop.set()
     sent = _messages("done", big) + b"".join(message({"op": "release", "reqs": [f"r{i}"]}) for i in range(200))
@@ -467,8 +468,8 @@ def test_a_late_flush_does_not_wait_for_a_full_socket():
     """The engine thread's flush of a message a starved sender left sends what the socket takes and returns; the
     rest goes later, whole and once."""
     import time
-    from gpuxfer.integrations.vllm.channel import message
-    port, got, stop = _slow_peer(1 << 16, pause=3.0)
+    go = threading.Event()
+    port, got, stop = _slow_peer(1 << 16, go)
     c = SideChannelClient("127.0.0.1", port, 30.0)
     c._wake = _Starved()
     c._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
@@ -476,9 +477,9 @@ def test_a_late_flush_does_not_wait_for_a_full_socket():
     big = ["y" * 500] * 40000                            # 20 MB
     c.notify("done", big)
     time.sleep(c.LATE_S)
-    t0 = time.monotonic()
     c.flush_late(time.monotonic())
-    assert time.monotonic() - t0 < 1.5                  # (a blocking send waits for the reader: 3 s)
+    assert not got          # it returned with the reader reading nothing yet: a blocking send would wait for it
+    go.set()
     deadline = time.monotonic() + 60
     m = _messages("done", big)
     while len(got) < len(m) and time.monotonic() < deadline:
@@ -494,22 +495,24 @@ def test_handshake_times_out_and_refused_connect_fails():
     no listener fails the handshake (a ConnectionError), never a hang."""
     import time
     mute = socket.create_server(("127.0.0.1", 0))
+    shut = socket.socket()
+    shut.bind(("127.0.0.1", 0))                          # bound, never listening: a connect is refused
     try:
         c = SideChannelClient("127.0.0.1", mute.getsockname()[1], 0.3)
         t0 = time.monotonic()
         with pytest.raises(TimeoutError):
-            while time.monotonic() - t0 < 5:
+            while time.monotonic() - t0 < 30:
                 c.pump()
                 time.sleep(0.01)
-        assert 0.3 <= time.monotonic() - t0 < 3 and not c.alive
+        assert time.monotonic() - t0 >= 0.3 and not c.alive
         c.close()
-        port = mute.getsockname()[1]
+        c = SideChannelClient("127.0.0.1", shut.getsockname()[1], 5.0)
+        with pytest.raises(ConnectionError):
+            c.handshake()
+        c.close()
     finally:
         mute.close()
-    c = SideChannelClient("127.0.0.1", port, 5.0)
-    with pytest.raises(ConnectionError):
-        c.handshake()
-    c.close()
+        shut.close()
 
 
 def test_a_stranger_cannot_end_a_hold():

@@ -490,8 +490,11 @@ class SideChannelClient:
     def flush_late(self, now: float) -> None:
         """Send, on the calling (engine) thread, the queued messages when the oldest has waited ``LATE_S``: a
         sender thread starved of the GIL by a busy engine thread holds them no longer than that."""
+        pending = self._pending
+        if not pending:                         # nothing queued: the usual poll
+            return
         try:
-            oldest = self._pending[0][0]        # no lock: the sender thread may pop it meanwhile
+            oldest = pending[0][0]              # no lock: the sender thread may pop it meanwhile
         except IndexError:
             return
         if now - oldest > self.LATE_S and self._sender is not None and self._send_lock.acquire(blocking=False):
