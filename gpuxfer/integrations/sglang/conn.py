@@ -83,7 +83,8 @@ from ...kv import KVAgent
 from .landing import Landings, landing_frame, parse_landing, parse_slot, slot_frame
 from .requests import TransferInfo, _Chunk, _drain_marker, _Posted
 from .layout import (GROUP, check_supported, decode_registration, encode_registration, geometry,
-                     geometry_differences, read_aux_rows, register_kv_args, write_aux_rows)
+                     geometry_differences, head_share, read_aux_rows, register_kv_args, total_kv_heads,
+                     write_aux_rows)
 
 log = logging.getLogger("gpuxfer.sglang")
 
@@ -311,15 +312,19 @@ class GpuxferKVManager(CommonKVManager):
             if diffs:
                 raise BadInput("the decode's KV pool does not pair page for page with this prefill's: "
                                + "; ".join(diffs))
+            views = head_share(self.geometry, geom, total_kv_heads(self.kv_args, self.attn_tp_size),
+                               int(getattr(self.kv_args, "kv_head_num", 0) or 0))
             with self._agent_lock:
                 old = self._peers.pop(session, None)
                 if old is not None:
                     self.agent.remove_peer(old)
-                self._peers[session] = self.agent.add_peer(meta)
+                self._peers[session] = self.agent.add_peer(meta, **views)
                 self._notify_slots[session] = slot
             self._rejected.pop(session, None)
-            log.info("gpuxfer: decode rank %s added (%s route, %s engine)", session,
-                     self._peers[session].route, self._peers[session].engine)
+            log.info("gpuxfer: decode rank %s added (%s route, %s engine%s)", session,
+                     self._peers[session].route, self._peers[session].engine,
+                     f"; bytes {views['local_token_slice'][GROUP]} of each token's row here to bytes "
+                     f"{views['token_slice'][GROUP]} of the decode's" if views else "")
         except GpuxferError as exc:
             self._rejected[session] = f"{type(exc).__name__}: {exc}"
             log.error("gpuxfer: refusing decode rank %s: %s", session, self._rejected[session])
