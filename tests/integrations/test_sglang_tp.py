@@ -10,6 +10,8 @@ server's ``/route`` per prefill rank, each receiver's target prefill ranks) deci
   decode ranks replicate a head): each rank holds total heads / TP of them (one where ranks outnumber heads),
   each head's bytes the same on every rank holding it; the prefill pushes the heads a decode rank shares with it
   (head slicing), every byte of every decode rank checked against the prefill server's bytes of its heads.
+* The head slices against SGLang's own rank mapping and Mooncake's head slice arithmetic, over TP sizes and head
+  counts (no process).
 * Heads that do not split evenly over a TP size: refused, every request Failed on both sides naming it,
   nothing written.
 
@@ -25,6 +27,11 @@ from _requires import require
 
 require("sglang", "GPUXFER_REQUIRE_SGLANG", "sglang==0.5.23")
 
+from types import SimpleNamespace  # noqa: E402
+
+import pytest  # noqa: E402
+
+from gpuxfer.integrations.sglang.layout import GROUP, head_share  # noqa: E402
 from sglang_instance import Rank  # noqa: E402
 from test_sglang_backend import ENV, PAGES, _close, _free_port, _Pages  # noqa: E402
 
@@ -166,6 +173,51 @@ def test_mha_pool_with_replicated_heads_lands():
     """2 KV heads, decode at TP 4: decode ranks 0 and 1 each hold head 0, ranks 2 and 3 head 1 (SGLang's
     replication); the one prefill rank (2 heads) pushes each its head."""
     _mha_lands(1, 4, 2, 35)
+
+
+def _sglang_targets(prefill_tp: int, decode_tp: int, decode_rank: int):
+    """SGLang's rank mapping of an MHA decode rank: the prefill ranks it registers with (each of which sends it
+    KV) and the responses it waits for."""
+    from sglang.srt.disaggregation.common.conn import CommonKVManager
+    me = SimpleNamespace(is_mla_backend=False, is_hybrid_mla_backend=False, attn_tp_size=decode_tp,
+                         kv_args=SimpleNamespace(engine_rank=decode_rank), attn_cp_size=1, attn_cp_rank=0, pp_size=1,
+                         pp_rank=0, enable_all_cp_ranks_for_transfer=False)
+    info = SimpleNamespace(attn_tp_size=prefill_tp, enable_kv_cache_sharding=False, attn_cp_size=1, pp_size=1,
+                           enable_dsa_cache_layer_split=False)
+    CommonKVManager._resolve_rank_mapping(me, info)
+    return info.target_tp_ranks, info.required_prefill_response_num
+
+
+@pytest.mark.parametrize("total", [1, 2, 4, 8])
+def test_head_slices_follow_sglangs_mapping_and_mooncakes_slices(total):
+    """For every prefill/decode pair SGLang's mapping makes (TP sizes 1..8, either dividing the heads or
+    divided by them), the bytes the prefill pushes are Mooncake's head slice (``compute_head_slice_params``),
+    and the prefill ranks a decode rank waits for cover each of its heads."""
+    from sglang.srt.disaggregation.common.staging_buffer import compute_head_slice_params
+    hb, sizes = 16, [1, 2, 4, 8]
+    for ptp in sizes:
+        for dtp in sizes:
+            if ptp == dtp:
+                continue
+            hp, hd = max(1, total // ptp), max(1, total // dtp)
+            for drank in range(dtp):
+                targets, responses = _sglang_targets(ptp, dtp, drank)
+                assert len(targets) == responses
+                covered = set()
+                for prank in targets:
+                    views = head_share({"page_size": 4, "kv_item_lens": [4 * hp * hb] * 2, "attn_tp_size": ptp,
+                                        "attn_tp_rank": prank},
+                                       {"page_size": 4, "kv_item_lens": [4 * hd * hb] * 2, "attn_tp_size": dtp,
+                                        "attn_tp_rank": drank}, total, hp)
+                    src, n, dst, _ = compute_head_slice_params(ptp, dtp, prank, drank, total)
+                    mine, theirs = (src * hb, (src + n) * hb), (dst * hb, (dst + n) * hb)
+                    if mine == (0, hp * hb) and theirs == (0, hd * hb):
+                        assert views == {}, (ptp, dtp, prank, drank)
+                    else:
+                        assert views == {"local_token_slice": {GROUP: mine}, "token_slice": {GROUP: theirs}}, \
+                            (ptp, dtp, prank, drank, views)
+                    covered.update(range(dst, dst + n))
+                assert covered == set(range(hd)), (ptp, dtp, drank, covered)
 
 
 def test_mha_heads_that_do_not_split_evenly_are_refused():
