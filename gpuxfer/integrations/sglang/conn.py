@@ -128,6 +128,9 @@ class GpuxferKVManager(CommonKVManager):
         self.session_id = f"{self.local_ip}:{self.rank_port}"
         mla = is_mla_backend or getattr(self, "is_hybrid_mla_backend", False)   # every rank holds all the KV
         self.geometry = geometry(args, None if mla else self.attn_tp_size)
+        # the model's KV heads and this rank's, where its pool holds a slice of them (head slicing reads them)
+        self.kv_heads = (0, 0) if mla else (total_kv_heads(args, self.attn_tp_size),
+                                            int(getattr(args, "kv_head_num", 0) or 0))
         device = 0 if platform.host_memory else int(getattr(args, "gpu_id", 0) or 0)
         role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
         self.agent = KVAgent(f"sglang-{role}-{self.session_id}", platform=platform, device=device,
@@ -312,8 +315,7 @@ class GpuxferKVManager(CommonKVManager):
             if diffs:
                 raise BadInput("the decode's KV pool does not pair page for page with this prefill's: "
                                + "; ".join(diffs))
-            views = head_share(self.geometry, geom, total_kv_heads(self.kv_args, self.attn_tp_size),
-                               int(getattr(self.kv_args, "kv_head_num", 0) or 0))
+            views = head_share(self.geometry, geom, *self.kv_heads)
             with self._agent_lock:
                 old = self._peers.pop(session, None)
                 if old is not None:
