@@ -71,33 +71,34 @@ def _page(raw, heads, b):
     return raw[b * stride:b * stride + BT * heads * HB].view(BT, heads, HB)
 
 
-def _rows_side(rank, world, init, case, op, engine="copy_engine"):
+def _rows_side(rank, world, init, case, op, engine="copy_engine", platform_name="host"):
     """Rank 0 holds the source pages, rank 1 the destination; ``case``: (rank 0's heads, rank 1's, the heads
     [h0, h1) of rank 0 that land on heads [g0, g1) of rank 1). The side that initiates (``op``) cuts its own
     layers with ``local_token_slice`` and the other's with ``token_slice``; rank 1's every byte is then what
     it held but the landed heads of its named pages (its other heads, its other pages and the pad after
-    each page untouched)."""
+    each page untouched). ``platform_name`` "cuda": both ranks on GPU 0."""
     import datetime
     import torch.distributed as dist
     from gpuxfer.kv.agent import KVAgent
     from gpuxfer.platforms import get_platform
     (heads0, heads1, (h0, h1), (g0, g1)) = case
     heads = (heads0, heads1)[rank]
-    plat = get_platform("host")
+    plat = get_platform(platform_name)
+    device = rank if platform_name == "host" else 0
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
     keep = []
     try:
-        buf = plat.alloc(1 << 16, rank)
+        buf = plat.alloc(1 << 16, device)
         keep.append(buf)
         flat = plat.as_tensor(buf, dtype=torch.uint8)
         layers = {f"entry.{e}": _pages(flat, 128 + e * 8192, heads, 10 * rank + e) for e in range(2)}
-        agent = KVAgent(f"rows{rank}", platform=plat, device=rank, engine=engine)
+        agent = KVAgent(f"rows{rank}", platform=plat, device=device, engine=engine)
         keep.append(agent)
         agent.register_group("kv", BT, {k: spec for k, (_, spec) in layers.items()})
         blobs = [None, None]
         dist.all_gather_object(blobs, agent.metadata())
-        before = {k: raw.clone() for k, (raw, _) in layers.items()}
+        before = {k: raw.cpu().clone() for k, (raw, _) in layers.items()}
         src, dst = [5, 0, 3], [1, 4, 2]
         initiator = 1 if op == "pull" else 0
         if rank == initiator:
@@ -117,9 +118,9 @@ def _rows_side(rank, world, init, case, op, engine="copy_engine"):
                     pass
         dist.barrier()
         got = [None, None]
-        dist.all_gather_object(got, {k: raw.clone() for k, (raw, _) in layers.items()})
+        dist.all_gather_object(got, {k: raw.cpu().clone() for k, (raw, _) in layers.items()})
         if rank == 1:
-            for k, (raw, _) in layers.items():
+            for k, raw in got[1].items():
                 want = before[k].clone()
                 for s_, d in zip(src, dst):
                     _page(want, heads1, d)[:, g0:g1] = _page(got[0][k], heads0, s_)[:, h0:h1]
@@ -150,6 +151,17 @@ def test_a_view_of_token_rows_moves_those_bytes_only(spawner, case, op):
 def test_token_rows_over_the_descriptor_copy_kernel(spawner):
     """The same view run by the ``triton`` engine's kernels (interpreted on the host emulation)."""
     assert spawner.run_ranks(_rows_side, 2, CASES["split"], "pull", "triton", timeout=300) == ["ok", "ok"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["pull", "push"])
+def test_token_rows_on_one_cuda_device(spawner, op):
+    """Two processes on one CUDA device, the ``triton`` engine: every byte as on the host emulation."""
+    from _skips import platform_reason
+    why = platform_reason("cuda")
+    if why:
+        pytest.skip(why)
+    assert spawner.run_ranks(_rows_side, 2, CASES["split"], op, "triton", "cuda", timeout=240) == ["ok", "ok"]
 
 
 def _refusals_side(rank, world, init):
