@@ -101,7 +101,8 @@ from .descriptors import DIRECTIONS
 from .device_ids import prepare_device, wants_device_ids
 from .engine_choice import AGENT_ENGINES, agent_engine_choice, kernel_reason, peer_engine
 from .failure import FailsOnTimeout, on_timeout_from_env
-from .layers import _MAX_NAME, KVLayer, KVLayerSpec, KVPiece, check_disjoint, describe_layer, memory_at, _torch
+from .layers import (_MAX_NAME, _MAX_ROW_PIECES, KVLayer, KVLayerSpec, KVPiece, _check_layer, check_disjoint,
+                     describe_layer, memory_at, _torch)
 from . import nixl_route
 from .metadata import METADATA_VERSION, decode_metadata, encode_metadata, handle_meta
 from .lifetime import Lifetime, _Shared
@@ -123,50 +124,108 @@ PACK_SLOT_BYTES = 192 << 20
 PACK_SLOT_BYTES_EMULATION = 1 << 20
 
 
-def _piece_range(name: str, rng, layers, whose: str) -> tuple[int, int]:
-    """``rng`` as ``(start, stop)`` inside every layer's pieces (``layers``: a group's :class:`KVLayer` objects);
-    :class:`BadInput` naming ``whose`` layers otherwise."""
+def _pair(arg: str, name: str, rng) -> tuple[int, int]:
+    """``rng`` as two ints ``(start, stop)``, ``0 <= start < stop``; :class:`BadInput` naming ``arg`` otherwise."""
     if (not isinstance(rng, (tuple, list)) or len(rng) != 2
-            or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in rng)):
-        raise BadInput(f"pieces[{name!r}] must be (start, stop), got {rng!r:.80}")
-    a, b = int(rng[0]), int(rng[1])
+            or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in rng)
+            or not 0 <= int(rng[0]) < int(rng[1])):
+        raise BadInput(f"{arg}[{name!r}] must be (start, stop) with 0 <= start < stop, got {rng!r:.80}")
+    return int(rng[0]), int(rng[1])
+
+
+def _cut_pieces(arg: str, name: str, rng, layers: Sequence[KVLayer], whose: str) -> list[KVLayer]:
+    """Each of ``layers`` (a group's) cut to its pieces ``[start, stop)`` (``rng``): a subset of checked pieces,
+    every byte still inside its layer; :class:`BadInput` naming ``whose`` layers where a range is past them."""
+    a, b = _pair(arg, name, rng)
     for lay in layers:
-        if not 0 <= a < b <= len(lay.pieces):
-            raise BadInput(f"pieces[{name!r}] = ({a}, {b}), but layer {lay.name!r} of {whose} has "
+        if b > len(lay.pieces):
+            raise BadInput(f"{arg}[{name!r}] = ({a}, {b}), but layer {lay.name!r} of {whose} has "
                            f"{len(lay.pieces)} pieces per block")
-    return a, b
+    return [dataclasses.replace(lay, pieces=lay.pieces[a:b]) for lay in layers]
 
 
-def _piece_view(meta, pieces: Mapping[str, tuple[int, int]]):
-    """``meta`` with each named group's layers cut to their pieces ``[start, stop)`` (a subset of checked pieces:
-    every byte still inside its layer); :class:`BadInput` naming a group the peer lacks or a range past a layer's
-    pieces."""
-    if not isinstance(pieces, Mapping):
-        raise BadInput(f"pieces must map group -> (start, stop), got {type(pieces).__name__}")
+def _cut_rows(arg: str, name: str, rng, layers: Sequence[KVLayer], block_tokens: int, whose: str) -> list[KVLayer]:
+    """Each of ``layers`` (a group's, of ``block_tokens``-token blocks) seen as its token rows: every piece
+    (token-major) cut into its block's tokens, each token's row (the piece's bytes over ``block_tokens``) cut to
+    bytes ``[start, stop)`` (``rng``), piece by piece then token by token. Each new piece lies inside a piece of
+    the layer; the layer is no longer token-major (a prefix of a block's tokens is a prefix of its pieces, not of
+    each piece), so it pairs only with blocks of the same size. At most :data:`_MAX_ROW_PIECES` pieces over the
+    group (a route holds a plane per piece); :class:`BadInput` naming what does not fit."""
+    a, b = _pair(arg, name, rng)
+    total = sum(len(lay.pieces) for lay in layers) * block_tokens
+    if total > _MAX_ROW_PIECES:
+        raise BadInput(f"{arg}[{name!r}]: the token rows of {whose}'s group {name!r} ({len(layers)} layers of "
+                       f"{block_tokens}-token blocks) make {total} pieces, over the {_MAX_ROW_PIECES} a view holds")
+    out = []
+    for lay in layers:
+        if not lay.token_major:
+            raise BadInput(f"{arg}[{name!r}]: layer {lay.name!r} of {whose} is not token-major (registered with "
+                           "token_major=False): its pieces have no token rows")
+        pieces = []
+        for k, p in enumerate(lay.pieces):
+            row, rest = divmod(p.nbytes, block_tokens)
+            if rest or b > row:
+                raise BadInput(f"{arg}[{name!r}] = ({a}, {b}), but piece {k} of layer {lay.name!r} of {whose} holds "
+                               f"{p.nbytes} bytes per {block_tokens}-token block"
+                               + (", not whole token rows" if rest else f": {row}-byte token rows"))
+            pieces.extend(KVPiece(p.offset + t * row + a, b - a) for t in range(block_tokens))
+        cut = dataclasses.replace(lay, pieces=tuple(pieces), token_major=False)
+        _check_layer(cut.name, cut.num_blocks, cut.block_stride, cut.pieces, cut.extent, max_pieces=_MAX_ROW_PIECES)
+        out.append(cut)
+    return out
+
+
+def _views(arg: str, pieces, token_slice) -> dict:
+    """``{group: [(kind, range)]}`` of a side's ``pieces`` and ``token_slice`` arguments (``arg``: how errors
+    name the side's arguments: ``""`` or ``"local_"``), pieces first; :class:`BadInput` for what is no mapping."""
+    out: dict = {}
+    for kind, view in (("pieces", pieces), ("token_slice", token_slice)):
+        if not view:
+            continue
+        if not isinstance(view, Mapping):
+            raise BadInput(f"{arg}{kind} must map group -> (start, stop), got {type(view).__name__}")
+        for name, rng in view.items():
+            out.setdefault(name, []).append((kind, rng))
+    return out
+
+
+def _view_layers(arg: str, name: str, cuts, layers: Sequence[KVLayer], block_tokens: int,
+                 whose: str) -> list[KVLayer]:
+    """``layers`` of group ``name`` seen through ``cuts`` (:func:`_views`), in order."""
+    for kind, rng in cuts:
+        if kind == "pieces":
+            layers = _cut_pieces(f"{arg}pieces", name, rng, layers, whose)
+        else:
+            layers = _cut_rows(f"{arg}token_slice", name, rng, layers, block_tokens, whose)
+    return list(layers)
+
+
+def _piece_view(meta, pieces: Mapping[str, tuple[int, int]] | None, token_slice=None):
+    """``meta`` with each named group's layers seen through their pieces ``[start, stop)`` (``pieces``), then
+    cut to bytes ``[start, stop)`` of their token rows (``token_slice``, :func:`_cut_rows`): every byte still
+    inside its layer. :class:`BadInput` naming a group the peer lacks or a range its layers do not have."""
     groups = {g.name: g for g in meta.groups}
-    for name, rng in pieces.items():
+    for name, cuts in _views("", pieces, token_slice).items():
         g = groups.get(name)
         if g is None:
-            raise BadInput(f"pieces names group {name!r}; peer {meta.agent!r} has groups {sorted(groups)}")
-        a, b = _piece_range(name, rng, [lay for lay, _, _ in g.layers], f"peer {meta.agent!r}")
+            raise BadInput(f"{cuts[0][0]} names group {name!r}; peer {meta.agent!r} has groups {sorted(groups)}")
+        layers = _view_layers("", name, cuts, [lay for lay, _, _ in g.layers], g.block_tokens, f"peer {meta.agent!r}")
         groups[name] = dataclasses.replace(g, layers=tuple(
-            (dataclasses.replace(lay, pieces=lay.pieces[a:b]), alloc, off) for lay, alloc, off in g.layers))
+            (lay, alloc, off) for lay, (_, alloc, off) in zip(layers, g.layers)))
     return dataclasses.replace(meta, groups=tuple(groups[g.name] for g in meta.groups))
 
 
-def _local_view(registry, pieces: Mapping[str, tuple[int, int]]) -> dict:
-    """This agent's groups named in ``pieces``, their layers cut to pieces ``[start, stop)`` (as
-    :func:`_piece_view` cuts a peer's): ``{group: _Group}``."""
-    if not isinstance(pieces, Mapping):
-        raise BadInput(f"local_pieces must map group -> (start, stop), got {type(pieces).__name__}")
+def _local_view(registry, pieces: Mapping[str, tuple[int, int]] | None, token_slice=None) -> dict:
+    """This agent's groups named in ``pieces`` or ``token_slice``, seen through them as :func:`_piece_view`
+    sees a peer's: ``{group: _Group}``."""
     out = {}
-    for name, rng in pieces.items():
+    for name, cuts in _views("local_", pieces, token_slice).items():
         g = registry.groups.get(name)
         if g is None:
-            raise BadInput(f"local_pieces names group {name!r}; this agent has groups {sorted(registry.groups)}")
-        a, b = _piece_range(name, rng, g.layers, "this agent")
-        out[name] = _Group(g.name, g.block_tokens, [dataclasses.replace(lay, pieces=lay.pieces[a:b])
-                                                    for lay in g.layers], g.flats)
+            raise BadInput(f"local_{cuts[0][0]} names group {name!r}; this agent has groups "
+                           f"{sorted(registry.groups)}")
+        out[name] = _Group(g.name, g.block_tokens,
+                           _view_layers("local_", name, cuts, g.layers, g.block_tokens, "this agent"), g.flats)
     return out
 
 
@@ -397,7 +456,9 @@ class KVAgent(Closable, FailsOnTimeout):
 
     def add_peer(self, metadata: bytes, *, route: str | None = None,
                  pieces: Mapping[str, tuple[int, int]] | None = None,
-                 local_pieces: Mapping[str, tuple[int, int]] | None = None) -> KVPeer:
+                 local_pieces: Mapping[str, tuple[int, int]] | None = None,
+                 token_slice: Mapping[str, tuple[int, int]] | None = None,
+                 local_token_slice: Mapping[str, tuple[int, int]] | None = None) -> KVPeer:
         """Add the agent whose :meth:`metadata` these bytes are: map its caches and notification words.
 
         ``route``: ``"auto"`` (IPC on this host, NIXL to another), ``"ipc"``, ``"nixl"`` (both agents made with
@@ -406,12 +467,19 @@ class KVAgent(Closable, FailsOnTimeout):
         ``[start, stop)`` only (e.g. the heads one tensor parallel rank of this side holds, of a peer holding
         several ranks' heads, one piece per head); transfers then pair this side's pieces with those.
         ``local_pieces``: the same for this agent's own layers in transfers with this peer (the heads of this
-        side's blocks that a peer holding fewer heads supplies); not with the ``pack`` engine."""
+        side's blocks that a peer holding fewer heads supplies); not with the ``pack`` engine.
+        ``token_slice``: ``{group: (start, stop)}``: every (token-major) piece of the peer's group is seen as its
+        block's token rows, each cut to bytes ``[start, stop)`` (a range of heads of a token-major layout,
+        ``(blocks, block_tokens, heads, dim)``): ``block_tokens`` pieces per piece, after ``pieces``;
+        ``local_token_slice``: the same for this agent's own layers. Both sides' pieces then pair one to one,
+        so both are usually cut (the same bytes per token, at different offsets in rows of different sizes), and
+        the two sides' blocks must be of the same size. The ``ipc`` route, not the ``pack`` engine."""
         self._poster.check_open()
         meta = decode_metadata(metadata)
-        if pieces:
-            meta = _piece_view(meta, pieces)
-        local_view = _local_view(self._registry, local_pieces) if local_pieces else None
+        if pieces or token_slice:
+            meta = _piece_view(meta, pieces, token_slice)
+        local_view = _local_view(self._registry, local_pieces, local_token_slice) \
+            if local_pieces or local_token_slice else None
         if meta.platform != self.platform.name:
             raise BadMetadata(f"peer {meta.agent!r} runs on platform {meta.platform!r}, this agent on "
                               f"{self.platform.name!r}")
@@ -421,13 +489,16 @@ class KVAgent(Closable, FailsOnTimeout):
         reg = self._registry
         if meta.agent in reg.peers:
             raise BadInput(f"peer {meta.agent!r} is already added (remove_peer first)")
+        if (token_slice or local_token_slice) and route == "nixl":
+            raise BadInput(f"peer {meta.agent!r}: a view of token rows needs the ipc route")
         if route == "nixl":
             nixl_peer = NixlPeer(self, meta, self.nixl, reg, self._poster, local_view)
             with reg.lock:
                 reg.peers[meta.agent] = nixl_peer
             log.info("agent %s: peer %s (host %s) over the nixl route", self.name, meta.agent, meta.host)
             return nixl_peer
-        if (pieces or local_pieces) and meta.pid == os.getpid() and meta.namespace == process_namespace():
+        viewed = pieces or local_pieces or token_slice or local_token_slice
+        if viewed and meta.pid == os.getpid() and meta.namespace == process_namespace():
             raise BadInput(f"peer {meta.agent!r}: a view of its pieces needs a peer in another process")
         if self.staging is not None and meta.staging is not None and meta.slot_bytes != self.slot_bytes:
             # each side addresses the pair's staging slots by its own slot size
@@ -437,9 +508,10 @@ class KVAgent(Closable, FailsOnTimeout):
         peer.local_view = local_view
         try:        # the peer is the agent's only once every step that can fail is behind it
             peer.engine = peer_engine(self.engine, self.auto_engine, peer.name, peer.addressable)
-            if local_view and peer.engine == "pack":
+            if (local_view or token_slice) and peer.engine == "pack":
+                what = "token rows" if token_slice or local_token_slice else "this agent's pieces"
                 raise BadInput(f"peer {meta.agent!r}: the pack engine's two sides move whole blocks (a view of "
-                               "this agent's pieces needs the triton or copy_engine engine)")
+                               f"{what} needs the triton or copy_engine engine)")
             if self.engine == "pack":
                 peer.flags.probe_one_sided(self.timeout_s)
             routes = self._warm(peer)

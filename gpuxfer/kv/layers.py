@@ -15,6 +15,9 @@ from ..errors import BadInput
 _MAX_INT = 1 << 62
 _MAX_NAME = 512
 _MAX_PIECES = 16
+#: the pieces a layer may have once a view cut each of its pieces into token rows (``KVAgent.add_peer``'s
+#: ``token_slice``): a bound on a route's planes, which are one per piece and layer
+_MAX_ROW_PIECES = 1024
 
 
 @dataclass(frozen=True)
@@ -70,10 +73,11 @@ class KVLayer:
 
 
 def _check_layer(name: str, num_blocks: int, block_stride: int, pieces: tuple[KVPiece, ...], extent: int,
-                 err=BadInput) -> None:
-    """Every block of every piece inside ``extent``; distinct blocks of a piece never overlap."""
-    if num_blocks < 1 or block_stride < 1 or not pieces or len(pieces) > _MAX_PIECES:
-        raise err(f"layer {name!r}: needs >= 1 block, a positive block stride and 1..{_MAX_PIECES} pieces "
+                 err=BadInput, max_pieces: int = _MAX_PIECES) -> None:
+    """Every block of every piece inside ``extent``; distinct blocks of a piece never overlap; 1..``max_pieces``
+    pieces."""
+    if num_blocks < 1 or block_stride < 1 or not pieces or len(pieces) > max_pieces:
+        raise err(f"layer {name!r}: needs >= 1 block, a positive block stride and 1..{max_pieces} pieces "
                   f"(got {num_blocks} blocks, stride {block_stride}, {len(pieces)} pieces)")
     for k, p in enumerate(pieces):
         if p.offset < 0 or p.nbytes < 1:

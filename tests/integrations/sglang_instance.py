@@ -128,6 +128,24 @@ def pattern(seed: int, entry: int, nbytes: int):
     return _PATTERNS[key]
 
 
+def kv_bytes(seed: int, entry: int, nbytes: int, heads_at: tuple | None = None):
+    """The bytes a rank of ``seed`` holds in KV entry ``entry`` (:func:`pattern`); with ``heads_at``, ``(first,
+    count)``: the entry's rows (``(tokens, count, HEAD_DIM)`` elements, SGLang's MHA layout) hold the global KV
+    heads ``first .. first + count - 1`` of a server of ``seed``, each head's bytes its own pattern, so every rank
+    holding a head (at any TP size, a replica too) holds the same bytes of it."""
+    import torch
+    if heads_at is None:
+        return pattern(seed, entry, nbytes)
+    key = (seed, entry, nbytes, heads_at)
+    if key not in _PATTERNS:
+        first, count = heads_at
+        hb = HEAD_DIM * ITEMSIZE
+        tokens = nbytes // (count * hb)
+        _PATTERNS[key] = torch.cat([pattern(seed, 10000 + 256 * entry + h, tokens * hb).view(tokens, 1, hb)
+                                    for h in range(first, first + count)], dim=1).reshape(-1)
+    return _PATTERNS[key]
+
+
 class Rank:
     """The parent's handle on one rank process."""
 
@@ -140,7 +158,9 @@ class Rank:
         thread the rank starts on the rest of the part; ``one``: every thread on that one core), ``backend``
         (``gpuxfer``, the default, or ``mooncake``: SGLang's built-in Mooncake backend, the reference; with
         ``MOONCAKE_ENV`` in ``env``), ``tp`` (``(rank, size)``: this rank of a server of that TP size; the
-        prefill's rank 0 runs the bootstrap server)."""
+        prefill's rank 0 runs the bootstrap server), ``heads_at`` (``(first, count)``: an MHA rank's global KV heads,
+        its bytes :func:`kv_bytes`'s of them; ``heads`` is then ``count``), ``total_heads`` (the model's KV heads
+        SGLang's ``KVArgs`` report; default ``heads`` times the TP size)."""
         self.role, self.port = role, port
         self.conn, child = ctx().Pipe()
         spec = dict(role=role, port=port, page_size=page_size, pages=pages, seed=seed, env=env or {}, mla=mla,
@@ -213,7 +233,9 @@ class _State:
         self.item_lens = list(spec.get("item_lens") or [item_len(self.page_size, self.mla, spec["heads"])] * n_entries)
         self.item_len = self.item_lens[0]
         device = spec.get("device") or "cpu"
-        self.kv = [pattern(self.seed, e, self.pages * il).to(device, copy=True) for e, il in enumerate(self.item_lens)]
+        self.heads_at = None if self.mla or spec.get("heads_at") is None else tuple(spec["heads_at"])
+        self.kv = [kv_bytes(self.seed, e, self.pages * il, self.heads_at).to(device, copy=True)
+                   for e, il in enumerate(self.item_lens)]
         self.aux = [aux_rows(self.seed, j).clone().view(-1) for j in range(len(AUX_ITEM_LENS))]
         ptrs, lens = [t.data_ptr() for t in self.kv], [t.numel() for t in self.kv]
         self.driver = None
@@ -227,6 +249,7 @@ class _State:
         if self.role == "prefill":
             sched = prefill_scheduler(pool=pool, meta=self.meta, page_size=self.page_size,
                                       layers=layers, heads=heads, port=self.port, server_args=self.server_args,
+                                      total_heads=spec.get("total_heads") or heads * tp_size,
                                       max_reqs=AUX_ROWS, max_tokens=self.pages * self.page_size, aux_rows=AUX_ROWS,
                                       backend=backend)
             self.driver = QueueDriver(sched, "127.0.0.1")
@@ -375,7 +398,7 @@ class _State:
             wrong = 0
             for e, t in enumerate(self.kv):
                 il = self.item_lens[e]
-                want = pattern(prefill_seed, e, self.pages * il).view(self.pages, il)
+                want = kv_bytes(prefill_seed, e, self.pages * il, self.heads_at).view(self.pages, il)
                 wrong += int((t.view(self.pages, il)[list(dst)].cpu() != want[list(src)]).sum())
                 checked += len(dst) * il
             for j, (t, n) in enumerate(zip(self.aux, AUX_ITEM_LENS)):
@@ -393,7 +416,7 @@ class _State:
         changed = 0
         for e, t in enumerate(self.kv):
             il = self.item_lens[e]
-            own = pattern(self.seed, e, self.pages * il).view(self.pages, il)
+            own = kv_bytes(self.seed, e, self.pages * il, self.heads_at).view(self.pages, il)
             changed += int((t.view(self.pages, il)[keep].cpu() != own[keep]).sum())
         rows = [r for r in range(AUX_ROWS) if r not in skip_rows]
         for j, (t, n) in enumerate(zip(self.aux, AUX_ITEM_LENS)):

@@ -117,8 +117,8 @@ class Req:
         self.swa_branching_seqlen, self.disagg_kv_sender = None, None
 
 
-def prefill_scheduler(*, pool, meta: MetadataRows, page_size: int, layers: int, heads: int, port: int,
-                      server_args, max_reqs: int, max_tokens: int, aux_rows: int, backend):
+def prefill_scheduler(*, pool, meta: MetadataRows, page_size: int, layers: int, heads: int, total_heads: int,
+                      port: int, server_args, max_reqs: int, max_tokens: int, aux_rows: int, backend):
     """A prefill scheduler with SGLang's ``send_kv_chunk`` and a ``PrefillBootstrapQueue`` of its own."""
     from sglang.srt.disaggregation.prefill import (PrefillBootstrapQueue, SchedulerDisaggregationPrefillMixin,
                                                    maybe_release_metadata_buffer)
@@ -132,7 +132,7 @@ def prefill_scheduler(*, pool, meta: MetadataRows, page_size: int, layers: int, 
                 effective_logical_max_total_num_tokens=max_tokens * max_reqs, kv_cache_dtype_str="bfloat16"))
             self.kv_shard_widening, self.rust_server, self.tree_cache = 1, None, None
             self.model_config = SimpleNamespace(num_hidden_layers=layers, hf_text_config=None,
-                                                get_total_num_kv_heads=lambda: heads)
+                                                get_total_num_kv_heads=lambda: total_heads)
             self.server_args = server_args
             self.req_to_token_pool = SimpleNamespace(
                 req_to_token=torch.zeros((max_reqs, max_tokens), dtype=torch.int32))

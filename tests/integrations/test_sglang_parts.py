@@ -15,9 +15,9 @@ import torch
 from gpuxfer.errors import BadInput, BadMetadata, GpuxferError
 from gpuxfer.integrations.sglang.landing import Landings, landing_frame, parse_landing, parse_slot, slot_frame
 from gpuxfer.platforms.base import RELEASE_VALUE
-from gpuxfer.integrations.sglang.layout import (decode_registration, encode_registration, geometry,
-                                                geometry_differences, read_aux_rows, register_kv_args,
-                                                write_aux_rows)
+from gpuxfer.integrations.sglang.layout import (GROUP, decode_registration, encode_registration, geometry,
+                                                geometry_differences, head_share, read_aux_rows, register_kv_args,
+                                                total_kv_heads, write_aux_rows)
 from gpuxfer.kv import KVAgent
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -83,13 +83,64 @@ def test_geometry_differences_name_each_field():
     diffs = geometry_differences(ours, theirs)
     assert any(d.startswith("page_size: prefill 4, decode 8") for d in diffs)
     assert any(d.startswith("kv_item_lens") for d in diffs)
-    # an MHA pool's pages hold a TP slice of the heads: different attention TP sizes do not pair even where the
-    # page bytes match; an MLA pool (None: every rank holds all of it) pairs at any TP size
-    tp2, tp1 = geometry(_kv_args()[0], 2), geometry(_kv_args()[0], 1)
-    assert [d for d in geometry_differences(tp2, tp1) if d.startswith("attention TP size: prefill 2, decode 1")]
+    # an MHA pool's pages hold a TP slice of the heads: at different attention TP sizes their sizes differ and
+    # head_share pairs them; an MHA pool and an MLA pool (None: every rank holds all of it) never pair
+    tp2, tp1 = geometry(_kv_args()[0], 2), geometry(_kv_args(page_size=4)[0], 1)
+    assert geometry_differences(tp2, dict(tp1, kv_item_lens=[1] * 4)) == []
+    assert geometry_differences(tp2, dict(tp2, kv_item_lens=[1] * 4))[0].startswith("kv_item_lens")
+    assert [d for d in geometry_differences(tp2, geometry(_kv_args()[0])) if d.startswith("attention TP size")]
     assert geometry_differences(tp2, dict(tp2)) == [] and geometry_differences(ours, geometry(_kv_args()[0])) == []
     older = {k: v for k, v in tp1.items() if k != "attn_tp_size"}       # a decode of a version without the key
     assert geometry_differences(tp1, older) == []
+    assert geometry(_kv_args(engine_rank=5)[0], 2)["attn_tp_rank"] == 1 and ours["attn_tp_rank"] is None
+
+
+def _geom(tp, rank, heads, page=4, hb=16, entries=4):
+    """An MHA rank's geometry: ``heads`` heads of ``hb`` bytes per token in each of ``entries`` entries."""
+    return {"page_size": page, "kv_item_lens": [page * heads * hb] * entries, "attn_tp_size": tp, "attn_tp_rank": rank}
+
+
+@pytest.mark.parametrize("total, ptp, prank, dtp, drank, mine, theirs", [
+    (4, 2, 1, 1, 0, (0, 32), (32, 64)),         # prefill rank 1's heads 2-3: the decode's second half
+    (4, 1, 0, 2, 1, (32, 64), (0, 32)),         # decode rank 1's heads 2-3: the prefill's second half
+    (8, 4, 1, 2, 0, (0, 32), (32, 64)),
+    (2, 1, 0, 4, 2, (16, 32), (0, 16)),         # decode ranks 2 and 3 replicate head 1
+    (2, 1, 0, 4, 1, (0, 16), (0, 16)),          # decode ranks 0 and 1 replicate head 0
+    (2, 4, 3, 1, 0, (0, 16), (16, 32)),         # prefill ranks 2 and 3 replicate head 1: each sends it
+    (2, 4, 0, 1, 0, (0, 16), (0, 16)),
+    (1, 2, 1, 1, 0, None, None),                # one head everywhere: whole pages
+    (2, 4, 2, 2, 1, None, None),                # both hold head 1 alone
+    (4, 2, 0, 2, 0, None, None),                # equal TP sizes
+])
+def test_head_share_slices_the_heads_two_ranks_share(total, ptp, prank, dtp, drank, mine, theirs):
+    hp, hd = max(1, total // ptp), max(1, total // dtp)
+    views = head_share(_geom(ptp, prank, hp), _geom(dtp, drank, hd), total, hp)
+    assert views == ({} if mine is None else {"local_token_slice": {GROUP: mine}, "token_slice": {GROUP: theirs}})
+
+
+@pytest.mark.parametrize("ours, theirs, total, says", [
+    (_geom(1, 0, 3), _geom(2, 0, 1), 3, "3 KV heads do not split evenly over the decode's attention TP size 2"),
+    (_geom(2, 0, 2), _geom(1, None, 4), 4, "decode's attention TP rank None"),     # a decode naming no rank
+    (_geom(2, 0, 2), _geom(1, 1, 4), 4, "decode's attention TP rank 1"),
+    (_geom(2, 0, 2), _geom(1, 0, 4), 0, "no KV head count"),
+    (_geom(2, 0, 2), _geom(1, 0, 4, entries=2), 4, "4 KV entries, the decode 2"),
+    (_geom(2, 0, 2), _geom(1, 0, 4, hb=8), 4, "a head's bytes per token differ: prefill 16"),
+    (_geom(2, 0, 2), dict(_geom(1, 0, 4), kv_item_lens=[250] * 4), 4, "250-byte pages are not 4 tokens of 4"),
+    (dict(_geom(2, 0, 2), kv_item_lens=[128, 128, 64, 64]), dict(_geom(1, 0, 4), kv_item_lens=[256, 256, 128, 128]),
+     4, "the KV entries' heads differ in size"),
+    (_geom(2, 0, 2), _geom(4, 2, 1), 4, "neither holds the other's"),            # ranks SGLang does not pair
+])
+def test_head_share_refuses_what_cannot_be_sliced(ours, theirs, total, says):
+    with pytest.raises(BadInput, match=says):
+        head_share(ours, theirs, total)
+
+
+def test_head_share_checks_the_prefills_own_heads_and_reads_the_total_from_kv_args():
+    with pytest.raises(BadInput, match="holds 4 KV heads, not the 2 of 4"):
+        head_share(_geom(2, 0, 2), _geom(1, 0, 4), 4, heads_here=4)
+    assert total_kv_heads(SimpleNamespace(total_kv_head_num=8, kv_head_num=2), 2) == 8
+    assert total_kv_heads(SimpleNamespace(total_kv_head_num=0, kv_head_num=2), 2) == 4
+    assert total_kv_heads(SimpleNamespace(), 2) == 0
 
 
 def test_registration_payload_round_trip_and_bounds():

@@ -71,7 +71,7 @@ class Manager(GpuxferKVManager):
     :class:`FakeHandle` s (or raises ``post_errors[chunk start]``), messages to the decode are recorded."""
 
     def __init__(self, timeout_s=5.0):         # noqa: super().__init__ binds sockets and makes an agent
-        self.timeout_s = timeout_s
+        self.timeout_s, self.kv_heads = timeout_s, (0, 0)
         self.request_status, self.transfer_infos, self.failure_records = {}, {}, {}
         self.failure_lock, self._room_lock, self._agent_lock = threading.Lock(), threading.Lock(), threading.Lock()
         self._staging_outstanding = defaultdict(int)

@@ -83,7 +83,8 @@ from ...kv import KVAgent
 from .landing import Landings, landing_frame, parse_landing, parse_slot, slot_frame
 from .requests import TransferInfo, _Chunk, _drain_marker, _Posted
 from .layout import (GROUP, check_supported, decode_registration, encode_registration, geometry,
-                     geometry_differences, read_aux_rows, register_kv_args, write_aux_rows)
+                     geometry_differences, head_share, read_aux_rows, register_kv_args, total_kv_heads,
+                     write_aux_rows)
 
 log = logging.getLogger("gpuxfer.sglang")
 
@@ -127,6 +128,9 @@ class GpuxferKVManager(CommonKVManager):
         self.session_id = f"{self.local_ip}:{self.rank_port}"
         mla = is_mla_backend or getattr(self, "is_hybrid_mla_backend", False)   # every rank holds all the KV
         self.geometry = geometry(args, None if mla else self.attn_tp_size)
+        # the model's KV heads and this rank's, where its pool holds a slice of them (head slicing reads them)
+        self.kv_heads = (0, 0) if mla else (total_kv_heads(args, self.attn_tp_size),
+                                            int(getattr(args, "kv_head_num", 0) or 0))
         device = 0 if platform.host_memory else int(getattr(args, "gpu_id", 0) or 0)
         role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
         self.agent = KVAgent(f"sglang-{role}-{self.session_id}", platform=platform, device=device,
@@ -311,15 +315,18 @@ class GpuxferKVManager(CommonKVManager):
             if diffs:
                 raise BadInput("the decode's KV pool does not pair page for page with this prefill's: "
                                + "; ".join(diffs))
+            views = head_share(self.geometry, geom, *self.kv_heads)
             with self._agent_lock:
                 old = self._peers.pop(session, None)
                 if old is not None:
                     self.agent.remove_peer(old)
-                self._peers[session] = self.agent.add_peer(meta)
+                self._peers[session] = self.agent.add_peer(meta, **views)
                 self._notify_slots[session] = slot
             self._rejected.pop(session, None)
-            log.info("gpuxfer: decode rank %s added (%s route, %s engine)", session,
-                     self._peers[session].route, self._peers[session].engine)
+            log.info("gpuxfer: decode rank %s added (%s route, %s engine%s)", session,
+                     self._peers[session].route, self._peers[session].engine,
+                     f"; bytes {views['local_token_slice'][GROUP]} of each token's row here to bytes "
+                     f"{views['token_slice'][GROUP]} of the decode's" if views else "")
         except GpuxferError as exc:
             self._rejected[session] = f"{type(exc).__name__}: {exc}"
             log.error("gpuxfer: refusing decode rank %s: %s", session, self._rejected[session])

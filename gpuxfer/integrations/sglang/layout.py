@@ -63,28 +63,114 @@ def register_kv_args(agent: Any, kv_args: Any) -> None:
 
 
 def geometry(kv_args: Any, attn_tp_size: int | None = None) -> dict:
-    """What a prefill and a decode instance must agree on for their pages to pair one to one. ``attn_tp_size``:
-    the rank's attention TP size where its pool holds a TP slice of the KV heads (MHA); None where every rank
-    holds all of it (MLA)."""
+    """What a prefill and a decode instance must agree on for their pages to pair. ``attn_tp_size``: the rank's
+    attention TP size where its pool holds a TP slice of the KV heads (MHA), with its rank in it
+    (``KVArgs.engine_rank`` modulo the size); None where every rank holds all of it (MLA)."""
+    rank = None if attn_tp_size is None else int(getattr(kv_args, "engine_rank", 0) or 0) % int(attn_tp_size)
     return {"page_size": int(kv_args.page_size), "kv_item_lens": _ints(kv_args, "kv_item_lens"),
-            "attn_tp_size": None if attn_tp_size is None else int(attn_tp_size),
+            "attn_tp_size": None if attn_tp_size is None else int(attn_tp_size), "attn_tp_rank": rank,
             "aux_item_lens": _ints(kv_args, "aux_item_lens"),
             "kv_cache_dtype": str(getattr(kv_args, "kv_cache_dtype_str", "") or ""),
             "kv_layout": getattr(kv_args, "kv_layout", None),
             "num_draft_entries": int(getattr(kv_args, "num_draft_entries", 0) or 0)}
 
 
+def _sliced(ours: dict, theirs: dict) -> bool:
+    """Whether two MHA ranks' pages hold different slices of the heads (their attention TP sizes differ)."""
+    pt, dt = ours.get("attn_tp_size"), theirs.get("attn_tp_size")
+    return pt is not None and dt is not None and pt != dt
+
+
 def geometry_differences(ours: dict, theirs: dict) -> list[str]:
-    """Every way ``theirs`` (a decode instance's :func:`geometry`) differs from ``ours``, in words."""
+    """Every way ``theirs`` (a decode instance's :func:`geometry`) differs from ``ours``, in words. MHA ranks of
+    different attention TP sizes hold pages of different sizes; :func:`head_share` pairs those."""
     out = []
-    for key in ("page_size", "kv_item_lens", "aux_item_lens", "kv_cache_dtype", "kv_layout", "num_draft_entries"):
+    keys = ["page_size", "aux_item_lens", "kv_cache_dtype", "kv_layout", "num_draft_entries"]
+    if not _sliced(ours, theirs):
+        keys.insert(1, "kv_item_lens")
+    for key in keys:
         if ours.get(key) != theirs.get(key):
             out.append(f"{key}: prefill {ours.get(key)!r}, decode {theirs.get(key)!r}")
-    if "attn_tp_size" in theirs and ours.get("attn_tp_size") != theirs["attn_tp_size"]:
+    if "attn_tp_size" in theirs and (ours.get("attn_tp_size") is None) != (theirs["attn_tp_size"] is None):
         out.append(f"attention TP size: prefill {ours.get('attn_tp_size')!r}, decode {theirs['attn_tp_size']!r} "
-                   "(pages move whole, rank to rank: an MHA pool's heads are split by TP, and different TP sizes "
-                   "would need head slicing, which this backend does not do)")
+                   "(one pool is MLA, every rank holding all of it, the other MHA, each rank a slice of the heads)")
     return out
+
+
+def total_kv_heads(kv_args: Any, attn_tp_size: int) -> int:
+    """The model's KV heads, as SGLang's ``KVArgs`` of a prefill rank give them (``total_kv_head_num``, else
+    ``kv_head_num`` per rank times the attention TP size); 0 where it gives neither."""
+    total = int(getattr(kv_args, "total_kv_head_num", 0) or 0)
+    return total if total > 0 else int(getattr(kv_args, "kv_head_num", 0) or 0) * int(attn_tp_size)
+
+
+def _rank_heads(total: int, tp: int, rank: int, who: str) -> tuple[int, int]:
+    """The global KV heads ``[first, first + n)`` rank ``rank`` of attention TP size ``tp`` holds: ``total / tp``
+    heads each, or, with more ranks than heads, one head held by ``tp / total`` consecutive ranks (SGLang's
+    replication); :class:`BadInput` where neither divides the other."""
+    if total % tp == 0:
+        n = total // tp
+        return rank * n, n
+    if tp % total == 0:
+        return rank // (tp // total), 1
+    raise BadInput(f"{total} KV heads do not split evenly over the {who}'s attention TP size {tp}: "
+                   "heads cannot be sliced between the ranks")
+
+
+def head_share(ours: dict, theirs: dict, total_heads: int, heads_here: int = 0) -> dict:
+    """How a prefill rank (``ours``: its :func:`geometry`) pushes to a decode rank (``theirs``) of an MHA pool at
+    another attention TP size: the :meth:`KVAgent.add_peer <gpuxfer.kv.KVAgent.add_peer>` views
+    (``local_token_slice`` / ``token_slice``: bytes ``[a, b)`` of each token's row of every entry on each side)
+    of the global KV heads the two ranks share; ``{}`` where pages pair whole (equal TP sizes, an MLA pool, or
+    two ranks holding the same heads). ``total_heads``: the model's KV heads (:func:`total_kv_heads`);
+    ``heads_here``: the prefill rank's (``KVArgs.kv_head_num``; 0: not known).
+
+    SGLang's rank mapping pairs a decode rank with the prefill ranks whose heads it holds (decode TP smaller:
+    each of them, each one response) or with the one prefill rank holding its heads (decode TP larger); so one
+    of the two ranks' heads lies within the other's, and the push carries those. Ranks replicating a head (more
+    ranks than heads) hold it alike: each replica of a prefill head sends it (the same bytes), as SGLang's
+    Mooncake backend does. :class:`BadInput` naming what cannot be sliced: heads that do not split evenly, a
+    rank outside its TP size, entries whose page bytes are not whole heads of one size, ranks sharing no head."""
+    if not _sliced(ours, theirs):
+        return {}
+    pt, dt = ours["attn_tp_size"], theirs["attn_tp_size"]
+    pr, dr = ours.get("attn_tp_rank"), theirs.get("attn_tp_rank")
+    for who, r, t in (("prefill", pr, pt), ("decode", dr, dt)):
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < t:
+            raise BadInput(f"the {who}'s attention TP rank {r!r} is not one of its TP size {t} (a decode of a "
+                           "gpuxfer without head slicing names none)")
+    if total_heads < 1:
+        raise BadInput("the prefill's KVArgs give no KV head count (total_kv_head_num or kv_head_num): heads "
+                       "cannot be sliced between attention TP sizes")
+    p0, hp = _rank_heads(total_heads, pt, pr, "prefill")
+    d0, hd = _rank_heads(total_heads, dt, dr, "decode")
+    if heads_here and heads_here != hp:
+        raise BadInput(f"the prefill rank holds {heads_here} KV heads, not the {hp} of {total_heads} over its "
+                       f"attention TP size {pt}")
+    page, p_items, d_items = ours["page_size"], ours["kv_item_lens"], theirs["kv_item_lens"]
+    if len(p_items) != len(d_items):
+        raise BadInput(f"the prefill has {len(p_items)} KV entries, the decode {len(d_items)}")
+    sizes = set()
+    for e, (pi, di) in enumerate(zip(p_items, d_items)):
+        for who, item, heads in (("prefill", pi, hp), ("decode", di, hd)):
+            if item % (page * heads):
+                raise BadInput(f"KV entry {e}: the {who}'s {item}-byte pages are not {page} tokens of {heads} heads")
+        if pi // (page * hp) != di // (page * hd):
+            raise BadInput(f"KV entry {e}: a head's bytes per token differ: prefill {pi // (page * hp)} "
+                           f"({pi}-byte pages of {hp} heads), decode {di // (page * hd)} ({di}-byte pages of {hd})")
+        sizes.add(pi // (page * hp))
+    if len(sizes) != 1:
+        raise BadInput(f"the KV entries' heads differ in size ({sorted(sizes)} bytes per token): one head slice "
+                       "serves every entry only where they are alike")
+    hb = sizes.pop()
+    first, end = max(p0, d0), min(p0 + hp, d0 + hd)
+    if (first, end) not in ((p0, p0 + hp), (d0, d0 + hd)):
+        raise BadInput(f"decode rank {dr} of attention TP size {dt} holds KV heads {d0}..{d0 + hd - 1}, prefill "
+                       f"rank {pr} of TP size {pt} heads {p0}..{p0 + hp - 1}: neither holds the other's")
+    mine, theirs_ = ((first - p0) * hb, (end - p0) * hb), ((first - d0) * hb, (end - d0) * hb)
+    if mine == (0, hp * hb) and theirs_ == (0, hd * hb):
+        return {}
+    return {"local_token_slice": {GROUP: mine}, "token_slice": {GROUP: theirs_}}
 
 
 def encode_registration(geom: dict, metadata: bytes) -> bytes:
