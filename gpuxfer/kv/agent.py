@@ -425,8 +425,15 @@ class KVAgent(Closable, FailsOnTimeout):
             raise BadInput(f"peer {meta.agent!r}: a view of this agent's pieces needs the ipc route")
         if route == "nixl":
             nixl_peer = NixlPeer(self, meta, self.nixl, reg, self._poster)
-            with reg.lock:
-                reg.peers[meta.agent] = nixl_peer
+            with reg.lock:      # an add_peer of the same name, or close, may have run meanwhile
+                clash = ("the agent was closed" if reg.closed else
+                         f"peer {meta.agent!r} is already added (remove_peer first)" if meta.agent in reg.peers
+                         else None)
+                if clash is None:
+                    reg.peers[meta.agent] = nixl_peer
+            if clash is not None:
+                nixl_peer.close()
+                raise BadInput(clash)
             log.info("agent %s: peer %s (host %s) over the nixl route", self.name, meta.agent, meta.host)
             return nixl_peer
         if (pieces or local_pieces) and meta.pid == os.getpid() and meta.namespace == process_namespace():

@@ -198,7 +198,8 @@ class NixlSide:
                     self.agent.platform.host_write_flag(flags.word(NOTIFY + slot), w, self.agent.device)
 
     def close(self) -> None:
-        """Stop the poller (bounded) and release the NIXL agent (its transfers, lists, peers, registrations)."""
+        """Stop the poller (bounded) and close the NIXL agent: its transfers, lists, peers and registrations
+        released, or kept where a transfer never completed (:class:`~gpuxfer.kv.nixl_ffi.NixlAgent`)."""
         self._stop.set()
         if self._poller.is_alive() and self._poller is not threading.current_thread():
             self._poller.join(timeout=max(1.0, self.agent.timeout_s))
