@@ -436,6 +436,7 @@ class NixlAgent(Closable):
         errors = self.release_quietly(list(self._xfers))
         if self._xfers or self.unsettled:
             _KEPT.append(self)
+            self._kept, self.agent = agent, None        # kept alive; calls through this wrapper end here
             log.error("NIXL agent %s closed with %d transfer(s) it never reported done (%d it refuses to release%s):"
                       " operations of theirs may still run, so its registrations, lists and connections are kept "
                       "for the life of the process", self.name, self.unsettled + len(self._xfers), len(self._xfers),
