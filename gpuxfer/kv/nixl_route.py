@@ -160,19 +160,17 @@ class NixlSide:
         delay = POLL_MIN_S
         while not self._stop.wait(delay):
             try:
-                with self.lock:
+                with self.lock:     # delivered under it too: close, taking it, never frees words being written
                     if self.nixl.closed:
                         return
                     notifs = self.nixl.agent.get_new_notifs()
+                    if notifs:
+                        self._deliver(notifs)
             except Exception as exc:  # noqa: BLE001 - a poller never dies of one failed call
                 log.warning("agent %s: polling NIXL notifications failed: %s", self.agent.name, exc)
                 notifs = None
                 delay = POLL_MAX_S
-            if notifs:
-                self._deliver(notifs)
-                delay = POLL_MIN_S
-            else:
-                delay = min(2 * delay, POLL_MAX_S)
+            delay = POLL_MIN_S if notifs else min(2 * delay, POLL_MAX_S)
 
     def _deliver(self, notifs: Mapping) -> None:
         """Write each slot's word up to the longest run of values that all arrived."""

@@ -283,3 +283,60 @@ def test_a_wait_from_another_thread_while_close_gives_up_on_its_transfer_ends_ty
     t.join(30)
     assert not t.is_alive() and len(got) == 1 and isinstance(got[0], NotRegistered) and "never" in str(got[0])
     assert a.closed and not any(c[1] == "deregister_memory" for c in fake.calls)
+
+
+def test_close_never_frees_the_notification_words_while_the_poller_writes_one(pair, monkeypatch):
+    """The poller writing a notification word when close's bounded wait for it passes: the words are freed only
+    after the write (close takes the lock the poller delivers under), never under it."""
+    import threading
+    fake, (a, b), p, bufs = pair
+    back = b.add_peer(a.metadata(), route="nixl")
+    freed, entered, seen = threading.Event(), threading.Event(), []
+    real_close, real_write = a.flags.close, a.platform.host_write_flag
+
+    def close():
+        freed.set()
+        real_close()
+
+    def write(ptr, value, device):
+        entered.set()
+        freed.wait(3)                   # close frees the words meanwhile, unless the write holds them
+        seen.append(freed.is_set())
+        if not freed.is_set():
+            real_write(ptr, value, device)
+
+    monkeypatch.setattr(a.flags, "close", close)
+    monkeypatch.setattr(a.platform, "host_write_flag", write)
+    monkeypatch.setattr(a, "timeout_s", 0.2)
+    b.transfer(back, "push", local_blocks={"g": [0]}, remote_blocks={"g": [1]}, notify_slot=3).wait(5)
+    assert entered.wait(10)             # the poller writes the word
+    a.close()
+    assert seen == [False] and freed.is_set()
+
+
+def test_calls_in_any_order_around_remove_peer_and_close_end_typed(pair):
+    """Posts, prepares, removes and adds after remove_peer or close: typed errors naming what is gone, never a
+    transfer handed to NIXL for a removed peer."""
+    fake, (a, b), p, bufs = pair
+    x = a.prepare(p, "pull", local_blocks={"g": [0]}, remote_blocks={"g": [1]})
+    h = x.post()
+    h.wait(5)
+    with pytest.raises(BadInput, match="already added"):
+        a.add_peer(b.metadata(), route="nixl")
+    a.remove_peer(p)
+    for call in (lambda: a.remove_peer(p), lambda: a.remove_peer(b.name), x.post,
+                 lambda: a.prepare(p, "pull", local_blocks={"g": [0]}, remote_blocks={"g": [1]})):
+        with pytest.raises(NotRegistered):
+            call()
+    assert h.done()                     # a transfer that completed stays so
+    p2 = a.add_peer(b.metadata(), route="nixl")
+    with pytest.raises(NotRegistered):
+        x.post()                        # prepared for the peer removed, not the one added since
+    a.close()
+    for call in (x.post, lambda: a.add_peer(b.metadata()), lambda: a.metadata(),
+                 lambda: a.prepare(p2, "pull", local_blocks={"g": [0]}, remote_blocks={"g": [1]})):
+        with pytest.raises(BadInput, match="closed"):
+            call()
+    with pytest.raises(NotRegistered):
+        a.remove_peer(p2)
+    a.close()
