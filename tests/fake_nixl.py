@@ -163,6 +163,10 @@ class FakeNixl:
         def send_notif(self, remote, msg):
             self.fake.agents[remote].notifs.setdefault(self.name, []).append(msg)
 
+        def get_new_notifs(self):
+            out, self.notifs = self.notifs, {}
+            return out
+
         def check_remote_xfer_done(self, remote, tag):
             msgs = self.notifs.get(remote, [])
             for m in msgs:

@@ -493,8 +493,15 @@ class KVAgent(Closable, FailsOnTimeout):
             raise BadInput(f"peer {meta.agent!r}: a view of token rows needs the ipc route")
         if route == "nixl":
             nixl_peer = NixlPeer(self, meta, self.nixl, reg, self._poster, local_view)
-            with reg.lock:
-                reg.peers[meta.agent] = nixl_peer
+            with reg.lock:      # an add_peer of the same name, or close, may have run meanwhile
+                clash = ("the agent was closed" if reg.closed else
+                         f"peer {meta.agent!r} is already added (remove_peer first)" if meta.agent in reg.peers
+                         else None)
+                if clash is None:
+                    reg.peers[meta.agent] = nixl_peer
+            if clash is not None:
+                nixl_peer.close()
+                raise BadInput(clash)
             log.info("agent %s: peer %s (host %s) over the nixl route", self.name, meta.agent, meta.host)
             return nixl_peer
         viewed = pieces or local_pieces or token_slice or local_token_slice

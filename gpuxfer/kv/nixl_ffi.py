@@ -30,6 +30,9 @@ log = logging.getLogger("gpuxfer.kv.nixl")
 NIXL_MODULES = ("nixl_cu13", "nixl_cu12", "nixl")
 #: forces one module name (e.g. ``nixl_cu12``)
 NIXL_MODULE_ENV = "GPUXFER_NIXL_MODULE"
+#: NIXL agents closed while operations of theirs may still run: kept, with their registrations, for the life of
+#: the process (:meth:`NixlAgent._release`)
+_KEPT: list = []
 
 
 # --------------------------------------------------------------------------- descriptor translation
@@ -219,6 +222,13 @@ class NixlAgent(Closable):
     Owns everything it creates and releases it in the documented order on
     :meth:`close` (idempotent): transfer handles, prepped lists, remote agents,
     registrations.
+
+    A posted transfer let go of before NIXL reported it ``DONE`` (it ended in ``ERR``, or was released while
+    running) counts in :attr:`unsettled`: NIXL's release does not wait for the operations it handed the backend
+    (UCX cancels none of its RMA operations; the release only frees their requests), and nothing reports when
+    they stop. While any does, or a transfer NIXL refuses to release, :meth:`close` keeps the agent -- its
+    registrations, lists and connections -- for the life of the process (logged) instead of deregistering memory
+    those operations may still touch.
     """
 
     def __init__(self, nixl: NixlModule, name: str, *, mem_type: str = "VRAM", rank: int = 0,
@@ -231,6 +241,8 @@ class NixlAgent(Closable):
         self._remotes: list[str] = []
         self._dlists: list[Any] = []
         self._xfers: list[Any] = []
+        self._active: set[int] = set()      # ids of posted transfers not seen DONE since their last post
+        self.unsettled = 0                  # transfers released (or failed) that NIXL never reported DONE
         self.telemetry = telemetry
         cfg = self._config(backends, telemetry, num_threads)
         try:
@@ -276,11 +288,22 @@ class NixlAgent(Closable):
         return self._call("get_agent_metadata", "reading this agent's metadata")
 
     def add_remote(self, metadata: bytes) -> str:
+        """Add the agent of ``metadata``; one this agent holds already is refused (:class:`BadInput`): NIXL loads
+        it again silently, and the two holders would remove it from under each other."""
+        held = set(self._remotes)
         name = self._call("add_remote_agent", "adding the peer agent", metadata)
         if isinstance(name, bytes):
             name = name.decode()
+        if name in held:
+            raise BadInput(f"NIXL agent {name!r} is added already")
         self._remotes.append(name)
         return name
+
+    def remove_remote(self, name: str) -> None:
+        """Remove (``remove_remote_agent``) an agent :meth:`add_remote` added; forgotten once NIXL removed it."""
+        self._call("remove_remote_agent", f"removing the peer agent {name}", name)
+        if name in self._remotes:
+            self._remotes.remove(name)
 
     def connect(self, remote: str) -> None:
         """Pre-connect (optional in NIXL; keeps connection set-up out of the first timed transfer)."""
@@ -320,9 +343,12 @@ class NixlAgent(Closable):
 
     # ---- transfers ----
     def post(self, h, what: str) -> str:
+        self._active.add(id(h))             # from here NIXL may have handed the backend operations of it
         state = self._call("transfer", f"posting {what}", h)
         if state == "ERR":
             raise NixlError("transfer", f"posting {what}", "NIXL returned ERR")
+        if state == "DONE":
+            self._active.discard(id(h))
         return state
 
     def wait(self, h, what: str, *, timeout_s: float, step: int = 0, state: str = "PROC") -> None:
@@ -338,10 +364,13 @@ class NixlAgent(Closable):
             spins += 1
             if spins > 1000:  # a long transfer: stop burning the core the progress thread wants
                 time.sleep(2e-5)
-            state = self._call("check_xfer_state", f"checking {what}", h)
+            state = self.state(h, f"checking {what}")
 
-    def state(self, h) -> str:
-        return self._call("check_xfer_state", "checking a transfer", h)
+    def state(self, h, doing: str = "checking a transfer") -> str:
+        state = self._call("check_xfer_state", doing, h)
+        if state == "DONE":
+            self._active.discard(id(h))
+        return state
 
     def run(self, h, what: str, *, timeout_s: float, step: int = 0) -> None:
         self.wait(h, what, timeout_s=timeout_s, step=step, state=self.post(h, what))
@@ -363,8 +392,12 @@ class NixlAgent(Closable):
         return st
 
     def release_xfer(self, h) -> None:
-        """Release a transfer handle (NIXL cancels an active transfer, or raises if it cannot)."""
+        """Release a transfer handle (NIXL raises where it cannot; a posted one not seen DONE counts in
+        :attr:`unsettled`: what NIXL handed the backend of it may still run)."""
         self._call("release_xfer_handle", "releasing a transfer handle", h)
+        if id(h) in self._active:
+            self._active.discard(id(h))
+            self.unsettled += 1
         if h in self._xfers:   # forgotten only once released (close() retries the others)
             self._xfers.remove(h)
 
@@ -395,13 +428,21 @@ class NixlAgent(Closable):
 
     # ---- lifetime ----
     def _release(self) -> None:
-        """Release transfers, prepped lists, remote agents and registrations, in that order (``close()``)."""
+        """Release transfers, prepped lists, remote agents and registrations, in that order (``close()``); with
+        transfers :attr:`unsettled` or unreleased, nothing past the transfers (the agent is kept)."""
         agent = getattr(self, "agent", None)
         if agent is None:
             return
-        errors = []
-        for items, method in ((self._xfers, "release_xfer_handle"), (self._dlists, "release_dlist_handle"),
-                              (self._remotes, "remove_remote_agent")):
+        errors = self.release_quietly(list(self._xfers))
+        if self._xfers or self.unsettled:
+            _KEPT.append(self)
+            self._kept, self.agent = agent, None        # kept alive; calls through this wrapper end here
+            log.error("NIXL agent %s closed with %d transfer(s) it never reported done (%d it refuses to release%s):"
+                      " operations of theirs may still run, so its registrations, lists and connections are kept "
+                      "for the life of the process", self.name, self.unsettled + len(self._xfers), len(self._xfers),
+                      f": {'; '.join(errors)}" if errors else "")
+            return
+        for items, method in ((self._dlists, "release_dlist_handle"), (self._remotes, "remove_remote_agent")):
             for h in list(items):
                 try:
                     getattr(agent, method)(h)

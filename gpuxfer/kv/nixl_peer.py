@@ -10,17 +10,21 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import BadInput, BadMetadata, LayoutMismatch, NotRegistered, TransferTimeout
+from ..errors import BadInput, BadMetadata, GpuxferError, LayoutMismatch, NotRegistered, TransferTimeout
 from ..platforms.base import Stream
 from .control import NOTIFY_SLOTS
 from .ids import _RouteIds
 from .layers import KVLayer
+from .nixl_ffi import NixlError
 from .nixl_route import NOTIF_PREFIX, NixlSide
 from .peers import KVPeer, _Group
 from .routes import _overlap_classes, _pair_pieces, request_groups
 from .transfer import KVTransfer
 
 log = logging.getLogger("gpuxfer.kv.agent")
+
+#: descriptors a prepped list holds at most (NIXL indexes them with int32)
+MAX_DESCRIPTORS = 1 << 31
 
 
 class _Lists:
@@ -75,19 +79,25 @@ class NixlPeer(KVPeer):
             layers = [KVLayer(lay.name, lay.index, nx["bases"][a] + off, lay.num_blocks, lay.block_stride,
                               lay.pieces, lay.extent, lay.token_major) for lay, a, off in g.layers]
             self.groups[g.name] = _Group(g.name, g.block_tokens, layers, [(a, off) for _, a, off in g.layers])
-        with side.lock:
-            self.remote = side.nixl.add_remote(nx["md"])
-        if self.remote != nx["agent"]:
-            self._release()
-            raise BadMetadata(f"peer {meta.agent!r}: its NIXL metadata names agent {self.remote!r}, its "
-                              f"metadata {nx['agent']!r}")
-        try:
+        try:            # what NIXL was given is taken back if a later step fails
             with side.lock:
-                side.nixl.connect(self.remote)
-        except Exception as exc:  # noqa: BLE001 - optional: the first transfer connects otherwise
-            log.info("agent %s: NIXL make_connection to %s failed (%s); connecting on first use", agent.name,
-                     self.name, exc)
-        self.lists()
+                if nx["agent"] in side.nixl._remotes:
+                    raise BadMetadata(f"peer {meta.agent!r}: its NIXL agent {nx['agent']!r} is one agent "
+                                      f"{agent.name!r} reaches already (as another peer)")
+                self.remote = side.nixl.add_remote(nx["md"])
+            if self.remote != nx["agent"]:
+                raise BadMetadata(f"peer {meta.agent!r}: its NIXL metadata names agent {self.remote!r}, its "
+                                  f"metadata {nx['agent']!r}")
+            try:
+                with side.lock:
+                    side.nixl.connect(self.remote)
+            except Exception as exc:  # noqa: BLE001 - optional: the first transfer connects otherwise
+                log.info("agent %s: NIXL make_connection to %s failed (%s); connecting on first use", agent.name,
+                         self.name, exc)
+            self.lists()
+        except BaseException:
+            self.close()
+            raise
 
     # -- descriptor lists
 
@@ -109,7 +119,10 @@ class NixlPeer(KVPeer):
         if have is not None:            # transfers made from the old lists complete first (bounded)
             deadline = time.monotonic() + self.agent.timeout_s
             for h in self._inflight:
-                h._settle(max(0.0, deadline - time.monotonic()))
+                try:
+                    h._settle(max(0.0, deadline - time.monotonic()))
+                except (NixlError, NotRegistered):
+                    pass                # over: its failure is its own handle's to raise
             self._reap()
             self._drop_lists(have)
         return built
@@ -138,6 +151,7 @@ class NixlPeer(KVPeer):
                         raise LayoutMismatch(f"group {gname!r}: peer {self.name!r} has no layer {lay.name!r}")
                     pairs = _pair_pieces(gname, lay, other, bm, bt, True)
                     for my_off, their_off, seg_bytes in (_coalesce(pairs) if whole_blocks else pairs):
+                        _check_count(self.name, n_local + mine.num_blocks * rm, n_remote + theirs.num_blocks * rt)
                         planes.append((lay.index, n_local, n_remote, seg_bytes))
                         adjoin = whole_blocks and seg_bytes == lay.block_stride == other.block_stride
                         spans.append((lay.ptr + my_off, lay.block_stride, other.ptr + their_off, other.block_stride)
@@ -156,9 +170,6 @@ class NixlPeer(KVPeer):
             out.full[gname] = len(mine.layers) == len(theirs.layers)
             local_rows += [(r, s) for r, s in zip(rows_l, (p[3] for p in planes))]
             remote_rows += [(r, s) for r, s in zip(rows_r, (p[3] for p in planes))]
-        if max(n_local, n_remote) >= 1 << 31:
-            raise BadInput(f"peer {self.name!r}: {max(n_local, n_remote):,} descriptors per side exceed NIXL's "
-                           "int32 indices")
         if out.planes:
             local = _dlist(local_rows, self.side.device)
             remote = _dlist(remote_rows, self.meta.nixl["device"])
@@ -248,28 +259,41 @@ class NixlPeer(KVPeer):
                 h._settle(max(0.0, deadline - time.monotonic()))
             except Exception as exc:  # noqa: BLE001 - closing: what failed is logged, the rest released
                 log.warning("peer %s: %s", self.name, exc)
+        errors: list[str] = []
         with side.lock:
-            left = [h for h in self._inflight if not h._finished]
-            errors = side.nixl.release_quietly([h._xfer for h in left if h._xfer is not None])
-            for h in left:              # released unfinished: its handle never asks NIXL about it again
-                h._cut = f"peer {self.name!r} was removed before it completed (its NIXL transfer was released)"
+            for h in self._inflight:    # unfinished: its handle never asks NIXL about it again
+                if h._finished:
+                    continue
+                why = side.nixl.release_quietly([h._xfer]) if h._xfer is not None else []
+                errors += why
+                h._cut = (f"peer {self.name!r} was removed before it completed (NIXL "
+                          + ("refused to release its transfer)" if why else "released its transfer)"))
         self._inflight = []
-        if self._lists is not None:
+        if self._lists is not None and not side.nixl.closed:     # (a closed NIXL agent released them)
             self._drop_lists(self._lists)
-            self._lists = None
+        self._lists = None
         if self.remote is not None and not side.nixl.closed:
             with side.lock:
                 try:
-                    side.nixl.agent.remove_remote_agent(self.remote)
-                    if self.remote in side.nixl._remotes:
-                        side.nixl._remotes.remove(self.remote)
-                except Exception as exc:  # noqa: BLE001 - the side's close retries
-                    errors.append(f"remove_remote_agent: {exc}")
+                    side.nixl.remove_remote(self.remote)
+                except GpuxferError as exc:  # the side's close retries
+                    errors.append(str(exc))
         if errors:
             log.warning("peer %s: releasing NIXL state: %s", self.name, "; ".join(errors))
 
     def __repr__(self) -> str:
         return f"NixlPeer({self.name!r}, NIXL agent {self.remote!r}, {len(self.meta.groups)} groups)"
+
+
+def _check_count(peer: str, local: int, remote: int) -> None:
+    """Refuse lists of ``local`` and ``remote`` descriptors past NIXL's int32 indices, before they are built: the
+    peer's count is its metadata's claim (:class:`BadMetadata`), this side's :class:`BadInput`."""
+    if remote >= MAX_DESCRIPTORS:
+        raise BadMetadata(f"peer {peer!r}: its caches as its metadata states them make {remote:,} NIXL descriptors, "
+                          f"past NIXL's int32 indices")
+    if local >= MAX_DESCRIPTORS:
+        raise BadInput(f"peer {peer!r}: this agent's caches make {local:,} NIXL descriptors, past NIXL's int32 "
+                       "indices")
 
 
 def _coalesce(pairs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
@@ -433,21 +457,38 @@ class _NixlHandle:
         self._xfer = xfer
         self._finished = xfer is None
         self._cut: str | None = None        # why its transfer was released before it completed
+        self._failed = False                # NIXL reported ERR: it fails once NIXL released it
         self._state = state
         if xfer is not None:
             self._check(state)
 
     def _check(self, state: str) -> bool:
-        """Whether ``state`` is DONE (the NIXL handle then released); ERR raises NixlError naming the request."""
-        from .nixl_ffi import NixlError
+        """Whether ``state`` is DONE (the NIXL handle then released); ERR: :meth:`_fail`."""
         if state == "DONE":
             self._finish()
             return True
         if state == "ERR":
-            self._finish()
-            raise NixlError("check_xfer_state", self.transfer.describe(), "the transfer ended in ERR (the peer died "
-                            "or refused it)")
+            return self._fail()
         return False
+
+    def _fail(self) -> bool:
+        """A transfer NIXL reported ERR: released through NIXL, then :class:`~gpuxfer.kv.nixl_ffi.NixlError` naming
+        the request (from every later poll too); False while NIXL refuses to release it (the transfer may still
+        run: the handle stays pending, and bounded waits time out)."""
+        side = self.transfer.peer.side
+        with side.lock:
+            self._failed = True
+            if self._cut is not None:
+                raise NotRegistered(f"request {self.name!r}: {self._cut}")
+            errors = [] if self._finished else side.nixl.release_quietly([self._xfer])
+            if not errors:
+                self._finished, self._xfer = True, None
+        if errors:
+            log.debug("request %s: NIXL does not release its failed transfer yet: %s", self.name, "; ".join(errors))
+            return False
+        raise NixlError("check_xfer_state", self.transfer.describe(), "the transfer ended in ERR (the peer died "
+                        "or refused it); NIXL released it, but cannot tell when the operations it had started stop: "
+                        "they may still read or write its blocks")
 
     def _finish(self) -> None:
         side = self.transfer.peer.side
@@ -463,13 +504,14 @@ class _NixlHandle:
     def _poll(self) -> bool:
         side = self.transfer.peer.side
         with side.lock:                 # (a release by another thread is seen here, before NIXL is asked)
-            if self._finished:
+            if self._finished and not self._failed:
                 return True
             if self._cut is not None:
                 raise NotRegistered(f"request {self.name!r}: {self._cut}")
-            if side.nixl.closed:
-                raise BadInput(f"agent {self.transfer.agent.name!r} is closed")
-            self._state = side.nixl.state(self._xfer)
+            if not self._failed:
+                if side.nixl.closed:
+                    raise BadInput(f"agent {self.transfer.agent.name!r} is closed")
+                self._state = side.nixl.state(self._xfer)
         return self._check(self._state)
 
     def done(self) -> bool:

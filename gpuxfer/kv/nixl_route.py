@@ -160,19 +160,17 @@ class NixlSide:
         delay = POLL_MIN_S
         while not self._stop.wait(delay):
             try:
-                with self.lock:
+                with self.lock:     # delivered under it too: close, taking it, never frees words being written
                     if self.nixl.closed:
                         return
                     notifs = self.nixl.agent.get_new_notifs()
+                    if notifs:
+                        self._deliver(notifs)
             except Exception as exc:  # noqa: BLE001 - a poller never dies of one failed call
                 log.warning("agent %s: polling NIXL notifications failed: %s", self.agent.name, exc)
                 notifs = None
                 delay = POLL_MAX_S
-            if notifs:
-                self._deliver(notifs)
-                delay = POLL_MIN_S
-            else:
-                delay = min(2 * delay, POLL_MAX_S)
+            delay = POLL_MIN_S if notifs else min(2 * delay, POLL_MAX_S)
 
     def _deliver(self, notifs: Mapping) -> None:
         """Write each slot's word up to the longest run of values that all arrived."""
@@ -198,7 +196,8 @@ class NixlSide:
                     self.agent.platform.host_write_flag(flags.word(NOTIFY + slot), w, self.agent.device)
 
     def close(self) -> None:
-        """Stop the poller (bounded) and release the NIXL agent (its transfers, lists, peers, registrations)."""
+        """Stop the poller (bounded) and close the NIXL agent: its transfers, lists, peers and registrations
+        released, or kept where a transfer never completed (:class:`~gpuxfer.kv.nixl_ffi.NixlAgent`)."""
         self._stop.set()
         if self._poller.is_alive() and self._poller is not threading.current_thread():
             self._poller.join(timeout=max(1.0, self.agent.timeout_s))

@@ -220,6 +220,10 @@ def test_stuck_transfer_times_out_and_close_still_releases(fake_nixl):
     b.close()
     a.close()
     assert h.released  # close() released the handle it still held
+    # ... and kept the agent that held it running: its memory stays registered
+    assert b in nf._KEPT and a not in nf._KEPT
+    assert [c[0] for c in fake_nixl.calls if c[1] == "deregister_memory"] == ["src"]
+    nf._KEPT.remove(b)
     with pytest.raises(TransferTimeout, match="notification"):
         a2 = nf.NixlAgent(nf.NixlModule("fake", fake_nixl), "lonely", rank=3)
         try:
@@ -244,6 +248,51 @@ def test_err_state_raises_a_typed_error(fake_nixl):
         # a call that raises inside NIXL comes back typed too, naming what we were doing
         with pytest.raises(nf.NixlError, match="prepping"):
             b.prep(peer, np.array([[1, 8, 0]], np.uint64))  # not inside any registered region
+
+
+@pytest.mark.parametrize("ending", ["DONE", "ERR posting", "ERR later", "never posted"])
+def test_close_keeps_the_agent_of_a_transfer_that_never_completed(fake_nixl, ending):
+    """A transfer NIXL started and never reported DONE (ERR when posted or later) counts as unsettled once
+    released: NIXL's release does not stop what it handed the backend, so close keeps the agent (no memory
+    deregistered); one seen DONE, or never posted, does not."""
+    src, dst = _buffers(n=4096)
+    a, b = _pair(fake_nixl)
+    a.register(src.ctypes.data, src.nbytes, 0)
+    b.register(dst.ctypes.data, dst.nbytes, 0)
+    peer = b.add_remote(a.metadata())
+    local, remote = nf.to_nixl_dlists(np.array([[0, 0, 64]]), "READ", src_base=src.ctypes.data,
+                                      dst_base=dst.ctypes.data, src_dev=0, dst_dev=0)
+    h = b.oneshot("READ", local, remote, peer)
+    if ending == "ERR posting":
+        fake_nixl.agents["dst"].transfer = lambda x: "ERR"
+    if ending == "ERR later":
+        fake_nixl.agents["dst"].check_xfer_state = lambda x: "ERR"
+    if ending != "never posted":
+        try:
+            b.run(h, "a READ", timeout_s=5)
+        except nf.NixlError:
+            assert ending.startswith("ERR")
+    b.release_xfer(h)
+    assert h.released and b.unsettled == (1 if ending.startswith("ERR") else 0)
+    b.close()
+    a.close()
+    assert (b in nf._KEPT) == ending.startswith("ERR")
+    assert [c[0] for c in fake_nixl.calls if c[1] == "deregister_memory"] == (
+        ["src"] if ending.startswith("ERR") else ["dst", "src"])
+    nf._KEPT.clear()
+
+
+def test_a_remote_agent_is_added_once(fake_nixl):
+    """NIXL loads an agent's metadata twice silently: the wrapper refuses the second, keeping one entry (two
+    holders would remove it from under each other)."""
+    a, b = _pair(fake_nixl)
+    with a, b:
+        assert b.add_remote(a.metadata()) == "src"
+        with pytest.raises(BadInput, match="added already"):
+            b.add_remote(a.metadata())
+        assert b._remotes == ["src"]
+        b.remove_remote("src")
+        assert b._remotes == [] and fake_nixl.agents["dst"].remotes == set()
 
 
 def test_missing_plugin_is_backend_unavailable(fake_nixl):
