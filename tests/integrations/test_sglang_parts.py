@@ -165,7 +165,8 @@ def test_registration_payload_round_trip_and_bounds():
     geom = geometry(_kv_args()[0])
     assert decode_registration(encode_registration(geom, b"GXKV...")) == (geom, b"GXKV...")
     for bad in (b"", b"\x01", (1000).to_bytes(4, "little") + b"{}", (2).to_bytes(4, "little") + b"[]",
-                (3).to_bytes(4, "little") + b"{x}"):
+                (3).to_bytes(4, "little") + b"{x}",
+                (200000).to_bytes(4, "little") + b"[" * 100000 + b"]" * 100000):     # nested past the parser
         with pytest.raises(BadMetadata):
             decode_registration(bad)
 

@@ -197,7 +197,7 @@ def decode_registration(payload: bytes) -> tuple[dict, bytes]:
         raise BadMetadata(f"a registration payload claims a {n}-byte geometry in {len(payload) - 4} bytes")
     try:
         geom = json.loads(bytes(payload[4:4 + n]))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:     # (JSON nested past the parser's depth: a RecursionError)
         raise BadMetadata(f"a registration payload's geometry is not JSON: {exc}") from None
     if not isinstance(geom, dict):
         raise BadMetadata(f"a registration payload's geometry is a {type(geom).__name__}, not an object")
