@@ -135,6 +135,24 @@ def test_head_share_refuses_what_cannot_be_sliced(ours, theirs, total, says):
         head_share(ours, theirs, total)
 
 
+@pytest.mark.parametrize("field, value, says", [
+    ("attn_tp_size", "4", "TP size '4' is not a positive integer"),
+    ("attn_tp_size", [4], "TP size \\[4\\] is not a positive integer"),
+    ("attn_tp_size", 4.0, "TP size 4.0 is not a positive integer"),
+    ("attn_tp_size", -4, "TP size -4 is not a positive integer"),
+    ("kv_item_lens", "abcd", "kv_item_lens 'abcd' are not a list of integers"),
+    ("kv_item_lens", None, "kv_item_lens None are not a list of integers"),
+    ("kv_item_lens", ["x"] * 4, "are not a list of integers"),
+    ("kv_item_lens", [64.0] * 4, "are not a list of integers"),
+    ("kv_item_lens", [True] * 4, "are not a list of integers"),
+])
+def test_head_share_refuses_a_decodes_hostile_geometry(field, value, says):
+    """A decode's geometry comes off the network (its registration message): fields of the wrong type are a
+    refusal of that decode (BadInput, which the bootstrap thread records), never another exception."""
+    with pytest.raises(BadInput, match=says):
+        head_share(_geom(1, 0, 4), dict(_geom(2, 1, 2), **{field: value}), 4)
+
+
 def test_head_share_checks_the_prefills_own_heads_and_reads_the_total_from_kv_args():
     with pytest.raises(BadInput, match="holds 4 KV heads, not the 2 of 4"):
         head_share(_geom(2, 0, 2), _geom(1, 0, 4), 4, heads_here=4)
@@ -147,7 +165,8 @@ def test_registration_payload_round_trip_and_bounds():
     geom = geometry(_kv_args()[0])
     assert decode_registration(encode_registration(geom, b"GXKV...")) == (geom, b"GXKV...")
     for bad in (b"", b"\x01", (1000).to_bytes(4, "little") + b"{}", (2).to_bytes(4, "little") + b"[]",
-                (3).to_bytes(4, "little") + b"{x}"):
+                (3).to_bytes(4, "little") + b"{x}",
+                (200000).to_bytes(4, "little") + b"[" * 100000 + b"]" * 100000):     # nested past the parser
         with pytest.raises(BadMetadata):
             decode_registration(bad)
 

@@ -602,3 +602,33 @@ def test_forged_words_before_a_hold_cannot_crowd_out_the_readers():
 def side_hold(side, params) -> tuple:
     """The ``(deadline, key)`` a prefill worker holds a request's blocks by, as the scheduler side made it."""
     return params["lease_deadline"], params["remote_key"]
+
+
+def test_words_of_hostile_requests_and_keys_are_refused_on_the_engine_thread():
+    """Done messages naming a request ID with a lone surrogate (valid JSON off the side channel) or carrying keys
+    of the wrong length, non-ASCII or huge, for requests not held once the worker has the engine's secret: each is
+    counted as forged and nothing raises out of ``drain``; a reader's word with its key is still kept."""
+    import json
+    from gpuxfer.integrations.vllm import lease
+    from gpuxfer.integrations.vllm.holds import PrefillHolds, make_key
+
+    class Srv:
+        events = queue.SimpleQueue()
+
+        def pump(self):
+            pass
+
+    stats = {"sends_done": 0, "leases_expired": 0, "forged": 0}
+    holds, srv = PrefillHolds(engine_id="p", lease_s=120.0, stats=stats), Srv()
+    holds.secret = b"s" * 16
+    lone = json.loads('"cmpl-\\ud800"')
+    hostile = [(lone, "0" * 24), ("cmpl-1", "\u00e9" * 24), ("cmpl-1", "0" * 23), ("cmpl-1", "0" * 64),
+               ("cmpl-1", None), ("cmpl-1", "0" * 24)]
+    for req, k in hostile:
+        srv.events.put(("done", req, 1, k))
+    key = make_key(holds.secret, lone)
+    srv.events.put(("done", lone, 1, key))
+    holds.drain(srv, 1.0)
+    assert stats["forged"] == len(hostile)
+    holds.hold({lone: (lease.now() + 120, key)})
+    assert holds.finished(lease.now()) == {lone} and stats["sends_done"] == 1

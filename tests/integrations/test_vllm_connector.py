@@ -144,6 +144,17 @@ def test_the_extra_config_is_checked():
             _settings({key: bad})
 
 
+def test_the_key_secret_stays_out_of_what_vllm_logs():
+    """A step's metadata carries the engine's key secret to its workers; what vLLM logs of it (its repr, and the
+    scheduler output's dump when the engine fails) never shows it."""
+    from vllm.logging_utils.dump_input import prepare_object_to_dump
+    from gpuxfer.integrations.vllm.connector import GpuxferConnectorMetadata
+    secret = bytes(range(0x41, 0x51))
+    meta = GpuxferConnectorMetadata(holds={"cmpl-1": (1.0, "0" * 24)}, secret=secret)
+    for text in (repr(meta), prepare_object_to_dump(meta)):
+        assert "cmpl-1" in text and secret.decode() not in text and secret.hex() not in text
+
+
 def test_params_loaded_twice_never_read_freed_blocks(tmp_path):
     """Two decode requests with one prefill request's params (vLLM's ``n > 1`` hands each child the parent's
     ``kv_transfer_params``; a proxy may retry): the first load's done message frees the prefill's blocks, which

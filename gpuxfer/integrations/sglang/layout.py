@@ -117,6 +117,11 @@ def _rank_heads(total: int, tp: int, rank: int, who: str) -> tuple[int, int]:
                    "heads cannot be sliced between the ranks")
 
 
+def _whole(x) -> bool:
+    """``x`` is an int (a bool is not: JSON's ``true`` is no count)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def head_share(ours: dict, theirs: dict, total_heads: int, heads_here: int = 0) -> dict:
     """How a prefill rank (``ours``: its :func:`geometry`) pushes to a decode rank (``theirs``) of an MHA pool at
     another attention TP size: the :meth:`KVAgent.add_peer <gpuxfer.kv.KVAgent.add_peer>` views
@@ -136,8 +141,10 @@ def head_share(ours: dict, theirs: dict, total_heads: int, heads_here: int = 0) 
     pt, dt = ours["attn_tp_size"], theirs["attn_tp_size"]
     pr, dr = ours.get("attn_tp_rank"), theirs.get("attn_tp_rank")
     for who, r, t in (("prefill", pr, pt), ("decode", dr, dt)):
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < t:
-            raise BadInput(f"the {who}'s attention TP rank {r!r} is not one of its TP size {t} (a decode of a "
+        if not _whole(t) or t < 1:
+            raise BadInput(f"the {who}'s attention TP size {t!r:.40} is not a positive integer")
+        if not _whole(r) or not 0 <= r < t:
+            raise BadInput(f"the {who}'s attention TP rank {r!r:.40} is not one of its TP size {t} (a decode of a "
                            "gpuxfer without head slicing names none)")
     if total_heads < 1:
         raise BadInput("the prefill's KVArgs give no KV head count (total_kv_head_num or kv_head_num): heads "
@@ -148,6 +155,8 @@ def head_share(ours: dict, theirs: dict, total_heads: int, heads_here: int = 0) 
         raise BadInput(f"the prefill rank holds {heads_here} KV heads, not the {hp} of {total_heads} over its "
                        f"attention TP size {pt}")
     page, p_items, d_items = ours["page_size"], ours["kv_item_lens"], theirs["kv_item_lens"]
+    if not isinstance(d_items, list) or not all(_whole(i) for i in d_items):
+        raise BadInput(f"the decode's kv_item_lens {d_items!r:.80} are not a list of integers")
     if len(p_items) != len(d_items):
         raise BadInput(f"the prefill has {len(p_items)} KV entries, the decode {len(d_items)}")
     sizes = set()
@@ -188,7 +197,7 @@ def decode_registration(payload: bytes) -> tuple[dict, bytes]:
         raise BadMetadata(f"a registration payload claims a {n}-byte geometry in {len(payload) - 4} bytes")
     try:
         geom = json.loads(bytes(payload[4:4 + n]))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:     # (JSON nested past the parser's depth: a RecursionError)
         raise BadMetadata(f"a registration payload's geometry is not JSON: {exc}") from None
     if not isinstance(geom, dict):
         raise BadMetadata(f"a registration payload's geometry is a {type(geom).__name__}, not an object")

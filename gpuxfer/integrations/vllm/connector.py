@@ -26,7 +26,13 @@ class GpuxferConnectorMetadata(KVConnectorMetadata):
     loads: list = field(default_factory=list)
     holds: dict = field(default_factory=dict)
     releases: list = field(default_factory=list)
-    secret: bytes | None = None             # the holds' keys' secret (holds.make_key)
+    secret: bytes | None = field(default=None, repr=False)     # the holds' keys' secret (holds.make_key)
+
+    def anon_repr(self) -> str:
+        """What vLLM logs of a step's metadata when the engine fails: never the secret, with which anyone reading
+        the log could end any hold of this engine."""
+        return (f"GpuxferConnectorMetadata({len(self.loads)} loads, holds {sorted(self.holds)}, "
+                f"{len(self.releases)} releases)")
 
 
 @dataclass
