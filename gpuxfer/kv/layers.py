@@ -15,8 +15,9 @@ from ..errors import BadInput
 _MAX_INT = 1 << 62
 _MAX_NAME = 512
 _MAX_PIECES = 16
-#: the pieces a layer may have once a view cut each of its pieces into token rows (``KVAgent.add_peer``'s
-#: ``token_slice``): a bound on a route's planes, which are one per piece and layer
+#: the pieces a group's layers may have together once a view cut each of their pieces into token rows
+#: (``KVAgent.add_peer``'s ``token_slice``): a route has a plane per piece and layer, and a request a descriptor per
+#: plane and block, so this keeps a sliced request's descriptors within a few times an unsliced one's
 _MAX_ROW_PIECES = 1024
 
 
