@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from gpuxfer.errors import BadInput
-from gpuxfer.kv.agent import _cut_rows
 from gpuxfer.kv.layers import _MAX_ROW_PIECES, KVLayer, KVPiece
+from gpuxfer.kv.views import _cut_rows
 
 
 def _layer(pieces, blocks=4, stride=None, token_major=True, extent=None):
