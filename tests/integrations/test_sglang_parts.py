@@ -269,3 +269,49 @@ def test_slots_are_handed_out_once_each():
     from gpuxfer.kv import NOTIFY_SLOTS
     assert [lands.new_slot() for _ in range(NOTIFY_SLOTS)] == list(range(NOTIFY_SLOTS))
     assert lands.new_slot() is None and lands.new_slot() is None
+
+
+def _chunks(*spans, room=7, infos="infos"):
+    """Queued chunks of one request: ``(start, stop)`` page ranges, the last one the request's last chunk."""
+    import numpy as np
+    from gpuxfer.integrations.sglang.requests import _Chunk
+    return [_Chunk(room, np.arange(a, b, dtype=np.int32) + 100, slice(a, b), i == len(spans) - 1,
+                   5 if i == len(spans) - 1 else None, None, infos) for i, (a, b) in enumerate(spans)]
+
+
+def _queue(*items):
+    import queue
+    q = queue.Queue()
+    for item in items:
+        q.put(item)
+    return q
+
+
+def test_chunks_queued_behind_one_another_become_one_push():
+    import numpy as np
+    from gpuxfer.integrations.sglang.requests import coalesce
+    first, *rest = _chunks((0, 2), (2, 5), (5, 6), (6, 9))
+    chunk, held = coalesce(first, _queue(*rest))
+    assert held is None
+    assert np.array_equal(chunk.pages, np.arange(100, 109)) and chunk.index_slice == slice(0, 9)
+    assert chunk.is_last and chunk.aux_index == 5 and chunk.infos == "infos" and chunk.room == 7
+    alone, held = coalesce(first, _queue())
+    assert alone is first and held is None
+
+
+@pytest.mark.parametrize("case", ["other room", "other request", "gap", "wait event", "abort marker",
+                                  "after the last", "a step"])
+def test_a_chunk_that_does_not_continue_the_one_before_stays_queued_in_order(case):
+    """Only the same request's next pages join; the first item that does not is handed back, the rest stay
+    queued behind it."""
+    import dataclasses
+    from gpuxfer.integrations.sglang.requests import _drain_marker, coalesce
+    a, b, c = _chunks((0, 2), (2, 4), (4, 6))
+    nxt = {"other room": dataclasses.replace(b, room=8), "other request": dataclasses.replace(b, infos="new"),
+           "gap": dataclasses.replace(b, index_slice=slice(3, 5)), "wait event": dataclasses.replace(b, wait_event=1),
+           "abort marker": _drain_marker(7), "a step": dataclasses.replace(b, index_slice=slice(2, 6, 2))}.get(case, b)
+    if case == "after the last":
+        a = dataclasses.replace(a, is_last=True)
+    q = _queue(nxt, c)
+    chunk, held = coalesce(a, q)
+    assert chunk is a and held is nxt and q.get_nowait() is c

@@ -609,6 +609,29 @@ def test_real_agents_land_a_room_byte_for_byte(real):
     assert real.decode_pages_equal([1, 2, 3, 4], [9, 10, 11, 12])
 
 
+def test_chunks_queued_while_the_thread_was_busy_land_as_one_push(real):
+    """A request sent back to back (four chunks queued before the transfer thread takes the first): one
+    ``prepare`` + ``post`` of all its pages, every page on its own decode page."""
+    _room(real, pages=8)
+    real.transfer_infos[ROOM]["decode"].dst_kv_indices = np.array([9, 3, 10, 11, 12, 0, 13, 14], dtype=np.int32)
+    for start, last in ((0, False), (2, False), (4, False), (6, True)):
+        real.add_transfer_request(ROOM, np.array([start + 1, start + 2]), slice(start, start + 2), last, aux_index=5)
+    prepared, prepare = [], real.agent.prepare
+    real.agent.prepare = lambda *a, **k: prepared.append(k["local_blocks"]) or prepare(*a, **k)
+    real._stop = threading.Event()
+    worker = threading.Thread(target=real._transfer_worker)
+    worker.start()
+    deadline = time.monotonic() + 30
+    while not real.statuses() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    real._stop.set()
+    worker.join(10)
+    assert not worker.is_alive()
+    assert real.statuses()[-1][2] == KVPoll.Success
+    assert [list(blocks.values())[0].tolist() for blocks in prepared] == [list(range(1, 9))]
+    assert real.decode_pages_equal(range(1, 9), [9, 3, 10, 11, 12, 0, 13, 14])
+
+
 def _decode_names(mgr, pages):
     """Room ``ROOM``'s decode pages as the decode's metadata message carries them."""
     mgr.transfer_infos[ROOM]["decode"] = TransferInfo.from_zmq(

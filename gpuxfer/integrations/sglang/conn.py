@@ -5,7 +5,8 @@ hook (:mod:`.plugin`), and SGLang imports it only once ``--disaggregation-transf
 Each KV manager holds one :class:`~gpuxfer.kv.KVAgent` over SGLang's own KV pool (``KVArgs``: raw pointers,
 registered with :meth:`~gpuxfer.kv.KVAgent.layer_at`, :mod:`.layout`). The prefill side pushes (SGLang's
 shape): every ``send()`` chunk becomes one ``prepare`` + ``post`` of its pages onto the decode pages the
-receiver named, on the manager's transfer thread, which does not wait for it. The last chunk's push also bumps
+receiver named, on the manager's transfer thread, which does not wait for it (chunks of a request queued
+behind one another while the thread was busy, as a request sent back to back, become one push). The last chunk's push also bumps
 the decode agent's notification word that the decode's registration gave this prefill rank (stream order:
 after every push of the room landed), and its aux metadata row goes on SGLang's control socket just before
 that push, with the value it will write. The decode's ``poll()`` ends the room when the word holds that value; the
@@ -81,7 +82,7 @@ from ... import config
 from ...errors import BadInput, BlockIdError, GpuxferError, PeerLost, TransferTimeout
 from ...kv import KVAgent
 from .landing import Landings, landing_frame, parse_landing, parse_slot, slot_frame
-from .requests import TransferInfo, _Chunk, _drain_marker, _Posted
+from .requests import TransferInfo, _Chunk, _drain_marker, _Posted, coalesce
 from .layout import (GROUP, check_supported, decode_registration, encode_registration, geometry,
                      geometry_differences, head_share, read_aux_rows, register_kv_args, total_kv_heads,
                      write_aux_rows)
@@ -422,15 +423,18 @@ class GpuxferKVManager(CommonKVManager):
                                wait_event, self.transfer_infos.get(bootstrap_room)))
 
     def _transfer_worker(self) -> None:
+        held: Optional[_Chunk] = None   # taken off the queue behind chunks it could not join: handled next
         while not self._stop.is_set():
-            try:
-                chunk = self._queue.get(timeout=_RECV_POLL_MS / 1000)
-            except queue.Empty:
+            if held is None:
                 try:
-                    self._drain_ended_rooms()
-                except Exception as exc:        # noqa: BLE001 - never the thread's end
-                    log.error("gpuxfer: draining ended rooms failed: %s: %s", type(exc).__name__, exc)
-                continue
+                    held = self._queue.get(timeout=_RECV_POLL_MS / 1000)
+                except queue.Empty:
+                    try:
+                        self._drain_ended_rooms()
+                    except Exception as exc:        # noqa: BLE001 - never the thread's end
+                        log.error("gpuxfer: draining ended rooms failed: %s: %s", type(exc).__name__, exc)
+                    continue
+            chunk, held = coalesce(held, self._queue)
             self._handle(chunk)
         # Stopped (teardown): the pushes still posted are not waited for here; the agent's close drains every
         # post it queued before it frees anything.

@@ -3,8 +3,9 @@ metadata message states it (:class:`TransferInfo`), a ``send()`` chunk queued fo
 (:class:`_Chunk`), and the pushes posted and not yet waited for (:class:`_Posted`). No SGLang here."""
 from __future__ import annotations
 
+import queue
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 import numpy.typing as npt
@@ -60,6 +61,38 @@ class _Chunk:
     aux_index: Optional[int]
     wait_event: Any = None                      # SGLang's event after which the pages hold the chunk's KV
     infos: Any = None                           # the room's decode destinations when the chunk was queued
+
+
+def _joins(chunk: _Chunk, nxt: _Chunk) -> bool:
+    """Whether ``nxt`` continues ``chunk``: the same request's next pages, right after its own in the
+    decode's list, with no event of its own to wait for (``chunk``'s is waited for before both are posted)."""
+    return (chunk.pages is not None and nxt.pages is not None and nxt.room == chunk.room
+            and nxt.infos is chunk.infos and not chunk.is_last and nxt.wait_event is None
+            and chunk.index_slice.step in (None, 1) and nxt.index_slice.step in (None, 1)
+            and chunk.index_slice.stop == nxt.index_slice.start)
+
+
+def coalesce(chunk: _Chunk, waiting: "queue.Queue[_Chunk]") -> Tuple[_Chunk, Optional[_Chunk]]:
+    """``chunk`` joined with the chunks queued right behind it that continue it (:func:`_joins`): one push
+    for what the scheduler sent while the transfer thread was busy, as a request sent back to back is one
+    push of its pages. Returns the joined chunk and the first queued item that does not continue it (None:
+    the queue was empty), which the caller handles next, so the queue's order is kept."""
+    parts = [chunk]
+    while True:
+        try:
+            nxt = waiting.get_nowait()
+        except queue.Empty:
+            nxt = None
+            break
+        if not _joins(parts[-1], nxt):
+            break
+        parts.append(nxt)
+    if len(parts) == 1:
+        return chunk, nxt
+    last = parts[-1]
+    return _Chunk(chunk.room, np.concatenate([c.pages for c in parts]),
+                  slice(chunk.index_slice.start, last.index_slice.stop), last.is_last, last.aux_index,
+                  chunk.wait_event, chunk.infos), nxt
 
 
 def _drain_marker(room: int) -> _Chunk:
