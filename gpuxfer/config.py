@@ -167,6 +167,10 @@ VARS: dict[str, Var] = {v.name: v for v in (
     Var("GPUXFER_KV_ROUTE", "auto", choice("auto", "ipc", "nixl"),
         "the route KVAgent.add_peer takes when not given one: auto (IPC on this host, NIXL to another), ipc, or "
         "nixl (every peer through NIXL, one on this host included)"),
+    # a descriptor is a 24-byte row here and NIXL keeps its own copy: 4M of them are ~100 MiB of rows a list
+    Var("GPUXFER_KV_NIXL_MAX_DESCRIPTORS", 1 << 22, integer(1, (1 << 31) - 1),
+        "most NIXL descriptors in either prepped list of a KVAgent's NIXL peer, when more than 4x the blocks x "
+        "pieces of this agent's shared groups; a peer needing more is refused at add_peer"),
     Var("GPUXFER_NIXL_PROGRESS_THREAD", False, FLAG,
         "run NIXL's progress thread in the KV agent's NIXL agent (off: the agent's poller progresses it)"),
     Var("GPUXFER_TEST_REQUIRE_NIXL", False, FLAG,

@@ -193,6 +193,14 @@ class NixlError(DriverError):
         super().__init__(api, status_name, -1, doing, detail)
 
 
+class RemoteHeld(BadInput):
+    """:meth:`NixlAgent.add_remote` of an agent it holds already; ``name``: that agent's."""
+
+    def __init__(self, name: str):
+        super().__init__(f"NIXL agent {name!r} is added already")
+        self.name = name
+
+
 @dataclass
 class XferStats:
     """One transfer as NIXL saw it (``None`` fields: the wheel gave no telemetry)."""
@@ -287,17 +295,22 @@ class NixlAgent(Closable):
     def metadata(self) -> bytes:
         return self._call("get_agent_metadata", "reading this agent's metadata")
 
-    def add_remote(self, metadata: bytes) -> str:
-        """Add the agent of ``metadata``; one this agent holds already is refused (:class:`BadInput`): NIXL loads
-        it again silently, and the two holders would remove it from under each other."""
-        held = set(self._remotes)
-        name = self._call("add_remote_agent", "adding the peer agent", metadata)
-        if isinstance(name, bytes):
-            name = name.decode()
-        if name in held:
-            raise BadInput(f"NIXL agent {name!r} is added already")
-        self._remotes.append(name)
-        return name
+    def add_remote(self, metadata: bytes, name: str | None = None) -> str:
+        """Add the agent of ``metadata`` (``name``: the name it is expected to have, refused before NIXL loads it
+        when held already); one this agent holds already is refused (:class:`RemoteHeld`): NIXL loads it again
+        silently, and the two holders would remove it from under each other."""
+        if name is not None:
+            self._refuse_held(name)
+        got = self._call("add_remote_agent", "adding the peer agent", metadata)
+        if isinstance(got, bytes):
+            got = got.decode()
+        self._refuse_held(got)
+        self._remotes.append(got)
+        return got
+
+    def _refuse_held(self, name: str) -> None:
+        if name in self._remotes:
+            raise RemoteHeld(name)
 
     def remove_remote(self, name: str) -> None:
         """Remove (``remove_remote_agent``) an agent :meth:`add_remote` added; forgotten once NIXL removed it."""

@@ -10,12 +10,13 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .. import config
 from ..errors import BadInput, BadMetadata, GpuxferError, LayoutMismatch, NotRegistered, TransferTimeout
 from ..platforms.base import Stream
 from .control import NOTIFY_SLOTS
 from .ids import _RouteIds
 from .layers import KVLayer
-from .nixl_ffi import NixlError
+from .nixl_ffi import NixlError, RemoteHeld
 from .nixl_route import NOTIF_PREFIX, NixlSide
 from .peers import KVPeer, _Group
 from .routes import _overlap_classes, _pair_pieces, request_groups
@@ -25,6 +26,10 @@ log = logging.getLogger("gpuxfer.kv.agent")
 
 #: descriptors a prepped list holds at most (NIXL indexes them with int32)
 MAX_DESCRIPTORS = 1 << 31
+#: a peer's lists may hold this many times the descriptors of this agent's own blocks x pieces (a peer with up to
+#: this many times its blocks, or a block size down to this fraction of its own); past that,
+#: ``GPUXFER_KV_NIXL_MAX_DESCRIPTORS`` bounds them, whatever the peer's metadata states
+PEER_SCALE = 4
 
 
 class _Lists:
@@ -80,11 +85,12 @@ class NixlPeer(KVPeer):
                               lay.pieces, lay.extent, lay.token_major) for lay, a, off in g.layers]
             self.groups[g.name] = _Group(g.name, g.block_tokens, layers, [(a, off) for _, a, off in g.layers])
         try:            # what NIXL was given is taken back if a later step fails
-            with side.lock:
-                if nx["agent"] in side.nixl._remotes:
-                    raise BadMetadata(f"peer {meta.agent!r}: its NIXL agent {nx['agent']!r} is one agent "
-                                      f"{agent.name!r} reaches already (as another peer)")
-                self.remote = side.nixl.add_remote(nx["md"])
+            try:
+                with side.lock:
+                    self.remote = side.nixl.add_remote(nx["md"], nx["agent"])
+            except RemoteHeld as exc:
+                raise BadMetadata(f"peer {meta.agent!r}: its NIXL agent {exc.name!r} is one agent {agent.name!r} "
+                                  "reaches already (as another peer)") from None
             if self.remote != nx["agent"]:
                 raise BadMetadata(f"peer {meta.agent!r}: its NIXL metadata names agent {self.remote!r}, its "
                                   f"metadata {nx['agent']!r}")
@@ -128,9 +134,11 @@ class NixlPeer(KVPeer):
         return built
 
     def _build(self, groups: tuple[str, ...]) -> _Lists:
+        """Both sides' lists over ``groups``: their planes paired and counted first, refused past
+        :meth:`_limit` before any row is built."""
         out = _Lists(groups)
-        local_rows: list[np.ndarray] = []
-        remote_rows: list[np.ndarray] = []
+        # per group that pairs: its (local, remote) segments per block and its planes (layer, peer's layer, pair)
+        todo: list[tuple[str, tuple[int, int], list[tuple]]] = []
         n_local = n_remote = 0
         for gname in groups:
             mine, theirs = self._mine(gname), self.groups[gname]
@@ -143,33 +151,40 @@ class NixlPeer(KVPeer):
             rm, rt = bm // seg, bt // seg
             whole_blocks = rm == rt == 1            # one segment per block on both sides
             by_name = {lay.name: lay for lay in theirs.layers}
-            planes, spans, rows_l, rows_r = [], [], [], []
+            planes = []
             try:
                 for lay in mine.layers:
                     other = by_name.get(lay.name)
                     if other is None:
                         raise LayoutMismatch(f"group {gname!r}: peer {self.name!r} has no layer {lay.name!r}")
                     pairs = _pair_pieces(gname, lay, other, bm, bt, True)
-                    for my_off, their_off, seg_bytes in (_coalesce(pairs) if whole_blocks else pairs):
-                        _check_count(self.name, n_local + mine.num_blocks * rm, n_remote + theirs.num_blocks * rt)
-                        planes.append((lay.index, n_local, n_remote, seg_bytes))
-                        adjoin = whole_blocks and seg_bytes == lay.block_stride == other.block_stride
-                        spans.append((lay.ptr + my_off, lay.block_stride, other.ptr + their_off, other.block_stride)
-                                     if adjoin else None)
-                        rows_l.append(_segments(lay.ptr + my_off, mine.num_blocks, lay.block_stride, rm, seg_bytes))
-                        rows_r.append(_segments(other.ptr + their_off, theirs.num_blocks, other.block_stride, rt,
-                                                seg_bytes))
-                        n_local += rows_l[-1].size
-                        n_remote += rows_r[-1].size
+                    planes += [(lay, other, p) for p in (_coalesce(pairs) if whole_blocks else pairs)]
             except LayoutMismatch as exc:
                 out.errors[gname] = exc
-                n_local -= sum(r.size for r in rows_l)
-                n_remote -= sum(r.size for r in rows_r)
                 continue
-            out.planes[gname], out.ratios[gname], out.spans[gname] = planes, (rm, rt), spans
+            todo.append((gname, (rm, rt), planes))
+            n_local += len(planes) * mine.num_blocks * rm
+            n_remote += len(planes) * theirs.num_blocks * rt
+        _check_count(self.name, n_local, n_remote, self._limit(groups))
+        local_rows: list[tuple[np.ndarray, int]] = []
+        remote_rows: list[tuple[np.ndarray, int]] = []
+        n_local = n_remote = 0
+        for gname, (rm, rt), planes in todo:
+            mine, theirs = self._mine(gname), self.groups[gname]
+            out.planes[gname], out.spans[gname] = [], []
+            for lay, other, (my_off, their_off, seg_bytes) in planes:
+                out.planes[gname].append((lay.index, n_local, n_remote, seg_bytes))
+                adjoin = rm == rt == 1 and seg_bytes == lay.block_stride == other.block_stride
+                out.spans[gname].append((lay.ptr + my_off, lay.block_stride, other.ptr + their_off,
+                                         other.block_stride) if adjoin else None)
+                local_rows.append((_segments(lay.ptr + my_off, mine.num_blocks, lay.block_stride, rm, seg_bytes),
+                                   seg_bytes))
+                remote_rows.append((_segments(other.ptr + their_off, theirs.num_blocks, other.block_stride, rt,
+                                              seg_bytes), seg_bytes))
+                n_local += mine.num_blocks * rm
+                n_remote += theirs.num_blocks * rt
+            out.ratios[gname] = (rm, rt)
             out.full[gname] = len(mine.layers) == len(theirs.layers)
-            local_rows += [(r, s) for r, s in zip(rows_l, (p[3] for p in planes))]
-            remote_rows += [(r, s) for r, s in zip(rows_r, (p[3] for p in planes))]
         if out.planes:
             local = _dlist(local_rows, self.side.device)
             remote = _dlist(remote_rows, self.meta.nixl["device"])
@@ -181,6 +196,12 @@ class NixlPeer(KVPeer):
                     self.side.nixl.release_quietly((), [out.local_h])
                     raise
         return out
+
+    def _limit(self, groups: tuple[str, ...]) -> int:
+        """The most descriptors either list over ``groups`` may hold: :data:`PEER_SCALE` times this agent's own
+        blocks x pieces of them, or ``GPUXFER_KV_NIXL_MAX_DESCRIPTORS`` if more; below NIXL's int32 indices."""
+        own = sum(lay.num_blocks * len(lay.pieces) for g in groups for lay in self._mine(g).layers)
+        return min(max(PEER_SCALE * own, config.get("GPUXFER_KV_NIXL_MAX_DESCRIPTORS")), MAX_DESCRIPTORS - 1)
 
     def _drop_lists(self, lists: _Lists) -> None:
         handles = [h for h in (lists.local_h, lists.remote_h) if h is not None]
@@ -285,15 +306,17 @@ class NixlPeer(KVPeer):
         return f"NixlPeer({self.name!r}, NIXL agent {self.remote!r}, {len(self.meta.groups)} groups)"
 
 
-def _check_count(peer: str, local: int, remote: int) -> None:
-    """Refuse lists of ``local`` and ``remote`` descriptors past NIXL's int32 indices, before they are built: the
-    peer's count is its metadata's claim (:class:`BadMetadata`), this side's :class:`BadInput`."""
-    if remote >= MAX_DESCRIPTORS:
-        raise BadMetadata(f"peer {peer!r}: its caches as its metadata states them make {remote:,} NIXL descriptors, "
-                          f"past NIXL's int32 indices")
-    if local >= MAX_DESCRIPTORS:
-        raise BadInput(f"peer {peer!r}: this agent's caches make {local:,} NIXL descriptors, past NIXL's int32 "
-                       "indices")
+def _check_count(peer: str, local: int, remote: int, limit: int) -> None:
+    """Refuse lists of ``local`` and ``remote`` descriptors past ``limit`` (:meth:`NixlPeer._limit`), before they
+    are built: the peer's count is its metadata's claim (:class:`BadMetadata`), this side's :class:`BadInput`."""
+    why = (f"this agent's lists hold at most {limit:,} ({PEER_SCALE} times its own caches' blocks x pieces, or "
+           "GPUXFER_KV_NIXL_MAX_DESCRIPTORS if more; below NIXL's int32 indices)")
+    if remote > limit:
+        raise BadMetadata(f"peer {peer!r}: its caches as its metadata states them make {remote:,} NIXL descriptors; "
+                          + why)
+    if local > limit:
+        raise BadInput(f"peer {peer!r}: pairing this agent's caches with the peer's block size makes {local:,} NIXL "
+                       f"descriptors here; {why}")
 
 
 def _coalesce(pairs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:

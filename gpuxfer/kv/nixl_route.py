@@ -4,18 +4,24 @@ host, or asked for with ``add_peer(..., route="nixl")``) are reached through NIX
 An agent made with ``remote="nixl"`` (or ``GPUXFER_KV_REMOTE=nixl``) owns one NIXL agent (:class:`NixlSide`):
 its allocations are registered with it (``VRAM`` on GPUs, ``DRAM`` on the host emulation) before its metadata
 is taken, and the metadata bytes carry NIXL's agent metadata, the NIXL agent's name and the allocations' base
-addresses (:func:`decode_nixl_meta` bounds and checks them). A peer on the route (:class:`~gpuxfer.kv.nixl_peer.NixlPeer`) is built at
-``add_peer``: both sides' descriptor lists are prepped once (``prep_xfer_dlist``), one descriptor per block
-segment per layer piece over every shared group (the local list over this agent's memory, the remote one over
-the peer's); a request's block IDs are checked as on the IPC route (:class:`~gpuxfer.kv.ids._RouteIds`) and
-turned into two int32 index arrays with NumPy (``NixlPeer.prepare``), and a post is one
-``make_prepped_xfer`` + ``transfer`` (``READ`` pulls, ``WRITE`` pushes).
+addresses (:func:`decode_nixl_meta` bounds and checks them). A peer on the route
+(:class:`~gpuxfer.kv.nixl_peer.NixlPeer`) is built at ``add_peer``: both sides' descriptor lists are prepped once
+(``prep_xfer_dlist``), one descriptor per block segment per layer piece over every shared group (the local list
+over this agent's memory, the remote one over the peer's). Each list holds at most
+:data:`~gpuxfer.kv.nixl_peer.PEER_SCALE` times as many descriptors as this agent's own blocks x pieces of those
+groups, or ``GPUXFER_KV_NIXL_MAX_DESCRIPTORS`` if more: the peer's metadata sizes the remote list (its block
+counts) and the local one (its block size), so a peer needing more is refused before any is built. A request's
+block IDs are checked as on the IPC route (:class:`~gpuxfer.kv.ids._RouteIds`) and turned into two int32 index
+arrays with NumPy (``NixlPeer.prepare``), and a post is one ``make_prepped_xfer`` + ``transfer`` (``READ`` pulls,
+``WRITE`` pushes).
 
 NIXL's progress thread is off by default (on two cores it cost more than it gave): a poller thread of the side
 drains NIXL's notifications (which also progresses UCX for a passive peer), backing off while idle. A request's
 notification rides on its transfer (``notify_slot``): the receiving side's poller writes its notification word,
-advancing it only over values that all arrived (the n-th notification to a slot means the first n landed),
-so :meth:`~gpuxfer.kv.agent.KVAgent.wait_notification` and ``stream_wait_notification`` work unchanged.
+advancing it only over values that all arrived (the n-th notification to a slot means the first n landed), so
+:meth:`~gpuxfer.kv.agent.KVAgent.wait_notification` and ``stream_wait_notification`` work unchanged. A value
+arrived ahead of one before it is held if at most :data:`NOTIFY_WINDOW` past the word, else refused and counted
+(:attr:`NixlSide.refused`): a slot holds that many values at most, whatever a peer sends.
 
 Every NIXL call goes through the side's lock (NIXL's agent is made without its own synchronisation). Every
 wait is bounded: a transfer NIXL reports failed (a dead peer) raises :class:`~gpuxfer.kv.nixl_ffi.NixlError`,
@@ -41,6 +47,10 @@ NIXL_EXTRA = "pip install 'gpuxfer[nixl]' (the nixl wheel; on a CPU-only machine
 MAX_NIXL_MD_BYTES = 4 << 20
 #: a notification riding on a transfer: this prefix, then ``<slot>:<value>``
 NOTIF_PREFIX = b"gxkv:"
+#: how far past a slot's word a notification may be and still be held until the values before it arrive: one
+#: further ahead is refused (counted in :attr:`NixlSide.refused`), so a slot holds at most this many values
+#: (one bit each) whatever a peer sends
+NOTIFY_WINDOW = 1 << 16
 #: the poller's interval: this right after a notification, doubling while idle up to POLL_MAX_S
 POLL_MIN_S, POLL_MAX_S = 50e-6, 1e-3
 
@@ -117,8 +127,9 @@ class NixlSide:
         self.device = 0 if agent.platform.host_memory else agent.device
         self.name = f"gxkv-{agent.name}-{agent.uid}"
         self._registered = 0                  # agent allocations registered so far (in order)
-        self._received: dict[int, set[int]] = {}     # per notification slot: values past the word that arrived
         self._word: list[int] = [0] * NOTIFY_SLOTS
+        self._ahead: list[int] = [0] * NOTIFY_SLOTS    # per slot: bit i set when value word + 1 + i arrived
+        self.refused = 0                    # notifications refused: further than NOTIFY_WINDOW past their word
         self.nixl = NixlAgent(mod, self.name, mem_type=self.mem_type, rank=agent.rank, telemetry=False,
                               progress_thread=config.get("GPUXFER_NIXL_PROGRESS_THREAD"))
         self._stop = threading.Event()
@@ -173,7 +184,9 @@ class NixlSide:
             delay = POLL_MIN_S if notifs else min(2 * delay, POLL_MAX_S)
 
     def _deliver(self, notifs: Mapping) -> None:
-        """Write each slot's word up to the longest run of values that all arrived."""
+        """Write each slot's word up to the longest run of values that all arrived; a value further than
+        :data:`NOTIFY_WINDOW` past its slot's word is refused (counted, the first one logged)."""
+        moved = set()
         for sender, msgs in notifs.items():
             for msg in msgs:
                 slot_value = _parse_notif(msg)
@@ -182,18 +195,31 @@ class NixlSide:
                               bytes(msg)[:64])
                     continue
                 slot, value = slot_value
-                if value > self._word[slot]:
-                    self._received.setdefault(slot, set()).add(value)
-        for slot, got in self._received.items():
+                ahead = value - self._word[slot] - 1
+                if ahead < 0:                       # a repeat
+                    continue
+                if ahead >= NOTIFY_WINDOW:
+                    self._refuse(sender, slot, value)
+                elif ahead:                         # held until the values before it arrive
+                    self._ahead[slot] |= 1 << ahead
+                else:                               # the next value: the word moves over it and the run held after
+                    bits = self._ahead[slot] | 1
+                    run = (~bits & (bits + 1)).bit_length() - 1
+                    self._ahead[slot] = bits >> run
+                    self._word[slot] += run
+                    moved.add(slot)
+        flags = self.agent.flags
+        for slot in moved:
             w = self._word[slot]
-            while w + 1 in got:
-                w += 1
-                got.discard(w)
-            if w != self._word[slot]:
-                self._word[slot] = w
-                flags = self.agent.flags
-                if flags is not None and not flags.closed and flags.read(NOTIFY + slot) < w:
-                    self.agent.platform.host_write_flag(flags.word(NOTIFY + slot), w, self.agent.device)
+            if flags is not None and not flags.closed and flags.read(NOTIFY + slot) < w:
+                self.agent.platform.host_write_flag(flags.word(NOTIFY + slot), w, self.agent.device)
+
+    def _refuse(self, sender, slot: int, value: int) -> None:
+        self.refused += 1
+        if self.refused == 1:
+            log.warning("agent %s: refused NIXL notification %d to slot %d from %s: more than %d past the slot's "
+                        "value %d (a broken or forged sender); later ones are counted in its NIXL side's refused, "
+                        "not logged", self.agent.name, value, slot, sender, NOTIFY_WINDOW, self._word[slot])
 
     def close(self) -> None:
         """Stop the poller (bounded) and close the NIXL agent: its transfers, lists, peers and registrations

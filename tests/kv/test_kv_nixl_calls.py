@@ -284,13 +284,17 @@ def test_close_keeps_the_agent_of_a_transfer_that_never_completed(fake_nixl, end
 
 def test_a_remote_agent_is_added_once(fake_nixl):
     """NIXL loads an agent's metadata twice silently: the wrapper refuses the second, keeping one entry (two
-    holders would remove it from under each other)."""
+    holders would remove it from under each other); given the name expected, before NIXL loads it."""
     a, b = _pair(fake_nixl)
     with a, b:
         assert b.add_remote(a.metadata()) == "src"
-        with pytest.raises(BadInput, match="added already"):
+        with pytest.raises(nf.RemoteHeld, match="added already") as held:
             b.add_remote(a.metadata())
-        assert b._remotes == ["src"]
+        assert held.value.name == "src" and b._remotes == ["src"]
+        loads = [c for c in fake_nixl.calls if c[1] == "add_remote_agent"]
+        with pytest.raises(nf.RemoteHeld, match="NIXL agent 'src' is added already"):
+            b.add_remote(a.metadata(), "src")           # its name held: refused before NIXL loads it again
+        assert [c for c in fake_nixl.calls if c[1] == "add_remote_agent"] == loads and b._remotes == ["src"]
         b.remove_remote("src")
         assert b._remotes == [] and fake_nixl.agents["dst"].remotes == set()
 

@@ -95,28 +95,96 @@ def test_a_peer_naming_a_nixl_agent_already_reached_is_refused_and_the_first_pee
     a.transfer(p, "pull", local_blocks={"g": [2]}, remote_blocks={"g": [3]}).wait(5)
 
 
-def test_hostile_block_counts_are_refused_before_any_list_is_built(pair, monkeypatch):
-    """A peer whose metadata claims more blocks than NIXL's int32 indices reach: BadMetadata, no array of that size
-    built (a MemoryError or the OOM killer otherwise), NIXL's agent taken back."""
+def test_a_peer_renaming_a_nixl_agent_already_reached_is_refused_as_a_replay(pair):
+    """A NIXL section naming a new agent over the metadata of one already reached: the same BadMetadata as a replay
+    under its own name (NIXL's name for it is what counts), and the first peer keeps the agent."""
     import json
+    import uuid
     from gpuxfer.kv.metadata import _HEADER
     fake, (a, b), p, bufs = pair
-    a.remove_peer(p)
+    blob = b.metadata()
+    nx = json.loads(blob[_HEADER.size:])["nixl"]
+    with pytest.raises(BadMetadata, match=f"its NIXL agent '{b.nixl.name}' is one agent 'f0' reaches already"):
+        a.add_peer(_forged(blob, agent="renamed", uid=uuid.uuid4().hex, nixl=dict(nx, agent="another")),
+                   route="nixl")
+    assert _remotes(fake, a) == {b.nixl.name} and list(a.peers) == [b.name]
+    a.transfer(p, "pull", local_blocks={"g": [2]}, remote_blocks={"g": [3]}).wait(5)
 
+
+def _claiming(blob: bytes, *, blocks: int, block_tokens: int = BT, piece: int = 256) -> bytes:
+    """``blob`` whose layer claims ``blocks`` blocks of ``block_tokens`` tokens, ``piece`` bytes each (its allocation
+    and extent grown to hold them)."""
+    import json
+    from gpuxfer.kv.metadata import _HEADER
+    body = json.loads(blob[_HEADER.size:])
+    body["groups"][0]["block_tokens"] = block_tokens
+    lay = body["groups"][0]["layers"][0]
+    lay["num_blocks"], lay["block_stride"], lay["extent"], lay["pieces"] = blocks, piece, blocks * piece, [[0, piece]]
+    alloc = body["allocations"][lay["alloc"]]
+    alloc["nbytes"] = max(alloc["nbytes"], lay["offset"] + blocks * piece)
+    return _forged(blob, **{k: body[k] for k in ("allocations", "groups")})
+
+
+def _no_lists(monkeypatch):
     def segments(*args):
         raise AssertionError(f"a list was built: {args}")
-
     monkeypatch.setattr("gpuxfer.kv.nixl_peer._segments", segments)
+
+
+def test_hostile_block_counts_are_refused_before_any_list_is_built(pair, host, monkeypatch):
+    """A peer whose metadata claims more blocks than this agent's lists hold (4x its own blocks x pieces, or
+    GPUXFER_KV_NIXL_MAX_DESCRIPTORS if more; below NIXL's int32 indices): BadMetadata, no row built (hundreds of MiB
+    to 48 GiB of host lists otherwise), NIXL's agent taken back, the agent usable."""
+    fake, (a, b), p, bufs = pair
+    a.remove_peer(p)
     blob = b.metadata()
-    body = json.loads(blob[_HEADER.size:])
-    for nb in (1 << 31, 1 << 40, 1 << 53):
-        body["allocations"][0]["nbytes"] = nb * 256
-        body["nixl"]["bases"] = [4096]
-        lay = body["groups"][0]["layers"][0]
-        lay["num_blocks"], lay["extent"] = nb, nb * 256
-        with pytest.raises(BadMetadata, match="int32"):
-            a.add_peer(_forged(blob, **{k: body[k] for k in ("allocations", "nixl", "groups")}), route="nixl")
-        assert _remotes(fake, a) == set() and dict(a.peers) == {}
+    with monkeypatch.context() as m:
+        _no_lists(m)
+        for nb in ((1 << 22) + 1, 1 << 31, 1 << 53):
+            with pytest.raises(BadMetadata, match=f"make {nb:,} NIXL descriptors; this agent's lists hold at most "
+                                                  "4,194,304"):
+                a.add_peer(_claiming(blob, blocks=nb), route="nixl")
+            assert _remotes(fake, a) == set() and dict(a.peers) == {}
+        for cap, bound in (("16", 32), ("48", 48)):         # this agent's own: 8 blocks x 1 piece
+            m.setenv("GPUXFER_KV_NIXL_MAX_DESCRIPTORS", cap)
+            with pytest.raises(BadMetadata, match=f"make {bound + 1} NIXL descriptors; this agent's lists hold at "
+                                                  f"most {bound} "):
+                a.add_peer(_claiming(blob, blocks=bound + 1), route="nixl")
+            assert _remotes(fake, a) == set() and dict(a.peers) == {}
+    monkeypatch.setenv("GPUXFER_KV_NIXL_MAX_DESCRIPTORS", "16")
+    p = a.add_peer(_claiming(blob, blocks=32), route="nixl")     # at the bound: taken, and moves
+    a.transfer(p, "pull", local_blocks={"g": [0]}, remote_blocks={"g": [31]}).wait(5)
+    assert torch.equal(host.as_tensor(bufs[0])[:256], host.as_tensor(bufs[1])[31 * 256:32 * 256])
+
+
+def test_a_peer_block_size_multiplying_this_agents_list_is_refused_before_it_is_built(fake_nixl, host, monkeypatch):
+    """A peer of 1-token blocks cuts each of this agent's 16-token blocks into 16 descriptors: past the bound,
+    BadInput naming the count, nothing built, the agent usable."""
+    bufs = [host.alloc(1 << 14, r) for r in (0, 1)]
+    agents = [KVAgent(f"bs{r}", platform=host, device=r, timeout_s=5.0, remote="nixl") for r in (0, 1)]
+    try:
+        for buf, ag in zip(bufs, agents):
+            ag.register_group("g", 16, {"l0": host.as_tensor(buf)[:BLOCKS * 256].view(BLOCKS, 256)})
+        host.as_tensor(bufs[1])[:4096].copy_(torch.arange(4096, dtype=torch.int64).to(torch.uint8))
+        a, b = agents
+        blob = _claiming(b.metadata(), blocks=16, block_tokens=1, piece=16)
+        monkeypatch.setenv("GPUXFER_KV_NIXL_MAX_DESCRIPTORS", "16")
+        with monkeypatch.context() as m:
+            _no_lists(m)
+            with pytest.raises(BadInput, match="block size makes 128 NIXL descriptors here; this agent's lists "
+                                               "hold at most 32 "):
+                a.add_peer(blob, route="nixl")
+        assert _remotes(fake_nixl, a) == set() and dict(a.peers) == {}
+        monkeypatch.setenv("GPUXFER_KV_NIXL_MAX_DESCRIPTORS", "128")
+        p = a.add_peer(blob, route="nixl")
+        a.transfer(p, "pull", local_blocks={"g": [0]}, remote_blocks={"g": list(range(16))}).wait(5)
+        assert torch.equal(host.as_tensor(bufs[0])[:256], host.as_tensor(bufs[1])[:256])
+    finally:
+        for ag in agents:
+            ag.close()
+        for buf in bufs:
+            buf.close()
+        nixl_ffi._KEPT.clear()
 
 
 # ----------------------------------------------------------------------------- a transfer that ends in ERR

@@ -570,6 +570,50 @@ def test_notifications_advance_only_over_values_that_all_arrived(need_nixl, host
         a.close()
 
 
+def _held(side) -> int:
+    """Notification values the side holds, past their slots' words, over every slot."""
+    return sum(bin(bits).count("1") for bits in side._ahead)
+
+
+def test_notifications_held_out_of_order_stay_within_a_window(need_nixl, host):
+    """Values at most NOTIFY_WINDOW past a slot's word are held until the ones before them arrive; any further
+    ahead is refused and counted: a slot never holds more than the window, whatever arrives."""
+    from gpuxfer.kv.nixl_route import NOTIFY_WINDOW as W
+    a = KVAgent("notif-w", platform=host, device=0, timeout_s=10, remote="nixl")
+    try:
+        side = a.nixl
+        side._deliver({"peer": [b"gxkv:2:%d" % v for v in range(2, 3 * W)]})
+        assert a.notification(2) == 0 and _held(side) == W - 1 and side.refused == 2 * W - 1
+        side._deliver({"peer": [b"gxkv:2:1", b"gxkv:2:%d" % (2 * W), b"gxkv:2:%d" % (2 * W + 1)]})
+        assert a.notification(2) == W and _held(side) == 1 and side.refused == 2 * W
+        side._deliver({"peer": [b"gxkv:2:%d" % v for v in range(W + 1, 2 * W)]})
+        assert a.notification(2) == 2 * W and _held(side) == 0
+    finally:
+        a.close()
+
+
+def test_a_flood_of_forged_notifications_holds_nothing_and_real_ones_complete(nixl_pair, caplog):
+    """Notifications sent over NIXL far past a slot's word (a forged or broken sender), tens of thousands: none
+    held, each counted, the first logged; the transfers' own notifications to that slot then complete."""
+    import time
+    from gpuxfer.kv.nixl_route import NOTIFY_WINDOW as W
+    (a, b), (p, _), caches = nixl_pair
+    n = 20_000
+    with a.nixl.lock:
+        for v in range(n):
+            a.nixl.nixl.notify(p.remote, b"gxkv:5:%d" % (W + 1 + 7 * v))
+    deadline = time.monotonic() + 60
+    while b.nixl.refused < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert b.nixl.refused == n and _held(b.nixl) == 0
+    for blk in range(3):
+        a.transfer(p, "push", local_blocks={"full": [blk]}, remote_blocks={"full": [blk + 4]}, notify_slot=5).wait(20)
+    assert b.wait_notification(5, 3, timeout_s=20) == 3 and _held(b.nixl) == 0
+    name = "model.layers.0.attn"
+    assert torch.equal(caches[1]["full"][name][:, 4:7], caches[0]["full"][name][:, 0:3])
+    assert len([r for r in caplog.records if "refused NIXL notification" in r.getMessage()]) == 1
+
+
 def test_a_peer_on_another_host_takes_the_nixl_route_by_itself(need_nixl, host):
     """``add_peer(blob)`` with no route named: a peer whose metadata names another host goes over NIXL."""
     bufs = [host.alloc(1 << 16, r) for r in (0, 1)]
