@@ -275,6 +275,19 @@ def test_a_room_that_stops_without_a_marker_is_drained_when_idle():
     assert mgr.handles[0].waited and ("ack", ROOM) in mgr.log and not mgr.pushes._posted
 
 
+def test_a_cleared_room_with_pushes_posted_is_drained_when_idle():
+    """A room cleared (no status, no destinations) while a push of it was posted and no marker came: the push
+    is waited for when the thread is idle, not held on to."""
+    mgr = Manager()
+    _room(mgr)
+    mgr.run(_chunk(0))
+    mgr.request_status.pop(ROOM)
+    mgr.transfer_infos.pop(ROOM)
+    mgr.handles[0].finish()
+    mgr.pushes._drain_ended_rooms()
+    assert mgr.handles[0].waited and not mgr.pushes._posted and ROOM not in mgr._staging_outstanding
+
+
 def _abort_target():
     from sglang.srt.disaggregation.common.conn import AbortNotification
     return AbortNotification(room=ROOM, decode_ip="127.0.0.1", decode_port=5556, generation=1).deferred_ack_target()
