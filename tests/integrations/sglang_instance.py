@@ -482,7 +482,7 @@ class _State:
         from gpuxfer.integrations.sglang.layout import GROUP
         mgr = self.mgr
         with mgr._agent_lock:
-            peer = next(iter(mgr._peers.values()))
+            peer = next(iter(mgr.pushes._peers.values()))
             t0 = time.monotonic()
             x = mgr.agent.prepare(peer, "push", local_blocks={GROUP: np.asarray(src, dtype=np.int32)},
                                   remote_blocks={GROUP: np.asarray(dst, dtype=np.int32)}, name="direct")
@@ -530,9 +530,9 @@ class _State:
             setattr(obj, name, traced)
         if self.role == "prefill":
             wrap("add_transfer_request", room=lambda a, k: k.get("bootstrap_room", a[0] if a else None))
-            wrap("_post", room=lambda a, k: a[0].room)
-            wrap("_drain")
-            wrap("_send_aux", room=lambda a, k: a[0].room)
+            wrap("_post", obj=mgr.pushes, room=lambda a, k: a[0].room)
+            wrap("_drain", obj=mgr.pushes)
+            wrap("_send_aux", obj=mgr.pushes, room=lambda a, k: a[0].room)
             wrap("conclude_transfer", room=lambda a, k: k.get("bootstrap_room"))
         else:
             wrap("write_aux_rows", obj=conn, room=lambda a, k: None)
@@ -548,7 +548,7 @@ class _State:
         """Whether this rank's agent has a NIXL side, the route each decode rank was added on (prefill), and the
         backend's error log records so far."""
         return {"nixl": self.mgr.agent.nixl is not None,
-                "peers": {s: p.route for s, p in getattr(self.mgr, "_peers", {}).items()},
+                "peers": {s: p.route for s, p in getattr(getattr(self.mgr, "pushes", None), "_peers", {}).items()},
                 "errors": list(self.logged_errors)}
 
     def cpu(self):

@@ -39,8 +39,12 @@ def _kv_args(page_size=4, pages=8, entries=4, rows=5, **extra):
 
 
 def test_importing_the_backend_imports_no_sglang():
-    code = ("import sys, gpuxfer, gpuxfer.integrations, gpuxfer.integrations.sglang, "
-            "gpuxfer.integrations.sglang.plugin, gpuxfer.integrations.sglang.layout\n"
+    """Every module of the backend but ``conn`` (the one that imports SGLang) imports none."""
+    code = ("import importlib, pkgutil, sys, gpuxfer, gpuxfer.integrations, gpuxfer.integrations.sglang as pkg\n"
+            "names = [m.name for m in pkgutil.iter_modules(pkg.__path__) if m.name != 'conn']\n"
+            "assert {'plugin', 'layout', 'pushes'} <= set(names), names\n"
+            "for name in names:\n"
+            "    importlib.import_module(f'{pkg.__name__}.{name}')\n"
             "bad = [m for m in sys.modules if m == 'sglang' or m.startswith('sglang.')]\n"
             "assert not bad, bad\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -1,14 +1,13 @@
-"""The SGLang backend's transfer thread posting a room's chunks without waiting for each: the manager's
-``_transfer`` / ``_on_abort`` driven in this process with stand-in pushes whose completion and errors the test
-decides (no agent, no sockets, no decode): a room's posts are waited for only when it is concluded, before its
-metadata row and its status; an error of any chunk fails the room then; an abort's ACK goes only once every
-posted push was waited for; a push past the timeout withholds the ACK. The backend end to end:
-tests/integrations/test_sglang_backend.py.
+"""The SGLang backend's transfer thread posting a room's chunks without waiting for each: its ``Pushes``
+(``_transfer``) and the manager's ``_on_abort`` driven in this process with stand-in pushes whose completion
+and errors the test decides (no agent, no sockets, no decode): a room's posts are waited for only when it is
+concluded, before its metadata row and its status; an error of any chunk fails the room then; an abort's ACK
+goes only once every posted push was waited for; a push past the timeout withholds the ACK. The backend end
+to end: tests/integrations/test_sglang_backend.py.
 """
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 import time
 from collections import defaultdict
@@ -27,8 +26,9 @@ from sglang.srt.disaggregation.common.conn import ABORT_TAG  # noqa: E402
 from gpuxfer.errors import BadInput, GpuxferError, PeerLost, TransferTimeout  # noqa: E402
 from gpuxfer.kv.nixl_ffi import NixlError  # noqa: E402
 from gpuxfer.integrations.sglang.landing import READ_EVERY_S, Landings  # noqa: E402
-from gpuxfer.integrations.sglang.conn import (GpuxferKVManager, TransferInfo, _Chunk,  # noqa: E402
-                                              _drain_marker)
+from gpuxfer.integrations.sglang.conn import GpuxferKVManager  # noqa: E402
+from gpuxfer.integrations.sglang.pushes import Pushes  # noqa: E402
+from gpuxfer.integrations.sglang.requests import TransferInfo, _Chunk  # noqa: E402
 
 ROOM = 7
 DECODE = ("127.0.0.1", 5555)
@@ -68,9 +68,42 @@ class FakeHandle:
             raise self.error
 
 
+class FakePushes(Pushes):
+    """The prefill's transfer thread with stand-in pushes, its records in the test's manager ``mgr``: ``_post``
+    hands out :class:`FakeHandle` s (or raises ``mgr.post_errors[chunk start]``), the row is recorded, and
+    ``mgr.before_drain`` runs once as a room's pushes are next waited for."""
+
+    def __init__(self, mgr, timeout_s):
+        super().__init__(mgr, None, mgr._agent_lock, None, timeout_s, threading.Event())
+        self.mgr = mgr
+
+    def _post(self, chunk, info):
+        mgr, start = self.mgr, chunk.index_slice.start
+        if start in mgr.post_errors:
+            raise mgr.post_errors[start]
+        if chunk.is_last:                       # the row goes before the last push is posted
+            self._send_aux(chunk, info, None)
+        mgr.log.append(("post", start))
+        mgr.handles[start] = FakeHandle(f"chunk {start}", mgr.log)
+        if mgr.landed_at_once:
+            mgr.handles[start].finish()
+        return mgr.handles[start]
+
+    def _send_aux(self, chunk, info, landing):
+        self.mgr.log.append(("aux", chunk.room))
+
+    def _drain(self, room, *args, **kwargs):
+        hook, self.mgr.before_drain = self.mgr.before_drain, None
+        if hook is not None:
+            hook()
+        return super()._drain(room, *args, **kwargs)
+
+
 class Manager(GpuxferKVManager):
-    """The prefill manager's transfer state without its agent, sockets or threads: ``_post`` hands out
-    :class:`FakeHandle` s (or raises ``post_errors[chunk start]``), messages to the decode are recorded."""
+    """The prefill manager's state without its agent, sockets or threads; its transfer thread a
+    ``pushes_class`` (:class:`FakePushes`), messages to the decode recorded."""
+
+    pushes_class = FakePushes
 
     def __init__(self, timeout_s=5.0):         # noqa: super().__init__ binds sockets and makes an agent
         self.timeout_s, self.kv_heads = timeout_s, (0, 0)
@@ -79,31 +112,10 @@ class Manager(GpuxferKVManager):
         self._staging_outstanding = defaultdict(int)
         self._deferred_ack_targets, self._deferred_ack_poisoned_rooms = {}, set()
         self.deferred_bootstrap = None
-        self._queue, self._posted, self._dead, self._peers, self._rejected = queue.Queue(), {}, {}, {}, {}
         self.log, self.handles, self.post_errors = [], {}, {}
         self.landed_at_once = False             # new pushes complete as they are posted
         self.before_drain = None                # run once as a room's pushes are next waited for
-
-    def _post(self, chunk, info):
-        start = chunk.index_slice.start
-        if start in self.post_errors:
-            raise self.post_errors[start]
-        if chunk.is_last:                       # the row goes before the last push is posted
-            self._send_aux(chunk, info, None)
-        self.log.append(("post", start))
-        self.handles[start] = FakeHandle(f"chunk {start}", self.log)
-        if self.landed_at_once:
-            self.handles[start].finish()
-        return self.handles[start]
-
-    def _send_aux(self, chunk, info, landing):
-        self.log.append(("aux", chunk.room))
-
-    def _drain(self, room, *args, **kwargs):
-        hook, self.before_drain = self.before_drain, None
-        if hook is not None:
-            hook()
-        return super()._drain(room, *args, **kwargs)
+        self.pushes = self.pushes_class(self, timeout_s)
 
     def send_kv_status_message(self, *, targets, bootstrap_room, status, failure_reason=None, infos=None):
         self.log.append(("status", bootstrap_room, status, failure_reason))
@@ -119,7 +131,7 @@ class Manager(GpuxferKVManager):
         made by the test belongs to the room's request now, as one ``add_transfer_request`` queued."""
         if chunk.pages is not None and chunk.infos is None:
             chunk.infos = self.transfer_infos.get(chunk.room)
-        self._handle(chunk)
+        self.pushes._handle(chunk)
 
     def statuses(self):
         return [e for e in self.log if e[0] == "status"]
@@ -178,7 +190,7 @@ def test_chunks_are_posted_without_waiting_and_waited_before_the_row_and_success
     tail = mgr.log[3:]
     assert [e[0] for e in tail] == ["aux", "post"] + ["wait"] * 4 + ["status"]   # the row goes as the last push
     assert tail[-1][2] == KVPoll.Success and mgr.request_status[ROOM] == KVPoll.Success
-    assert ROOM not in mgr._staging_outstanding and not mgr._posted
+    assert ROOM not in mgr._staging_outstanding and not mgr.pushes._posted
 
 
 def test_an_error_of_a_middle_chunk_fails_the_room_when_it_is_concluded():
@@ -197,8 +209,8 @@ def test_an_error_of_a_middle_chunk_fails_the_room_when_it_is_concluded():
     assert status[2] == KVPoll.Failed and "PeerLost" in status[3]
     # the row went with the last chunk, before the error was found; the Failed status follows it
     assert mgr.log.index(("aux", ROOM)) < mgr.log.index(status) and mgr.request_status[ROOM] == KVPoll.Failed
-    assert "decode" in mgr._dead                # a lost peer is sent nothing more
-    assert ROOM not in mgr._staging_outstanding and not mgr._posted
+    assert "decode" in mgr.pushes._dead         # a lost peer is sent nothing more
+    assert ROOM not in mgr._staging_outstanding and not mgr.pushes._posted
 
 
 def test_a_chunk_that_cannot_be_posted_fails_the_room_after_the_posted_ones_are_waited_for():
@@ -225,7 +237,7 @@ def test_an_abort_while_chunks_are_in_flight_acks_only_once_they_are_waited_for(
     _abort(mgr)
     assert mgr.request_status[ROOM] == KVPoll.Failed
     assert ("ack", ROOM) not in mgr.log         # two pushes in flight: no ACK yet
-    marker = mgr._queue.get_nowait()
+    marker = mgr.pushes._queue.get_nowait()
     assert marker.pages is None and marker.room == ROOM
     drain = threading.Thread(target=mgr.run, args=(marker,))
     drain.start()
@@ -237,7 +249,7 @@ def test_an_abort_while_chunks_are_in_flight_acks_only_once_they_are_waited_for(
     assert not drain.is_alive()
     assert mgr.log.index(("ack", ROOM)) > max(mgr.log.index(("wait", "chunk 0")), mgr.log.index(("wait", "chunk 2")))
     assert mgr.log.count(("ack", ROOM)) == 1
-    assert ROOM not in mgr._staging_outstanding and not mgr._posted
+    assert ROOM not in mgr._staging_outstanding and not mgr.pushes._posted
     mgr.run(_chunk(4))                          # a chunk after the abort: not posted
     mgr.run(_chunk(6, last=True))               # the last chunk: the decode told Failed, nothing posted
     assert [e[0] for e in mgr.log].count("post") == 2
@@ -259,8 +271,21 @@ def test_a_room_that_stops_without_a_marker_is_drained_when_idle():
     mgr.update_status(ROOM, KVPoll.Failed)
     mgr.register_deferred_ack_target(ROOM, _abort_target())
     mgr.handles[0].finish()
-    mgr._drain_ended_rooms()
-    assert mgr.handles[0].waited and ("ack", ROOM) in mgr.log and not mgr._posted
+    mgr.pushes._drain_ended_rooms()
+    assert mgr.handles[0].waited and ("ack", ROOM) in mgr.log and not mgr.pushes._posted
+
+
+def test_a_cleared_room_with_pushes_posted_is_drained_when_idle():
+    """A room cleared (no status, no destinations) while a push of it was posted and no marker came: the push
+    is waited for when the thread is idle, not held on to."""
+    mgr = Manager()
+    _room(mgr)
+    mgr.run(_chunk(0))
+    mgr.request_status.pop(ROOM)
+    mgr.transfer_infos.pop(ROOM)
+    mgr.handles[0].finish()
+    mgr.pushes._drain_ended_rooms()
+    assert mgr.handles[0].waited and not mgr.pushes._posted and ROOM not in mgr._staging_outstanding
 
 
 def _abort_target():
@@ -273,9 +298,9 @@ def test_a_push_past_the_timeout_fails_the_room_and_withholds_the_ack():
     _room(mgr)
     mgr.run(_chunk(0))
     _abort(mgr)
-    mgr.run(mgr._queue.get_nowait())            # the push never completes
+    mgr.run(mgr.pushes._queue.get_nowait())     # the push never completes
     assert ("ack", ROOM) not in mgr.log         # it may still land: the decode must not reuse its pages on an ACK
-    assert ROOM in mgr._deferred_ack_poisoned_rooms and not mgr._posted
+    assert ROOM in mgr._deferred_ack_poisoned_rooms and not mgr.pushes._posted
 
 
 @pytest.mark.parametrize("end", ["done", "nixl error", "wait raised early"])
@@ -293,10 +318,10 @@ def test_an_abort_acks_only_once_a_push_without_an_event_is_proven_over(end):
         mgr.handles[0].finish(NixlError("check_xfer_state", "waiting", "the transfer ended in ERR"))
     else:
         mgr.handles[0].early = GpuxferError("the agent failed")
-    mgr.run(mgr._queue.get_nowait())
+    mgr.run(mgr.pushes._queue.get_nowait())
     over = end == "done"
     assert (("ack", ROOM) in mgr.log) == over, (end, mgr.log)
-    assert (ROOM in mgr._deferred_ack_poisoned_rooms) != over and not mgr._posted
+    assert (ROOM in mgr._deferred_ack_poisoned_rooms) != over and not mgr.pushes._posted
 
 
 def test_a_prefill_abort_drains_the_room():
@@ -304,10 +329,10 @@ def test_a_prefill_abort_drains_the_room():
     _room(mgr)
     mgr.run(_chunk(0))
     mgr.conclude_failure(bootstrap_room=ROOM, failure_reason="Aborted by the prefill")
-    mgr._queue.put(_drain_marker(ROOM))         # what GpuxferKVSender.abort queues after telling the decode
+    mgr.pushes.drain_later(ROOM)                # what GpuxferKVSender.abort queues after telling the decode
     mgr.handles[0].finish()
-    mgr.run(mgr._queue.get_nowait())
-    assert mgr.handles[0].waited and not mgr._posted and ROOM not in mgr._staging_outstanding
+    mgr.run(mgr.pushes._queue.get_nowait())
+    assert mgr.handles[0].waited and not mgr.pushes._posted and ROOM not in mgr._staging_outstanding
 
 
 def test_a_chunk_with_a_wait_event_is_posted_only_once_the_event_completed():
@@ -338,7 +363,7 @@ def test_a_wait_event_that_never_completes_fails_the_room_and_posts_nothing():
     assert [e for e in mgr.log if e[0] == "post"] == [("post", 0)]
     (status,) = mgr.statuses()
     assert status[2] == KVPoll.Failed and "TransferTimeout" in status[3] and "forward pass" in status[3]
-    assert mgr.handles[0].waited and not mgr._posted
+    assert mgr.handles[0].waited and not mgr.pushes._posted
 
 
 
@@ -478,18 +503,24 @@ class FakePushAgent:
         return FakeXfer(self, peer, notify_slot, self.log)
 
 
-class RealPost(Manager):
-    """The manager's own ``_post`` over a stand-in agent whose peer counts notifications."""
+class RealPostPushes(FakePushes):
+    """The transfer thread's own ``_post``; the row recorded with the landing it names."""
 
-    _post = GpuxferKVManager._post
+    _post = Pushes._post
+
+    def _send_aux(self, chunk, info, landing):
+        self.mgr.log.append(("aux", landing))
+
+
+class RealPost(Manager):
+    """The transfer thread's own ``_post`` over a stand-in agent whose peer counts notifications."""
+
+    pushes_class = RealPostPushes
 
     def __init__(self):
         super().__init__()
-        self.agent, self.peer = FakePushAgent(self.log), FakePeer()
-        self._peers, self._notify_slots = {"decode": self.peer}, {"decode": 3}
-
-    def _send_aux(self, chunk, info, landing):
-        self.log.append(("aux", landing))
+        self.pushes.agent, self.peer = FakePushAgent(self.log), FakePeer()
+        self.pushes._peers, self.pushes._notify_slots = {"decode": self.peer}, {"decode": 3}
 
 
 def test_the_row_names_the_value_the_last_push_writes_and_goes_before_it():
@@ -505,12 +536,12 @@ def test_the_row_names_the_value_the_last_push_writes_and_goes_before_it():
 def test_a_last_push_that_fails_after_its_row_went_retires_the_slot():
     mgr = RealPost()
     _room(mgr, pages=2)
-    mgr.agent.fail_posts = True                 # (a prepare that raises is the same path)
+    mgr.pushes.agent.fail_posts = True          # (a prepare that raises is the same path)
     mgr.run(_chunk(0, last=True))
     assert ("aux", (3, 1)) in mgr.log and mgr.statuses()[-1][2] == KVPoll.Failed
-    assert mgr._notify_slots["decode"] is None      # value 1 may be written by a later push: never announced again
-    mgr.agent.fail_posts = False
-    mgr._dead.clear()
+    assert mgr.pushes._notify_slots["decode"] is None   # value 1 may be written by a later push: never announced
+    mgr.pushes.agent.fail_posts = False
+    mgr.pushes._dead.clear()
     mgr.request_status.clear()
     _room(mgr, pages=4)
     mgr.run(_chunk(0))
@@ -530,21 +561,25 @@ def test_a_peer_reached_through_nixl_announces_no_value():
 def test_a_push_that_wrote_another_value_than_announced_retires_the_slot():
     mgr = RealPost()
     _room(mgr, pages=2)
-    mgr.agent.skew = 1
+    mgr.pushes.agent.skew = 1
     mgr.run(_chunk(0, last=True))
     assert ("aux", (3, 1)) in mgr.log and ("post", 3, 2) in mgr.log
-    assert mgr._notify_slots["decode"] is None
+    assert mgr.pushes._notify_slots["decode"] is None
 
 
 # ---------------------------------------------------------------------- the prefill's pushes over real agents
 
 
+class RealAgentsPushes(FakePushes):
+    _post = Pushes._post
+
+
 class RealAgents(Manager):
-    """The manager's own ``_post`` over two real agents of this process (host emulation): the prefill's pool
-    (``ENTRIES`` entries of ``PAGES`` pages, random bytes) pushed onto a decode agent's (zeros), as
+    """The transfer thread's own ``_post`` over two real agents of this process (host emulation): the prefill's
+    pool (``ENTRIES`` entries of ``PAGES`` pages, random bytes) pushed onto a decode agent's (zeros), as
     ``KVArgs`` hands them over."""
 
-    _post = GpuxferKVManager._post
+    pushes_class = RealAgentsPushes
     ENTRIES, PAGES, ITEM = 2, 16, 64
 
     def __init__(self):
@@ -572,10 +607,8 @@ class RealAgents(Manager):
                 aux_item_lens=[64], kv_cache_dtype_str="bfloat16", kv_layout=None, num_draft_entries=0)
             register_kv_args(agent, self.args[agent])
         self.geometry = geometry(self.args[self.agent], 1)
-        self._peers, self._notify_slots = {"decode": self.agent.add_peer(self.dec.metadata())}, {"decode": None}
-
-    def _send_aux(self, chunk, info, landing):
-        self.log.append(("aux", chunk.room))
+        self.pushes.agent = self.agent
+        self.pushes.add_decode("decode", self.dec.metadata(), {}, None)
 
     def close(self):
         self.agent.close()
@@ -603,8 +636,8 @@ def test_real_agents_land_a_room_byte_for_byte(real):
     real.transfer_infos[ROOM]["decode"].dst_kv_indices = np.array([9, 10, 11, 12], dtype=np.int32)
     real.add_transfer_request(ROOM, np.array([1, 2]), slice(0, 2), False)
     real.add_transfer_request(ROOM, np.array([3, 4]), slice(2, 4), True, aux_index=5)
-    while not real._queue.empty():
-        real.run(real._queue.get_nowait())
+    while not real.pushes._queue.empty():
+        real.run(real.pushes._queue.get_nowait())
     assert real.statuses()[-1][2] == KVPoll.Success
     assert real.decode_pages_equal([1, 2, 3, 4], [9, 10, 11, 12])
 
@@ -618,13 +651,12 @@ def test_chunks_queued_while_the_thread_was_busy_land_as_one_push(real):
         real.add_transfer_request(ROOM, np.array([start + 1, start + 2]), slice(start, start + 2), last, aux_index=5)
     prepared, prepare = [], real.agent.prepare
     real.agent.prepare = lambda *a, **k: prepared.append(k["local_blocks"]) or prepare(*a, **k)
-    real._stop = threading.Event()
-    worker = threading.Thread(target=real._transfer_worker)
+    worker = threading.Thread(target=real.pushes.run)
     worker.start()
     deadline = time.monotonic() + 30
     while not real.statuses() and time.monotonic() < deadline:
         time.sleep(0.01)
-    real._stop.set()
+    real.pushes._stop.set()
     worker.join(10)
     assert not worker.is_alive()
     assert real.statuses()[-1][2] == KVPoll.Success
@@ -640,8 +672,8 @@ def _decode_names(mgr, pages):
 
 
 def _run_all(mgr):
-    while not mgr._queue.empty():
-        mgr.run(mgr._queue.get_nowait())
+    while not mgr.pushes._queue.empty():
+        mgr.run(mgr.pushes._queue.get_nowait())
 
 
 @pytest.mark.parametrize("pages", [np.array([2**32 + 1, 2**32 + 2], dtype=np.int64), np.array([1.9, 2.7]),
@@ -700,11 +732,11 @@ def _registration(mgr, **change):
 def test_a_refused_registration_fails_the_ranks_rooms_even_after_an_accepted_one(real):
     """The decode rank registers again with a geometry that does not pair (another page size): its rooms fail
     with that reason, not pushed through the peer its earlier registration added."""
-    real.agent.remove_peer(real._peers.pop("decode"))
+    real.agent.remove_peer(real.pushes._peers.pop("decode"))
     real._on_registration(_registration(real))
-    assert "decode" in real._peers
+    assert "decode" in real.pushes._peers
     real._on_registration(_registration(real, page_size=8))
-    assert "page_size" in real._rejected["decode"]
+    assert "page_size" in real.pushes._rejected["decode"]
     _room(real, pages=2)
     _decode_names(real, [9, 10])
     real.add_transfer_request(ROOM, np.array([1, 2]), slice(0, 2), True, aux_index=5)
@@ -768,14 +800,19 @@ def test_an_earlier_requests_push_never_fails_a_new_request_of_its_room():
     mgr.run(_chunk(2, last=True))
     assert a.waited and mgr.handles[0] is not a
     assert mgr.statuses()[-1][2] == KVPoll.Success, mgr.statuses()
-    assert mgr.request_status[ROOM] == KVPoll.Success and not mgr._posted and ROOM not in mgr._staging_outstanding
+    assert mgr.request_status[ROOM] == KVPoll.Success
+    assert not mgr.pushes._posted and ROOM not in mgr._staging_outstanding
+
+
+class WirePushes(RealPostPushes):
+    _send_aux = Pushes._send_aux
 
 
 class WirePrefill(RealPost):
     """The prefill's own row and status messages over :class:`RealPost`'s pushes (slot 3 of the decode),
     kept in ``wire`` as they would go to the decode."""
 
-    _send_aux = GpuxferKVManager._send_aux
+    pushes_class = WirePushes
     send_kv_status_message = GpuxferKVManager.send_kv_status_message
 
     def __init__(self):
@@ -783,7 +820,8 @@ class WirePrefill(RealPost):
         import torch
         self.is_mla_backend, self.req_to_decode_prefix_len, self.kv_status_msg_tag = False, {}, None
         self.aux = torch.zeros(8 * 8, dtype=torch.uint8)
-        self.kv_args = SimpleNamespace(aux_data_ptrs=[self.aux.data_ptr()], aux_data_lens=[64], aux_item_lens=[8])
+        self.pushes.kv_args = SimpleNamespace(aux_data_ptrs=[self.aux.data_ptr()], aux_data_lens=[64],
+                                              aux_item_lens=[8])
         self.wire = []
 
     def row(self, data):

@@ -5,17 +5,19 @@ hook (:mod:`.plugin`), and SGLang imports it only once ``--disaggregation-transf
 Each KV manager holds one :class:`~gpuxfer.kv.KVAgent` over SGLang's own KV pool (``KVArgs``: raw pointers,
 registered with :meth:`~gpuxfer.kv.KVAgent.layer_at`, :mod:`.layout`). The prefill side pushes (SGLang's
 shape): every ``send()`` chunk becomes one ``prepare`` + ``post`` of its pages onto the decode pages the
-receiver named, on the manager's transfer thread, which does not wait for it (chunks of a request queued
-behind one another while the thread was busy, as a request sent back to back, become one push). The last chunk's push also bumps
-the decode agent's notification word that the decode's registration gave this prefill rank (stream order:
-after every push of the room landed), and its aux metadata row goes on SGLang's control socket just before
-that push, with the value it will write. The decode's ``poll()`` ends the room when the word holds that value; the
-prefill waits for the room's pushes, then sends SGLang's Success status behind the row, which also ends the
-room where no notification could be used (a rank past its ``NOTIFY_SLOTS`` registrations, a room of several
-prefill ranks, a peer on the NIXL route, whose notification follows its last transfer alone); for a room the
-decode ended by its word, that message is dropped on arrival (the room id may already be a new request's).
-Control messages are SGLang's (ZMQ, the bootstrap server's ``/route``); what gpuxfer adds is the decode
-agent's metadata and a notification slot in its registration, and the value in the row's message::
+receiver named, on the transfer thread the prefill's manager owns (:class:`.pushes.Pushes`), which does not
+wait for it (chunks of a request queued behind one another while the thread was busy, as a request sent back
+to back, become one push). The last chunk's push also bumps the decode agent's notification word that the
+decode's registration gave this prefill rank (stream order: after every push of the room landed), and its aux
+metadata row goes on SGLang's control socket just before that push, with the value it will write. The
+decode's ``poll()`` ends the room when the word holds that value; the prefill waits for the room's pushes,
+then sends SGLang's Success status behind the row, which also ends the room where no notification could be
+used (a rank past its ``NOTIFY_SLOTS`` registrations, a room of several prefill ranks, a peer on the NIXL
+route, whose notification follows its last transfer alone); for a room the decode ended by its word, that
+message is dropped on arrival (the room id may already be a new request's). Control messages are SGLang's
+(ZMQ, the bootstrap server's ``/route``); what gpuxfer adds is the decode agent's metadata and a notification
+slot in its registration, and the value in the row's message (the prefill's bootstrap thread is this
+module's, its transfer thread :class:`.pushes.Pushes`)::
 
     decode (receiver)                           bootstrap server         prefill (manager threads)
     -----------------                           ----------------         -------------------------
@@ -27,7 +29,7 @@ agent's metadata and a notification slot in its registration, and the value in t
     send_metadata: [room, ip, port, session,
        decode pages, aux row, n, token t] ----------------------------> room -> WaitingForInput
                                                                          KVSender.init(pages, aux row)
-                                                                         send(chunk) -> transfer thread:
+                                                                         send(chunk) -> transfer thread (Pushes):
                                                                            prepare(push) + post
                                                                          ... one per chunk ...
                                                                          last chunk: v = next value of k
@@ -49,17 +51,15 @@ SGLang names a request by its room id alone, and a room id may name a new reques
 decode's metadata message names the request by a token of its own (``t``), which the prefill echoes in the
 room's row and status messages: the decode drops those of an earlier request of the room id (late: it was
 given up there first) instead of writing, landing or concluding the new one with them. On the prefill, a
-request's pushes, its conclusion and its errors stay its own (``_Posted.infos``, :meth:`_conclude`), and a
+request's pushes, its conclusion and its errors stay its own (``_Posted.infos``, :meth:`conclude_room`), and a
 decode rank naming pages for a new request of a room id its earlier request still holds fails both.
 """
 from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
-import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Container, Dict, List, Optional
 
 import numpy as np
 import numpy.typing as npt
@@ -79,21 +79,18 @@ from sglang.srt.environ import envs
 from sglang.srt.server_args import ServerArgs
 
 from ... import config
-from ...errors import BadInput, BlockIdError, GpuxferError, PeerLost, TransferTimeout
+from ...errors import BadInput, BlockIdError, GpuxferError
 from ...kv import KVAgent
-from .landing import Landings, landing_frame, parse_landing, parse_slot, slot_frame
-from .requests import TransferInfo, _Chunk, _drain_marker, _Posted, coalesce
+from .landing import Landings, parse_landing, parse_slot, slot_frame
 from .layout import (GROUP, check_supported, decode_registration, encode_registration, geometry,
-                     geometry_differences, head_share, read_aux_rows, register_kv_args, total_kv_heads,
-                     write_aux_rows)
+                     geometry_differences, head_share, register_kv_args, total_kv_heads, write_aux_rows)
+from .pushes import AUX_TAG, AUX_TAG_V1, AUX_TAG_V2, Pushes
+from .requests import TransferInfo, _Chunk
 
 log = logging.getLogger("gpuxfer.sglang")
 
-AUX_TAG = b"GXAUX3"             # a metadata row with its landing value and the decode's request token
-_AUX_TAG_V2 = b"GXAUX2"         # a row with its landing value, no token (to or from an earlier gpuxfer)
-_AUX_TAG_V1 = b"GXAUX"          # a row alone (from an earlier gpuxfer)
 REGISTER_ROOM = b"None"         # SGLang's marker of a registration message (Mooncake's too)
-_RECV_POLL_MS = 200             # how often an idle thread looks at its stop flag (a message wakes it at once)
+_RECV_POLL_MS = 200             # how often an idle control thread looks at its stop flag (a message wakes it)
 
 
 def _int32_pages(kv_indices) -> bytes:
@@ -108,7 +105,9 @@ def _int32_pages(kv_indices) -> bytes:
 
 
 class GpuxferKVManager(CommonKVManager):
-    """SGLang's per-rank KV manager with a :class:`KVAgent` over the rank's KV pool."""
+    """SGLang's per-rank KV manager with a :class:`KVAgent` over the rank's KV pool. A prefill rank's runs its
+    control thread here and owns its transfer thread, ``pushes`` (:class:`.pushes.Pushes`), which it answers
+    about SGLang's state of a room (:class:`.pushes.Rooms`)."""
 
     supports_deferred_decode_kv_release = True
     kv_status_msg_carries_reason = True         # a Failed status tells the decode why (an abort, a dead peer)
@@ -146,15 +145,11 @@ class GpuxferKVManager(CommonKVManager):
             raise
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self._warm_up()
-            self._peers: Dict[str, Any] = {}
-            self._notify_slots: Dict[str, Optional[int]] = {}   # decode rank -> the slot its registration gave
-            self._rejected: Dict[str, str] = {}
-            self._dead: Dict[str, str] = {}             # decode ranks a push found gone: told nothing more
-            self._room_lock = threading.Lock()          # a room's Failed mark against a chunk's post
-            self._queue: "queue.Queue[_Chunk]" = queue.Queue()
-            self._posted: Dict[int, _Posted] = {}       # rooms with pushes in flight (transfer thread only)
+            self._room_lock = threading.Lock()          # a room's Failed mark against a chunk's count
+            # the transfer thread: its queue, the pushes in flight, the decode ranks' peers (:mod:`.pushes`)
+            self.pushes = Pushes(self, self.agent, self._agent_lock, self.kv_args, self.timeout_s, self._stop)
             self._spawn(self._prefill_control, "gpuxfer-sglang-control")
-            self._spawn(self._transfer_worker, "gpuxfer-sglang-transfer")
+            self._spawn(self.pushes.run, "gpuxfer-sglang-transfer")
         else:
             self._registration = encode_registration(self.geometry, self.agent.metadata())
             self.landings = Landings(self.agent.notification)
@@ -234,10 +229,10 @@ class GpuxferKVManager(CommonKVManager):
         if msg and msg[0] == AUX_TAG:
             self._on_aux(msg[1:4], msg[4] if len(msg) > 4 else b"", msg[5:])
             return
-        if msg and msg[0] == _AUX_TAG_V2:       # a prefill that had no token (an earlier gpuxfer)
+        if msg and msg[0] == AUX_TAG_V2:        # a prefill that had no token (an earlier gpuxfer)
             self._on_aux(msg[1:4], None, msg[4:])
             return
-        if msg and msg[0] == _AUX_TAG_V1:       # a prefill of an earlier gpuxfer: the row, no landing value
+        if msg and msg[0] == AUX_TAG_V1:        # a prefill of an earlier gpuxfer: the row, no landing value
             self._on_aux([*msg[1:3], b""], None, msg[3:])
             return
         if self.handle_abort_ack_message(msg):
@@ -317,25 +312,14 @@ class GpuxferKVManager(CommonKVManager):
                 raise BadInput("the decode's KV pool does not pair page for page with this prefill's: "
                                + "; ".join(diffs))
             views = head_share(self.geometry, geom, *self.kv_heads)
-            with self._agent_lock:
-                old = self._peers.pop(session, None)
-                if old is not None:
-                    self.agent.remove_peer(old)
-                self._peers[session] = self.agent.add_peer(meta, **views)
-                self._notify_slots[session] = slot
-            self._rejected.pop(session, None)
-            log.info("gpuxfer: decode rank %s added (%s route, %s engine%s)", session,
-                     self._peers[session].route, self._peers[session].engine,
+            peer = self.pushes.add_decode(session, meta, views, slot)
+            log.info("gpuxfer: decode rank %s added (%s route, %s engine%s)", session, peer.route, peer.engine,
                      f"; bytes {views['local_token_slice'][GROUP]} of each token's row here to bytes "
                      f"{views['token_slice'][GROUP]} of the decode's" if views else "")
         except GpuxferError as exc:
-            self._rejected[session] = f"{type(exc).__name__}: {exc}"
-            log.error("gpuxfer: refusing decode rank %s: %s", session, self._rejected[session])
-            with self._agent_lock:      # an earlier registration of the rank no longer describes it
-                old = self._peers.pop(session, None)
-                self._notify_slots.pop(session, None)
-                if old is not None:
-                    self.agent.remove_peer(old)
+            why = f"{type(exc).__name__}: {exc}"
+            log.error("gpuxfer: refusing decode rank %s: %s", session, why)
+            self.pushes.refuse_decode(session, why)     # an earlier registration of the rank no longer describes it
 
     def _on_transfer_info(self, info: TransferInfo) -> None:
         infos = self.transfer_infos.setdefault(info.room, {})
@@ -402,7 +386,7 @@ class GpuxferKVManager(CommonKVManager):
                 self.register_deferred_ack_target(note.room, target)
             self._maybe_ack_drained_abort(note.room)
         # pushes already posted are waited for on the transfer thread, which then sends the ACK
-        self._queue.put(_drain_marker(note.room))
+        self.pushes.drain_later(note.room)
 
     def add_transfer_request(self, bootstrap_room: int, kv_indices: npt.NDArray[np.int32], index_slice: slice,
                              is_last_chunk: bool, aux_index: Optional[int] = None,
@@ -419,45 +403,53 @@ class GpuxferKVManager(CommonKVManager):
         if bootstrap_room not in self.request_status:
             return
         # a copy as given: the agent checks the IDs' type and range (a cast could turn them into other pages)
-        self._queue.put(_Chunk(bootstrap_room, np.array(kv_indices), index_slice, bool(is_last_chunk), aux_index,
+        self.pushes.put(_Chunk(bootstrap_room, np.array(kv_indices), index_slice, bool(is_last_chunk), aux_index,
                                wait_event, self.transfer_infos.get(bootstrap_room)))
 
-    def _transfer_worker(self) -> None:
-        held: Optional[_Chunk] = None   # taken off the queue behind chunks it could not join: handled next
-        while not self._stop.is_set():
-            if held is None:
-                try:
-                    held = self._queue.get(timeout=_RECV_POLL_MS / 1000)
-                except queue.Empty:
-                    try:
-                        self._drain_ended_rooms()
-                    except Exception as exc:        # noqa: BLE001 - never the thread's end
-                        log.error("gpuxfer: draining ended rooms failed: %s: %s", type(exc).__name__, exc)
-                    continue
-            chunk, held = coalesce(held, self._queue)
-            self._handle(chunk)
-        # Stopped (teardown): the pushes still posted are not waited for here; the agent's close drains every
-        # post it queued before it frees anything.
+    # ------------------------------------------------------------------ prefill: what its transfer thread asks
 
-    def _handle(self, chunk: _Chunk) -> None:
-        """One item of the transfer thread's queue; an error fails the chunk's request, never the thread."""
-        try:
-            self._transfer(chunk)
-        except Exception as exc:                # noqa: BLE001 - a room's failure, never the thread's end
-            log.error("gpuxfer: room %s failed: %s: %s", chunk.room, type(exc).__name__, exc)
-            self._drain(chunk.room)             # normally drained already; never concluded with a push in flight
-            self._conclude(chunk.room, chunk.infos, KVPoll.Failed, f"{type(exc).__name__}: {exc}")
+    def room_infos(self, room: int) -> Optional[Dict[str, TransferInfo]]:
+        """:meth:`.pushes.Rooms.room_infos`: SGLang's ``transfer_infos`` of the room."""
+        return self.transfer_infos.get(room)
 
-    def _conclude(self, room: int, infos: Any, status: KVPoll, reason: Optional[str] = None) -> None:
+    def room_failed(self, room: int, unknown: bool = False) -> bool:
+        """:meth:`.pushes.Rooms.room_failed`."""
+        status = self.request_status.get(room)
+        return unknown if status is None else status == KVPoll.Failed
+
+    def count_post(self, room: int) -> bool:
+        """:meth:`.pushes.Rooms.count_post`: under the room lock an abort marks the room Failed by."""
+        with self._room_lock:
+            if self.request_status.get(room) == KVPoll.Failed:
+                return False
+            self._staging_outstanding[room] += 1
+            return True
+
+    def uncount_posts(self, room: int, chunks: int, withhold_ack: bool) -> None:
+        """:meth:`.pushes.Rooms.uncount_posts`: SGLang's ``_staging_outstanding`` and deferred ACKs."""
+        with self._room_lock:
+            left = self._staging_outstanding.get(room, 0) - chunks
+            if left > 0:
+                self._staging_outstanding[room] = left
+            else:
+                self._staging_outstanding.pop(room, None)
+            if withhold_ack:
+                self.poison_deferred_ack_room(room)
+            self._maybe_ack_drained_abort(room)
+
+    def conclude_room(self, room: int, infos: Optional[Dict[str, TransferInfo]], ok: bool, reason: Optional[str],
+                      gone: Container[str]) -> None:
         """SGLang's ``conclude_transfer`` of the request of ``room`` whose decode destinations are ``infos``,
         only while the room is still that request's (one cleared while its pushes were waited for is concluded
         by no one: a later request of the room id is not it), its decode ranks told with that request's
-        tokens. Success turns Failed where a failure was recorded (an abort, a claim)."""
+        tokens, but those in ``gone``. Success (``ok``) turns Failed where a failure was recorded (an abort, a
+        claim)."""
         with self._room_lock:
             if infos is None or self.transfer_infos.get(room) is not infos:
                 return
             with self.failure_lock:
                 recorded = self.failure_records.get(room)
+                status = KVPoll.Success if ok else KVPoll.Failed
                 if status == KVPoll.Success and (recorded is not None
                                                  or self.request_status.get(room) == KVPoll.Failed):
                     status = KVPoll.Failed
@@ -466,209 +458,12 @@ class GpuxferKVManager(CommonKVManager):
                 else:
                     reason = None
             self.update_status(room, status)
-        targets = [(i.endpoint, i.dst_port) for i in infos.values() if not i.is_dummy and i.session not in self._dead]
+        targets = [(i.endpoint, i.dst_port) for i in infos.values() if not i.is_dummy and i.session not in gone]
         self.send_kv_status_message(targets=targets, bootstrap_room=room, status=status, failure_reason=reason,
                                     infos=list(infos.values()))
 
-    def _transfer(self, chunk: _Chunk) -> None:
-        """Post one chunk's pushes and return without waiting for them: a room's chunks follow one another
-        on the copy streams while the scheduler computes the next. The room's posts are waited for only when
-        it is concluded (its last chunk, a failure, an abort), before its Success status goes to the decode;
-        the decode ends it earlier only by the notification word its last push writes after every byte."""
-        room = chunk.room
-        if chunk.pages is None:         # an abort: wait for what was posted, then the ACK
-            self._drain(room)
-            return
-        infos = self.transfer_infos.get(room)
-        if infos is None:               # cleared by its sender, or a dummy rank with nothing to send
-            self._drain(room)
-            return
-        if infos is not chunk.infos:    # queued by an earlier request of this room id, cleared since
-            return
-        earlier = self._posted.get(room)
-        if earlier is not None and earlier.infos is not infos:
-            self._drain(room, earlier=True)     # an earlier request's pushes: waited for, never this one's
-        if chunk.wait_event is not None and self.request_status.get(room) != KVPoll.Failed:
-            self._wait_source(chunk)    # before the check below: an abort during the wait posts nothing
-        with self._room_lock:
-            failed = self.request_status.get(room) == KVPoll.Failed
-            if not failed:              # counted before the post: an abort from now on waits for it
-                self._staging_outstanding[room] += 1
-                posted = self._posted.setdefault(room, _Posted(infos))
-                posted.chunks += 1
-        if failed:
-            # aborted here or by the decode: nothing more posted; tell the decode once, on the last chunk,
-            # after the pushes already posted were waited for
-            self._drain(room)
-            if chunk.is_last:
-                self._conclude(room, infos, KVPoll.Failed, "Aborted")
-            return
-        for info in infos.values():
-            if not info.is_dummy:
-                try:
-                    h = self._post(chunk, info)
-                except PeerLost as exc:
-                    self._dead[info.session] = f"{type(exc).__name__}: {exc}"
-                    raise                       # the worker drains the room, then concludes it Failed
-                if h is not None:
-                    posted.handles.append((info, h))
-        if not chunk.is_last:
-            return
-        errors = self._drain(room)
-        if errors:
-            raise errors[0]             # the first error of any of the room's chunks fails the room
-        self._conclude(room, infos, KVPoll.Success, "Aborted")     # Failed where aborted meanwhile
-
-    def _wait_source(self, chunk: _Chunk) -> None:
-        """Wait (bounded by ``timeout_s``) for the event SGLang handed with the chunk: its pages are written
-        by the forward pass it was recorded behind. Polled, not synchronized on, so a forward that never
-        ends fails the room instead of holding this thread."""
-        deadline = time.monotonic() + self.timeout_s
-        pause = 20e-6
-        while not chunk.wait_event.query():
-            if time.monotonic() > deadline:
-                raise TransferTimeout(rank=0, step=0, flag=f"room {chunk.room}'s source KV", expected=1, seen=0,
-                                      timeout_s=self.timeout_s,
-                                      what="the forward pass writing the chunk's pages did not finish")
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
-        chunk.wait_event = None
-
-    def _drain(self, room: int, earlier: bool = False) -> List[GpuxferError]:
-        """Wait for every push of ``room`` still posted (together bounded by ``timeout_s``), then take the
-        room's chunks off ``_staging_outstanding`` and send an ABORT_ACK that waited on them. Returns the
-        posts' errors, first posted first. A push that did not complete in time may still land: an ACK would
-        let the decode reuse pages it can write, so the room's ACK is withheld (SGLang's poisoned room: the
-        decode releases them on its own timeout). ``earlier``: the pushes are an earlier request's of the room
-        id, whose count and ACK state SGLang dropped when the new request began: they are waited for, their
-        errors logged, and the new request's state is left alone."""
-        posted = self._posted.pop(room, None)
-        if posted is None:
-            return []
-        errors: List[GpuxferError] = []
-        timed_out = False
-        deadline = time.monotonic() + self.timeout_s
-        for info, h in posted.handles:
-            try:
-                h.wait(max(deadline - time.monotonic(), 1e-3))
-            except Exception as exc:            # noqa: BLE001 - every push is accounted for, whatever it raised
-                if isinstance(exc, PeerLost):
-                    self._dead[info.session] = f"{type(exc).__name__}: {exc}"
-                # a wait can raise before the push ended (a failed agent raises at once): only a push seen
-                # complete lets the room's ACK go
-                timed_out = timed_out or isinstance(exc, TransferTimeout) or not self._push_ended(h)
-                errors.append(exc if isinstance(exc, GpuxferError) else GpuxferError(f"{type(exc).__name__}: {exc}"))
-        if earlier:
-            for exc in errors:
-                log.warning("gpuxfer: room %s: a push of an earlier request of the room id failed: %s: %s", room,
-                            type(exc).__name__, exc)
-            return []
-        with self._room_lock:
-            left = self._staging_outstanding.get(room, 0) - posted.chunks
-            if left > 0:
-                self._staging_outstanding[room] = left
-            else:
-                self._staging_outstanding.pop(room, None)
-            if timed_out:
-                self.poison_deferred_ack_room(room)
-            self._maybe_ack_drained_abort(room)
-        return errors
-
-    def _push_ended(self, h) -> bool:
-        """Whether the work a push queued is over: its event completed, or failed on the device (an IPC peer);
-        NIXL reported it done (a NIXL peer, whose handle has no event). A NIXL push that ended in error is not
-        proven over: NIXL cannot recall what it issued, and part of it may still land."""
-        if h.event is None:
-            try:
-                return bool(h.done())
-            except Exception:       # noqa: BLE001 - an error, NIXL's among them: not proven over
-                return False
-        try:
-            return bool(self.agent.platform.event_query(h.event))
-        except GpuxferError:
-            return True
-        except Exception:           # noqa: BLE001 - unknown: not proven over
-            return False
-
-    def _drain_ended_rooms(self) -> None:
-        """When idle: drain the rooms with pushes posted that ended without a marker reaching this thread
-        (failed or cleared while their chunks stopped coming), so none holds its ACK or its count."""
-        for room, posted in list(self._posted.items()):
-            current = self.transfer_infos.get(room)
-            earlier = current is not None and current is not posted.infos     # a new request of the room id's
-            if earlier or self.request_status.get(room, KVPoll.Failed) == KVPoll.Failed:
-                self._drain(room, earlier=earlier)
-
-    def _post(self, chunk: _Chunk, info: TransferInfo):
-        """Post one chunk's push to one decode rank (None: no pages of it for that rank). A last chunk's push
-        carries the rank's notification, and the room's metadata row goes first, with the value that push's
-        notification will write (only this thread notifies), so the row travels while the push is prepared
-        and runs. A push that then fails takes the slot out of use: the value announced is never written.
-        Only an IPC peer's notification follows every earlier push of the stream; a NIXL peer's would follow
-        the last transfer alone, so its rooms end by their Success message."""
-        if info.session in self._dead:
-            raise GpuxferError(f"decode rank {info.session} is gone ({self._dead[info.session]})")
-        peer = self._peers.get(info.session)
-        if peer is None:
-            why = self._rejected.get(info.session, "its registration never arrived")
-            raise BadInput(f"decode rank {info.session} cannot be written: {why}")
-        if info.error is not None:
-            raise BadInput(f"room {chunk.room}: {info.error}")
-        dst = info.dst_kv_indices[chunk.index_slice]
-        # every page the decode named is written: the last chunk ends where its list ends
-        if len(dst) != len(chunk.pages) or (chunk.is_last and chunk.index_slice.stop != len(info.dst_kv_indices)):
-            raise BadInput(f"room {chunk.room}: the decode named {len(info.dst_kv_indices)} pages; this "
-                           f"{'last ' if chunk.is_last else ''}chunk sends pages "
-                           f"{chunk.index_slice.start}..{chunk.index_slice.stop}")
-        if not len(dst):
-            if chunk.is_last:
-                self._send_aux(chunk, info, None)
-            return None
-        name = f"room {chunk.room} pages {chunk.index_slice.start}+{len(dst)}"
-        if not chunk.is_last:
-            with self._agent_lock:
-                return self.agent.prepare(peer, "push", local_blocks={GROUP: chunk.pages},
-                                          remote_blocks={GROUP: dst}, name=name).post()
-        with self._agent_lock:          # the peer and its slot as the control thread last set them, together
-            peer = self._peers.get(info.session, peer)
-            slot = self._notify_slots.get(info.session) if peer.route == "ipc" else None
-            value = None if slot is None else peer.next_notification(slot)
-        self._send_aux(chunk, info, None if slot is None else (slot, value))
-        try:
-            with self._agent_lock:
-                h = self.agent.prepare(peer, "push", local_blocks={GROUP: chunk.pages}, remote_blocks={GROUP: dst},
-                                       name=name, notify_slot=slot).post()
-        except BaseException:
-            if slot is not None:
-                self._retire_slot(info.session, slot)
-            raise
-        if slot is not None and h.notify_value != value:        # only this thread notifies: never expected
-            log.error("gpuxfer: room %s: its push to %s wrote notification %s, not the %s announced; that rank's "
-                      "rooms end by their Success message from now on", chunk.room, info.session,
-                      h.notify_value, value)
-            self._retire_slot(info.session, slot)
-        return h
-
-    def _retire_slot(self, session: str, slot: int) -> None:
-        """No more notifications to ``slot`` of decode rank ``session`` (a value announced may never be written,
-        or was written by another post): its rooms end by their Success message (a new registration of the rank
-        brings a fresh slot)."""
-        with self._agent_lock:
-            if self._notify_slots.get(session) == slot:
-                self._notify_slots[session] = None
-
-    def _send_aux(self, chunk: _Chunk, info: TransferInfo, landing: Optional[tuple]) -> None:
-        """The room's metadata row on the control socket, ahead of its Success status on the same socket (the
-        decode's thread writes it on arrival), with ``landing``: ``(slot, value)``, the notification word the
-        room's last push to that rank bumps and the value it writes once every push of the room landed (None:
-        the room ends by its Success message)."""
-        if chunk.aux_index is None or info.dst_aux_index is None:
-            raise BadInput(f"room {chunk.room}: the last chunk has no metadata row")
-        rows = read_aux_rows(self.kv_args, int(chunk.aux_index))
-        head = [str(chunk.room).encode("ascii"), str(info.dst_aux_index).encode("ascii"), landing_frame(landing)]
-        # the decode's token for the request: it writes the row for that request alone (none: a decode that
-        # named none reads the row without it)
-        parts = [AUX_TAG, *head, info.token, *rows] if info.token else [_AUX_TAG_V2, *head, *rows]
+    def send_to_decode(self, info: TransferInfo, parts: List[bytes]) -> None:
+        """:meth:`.pushes.Rooms.send_to_decode`: on SGLang's socket to the decode rank's endpoint."""
         from sglang.srt.utils.network import NetworkAddress
         na = NetworkAddress(info.endpoint, info.dst_port)
         self._send_multipart_locked(na.to_tcp(), parts, is_ipv6=na.is_ipv6)
@@ -691,7 +486,7 @@ class GpuxferKVSender(CommonKVSender):
         """SGLang's abort, and the decode told at once (it would otherwise wait for its timeout)."""
         super().abort()
         self.kv_mgr.conclude_failure(bootstrap_room=self.bootstrap_room, failure_reason="Aborted by the prefill")
-        self.kv_mgr._queue.put(_drain_marker(self.bootstrap_room))     # its posted pushes waited for
+        self.kv_mgr.pushes.drain_later(self.bootstrap_room)     # its posted pushes waited for
 
 
 class GpuxferKVReceiver(CommonKVReceiver):

@@ -1,0 +1,340 @@
+"""The SGLang backend's prefill transfer thread (:class:`Pushes`), its part of the protocol :mod:`.conn`'s
+timeline draws. No SGLang here: the KV manager wires it into SGLang's classes.
+
+Every ``send()`` chunk the manager queues (:meth:`Pushes.put`) becomes one ``prepare`` + ``post`` of its pages
+onto the decode pages the receiver named, and the thread does not wait for it: a request's chunks follow one
+another on the copy streams while the scheduler computes the next. Chunks of a request queued behind one
+another while the thread was busy (a request sent back to back) become one push (:func:`.requests.coalesce`).
+The last chunk's push also bumps the decode agent's notification word that the decode's registration gave
+this prefill rank (stream order: after every push of the request landed), and the request's metadata row goes
+on SGLang's control socket just before that push, with the value it will write. The request's pushes are
+waited for (together bounded by ``timeout_s``) only when it is concluded: its last chunk, a failure, an abort
+(:meth:`Pushes.drain_later`); then the manager concludes it (SGLang's status message to the decode). An ABORT_ACK
+goes only once every push of the request was waited for and proven over; a push that failed for a lost peer
+(``PeerLost``) marks its decode rank gone, sent nothing more. The decode ranks it pushes to (their peers, the
+notification slots their registrations gave, the reasons a registration was refused) are this object's too:
+the manager's control thread hands them over (:meth:`Pushes.add_decode`, :meth:`Pushes.refuse_decode`).
+
+SGLang's state of a room (``request_status``, ``transfer_infos``, the failure records, ``_staging_outstanding``,
+the deferred ABORT_ACKs, the status messages) is read and changed through :class:`Rooms` alone, which
+:class:`.conn.GpuxferKVManager` implements.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Container, Dict, List, Optional, Protocol
+
+from ...errors import BadInput, GpuxferError, PeerLost, TransferTimeout
+from .landing import landing_frame
+from .layout import GROUP, read_aux_rows
+from .requests import TransferInfo, _Chunk, _drain_marker, _Posted, coalesce
+
+log = logging.getLogger("gpuxfer.sglang")
+
+AUX_TAG = b"GXAUX3"             # a metadata row with its landing value and the decode's request token
+AUX_TAG_V2 = b"GXAUX2"          # a row with its landing value, no token (to or from an earlier gpuxfer)
+AUX_TAG_V1 = b"GXAUX"           # a row alone (from an earlier gpuxfer)
+_IDLE_S = 0.2                   # how often an idle thread looks at its stop flag and its ended rooms
+
+
+class Rooms(Protocol):
+    """What the transfer thread asks of the prefill's KV manager about a room (SGLang's state of it). The
+    thread never blocks the manager: none of these waits for a push."""
+
+    def room_infos(self, room: int) -> Optional[Dict[str, TransferInfo]]:
+        """The room's decode destinations as its current request named them (SGLang's ``transfer_infos``;
+        None: cleared, or a dummy rank's room)."""
+
+    def room_failed(self, room: int, unknown: bool = False) -> bool:
+        """Whether the room is marked Failed; ``unknown``: the answer for a room with no status (cleared)."""
+
+    def count_post(self, room: int) -> bool:
+        """One more chunk of the room in flight (SGLang's ``_staging_outstanding``, which holds back the room's
+        ABORT_ACK), unless the room is marked Failed: then False, and nothing of it may be posted. Atomic
+        against an abort marking the room."""
+
+    def uncount_posts(self, room: int, chunks: int, withhold_ack: bool) -> None:
+        """``chunks`` of the room's counted chunks waited for: off its count, and the room's ABORT_ACK sent once
+        none is left; ``withhold_ack``: one may still land, so the room gets no ACK (SGLang's poisoned room)."""
+
+    def conclude_room(self, room: int, infos: Optional[Dict[str, TransferInfo]], ok: bool, reason: Optional[str],
+                      gone: Container[str]) -> None:
+        """SGLang's conclusion of the request whose decode destinations are ``infos`` (none: while the room is
+        no longer that request's): Success where ``ok`` and no failure was recorded, else Failed with the
+        recorded reason or ``reason``; its decode ranks told, but the ones in ``gone``."""
+
+    def send_to_decode(self, info: TransferInfo, parts: List[bytes]) -> None:
+        """One message on SGLang's control socket to ``info``'s decode rank (raises where it cannot go)."""
+
+
+class Pushes:
+    """The prefill's transfer thread (:meth:`run`) and what it alone owns: the chunks queued for it, the pushes
+    posted and not yet waited for (``_posted``), the decode ranks found gone (``_dead``), and the decode ranks'
+    peers. ``agent_lock`` guards the agent's calls and the peers and slots against the manager's threads;
+    ``stop`` ends :meth:`run`."""
+
+    def __init__(self, rooms: Rooms, agent: Any, agent_lock: threading.Lock, kv_args: Any, timeout_s: float,
+                 stop: threading.Event):
+        self.rooms, self.agent, self.kv_args, self.timeout_s = rooms, agent, kv_args, timeout_s
+        self._agent_lock, self._stop = agent_lock, stop
+        self._queue: "queue.Queue[_Chunk]" = queue.Queue()
+        self._posted: Dict[int, _Posted] = {}               # rooms with pushes in flight
+        self._dead: Dict[str, str] = {}                     # decode ranks a push found gone: told nothing more
+        self._peers: Dict[str, Any] = {}                    # decode rank -> its KVPeer
+        self._notify_slots: Dict[str, Optional[int]] = {}   # decode rank -> the slot its registration gave
+        self._rejected: Dict[str, str] = {}                 # decode rank -> why its registration was refused
+
+    # ------------------------------------------------------------------ the manager's calls
+
+    def put(self, chunk: _Chunk) -> None:
+        """Queue one ``send()`` chunk (the caller does not wait)."""
+        self._queue.put(chunk)
+
+    def drain_later(self, room: int) -> None:
+        """Queue the room's drain (an abort): its posted pushes waited for, then its ACK."""
+        self._queue.put(_drain_marker(room))
+
+    def add_decode(self, session: str, meta: bytes, views: Dict[str, Any], slot: Optional[int]) -> Any:
+        """Decode rank ``session``'s agent added (``views``: :func:`.layout.head_share`'s), replacing an earlier
+        registration's; its last push of a request bumps notification ``slot`` (None: its rooms end by their
+        Success message). Returns the peer."""
+        with self._agent_lock:
+            old = self._peers.pop(session, None)
+            if old is not None:
+                self.agent.remove_peer(old)
+            self._peers[session] = peer = self.agent.add_peer(meta, **views)
+            self._notify_slots[session] = slot
+        self._rejected.pop(session, None)
+        return peer
+
+    def refuse_decode(self, session: str, why: str) -> None:
+        """Decode rank ``session`` does not pair: its rooms fail with ``why``, an earlier registration's peer
+        removed (it no longer describes the rank)."""
+        self._rejected[session] = why
+        with self._agent_lock:
+            old = self._peers.pop(session, None)
+            self._notify_slots.pop(session, None)
+            if old is not None:
+                self.agent.remove_peer(old)
+
+    def run(self) -> None:
+        """The transfer thread: the queue's items in order until ``stop``; when idle, the rooms that ended
+        without a marker drained."""
+        held: Optional[_Chunk] = None   # taken off the queue behind chunks it could not join: handled next
+        while not self._stop.is_set():
+            if held is None:
+                try:
+                    held = self._queue.get(timeout=_IDLE_S)
+                except queue.Empty:
+                    try:
+                        self._drain_ended_rooms()
+                    except Exception as exc:        # noqa: BLE001 - never the thread's end
+                        log.error("gpuxfer: draining ended rooms failed: %s: %s", type(exc).__name__, exc)
+                    continue
+            chunk, held = coalesce(held, self._queue)
+            self._handle(chunk)
+        # Stopped (teardown): the pushes still posted are not waited for here; the agent's close drains every
+        # post it queued before it frees anything.
+
+    # ------------------------------------------------------------------ the thread's own
+
+    def _handle(self, chunk: _Chunk) -> None:
+        """One item of the queue; an error fails the chunk's request, never the thread."""
+        try:
+            self._transfer(chunk)
+        except Exception as exc:                # noqa: BLE001 - a room's failure, never the thread's end
+            log.error("gpuxfer: room %s failed: %s: %s", chunk.room, type(exc).__name__, exc)
+            self._drain(chunk.room)             # normally drained already; never concluded with a push in flight
+            self.rooms.conclude_room(chunk.room, chunk.infos, False, f"{type(exc).__name__}: {exc}", self._dead)
+
+    def _transfer(self, chunk: _Chunk) -> None:
+        """Post one chunk's pushes and return without waiting for them. The room's posts are waited for only
+        when it is concluded (its last chunk, a failure, an abort), before its Success status goes to the
+        decode; the decode ends it earlier only by the notification word its last push writes after every
+        byte."""
+        room = chunk.room
+        if chunk.pages is None:         # an abort: wait for what was posted, then the ACK
+            self._drain(room)
+            return
+        infos = self.rooms.room_infos(room)
+        if infos is None:               # cleared by its sender, or a dummy rank with nothing to send
+            self._drain(room)
+            return
+        if infos is not chunk.infos:    # queued by an earlier request of this room id, cleared since
+            return
+        earlier = self._posted.get(room)
+        if earlier is not None and earlier.infos is not infos:
+            self._drain(room, earlier=True)     # an earlier request's pushes: waited for, never this one's
+        if chunk.wait_event is not None and not self.rooms.room_failed(room):
+            self._wait_source(chunk)    # before the count below: an abort during the wait posts nothing
+        if not self.rooms.count_post(room):     # counted before the post: an abort from now on waits for it
+            # aborted here or by the decode: nothing more posted; tell the decode once, on the last chunk,
+            # after the pushes already posted were waited for
+            self._drain(room)
+            if chunk.is_last:
+                self.rooms.conclude_room(room, infos, False, "Aborted", self._dead)
+            return
+        posted = self._posted.setdefault(room, _Posted(infos))
+        posted.chunks += 1
+        for info in infos.values():
+            if not info.is_dummy:
+                try:
+                    h = self._post(chunk, info)
+                except PeerLost as exc:
+                    self._dead[info.session] = f"{type(exc).__name__}: {exc}"
+                    raise                       # _handle drains the room, then concludes it Failed
+                if h is not None:
+                    posted.handles.append((info, h))
+        if not chunk.is_last:
+            return
+        errors = self._drain(room)
+        if errors:
+            raise errors[0]             # the first error of any of the room's chunks fails the room
+        self.rooms.conclude_room(room, infos, True, "Aborted", self._dead)     # Failed where aborted meanwhile
+
+    def _wait_source(self, chunk: _Chunk) -> None:
+        """Wait (bounded by ``timeout_s``) for the event SGLang handed with the chunk: its pages are written
+        by the forward pass it was recorded behind. Polled, not synchronized on, so a forward that never
+        ends fails the room instead of holding this thread."""
+        deadline = time.monotonic() + self.timeout_s
+        pause = 20e-6
+        while not chunk.wait_event.query():
+            if time.monotonic() > deadline:
+                raise TransferTimeout(rank=0, step=0, flag=f"room {chunk.room}'s source KV", expected=1, seen=0,
+                                      timeout_s=self.timeout_s,
+                                      what="the forward pass writing the chunk's pages did not finish")
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+        chunk.wait_event = None
+
+    def _drain(self, room: int, earlier: bool = False) -> List[GpuxferError]:
+        """Wait for every push of ``room`` still posted (together bounded by ``timeout_s``), then take the
+        room's chunks off its count, which sends an ABORT_ACK that waited on them (:meth:`Rooms.uncount_posts`).
+        Returns the posts' errors, first posted first. A push that did not complete in time may still land: an
+        ACK would let the decode reuse pages it can write, so the room's ACK is withheld (SGLang's poisoned
+        room: the decode releases them on its own timeout). ``earlier``: the pushes are an earlier request's of
+        the room id, whose count and ACK state SGLang dropped when the new request began: they are waited for,
+        their errors logged, and the new request's state is left alone."""
+        posted = self._posted.pop(room, None)
+        if posted is None:
+            return []
+        errors: List[GpuxferError] = []
+        timed_out = False
+        deadline = time.monotonic() + self.timeout_s
+        for info, h in posted.handles:
+            try:
+                h.wait(max(deadline - time.monotonic(), 1e-3))
+            except Exception as exc:            # noqa: BLE001 - every push is accounted for, whatever it raised
+                if isinstance(exc, PeerLost):
+                    self._dead[info.session] = f"{type(exc).__name__}: {exc}"
+                # a wait can raise before the push ended (a failed agent raises at once): only a push seen
+                # complete lets the room's ACK go
+                timed_out = timed_out or isinstance(exc, TransferTimeout) or not self._push_ended(h)
+                errors.append(exc if isinstance(exc, GpuxferError) else GpuxferError(f"{type(exc).__name__}: {exc}"))
+        if earlier:
+            for exc in errors:
+                log.warning("gpuxfer: room %s: a push of an earlier request of the room id failed: %s: %s", room,
+                            type(exc).__name__, exc)
+            return []
+        self.rooms.uncount_posts(room, posted.chunks, timed_out)
+        return errors
+
+    def _push_ended(self, h) -> bool:
+        """Whether the work a push queued is over: its event completed, or failed on the device (an IPC peer);
+        NIXL reported it done (a NIXL peer, whose handle has no event). A NIXL push that ended in error is not
+        proven over: NIXL cannot recall what it issued, and part of it may still land."""
+        if h.event is None:
+            try:
+                return bool(h.done())
+            except Exception:       # noqa: BLE001 - an error, NIXL's among them: not proven over
+                return False
+        try:
+            return bool(self.agent.platform.event_query(h.event))
+        except GpuxferError:
+            return True
+        except Exception:           # noqa: BLE001 - unknown: not proven over
+            return False
+
+    def _drain_ended_rooms(self) -> None:
+        """When idle: drain the rooms with pushes posted that ended without a marker reaching this thread
+        (failed or cleared while their chunks stopped coming), so none holds its ACK or its count."""
+        for room, posted in list(self._posted.items()):
+            current = self.rooms.room_infos(room)
+            earlier = current is not None and current is not posted.infos     # a new request of the room id's
+            if earlier or self.rooms.room_failed(room, unknown=True):
+                self._drain(room, earlier=earlier)
+
+    def _post(self, chunk: _Chunk, info: TransferInfo):
+        """Post one chunk's push to one decode rank (None: no pages of it for that rank). A last chunk's push
+        carries the rank's notification, and the room's metadata row goes first, with the value that push's
+        notification will write (only this thread notifies), so the row travels while the push is prepared
+        and runs. A push that then fails takes the slot out of use: the value announced is never written.
+        Only an IPC peer's notification follows every earlier push of the stream; a NIXL peer's would follow
+        the last transfer alone, so its rooms end by their Success message."""
+        if info.session in self._dead:
+            raise GpuxferError(f"decode rank {info.session} is gone ({self._dead[info.session]})")
+        peer = self._peers.get(info.session)
+        if peer is None:
+            why = self._rejected.get(info.session, "its registration never arrived")
+            raise BadInput(f"decode rank {info.session} cannot be written: {why}")
+        if info.error is not None:
+            raise BadInput(f"room {chunk.room}: {info.error}")
+        dst = info.dst_kv_indices[chunk.index_slice]
+        # every page the decode named is written: the last chunk ends where its list ends
+        if len(dst) != len(chunk.pages) or (chunk.is_last and chunk.index_slice.stop != len(info.dst_kv_indices)):
+            raise BadInput(f"room {chunk.room}: the decode named {len(info.dst_kv_indices)} pages; this "
+                           f"{'last ' if chunk.is_last else ''}chunk sends pages "
+                           f"{chunk.index_slice.start}..{chunk.index_slice.stop}")
+        if not len(dst):
+            if chunk.is_last:
+                self._send_aux(chunk, info, None)
+            return None
+        name = f"room {chunk.room} pages {chunk.index_slice.start}+{len(dst)}"
+        if not chunk.is_last:
+            with self._agent_lock:
+                return self.agent.prepare(peer, "push", local_blocks={GROUP: chunk.pages},
+                                          remote_blocks={GROUP: dst}, name=name).post()
+        with self._agent_lock:          # the peer and its slot as the control thread last set them, together
+            peer = self._peers.get(info.session, peer)
+            slot = self._notify_slots.get(info.session) if peer.route == "ipc" else None
+            value = None if slot is None else peer.next_notification(slot)
+        self._send_aux(chunk, info, None if slot is None else (slot, value))
+        try:
+            with self._agent_lock:
+                h = self.agent.prepare(peer, "push", local_blocks={GROUP: chunk.pages}, remote_blocks={GROUP: dst},
+                                       name=name, notify_slot=slot).post()
+        except BaseException:
+            if slot is not None:
+                self._retire_slot(info.session, slot)
+            raise
+        if slot is not None and h.notify_value != value:        # only this thread notifies: never expected
+            log.error("gpuxfer: room %s: its push to %s wrote notification %s, not the %s announced; that rank's "
+                      "rooms end by their Success message from now on", chunk.room, info.session,
+                      h.notify_value, value)
+            self._retire_slot(info.session, slot)
+        return h
+
+    def _retire_slot(self, session: str, slot: int) -> None:
+        """No more notifications to ``slot`` of decode rank ``session`` (a value announced may never be written,
+        or was written by another post): its rooms end by their Success message (a new registration of the rank
+        brings a fresh slot)."""
+        with self._agent_lock:
+            if self._notify_slots.get(session) == slot:
+                self._notify_slots[session] = None
+
+    def _send_aux(self, chunk: _Chunk, info: TransferInfo, landing: Optional[tuple]) -> None:
+        """The room's metadata row on the control socket, ahead of its Success status on the same socket (the
+        decode's thread writes it on arrival), with ``landing``: ``(slot, value)``, the notification word the
+        room's last push to that rank bumps and the value it writes once every push of the room landed (None:
+        the room ends by its Success message)."""
+        if chunk.aux_index is None or info.dst_aux_index is None:
+            raise BadInput(f"room {chunk.room}: the last chunk has no metadata row")
+        rows = read_aux_rows(self.kv_args, int(chunk.aux_index))
+        head = [str(chunk.room).encode("ascii"), str(info.dst_aux_index).encode("ascii"), landing_frame(landing)]
+        # the decode's token for the request: it writes the row for that request alone (none: a decode that
+        # named none reads the row without it)
+        parts = [AUX_TAG, *head, info.token, *rows] if info.token else [AUX_TAG_V2, *head, *rows]
+        self.rooms.send_to_decode(info, parts)
