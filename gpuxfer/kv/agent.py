@@ -369,6 +369,8 @@ class KVAgent(Closable, FailsOnTimeout):
         so both are usually cut (the same bytes per token, at different offsets in rows of different sizes), and
         the two sides' blocks must be of the same size. The ``ipc`` route, not the ``pack`` engine."""
         self._poster.check_open()
+        views.check_arguments(pieces=pieces, local_pieces=local_pieces, token_slice=token_slice,
+                              local_token_slice=local_token_slice)
         meta = decode_metadata(metadata)
         if pieces or token_slice:
             meta = views.peer_view(meta, pieces, token_slice)
