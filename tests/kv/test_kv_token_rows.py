@@ -210,6 +210,10 @@ def _refusals_side(rank, world, init):
                     pack.add_peer(blobs[1], token_slice={"kv": (0, HB)})
                 with pytest.raises(BadInput, match="token rows needs the triton or copy_engine"):
                     pack.add_peer(blobs[0], token_slice={"kv": (0, HB)})
+                # the pack engine's source and destination each build a route: a view of the peer's pieces on
+                # one side pairs with neither the other side's whole blocks nor any view it may take
+                with pytest.raises(BadInput, match="pieces needs the triton or copy_engine"):
+                    pack.add_peer(blobs[0], pieces={"kv": (0, 1)})
                 assert not pack.peers
             finally:
                 pack.close()
