@@ -361,7 +361,7 @@ class KVAgent(Closable, FailsOnTimeout):
         ``[start, stop)`` only (e.g. the heads one tensor parallel rank of this side holds, of a peer holding
         several ranks' heads, one piece per head); transfers then pair this side's pieces with those.
         ``local_pieces``: the same for this agent's own layers in transfers with this peer (the heads of this
-        side's blocks that a peer holding fewer heads supplies); not with the ``pack`` engine.
+        side's blocks that a peer holding fewer heads supplies). No view with the ``pack`` engine.
         ``token_slice``: ``{group: (start, stop)}``: every (token-major) piece of the peer's group is seen as its
         block's token rows, each cut to bytes ``[start, stop)`` (a range of heads of a token-major layout,
         ``(blocks, block_tokens, heads, dim)``): ``block_tokens`` pieces per piece, after ``pieces``;
@@ -369,6 +369,8 @@ class KVAgent(Closable, FailsOnTimeout):
         so both are usually cut (the same bytes per token, at different offsets in rows of different sizes), and
         the two sides' blocks must be of the same size. The ``ipc`` route, not the ``pack`` engine."""
         self._poster.check_open()
+        views.check_arguments(pieces=pieces, local_pieces=local_pieces, token_slice=token_slice,
+                              local_token_slice=local_token_slice)
         meta = decode_metadata(metadata)
         if pieces or token_slice:
             meta = views.peer_view(meta, pieces, token_slice)
@@ -409,8 +411,9 @@ class KVAgent(Closable, FailsOnTimeout):
         peer.local_view = local_view
         try:        # the peer is the agent's only once every step that can fail is behind it
             peer.engine = peer_engine(self.engine, self.auto_engine, peer.name, peer.addressable)
-            if (local_view or token_slice) and peer.engine == "pack":
-                what = "token rows" if token_slice or local_token_slice else "this agent's pieces"
+            if viewed and peer.engine == "pack":
+                # both sides of a pack transfer build its route, and the other side's has no view to match
+                what = "token rows" if token_slice or local_token_slice else "pieces"
                 raise BadInput(f"peer {meta.agent!r}: the pack engine's two sides move whole blocks (a view of "
                                f"{what} needs the triton or copy_engine engine)")
             if self.engine == "pack":

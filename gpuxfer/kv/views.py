@@ -65,16 +65,20 @@ def _cut_rows(arg: str, name: str, rng, layers: Sequence[KVLayer], block_tokens:
     return out
 
 
-def _views(arg: str, pieces, token_slice) -> dict:
-    """``{group: [(kind, range)]}`` of a side's ``pieces`` and ``token_slice`` arguments (``arg``: how errors
-    name the side's arguments: ``""`` or ``"local_"``), pieces first; :class:`BadInput` for what is no mapping."""
+def check_arguments(**views) -> None:
+    """``KVAgent.add_peer``'s view arguments (``pieces=...``): each None or a mapping (group -> (start, stop)),
+    before anything tests their truth (an array's raises); :class:`BadInput` naming one that is neither."""
+    for arg, view in views.items():
+        if view is not None and not isinstance(view, Mapping):
+            raise BadInput(f"{arg} must map group -> (start, stop), got {type(view).__name__}")
+
+
+def _views(pieces, token_slice) -> dict:
+    """``{group: [(kind, range)]}`` of a side's ``pieces`` and ``token_slice`` arguments (mappings or None:
+    :func:`check_arguments`), pieces first."""
     out: dict = {}
     for kind, view in (("pieces", pieces), ("token_slice", token_slice)):
-        if not view:
-            continue
-        if not isinstance(view, Mapping):
-            raise BadInput(f"{arg}{kind} must map group -> (start, stop), got {type(view).__name__}")
-        for name, rng in view.items():
+        for name, rng in (view or {}).items():
             out.setdefault(name, []).append((kind, rng))
     return out
 
@@ -95,7 +99,7 @@ def peer_view(meta, pieces: Mapping[str, tuple[int, int]] | None, token_slice=No
     cut to bytes ``[start, stop)`` of their token rows (``token_slice``, :func:`_cut_rows`): every byte still
     inside its layer. :class:`BadInput` naming a group the peer lacks or a range its layers do not have."""
     groups = {g.name: g for g in meta.groups}
-    for name, cuts in _views("", pieces, token_slice).items():
+    for name, cuts in _views(pieces, token_slice).items():
         g = groups.get(name)
         if g is None:
             raise BadInput(f"{cuts[0][0]} names group {name!r}; peer {meta.agent!r} has groups {sorted(groups)}")
@@ -109,7 +113,7 @@ def local_view(registry, pieces: Mapping[str, tuple[int, int]] | None, token_sli
     """This agent's groups named in ``pieces`` or ``token_slice``, seen through them as :func:`peer_view`
     sees a peer's: ``{group: _Group}``."""
     out = {}
-    for name, cuts in _views("local_", pieces, token_slice).items():
+    for name, cuts in _views(pieces, token_slice).items():
         g = registry.groups.get(name)
         if g is None:
             raise BadInput(f"local_{cuts[0][0]} names group {name!r}; this agent has groups "

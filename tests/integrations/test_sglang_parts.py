@@ -97,6 +97,9 @@ def test_geometry_differences_name_each_field():
     older = {k: v for k, v in tp1.items() if k != "attn_tp_size"}       # a decode of a version without the key
     assert geometry_differences(tp1, older) == []
     assert geometry(_kv_args(engine_rank=5)[0], 2)["attn_tp_rank"] == 1 and ours["attn_tp_rank"] is None
+    for tp in (0, -2, 1.5):         # (a rank modulo a TP size of 0 would divide by zero)
+        with pytest.raises(BadInput, match="attention TP size"):
+            geometry(_kv_args()[0], tp)
 
 
 def _geom(tp, rank, heads, page=4, hb=16, entries=4):
@@ -139,6 +142,9 @@ def test_head_share_refuses_what_cannot_be_sliced(ours, theirs, total, says):
         head_share(ours, theirs, total)
 
 
+_LEFT_OUT = object()        # a field the decode's geometry does not hold
+
+
 @pytest.mark.parametrize("field, value, says", [
     ("attn_tp_size", "4", "TP size '4' is not a positive integer"),
     ("attn_tp_size", [4], "TP size \\[4\\] is not a positive integer"),
@@ -146,6 +152,7 @@ def test_head_share_refuses_what_cannot_be_sliced(ours, theirs, total, says):
     ("attn_tp_size", -4, "TP size -4 is not a positive integer"),
     ("kv_item_lens", "abcd", "kv_item_lens 'abcd' are not a list of integers"),
     ("kv_item_lens", None, "kv_item_lens None are not a list of integers"),
+    ("kv_item_lens", _LEFT_OUT, "kv_item_lens None are not a list of integers"),
     ("kv_item_lens", ["x"] * 4, "are not a list of integers"),
     ("kv_item_lens", [64.0] * 4, "are not a list of integers"),
     ("kv_item_lens", [True] * 4, "are not a list of integers"),
@@ -153,8 +160,9 @@ def test_head_share_refuses_what_cannot_be_sliced(ours, theirs, total, says):
 def test_head_share_refuses_a_decodes_hostile_geometry(field, value, says):
     """A decode's geometry comes off the network (its registration message): fields of the wrong type are a
     refusal of that decode (BadInput, which the bootstrap thread records), never another exception."""
+    theirs = {k: v for k, v in dict(_geom(2, 1, 2), **{field: value}).items() if v is not _LEFT_OUT}
     with pytest.raises(BadInput, match=says):
-        head_share(_geom(1, 0, 4), dict(_geom(2, 1, 2), **{field: value}), 4)
+        head_share(_geom(1, 0, 4), theirs, 4)
 
 
 def test_head_share_checks_the_prefills_own_heads_and_reads_the_total_from_kv_args():
@@ -170,7 +178,8 @@ def test_registration_payload_round_trip_and_bounds():
     assert decode_registration(encode_registration(geom, b"GXKV...")) == (geom, b"GXKV...")
     for bad in (b"", b"\x01", (1000).to_bytes(4, "little") + b"{}", (2).to_bytes(4, "little") + b"[]",
                 (3).to_bytes(4, "little") + b"{x}",
-                (200000).to_bytes(4, "little") + b"[" * 100000 + b"]" * 100000):     # nested past the parser
+                (200000).to_bytes(4, "little") + b"[" * 100000 + b"]" * 100000,      # nested past the parser
+                None, 5):
         with pytest.raises(BadMetadata):
             decode_registration(bad)
 

@@ -4,6 +4,7 @@ page ``(page_size, heads, head_dim)`` on two sides holding different heads. The 
 then transfers between two processes with every byte checked."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -48,6 +49,17 @@ def test_the_bound_counts_the_whole_group():
     with pytest.raises(BadInput, match="over the"):
         _cut_rows("local_token_slice", "g", (0, 1), layers, 64, "this agent")
     assert len(_cut_rows("local_token_slice", "g", (0, 1), layers[:-1], 64, "this agent")) == len(layers) - 1
+
+
+@pytest.mark.parametrize("arg", ["pieces", "local_pieces", "token_slice", "local_token_slice"])
+@pytest.mark.parametrize("view", [np.array([0, 16]), 0])
+def test_a_view_that_is_no_mapping_is_refused_before_anything(pair, arg, view):
+    """A view argument is None or a mapping: an array (whose truth raises) or a falsy number (no view) is a
+    BadInput naming it, and no peer is added."""
+    pre, dec, _, _ = pair
+    with pytest.raises(BadInput, match=f"^{arg} must map group"):
+        dec.add_peer(pre.metadata(), **{arg: view})
+    assert not dec.peers
 
 
 # ----------------------------------------------------------------------------- two processes
@@ -198,6 +210,10 @@ def _refusals_side(rank, world, init):
                     pack.add_peer(blobs[1], token_slice={"kv": (0, HB)})
                 with pytest.raises(BadInput, match="token rows needs the triton or copy_engine"):
                     pack.add_peer(blobs[0], token_slice={"kv": (0, HB)})
+                # the pack engine's source and destination each build a route: a view of the peer's pieces on
+                # one side pairs with neither the other side's whole blocks nor any view it may take
+                with pytest.raises(BadInput, match="pieces needs the triton or copy_engine"):
+                    pack.add_peer(blobs[0], pieces={"kv": (0, 1)})
                 assert not pack.peers
             finally:
                 pack.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import numbers
 from typing import Any
 
 from ...errors import BadInput, BadMetadata
@@ -66,9 +67,13 @@ def geometry(kv_args: Any, attn_tp_size: int | None = None) -> dict:
     """What a prefill and a decode instance must agree on for their pages to pair. ``attn_tp_size``: the rank's
     attention TP size where its pool holds a TP slice of the KV heads (MHA), with its rank in it
     (``KVArgs.engine_rank`` modulo the size); None where every rank holds all of it (MLA)."""
-    rank = None if attn_tp_size is None else int(getattr(kv_args, "engine_rank", 0) or 0) % int(attn_tp_size)
+    if attn_tp_size is not None:
+        if isinstance(attn_tp_size, bool) or not isinstance(attn_tp_size, numbers.Integral) or attn_tp_size < 1:
+            raise BadInput(f"the attention TP size {attn_tp_size!r:.40} is not a positive integer")
+        attn_tp_size = int(attn_tp_size)
+    rank = None if attn_tp_size is None else int(getattr(kv_args, "engine_rank", 0) or 0) % attn_tp_size
     return {"page_size": int(kv_args.page_size), "kv_item_lens": _ints(kv_args, "kv_item_lens"),
-            "attn_tp_size": None if attn_tp_size is None else int(attn_tp_size), "attn_tp_rank": rank,
+            "attn_tp_size": attn_tp_size, "attn_tp_rank": rank,
             "aux_item_lens": _ints(kv_args, "aux_item_lens"),
             "kv_cache_dtype": str(getattr(kv_args, "kv_cache_dtype_str", "") or ""),
             "kv_layout": getattr(kv_args, "kv_layout", None),
@@ -154,7 +159,7 @@ def head_share(ours: dict, theirs: dict, total_heads: int, heads_here: int = 0) 
     if heads_here and heads_here != hp:
         raise BadInput(f"the prefill rank holds {heads_here} KV heads, not the {hp} of {total_heads} over its "
                        f"attention TP size {pt}")
-    page, p_items, d_items = ours["page_size"], ours["kv_item_lens"], theirs["kv_item_lens"]
+    page, p_items, d_items = ours["page_size"], ours["kv_item_lens"], theirs.get("kv_item_lens")
     if not isinstance(d_items, list) or not all(_whole(i) for i in d_items):
         raise BadInput(f"the decode's kv_item_lens {d_items!r:.80} are not a list of integers")
     if len(p_items) != len(d_items):
@@ -190,7 +195,9 @@ def encode_registration(geom: dict, metadata: bytes) -> bytes:
 
 def decode_registration(payload: bytes) -> tuple[dict, bytes]:
     """Inverse of :func:`encode_registration`; ``BadMetadata`` for anything else (bounded, never read past)."""
-    if not isinstance(payload, (bytes, bytearray)) or not 4 <= len(payload) <= MAX_PAYLOAD_BYTES:
+    if not isinstance(payload, (bytes, bytearray)):
+        raise BadMetadata(f"a gpuxfer SGLang registration payload must be bytes, got {type(payload).__name__}")
+    if not 4 <= len(payload) <= MAX_PAYLOAD_BYTES:
         raise BadMetadata(f"a gpuxfer SGLang registration payload of {len(payload)} bytes (4..{MAX_PAYLOAD_BYTES})")
     n = int.from_bytes(payload[:4], "little")
     if n > len(payload) - 4:
