@@ -745,6 +745,14 @@ def test_a_refused_registration_fails_the_ranks_rooms_even_after_an_accepted_one
     assert not any(t.any() for t in real.dst)
 
 
+def test_a_registration_failing_with_an_untyped_error_refuses_the_rank(real, monkeypatch):
+    """Whatever a registration raises (here a ``KeyError`` from the geometry check), the rank is refused and its
+    earlier peer dropped, not kept for its rooms."""
+    monkeypatch.setattr("gpuxfer.integrations.sglang.conn.head_share", lambda *a: {}["kv_item_lens"])
+    real._on_registration(_registration(real))
+    assert "decode" not in real.pushes._peers and "KeyError" in real.pushes._rejected["decode"]
+
+
 def test_two_decode_ranks_claiming_one_room_fail_it_for_both():
     """A room of one decode rank (``required_dst_info_num`` 1) claimed by a second one (a room id two requests
     drew, or a forged message): neither is written the other's KV and reported Success."""

@@ -316,9 +316,12 @@ class GpuxferKVManager(CommonKVManager):
             log.info("gpuxfer: decode rank %s added (%s route, %s engine%s)", session, peer.route, peer.engine,
                      f"; bytes {views['local_token_slice'][GROUP]} of each token's row here to bytes "
                      f"{views['token_slice'][GROUP]} of the decode's" if views else "")
-        except GpuxferError as exc:
+        except Exception as exc:        # noqa: BLE001 - whatever the registration raised, the rank is refused
             why = f"{type(exc).__name__}: {exc}"
-            log.error("gpuxfer: refusing decode rank %s: %s", session, why)
+            if isinstance(exc, GpuxferError):
+                log.error("gpuxfer: refusing decode rank %s: %s", session, why)
+            else:
+                log.exception("gpuxfer: refusing decode rank %s: %s", session, why)
             self.pushes.refuse_decode(session, why)     # an earlier registration of the rank no longer describes it
 
     def _on_transfer_info(self, info: TransferInfo) -> None:
