@@ -313,18 +313,33 @@ def test_chunks_queued_behind_one_another_become_one_push():
 
 
 @pytest.mark.parametrize("case", ["other room", "other request", "gap", "wait event", "abort marker",
-                                  "after the last", "a step"])
+                                  "after the last", "a step", "bools", "floats before", "2-D", "0-D",
+                                  "fewer pages before", "more pages", "positions array", "from the end"])
 def test_a_chunk_that_does_not_continue_the_one_before_stays_queued_in_order(case):
     """Only the same request's next pages join; the first item that does not is handed back, the rest stay
-    queued behind it."""
+    queued behind it. Pages of another type or shape, or of another count than their positions, never join:
+    joined, they would be cast (bools turned into page IDs 0 and 1), fail to join (an error out of the
+    transfer thread) or land shifted onto positions another chunk named; alone, each is checked as given."""
     import dataclasses
+    import numpy as np
     from gpuxfer.integrations.sglang.requests import _drain_marker, coalesce
     a, b, c = _chunks((0, 2), (2, 4), (4, 6))
     nxt = {"other room": dataclasses.replace(b, room=8), "other request": dataclasses.replace(b, infos="new"),
            "gap": dataclasses.replace(b, index_slice=slice(3, 5)), "wait event": dataclasses.replace(b, wait_event=1),
-           "abort marker": _drain_marker(7), "a step": dataclasses.replace(b, index_slice=slice(2, 6, 2))}.get(case, b)
+           "abort marker": _drain_marker(7), "a step": dataclasses.replace(b, index_slice=slice(2, 6, 2)),
+           "bools": dataclasses.replace(b, pages=np.ones(2, dtype=bool)),
+           "2-D": dataclasses.replace(b, pages=b.pages.reshape(1, 2)),
+           "0-D": dataclasses.replace(b, pages=np.array(102, dtype=np.int32), index_slice=slice(2, 3)),
+           "more pages": dataclasses.replace(b, pages=np.arange(102, 105, dtype=np.int32)),
+           "positions array": dataclasses.replace(b, index_slice=np.arange(2, 4))}.get(case, b)
     if case == "after the last":
         a = dataclasses.replace(a, is_last=True)
+    elif case == "floats before":       # np.array([]) of an empty list: float64, valid alone as no page at all
+        a = dataclasses.replace(a, pages=np.array([]), index_slice=slice(2, 2))
+    elif case == "fewer pages before":
+        a = dataclasses.replace(a, pages=a.pages[:1])
+    elif case == "from the end":        # positions counted from the list's end: two chunks' cuts of it
+        a, nxt = (dataclasses.replace(a, index_slice=slice(-4, -2)), dataclasses.replace(b, index_slice=slice(-2, 0)))
     q = _queue(nxt, c)
     chunk, held = coalesce(a, q)
     assert chunk is a and held is nxt and q.get_nowait() is c

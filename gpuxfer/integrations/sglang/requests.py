@@ -63,12 +63,21 @@ class _Chunk:
     infos: Any = None                           # the room's decode destinations when the chunk was queued
 
 
+def _span(chunk: _Chunk) -> bool:
+    """Whether ``chunk`` sends a 1-D array of pages onto positions ``[start, stop)`` of the decode's list, one
+    page per position: only such chunks join, so a joined chunk sends each page where its own chunk named it."""
+    s, pages = chunk.index_slice, chunk.pages
+    return (pages is not None and pages.ndim == 1 and isinstance(s, slice) and s.step in (None, 1)
+            and isinstance(s.start, (int, np.integer)) and isinstance(s.stop, (int, np.integer))
+            and 0 <= s.start and s.stop - s.start == len(pages))
+
+
 def _joins(chunk: _Chunk, nxt: _Chunk) -> bool:
     """Whether ``nxt`` continues ``chunk``: the same request's next pages, right after its own in the
-    decode's list, with no event of its own to wait for (``chunk``'s is waited for before both are posted)."""
-    return (chunk.pages is not None and nxt.pages is not None and nxt.room == chunk.room
+    decode's list, of the same type (joined, no array is cast: the agent checks each one's IDs as given),
+    with no event of its own to wait for (``chunk``'s is waited for before both are posted)."""
+    return (_span(chunk) and _span(nxt) and nxt.pages.dtype == chunk.pages.dtype and nxt.room == chunk.room
             and nxt.infos is chunk.infos and not chunk.is_last and nxt.wait_event is None
-            and chunk.index_slice.step in (None, 1) and nxt.index_slice.step in (None, 1)
             and chunk.index_slice.stop == nxt.index_slice.start)
 
 
