@@ -53,9 +53,7 @@ def post_many(poster, transfers: Sequence[KVTransfer], stream: Stream | None) ->
     agent = poster.agent
     if type(transfers) is not list and (isinstance(transfers, (str, bytes)) or not isinstance(transfers, Sequence)):
         raise BadInput(f"post_many takes a sequence of prepared transfers, got {type(transfers).__name__}")
-    for i, x in enumerate(transfers):
-        if not isinstance(x, KVTransfer) or x.agent is not agent:
-            raise BadInput(f"post_many: item {i} ({x!r}) is not a transfer prepared by agent {agent.name!r}")
+    routes, others, peers = _sort(agent, transfers)
     s = agent.stream if stream is None else stream
     if len(transfers) == 1:         # (what a decode step admitting one request posts): its own post, which checks
         try:                        # its peer
@@ -65,12 +63,18 @@ def post_many(poster, transfers: Sequence[KVTransfer], stream: Stream | None) ->
             raise
     if len({id(x) for x in transfers}) != len(transfers):
         raise BadInput("post_many: a transfer appears twice (post it again in a later call)")
-    for x in transfers:             # the other engines' peers before anything is queued (triton's: under the lock)
-        if type(x) is not _SlotTransfer and type(x) is not _DeviceIdTransfer:
-            poster.check_usable(x.peer)
+    for i in others:                # the other engines' peers before anything is queued (triton's: under the lock)
+        poster.check_usable(transfers[i].peer)
     handles: list[KVTransferHandle | None] = [None] * len(transfers)
     try:
-        _post_all(poster, transfers, s, handles)
+        if routes:
+            with poster.lock:
+                for peer in peers:  # before anything is queued, with remove_peer and close kept out
+                    poster.check_usable(peer)
+                for idx in routes.values():
+                    _post_route_requests(poster, transfers, idx, s, handles)
+        for i in others:
+            handles[i] = transfers[i].post(s)
     except Exception as exc:
         # some transfers may be queued already: the caller learns which (and must not reuse their blocks
         # before they complete)
@@ -79,29 +83,32 @@ def post_many(poster, transfers: Sequence[KVTransfer], stream: Stream | None) ->
     return handles
 
 
-def _post_all(poster, transfers: Sequence[KVTransfer], s: Stream, handles: list) -> None:
-    """:func:`post_many`'s posts, each handle into ``handles`` as it is made."""
-    routes: dict[int, list[int]] = {}               # the triton engine's requests, host or device IDs, by route
-    others = []
+def _sort(agent, transfers: Sequence[KVTransfer]) -> tuple[dict[int, list[int]], list[int], list]:
+    """``transfers`` checked to be the agent's and sorted: the ``triton`` engine's requests (host or device IDs)
+    by route, the others' positions, and the distinct peers of the first."""
+    routes: dict[int, list[int]] = {}
+    others: list[int] = []
+    peers: dict[int, object] = {}
     for i, x in enumerate(transfers):
-        if type(x) is _SlotTransfer or type(x) is _DeviceIdTransfer:
+        t = type(x)
+        if (t is _SlotTransfer or t is _DeviceIdTransfer) and x.agent is agent:
             routes.setdefault(id(x.route), []).append(i)
-        else:
+            peers[id(x.peer)] = x.peer
+        elif isinstance(x, KVTransfer) and x.agent is agent:
             others.append(i)
-    if routes:
-        with poster.lock:
-            for i in itertools.chain.from_iterable(routes.values()):    # before anything is queued, with
-                poster.check_usable(transfers[i].peer)                    # remove_peer and close kept out
-            for idx in routes.values():
-                kinds = {(type(transfers[i]), getattr(transfers[i], "shape", (0,) * 5)[4]) for i in idx}
-                post = _post_route if kinds == {(_SlotTransfer, 0)} else \
-                    post_together if len(kinds) == 1 and transfers[idx[0]].route.ids.paired else _one_by_one
-                for part in _parts(transfers, idx):
-                    xs = [transfers[i] for i in part]
-                    for i, h in zip(part, post(poster, xs, s)):
-                        handles[i] = h
-    for i in others:
-        handles[i] = transfers[i].post(s)
+        else:
+            raise BadInput(f"post_many: item {i} ({x!r}) is not a transfer prepared by agent {agent.name!r}")
+    return routes, others, list(peers.values())
+
+
+def _post_route_requests(poster, transfers: Sequence[KVTransfer], idx: list[int], s: Stream, handles: list) -> None:
+    """One route's requests (their positions ``idx``) posted under the post lock, each handle into ``handles``."""
+    kinds = {(type(transfers[i]), getattr(transfers[i], "shape", (0,) * 5)[4]) for i in idx}
+    post = _post_route if kinds == {(_SlotTransfer, 0)} else \
+        post_together if len(kinds) == 1 and transfers[idx[0]].route.ids.paired else _one_by_one
+    for part in _parts(transfers, idx):
+        for i, h in zip(part, post(poster, [transfers[i] for i in part], s)):
+            handles[i] = h
 
 
 def _one_by_one(poster, xs: list, s: Stream) -> list[KVTransferHandle]:

@@ -30,6 +30,8 @@ naming it (``done()`` once complete, ``wait()``). The IDs must be ready in the o
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import threading
 from typing import Mapping
@@ -96,31 +98,46 @@ def _layout(route, LS: np.ndarray, LD: np.ndarray, NS: np.ndarray, wide: bool) -
     request's source IDs one after another, then their destination IDs; a piece per request, group and side."""
     K, G = LS.shape
     P = int(route.plane_group.size)
+    frame, addresses = _frame(K, G, P)
+    head, first = P + 1 + 3 * G, frame.shape[0]
+    a = frame.copy()
+    runs = np.empty(2 * G + 1, dtype=np.int64)          # where each group's sources, then destinations, start
+    runs[0] = first
+    LS.sum(axis=0, out=runs[1:G + 1])
+    LD.sum(axis=0, out=runs[G + 1:])
+    np.cumsum(runs, out=runs)
+    ns = NS.sum(axis=0)
+    a[P + 1:P + 1 + G] = ns
+    a[P + 1 + G:head] = runs[:2 * G]
+    np.cumsum(ns[route.plane_group], out=a[1:P + 1])
+    a[head + 1] = 1 if wide else 0
+    a[head + 2:head + 2 + G] = runs[G + 1:] - runs[G:2 * G]
+    pieces = a[head + CHECK_FIELDS_FIXED + CHECK_FIELDS_PER_GROUP * G:].reshape(G, 2 * K, PIECE_FIELDS)
+    pieces[:, :K, 2] = LS.T
+    pieces[:, K:, 2] = LD.T
+    pieces[:, :K, 3] = runs[:G, None] + (np.cumsum(LS, axis=0) - LS).T
+    pieces[:, K:, 3] = runs[G:2 * G, None] + (np.cumsum(LD, axis=0) - LD).T
+    moved = int(sum(int(n) * b for n, b in zip(ns, route.group_bytes)))
+    return _Header(a, addresses, int(runs[-1]), ns, int(a[P]), moved)
+
+
+@functools.lru_cache(maxsize=64)
+def _frame(K: int, G: int, P: int) -> tuple[np.ndarray, np.ndarray]:
+    """What :func:`_layout`'s array of ``K`` requests, ``G`` groups and ``P`` planes holds whatever their IDs (the
+    pieces' places and sides), read-only, and where the requests' tensors' addresses go in it (``(K, 2G)``:
+    sources, then destinations)."""
     head = P + 1 + 3 * G
     p0 = head + CHECK_FIELDS_FIXED + CHECK_FIELDS_PER_GROUP * G
     per = 2 * K * PIECE_FIELDS                          # entries of one group's pieces
-    first = p0 + G * per
-    ls, ld, ns = LS.sum(axis=0), LD.sum(axis=0), NS.sum(axis=0)
-    starts = first + np.concatenate([[0], np.cumsum(np.concatenate([ls, ld]))])
-    a = np.zeros(first, dtype=np.int64)
-    a[P + 1:P + 1 + G] = ns
-    a[P + 1 + G:head] = starts[:2 * G]
-    np.cumsum(a[P + 1:P + 1 + G][route.plane_group], out=a[1:P + 1])
-    a[head + 1] = 1 if wide else 0
-    a[head + 2:head + 2 + G] = ld
+    a = np.zeros(p0 + G * per, dtype=np.int64)
     a[head + 2 + G:head + 2 + 2 * G] = p0 + per * np.arange(G)
     a[head + 2 + 2 * G:head + 2 + 3 * G] = 2 * K
-    pieces = a[p0:first].reshape(G, 2 * K, PIECE_FIELDS)
-    pieces[:, K:, 0] = 1
-    pieces[:, :K, 2] = LS.T
-    pieces[:, K:, 2] = LD.T
-    pieces[:, :K, 3] = starts[:G, None] + (np.cumsum(LS, axis=0) - LS).T
-    pieces[:, K:, 3] = starts[G:2 * G, None] + (np.cumsum(LD, axis=0) - LD).T
+    a[p0:].reshape(G, 2 * K, PIECE_FIELDS)[:, K:, 0] = 1
     k, g = np.arange(K)[:, None], np.arange(G)[None, :]
     at = p0 + per * g + PIECE_FIELDS * k + 1
-    addresses = np.concatenate([at, at + PIECE_FIELDS * K], axis=1)         # (K, 2G): sources, then destinations
-    moved = int(sum(int(n) * b for n, b in zip(ns, route.group_bytes)))
-    return _Header(a, addresses, int(starts[-1]), ns, int(a[P]), moved)
+    addresses = np.concatenate([at, at + PIECE_FIELDS * K], axis=1)
+    a.flags.writeable = addresses.flags.writeable = False
+    return a, addresses
 
 
 def _header(route, dev: _DeviceRoute, lens_s: tuple, lens_d: tuple, n_seg: tuple, wide: bool) -> _Header:
@@ -190,7 +207,7 @@ def prepare_device(poster, peer, route, op: str, name: str, local_blocks: Mappin
                                f"(address {a:#x}): a meta tensor, or not aligned to its {width}-byte integers")
     h[head.addresses[0]] = addresses
     return _DeviceIdTransfer(poster, peer, route, op, name, head, pooled, h, tensors, notify_slot,
-                             (lens_s, lens_d, n_seg, addresses, dtype is torch.int64))
+                             (lens_s, lens_d, n_seg, addresses, dtype is torch.int64, lens_s + lens_d + n_seg))
 
 
 def _refuse(name: str, group: str, side: str, ids, device, dtype) -> None:
@@ -288,7 +305,8 @@ class _DeviceIdTransfer(_SlotTransfer):
     def __init__(self, poster, peer, route, op: str, name: str, head: _Header,
                  pooled, array: np.ndarray, tensors: list, notify_slot: int | None, shape: tuple):
         self._tensors = tensors          # the caller's IDs: read by the posts' check, kept alive with the transfer
-        self.shape = shape               # (source and destination IDs and segments per group, addresses, int64?)
+        self.shape = shape               # (source and destination IDs and segments per group, addresses, int64?,
+                                         # the first three in one list)
         self._pooled = pooled
         self._array = array
         self._entries = head.entries
@@ -357,16 +375,19 @@ def post_together(poster, xs: list[_DeviceIdTransfer], s: Stream) -> list:
         return [xs[0]._post_locked(s)]
     agent = poster.agent
     route, plat = xs[0].route, agent.platform
-    for x in xs:
-        x._check_tensors()
     shapes = [x.shape for x in xs]
-    head = _layout(route, np.array([sh[0] for sh in shapes], dtype=np.int64),
-                   np.array([sh[1] for sh in shapes], dtype=np.int64),
-                   np.array([sh[2] for sh in shapes], dtype=np.int64), shapes[0][4])
+    addresses = list(itertools.chain.from_iterable(sh[3] for sh in shapes))
+    if list(map(_torch().Tensor.data_ptr, itertools.chain.from_iterable(x._tensors for x in xs))) != addresses:
+        for x in xs:
+            x._check_tensors()      # (raises naming the request whose tensor moved)
+    K, G = len(xs), len(route.groups)
+    counts = np.fromiter(itertools.chain.from_iterable(sh[5] for sh in shapes), dtype=np.int64,
+                         count=3 * G * K).reshape(K, 3, G)
+    head = _layout(route, counts[:, 0], counts[:, 1], counts[:, 2], shapes[0][4])
     token, h = poster.requests.take(head.array.shape[0], poster.reap)
     keep = _Pooled(poster.requests, token)
     h[:] = head.array
-    h[head.addresses] = np.array([sh[3] for sh in shapes], dtype=np.int64)
+    h[head.addresses] = np.array(addresses, dtype=np.int64).reshape(head.addresses.shape)
     slot = poster.take_slot(route, s, head.n_rows, head.entries)
     status = None
     try:

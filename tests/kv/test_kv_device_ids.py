@@ -409,6 +409,11 @@ def test_refused_notifications_moved_tensors_and_meta_tensors(dpair):
         x.post()
     with pytest.raises(BlockIdError, match="moved to other memory"):
         dec.post_many([x])
+    ok = [dec.prepare(peer, "pull", local_blocks={"full": _on(dec, [5 + i])}, remote_blocks={"full": _on(dec, [3])},
+                      device_ids=True, name=f"ok{i}") for i in range(2)]
+    with pytest.raises(BlockIdError, match="'moved'.*moved to other memory since prepare") as err:
+        dec.post_many([ok[0], x, ok[1]])         # (merged: the batch's tensors checked at once)
+    assert err.value.handles == [None, None, None]
     assert _unchanged(dst, snap)
     if dec._torch_device().type == "cpu":
         meta = torch.empty(2, dtype=torch.int64, device="meta")
