@@ -367,7 +367,8 @@ class KVAgent(Closable, FailsOnTimeout):
         ``(blocks, block_tokens, heads, dim)``): ``block_tokens`` pieces per piece, after ``pieces``;
         ``local_token_slice``: the same for this agent's own layers. Both sides' pieces then pair one to one,
         so both are usually cut (the same bytes per token, at different offsets in rows of different sizes), and
-        the two sides' blocks must be of the same size. The ``ipc`` route, not the ``pack`` engine."""
+        the two sides' blocks must be of the same size. Not the ``pack`` engine; over the ``nixl`` route each token
+        row of a block and layer is a descriptor of the route's lists (counted against its cap at ``add_peer``)."""
         self._poster.check_open()
         views.check_arguments(pieces=pieces, local_pieces=local_pieces, token_slice=token_slice,
                               local_token_slice=local_token_slice)
@@ -385,8 +386,6 @@ class KVAgent(Closable, FailsOnTimeout):
         reg = self._registry
         if meta.agent in reg.peers:
             raise BadInput(f"peer {meta.agent!r} is already added (remove_peer first)")
-        if (token_slice or local_token_slice) and route == "nixl":
-            raise BadInput(f"peer {meta.agent!r}: a view of token rows needs the ipc route")
         if route == "nixl":
             nixl_peer = NixlPeer(self, meta, self.nixl, reg, self._poster, local_view)
             with reg.lock:      # an add_peer of the same name, or close, may have run meanwhile

@@ -137,8 +137,10 @@ def test_mla_pool_at_different_tp_sizes_lands():
         assert codes == [0] * (prefill_tp + decode_tp), codes
 
 
-def _mha_lands(prefill_tp: int, decode_tp: int, total_heads: int, seed: int):
-    prefill, decode = _servers(prefill_tp, decode_tp, 16, total_heads=total_heads)
+def _mha_lands(prefill_tp: int, decode_tp: int, total_heads: int, seed: int, env: dict = ENV, after=None):
+    """An MHA pool of ``total_heads`` KV heads from a prefill at ``prefill_tp`` to a decode at ``decode_tp``: 16
+    requests, every byte of every decode rank's heads checked; ``after(prefill, decode)`` before they close."""
+    prefill, decode = _servers(prefill_tp, decode_tp, 16, total_heads=total_heads, env=env)
     try:
         pages = _Pages(seed)
         rng = random.Random(seed)
@@ -152,6 +154,8 @@ def _mha_lands(prefill_tp: int, decode_tp: int, total_heads: int, seed: int):
             assert res["others_changed"] == 0, (r, res)
         for p in prefill:
             assert set(p.call("clear", rooms).values()) == {None}
+        if after is not None:
+            after(prefill, decode)
     finally:
         codes = _close(*prefill, *decode)
     assert codes == [0] * (prefill_tp + decode_tp), codes

@@ -458,6 +458,59 @@ def test_a_view_of_some_pieces_over_nixl(need_nixl, host, whose):
             x.close()
 
 
+@pytest.mark.parametrize("op", ["pull", "push"])
+def test_a_view_of_token_rows_over_nixl(need_nixl, host, op):
+    """Heads [2, 4) of token-major pages of four heads ``(page tokens, heads, head bytes)``, an SGLang MHA pool at
+    attention TP 1, land on all of the two heads of pages of a pool at TP 2 (its second rank), over the NIXL
+    route (``token_slice`` and ``local_token_slice``: one descriptor per token row, block and layer): every byte
+    of the destination checked, the other heads and pages and the pad after each page untouched."""
+    bt, hb, blocks, pad = 4, 16, 6, 24
+    heads = (4, 2)
+    bufs = [host.alloc(1 << 16, r) for r in (0, 1)]
+    agents, views = [], []
+    try:
+        for r in (0, 1):
+            flat = host.as_tensor(bufs[r])
+            stride = bt * heads[r] * hb + pad
+            layers = {}
+            for i in range(2):
+                raw = flat[i * 8192:i * 8192 + blocks * stride]
+                raw.copy_(torch.randint(0, 256, raw.shape, generator=torch.Generator().manual_seed(10 * r + i),
+                                        dtype=torch.uint8))
+                layers[f"l{i}"] = KVLayerSpec(raw, blocks, stride, [(0, bt * heads[r] * hb)])
+                views.append(raw)
+            ag = KVAgent(f"rows{r}", platform=host, device=r, timeout_s=20, remote="nixl", engine="triton")
+            agents.append(ag)
+            ag.register_group("g", bt, layers)
+        a, b = agents
+        src, dst = [5, 0, 3], [1, 4, 2]
+        before = [v.clone() for v in views[2:]]
+        if op == "pull":
+            peer = b.add_peer(a.metadata(), route="nixl", token_slice={"g": (2 * hb, 4 * hb)},
+                              local_token_slice={"g": (0, 2 * hb)})
+            b.transfer(peer, "pull", local_blocks={"g": dst}, remote_blocks={"g": src}).wait(20)
+        else:
+            peer = a.add_peer(b.metadata(), route="nixl", local_token_slice={"g": (2 * hb, 4 * hb)},
+                              token_slice={"g": (0, 2 * hb)})
+            a.transfer(peer, "push", local_blocks={"g": src}, remote_blocks={"g": dst}).wait(20)
+
+        def page(raw, n, k):
+            stride = bt * n * hb + pad
+            return raw[k * stride:k * stride + bt * n * hb].view(bt, n, hb)
+
+        for i in range(2):
+            want = before[i].clone()
+            for s_, d in zip(src, dst):
+                page(want, 2, d)[:] = page(views[i], 4, s_)[:, 2:4]
+            assert torch.equal(views[2 + i], want), i
+            assert not torch.equal(views[2 + i], before[i])
+    finally:
+        for ag in agents[::-1]:
+            ag.close()
+        for x in bufs:
+            x.close()
+
+
 def test_layouts_that_differ_are_refused_by_group(need_nixl, host):
     bufs = [host.alloc(1 << 16, r) for r in (0, 1)]
     try:
