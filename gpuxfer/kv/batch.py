@@ -18,6 +18,9 @@ the next request's segments start on a block of its own and the padding moves no
     [a's, then c's notification]                   ->           the peers' words
     record_event                                   ->           one event: the handles of a, b and c
 
+A route's batch of more than :data:`BATCH_ROWS` descriptors is cut into parts; a part of fewer than
+:data:`MERGE_FROM` requests is then posted one request after another.
+
 Two requests of a batch that write the same destination block are not merged (their order would not be
 defined): that route's requests are posted one after another, as :meth:`KVTransfer.post` would.
 
@@ -45,6 +48,11 @@ from .triton_transfer import _Pooled, _SlotTransfer, run_in_slot
 #: a merged post's descriptors at most (24 MiB of slot), unless one request alone has more: a longer batch is
 #: cut into several posts
 BATCH_ROWS = 1 << 20
+
+#: where a batch is cut, a part of fewer requests than this is posted one request after another: a merged post
+#: costs the host more than a request's own post (its array laid out, its tensors read once more) and saves it
+#: only from about this many requests on (measured on the host emulation with no-op stream calls)
+MERGE_FROM = 8
 
 
 def post_many(poster, transfers: Sequence[KVTransfer], stream: Stream | None) -> list[KVTransferHandle]:
@@ -106,8 +114,10 @@ def _post_route_requests(poster, transfers: Sequence[KVTransfer], idx: list[int]
     kinds = {(type(transfers[i]), getattr(transfers[i], "shape", (0,) * 5)[4]) for i in idx}
     post = _post_route if kinds == {(_SlotTransfer, 0)} else \
         post_together if len(kinds) == 1 and transfers[idx[0]].route.ids.paired else _one_by_one
-    for part in _parts(transfers, idx):
-        for i, h in zip(part, post(poster, [transfers[i] for i in part], s)):
+    parts = _parts(transfers, idx)
+    for part in parts:
+        how = post if len(parts) == 1 or len(part) >= MERGE_FROM else _one_by_one
+        for i, h in zip(part, how(poster, [transfers[i] for i in part], s)):
             handles[i] = h
 
 

@@ -136,16 +136,21 @@ def test_overlapping_destinations_run_in_order(bpair, monkeypatch):
     assert same_bytes(dst[name][:, 6], src[name][:, 0])
 
 
-def test_routes_notifications_and_cut_batches(bpair, monkeypatch):
+@pytest.mark.parametrize("merge_from", [1, 8])
+def test_routes_notifications_and_cut_batches(bpair, monkeypatch, merge_from):
     """Two routes (different groups), notifications of the merged ones in order, and a batch cut in two by the
-    descriptor budget: every byte, and the peer's notification word counts every notifying request."""
+    descriptor budget, each part merged or (fewer requests than ``MERGE_FROM``) posted one by one: every byte,
+    and the peer's notification word counts every notifying request."""
     pre, dec, a0, a1 = bpair
     src, dst = _full(pre, dec, a0, a1, 2, 10, 2, seed=7)
     slab_s, slab_d = a0.tensor((6, 2, 40), seed=9), a1.tensor((6, 2, 40), seed=10)
     pre.register_group("slab", 2, {"s": slab_s})
     dec.register_group("slab", 2, {"s": slab_d})
     peer, _ = connect(pre, dec)
-    monkeypatch.setattr(batch, "BATCH_ROWS", 8)       # each "full" request has 2 layers x 2 pieces x 2 = 8 rows
+    monkeypatch.setattr(batch, "BATCH_ROWS", 16)      # each "full" request has 2 layers x 2 pieces x 2 = 8 rows
+    monkeypatch.setattr(batch, "MERGE_FROM", merge_from)
+    merged, post_route = [], batch._post_route
+    monkeypatch.setattr(batch, "_post_route", lambda poster, xs, s: merged.append(len(xs)) or post_route(poster, xs, s))
     xs = [dec.prepare(peer, "pull", local_blocks={"full": [2 * i, 2 * i + 1]},
                       remote_blocks={"full": [9 - 2 * i, 8 - 2 * i]}, notify_slot=3) for i in range(4)]
     xs.insert(2, dec.prepare(peer, "pull", local_blocks={"slab": [5, 0]}, remote_blocks={"slab": [1, 2]}))
@@ -153,6 +158,8 @@ def test_routes_notifications_and_cut_batches(bpair, monkeypatch):
     for h in hs:
         h.wait(60)
     assert [h.notify_value for h in hs] == [1, 2, None, 3, 4]
+    # the "full" route's two parts merged or posted one by one; the "slab" route's one request
+    assert merged == ([2, 2, 1] if merge_from == 1 else [1])
     assert pre.wait_notification(3, 4, timeout_s=30) >= 4
     for name in src:
         for i in range(4):
