@@ -94,6 +94,8 @@ class NixlPeer(KVPeer):
             if self.remote != nx["agent"]:
                 raise BadMetadata(f"peer {meta.agent!r}: its NIXL metadata names agent {self.remote!r}, its "
                                   f"metadata {nx['agent']!r}")
+            with side.lock:
+                side.senders.add(self.remote)   # its notifications count from here until _release
             try:
                 with side.lock:
                     side.nixl.connect(self.remote)
@@ -274,6 +276,8 @@ class NixlPeer(KVPeer):
 
     def _release(self) -> None:
         side = self.side
+        with side.lock:                 # its notifications count no more (a peer's name is held by one at most)
+            side.senders.discard(self.remote)
         deadline = time.monotonic() + self.agent.timeout_s
         for h in list(self._inflight):
             try:

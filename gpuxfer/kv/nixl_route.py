@@ -21,7 +21,11 @@ notification rides on its transfer (``notify_slot``): the receiving side's polle
 advancing it only over values that all arrived (the n-th notification to a slot means the first n landed), so
 :meth:`~gpuxfer.kv.agent.KVAgent.wait_notification` and ``stream_wait_notification`` work unchanged. A value
 arrived ahead of one before it is held if at most :data:`NOTIFY_WINDOW` past the word, else refused and counted
-(:attr:`NixlSide.refused`): a slot holds that many values at most, whatever a peer sends.
+(:attr:`NixlSide.refused`): a slot holds that many values at most, whatever a peer sends. Only this agent's peers
+on the route send notifications that count: NIXL names each message's sender (the NIXL agent name it was made
+with), and one from any other agent -- one that loaded this agent's metadata without being added as a peer, or a
+peer removed since -- is refused and counted (:attr:`NixlSide.refused_senders`); the message itself carries no
+name.
 
 Every NIXL call goes through the side's lock (NIXL's agent is made without its own synchronisation). Every
 wait is bounded: a transfer NIXL reports failed (a dead peer) raises :class:`~gpuxfer.kv.nixl_ffi.NixlError`,
@@ -130,6 +134,10 @@ class NixlSide:
         self._word: list[int] = [0] * NOTIFY_SLOTS
         self._ahead: list[int] = [0] * NOTIFY_SLOTS    # per slot: bit i set when value word + 1 + i arrived
         self.refused = 0                    # notifications refused: further than NOTIFY_WINDOW past their word
+        self.refused_senders = 0            # notifications refused: their sender is no peer of this side
+        # NIXL agent names of the agent's peers on the route (NixlPeer adds and drops its own, under the lock): the
+        # senders whose notifications count
+        self.senders: set[str] = set()
         self.nixl = NixlAgent(mod, self.name, mem_type=self.mem_type, rank=agent.rank, telemetry=False,
                               progress_thread=config.get("GPUXFER_NIXL_PROGRESS_THREAD"))
         self._stop = threading.Event()
@@ -185,9 +193,13 @@ class NixlSide:
 
     def _deliver(self, notifs: Mapping) -> None:
         """Write each slot's word up to the longest run of values that all arrived; a value further than
-        :data:`NOTIFY_WINDOW` past its slot's word is refused (counted, the first one logged)."""
+        :data:`NOTIFY_WINDOW` past its slot's word is refused (counted, the first one logged), and so is every
+        message of a sender (NIXL's name for it) that is not one of :attr:`senders`. Called under the lock."""
         moved = set()
         for sender, msgs in notifs.items():
+            if sender not in self.senders:
+                self._refuse_sender(sender, len(msgs))
+                continue
             for msg in msgs:
                 slot_value = _parse_notif(msg)
                 if slot_value is None:
@@ -220,6 +232,13 @@ class NixlSide:
             log.warning("agent %s: refused NIXL notification %d to slot %d from %s: more than %d past the slot's "
                         "value %d (a broken or forged sender); later ones are counted in its NIXL side's refused, "
                         "not logged", self.agent.name, value, slot, sender, NOTIFY_WINDOW, self._word[slot])
+
+    def _refuse_sender(self, sender, count: int) -> None:
+        if not self.refused_senders:
+            log.warning("agent %s: refused %d NIXL notification(s) from agent %r: not a peer of this agent on the "
+                        "NIXL route (never added, or removed); later ones are counted in its NIXL side's "
+                        "refused_senders, not logged", self.agent.name, count, str(sender)[:256])
+        self.refused_senders += count
 
     def close(self) -> None:
         """Stop the poller (bounded) and close the NIXL agent: its transfers, lists, peers and registrations

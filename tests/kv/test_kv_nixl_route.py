@@ -136,6 +136,7 @@ def _scenario(rank, world, init, platform_name):
         dist.all_gather_object(blobs, agent.metadata())
         peer = agent.add_peer(blobs[1 - rank], route="nixl")
         assert peer.route == "nixl" and type(peer).__name__ == "NixlPeer"
+        dist.barrier()                  # a notification counts once its receiver added the sender as a peer
         mine = {g: {k: v.cpu().clone() for k, v in c.items()} for g, c in caches.items()}
         theirs = _caches(1 - rank)
         expect = mine
@@ -611,6 +612,7 @@ def test_notifications_advance_only_over_values_that_all_arrived(need_nixl, host
     a = KVAgent("notif", platform=host, device=0, timeout_s=10, remote="nixl")
     try:
         side = a.nixl
+        side.senders.add("peer")                        # as a peer's NIXL agent is, while it is one
         side._deliver({"peer": [b"gxkv:3:2", b"junk", b"gxkv:99:1", b"gxkv:3:x"]})
         assert a.notification(3) == 0
         side._deliver({"peer": [b"gxkv:3:1", b"gxkv:3:4"]})
@@ -635,6 +637,7 @@ def test_notifications_held_out_of_order_stay_within_a_window(need_nixl, host):
     a = KVAgent("notif-w", platform=host, device=0, timeout_s=10, remote="nixl")
     try:
         side = a.nixl
+        side.senders.add("peer")
         side._deliver({"peer": [b"gxkv:2:%d" % v for v in range(2, 3 * W)]})
         assert a.notification(2) == 0 and _held(side) == W - 1 and side.refused == 2 * W - 1
         side._deliver({"peer": [b"gxkv:2:1", b"gxkv:2:%d" % (2 * W), b"gxkv:2:%d" % (2 * W + 1)]})
@@ -665,6 +668,62 @@ def test_a_flood_of_forged_notifications_holds_nothing_and_real_ones_complete(ni
     name = "model.layers.0.attn"
     assert torch.equal(caches[1]["full"][name][:, 4:7], caches[0]["full"][name][:, 0:3])
     assert len([r for r in caplog.records if "refused NIXL notification" in r.getMessage()]) == 1
+
+
+def _until(cond, what: str) -> None:
+    """Wait (bounded) for ``cond()`` -- an outcome, refused or delivered, of notifications sent: the receiving
+    side's poller drains NIXL's notifications meanwhile."""
+    import time
+    deadline = time.monotonic() + 60
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_notifications_of_an_agent_that_is_no_peer_never_move_a_word(nixl_pair, host, caplog):
+    """A third NIXL agent that loaded this agent's metadata (added it as its peer) but is not this agent's peer:
+    its notifications -- riding on a push, on an empty request, or sent alone in our senders' format -- are
+    refused and counted, the first logged, and move no word, though its values are the next ones; the real
+    peer's pushes then notify as always."""
+    (a, b), (p, _), caches = nixl_pair
+    buf = host.alloc(1 << 16, 0)
+    c = KVAgent("stranger", platform=host, device=0, timeout_s=20, remote="nixl")
+    try:
+        c.register_group("full", BT, _caches(0, host.as_tensor(buf))["full"])
+        to_b = c.add_peer(b.metadata(), route="nixl")
+        c.transfer(to_b, "push", local_blocks={"full": [0]}, remote_blocks={"full": [9]}, notify_slot=5).wait(20)
+        c.transfer(to_b, "push", local_blocks={"full": []}, remote_blocks={"full": []}, notify_slot=5).wait(20)
+        with c.nixl.lock:
+            for v in (3, 4):
+                c.nixl.nixl.notify(to_b.remote, b"gxkv:5:%d" % v)
+        _until(lambda: b.nixl.refused_senders == 4 or b.notification(5), "the notifications never arrived")
+        assert b.notification(5) == 0 and _held(b.nixl) == 0 and b.nixl.refused == 0
+        for blk in range(2):
+            a.transfer(p, "push", local_blocks={"full": [blk]}, remote_blocks={"full": [blk + 4]},
+                       notify_slot=5).wait(20)
+        assert b.wait_notification(5, 2, timeout_s=20) == 2 and b.notification(5) == 2
+        name = "model.layers.0.attn"
+        assert torch.equal(caches[1]["full"][name][:, 4:6], caches[0]["full"][name][:, 0:2])
+        assert b.nixl.refused_senders == 4
+        logged = [r.getMessage() for r in caplog.records if "not a peer of this agent" in r.getMessage()]
+        assert len(logged) == 1 and c.nixl.name in logged[0]
+    finally:
+        c.close()
+        buf.close()
+
+
+def test_a_removed_peers_notifications_are_refused(nixl_pair):
+    """Once the receiver removed a peer, that peer's notifications (sent alone, in our senders' format) are
+    refused and counted and move no word; the peer's pushes with notifications before moved it."""
+    (a, b), (p, back), caches = nixl_pair
+    a.transfer(p, "push", local_blocks={"full": [1]}, remote_blocks={"full": [2]}, notify_slot=6).wait(20)
+    assert b.wait_notification(6, 1, timeout_s=20) == 1
+    b.remove_peer(back)
+    with a.nixl.lock:
+        for v in (2, 3):
+            a.nixl.nixl.notify(p.remote, b"gxkv:6:%d" % v)
+    _until(lambda: b.nixl.refused_senders == 2 or b.notification(6) > 1, "the notifications never arrived")
+    assert b.notification(6) == 1 and _held(b.nixl) == 0 and not b.nixl.senders
 
 
 def test_a_peer_on_another_host_takes_the_nixl_route_by_itself(need_nixl, host):
