@@ -12,6 +12,12 @@ permutation of the source pages onto a random permutation of destination pages):
 * ``local``  -- descriptor copy between two local pools;
 * ``pack`` / ``unpack`` -- gather into a contiguous staging buffer and scatter back;
 * ``hbm-copy`` -- their ceiling: a torch ``copy_`` of the same bytes on the local GPU;
+* ``blocks`` -- a KV request pulled from the peer two ways, for the same request: ``exp+copy`` (the
+  expansion kernel writes the ``(N, 3)`` descriptors, then the copy kernel reads its row range from the
+  request: what a ``triton``-engine slot runs) and ``blocks`` (the copy kernel's mode 5, which derives each
+  row from the request and the plane table: no descriptor buffer, one launch). The request: every block of
+  the pools, two planes (a block's halves, each of the size), source and destination IDs in random order;
+  the ``exp+copy`` row also reports the expansion alone (``expand_us``);
 * ``sweep``  -- pull at one size (2,304 B) on a bounded grid of 1, 2, 4, ... programs
   (one program per SM while it is at most the SM count): GB/s against SMs used.
 
@@ -45,7 +51,7 @@ from ..errors import BadInput, GpuxferError
 from .timing import DeviceClock
 
 DEFAULT_SIZES = "528,576,2304,9216,36864"
-DEFAULT_OPS = "pull,push,local,pack,unpack"
+DEFAULT_OPS = "pull,push,local,pack,unpack,blocks"
 DEFAULT_SWEEP = "1,2,4,8,16,32,sms,all"
 SEED, POISON = 0x5EED, 0xBAD
 SWEEP_DESCS_PER_PROGRAM = 16384
@@ -69,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="bytes per pool buffer (every page of it moves in random order); default 2GiB, "
                         "256KiB on the host emulation")
     g.add_argument("--ops", default=DEFAULT_OPS, metavar="OPS",
-                   help="kernel rows to run, comma-separated: pull, push, local, pack, unpack")
+                   help="kernel rows to run, comma-separated: pull, push, local, pack, unpack, blocks")
     g.add_argument("--sweep", default=DEFAULT_SWEEP, metavar="PROGRAMS",
                    help="pull on a bounded grid of these many programs ('sms' = one per SM, 'all' = the "
                         "default grid); empty to skip")
@@ -162,9 +168,10 @@ def _check(args) -> dict:
     from ..platforms import platform_class
     sizes = _parse_ints(args.sizes, "--sizes")
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-    bad = [o for o in ops if o not in ("pull", "push", "local", "pack", "unpack")]
+    known = ("pull", "push", "local", "pack", "unpack", "blocks")
+    bad = [o for o in ops if o not in known]
     if bad:
-        raise BadInput(f"--ops: unknown {', '.join(bad)} (known: pull, push, local, pack, unpack)")
+        raise BadInput(f"--ops: unknown {', '.join(bad)} (known: {', '.join(known)})")
     sweep = [s.strip() for s in (args.sweep or "").split(",") if s.strip()]
     for s in sweep:
         if s not in ("all", "sms") and not (s.isdigit() and int(s) > 0):
@@ -269,7 +276,7 @@ def _run(c: dict, outputs, out) -> int:
                         ceil[ceiling_of] = r.gbps
                         p(r)
 
-                    if "pull" in ops or (sweep and size == c["sweep_size"]):
+                    if {"pull", "blocks"} & set(ops) or (sweep and size == c["sweep_size"]):
                         bulk("ce-pull", lambda: plat.copy_async(stream, bufs[1].ptr, peer_src_ptr, total), lb, "pull")
                     if "push" in ops:
                         bulk("ce-push", lambda: plat.copy_async(stream, peer_dst_ptr, bufs[0].ptr, total), p_dst,
@@ -312,6 +319,11 @@ def _run(c: dict, outputs, out) -> int:
                                                        local=op in ("local", "pack", "unpack"))
                         p(Row(op, size, n, total, progs, None if emu else min(progs, sms), ts, ceil.get(ceiling_of), w,
                               extra={"config": cfg.__dict__}))
+
+                    if "blocks" in ops:
+                        for r in _block_rows(L, plat, clock, tdev, rng, p_src, lb, pool, size, warmup, trials,
+                                             ceil.get("pull"), sms, emu):
+                            p(r)
 
                     if sweep and size == c["sweep_size"]:
                         print(f"# SM budget: pull of {size} B descriptors on a bounded grid "
@@ -357,6 +369,57 @@ def _run(c: dict, outputs, out) -> int:
            "result": result}
     outputs.publish(ARTIFACT, R.dumps(doc), out)
     return verdict.exit_code
+
+
+def _block_request(rng, pool: int, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A KV request over every block of two pools of ``pool`` bytes: ``(planes, request, descriptors)``. Two planes
+    of one group (the halves of a block of ``2 * size`` bytes; one plane where a pool holds one segment), the IDs
+    permuted on both sides; the descriptors are those the expansion writes (plane-major, in request order)."""
+    from ..kernels.blocks import request_header_len
+    n_planes = 2 if pool >= 2 * size else 1
+    block = n_planes * size
+    nb = pool // block
+    planes = np.array([[k * size, block, k * size, block, size, 0, 1, 1, nb, nb] for k in range(n_planes)],
+                      dtype=np.int64)
+    src_ids, dst_ids = rng.permutation(nb).astype(np.int64), rng.permutation(nb).astype(np.int64)
+    head = request_header_len(n_planes, 1)
+    request = np.concatenate([np.arange(n_planes + 1, dtype=np.int64) * nb, [nb, head, head + nb], src_ids,
+                              dst_ids]).astype(np.int64)
+    k = np.repeat(np.arange(n_planes, dtype=np.int64) * size, nb)
+    descs = np.stack([k + np.tile(src_ids, n_planes) * block, k + np.tile(dst_ids, n_planes) * block,
+                      np.full(n_planes * nb, size, dtype=np.int64)], 1)
+    return planes, request, descs
+
+
+def _block_rows(L, plat, clock, tdev, rng, p_src, lb, pool: int, size: int, warmup: int, trials: int,
+                ceiling: float | None, sms: int, emu: bool) -> list[Row]:
+    """The ``blocks`` rows: one request pulled with the expansion + descriptor copy, then with mode 5."""
+    import torch
+
+    from ..kernels.blocks import expand_launcher
+    planes_np, req_np, descs_np = _block_request(rng, pool, size)
+    n_planes, n = planes_np.shape[0], descs_np.shape[0]
+    planes = torch.from_numpy(planes_np).to(tdev)
+    req = torch.from_numpy(req_np).to(tdev)
+    want = torch.from_numpy(descs_np).to(tdev)
+    out = torch.zeros((n, 3), dtype=torch.int64, device=tdev)       # (verified through the bytes it moves)
+    expand = expand_launcher(planes, req, out, n_groups=1)
+    copy = L.copy_range_launcher(p_src, lb, out, req, lo_at=0, hi_at=n_planes, nbytes_hint=size)
+    blocks = L.copy_blocks_launcher(p_src, lb, planes, req, n_groups=1, plane_lo=0, plane_hi=n_planes,
+                                    max_rows=n, nbytes_hint=size)
+    cfg, progs = L.launch_geometry(n, tdev, nbytes_hint=size)
+    rows = []
+    expand_ts = clock.time(expand, "expand", warmup, trials)
+    for op, fn, extra in (("exp+copy", lambda: (expand(), copy()),
+                           {"expand_us": statistics.median(expand_ts) * 1e6, "descriptor_bytes": 24 * n}),
+                          ("blocks", blocks, {"descriptor_bytes": 0})):
+        L.fill_pattern(lb, POISON)
+        ts = clock.time(fn, op, warmup, trials)
+        w = L.verify(lb, want, SEED).wrong_bytes
+        rows.append(Row(op, size, n, n * size, progs, None if emu else min(progs, sms), ts, ceiling, w,
+                        note=f"{n_planes} planes x {n // n_planes} blocks, pulled",
+                        extra={"config": cfg.__dict__, **extra}))
+    return rows
 
 
 def _preamble(out, pre: dict, params: dict) -> None:

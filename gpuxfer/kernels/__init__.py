@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import importlib
 
-_LAUNCH_NAMES = ("CopyConfig", "VerifyResult", "choose_config", "copy_descriptors", "copy_launcher",
-                 "copy_range_launcher", "default_programs", "fill_pattern", "launch_geometry", "pack",
+_LAUNCH_NAMES = ("CopyConfig", "VerifyResult", "choose_config", "copy_blocks_launcher", "copy_descriptors",
+                 "copy_launcher", "copy_range_launcher", "default_programs", "fill_pattern", "launch_geometry", "pack",
                  "pack_launcher", "pack_offsets", "packed_descriptors", "sm_count", "unpack", "unpack_launcher", "verify")
 
 _CHECK_NAMES = ("DescriptorStats", "check_copy")

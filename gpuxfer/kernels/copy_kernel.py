@@ -43,6 +43,30 @@ Modes (``MODE``, a compile-time constant):
   (no offsets to read); a row holding more than ``row_bytes`` is cut at ``row_bytes``, so no row
   leaves its place.
 * 4 -- unpack of what mode 3 packed.
+* 5 -- copy of the blocks a KV request array names, with no descriptor table: ``desc_ptr`` is the request
+  array and ``offs_ptr`` the plane table of :mod:`gpuxfer.kernels.block_kernel`; each work item derives its
+  rows' ``(src, dst, nbytes)`` as the expansion kernel would have written them (``_block_rows``), so one
+  launch replaces the expansion and the descriptor copy and no ``(N, 3)`` buffer exists. Always with
+  ``DEVICE_RANGE``: ``lo_at``/``hi_at`` are the launch's planes ``[p_lo, p_hi)``, whose rows are
+  ``[plane_row[p_lo], plane_row[p_hi])`` of the header. A row finds its plane, segment and IDs so::
+
+      request array                                                plane table (P rows)
+      +------------------+---------+-----------+-----------+-----------+   +--------------------------+
+      | plane_row[0..P]  | nseg[G] | src_at[G] | dst_at[G] | block IDs |   | p: bases, strides, seg,  |
+      +------------------+---------+-----------+-----------+-----------+   |   group g, splits, blocks|
+                                                                           +--------------------------+
+      row r:
+        1. p   = the last plane of [p_lo, p_hi) with plane_row[p] <= r   (bisection: SEARCH probes)
+        2. g   = planes[p].group;  j = r - plane_row[p];  live when 0 <= j < nseg[g]
+        3. sid = request[src_at[g] + j // src_split];  did = request[dst_at[g] + j // dst_split]
+        4. (src, dst, nbytes) = (src_base + sid * src_stride + (j % src_split) * seg_bytes,
+                                 dst_base + did * dst_stride + (j % dst_split) * seg_bytes, seg_bytes)
+
+  with the expansion's masking: a plane naming no group, a first row below ``-2**62``, ``j`` outside
+  ``[0, nseg)``, an ID index outside the request or an ID outside ``[0, blocks)`` gives ``(0, 0, 0)``
+  (nothing copied). The bisection takes ``SEARCH`` = ceil(log2(p_hi - p_lo)) steps, each probe inside
+  ``[p_lo, p_hi)`` whatever the header holds; where a forged header has two planes claim a row, it takes
+  the one the bisection finds.
 
 Row ranges: the rows ``[row_begin, row_begin + n_rows)`` and their split into
 ``n_items`` work items of ``slices`` slices are launch arguments; with ``DEVICE_RANGE``
@@ -63,40 +87,95 @@ from ._jit import dual_kernel
 
 
 @triton.jit
-def _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, it, n_items, slices, lanes,
-                MODE: tl.constexpr, ROWS: tl.constexpr):
+def _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, blk, it, n_items, slices, lanes,
+                MODE: tl.constexpr, ROWS: tl.constexpr, SEARCH: tl.constexpr):
     """Row descriptors (s, d, n in bytes; zeros past the end) and slice of work item ``it``."""
     grp = it // slices
     sl = it - grp * slices
     r = tl.cast(grp, tl.int64) * ROWS + lanes
     rmask = (r < nr) & ((lanes * 0 + it) < n_items)   # a tensor, not tensor & scalar (Triton 3.9's interpreter)
     rows = rb + r
-    n = tl.load(desc_ptr + rows * 3 + 2, mask=rmask, other=0)
-    if MODE == 0:
+    if MODE == 5:
+        s, d, n = _block_rows(desc_ptr, offs_ptr, rows, rmask, blk, SEARCH)
+    elif MODE == 0:
+        n = tl.load(desc_ptr + rows * 3 + 2, mask=rmask, other=0)
         s = tl.load(desc_ptr + rows * 3, mask=rmask, other=0)
         d = tl.load(desc_ptr + rows * 3 + 1, mask=rmask, other=0)
     elif MODE == 1:
+        n = tl.load(desc_ptr + rows * 3 + 2, mask=rmask, other=0)
         s = tl.load(desc_ptr + rows * 3, mask=rmask, other=0)
         d = sbase + tl.load(offs_ptr + rows, mask=rmask, other=0) - off0
     elif MODE == 2:
+        n = tl.load(desc_ptr + rows * 3 + 2, mask=rmask, other=0)
         s = sbase + tl.load(offs_ptr + rows, mask=rmask, other=0) - off0
         d = tl.load(desc_ptr + rows * 3 + 1, mask=rmask, other=0)
     elif MODE == 3:
-        n = tl.minimum(n, rowb)
+        n = tl.minimum(tl.load(desc_ptr + rows * 3 + 2, mask=rmask, other=0), rowb)
         s = tl.load(desc_ptr + rows * 3, mask=rmask, other=0)
         d = sbase + r * rowb
     else:
-        n = tl.minimum(n, rowb)
+        n = tl.minimum(tl.load(desc_ptr + rows * 3 + 2, mask=rmask, other=0), rowb)
         s = sbase + r * rowb
         d = tl.load(desc_ptr + rows * 3 + 1, mask=rmask, other=0)
     return s, d, n, sl
 
 
 @triton.jit
-def _step(src_ptr, dst_ptr, sp, dp, desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, n_items, slices, G, lanes, cols,
-          it, k, s, d, n, sl, ps, pd, pn, psl, qd, qn, qc, qxs,
+def _block_rows(req_ptr, planes_ptr, rows, live, blk, SEARCH: tl.constexpr):
+    """Mode 5: the descriptors of output rows ``rows`` (``live`` lanes) of a request array, as the expansion
+    kernel (:mod:`gpuxfer.kernels.block_kernel`) would have written them, with its masking rules.
+
+    ``blk`` = (first plane, end plane, first group field, groups, request entries). The row's plane is the last
+    plane ``p`` of ``[first, end)`` with ``plane_row[p] <= row`` (a bisection of ``SEARCH`` steps, every probe
+    inside the range whatever the header holds; a header whose rows do not grow lands somewhere in it); then
+    segment ``j = row - plane_row[p]`` is live when ``0 <= j < segments of p's group``."""
+    p_lo, p_hi, np1, ng, rl = blk
+    base = rows * 0 + p_lo
+    cnt = p_hi - p_lo
+    for _ in tl.static_range(SEARCH):
+        half = cnt // 2
+        probe = tl.load(req_ptr + base + half, mask=live, other=0)
+        base = tl.where(probe <= rows, base + half, base)
+        cnt = cnt - half
+    pb = planes_ptr + base * 10
+    row0 = tl.load(req_ptr + base, mask=live, other=0)
+    src_base = tl.load(pb + 0, mask=live, other=0)
+    src_stride = tl.load(pb + 1, mask=live, other=0)
+    dst_base = tl.load(pb + 2, mask=live, other=0)
+    dst_stride = tl.load(pb + 3, mask=live, other=0)
+    seg = tl.load(pb + 4, mask=live, other=0)
+    g = tl.load(pb + 5, mask=live, other=-1)
+    rs = tl.maximum(tl.load(pb + 6, mask=live, other=1), 1)
+    rd = tl.maximum(tl.load(pb + 7, mask=live, other=1), 1)
+    src_nb = tl.load(pb + 8, mask=live, other=0)
+    dst_nb = tl.load(pb + 9, mask=live, other=0)
+    g_ok = live & (g >= 0) & (g < ng)
+    gs = tl.where(g_ok, g, 0)
+    nseg = tl.load(req_ptr + np1 + gs, mask=g_ok, other=0)
+    soff = tl.load(req_ptr + np1 + ng + gs, mask=g_ok, other=0)
+    doff = tl.load(req_ptr + np1 + 2 * ng + gs, mask=g_ok, other=0)
+    # the expansion's rule: a first row below -2^62 leaves nothing (so row - row0 cannot overflow)
+    near = g_ok & (row0 >= -(1 << 62))
+    j = tl.where(near, rows - row0, -1)
+    on = near & (j >= 0) & (j < nseg)
+    j = tl.where(on, j, 0)
+    si_at = soff + j // rs
+    di_at = doff + j // rd
+    rd_ok = on & (si_at >= 0) & (si_at < rl) & (di_at >= 0) & (di_at < rl)
+    si = tl.load(req_ptr + si_at, mask=rd_ok, other=-1)
+    di = tl.load(req_ptr + di_at, mask=rd_ok, other=-1)
+    ok = rd_ok & (si >= 0) & (si < src_nb) & (di >= 0) & (di < dst_nb)
+    s = tl.where(ok, src_base + si * src_stride + (j % rs) * seg, 0)
+    d = tl.where(ok, dst_base + di * dst_stride + (j % rd) * seg, 0)
+    n = tl.where(ok, seg, 0)
+    return s, d, n
+
+
+@triton.jit
+def _step(src_ptr, dst_ptr, sp, dp, desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, blk, n_items, slices, G, lanes,
+          cols, it, k, s, d, n, sl, ps, pd, pn, psl, qd, qn, qc, qxs,
           MODE: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr, UNROLL: tl.constexpr,
-          LOAD_CACHE: tl.constexpr, STORE_CACHE: tl.constexpr):
+          LOAD_CACHE: tl.constexpr, STORE_CACHE: tl.constexpr, SEARCH: tl.constexpr):
     """One pipelined step: load chunk ``k`` of item ``it``, then store the pending chunk
     ``(qd, qn, qc, qxs)``, then advance. Returns the new state and the new pending chunk.
 
@@ -145,19 +224,20 @@ def _step(src_ptr, dst_ptr, sp, dp, desc_ptr, offs_ptr, rb, nr, sbase, off0, row
     n2 = tl.where(adv, pn, n)
     sl2 = tl.where(adv, psl, sl)
     # prefetch the descriptors of the item after the (new) current one
-    ps2, pd2, pn2, psl2 = _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, it2 + G, n_items, slices, lanes,
-                                      MODE, ROWS)
+    ps2, pd2, pn2, psl2 = _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, blk, it2 + G, n_items, slices,
+                                      lanes, MODE, ROWS, SEARCH)
     qn2 = tl.where(fast, nu, 0)
     return it2, k3, s2, d2, n2, sl2, ps2, pd2, pn2, psl2, du, qn2, cu, xs
 
 
 @dual_kernel(do_not_specialize=["row_begin", "n_rows", "staging_base", "n_items", "slices", "lo_at", "hi_at",
-                                 "row_bytes"])
+                                 "row_bytes", "n_planes", "n_groups", "req_len"])
 def copy_kernel(src_ptr, dst_ptr, desc_ptr, offs_ptr,
                 row_begin, n_rows, staging_base, n_items, slices, bounds_ptr, lo_at, hi_at, row_bytes,
+                n_planes, n_groups, req_len,
                 MODE: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr,
                 UNROLL: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_CACHE: tl.constexpr,
-                DEVICE_RANGE: tl.constexpr):
+                DEVICE_RANGE: tl.constexpr, SEARCH: tl.constexpr):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     sp = src_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
@@ -179,15 +259,18 @@ def copy_kernel(src_ptr, dst_ptr, desc_ptr, offs_ptr,
     sbase = tl.cast(staging_base, tl.int64)
     off0 = tl.cast(0, tl.int64)
     rowb = tl.cast(row_bytes, tl.int64)
+    # mode 5's request geometry: (first plane, end plane, first group field, groups, request entries)
+    blk = (tl.cast(lo_at, tl.int64), tl.cast(hi_at, tl.int64), tl.cast(n_planes, tl.int64) + 1,
+           tl.cast(n_groups, tl.int64), tl.cast(req_len, tl.int64))
     if MODE == 1:
         off0 = tl.load(offs_ptr + rb)
     if MODE == 2:
         off0 = tl.load(offs_ptr + rb)
     it = pid
-    s, d, n, sl = _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, it, n_items, slices, lanes,
-                              MODE, ROWS)
-    ps, pd, pn, psl = _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, it + G, n_items, slices, lanes,
-                                  MODE, ROWS)
+    s, d, n, sl = _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, blk, it, n_items, slices, lanes,
+                              MODE, ROWS, SEARCH)
+    ps, pd, pn, psl = _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, blk, it + G, n_items, slices,
+                                  lanes, MODE, ROWS, SEARCH)
     k = sl
     qd = tl.zeros([ROWS], tl.int64)
     qn = tl.zeros([ROWS], tl.int64)
@@ -199,13 +282,15 @@ def copy_kernel(src_ptr, dst_ptr, desc_ptr, offs_ptr,
         # two steps per iteration (ping-pong), so a chunk's registers are never copied
         # while its loads are in flight
         it, k, s, d, n, sl, ps, pd, pn, psl, ad, an, ac, axs = _step(
-            src_ptr, dst_ptr, sp, dp, desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, n_items, slices, G, lanes, cols,
+            src_ptr, dst_ptr, sp, dp, desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, blk, n_items, slices, G, lanes,
+            cols,
             it, k, s, d, n, sl, ps, pd, pn, psl, qd, qn, qc, qxs,
-            MODE, ALIGN, ROWS, W, UNROLL, LOAD_CACHE, STORE_CACHE)
+            MODE, ALIGN, ROWS, W, UNROLL, LOAD_CACHE, STORE_CACHE, SEARCH)
         it, k, s, d, n, sl, ps, pd, pn, psl, qd, qn, qc, qxs = _step(
-            src_ptr, dst_ptr, sp, dp, desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, n_items, slices, G, lanes, cols,
+            src_ptr, dst_ptr, sp, dp, desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, blk, n_items, slices, G, lanes,
+            cols,
             it, k, s, d, n, sl, ps, pd, pn, psl, ad, an, ac, axs,
-            MODE, ALIGN, ROWS, W, UNROLL, LOAD_CACHE, STORE_CACHE)
+            MODE, ALIGN, ROWS, W, UNROLL, LOAD_CACHE, STORE_CACHE, SEARCH)
     VEC: tl.constexpr = 4 if ALIGN == 16 else 1
     for u in tl.static_range(UNROLL):
         o = (qc + u * (W * 4 // VEC)) * VEC + cols

@@ -34,7 +34,7 @@ from .checks import (DescriptorStats, check_descriptors, check_int, check_offset
 from .copy_kernel import copy_kernel
 from .pattern_kernel import fill_kernel, verify_kernel
 
-MODE_COPY, MODE_PACK, MODE_UNPACK, MODE_PACK_ROWS, MODE_UNPACK_ROWS = 0, 1, 2, 3, 4
+MODE_COPY, MODE_PACK, MODE_UNPACK, MODE_PACK_ROWS, MODE_UNPACK_ROWS, MODE_BLOCKS = 0, 1, 2, 3, 4, 5
 CPU_PROGRAMS = 3            # interpreter: a few programs, to exercise the persistent loop
 
 
@@ -208,15 +208,19 @@ def _launch_copy(mode: int, src, dst, descs, offsets, start: int, end: int, stag
 
 def _copy_launch(mode: int, src, dst, descs, offsets, start: int, end: int, staging_offset: int,
                  stats: DescriptorStats | None, num_programs: int | None, nbytes_hint: int | None,
-                 config: CopyConfig | None, local: bool, bounds: tuple | None = None, row_bytes: int = 0):
+                 config: CopyConfig | None, local: bool, bounds: tuple | None = None, row_bytes: int = 0,
+                 blocks: tuple[int, int, int, int] = (0, 0, 0, 0)):
     """The kernel launch ``_launch_copy`` makes, as a function of no arguments (None: nothing to copy).
 
     ``bounds``: ``(tensor, lo_at, hi_at)``: the rows are read on the device at each launch (the kernel's
     ``DEVICE_RANGE``) and clamped into ``[start, end)`` = the whole table; the grid is then fixed. Only the
-    modes that read no offsets take them (pack and unpack read ``offsets`` at the range's first row)."""
+    modes that read no offsets take them (pack and unpack read ``offsets`` at the range's first row).
+    ``blocks``: mode 5's ``(planes, groups, request entries, bisection steps)`` (:func:`copy_blocks_launcher`)."""
     if bounds is not None and mode in (MODE_PACK, MODE_UNPACK):
         raise BadInput(f"a device-read row range needs a mode that reads no offsets (copy, or pack / unpack "
                        f"with row_bytes), got mode {mode}")
+    if mode == MODE_BLOCKS and bounds is None:
+        raise BadInput("the block copy (mode 5) reads its row range from the request on the device: bounds needed")
     rows = end - start
     hint = nbytes_hint if nbytes_hint is not None else (stats.max_nbytes if stats is not None else None)
     config, _ = launch_geometry(rows, src.device, nbytes_hint=hint, num_programs=num_programs, config=config,
@@ -238,10 +242,10 @@ def _copy_launch(mode: int, src, dst, descs, offsets, start: int, end: int, stag
         programs, n_items, slices = _grid(rows, config, num_programs)
         bounds = (descs, 0, 0)
     args = (src, dst, descs, descs if offsets is None else offsets, start, rows, staging_offset, n_items, slices,
-            *bounds, row_bytes)
+            *bounds, row_bytes, *blocks[:3])
     kw = dict(MODE=mode, ALIGN=align, ROWS=config.rows, W=config.width, UNROLL=config.unroll,
               LOAD_CACHE=config.load_cache, STORE_CACHE=config.store_cache, DEVICE_RANGE=device_range,
-              num_warps=config.num_warps)
+              SEARCH=blocks[3], num_warps=config.num_warps)
     return copy_kernel.launcher(src.device, (programs,), *args, **kw)
 
 
@@ -283,6 +287,52 @@ def copy_range_launcher(src_pool, dst_pool, descs, bounds, *, lo_at: int, hi_at:
         raise BadInput(f"num_programs must be an int in 1..2**20, got {num_programs!r}")
     return _copy_launch(MODE_COPY, src_pool, dst_pool, descs, None, 0, n, 0, None, num_programs, nbytes_hint,
                         None, local, bounds=(bounds, lo_at, hi_at))
+
+
+def copy_blocks_launcher(src_pool, dst_pool, planes, request, *, n_groups: int, plane_lo: int, plane_hi: int,
+                         max_rows: int, num_programs: int | None = None, nbytes_hint: int | None = None,
+                         device: torch.device | None = None, local: bool = False):
+    """A launcher (as :func:`copy_range_launcher`) of the copy a request array names, with no descriptor table
+    and no expansion launch: the kernel's mode 5 derives each row's ``(src, dst, nbytes)`` from ``request``
+    and ``planes`` as the expansion kernel (:mod:`gpuxfer.kernels.block_kernel`) would have written it, for
+    the rows ``[request[plane_lo], request[plane_hi])`` (the rows of planes ``[plane_lo, plane_hi)``), read
+    on the device at each launch and clamped into ``[0, max_rows)``.
+
+    ``planes``: ``(P, PLANE_FIELDS)`` int64, offsets from ``src_pool`` and ``dst_pool``, trusted (the layout a
+    route registered); ``request``: 1-D int64 holding at least the header of P planes and ``n_groups`` groups.
+    Whatever the request holds, the launch reads only ``planes[plane_lo:plane_hi]`` and ``request``, and a
+    row whose plane, group or block ID is out of range copies nothing: every byte moved is a segment of the
+    layout. A row that two planes of a forged header both claim gets the plane the bisection finds (the
+    expansion's output for it would depend on which plane's program wrote last). None when the range or
+    ``max_rows`` is empty."""
+    from .block_kernel import PLANE_FIELDS
+    dev = check_pool(src_pool, "src_pool", device)
+    check_pool(dst_pool, "dst_pool", dev)
+    for name, t, ndim in (("planes", planes, 2), ("request", request, 1)):
+        if (not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != ndim or not t.is_contiguous()
+                or t.device != dev):
+            raise BadInput(f"{name} must be a contiguous {ndim}-D int64 tensor on {dev}")
+    if planes.shape[1] != PLANE_FIELDS:
+        raise BadInput(f"planes must have {PLANE_FIELDS} fields per row, got shape {tuple(planes.shape)}")
+    n_planes = int(planes.shape[0])
+    n_groups = check_int(n_groups, "n_groups", 0, 1 << 40)
+    need = n_planes + 1 + 3 * n_groups              # the header (blocks.request_header_len)
+    if request.shape[0] < need:
+        raise BadInput(f"request holds {request.shape[0]} entries; {n_planes} planes and {n_groups} groups need "
+                       f"at least {need} before the block IDs")
+    plane_lo = check_int(plane_lo, "plane_lo", 0, n_planes)
+    plane_hi = check_int(plane_hi, "plane_hi", plane_lo, n_planes)
+    # rows below 2**62 and first rows at or above -2**62: a segment index row - first row fits int64
+    max_rows = check_int(max_rows, "max_rows", 0, 1 << 62)
+    if num_programs is not None and (isinstance(num_programs, bool) or not isinstance(num_programs, int)
+                                     or not 1 <= num_programs <= 1 << 20):
+        raise BadInput(f"num_programs must be an int in 1..2**20, got {num_programs!r}")
+    if plane_hi == plane_lo or max_rows == 0:
+        return None
+    steps = (plane_hi - plane_lo - 1).bit_length()
+    return _copy_launch(MODE_BLOCKS, src_pool, dst_pool, request, planes, 0, max_rows, 0, None, num_programs,
+                        nbytes_hint, None, local, bounds=(request, plane_lo, plane_hi),
+                        blocks=(n_planes, n_groups, int(request.shape[0]), steps))
 
 
 def copy_descriptors(src_pool, dst_pool, descs, *, start: int = 0, end: int | None = None,

@@ -214,3 +214,40 @@ def expand_blocks(planes, request, n_groups: int, n_rows: int, out: np.ndarray |
             else:
                 out[row] = (0, 0, 0)
     return out
+
+
+def block_rows(planes, request, n_groups: int, plane_lo: int, plane_hi: int, max_rows: int) -> tuple[int, np.ndarray]:
+    """NumPy reference of the copy kernel's mode 5 (:func:`gpuxfer.kernels.launch.copy_blocks_launcher`):
+    ``(first, descs)``, the rows ``[first, first + len(descs))`` it copies and their ``(src, dst, nbytes)``.
+
+    The rows are ``[request[plane_lo], request[plane_hi])`` clamped into ``[0, max_rows)``; a row's plane is the
+    last ``p`` of ``[plane_lo, plane_hi)`` with ``request[p] <= row`` by the kernel's bisection (the first of the
+    range when none); then the expansion's rules (:func:`expand_blocks`) for segment ``row - request[p]`` of
+    plane ``p``, ``(0, 0, 0)`` where they give nothing."""
+    planes = np.asarray(planes, dtype=np.int64).reshape(-1, 10)
+    req = [int(v) for v in np.asarray(request, dtype=np.int64).reshape(-1)]
+    rl, np1 = len(req), planes.shape[0] + 1
+    lo = min(max(req[plane_lo], 0), max_rows)
+    hi = min(max(req[plane_hi], lo), max_rows)
+    out = np.zeros((hi - lo, 3), dtype=np.int64)
+    for row in range(lo, hi):
+        base, cnt = plane_lo, plane_hi - plane_lo
+        while cnt > 1:
+            half = cnt // 2
+            if req[base + half] <= row:
+                base += half
+            cnt -= half
+        sb, ss, db, ds, seg, g, rs, rd, snb, dnb = (int(v) for v in planes[base])
+        row0 = req[base]
+        if not 0 <= g < n_groups or row0 < -(1 << 62):
+            continue
+        rs, rd = max(rs, 1), max(rd, 1)
+        j = row - row0
+        if not 0 <= j < req[np1 + g]:
+            continue
+        si_at, di_at = req[np1 + n_groups + g] + j // rs, req[np1 + 2 * n_groups + g] + j // rd
+        si = req[si_at] if 0 <= si_at < rl else -1
+        di = req[di_at] if 0 <= di_at < rl else -1
+        if 0 <= si < snb and 0 <= di < dnb:
+            out[row - lo] = (sb + si * ss + (j % rs) * seg, db + di * ds + (j % rd) * seg, seg)
+    return lo, out

@@ -28,13 +28,20 @@ def test_bench_kernels_runs_end_to_end_on_the_host_emulation(tmp_path, capsys, m
     doc = json.loads(out.read_text())
     assert doc["result"] == "PASS" and doc["wrong_bytes"] == 0 and doc["preamble"]["emulation"] is True
     ops = [r["op"] for r in doc["rows"]]
-    for op in ("ce-pull", "ce-push", "hbm-copy", "pull", "push", "local", "pack", "unpack", "sweep"):
+    for op in ("ce-pull", "ce-push", "hbm-copy", "pull", "push", "local", "pack", "unpack", "sweep", "exp+copy",
+               "blocks"):
         assert op in ops
-    assert ops.count("sweep") == 3 and ops.count("pull") == 2
+    assert ops.count("sweep") == 3 and ops.count("pull") == 2 and ops.count("blocks") == 2
     for r in doc["rows"]:
         assert r["wrong_bytes"] == 0 and r["bandwidth_gbps"] > 0 and r["time_p50_us"] > 0
-        if r["op"] in ("pull", "push", "local", "pack", "unpack", "sweep"):
+        if r["op"] in ("pull", "push", "local", "pack", "unpack", "sweep", "exp+copy", "blocks"):
             assert r["ceiling_gbps"] > 0 and r["ceiling_pct"] > 0 and r["programs"] >= 1
+    # the two ways of one request: the same rows, the descriptor buffer only on the expansion's side
+    pairs = [(a, b) for a, b in zip(doc["rows"], doc["rows"][1:]) if (a["op"], b["op"]) == ("exp+copy", "blocks")]
+    assert len(pairs) == 2
+    for a, b in pairs:
+        assert a["descriptors"] == b["descriptors"] and a["moved_bytes"] == b["moved_bytes"]
+        assert a["descriptor_bytes"] == 24 * a["descriptors"] and b["descriptor_bytes"] == 0 and a["expand_us"] > 0
     assert doc["parameters"]["pool_bytes"] == 24 * 1024
     # the emulation has no SMs (doctor counts the host's CPUs there): no SM count pretends otherwise
     assert doc["preamble"]["local_device"]["sms"] is None and all(r["sms_used"] is None for r in doc["rows"])

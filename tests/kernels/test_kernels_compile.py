@@ -36,9 +36,10 @@ def test_copy_with_its_range_on_the_device_compiles_for_sm90(align):
     cfg = kl.choose_config(584)
     sig = {"src_ptr": "*u8", "dst_ptr": "*u8", "desc_ptr": "*i64", "offs_ptr": "*i64", "row_begin": "i32",
            "n_rows": "i64", "staging_base": "i32", "n_items": "i32", "slices": "i32", "bounds_ptr": "*i64",
-           "lo_at": "i32", "hi_at": "i32", "row_bytes": "i32"}
+           "lo_at": "i32", "hi_at": "i32", "row_bytes": "i32", "n_planes": "i32", "n_groups": "i32", "req_len": "i32"}
     _compile(copy_kernel, sig, {"MODE": kl.MODE_COPY, "ALIGN": align, "ROWS": cfg.rows, "W": cfg.width,
-                                "UNROLL": cfg.unroll, "LOAD_CACHE": "", "STORE_CACHE": "", "DEVICE_RANGE": True},
+                                "UNROLL": cfg.unroll, "LOAD_CACHE": "", "STORE_CACHE": "", "DEVICE_RANGE": True,
+                                "SEARCH": 0},
              num_warps=cfg.num_warps)
 
 
@@ -47,9 +48,10 @@ def test_pack_of_rows_of_one_size_compiles_for_sm90(mode, nbytes):
     cfg = kl.choose_config(nbytes, local=True)
     sig = {"src_ptr": "*u8", "dst_ptr": "*u8", "desc_ptr": "*i64", "offs_ptr": "*i64", "row_begin": "i32",
            "n_rows": "i32", "staging_base": "i64", "n_items": "i32", "slices": "i32", "bounds_ptr": "*i64",
-           "lo_at": "i32", "hi_at": "i32", "row_bytes": "i32"}
+           "lo_at": "i32", "hi_at": "i32", "row_bytes": "i32", "n_planes": "i32", "n_groups": "i32", "req_len": "i32"}
     _compile(copy_kernel, sig, {"MODE": mode, "ALIGN": 16, "ROWS": cfg.rows, "W": cfg.width, "UNROLL": cfg.unroll,
-                                "LOAD_CACHE": "", "STORE_CACHE": "", "DEVICE_RANGE": False}, num_warps=cfg.num_warps)
+                                "LOAD_CACHE": "", "STORE_CACHE": "", "DEVICE_RANGE": False, "SEARCH": 0},
+             num_warps=cfg.num_warps)
 
 
 @pytest.mark.parametrize("ints", ["i32", "i64"])     # as Triton types the integers by their values
@@ -60,3 +62,16 @@ def test_device_id_check_compiles_for_sm90(kernel, ints):
     if kernel is settle_ids_kernel:
         sig["n_zero"] = ints
     _compile(kernel, sig, {"BLOCK": 1024}, num_warps=4)
+
+
+@pytest.mark.parametrize("align, nbytes, search", [(16, 584, 7), (1, 2304, 0), (4, 36864, 3)])
+def test_block_copy_compiles_for_sm90(align, nbytes, search):
+    """Mode 5: the copy deriving its rows from a request array and the plane table (no descriptor table)."""
+    cfg = kl.choose_config(nbytes)
+    sig = {"src_ptr": "*u8", "dst_ptr": "*u8", "desc_ptr": "*i64", "offs_ptr": "*i64", "row_begin": "i32",
+           "n_rows": "i64", "staging_base": "i32", "n_items": "i32", "slices": "i32", "bounds_ptr": "*i64",
+           "lo_at": "i32", "hi_at": "i32", "row_bytes": "i32", "n_planes": "i32", "n_groups": "i32",
+           "req_len": "i64"}
+    _compile(copy_kernel, sig, {"MODE": kl.MODE_BLOCKS, "ALIGN": align, "ROWS": cfg.rows, "W": cfg.width,
+                                "UNROLL": cfg.unroll, "LOAD_CACHE": "", "STORE_CACHE": "", "DEVICE_RANGE": True,
+                                "SEARCH": search}, num_warps=cfg.num_warps)
