@@ -19,7 +19,8 @@ the next request's segments start on a block of its own and the padding moves no
     record_event                                   ->           one event: the handles of a, b and c
 
 A route's batch of more than :data:`BATCH_ROWS` descriptors is cut into parts; a part of fewer than
-:data:`MERGE_FROM` requests is then posted one request after another.
+:data:`MERGE_FROM` requests is then posted one request after another. Where slots copy from the block IDs
+(``GPUXFER_KV_COPY=blocks``: no descriptor table), a route's batch is never cut.
 
 Two requests of a batch that write the same destination block are not merged (their order would not be
 defined): that route's requests are posted one after another, as :meth:`KVTransfer.post` would.
@@ -114,7 +115,7 @@ def _post_route_requests(poster, transfers: Sequence[KVTransfer], idx: list[int]
     kinds = {(type(transfers[i]), getattr(transfers[i], "shape", (0,) * 5)[4]) for i in idx}
     post = _post_route if kinds == {(_SlotTransfer, 0)} else \
         post_together if len(kinds) == 1 and transfers[idx[0]].route.ids.paired else _one_by_one
-    parts = _parts(transfers, idx)
+    parts = [idx] if poster.blocks else _parts(transfers, idx)      # (blocks slots hold no descriptor table)
     for part in parts:
         how = post if len(parts) == 1 or len(part) >= MERGE_FROM else _one_by_one
         for i, h in zip(part, how(poster, [transfers[i] for i in part], s)):

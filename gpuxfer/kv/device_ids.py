@@ -328,6 +328,8 @@ class _DeviceIdTransfer(_SlotTransfer):
         poster = self.poster
         slot = poster.take_slot(self.route, s, self.descriptors, self._entries)
         try:
+            if expand_only:
+                slot.expansion(poster.agent.platform, s, self.descriptors, poster.agent.device)
             return (slot,) + _run_checked(poster, self.route, slot, s, self._array, 1, expand_only)
         except BaseException:
             poster.retire(self.route, slot)

@@ -11,6 +11,7 @@ import itertools
 import logging
 import threading
 
+from .. import config
 from ..errors import BadInput, GpuxferError, NotRegistered, PeerLost, TransferTimeout
 from ..platforms.base import Event, Stream
 from .device_ids import _StatusWords
@@ -53,6 +54,7 @@ class Poster:
         self.status_words = _StatusWords(pinned=pinned)            # device-ID posts' status words
         self.calls = None                       # the agent's stream's flag, graph and copy calls (bind)
         self.graphs = True                      # capture slots' launches as graphs
+        self.blocks = config.get("GPUXFER_KV_COPY") == "blocks"     # slots copy from the IDs: no descriptor table
         self.capture: Stream | None = None      # where graphs are captured (capture_stream)
         self._slot_uses = itertools.count(1)
         self.next_seq = functools.partial(next, itertools.count(1))     # folded posts' sequence numbers
@@ -156,6 +158,8 @@ class Poster:
         used, once its last post completed (waiting at most the agent's timeout)."""
         agent = self.agent
         plat, slots = agent.platform, route.slots
+        if self.blocks:
+            rows = 0                # (its copies hold no descriptor table)
         i = -1
         for k, slot in enumerate(slots):
             if slot.stream is s or _ended(plat, slot.event):     # every slot has its last event
@@ -174,7 +178,8 @@ class Poster:
                                           timeout_s=agent.timeout_s,
                                           what=f"all {len(slots)} slots of a route still run earlier posts")
         if i == len(slots):
-            slot = self._new_slot(route, s, max(rows, MIN_SLOT_ROWS), max(entries, MIN_SLOT_ENTRIES))
+            slot = self._new_slot(route, s, max(rows, 0 if self.blocks else MIN_SLOT_ROWS),
+                                  max(entries, MIN_SLOT_ENTRIES))
             slots.append(slot)
             return self._use(slot)
         slot = slots[i]
@@ -193,10 +198,11 @@ class Poster:
         have used the memory last), its launchers, and its graph (captured on a stream of the agent's)."""
         agent = self.agent
         plat = agent.platform
-        slot = _Slot(route, rows, entries, self.torch_device(), pinned=self.requests.pinned)
+        slot = _Slot(route, rows, entries, self.torch_device(), pinned=self.requests.pinned, blocks=self.blocks)
         plat.stream_wait_event(s, plat.record_event(plat.current_stream(agent.device)))
         plat.memset_async(s, slot.req_ptr, 0, entries * 8)
-        plat.memset_async(s, slot.out.data_ptr(), 0, rows * 24)
+        if slot.out is not None:
+            plat.memset_async(s, slot.out.data_ptr(), 0, rows * 24)
         if not plat.kernels_interpreted:
             # one run of the fixed launches over the zeroed request (it moves nothing) loads the compiled
             # kernels, so the capture below records launches only

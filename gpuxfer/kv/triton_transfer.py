@@ -22,6 +22,7 @@ LANDED_ONLY_S = 0.05
 FOLD_MAX_ENTRIES = 1 << 15
 
 
+
 class _Slot:
     """A route's device buffers for one request at a time: the request array (header + block IDs) and the
     ``(rows, 3)`` descriptors, both zeroed when made; the launchers bound to them once (the expansion over a
@@ -40,25 +41,40 @@ class _Slot:
     (:meth:`host_free`).
 
     A slot is free for a post on stream ``s`` once the last post on it completed, or when that post was on
-    ``s`` itself (stream order puts the new upload after it)."""
+    ``s`` itself (stream order puts the new upload after it).
+
+    With ``blocks`` (``GPUXFER_KV_COPY=blocks``) a slot has no descriptor table and no expansion: each copy
+    launch derives its rows from the request and the route's planes on the device
+    (:func:`~gpuxfer.kernels.launch.copy_blocks_launcher`), so any request whose entries fit runs here whatever
+    its rows; a descriptor table is made only where :meth:`expansion` is asked for one (for checking the
+    expansion, not a transfer path)."""
 
     __slots__ = ("rows", "entries", "req", "out", "req_ptr", "expand", "copies", "graph", "event", "stream", "used",
-                 "checked", "host", "host_t", "host_ptr", "folded", "seq", "status_owner")
+                 "checked", "host", "host_t", "host_ptr", "folded", "seq", "status_owner", "blocks", "route", "spent")
 
-    def __init__(self, route, rows: int, entries: int, device, pinned: bool = False):
+    def __init__(self, route, rows: int, entries: int, device, pinned: bool = False, blocks: bool = False):
         from ..kernels.blocks import expand_launcher
-        from ..kernels.launch import copy_range_launcher
+        from ..kernels.launch import copy_blocks_launcher, copy_range_launcher
         torch = _torch()
-        self.rows, self.entries = rows, entries
+        self.rows, self.entries, self.blocks, self.route = (0 if blocks else rows), entries, blocks, route
         fold = entries <= FOLD_MAX_ENTRIES
         # (one more entry when folded: the post's sequence number, uploaded with the request)
         self.req = torch.empty(entries + int(fold), dtype=torch.int64, device=device)[:entries]
-        self.out = torch.empty((rows, 3), dtype=torch.int64, device=device)
         self.req_ptr = self.req.data_ptr()
-        self.expand = expand_launcher(route.planes, self.req, self.out, n_groups=len(route.groups))
-        self.copies = [f for f in (copy_range_launcher(route.src_anchor, route.dst_anchor, self.out, self.req,
-                                                       lo_at=a, hi_at=b, nbytes_hint=c)
-                                   for a, b, c in route.launch_classes) if f is not None]
+        self.spent: list = []       # (blocks) descriptor tables :meth:`expansion` made before the current one
+        if blocks:
+            self.out = self.expand = None
+            self.copies = [f for f in (copy_blocks_launcher(route.src_anchor, route.dst_anchor, route.planes,
+                                                            self.req, n_groups=len(route.groups), plane_lo=a,
+                                                            plane_hi=b, max_rows=_blocks_max_rows(route, entries),
+                                                            nbytes_hint=c)
+                                       for a, b, c in route.launch_classes) if f is not None]
+        else:
+            self.out = torch.empty((rows, 3), dtype=torch.int64, device=device)
+            self.expand = expand_launcher(route.planes, self.req, self.out, n_groups=len(route.groups))
+            self.copies = [f for f in (copy_range_launcher(route.src_anchor, route.dst_anchor, self.out, self.req,
+                                                           lo_at=a, hi_at=b, nbytes_hint=c)
+                                       for a, b, c in route.launch_classes) if f is not None]
         self.graph = None
         self.event = None
         self.stream = None
@@ -71,9 +87,27 @@ class _Slot:
             self.host_t = torch.zeros(entries + 3, dtype=torch.int64, pin_memory=pinned)
             self.host, self.host_ptr = self.host_t.numpy(), self.host_t.data_ptr()
 
+    def expansion(self, plat: Platform, s: Stream, rows: int, device: int):
+        """The expansion launch into a descriptor table of at least ``rows`` rows (``self.out`` once it ran): the
+        slot's own; with ``blocks``, one made now (zeroed on ``s``, after platform device ``device``'s current
+        stream; at least twice a smaller one before it, which stays with the slot: work queued may still write it)
+        and kept beside the slot."""
+        if self.blocks and (self.out is None or self.out.shape[0] < rows):
+            from ..kernels.blocks import expand_launcher
+            before = self.out
+            if before is not None:
+                self.spent.append(before)
+            n = max(rows, 1, 0 if before is None else 2 * before.shape[0])
+            self.out = _torch().empty((n, 3), dtype=_torch().int64, device=self.req.device)
+            plat.stream_wait_event(s, plat.record_event(plat.current_stream(device)))
+            plat.memset_async(s, self.out.data_ptr(), 0, self.out.shape[0] * 24)
+            self.expand = expand_launcher(self.route.planes, self.req, self.out, n_groups=len(self.route.groups))
+        return self.expand
+
     def kernels(self, stream=None) -> None:
-        """The expansion and the copies, on ``stream`` (a driver handle) or torch's current stream."""
-        if self.expand is not None:
+        """The expansion (none with ``blocks``) and the copies, on ``stream`` (a driver handle) or torch's current
+        stream."""
+        if self.expand is not None and not self.blocks:
             self.expand(stream)
         for launch in self.copies:
             launch(stream)
@@ -113,6 +147,15 @@ class _Slot:
         return _Landed(h, self.entries + 1, seq)
 
 
+def _blocks_max_rows(route, entries: int) -> int:
+    """The rows a blocks slot's copy launches visit at most, whatever its request's header says: no honest
+    request of ``entries`` entries has more (each plane's segments are at most its group's IDs times the
+    larger split), so a forged header's counts end there rather than run the kernel for ~2^63 empty rows."""
+    table = route.table
+    split = int(table[:, 6:8].max()) if table.shape[0] else 1
+    return min(table.shape[0] * max(entries, 1) * max(split, 1), 1 << 62)
+
+
 class _Landed:
     """Where a folded post's completion shows: ``words[at] >= seq`` once its graph ran to the end (the slot's
     later folded posts land later numbers); ``until``: till when a word not landed yet is taken as "not done"
@@ -137,14 +180,14 @@ def run_in_slot(poster, route, s: Stream, array: np.ndarray, rows: int, entries:
     or its launches one by one (None)."""
     slot = poster.take_slot(route, s, rows, entries)
     try:
-        return slot, _enqueue(poster, slot, s, array, expand_only)
+        return slot, _enqueue(poster, slot, s, array, rows, expand_only)
     except BaseException:
         poster.retire(route, slot)
         poster.hold_until_drained(s, (slot,))
         raise
 
 
-def _enqueue(poster, slot: _Slot, s: Stream, array: np.ndarray, expand_only: bool) -> _Landed | None:
+def _enqueue(poster, slot: _Slot, s: Stream, array: np.ndarray, rows: int, expand_only: bool) -> _Landed | None:
     plat = poster.agent.platform
     own = s is poster.agent.stream      # the agent's stream: its calls bound once (Platform.stream_calls)
     if own and slot.folded is not None and not expand_only and slot.host_free():
@@ -154,8 +197,9 @@ def _enqueue(poster, slot: _Slot, s: Stream, array: np.ndarray, expand_only: boo
     else:
         plat.copy_async(s, slot.req_ptr, array.ctypes.data, array.nbytes)
     if expand_only:
-        if slot.expand is not None:
-            plat.launch(s, slot.expand)
+        expand = slot.expansion(plat, s, rows, poster.agent.device)
+        if expand is not None:
+            plat.launch(s, expand)
     elif slot.graph is not None:
         if own:
             poster.calls.launch_graph(slot.graph)

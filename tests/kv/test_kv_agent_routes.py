@@ -43,12 +43,13 @@ def test_ring_reuses_its_slot_and_grows_it(pair, monkeypatch):
     small.post().wait(60)
     small.post().wait(60)
     (slot,) = _route_slots(dec)
-    assert slot.rows == 4 and small.descriptors == 4          # 2 layers x K, V
+    blocks = dec._poster.blocks                             # (GPUXFER_KV_COPY=blocks: slots hold no descriptors)
+    assert slot.rows == (0 if blocks else 4) and small.descriptors == 4          # 2 layers x K, V
     big_d, big_s = list(range(5, 15)), list(range(10, 20))
     big = dec.prepare(peer, "pull", local_blocks={"full": big_d}, remote_blocks={"full": big_s})
     big.post().wait(60)
     (grown,) = _route_slots(dec)
-    assert grown is not slot and grown.rows >= max(big.descriptors, 8) and grown.entries >= 8
+    assert grown is not slot and (blocks or grown.rows >= max(big.descriptors, 8)) and grown.entries >= 8
     for name in src:
         assert same_bytes(dst[name][:, big_d], src[name][:, big_s]) and same_bytes(dst[name][:, 3], src[name][:, 0])
     plat = dec.platform

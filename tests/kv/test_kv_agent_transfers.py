@@ -234,7 +234,7 @@ def test_post_calls_do_not_grow_with_the_descriptors(pair, monkeypatch, op):
     assert n_big >= 10 * n_small
     assert posted_small == posted_big and small == big, (small, big)
     assert posted_small == {"copy_async": 1, "launch_graph": 1, "write_flag": 1, "record_event": 1}, posted_small
-    assert small["kernel:expand_kernel"] == 1
+    assert small.get("kernel:expand_kernel", 0) == (0 if dec._poster.blocks else 1)    # (blocks: no expansion)
 
 
 def test_timeout_names_the_request(pair):

@@ -1,0 +1,152 @@
+"""The ``triton`` engine's slots with no descriptor table (``GPUXFER_KV_COPY=blocks``; docs/KV_API.md, "Slots
+without descriptors"): each copy launch derives its rows from the block IDs on the device. Against the token
+oracle and the descriptor slots: the same bytes for block sizes that differ, push and pull; no descriptor memory;
+a batch past ``BATCH_ROWS`` still one upload; device IDs that fail the check move nothing; the expansion asked
+for (``expanded_descriptors``) is the numpy plan's."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gpuxfer.bench.kv.model.blocktable import burst_tables
+from gpuxfer.bench.kv.model.layout import layout_for_burst, layout_groups
+from gpuxfer.bench.kv.model.plan import request_plan
+from gpuxfer.errors import BlockIdError
+from gpuxfer.kv import batch
+from gpuxfer.kv.agent import KVAgent
+
+from _agent_arena import Arena, connect, same_bytes, token_oracle, vllm_layers
+
+
+@pytest.fixture
+def blocks(monkeypatch):
+    monkeypatch.setenv("GPUXFER_KV_COPY", "blocks")
+
+
+@pytest.fixture
+def bpair(plat, blocks):
+    a0, a1 = Arena(plat, 0, 1 << 18), Arena(plat, 1, 1 << 18)
+    pre = KVAgent("prefill", platform=plat, device=0, engine="triton", timeout_s=60)
+    dec = KVAgent("decode", platform=plat, device=1, engine="triton", timeout_s=60)
+    assert pre._poster.blocks and dec._poster.blocks
+    yield pre, dec, a0, a1
+    dec.close()
+    pre.close()
+    a0.close()
+    a1.close()
+
+
+def _no_descriptors(agent) -> None:
+    slots = [s for r in agent._routes.routes.values() for s in r.slots]
+    assert slots and all(s.out is None and s.expand is None and s.rows == 0 for s in slots)
+    assert agent.device_bytes()["descriptors"] == 0
+
+
+@pytest.mark.parametrize("op", ["pull", "push"])
+@pytest.mark.parametrize("bs, bd", [(8, 2), (2, 8), (4, 4)])
+def test_tokens_land_as_the_oracle_says(bpair, op, bs, bd):
+    pre, dec, a0, a1 = bpair
+    nb_s, nb_d = 64 // bs, 64 // bd
+    src = a0.tensor((2, nb_s, bs, 3, 2), torch.float16, seed=3)
+    dst = a1.tensor((2, nb_d, bd, 3, 2), torch.float16, seed=4)
+    pre.register_group("g", bs, {"l0": src})
+    dec.register_group("g", bd, {"l0": dst})
+    p_of_dec, p_of_pre = connect(pre, dec)
+    tokens = 3 * max(bs, bd)
+    rng = np.random.default_rng(bs + bd)
+    s_ids = rng.permutation(nb_s)[:-(-tokens // bs)]
+    d_ids = rng.permutation(nb_d)[:-(-tokens // bd)]
+    expect = token_oracle(src, dst, s_ids, d_ids, bs, bd, kv_first=True)
+    initiator = dec if op == "pull" else pre
+    if op == "pull":
+        h = dec.transfer(p_of_dec, "pull", local_blocks={"g": d_ids}, remote_blocks={"g": s_ids})
+    else:
+        h = pre.transfer(p_of_pre, "push", local_blocks={"g": s_ids}, remote_blocks={"g": d_ids})
+    h.wait(60)
+    assert np.array_equal(dst.numpy().view(np.uint8), expect.view(np.uint8))
+    _no_descriptors(initiator)
+
+
+def test_a_batch_past_the_row_budget_is_one_upload(bpair, monkeypatch):
+    """Four requests of 8 rows each with a budget of 8 rows: descriptor slots cut them into four posts; slots
+    without descriptors merge them into one."""
+    pre, dec, a0, a1 = bpair
+    src = vllm_layers(a0, 2, 12, 2, seed=5)
+    dst = vllm_layers(a1, 2, 12, 2, seed=6)
+    pre.register_group("full", 2, src)
+    dec.register_group("full", 2, dst)
+    peer, _ = connect(pre, dec)
+    monkeypatch.setattr(batch, "BATCH_ROWS", 8)
+    merged, post_route = [], batch._post_route
+    monkeypatch.setattr(batch, "_post_route", lambda poster, xs, s: merged.append(len(xs)) or post_route(poster, xs, s))
+    xs = [dec.prepare(peer, "pull", local_blocks={"full": [2 * i, 2 * i + 1]},
+                      remote_blocks={"full": [11 - 2 * i, 10 - 2 * i]}) for i in range(4)]
+    assert all(x.descriptors == 8 for x in xs)
+    for h in dec.post_many(xs):
+        h.wait(60)
+    assert merged == [4]
+    for name in src:
+        for i in range(4):
+            assert same_bytes(dst[name][:, [2 * i, 2 * i + 1]], src[name][:, [11 - 2 * i, 10 - 2 * i]])
+    _no_descriptors(dec)
+
+
+def test_device_ids_that_fail_the_check_move_nothing(bpair):
+    pre, dec, a0, a1 = bpair
+    src = vllm_layers(a0, 2, 12, 4, seed=7)
+    dst = vllm_layers(a1, 2, 12, 4, seed=8)
+    pre.register_group("full", 4, src)
+    dec.register_group("full", 4, dst)
+    peer, _ = connect(pre, dec)
+
+    def on(ids):
+        return torch.tensor(ids, dtype=torch.int32, device=dec._torch_device())
+
+    before = {k: v.clone() for k, v in dst.items()}
+    bad = [([1, 2], [3, 3]), ([1], [12])]          # a destination twice; one out of range
+    for s, d in bad:
+        h = dec.prepare(peer, "pull", local_blocks={"full": on(d)}, remote_blocks={"full": on(s)},
+                        device_ids=True, name="bad").post()
+        with pytest.raises(BlockIdError, match="'bad'.*nothing was moved"):
+            h.wait(60)
+    for k in dst:
+        assert same_bytes(dst[k], before[k])
+    dec.prepare(peer, "pull", local_blocks={"full": on([5, 0])}, remote_blocks={"full": on([9, 4])},
+                device_ids=True).post().wait(60)
+    for k in src:
+        assert same_bytes(dst[k][:, [5, 0]], src[k][:, [9, 4]])
+        rest = [b for b in range(12) if b not in (5, 0)]
+        assert same_bytes(dst[k][:, rest], before[k][:, rest])
+    _no_descriptors(dec)
+
+
+def test_the_expansion_asked_for_is_the_plans(plat, blocks):
+    """``expanded_descriptors`` of a blocks slot (a descriptor table made beside it, grown for a larger request)
+    equals :func:`request_plan`'s descriptors; the table first made stays with the slot (work queued may still
+    write it), and the slot's own launches hold none."""
+    layout = layout_for_burst("kv-gqa", 80, 8, 1)
+    bufs = [plat.alloc(layout.pool_bytes, d) for d in (0, 1)]
+    agents = [KVAgent(f"side{d}", platform=plat, device=d, engine="triton") for d in (0, 1)]
+    try:
+        for ag, buf in zip(agents, bufs):
+            for name, bt, layers in layout_groups(layout, plat.as_tensor(buf)):
+                ag.register_group(name, bt, layers)
+        peer = agents[1].add_peer(agents[0].metadata())
+        key = lambda a: a[np.lexsort((a[:, 2], a[:, 1], a[:, 0]))]   # noqa: E731
+        for isl in (16, 80):
+            src_t = burst_tables(layout, isl, 1, seed=3, side="src")[0]
+            dst_t = burst_tables(layout, isl, 1, seed=3, side="dst")[0]
+            x = agents[1].prepare(peer, "pull", local_blocks=dst_t, remote_blocks=src_t)
+            got = x.expanded_descriptors()
+            want = request_plan(layout, layout, src_t, dst_t)
+            assert got.shape == want.shape == (x.descriptors, 3)
+            assert np.array_equal(key(got), key(want))
+        (slot,) = [s for r in agents[1]._routes.routes.values() for s in r.slots]
+        assert slot.rows == 0 and len(slot.spent) == 1 and slot.out.shape[0] >= x.descriptors
+        assert not any(launch is slot.expand for launch in slot.copies)
+    finally:
+        for ag in agents[::-1]:
+            ag.close()
+        for b in bufs:
+            b.close()
