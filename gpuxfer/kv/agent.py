@@ -84,6 +84,7 @@ import logging
 import numbers
 import os
 import socket
+import threading
 import time
 import types
 import uuid
@@ -170,6 +171,7 @@ class KVAgent(Closable, FailsOnTimeout):
         if engine not in AGENT_ENGINES and not self.auto_engine:
             raise BadInput(f"KVAgent runs engine(s) {', '.join(AGENT_ENGINES)} or 'auto'; got {engine!r}")
         self._closed = False
+        self._closing = threading.RLock()     # a close in progress: a concurrent close returns once it is over
         self.failed = None
         self.on_timeout = on_timeout_from_env(on_timeout)
         timeout_s = check_timeout(timeout_s, "KVAgent timeout_s")
@@ -288,9 +290,12 @@ class KVAgent(Closable, FailsOnTimeout):
             refs.append((reg.allocation(ex.handle, lay.ptr - ex.offset), ex.offset))
         flats = [reg.flat(t.tensor if isinstance(t, KVLayerSpec) else t) for _, t in items]
         with reg.lock:
+            if reg.closed:
+                raise BadInput(f"agent {self.name!r} is closed")
             if name in reg.groups:
                 raise BadInput(f"group {name!r} is already registered")
-            reg.groups[name] = _Group(name, block_tokens, described, flats)
+            # a new dict: a request or add_peer reading the groups meanwhile goes on over the one it holds
+            reg.groups = {**reg.groups, name: _Group(name, block_tokens, described, flats)}
             for lay, ref in zip(described, refs):
                 reg.layer_refs[(name, lay.name)] = ref
             self._routes.routes.clear()
@@ -419,7 +424,9 @@ class KVAgent(Closable, FailsOnTimeout):
             if self.engine == "pack":
                 peer.flags.probe_one_sided(self.timeout_s)
             routes = self._warm(peer)
-            with reg.lock:
+            with reg.lock:      # close lists the peers to close under it
+                if reg.closed:
+                    raise BadInput(f"agent {self.name!r} is closed")
                 if meta.agent in reg.peers:
                     raise BadInput(f"peer {meta.agent!r} is already added (remove_peer first)")
                 reg.peers[meta.agent] = peer
@@ -572,7 +579,8 @@ class KVAgent(Closable, FailsOnTimeout):
         try:
             return flags.wait_host(index, value, t, step=value, flag=f"notification slot {slot} of agent {self.name!r}")
         except TransferTimeout as exc:
-            self.fail(exc)
+            if not self._closed:        # (a closed agent queues nothing more: nothing to fail)
+                self.fail(exc)
             raise
         finally:
             self._shared.release()
@@ -590,6 +598,12 @@ class KVAgent(Closable, FailsOnTimeout):
         self._lifetime.stream_wait(stream, slot, index, value)
 
     # ------------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        """Drain, then close the peers, the streams and the memory (see the module docs). Idempotent; a close called
+        while another thread's is in progress returns once that one is over."""
+        with self._closing:
+            super().close()
 
     def remove_peer(self, peer: "KVPeer | str") -> None:
         """Forget a peer, then close its mappings and its flag link once every transfer posted with it

@@ -213,7 +213,9 @@ class Lifetime:
                         agent.name, agent.timeout_s)
             self.release_waits()
             drained = self.drained()
-        peers = list(registry.peers.values())
+        with registry.lock:             # an add_peer registers under it only while the agent is open
+            peers = list(registry.peers.values())
+            registry.clear()
         if not drained:
             keep = [b for b in (agent.flags, agent.staging, pack.status_mirror) if b is not None]
             for p in peers:
@@ -224,7 +226,6 @@ class Lifetime:
             _LEAKED.append(poster.inflight)
         for p in peers:
             p.close()
-        registry.clear()
         self.routes.routes = {}
         poster.inflight = collections.deque()       # a new one: one kept above stays as it is
         self.stream_waits = {}
