@@ -393,7 +393,10 @@ class KVAgent(Closable, FailsOnTimeout):
         if (token_slice or local_token_slice) and route == "nixl":
             raise BadInput(f"peer {meta.agent!r}: a view of token rows needs the ipc route")
         if route == "nixl":
-            nixl_peer = NixlPeer(self, meta, self.nixl, reg, self._poster, local_view)
+            side = self.nixl
+            if side is None:            # closed since the route was chosen
+                raise BadInput(f"agent {self.name!r} is closed")
+            nixl_peer = NixlPeer(self, meta, side, reg, self._poster, local_view)
             with reg.lock:      # an add_peer of the same name, or close, may have run meanwhile
                 clash = ("the agent was closed" if reg.closed else
                          f"peer {meta.agent!r} is already added (remove_peer first)" if meta.agent in reg.peers
@@ -412,7 +415,7 @@ class KVAgent(Closable, FailsOnTimeout):
             # each side addresses the pair's staging slots by its own slot size
             raise LayoutMismatch(f"peer {meta.agent!r} has {meta.slot_bytes}-byte staging slots, agent "
                                  f"{self.name!r} {self.slot_bytes}-byte ones: the pack engine needs equal slot_bytes")
-        peer = KVPeer(self, meta, self._poster.calls)
+        peer = KVPeer(self, meta, self._poster)
         peer.local_view = local_view
         try:        # the peer is the agent's only once every step that can fail is behind it
             peer.engine = peer_engine(self.engine, self.auto_engine, peer.name, peer.addressable)

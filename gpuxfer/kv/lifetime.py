@@ -11,7 +11,8 @@ reached through mappings of the survivor's own, which stay mapped until the surv
 not free what an importer still maps: each side removes the other before closing, as the agent's docs say).
 
 **Posts against removal.** Everything that queues work touching a peer's or the agent's memory -- a post, a
-``pack`` prepare's shape, ``stream_wait_notification`` -- holds the agent's post lock and checks, under it, that
+``pack`` prepare's shape, ``stream_wait_notification``, :meth:`KVPeer.notify
+<gpuxfer.kv.peers.KVPeer.notify>` -- holds the agent's post lock and checks, under it, that
 the agent is open and the peer still its own (:meth:`Poster.check_usable
 <gpuxfer.kv.posting.Poster.check_usable>`). ``remove_peer`` takes the peer out under the same lock and ``close``
 passes through it after marking the agent closed, so a post either was queued (and is waited for before anything

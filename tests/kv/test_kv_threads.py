@@ -67,13 +67,13 @@ class _Layers(Mapping):
         return self.layers.items()
 
 
-def _thread(fn, *args) -> tuple[threading.Thread, dict]:
-    """``fn(*args)`` in a started daemon thread: (the thread, ``{"result": ...}`` or ``{"error": exception}``)."""
+def _thread(fn, *args, **kw) -> tuple[threading.Thread, dict]:
+    """``fn(*args, **kw)`` in a started daemon thread: (the thread, ``{"result": ...}`` or ``{"error": exception}``)."""
     out: dict = {}
 
     def run():
         try:
-            out["result"] = fn(*args)
+            out["result"] = fn(*args, **kw)
         except BaseException as exc:  # noqa: BLE001 - the test looks at it
             out["error"] = exc
     t = threading.Thread(target=run, daemon=True)
@@ -439,3 +439,126 @@ def _dropped_handle():
 
 def test_a_dropped_handle_keeps_its_request_until_it_ran(spawner):
     assert _run_child(spawner, _dropped_handle)
+
+
+# ----------------------------------------------------------------------------- KVPeer.notify from threads
+
+
+def _notify_from_two_threads():
+    """Two threads call KVPeer.notify on one slot at once (forced into the same step): each value is written once,
+    the word ends at the number of notifications."""
+    plat = _host()
+    pre, dec, c0, c1, p_of_dec, _ = _pair(plat)
+    both = threading.Barrier(2, timeout=HOOK_S)
+    real = p_of_dec.flags.signal
+
+    def signal(*a, **kw):
+        try:
+            both.wait()                  # a second notify inside at the same time: only without the post lock
+        except threading.BrokenBarrierError:
+            pass
+        return real(*a, **kw)
+    p_of_dec.flags.signal = signal
+    streams = [plat.create_stream(1) for _ in range(2)]
+    runs = [_thread(p_of_dec.notify, st, 0) for st in streams]
+    for t, out in runs:
+        _joined(t)
+        assert "error" not in out, out
+    values = sorted(out["result"][0] for _, out in runs)
+    for _, out in runs:
+        assert plat.event_wait(out["result"][1], 30)
+    assert values == [1, 2], values
+    assert pre.wait_notification(0, 2, timeout_s=30) == 2
+    for st in streams:
+        st.close()
+    dec.close()
+    pre.close()
+    plat.close()
+    return True
+
+
+def test_peer_notify_from_two_threads_writes_each_value_once(spawner):
+    assert _run_child(spawner, _notify_from_two_threads)
+
+
+def _notify_then_close():
+    """A notification queued by KVPeer.notify on the caller's stream is drained by close before the peer's flag
+    link is closed; after close and after remove_peer, notify raises a typed error having queued nothing."""
+    plat = _host()
+    pre, dec, c0, c1, p_of_dec, p_of_pre = _pair(plat)
+    s = plat.create_stream(1)
+    gate = threading.Event()
+    _gate(plat, s, gate)
+    value, event = p_of_dec.notify(s, 4)
+    dec.close()
+    assert plat.event_query(event), "close returned before a queued notification ran"
+    assert pre.notification(4) == value == 1
+    gate.set()
+    for what, peer, st in (("closed", p_of_dec, s), ("removed", p_of_pre, plat.create_stream(0))):
+        if what == "removed":
+            pre.remove_peer(peer)
+        try:
+            peer.notify(st, 0)
+        except (NotRegistered, BadInput):
+            pass
+        else:
+            raise AssertionError(f"notify to a {what} peer did not raise")
+        st.close()
+    for bad in ("stream", None):
+        try:
+            p_of_dec.notify(bad, 0)
+        except BadInput:
+            pass
+        else:
+            raise AssertionError("notify on something other than a stream did not raise BadInput")
+    pre.close()
+    plat.close()
+    return True
+
+
+def test_close_drains_a_peer_notify(spawner):
+    assert _run_child(spawner, _notify_then_close)
+
+
+# ----------------------------------------------------------------------------- the NIXL route (the fake NIXL)
+
+
+def _nixl_agent(host, buf, r):
+    a = KVAgent(f"n{r}", platform=host, device=r, timeout_s=5.0, remote="nixl")
+    a.register_group("g", BT, {"l0": host.as_tensor(buf)[:BLOCKS * 256].view(BLOCKS, 256)})
+    return a
+
+
+def test_nixl_add_peer_racing_close_and_notify_raise_typed_errors(fake_nixl, host, monkeypatch):
+    """add_peer over the NIXL route overtaken by close (past its choice of route) and KVPeer.notify to a NIXL peer
+    (notified by its transfers' notify_slot): typed errors."""
+    from gpuxfer.kv import nixl_route
+    bufs = [host.alloc(1 << 14, r) for r in (0, 1)]
+    agents = [_nixl_agent(host, b, r) for r, b in enumerate(bufs)]
+    s = host.create_stream(0)
+    try:
+        peer = agents[0].add_peer(agents[1].metadata(), route="nixl")
+        with pytest.raises(BadInput, match="notify_slot"):
+            peer.notify(s, 0)
+        agents[0].remove_peer(peer)
+        inside, closed = threading.Event(), threading.Event()
+        real = nixl_route.choose_route
+
+        def choose(*a):
+            route = real(*a)
+            inside.set()
+            assert closed.wait(60)
+            return route
+        monkeypatch.setattr(nixl_route, "choose_route", choose)
+        t, out = _thread(agents[0].add_peer, agents[1].metadata(), route="nixl")
+        assert inside.wait(60)
+        agents[0].close()
+        closed.set()
+        _joined(t)
+        assert isinstance(out.get("error"), GpuxferError), out
+    finally:
+        s.close()
+        for a in agents:
+            a.close()
+        for b in bufs:
+            b.close()
