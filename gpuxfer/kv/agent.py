@@ -84,6 +84,7 @@ import logging
 import numbers
 import os
 import socket
+import threading
 import time
 import types
 import uuid
@@ -170,6 +171,7 @@ class KVAgent(Closable, FailsOnTimeout):
         if engine not in AGENT_ENGINES and not self.auto_engine:
             raise BadInput(f"KVAgent runs engine(s) {', '.join(AGENT_ENGINES)} or 'auto'; got {engine!r}")
         self._closed = False
+        self._closing = threading.RLock()     # a close in progress: a concurrent close returns once it is over
         self.failed = None
         self.on_timeout = on_timeout_from_env(on_timeout)
         timeout_s = check_timeout(timeout_s, "KVAgent timeout_s")
@@ -288,9 +290,12 @@ class KVAgent(Closable, FailsOnTimeout):
             refs.append((reg.allocation(ex.handle, lay.ptr - ex.offset), ex.offset))
         flats = [reg.flat(t.tensor if isinstance(t, KVLayerSpec) else t) for _, t in items]
         with reg.lock:
+            if reg.closed:
+                raise BadInput(f"agent {self.name!r} is closed")
             if name in reg.groups:
                 raise BadInput(f"group {name!r} is already registered")
-            reg.groups[name] = _Group(name, block_tokens, described, flats)
+            # a new dict: a request or add_peer reading the groups meanwhile goes on over the one it holds
+            reg.groups = {**reg.groups, name: _Group(name, block_tokens, described, flats)}
             for lay, ref in zip(described, refs):
                 reg.layer_refs[(name, lay.name)] = ref
             self._routes.routes.clear()
@@ -387,7 +392,10 @@ class KVAgent(Closable, FailsOnTimeout):
         if meta.agent in reg.peers:
             raise BadInput(f"peer {meta.agent!r} is already added (remove_peer first)")
         if route == "nixl":
-            nixl_peer = NixlPeer(self, meta, self.nixl, reg, self._poster, local_view)
+            side = self.nixl
+            if side is None:            # closed since the route was chosen
+                raise BadInput(f"agent {self.name!r} is closed")
+            nixl_peer = NixlPeer(self, meta, side, reg, self._poster, local_view)
             with reg.lock:      # an add_peer of the same name, or close, may have run meanwhile
                 clash = ("the agent was closed" if reg.closed else
                          f"peer {meta.agent!r} is already added (remove_peer first)" if meta.agent in reg.peers
@@ -406,7 +414,7 @@ class KVAgent(Closable, FailsOnTimeout):
             # each side addresses the pair's staging slots by its own slot size
             raise LayoutMismatch(f"peer {meta.agent!r} has {meta.slot_bytes}-byte staging slots, agent "
                                  f"{self.name!r} {self.slot_bytes}-byte ones: the pack engine needs equal slot_bytes")
-        peer = KVPeer(self, meta, self._poster.calls)
+        peer = KVPeer(self, meta, self._poster)
         peer.local_view = local_view
         try:        # the peer is the agent's only once every step that can fail is behind it
             peer.engine = peer_engine(self.engine, self.auto_engine, peer.name, peer.addressable)
@@ -418,7 +426,9 @@ class KVAgent(Closable, FailsOnTimeout):
             if self.engine == "pack":
                 peer.flags.probe_one_sided(self.timeout_s)
             routes = self._warm(peer)
-            with reg.lock:
+            with reg.lock:      # close lists the peers to close under it
+                if reg.closed:
+                    raise BadInput(f"agent {self.name!r} is closed")
                 if meta.agent in reg.peers:
                     raise BadInput(f"peer {meta.agent!r} is already added (remove_peer first)")
                 reg.peers[meta.agent] = peer
@@ -571,7 +581,8 @@ class KVAgent(Closable, FailsOnTimeout):
         try:
             return flags.wait_host(index, value, t, step=value, flag=f"notification slot {slot} of agent {self.name!r}")
         except TransferTimeout as exc:
-            self.fail(exc)
+            if not self._closed:        # (a closed agent queues nothing more: nothing to fail)
+                self.fail(exc)
             raise
         finally:
             self._shared.release()
@@ -589,6 +600,12 @@ class KVAgent(Closable, FailsOnTimeout):
         self._lifetime.stream_wait(stream, slot, index, value)
 
     # ------------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        """Drain, then close the peers, the streams and the memory (see the module docs). Idempotent; a close called
+        while another thread's is in progress returns once that one is over."""
+        with self._closing:
+            super().close()
 
     def remove_peer(self, peer: "KVPeer | str") -> None:
         """Forget a peer, then close its mappings and its flag link once every transfer posted with it

@@ -154,7 +154,7 @@ def _post_route(poster, xs: list[_SlotTransfer], s: Stream) -> list[KVTransferHa
     route, slot = xs[0].route, None
     try:
         slot, landed = run_in_slot(poster, route, s, array, rows, int(array.shape[0]))
-        values = [x.peer.notify(s, x.notify_slot)[0] if x.notify_slot is not None else None for x in xs]
+        values = [x.peer._notify(s, x.notify_slot)[0] if x.notify_slot is not None else None for x in xs]
         event = poster.agent.platform.record_event(s)
     except BaseException:
         poster.retire(route, slot)

@@ -11,7 +11,8 @@ reached through mappings of the survivor's own, which stay mapped until the surv
 not free what an importer still maps: each side removes the other before closing, as the agent's docs say).
 
 **Posts against removal.** Everything that queues work touching a peer's or the agent's memory -- a post, a
-``pack`` prepare's shape, ``stream_wait_notification`` -- holds the agent's post lock and checks, under it, that
+``pack`` prepare's shape, ``stream_wait_notification``, :meth:`KVPeer.notify
+<gpuxfer.kv.peers.KVPeer.notify>` -- holds the agent's post lock and checks, under it, that
 the agent is open and the peer still its own (:meth:`Poster.check_usable
 <gpuxfer.kv.posting.Poster.check_usable>`). ``remove_peer`` takes the peer out under the same lock and ``close``
 passes through it after marking the agent closed, so a post either was queued (and is waited for before anything
@@ -213,7 +214,9 @@ class Lifetime:
                         agent.name, agent.timeout_s)
             self.release_waits()
             drained = self.drained()
-        peers = list(registry.peers.values())
+        with registry.lock:             # an add_peer registers under it only while the agent is open
+            peers = list(registry.peers.values())
+            registry.clear()
         if not drained:
             keep = [b for b in (agent.flags, agent.staging, pack.status_mirror) if b is not None]
             for p in peers:
@@ -224,7 +227,6 @@ class Lifetime:
             _LEAKED.append(poster.inflight)
         for p in peers:
             p.close()
-        registry.clear()
         self.routes.routes = {}
         poster.inflight = collections.deque()       # a new one: one kept above stays as it is
         self.stream_waits = {}

@@ -156,11 +156,11 @@ class KVPeer(Closable):
     _held = None                            # a peer agent of this process: its _Shared, held while this is open
     local_view = None                       # {group: this agent's _Group seen through some pieces} (add_peer)
 
-    def __init__(self, agent, meta: PeerMetadata, calls):
-        """``agent``: the :class:`~gpuxfer.kv.agent.KVAgent` adding it; ``calls``: the calls of that agent's
-        stream bound once (:meth:`Platform.stream_calls <gpuxfer.platforms.base.Platform.stream_calls>`)."""
-        self.agent, self.meta, self.name = agent, meta, meta.agent
-        self._calls = calls
+    def __init__(self, agent, meta: PeerMetadata, poster):
+        """``agent``: the :class:`~gpuxfer.kv.agent.KVAgent` adding it; ``poster``: that agent's
+        :class:`~gpuxfer.kv.posting.Poster` (its post lock, its posted transfers, its stream's calls bound once)."""
+        self.agent, self.meta, self.name, self.poster = agent, meta, meta.agent, poster
+        self._calls = poster.calls
         self._closed = False
         self._mappings: list[Any] = []
         self._owned: list[Any] = []
@@ -261,8 +261,25 @@ class KVPeer(Closable):
         return self._seq[check_slot(slot)] + 1
 
     def notify(self, s: Stream, slot: int) -> tuple[int, Event]:
-        """Queue the next notification to word ``slot`` of the peer on ``s``, then the post's event: ``(value,
-        event)``. The caller holds the agent's post lock.
+        """Queue the next notification to word ``slot`` of the peer on ``s`` (after the work already there), then
+        an event: ``(value, event)``. From any thread: it queues under the agent's post lock, the peer checked
+        there (:class:`~gpuxfer.errors.NotRegistered` once removed, :class:`~gpuxfer.errors.BadInput` once the
+        agent closed), and the agent keeps the event as it keeps a post's, so ``remove_peer`` and ``close`` wait
+        for it. A peer of the NIXL route is notified by a transfer's ``notify_slot`` (:class:`BadInput`)."""
+        check_slot(slot)
+        if not isinstance(s, Stream):
+            raise BadInput(f"notify needs a Stream of the platform, got {s!r}")
+        if self.route != "ipc":
+            raise BadInput(f"peer {self.name!r} is reached over {self.route}: notify it with a transfer's notify_slot")
+        poster = self.poster
+        with poster.lock:
+            poster.check_usable(self)
+            value, event = self._notify(s, slot)
+            poster.track(event, ())
+        return value, event
+
+    def _notify(self, s: Stream, slot: int) -> tuple[int, Event]:
+        """:meth:`notify` for a post, which holds the agent's post lock and checked the peer.
 
         The n-th notification to a slot writes n once the post that wrote n - 1 completed: a post on another
         stream waits for that post's event first (on one stream, stream order does it). So the peer's word

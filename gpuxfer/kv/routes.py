@@ -158,9 +158,11 @@ class RouteCache:
         src_is_mine = op == "push"
         rows, plane_group, splits, limits, dst_spans, keys = [], [], [], [], [], []
         src_ptrs, dst_ptrs = [], []        # (absolute piece address of block 0, anchor maker)
-        view = peer.local_view or {}
+        view, registered = peer.local_view or {}, self.registry.groups
         for gi, gname in enumerate(names):
-            mine, theirs = view.get(gname) or self.registry.groups[gname], peer.groups[gname]
+            mine, theirs = view.get(gname) or registered.get(gname), peer.groups[gname]
+            if mine is None:            # (the agent was closed since the request named it)
+                raise NotRegistered(f"group {gname!r} is no longer registered on agent {self.registry.name!r}")
             bts, btd = (mine.block_tokens, theirs.block_tokens) if src_is_mine else \
                 (theirs.block_tokens, mine.block_tokens)
             if max(bts, btd) % min(bts, btd):

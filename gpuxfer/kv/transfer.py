@@ -118,10 +118,11 @@ class KVTransfer:
 
     def _finish(self, s: Stream) -> tuple[int | None, Event]:
         """The end of a post on ``s`` (the caller holds the agent's post lock): the notification, if the request
-        has one (:meth:`KVPeer.notify`), and the post's event: ``(notified value or None, event)``."""
+        has one (:meth:`KVPeer._notify <gpuxfer.kv.peers.KVPeer._notify>`), and the post's event: ``(notified value
+        or None, event)``."""
         if self.notify_slot is None:
             return None, self.agent.platform.record_event(s)
-        return self.peer.notify(s, self.notify_slot)
+        return self.peer._notify(s, self.notify_slot)
 
     def expanded_descriptors(self) -> np.ndarray:
         """The ``(N, 3)`` descriptors of this request (offsets from the source and destination anchors), as the
