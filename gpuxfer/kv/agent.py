@@ -652,8 +652,9 @@ class KVAgent(Closable, FailsOnTimeout):
         """Raise the error that failed this agent; a refused pack transfer fails it first (waits released, no exit)."""
         status = self._pack.status
         if status is not None and status[0] and self.failed is None and not self._closed:
-            self.failed = self._pack.mismatch_error(self._poster.inflight, self._registry.peers, int(status[0]),
-                                                    int(status[1]))
+            # (copies taken at once: posts and add_peer of other threads change both)
+            inflight, peers = list(self._poster.inflight), dict(self._registry.peers)
+            self.failed = self._pack.mismatch_error(inflight, peers, int(status[0]), int(status[1]))
             self.release_waits()
         super().check()
 
