@@ -343,3 +343,19 @@ def test_a_chunk_that_does_not_continue_the_one_before_stays_queued_in_order(cas
     q = _queue(nxt, c)
     chunk, held = coalesce(a, q)
     assert chunk is a and held is nxt and q.get_nowait() is c
+
+
+def test_unrequested_rooms_are_bounded_per_decode_rank_in_number_and_age():
+    from gpuxfer.integrations.sglang.requests import Unrequested
+    now = [0.0]
+    rooms = Unrequested(max_rooms=3, max_age_s=10.0, clock=lambda: now[0])
+    assert [rooms.note("a", r) for r in (1, 2, 3)] == [[], [], []]
+    assert rooms.note("a", 2) == [] and rooms.note("a", 4) == [1]         # named again: kept from its first time
+    now[0] = 5.0
+    assert rooms.note("b", 2) == [] and rooms.note("b", 9) == []         # another rank's count is its own
+    rooms.forget(3)                                                       # a request took it
+    assert rooms.rooms("a") == [2, 4] and rooms.rooms("b") == [2, 9]
+    now[0] = 10.0
+    assert sorted(rooms.expired()) == [2, 4] and rooms.rooms("b") == [9]
+    now[0] = 15.0
+    assert rooms.expired() == [9] and rooms.rooms("a") == rooms.rooms("b") == []

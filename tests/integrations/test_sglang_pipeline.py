@@ -108,7 +108,8 @@ class Manager(GpuxferKVManager):
     def __init__(self, timeout_s=5.0):         # noqa: super().__init__ binds sockets and makes an agent
         self.timeout_s, self.kv_heads = timeout_s, (0, 0)
         self.request_status, self.transfer_infos, self.failure_records = {}, {}, {}
-        self.failure_lock, self._room_lock, self._agent_lock = threading.Lock(), threading.Lock(), threading.Lock()
+        self.failure_lock, self._agent_lock = threading.Lock(), threading.Lock()
+        self._init_rooms()
         self._staging_outstanding = defaultdict(int)
         self._deferred_ack_targets, self._deferred_ack_poisoned_rooms = {}, set()
         self.deferred_bootstrap = None
@@ -759,6 +760,7 @@ def test_two_decode_ranks_claiming_one_room_fail_it_for_both():
     mgr = Manager()
     mgr.landed_at_once, mgr.is_mla_backend, mgr.req_to_decode_prefix_len = True, False, {}
     mgr.update_status(ROOM, KVPoll.Bootstrapping)
+    mgr.pushes._peers = {"decode": None, "other": None}         # both registered
     for session, port in (("decode", DECODE[1]), ("other", DECODE[1] + 1)):
         mgr._on_transfer_info(TransferInfo.from_zmq(
             [str(ROOM).encode(), DECODE[0].encode(), str(port).encode(), session.encode(),

@@ -120,6 +120,16 @@ class Pushes:
             if old is not None:
                 self.agent.remove_peer(old)
 
+    def refusal(self, session: str) -> Optional[str]:
+        """Why decode rank ``session`` cannot be written (None: its registration was taken)."""
+        if session in self._peers:
+            return None
+        return self._rejected.get(session, "its registration never arrived")
+
+    def decode_ranks(self) -> int:
+        """How many decode ranks' registrations were taken."""
+        return len(self._peers)
+
     def run(self) -> None:
         """The transfer thread: the queue's items in order until ``stop``; when idle, the rooms that ended
         without a marker drained."""

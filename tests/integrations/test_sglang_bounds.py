@@ -1,0 +1,174 @@
+"""What a broken or hostile decode can make the SGLang backend's prefill keep, and how soon the prefill's
+transfer thread lets go of a room that ended: the manager's ``_on_transfer_info`` and the transfer thread
+driven in this process with the stand-in pushes of tests/integrations/test_sglang_pipeline.py (no agent, no
+sockets). A decode rank's destinations for rooms no request holds here are bounded in number and age; a
+destination of a rank whose registration was refused or never came, or naming more decode ranks than the TP
+sizes give, is stored nowhere; a room that failed without a marker is drained under a steady stream of other
+rooms' chunks, not only once the thread is idle.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from _requires import require
+
+require("sglang", "GPUXFER_REQUIRE_SGLANG", "sglang==0.5.23")
+
+from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
+from sglang.srt.disaggregation.common.conn import CommonKVSender  # noqa: E402
+
+from gpuxfer.integrations.sglang.conn import GpuxferKVSender  # noqa: E402
+from gpuxfer.integrations.sglang.requests import TransferInfo, Unrequested  # noqa: E402
+from test_sglang_pipeline import DECODE, ROOM, Manager  # noqa: E402
+
+
+def _meta(room, session=b"decode", ranks=b"1", pages=(9, 10), port=DECODE[1]):
+    """A decode rank's metadata message naming ``pages`` for ``room``."""
+    return TransferInfo.from_zmq([str(room).encode(), DECODE[0].encode(), str(port).encode(), session,
+                                  np.array(pages, dtype=np.int32).tobytes(), b"3", ranks, b"0", b"1"])
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def _prefill(max_rooms=4, max_age_s=30.0):
+    """A prefill manager whose decode rank ``decode`` registered (one destination per room), its unrequested
+    rooms bounded by ``max_rooms`` and ``max_age_s`` on a clock the test moves."""
+    mgr = Manager()
+    mgr.is_mla_backend, mgr.req_to_decode_prefix_len = False, {}
+    mgr.clock = Clock()
+    mgr._unrequested = Unrequested(max_rooms, max_age_s, clock=mgr.clock)
+    mgr.pushes._peers["decode"] = None
+    mgr._dst_counts["decode"] = 1
+    return mgr
+
+
+def _failed_told(mgr, room):
+    return [s for s in mgr.statuses() if s[1] == room and s[2] == KVPoll.Failed]
+
+
+# ---------------------------------------------------------------------- rooms no request holds
+
+
+def test_a_decode_naming_rooms_no_request_holds_keeps_only_its_newest():
+    mgr = _prefill(max_rooms=4)
+    for room in range(100):
+        mgr._on_transfer_info(_meta(room))
+    assert sorted(mgr.transfer_infos) == [96, 97, 98, 99]
+    assert sorted(mgr.request_status) == [96, 97, 98, 99] and sorted(mgr.req_to_decode_prefix_len) == [96, 97, 98, 99]
+    assert mgr._unrequested.rooms("decode") == [96, 97, 98, 99]
+
+
+def test_rooms_no_request_took_are_dropped_after_the_waiting_timeout():
+    mgr = _prefill(max_age_s=30.0)
+    mgr._on_transfer_info(_meta(1))
+    mgr.clock.now += 20
+    mgr._on_transfer_info(_meta(2))
+    mgr._expire_unrequested()
+    assert sorted(mgr.transfer_infos) == [1, 2]
+    mgr.clock.now += 10
+    mgr._expire_unrequested()
+    assert sorted(mgr.transfer_infos) == [2] and sorted(mgr.request_status) == [2]
+    mgr.clock.now += 20
+    mgr._expire_unrequested()
+    assert not mgr.transfer_infos and not mgr.request_status and not mgr._unrequested.rooms("decode")
+
+
+def test_a_claimed_room_of_no_request_leaves_no_failure_record_behind():
+    """Two decode ranks claiming a room no request holds: the room's failure is kept (a request of it would
+    fail) as long as the room's destinations are, then dropped with them."""
+    mgr = _prefill(max_age_s=30.0)
+    mgr.pushes._peers["other"] = None
+    mgr._dst_counts["other"] = 1
+    mgr._on_transfer_info(_meta(5))
+    mgr._on_transfer_info(_meta(5, session=b"other", port=DECODE[1] + 1))
+    assert 5 in mgr.failure_records and _failed_told(mgr, 5)
+    mgr.clock.now += 30
+    mgr._expire_unrequested()
+    assert not mgr.failure_records and not mgr.transfer_infos and not mgr.request_status
+
+
+def test_a_room_a_request_holds_is_kept_past_both_bounds_and_bounded_again_once_released():
+    mgr = _prefill(max_rooms=2, max_age_s=30.0)
+    mgr._on_transfer_info(_meta(ROOM))
+    mgr.hold_room(ROOM)                         # the prefill's request of it (its sender)
+    for room in range(10):
+        mgr._on_transfer_info(_meta(room))
+    mgr.clock.now += 100
+    mgr._expire_unrequested()
+    assert list(mgr.transfer_infos) == [ROOM] and ROOM in mgr.request_status
+    mgr.release_room(ROOM)                      # the sender cleared: SGLang dropped the room's state
+    mgr.transfer_infos.pop(ROOM)
+    mgr.request_status.pop(ROOM)
+    mgr._on_transfer_info(_meta(ROOM))          # a late message naming it
+    mgr.clock.now += 30
+    mgr._expire_unrequested()
+    assert not mgr.transfer_infos and not mgr._requested
+
+
+def test_the_sender_holds_its_room_from_before_sglangs_part_until_it_is_cleared(monkeypatch):
+    mgr = _prefill(max_rooms=1)
+    seen = []
+    monkeypatch.setattr(CommonKVSender, "__init__", lambda self, *a, **k: seen.append(dict(mgr._requested)))
+    monkeypatch.setattr(CommonKVSender, "clear", lambda self: seen.append("clear"))
+    sender = GpuxferKVSender(mgr=mgr, bootstrap_addr="p:1", bootstrap_room=ROOM)
+    mgr._on_transfer_info(_meta(ROOM))
+    mgr._on_transfer_info(_meta(ROOM + 1))      # past one unrequested room: the held one stays
+    assert seen == [{ROOM: 1}] and ROOM in mgr.transfer_infos
+    sender.clear()
+    sender.clear()
+    assert seen[1:] == ["clear", "clear"] and not mgr._requested
+
+
+# ---------------------------------------------------------------------- destinations refused outright
+
+
+@pytest.mark.parametrize("session, ranks, says", [
+    (b"forged-1", b"1", "registration never arrived"),
+    (b"decode", b"1000000", "names 1000000 decode ranks"),
+    (b"decode", b"0", "names 0 decode ranks"),
+])
+def test_a_destination_that_cannot_be_taken_is_stored_nowhere_and_told_failed(session, ranks, says):
+    mgr = _prefill()
+    mgr._on_transfer_info(_meta(3, session=session, ranks=ranks))
+    assert not mgr.transfer_infos and not mgr.request_status and not mgr.failure_records
+    assert says in _failed_told(mgr, 3)[0][3]
+
+
+def test_refused_destinations_under_made_up_rank_names_leave_nothing_behind():
+    mgr = _prefill()
+    mgr._on_transfer_info(_meta(3))
+    for i in range(50):
+        mgr._on_transfer_info(_meta(3, session=f"forged-{i}".encode()))
+    assert list(mgr._unrequested._by_session) == ["decode"] and list(mgr.transfer_infos[3]) == ["decode"]
+    assert mgr.request_status[3] == KVPoll.Failed
+    mgr.clock.now += 30
+    mgr._expire_unrequested()
+    assert not mgr.transfer_infos and not mgr.request_status and not mgr.failure_records
+
+
+def test_a_refused_ranks_destination_fails_the_room_a_request_holds():
+    mgr = _prefill()
+    mgr.pushes._rejected["late"] = "page_size: prefill 4, decode 8"
+    mgr.hold_room(ROOM)
+    mgr.update_status(ROOM, KVPoll.Bootstrapping)
+    mgr._on_transfer_info(_meta(ROOM, session=b"late"))
+    assert mgr.request_status[ROOM] == KVPoll.Failed and "page_size" in mgr.failure_records[ROOM]
+    assert not mgr.transfer_infos
+
+
+def test_forged_decode_ranks_never_grow_a_room_past_the_ranks_its_tp_size_gives():
+    """A registered rank of twice this prefill's TP size: two destinations per room, a third refused."""
+    mgr = _prefill()
+    for s in ("d0", "d1", "d2"):
+        mgr.pushes._peers[s] = None
+        mgr._dst_counts[s] = 2
+    for i, s in enumerate((b"d0", b"d1", b"d2")):
+        mgr._on_transfer_info(_meta(4, session=s, ranks=b"2", port=DECODE[1] + i))
+    assert sorted(mgr.transfer_infos[4]) == ["d0", "d1"] and mgr.request_status[4] == KVPoll.Failed
