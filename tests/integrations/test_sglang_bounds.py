@@ -8,6 +8,8 @@ rooms' chunks, not only once the thread is idle.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -19,8 +21,8 @@ from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
 from sglang.srt.disaggregation.common.conn import CommonKVSender  # noqa: E402
 
 from gpuxfer.integrations.sglang.conn import GpuxferKVSender  # noqa: E402
-from gpuxfer.integrations.sglang.requests import TransferInfo, Unrequested  # noqa: E402
-from test_sglang_pipeline import DECODE, ROOM, Manager  # noqa: E402
+from gpuxfer.integrations.sglang.requests import TransferInfo, Unrequested, _Chunk  # noqa: E402
+from test_sglang_pipeline import DECODE, ROOM, Manager, _abort_target, _chunk, _room  # noqa: E402
 
 
 def _meta(room, session=b"decode", ranks=b"1", pages=(9, 10), port=DECODE[1]):
@@ -172,3 +174,59 @@ def test_forged_decode_ranks_never_grow_a_room_past_the_ranks_its_tp_size_gives(
     for i, s in enumerate((b"d0", b"d1", b"d2")):
         mgr._on_transfer_info(_meta(4, session=s, ranks=b"2", port=DECODE[1] + i))
     assert sorted(mgr.transfer_infos[4]) == ["d0", "d1"] and mgr.request_status[4] == KVPoll.Failed
+
+
+# ---------------------------------------------------------------------- the transfer thread lets go promptly
+
+
+def _other_room(mgr, room):
+    mgr.update_status(room, KVPoll.Bootstrapping)
+    mgr.transfer_infos[room] = {"decode": TransferInfo(
+        room=room, endpoint=DECODE[0], dst_port=DECODE[1], session="decode",
+        dst_kv_indices=np.array([1, 2], dtype=np.int32), dst_aux_index=3, required_dst_info_num=1,
+        is_dummy=False)}
+    mgr.update_status(room, KVPoll.WaitingForInput)
+    return _Chunk(room, np.array([5, 6], dtype=np.int32), slice(0, 2), True, 5, None, mgr.transfer_infos[room])
+
+
+def test_a_room_that_failed_without_a_marker_is_drained_under_a_stream_of_other_rooms():
+    """Room ``ROOM`` failed elsewhere (no abort marker queued) with a push posted, now over; the thread then
+    handles other rooms' chunks back to back (its queue never empty): ``ROOM``'s push is waited for and its
+    ACK sent while they flow, not once the thread is idle."""
+    mgr = Manager()
+    mgr.landed_at_once = True
+    _room(mgr)
+    mgr.run(_chunk(0))
+    mgr.record_failure(ROOM, "failed elsewhere")
+    mgr.update_status(ROOM, KVPoll.Failed)
+    mgr.register_deferred_ack_target(ROOM, _abort_target())
+    others = [_other_room(mgr, room) for room in range(100, 104)]
+    acked_while_busy = []
+    stop = mgr.pushes._stop
+    conclude = mgr.conclude_room
+
+    def conclude_and_look(room, *a):
+        conclude(room, *a)
+        if room == others[-1].room:             # the last queued item: the queue was never empty before
+            acked_while_busy.append(("ack", ROOM) in mgr.log)
+            stop.set()
+    mgr.conclude_room = conclude_and_look
+    for chunk in others:
+        mgr.pushes.put(chunk)
+    worker = threading.Thread(target=mgr.pushes.run)
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive() and acked_while_busy == [True]
+    assert ROOM not in mgr.pushes._posted and ROOM not in mgr._staging_outstanding
+
+
+def test_a_room_whose_push_still_runs_is_left_to_a_later_item():
+    mgr = Manager()
+    _room(mgr)
+    mgr.run(_chunk(0))
+    mgr.update_status(ROOM, KVPoll.Failed)
+    mgr.pushes._drain_ended_rooms(block=False)
+    assert ROOM in mgr.pushes._posted and not mgr.handles[0].waited
+    mgr.handles[0].finish()
+    mgr.pushes._drain_ended_rooms(block=False)
+    assert ROOM not in mgr.pushes._posted and mgr.handles[0].waited
