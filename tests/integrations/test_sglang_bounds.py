@@ -4,7 +4,10 @@ driven in this process with the stand-in pushes of tests/integrations/test_sglan
 sockets). A decode rank's destinations for rooms no request holds here are bounded in number and age; a
 destination of a rank whose registration was refused or never came, or naming more decode ranks than the TP
 sizes give, is stored nowhere; a room that failed without a marker is drained under a steady stream of other
-rooms' chunks, not only once the thread is idle.
+rooms' chunks, not only once the thread is idle. The decode's handling of a broken or hostile prefill's
+messages (the stand-in decode manager of test_sglang_pipeline.py): a metadata row is written only at its
+room's own row, only before the room ended and only at its buffers' row sizes; a landing value only past the
+values named on its word before; rows and statuses of rooms or requests not the rank's change nothing.
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ from sglang.srt.disaggregation.common.conn import CommonKVSender  # noqa: E402
 
 from gpuxfer.integrations.sglang.conn import GpuxferKVSender  # noqa: E402
 from gpuxfer.integrations.sglang.requests import TransferInfo, Unrequested, _Chunk  # noqa: E402
-from test_sglang_pipeline import DECODE, ROOM, Manager, _abort_target, _chunk, _room  # noqa: E402
+from gpuxfer.errors import BadInput  # noqa: E402
+from test_sglang_pipeline import DECODE, ROOM, Decode, Manager, _abort_target, _chunk, _room  # noqa: E402
 
 
 def _meta(room, session=b"decode", ranks=b"1", pages=(9, 10), port=DECODE[1]):
@@ -230,3 +234,86 @@ def test_a_room_whose_push_still_runs_is_left_to_a_later_item():
     mgr.handles[0].finish()
     mgr.pushes._drain_ended_rooms(block=False)
     assert ROOM not in mgr.pushes._posted and mgr.handles[0].waited
+
+
+# ---------------------------------------------------------------------- the decode against a broken or hostile prefill
+
+
+def _decode_room(room=7, index=2):
+    """A decode rank whose receiver named pages and metadata row ``index`` for ``room`` to one prefill rank."""
+    mgr = Decode()
+    mgr.local_ip, mgr.rank_port, mgr.session_id = DECODE[0], DECODE[1], "decode"
+    mgr.room(room)
+    meta = mgr.build_receiver_metadata_message(
+        bootstrap_room=room, required_dst_info_num=1, kv_indices=np.array([9, 10], dtype=np.int32),
+        aux_index=index, state_indices=None, decode_prefix_len=None, is_dummy=False)
+    return mgr, meta[-1]
+
+
+def test_a_row_naming_another_metadata_row_than_the_rooms_fails_it_and_writes_nothing():
+    mgr, token = _decode_room(index=2)
+    mgr._on_decode_message([b"GXAUX3", b"7", b"1", b"1:1", token, b"ROW-0123"])    # row 1: another request's
+    assert mgr.request_status[7] == KVPoll.Failed and "metadata row 1" in mgr.failure_records[7]
+    assert not mgr.aux.any() and not mgr.landings.waiting(7)
+
+
+def test_a_row_for_a_room_this_rank_named_no_pages_for_writes_nothing():
+    mgr = Decode()
+    mgr.update_status(5, KVPoll.Bootstrapping)      # a room of this rank with no metadata sent (a dummy's)
+    mgr._on_decode_message([b"GXAUX2", b"5", b"0", b"", b"ROW-0123"])
+    assert mgr.request_status[5] == KVPoll.Failed and not mgr.aux.any()
+
+
+@pytest.mark.parametrize("status", [KVPoll.Success, KVPoll.Failed])
+def test_a_row_after_the_room_ended_is_dropped_unwritten(status):
+    mgr, token = _decode_room()
+    mgr.update_status(7, status)
+    mgr._on_decode_message([b"GXAUX3", b"7", b"2", b"1:1", token, b"ROW-0123"])
+    assert mgr.request_status[7] == status and not mgr.aux.any() and not mgr.landings.waiting(7)
+
+
+@pytest.mark.parametrize("rows", [[b"SHORT"], [b"ROW-0123-TOO-LONG"], [], [b"ROW-0123", b"ROW-0123"]])
+def test_rows_of_the_wrong_size_or_number_fail_the_room_and_write_nothing(rows):
+    mgr, token = _decode_room()
+    mgr._on_decode_message([b"GXAUX3", b"7", b"2", b"1:1", token, *rows])
+    assert mgr.request_status[7] == KVPoll.Failed and not mgr.aux.any() and not mgr.landings.waiting(7)
+
+
+@pytest.mark.parametrize("msg", [
+    [b"GXAUX3", b"8", b"2", b"1:1", b"1", b"ROW-0123"],      # a room this rank does not hold
+    [b"GXAUX3", b"7", b"2", b"1:1", b"999", b"ROW-0123"],    # another request's token
+    [b"GXAUX3", b"7"], [b"GXAUX3", b"\xff", b"2", b""], [b"GXAUX2", b"7", b"x", b"", b"ROW-0123"],
+])
+def test_rows_of_rooms_or_requests_not_this_ranks_or_unparsable_change_nothing(msg):
+    mgr, _ = _decode_room()
+    try:
+        mgr._on_decode_message(msg)
+    except Exception as exc:                # what the control loop logs: never an SGLang status
+        assert isinstance(exc, (BadInput, ValueError)), exc
+    assert mgr.request_status == {7: KVPoll.WaitingForInput} and not mgr.aux.any()
+    assert not mgr.landings.waiting(7) and not mgr.failure_records
+
+
+def test_status_for_a_room_this_rank_does_not_hold_is_dropped():
+    mgr, token = _decode_room()
+    mgr._on_decode_message([8, KVPoll.Success, b"", b"", b"1"])
+    mgr._on_decode_message([7, KVPoll.Success, b"", b"", b"999"])                    # another request's token
+    assert mgr.applied == [] and mgr.request_status == {7: KVPoll.WaitingForInput}
+
+
+def test_a_landing_value_named_before_on_its_word_fails_the_room_and_writes_nothing():
+    """Request A of slot 1 lands at value 3. A row of a later request naming value 3 again (or lower) would
+    end it at once by a word that says nothing of its pages: refused; a value past it is armed."""
+    mgr, token = _decode_room()
+    mgr._on_decode_message([b"GXAUX3", b"7", b"2", b"1:3", token, b"ROW-0123"])
+    mgr.words[1] = 3
+    assert mgr.landings.landed(7)
+    mgr.aux.zero_()
+    for room, value in ((8, b"3"), (9, b"2"), (10, b"4")):
+        mgr.room(room)
+        mgr._tokens[room] = token = str(room).encode()
+        mgr._on_decode_message([b"GXAUX3", str(room).encode(), b"2", b"1:" + value, token, b"ROW-0123"])
+        if room != 10:
+            assert mgr.request_status[room] == KVPoll.Failed and "not past it" in mgr.failure_records[room]
+            assert not mgr.aux.any() and not mgr.landings.waiting(room)
+    assert mgr.landings.waiting(10) and bytes(mgr.aux[16:24]) == b"ROW-0123"

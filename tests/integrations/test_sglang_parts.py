@@ -359,3 +359,16 @@ def test_unrequested_rooms_are_bounded_per_decode_rank_in_number_and_age():
     assert sorted(rooms.expired()) == [2, 4] and rooms.rooms("b") == [9]
     now[0] = 15.0
     assert rooms.expired() == [9] and rooms.rooms("a") == rooms.rooms("b") == []
+
+
+def test_a_landing_value_must_pass_every_value_named_on_its_slot():
+    rooms = Landings(lambda slot: 0)
+    rooms.new_slot(), rooms.new_slot()
+    rooms.check((1, 2))
+    assert rooms.expect(7, (1, 2))
+    for again in ((1, 2), (1, 1)):
+        with pytest.raises(BadInput, match="not past it"):
+            rooms.check(again)
+    rooms.check((1, 3)), rooms.check((0, 1))        # the next value; another slot counts its own
+    rooms.check((5, 1))                             # a slot never handed out: expect ignores it
+    assert not rooms.expect(8, (5, 1))

@@ -378,7 +378,7 @@ class Decode(GpuxferKVManager):
     def __init__(self, slots_handed=2):         # noqa: super().__init__ binds sockets and makes an agent
         import torch
         self._ended_lock, self._ended_by_word, self.applied = threading.Lock(), {}, []
-        self._tokens, self._token_seq = {}, itertools.count(1)
+        self._tokens, self._token_seq, self._aux_index = {}, itertools.count(1), {}
         self.request_status, self.failure_records, self.failure_lock = {}, {}, threading.Lock()
         self.required_prefill_response_num_table = {}
         self.deferred_bootstrap = None
@@ -394,7 +394,7 @@ class Decode(GpuxferKVManager):
     def room(self, room, responses=1):
         self.update_status(room, KVPoll.Bootstrapping)
         self.update_status(room, KVPoll.WaitingForInput)
-        self.required_prefill_response_num_table[room] = responses
+        self.required_prefill_response_num_table[room], self._aux_index[room] = responses, 2
 
     def aux_message(self, room, landing, row=b"ROW-0123", index=2):
         self._on_decode_message([b"GXAUX2", str(room).encode(), str(index).encode(), landing, row])   # no token

@@ -158,6 +158,7 @@ class GpuxferKVManager(CommonKVManager):
             # room -> the token of its request ended by its word, whose prefill conclusion is still to be dropped
             self._ended_by_word: Dict[int, Optional[bytes]] = {}
             self._tokens: Dict[int, bytes] = {}         # room -> the token its current request was named by
+            self._aux_index: Dict[int, int] = {}        # room -> the metadata row its current request named
             self._token_seq = itertools.count(1)
             self._spawn(self._decode_control, "gpuxfer-sglang-control")
             self._threads.append(self._start_heartbeat_checker_thread())
@@ -229,6 +230,8 @@ class GpuxferKVManager(CommonKVManager):
         # the prefill echoes it in the room's row and status messages, so an earlier request's late ones,
         # naming the same room id, are told apart and dropped
         token = self._tokens.setdefault(bootstrap_room, str(next(self._token_seq)).encode("ascii"))
+        if not is_dummy:
+            self._aux_index[bootstrap_room] = int(aux_index)
         return [str(bootstrap_room).encode("ascii"), self.local_ip.encode("ascii"),
                 str(self.rank_port).encode("ascii"), self.session_id.encode("ascii"), pages,
                 b"" if is_dummy else str(int(aux_index)).encode("ascii"),
@@ -289,19 +292,32 @@ class GpuxferKVManager(CommonKVManager):
         if len(head) < 3:
             raise BadInput(f"a gpuxfer metadata row message has {len(head) + 1} frames")
         room, index = int(head[0].decode("ascii")), int(head[1].decode("ascii"))
-        if room not in self.request_status:
+        status = self.request_status.get(room)
+        if status is None:
             return
         if not self._current(room, token):
             log.debug("gpuxfer: room %s: the metadata row of an earlier request of the room id dropped", room)
             return
+        if status in (KVPoll.Success, KVPoll.Failed):
+            # every row of a room comes before the status or word that concludes it: this one is no part of it
+            # (and the row may already be read)
+            log.warning("gpuxfer: room %s: a metadata row after the room ended (%s) dropped", room, status)
+            return
         try:
+            own = self._aux_index.get(room)
+            if index != own:        # another request's row, or a room this rank named no pages for
+                raise BadInput(f"the prefill names metadata row {index}; the room's is {own}")
             landing = parse_landing(head[2])
+            if landing is not None and self.required_prefill_response_num_table.get(room) != 1:
+                landing = None          # several prefill ranks: SGLang's Success messages count them
+            if landing is not None:
+                self.landings.check(landing)
             write_aux_rows(self.kv_args, index, list(rows))
         except BadInput as exc:     # the room must not succeed without its row (Failed is final)
             self.record_failure(room, f"its metadata row could not be written: {exc}")
             self.update_status(room, KVPoll.Failed)
             return
-        if landing is not None and self.required_prefill_response_num_table.get(room) == 1:
+        if landing is not None:
             self.landings.expect(room, landing)
 
     # ------------------------------------------------------------------ prefill role
@@ -626,6 +642,7 @@ class GpuxferKVReceiver(CommonKVReceiver):
         super()._clear()
         self.kv_mgr.landings.forget(self.bootstrap_room)
         self.kv_mgr._tokens.pop(self.bootstrap_room, None)      # the room id's next request gets a new one
+        self.kv_mgr._aux_index.pop(self.bootstrap_room, None)
 
 
 class GpuxferKVBootstrapServer(CommonKVBootstrapServer):
