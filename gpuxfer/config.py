@@ -210,6 +210,9 @@ VARS: dict[str, Var] = {v.name: v for v in (
     # SGLang transfer backend (gpuxfer.integrations.sglang; --disaggregation-transfer-backend gpuxfer)
     Var("GPUXFER_SGLANG_ENGINE", "auto", choice("auto", "triton", "copy_engine"), "SGLang: the KV engine the "
         "prefill side pushes with (auto: triton on GPUs, copy_engine on the host emulation)"),
+    Var("GPUXFER_SGLANG_UNREQUESTED_ROOMS", 8192, integer(1), "SGLang: how many rooms one decode rank may have "
+        "named pages for that no request of the prefill rank holds yet (its oldest past this are dropped; each is "
+        "dropped anyway after SGLANG_DISAGGREGATION_WAITING_TIMEOUT)"),
     Var("GPUXFER_REQUIRE_SGLANG", False, FLAG, "test hook: the SGLang backend's tests fail instead of skipping "
         "where SGLang is not installed (CI's SGLang step)"),
     # KV benchmark

@@ -62,6 +62,7 @@ GOOD = {
     "GPUXFER_VLLM_TEST_CLOCK_SHIFT_S": ("-1000.5", -1000.5),
     "GPUXFER_REQUIRE_VLLM": ("1", True),
     "GPUXFER_SGLANG_ENGINE": ("copy_engine", "copy_engine"),
+    "GPUXFER_SGLANG_UNREQUESTED_ROOMS": ("64", 64),
     "GPUXFER_REQUIRE_SGLANG": ("1", True),
 }
 
@@ -104,6 +105,7 @@ BAD = {
     "GPUXFER_VLLM_TEST_CLOCK_SHIFT_S": [("soon", "must be a number of seconds"), ("inf", "finite"), ("2e9", "within")],
     "GPUXFER_REQUIRE_VLLM": [("please", "must be 1 or 0")],
     "GPUXFER_SGLANG_ENGINE": [("pack", "must be auto, triton or copy_engine")],
+    "GPUXFER_SGLANG_UNREQUESTED_ROOMS": [("0", "must be >= 1"), ("many", "must be an integer")],
     "GPUXFER_REQUIRE_SGLANG": [("please", "must be 1 or 0")],
 }
 

@@ -343,3 +343,32 @@ def test_a_chunk_that_does_not_continue_the_one_before_stays_queued_in_order(cas
     q = _queue(nxt, c)
     chunk, held = coalesce(a, q)
     assert chunk is a and held is nxt and q.get_nowait() is c
+
+
+def test_unrequested_rooms_are_bounded_per_decode_rank_in_number_and_age():
+    from gpuxfer.integrations.sglang.requests import Unrequested
+    now = [0.0]
+    rooms = Unrequested(max_rooms=3, max_age_s=10.0, clock=lambda: now[0])
+    assert [rooms.note("a", r) for r in (1, 2, 3)] == [[], [], []]
+    assert rooms.note("a", 2) == [] and rooms.note("a", 4) == [1]         # named again: kept from its first time
+    now[0] = 5.0
+    assert rooms.note("b", 2) == [] and rooms.note("b", 9) == []         # another rank's count is its own
+    rooms.forget(3)                                                       # a request took it
+    assert rooms.rooms("a") == [2, 4] and rooms.rooms("b") == [2, 9]
+    now[0] = 10.0
+    assert sorted(rooms.expired()) == [2, 4] and rooms.rooms("b") == [9]
+    now[0] = 15.0
+    assert rooms.expired() == [9] and rooms.rooms("a") == rooms.rooms("b") == []
+
+
+def test_a_landing_value_must_pass_every_value_named_on_its_slot():
+    rooms = Landings(lambda slot: 0)
+    rooms.new_slot(), rooms.new_slot()
+    rooms.check((1, 2))
+    assert rooms.expect(7, (1, 2))
+    for again in ((1, 2), (1, 1)):
+        with pytest.raises(BadInput, match="not past it"):
+            rooms.check(again)
+    rooms.check((1, 3)), rooms.check((0, 1))        # the next value; another slot counts its own
+    rooms.check((5, 1))                             # a slot never handed out: expect ignores it
+    assert not rooms.expect(8, (5, 1))

@@ -108,7 +108,8 @@ class Manager(GpuxferKVManager):
     def __init__(self, timeout_s=5.0):         # noqa: super().__init__ binds sockets and makes an agent
         self.timeout_s, self.kv_heads = timeout_s, (0, 0)
         self.request_status, self.transfer_infos, self.failure_records = {}, {}, {}
-        self.failure_lock, self._room_lock, self._agent_lock = threading.Lock(), threading.Lock(), threading.Lock()
+        self.failure_lock, self._agent_lock = threading.Lock(), threading.Lock()
+        self._init_rooms()
         self._staging_outstanding = defaultdict(int)
         self._deferred_ack_targets, self._deferred_ack_poisoned_rooms = {}, set()
         self.deferred_bootstrap = None
@@ -377,7 +378,7 @@ class Decode(GpuxferKVManager):
     def __init__(self, slots_handed=2):         # noqa: super().__init__ binds sockets and makes an agent
         import torch
         self._ended_lock, self._ended_by_word, self.applied = threading.Lock(), {}, []
-        self._tokens, self._token_seq = {}, itertools.count(1)
+        self._tokens, self._token_seq, self._aux_index = {}, itertools.count(1), {}
         self.request_status, self.failure_records, self.failure_lock = {}, {}, threading.Lock()
         self.required_prefill_response_num_table = {}
         self.deferred_bootstrap = None
@@ -393,7 +394,7 @@ class Decode(GpuxferKVManager):
     def room(self, room, responses=1):
         self.update_status(room, KVPoll.Bootstrapping)
         self.update_status(room, KVPoll.WaitingForInput)
-        self.required_prefill_response_num_table[room] = responses
+        self.required_prefill_response_num_table[room], self._aux_index[room] = responses, 2
 
     def aux_message(self, room, landing, row=b"ROW-0123", index=2):
         self._on_decode_message([b"GXAUX2", str(room).encode(), str(index).encode(), landing, row])   # no token
@@ -759,6 +760,7 @@ def test_two_decode_ranks_claiming_one_room_fail_it_for_both():
     mgr = Manager()
     mgr.landed_at_once, mgr.is_mla_backend, mgr.req_to_decode_prefix_len = True, False, {}
     mgr.update_status(ROOM, KVPoll.Bootstrapping)
+    mgr.pushes._peers = {"decode": None, "other": None}         # both registered
     for session, port in (("decode", DECODE[1]), ("other", DECODE[1] + 1)):
         mgr._on_transfer_info(TransferInfo.from_zmq(
             [str(ROOM).encode(), DECODE[0].encode(), str(port).encode(), session.encode(),

@@ -59,6 +59,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from collections import Counter
 from typing import Any, Container, Dict, List, Optional
 
 import numpy as np
@@ -82,10 +83,10 @@ from ... import config
 from ...errors import BadInput, BlockIdError, GpuxferError
 from ...kv import KVAgent
 from .landing import Landings, parse_landing, parse_slot, slot_frame
-from .layout import (GROUP, check_supported, decode_registration, encode_registration, geometry,
+from .layout import (GROUP, check_supported, decode_registration, destinations, encode_registration, geometry,
                      geometry_differences, head_share, register_kv_args, total_kv_heads, write_aux_rows)
 from .pushes import AUX_TAG, AUX_TAG_V1, AUX_TAG_V2, Pushes
-from .requests import TransferInfo, _Chunk
+from .requests import TransferInfo, Unrequested, _Chunk
 
 log = logging.getLogger("gpuxfer.sglang")
 
@@ -127,7 +128,7 @@ class GpuxferKVManager(CommonKVManager):
         self.timeout_s = float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
         self.session_id = f"{self.local_ip}:{self.rank_port}"
         mla = is_mla_backend or getattr(self, "is_hybrid_mla_backend", False)   # every rank holds all the KV
-        self.geometry = geometry(args, None if mla else self.attn_tp_size)
+        self.geometry = geometry(args, None if mla else self.attn_tp_size, self.attn_tp_size)
         # the model's KV heads and this rank's, where its pool holds a slice of them (head slicing reads them)
         self.kv_heads = (0, 0) if mla else (total_kv_heads(args, self.attn_tp_size),
                                             int(getattr(args, "kv_head_num", 0) or 0))
@@ -145,7 +146,7 @@ class GpuxferKVManager(CommonKVManager):
             raise
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self._warm_up()
-            self._room_lock = threading.Lock()          # a room's Failed mark against a chunk's count
+            self._init_rooms()
             # the transfer thread: its queue, the pushes in flight, the decode ranks' peers (:mod:`.pushes`)
             self.pushes = Pushes(self, self.agent, self._agent_lock, self.kv_args, self.timeout_s, self._stop)
             self._spawn(self._prefill_control, "gpuxfer-sglang-control")
@@ -157,6 +158,7 @@ class GpuxferKVManager(CommonKVManager):
             # room -> the token of its request ended by its word, whose prefill conclusion is still to be dropped
             self._ended_by_word: Dict[int, Optional[bytes]] = {}
             self._tokens: Dict[int, bytes] = {}         # room -> the token its current request was named by
+            self._aux_index: Dict[int, int] = {}        # room -> the metadata row its current request named
             self._token_seq = itertools.count(1)
             self._spawn(self._decode_control, "gpuxfer-sglang-control")
             self._threads.append(self._start_heartbeat_checker_thread())
@@ -172,24 +174,40 @@ class GpuxferKVManager(CommonKVManager):
             log.warning("gpuxfer: loading the transfer kernels at startup failed (%s: %s); the first request "
                         "loads them", type(exc).__name__, exc)
 
+    def _init_rooms(self) -> None:
+        """A prefill rank's bookkeeping of rooms beside SGLang's: the lock a room's Failed mark takes against a
+        chunk's count and a request's taking of its room, the rooms requests hold here (``_requested``: how
+        many senders), the rooms decode ranks named that none holds (``_unrequested``, bounded) and how many
+        decode ranks each registered rank's rooms name (``_dst_counts``; None: it says no TP size)."""
+        self._room_lock = threading.Lock()
+        self._requested: Counter = Counter()
+        self._unrequested = Unrequested(config.get("GPUXFER_SGLANG_UNREQUESTED_ROOMS"), self.timeout_s)
+        self._dst_counts: Dict[str, Optional[int]] = {}
+
     def _spawn(self, target, name: str) -> None:
         t = threading.Thread(target=target, name=name, daemon=True)
         t.start()
         self._threads.append(t)
 
-    def _recv_loop(self, handle) -> None:
+    def _recv_loop(self, handle, tick=None) -> None:
         """Hand each control message to ``handle`` until stopped; a message that fails is logged, never
-        the end of the thread."""
+        the end of the thread. ``tick``: run before each message and when idle (at least every
+        ``_RECV_POLL_MS``)."""
         poller = zmq.Poller()
         poller.register(self.server_socket, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(_RECV_POLL_MS):
-                continue
-            msg = self.server_socket.recv_multipart()
+            ready = poller.poll(_RECV_POLL_MS)
             try:
-                handle(msg)
+                if tick is not None:
+                    tick()
+                if ready:
+                    msg = self.server_socket.recv_multipart()
+                    try:
+                        handle(msg)
+                    except Exception:
+                        log.exception("gpuxfer: SGLang control message %r failed", [m[:32] for m in msg[:4]])
             except Exception:
-                log.exception("gpuxfer: SGLang control message %r failed", [m[:32] for m in msg[:4]])
+                log.exception("gpuxfer: SGLang control thread step failed")
 
     # ------------------------------------------------------------------ decode role
 
@@ -212,6 +230,8 @@ class GpuxferKVManager(CommonKVManager):
         # the prefill echoes it in the room's row and status messages, so an earlier request's late ones,
         # naming the same room id, are told apart and dropped
         token = self._tokens.setdefault(bootstrap_room, str(next(self._token_seq)).encode("ascii"))
+        if not is_dummy:
+            self._aux_index[bootstrap_room] = int(aux_index)
         return [str(bootstrap_room).encode("ascii"), self.local_ip.encode("ascii"),
                 str(self.rank_port).encode("ascii"), self.session_id.encode("ascii"), pages,
                 b"" if is_dummy else str(int(aux_index)).encode("ascii"),
@@ -272,25 +292,38 @@ class GpuxferKVManager(CommonKVManager):
         if len(head) < 3:
             raise BadInput(f"a gpuxfer metadata row message has {len(head) + 1} frames")
         room, index = int(head[0].decode("ascii")), int(head[1].decode("ascii"))
-        if room not in self.request_status:
+        status = self.request_status.get(room)
+        if status is None:
             return
         if not self._current(room, token):
             log.debug("gpuxfer: room %s: the metadata row of an earlier request of the room id dropped", room)
             return
+        if status in (KVPoll.Success, KVPoll.Failed):
+            # every row of a room comes before the status or word that concludes it: this one is no part of it
+            # (and the row may already be read)
+            log.warning("gpuxfer: room %s: a metadata row after the room ended (%s) dropped", room, status)
+            return
         try:
+            own = self._aux_index.get(room)
+            if index != own:        # another request's row, or a room this rank named no pages for
+                raise BadInput(f"the prefill names metadata row {index}; the room's is {own}")
             landing = parse_landing(head[2])
+            if landing is not None and self.required_prefill_response_num_table.get(room) != 1:
+                landing = None          # several prefill ranks: SGLang's Success messages count them
+            if landing is not None:
+                self.landings.check(landing)
             write_aux_rows(self.kv_args, index, list(rows))
         except BadInput as exc:     # the room must not succeed without its row (Failed is final)
             self.record_failure(room, f"its metadata row could not be written: {exc}")
             self.update_status(room, KVPoll.Failed)
             return
-        if landing is not None and self.required_prefill_response_num_table.get(room) == 1:
+        if landing is not None:
             self.landings.expect(room, landing)
 
     # ------------------------------------------------------------------ prefill role
 
     def _prefill_control(self) -> None:
-        self._recv_loop(self._on_prefill_message)
+        self._recv_loop(self._on_prefill_message, self._expire_unrequested)
 
     def _on_prefill_message(self, msg: List[bytes]) -> None:
         if msg and msg[0] == ABORT_TAG:
@@ -312,6 +345,7 @@ class GpuxferKVManager(CommonKVManager):
                 raise BadInput("the decode's KV pool does not pair page for page with this prefill's: "
                                + "; ".join(diffs))
             views = head_share(self.geometry, geom, *self.kv_heads)
+            self._dst_counts[session] = destinations(self.geometry, geom)
             peer = self.pushes.add_decode(session, meta, views, slot)
             log.info("gpuxfer: decode rank %s added (%s route, %s engine%s)", session, peer.route, peer.engine,
                      f"; bytes {views['local_token_slice'][GROUP]} of each token's row here to bytes "
@@ -324,32 +358,101 @@ class GpuxferKVManager(CommonKVManager):
                 log.exception("gpuxfer: refusing decode rank %s: %s", session, why)
             self.pushes.refuse_decode(session, why)     # an earlier registration of the rank no longer describes it
 
+    def _refusal(self, info: TransferInfo) -> Optional[str]:
+        """Why decode rank ``info.session``'s destination cannot be taken (None: it can): the rank's
+        registration was refused or never came (the rank registers on the socket its metadata follows), or
+        the message names another number of decode ranks for the room than SGLang's rank mapping gives for
+        the two ranks' TP sizes (at most the decode ranks registered, where the rank states no TP size)."""
+        why = self.pushes.refusal(info.session)
+        if why is not None:
+            return why
+        named, need = info.required_dst_info_num, self._dst_counts.get(info.session)
+        if need is None:
+            have = self.pushes.decode_ranks()
+            if not 1 <= named <= have:
+                return f"it names {named} decode ranks for the room, {have} are registered here"
+        elif named != need:
+            return f"it names {named} decode ranks for the room, its attention TP size against this rank's makes {need}"
+        return None
+
     def _on_transfer_info(self, info: TransferInfo) -> None:
-        infos = self.transfer_infos.setdefault(info.room, {})
-        need = next(iter(infos.values()), info).required_dst_info_num
-        known = infos.get(info.session)
-        if ((known is None and (len(infos) >= need or info.required_dst_info_num != need))
-                or (known is not None and known.token != info.token)):
-            # more decode ranks than the room has (a room id two requests drew, or a forged claim), or a decode
-            # rank's new request of a room id its earlier request still holds here (that one was given up
-            # there): none may be written another's KV, so the room fails for all of them
-            reason = (f"decode rank {info.session} claims room {info.room}, which {len(infos)} decode rank(s) "
-                      f"{sorted(infos)} of {need} already claimed"
-                      + (" for another of its requests" if known is not None else ""))
-            with self._room_lock:
-                if self.request_status.get(info.room) != KVPoll.Success:
-                    self.record_failure(info.room, reason)
-                    self.update_status(info.room, KVPoll.Failed)
-            if not info.is_dummy:
-                self.send_kv_status_message(targets=[(info.endpoint, info.dst_port)], bootstrap_room=info.room,
-                                            status=KVPoll.Failed, failure_reason=reason, infos=[info])
-            return
-        infos[info.session] = info
-        if len(infos) == info.required_dst_info_num:
-            self.resolve_kv_replica_factor(infos)
-            self.req_to_decode_prefix_len[info.room] = next(
-                (i.decode_prefix_len for i in infos.values() if i.decode_prefix_len is not None), 0)
-            self.update_status(info.room, KVPoll.WaitingForInput)
+        """A decode rank's destination for a room (its metadata message). A destination that cannot be taken
+        (:meth:`_refusal`), or one more than the room has, is stored nowhere: that rank is told Failed, and the
+        room fails where a request holds it (or another rank's destination). A room no request holds here yet
+        is kept within :class:`.requests.Unrequested`'s bounds."""
+        refusal, known, dropped = self._refusal(info), None, []
+        with self._room_lock:
+            infos = self.transfer_infos.get(info.room) or {}
+            if refusal is not None:
+                reason = f"decode rank {info.session} cannot be written room {info.room}: {refusal}"
+                fail = bool(infos) or bool(self._requested.get(info.room))
+            else:
+                need = next(iter(infos.values()), info).required_dst_info_num
+                known = infos.get(info.session)
+                # more decode ranks than the room has (a room id two requests drew, or a forged claim), or a
+                # decode rank's new request of a room id its earlier request still holds here (that one was
+                # given up there): none may be written another's KV, so the room fails for all of them
+                fail = ((known is None and (len(infos) >= need or info.required_dst_info_num != need))
+                        or (known is not None and known.token != info.token))
+                reason = (f"decode rank {info.session} claims room {info.room}, which {len(infos)} decode rank(s) "
+                          f"{sorted(infos)} of {need} already claimed"
+                          + (" for another of its requests" if known is not None else "")) if fail else None
+            if fail and self.request_status.get(info.room) != KVPoll.Success:
+                self.record_failure(info.room, reason)
+                self.update_status(info.room, KVPoll.Failed)
+            if refusal is None and not fail:
+                infos = self.transfer_infos.setdefault(info.room, infos)
+                infos[info.session] = info
+                if len(infos) == info.required_dst_info_num:
+                    self.resolve_kv_replica_factor(infos)
+                    self.req_to_decode_prefix_len[info.room] = next(
+                        (i.decode_prefix_len for i in infos.values() if i.decode_prefix_len is not None), 0)
+                    self.update_status(info.room, KVPoll.WaitingForInput)
+            # a room no request holds is bounded by the registered ranks whose destinations it holds (a
+            # refused one's is none, and its session name may be any)
+            if refusal is None and not self._requested.get(info.room):
+                dropped = self._drop_unrequested(self._unrequested.note(info.session, info.room))
+        if dropped:
+            log.warning("gpuxfer: decode rank %s named pages for more than %d rooms that no request here holds: "
+                        "dropped its oldest, room(s) %s", info.session, self._unrequested.max_rooms, dropped[:8])
+        if refusal is not None:
+            log.warning("gpuxfer: %s", reason)
+        if reason is not None and not info.is_dummy:
+            self.send_kv_status_message(targets=[(info.endpoint, info.dst_port)], bootstrap_room=info.room,
+                                        status=KVPoll.Failed, failure_reason=reason, infos=[info])
+
+    def _drop_unrequested(self, rooms: List[int]) -> List[int]:
+        """Everything kept of ``rooms``, which no request holds here (under the room lock): their decode
+        destinations and the status and failure those made. Returns the rooms dropped."""
+        out = [room for room in rooms if not self._requested.get(room)]
+        for room in out:
+            self.transfer_infos.pop(room, None)
+            self.request_status.pop(room, None)
+            self.req_to_decode_prefix_len.pop(room, None)
+            with self.failure_lock:
+                self.failure_records.pop(room, None)
+        return out
+
+    def _expire_unrequested(self) -> None:
+        """The rooms decode ranks named longer than the waiting timeout ago that no request took since: by
+        then their decode gave them up."""
+        with self._room_lock:
+            dropped = self._drop_unrequested(self._unrequested.expired())
+        if dropped:
+            log.warning("gpuxfer: dropped the pages decode ranks named for %d room(s) that no request here took "
+                        "within %.0f s: %s", len(dropped), self._unrequested.max_age_s, dropped[:8])
+
+    def hold_room(self, room: int) -> None:
+        """A request (its sender) holds ``room`` here: its destinations are kept while it does."""
+        with self._room_lock:
+            self._requested[room] += 1
+            self._unrequested.forget(room)
+
+    def release_room(self, room: int) -> None:
+        with self._room_lock:
+            self._requested[room] -= 1
+            if self._requested[room] <= 0:
+                del self._requested[room]
 
     def send_kv_status_message(self, *, targets: List[tuple], bootstrap_room: int, status: KVPoll,
                                failure_reason: Optional[str] = None, infos: Optional[List[TransferInfo]] = None) -> None:
@@ -485,6 +588,25 @@ class GpuxferKVManager(CommonKVManager):
 
 
 class GpuxferKVSender(CommonKVSender):
+    def __init__(self, mgr: GpuxferKVManager, bootstrap_addr: str, bootstrap_room: int, *args, **kwargs):
+        self.kv_mgr, self.bootstrap_room = mgr, bootstrap_room
+        mgr.hold_room(bootstrap_room)           # before SGLang's part, which may mark it Failed
+        self._holds_room = True
+        try:
+            super().__init__(mgr, bootstrap_addr, bootstrap_room, *args, **kwargs)
+        except BaseException:
+            self._release_room()
+            raise
+
+    def _release_room(self) -> None:
+        if self._holds_room:
+            self._holds_room = False
+            self.kv_mgr.release_room(self.bootstrap_room)
+
+    def clear(self) -> None:
+        super().clear()
+        self._release_room()
+
     def abort(self) -> None:
         """SGLang's abort, and the decode told at once (it would otherwise wait for its timeout)."""
         super().abort()
@@ -520,6 +642,7 @@ class GpuxferKVReceiver(CommonKVReceiver):
         super()._clear()
         self.kv_mgr.landings.forget(self.bootstrap_room)
         self.kv_mgr._tokens.pop(self.bootstrap_room, None)      # the room id's next request gets a new one
+        self.kv_mgr._aux_index.pop(self.bootstrap_room, None)
 
 
 class GpuxferKVBootstrapServer(CommonKVBootstrapServer):

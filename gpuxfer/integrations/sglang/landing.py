@@ -64,6 +64,7 @@ class Landings:
         self._handed = 0                                    # slots given to prefill ranks, in order
         self._waiting: Dict[int, Tuple[int, int]] = {}      # room -> (slot, value)
         self._seen = [0] * NOTIFY_SLOTS                     # the highest value read of each slot
+        self._announced = [0] * NOTIFY_SLOTS                # the highest value a row named of each slot
         self._read_at = [0.0] * NOTIFY_SLOTS
 
     def new_slot(self) -> Optional[int]:
@@ -79,11 +80,26 @@ class Landings:
             self._handed += 1
             return self._handed - 1
 
+    def _handed_out(self, slot: int) -> bool:
+        return 0 <= slot < min(self._handed, NOTIFY_SLOTS)
+
+    def check(self, landing: Tuple[int, int]) -> None:
+        """``BadInput`` where ``landing`` names a value of a slot this rank handed out that is not past every
+        value named on it before: the one prefill rank writing a word names each request's value once, in
+        order (its rows travel in order on one socket), so a value named again, or a lower one, says nothing
+        of the request's pages (the word may already hold it)."""
+        slot, value = landing
+        if self._handed_out(slot) and value <= self._announced[slot]:
+            raise BadInput(f"notification {slot} was named value {self._announced[slot]} before; {value} is not "
+                           "past it")
+
     def expect(self, room: int, landing: Tuple[int, int]) -> bool:
-        """``room`` landed once word ``landing[0]`` holds ``landing[1]``: kept where the slot was handed out
-        by this rank (else ignored: False)."""
-        if not 0 <= landing[0] < min(self._handed, NOTIFY_SLOTS):
+        """``room`` landed once word ``landing[0]`` holds ``landing[1]`` (:meth:`check` ed): kept where the slot
+        was handed out by this rank (else ignored: False)."""
+        slot, value = landing
+        if not self._handed_out(slot):
             return False
+        self._announced[slot] = max(self._announced[slot], value)
         self._waiting[room] = landing
         return True
 

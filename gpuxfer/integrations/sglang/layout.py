@@ -63,17 +63,24 @@ def register_kv_args(agent: Any, kv_args: Any) -> None:
     agent.register_group(GROUP, page_size, layers)
 
 
-def geometry(kv_args: Any, attn_tp_size: int | None = None) -> dict:
+def _tp_size(size: Any) -> int | None:
+    if size is not None:
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+            raise BadInput(f"the attention TP size {size!r:.40} is not a positive integer")
+        size = int(size)
+    return size
+
+
+def geometry(kv_args: Any, attn_tp_size: int | None = None, tp_size: int | None = None) -> dict:
     """What a prefill and a decode instance must agree on for their pages to pair. ``attn_tp_size``: the rank's
     attention TP size where its pool holds a TP slice of the KV heads (MHA), with its rank in it
-    (``KVArgs.engine_rank`` modulo the size); None where every rank holds all of it (MLA)."""
-    if attn_tp_size is not None:
-        if isinstance(attn_tp_size, bool) or not isinstance(attn_tp_size, numbers.Integral) or attn_tp_size < 1:
-            raise BadInput(f"the attention TP size {attn_tp_size!r:.40} is not a positive integer")
-        attn_tp_size = int(attn_tp_size)
+    (``KVArgs.engine_rank`` modulo the size); None where every rank holds all of it (MLA). ``tp_size``: the
+    rank's attention TP size whatever its pool (:func:`destinations` reads it; ``attn_tp_size`` by default)."""
+    attn_tp_size = _tp_size(attn_tp_size)
     rank = None if attn_tp_size is None else int(getattr(kv_args, "engine_rank", 0) or 0) % attn_tp_size
     return {"page_size": int(kv_args.page_size), "kv_item_lens": _ints(kv_args, "kv_item_lens"),
             "attn_tp_size": attn_tp_size, "attn_tp_rank": rank,
+            "tp_size": attn_tp_size if tp_size is None else _tp_size(tp_size),
             "aux_item_lens": _ints(kv_args, "aux_item_lens"),
             "kv_cache_dtype": str(getattr(kv_args, "kv_cache_dtype_str", "") or ""),
             "kv_layout": getattr(kv_args, "kv_layout", None),
@@ -100,6 +107,17 @@ def geometry_differences(ours: dict, theirs: dict) -> list[str]:
         out.append(f"attention TP size: prefill {ours.get('attn_tp_size')!r}, decode {theirs['attn_tp_size']!r} "
                    "(one pool is MLA, every rank holding all of it, the other MHA, each rank a slice of the heads)")
     return out
+
+
+def destinations(ours: dict, theirs: dict) -> int | None:
+    """How many decode ranks name pages for one room of a prefill rank (``ours``: its :func:`geometry`) when
+    one of them is a rank of ``theirs``, by SGLang's rank mapping: one per prefill rank where the decode's
+    attention TP size is at most the prefill's, else the decode ranks sharing one prefill rank (their TP sizes'
+    ratio). None where a side states no TP size (a decode of an earlier gpuxfer with an MLA pool)."""
+    pt, dt = ours.get("tp_size"), theirs.get("tp_size", theirs.get("attn_tp_size"))
+    if not (_whole(pt) and _whole(dt) and pt >= 1 and dt >= 1):
+        return None
+    return max(1, dt // pt)
 
 
 def total_kv_heads(kv_args: Any, attn_tp_size: int) -> int:

@@ -120,22 +120,31 @@ class Pushes:
             if old is not None:
                 self.agent.remove_peer(old)
 
+    def refusal(self, session: str) -> Optional[str]:
+        """Why decode rank ``session`` cannot be written (None: its registration was taken)."""
+        if session in self._peers:
+            return None
+        return self._rejected.get(session, "its registration never arrived")
+
+    def decode_ranks(self) -> int:
+        """How many decode ranks' registrations were taken."""
+        return len(self._peers)
+
     def run(self) -> None:
-        """The transfer thread: the queue's items in order until ``stop``; when idle, the rooms that ended
-        without a marker drained."""
+        """The transfer thread: the queue's items in order until ``stop``. The rooms that ended without a
+        marker are drained after each item once their pushes are over (a steady stream of other rooms'
+        chunks never holds them), and when idle whatever their pushes' state."""
         held: Optional[_Chunk] = None   # taken off the queue behind chunks it could not join: handled next
         while not self._stop.is_set():
             if held is None:
                 try:
                     held = self._queue.get(timeout=_IDLE_S)
                 except queue.Empty:
-                    try:
-                        self._drain_ended_rooms()
-                    except Exception as exc:        # noqa: BLE001 - never the thread's end
-                        log.error("gpuxfer: draining ended rooms failed: %s: %s", type(exc).__name__, exc)
+                    self._drain_ended_rooms()
                     continue
             chunk, held = coalesce(held, self._queue)
             self._handle(chunk)
+            self._drain_ended_rooms(block=False)
         # Stopped (teardown): the pushes still posted are not waited for here; the agent's close drains every
         # post it queued before it frees anything.
 
@@ -258,14 +267,28 @@ class Pushes:
         except Exception:           # noqa: BLE001 - unknown: not proven over
             return False
 
-    def _drain_ended_rooms(self) -> None:
-        """When idle: drain the rooms with pushes posted that ended without a marker reaching this thread
-        (failed or cleared while their chunks stopped coming), so none holds its ACK or its count."""
-        for room, posted in list(self._posted.items()):
-            current = self.rooms.room_infos(room)
-            earlier = current is not None and current is not posted.infos     # a new request of the room id's
-            if earlier or self.rooms.room_failed(room, unknown=True):
-                self._drain(room, earlier=earlier)
+    def _drain_ended_rooms(self, block: bool = True) -> None:
+        """Drain the rooms with pushes posted that ended without a marker reaching this thread (failed or
+        cleared while their chunks stopped coming), so none holds its ACK or its count; not ``block``: only
+        those whose pushes are all over (waiting for them returns at once). An error is logged, never the
+        thread's end."""
+        try:
+            for room, posted in list(self._posted.items()):
+                current = self.rooms.room_infos(room)
+                earlier = current is not None and current is not posted.infos     # a new request of the room id's
+                if ((earlier or self.rooms.room_failed(room, unknown=True))
+                        and (block or all(self._settled(h) for _, h in posted.handles))):
+                    self._drain(room, earlier=earlier)
+        except Exception as exc:        # noqa: BLE001 - never the thread's end
+            log.error("gpuxfer: draining ended rooms failed: %s: %s", type(exc).__name__, exc)
+
+    def _settled(self, h) -> bool:
+        """Whether waiting for push ``h`` returns at once: it completed, or ended in an error (which its wait
+        raises; :meth:`_push_ended` still decides whether it is proven over)."""
+        try:
+            return bool(h.done() if h.event is None else self.agent.platform.event_query(h.event))
+        except Exception:           # noqa: BLE001 - an error its wait raises at once
+            return True
 
     def _post(self, chunk: _Chunk, info: TransferInfo):
         """Post one chunk's push to one decode rank (None: no pages of it for that rank). A last chunk's push

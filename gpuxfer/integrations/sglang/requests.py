@@ -1,11 +1,15 @@
 """What the SGLang backend's prefill keeps per request: a decode rank's destination for it as the decode's
-metadata message states it (:class:`TransferInfo`), a ``send()`` chunk queued for the transfer thread
+metadata message states it (:class:`TransferInfo`), the rooms decode ranks named that no request of this
+prefill rank holds yet (:class:`Unrequested`), a ``send()`` chunk queued for the transfer thread
 (:class:`_Chunk`), and the pushes posted and not yet waited for (:class:`_Posted`). No SGLang here."""
 from __future__ import annotations
 
+import itertools
 import queue
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import numpy.typing as npt
@@ -50,6 +54,56 @@ class TransferInfo:
                    required_dst_info_num=int(msg[6].decode("ascii")), is_dummy=dummy,
                    decode_prefix_len=int(msg[7].decode("ascii")) if len(msg) > 7 and msg[7] else None, error=error,
                    token=token)
+
+
+class Unrequested:
+    """The rooms decode ranks named pages for (their metadata messages) while no request of this prefill rank
+    holds the room. The request usually follows within moments; one that never does (a room sent to another
+    prefill, a request that ended here before the decode's message came, a broken or hostile decode's made-up
+    rooms) would hold the room's destinations forever. So each decode rank (``session``) holds at most
+    ``max_rooms`` such rooms, each for ``max_age_s`` at most (the decode's waiting timeout: by then it gave the
+    room up); :meth:`note` and :meth:`expired` return the rooms past either bound, for the manager to drop."""
+
+    def __init__(self, max_rooms: int, max_age_s: float, clock: Callable[[], float] = time.monotonic):
+        self.max_rooms, self.max_age_s, self._clock = int(max_rooms), float(max_age_s), clock
+        self._by_session: Dict[str, "OrderedDict[int, float]"] = {}     # session -> room -> when, oldest first
+        self._sessions: Dict[int, Set[str]] = {}                        # room -> the sessions that named it
+
+    def note(self, session: str, room: int) -> List[int]:
+        """``session`` named ``room``, which no request holds: kept (from its first naming). Returns the
+        session's oldest rooms past ``max_rooms``, forgotten here."""
+        rooms = self._by_session.setdefault(session, OrderedDict())
+        if room not in rooms:
+            rooms[room] = self._clock()
+            self._sessions.setdefault(room, set()).add(session)
+        over = list(itertools.islice(rooms, max(len(rooms) - self.max_rooms, 0)))
+        for old in over:
+            self.forget(old)
+        return over
+
+    def expired(self) -> List[int]:
+        """The rooms named ``max_age_s`` ago or earlier, forgotten here."""
+        now, out = self._clock(), {}
+        for rooms in self._by_session.values():
+            for room, when in rooms.items():
+                if now - when < self.max_age_s:
+                    break
+                out[room] = None
+        for room in out:
+            self.forget(room)
+        return list(out)
+
+    def forget(self, room: int) -> None:
+        """``room`` is held by a request now, or dropped: no session's any more."""
+        for session in self._sessions.pop(room, ()):
+            rooms = self._by_session.get(session)
+            if rooms is not None:
+                rooms.pop(room, None)
+                if not rooms:
+                    del self._by_session[session]
+
+    def rooms(self, session: str) -> List[int]:
+        return list(self._by_session.get(session, ()))
 
 
 @dataclass

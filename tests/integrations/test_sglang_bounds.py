@@ -1,0 +1,319 @@
+"""What a broken or hostile decode can make the SGLang backend's prefill keep, and how soon the prefill's
+transfer thread lets go of a room that ended: the manager's ``_on_transfer_info`` and the transfer thread
+driven in this process with the stand-in pushes of tests/integrations/test_sglang_pipeline.py (no agent, no
+sockets). A decode rank's destinations for rooms no request holds here are bounded in number and age; a
+destination of a rank whose registration was refused or never came, or naming more decode ranks than the TP
+sizes give, is stored nowhere; a room that failed without a marker is drained under a steady stream of other
+rooms' chunks, not only once the thread is idle. The decode's handling of a broken or hostile prefill's
+messages (the stand-in decode manager of test_sglang_pipeline.py): a metadata row is written only at its
+room's own row, only before the room ended and only at its buffers' row sizes; a landing value only past the
+values named on its word before; rows and statuses of rooms or requests not the rank's change nothing.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from _requires import require
+
+require("sglang", "GPUXFER_REQUIRE_SGLANG", "sglang==0.5.23")
+
+from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
+from sglang.srt.disaggregation.common.conn import CommonKVSender  # noqa: E402
+
+from gpuxfer.integrations.sglang.conn import GpuxferKVSender  # noqa: E402
+from gpuxfer.integrations.sglang.requests import TransferInfo, Unrequested, _Chunk  # noqa: E402
+from gpuxfer.errors import BadInput  # noqa: E402
+from test_sglang_pipeline import DECODE, ROOM, Decode, Manager, _abort_target, _chunk, _room  # noqa: E402
+
+
+def _meta(room, session=b"decode", ranks=b"1", pages=(9, 10), port=DECODE[1]):
+    """A decode rank's metadata message naming ``pages`` for ``room``."""
+    return TransferInfo.from_zmq([str(room).encode(), DECODE[0].encode(), str(port).encode(), session,
+                                  np.array(pages, dtype=np.int32).tobytes(), b"3", ranks, b"0", b"1"])
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def _prefill(max_rooms=4, max_age_s=30.0):
+    """A prefill manager whose decode rank ``decode`` registered (one destination per room), its unrequested
+    rooms bounded by ``max_rooms`` and ``max_age_s`` on a clock the test moves."""
+    mgr = Manager()
+    mgr.is_mla_backend, mgr.req_to_decode_prefix_len = False, {}
+    mgr.clock = Clock()
+    mgr._unrequested = Unrequested(max_rooms, max_age_s, clock=mgr.clock)
+    mgr.pushes._peers["decode"] = None
+    mgr._dst_counts["decode"] = 1
+    return mgr
+
+
+def _failed_told(mgr, room):
+    return [s for s in mgr.statuses() if s[1] == room and s[2] == KVPoll.Failed]
+
+
+# ---------------------------------------------------------------------- rooms no request holds
+
+
+def test_a_decode_naming_rooms_no_request_holds_keeps_only_its_newest():
+    mgr = _prefill(max_rooms=4)
+    for room in range(100):
+        mgr._on_transfer_info(_meta(room))
+    assert sorted(mgr.transfer_infos) == [96, 97, 98, 99]
+    assert sorted(mgr.request_status) == [96, 97, 98, 99] and sorted(mgr.req_to_decode_prefix_len) == [96, 97, 98, 99]
+    assert mgr._unrequested.rooms("decode") == [96, 97, 98, 99]
+
+
+def test_rooms_no_request_took_are_dropped_after_the_waiting_timeout():
+    mgr = _prefill(max_age_s=30.0)
+    mgr._on_transfer_info(_meta(1))
+    mgr.clock.now += 20
+    mgr._on_transfer_info(_meta(2))
+    mgr._expire_unrequested()
+    assert sorted(mgr.transfer_infos) == [1, 2]
+    mgr.clock.now += 10
+    mgr._expire_unrequested()
+    assert sorted(mgr.transfer_infos) == [2] and sorted(mgr.request_status) == [2]
+    mgr.clock.now += 20
+    mgr._expire_unrequested()
+    assert not mgr.transfer_infos and not mgr.request_status and not mgr._unrequested.rooms("decode")
+
+
+def test_a_claimed_room_of_no_request_leaves_no_failure_record_behind():
+    """Two decode ranks claiming a room no request holds: the room's failure is kept (a request of it would
+    fail) as long as the room's destinations are, then dropped with them."""
+    mgr = _prefill(max_age_s=30.0)
+    mgr.pushes._peers["other"] = None
+    mgr._dst_counts["other"] = 1
+    mgr._on_transfer_info(_meta(5))
+    mgr._on_transfer_info(_meta(5, session=b"other", port=DECODE[1] + 1))
+    assert 5 in mgr.failure_records and _failed_told(mgr, 5)
+    mgr.clock.now += 30
+    mgr._expire_unrequested()
+    assert not mgr.failure_records and not mgr.transfer_infos and not mgr.request_status
+
+
+def test_a_room_a_request_holds_is_kept_past_both_bounds_and_bounded_again_once_released():
+    mgr = _prefill(max_rooms=2, max_age_s=30.0)
+    mgr._on_transfer_info(_meta(ROOM))
+    mgr.hold_room(ROOM)                         # the prefill's request of it (its sender)
+    for room in range(10):
+        mgr._on_transfer_info(_meta(room))
+    mgr.clock.now += 100
+    mgr._expire_unrequested()
+    assert list(mgr.transfer_infos) == [ROOM] and ROOM in mgr.request_status
+    mgr.release_room(ROOM)                      # the sender cleared: SGLang dropped the room's state
+    mgr.transfer_infos.pop(ROOM)
+    mgr.request_status.pop(ROOM)
+    mgr._on_transfer_info(_meta(ROOM))          # a late message naming it
+    mgr.clock.now += 30
+    mgr._expire_unrequested()
+    assert not mgr.transfer_infos and not mgr._requested
+
+
+def test_the_sender_holds_its_room_from_before_sglangs_part_until_it_is_cleared(monkeypatch):
+    mgr = _prefill(max_rooms=1)
+    seen = []
+    monkeypatch.setattr(CommonKVSender, "__init__", lambda self, *a, **k: seen.append(dict(mgr._requested)))
+    monkeypatch.setattr(CommonKVSender, "clear", lambda self: seen.append("clear"))
+    sender = GpuxferKVSender(mgr=mgr, bootstrap_addr="p:1", bootstrap_room=ROOM)
+    mgr._on_transfer_info(_meta(ROOM))
+    mgr._on_transfer_info(_meta(ROOM + 1))      # past one unrequested room: the held one stays
+    assert seen == [{ROOM: 1}] and ROOM in mgr.transfer_infos
+    sender.clear()
+    sender.clear()
+    assert seen[1:] == ["clear", "clear"] and not mgr._requested
+
+
+# ---------------------------------------------------------------------- destinations refused outright
+
+
+@pytest.mark.parametrize("session, ranks, says", [
+    (b"forged-1", b"1", "registration never arrived"),
+    (b"decode", b"1000000", "names 1000000 decode ranks"),
+    (b"decode", b"0", "names 0 decode ranks"),
+])
+def test_a_destination_that_cannot_be_taken_is_stored_nowhere_and_told_failed(session, ranks, says):
+    mgr = _prefill()
+    mgr._on_transfer_info(_meta(3, session=session, ranks=ranks))
+    assert not mgr.transfer_infos and not mgr.request_status and not mgr.failure_records
+    assert says in _failed_told(mgr, 3)[0][3]
+
+
+def test_refused_destinations_under_made_up_rank_names_leave_nothing_behind():
+    mgr = _prefill()
+    mgr._on_transfer_info(_meta(3))
+    for i in range(50):
+        mgr._on_transfer_info(_meta(3, session=f"forged-{i}".encode()))
+    assert list(mgr._unrequested._by_session) == ["decode"] and list(mgr.transfer_infos[3]) == ["decode"]
+    assert mgr.request_status[3] == KVPoll.Failed
+    mgr.clock.now += 30
+    mgr._expire_unrequested()
+    assert not mgr.transfer_infos and not mgr.request_status and not mgr.failure_records
+
+
+def test_a_refused_ranks_destination_fails_the_room_a_request_holds():
+    mgr = _prefill()
+    mgr.pushes._rejected["late"] = "page_size: prefill 4, decode 8"
+    mgr.hold_room(ROOM)
+    mgr.update_status(ROOM, KVPoll.Bootstrapping)
+    mgr._on_transfer_info(_meta(ROOM, session=b"late"))
+    assert mgr.request_status[ROOM] == KVPoll.Failed and "page_size" in mgr.failure_records[ROOM]
+    assert not mgr.transfer_infos
+
+
+def test_forged_decode_ranks_never_grow_a_room_past_the_ranks_its_tp_size_gives():
+    """A registered rank of twice this prefill's TP size: two destinations per room, a third refused."""
+    mgr = _prefill()
+    for s in ("d0", "d1", "d2"):
+        mgr.pushes._peers[s] = None
+        mgr._dst_counts[s] = 2
+    for i, s in enumerate((b"d0", b"d1", b"d2")):
+        mgr._on_transfer_info(_meta(4, session=s, ranks=b"2", port=DECODE[1] + i))
+    assert sorted(mgr.transfer_infos[4]) == ["d0", "d1"] and mgr.request_status[4] == KVPoll.Failed
+
+
+# ---------------------------------------------------------------------- the transfer thread lets go promptly
+
+
+def _other_room(mgr, room):
+    mgr.update_status(room, KVPoll.Bootstrapping)
+    mgr.transfer_infos[room] = {"decode": TransferInfo(
+        room=room, endpoint=DECODE[0], dst_port=DECODE[1], session="decode",
+        dst_kv_indices=np.array([1, 2], dtype=np.int32), dst_aux_index=3, required_dst_info_num=1,
+        is_dummy=False)}
+    mgr.update_status(room, KVPoll.WaitingForInput)
+    return _Chunk(room, np.array([5, 6], dtype=np.int32), slice(0, 2), True, 5, None, mgr.transfer_infos[room])
+
+
+def test_a_room_that_failed_without_a_marker_is_drained_under_a_stream_of_other_rooms():
+    """Room ``ROOM`` failed elsewhere (no abort marker queued) with a push posted, now over; the thread then
+    handles other rooms' chunks back to back (its queue never empty): ``ROOM``'s push is waited for and its
+    ACK sent while they flow, not once the thread is idle."""
+    mgr = Manager()
+    mgr.landed_at_once = True
+    _room(mgr)
+    mgr.run(_chunk(0))
+    mgr.record_failure(ROOM, "failed elsewhere")
+    mgr.update_status(ROOM, KVPoll.Failed)
+    mgr.register_deferred_ack_target(ROOM, _abort_target())
+    others = [_other_room(mgr, room) for room in range(100, 104)]
+    acked_while_busy = []
+    stop = mgr.pushes._stop
+    conclude = mgr.conclude_room
+
+    def conclude_and_look(room, *a):
+        conclude(room, *a)
+        if room == others[-1].room:             # the last queued item: the queue was never empty before
+            acked_while_busy.append(("ack", ROOM) in mgr.log)
+            stop.set()
+    mgr.conclude_room = conclude_and_look
+    for chunk in others:
+        mgr.pushes.put(chunk)
+    worker = threading.Thread(target=mgr.pushes.run)
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive() and acked_while_busy == [True]
+    assert ROOM not in mgr.pushes._posted and ROOM not in mgr._staging_outstanding
+
+
+def test_a_room_whose_push_still_runs_is_left_to_a_later_item():
+    mgr = Manager()
+    _room(mgr)
+    mgr.run(_chunk(0))
+    mgr.update_status(ROOM, KVPoll.Failed)
+    mgr.pushes._drain_ended_rooms(block=False)
+    assert ROOM in mgr.pushes._posted and not mgr.handles[0].waited
+    mgr.handles[0].finish()
+    mgr.pushes._drain_ended_rooms(block=False)
+    assert ROOM not in mgr.pushes._posted and mgr.handles[0].waited
+
+
+# ---------------------------------------------------------------------- the decode against a broken or hostile prefill
+
+
+def _decode_room(room=7, index=2):
+    """A decode rank whose receiver named pages and metadata row ``index`` for ``room`` to one prefill rank."""
+    mgr = Decode()
+    mgr.local_ip, mgr.rank_port, mgr.session_id = DECODE[0], DECODE[1], "decode"
+    mgr.room(room)
+    meta = mgr.build_receiver_metadata_message(
+        bootstrap_room=room, required_dst_info_num=1, kv_indices=np.array([9, 10], dtype=np.int32),
+        aux_index=index, state_indices=None, decode_prefix_len=None, is_dummy=False)
+    return mgr, meta[-1]
+
+
+def test_a_row_naming_another_metadata_row_than_the_rooms_fails_it_and_writes_nothing():
+    mgr, token = _decode_room(index=2)
+    mgr._on_decode_message([b"GXAUX3", b"7", b"1", b"1:1", token, b"ROW-0123"])    # row 1: another request's
+    assert mgr.request_status[7] == KVPoll.Failed and "metadata row 1" in mgr.failure_records[7]
+    assert not mgr.aux.any() and not mgr.landings.waiting(7)
+
+
+def test_a_row_for_a_room_this_rank_named_no_pages_for_writes_nothing():
+    mgr = Decode()
+    mgr.update_status(5, KVPoll.Bootstrapping)      # a room of this rank with no metadata sent (a dummy's)
+    mgr._on_decode_message([b"GXAUX2", b"5", b"0", b"", b"ROW-0123"])
+    assert mgr.request_status[5] == KVPoll.Failed and not mgr.aux.any()
+
+
+@pytest.mark.parametrize("status", [KVPoll.Success, KVPoll.Failed])
+def test_a_row_after_the_room_ended_is_dropped_unwritten(status):
+    mgr, token = _decode_room()
+    mgr.update_status(7, status)
+    mgr._on_decode_message([b"GXAUX3", b"7", b"2", b"1:1", token, b"ROW-0123"])
+    assert mgr.request_status[7] == status and not mgr.aux.any() and not mgr.landings.waiting(7)
+
+
+@pytest.mark.parametrize("rows", [[b"SHORT"], [b"ROW-0123-TOO-LONG"], [], [b"ROW-0123", b"ROW-0123"]])
+def test_rows_of_the_wrong_size_or_number_fail_the_room_and_write_nothing(rows):
+    mgr, token = _decode_room()
+    mgr._on_decode_message([b"GXAUX3", b"7", b"2", b"1:1", token, *rows])
+    assert mgr.request_status[7] == KVPoll.Failed and not mgr.aux.any() and not mgr.landings.waiting(7)
+
+
+@pytest.mark.parametrize("msg", [
+    [b"GXAUX3", b"8", b"2", b"1:1", b"1", b"ROW-0123"],      # a room this rank does not hold
+    [b"GXAUX3", b"7", b"2", b"1:1", b"999", b"ROW-0123"],    # another request's token
+    [b"GXAUX3", b"7"], [b"GXAUX3", b"\xff", b"2", b""], [b"GXAUX2", b"7", b"x", b"", b"ROW-0123"],
+])
+def test_rows_of_rooms_or_requests_not_this_ranks_or_unparsable_change_nothing(msg):
+    mgr, _ = _decode_room()
+    try:
+        mgr._on_decode_message(msg)
+    except Exception as exc:                # what the control loop logs: never an SGLang status
+        assert isinstance(exc, (BadInput, ValueError)), exc
+    assert mgr.request_status == {7: KVPoll.WaitingForInput} and not mgr.aux.any()
+    assert not mgr.landings.waiting(7) and not mgr.failure_records
+
+
+def test_status_for_a_room_this_rank_does_not_hold_is_dropped():
+    mgr, token = _decode_room()
+    mgr._on_decode_message([8, KVPoll.Success, b"", b"", b"1"])
+    mgr._on_decode_message([7, KVPoll.Success, b"", b"", b"999"])                    # another request's token
+    assert mgr.applied == [] and mgr.request_status == {7: KVPoll.WaitingForInput}
+
+
+def test_a_landing_value_named_before_on_its_word_fails_the_room_and_writes_nothing():
+    """Request A of slot 1 lands at value 3. A row of a later request naming value 3 again (or lower) would
+    end it at once by a word that says nothing of its pages: refused; a value past it is armed."""
+    mgr, token = _decode_room()
+    mgr._on_decode_message([b"GXAUX3", b"7", b"2", b"1:3", token, b"ROW-0123"])
+    mgr.words[1] = 3
+    assert mgr.landings.landed(7)
+    mgr.aux.zero_()
+    for room, value in ((8, b"3"), (9, b"2"), (10, b"4")):
+        mgr.room(room)
+        mgr._tokens[room] = token = str(room).encode()
+        mgr._on_decode_message([b"GXAUX3", str(room).encode(), b"2", b"1:" + value, token, b"ROW-0123"])
+        if room != 10:
+            assert mgr.request_status[room] == KVPoll.Failed and "not past it" in mgr.failure_records[room]
+            assert not mgr.aux.any() and not mgr.landings.waiting(room)
+    assert mgr.landings.waiting(10) and bytes(mgr.aux[16:24]) == b"ROW-0123"
