@@ -150,3 +150,122 @@ def test_the_expansion_asked_for_is_the_plans(plat, blocks):
             ag.close()
         for b in bufs:
             b.close()
+
+
+def _mode_pair(plat, monkeypatch, mode: str, seed: int):
+    """A prefill/decode pair whose slots copy by ``mode``, over three groups (blocks of 4 tokens on both sides;
+    8 -> 2; 2 -> 8) of two layers each, the same bytes for the same ``seed``: ``(agents, arenas, decode's
+    peer, prefill's peer, destination layers of both sides)``."""
+    monkeypatch.setenv("GPUXFER_KV_COPY", mode)
+    a0, a1 = Arena(plat, 0, 1 << 18), Arena(plat, 1, 1 << 18)
+    pre = KVAgent(f"prefill-{mode}", platform=plat, device=0, engine="triton", timeout_s=60)
+    dec = KVAgent(f"decode-{mode}", platform=plat, device=1, engine="triton", timeout_s=60)
+    assert pre._poster.blocks == dec._poster.blocks == (mode == "blocks")
+    layers = {}
+    for k, (g, bs, bd) in enumerate((("same", 4, 4), ("down", 8, 2), ("up", 2, 8))):
+        mine = {f"model.layers.{i}.{g}": a0.tensor((2, 48 // bs, bs, 2, 2), torch.float16, seed=seed + 10 * k + i)
+                for i in range(2)}
+        theirs = {f"model.layers.{i}.{g}": a1.tensor((2, 48 // bd, bd, 2, 2), torch.float16,
+                                                     seed=seed + 10 * k + i + 5) for i in range(2)}
+        pre.register_group(g, bs, mine)
+        dec.register_group(g, bd, theirs)
+        layers.update(mine)
+        layers.update({"dec:" + n: t for n, t in theirs.items()})
+    p_of_dec, p_of_pre = connect(pre, dec)
+    return (pre, dec), (a0, a1), p_of_dec, p_of_pre, layers
+
+
+def _requests(rng, n: int) -> list[dict]:
+    """``n`` random requests: per group, source and destination IDs covering the same tokens (a request's
+    destinations distinct; two requests may share one), and at times a layer range."""
+    out = []
+    for _ in range(n):
+        req = {"layers": [None, (0, 1), (1, 2)][rng.integers(3)], "src": {}, "dst": {}}
+        for g, bs, bd in (("same", 4, 4), ("down", 8, 2), ("up", 2, 8)):
+            tokens = int(rng.integers(0, 20))          # (a group with no IDs: planes of no rows)
+            req["src"][g] = rng.permutation(48 // bs)[:-(-tokens // bs)]
+            req["dst"][g] = rng.permutation(48 // bd)[:-(-tokens // bd)]
+        out.append(req)
+    return out
+
+
+@pytest.mark.parametrize("op", ["pull", "push"])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_blocks_and_descriptor_slots_move_the_same_bytes(plat, monkeypatch, op, seed):
+    """The same requests -- groups of equal and of differing block sizes, layer ranges, batches merged with
+    padding and batches whose destinations overlap (posted in order) -- leave every byte of both sides the same
+    with slots copying from the block IDs as with descriptor slots."""
+    reqs = _requests(np.random.default_rng(seed), 5)
+    after = {}
+    for mode in ("descriptors", "blocks"):
+        agents, arenas, p_of_dec, p_of_pre, layers = _mode_pair(plat, monkeypatch, mode, seed)
+        pre, dec = agents
+        before = {n: t.clone() for n, t in layers.items()}
+        try:
+            xs = []
+            for r in reqs:
+                if op == "pull":
+                    xs.append(dec.prepare(p_of_dec, "pull", local_blocks=r["dst"], remote_blocks=r["src"],
+                                          layers=r["layers"]))
+                else:
+                    xs.append(pre.prepare(p_of_pre, "push", local_blocks=r["src"], remote_blocks=r["dst"],
+                                          layers=r["layers"]))
+            initiator = dec if op == "pull" else pre
+            for h in initiator.post_many(xs[:3]):           # a merged batch (padding between requests)
+                h.wait(60)
+            for h in initiator.post_many([xs[3], xs[4], xs[0]]):
+                h.wait(60)
+            for x in xs[1:3]:
+                x.post().wait(60)
+            after[mode] = {n: t.clone() for n, t in layers.items()}
+            assert not all(same_bytes(before[n], after[mode][n]) for n in layers)
+        finally:
+            for ag in agents[::-1]:
+                ag.close()
+            for a in arenas:
+                a.close()
+    assert after["blocks"].keys() == after["descriptors"].keys()
+    for n in after["blocks"]:
+        assert same_bytes(after["blocks"][n], after["descriptors"][n]), n
+
+
+def test_device_ids_blocks_and_descriptor_slots_move_the_same_bytes(plat, monkeypatch):
+    """Device-ID requests -- alone, merged (one checked post), a merged batch one of whose requests fails the
+    check (nothing of it moves), a route whose block sizes differ -- leave the same bytes in both modes."""
+    rng = np.random.default_rng(7)
+    reqs = _requests(rng, 4)
+    after = {}
+    for mode in ("descriptors", "blocks"):
+        agents, arenas, peer, _, layers = _mode_pair(plat, monkeypatch, mode, 11)
+        pre, dec = agents
+
+        def on(ids):
+            return torch.tensor(np.asarray(ids), dtype=torch.int32, device=dec._torch_device())
+
+        def prep(r, groups, bad=False):
+            d, s = {g: r["dst"][g] for g in groups}, {g: r["src"][g] for g in groups}
+            if bad:                 # a destination named twice
+                g = groups[0]
+                d[g], s[g] = [*d[g], d[g][0]], [*s[g], s[g][0]]
+            return dec.prepare(peer, "pull", local_blocks={g: on(v) for g, v in d.items()},
+                               remote_blocks={g: on(v) for g, v in s.items()}, layers=r["layers"], device_ids=True)
+        try:
+            hs = dec.post_many([prep(r, ["same"]) for r in reqs[:3]])
+            hs += dec.post_many([prep(reqs[3], ["same"]), prep(reqs[0], ["same"], bad=True)])
+            hs += dec.post_many([prep(r, ["same", "down", "up"]) for r in reqs[1:]])
+            ok = []
+            for h in hs:
+                try:
+                    h.wait(60)
+                    ok.append(True)
+                except BlockIdError:
+                    ok.append(False)
+            assert ok == [True] * 3 + [False] * 2 + [True] * 3
+            after[mode] = {n: t.clone() for n, t in layers.items()}
+        finally:
+            for ag in agents[::-1]:
+                ag.close()
+            for a in arenas:
+                a.close()
+    for n in after["blocks"]:
+        assert same_bytes(after["blocks"][n], after["descriptors"][n]), n
