@@ -144,6 +144,8 @@ def test_the_expansion_asked_for_is_the_plans(plat, blocks):
             assert np.array_equal(key(got), key(want))
         (slot,) = [s for r in agents[1]._routes.routes.values() for s in r.slots]
         assert slot.rows == 0 and len(slot.spent) == 1 and slot.out.shape[0] >= x.descriptors
+        # every table the slot holds is counted, the one it keeps for queued work included
+        assert agents[1].device_bytes()["descriptors"] == 24 * (slot.out.shape[0] + slot.spent[0].shape[0])
         assert not any(launch is slot.expand for launch in slot.copies)
     finally:
         for ag in agents[::-1]:
