@@ -271,3 +271,47 @@ def test_device_ids_blocks_and_descriptor_slots_move_the_same_bytes(plat, monkey
                 a.close()
     for n in after["blocks"]:
         assert same_bytes(after["blocks"][n], after["descriptors"][n]), n
+
+
+def test_launches_of_several_tilings_and_many_planes(plat, monkeypatch):
+    """A route of 16 KiB and 64-byte segments (two copy launches, the second's planes not starting at 0) over
+    fourteen planes: the same bytes in both modes, push and pull, merged and alone."""
+    from gpuxfer.kv.agent import KVLayerSpec
+    after = {}
+    for mode in ("descriptors", "blocks"):
+        monkeypatch.setenv("GPUXFER_KV_COPY", mode)
+        arenas = [Arena(plat, d, 1 << 19) for d in (0, 1)]
+        agents = [KVAgent(f"tile{d}-{mode}", platform=plat, device=d, engine="triton", timeout_s=60) for d in (0, 1)]
+        try:
+            raws = []
+            for d, (ag, ar) in enumerate(zip(agents, arenas)):
+                big = {f"model.layers.{i}.big": KVLayerSpec(r, 4, 1 << 14, [(0, 1 << 14)])
+                       for i, r in enumerate(ar.tensor((4 << 14,), seed=20 + 3 * d + k) for k in range(2))}
+                small = {f"model.layers.{i}.small": KVLayerSpec(r, 8, 128, [(0, 64), (64, 64)])
+                         for i, r in enumerate(ar.tensor((8 * 128,), seed=40 + 7 * d + k) for k in range(6))}
+                ag.register_group("big", 1, big)
+                ag.register_group("small", 1, small)
+                raws += [s.tensor for s in (*big.values(), *small.values())]
+            p_of_dec, p_of_pre = connect(*agents)
+            pre, dec = agents
+            assert dec._poster.blocks == (mode == "blocks")
+            before = [r.clone() for r in raws]
+            route = dec._routes.route(p_of_dec, "pull", None, ("big", "small"))
+            assert len(route.launch_classes) == 2 and route.launch_classes[1][0] > 0
+            xs = [dec.prepare(p_of_dec, "pull", local_blocks={"big": [3, 0], "small": [7, 2, 5]},
+                              remote_blocks={"big": [1, 2], "small": [0, 6, 3]}),
+                  dec.prepare(p_of_dec, "pull", local_blocks={"big": [1], "small": [1, 4]},
+                              remote_blocks={"big": [3], "small": [2, 7]})]
+            for h in dec.post_many(xs):
+                h.wait(60)
+            pre.transfer(p_of_pre, "push", local_blocks={"big": [0], "small": [4, 5]},
+                         remote_blocks={"big": [2], "small": [0, 3]}).wait(60)
+            after[mode] = [r.clone() for r in raws]
+            # (both write the decode side's layers: each of them, none of the prefill side's)
+            assert [not same_bytes(a, b) for a, b in zip(before, after[mode])] == [False] * 8 + [True] * 8
+        finally:
+            for ag in agents[::-1]:
+                ag.close()
+            for a in arenas:
+                a.close()
+    assert all(same_bytes(a, b) for a, b in zip(after["descriptors"], after["blocks"]))
