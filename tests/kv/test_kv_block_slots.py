@@ -2,7 +2,8 @@
 without descriptors"): each copy launch derives its rows from the block IDs on the device. Against the token
 oracle and the descriptor slots: the same bytes for block sizes that differ, push and pull; no descriptor memory;
 a batch past ``BATCH_ROWS`` still one upload; device IDs that fail the check move nothing; the expansion asked
-for (``expanded_descriptors``) is the numpy plan's."""
+for (``expanded_descriptors``) is the numpy plan's, whatever runs next on its slot; every byte the same as with
+descriptor slots for the same requests."""
 from __future__ import annotations
 
 import numpy as np
@@ -315,3 +316,40 @@ def test_launches_of_several_tilings_and_many_planes(plat, monkeypatch):
             for a in arenas:
                 a.close()
     assert all(same_bytes(a, b) for a, b in zip(after["descriptors"], after["blocks"]))
+
+
+@pytest.mark.parametrize("device_ids", [False, True])
+@pytest.mark.parametrize("mode", ["descriptors", "blocks"])
+def test_expanded_descriptors_are_the_requests_whatever_runs_next_on_its_slot(plat, monkeypatch, mode, device_ids):
+    """``expanded_descriptors`` of one request while another thread's larger one is expanded in the same slot
+    between the first's post and its read: each call returns its own request's rows."""
+    monkeypatch.setenv("GPUXFER_KV_COPY", mode)
+    a0, a1 = Arena(plat, 0, 1 << 18), Arena(plat, 1, 1 << 18)
+    pre = KVAgent("prefill", platform=plat, device=0, engine="triton", timeout_s=60)
+    dec = KVAgent("decode", platform=plat, device=1, engine="triton", timeout_s=60)
+    try:
+        pre.register_group("full", 2, vllm_layers(a0, 1, 12, 2, seed=1))
+        dec.register_group("full", 2, vllm_layers(a1, 1, 12, 2, seed=2))
+        peer, _ = connect(pre, dec)
+
+        def ids(v):
+            return torch.tensor(v, device=dec._torch_device()) if device_ids else v
+        small = dec.prepare(peer, "pull", local_blocks={"full": ids([0])}, remote_blocks={"full": ids([1])},
+                            device_ids=device_ids)
+        big = dec.prepare(peer, "pull", local_blocks={"full": ids(list(range(2, 12)))},
+                          remote_blocks={"full": ids(list(range(10)))}, device_ids=device_ids)
+        alone = small.expanded_descriptors()
+        wait, calls = dec.platform.event_wait, []
+
+        def racing(event, timeout_s):
+            calls.append(1)
+            if len(calls) == 1:             # another thread's call takes the lock before this one's read
+                assert big.expanded_descriptors().shape == (big.descriptors, 3)
+            return wait(event, timeout_s)
+        monkeypatch.setattr(dec.platform, "event_wait", racing)
+        assert np.array_equal(small.expanded_descriptors(), alone)
+    finally:
+        dec.close()
+        pre.close()
+        a0.close()
+        a1.close()
