@@ -328,7 +328,8 @@ class KVAgent(Closable, FailsOnTimeout):
     def device_bytes(self) -> dict[str, int]:
         """Device memory this agent holds beyond the registered caches and its flag words, in bytes: the routes'
         slots -- descriptor buffers (``(rows, 3)`` int64: 24 bytes per descriptor of the largest request a slot
-        ran; none where slots copy from the IDs, ``GPUXFER_KV_COPY=blocks``), request buffers and the device ID check's bitmaps -- and the pack engine's staging slots; with the
+        ran; where slots copy from the IDs, ``GPUXFER_KV_COPY=blocks``, only the tables ``expanded_descriptors``
+        made), request buffers and the device ID check's bitmaps -- and the pack engine's staging slots; with the
         number of routes and slots."""
         return {**self._routes.slot_bytes(), "pack_staging": self.staging.nbytes if self.staging is not None else 0}
 

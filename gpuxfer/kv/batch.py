@@ -111,21 +111,23 @@ def _sort(agent, transfers: Sequence[KVTransfer]) -> tuple[dict[int, list[int]],
 
 
 def _post_route_requests(poster, transfers: Sequence[KVTransfer], idx: list[int], s: Stream, handles: list) -> None:
-    """One route's requests (their positions ``idx``) posted under the post lock, each handle into ``handles``."""
+    """One route's requests (their positions ``idx``) posted under the post lock, each handle into ``handles``
+    as it is queued (an error part way leaves the queued ones' handles there)."""
     kinds = {(type(transfers[i]), getattr(transfers[i], "shape", (0,) * 5)[4]) for i in idx}
+    # host and device IDs mixed (the host cannot tell whether their destinations overlap), or device IDs of a
+    # route whose block sizes differ: one request after another (post None)
     post = _post_route if kinds == {(_SlotTransfer, 0)} else \
-        post_together if len(kinds) == 1 and transfers[idx[0]].route.ids.paired else _one_by_one
+        post_together if len(kinds) == 1 and transfers[idx[0]].route.ids.paired else None
     parts = [idx] if poster.blocks else _parts(transfers, idx)      # (blocks slots hold no descriptor table)
     for part in parts:
-        how = post if len(parts) == 1 or len(part) >= MERGE_FROM else _one_by_one
-        for i, h in zip(part, how(poster, [transfers[i] for i in part], s)):
-            handles[i] = h
-
-
-def _one_by_one(poster, xs: list, s: Stream) -> list[KVTransferHandle]:
-    """A route's requests posted one after another, in order: host and device IDs mixed (the host cannot tell
-    whether their destinations overlap), or device IDs of a route whose block sizes differ."""
-    return [x._post_locked(s) for x in xs]
+        xs = [transfers[i] for i in part]
+        merged = post(poster, xs, s) if post is not None and (len(parts) == 1 or len(part) >= MERGE_FROM) else None
+        if merged is None:          # one request after another, in order
+            for i, x in zip(part, xs):
+                handles[i] = x._post_locked(s)
+        else:
+            for i, h in zip(part, merged):
+                handles[i] = h
 
 
 def _parts(transfers, idx: list[int]) -> list[list[int]]:
@@ -143,13 +145,14 @@ def _parts(transfers, idx: list[int]) -> list[list[int]]:
     return parts
 
 
-def _post_route(poster, xs: list[_SlotTransfer], s: Stream) -> list[KVTransferHandle]:
-    """One route's requests on ``s``: merged (one upload, one launch, one event), else one post each."""
+def _post_route(poster, xs: list[_SlotTransfer], s: Stream) -> list[KVTransferHandle] | None:
+    """One route's requests on ``s``, merged (one upload, one launch, one event); None, queueing nothing, where
+    two of them write the same destination block (the caller posts them one by one)."""
     if len(xs) == 1:
         return [xs[0]._post_locked(s)]
     merged = _merge(poster, xs[0].route, xs)
     if merged is None:
-        return [x._post_locked(s) for x in xs]
+        return None
     keep, array, rows = merged
     route, slot = xs[0].route, None
     try:

@@ -44,7 +44,7 @@ from ..kernels.id_check_kernel import (CHECK_DEST_RANGE, CHECK_DEST_TWICE, CHECK
 from ..platforms.base import Stream
 from .layers import _torch
 from .transfer import KVTransferHandle
-from .triton_transfer import _Pooled, _SlotTransfer
+from .triton_transfer import _Pooled, _SlotTransfer, table_rows
 
 log = logging.getLogger("gpuxfer.kv.agent")
 
@@ -357,14 +357,15 @@ class _DeviceIdTransfer(_SlotTransfer):
             poster.check_usable(self.peer)
             s = agent.stream
             slot, status, _ = self._run(s, expand_only=True)
+            rows = table_rows(poster, slot, s, self.descriptors)
             event = plat.record_event(s)
             slot.event, slot.stream = event, s
-            poster.track(event, (self, slot, status))
+            poster.track(event, (self, slot, status, rows))
         if not plat.event_wait(event, agent.timeout_s):
             raise TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
                                   timeout_s=agent.timeout_s, what="expanding the descriptors")
         status.raise_if_bad(self.name)
-        return slot.out[:self.descriptors].cpu().numpy().copy()
+        return rows.numpy().copy()
 
 
 def post_together(poster, xs: list[_DeviceIdTransfer], s: Stream) -> list:

@@ -145,7 +145,7 @@ class RouteCache:
         routes = {id(r): r for r in list(self.routes.values())}.values()
         slots = [s for r in routes for s in list(r.slots)]
         return {"routes": len(routes), "slots": len(slots),
-                "descriptors": sum(s.out.shape[0] * 24 for s in slots if s.out is not None),
+                "descriptors": sum(t.shape[0] * 24 for s in slots for t in (s.out, *s.spent) if t is not None),
                 "requests": sum((s.entries + (s.host is not None)) * 8 for s in slots),   # (+ a folded slot's seq)
                 "id_marks": sum(s.checked.marks.numel() * 4 for s in slots if s.checked is not None)}
 

@@ -22,7 +22,6 @@ LANDED_ONLY_S = 0.05
 FOLD_MAX_ENTRIES = 1 << 15
 
 
-
 class _Slot:
     """A route's device buffers for one request at a time: the request array (header + block IDs) and the
     ``(rows, 3)`` descriptors, both zeroed when made; the launchers bound to them once (the expansion over a
@@ -287,13 +286,24 @@ class _SlotTransfer(KVTransfer):
             poster.check_usable(self.peer)
             s = agent.stream
             slot, _ = self._run(s, expand_only=True)
+            rows = table_rows(poster, slot, s, self.descriptors)
             event = plat.record_event(s)
             slot.event, slot.stream = event, s
-            poster.track(event, (self, slot))
+            poster.track(event, (self, slot, rows))
         if not plat.event_wait(event, agent.timeout_s):
             raise TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
                                   timeout_s=agent.timeout_s, what="expanding the descriptors")
-        return slot.out[:self.descriptors].cpu().numpy().copy()
+        return rows.numpy().copy()
+
+
+def table_rows(poster, slot: _Slot, s: Stream, n: int):
+    """The first ``n`` rows of ``slot``'s descriptor table, copied on ``s`` (after the expansion queued there) into
+    a host tensor of their own: the slot's next post or expansion, from any thread, rewrites the table."""
+    torch = _torch()
+    rows = torch.empty((n, 3), dtype=torch.int64, pin_memory=poster.requests.pinned)
+    if n:
+        poster.agent.platform.copy_async(s, rows.data_ptr(), slot.out.data_ptr(), n * 24)
+    return rows
 
 
 class _RequestPool:

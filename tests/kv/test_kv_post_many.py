@@ -383,3 +383,54 @@ def test_remove_peer_waits_for_a_merged_post_with_it(platform):
         pre.close()
         a0.close()
         a1.close()
+
+
+def test_a_request_refused_after_others_of_its_route_were_queued_carries_their_handles(pair):
+    """A route's batch posted one request after another (host and device IDs mixed) whose later request is
+    refused at its post (a tensor of its IDs moved since prepare): the requests queued before it are in the
+    error's ``handles`` and land; the refused one moved nothing."""
+    from gpuxfer.errors import BlockIdError
+    pre, dec, a0, a1 = pair
+    src, dst = _full(pre, dec, a0, a1, 1, 6, 2, seed=51)
+    peer, _ = connect(pre, dec)
+    (name,) = src
+    before = dst[name].clone()
+    host = dec.prepare(peer, "pull", local_blocks={"full": [0, 1]}, remote_blocks={"full": [4, 5]})
+    ids = torch.tensor([3], dtype=torch.int64, device=dec._torch_device())
+    moved = dec.prepare(peer, "pull", local_blocks={"full": ids},
+                        remote_blocks={"full": torch.tensor([2], dtype=torch.int64, device=dec._torch_device())},
+                        device_ids=True, name="moved")
+    ids.set_(torch.tensor([3], dtype=torch.int64, device=dec._torch_device()))
+    with pytest.raises(BlockIdError, match="'moved'.*moved to other memory") as info:
+        dec.post_many([host, moved])
+    h_host, h_moved = info.value.handles
+    assert h_moved is None and h_host is not None
+    h_host.wait(60)
+    assert same_bytes(dst[name][:, [0, 1]], src[name][:, [4, 5]])
+    assert same_bytes(dst[name][:, 2:], before[:, 2:])
+
+
+def test_overlapping_requests_failing_part_way_carry_the_queued_handles(pair, monkeypatch):
+    """Requests of one route writing the same block run one after another; the second's post failing (no free
+    slot) leaves the first's handle in the error's ``handles``."""
+    from gpuxfer.errors import TransferTimeout
+    pre, dec, a0, a1 = pair
+    src, dst = _full(pre, dec, a0, a1, 1, 6, 2, seed=53)
+    peer, _ = connect(pre, dec)
+    xs = [dec.prepare(peer, "pull", local_blocks={"full": [0, 1]}, remote_blocks={"full": [4, 5]}),
+          dec.prepare(peer, "pull", local_blocks={"full": [1]}, remote_blocks={"full": [3]})]
+    take, calls = dec._poster.take_slot, []
+
+    def failing(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise TransferTimeout(rank=0, step=0, flag="a free slot", expected=1, seen=0, timeout_s=1.0, what="test")
+        return take(*a, **k)
+    monkeypatch.setattr(dec._poster, "take_slot", failing)
+    with pytest.raises(TransferTimeout) as info:
+        dec.post_many(xs)
+    h1, h2 = info.value.handles
+    assert h2 is None and h1 is not None
+    h1.wait(60)
+    (name,) = src
+    assert same_bytes(dst[name][:, [0, 1]], src[name][:, [4, 5]])
