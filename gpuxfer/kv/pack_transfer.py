@@ -16,6 +16,7 @@ from ..platforms.base import RELEASE_VALUE, Stream
 from ..flaglink import FLAG_STRIDE
 from .control import AVAIL, COPIED, FREE, GO, PACK_SLOTS, PACKED, REFUSED, STATUS
 from .layers import _torch
+from .triton_transfer import table_rows
 from .transfer import KVTransfer, KVTransferHandle
 
 log = logging.getLogger("gpuxfer.kv.agent")
@@ -427,10 +428,11 @@ class _PackTransfer(KVTransfer):
             plat.copy_async(s, shape.req.data_ptr(), self._host_ptr, self._req_bytes)
             if shape.expand is not None:
                 plat.launch(s, shape.expand)
+            rows = table_rows(poster, shape, s, self.descriptors)   # (the shape's next post rewrites its table)
             event = plat.record_event(s)
             pack.tail = (s, event)
-            poster.track(event, (self, shape))
+            poster.track(event, (self, shape, rows))
         if not plat.synchronize(s, agent.timeout_s):
             raise TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
                                   timeout_s=agent.timeout_s, what="expanding the descriptors")
-        return shape.out[:self.descriptors].cpu().numpy().copy()
+        return rows.numpy().copy()
