@@ -178,8 +178,7 @@ class Poster:
                                           timeout_s=agent.timeout_s,
                                           what=f"all {len(slots)} slots of a route still run earlier posts")
         if i == len(slots):
-            slot = self._new_slot(route, s, max(rows, 0 if self.blocks else MIN_SLOT_ROWS),
-                                  max(entries, MIN_SLOT_ENTRIES))
+            slot = self._new_slot(route, s, max(rows, MIN_SLOT_ROWS), max(entries, MIN_SLOT_ENTRIES))
             slots.append(slot)
             return self._use(slot)
         slot = slots[i]
