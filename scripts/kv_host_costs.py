@@ -32,8 +32,8 @@ proportional to the IDs (:mod:`gpuxfer.kv.device_ids`); ``ids`` in each row says
 ``--batch N`` also times N requests of one burst posted by one ``KVAgent.post_many`` (one upload and one
 graph launch per route) against N ``post`` calls, each request prepared beforehand.
 
-``--profile`` runs the prepare + post loop under cProfile and prints where gpuxfer's own Python
-time goes (driver calls show as the built-in functions they are), to tell it apart from the driver.
+``--profile`` runs the prepare + post loop (and, with ``--batch``, ``post_many`` alone) under cProfile and prints where gpuxfer's own Python time goes (driver calls show as the built-in functions
+they are), to tell it apart from the driver.
 
 ``--engines pack``: the two-sided engine; both agents post every request (the destination ``pull``,
 then the source ``push``, the same block IDs; ``--ops`` does not apply), each post timed on its own:
@@ -199,7 +199,7 @@ def measure(plat, workload: str, isl: int, page: int, op: str, engine: str, iter
 
 
 def measure_batch(plat, workload: str, isl: int, page: int, op: str, batch: int, iters: int,
-                  cpu: _Cpu | None = None, ids: str = "host") -> dict:
+                  cpu: _Cpu | None = None, ids: str = "host", profile: bool = False) -> dict:
     """``batch`` requests of one burst (distinct blocks) posted by one ``post_many`` against one ``post`` each,
     the ``triton`` engine: the host time of the call(s), each request prepared beforehand."""
     from gpuxfer.bench.kv.model.blocktable import burst_tables
@@ -246,6 +246,16 @@ def measure_batch(plat, workload: str, isl: int, page: int, op: str, batch: int,
                "post_many_p50_us": float(np.median(many)), "post_many_p90_us": float(np.percentile(many, 90)),
                "posts_p50_us": float(np.median(single)), "posts_p90_us": float(np.percentile(single, 90)),
                **(where or {})}
+        if profile:
+            pr = cProfile.Profile()
+            for _ in range(iters):
+                xs = prepared()
+                pr.enable()
+                hs = initiator.post_many(xs)
+                pr.disable()
+                for h in hs:
+                    h.wait(120)
+            row["profile"] = _stats(pr)
         if where is not None:
             where = None
             cpu.release(row)
@@ -263,6 +273,11 @@ def _profiled(step, iters: int) -> str:
     for _ in range(iters):
         step()
     pr.disable()
+    return _stats(pr)
+
+
+def _stats(pr: cProfile.Profile) -> str:
+    """The 20 functions of most own time in ``pr``."""
     out = io.StringIO()
     pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(20)
     return out.getvalue()
@@ -333,6 +348,16 @@ def measure_pack(plat, workload: str, isl: int, page: int, iters: int, profile: 
                "launch": "graph", "graph_used": all(g is not None for g in xs._shape.graphs), **(where or {})}
         if profile:
             row["profile"] = _profiled(lambda: post(*prepare()[:2]), iters)
+        if profile:
+            pr = cProfile.Profile()
+            for _ in range(iters):
+                xs = prepared()
+                pr.enable()
+                hs = initiator.post_many(xs)
+                pr.disable()
+                for h in hs:
+                    h.wait(120)
+            row["profile"] = _stats(pr)
         if where is not None:
             where = None
             cpu.release(row)
@@ -408,7 +433,7 @@ def main(argv=None) -> int:
                     for op, kind in ((o, k) for o in _names(args.ops) for k in id_kinds):
                         try:
                             rows.append(measure_batch(plat, args.workload, isl, page, op, args.batch, iters, cpu,
-                                                      kind))
+                                                      kind, args.profile))
                         except Exception as exc:  # noqa: BLE001 - report the row and go on
                             failed += 1
                             rows.append({"workload": args.workload, "isl_tokens": isl, "page_tokens": page,
@@ -426,6 +451,8 @@ def main(argv=None) -> int:
                   f"{r['ids']} IDs): "
                   f"p50 {r['post_many_p50_us']:.1f} us, p90 {r['post_many_p90_us']:.1f} us; {r['batch']} posts: "
                   f"p50 {r['posts_p50_us']:.1f} us, p90 {r['posts_p90_us']:.1f} us")
+            if "profile" in r:
+                print(r.pop("profile"))
             continue
         if "error" in r:
             print(f"# {r['engine']} {r.get('launch', '-')} {r['op']} {r['isl_tokens']}/{r['page_tokens']}: "

@@ -66,7 +66,8 @@ Modes (``MODE``, a compile-time constant):
   ``[0, nseg)``, an ID index outside the request or an ID outside ``[0, blocks)`` gives ``(0, 0, 0)``
   (nothing copied). The bisection takes ``SEARCH`` = ceil(log2(p_hi - p_lo)) steps, each probe inside
   ``[p_lo, p_hi)`` whatever the header holds; where a forged header has two planes claim a row, it takes
-  the one the bisection finds.
+  the one the bisection finds. Without ``SPLIT`` (the launcher's planes split no block) steps 3 and 4
+  divide by nothing, and a plane whose splits are not 1 gives ``(0, 0, 0)``.
 
 Row ranges: the rows ``[row_begin, row_begin + n_rows)`` and their split into
 ``n_items`` work items of ``slices`` slices are launch arguments; with ``DEVICE_RANGE``
@@ -88,7 +89,7 @@ from ._jit import dual_kernel
 
 @triton.jit
 def _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, blk, it, n_items, slices, lanes,
-                MODE: tl.constexpr, ROWS: tl.constexpr, SEARCH: tl.constexpr):
+                MODE: tl.constexpr, ROWS: tl.constexpr, SEARCH: tl.constexpr, SPLIT: tl.constexpr):
     """Row descriptors (s, d, n in bytes; zeros past the end) and slice of work item ``it``."""
     grp = it // slices
     sl = it - grp * slices
@@ -96,7 +97,7 @@ def _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, blk, it, n_items,
     rmask = (r < nr) & ((lanes * 0 + it) < n_items)   # a tensor, not tensor & scalar (Triton 3.9's interpreter)
     rows = rb + r
     if MODE == 5:
-        s, d, n = _block_rows(desc_ptr, offs_ptr, rows, rmask, blk, SEARCH)
+        s, d, n = _block_rows(desc_ptr, offs_ptr, rows, rmask, blk, SEARCH, SPLIT)
     elif MODE == 0:
         n = tl.load(desc_ptr + rows * 3 + 2, mask=rmask, other=0)
         s = tl.load(desc_ptr + rows * 3, mask=rmask, other=0)
@@ -121,7 +122,7 @@ def _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, blk, it, n_items,
 
 
 @triton.jit
-def _block_rows(req_ptr, planes_ptr, rows, live, blk, SEARCH: tl.constexpr):
+def _block_rows(req_ptr, planes_ptr, rows, live, blk, SEARCH: tl.constexpr, SPLIT: tl.constexpr):
     """Mode 5: the descriptors of output rows ``rows`` (``live`` lanes) of a request array, as the expansion
     kernel (:mod:`gpuxfer.kernels.block_kernel`) would have written them, with its masking rules.
 
@@ -159,14 +160,25 @@ def _block_rows(req_ptr, planes_ptr, rows, live, blk, SEARCH: tl.constexpr):
     j = tl.where(near, rows - row0, -1)
     on = near & (j >= 0) & (j < nseg)
     j = tl.where(on, j, 0)
-    si_at = soff + j // rs
-    di_at = doff + j // rd
+    if SPLIT:
+        sq = j // rs
+        dq = j // rd
+        s_part = (j - sq * rs) * seg
+        d_part = (j - dq * rd) * seg
+    else:   # the launch's planes split no block: a plane that says otherwise is not the launcher's, copies nothing
+        on = on & (rs == 1) & (rd == 1)
+        sq = j
+        dq = j
+        s_part = 0
+        d_part = 0
+    si_at = soff + sq
+    di_at = doff + dq
     rd_ok = on & (si_at >= 0) & (si_at < rl) & (di_at >= 0) & (di_at < rl)
     si = tl.load(req_ptr + si_at, mask=rd_ok, other=-1)
     di = tl.load(req_ptr + di_at, mask=rd_ok, other=-1)
     ok = rd_ok & (si >= 0) & (si < src_nb) & (di >= 0) & (di < dst_nb)
-    s = tl.where(ok, src_base + si * src_stride + (j % rs) * seg, 0)
-    d = tl.where(ok, dst_base + di * dst_stride + (j % rd) * seg, 0)
+    s = tl.where(ok, src_base + si * src_stride + s_part, 0)
+    d = tl.where(ok, dst_base + di * dst_stride + d_part, 0)
     n = tl.where(ok, seg, 0)
     return s, d, n
 
@@ -175,7 +187,7 @@ def _block_rows(req_ptr, planes_ptr, rows, live, blk, SEARCH: tl.constexpr):
 def _step(src_ptr, dst_ptr, sp, dp, desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, blk, n_items, slices, G, lanes,
           cols, it, k, s, d, n, sl, ps, pd, pn, psl, qd, qn, qc, qxs,
           MODE: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr, UNROLL: tl.constexpr,
-          LOAD_CACHE: tl.constexpr, STORE_CACHE: tl.constexpr, SEARCH: tl.constexpr):
+          LOAD_CACHE: tl.constexpr, STORE_CACHE: tl.constexpr, SEARCH: tl.constexpr, SPLIT: tl.constexpr):
     """One pipelined step: load chunk ``k`` of item ``it``, then store the pending chunk
     ``(qd, qn, qc, qxs)``, then advance. Returns the new state and the new pending chunk.
 
@@ -225,7 +237,7 @@ def _step(src_ptr, dst_ptr, sp, dp, desc_ptr, offs_ptr, rb, nr, sbase, off0, row
     sl2 = tl.where(adv, psl, sl)
     # prefetch the descriptors of the item after the (new) current one
     ps2, pd2, pn2, psl2 = _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, blk, it2 + G, n_items, slices,
-                                      lanes, MODE, ROWS, SEARCH)
+                                      lanes, MODE, ROWS, SEARCH, SPLIT)
     qn2 = tl.where(fast, nu, 0)
     return it2, k3, s2, d2, n2, sl2, ps2, pd2, pn2, psl2, du, qn2, cu, xs
 
@@ -237,7 +249,7 @@ def copy_kernel(src_ptr, dst_ptr, desc_ptr, offs_ptr,
                 n_planes, n_groups, req_len,
                 MODE: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr,
                 UNROLL: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_CACHE: tl.constexpr,
-                DEVICE_RANGE: tl.constexpr, SEARCH: tl.constexpr):
+                DEVICE_RANGE: tl.constexpr, SEARCH: tl.constexpr, SPLIT: tl.constexpr):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     sp = src_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
@@ -268,9 +280,9 @@ def copy_kernel(src_ptr, dst_ptr, desc_ptr, offs_ptr,
         off0 = tl.load(offs_ptr + rb)
     it = pid
     s, d, n, sl = _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, blk, it, n_items, slices, lanes,
-                              MODE, ROWS, SEARCH)
+                              MODE, ROWS, SEARCH, SPLIT)
     ps, pd, pn, psl = _item_descs(desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, blk, it + G, n_items, slices,
-                                  lanes, MODE, ROWS, SEARCH)
+                                  lanes, MODE, ROWS, SEARCH, SPLIT)
     k = sl
     qd = tl.zeros([ROWS], tl.int64)
     qn = tl.zeros([ROWS], tl.int64)
@@ -285,12 +297,12 @@ def copy_kernel(src_ptr, dst_ptr, desc_ptr, offs_ptr,
             src_ptr, dst_ptr, sp, dp, desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, blk, n_items, slices, G, lanes,
             cols,
             it, k, s, d, n, sl, ps, pd, pn, psl, qd, qn, qc, qxs,
-            MODE, ALIGN, ROWS, W, UNROLL, LOAD_CACHE, STORE_CACHE, SEARCH)
+            MODE, ALIGN, ROWS, W, UNROLL, LOAD_CACHE, STORE_CACHE, SEARCH, SPLIT)
         it, k, s, d, n, sl, ps, pd, pn, psl, qd, qn, qc, qxs = _step(
             src_ptr, dst_ptr, sp, dp, desc_ptr, offs_ptr, rb, nr, sbase, off0, rowb, blk, n_items, slices, G, lanes,
             cols,
             it, k, s, d, n, sl, ps, pd, pn, psl, ad, an, ac, axs,
-            MODE, ALIGN, ROWS, W, UNROLL, LOAD_CACHE, STORE_CACHE, SEARCH)
+            MODE, ALIGN, ROWS, W, UNROLL, LOAD_CACHE, STORE_CACHE, SEARCH, SPLIT)
     VEC: tl.constexpr = 4 if ALIGN == 16 else 1
     for u in tl.static_range(UNROLL):
         o = (qc + u * (W * 4 // VEC)) * VEC + cols

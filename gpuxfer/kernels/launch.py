@@ -209,13 +209,14 @@ def _launch_copy(mode: int, src, dst, descs, offsets, start: int, end: int, stag
 def _copy_launch(mode: int, src, dst, descs, offsets, start: int, end: int, staging_offset: int,
                  stats: DescriptorStats | None, num_programs: int | None, nbytes_hint: int | None,
                  config: CopyConfig | None, local: bool, bounds: tuple | None = None, row_bytes: int = 0,
-                 blocks: tuple[int, int, int, int] = (0, 0, 0, 0)):
+                 blocks: tuple[int, int, int, int, bool] = (0, 0, 0, 0, True)):
     """The kernel launch ``_launch_copy`` makes, as a function of no arguments (None: nothing to copy).
 
     ``bounds``: ``(tensor, lo_at, hi_at)``: the rows are read on the device at each launch (the kernel's
     ``DEVICE_RANGE``) and clamped into ``[start, end)`` = the whole table; the grid is then fixed. Only the
     modes that read no offsets take them (pack and unpack read ``offsets`` at the range's first row).
-    ``blocks``: mode 5's ``(planes, groups, request entries, bisection steps)`` (:func:`copy_blocks_launcher`)."""
+    ``blocks``: mode 5's ``(planes, groups, request entries, bisection steps, splits)``
+    (:func:`copy_blocks_launcher`)."""
     if bounds is not None and mode in (MODE_PACK, MODE_UNPACK):
         raise BadInput(f"a device-read row range needs a mode that reads no offsets (copy, or pack / unpack "
                        f"with row_bytes), got mode {mode}")
@@ -245,7 +246,7 @@ def _copy_launch(mode: int, src, dst, descs, offsets, start: int, end: int, stag
             *bounds, row_bytes, *blocks[:3])
     kw = dict(MODE=mode, ALIGN=align, ROWS=config.rows, W=config.width, UNROLL=config.unroll,
               LOAD_CACHE=config.load_cache, STORE_CACHE=config.store_cache, DEVICE_RANGE=device_range,
-              SEARCH=blocks[3], num_warps=config.num_warps)
+              SEARCH=blocks[3], SPLIT=blocks[4], num_warps=config.num_warps)
     return copy_kernel.launcher(src.device, (programs,), *args, **kw)
 
 
@@ -291,7 +292,7 @@ def copy_range_launcher(src_pool, dst_pool, descs, bounds, *, lo_at: int, hi_at:
 
 def copy_blocks_launcher(src_pool, dst_pool, planes, request, *, n_groups: int, plane_lo: int, plane_hi: int,
                          max_rows: int, num_programs: int | None = None, nbytes_hint: int | None = None,
-                         device: torch.device | None = None, local: bool = False):
+                         device: torch.device | None = None, local: bool = False, splits: bool | None = None):
     """A launcher (as :func:`copy_range_launcher`) of the copy a request array names, with no descriptor table
     and no expansion launch: the kernel's mode 5 derives each row's ``(src, dst, nbytes)`` from ``request``
     and ``planes`` as the expansion kernel (:mod:`gpuxfer.kernels.block_kernel`) would have written it, for
@@ -304,7 +305,12 @@ def copy_blocks_launcher(src_pool, dst_pool, planes, request, *, n_groups: int, 
     row whose plane, group or block ID is out of range copies nothing: every byte moved is a segment of the
     layout. A row that two planes of a forged header both claim gets the plane the bisection finds (the
     expansion's output for it would depend on which plane's program wrote last). None when the range or
-    ``max_rows`` is empty."""
+    ``max_rows`` is empty.
+
+    ``splits``: whether a plane of ``[plane_lo, plane_hi)`` splits a block (``src_split`` or ``dst_split``
+    above 1). False compiles the launch without the divisions by the splits (the common case: the same block
+    size on both sides), and a plane that does split copies nothing; None reads it from ``planes`` (one
+    device-to-host copy, here, not at each launch)."""
     from .block_kernel import PLANE_FIELDS
     dev = check_pool(src_pool, "src_pool", device)
     check_pool(dst_pool, "dst_pool", dev)
@@ -330,9 +336,11 @@ def copy_blocks_launcher(src_pool, dst_pool, planes, request, *, n_groups: int, 
     if plane_hi == plane_lo or max_rows == 0:
         return None
     steps = (plane_hi - plane_lo - 1).bit_length()
+    if splits is None:
+        splits = bool((planes[plane_lo:plane_hi, 6:8] > 1).any())
     return _copy_launch(MODE_BLOCKS, src_pool, dst_pool, request, planes, 0, max_rows, 0, None, num_programs,
                         nbytes_hint, None, local, bounds=(request, plane_lo, plane_hi),
-                        blocks=(n_planes, n_groups, int(request.shape[0]), steps))
+                        blocks=(n_planes, n_groups, int(request.shape[0]), steps, bool(splits)))
 
 
 def copy_descriptors(src_pool, dst_pool, descs, *, start: int = 0, end: int | None = None,

@@ -216,14 +216,15 @@ def expand_blocks(planes, request, n_groups: int, n_rows: int, out: np.ndarray |
     return out
 
 
-def block_rows(planes, request, n_groups: int, plane_lo: int, plane_hi: int, max_rows: int) -> tuple[int, np.ndarray]:
+def block_rows(planes, request, n_groups: int, plane_lo: int, plane_hi: int, max_rows: int,
+               splits: bool = True) -> tuple[int, np.ndarray]:
     """NumPy reference of the copy kernel's mode 5 (:func:`gpuxfer.kernels.launch.copy_blocks_launcher`):
     ``(first, descs)``, the rows ``[first, first + len(descs))`` it copies and their ``(src, dst, nbytes)``.
 
     The rows are ``[request[plane_lo], request[plane_hi])`` clamped into ``[0, max_rows)``; a row's plane is the
     last ``p`` of ``[plane_lo, plane_hi)`` with ``request[p] <= row`` by the kernel's bisection (the first of the
     range when none); then the expansion's rules (:func:`expand_blocks`) for segment ``row - request[p]`` of
-    plane ``p``, ``(0, 0, 0)`` where they give nothing."""
+    plane ``p``, ``(0, 0, 0)`` where they give nothing (and, without ``splits``, for a plane that splits a block)."""
     planes = np.asarray(planes, dtype=np.int64).reshape(-1, 10)
     req = [int(v) for v in np.asarray(request, dtype=np.int64).reshape(-1)]
     rl, np1 = len(req), planes.shape[0] + 1
@@ -239,7 +240,7 @@ def block_rows(planes, request, n_groups: int, plane_lo: int, plane_hi: int, max
             cnt -= half
         sb, ss, db, ds, seg, g, rs, rd, snb, dnb = (int(v) for v in planes[base])
         row0 = req[base]
-        if not 0 <= g < n_groups or row0 < -(1 << 62):
+        if not 0 <= g < n_groups or row0 < -(1 << 62) or (not splits and max(rs, rd) > 1):
             continue
         rs, rd = max(rs, 1), max(rd, 1)
         j = row - row0

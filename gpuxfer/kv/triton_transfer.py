@@ -63,10 +63,11 @@ class _Slot:
         self.spent: list = []       # (blocks) descriptor tables :meth:`expansion` made before the current one
         if blocks:
             self.out = self.expand = None
+            rows_cap = _blocks_max_rows(route, entries)
             self.copies = [f for f in (copy_blocks_launcher(route.src_anchor, route.dst_anchor, route.planes,
                                                             self.req, n_groups=len(route.groups), plane_lo=a,
-                                                            plane_hi=b, max_rows=_blocks_max_rows(route, entries),
-                                                            nbytes_hint=c)
+                                                            plane_hi=b, max_rows=rows_cap, nbytes_hint=c,
+                                                            splits=bool((route.table[a:b, 6:8] > 1).any()))
                                        for a, b, c in route.launch_classes) if f is not None]
         else:
             self.out = torch.empty((rows, 3), dtype=torch.int64, device=device)

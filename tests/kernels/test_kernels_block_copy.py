@@ -34,9 +34,9 @@ class Layout:
     group order, each plane's blocks in a region of its own (segments of ``seg`` bytes; 16-byte multiples and
     16-byte aligned bases when ``aligned``)."""
 
-    def __init__(self, rng, G: int, P: int, aligned: bool, max_seg: int = 80):
+    def __init__(self, rng, G: int, P: int, aligned: bool, max_seg: int = 80, splits=None):
         self.G, self.P = G, P
-        self.splits = [SPLITS[i] for i in rng.integers(0, len(SPLITS), G)]
+        self.splits = splits or [SPLITS[i] for i in rng.integers(0, len(SPLITS), G)]
         self.src_nb = rng.integers(2, 7, G)
         self.dst_nb = rng.integers(2, 7, G)
         self.group = rng.integers(0, G, P)
@@ -125,12 +125,12 @@ class Run:
                 launch()
         return _host(dst_all)
 
-    def reference(self, classes, cap: int) -> np.ndarray | None:
+    def reference(self, classes, cap: int, splits: bool = True) -> np.ndarray | None:
         """What mode 5 copies, by the NumPy reference; None where two copied rows share a destination byte (the
         kernel's order between them is unspecified)."""
         want = self.dst_all.copy()
         at = self.pool_at
-        descs = np.concatenate([ref.block_rows(self.lay.planes, self.req, self.lay.G, lo, hi, cap)[1]
+        descs = np.concatenate([ref.block_rows(self.lay.planes, self.req, self.lay.G, lo, hi, cap, splits)[1]
                                 for lo, hi in classes] or [np.zeros((0, 3), np.int64)])
         descs = descs[descs[:, 2] > 0]
         order = np.argsort(descs[:, 1], kind="stable")
@@ -208,6 +208,37 @@ def test_block_copy_large_segments_over_slices(dev):
     got = run.fused([(0, 2)], cap, num_programs=5, nbytes_hint=3200)
     _check_guards(run, got)
     assert np.array_equal(got, run.reference([(0, 2)], cap))
+
+
+def test_block_copy_without_splits(dev):
+    """Planes that split no block (the same block size on both sides) compile mode 5 without the divisions by
+    the splits, found by the launcher in the plane table: the bytes of the expansion + copy. A launch told its
+    planes split nothing copies nothing for a plane that does, and the rest of the request still moves."""
+    rng = np.random.default_rng(21)
+    lay = Layout(rng, 2, 4, True, splits=[(1, 1), (1, 1)])
+    req = lay.request(rng)
+    cap = int(req[lay.P])
+    run = Run(dev, lay, req)
+    got = run.fused([(0, 2), (2, 4)], cap)
+    _check_guards(run, got)
+    assert np.array_equal(got, run.expand_copy([(0, 2), (2, 4)], cap))
+    assert np.array_equal(got, run.reference([(0, 2), (2, 4)], cap)) and not np.array_equal(got, run.dst_all)
+    lay = Layout(rng, 2, 4, True, splits=[(1, 1), (2, 1)])
+    lay.group[:] = [0, 1, 0, 1]
+    lay.planes[:, 5] = lay.group
+    lay.planes[:, 6] = [1, 2, 1, 2]
+    lay.planes[:, 8:10] = [[lay.src_nb[g], lay.dst_nb[g]] for g in lay.group]
+    while True:
+        req = lay.request(rng)
+        if req[lay.P + 1] > 0 and req[lay.P + 2] > 0:
+            break
+    cap = int(req[lay.P])
+    run = Run(dev, lay, req)
+    got = run.fused([(0, 4)], cap, splits=False)
+    _check_guards(run, got)
+    assert np.array_equal(got, run.reference([(0, 4)], cap, splits=False))
+    assert not np.array_equal(got, run.dst_all), "the planes that split nothing moved nothing"
+    assert not np.array_equal(got, run.reference([(0, 4)], cap)), "a plane that splits blocks was copied"
 
 
 BIG = np.array([-(1 << 63), -(1 << 62) - 1, -(1 << 62), -7, -1, 0, 1, 2, 3, 5, 9, 40, 1 << 31, 1 << 40,
