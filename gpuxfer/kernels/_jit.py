@@ -5,9 +5,7 @@ kernel is compiled or interpreted, which ties a whole process to one mode and
 to the order of imports. :class:`DualKernel` keeps the plain Python function and
 picks per launch: CPU tensors (the host emulation) run in Triton's interpreter,
 GPU tensors run compiled, and ``TRITON_INTERPRET=1`` forces the interpreter for
-both. So the kernel sources here never call other ``@triton.jit`` helpers (a
-compiled kernel can only call compiled helpers and an interpreted one only
-plain ones): each kernel is one self-contained function.
+both.
 
 Triton's own library functions (``tl.zeros``, ``tl.max``, ``tl.cdiv``...) and
 any ``@triton.jit`` helper are compiled-mode ``JITFunction`` objects unless

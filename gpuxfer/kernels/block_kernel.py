@@ -50,6 +50,38 @@ from ._jit import dual_kernel
 PLANE_FIELDS = 10
 
 
+@triton.jit
+def segment_descs(req_ptr, j, on, soff, doff, rl, src_base, src_stride, dst_base, dst_stride, seg, rs, rd,
+                  src_nb, dst_nb, SPLIT: tl.constexpr):
+    """``(src, dst, nbytes)`` of segment ``j`` of a plane (the fields above; ``soff`` / ``doff``: where its
+    group's IDs start in the request of ``rl`` entries) on the lanes ``on``; ``(0, 0, 0)`` elsewhere, where an
+    ID index falls outside the request or an ID outside ``[0, blocks)``. Without ``SPLIT`` nothing is divided
+    and a plane whose splits are not 1 gives ``(0, 0, 0)`` (shared by the expansion and the copy kernel's
+    mode 5, so both name the same bytes)."""
+    j = tl.where(on, j, 0)
+    if SPLIT:
+        sq = j // rs
+        dq = j // rd
+        s_part = (j - sq * rs) * seg
+        d_part = (j - dq * rd) * seg
+    else:
+        on = on & (rs == 1) & (rd == 1)
+        sq = j
+        dq = j
+        s_part = 0
+        d_part = 0
+    si_at = soff + sq
+    di_at = doff + dq
+    rd_ok = on & (si_at >= 0) & (si_at < rl) & (di_at >= 0) & (di_at < rl)
+    si = tl.load(req_ptr + si_at, mask=rd_ok, other=-1)
+    di = tl.load(req_ptr + di_at, mask=rd_ok, other=-1)
+    ok = rd_ok & (si >= 0) & (si < src_nb) & (di >= 0) & (di < dst_nb)
+    s = tl.where(ok, src_base + si * src_stride + s_part, 0)
+    d = tl.where(ok, dst_base + di * dst_stride + d_part, 0)
+    n = tl.where(ok, seg, 0)
+    return s, d, n
+
+
 @dual_kernel(do_not_specialize=["n_planes", "n_groups", "req_len", "n_rows"])
 def expand_kernel(planes_ptr, req_ptr, out_ptr, n_planes, n_groups, req_len, n_rows, BLOCK: tl.constexpr):
     p = tl.cast(tl.program_id(0), tl.int64)
@@ -91,15 +123,8 @@ def expand_kernel(planes_ptr, req_ptr, out_ptr, n_planes, n_groups, req_len, n_r
     for c in range(c0, n_chunks, n_c):
         j = j_lo + c * BLOCK + lanes
         live = j < j_hi
-        si_at = soff + j // rs
-        di_at = doff + j // rd
-        rd_ok = live & (si_at >= 0) & (si_at < rl) & (di_at >= 0) & (di_at < rl)
-        si = tl.load(req_ptr + si_at, mask=rd_ok, other=-1)
-        di = tl.load(req_ptr + di_at, mask=rd_ok, other=-1)
-        ok = rd_ok & (si >= 0) & (si < src_nb) & (di >= 0) & (di < dst_nb)
-        so = tl.where(ok, src_base + si * src_stride + (j % rs) * seg, 0)
-        do = tl.where(ok, dst_base + di * dst_stride + (j % rd) * seg, 0)
-        nb = tl.where(ok, seg, 0)
+        so, do, nb = segment_descs(req_ptr, j, live, soff, doff, rl, src_base, src_stride, dst_base, dst_stride,
+                                   seg, rs, rd, src_nb, dst_nb, True)
         row = r0 + j
         tl.store(out_ptr + row * 3, so, mask=live)
         tl.store(out_ptr + row * 3 + 1, do, mask=live)

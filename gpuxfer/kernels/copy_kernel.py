@@ -85,6 +85,7 @@ import triton
 import triton.language as tl
 
 from ._jit import dual_kernel
+from .block_kernel import segment_descs
 
 
 @triton.jit
@@ -159,28 +160,8 @@ def _block_rows(req_ptr, planes_ptr, rows, live, blk, SEARCH: tl.constexpr, SPLI
     near = g_ok & (row0 >= -(1 << 62))
     j = tl.where(near, rows - row0, -1)
     on = near & (j >= 0) & (j < nseg)
-    j = tl.where(on, j, 0)
-    if SPLIT:
-        sq = j // rs
-        dq = j // rd
-        s_part = (j - sq * rs) * seg
-        d_part = (j - dq * rd) * seg
-    else:   # the launch's planes split no block: a plane that says otherwise is not the launcher's, copies nothing
-        on = on & (rs == 1) & (rd == 1)
-        sq = j
-        dq = j
-        s_part = 0
-        d_part = 0
-    si_at = soff + sq
-    di_at = doff + dq
-    rd_ok = on & (si_at >= 0) & (si_at < rl) & (di_at >= 0) & (di_at < rl)
-    si = tl.load(req_ptr + si_at, mask=rd_ok, other=-1)
-    di = tl.load(req_ptr + di_at, mask=rd_ok, other=-1)
-    ok = rd_ok & (si >= 0) & (si < src_nb) & (di >= 0) & (di < dst_nb)
-    s = tl.where(ok, src_base + si * src_stride + s_part, 0)
-    d = tl.where(ok, dst_base + di * dst_stride + d_part, 0)
-    n = tl.where(ok, seg, 0)
-    return s, d, n
+    return segment_descs(req_ptr, j, on, soff, doff, rl, src_base, src_stride, dst_base, dst_stride, seg, rs, rd,
+                         src_nb, dst_nb, SPLIT)
 
 
 @triton.jit

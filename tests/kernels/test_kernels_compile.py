@@ -39,7 +39,7 @@ def test_copy_with_its_range_on_the_device_compiles_for_sm90(align):
            "lo_at": "i32", "hi_at": "i32", "row_bytes": "i32", "n_planes": "i32", "n_groups": "i32", "req_len": "i32"}
     _compile(copy_kernel, sig, {"MODE": kl.MODE_COPY, "ALIGN": align, "ROWS": cfg.rows, "W": cfg.width,
                                 "UNROLL": cfg.unroll, "LOAD_CACHE": "", "STORE_CACHE": "", "DEVICE_RANGE": True,
-                                "SEARCH": 0},
+                                "SEARCH": 0, "SPLIT": True},
              num_warps=cfg.num_warps)
 
 
@@ -50,7 +50,8 @@ def test_pack_of_rows_of_one_size_compiles_for_sm90(mode, nbytes):
            "n_rows": "i32", "staging_base": "i64", "n_items": "i32", "slices": "i32", "bounds_ptr": "*i64",
            "lo_at": "i32", "hi_at": "i32", "row_bytes": "i32", "n_planes": "i32", "n_groups": "i32", "req_len": "i32"}
     _compile(copy_kernel, sig, {"MODE": mode, "ALIGN": 16, "ROWS": cfg.rows, "W": cfg.width, "UNROLL": cfg.unroll,
-                                "LOAD_CACHE": "", "STORE_CACHE": "", "DEVICE_RANGE": False, "SEARCH": 0},
+                                "LOAD_CACHE": "", "STORE_CACHE": "", "DEVICE_RANGE": False, "SEARCH": 0,
+                                "SPLIT": True},
              num_warps=cfg.num_warps)
 
 
@@ -64,9 +65,11 @@ def test_device_id_check_compiles_for_sm90(kernel, ints):
     _compile(kernel, sig, {"BLOCK": 1024}, num_warps=4)
 
 
-@pytest.mark.parametrize("align, nbytes, search", [(16, 584, 7), (1, 2304, 0), (4, 36864, 3)])
-def test_block_copy_compiles_for_sm90(align, nbytes, search):
-    """Mode 5: the copy deriving its rows from a request array and the plane table (no descriptor table)."""
+@pytest.mark.parametrize("align, nbytes, search, split", [(16, 584, 7, True), (16, 584, 7, False), (1, 2304, 0, True),
+                                                          (4, 36864, 3, False)])
+def test_block_copy_compiles_for_sm90(align, nbytes, search, split):
+    """Mode 5: the copy deriving its rows from a request array and the plane table (no descriptor table), with
+    and without the divisions by the planes' splits."""
     cfg = kl.choose_config(nbytes)
     sig = {"src_ptr": "*u8", "dst_ptr": "*u8", "desc_ptr": "*i64", "offs_ptr": "*i64", "row_begin": "i32",
            "n_rows": "i64", "staging_base": "i32", "n_items": "i32", "slices": "i32", "bounds_ptr": "*i64",
@@ -74,4 +77,4 @@ def test_block_copy_compiles_for_sm90(align, nbytes, search):
            "req_len": "i64"}
     _compile(copy_kernel, sig, {"MODE": kl.MODE_BLOCKS, "ALIGN": align, "ROWS": cfg.rows, "W": cfg.width,
                                 "UNROLL": cfg.unroll, "LOAD_CACHE": "", "STORE_CACHE": "", "DEVICE_RANGE": True,
-                                "SEARCH": search}, num_warps=cfg.num_warps)
+                                "SEARCH": search, "SPLIT": split}, num_warps=cfg.num_warps)
