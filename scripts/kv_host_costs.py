@@ -32,8 +32,9 @@ proportional to the IDs (:mod:`gpuxfer.kv.device_ids`); ``ids`` in each row says
 ``--batch N`` also times N requests of one burst posted by one ``KVAgent.post_many`` (one upload and one
 graph launch per route) against N ``post`` calls, each request prepared beforehand.
 
-``--profile`` runs the prepare + post loop (and, with ``--batch``, ``post_many`` alone) under cProfile and prints where gpuxfer's own Python time goes (driver calls show as the built-in functions
-they are), to tell it apart from the driver.
+``--profile`` runs the prepare + post loop (and, with ``--batch``, ``post_many`` alone) under cProfile and
+prints where gpuxfer's own Python time goes (driver calls show as the built-in functions they are), to tell
+it apart from the driver.
 
 ``--engines pack``: the two-sided engine; both agents post every request (the destination ``pull``,
 then the source ``push``, the same block IDs; ``--ops`` does not apply), each post timed on its own:
@@ -348,16 +349,6 @@ def measure_pack(plat, workload: str, isl: int, page: int, iters: int, profile: 
                "launch": "graph", "graph_used": all(g is not None for g in xs._shape.graphs), **(where or {})}
         if profile:
             row["profile"] = _profiled(lambda: post(*prepare()[:2]), iters)
-        if profile:
-            pr = cProfile.Profile()
-            for _ in range(iters):
-                xs = prepared()
-                pr.enable()
-                hs = initiator.post_many(xs)
-                pr.disable()
-                for h in hs:
-                    h.wait(120)
-            row["profile"] = _stats(pr)
         if where is not None:
             where = None
             cpu.release(row)
@@ -379,7 +370,7 @@ def main(argv=None) -> int:
     ap.add_argument("--engines", default="triton")
     ap.add_argument("--launch", default="graph", help="triton posts: graph and/or direct, comma-separated")
     ap.add_argument("--iters", type=int, default=None)
-    ap.add_argument("--profile", action="store_true", help="cProfile the prepare + post loop")
+    ap.add_argument("--profile", action="store_true", help="cProfile the prepare + post loop (and post_many with --batch)")
     ap.add_argument("--cpu", default="auto", metavar="auto|none|N",
                     help="where the timed loops run: the fastest CPU by a Python yardstick (auto), CPU N, or "
                          "where the scheduler puts them (none)")

@@ -309,8 +309,9 @@ def copy_blocks_launcher(src_pool, dst_pool, planes, request, *, n_groups: int, 
 
     ``splits``: whether a plane of ``[plane_lo, plane_hi)`` splits a block (``src_split`` or ``dst_split``
     above 1). False compiles the launch without the divisions by the splits (the common case: the same block
-    size on both sides), and a plane that does split copies nothing; None reads it from ``planes`` (one
-    device-to-host copy, here, not at each launch)."""
+    size on both sides), and a plane that does split copies nothing; None reads it from ``planes`` as they are
+    here (one device-to-host copy, not at each launch), or takes True while torch's current stream captures a
+    graph (where a device-to-host copy is refused)."""
     from .block_kernel import PLANE_FIELDS
     dev = check_pool(src_pool, "src_pool", device)
     check_pool(dst_pool, "dst_pool", dev)
@@ -333,14 +334,17 @@ def copy_blocks_launcher(src_pool, dst_pool, planes, request, *, n_groups: int, 
     if num_programs is not None and (isinstance(num_programs, bool) or not isinstance(num_programs, int)
                                      or not 1 <= num_programs <= 1 << 20):
         raise BadInput(f"num_programs must be an int in 1..2**20, got {num_programs!r}")
+    if splits is not None and not isinstance(splits, bool):
+        raise BadInput(f"splits must be True, False or None, got {splits!r}")
     if plane_hi == plane_lo or max_rows == 0:
         return None
     steps = (plane_hi - plane_lo - 1).bit_length()
     if splits is None:
-        splits = bool((planes[plane_lo:plane_hi, 6:8] > 1).any())
+        capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        splits = capturing or bool((planes[plane_lo:plane_hi, 6:8] > 1).any())
     return _copy_launch(MODE_BLOCKS, src_pool, dst_pool, request, planes, 0, max_rows, 0, None, num_programs,
                         nbytes_hint, None, local, bounds=(request, plane_lo, plane_hi),
-                        blocks=(n_planes, n_groups, int(request.shape[0]), steps, bool(splits)))
+                        blocks=(n_planes, n_groups, int(request.shape[0]), steps, splits))
 
 
 def copy_descriptors(src_pool, dst_pool, descs, *, start: int = 0, end: int | None = None,

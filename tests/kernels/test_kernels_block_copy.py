@@ -241,6 +241,34 @@ def test_block_copy_without_splits(dev):
     assert not np.array_equal(got, run.reference([(0, 4)], cap)), "a plane that splits blocks was copied"
 
 
+@pytest.mark.gpu
+def test_a_launcher_made_while_a_graph_captures():
+    """A launcher made while torch's current stream captures a CUDA graph, ``splits`` not given: it reads
+    nothing back from the planes (a device-to-host copy there fails the capture) and divides by the splits;
+    the captured launch, replayed, copies the reference's bytes."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    rng = np.random.default_rng(8)
+    lay = Layout(rng, 2, 4, True, splits=[(1, 1), (2, 1)])
+    req = lay.request(rng)
+    cap = int(req[lay.P])
+    run = Run(dev, lay, req)
+    dst_all, src, dst, req_t, planes = run._views()
+    kw = dict(n_groups=lay.G, plane_lo=0, plane_hi=lay.P, max_rows=cap)
+    copy_blocks_launcher(src, dst, planes, req_t, splits=True, **kw)()      # (the kernel compiled and loaded)
+    dst_all.copy_(torch.from_numpy(run.dst_all).to(dev))
+    torch.cuda.synchronize(dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        copy_blocks_launcher(src, dst, planes, req_t, **kw)()
+    assert np.array_equal(_host(dst_all), run.dst_all), "the capture ran the copy"
+    graph.replay()
+    got = _host(dst_all)
+    _check_guards(run, got)
+    assert np.array_equal(got, run.reference([(0, lay.P)], cap)) and not np.array_equal(got, run.dst_all)
+
+
 BIG = np.array([-(1 << 63), -(1 << 62) - 1, -(1 << 62), -7, -1, 0, 1, 2, 3, 5, 9, 40, 1 << 31, 1 << 40,
                 (1 << 62), (1 << 63) - 1], dtype=np.int64)
 
@@ -356,7 +384,8 @@ def test_copy_blocks_launcher_rejects_bad_arguments():
     for kw, match in [(dict(n_groups=3), "request holds 10 entries"), (dict(n_groups=-1), "n_groups"),
                       (dict(plane_lo=4), "plane_lo"), (dict(plane_lo=2, plane_hi=1), "plane_hi"),
                       (dict(plane_hi=4), "plane_hi"), (dict(max_rows=(1 << 62) + 1), "max_rows"),
-                      (dict(max_rows=True), "max_rows"), (dict(num_programs=0), "num_programs")]:
+                      (dict(max_rows=True), "max_rows"), (dict(num_programs=0), "num_programs"),
+                      (dict(splits=0), "splits"), (dict(splits="no"), "splits")]:
         with pytest.raises(BadInput, match=match):
             copy_blocks_launcher(pool, pool, planes, req, **{**ok, **kw})
     for args, match in [((pool, pool, planes[:, :9].contiguous(), req), "fields per row"),
