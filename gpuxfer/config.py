@@ -213,6 +213,9 @@ VARS: dict[str, Var] = {v.name: v for v in (
     Var("GPUXFER_SGLANG_UNREQUESTED_ROOMS", 8192, integer(1), "SGLang: how many rooms one decode rank may have "
         "named pages for that no request of the prefill rank holds yet (its oldest past this are dropped; each is "
         "dropped anyway after SGLANG_DISAGGREGATION_WAITING_TIMEOUT)"),
+    Var("GPUXFER_SGLANG_DECODE_RANKS", 1024, integer(1), "SGLang: how many decode ranks a prefill rank keeps "
+        "registered at once (each a peer mapping its KV pool); a new rank past this takes the place of one a push "
+        "found gone, else its registration is refused (logged, counted) and its rooms fail"),
     Var("GPUXFER_REQUIRE_SGLANG", False, FLAG, "test hook: the SGLang backend's tests fail instead of skipping "
         "where SGLang is not installed (CI's SGLang step)"),
     # KV benchmark

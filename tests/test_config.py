@@ -63,6 +63,7 @@ GOOD = {
     "GPUXFER_REQUIRE_VLLM": ("1", True),
     "GPUXFER_SGLANG_ENGINE": ("copy_engine", "copy_engine"),
     "GPUXFER_SGLANG_UNREQUESTED_ROOMS": ("64", 64),
+    "GPUXFER_SGLANG_DECODE_RANKS": ("16", 16),
     "GPUXFER_REQUIRE_SGLANG": ("1", True),
 }
 
@@ -106,6 +107,7 @@ BAD = {
     "GPUXFER_REQUIRE_VLLM": [("please", "must be 1 or 0")],
     "GPUXFER_SGLANG_ENGINE": [("pack", "must be auto, triton or copy_engine")],
     "GPUXFER_SGLANG_UNREQUESTED_ROOMS": [("0", "must be >= 1"), ("many", "must be an integer")],
+    "GPUXFER_SGLANG_DECODE_RANKS": [("0", "must be >= 1"), ("all", "must be an integer")],
     "GPUXFER_REQUIRE_SGLANG": [("please", "must be 1 or 0")],
 }
 

@@ -1,17 +1,21 @@
 """What a broken or hostile decode can make the SGLang backend's prefill keep, and how soon the prefill's
 transfer thread lets go of a room that ended: the manager's ``_on_transfer_info`` and the transfer thread
 driven in this process with the stand-in pushes of tests/integrations/test_sglang_pipeline.py (no agent, no
-sockets). A decode rank's destinations for rooms no request holds here are bounded in number and age; a
-destination of a rank whose registration was refused or never came, or naming more decode ranks than the TP
-sizes give, is stored nowhere; a room that failed without a marker is drained under a steady stream of other
-rooms' chunks, not only once the thread is idle. The decode's handling of a broken or hostile prefill's
-messages (the stand-in decode manager of test_sglang_pipeline.py): a metadata row is written only at its
-room's own row, only before the room ended and only at its buffers' row sizes; a landing value only past the
-values named on its word before; rows and statuses of rooms or requests not the rank's change nothing.
+sockets). A decode rank's destinations for rooms no request holds here are bounded in number, pages and age;
+a destination of a rank whose registration was refused or never came, naming pages that are not its
+registered pool's or more decode ranks than the TP sizes give, is stored nowhere (checked before anything
+proportional to the list is allocated); a request whose decode named another page count fails before any push;
+the decode ranks kept registered are bounded (a rank's registration again replaces its own, a rank found gone
+makes room), and so is what is kept of refused ones; a room that failed without a marker is drained under a
+steady stream of other rooms' chunks, not only once the thread is idle. The decode's handling of a broken or
+hostile prefill's messages (the stand-in decode manager of test_sglang_pipeline.py): a metadata row is written
+only at its room's own row, only before the room ended and only at its buffers' row sizes; a landing value only
+past the values named on its word before; rows and statuses of rooms or requests not the rank's change nothing.
 """
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -29,10 +33,10 @@ from gpuxfer.errors import BadInput  # noqa: E402
 from test_sglang_pipeline import DECODE, ROOM, Decode, Manager, _abort_target, _chunk, _room  # noqa: E402
 
 
-def _meta(room, session=b"decode", ranks=b"1", pages=(9, 10), port=DECODE[1]):
-    """A decode rank's metadata message naming ``pages`` for ``room``."""
+def _meta(room, session=b"decode", ranks=b"1", pages=(9, 10), port=DECODE[1], token=b"1"):
+    """A decode rank's metadata message naming ``pages`` for ``room`` (its request ``token``)."""
     return TransferInfo.from_zmq([str(room).encode(), DECODE[0].encode(), str(port).encode(), session,
-                                  np.array(pages, dtype=np.int32).tobytes(), b"3", ranks, b"0", b"1"])
+                                  np.array(pages, dtype=np.int32).tobytes(), b"3", ranks, b"0", token])
 
 
 class Clock:
@@ -50,9 +54,14 @@ def _prefill(max_rooms=4, max_age_s=30.0):
     mgr.is_mla_backend, mgr.req_to_decode_prefix_len = False, {}
     mgr.clock = Clock()
     mgr._unrequested = Unrequested(max_rooms, max_age_s, clock=mgr.clock)
-    mgr.pushes._peers["decode"] = None
+    mgr.pushes._peers["decode"] = _peer()
     mgr._dst_counts["decode"] = 1
     return mgr
+
+
+def _peer(pages=64):
+    """A registered decode rank's peer as the prefill's checks read it: its KV pool of ``pages`` pages."""
+    return SimpleNamespace(groups={"kv": SimpleNamespace(num_blocks=pages)}, route="ipc")
 
 
 def _failed_told(mgr, room):
@@ -69,6 +78,19 @@ def test_a_decode_naming_rooms_no_request_holds_keeps_only_its_newest():
     assert sorted(mgr.transfer_infos) == [96, 97, 98, 99]
     assert sorted(mgr.request_status) == [96, 97, 98, 99] and sorted(mgr.req_to_decode_prefix_len) == [96, 97, 98, 99]
     assert mgr._unrequested.rooms("decode") == [96, 97, 98, 99]
+
+
+def test_a_decode_naming_rooms_no_request_holds_keeps_pages_of_twice_its_pool_at_most():
+    """A 64-page pool: rooms of 40 pages each, 128 pages at most together (its live requests name its pool's
+    pages at most; rooms it gave up may name them again until their timeout)."""
+    mgr = _prefill(max_rooms=100)
+    for room in range(10):
+        mgr._on_transfer_info(_meta(room, pages=np.arange(40) + room % 2))
+    assert sorted(mgr.transfer_infos) == [7, 8, 9] and sorted(mgr.request_status) == [7, 8, 9]
+    assert mgr._unrequested.pages("decode") == 120
+    mgr._on_transfer_info(_meta(9, pages=(1, 2), token=b"2"))      # another request of room 9: it fails, kept
+    assert mgr.request_status[9] == KVPoll.Failed and len(mgr.transfer_infos[9]["decode"].dst_kv_indices) == 40
+    assert mgr._unrequested.pages("decode") == 120                  # what is kept of it is counted
 
 
 def test_rooms_no_request_took_are_dropped_after_the_waiting_timeout():
@@ -90,7 +112,7 @@ def test_a_claimed_room_of_no_request_leaves_no_failure_record_behind():
     """Two decode ranks claiming a room no request holds: the room's failure is kept (a request of it would
     fail) as long as the room's destinations are, then dropped with them."""
     mgr = _prefill(max_age_s=30.0)
-    mgr.pushes._peers["other"] = None
+    mgr.pushes._peers["other"] = _peer()
     mgr._dst_counts["other"] = 1
     mgr._on_transfer_info(_meta(5))
     mgr._on_transfer_info(_meta(5, session=b"other", port=DECODE[1] + 1))
@@ -173,7 +195,7 @@ def test_forged_decode_ranks_never_grow_a_room_past_the_ranks_its_tp_size_gives(
     """A registered rank of twice this prefill's TP size: two destinations per room, a third refused."""
     mgr = _prefill()
     for s in ("d0", "d1", "d2"):
-        mgr.pushes._peers[s] = None
+        mgr.pushes._peers[s] = _peer()
         mgr._dst_counts[s] = 2
     for i, s in enumerate((b"d0", b"d1", b"d2")):
         mgr._on_transfer_info(_meta(4, session=s, ranks=b"2", port=DECODE[1] + i))
@@ -317,3 +339,141 @@ def test_a_landing_value_named_before_on_its_word_fails_the_room_and_writes_noth
             assert mgr.request_status[room] == KVPoll.Failed and "not past it" in mgr.failure_records[room]
             assert not mgr.aux.any() and not mgr.landings.waiting(room)
     assert mgr.landings.waiting(10) and bytes(mgr.aux[16:24]) == b"ROW-0123"
+
+
+# ---------------------------------------------------------------------- decode ranks' registrations
+
+
+class RegAgent:
+    """The prefill's agent as registrations use it: ``add_peer`` hands out stand-in peers (a 64-page pool)."""
+
+    def __init__(self):
+        self.added, self.removed = [], []
+
+    def add_peer(self, meta, **views):
+        self.added.append(meta)
+        return SimpleNamespace(groups={"kv": SimpleNamespace(num_blocks=64)}, route="ipc", engine="copy_engine",
+                               meta=meta)
+
+    def remove_peer(self, peer):
+        self.removed.append(peer.meta)
+
+
+def _registrar(max_ranks):
+    from gpuxfer.integrations.sglang.layout import geometry
+    mgr = _prefill()
+    mgr.pushes._peers.clear()
+    mgr._dst_counts.clear()
+    mgr.pushes.agent, mgr.pushes.max_decode_ranks = RegAgent(), max_ranks
+    mgr.args = SimpleNamespace(page_size=4, kv_item_lens=[64], aux_item_lens=[8], kv_cache_dtype_str="bfloat16",
+                               kv_layout=None, num_draft_entries=0)
+    mgr.geometry = geometry(mgr.args, 1)
+    return mgr
+
+
+def _register(mgr, session, meta=None, **change):
+    """Decode rank ``session``'s registration with ``mgr``: its geometry ``mgr``'s but for ``change``."""
+    from gpuxfer.integrations.sglang.layout import encode_registration, geometry
+    geom = {**geometry(mgr.args, 1), **change}
+    meta = meta or f"agent of {session}".encode()
+    mgr._on_registration([b"None", DECODE[0].encode(), b"1", session.encode(), encode_registration(geom, meta), b""])
+
+
+def test_decode_ranks_past_the_cap_are_refused_counted_and_keep_nothing():
+    mgr = _registrar(3)
+    for i in range(10):
+        _register(mgr, f"d{i}")
+    assert sorted(mgr.pushes._peers) == ["d0", "d1", "d2"] and len(mgr.pushes.agent.added) == 3
+    assert sorted(mgr._dst_counts) == ["d0", "d1", "d2"] and mgr.pushes.refused_over_cap == 7
+    assert "GPUXFER_SGLANG_DECODE_RANKS" in mgr.pushes.refusal("d9")
+    mgr._on_transfer_info(_meta(3, session=b"d9", pages=(1, 2)))
+    assert not mgr.transfer_infos and "GPUXFER_SGLANG_DECODE_RANKS" in _failed_told(mgr, 3)[0][3]
+
+
+def test_a_decode_ranks_registration_again_replaces_its_earlier_one():
+    mgr = _registrar(2)
+    _register(mgr, "d0", b"first")
+    _register(mgr, "d1")
+    _register(mgr, "d0", b"second")             # at the cap: the rank's own earlier registration makes room
+    assert sorted(mgr.pushes._peers) == ["d0", "d1"] and mgr.pushes._peers["d0"].meta == b"second"
+    assert mgr.pushes.agent.removed == [b"first"] and mgr.pushes.refused_over_cap == 0
+
+
+def test_a_decode_rank_found_gone_makes_room_and_is_writable_again_once_it_registers():
+    mgr = _registrar(2)
+    _register(mgr, "d0")
+    _register(mgr, "d1")
+    mgr.pushes._dead["d0"] = "PeerLost: its process exited"
+    _register(mgr, "d2")                        # at the cap: the rank found gone goes
+    assert sorted(mgr.pushes._peers) == ["d1", "d2"] and mgr.pushes.agent.removed == [b"agent of d0"]
+    assert "d0" not in mgr.pushes._dead and "gone" in mgr.pushes.refusal("d0")
+    mgr.pushes._dead["d1"] = "PeerLost: its process exited"
+    _register(mgr, "d1", b"restarted")          # the rank's new registration is no longer the one found gone
+    assert "d1" not in mgr.pushes._dead and mgr.pushes.refusal("d1") is None
+
+
+def test_refused_registrations_under_many_names_keep_a_bounded_record():
+    mgr = _registrar(4)
+    for i in range(50):
+        _register(mgr, f"bad{i}", page_size=8)
+    _register(mgr, "huge", kv_cache_dtype="x" * (4 << 20))         # a 4 MiB difference to name
+    assert len(mgr.pushes._rejected) == 4 and not mgr.pushes._peers and not mgr._dst_counts
+    assert "kv_cache_dtype" in mgr.pushes.refusal("huge") and len(mgr.pushes.refusal("huge")) < 1000
+    _register(mgr, "s" * 100_000)                                   # no SGLang rank is named so
+    assert len(mgr.pushes._rejected) == 4 and not mgr.pushes._peers
+
+
+# ---------------------------------------------------------------------- a decode rank's page lists
+
+
+@pytest.fixture
+def unique_sizes(monkeypatch):
+    """The sizes of the arrays ``np.unique`` is asked about (the sort a page list's duplicate check costs)."""
+    sizes, unique = [], np.unique
+    monkeypatch.setattr(np, "unique", lambda a, *args, **kw: sizes.append(np.size(a)) or unique(a, *args, **kw))
+    return sizes
+
+
+@pytest.mark.parametrize("pages, says", [
+    (np.arange(1 << 20) % 64, "names 1048576 pages, its KV pool holds 64"),
+    ((3, 64), "page 64"), ((-1, 3), "page -1"), ((5, 6, 5), "more than once"),
+], ids=["past-the-pool", "past-the-last-page", "negative", "twice"])
+def test_a_page_list_the_decode_pool_cannot_hold_is_refused_on_arrival(unique_sizes, pages, says):
+    """Decode rank ``decode`` registered a 64-page pool: a list longer than it, a page outside it or named twice
+    fails the room, stored nowhere, sorted nowhere past the pool's size."""
+    mgr = _prefill()
+    mgr.hold_room(ROOM)
+    mgr.update_status(ROOM, KVPoll.Bootstrapping)
+    mgr._on_transfer_info(_meta(ROOM, pages=pages))
+    assert not mgr.transfer_infos and mgr.request_status[ROOM] == KVPoll.Failed
+    assert says in mgr.failure_records[ROOM] and says in _failed_told(mgr, ROOM)[0][3]
+    assert all(n <= 64 for n in unique_sizes)
+
+
+def test_a_page_list_the_pool_holds_is_taken():
+    mgr = _prefill()
+    mgr._on_transfer_info(_meta(ROOM, pages=np.arange(64)[::-1]))
+    assert len(mgr.transfer_infos[ROOM]["decode"].dst_kv_indices) == 64
+    assert mgr.request_status[ROOM] == KVPoll.WaitingForInput and not mgr.statuses()
+
+
+@pytest.mark.parametrize("named", [3, 1], ids=["more", "fewer"])
+def test_a_decode_naming_another_page_count_than_the_request_sends_fails_it_before_any_push(named, monkeypatch):
+    """The request sends 2 pages, the decode named ``named``: failed when the request starts (``init``), so
+    none of its chunks reaches a push (real agents: nothing written)."""
+    from test_sglang_pipeline import RealAgents
+    real = RealAgents()
+    try:
+        monkeypatch.setattr(CommonKVSender, "__init__", lambda self, *a, **k: None)
+        sender = GpuxferKVSender(mgr=real, bootstrap_addr="p:1", bootstrap_room=ROOM)
+        _room(real, pages=named)
+        real.transfer_infos[ROOM]["decode"].dst_kv_indices = np.arange(9, 9 + named, dtype=np.int32)
+        sender.init(2, 5)
+        assert real.request_status[ROOM] == KVPoll.Failed and f"named {named} pages" in real.failure_records[ROOM]
+        real.add_transfer_request(ROOM, np.array([1]), slice(0, 1), False)
+        real.add_transfer_request(ROOM, np.array([2]), slice(1, 2), True, aux_index=5)
+        while not real.pushes._queue.empty():
+            real.run(real.pushes._queue.get_nowait())
+        assert not any(t.any() for t in real.dst) and KVPoll.Success not in [s[2] for s in real.statuses()]
+    finally:
+        real.close()

@@ -361,6 +361,18 @@ def test_unrequested_rooms_are_bounded_per_decode_rank_in_number_and_age():
     assert rooms.expired() == [9] and rooms.rooms("a") == rooms.rooms("b") == []
 
 
+def test_unrequested_rooms_are_bounded_per_decode_rank_in_the_pages_they_name():
+    from gpuxfer.integrations.sglang.requests import Unrequested
+    rooms = Unrequested(max_rooms=100, max_age_s=10.0, clock=lambda: 0.0)
+    assert [rooms.note("a", r, 40, 100) for r in (1, 2)] == [[], []] and rooms.pages("a") == 80
+    assert rooms.note("a", 3, 40, 100) == [1] and rooms.pages("a") == 80
+    assert rooms.note("a", 2, 10, 100) == [] and rooms.pages("a") == 50       # named again: its latest pages
+    assert rooms.note("a", 4, 90, 100) == [2, 3] and rooms.rooms("a") == [4]  # the room just named stays
+    assert rooms.note("b", 5, 90, 100) == [] and rooms.pages("b") == 90       # another rank's pages are its own
+    rooms.forget(4)
+    assert rooms.pages("a") == 0 and rooms.rooms("a") == []
+
+
 def test_a_landing_value_must_pass_every_value_named_on_its_slot():
     rooms = Landings(lambda slot: 0)
     rooms.new_slot(), rooms.new_slot()

@@ -468,7 +468,7 @@ def test_a_hostile_landing_fails_the_room_and_writes_no_row(landing):
 
 
 class FakePeer:
-    route = "ipc"
+    route, groups = "ipc", {"kv": SimpleNamespace(num_blocks=1 << 20)}     # a registered pool of 1M pages
 
     def __init__(self):
         self.seq = 0
@@ -699,16 +699,6 @@ def test_a_decode_naming_more_pages_than_the_room_sends_fails_it(real):
     assert real.request_status[ROOM] == KVPoll.Failed and real.statuses()[-1][2] == KVPoll.Failed
 
 
-def test_a_decode_naming_one_page_twice_across_chunks_fails_the_room(real):
-    """Decode pages [9, 10, 9, 11]: each chunk's push has distinct destinations, the room does not."""
-    _room(real, pages=4)
-    _decode_names(real, [9, 10, 9, 11])
-    real.add_transfer_request(ROOM, np.array([1, 2]), slice(0, 2), False)
-    real.add_transfer_request(ROOM, np.array([3, 4]), slice(2, 4), True, aux_index=5)
-    _run_all(real)
-    assert real.request_status[ROOM] == KVPoll.Failed and real.statuses()[-1][2] == KVPoll.Failed
-
-
 @pytest.mark.parametrize("pages", [np.array([2**32 + 1, 2**32 + 2], dtype=np.int64), np.array([1.9, 2.7])],
                          ids=["past-int32", "float"])
 def test_decode_page_indices_that_do_not_fit_the_message_are_refused(pages):
@@ -760,7 +750,7 @@ def test_two_decode_ranks_claiming_one_room_fail_it_for_both():
     mgr = Manager()
     mgr.landed_at_once, mgr.is_mla_backend, mgr.req_to_decode_prefix_len = True, False, {}
     mgr.update_status(ROOM, KVPoll.Bootstrapping)
-    mgr.pushes._peers = {"decode": None, "other": None}         # both registered
+    mgr.pushes._peers = {s: SimpleNamespace(groups={"kv": SimpleNamespace(num_blocks=16)}) for s in ("decode", "other")}
     for session, port in (("decode", DECODE[1]), ("other", DECODE[1] + 1)):
         mgr._on_transfer_info(TransferInfo.from_zmq(
             [str(ROOM).encode(), DECODE[0].encode(), str(port).encode(), session.encode(),

@@ -85,12 +85,16 @@ from ...kv import KVAgent
 from .landing import Landings, parse_landing, parse_slot, slot_frame
 from .layout import (GROUP, check_supported, decode_registration, destinations, encode_registration, geometry,
                      geometry_differences, head_share, register_kv_args, total_kv_heads, write_aux_rows)
-from .pushes import AUX_TAG, AUX_TAG_V1, AUX_TAG_V2, Pushes
+from .pushes import AUX_TAG, AUX_TAG_V1, AUX_TAG_V2, Pushes, clip
 from .requests import TransferInfo, Unrequested, _Chunk
 
 log = logging.getLogger("gpuxfer.sglang")
 
 REGISTER_ROOM = b"None"         # SGLang's marker of a registration message (Mooncake's too)
+MAX_SESSION_BYTES = 256         # a decode rank's name (SGLang's ``ip:port``) in a registration, at most
+# the pages a decode rank's rooms that no request here holds name together, in its KV pools: its live requests'
+# pages are its pool's at most (no page is two requests'), and rooms it gave up may name them again meanwhile
+UNREQUESTED_POOLS = 2
 _RECV_POLL_MS = 200             # how often an idle control thread looks at its stop flag (a message wakes it)
 
 
@@ -335,7 +339,13 @@ class GpuxferKVManager(CommonKVManager):
 
     def _on_registration(self, msg: List[bytes]) -> None:
         """A decode rank's KV pool: its geometry checked against ours, then its agent added (its memory
-        mapped; milliseconds). A rank that does not pair is remembered with the reason its rooms fail for."""
+        mapped; milliseconds), within the decode ranks a prefill rank keeps (:meth:`.pushes.Pushes.add_decode`).
+        A rank that does not pair is remembered with the reason its rooms fail for; one whose name no SGLang rank
+        has (SGLang's ``ip:port``) is dropped, nothing of it kept."""
+        if len(msg) < 4 or len(msg[3]) > MAX_SESSION_BYTES:
+            log.error("gpuxfer: a decode registration of %d frames naming a %d-byte rank dropped", len(msg),
+                      len(msg[3]) if len(msg) > 3 else 0)
+            return
         session = msg[3].decode("ascii")
         try:
             geom, meta = decode_registration(msg[4] if len(msg) > 4 else b"")
@@ -345,25 +355,28 @@ class GpuxferKVManager(CommonKVManager):
                 raise BadInput("the decode's KV pool does not pair page for page with this prefill's: "
                                + "; ".join(diffs))
             views = head_share(self.geometry, geom, *self.kv_heads)
-            self._dst_counts[session] = destinations(self.geometry, geom)
+            dsts = destinations(self.geometry, geom)
             peer = self.pushes.add_decode(session, meta, views, slot)
+            self._dst_counts[session] = dsts
             log.info("gpuxfer: decode rank %s added (%s route, %s engine%s)", session, peer.route, peer.engine,
                      f"; bytes {views['local_token_slice'][GROUP]} of each token's row here to bytes "
                      f"{views['token_slice'][GROUP]} of the decode's" if views else "")
         except Exception as exc:        # noqa: BLE001 - whatever the registration raised, the rank is refused
-            why = f"{type(exc).__name__}: {exc}"
+            why = clip(f"{type(exc).__name__}: {exc}")
             if isinstance(exc, GpuxferError):
                 log.error("gpuxfer: refusing decode rank %s: %s", session, why)
             else:
                 log.exception("gpuxfer: refusing decode rank %s: %s", session, why)
+            self._dst_counts.pop(session, None)
             self.pushes.refuse_decode(session, why)     # an earlier registration of the rank no longer describes it
 
     def _refusal(self, info: TransferInfo) -> Optional[str]:
         """Why decode rank ``info.session``'s destination cannot be taken (None: it can): the rank's
-        registration was refused or never came (the rank registers on the socket its metadata follows), or
-        the message names another number of decode ranks for the room than SGLang's rank mapping gives for
-        the two ranks' TP sizes (at most the decode ranks registered, where the rank states no TP size)."""
-        why = self.pushes.refusal(info.session)
+        registration was refused or never came (the rank registers on the socket its metadata follows), its
+        pages are not pages of the pool it registered (:meth:`_pages_refusal`), or the message names another
+        number of decode ranks for the room than SGLang's rank mapping gives for the two ranks' TP sizes (at
+        most the decode ranks registered, where the rank states no TP size)."""
+        why = self.pushes.refusal(info.session) or self._pages_refusal(info)
         if why is not None:
             return why
         named, need = info.required_dst_info_num, self._dst_counts.get(info.session)
@@ -375,12 +388,41 @@ class GpuxferKVManager(CommonKVManager):
             return f"it names {named} decode ranks for the room, its attention TP size against this rank's makes {need}"
         return None
 
+    def _pages_refusal(self, info: TransferInfo) -> Optional[str]:
+        """Why the decode pages ``info`` names are no pages of the pool its rank registered (None: they are):
+        more pages than the pool holds, a page outside it, or one named twice (each chunk's push sees its own
+        pages only). The list is a view of the message; what is allocated to check it is bounded by the pool."""
+        pages = info.dst_kv_indices
+        if info.is_dummy or not pages.size:
+            return None
+        pool = self.pushes.pool_pages(info.session)
+        if pages.size > pool:
+            return f"it names {pages.size} pages, its KV pool holds {pool}"
+        low, high = int(pages.min()), int(pages.max())
+        if low < 0 or high >= pool:
+            return f"it names page {low if low < 0 else high}, outside its {pool}-page KV pool"
+        if np.unique(pages).size != pages.size:
+            return "it names one of its pages more than once"
+        return None
+
+    def check_page_counts(self, room: int, pages: int) -> None:
+        """The request of ``room`` sends ``pages`` pages (SGLang's sender ``init``, once every decode rank named
+        its own): a decode rank that named another number fails the room before any push (its last pages would
+        never be written, or the first ones written for nothing)."""
+        infos = self.transfer_infos.get(room) or {}
+        bad = next((i for i in infos.values() if not i.is_dummy and len(i.dst_kv_indices) != pages), None)
+        if bad is not None:
+            reason = (f"decode rank {bad.session} named {len(bad.dst_kv_indices)} pages for room {room}, whose "
+                      f"request sends {pages}")
+            log.warning("gpuxfer: %s", reason)
+            self.conclude_failure(bootstrap_room=room, failure_reason=reason)
+
     def _on_transfer_info(self, info: TransferInfo) -> None:
         """A decode rank's destination for a room (its metadata message). A destination that cannot be taken
         (:meth:`_refusal`), or one more than the room has, is stored nowhere: that rank is told Failed, and the
         room fails where a request holds it (or another rank's destination). A room no request holds here yet
         is kept within :class:`.requests.Unrequested`'s bounds."""
-        refusal, known, dropped = self._refusal(info), None, []
+        refusal, known, dropped, budget = self._refusal(info), None, [], 0
         with self._room_lock:
             infos = self.transfer_infos.get(info.room) or {}
             if refusal is not None:
@@ -409,12 +451,16 @@ class GpuxferKVManager(CommonKVManager):
                         (i.decode_prefix_len for i in infos.values() if i.decode_prefix_len is not None), 0)
                     self.update_status(info.room, KVPoll.WaitingForInput)
             # a room no request holds is bounded by the registered ranks whose destinations it holds (a
-            # refused one's is none, and its session name may be any)
+            # refused one's is none, and its session name may be any), in rooms and in the pages they name
             if refusal is None and not self._requested.get(info.room):
-                dropped = self._drop_unrequested(self._unrequested.note(info.session, info.room))
+                kept = (self.transfer_infos.get(info.room) or {}).get(info.session)
+                pages = 0 if kept is None else len(kept.dst_kv_indices)
+                budget = UNREQUESTED_POOLS * self.pushes.pool_pages(info.session)
+                dropped = self._drop_unrequested(self._unrequested.note(info.session, info.room, pages, budget))
         if dropped:
-            log.warning("gpuxfer: decode rank %s named pages for more than %d rooms that no request here holds: "
-                        "dropped its oldest, room(s) %s", info.session, self._unrequested.max_rooms, dropped[:8])
+            log.warning("gpuxfer: decode rank %s named pages for more than %d rooms, or %d pages, that no request "
+                        "here holds: dropped its oldest, room(s) %s", info.session, self._unrequested.max_rooms,
+                        budget, dropped[:8])
         if refusal is not None:
             log.warning("gpuxfer: %s", reason)
         if reason is not None and not info.is_dummy:
@@ -597,6 +643,10 @@ class GpuxferKVSender(CommonKVSender):
         except BaseException:
             self._release_room()
             raise
+
+    def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
+        super().init(num_kv_indices, aux_index)
+        self.kv_mgr.check_page_counts(self.bootstrap_room, num_kv_indices)
 
     def _release_room(self) -> None:
         if self._holds_room:

@@ -25,8 +25,10 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from typing import Any, Container, Dict, List, Optional, Protocol
 
+from ... import config
 from ...errors import BadInput, GpuxferError, PeerLost, TransferTimeout
 from .landing import landing_frame
 from .layout import GROUP, read_aux_rows
@@ -38,6 +40,12 @@ AUX_TAG = b"GXAUX3"             # a metadata row with its landing value and the 
 AUX_TAG_V2 = b"GXAUX2"          # a row with its landing value, no token (to or from an earlier gpuxfer)
 AUX_TAG_V1 = b"GXAUX"           # a row alone (from an earlier gpuxfer)
 _IDLE_S = 0.2                   # how often an idle thread looks at its stop flag and its ended rooms
+_CLIP = 400                     # characters of a decode's words (a refusal naming its values) kept or logged
+
+
+def clip(text: str) -> str:
+    """``text`` cut to ``_CLIP`` characters: a hostile registration's values never fill the log or memory."""
+    return text if len(text) <= _CLIP else f"{text[:_CLIP]}... ({len(text)} characters)"
 
 
 class Rooms(Protocol):
@@ -77,7 +85,7 @@ class Pushes:
     ``stop`` ends :meth:`run`."""
 
     def __init__(self, rooms: Rooms, agent: Any, agent_lock: threading.Lock, kv_args: Any, timeout_s: float,
-                 stop: threading.Event):
+                 stop: threading.Event, max_decode_ranks: Optional[int] = None):
         self.rooms, self.agent, self.kv_args, self.timeout_s = rooms, agent, kv_args, timeout_s
         self._agent_lock, self._stop = agent_lock, stop
         self._queue: "queue.Queue[_Chunk]" = queue.Queue()
@@ -85,7 +93,13 @@ class Pushes:
         self._dead: Dict[str, str] = {}                     # decode ranks a push found gone: told nothing more
         self._peers: Dict[str, Any] = {}                    # decode rank -> its KVPeer
         self._notify_slots: Dict[str, Optional[int]] = {}   # decode rank -> the slot its registration gave
-        self._rejected: Dict[str, str] = {}                 # decode rank -> why its registration was refused
+        # decode rank -> why its registration was refused (the latest ``max_decode_ranks``)
+        self._rejected: "OrderedDict[str, str]" = OrderedDict()
+        # the decode ranks whose peers are kept at once (GPUXFER_SGLANG_DECODE_RANKS), and how many new ranks'
+        # registrations found them all taken
+        self.max_decode_ranks = int(config.get("GPUXFER_SGLANG_DECODE_RANKS") if max_decode_ranks is None
+                                    else max_decode_ranks)
+        self.refused_over_cap = 0
 
     # ------------------------------------------------------------------ the manager's calls
 
@@ -99,8 +113,20 @@ class Pushes:
 
     def add_decode(self, session: str, meta: bytes, views: Dict[str, Any], slot: Optional[int]) -> Any:
         """Decode rank ``session``'s agent added (``views``: :func:`.layout.head_share`'s), replacing an earlier
-        registration's; its last push of a request bumps notification ``slot`` (None: its rooms end by their
-        Success message). Returns the peer."""
+        registration's (the rank's new process, or the same one registering again: no longer a rank found gone);
+        its last push of a request bumps notification ``slot`` (None: its rooms end by their Success message).
+        Returns the peer. A rank new here while ``max_decode_ranks`` are kept takes the place of one found gone;
+        where none is, ``BadInput`` (counted in ``refused_over_cap``), nothing of the rank added."""
+        if session not in self._peers and len(self._peers) >= self.max_decode_ranks:
+            gone = next((s for s in self._peers if s in self._dead), None)
+            if gone is None:
+                self.refused_over_cap += 1
+                raise BadInput(f"{len(self._peers)} decode ranks are registered here, as many as "
+                               f"GPUXFER_SGLANG_DECODE_RANKS allows ({self.refused_over_cap} new rank(s) refused "
+                               "so far)")
+            log.warning("gpuxfer: decode rank %s, found gone, dropped for decode rank %s (%d decode ranks are "
+                        "registered here, GPUXFER_SGLANG_DECODE_RANKS)", gone, session, len(self._peers))
+            self.refuse_decode(gone, f"it was found gone ({self._dead[gone]}), and its peer dropped for a new rank")
         with self._agent_lock:
             old = self._peers.pop(session, None)
             if old is not None:
@@ -108,17 +134,28 @@ class Pushes:
             self._peers[session] = peer = self.agent.add_peer(meta, **views)
             self._notify_slots[session] = slot
         self._rejected.pop(session, None)
+        self._dead.pop(session, None)
         return peer
 
     def refuse_decode(self, session: str, why: str) -> None:
-        """Decode rank ``session`` does not pair: its rooms fail with ``why``, an earlier registration's peer
-        removed (it no longer describes the rank)."""
-        self._rejected[session] = why
+        """Decode rank ``session`` does not pair: its rooms fail with ``why`` (clipped; the latest
+        ``max_decode_ranks`` refusals are kept, an older one's rooms fail as of a rank that never registered), an
+        earlier registration's peer removed (it no longer describes the rank)."""
+        self._rejected[session] = clip(why)
+        self._rejected.move_to_end(session)
+        while len(self._rejected) > self.max_decode_ranks:
+            self._rejected.popitem(last=False)
         with self._agent_lock:
             old = self._peers.pop(session, None)
             self._notify_slots.pop(session, None)
             if old is not None:
                 self.agent.remove_peer(old)
+        self._dead.pop(session, None)
+
+    def pool_pages(self, session: str) -> int:
+        """How many pages of the KV pool decode rank ``session`` registered (0: none, or no such rank)."""
+        group = getattr(self._peers.get(session), "groups", {}).get(GROUP)
+        return 0 if group is None else int(group.num_blocks)
 
     def refusal(self, session: str) -> Optional[str]:
         """Why decode rank ``session`` cannot be written (None: its registration was taken)."""
@@ -303,8 +340,6 @@ class Pushes:
         if peer is None:
             why = self._rejected.get(info.session, "its registration never arrived")
             raise BadInput(f"decode rank {info.session} cannot be written: {why}")
-        if info.error is not None:
-            raise BadInput(f"room {chunk.room}: {info.error}")
         dst = info.dst_kv_indices[chunk.index_slice]
         # every page the decode named is written: the last chunk ends where its list ends
         if len(dst) != len(chunk.pages) or (chunk.is_last and chunk.index_slice.stop != len(info.dst_kv_indices)):

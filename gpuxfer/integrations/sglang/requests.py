@@ -4,7 +4,6 @@ prefill rank holds yet (:class:`Unrequested`), a ``send()`` chunk queued for the
 (:class:`_Chunk`), and the pushes posted and not yet waited for (:class:`_Posted`). No SGLang here."""
 from __future__ import annotations
 
-import itertools
 import queue
 import time
 from collections import OrderedDict
@@ -31,11 +30,12 @@ class TransferInfo:
     required_dst_info_num: int
     is_dummy: bool
     decode_prefix_len: Optional[int] = None
-    error: Optional[str] = None         # why the room cannot be written as named (its first push fails with it)
     token: Optional[bytes] = None       # the decode's name for this request of the room (echoed to it; None: none)
 
     @classmethod
     def from_zmq(cls, msg: List[bytes]) -> "TransferInfo":
+        """The message's fields; its pages a view of its frame, nothing allocated for them (the manager checks
+        them against the decode rank's pool before anything proportional to them)."""
         if len(msg) < 7:
             raise BadInput(f"a gpuxfer SGLang metadata message has {len(msg)} frames, not 7 to 9")
         token = msg[8] if len(msg) > 8 and msg[8] else None
@@ -45,15 +45,11 @@ class TransferInfo:
         if not dummy and len(msg[4]) % 4:
             raise BadInput(f"decode page indices of {len(msg[4])} bytes are not int32s")
         pages = np.array([], dtype=np.int32) if dummy else np.frombuffer(msg[4], dtype=np.int32)
-        error = None
-        if np.unique(pages).size != pages.size:     # each chunk's push sees its own pages only
-            error = "the decode named one of its pages more than once"
         return cls(room=int(msg[0].decode("ascii")), endpoint=msg[1].decode("ascii"),
                    dst_port=int(msg[2].decode("ascii")), session=msg[3].decode("ascii"), dst_kv_indices=pages,
                    dst_aux_index=None if dummy else int(msg[5].decode("ascii")),
                    required_dst_info_num=int(msg[6].decode("ascii")), is_dummy=dummy,
-                   decode_prefix_len=int(msg[7].decode("ascii")) if len(msg) > 7 and msg[7] else None, error=error,
-                   token=token)
+                   decode_prefix_len=int(msg[7].decode("ascii")) if len(msg) > 7 and msg[7] else None, token=token)
 
 
 class Unrequested:
@@ -61,22 +57,32 @@ class Unrequested:
     holds the room. The request usually follows within moments; one that never does (a room sent to another
     prefill, a request that ended here before the decode's message came, a broken or hostile decode's made-up
     rooms) would hold the room's destinations forever. So each decode rank (``session``) holds at most
-    ``max_rooms`` such rooms, each for ``max_age_s`` at most (the decode's waiting timeout: by then it gave the
-    room up); :meth:`note` and :meth:`expired` return the rooms past either bound, for the manager to drop."""
+    ``max_rooms`` such rooms, naming together at most the pages :meth:`note` is given, each for ``max_age_s`` at
+    most (the decode's waiting timeout: by then it gave the room up); :meth:`note` and :meth:`expired` return
+    the rooms past these bounds, for the manager to drop."""
 
     def __init__(self, max_rooms: int, max_age_s: float, clock: Callable[[], float] = time.monotonic):
         self.max_rooms, self.max_age_s, self._clock = int(max_rooms), float(max_age_s), clock
-        self._by_session: Dict[str, "OrderedDict[int, float]"] = {}     # session -> room -> when, oldest first
+        # session -> room -> (when first named, the pages it names), oldest first
+        self._by_session: Dict[str, "OrderedDict[int, Tuple[float, int]]"] = {}
+        self._pages: Dict[str, int] = {}                                # session -> the pages its rooms name
         self._sessions: Dict[int, Set[str]] = {}                        # room -> the sessions that named it
 
-    def note(self, session: str, room: int) -> List[int]:
-        """``session`` named ``room``, which no request holds: kept (from its first naming). Returns the
-        session's oldest rooms past ``max_rooms``, forgotten here."""
+    def note(self, session: str, room: int, pages: int = 0, max_pages: Optional[int] = None) -> List[int]:
+        """``session`` named ``pages`` pages for ``room``, which no request holds: kept (from its first naming;
+        its pages the latest named). Returns the session's oldest rooms past ``max_rooms``, or naming pages past
+        ``max_pages`` (None: no bound) together with the later ones, forgotten here; ``room`` itself stays."""
         rooms = self._by_session.setdefault(session, OrderedDict())
-        if room not in rooms:
-            rooms[room] = self._clock()
-            self._sessions.setdefault(room, set()).add(session)
-        over = list(itertools.islice(rooms, max(len(rooms) - self.max_rooms, 0)))
+        when, before = rooms.get(room, (self._clock(), 0))
+        rooms[room] = (when, int(pages))
+        self._pages[session] = self._pages.get(session, 0) + int(pages) - before
+        self._sessions.setdefault(room, set()).add(session)
+        over, count, total = [], len(rooms), self._pages[session]
+        for old, (_, n) in rooms.items():
+            if old == room or not (count > self.max_rooms or (max_pages is not None and total > max_pages)):
+                break
+            over.append(old)
+            count, total = count - 1, total - n
         for old in over:
             self.forget(old)
         return over
@@ -85,7 +91,7 @@ class Unrequested:
         """The rooms named ``max_age_s`` ago or earlier, forgotten here."""
         now, out = self._clock(), {}
         for rooms in self._by_session.values():
-            for room, when in rooms.items():
+            for room, (when, _) in rooms.items():
                 if now - when < self.max_age_s:
                     break
                 out[room] = None
@@ -97,13 +103,18 @@ class Unrequested:
         """``room`` is held by a request now, or dropped: no session's any more."""
         for session in self._sessions.pop(room, ()):
             rooms = self._by_session.get(session)
-            if rooms is not None:
-                rooms.pop(room, None)
+            if rooms is not None and room in rooms:
+                self._pages[session] -= rooms.pop(room)[1]
                 if not rooms:
                     del self._by_session[session]
+                    del self._pages[session]
 
     def rooms(self, session: str) -> List[int]:
         return list(self._by_session.get(session, ()))
+
+    def pages(self, session: str) -> int:
+        """The pages ``session``'s rooms kept here name together."""
+        return self._pages.get(session, 0)
 
 
 @dataclass
