@@ -163,7 +163,8 @@ VARS: dict[str, Var] = {v.name: v for v in (
     Var("GPUXFER_KV_COPY", "descriptors", choice("descriptors", "blocks"),
         "how the triton engine's posts copy: descriptors (an expansion kernel writes a request's descriptor table, "
         "the copies read it) or blocks (each copy derives its rows from the block IDs on the device: no "
-        "descriptor table, one launch per tiling; not yet measured on a GPU)"),
+        "descriptor table, one launch per tiling: less host time a post, more device time below ~4 KB a row; "
+        "docs/PERFORMANCE.md)"),
     Var("GPUXFER_KV_TRITON_ORDER", "peer", choice("peer", "local", "plan"),
         "how the triton engine orders each size class: by the peer pool's offsets, the local pool's, or as planned"),
     Var("GPUXFER_KV_REMOTE", "none", choice("none", "nixl"),
