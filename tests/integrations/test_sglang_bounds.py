@@ -4,7 +4,8 @@ driven in this process with the stand-in pushes of tests/integrations/test_sglan
 sockets). A decode rank's destinations for rooms no request holds here are bounded in number, pages and age;
 a destination of a rank whose registration was refused or never came, naming pages that are not its
 registered pool's or more decode ranks than the TP sizes give, is stored nowhere (checked before anything
-proportional to the list is allocated); a request whose decode named another page count fails before any push;
+proportional to the list is allocated), and one naming an endpoint no registration of its rank came from is
+not answered (no socket opened for it); a request whose decode named another page count fails before any push;
 the decode ranks kept registered are bounded (a rank's registration again replaces its own, a rank found gone
 makes room), and so is what is kept of refused ones; a room that failed without a marker is drained under a
 steady stream of other rooms' chunks, not only once the thread is idle. The decode's handling of a broken or
@@ -15,6 +16,8 @@ past the values named on its word before; rows and statuses of rooms or requests
 from __future__ import annotations
 
 import threading
+from collections import defaultdict
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -27,7 +30,7 @@ require("sglang", "GPUXFER_REQUIRE_SGLANG", "sglang==0.5.23")
 from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
 from sglang.srt.disaggregation.common.conn import CommonKVSender  # noqa: E402
 
-from gpuxfer.integrations.sglang.conn import GpuxferKVSender  # noqa: E402
+from gpuxfer.integrations.sglang.conn import GpuxferKVManager, GpuxferKVSender  # noqa: E402
 from gpuxfer.integrations.sglang.requests import TransferInfo, Unrequested, _Chunk  # noqa: E402
 from gpuxfer.errors import BadInput  # noqa: E402
 from test_sglang_pipeline import DECODE, ROOM, Decode, Manager, _abort_target, _chunk, _room  # noqa: E402
@@ -54,9 +57,15 @@ def _prefill(max_rooms=4, max_age_s=30.0):
     mgr.is_mla_backend, mgr.req_to_decode_prefix_len = False, {}
     mgr.clock = Clock()
     mgr._unrequested = Unrequested(max_rooms, max_age_s, clock=mgr.clock)
-    mgr.pushes._peers["decode"] = _peer()
-    mgr._dst_counts["decode"] = 1
+    _registered(mgr, "decode")
     return mgr
+
+
+def _registered(mgr, session, port=DECODE[1], tp_ranks=1):
+    """Decode rank ``session``'s registration from ``DECODE``'s ip and ``port``, taken (a 64-page pool)."""
+    mgr.pushes._peers[session] = _peer()
+    mgr.pushes._endpoints[session] = (DECODE[0], port)
+    mgr._dst_counts[session] = tp_ranks
 
 
 def _peer(pages=64):
@@ -112,8 +121,7 @@ def test_a_claimed_room_of_no_request_leaves_no_failure_record_behind():
     """Two decode ranks claiming a room no request holds: the room's failure is kept (a request of it would
     fail) as long as the room's destinations are, then dropped with them."""
     mgr = _prefill(max_age_s=30.0)
-    mgr.pushes._peers["other"] = _peer()
-    mgr._dst_counts["other"] = 1
+    _registered(mgr, "other", port=DECODE[1] + 1)
     mgr._on_transfer_info(_meta(5))
     mgr._on_transfer_info(_meta(5, session=b"other", port=DECODE[1] + 1))
     assert 5 in mgr.failure_records and _failed_told(mgr, 5)
@@ -158,7 +166,6 @@ def test_the_sender_holds_its_room_from_before_sglangs_part_until_it_is_cleared(
 
 
 @pytest.mark.parametrize("session, ranks, says", [
-    (b"forged-1", b"1", "registration never arrived"),
     (b"decode", b"1000000", "names 1000000 decode ranks"),
     (b"decode", b"0", "names 0 decode ranks"),
 ])
@@ -167,6 +174,36 @@ def test_a_destination_that_cannot_be_taken_is_stored_nowhere_and_told_failed(se
     mgr._on_transfer_info(_meta(3, session=session, ranks=ranks))
     assert not mgr.transfer_infos and not mgr.request_status and not mgr.failure_records
     assert says in _failed_told(mgr, 3)[0][3]
+
+
+@pytest.mark.parametrize("session, port", [(b"forged-1", DECODE[1]), (b"decode", DECODE[1] + 1)],
+                         ids=["never-registered", "another-endpoint"])
+def test_a_destination_no_registration_came_from_is_stored_nowhere_and_not_answered(session, port):
+    """A rank that never registered, or a message naming another endpoint than its rank registered from: a
+    reply would go wherever the message says (a socket per endpoint, SGLang's, never closed), so none goes;
+    counted, logged once per rank. The decode, if any, fails the room by its own timeout."""
+    mgr = _prefill()
+    for room in (3, 4):
+        mgr._on_transfer_info(_meta(room, session=session, port=port))
+    assert not mgr.transfer_infos and not mgr.request_status and not mgr.failure_records
+    assert not mgr.statuses() and mgr.unanswered == 2 and list(mgr._unanswered_ranks) == [session.decode()]
+
+
+def test_forged_endpoints_open_no_socket():
+    """Many refused messages, each naming an endpoint of its own: SGLang's status sender (its socket cache,
+    ``_connect``) is reached for none of them, and is for the registered rank's own endpoint."""
+    mgr = _prefill()
+    connected = []
+    mgr._connect = lambda endpoint, is_ipv6=False: connected.append(endpoint) or SimpleNamespace(
+        send_multipart=lambda parts: None)
+    mgr._socket_send_locks = defaultdict(threading.Lock)
+    mgr.send_kv_status_message = partial(GpuxferKVManager.send_kv_status_message, mgr)    # the real sender
+    for i in range(300):
+        mgr._on_transfer_info(_meta(3, session=b"decode", port=10000 + i))
+        mgr._on_transfer_info(_meta(3, session=f"forged-{i}".encode(), port=10000 + i))
+    assert connected == [] and mgr.unanswered == 600
+    mgr._on_transfer_info(_meta(3, ranks=b"7"))        # refused, from the endpoint its rank registered from
+    assert connected == [f"tcp://{DECODE[0]}:{DECODE[1]}"]
 
 
 def test_refused_destinations_under_made_up_rank_names_leave_nothing_behind():
@@ -184,6 +221,7 @@ def test_refused_destinations_under_made_up_rank_names_leave_nothing_behind():
 def test_a_refused_ranks_destination_fails_the_room_a_request_holds():
     mgr = _prefill()
     mgr.pushes._rejected["late"] = "page_size: prefill 4, decode 8"
+    mgr.pushes._endpoints["late"] = DECODE
     mgr.hold_room(ROOM)
     mgr.update_status(ROOM, KVPoll.Bootstrapping)
     mgr._on_transfer_info(_meta(ROOM, session=b"late"))
@@ -194,9 +232,8 @@ def test_a_refused_ranks_destination_fails_the_room_a_request_holds():
 def test_forged_decode_ranks_never_grow_a_room_past_the_ranks_its_tp_size_gives():
     """A registered rank of twice this prefill's TP size: two destinations per room, a third refused."""
     mgr = _prefill()
-    for s in ("d0", "d1", "d2"):
-        mgr.pushes._peers[s] = _peer()
-        mgr._dst_counts[s] = 2
+    for i, s in enumerate(("d0", "d1", "d2")):
+        _registered(mgr, s, port=DECODE[1] + i, tp_ranks=2)
     for i, s in enumerate((b"d0", b"d1", b"d2")):
         mgr._on_transfer_info(_meta(4, session=s, ranks=b"2", port=DECODE[1] + i))
     assert sorted(mgr.transfer_infos[4]) == ["d0", "d1"] and mgr.request_status[4] == KVPoll.Failed
@@ -376,7 +413,8 @@ def _register(mgr, session, meta=None, **change):
     from gpuxfer.integrations.sglang.layout import encode_registration, geometry
     geom = {**geometry(mgr.args, 1), **change}
     meta = meta or f"agent of {session}".encode()
-    mgr._on_registration([b"None", DECODE[0].encode(), b"1", session.encode(), encode_registration(geom, meta), b""])
+    mgr._on_registration([b"None", DECODE[0].encode(), str(DECODE[1]).encode(), session.encode(),
+                          encode_registration(geom, meta), b""])
 
 
 def test_decode_ranks_past_the_cap_are_refused_counted_and_keep_nothing():

@@ -522,6 +522,7 @@ class RealPost(Manager):
         super().__init__()
         self.pushes.agent, self.peer = FakePushAgent(self.log), FakePeer()
         self.pushes._peers, self.pushes._notify_slots = {"decode": self.peer}, {"decode": 3}
+        self.pushes._endpoints = {"decode": DECODE}
 
 
 def test_the_row_names_the_value_the_last_push_writes_and_goes_before_it():
@@ -609,7 +610,7 @@ class RealAgents(Manager):
             register_kv_args(agent, self.args[agent])
         self.geometry = geometry(self.args[self.agent], 1)
         self.pushes.agent = self.agent
-        self.pushes.add_decode("decode", self.dec.metadata(), {}, None)
+        self.pushes.add_decode("decode", self.dec.metadata(), {}, None, DECODE)
 
     def close(self):
         self.agent.close()
@@ -751,6 +752,7 @@ def test_two_decode_ranks_claiming_one_room_fail_it_for_both():
     mgr.landed_at_once, mgr.is_mla_backend, mgr.req_to_decode_prefix_len = True, False, {}
     mgr.update_status(ROOM, KVPoll.Bootstrapping)
     mgr.pushes._peers = {s: SimpleNamespace(groups={"kv": SimpleNamespace(num_blocks=16)}) for s in ("decode", "other")}
+    mgr.pushes._endpoints = {"decode": DECODE, "other": (DECODE[0], DECODE[1] + 1)}
     for session, port in (("decode", DECODE[1]), ("other", DECODE[1] + 1)):
         mgr._on_transfer_info(TransferInfo.from_zmq(
             [str(ROOM).encode(), DECODE[0].encode(), str(port).encode(), session.encode(),

@@ -59,7 +59,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any, Container, Dict, List, Optional
 
 import numpy as np
@@ -187,6 +187,10 @@ class GpuxferKVManager(CommonKVManager):
         self._requested: Counter = Counter()
         self._unrequested = Unrequested(config.get("GPUXFER_SGLANG_UNREQUESTED_ROOMS"), self.timeout_s)
         self._dst_counts: Dict[str, Optional[int]] = {}
+        # metadata messages refused that named an endpoint no kept registration of their rank came from: not
+        # answered (a reply would open a socket to wherever the message says), counted, logged once per rank
+        self.unanswered = 0
+        self._unanswered_ranks: "OrderedDict[str, None]" = OrderedDict()
 
     def _spawn(self, target, name: str) -> None:
         t = threading.Thread(target=target, name=name, daemon=True)
@@ -341,13 +345,19 @@ class GpuxferKVManager(CommonKVManager):
         """A decode rank's KV pool: its geometry checked against ours, then its agent added (its memory
         mapped; milliseconds), within the decode ranks a prefill rank keeps (:meth:`.pushes.Pushes.add_decode`).
         A rank that does not pair is remembered with the reason its rooms fail for; one whose name no SGLang rank
-        has (SGLang's ``ip:port``) is dropped, nothing of it kept."""
+        has (SGLang's ``ip:port``) is dropped, nothing of it kept. A rank kept, taken or refused, keeps the
+        endpoint its registration names (ip, port): the one its rooms' status messages go to."""
         if len(msg) < 4 or len(msg[3]) > MAX_SESSION_BYTES:
             log.error("gpuxfer: a decode registration of %d frames naming a %d-byte rank dropped", len(msg),
                       len(msg[3]) if len(msg) > 3 else 0)
             return
         session = msg[3].decode("ascii")
+        endpoint = None
         try:
+            endpoint = (msg[1].decode("ascii"), int(msg[2].decode("ascii")))
+            if len(msg[1]) > MAX_SESSION_BYTES or not 0 < endpoint[1] < 65536:
+                endpoint = None
+                raise BadInput(f"the registration names no endpoint (ip {msg[1][:64]!r}, port {msg[2][:16]!r})")
             geom, meta = decode_registration(msg[4] if len(msg) > 4 else b"")
             slot = parse_slot(msg[5] if len(msg) > 5 else b"")
             diffs = geometry_differences(self.geometry, geom)
@@ -356,7 +366,7 @@ class GpuxferKVManager(CommonKVManager):
                                + "; ".join(diffs))
             views = head_share(self.geometry, geom, *self.kv_heads)
             dsts = destinations(self.geometry, geom)
-            peer = self.pushes.add_decode(session, meta, views, slot)
+            peer = self.pushes.add_decode(session, meta, views, slot, endpoint)
             self._dst_counts[session] = dsts
             log.info("gpuxfer: decode rank %s added (%s route, %s engine%s)", session, peer.route, peer.engine,
                      f"; bytes {views['local_token_slice'][GROUP]} of each token's row here to bytes "
@@ -368,15 +378,20 @@ class GpuxferKVManager(CommonKVManager):
             else:
                 log.exception("gpuxfer: refusing decode rank %s: %s", session, why)
             self._dst_counts.pop(session, None)
-            self.pushes.refuse_decode(session, why)     # an earlier registration of the rank no longer describes it
+            # an earlier registration of the rank no longer describes it
+            self.pushes.refuse_decode(session, why, endpoint, registered=True)
 
     def _refusal(self, info: TransferInfo) -> Optional[str]:
         """Why decode rank ``info.session``'s destination cannot be taken (None: it can): the rank's
-        registration was refused or never came (the rank registers on the socket its metadata follows), its
-        pages are not pages of the pool it registered (:meth:`_pages_refusal`), or the message names another
-        number of decode ranks for the room than SGLang's rank mapping gives for the two ranks' TP sizes (at
-        most the decode ranks registered, where the rank states no TP size)."""
-        why = self.pushes.refusal(info.session) or self._pages_refusal(info)
+        registration was refused or never came (the rank registers on the socket its metadata follows), the
+        message names another endpoint than the registration came from, its pages are not pages of the pool it
+        registered (:meth:`_pages_refusal`), or the message names another number of decode ranks for the room
+        than SGLang's rank mapping gives for the two ranks' TP sizes (at most the decode ranks registered, where
+        the rank states no TP size)."""
+        why = self.pushes.refusal(info.session)
+        if why is None and self.pushes.endpoint(info.session) != (info.endpoint, info.dst_port):
+            why = f"it names endpoint {info.endpoint}:{info.dst_port}, not the one it registered from"
+        why = why or self._pages_refusal(info)
         if why is not None:
             return why
         named, need = info.required_dst_info_num, self._dst_counts.get(info.session)
@@ -464,8 +479,25 @@ class GpuxferKVManager(CommonKVManager):
         if refusal is not None:
             log.warning("gpuxfer: %s", reason)
         if reason is not None and not info.is_dummy:
-            self.send_kv_status_message(targets=[(info.endpoint, info.dst_port)], bootstrap_room=info.room,
-                                        status=KVPoll.Failed, failure_reason=reason, infos=[info])
+            if self.pushes.endpoint(info.session) == (info.endpoint, info.dst_port):
+                self.send_kv_status_message(targets=[(info.endpoint, info.dst_port)], bootstrap_room=info.room,
+                                            status=KVPoll.Failed, failure_reason=reason, infos=[info])
+            else:
+                self._unanswered(info)
+
+    def _unanswered(self, info: TransferInfo) -> None:
+        """A refused metadata message whose rank never registered, or that names another endpoint than the
+        rank registered from: not answered (its decode, if any, fails the room by its own timeout), counted,
+        logged once per rank (of the latest ranks: what is kept of them is bounded)."""
+        self.unanswered += 1
+        if info.session in self._unanswered_ranks:
+            return
+        self._unanswered_ranks[info.session] = None
+        while len(self._unanswered_ranks) > self.pushes.max_decode_ranks:
+            self._unanswered_ranks.popitem(last=False)
+        log.warning("gpuxfer: refused metadata messages of decode rank %s naming endpoint %s:%s are not answered: "
+                    "no registration of the rank came from there (%d unanswered so far)", clip(info.session),
+                    clip(info.endpoint), info.dst_port, self.unanswered)
 
     def _drop_unrequested(self, rooms: List[int]) -> List[int]:
         """Everything kept of ``rooms``, which no request holds here (under the room lock): their decode

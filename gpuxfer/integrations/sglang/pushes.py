@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Container, Dict, List, Optional, Protocol
+from typing import Any, Container, Dict, List, Optional, Protocol, Tuple
 
 from ... import config
 from ...errors import BadInput, GpuxferError, PeerLost, TransferTimeout
@@ -95,6 +95,9 @@ class Pushes:
         self._notify_slots: Dict[str, Optional[int]] = {}   # decode rank -> the slot its registration gave
         # decode rank -> why its registration was refused (the latest ``max_decode_ranks``)
         self._rejected: "OrderedDict[str, str]" = OrderedDict()
+        # decode rank kept (in ``_peers`` or ``_rejected``) -> the (ip, port) its registration came from: the one
+        # endpoint a status message about the rank goes to
+        self._endpoints: Dict[str, Tuple[str, int]] = {}
         # the decode ranks whose peers are kept at once (GPUXFER_SGLANG_DECODE_RANKS), and how many new ranks'
         # registrations found them all taken
         self.max_decode_ranks = int(config.get("GPUXFER_SGLANG_DECODE_RANKS") if max_decode_ranks is None
@@ -111,10 +114,12 @@ class Pushes:
         """Queue the room's drain (an abort): its posted pushes waited for, then its ACK."""
         self._queue.put(_drain_marker(room))
 
-    def add_decode(self, session: str, meta: bytes, views: Dict[str, Any], slot: Optional[int]) -> Any:
+    def add_decode(self, session: str, meta: bytes, views: Dict[str, Any], slot: Optional[int],
+                   endpoint: Optional[Tuple[str, int]] = None) -> Any:
         """Decode rank ``session``'s agent added (``views``: :func:`.layout.head_share`'s), replacing an earlier
         registration's (the rank's new process, or the same one registering again: no longer a rank found gone);
-        its last push of a request bumps notification ``slot`` (None: its rooms end by their Success message).
+        its last push of a request bumps notification ``slot`` (None: its rooms end by their Success message);
+        ``endpoint``: the (ip, port) its registration came from (None: none to answer it at).
         Returns the peer. A rank new here while ``max_decode_ranks`` are kept takes the place of one found gone;
         where none is, ``BadInput`` (counted in ``refused_over_cap``), nothing of the rank added."""
         if session not in self._peers and len(self._peers) >= self.max_decode_ranks:
@@ -134,23 +139,40 @@ class Pushes:
             self._peers[session] = peer = self.agent.add_peer(meta, **views)
             self._notify_slots[session] = slot
         self._rejected.pop(session, None)
+        self._set_endpoint(session, endpoint)
         self._dead.pop(session, None)
         return peer
 
-    def refuse_decode(self, session: str, why: str) -> None:
+    def refuse_decode(self, session: str, why: str, endpoint: Optional[Tuple[str, int]] = None,
+                      registered: bool = False) -> None:
         """Decode rank ``session`` does not pair: its rooms fail with ``why`` (clipped; the latest
         ``max_decode_ranks`` refusals are kept, an older one's rooms fail as of a rank that never registered), an
-        earlier registration's peer removed (it no longer describes the rank)."""
+        earlier registration's peer removed (it no longer describes the rank). ``registered``: a registration of
+        the rank was refused, which came from ``endpoint`` (None: none to answer it at); otherwise the rank's
+        endpoint stays the one it registered from."""
         self._rejected[session] = clip(why)
         self._rejected.move_to_end(session)
+        if registered:
+            self._set_endpoint(session, endpoint)
         while len(self._rejected) > self.max_decode_ranks:
-            self._rejected.popitem(last=False)
+            self._endpoints.pop(self._rejected.popitem(last=False)[0], None)
         with self._agent_lock:
             old = self._peers.pop(session, None)
             self._notify_slots.pop(session, None)
             if old is not None:
                 self.agent.remove_peer(old)
         self._dead.pop(session, None)
+
+    def _set_endpoint(self, session: str, endpoint: Optional[Tuple[str, int]]) -> None:
+        if endpoint is None:
+            self._endpoints.pop(session, None)
+        else:
+            self._endpoints[session] = endpoint
+
+    def endpoint(self, session: str) -> Optional[Tuple[str, int]]:
+        """The (ip, port) decode rank ``session`` registered from (None: no registration of it is kept, or it
+        named none)."""
+        return self._endpoints.get(session)
 
     def pool_pages(self, session: str) -> int:
         """How many pages of the KV pool decode rank ``session`` registered (0: none, or no such rank)."""
