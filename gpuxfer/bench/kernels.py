@@ -17,7 +17,8 @@ permutation of the source pages onto a random permutation of destination pages):
   request: what a ``triton``-engine slot runs) and ``blocks`` (the copy kernel's mode 5, which derives each
   row from the request and the plane table: no descriptor buffer, one launch). The request: every block of
   the pools, two planes (a block's halves, each of the size), source and destination IDs in random order;
-  the ``exp+copy`` row also reports the expansion alone (``expand_us``);
+  the ``exp+copy`` row also reports the expansion alone (``expand_us``); ``--tilings`` adds a ``blocks`` row
+  per tiling given (mode 5's tiling is the descriptor copy's table by default: a tuning aid);
 * ``sweep``  -- pull at one size (2,304 B) on a bounded grid of 1, 2, 4, ... programs
   (one program per SM while it is at most the SM count): GB/s against SMs used.
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import platform as _pyplatform
+import re
 import statistics
 import sys
 import time
@@ -55,6 +57,7 @@ DEFAULT_OPS = "pull,push,local,pack,unpack,blocks"
 DEFAULT_SWEEP = "1,2,4,8,16,32,sms,all"
 SEED, POISON = 0x5EED, 0xBAD
 SWEEP_DESCS_PER_PROGRAM = 16384
+_TILING = re.compile(r"r(\d+)w(\d+)u(\d+)n(\d+)(?:p(\d+))?")
 
 
 def _parse_ints(text: str, what: str) -> list[int]:
@@ -67,6 +70,30 @@ def _parse_ints(text: str, what: str) -> list[int]:
     return out
 
 
+def parse_tilings(text: str | None) -> list:
+    """``--tilings``: ``rROWSwWIDTHuUNROLLnWARPS[pPROGRAMS_PER_SM]`` each, comma-separated, as ``CopyConfig``s
+    (e.g. ``r64w8u4n8``: 64 rows of 8 16-byte units, 4 chunks in flight, 8 warps, 2 programs per SM)."""
+    from ..kernels.launch import CopyConfig
+    out = []
+    for spec in (x.strip() for x in (text or "").split(",")):
+        if not spec:
+            continue
+        m = _TILING.fullmatch(spec)
+        if m is None:
+            raise BadInput(f"--tilings: expected rROWSwWIDTHuUNROLLnWARPS[pPROGRAMS_PER_SM] (e.g. r64w8u4n8), "
+                           f"got {spec!r}")
+        rows, width, unroll, warps, pps = (int(g) if g else 2 for g in m.groups())
+        try:
+            out.append(CopyConfig(rows=rows, width=width, unroll=unroll, num_warps=warps, programs_per_sm=pps))
+        except BadInput as exc:
+            raise BadInput(f"--tilings {spec}: {exc}") from None
+    return out
+
+
+def tiling_name(cfg) -> str:
+    return f"r{cfg.rows}w{cfg.width}u{cfg.unroll}n{cfg.num_warps}p{cfg.programs_per_sm}"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("what moves")
     g.add_argument("--sizes", default=DEFAULT_SIZES, metavar="BYTES",
@@ -76,6 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "256KiB on the host emulation")
     g.add_argument("--ops", default=DEFAULT_OPS, metavar="OPS",
                    help="kernel rows to run, comma-separated: pull, push, local, pack, unpack, blocks")
+    g.add_argument("--tilings", default="", metavar="SPECS",
+                   help="the blocks rows again with each of these tilings of the copy kernel's mode 5, "
+                        "comma-separated rROWSwWIDTHuUNROLLnWARPS[pPROGRAMS_PER_SM] (e.g. r64w8u4n8,r32w8u4n4p1; "
+                        "the programs per SM default to 2); needs blocks in --ops")
     g.add_argument("--sweep", default=DEFAULT_SWEEP, metavar="PROGRAMS",
                    help="pull on a bounded grid of these many programs ('sms' = one per SM, 'all' = the "
                         "default grid); empty to skip")
@@ -176,7 +207,10 @@ def _check(args) -> dict:
     for s in sweep:
         if s not in ("all", "sms") and not (s.isdigit() and int(s) > 0):
             raise BadInput(f"--sweep: expected positive integers, 'sms' or 'all', got {s!r}")
-    c = {"sizes": sizes, "ops": ops, "sweep": sweep,
+    tilings = parse_tilings(args.tilings)
+    if tilings and "blocks" not in ops:
+        raise BadInput("--tilings: it tiles the blocks rows; add blocks to --ops")
+    c = {"sizes": sizes, "ops": ops, "sweep": sweep, "tilings": tilings,
          "pool": parse_size(args.pool, option="--pool", kind="bytes") if args.pool else None,
          "trials": int_option(args.trials, "--trials") if args.trials is not None else None,
          "warmup": int_option(args.warmup, "--warmup", minimum=0) if args.warmup is not None else None,
@@ -243,7 +277,8 @@ def _run(c: dict, outputs, out) -> int:
                "peer_device": {"index": peer, "name": info_p.name, "arch": info_p.arch},
                "link": link.as_dict()}
         params = {"sizes_bytes": sizes, "pool_bytes": pool, "ops": ops, "sweep_programs": sweep,
-                  "sweep_size_bytes": c["sweep_size"], "trials": trials, "warmup": warmup, "seed": c["seed"],
+                  "sweep_size_bytes": c["sweep_size"], "tilings": [tiling_name(t) for t in c["tilings"]],
+                  "trials": trials, "warmup": warmup, "seed": c["seed"],
                   "timeout_s": c["timeout"]}
         _preamble(out, pre, params)
 
@@ -322,7 +357,7 @@ def _run(c: dict, outputs, out) -> int:
 
                     if "blocks" in ops:
                         for r in _block_rows(L, plat, clock, tdev, rng, p_src, lb, pool, size, warmup, trials,
-                                             ceil.get("pull"), sms, emu):
+                                             ceil.get("pull"), sms, emu, c["tilings"]):
                             p(r)
 
                     if sweep and size == c["sweep_size"]:
@@ -392,8 +427,9 @@ def _block_request(rng, pool: int, size: int) -> tuple[np.ndarray, np.ndarray, n
 
 
 def _block_rows(L, plat, clock, tdev, rng, p_src, lb, pool: int, size: int, warmup: int, trials: int,
-                ceiling: float | None, sms: int, emu: bool) -> list[Row]:
-    """The ``blocks`` rows: one request pulled with the expansion + descriptor copy, then with mode 5."""
+                ceiling: float | None, sms: int, emu: bool, tilings=()) -> list[Row]:
+    """The ``blocks`` rows: one request pulled with the expansion + descriptor copy, then with mode 5 (at its
+    default tiling, then at each of ``tilings``)."""
     import torch
 
     from ..kernels.blocks import expand_launcher
@@ -405,20 +441,23 @@ def _block_rows(L, plat, clock, tdev, rng, p_src, lb, pool: int, size: int, warm
     out = torch.zeros((n, 3), dtype=torch.int64, device=tdev)       # (verified through the bytes it moves)
     expand = expand_launcher(planes, req, out, n_groups=1)
     copy = L.copy_range_launcher(p_src, lb, out, req, lo_at=0, hi_at=n_planes, nbytes_hint=size)
-    blocks = L.copy_blocks_launcher(p_src, lb, planes, req, n_groups=1, plane_lo=0, plane_hi=n_planes,
-                                    max_rows=n, nbytes_hint=size)
-    cfg, progs = L.launch_geometry(n, tdev, nbytes_hint=size)
     rows = []
     expand_ts = clock.time(expand, "expand", warmup, trials)
-    for op, fn, extra in (("exp+copy", lambda: (expand(), copy()),
-                           {"expand_us": statistics.median(expand_ts) * 1e6, "descriptor_bytes": 24 * n}),
-                          ("blocks", blocks, {"descriptor_bytes": 0})):
+    runs = [("exp+copy", None, lambda: (expand(), copy()),
+             {"expand_us": statistics.median(expand_ts) * 1e6, "descriptor_bytes": 24 * n})]
+    for tiling in (None, *tilings):
+        runs.append(("blocks", tiling, L.copy_blocks_launcher(p_src, lb, planes, req, n_groups=1, plane_lo=0,
+                                                              plane_hi=n_planes, max_rows=n, nbytes_hint=size,
+                                                              config=tiling), {"descriptor_bytes": 0}))
+    for op, tiling, fn, extra in runs:
+        cfg, progs = L.launch_geometry(n, tdev, nbytes_hint=size, config=tiling)
         L.fill_pattern(lb, POISON)
         ts = clock.time(fn, op, warmup, trials)
         w = L.verify(lb, want, SEED).wrong_bytes
-        rows.append(Row(op, size, n, n * size, progs, None if emu else min(progs, sms), ts, ceiling, w,
-                        note=f"{n_planes} planes x {n // n_planes} blocks, pulled",
-                        extra={"config": cfg.__dict__, **extra}))
+        note = f"{n_planes} planes x {n // n_planes} blocks, pulled" + (f", tiling {tiling_name(tiling)}"
+                                                                        if tiling else "")
+        rows.append(Row(op, size, n, n * size, progs, None if emu else min(progs, sms), ts, ceiling, w, note=note,
+                        extra={"config": cfg.__dict__, "tiling": tiling_name(cfg), **extra}))
     return rows
 
 

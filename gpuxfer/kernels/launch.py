@@ -292,7 +292,8 @@ def copy_range_launcher(src_pool, dst_pool, descs, bounds, *, lo_at: int, hi_at:
 
 def copy_blocks_launcher(src_pool, dst_pool, planes, request, *, n_groups: int, plane_lo: int, plane_hi: int,
                          max_rows: int, num_programs: int | None = None, nbytes_hint: int | None = None,
-                         device: torch.device | None = None, local: bool = False, splits: bool | None = None):
+                         device: torch.device | None = None, local: bool = False, splits: bool | None = None,
+                         config: CopyConfig | None = None):
     """A launcher (as :func:`copy_range_launcher`) of the copy a request array names, with no descriptor table
     and no expansion launch: the kernel's mode 5 derives each row's ``(src, dst, nbytes)`` from ``request``
     and ``planes`` as the expansion kernel (:mod:`gpuxfer.kernels.block_kernel`) would have written it, for
@@ -311,7 +312,8 @@ def copy_blocks_launcher(src_pool, dst_pool, planes, request, *, n_groups: int, 
     above 1). False compiles the launch without the divisions by the splits (the common case: the same block
     size on both sides), and a plane that does split copies nothing; None reads it from ``planes`` as they are
     here (one device-to-host copy, not at each launch), or takes True while torch's current stream captures a
-    graph (where a device-to-host copy is refused)."""
+    graph (where a device-to-host copy is refused). ``config``: the tiling (default: :func:`choose_config` of
+    ``nbytes_hint``)."""
     from .block_kernel import PLANE_FIELDS
     dev = check_pool(src_pool, "src_pool", device)
     check_pool(dst_pool, "dst_pool", dev)
@@ -343,7 +345,7 @@ def copy_blocks_launcher(src_pool, dst_pool, planes, request, *, n_groups: int, 
         capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
         splits = capturing or bool((planes[plane_lo:plane_hi, 6:8] > 1).any())
     return _copy_launch(MODE_BLOCKS, src_pool, dst_pool, request, planes, 0, max_rows, 0, None, num_programs,
-                        nbytes_hint, None, local, bounds=(request, plane_lo, plane_hi),
+                        nbytes_hint, config, local, bounds=(request, plane_lo, plane_hi),
                         blocks=(n_planes, n_groups, int(request.shape[0]), steps, splits))
 
 

@@ -48,7 +48,29 @@ def test_bench_kernels_runs_end_to_end_on_the_host_emulation(tmp_path, capsys, m
     assert all(len(ln) <= 120 for ln in lines if ln.startswith("# ") and not ln[2:3].isspace()), text
 
 
+@pytest.mark.timeout(300)
+def test_bench_kernels_tilings_add_a_verified_blocks_row_each(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("GPUXFER_PLATFORM", "host")
+    out = tmp_path / "k.json"
+    rc = main(["bench", "kernels", "--platform", "host", "--ops", "blocks", "--sizes", "528", "--pool", "24KiB",
+               "--sweep", "", "--tilings", "r8w4u1n4, r16w8u2n4p1", "--trials", "1", "--warmup", "0",
+               "--json", str(out), "--out", str(tmp_path / "run")])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    doc = json.loads(out.read_text())
+    blocks = [r for r in doc["rows"] if r["op"] == "blocks"]
+    assert doc["parameters"]["tilings"] == ["r8w4u1n4p2", "r16w8u2n4p1"]
+    assert [r["tiling"] for r in blocks[1:]] == ["r8w4u1n4p2", "r16w8u2n4p1"]
+    assert blocks[1]["config"]["rows"] == 8 and blocks[2]["config"]["programs_per_sm"] == 1
+    assert all(r["wrong_bytes"] == 0 and r["descriptors"] == blocks[0]["descriptors"] for r in blocks)
+    assert "tiling r16w8u2n4p1" in text
+
+
 @pytest.mark.parametrize("argv, match", [
+    (["--ops", "blocks", "--tilings", "r8w4"], "--tilings: expected rROWSwWIDTHuUNROLLnWARPS"),
+    (["--ops", "blocks", "--tilings", "r8w3u1n4"], "--tilings r8w3u1n4: CopyConfig.width must be a power of two"),
+    (["--ops", "blocks", "--tilings", "r8w4u1n3"], "--tilings r8w4u1n3: CopyConfig.num_warps"),
+    (["--ops", "pull", "--tilings", "r8w4u1n4"], "--tilings: it tiles the blocks rows"),
     (["--sizes", "0"], "--sizes"),
     (["--ops", "pull,teleport"], "unknown teleport"),
     (["--sweep", "1,many"], "--sweep"),
