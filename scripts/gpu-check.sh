@@ -40,7 +40,7 @@ if [ "$mode" = blocks ]; then
     --tilings r16w8u4n4,r32w8u4n8,r64w8u4n8,r64w8u2n8p1,r32w16u2n8 --json "$OUT/bench-kernels-tilings.json"
   for copy in descriptors blocks; do
     GPUXFER_KV_COPY=$copy step kv-host-costs-$copy 150 $PY scripts/kv_host_costs.py --isl 32768 --page 16 \
-      --engines triton --ops pull --ids device --batch 64 --json "$OUT/kv-host-costs-$copy.json"
+      --engines triton --ops pull --ids device --batch 64 --profile --json "$OUT/kv-host-costs-$copy.json"
   done
   exit $status
 fi
