@@ -450,7 +450,8 @@ def _block_rows(L, plat, clock, tdev, rng, p_src, lb, pool: int, size: int, warm
                                                               plane_hi=n_planes, max_rows=n, nbytes_hint=size,
                                                               config=tiling), {"descriptor_bytes": 0}))
     for op, tiling, fn, extra in runs:
-        cfg, progs = L.launch_geometry(n, tdev, nbytes_hint=size, config=tiling)
+        cfg, progs = L.launch_geometry(n, tdev, nbytes_hint=size,
+                                       config=tiling or (L.blocks_config(size) if op == "blocks" else None))
         L.fill_pattern(lb, POISON)
         ts = clock.time(fn, op, warmup, trials)
         w = L.verify(lb, want, SEED).wrong_bytes

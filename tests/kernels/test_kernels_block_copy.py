@@ -16,7 +16,7 @@ import torch
 from gpuxfer.errors import BadInput
 from gpuxfer.kernels import reference as ref
 from gpuxfer.kernels.blocks import expand_launcher
-from gpuxfer.kernels.launch import copy_blocks_launcher, copy_range_launcher
+from gpuxfer.kernels.launch import blocks_config, choose_config, copy_blocks_launcher, copy_range_launcher
 
 SRC_SEED, DST_SEED = 31, 47
 GUARD = 64                     # guard bytes (and guard request entries) on each side
@@ -295,7 +295,8 @@ def test_block_copy_hostile_requests_stay_in_bounds(dev, seed):
     negative, huge), and planes naming no group: nothing outside the pools changes, no entry outside the
     request or plane outside the launch's is read (they hold valid IDs and planes: reading one would copy
     bytes the reference does not), and the bytes are the reference's and, where the expansion gives one
-    answer (no row claimed by two planes), the expansion + copy's."""
+    answer (no row claimed by two planes), the expansion + copy's. At mode 5's own small-row tiling and at the
+    descriptor copy's."""
     rng = np.random.default_rng(100 + seed)
     lay = Layout(rng, int(rng.integers(1, 4)), int(rng.integers(2, 6)), bool(seed % 2))
     lay.planes[rng.integers(0, lay.P), 5] = rng.choice([-1, lay.G, 1 << 40])
@@ -305,7 +306,7 @@ def test_block_copy_hostile_requests_stay_in_bounds(dev, seed):
         cap = int(rng.integers(1, 32))
         classes = _classes(rng, lay.P)
         run = Run(dev, lay, req)
-        got = run.fused(classes, cap)
+        got = run.fused(classes, cap, config=None if seed % 2 else choose_config(2304))
         _check_guards(run, got)
         want = run.reference(classes, cap)
         if want is not None:
@@ -407,3 +408,13 @@ def test_block_copy_needs_its_range_read_on_the_device():
     with pytest.raises(BadInput, match="bounds needed"):
         launch._copy_launch(launch.MODE_BLOCKS, pool, pool, req, torch.zeros((3, 10), dtype=torch.int64), 0, 4, 0,
                             None, None, 16, None, False)
+
+
+def test_block_copy_tiling_of_its_own_for_small_rows():
+    """Mode 5 takes its own tiling for rows of at most 4 KB between pools that are not both local on the default
+    grid, the descriptor copy's otherwise; a hint that is not an integer is left to the launch's check."""
+    small = blocks_config(2304)
+    assert small is not None and small == blocks_config(None) == blocks_config(4096) != choose_config(2304)
+    assert blocks_config(4097) is None and blocks_config(528, local=True) is None
+    assert blocks_config(528, num_programs=4) is None and blocks_config("528") is None
+    assert blocks_config(True) is None
