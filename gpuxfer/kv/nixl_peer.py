@@ -424,7 +424,7 @@ class _NixlTransfer(KVTransfer):
         transfers are not stream-ordered, so the host waits for it, at most the agent's timeout."""
         agent, poster, peer = self.agent, self.poster, self.peer
         poster.check_usable(peer)
-        s = agent.stream if stream is None else stream
+        s = poster.stream(stream)
         plat = agent.platform
         ev = plat.record_event(s)
         if not plat.event_query(ev) and not plat.event_wait(ev, agent.timeout_s):

@@ -88,7 +88,7 @@ class Registry:
         return flat
 
     def peer(self, name: str) -> "KVPeer":
-        p = self.peers.get(name)
+        p = self.peers.get(name) if isinstance(name, str) else None
         if p is None:
             raise NotRegistered(f"agent {self.name!r} has no peer {name!r}; peers: {', '.join(self.peers) or 'none'}")
         return p
