@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from gpuxfer.errors import BadInput, BlockIdError, NotRegistered
+from gpuxfer.errors import BadInput, BlockIdError, LayoutMismatch, NotRegistered
 from gpuxfer.kv.agent import KVAgent
 from gpuxfer.kv.layers import KVLayerSpec
 
@@ -163,3 +163,70 @@ def test_pack_posts_on_a_stream_of_another_device_are_refused(pack_pair):
         assert same_bytes(dst[1], src[0]) and dec.failed is None and pre.failed is None
     finally:
         other.close()
+
+
+# ----------------------------------------------------------------------------- layer ranges
+
+
+def _layers(arena, names: list[str], seed: int) -> dict:
+    return {n: arena.tensor((2, 8, 4, 2, 4), torch.bfloat16, seed=seed + i) for i, n in enumerate(names)}
+
+
+ALL = [f"model.layers.{i}.attn" for i in range(3)]
+
+
+@pytest.mark.parametrize("engine", ["triton", "copy_engine"])
+def test_a_push_over_a_layer_range_writes_every_destination_layer_in_it(plat, engine):
+    """A source of layers 0 and 1 pushing to a destination of layers 0, 1 and 2 over the range (0, 3) (or (2, 3)):
+    LayoutMismatch naming layer 2, as the pull over that range (and the push over every layer) raises, not a
+    success that left the destination's layer 2 unwritten. The range both sides hold, (0, 2), moves."""
+    a0, a1 = Arena(plat, 0), Arena(plat, 1)
+    pre = KVAgent("prefill", platform=plat, device=0, engine=engine)
+    dec = KVAgent("decode", platform=plat, device=1, engine=engine)
+    try:
+        src, dst = _layers(a0, ALL[:2], seed=1), _layers(a1, ALL, seed=5)
+        pre.register_group("full", 4, src)
+        dec.register_group("full", 4, dst)
+        p_of_dec, p_of_pre = connect(pre, dec)
+        before = {k: v.clone() for k, v in dst.items()}
+        kw = dict(local_blocks={"full": [1]}, remote_blocks={"full": [3]})
+        for layers in (None, (0, 3), (2, 3), (1, 3)):
+            with pytest.raises(LayoutMismatch, match=r"model\.layers\.2\.attn|layers here"):
+                pre.prepare(p_of_pre, "push", layers=layers, **kw)
+            with pytest.raises(LayoutMismatch, match=r"model\.layers\.2\.attn|layers here"):
+                dec.prepare(p_of_dec, "pull", layers=layers, local_blocks={"full": [3]}, remote_blocks={"full": [1]})
+        assert _unchanged(dst, before)
+        pre.prepare(p_of_pre, "push", layers=(0, 2), **kw).post().wait(60)
+        for name in ALL[:2]:
+            assert same_bytes(dst[name][:, 3], src[name][:, 1])
+        assert same_bytes(dst[ALL[2]], before[ALL[2]])
+    finally:
+        for x in (dec, pre, a0, a1):
+            x.close()
+
+
+def test_a_nixl_push_over_a_layer_range_writes_every_destination_layer_in_it(fake_nixl, host):
+    """The same over the NIXL route (the fake NIXL copies): a push over a range holding a destination layer the
+    source lacks raises LayoutMismatch naming it; the range both hold moves."""
+    from gpuxfer.kv import nixl_ffi
+    a0, a1 = Arena(host, 0), Arena(host, 1)
+    agents = [KVAgent(f"n{r}", platform=host, device=r, timeout_s=5.0, remote="nixl") for r in (0, 1)]
+    try:
+        src, dst = _layers(a0, ALL[:2], seed=1), _layers(a1, ALL, seed=5)
+        agents[0].register_group("full", 4, src)
+        agents[1].register_group("full", 4, dst)
+        peer = agents[0].add_peer(agents[1].metadata(), route="nixl")
+        before = {k: v.clone() for k, v in dst.items()}
+        kw = dict(local_blocks={"full": [1]}, remote_blocks={"full": [3]})
+        for layers in (None, (0, 3), (2, 3)):
+            with pytest.raises(LayoutMismatch, match=r"model\.layers\.2\.attn|layers here"):
+                agents[0].prepare(peer, "push", layers=layers, **kw)
+        assert _unchanged(dst, before)
+        agents[0].prepare(peer, "push", layers=(0, 2), **kw).post().wait(5)
+        for name in ALL[:2]:
+            assert same_bytes(dst[name][:, 3], src[name][:, 1])
+        assert same_bytes(dst[ALL[2]], before[ALL[2]])
+    finally:
+        for x in (*agents, a0, a1):
+            x.close()
+        nixl_ffi._KEPT.clear()
