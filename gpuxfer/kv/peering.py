@@ -21,6 +21,19 @@ from .peers import KVPeer
 log = logging.getLogger("gpuxfer.kv.agent")
 
 
+def _taken(registry, meta) -> BadInput | None:
+    """The error of adding ``meta``'s agent as a peer where ``registry`` holds it already: a peer of its name
+    (:class:`BadInput`), or the same agent (its uid) under another name (:class:`BadMetadata`: renamed metadata,
+    whose peer would keep notification counts and pack parities of its own over the same words); else None."""
+    if meta.agent in registry.peers:
+        return BadInput(f"peer {meta.agent!r} is already added (remove_peer first)")
+    other = next((p.name for p in list(registry.peers.values()) if p.meta.uid == meta.uid), None)
+    if other is not None:
+        return BadMetadata(f"peer {meta.agent!r} is agent {meta.uid!r}, already added as peer {other!r} (one peer "
+                           "per agent)")
+    return None
+
+
 class Peering:
     """An agent's metadata and peer additions. ``agent``: its name, uid, platform, device, engine, staging, slot
     size, NIXL side and timeout are read from it; ``registry``, ``routes``, ``poster``, ``lifetime``: its
@@ -70,22 +83,21 @@ class Peering:
         if meta.uid == agent.uid:
             raise BadInput("an agent cannot be its own peer")
         reg = self.registry
-        if meta.agent in reg.peers:
-            raise BadInput(f"peer {meta.agent!r} is already added (remove_peer first)")
+        taken = _taken(reg, meta)
+        if taken is not None:
+            raise taken
         if route == "nixl":
             side = agent.nixl
             if side is None:            # closed since the route was chosen
                 raise BadInput(f"agent {agent.name!r} is closed")
             nixl_peer = NixlPeer(agent, meta, side, reg, self.poster, local_view)
             with reg.lock:      # an add_peer of the same name, or close, may have run meanwhile
-                clash = ("the agent was closed" if reg.closed else
-                         f"peer {meta.agent!r} is already added (remove_peer first)" if meta.agent in reg.peers
-                         else None)
+                clash = BadInput("the agent was closed") if reg.closed else _taken(reg, meta)
                 if clash is None:
                     reg.peers[meta.agent] = nixl_peer
             if clash is not None:
                 nixl_peer.close()
-                raise BadInput(clash)
+                raise clash
             log.info("agent %s: peer %s (host %s) over the nixl route", agent.name, meta.agent, meta.host)
             return nixl_peer
         viewed = pieces or local_pieces or token_slice or local_token_slice
@@ -110,8 +122,9 @@ class Peering:
             with reg.lock:      # close lists the peers to close under it
                 if reg.closed:
                     raise BadInput(f"agent {agent.name!r} is closed")
-                if meta.agent in reg.peers:
-                    raise BadInput(f"peer {meta.agent!r} is already added (remove_peer first)")
+                taken = _taken(reg, meta)
+                if taken is not None:
+                    raise taken
                 reg.peers[meta.agent] = peer
                 self.routes.routes.update(routes)
         except BaseException:

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from gpuxfer.errors import BadInput, BlockIdError, LayoutMismatch, NotRegistered
+from gpuxfer.errors import BadInput, BadMetadata, BlockIdError, LayoutMismatch, NotRegistered
 from gpuxfer.kv.agent import KVAgent
 from gpuxfer.kv.layers import KVLayerSpec
 
@@ -230,3 +230,29 @@ def test_a_nixl_push_over_a_layer_range_writes_every_destination_layer_in_it(fak
         for x in (*agents, a0, a1):
             x.close()
         nixl_ffi._KEPT.clear()
+
+
+# ----------------------------------------------------------------------------- one agent, one peer
+
+
+def test_an_agent_already_added_under_another_name_is_bad_metadata(pair):
+    """Metadata of an agent in another process (its uid) already added as a peer, renamed: BadMetadata naming
+    the peer it is, not a second peer whose notification counts and pack parities would run apart from the
+    first's over the same words; once the first is removed, the renamed one is added."""
+    import json
+    from _agent_arena import meta_body, reblob
+    pre, dec, a0, a1 = pair
+    _pulls(pre, dec, a0, a1)
+    dec.remove_peer("prefill")
+    body = meta_body(pre.metadata())
+    body.update(uid="e" * 32, namespace="another-boot/0:1")      # another process (see test_kv_hostile_peers)
+    first = dec.add_peer(reblob(body))
+    again = json.loads(json.dumps(body))
+    again["agent"] = "prefill-again"
+    with pytest.raises(BadMetadata, match="already added as peer 'prefill'"):
+        dec.add_peer(reblob(again))
+    assert dict(dec.peers) == {"prefill": first}
+    dec.remove_peer(first)
+    second = dec.add_peer(reblob(again))
+    assert dict(dec.peers) == {"prefill-again": second}
+    dec.transfer(second, "pull", local_blocks={"full": [2]}, remote_blocks={"full": [3]}).wait(60)
