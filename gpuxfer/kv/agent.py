@@ -496,8 +496,9 @@ class KVAgent(Closable, FailsOnTimeout):
             self._shared.release()
 
     def stream_wait_notification(self, stream: Stream, slot: int, value: int) -> None:
-        """Block ``stream``'s later work (not the host) until word ``slot`` holds ``value`` or more: ``value``
-        in ``0 .. RELEASE_VALUE - 1`` (the release value, 2^62, that a failure or close writes must pass it).
+        """Block ``stream``'s later work (not the host) until word ``slot`` holds ``value`` or more: ``stream`` an
+        open stream of the agent's device, ``value`` in ``0 .. RELEASE_VALUE - 1`` (the release value, 2^62, that a
+        failure or close writes must pass it).
 
         The agent holds ``stream`` (and an event after the wait) until the wait passed: close drains past it."""
         self._poster.check_open()
@@ -505,6 +506,7 @@ class KVAgent(Closable, FailsOnTimeout):
         value = _notify_value(value)
         if not isinstance(stream, Stream):
             raise BadInput(f"stream_wait_notification needs a Stream of the platform, got {stream!r}")
+        self._poster.stream(stream)     # (an open stream of the agent's device: its flag words are that device's)
         self._lifetime.stream_wait(stream, slot, index, value)
 
     # ------------------------------------------------------------------ lifetime

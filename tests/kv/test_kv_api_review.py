@@ -256,3 +256,26 @@ def test_an_agent_already_added_under_another_name_is_bad_metadata(pair):
     second = dec.add_peer(reblob(again))
     assert dict(dec.peers) == {"prefill-again": second}
     dec.transfer(second, "pull", local_blocks={"full": [2]}, remote_blocks={"full": [3]}).wait(60)
+
+
+def test_notify_and_stream_waits_on_a_stream_of_another_device_are_refused(pair):
+    """``KVPeer.notify`` and ``stream_wait_notification`` on a stream of another device than the agent's (its flag
+    link and words are that device's): BadInput, nothing queued -- the next notification still writes 1, and
+    no stream is held for close to drain."""
+    pre, dec, a0, a1 = pair
+    _, _, p = _pulls(pre, dec, a0, a1)
+    plat = dec.platform
+    other, mine = plat.create_stream(0), plat.create_stream(1)
+    try:
+        with pytest.raises(BadInput, match="its device 1"):
+            p.notify(other, 3)
+        with pytest.raises(BadInput, match="its device 1"):
+            dec.stream_wait_notification(other, 3, 1)
+        assert p.next_notification(3) == 1
+        assert p.notify(mine, 3)[0] == 1
+        assert pre.wait_notification(3, 1, timeout_s=30) == 1
+        dec.stream_wait_notification(mine, 3, 0)
+        assert plat.synchronize(mine, 30) and plat.synchronize(other, 30)
+    finally:
+        other.close()
+        mine.close()
