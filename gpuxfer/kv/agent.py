@@ -82,16 +82,13 @@ from __future__ import annotations
 import itertools
 import logging
 import numbers
-import os
-import socket
 import threading
 import time
 import types
 import uuid
 from typing import Any, Mapping, Sequence
 
-from ..common import process_namespace
-from ..errors import BackendUnavailable, BadInput, BadMetadata, BlockIdError, LayoutMismatch, TransferTimeout
+from ..errors import BackendUnavailable, BadInput, BlockIdError, TransferTimeout
 from ..flaglink import FlagWords
 from ..platforms.base import RELEASE_VALUE, Closable, DeviceBuffer, Platform, Stream
 from ..sync import check_timeout
@@ -99,19 +96,18 @@ from .batch import post_many
 from .control import AGENT_WORDS, NOTIFY, NOTIFY_SLOTS, PACK_SLOTS, check_slot
 from .descriptors import DIRECTIONS
 from .device_ids import prepare_device, wants_device_ids
-from .engine_choice import AGENT_ENGINES, agent_engine_choice, kernel_reason, peer_engine
+from .engine_choice import AGENT_ENGINES, agent_engine_choice, kernel_reason
 from .failure import FailsOnTimeout, on_timeout_from_env
 from .layers import _MAX_NAME, KVLayer, KVLayerSpec, KVPiece, check_disjoint, describe_layer, memory_at, _torch
 from . import nixl_route
-from .metadata import METADATA_VERSION, decode_metadata, encode_metadata, handle_meta
+from .metadata import METADATA_VERSION
 from .lifetime import Lifetime, _Shared
-from .nixl_peer import NixlPeer
 from .pack_transfer import PackState
+from .peering import Peering
 from .peers import _LEAKED, _LOCAL_AGENTS, KVPeer, Registry, _Group  # noqa: F401 - _LEAKED: what close kept
 from .posting import Poster
 from .request_arrays import RequestStaging
 from .routes import RouteCache, request_groups
-from . import views
 from .transfer import KVTransfer, KVTransferHandle
 
 log = logging.getLogger("gpuxfer.kv.agent")
@@ -157,7 +153,8 @@ class KVAgent(Closable, FailsOnTimeout):
     (:class:`~gpuxfer.kv.routes.RouteCache`), what its posts run on (:class:`~gpuxfer.kv.posting.Poster`: the post
     lock, the posted transfers, the host arrays, the slots), how a request becomes its request array and transfer
     (:class:`~gpuxfer.kv.request_arrays.RequestStaging`), its pack transfers' state
-    (:class:`~gpuxfer.kv.pack_transfer.PackState`) and what its memory lives through
+    (:class:`~gpuxfer.kv.pack_transfer.PackState`), how it publishes its metadata and adds peers
+    (:class:`~gpuxfer.kv.peering.Peering`) and what its memory lives through
     (:class:`~gpuxfer.kv.lifetime.Lifetime`: ``remove_peer``, the release of waits, close's drain); its transfers
     post through the poster.
     """
@@ -208,6 +205,7 @@ class KVAgent(Closable, FailsOnTimeout):
         self._pack = PackState(self)
         self._lifetime = Lifetime(self, self._registry, self._routes, self._poster, self._pack)
         self._staging = RequestStaging(self._poster, self._pack)
+        self._peering = Peering(self, self._registry, self._routes, self._poster, self._lifetime)
         try:
             if engine == "pack":
                 self._pack.make_status_words()
@@ -337,22 +335,7 @@ class KVAgent(Closable, FailsOnTimeout):
 
     def metadata(self) -> bytes:
         """This agent's caches and notification words, as versioned bytes for :meth:`add_peer` elsewhere."""
-        self._poster.check_open()
-        flags, staging = self._lifetime.hold()
-        try:
-            control = handle_meta(flags.export())
-            staging_meta = None if staging is None else dict(
-                handle_meta(self.platform.export_handle(staging)), slot_bytes=self.slot_bytes)
-        finally:
-            self._shared.release()
-        body = {
-            "agent": self.name, "uid": self.uid, "pid": os.getpid(), "namespace": process_namespace(),
-            "host": socket.gethostname() or "unknown", "platform": self.platform.name, "device": self.device,
-            "control": control, "staging": staging_meta, **self._registry.metadata(),
-        }
-        if self.nixl is not None:
-            body["nixl"] = self.nixl.metadata()
-        return encode_metadata(body)
+        return self._peering.metadata()
 
     def add_peer(self, metadata: bytes, *, route: str | None = None,
                  pieces: Mapping[str, tuple[int, int]] | None = None,
@@ -375,83 +358,7 @@ class KVAgent(Closable, FailsOnTimeout):
         so both are usually cut (the same bytes per token, at different offsets in rows of different sizes), and
         the two sides' blocks must be of the same size. Not the ``pack`` engine; over the ``nixl`` route each token
         row of a block and layer is a descriptor of the route's lists (counted against its cap at ``add_peer``)."""
-        self._poster.check_open()
-        views.check_arguments(pieces=pieces, local_pieces=local_pieces, token_slice=token_slice,
-                              local_token_slice=local_token_slice)
-        meta = decode_metadata(metadata)
-        if pieces or token_slice:
-            meta = views.peer_view(meta, pieces, token_slice)
-        local_view = views.local_view(self._registry, local_pieces, local_token_slice) \
-            if local_pieces or local_token_slice else None
-        if meta.platform != self.platform.name:
-            raise BadMetadata(f"peer {meta.agent!r} runs on platform {meta.platform!r}, this agent on "
-                              f"{self.platform.name!r}")
-        route = nixl_route.choose_route(self, meta, route)
-        if meta.uid == self.uid:
-            raise BadInput("an agent cannot be its own peer")
-        reg = self._registry
-        if meta.agent in reg.peers:
-            raise BadInput(f"peer {meta.agent!r} is already added (remove_peer first)")
-        if route == "nixl":
-            side = self.nixl
-            if side is None:            # closed since the route was chosen
-                raise BadInput(f"agent {self.name!r} is closed")
-            nixl_peer = NixlPeer(self, meta, side, reg, self._poster, local_view)
-            with reg.lock:      # an add_peer of the same name, or close, may have run meanwhile
-                clash = ("the agent was closed" if reg.closed else
-                         f"peer {meta.agent!r} is already added (remove_peer first)" if meta.agent in reg.peers
-                         else None)
-                if clash is None:
-                    reg.peers[meta.agent] = nixl_peer
-            if clash is not None:
-                nixl_peer.close()
-                raise BadInput(clash)
-            log.info("agent %s: peer %s (host %s) over the nixl route", self.name, meta.agent, meta.host)
-            return nixl_peer
-        viewed = pieces or local_pieces or token_slice or local_token_slice
-        if viewed and meta.pid == os.getpid() and meta.namespace == process_namespace():
-            raise BadInput(f"peer {meta.agent!r}: a view of its pieces needs a peer in another process")
-        if self.staging is not None and meta.staging is not None and meta.slot_bytes != self.slot_bytes:
-            # each side addresses the pair's staging slots by its own slot size
-            raise LayoutMismatch(f"peer {meta.agent!r} has {meta.slot_bytes}-byte staging slots, agent "
-                                 f"{self.name!r} {self.slot_bytes}-byte ones: the pack engine needs equal slot_bytes")
-        peer = KVPeer(self, meta, self._poster)
-        peer.local_view = local_view
-        try:        # the peer is the agent's only once every step that can fail is behind it
-            peer.engine = peer_engine(self.engine, self.auto_engine, peer.name, peer.addressable)
-            if viewed and peer.engine == "pack":
-                # both sides of a pack transfer build its route, and the other side's has no view to match
-                what = "token rows" if token_slice or local_token_slice else "pieces"
-                raise BadInput(f"peer {meta.agent!r}: the pack engine's two sides move whole blocks (a view of "
-                               f"{what} needs the triton or copy_engine engine)")
-            if self.engine == "pack":
-                peer.flags.probe_one_sided(self.timeout_s)
-            routes = self._warm(peer)
-            with reg.lock:      # close lists the peers to close under it
-                if reg.closed:
-                    raise BadInput(f"agent {self.name!r} is closed")
-                if meta.agent in reg.peers:
-                    raise BadInput(f"peer {meta.agent!r} is already added (remove_peer first)")
-                reg.peers[meta.agent] = peer
-                self._routes.routes.update(routes)
-        except BaseException:
-            peer.close()
-            raise
-        return peer
-
-    def _warm(self, peer: KVPeer) -> dict:
-        """The routes of whole requests (every shared group, every layer) in both directions, built now so a
-        request's setup finds them: ``{route key: route}``; a layout the peer does not match raises when a
-        request names it."""
-        from ..kernels import blocks, launch  # noqa: F401 - loaded here, not in the first request's setup
-        shared = tuple(g for g in self._registry.groups if g in peer.groups)
-        routes = {}
-        for op in DIRECTIONS if shared else ():
-            try:
-                routes[(peer, op, None, shared)] = self._routes.build(peer, op, None, shared)
-            except (LayoutMismatch, BadInput) as exc:
-                log.debug("agent %s: no %s route with peer %s yet: %s", self.name, op, peer.name, exc)
-        return routes
+        return self._peering.add(metadata, route, pieces, local_pieces, token_slice, local_token_slice)
 
     def warm_up(self, block: int = 0, *, device_ids: bool = False) -> float:
         """Load now what this agent's requests run (compiled kernels, a route's slot and graph), so the first
@@ -589,8 +496,9 @@ class KVAgent(Closable, FailsOnTimeout):
             self._shared.release()
 
     def stream_wait_notification(self, stream: Stream, slot: int, value: int) -> None:
-        """Block ``stream``'s later work (not the host) until word ``slot`` holds ``value`` or more: ``value``
-        in ``0 .. RELEASE_VALUE - 1`` (the release value, 2^62, that a failure or close writes must pass it).
+        """Block ``stream``'s later work (not the host) until word ``slot`` holds ``value`` or more: ``stream`` an
+        open stream of the agent's device, ``value`` in ``0 .. RELEASE_VALUE - 1`` (the release value, 2^62, that a
+        failure or close writes must pass it).
 
         The agent holds ``stream`` (and an event after the wait) until the wait passed: close drains past it."""
         self._poster.check_open()
@@ -598,6 +506,7 @@ class KVAgent(Closable, FailsOnTimeout):
         value = _notify_value(value)
         if not isinstance(stream, Stream):
             raise BadInput(f"stream_wait_notification needs a Stream of the platform, got {stream!r}")
+        self._poster.stream(stream)     # (an open stream of the agent's device: its flag words are that device's)
         self._lifetime.stream_wait(stream, slot, index, value)
 
     # ------------------------------------------------------------------ lifetime

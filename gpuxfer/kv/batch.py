@@ -63,7 +63,7 @@ def post_many(poster, transfers: Sequence[KVTransfer], stream: Stream | None) ->
     if type(transfers) is not list and (isinstance(transfers, (str, bytes)) or not isinstance(transfers, Sequence)):
         raise BadInput(f"post_many takes a sequence of prepared transfers, got {type(transfers).__name__}")
     routes, others, peers = _sort(agent, transfers)
-    s = agent.stream if stream is None else stream
+    s = poster.stream(stream)
     if len(transfers) == 1:         # (what a decode step admitting one request posts): its own post, which checks
         try:                        # its peer
             return [transfers[0].post(s)]

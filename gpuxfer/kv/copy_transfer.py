@@ -42,7 +42,7 @@ class _CopyEngineTransfer(KVTransfer):
 
     def post(self, stream: Stream | None = None) -> KVTransferHandle:
         poster = self.poster
-        s = self.agent.stream if stream is None else stream
+        s = poster.stream(stream)
         with poster.lock:                  # remove_peer and close exclude it: checked under it
             poster.check_usable(self.peer)
             if self._sizes.size:

@@ -181,8 +181,8 @@ def prepare_device(poster, peer, route, op: str, name: str, local_blocks: Mappin
         if dtype is None:
             dtype = getattr(mine, "dtype", None)
         for t in (mine, theirs):
-            if type(t) is not T or t.get_device() != where or t.dtype is not dtype or t.dim() != 1 \
-                    or not t.is_contiguous() or (dtype is not torch.int32 and dtype is not torch.int64):
+            if type(t) is not T or t.is_nested or t.get_device() != where or t.dtype is not dtype or t.dim() != 1 \
+                    or not t.is_contiguous() or (dtype is not torch.int32 and dtype is not torch.int64) or t.is_neg():
                 _refuse(name, g, "local blocks" if t is mine else "remote blocks", t, dev.device, dtype)
         s, d = (mine, theirs) if push else (theirs, mine)
         a, b = s.shape[0], d.shape[0]
@@ -216,6 +216,10 @@ def _refuse(name: str, group: str, side: str, ids, device, dtype) -> None:
     what = f"request {name!r}, group {group!r}, {side}"
     if isinstance(ids, torch.Tensor) and type(ids) is not torch.Tensor:
         raise BlockIdError(f"{what}: block IDs on the device must be a plain torch.Tensor, got {type(ids).__name__}")
+    if isinstance(ids, torch.Tensor) and (ids.is_nested or ids.is_neg()):
+        # (the check reads the tensor's memory: a negated view's memory holds other IDs than its values)
+        raise BlockIdError(f"{what}: block IDs on the device must be a plain tensor, got a "
+                           f"{'nested' if ids.is_nested else 'negated (neg-bit) view'}")
     if not isinstance(ids, torch.Tensor) or ids.device != device:
         raise BlockIdError(f"{what}: block IDs on the device must be tensors on {device}, got "
                            f"{ids.device if isinstance(ids, torch.Tensor) else type(ids).__name__}")

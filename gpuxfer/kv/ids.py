@@ -30,11 +30,14 @@ def _as_ids(ids, request: str, group: str, side: str) -> np.ndarray:
     if isinstance(ids, torch.Tensor):
         if ids.device.type != "cpu":
             raise BlockIdError(f"{what}: block IDs must be on the host (a list, a numpy array or a CPU tensor)")
-        if ids.dtype not in _int_dtypes(torch) or ids.layout is not torch.strided:
+        if ids.dtype not in _int_dtypes(torch) or ids.layout is not torch.strided or ids.is_nested:
             raise BlockIdError(f"{what}: block IDs must be a 1-D sequence of integers, got {ids.dtype} "
-                               f"{tuple(ids.shape)} ({ids.layout})")
-        ids = ids.detach().numpy()
-    arr = np.asarray(ids)
+                               f"{'nested' if ids.is_nested else tuple(ids.shape)} ({ids.layout})")
+        ids = ids.detach().resolve_neg().numpy()        # (a negated view's values, not its memory's)
+    try:
+        arr = np.asarray(ids)
+    except (ValueError, TypeError, OverflowError) as exc:      # ragged or otherwise not an array of numbers
+        raise BlockIdError(f"{what}: block IDs must be a 1-D sequence of integers ({exc})") from None
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise BlockIdError(f"{what}: block IDs must be a 1-D sequence of integers, got {arr.dtype} {arr.shape}")
     if arr.dtype.kind == "u" and arr.size and int(arr.max()) >= _MAX_INT:

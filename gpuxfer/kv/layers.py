@@ -224,8 +224,13 @@ def _from_spec(spec: KVLayerSpec, name: str, position: int) -> KVLayer:
     for v, what in ((spec.num_blocks, "num_blocks"), (spec.block_stride_bytes, "block_stride_bytes")):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
             raise BadInput(f"layer {name!r}: {what} must be an int, got {v!r}")
+    try:
+        given = list(spec.pieces)
+    except TypeError:
+        raise BadInput(f"layer {name!r}: KVLayerSpec.pieces must be a sequence of (offset, nbytes) pairs, got "
+                       f"{spec.pieces!r}") from None
     pieces = []
-    for p in spec.pieces:
+    for p in given:
         if isinstance(p, KVPiece):
             pieces.append(p)
         else:

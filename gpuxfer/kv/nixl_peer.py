@@ -19,7 +19,7 @@ from .layers import KVLayer
 from .nixl_ffi import NixlError, RemoteHeld
 from .nixl_route import NOTIF_PREFIX, NixlSide
 from .peers import KVPeer, _Group
-from .routes import _overlap_classes, _pair_pieces, request_groups
+from .routes import _check_sources, _overlap_classes, _pair_pieces, request_groups
 from .transfer import KVTransfer
 
 log = logging.getLogger("gpuxfer.kv.agent")
@@ -44,6 +44,7 @@ class _Lists:
         self.ratios: dict[str, tuple[int, int]] = {}                  # group -> (local, remote) segments per block
         self.errors: dict[str, Exception] = {}                         # group -> why it cannot pair
         self.full: dict[str, bool] = {}                                 # group -> both sides have the same layers
+        self.unpaired: dict[str, list] = {}             # group -> the peer's layers no layer here pairs with
         # group -> per plane (local address of block 0, local block stride, remote address, remote stride) where the
         # plane's one segment per block is the whole block on both sides (consecutive blocks adjoin), else None
         self.spans: dict[str, list[tuple[int, int, int, int] | None]] = {}
@@ -187,6 +188,8 @@ class NixlPeer(KVPeer):
                 n_remote += theirs.num_blocks * rt
             out.ratios[gname] = (rm, rt)
             out.full[gname] = len(mine.layers) == len(theirs.layers)
+            names = {lay.name for lay in mine.layers}
+            out.unpaired[gname] = [lay for lay in theirs.layers if lay.name not in names]
         if out.planes:
             local = _dlist(local_rows, self.side.device)
             remote = _dlist(remote_rows, self.meta.nixl["device"])
@@ -241,6 +244,10 @@ class NixlPeer(KVPeer):
                 raise LayoutMismatch(f"group {g!r}: {len(self._mine(g).layers)} layers here, "
                                      f"{len(self.groups[g].layers)} on peer {self.name!r}")
         push = op == "push"
+        if push:        # every destination layer in the range is written: none lacks its source
+            for g in groups:
+                if lists.unpaired[g]:
+                    _check_sources(g, self.name, layers, lists.unpaired[g], set())
         n_seg, lens_s, lens_d, (S, D, *_rest) = self._route_ids(op, groups).check(name, push, local_blocks,
                                                                                    remote_blocks)
         loc, rem, nbytes, parts = [], [], 0, []
@@ -424,7 +431,7 @@ class _NixlTransfer(KVTransfer):
         transfers are not stream-ordered, so the host waits for it, at most the agent's timeout."""
         agent, poster, peer = self.agent, self.poster, self.peer
         poster.check_usable(peer)
-        s = agent.stream if stream is None else stream
+        s = poster.stream(stream)
         plat = agent.platform
         ev = plat.record_event(s)
         if not plat.event_query(ev) and not plat.event_wait(ev, agent.timeout_s):

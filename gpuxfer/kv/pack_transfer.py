@@ -352,9 +352,7 @@ class _PackTransfer(KVTransfer):
         the signals it queued, so the two sides' transfers no longer pair up; its error is raised from every
         later call instead of a timeout of the next transfer."""
         agent, peer, pack = self.agent, self.peer, self.pack
-        s = agent.stream if stream is None else stream
-        if not isinstance(s, Stream) or s.closed:
-            raise BadInput(f"request {self.name!r}: cannot post on {s!r}: not an open stream of the platform")
+        s = self.poster.stream(stream)
         with self.poster.lock:             # remove_peer and close exclude it: checked under it
             self.poster.check_usable(peer)
             if pack.status[0]:              # a refused transfer (TransferMismatch)

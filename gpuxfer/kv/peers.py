@@ -88,7 +88,7 @@ class Registry:
         return flat
 
     def peer(self, name: str) -> "KVPeer":
-        p = self.peers.get(name)
+        p = self.peers.get(name) if isinstance(name, str) else None
         if p is None:
             raise NotRegistered(f"agent {self.name!r} has no peer {name!r}; peers: {', '.join(self.peers) or 'none'}")
         return p
@@ -261,14 +261,15 @@ class KVPeer(Closable):
         return self._seq[check_slot(slot)] + 1
 
     def notify(self, s: Stream, slot: int) -> tuple[int, Event]:
-        """Queue the next notification to word ``slot`` of the peer on ``s`` (after the work already there), then
-        an event: ``(value, event)``. From any thread: it queues under the agent's post lock, the peer checked
+        """Queue the next notification to word ``slot`` of the peer on ``s`` (an open stream of the agent's device,
+        after the work already there), then an event: ``(value, event)``. From any thread: it queues under the agent's post lock, the peer checked
         there (:class:`~gpuxfer.errors.NotRegistered` once removed, :class:`~gpuxfer.errors.BadInput` once the
         agent closed), and the agent keeps the event as it keeps a post's, so ``remove_peer`` and ``close`` wait
         for it. A peer of the NIXL route is notified by a transfer's ``notify_slot`` (:class:`BadInput`)."""
         check_slot(slot)
         if not isinstance(s, Stream):
             raise BadInput(f"notify needs a Stream of the platform, got {s!r}")
+        self.poster.stream(s)           # (an open stream of the agent's device)
         if self.route != "ipc":
             raise BadInput(f"peer {self.name!r} is reached over {self.route}: notify it with a transfer's notify_slot")
         poster = self.poster

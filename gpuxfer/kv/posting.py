@@ -91,6 +91,19 @@ class Poster:
         raise PeerLost(rank=agent.rank, peer=peer._local.rank, step=0, flag=f"peer {peer.name!r}", after_s=0.0,
                        why=f"agent {peer.name!r} of this process was closed (remove_peer it)")
 
+    def stream(self, stream) -> Stream:
+        """The stream a post runs on: the agent's own where ``stream`` is None, else ``stream``, which must be an
+        open stream of the platform on the agent's device (else :class:`BadInput`: the slots, graphs and words a
+        post uses belong to that device)."""
+        agent = self.agent
+        if stream is None:
+            return agent.stream
+        if not isinstance(stream, Stream) or stream.closed or stream.device != agent.device:
+            where = "" if not isinstance(stream, Stream) or stream.closed else f" (it is device {stream.device}'s)"
+            raise BadInput(f"agent {agent.name!r} cannot post on {stream!r}: not an open stream of the platform on "
+                           f"its device {agent.device}{where}")
+        return stream
+
     def torch_device(self):
         return self.agent.platform.torch_device(self.agent.device)
 

@@ -73,6 +73,16 @@ def _pair_pieces(group: str, mine: KVLayer, theirs: KVLayer, bt_src: int, bt_dst
     return out
 
 
+def _check_sources(group: str, peer: str, layers: tuple[int, int] | None, dst_layers, src_names: set) -> None:
+    """A push over ``layers`` (a range) writes every layer of the peer's group in it: :class:`LayoutMismatch` naming
+    the first such layer of ``dst_layers`` whose name is not in ``src_names`` (a pull's destination layers are this
+    agent's, each paired with the peer's or refused, so a pull needs no such check)."""
+    for lay in dst_layers:
+        if lay.name not in src_names and (layers is None or layers[0] <= lay.index < layers[1]):
+            raise LayoutMismatch(f"group {group!r}: layer {lay.name!r} (layer {lay.index}) of peer {peer!r} is in "
+                                 f"layer range {layers}, but this agent has no layer of that name to push into it")
+
+
 def _overlap_classes(spans: list[list[tuple[int, int]]]) -> list[list[int]]:
     """Groups (by index) whose memory spans intersect, merged transitively (union-find)."""
     parent = list(range(len(spans)))
@@ -178,6 +188,8 @@ class RouteCache:
             if layers is None and len(theirs.layers) != len(mine.layers):
                 raise LayoutMismatch(f"group {gname!r}: {len(mine.layers)} layers here, {len(theirs.layers)} on "
                                      f"peer {peer.name!r}")
+            if src_is_mine:             # every destination layer in the range is written: none lacks its source
+                _check_sources(gname, peer.name, layers, theirs.layers, {lay.name for lay, _ in selected})
             spans = []
             for lay, fl in selected:
                 other = theirs_by_name.get(lay.name)

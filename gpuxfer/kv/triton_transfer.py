@@ -257,7 +257,7 @@ class _SlotTransfer(KVTransfer):
         None of it depends on the number of descriptors.
         """
         poster = self.poster
-        s = self.agent.stream if stream is None else stream
+        s = poster.stream(stream)
         with poster.lock:                  # remove_peer and close exclude it: checked under it
             poster.check_usable(self.peer)
             return self._post_locked(s)

@@ -150,13 +150,13 @@ def _add_peer_against_close():
     dec.register_group("g", BT, [c1.t])
     blob = pre.metadata()
     inside, closed = threading.Event(), threading.Event()
-    real = dec._warm
+    real = dec._peering.warm
 
     def warm(peer):
         inside.set()
         assert closed.wait(60)
         return real(peer)
-    dec._warm = warm
+    dec._peering.warm = warm
     t, out = _thread(dec.add_peer, blob)
     assert inside.wait(60)
     dec.close()
@@ -335,12 +335,12 @@ def test_add_peer_of_the_same_metadata_from_two_threads():
     try:
         dec.remove_peer("prefill")
         both = threading.Barrier(2, timeout=60)
-        real = dec._warm
+        real = dec._peering.warm
 
         def warm(peer):
             both.wait()
             return real(peer)
-        dec._warm = warm
+        dec._peering.warm = warm
         blob = pre.metadata()
         (t1, o1), (t2, o2) = _thread(dec.add_peer, blob), _thread(dec.add_peer, blob)
         _joined(t1)
@@ -349,7 +349,7 @@ def test_add_peer_of_the_same_metadata_from_two_threads():
         lost = [o["error"] for o in (o1, o2) if "error" in o]
         assert len(won) == 1 and len(lost) == 1 and isinstance(lost[0], BadInput), (o1, o2)
         assert dec.peer("prefill") is won[0]
-        del dec._warm
+        del dec._peering.warm
         dec.prepare(won[0], "pull", local_blocks={"g": [2]}, remote_blocks={"g": [3]}).post().wait(30)
         assert torch.equal(c1.t[2], c0.t[3])
     finally:
