@@ -26,7 +26,7 @@ import numpy as np
 
 from ...errors import BlockIdError, GpuxferError
 from . import lease
-from .channel import SideChannelClient
+from .channel import ChannelClosed, SideChannelClient
 from .handshake import agent_name, check_compatible, decode_info, readers
 from .params import BadTransferParams, RemotePrefill, pair_group, source_ranks
 from .staging import IdStaging
@@ -133,6 +133,7 @@ class DecodeLoads:
         # loads read from several prefill ranks: request -> [reads not reported yet, whether one failed]
         self._parts: dict[str, list] = {}
         self._prune_claims_at = 1024
+        self.closed = False                                  # shut down: no new side channel is opened
 
     def bind(self, agent, info: dict, kernel_tokens: list[int], bytes_per_block: list[int],
              staging: IdStaging | None) -> None:
@@ -182,6 +183,9 @@ class DecodeLoads:
         gone = r is not None and r.state == "ready" and not (r.client and r.client.alive)
         if r is None or ((r.state == "failed" or gone) and r.inflight == 0):
             r = self.remotes[key] = _Remote(key)
+            if self.closed:
+                self._handshake_failed(r, ChannelClosed("the connector is shut down"))
+                return r
             try:
                 r.client = SideChannelClient(r.key[0], r.key[1], self.settings.handshake_timeout_s)
             except (OSError, ValueError) as exc:
@@ -516,6 +520,9 @@ class DecodeLoads:
                     ready.append(st)
                 elif now - st.t_start > self.settings.handshake_timeout_s:
                     st.error = f"no handshake with {r.key[0]}:{r.key[1]} within {self.settings.handshake_timeout_s:g} s"
+                    # the handshake ends with it (else, begun later in the step than the load, it would stay
+                    # pending with its socket open: handshakes advance only while loads wait)
+                    self._handshake_failed(r, TimeoutError(st.error))
                 if st.error is not None:
                     del self.waiting[st.key]
                     self.ended.append(st)
@@ -665,7 +672,10 @@ class DecodeLoads:
         return out
 
     def close(self) -> None:
-        for r in self.remotes.values():
+        """Close every engine's side channel (from any thread: the engine thread's steps may still name new
+        engines, which then fail without a connection)."""
+        self.closed = True
+        for r in list(self.remotes.values()):
             if r.client is not None:
                 r.client.close()
 
