@@ -7,6 +7,10 @@ import threading
 import time
 
 import numpy as np
+import pytest
+
+from gpuxfer.errors import BadInput
+from gpuxfer.integrations.vllm.handshake import INFO_VERSION, decode_info, encode_info
 
 from gpuxfer.integrations.vllm.lease import now
 from gpuxfer.integrations.vllm.loads import Load, _Remote
@@ -74,3 +78,26 @@ def test_shutdown_while_the_engine_thread_names_a_new_prefill():
         assert w.poll() == (set(), {"b"}, {"b"})
     finally:
         silent.close()
+
+
+def _info(**kw) -> dict:
+    g = {"kind": "MLAAttentionSpec", "block_size": 16, "kernel_tokens": 16, "token_major": True, "layers": ["l0"],
+         "bytes_per_token": 576, "content": [1, 576], "pieces": 1, "kv_heads": 1}
+    return dict({"version": INFO_VERSION, "engine_id": "p", "model": "m", "dtype": "auto/bfloat16", "layout": None,
+                 "groups": [g]}, **kw)
+
+
+@pytest.mark.parametrize("tp", [{"tp_size": 1 << 40}, {"tp_size": 1 << 40, "tp_rank": 0}, {"tp_size": 0},
+                                {"tp_size": -2}, {"tp_size": 2.0}, {"tp_size": "2"}, {"tp_size": True},
+                                {"tp_rank": -1}, {"tp_rank": 2, "tp_size": 2}, {"tp_rank": 0.0}, {"tp_rank": None}])
+def test_a_peer_description_naming_a_hostile_tensor_parallel_size_is_refused(tp):
+    """The decode side lists the prefill ranks it reads from a peer's tensor parallel size (one per rank): a forged
+    size of 2^40 would have it build a list of 2^40 ranks on the engine thread (an MLA group pairs with a prefill
+    of any size, and a refused handshake looks the ranks up too). The description is refused by name instead."""
+    with pytest.raises(BadInput, match="tensor parallel"):
+        decode_info(encode_info(_info(**tp)))
+
+
+def test_a_peer_description_of_a_plausible_tensor_parallel_size_is_taken():
+    assert decode_info(encode_info(_info()))["engine_id"] == "p"
+    assert decode_info(encode_info(_info(tp_rank=3, tp_size=4)))["tp_size"] == 4
