@@ -1,8 +1,10 @@
 """The vLLM connector's worker side under hostile orders of calls and peers, without vLLM: a handshake whose loads
-timed out before it did, shutdown while the engine thread steps, loads after shutdown."""
+timed out before it did, shutdown while the engine thread steps, loads after shutdown, a peer's description or
+handshake answer past what a real one can be."""
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 
@@ -10,11 +12,12 @@ import numpy as np
 import pytest
 
 from gpuxfer.errors import BadInput
+from gpuxfer.integrations.vllm.channel import MAX_INFO, ChannelClosed, SideChannelClient, frame
 from gpuxfer.integrations.vllm.handshake import INFO_VERSION, decode_info, encode_info
-
 from gpuxfer.integrations.vllm.lease import now
 from gpuxfer.integrations.vllm.loads import Load, _Remote
 from gpuxfer.integrations.vllm.params import RemotePrefill
+from gpuxfer.kv.metadata import MAX_METADATA_BYTES
 from test_vllm_worker_polls import _Client, _worker
 
 
@@ -101,3 +104,35 @@ def test_a_peer_description_naming_a_hostile_tensor_parallel_size_is_refused(tp)
 def test_a_peer_description_of_a_plausible_tensor_parallel_size_is_taken():
     assert decode_info(encode_info(_info()))["engine_id"] == "p"
     assert decode_info(encode_info(_info(tp_rank=3, tp_size=4)))["tp_size"] == 4
+
+
+@pytest.mark.parametrize("answer", [
+    struct.pack(">I", MAX_INFO + 1),                                         # an engine description
+    frame(b"{}") + struct.pack(">I", MAX_METADATA_BYTES + (1 << 20)),       # agent metadata
+    frame(b"{}") + frame(b"m") + struct.pack(">I", 9),                      # the 8-byte clock
+], ids=["description", "metadata", "clock"])
+def test_a_handshake_answer_longer_than_its_frame_can_be_is_refused_at_its_length(answer):
+    """Each frame of a handshake answer has a most it can hold (a description of the most layers an agent's metadata
+    lists, that metadata, a double): a length past it fails the handshake as it arrives, instead of having the
+    decode buffer up to three frames of MAX_FRAME bytes (192 MiB) per prefill engine a request's params name."""
+    lst = socket.create_server(("127.0.0.1", 0))
+    go = threading.Event()
+
+    def serve():
+        s, _ = lst.accept()
+        s.recv(100)
+        s.sendall(answer)
+        go.wait(30)
+        s.close()
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    c = SideChannelClient("127.0.0.1", lst.getsockname()[1], 30.0)
+    try:
+        with pytest.raises(ChannelClosed, match="bytes"):
+            c.handshake()
+        assert not c.alive
+    finally:
+        go.set()
+        c.close()
+        t.join(10)
+        lst.close()

@@ -21,7 +21,8 @@ server's own thread pumps too, so an idle prefill instance still answers. A thre
 encodes and sends the done and release messages, which nobody waits for (a late one holds the
 prefill's blocks a little longer), and watches the connection: the engine thread only queues them and
 does not pay the loopback ``send``, which costs tens of microseconds inside an engine process. A frame longer than
-``MAX_FRAME`` (``MAX_MESSAGE`` for what a decode sends), a message the protocol does not allow, an answer not
+its part of the protocol can be (``MAX_MESSAGE`` for what a decode sends; a handshake answer's description
+``MAX_INFO``, its metadata what an agent publishes at most, its clock 8 bytes), a message the protocol does not allow, an answer not
 drained within the timeout, a connection that sent no hello or left a message half sent for longer than the
 timeout close that connection only; past ``MAX_CONNECTIONS`` open, or ``MAX_CONNECTIONS_PER_HOST`` from one
 address, a new one is closed at once (a host opening many cannot lock the others' decode workers out).
@@ -41,11 +42,15 @@ import math
 import threading
 import time
 
+from ...kv.metadata import MAX_METADATA_BYTES, MAX_METADATA_LAYERS
 from . import lease
 
 log = logging.getLogger("gpuxfer.vllm")
 
 MAX_FRAME = 64 << 20
+#: the longest engine description a handshake answer carries (as much a layer as agent metadata allows, for as
+#: many layers); that answer's other frames: the agent's metadata and the 8-byte clock
+MAX_INFO = MAX_METADATA_LAYERS * 1024
 #: the longest message a decode sends (a step's done list goes in messages of at most ``MAX_IDS_PER_MESSAGE``
 #: requests), and the most connections a prefill worker keeps open: what hostile peers can make it buffer
 MAX_MESSAGE = 1 << 20
@@ -69,6 +74,7 @@ _resolving_lock = threading.Lock()
 WATCH_S = 0.05
 _LEN = struct.Struct(">I")
 _CLOCK = struct.Struct(">d")
+_ANSWER = (MAX_INFO, MAX_METADATA_BYTES + 64, _CLOCK.size)      # (metadata: its header and body)
 _BY_US = "closed by this instance"
 _ENCODER = json.JSONEncoder(separators=(",", ":"))     # made once: json.dumps with separators makes one a call
 
@@ -85,10 +91,11 @@ def message(msg: dict) -> bytes:
     return frame(_ENCODER.encode(msg).encode())
 
 
-def take_frames(buf: bytearray, limit: int = MAX_FRAME) -> list[bytes]:
-    """Cut the complete frames off the front of ``buf``; :class:`ChannelClosed` on a length past ``limit``."""
+def take_frames(buf: bytearray, limit: int = MAX_FRAME, most: int | None = None) -> list[bytes]:
+    """Cut the complete frames off the front of ``buf`` (at most ``most``); :class:`ChannelClosed` on a length
+    past ``limit``."""
     out = []
-    while len(buf) >= _LEN.size:
+    while len(buf) >= _LEN.size and (most is None or len(out) < most):
         (n,) = _LEN.unpack_from(buf)
         if n > limit:
             raise ChannelClosed(f"a frame of {n} bytes (more than {limit})")
@@ -426,8 +433,12 @@ class SideChannelClient:
             data = _recv_some(self._sock)
             if data is not None:
                 self._in += data
-                self._got += take_frames(self._in)
-                if len(self._got) > 3:
+                while len(self._got) < 3:       # each frame held to what its part of the answer can be
+                    got = take_frames(self._in, _ANSWER[len(self._got)], most=1)
+                    if not got:
+                        break
+                    self._got += got
+                if len(self._got) == 3 and self._in:
                     raise ChannelClosed("more than the three frames of a handshake")
                 if len(self._got) == 3:
                     clock = self._got[2]
