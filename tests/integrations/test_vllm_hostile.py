@@ -14,6 +14,7 @@ import pytest
 from gpuxfer.errors import BadInput
 from gpuxfer.integrations.vllm.channel import MAX_INFO, ChannelClosed, SideChannelClient, frame
 from gpuxfer.integrations.vllm.handshake import INFO_VERSION, decode_info, encode_info
+from gpuxfer.integrations.vllm import loads
 from gpuxfer.integrations.vllm.lease import now
 from gpuxfer.integrations.vllm.loads import Load, _Remote
 from gpuxfer.integrations.vllm.params import RemotePrefill
@@ -136,3 +137,24 @@ def test_a_handshake_answer_longer_than_its_frame_can_be_is_refused_at_its_lengt
         c.close()
         t.join(10)
         lst.close()
+
+
+def test_handshakes_under_way_at_once_are_bounded(monkeypatch):
+    """Each request's params may name prefill ranks of its own (up to MAX_TP of them a request), each a connection
+    until its handshake ends (up to its timeout): past MAX_HANDSHAKES under way, a load naming a new engine fails
+    at once with no connection made, so hostile params cannot take every file descriptor of the engine."""
+    monkeypatch.setattr(loads, "MAX_HANDSHAKES", 2)
+    w = _worker()
+    silent = [socket.create_server(("127.0.0.1", 0)) for _ in range(3)]
+    try:
+        w.decode.start([_load(f"r{i}", s.getsockname()[1], engine=f"e{i}") for i, s in enumerate(silent)])
+        states = {k[2]: (r.state, r.client is not None) for k, r in w.decode.remotes.items()}
+        assert states == {"e0": ("pending", True), "e1": ("pending", True), "e2": ("failed", False)}
+        assert w.poll() == (set(), {"r2"}, {"r2"})
+        assert set(k[2] for k in w.decode.remotes) == {"e0", "e1"}
+        w.decode.start([_load("r3", silent[2].getsockname()[1], engine="e2")])     # still two under way
+        assert w.decode.remotes[("127.0.0.1", silent[2].getsockname()[1], "e2")].client is None
+    finally:
+        w.close()
+        for s in silent:
+            s.close()

@@ -39,6 +39,9 @@ log = logging.getLogger("gpuxfer.vllm")
 AUTO_DEVICE_IDS_FROM = 2
 #: the most loads (prefill engine, request) a worker remembers past the prefill's lease (:attr:`DecodeLoads.claims`)
 MAX_CLAIMS = 1 << 20
+#: the most handshakes a worker has under way at once (each a connection until it ends, within its timeout; a
+#: request's params may name up to params.MAX_TP prefill ranks of their own): past them a new engine's loads fail
+MAX_HANDSHAKES = 256
 
 
 @dataclass
@@ -185,6 +188,9 @@ class DecodeLoads:
             r = self.remotes[key] = _Remote(key)
             if self.closed:
                 self._handshake_failed(r, ChannelClosed("the connector is shut down"))
+                return r
+            if sum(x.state == "pending" for x in self.remotes.values()) > MAX_HANDSHAKES:       # (r is one)
+                self._handshake_failed(r, ChannelClosed(f"{MAX_HANDSHAKES} handshakes are under way already"))
                 return r
             try:
                 r.client = SideChannelClient(r.key[0], r.key[1], self.settings.handshake_timeout_s)
