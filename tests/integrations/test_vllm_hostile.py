@@ -19,7 +19,8 @@ from gpuxfer.integrations.vllm.lease import now
 from gpuxfer.integrations.vllm.loads import Load, _Remote
 from gpuxfer.integrations.vllm.params import RemotePrefill
 from gpuxfer.kv.metadata import MAX_METADATA_BYTES
-from test_vllm_worker_polls import _Client, _worker
+from gpuxfer.integrations.vllm.holds import make_key
+from test_vllm_worker_polls import _Client, _Server, _worker
 
 
 def _load(req: str, port: int, engine: str = "p") -> Load:
@@ -158,3 +159,25 @@ def test_handshakes_under_way_at_once_are_bounded(monkeypatch):
         w.close()
         for s in silent:
             s.close()
+
+
+def test_releases_that_do_not_count_are_not_logged_each_at_info(caplog):
+    """Anyone reaching a prefill's side channel can queue up to MAX_EVENTS releases a step, each naming any request
+    and no key: only a release that ends (or counts towards ending) a hold is logged at info, so a stranger cannot
+    have the engine write a log line for each of them."""
+    import logging
+    w = _worker()
+    w.server = srv = _Server()
+    w.keyed_by(b"s" * 16)
+    key = make_key(b"s" * 16, "held")
+    w.hold({"held": (now() + 60, key)})
+    for i in range(100):
+        srv.events.put(("release", f"stranger{i}", 1, None))
+    srv.events.put(("release", "held", 1, "0" * 24))                  # a held request, another key
+    with caplog.at_level(logging.INFO, logger="gpuxfer.vllm"):
+        assert w.poll()[0] == set()
+        assert not [r for r in caplog.records if r.levelno == logging.INFO]
+        srv.events.put(("release", "held", 1, key))
+        assert w.poll()[0] == {"held"}
+    assert [r.levelno for r in caplog.records if "released request held" in r.getMessage()] == [logging.INFO]
+    assert w.take_stats()["forged"] == 101
