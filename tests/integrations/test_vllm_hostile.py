@@ -14,7 +14,7 @@ import pytest
 from gpuxfer.errors import BadInput
 from gpuxfer.integrations.vllm.channel import MAX_INFO, ChannelClosed, SideChannelClient, frame
 from gpuxfer.integrations.vllm.handshake import INFO_VERSION, decode_info, encode_info
-from gpuxfer.integrations.vllm import loads
+from gpuxfer.integrations.vllm import engines
 from gpuxfer.integrations.vllm.lease import now
 from gpuxfer.integrations.vllm.loads import Load, _Remote
 from gpuxfer.integrations.vllm.params import RemotePrefill
@@ -144,7 +144,7 @@ def test_handshakes_under_way_at_once_are_bounded(monkeypatch):
     """Each request's params may name prefill ranks of its own (up to MAX_TP of them a request), each a connection
     until its handshake ends (up to its timeout): past MAX_HANDSHAKES under way, a load naming a new engine fails
     at once with no connection made, so hostile params cannot take every file descriptor of the engine."""
-    monkeypatch.setattr(loads, "MAX_HANDSHAKES", 2)
+    monkeypatch.setattr(engines, "MAX_HANDSHAKES", 2)
     w = _worker()
     silent = [socket.create_server(("127.0.0.1", 0)) for _ in range(3)]
     try:
