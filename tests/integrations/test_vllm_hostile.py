@@ -20,7 +20,7 @@ from gpuxfer.integrations.vllm.loads import Load, _Remote
 from gpuxfer.integrations.vllm.params import RemotePrefill
 from gpuxfer.kv.metadata import MAX_METADATA_BYTES
 from gpuxfer.integrations.vllm.holds import make_key
-from test_vllm_worker_polls import _Client, _Server, _worker
+from test_vllm_worker_polls import _Client, _in_flight, _Server, _two_part_load, _worker
 
 
 def _load(req: str, port: int, engine: str = "p") -> Load:
@@ -181,3 +181,29 @@ def test_releases_that_do_not_count_are_not_logged_each_at_info(caplog):
         assert w.poll()[0] == {"held"}
     assert [r.levelno for r in caplog.records if "released request held" in r.getMessage()] == [logging.INFO]
     assert w.take_stats()["forged"] == 101
+
+
+def test_a_load_named_again_while_its_read_is_in_flight_changes_nothing():
+    """A step's metadata naming a request whose load is still in flight (replayed metadata) must not take the
+    place of that load: reported failed at once, it would have vLLM recompute the request while the read still
+    writes its blocks, and report the request a second time when the read ends. The second load is dropped
+    (logged); the first is reported once, when its read ended."""
+    w = _worker()
+    r, sts = _in_flight(w, 1, now() + 60)
+    w.decode.claims[(r.key, sts[0].load.remote.request_id)] = (r, now() + 60)
+    w.start_loads([sts[0].load])
+    assert w.poll() == (set(), set(), set())
+    assert w.decode.pending == {("d0", 0): sts[0]}
+    sts[0].handle.finished = True
+    assert w.poll() == (set(), {"d0"}, set())
+    assert w.poll() == (set(), set(), set())
+    assert r.client.sent == [("done", ["p0"])]
+    # a load read from two prefill ranks, named again once one of its reads was reported
+    w, ranks, sts = _two_part_load(True)
+    sts[0].handle.finished = True
+    assert w.poll() == (set(), set(), set()) and list(w.decode.pending) == [("d0", 1)]
+    w.start_loads([sts[0].load])
+    assert w.poll() == (set(), set(), set()) and w.decode._parts == {"d0": [1, False]}
+    sts[1].handle.finished = True
+    assert w.poll() == (set(), {"d0"}, set())
+    assert [rk.client.sent for rk in ranks] == [[("done", ["p0"])], [("done", ["p0"])]]

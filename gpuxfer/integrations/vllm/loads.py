@@ -128,6 +128,11 @@ class DecodeLoads:
         now = time.monotonic()
         ready = []
         for load in loads:
+            # a request named again before its load was reported (replayed metadata): that load stands
+            if (load.req_id, 0) in self.pending or load.req_id in self._parts:
+                log.error("gpuxfer: engine %s: request %s is named for a load while its load is not reported yet "
+                          "(metadata replayed?); the second is dropped", self.engine_id, load.req_id)
+                continue
             try:
                 keys = load.remote.endpoints_of(self.tp_rank, self.tp_size)
             except BadTransferParams as exc:       # no prefill rank for this one: fails (and is logged) at the poll
