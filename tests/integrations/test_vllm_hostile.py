@@ -1,6 +1,7 @@
 """The vLLM connector's worker side under hostile orders of calls and peers, without vLLM: a handshake whose loads
 timed out before it did, shutdown while the engine thread steps, loads after shutdown, a peer's description or
-handshake answer past what a real one can be."""
+handshake answer past what a real one can be, the handshakes under way at once, releases from strangers in the
+log, a load named again while in flight."""
 from __future__ import annotations
 
 import socket
