@@ -24,9 +24,10 @@ from .staging import IdStaging
 
 log = logging.getLogger("gpuxfer.vllm")
 
-#: the most handshakes a worker has under way at once (each a connection until it ends, within its timeout; a
-#: request's params may name up to params.MAX_TP prefill ranks of their own): past them a new engine's loads fail
-MAX_HANDSHAKES = 256
+#: the most handshakes a worker has under way at once (each a connection until it ends, within its timeout, and
+#: up to MAX_INFO and an agent's metadata buffered; a request's params may name up to params.MAX_TP prefill ranks of
+#: their own): past them a new engine's loads fail at once (a handshake takes milliseconds)
+MAX_HANDSHAKES = 64
 
 
 @dataclass
