@@ -11,7 +11,7 @@ import types
 import numpy as np
 import pytest
 
-from gpuxfer.integrations.vllm import channel, loads as loads_mod
+from gpuxfer.integrations.vllm import channel, engines as engines_mod
 from gpuxfer.integrations.vllm.handshake import encode_info, engine_info
 from gpuxfer.integrations.vllm.holds import PrefillHolds
 from gpuxfer.integrations.vllm.lease import now
@@ -71,7 +71,7 @@ def _decode(monkeypatch, peers: dict):
             post_many([self])
             return types.SimpleNamespace(wait=lambda: None)
 
-    monkeypatch.setattr(loads_mod, "SideChannelClient", Client)
+    monkeypatch.setattr(engines_mod, "SideChannelClient", Client)
     w = WorkerSide(engine_id="d", model="m", dtype="auto/float16", layout=None,
                    groups=[("FullAttentionSpec", 16, ["l0"])],
                    settings=Settings(lease_s=60, host="127.0.0.1", port=0, handshake_timeout_s=5, token_major=True,

@@ -170,7 +170,7 @@ def test_a_decode_rank_sharing_a_prefill_rank_says_so_in_each_message(monkeypatc
     learns that two decode ranks read that prefill rank before any message, so the release that follows a
     failed mapping names both readers; the peer is added seen through heads 2 and 3."""
     import types
-    from gpuxfer.integrations.vllm import loads as loads_mod
+    from gpuxfer.integrations.vllm import engines as engines_mod
     from gpuxfer.integrations.vllm.handshake import encode_info, engine_info
 
     def group(heads):
@@ -199,7 +199,7 @@ def test_a_decode_rank_sharing_a_prefill_rank_says_so_in_each_message(monkeypatc
         added.append(pieces)
         raise GpuxferError("no mapping here")
 
-    monkeypatch.setattr(loads_mod, "SideChannelClient", Client)
+    monkeypatch.setattr(engines_mod, "SideChannelClient", Client)
     w = WorkerSide(engine_id="d", model="m", dtype="auto/float16", layout=None,
                    groups=[("FullAttentionSpec", 16, ["l0"])],
                    settings=Settings(lease_s=60, host="127.0.0.1", port=0, handshake_timeout_s=5, token_major=True),

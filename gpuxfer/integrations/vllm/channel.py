@@ -21,9 +21,10 @@ server's own thread pumps too, so an idle prefill instance still answers. A thre
 encodes and sends the done and release messages, which nobody waits for (a late one holds the
 prefill's blocks a little longer), and watches the connection: the engine thread only queues them and
 does not pay the loopback ``send``, which costs tens of microseconds inside an engine process. A frame longer than
-``MAX_FRAME`` (``MAX_MESSAGE`` for what a decode sends), a message the protocol does not allow, an answer not
-drained within the timeout, a connection that sent no hello or left a message half sent for longer than the
-timeout close that connection only; past ``MAX_CONNECTIONS`` open, or ``MAX_CONNECTIONS_PER_HOST`` from one
+its part of the protocol can be (``MAX_MESSAGE`` for what a decode sends; in a handshake answer ``MAX_INFO``, the
+most an agent's metadata holds, 8 bytes), a message the protocol does not allow, an answer not drained within the
+timeout, a connection that sent no hello or left a message half sent for longer than the timeout close that
+connection only; past ``MAX_CONNECTIONS`` open, or ``MAX_CONNECTIONS_PER_HOST`` from one
 address, a new one is closed at once (a host opening many cannot lock the others' decode workers out).
 """
 from __future__ import annotations
@@ -41,11 +42,13 @@ import math
 import threading
 import time
 
+from ...kv.metadata import MAX_METADATA_BYTES, MAX_METADATA_LAYERS
 from . import lease
 
 log = logging.getLogger("gpuxfer.vllm")
 
 MAX_FRAME = 64 << 20
+MAX_INFO = MAX_METADATA_LAYERS * 1024      # a handshake's engine description (1 KiB a layer, as agent metadata)
 #: the longest message a decode sends (a step's done list goes in messages of at most ``MAX_IDS_PER_MESSAGE``
 #: requests), and the most connections a prefill worker keeps open: what hostile peers can make it buffer
 MAX_MESSAGE = 1 << 20
@@ -56,19 +59,18 @@ MAX_CONNECTIONS_PER_HOST = 256
 MAX_REQUEST_ID = 512
 MAX_READERS = 256                   # decode ranks sharing one prefill rank's heads (a message's "of")
 MAX_KEY = 64                        # characters of a hold's key
-#: the most done and release events queued for the worker (an idle engine takes none until its next step); a
-#: connection that would queue more is closed
+#: done and release events queued for the worker at most (an idle engine takes none); a connection queuing more closes
 MAX_EVENTS = 1 << 18
 #: the most host names the clients of a process resolve at once (each on a thread of its own, which a lookup that
 #: hangs keeps for the resolver's timeout); a client past them fails its handshake
 MAX_RESOLVING = 64
 _resolving = [0]
 _resolving_lock = threading.Lock()
-#: how often a client's sender thread, idle, looks whether the prefill end closed (what
-#: :attr:`SideChannelClient.alive` then says without a system call on the engine thread)
+#: how often an idle sender thread looks whether the prefill end closed (:attr:`SideChannelClient.alive` says it)
 WATCH_S = 0.05
 _LEN = struct.Struct(">I")
 _CLOCK = struct.Struct(">d")
+_ANSWER = (MAX_INFO, MAX_METADATA_BYTES + 64, _CLOCK.size)      # (metadata: its header and body)
 _BY_US = "closed by this instance"
 _ENCODER = json.JSONEncoder(separators=(",", ":"))     # made once: json.dumps with separators makes one a call
 
@@ -85,10 +87,10 @@ def message(msg: dict) -> bytes:
     return frame(_ENCODER.encode(msg).encode())
 
 
-def take_frames(buf: bytearray, limit: int = MAX_FRAME) -> list[bytes]:
-    """Cut the complete frames off the front of ``buf``; :class:`ChannelClosed` on a length past ``limit``."""
+def take_frames(buf: bytearray, limit: int = MAX_FRAME, most: int | None = None) -> list[bytes]:
+    """Cut up to ``most`` complete frames off ``buf``; :class:`ChannelClosed` on a length past ``limit``."""
     out = []
-    while len(buf) >= _LEN.size:
+    while len(buf) >= _LEN.size and (most is None or len(out) < most):
         (n,) = _LEN.unpack_from(buf)
         if n > limit:
             raise ChannelClosed(f"a frame of {n} bytes (more than {limit})")
@@ -426,8 +428,9 @@ class SideChannelClient:
             data = _recv_some(self._sock)
             if data is not None:
                 self._in += data
-                self._got += take_frames(self._in)
-                if len(self._got) > 3:
+                while len(self._got) < 3 and (got := take_frames(self._in, _ANSWER[len(self._got)], most=1)):
+                    self._got += got            # (each frame held to what its part of the answer can be)
+                if len(self._got) == 3 and self._in:
                     raise ChannelClosed("more than the three frames of a handshake")
                 if len(self._got) == 3:
                     clock = self._got[2]

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, Sequence
 
 from ...errors import BadInput, LayoutMismatch
 from ...kv.layers import KVLayerSpec
+from .params import MAX_TP
 
 INFO_VERSION = 1
 MAX_PIECES = 16
@@ -85,6 +86,11 @@ def decode_info(raw: bytes) -> dict:
     if info.get("version") != INFO_VERSION:
         raise BadInput(f"the peer's engine description is of version {_short(info.get('version'))}, this "
                        f"instance's of version {INFO_VERSION}: run the same gpuxfer version on both instances")
+    rank, size = info.get("tp_rank", 0), info.get("tp_size", 1)
+    if type(rank) is not int or type(size) is not int or not 0 <= rank < size <= MAX_TP:
+        # (the decode side lists the ranks of the peer's size it reads: a size past any real one is refused here)
+        raise BadInput(f"the peer's engine description names tensor parallel rank {_short(rank)} of {_short(size)}, "
+                       f"not a rank of a size of 1..{MAX_TP}")
     groups = info.get("groups")
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         raise BadInput("the peer's engine description lists no groups")

@@ -80,6 +80,8 @@ class PrefillHolds:
             log.warning("gpuxfer: engine %s: a %s message for request %s without its key (not from a reader of "
                         "its kv_transfer_params); ignored", self.engine_id, op, req)
             return
+        if op == "release":         # (logged once it counts: anyone reaching the side channel can send releases)
+            log.info("gpuxfer: engine %s: decode side released request %s without reading it", self.engine_id, req)
         if of > 1 or req in self.heard:
             n, most = self.heard.get(req, (0, 1))
             n, most = n + 1, max(most, of)          # (never sooner than the most readers a message named)
@@ -99,8 +101,6 @@ class PrefillHolds:
         events = server.events
         while not events.empty():               # (this thread is the only one taking events)
             op, req, of, key = events.get_nowait()
-            if op == "release":
-                log.info("gpuxfer: engine %s: decode side released request %s without reading it", self.engine_id, req)
             if req in self.held:
                 self._heard(op, req, of, key)
             elif self.secret is not None and not authentic(self.secret, req, key):

@@ -1,7 +1,7 @@
 """The decode role of the connector's worker: :class:`DecodeLoads` starts each load vLLM's scheduler asks for
 without blocking (a known prefill engine's read posted at once; a new engine's handshake begun on the side
-channel and finished by later polls, its caches then mapped) and reports the loads done and failed, oldest
-read first. Everything runs on the engine's thread. No vLLM import.
+channel and finished by later polls, its caches then mapped: :class:`~.engines.PrefillEngines`) and reports the
+loads done and failed, oldest read first. Everything runs on the engine's thread. No vLLM import.
 
 Soundness of a load against a lease: the prefill frees a held request's blocks at a step after its
 ``lease_deadline`` (on its host's lease clock); a load counts as good only when its read was seen complete
@@ -26,8 +26,7 @@ import numpy as np
 
 from ...errors import BlockIdError, GpuxferError
 from . import lease
-from .channel import SideChannelClient
-from .handshake import agent_name, check_compatible, decode_info, readers
+from .engines import PrefillEngines, _Remote
 from .params import BadTransferParams, RemotePrefill, pair_group, source_ranks
 from .staging import IdStaging
 
@@ -73,32 +72,6 @@ class _LoadState:
         self.key = self.load.req_id, self.part
 
 
-@dataclass
-class _Remote:
-    key: tuple[str, int, str]
-    state: str = "pending"                  # pending | ready (caches mapped) | failed
-    client: SideChannelClient | None = None
-    peer: Any = None
-    info: dict | None = None
-    groups: tuple = ()                      # per group: (block size, kernel tokens) from its handshake
-    views: dict = field(default_factory=dict)   # {group name: (start, stop)}: the pieces (heads) of its blocks read
-    local_views: dict = field(default_factory=dict)     # ... of this worker's blocks it writes
-    # per group read from it (not from another prefill rank), from its handshake: (index, name, block size here,
-    # kernel tokens here, its block size, its kernel tokens, bytes per block here, share of them written)
-    reads: tuple = ()
-    rank: int = 0                           # its tensor parallel rank and size
-    world: int = 1
-    sources: tuple = ()                     # the prefill ranks of its size this worker reads (params.source_ranks)
-    meta: bytes | None = None
-    error: str | None = None
-    device_ids: bool = False                # its reads take block IDs on the device
-    ordered: bool = True                    # its reads complete in post order (the IPC route: one stream)
-    clock: lease.PeerClock = lease.SAME_HOST    # its lease clock read on this one
-    inflight: int = 0                       # reads posted and not seen complete
-    loads: int = 0                          # loads naming it not reported yet
-    t0: float = field(default_factory=time.monotonic)
-
-
 class DecodeLoads:
     """A worker's loads: every load not reported yet (``pending``, by request) is waiting (not posted: a
     handshake under way, or the agent busy), in flight (posted, in post order) or ended (nothing to wait for);
@@ -113,12 +86,11 @@ class DecodeLoads:
         self.engine_id, self.group_specs, self.settings = engine_id, group_specs, settings
         self.tp_rank, self.tp_size = tp         # the rank of each prefill engine it reads: params.source_rank
         self._lock, self.stats = lock, stats
-        self.agent = self.info = None
+        self.agent = None
         self.staging: IdStaging | None = None
         self._group_names = [f"g{g}" for g in range(len(group_specs))]
-        self._kernel_tokens: list[int] = []
-        self._bytes_per_block: list[int] = []
-        self.remotes: dict[tuple, _Remote] = {}
+        self.engines = PrefillEngines(engine_id=engine_id, group_specs=group_specs, settings=settings, lock=lock,
+                                      stats=stats, tp=tp, waiting=self._waiting_on)
         self.pending: dict[str, _LoadState] = {}
         self.waiting: dict[str, _LoadState] = {}
         self.inflight: deque[_LoadState] = deque()          # posted on the agent's stream, in post order
@@ -134,12 +106,20 @@ class DecodeLoads:
         self._parts: dict[str, list] = {}
         self._prune_claims_at = 1024
 
+    @property
+    def remotes(self) -> dict[tuple, _Remote]:
+        """The prefill engines this worker reads from, by endpoint (:class:`.PrefillEngines`)."""
+        return self.engines.remotes
+
+    def _waiting_on(self, r: _Remote) -> list[RemotePrefill]:
+        return [st.load.remote for st in self.waiting.values() if st.remote is r]
+
     def bind(self, agent, info: dict, kernel_tokens: list[int], bytes_per_block: list[int],
              staging: IdStaging | None) -> None:
         """The registered agent, this engine's description (checked against each prefill engine's), each group's
         kernel block tokens and bytes per vLLM block, and the device-ID staging where reads take device IDs."""
-        self.agent, self.info, self.staging = agent, info, staging
-        self._kernel_tokens, self._bytes_per_block = list(kernel_tokens), list(bytes_per_block)
+        self.agent, self.staging = agent, staging
+        self.engines.bind(agent, info, kernel_tokens, bytes_per_block, staging)
 
     def start(self, loads: Sequence[Load]) -> None:
         """Start each load without waiting: a known engine's read is posted now; a new engine's handshake
@@ -148,6 +128,11 @@ class DecodeLoads:
         now = time.monotonic()
         ready = []
         for load in loads:
+            # a request named again before its load was reported (replayed metadata): that load stands
+            if (load.req_id, 0) in self.pending or load.req_id in self._parts:
+                log.error("gpuxfer: engine %s: request %s is named for a load while its load is not reported yet "
+                          "(metadata replayed?); the second is dropped", self.engine_id, load.req_id)
+                continue
             try:
                 keys = load.remote.endpoints_of(self.tp_rank, self.tp_size)
             except BadTransferParams as exc:       # no prefill rank for this one: fails (and is logged) at the poll
@@ -168,143 +153,14 @@ class DecodeLoads:
                     self.ended.append(st)
                     continue
                 self.waiting[st.key] = st
-                st.remote = r = self._remote(key)
+                st.remote = r = self.engines.get(key)
                 self.claims[claim] = (r, load.remote.lease_deadline)
                 r.loads += 1
                 if r.state == "pending":
-                    self._advance(r)
+                    self.engines.advance(r)
                 if r.state == "ready":
                     ready.append(st)
         self._post(ready, blocking=False)
-
-    def _remote(self, key: tuple[str, int, str]) -> _Remote:
-        r = self.remotes.get(key)
-        gone = r is not None and r.state == "ready" and not (r.client and r.client.alive)
-        if r is None or ((r.state == "failed" or gone) and r.inflight == 0):
-            r = self.remotes[key] = _Remote(key)
-            try:
-                r.client = SideChannelClient(r.key[0], r.key[1], self.settings.handshake_timeout_s)
-            except (OSError, ValueError) as exc:
-                self._handshake_failed(r, exc)
-        return r
-
-    def _advance(self, r: _Remote) -> None:
-        """Move a pending handshake on, on the engine's thread and without blocking: read what the prefill
-        sent; once its description and metadata are in, check they pair and map its caches (:meth:`_attach`)."""
-        if r.state != "pending":
-            return
-        host, port, engine_id = r.key
-        try:
-            got = r.client.pump()
-            if got is None:
-                return
-            info_raw, r.meta = got
-            info = decode_info(info_raw)
-            if info.get("engine_id") != engine_id:
-                raise BadTransferParams(f"{host}:{port} is engine {info.get('engine_id')!r}, not {engine_id!r} as "
-                                        "the request's kv_transfer_params say (stale params?)")
-            r.info = info
-            r.client.readers = readers(self.info, info)      # (before any message: each names its readers)
-            pairing, names = check_compatible(self.info, info), self._group_names
-            r.views = {names[g]: v for g, v in pairing.remote.items()}
-            r.local_views = {names[g]: v for g, v in pairing.local.items()}
-            r.rank, r.world = info.get("tp_rank", 0), info.get("tp_size", 1)      # (checked just now)
-            r.groups = tuple((g["block_size"], g["kernel_tokens"]) for g in info["groups"])
-            r.reads = tuple(self._read_plan(g, r.groups[g], pairing.local.get(g))
-                            for g in range(len(self.group_specs)) if g not in pairing.skip)
-            try:
-                r.sources = tuple(source_ranks(self.tp_rank, self.tp_size, r.world))
-            except BadTransferParams:       # (its loads fail at their pairing: the params name another size)
-                r.sources = ()
-        except Exception as exc:        # every failure fails this engine's loads, never the worker
-            self._handshake_failed(r, exc)
-            return
-        self._attach(r)
-
-    def _read_plan(self, g: int, theirs: tuple[int, int], part: tuple[int, int] | None) -> tuple:
-        """What pairing a request's group ``g`` reads from a checked engine (:attr:`_Remote.reads`): ``theirs``,
-        its block size and kernel tokens; ``part``, the pieces of this worker's blocks it writes (None: all)."""
-        share = 1.0 if part is None else (part[1] - part[0]) / self.info["groups"][g]["pieces"]
-        return (g, self._group_names[g], self.group_specs[g][1], self._kernel_tokens[g], *theirs,
-                self._bytes_per_block[g], share)
-
-    def _handshake_failed(self, r: _Remote, exc: Exception) -> None:
-        """Fail the engine: its loads fail at the next poll. Where the peer is the engine and rank the params
-        name (its description read) but cannot pair, or its caches could not be mapped, the loads waiting on it
-        are released on its side channel first, so it frees their blocks now rather than at their lease."""
-        host, port, engine_id = r.key
-        r.error, r.state = f"{type(exc).__name__}: {exc}", "failed"
-        log.error("gpuxfer: engine %s: handshake with prefill engine %s at %s:%d failed: %s; its requests' "
-                  "loads fail and vLLM recomputes them", self.engine_id, engine_id, host, port, r.error)
-        if r.client is None:
-            return
-        info = r.info
-        if info is not None and info.get("engine_id") == engine_id and self._reads_rank(info):
-            rps = [st.load.remote for st in self.waiting.values() if st.remote is r]
-            if rps:
-                r.client.notify("release", [rp.request_id for rp in rps], [rp.key for rp in rps])
-        r.client.close()            # (sends what was queued first)
-
-    def _reads_rank(self, info: dict) -> bool:
-        """Whether the peer that sent ``info`` is one of the prefill ranks this worker reads."""
-        rank, world = info.get("tp_rank", 0), info.get("tp_size", 1)
-        if type(rank) is not int or type(world) is not int or world < 1:
-            return False
-        try:
-            return rank in source_ranks(self.tp_rank, self.tp_size, world)
-        except BadTransferParams:
-            return False
-
-    def _attach(self, r: _Remote) -> None:
-        """Map a checked engine's caches (``add_peer``) and make its first read's slot: a few milliseconds
-        once the kernels were loaded at registration."""
-        t0 = time.perf_counter()
-        try:
-            with self._lock:
-                name = agent_name(r.key[2], r.rank, r.world)
-                old = self.agent.peers.get(name)
-                if old is not None:                            # the same engine again, after it restarted
-                    if any(x.peer is old and x.inflight for x in self.remotes.values()):
-                        return      # its reads in flight end first (the handshake stays pending until then)
-                    self.agent.remove_peer(name)
-                r.peer = self.agent.add_peer(r.meta, route=self.settings.route, pieces=r.views or None,
-                                             local_pieces=r.local_views or None)
-                r.ordered = r.peer.route == "ipc"
-                r.clock = lease.SAME_HOST if r.ordered else r.client.peer_clock
-                # device IDs: the triton engine over the peer's mapped caches, kernel blocks alike on both sides
-                # (a step's reads then merge into one request per engine; other block sizes pair on the host)
-                r.device_ids = (self.staging is not None and r.peer.route == "ipc" and r.peer.engine == "triton"
-                                and all(rk == lk for (_, rk), lk in zip(r.groups, self._kernel_tokens)))
-                self._warm(r.peer, r.device_ids)
-            r.state = "ready"
-        except Exception as exc:
-            self._handshake_failed(r, exc)
-            return
-        now = time.perf_counter()
-        self.stats["handshakes"] += 1
-        self.stats["handshake_s"].append(time.monotonic() - r.t0)
-        log.info("gpuxfer: engine %s: handshake with prefill engine %s at %s:%d in %.3f s (its caches mapped in "
-                 "%.3f s)", self.engine_id, r.key[2], r.key[0], r.key[1], time.monotonic() - r.t0, now - t0)
-
-    def _warm(self, peer, device_ids: bool = False) -> None:
-        """One read of the peer's null block into ours per group (vLLM's block 0: a placeholder no request
-        reads; a group at a time, as hybrid groups share memory), so the first request finds its route's
-        slot made; with ``device_ids`` one more per group with the IDs on the device."""
-        for name in self._group_names:
-            blocks = {name: [0]}
-            try:
-                self.agent.prepare(peer, "pull", local_blocks=blocks, remote_blocks=blocks, name="warm-up").post().wait()
-                if device_ids:
-                    e = self.staging.take(1)
-                    e.array[0] = 0
-                    self.staging.send(e, 1)
-                    ids = {name: e.device[:1]}
-                    h = self.agent.prepare(peer, "pull", local_blocks=ids, remote_blocks=ids, name="warm-up",
-                                           device_ids=True).post()
-                    e.fence = h.event
-                    h.wait()
-            except GpuxferError as exc:
-                log.debug("gpuxfer: warm-up read of group %s skipped: %s", name, exc)
 
     def _post(self, sts: list[_LoadState], blocking: bool) -> None:
         """Pair each request's blocks and post the reads together (:meth:`KVAgent.post_many`: one upload and one
@@ -503,8 +359,7 @@ class DecodeLoads:
         if self.unordered:
             self._finish_unordered(done, failed, read)
         if self.waiting:
-            for r in list(self.remotes.values()):
-                self._advance(r)
+            self.engines.advance_all()
             ready = []
             for st in list(self.waiting.values()):
                 r = st.remote
@@ -516,6 +371,9 @@ class DecodeLoads:
                     ready.append(st)
                 elif now - st.t_start > self.settings.handshake_timeout_s:
                     st.error = f"no handshake with {r.key[0]}:{r.key[1]} within {self.settings.handshake_timeout_s:g} s"
+                    # the handshake ends with it (else, begun later in the step than the load, it would stay
+                    # pending with its socket open: handshakes advance only while loads wait)
+                    self.engines.failed(r, TimeoutError(st.error))
                 if st.error is not None:
                     del self.waiting[st.key]
                     self.ended.append(st)
@@ -620,54 +478,28 @@ class DecodeLoads:
         self._prune_claims_at = max(1024, 2 * len(kept))
 
     def _reap(self, now: float) -> None:
-        """Forget engines whose side channel closed once no read of theirs is in flight."""
+        """Forget the claims past their lease, and the engines gone or failed (:meth:`.PrefillEngines.reap`)."""
         if len(self.claims) > self._prune_claims_at:
             self._prune_claims()
-        for key, r in list(self.remotes.items()):
-            gone = r.state == "ready" and not (r.client and r.client.alive)
-            if (gone or r.state == "failed") and r.inflight == 0 and r.loads == 0:
-                del self.remotes[key]
-                if r.peer is not None and self._lock.acquire(blocking=False):
-                    try:
-                        self.agent.remove_peer(r.peer)
-                    except GpuxferError as exc:
-                        log.debug("gpuxfer: removing peer %s: %s", key[2], exc)
-                    finally:
-                        self._lock.release()
-                if r.client is not None:
-                    r.client.close()
-                log.info("gpuxfer: engine %s: forgot prefill engine %s (%s)", self.engine_id, key[2],
-                         r.error or (r.client.closed_reason if r.client else "gone"))
+        self.engines.reap()
 
     def release(self, releases: Sequence[RemotePrefill]) -> None:
-        """Tell prefill engines (the ranks of each this worker reads) this instance will not read these requests
-        (best effort, known engines)."""
-        for rp in releases:
-            try:
-                keys = rp.endpoints_of(self.tp_rank, self.tp_size)
-            except BadTransferParams:
-                continue
-            for key in keys:
-                r = self.remotes.get(key)
-                if r is not None and r.state == "ready" and r.client is not None:
-                    r.client.notify("release", [rp.request_id], [rp.key])
+        """Tell prefill engines this instance will not read these requests (:meth:`.PrefillEngines.release`)."""
+        self.engines.release(releases)
 
     # ------------------------------------------------------------------ both
 
     def flush_late(self, now: float) -> None:
         """Done messages a busy engine kept from the side channel's sender threads, sent now."""
-        for r in self.remotes.values():
-            if r.client is not None:
-                r.client.flush_late(now)
+        self.engines.flush_late(now)
 
     def take_load_errors(self) -> set[int]:
         out, self.load_errors = self.load_errors, set()
         return out
 
     def close(self) -> None:
-        for r in self.remotes.values():
-            if r.client is not None:
-                r.client.close()
+        """Close every engine's side channel (from any thread)."""
+        self.engines.close()
 
 
 class _Done:
