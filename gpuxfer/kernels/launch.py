@@ -36,6 +36,9 @@ from .pattern_kernel import fill_kernel, verify_kernel
 
 MODE_COPY, MODE_PACK, MODE_UNPACK, MODE_PACK_ROWS, MODE_UNPACK_ROWS, MODE_BLOCKS = 0, 1, 2, 3, 4, 5
 CPU_PROGRAMS = 3            # interpreter: a few programs, to exercise the persistent loop
+LOAD_CACHE_MODIFIERS = ("", ".ca", ".cg", ".cv")
+STORE_CACHE_MODIFIERS = ("", ".wb", ".cg", ".cs", ".wt")
+MAX_TILE_UNITS = 1 << 18    # rows x 16-byte units of one step's block: 4 int32 lanes each, 2**20 in all
 
 
 # --------------------------------------------------------------------------- configuration
@@ -59,10 +62,21 @@ class CopyConfig:
     store_cache: str = ""     # ... and stores ("", ".cg", ".cs", ".wt")
 
     def __post_init__(self):
+        for name in ("rows", "width", "unroll", "num_warps", "programs_per_sm"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise BadInput(f"CopyConfig.{name} must be an int, got {v!r}")
+        for name, v, known in (("load_cache", self.load_cache, LOAD_CACHE_MODIFIERS),
+                               ("store_cache", self.store_cache, STORE_CACHE_MODIFIERS)):
+            if not isinstance(v, str) or v not in known:
+                raise BadInput(f"CopyConfig.{name} must be one of {known} (Triton's), got {v!r}")
         for name in ("rows", "width"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise BadInput(f"CopyConfig.{name} must be a power of two, got {v}")
+        if self.rows * self.width > MAX_TILE_UNITS:
+            raise BadInput(f"CopyConfig.rows x width must be at most {MAX_TILE_UNITS} (a Triton block of at most "
+                           f"2**20 int32 lanes), got {self.rows} x {self.width}")
         if not 1 <= self.unroll <= 16:
             raise BadInput(f"CopyConfig.unroll must be in 1..16, got {self.unroll}")
         if self.num_warps not in (1, 2, 4, 8, 16, 32):
@@ -493,7 +507,8 @@ def fill_pattern(pool, seed: int, *, start: int = 0, nbytes: int | None = None,
     dev = check_pool(pool, "pool", device)
     if not isinstance(seed, int):
         raise BadInput(f"seed must be an int, got {seed!r}")
-    if not isinstance(start, int) or not isinstance(nbytes, (int, type(None))):
+    if (isinstance(start, bool) or not isinstance(start, int) or isinstance(nbytes, bool)
+            or not isinstance(nbytes, (int, type(None)))):
         raise BadInput(f"fill range [{start!r}, +{nbytes!r}): start and nbytes must be ints")
     if nbytes is None:
         nbytes = pool.numel() - start

@@ -257,6 +257,19 @@ def test_copy_config_rejects_bad_values():
         CopyConfig(rows=4, width=4, unroll=1, num_warps=4, programs_per_sm=0)
 
 
+@pytest.mark.parametrize("kw", [dict(rows=2.0), dict(width="4"), dict(unroll=1.5), dict(num_warps=4.0),
+                                dict(programs_per_sm=None), dict(rows=True), dict(width=1 << 40),
+                                dict(rows=1 << 10, width=1 << 10), dict(load_cache="zz"), dict(store_cache=".ca"),
+                                dict(load_cache=None)])
+def test_copy_config_of_other_types_or_beyond_a_kernel_block_is_bad_input(kw):
+    """Fields that are not ints (or a bool), a tile of more elements than a Triton block holds, a cache modifier
+    Triton has not: BadInput when the config is made, not a TypeError or a compile error at the launch."""
+    f = dict(rows=4, width=4, unroll=1, num_warps=4, programs_per_sm=1)
+    f.update(kw)
+    with pytest.raises(BadInput, match="CopyConfig"):
+        CopyConfig(**f)
+
+
 # --------------------------------------------------------------------------- bad input
 
 

@@ -115,6 +115,10 @@ def test_fill_rejects_bad_arguments(dev):
         fill_pattern(pool, 1, start=-1)
     with pytest.raises(BadInput, match="seed must be an int"):
         fill_pattern(pool, 1.5)
+    with pytest.raises(BadInput, match="fill range"):
+        fill_pattern(pool, 1, start=True, nbytes=1)            # a bool is no offset (Triton's int1)
+    with pytest.raises(BadInput, match="fill range"):
+        fill_pattern(pool, 1, start=0, nbytes=True)
     with pytest.raises(BadInput, match="pool must be a uint8"):
         fill_pattern(pool.view(torch.int32), 1)
 
