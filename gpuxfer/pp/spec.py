@@ -120,6 +120,17 @@ def _dim(s) -> int:
     return operator.index(s)
 
 
+def _span(shape: tuple[int, ...], itemsize: int) -> int:
+    """The bytes a contiguous tensor of ``shape`` would span with each empty dimension counted as 1: what its
+    strides and its byte view's last dimension reach, which must fit an int64 (torch's) even where it holds no
+    element."""
+    return math.prod(max(d, 1) for d in shape) * itemsize
+
+
+def _strides_fit(shape: tuple[int, ...], itemsize: int) -> bool:
+    return _span(shape, itemsize) <= _MAX_DIM
+
+
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     out, acc = [], 1
     for d in reversed(shape):
@@ -150,6 +161,10 @@ class SpecTable:
             if not isinstance(dtype, torch.dtype):
                 raise BadInput(f"spec of {name!r}: {dtype!r} is not a torch dtype")
             shape = _dims(shape, f"spec of {name!r}")
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            if not _strides_fit(shape, itemsize):
+                raise BadInput(f"spec of {name!r}: shape {shape} has strides past 2**63 bytes (each empty "
+                               f"dimension counted as 1)")
             names.append(name)
             shapes.append(shape)
             dtypes.append(dtype)
@@ -337,6 +352,9 @@ class SpecTable:
         not one within the spec."""
         name = self.names[i]
         shape = _dims(shape, f"tensor {name!r}")
+        if not _strides_fit(shape, self.itemsizes[i]):
+            raise BadInput(f"tensor {name!r}: shape {shape} has strides past 2**63 bytes (each empty dimension "
+                           f"counted as 1)")
         if math.prod(shape) > self.max_numel[i]:
             raise BadInput(f"expected shape {shape} of {name!r} is larger than its slot "
                            f"(the setup spec's largest shape is {self.max_shapes[i]})")
@@ -416,6 +434,9 @@ class SpecTable:
                 raise ProtocolError(f"rank {rank}: metadata from rank {peer} for step {step} is malformed: "
                                     f"{name!r} has {nd} dimensions {tuple(dims)}")
             shape = tuple(dims[:nd])
+            if not _strides_fit(shape, self.itemsizes[i]):
+                raise ProtocolError(f"rank {rank}: rank {peer} claims shape {shape} for {name!r} at step {step}: "
+                                    f"its strides pass 2**63 bytes; nothing was read")
             numel = math.prod(shape)
             if numel > self.max_numel[i]:
                 raise ProtocolError(f"rank {rank}: rank {peer} claims shape {shape} for {name!r} at step {step}: "

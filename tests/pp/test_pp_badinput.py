@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpuxfer.errors import BadInput, GpuxferError
+from gpuxfer.errors import BadInput, GpuxferError, ProtocolError
 from gpuxfer.pp.spec import ALIGN, as_bytes, Refusal, SpecTable
 from gpuxfer.pp.transport import resolve_timeout
 from test_pp_chain import check_equal, specs, step_shapes, step_tensors
@@ -326,3 +326,23 @@ def test_a_peer_that_is_not_a_rank_is_bad_input():
     for peer in ([1], {1: 1}, "1", True, 1.0, 3):
         with pytest.raises(BadInput):
             conn.sender(peer)
+
+
+@pytest.mark.parametrize("shape", [(0, 1 << 62, 1 << 62), (0, 1 << 62), (5, 0, 1 << 61, 4)])
+def test_an_empty_shape_whose_strides_overflow_int64_is_refused(shape):
+    """No elements, so within any slot, but its contiguous strides (or its last dimension in bytes) pass 2**63:
+    torch cannot view or allocate it. Refused in the spec, in a step's layout (recv(shapes=...) of the caller:
+    BadInput, the transport unbroken) and in the peer's metadata (ProtocolError), before any view is made."""
+    with pytest.raises(BadInput, match="spec of 'hidden'.*strides"):
+        SpecTable({**specs(), "hidden": (shape, torch.bfloat16)})
+    t = SpecTable(specs())
+    shapes = [shape if n == "hidden" else sh for n, sh in zip(t.names, t.max_shapes)]
+    with pytest.raises(BadInput, match="tensor 'hidden'.*strides"):
+        t.layout(shapes)
+    buf = np.zeros(t.meta_len, dtype=np.int64)
+    t.encode(buf, 3, tuple(tuple(s) for s in shapes))
+    with pytest.raises(ProtocolError, match="'hidden'.*strides"):
+        t.decode(buf, step=3, peer=0, rank=1)
+    lay = t.layout([(0, 1 << 20, 1 << 20) if n == "hidden" else sh for n, sh in zip(t.names, t.max_shapes)])
+    assert t.views(torch.zeros(lay.buffer_bytes, dtype=torch.uint8), lay)["hidden"].shape == (0, 1 << 20, 1 << 20)
+    assert t.fresh(lay, CPU)[0]["hidden"].shape == (0, 1 << 20, 1 << 20)
