@@ -53,10 +53,20 @@ def check_int(v, name: str, lo: int, hi: int | None = None) -> int:
     return v
 
 
+MAX_PROGRAMS = 1 << 20      # the most programs a launcher's grid may have
+
+
+def check_programs(num_programs) -> None:
+    """``num_programs``: None (the launcher's default) or an int in ``[1, MAX_PROGRAMS]``."""
+    if num_programs is not None and (isinstance(num_programs, bool) or not isinstance(num_programs, int)
+                                     or not 1 <= num_programs <= MAX_PROGRAMS):
+        raise BadInput(f"num_programs must be an int in 1..2**20, got {num_programs!r}")
+
+
 def check_range(start: int, end: int | None, n: int, what: str = "descs") -> tuple[int, int]:
     if end is None:
         end = n
-    if not (isinstance(start, int) and isinstance(end, int)):
+    if isinstance(start, bool) or isinstance(end, bool) or not (isinstance(start, int) and isinstance(end, int)):
         raise BadInput(f"start/end must be ints, got {start!r}, {end!r}")
     if not 0 <= start <= end <= n:
         raise BadInput(f"row range [{start}, {end}) is not inside the {n} rows of {what}")

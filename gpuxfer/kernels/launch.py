@@ -29,8 +29,8 @@ import torch
 
 from ..errors import BadInput, VerificationFailed
 from . import reference
-from .checks import (DescriptorStats, check_descriptors, check_int, check_offsets, check_pool, check_range,
-                     check_rows, pool_align, validate_rows)
+from .checks import (DescriptorStats, check_descriptors, check_int, check_offsets, check_pool, check_programs,
+                     check_range, check_rows, pool_align, validate_rows)
 from .copy_kernel import copy_kernel
 from .pattern_kernel import fill_kernel, verify_kernel
 
@@ -195,9 +195,7 @@ def launch_geometry(rows: int, device, *, nbytes_hint: int | None = None, num_pr
     """The configuration and number of programs a copy/pack/unpack of ``rows``
     descriptors uses on ``device`` (what the launchers do, for reports)."""
     device = torch.device(device)
-    if num_programs is not None and (not isinstance(num_programs, int) or isinstance(num_programs, bool)
-                                     or num_programs < 1):
-        raise BadInput(f"num_programs must be a positive int, got {num_programs!r}")
+    check_programs(num_programs)
     if nbytes_hint is not None and (isinstance(nbytes_hint, bool) or not isinstance(nbytes_hint, numbers.Integral)
                                     or nbytes_hint < 0):
         raise BadInput(f"nbytes_hint must be a non-negative integer, got {nbytes_hint!r}")
@@ -297,9 +295,7 @@ def copy_range_launcher(src_pool, dst_pool, descs, bounds, *, lo_at: int, hi_at:
     for name, at in (("lo_at", lo_at), ("hi_at", hi_at)):
         if isinstance(at, bool) or not isinstance(at, int) or not 0 <= at < bounds.shape[0]:
             raise BadInput(f"{name} must be an index into the {bounds.shape[0]} entries of bounds, got {at!r}")
-    if num_programs is not None and (isinstance(num_programs, bool) or not isinstance(num_programs, int)
-                                     or not 1 <= num_programs <= 1 << 20):
-        raise BadInput(f"num_programs must be an int in 1..2**20, got {num_programs!r}")
+    check_programs(num_programs)
     return _copy_launch(MODE_COPY, src_pool, dst_pool, descs, None, 0, n, 0, None, num_programs, nbytes_hint,
                         None, local, bounds=(bounds, lo_at, hi_at))
 
@@ -345,9 +341,7 @@ def copy_blocks_launcher(src_pool, dst_pool, planes, request, *, n_groups: int, 
     plane_hi = check_int(plane_hi, "plane_hi", plane_lo, n_planes)
     # rows below 2**62 and first rows at or above -2**62: a segment index row - first row fits int64
     max_rows = check_int(max_rows, "max_rows", 0, 1 << 62)
-    if num_programs is not None and (isinstance(num_programs, bool) or not isinstance(num_programs, int)
-                                     or not 1 <= num_programs <= 1 << 20):
-        raise BadInput(f"num_programs must be an int in 1..2**20, got {num_programs!r}")
+    check_programs(num_programs)
     if splits is not None and not isinstance(splits, bool):
         raise BadInput(f"splits must be True, False or None, got {splits!r}")
     if plane_hi == plane_lo or max_rows == 0:
@@ -630,8 +624,7 @@ def verify(dst_pool, descs, seed: int, *, guard_seed: int | None = None, num_pro
             raise BadInput(f"{name} must be an int, got {v!r}")
     if guard_seed is not None and not validate:
         raise BadInput("verify: guard_seed needs validate=True (the guard assumes every descriptor in the pool)")
-    if num_programs is not None and (not isinstance(num_programs, int) or num_programs < 1):
-        raise BadInput(f"num_programs must be a positive int, got {num_programs!r}")
+    check_programs(num_programs)
     wrong, first, total = 0, n, 0
     if n:
         if validate:

@@ -323,6 +323,15 @@ def test_copy_rejects_bad_ranges_grids_and_devices(dev):
         copy_descriptors(src, dst, t, start=2, end=1)
     with pytest.raises(BadInput, match="num_programs"):
         copy_descriptors(src, dst, t, num_programs=0)
+    from gpuxfer.kernels import copy_launcher, launch_geometry
+    for programs in (True, 1 << 40):        # a grid past 2**20 programs: the interpreter's (or CUDA's) limit
+        with pytest.raises(BadInput, match="num_programs"):
+            launch_geometry(1, dev, num_programs=programs)
+        with pytest.raises(BadInput, match="num_programs"):
+            copy_launcher(src, dst, t, num_programs=programs)
+    for start, end in ((True, None), (0, True), (0, 1.0)):      # a bool is no row index
+        with pytest.raises(BadInput, match="start/end"):
+            copy_launcher(src, dst, t, start=start, end=end)
     with pytest.raises(BadInput, match="expected meta"):
         copy_descriptors(src, dst, t, device="meta")
 

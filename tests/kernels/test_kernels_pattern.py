@@ -242,6 +242,8 @@ def test_verify_validates_without_a_source_pool(dev):
         verify(dst, torch.tensor([[0, 0, 10]], device=dev), "5")
     with pytest.raises(BadInput, match="num_programs"):
         verify(dst, torch.tensor([[0, 0, 10]], device=dev), 5, num_programs=0)
+    with pytest.raises(BadInput, match="num_programs"):
+        verify(dst, torch.tensor([[0, 0, 10]], device=dev), 5, num_programs=True)
     with pytest.raises(BadInput, match="int64"):
         verify(dst, torch.tensor([[0, 0, 10]], dtype=torch.int32, device=dev), 5)
 
