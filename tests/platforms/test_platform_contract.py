@@ -156,6 +156,21 @@ def test_as_tensor_dtypes_zero_copy(platform):
         buf.close()
 
 
+@pytest.mark.parametrize("shape", [(1 << 32, 1 << 32), (1 << 61, 8), ((1 << 64) + 4,), (1 << 63, 0, 1 << 63),
+                                   ("x",), 5, (2.5,), (True, 4), (None,)])
+def test_as_tensor_of_a_shape_past_int64_or_not_of_ints_is_bad_input(platform, shape):
+    """A view's bytes counted in Python integers: a shape whose product wraps int64 (to 0, or to a few bytes
+    inside the buffer) or is not a sequence of ints is BadInput, never an allocation of the wrapped shape or
+    torch's error."""
+    buf = zeroed(platform, 4096, 0)
+    try:
+        with pytest.raises(BadInput):
+            platform.as_tensor(buf, torch.uint8, shape)
+        assert platform.as_tensor(buf, torch.uint8, (0, 1 << 40)).shape == (0, 1 << 40)
+    finally:
+        buf.close()
+
+
 def test_copy_async_and_batch_local(platform):
     n = 64 * 1024 + 5
     dev = 0
