@@ -1,6 +1,6 @@
 """The checks a tensor view over raw memory makes (the host emulation's and ROCm's ``as_tensor``): the
-dtype, the offset (inside the memory, a multiple of the item size), the shape (no negative size, the bytes
-inside the memory)."""
+dtype, the offset (inside the memory, a multiple of the item size), the shape (integers, none negative,
+strides within int64, the bytes inside the memory; CUDA's ``as_tensor`` checks its shape here too)."""
 from __future__ import annotations
 
 import math
