@@ -155,6 +155,9 @@ class HostPlatform(_HostMemory, Platform):
         if self._is_closed:
             raise BadInput("the host platform is closed")
 
+    def set_device(self, device: int) -> None:
+        self._check_device(device)
+
     def device_count(self) -> int:
         return self._ndev
 
@@ -309,21 +312,21 @@ class HostPlatform(_HostMemory, Platform):
             s._enqueue(f"memset of {nbytes} B at 0x{ptr:x}", lambda: ctypes.memset(ptr, int(value), nbytes))
 
     # ---- flags ----
-    def _check_flag(self, ptr: int) -> None:
-        check_flag_ptr(int(ptr))
+    def _check_flag(self, ptr: int) -> int:
+        ptr = check_flag_ptr(ptr)
         if self._cma:
-            self._cma.refuse(int(ptr), 8, "a flag")
+            self._cma.refuse(ptr, 8, "a flag")
+        return ptr
 
     def write_flag(self, stream: Stream, ptr: int, value: int) -> None:
         s = self._stream(stream)
-        self._check_flag(ptr)
+        ptr = self._check_flag(ptr)
         v = _to_signed64(value)
-        s._enqueue(f"flag write {v} to 0x{int(ptr):x}", lambda: _store64(int(ptr), v))
+        s._enqueue(f"flag write {v} to 0x{ptr:x}", lambda: _store64(ptr, v))
 
     def wait_flag(self, stream: Stream, ptr: int, value: int) -> None:
         s = self._stream(stream)
-        ptr = int(ptr)
-        self._check_flag(ptr)
+        ptr = self._check_flag(ptr)
         v = _to_signed64(value)
         stop = s._worker.stop
 
@@ -338,8 +341,7 @@ class HostPlatform(_HostMemory, Platform):
         s._enqueue(f"flag wait 0x{ptr:x} >= {v}", wait)
 
     def read_flag(self, ptr: int, device: int) -> int:
-        self._check_flag(ptr)
-        return _load64(int(ptr))
+        return _load64(self._check_flag(ptr))
 
     def map_host_words(self, ptr: int, nbytes: int, device: int) -> int:
         """Host memory is what the emulated streams run on: its own address."""
@@ -348,8 +350,7 @@ class HostPlatform(_HostMemory, Platform):
         return int(ptr)
 
     def host_write_flag(self, ptr: int, value: int, device: int) -> None:
-        self._check_flag(ptr)
-        _store64(int(ptr), _to_signed64(value))
+        _store64(self._check_flag(ptr), _to_signed64(value))
 
     # ---- graph capture (emulated) ----
     def begin_capture(self, stream: Stream) -> HostGraph:
@@ -399,6 +400,8 @@ class HostPlatform(_HostMemory, Platform):
         return self._stream(stream)._capture is not None
 
     def capture_graph(self, stream: Stream, record: Callable[[Stream], object]) -> HostGraph:
+        if not callable(record):
+            raise BadInput(f"capture_graph needs a callable that records, got {record!r}")
         s = self._stream(stream)
         self.begin_capture(s)
         try:

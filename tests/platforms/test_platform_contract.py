@@ -473,6 +473,19 @@ def _host_values_outside_what_they_name() -> int:
         lambda: host.host_write_flag(0, 1, 0),
         lambda: host.synchronize(s, float("inf")),                   # a host wait is bounded
         lambda: host.event_wait(host.record_event(s), float("nan")),
+        lambda: host.synchronize(s, 1e300),                          # past any clock: not an OverflowError
+        lambda: host.event_wait(host.record_event(s), 1e300),
+        lambda: host.copy_batch_async(s, np.array([1.5]), np.array([2.5]), np.array([1.0])),   # never truncated
+        lambda: host.copy_batch_async(s, np.array([True]), np.array([True]), np.array([True])),
+        lambda: host.copy_batch_async(s, np.array([(1 << 64) - 8], dtype=np.uint64), [8], [1]),  # never wrapped
+        lambda: host.write_flag(s, "x", 1),                          # an address that is not an integer
+        lambda: host.wait_flag(s, 8.0, 1),
+        lambda: host.read_flag(None, 0),
+        lambda: host.export_range("x", 8, 0),
+        lambda: host.export_range(4096, 8, 0, within=("a", 1)),
+        lambda: host.allocation_range("x", 0),
+        lambda: host.capture_graph(s, None),                         # not callable
+        lambda: host.set_device(9),                                  # no such device
     ]
     for call in calls:
         with pytest.raises(BadInput):
@@ -485,7 +498,7 @@ def _host_values_outside_what_they_name() -> int:
 
 def test_host_values_outside_64_bits_null_flags_and_unbounded_waits_are_bad_input(spawner):
     # in a child: a null flag reached ends the process with a signal
-    assert spawner.start(_host_values_outside_what_they_name).result(60) == 11
+    assert spawner.start(_host_values_outside_what_they_name).result(60) == 24
 
 
 def test_host_wait_is_cyclic_geq():
