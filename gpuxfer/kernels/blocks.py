@@ -60,7 +60,7 @@ def default_programs_per_plane(device, n_planes: int) -> int:
     device = torch.device(device)
     if device.type == "cpu" or n_planes < 1:
         return 1
-    from .launch import sm_count
+    from .tiling import sm_count
     return max(1, min(_MAX_GRID_Y, -(-8 * sm_count(device) // n_planes)))
 
 
