@@ -360,11 +360,14 @@ class SpecTable:
                            f"(the setup spec's largest shape is {self.max_shapes[i]})")
         return shape
 
-    def check_out(self, out, device) -> None:
-        """``recv(out=...)``: persistent tensors the data is copied into (a prefix of each, by numel)."""
+    def check_out(self, out, device) -> dict:
+        """``recv(out=...)``: persistent tensors the data is copied into (a prefix of each, by numel). Returns
+        the tensors it checked, in a dict of its own: what the step writes (``out`` itself may change before
+        ``.tensors``)."""
         import torch
         if not isinstance(out, Mapping) or out.keys() != self.nameset:
             raise BadInput(f"recv(out=...) needs a dict with exactly the keys {sorted(self.nameset)}")
+        out = {name: out[name] for name in self.names}
         for i, name in enumerate(self.names):
             t = out[name]
             if not isinstance(t, torch.Tensor) or t.dtype != self.dtypes[i] or t.device != device:
@@ -380,6 +383,7 @@ class SpecTable:
                 raise BadInput(f"recv(out=...): out[{a!r}] and out[{b!r}] share memory (the first "
                                f"{self.max_nbytes[self.names.index(a)]} B of each receive a step); pass tensors "
                                f"that do not overlap")
+        return out
 
     # ---- metadata ----
     def encode(self, buf: np.ndarray, step: int, shapes) -> None:

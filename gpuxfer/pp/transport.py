@@ -280,7 +280,7 @@ class Transport(abc.ABC):
             self._check_usable("recv")
         k = self.step + 1
         if out is not None:
-            self.specs.check_out(out, self.torch_device)
+            out = self.specs.check_out(out, self.torch_device)     # the tensors checked: what the step writes
         if self._pending:
             try:
                 self._make_room(len(self._pending))
