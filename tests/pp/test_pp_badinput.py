@@ -6,6 +6,7 @@ next valid step still arrives intact.
 """
 from __future__ import annotations
 
+import collections.abc
 import os
 
 import numpy as np
@@ -346,3 +347,60 @@ def test_an_empty_shape_whose_strides_overflow_int64_is_refused(shape):
     lay = t.layout([(0, 1 << 20, 1 << 20) if n == "hidden" else sh for n, sh in zip(t.names, t.max_shapes)])
     assert t.views(torch.zeros(lay.buffer_bytes, dtype=torch.uint8), lay)["hidden"].shape == (0, 1 << 20, 1 << 20)
     assert t.fresh(lay, CPU)[0]["hidden"].shape == (0, 1 << 20, 1 << 20)
+
+
+class _Fickle(collections.abc.Mapping):
+    """A mapping whose "x" is a whole tensor the first time it is read and a one-element view of a buffer of
+    0x55 bytes after that (a mapping that builds its values on access)."""
+
+    def __init__(self, first):
+        self.first, self.reads = first, 0
+        self.later = torch.full((64 * first.numel() * first.element_size(),), 0x55, dtype=torch.uint8,
+                                device=first.device).view(first.dtype)[:1]
+
+    def __getitem__(self, key):
+        if key != "x":
+            raise KeyError(key)
+        self.reads += 1
+        return self.first if self.reads == 1 else self.later
+
+    def __iter__(self):
+        return iter(["x"])
+
+    def __len__(self):
+        return 1
+
+
+def fickle_session(rank: int, world: int, init_method: str, platform_name: str, backend: str) -> dict:
+    os.environ["GPUXFER_PLATFORM"] = platform_name
+    import torch.distributed as dist
+
+    from gpuxfer.platforms import get_platform
+    from gpuxfer.pp import connect
+    from gpuxfer.pp.launch import init_cpu_group
+    init_cpu_group(rank, world, init_method)
+    plat = get_platform(platform_name)
+    device = rank % plat.device_count()
+    dev = CPU if plat.is_emulation else torch.device("cuda", device)
+    want = torch.arange(64, dtype=torch.float32, device=dev)
+    res = {}
+    with connect(send_to=1 if rank == 0 else None, recv_from=0 if rank == 1 else None,
+                 specs={"x": ((64,), torch.float32)}, backend=backend, platform=plat, device=device,
+                 timeout_s=20) as conn:
+        if rank == 0:
+            conn.sender().send(_Fickle(want))
+        else:
+            got = conn.receiver().recv().tensors["x"]
+            res["shape"], res["bytes"] = tuple(got.shape), bool(torch.equal(got.cpu(), want.cpu()))
+        conn.synchronize()
+    dist.destroy_process_group()
+    plat.close()
+    return res
+
+
+@pytest.mark.parametrize("backend", ["copy_engine", "nccl"])
+def test_send_moves_the_tensors_it_checked(spawner, platform_name, nccl_pairs, backend):
+    """send() of a mapping reads each tensor once: what it checked is what it sends (before: copy_engine read
+    the step's 256 bytes from the 4-byte tensor a second read returned, past its end)."""
+    got = spawner.run_ranks(fickle_session, 2, platform_name, backend, timeout=120)
+    assert got[1] == {"shape": (64,), "bytes": True}
