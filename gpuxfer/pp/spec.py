@@ -161,10 +161,9 @@ class SpecTable:
             if not isinstance(dtype, torch.dtype):
                 raise BadInput(f"spec of {name!r}: {dtype!r} is not a torch dtype")
             shape = _dims(shape, f"spec of {name!r}")
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            if not _strides_fit(shape, itemsize):
+            if not math.prod(shape) and not _strides_fit(shape, torch.empty((), dtype=dtype).element_size()):
                 raise BadInput(f"spec of {name!r}: shape {shape} has strides past 2**63 bytes (each empty "
-                               f"dimension counted as 1)")
+                               f"dimension counted as 1)")     # (a shape with elements: its step's bytes, below)
             names.append(name)
             shapes.append(shape)
             dtypes.append(dtype)
@@ -352,12 +351,12 @@ class SpecTable:
         not one within the spec."""
         name = self.names[i]
         shape = _dims(shape, f"tensor {name!r}")
-        if not _strides_fit(shape, self.itemsizes[i]):
-            raise BadInput(f"tensor {name!r}: shape {shape} has strides past 2**63 bytes (each empty dimension "
-                           f"counted as 1)")
         if math.prod(shape) > self.max_numel[i]:
             raise BadInput(f"expected shape {shape} of {name!r} is larger than its slot "
                            f"(the setup spec's largest shape is {self.max_shapes[i]})")
+        if not _strides_fit(shape, self.itemsizes[i]):
+            raise BadInput(f"tensor {name!r}: shape {shape} has strides past 2**63 bytes (each empty dimension "
+                           f"counted as 1)")
         return shape
 
     def check_out(self, out, device) -> dict:
@@ -438,14 +437,14 @@ class SpecTable:
                 raise ProtocolError(f"rank {rank}: metadata from rank {peer} for step {step} is malformed: "
                                     f"{name!r} has {nd} dimensions {tuple(dims)}")
             shape = tuple(dims[:nd])
-            if not _strides_fit(shape, self.itemsizes[i]):
-                raise ProtocolError(f"rank {rank}: rank {peer} claims shape {shape} for {name!r} at step {step}: "
-                                    f"its strides pass 2**63 bytes; nothing was read")
             numel = math.prod(shape)
             if numel > self.max_numel[i]:
                 raise ProtocolError(f"rank {rank}: rank {peer} claims shape {shape} for {name!r} at step {step}: "
                                     f"{numel} elements, larger than its slot (the setup spec's largest shape "
                                     f"is {self.max_shapes[i]}, {self.max_numel[i]} elements); nothing was read")
+            if not _strides_fit(shape, self.itemsizes[i]):
+                raise ProtocolError(f"rank {rank}: rank {peer} claims shape {shape} for {name!r} at step {step}: "
+                                    f"its strides pass 2**63 bytes; nothing was read")
             total = _align(total) + numel * self.itemsizes[i]
             shapes.append(shape)
             pos += 1 + MAX_NDIM
