@@ -120,6 +120,19 @@ def _dim(s) -> int:
     return operator.index(s)
 
 
+def _bytes_viewable(dtype) -> bool:
+    """Whether a step's tensors of ``dtype`` can be made and viewed as a receiver does (:meth:`SpecTable.fresh`,
+    :meth:`SpecTable.views`) and as bytes (quantized dtypes cannot)."""
+    import torch
+    try:
+        buf = torch.empty(8, dtype=dtype)
+        buf.as_strided((1,), (1,), 0)
+        buf.view(torch.uint8)
+        return True
+    except Exception:  # noqa: BLE001 - torch says no in several ways
+        return False
+
+
 def _span(shape: tuple[int, ...], itemsize: int) -> int:
     """The bytes a contiguous tensor of ``shape`` would span with each empty dimension counted as 1: what its
     strides and its byte view's last dimension reach, which must fit an int64 (torch's) even where it holds no
@@ -160,6 +173,9 @@ class SpecTable:
                 raise BadInput(f"spec of {name!r} must be (shape, dtype), got {entry!r}") from None
             if not isinstance(dtype, torch.dtype):
                 raise BadInput(f"spec of {name!r}: {dtype!r} is not a torch dtype")
+            if not _bytes_viewable(dtype):
+                raise BadInput(f"spec of {name!r}: {dtype} tensors cannot be made and viewed as bytes (a quantized "
+                               f"dtype?), which is how a step moves them")
             shape = _dims(shape, f"spec of {name!r}")
             if not math.prod(shape) and not _strides_fit(shape, torch.empty((), dtype=dtype).element_size()):
                 raise BadInput(f"spec of {name!r}: shape {shape} has strides past 2**63 bytes (each empty "

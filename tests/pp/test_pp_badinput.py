@@ -128,7 +128,7 @@ def test_spec_table_layout_refuses_shapes_outside_the_spec():
 
 
 def test_spec_table_bad_specs():
-    for bad in ({}, {"x": ((2,), "float32")}, {"x": ((-1,), torch.float32)}, {"": ((1,), torch.float32)},
+    for bad in ({}, {"x": ((2,), "float32")}, {"x": ((2,), torch.qint8)}, {"x": ((2,), torch.quint4x2)}, {"x": ((-1,), torch.float32)}, {"": ((1,), torch.float32)},
                 {"x": ((1,) * 9, torch.float32)}, {"x": (3, torch.float32)}, {"x": "nope"}):
         with pytest.raises(BadInput):
             SpecTable(bad)
