@@ -84,6 +84,16 @@ def check_offsets(offsets, n: int, device: torch.device) -> None:
         raise BadInput(f"offsets are on {offsets.device}, but the pools are on {device}")
 
 
+def check_apart(table: torch.Tensor, name: str, pool: torch.Tensor, pool_name: str) -> None:
+    """BadInput where ``table`` (descriptors or offsets the kernel reads as it goes) shares bytes with ``pool``,
+    which the launch writes: a row could rewrite rows not read yet, past what validation saw."""
+    a, n = table.data_ptr(), table.numel() * table.element_size()
+    b, m = pool.data_ptr(), pool.numel() * pool.element_size()
+    if n and m and a < b + m and b < a + n:
+        raise BadInput(f"{name} lies in {pool_name}, which the launch writes: a row could rewrite rows not read "
+                       f"yet; pass a {name} of its own")
+
+
 def pool_align(*pools: torch.Tensor) -> int:
     a = 16
     for p in pools:
@@ -143,6 +153,7 @@ def check_copy(src_pool, dst_pool, descs, *, start: int = 0, end: int | None = N
     check_pool(dst_pool, "dst_pool", dev)
     n = check_descriptors(descs, "descs", dev)
     start, end = check_range(start, end, n)
+    check_apart(descs, "descs", dst_pool, "the dst pool")
     t = descs[start:end]
     return validate_rows(t[:, 0], t[:, 1], t[:, 2], src_pool.numel(), dst_pool.numel(), first_row=start,
                           src_name="the src pool", dst_name="the dst pool")

@@ -28,8 +28,8 @@ import torch
 
 from ..errors import BadInput, VerificationFailed
 from . import reference
-from .checks import (DescriptorStats, check_descriptors, check_int, check_offsets, check_pool, check_programs,
-                     check_range, check_rows, pool_align, validate_rows)
+from .checks import (DescriptorStats, check_apart, check_descriptors, check_int, check_offsets, check_pool,
+                     check_programs, check_range, check_rows, pool_align, validate_rows)
 from .copy_kernel import copy_kernel
 from .pattern_kernel import fill_kernel, verify_kernel
 from .tiling import CPU_PROGRAMS, CopyConfig, choose_config, default_programs, sm_count  # re-exported too
@@ -52,6 +52,10 @@ def _check_packing(pool, staging, descs, offsets, start, end, staging_offset, de
     check_offsets(offsets, n, dev)
     check_int(staging_offset, "staging_offset", 0, staging.numel())
     stats = None
+    if validate:
+        written, written_name = (staging, "the staging buffer") if packing else (pool, "the dst pool")
+        check_apart(descs, "descs", written, written_name)
+        check_apart(offsets, "offsets", written, written_name)
     if validate and end > start:
         t = descs[start:end]
         o = offsets[start:end + 1]
@@ -260,7 +264,8 @@ def copy_descriptors(src_pool, dst_pool, descs, *, start: int = 0, end: int | No
       by default the largest size seen by validation, else 2,304.
     * ``validate`` -- check dtypes, shapes, devices (always, on the host) and, with one
       host sync, that every descriptor lies inside both pools (BadInput naming the
-      first bad row). ``False`` skips the sync for timed loops.
+      first bad row) and that the table does not lie in the dst pool (a row could
+      rewrite rows not read yet). ``False`` skips the sync for timed loops.
     * ``device`` -- if given, everything must be on it.
     * ``local`` -- both pools are in this GPU's own memory: use the tiling tuned for HBM
       (pack and unpack always do).
@@ -273,6 +278,8 @@ def copy_descriptors(src_pool, dst_pool, descs, *, start: int = 0, end: int | No
     n = check_descriptors(descs, "descs", dev)
     start, end = check_range(start, end, n)
     stats = None
+    if validate:
+        check_apart(descs, "descs", dst_pool, "the dst pool")
     if validate and end > start:
         t = descs[start:end]
         stats = validate_rows(t[:, 0], t[:, 1], t[:, 2], src_pool.numel(), dst_pool.numel(), first_row=start,

@@ -430,3 +430,52 @@ def test_direct_launcher_binds_arguments_once(monkeypatch):
     off()
     off()
     assert calls["triton"] == 6 and len(calls["direct"]) == 3
+
+
+def _tables_inside_written_pools() -> list:
+    """Copies whose descriptor table (or offsets) lies in the memory the copy writes, one row rewriting a row read
+    later into (0, 2**40, 16): each must be refused before the launch (before: the validated launch wrote 2**40
+    bytes past the pool and the process died of SIGSEGV). In a child: what each call raised."""
+    from gpuxfer.errors import BadInput
+    from gpuxfer.kernels import check_copy, copy_descriptors, pack, unpack
+    n = 64
+    forged = torch.tensor([0, 1 << 40, 16], dtype=torch.int64).view(torch.uint8)
+
+    def table_in(pool, first_dst: int):
+        descs = pool[:n * 24].view(torch.int64).view(n, 3)
+        for i in range(n):
+            descs[i] = torch.tensor([4096 + 64 * i, first_dst + 64 * i, 64])
+        descs[0] = torch.tensor([0, 40 * 24, 24])       # row 0 lands on row 40
+        return descs
+
+    def src_pool():
+        src = torch.zeros(1 << 16, dtype=torch.uint8)
+        src[:24] = forged
+        return src
+
+    out = []
+    for name in ("copy", "check_copy", "pack", "unpack", "pack offsets"):
+        dst, src = torch.zeros(1 << 16, dtype=torch.uint8), src_pool()
+        try:
+            if name == "copy":
+                copy_descriptors(src, dst, table_in(dst, 8192))
+            elif name == "check_copy":
+                check_copy(src, dst, table_in(dst, 8192))
+            elif name == "pack":                # staging (written) holds the table
+                pack(src, dst, table_in(dst, 8192))
+            elif name == "unpack":              # the dst pool (written) holds the table
+                unpack(src, dst, table_in(dst, 8192))
+            else:                               # the staging buffer (written) holds the offsets
+                descs = torch.tensor([[4096 + 64 * i, 0, 64] for i in range(n)], dtype=torch.int64)
+                offs = dst[:(n + 1) * 8].view(torch.int64)
+                offs.copy_(torch.arange(n + 1, dtype=torch.int64) * 64)
+                pack(src, dst, descs, offs, staging_offset=8192)
+            out.append(f"{name}: no error")
+        except BadInput as exc:
+            out.append(f"{name}: BadInput {exc}")
+    return out
+
+
+def test_a_table_inside_the_memory_the_copy_writes_is_refused(spawner):
+    got = spawner.start(_tables_inside_written_pools).result(120)
+    assert all(r.split(":")[1].startswith(" BadInput") and "writes" in r for r in got), got
