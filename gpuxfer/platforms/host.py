@@ -262,6 +262,8 @@ class HostPlatform(_HostMemory, Platform):
                                                              (nbytes, "copy size")))
         if nbytes < 0:
             raise BadInput(f"cannot copy {nbytes} bytes")
+        if nbytes and (dst <= 0 or src <= 0):
+            raise BadInput(f"a copy of {nbytes} B from 0x{src:x} to 0x{dst:x}: a null or negative address")
         if nbytes and self._cma:
             self._enqueue_copies(s, *(np.array([v], dtype=np.int64) for v in (dst, src, nbytes)))
         elif nbytes:
@@ -274,6 +276,9 @@ class HostPlatform(_HostMemory, Platform):
             raise BadInput(f"dsts, srcs and sizes differ in length: {len(d)}, {len(sr)}, {len(n)}")
         if len(n) and n.min() < 0:
             raise BadInput("a copy size is negative")
+        live = n > 0
+        if live.any() and (d[live].min() <= 0 or sr[live].min() <= 0):
+            raise BadInput("a copy address is null or negative")
         if len(n) and self._cma:
             self._enqueue_copies(s, d, sr, n)
             return
@@ -306,6 +311,8 @@ class HostPlatform(_HostMemory, Platform):
         ptr, value, nbytes = _int64(ptr, "memset address"), _int64(value, "memset value"), _int64(nbytes, "memset size")
         if nbytes < 0 or not 0 <= value <= 255:
             raise BadInput(f"memset of {nbytes} bytes to {value!r}: need nbytes >= 0 and a byte value")
+        if nbytes and ptr <= 0:
+            raise BadInput(f"memset of {nbytes} bytes at 0x{ptr:x}: a null or negative address")
         if self._cma:
             self._cma.refuse(ptr, nbytes, "a memset")
         if nbytes:

@@ -486,6 +486,11 @@ def _host_values_outside_what_they_name() -> int:
         lambda: host.allocation_range("x", 0),
         lambda: host.capture_graph(s, None),                         # not callable
         lambda: host.set_device(9),                                  # no such device
+        lambda: host.copy_async(s, 0, 4096, 8),                      # a null or negative address: its worker
+        lambda: host.copy_async(s, 4096, -4096, 8),                  # would fault
+        lambda: host.copy_batch_async(s, [4096, 0], [4096, 8192], [8, 8]),
+        lambda: host.copy_batch_async(s, [4096], [-8], [8]),
+        lambda: host.memset_async(s, 0, 1, 8),
     ]
     for call in calls:
         with pytest.raises(BadInput):
@@ -498,7 +503,7 @@ def _host_values_outside_what_they_name() -> int:
 
 def test_host_values_outside_64_bits_null_flags_and_unbounded_waits_are_bad_input(spawner):
     # in a child: a null flag reached ends the process with a signal
-    assert spawner.start(_host_values_outside_what_they_name).result(60) == 24
+    assert spawner.start(_host_values_outside_what_they_name).result(60) == 29
 
 
 def test_host_wait_is_cyclic_geq():
