@@ -20,6 +20,7 @@ __all__ = ["PLANE_FIELDS", "EXPAND_BLOCK", "default_programs_per_plane", "expand
 EXPAND_BLOCK = 1024           # segments per chunk (one loop step of a program)
 _MAX_GRID_Y = 65535           # CUDA's limit on the second grid dimension
 _INT64_MAX = (1 << 63) - 1
+_MAX_BLOCK = 1 << 20          # Triton's most elements in one block (a tl.arange)
 
 
 def request_header_len(n_planes: int, n_groups: int) -> int:
@@ -59,7 +60,7 @@ def default_programs_per_plane(device, n_planes: int) -> int:
     device = torch.device(device)
     if device.type == "cpu" or n_planes < 1:
         return 1
-    from .launch import sm_count
+    from .tiling import sm_count
     return max(1, min(_MAX_GRID_Y, -(-8 * sm_count(device) // n_planes)))
 
 
@@ -89,8 +90,8 @@ def expand_launcher(planes: torch.Tensor, request: torch.Tensor, out: torch.Tens
         raise BadInput(f"the expansion runs on CUDA devices (or the CPU interpreter), not {dev}")
     n_groups = _int(n_groups, "n_groups")
     block = _int(block, "block", 1)
-    if block & (block - 1):
-        raise BadInput(f"block must be a power of two, got {block}")
+    if block & (block - 1) or block > _MAX_BLOCK:
+        raise BadInput(f"block must be a power of two <= {_MAX_BLOCK} (a Triton block's elements), got {block}")
     n_planes = int(planes.shape[0])
     need = request_header_len(n_planes, n_groups)
     if request.shape[0] < need:
@@ -123,11 +124,13 @@ def verdict_launcher(word: torch.Tensor, fp: torch.Tensor, status: torch.Tensor,
     zeroed on a refusal; None: none), all int64 on one device; ``equal``: refused when the word differs from
     the fingerprint, else when it is ``refused`` or more."""
     dev = sig.device
+    n_sig, n_rows = _int(n_sig, "n_sig"), _int(n_rows, "n_rows")
+    if isinstance(refused, bool) or not isinstance(refused, int) or not -(1 << 63) <= refused <= _INT64_MAX:
+        raise BadInput(f"refused must be an int64, got {refused!r}")
     for name, t, n in (("word", word, 1), ("fp", fp, 1), ("status", status, 2), ("sig", sig, max(n_sig, 1))):
         _tensor(t, name, 1, dev)
         if t.shape[0] < n:
             raise BadInput(f"{name} holds {t.shape[0]} entries, needs {n}")
-    n_sig, n_rows = _int(n_sig, "n_sig"), _int(n_rows, "n_rows")
     if out is None:
         if n_rows:
             raise BadInput("n_rows descriptor rows without out")
@@ -136,7 +139,7 @@ def verdict_launcher(word: torch.Tensor, fp: torch.Tensor, status: torch.Tensor,
         raise BadInput(f"out must have shape (N >= {n_rows}, 3), got {tuple(out.shape)}")
     grid = (max(1, -(-n_rows // VERDICT_BLOCK)),)
     return verdict_kernel.launcher(dev, grid, word, fp, sig, n_sig, status, out, n_rows, EQUAL=bool(equal),
-                                   REFUSED=int(refused), BLOCK=VERDICT_BLOCK, num_warps=4)
+                                   REFUSED=refused, BLOCK=VERDICT_BLOCK, num_warps=4)
 
 
 CHECK_BLOCK = 1024            # IDs per chunk of the device ID check (one loop step of a program)

@@ -53,10 +53,20 @@ def check_int(v, name: str, lo: int, hi: int | None = None) -> int:
     return v
 
 
+MAX_PROGRAMS = 1 << 20      # the most programs a launcher's grid may have
+
+
+def check_programs(num_programs) -> None:
+    """``num_programs``: None (the launcher's default) or an int in ``[1, MAX_PROGRAMS]``."""
+    if num_programs is not None and (isinstance(num_programs, bool) or not isinstance(num_programs, int)
+                                     or not 1 <= num_programs <= MAX_PROGRAMS):
+        raise BadInput(f"num_programs must be an int in 1..2**20, got {num_programs!r}")
+
+
 def check_range(start: int, end: int | None, n: int, what: str = "descs") -> tuple[int, int]:
     if end is None:
         end = n
-    if not (isinstance(start, int) and isinstance(end, int)):
+    if isinstance(start, bool) or isinstance(end, bool) or not (isinstance(start, int) and isinstance(end, int)):
         raise BadInput(f"start/end must be ints, got {start!r}, {end!r}")
     if not 0 <= start <= end <= n:
         raise BadInput(f"row range [{start}, {end}) is not inside the {n} rows of {what}")
@@ -72,6 +82,16 @@ def check_offsets(offsets, n: int, device: torch.device) -> None:
                        f"got {offsets.shape[0]}")
     if offsets.device != device:
         raise BadInput(f"offsets are on {offsets.device}, but the pools are on {device}")
+
+
+def check_apart(table: torch.Tensor, name: str, pool: torch.Tensor, pool_name: str) -> None:
+    """BadInput where ``table`` (descriptors or offsets the kernel reads as it goes) shares bytes with ``pool``,
+    which the launch writes: a row could rewrite rows not read yet, past what validation saw."""
+    a, n = table.data_ptr(), table.numel() * table.element_size()
+    b, m = pool.data_ptr(), pool.numel() * pool.element_size()
+    if n and m and a < b + m and b < a + n:
+        raise BadInput(f"{name} lies in {pool_name}, which the launch writes: a row could rewrite rows not read "
+                       f"yet; pass a {name} of its own")
 
 
 def pool_align(*pools: torch.Tensor) -> int:
@@ -133,6 +153,7 @@ def check_copy(src_pool, dst_pool, descs, *, start: int = 0, end: int | None = N
     check_pool(dst_pool, "dst_pool", dev)
     n = check_descriptors(descs, "descs", dev)
     start, end = check_range(start, end, n)
+    check_apart(descs, "descs", dst_pool, "the dst pool")
     t = descs[start:end]
     return validate_rows(t[:, 0], t[:, 1], t[:, 2], src_pool.numel(), dst_pool.numel(), first_row=start,
                           src_name="the src pool", dst_name="the dst pool")

@@ -21,7 +21,6 @@ free of host syncs.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import numbers
 from dataclasses import dataclass
 
@@ -29,125 +28,14 @@ import torch
 
 from ..errors import BadInput, VerificationFailed
 from . import reference
-from .checks import (DescriptorStats, check_descriptors, check_int, check_offsets, check_pool, check_range,
-                     check_rows, pool_align, validate_rows)
+from .checks import (DescriptorStats, check_apart, check_descriptors, check_int, check_offsets, check_pool,
+                     check_programs, check_range, check_rows, pool_align, validate_rows)
 from .copy_kernel import copy_kernel
 from .pattern_kernel import fill_kernel, verify_kernel
+from .tiling import (CPU_PROGRAMS, CopyConfig, blocks_config, choose_config, default_programs,  # re-exported too
+                     sm_count)
 
 MODE_COPY, MODE_PACK, MODE_UNPACK, MODE_PACK_ROWS, MODE_UNPACK_ROWS, MODE_BLOCKS = 0, 1, 2, 3, 4, 5
-CPU_PROGRAMS = 3            # interpreter: a few programs, to exercise the persistent loop
-
-
-# --------------------------------------------------------------------------- configuration
-
-
-@dataclass(frozen=True)
-class CopyConfig:
-    """How the copy kernel tiles its work (all compile-time constants but ``programs_per_sm``).
-
-    Each program step loads ``unroll`` chunks of ``width`` 16-byte units from each of
-    ``rows`` descriptors -- :attr:`step_bytes` in all -- before storing any of them; two
-    steps are in flight at a time.
-    """
-
-    rows: int                 # descriptors per work item (power of 2)
-    width: int                # 16-byte units per row chunk (power of 2)
-    unroll: int               # row chunks in flight per step
-    num_warps: int
-    programs_per_sm: int      # default grid = programs_per_sm x SM count
-    load_cache: str = ""      # Triton cache_modifier for loads ("", ".cg", ".cv", ...)
-    store_cache: str = ""     # ... and stores ("", ".cg", ".cs", ".wt")
-
-    def __post_init__(self):
-        for name in ("rows", "width"):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise BadInput(f"CopyConfig.{name} must be a power of two, got {v}")
-        if not 1 <= self.unroll <= 16:
-            raise BadInput(f"CopyConfig.unroll must be in 1..16, got {self.unroll}")
-        if self.num_warps not in (1, 2, 4, 8, 16, 32):
-            raise BadInput(f"CopyConfig.num_warps must be a power of two <= 32, got {self.num_warps}")
-        if self.programs_per_sm < 1:
-            raise BadInput(f"CopyConfig.programs_per_sm must be >= 1, got {self.programs_per_sm}")
-
-    @property
-    def row_step_bytes(self) -> int:
-        return self.width * 16 * self.unroll
-
-    @property
-    def step_bytes(self) -> int:
-        return self.rows * self.row_step_bytes
-
-
-def _cfg(rows, width, unroll, warps, pps) -> "CopyConfig":
-    return CopyConfig(rows=rows, width=width, unroll=unroll, num_warps=warps, programs_per_sm=pps)
-
-
-# (largest typical descriptor size, default config, config for a bounded grid of <= 1 program per SM,
-#  config when both pools are in this GPU's memory: pack, unpack, local copies).
-# Measured on 2x H200 (NV18), every page of a 2 GiB pool in random order, pull and push over
-# NVLink: wide row chunks (512 B - 1 KiB contiguous per warp instruction) beat tight padding,
-# and a bounded grid needs big steps (32-74 KB per program) because each program is latency
-# bound. Local HBM traffic preferred tighter rows and one bigger program per SM; at 528-576 B,
-# 128-byte row chunks (width 8) packed 2-5 points faster than 64-byte ones (over five runs).
-CONFIG_TABLE = (
-    (1024, _cfg(16, 32, 2, 8, 2), _cfg(32, 32, 2, 8, 1), _cfg(64, 8, 5, 8, 1)),
-    (4096, _cfg(16, 32, 2, 8, 2), _cfg(32, 16, 9, 8, 1), _cfg(16, 16, 9, 8, 1)),
-    (12288, _cfg(2, 64, 9, 4, 2), _cfg(8, 64, 9, 8, 1), _cfg(2, 64, 9, 4, 2)),
-    (None, _cfg(4, 64, 4, 4, 2), _cfg(16, 64, 4, 8, 1), _cfg(4, 64, 4, 4, 2)),
-)
-
-
-# The block copy (mode 5, :func:`copy_blocks_launcher`) derives each row from the request and the plane table: a
-# chain of dependent loads per work item, which more rows and more chunks in flight per step hide. On 1x H100 (the
-# peer pool a second process's on the same GPU; `bench kernels --ops blocks --tilings`, 2 GiB pools) 32 rows of
-# 8 units with 8 chunks in flight and 8 warps moved 1.16-1.23x the expansion + descriptor copy at 528-576 B rows
-# and 1.18x at 2,304 B, where mode 5 at the descriptor copy's tiling moved 0.92-0.94x; above 4 KB a row that
-# tiling is as fast as any tried (0.99-1.01x).
-BLOCKS_SMALL_ROWS = (4096, _cfg(32, 8, 8, 8, 2))
-
-
-def blocks_config(nbytes_hint: int | None = None, *, local: bool = False,
-                  num_programs: int | None = None) -> CopyConfig | None:
-    """Mode 5's own tiling where it has one (:data:`BLOCKS_SMALL_ROWS`), else None (:func:`choose_config`'s)."""
-    small = nbytes_hint is None or (isinstance(nbytes_hint, numbers.Integral) and not isinstance(nbytes_hint, bool)
-                                    and nbytes_hint <= BLOCKS_SMALL_ROWS[0])
-    return BLOCKS_SMALL_ROWS[1] if small and not local and num_programs is None else None
-
-
-def choose_config(nbytes_hint: int | None = None, *, few_programs: bool = False, local: bool = False) -> CopyConfig:
-    """The tiling for descriptors of about ``nbytes_hint`` bytes (2,304 if unknown).
-
-    ``few_programs``: the grid is bounded to at most one program per SM (an SM budget),
-    so each program gets a bigger step (more bytes in flight) instead of company.
-    ``local``: both pools are in this GPU's memory (pack, unpack, a local copy).
-    """
-    hint = 2304 if nbytes_hint is None else max(int(nbytes_hint), 1)
-    for limit, normal, few, near in CONFIG_TABLE:
-        if limit is None or hint <= limit:
-            return few if few_programs else near if local else normal
-    raise AssertionError("unreachable")
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
-
-
-def sm_count(device: torch.device) -> int:
-    """Multiprocessors of ``device`` (the interpreter's few programs on the CPU)."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return CPU_PROGRAMS
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def default_programs(device: torch.device, config: CopyConfig) -> int:
-    """The grid a launcher uses when ``num_programs`` is not given."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return CPU_PROGRAMS
-    return config.programs_per_sm * sm_count(device)
 
 
 # --------------------------------------------------------------------------- validation
@@ -165,6 +53,10 @@ def _check_packing(pool, staging, descs, offsets, start, end, staging_offset, de
     check_offsets(offsets, n, dev)
     check_int(staging_offset, "staging_offset", 0, staging.numel())
     stats = None
+    if validate:
+        written, written_name = (staging, "the staging buffer") if packing else (pool, "the dst pool")
+        check_apart(descs, "descs", written, written_name)
+        check_apart(offsets, "offsets", written, written_name)
     if validate and end > start:
         t = descs[start:end]
         o = offsets[start:end + 1]
@@ -198,9 +90,7 @@ def launch_geometry(rows: int, device, *, nbytes_hint: int | None = None, num_pr
     """The configuration and number of programs a copy/pack/unpack of ``rows``
     descriptors uses on ``device`` (what the launchers do, for reports)."""
     device = torch.device(device)
-    if num_programs is not None and (not isinstance(num_programs, int) or isinstance(num_programs, bool)
-                                     or num_programs < 1):
-        raise BadInput(f"num_programs must be a positive int, got {num_programs!r}")
+    check_programs(num_programs)
     if nbytes_hint is not None and (isinstance(nbytes_hint, bool) or not isinstance(nbytes_hint, numbers.Integral)
                                     or nbytes_hint < 0):
         raise BadInput(f"nbytes_hint must be a non-negative integer, got {nbytes_hint!r}")
@@ -300,9 +190,7 @@ def copy_range_launcher(src_pool, dst_pool, descs, bounds, *, lo_at: int, hi_at:
     for name, at in (("lo_at", lo_at), ("hi_at", hi_at)):
         if isinstance(at, bool) or not isinstance(at, int) or not 0 <= at < bounds.shape[0]:
             raise BadInput(f"{name} must be an index into the {bounds.shape[0]} entries of bounds, got {at!r}")
-    if num_programs is not None and (isinstance(num_programs, bool) or not isinstance(num_programs, int)
-                                     or not 1 <= num_programs <= 1 << 20):
-        raise BadInput(f"num_programs must be an int in 1..2**20, got {num_programs!r}")
+    check_programs(num_programs)
     return _copy_launch(MODE_COPY, src_pool, dst_pool, descs, None, 0, n, 0, None, num_programs, nbytes_hint,
                         None, local, bounds=(bounds, lo_at, hi_at))
 
@@ -329,9 +217,9 @@ def copy_blocks_launcher(src_pool, dst_pool, planes, request, *, n_groups: int, 
     above 1). False compiles the launch without the divisions by the splits (the common case: the same block
     size on both sides), and a plane that does split copies nothing; None reads it from ``planes`` as they are
     here (one device-to-host copy, not at each launch), or takes True while torch's current stream captures a
-    graph (where a device-to-host copy is refused). ``config``: the tiling (default: :data:`BLOCKS_SMALL_ROWS`'s
-    for rows of at most 4 KB between pools that are not both local on a grid of the default size, else
-    :func:`choose_config` of ``nbytes_hint``)."""
+    graph (where a device-to-host copy is refused). ``config``: the tiling (default:
+    :func:`~gpuxfer.kernels.tiling.blocks_config`'s for rows of at most 4 KB between pools that are not both
+    local on a grid of the default size, else :func:`choose_config` of ``nbytes_hint``)."""
     from .block_kernel import PLANE_FIELDS
     dev = check_pool(src_pool, "src_pool", device)
     check_pool(dst_pool, "dst_pool", dev)
@@ -351,9 +239,7 @@ def copy_blocks_launcher(src_pool, dst_pool, planes, request, *, n_groups: int, 
     plane_hi = check_int(plane_hi, "plane_hi", plane_lo, n_planes)
     # rows below 2**62 and first rows at or above -2**62: a segment index row - first row fits int64
     max_rows = check_int(max_rows, "max_rows", 0, 1 << 62)
-    if num_programs is not None and (isinstance(num_programs, bool) or not isinstance(num_programs, int)
-                                     or not 1 <= num_programs <= 1 << 20):
-        raise BadInput(f"num_programs must be an int in 1..2**20, got {num_programs!r}")
+    check_programs(num_programs)
     if splits is not None and not isinstance(splits, bool):
         raise BadInput(f"splits must be True, False or None, got {splits!r}")
     if plane_hi == plane_lo or max_rows == 0:
@@ -384,7 +270,8 @@ def copy_descriptors(src_pool, dst_pool, descs, *, start: int = 0, end: int | No
       by default the largest size seen by validation, else 2,304.
     * ``validate`` -- check dtypes, shapes, devices (always, on the host) and, with one
       host sync, that every descriptor lies inside both pools (BadInput naming the
-      first bad row). ``False`` skips the sync for timed loops.
+      first bad row) and that the table does not lie in the dst pool (a row could
+      rewrite rows not read yet). ``False`` skips the sync for timed loops.
     * ``device`` -- if given, everything must be on it.
     * ``local`` -- both pools are in this GPU's own memory: use the tiling tuned for HBM
       (pack and unpack always do).
@@ -397,6 +284,8 @@ def copy_descriptors(src_pool, dst_pool, descs, *, start: int = 0, end: int | No
     n = check_descriptors(descs, "descs", dev)
     start, end = check_range(start, end, n)
     stats = None
+    if validate:
+        check_apart(descs, "descs", dst_pool, "the dst pool")
     if validate and end > start:
         t = descs[start:end]
         stats = validate_rows(t[:, 0], t[:, 1], t[:, 2], src_pool.numel(), dst_pool.numel(), first_row=start,
@@ -515,7 +404,8 @@ def fill_pattern(pool, seed: int, *, start: int = 0, nbytes: int | None = None,
     dev = check_pool(pool, "pool", device)
     if not isinstance(seed, int):
         raise BadInput(f"seed must be an int, got {seed!r}")
-    if not isinstance(start, int) or not isinstance(nbytes, (int, type(None))):
+    if (isinstance(start, bool) or not isinstance(start, int) or isinstance(nbytes, bool)
+            or not isinstance(nbytes, (int, type(None)))):
         raise BadInput(f"fill range [{start!r}, +{nbytes!r}): start and nbytes must be ints")
     if nbytes is None:
         nbytes = pool.numel() - start
@@ -637,8 +527,7 @@ def verify(dst_pool, descs, seed: int, *, guard_seed: int | None = None, num_pro
             raise BadInput(f"{name} must be an int, got {v!r}")
     if guard_seed is not None and not validate:
         raise BadInput("verify: guard_seed needs validate=True (the guard assumes every descriptor in the pool)")
-    if num_programs is not None and (not isinstance(num_programs, int) or num_programs < 1):
-        raise BadInput(f"num_programs must be a positive int, got {num_programs!r}")
+    check_programs(num_programs)
     wrong, first, total = 0, n, 0
     if n:
         if validate:

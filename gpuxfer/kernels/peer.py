@@ -15,7 +15,7 @@ import multiprocessing as mp
 import os
 import traceback
 
-from ..errors import GpuxferError, TransferTimeout
+from ..errors import BadInput, GpuxferError, TransferTimeout
 
 _POLL_S = 0.5
 
@@ -122,7 +122,13 @@ class PeerPools:
 
     def call(self, cmd: str, *args, timeout_s: float | None = None):
         """Run ``fill(index, seed)`` or ``verify(index, descs_numpy, seed) -> (wrong, first_bad)`` in the helper."""
-        self._conn.send((cmd, *args))
+        if self._closed:
+            raise BadInput(f"peer pools of helper pid {self._proc.pid} are closed: no {cmd!r}")
+        try:
+            self._conn.send((cmd, *args))
+        except OSError as exc:          # the helper's end of the pipe is gone
+            raise GpuxferError(f"peer helper (pid {self._proc.pid}, device {self.peer_device}) cannot take "
+                               f"{cmd!r}: {exc} (exit code {self._proc.exitcode})") from None
         return self._reply(cmd, self.timeout_s if timeout_s is None else timeout_s)
 
     def close(self) -> None:

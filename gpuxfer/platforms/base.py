@@ -546,30 +546,40 @@ def flag_ops_array(ops: Sequence[tuple[int, int, int]]) -> np.ndarray:
     for i, (op, ptr, value) in enumerate(ops):
         if op not in (FLAG_OP_WAIT, FLAG_OP_WRITE):
             raise BadInput(f"flag operation {op} is neither a write ({FLAG_OP_WRITE}) nor a wait ({FLAG_OP_WAIT})")
-        check_flag_ptr(int(ptr))
-        arr[i, 0], arr[i, FLAG_OP_ADDRESS], arr[i, FLAG_OP_VALUE] = op, int(ptr), int(value) & ((1 << 64) - 1)
+        ptr = check_flag_ptr(ptr)
+        arr[i, 0], arr[i, FLAG_OP_ADDRESS], arr[i, FLAG_OP_VALUE] = op, ptr, int(value) & ((1 << 64) - 1)
     return arr
 
 
-def check_flag_ptr(ptr: int) -> None:
+def check_flag_ptr(ptr: int) -> int:
+    """A flag's address as an int: an integer (not a bool or a float), non-null, inside 64 bits, 8-byte
+    aligned; else :class:`BadInput`."""
+    if isinstance(ptr, bool) or not isinstance(ptr, (int, np.integer)):
+        raise BadInput(f"a flag address must be an integer, got {ptr!r}")
+    ptr = int(ptr)
     if not 0 < ptr < 1 << 64:
         raise BadInput(f"flag address {ptr:#x} is not an address (null, negative or past 64 bits)")
     if ptr % FLAG_BYTES:
         raise BadInput(f"flag address 0x{ptr:x} is not {FLAG_BYTES}-byte aligned")
+    return ptr
 
 
 def wait_seconds(timeout_s) -> float:
-    """A host wait's bound in seconds (below 0: do not wait); :class:`BadInput` where it is not a finite number,
-    since no host wait may go unbounded."""
+    """A host wait's bound in seconds (below 0: do not wait); :class:`BadInput` where it is not a finite number
+    of at most :data:`~gpuxfer.config.MAX_SECONDS`, since no host wait may go unbounded."""
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float, np.integer, np.floating)) \
-            or not math.isfinite(timeout_s):
-        raise BadInput(f"a wait's timeout must be a finite number of seconds, got {timeout_s!r}")
+            or not math.isfinite(timeout_s) or timeout_s > config.MAX_SECONDS:
+        raise BadInput(f"a wait's timeout must be a finite number of seconds (at most {config.MAX_SECONDS:g}: "
+                       f"longer overflows the clocks a wait goes through), got {timeout_s!r}")
     return max(0.0, float(timeout_s))
 
 
 def as_int64_array(values: Iterable[int] | np.ndarray, name: str) -> np.ndarray:
     try:
-        arr = np.ascontiguousarray(values, dtype=np.int64)
+        raw = np.asarray(values)
+        if raw.size and (raw.dtype.kind not in "iu" or (raw.dtype.kind == "u" and int(raw.max()) >= 1 << 63)):
+            raise TypeError(f"{raw.dtype} values{' past 2**63' if raw.dtype.kind == 'u' else ''}")
+        arr = np.ascontiguousarray(raw, dtype=np.int64)
     except (TypeError, ValueError, OverflowError) as exc:
         raise BadInput(f"{name} must hold 64-bit integers: {exc}") from None
     if arr.ndim != 1:

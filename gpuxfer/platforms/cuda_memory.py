@@ -14,6 +14,7 @@ from ..common import exported_here, process_namespace
 from ..errors import BadInput, DriverError, GpuxferError, NotExportable
 from .base import DeviceBuffer, ExportedRange, IpcHandle, Memory, PeerMapping, Platform
 from .cuda_driver import CU_MEMORYTYPE_DEVICE, CudaContexts, _cu, _cupy, _driver
+from .views import view_shape
 
 IPC_HANDLE_BYTES = 64
 CU_MEMHOSTREGISTER_PORTABLE = 1
@@ -245,10 +246,7 @@ class CudaMemory:
             raise BadInput(f"offset {offset} is not a multiple of the {dt} item size ({item} bytes)")
         if shape is None:
             shape = ((mem.nbytes - offset) // item,)
-        shape = tuple(int(s) for s in shape)
-        if any(s < 0 for s in shape):
-            raise BadInput(f"negative size in shape {shape}")
-        count = int(np.prod(shape, dtype=np.int64)) * item
+        shape, count = view_shape(shape, item)
         mem.check_range(offset, count, f"a {dt} tensor of shape {shape} at byte offset {offset}")
         dev = torch.device("cuda", mem.device)
         if count == 0:

@@ -155,6 +155,9 @@ class HostPlatform(_HostMemory, Platform):
         if self._is_closed:
             raise BadInput("the host platform is closed")
 
+    def set_device(self, device: int) -> None:
+        self._check_device(device)
+
     def device_count(self) -> int:
         return self._ndev
 
@@ -259,6 +262,8 @@ class HostPlatform(_HostMemory, Platform):
                                                              (nbytes, "copy size")))
         if nbytes < 0:
             raise BadInput(f"cannot copy {nbytes} bytes")
+        if nbytes and (dst <= 0 or src <= 0):
+            raise BadInput(f"a copy of {nbytes} B from 0x{src:x} to 0x{dst:x}: a null or negative address")
         if nbytes and self._cma:
             self._enqueue_copies(s, *(np.array([v], dtype=np.int64) for v in (dst, src, nbytes)))
         elif nbytes:
@@ -271,6 +276,9 @@ class HostPlatform(_HostMemory, Platform):
             raise BadInput(f"dsts, srcs and sizes differ in length: {len(d)}, {len(sr)}, {len(n)}")
         if len(n) and n.min() < 0:
             raise BadInput("a copy size is negative")
+        live = n > 0
+        if live.any() and (d[live].min() <= 0 or sr[live].min() <= 0):
+            raise BadInput("a copy address is null or negative")
         if len(n) and self._cma:
             self._enqueue_copies(s, d, sr, n)
             return
@@ -303,27 +311,29 @@ class HostPlatform(_HostMemory, Platform):
         ptr, value, nbytes = _int64(ptr, "memset address"), _int64(value, "memset value"), _int64(nbytes, "memset size")
         if nbytes < 0 or not 0 <= value <= 255:
             raise BadInput(f"memset of {nbytes} bytes to {value!r}: need nbytes >= 0 and a byte value")
+        if nbytes and ptr <= 0:
+            raise BadInput(f"memset of {nbytes} bytes at 0x{ptr:x}: a null or negative address")
         if self._cma:
             self._cma.refuse(ptr, nbytes, "a memset")
         if nbytes:
             s._enqueue(f"memset of {nbytes} B at 0x{ptr:x}", lambda: ctypes.memset(ptr, int(value), nbytes))
 
     # ---- flags ----
-    def _check_flag(self, ptr: int) -> None:
-        check_flag_ptr(int(ptr))
+    def _check_flag(self, ptr: int) -> int:
+        ptr = check_flag_ptr(ptr)
         if self._cma:
-            self._cma.refuse(int(ptr), 8, "a flag")
+            self._cma.refuse(ptr, 8, "a flag")
+        return ptr
 
     def write_flag(self, stream: Stream, ptr: int, value: int) -> None:
         s = self._stream(stream)
-        self._check_flag(ptr)
+        ptr = self._check_flag(ptr)
         v = _to_signed64(value)
-        s._enqueue(f"flag write {v} to 0x{int(ptr):x}", lambda: _store64(int(ptr), v))
+        s._enqueue(f"flag write {v} to 0x{ptr:x}", lambda: _store64(ptr, v))
 
     def wait_flag(self, stream: Stream, ptr: int, value: int) -> None:
         s = self._stream(stream)
-        ptr = int(ptr)
-        self._check_flag(ptr)
+        ptr = self._check_flag(ptr)
         v = _to_signed64(value)
         stop = s._worker.stop
 
@@ -338,8 +348,7 @@ class HostPlatform(_HostMemory, Platform):
         s._enqueue(f"flag wait 0x{ptr:x} >= {v}", wait)
 
     def read_flag(self, ptr: int, device: int) -> int:
-        self._check_flag(ptr)
-        return _load64(int(ptr))
+        return _load64(self._check_flag(ptr))
 
     def map_host_words(self, ptr: int, nbytes: int, device: int) -> int:
         """Host memory is what the emulated streams run on: its own address."""
@@ -348,8 +357,7 @@ class HostPlatform(_HostMemory, Platform):
         return int(ptr)
 
     def host_write_flag(self, ptr: int, value: int, device: int) -> None:
-        self._check_flag(ptr)
-        _store64(int(ptr), _to_signed64(value))
+        _store64(self._check_flag(ptr), _to_signed64(value))
 
     # ---- graph capture (emulated) ----
     def begin_capture(self, stream: Stream) -> HostGraph:
@@ -399,6 +407,8 @@ class HostPlatform(_HostMemory, Platform):
         return self._stream(stream)._capture is not None
 
     def capture_graph(self, stream: Stream, record: Callable[[Stream], object]) -> HostGraph:
+        if not callable(record):
+            raise BadInput(f"capture_graph needs a callable that records, got {record!r}")
         s = self._stream(stream)
         self.begin_capture(s)
         try:

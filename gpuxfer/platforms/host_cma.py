@@ -341,6 +341,8 @@ def _decode(payload: bytes, owner_pid: int, nbytes: int) -> tuple[int, int, int,
     if len(payload) != _PAYLOAD.size:
         raise BadInput(f"a cma handle's payload holds {_PAYLOAD.size} bytes, this one {len(payload)}")
     _, pid, start, addr, size, boot = _PAYLOAD.unpack(payload)
+    if not 0 < pid < 1 << 31:                   # pid_t: what the pidfd and /proc calls take
+        raise BadInput(f"a cma handle names process {pid}: a pid that names no process")
     if pid != owner_pid:
         raise BadInput(f"a cma handle names process {pid} but comes from process {owner_pid}")
     if pid == os.getpid():
@@ -348,7 +350,7 @@ def _decode(payload: bytes, owner_pid: int, nbytes: int) -> tuple[int, int, int,
     if boot != boot_id():
         raise BadInput(f"a cma handle of process {pid} comes from another boot or machine: cross-memory attach "
                        "reaches processes of this host only")
-    if size != nbytes or not 0 < size < 1 << 62 or not 0 < addr < 1 << 63 or size > (1 << 63) - addr:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or size != nbytes or not 0 < size < 1 << 62 or not 0 < addr < 1 << 63 or size > (1 << 63) - addr:
         raise BadInput(f"a cma handle of process {pid} claims [0x{addr:x}, +{size}) ({nbytes} bytes said)")
     return pid, start, addr, size
 

@@ -60,6 +60,13 @@ class _Shm:
         self.unlink()
 
 
+def _address(v, what: str) -> int:
+    """An address or a size as an int: an integer of 64 bits (not a bool or a float), else BadInput."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not -(1 << 63) <= int(v) < 1 << 63:
+        raise BadInput(f"{what} must be a 64-bit integer, got {v!r}")
+    return int(v)
+
+
 def _segment_name(handle: IpcHandle) -> str:
     """The segment name an IPC handle's payload holds, checked (the bytes come from another process)."""
     payload, n = handle.payload, handle.nbytes
@@ -119,7 +126,7 @@ class _HostMemory:
         return None
 
     def allocation_range(self, ptr: int, device: int) -> tuple[int, int] | None:
-        mem = self._holder(ptr)
+        mem = self._holder(_address(ptr, "an address"))
         return None if mem is None else (mem.ptr, mem.nbytes)
 
     def export_range(self, ptr: int, nbytes: int, device: int, within: tuple[int, int] | None = None
@@ -129,7 +136,7 @@ class _HostMemory:
         cross-memory attach (:mod:`~gpuxfer.platforms.host_cma`): the handle covers ``within`` (``(base,
         nbytes)``, a tensor's storage) where that holds the range, else the range itself."""
         device = self._check_device(device)
-        ptr, nbytes = int(ptr), int(nbytes)
+        ptr, nbytes = _address(ptr, "an exported range's address"), _address(nbytes, "an exported range's size")
         mem = self._holder(ptr)
         what = f"host memory [0x{ptr:x}, +{nbytes})"
         if mem is None:
@@ -148,7 +155,10 @@ class _HostMemory:
             raise NotExportable(what, "an empty range or a null address names no memory")
         base, size = ptr, nbytes
         if within is not None:
-            wb, wn = int(within[0]), int(within[1])
+            try:
+                wb, wn = (_address(v, "within") for v in within)
+            except (TypeError, ValueError):
+                raise BadInput(f"within must be (base, size), got {within!r}") from None
             if 0 < wb <= ptr and nbytes <= wn - (ptr - wb):
                 base, size = wb, wn
         if self._cma:

@@ -120,6 +120,30 @@ def _dim(s) -> int:
     return operator.index(s)
 
 
+def _bytes_viewable(dtype) -> bool:
+    """Whether a step's tensors of ``dtype`` can be made and viewed as a receiver does (:meth:`SpecTable.fresh`,
+    :meth:`SpecTable.views`) and as bytes (quantized dtypes cannot)."""
+    import torch
+    try:
+        buf = torch.empty(8, dtype=dtype)
+        buf.as_strided((1,), (1,), 0)
+        buf.view(torch.uint8)
+        return True
+    except Exception:  # noqa: BLE001 - torch says no in several ways
+        return False
+
+
+def _span(shape: tuple[int, ...], itemsize: int) -> int:
+    """The bytes a contiguous tensor of ``shape`` would span with each empty dimension counted as 1: what its
+    strides and its byte view's last dimension reach, which must fit an int64 (torch's) even where it holds no
+    element."""
+    return math.prod(max(d, 1) for d in shape) * itemsize
+
+
+def _strides_fit(shape: tuple[int, ...], itemsize: int) -> bool:
+    return _span(shape, itemsize) <= _MAX_DIM
+
+
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     out, acc = [], 1
     for d in reversed(shape):
@@ -149,7 +173,13 @@ class SpecTable:
                 raise BadInput(f"spec of {name!r} must be (shape, dtype), got {entry!r}") from None
             if not isinstance(dtype, torch.dtype):
                 raise BadInput(f"spec of {name!r}: {dtype!r} is not a torch dtype")
+            if not _bytes_viewable(dtype):
+                raise BadInput(f"spec of {name!r}: {dtype} tensors cannot be made and viewed as bytes (a quantized "
+                               f"dtype?), which is how a step moves them")
             shape = _dims(shape, f"spec of {name!r}")
+            if not math.prod(shape) and not _strides_fit(shape, torch.empty((), dtype=dtype).element_size()):
+                raise BadInput(f"spec of {name!r}: shape {shape} has strides past 2**63 bytes (each empty "
+                               f"dimension counted as 1)")     # (a shape with elements: its step's bytes, below)
             names.append(name)
             shapes.append(shape)
             dtypes.append(dtype)
@@ -340,13 +370,19 @@ class SpecTable:
         if math.prod(shape) > self.max_numel[i]:
             raise BadInput(f"expected shape {shape} of {name!r} is larger than its slot "
                            f"(the setup spec's largest shape is {self.max_shapes[i]})")
+        if not _strides_fit(shape, self.itemsizes[i]):
+            raise BadInput(f"tensor {name!r}: shape {shape} has strides past 2**63 bytes (each empty dimension "
+                           f"counted as 1)")
         return shape
 
-    def check_out(self, out, device) -> None:
-        """``recv(out=...)``: persistent tensors the data is copied into (a prefix of each, by numel)."""
+    def check_out(self, out, device) -> dict:
+        """``recv(out=...)``: persistent tensors the data is copied into (a prefix of each, by numel). Returns
+        the tensors it checked, in a dict of its own: what the step writes (``out`` itself may change before
+        ``.tensors``)."""
         import torch
         if not isinstance(out, Mapping) or out.keys() != self.nameset:
             raise BadInput(f"recv(out=...) needs a dict with exactly the keys {sorted(self.nameset)}")
+        out = {name: out[name] for name in self.names}
         for i, name in enumerate(self.names):
             t = out[name]
             if not isinstance(t, torch.Tensor) or t.dtype != self.dtypes[i] or t.device != device:
@@ -362,6 +398,7 @@ class SpecTable:
                 raise BadInput(f"recv(out=...): out[{a!r}] and out[{b!r}] share memory (the first "
                                f"{self.max_nbytes[self.names.index(a)]} B of each receive a step); pass tensors "
                                f"that do not overlap")
+        return out
 
     # ---- metadata ----
     def encode(self, buf: np.ndarray, step: int, shapes) -> None:
@@ -421,6 +458,9 @@ class SpecTable:
                 raise ProtocolError(f"rank {rank}: rank {peer} claims shape {shape} for {name!r} at step {step}: "
                                     f"{numel} elements, larger than its slot (the setup spec's largest shape "
                                     f"is {self.max_shapes[i]}, {self.max_numel[i]} elements); nothing was read")
+            if not _strides_fit(shape, self.itemsizes[i]):
+                raise ProtocolError(f"rank {rank}: rank {peer} claims shape {shape} for {name!r} at step {step}: "
+                                    f"its strides pass 2**63 bytes; nothing was read")
             total = _align(total) + numel * self.itemsizes[i]
             shapes.append(shape)
             pos += 1 + MAX_NDIM

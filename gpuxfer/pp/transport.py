@@ -93,6 +93,14 @@ def torch_is_stream_ordered(platform) -> bool:
     return not platform.host_memory
 
 
+def _read_once(tensors: Mapping) -> dict:
+    """A mapping's items in a dict of their own, or the :class:`Refusal` of a mapping that cannot be read."""
+    try:
+        return dict(tensors)
+    except Exception as exc:  # noqa: BLE001 - the caller's mapping: any error is its refusal
+        raise Refusal(1, -1, f"send() could not read the mapping it was given: {type(exc).__name__}: {exc}") from None
+
+
 # --------------------------------------------------------------------------- received
 
 
@@ -241,6 +249,8 @@ class Transport(abc.ABC):
             layout = specs.fast_layout(tensors, self._gpu_index)
         if layout is None:
             try:
+                if type(tensors) is not dict and isinstance(tensors, Mapping):
+                    tensors = _read_once(tensors)   # each tensor read once: what is checked is what is sent
                 layout = specs.layout(specs.check_tensors(tensors, self.torch_device))
             except Refusal as refusal:
                 if self.metadata:
@@ -280,7 +290,7 @@ class Transport(abc.ABC):
             self._check_usable("recv")
         k = self.step + 1
         if out is not None:
-            self.specs.check_out(out, self.torch_device)
+            out = self.specs.check_out(out, self.torch_device)     # the tensors checked: what the step writes
         if self._pending:
             try:
                 self._make_room(len(self._pending))

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from ..errors import EXIT_CODE, PeerLost
+from ..errors import EXIT_CODE, BadInput, PeerLost
 from .timeouts import resolve_timeout
 
 log = logging.getLogger("gpuxfer.pp")
@@ -179,6 +179,25 @@ def exit_process(failed: Watched, err: BaseException) -> None:
 # --------------------------------------------------------------------------- teardown
 
 
+_TEARDOWN_PARTS = ("_state", "_call_lock", "_drain", "_close_mappings", "_free")
+
+
+def _transports_of(transports) -> list:
+    """``close_all``'s argument as a list of transports, or BadInput naming what it holds instead (checked whole,
+    before any end is touched)."""
+    if isinstance(transports, (str, bytes)) or any(hasattr(transports, a) for a in ("_state", "transports")):
+        items = None             # one transport or a connection: not a collection of transports
+    else:
+        try:
+            items = list(transports)
+        except TypeError:
+            items = None
+    if items is None or not all(all(hasattr(t, a) for a in _TEARDOWN_PARTS) for t in items):
+        raise BadInput(f"close_all() takes a list of transports (conn.transports; conn.close() closes a "
+                       f"connection), got {transports!r:.120}")
+    return items
+
+
 def close_all(transports: Sequence[Watched], timeout_s: float | None = None) -> None:
     """Tear transports down together in a safe order (idempotent), in at most the largest
     ``timeout_s`` + a few seconds whatever the peers do; the caller's process group is never used.
@@ -202,6 +221,7 @@ def close_all(transports: Sequence[Watched], timeout_s: float | None = None) -> 
     """
     if timeout_s is not None:
         timeout_s = resolve_timeout(timeout_s)
+    transports = _transports_of(transports)
     with _TEARDOWN:
         todo = [t for t in transports if t._state == "open"]
         for t in todo:

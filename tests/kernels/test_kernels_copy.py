@@ -257,6 +257,19 @@ def test_copy_config_rejects_bad_values():
         CopyConfig(rows=4, width=4, unroll=1, num_warps=4, programs_per_sm=0)
 
 
+@pytest.mark.parametrize("kw", [dict(rows=2.0), dict(width="4"), dict(unroll=1.5), dict(num_warps=4.0),
+                                dict(programs_per_sm=None), dict(rows=True), dict(width=1 << 40),
+                                dict(rows=1 << 10, width=1 << 10), dict(load_cache="zz"), dict(store_cache=".ca"),
+                                dict(load_cache=None)])
+def test_copy_config_of_other_types_or_beyond_a_kernel_block_is_bad_input(kw):
+    """Fields that are not ints (or a bool), a tile of more elements than a Triton block holds, a cache modifier
+    Triton has not: BadInput when the config is made, not a TypeError or a compile error at the launch."""
+    f = dict(rows=4, width=4, unroll=1, num_warps=4, programs_per_sm=1)
+    f.update(kw)
+    with pytest.raises(BadInput, match="CopyConfig"):
+        CopyConfig(**f)
+
+
 # --------------------------------------------------------------------------- bad input
 
 
@@ -310,6 +323,15 @@ def test_copy_rejects_bad_ranges_grids_and_devices(dev):
         copy_descriptors(src, dst, t, start=2, end=1)
     with pytest.raises(BadInput, match="num_programs"):
         copy_descriptors(src, dst, t, num_programs=0)
+    from gpuxfer.kernels import copy_launcher, launch_geometry
+    for programs in (True, 1 << 40):        # a grid past 2**20 programs: the interpreter's (or CUDA's) limit
+        with pytest.raises(BadInput, match="num_programs"):
+            launch_geometry(1, dev, num_programs=programs)
+        with pytest.raises(BadInput, match="num_programs"):
+            copy_launcher(src, dst, t, num_programs=programs)
+    for start, end in ((True, None), (0, True), (0, 1.0)):      # a bool is no row index
+        with pytest.raises(BadInput, match="start/end"):
+            copy_launcher(src, dst, t, start=start, end=end)
     with pytest.raises(BadInput, match="expected meta"):
         copy_descriptors(src, dst, t, device="meta")
 
@@ -408,3 +430,52 @@ def test_direct_launcher_binds_arguments_once(monkeypatch):
     off()
     off()
     assert calls["triton"] == 6 and len(calls["direct"]) == 3
+
+
+def _tables_inside_written_pools() -> list:
+    """Copies whose descriptor table (or offsets) lies in the memory the copy writes, one row rewriting a row read
+    later into (0, 2**40, 16): each must be refused before the launch (before: the validated launch wrote 2**40
+    bytes past the pool and the process died of SIGSEGV). In a child: what each call raised."""
+    from gpuxfer.errors import BadInput
+    from gpuxfer.kernels import check_copy, copy_descriptors, pack, unpack
+    n = 64
+    forged = torch.tensor([0, 1 << 40, 16], dtype=torch.int64).view(torch.uint8)
+
+    def table_in(pool, first_dst: int):
+        descs = pool[:n * 24].view(torch.int64).view(n, 3)
+        for i in range(n):
+            descs[i] = torch.tensor([4096 + 64 * i, first_dst + 64 * i, 64])
+        descs[0] = torch.tensor([0, 40 * 24, 24])       # row 0 lands on row 40
+        return descs
+
+    def src_pool():
+        src = torch.zeros(1 << 16, dtype=torch.uint8)
+        src[:24] = forged
+        return src
+
+    out = []
+    for name in ("copy", "check_copy", "pack", "unpack", "pack offsets"):
+        dst, src = torch.zeros(1 << 16, dtype=torch.uint8), src_pool()
+        try:
+            if name == "copy":
+                copy_descriptors(src, dst, table_in(dst, 8192))
+            elif name == "check_copy":
+                check_copy(src, dst, table_in(dst, 8192))
+            elif name == "pack":                # staging (written) holds the table
+                pack(src, dst, table_in(dst, 8192))
+            elif name == "unpack":              # the dst pool (written) holds the table
+                unpack(src, dst, table_in(dst, 8192))
+            else:                               # the staging buffer (written) holds the offsets
+                descs = torch.tensor([[4096 + 64 * i, 0, 64] for i in range(n)], dtype=torch.int64)
+                offs = dst[:(n + 1) * 8].view(torch.int64)
+                offs.copy_(torch.arange(n + 1, dtype=torch.int64) * 64)
+                pack(src, dst, descs, offs, staging_offset=8192)
+            out.append(f"{name}: no error")
+        except BadInput as exc:
+            out.append(f"{name}: BadInput {exc}")
+    return out
+
+
+def test_a_table_inside_the_memory_the_copy_writes_is_refused(spawner):
+    got = spawner.start(_tables_inside_written_pools).result(120)
+    assert all(r.split(":")[1].startswith(" BadInput") and "writes" in r for r in got), got

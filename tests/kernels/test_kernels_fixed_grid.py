@@ -167,5 +167,21 @@ def test_expand_launcher_rejects_bad_grids():
         expand_launcher(planes, req, out, n_groups=1, block=3)
     with pytest.raises(BadInput, match="programs per plane"):
         expand_launcher(planes, req, out, n_groups=1, programs_per_plane=1 << 17)
+    for block in (1 << 21, 1 << 40):          # past a Triton block's 2**20 elements: BadInput, not a launch error
+        with pytest.raises(BadInput, match="block must be a power of two"):
+            expand_launcher(planes, req, out, n_groups=1, block=block, programs_per_plane=1)
     assert expand_launcher(planes, req, out, n_groups=1, max_segments=0) is None
     assert expand_launcher(planes, req, out, n_groups=1) is not None
+
+
+def test_verdict_launcher_rejects_values_of_other_types_or_ranges():
+    """A signal count that is not an int, or a refusal value past int64: BadInput at the launcher, not a
+    TypeError or an interpreter error at the launch."""
+    from gpuxfer.kernels.blocks import verdict_launcher
+    z = torch.zeros(8, dtype=torch.int64)
+    with pytest.raises(BadInput, match="n_sig"):
+        verdict_launcher(z[:1], z[:1], z[:2], z, "x", None, 0, equal=True, refused=1)
+    for refused in (1 << 70, -(1 << 64), 1.5, None):
+        with pytest.raises(BadInput, match="refused"):
+            verdict_launcher(z[:1], z[:1], z[:2], z, 1, None, 0, equal=True, refused=refused)
+    verdict_launcher(z[:1], z[:1], z[:2], z, 1, None, 0, equal=True, refused=1)()

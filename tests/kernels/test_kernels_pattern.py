@@ -115,6 +115,10 @@ def test_fill_rejects_bad_arguments(dev):
         fill_pattern(pool, 1, start=-1)
     with pytest.raises(BadInput, match="seed must be an int"):
         fill_pattern(pool, 1.5)
+    with pytest.raises(BadInput, match="fill range"):
+        fill_pattern(pool, 1, start=True, nbytes=1)            # a bool is no offset (Triton's int1)
+    with pytest.raises(BadInput, match="fill range"):
+        fill_pattern(pool, 1, start=0, nbytes=True)
     with pytest.raises(BadInput, match="pool must be a uint8"):
         fill_pattern(pool.view(torch.int32), 1)
 
@@ -238,6 +242,8 @@ def test_verify_validates_without_a_source_pool(dev):
         verify(dst, torch.tensor([[0, 0, 10]], device=dev), "5")
     with pytest.raises(BadInput, match="num_programs"):
         verify(dst, torch.tensor([[0, 0, 10]], device=dev), 5, num_programs=0)
+    with pytest.raises(BadInput, match="num_programs"):
+        verify(dst, torch.tensor([[0, 0, 10]], device=dev), 5, num_programs=True)
     with pytest.raises(BadInput, match="int64"):
         verify(dst, torch.tensor([[0, 0, 10]], dtype=torch.int32, device=dev), 5)
 

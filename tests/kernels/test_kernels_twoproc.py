@@ -131,3 +131,24 @@ def test_pull_and_push_across_two_processes(platform, platform_name, spawner):
             assert res["device"] == 1
     finally:
         a.close()
+
+
+@pytest.mark.timeout(300)
+def test_peer_pools_calls_after_close_or_after_the_helper_died_are_typed(host):
+    """A call on closed pools, or to a helper that was killed: a GpuxferError naming it (before: OSError /
+    BrokenPipeError of the pipe)."""
+    import os
+    import signal
+
+    from gpuxfer.errors import BadInput, GpuxferError
+    from gpuxfer.kernels.peer import PeerPools
+    pools = PeerPools(host, 0, 0, [4096], timeout_s=T)
+    pools.call("fill", 0, 3)
+    os.kill(pools.pid, signal.SIGKILL)
+    pools._proc.join(T)
+    with pytest.raises(GpuxferError, match="helper"):
+        pools.call("fill", 0, 3)
+    with pytest.raises(GpuxferError, match="exited with code"):
+        pools.close()
+    with pytest.raises(BadInput, match="closed"):
+        pools.call("fill", 0, 3)

@@ -241,6 +241,22 @@ def test_export_range_of_plain_memory(host):
     assert ctypes.sizeof(ctypes.c_void_p) == 8
 
 
+@pytest.mark.parametrize("pid", [0, 1 << 31, 1 << 40, (1 << 64) - 1])
+def test_a_handle_naming_a_pid_no_process_can_have_is_bad_input(host, pid):
+    """A forged handle whose pid lies outside pid_t's positive range: BadInput, not an OverflowError of the
+    pidfd call nor a PeerLost for a process that never was."""
+    payload = host_cma._PAYLOAD.pack(host_cma.CMA_MAGIC, pid, 5, 4096, 4096, host_cma.boot_id())
+    with pytest.raises(BadInput, match="names no process"):
+        host.open_handle(IpcHandle("host", 0, 4096, payload, pid), 0)
+
+
+@pytest.mark.parametrize("nbytes", [4096.0, True])
+def test_a_cma_handle_whose_size_is_not_an_int_is_bad_input(host, nbytes):
+    payload = host_cma._PAYLOAD.pack(host_cma.CMA_MAGIC, os.getppid(), 5, 4096, 4096, host_cma.boot_id())
+    with pytest.raises(BadInput, match="claims"):
+        host.open_handle(IpcHandle("host", 0, nbytes, payload, os.getppid()), 0)
+
+
 @pytest.mark.parametrize("payload", ["/gx1_1_abcdef12", None, 5, [b"GXCMA"], memoryview(b"/gx1_1_abcdef12")])
 def test_a_handle_whose_payload_is_not_bytes_is_bad_input(host, payload):
     with pytest.raises(BadInput, match="not a host IPC handle"):

@@ -156,6 +156,21 @@ def test_as_tensor_dtypes_zero_copy(platform):
         buf.close()
 
 
+@pytest.mark.parametrize("shape", [(1 << 32, 1 << 32), (1 << 61, 8), ((1 << 64) + 4,), (1 << 63, 0, 1 << 63),
+                                   ("x",), 5, (2.5,), (True, 4), (None,)])
+def test_as_tensor_of_a_shape_past_int64_or_not_of_ints_is_bad_input(platform, shape):
+    """A view's bytes counted in Python integers: a shape whose product wraps int64 (to 0, or to a few bytes
+    inside the buffer) or is not a sequence of ints is BadInput, never an allocation of the wrapped shape or
+    torch's error."""
+    buf = zeroed(platform, 4096, 0)
+    try:
+        with pytest.raises(BadInput):
+            platform.as_tensor(buf, torch.uint8, shape)
+        assert platform.as_tensor(buf, torch.uint8, (0, 1 << 40)).shape == (0, 1 << 40)
+    finally:
+        buf.close()
+
+
 def test_copy_async_and_batch_local(platform):
     n = 64 * 1024 + 5
     dev = 0
@@ -458,6 +473,24 @@ def _host_values_outside_what_they_name() -> int:
         lambda: host.host_write_flag(0, 1, 0),
         lambda: host.synchronize(s, float("inf")),                   # a host wait is bounded
         lambda: host.event_wait(host.record_event(s), float("nan")),
+        lambda: host.synchronize(s, 1e300),                          # past any clock: not an OverflowError
+        lambda: host.event_wait(host.record_event(s), 1e300),
+        lambda: host.copy_batch_async(s, np.array([1.5]), np.array([2.5]), np.array([1.0])),   # never truncated
+        lambda: host.copy_batch_async(s, np.array([True]), np.array([True]), np.array([True])),
+        lambda: host.copy_batch_async(s, np.array([(1 << 64) - 8], dtype=np.uint64), [8], [1]),  # never wrapped
+        lambda: host.write_flag(s, "x", 1),                          # an address that is not an integer
+        lambda: host.wait_flag(s, 8.0, 1),
+        lambda: host.read_flag(None, 0),
+        lambda: host.export_range("x", 8, 0),
+        lambda: host.export_range(4096, 8, 0, within=("a", 1)),
+        lambda: host.allocation_range("x", 0),
+        lambda: host.capture_graph(s, None),                         # not callable
+        lambda: host.set_device(9),                                  # no such device
+        lambda: host.copy_async(s, 0, 4096, 8),                      # a null or negative address: its worker
+        lambda: host.copy_async(s, 4096, -4096, 8),                  # would fault
+        lambda: host.copy_batch_async(s, [4096, 0], [4096, 8192], [8, 8]),
+        lambda: host.copy_batch_async(s, [4096], [-8], [8]),
+        lambda: host.memset_async(s, 0, 1, 8),
     ]
     for call in calls:
         with pytest.raises(BadInput):
@@ -470,7 +503,7 @@ def _host_values_outside_what_they_name() -> int:
 
 def test_host_values_outside_64_bits_null_flags_and_unbounded_waits_are_bad_input(spawner):
     # in a child: a null flag reached ends the process with a signal
-    assert spawner.start(_host_values_outside_what_they_name).result(60) == 11
+    assert spawner.start(_host_values_outside_what_they_name).result(60) == 29
 
 
 def test_host_wait_is_cyclic_geq():

@@ -6,13 +6,14 @@ next valid step still arrives intact.
 """
 from __future__ import annotations
 
+import collections.abc
 import os
 
 import numpy as np
 import pytest
 import torch
 
-from gpuxfer.errors import BadInput, GpuxferError
+from gpuxfer.errors import BadInput, GpuxferError, ProtocolError
 from gpuxfer.pp.spec import ALIGN, as_bytes, Refusal, SpecTable
 from gpuxfer.pp.transport import resolve_timeout
 from test_pp_chain import check_equal, specs, step_shapes, step_tensors
@@ -127,7 +128,7 @@ def test_spec_table_layout_refuses_shapes_outside_the_spec():
 
 
 def test_spec_table_bad_specs():
-    for bad in ({}, {"x": ((2,), "float32")}, {"x": ((-1,), torch.float32)}, {"": ((1,), torch.float32)},
+    for bad in ({}, {"x": ((2,), "float32")}, {"x": ((2,), torch.qint8)}, {"x": ((2,), torch.quint4x2)}, {"x": ((-1,), torch.float32)}, {"": ((1,), torch.float32)},
                 {"x": ((1,) * 9, torch.float32)}, {"x": (3, torch.float32)}, {"x": "nope"}):
         with pytest.raises(BadInput):
             SpecTable(bad)
@@ -326,3 +327,80 @@ def test_a_peer_that_is_not_a_rank_is_bad_input():
     for peer in ([1], {1: 1}, "1", True, 1.0, 3):
         with pytest.raises(BadInput):
             conn.sender(peer)
+
+
+@pytest.mark.parametrize("shape", [(0, 1 << 62, 1 << 62), (0, 1 << 62), (5, 0, 1 << 61, 4)])
+def test_an_empty_shape_whose_strides_overflow_int64_is_refused(shape):
+    """No elements, so within any slot, but its contiguous strides (or its last dimension in bytes) pass 2**63:
+    torch cannot view or allocate it. Refused in the spec, in a step's layout (recv(shapes=...) of the caller:
+    BadInput, the transport unbroken) and in the peer's metadata (ProtocolError), before any view is made."""
+    with pytest.raises(BadInput, match="spec of 'hidden'.*strides"):
+        SpecTable({**specs(), "hidden": (shape, torch.bfloat16)})
+    t = SpecTable(specs())
+    shapes = [shape if n == "hidden" else sh for n, sh in zip(t.names, t.max_shapes)]
+    with pytest.raises(BadInput, match="tensor 'hidden'.*strides"):
+        t.layout(shapes)
+    buf = np.zeros(t.meta_len, dtype=np.int64)
+    t.encode(buf, 3, tuple(tuple(s) for s in shapes))
+    with pytest.raises(ProtocolError, match="'hidden'.*strides"):
+        t.decode(buf, step=3, peer=0, rank=1)
+    lay = t.layout([(0, 1 << 20, 1 << 20) if n == "hidden" else sh for n, sh in zip(t.names, t.max_shapes)])
+    assert t.views(torch.zeros(lay.buffer_bytes, dtype=torch.uint8), lay)["hidden"].shape == (0, 1 << 20, 1 << 20)
+    assert t.fresh(lay, CPU)[0]["hidden"].shape == (0, 1 << 20, 1 << 20)
+
+
+class _Fickle(collections.abc.Mapping):
+    """A mapping whose "x" is a whole tensor the first time it is read and a one-element view of a buffer of
+    0x55 bytes after that (a mapping that builds its values on access)."""
+
+    def __init__(self, first):
+        self.first, self.reads = first, 0
+        self.later = torch.full((64 * first.numel() * first.element_size(),), 0x55, dtype=torch.uint8,
+                                device=first.device).view(first.dtype)[:1]
+
+    def __getitem__(self, key):
+        if key != "x":
+            raise KeyError(key)
+        self.reads += 1
+        return self.first if self.reads == 1 else self.later
+
+    def __iter__(self):
+        return iter(["x"])
+
+    def __len__(self):
+        return 1
+
+
+def fickle_session(rank: int, world: int, init_method: str, platform_name: str, backend: str) -> dict:
+    os.environ["GPUXFER_PLATFORM"] = platform_name
+    import torch.distributed as dist
+
+    from gpuxfer.platforms import get_platform
+    from gpuxfer.pp import connect
+    from gpuxfer.pp.launch import init_cpu_group
+    init_cpu_group(rank, world, init_method)
+    plat = get_platform(platform_name)
+    device = rank % plat.device_count()
+    dev = CPU if plat.is_emulation else torch.device("cuda", device)
+    want = torch.arange(64, dtype=torch.float32, device=dev)
+    res = {}
+    with connect(send_to=1 if rank == 0 else None, recv_from=0 if rank == 1 else None,
+                 specs={"x": ((64,), torch.float32)}, backend=backend, platform=plat, device=device,
+                 timeout_s=20) as conn:
+        if rank == 0:
+            conn.sender().send(_Fickle(want))
+        else:
+            got = conn.receiver().recv().tensors["x"]
+            res["shape"], res["bytes"] = tuple(got.shape), bool(torch.equal(got.cpu(), want.cpu()))
+        conn.synchronize()
+    dist.destroy_process_group()
+    plat.close()
+    return res
+
+
+@pytest.mark.parametrize("backend", ["copy_engine", "nccl"])
+def test_send_moves_the_tensors_it_checked(spawner, platform_name, nccl_pairs, backend):
+    """send() of a mapping reads each tensor once: what it checked is what it sends (before: copy_engine read
+    the step's 256 bytes from the 4-byte tensor a second read returned, past its end)."""
+    got = spawner.run_ranks(fickle_session, 2, platform_name, backend, timeout=120)
+    assert got[1] == {"shape": (64,), "bytes": True}

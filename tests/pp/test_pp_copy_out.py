@@ -94,3 +94,50 @@ def test_default_receiver_tensors_are_the_callers_and_a_step_is_few_calls(spawne
               and not (got["emulation"] and k in EMULATION_ONLY)}
     assert not others, f"calls besides the step's own per step: {others}"
     assert per_step["current_stream"] <= 1, dict(per_step)
+
+
+def swapped_out_session(rank: int, world: int, init_method: str, platform_name: str, backend: str) -> dict:
+    """The receiver passes recv(out=out), then puts into ``out`` a tensor of another dtype with as many elements
+    (a quarter of the bytes) before touching .tensors."""
+    os.environ["GPUXFER_PLATFORM"] = platform_name
+    import torch
+    import torch.distributed as dist
+
+    from gpuxfer.platforms import get_platform
+    from gpuxfer.pp import connect
+    from gpuxfer.pp.launch import init_cpu_group
+    init_cpu_group(rank, world, init_method)
+    plat = get_platform(platform_name)
+    device = rank % plat.device_count()
+    dev = torch.device("cpu") if plat.is_emulation else torch.device("cuda", device)
+    specs = {"x": ((N,), torch.float32), "i": ((N,), torch.int64)}
+    sent = {"x": torch.arange(N, dtype=torch.float32, device=dev) + 0.5,
+            "i": torch.arange(N, dtype=torch.int64, device=dev) * 3}
+    res = {}
+    with connect(send_to=1 if rank == 0 else None, recv_from=0 if rank == 1 else None, specs=specs,
+                 backend=backend, platform=plat, device=device, timeout_s=TIMEOUT) as conn:
+        if rank == 0:
+            conn.sender().send(sent)
+        else:
+            out = {name: torch.zeros(N, dtype=dt, device=dev) for name, (_, dt) in specs.items()}
+            mine = dict(out)
+            r = conn.receiver().recv(out=out)
+            guard = torch.full((4 * N + 64,), 0xAB, dtype=torch.uint8, device=dev)
+            out["x"] = guard[:N]          # N uint8 elements: N bytes where the step brings 4 N
+            got = r.tensors
+            res["guard intact"] = bool((guard[N:] == 0xAB).all())
+            res["into the checked tensors"] = all(got[n].data_ptr() == mine[n].data_ptr() for n in specs)
+            res["bytes"] = all(torch.equal(got[n].cpu(), sent[n].cpu()) for n in specs)
+        conn.synchronize()
+    dist.destroy_process_group()
+    plat.close()
+    return res
+
+
+@pytest.mark.parametrize("backend", ["copy_engine", "nccl"])
+def test_recv_out_is_the_dict_checked_at_recv(spawner, platform_name, nccl_pairs, backend):
+    """recv(out=...) copies into the tensors it checked: a tensor the caller puts into the dict afterwards is
+    never written (before: copy_engine copied the step's 4 N bytes into an N-byte uint8 tensor put there, past
+    its end; nccl broke the pair)."""
+    _, got = spawner.run_ranks(swapped_out_session, 2, platform_name, backend, timeout=120)
+    assert got == {"guard intact": True, "into the checked tensors": True, "bytes": True}

@@ -258,3 +258,25 @@ def test_a_transport_dropped_unclosed_is_still_watched():
         for t in [t for t in WATCHDOG.open_transports() if id(t) == ident]:
             t.close()
         plat.close()
+
+
+def test_close_all_of_what_is_not_transports_is_bad_input():
+    """close_all() takes transports: None, one transport (not in a list), a connection, or a list holding
+    something else is BadInput naming what it got, and closes nothing (before: AttributeError / TypeError,
+    or the transports before the bad item were closed)."""
+    import pytest
+
+    from gpuxfer.errors import BadInput
+    from gpuxfer.pp import close_all
+    from gpuxfer.pp.selection import Connection
+    t, plat = _lone_sender()
+    try:
+        for bad in (None, t, Connection("lone", {1: t}, {}, {}, rank=0), [t, None], [t, 5], "ab", 7):
+            with pytest.raises(BadInput, match="close_all"):
+                close_all(bad)
+            assert t._state == "open"
+        close_all((x for x in [t]))
+        assert t.closed
+    finally:
+        t.abort()
+        plat.close()
