@@ -408,12 +408,13 @@ def _registrar(max_ranks):
     return mgr
 
 
-def _register(mgr, session, meta=None, **change):
-    """Decode rank ``session``'s registration with ``mgr``: its geometry ``mgr``'s but for ``change``."""
+def _register(mgr, session, meta=None, port=DECODE[1], **change):
+    """Decode rank ``session``'s registration with ``mgr`` from ``port``: its geometry ``mgr``'s but for
+    ``change``."""
     from gpuxfer.integrations.sglang.layout import encode_registration, geometry
     geom = {**geometry(mgr.args, 1), **change}
     meta = meta or f"agent of {session}".encode()
-    mgr._on_registration([b"None", DECODE[0].encode(), str(DECODE[1]).encode(), session.encode(),
+    mgr._on_registration([b"None", DECODE[0].encode(), str(port).encode(), session.encode(),
                           encode_registration(geom, meta), b""])
 
 
@@ -515,3 +516,92 @@ def test_a_decode_naming_another_page_count_than_the_request_sends_fails_it_befo
         assert not any(t.any() for t in real.dst) and KVPoll.Success not in [s[2] for s in real.statuses()]
     finally:
         real.close()
+
+
+# ---------------------------------------------------------------------- the sockets a prefill keeps open
+
+
+@pytest.fixture
+def sockets():
+    """A registrar (:func:`_registrar`, 4 decode ranks kept, 4 refusals) with SGLang's own socket cache and
+    status sender on a real ZMQ context: each answer opens (and caches) a socket to its endpoint, as in a
+    server. Yields the manager and a count of this process's open file descriptors."""
+    import os
+    import zmq
+    from sglang.srt.disaggregation.common.conn import CommonKVManager
+    mgr = _registrar(4)
+    mgr._zmq_ctx, mgr._socket_lock, mgr.defer_decode_allocation = zmq.Context(), threading.Lock(), False
+    mgr._socket_cache, mgr._monitor_cache, mgr._socket_send_locks = {}, {}, {}
+    mgr.send_kv_status_message = partial(GpuxferKVManager.send_kv_status_message, mgr)
+    mgr._send_abort_ack = partial(CommonKVManager._send_abort_ack, mgr)
+    try:
+        yield mgr, lambda: len(os.listdir("/proc/self/fd"))
+    finally:
+        mgr._zmq_ctx.destroy(linger=0)
+
+
+def _cached(mgr):
+    return len(mgr._socket_cache), len(mgr._monitor_cache), len(mgr._socket_send_locks)
+
+
+def _settled_fds(fds, at_most):
+    """This process's open descriptors once ZMQ's reaper closed what was closed (bounded wait)."""
+    import time
+    deadline = time.monotonic() + 20
+    while fds() > at_most and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return fds()
+
+
+def test_forged_registrations_each_answered_leave_no_more_sockets_than_registrations_kept(sockets):
+    """200 refused registrations, each from an endpoint of its own and each followed by a metadata message of
+    its rank (answered Failed there, which opens SGLang's socket to it): only the 4 refusals kept have a
+    socket; an evicted one's socket and monitor are closed, its file descriptors freed."""
+    mgr, fds = sockets
+    for i in range(4):
+        _register(mgr, f"warm{i}", port=21000 + i, page_size=8)
+        mgr._on_transfer_info(_meta(3, session=f"warm{i}".encode(), port=21000 + i))
+    base = fds()
+    for i in range(200):
+        _register(mgr, f"bad{i}", port=20000 + i, page_size=8)
+        mgr._on_transfer_info(_meta(3, session=f"bad{i}".encode(), port=20000 + i))
+        assert _cached(mgr)[0] <= 4
+    assert _cached(mgr) == (4, 4, 4) and len(_failed_told(mgr, 3)) == 0        # answered by sockets only
+    assert sorted(mgr._kept_endpoints) == [f"tcp://{DECODE[0]}:{20196 + i}" for i in range(4)]
+    assert _settled_fds(fds, base + 16) <= base + 16
+
+
+def test_a_rank_registering_again_from_endpoint_after_endpoint_keeps_one_socket(sockets):
+    mgr, _ = sockets
+    for i in range(100):
+        _register(mgr, "d0", port=20000 + i)
+        mgr._on_transfer_info(_meta(3, session=b"d0", port=20000 + i, ranks=b"9"))     # refused: answered
+    assert _cached(mgr) == (1, 1, 1) and list(mgr._socket_cache) == [f"tcp://{DECODE[0]}:20099"]
+    assert list(mgr.pushes._peers) == ["d0"] and list(mgr._kept_endpoints) == [f"tcp://{DECODE[0]}:20099"]
+
+
+def test_a_status_for_an_endpoint_no_registration_names_any_more_opens_no_socket(sockets):
+    """Decode rank d0's destination for a room a request holds, then its registration from another endpoint:
+    the room's Failed status goes nowhere (the old endpoint is no registration's), no socket opened for it."""
+    mgr, _ = sockets
+    _register(mgr, "d0")
+    mgr.hold_room(ROOM)
+    mgr.update_status(ROOM, KVPoll.Bootstrapping)
+    mgr._on_transfer_info(_meta(ROOM, session=b"d0"))
+    assert mgr.request_status[ROOM] == KVPoll.WaitingForInput
+    _register(mgr, "d0", port=DECODE[1] + 1)
+    mgr.conclude_failure(bootstrap_room=ROOM, failure_reason="aborted")
+    assert _cached(mgr) == (0, 0, 0) and mgr.request_status[ROOM] == KVPoll.Failed
+
+
+def test_forged_abort_return_addresses_open_no_socket(sockets):
+    """ABORTs naming return addresses of their own (each armed for an ACK): no ACK goes to any of them, and
+    no socket is opened; an ABORT from a registered rank's endpoint is ACKed there."""
+    from sglang.srt.disaggregation.common.conn import ABORT_TAG
+    mgr, _ = sockets
+    _register(mgr, "d0")
+    for i in range(100):
+        mgr._on_abort([ABORT_TAG, str(1000 + i).encode(), DECODE[0].encode(), str(30000 + i).encode(), b"1"])
+    assert _cached(mgr) == (0, 0, 0) and not mgr._deferred_ack_targets
+    mgr._on_abort([ABORT_TAG, b"5", DECODE[0].encode(), str(DECODE[1]).encode(), b"1"])
+    assert list(mgr._socket_cache) == [f"tcp://{DECODE[0]}:{DECODE[1]}"]

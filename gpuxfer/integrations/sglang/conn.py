@@ -56,6 +56,7 @@ decode rank naming pages for a new request of a room id its earlier request stil
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -78,6 +79,7 @@ from sglang.srt.disaggregation.common.conn import (
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils.network import NetworkAddress
 
 from ... import config
 from ...errors import BadInput, BlockIdError, GpuxferError
@@ -96,6 +98,11 @@ MAX_SESSION_BYTES = 256         # a decode rank's name (SGLang's ``ip:port``) in
 # pages are its pool's at most (no page is two requests'), and rooms it gave up may name them again meanwhile
 UNREQUESTED_POOLS = 2
 _RECV_POLL_MS = 200             # how often an idle control thread looks at its stop flag (a message wakes it)
+
+
+def _tcp(endpoint: tuple) -> str:
+    """SGLang's ``tcp://`` name of an ``(ip, port)`` endpoint (what its socket cache is keyed by)."""
+    return NetworkAddress(endpoint[0], int(endpoint[1])).to_tcp()
 
 
 def _int32_pages(kv_indices) -> bytes:
@@ -191,6 +198,9 @@ class GpuxferKVManager(CommonKVManager):
         # answered (a reply would open a socket to wherever the message says), counted, logged once per rank
         self.unanswered = 0
         self._unanswered_ranks: "OrderedDict[str, None]" = OrderedDict()
+        # SGLang's ``tcp://`` name of each endpoint a kept decode rank registration names -> how many name it: the
+        # only places a message goes and a socket is opened to (:meth:`_connect`)
+        self._kept_endpoints: Counter = Counter()
 
     def _spawn(self, target, name: str) -> None:
         t = threading.Thread(target=target, name=name, daemon=True)
@@ -544,7 +554,6 @@ class GpuxferKVManager(CommonKVManager):
         tokens = {(i.endpoint, i.dst_port): i.token for i in infos}
         parts = self._encode_kv_status_message(bootstrap_room=bootstrap_room, status=status,
                                                failure_reason=failure_reason)
-        from sglang.srt.utils.network import NetworkAddress
         for endpoint, dst_port in targets:
             token = tokens.get((endpoint, dst_port))
             na = NetworkAddress(endpoint, dst_port)
@@ -648,9 +657,68 @@ class GpuxferKVManager(CommonKVManager):
 
     def send_to_decode(self, info: TransferInfo, parts: List[bytes]) -> None:
         """:meth:`.pushes.Rooms.send_to_decode`: on SGLang's socket to the decode rank's endpoint."""
-        from sglang.srt.utils.network import NetworkAddress
         na = NetworkAddress(info.endpoint, info.dst_port)
         self._send_multipart_locked(na.to_tcp(), parts, is_ipv6=na.is_ipv6)
+
+    # ------------------------------------------------------------------ prefill: its sockets to decode ranks
+
+    def endpoint_changed(self, old: Optional[tuple], new: Optional[tuple]) -> None:
+        """:meth:`.pushes.Rooms.endpoint_changed`: the endpoints kept registrations name, counted by their
+        ``tcp://`` name (two spellings of one address are one); the socket SGLang cached for one no longer
+        named is closed and dropped, so what a stream of forged registrations leaves open is bounded by the
+        registrations kept."""
+        if new is not None:
+            self._kept_endpoints[_tcp(new)] += 1
+        if old is not None:
+            tcp = _tcp(old)
+            self._kept_endpoints[tcp] -= 1
+            if self._kept_endpoints[tcp] <= 0:
+                del self._kept_endpoints[tcp]
+                self._close_socket(tcp)
+
+    def _kept(self, endpoint: str) -> bool:
+        kept = getattr(self, "_kept_endpoints", None)     # a decode manager: SGLang's own endpoints, all kept
+        return kept is None or endpoint in kept
+
+    def _connect(self, endpoint: str, is_ipv6: bool = False):
+        """SGLang's cached socket to ``endpoint``; on a prefill only where a kept decode rank registration names
+        it (``BadInput`` otherwise, nothing opened): a forged ABORT's return address, or a destination of a
+        registration since replaced, opens no socket. One whose registration went while it was opened is
+        closed again (the registration's side closed what was cached before it)."""
+        if not self._kept(endpoint):
+            raise BadInput(f"no decode rank registration kept here names endpoint {clip(endpoint)}")
+        sock = super()._connect(endpoint, is_ipv6=is_ipv6)
+        if not self._kept(endpoint):
+            self._close_socket(endpoint)
+            raise BadInput(f"the decode rank registration naming endpoint {clip(endpoint)} was dropped")
+        return sock
+
+    def _send_multipart_locked(self, endpoint: str, parts: List[bytes], is_ipv6: bool = False) -> None:
+        """SGLang's send on its cached socket, serialized per endpoint; ``BadInput`` where the socket was closed
+        meanwhile (its endpoint dropped) instead of a send on a closed socket."""
+        sock = self._connect(endpoint, is_ipv6=is_ipv6)
+        lock = self._socket_send_locks.get(endpoint)
+        if lock is None:
+            raise BadInput(f"the socket to {clip(endpoint)} was closed: no kept registration names it")
+        with lock:
+            if sock.closed:
+                raise BadInput(f"the socket to {clip(endpoint)} was closed: no kept registration names it")
+            sock.send_multipart(parts)
+
+    def _close_socket(self, endpoint: str) -> None:
+        """Close and drop the socket SGLang cached for ``endpoint`` and its disconnect monitor (after a send
+        in progress on it: under its send lock)."""
+        if not hasattr(self, "_socket_lock"):
+            return                      # no SGLang socket state: nothing was opened
+        with self._socket_lock:
+            sock = self._socket_cache.pop(endpoint, None)
+            monitor = self._monitor_cache.pop(endpoint, None)
+            send_lock = self._socket_send_locks.pop(endpoint, None)
+        if sock is not None:
+            with send_lock or contextlib.nullcontext():
+                sock.close(linger=0)
+        if monitor is not None:
+            monitor.close(linger=0)
 
     # ------------------------------------------------------------------ both
 
