@@ -744,9 +744,18 @@ class GpuxferKVSender(CommonKVSender):
             self._release_room()
             raise
 
+    # Once cleared, a sender holds its room id no more, and the id may name a new request: SGLang's calls on
+    # it (send, init, abort, clear again) would queue its pages for that request's decode pages, fail it or
+    # drop its state, so they change nothing; it polls Failed where it was cleared before it concluded.
+
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
         super().init(num_kv_indices, aux_index)
-        self.kv_mgr.check_page_counts(self.bootstrap_room, num_kv_indices)
+        if self._holds_room:
+            self.kv_mgr.check_page_counts(self.bootstrap_room, num_kv_indices)
+
+    def send(self, *args: Any, **kwargs: Any) -> None:
+        if self._holds_room:
+            super().send(*args, **kwargs)
 
     def _release_room(self) -> None:
         if self._holds_room:
@@ -754,11 +763,18 @@ class GpuxferKVSender(CommonKVSender):
             self.kv_mgr.release_room(self.bootstrap_room)
 
     def clear(self) -> None:
+        if not self._holds_room:
+            return
         super().clear()
+        if self.conclude_state is None:
+            self.conclude_state = KVPoll.Failed
         self._release_room()
 
     def abort(self) -> None:
         """SGLang's abort, and the decode told at once (it would otherwise wait for its timeout)."""
+        if not self._holds_room:
+            self.conclude_state = KVPoll.Failed
+            return
         super().abort()
         self.kv_mgr.conclude_failure(bootstrap_room=self.bootstrap_room, failure_reason="Aborted by the prefill")
         self.kv_mgr.pushes.drain_later(self.bootstrap_room)     # its posted pushes waited for
