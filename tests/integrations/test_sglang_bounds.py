@@ -163,43 +163,6 @@ def test_the_sender_holds_its_room_from_before_sglangs_part_until_it_is_cleared(
     assert seen[1:] == ["clear"] and not mgr._requested
 
 
-def _sender(mgr, room=ROOM):
-    """A new sender of ``room`` over ``mgr`` as SGLang's constructor leaves it (its network parts left out)."""
-    from sglang.srt.observability.trace import TraceNullContext
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(CommonKVSender, "__init__", lambda self, *a, **k: None)
-        sender = GpuxferKVSender(mgr=mgr, bootstrap_addr="p:1", bootstrap_room=room)
-    sender.conclude_state = sender._transfer_start_time = sender._early_send_wait_event = None
-    sender.curr_idx = sender._transfer_num_kv_indices = sender._transfer_num_state_indices = 0
-    sender.trace_ctx, sender.aux_index = TraceNullContext(), None
-    mgr.kv_shard_size, mgr.enable_all_cp_ranks_for_transfer, mgr.is_dummy_cp_rank = 1, False, False
-    mgr.update_status(room, KVPoll.Bootstrapping)
-    return sender
-
-
-@pytest.mark.parametrize("late", ["send", "init", "abort", "clear"])
-def test_a_cleared_senders_late_calls_change_nothing_of_the_next_request_of_its_room_id(late):
-    """Request A's sender cleared before it concluded; request B of the same room id holds the room (its
-    decode named pages 11-12). A's late ``send`` queues none of A's pages for B's, its ``init`` and ``abort``
-    neither fail B nor tell B's decode anything, its ``clear`` leaves B's state; A polls Failed."""
-    mgr = _prefill()
-    a = _sender(mgr)
-    mgr._on_transfer_info(_meta(ROOM, pages=(9, 10)))
-    a.init(2, 5)
-    a.clear()
-    b = _sender(mgr)
-    mgr._on_transfer_info(_meta(ROOM, pages=(11, 12), token=b"2"))
-    b.init(2, 5)
-    {"send": lambda: a.send(np.array([1, 2], dtype=np.int32)), "init": lambda: a.init(3, 5),
-     "abort": a.abort, "clear": a.clear}[late]()
-    assert mgr.pushes._queue.empty() and not mgr.statuses() and not mgr.failure_records
-    assert mgr.request_status[ROOM] == KVPoll.WaitingForInput and list(mgr.transfer_infos[ROOM]) == ["decode"]
-    assert a.poll() == KVPoll.Failed and b.poll() == KVPoll.WaitingForInput and mgr._requested[ROOM] == 1
-    b.send(np.array([1, 2], dtype=np.int32))
-    chunk = mgr.pushes._queue.get_nowait()
-    assert chunk.infos is mgr.transfer_infos[ROOM] and chunk.is_last and list(chunk.pages) == [1, 2]
-
-
 # ---------------------------------------------------------------------- destinations refused outright
 
 

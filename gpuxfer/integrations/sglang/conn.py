@@ -75,6 +75,7 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVManager,
     CommonKVReceiver,
     CommonKVSender,
+    KVTransferError,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
@@ -108,7 +109,10 @@ def _tcp(endpoint: tuple) -> str:
 def _int32_pages(kv_indices) -> bytes:
     """A decode's page indices as its metadata message carries them (int32s); ``BlockIdError`` for any that is
     no integer or does not fit (a cast would name another page)."""
-    arr = np.asarray(kv_indices)
+    try:
+        arr = np.asarray(kv_indices)
+    except (TypeError, ValueError, RuntimeError) as exc:     # e.g. a device tensor, a ragged list
+        raise BlockIdError(f"decode page indices must be a 1-D array of integers: {exc}") from None
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise BlockIdError(f"decode page indices must be a 1-D array of integers, got {arr.dtype} {arr.shape}")
     if arr.size and not (0 <= int(arr.min()) and int(arr.max()) <= np.iinfo(np.int32).max):
@@ -243,6 +247,9 @@ class GpuxferKVManager(CommonKVManager):
         if state_indices:
             raise BadInput("the gpuxfer SGLang backend does not move state buffers (state_indices given)")
         pages = b"" if is_dummy else _int32_pages(kv_indices)
+        if not is_dummy and (isinstance(aux_index, bool) or not isinstance(aux_index, (int, np.integer))
+                             or aux_index < 0):
+            raise BadInput(f"a decode's metadata row index must be an int >= 0, got {aux_index!r:.40}")
         self.landings.forget(bootstrap_room)        # a landing heard of before belongs to an earlier request
         # the request's token (one for every prefill rank it names its pages to, until the receiver is cleared):
         # the prefill echoes it in the room's row and status messages, so an earlier request's late ones,
@@ -770,6 +777,12 @@ class GpuxferKVSender(CommonKVSender):
             self.conclude_state = KVPoll.Failed
         self._release_room()
 
+    def failure_exception(self):
+        if not self._holds_room:        # the room id's failure record may be a new request's: left to it
+            self.conclude_state = KVPoll.Failed
+            raise KVTransferError(self.bootstrap_room, "the request was cleared before it concluded")
+        super().failure_exception()
+
     def abort(self) -> None:
         """SGLang's abort, and the decode told at once (it would otherwise wait for its timeout)."""
         if not self._holds_room:
@@ -781,6 +794,32 @@ class GpuxferKVSender(CommonKVSender):
 
 
 class GpuxferKVReceiver(CommonKVReceiver):
+    # Once cleared, a receiver no longer owns its room id (SGLang's ``_owns_bootstrap_room``, which its own
+    # ``clear`` and ``abort`` honor), and the id may name a new request: ``init``, ``send_metadata`` and
+    # ``failure_exception`` change nothing of it either (no pages named, no ABORT sent, no failure taken).
+
+    def init(self, prefill_dp_rank: int) -> None:
+        if self._owns_bootstrap_room:
+            super().init(prefill_dp_rank)
+
+    def send_metadata(self, *args: Any, **kwargs: Any) -> None:
+        """SGLang's ``send_metadata``; what the backend cannot send (page indices that are no int32 pages, no
+        metadata row, state buffers) fails the room alone with its typed reason, never raising into the
+        scheduler, and the prefill ranks are told (SGLang's ABORT)."""
+        if not self._owns_bootstrap_room:
+            return
+        try:
+            super().send_metadata(*args, **kwargs)
+        except GpuxferError as exc:
+            self.kv_mgr.record_failure(self.bootstrap_room, f"{type(exc).__name__}: {exc}")
+            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+            self.ensure_abort_notified()
+
+    def failure_exception(self):
+        if not self._owns_bootstrap_room:   # the room id's failure record may be a new request's: left to it
+            raise KVTransferError(self.bootstrap_room, "the request was cleared before it concluded")
+        super().failure_exception()
+
     def _register_kv_args(self) -> bool:
         """SGLang's registration with each prefill rank of the room, each rank that sends KV alone given a
         notification slot of its own (not a dummy rank, nor one of several ranks answering for a request)."""
@@ -805,10 +844,13 @@ class GpuxferKVReceiver(CommonKVReceiver):
         return status
 
     def _clear(self) -> None:
+        if not self._owns_bootstrap_room:
+            return
         super()._clear()
         self.kv_mgr.landings.forget(self.bootstrap_room)
         self.kv_mgr._tokens.pop(self.bootstrap_room, None)      # the room id's next request gets a new one
         self.kv_mgr._aux_index.pop(self.bootstrap_room, None)
+        self._owns_bootstrap_room = False
 
 
 class GpuxferKVBootstrapServer(CommonKVBootstrapServer):
