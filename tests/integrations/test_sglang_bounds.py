@@ -230,6 +230,28 @@ def test_a_refused_ranks_destination_fails_the_room_a_request_holds():
     assert not mgr.transfer_infos
 
 
+def test_a_requests_destination_named_again_differently_fails_it_and_is_not_replaced():
+    """Decode rank ``decode``'s request (token 1) of room ``ROOM`` named pages 9-10 and a request holds the room
+    (its pushes may already write them): the same message again changes nothing; one naming pages 11-12, or
+    another metadata row, under the same token fails the room, the pages first named kept."""
+    for other in (dict(pages=(11, 12)), dict(pages=(9, 10, 11)), dict(ranks=b"1", port=DECODE[1], token=b"1")):
+        mgr = _prefill()
+        mgr.hold_room(ROOM)
+        mgr.update_status(ROOM, KVPoll.Bootstrapping)
+        mgr._on_transfer_info(_meta(ROOM, pages=(9, 10)))
+        kept = mgr.transfer_infos[ROOM]["decode"]
+        mgr._on_transfer_info(_meta(ROOM, pages=(9, 10)))
+        assert mgr.request_status[ROOM] == KVPoll.WaitingForInput and not mgr.statuses()
+        assert mgr.transfer_infos[ROOM]["decode"] is kept
+        info = _meta(ROOM, **{"pages": (9, 10), **other})
+        if "pages" not in other:
+            info.dst_aux_index = 4                  # another metadata row
+        mgr._on_transfer_info(info)
+        assert mgr.request_status[ROOM] == KVPoll.Failed and "other pages or rows" in mgr.failure_records[ROOM]
+        assert mgr.transfer_infos[ROOM]["decode"] is kept and list(kept.dst_kv_indices) == [9, 10]
+        assert "other pages or rows" in _failed_told(mgr, ROOM)[0][3]
+
+
 def test_forged_decode_ranks_never_grow_a_room_past_the_ranks_its_tp_size_gives():
     """A registered rank of twice this prefill's TP size: two destinations per room, a third refused."""
     mgr = _prefill()

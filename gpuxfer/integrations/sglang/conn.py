@@ -106,6 +106,13 @@ def _tcp(endpoint: tuple) -> str:
     return NetworkAddress(endpoint[0], int(endpoint[1])).to_tcp()
 
 
+def _same_destination(a: TransferInfo, b: TransferInfo) -> bool:
+    """Whether two metadata messages of one decode rank's request name the same destination."""
+    return ((a.endpoint, a.dst_port, a.dst_aux_index, a.required_dst_info_num, a.is_dummy, a.decode_prefix_len)
+            == (b.endpoint, b.dst_port, b.dst_aux_index, b.required_dst_info_num, b.is_dummy, b.decode_prefix_len)
+            and np.array_equal(a.dst_kv_indices, b.dst_kv_indices))
+
+
 def _int32_pages(kv_indices) -> bytes:
     """A decode's page indices as its metadata message carries them (int32s); ``BlockIdError`` for any that is
     no integer or does not fit (a cast would name another page)."""
@@ -454,7 +461,7 @@ class GpuxferKVManager(CommonKVManager):
         (:meth:`_refusal`), or one more than the room has, is stored nowhere: that rank is told Failed, and the
         room fails where a request holds it (or another rank's destination). A room no request holds here yet
         is kept within :class:`.requests.Unrequested`'s bounds."""
-        refusal, known, dropped, budget = self._refusal(info), None, [], 0
+        refusal, known, again, dropped, budget = self._refusal(info), None, False, [], 0
         with self._room_lock:
             infos = self.transfer_infos.get(info.room) or {}
             if refusal is not None:
@@ -463,18 +470,21 @@ class GpuxferKVManager(CommonKVManager):
             else:
                 need = next(iter(infos.values()), info).required_dst_info_num
                 known = infos.get(info.session)
-                # more decode ranks than the room has (a room id two requests drew, or a forged claim), or a
+                again = known is not None and known.token == info.token
+                # more decode ranks than the room has (a room id two requests drew, or a forged claim), a
                 # decode rank's new request of a room id its earlier request still holds here (that one was
-                # given up there): none may be written another's KV, so the room fails for all of them
+                # given up there), or its request's destination named again, differently (pushes may already
+                # have gone to the first): none may be written another's KV, so the room fails for all of them
                 fail = ((known is None and (len(infos) >= need or info.required_dst_info_num != need))
-                        or (known is not None and known.token != info.token))
+                        or (known is not None and not again) or (again and not _same_destination(known, info)))
                 reason = (f"decode rank {info.session} claims room {info.room}, which {len(infos)} decode rank(s) "
                           f"{sorted(infos)} of {need} already claimed"
-                          + (" for another of its requests" if known is not None else "")) if fail else None
+                          + ("" if known is None else " for another of its requests" if not again else
+                             ", naming other pages or rows for the same request")) if fail else None
             if fail and self.request_status.get(info.room) != KVPoll.Success:
                 self.record_failure(info.room, reason)
                 self.update_status(info.room, KVPoll.Failed)
-            if refusal is None and not fail:
+            if refusal is None and not fail and not again:     # the same message again changes nothing
                 infos = self.transfer_infos.setdefault(info.room, infos)
                 infos[info.session] = info
                 if len(infos) == info.required_dst_info_num:
