@@ -617,6 +617,36 @@ def test_a_status_for_an_endpoint_no_registration_names_any_more_opens_no_socket
     assert _cached(mgr) == (0, 0, 0) and mgr.request_status[ROOM] == KVPoll.Failed
 
 
+def test_a_decode_that_registers_and_never_reads_never_holds_the_prefill(sockets):
+    """Decode rank d0 registered from an endpoint that takes connections and reads nothing (a listening TCP
+    socket never accepted): once ZMQ's queue to it is full, a message to it fails at once with a typed error,
+    instead of holding the sending thread (the transfer thread, every other decode's requests behind it, or
+    the scheduler's abort) for SGLang's 30-second send timeout each."""
+    import socket
+    from gpuxfer.errors import ProtocolError
+    mgr, _ = sockets
+    with socket.socket() as listening:
+        listening.bind((DECODE[0], 0))
+        listening.listen(1)
+        port = listening.getsockname()[1]
+        _register(mgr, "d0", port=port)
+        info, outcome = _meta(ROOM, session=b"d0", port=port), []
+
+        def send():
+            try:
+                for _ in range(5000):
+                    mgr.send_to_decode(info, [b"GXAUX3", b"x" * 64])
+                outcome.append("sent")
+            except Exception as exc:        # noqa: BLE001 - what the transfer thread's room failure gets
+                outcome.append(exc)
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        sender.join(20)
+        assert outcome and isinstance(outcome[0], ProtocolError) and "reads none" in str(outcome[0])
+        with pytest.raises(ProtocolError):
+            mgr.send_to_decode(info, [b"GXAUX3"])
+
+
 def test_forged_abort_return_addresses_open_no_socket(sockets):
     """ABORTs naming return addresses of their own (each armed for an ACK): no ACK goes to any of them, and
     no socket is opened; an ABORT from a registered rank's endpoint is ACKed there."""

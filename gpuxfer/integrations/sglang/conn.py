@@ -83,7 +83,7 @@ from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.network import NetworkAddress
 
 from ... import config
-from ...errors import BadInput, BlockIdError, GpuxferError
+from ...errors import BadInput, BlockIdError, GpuxferError, ProtocolError
 from ...kv import KVAgent
 from .landing import Landings, parse_landing, parse_slot, slot_frame
 from .layout import (GROUP, check_supported, decode_registration, destinations, encode_registration, geometry,
@@ -712,7 +712,10 @@ class GpuxferKVManager(CommonKVManager):
 
     def _send_multipart_locked(self, endpoint: str, parts: List[bytes], is_ipv6: bool = False) -> None:
         """SGLang's send on its cached socket, serialized per endpoint; ``BadInput`` where the socket was closed
-        meanwhile (its endpoint dropped) instead of a send on a closed socket."""
+        meanwhile (its endpoint dropped) instead of a send on a closed socket. On a prefill it never waits:
+        where ZMQ's queue to a decode is full (it reads none of its messages: hung, or registered and never
+        reading), ``ProtocolError`` at once, instead of holding the transfer thread (every other decode's
+        requests behind it) or the scheduler for SGLang's 30-second send timeout."""
         sock = self._connect(endpoint, is_ipv6=is_ipv6)
         lock = self._socket_send_locks.get(endpoint)
         if lock is None:
@@ -720,7 +723,11 @@ class GpuxferKVManager(CommonKVManager):
         with lock:
             if sock.closed:
                 raise BadInput(f"the socket to {clip(endpoint)} was closed: no kept registration names it")
-            sock.send_multipart(parts)
+            try:
+                sock.send_multipart(parts, flags=0 if getattr(self, "_kept_endpoints", None) is None else zmq.NOBLOCK)
+            except zmq.Again:
+                raise ProtocolError(f"decode endpoint {clip(endpoint)} reads none of the messages queued to it "
+                                    f"({sock.get(zmq.SNDHWM)} unread): nothing more is queued there") from None
 
     def _close_socket(self, endpoint: str) -> None:
         """Close and drop the socket SGLang cached for ``endpoint`` and its disconnect monitor (after a send
