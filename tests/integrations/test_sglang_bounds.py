@@ -219,6 +219,20 @@ def test_refused_destinations_under_made_up_rank_names_leave_nothing_behind():
     assert not mgr.transfer_infos and not mgr.request_status and not mgr.failure_records
 
 
+def test_a_destination_arriving_after_its_request_failed_here_is_told_at_once():
+    """The prefill's request of the room aborted before the decode named its pages (nobody to tell then): the
+    decode's metadata message, when it comes, is answered Failed with the abort's reason, not left to the
+    decode's waiting timeout."""
+    mgr = _prefill()
+    mgr.hold_room(ROOM)
+    mgr.update_status(ROOM, KVPoll.Bootstrapping)
+    mgr.conclude_failure(bootstrap_room=ROOM, failure_reason="Aborted by the prefill")
+    told = len(_failed_told(mgr, ROOM))
+    mgr._on_transfer_info(_meta(ROOM))
+    assert len(_failed_told(mgr, ROOM)) == told + 1 and _failed_told(mgr, ROOM)[-1][3] == "Aborted by the prefill"
+    assert mgr.request_status[ROOM] == KVPoll.Failed
+
+
 def test_a_refused_ranks_destination_fails_the_room_a_request_holds():
     mgr = _prefill()
     mgr.pushes._rejected["late"] = "page_size: prefill 4, decode 8"
@@ -468,6 +482,7 @@ def test_a_decode_rank_found_gone_makes_room_and_is_writable_again_once_it_regis
     mgr.pushes._dead["d0"] = "PeerLost: its process exited"
     _register(mgr, "d2")                        # at the cap: the rank found gone goes
     assert sorted(mgr.pushes._peers) == ["d1", "d2"] and mgr.pushes.agent.removed == [b"agent of d0"]
+    assert sorted(mgr._dst_counts) == ["d1", "d2"]
     assert "d0" not in mgr.pushes._dead and "gone" in mgr.pushes.refusal("d0")
     mgr.pushes._dead["d1"] = "PeerLost: its process exited"
     _register(mgr, "d1", b"restarted")          # the rank's new registration is no longer the one found gone

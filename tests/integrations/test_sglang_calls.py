@@ -157,3 +157,26 @@ def test_metadata_the_backend_cannot_send_fails_its_room_alone(kv_indices, aux_i
     assert a.poll() == KVPoll.Failed and mgr.failure_records[ROOM].startswith(says)
     assert mgr.sent == [[b"ABORT", str(ROOM).encode()]] and ROOM not in mgr._aux_index
     assert other.poll() == KVPoll.WaitingForInput and ROOM + 1 not in mgr.failure_records
+
+
+def test_rooms_ended_by_their_word_leave_nothing_behind_once_cleared(monkeypatch):
+    """100 requests ended by their notification word, then cleared: nothing is kept for their prefill's late
+    conclusions (each names its request's token, by which it is dropped); a late one changes nothing. Where a
+    prefill names no token (an earlier gpuxfer), what is kept for them is bounded, the oldest dropped."""
+    from gpuxfer.integrations.sglang import conn
+    mgr = _decode()
+    for room in range(100):
+        r = _receiver(mgr, room)
+        r.send_metadata(np.array([9, 10], dtype=np.int32), 2)
+        mgr.end_by_word(room)
+        assert r.poll() == KVPoll.Success
+        r.clear()
+    assert not mgr._ended_by_word
+    mgr._on_decode_message([5, KVPoll.Success, b"", b"", b"6"])            # room 5's late Success (token 6)
+    assert mgr.applied == []
+    monkeypatch.setattr(conn, "_ENDED_KEPT", 4)
+    for room in range(200, 210):
+        mgr.room(room)                          # no token: its prefill is an earlier gpuxfer's
+        mgr.end_by_word(room)
+    assert list(mgr._ended_by_word) == [206, 207, 208, 209]
+

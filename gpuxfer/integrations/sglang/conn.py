@@ -98,6 +98,9 @@ MAX_SESSION_BYTES = 256         # a decode rank's name (SGLang's ``ip:port``) in
 # the pages a decode rank's rooms that no request here holds name together, in its KV pools: its live requests'
 # pages are its pool's at most (no page is two requests'), and rooms it gave up may name them again meanwhile
 UNREQUESTED_POOLS = 2
+# rooms a decode ended by their word whose prefill conclusion (an earlier gpuxfer's, with no token to tell it
+# apart) is still to be dropped, at most: the oldest go first (a conclusion that never came)
+_ENDED_KEPT = 65536
 _RECV_POLL_MS = 200             # how often an idle control thread looks at its stop flag (a message wakes it)
 
 
@@ -314,6 +317,8 @@ class GpuxferKVManager(CommonKVManager):
             if self.request_status.get(room) in (KVPoll.WaitingForInput, KVPoll.Transferring):
                 self.update_status(room, KVPoll.Success)
                 self._ended_by_word[room] = self._tokens.get(room)
+                while len(self._ended_by_word) > _ENDED_KEPT:
+                    del self._ended_by_word[next(iter(self._ended_by_word))]
 
     def _on_aux(self, head: List[bytes], token: Optional[bytes], rows: List[bytes]) -> None:
         """A room's metadata row (``head``: room, row index, landing), written into its row here, and the
@@ -392,6 +397,8 @@ class GpuxferKVManager(CommonKVManager):
             dsts = destinations(self.geometry, geom)
             peer = self.pushes.add_decode(session, meta, views, slot, endpoint)
             self._dst_counts[session] = dsts
+            for dropped in [s for s in self._dst_counts if self.pushes.refusal(s) is not None]:
+                del self._dst_counts[dropped]       # a rank found gone whose place this one took
             log.info("gpuxfer: decode rank %s added (%s route, %s engine%s)", session, peer.route, peer.engine,
                      f"; bytes {views['local_token_slice'][GROUP]} of each token's row here to bytes "
                      f"{views['token_slice'][GROUP]} of the decode's" if views else "")
@@ -492,6 +499,11 @@ class GpuxferKVManager(CommonKVManager):
                     self.req_to_decode_prefix_len[info.room] = next(
                         (i.decode_prefix_len for i in infos.values() if i.decode_prefix_len is not None), 0)
                     self.update_status(info.room, KVPoll.WaitingForInput)
+                if self._requested.get(info.room) and self.request_status.get(info.room) == KVPoll.Failed:
+                    # the request here failed (its abort) before this rank named its pages: told now, not at its
+                    # waiting timeout
+                    with self.failure_lock:
+                        reason = self.failure_records.get(info.room) or "the prefill's request of the room failed"
             # a room no request holds is bounded by the registered ranks whose destinations it holds (a
             # refused one's is none, and its session name may be any), in rooms and in the pages they name
             if refusal is None and not self._requested.get(info.room):
@@ -865,6 +877,10 @@ class GpuxferKVReceiver(CommonKVReceiver):
             return
         super()._clear()
         self.kv_mgr.landings.forget(self.bootstrap_room)
+        with self.kv_mgr._ended_lock:
+            if self.kv_mgr._ended_by_word.get(self.bootstrap_room) is not None:
+                # its request's late conclusion names its token: dropped by that alone from now on
+                del self.kv_mgr._ended_by_word[self.bootstrap_room]
         self.kv_mgr._tokens.pop(self.bootstrap_room, None)      # the room id's next request gets a new one
         self.kv_mgr._aux_index.pop(self.bootstrap_room, None)
         self._owns_bootstrap_room = False
