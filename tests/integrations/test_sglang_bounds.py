@@ -207,6 +207,15 @@ def test_forged_endpoints_open_no_socket():
     assert connected == [f"tcp://{DECODE[0]}:{DECODE[1]}"]
 
 
+@pytest.mark.parametrize("session, ip", [(b"s" * 257, DECODE[0]), (b"decode", "1" * 257)], ids=["rank", "ip"])
+def test_a_metadata_message_naming_a_rank_or_ip_past_256_bytes_is_dropped_unparsed(session, ip):
+    """No SGLang rank is named so; the names of the ranks whose messages go unanswered are kept (logged once
+    each), so a name of megabytes each would be kept by the thousand."""
+    with pytest.raises(BadInput, match="at most 256 bytes"):
+        TransferInfo.from_zmq([b"3", ip.encode(), b"5555", session, b"", b"", b"1", b"0", b"1"])
+    TransferInfo.from_zmq([b"3", DECODE[0].encode(), b"5555", b"s" * 256, b"", b"", b"1", b"0", b"1"])
+
+
 def test_refused_destinations_under_made_up_rank_names_leave_nothing_behind():
     mgr = _prefill()
     mgr._on_transfer_info(_meta(3))

@@ -89,12 +89,11 @@ from .landing import Landings, parse_landing, parse_slot, slot_frame
 from .layout import (GROUP, check_supported, decode_registration, destinations, encode_registration, geometry,
                      geometry_differences, head_share, register_kv_args, total_kv_heads, write_aux_rows)
 from .pushes import AUX_TAG, AUX_TAG_V1, AUX_TAG_V2, Pushes, clip
-from .requests import TransferInfo, Unrequested, _Chunk
+from .requests import MAX_SESSION_BYTES, TransferInfo, Unrequested, _Chunk
 
 log = logging.getLogger("gpuxfer.sglang")
 
 REGISTER_ROOM = b"None"         # SGLang's marker of a registration message (Mooncake's too)
-MAX_SESSION_BYTES = 256         # a decode rank's name (SGLang's ``ip:port``) in a registration, at most
 # the pages a decode rank's rooms that no request here holds name together, in its KV pools: its live requests'
 # pages are its pool's at most (no page is two requests'), and rooms it gave up may name them again meanwhile
 UNREQUESTED_POOLS = 2
