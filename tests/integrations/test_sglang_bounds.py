@@ -357,7 +357,7 @@ def _decode_room(room=7, index=2):
 
 def test_a_row_naming_another_metadata_row_than_the_rooms_fails_it_and_writes_nothing():
     mgr, token = _decode_room(index=2)
-    mgr._on_decode_message([b"GXAUX3", b"7", b"1", b"1:1", token, b"ROW-0123"])    # row 1: another request's
+    mgr.inbox.on_message([b"GXAUX3", b"7", b"1", b"1:1", token, b"ROW-0123"])    # row 1: another request's
     assert mgr.request_status[7] == KVPoll.Failed and "metadata row 1" in mgr.failure_records[7]
     assert not mgr.aux.any() and not mgr.landings.waiting(7)
 
@@ -365,7 +365,7 @@ def test_a_row_naming_another_metadata_row_than_the_rooms_fails_it_and_writes_no
 def test_a_row_for_a_room_this_rank_named_no_pages_for_writes_nothing():
     mgr = Decode()
     mgr.update_status(5, KVPoll.Bootstrapping)      # a room of this rank with no metadata sent (a dummy's)
-    mgr._on_decode_message([b"GXAUX2", b"5", b"0", b"", b"ROW-0123"])
+    mgr.inbox.on_message([b"GXAUX2", b"5", b"0", b"", b"ROW-0123"])
     assert mgr.request_status[5] == KVPoll.Failed and not mgr.aux.any()
 
 
@@ -373,14 +373,14 @@ def test_a_row_for_a_room_this_rank_named_no_pages_for_writes_nothing():
 def test_a_row_after_the_room_ended_is_dropped_unwritten(status):
     mgr, token = _decode_room()
     mgr.update_status(7, status)
-    mgr._on_decode_message([b"GXAUX3", b"7", b"2", b"1:1", token, b"ROW-0123"])
+    mgr.inbox.on_message([b"GXAUX3", b"7", b"2", b"1:1", token, b"ROW-0123"])
     assert mgr.request_status[7] == status and not mgr.aux.any() and not mgr.landings.waiting(7)
 
 
 @pytest.mark.parametrize("rows", [[b"SHORT"], [b"ROW-0123-TOO-LONG"], [], [b"ROW-0123", b"ROW-0123"]])
 def test_rows_of_the_wrong_size_or_number_fail_the_room_and_write_nothing(rows):
     mgr, token = _decode_room()
-    mgr._on_decode_message([b"GXAUX3", b"7", b"2", b"1:1", token, *rows])
+    mgr.inbox.on_message([b"GXAUX3", b"7", b"2", b"1:1", token, *rows])
     assert mgr.request_status[7] == KVPoll.Failed and not mgr.aux.any() and not mgr.landings.waiting(7)
 
 
@@ -392,7 +392,7 @@ def test_rows_of_the_wrong_size_or_number_fail_the_room_and_write_nothing(rows):
 def test_rows_of_rooms_or_requests_not_this_ranks_or_unparsable_change_nothing(msg):
     mgr, _ = _decode_room()
     try:
-        mgr._on_decode_message(msg)
+        mgr.inbox.on_message(msg)
     except Exception as exc:                # what the control loop logs: never an SGLang status
         assert isinstance(exc, (BadInput, ValueError)), exc
     assert mgr.request_status == {7: KVPoll.WaitingForInput} and not mgr.aux.any()
@@ -401,8 +401,8 @@ def test_rows_of_rooms_or_requests_not_this_ranks_or_unparsable_change_nothing(m
 
 def test_status_for_a_room_this_rank_does_not_hold_is_dropped():
     mgr, token = _decode_room()
-    mgr._on_decode_message([8, KVPoll.Success, b"", b"", b"1"])
-    mgr._on_decode_message([7, KVPoll.Success, b"", b"", b"999"])                    # another request's token
+    mgr.inbox.on_message([8, KVPoll.Success, b"", b"", b"1"])
+    mgr.inbox.on_message([7, KVPoll.Success, b"", b"", b"999"])                    # another request's token
     assert mgr.applied == [] and mgr.request_status == {7: KVPoll.WaitingForInput}
 
 
@@ -410,14 +410,14 @@ def test_a_landing_value_named_before_on_its_word_fails_the_room_and_writes_noth
     """Request A of slot 1 lands at value 3. A row of a later request naming value 3 again (or lower) would
     end it at once by a word that says nothing of its pages: refused; a value past it is armed."""
     mgr, token = _decode_room()
-    mgr._on_decode_message([b"GXAUX3", b"7", b"2", b"1:3", token, b"ROW-0123"])
+    mgr.inbox.on_message([b"GXAUX3", b"7", b"2", b"1:3", token, b"ROW-0123"])
     mgr.words[1] = 3
     assert mgr.landings.landed(7)
     mgr.aux.zero_()
     for room, value in ((8, b"3"), (9, b"2"), (10, b"4")):
         mgr.room(room)
-        mgr._tokens[room] = token = str(room).encode()
-        mgr._on_decode_message([b"GXAUX3", str(room).encode(), b"2", b"1:" + value, token, b"ROW-0123"])
+        mgr.inbox.tokens[room] = token = str(room).encode()
+        mgr.inbox.on_message([b"GXAUX3", str(room).encode(), b"2", b"1:" + value, token, b"ROW-0123"])
         if room != 10:
             assert mgr.request_status[room] == KVPoll.Failed and "not past it" in mgr.failure_records[room]
             assert not mgr.aux.any() and not mgr.landings.waiting(room)

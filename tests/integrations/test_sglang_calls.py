@@ -116,12 +116,12 @@ def test_a_cleared_receivers_late_calls_change_nothing_of_the_next_request_of_it
     a.clear()
     b = _receiver(mgr)
     b.send_metadata(np.array([11, 12], dtype=np.int32), 3)
-    sent, token = len(mgr.sent), mgr._tokens[ROOM]
+    sent, token = len(mgr.sent), mgr.inbox.tokens[ROOM]
     {"clear": a.clear, "abort": a.abort, "init": lambda: a.init(0),
      "send_metadata": lambda: a.send_metadata(np.array([9, 10], dtype=np.int32), 2)}[late]()
     assert len(mgr.sent) == sent and not mgr.failure_records
     assert mgr.request_status[ROOM] == KVPoll.WaitingForInput and b.poll() == KVPoll.WaitingForInput
-    assert mgr._tokens[ROOM] == token and mgr._aux_index[ROOM] == 3
+    assert mgr.inbox.tokens[ROOM] == token and mgr.inbox.aux_index[ROOM] == 3
     assert a.poll() == (KVPoll.Failed if late == "abort" else KVPoll.Success)
 
 
@@ -155,7 +155,7 @@ def test_metadata_the_backend_cannot_send_fails_its_room_alone(kv_indices, aux_i
     a, other = _receiver(mgr), _receiver(mgr, ROOM + 1)
     a.send_metadata(kv_indices, aux_index, state)
     assert a.poll() == KVPoll.Failed and mgr.failure_records[ROOM].startswith(says)
-    assert mgr.sent == [[b"ABORT", str(ROOM).encode()]] and ROOM not in mgr._aux_index
+    assert mgr.sent == [[b"ABORT", str(ROOM).encode()]] and ROOM not in mgr.inbox.aux_index
     assert other.poll() == KVPoll.WaitingForInput and ROOM + 1 not in mgr.failure_records
 
 
@@ -163,20 +163,20 @@ def test_rooms_ended_by_their_word_leave_nothing_behind_once_cleared(monkeypatch
     """100 requests ended by their notification word, then cleared: nothing is kept for their prefill's late
     conclusions (each names its request's token, by which it is dropped); a late one changes nothing. Where a
     prefill names no token (an earlier gpuxfer), what is kept for them is bounded, the oldest dropped."""
-    from gpuxfer.integrations.sglang import conn
+    from gpuxfer.integrations.sglang import inbox
     mgr = _decode()
     for room in range(100):
         r = _receiver(mgr, room)
         r.send_metadata(np.array([9, 10], dtype=np.int32), 2)
-        mgr.end_by_word(room)
+        mgr.inbox.end_by_word(room)
         assert r.poll() == KVPoll.Success
         r.clear()
-    assert not mgr._ended_by_word
-    mgr._on_decode_message([5, KVPoll.Success, b"", b"", b"6"])            # room 5's late Success (token 6)
+    assert not mgr.inbox.ended_by_word
+    mgr.inbox.on_message([5, KVPoll.Success, b"", b"", b"6"])            # room 5's late Success (token 6)
     assert mgr.applied == []
-    monkeypatch.setattr(conn, "_ENDED_KEPT", 4)
+    monkeypatch.setattr(inbox, "ENDED_KEPT", 4)
     for room in range(200, 210):
         mgr.room(room)                          # no token: its prefill is an earlier gpuxfer's
-        mgr.end_by_word(room)
-    assert list(mgr._ended_by_word) == [206, 207, 208, 209]
+        mgr.inbox.end_by_word(room)
+    assert list(mgr.inbox.ended_by_word) == [206, 207, 208, 209]
 

@@ -7,7 +7,6 @@ to end: tests/integrations/test_sglang_backend.py.
 """
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections import defaultdict
@@ -25,6 +24,7 @@ from sglang.srt.disaggregation.common.conn import ABORT_TAG  # noqa: E402
 
 from gpuxfer.errors import BadInput, GpuxferError, PeerLost, TransferTimeout  # noqa: E402
 from gpuxfer.kv.nixl_ffi import NixlError  # noqa: E402
+from gpuxfer.integrations.sglang.inbox import Inbox  # noqa: E402
 from gpuxfer.integrations.sglang.landing import READ_EVERY_S, Landings  # noqa: E402
 from gpuxfer.integrations.sglang.conn import GpuxferKVManager  # noqa: E402
 from gpuxfer.integrations.sglang.pushes import Pushes  # noqa: E402
@@ -377,8 +377,7 @@ class Decode(GpuxferKVManager):
 
     def __init__(self, slots_handed=2):         # noqa: super().__init__ binds sockets and makes an agent
         import torch
-        self._ended_lock, self._ended_by_word, self.applied = threading.Lock(), {}, []
-        self._tokens, self._token_seq, self._aux_index = {}, itertools.count(1), {}
+        self.applied = []
         self.request_status, self.failure_records, self.failure_lock = {}, {}, threading.Lock()
         self.required_prefill_response_num_table = {}
         self.deferred_bootstrap = None
@@ -386,6 +385,7 @@ class Decode(GpuxferKVManager):
         self._deferred_ack_targets, self._deferred_ack_poisoned_rooms = {}, set()
         self.words = {}
         self.landings = Landings(lambda slot: self.words.get(slot, 0))
+        self.inbox = Inbox(self, self.landings, KVPoll)
         for _ in range(slots_handed):
             self.landings.new_slot()
         self.aux = torch.zeros(4 * 8, dtype=torch.uint8)
@@ -394,10 +394,10 @@ class Decode(GpuxferKVManager):
     def room(self, room, responses=1):
         self.update_status(room, KVPoll.Bootstrapping)
         self.update_status(room, KVPoll.WaitingForInput)
-        self.required_prefill_response_num_table[room], self._aux_index[room] = responses, 2
+        self.required_prefill_response_num_table[room], self.inbox.aux_index[room] = responses, 2
 
     def aux_message(self, room, landing, row=b"ROW-0123", index=2):
-        self._on_decode_message([b"GXAUX2", str(room).encode(), str(index).encode(), landing, row])   # no token
+        self.inbox.on_message([b"GXAUX2", str(room).encode(), str(index).encode(), landing, row])   # no token
 
     def parse_kv_status_message(self, msg):
         return msg[0], msg[1], 0, None
@@ -428,29 +428,29 @@ def test_a_room_of_several_prefill_ranks_or_a_foreign_slot_is_not_armed():
 def test_the_prefill_conclusion_of_a_room_ended_by_its_word_is_dropped_once():
     mgr = Decode()
     mgr.room(7)
-    mgr.end_by_word(7)
+    mgr.inbox.end_by_word(7)
     assert mgr.request_status[7] == KVPoll.Success
     mgr.request_status.pop(7)                   # cleared, and the room id used again by a new request
     mgr.room(7)
-    mgr._on_decode_message([7, KVPoll.Success])             # the old request's Success, late: not the new one's
+    mgr.inbox.on_message([7, KVPoll.Success])             # the old request's Success, late: not the new one's
     assert mgr.applied == [] and mgr.request_status[7] == KVPoll.WaitingForInput
-    mgr._on_decode_message([7, KVPoll.Success])             # the new request's own
+    mgr.inbox.on_message([7, KVPoll.Success])             # the new request's own
     assert mgr.applied == [(7, KVPoll.Success)]
 
 
 def test_a_status_that_got_there_first_is_applied_and_nothing_is_dropped_later():
     mgr = Decode()
     mgr.room(7)
-    mgr._on_decode_message([7, KVPoll.Success])
+    mgr.inbox.on_message([7, KVPoll.Success])
     mgr.request_status[7] = KVPoll.Success      # what apply_prefill_status did
-    mgr.end_by_word(7)                          # the word seen after it: nothing more to drop
-    assert not mgr._ended_by_word and mgr.applied == [(7, KVPoll.Success)]
+    mgr.inbox.end_by_word(7)                          # the word seen after it: nothing more to drop
+    assert not mgr.inbox.ended_by_word and mgr.applied == [(7, KVPoll.Success)]
 
 
 def test_a_row_of_an_earlier_gpuxfer_is_written_with_no_landing():
     mgr = Decode()
     mgr.room(7)
-    mgr._on_decode_message([b"GXAUX", b"7", b"2", b"ROW-0123"])
+    mgr.inbox.on_message([b"GXAUX", b"7", b"2", b"ROW-0123"])
     assert bytes(mgr.aux[16:24]) == b"ROW-0123" and not mgr.landings.waiting(7)
 
 
@@ -886,7 +886,7 @@ class WireDecode(Decode):
 
     def deliver(self, msgs):
         for m in msgs:
-            self._on_decode_message(m)
+            self.inbox.on_message(m)
 
     def row(self):
         return bytes(self.aux[16:24])

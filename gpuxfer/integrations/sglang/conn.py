@@ -57,7 +57,6 @@ decode rank naming pages for a new request of a room id its earlier request stil
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import threading
 from collections import Counter, OrderedDict
@@ -85,10 +84,11 @@ from sglang.srt.utils.network import NetworkAddress
 from ... import config
 from ...errors import BadInput, BlockIdError, GpuxferError, ProtocolError
 from ...kv import KVAgent
-from .landing import Landings, parse_landing, parse_slot, slot_frame
+from .inbox import Inbox
+from .landing import Landings, parse_slot, slot_frame
 from .layout import (GROUP, check_supported, decode_registration, destinations, encode_registration, geometry,
-                     geometry_differences, head_share, register_kv_args, total_kv_heads, write_aux_rows)
-from .pushes import AUX_TAG, AUX_TAG_V1, AUX_TAG_V2, Pushes, clip
+                     geometry_differences, head_share, register_kv_args, total_kv_heads)
+from .pushes import Pushes, clip
 from .requests import MAX_SESSION_BYTES, TransferInfo, Unrequested, _Chunk
 
 log = logging.getLogger("gpuxfer.sglang")
@@ -97,9 +97,6 @@ REGISTER_ROOM = b"None"         # SGLang's marker of a registration message (Moo
 # the pages a decode rank's rooms that no request here holds name together, in its KV pools: its live requests'
 # pages are its pool's at most (no page is two requests'), and rooms it gave up may name them again meanwhile
 UNREQUESTED_POOLS = 2
-# rooms a decode ended by their word whose prefill conclusion (an earlier gpuxfer's, with no token to tell it
-# apart) is still to be dropped, at most: the oldest go first (a conclusion that never came)
-_ENDED_KEPT = 65536
 _RECV_POLL_MS = 200             # how often an idle control thread looks at its stop flag (a message wakes it)
 
 
@@ -178,12 +175,8 @@ class GpuxferKVManager(CommonKVManager):
         else:
             self._registration = encode_registration(self.geometry, self.agent.metadata())
             self.landings = Landings(self.agent.notification)
-            self._ended_lock = threading.Lock()         # a room ended by its word against its status message
-            # room -> the token of its request ended by its word, whose prefill conclusion is still to be dropped
-            self._ended_by_word: Dict[int, Optional[bytes]] = {}
-            self._tokens: Dict[int, bytes] = {}         # room -> the token its current request was named by
-            self._aux_index: Dict[int, int] = {}        # room -> the metadata row its current request named
-            self._token_seq = itertools.count(1)
+            # the prefill's messages about this rank's requests, each taken for its current request alone
+            self.inbox = Inbox(self, self.landings, KVPoll)
             self._spawn(self._decode_control, "gpuxfer-sglang-control")
             self._threads.append(self._start_heartbeat_checker_thread())
         log.info("gpuxfer: SGLang %s rank %s registered %d KV entries (%d-token pages) with the %s engine",
@@ -259,102 +252,14 @@ class GpuxferKVManager(CommonKVManager):
         if not is_dummy and (isinstance(aux_index, bool) or not isinstance(aux_index, (int, np.integer))
                              or aux_index < 0):
             raise BadInput(f"a decode's metadata row index must be an int >= 0, got {aux_index!r:.40}")
-        self.landings.forget(bootstrap_room)        # a landing heard of before belongs to an earlier request
-        # the request's token (one for every prefill rank it names its pages to, until the receiver is cleared):
-        # the prefill echoes it in the room's row and status messages, so an earlier request's late ones,
-        # naming the same room id, are told apart and dropped
-        token = self._tokens.setdefault(bootstrap_room, str(next(self._token_seq)).encode("ascii"))
-        if not is_dummy:
-            self._aux_index[bootstrap_room] = int(aux_index)
+        token = self.inbox.name_request(bootstrap_room, None if is_dummy else int(aux_index))
         return [str(bootstrap_room).encode("ascii"), self.local_ip.encode("ascii"),
                 str(self.rank_port).encode("ascii"), self.session_id.encode("ascii"), pages,
                 b"" if is_dummy else str(int(aux_index)).encode("ascii"),
                 str(required_dst_info_num).encode("ascii"), str(decode_prefix_len or 0).encode("ascii"), token]
 
-    def _current(self, room: int, token: Optional[bytes]) -> bool:
-        """Whether a message naming ``room`` with ``token`` is about the room's current request (a message
-        without a token, from a prefill of an earlier gpuxfer, is taken as it always was)."""
-        return token is None or self._tokens.get(room) == token
-
     def _decode_control(self) -> None:
-        self._recv_loop(self._on_decode_message)
-
-    def _on_decode_message(self, msg: List[bytes]) -> None:
-        if msg and msg[0] == AUX_TAG:
-            self._on_aux(msg[1:4], msg[4] if len(msg) > 4 else b"", msg[5:])
-            return
-        if msg and msg[0] == AUX_TAG_V2:        # a prefill that had no token (an earlier gpuxfer)
-            self._on_aux(msg[1:4], None, msg[4:])
-            return
-        if msg and msg[0] == AUX_TAG_V1:        # a prefill of an earlier gpuxfer: the row, no landing value
-            self._on_aux([*msg[1:3], b""], None, msg[3:])
-            return
-        if self.handle_abort_ack_message(msg):
-            return
-        parsed = self.parse_kv_status_message(msg)
-        if parsed is not None:
-            room, status, rank, reason = parsed
-            token = msg[4] if len(msg) > 4 and msg[4] else None     # after room, status, rank and reason
-            with self._ended_lock:
-                if status in (KVPoll.Success, KVPoll.Failed) and room in self._ended_by_word:
-                    ended = self._ended_by_word.pop(room)
-                    if token is None or ended is None or token == ended:
-                        # the prefill's conclusion of a request this rank already ended by its word: never
-                        # applied (the room may already be a new request's)
-                        return
-                if not self._current(room, token):
-                    log.debug("gpuxfer: room %s: status %s of an earlier request of the room id dropped", room,
-                              status)
-                    return
-                self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank,
-                                          failure_reason=reason)
-
-    def end_by_word(self, room: int) -> None:
-        """``room`` landed by its notification word: Success, unless a status got there first; then the
-        prefill's own conclusion of it, still on its way, is dropped when it arrives."""
-        with self._ended_lock:
-            if self.request_status.get(room) in (KVPoll.WaitingForInput, KVPoll.Transferring):
-                self.update_status(room, KVPoll.Success)
-                self._ended_by_word[room] = self._tokens.get(room)
-                while len(self._ended_by_word) > _ENDED_KEPT:
-                    del self._ended_by_word[next(iter(self._ended_by_word))]
-
-    def _on_aux(self, head: List[bytes], token: Optional[bytes], rows: List[bytes]) -> None:
-        """A room's metadata row (``head``: room, row index, landing), written into its row here, and the
-        notification that says its KV landed: from then on :meth:`Landings.landed <.landing.Landings.landed>`
-        may end the room before its Success message arrives (a room one prefill rank sends, from a slot this
-        rank handed out). ``token``: the request it is for; a row of another request of the room id (an earlier
-        one's, late) is dropped, neither written nor armed."""
-        if len(head) < 3:
-            raise BadInput(f"a gpuxfer metadata row message has {len(head) + 1} frames")
-        room, index = int(head[0].decode("ascii")), int(head[1].decode("ascii"))
-        status = self.request_status.get(room)
-        if status is None:
-            return
-        if not self._current(room, token):
-            log.debug("gpuxfer: room %s: the metadata row of an earlier request of the room id dropped", room)
-            return
-        if status in (KVPoll.Success, KVPoll.Failed):
-            # every row of a room comes before the status or word that concludes it: this one is no part of it
-            # (and the row may already be read)
-            log.warning("gpuxfer: room %s: a metadata row after the room ended (%s) dropped", room, status)
-            return
-        try:
-            own = self._aux_index.get(room)
-            if index != own:        # another request's row, or a room this rank named no pages for
-                raise BadInput(f"the prefill names metadata row {index}; the room's is {own}")
-            landing = parse_landing(head[2])
-            if landing is not None and self.required_prefill_response_num_table.get(room) != 1:
-                landing = None          # several prefill ranks: SGLang's Success messages count them
-            if landing is not None:
-                self.landings.check(landing)
-            write_aux_rows(self.kv_args, index, list(rows))
-        except BadInput as exc:     # the room must not succeed without its row (Failed is final)
-            self.record_failure(room, f"its metadata row could not be written: {exc}")
-            self.update_status(room, KVPoll.Failed)
-            return
-        if landing is not None:
-            self.landings.expect(room, landing)
+        self._recv_loop(self.inbox.on_message)
 
     # ------------------------------------------------------------------ prefill role
 
@@ -867,7 +772,7 @@ class GpuxferKVReceiver(CommonKVReceiver):
         status = super()._poll()
         if (status in (KVPoll.WaitingForInput, KVPoll.Transferring)
                 and self.kv_mgr.landings.landed(self.bootstrap_room)):
-            self.kv_mgr.end_by_word(self.bootstrap_room)
+            self.kv_mgr.inbox.end_by_word(self.bootstrap_room)
             status = super()._poll()
         return status
 
@@ -875,13 +780,7 @@ class GpuxferKVReceiver(CommonKVReceiver):
         if not self._owns_bootstrap_room:
             return
         super()._clear()
-        self.kv_mgr.landings.forget(self.bootstrap_room)
-        with self.kv_mgr._ended_lock:
-            if self.kv_mgr._ended_by_word.get(self.bootstrap_room) is not None:
-                # its request's late conclusion names its token: dropped by that alone from now on
-                del self.kv_mgr._ended_by_word[self.bootstrap_room]
-        self.kv_mgr._tokens.pop(self.bootstrap_room, None)      # the room id's next request gets a new one
-        self.kv_mgr._aux_index.pop(self.bootstrap_room, None)
+        self.kv_mgr.inbox.forget(self.bootstrap_room)
         self._owns_bootstrap_room = False
 
 
