@@ -50,17 +50,17 @@ def test_a_cleared_senders_late_calls_change_nothing_of_the_next_request_of_its_
     neither fail B nor tell B's decode anything, its ``clear`` leaves B's state; A polls Failed."""
     mgr = _prefill()
     a = _sender(mgr)
-    mgr._on_transfer_info(_meta(ROOM, pages=(9, 10)))
+    mgr.decode_ranks.on_transfer_info(_meta(ROOM, pages=(9, 10)))
     a.init(2, 5)
     a.clear()
     b = _sender(mgr)
-    mgr._on_transfer_info(_meta(ROOM, pages=(11, 12), token=b"2"))
+    mgr.decode_ranks.on_transfer_info(_meta(ROOM, pages=(11, 12), token=b"2"))
     b.init(2, 5)
     {"send": lambda: a.send(np.array([1, 2], dtype=np.int32)), "init": lambda: a.init(3, 5),
      "abort": a.abort, "clear": a.clear}[late]()
     assert mgr.pushes._queue.empty() and not mgr.statuses() and not mgr.failure_records
     assert mgr.request_status[ROOM] == KVPoll.WaitingForInput and list(mgr.transfer_infos[ROOM]) == ["decode"]
-    assert a.poll() == KVPoll.Failed and b.poll() == KVPoll.WaitingForInput and mgr._requested[ROOM] == 1
+    assert a.poll() == KVPoll.Failed and b.poll() == KVPoll.WaitingForInput and mgr.decode_ranks.requested[ROOM] == 1
     b.send(np.array([1, 2], dtype=np.int32))
     chunk = mgr.pushes._queue.get_nowait()
     assert chunk.infos is mgr.transfer_infos[ROOM] and chunk.is_last and list(chunk.pages) == [1, 2]

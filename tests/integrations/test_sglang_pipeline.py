@@ -725,9 +725,9 @@ def test_a_refused_registration_fails_the_ranks_rooms_even_after_an_accepted_one
     """The decode rank registers again with a geometry that does not pair (another page size): its rooms fail
     with that reason, not pushed through the peer its earlier registration added."""
     real.agent.remove_peer(real.pushes._peers.pop("decode"))
-    real._on_registration(_registration(real))
+    real.decode_ranks.on_registration(_registration(real))
     assert "decode" in real.pushes._peers
-    real._on_registration(_registration(real, page_size=8))
+    real.decode_ranks.on_registration(_registration(real, page_size=8))
     assert "page_size" in real.pushes._rejected["decode"]
     _room(real, pages=2)
     _decode_names(real, [9, 10])
@@ -740,8 +740,8 @@ def test_a_refused_registration_fails_the_ranks_rooms_even_after_an_accepted_one
 def test_a_registration_failing_with_an_untyped_error_refuses_the_rank(real, monkeypatch):
     """Whatever a registration raises (here a ``KeyError`` from the geometry check), the rank is refused and its
     earlier peer dropped, not kept for its rooms."""
-    monkeypatch.setattr("gpuxfer.integrations.sglang.conn.head_share", lambda *a: {}["kv_item_lens"])
-    real._on_registration(_registration(real))
+    monkeypatch.setattr("gpuxfer.integrations.sglang.decode_ranks.head_share", lambda *a: {}["kv_item_lens"])
+    real.decode_ranks.on_registration(_registration(real))
     assert "decode" not in real.pushes._peers and "KeyError" in real.pushes._rejected["decode"]
 
 
@@ -754,7 +754,7 @@ def test_two_decode_ranks_claiming_one_room_fail_it_for_both():
     mgr.pushes._peers = {s: SimpleNamespace(groups={"kv": SimpleNamespace(num_blocks=16)}) for s in ("decode", "other")}
     mgr.pushes._endpoints = {"decode": DECODE, "other": (DECODE[0], DECODE[1] + 1)}
     for session, port in (("decode", DECODE[1]), ("other", DECODE[1] + 1)):
-        mgr._on_transfer_info(TransferInfo.from_zmq(
+        mgr.decode_ranks.on_transfer_info(TransferInfo.from_zmq(
             [str(ROOM).encode(), DECODE[0].encode(), str(port).encode(), session.encode(),
              np.array([9, 10], dtype=np.int32).tobytes(), b"3", b"1"]))
     mgr.run(_chunk(0, last=True))
@@ -836,7 +836,7 @@ class WirePrefill(RealPost):
         self.transfer_infos.pop(ROOM, None)
         self.failure_records.pop(ROOM, None)
         self.update_status(ROOM, KVPoll.Bootstrapping)
-        self._on_transfer_info(TransferInfo.from_zmq(meta))
+        self.decode_ranks.on_transfer_info(TransferInfo.from_zmq(meta))
 
     def _send_multipart_locked(self, addr, parts, is_ipv6=False):
         self.wire.append(list(parts))
@@ -945,7 +945,7 @@ def test_a_new_request_naming_its_pages_while_the_earlier_one_is_concluded_is_fa
         dec.words[3] = 1
         assert dec.poll() == KVPoll.Success     # A ended by its word
         dec.clear()
-        pre._on_transfer_info(TransferInfo.from_zmq(dec.request()))     # B's pages, A still there
+        pre.decode_ranks.on_transfer_info(TransferInfo.from_zmq(dec.request()))     # B's pages, A still there
     pre.before_drain = a_lands_then_b_names_its_pages
     pre.run(_chunk(0, last=True))
     dec.deliver(pre.take())
@@ -961,10 +961,10 @@ def test_a_new_request_of_a_decode_rank_never_takes_the_pushes_of_its_earlier_on
                 np.array(pages, dtype=np.int32).tobytes(), b"3", b"1", b"0", token]
     real.is_mla_backend, real.req_to_decode_prefix_len = False, {}
     real.update_status(ROOM, KVPoll.Bootstrapping)
-    real._on_transfer_info(TransferInfo.from_zmq(meta([5, 6, 7, 8], b"1")))         # A
+    real.decode_ranks.on_transfer_info(TransferInfo.from_zmq(meta([5, 6, 7, 8], b"1")))         # A
     real.add_transfer_request(ROOM, np.array([1, 2]), slice(0, 2), False)
     _run_all(real)
-    real._on_transfer_info(TransferInfo.from_zmq(meta([12, 13, 14, 15], b"2")))     # B's pages
+    real.decode_ranks.on_transfer_info(TransferInfo.from_zmq(meta([12, 13, 14, 15], b"2")))     # B's pages
     real.add_transfer_request(ROOM, np.array([3, 4]), slice(2, 4), True, aux_index=5)
     _run_all(real)
     assert real.decode_pages_equal([1, 2], [5, 6]) and not any(t[7:].any() for t in real.dst)

@@ -17,7 +17,8 @@ route, whose notification follows its last transfer alone); for a room the decod
 message is dropped on arrival (the room id may already be a new request's). Control messages are SGLang's
 (ZMQ, the bootstrap server's ``/route``); what gpuxfer adds is the decode agent's metadata and a notification
 slot in its registration, and the value in the row's message (the prefill's bootstrap thread is this
-module's, its transfer thread :class:`.pushes.Pushes`)::
+module's, its transfer thread :class:`.pushes.Pushes`, what decode ranks register and name
+:class:`.decode_ranks.DecodeRanks`'s; the decode's handling of the prefill's messages :class:`.inbox.Inbox`'s)::
 
     decode (receiver)                           bootstrap server         prefill (manager threads)
     -----------------                           ----------------         -------------------------
@@ -50,7 +51,7 @@ disaggregation timeouts.
 SGLang names a request by its room id alone, and a room id may name a new request once the last one ended. The
 decode's metadata message names the request by a token of its own (``t``), which the prefill echoes in the
 room's row and status messages: the decode drops those of an earlier request of the room id (late: it was
-given up there first) instead of writing, landing or concluding the new one with them. On the prefill, a
+given up there first) instead of writing, landing or concluding the new one with them (:mod:`.inbox`). On the prefill, a
 request's pushes, its conclusion and its errors stay its own (``_Posted.infos``, :meth:`conclude_room`), and a
 decode rank naming pages for a new request of a room id its earlier request still holds fails both.
 """
@@ -59,7 +60,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter
 from typing import Any, Container, Dict, List, Optional
 
 import numpy as np
@@ -84,32 +85,22 @@ from sglang.srt.utils.network import NetworkAddress
 from ... import config
 from ...errors import BadInput, BlockIdError, GpuxferError, ProtocolError
 from ...kv import KVAgent
+from .decode_ranks import DecodeRanks
 from .inbox import Inbox
-from .landing import Landings, parse_slot, slot_frame
-from .layout import (GROUP, check_supported, decode_registration, destinations, encode_registration, geometry,
-                     geometry_differences, head_share, register_kv_args, total_kv_heads)
+from .landing import Landings, slot_frame
+from .layout import check_supported, encode_registration, geometry, register_kv_args, total_kv_heads
 from .pushes import Pushes, clip
-from .requests import MAX_SESSION_BYTES, TransferInfo, Unrequested, _Chunk
+from .requests import TransferInfo, _Chunk
 
 log = logging.getLogger("gpuxfer.sglang")
 
 REGISTER_ROOM = b"None"         # SGLang's marker of a registration message (Mooncake's too)
-# the pages a decode rank's rooms that no request here holds name together, in its KV pools: its live requests'
-# pages are its pool's at most (no page is two requests'), and rooms it gave up may name them again meanwhile
-UNREQUESTED_POOLS = 2
 _RECV_POLL_MS = 200             # how often an idle control thread looks at its stop flag (a message wakes it)
 
 
 def _tcp(endpoint: tuple) -> str:
     """SGLang's ``tcp://`` name of an ``(ip, port)`` endpoint (what its socket cache is keyed by)."""
     return NetworkAddress(endpoint[0], int(endpoint[1])).to_tcp()
-
-
-def _same_destination(a: TransferInfo, b: TransferInfo) -> bool:
-    """Whether two metadata messages of one decode rank's request name the same destination."""
-    return ((a.endpoint, a.dst_port, a.dst_aux_index, a.required_dst_info_num, a.is_dummy, a.decode_prefix_len)
-            == (b.endpoint, b.dst_port, b.dst_aux_index, b.required_dst_info_num, b.is_dummy, b.decode_prefix_len)
-            and np.array_equal(a.dst_kv_indices, b.dst_kv_indices))
 
 
 def _int32_pages(kv_indices) -> bytes:
@@ -192,18 +183,11 @@ class GpuxferKVManager(CommonKVManager):
                         "loads them", type(exc).__name__, exc)
 
     def _init_rooms(self) -> None:
-        """A prefill rank's bookkeeping of rooms beside SGLang's: the lock a room's Failed mark takes against a
-        chunk's count and a request's taking of its room, the rooms requests hold here (``_requested``: how
-        many senders), the rooms decode ranks named that none holds (``_unrequested``, bounded) and how many
-        decode ranks each registered rank's rooms name (``_dst_counts``; None: it says no TP size)."""
-        self._room_lock = threading.Lock()
-        self._requested: Counter = Counter()
-        self._unrequested = Unrequested(config.get("GPUXFER_SGLANG_UNREQUESTED_ROOMS"), self.timeout_s)
-        self._dst_counts: Dict[str, Optional[int]] = {}
-        # metadata messages refused that named an endpoint no kept registration of their rank came from: not
-        # answered (a reply would open a socket to wherever the message says), counted, logged once per rank
-        self.unanswered = 0
-        self._unanswered_ranks: "OrderedDict[str, None]" = OrderedDict()
+        """A prefill rank's bookkeeping of rooms beside SGLang's: its decode ranks and the rooms they name
+        (:class:`.decode_ranks.DecodeRanks`, whose lock a room's Failed mark takes against a chunk's count),
+        and the endpoints its sockets may reach."""
+        self.decode_ranks = DecodeRanks(self, KVPoll, self.timeout_s)
+        self._room_lock = self.decode_ranks.lock
         # SGLang's ``tcp://`` name of each endpoint a kept decode rank registration names -> how many name it: the
         # only places a message goes and a socket is opened to (:meth:`_connect`)
         self._kept_endpoints: Counter = Counter()
@@ -264,216 +248,26 @@ class GpuxferKVManager(CommonKVManager):
     # ------------------------------------------------------------------ prefill role
 
     def _prefill_control(self) -> None:
-        self._recv_loop(self._on_prefill_message, self._expire_unrequested)
+        self._recv_loop(self._on_prefill_message, self.decode_ranks.expire)
 
     def _on_prefill_message(self, msg: List[bytes]) -> None:
         if msg and msg[0] == ABORT_TAG:
             self._on_abort(msg)
         elif msg and msg[0] == REGISTER_ROOM:
-            self._on_registration(msg)
+            self.decode_ranks.on_registration(msg)
         else:
-            self._on_transfer_info(TransferInfo.from_zmq(msg))
-
-    def _on_registration(self, msg: List[bytes]) -> None:
-        """A decode rank's KV pool: its geometry checked against ours, then its agent added (its memory
-        mapped; milliseconds), within the decode ranks a prefill rank keeps (:meth:`.pushes.Pushes.add_decode`).
-        A rank that does not pair is remembered with the reason its rooms fail for; one whose name no SGLang rank
-        has (SGLang's ``ip:port``) is dropped, nothing of it kept. A rank kept, taken or refused, keeps the
-        endpoint its registration names (ip, port): the one its rooms' status messages go to."""
-        if len(msg) < 4 or len(msg[3]) > MAX_SESSION_BYTES:
-            log.error("gpuxfer: a decode registration of %d frames naming a %d-byte rank dropped", len(msg),
-                      len(msg[3]) if len(msg) > 3 else 0)
-            return
-        session = msg[3].decode("ascii")
-        endpoint = None
-        try:
-            endpoint = (msg[1].decode("ascii"), int(msg[2].decode("ascii")))
-            if len(msg[1]) > MAX_SESSION_BYTES or not 0 < endpoint[1] < 65536:
-                endpoint = None
-                raise BadInput(f"the registration names no endpoint (ip {msg[1][:64]!r}, port {msg[2][:16]!r})")
-            geom, meta = decode_registration(msg[4] if len(msg) > 4 else b"")
-            slot = parse_slot(msg[5] if len(msg) > 5 else b"")
-            diffs = geometry_differences(self.geometry, geom)
-            if diffs:
-                raise BadInput("the decode's KV pool does not pair page for page with this prefill's: "
-                               + "; ".join(diffs))
-            views = head_share(self.geometry, geom, *self.kv_heads)
-            dsts = destinations(self.geometry, geom)
-            peer = self.pushes.add_decode(session, meta, views, slot, endpoint)
-            self._dst_counts[session] = dsts
-            for dropped in [s for s in self._dst_counts if self.pushes.refusal(s) is not None]:
-                del self._dst_counts[dropped]       # a rank found gone whose place this one took
-            log.info("gpuxfer: decode rank %s added (%s route, %s engine%s)", session, peer.route, peer.engine,
-                     f"; bytes {views['local_token_slice'][GROUP]} of each token's row here to bytes "
-                     f"{views['token_slice'][GROUP]} of the decode's" if views else "")
-        except Exception as exc:        # noqa: BLE001 - whatever the registration raised, the rank is refused
-            why = clip(f"{type(exc).__name__}: {exc}")
-            if isinstance(exc, GpuxferError):
-                log.error("gpuxfer: refusing decode rank %s: %s", session, why)
-            else:
-                log.exception("gpuxfer: refusing decode rank %s: %s", session, why)
-            self._dst_counts.pop(session, None)
-            # an earlier registration of the rank no longer describes it
-            self.pushes.refuse_decode(session, why, endpoint, registered=True)
-
-    def _refusal(self, info: TransferInfo) -> Optional[str]:
-        """Why decode rank ``info.session``'s destination cannot be taken (None: it can): the rank's
-        registration was refused or never came (the rank registers on the socket its metadata follows), the
-        message names another endpoint than the registration came from, its pages are not pages of the pool it
-        registered (:meth:`_pages_refusal`), or the message names another number of decode ranks for the room
-        than SGLang's rank mapping gives for the two ranks' TP sizes (at most the decode ranks registered, where
-        the rank states no TP size)."""
-        why = self.pushes.refusal(info.session)
-        if why is None and self.pushes.endpoint(info.session) != (info.endpoint, info.dst_port):
-            why = f"it names endpoint {info.endpoint}:{info.dst_port}, not the one it registered from"
-        why = why or self._pages_refusal(info)
-        if why is not None:
-            return why
-        named, need = info.required_dst_info_num, self._dst_counts.get(info.session)
-        if need is None:
-            have = self.pushes.decode_ranks()
-            if not 1 <= named <= have:
-                return f"it names {named} decode ranks for the room, {have} are registered here"
-        elif named != need:
-            return f"it names {named} decode ranks for the room, its attention TP size against this rank's makes {need}"
-        return None
-
-    def _pages_refusal(self, info: TransferInfo) -> Optional[str]:
-        """Why the decode pages ``info`` names are no pages of the pool its rank registered (None: they are):
-        more pages than the pool holds, a page outside it, or one named twice (each chunk's push sees its own
-        pages only). The list is a view of the message; what is allocated to check it is bounded by the pool."""
-        pages = info.dst_kv_indices
-        if info.is_dummy or not pages.size:
-            return None
-        pool = self.pushes.pool_pages(info.session)
-        if pages.size > pool:
-            return f"it names {pages.size} pages, its KV pool holds {pool}"
-        low, high = int(pages.min()), int(pages.max())
-        if low < 0 or high >= pool:
-            return f"it names page {low if low < 0 else high}, outside its {pool}-page KV pool"
-        if np.unique(pages).size != pages.size:
-            return "it names one of its pages more than once"
-        return None
-
-    def check_page_counts(self, room: int, pages: int) -> None:
-        """The request of ``room`` sends ``pages`` pages (SGLang's sender ``init``, once every decode rank named
-        its own): a decode rank that named another number fails the room before any push (its last pages would
-        never be written, or the first ones written for nothing)."""
-        infos = self.transfer_infos.get(room) or {}
-        bad = next((i for i in infos.values() if not i.is_dummy and len(i.dst_kv_indices) != pages), None)
-        if bad is not None:
-            reason = (f"decode rank {bad.session} named {len(bad.dst_kv_indices)} pages for room {room}, whose "
-                      f"request sends {pages}")
-            log.warning("gpuxfer: %s", reason)
-            self.conclude_failure(bootstrap_room=room, failure_reason=reason)
-
-    def _on_transfer_info(self, info: TransferInfo) -> None:
-        """A decode rank's destination for a room (its metadata message). A destination that cannot be taken
-        (:meth:`_refusal`), or one more than the room has, is stored nowhere: that rank is told Failed, and the
-        room fails where a request holds it (or another rank's destination). A room no request holds here yet
-        is kept within :class:`.requests.Unrequested`'s bounds."""
-        refusal, known, again, dropped, budget = self._refusal(info), None, False, [], 0
-        with self._room_lock:
-            infos = self.transfer_infos.get(info.room) or {}
-            if refusal is not None:
-                reason = f"decode rank {info.session} cannot be written room {info.room}: {refusal}"
-                fail = bool(infos) or bool(self._requested.get(info.room))
-            else:
-                need = next(iter(infos.values()), info).required_dst_info_num
-                known = infos.get(info.session)
-                again = known is not None and known.token == info.token
-                # more decode ranks than the room has (a room id two requests drew, or a forged claim), a
-                # decode rank's new request of a room id its earlier request still holds here (that one was
-                # given up there), or its request's destination named again, differently (pushes may already
-                # have gone to the first): none may be written another's KV, so the room fails for all of them
-                fail = ((known is None and (len(infos) >= need or info.required_dst_info_num != need))
-                        or (known is not None and not again) or (again and not _same_destination(known, info)))
-                reason = (f"decode rank {info.session} claims room {info.room}, which {len(infos)} decode rank(s) "
-                          f"{sorted(infos)} of {need} already claimed"
-                          + ("" if known is None else " for another of its requests" if not again else
-                             ", naming other pages or rows for the same request")) if fail else None
-            if fail and self.request_status.get(info.room) != KVPoll.Success:
-                self.record_failure(info.room, reason)
-                self.update_status(info.room, KVPoll.Failed)
-            if refusal is None and not fail and not again:     # the same message again changes nothing
-                infos = self.transfer_infos.setdefault(info.room, infos)
-                infos[info.session] = info
-                if len(infos) == info.required_dst_info_num:
-                    self.resolve_kv_replica_factor(infos)
-                    self.req_to_decode_prefix_len[info.room] = next(
-                        (i.decode_prefix_len for i in infos.values() if i.decode_prefix_len is not None), 0)
-                    self.update_status(info.room, KVPoll.WaitingForInput)
-                if self._requested.get(info.room) and self.request_status.get(info.room) == KVPoll.Failed:
-                    # the request here failed (its abort) before this rank named its pages: told now, not at its
-                    # waiting timeout
-                    with self.failure_lock:
-                        reason = self.failure_records.get(info.room) or "the prefill's request of the room failed"
-            # a room no request holds is bounded by the registered ranks whose destinations it holds (a
-            # refused one's is none, and its session name may be any), in rooms and in the pages they name
-            if refusal is None and not self._requested.get(info.room):
-                kept = (self.transfer_infos.get(info.room) or {}).get(info.session)
-                pages = 0 if kept is None else len(kept.dst_kv_indices)
-                budget = UNREQUESTED_POOLS * self.pushes.pool_pages(info.session)
-                dropped = self._drop_unrequested(self._unrequested.note(info.session, info.room, pages, budget))
-        if dropped:
-            log.warning("gpuxfer: decode rank %s named pages for more than %d rooms, or %d pages, that no request "
-                        "here holds: dropped its oldest, room(s) %s", info.session, self._unrequested.max_rooms,
-                        budget, dropped[:8])
-        if refusal is not None:
-            log.warning("gpuxfer: %s", reason)
-        if reason is not None and not info.is_dummy:
-            if self.pushes.endpoint(info.session) == (info.endpoint, info.dst_port):
-                self.send_kv_status_message(targets=[(info.endpoint, info.dst_port)], bootstrap_room=info.room,
-                                            status=KVPoll.Failed, failure_reason=reason, infos=[info])
-            else:
-                self._unanswered(info)
-
-    def _unanswered(self, info: TransferInfo) -> None:
-        """A refused metadata message whose rank never registered, or that names another endpoint than the
-        rank registered from: not answered (its decode, if any, fails the room by its own timeout), counted,
-        logged once per rank (of the latest ranks: what is kept of them is bounded)."""
-        self.unanswered += 1
-        if info.session in self._unanswered_ranks:
-            return
-        self._unanswered_ranks[info.session] = None
-        while len(self._unanswered_ranks) > self.pushes.max_decode_ranks:
-            self._unanswered_ranks.popitem(last=False)
-        log.warning("gpuxfer: refused metadata messages of decode rank %s naming endpoint %s:%s are not answered: "
-                    "no registration of the rank came from there (%d unanswered so far)", clip(info.session),
-                    clip(info.endpoint), info.dst_port, self.unanswered)
-
-    def _drop_unrequested(self, rooms: List[int]) -> List[int]:
-        """Everything kept of ``rooms``, which no request holds here (under the room lock): their decode
-        destinations and the status and failure those made. Returns the rooms dropped."""
-        out = [room for room in rooms if not self._requested.get(room)]
-        for room in out:
-            self.transfer_infos.pop(room, None)
-            self.request_status.pop(room, None)
-            self.req_to_decode_prefix_len.pop(room, None)
-            with self.failure_lock:
-                self.failure_records.pop(room, None)
-        return out
-
-    def _expire_unrequested(self) -> None:
-        """The rooms decode ranks named longer than the waiting timeout ago that no request took since: by
-        then their decode gave them up."""
-        with self._room_lock:
-            dropped = self._drop_unrequested(self._unrequested.expired())
-        if dropped:
-            log.warning("gpuxfer: dropped the pages decode ranks named for %d room(s) that no request here took "
-                        "within %.0f s: %s", len(dropped), self._unrequested.max_age_s, dropped[:8])
+            self.decode_ranks.on_transfer_info(TransferInfo.from_zmq(msg))
 
     def hold_room(self, room: int) -> None:
         """A request (its sender) holds ``room`` here: its destinations are kept while it does."""
-        with self._room_lock:
-            self._requested[room] += 1
-            self._unrequested.forget(room)
+        self.decode_ranks.hold(room)
 
     def release_room(self, room: int) -> None:
-        with self._room_lock:
-            self._requested[room] -= 1
-            if self._requested[room] <= 0:
-                del self._requested[room]
+        self.decode_ranks.release(room)
+
+    def check_page_counts(self, room: int, pages: int) -> None:
+        """:meth:`.decode_ranks.DecodeRanks.check_page_counts` (SGLang's sender ``init``)."""
+        self.decode_ranks.check_page_counts(room, pages)
 
     def send_kv_status_message(self, *, targets: List[tuple], bootstrap_room: int, status: KVPoll,
                                failure_reason: Optional[str] = None, infos: Optional[List[TransferInfo]] = None) -> None:
