@@ -7,7 +7,6 @@ to end: tests/integrations/test_sglang_backend.py.
 """
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections import defaultdict
@@ -25,6 +24,7 @@ from sglang.srt.disaggregation.common.conn import ABORT_TAG  # noqa: E402
 
 from gpuxfer.errors import BadInput, GpuxferError, PeerLost, TransferTimeout  # noqa: E402
 from gpuxfer.kv.nixl_ffi import NixlError  # noqa: E402
+from gpuxfer.integrations.sglang.inbox import Inbox  # noqa: E402
 from gpuxfer.integrations.sglang.landing import READ_EVERY_S, Landings  # noqa: E402
 from gpuxfer.integrations.sglang.conn import GpuxferKVManager  # noqa: E402
 from gpuxfer.integrations.sglang.pushes import Pushes  # noqa: E402
@@ -377,8 +377,7 @@ class Decode(GpuxferKVManager):
 
     def __init__(self, slots_handed=2):         # noqa: super().__init__ binds sockets and makes an agent
         import torch
-        self._ended_lock, self._ended_by_word, self.applied = threading.Lock(), {}, []
-        self._tokens, self._token_seq, self._aux_index = {}, itertools.count(1), {}
+        self.applied = []
         self.request_status, self.failure_records, self.failure_lock = {}, {}, threading.Lock()
         self.required_prefill_response_num_table = {}
         self.deferred_bootstrap = None
@@ -386,6 +385,7 @@ class Decode(GpuxferKVManager):
         self._deferred_ack_targets, self._deferred_ack_poisoned_rooms = {}, set()
         self.words = {}
         self.landings = Landings(lambda slot: self.words.get(slot, 0))
+        self.inbox = Inbox(self, self.landings, KVPoll)
         for _ in range(slots_handed):
             self.landings.new_slot()
         self.aux = torch.zeros(4 * 8, dtype=torch.uint8)
@@ -394,10 +394,10 @@ class Decode(GpuxferKVManager):
     def room(self, room, responses=1):
         self.update_status(room, KVPoll.Bootstrapping)
         self.update_status(room, KVPoll.WaitingForInput)
-        self.required_prefill_response_num_table[room], self._aux_index[room] = responses, 2
+        self.required_prefill_response_num_table[room], self.inbox.aux_index[room] = responses, 2
 
     def aux_message(self, room, landing, row=b"ROW-0123", index=2):
-        self._on_decode_message([b"GXAUX2", str(room).encode(), str(index).encode(), landing, row])   # no token
+        self.inbox.on_message([b"GXAUX2", str(room).encode(), str(index).encode(), landing, row])   # no token
 
     def parse_kv_status_message(self, msg):
         return msg[0], msg[1], 0, None
@@ -428,29 +428,29 @@ def test_a_room_of_several_prefill_ranks_or_a_foreign_slot_is_not_armed():
 def test_the_prefill_conclusion_of_a_room_ended_by_its_word_is_dropped_once():
     mgr = Decode()
     mgr.room(7)
-    mgr.end_by_word(7)
+    mgr.inbox.end_by_word(7)
     assert mgr.request_status[7] == KVPoll.Success
     mgr.request_status.pop(7)                   # cleared, and the room id used again by a new request
     mgr.room(7)
-    mgr._on_decode_message([7, KVPoll.Success])             # the old request's Success, late: not the new one's
+    mgr.inbox.on_message([7, KVPoll.Success])             # the old request's Success, late: not the new one's
     assert mgr.applied == [] and mgr.request_status[7] == KVPoll.WaitingForInput
-    mgr._on_decode_message([7, KVPoll.Success])             # the new request's own
+    mgr.inbox.on_message([7, KVPoll.Success])             # the new request's own
     assert mgr.applied == [(7, KVPoll.Success)]
 
 
 def test_a_status_that_got_there_first_is_applied_and_nothing_is_dropped_later():
     mgr = Decode()
     mgr.room(7)
-    mgr._on_decode_message([7, KVPoll.Success])
+    mgr.inbox.on_message([7, KVPoll.Success])
     mgr.request_status[7] = KVPoll.Success      # what apply_prefill_status did
-    mgr.end_by_word(7)                          # the word seen after it: nothing more to drop
-    assert not mgr._ended_by_word and mgr.applied == [(7, KVPoll.Success)]
+    mgr.inbox.end_by_word(7)                          # the word seen after it: nothing more to drop
+    assert not mgr.inbox.ended_by_word and mgr.applied == [(7, KVPoll.Success)]
 
 
 def test_a_row_of_an_earlier_gpuxfer_is_written_with_no_landing():
     mgr = Decode()
     mgr.room(7)
-    mgr._on_decode_message([b"GXAUX", b"7", b"2", b"ROW-0123"])
+    mgr.inbox.on_message([b"GXAUX", b"7", b"2", b"ROW-0123"])
     assert bytes(mgr.aux[16:24]) == b"ROW-0123" and not mgr.landings.waiting(7)
 
 
@@ -725,9 +725,9 @@ def test_a_refused_registration_fails_the_ranks_rooms_even_after_an_accepted_one
     """The decode rank registers again with a geometry that does not pair (another page size): its rooms fail
     with that reason, not pushed through the peer its earlier registration added."""
     real.agent.remove_peer(real.pushes._peers.pop("decode"))
-    real._on_registration(_registration(real))
+    real.decode_ranks.on_registration(_registration(real))
     assert "decode" in real.pushes._peers
-    real._on_registration(_registration(real, page_size=8))
+    real.decode_ranks.on_registration(_registration(real, page_size=8))
     assert "page_size" in real.pushes._rejected["decode"]
     _room(real, pages=2)
     _decode_names(real, [9, 10])
@@ -740,8 +740,8 @@ def test_a_refused_registration_fails_the_ranks_rooms_even_after_an_accepted_one
 def test_a_registration_failing_with_an_untyped_error_refuses_the_rank(real, monkeypatch):
     """Whatever a registration raises (here a ``KeyError`` from the geometry check), the rank is refused and its
     earlier peer dropped, not kept for its rooms."""
-    monkeypatch.setattr("gpuxfer.integrations.sglang.conn.head_share", lambda *a: {}["kv_item_lens"])
-    real._on_registration(_registration(real))
+    monkeypatch.setattr("gpuxfer.integrations.sglang.decode_ranks.head_share", lambda *a: {}["kv_item_lens"])
+    real.decode_ranks.on_registration(_registration(real))
     assert "decode" not in real.pushes._peers and "KeyError" in real.pushes._rejected["decode"]
 
 
@@ -754,7 +754,7 @@ def test_two_decode_ranks_claiming_one_room_fail_it_for_both():
     mgr.pushes._peers = {s: SimpleNamespace(groups={"kv": SimpleNamespace(num_blocks=16)}) for s in ("decode", "other")}
     mgr.pushes._endpoints = {"decode": DECODE, "other": (DECODE[0], DECODE[1] + 1)}
     for session, port in (("decode", DECODE[1]), ("other", DECODE[1] + 1)):
-        mgr._on_transfer_info(TransferInfo.from_zmq(
+        mgr.decode_ranks.on_transfer_info(TransferInfo.from_zmq(
             [str(ROOM).encode(), DECODE[0].encode(), str(port).encode(), session.encode(),
              np.array([9, 10], dtype=np.int32).tobytes(), b"3", b"1"]))
     mgr.run(_chunk(0, last=True))
@@ -836,7 +836,7 @@ class WirePrefill(RealPost):
         self.transfer_infos.pop(ROOM, None)
         self.failure_records.pop(ROOM, None)
         self.update_status(ROOM, KVPoll.Bootstrapping)
-        self._on_transfer_info(TransferInfo.from_zmq(meta))
+        self.decode_ranks.on_transfer_info(TransferInfo.from_zmq(meta))
 
     def _send_multipart_locked(self, addr, parts, is_ipv6=False):
         self.wire.append(list(parts))
@@ -886,7 +886,7 @@ class WireDecode(Decode):
 
     def deliver(self, msgs):
         for m in msgs:
-            self._on_decode_message(m)
+            self.inbox.on_message(m)
 
     def row(self):
         return bytes(self.aux[16:24])
@@ -945,7 +945,7 @@ def test_a_new_request_naming_its_pages_while_the_earlier_one_is_concluded_is_fa
         dec.words[3] = 1
         assert dec.poll() == KVPoll.Success     # A ended by its word
         dec.clear()
-        pre._on_transfer_info(TransferInfo.from_zmq(dec.request()))     # B's pages, A still there
+        pre.decode_ranks.on_transfer_info(TransferInfo.from_zmq(dec.request()))     # B's pages, A still there
     pre.before_drain = a_lands_then_b_names_its_pages
     pre.run(_chunk(0, last=True))
     dec.deliver(pre.take())
@@ -961,10 +961,10 @@ def test_a_new_request_of_a_decode_rank_never_takes_the_pushes_of_its_earlier_on
                 np.array(pages, dtype=np.int32).tobytes(), b"3", b"1", b"0", token]
     real.is_mla_backend, real.req_to_decode_prefix_len = False, {}
     real.update_status(ROOM, KVPoll.Bootstrapping)
-    real._on_transfer_info(TransferInfo.from_zmq(meta([5, 6, 7, 8], b"1")))         # A
+    real.decode_ranks.on_transfer_info(TransferInfo.from_zmq(meta([5, 6, 7, 8], b"1")))         # A
     real.add_transfer_request(ROOM, np.array([1, 2]), slice(0, 2), False)
     _run_all(real)
-    real._on_transfer_info(TransferInfo.from_zmq(meta([12, 13, 14, 15], b"2")))     # B's pages
+    real.decode_ranks.on_transfer_info(TransferInfo.from_zmq(meta([12, 13, 14, 15], b"2")))     # B's pages
     real.add_transfer_request(ROOM, np.array([3, 4]), slice(2, 4), True, aux_index=5)
     _run_all(real)
     assert real.decode_pages_equal([1, 2], [5, 6]) and not any(t[7:].any() for t in real.dst)

@@ -17,7 +17,8 @@ route, whose notification follows its last transfer alone); for a room the decod
 message is dropped on arrival (the room id may already be a new request's). Control messages are SGLang's
 (ZMQ, the bootstrap server's ``/route``); what gpuxfer adds is the decode agent's metadata and a notification
 slot in its registration, and the value in the row's message (the prefill's bootstrap thread is this
-module's, its transfer thread :class:`.pushes.Pushes`)::
+module's, its transfer thread :class:`.pushes.Pushes`, what decode ranks register and name
+:class:`.decode_ranks.DecodeRanks`'s; the decode's handling of the prefill's messages :class:`.inbox.Inbox`'s)::
 
     decode (receiver)                           bootstrap server         prefill (manager threads)
     -----------------                           ----------------         -------------------------
@@ -50,16 +51,16 @@ disaggregation timeouts.
 SGLang names a request by its room id alone, and a room id may name a new request once the last one ended. The
 decode's metadata message names the request by a token of its own (``t``), which the prefill echoes in the
 room's row and status messages: the decode drops those of an earlier request of the room id (late: it was
-given up there first) instead of writing, landing or concluding the new one with them. On the prefill, a
+given up there first) instead of writing, landing or concluding the new one with them (:mod:`.inbox`). On the prefill, a
 request's pushes, its conclusion and its errors stay its own (``_Posted.infos``, :meth:`conclude_room`), and a
 decode rank naming pages for a new request of a room id its earlier request still holds fails both.
 """
 from __future__ import annotations
 
-import itertools
+import contextlib
 import logging
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter
 from typing import Any, Container, Dict, List, Optional
 
 import numpy as np
@@ -74,34 +75,41 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVManager,
     CommonKVReceiver,
     CommonKVSender,
+    KVTransferError,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils.network import NetworkAddress
 
 from ... import config
-from ...errors import BadInput, BlockIdError, GpuxferError
+from ...errors import BadInput, BlockIdError, GpuxferError, ProtocolError
 from ...kv import KVAgent
-from .landing import Landings, parse_landing, parse_slot, slot_frame
-from .layout import (GROUP, check_supported, decode_registration, destinations, encode_registration, geometry,
-                     geometry_differences, head_share, register_kv_args, total_kv_heads, write_aux_rows)
-from .pushes import AUX_TAG, AUX_TAG_V1, AUX_TAG_V2, Pushes, clip
-from .requests import TransferInfo, Unrequested, _Chunk
+from .decode_ranks import DecodeRanks
+from .inbox import Inbox
+from .landing import Landings, slot_frame
+from .layout import check_supported, encode_registration, geometry, register_kv_args, total_kv_heads
+from .pushes import Pushes, clip
+from .requests import TransferInfo, _Chunk
 
 log = logging.getLogger("gpuxfer.sglang")
 
 REGISTER_ROOM = b"None"         # SGLang's marker of a registration message (Mooncake's too)
-MAX_SESSION_BYTES = 256         # a decode rank's name (SGLang's ``ip:port``) in a registration, at most
-# the pages a decode rank's rooms that no request here holds name together, in its KV pools: its live requests'
-# pages are its pool's at most (no page is two requests'), and rooms it gave up may name them again meanwhile
-UNREQUESTED_POOLS = 2
 _RECV_POLL_MS = 200             # how often an idle control thread looks at its stop flag (a message wakes it)
+
+
+def _tcp(endpoint: tuple) -> str:
+    """SGLang's ``tcp://`` name of an ``(ip, port)`` endpoint (what its socket cache is keyed by)."""
+    return NetworkAddress(endpoint[0], int(endpoint[1])).to_tcp()
 
 
 def _int32_pages(kv_indices) -> bytes:
     """A decode's page indices as its metadata message carries them (int32s); ``BlockIdError`` for any that is
     no integer or does not fit (a cast would name another page)."""
-    arr = np.asarray(kv_indices)
+    try:
+        arr = np.asarray(kv_indices)
+    except (TypeError, ValueError, RuntimeError) as exc:     # e.g. a device tensor, a ragged list
+        raise BlockIdError(f"decode page indices must be a 1-D array of integers: {exc}") from None
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise BlockIdError(f"decode page indices must be a 1-D array of integers, got {arr.dtype} {arr.shape}")
     if arr.size and not (0 <= int(arr.min()) and int(arr.max()) <= np.iinfo(np.int32).max):
@@ -158,12 +166,8 @@ class GpuxferKVManager(CommonKVManager):
         else:
             self._registration = encode_registration(self.geometry, self.agent.metadata())
             self.landings = Landings(self.agent.notification)
-            self._ended_lock = threading.Lock()         # a room ended by its word against its status message
-            # room -> the token of its request ended by its word, whose prefill conclusion is still to be dropped
-            self._ended_by_word: Dict[int, Optional[bytes]] = {}
-            self._tokens: Dict[int, bytes] = {}         # room -> the token its current request was named by
-            self._aux_index: Dict[int, int] = {}        # room -> the metadata row its current request named
-            self._token_seq = itertools.count(1)
+            # the prefill's messages about this rank's requests, each taken for its current request alone
+            self.inbox = Inbox(self, self.landings, KVPoll)
             self._spawn(self._decode_control, "gpuxfer-sglang-control")
             self._threads.append(self._start_heartbeat_checker_thread())
         log.info("gpuxfer: SGLang %s rank %s registered %d KV entries (%d-token pages) with the %s engine",
@@ -179,18 +183,14 @@ class GpuxferKVManager(CommonKVManager):
                         "loads them", type(exc).__name__, exc)
 
     def _init_rooms(self) -> None:
-        """A prefill rank's bookkeeping of rooms beside SGLang's: the lock a room's Failed mark takes against a
-        chunk's count and a request's taking of its room, the rooms requests hold here (``_requested``: how
-        many senders), the rooms decode ranks named that none holds (``_unrequested``, bounded) and how many
-        decode ranks each registered rank's rooms name (``_dst_counts``; None: it says no TP size)."""
-        self._room_lock = threading.Lock()
-        self._requested: Counter = Counter()
-        self._unrequested = Unrequested(config.get("GPUXFER_SGLANG_UNREQUESTED_ROOMS"), self.timeout_s)
-        self._dst_counts: Dict[str, Optional[int]] = {}
-        # metadata messages refused that named an endpoint no kept registration of their rank came from: not
-        # answered (a reply would open a socket to wherever the message says), counted, logged once per rank
-        self.unanswered = 0
-        self._unanswered_ranks: "OrderedDict[str, None]" = OrderedDict()
+        """A prefill rank's bookkeeping of rooms beside SGLang's: its decode ranks and the rooms they name
+        (:class:`.decode_ranks.DecodeRanks`, whose lock a room's Failed mark takes against a chunk's count),
+        and the endpoints its sockets may reach."""
+        self.decode_ranks = DecodeRanks(self, KVPoll, self.timeout_s)
+        self._room_lock = self.decode_ranks.lock
+        # SGLang's ``tcp://`` name of each endpoint a kept decode rank registration names -> how many name it: the
+        # only places a message goes and a socket is opened to (:meth:`_connect`)
+        self._kept_endpoints: Counter = Counter()
 
     def _spawn(self, target, name: str) -> None:
         t = threading.Thread(target=target, name=name, daemon=True)
@@ -233,304 +233,41 @@ class GpuxferKVManager(CommonKVManager):
         if state_indices:
             raise BadInput("the gpuxfer SGLang backend does not move state buffers (state_indices given)")
         pages = b"" if is_dummy else _int32_pages(kv_indices)
-        self.landings.forget(bootstrap_room)        # a landing heard of before belongs to an earlier request
-        # the request's token (one for every prefill rank it names its pages to, until the receiver is cleared):
-        # the prefill echoes it in the room's row and status messages, so an earlier request's late ones,
-        # naming the same room id, are told apart and dropped
-        token = self._tokens.setdefault(bootstrap_room, str(next(self._token_seq)).encode("ascii"))
-        if not is_dummy:
-            self._aux_index[bootstrap_room] = int(aux_index)
+        if not is_dummy and (isinstance(aux_index, bool) or not isinstance(aux_index, (int, np.integer))
+                             or aux_index < 0):
+            raise BadInput(f"a decode's metadata row index must be an int >= 0, got {aux_index!r:.40}")
+        token = self.inbox.name_request(bootstrap_room, None if is_dummy else int(aux_index))
         return [str(bootstrap_room).encode("ascii"), self.local_ip.encode("ascii"),
                 str(self.rank_port).encode("ascii"), self.session_id.encode("ascii"), pages,
                 b"" if is_dummy else str(int(aux_index)).encode("ascii"),
                 str(required_dst_info_num).encode("ascii"), str(decode_prefix_len or 0).encode("ascii"), token]
 
-    def _current(self, room: int, token: Optional[bytes]) -> bool:
-        """Whether a message naming ``room`` with ``token`` is about the room's current request (a message
-        without a token, from a prefill of an earlier gpuxfer, is taken as it always was)."""
-        return token is None or self._tokens.get(room) == token
-
     def _decode_control(self) -> None:
-        self._recv_loop(self._on_decode_message)
-
-    def _on_decode_message(self, msg: List[bytes]) -> None:
-        if msg and msg[0] == AUX_TAG:
-            self._on_aux(msg[1:4], msg[4] if len(msg) > 4 else b"", msg[5:])
-            return
-        if msg and msg[0] == AUX_TAG_V2:        # a prefill that had no token (an earlier gpuxfer)
-            self._on_aux(msg[1:4], None, msg[4:])
-            return
-        if msg and msg[0] == AUX_TAG_V1:        # a prefill of an earlier gpuxfer: the row, no landing value
-            self._on_aux([*msg[1:3], b""], None, msg[3:])
-            return
-        if self.handle_abort_ack_message(msg):
-            return
-        parsed = self.parse_kv_status_message(msg)
-        if parsed is not None:
-            room, status, rank, reason = parsed
-            token = msg[4] if len(msg) > 4 and msg[4] else None     # after room, status, rank and reason
-            with self._ended_lock:
-                if status in (KVPoll.Success, KVPoll.Failed) and room in self._ended_by_word:
-                    ended = self._ended_by_word.pop(room)
-                    if token is None or ended is None or token == ended:
-                        # the prefill's conclusion of a request this rank already ended by its word: never
-                        # applied (the room may already be a new request's)
-                        return
-                if not self._current(room, token):
-                    log.debug("gpuxfer: room %s: status %s of an earlier request of the room id dropped", room,
-                              status)
-                    return
-                self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank,
-                                          failure_reason=reason)
-
-    def end_by_word(self, room: int) -> None:
-        """``room`` landed by its notification word: Success, unless a status got there first; then the
-        prefill's own conclusion of it, still on its way, is dropped when it arrives."""
-        with self._ended_lock:
-            if self.request_status.get(room) in (KVPoll.WaitingForInput, KVPoll.Transferring):
-                self.update_status(room, KVPoll.Success)
-                self._ended_by_word[room] = self._tokens.get(room)
-
-    def _on_aux(self, head: List[bytes], token: Optional[bytes], rows: List[bytes]) -> None:
-        """A room's metadata row (``head``: room, row index, landing), written into its row here, and the
-        notification that says its KV landed: from then on :meth:`Landings.landed <.landing.Landings.landed>`
-        may end the room before its Success message arrives (a room one prefill rank sends, from a slot this
-        rank handed out). ``token``: the request it is for; a row of another request of the room id (an earlier
-        one's, late) is dropped, neither written nor armed."""
-        if len(head) < 3:
-            raise BadInput(f"a gpuxfer metadata row message has {len(head) + 1} frames")
-        room, index = int(head[0].decode("ascii")), int(head[1].decode("ascii"))
-        status = self.request_status.get(room)
-        if status is None:
-            return
-        if not self._current(room, token):
-            log.debug("gpuxfer: room %s: the metadata row of an earlier request of the room id dropped", room)
-            return
-        if status in (KVPoll.Success, KVPoll.Failed):
-            # every row of a room comes before the status or word that concludes it: this one is no part of it
-            # (and the row may already be read)
-            log.warning("gpuxfer: room %s: a metadata row after the room ended (%s) dropped", room, status)
-            return
-        try:
-            own = self._aux_index.get(room)
-            if index != own:        # another request's row, or a room this rank named no pages for
-                raise BadInput(f"the prefill names metadata row {index}; the room's is {own}")
-            landing = parse_landing(head[2])
-            if landing is not None and self.required_prefill_response_num_table.get(room) != 1:
-                landing = None          # several prefill ranks: SGLang's Success messages count them
-            if landing is not None:
-                self.landings.check(landing)
-            write_aux_rows(self.kv_args, index, list(rows))
-        except BadInput as exc:     # the room must not succeed without its row (Failed is final)
-            self.record_failure(room, f"its metadata row could not be written: {exc}")
-            self.update_status(room, KVPoll.Failed)
-            return
-        if landing is not None:
-            self.landings.expect(room, landing)
+        self._recv_loop(self.inbox.on_message)
 
     # ------------------------------------------------------------------ prefill role
 
     def _prefill_control(self) -> None:
-        self._recv_loop(self._on_prefill_message, self._expire_unrequested)
+        self._recv_loop(self._on_prefill_message, self.decode_ranks.expire)
 
     def _on_prefill_message(self, msg: List[bytes]) -> None:
         if msg and msg[0] == ABORT_TAG:
             self._on_abort(msg)
         elif msg and msg[0] == REGISTER_ROOM:
-            self._on_registration(msg)
+            self.decode_ranks.on_registration(msg)
         else:
-            self._on_transfer_info(TransferInfo.from_zmq(msg))
-
-    def _on_registration(self, msg: List[bytes]) -> None:
-        """A decode rank's KV pool: its geometry checked against ours, then its agent added (its memory
-        mapped; milliseconds), within the decode ranks a prefill rank keeps (:meth:`.pushes.Pushes.add_decode`).
-        A rank that does not pair is remembered with the reason its rooms fail for; one whose name no SGLang rank
-        has (SGLang's ``ip:port``) is dropped, nothing of it kept. A rank kept, taken or refused, keeps the
-        endpoint its registration names (ip, port): the one its rooms' status messages go to."""
-        if len(msg) < 4 or len(msg[3]) > MAX_SESSION_BYTES:
-            log.error("gpuxfer: a decode registration of %d frames naming a %d-byte rank dropped", len(msg),
-                      len(msg[3]) if len(msg) > 3 else 0)
-            return
-        session = msg[3].decode("ascii")
-        endpoint = None
-        try:
-            endpoint = (msg[1].decode("ascii"), int(msg[2].decode("ascii")))
-            if len(msg[1]) > MAX_SESSION_BYTES or not 0 < endpoint[1] < 65536:
-                endpoint = None
-                raise BadInput(f"the registration names no endpoint (ip {msg[1][:64]!r}, port {msg[2][:16]!r})")
-            geom, meta = decode_registration(msg[4] if len(msg) > 4 else b"")
-            slot = parse_slot(msg[5] if len(msg) > 5 else b"")
-            diffs = geometry_differences(self.geometry, geom)
-            if diffs:
-                raise BadInput("the decode's KV pool does not pair page for page with this prefill's: "
-                               + "; ".join(diffs))
-            views = head_share(self.geometry, geom, *self.kv_heads)
-            dsts = destinations(self.geometry, geom)
-            peer = self.pushes.add_decode(session, meta, views, slot, endpoint)
-            self._dst_counts[session] = dsts
-            log.info("gpuxfer: decode rank %s added (%s route, %s engine%s)", session, peer.route, peer.engine,
-                     f"; bytes {views['local_token_slice'][GROUP]} of each token's row here to bytes "
-                     f"{views['token_slice'][GROUP]} of the decode's" if views else "")
-        except Exception as exc:        # noqa: BLE001 - whatever the registration raised, the rank is refused
-            why = clip(f"{type(exc).__name__}: {exc}")
-            if isinstance(exc, GpuxferError):
-                log.error("gpuxfer: refusing decode rank %s: %s", session, why)
-            else:
-                log.exception("gpuxfer: refusing decode rank %s: %s", session, why)
-            self._dst_counts.pop(session, None)
-            # an earlier registration of the rank no longer describes it
-            self.pushes.refuse_decode(session, why, endpoint, registered=True)
-
-    def _refusal(self, info: TransferInfo) -> Optional[str]:
-        """Why decode rank ``info.session``'s destination cannot be taken (None: it can): the rank's
-        registration was refused or never came (the rank registers on the socket its metadata follows), the
-        message names another endpoint than the registration came from, its pages are not pages of the pool it
-        registered (:meth:`_pages_refusal`), or the message names another number of decode ranks for the room
-        than SGLang's rank mapping gives for the two ranks' TP sizes (at most the decode ranks registered, where
-        the rank states no TP size)."""
-        why = self.pushes.refusal(info.session)
-        if why is None and self.pushes.endpoint(info.session) != (info.endpoint, info.dst_port):
-            why = f"it names endpoint {info.endpoint}:{info.dst_port}, not the one it registered from"
-        why = why or self._pages_refusal(info)
-        if why is not None:
-            return why
-        named, need = info.required_dst_info_num, self._dst_counts.get(info.session)
-        if need is None:
-            have = self.pushes.decode_ranks()
-            if not 1 <= named <= have:
-                return f"it names {named} decode ranks for the room, {have} are registered here"
-        elif named != need:
-            return f"it names {named} decode ranks for the room, its attention TP size against this rank's makes {need}"
-        return None
-
-    def _pages_refusal(self, info: TransferInfo) -> Optional[str]:
-        """Why the decode pages ``info`` names are no pages of the pool its rank registered (None: they are):
-        more pages than the pool holds, a page outside it, or one named twice (each chunk's push sees its own
-        pages only). The list is a view of the message; what is allocated to check it is bounded by the pool."""
-        pages = info.dst_kv_indices
-        if info.is_dummy or not pages.size:
-            return None
-        pool = self.pushes.pool_pages(info.session)
-        if pages.size > pool:
-            return f"it names {pages.size} pages, its KV pool holds {pool}"
-        low, high = int(pages.min()), int(pages.max())
-        if low < 0 or high >= pool:
-            return f"it names page {low if low < 0 else high}, outside its {pool}-page KV pool"
-        if np.unique(pages).size != pages.size:
-            return "it names one of its pages more than once"
-        return None
-
-    def check_page_counts(self, room: int, pages: int) -> None:
-        """The request of ``room`` sends ``pages`` pages (SGLang's sender ``init``, once every decode rank named
-        its own): a decode rank that named another number fails the room before any push (its last pages would
-        never be written, or the first ones written for nothing)."""
-        infos = self.transfer_infos.get(room) or {}
-        bad = next((i for i in infos.values() if not i.is_dummy and len(i.dst_kv_indices) != pages), None)
-        if bad is not None:
-            reason = (f"decode rank {bad.session} named {len(bad.dst_kv_indices)} pages for room {room}, whose "
-                      f"request sends {pages}")
-            log.warning("gpuxfer: %s", reason)
-            self.conclude_failure(bootstrap_room=room, failure_reason=reason)
-
-    def _on_transfer_info(self, info: TransferInfo) -> None:
-        """A decode rank's destination for a room (its metadata message). A destination that cannot be taken
-        (:meth:`_refusal`), or one more than the room has, is stored nowhere: that rank is told Failed, and the
-        room fails where a request holds it (or another rank's destination). A room no request holds here yet
-        is kept within :class:`.requests.Unrequested`'s bounds."""
-        refusal, known, dropped, budget = self._refusal(info), None, [], 0
-        with self._room_lock:
-            infos = self.transfer_infos.get(info.room) or {}
-            if refusal is not None:
-                reason = f"decode rank {info.session} cannot be written room {info.room}: {refusal}"
-                fail = bool(infos) or bool(self._requested.get(info.room))
-            else:
-                need = next(iter(infos.values()), info).required_dst_info_num
-                known = infos.get(info.session)
-                # more decode ranks than the room has (a room id two requests drew, or a forged claim), or a
-                # decode rank's new request of a room id its earlier request still holds here (that one was
-                # given up there): none may be written another's KV, so the room fails for all of them
-                fail = ((known is None and (len(infos) >= need or info.required_dst_info_num != need))
-                        or (known is not None and known.token != info.token))
-                reason = (f"decode rank {info.session} claims room {info.room}, which {len(infos)} decode rank(s) "
-                          f"{sorted(infos)} of {need} already claimed"
-                          + (" for another of its requests" if known is not None else "")) if fail else None
-            if fail and self.request_status.get(info.room) != KVPoll.Success:
-                self.record_failure(info.room, reason)
-                self.update_status(info.room, KVPoll.Failed)
-            if refusal is None and not fail:
-                infos = self.transfer_infos.setdefault(info.room, infos)
-                infos[info.session] = info
-                if len(infos) == info.required_dst_info_num:
-                    self.resolve_kv_replica_factor(infos)
-                    self.req_to_decode_prefix_len[info.room] = next(
-                        (i.decode_prefix_len for i in infos.values() if i.decode_prefix_len is not None), 0)
-                    self.update_status(info.room, KVPoll.WaitingForInput)
-            # a room no request holds is bounded by the registered ranks whose destinations it holds (a
-            # refused one's is none, and its session name may be any), in rooms and in the pages they name
-            if refusal is None and not self._requested.get(info.room):
-                kept = (self.transfer_infos.get(info.room) or {}).get(info.session)
-                pages = 0 if kept is None else len(kept.dst_kv_indices)
-                budget = UNREQUESTED_POOLS * self.pushes.pool_pages(info.session)
-                dropped = self._drop_unrequested(self._unrequested.note(info.session, info.room, pages, budget))
-        if dropped:
-            log.warning("gpuxfer: decode rank %s named pages for more than %d rooms, or %d pages, that no request "
-                        "here holds: dropped its oldest, room(s) %s", info.session, self._unrequested.max_rooms,
-                        budget, dropped[:8])
-        if refusal is not None:
-            log.warning("gpuxfer: %s", reason)
-        if reason is not None and not info.is_dummy:
-            if self.pushes.endpoint(info.session) == (info.endpoint, info.dst_port):
-                self.send_kv_status_message(targets=[(info.endpoint, info.dst_port)], bootstrap_room=info.room,
-                                            status=KVPoll.Failed, failure_reason=reason, infos=[info])
-            else:
-                self._unanswered(info)
-
-    def _unanswered(self, info: TransferInfo) -> None:
-        """A refused metadata message whose rank never registered, or that names another endpoint than the
-        rank registered from: not answered (its decode, if any, fails the room by its own timeout), counted,
-        logged once per rank (of the latest ranks: what is kept of them is bounded)."""
-        self.unanswered += 1
-        if info.session in self._unanswered_ranks:
-            return
-        self._unanswered_ranks[info.session] = None
-        while len(self._unanswered_ranks) > self.pushes.max_decode_ranks:
-            self._unanswered_ranks.popitem(last=False)
-        log.warning("gpuxfer: refused metadata messages of decode rank %s naming endpoint %s:%s are not answered: "
-                    "no registration of the rank came from there (%d unanswered so far)", clip(info.session),
-                    clip(info.endpoint), info.dst_port, self.unanswered)
-
-    def _drop_unrequested(self, rooms: List[int]) -> List[int]:
-        """Everything kept of ``rooms``, which no request holds here (under the room lock): their decode
-        destinations and the status and failure those made. Returns the rooms dropped."""
-        out = [room for room in rooms if not self._requested.get(room)]
-        for room in out:
-            self.transfer_infos.pop(room, None)
-            self.request_status.pop(room, None)
-            self.req_to_decode_prefix_len.pop(room, None)
-            with self.failure_lock:
-                self.failure_records.pop(room, None)
-        return out
-
-    def _expire_unrequested(self) -> None:
-        """The rooms decode ranks named longer than the waiting timeout ago that no request took since: by
-        then their decode gave them up."""
-        with self._room_lock:
-            dropped = self._drop_unrequested(self._unrequested.expired())
-        if dropped:
-            log.warning("gpuxfer: dropped the pages decode ranks named for %d room(s) that no request here took "
-                        "within %.0f s: %s", len(dropped), self._unrequested.max_age_s, dropped[:8])
+            self.decode_ranks.on_transfer_info(TransferInfo.from_zmq(msg))
 
     def hold_room(self, room: int) -> None:
         """A request (its sender) holds ``room`` here: its destinations are kept while it does."""
-        with self._room_lock:
-            self._requested[room] += 1
-            self._unrequested.forget(room)
+        self.decode_ranks.hold(room)
 
     def release_room(self, room: int) -> None:
-        with self._room_lock:
-            self._requested[room] -= 1
-            if self._requested[room] <= 0:
-                del self._requested[room]
+        self.decode_ranks.release(room)
+
+    def check_page_counts(self, room: int, pages: int) -> None:
+        """:meth:`.decode_ranks.DecodeRanks.check_page_counts` (SGLang's sender ``init``)."""
+        self.decode_ranks.check_page_counts(room, pages)
 
     def send_kv_status_message(self, *, targets: List[tuple], bootstrap_room: int, status: KVPoll,
                                failure_reason: Optional[str] = None, infos: Optional[List[TransferInfo]] = None) -> None:
@@ -544,7 +281,6 @@ class GpuxferKVManager(CommonKVManager):
         tokens = {(i.endpoint, i.dst_port): i.token for i in infos}
         parts = self._encode_kv_status_message(bootstrap_room=bootstrap_room, status=status,
                                                failure_reason=failure_reason)
-        from sglang.srt.utils.network import NetworkAddress
         for endpoint, dst_port in targets:
             token = tokens.get((endpoint, dst_port))
             na = NetworkAddress(endpoint, dst_port)
@@ -648,9 +384,75 @@ class GpuxferKVManager(CommonKVManager):
 
     def send_to_decode(self, info: TransferInfo, parts: List[bytes]) -> None:
         """:meth:`.pushes.Rooms.send_to_decode`: on SGLang's socket to the decode rank's endpoint."""
-        from sglang.srt.utils.network import NetworkAddress
         na = NetworkAddress(info.endpoint, info.dst_port)
         self._send_multipart_locked(na.to_tcp(), parts, is_ipv6=na.is_ipv6)
+
+    # ------------------------------------------------------------------ prefill: its sockets to decode ranks
+
+    def endpoint_changed(self, old: Optional[tuple], new: Optional[tuple]) -> None:
+        """:meth:`.pushes.Rooms.endpoint_changed`: the endpoints kept registrations name, counted by their
+        ``tcp://`` name (two spellings of one address are one); the socket SGLang cached for one no longer
+        named is closed and dropped, so what a stream of forged registrations leaves open is bounded by the
+        registrations kept."""
+        if new is not None:
+            self._kept_endpoints[_tcp(new)] += 1
+        if old is not None:
+            tcp = _tcp(old)
+            self._kept_endpoints[tcp] -= 1
+            if self._kept_endpoints[tcp] <= 0:
+                del self._kept_endpoints[tcp]
+                self._close_socket(tcp)
+
+    def _kept(self, endpoint: str) -> bool:
+        kept = getattr(self, "_kept_endpoints", None)     # a decode manager: SGLang's own endpoints, all kept
+        return kept is None or endpoint in kept
+
+    def _connect(self, endpoint: str, is_ipv6: bool = False):
+        """SGLang's cached socket to ``endpoint``; on a prefill only where a kept decode rank registration names
+        it (``BadInput`` otherwise, nothing opened): a forged ABORT's return address, or a destination of a
+        registration since replaced, opens no socket. One whose registration went while it was opened is
+        closed again (the registration's side closed what was cached before it)."""
+        if not self._kept(endpoint):
+            raise BadInput(f"no decode rank registration kept here names endpoint {clip(endpoint)}")
+        sock = super()._connect(endpoint, is_ipv6=is_ipv6)
+        if not self._kept(endpoint):
+            self._close_socket(endpoint)
+            raise BadInput(f"the decode rank registration naming endpoint {clip(endpoint)} was dropped")
+        return sock
+
+    def _send_multipart_locked(self, endpoint: str, parts: List[bytes], is_ipv6: bool = False) -> None:
+        """SGLang's send on its cached socket, serialized per endpoint; ``BadInput`` where the socket was closed
+        meanwhile (its endpoint dropped) instead of a send on a closed socket. On a prefill it never waits:
+        where ZMQ's queue to a decode is full (it reads none of its messages: hung, or registered and never
+        reading), ``ProtocolError`` at once, instead of holding the transfer thread (every other decode's
+        requests behind it) or the scheduler for SGLang's 30-second send timeout."""
+        sock = self._connect(endpoint, is_ipv6=is_ipv6)
+        lock = self._socket_send_locks.get(endpoint)
+        if lock is None:
+            raise BadInput(f"the socket to {clip(endpoint)} was closed: no kept registration names it")
+        with lock:
+            if sock.closed:
+                raise BadInput(f"the socket to {clip(endpoint)} was closed: no kept registration names it")
+            try:
+                sock.send_multipart(parts, flags=0 if getattr(self, "_kept_endpoints", None) is None else zmq.NOBLOCK)
+            except zmq.Again:
+                raise ProtocolError(f"decode endpoint {clip(endpoint)} reads none of the messages queued to it "
+                                    f"({sock.get(zmq.SNDHWM)} unread): nothing more is queued there") from None
+
+    def _close_socket(self, endpoint: str) -> None:
+        """Close and drop the socket SGLang cached for ``endpoint`` and its disconnect monitor (after a send
+        in progress on it: under its send lock)."""
+        if not hasattr(self, "_socket_lock"):
+            return                      # no SGLang socket state: nothing was opened
+        with self._socket_lock:
+            sock = self._socket_cache.pop(endpoint, None)
+            monitor = self._monitor_cache.pop(endpoint, None)
+            send_lock = self._socket_send_locks.pop(endpoint, None)
+        if sock is not None:
+            with send_lock or contextlib.nullcontext():
+                sock.close(linger=0)
+        if monitor is not None:
+            monitor.close(linger=0)
 
     # ------------------------------------------------------------------ both
 
@@ -676,9 +478,18 @@ class GpuxferKVSender(CommonKVSender):
             self._release_room()
             raise
 
+    # Once cleared, a sender holds its room id no more, and the id may name a new request: SGLang's calls on
+    # it (send, init, abort, clear again) would queue its pages for that request's decode pages, fail it or
+    # drop its state, so they change nothing; it polls Failed where it was cleared before it concluded.
+
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
         super().init(num_kv_indices, aux_index)
-        self.kv_mgr.check_page_counts(self.bootstrap_room, num_kv_indices)
+        if self._holds_room:
+            self.kv_mgr.check_page_counts(self.bootstrap_room, num_kv_indices)
+
+    def send(self, *args: Any, **kwargs: Any) -> None:
+        if self._holds_room:
+            super().send(*args, **kwargs)
 
     def _release_room(self) -> None:
         if self._holds_room:
@@ -686,17 +497,56 @@ class GpuxferKVSender(CommonKVSender):
             self.kv_mgr.release_room(self.bootstrap_room)
 
     def clear(self) -> None:
+        if not self._holds_room:
+            return
         super().clear()
+        if self.conclude_state is None:
+            self.conclude_state = KVPoll.Failed
         self._release_room()
+
+    def failure_exception(self):
+        if not self._holds_room:        # the room id's failure record may be a new request's: left to it
+            self.conclude_state = KVPoll.Failed
+            raise KVTransferError(self.bootstrap_room, "the request was cleared before it concluded")
+        super().failure_exception()
 
     def abort(self) -> None:
         """SGLang's abort, and the decode told at once (it would otherwise wait for its timeout)."""
+        if not self._holds_room:
+            self.conclude_state = KVPoll.Failed
+            return
         super().abort()
         self.kv_mgr.conclude_failure(bootstrap_room=self.bootstrap_room, failure_reason="Aborted by the prefill")
         self.kv_mgr.pushes.drain_later(self.bootstrap_room)     # its posted pushes waited for
 
 
 class GpuxferKVReceiver(CommonKVReceiver):
+    # Once cleared, a receiver no longer owns its room id (SGLang's ``_owns_bootstrap_room``, which its own
+    # ``clear`` and ``abort`` honor), and the id may name a new request: ``init``, ``send_metadata`` and
+    # ``failure_exception`` change nothing of it either (no pages named, no ABORT sent, no failure taken).
+
+    def init(self, prefill_dp_rank: int) -> None:
+        if self._owns_bootstrap_room:
+            super().init(prefill_dp_rank)
+
+    def send_metadata(self, *args: Any, **kwargs: Any) -> None:
+        """SGLang's ``send_metadata``; what the backend cannot send (page indices that are no int32 pages, no
+        metadata row, state buffers) fails the room alone with its typed reason, never raising into the
+        scheduler, and the prefill ranks are told (SGLang's ABORT)."""
+        if not self._owns_bootstrap_room:
+            return
+        try:
+            super().send_metadata(*args, **kwargs)
+        except GpuxferError as exc:
+            self.kv_mgr.record_failure(self.bootstrap_room, f"{type(exc).__name__}: {exc}")
+            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+            self.ensure_abort_notified()
+
+    def failure_exception(self):
+        if not self._owns_bootstrap_room:   # the room id's failure record may be a new request's: left to it
+            raise KVTransferError(self.bootstrap_room, "the request was cleared before it concluded")
+        super().failure_exception()
+
     def _register_kv_args(self) -> bool:
         """SGLang's registration with each prefill rank of the room, each rank that sends KV alone given a
         notification slot of its own (not a dummy rank, nor one of several ranks answering for a request)."""
@@ -716,15 +566,16 @@ class GpuxferKVReceiver(CommonKVReceiver):
         status = super()._poll()
         if (status in (KVPoll.WaitingForInput, KVPoll.Transferring)
                 and self.kv_mgr.landings.landed(self.bootstrap_room)):
-            self.kv_mgr.end_by_word(self.bootstrap_room)
+            self.kv_mgr.inbox.end_by_word(self.bootstrap_room)
             status = super()._poll()
         return status
 
     def _clear(self) -> None:
+        if not self._owns_bootstrap_room:
+            return
         super()._clear()
-        self.kv_mgr.landings.forget(self.bootstrap_room)
-        self.kv_mgr._tokens.pop(self.bootstrap_room, None)      # the room id's next request gets a new one
-        self.kv_mgr._aux_index.pop(self.bootstrap_room, None)
+        self.kv_mgr.inbox.forget(self.bootstrap_room)
+        self._owns_bootstrap_room = False
 
 
 class GpuxferKVBootstrapServer(CommonKVBootstrapServer):

@@ -77,6 +77,10 @@ class Rooms(Protocol):
     def send_to_decode(self, info: TransferInfo, parts: List[bytes]) -> None:
         """One message on SGLang's control socket to ``info``'s decode rank (raises where it cannot go)."""
 
+    def endpoint_changed(self, old: Optional[Tuple[str, int]], new: Optional[Tuple[str, int]]) -> None:
+        """A kept decode rank's registration names endpoint ``new`` (None: none) where it named ``old``: what
+        was opened to an endpoint no kept registration names any more is closed, and nothing is sent there."""
+
 
 class Pushes:
     """The prefill's transfer thread (:meth:`run`) and what it alone owns: the chunks queued for it, the pushes
@@ -155,7 +159,7 @@ class Pushes:
         if registered:
             self._set_endpoint(session, endpoint)
         while len(self._rejected) > self.max_decode_ranks:
-            self._endpoints.pop(self._rejected.popitem(last=False)[0], None)
+            self._set_endpoint(self._rejected.popitem(last=False)[0], None)
         with self._agent_lock:
             old = self._peers.pop(session, None)
             self._notify_slots.pop(session, None)
@@ -164,10 +168,13 @@ class Pushes:
         self._dead.pop(session, None)
 
     def _set_endpoint(self, session: str, endpoint: Optional[Tuple[str, int]]) -> None:
-        if endpoint is None:
-            self._endpoints.pop(session, None)
-        else:
+        """Every change of the endpoints kept goes through here: the manager closes what it opened to one no
+        kept registration names any more (:meth:`Rooms.endpoint_changed`)."""
+        old = self._endpoints.pop(session, None)
+        if endpoint is not None:
             self._endpoints[session] = endpoint
+        if old != endpoint:
+            self.rooms.endpoint_changed(old, endpoint)
 
     def endpoint(self, session: str) -> Optional[Tuple[str, int]]:
         """The (ip, port) decode rank ``session`` registered from (None: no registration of it is kept, or it

@@ -15,6 +15,7 @@ import numpy.typing as npt
 
 from ...errors import BadInput
 
+MAX_SESSION_BYTES = 256     # a decode rank's name (SGLang's ``ip:port``), or its ip, in a message, at most
 
 @dataclass
 class TransferInfo:
@@ -38,6 +39,10 @@ class TransferInfo:
         them against the decode rank's pool before anything proportional to them)."""
         if len(msg) < 7:
             raise BadInput(f"a gpuxfer SGLang metadata message has {len(msg)} frames, not 7 to 9")
+        if len(msg[1]) > MAX_SESSION_BYTES or len(msg[3]) > MAX_SESSION_BYTES:
+            # no SGLang rank is named so (and what is kept of a rank's name, as its refusals', stays small)
+            raise BadInput(f"a metadata message naming a {len(msg[3])}-byte decode rank at a {len(msg[1])}-byte ip "
+                           f"(at most {MAX_SESSION_BYTES} bytes each)")
         token = msg[8] if len(msg) > 8 and msg[8] else None
         if token is not None and (len(token) > 20 or not token.isdigit()):
             raise BadInput(f"a request token must be at most 20 digits, got {token[:24]!r}")

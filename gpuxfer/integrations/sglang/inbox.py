@@ -1,0 +1,161 @@
+"""The decode side of the SGLang backend's requests (:class:`Inbox`): the token a decode rank names each request
+of a room by, the metadata row that request named, and the prefill's messages about it (its metadata row, its
+landing value, its status), each taken only for the room's current request. A room id names one request after
+another: an earlier request's late row, landing value or status (it was given up here first) never writes,
+ends or fails the new one. No SGLang here: the decode's KV manager (:mod:`.conn`) hands its control messages
+over and is asked about SGLang's state of a room (:class:`DecodeRooms`), SGLang's ``KVPoll`` values handed in.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from typing import Any, Dict, List, Optional, Protocol
+
+from ...errors import BadInput
+from .landing import Landings, parse_landing
+from .layout import write_aux_rows
+from .pushes import AUX_TAG, AUX_TAG_V1, AUX_TAG_V2
+
+log = logging.getLogger("gpuxfer.sglang")
+
+# rooms ended by their word whose prefill conclusion (an earlier gpuxfer's, with no token to tell it apart) is
+# still to be dropped, at most: the oldest go first (a conclusion that never came)
+ENDED_KEPT = 65536
+
+
+class DecodeRooms(Protocol):
+    """What :class:`Inbox` asks of the decode's KV manager: SGLang's state of a room (``CommonKVManager``'s)."""
+
+    request_status: Dict[int, Any]
+    required_prefill_response_num_table: Dict[int, int]
+    kv_args: Any
+
+    def record_failure(self, bootstrap_room: int, failure_reason: str) -> None: ...
+
+    def update_status(self, bootstrap_room: int, status: Any) -> None: ...
+
+    def handle_abort_ack_message(self, msg: List[bytes]) -> bool: ...
+
+    def parse_kv_status_message(self, msg: List[bytes]) -> Optional[tuple]: ...
+
+    def apply_prefill_status(self, *, bootstrap_room: int, status: Any, prefill_rank: int,
+                             failure_reason: Optional[str]) -> None: ...
+
+
+class Inbox:
+    """A decode rank's requests as the prefill's messages name them. ``landings``: the rank's notification
+    slots (:class:`.landing.Landings`); ``kv_poll``: SGLang's ``KVPoll``."""
+
+    def __init__(self, rooms: DecodeRooms, landings: Landings, kv_poll: Any):
+        self.rooms, self.landings, self.kv_poll = rooms, landings, kv_poll
+        self._ended_lock = threading.Lock()         # a room ended by its word against its status message
+        # room -> the token of its request ended by its word, whose prefill conclusion is still to be dropped
+        self.ended_by_word: Dict[int, Optional[bytes]] = {}
+        self.tokens: Dict[int, bytes] = {}          # room -> the token its current request was named by
+        self.aux_index: Dict[int, int] = {}         # room -> the metadata row its current request named
+        self._token_seq = itertools.count(1)
+
+    def name_request(self, room: int, aux_index: Optional[int]) -> bytes:
+        """The token of ``room``'s current request, which names its pages to the prefill ranks (one for every
+        prefill rank, until :meth:`forget`): the prefill echoes it in the room's row and status messages, so an
+        earlier request's late ones, naming the same room id, are told apart and dropped. ``aux_index``: the
+        metadata row it named (None: a dummy rank's message, none)."""
+        self.landings.forget(room)          # a landing heard of before belongs to an earlier request
+        token = self.tokens.setdefault(room, str(next(self._token_seq)).encode("ascii"))
+        if aux_index is not None:
+            self.aux_index[room] = int(aux_index)
+        return token
+
+    def forget(self, room: int) -> None:
+        """``room``'s request was cleared: the room id's next request gets a new token, and nothing is kept for
+        this one's late conclusion (it names this token: dropped by that alone)."""
+        self.landings.forget(room)
+        with self._ended_lock:
+            if self.ended_by_word.get(room) is not None:
+                del self.ended_by_word[room]
+        self.tokens.pop(room, None)
+        self.aux_index.pop(room, None)
+
+    def current(self, room: int, token: Optional[bytes]) -> bool:
+        """Whether a message naming ``room`` with ``token`` is about the room's current request (a message
+        without a token, from a prefill of an earlier gpuxfer, is taken as it always was)."""
+        return token is None or self.tokens.get(room) == token
+
+    def on_message(self, msg: List[bytes]) -> None:
+        """One control message from a prefill rank: a metadata row, SGLang's ABORT_ACK or a status."""
+        if msg and msg[0] == AUX_TAG:
+            self._on_aux(msg[1:4], msg[4] if len(msg) > 4 else b"", msg[5:])
+            return
+        if msg and msg[0] == AUX_TAG_V2:        # a prefill that had no token (an earlier gpuxfer)
+            self._on_aux(msg[1:4], None, msg[4:])
+            return
+        if msg and msg[0] == AUX_TAG_V1:        # a prefill of an earlier gpuxfer: the row, no landing value
+            self._on_aux([*msg[1:3], b""], None, msg[3:])
+            return
+        if self.rooms.handle_abort_ack_message(msg):
+            return
+        parsed = self.rooms.parse_kv_status_message(msg)
+        if parsed is None:
+            return
+        room, status, rank, reason = parsed
+        token = msg[4] if len(msg) > 4 and msg[4] else None     # after room, status, rank and reason
+        with self._ended_lock:
+            if status in (self.kv_poll.Success, self.kv_poll.Failed) and room in self.ended_by_word:
+                ended = self.ended_by_word.pop(room)
+                if token is None or ended is None or token == ended:
+                    # the prefill's conclusion of a request this rank already ended by its word: never applied
+                    # (the room may already be a new request's)
+                    return
+            if not self.current(room, token):
+                log.debug("gpuxfer: room %s: status %s of an earlier request of the room id dropped", room, status)
+                return
+            self.rooms.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank,
+                                            failure_reason=reason)
+
+    def end_by_word(self, room: int) -> None:
+        """``room`` landed by its notification word: Success, unless a status got there first; then the
+        prefill's own conclusion of it, still on its way, is dropped when it arrives."""
+        with self._ended_lock:
+            if self.rooms.request_status.get(room) in (self.kv_poll.WaitingForInput, self.kv_poll.Transferring):
+                self.rooms.update_status(room, self.kv_poll.Success)
+                self.ended_by_word[room] = self.tokens.get(room)
+                while len(self.ended_by_word) > ENDED_KEPT:
+                    del self.ended_by_word[next(iter(self.ended_by_word))]
+
+    def _on_aux(self, head: List[bytes], token: Optional[bytes], rows: List[bytes]) -> None:
+        """A room's metadata row (``head``: room, row index, landing), written into its row here, and the
+        notification that says its KV landed: from then on :meth:`Landings.landed <.landing.Landings.landed>`
+        may end the room before its Success message arrives (a room one prefill rank sends, from a slot this
+        rank handed out). ``token``: the request it is for; a row of another request of the room id (an earlier
+        one's, late) is dropped, neither written nor armed."""
+        if len(head) < 3:
+            raise BadInput(f"a gpuxfer metadata row message has {len(head) + 1} frames")
+        room, index = int(head[0].decode("ascii")), int(head[1].decode("ascii"))
+        status = self.rooms.request_status.get(room)
+        if status is None:
+            return
+        if not self.current(room, token):
+            log.debug("gpuxfer: room %s: the metadata row of an earlier request of the room id dropped", room)
+            return
+        if status in (self.kv_poll.Success, self.kv_poll.Failed):
+            # every row of a room comes before the status or word that concludes it: this one is no part of it
+            # (and the row may already be read)
+            log.warning("gpuxfer: room %s: a metadata row after the room ended (%s) dropped", room, status)
+            return
+        try:
+            own = self.aux_index.get(room)
+            if index != own:        # another request's row, or a room this rank named no pages for
+                raise BadInput(f"the prefill names metadata row {index}; the room's is {own}")
+            landing = parse_landing(head[2])
+            if landing is not None and self.rooms.required_prefill_response_num_table.get(room) != 1:
+                landing = None          # several prefill ranks: SGLang's Success messages count them
+            if landing is not None:
+                self.landings.check(landing)
+            write_aux_rows(self.rooms.kv_args, index, list(rows))
+        except BadInput as exc:     # the room must not succeed without its row (Failed is final)
+            self.rooms.record_failure(room, f"its metadata row could not be written: {exc}")
+            self.rooms.update_status(room, self.kv_poll.Failed)
+            return
+        if landing is not None:
+            self.landings.expect(room, landing)
