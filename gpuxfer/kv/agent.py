@@ -98,7 +98,8 @@ from .descriptors import DIRECTIONS
 from .device_ids import prepare_device, wants_device_ids
 from .engine_choice import AGENT_ENGINES, agent_engine_choice, kernel_reason
 from .failure import FailsOnTimeout, on_timeout_from_env
-from .layers import _MAX_NAME, KVLayer, KVLayerSpec, KVPiece, check_disjoint, describe_layer, memory_at, _torch
+from .layers import (_MAX_NAME, KVLayer, KVLayerSpec, KVPiece, check_disjoint, checked_flag, describe_layer,
+                     memory_at, _torch)
 from . import nixl_route
 from .metadata import METADATA_VERSION
 from .lifetime import Lifetime, _Shared
@@ -255,6 +256,7 @@ class KVAgent(Closable, FailsOnTimeout):
             raise BadInput(f"group name must be a string of 1..{_MAX_NAME} characters, got {name!r}")
         if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or not 0 < block_tokens < 1 << 32:
             raise BadInput(f"group {name!r}: block_tokens must be a positive int, got {block_tokens!r}")
+        checked_flag(f"group {name!r}", token_major)
         reg = self._registry
         if name in reg.groups:
             raise BadInput(f"group {name!r} is already registered")
@@ -304,6 +306,7 @@ class KVAgent(Closable, FailsOnTimeout):
         page): pages of ``page_bytes`` back to back from ``ptr``, as many as ``nbytes`` holds, each one piece
         (or ``pieces``). The memory is this process's, on this agent's device; the caller keeps it alive
         while the agent uses it. Pass the result to :meth:`register_group` (which exports it as a tensor)."""
+        checked_flag("layer_at", token_major)
         for v, what in ((nbytes, "length"), (page_bytes, "page_bytes")):
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or int(v) < 1:
                 raise BadInput(f"layer_at: the {what} must be a positive int, got {v!r}")
@@ -427,7 +430,7 @@ class KVAgent(Closable, FailsOnTimeout):
                     or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers)
                     or not 0 <= layers[0] < layers[1]):
                 raise BadInput(f"layers must be (first, stop) with 0 <= first < stop, got {layers!r}")
-            layers = (int(layers[0]), int(layers[1]))
+            layers = self._routes.clamp(peer, (int(layers[0]), int(layers[1])))
         if notify_slot is not None:
             check_slot(notify_slot, "notify_slot")
         name = f"{self.name}#{next(self._names)}" if name is None else str(name)

@@ -130,6 +130,14 @@ def _contiguous_tail(t, start: int) -> bool:
     return True
 
 
+def checked_flag(name: str, value, what: str = "token_major") -> bool:
+    """``value`` as a bool: :class:`BadInput` naming layer or group ``name`` unless it is one (a truthy string
+    or number is no answer to a yes-or-no setting)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise BadInput(f"{name}: {what} must be a bool, got {value!r}")
+    return bool(value)
+
+
 def describe_layer(tensor, *, name: str = "layer", position: int = 0, num_blocks: int | None = None,
                    token_major: bool = True, index: int | None = None) -> KVLayer:
     """A layer description from a KV-cache tensor's shape and strides.
@@ -178,7 +186,7 @@ def describe_layer(tensor, *, name: str = "layer", position: int = 0, num_blocks
         raise BadInput(f"layer {name!r}: shape {shape} holds {nb} blocks, not {num_blocks}")
     layer = KVLayer(name=name, index=_checked_index(name, _layer_index(name, position) if index is None else index),
                     ptr=int(t.data_ptr()), num_blocks=int(nb), block_stride=int(stride), pieces=pieces,
-                    extent=_tensor_extent(t), token_major=bool(token_major))
+                    extent=_tensor_extent(t), token_major=checked_flag(f"layer {name!r}", token_major))
     _check_layer(name, layer.num_blocks, layer.block_stride, pieces, layer.extent)
     return layer
 
@@ -245,7 +253,7 @@ def _from_spec(spec: KVLayerSpec, name: str, position: int) -> KVLayer:
                     index=_checked_index(name, _layer_index(name, position) if spec.index is None else spec.index),
                     ptr=int(t.data_ptr()), num_blocks=int(spec.num_blocks),
                     block_stride=int(spec.block_stride_bytes), pieces=tuple(pieces), extent=int(extent),
-                    token_major=bool(spec.token_major))
+                    token_major=checked_flag(f"layer {name!r}", spec.token_major))
     _check_layer(name, layer.num_blocks, layer.block_stride, layer.pieces, layer.extent)
     return layer
 

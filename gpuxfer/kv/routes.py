@@ -128,6 +128,26 @@ class RouteCache:
     def __init__(self, agent, registry):
         self.agent, self.registry = agent, registry
         self.routes: dict[tuple, _Route] = {}
+        self.bounds: dict = {}     # per peer: (the registry's groups dict, (lowest, highest + 1) layer index)
+
+    def clamp(self, peer, layers: tuple[int, int] | None) -> tuple[int, int] | None:
+        """``layers`` (a checked ``(first, stop)`` range) cut to the layer indices the agent's groups and
+        ``peer``'s hold: ranges selecting the same layers are one cache key, so a range wider than the model
+        (``(0, 10**9)``, ``(0, 10**9 + 1)``...) shares the route of the model's range and builds no route of its
+        own. A range holding no such index is left as it is (a route over it selects no layer: BadInput)."""
+        if layers is None:
+            return None
+        mine = self.registry.groups
+        hit = self.bounds.get(peer)
+        if hit is None or hit[0] is not mine:
+            idx = [lay.index for gs in (mine, peer.groups) for g in gs.values() for lay in g.layers]
+            hit = (mine, (min(idx), max(idx) + 1) if idx else None)
+            self.bounds[peer] = hit
+        bounds = hit[1]
+        if bounds is None:
+            return layers
+        first, stop = max(layers[0], bounds[0]), min(layers[1], bounds[1])
+        return (first, stop) if first < stop else layers
 
     def route(self, peer, op: str, layers: tuple[int, int] | None, groups: tuple[str, ...]) -> _Route:
         key = (peer, op, layers, groups)
@@ -148,6 +168,7 @@ class RouteCache:
         """Drop the routes of ``peer`` (the caller holds the registry's lock)."""
         for k in [k for k in self.routes if k[0] is peer]:
             del self.routes[k]
+        self.bounds.pop(peer, None)
 
     def slot_bytes(self) -> dict[str, int]:
         """The routes' slots: how many routes and slots, and the bytes of their descriptor and request buffers

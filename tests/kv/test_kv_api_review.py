@@ -279,3 +279,44 @@ def test_notify_and_stream_waits_on_a_stream_of_another_device_are_refused(pair)
     finally:
         other.close()
         mine.close()
+
+
+# ----------------------------------------------------------------------------- layer ranges and flags
+
+
+def test_layer_ranges_past_the_model_share_the_route_of_the_model(pair):
+    """Ranges wider than the model's layers (``(0, 10**9 + k)``, ``(0, 2**40 + k)``: a caller's or an engine's
+    input): one route each range selecting the same layers, not a route with its own device slots per distinct
+    range (device memory growing with the count of ranges); they move the bytes of the layers in them, and a
+    range past every layer is still BadInput."""
+    pre, dec, a0, a1 = pair
+    dst, before, p = _pulls(pre, dec, a0, a1)
+    kw = dict(local_blocks={"full": [1]}, remote_blocks={"full": [0]})
+    dec.prepare(p, "pull", layers=(0, 1), **kw).post().wait(60)
+    used = dec.device_bytes()
+    for k in range(20):
+        for layers in ((0, 10**9 + k), (0, 2**40 + k)):
+            dec.prepare(p, "pull", layers=layers, **kw).post().wait(60)
+    assert dec.device_bytes() == used
+    assert not _unchanged(dst, before)
+    with pytest.raises(BadInput, match="selects no layer"):
+        dec.prepare(p, "pull", layers=(10**9, 10**9 + 1), **kw)
+    assert dec.device_bytes() == used
+
+
+@pytest.mark.parametrize("odd", ["yes", 1, 0, None, 1.0])
+def test_token_major_must_be_a_bool(pair, odd):
+    """``register_group(..., token_major=...)``, ``layer_at(..., token_major=...)`` and a KVLayerSpec's
+    ``token_major`` given a string, a number or None: BadInput naming token_major, nothing registered."""
+    pre, dec, a0, a1 = pair
+    layers = vllm_layers(a0, 1, 8, 4, seed=1)
+    with pytest.raises(BadInput, match="token_major must be a bool"):
+        pre.register_group("full", 4, layers, token_major=odd)
+    t = a0.tensor((8, 64), torch.uint8, seed=3)
+    with pytest.raises(BadInput, match="token_major must be a bool"):
+        pre.layer_at(t.data_ptr(), t.numel(), 64, token_major=odd)
+    with pytest.raises(BadInput, match="token_major must be a bool"):
+        pre.register_group("spec", 4, {"l.0": KVLayerSpec(t, 8, 64, [(0, 64)], token_major=odd)})
+    assert pre.groups == {}
+    pre.register_group("full", 4, layers, token_major=False)
+    assert pre.groups == {"full": (4, 8, 1)}
