@@ -11,7 +11,10 @@ flag, the value expected and the last value seen::
 from __future__ import annotations
 
 import math
+import numbers
 import time
+
+import numpy as np
 
 from .errors import BadInput, TransferTimeout
 from .platforms.base import Event, Platform
@@ -27,7 +30,8 @@ def check_timeout(timeout_s, what: str = "the timeout") -> float:
     """``timeout_s`` as a float: a finite number of seconds, > 0 and at most :data:`MAX_TIMEOUT_S`, else
     :class:`BadInput` naming ``what`` (the one check of every caller-given bound: ``pp.connect``'s,
     ``KVAgent``'s and its waits')."""
-    if isinstance(timeout_s, bool):
+    if isinstance(timeout_s, (bool, np.bool_)) or not isinstance(timeout_s, numbers.Real):
+        # (a string of digits, a flag or None is no number of seconds, though float() may take it)
         raise BadInput(f"{what} must be a number of seconds, got {timeout_s!r}")
     try:
         value = float(timeout_s)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,7 +17,7 @@ from gpuxfer.errors import BadInput, GpuxferError, NotRegistered, PeerLost, Tran
 from gpuxfer.kv.agent import KVAgent
 from gpuxfer.kv.control import NOTIFY
 from gpuxfer.platforms.base import RELEASE_VALUE
-from gpuxfer.sync import MAX_TIMEOUT_S
+from gpuxfer.sync import MAX_TIMEOUT_S, check_timeout
 
 BLOCKS, BT = 8, 4
 
@@ -72,7 +73,8 @@ def _run_child(spawner, fn, *args, timeout: float = 240.0):
 # ----------------------------------------------------------------------------- timeouts (bounds of waits)
 
 
-@pytest.mark.parametrize("bad", [0, -1, math.nan, math.inf, -math.inf, 1e12, MAX_TIMEOUT_S * 2, "soon", None, True])
+@pytest.mark.parametrize("bad", [0, -1, math.nan, math.inf, -math.inf, 1e12, MAX_TIMEOUT_S * 2, "soon", None, True,
+                                 "1", b"1", np.bool_(True), [5]])
 def test_agent_timeout_is_checked_at_construction(bad):
     plat = _host()
     try:
@@ -82,13 +84,24 @@ def test_agent_timeout_is_checked_at_construction(bad):
         plat.close()
 
 
+@pytest.mark.parametrize("bad", ["1", "nan", b"1", True, False, np.bool_(True), None, [5], complex(1, 0),
+                                 math.nan, math.inf, -math.inf, 0, -0.5, MAX_TIMEOUT_S * 2])
+def test_check_timeout_takes_only_real_numbers_of_seconds(bad):
+    """The one check of a caller-given bound: a string (even of digits), a flag, None, a list, a complex number,
+    NaN, an infinity or a bound out of (0, MAX_TIMEOUT_S]: BadInput naming it; real numbers (numpy's too) pass."""
+    with pytest.raises(BadInput, match="the bound"):
+        check_timeout(bad, "the bound")
+    for good in (1, 2.5, np.float32(0.5), np.int64(3), MAX_TIMEOUT_S):
+        assert check_timeout(good) == float(good)
+
+
 def _bad_wait_timeouts():
     """The waits of an agent given bounds no wait can take: each a BadInput, and the agent stays usable."""
     plat = _host()
     pre, dec, c0, c1, p_of_dec, _ = _pair(plat)
     x = dec.prepare(p_of_dec, "pull", local_blocks={"g": [0]}, remote_blocks={"g": [1]}, notify_slot=0)
     h = x.post()
-    for bad in (0, -1, math.nan, math.inf, 1e12, "x"):
+    for bad in (0, -1, math.nan, math.inf, 1e12, "x", "1", " 2.5 ", True, False, np.bool_(True)):
         try:
             h.wait(bad)
         except BadInput:
