@@ -461,8 +461,11 @@ def guard_descriptors(descs: torch.Tensor, pool_nbytes: int, piece: int = GUARD_
 
     Verified against the destination pool's *own* pattern, they say whether anything wrote
     where no descriptor points. Computed on the device (sort, running maximum); one host
-    sync reads the number of pieces. The descriptors must lie inside the pool.
+    sync reads the number of pieces. The descriptors must lie inside the pool. ``pool_nbytes`` (an int >= 0)
+    or ``piece`` (an int >= 1) out of range: :class:`~gpuxfer.errors.BadInput`.
     """
+    pool_nbytes = check_int(pool_nbytes, "guard_descriptors' pool_nbytes", 0, (1 << 62) - 1)
+    piece = check_int(piece, "guard_descriptors' piece", 1, (1 << 62) - 1)
     dev = descs.device
     zero = torch.zeros(1, dtype=torch.int64, device=dev)
     end = torch.full((1,), int(pool_nbytes), dtype=torch.int64, device=dev)

@@ -280,3 +280,17 @@ def test_kernels_run_with_triton_interpret_set_before_import(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "interpreted ok" in out.stdout
+
+
+@pytest.mark.parametrize("kw", [dict(piece=0), dict(piece=-4), dict(piece=2.5), dict(piece=True), dict(piece="64"),
+                                dict(piece=None), dict(pool_nbytes=-1), dict(pool_nbytes=1.5),
+                                dict(pool_nbytes=True), dict(pool_nbytes=1 << 63)])
+def test_guard_descriptors_refuses_a_piece_or_pool_size_out_of_range(kw):
+    """``guard_descriptors`` given a piece of no bytes (a division by zero), a negative or fractional piece or pool
+    size, a flag or a string: BadInput naming the argument, not torch's division error."""
+    from gpuxfer.kernels.launch import guard_descriptors
+    descs = torch.tensor([[0, 16, 16]], dtype=torch.int64)
+    args = {"pool_nbytes": 64, "piece": 32, **kw}
+    with pytest.raises(BadInput, match=next(iter(kw))):
+        guard_descriptors(descs, args["pool_nbytes"], piece=args["piece"])
+    assert guard_descriptors(descs, 64, piece=32).tolist() == [[0, 0, 16], [32, 32, 32]]
