@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import datetime
 
+from ..sync import check_timeout
+
 
 def init_cpu_group(rank: int, world: int, init_method: str, timeout_s: float = 120.0) -> None:
-    """Initialise torch.distributed with gloo (the CPU group connect() uses)."""
+    """Initialise torch.distributed with gloo (the CPU group connect() uses). ``timeout_s``: the group's
+    bound on each collective, a finite number of seconds (:func:`gpuxfer.sync.check_timeout`: else BadInput)."""
+    timeout_s = check_timeout(timeout_s, "init_cpu_group's timeout_s")
     import torch.distributed as dist
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,

@@ -128,3 +128,20 @@ def test_specs_and_step_shapes_accept_or_refuse_with_bad_input(spec, step):
     buf = np.zeros(t.meta_len, dtype=np.int64)
     t.encode(buf, 1, lay.shapes)
     assert t.decode(buf, step=1, peer=0, rank=1) == lay.shapes
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1, 0, 1e10, pytest.param(10 ** 400, id="1e400"),
+                                 "120", None, True, [5]])
+def test_init_cpu_group_checks_its_timeout(bad, tmp_path):
+    """``init_cpu_group`` given a timeout no group can take (NaN, an infinity, past a week, not a number):
+    BadInput naming it before any group is made, not datetime's ValueError, OverflowError or TypeError."""
+    import torch.distributed as dist
+
+    from gpuxfer.pp.launch import init_cpu_group
+    try:
+        with pytest.raises(BadInput, match="init_cpu_group's timeout_s"):
+            init_cpu_group(0, 1, f"file://{tmp_path}/rendezvous", timeout_s=bad)
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
