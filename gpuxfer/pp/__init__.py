@@ -11,7 +11,8 @@ can use it, else ``nccl`` -- and returns this rank's transports::
     conn.close()
 
 With ``connect(..., graph=True)`` the steps are captured in the caller's CUDA
-graphs and moved by replays, with no host call per step (:mod:`gpuxfer.pp.graph`).
+graphs and moved by replays, with no host call per step (:mod:`gpuxfer.pp.graph`). Those graphs are the
+caller's: never replay one after ``conn.close()`` (its captured steps point at the freed slots and flags).
 
 Importing this package touches no GPU.
 """

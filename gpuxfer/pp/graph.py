@@ -71,8 +71,19 @@ for ``timeout_s`` is a replay stuck in its wait: the watchdog records
 later call) and writes a release value into this end's flag words, so the
 stuck replay runs through; from then on it releases every replay that waits
 (their data is garbage; nothing hangs) until ``close()`` / ``abort()``.
-Destroy (or stop replaying) the graphs before closing the transport: a graph
-replayed after ``close()`` touches freed memory.
+
+Lifetime: the graphs holding captured steps are the caller's own objects
+(``torch.cuda.CUDAGraph``, or the platform's graph on the host emulation);
+gpuxfer hands out no graph and no replay call, so it cannot refuse a replay.
+The captured operations hold the raw addresses of the transport's receive
+slots, flag words and the peer's mappings, which ``close()`` / ``abort()`` /
+:func:`~gpuxfer.pp.watchdog.close_all` free or unmap. The rule: finish every
+replay (``conn.synchronize()``), then destroy the graphs or never replay them
+again, on both ends, before closing the transport. A graph replayed after
+``close()`` (or after the peer closed its end) reads and writes freed memory:
+undefined behaviour on a GPU (a fault, or bytes of whatever reuses the memory),
+not an error gpuxfer can raise. To keep stepping after a close, ``connect()``
+again and capture new graphs.
 
 Cost: no host call per step (the caller's one graph launch covers its whole
 step); on the GPU, per step and end, two one-element kernels (the counters),
@@ -109,6 +120,12 @@ class GraphTransport(CopyEngineTransport):
         self._static: list = []      # what captured steps read or write (kept alive with the graphs)
         self._stamp: dict[int, tuple[int, int, float]] = {}   # slot -> (done, enter, since) of a step in flight
         self._bump: list = []        # per slot: (enter += 1, done += 1) callables
+
+    def close(self) -> None:
+        """Drain, barrier with the peer, close mappings, barrier, free. Idempotent. The caller's graphs that
+        captured this transport's steps must not be replayed afterwards (they hold its freed addresses: see
+        the module docstring's Lifetime): synchronize, then drop or stop replaying them, on both ends, first."""
+        super().close()
 
     # ---- flag words ----
     @property

@@ -154,7 +154,8 @@ class Connection:
             t.synchronize(timeout_s)
 
     def close(self) -> None:
-        """Tear every transport down together (safe order, see :func:`close_all`). Idempotent."""
+        """Tear every transport down together (safe order, see :func:`close_all`). Idempotent. Graphs that
+        captured ``copy_engine_graph`` steps must not be replayed afterwards (:mod:`gpuxfer.pp.graph`)."""
         close_all(self.transports)
 
     def abort(self) -> None:
