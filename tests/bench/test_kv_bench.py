@@ -513,7 +513,8 @@ def test_pack_chunk_geometry_is_tiled_for_its_sizes_and_never_slices(monkeypatch
     import torch
 
     from gpuxfer.kernels import launch as L
-    monkeypatch.setattr(L, "_sm_count", lambda index: 132)
+    from gpuxfer.kernels import tiling
+    monkeypatch.setattr(tiling, "_sm_count", lambda index: 132)
     cfg, programs, later = E.PackEngine._geometry(torch.device("cuda", 0), rows, largest)
     assert cfg == L.choose_config(largest, local=True)
     assert 1 <= programs <= L.default_programs(torch.device("cuda", 0), cfg)
