@@ -163,7 +163,7 @@ def run(workload: str, isl: int, page: int, op: str, iters: int, profile: bool, 
                                 "calls_per_post": {k: v / iters for k, v in sorted(posted.items())}}
             if pr is not None:
                 out = io.StringIO()
-                pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(24)
+                pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(40)
                 rows[f"many{n}"]["profile"] = out.getvalue()
 
         def loop(name, fresh: bool):
