@@ -188,7 +188,7 @@ def _post_route(poster, xs: list[_SlotTransfer], s: Stream) -> list[KVTransferHa
     if any(v is not None for v in values):
         landed = None               # (the handles' events then cover the notifications)
     poster.track(event, (tuple(xs), slot, keep) if landed is None else (tuple(xs), slot, keep, landed))
-    return [KVTransferHandle(x, event, s, v, landed=landed) for x, v in zip(xs, values)]
+    return KVTransferHandle._together(xs, event, s, values, landed=landed)
 
 
 def _merge(poster, route, xs: list[_SlotTransfer]):

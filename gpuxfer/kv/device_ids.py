@@ -440,7 +440,7 @@ def post_together(poster, xs: list[_DeviceIdTransfer], s: Stream) -> list:
         raise
     slot.event, slot.stream = event, s
     poster.track(event, (tuple(xs), slot, keep, status) + ((landed,) if landed is not None else ()))
-    return [KVTransferHandle(x, event, s, None, status, landed) for x in xs]
+    return KVTransferHandle._together(xs, event, s, None, status, landed)
 
 
 def _run_checked(poster, route, slot, s: Stream, array: np.ndarray, batch: int, expand_only: bool = False):
