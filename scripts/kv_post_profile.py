@@ -2,7 +2,7 @@
 replaced by counting no-ops, so what is left is gpuxfer's own Python (no driver, no kernels run).
 
     PYTHONPATH=. python scripts/kv_post_profile.py [--workload kv-dsv4] [--isl 32768] [--page 16]
-        [--op pull] [--iters 2000] [--ids host|device] [--flush-mb N] [--profile]
+        [--op pull] [--iters 2000] [--ids host|device] [--flush-mb N] [--batch N] [--profile]
 
 Two agents in this process register the benchmark's layout of ``--workload``, then three loops run:
 ``fresh`` (prepare, post, wait: each post a transfer just prepared, the previous one dropped, as a
@@ -16,6 +16,16 @@ as int32 tensors on the emulation's device (the CPU), prepared with ``device_ids
 block table lives on its GPU prepares them (:mod:`gpuxfer.kv.device_ids`: the check's kernels do not run here).
 ``--flush-mb N``: before each timed call, untimed, write N MiB (more than the CPU's caches hold): the call then
 starts on cold caches, as a load inside an engine's step does after the scheduler's and the model's work.
+
+``--batch N``: instead of the ``fresh`` and ``repost`` loops, one loop ``manyN``: each iteration prepares ``N``
+requests (untimed; each of its own blocks, so the pool holds ``N`` requests of ``--isl`` tokens: sparse host
+memory, untouched) and times :meth:`KVAgent.post_many <gpuxfer.kv.agent.KVAgent.post_many>` of them, then waits
+for them and drops them. Its row: p50 and p90 of a whole ``post_many``, the p50 per request, and the platform
+calls per ``post_many`` (one batch of ``N`` posted untimed first, so its slot is made before the timing). Where
+slots hold descriptor tables (the default ``GPUXFER_KV_COPY``), a route's batch past
+:data:`~gpuxfer.kv.batch.BATCH_ROWS` descriptors is cut and small parts are posted one by one (kv-dsv4 at 32k
+tokens: every request alone); with ``GPUXFER_KV_COPY=blocks`` it is one post. ``--profile`` gives the cProfile
+of the timed ``post_many`` calls.
 """
 from __future__ import annotations
 
@@ -139,6 +149,8 @@ def run(workload: str, isl: int, page: int, op: str, iters: int, profile: bool, 
 
         def batch_loop(n: int):
             # each post_many: n requests prepared beforehand (untimed), the previous batch dropped
+            for h in initiator.post_many([prepare(r) for r in range(n)]):
+                h.wait(60)                  # (the slot a batch of n needs, made untimed)
             times = []
             posted: collections.Counter = collections.Counter()
             pr = cProfile.Profile() if profile else None

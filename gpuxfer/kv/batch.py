@@ -36,7 +36,8 @@ one after the triton engine's.
 from __future__ import annotations
 
 import itertools
-from operator import attrgetter, itemgetter
+from itertools import repeat
+from operator import attrgetter, is_, itemgetter
 from typing import Sequence
 
 import numpy as np
@@ -57,7 +58,7 @@ BATCH_ROWS = 1 << 20
 MERGE_FROM = 8
 
 _TRITON = frozenset((_SlotTransfer, _DeviceIdTransfer))
-_AGENT, _ROUTE, _PEER, _SHAPE = attrgetter("agent"), attrgetter("route"), attrgetter("peer"), attrgetter("shape")
+_ROUTE, _AGENT_PEER, _SHAPE = attrgetter("route"), attrgetter("agent", "peer"), attrgetter("shape")
 _WIDE = itemgetter(4)
 
 
@@ -101,13 +102,14 @@ def _sort(agent, transfers: Sequence[KVTransfer]) -> tuple[dict[int, list[int]],
     """``transfers`` checked to be the agent's and sorted: the ``triton`` engine's requests (host or device IDs)
     by route, the others' positions, and the distinct peers of the first."""
     kinds = set(map(type, transfers))
-    if kinds <= _TRITON and kinds:      # (a batch of one route's requests: no per-request Python loop)
-        owners = set(map(id, map(_AGENT, transfers)))
-        if owners == {id(agent)}:
-            routes_ = set(map(id, map(_ROUTE, transfers)))
-            if len(routes_) == 1:
-                peers_ = dict(zip(map(id, map(_PEER, transfers)), map(_PEER, transfers)))
-                return {routes_.pop(): range(len(transfers))}, [], list(peers_.values())
+    if kinds and kinds <= _TRITON:      # (the agent's requests of one route: sorted without a Python loop)
+        route = transfers[0].route
+        if all(map(is_, map(_ROUTE, transfers), repeat(route))):
+            owners = set(map(_AGENT_PEER, transfers))      # (agents and peers compare by identity)
+            if len(owners) == 1:
+                owner, peer = owners.pop()
+                if owner is agent:
+                    return {id(route): range(len(transfers))}, [], [peer]
     routes: dict[int, list[int]] = {}
     others: list[int] = []
     peers: dict[int, object] = {}

@@ -418,10 +418,10 @@ def post_together(poster, xs: list[_DeviceIdTransfer], s: Stream) -> list:
     chain = itertools.chain.from_iterable
     shapes = list(map(_SHAPE, xs))
     K, G = len(xs), len(route.groups)
-    # every request's tensors' addresses now, one array, against those prepare found
-    addresses = np.frombuffer(b"".join(map(_ADDRESSES, shapes)), dtype=np.int64)
-    now = np.fromiter(map(_torch().Tensor.data_ptr, chain(map(_TENSORS, xs))), dtype=np.int64, count=2 * G * K)
-    if not np.array_equal(now, addresses):
+    # every request's tensors' addresses now, in one array, against those prepare found
+    addresses = np.fromiter(map(_torch().Tensor.data_ptr, chain(map(_TENSORS, xs))), dtype=np.int64,
+                            count=2 * G * K)
+    if addresses.tobytes() != b"".join(map(_ADDRESSES, shapes)):
         for x in xs:
             x._check_tensors()      # (raises naming the request whose tensor moved)
     head = _batch_header(route, b"".join(map(_COUNTS, shapes)), K, G, shapes[0][4])
