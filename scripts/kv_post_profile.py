@@ -2,7 +2,7 @@
 replaced by counting no-ops, so what is left is gpuxfer's own Python (no driver, no kernels run).
 
     PYTHONPATH=. python scripts/kv_post_profile.py [--workload kv-dsv4] [--isl 32768] [--page 16]
-        [--op pull] [--iters 2000] [--ids host|device] [--flush-mb N] [--profile]
+        [--op pull] [--iters 2000] [--ids host|device] [--flush-mb N] [--batch N] [--profile]
 
 Two agents in this process register the benchmark's layout of ``--workload``, then three loops run:
 ``fresh`` (prepare, post, wait: each post a transfer just prepared, the previous one dropped, as a
@@ -16,6 +16,16 @@ as int32 tensors on the emulation's device (the CPU), prepared with ``device_ids
 block table lives on its GPU prepares them (:mod:`gpuxfer.kv.device_ids`: the check's kernels do not run here).
 ``--flush-mb N``: before each timed call, untimed, write N MiB (more than the CPU's caches hold): the call then
 starts on cold caches, as a load inside an engine's step does after the scheduler's and the model's work.
+
+``--batch N``: instead of the ``fresh`` and ``repost`` loops, one loop ``manyN``: each iteration prepares ``N``
+requests (untimed; each of its own blocks, so the pool holds ``N`` requests of ``--isl`` tokens: sparse host
+memory, untouched) and times :meth:`KVAgent.post_many <gpuxfer.kv.agent.KVAgent.post_many>` of them, then waits
+for them and drops them. Its row: p50 and p90 of a whole ``post_many``, the p50 per request, and the platform
+calls per ``post_many`` (one batch of ``N`` posted untimed first, so its slot is made before the timing). Where
+slots hold descriptor tables (the default ``GPUXFER_KV_COPY``), a route's batch past
+:data:`~gpuxfer.kv.batch.BATCH_ROWS` descriptors is cut and small parts are posted one by one (kv-dsv4 at 32k
+tokens: every request alone); with ``GPUXFER_KV_COPY=blocks`` it is one post. ``--profile`` gives the cProfile
+of the timed ``post_many`` calls.
 """
 from __future__ import annotations
 
@@ -93,13 +103,13 @@ def stub_platform():
 
 
 def run(workload: str, isl: int, page: int, op: str, iters: int, profile: bool, ids: str = "host",
-        flush_mb: int = 0) -> dict:
+        flush_mb: int = 0, batch: int = 0) -> dict:
     from gpuxfer.kv.agent import KVAgent
     from gpuxfer.bench.kv.model.blocktable import burst_tables
     from gpuxfer.bench.kv.model.layout import layout_for_burst, layout_groups
 
     plat = stub_platform()
-    layout = layout_for_burst(workload, isl, page, 1)
+    layout = layout_for_burst(workload, isl, page, max(batch, 1))     # (--batch: N requests' distinct blocks)
     bufs = [plat.alloc(layout.pool_bytes, d) for d in (0, 0)]
     agents = []
     try:
@@ -108,19 +118,25 @@ def run(workload: str, isl: int, page: int, op: str, iters: int, profile: bool, 
             agents.append(ag)
             for name, bt, layers in layout_groups(layout, plat.as_tensor(buf)):
                 ag.register_group(name, bt, layers)
-        src = burst_tables(layout, isl, 1, seed=3, side="src")[0]
-        dst = burst_tables(layout, isl, 1, seed=3, side="dst")[0]
+        srcs = burst_tables(layout, isl, max(batch, 1), seed=3, side="src")
+        dsts = burst_tables(layout, isl, max(batch, 1), seed=3, side="dst")
+        src, dst = srcs[0], dsts[0]
         initiator, other = (agents[1], agents[0]) if op == "pull" else (agents[0], agents[1])
         peer = initiator.add_peer(other.metadata())
-        mine, theirs = (dst, src) if op == "pull" else (src, dst)
         on_device = ids == "device"
         if on_device:
             import torch
-            mine, theirs = ({g: torch.as_tensor(np.asarray(v), dtype=torch.int32) for g, v in t.items()}
-                            for t in (mine, theirs))
+        sides = []                      # per request: (local blocks, remote blocks)
+        for src, dst in zip(srcs, dsts):
+            mine, theirs = (dst, src) if op == "pull" else (src, dst)
+            if on_device:
+                mine, theirs = ({g: torch.as_tensor(np.asarray(v), dtype=torch.int32) for g, v in t.items()}
+                                for t in (mine, theirs))
+            sides.append((mine, theirs))
 
-        def prepare():
-            return initiator.prepare(peer, op, local_blocks=mine, remote_blocks=theirs, name="probe",
+        def prepare(r: int = 0):
+            mine, theirs = sides[r]
+            return initiator.prepare(peer, op, local_blocks=mine, remote_blocks=theirs, name=f"probe{r}",
                                      device_ids=on_device)
 
         prepare().post().wait(60)           # the route's slot and graph
@@ -130,6 +146,37 @@ def run(workload: str, isl: int, page: int, op: str, iters: int, profile: bool, 
         def flush():
             if flush_mb:
                 np.add(junk, 1, out=junk)
+
+        def batch_loop(n: int):
+            # each post_many: n requests prepared beforehand (untimed), the previous batch dropped
+            for h in initiator.post_many([prepare(r) for r in range(n)]):
+                h.wait(60)                  # (the slot a batch of n needs, made untimed)
+            times = []
+            posted: collections.Counter = collections.Counter()
+            pr = cProfile.Profile() if profile else None
+            for _ in range(iters):
+                xs = [prepare(r) for r in range(n)]
+                plat.calls.clear()
+                flush()
+                if pr is not None:
+                    pr.enable()
+                t0 = time.perf_counter()
+                hs = initiator.post_many(xs)
+                t1 = time.perf_counter()
+                if pr is not None:
+                    pr.disable()
+                times.append((t1 - t0) * 1e6)
+                posted.update(plat.calls)
+                for h in hs:
+                    h.wait(60)
+                del hs, xs
+            rows[f"many{n}"] = {"p50_us": float(np.median(times)), "p90_us": float(np.percentile(times, 90)),
+                                "per_request_p50_us": float(np.median(times)) / n,
+                                "calls_per_post": {k: v / iters for k, v in sorted(posted.items())}}
+            if pr is not None:
+                out = io.StringIO()
+                pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(40)
+                rows[f"many{n}"]["profile"] = out.getvalue()
 
         def loop(name, fresh: bool):
             x = prepare()
@@ -159,8 +206,11 @@ def run(workload: str, isl: int, page: int, op: str, iters: int, profile: bool, 
                 pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(18)
                 rows[name]["profile"] = out.getvalue()
 
-        loop("fresh", True)
-        loop("repost", False)
+        if batch:
+            batch_loop(batch)
+        else:
+            loop("fresh", True)
+            loop("repost", False)
         times = []
         for _ in range(max(iters // 10, 5)):
             flush()
@@ -169,7 +219,7 @@ def run(workload: str, isl: int, page: int, op: str, iters: int, profile: bool, 
             times.append((time.perf_counter() - t0) * 1e6)
         rows["prepare"] = {"p50_us": float(np.median(times)), "p90_us": float(np.percentile(times, 90))}
         return {"workload": workload, "isl_tokens": isl, "page_tokens": page, "op": op, "ids": ids,
-                "flush_mb": flush_mb, "rows": rows}
+                "flush_mb": flush_mb, "batch": batch, "rows": rows}
     finally:
         for ag in reversed(agents):
             ag.close()
@@ -190,10 +240,14 @@ def main(argv=None) -> int:
     ap.add_argument("--flush-mb", type=int, default=0,
                     help="write this many MiB before each timed call (cold caches, as inside an engine's step)")
     ap.add_argument("--profile", action="store_true", help="cProfile the timed posts")
+    ap.add_argument("--batch", type=int, default=0,
+                    help="time KVAgent.post_many of this many requests prepared beforehand (instead of the post loops)")
     args = ap.parse_args(argv)
     if args.flush_mb < 0:
         ap.error("--flush-mb must be >= 0")
-    res = run(args.workload, args.isl, args.page, args.op, args.iters, args.profile, args.ids, args.flush_mb)
+    if args.batch < 0:
+        ap.error("--batch must be >= 0")
+    res = run(args.workload, args.isl, args.page, args.op, args.iters, args.profile, args.ids, args.flush_mb, args.batch)
     for name, r in res["rows"].items():
         print(f"{name:>8}: p50 {r['p50_us']:7.2f} us  p90 {r['p90_us']:7.2f} us  {r.get('calls_per_post', '')}")
         if "profile" in r:

@@ -36,6 +36,8 @@ one after the triton engine's.
 from __future__ import annotations
 
 import itertools
+from itertools import repeat
+from operator import attrgetter, is_, itemgetter
 from typing import Sequence
 
 import numpy as np
@@ -55,6 +57,10 @@ BATCH_ROWS = 1 << 20
 #: only from about this many requests on (measured on the host emulation with no-op stream calls)
 MERGE_FROM = 8
 
+_TRITON = frozenset((_SlotTransfer, _DeviceIdTransfer))
+_ROUTE, _AGENT_PEER, _SHAPE = attrgetter("route"), attrgetter("agent", "peer"), attrgetter("shape")
+_WIDE = itemgetter(4)
+
 
 def post_many(poster, transfers: Sequence[KVTransfer], stream: Stream | None) -> list[KVTransferHandle]:
     """:meth:`KVAgent.post_many` of the agent whose :class:`~gpuxfer.kv.posting.Poster` ``poster`` is: the
@@ -70,7 +76,7 @@ def post_many(poster, transfers: Sequence[KVTransfer], stream: Stream | None) ->
         except Exception as exc:
             exc.handles = [None]
             raise
-    if len({id(x) for x in transfers}) != len(transfers):
+    if len(set(map(id, transfers))) != len(transfers):
         raise BadInput("post_many: a transfer appears twice (post it again in a later call)")
     for i in others:                # the other engines' peers before anything is queued (triton's: under the lock)
         poster.check_usable(transfers[i].peer)
@@ -95,6 +101,15 @@ def post_many(poster, transfers: Sequence[KVTransfer], stream: Stream | None) ->
 def _sort(agent, transfers: Sequence[KVTransfer]) -> tuple[dict[int, list[int]], list[int], list]:
     """``transfers`` checked to be the agent's and sorted: the ``triton`` engine's requests (host or device IDs)
     by route, the others' positions, and the distinct peers of the first."""
+    kinds = set(map(type, transfers))
+    if kinds and kinds <= _TRITON:      # (the agent's requests of one route: sorted without a Python loop)
+        route = transfers[0].route
+        if all(map(is_, map(_ROUTE, transfers), repeat(route))):
+            owners = set(map(_AGENT_PEER, transfers))      # (agents and peers compare by identity)
+            if len(owners) == 1:
+                owner, peer = owners.pop()
+                if owner is agent:
+                    return {id(route): range(len(transfers))}, [], [peer]
     routes: dict[int, list[int]] = {}
     others: list[int] = []
     peers: dict[int, object] = {}
@@ -110,17 +125,25 @@ def _sort(agent, transfers: Sequence[KVTransfer]) -> tuple[dict[int, list[int]],
     return routes, others, list(peers.values())
 
 
-def _post_route_requests(poster, transfers: Sequence[KVTransfer], idx: list[int], s: Stream, handles: list) -> None:
+def _post_route_requests(poster, transfers: Sequence[KVTransfer], idx: Sequence[int], s: Stream,
+                         handles: list) -> None:
     """One route's requests (their positions ``idx``) posted under the post lock, each handle into ``handles``
     as it is queued (an error part way leaves the queued ones' handles there)."""
-    kinds = {(type(transfers[i]), getattr(transfers[i], "shape", (0,) * 5)[4]) for i in idx}
-    # host and device IDs mixed (the host cannot tell whether their destinations overlap), or device IDs of a
-    # route whose block sizes differ: one request after another (post None)
-    post = _post_route if kinds == {(_SlotTransfer, 0)} else \
-        post_together if len(kinds) == 1 and transfers[idx[0]].route.ids.paired else None
+    everything = type(idx) is range and len(idx) == len(transfers)
+    every = list(transfers) if everything else [transfers[i] for i in idx]
+    kinds = set(map(type, every))
+    # host and device IDs mixed (the host cannot tell whether their destinations overlap), or device IDs of
+    # different widths or of a route whose block sizes differ: one request after another (post None)
+    if kinds == {_SlotTransfer}:
+        post = _post_route
+    elif kinds == {_DeviceIdTransfer} and len(set(map(_WIDE, map(_SHAPE, every)))) == 1 \
+            and every[0].route.ids.paired:
+        post = post_together
+    else:
+        post = None
     parts = [idx] if poster.blocks else _parts(transfers, idx)      # (blocks slots hold no descriptor table)
     for part in parts:
-        xs = [transfers[i] for i in part]
+        xs = every if part is idx else [transfers[i] for i in part]
         merged = post(poster, xs, s) if post is not None and (len(parts) == 1 or len(part) >= MERGE_FROM) else None
         if merged is None:          # one request after another, in order
             for i, x in zip(part, xs):
@@ -167,7 +190,7 @@ def _post_route(poster, xs: list[_SlotTransfer], s: Stream) -> list[KVTransferHa
     if any(v is not None for v in values):
         landed = None               # (the handles' events then cover the notifications)
     poster.track(event, (tuple(xs), slot, keep) if landed is None else (tuple(xs), slot, keep, landed))
-    return [KVTransferHandle(x, event, s, v, landed=landed) for x, v in zip(xs, values)]
+    return KVTransferHandle._together(xs, event, s, values, landed=landed)
 
 
 def _merge(poster, route, xs: list[_SlotTransfer]):

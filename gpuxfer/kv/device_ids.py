@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import operator
 import threading
 from typing import Mapping
 
@@ -48,8 +49,13 @@ from .triton_transfer import _Pooled, _SlotTransfer, table_rows
 
 log = logging.getLogger("gpuxfer.kv.agent")
 
+_SHAPE, _TENSORS = operator.attrgetter("shape"), operator.attrgetter("_tensors")
+_COUNTS, _ADDRESSES = operator.itemgetter(6), operator.itemgetter(7)     # (as bytes)
+
 #: request shapes whose headers a route keeps (the least recently made goes first)
 HEADERS_KEPT = 64
+#: batch shapes (the request shapes of a post_many's requests, in order) whose headers a route keeps
+BATCH_HEADERS_KEPT = 16
 
 
 def wants_device_ids(local_blocks: Mapping, device_ids) -> bool:
@@ -77,6 +83,7 @@ class _DeviceRoute:
         self.index = -1 if device.type == "cpu" else (device.index or 0)     # what Tensor.get_device() says
         self.n_words = max(1, -(-int(ids.class_span) // 32))
         self.headers: dict = {}
+        self.batches: dict = {}             # the same for requests posted together (post_together)
         self.lock = threading.Lock()
 
 
@@ -96,28 +103,35 @@ def _layout(route, LS: np.ndarray, LD: np.ndarray, NS: np.ndarray, wide: bool) -
     """The request array of ``K`` requests (``LS`` / ``LD`` / ``NS``: ``(K, G)`` source IDs, destination IDs and
     segments per request and group) as :mod:`gpuxfer.kernels.id_check_kernel` lays it out: per group, every
     request's source IDs one after another, then their destination IDs; a piece per request, group and side."""
-    K, G = LS.shape
+    return _layout_counts(route, np.stack([LS, LD, NS], axis=1), wide)
+
+
+def _layout_counts(route, counts: np.ndarray, wide: bool) -> _Header:
+    """:func:`_layout` of ``counts`` (``(K, 3, G)``: per request, its source IDs, destination IDs and segments
+    per group)."""
+    K, _, G = counts.shape
     P = int(route.plane_group.size)
     frame, addresses = _frame(K, G, P)
     head, first = P + 1 + 3 * G, frame.shape[0]
     a = frame.copy()
+    sums = counts.sum(axis=0)                           # (3, G): IDs of each side and segments, per group
     runs = np.empty(2 * G + 1, dtype=np.int64)          # where each group's sources, then destinations, start
     runs[0] = first
-    LS.sum(axis=0, out=runs[1:G + 1])
-    LD.sum(axis=0, out=runs[G + 1:])
+    runs[1:] = sums[:2].ravel()
     np.cumsum(runs, out=runs)
-    ns = NS.sum(axis=0)
+    ns = sums[2]
     a[P + 1:P + 1 + G] = ns
     a[P + 1 + G:head] = runs[:2 * G]
     np.cumsum(ns[route.plane_group], out=a[1:P + 1])
     a[head + 1] = 1 if wide else 0
     a[head + 2:head + 2 + G] = runs[G + 1:] - runs[G:2 * G]
-    pieces = a[head + CHECK_FIELDS_FIXED + CHECK_FIELDS_PER_GROUP * G:].reshape(G, 2 * K, PIECE_FIELDS)
-    pieces[:, :K, 2] = LS.T
-    pieces[:, K:, 2] = LD.T
-    pieces[:, :K, 3] = runs[:G, None] + (np.cumsum(LS, axis=0) - LS).T
-    pieces[:, K:, 3] = runs[G:2 * G, None] + (np.cumsum(LD, axis=0) - LD).T
-    moved = int(sum(int(n) * b for n, b in zip(ns, route.group_bytes)))
+    pieces = a[head + CHECK_FIELDS_FIXED + CHECK_FIELDS_PER_GROUP * G:].reshape(G, 2, K, PIECE_FIELDS)
+    ids = counts[:, :2].transpose(2, 1, 0)              # (G, 2, K): per group and side, each request's IDs
+    pieces[..., 2] = ids
+    # each piece's first entry: its run's start plus the IDs of the requests before it in the run
+    np.cumsum(ids, axis=2, out=pieces[..., 3])
+    pieces[..., 3] += runs[:2 * G].reshape(2, G).T[:, :, None] - ids
+    moved = int(sum(int(n) * b for n, b in zip(ns.tolist(), route.group_bytes)))
     return _Header(a, addresses, int(runs[-1]), ns, int(a[P]), moved)
 
 
@@ -152,6 +166,23 @@ def _header(route, dev: _DeviceRoute, lens_s: tuple, lens_d: tuple, n_seg: tuple
         if len(dev.headers) >= HEADERS_KEPT:
             dev.headers.pop(next(iter(dev.headers)))
         dev.headers[key] = h
+    return h
+
+
+def _batch_header(route, counts: bytes, K: int, G: int, wide: bool) -> _Header:
+    """The :class:`_Header` of ``K`` requests posted together whose shapes ``counts`` holds (per request, its
+    source IDs, destination IDs and segments per group, int64 bytes), made once per route and kept."""
+    dev = route.device_ids
+    key = (counts, wide)
+    h = dev.batches.get(key)
+    if h is not None:
+        return h
+    h = _layout_counts(route, np.frombuffer(counts, dtype=np.int64).reshape(K, 3, G), wide)
+    h.array.flags.writeable = False
+    with dev.lock:
+        if len(dev.batches) >= BATCH_HEADERS_KEPT:
+            dev.batches.pop(next(iter(dev.batches)))
+        dev.batches[key] = h
     return h
 
 
@@ -206,8 +237,10 @@ def prepare_device(poster, peer, route, op: str, name: str, local_blocks: Mappin
             raise BlockIdError(f"request {name!r}: a tensor of block IDs has no memory of its own on the device "
                                f"(address {a:#x}): a meta tensor, or not aligned to its {width}-byte integers")
     h[head.addresses[0]] = addresses
+    counts = lens_s + lens_d + n_seg
     return _DeviceIdTransfer(poster, peer, route, op, name, head, pooled, h, tensors, notify_slot,
-                             (lens_s, lens_d, n_seg, addresses, dtype is torch.int64, lens_s + lens_d + n_seg))
+                             (lens_s, lens_d, n_seg, addresses, dtype is torch.int64, counts,
+                              np.array(counts, dtype=np.int64).tobytes(), h[head.addresses[0]].tobytes()))
 
 
 def _refuse(name: str, group: str, side: str, ids, device, dtype) -> None:
@@ -310,7 +343,7 @@ class _DeviceIdTransfer(_SlotTransfer):
                  pooled, array: np.ndarray, tensors: list, notify_slot: int | None, shape: tuple):
         self._tensors = tensors          # the caller's IDs: read by the posts' check, kept alive with the transfer
         self.shape = shape               # (source and destination IDs and segments per group, addresses, int64?,
-                                         # the first three in one list)
+                                         # the first three in one list, then it and the addresses as int64 bytes)
         self._pooled = pooled
         self._array = array
         self._entries = head.entries
@@ -382,19 +415,20 @@ def post_together(poster, xs: list[_DeviceIdTransfer], s: Stream) -> list:
         return [xs[0]._post_locked(s)]
     agent = poster.agent
     route, plat = xs[0].route, agent.platform
-    shapes = [x.shape for x in xs]
-    addresses = list(itertools.chain.from_iterable(sh[3] for sh in shapes))
-    if list(map(_torch().Tensor.data_ptr, itertools.chain.from_iterable(x._tensors for x in xs))) != addresses:
+    chain = itertools.chain.from_iterable
+    shapes = list(map(_SHAPE, xs))
+    K, G = len(xs), len(route.groups)
+    # every request's tensors' addresses now, in one array, against those prepare found
+    addresses = np.fromiter(map(_torch().Tensor.data_ptr, chain(map(_TENSORS, xs))), dtype=np.int64,
+                            count=2 * G * K)
+    if addresses.tobytes() != b"".join(map(_ADDRESSES, shapes)):
         for x in xs:
             x._check_tensors()      # (raises naming the request whose tensor moved)
-    K, G = len(xs), len(route.groups)
-    counts = np.fromiter(itertools.chain.from_iterable(sh[5] for sh in shapes), dtype=np.int64,
-                         count=3 * G * K).reshape(K, 3, G)
-    head = _layout(route, counts[:, 0], counts[:, 1], counts[:, 2], shapes[0][4])
+    head = _batch_header(route, b"".join(map(_COUNTS, shapes)), K, G, shapes[0][4])
     token, h = poster.requests.take(head.array.shape[0], poster.reap)
     keep = _Pooled(poster.requests, token)
     h[:] = head.array
-    h[head.addresses] = np.array(addresses, dtype=np.int64).reshape(head.addresses.shape)
+    h[head.addresses] = addresses.reshape(head.addresses.shape)
     slot = poster.take_slot(route, s, head.n_rows, head.entries)
     status = None
     try:
@@ -406,7 +440,7 @@ def post_together(poster, xs: list[_DeviceIdTransfer], s: Stream) -> list:
         raise
     slot.event, slot.stream = event, s
     poster.track(event, (tuple(xs), slot, keep, status) + ((landed,) if landed is not None else ()))
-    return [KVTransferHandle(x, event, s, None, status, landed) for x in xs]
+    return KVTransferHandle._together(xs, event, s, None, status, landed)
 
 
 def _run_checked(poster, route, slot, s: Stream, array: np.ndarray, batch: int, expand_only: bool = False):

@@ -2,6 +2,7 @@
 of a posted one (:class:`KVTransferHandle`)."""
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -27,6 +28,19 @@ class KVTransferHandle:
         self.name = transfer.name
         self._status = status
         self._landed = landed       # a folded post's host word (:class:`~gpuxfer.kv.triton_transfer._Landed`)
+
+    @classmethod
+    def _together(cls, transfers, event: Event, stream: Stream, values=None, status=None,
+                  landed=None) -> list[KVTransferHandle]:
+        """The handles of ``transfers`` posted together (one event; ``values``: their notified values, default
+        None), each as :meth:`__init__` makes it, without a call per handle (:mod:`gpuxfer.kv.batch`)."""
+        new, out = cls.__new__, []
+        for x, v in zip(transfers, itertools.repeat(None) if values is None else values):
+            h = new(cls)
+            h.transfer, h.event, h._stream, h.notify_value, h.name, h._status, h._landed = \
+                x, event, stream, v, x.name, status, landed
+            out.append(h)
+        return out
 
     def done(self) -> bool:
         """Whether the transfer completed; a completed two-sided one raises instead where its agent failed

@@ -311,7 +311,9 @@ class _RequestPool:
     """Host int64 arrays for request arrays, pinned where the device is a GPU (the upload is then a DMA),
     kept for reuse by capacity (powers of two): taking one costs a list pop, not an allocation."""
 
-    KEEP = 16                   # arrays kept per capacity
+    KEEP = 16                   # arrays kept per capacity, at least
+    KEEP_ENTRIES = 1 << 18      # ... or while those kept hold fewer entries (2 MiB): a batch of small requests
+                                # (post_many) gives its arrays back to be taken again, not freed and made again
 
     def __init__(self, pinned: bool):
         self.pinned = pinned
@@ -338,8 +340,9 @@ class _RequestPool:
         return token, token[1][:n]
 
     def give(self, token) -> None:
-        kept = self.free.setdefault(token[1].shape[0], [])
-        if len(kept) < self.KEEP:
+        cap = token[1].shape[0]
+        kept = self.free.setdefault(cap, [])
+        if len(kept) < self.KEEP or len(kept) * cap < self.KEEP_ENTRIES:
             kept.append(token)
 
 

@@ -434,3 +434,19 @@ def test_overlapping_requests_failing_part_way_carry_the_queued_handles(pair, mo
     h1.wait(60)
     (name,) = src
     assert same_bytes(dst[name][:, [0, 1]], src[name][:, [4, 5]])
+
+
+def test_handles_of_a_merged_post_hold_what_a_post_s_handle_holds():
+    """``KVTransferHandle._together`` (a merged post's handles, made without a call each) sets every field that
+    ``KVTransferHandle.__init__`` sets, to the same values."""
+    from types import SimpleNamespace
+    from gpuxfer.kv.transfer import KVTransferHandle
+    xs = [SimpleNamespace(name=f"r{i}") for i in range(3)]
+    event, stream, status, landed = object(), object(), object(), object()
+    for values in (None, [7, None, 9]):
+        made = KVTransferHandle._together(xs, event, stream, values, status, landed)
+        for x, v, h in zip(xs, values or [None] * 3, made):
+            one = KVTransferHandle(x, event, stream, v, status, landed)
+            assert type(h) is KVTransferHandle
+            for field in KVTransferHandle.__slots__:
+                assert getattr(h, field) is getattr(one, field), field
