@@ -434,8 +434,7 @@ def test_direct_launcher_binds_arguments_once(monkeypatch):
 
 def _tables_inside_written_pools() -> list:
     """Copies whose descriptor table (or offsets) lies in the memory the copy writes, one row rewriting a row read
-    later into (0, 2**40, 16): each must be refused before the launch (before: the validated launch wrote 2**40
-    bytes past the pool and the process died of SIGSEGV). In a child: what each call raised."""
+    later into (0, 2**40, 16): each must be refused before the launch (launched, it writes 2**40 bytes past the pool: SIGSEGV). In a child: what each call raised."""
     from gpuxfer.errors import BadInput
     from gpuxfer.kernels import check_copy, copy_descriptors, pack, unpack
     n = 64

@@ -135,8 +135,8 @@ def test_pull_and_push_across_two_processes(platform, platform_name, spawner):
 
 @pytest.mark.timeout(300)
 def test_peer_pools_calls_after_close_or_after_the_helper_died_are_typed(host):
-    """A call on closed pools, or to a helper that was killed: a GpuxferError naming it (before: OSError /
-    BrokenPipeError of the pipe)."""
+    """A call on closed pools, or to a helper that was killed: a GpuxferError naming it, not the pipe's
+    OSError / BrokenPipeError."""
     import os
     import signal
 

@@ -400,7 +400,7 @@ def fickle_session(rank: int, world: int, init_method: str, platform_name: str, 
 
 @pytest.mark.parametrize("backend", ["copy_engine", "nccl"])
 def test_send_moves_the_tensors_it_checked(spawner, platform_name, nccl_pairs, backend):
-    """send() of a mapping reads each tensor once: what it checked is what it sends (before: copy_engine read
-    the step's 256 bytes from the 4-byte tensor a second read returned, past its end)."""
+    """send() of a mapping reads each tensor once: what it checked is what it sends (a second read
+    returns a 4-byte tensor: sending the step's 256 bytes from it would read past its end)."""
     got = spawner.run_ranks(fickle_session, 2, platform_name, backend, timeout=120)
     assert got[1] == {"shape": (64,), "bytes": True}

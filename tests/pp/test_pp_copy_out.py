@@ -137,7 +137,7 @@ def swapped_out_session(rank: int, world: int, init_method: str, platform_name: 
 @pytest.mark.parametrize("backend", ["copy_engine", "nccl"])
 def test_recv_out_is_the_dict_checked_at_recv(spawner, platform_name, nccl_pairs, backend):
     """recv(out=...) copies into the tensors it checked: a tensor the caller puts into the dict afterwards is
-    never written (before: copy_engine copied the step's 4 N bytes into an N-byte uint8 tensor put there, past
-    its end; nccl broke the pair)."""
+    never written (the step's 4 N bytes copied into an N-byte uint8 tensor put there would write past its
+    end)."""
     _, got = spawner.run_ranks(swapped_out_session, 2, platform_name, backend, timeout=120)
     assert got == {"guard intact": True, "into the checked tensors": True, "bytes": True}

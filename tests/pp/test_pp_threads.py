@@ -262,8 +262,8 @@ def test_a_transport_dropped_unclosed_is_still_watched():
 
 def test_close_all_of_what_is_not_transports_is_bad_input():
     """close_all() takes transports: None, one transport (not in a list), a connection, or a list holding
-    something else is BadInput naming what it got, and closes nothing (before: AttributeError / TypeError,
-    or the transports before the bad item were closed)."""
+    something else is BadInput naming what it got, and closes nothing (no AttributeError / TypeError, no
+    transport before the bad item closed)."""
     import pytest
 
     from gpuxfer.errors import BadInput
