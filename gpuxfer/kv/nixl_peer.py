@@ -45,6 +45,7 @@ class _Lists:
         self.errors: dict[str, Exception] = {}                         # group -> why it cannot pair
         self.full: dict[str, bool] = {}                                 # group -> both sides have the same layers
         self.unpaired: dict[str, list] = {}             # group -> the peer's layers no layer here pairs with
+        self.renumbered: dict[str, list] = {}           # group -> the peer's layers whose namesake here has another index
         # group -> (layer index, why) per layer of this agent's that does not pair with the peer's of its name (it
         # has none, or its pieces differ): a request over a range holding it raises LayoutMismatch(why), others move
         # the layers that pair
@@ -194,8 +195,9 @@ class NixlPeer(KVPeer):
                 n_remote += theirs.num_blocks * rt
             out.ratios[gname] = (rm, rt)
             out.full[gname] = len(mine.layers) == len(theirs.layers)
-            names = {lay.name for lay in mine.layers}
-            out.unpaired[gname] = [lay for lay in theirs.layers if lay.name not in names]
+            index = {lay.name: lay.index for lay in mine.layers}
+            out.unpaired[gname] = [lay for lay in theirs.layers if lay.name not in index]
+            out.renumbered[gname] = [lay for lay in theirs.layers if index.get(lay.name, lay.index) != lay.index]
         if any(out.planes.values()):
             local = _dlist(local_rows, self.side.device)
             remote = _dlist(remote_rows, self.meta.nixl["device"])
@@ -250,10 +252,12 @@ class NixlPeer(KVPeer):
                 raise LayoutMismatch(f"group {g!r}: {len(self._mine(g).layers)} layers here, "
                                      f"{len(self.groups[g].layers)} on peer {self.name!r}")
         push = op == "push"
-        if push:        # every destination layer in the range is written: none lacks its source
+        if push:        # every destination layer in the range is written: none lacks its source in the range
             for g in groups:
-                if lists.unpaired[g]:
-                    _check_sources(g, self.name, layers, lists.unpaired[g], set())
+                if lists.unpaired[g] or (layers is not None and lists.renumbered[g]):
+                    names = {lay.name for lay in self._mine(g).layers if layers is None or
+                             layers[0] <= lay.index < layers[1]}
+                    _check_sources(g, self.name, layers, lists.unpaired[g] + lists.renumbered[g], names)
         for g in groups:    # each layer of this agent's in the range pairs with the peer's of its name
             for index, why in lists.unpairable[g]:
                 if layers is None or layers[0] <= index < layers[1]:

@@ -124,3 +124,39 @@ def test_a_refusal_raised_again_keeps_no_frames_of_the_last(extra):
             tb, n = tb.tb_next, n + 1
         depth.append(n)
     assert depth[0] == depth[1] == depth[2], depth
+
+
+def test_a_push_over_a_range_holding_a_peer_layer_whose_source_lies_outside_it_is_refused(host, route):
+    """Layer "x" is layer 1 on the peer but layer 5 here (a misnumbered or forged index); "y" is layer 0 on both.
+    A push over (0, 2) would leave the peer's layer 1 unwritten: LayoutMismatch naming it on both routes, nothing
+    moved; a pull over (0, 2) moves "y" alone (its destination layers are this side's in the range), and a push
+    over (0, 6) moves both."""
+    from gpuxfer.kv.layers import KVLayerSpec
+    arenas = [Arena(host, 0), Arena(host, 1)]
+    kw = {"remote": "nixl"} if route == "nixl" else {}
+    agents = [KVAgent(f"idx{r}", platform=host, device=r, engine="triton", timeout_s=30, **kw) for r in (0, 1)]
+    try:
+        tensors = [{n: a.tensor((8, 64), seed=10 * r + k) for k, n in enumerate("xy")} for r, a in enumerate(arenas)]
+        for r, (ag, ts) in enumerate(zip(agents, tensors)):
+            ag.register_group("g", 4, {n: KVLayerSpec(t, 8, 64, [(0, 64)], index=i) for (n, t), i in
+                                       zip(ts.items(), ((1, 0) if r == 0 else (5, 0)))})
+        here, there = agents[1], agents[0]
+        peer = here.add_peer(there.metadata(), route=route)
+        before = [{n: t.clone() for n, t in ts.items()} for ts in tensors]
+        with pytest.raises(LayoutMismatch, match="'x'"):
+            here.prepare(peer, "push", local_blocks={"g": [1]}, remote_blocks={"g": [2]}, layers=(0, 2))
+        assert all(torch.equal(tensors[0][n], before[0][n]) for n in "xy")
+        here.transfer(peer, "pull", local_blocks={"g": [3]}, remote_blocks={"g": [4]}, layers=(0, 2)).wait(30)
+        want = before[1]["y"].clone()
+        want[3] = before[0]["y"][4]
+        assert torch.equal(tensors[1]["y"], want) and torch.equal(tensors[1]["x"], before[1]["x"])
+        here.transfer(peer, "push", local_blocks={"g": [6]}, remote_blocks={"g": [7]}, layers=(0, 6)).wait(30)
+        for n in "xy":
+            want = before[0][n].clone()
+            want[7] = tensors[1][n][6]
+            assert torch.equal(tensors[0][n], want), n
+    finally:
+        for ag in agents[::-1]:
+            ag.close()
+        for a in arenas:
+            a.close()
