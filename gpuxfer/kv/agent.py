@@ -443,7 +443,7 @@ class KVAgent(Closable, FailsOnTimeout):
             return peer.prepare(op, layers, name, local_blocks, remote_blocks, notify_slot)
         # the route of a request naming these groups in this order (cached beside the route's own key)
         key = (peer, op, layers, tuple(local_blocks))
-        route = self._routes.routes.get(key)
+        route = self._routes.lookup(key)
         if route is None or local_blocks.keys() != remote_blocks.keys():
             groups = request_groups(self._registry, peer, name, local_blocks, remote_blocks)
             route = self._routes.route(peer, op, layers, groups)
