@@ -441,8 +441,8 @@ class KVAgent(Closable, FailsOnTimeout):
             if device_ids:
                 raise BadInput(f"request {name!r}: the NIXL route takes block IDs on the host")
             return peer.prepare(op, layers, name, local_blocks, remote_blocks, notify_slot)
-        # the route of a request naming these groups in this order (cached beside the route's own key)
-        key = (peer, op, layers, tuple(local_blocks))
+        # the route of a request naming these groups, in whatever order (cached beside the route's own key)
+        key = (peer, op, layers, frozenset(local_blocks))
         route = self._routes.lookup(key)
         if route is None or local_blocks.keys() != remote_blocks.keys():
             groups = request_groups(self._registry, peer, name, local_blocks, remote_blocks)

@@ -45,7 +45,8 @@ class _Lists:
         self.errors: dict[str, Exception] = {}                         # group -> why it cannot pair
         self.full: dict[str, bool] = {}                                 # group -> both sides have the same layers
         self.unpaired: dict[str, list] = {}             # group -> the peer's layers no layer here pairs with
-        self.renumbered: dict[str, list] = {}           # group -> the peer's layers whose namesake here has another index
+        self.renumbered: dict[str, list] = {}           # group -> the peer's layers whose namesake here has
+                                                        # another index
         # group -> (layer index, why) per layer of this agent's that does not pair with the peer's of its name (it
         # has none, or its pieces differ): a request over a range holding it raises LayoutMismatch(why), others move
         # the layers that pair

@@ -137,8 +137,8 @@ def request_groups(registry, peer, name: str, local_blocks, remote_blocks) -> tu
 
 
 class RouteCache:
-    """An agent's routes (:attr:`routes`: ``{(peer, direction, layer range or None, groups): route}``; a request
-    naming its groups in another order is cached under that order too) and how a route is built. ``agent``:
+    """An agent's routes (:attr:`routes`: ``{(peer, direction, layer range or None, groups): route}``, each also
+    under the set of its groups, which a request naming them in any order finds) and how a route is built. ``agent``:
     its platform, device, timeout and uid are read from it; ``registry``: its
     :class:`~gpuxfer.kv.peers.Registry` (its groups, and its peers: a route is kept while its peer is one).
 

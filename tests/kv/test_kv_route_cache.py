@@ -109,3 +109,27 @@ def test_a_route_whose_post_is_queued_stays_cached_until_it_completed(pair, monk
         plat.synchronize(held, 30)
         held.close()
         gate.close()
+
+
+def test_requests_naming_groups_in_every_order_add_one_key(pair):
+    """Three groups named in each of their six orders: one route and one key beside the route's own (not a key
+    per order: the cache's keys stay bounded by its routes), each request moving its bytes."""
+    import itertools
+    pre, dec, a0, a1 = pair
+    names = ("ga", "gb", "gc")
+    src, dst = {}, {}
+    for k, g in enumerate(names):
+        src[g] = {f"model.layers.{k}.{g}": a0.tensor((2, 8, 4, 2, 4), torch.bfloat16, seed=k + 1)}
+        dst[g] = {f"model.layers.{k}.{g}": a1.tensor((2, 8, 4, 2, 4), torch.bfloat16, seed=k + 40)}
+        pre.register_group(g, 4, src[g])
+        dec.register_group(g, 4, dst[g])
+    p, _ = connect(pre, dec)
+    keys = len(dec._routes.routes)
+    for d, order in enumerate(itertools.permutations(names)):
+        dec.transfer(p, "pull", local_blocks={g: [d] for g in order}, remote_blocks={g: [7 - d] for g in order},
+                     layers=(0, 2)).wait(60)
+        for g in names:
+            (name, t), = dst[g].items()
+            if int(name.split(".")[2]) < 2:
+                assert same_bytes(t[:, d], src[g][name][:, 7 - d]), (order, g)
+    assert len(dec._routes.routes) <= keys + 2, list(dec._routes.routes)
