@@ -137,8 +137,8 @@ def request_groups(registry, peer, name: str, local_blocks, remote_blocks) -> tu
 
 
 class RouteCache:
-    """An agent's routes (:attr:`routes`: ``{(peer, direction, layer range or None, groups): route}``, each also
-    under the set of its groups, which a request naming them in any order finds) and how a route is built. ``agent``:
+    """An agent's routes (:attr:`routes`: ``{(peer, direction, layer range or None, frozenset of groups): route}``:
+    a request naming its groups in any order finds their route) and how a route is built. ``agent``:
     its platform, device, timeout and uid are read from it; ``registry``: its
     :class:`~gpuxfer.kv.peers.Registry` (its groups, and its peers: a route is kept while its peer is one).
 
@@ -180,7 +180,7 @@ class RouteCache:
         return r
 
     def route(self, peer, op: str, layers: tuple[int, int] | None, groups: tuple[str, ...]) -> _Route:
-        key = (peer, op, layers, groups)
+        key = (peer, op, layers, frozenset(groups))
         r = self.lookup(key)
         if r is None:
             r = self.build(peer, op, layers, groups)
