@@ -441,13 +441,11 @@ class KVAgent(Closable, FailsOnTimeout):
             if device_ids:
                 raise BadInput(f"request {name!r}: the NIXL route takes block IDs on the host")
             return peer.prepare(op, layers, name, local_blocks, remote_blocks, notify_slot)
-        # the route of a request naming these groups in this order (cached beside the route's own key)
-        key = (peer, op, layers, tuple(local_blocks))
-        route = self._routes.routes.get(key)
+        # the route of a request naming these groups, in whatever order
+        route = self._routes.lookup((peer, op, layers, frozenset(local_blocks)))
         if route is None or local_blocks.keys() != remote_blocks.keys():
             groups = request_groups(self._registry, peer, name, local_blocks, remote_blocks)
             route = self._routes.route(peer, op, layers, groups)
-            self._routes.keep(key, route)
         if wants_device_ids(local_blocks, device_ids):
             return prepare_device(self._poster, peer, route, op, name, local_blocks, remote_blocks, notify_slot)
         checked = route.ids.check(name, op == "push", local_blocks, remote_blocks)

@@ -45,6 +45,12 @@ class _Lists:
         self.errors: dict[str, Exception] = {}                         # group -> why it cannot pair
         self.full: dict[str, bool] = {}                                 # group -> both sides have the same layers
         self.unpaired: dict[str, list] = {}             # group -> the peer's layers no layer here pairs with
+        self.renumbered: dict[str, list] = {}           # group -> the peer's layers whose namesake here has
+                                                        # another index
+        # group -> (layer index, why) per layer of this agent's that does not pair with the peer's of its name (it
+        # has none, or its pieces differ): a request over a range holding it raises LayoutMismatch(why), others move
+        # the layers that pair
+        self.unpairable: dict[str, list[tuple[int, str]]] = {}
         # group -> per plane (local address of block 0, local block stride, remote address, remote stride) where the
         # plane's one segment per block is the whole block on both sides (consecutive blocks adjoin), else None
         self.spans: dict[str, list[tuple[int, int, int, int] | None]] = {}
@@ -154,17 +160,19 @@ class NixlPeer(KVPeer):
             rm, rt = bm // seg, bt // seg
             whole_blocks = rm == rt == 1            # one segment per block on both sides
             by_name = {lay.name: lay for lay in theirs.layers}
-            planes = []
-            try:
-                for lay in mine.layers:
-                    other = by_name.get(lay.name)
-                    if other is None:
-                        raise LayoutMismatch(f"group {gname!r}: peer {self.name!r} has no layer {lay.name!r}")
+            planes, unpairable = [], []
+            for lay in mine.layers:         # (a layer that does not pair fails only the requests over it)
+                other = by_name.get(lay.name)
+                if other is None:
+                    unpairable.append((lay.index, f"group {gname!r}: peer {self.name!r} has no layer {lay.name!r}"))
+                    continue
+                try:
                     pairs = _pair_pieces(gname, lay, other, bm, bt, True)
-                    planes += [(lay, other, p) for p in (_coalesce(pairs) if whole_blocks else pairs)]
-            except LayoutMismatch as exc:
-                out.errors[gname] = exc
-                continue
+                except LayoutMismatch as exc:       # (its message: the error would keep this frame's rows)
+                    unpairable.append((lay.index, str(exc)))
+                    continue
+                planes += [(lay, other, p) for p in (_coalesce(pairs) if whole_blocks else pairs)]
+            out.unpairable[gname] = unpairable
             todo.append((gname, (rm, rt), planes))
             n_local += len(planes) * mine.num_blocks * rm
             n_remote += len(planes) * theirs.num_blocks * rt
@@ -188,9 +196,10 @@ class NixlPeer(KVPeer):
                 n_remote += theirs.num_blocks * rt
             out.ratios[gname] = (rm, rt)
             out.full[gname] = len(mine.layers) == len(theirs.layers)
-            names = {lay.name for lay in mine.layers}
-            out.unpaired[gname] = [lay for lay in theirs.layers if lay.name not in names]
-        if out.planes:
+            index = {lay.name: lay.index for lay in mine.layers}
+            out.unpaired[gname] = [lay for lay in theirs.layers if lay.name not in index]
+            out.renumbered[gname] = [lay for lay in theirs.layers if index.get(lay.name, lay.index) != lay.index]
+        if any(out.planes.values()):
             local = _dlist(local_rows, self.side.device)
             remote = _dlist(remote_rows, self.meta.nixl["device"])
             with self.side.lock:
@@ -238,16 +247,22 @@ class NixlPeer(KVPeer):
         groups = request_groups(self.registry, self, name, local_blocks, remote_blocks)
         lists = self.lists(groups)
         for g in groups:
-            if g in lists.errors:
-                raise lists.errors[g]
+            if g in lists.errors:       # (a new error each time: one raised again would keep every frame it passed)
+                raise LayoutMismatch(str(lists.errors[g]))
             if layers is None and not lists.full[g]:
                 raise LayoutMismatch(f"group {g!r}: {len(self._mine(g).layers)} layers here, "
                                      f"{len(self.groups[g].layers)} on peer {self.name!r}")
         push = op == "push"
-        if push:        # every destination layer in the range is written: none lacks its source
+        if push:        # every destination layer in the range is written: none lacks its source in the range
             for g in groups:
-                if lists.unpaired[g]:
-                    _check_sources(g, self.name, layers, lists.unpaired[g], set())
+                if lists.unpaired[g] or (layers is not None and lists.renumbered[g]):
+                    names = {lay.name for lay in self._mine(g).layers if layers is None or
+                             layers[0] <= lay.index < layers[1]}
+                    _check_sources(g, self.name, layers, lists.unpaired[g] + lists.renumbered[g], names)
+        for g in groups:    # each layer of this agent's in the range pairs with the peer's of its name
+            for index, why in lists.unpairable[g]:
+                if layers is None or layers[0] <= index < layers[1]:
+                    raise LayoutMismatch(why)
         n_seg, lens_s, lens_d, (S, D, *_rest) = self._route_ids(op, groups).check(name, push, local_blocks,
                                                                                    remote_blocks)
         loc, rem, nbytes, parts = [], [], 0, []

@@ -142,7 +142,7 @@ class Peering:
         routes = {}
         for op in DIRECTIONS if shared else ():
             try:
-                routes[(peer, op, None, shared)] = self.routes.build(peer, op, None, shared)
+                routes[(peer, op, None, frozenset(shared))] = self.routes.build(peer, op, None, shared)
             except (LayoutMismatch, BadInput) as exc:
                 log.debug("agent %s: no %s route with peer %s yet: %s", agent.name, op, peer.name, exc)
         return routes

@@ -5,15 +5,20 @@ copy launches, the destination overlap classes, and the ring of slots posts run 
 them (:class:`RouteCache`)."""
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ..errors import BadInput, BlockIdError, LayoutMismatch, NotRegistered
+from ..errors import BadInput, BlockIdError, GpuxferError, LayoutMismatch, NotRegistered
 from .ids import _RouteIds, route_salts
 from .layers import KVLayer, _torch
+
+#: routes an agent keeps cached per peer (each holds its plane table and ring of slots on the device); past it,
+#: caching one more drops the least recently used ones whose slots' last posts completed
+ROUTES_PER_PEER = 256
 
 
 @dataclass
@@ -38,6 +43,7 @@ class _Route:
     device_ids: Any = None                       # what device-ID requests need (:class:`~gpuxfer.kv.device_ids._DeviceRoute`)
     pack_warm: set[bool] = field(default_factory=set)    # pack sides (source?) whose kernels are loaded
     salts: tuple = (0, None)                     # a request fingerprint's salts (:func:`route_salts`)
+    used: int = 0                                # when a request last found it in the cache (RouteCache.lookup)
 
 
 
@@ -102,6 +108,17 @@ def _overlap_classes(spans: list[list[tuple[int, int]]]) -> list[list[int]]:
     return list(classes.values())
 
 
+def _busy(platform, route: _Route) -> bool:
+    """Whether a slot of ``route`` has a post that has not completed (one that ended in an error is over)."""
+    for slot in list(route.slots):
+        try:
+            if slot.event is not None and not platform.event_query(slot.event):
+                return True
+        except GpuxferError:
+            pass
+    return False
+
+
 def request_groups(registry, peer, name: str, local_blocks, remote_blocks) -> tuple[str, ...]:
     """The groups a request names (``local_blocks`` and ``remote_blocks``: the same ones, each registered on both
     the agent whose :class:`~gpuxfer.kv.peers.Registry` ``registry`` is and ``peer``), in the agent's order."""
@@ -120,38 +137,51 @@ def request_groups(registry, peer, name: str, local_blocks, remote_blocks) -> tu
 
 
 class RouteCache:
-    """An agent's routes (:attr:`routes`: ``{(peer, direction, layer range or None, groups): route}``; a request
-    naming its groups in another order is cached under that order too) and how a route is built. ``agent``:
+    """An agent's routes (:attr:`routes`: ``{(peer, direction, layer range or None, frozenset of groups): route}``:
+    a request naming its groups in any order finds their route) and how a route is built. ``agent``:
     its platform, device, timeout and uid are read from it; ``registry``: its
-    :class:`~gpuxfer.kv.peers.Registry` (its groups, and its peers: a route is kept while its peer is one)."""
+    :class:`~gpuxfer.kv.peers.Registry` (its groups, and its peers: a route is kept while its peer is one).
+
+    Layer ranges are cached by the layers they select (:meth:`clamp`), and a peer keeps at most
+    :data:`ROUTES_PER_PEER` routes: caching one more drops the least recently used ones whose slots are idle
+    (their last posts completed). A dropped route's memory goes once nothing holds it: a posted transfer's
+    buffers, its route and slot among them, are held by the :class:`~gpuxfer.kv.posting.Poster` until its event
+    completes, and a prepared transfer holds its route."""
 
     def __init__(self, agent, registry):
         self.agent, self.registry = agent, registry
         self.routes: dict[tuple, _Route] = {}
-        self.bounds: dict = {}     # per peer: (the registry's groups dict, (lowest, highest + 1) layer index)
+        self.bounds: dict = {}     # per peer: (the registry's groups dict, sorted layer indices of both sides)
+        self._uses = itertools.count(1)
 
     def clamp(self, peer, layers: tuple[int, int] | None) -> tuple[int, int] | None:
-        """``layers`` (a checked ``(first, stop)`` range) cut to the layer indices the agent's groups and
-        ``peer``'s hold: ranges selecting the same layers are one cache key, so a range wider than the model
-        (``(0, 10**9)``, ``(0, 10**9 + 1)``...) shares the route of the model's range and builds no route of its
-        own. A range holding no such index is left as it is (a route over it selects no layer: BadInput)."""
+        """``layers`` (a checked ``(first, stop)`` range) as the one range of the layers it selects: from the
+        first to one past the last layer index in it of the agent's groups and ``peer``'s. A route selects layers
+        by their indices alone, so ranges holding the same indices are one cache key: a range wider than the
+        model (``(0, 10**9)``, ``(0, 10**9 + 1)``...) or ending anywhere in a gap between two layer indices shares
+        the route of the layers it holds and builds no route of its own. A range holding no such index is left as
+        it is (a route over it selects no layer: BadInput)."""
         if layers is None:
             return None
         mine = self.registry.groups
         hit = self.bounds.get(peer)
         if hit is None or hit[0] is not mine:
-            idx = [lay.index for gs in (mine, peer.groups) for g in gs.values() for lay in g.layers]
-            hit = (mine, (min(idx), max(idx) + 1) if idx else None)
+            hit = (mine, sorted({lay.index for gs in (mine, peer.groups) for g in gs.values() for lay in g.layers}))
             self.bounds[peer] = hit
-        bounds = hit[1]
-        if bounds is None:
-            return layers
-        first, stop = max(layers[0], bounds[0]), min(layers[1], bounds[1])
-        return (first, stop) if first < stop else layers
+        idx = hit[1]
+        i, j = bisect.bisect_left(idx, layers[0]), bisect.bisect_left(idx, layers[1])
+        return (idx[i], idx[j - 1] + 1) if i < j else layers
+
+    def lookup(self, key: tuple) -> _Route | None:
+        """The route cached under ``key``, marked used now; None if none."""
+        r = self.routes.get(key)
+        if r is not None:
+            r.used = next(self._uses)
+        return r
 
     def route(self, peer, op: str, layers: tuple[int, int] | None, groups: tuple[str, ...]) -> _Route:
-        key = (peer, op, layers, groups)
-        r = self.routes.get(key)
+        key = (peer, op, layers, frozenset(groups))
+        r = self.lookup(key)
         if r is None:
             r = self.build(peer, op, layers, groups)
             self.keep(key, r)
@@ -159,10 +189,36 @@ class RouteCache:
 
     def keep(self, key: tuple, route: _Route) -> None:
         """Cache ``route`` under ``key`` (its peer first) while that peer is still the agent's (a peer removed
-        while the route was built leaves nothing behind)."""
+        while the route was built leaves nothing behind); then at most :data:`ROUTES_PER_PEER` routes of the peer
+        stay (:meth:`_bound`)."""
+        route.used = next(self._uses)
         with self.registry.lock:
             if self.registry.peers.get(key[0].name) is key[0]:
                 self.routes[key] = route
+                self._bound(key[0], route)
+
+    def _bound(self, peer, keep: _Route) -> None:
+        """Drop the least recently used routes of ``peer`` but ``keep`` while it has more than
+        :data:`ROUTES_PER_PEER`, skipping those with a slot whose last post has not completed (the caller holds
+        the registry's lock)."""
+        keys: dict[int, list[tuple]] = {}
+        mine: dict[int, _Route] = {}
+        for k, r in self.routes.items():
+            if k[0] is peer:
+                keys.setdefault(id(r), []).append(k)
+                mine[id(r)] = r
+        over = len(mine) - ROUTES_PER_PEER
+        if over <= 0:
+            return
+        plat = self.agent.platform
+        for r in sorted(mine.values(), key=lambda x: x.used):
+            if over <= 0:
+                break
+            if r is keep or _busy(plat, r):
+                continue
+            for k in keys[id(r)]:
+                del self.routes[k]
+            over -= 1
 
     def forget(self, peer) -> None:
         """Drop the routes of ``peer`` (the caller holds the registry's lock)."""
