@@ -42,7 +42,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import BadInput, BlockIdError
+from ..errors import BadInput
 from ..platforms.base import Stream
 from .transfer import KVTransfer, KVTransferHandle
 from .device_ids import _DeviceIdTransfer, post_together
@@ -209,12 +209,10 @@ def _merge(poster, route, xs: list[_SlotTransfer]):
     token, h = poster.requests.take(total, poster.reap)
     keep = _Pooled(poster.requests, token)
     np.concatenate(parts, out=h[head:total])
-    dsts = [h[starts[G + g]:starts[G + g + 1]] for g in range(G)]
+    dsts = [h[starts[G + g]:starts[G + g + 1]] for g in range(G)]      # (views: every request's, per group)
     if not route.ids.paired:            # without the padding's -1s
         dsts = [d[d >= 0] for d in dsts]
-    try:
-        route.ids.check_distinct(f"batch of {len(xs)}", dsts)
-    except BlockIdError:
+    if not route.ids.distinct(dsts):    # (each request's own were distinct at prepare: the batch's repeats)
         return None
     h[0] = 0
     h[P + 1:P + 1 + G] = n_seg
