@@ -72,7 +72,7 @@ def post_many(poster, transfers: Sequence[KVTransfer], stream: Stream | None) ->
     agent = poster.agent
     if type(transfers) is not list and (isinstance(transfers, (str, bytes)) or not isinstance(transfers, Sequence)):
         raise BadInput(f"post_many takes a sequence of prepared transfers, got {type(transfers).__name__}")
-    routes, others, peers = _sort(agent, transfers)
+    routes, others, peers, kinds = _sort(agent, transfers)
     s = poster.stream(stream)
     if len(transfers) == 1:         # (what a decode step admitting one request posts): its own post, which checks
         try:                        # its peer
@@ -80,7 +80,8 @@ def post_many(poster, transfers: Sequence[KVTransfer], stream: Stream | None) ->
         except Exception as exc:
             exc.handles = [None]
             raise
-    if len(set(map(id, transfers))) != len(transfers):
+    # (one route's triton requests hash by identity; other items may not hash at all)
+    if len(set(transfers) if kinds is not None else set(map(id, transfers))) != len(transfers):
         raise BadInput("post_many: a transfer appears twice (post it again in a later call)")
     for i in others:                # the other engines' peers before anything is queued (triton's: under the lock)
         poster.check_usable(transfers[i].peer)
@@ -91,7 +92,7 @@ def post_many(poster, transfers: Sequence[KVTransfer], stream: Stream | None) ->
                 for peer in peers:  # before anything is queued, with remove_peer and close kept out
                     poster.check_usable(peer)
                 for idx in routes.values():
-                    _post_route_requests(poster, transfers, idx, s, handles)
+                    _post_route_requests(poster, transfers, idx, s, handles, kinds)
         for i in others:
             handles[i] = transfers[i].post(s)
     except Exception as exc:
@@ -102,9 +103,10 @@ def post_many(poster, transfers: Sequence[KVTransfer], stream: Stream | None) ->
     return handles
 
 
-def _sort(agent, transfers: Sequence[KVTransfer]) -> tuple[dict[int, list[int]], list[int], list]:
+def _sort(agent, transfers: Sequence[KVTransfer]) -> tuple[dict[int, list[int]], list[int], list, set | None]:
     """``transfers`` checked to be the agent's and sorted: the ``triton`` engine's requests (host or device IDs)
-    by route, the others' positions, and the distinct peers of the first."""
+    by route, the others' positions, the distinct peers of the first, and the types of the transfers where all
+    are the ``triton`` engine's requests of one route (else None)."""
     kinds = set(map(type, transfers))
     if kinds and kinds <= _TRITON:      # (the agent's requests of one route: sorted without a Python loop)
         route = transfers[0].route
@@ -113,7 +115,7 @@ def _sort(agent, transfers: Sequence[KVTransfer]) -> tuple[dict[int, list[int]],
             if len(owners) == 1:
                 owner, peer = owners.pop()
                 if owner is agent:
-                    return {id(route): range(len(transfers))}, [], [peer]
+                    return {id(route): range(len(transfers))}, [], [peer], kinds
     routes: dict[int, list[int]] = {}
     others: list[int] = []
     peers: dict[int, object] = {}
@@ -126,16 +128,18 @@ def _sort(agent, transfers: Sequence[KVTransfer]) -> tuple[dict[int, list[int]],
             others.append(i)
         else:
             raise BadInput(f"post_many: item {i} ({x!r}) is not a transfer prepared by agent {agent.name!r}")
-    return routes, others, list(peers.values())
+    return routes, others, list(peers.values()), None
 
 
 def _post_route_requests(poster, transfers: Sequence[KVTransfer], idx: Sequence[int], s: Stream,
-                         handles: list) -> None:
+                         handles: list, kinds: set | None = None) -> None:
     """One route's requests (their positions ``idx``) posted under the post lock, each handle into ``handles``
-    as it is queued (an error part way leaves the queued ones' handles there)."""
+    as it is queued (an error part way leaves the queued ones' handles there). ``kinds``: the requests' types
+    where ``idx`` is every transfer (:func:`_sort`)."""
     everything = type(idx) is range and len(idx) == len(transfers)
     every = list(transfers) if everything else [transfers[i] for i in idx]
-    kinds = set(map(type, every))
+    if kinds is None or not everything:
+        kinds = set(map(type, every))
     # host and device IDs mixed (the host cannot tell whether their destinations overlap), or device IDs of
     # different widths or of a route whose block sizes differ: one request after another (post None)
     if kinds == {_SlotTransfer}:
@@ -153,6 +157,8 @@ def _post_route_requests(poster, transfers: Sequence[KVTransfer], idx: Sequence[
         if merged is None:          # one request after another, in order
             for i, x in zip(part, xs):
                 handles[i] = x._post_locked(s)
+        elif part is idx and everything:
+            handles[:] = merged
         else:
             for i, h in zip(part, merged):
                 handles[i] = h

@@ -198,6 +198,26 @@ def test_bad_batches_refused_before_anything_moves(pair, plat):
     assert dec.post_many([]) == []
 
 
+def test_a_route_s_batch_with_a_transfer_twice_or_an_unhashable_item_is_refused(pair):
+    """A batch of one route's requests naming one of them twice, or holding an item that does not hash (a list,
+    a dict): BadInput before anything is queued, not a TypeError."""
+    pre, dec, a0, a1 = pair
+    src, dst = _full(pre, dec, a0, a1, 1, 8, 2, seed=12)
+    peer, _ = connect(pre, dec)
+    xs = [dec.prepare(peer, "pull", local_blocks={"full": [i]}, remote_blocks={"full": [7 - i]}) for i in range(4)]
+    before = {k: v.clone() for k, v in dst.items()}
+    with pytest.raises(BadInput, match="twice"):
+        dec.post_many([*xs, xs[2]])
+    with pytest.raises(BadInput, match="item 4"):
+        dec.post_many([*xs, [1]])
+    with pytest.raises(BadInput, match="item 0"):
+        dec.post_many([{}, *xs])
+    for k in dst:
+        assert same_bytes(dst[k], before[k])
+    for h in dec.post_many(xs):
+        h.wait(60)
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_random_batches_against_posts_one_by_one(plat, data):
