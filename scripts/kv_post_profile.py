@@ -23,8 +23,9 @@ memory, untouched) and times :meth:`KVAgent.post_many <gpuxfer.kv.agent.KVAgent.
 for them and drops them. Its row: p50 and p90 of a whole ``post_many``, the p50 per request, and the platform
 calls per ``post_many`` (one batch of ``N`` posted untimed first, so its slot is made before the timing). Where
 slots hold descriptor tables (the default ``GPUXFER_KV_COPY``), a route's batch past
-:data:`~gpuxfer.kv.batch.BATCH_ROWS` descriptors is cut and small parts are posted one by one (kv-dsv4 at 32k
-tokens: every request alone); with ``GPUXFER_KV_COPY=blocks`` it is one post. ``--profile`` gives the cProfile
+:data:`~gpuxfer.kv.batch.BATCH_ROWS` descriptors is cut, and small parts of host-ID requests are posted one by
+one (kv-dsv4 at 32k tokens: every request alone; device-ID parts are merged, ten posts); with
+``GPUXFER_KV_COPY=blocks`` it is one post. ``--profile`` gives the cProfile
 of the timed ``post_many`` calls.
 """
 from __future__ import annotations

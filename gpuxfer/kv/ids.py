@@ -139,16 +139,6 @@ def _check_unique(ids: np.ndarray, limit: int, request: str, groups: list[str]) 
                            "would land on the same bytes)")
 
 
-def _repeats(keys: np.ndarray, limit: int) -> bool:
-    """Whether a key (all in ``[0, limit)``, at most ``_DENSE`` times as many as the keys) occurs twice: the
-    keys' marks over the range counted."""
-    marks = _SCRATCH.mask(limit)
-    marks[keys] = True
-    seen = np.count_nonzero(marks)
-    marks[:] = False
-    return seen != keys.size
-
-
 def _past(ids: np.ndarray, lens: list[int], limits: np.ndarray) -> bool:
     """Whether some group's IDs (``ids``: the groups' IDs one after another, ``lens`` of each) leave ``[0,
     limit)``: one reduction per group in one call, over the IDs read unsigned (a negative ID is past any
@@ -198,6 +188,8 @@ class _RouteIds:
                     cls_off[gi] = self.class_span
                 self.class_span += max(limits[gi][1] for gi in cls)
             self.class_offsets = np.array(cls_off, dtype=np.int64)
+        # each group's destination keys: its window of the marks over the classes' range
+        self.class_windows = [(int(o), int(o) + b) for o, (_, b) in zip(self.class_offsets, limits)]
         # ordered by source keys: the source side's keys, then the destination side's past them
         self.pair_offsets = np.concatenate([self.offsets, self.span + self.class_offsets])
 
@@ -269,7 +261,7 @@ class _RouteIds:
                 _check_range(d, ld, request, g, "destination (remote)" if push else "destination (local)")
         order, distinct = self._order(both, ns, lens_s, lens_d) if self.paired and ns > 1 else (None, False)
         if not distinct:
-            self._check_destinations(request, D, dsts, lens_d)
+            self._check_destinations(request, dsts, nd)
         return n_seg, lens_s, lens_d, (S, D, order, lens_s, lens_d)
 
     def _order(self, both: np.ndarray, n: int, lens_s: list[int], lens_d: list[int]) -> tuple[tuple, bool]:
@@ -305,26 +297,42 @@ class _RouteIds:
             return ("marks", at, partner, R[:n]), distinct
         return ("sort", np.argsort(keys, kind="stable")), distinct
 
-    def _check_destinations(self, request: str, D: np.ndarray, dsts: list[np.ndarray], lens_d: list[int]) -> None:
-        """No destination block twice among groups sharing destination memory: one pass of marks over the
-        keys ``offset of the class + ID``, or class by class where the IDs are few in a large range or a
+    def _check_destinations(self, request: str, dsts: list[np.ndarray], nd: int) -> None:
+        """No destination block twice among groups sharing destination memory (``dsts``: per group, ``nd`` IDs
+        in all): :meth:`distinct`'s pass of marks, or class by class where the IDs are few in a large range or a
         repeat is to be found and named."""
-        nd = D.size
-        if nd < 2:
+        if nd < 2 or (self.class_span <= _DENSE * nd and self._marked_once(dsts, nd)):
             return
-        if self.class_span <= _DENSE * nd:
-            R = np.repeat(self.class_offsets, lens_d)
-            if not _repeats(np.add(D, R, out=_SCRATCH.buf(1, nd)), self.class_span):
-                return
         for cls in self.dst_classes:
-            _check_unique(np.concatenate([dsts[gi] for gi in cls]), max(self.limits[gi][1] for gi in cls),
-                          request, [self.groups[gi] for gi in cls])
+            _check_unique(dsts[cls[0]] if len(cls) == 1 else np.concatenate([dsts[gi] for gi in cls]),
+                          max(self.limits[gi][1] for gi in cls), request, [self.groups[gi] for gi in cls])
 
-    def check_distinct(self, request: str, dsts: list[np.ndarray]) -> None:
-        """No destination block twice among ``dsts`` (per group of the route, IDs already checked in range):
-        :class:`BlockIdError` naming ``request`` otherwise."""
-        lens = [int(d.size) for d in dsts]
-        self._check_destinations(request, np.concatenate(dsts), dsts, lens)
+    def _marked_once(self, dsts: list[np.ndarray], nd: int) -> bool:
+        """Whether the ``nd`` IDs of ``dsts`` (per group, in range) mark ``nd`` distinct keys ``offset of the class
+        + ID``: one scatter per group into a view of this thread's marks (no key array made), one count, one
+        clear of the class range."""
+        marks = _SCRATCH.mask(self.class_span)
+        for d, (lo, hi) in zip(dsts, self.class_windows):
+            marks[lo:hi][d] = True
+        seen = np.count_nonzero(marks)
+        marks[:] = False
+        return seen == nd
+
+    def distinct(self, dsts: list[np.ndarray]) -> bool:
+        """Whether no destination block appears twice among ``dsts`` (per group of the route, each a 1-D int64
+        array of IDs already checked in range, e.g. views of a merged request array): O(IDs), one scatter of
+        marks per group over the classes' key range where the IDs are a good share of it, else class by class
+        over the per-thread slots of the IDs only."""
+        nd = sum(int(d.size) for d in dsts)
+        if nd < 2:
+            return True
+        if self.class_span <= _DENSE * nd:
+            return self._marked_once(dsts, nd)
+        try:
+            self._check_destinations("", dsts, nd)
+        except BlockIdError:
+            return False
+        return True
 
     def write(self, checked: tuple, out_s: np.ndarray, out_d: np.ndarray) -> None:
         """The checked IDs (:meth:`check`'s last item) ordered into ``out_s`` and ``out_d``, group by group:

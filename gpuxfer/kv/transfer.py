@@ -2,7 +2,6 @@
 of a posted one (:class:`KVTransferHandle`)."""
 from __future__ import annotations
 
-import itertools
 import time
 
 import numpy as np
@@ -34,12 +33,31 @@ class KVTransferHandle:
                   landed=None) -> list[KVTransferHandle]:
         """The handles of ``transfers`` posted together (one event; ``values``: their notified values, default
         None), each as :meth:`__init__` makes it, without a call per handle (:mod:`gpuxfer.kv.batch`)."""
+        # (one statement per attribute: no tuple packed and unpacked per handle)
         new, out = cls.__new__, []
-        for x, v in zip(transfers, itertools.repeat(None) if values is None else values):
+        add = out.append
+        if values is None:
+            for x in transfers:
+                h = new(cls)
+                h.transfer = x
+                h.event = event
+                h._stream = stream
+                h.notify_value = None
+                h.name = x.name
+                h._status = status
+                h._landed = landed
+                add(h)
+            return out
+        for x, v in zip(transfers, values):
             h = new(cls)
-            h.transfer, h.event, h._stream, h.notify_value, h.name, h._status, h._landed = \
-                x, event, stream, v, x.name, status, landed
-            out.append(h)
+            h.transfer = x
+            h.event = event
+            h._stream = stream
+            h.notify_value = v
+            h.name = x.name
+            h._status = status
+            h._landed = landed
+            add(h)
         return out
 
     def done(self) -> bool:

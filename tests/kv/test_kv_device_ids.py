@@ -310,6 +310,29 @@ def test_post_many_one_upload_every_byte(dpair, monkeypatch):
         assert same_bytes(dst[k][:, rest], snap[k][:, rest])
 
 
+def test_post_many_merges_each_part_of_a_cut_batch(dpair, monkeypatch):
+    """Device-ID requests of a batch cut by the descriptor budget into parts of two (fewer than ``MERGE_FROM``):
+    each part one checked post (descriptor slots; slots without descriptors never cut: one post), every byte."""
+    from gpuxfer.kv import batch
+    pre, dec, a0, a1 = dpair
+    src, dst = _full(pre, dec, a0, a1)
+    peer, _ = connect(pre, dec)
+    monkeypatch.setattr(batch, "BATCH_ROWS", 8)        # a request of one block: 2 layers x 2 pieces = 4 rows
+    assert batch.MERGE_FROM > 2
+    reqs = [([3], [1]), ([9], [11]), ([4], [0]), ([10], [8]), ([0], [6]), ([7], [2])]
+    xs = [dec.prepare(peer, "pull", local_blocks={"full": _on(dec, d)}, remote_blocks={"full": _on(dec, s)},
+                      name=f"r{i}", device_ids=True) for i, (s, d) in enumerate(reqs)]
+    graphs = _count_calls(dec, monkeypatch, "launch_graph")
+    hs = dec.post_many(xs)
+    assert len(graphs) == (1 if dec._poster.blocks else 3)
+    assert len({id(h.event) for h in hs}) == len(graphs)
+    for h in hs:
+        h.wait(60)
+    for k in src:
+        for s, d in reqs:
+            assert same_bytes(dst[k][:, d], src[k][:, s])
+
+
 def test_post_many_a_destination_in_two_requests_moves_nothing(dpair):
     pre, dec, a0, a1 = dpair
     src, dst = _full(pre, dec, a0, a1)

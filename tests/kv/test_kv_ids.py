@@ -200,3 +200,44 @@ def test_tensors_of_other_dtypes_are_named_not_crashed():
         with pytest.raises(BlockIdError, match=r"request 'r', group 'g', local blocks: .*integers"):
             _as_ids(bad, "r", "g", "local blocks")
     assert _as_ids(torch.tensor([3, 1], dtype=torch.int32), "r", "g", "local blocks").tolist() == [3, 1]
+
+
+def _distinct_reference(classes, per_group: list[np.ndarray]) -> bool:
+    """No ID twice among the groups of any class (the groups of a class share destination memory)."""
+    for cls in classes:
+        ids = np.concatenate([per_group[gi] for gi in cls])
+        if np.unique(ids).size != ids.size:
+            return False
+    return True
+
+
+@settings(max_examples=150, deadline=None)
+@given(route=routes(), data=st.data(), scale=st.sampled_from([1, 1 << 12]))
+def test_a_batch_s_destinations_distinct_as_the_reference_says(route, data, scale):
+    """``distinct`` over a batch's destinations (several requests, each valid alone, per group one after
+    another; what :func:`gpuxfer.kv.batch._merge` asks) answers as a per-class reference does: a block two
+    requests name, in one group or in two groups of one class, is found, in small ranges (one pass of marks)
+    and in large ones (``scale``: few IDs in their range, class by class)."""
+    groups, limits, splits, classes, sort_by_dst = route
+    limits = [(a * scale, b * scale) for a, b in limits]
+    ids = _RouteIds(groups, limits, splits, classes, sort_by_dst)
+    draw = data.draw
+    per_group: list[list[np.ndarray]] = [[] for _ in groups]
+    for _ in range(draw(st.integers(1, 6), label="requests")):
+        _, dst = _request(draw, groups, [(a, b // scale) for a, b in limits], splits, classes)
+        for gi, g in enumerate(groups):
+            per_group[gi].append(dst[g] * scale + draw(st.integers(0, scale - 1)))
+    merged = [np.concatenate(p) for p in per_group]
+    assert ids.distinct(merged) == _distinct_reference(classes, merged)
+    # a block of one request named again by another request (same group, or a group of its class)
+    cands = [(gi, gj) for cls in classes for gi in cls for gj in cls if per_group[gi][0].size
+             and any(p.size for p in per_group[gj][1:])]
+    if cands:
+        gi, gj = draw(st.sampled_from(cands), label="groups")
+        block = int(draw(st.sampled_from(per_group[gi][0].tolist()), label="block"))
+        if block < limits[gj][1]:
+            k = draw(st.sampled_from([k for k in range(1, len(per_group[gj])) if per_group[gj][k].size]))
+            per_group[gj][k][0] = block
+            merged = [np.concatenate(p) for p in per_group]
+            assert not ids.distinct(merged)
+            assert ids.distinct(merged) == _distinct_reference(classes, merged)

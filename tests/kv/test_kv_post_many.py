@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from gpuxfer.errors import BadInput, NotRegistered
 from gpuxfer.kv import batch
-from gpuxfer.kv.agent import KVAgent
+from gpuxfer.kv.agent import KVAgent, KVLayerSpec
 
 from _agent_arena import Arena, connect, same_bytes, token_oracle, vllm_layers
 
@@ -196,6 +196,26 @@ def test_bad_batches_refused_before_anything_moves(pair, plat):
     for k in dst:
         assert same_bytes(dst[k], before[k])
     assert dec.post_many([]) == []
+
+
+def test_a_route_s_batch_with_a_transfer_twice_or_an_unhashable_item_is_refused(pair):
+    """A batch of one route's requests naming one of them twice, or holding an item that does not hash (a list,
+    a dict): BadInput before anything is queued, not a TypeError."""
+    pre, dec, a0, a1 = pair
+    src, dst = _full(pre, dec, a0, a1, 1, 8, 2, seed=12)
+    peer, _ = connect(pre, dec)
+    xs = [dec.prepare(peer, "pull", local_blocks={"full": [i]}, remote_blocks={"full": [7 - i]}) for i in range(4)]
+    before = {k: v.clone() for k, v in dst.items()}
+    with pytest.raises(BadInput, match="twice"):
+        dec.post_many([*xs, xs[2]])
+    with pytest.raises(BadInput, match="item 4"):
+        dec.post_many([*xs, [1]])
+    with pytest.raises(BadInput, match="item 0"):
+        dec.post_many([{}, *xs])
+    for k in dst:
+        assert same_bytes(dst[k], before[k])
+    for h in dec.post_many(xs):
+        h.wait(60)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -450,3 +470,71 @@ def test_handles_of_a_merged_post_hold_what_a_post_s_handle_holds():
             assert type(h) is KVTransferHandle
             for field in KVTransferHandle.__slots__:
                 assert getattr(h, field) is getattr(one, field), field
+
+
+def _four_group_pair(plat, run: str, nb: int):
+    """Prefill/decode agents over four groups of ``nb`` destination blocks: "same" (4-token blocks on both
+    sides), "down" (8-token source blocks, 2-token destination blocks: a merge pads the destination side), and
+    "mla"/"swa" laid over one slab on each side (a block ID names memory of both). ``(arenas, agents, decode's
+    peer)``."""
+    a0, a1 = Arena(plat, 0, 1 << 18), Arena(plat, 1, 1 << 18)
+    pre = KVAgent(f"prefill-{run}", platform=plat, device=0, engine="triton", timeout_s=60)
+    dec = KVAgent(f"decode-{run}", platform=plat, device=1, engine="triton", timeout_s=60)
+    pre.register_group("same", 4, {"same": a0.tensor((2, nb, 4, 2), seed=1)})
+    dec.register_group("same", 4, {"same": a1.tensor((2, nb, 4, 2), seed=2)})
+    pre.register_group("down", 8, {"down": a0.tensor((2, nb // 2, 8, 2), seed=3)})
+    dec.register_group("down", 2, {"down": a1.tensor((2, nb, 2, 2), seed=4)})
+    for k, (agent, arena) in enumerate(((pre, a0), (dec, a1))):
+        slab = arena.tensor((nb * 96,), seed=5 + k)
+        agent.register_group("mla", 4, {"mla": KVLayerSpec(slab, nb, 96, [(0, 64)])})
+        agent.register_group("swa", 4, {"swa": KVLayerSpec(slab, nb, 96, [(64, 32)])})
+    return (a0, a1), (pre, dec), connect(pre, dec)[0]
+
+
+@pytest.mark.parametrize("mode", ["descriptors", "blocks"])
+@pytest.mark.parametrize("repeat", [None, "same", "down", "mla-swa"])
+def test_a_destination_two_requests_of_a_large_batch_name_is_found(plat, monkeypatch, mode, repeat):
+    """24 requests over four groups (one padded in a merge, two over one slab), each request's destinations
+    distinct: merged into one upload; with one block named by requests 2 and 21 (in one group, in the padded
+    group, or as "mla" by one and "swa" by the other, the same memory), posted one by one -- in both slot kinds,
+    every destination byte as the batch cut between the two leaves it."""
+    monkeypatch.setenv("GPUXFER_KV_COPY", mode)
+    nb, n = 64, 24
+    rng = np.random.default_rng(17)
+    same, down, slab = rng.permutation(nb), rng.permutation(nb), rng.permutation(nb)
+    reqs = []
+    for r in range(n):
+        dst = {"same": same[2 * r:2 * r + 2].copy(), "down": down[2 * r:2 * r + 2].copy(),
+               "mla": slab[2 * r:2 * r + 1].copy(), "swa": slab[2 * r + 1:2 * r + 2].copy()}
+        src = {"same": rng.integers(0, nb, 2), "down": rng.integers(0, nb // 2, 1),
+               "mla": rng.integers(0, nb, 1), "swa": rng.integers(0, nb, 1)}
+        reqs.append((src, dst))
+    if repeat == "same":
+        reqs[21][1]["same"][0] = reqs[2][1]["same"][1]
+    elif repeat == "down":
+        reqs[21][1]["down"][1] = reqs[2][1]["down"][0]
+    elif repeat == "mla-swa":
+        reqs[21][1]["swa"][0] = reqs[2][1]["mla"][0]
+    after = []
+    for run in ("batch", "posts"):
+        arenas, agents, peer = _four_group_pair(plat, f"{mode}-{run}", nb)
+        dec = agents[1]
+        try:
+            assert dec._poster.blocks == (mode == "blocks")
+            xs = [dec.prepare(peer, "pull", local_blocks=d, remote_blocks=s, name=f"r{i}")
+                  for i, (s, d) in enumerate(reqs)]
+            if run == "batch":
+                uploads = _count_uploads(dec, monkeypatch)
+                hs = dec.post_many(xs)
+                assert len(uploads) == (1 if repeat is None else n)
+            else:               # in order, the two requests naming one block in two batches
+                hs = dec.post_many(xs[:21]) + dec.post_many(xs[21:])
+            for h in hs:
+                h.wait(60)
+            after.append(arenas[1].flat.clone())
+        finally:
+            for ag in agents[::-1]:
+                ag.close()
+            for a in arenas:
+                a.close()
+    assert same_bytes(after[0], after[1])
