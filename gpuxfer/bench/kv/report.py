@@ -32,8 +32,8 @@ import sys
 from typing import Any, Sequence
 
 from ..cpus import AUTO, describe
-from ..report import (Column, Table, Verdict, integer, link_text, percent, rate, text, versions_line,
-                      wrap_comments)
+from ..report import (Column, Table, Verdict, ceiling_excess, integer, link_text, percent, rate, text,
+                      versions_line, wrap_comments)
 from ..report import dumps as _dumps
 from ..timing import gbps, sample_stats
 
@@ -64,12 +64,18 @@ def finish_row(row: dict[str, Any], samples_s: Sequence[float]) -> dict[str, Any
     return row
 
 
-def apply_ceiling(row: dict[str, Any], ceiling_gbps: float | None) -> None:
+def apply_ceiling(row: dict[str, Any], ceiling_gbps: float | None, fastest_gbps: float | None = None) -> None:
+    """``row``'s share of its ceiling row's p50 GB/s; ``fastest_gbps``, the ceiling row's fastest burst, says
+    whether a row above the ceiling is within its spread (``above_ceiling`` and ``above_ceiling_explained``:
+    a row above every burst of its ceiling fails the run)."""
     row["ceiling_gbps"] = ceiling_gbps
     if ceiling_gbps and row.get("p50_gbps") is not None:
         row["of_ceiling_pct"] = 100.0 * row["p50_gbps"] / ceiling_gbps
     else:
         row["of_ceiling_pct"] = None
+    excess = ceiling_excess(row.get("p50_gbps"), ceiling_gbps, fastest_gbps)
+    row["above_ceiling"] = None if excess is None else excess[1]
+    row["above_ceiling_explained"] = None if excess is None else excess[0]
 
 
 # ----------------------------------------------------------------------------- the table
@@ -114,6 +120,8 @@ def format_row(row: dict[str, Any]) -> str:
         line += f"  ERROR: {row['error']}"
     elif row.get("valid") is False:
         line += "  INVALID"
+    if row.get("above_ceiling"):
+        line += f"  ABOVE CEILING: {row['above_ceiling']}"
     return line
 
 
@@ -286,8 +294,13 @@ def outcome(rows: Sequence[dict[str, Any]], errors: Sequence[str], *, expected_r
         if r.get("wrong_bytes") or not sampled_failed:
             reasons.append(f"{_row_id(r)}: {r.get('wrong_bytes')} wrong bytes (first wrong descriptor "
                            f"{r.get('first_wrong_descriptor')})")
+    for r in rows:
+        if r.get("above_ceiling_explained") is False:
+            reasons.append(f"{_row_id(r)}: {r['above_ceiling']}")
     if not complete and not interrupted:
         reasons.append("the run did not complete")
+    elif complete and not rows and not reasons:
+        reasons.append("no row was measured: every row was shed (the # shed lines say why)")
     ok = not reasons
     status = "interrupted" if interrupted else "pass" if ok else "fail"
     return {"status": status, "rows": len(rows), "rows_valid": sum(1 for r in rows if r.get("valid")),

@@ -9,6 +9,7 @@ import platform as _pyplatform
 import statistics
 
 from ...common import run_versions
+from ..report import nearest_rank
 from ..timing import now
 from . import GRAPH, NO_META, PACED_STEPS, PLAIN, _fmt_size
 from .measures import _bulk_copy, _contention, _graph_rows, _pingpong, _sync, count_wrong_bytes
@@ -168,8 +169,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
         speed["cpus"].append(current_cpu())
         if waits is not None:      # steps whose slot the sender did not see free on the host (a GPU wait queued)
             speed["slot_waits_pct"] = (t.slot_waits - waits) / n * 100
-        per.sort()
-        return (statistics.median(per), per[len(per) // 10], per[len(per) * 9 // 10]), last, speed
+        return (statistics.median(per), nearest_rank(per, 0.1), nearest_rank(per, 0.9)), last, speed
 
     try:
         for backend in opts["backends"]:
