@@ -301,6 +301,8 @@ def outcome(rows: Sequence[dict[str, Any]], errors: Sequence[str], *, expected_r
         reasons.append("the run did not complete")
     elif complete and not rows and not reasons:
         reasons.append("no row was measured: every row was shed (the # shed lines say why)")
+    elif complete and expected_rows is not None and len(rows) != expected_rows:
+        reasons.append(f"{len(rows)} rows measured of the {expected_rows} the run set out to measure")
     ok = not reasons
     status = "interrupted" if interrupted else "pass" if ok else "fail"
     return {"status": status, "rows": len(rows), "rows_valid": sum(1 for r in rows if r.get("valid")),
