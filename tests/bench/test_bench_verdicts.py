@@ -36,6 +36,15 @@ def test_an_empty_kv_outcome_is_not_a_pass():
     assert out["status"] == "fail" and any("no row was measured" in r for r in out["reasons"])
 
 
+def test_a_complete_kv_run_missing_an_expected_row_is_not_a_pass():
+    """The ranks said which rows they would measure; a complete run with fewer (a row skipped without an error,
+    its bytes never verified) fails."""
+    rows = [_row("bulk"), _row("triton")]
+    assert R.outcome(rows, [], expected_rows=2)["status"] == "pass"
+    out = R.outcome(rows, [], expected_rows=3)
+    assert out["status"] == "fail" and "2 rows measured of the 3" in out["reasons"][0]
+
+
 @pytest.mark.timeout(300)
 def test_bench_kv_with_every_row_shed_fails(capsys, tmp_path):
     """Every burst over the copy-engine cap: the engine sheds each row, nothing is measured; the run says so
@@ -255,3 +264,26 @@ def test_bench_kernels_verifies_the_timed_runs_not_the_validation(tmp_path, caps
     assert rc == 1, text
     (row,) = [r for r in json.loads(out.read_text())["rows"] if r["op"] == op]
     assert row["wrong_bytes"] > 0
+
+
+def test_pp_step_sources_never_repeat_at_a_turn_of_the_receive_slots():
+    """``bench pp`` checks a step's bytes against the source it was sent: a slot left holding the step one or two
+    turns of the receive slots earlier must hold other bytes (``--recv-slots 5`` with 3 verified steps did not)."""
+    from gpuxfer.bench.pp.ranks import source_period
+    for slots in range(2, 17):
+        for nver in range(1, 9):
+            period = source_period(nver, slots)
+            assert period >= nver + 2 and slots % period and (2 * slots) % period, (slots, nver, period)
+
+
+@pytest.mark.timeout(300)
+def test_bench_pp_shows_progress_as_it_goes(capfd, tmp_path):
+    """Each measured row is said on stderr when it is done (a GPU run takes minutes before its report)."""
+    rc = main(["bench", "pp", "--platform", "host", "--timeout", "120", "--max-size", "32K", "--iters", "2",
+               "--warmup", "0", "--no-contention", "--backends", "copy_engine", "--out", str(tmp_path / "o")])
+    cap = capfd.readouterr()
+    assert rc == 0, cap.out + cap.err
+    for line in ("# pp progress: copy_engine -meta 16 KiB:", "# pp progress: copy_engine +meta 32 KiB:",
+                 "# pp progress: the one-way latency ping-pong"):
+        assert line in cap.err, cap.err
+    assert "# pp progress" not in cap.out
