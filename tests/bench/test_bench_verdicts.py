@@ -287,3 +287,16 @@ def test_bench_pp_shows_progress_as_it_goes(capfd, tmp_path):
                  "# pp progress: the one-way latency ping-pong"):
         assert line in cap.err, cap.err
     assert "# pp progress" not in cap.out
+
+
+def test_kv_notes_printed_in_the_table_are_in_the_json(tmp_path, capsys):
+    """A ``# `` note the ranks send (e.g. what % of ceiling is of across hosts) is in the JSON document too."""
+    rep = R.Reporter(out_dir=str(tmp_path), plots=False, argv=["gpuxfer", "bench", "kv"])
+    rep.handle("start", {"env": {}, "params": {}, "shed": [], "expected_rows": 1})
+    rep.handle("note", {"text": "cross-host mode: % of ceiling is of the nixl-bulk row"})
+    rep.handle("row", _row("bulk"))
+    rep.handle("done", {})
+    assert rep.finish() == 0
+    assert "# cross-host mode" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "kv_bench.json").read_text())
+    assert doc["notes"] == ["cross-host mode: % of ceiling is of the nixl-bulk row"]

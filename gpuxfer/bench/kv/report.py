@@ -346,7 +346,7 @@ def footer_lines(out: dict[str, Any], artifacts: dict[str, Any], *, wrong_bytes:
 
 def build_document(*, env: dict[str, Any], params: dict[str, Any], rows: list[dict[str, Any]],
                    shed: list[dict[str, Any]], out: dict[str, Any], artifacts: dict[str, Any],
-                   argv: Sequence[str] | None = None) -> dict[str, Any]:
+                   argv: Sequence[str] | None = None, notes: Sequence[str] = ()) -> dict[str, Any]:
     return {
         "schema": SCHEMA,
         "generated_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -356,6 +356,7 @@ def build_document(*, env: dict[str, Any], params: dict[str, Any], rows: list[di
         "parameters": params,
         "rows": rows,
         "shed": shed,
+        "notes": list(notes),
         "summary": summary(rows),
         "outcome": out,
         "artifacts": artifacts,
@@ -477,6 +478,7 @@ class Reporter:
         self.rows: list[dict[str, Any]] = []
         self.shed: list[dict[str, Any]] = []
         self.errors: list[str] = []
+        self.notes: list[str] = []
         self.expected: int | None = None
         self.complete = False
         self._progress = None
@@ -535,6 +537,7 @@ class Reporter:
             if self._progress is not None:
                 self._progress.update(self._task, advance=payload.get("rows", 0))
         elif kind == "note":
+            self.notes.append(payload["text"])
             self._print(f"# {payload['text']}", prose=True)
         elif kind == "error":
             self.errors.append(payload["text"])
@@ -567,7 +570,7 @@ class Reporter:
         if self.out_dir:
             artifacts["json"] = os.path.join(self.out_dir, "kv_bench.json")
         doc = build_document(env=self.env, params=self.params, rows=self.rows, shed=self.shed, out=out,
-                             artifacts=artifacts, argv=self.argv)
+                             artifacts=artifacts, argv=self.argv, notes=self.notes)
         if self.params.get("suite") and self.out_dir:
             from . import collectivex as CX
             artifacts["suite_json"] = []
