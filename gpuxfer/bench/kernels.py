@@ -283,6 +283,7 @@ def _run(c: dict, outputs, out) -> int:
         tdev = plat.torch_device(local)
         clock = DeviceClock(plat, local, tdev, c["timeout"])
         info_l, info_p = plat.device_info(local), plat.device_info(peer)
+        _check_room(pool, info_l, info_p, one_memory=plat.host_memory or local == peer)
         link = plat.link(local, peer)
         sms = L.sm_count(tdev)
 
@@ -422,6 +423,16 @@ def _run(c: dict, outputs, out) -> int:
            "result": result, "reasons": verdict.reasons}
     outputs.publish(ARTIFACT, R.dumps(doc), out)
     return verdict.exit_code
+
+
+def _check_room(pool: int, local, peer, *, one_memory: bool) -> None:
+    """Three pool buffers on the local device and two on the peer's (one memory on the host emulation or one
+    device): more than the free memory is a ``--pool`` error before anything is allocated."""
+    wants = [(5 * pool, local)] if one_memory else [(3 * pool, local), (2 * pool, peer)]
+    for need, info in wants:
+        if info.free_bytes is not None and need > info.free_bytes:
+            raise BadInput(f"--pool {pool} B: the run needs {need} B on device {info.index} ({info.name}), which "
+                           f"has {info.free_bytes} B free")
 
 
 def _block_request(rng, pool: int, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

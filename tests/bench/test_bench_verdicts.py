@@ -300,3 +300,15 @@ def test_kv_notes_printed_in_the_table_are_in_the_json(tmp_path, capsys):
     assert "# cross-host mode" in capsys.readouterr().out
     doc = json.loads((tmp_path / "kv_bench.json").read_text())
     assert doc["notes"] == ["cross-host mode: % of ceiling is of the nixl-bulk row"]
+
+
+@pytest.mark.timeout(120)
+def test_bench_kernels_pool_larger_than_the_memory_is_an_option_error(capsys, tmp_path, monkeypatch):
+    """``--pool`` past the device's free memory: one line naming it, exit 2, before anything is allocated (the
+    host emulation would otherwise fill a sparse terabyte for hours)."""
+    monkeypatch.setenv("GPUXFER_PLATFORM", "host")
+    rc = main(["bench", "kernels", "--platform", "host", "--pool", "1TiB", "--sizes", "528", "--ops", "local",
+               "--sweep", "", "--out", str(tmp_path / "o")])
+    cap = capsys.readouterr()
+    assert rc == 2 and cap.err.startswith("gpuxfer bench kernels: error: --pool 1099511627776 B: the run needs"), cap.err
+    assert not (tmp_path / "o").exists()
