@@ -36,14 +36,17 @@ def nearest_rank(xs, q: float):
     return xs[min(len(xs) - 1, max(0, rank - 1))]
 
 
-def ceiling_excess(rate, ceiling, fastest=None) -> tuple[bool, str] | None:
+def ceiling_excess(rate, ceiling, fastest=None, *, judged: bool = True) -> tuple[bool | None, str] | None:
     """A rate (GB/s) against its ceiling's rate of the same statistic: None when it is at most the ceiling
     (or either is unknown); else ``(explained, note)``. Explained when ``rate`` is at most ``fastest``, the
     ceiling's own fastest sample: the two differ by the ceiling's spread. A rate above every sample of its
-    ceiling is not explained (the ceiling under-measures what the link moves): the run fails on it."""
+    ceiling is not explained (the ceiling under-measures what the link moves): the run fails on it.
+    ``judged=False`` (the host emulation, whose times measure a shared CPU): ``explained`` is None, noted."""
     if not rate or not ceiling or rate <= ceiling:
         return None
     pct = 100.0 * rate / ceiling
+    if not judged:
+        return None, f"{pct:.1f}% of its ceiling (EMULATION: host times, not judged)"
     if fastest is not None and rate <= fastest:
         return True, f"{pct:.1f}% of its ceiling, within the ceiling's spread (its fastest sample {fastest:.4g} GB/s)"
     return False, (f"{pct:.1f}% of its ceiling, above the ceiling's fastest sample"

@@ -69,6 +69,8 @@ def test_ceiling_excess_is_explained_only_within_the_ceilings_spread():
     explained, note = BR.ceiling_excess(120.0, 100.0, 110.0)
     assert not explained and "120.0%" in note and "fastest" in note
     assert BR.ceiling_excess(120.0, 100.0)[0] is False         # no spread known: nothing explains it
+    explained, note = BR.ceiling_excess(120.0, 100.0, 110.0, judged=False)
+    assert explained is None and "EMULATION" in note           # a shared CPU's times: noted, not judged
 
 
 def test_a_kv_row_above_its_ceilings_fastest_burst_fails_the_run():
@@ -88,11 +90,16 @@ def test_a_kv_row_above_its_ceilings_fastest_burst_fails_the_run():
     assert near["above_ceiling_explained"] is True
     assert R.outcome([spread, near], [], expected_rows=2)["status"] == "pass"
     assert bulk.get("above_ceiling") is None
+    # on the host emulation (one trial of a shared CPU by default) it is noted, not judged
+    R.apply_ceiling(fast, bulk["p50_gbps"], bulk["max_gbps"], judged=False)
+    assert fast["above_ceiling_explained"] is None and "EMULATION" in fast["above_ceiling"]
+    assert R.outcome([bulk, fast], [], expected_rows=2)["status"] == "pass"
 
 
 def _scaled_ranks(monkeypatch, factor: float):
     """``bench pp``'s ranks run for real; the receiver's copy_engine -meta rows then report ``factor`` times
-    the bulk peer copy's fastest loop (a ceiling that is not one)."""
+    the bulk peer copy's fastest loop (a ceiling that is not one), and the ranks report no emulation (which is
+    not judged: its times measure a shared CPU)."""
     import gpuxfer.spawn as S
     real = S.run_ranks
 
@@ -102,6 +109,8 @@ def _scaled_ranks(monkeypatch, factor: float):
         for r in both[1]["rows"]:
             if r["backend"] == "copy_engine" and not r["metadata"] and r["size_bytes"] in fastest:
                 r["algbw_gbps"] = factor * fastest[r["size_bytes"]]
+        for b in both:
+            b["info"]["emulation"] = False
         return both
     monkeypatch.setattr(S, "run_ranks", scaled)
 
@@ -129,14 +138,19 @@ def test_pp_ceiling_rows_explain_only_what_the_spread_covers():
     assert size == 1 << 20 and pct == pytest.approx(103.0) and excess[0] is True
     res["rows"][0]["algbw_gbps"] = 105.0
     assert ceiling_rows(res)[0][2][0] is False
+    res["info"] = {"emulation": True}
+    assert ceiling_rows(res)[0][2][0] is None                   # the emulation: noted, not judged
     res["rows"][0]["algbw_gbps"] = 90.0
     assert ceiling_rows(res)[0][2] is None
 
 
 @pytest.mark.timeout(300)
 def test_bench_kernels_row_above_its_ceilings_fastest_run_fails(tmp_path, capsys, monkeypatch):
-    """A kernel row timed faster than every run of its ceiling (hbm-copy for local) fails the run."""
+    """A kernel row timed faster than every run of its ceiling (hbm-copy for local) fails the run (judged as on
+    a GPU: the emulation's times, of a shared CPU, are noted, not judged)."""
     import gpuxfer.bench.kernels as K
+    from gpuxfer.platforms.host import HostPlatform
+    monkeypatch.setattr(HostPlatform, "is_emulation", False)
     real = K.DeviceClock.time
 
     def fast_local(self, fn, what, warmup, trials):

@@ -64,16 +64,18 @@ def finish_row(row: dict[str, Any], samples_s: Sequence[float]) -> dict[str, Any
     return row
 
 
-def apply_ceiling(row: dict[str, Any], ceiling_gbps: float | None, fastest_gbps: float | None = None) -> None:
+def apply_ceiling(row: dict[str, Any], ceiling_gbps: float | None, fastest_gbps: float | None = None, *,
+                  judged: bool = True) -> None:
     """``row``'s share of its ceiling row's p50 GB/s; ``fastest_gbps``, the ceiling row's fastest burst, says
     whether a row above the ceiling is within its spread (``above_ceiling`` and ``above_ceiling_explained``:
-    a row above every burst of its ceiling fails the run)."""
+    a row above every burst of its ceiling fails the run; on the host emulation, ``judged=False``, it is
+    noted, not judged)."""
     row["ceiling_gbps"] = ceiling_gbps
     if ceiling_gbps and row.get("p50_gbps") is not None:
         row["of_ceiling_pct"] = 100.0 * row["p50_gbps"] / ceiling_gbps
     else:
         row["of_ceiling_pct"] = None
-    excess = ceiling_excess(row.get("p50_gbps"), ceiling_gbps, fastest_gbps)
+    excess = ceiling_excess(row.get("p50_gbps"), ceiling_gbps, fastest_gbps, judged=judged)
     row["above_ceiling"] = None if excess is None else excess[1]
     row["above_ceiling_explained"] = None if excess is None else excess[0]
 
