@@ -14,6 +14,7 @@ import logging
 import sys
 
 from . import __version__, config
+from .errors import GpuxferError
 
 # (command path, module, one-line help)
 COMMANDS = [
@@ -62,7 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.verbose:                # the benchmarks' spawned ranks read it too
         os.environ["GPUXFER_LOG_LEVEL"] = "info"
-    logging.basicConfig(level=config.get("GPUXFER_LOG_LEVEL").upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        level = config.get("GPUXFER_LOG_LEVEL")
+    except GpuxferError as exc:     # a bad variable, as a bad option: one line, the usage error's code
+        print(f"gpuxfer: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if not getattr(args, "_module", None):
         parser.print_help()
         return 2

@@ -60,7 +60,9 @@ REGIONS = ("csa", "csa-idx", "hca")         # kv-dsv4's paged regions (its windo
 
 
 from gpuxfer.bench.cpus import machine_line as cpus  # noqa: E402
+from gpuxfer.bench.cliutil import json_path_option  # noqa: E402
 from gpuxfer.bench.report import nearest_rank as pct  # noqa: E402
+from gpuxfer.errors import BadInput  # noqa: E402
 
 
 def geometry(page_size: int, layers: int):
@@ -229,8 +231,10 @@ def main(argv=None) -> int:
         ap.error("--layers must be >= 0")
     if not 0 <= a.forward_ms <= 10_000:
         ap.error("--forward-ms must be in 0..10000")
-    if os.path.exists(a.json):
-        ap.error(f"--json {a.json} exists; name a new file")
+    try:        # checked before the runs, which take minutes: a new file in an existing, writable directory
+        json_path_option(a.json, option="--json")
+    except BadInput as exc:
+        ap.error(str(exc))
     regions = geometry(a.page_size, a.layers)
     n_pages = -(-a.tokens // a.page_size)
     kv_bytes = n_pages * sum(n * pb for _, n, pb in regions)

@@ -58,7 +58,9 @@ TARGETS = {"start_load_kv_us": 100.0, "extra_request_us": 20.0, "get_finished_us
 
 
 from gpuxfer.bench.cpus import machine_line as cpus  # noqa: E402
+from gpuxfer.bench.cliutil import json_path_option  # noqa: E402
 from gpuxfer.bench.report import nearest_rank as pct  # noqa: E402
+from gpuxfer.errors import BadInput  # noqa: E402
 
 
 def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -> dict:
@@ -211,8 +213,10 @@ def main(argv=None) -> int:
         ap.error("--warm must be >= 1, --batch 0 or >= 2 and --batch-steps >= 1")
     if a.connector == "nixl" and (a.remote != "none" or a.ids != "auto" or a.engine != "auto" or a.profile):
         ap.error("--remote, --ids, --engine and --profile are options of gpuxfer's connector, not of --connector nixl")
-    if os.path.exists(a.out):
-        ap.error(f"--out {a.out} exists; name a new file")
+    try:        # checked before the runs, which take minutes: a new file in an existing, writable directory
+        json_path_option(a.out, option="--out")
+    except BadInput as exc:
+        ap.error(str(exc))
     from vllm_instance import write_model
 
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}

@@ -54,3 +54,11 @@ def test_a_reader_that_leaves_early_gets_no_traceback():
     proc.stdout.close()             # before the command writes a byte
     err = proc.stderr.read().decode()
     assert proc.wait(120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_a_bad_log_level_variable_is_one_line_not_a_traceback(capsys, monkeypatch):
+    """``GPUXFER_LOG_LEVEL`` is read by the command itself, before any subcommand: a bad value is a usage error."""
+    monkeypatch.setenv("GPUXFER_LOG_LEVEL", "bogus")
+    rc = main(["doctor", "--platform", "host"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("gpuxfer: error: GPUXFER_LOG_LEVEL") and err.count("\n") == 1, err

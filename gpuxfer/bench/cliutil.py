@@ -194,25 +194,27 @@ def _new_run_dir(root: str) -> str:
     raise BadInput(f"--out: cannot find a new run directory under {root}")
 
 
-def json_path_option(json_opt, *, create: bool = True) -> str | None:
+def json_path_option(json_opt, *, create: bool = True, option: str = "--json") -> str | None:
     """``--json PATH``: the absolute path of a new file in an existing, writable directory (None for
     ``--json`` alone or none). An existing PATH is refused (its contents are kept, as ``--out`` keeps an
-    earlier run's); a missing directory is refused, never created. ``create=False`` skips the write probe."""
+    earlier run's); a missing directory is refused, never created. ``create=False`` skips the write probe;
+    ``option`` names the option in the errors (the scripts' ``--out FILE``)."""
     if json_opt in (None, True):
         return None
     path = str(json_opt)
     if not path.strip():
-        raise BadInput("--json: give a file name, or no value to print the JSON on stdout")
+        raise BadInput(f"{option}: give a file name" + (", or no value to print the JSON on stdout"
+                                                        if option == "--json" else ""))
     path = os.path.abspath(path)
     if os.path.isdir(path):
-        raise BadInput(f"--json: {path} is a directory")
+        raise BadInput(f"{option}: {path} is a directory")
     if os.path.lexists(path):
-        raise BadInput(f"--json: {path} exists; it is kept, not overwritten: choose another name or remove it")
+        raise BadInput(f"{option}: {path} exists; it is kept, not overwritten: choose another name or remove it")
     directory = os.path.dirname(path)
     if not os.path.isdir(directory):
-        raise BadInput(f"--json: directory {directory} does not exist")
+        raise BadInput(f"{option}: directory {directory} does not exist")
     if create:
-        _probe_dir(directory, "--json")
+        _probe_dir(directory, option)
     return path
 
 

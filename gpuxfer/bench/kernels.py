@@ -27,7 +27,8 @@ timed trials after the warm-up, measured with CUDA events on the stream the
 work runs on (host clock + synchronize on the emulation). Every destination is
 poisoned before the run and every byte is verified against the source pattern
 after it (``wrong_B``); any wrong byte fails the run (exit code 1). Speeds are
-reported, never judged: ``%ceil`` compares with the ceiling of the same run.
+reported, not judged: ``%ceil`` compares with the ceiling of the same run; a row above its ceiling is
+within the ceiling's spread (at most its fastest trial) or fails the run (the ceiling is not one).
 
 On the host emulation (no GPU) it runs at tiny sizes in Triton's interpreter and
 says so: the numbers are not GPU performance.
@@ -140,6 +141,18 @@ class Row:
     wrong_bytes: int | None
     note: str = ""
     extra: dict = field(default_factory=dict)
+    ceiling_fastest_gbps: float | None = None      # the ceiling row's fastest trial: its spread
+    judged: bool = True                             # above its ceiling fails the run (not on the emulation)
+
+    @property
+    def fastest_gbps(self) -> float:
+        t = min(self.times_s)
+        return self.nbytes / t / 1e9 if t > 0 else float("nan")
+
+    @property
+    def excess(self) -> tuple[bool, str] | None:
+        """Above its ceiling: (explained by the ceiling's spread, note); None at or below it."""
+        return R.ceiling_excess(self.gbps, self.ceiling_gbps, self.ceiling_fastest_gbps, judged=self.judged)
 
     @property
     def time_us(self) -> float:
@@ -160,7 +173,9 @@ class Row:
                 "time_p50_us": self.time_us, "time_min_us": min(self.times_s) * 1e6,
                 "time_max_us": max(self.times_s) * 1e6, "trials": len(self.times_s),
                 "bandwidth_gbps": self.gbps, "ceiling_gbps": self.ceiling_gbps, "ceiling_pct": self.pct,
-                "wrong_bytes": self.wrong_bytes, "note": self.note, **self.extra}
+                "wrong_bytes": self.wrong_bytes, "note": self.note,
+                "above_ceiling": None if self.excess is None else self.excess[1],
+                "above_ceiling_explained": None if self.excess is None else self.excess[0], **self.extra}
 
 
 def _g(v) -> str:
@@ -178,7 +193,8 @@ TABLE = R.Table([
 
 
 def _row_line(r: Row) -> str:
-    return TABLE.line(r.as_json()) + (f"  # {r.note}" if r.note else "")
+    above = "" if r.excess is None else f"  ABOVE CEILING: {r.excess[1]}"
+    return TABLE.line(r.as_json()) + (f"  # {r.note}" if r.note else "") + above
 
 
 # --------------------------------------------------------------------------- the run
@@ -221,6 +237,9 @@ def _check(args) -> dict:
     for key, host, gpu in (("pool", 256 << 10, 2 << 30), ("trials", 2, 7), ("warmup", 1, 2)):
         if c[key] is None:
             c[key] = host if interpreted else gpu
+    if sweep and c["sweep_size"] not in sizes:
+        raise BadInput(f"--sweep-size {c['sweep_size']} is not among --sizes ({args.sizes}): the sweep runs at one "
+                       "of them; add it, or --sweep '' to leave the sweep out")
     if max(sizes) > c["pool"]:
         raise BadInput(f"descriptor size {max(sizes)} is larger than the pool ({c['pool']} bytes)")
     ndev = device_count(name)
@@ -265,6 +284,7 @@ def _run(c: dict, outputs, out) -> int:
         tdev = plat.torch_device(local)
         clock = DeviceClock(plat, local, tdev, c["timeout"])
         info_l, info_p = plat.device_info(local), plat.device_info(peer)
+        _check_room(pool, info_l, info_p, one_memory=plat.host_memory or local == peer)
         link = plat.link(local, peer)
         sms = L.sm_count(tdev)
 
@@ -283,7 +303,8 @@ def _run(c: dict, outputs, out) -> int:
         _preamble(out, pre, params)
 
         rows: list[Row] = []
-        p = lambda r: (rows.append(r), print(_row_line(r), file=out, flush=True))  # noqa: E731
+        p = lambda r: (setattr(r, "judged", not emu), rows.append(r),  # noqa: E731
+                       print(_row_line(r), file=out, flush=True))
 
         bufs = [plat.alloc(pool, local) for _ in range(3)]
         try:
@@ -301,14 +322,14 @@ def _run(c: dict, outputs, out) -> int:
                     d = torch.from_numpy(table).to(tdev)
                     n, total = table.shape[0], int(table.shape[0]) * size
                     whole = torch.tensor([[0, 0, total]], dtype=torch.int64, device=tdev)
-                    ceil = {}
+                    ceil, fastest = {}, {}
 
                     def bulk(name, fn, dst_t, ceiling_of):
                         L.fill_pattern(dst_t, POISON, nbytes=total)
                         ts = clock.time(fn, name, warmup, trials)
                         w = L.verify(dst_t, whole, SEED).wrong_bytes
                         r = Row(name, None, 1, total, None, None, ts, None, w, note=f"same bytes as {size} B rows")
-                        ceil[ceiling_of] = r.gbps
+                        ceil[ceiling_of], fastest[ceiling_of] = r.gbps, r.fastest_gbps
                         p(r)
 
                     if {"pull", "blocks"} & set(ops) or (sweep and size == c["sweep_size"]):
@@ -340,11 +361,9 @@ def _run(c: dict, outputs, out) -> int:
                         fn, check, dst_t, vdescs, ceiling_of = kinds[op]
                         if op == "unpack" and not packed:
                             L.pack(la, stage, d, offs, nbytes_hint=size)
-                        if op != "unpack":
-                            L.fill_pattern(dst_t, POISON, nbytes=total if op == "pack" else None)
-                        else:
-                            L.fill_pattern(lb, POISON)
-                        check()                      # validate once (one host sync)
+                        check()     # validate once (one host sync); pack's and unpack's check moves the bytes too,
+                        # so the destination is poisoned after it: the verifier sees what the timed runs wrote
+                        L.fill_pattern(dst_t, POISON, nbytes=total if op == "pack" else None)
                         ts = clock.time(fn, op, warmup, trials)
                         if vdescs is None:
                             vdescs = L.packed_descriptors(d, offs)
@@ -353,11 +372,12 @@ def _run(c: dict, outputs, out) -> int:
                         cfg, progs = L.launch_geometry(n, tdev, nbytes_hint=size,
                                                        local=op in ("local", "pack", "unpack"))
                         p(Row(op, size, n, total, progs, None if emu else min(progs, sms), ts, ceil.get(ceiling_of), w,
-                              extra={"config": cfg.__dict__}))
+                              extra={"config": cfg.__dict__}, ceiling_fastest_gbps=fastest.get(ceiling_of)))
 
                     if "blocks" in ops:
                         for r in _block_rows(L, plat, clock, tdev, rng, p_src, lb, pool, size, warmup, trials,
                                              ceil.get("pull"), sms, emu, c["tilings"]):
+                            r.ceiling_fastest_gbps = fastest.get("pull")
                             p(r)
 
                     if sweep and size == c["sweep_size"]:
@@ -378,7 +398,7 @@ def _run(c: dict, outputs, out) -> int:
                                   ceil.get("pull"), w,
                                   note="all: the default grid" if g is None else
                                   "one program per SM" if s == "sms" else "",
-                                  extra={"config": cfg.__dict__}))
+                                  extra={"config": cfg.__dict__}, ceiling_fastest_gbps=fastest.get("pull")))
                     del d, whole, offs
         finally:
             for b in bufs:
@@ -387,8 +407,10 @@ def _run(c: dict, outputs, out) -> int:
         plat.close()
 
     wrong = sum(r.wrong_bytes or 0 for r in rows)
-    verdict = R.Verdict(wrong, [] if all(r.wrong_bytes is not None for r in rows) else ["a row was not verified"],
-                        emulation=emu)
+    reasons = [] if all(r.wrong_bytes is not None for r in rows) else ["a row was not verified"]
+    reasons += [f"{r.op} {r.desc_bytes} B: {r.excess[1]}" for r in rows
+                if r.excess is not None and r.excess[0] is False]
+    verdict = R.Verdict(wrong, reasons, emulation=emu)
     elapsed = time.time() - started
     print("#", file=out)
     print(f"# rows: {len(rows)}, wrong bytes: {wrong}, elapsed: {elapsed:.1f} s", file=out)
@@ -401,9 +423,19 @@ def _run(c: dict, outputs, out) -> int:
     doc = {"schema": "gpuxfer.kernels-bench/1", "preamble": pre, "parameters": params,
            "gbps_definition": "moved bytes (each byte once) / median trial time / 1e9",
            "rows": [r.as_json() for r in rows], "wrong_bytes": wrong, "elapsed_s": elapsed,
-           "result": result}
+           "result": result, "reasons": verdict.reasons}
     outputs.publish(ARTIFACT, R.dumps(doc), out)
     return verdict.exit_code
+
+
+def _check_room(pool: int, local, peer, *, one_memory: bool) -> None:
+    """Three pool buffers on the local device and two on the peer's (one memory on the host emulation or one
+    device): more than the free memory is a ``--pool`` error before anything is allocated."""
+    wants = [(5 * pool, local)] if one_memory else [(3 * pool, local), (2 * pool, peer)]
+    for need, info in wants:
+        if info.free_bytes is not None and need > info.free_bytes:
+            raise BadInput(f"--pool {pool} B: the run needs {need} B on device {info.index} ({info.name}), which "
+                           f"has {info.free_bytes} B free")
 
 
 def _block_request(rng, pool: int, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

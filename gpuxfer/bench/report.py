@@ -27,9 +27,30 @@ import numpy as np
 
 
 def nearest_rank(xs, q: float):
-    """The ``q`` quantile of ``xs`` by nearest rank (a sample, not an interpolation); None when empty."""
+    """The ``q`` quantile of ``xs`` by nearest rank: the ``ceil(q * n)``-th smallest of the ``n`` samples (a
+    sample, not an interpolation; the p90 of 10 is the 9th, of 3 the largest); None when empty."""
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+    if not xs:
+        return None
+    rank = math.ceil(q * len(xs) - 1e-9)           # q * n within rounding of an integer is that integer
+    return xs[min(len(xs) - 1, max(0, rank - 1))]
+
+
+def ceiling_excess(rate, ceiling, fastest=None, *, judged: bool = True) -> tuple[bool | None, str] | None:
+    """A rate (GB/s) against its ceiling's rate of the same statistic: None when it is at most the ceiling
+    (or either is unknown); else ``(explained, note)``. Explained when ``rate`` is at most ``fastest``, the
+    ceiling's own fastest sample: the two differ by the ceiling's spread. A rate above every sample of its
+    ceiling is not explained (the ceiling under-measures what the link moves): the run fails on it.
+    ``judged=False`` (the host emulation, whose times measure a shared CPU): ``explained`` is None, noted."""
+    if not rate or not ceiling or rate <= ceiling:
+        return None
+    pct = 100.0 * rate / ceiling
+    if not judged:
+        return None, f"{pct:.1f}% of its ceiling (EMULATION: host times, not judged)"
+    if fastest is not None and rate <= fastest:
+        return True, f"{pct:.1f}% of its ceiling, within the ceiling's spread (its fastest sample {fastest:.4g} GB/s)"
+    return False, (f"{pct:.1f}% of its ceiling, above the ceiling's fastest sample"
+                   + (f" ({fastest:.4g} GB/s)" if fastest is not None else "") + ": the ceiling is not one")
 
 
 def text(v) -> str:

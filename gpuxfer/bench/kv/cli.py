@@ -30,8 +30,8 @@ from .model.plan import DIRECTIONS
 from .model.workloads import WORKLOADS
 from .grid import DEFAULT_DESC_BUDGET, HOST_GRID, SHED_DESC, Grid, human_bytes
 from .report import EXIT_INTERRUPTED
-from .options import (DEFAULTS, RunOptions, parse_grid_args, parse_grid_spec, parse_list, parse_run_options,
-                      parse_suite, resolve_defaults)
+from .options import (DEFAULTS, RunOptions, parse_devices, parse_grid_args, parse_grid_spec, parse_list,
+                      parse_run_options, parse_suite, resolve_defaults)
 
 __all__ = ["PLATFORM_CHOICES", "RunOptions", "add_arguments", "run", "parse_grid_args", "parse_grid_spec",
            "parse_run_options", "parse_suite", "print_plan", "parse_size", "parse_list", "plan_document"]
@@ -141,22 +141,11 @@ def _platform_for(args: argparse.Namespace) -> str:
     return platform_option(name)
 
 
-def _parse_devices(text) -> tuple[int, int] | None:
-    if text is None or not str(text).strip():
-        return None
-    devs = parse_list(text, option="--devices", item=lambda p: int_option(p, "--devices", minimum=0))
-    if len(devs) == 1:
-        devs = devs * 2
-    if len(devs) != 2:
-        raise BadInput(f"--devices: give one or two device indexes (prefill,decode), got {text!r}")
-    return devs[0], devs[1]
-
-
 def check_before_start(grid: Grid, args: argparse.Namespace, platform: str) -> None:
     """What the parent can check before any process starts: waits, device indexes, a grid with something left."""
     seconds_option(args.timeout)
     int_option(args.warmup, "--warmup", minimum=0)
-    devices = _parse_devices(args.devices)
+    devices = parse_devices(args.devices)
     n = device_count(platform)          # also where a bad GPUXFER_HOST_DEVICES says so, once
     if devices is not None:
         for d in devices:
@@ -286,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
             seconds_option(args.timeout)
             if args.warmup is not None:
                 int_option(args.warmup, "--warmup", minimum=0)
-            _parse_devices(args.devices)
+            parse_devices(args.devices)
         platform = _platform_for(args)
         shrunk = resolve_defaults(args, host=host_grid_applies(args, platform))
         spec = parse_grid_spec(args)

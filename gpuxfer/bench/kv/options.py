@@ -80,6 +80,30 @@ def parse_list(text: str, *, option: str, item: Callable[[str], object]) -> list
     return out
 
 
+def parse_devices(text) -> tuple[int, int] | None:
+    """``--devices PREFILL,DECODE`` (one index: both ranks on it); None when not given. Unlike the other lists,
+    a repeated index is kept (``0,0``: both ranks on device 0) and a third index is an error, not dropped."""
+    if text is None or not str(text).strip():
+        return None
+    parts = [p.strip() for p in str(text).split(",")]
+    if any(not p for p in parts):
+        raise BadInput(f"--devices: empty item in {text!r}")
+    devs = []
+    for p in parts:
+        try:
+            v = int(p)
+        except ValueError:
+            raise BadInput(f"--devices: {p!r} is not an integer") from None
+        if v < 0:
+            raise BadInput(f"--devices: must be >= 0, got {v}")
+        devs.append(v)
+    if len(devs) == 1:
+        devs = devs * 2
+    if len(devs) != 2:
+        raise BadInput(f"--devices: give one or two device indexes (prefill,decode), got {text!r}")
+    return devs[0], devs[1]
+
+
 def registered_engines() -> tuple[str, ...]:
     """Every engine of the registry (the optional ones, NIXL and Mooncake, too: named, they are measured
     where they can run and reported with the reason where they cannot)."""

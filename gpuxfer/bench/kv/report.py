@@ -32,8 +32,8 @@ import sys
 from typing import Any, Sequence
 
 from ..cpus import AUTO, describe
-from ..report import (Column, Table, Verdict, integer, link_text, percent, rate, text, versions_line,
-                      wrap_comments)
+from ..report import (Column, Table, Verdict, ceiling_excess, integer, link_text, percent, rate, text,
+                      versions_line, wrap_comments)
 from ..report import dumps as _dumps
 from ..timing import gbps, sample_stats
 
@@ -64,12 +64,20 @@ def finish_row(row: dict[str, Any], samples_s: Sequence[float]) -> dict[str, Any
     return row
 
 
-def apply_ceiling(row: dict[str, Any], ceiling_gbps: float | None) -> None:
+def apply_ceiling(row: dict[str, Any], ceiling_gbps: float | None, fastest_gbps: float | None = None, *,
+                  judged: bool = True) -> None:
+    """``row``'s share of its ceiling row's p50 GB/s; ``fastest_gbps``, the ceiling row's fastest burst, says
+    whether a row above the ceiling is within its spread (``above_ceiling`` and ``above_ceiling_explained``:
+    a row above every burst of its ceiling fails the run; on the host emulation, ``judged=False``, it is
+    noted, not judged)."""
     row["ceiling_gbps"] = ceiling_gbps
     if ceiling_gbps and row.get("p50_gbps") is not None:
         row["of_ceiling_pct"] = 100.0 * row["p50_gbps"] / ceiling_gbps
     else:
         row["of_ceiling_pct"] = None
+    excess = ceiling_excess(row.get("p50_gbps"), ceiling_gbps, fastest_gbps, judged=judged)
+    row["above_ceiling"] = None if excess is None else excess[1]
+    row["above_ceiling_explained"] = None if excess is None else excess[0]
 
 
 # ----------------------------------------------------------------------------- the table
@@ -114,6 +122,8 @@ def format_row(row: dict[str, Any]) -> str:
         line += f"  ERROR: {row['error']}"
     elif row.get("valid") is False:
         line += "  INVALID"
+    if row.get("above_ceiling"):
+        line += f"  ABOVE CEILING: {row['above_ceiling']}"
     return line
 
 
@@ -286,8 +296,15 @@ def outcome(rows: Sequence[dict[str, Any]], errors: Sequence[str], *, expected_r
         if r.get("wrong_bytes") or not sampled_failed:
             reasons.append(f"{_row_id(r)}: {r.get('wrong_bytes')} wrong bytes (first wrong descriptor "
                            f"{r.get('first_wrong_descriptor')})")
+    for r in rows:
+        if r.get("above_ceiling_explained") is False:
+            reasons.append(f"{_row_id(r)}: {r['above_ceiling']}")
     if not complete and not interrupted:
         reasons.append("the run did not complete")
+    elif complete and not rows and not reasons:
+        reasons.append("no row was measured: every row was shed (the # shed lines say why)")
+    elif complete and expected_rows is not None and len(rows) != expected_rows:
+        reasons.append(f"{len(rows)} rows measured of the {expected_rows} the run set out to measure")
     ok = not reasons
     status = "interrupted" if interrupted else "pass" if ok else "fail"
     return {"status": status, "rows": len(rows), "rows_valid": sum(1 for r in rows if r.get("valid")),
@@ -331,7 +348,7 @@ def footer_lines(out: dict[str, Any], artifacts: dict[str, Any], *, wrong_bytes:
 
 def build_document(*, env: dict[str, Any], params: dict[str, Any], rows: list[dict[str, Any]],
                    shed: list[dict[str, Any]], out: dict[str, Any], artifacts: dict[str, Any],
-                   argv: Sequence[str] | None = None) -> dict[str, Any]:
+                   argv: Sequence[str] | None = None, notes: Sequence[str] = ()) -> dict[str, Any]:
     return {
         "schema": SCHEMA,
         "generated_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -341,6 +358,7 @@ def build_document(*, env: dict[str, Any], params: dict[str, Any], rows: list[di
         "parameters": params,
         "rows": rows,
         "shed": shed,
+        "notes": list(notes),
         "summary": summary(rows),
         "outcome": out,
         "artifacts": artifacts,
@@ -462,6 +480,7 @@ class Reporter:
         self.rows: list[dict[str, Any]] = []
         self.shed: list[dict[str, Any]] = []
         self.errors: list[str] = []
+        self.notes: list[str] = []
         self.expected: int | None = None
         self.complete = False
         self._progress = None
@@ -520,6 +539,7 @@ class Reporter:
             if self._progress is not None:
                 self._progress.update(self._task, advance=payload.get("rows", 0))
         elif kind == "note":
+            self.notes.append(payload["text"])
             self._print(f"# {payload['text']}", prose=True)
         elif kind == "error":
             self.errors.append(payload["text"])
@@ -552,7 +572,7 @@ class Reporter:
         if self.out_dir:
             artifacts["json"] = os.path.join(self.out_dir, "kv_bench.json")
         doc = build_document(env=self.env, params=self.params, rows=self.rows, shed=self.shed, out=out,
-                             artifacts=artifacts, argv=self.argv)
+                             artifacts=artifacts, argv=self.argv, notes=self.notes)
         if self.params.get("suite") and self.out_dir:
             from . import collectivex as CX
             artifacts["suite_json"] = []

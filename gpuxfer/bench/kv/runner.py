@@ -70,7 +70,7 @@ from .model.plan import DIRECTIONS
 from ..cpus import rank_cpus
 from . import report as R
 from .checks import inject_parts
-from .options import GridSpec, RunOptions, parse_list
+from .options import GridSpec, RunOptions, parse_devices
 from .runconfig import MIN_TRIALS, ROW_BUDGET_S, RunConfig  # noqa: F401 - the runner's configuration
 from .worker import Worker
 
@@ -151,14 +151,7 @@ def config_from_args(args: argparse.Namespace, options: RunOptions, grid: GridSp
     if not timeout > 0:
         raise BadInput(f"--timeout must be positive, got {timeout}")
     inject = _parse_inject(getattr(args, "inject_fault", None) or config.get(INJECT_ENV), options.engines)
-    devices = None
-    if getattr(args, "devices", None):
-        devs = parse_list(args.devices, option="--devices", item=lambda p: _nonneg_int(p, "--devices"))
-        if len(devs) == 1:
-            devs = devs * 2
-        if len(devs) != 2:
-            raise BadInput(f"--devices: give one or two device indexes (prefill,decode), got {args.devices!r}")
-        devices = (devs[0], devs[1])
+    devices = parse_devices(getattr(args, "devices", None))
     post = str(getattr(args, "post", "host") or "host").strip()
     if post not in ("armed", "host"):
         raise BadInput(f"--post: unknown value {post!r}; use armed or host")

@@ -51,7 +51,7 @@ class Worker:
         self.peer_pool = None
         self.engines: dict[str, E.Engine] = {}
         self.stream = None
-        self.ceilings: dict[tuple, float | None] = {}
+        self.ceilings: dict[tuple, tuple] = {}     # (p50 GB/s, fastest burst's GB/s) of each ceiling row
         self.cross_host = False         # the ranks are on different hosts (or --cross-host): no peer mapping
         self.cpu_part: tuple[int, ...] | None = None     # --cpus auto: this rank's cores, the fastest picked per row
 
@@ -284,8 +284,9 @@ class Worker:
                         if self.rank == 0:
                             key = (point.workload.name, point.isl_tokens, point.page_tokens, batch, direction)
                             if eng.ceiling_across_hosts if self.cross_host else eng.ceiling:
-                                self.ceilings[key] = row.get("p50_gbps")
-                            R.apply_ceiling(row, self.ceilings.get(key))
+                                self.ceilings[key] = (row.get("p50_gbps"), row.get("max_gbps"))
+                            R.apply_ceiling(row, *self.ceilings.get(key, (None, None)),
+                                            judged=not self.platform.is_emulation)
                             self.emit("row", row)
         if cfg.suite:
             self._suite_bulk_rows()
@@ -308,8 +309,8 @@ class Worker:
                     row = self._row(eng, burst, pb, point, 1, direction)
                     if self.rank == 0:
                         if ceiling is None and (eng.ceiling_across_hosts if self.cross_host else eng.ceiling):
-                            ceiling = row.get("p50_gbps")
-                        R.apply_ceiling(row, ceiling)
+                            ceiling = (row.get("p50_gbps"), row.get("max_gbps"))
+                        R.apply_ceiling(row, *(ceiling or (None, None)), judged=not self.platform.is_emulation)
                         self.emit("row", row)
 
     def _load_burst(self, eng: E.Engine, p: E.Prepared) -> None:

@@ -15,7 +15,7 @@ from ..cliutil import (add_common_arguments, device_count, error_line, int_optio
 from . import ARTIFACT, BACKENDS, GRAPH, PLAIN, KiB, MiB
 from ..cpus import HELP as CPUS_HELP, rank_cpus
 from .ranks import _rank_main
-from .report import _host_target, _json_doc, _targets, format_report, total_wrong
+from .report import _host_target, _json_doc, _targets, ceiling_reasons, format_report, total_wrong
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -195,8 +195,10 @@ def run(args) -> int:
     if host is not None:       # host costs show on one device too
         res["targets"].append(host if not res["info"]["emulation"] else host[:2] + (None,))
     missed = [t for t in res["targets"] if t[2] is False]
-    verdict = R.Verdict(wrong, ["targets missed"] if args.check_targets and missed and judged and not wrong else [],
-                        emulation=res["info"]["emulation"])
+    reasons = ceiling_reasons(res)
+    if args.check_targets and missed and judged and not wrong:
+        reasons.append("targets missed")
+    verdict = R.Verdict(wrong, reasons, emulation=res["info"]["emulation"])
     res["result"] = verdict.result
     text = sys.stderr if outputs.json_stdout else sys.stdout
     print(format_report(res, opts), file=text)

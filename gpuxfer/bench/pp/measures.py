@@ -104,8 +104,11 @@ def _graph_rows(plat, dev, rank, opts, open_conn, src, wrong_bytes, iters_for) -
 def _pingpong(plat, dev, tdev, rank, opts, device_group) -> list:
     """One-way step latency: rank 0 sends a step, rank 1 receives it and sends it back, ``n`` round trips
     back to back (each step's copies wait on the GPU for the previous receive), one-way = wall / 2n.
-    Both directions' bytes are the same buffer's, checked on rank 0 after the loop. Host time per round
-    trip beside it: where it exceeds the GPU's round trip, the loop measures the host."""
+    Rank 1 sends back what it received; rank 0 checks the last round trip's bytes after the loop. Each round
+    trip carries other bytes than the ones before it (one of ``2 * recv_slots + 1`` sources, each byte
+    shifted by its number), so a receiver left holding an earlier step's bytes is caught; graph replays send
+    one static source, so the receive buffers are zeroed before one more, checked, replay. Host time per
+    round trip beside it: where it exceeds the GPU's round trip, the loop measures the host."""
     import torch
     import torch.distributed as dist
     from ...pp.selection import connect
@@ -114,6 +117,7 @@ def _pingpong(plat, dev, tdev, rank, opts, device_group) -> list:
     specs = {"x": ((top,), torch.uint8)}
     base = torch.randint(0, 256, (top,), dtype=torch.uint8, generator=torch.Generator().manual_seed(99)).to(tdev)
     n = 10 if plat.host_memory else opts.get("pingpong_iters") or 500
+    kinds = min(255, 2 * int(opts.get("recv_slots") or 2) + 1)
     rows = []
     for backend in opts["backends"]:
         if backend == PLAIN:
@@ -127,7 +131,9 @@ def _pingpong(plat, dev, tdev, rank, opts, device_group) -> list:
             snd, rcv = conn.sender(), conn.receiver()
             for size in PING_SIZES:
                 shapes = {"x": (size,)}
-                x = {"x": base[:size]}
+                sources = [{"x": base[:size] + k} for k in range(kinds)]       # uint8: each byte + k mod 256
+                x = sources[0]
+                sent = [0]          # round trips started (rank 0 picks the source of each)
                 last = {}
                 if backend == GRAPH:
                     back = torch.zeros(top, dtype=torch.uint8, device=tdev)
@@ -141,7 +147,8 @@ def _pingpong(plat, dev, tdev, rank, opts, device_group) -> list:
                 else:
                     def step():
                         if rank == 0:
-                            snd.send(x)
+                            snd.send(sources[sent[0] % kinds])
+                            sent[0] += 1
                             last["x"] = rcv.recv(shapes).tensors["x"]
                         else:
                             snd.send(rcv.recv(shapes).tensors)
@@ -157,6 +164,16 @@ def _pingpong(plat, dev, tdev, rank, opts, device_group) -> list:
                 el = now() - t0
                 snd.synchronize()
                 rcv.synchronize()
+                if backend == GRAPH:        # one static source: zero what the replays write, replay once more
+                    back.zero_()
+                    _sync(plat, dev)
+                    dist.barrier()
+                    step()
+                    _sync(plat, dev)
+                    snd.synchronize()
+                    rcv.synchronize()
+                else:
+                    x = sources[(sent[0] - 1) % kinds]
                 wrong = count_wrong_bytes({"x": last["x"]}, x) if rank == 0 else 0
                 rows.append({"backend": backend, "size_bytes": size, "iters": n, "one_way_us": el / (2 * n) * 1e6,
                              "host_us_per_round_trip": host / n * 1e6, "wrong_bytes": wrong})

@@ -7,8 +7,10 @@ from __future__ import annotations
 import os
 import platform as _pyplatform
 import statistics
+import sys
 
 from ...common import run_versions
+from ..report import nearest_rank
 from ..timing import now
 from . import GRAPH, NO_META, PACED_STEPS, PLAIN, _fmt_size
 from .measures import _bulk_copy, _contention, _graph_rows, _pingpong, _sync, count_wrong_bytes
@@ -40,15 +42,17 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
     half = maxs // 2
     specs = {"hidden": ((half // 2,), torch.bfloat16), "residual": ((half // 2,), torch.bfloat16)}
     nver = max(1, opts["verify_steps"])
+    period = source_period(nver, opts["recv_slots"])
     stride = 4096
     g = torch.Generator().manual_seed(1234)
-    base = torch.randint(0, 256, (maxs + (nver + 2) * stride,), dtype=torch.uint8, generator=g).to(tdev)
+    base = torch.randint(0, 256, (maxs + period * stride,), dtype=torch.uint8, generator=g).to(tdev)
 
     views: dict = {}
 
     def src(size: int, k: int) -> dict:
-        """Step k's tensors: views of ``base`` at one of nver + 2 offsets (made once: the loop times the transport)."""
-        key = (size, k % (nver + 2))
+        """Step k's tensors: views of ``base`` at one of ``period`` offsets (made once: the loop times the
+        transport)."""
+        key = (size, k % period)
         got = views.get(key)
         if got is None:
             o, h = key[1] * stride, size // 2
@@ -168,13 +172,14 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
         speed["cpus"].append(current_cpu())
         if waits is not None:      # steps whose slot the sender did not see free on the host (a GPU wait queued)
             speed["slot_waits_pct"] = (t.slot_waits - waits) / n * 100
-        per.sort()
-        return (statistics.median(per), per[len(per) // 10], per[len(per) * 9 // 10]), last, speed
+        return (statistics.median(per), nearest_rank(per, 0.1), nearest_rank(per, 0.9)), last, speed
 
     try:
         for backend in opts["backends"]:
             if backend == GRAPH:
                 rows += _graph_rows(plat, dev, rank, opts, open_conn, src, wrong_bytes, iters_for)
+                _progress(rank, f"{GRAPH}: {len(sizes)} sizes, "
+                                f"{sum(r['wrong_bytes'] for r in rows if r['backend'] == GRAPH)} wrong bytes")
                 continue
             for metadata in ((False,) if backend in NO_META else (True, False)):
                 conn = open_conn(backend, metadata)
@@ -232,17 +237,36 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
                                      "algbw_gbps": size / (elapsed / n) / 1e9,
                                      "wrong_bytes": wrong,
                                      "instrumented": instrumented + " (first repeat)" if instrumented else None})
+                        _progress(rank, f"{backend} {'+' if metadata else '-'}meta {_fmt_size(size)}: "
+                                        f"{rows[-1]['time_us']:.1f} us per step, {wrong} wrong bytes")
                     if backend == "copy_engine" and not metadata:
+                        _progress(rank, "the bulk peer-copy ceiling")
                         bulk = _bulk_copy(plat, dev, t, sizes, rank, iters_for)
                 dist.barrier()
         if opts.get("pingpong", True):
+            _progress(rank, "the one-way latency ping-pong")
             pingpong = _pingpong(plat, dev, tdev, rank, opts, device_group)
         if not opts["no_contention"]:
+            _progress(rank, "SM contention next to a matmul loop")
             contention = _contention(plat, dev, tdev, rank, opts, open_conn, src, run_steps, rows)
     finally:
         plat.close()
     return {"info": info, "rows": rows, "bulk": bulk, "contention": contention, "flag_paths": flag_paths,
             "meta_channels": meta_channels, "profiles": profiles, "pingpong": pingpong}
+
+
+def _progress(rank: int, text: str) -> None:
+    """One line on stderr as the run goes, from the receiver (the report comes at the end, on stdout): a long
+    run on a GPU shows it is moving, and where."""
+    if rank == 1:
+        print(f"# pp progress: {text}", file=sys.stderr, flush=True)
+
+
+def source_period(verify_steps: int, recv_slots: int) -> int:
+    """How many different sources the steps cycle through: more than the verification steps and their
+    neighbours, and odd and above twice the receive slots, so that a receive slot still holding the step one
+    or two turns of the slots earlier never holds the bytes the checked step was sent."""
+    return max(verify_steps + 2, 2 * recv_slots + 1)
 
 
 def _profile_text(prof, title: str, steps: int) -> str:

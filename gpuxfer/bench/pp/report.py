@@ -81,6 +81,28 @@ def _host_target(res: dict, recv_views: bool = False) -> tuple[str, str, bool] |
                          f"(p90 {r90:.1f})", max(s90, r90) <= TARGET_HOST_US)
 
 
+def ceiling_rows(res: dict) -> list[tuple[int, float, tuple[bool, str] | None]]:
+    """``(size, % of the bulk peer copy, excess)`` of each copy_engine -meta row of at least 1 MiB with a bulk
+    ceiling of its size (what the report shows as % of that ceiling); ``excess`` is
+    :func:`gpuxfer.bench.report.ceiling_excess` against the bulk loops' median and fastest (None: at most 100%)."""
+    bulk = {b["size_bytes"]: b for b in res.get("bulk") or []}
+    out = []
+    for r in res["rows"]:
+        b = bulk.get(r["size_bytes"])
+        if r["backend"] != "copy_engine" or r["metadata"] or r["size_bytes"] < MiB or not b or not b["algbw_gbps"]:
+            continue
+        out.append((r["size_bytes"], r["algbw_gbps"] / b["algbw_gbps"] * 100,
+                    R.ceiling_excess(r["algbw_gbps"], b["algbw_gbps"], b.get("algbw_gbps_max"),
+                                     judged=not (res.get("info") or {}).get("emulation"))))
+    return out
+
+
+def ceiling_reasons(res: dict) -> list[str]:
+    """Why the run fails for its rows above the bulk ceiling: each one above every loop of the ceiling."""
+    return [f"copy_engine -meta at {_fmt_size(size)}: {x[1]}" for size, _, x in ceiling_rows(res)
+            if x is not None and x[0] is False]
+
+
 def _cpus(cpus) -> str:
     return "?" if not cpus else "-".join("?" if c is None else str(c) for c in cpus)
 
@@ -192,14 +214,13 @@ def format_report(res: dict, opts: dict) -> str:
                              f"[{b.get('algbw_gbps_min', b['algbw_gbps']):.1f}, "
                              f"{b.get('algbw_gbps_max', b['algbw_gbps']):.1f}] GB/s" for b in res["bulk"]
                              if b["size_bytes"] >= MiB or len(res["bulk"]) < 6))
-        bulk = {b["size_bytes"]: b["algbw_gbps"] for b in res["bulk"]}
-        pct = [(r["size_bytes"], r["algbw_gbps"] / bulk[r["size_bytes"]] * 100) for r in res["rows"]
-               if r["backend"] == "copy_engine" and not r["metadata"] and bulk.get(r["size_bytes"])
-               and r["size_bytes"] >= MiB]
+        pct = ceiling_rows(res)
         if pct:
             L.append("# copy_engine -meta as % of that ceiling: " + ", ".join(
-                f"{_fmt_size(sz)} {p:.1f}%{' (ABOVE 100%: within the ceiling loops spread)' if p > 100 else ''}"
-                for sz, p in pct))
+                f"{_fmt_size(sz)} {p:.1f}%" + ("" if x is None else " (ABOVE 100%: EMULATION, not judged)"
+                                               if x[0] is None else " (ABOVE 100%: within the ceiling loops' spread)"
+                                               if x[0] else " (ABOVE the ceiling's fastest loop: unexplained)")
+                for sz, p, x in pct))
     pings = res.get("pingpong") or []
     if pings:
         L.append("#")
@@ -274,6 +295,10 @@ def _json_doc(res: dict, opts: dict) -> dict:
         "cpus_by_rank": [res["sender_info"].get("cpus"), info.get("cpus")],
         "cpu_pick_by_rank": [res["sender_info"].get("cpu_pick"), info.get("cpu_pick")],
         "rows": res["rows"], "bulk_copy": res["bulk"], "contention": res["contention"],
+        "copy_engine_of_bulk": [{"size_bytes": size, "of_ceiling_pct": pct,
+                                 "above_ceiling": None if x is None else x[1],
+                                 "above_ceiling_explained": None if x is None else x[0]}
+                                for size, pct, x in ceiling_rows(res)],
         "pingpong": res.get("pingpong") or [],
         "targets": [{"target": n, "measured": g, "met": m} for n, g, m in res["targets"]],
         "wrong_bytes": total_wrong(res), "result": res["result"],
