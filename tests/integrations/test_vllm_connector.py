@@ -132,6 +132,17 @@ def test_dead_prefill_reports_load_errors(inst):
     prefill_dies(inst["HP"], inst["HD"], [(f"k{i}", 160, 8000 + i) for i in range(3)])
 
 
+def test_the_stats_p90_is_the_nearest_rank():
+    """``get_kv_connector_stats``' p90 is the ceil(0.9 n)-th smallest sample: of ten post times 1..10 ms the 9th
+    (9 ms), not the largest; of three, the largest."""
+    from gpuxfer.integrations.vllm.connector import GpuxferStats
+    s = GpuxferStats()
+    s.data["post_host_s"] = [i / 1e3 for i in range(10, 0, -1)]
+    s.data["xfer_s"] = [0.001, 0.003, 0.002]
+    out = s.reduce()
+    assert out["post_host_p90_ms"] == 9.0 and out["xfer_p90_ms"] == 3.0
+
+
 def test_the_extra_config_is_checked():
     """``kv_connector_extra_config``: ``device_ids`` is true, false or "auto" (the default); anything else, and a
     ``token_major`` that is not a bool, is a typed error naming the key."""

@@ -3,6 +3,7 @@ This module imports vLLM; vLLM imports it through ``kv_connector_module_path``."
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,7 +77,8 @@ class GpuxferStats(KVConnectorStats):
             xs = sorted(d.get(k, []))
             if xs:
                 out[k.replace("_s", "") + "_avg_ms"] = round(1e3 * sum(xs) / len(xs), 3)
-                out[k.replace("_s", "") + "_p90_ms"] = round(1e3 * xs[min(len(xs) - 1, int(0.9 * len(xs)))], 3)
+                # the p90 by nearest rank: the ceil(0.9 n)-th smallest (of 10 samples the 9th)
+                out[k.replace("_s", "") + "_p90_ms"] = round(1e3 * xs[max(0, math.ceil(0.9 * len(xs) - 1e-9) - 1)], 3)
         return out
 
     def is_empty(self) -> bool:
