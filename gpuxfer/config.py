@@ -160,11 +160,11 @@ VARS: dict[str, Var] = {v.name: v for v in (
     # KV engines
     Var("GPUXFER_KV_ON_TIMEOUT", "raise", choice("raise", "exit"),
         "what a failed KV side or agent does: raise on every later call, or also log and exit"),
-    Var("GPUXFER_KV_COPY", "descriptors", choice("descriptors", "blocks"),
-        "how the triton engine's posts copy: descriptors (an expansion kernel writes a request's descriptor table, "
-        "the copies read it) or blocks (each copy derives its rows from the block IDs on the device: no "
-        "descriptor table, one launch per tiling: less host time a post; below ~4 KB a row its copy rate against "
-        "the descriptors' was measured both lower and higher, by GPU and tiling: docs/PERFORMANCE.md)"),
+    Var("GPUXFER_KV_COPY", "blocks", choice("descriptors", "blocks"),
+        "how the triton engine's posts copy: blocks (each copy derives its rows from the block IDs on the device: "
+        "no descriptor memory, one launch per tiling, less host time a post and a batch) or descriptors (an "
+        "expansion kernel writes a request's descriptor table, 24 B a row, the copies read it): "
+        "docs/PERFORMANCE.md, 'Mode 5's own tiling'"),
     Var("GPUXFER_KV_TRITON_ORDER", "peer", choice("peer", "local", "plan"),
         "how the triton engine orders each size class: by the peer pool's offsets, the local pool's, or as planned"),
     Var("GPUXFER_KV_REMOTE", "none", choice("none", "nixl"),

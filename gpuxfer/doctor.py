@@ -92,6 +92,14 @@ def capability_report(module: str, func: str, platform) -> tuple[dict[str, str |
         return None, f"report failed: {type(exc).__name__}: {exc}"
 
 
+def kv_slot_memory() -> dict:
+    """What a KVAgent ``triton`` slot holds on the device beyond the registered caches, by ``GPUXFER_KV_COPY``:
+    its request array (one int64 per block ID, both sides) and, with descriptor slots, a 24-byte row per
+    descriptor (``KVAgent.device_bytes()`` counts both per agent)."""
+    mode = config.get("GPUXFER_KV_COPY")
+    return {"GPUXFER_KV_COPY": mode, "bytes_per_block_id": 8, "bytes_per_descriptor": 24 if mode == "descriptors" else 0}
+
+
 def collect(platform_name: str | None = None) -> dict:
     """The whole report as plain data (what ``--json`` prints)."""
     report: dict = {"gpuxfer": __version__, "versions": library_versions(), "platform": None,
@@ -133,6 +141,7 @@ def collect(platform_name: str | None = None) -> dict:
                                             "detail": f"{type(exc).__name__}: {exc}"})
         for key, module, func in _CAPABILITY_REPORTS:
             report[key], report[f"{key}_note"] = capability_report(module, func, plat)
+        report["kv_slot_memory"] = kv_slot_memory()
     finally:
         plat.close()
     return report
@@ -245,6 +254,12 @@ def render(report: dict, console) -> None:
         for name, why in entries.items():
             t.add_row(e(name), "[green]yes[/]" if why is None else f"[red]no[/]: {e(why)}")
         console.print(t)
+        if key == "kv_engines" and report.get("kv_slot_memory"):
+            m = report["kv_slot_memory"]
+            more = (f" and a {m['bytes_per_descriptor']}-byte row per descriptor" if m["bytes_per_descriptor"]
+                    else ", no descriptor table")
+            console.print(f"  triton slots (GPUXFER_KV_COPY={e(m['GPUXFER_KV_COPY'])}): device memory per slot is its "
+                          f"request's block IDs, {m['bytes_per_block_id']} B each{more} (KVAgent.device_bytes())")
 
 
 def _table(title: str):

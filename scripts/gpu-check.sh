@@ -5,8 +5,8 @@
 # tests: doctor, the hot paths' host costs (stage hand-off calls, the KV API per request),
 # `pytest -m gpu` (both examples included), bench kernels; bench: bench pp, bench kv, NIXL against
 # our engines (where a NIXL module imports), bench kv under torchrun; full: both. Each half fits a
-# 10-minute call on 2x H200. blocks: the KV agent's slots with no descriptor table (GPUXFER_KV_COPY=blocks)
-# against the default: the block copy's gpu tests, the agent's gpu tests in that mode, mode 5's tilings
+# 10-minute call on 2x H200. blocks: the KV agent's two kinds of slot (GPUXFER_KV_COPY: blocks, the default,
+# and descriptors): the block copy's gpu tests, the agent's gpu tests with descriptor slots, mode 5's tilings
 # against the expansion + descriptor copy (bench kernels --tilings), and the host costs of both modes
 # (about 8 minutes on one H200, cold kernel cache).
 # Runs from the source tree (PYTHONPATH=.), so nothing needs installing where torch,
@@ -32,7 +32,7 @@ step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/NAME.log, remember fail
 }
 if [ "$mode" = blocks ]; then
   step block-copy-tests 240 $PY -m pytest -m gpu -q -p no:cacheprovider -rs tests/kernels
-  GPUXFER_KV_COPY=blocks step blocks-kv-tests 300 $PY -m pytest -m gpu -q -p no:cacheprovider -rs \
+  GPUXFER_KV_COPY=descriptors step descriptor-slots-kv-tests 300 $PY -m pytest -m gpu -q -p no:cacheprovider -rs \
     tests/kv/test_kv_agent_transfers.py tests/kv/test_kv_post_many.py tests/kv/test_kv_device_ids.py \
     tests/kv/test_kv_folded_posts.py tests/kv/test_kv_block_slots.py tests/kv/test_kv_token_rows.py \
     tests/kv/test_kv_layer_at.py tests/kv/test_kv_agent_routes.py

@@ -37,7 +37,7 @@ GOOD = {
     "GPUXFER_LOG_LEVEL": ("INFO", "info"),
     "GPUXFER_KV_ON_TIMEOUT": ("exit", "exit"),
     "GPUXFER_KV_TRITON_ORDER": ("plan", "plan"),
-    "GPUXFER_KV_COPY": ("blocks", "blocks"),
+    "GPUXFER_KV_COPY": ("descriptors", "descriptors"),
     "GPUXFER_KV_ROUTE": ("nixl", "nixl"),
     "GPUXFER_KV_REMOTE": ("NIXL", "nixl"),
     "GPUXFER_NIXL_PROGRESS_THREAD": ("1", True),

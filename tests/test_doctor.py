@@ -38,6 +38,19 @@ def test_json_on_host(capsys, monkeypatch):
     assert rep["config"]["GPUXFER_HOST_DEVICES"] == {"value": 3, "set": True, "error": None}
 
 
+@pytest.mark.parametrize("mode,per_row", [("blocks", 0), ("descriptors", 24)])
+def test_the_kv_slots_device_memory_is_reported(capsys, monkeypatch, mode, per_row):
+    """``doctor`` says what a KV slot holds on the device beyond the caches, by ``GPUXFER_KV_COPY``: its block IDs,
+    and a descriptor table only with descriptor slots."""
+    monkeypatch.setenv("GPUXFER_KV_COPY", mode)
+    rc, rep = _json(capsys, "--platform", "host")
+    assert rc == 0 and rep["kv_slot_memory"] == {"GPUXFER_KV_COPY": mode, "bytes_per_block_id": 8,
+                                                 "bytes_per_descriptor": per_row}
+    assert main(["doctor", "--platform", "host"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"GPUXFER_KV_COPY={mode}" in out and ("no descriptor table" in out) == (mode == "blocks")
+
+
 def test_text_says_emulation_loudly(capsys, monkeypatch):
     monkeypatch.setenv("GPUXFER_PP_TIMEOUT_S", "45")
     assert main(["doctor", "--platform", "host"]) == 0
