@@ -19,7 +19,7 @@ from ...errors import GpuxferError
 from . import lease
 from .channel import ChannelClosed, SideChannelClient
 from .handshake import agent_name, check_compatible, decode_info, readers
-from .params import BadTransferParams, RemotePrefill, source_ranks
+from .params import BadTransferParams, RemotePrefill, seal_key_from_hex, source_ranks
 from .staging import IdStaging
 
 log = logging.getLogger("gpuxfer.vllm")
@@ -49,6 +49,7 @@ class _Remote:
     world: int = 1
     sources: tuple = ()                     # the prefill ranks of its size this worker reads (params.source_ranks)
     meta: bytes | None = None
+    seal_key: bytes | None = None           # what its engine's params are sealed with, from its handshake
     error: str | None = None
     device_ids: bool = False                # its reads take block IDs on the device
     ordered: bool = True                    # its reads complete in post order (the IPC route: one stream)
@@ -122,6 +123,12 @@ class PrefillEngines:
             if info.get("engine_id") != engine_id:
                 raise BadTransferParams(f"{host}:{port} is engine {info.get('engine_id')!r}, not {engine_id!r} as "
                                         "the request's kv_transfer_params say (stale params?)")
+            if info.get("seal_key") is None:
+                # (before r.info: the loads waiting on it are not released with keys from params nothing checked)
+                raise BadTransferParams(f"{host}:{port}'s handshake carries no seal key, so no params naming it can "
+                                        "be checked (a prefill worker that ran none of their request's steps, or "
+                                        "another gpuxfer version); a later request handshakes again")
+            r.seal_key = seal_key_from_hex(info["seal_key"], "the peer's engine description's seal_key")
             r.info = info
             r.client.readers = readers(self.info, info)      # (before any message: each names its readers)
             pairing, names = check_compatible(self.info, info), self._group_names

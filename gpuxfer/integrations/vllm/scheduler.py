@@ -13,7 +13,7 @@ import numpy as np
 
 from . import lease
 from .holds import make_key
-from .params import BadTransferParams, RemotePrefill, build_params, parse_remote_prefill, tokens_to_load
+from .params import BadTransferParams, RemotePrefill, build_params, parse_remote_prefill, seal_key, tokens_to_load
 from .loads import Load
 
 log = logging.getLogger("gpuxfer.vllm")
@@ -43,6 +43,7 @@ class SchedulerSide:
         self._releases: list[RemotePrefill] = []
         self.bad_params = 0
         self.secret = secrets.token_bytes(16)      # the holds' keys' MAC secret (holds.make_key): this engine's only
+        self.seal_key = seal_key(self.secret)       # what its params are sealed with (params.check_seal)
 
     def _remote(self, request) -> RemotePrefill | None:
         params = request.kv_transfer_params
@@ -124,4 +125,4 @@ class SchedulerSide:
         self._holds[rid] = (deadline, key)
         return True, build_params(engine_id=self.engine_id, endpoints=self.endpoints, request_id=rid,
                                   block_ids=block_ids, block_sizes=self.block_sizes, lease_deadline=deadline,
-                                  key=key)
+                                  key=key, seal_key=self.seal_key)
