@@ -189,10 +189,12 @@ def test_params_loaded_twice_never_read_freed_blocks(tmp_path):
         assert_idle(D)
 
 
-def test_a_pushed_out_lease_never_reads_reused_blocks(tmp_path):
+def test_a_pushed_out_lease_or_released_params_never_read_reused_blocks(tmp_path):
     """Params whose ``lease_deadline`` a client pushed past the prefill's lease: the prefill freed the blocks when
     its lease ran out and another request's KV is in them now. The decode must not load them and report success
-    (the params' seal does not cover that deadline); the good request beside it loads."""
+    (the params' seal does not cover that deadline); the good request beside it loads. Then params first handed
+    over with a prompt that leaves nothing to load (the decode releases them: the prefill frees the blocks, which
+    are reused), and then with their prompt: that load must not read the freed blocks either."""
     import time
     model = write_model(str(tmp_path / "model"))
     with running({"P": dict(model_dir=model, block_size=16, extra=TM, env=ENV, num_blocks=64, max_model_len=1024),
@@ -215,3 +217,12 @@ def test_a_pushed_out_lease_never_reads_reused_blocks(tmp_path):
         assert_loaded({"d-g": res["d-g"]})
         assert_idle(D)
         assert_idle(P)
+        pb = prefill(P, [("b", 100, 24)])
+        res = D.run("decode", [("d-b-short", 1, 24, pb["b"])])
+        assert res["d-b-short"].get("finished") == "length" and "load" not in res["d-b-short"], res
+        assert_idle(P)                                      # released: b's blocks are free
+        prefill(P, [("f2", 900, 25)])                       # and reused
+        res = D.run("decode", [("d-b", 100, 24, pb["b"])])
+        assert res["d-b"].get("finished") == "length", res
+        assert res["d-b"].get("load") != "ok", res
+        assert_idle(D)

@@ -19,7 +19,7 @@ from gpuxfer.integrations.vllm.holds import make_key
 from gpuxfer.integrations.vllm.lease import now
 from gpuxfer.integrations.vllm.loads import Load
 from gpuxfer.integrations.vllm.params import (BadSeal, BadTransferParams, RemotePrefill, build_params, check_seal,
-                                              parse_remote_prefill, seal_key)
+                                              for_release, parse_remote_prefill, seal_key)
 from gpuxfer.integrations.vllm.scheduler import SchedulerSide
 from gpuxfer.integrations.vllm.worker import Settings, WorkerSide
 from test_vllm_worker_polls import SEAL_KEY, _Client, _sealed
@@ -80,6 +80,18 @@ def _alter(p: dict, field: str) -> None:
     elif field == "fewer ranks":
         del p["remote_endpoints"]
         p["tp_size"] = 1
+
+
+def test_a_release_checks_without_the_block_ids():
+    """What a worker is handed to release a request carries the digest of its block IDs instead of the arrays: its
+    seal checks out, and that of params altered before it does not."""
+    rp = parsed(made(2))
+    check_seal(for_release(rp), SEAL_KEY)
+    assert for_release(rp).block_ids == ()
+    p = made(2)
+    _alter(p, "block id")
+    with pytest.raises(BadSeal):
+        check_seal(for_release(parsed(p)), SEAL_KEY)
 
 
 @pytest.mark.parametrize("field", ["block id", "other group's block id", "block moved between groups", "deadline",
@@ -281,3 +293,23 @@ def test_a_handshake_with_a_malformed_seal_key_fails_with_a_typed_error(monkeypa
     (r,) = w.decode.remotes.values()
     assert r.state == "failed" and r.error.startswith(f"{BadInput.__name__}: ") and "seal_key" in r.error
     assert w.poll()[1:] == ({"d0"}, {"d0"}) and not posted
+
+
+def test_a_release_is_sent_for_sealed_params_no_load_claims_and_claims_them(monkeypatch):
+    """The scheduler side releases the params of a request it will not load (nothing left to load, or aborted
+    before its load). A release of params whose seal does not hold is not sent (its key is from nobody's params); one
+    of a request a load of this worker is reading is not sent either (the prefill would free the blocks under the
+    read); and a release sent claims the request, so the same params loaded afterwards fail rather than read blocks
+    the release let the prefill free and reuse."""
+    w, clients, posted = _decode(monkeypatch, [SEAL_KEY])
+    reading = _sealed(_rp("p-reading", (1, 2)))
+    w.start_loads([Load("d-reading", reading, (np.array([7, 8]),), 0, 31)])      # posted, not reported yet
+    (client,) = clients
+    spare = _sealed(_rp("p-spare", (3, 4)))
+    forged = dataclasses.replace(_sealed(_rp("p-forged", (5, 6))), lease_deadline=now() - 1)
+    w.release([for_release(rp) for rp in (reading, spare, forged)])      # (as the scheduler side hands them)
+    assert client.sent == [("release", ["p-spare"])]
+    w.start_loads([Load("d-spare", spare, (np.array([9, 10]),), 0, 31)])
+    _, recving, failed = w.poll()
+    assert recving == {"d-reading", "d-spare"} and failed == {"d-spare"}
+    assert posted == [([1, 2], "d-reading")] and w.take_load_errors() == {9, 10}

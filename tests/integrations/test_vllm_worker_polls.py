@@ -457,13 +457,14 @@ def test_a_decode_rank_talks_to_its_own_prefill_rank_and_a_load_naming_no_such_r
                    settings=Settings(lease_s=60, host="127.0.0.1", port=0, handshake_timeout_s=5, token_major=True),
                    tp=(1, 2))
     w.decode.agent = types.SimpleNamespace(timeout_s=60.0)
-    ranks = [_Remote(("127.0.0.1", port, "p"), state="ready", client=_Client()) for port in (1, 2)]
+    ranks = [_Remote(("127.0.0.1", port, "p"), state="ready", client=_Client(), seal_key=SEAL_KEY)
+             for port in (1, 2)]
     for r in ranks:
         w.decode.remotes[r.key] = r
     two = (("127.0.0.1", 1), ("127.0.0.1", 2))
     ids = (np.arange(1, 3),)
-    w.release([RemotePrefill("p", "127.0.0.1", 1, "p0", ids, (16,), now() + 60, two),
-               RemotePrefill("p", "127.0.0.1", 1, "p1", ids, (16,), now() + 60)])
+    w.release([_sealed(RemotePrefill("p", "127.0.0.1", 1, "p0", ids, (16,), now() + 60, two)),
+               _sealed(RemotePrefill("p", "127.0.0.1", 1, "p1", ids, (16,), now() + 60))])
     assert ranks[0].client.sent == [("release", ["p1"])] and ranks[1].client.sent == [("release", ["p0"])]
     three = RemotePrefill("p", "127.0.0.1", 1, "p2", ids, (16,), now() + 60, two + (("127.0.0.1", 3),))
     w.start_loads([Load("d2", three, (np.array([7, 8]),), 0, 31)])

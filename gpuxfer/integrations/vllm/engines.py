@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from ...errors import GpuxferError
 from . import lease
@@ -250,19 +250,6 @@ class PrefillEngines:
                     r.client.close()
                 log.info("gpuxfer: engine %s: forgot prefill engine %s (%s)", self.engine_id, key[2],
                          r.error or (r.client.closed_reason if r.client else "gone"))
-
-    def release(self, releases: Sequence[RemotePrefill]) -> None:
-        """Tell prefill engines (the ranks of each this worker reads) this instance will not read these requests
-        (best effort, known engines)."""
-        for rp in releases:
-            try:
-                keys = rp.endpoints_of(self.tp_rank, self.tp_size)
-            except BadTransferParams:
-                continue
-            for key in keys:
-                r = self.remotes.get(key)
-                if r is not None and r.state == "ready" and r.client is not None:
-                    r.client.notify("release", [rp.request_id], [rp.key])
 
     def flush_late(self, now: float) -> None:
         """Done messages a busy engine kept from the side channel's sender threads, sent now."""

@@ -495,8 +495,27 @@ class DecodeLoads:
         self.engines.reap()
 
     def release(self, releases: Sequence[RemotePrefill]) -> None:
-        """Tell prefill engines this instance will not read these requests (:meth:`.PrefillEngines.release`)."""
-        self.engines.release(releases)
+        """Tell prefill engines (the ranks of each this worker reads, those known) this instance will not read these
+        requests (best effort): those of params that carry their engine's seal and that no load of this worker
+        claims (that load ends the hold itself). A release claims its request, so a later load of the same params
+        fails rather than read blocks the release let the prefill free."""
+        for rp in releases:
+            try:
+                keys = rp.endpoints_of(self.tp_rank, self.tp_size)
+            except BadTransferParams:
+                continue
+            for key in keys:
+                r, claim = self.remotes.get(key), (key, rp.request_id)
+                if r is None or r.state != "ready" or r.client is None or claim in self.claims:
+                    continue
+                try:
+                    check_seal(rp, r.seal_key)
+                except BadSeal as exc:
+                    log.warning("gpuxfer: engine %s: not releasing request %s of engine %s: %s", self.engine_id,
+                                rp.request_id, rp.engine_id, exc)
+                    continue
+                self.claims[claim] = (r, rp.lease_deadline)
+                r.client.notify("release", [rp.request_id], [rp.key])
 
     # ------------------------------------------------------------------ both
 

@@ -20,12 +20,14 @@ i // k (:func:`source_rank`).
 
 The seal (made by :func:`build_params`) is a MAC under a key derived one way from the prefill engine's hold-key secret
 (:func:`seal_key`), over a canonical encoding of what a decode worker acts on (:func:`_canonical`): engine, request,
-each group's block IDs, block sizes, lease deadline, tensor parallel size, endpoints and hold key. The prefill's
+the digest of each group's block IDs, block sizes, lease deadline, tensor parallel size, endpoints and hold key. The prefill's
 workers hand the seal key out in their handshake; a decode worker checks a load's params against it before it
 reads (:func:`check_seal`), so params altered or forged by a client or proxy fail that load alone.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import hmac
 import math
 import struct
@@ -69,6 +71,7 @@ class RemotePrefill:
     endpoints: tuple[tuple[str, int], ...] = ()     # per tensor parallel rank; () means ((host, port),)
     key: str | None = None                          # the hold's key (None: the prefill gave none)
     seal: bytes | None = None                       # the params' seal (None: they carry none; :func:`check_seal`)
+    ids_digest: bytes | None = None                 # with block_ids left out (:func:`for_release`): their digest
 
     @property
     def tp_size(self) -> int:
@@ -303,8 +306,8 @@ def build_params(*, engine_id: str, endpoints: Sequence[tuple[str, int]], reques
         out["remote_key"] = key
     if len(endpoints) > 1:
         out["remote_endpoints"] = [[h, p] for h, p in eps]
-    out["remote_seal"] = hmac.digest(seal_key, _canonical(engine_id, request_id, arrays, sizes, float(lease_deadline),
-                                                          eps, key), "sha256").hex()
+    out["remote_seal"] = hmac.digest(seal_key, _canonical(engine_id, request_id, ids_digest(arrays), sizes,
+                                                          float(lease_deadline), eps, key), "sha256").hex()
     return out
 
 
@@ -343,18 +346,25 @@ def _text_bytes(s: str) -> bytes:
     return struct.pack("<I", len(b)) + b
 
 
-def _canonical(engine_id: str, request_id: str, block_ids: Sequence[np.ndarray], block_sizes: Sequence[int],
-               lease_deadline: float, endpoints: Sequence[tuple[str, int]], key: str | None) -> bytes:
-    """What a seal covers, one encoding for both instances: every string and list length-prefixed, each group's
-    block IDs as little-endian int64s, the deadline as a little-endian double; ``endpoints``: every rank's
-    ``(host, port)`` (their count is the tensor parallel size)."""
-    parts = [b"gpuxfer-params-1\0", _text_bytes(engine_id), _text_bytes(request_id), struct.pack("<I", len(block_ids))]
+def ids_digest(block_ids: Sequence[np.ndarray]) -> bytes:
+    """SHA-256 of a request's block IDs as a seal covers them: their group count, then each group's length and IDs
+    as little-endian int64s."""
+    h = hashlib.sha256(struct.pack("<I", len(block_ids)))
     for a in block_ids:
         a = np.ascontiguousarray(a, dtype="<i8")
-        parts.append(struct.pack("<Q", a.size))
-        parts.append(a.tobytes())
-    parts.append(struct.pack(f"<I{len(block_sizes)}q", len(block_sizes), *block_sizes))
-    parts.append(struct.pack("<dI", lease_deadline, len(endpoints)))
+        h.update(struct.pack("<Q", a.size))
+        h.update(a)
+    return h.digest()
+
+
+def _canonical(engine_id: str, request_id: str, digest: bytes, block_sizes: Sequence[int], lease_deadline: float,
+               endpoints: Sequence[tuple[str, int]], key: str | None) -> bytes:
+    """What a seal covers, one encoding for both instances: every string and list length-prefixed, the block IDs'
+    :func:`ids_digest`, the deadline as a little-endian double; ``endpoints``: every rank's ``(host, port)``
+    (their count is the tensor parallel size)."""
+    parts = [b"gpuxfer-params-1\0", _text_bytes(engine_id), _text_bytes(request_id), digest,
+             struct.pack(f"<I{len(block_sizes)}q", len(block_sizes), *block_sizes),
+             struct.pack("<dI", lease_deadline, len(endpoints))]
     for h, p in endpoints:
         parts.append(_text_bytes(h))
         parts.append(struct.pack("<I", p))
@@ -362,11 +372,19 @@ def _canonical(engine_id: str, request_id: str, block_ids: Sequence[np.ndarray],
     return b"".join(parts)
 
 
+def for_release(rp: RemotePrefill) -> RemotePrefill:
+    """What a worker needs to release a request (its rank's endpoint, the engine, the request, and what checks its
+    seal): the params with the digest of their block IDs in place of the arrays, which would travel to every worker
+    with the step's metadata."""
+    return dataclasses.replace(rp, block_ids=(), ids_digest=ids_digest(rp.block_ids))
+
+
 def seal_of(rp: RemotePrefill, key: bytes) -> bytes:
     """The seal of checked params ``rp`` under seal key ``key``."""
     eps = rp.endpoints or ((rp.host, rp.port),)
-    return hmac.digest(key, _canonical(rp.engine_id, rp.request_id, rp.block_ids, rp.block_sizes, rp.lease_deadline,
-                                       eps, rp.key), "sha256")
+    digest = ids_digest(rp.block_ids) if rp.ids_digest is None else rp.ids_digest
+    return hmac.digest(key, _canonical(rp.engine_id, rp.request_id, digest, rp.block_sizes, rp.lease_deadline, eps,
+                                       rp.key), "sha256")
 
 
 def check_seal(rp: RemotePrefill, key: bytes | None) -> None:
