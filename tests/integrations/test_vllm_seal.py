@@ -166,11 +166,11 @@ class _Handle:
         return True
 
 
-def _decode(monkeypatch, seal_keys: list, prefill_tp: int = 1):
+def _decode(monkeypatch, seal_keys: list, prefill_tp: int = 1, answer_after: int = 0):
     """A decode worker whose side channel reaches a prefill engine "p" (of ``prefill_tp`` ranks: port 1 + r is rank
     r) at any port; each new connection's handshake carries the next entry of ``seal_keys`` as its seal key (None:
-    none). Its agent records what is posted (remote block IDs, name); its clients what they send (as a real one, a
-    closed client sends nothing)."""
+    none), answered at its ``answer_after + 1``-th pump. Its agent records what is posted (remote block IDs, name);
+    its clients what they send (as a real one, a closed client sends nothing)."""
     clients = []
 
     class Client(_Client):
@@ -188,7 +188,8 @@ def _decode(monkeypatch, seal_keys: list, prefill_tp: int = 1):
             clients.append(self)
 
         def pump(self):
-            return encode_info(self.info), b"meta"
+            self.pumps = getattr(self, "pumps", 0) + 1
+            return (encode_info(self.info), b"meta") if self.pumps > answer_after else None
 
         def notify(self, op, reqs, keys=None) -> bool:
             if not self.alive:
@@ -313,3 +314,21 @@ def test_a_release_is_sent_for_sealed_params_no_load_claims_and_claims_them(monk
     _, recving, failed = w.poll()
     assert recving == {"d-reading", "d-spare"} and failed == {"d-spare"}
     assert posted == [([1, 2], "d-reading")] and w.take_load_errors() == {9, 10}
+
+
+def test_a_refused_handshake_releases_only_the_sealed_loads_waiting_on_it(monkeypatch):
+    """The prefill engine's caches cannot be mapped: the loads waiting on it fail, and those whose params carry its
+    seal are released at once (the prefill frees their blocks); one whose params were altered is not (its key
+    could be another request's)."""
+    w, clients, posted = _decode(monkeypatch, [SEAL_KEY], answer_after=1)
+
+    def add_peer(*a, **k):
+        raise engines_mod.GpuxferError("no mapping here")
+    w.decode.engines.agent.add_peer = add_peer
+    good = _sealed(_rp("p-good", (1, 2)))
+    altered = dataclasses.replace(_sealed(_rp("p-altered", (3, 4))), block_ids=(np.array([5, 6]),))
+    w.start_loads([Load("d-good", good, (np.array([7, 8]),), 0, 31),
+                   Load("d-altered", altered, (np.array([9, 10]),), 0, 31)])
+    assert len(clients) == 1                        # both waited on the handshake (answered at the second pump)
+    assert clients[0].sent == [("release", ["p-good"])] and not clients[0].alive
+    assert w.poll()[1:] == ({"d-good", "d-altered"}, {"d-good", "d-altered"}) and not posted

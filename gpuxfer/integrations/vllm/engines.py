@@ -19,7 +19,7 @@ from ...errors import GpuxferError
 from . import lease
 from .channel import ChannelClosed, SideChannelClient
 from .handshake import agent_name, check_compatible, decode_info, readers
-from .params import BadTransferParams, RemotePrefill, seal_key_from_hex, source_ranks
+from .params import BadSeal, BadTransferParams, RemotePrefill, check_seal, seal_key_from_hex, source_ranks
 from .staging import IdStaging
 
 log = logging.getLogger("gpuxfer.vllm")
@@ -166,10 +166,20 @@ class PrefillEngines:
             return
         info = r.info
         if info is not None and info.get("engine_id") == engine_id and self._reads_rank(info):
-            rps = self._waiting(r)
+            rps = [rp for rp in self._waiting(r) if self._sealed(rp, r)]
             if rps:
                 r.client.notify("release", [rp.request_id for rp in rps], [rp.key for rp in rps])
         r.client.close()            # (sends what was queued first)
+
+    @staticmethod
+    def _sealed(rp: RemotePrefill, r: _Remote) -> bool:
+        """Whether ``rp`` carries the seal of the engine ``r`` (whose key its handshake gave): only such params'
+        keys are sent (a release with the key of params altered from others' could end those others' hold)."""
+        try:
+            check_seal(rp, r.seal_key)
+        except BadSeal:
+            return False
+        return True
 
     def _reads_rank(self, info: dict) -> bool:
         """Whether the peer that sent ``info`` is one of the prefill ranks this worker reads."""

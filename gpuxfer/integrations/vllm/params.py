@@ -18,11 +18,11 @@ A prefill instance's ``request_finished`` returns::
 from prefill rank i, or, where the decode runs k times the prefill's tensor parallel size, from prefill rank
 i // k (:func:`source_rank`).
 
-The seal (made by :func:`build_params`) is a MAC under a key derived one way from the prefill engine's hold-key secret
-(:func:`seal_key`), over a canonical encoding of what a decode worker acts on (:func:`_canonical`): engine, request,
-the digest of each group's block IDs, block sizes, lease deadline, tensor parallel size, endpoints and hold key. The prefill's
-workers hand the seal key out in their handshake; a decode worker checks a load's params against it before it
-reads (:func:`check_seal`), so params altered or forged by a client or proxy fail that load alone.
+The seal (made by :func:`build_params`) is a MAC under a key derived one way from the prefill engine's hold-key
+secret (:func:`seal_key`), over a canonical encoding of what a decode worker acts on (:func:`_canonical`): engine,
+request, the digest of each group's block IDs, block sizes, lease deadline, tensor parallel size, endpoints and hold
+key. The prefill's workers hand the seal key out in their handshake; a decode worker checks a load's params against
+it before it reads (:func:`check_seal`), so params altered or forged by a client or proxy fail that load alone.
 """
 from __future__ import annotations
 
@@ -391,9 +391,8 @@ def check_seal(rp: RemotePrefill, key: bytes | None) -> None:
     """:class:`BadSeal` unless ``rp`` carries the seal the prefill engine whose seal key is ``key`` (from
     its handshake) made for them: params altered or forged after the prefill made them."""
     if key is None:
-        raise BadSeal(f"prefill engine {rp.engine_id}'s handshake carried no seal key: its params cannot "
-                                "be checked")
+        raise BadSeal(f"prefill engine {rp.engine_id}'s handshake carried no seal key: its params cannot be checked")
     if rp.seal is None or not hmac.compare_digest(seal_of(rp, key), rp.seal):
         raise BadSeal(f"the kv_transfer_params of request {rp.request_id!r} do not carry prefill engine "
-                                f"{rp.engine_id}'s seal over what they name (altered, forged, or from before the "
-                                "engine restarted)")
+                      f"{rp.engine_id}'s seal over what they name (altered, forged, or from before the engine "
+                      "restarted)")
