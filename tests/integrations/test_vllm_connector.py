@@ -91,10 +91,13 @@ def test_lease_expiry(inst):
 
 def test_hostile_transfer_params(inst):
     """Each bad request fails alone (computed locally); the good one beside them loads. The prefill cannot be
-    told about params too broken to name it: the lease (short here) frees those blocks."""
+    told about params too broken to name it, nor about params whose seal does not cover what they name (their
+    key is not to be trusted): the lease (short here) frees those blocks. Params pointed at blocks of the prefill
+    that are in range (another request's, or the request's own shifted by one) or with a lease pushed out fail
+    their seal: never a load of other bytes reported good."""
     P, D = inst["P64"], inst["D32"]
     P.call("set_lease", 20.0)
-    reqs = [(f"x{i}", 130, 7000 + i) for i in range(12)]
+    reqs = [(f"x{i}", 130, 7000 + i) for i in range(15)]
     params = prefill(P, reqs)
     hp = prefill(inst["HP"], [("xh", 130, 7100)])["xh"]
     bad = {
@@ -110,6 +113,9 @@ def test_hostile_transfer_params(inst):
         "x9": {"remote_host": hp["remote_host"], "remote_port": hp["remote_port"],
                "remote_engine_id": hp["remote_engine_id"]},                 # an incompatible engine (hybrid)
         "x10": {"remote_block_ids": [[1]]},                                 # too few blocks for the prompt
+        "x12": {"remote_block_ids": [[b + 1 for b in params["x12"]["remote_block_ids"][0]]]},   # shifted by one
+        "x13": {"remote_block_ids": params["x11"]["remote_block_ids"]},     # the good request's blocks
+        "x14": {"lease_deadline": params["x14"]["lease_deadline"] + 3600},  # a lease pushed out
     }
     for r, patch in bad.items():
         params[r] = dict(params[r], **patch)
@@ -117,6 +123,7 @@ def test_hostile_transfer_params(inst):
     for r, v in res.items():
         key = r[2:]
         assert v.get("finished") == "length", (r, v)            # every request still completes
+        assert v.get("bad", 0) == 0, (r, v)
         if key in ("x1", "x2", "x3", "x6", "x7", "x8", "x10"):
             assert "load" not in v, (r, v)                      # refused up front: computed locally
         elif key == "x11":
@@ -190,4 +197,43 @@ def test_params_loaded_twice_never_read_freed_blocks(tmp_path):
         v = res["d-a-again"]
         assert v.get("finished") == "length", v
         assert v.get("load") != "ok", v                     # no load reported good over freed blocks
+        assert_idle(D)
+
+
+def test_a_pushed_out_lease_or_released_params_never_read_reused_blocks(tmp_path):
+    """Params whose ``lease_deadline`` a client pushed past the prefill's lease: the prefill freed the blocks when
+    its lease ran out and another request's KV is in them now. The decode must not load them and report success
+    (the params' seal does not cover that deadline); the good request beside it loads. Then params first handed
+    over with a prompt that leaves nothing to load (the decode releases them: the prefill frees the blocks, which
+    are reused), and then with their prompt: that load must not read the freed blocks either."""
+    import time
+    model = write_model(str(tmp_path / "model"))
+    with running({"P": dict(model_dir=model, block_size=16, extra=TM, env=ENV, num_blocks=64, max_model_len=1024),
+                  "D": dict(model_dir=model, block_size=16, extra=TM, env=ENV, num_blocks=64, max_model_len=1024)}
+                 ) as inst:
+        P, D = inst["P"], inst["D"]
+        P.call("set_lease", 1.0)
+        pa = prefill(P, [("a", 100, 21)])
+        time.sleep(1.5)
+        assert_idle(P)                                      # a's lease ran out: its blocks are free
+        prefill(P, [("f1", 900, 22)])                       # reuses the 63 free blocks, a's among them
+        time.sleep(1.5)
+        assert_idle(P)
+        P.call("set_lease", 120.0)
+        pg = prefill(P, [("g", 100, 23)])
+        forged = dict(pa["a"], lease_deadline=pa["a"]["lease_deadline"] + 3600)
+        res = D.run("decode", [("d-a", 100, 21, forged), ("d-g", 100, 23, pg["g"])])
+        assert res["d-a"].get("finished") == "length", res
+        assert res["d-a"].get("load") == "failed", res     # never reported good over another request's KV
+        assert_loaded({"d-g": res["d-g"]})
+        assert_idle(D)
+        assert_idle(P)
+        pb = prefill(P, [("b", 100, 24)])
+        res = D.run("decode", [("d-b-short", 1, 24, pb["b"])])
+        assert res["d-b-short"].get("finished") == "length" and "load" not in res["d-b-short"], res
+        assert_idle(P)                                      # released: b's blocks are free
+        prefill(P, [("f2", 900, 25)])                       # and reused
+        res = D.run("decode", [("d-b", 100, 24, pb["b"])])
+        assert res["d-b"].get("finished") == "length", res
+        assert res["d-b"].get("load") != "ok", res
         assert_idle(D)

@@ -18,7 +18,7 @@ from gpuxfer.integrations.vllm.lease import now
 from gpuxfer.integrations.vllm.loads import Load
 from gpuxfer.integrations.vllm.params import RemotePrefill
 from gpuxfer.integrations.vllm.worker import Settings, WorkerSide
-from test_vllm_worker_polls import _Client
+from test_vllm_worker_polls import SEAL_KEY, _Client, _sealed
 
 
 def _group(heads):
@@ -45,6 +45,7 @@ def _decode(monkeypatch, peers: dict):
             rank, world = peers[port]
             self.info = engine_info(engine_id="p", model="m", dtype="auto/float16", layout=None,
                                     groups=[_group(4 // world)], tp=(rank, world))
+            self.info["seal_key"] = SEAL_KEY.hex()
 
         def pump(self):
             return encode_info(self.info), b"meta"
@@ -98,7 +99,7 @@ def test_a_load_whose_params_name_fewer_prefill_ranks_than_the_peer_runs_is_not_
     prefill of several ranks was read, such a pairing was refused at the handshake (sizes differ); it must not
     now be reported done."""
     w, written = _decode(monkeypatch, {1: (0, 2)})
-    rp = RemotePrefill("p", "127.0.0.1", 1, "p0", (np.arange(1, 3),), (16,), now() + 60)
+    rp = _sealed(RemotePrefill("p", "127.0.0.1", 1, "p0", (np.arange(1, 3),), (16,), now() + 60))
     w.start_loads([Load("d0", rp, (np.array([7, 8]),), 0, 31)])
     _, recving, failed = w.poll()
     assert recving == {"d0"}
@@ -110,8 +111,8 @@ def test_a_load_whose_two_endpoints_reach_one_prefill_rank_is_not_done_with_head
     stale params after a restart moved the ports): both reads write heads 2 and 3; heads 0 and 1 come from no
     prefill rank, so the load fails."""
     w, written = _decode(monkeypatch, {1: (1, 2), 2: (1, 2)})
-    rp = RemotePrefill("p", "127.0.0.1", 1, "p0", (np.arange(1, 3),), (16,), now() + 60,
-                       (("127.0.0.1", 1), ("127.0.0.1", 2)))
+    rp = _sealed(RemotePrefill("p", "127.0.0.1", 1, "p0", (np.arange(1, 3),), (16,), now() + 60,
+                               (("127.0.0.1", 1), ("127.0.0.1", 2))))
     w.start_loads([Load("d0", rp, (np.array([7, 8]),), 0, 31)])
     _, recving, failed = w.poll()
     assert recving == {"d0"}
@@ -121,8 +122,8 @@ def test_a_load_whose_two_endpoints_reach_one_prefill_rank_is_not_done_with_head
 def test_a_load_read_from_its_two_prefill_ranks_writes_every_head(monkeypatch):
     """The well-formed case beside those: each prefill rank writes its half of the heads, the load is done."""
     w, written = _decode(monkeypatch, {1: (0, 2), 2: (1, 2)})
-    rp = RemotePrefill("p", "127.0.0.1", 1, "p0", (np.arange(1, 3),), (16,), now() + 60,
-                       (("127.0.0.1", 1), ("127.0.0.1", 2)))
+    rp = _sealed(RemotePrefill("p", "127.0.0.1", 1, "p0", (np.arange(1, 3),), (16,), now() + 60,
+                               (("127.0.0.1", 1), ("127.0.0.1", 2))))
     w.start_loads([Load("d0", rp, (np.array([7, 8]),), 0, 31)])
     assert w.poll()[1:] == ({"d0"}, set())
     assert sorted(b for n, b in written if n == "d0") == [(0, 2), (2, 4)]

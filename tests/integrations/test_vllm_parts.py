@@ -2,6 +2,7 @@
 description, and a prefill and a decode worker in one process (the side channel: test_vllm_channel.py)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -13,12 +14,12 @@ import torch
 from gpuxfer.errors import BadInput, LayoutMismatch
 from gpuxfer.integrations.vllm.handshake import INFO_VERSION, check_compatible, decode_info, describe_view, encode_info
 from gpuxfer.integrations.vllm.params import (BadTransferParams, build_params, pair_group, parse_remote_prefill,
-                                              tokens_to_load)
+                                              seal_key, seal_of, tokens_to_load)
 
 
 def good(**kw):
     p = build_params(engine_id="p0", endpoints=[("127.0.0.1", 5601)], request_id="r1", block_ids=[[3, 4, 5]],
-                     block_sizes=[16], lease_deadline=123.0)
+                     block_sizes=[16], lease_deadline=123.0, seal_key=seal_key(b"s" * 16))
     p.update(kw)
     return p
 
@@ -52,7 +53,7 @@ def test_hostile_params_are_refused(patch):
 
 def tp2(**kw):
     p = build_params(engine_id="p0", endpoints=[("127.0.0.1", 5601), ("10.0.0.2", 5602)], request_id="r1",
-                     block_ids=[[3, 4, 5]], block_sizes=[16], lease_deadline=123.0)
+                     block_ids=[[3, 4, 5]], block_sizes=[16], lease_deadline=123.0, seal_key=seal_key(b"s" * 16))
     p.update(kw)
     return p
 
@@ -332,6 +333,8 @@ def workers(host):
                            groups=[("FullAttentionSpec", BS, list(caches))], platform=host,
                            settings=Settings(lease_s=60, host="127.0.0.1", port=0, handshake_timeout_s=30,
                                              token_major=True, engine="triton", device_ids=device_ids))
+            if name == "p":
+                w.keyed_by(b"s" * 16)       # (as the prefill's first step does: its handshake then has its seal key)
             w.register(caches)
             w.caches = caches
             made.append(w)
@@ -350,6 +353,7 @@ def _load(P, req: str, local: list[int], remote: list[int]):
     from gpuxfer.integrations.vllm.loads import Load
     rp = RemotePrefill("p", "127.0.0.1", P.server.port, f"p-{req}", (np.array(remote, dtype=np.int64),), (BS,),
                        time.monotonic() + 60)
+    rp = dataclasses.replace(rp, seal=seal_of(rp, seal_key(P.prefill.secret)))
     return Load(req, rp, (np.array(local, dtype=np.int64),), 0, BS * len(local) - 1)
 
 

@@ -15,7 +15,7 @@ from _requires import require
 require("vllm", "GPUXFER_REQUIRE_VLLM", "vllm==0.33.0")
 
 from vllm_instance import (assert_failed, assert_idle, assert_loaded, decode, free_port,  # noqa: E402
-                           lease_runs_out, prefill, running, write_model)
+                           lease_runs_out, prefill, resealed, running, write_model)
 
 ENV = {"GPUXFER_PLATFORM": "host", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
        "VLLM_LOGGING_LEVEL": "WARNING"}
@@ -94,16 +94,17 @@ def test_decode_of_half_the_prefills_tp_reads_both_ranks_into_its_heads(inst):
 
 
 def _prefill_rank_one_unreachable(P, D, reqs) -> None:
-    """Load ``reqs`` of ``P`` (TP 2) on ``D`` with the params pointing prefill rank 1 at a port nobody listens on:
-    the loads fail (vLLM computes the prompts) while rank 1 still holds the blocks; rank 0 frees them on its done
-    word, rank 1 at its lease (10 s here)."""
+    """Load ``reqs`` of ``P`` (TP 2) on ``D`` with the params pointing prefill rank 1 at a port nobody listens on
+    (sealed again, as genuine params of a rank that went away): the loads fail (vLLM computes the prompts) while rank
+    1 still holds the blocks; rank 0 frees them on its done word, rank 1 at its lease (10 s here)."""
     before = P.call("stats")["stats"]
     P.call("set_lease", 10.0)           # long enough for rank 0's read, short enough to wait for
     try:
         params = prefill(P, reqs)
         nobody = free_port()
-        for p in params.values():
+        for r, p in params.items():
             p["remote_endpoints"][1] = ["127.0.0.1", nobody]
+            params[r] = resealed(P, p)
         assert_failed(D, decode(D, reqs, params, timeout=60))
         assert P.call("stats")["free"] < P.info["free"]           # rank 1 still holds them
         s = assert_idle(P, timeout=60)["stats"]

@@ -16,10 +16,20 @@ import pytest
 
 from gpuxfer.errors import BlockIdError, GpuxferError
 from gpuxfer.integrations.vllm.lease import SAME_HOST, now
-from gpuxfer.integrations.vllm.params import RemotePrefill
+from gpuxfer.integrations.vllm.params import RemotePrefill, seal_key, seal_of
 from gpuxfer.integrations.vllm.loads import Load, _LoadState, _Remote
 from gpuxfer.integrations.vllm.worker import Settings, WorkerSide
 from gpuxfer.kv.ids import _RouteIds
+
+
+#: the seal key of the fake prefill engines here (their handshake's ``seal_key``, hex)
+SEAL_KEY = seal_key(b"fake prefill engine secret")
+
+
+def _sealed(rp: RemotePrefill, key: bytes = SEAL_KEY) -> RemotePrefill:
+    """``rp`` with the seal its prefill engine (seal key ``key``) made for it."""
+    import dataclasses
+    return dataclasses.replace(rp, seal=seal_of(rp, key))
 
 
 class _Handle:
@@ -179,6 +189,7 @@ def test_a_decode_rank_sharing_a_prefill_rank_says_so_in_each_message(monkeypatc
                 "kv_heads": heads}
 
     remote = engine_info(engine_id="p", model="m", dtype="auto/float16", layout=None, groups=[group(4)], tp=(0, 1))
+    remote["seal_key"] = SEAL_KEY.hex()
 
     class Client(_Client):
         readers = 1
@@ -206,7 +217,7 @@ def test_a_decode_rank_sharing_a_prefill_rank_says_so_in_each_message(monkeypatc
                    tp=(1, 2))
     local = engine_info(engine_id="d", model="m", dtype="auto/float16", layout=None, groups=[group(2)], tp=(1, 2))
     w.decode.bind(types.SimpleNamespace(timeout_s=60.0, peers={}, add_peer=add_peer), local, [16], [512], None)
-    rp = RemotePrefill("p", "127.0.0.1", 1, "p0", (np.arange(1, 3),), (16,), now() + 60)
+    rp = _sealed(RemotePrefill("p", "127.0.0.1", 1, "p0", (np.arange(1, 3),), (16,), now() + 60))
     w.start_loads([Load("d0", rp, (np.array([7, 8]),), 0, 31)])
     (r,) = w.decode.remotes.values()
     assert added == [{"g0": (2, 4)}] and r.state == "failed"
@@ -446,13 +457,14 @@ def test_a_decode_rank_talks_to_its_own_prefill_rank_and_a_load_naming_no_such_r
                    settings=Settings(lease_s=60, host="127.0.0.1", port=0, handshake_timeout_s=5, token_major=True),
                    tp=(1, 2))
     w.decode.agent = types.SimpleNamespace(timeout_s=60.0)
-    ranks = [_Remote(("127.0.0.1", port, "p"), state="ready", client=_Client()) for port in (1, 2)]
+    ranks = [_Remote(("127.0.0.1", port, "p"), state="ready", client=_Client(), seal_key=SEAL_KEY)
+             for port in (1, 2)]
     for r in ranks:
         w.decode.remotes[r.key] = r
     two = (("127.0.0.1", 1), ("127.0.0.1", 2))
     ids = (np.arange(1, 3),)
-    w.release([RemotePrefill("p", "127.0.0.1", 1, "p0", ids, (16,), now() + 60, two),
-               RemotePrefill("p", "127.0.0.1", 1, "p1", ids, (16,), now() + 60)])
+    w.release([_sealed(RemotePrefill("p", "127.0.0.1", 1, "p0", ids, (16,), now() + 60, two)),
+               _sealed(RemotePrefill("p", "127.0.0.1", 1, "p1", ids, (16,), now() + 60))])
     assert ranks[0].client.sent == [("release", ["p1"])] and ranks[1].client.sent == [("release", ["p0"])]
     three = RemotePrefill("p", "127.0.0.1", 1, "p2", ids, (16,), now() + 60, two + (("127.0.0.1", 3),))
     w.start_loads([Load("d2", three, (np.array([7, 8]),), 0, 31)])

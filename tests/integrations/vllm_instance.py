@@ -145,6 +145,15 @@ def decode(D: Instance, reqs, params: dict, timeout: float = 300) -> dict:
     return D.run("decode", [(f"d-{r}", n, s, params[r]) for r, n, s in reqs], timeout=timeout)
 
 
+def resealed(P: Instance, params: dict) -> dict:
+    """``params`` a test altered, sealed again with ``P``'s seal key, as ``P`` would have made them (a stand-in for
+    genuine params naming what the test wants: a rank that went away)."""
+    from gpuxfer.integrations.vllm.params import parse_remote_prefill, seal_of
+    key = bytes.fromhex(P.call("seal_key"))
+    rp = parse_remote_prefill(params, params["remote_block_sizes"])
+    return dict(params, remote_seal=seal_of(rp, key).hex())
+
+
 def assert_loaded(res: dict) -> None:
     for r, v in res.items():
         assert v.get("load") == "ok", (r, v)
@@ -594,6 +603,8 @@ class _Engine:
                 elif op == "set_lease":
                     self.sched.connector._scheduler.lease_s = args[0]
                     conn.send(("set_lease", None))
+                elif op == "seal_key":
+                    conn.send(("seal_key", self.sched.connector._scheduler.seal_key.hex()))
                 elif op == "stats":                   # args: (True,) to start counting anew
                     agent = None if self.nixl else self.worker._worker.agent
                     routes = {p.route for p in agent.peers.values()} if agent is not None else {"nixl"}

@@ -13,13 +13,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from ...errors import GpuxferError
 from . import lease
 from .channel import ChannelClosed, SideChannelClient
 from .handshake import agent_name, check_compatible, decode_info, readers
-from .params import BadTransferParams, RemotePrefill, source_ranks
+from .params import BadSeal, BadTransferParams, RemotePrefill, check_seal, seal_key_from_hex, source_ranks
 from .staging import IdStaging
 
 log = logging.getLogger("gpuxfer.vllm")
@@ -49,6 +49,7 @@ class _Remote:
     world: int = 1
     sources: tuple = ()                     # the prefill ranks of its size this worker reads (params.source_ranks)
     meta: bytes | None = None
+    seal_key: bytes | None = None           # what its engine's params are sealed with, from its handshake
     error: str | None = None
     device_ids: bool = False                # its reads take block IDs on the device
     ordered: bool = True                    # its reads complete in post order (the IPC route: one stream)
@@ -122,6 +123,12 @@ class PrefillEngines:
             if info.get("engine_id") != engine_id:
                 raise BadTransferParams(f"{host}:{port} is engine {info.get('engine_id')!r}, not {engine_id!r} as "
                                         "the request's kv_transfer_params say (stale params?)")
+            if info.get("seal_key") is None:
+                # (before r.info: the loads waiting on it are not released with keys from params nothing checked)
+                raise BadTransferParams(f"{host}:{port}'s handshake carries no seal key, so no params naming it can "
+                                        "be checked (a prefill worker that ran none of their request's steps, or "
+                                        "another gpuxfer version); a later request handshakes again")
+            r.seal_key = seal_key_from_hex(info["seal_key"], "the peer's engine description's seal_key")
             r.info = info
             r.client.readers = readers(self.info, info)      # (before any message: each names its readers)
             pairing, names = check_compatible(self.info, info), self._group_names
@@ -159,10 +166,20 @@ class PrefillEngines:
             return
         info = r.info
         if info is not None and info.get("engine_id") == engine_id and self._reads_rank(info):
-            rps = self._waiting(r)
+            rps = [rp for rp in self._waiting(r) if self._sealed(rp, r)]
             if rps:
                 r.client.notify("release", [rp.request_id for rp in rps], [rp.key for rp in rps])
         r.client.close()            # (sends what was queued first)
+
+    @staticmethod
+    def _sealed(rp: RemotePrefill, r: _Remote) -> bool:
+        """Whether ``rp`` carries the seal of the engine ``r`` (whose key its handshake gave): only such params'
+        keys are sent (a release with the key of params altered from others' could end those others' hold)."""
+        try:
+            check_seal(rp, r.seal_key)
+        except BadSeal:
+            return False
+        return True
 
     def _reads_rank(self, info: dict) -> bool:
         """Whether the peer that sent ``info`` is one of the prefill ranks this worker reads."""
@@ -243,19 +260,6 @@ class PrefillEngines:
                     r.client.close()
                 log.info("gpuxfer: engine %s: forgot prefill engine %s (%s)", self.engine_id, key[2],
                          r.error or (r.client.closed_reason if r.client else "gone"))
-
-    def release(self, releases: Sequence[RemotePrefill]) -> None:
-        """Tell prefill engines (the ranks of each this worker reads) this instance will not read these requests
-        (best effort, known engines)."""
-        for rp in releases:
-            try:
-                keys = rp.endpoints_of(self.tp_rank, self.tp_size)
-            except BadTransferParams:
-                continue
-            for key in keys:
-                r = self.remotes.get(key)
-                if r is not None and r.state == "ready" and r.client is not None:
-                    r.client.notify("release", [rp.request_id], [rp.key])
 
     def flush_late(self, now: float) -> None:
         """Done messages a busy engine kept from the side channel's sender threads, sent now."""

@@ -27,7 +27,7 @@ import numpy as np
 from ...errors import BlockIdError, GpuxferError
 from . import lease
 from .engines import PrefillEngines, _Remote
-from .params import BadTransferParams, RemotePrefill, pair_group, source_ranks
+from .params import BadSeal, BadTransferParams, RemotePrefill, check_seal, pair_group, source_ranks
 from .staging import IdStaging
 
 log = logging.getLogger("gpuxfer.vllm")
@@ -49,6 +49,8 @@ class Load:
     local_ids: tuple[np.ndarray, ...]       # manager block IDs per group (0: null block)
     start: int                              # first token to load
     end: int                                # one past the last
+    # the seal key its params were found sealed with (DecodeLoads._pair: once a load, whatever its parts)
+    sealed: bytes | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(slots=True)
@@ -66,6 +68,7 @@ class _LoadState:
     host_ids: bool = False                  # post with host IDs (a read of several failed the device check)
     late: bool = False                      # a NIXL read logged as running past the agent's timeout
     part: int = 0                           # which of the load's prefill ranks this reads (a prefill of more ranks)
+    forged: bool = False                    # its params failed their seal: nothing of theirs is acted on
     key: tuple[str, int] = field(init=False)    # (request, part): how pending and waiting hold it
 
     def __post_init__(self):
@@ -185,6 +188,11 @@ class DecodeLoads:
                     else:
                         xs.append(self._prepare_host(st))
                         owners.append((st,))
+                except BadSeal as exc:
+                    # no release with their key (that could end the hold of the params they were altered from), and
+                    # no claim: a load of the real params may follow
+                    st.error, st.forged = f"{type(exc).__name__}: {exc}", True
+                    self.claims.pop((st.remote.key, st.load.remote.request_id), None)
                 except (GpuxferError, KeyError, IndexError, ValueError) as exc:
                     st.error = f"{type(exc).__name__}: {exc}"
             if on_device and self.settings.device_ids == "auto":
@@ -242,6 +250,9 @@ class DecodeLoads:
         rp = load.remote
         if r.client is None or not r.client.alive:
             raise BadTransferParams(f"prefill engine {r.key[2]} is gone: {r.client and r.client.closed_reason}")
+        if load.sealed is None or load.sealed != r.seal_key:       # nothing of the params is acted on before
+            check_seal(rp, r.seal_key)
+            load.sealed = r.seal_key
         if not lease.now() < r.clock.deadline(rp.lease_deadline):      # (a NaN deadline has run out)
             raise BadTransferParams("the prefill instance's lease on the blocks ran out before the read started")
         # the peer must be the prefill rank the params name for this read, of the size they name: a part's view of
@@ -458,7 +469,7 @@ class DecodeLoads:
         log.warning("gpuxfer: engine %s: loading request %s from engine %s failed (%s); vLLM recomputes it",
                     self.engine_id, load.req_id, load.remote.engine_id, st.error)
         r = st.remote
-        if r is not None and r.client is not None:
+        if r is not None and r.client is not None and not st.forged:
             r.client.notify("release", [load.remote.request_id], [load.remote.key])
 
     def _prune_claims(self) -> None:
@@ -484,8 +495,27 @@ class DecodeLoads:
         self.engines.reap()
 
     def release(self, releases: Sequence[RemotePrefill]) -> None:
-        """Tell prefill engines this instance will not read these requests (:meth:`.PrefillEngines.release`)."""
-        self.engines.release(releases)
+        """Tell prefill engines (the ranks of each this worker reads, those known) this instance will not read these
+        requests (best effort): those of params that carry their engine's seal and that no load of this worker
+        claims (that load ends the hold itself). A release claims its request, so a later load of the same params
+        fails rather than read blocks the release let the prefill free."""
+        for rp in releases:
+            try:
+                keys = rp.endpoints_of(self.tp_rank, self.tp_size)
+            except BadTransferParams:
+                continue
+            for key in keys:
+                r, claim = self.remotes.get(key), (key, rp.request_id)
+                if r is None or r.state != "ready" or r.client is None or claim in self.claims:
+                    continue
+                try:
+                    check_seal(rp, r.seal_key)
+                except BadSeal as exc:
+                    log.warning("gpuxfer: engine %s: not releasing request %s of engine %s: %s", self.engine_id,
+                                rp.request_id, rp.engine_id, exc)
+                    continue
+                self.claims[claim] = (r, rp.lease_deadline)
+                r.client.notify("release", [rp.request_id], [rp.key])
 
     # ------------------------------------------------------------------ both
 

@@ -11,15 +11,26 @@ A prefill instance's ``request_finished`` returns::
      "lease_deadline": float,                     # the prefill host's lease clock when the blocks go (lease.py)
      "tp_size": int,                              # the prefill instance's tensor parallel size N
      "remote_endpoints": [[host, port], ...],     # with N > 1: where each rank's side channel listens
-     "remote_key": str}                           # the hold's key: a done or release message carries it
+     "remote_key": str,                           # the hold's key: a done or release message carries it
+     "remote_seal": str}                          # hex MAC of all the above under the engine's seal key
 
 ``remote_host`` / ``remote_port`` are rank 0's (``remote_endpoints[0]``). Decode worker rank i reads its KV shard
 from prefill rank i, or, where the decode runs k times the prefill's tensor parallel size, from prefill rank
 i // k (:func:`source_rank`).
+
+The seal (made by :func:`build_params`) is a MAC under a key derived one way from the prefill engine's hold-key
+secret (:func:`seal_key`), over a canonical encoding of what a decode worker acts on (:func:`_canonical`): engine,
+request, the digest of each group's block IDs, block sizes, lease deadline, tensor parallel size, endpoints and hold
+key. The prefill's workers hand the seal key out in their handshake; a decode worker checks a load's params against
+it before it reads (:func:`check_seal`), so params altered or forged by a client or proxy fail that load alone.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import hmac
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -33,11 +44,17 @@ MAX_IDS = 1 << 22               # block IDs in one request's params, all groups
 MAX_TEXT = 512
 MAX_TP = 256                    # tensor parallel ranks named in one request's params
 MAX_KEY = 64                    # characters of a hold's key
+SEAL_BYTES = 32                 # a seal and a seal key: HMAC-SHA256 (hex in the params and the handshake)
+_SEAL_LABEL = b"gpuxfer kv_transfer_params seal"
 _INT64 = np.dtype(np.int64)     # (a dtype compares with a dtype at once, with a type by making one from it)
 
 
 class BadTransferParams(BadInput):
     """``kv_transfer_params`` that are malformed, hostile or stale: the request is computed locally instead."""
+
+
+class BadSeal(BadTransferParams):
+    """``kv_transfer_params`` without their prefill engine's seal over what they name (:func:`check_seal`)."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +70,8 @@ class RemotePrefill:
     lease_deadline: float
     endpoints: tuple[tuple[str, int], ...] = ()     # per tensor parallel rank; () means ((host, port),)
     key: str | None = None                          # the hold's key (None: the prefill gave none)
+    seal: bytes | None = None                       # the params' seal (None: they carry none; :func:`check_seal`)
+    ids_digest: bytes | None = None                 # with block_ids left out (:func:`for_release`): their digest
 
     @property
     def tp_size(self) -> int:
@@ -143,6 +162,7 @@ def parse_remote_prefill(params: Any, local_block_sizes: Sequence[int]) -> Remot
     if key is not None and (not isinstance(key, str) or not 0 < len(key) <= MAX_KEY or not key.isascii()):
         raise BadTransferParams(f"kv_transfer_params['remote_key'] must be an ASCII string of 1..{MAX_KEY} "
                                 f"characters, got {_show(key)}")
+    seal = _seal(params.get("remote_seal"), "kv_transfer_params['remote_seal']")
     deadline = params.get("lease_deadline")
     if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not _finite(deadline):
         raise BadTransferParams(f"kv_transfer_params['lease_deadline'] must be a finite number, got {_show(deadline)}")
@@ -181,7 +201,7 @@ def parse_remote_prefill(params: Any, local_block_sizes: Sequence[int]) -> Remot
             raise BadTransferParams(f"remote_block_ids[{g}] holds an ID outside [0, {MAX_ID}]")
         arrays.append(a)
     return RemotePrefill(engine_id, host, port, request_id, tuple(arrays), tuple(int(s) for s in sizes),
-                         float(deadline), endpoints, key)
+                         float(deadline), endpoints, key, seal)
 
 
 def _endpoints(eps: Any, tp: int) -> tuple[tuple[str, int], ...]:
@@ -271,17 +291,108 @@ def pair_group(local: np.ndarray, remote: np.ndarray, ls: int, rs: int, start: i
 
 def build_params(*, engine_id: str, endpoints: Sequence[tuple[str, int]], request_id: str,
                  block_ids: Sequence[Sequence[int]], block_sizes: Sequence[int], lease_deadline: float,
-                 key: str | None = None) -> dict:
-    """The ``kv_transfer_params`` a prefill instance returns for a finished request; ``endpoints``: each tensor
-    parallel rank's side channel, by rank; ``key``: the hold's."""
+                 key: str | None = None, seal_key: bytes) -> dict:
+    """The ``kv_transfer_params`` a prefill instance returns for a finished request, sealed with ``seal_key``
+    (:func:`seal_key`); ``endpoints``: each tensor parallel rank's side channel, by rank; ``key``: the hold's."""
     host, port = endpoints[0]
+    arrays = [np.asarray(b, dtype=np.int64).reshape(-1) for b in block_ids]
+    sizes = [int(s) for s in block_sizes]
+    eps = tuple((h, int(p)) for h, p in endpoints)
     out = {"do_remote_prefill": True, "do_remote_decode": False, "gpuxfer": PARAMS_VERSION,
            "remote_engine_id": engine_id, "remote_host": host, "remote_port": int(port),
-           "remote_request_id": request_id, "remote_block_ids": [list(map(int, b)) for b in block_ids],
-           "remote_block_sizes": [int(s) for s in block_sizes], "lease_deadline": float(lease_deadline),
-           "tp_size": len(endpoints)}
+           "remote_request_id": request_id, "remote_block_ids": [a.tolist() for a in arrays],
+           "remote_block_sizes": sizes, "lease_deadline": float(lease_deadline), "tp_size": len(endpoints)}
     if key is not None:
         out["remote_key"] = key
     if len(endpoints) > 1:
-        out["remote_endpoints"] = [[h, int(p)] for h, p in endpoints]
+        out["remote_endpoints"] = [[h, p] for h, p in eps]
+    out["remote_seal"] = hmac.digest(seal_key, _canonical(engine_id, request_id, ids_digest(arrays), sizes,
+                                                          float(lease_deadline), eps, key), "sha256").hex()
     return out
+
+
+# ---------------------------------------------------------------------------------------------------- the seal
+
+def seal_key(secret: bytes) -> bytes:
+    """The key a prefill engine seals its params with: a MAC of a fixed label under the engine's hold-key secret
+    (:func:`.holds.make_key`), so the seal key, which its workers hand out in their handshake, tells nothing of the
+    secret (with which a done or release for any hold could be made)."""
+    return hmac.digest(secret, _SEAL_LABEL, "sha256")
+
+
+def seal_key_from_hex(v: Any, what: str) -> bytes:
+    """A seal key as a peer's handshake carries it (hex), checked; :class:`BadInput` naming ``what`` otherwise."""
+    try:
+        return _seal(v, what)
+    except BadTransferParams as exc:
+        raise BadInput(str(exc)) from None
+
+
+def _seal(v: Any, what: str) -> bytes:
+    """A seal (or a seal key) from its hex form: :data:`SEAL_BYTES` bytes, or :class:`BadTransferParams`."""
+    b = None
+    if isinstance(v, str) and len(v) == 2 * SEAL_BYTES and v.isascii():
+        try:
+            b = bytes.fromhex(v)
+        except ValueError:
+            pass
+    if b is None or len(b) != SEAL_BYTES:       # (fromhex skips whitespace: such a string gives fewer bytes)
+        raise BadTransferParams(f"{what} must be {2 * SEAL_BYTES} hexadecimal digits, got {_show(v)}")
+    return b
+
+
+def _text_bytes(s: str) -> bytes:
+    b = s.encode("utf-8", "surrogatepass")      # (a JSON string may hold lone surrogates)
+    return struct.pack("<I", len(b)) + b
+
+
+def ids_digest(block_ids: Sequence[np.ndarray]) -> bytes:
+    """SHA-256 of a request's block IDs as a seal covers them: their group count, then each group's length and IDs
+    as little-endian int64s."""
+    h = hashlib.sha256(struct.pack("<I", len(block_ids)))
+    for a in block_ids:
+        a = np.ascontiguousarray(a, dtype="<i8")
+        h.update(struct.pack("<Q", a.size))
+        h.update(a)
+    return h.digest()
+
+
+def _canonical(engine_id: str, request_id: str, digest: bytes, block_sizes: Sequence[int], lease_deadline: float,
+               endpoints: Sequence[tuple[str, int]], key: str | None) -> bytes:
+    """What a seal covers, one encoding for both instances: every string and list length-prefixed, the block IDs'
+    :func:`ids_digest`, the deadline as a little-endian double; ``endpoints``: every rank's ``(host, port)``
+    (their count is the tensor parallel size)."""
+    parts = [b"gpuxfer-params-1\0", _text_bytes(engine_id), _text_bytes(request_id), digest,
+             struct.pack(f"<I{len(block_sizes)}q", len(block_sizes), *block_sizes),
+             struct.pack("<dI", lease_deadline, len(endpoints))]
+    for h, p in endpoints:
+        parts.append(_text_bytes(h))
+        parts.append(struct.pack("<I", p))
+    parts.append(_text_bytes(key or ""))
+    return b"".join(parts)
+
+
+def for_release(rp: RemotePrefill) -> RemotePrefill:
+    """What a worker needs to release a request (its rank's endpoint, the engine, the request, and what checks its
+    seal): the params with the digest of their block IDs in place of the arrays, which would travel to every worker
+    with the step's metadata."""
+    return dataclasses.replace(rp, block_ids=(), ids_digest=ids_digest(rp.block_ids))
+
+
+def seal_of(rp: RemotePrefill, key: bytes) -> bytes:
+    """The seal of checked params ``rp`` under seal key ``key``."""
+    eps = rp.endpoints or ((rp.host, rp.port),)
+    digest = ids_digest(rp.block_ids) if rp.ids_digest is None else rp.ids_digest
+    return hmac.digest(key, _canonical(rp.engine_id, rp.request_id, digest, rp.block_sizes, rp.lease_deadline, eps,
+                                       rp.key), "sha256")
+
+
+def check_seal(rp: RemotePrefill, key: bytes | None) -> None:
+    """:class:`BadSeal` unless ``rp`` carries the seal the prefill engine whose seal key is ``key`` (from
+    its handshake) made for them: params altered or forged after the prefill made them."""
+    if key is None:
+        raise BadSeal(f"prefill engine {rp.engine_id}'s handshake carried no seal key: its params cannot be checked")
+    if rp.seal is None or not hmac.compare_digest(seal_of(rp, key), rp.seal):
+        raise BadSeal(f"the kv_transfer_params of request {rp.request_id!r} do not carry prefill engine "
+                      f"{rp.engine_id}'s seal over what they name (altered, forged, or from before the engine "
+                      "restarted)")

@@ -4,7 +4,6 @@ their blocks for a decode instance, and the per-step payload for the worker side
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import secrets
 from typing import Sequence
@@ -13,18 +12,13 @@ import numpy as np
 
 from . import lease
 from .holds import make_key
-from .params import BadTransferParams, RemotePrefill, build_params, parse_remote_prefill, tokens_to_load
+from .params import (BadTransferParams, RemotePrefill, build_params, for_release, parse_remote_prefill, seal_key,
+                     tokens_to_load)
 from .loads import Load
 
 log = logging.getLogger("gpuxfer.vllm")
 
 _HOLD_STATUSES = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
-
-
-def _for_release(rp: RemotePrefill) -> RemotePrefill:
-    """What a worker needs to release a request (its rank's endpoint, the engine, the request): the params less
-    their block IDs, which would travel to every worker with the step's metadata."""
-    return dataclasses.replace(rp, block_ids=())
 
 
 class SchedulerSide:
@@ -43,6 +37,7 @@ class SchedulerSide:
         self._releases: list[RemotePrefill] = []
         self.bad_params = 0
         self.secret = secrets.token_bytes(16)      # the holds' keys' MAC secret (holds.make_key): this engine's only
+        self.seal_key = seal_key(self.secret)       # what its params are sealed with (params.check_seal)
 
     def _remote(self, request) -> RemotePrefill | None:
         params = request.kv_transfer_params
@@ -87,7 +82,7 @@ class SchedulerSide:
             start = max(0, end - num_external_tokens)
             self._loads.append(Load(request.request_id, rp, local, start, end))
         else:
-            self._releases.append(_for_release(rp))
+            self._releases.append(for_release(rp))
 
     def build_payload(self) -> dict:
         out = {"loads": self._loads, "holds": self._holds, "releases": self._releases, "secret": self.secret}
@@ -104,7 +99,7 @@ class SchedulerSide:
             # a decode request that never loaded (aborted while waiting): let the prefill free its blocks
             try:
                 rp = parse_remote_prefill(params, self.block_sizes)
-                self._releases.append(_for_release(rp))
+                self._releases.append(for_release(rp))
             except BadTransferParams:
                 pass
             return False, None
@@ -124,4 +119,4 @@ class SchedulerSide:
         self._holds[rid] = (deadline, key)
         return True, build_params(engine_id=self.engine_id, endpoints=self.endpoints, request_id=rid,
                                   block_ids=block_ids, block_sizes=self.block_sizes, lease_deadline=deadline,
-                                  key=key)
+                                  key=key, seal_key=self.seal_key)

@@ -19,7 +19,7 @@ from .handshake import agent_name, describe_view, encode_info, engine_info
 from . import lease
 from .holds import PrefillHolds
 from .loads import DecodeLoads, Load
-from .params import RemotePrefill
+from .params import RemotePrefill, seal_key
 from .staging import IdStaging
 
 log = logging.getLogger("gpuxfer.vllm")
@@ -116,7 +116,7 @@ class WorkerSide:
             staging.reserve(2 * sum(nb for _, nb, _ in self.agent.groups.values()))
         self.decode.bind(self.agent, self.info, kernel_tokens, bytes_per_block, staging)
         warm_s = self._warm_up(staging is not None)
-        self._info_bytes, self._meta_bytes = encode_info(self.info), self.agent.metadata()
+        self._info_bytes, self._meta_bytes = self._described(), self.agent.metadata()
         port = self.settings.port + self.tp_rank if self.settings.port else 0
         if port > 65535:
             raise BadInput(f"the side channel of tensor parallel rank {self.tp_rank} would listen on port {port} "
@@ -150,8 +150,19 @@ class WorkerSide:
     # ------------------------------------------------------------------ the roles
 
     def keyed_by(self, secret: bytes) -> None:
-        """Prefill: the secret this engine's hold keys are made with (:func:`~.holds.make_key`)."""
-        self.prefill.secret = secret
+        """Prefill: the secret this engine's hold keys are made with (:func:`~.holds.make_key`). The handshake's
+        description carries the seal key derived from it from then on: a request's params exist only once its steps
+        ran here, each of which brought the secret, so a decode worker handshaking for them finds the key."""
+        if secret != self.prefill.secret:
+            self.prefill.secret = secret
+            if self.info is not None:
+                self._info_bytes = self._described()     # (one attribute: the server's thread reads it whole)
+
+    def _described(self) -> bytes:
+        """This worker's description as its handshake sends it: with its engine's seal key (hex) once known
+        (:func:`~.params.check_seal`). Whoever reaches the side channel may map this worker's caches anyway."""
+        secret = self.prefill.secret
+        return encode_info(self.info if secret is None else {**self.info, "seal_key": seal_key(secret).hex()})
 
     def hold(self, holds: Mapping[str, tuple[float, str | None]]) -> None:
         """Prefill: hold these requests' blocks (``{request: (lease deadline, key)}``)."""
