@@ -11,12 +11,13 @@ What a prefill/decode engine author writes, end to end:
 * each registers its caches as two KV-cache groups with a :class:`gpuxfer.kv.KVAgent`, and the
   two swap ``agent.metadata()`` bytes over a pipe (any channel will do: no torch.distributed);
 * the engine is the one the link between the two devices favours (``triton`` on one GPU, ``pack``
-  over NVLink; ``--engine`` picks another);
+  over NVLink, ``copy_engine`` on the host emulation; ``--engine`` picks another);
 * decode pulls the request by block IDs (``agent.prepare`` + ``post``; with ``pack`` prefill posts
   its side too), prefill learns from its notification word that its blocks were read and may be freed;
 * decode checks every byte of every token against what prefill wrote.
 
-Run:  python examples/kv_handoff.py [--tokens 4096] [--layers 8] [--engine auto] [--platform host]
+Run:  python examples/kv_handoff.py [--tokens 4096] [--layers 61] [--engine auto] [--platform host]
+      (the defaults shown; on the host emulation 200 tokens and 2 layers)
 """
 from __future__ import annotations
 

@@ -14,11 +14,13 @@ permutation of the source pages onto a random permutation of destination pages):
 * ``hbm-copy`` -- their ceiling: a torch ``copy_`` of the same bytes on the local GPU;
 * ``blocks`` -- a KV request pulled from the peer two ways, for the same request: ``exp+copy`` (the
   expansion kernel writes the ``(N, 3)`` descriptors, then the copy kernel reads its row range from the
-  request: what a ``triton``-engine slot runs) and ``blocks`` (the copy kernel's mode 5, which derives each
-  row from the request and the plane table: no descriptor buffer, one launch). The request: every block of
+  request: what a ``triton``-engine slot runs with ``GPUXFER_KV_COPY=descriptors``) and ``blocks`` (the copy
+  kernel's mode 5, which derives each row from the request and the plane table: no descriptor buffer, one
+  launch: what a slot runs by default). The request: every block of
   the pools, two planes (a block's halves, each of the size), source and destination IDs in random order;
   the ``exp+copy`` row also reports the expansion alone (``expand_us``); ``--tilings`` adds a ``blocks`` row
-  per tiling given (mode 5's tiling is the descriptor copy's table by default: a tuning aid);
+  per tiling given (a tuning aid; mode 5's default tiling is a slot's: its own for rows up to 4 KB, else the
+  descriptor copy's table);
 * ``sweep``  -- pull at one size (2,304 B) on a bounded grid of 1, 2, 4, ... programs
   (one program per SM while it is at most the SM count): GB/s against SMs used.
 
@@ -27,8 +29,9 @@ timed trials after the warm-up, measured with CUDA events on the stream the
 work runs on (host clock + synchronize on the emulation). Every destination is
 poisoned before the run and every byte is verified against the source pattern
 after it (``wrong_B``); any wrong byte fails the run (exit code 1). Speeds are
-reported, not judged: ``%ceil`` compares with the ceiling of the same run; a row above its ceiling is
-within the ceiling's spread (at most its fastest trial) or fails the run (the ceiling is not one).
+reported against the ceiling of the same run (``%ceil``) and judged only above it: a row above its ceiling
+passes within the ceiling's spread (at most its fastest trial) and otherwise fails the run (the ceiling is not
+one); on the host emulation it is noted, not judged.
 
 On the host emulation (no GPU) it runs at tiny sizes in Triton's interpreter and
 says so: the numbers are not GPU performance.

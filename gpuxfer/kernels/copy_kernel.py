@@ -1,4 +1,4 @@
-"""The descriptor-copy kernel (copy, pack and unpack are three modes of it).
+"""The descriptor-copy kernel (copy, pack, unpack and the copy of a KV request's blocks are modes of it).
 
 A descriptor ``(src_offset, dst_offset, nbytes)`` moves ``nbytes`` bytes between
 two flat uint8 pools. Either pool may be a peer GPU's memory mapped into this

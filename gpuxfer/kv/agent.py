@@ -33,13 +33,14 @@ peer's blocks with ``copy_engine`` and ``triton`` is refused at :meth:`KVAgent.a
 
 **Transfers.** ``pull``: the local agent's blocks are the destination and the peer's
 the source; ``push``: the reverse. With the ``triton`` engine (one-sided) the work runs
-on the local device: the descriptor-copy kernel reading or writing the peer's memory
+on the local device: the copy kernel reading or writing the peer's memory
 through the IPC mapping. With ``pack`` (two-sided, :class:`~gpuxfer.kv.pack_transfer._PackTransfer`) both sides
 prepare and post the request -- the source ``push``, the destination ``pull`` -- and
 the source's packed chunks travel staging to staging on a copy engine.
-Descriptors are expanded on the device from the block IDs and the registered layout
-(:mod:`gpuxfer.kernels.block_kernel`). Everything per (peer, direction, layer range) -- the
-plane table, the tilings, a ring of device buffers with their launches bound once and
+Each copy derives its rows from the block IDs and the registered layout on the device
+(``GPUXFER_KV_COPY=blocks``, the default; with ``descriptors`` an expansion kernel,
+:mod:`gpuxfer.kernels.block_kernel`, writes a descriptor table the copies read).
+Everything per (peer, direction, layer range) -- the plane table, the tilings, a ring of device buffers with their launches bound once and
 captured as a graph (:class:`~gpuxfer.kv.triton_transfer._Slot`) -- is built once and cached; per request ``prepare``
 writes one small int64 array (a header and the block IDs) on the host, and ``post``
 uploads it into a free slot and launches the slot's graph (:class:`~gpuxfer.kv.triton_transfer._SlotTransfer`).
@@ -62,7 +63,7 @@ polls it, :meth:`KVAgent.wait_notification` waits with a timeout,
     ------------------------                        -------------
     xfer = prepare(peer, "push", ...)   host: check IDs, stage them (per-request setup)
     h = xfer.post(stream)               host: ~5 calls, returns (post host time)
-      stream: upload IDs -> expand -> copy pieces -> notify  ----+
+      stream: upload IDs -> copy pieces -> notify  --------------+
     h.done() / h.wait()                  <- complete            |  (a flag-link signal into decode's word k)
                                                                 +-> wait_notification(k, n) returns, or
                                                                     stream_wait_notification(s, k, n)
@@ -73,8 +74,8 @@ Every call validates its input and raises a typed error: :class:`~gpuxfer.errors
 :class:`~gpuxfer.errors.LayoutMismatch` (the two sides' groups, layers or pieces differ),
 :class:`~gpuxfer.errors.NotRegistered`, :class:`~gpuxfer.errors.BadMetadata`,
 :class:`~gpuxfer.errors.TransferTimeout` naming the request. Block IDs are checked on the
-host (vectorised over the IDs, which are few next to the descriptors); the expansion
-kernel also masks any ID outside its group, so no access leaves the registered memory
+host (vectorised over the IDs, which are few next to the descriptors); the kernels
+on the device also mask any ID outside its group, so no access leaves the registered memory
 whatever the IDs hold.
 """
 from __future__ import annotations

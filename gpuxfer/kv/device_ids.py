@@ -16,17 +16,18 @@ from those tensors and checks them before anything moves (:mod:`gpuxfer.kernels.
                                                                                     twice (status |= bits)
                                                                                   settle: marks cleared; bad ->
                                                                                     the header's rows zeroed
-                                                                                  expand, copies (nothing if bad)
+                                                                                  [expand,] copies (nothing if bad)
                                                                                   slot.host[status] := status
                                                                                   slot.host[landed] := seq
                                          else: copy_async(slot.req, header)  ->   header, status := 0
-                                           launch_graph(checked.graph)       ->   check, settle, expand, copies
+                                           launch_graph(checked.graph)       ->   check, settle, [expand,] copies
                                            copy_async(word, slot.req[status])->   the post's status word (host)
                                          record_event                        ->   event
 
-A request that fails the check moves no byte and its handle raises :class:`~gpuxfer.errors.BlockIdError`
-naming it (``done()`` once complete, ``wait()``). The IDs must be ready in the order of the post's stream
-(written on it, or before it); the transfer keeps the tensors alive until its posts completed.
+(``[expand,]``: with descriptor slots, ``GPUXFER_KV_COPY=descriptors``.) A request that fails the check moves no
+byte and its handle raises :class:`~gpuxfer.errors.BlockIdError` naming it (``done()`` once complete, ``wait()``).
+The IDs must be ready in the order of the post's stream (written on it, or before it); the transfer keeps the
+tensors alive until its posts completed.
 """
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ Built-in engines (the default rows go through :class:`~gpuxfer.kv.agent.KVAgent`
 its pool layout as KV-cache groups, the two swap metadata bytes, every request is one transfer by block
 ID; a ``-table`` engine is handed the burst's descriptor tables and uploads them per burst):
 
-* ``triton`` / ``triton-table`` -- the descriptor-copy kernel: pull runs on the decode GPU reading the
+* ``triton`` / ``triton-table`` -- the copy kernel (``triton``: KVAgent's, by default over the block IDs;
+  ``triton-table``: over the descriptor tables): pull runs on the decode GPU reading the
   peer pool through the IPC mapping, push on the prefill GPU writing it. Uses SMs of the initiating GPU,
   none of the other.
 * ``pack`` / ``pack-table`` -- pack the pages into a staging buffer on the source, one copy-engine transfer

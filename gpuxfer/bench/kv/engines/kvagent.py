@@ -198,13 +198,14 @@ class _AgentEngine(Engine):
 
 
 class AgentTritonEngine(_AgentEngine):
-    """``triton``: KVAgent's descriptor-copy kernel on the initiating GPU."""
+    """``triton``: KVAgent's copy kernel on the initiating GPU."""
 
     name = "triton"
     agent_engine = "triton"
     table_engine = TritonEngine
-    description = ("KVAgent (the public KV API): transfers by block ID, descriptors expanded on the initiating GPU, "
-                   "the descriptor-copy kernel reading (pull) or writing (push) the peer's caches")
+    description = ("KVAgent (the public KV API): transfers by block ID, the copy kernel on the initiating GPU "
+                   "deriving each copy from the IDs (GPUXFER_KV_COPY=descriptors: from a descriptor table expanded "
+                   "there first), reading (pull) or writing (push) the peer's caches")
     uses_sms = "initiating GPU"
 
 
