@@ -10,8 +10,8 @@ from ... import config
 from ...common import parse_size
 from ...errors import BadInput, GpuxferError
 from .. import report as R
-from ..cliutil import (add_common_arguments, device_count, error_line, int_option, platform_option, prepare_outputs,
-                       seconds_option)
+from ..cliutil import (add_common_arguments, check_room, device_count, device_infos, error_line, int_option,
+                       platform_option, prepare_outputs, seconds_option)
 from . import ARTIFACT, BACKENDS, GRAPH, PLAIN, KiB, MiB
 from ..cpus import HELP as CPUS_HELP, rank_cpus
 from .ranks import _rank_main
@@ -111,6 +111,7 @@ def _options(args) -> dict:
     # (and the speed targets, about a link between two GPUs, do not apply).
     ndev = device_count(name)
     opts["same_device"] = ndev < 2
+    _check_room(name, sizes[-1], ndev)
     nccls = [b for b in backends if b in ("nccl", PLAIN)]
     if ndev < 2 and platform_class(name).collective_backend == "nccl" and nccls:
         why = f"both ranks share device 0 ({name} shows one device) and NCCL refuses two ranks on one device"
@@ -120,6 +121,17 @@ def _options(args) -> dict:
             backends.remove(b)
         opts["notes"].append(f"{' and '.join(nccls)} not measured: {why}")
     return opts
+
+
+def _check_room(name: str, largest: int, ndev: int) -> None:
+    """The least any backend holds at the largest step: the sender its source buffer, the receiver that and the
+    tensors it receives into; both on device 0 where the ranks share one (or the host's memory). More than a
+    device's free memory is a ``--max-size`` error before a rank starts."""
+    from ...platforms import platform_class
+    if platform_class(name).host_memory or ndev < 2:
+        check_room("--max-size", largest, [(3 * largest, device_infos(name, [0])[0])])
+    else:
+        check_room("--max-size", largest, list(zip((largest, 2 * largest), device_infos(name, [0, 1]))))
 
 
 def run(args) -> int:
