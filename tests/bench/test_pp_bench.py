@@ -171,6 +171,11 @@ def test_pp_room_two_devices_checks_each_rank(monkeypatch):
         B._check_room("cuda", 80, 2)
     with pytest.raises(BadInput, match="--max-size 40 B: the run needs 120 B on device 0"):
         B._check_room("cuda", 40, 1)
+    B._check_room("cuda", 60, 1, rank=0)        # under torchrun: each rank its own need on its device
+    with pytest.raises(BadInput, match="--max-size 60 B: the run needs 120 B on device 0"):
+        B._check_room("cuda", 60, 1, rank=1)
+    with pytest.raises(BadInput, match="--max-size 80 B: the run needs 160 B on device 1"):
+        B._check_room("cuda", 80, 2, rank=1)
 
 
 def test_bench_pp_platform_rocm_without_rocm_is_one_line(capsys, tmp_path, monkeypatch):

@@ -111,7 +111,8 @@ def _options(args) -> dict:
     # (and the speed targets, about a link between two GPUs, do not apply).
     ndev = device_count(name)
     opts["same_device"] = ndev < 2
-    _check_room(name, sizes[-1], ndev)
+    torchrun = config.torchrun()
+    _check_room(name, sizes[-1], ndev, None if torchrun is None else torchrun[0])
     nccls = [b for b in backends if b in ("nccl", PLAIN)]
     if ndev < 2 and platform_class(name).collective_backend == "nccl" and nccls:
         why = f"both ranks share device 0 ({name} shows one device) and NCCL refuses two ranks on one device"
@@ -123,15 +124,21 @@ def _options(args) -> dict:
     return opts
 
 
-def _check_room(name: str, largest: int, ndev: int) -> None:
+def _check_room(name: str, largest: int, ndev: int, rank: int | None = None) -> None:
     """The least any backend holds at the largest step: the sender its source buffer, the receiver that and the
     tensors it receives into; both on device 0 where the ranks share one (or the host's memory). More than a
-    device's free memory is a ``--max-size`` error before a rank starts."""
+    device's free memory is a ``--max-size`` error before a rank starts. Under torchrun (``rank`` given) a rank
+    checks its own need alone: the other rank may be allocating already."""
     from ...platforms import platform_class
-    if platform_class(name).host_memory or ndev < 2:
-        check_room("--max-size", largest, [(3 * largest, device_infos(name, [0])[0])])
+    needs = (largest, 2 * largest)          # the sender's, the receiver's
+    if rank is not None:
+        wants = [(rank % ndev, needs[min(rank, 1)])]
+    elif platform_class(name).host_memory or ndev < 2:
+        wants = [(0, sum(needs))]
     else:
-        check_room("--max-size", largest, list(zip((largest, 2 * largest), device_infos(name, [0, 1]))))
+        wants = [(0, needs[0]), (1, needs[1])]
+    infos = device_infos(name, [d for d, _ in wants])
+    check_room("--max-size", largest, [(need, info) for (_, need), info in zip(wants, infos)])
 
 
 def run(args) -> int:
