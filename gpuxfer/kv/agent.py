@@ -298,7 +298,7 @@ class KVAgent(Closable, FailsOnTimeout):
             reg.groups = {**reg.groups, name: _Group(name, block_tokens, described, flats)}
             for lay, ref in zip(described, refs):
                 reg.layer_refs[(name, lay.name)] = ref
-            self._routes.routes.clear()
+            self._routes.drop_all()
 
     def layer_at(self, ptr: int, nbytes: int, page_bytes: int, *, pieces: Sequence[Any] | None = None,
                  token_major: bool = True, index: int | None = None) -> KVLayerSpec:

@@ -153,8 +153,9 @@ class RouteCache:
         self.agent, self.registry = agent, registry
         self.routes: dict[tuple, _Route] = {}
         self.bounds: dict = {}     # per peer: (the registry's groups dict, sorted layer indices of both sides)
-        # routes dropped from the cache (by :meth:`_bound` or :meth:`forget`) that something still holds (a prepared
-        # transfer, or a posted one until it completed): their memory is still allocated (:meth:`slot_bytes`)
+        # routes dropped from the cache (:meth:`_bound`, :meth:`forget`, :meth:`drop_all`) that something still
+        # holds (a prepared transfer, or a posted one until it completed): their memory is still allocated
+        # (:meth:`slot_bytes` counts it)
         self.dropped: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._uses = itertools.count(1)
 
@@ -231,6 +232,13 @@ class RouteCache:
             r = self.routes.pop(k)
             self.dropped[id(r)] = r
         self.bounds.pop(peer, None)
+
+    def drop_all(self) -> None:
+        """Drop every route: the cache starts again from a new dict (a reader holding the old one goes on over
+        it); each dropped route counts in :meth:`slot_bytes` while something holds it."""
+        old, self.routes = self.routes, {}
+        for r in list(old.values()):
+            self.dropped[id(r)] = r
 
     def slot_bytes(self) -> dict[str, int]:
         """The slots of the routes cached and of those dropped from the cache that something still holds: how

@@ -165,3 +165,20 @@ def test_device_bytes_counts_a_dropped_route_a_prepared_transfer_holds(pair, mon
     dec._poster.reap_locked()           # the poster keeps a completed post's buffers until it reaps them
     gc.collect()
     assert dec.device_bytes()["held_routes"] == 0 and dec.device_bytes()["requests"] == 0
+
+
+def test_device_bytes_counts_routes_a_new_group_dropped_while_a_transfer_holds_them(pair):
+    """register_group drops every cached route; one a prepared transfer holds still counts in device_bytes."""
+    import gc
+    pre, dec, a0, a1 = pair
+    dst, src, p = _gapped(pre, dec, a0, a1, range(2))
+    kept = dec.prepare(p, "pull", local_blocks={"full": [1]}, remote_blocks={"full": [2]}, layers=(0, 2))
+    kept.post().wait(60)
+    one = dec.device_bytes()
+    dec.register_group("more", 4, {"model.layers.0.more": a1.tensor((2, 8, 4, 2, 4), torch.bfloat16, seed=3)})
+    got = dec.device_bytes()
+    assert got["routes"] == 0 and got["held_routes"] == 1 and got["requests"] == one["requests"] > 0, got
+    del kept
+    dec._poster.reap_locked()
+    gc.collect()
+    assert dec.device_bytes()["held_routes"] == 0 and dec.device_bytes()["requests"] == 0
