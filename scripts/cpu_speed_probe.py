@@ -27,6 +27,7 @@ import threading
 import time
 
 from gpuxfer.bench.cpus import python_speed_us
+from gpuxfer.bench.report import nearest_rank
 
 
 def _pin(cpu: int) -> None:
@@ -129,7 +130,7 @@ def threads(calls: int = 20000) -> dict:
 
 def clusters(values: list[float]) -> str:
     v = sorted(values)
-    lo, hi = v[len(v) // 10], v[len(v) * 9 // 10]
+    lo, hi = nearest_rank(v, 0.1), nearest_rank(v, 0.9)
     return f"p10 {lo:.1f}, median {statistics.median(v):.1f}, p90 {hi:.1f}, max/min {v[-1] / v[0]:.2f}"
 
 

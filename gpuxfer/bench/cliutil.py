@@ -103,6 +103,27 @@ def device_count(platform: str) -> int:
         plat.close()
 
 
+def device_infos(platform: str, devices) -> list:
+    """Each of ``devices``' :class:`~gpuxfer.platforms.values.DeviceInfo` on ``platform`` (a usable name), its
+    free memory as it is now; the platform is closed after."""
+    from ..platforms import get_platform
+    plat = get_platform(platform)
+    try:
+        return [plat.device_info(d) for d in devices]
+    finally:
+        plat.close()
+
+
+def check_room(option: str, value: int, wants) -> None:
+    """``wants``: ``(bytes, DeviceInfo)`` pairs, what a run allocates on each device. More than a device's free
+    memory is :class:`BadInput` naming ``option`` (whose value, ``value`` bytes, sets the need), raised before
+    anything is allocated; a device whose free memory is unknown is not checked."""
+    for need, info in wants:
+        if info.free_bytes is not None and need > info.free_bytes:
+            raise BadInput(f"{option} {value} B: the run needs {need} B on device {info.index} ({info.name}), "
+                           f"which has {info.free_bytes} B free")
+
+
 def add_common_arguments(group, *, name: str, timeout_help: str = "limit on every single wait (a device "
                          "burst, a CPU-group exchange); a hang becomes an error") -> None:
     """``--platform``, ``--timeout``, ``--out`` and ``--json`` as every benchmark spells them."""

@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import report as R
-from .cliutil import (add_common_arguments, device_count, error_line, int_option, platform_option, prepare_outputs,
-                       seconds_option)
+from .cliutil import (add_common_arguments, check_room, device_count, error_line, int_option, platform_option,
+                      prepare_outputs, seconds_option)
 from ..common import parse_size, run_versions
 from ..errors import BadInput, GpuxferError
 from .timing import DeviceClock
@@ -434,11 +434,7 @@ def _run(c: dict, outputs, out) -> int:
 def _check_room(pool: int, local, peer, *, one_memory: bool) -> None:
     """Three pool buffers on the local device and two on the peer's (one memory on the host emulation or one
     device): more than the free memory is a ``--pool`` error before anything is allocated."""
-    wants = [(5 * pool, local)] if one_memory else [(3 * pool, local), (2 * pool, peer)]
-    for need, info in wants:
-        if info.free_bytes is not None and need > info.free_bytes:
-            raise BadInput(f"--pool {pool} B: the run needs {need} B on device {info.index} ({info.name}), which "
-                           f"has {info.free_bytes} B free")
+    check_room("--pool", pool, [(5 * pool, local)] if one_memory else [(3 * pool, local), (2 * pool, peer)])
 
 
 def _block_request(rng, pool: int, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -299,7 +299,7 @@ class KVAgent(Closable, FailsOnTimeout):
             reg.groups = {**reg.groups, name: _Group(name, block_tokens, described, flats)}
             for lay, ref in zip(described, refs):
                 reg.layer_refs[(name, lay.name)] = ref
-            self._routes.routes.clear()
+            self._routes.drop_all()
 
     def layer_at(self, ptr: int, nbytes: int, page_bytes: int, *, pieces: Sequence[Any] | None = None,
                  token_major: bool = True, index: int | None = None) -> KVLayerSpec:
@@ -332,7 +332,8 @@ class KVAgent(Closable, FailsOnTimeout):
         slots -- descriptor buffers (``(rows, 3)`` int64: 24 bytes per descriptor of the largest request a slot
         ran; where slots copy from the IDs, ``GPUXFER_KV_COPY=blocks``, only the tables ``expanded_descriptors``
         made), request buffers and the device ID check's bitmaps -- and the pack engine's staging slots; with the
-        number of routes and slots."""
+        number of routes cached (``routes``), of routes dropped from the cache that a prepared transfer or a post
+        not yet completed still holds (``held_routes``: counted until released) and of slots."""
         return {**self._routes.slot_bytes(), "pack_staging": self.staging.nbytes if self.staging is not None else 0}
 
     # ------------------------------------------------------------------ metadata and peers

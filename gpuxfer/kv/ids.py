@@ -1,8 +1,10 @@
 """A request's block IDs on the host: taken as contiguous int64 arrays, range-checked, checked for
 duplicate destinations and ordered, in O(IDs) and a fixed number of NumPy calls over all groups at
-once (:class:`_RouteIds`, one per route), with per-thread scratch arrays."""
+once (:class:`_RouteIds`, one per route), with per-thread scratch arrays; :class:`_IdsCache` keeps a bounded
+number of them where nothing else bounds how many there are."""
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import itertools
@@ -150,6 +152,39 @@ def _past(ids: np.ndarray, lens: list[int], limits: np.ndarray) -> bool:
         keep = [i for i, n in enumerate(lens) if n]
         starts, limits = [starts[i] for i in keep], limits[keep]
     return bool((np.maximum.reduceat(ids.view(np.uint64), starts) >= limits).any())
+
+
+#: ID checkers a NIXL peer keeps (one per direction and set of groups a request names); past it, the least
+#: recently used goes (built again from the groups when a request names them again)
+IDS_PER_PEER = 64
+
+
+class _IdsCache:
+    """At most ``cap`` values by key, the least recently used dropped past it; safe to use from any thread (two
+    threads missing one key at once may both build it: either value is right)."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self._values: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def get(self, key, build):
+        """The value cached under ``key``, else ``build()``'s, cached."""
+        with self._lock:
+            value = self._values.get(key)
+            if value is not None:
+                self._values.move_to_end(key)
+                return value
+        value = build()
+        with self._lock:
+            self._values[key] = value
+            self._values.move_to_end(key)
+            while len(self._values) > self.cap:
+                self._values.popitem(last=False)
+        return value
 
 
 class _RouteIds:

@@ -227,7 +227,8 @@ class Lifetime:
             _LEAKED.append(poster.inflight)
         for p in peers:
             p.close()
-        self.routes.routes, self.routes.bounds = {}, {}
+        self.routes.drop_all()
+        self.routes.bounds = {}
         poster.inflight = collections.deque()       # a new one: one kept above stays as it is
         self.stream_waits = {}
         pack.shapes, pack.tail = collections.OrderedDict(), None

@@ -14,7 +14,7 @@ from .. import config
 from ..errors import BadInput, BadMetadata, GpuxferError, LayoutMismatch, NotRegistered, TransferTimeout
 from ..platforms.base import Stream
 from .control import NOTIFY_SLOTS
-from .ids import _RouteIds
+from .ids import IDS_PER_PEER, _IdsCache, _RouteIds
 from .layers import KVLayer
 from .nixl_ffi import NixlError, RemoteHeld
 from .nixl_route import NOTIF_PREFIX, NixlSide
@@ -82,7 +82,7 @@ class NixlPeer(KVPeer):
         self._notified: list = [None] * NOTIFY_SLOTS
         self.pack_sent = self.pack_recv = 0
         self._lists: _Lists | None = None
-        self._ids: dict[tuple, _RouteIds] = {}
+        self._ids = _IdsCache(IDS_PER_PEER)      # (op, groups) -> _RouteIds
         self._inflight: list["_NixlHandle"] = []
         nx = meta.nixl
         self.remote: str | None = None
@@ -225,8 +225,7 @@ class NixlPeer(KVPeer):
             log.warning("peer %s: releasing prepped NIXL lists: %s", self.name, "; ".join(errors))
 
     def _route_ids(self, op: str, groups: tuple[str, ...]) -> _RouteIds:
-        ids = self._ids.get((op, groups))
-        if ids is None:
+        def build() -> _RouteIds:
             push = op == "push"
             limits, splits, spans = [], [], []
             for g in groups:
@@ -236,8 +235,8 @@ class NixlPeer(KVPeer):
                 limits.append((src.num_blocks, dst.num_blocks))
                 splits.append((src.block_tokens // seg, dst.block_tokens // seg))
                 spans.append([lay.span for lay in dst.layers])
-            ids = self._ids[(op, groups)] = _RouteIds(groups, limits, splits, _overlap_classes(spans), True)
-        return ids
+            return _RouteIds(groups, limits, splits, _overlap_classes(spans), True)
+        return self._ids.get((op, groups), build)
 
     # -- requests
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,6 +153,10 @@ class RouteCache:
         self.agent, self.registry = agent, registry
         self.routes: dict[tuple, _Route] = {}
         self.bounds: dict = {}     # per peer: (the registry's groups dict, sorted layer indices of both sides)
+        # routes dropped from the cache (:meth:`_bound`, :meth:`forget`, :meth:`drop_all`) that something still
+        # holds (a prepared transfer, or a posted one until it completed): their memory is still allocated
+        # (:meth:`slot_bytes` counts it)
+        self.dropped: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._uses = itertools.count(1)
 
     def clamp(self, peer, layers: tuple[int, int] | None) -> tuple[int, int] | None:
@@ -218,20 +223,33 @@ class RouteCache:
                 continue
             for k in keys[id(r)]:
                 del self.routes[k]
+            self.dropped[id(r)] = r
             over -= 1
 
     def forget(self, peer) -> None:
         """Drop the routes of ``peer`` (the caller holds the registry's lock)."""
         for k in [k for k in self.routes if k[0] is peer]:
-            del self.routes[k]
+            r = self.routes.pop(k)
+            self.dropped[id(r)] = r
         self.bounds.pop(peer, None)
 
+    def drop_all(self) -> None:
+        """Drop every route: the cache starts again from a new dict (a reader holding the old one goes on over
+        it); each dropped route counts in :meth:`slot_bytes` while something holds it."""
+        old, self.routes = self.routes, {}
+        for r in list(old.values()):
+            self.dropped[id(r)] = r
+
     def slot_bytes(self) -> dict[str, int]:
-        """The routes' slots: how many routes and slots, and the bytes of their descriptor and request buffers
-        and of the device ID check's bitmaps."""
-        routes = {id(r): r for r in list(self.routes.values())}.values()
+        """The slots of the routes cached and of those dropped from the cache that something still holds: how
+        many routes of each and slots, and the bytes of their descriptor and request buffers and of the device ID
+        check's bitmaps."""
+        with self.registry.lock:
+            cached = {id(r): r for r in self.routes.values()}
+            held = {i: r for i, r in list(self.dropped.items()) if i not in cached}
+        routes = [*cached.values(), *held.values()]
         slots = [s for r in routes for s in list(r.slots)]
-        return {"routes": len(routes), "slots": len(slots),
+        return {"routes": len(cached), "held_routes": len(held), "slots": len(slots),
                 "descriptors": sum(t.shape[0] * 24 for s in slots for t in (s.out, *s.spent) if t is not None),
                 "requests": sum((s.entries + (s.host is not None)) * 8 for s in slots),   # (+ a folded slot's seq)
                 "id_marks": sum(s.checked.marks.numel() * 4 for s in slots if s.checked is not None)}

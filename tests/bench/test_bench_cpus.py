@@ -109,6 +109,8 @@ def test_cpu_speed_probe_runs_its_parts():
         os.sched_setaffinity(0, set(cpus))
     assert all(v > 0 for v in mod.threads(calls=200).values())
     assert "median" in mod.clusters([1.0, 2.0, 3.0])
+    # p10 and p90 by nearest rank: of ten samples the 1st and the 9th smallest
+    assert mod.clusters([float(x) for x in range(10, 0, -1)]).startswith("p10 1.0, median 5.5, p90 9.0,")
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")

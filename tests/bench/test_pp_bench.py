@@ -147,6 +147,37 @@ def test_bench_pp_bad_arguments(capsys, tmp_path, argv, message):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("max_size", ["1T", "4096T"])
+def test_bench_pp_max_size_past_the_free_memory(capsys, tmp_path, max_size):
+    """A largest step whose buffers cannot fit the free memory is a --max-size error in the parent (exit 2),
+    not a rank's allocation failure."""
+    r = _cli(capsys, "--max-size", max_size, "--out", str(tmp_path / "o"))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("gpuxfer bench pp: error: --max-size ") and "B free" in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stdout == "" and not (tmp_path / "o").exists()
+
+
+def test_pp_room_two_devices_checks_each_rank(monkeypatch):
+    """Two devices: the sender's device holds one buffer of the largest step, the receiver's two."""
+    import argparse
+
+    from gpuxfer.errors import BadInput
+    from gpuxfer.bench.pp import cli as B
+    infos = [argparse.Namespace(index=i, name=f"d{i}", free_bytes=f) for i, f in enumerate((100, 150))]
+    monkeypatch.setattr("gpuxfer.platforms.platform_class", lambda name: argparse.Namespace(host_memory=False))
+    monkeypatch.setattr(B, "device_infos", lambda name, devices: [infos[d] for d in devices])
+    B._check_room("cuda", 75, 2)
+    with pytest.raises(BadInput, match="--max-size 80 B: the run needs 160 B on device 1"):
+        B._check_room("cuda", 80, 2)
+    with pytest.raises(BadInput, match="--max-size 40 B: the run needs 120 B on device 0"):
+        B._check_room("cuda", 40, 1)
+    B._check_room("cuda", 60, 1, rank=0)        # under torchrun: each rank its own need on its device
+    with pytest.raises(BadInput, match="--max-size 60 B: the run needs 120 B on device 0"):
+        B._check_room("cuda", 60, 1, rank=1)
+    with pytest.raises(BadInput, match="--max-size 80 B: the run needs 160 B on device 1"):
+        B._check_room("cuda", 80, 2, rank=1)
+
+
 def test_bench_pp_platform_rocm_without_rocm_is_one_line(capsys, tmp_path, monkeypatch):
     from gpuxfer.platforms import unavailable_reason
     if unavailable_reason("rocm") is None:
@@ -167,7 +198,9 @@ def test_one_device_leaves_nccl_out_and_the_targets_do_not_apply(monkeypatch):
     from gpuxfer.bench.pp import cli as B
     monkeypatch.setattr(B, "platform_option", lambda text: "cuda")
     monkeypatch.setattr(B, "device_count", lambda name: 1)
-    monkeypatch.setattr("gpuxfer.platforms.platform_class", lambda name: argparse.Namespace(is_emulation=False, collective_backend="nccl"))
+    monkeypatch.setattr("gpuxfer.platforms.platform_class", lambda name: argparse.Namespace(
+        is_emulation=False, collective_backend="nccl", host_memory=False))
+    monkeypatch.setattr(B, "device_infos", lambda name, devices: [argparse.Namespace(free_bytes=None)] * len(devices))
     args = build_parser().parse_args(["bench", "pp", "--inline-bytes", "1M"])
     opts = B._options(args)
     assert opts["backends"] == ["copy_engine", "copy_engine_graph"] and opts["same_device"]

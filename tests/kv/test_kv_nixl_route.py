@@ -936,3 +936,34 @@ def test_a_handle_polled_while_another_caller_releases_it_is_done(nixl_pair, mon
     monkeypatch.setattr(nixl_ffi.NixlAgent, "release_quietly", release_quietly)
     h.wait(20)
     assert armed and asked[-1] == ("done", True) and all(x is True for x in asked[:-1]), asked
+
+
+def test_the_id_checkers_cache_stays_bounded():
+    """Ever-new keys keep at most ``cap`` values, the least recently used going first."""
+    from gpuxfer.kv.ids import _IdsCache
+    cache, built = _IdsCache(3), []
+    for k in range(100):
+        assert cache.get(("pull", (f"g{k}",)), lambda: built.append(k) or k) == k
+        assert cache.get(("pull", ("g0",)), lambda: -1) in (0, -1)        # g0 kept in use
+        assert len(cache) <= 3
+    assert cache.get(("pull", ("g0",)), lambda: -2) == 0 and cache.get(("pull", ("g5",)), lambda: -3) == -3
+
+
+def test_a_peers_id_checkers_stay_bounded_and_move_right_bytes(nixl_pair):
+    """Requests naming more (direction, groups) sets than the peer keeps: the cache stays at its cap, each
+    request built again as needed moves the bytes asked."""
+    from gpuxfer.kv.ids import IDS_PER_PEER
+    (a, b), (p, q), caches = nixl_pair
+    assert p._ids.cap == IDS_PER_PEER
+    p._ids.cap = 1
+    for k in range(4):
+        src, dst = k % BLOCKS, (k + 5) % BLOCKS
+        if k % 2:
+            a.transfer(p, "push", local_blocks={"full": [src]}, remote_blocks={"full": [dst]}).wait(20)
+            mine, theirs = caches[0]["full"], caches[1]["full"]
+        else:
+            a.transfer(p, "pull", local_blocks={"full": [dst]}, remote_blocks={"full": [src]}).wait(20)
+            mine, theirs = caches[1]["full"], caches[0]["full"]
+        assert len(p._ids) == 1
+        for name, t in mine.items():
+            assert torch.equal(t[:, src], theirs[name][:, dst])

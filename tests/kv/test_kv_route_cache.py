@@ -133,3 +133,52 @@ def test_requests_naming_groups_in_every_order_add_one_key(pair):
             if int(name.split(".")[2]) < 2:
                 assert same_bytes(t[:, d], src[g][name][:, 7 - d]), (order, g)
     assert len(dec._routes.routes) == keys + 1, list(dec._routes.routes)
+
+
+def test_device_bytes_counts_a_dropped_route_a_prepared_transfer_holds(pair, monkeypatch):
+    """At most one route per peer: a prepared transfer's route dropped from the cache by another range's is still
+    allocated, and device_bytes counts it (held_routes) until the transfer goes; a removed peer's route alike."""
+    import gc
+    monkeypatch.setattr(kv_routes, "ROUTES_PER_PEER", 1, raising=False)
+    pre, dec, a0, a1 = pair
+    dst, src, p = _gapped(pre, dec, a0, a1, range(2))
+    kept = dec.prepare(p, "pull", local_blocks={"full": [1]}, remote_blocks={"full": [2]}, layers=(0, 1))
+    kept.post().wait(60)
+    one = dec.device_bytes()
+    assert one["routes"] == 1 and one["held_routes"] == 0 and one["requests"] > 0, one
+    h, check = _pull(dec, p, dst, src, (1, 2), 3, 4)
+    h.wait(60)
+    check()
+    both = dec.device_bytes()
+    assert both["routes"] == 1 and both["held_routes"] == 1 and both["requests"] == 2 * one["requests"], both
+    assert id(kept.route) not in _routes(dec)
+    del kept, h, check
+    dec._poster.reap_locked()
+    gc.collect()
+    after = dec.device_bytes()
+    assert after["held_routes"] == 0 and after["requests"] == one["requests"], after
+    held = dec.prepare(p, "pull", local_blocks={"full": [1]}, remote_blocks={"full": [2]}, layers=(1, 2))
+    dec.remove_peer(p)
+    gone = dec.device_bytes()
+    assert gone["routes"] == 0 and gone["held_routes"] == 1 and gone["requests"] == one["requests"], gone
+    del held
+    dec._poster.reap_locked()           # the poster keeps a completed post's buffers until it reaps them
+    gc.collect()
+    assert dec.device_bytes()["held_routes"] == 0 and dec.device_bytes()["requests"] == 0
+
+
+def test_device_bytes_counts_routes_a_new_group_dropped_while_a_transfer_holds_them(pair):
+    """register_group drops every cached route; one a prepared transfer holds still counts in device_bytes."""
+    import gc
+    pre, dec, a0, a1 = pair
+    dst, src, p = _gapped(pre, dec, a0, a1, range(2))
+    kept = dec.prepare(p, "pull", local_blocks={"full": [1]}, remote_blocks={"full": [2]}, layers=(0, 2))
+    kept.post().wait(60)
+    one = dec.device_bytes()
+    dec.register_group("more", 4, {"model.layers.0.more": a1.tensor((2, 8, 4, 2, 4), torch.bfloat16, seed=3)})
+    got = dec.device_bytes()
+    assert got["routes"] == 0 and got["held_routes"] == 1 and got["requests"] == one["requests"] > 0, got
+    del kept
+    dec._poster.reap_locked()
+    gc.collect()
+    assert dec.device_bytes()["held_routes"] == 0 and dec.device_bytes()["requests"] == 0

@@ -10,8 +10,8 @@ from ... import config
 from ...common import parse_size
 from ...errors import BadInput, GpuxferError
 from .. import report as R
-from ..cliutil import (add_common_arguments, device_count, error_line, int_option, platform_option, prepare_outputs,
-                       seconds_option)
+from ..cliutil import (add_common_arguments, check_room, device_count, device_infos, error_line, int_option,
+                       platform_option, prepare_outputs, seconds_option)
 from . import ARTIFACT, BACKENDS, GRAPH, PLAIN, KiB, MiB
 from ..cpus import HELP as CPUS_HELP, rank_cpus
 from .ranks import _rank_main
@@ -111,6 +111,8 @@ def _options(args) -> dict:
     # (and the speed targets, about a link between two GPUs, do not apply).
     ndev = device_count(name)
     opts["same_device"] = ndev < 2
+    torchrun = config.torchrun()
+    _check_room(name, sizes[-1], ndev, None if torchrun is None else torchrun[0])
     nccls = [b for b in backends if b in ("nccl", PLAIN)]
     if ndev < 2 and platform_class(name).collective_backend == "nccl" and nccls:
         why = f"both ranks share device 0 ({name} shows one device) and NCCL refuses two ranks on one device"
@@ -120,6 +122,23 @@ def _options(args) -> dict:
             backends.remove(b)
         opts["notes"].append(f"{' and '.join(nccls)} not measured: {why}")
     return opts
+
+
+def _check_room(name: str, largest: int, ndev: int, rank: int | None = None) -> None:
+    """The least any backend holds at the largest step: the sender its source buffer, the receiver that and the
+    tensors it receives into; both on device 0 where the ranks share one (or the host's memory). More than a
+    device's free memory is a ``--max-size`` error before a rank starts. Under torchrun (``rank`` given) a rank
+    checks its own need alone: the other rank may be allocating already."""
+    from ...platforms import platform_class
+    needs = (largest, 2 * largest)          # the sender's, the receiver's
+    if rank is not None:
+        wants = [(rank % ndev, needs[min(rank, 1)])]
+    elif platform_class(name).host_memory or ndev < 2:
+        wants = [(0, sum(needs))]
+    else:
+        wants = [(0, needs[0]), (1, needs[1])]
+    infos = device_infos(name, [d for d, _ in wants])
+    check_room("--max-size", largest, [(need, info) for (_, need), info in zip(wants, infos)])
 
 
 def run(args) -> int:
