@@ -332,3 +332,27 @@ def test_a_refused_handshake_releases_only_the_sealed_loads_waiting_on_it(monkey
     assert len(clients) == 1                        # both waited on the handshake (answered at the second pump)
     assert clients[0].sent == [("release", ["p-good"])] and not clients[0].alive
     assert w.poll()[1:] == ({"d-good", "d-altered"}, {"d-good", "d-altered"}) and not posted
+
+
+@pytest.mark.parametrize("how", ["no seal key", "caches not mapped"])
+def test_a_load_that_fails_before_its_seal_checked_out_leaves_no_claim(monkeypatch, how):
+    """A load whose params name a real prefill request but carry no seal of its engine (a far-off lease among what
+    was altered), on a handshake that fails before they are checked: it fails and claims nothing, since a claim
+    lasts as long as the params' lease deadline says and, while it stands, refuses every other load of that
+    request. The real params, loaded after a fresh handshake, load; nothing of the forged ones is kept."""
+    w, clients, posted = _decode(monkeypatch, [None if how == "no seal key" else SEAL_KEY, SEAL_KEY])
+    add_peer = w.decode.engines.agent.add_peer
+    if how == "caches not mapped":
+        def refuse(*a, **k):
+            raise engines_mod.GpuxferError("no mapping here")
+        w.decode.engines.agent.add_peer = refuse
+    real = _sealed(_rp("p-x", (1, 2)))
+    forged = dataclasses.replace(_sealed(_rp("p-x", (1, 2)), seal_key(b"not the engine's")), lease_deadline=1e300)
+    w.start_loads([Load("d-forged", forged, (np.array([7, 8]),), 0, 31)])
+    assert w.poll()[1:] == ({"d-forged"}, {"d-forged"}) and not posted
+    assert clients[0].sent == [] and w.decode.claims == {}
+    w.decode.engines.agent.add_peer = add_peer
+    w.start_loads([Load("d-real", real, (np.array([9, 10]),), 0, 31)])
+    assert w.poll()[1:] == ({"d-real"}, set())
+    assert len(clients) == 2 and posted == [([1, 2], "d-real")]
+    assert list(w.decode.claims) == [(("127.0.0.1", 1, "p"), "p-x")]

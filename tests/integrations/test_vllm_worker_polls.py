@@ -83,13 +83,14 @@ def _in_flight(w: WorkerSide, n: int, deadline: float, *, clock=None, timeout_s:
     e = "q" if nixl else "p"
     w.decode.agent = types.SimpleNamespace(timeout_s=timeout_s)
     r = _Remote(("127.0.0.1", 2 if nixl else 1, e), state="ready", client=_Client(), ordered=not nixl,
-                clock=clock or SAME_HOST)
+                clock=clock or SAME_HOST, seal_key=SEAL_KEY)
     w.decode.remotes[r.key] = r
     sts = []
     for i in range(n):
         rp = RemotePrefill(e, "127.0.0.1", r.key[1], f"{e}{i}", (np.arange(1, 3),), (16,), deadline)
-        st = _LoadState(Load(f"{'n' if nixl else 'd'}{i}", rp, (np.arange(10 + 2 * i, 12 + 2 * i),), 0, 31), 0.0,
-                        remote=r, handle=_Handle(), t_post=time.perf_counter())
+        # (posted: its seal checked out, as DecodeLoads._pair does first)
+        load = Load(f"{'n' if nixl else 'd'}{i}", rp, (np.arange(10 + 2 * i, 12 + 2 * i),), 0, 31, sealed=SEAL_KEY)
+        st = _LoadState(load, 0.0, remote=r, handle=_Handle(), t_post=time.perf_counter())
         w.decode.pending[st.key] = st
         (w.decode.unordered if nixl else w.decode.inflight).append(st)
         r.inflight += 1
@@ -230,12 +231,13 @@ def _two_part_load(ordered: bool):
     import types
     w = _worker()
     w.decode.agent = types.SimpleNamespace(timeout_s=60.0)
-    ranks = [_Remote(("127.0.0.1", port, "p"), state="ready", client=_Client(), ordered=ordered) for port in (1, 2)]
+    ranks = [_Remote(("127.0.0.1", port, "p"), state="ready", client=_Client(), ordered=ordered, seal_key=SEAL_KEY)
+             for port in (1, 2)]
     for r in ranks:
         w.decode.remotes[r.key] = r
     rp = RemotePrefill("p", "127.0.0.1", 1, "p0", (np.arange(1, 3),), (16,), now() + 60,
                        (("127.0.0.1", 1), ("127.0.0.1", 2)))
-    load = Load("d0", rp, (np.array([7, 8]),), 0, 31)
+    load = Load("d0", rp, (np.array([7, 8]),), 0, 31, sealed=SEAL_KEY)        # (posted: its seal checked out)
     w.decode._parts["d0"] = [2, False]
     sts = []
     for part, r in enumerate(ranks):

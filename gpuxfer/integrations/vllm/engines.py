@@ -59,6 +59,16 @@ class _Remote:
     t0: float = field(default_factory=time.monotonic)
 
 
+def carries_seal(rp: RemotePrefill, r: _Remote) -> bool:
+    """Whether ``rp`` carries the seal of the engine ``r`` (whose key its handshake gave; none: not): only such
+    params' keys are sent (a release with the key of params altered from others' could end those others' hold)."""
+    try:
+        check_seal(rp, r.seal_key)
+    except BadSeal:
+        return False
+    return True
+
+
 class PrefillEngines:
     """The prefill engines (ranks) a decode worker reads from, by endpoint (``remotes``). ``group_specs``,
     ``settings``, ``lock``, ``stats``, ``tp``: the worker's (:class:`~.loads.DecodeLoads`); ``waiting``: the params
@@ -166,20 +176,10 @@ class PrefillEngines:
             return
         info = r.info
         if info is not None and info.get("engine_id") == engine_id and self._reads_rank(info):
-            rps = [rp for rp in self._waiting(r) if self._sealed(rp, r)]
+            rps = [rp for rp in self._waiting(r) if carries_seal(rp, r)]
             if rps:
                 r.client.notify("release", [rp.request_id for rp in rps], [rp.key for rp in rps])
         r.client.close()            # (sends what was queued first)
-
-    @staticmethod
-    def _sealed(rp: RemotePrefill, r: _Remote) -> bool:
-        """Whether ``rp`` carries the seal of the engine ``r`` (whose key its handshake gave): only such params'
-        keys are sent (a release with the key of params altered from others' could end those others' hold)."""
-        try:
-            check_seal(rp, r.seal_key)
-        except BadSeal:
-            return False
-        return True
 
     def _reads_rank(self, info: dict) -> bool:
         """Whether the peer that sent ``info`` is one of the prefill ranks this worker reads."""

@@ -26,7 +26,7 @@ import numpy as np
 
 from ...errors import BlockIdError, GpuxferError
 from . import lease
-from .engines import PrefillEngines, _Remote
+from .engines import PrefillEngines, _Remote, carries_seal
 from .params import BadSeal, BadTransferParams, RemotePrefill, check_seal, pair_group, source_ranks
 from .staging import IdStaging
 
@@ -192,7 +192,7 @@ class DecodeLoads:
                     # no release with their key (that could end the hold of the params they were altered from), and
                     # no claim: a load of the real params may follow
                     st.error, st.forged = f"{type(exc).__name__}: {exc}", True
-                    self.claims.pop((st.remote.key, st.load.remote.request_id), None)
+                    self._unclaim(st)
                 except (GpuxferError, KeyError, IndexError, ValueError) as exc:
                     st.error = f"{type(exc).__name__}: {exc}"
             if on_device and self.settings.device_ids == "auto":
@@ -463,14 +463,28 @@ class DecodeLoads:
                 self.load_errors.update(ids[ids != 0].tolist())
 
     def _fail(self, st: _LoadState) -> None:
-        """A failed read: logged, and its prefill rank told this instance will not read it."""
+        """A failed read: logged; its prefill rank told this instance will not read it where its params carry that
+        engine's seal, and its claim dropped where they do not (:meth:`_unclaim`)."""
         load = st.load
         self.stats["failed"] += 1
         log.warning("gpuxfer: engine %s: loading request %s from engine %s failed (%s); vLLM recomputes it",
                     self.engine_id, load.req_id, load.remote.engine_id, st.error)
         r = st.remote
-        if r is not None and r.client is not None and not st.forged:
+        if r is None:               # refused before it claimed anything
+            return
+        if st.forged or not (load.sealed is not None and load.sealed == r.seal_key or carries_seal(load.remote, r)):
+            self._unclaim(st)
+        elif r.client is not None:
             r.client.notify("release", [load.remote.request_id], [load.remote.key])
+
+    def _unclaim(self, st: _LoadState) -> None:
+        """Drop the claim of a load whose params do not carry their engine's seal (or that nothing checked): a claim
+        lasts as long as the params' lease deadline says and refuses every other load of their request meanwhile, so
+        only a sealed deadline is kept."""
+        claim = (st.remote.key, st.load.remote.request_id)
+        held = self.claims.get(claim)
+        if held is not None and held[0] is st.remote:       # (its own: made when it started)
+            del self.claims[claim]
 
     def _prune_claims(self) -> None:
         """Forget the loads whose lease ran out on their engine's clock (once the claims doubled: O(1) a load);
