@@ -208,3 +208,29 @@ def test_a_load_named_again_while_its_read_is_in_flight_changes_nothing():
     sts[1].handle.finished = True
     assert w.poll() == (set(), {"d0"}, set())
     assert [rk.client.sent for rk in ranks] == [[("done", ["p0"])], [("done", ["p0"])]]
+
+
+def test_a_held_requests_key_is_compared_in_constant_time(monkeypatch):
+    """A done or release message for a held request is counted only with the hold's key, a MAC: it is compared with
+    ``hmac.compare_digest`` (a comparison that stops at the first wrong character would let a peer guess the key a
+    character at a time), and a key of any characters (not ASCII, another length) is refused without an error."""
+    import hmac
+    from gpuxfer.integrations.vllm import holds
+    compared, digest_eq = [], hmac.compare_digest
+
+    def compare(a, b):
+        compared.append((a, b))
+        return digest_eq(a, b)
+    monkeypatch.setattr(holds.hmac, "compare_digest", compare)
+    w = _worker()
+    w.server = srv = _Server()
+    w.keyed_by(b"s" * 16)
+    key = make_key(b"s" * 16, "held")
+    w.hold({"held": (now() + 60, key)})
+    for wrong in (key[:-1] + ("0" if key[-1] != "0" else "1"), "é" * len(key), "\ud800" * 3, key + "0", ""):
+        srv.events.put(("release", "held", 1, wrong))
+    assert w.poll()[0] == set()
+    assert sum(key.encode() in (a, b) or key in (a, b) for a, b in compared) >= 3
+    assert w.take_stats()["forged"] == 5
+    srv.events.put(("done", "held", 1, key))
+    assert w.poll()[0] == {"held"}

@@ -41,6 +41,12 @@ def authentic(secret: bytes, request: str, key) -> bool:
             and hmac.compare_digest(key[_NONCE:], _mac(secret, request, key[:_NONCE])))
 
 
+def _same_key(key, want: str) -> bool:
+    """Whether ``key`` (a peer's: any string, or None) is the hold's key ``want``, compared in constant time (a
+    comparison that stops at the first character that differs would let a peer learn the key a character at a time)."""
+    return isinstance(key, str) and hmac.compare_digest(key.encode("utf-8", "surrogatepass"), want.encode())
+
+
 class PrefillHolds:
     """Requests held for decode instances: ``held`` (request -> lease deadline) and their keys, a heap of the
     deadlines, the words of decode ranks that came before their request's hold (``early``: request -> [[when
@@ -75,7 +81,7 @@ class PrefillHolds:
         """A held request's word from a decode rank: counted when it carries the hold's key, and let go of once
         its readers all spoke."""
         want = self.keys.get(req)
-        if want is not None and key != want:
+        if want is not None and not _same_key(key, want):
             self.stats["forged"] += 1
             log.warning("gpuxfer: engine %s: a %s message for request %s without its key (not from a reader of "
                         "its kv_transfer_params); ignored", self.engine_id, op, req)
