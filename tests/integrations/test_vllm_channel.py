@@ -632,3 +632,30 @@ def test_words_of_hostile_requests_and_keys_are_refused_on_the_engine_thread():
     assert stats["forged"] == len(hostile)
     holds.hold({lone: (lease.now() + 120, key)})
     assert holds.finished(lease.now()) == {lone} and stats["sends_done"] == 1
+
+
+def test_a_message_naming_no_request_goes_on_the_wire_and_the_prefill_ignores_it():
+    """``notify`` of no request sends one message naming none (a decode worker probes a connection with it: a dead
+    one fails the send); a prefill takes it as nothing to do and keeps the connection."""
+    import time
+    port, got, stop = _slow_peer(1 << 16)
+    c = SideChannelClient("127.0.0.1", port, 5.0)
+    assert c.handshake() == (b"{}", b"m")
+    assert c.notify("release", []) and c.notify("done", ["a"])
+    want = message({"op": "release", "reqs": []}) + message({"op": "done", "reqs": ["a"]})
+    for _ in range(500):
+        if len(got) >= len(want):
+            break
+        time.sleep(0.01)
+    stop.set()
+    c.close()
+    assert bytes(got) == want
+    srv = SideChannelServer("127.0.0.1", 0, lambda: (b"{}", b"meta"), timeout_s=5.0)
+    try:
+        c = SideChannelClient("127.0.0.1", srv.port, 5.0)
+        c.handshake()
+        assert c.notify("release", []) and c.notify("done", ["b"])
+        assert srv.events.get(timeout=5) == ("done", "b", 1, None) and srv.events.empty() and c.alive
+        c.close()
+    finally:
+        srv.close()

@@ -251,7 +251,7 @@ def test_a_load_whose_params_were_altered_fails_alone_and_nothing_is_read(monkey
     assert recving == {"d-good", "d-stolen", "d-late"} and failed == {"d-stolen", "d-late"}
     assert posted == [([1, 2], "d-good")]
     assert w.take_load_errors() == {9, 10, 11, 12}
-    assert client.sent == [("done", ["p-good"])]
+    assert client.sent == [("release", []), ("done", ["p-good"])]        # (the connection probed: names nothing)
     assert list(w.decode.claims) == [(("127.0.0.1", 1, "p"), "p-good")]
     w.start_loads([Load("d-other", other, (np.array([13, 14]),), 0, 31)])        # the real params of p-other
     assert w.poll()[1:] == ({"d-other"}, set())
@@ -309,7 +309,7 @@ def test_a_release_is_sent_for_sealed_params_no_load_claims_and_claims_them(monk
     spare = _sealed(_rp("p-spare", (3, 4)))
     forged = dataclasses.replace(_sealed(_rp("p-forged", (5, 6))), lease_deadline=now() - 1)
     w.release([for_release(rp) for rp in (reading, spare, forged)])      # (as the scheduler side hands them)
-    assert client.sent == [("release", ["p-spare"])]
+    assert client.sent == [("release", ["p-spare"]), ("release", [])]     # (then the probe of a failed seal)
     w.start_loads([Load("d-spare", spare, (np.array([9, 10]),), 0, 31)])
     _, recving, failed = w.poll()
     assert recving == {"d-reading", "d-spare"} and failed == {"d-spare"}
@@ -356,3 +356,25 @@ def test_a_load_that_fails_before_its_seal_checked_out_leaves_no_claim(monkeypat
     assert w.poll()[1:] == ({"d-real"}, set())
     assert len(clients) == 2 and posted == [([1, 2], "d-real")]
     assert list(w.decode.claims) == [(("127.0.0.1", 1, "p"), "p-x")]
+
+
+def test_params_of_a_restarted_prefill_on_a_silently_dead_connection_handshake_again(monkeypatch):
+    """A prefill engine restarted under the same engine id and port after its host was lost: the decode's connection
+    to the old one never hears a close (nothing comes from a lost host; only a send finds the connection dead), so
+    its record keeps the old seal key and the new engine's params fail their seal. A load failing its seal has the
+    connection probed (an empty release: nothing for the prefill to do), at most once a step and engine; a dead
+    connection then ends the record, and the next load handshakes again, gets the new key and loads."""
+    new_key = seal_key(b"the restarted engine's secret")
+    w, clients, posted = _decode(monkeypatch, [SEAL_KEY, new_key])
+    w.start_loads([Load("d0", _sealed(_rp("p0")), (np.array([7, 8]),), 0, 31)])
+    assert w.poll()[1:] == ({"d0"}, set())
+    (old,) = clients
+    old.sent.clear()
+    fresh = [_sealed(_rp(f"q{i}", (3, 4)), new_key) for i in range(2)]      # the restarted engine's params
+    w.start_loads([Load(f"d{i + 1}", rp, (np.array([9 + 2 * i, 10 + 2 * i]),), 0, 31) for i, rp in enumerate(fresh)])
+    assert w.poll()[1:] == ({"d1", "d2"}, {"d1", "d2"})
+    assert old.sent == [("release", [])]            # one probe for the step's two
+    old.alive = False                               # (what the probe found: the connection is dead)
+    w.start_loads([Load("d3", _sealed(_rp("q3", (5, 6)), new_key), (np.array([13, 14]),), 0, 31)])
+    assert w.poll()[1:] == ({"d3"}, set())
+    assert len(clients) == 2 and posted[-1] == ([5, 6], "d3")

@@ -478,14 +478,14 @@ class SideChannelClient:
         self._fail("the prefill instance closed the side channel" if not data else "unexpected bytes")
 
     def notify(self, op: str, request_ids: list[str], keys: list[str | None] | None = None) -> bool:
-        """Queue a done or release message for ``request_ids`` (``keys``: their holds' keys, from their params):
-        the client's sender thread (started when the handshake completes, so nothing interleaves with the hello)
-        sends the messages in order, each within ``timeout_s`` or the connection is dead. False when it is dead
-        already."""
+        """Queue a done or release message for ``request_ids`` (``keys``: their holds' keys, from their params; none:
+        one message naming none, which finds a dead connection): the client's sender thread (started at the handshake,
+        so nothing interleaves with the hello) sends the messages in order, each within ``timeout_s`` or the
+        connection is dead. False when it is dead already."""
         if not self.alive:
             return False
         t, n = time.monotonic(), MAX_IDS_PER_MESSAGE
-        for i in range(0, len(request_ids), n):
+        for i in range(0, max(len(request_ids), 1), n):
             self._pending.append((t, op, list(request_ids[i:i + n]), None if keys is None else list(keys[i:i + n])))
         self._wake.put(True)
         return True

@@ -177,7 +177,7 @@ class DecodeLoads:
             return
         try:
             t0 = time.perf_counter()
-            xs, owners, on_device = [], [], {}
+            xs, owners, on_device, unsealed = [], [], {}, {}
             for st in sts:
                 try:
                     st.pairs = self._pair(st)
@@ -193,8 +193,11 @@ class DecodeLoads:
                     # no claim: a load of the real params may follow
                     st.error, st.forged = f"{type(exc).__name__}: {exc}", True
                     self._unclaim(st)
+                    unsealed[id(st.remote)] = st.remote
                 except (GpuxferError, KeyError, IndexError, ValueError) as exc:
                     st.error = f"{type(exc).__name__}: {exc}"
+            for r in unsealed.values():
+                _probe(r)
             if on_device and self.settings.device_ids == "auto":
                 for key, batch in list(on_device.items()):
                     if len(batch) < AUTO_DEVICE_IDS_FROM:
@@ -527,6 +530,7 @@ class DecodeLoads:
                 except BadSeal as exc:
                     log.warning("gpuxfer: engine %s: not releasing request %s of engine %s: %s", self.engine_id,
                                 rp.request_id, rp.engine_id, exc)
+                    _probe(r)
                     continue
                 self.claims[claim] = (r, rp.lease_deadline)
                 r.client.notify("release", [rp.request_id], [rp.key])
@@ -544,6 +548,16 @@ class DecodeLoads:
     def close(self) -> None:
         """Close every engine's side channel (from any thread)."""
         self.engines.close()
+
+
+def _probe(r: _Remote) -> None:
+    """Params that do not carry engine ``r``'s seal: forged, or made by the engine after it restarted under the same
+    engine id and port while the connection to the old one went dead without a word (its host lost: only a send finds
+    it dead). An empty release (nothing for the prefill to do) goes on the connection, so a dead one fails, the
+    record is forgotten and the next load naming the engine handshakes again for its seal key. (One a step and engine
+    where a step's loads fail; each a few bytes.)"""
+    if r.client is not None:
+        r.client.notify("release", [])
 
 
 class _Done:
