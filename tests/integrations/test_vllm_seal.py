@@ -307,9 +307,9 @@ def test_a_release_is_sent_for_sealed_params_no_load_claims_and_claims_them(monk
     w.start_loads([Load("d-reading", reading, (np.array([7, 8]),), 0, 31)])      # posted, not reported yet
     (client,) = clients
     spare = _sealed(_rp("p-spare", (3, 4)))
-    forged = dataclasses.replace(_sealed(_rp("p-forged", (5, 6))), lease_deadline=now() - 1)
-    w.release([for_release(rp) for rp in (reading, spare, forged)])      # (as the scheduler side hands them)
-    assert client.sent == [("release", ["p-spare"]), ("release", [])]     # (then the probe of a failed seal)
+    forged = [dataclasses.replace(_sealed(_rp(f"p-forged{i}", (5, 6))), lease_deadline=now() - 1) for i in range(2)]
+    w.release([for_release(rp) for rp in (reading, spare, *forged)])      # (as the scheduler side hands them)
+    assert client.sent == [("release", ["p-spare"]), ("release", [])]     # (then one probe for the failed seals)
     w.start_loads([Load("d-spare", spare, (np.array([9, 10]),), 0, 31)])
     _, recving, failed = w.poll()
     assert recving == {"d-reading", "d-spare"} and failed == {"d-spare"}

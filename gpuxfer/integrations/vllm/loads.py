@@ -516,6 +516,7 @@ class DecodeLoads:
         requests (best effort): those of params that carry their engine's seal and that no load of this worker
         claims (that load ends the hold itself). A release claims its request, so a later load of the same params
         fails rather than read blocks the release let the prefill free."""
+        unsealed = {}
         for rp in releases:
             try:
                 keys = rp.endpoints_of(self.tp_rank, self.tp_size)
@@ -530,10 +531,12 @@ class DecodeLoads:
                 except BadSeal as exc:
                     log.warning("gpuxfer: engine %s: not releasing request %s of engine %s: %s", self.engine_id,
                                 rp.request_id, rp.engine_id, exc)
-                    _probe(r)
+                    unsealed[id(r)] = r
                     continue
                 self.claims[claim] = (r, rp.lease_deadline)
                 r.client.notify("release", [rp.request_id], [rp.key])
+        for r in unsealed.values():
+            _probe(r)
 
     # ------------------------------------------------------------------ both
 
