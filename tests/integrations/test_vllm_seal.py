@@ -362,7 +362,7 @@ def test_params_of_a_restarted_prefill_on_a_silently_dead_connection_handshake_a
     """A prefill engine restarted under the same engine id and port after its host was lost: the decode's connection
     to the old one never hears a close (nothing comes from a lost host; only a send finds the connection dead), so
     its record keeps the old seal key and the new engine's params fail their seal. A load failing its seal has the
-    connection probed (an empty release: nothing for the prefill to do), at most once a step and engine; a dead
+    connection probed (an empty release: nothing for the prefill to do), once for the loads posted together; a dead
     connection then ends the record, and the next load handshakes again, gets the new key and loads."""
     new_key = seal_key(b"the restarted engine's secret")
     w, clients, posted = _decode(monkeypatch, [SEAL_KEY, new_key])

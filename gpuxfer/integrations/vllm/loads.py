@@ -557,8 +557,8 @@ def _probe(r: _Remote) -> None:
     """Params that do not carry engine ``r``'s seal: forged, or made by the engine after it restarted under the same
     engine id and port while the connection to the old one went dead without a word (its host lost: only a send finds
     it dead). An empty release (nothing for the prefill to do) goes on the connection, so a dead one fails, the
-    record is forgotten and the next load naming the engine handshakes again for its seal key. (One a step and engine
-    where a step's loads fail; each a few bytes.)"""
+    record is forgotten and the next load naming the engine handshakes again for its seal key. (At most one an engine
+    each time loads are posted or releases sent; each a few bytes.)"""
     if r.client is not None:
         r.client.notify("release", [])
 
