@@ -235,7 +235,8 @@ class RouteCache:
 
     def drop_all(self) -> None:
         """Drop every route: the cache starts again from a new dict (a reader holding the old one goes on over
-        it); each dropped route counts in :meth:`slot_bytes` while something holds it."""
+        it); each dropped route counts in :meth:`slot_bytes` while something holds it. The caller holds the
+        registry's lock (:meth:`slot_bytes` reads the dropped routes under it)."""
         old, self.routes = self.routes, {}
         for r in list(old.values()):
             self.dropped[id(r)] = r

@@ -1,0 +1,86 @@
+"""An agent's route cache raced from several threads: device_bytes against close dropping the cached routes, and
+transfers whose routes left the cache (evicted, their peer removed, the agent closed) posted later. Every call ends
+in success or a typed gpuxfer error, and a post on an evicted route moves its bytes.
+
+Interleavings are forced with hooks, not sleeps; a hook that a correct lock keeps out waits a bounded time and
+goes on."""
+from __future__ import annotations
+
+import threading
+import weakref
+
+import pytest
+import torch
+
+from gpuxfer.errors import GpuxferError, NotRegistered
+from gpuxfer.kv import routes as kv_routes
+from gpuxfer.kv.peers import KVPeer
+
+from _agent_arena import same_bytes
+from test_kv_route_cache import _gapped, _routes
+
+#: how long a hook that a correct lock keeps out waits before it goes on (never reached without the lock)
+HOOK_S = 3.0
+NAME = "model.layers.{}.self_attn"
+
+
+def _prep(dec, p, d, s, layer):
+    return dec.prepare(p, "pull", local_blocks={"full": [d]}, remote_blocks={"full": [s]}, layers=(layer, layer + 1))
+
+
+def test_device_bytes_while_close_drops_the_cached_routes(pair, monkeypatch):
+    """device_bytes reading the dropped routes while close drops the cached ones (close paused between clearing
+    its peers and dropping the routes, device_bytes paused part way through its reading): device_bytes returns
+    counts (no "dictionary changed size" RuntimeError), and close completes."""
+    monkeypatch.setattr(kv_routes, "ROUTES_PER_PEER", 1, raising=False)
+    pre, dec, a0, a1 = pair
+    dst, src, p = _gapped(pre, dec, a0, a1, range(2))
+    held = [_prep(dec, p, 1, 2, 0), _prep(dec, p, 3, 4, 1)]      # the first's route dropped, the second's cached
+    assert dec.device_bytes()["held_routes"] == 1
+    at_close, entered, closed = threading.Event(), threading.Event(), threading.Event()
+    peer_close = KVPeer.close
+
+    def hooked_close(self):
+        at_close.set()
+        entered.wait(30)            # (set by device_bytes below: bounded either way)
+        return peer_close(self)
+
+    monkeypatch.setattr(KVPeer, "close", hooked_close)
+
+    class Paused(weakref.WeakValueDictionary):
+        def items(self):
+            for kv in super().items():
+                entered.set()
+                closed.wait(HOOK_S)     # close's drop_all runs here unless a lock keeps it out
+                yield kv
+
+    dec._routes.dropped = Paused(dec._routes.dropped)
+    out: dict = {}
+
+    def closer():
+        try:
+            dec.close()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            out["close"] = exc
+        finally:
+            closed.set()
+
+    def reader():
+        try:
+            at_close.wait(30)
+            out["bytes"] = dec.device_bytes()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            out["bytes_error"] = exc
+        finally:
+            entered.set()
+
+    ts = [threading.Thread(target=closer), threading.Thread(target=reader)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert not any(t.is_alive() for t in ts)
+    assert "close" not in out and "bytes_error" not in out, out
+    assert out["bytes"]["held_routes"] >= 1, out
+    assert dec.device_bytes()["routes"] == 0 and dec.device_bytes()["held_routes"] == 2
+    del held
