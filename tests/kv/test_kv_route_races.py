@@ -84,3 +84,26 @@ def test_device_bytes_while_close_drops_the_cached_routes(pair, monkeypatch):
     assert out["bytes"]["held_routes"] >= 1, out
     assert dec.device_bytes()["routes"] == 0 and dec.device_bytes()["held_routes"] == 2
     del held
+
+
+@pytest.mark.parametrize("evict", ["lru", "register_group"])
+def test_a_batch_over_a_dropped_route_and_its_rebuilt_one_keeps_its_order(pair, monkeypatch, evict):
+    """Requests of one peer, direction, groups and layers, some prepared before their route left the cache (the
+    least recently used dropped, or every route dropped by register_group) and some after (on the route built
+    again): post_many runs two of them writing one destination block in the batch's order, as it does within
+    one route -- the later one's bytes land."""
+    monkeypatch.setattr(kv_routes, "ROUTES_PER_PEER", 1, raising=False)
+    pre, dec, a0, a1 = pair
+    dst, src, p = _gapped(pre, dec, a0, a1, range(2))
+    a, c = _prep(dec, p, 1, 2, 0), _prep(dec, p, 3, 5, 0)       # the old route
+    if evict == "lru":
+        _prep(dec, p, 6, 6, 1).post().wait(60)
+    else:
+        dec.register_group("more", 4, {"model.layers.0.more": a1.tensor((2, 8, 4, 2, 4), torch.bfloat16, seed=3)})
+    b = _prep(dec, p, 3, 4, 0)                                    # its key's route built again
+    assert b.route is not a.route and id(a.route) not in _routes(dec)
+    for h in dec.post_many([a, b, c]):
+        h.wait(60)
+    name = NAME.format(0)
+    assert same_bytes(dst[name][:, 1], src[name][:, 2])
+    assert same_bytes(dst[name][:, 3], src[name][:, 5])          # c after b, as in the batch
