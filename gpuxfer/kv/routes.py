@@ -123,7 +123,12 @@ def _busy(platform, route: _Route) -> bool:
 def request_groups(registry, peer, name: str, local_blocks, remote_blocks) -> tuple[str, ...]:
     """The groups a request names (``local_blocks`` and ``remote_blocks``: the same ones, each registered on both
     the agent whose :class:`~gpuxfer.kv.peers.Registry` ``registry`` is and ``peer``), in the agent's order."""
-    if set(local_blocks) != set(remote_blocks):
+    try:
+        differ = set(local_blocks) != set(remote_blocks)
+    except TypeError:               # (a mapping whose keys do not hash)
+        raise BlockIdError(f"request {name!r}: local_blocks and remote_blocks must map group names to block IDs, "
+                           f"got keys {list(local_blocks)!r:.200} and {list(remote_blocks)!r:.200}") from None
+    if differ:
         raise BlockIdError(f"request {name!r}: local_blocks names groups {sorted(map(str, local_blocks))}, "
                            f"remote_blocks {sorted(map(str, remote_blocks))}; they must be the same")
     if not local_blocks:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Mapping
 
 import pytest
 import torch
 
-from gpuxfer.errors import GpuxferError, NotRegistered
+from gpuxfer.errors import BlockIdError
 from gpuxfer.kv import routes as kv_routes
 from gpuxfer.kv.peers import KVPeer
 
@@ -107,3 +108,32 @@ def test_a_batch_over_a_dropped_route_and_its_rebuilt_one_keeps_its_order(pair, 
     name = NAME.format(0)
     assert same_bytes(dst[name][:, 1], src[name][:, 2])
     assert same_bytes(dst[name][:, 3], src[name][:, 5])          # c after b, as in the batch
+
+
+class _Keys(Mapping):
+    """A request mapping whose keys are ``keys`` (which need not hash)."""
+
+    def __init__(self, ids: dict, keys: list):
+        self.ids, self.keys_ = ids, keys
+
+    def __getitem__(self, k):
+        return self.ids[k]
+
+    def __iter__(self):
+        return iter(self.keys_)
+
+    def __len__(self):
+        return len(self.keys_)
+
+
+def test_a_request_mapping_whose_keys_do_not_hash_is_a_block_id_error(pair):
+    """local_blocks (or remote_blocks) a mapping whose keys are lists: BlockIdError naming them, not the TypeError
+    of the route cache's key."""
+    pre, dec, a0, a1 = pair
+    dst, src, p = _gapped(pre, dec, a0, a1, range(2))
+    bad = _Keys({"full": [1]}, [["full"]])
+    for local, remote in ((bad, {"full": [2]}), ({"full": [1]}, bad)):
+        with pytest.raises(BlockIdError, match="map group names"):
+            dec.prepare(p, "pull", local_blocks=local, remote_blocks=remote, layers=(0, 1))
+    _prep(dec, p, 1, 2, 0).post().wait(60)
+    assert same_bytes(dst[NAME.format(0)][:, 1], src[NAME.format(0)][:, 2])
