@@ -137,3 +137,45 @@ def test_a_request_mapping_whose_keys_do_not_hash_is_a_block_id_error(pair):
             dec.prepare(p, "pull", local_blocks=local, remote_blocks=remote, layers=(0, 1))
     _prep(dec, p, 1, 2, 0).post().wait(60)
     assert same_bytes(dst[NAME.format(0)][:, 1], src[NAME.format(0)][:, 2])
+
+
+def test_two_threads_building_one_route_share_it(pair, monkeypatch):
+    """Two threads preparing one key's first request at once (both build its route before either caches it): the
+    second caches nothing of its own -- both transfers run on the one cached route (device_bytes counts every
+    route something holds) -- and each moves its bytes."""
+    pre, dec, a0, a1 = pair
+    dst, src, p = _gapped(pre, dec, a0, a1, range(2))
+    base = dec.device_bytes()["routes"]
+    both = threading.Barrier(2)
+    build = kv_routes.RouteCache.build
+
+    def hooked(self, *a, **kw):
+        r = build(self, *a, **kw)
+        try:
+            both.wait(HOOK_S)           # (the other thread builds too; bounded)
+        except threading.BrokenBarrierError:
+            pass
+        return r
+
+    monkeypatch.setattr(kv_routes.RouteCache, "build", hooked)
+    out: dict = {}
+
+    def run(k):
+        try:
+            out[k] = _prep(dec, p, k, 4 + k, 0)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            out[k] = exc
+
+    ts = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not any(t.is_alive() for t in ts)
+    assert all(not isinstance(x, BaseException) for x in out.values()), out
+    assert out[0].route is out[1].route, "two routes built for one key, one of them cached"
+    assert dec.device_bytes()["routes"] == base + 1 and dec.device_bytes()["held_routes"] == 0
+    for h in dec.post_many([out[0], out[1]]):
+        h.wait(60)
+    for k in range(2):
+        assert same_bytes(dst[NAME.format(0)][:, k], src[NAME.format(0)][:, 4 + k])
