@@ -30,7 +30,9 @@ of a route dropped from the agent's cache and of the one built again in its plac
 Requests whose IDs are device tensors (:mod:`gpuxfer.kv.device_ids`) of a route whose blocks pair one to one
 merge too (:func:`~gpuxfer.kv.device_ids.post_together`): one request array listing every request's tensors,
 one upload, one checked graph; the host never sees their IDs, so a batch in which two requests name the same
-destination block fails the device check as a whole (nothing moves, every handle raises). A route whose batch
+destination block fails the device check as a whole (nothing moves, every handle raises). With descriptor
+slots, a batch past :data:`BATCH_ROWS` is cut into parts, each checked as a whole: two requests naming one
+destination in two parts both move, in the batch's order, as separate posts would. A route whose batch
 mixes host and device IDs, or whose device-ID requests' block sizes differ, is posted one request after
 another, in order. Transfers of other engines (``pack``, ``copy_engine``, the NIXL route) are posted one by
 one after the triton engine's.
