@@ -198,18 +198,20 @@ class RouteCache:
 
     def keep(self, key: tuple, route: _Route) -> _Route:
         """Cache ``route`` under ``key`` (its peer first) while that peer is still the agent's (a peer removed
-        while the route was built leaves nothing behind); then at most :data:`ROUTES_PER_PEER` routes of the peer
-        stay (:meth:`_bound`). Returns the route to use: the one another thread cached under ``key`` while this
-        one was built, else ``route``."""
+        while the route was built leaves nothing cached: the route counts as dropped while something holds it);
+        then at most :data:`ROUTES_PER_PEER` routes of the peer stay (:meth:`_bound`). Returns the route to use:
+        the one another thread cached under ``key`` while this one was built, else ``route``."""
         route.used = next(self._uses)
         with self.registry.lock:
-            if self.registry.peers.get(key[0].name) is key[0]:
-                have = self.routes.get(key)
-                if have is not None:
-                    have.used = route.used
-                    return have
-                self.routes[key] = route
-                self._bound(key[0], route)
+            if self.registry.peers.get(key[0].name) is not key[0]:
+                self.dropped[id(route)] = route
+                return route
+            have = self.routes.get(key)
+            if have is not None:
+                have.used = route.used
+                return have
+            self.routes[key] = route
+            self._bound(key[0], route)
         return route
 
     def _bound(self, peer, keep: _Route) -> None:

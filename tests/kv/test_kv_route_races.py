@@ -179,3 +179,30 @@ def test_two_threads_building_one_route_share_it(pair, monkeypatch):
         h.wait(60)
     for k in range(2):
         assert same_bytes(dst[NAME.format(0)][:, k], src[NAME.format(0)][:, 4 + k])
+
+
+def test_a_route_built_while_its_peer_was_removed_counts_while_held(pair, monkeypatch):
+    """remove_peer while a prepare builds the peer's route (the route not cached): the transfer it prepares still
+    holds the route's memory, and device_bytes counts it (held_routes) until the transfer goes; its post raises
+    NotRegistered."""
+    import gc
+    from gpuxfer.errors import NotRegistered
+    pre, dec, a0, a1 = pair
+    dst, src, p = _gapped(pre, dec, a0, a1, range(2))
+    build = kv_routes.RouteCache.build
+
+    def hooked(self, *a, **kw):
+        r = build(self, *a, **kw)
+        dec.remove_peer(p)
+        return r
+
+    monkeypatch.setattr(kv_routes.RouteCache, "build", hooked)
+    x = _prep(dec, p, 1, 2, 0)
+    monkeypatch.setattr(kv_routes.RouteCache, "build", build)
+    got = dec.device_bytes()
+    assert got["routes"] == 0 and got["held_routes"] == 1, got
+    with pytest.raises(NotRegistered):
+        x.post()
+    del x
+    gc.collect()
+    assert dec.device_bytes()["held_routes"] == 0
