@@ -177,7 +177,9 @@ class RouteCache:
         hit = self.bounds.get(peer)
         if hit is None or hit[0] is not mine:
             hit = (mine, sorted({lay.index for gs in (mine, peer.groups) for g in gs.values() for lay in g.layers}))
-            self.bounds[peer] = hit
+            with self.registry.lock:    # (kept while the peer is the agent's: :meth:`forget` drops them)
+                if self.registry.peers.get(peer.name) is peer:
+                    self.bounds[peer] = hit
         idx = hit[1]
         i, j = bisect.bisect_left(idx, layers[0]), bisect.bisect_left(idx, layers[1])
         return (idx[i], idx[j - 1] + 1) if i < j else layers

@@ -206,3 +206,28 @@ def test_a_route_built_while_its_peer_was_removed_counts_while_held(pair, monkey
     del x
     gc.collect()
     assert dec.device_bytes()["held_routes"] == 0
+
+
+def test_remove_peer_while_a_prepare_clamps_its_range_keeps_nothing_of_the_peer(pair):
+    """remove_peer while a prepare reads the layer indices for its range (the groups' values hooked): the agent's
+    route cache keeps nothing of the removed peer (no layer bounds, no route), and the transfer's post raises
+    NotRegistered."""
+    from gpuxfer.errors import NotRegistered
+    pre, dec, a0, a1 = pair
+    dst, src, p = _gapped(pre, dec, a0, a1, range(2))
+    fired = []
+
+    class Hooked(dict):
+        def values(self):
+            if not fired:
+                fired.append(1)
+                dec.remove_peer(p)
+            return super().values()
+
+    dec._registry.groups = Hooked(dec._registry.groups)
+    dec._routes.bounds.clear()
+    x = _prep(dec, p, 1, 2, 0)
+    assert fired
+    assert p not in dec._routes.bounds and all(k[0] is not p for k in dec._routes.routes)
+    with pytest.raises(NotRegistered):
+        x.post()
