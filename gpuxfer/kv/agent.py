@@ -444,7 +444,10 @@ class KVAgent(Closable, FailsOnTimeout):
                 raise BadInput(f"request {name!r}: the NIXL route takes block IDs on the host")
             return peer.prepare(op, layers, name, local_blocks, remote_blocks, notify_slot)
         # the route of a request naming these groups, in whatever order
-        route = self._routes.lookup((peer, op, layers, frozenset(local_blocks)))
+        try:
+            route = self._routes.lookup((peer, op, layers, frozenset(local_blocks)))
+        except TypeError:           # (a mapping whose keys do not hash: request_groups names it)
+            route = None
         if route is None or local_blocks.keys() != remote_blocks.keys():
             groups = request_groups(self._registry, peer, name, local_blocks, remote_blocks)
             route = self._routes.route(peer, op, layers, groups)

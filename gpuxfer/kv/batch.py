@@ -24,12 +24,15 @@ whatever its size. Where slots copy from the block IDs (``GPUXFER_KV_COPY=blocks
 route's batch is never cut.
 
 Two requests of a batch that write the same destination block are not merged (their order would not be
-defined): that route's requests are posted one after another, as :meth:`KVTransfer.post` would.
+defined): that route's requests are posted one after another, as :meth:`KVTransfer.post` would. So are those
+of a route dropped from the agent's cache and of the one built again in its place (one route to the caller).
 
 Requests whose IDs are device tensors (:mod:`gpuxfer.kv.device_ids`) of a route whose blocks pair one to one
 merge too (:func:`~gpuxfer.kv.device_ids.post_together`): one request array listing every request's tensors,
 one upload, one checked graph; the host never sees their IDs, so a batch in which two requests name the same
-destination block fails the device check as a whole (nothing moves, every handle raises). A route whose batch
+destination block fails the device check as a whole (nothing moves, every handle raises). With descriptor
+slots, a batch past :data:`BATCH_ROWS` is cut into parts, each checked as a whole: two requests naming one
+destination in two parts both move, in the batch's order, as separate posts would. A route whose batch
 mixes host and device IDs, or whose device-ID requests' block sizes differ, is posted one request after
 another, in order. Transfers of other engines (``pack``, ``copy_engine``, the NIXL route) are posted one by
 one after the triton engine's.
@@ -103,10 +106,10 @@ def post_many(poster, transfers: Sequence[KVTransfer], stream: Stream | None) ->
     return handles
 
 
-def _sort(agent, transfers: Sequence[KVTransfer]) -> tuple[dict[int, list[int]], list[int], list, set | None]:
+def _sort(agent, transfers: Sequence[KVTransfer]) -> tuple[dict, list[int], list, set | None]:
     """``transfers`` checked to be the agent's and sorted: the ``triton`` engine's requests (host or device IDs)
-    by route, the others' positions, the distinct peers of the first, and the types of the transfers where all
-    are the ``triton`` engine's requests of one route (else None)."""
+    by route (its peer and salt), the others' positions, the distinct peers of the first, and the types of the
+    transfers where all are the ``triton`` engine's requests of one route (else None)."""
     kinds = set(map(type, transfers))
     if kinds and kinds <= _TRITON:      # (the agent's requests of one route: sorted without a Python loop)
         route = transfers[0].route
@@ -116,13 +119,16 @@ def _sort(agent, transfers: Sequence[KVTransfer]) -> tuple[dict[int, list[int]],
                 owner, peer = owners.pop()
                 if owner is agent:
                     return {id(route): range(len(transfers))}, [], [peer], kinds
-    routes: dict[int, list[int]] = {}
+    routes: dict[tuple, list[int]] = {}
     others: list[int] = []
     peers: dict[int, object] = {}
     for i, x in enumerate(transfers):
         t = type(x)
         if (t is _SlotTransfer or t is _DeviceIdTransfer) and x.agent is agent:
-            routes.setdefault(id(x.route), []).append(i)
+            # by what the route moves (its salt: both agents, the layer pieces, the groups' blocks), not by the
+            # route object: a route dropped from the cache and the one built again in its place are one route to
+            # the caller, whose requests keep their order (:func:`_post_route_requests`)
+            routes.setdefault((id(x.peer), x.route.salts[0]), []).append(i)
             peers[id(x.peer)] = x.peer
         elif isinstance(x, KVTransfer) and x.agent is agent:
             others.append(i)
@@ -138,11 +144,16 @@ def _post_route_requests(poster, transfers: Sequence[KVTransfer], idx: Sequence[
     where ``idx`` is every transfer (:func:`_sort`)."""
     everything = type(idx) is range and len(idx) == len(transfers)
     every = list(transfers) if everything else [transfers[i] for i in idx]
+    one = True
     if kinds is None or not everything:
         kinds = set(map(type, every))
-    # host and device IDs mixed (the host cannot tell whether their destinations overlap), or device IDs of
-    # different widths or of a route whose block sizes differ: one request after another (post None)
-    if kinds == {_SlotTransfer}:
+        one = all(map(is_, map(_ROUTE, every), repeat(every[0].route)))
+    # host and device IDs mixed (the host cannot tell whether their destinations overlap), device IDs of
+    # different widths or of a route whose block sizes differ, or requests of a route dropped from the cache
+    # and of the one built again in its place: one request after another (post None)
+    if not one:
+        post = None
+    elif kinds == {_SlotTransfer}:
         post = _post_route
     elif kinds == {_DeviceIdTransfer} and len(set(map(_WIDE, map(_SHAPE, every)))) == 1 \
             and every[0].route.ids.paired:

@@ -227,8 +227,9 @@ class Lifetime:
             _LEAKED.append(poster.inflight)
         for p in peers:
             p.close()
-        self.routes.drop_all()
-        self.routes.bounds = {}
+        with registry.lock:             # (device_bytes reads the dropped routes under it)
+            self.routes.drop_all()
+            self.routes.bounds = {}
         poster.inflight = collections.deque()       # a new one: one kept above stays as it is
         self.stream_waits = {}
         pack.shapes, pack.tail = collections.OrderedDict(), None

@@ -123,7 +123,12 @@ def _busy(platform, route: _Route) -> bool:
 def request_groups(registry, peer, name: str, local_blocks, remote_blocks) -> tuple[str, ...]:
     """The groups a request names (``local_blocks`` and ``remote_blocks``: the same ones, each registered on both
     the agent whose :class:`~gpuxfer.kv.peers.Registry` ``registry`` is and ``peer``), in the agent's order."""
-    if set(local_blocks) != set(remote_blocks):
+    try:
+        differ = set(local_blocks) != set(remote_blocks)
+    except TypeError:               # (a mapping whose keys do not hash)
+        raise BlockIdError(f"request {name!r}: local_blocks and remote_blocks must map group names to block IDs, "
+                           f"got keys {list(local_blocks)!r:.200} and {list(remote_blocks)!r:.200}") from None
+    if differ:
         raise BlockIdError(f"request {name!r}: local_blocks names groups {sorted(map(str, local_blocks))}, "
                            f"remote_blocks {sorted(map(str, remote_blocks))}; they must be the same")
     if not local_blocks:
@@ -172,7 +177,9 @@ class RouteCache:
         hit = self.bounds.get(peer)
         if hit is None or hit[0] is not mine:
             hit = (mine, sorted({lay.index for gs in (mine, peer.groups) for g in gs.values() for lay in g.layers}))
-            self.bounds[peer] = hit
+            with self.registry.lock:    # (kept while the peer is the agent's: :meth:`forget` drops them)
+                if self.registry.peers.get(peer.name) is peer:
+                    self.bounds[peer] = hit
         idx = hit[1]
         i, j = bisect.bisect_left(idx, layers[0]), bisect.bisect_left(idx, layers[1])
         return (idx[i], idx[j - 1] + 1) if i < j else layers
@@ -188,19 +195,26 @@ class RouteCache:
         key = (peer, op, layers, frozenset(groups))
         r = self.lookup(key)
         if r is None:
-            r = self.build(peer, op, layers, groups)
-            self.keep(key, r)
+            r = self.keep(key, self.build(peer, op, layers, groups))
         return r
 
-    def keep(self, key: tuple, route: _Route) -> None:
+    def keep(self, key: tuple, route: _Route) -> _Route:
         """Cache ``route`` under ``key`` (its peer first) while that peer is still the agent's (a peer removed
-        while the route was built leaves nothing behind); then at most :data:`ROUTES_PER_PEER` routes of the peer
-        stay (:meth:`_bound`)."""
+        while the route was built leaves nothing cached: the route counts as dropped while something holds it);
+        then at most :data:`ROUTES_PER_PEER` routes of the peer stay (:meth:`_bound`). Returns the route to use:
+        the one another thread cached under ``key`` while this one was built, else ``route``."""
         route.used = next(self._uses)
         with self.registry.lock:
-            if self.registry.peers.get(key[0].name) is key[0]:
-                self.routes[key] = route
-                self._bound(key[0], route)
+            if self.registry.peers.get(key[0].name) is not key[0]:
+                self.dropped[id(route)] = route
+                return route
+            have = self.routes.get(key)
+            if have is not None:
+                have.used = route.used
+                return have
+            self.routes[key] = route
+            self._bound(key[0], route)
+        return route
 
     def _bound(self, peer, keep: _Route) -> None:
         """Drop the least recently used routes of ``peer`` but ``keep`` while it has more than
@@ -235,7 +249,8 @@ class RouteCache:
 
     def drop_all(self) -> None:
         """Drop every route: the cache starts again from a new dict (a reader holding the old one goes on over
-        it); each dropped route counts in :meth:`slot_bytes` while something holds it."""
+        it); each dropped route counts in :meth:`slot_bytes` while something holds it. The caller holds the
+        registry's lock (:meth:`slot_bytes` reads the dropped routes under it)."""
         old, self.routes = self.routes, {}
         for r in list(old.values()):
             self.dropped[id(r)] = r

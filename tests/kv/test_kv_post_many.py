@@ -538,3 +538,51 @@ def test_a_destination_two_requests_of_a_large_batch_name_is_found(plat, monkeyp
             for a in arenas:
                 a.close()
     assert same_bytes(after[0], after[1])
+
+
+@pytest.mark.parametrize("mode", ["descriptors", "blocks"])
+def test_device_ids_naming_one_destination_in_a_batch(plat, monkeypatch, mode):
+    """Four device-ID requests of 8 rows, the first and the last naming destination block 1, with a budget of 16
+    rows: slots without descriptors merge the batch and its check fails as a whole (nothing moves, every handle
+    raises BlockIdError); descriptor slots cut it into two parts, each checked as a whole, and every request
+    moves, in the batch's order (block 1 ends with the last one's bytes)."""
+    from gpuxfer.errors import BlockIdError
+    monkeypatch.setenv("GPUXFER_KV_COPY", mode)
+    monkeypatch.setattr(batch, "BATCH_ROWS", 16)
+    a0, a1 = Arena(plat, 0, 1 << 18), Arena(plat, 1, 1 << 18)
+    pre = KVAgent("prefill", platform=plat, device=0, engine="triton", timeout_s=60)
+    dec = KVAgent("decode", platform=plat, device=1, engine="triton", timeout_s=60)
+    try:
+        src, dst = vllm_layers(a0, 2, 12, 2, seed=5), vllm_layers(a1, 2, 12, 2, seed=6)
+        pre.register_group("full", 2, src)
+        dec.register_group("full", 2, dst)
+        peer, _ = connect(pre, dec)
+        before = {k: v.clone() for k, v in dst.items()}
+
+        def on(ids):
+            return torch.tensor(ids, dtype=torch.int64, device=dec._torch_device())
+
+        d, s = [[0, 1], [2, 3], [4, 5], [6, 1]], [[11, 10], [9, 8], [7, 6], [5, 4]]
+        xs = [dec.prepare(peer, "pull", local_blocks={"full": on(d[i])}, remote_blocks={"full": on(s[i])},
+                          device_ids=True, name=f"r{i}") for i in range(4)]
+        assert all(x.descriptors == 8 for x in xs)
+        hs = dec.post_many(xs)
+        if mode == "blocks":
+            for h in hs:
+                with pytest.raises(BlockIdError):
+                    h.wait(60)
+            for k in dst:
+                assert same_bytes(dst[k], before[k])
+        else:
+            for h in hs:
+                h.wait(60)
+            for k in dst:
+                for i in range(4):
+                    for j in range(2):
+                        if (i, j) != (0, 1):
+                            assert same_bytes(dst[k][:, d[i][j]], src[k][:, s[i][j]]), (k, i, j)
+    finally:
+        dec.close()
+        pre.close()
+        a0.close()
+        a1.close()
