@@ -3,6 +3,7 @@ of a posted one (:class:`KVTransferHandle`)."""
 from __future__ import annotations
 
 import time
+from itertools import repeat
 
 import numpy as np
 
@@ -36,19 +37,7 @@ class KVTransferHandle:
         # (one statement per attribute: no tuple packed and unpacked per handle)
         new, out = cls.__new__, []
         add = out.append
-        if values is None:
-            for x in transfers:
-                h = new(cls)
-                h.transfer = x
-                h.event = event
-                h._stream = stream
-                h.notify_value = None
-                h.name = x.name
-                h._status = status
-                h._landed = landed
-                add(h)
-            return out
-        for x, v in zip(transfers, values):
+        for x, v in zip(transfers, repeat(None) if values is None else values):
             h = new(cls)
             h.transfer = x
             h.event = event
