@@ -220,23 +220,17 @@ class RouteCache:
         """Drop the least recently used routes of ``peer`` but ``keep`` while it has more than
         :data:`ROUTES_PER_PEER`, skipping those with a slot whose last post has not completed (the caller holds
         the registry's lock)."""
-        keys: dict[int, list[tuple]] = {}
-        mine: dict[int, _Route] = {}
-        for k, r in self.routes.items():
-            if k[0] is peer:
-                keys.setdefault(id(r), []).append(k)
-                mine[id(r)] = r
+        mine = [(r.used, k, r) for k, r in self.routes.items() if k[0] is peer]     # (one key a route)
         over = len(mine) - ROUTES_PER_PEER
         if over <= 0:
             return
         plat = self.agent.platform
-        for r in sorted(mine.values(), key=lambda x: x.used):
+        for _, k, r in sorted(mine, key=lambda m: m[0]):
             if over <= 0:
                 break
             if r is keep or _busy(plat, r):
                 continue
-            for k in keys[id(r)]:
-                del self.routes[k]
+            del self.routes[k]
             self.dropped[id(r)] = r
             over -= 1
 
