@@ -49,13 +49,17 @@ class _Slot:
     expansion, not a transfer path)."""
 
     __slots__ = ("rows", "entries", "req", "out", "req_ptr", "expand", "copies", "graph", "event", "stream", "used",
-                 "checked", "host", "host_t", "host_ptr", "folded", "seq", "status_owner", "blocks", "route", "spent")
+                 "checked", "host", "host_t", "host_ptr", "folded", "seq", "status_owner", "blocks", "planes",
+                 "n_groups", "spent")
 
     def __init__(self, route, rows: int, entries: int, device, pinned: bool = False, blocks: bool = False):
         from ..kernels.blocks import expand_launcher
         from ..kernels.launch import copy_blocks_launcher, copy_range_launcher
         torch = _torch()
-        self.rows, self.entries, self.blocks, self.route = (0 if blocks else rows), entries, blocks, route
+        self.rows, self.entries, self.blocks = (0 if blocks else rows), entries, blocks
+        # (the route's plane table, not the route: a route holds its slots, and a slot holding its route back would
+        # keep a route dropped from the cache until a cyclic collection)
+        self.planes, self.n_groups = route.planes, len(route.groups)
         fold = entries <= FOLD_MAX_ENTRIES
         # (one more entry when folded: the post's sequence number, uploaded with the request)
         self.req = torch.empty(entries + int(fold), dtype=torch.int64, device=device)[:entries]
@@ -101,7 +105,7 @@ class _Slot:
             self.out = _torch().empty((n, 3), dtype=_torch().int64, device=self.req.device)
             plat.stream_wait_event(s, plat.record_event(plat.current_stream(device)))
             plat.memset_async(s, self.out.data_ptr(), 0, self.out.shape[0] * 24)
-            self.expand = expand_launcher(self.route.planes, self.req, self.out, n_groups=len(self.route.groups))
+            self.expand = expand_launcher(self.planes, self.req, self.out, n_groups=self.n_groups)
         return self.expand
 
     def kernels(self, stream=None) -> None:
