@@ -21,7 +21,8 @@ the next request's segments start on a block of its own and the padding moves no
 A route's batch of more than :data:`BATCH_ROWS` descriptors is cut into parts; a part of host-ID requests
 fewer than :data:`MERGE_FROM` is then posted one request after another, a part of device-ID requests is merged
 whatever its size. Where slots copy from the block IDs (``GPUXFER_KV_COPY=blocks``: no descriptor table), a
-route's batch is never cut.
+route's batch is never cut. Host-ID requests merge only while each is small (:data:`MERGE_ENTRIES`): a batch
+holding a larger one is posted one request after another.
 
 Two requests of a batch that write the same destination block are not merged (their order would not be
 defined): that route's requests are posted one after another, as :meth:`KVTransfer.post` would. So are those
@@ -64,9 +65,18 @@ BATCH_ROWS = 1 << 20
 #: the host lays out their tensors' addresses only (the same 64: ten merged parts 190 us, 64 posts 380 us)
 MERGE_FROM = 8
 
+#: a route's host-ID requests merge only where each holds at most this many request-array entries (its IDs of
+#: both sides and header); a batch with a larger one is posted one request after another. Merging pays a few
+#: nanoseconds a block ID (written into the merged array, its destination marked) to save a post's fixed host work
+#: (its graph launch, ~5 us on the host emulation, 15-25 us on a GPU machine): requests of a few thousand IDs
+#: and more cost more merged (kv-dsv4 32k page 16, ~8.8k IDs each, 64 requests with blocks slots on the host
+#: emulation with no-op stream calls: merged 2.1 ms, posted one by one 0.34-0.44 ms)
+MERGE_ENTRIES = 4096
+
 _TRITON = frozenset((_SlotTransfer, _DeviceIdTransfer))
 _ROUTE, _AGENT_PEER, _SHAPE = attrgetter("route"), attrgetter("agent", "peer"), attrgetter("shape")
 _WIDE = itemgetter(4)
+_ENTRIES = attrgetter("_entries")
 
 
 def post_many(poster, transfers: Sequence[KVTransfer], stream: Stream | None) -> list[KVTransferHandle]:
@@ -154,7 +164,7 @@ def _post_route_requests(poster, transfers: Sequence[KVTransfer], idx: Sequence[
     if not one:
         post = None
     elif kinds == {_SlotTransfer}:
-        post = _post_route
+        post = _post_route if max(map(_ENTRIES, every)) <= MERGE_ENTRIES else None
     elif kinds == {_DeviceIdTransfer} and len(set(map(_WIDE, map(_SHAPE, every)))) == 1 \
             and every[0].route.ids.paired:
         post = post_together

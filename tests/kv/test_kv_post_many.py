@@ -86,6 +86,28 @@ def test_one_upload_for_a_route_every_byte(bpair, monkeypatch):
         assert same_bytes(dst[name][:, rest], before[name][:, rest])
 
 
+@pytest.mark.parametrize("largest", [None, 1, 0])
+def test_host_id_requests_merge_only_while_each_is_small(bpair, monkeypatch, largest):
+    """Host-ID requests merge into one upload while each request array holds at most ``MERGE_ENTRIES`` entries
+    (set here to the largest request's entries, or one fewer, or to what no request reaches); a batch holding
+    a larger one is posted one request after another (an upload each), every byte where it belongs either way."""
+    pre, dec, a0, a1 = bpair
+    src, dst = _full(pre, dec, a0, a1, 2, 12, 4, seed=3)
+    peer, _ = connect(pre, dec)
+    reqs = [([3, 0, 7], [1, 5, 2]), ([9], [11]), ([4, 10], [0, 8])]
+    xs = [dec.prepare(peer, "pull", local_blocks={"full": d}, remote_blocks={"full": s}) for s, d in reqs]
+    most = max(x._entries for x in xs)
+    monkeypatch.setattr(batch, "MERGE_ENTRIES", {None: most, 1: most - 1, 0: 0}[largest])
+    uploads = _count_uploads(dec, monkeypatch)
+    for h in dec.post_many(xs):
+        h.wait(60)
+    assert len(uploads) == (1 if largest is None else len(reqs)), uploads
+    for name in src:
+        for s_ids, d_ids in reqs:
+            for s_, d in zip(s_ids, d_ids):
+                assert same_bytes(dst[name][:, d], src[name][:, s_])
+
+
 @pytest.mark.parametrize("op", ["pull", "push"])
 @pytest.mark.parametrize("bs, bd", [(8, 2), (2, 8)])
 def test_block_sizes_differ_partial_blocks(bpair, op, bs, bd):
