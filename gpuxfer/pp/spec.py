@@ -39,6 +39,7 @@ _REFUSALS = {
     7: "a tensor has too many dimensions",
     8: "a tensor is a lazily conjugated or negated view",
     9: "a tensor is not a dense (strided) tensor",
+    10: "a tensor's storage is smaller than its bytes (a resized or freed storage)",
 }
 
 
@@ -131,6 +132,12 @@ def _bytes_viewable(dtype) -> bool:
         return True
     except Exception:  # noqa: BLE001 - torch says no in several ways
         return False
+
+
+def _storage_short(t, nbytes: int) -> bool:
+    """Whether contiguous ``t``'s storage ends before its ``nbytes`` bytes do: its storage was resized (freed,
+    shrunk) after the tensor was made, which torch allows, so ``data_ptr()`` leads past (or to no) memory."""
+    return nbytes > 0 and t.storage_offset() * t.element_size() + nbytes > t.untyped_storage().nbytes()
 
 
 def _span(shape: tuple[int, ...], itemsize: int) -> int:
@@ -303,6 +310,8 @@ class SpecTable:
                 if (not isinstance(t, Tensor) or t.dtype is not dtype or t.get_device() != index
                         or not t.is_contiguous() or t.is_neg() or (cplx and t.is_conj())):
                     return None      # (only complex tensors carry a lazy conjugation)
+                if _storage_short(t, t.nbytes):
+                    return None
                 shapes.append(t.shape)   # a torch.Size: equal to (and hashed as) the tuple of its dimensions
         except RuntimeError:         # a tensor without strides (sparse CSR, nested): check_tensors refuses it
             return None
@@ -341,6 +350,10 @@ class SpecTable:
                 raise Refusal(6, i, f"{name!r} of shape {tuple(t.shape)} ({t.numel() * self.itemsizes[i]} B) "
                                      f"is larger than its slot: the setup spec's largest shape is "
                                      f"{self.max_shapes[i]} ({self.max_nbytes[i]} B)")
+            if _storage_short(t, t.numel() * self.itemsizes[i]):
+                raise Refusal(10, i, f"{name!r} of shape {tuple(t.shape)} needs {t.numel() * self.itemsizes[i]} B "
+                                      f"from element {t.storage_offset()} of its storage, which holds "
+                                      f"{t.untyped_storage().nbytes()} B (resized after the tensor was made)")
             shapes.append(tuple(t.shape))
         return tuple(shapes)
 
@@ -390,6 +403,10 @@ class SpecTable:
             if not t.is_contiguous() or t.numel() < self.max_numel[i] or t.is_conj() or t.is_neg():
                 raise BadInput(f"out[{name!r}] must be contiguous (not a conjugated or negated view) with >= "
                                f"{self.max_numel[i]} elements (the setup spec's largest shape {self.max_shapes[i]})")
+            if _storage_short(t, self.max_nbytes[i]):
+                raise BadInput(f"out[{name!r}]: its storage holds {t.untyped_storage().nbytes()} B, fewer than the "
+                               f"{self.max_nbytes[i]} B a step may write from element {t.storage_offset()} on "
+                               f"(resized after the tensor was made)")
         # each tensor's bytes a step may fill: tensors sharing any would hand out another tensor's bytes
         spans = sorted((out[name].data_ptr(), out[name].data_ptr() + n, name)
                        for name, n in zip(self.names, self.max_nbytes) if n)

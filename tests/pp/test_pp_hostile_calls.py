@@ -1,0 +1,96 @@
+"""Hostile call orders and inputs on the stage hand-off, on the host emulation: each is refused with a typed
+error, or handled, before any byte is read or written past a buffer or reported as a step it is not.
+
+* a tensor whose storage was shrunk or freed after it was made (``untyped_storage().resize_``): its shape and
+  strides still pass every check, so its ``data_ptr()`` leads past its memory (or to none); ``send()`` refuses
+  it (nothing sent, the receiver told) and so does ``recv(out=...)``.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from gpuxfer.errors import BadInput
+from gpuxfer.pp.spec import Refusal, SpecTable
+from test_pp_chain import check_equal, specs, step_tensors
+
+CPU = torch.device("cpu")
+
+
+def shrunk(t: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """``t`` with its storage resized to ``nbytes`` (its shape unchanged: torch allows it)."""
+    t.untyped_storage().resize_(nbytes)
+    return t
+
+
+def test_a_tensor_whose_storage_was_shrunk_is_refused_by_send_and_recv_out():
+    t = SpecTable(specs())
+    good = step_tensors(3, 0, 1, CPU)
+    good = {**good, "hidden": torch.zeros(48, 40, dtype=torch.bfloat16)}
+    assert t.check_tensors(good, CPU)
+    for nbytes in (0, 8, 48 * 40 * 2 - 1):
+        bad = {**good, "hidden": shrunk(torch.zeros(48, 40, dtype=torch.bfloat16), nbytes)}
+        with pytest.raises(Refusal, match="'hidden'.*which holds") as ei:
+            t.check_tensors(bad, CPU)
+        assert ei.value.code == 10
+    # a view at an offset: the bytes it needs end past the storage's end
+    base = torch.zeros(100, dtype=torch.int64)
+    view = base[52:]
+    shrunk(base, 60 * 8)
+    with pytest.raises(Refusal, match="'pos'"):
+        t.check_tensors({**good, "pos": view}, CPU)
+    out = {name: torch.zeros(shape, dtype=dt) for name, (shape, dt) in specs().items()}
+    assert t.check_out(out, CPU)
+    out["residual"] = shrunk(out["residual"], 16)
+    with pytest.raises(BadInput, match=r"out\['residual'\].*storage holds 16 B"):
+        t.check_out(out, CPU)
+
+
+def storage_session(rank: int, world: int, init_method: str, platform_name: str) -> dict:
+    os.environ["GPUXFER_PLATFORM"] = platform_name
+    import torch.distributed as dist
+
+    from gpuxfer.platforms import get_platform
+    from gpuxfer.pp import connect
+    from gpuxfer.pp.launch import init_cpu_group
+    init_cpu_group(rank, world, init_method)
+    plat = get_platform(platform_name)
+    out = {}
+    try:
+        for backend in ("copy_engine", "nccl"):
+            conn = connect(send_to=1 if rank == 0 else None, recv_from=0 if rank else None, specs=specs(),
+                           backend=backend, platform=plat, device=0, timeout_s=30)
+            with conn:
+                if rank == 0:
+                    s = conn.sender()
+                    for nbytes in (0, 64):
+                        bad = {**step_tensors(4, 0, 1, CPU),
+                               "residual": shrunk(torch.ones(48, 40, dtype=torch.float32), nbytes)}
+                        with pytest.raises(BadInput, match="nothing sent"):
+                            s.send(bad)
+                        assert s.step == 0 and s.error is None
+                    s.send(step_tensors(4, 0, 1, CPU))
+                else:
+                    r = conn.receiver()
+                    for _ in range(2):
+                        with pytest.raises(BadInput, match="refused its input for step 1.*storage"):
+                            r.recv()
+                    o = {name: torch.zeros(shape, dtype=dt) for name, (shape, dt) in specs().items()}
+                    o["hidden"] = shrunk(o["hidden"], 8)
+                    with pytest.raises(BadInput, match=r"out\['hidden'\]"):
+                        r.recv(out=o)
+                    assert r.step == 0 and r.error is None
+                    check_equal(r.recv().tensors, step_tensors(4, 0, 1, CPU), f"{backend} step 1")
+                    out[backend] = True
+                conn.synchronize(30)
+    finally:
+        dist.destroy_process_group()
+        plat.close()
+    return out
+
+
+def test_shrunk_storages_are_refused_between_two_ranks(spawner):
+    _, receiver = spawner.run_ranks(storage_session, 2, "host", timeout=180)
+    assert receiver == {"copy_engine": True, "nccl": True}
