@@ -4,6 +4,10 @@ error, or handled, before any byte is read or written past a buffer or reported 
 * a tensor whose storage was shrunk or freed after it was made (``untyped_storage().resize_``): its shape and
   strides still pass every check, so its ``data_ptr()`` leads past its memory (or to none); ``send()`` refuses
   it (nothing sent, the receiver told) and so does ``recv(out=...)``.
+* ``close()`` of an end whose streams still hold queued work after its waits were released (work of the
+  caller's queued before the steps, another transport's wait on the same stream): the work may still copy
+  into the peer's slots or out of the end's buffers, so nothing is unmapped or freed (left to process exit,
+  as ``abort()`` does) and no teardown barrier is posted, so the peer frees only what no peer maps.
 """
 from __future__ import annotations
 
@@ -94,3 +98,47 @@ def storage_session(rank: int, world: int, init_method: str, platform_name: str)
 def test_shrunk_storages_are_refused_between_two_ranks(spawner):
     _, receiver = spawner.run_ranks(storage_session, 2, "host", timeout=180)
     assert receiver == {"copy_engine": True, "nccl": True}
+
+
+def _undrainable_sender():
+    """A send end over no peer whose streams never drain; it records the teardown steps that ran."""
+    from gpuxfer.platforms import get_platform
+    from gpuxfer.pp.transport import Transport
+
+    class Stuck(Transport):
+        name = "stuck"
+        ran: list
+
+        def _send_impl(self, step, tensors, layout): ...
+        def _recv_impl(self, rcv): ...
+        def _materialize_impl(self, rcv): ...
+        def _watch(self, now, force=False): return None
+        def _drain(self, timeout_s):
+            self.ran.append("drain")
+            return False
+        def _release_waits(self): self.ran.append("release")
+        def _close_mappings(self): self.ran.append("close_mappings")
+        def _free(self): self.ran.append("free")
+        def _free_local(self): self.ran.append("free_local")
+        def _allocated(self): return 0
+
+    plat = get_platform("host")
+    t = Stuck(platform=plat, role="send", rank=0, peer=1, device=0, specs=SpecTable(specs()), timeout_s=0.2,
+              metadata=False, group=None, tag_base=0, torch_device=CPU)
+    t.ran = []
+    t._state = "open"
+    return t, plat
+
+
+def test_close_of_an_end_that_never_drains_unmaps_and_frees_nothing():
+    t, plat = _undrainable_sender()
+    try:
+        t.close()
+        assert t.closed
+        assert "release" in t.ran and t.ran.count("drain") >= 2, t.ran
+        assert not {"close_mappings", "free", "free_local"} & set(t.ran), t.ran
+        t.close()           # idempotent
+        t.abort()
+        assert not {"close_mappings", "free", "free_local"} & set(t.ran), t.ran
+    finally:
+        plat.close()
