@@ -3,7 +3,8 @@ error, or handled, before any byte is read or written past a buffer or reported 
 
 * a tensor whose storage was shrunk or freed after it was made (``untyped_storage().resize_``): its shape and
   strides still pass every check, so its ``data_ptr()`` leads past its memory (or to none); ``send()`` refuses
-  it (nothing sent, the receiver told) and so does ``recv(out=...)``.
+  it (nothing sent, the receiver told) and so does ``recv(out=...)``; so is a tensor with no data at all (a
+  wrapper subclass or a fake tensor: shape, dtype, device and storage size right, ``data_ptr()`` null).
 * ``close()`` of an end whose streams still hold queued work after its waits were released (work of the
   caller's queued before the steps, another transport's wait on the same stream): the work may still copy
   into the peer's slots or out of the end's buffers, so nothing is unmapped or freed (left to process exit,
@@ -36,7 +37,7 @@ def test_a_tensor_whose_storage_was_shrunk_is_refused_by_send_and_recv_out():
     assert t.check_tensors(good, CPU)
     for nbytes in (0, 8, 48 * 40 * 2 - 1):
         bad = {**good, "hidden": shrunk(torch.zeros(48, 40, dtype=torch.bfloat16), nbytes)}
-        with pytest.raises(Refusal, match="'hidden'.*which holds") as ei:
+        with pytest.raises(Refusal, match="'hidden'.*(which holds|no data)") as ei:
             t.check_tensors(bad, CPU)
         assert ei.value.code == 10
     # a view at an offset: the bytes it needs end past the storage's end
@@ -48,8 +49,36 @@ def test_a_tensor_whose_storage_was_shrunk_is_refused_by_send_and_recv_out():
     out = {name: torch.zeros(shape, dtype=dt) for name, (shape, dt) in specs().items()}
     assert t.check_out(out, CPU)
     out["residual"] = shrunk(out["residual"], 16)
-    with pytest.raises(BadInput, match=r"out\['residual'\].*storage holds 16 B"):
+    with pytest.raises(BadInput, match=r"out\['residual'\].*which holds 16 B"):
         t.check_out(out, CPU)
+
+
+class _NoData(torch.Tensor):
+    """A wrapper subclass: shape, dtype, device and a storage of the right size, but no memory (a null
+    ``data_ptr()``), as a tensor parallel or fake-tensor wrapper may be."""
+
+    @staticmethod
+    def __new__(cls, shape, dtype):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device="cpu")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"{func} on a tensor without data")
+
+
+def test_a_tensor_without_data_is_refused_by_send_and_recv_out():
+    """Before: it passed every check, and its null data_ptr() reached the copies after the metadata went out
+    (the host emulation refused the copy and broke the transport; a GPU copies from address 0)."""
+    t = SpecTable(specs())
+    good = step_tensors(3, 0, 1, CPU)
+    nodata = _NoData(tuple(good["residual"].shape), torch.float32)
+    assert nodata.numel() and nodata.data_ptr() == 0
+    with pytest.raises(Refusal, match="'residual'.*no data") as ei:
+        t.check_tensors({**good, "residual": nodata}, CPU)
+    assert ei.value.code == 10
+    out = {name: torch.zeros(shape, dtype=dt) for name, (shape, dt) in specs().items()}
+    with pytest.raises(BadInput, match=r"out\['pos'\].*no data"):
+        t.check_out({**out, "pos": _NoData((48,), torch.int64)}, CPU)
 
 
 def storage_session(rank: int, world: int, init_method: str, platform_name: str) -> dict:
@@ -79,7 +108,7 @@ def storage_session(rank: int, world: int, init_method: str, platform_name: str)
                 else:
                     r = conn.receiver()
                     for _ in range(2):
-                        with pytest.raises(BadInput, match="refused its input for step 1.*storage"):
+                        with pytest.raises(BadInput, match="refused its input for step 1.*memory does not hold"):
                             r.recv()
                     o = {name: torch.zeros(shape, dtype=dt) for name, (shape, dt) in specs().items()}
                     o["hidden"] = shrunk(o["hidden"], 8)
