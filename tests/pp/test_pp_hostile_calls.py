@@ -5,6 +5,11 @@ error, or handled, before any byte is read or written past a buffer or reported 
   strides still pass every check, so its ``data_ptr()`` leads past its memory (or to none); ``send()`` refuses
   it (nothing sent, the receiver told) and so does ``recv(out=...)``; so is a tensor with no data at all (a
   wrapper subclass or a fake tensor: shape, dtype, device and storage size right, ``data_ptr()`` null).
+* a sender whose wait for a free receive slot timed out (its receiver alive, only late): its failure releases
+  the wait, and the released step's copies land in a slot whose earlier step the receiver has not taken yet.
+  The receiver must not hand that earlier step out (it did: step 3's bytes as step 1, reported good); the
+  released sender marks the receiver's slot words first, and the receiver checks its slot word once its
+  copy is done.
 * ``close()`` of an end whose streams still hold queued work after its waits were released (work of the
   caller's queued before the steps, another transport's wait on the same stream): the work may still copy
   into the peer's slots or out of the end's buffers, so nothing is unmapped or freed (left to process exit,
@@ -171,3 +176,65 @@ def test_close_of_an_end_that_never_drains_unmaps_and_frees_nothing():
         assert not {"close_mappings", "free", "free_local"} & set(t.ran), t.ran
     finally:
         plat.close()
+
+
+def _fixed(step: int) -> dict:
+    """A step of the spec's largest shapes whose bytes tell the step apart."""
+    return {name: torch.full(shape, float(step)).to(dt) for name, (shape, dt) in specs().items()}
+
+
+def late_receiver_session(rank: int, world: int, init_method: str, how: str) -> dict:
+    os.environ["GPUXFER_PLATFORM"] = "host"
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from gpuxfer.errors import GpuxferError, TransferTimeout
+    from gpuxfer.platforms import get_platform
+    from gpuxfer.pp import connect
+    from gpuxfer.pp.launch import init_cpu_group
+    init_cpu_group(rank, world, init_method)
+    plat = get_platform("host")
+    store = _get_default_store()
+    out = {}
+    try:
+        conn = connect(send_to=1 if rank == 0 else None, recv_from=0 if rank else None, specs=specs(),
+                       backend="copy_engine", platform=plat, device=0, timeout_s=1.0, recv_slots=2)
+        if rank == 0:
+            s = conn.sender()
+            s.send(_fixed(1))
+            s.send(_fixed(2))
+            try:                                # slot 0 still holds step 1: the wait times out, is released
+                s.send(_fixed(3))
+                out["send3"] = "sent"
+            except TransferTimeout:
+                out["send3"] = "TransferTimeout"
+            assert plat.synchronize(plat.current_stream(0), 30)      # the released step's copies landed
+            store.set("sender-failed", b"1")
+            store.wait(["receiver-done"])
+            conn.abort()
+        else:
+            r = conn.receiver()
+            store.wait(["sender-failed"])       # the receiver, late: it takes step 1 only now
+            for k in (1, 2):
+                try:
+                    rcv = r.recv(out=_fixed(0)) if how == "out" else r.recv()
+                    got = rcv.tensors
+                    same = all(torch.equal(got[n], v) for n, v in _fixed(k).items())
+                    out[k] = "whole" if same else "other bytes"
+                except GpuxferError as exc:
+                    out[k] = type(exc).__name__
+                    break
+            store.set("receiver-done", b"1")
+            conn.abort()
+    finally:
+        dist.destroy_process_group()
+        plat.close()
+    return out
+
+
+@pytest.mark.parametrize("how", ["copy_out", "out"])
+def test_a_released_sender_never_hands_the_late_receiver_other_bytes(spawner, how):
+    sender, receiver = spawner.run_ranks(late_receiver_session, 2, how, timeout=120)
+    assert sender == {"send3": "TransferTimeout"}
+    assert "other bytes" not in receiver.values(), receiver
+    assert receiver[1] == "PeerLost", receiver
