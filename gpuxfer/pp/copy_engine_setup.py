@@ -256,17 +256,30 @@ class _CopyEngineSetup:
 
     # ---- failure and teardown (after the drain) ----
     def _mark_peer_slots(self) -> None:
-        """Sender, before its waits are released: the release value into the receiver's ``full`` words, so
-        the copies the release lets through (into slots the receiver may not have taken yet) never pass
-        for the steps the receiver still expects there (its ``_check_slot``; its waits on them pass too).
-        Under the lock ``_close_mappings`` takes: never into a closed mapping."""
+        """Sender, before its waits are released: the release value into the receiver's ``full`` word of each
+        slot a queued step still waits for, so the copies the release lets into it (while the receiver may
+        not have taken the slot's earlier step yet) never pass for that step (the receiver's
+        ``_check_slot``; its waits on the word pass too). Under the lock ``_close_mappings`` takes: never
+        into a closed mapping."""
         with self._peer_lock:
             ptrs = getattr(self, "_peer_in_ptr", None)
             if self._peer_flags is None or self._peer_flags.closed or ptrs is None:
                 return
-            for ptr in ptrs:
+            if self._wd_lock.acquire(timeout=1.0):
                 try:
-                    self.platform.host_write_flag(ptr, RELEASE_VALUE, self.device)
+                    waits = list(self._wd)
+                finally:
+                    self._wd_lock.release()
+                slots = set()
+                for _k, j, _t0, expected in waits:
+                    v = self._seen(j)
+                    if v is None or v < expected:
+                        slots.add(j)
+            else:               # the watchdog holds the waits: every slot
+                slots = set(range(len(ptrs)))
+            for j in sorted(slots):
+                try:
+                    self.platform.host_write_flag(ptrs[j], RELEASE_VALUE, self.device)
                 except Exception as exc:  # noqa: BLE001 - best effort on the failure path
                     log.warning("rank %d: marking rank %d's receive slot words: %s", self.rank, self.peer, exc)
                     return
