@@ -238,3 +238,43 @@ def test_a_released_sender_never_hands_the_late_receiver_other_bytes(spawner, ho
     assert sender == {"send3": "TransferTimeout"}
     assert "other bytes" not in receiver.values(), receiver
     assert receiver[1] == "PeerLost", receiver
+
+
+def aborted_sender_session(rank: int, world: int, init_method: str) -> dict:
+    """The sender aborts with no step waiting for a slot: the steps it sent stay whole for the receiver."""
+    os.environ["GPUXFER_PLATFORM"] = "host"
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from gpuxfer.platforms import get_platform
+    from gpuxfer.pp import connect
+    from gpuxfer.pp.launch import init_cpu_group
+    init_cpu_group(rank, world, init_method)
+    plat = get_platform("host")
+    store = _get_default_store()
+    out = {}
+    try:
+        conn = connect(send_to=1 if rank == 0 else None, recv_from=0 if rank else None, specs=specs(),
+                       backend="copy_engine", platform=plat, device=0, timeout_s=30, recv_slots=2)
+        if rank == 0:
+            s = conn.sender()
+            s.send(_fixed(1))
+            s.send(_fixed(2))
+            conn.abort()
+            store.set("sender-aborted", b"1")
+        else:
+            r = conn.receiver()
+            store.wait(["sender-aborted"])
+            for k in (1, 2):
+                got = r.recv().tensors
+                out[k] = all(torch.equal(got[n], v) for n, v in _fixed(k).items())
+            conn.abort()
+    finally:
+        dist.destroy_process_group()
+        plat.close()
+    return out
+
+
+def test_a_sender_aborted_with_no_step_waiting_leaves_its_steps_whole(spawner):
+    _, receiver = spawner.run_ranks(aborted_sender_session, 2, timeout=120)
+    assert receiver == {1: True, 2: True}
