@@ -225,10 +225,12 @@ def close_all(transports: Sequence[Watched], timeout_s: float | None = None) -> 
     if timeout_s is not None:
         timeout_s = resolve_timeout(timeout_s)
     transports = _transports_of(transports)
+    todo = []
     with _TEARDOWN:
-        todo = [t for t in transports if t._state == "open"]
-        for t in todo:
-            t._state = "closing"
+        for t in transports:
+            if t._state == "open":      # (an end named twice is "closing" at its second entry: taken once)
+                t._state = "closing"
+                todo.append(t)
     if not todo:
         return
     limit = max(t.timeout_s if timeout_s is None else timeout_s for t in todo)

@@ -14,6 +14,9 @@ error, or handled, before any byte is read or written past a buffer or reported 
   caller's queued before the steps, another transport's wait on the same stream): the work may still copy
   into the peer's slots or out of the end's buffers, so nothing is unmapped or freed (left to process exit,
   as ``abort()`` does) and no teardown barrier is posted, so the peer frees only what no peer maps.
+* ``close_all`` of a list naming one end twice (``conn.transports + [snd]``): the end is torn down once (it
+  was failed as "closed by another thread", its waits released, and left without teardown: the second
+  entry waited for the call lock the first had taken).
 """
 from __future__ import annotations
 
@@ -134,8 +137,9 @@ def test_shrunk_storages_are_refused_between_two_ranks(spawner):
     assert receiver == {"copy_engine": True, "nccl": True}
 
 
-def _undrainable_sender():
-    """A send end over no peer whose streams never drain; it records the teardown steps that ran."""
+def _undrainable_sender(drains: bool = False):
+    """A send end over no peer whose streams never drain (or always do); it records the teardown steps that
+    ran."""
     from gpuxfer.platforms import get_platform
     from gpuxfer.pp.transport import Transport
 
@@ -149,7 +153,7 @@ def _undrainable_sender():
         def _watch(self, now, force=False): return None
         def _drain(self, timeout_s):
             self.ran.append("drain")
-            return False
+            return drains
         def _release_waits(self): self.ran.append("release")
         def _close_mappings(self): self.ran.append("close_mappings")
         def _free(self): self.ran.append("free")
@@ -278,3 +282,16 @@ def aborted_sender_session(rank: int, world: int, init_method: str) -> dict:
 def test_a_sender_aborted_with_no_step_waiting_leaves_its_steps_whole(spawner):
     _, receiver = spawner.run_ranks(aborted_sender_session, 2, timeout=120)
     assert receiver == {1: True, 2: True}
+
+
+def test_close_all_of_a_list_naming_an_end_twice_tears_it_down_once():
+    from gpuxfer.pp import close_all
+    t, plat = _undrainable_sender(drains=True)
+    try:
+        close_all([t, t])
+        assert t.closed and t.error is None, t.error
+        assert t.ran == ["drain", "close_mappings", "free"], t.ran
+        assert t._call_lock.acquire(False)      # teardown gave the call lock back
+        t._call_lock.release()
+    finally:
+        plat.close()
