@@ -150,6 +150,7 @@ override :meth:`~CopyEngineTransport.unavailable_reason`,
 from __future__ import annotations
 
 import functools
+import threading
 import time
 
 from ..errors import BadInput, GraphModeError, PeerLost, TransferTimeout
@@ -178,6 +179,7 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
     name = "copy_engine"
     min_slots = 2
     release_again = True
+    mark_peer_slots = True             # a sender's release first marks its receiver's slot words (_mark_peer_slots)
     host_give_back = True              # the sender's empty words may live in shared host memory (HostWords)
 
     def __init__(self, *, recv_slots: int = 2, flag_path: str | None = None, inline_bytes: "int | str | None" = None,
@@ -193,6 +195,7 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
         self._link: FlagLink | None = None  # the pair's flags (self._flags: its local words)
         self._flags = self._data = self._staging = None
         self._peer_flags = self._peer_data = None
+        self._peer_lock = threading.Lock()  # a sender's _mark_peer_slots (any thread) never meets the unmap
         self._copied = [None, None]
         self._packed = None
         self._caller_streams: dict = {}     # every caller stream steps came on -> None, or an event recorded
@@ -476,6 +479,10 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
                 views[name] = flat.view(shape)
                 if n:
                     self._ce_copy(cur, flat.data_ptr(), slot + o, n)
+            if self._host_sync:         # the slot checked before it goes back (a healthy sender may reuse it)
+                self._host_keep = rcv.out
+                self._host_wait(cur, j, k)
+                self._check_slot(j, k)
             if self._remote_publish:
                 calls.write_flag(self._peer_in_ptr[j], k)
             else:
@@ -501,10 +508,16 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
         if self._host_sync:
             if keep is not None:
                 self._host_keep = keep      # (a timed-out copy may still write it)
-            wait_event_or_raise(p, p.record_event(cur), self.timeout_s, rank=self.rank, step=k, flag=f"full[{j}]",
-                                expected=k, flag_ptr=self._in_ptr[j], device=self.device,
-                                what=f"{self.name} receive from rank {self.peer}")
+            self._host_wait(cur, j, k)
+            if rcv.out is None:         # the slot is still held
+                self._check_slot(j, k)
         rcv._tensors = views
+
+    def _host_wait(self, cur, j: int, k: int) -> None:
+        """Emulation: wait (bounded) for the work queued on ``cur`` so far (step k's wait on slot j and copy)."""
+        wait_event_or_raise(self.platform, self.platform.record_event(cur), self.timeout_s, rank=self.rank, step=k,
+                            flag=f"full[{j}]", expected=k, flag_ptr=self._in_ptr[j], device=self.device,
+                            what=f"{self.name} receive from rank {self.peer}")
 
     # ---- watchdog and teardown ----
     def _seen(self, j: int) -> int | None:
@@ -571,6 +584,8 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
                        detail=f"{self.name} send to rank {self.peer}")
 
     def _release_waits(self) -> None:
+        if self.role == "send" and self.mark_peer_slots:
+            self._mark_peer_slots()
         if self._link is not None:
             self._link.release_waits(range(W_IN, W_IN + self.recv_slots))
         loads = self._free_loads

@@ -1,7 +1,8 @@
 """The ``copy_engine`` pair's setup: the settings a transport reads when built (inline step size, copy
 graphs, batched flag operations, the sender's empty words in host memory) and the phases
 :func:`gpuxfer.pp.selection.connect` drives on every rank in lock step (allocate and export, open the
-peer's, probe the flag link, finish), mixed into :class:`~gpuxfer.pp.copy_engine.CopyEngineTransport`.
+peer's, probe the flag link, finish), mixed into :class:`~gpuxfer.pp.copy_engine.CopyEngineTransport`,
+with its teardown and what a released sender leaves its receiver (the marked slot words and their check).
 """
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import logging
 import operator
 
 from .. import config
-from ..errors import BadInput, GpuxferError
+from ..errors import BadInput, GpuxferError, PeerLost
 from ..flaglink import FIRST_WORD, FLAG_STRIDE, FlagLink
-from ..platforms.base import FLAG_OP_VALUE, FLAG_OP_WAIT, FLAG_OP_WORDS, FLAG_OP_WRITE, flag_ops_array
+from ..platforms.base import FLAG_OP_VALUE, FLAG_OP_WAIT, FLAG_OP_WORDS, FLAG_OP_WRITE, RELEASE_VALUE, flag_ops_array
 from .hostwords import HostWords
 
 log = logging.getLogger("gpuxfer.pp")
@@ -253,14 +254,54 @@ class _CopyEngineSetup:
             self._staging_ptr = [self._staging.ptr + s * slot for s in range(2)]
         self._state = "open"
 
-    # ---- teardown (after the drain) ----
+    # ---- failure and teardown (after the drain) ----
+    def _mark_peer_slots(self) -> None:
+        """Sender, before its waits are released: the release value into the receiver's ``full`` word of each
+        slot a queued step still waits for, so the copies the release lets into it (while the receiver may
+        not have taken the slot's earlier step yet) never pass for that step (the receiver's
+        ``_check_slot``; its waits on the word pass too). Under the lock ``_close_mappings`` takes: never
+        into a closed mapping."""
+        with self._peer_lock:
+            ptrs = getattr(self, "_peer_in_ptr", None)
+            if self._peer_flags is None or self._peer_flags.closed or ptrs is None:
+                return
+            if self._wd_lock.acquire(timeout=1.0):
+                try:
+                    waits = list(self._wd)
+                finally:
+                    self._wd_lock.release()
+                slots = set()
+                for _k, j, _t0, expected in waits:
+                    v = self._seen(j)
+                    if v is None or v < expected:
+                        slots.add(j)
+            else:               # the watchdog holds the waits: every slot
+                slots = set(range(len(ptrs)))
+            for j in sorted(slots):
+                try:
+                    self.platform.host_write_flag(ptrs[j], RELEASE_VALUE, self.device)
+                except Exception as exc:  # noqa: BLE001 - best effort on the failure path
+                    log.warning("rank %d: marking rank %d's receive slot words: %s", self.rank, self.peer, exc)
+                    return
+
+    def _check_slot(self, j: int, k: int) -> None:
+        """Emulation, step k copied out of slot j, the slot not given back: ``full[j]`` still holds k (a sender
+        publishes k + R only after it came back; any other value: the sender's waits were released, its
+        released copies may have written the slot, :meth:`_mark_peer_slots`): else the step is not handed out."""
+        v = self.platform.read_flag(self._in_ptr[j], self.device)
+        if v != k and self._error is None:
+            raise PeerLost(rank=self.rank, peer=self.peer, step=k, flag=f"full[{j}]", after_s=0.0,
+                           why=f"rank {self.peer} released its waits: its copies may have written slot {j}",
+                           detail=f"{self.name} receive: full[{j}] = {v}, expected {k}; step {k} not handed out")
+
     def _close_mappings(self) -> None:
         if self._peer_data is not None:
             self._peer_data.close()
         if self.role == "recv" and self._give_back is not None:
             self._give_back.close()
         if self._link is not None:
-            self._link.close_peer()
+            with self._peer_lock:
+                self._link.close_peer()
 
     def _free(self) -> None:
         self._calls = self._eager_stream = self._copy_out = None

@@ -114,6 +114,7 @@ class GraphTransport(CopyEngineTransport):
     name = "copy_engine_graph"
     watch_after_error = True         # keep releasing replays that wait once the pair is broken
     host_give_back = False           # tokens, not step numbers: the slots' words stay in device memory
+    mark_peer_slots = False          # (tokens: a receiver's replays have no step to check a slot word against)
 
     def __init__(self, *, inline_bytes=None, **kw):
         super().__init__(inline_bytes=0, **kw)   # every step goes straight into the peer's slot

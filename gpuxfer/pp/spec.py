@@ -39,6 +39,7 @@ _REFUSALS = {
     7: "a tensor has too many dimensions",
     8: "a tensor is a lazily conjugated or negated view",
     9: "a tensor is not a dense (strided) tensor",
+    10: "a tensor's memory does not hold its bytes (a resized storage, or a tensor without data)",
 }
 
 
@@ -131,6 +132,24 @@ def _bytes_viewable(dtype) -> bool:
         return True
     except Exception:  # noqa: BLE001 - torch says no in several ways
         return False
+
+
+def _unbacked(t, nbytes: int) -> str | None:
+    """Why contiguous ``t``'s ``nbytes`` bytes are not memory a copy may read or write from ``data_ptr()`` on,
+    or None: its storage was resized (freed, shrunk) after the tensor was made, which torch allows, or it has
+    no data at all (a wrapper subclass, a fake tensor: a null ``data_ptr()``)."""
+    if not nbytes:
+        return None
+    try:
+        ptr, have, offset = t.data_ptr(), t.untyped_storage().nbytes(), t.storage_offset() * t.element_size()
+    except Exception as exc:  # noqa: BLE001 - torch refuses in several ways
+        return f"its memory cannot be reached ({type(exc).__name__}: {exc})"
+    if not ptr:
+        return "it has no data (a null data_ptr(): a tensor subclass or a fake tensor without memory)"
+    if offset + nbytes > have:
+        return (f"it needs {nbytes} B from byte {offset} of its storage, which holds {have} B (resized after "
+                f"the tensor was made)")
+    return None
 
 
 def _span(shape: tuple[int, ...], itemsize: int) -> int:
@@ -303,6 +322,8 @@ class SpecTable:
                 if (not isinstance(t, Tensor) or t.dtype is not dtype or t.get_device() != index
                         or not t.is_contiguous() or t.is_neg() or (cplx and t.is_conj())):
                     return None      # (only complex tensors carry a lazy conjugation)
+                if _unbacked(t, t.nbytes) is not None:
+                    return None
                 shapes.append(t.shape)   # a torch.Size: equal to (and hashed as) the tuple of its dimensions
         except RuntimeError:         # a tensor without strides (sparse CSR, nested): check_tensors refuses it
             return None
@@ -341,6 +362,9 @@ class SpecTable:
                 raise Refusal(6, i, f"{name!r} of shape {tuple(t.shape)} ({t.numel() * self.itemsizes[i]} B) "
                                      f"is larger than its slot: the setup spec's largest shape is "
                                      f"{self.max_shapes[i]} ({self.max_nbytes[i]} B)")
+            why = _unbacked(t, t.numel() * self.itemsizes[i])
+            if why is not None:
+                raise Refusal(10, i, f"{name!r} of shape {tuple(t.shape)} cannot be read: {why}")
             shapes.append(tuple(t.shape))
         return tuple(shapes)
 
@@ -390,6 +414,9 @@ class SpecTable:
             if not t.is_contiguous() or t.numel() < self.max_numel[i] or t.is_conj() or t.is_neg():
                 raise BadInput(f"out[{name!r}] must be contiguous (not a conjugated or negated view) with >= "
                                f"{self.max_numel[i]} elements (the setup spec's largest shape {self.max_shapes[i]})")
+            why = _unbacked(t, self.max_nbytes[i])
+            if why is not None:
+                raise BadInput(f"out[{name!r}] cannot take the {self.max_nbytes[i]} B a step may write: {why}")
         # each tensor's bytes a step may fill: tensors sharing any would hand out another tensor's bytes
         spans = sorted((out[name].data_ptr(), out[name].data_ptr() + n, name)
                        for name, n in zip(self.names, self.max_nbytes) if n)

@@ -212,6 +212,9 @@ def close_all(transports: Sequence[Watched], timeout_s: float | None = None) -> 
     4. close peer mappings;  5. pair barrier again;  6. free buffers.
     A barrier that times out (a peer gone or late) is logged; that end then frees only what no
     peer maps (as :meth:`~gpuxfer.pp.transport.Transport.abort`), and the rest goes at process exit.
+    An end whose streams still hold work once its waits were released (work queued before its steps
+    on the caller's stream that does not finish) unmaps and frees nothing and posts no barrier: that
+    work may still reach its buffers and the peer's; everything goes at process exit.
 
     Any thread may close: an end turns "closing" at once (later calls are refused; a call's host
     wait gives up), and teardown takes each end's call lock, so nothing is freed under a call of
@@ -222,10 +225,12 @@ def close_all(transports: Sequence[Watched], timeout_s: float | None = None) -> 
     if timeout_s is not None:
         timeout_s = resolve_timeout(timeout_s)
     transports = _transports_of(transports)
+    todo = []
     with _TEARDOWN:
-        todo = [t for t in transports if t._state == "open"]
-        for t in todo:
-            t._state = "closing"
+        for t in transports:
+            if t._state == "open":      # (an end named twice is "closing" at its second entry: taken once)
+                t._state = "closing"
+                todo.append(t)
     if not todo:
         return
     limit = max(t.timeout_s if timeout_s is None else timeout_s for t in todo)
@@ -266,6 +271,7 @@ def quiesce(t: Watched, deadline: float) -> bool:
 
 def _teardown(todo: list, deadline: float) -> None:
     """close_all's steps over ends whose call locks it holds."""
+    stuck: set[int] = set()     # ends whose streams still hold work after their waits were released
     for t in todo:
         if t._error is not None:
             try:
@@ -286,9 +292,13 @@ def _teardown(todo: list, deadline: float) -> None:
                         t.rank, t.name, t.peer, max(0.05, budget))
             try:
                 t._release_waits()
-                t._drain(FAILED_TEARDOWN_S)
+                drained = t._drain(FAILED_TEARDOWN_S)
             except Exception as exc:  # noqa: BLE001
                 log.debug("release after a failed drain: %s", exc)
+            if not drained:     # that work may still copy into the peer's slots or out of this end's buffers
+                stuck.add(id(t))
+                log.warning("rank %d: %s transport with rank %d still has work queued on its streams; its "
+                            "mappings and buffers are left to process exit", t.rank, t.name, t.peer)
         try:
             t.meta.drain(min(FAILED_TEARDOWN_S, max(0.05, deadline - time.monotonic())))
             t.channel.drain(min(FAILED_TEARDOWN_S, max(0.05, deadline - time.monotonic())))
@@ -300,11 +310,13 @@ def _teardown(todo: list, deadline: float) -> None:
             t.signals.leave("closed its end" if t._error is None else
                             f"closed its end after {type(t._error).__name__}: {t._error}")
 
-    met = {id(t): True for t in todo}
+    met = {id(t): id(t) not in stuck for t in todo}
 
     def barrier(label: str) -> None:
-        posted = [t for t in todo if t.signals is not None and t.signals.post(label)]   # posted even where
-        for t in todo:                                  # an earlier barrier failed: a late peer is not held up
+        # posted even where an earlier barrier failed (a late peer is not held up); never by a stuck end, whose
+        # peer then frees only what no peer maps
+        posted = [t for t in todo if id(t) not in stuck and t.signals is not None and t.signals.post(label)]
+        for t in todo:
             if t not in posted:
                 met[id(t)] = False
         for t in posted:
@@ -319,6 +331,8 @@ def _teardown(todo: list, deadline: float) -> None:
 
     barrier("teardown-unmap")
     for t in todo:
+        if id(t) in stuck:
+            continue
         try:
             t._close_mappings()
         except Exception as exc:  # noqa: BLE001
@@ -329,8 +343,8 @@ def _teardown(todo: list, deadline: float) -> None:
             try:
                 if met[id(t)]:
                     t._free()
-                else:   # the peer may still map (and write) this end's buffers: free only what is ours alone
-                    t._free_local()
+                elif id(t) not in stuck:   # the peer may still map (and write) this end's buffers: free only
+                    t._free_local()        # what is ours alone
             except Exception as exc:  # noqa: BLE001
                 log.warning("rank %d: freeing %s buffers: %s", t.rank, t.name, exc)
             t._close_meta()

@@ -28,8 +28,9 @@ SPIED = ("current_stream", "is_capturing", "wait_flag", "write_flag", "flag_ops"
 # queued stream operations (one driver call each on CUDA)
 QUEUED = ("wait_flag", "write_flag", "flag_ops", "copy_async", "copy_batch_async", "launch_graph", "stream_wait_event",
           "launch", "memset_async")
-# what the host emulation adds per step in place of stream order: a recorded event and a bounded wait on it
-EMULATION_ONLY = ("record_event", "event_wait")
+# what the host emulation adds per step in place of stream order: a recorded event and a bounded wait on it, and
+# the receiver's read of its slot word once the step is copied out (a released sender's copies never pass)
+EMULATION_ONLY = ("record_event", "event_wait", "read_flag")
 
 
 def _spy(plat) -> collections.Counter:
