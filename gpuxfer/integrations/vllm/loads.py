@@ -475,7 +475,7 @@ class DecodeLoads:
                         "decode instance claimed or released it, or its hold ended (its params were handed out twice)")
         elif not client.alive:
             st.error = f"prefill engine {rp.engine_id} is gone before it answered the claim: {client.closed_reason}"
-        elif time.monotonic() - st.t_post > self.settings.handshake_timeout_s:
+        elif time.perf_counter() - st.t_post > self.settings.handshake_timeout_s:      # (t_post: perf_counter's)
             st.error = (f"prefill engine {rp.engine_id} did not answer the claim on request {rp.request_id!r} within "
                         f"{self.settings.handshake_timeout_s:g} s")
         else:
