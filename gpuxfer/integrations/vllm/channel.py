@@ -36,9 +36,10 @@ the other thread of its process)::
       queue done(req, key, token)
     S  ---- done ---------------------------------->  E get_finished: the token is the grant's: free the blocks
 
-The read runs while the claim travels: a load's finish waits for the grant only where it comes later than the
-read completes. A refused claim fails the load (vLLM recomputes it); no grant within the load's timeout, or a
-closed connection, fails it too.
+The read runs while the claim travels, and the answer goes out at the prefill's next pump (its engine thread's
+next step while it holds requests; at once from the server's thread while it is idle): a load's finish waits for
+the grant only where that comes later than the read completes. A refused claim fails the load (vLLM recomputes
+it); no grant within the load's timeout, or a closed connection, fails it too.
 
 Both ends are non-blocking sockets that the engine's own thread advances once a step
 (:meth:`SideChannelServer.pump`, :meth:`~.client.SideChannelClient.pump`): a background Python thread gets the
