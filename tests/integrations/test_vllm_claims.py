@@ -215,17 +215,29 @@ def test_a_hostile_claim_closes_its_connection_alone(claim):
 
 
 def test_claims_waiting_for_the_secret_are_bounded():
+    """Claim messages before the secret is known wait, at most MAX_DEFERRED of them across the server's connections:
+    the connection sending one more closes; those of a closed connection no longer count."""
     book = ClaimBook()
     srv = SideChannelServer("127.0.0.1", 0, lambda: (b"{}", b"m"), 5.0, claim=book.claim)
-    s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+    a, b = (socket.create_connection(("127.0.0.1", srv.port), timeout=5) for _ in range(2))
+    claim = [message({"op": "claim", "id": i, "reqs": ["r"], "keys": ["k"], "tokens": ["t"]})
+             for i in range(channel.MAX_DEFERRED)]
     try:
-        out = message({"op": "hello"})
-        for i in range(channel.MAX_DEFERRED + 1):
-            out += message({"op": "claim", "id": i, "reqs": ["r"], "keys": ["k"], "tokens": ["t"]})
-        s.sendall(out)
-        assert _closed(s)
+        a.sendall(message({"op": "hello"}) + b"".join(claim))
+        assert not _closed(a, 0.5)
+        b.sendall(message({"op": "hello"}) + claim[0])
+        assert _closed(b)
+        a.close()
+        end = time.monotonic() + 5
+        while len(srv._conns) > 0 and time.monotonic() < end:     # (the server saw a and b end)
+            time.sleep(0.01)
+        c = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        c.sendall(message({"op": "hello"}) + b"".join(claim))
+        assert not _closed(c, 0.5)
+        c.close()
     finally:
-        s.close()
+        a.close()
+        b.close()
         srv.close()
 
 

@@ -52,7 +52,8 @@ does not pay the loopback ``send``, which costs tens of microseconds inside an e
 its part of the protocol can be (``MAX_MESSAGE`` for what a decode sends; in a handshake answer ``MAX_INFO``, the
 most an agent's metadata holds, 8 bytes; ``MAX_ANSWER`` for a claim's answer), a message the protocol does not
 allow (a field past its bound: ``MAX_REQUEST_ID``, ``MAX_KEY``, ``MAX_TOKEN``, ``MAX_READERS``), an answer not
-drained within the timeout, more than ``MAX_DEFERRED`` claim messages waiting for the secret, a connection that
+drained within the timeout, a claim message past ``MAX_DEFERRED`` of the server's waiting for the secret (a
+decode worker's come only once the secret is known: its handshake carries the seal key made from it), a connection that
 sent no hello or left a message half sent for longer than the timeout close that connection only; past
 ``MAX_CONNECTIONS`` open, or ``MAX_CONNECTIONS_PER_HOST`` from one address, a new one is closed at once (a host
 opening many cannot lock the others' decode workers out).
@@ -86,7 +87,7 @@ MAX_CONNECTIONS = 1024
 MAX_CONNECTIONS_PER_HOST = 256
 #: done and release events queued for the worker at most (an idle engine takes none); a connection queuing more closes
 MAX_EVENTS = 1 << 18
-#: claim messages of one connection waiting for the engine's secret (answered in order once it is known)
+#: claim messages of all connections waiting for the engine's secret (answered in order once it is known)
 MAX_DEFERRED = 64
 _CLAIM_KEYS = frozenset(("op", "id", "reqs", "keys", "tokens"))
 
@@ -124,6 +125,7 @@ class SideChannelServer:
         self._conns: dict[socket.socket, _Conn] = {}
         self._per_host: collections.Counter = collections.Counter()     # open connections by address
         self._lock = threading.Lock()           # one pump at a time
+        self._deferred = 0                      # claim messages waiting for the secret, of all connections
         self._pumped = 0.0                      # when the engine thread last pumped
         self._swept = 0.0                       # when connections were last looked at for timeouts
         self._stop = threading.Event()
@@ -242,9 +244,10 @@ class SideChannelServer:
                         type(msg.get("id")) is int and 0 <= msg["id"] < MAX_CLAIM_ID and msg.keys() <= _CLAIM_KEYS:
                     if len(reqs) > MAX_IDS_PER_MESSAGE:
                         raise ChannelClosed(f"a claim of {len(reqs)} requests (more than {MAX_IDS_PER_MESSAGE})")
-                    if len(c.deferred) >= MAX_DEFERRED:
+                    if self._deferred >= MAX_DEFERRED:
                         raise ChannelClosed(f"more than {MAX_DEFERRED} claim messages waiting for the secret")
                     c.deferred.append(msg)
+                    self._deferred += 1
                     self._answer(c)
                 elif op in ("done", "release") and request_ids_ok(reqs) and readers_ok(msg) and \
                         keys_ok(msg, len(reqs)) and tokens_ok(msg, len(reqs), False):
@@ -273,6 +276,7 @@ class SideChannelServer:
                     return
                 got.append("1" if ok else "0")
             c.deferred.pop(0)
+            self._deferred -= 1
             if not c.outbuf:
                 c.since = time.monotonic()
             c.outbuf += message({"op": "claimed", "id": msg["id"], "granted": "".join(got)})
@@ -281,6 +285,8 @@ class SideChannelServer:
         if not self._stop.is_set():
             log.debug("side channel: connection from %s ended: %s", c.addr, why)
         if self._conns.pop(c.sock, None) is not None:
+            self._deferred -= len(c.deferred)
+            c.deferred.clear()
             host = c.addr[0] if isinstance(c.addr, tuple) else c.addr
             self._per_host[host] -= 1
             if not self._per_host[host]:
