@@ -24,13 +24,13 @@ def test_side_channel_limits():
         assert c.notify("done", ["r1"]) and c.notify("release", ["r2"])
         for _ in range(2):
             events.append(srv.events.get(timeout=5))
-        assert events == [("done", "r1", 1, None), ("release", "r2", 1, None)]
+        assert events == [("done", "r1", 1, None, None), ("release", "r2", 1, None, None)]
         assert c.notify("done", ["a", "b", "c"])             # one message for a step's reads
-        assert [srv.events.get(timeout=5) for _ in range(3)] == [("done", r, 1, None) for r in "abc"]
+        assert [srv.events.get(timeout=5) for _ in range(3)] == [("done", r, 1, None, None) for r in "abc"]
         c.readers = 2                                       # one of two decode ranks reading this prefill rank
-        assert c.notify("done", ["h"]) and srv.events.get(timeout=5) == ("done", "h", 2, None)
+        assert c.notify("done", ["h"]) and srv.events.get(timeout=5) == ("done", "h", 2, None, None)
         assert c.notify("done", ["k", "n"], ["abc", None])                  # each request's hold key, if any
-        assert [srv.events.get(timeout=5) for _ in range(2)] == [("done", "k", 2, "abc"), ("done", "n", 2, None)]
+        assert [srv.events.get(timeout=5) for _ in range(2)] == [("done", "k", 2, "abc", None), ("done", "n", 2, None, None)]
         for bad in ({"op": "done", "req": "r1"}, {"op": "done", "reqs": "r1"}, {"op": "done", "reqs": ["a", 7]},
                     {"op": "release", "reqs": ["x" * (MAX_REQUEST_ID + 1)]}, {"op": "done", "reqs": ["a"], "of": 0},
                     {"op": "done", "reqs": ["a"], "of": MAX_READERS + 1}, {"op": "done", "reqs": ["a"], "of": True},
@@ -253,7 +253,7 @@ def test_a_flood_of_releases_for_unknown_requests_is_bounded():
     holds, srv = PrefillHolds(engine_id="p", lease_s=120.0, stats={"sends_done": 0, "leases_expired": 0}), Srv()
     for step in range(20):
         for i in range(20_000):
-            srv.events.put(("release", f"s{step}-{i}", 1, None))
+            srv.events.put(("release", f"s{step}-{i}", 1, None, None))
         holds.drain(srv, 1000.0 + step)
     assert len(holds.early) <= 100_000, len(holds.early)
 
@@ -296,7 +296,7 @@ def test_handshake_by_pumps_alone_and_by_the_idle_thread():
         deadline = time.monotonic() + 5
         while srv.events.empty() and time.monotonic() < deadline:
             srv.pump()
-        assert srv.events.get_nowait() == ("done", "r9", 1, None)
+        assert srv.events.get_nowait() == ("done", "r9", 1, None, None)
         c.close()
         time.sleep(2 * srv.IDLE_S)      # no pumps: the server's thread serves
         c2 = SideChannelClient("127.0.0.1", srv.port, 5.0)
@@ -387,7 +387,7 @@ def test_a_message_the_sender_thread_leaves_is_sent_by_the_engine_thread():
         deadline = time.monotonic() + 5
         while srv.events.empty() and time.monotonic() < deadline:
             srv.pump()
-        assert srv.events.get_nowait() == ("done", "late", 1, None)
+        assert srv.events.get_nowait() == ("done", "late", 1, None, None)
         c.close()
     finally:
         srv.close()
@@ -518,15 +518,15 @@ def test_handshake_times_out_and_refused_connect_fails():
 def test_a_stranger_cannot_end_a_hold():
     """A connection that is no decode instance (it never said hello, and could not have read the params) sends a
     done naming a held request, without the hold's key or with another one: the prefill keeps the blocks, which
-    a real reader may still be reading, and counts it; the reader's done, carrying the key from the params,
-    ends the hold, also where it came before the hold."""
+    a real reader may still be reading, and counts it; the reader's done, carrying the key from the params and the
+    token of its granted claim, ends the hold, also where it came before the hold."""
     import time
     from gpuxfer.integrations.vllm import lease
-    from gpuxfer.integrations.vllm.holds import PrefillHolds
+    from gpuxfer.integrations.vllm.holds import PrefillHolds, make_key
     from gpuxfer.integrations.vllm.scheduler import SchedulerSide
-    srv = SideChannelServer("127.0.0.1", 0, lambda: (b"{}", b"m"), timeout_s=5.0)
     stats = {"sends_done": 0, "leases_expired": 0, "forged": 0}
     holds = PrefillHolds(engine_id="p", lease_s=120.0, stats=stats)
+    srv = SideChannelServer("127.0.0.1", 0, lambda: (b"{}", b"m"), timeout_s=5.0, claim=holds.claims.claim)
 
     def drive(want: set, wait_s: float) -> set:
         freed, end = set(), time.monotonic() + wait_s
@@ -542,6 +542,7 @@ def test_a_stranger_cannot_end_a_hold():
         req = types.SimpleNamespace(request_id="cmpl-1", kv_transfer_params={"do_remote_decode": True},
                                     status=types.SimpleNamespace(name="FINISHED_LENGTH_CAPPED"))
         held, params = side.request_finished(req, ([3, 4],))
+        holds.secret = side.secret
         key = parse_remote_prefill(params, [16]).key
         assert held and len(key) == 24 and side.build_payload()["holds"]["cmpl-1"][1] == key
         s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
@@ -552,11 +553,14 @@ def test_a_stranger_cannot_end_a_hold():
         assert drive({"cmpl-1"}, 1.0) == set() and stats["forged"] == 3
         c = SideChannelClient("127.0.0.1", srv.port, 5.0)
         c.handshake()
-        c.notify("done", ["cmpl-1"], [key])
+        c.claim(["cmpl-1"], [key], ["t1"])
+        c.notify("done", ["cmpl-1"], [key], ["t1"])
         assert drive({"cmpl-1"}, 5.0) == {"cmpl-1"}
-        c.notify("done", ["late"], [key])
+        late = make_key(side.secret, "late")
+        c.claim(["late"], [late], ["t1"])
+        c.notify("done", ["late"], [late], ["t1"])
         assert drive({"late"}, 0.3) == set()
-        holds.hold({"late": (lease.now() + 120, key)})      # its word came before the hold, with its key
+        holds.hold({"late": (lease.now() + 120, late)})     # its word came before the hold, with its key
         assert drive({"late"}, 5.0) == {"late"}
         s.close()
         c.close()
@@ -591,8 +595,10 @@ def test_forged_words_before_a_hold_cannot_crowd_out_the_readers():
     holds, srv = PrefillHolds(engine_id="p", lease_s=120.0, stats=stats), Srv()
     holds.secret = payload["secret"]
     forged = [f"{i:08x}" + "0" * 16 for i in range(4 * EARLY_KINDS)] + [keys["cmpl-2"], None, keys["cmpl-1"][:-1]]
-    for k in forged + [keys["cmpl-1"]]:
-        srv.events.put(("done", "cmpl-1", 1, k))
+    for k in forged:
+        srv.events.put(("done", "cmpl-1", 1, k, None))
+    assert holds.claims.claim("cmpl-1", keys["cmpl-1"], "t1") is True
+    srv.events.put(("done", "cmpl-1", 1, keys["cmpl-1"], "t1"))
     holds.drain(srv, 1.0)
     assert stats["forged"] == len(forged)
     holds.hold({"cmpl-1": payload["holds"]["cmpl-1"]})
@@ -625,9 +631,10 @@ def test_words_of_hostile_requests_and_keys_are_refused_on_the_engine_thread():
     hostile = [(lone, "0" * 24), ("cmpl-1", "\u00e9" * 24), ("cmpl-1", "0" * 23), ("cmpl-1", "0" * 64),
                ("cmpl-1", None), ("cmpl-1", "0" * 24)]
     for req, k in hostile:
-        srv.events.put(("done", req, 1, k))
+        srv.events.put(("done", req, 1, k, None))
     key = make_key(holds.secret, lone)
-    srv.events.put(("done", lone, 1, key))
+    assert holds.claims.claim(lone, key, "t1") is True
+    srv.events.put(("done", lone, 1, key, "t1"))
     holds.drain(srv, 1.0)
     assert stats["forged"] == len(hostile)
     holds.hold({lone: (lease.now() + 120, key)})
@@ -655,7 +662,7 @@ def test_a_message_naming_no_request_goes_on_the_wire_and_the_prefill_ignores_it
         c = SideChannelClient("127.0.0.1", srv.port, 5.0)
         c.handshake()
         assert c.notify("release", []) and c.notify("done", ["b"])
-        assert srv.events.get(timeout=5) == ("done", "b", 1, None) and srv.events.empty() and c.alive
+        assert srv.events.get(timeout=5) == ("done", "b", 1, None, None) and srv.events.empty() and c.alive
         c.close()
     finally:
         srv.close()

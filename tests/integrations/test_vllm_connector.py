@@ -237,3 +237,57 @@ def test_a_pushed_out_lease_or_released_params_never_read_reused_blocks(tmp_path
         assert res["d-b"].get("finished") == "length", res
         assert res["d-b"].get("load") != "ok", res
         assert_idle(D)
+
+
+def test_params_handed_to_two_decode_instances_load_on_one_alone(tmp_path):
+    """Genuine params handed to two decode instances (a proxy's retry or failover resends the request with the same
+    ``kv_transfer_params``): the prefill grants the request to the first instance's claim and refuses the other's,
+    so a read of blocks another instance's done or release let the prefill free is never reported good.
+
+    * D1 loads ``a`` (its done frees a's blocks, which P then reuses); D2 gets the same params: its claim is refused
+      and it computes the prompt itself.
+    * D2 gets ``b``'s params with a one-token prompt, leaving nothing to load: its release frees b's blocks (no claim
+      came first), which P reuses; D1's load of ``b`` is refused then.
+    * Both get ``c``'s params at once: exactly one loads (every byte right), the other computes the prompt; the
+      prefill frees c's blocks once, on the loader's done."""
+    import time
+    model = write_model(str(tmp_path / "model"))
+    kw = dict(model_dir=model, block_size=16, extra=TM, env=ENV, num_blocks=64, max_model_len=1024)
+    with running({"P": kw, "D1": kw, "D2": kw}) as inst:
+        P, D1, D2 = inst["P"], inst["D1"], inst["D2"]
+
+        def reuse(seed: int) -> None:           # P's free blocks (those just let go of among them) take other KV
+            P.call("set_lease", 1.0)
+            prefill(P, [(f"f{seed}", 900, seed)])
+            time.sleep(1.5)
+            assert_idle(P)
+            P.call("set_lease", 120.0)
+
+        pa = prefill(P, [("a", 100, 31)])
+        assert_loaded(decode(D1, [("a", 100, 31)], pa))
+        assert_idle(P)                                      # D1's done freed a's blocks
+        reuse(32)
+        res = D2.run("decode", [("d-a", 100, 31, pa["a"])])["d-a"]
+        assert res.get("finished") == "length" and res.get("load") == "failed", res
+        assert_idle(D2)
+
+        pb = prefill(P, [("b", 100, 33)])
+        res = D2.run("decode", [("d-b-short", 1, 33, pb["b"])])["d-b-short"]
+        assert res.get("finished") == "length" and "load" not in res, res
+        assert_idle(P)                                      # D2's release freed b's blocks
+        reuse(34)
+        res = D1.run("decode", [("d-b", 100, 33, pb["b"])])["d-b"]
+        assert res.get("finished") == "length" and res.get("load") == "failed", res
+        assert_idle(D1)
+
+        pc = prefill(P, [("c", 300, 35)])
+        D1.call("submit", "decode", [("d-c", 300, 35, pc["c"])])
+        r2 = D2.run("decode", [("d-c", 300, 35, pc["c"])])["d-c"]
+        assert_idle(D1)
+        r1 = D1.call("results", ["d-c"])["d-c"]
+        for v in (r1, r2):
+            assert v.get("finished") == "length" and v.get("bad", 0) == 0, (r1, r2)
+        assert sorted([r1.get("load"), r2.get("load")]) == ["failed", "ok"], (r1, r2)
+        s = assert_idle(P)["stats"]
+        assert s.get("claims_refused", 0) >= 2 and s.get("claims_granted", 0) >= 2, s
+        assert_idle(D2)

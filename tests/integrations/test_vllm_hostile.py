@@ -173,12 +173,12 @@ def test_releases_that_do_not_count_are_not_logged_each_at_info(caplog):
     key = make_key(b"s" * 16, "held")
     w.hold({"held": (now() + 60, key)})
     for i in range(100):
-        srv.events.put(("release", f"stranger{i}", 1, None))
-    srv.events.put(("release", "held", 1, "0" * 24))                  # a held request, another key
+        srv.events.put(("release", f"stranger{i}", 1, None, None))
+    srv.events.put(("release", "held", 1, "0" * 24, None))                  # a held request, another key
     with caplog.at_level(logging.INFO, logger="gpuxfer.vllm"):
         assert w.poll()[0] == set()
         assert not [r for r in caplog.records if r.levelno == logging.INFO]
-        srv.events.put(("release", "held", 1, key))
+        srv.events.put(("release", "held", 1, key, None))
         assert w.poll()[0] == {"held"}
     assert [r.levelno for r in caplog.records if "released request held" in r.getMessage()] == [logging.INFO]
     assert w.take_stats()["forged"] == 101
@@ -228,9 +228,10 @@ def test_a_held_requests_key_is_compared_in_constant_time(monkeypatch):
     key = make_key(b"s" * 16, "held")
     w.hold({"held": (now() + 60, key)})
     for wrong in (key[:-1] + ("0" if key[-1] != "0" else "1"), "é" * len(key), "\ud800" * 3, key + "0", ""):
-        srv.events.put(("release", "held", 1, wrong))
+        srv.events.put(("release", "held", 1, wrong, None))
     assert w.poll()[0] == set()
     assert sum(key.encode() in (a, b) or key in (a, b) for a, b in compared) >= 3
     assert w.take_stats()["forged"] == 5
-    srv.events.put(("done", "held", 1, key))
+    assert w.prefill.claims.claim("held", key, "t1") is True        # the reader's claim, then its done
+    srv.events.put(("done", "held", 1, key, "t1"))
     assert w.poll()[0] == {"held"}

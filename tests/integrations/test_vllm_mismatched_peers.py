@@ -165,7 +165,7 @@ def test_words_before_their_hold_are_bounded_in_all():
         srv.events = queue.SimpleQueue()
         for r in range(512):
             for _ in range(2 * channel.MAX_READERS):
-                srv.events.put(("done", f"r{batch}-{r}", channel.MAX_READERS, "x" * 16))
+                srv.events.put(("done", f"r{batch}-{r}", channel.MAX_READERS, "x" * 16, None))
         h.drain(srv, t)
     words = sum(len(w) for w in h.early.values())      # (entries kept)
     assert words <= 1 << 18, words

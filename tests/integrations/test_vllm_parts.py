@@ -351,8 +351,9 @@ def _load(P, req: str, local: list[int], remote: list[int]):
     import time
     from gpuxfer.integrations.vllm.params import RemotePrefill
     from gpuxfer.integrations.vllm.loads import Load
+    from gpuxfer.integrations.vllm.holds import make_key
     rp = RemotePrefill("p", "127.0.0.1", P.server.port, f"p-{req}", (np.array(remote, dtype=np.int64),), (BS,),
-                       time.monotonic() + 60)
+                       time.monotonic() + 60, key=make_key(P.prefill.secret, f"p-{req}"))
     rp = dataclasses.replace(rp, seal=seal_of(rp, seal_key(P.prefill.secret)))
     return Load(req, rp, (np.array(local, dtype=np.int64),), 0, BS * len(local) - 1)
 
@@ -492,7 +493,8 @@ def test_a_second_load_of_one_prefill_request_fails_and_releases_nothing(workers
     events = []
     while not P.server.events.empty():
         events.append(P.server.events.get_nowait())
-    assert events == [("done", "p-a", 1, None)], events
+    assert events == [("done", "p-a", 1, first.remote.key, D.decode.claims and events[0][4])], events
+    assert events[0][4] and len(events[0][4]) == 16        # the load's claim token
     # the claim goes once the prefill's lease on it ran out (a load after that fails on the lease anyway)
     from gpuxfer.integrations.vllm import lease
     assert len(D.decode.claims) == 1

@@ -191,7 +191,7 @@ def _decode(monkeypatch, seal_keys: list, prefill_tp: int = 1, answer_after: int
             self.pumps = getattr(self, "pumps", 0) + 1
             return (encode_info(self.info), b"meta") if self.pumps > answer_after else None
 
-        def notify(self, op, reqs, keys=None) -> bool:
+        def notify(self, op, reqs, keys=None, tokens=None) -> bool:
             if not self.alive:
                 return False
             self.sent.append((op, list(reqs)))

@@ -43,15 +43,29 @@ class _Handle:
         return self.finished
 
 
+class _Granted(dict):
+    """A prefill's answers to claims that grant every claim, asked for or not."""
+
+    def pop(self, key, default=None):
+        return super().pop(key, True)
+
+
 class _Client:
     alive, closed_reason = True, None
 
     def __init__(self):
         self.sent = []
+        self.answers = _Granted()
 
-    def notify(self, op, reqs, keys=None) -> bool:
+    def notify(self, op, reqs, keys=None, tokens=None) -> bool:
         self.sent.append((op, list(reqs)))
         return True
+
+    def claim(self, reqs, keys, tokens) -> bool:
+        return True
+
+    def read_answers(self) -> None:
+        return
 
     def flush_late(self, now) -> None:
         return
@@ -133,14 +147,14 @@ def test_holds_end_on_the_decode_sides_word_or_at_their_lease():
     w = _worker()
     w.server = srv = _Server()
     t = now()
-    srv.events.put(("done", "early", 1, None))           # read before its hold reached this worker
+    srv.events.put(("done", "early", 1, None, None))           # read before its hold reached this worker
     assert w.poll()[0] == set()
     w.hold({"early": (t + 60, None), "late": (t + 60, None), "short": (t - 1, None), "again": (t - 1, None)})
     w.hold({"again": (t + 60, None)})                 # held again: the first deadline no longer ends it
     assert w.poll()[0] == {"early", "short"}
     assert w.poll()[0] == set()
-    srv.events.put(("release", "late", 1, None))
-    srv.events.put(("done", "unknown", 1, None))
+    srv.events.put(("release", "late", 1, None, None))
+    srv.events.put(("done", "unknown", 1, None, None))
     assert w.poll()[0] == {"late"}
     assert w.prefill.held == {"again": t + 60} and "unknown" in w.prefill.early
     st = w.take_stats()
@@ -154,22 +168,22 @@ def test_a_hold_read_by_several_decode_ranks_ends_once_every_one_said_so():
     w = _worker()
     w.server = srv = _Server()
     t = now()
-    srv.events.put(("done", "early", 2, None))
-    srv.events.put(("done", "early", 2, None))        # both readers, before the hold
-    srv.events.put(("done", "half", 2, None))
+    srv.events.put(("done", "early", 2, None, None))
+    srv.events.put(("done", "early", 2, None, None))        # both readers, before the hold
+    srv.events.put(("done", "half", 2, None, None))
     assert w.poll()[0] == set()
     w.hold({"early": (t + 60, None), "half": (t + 60, None), "split": (t + 60, None), "more": (t + 60, None),
             "quiet": (t - 1, None)})
     assert w.poll()[0] == {"early", "quiet"}
-    srv.events.put(("release", "split", 2, None))
-    srv.events.put(("done", "more", 2, None))
-    srv.events.put(("done", "more", 4, None))
+    srv.events.put(("release", "split", 2, None, None))
+    srv.events.put(("done", "more", 2, None, None))
+    srv.events.put(("done", "more", 4, None, None))
     assert w.poll()[0] == set()
-    srv.events.put(("done", "half", 2, None))
-    srv.events.put(("done", "split", 2, None))
-    srv.events.put(("done", "more", 4, None))
+    srv.events.put(("done", "half", 2, None, None))
+    srv.events.put(("done", "split", 2, None, None))
+    srv.events.put(("done", "more", 4, None, None))
     assert w.poll()[0] == {"half", "split"}
-    srv.events.put(("done", "more", 4, None))
+    srv.events.put(("done", "more", 4, None, None))
     assert w.poll()[0] == {"more"}
     assert not w.prefill.held and not w.prefill.heard
     st = w.take_stats()
@@ -201,7 +215,7 @@ def test_a_decode_rank_sharing_a_prefill_rank_says_so_in_each_message(monkeypatc
         def pump(self):
             return encode_info(remote), b"meta"
 
-        def notify(self, op, reqs, keys=None) -> bool:
+        def notify(self, op, reqs, keys=None, tokens=None) -> bool:
             self.sent.append((op, list(reqs), self.readers))
             return True
 
@@ -354,7 +368,7 @@ def test_the_engine_thread_serves_the_side_channel_only_while_it_holds_requests(
     no socket call, yet take what that thread queued; while requests are held, each poll serves the channel."""
     w = _worker()
     w.server = srv = _Server()
-    srv.events.put(("done", "early", 1, None))
+    srv.events.put(("done", "early", 1, None, None))
     for _ in range(3):
         w.poll()
     assert srv.pumps == 0 and w.prefill.early.keys() == {"early"}
@@ -362,7 +376,7 @@ def test_the_engine_thread_serves_the_side_channel_only_while_it_holds_requests(
     w.poll()
     w.poll()
     assert srv.pumps == 2
-    srv.events.put(("done", "held", 1, None))
+    srv.events.put(("done", "held", 1, None, None))
     assert w.poll()[0] == {"held"}
     w.poll()
     assert srv.pumps == 3

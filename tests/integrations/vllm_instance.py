@@ -600,6 +600,8 @@ class _Engine:
                 elif op == "logs":                    # the connector's warnings and errors since the last call
                     conn.send(("logs", self.errors.lines))
                     self.errors.lines = []
+                elif op == "results":                 # what requests added by ``submit`` came to
+                    conn.send(("results", {r: self.results.get(r, {}) for r in args[0]}))
                 elif op == "set_lease":
                     self.sched.connector._scheduler.lease_s = args[0]
                     conn.send(("set_lease", None))

@@ -48,7 +48,8 @@ class GpuxferHandshakeMetadata(KVConnectorHandshakeMetadata):
 
 @dataclass
 class GpuxferStats(KVConnectorStats):
-    """Transfers, bytes, failures, handshakes, expired leases; host time of each post, time from post to
+    """Transfers, bytes, failures, handshakes, expired leases, words ignored (``forged``: no hold key, or another
+    decode instance's claim token), claims granted and refused (prefill side); host time of each post, time from post to
     seen-complete, handshake time (seconds, lists)."""
 
     def __post_init__(self):
@@ -57,7 +58,7 @@ class GpuxferStats(KVConnectorStats):
 
     def reset(self):
         self.data = {"transfers": 0, "failed": 0, "bytes": 0, "handshakes": 0, "leases_expired": 0,
-                     "sends_done": 0, "forged": 0, "device_id_loads": 0, "host_id_loads": 0, "post_host_s": [],
+                     "sends_done": 0, "forged": 0, "claims_granted": 0, "claims_refused": 0, "device_id_loads": 0, "host_id_loads": 0, "post_host_s": [],
                      "xfer_s": [], "handshake_s": []}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
@@ -72,6 +73,7 @@ class GpuxferStats(KVConnectorStats):
         d = self.data
         out: dict[str, int | float] = {k: d.get(k, 0) for k in ("transfers", "failed", "bytes", "handshakes",
                                                               "leases_expired", "sends_done", "forged",
+                                                              "claims_granted", "claims_refused",
                                                               "device_id_loads", "host_id_loads")}
         for k in ("post_host_s", "xfer_s", "handshake_s"):
             xs = sorted(d.get(k, []))
@@ -84,7 +86,7 @@ class GpuxferStats(KVConnectorStats):
     def is_empty(self) -> bool:
         d = self.data
         return not (d.get("transfers") or d.get("failed") or d.get("handshakes") or d.get("leases_expired")
-                    or d.get("sends_done") or d.get("forged"))
+                    or d.get("sends_done") or d.get("forged") or d.get("claims_granted") or d.get("claims_refused"))
 
 
 def _settings(extra: dict) -> Settings:

@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 from ...errors import GpuxferError
 from . import lease
-from .channel import ChannelClosed, SideChannelClient
+from .client import SideChannelClient
+from .frames import ChannelClosed
 from .handshake import agent_name, check_compatible, decode_info, readers
 from .params import BadSeal, BadTransferParams, RemotePrefill, check_seal, seal_key_from_hex, source_ranks
 from .staging import IdStaging
@@ -178,7 +179,8 @@ class PrefillEngines:
         if info is not None and info.get("engine_id") == engine_id and self._reads_rank(info):
             rps = [rp for rp in self._waiting(r) if carries_seal(rp, r)]
             if rps:
-                r.client.notify("release", [rp.request_id for rp in rps], [rp.key for rp in rps])
+                r.client.notify("release", [rp.request_id for rp in rps], [rp.key for rp in rps],
+                                [rp.token for rp in rps])
         r.client.close()            # (sends what was queued first)
 
     def _reads_rank(self, info: dict) -> bool:

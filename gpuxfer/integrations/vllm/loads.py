@@ -12,10 +12,19 @@ reported once nothing the read queued can still write the blocks. Reads on the I
 they were posted (one stream); those on the NIXL route in any order. A NIXL read cannot be recalled once issued
 (UCX goes on with a read it was asked to cancel), so one is never reported failed before NIXL reports it done
 or failed: past the agent's timeout it is logged, and UCX's own failure detection bounds it.
+
+Soundness of a load against other decode instances: genuine params may reach several (a proxy's retry). Each read,
+as it is posted, claims its request on the side channel with its instance's token (:class:`~.holds.ClaimBook`); a
+load is reported loaded only once its read completed and the prefill granted the claim (a claim refused, not
+answered within the handshake timeout of the post, or a connection gone fails the load). A granted claim means the
+hold had not ended when the prefill decided and that no other instance's done or release counts after it, so the
+blocks were held from the params' making until this instance's own done.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import secrets
 import threading
 import time
 from collections import deque
@@ -28,7 +37,7 @@ from ...errors import BlockIdError, GpuxferError
 from . import lease
 from .engines import PrefillEngines, _Remote, carries_seal
 from .params import BadSeal, BadTransferParams, RemotePrefill, check_seal, pair_group, source_ranks
-from .staging import IdStaging
+from .staging import IdStaging, prepare_on_device
 
 log = logging.getLogger("gpuxfer.vllm")
 
@@ -69,6 +78,9 @@ class _LoadState:
     late: bool = False                      # a NIXL read logged as running past the agent's timeout
     part: int = 0                           # which of the load's prefill ranks this reads (a prefill of more ranks)
     forged: bool = False                    # its params failed their seal: nothing of theirs is acted on
+    asked: bool = False                     # its claim was queued on the side channel
+    granted: bool = False                   # the prefill granted its claim
+    refused: bool = False                   # ... refused it: another decode instance reads (or released) it
     key: tuple[str, int] = field(init=False)    # (request, part): how pending and waiting hold it
 
     def __post_init__(self):
@@ -108,6 +120,8 @@ class DecodeLoads:
         # loads read from several prefill ranks: request -> [reads not reported yet, whether one failed]
         self._parts: dict[str, list] = {}
         self._prune_claims_at = 1024
+        self.unanswered: list[_LoadState] = []  # reads ended well whose claim has no answer yet
+        self._read_now: set[int] = set()        # the clients whose answers this poll read
 
     @property
     def remotes(self) -> dict[tuple, _Remote]:
@@ -136,6 +150,8 @@ class DecodeLoads:
                 log.error("gpuxfer: engine %s: request %s is named for a load while its load is not reported yet "
                           "(metadata replayed?); the second is dropped", self.engine_id, load.req_id)
                 continue
+            if load.remote.token is None:       # (a load not made by the scheduler side: a token of this worker)
+                load.remote = dataclasses.replace(load.remote, token=secrets.token_hex(8))
             try:
                 keys = load.remote.endpoints_of(self.tp_rank, self.tp_size)
             except BadTransferParams as exc:       # no prefill rank for this one: fails (and is logged) at the poll
@@ -233,16 +249,26 @@ class DecodeLoads:
             share = (t1 - t0) / len(sts)            # the step's host time, per request it started
             post_s = self.stats["post_host_s"]
             waiting = self.waiting
+            claims: dict[int, tuple] = {}           # per prefill engine: its client, the requests, keys and tokens
             for st in sts:
                 if waiting.get(st.key) is st:
                     del waiting[st.key]
                 if st.handle is not None:
                     post_s.append(share)
                     st.t_post = t1
+                    if not st.asked and st.error is None and st.remote.client is not None:
+                        st.asked = True
+                        _, reqs, keys, tokens = claims.setdefault(id(st.remote), (st.remote.client, [], [], []))
+                        rp = st.load.remote
+                        reqs.append(rp.request_id)
+                        keys.append(rp.key)
+                        tokens.append(rp.token)
                     if st.error is None and type(st.handle) is _Done:
                         self.ended.append(st)
                 if st.error is not None:
                     self.ended.append(st)
+            for client, reqs, keys, tokens in claims.values():    # one message per engine (its sender thread's)
+                client.claim(reqs, keys, tokens)
         finally:
             self._lock.release()
 
@@ -286,54 +312,8 @@ class DecodeLoads:
                                   name=st.load.req_id, device_ids=False)
 
     def _prepare_on_device(self, batches: list[list[_LoadState]], xs: list, owners: list):
-        """One read per prefill engine of its loads in ``batches``, with their block IDs on the device: per engine
-        and group, every load's local IDs then every load's remote IDs, all of the step's in one host array,
-        copied to the device at once on the agent's stream (:class:`IdStaging`) before the posts that read it;
-        each read is prepared on slices of that copy (``device_ids=True``: checked on the device at the post).
-        Returns the staging entry the step used. A read the agent refuses at prepare goes by host IDs, load by
-        load, so the load at fault fails alone."""
-        parts, spans, n = [], [], 0
-        for batch in batches:
-            span = {}
-            for name in self._group_names:
-                loc = [st.pairs[0][name] for st in batch if name in st.pairs[0]]
-                if not loc:
-                    continue
-                rem = [st.pairs[1][name] for st in batch if name in st.pairs[1]]
-                a = n
-                b = a + sum(x.size for x in loc)
-                n = b + sum(x.size for x in rem)
-                parts += loc
-                parts += rem
-                span[name] = (a, b, n)
-            spans.append(span)
-        staging = self.staging
-        try:
-            entry = staging.take(n)
-            np.concatenate(parts, out=entry.array[:n])
-            staging.send(entry, n)
-        except (GpuxferError, RuntimeError) as exc:        # (torch's allocator raises RuntimeErrors)
-            log.warning("gpuxfer: engine %s: staging block IDs for the device failed (%s: %s); this step's reads "
-                        "go with host IDs", self.engine_id, type(exc).__name__, exc)
-            for batch in batches:
-                self._prepare_each_host(batch, xs, owners)
-            return None
-        dev = entry.device
-        for batch, span in zip(batches, spans):
-            first = batch[0]
-            name = first.load.req_id if len(batch) == 1 else f"{first.load.req_id} and {len(batch) - 1} more"
-            try:
-                x = self.agent.prepare(first.remote.peer, "pull", name=name, device_ids=True,
-                                       local_blocks={k: dev[a:b] for k, (a, b, _) in span.items()},
-                                       remote_blocks={k: dev[b:c] for k, (_, b, c) in span.items()})
-            except GpuxferError:
-                self._prepare_each_host(batch, xs, owners)
-                continue
-            for st in batch:
-                st.together, st.device_ids = len(batch), True
-            xs.append(x)
-            owners.append(batch)
-        return entry
+        """:func:`.staging.prepare_on_device` of this worker's agent and staging."""
+        return prepare_on_device(self, batches, xs, owners)
 
     def _prepare_each_host(self, batch: list[_LoadState], xs: list, owners: list) -> None:
         for st in batch:
@@ -351,6 +331,7 @@ class DecodeLoads:
         looked at each poll."""
         done, failed = set(), set()
         read: dict[int, tuple] = {}             # per prefill engine: its client, the requests read and their keys
+        self._read_now.clear()
         inflight = self.inflight
         while inflight:
             st = inflight[0]
@@ -396,8 +377,12 @@ class DecodeLoads:
             ended, self.ended = self.ended, []
             for st in ended:
                 self._complete(st, done, failed, read)
-        for client, reqs, keys in read.values():        # one message per engine for the step's reads
-            client.notify("done", reqs, keys)
+        if self.unanswered:
+            unanswered, self.unanswered = self.unanswered, []
+            for st in unanswered:
+                self._complete(st, done, failed, read)
+        for client, reqs, keys, tokens in read.values():        # one message per engine for the step's reads
+            client.notify("done", reqs, keys, tokens)
         self._reap(now)
         return done, failed
 
@@ -430,6 +415,9 @@ class DecodeLoads:
         prefill ranks once all its reads ended, failed where one did (its blocks are then written by nothing)."""
         load, r, key = st.load, st.remote, st.key
         req, rp = load.req_id, load.remote
+        if st.error is None and not st.granted and r is not None and not self._answered(st):
+            self.unanswered.append(st)          # asked again at the next poll
+            return
         if st.error is None and not lease.now() < (r.clock if r is not None else lease.SAME_HOST).deadline(
                 rp.lease_deadline):
             st.error = "the read completed after the prefill instance's lease ran out"
@@ -447,9 +435,10 @@ class DecodeLoads:
                 stats["device_id_loads" if st.device_ids else "host_id_loads"] += 1
             stats["xfer_s"].append(time.perf_counter() - st.t_post)
             if r.client is not None:
-                _, reqs, keys = read.setdefault(id(r), (r.client, [], []))
+                _, reqs, keys, tokens = read.setdefault(id(r), (r.client, [], [], []))
                 reqs.append(rp.request_id)
                 keys.append(rp.key)
+                tokens.append(rp.token)
         bad = st.error is not None
         parts = self._parts.get(req)
         if parts is not None:
@@ -465,6 +454,34 @@ class DecodeLoads:
                 ids = load.local_ids[0][load.start // self.group_specs[0][1]:]
                 self.load_errors.update(ids[ids != 0].tolist())
 
+    def _answered(self, st: _LoadState) -> bool:
+        """Whether the claim of a load whose read ended well is decided: granted (``st.granted``), or the load failed
+        (``st.error``): its claim refused, the connection gone, or no answer within the handshake timeout of the
+        post. False: not yet."""
+        client, rp = st.remote.client, st.load.remote
+        if client is None:
+            st.error = "no side channel to claim the request on"
+            return True
+        got = client.answers.pop(rp.request_id, None)
+        if got is None and id(client) not in self._read_now:       # (one read of a client's answers a poll)
+            self._read_now.add(id(client))
+            client.read_answers()
+            got = client.answers.pop(rp.request_id, None)
+        if got is True:
+            st.granted = True
+        elif got is False:
+            st.refused = True
+            st.error = (f"prefill engine {rp.engine_id} refused the claim on request {rp.request_id!r}: another "
+                        "decode instance claimed or released it, or its hold ended (its params were handed out twice)")
+        elif not client.alive:
+            st.error = f"prefill engine {rp.engine_id} is gone before it answered the claim: {client.closed_reason}"
+        elif time.perf_counter() - st.t_post > self.settings.handshake_timeout_s:      # (t_post: perf_counter's)
+            st.error = (f"prefill engine {rp.engine_id} did not answer the claim on request {rp.request_id!r} within "
+                        f"{self.settings.handshake_timeout_s:g} s")
+        else:
+            return False
+        return True
+
     def _fail(self, st: _LoadState) -> None:
         """A failed read: logged; its prefill rank told this instance will not read it where its params carry that
         engine's seal, and its claim dropped where they do not (:meth:`_unclaim`)."""
@@ -475,10 +492,14 @@ class DecodeLoads:
         r = st.remote
         if r is None:               # refused before it claimed anything
             return
+        if r.client is not None and st.asked:
+            r.client.answers.pop(load.remote.request_id, None)
+        if st.refused:              # another instance reads it: nothing of this one's counts at the prefill
+            return
         if st.forged or not (load.sealed is not None and load.sealed == r.seal_key or carries_seal(load.remote, r)):
             self._unclaim(st)
         elif r.client is not None:
-            r.client.notify("release", [load.remote.request_id], [load.remote.key])
+            r.client.notify("release", [load.remote.request_id], [load.remote.key], [load.remote.token])
 
     def _unclaim(self, st: _LoadState) -> None:
         """Drop the claim of a load whose params do not carry their engine's seal (or that nothing checked): a claim
@@ -534,7 +555,7 @@ class DecodeLoads:
                     unsealed[id(r)] = r
                     continue
                 self.claims[claim] = (r, rp.lease_deadline)
-                r.client.notify("release", [rp.request_id], [rp.key])
+                r.client.notify("release", [rp.request_id], [rp.key], [rp.token])
         for r in unsealed.values():
             _probe(r)
 

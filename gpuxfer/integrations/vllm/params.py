@@ -72,6 +72,9 @@ class RemotePrefill:
     key: str | None = None                          # the hold's key (None: the prefill gave none)
     seal: bytes | None = None                       # the params' seal (None: they carry none; :func:`check_seal`)
     ids_digest: bytes | None = None                 # with block_ids left out (:func:`for_release`): their digest
+    # this decode instance's claim token for the request (the scheduler side's, one a request: every rank claims alike;
+    # not part of the params a prefill made, nor of the seal)
+    token: str | None = None
 
     @property
     def tp_size(self) -> int:

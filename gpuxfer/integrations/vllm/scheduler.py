@@ -4,6 +4,7 @@ their blocks for a decode instance, and the per-step payload for the worker side
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 from typing import Sequence
@@ -75,6 +76,7 @@ class SchedulerSide:
             return
         request.kv_transfer_params["do_remote_prefill"] = False      # a preempted request computes again
         self._parsed.pop(request.request_id, None)
+        rp = _claimed(rp)
         if num_external_tokens > 0:
             ids = blocks.get_block_ids()
             local = tuple(np.fromiter(g, dtype=np.int64, count=len(g)) for g in ids)
@@ -99,7 +101,7 @@ class SchedulerSide:
             # a decode request that never loaded (aborted while waiting): let the prefill free its blocks
             try:
                 rp = parse_remote_prefill(params, self.block_sizes)
-                self._releases.append(for_release(rp))
+                self._releases.append(for_release(_claimed(rp)))
             except BadTransferParams:
                 pass
             return False, None
@@ -120,3 +122,9 @@ class SchedulerSide:
         return True, build_params(engine_id=self.engine_id, endpoints=self.endpoints, request_id=rid,
                                   block_ids=block_ids, block_sizes=self.block_sizes, lease_deadline=deadline,
                                   key=key, seal_key=self.seal_key)
+
+
+def _claimed(rp: RemotePrefill) -> RemotePrefill:
+    """``rp`` with a fresh claim token of this instance (:class:`~.holds.ClaimBook`): every worker of the instance
+    claims, reads and releases the request with it."""
+    return dataclasses.replace(rp, token=secrets.token_hex(8))

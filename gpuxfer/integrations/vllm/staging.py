@@ -17,9 +17,14 @@ stream first waits for the work queued there when the array is made.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import numpy as np
+
 from ...errors import GpuxferError
+
+log = logging.getLogger("gpuxfer.vllm")
 
 #: IDs an entry holds at least (32 KiB)
 MIN_IDS = 4096
@@ -104,3 +109,55 @@ def _size(n: int) -> int:
 
 #: entries that could not be fenced: kept for the life of the process (a copy may still read them)
 _KEPT: list[_Entry] = []
+
+
+def prepare_on_device(loads, batches: list, xs: list, owners: list):
+    """For :class:`~.loads.DecodeLoads` ``loads``: one read per prefill engine of its loads in ``batches``, with
+    their block IDs on the device: per engine and group, every load's local IDs then every load's remote IDs, all
+    of the step's in one host array,
+    copied to the device at once on the agent's stream (:class:`IdStaging`) before the posts that read it;
+    each read is prepared on slices of that copy (``device_ids=True``: checked on the device at the post).
+    Returns the staging entry the step used. A read the agent refuses at prepare goes by host IDs, load by
+    load, so the load at fault fails alone."""
+    parts, spans, n = [], [], 0
+    for batch in batches:
+        span = {}
+        for name in loads._group_names:
+            loc = [st.pairs[0][name] for st in batch if name in st.pairs[0]]
+            if not loc:
+                continue
+            rem = [st.pairs[1][name] for st in batch if name in st.pairs[1]]
+            a = n
+            b = a + sum(x.size for x in loc)
+            n = b + sum(x.size for x in rem)
+            parts += loc
+            parts += rem
+            span[name] = (a, b, n)
+        spans.append(span)
+    staging = loads.staging
+    try:
+        entry = staging.take(n)
+        np.concatenate(parts, out=entry.array[:n])
+        staging.send(entry, n)
+    except (GpuxferError, RuntimeError) as exc:        # (torch's allocator raises RuntimeErrors)
+        log.warning("gpuxfer: engine %s: staging block IDs for the device failed (%s: %s); this step's reads "
+                    "go with host IDs", loads.engine_id, type(exc).__name__, exc)
+        for batch in batches:
+            loads._prepare_each_host(batch, xs, owners)
+        return None
+    dev = entry.device
+    for batch, span in zip(batches, spans):
+        first = batch[0]
+        name = first.load.req_id if len(batch) == 1 else f"{first.load.req_id} and {len(batch) - 1} more"
+        try:
+            x = loads.agent.prepare(first.remote.peer, "pull", name=name, device_ids=True,
+                                   local_blocks={k: dev[a:b] for k, (a, b, _) in span.items()},
+                                   remote_blocks={k: dev[b:c] for k, (_, b, c) in span.items()})
+        except GpuxferError:
+            loads._prepare_each_host(batch, xs, owners)
+            continue
+        for st in batch:
+            st.together, st.device_ids = len(batch), True
+        xs.append(x)
+        owners.append(batch)
+    return entry

@@ -122,7 +122,8 @@ class WorkerSide:
             raise BadInput(f"the side channel of tensor parallel rank {self.tp_rank} would listen on port {port} "
                            f"(port {self.settings.port} + rank): past 65535")
         self.server = SideChannelServer(self.settings.host, port,
-                                        lambda: (self._info_bytes, self._meta_bytes), self.settings.handshake_timeout_s)
+                                        lambda: (self._info_bytes, self._meta_bytes), self.settings.handshake_timeout_s,
+                                        claim=self.prefill.claims.claim)
         if not all(g["token_major"] for g in groups):
             log.info("gpuxfer: engine %s: the KV layout is not token-major (attention backend's block interior), so "
                      "it pairs only with instances of the same block size", self.engine_id)
@@ -193,8 +194,11 @@ class WorkerSide:
     def take_stats(self) -> dict | None:
         """The counters since the last call (None when nothing happened), the worker's reset."""
         s = self.stats
+        granted, refused = self.prefill.claims.take_counts()
+        s["claims_granted"] += granted
+        s["claims_refused"] += refused
         if not (s["transfers"] or s["failed"] or s["handshakes"] or s["leases_expired"] or s["sends_done"]
-                or s["forged"]):
+                or s["forged"] or s["claims_granted"] or s["claims_refused"]):
             return None
         out = dict(s)
         s.update(_new_stats())
@@ -211,4 +215,4 @@ class WorkerSide:
 
 def _new_stats() -> dict:
     return {"transfers": 0, "failed": 0, "bytes": 0, "handshakes": 0, "leases_expired": 0, "sends_done": 0, "forged": 0,
-            "device_id_loads": 0, "host_id_loads": 0, "post_host_s": [], "xfer_s": [], "handshake_s": []}
+            "claims_granted": 0, "claims_refused": 0, "device_id_loads": 0, "host_id_loads": 0, "post_host_s": [], "xfer_s": [], "handshake_s": []}
