@@ -127,13 +127,17 @@ class DecodeRanks:
         """Why decode rank ``info.session``'s destination cannot be taken (None: it can): the rank's
         registration was refused or never came (the rank registers on the socket its metadata follows), the
         message names another endpoint than the registration came from, its pages are not pages of the pool it
-        registered (:meth:`_pages_refusal`), or the message names another number of decode ranks for the room
-        than SGLang's rank mapping gives for the two ranks' TP sizes (at most the decode ranks registered, where
-        the rank states no TP size)."""
+        registered (:meth:`_pages_refusal`), its decode prefix length is negative, or the message names another
+        number of decode ranks for the room than SGLang's rank mapping gives for the two ranks' TP sizes (at most
+        the decode ranks registered, where the rank states no TP size)."""
         why = self.rooms.pushes.refusal(info.session)
         if why is None and self.rooms.pushes.endpoint(info.session) != (info.endpoint, info.dst_port):
             why = f"it names endpoint {info.endpoint}:{info.dst_port}, not the one it registered from"
         why = why or self._pages_refusal(info)
+        if why is None and (info.decode_prefix_len or 0) < 0:
+            # SGLang's prefill would start the request's sends there, and count its pages from the prompt less
+            # it: no chunk would ever be the last, and the request would hold its KV with no timeout
+            why = f"it names a decode prefix length of {info.decode_prefix_len} tokens"
         if why is not None:
             return why
         named, need = info.required_dst_info_num, self.dst_counts.get(info.session)
