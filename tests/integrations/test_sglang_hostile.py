@@ -1,12 +1,16 @@
-"""What a broken or hostile decode's metadata message may make the SGLang backend's prefill do, beyond
-tests/integrations/test_sglang_bounds.py: the manager's ``DecodeRanks`` driven in this process with the stand-in
-prefill of tests/integrations/test_sglang_pipeline.py (no agent, no sockets). A destination whose decode prefix
-length no SGLang scheduler could send through is refused on arrival, its room failed and its rank told.
+"""What a broken or hostile peer's control message may make the SGLang backend do, beyond
+tests/integrations/test_sglang_bounds.py: the prefill's ``DecodeRanks`` and the decode's ``Inbox`` driven in this
+process with the stand-in managers of tests/integrations/test_sglang_pipeline.py (no agent, no sockets). A
+destination whose decode prefix length no SGLang scheduler could send through is refused on arrival, its room
+failed and its rank told; a message whose frames do not parse is refused with a typed error naming the frame; a
+metadata row message of a room's current request whose row index does not parse fails the room (its row cannot
+be written, so a Success after it must not end the room over the row an earlier request left there).
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from _requires import require
 
@@ -14,8 +18,9 @@ require("sglang", "GPUXFER_REQUIRE_SGLANG", "sglang==0.5.23")
 
 from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
 
+from gpuxfer.errors import BadInput  # noqa: E402
 from gpuxfer.integrations.sglang.requests import TransferInfo  # noqa: E402
-from test_sglang_bounds import _failed_told, _prefill  # noqa: E402
+from test_sglang_bounds import _decode_room, _failed_told, _prefill  # noqa: E402
 from test_sglang_pipeline import DECODE, ROOM  # noqa: E402
 
 
@@ -50,3 +55,56 @@ def test_a_decode_prefix_len_of_zero_or_more_is_taken():
     mgr.decode_ranks.on_transfer_info(_meta(ROOM, 64))
     assert mgr.request_status[ROOM] == KVPoll.WaitingForInput and mgr.req_to_decode_prefix_len[ROOM] == 64
     assert not mgr.statuses()
+
+
+# ---------------------------------------------------------------------- frames that do not parse
+
+
+def _frames(**bad):
+    """A decode rank's metadata message, its frames as SGLang's receiver sends them but those in ``bad``."""
+    frames = {"room": b"7", "ip": DECODE[0].encode(), "port": str(DECODE[1]).encode(), "session": b"decode",
+              "pages": np.array([9, 10], dtype=np.int32).tobytes(), "aux": b"3", "ranks": b"1", "prefix": b"0",
+              "token": b"1"}
+    frames.update(bad)
+    return list(frames.values())
+
+
+@pytest.mark.parametrize("frame, value", [
+    ("room", b"\xff7"), ("room", b"seven"), ("ip", b"\xff"), ("port", b"55x5"), ("session", b"dec\xffode"),
+    ("aux", b"three"), ("ranks", b""), ("ranks", b"\xff"), ("prefix", b"0x10"),
+])
+def test_a_metadata_message_whose_frames_do_not_parse_is_refused_naming_the_frame(frame, value):
+    with pytest.raises(BadInput, match=frame):
+        TransferInfo.from_zmq(_frames(**{frame: value}))
+
+
+def test_a_registration_naming_its_rank_in_other_than_ascii_is_dropped_with_a_typed_error():
+    """Nothing of it kept, nothing raised to the control thread but what names the frame."""
+    mgr = _prefill()
+    before = dict(mgr.pushes._endpoints)
+    with pytest.raises(BadInput, match="rank"):
+        mgr.decode_ranks.on_registration([b"None", DECODE[0].encode(), b"6000", b"\xffdecode", b"", b""])
+    assert mgr.pushes._endpoints == before and not mgr.pushes._rejected
+
+
+# ---------------------------------------------------------------------- the decode's row messages
+
+
+@pytest.mark.parametrize("index", [b"x", b"\xff", b""])
+def test_a_row_of_the_rooms_request_whose_index_does_not_parse_fails_the_room(index):
+    """The row message of the room's own request (its token) came and cannot be written: the room fails, so the
+    prefill's Success that follows it never ends the room over the row an earlier request left at its index."""
+    mgr, token = _decode_room()
+    mgr.aux[16:24] = torch.tensor(list(b"EARLIER!"), dtype=torch.uint8)
+    mgr.inbox.on_message([b"GXAUX3", b"7", index, b"1:1", token, b"ROW-0123"])
+    assert mgr.request_status[7] == KVPoll.Failed and "metadata row" in mgr.failure_records[7]
+    assert bytes(mgr.aux[16:24]) == b"EARLIER!" and not mgr.landings.waiting(7)
+    mgr.update_status(7, KVPoll.Success)        # what SGLang's status handling does with the Success after it
+    assert mgr.request_status[7] == KVPoll.Failed
+
+
+@pytest.mark.parametrize("index", [b"x", b"\xff"])
+def test_a_row_of_another_request_whose_index_does_not_parse_changes_nothing(index):
+    mgr, _ = _decode_room()
+    mgr.inbox.on_message([b"GXAUX3", b"7", index, b"1:1", b"999", b"ROW-0123"])
+    assert mgr.request_status[7] == KVPoll.WaitingForInput and not mgr.failure_records and not mgr.aux.any()

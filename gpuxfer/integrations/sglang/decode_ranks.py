@@ -19,7 +19,7 @@ from ...errors import BadInput, GpuxferError
 from .landing import parse_slot
 from .layout import GROUP, decode_registration, destinations, geometry_differences, head_share
 from .pushes import Pushes, clip
-from .requests import MAX_SESSION_BYTES, TransferInfo, Unrequested
+from .requests import MAX_SESSION_BYTES, TransferInfo, Unrequested, ascii_frame
 
 log = logging.getLogger("gpuxfer.sglang")
 
@@ -91,7 +91,7 @@ class DecodeRanks:
             log.error("gpuxfer: a decode registration of %d frames naming a %d-byte rank dropped", len(msg),
                       len(msg[3]) if len(msg) > 3 else 0)
             return
-        session = msg[3].decode("ascii")
+        session = ascii_frame(msg[3], "decode rank")
         endpoint = None
         try:
             endpoint = (msg[1].decode("ascii"), int(msg[2].decode("ascii")))
