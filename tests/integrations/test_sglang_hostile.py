@@ -4,7 +4,9 @@ process with the stand-in managers of tests/integrations/test_sglang_pipeline.py
 destination whose decode prefix length no SGLang scheduler could send through is refused on arrival, its room
 failed and its rank told; a message whose frames do not parse is refused with a typed error naming the frame; a
 metadata row message of a room's current request whose row index does not parse fails the room (its row cannot
-be written, so a Success after it must not end the room over the row an earlier request left there).
+be written, so a Success after it must not end the room over the row an earlier request left there); a flood of
+ABORT messages (rooms made up, or one room again and again) queues at most one drain per room the prefill knows,
+so a peer never grows the transfer thread's queue while that thread waits for a slow push.
 """
 from __future__ import annotations
 
@@ -17,11 +19,12 @@ from _requires import require
 require("sglang", "GPUXFER_REQUIRE_SGLANG", "sglang==0.5.23")
 
 from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
+from sglang.srt.disaggregation.common.conn import ABORT_TAG  # noqa: E402
 
 from gpuxfer.errors import BadInput  # noqa: E402
 from gpuxfer.integrations.sglang.requests import TransferInfo  # noqa: E402
 from test_sglang_bounds import _decode_room, _failed_told, _prefill  # noqa: E402
-from test_sglang_pipeline import DECODE, ROOM  # noqa: E402
+from test_sglang_pipeline import DECODE, ROOM, Manager, _abort, _chunk, _room  # noqa: E402
 
 
 def _meta(room, prefix_len, pages=(9, 10), token=b"1"):
@@ -108,3 +111,42 @@ def test_a_row_of_another_request_whose_index_does_not_parse_changes_nothing(ind
     mgr, _ = _decode_room()
     mgr.inbox.on_message([b"GXAUX3", b"7", index, b"1:1", b"999", b"ROW-0123"])
     assert mgr.request_status[7] == KVPoll.WaitingForInput and not mgr.failure_records and not mgr.aux.any()
+
+
+# ---------------------------------------------------------------------- ABORT floods
+
+
+def test_aborts_of_made_up_rooms_or_of_one_room_again_queue_at_most_one_drain_per_known_room():
+    """Nothing takes the queue's items here (a transfer thread waiting for a slow push): ABORTs of rooms no
+    request or destination of this prefill names queue nothing (a room cleared with pushes still posted is
+    drained by the thread's sweep of ended rooms), and ABORTs of one room again one drain until it ran."""
+    mgr = Manager()
+    _room(mgr)
+    mgr.run(_chunk(0))                          # a push of the room in flight
+    for room in range(1000, 3000):
+        mgr._on_abort([ABORT_TAG, str(room).encode(), DECODE[0].encode(), b"5556", b"1"])
+    for generation in range(1, 2001):
+        _abort(mgr, generation)
+    assert mgr.pushes._queue.qsize() == 1 and mgr.request_status[ROOM] == KVPoll.Failed
+    marker = mgr.pushes._queue.get_nowait()
+    assert marker.room == ROOM and marker.pages is None
+    mgr.handles[0].finish()
+    mgr.run(marker)                             # drained: the ACK went once the push was waited for
+    assert ("ack", ROOM) in mgr.log and not mgr.pushes._posted
+    _abort(mgr, 2001)                           # after its drain ran, an ABORT queues one again
+    assert mgr.pushes._queue.qsize() == 1
+
+
+def test_an_abort_of_a_cleared_room_with_a_push_posted_acks_once_the_sweep_drains_it():
+    """The room's request was cleared (no status here) while its push was posted: the ABORT queues no drain, and
+    its ACK goes once the push is over, from the transfer thread's sweep of ended rooms."""
+    mgr = Manager()
+    _room(mgr)
+    mgr.run(_chunk(0))
+    mgr.request_status.pop(ROOM)                # SGLang's clear of the sender
+    mgr.transfer_infos.pop(ROOM)
+    _abort(mgr)
+    assert mgr.pushes._queue.empty() and ("ack", ROOM) not in mgr.log
+    mgr.handles[0].finish()
+    mgr.pushes._drain_ended_rooms(block=False)
+    assert ("ack", ROOM) in mgr.log and not mgr.pushes._posted

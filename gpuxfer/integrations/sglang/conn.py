@@ -305,8 +305,11 @@ class GpuxferKVManager(CommonKVManager):
             if target is not None:
                 self.register_deferred_ack_target(note.room, target)
             self._maybe_ack_drained_abort(note.room)
-        # pushes already posted are waited for on the transfer thread, which then sends the ACK
-        self.pushes.drain_later(note.room)
+        # pushes already posted are waited for on the transfer thread, which then sends the ACK; a room with no
+        # status here queues nothing (a made-up room has none posted, and a cleared room's posted pushes are
+        # drained by the thread's sweep of ended rooms), so ABORTs a peer sends never grow the thread's queue
+        if status is not None:
+            self.pushes.drain_later(note.room)
 
     def add_transfer_request(self, bootstrap_room: int, kv_indices: npt.NDArray[np.int32], index_slice: slice,
                              is_last_chunk: bool, aux_index: Optional[int] = None,

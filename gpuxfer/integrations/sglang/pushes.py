@@ -93,6 +93,8 @@ class Pushes:
         self.rooms, self.agent, self.kv_args, self.timeout_s = rooms, agent, kv_args, timeout_s
         self._agent_lock, self._stop = agent_lock, stop
         self._queue: "queue.Queue[_Chunk]" = queue.Queue()
+        self._drains_queued: set = set()                    # rooms whose drain marker is queued, not yet taken
+        self._drains_lock = threading.Lock()
         self._posted: Dict[int, _Posted] = {}               # rooms with pushes in flight
         self._dead: Dict[str, str] = {}                     # decode ranks a push found gone: told nothing more
         self._peers: Dict[str, Any] = {}                    # decode rank -> its KVPeer
@@ -115,7 +117,13 @@ class Pushes:
         self._queue.put(chunk)
 
     def drain_later(self, room: int) -> None:
-        """Queue the room's drain (an abort): its posted pushes waited for, then its ACK."""
+        """Queue the room's drain (an abort): its posted pushes waited for, then its ACK. One marker per room
+        at a time: a drain already queued waits for every push posted before it runs (aborts mark the room
+        Failed first, so none is posted after), so ABORTs of one room again never grow the queue."""
+        with self._drains_lock:
+            if room in self._drains_queued:
+                return
+            self._drains_queued.add(room)
         self._queue.put(_drain_marker(room))
 
     def add_decode(self, session: str, meta: bytes, views: Dict[str, Any], slot: Optional[int],
@@ -232,6 +240,8 @@ class Pushes:
         byte."""
         room = chunk.room
         if chunk.pages is None:         # an abort: wait for what was posted, then the ACK
+            with self._drains_lock:     # (an abort from now on queues a drain again)
+                self._drains_queued.discard(room)
             self._drain(room)
             return
         infos = self.rooms.room_infos(room)
