@@ -1,8 +1,8 @@
 """What a broken or hostile peer's control message may make the SGLang backend do, beyond
 tests/integrations/test_sglang_bounds.py: the prefill's ``DecodeRanks`` and the decode's ``Inbox`` driven in this
 process with the stand-in managers of tests/integrations/test_sglang_pipeline.py (no agent, no sockets). A
-destination whose decode prefix length no SGLang scheduler could send through is refused on arrival, its room
-failed and its rank told; a message whose frames do not parse is refused with a typed error naming the frame; a
+destination whose decode prefix length no SGLang scheduler could send through, or that names another prefix
+length than the room's other decode ranks, is refused on arrival, its room failed and its rank told; a message whose frames do not parse is refused with a typed error naming the frame; a
 metadata row message of a room's current request whose row index does not parse fails the room (its row cannot
 be written, so a Success after it must not end the room over the row an earlier request left there); a flood of
 ABORT messages (rooms made up, or one room again and again) queues at most one drain per room the prefill knows,
@@ -150,3 +150,39 @@ def test_an_abort_of_a_cleared_room_with_a_push_posted_acks_once_the_sweep_drain
     mgr.handles[0].finish()
     mgr.pushes._drain_ended_rooms(block=False)
     assert ("ack", ROOM) in mgr.log and not mgr.pushes._posted
+
+
+# ---------------------------------------------------------------------- one prefix length per room
+
+
+def test_decode_ranks_of_one_room_naming_other_prefix_lengths_fail_it():
+    """Two decode ranks of a room (a decode of twice this prefill's TP size) naming as many pages past other
+    prefix lengths: the prefill sends the request's tokens from one prefix length on (the first named) to both,
+    so the second would be written other tokens than it asked for, and told Success. The room fails instead."""
+    from test_sglang_bounds import _registered
+    mgr = _prefill()
+    for i, s in enumerate(("d0", "d1")):
+        _registered(mgr, s, port=DECODE[1] + i, tp_ranks=2)
+    mgr.hold_room(ROOM)
+    mgr.update_status(ROOM, KVPoll.Bootstrapping)
+    for i, (s, prefix) in enumerate(((b"d0", 16), (b"d1", 17))):
+        mgr.decode_ranks.on_transfer_info(TransferInfo.from_zmq(
+            [str(ROOM).encode(), DECODE[0].encode(), str(DECODE[1] + i).encode(), s,
+             np.array([9, 10], dtype=np.int32).tobytes(), b"3", b"2", str(prefix).encode(), b"1"]))
+    assert mgr.request_status[ROOM] == KVPoll.Failed and "prefix length of 17" in mgr.failure_records[ROOM]
+    assert list(mgr.transfer_infos[ROOM]) == ["d0"] and "prefix length of 17" in _failed_told(mgr, ROOM)[0][3]
+
+
+def test_decode_ranks_of_one_room_naming_one_prefix_length_take_it():
+    from test_sglang_bounds import _registered
+    mgr = _prefill()
+    for i, s in enumerate(("d0", "d1")):
+        _registered(mgr, s, port=DECODE[1] + i, tp_ranks=2)
+    mgr.hold_room(ROOM)
+    mgr.update_status(ROOM, KVPoll.Bootstrapping)
+    for i, s in enumerate((b"d0", b"d1")):
+        mgr.decode_ranks.on_transfer_info(TransferInfo.from_zmq(
+            [str(ROOM).encode(), DECODE[0].encode(), str(DECODE[1] + i).encode(), s,
+             np.array([9, 10], dtype=np.int32).tobytes(), b"3", b"2", b"16", b"1"]))
+    assert mgr.request_status[ROOM] == KVPoll.WaitingForInput and mgr.req_to_decode_prefix_len[ROOM] == 16
+    assert not mgr.statuses()

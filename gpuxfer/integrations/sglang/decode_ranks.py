@@ -203,6 +203,14 @@ class DecodeRanks:
                           f"{sorted(infos)} of {need} already claimed"
                           + ("" if known is None else " for another of its requests" if not again else
                              ", naming other pages or rows for the same request")) if fail else None
+                # the prefill sends every decode rank of the room the request's tokens from one prefix length on
+                # (SGLang's first named): a rank naming another would be written other tokens than it asked for
+                prefix = next((i.decode_prefix_len or 0 for i in infos.values()), None)
+                if not fail and known is None and prefix is not None and (info.decode_prefix_len or 0) != prefix:
+                    fail = True
+                    reason = (f"decode rank {info.session} names a decode prefix length of "
+                              f"{info.decode_prefix_len or 0} tokens for room {info.room}, its other decode ranks "
+                              f"{sorted(infos)} {prefix}")
             if fail and self.rooms.request_status.get(info.room) != self.kv_poll.Success:
                 self.rooms.record_failure(info.room, reason)
                 self.rooms.update_status(info.room, self.kv_poll.Failed)
