@@ -2,10 +2,10 @@
 tests/integrations/test_sglang_bounds.py: the prefill's ``DecodeRanks`` and the decode's ``Inbox`` driven in this
 process with the stand-in managers of tests/integrations/test_sglang_pipeline.py (no agent, no sockets). A
 destination whose decode prefix length no SGLang scheduler could send through, or that names another prefix
-length than the room's other decode ranks, is refused on arrival, its room failed and its rank told; a message whose frames do not parse is refused with a typed error naming the frame; a
-metadata row message of a room's current request whose row index does not parse fails the room (its row cannot
-be written, so a Success after it must not end the room over the row an earlier request left there); a flood of
-ABORT messages (rooms made up, or one room again and again) queues at most one drain per room the prefill knows,
+length than the room's other decode ranks, is refused on arrival, its room failed and its rank told; a message
+whose frames do not parse is refused with a typed error naming the frame; a metadata row message of a room's
+current request whose row index does not parse fails the room (its row cannot be written, so a Success after it
+must not end the room over the row an earlier request left there); a flood of ABORT messages (rooms made up, or one room again and again) queues at most one drain per room the prefill knows,
 so a peer never grows the transfer thread's queue while that thread waits for a slow push.
 """
 from __future__ import annotations
