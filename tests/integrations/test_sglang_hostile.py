@@ -186,3 +186,25 @@ def test_decode_ranks_of_one_room_naming_one_prefix_length_take_it():
              np.array([9, 10], dtype=np.int32).tobytes(), b"3", b"2", b"16", b"1"]))
     assert mgr.request_status[ROOM] == KVPoll.WaitingForInput and mgr.req_to_decode_prefix_len[ROOM] == 16
     assert not mgr.statuses()
+
+
+# ---------------------------------------------------------------------- a room's destination named as its request ends
+
+
+def test_a_destination_named_while_its_request_is_cleared_is_kept_no_longer_than_an_unrequested_rooms():
+    """SGLang's ``clear`` drops the room's destinations, then the sender lets go of the room: a metadata message
+    of the room id handled in between (a decode rank naming it again, or its next request's) is stored as the
+    room a request holds. Once let go it is a room no request holds: kept for the waiting timeout at most, not
+    forever."""
+    mgr = _prefill(max_age_s=30.0)
+    mgr.hold_room(ROOM)
+    mgr.update_status(ROOM, KVPoll.Bootstrapping)
+    mgr.decode_ranks.on_transfer_info(_meta(ROOM, 0))
+    mgr.transfer_infos.pop(ROOM)                # SGLang's clear of the sender: its state of the room dropped
+    mgr.request_status.pop(ROOM)
+    mgr.decode_ranks.on_transfer_info(_meta(ROOM, 0, token=b"2"))      # handled before the sender let go
+    mgr.release_room(ROOM)
+    assert mgr.decode_ranks.unrequested.rooms("decode") == [ROOM]
+    mgr.clock.now += 30
+    mgr.decode_ranks.expire()
+    assert not mgr.transfer_infos and not mgr.request_status and not mgr.req_to_decode_prefix_len

@@ -289,7 +289,19 @@ class DecodeRanks:
             self.unrequested.forget(room)
 
     def release(self, room: int) -> None:
+        """A request let go of ``room`` (its sender cleared, after SGLang's ``clear`` dropped the room's
+        destinations). A destination of the room stored in between (a message handled meanwhile: the rank's again,
+        or its next request's) is from now on one of a room no request holds, kept within those bounds."""
+        dropped: List[int] = []
         with self.lock:
             self.requested[room] -= 1
-            if self.requested[room] <= 0:
-                del self.requested[room]
+            if self.requested[room] > 0:
+                return
+            del self.requested[room]
+            for session, info in list((self.rooms.transfer_infos.get(room) or {}).items()):
+                budget = UNREQUESTED_POOLS * self.rooms.pushes.pool_pages(session)
+                dropped += self._drop_unrequested(self.unrequested.note(session, room, len(info.dst_kv_indices),
+                                                                        budget))
+        if dropped:
+            log.warning("gpuxfer: dropped the pages decode ranks named for %d room(s) that no request here holds, "
+                        "past their bounds: %s", len(dropped), dropped[:8])
