@@ -5,8 +5,11 @@ destination whose decode prefix length no SGLang scheduler could send through, o
 length than the room's other decode ranks, is refused on arrival, its room failed and its rank told; a message
 whose frames do not parse is refused with a typed error naming the frame; a metadata row message of a room's
 current request whose row index does not parse fails the room (its row cannot be written, so a Success after it
-must not end the room over the row an earlier request left there); a flood of ABORT messages (rooms made up, or one room again and again) queues at most one drain per room the prefill knows,
-so a peer never grows the transfer thread's queue while that thread waits for a slow push.
+must not end the room over the row an earlier request left there); a flood of ABORT messages (rooms made up, or
+one room again and again) queues at most one drain per room the prefill knows, so a peer never grows the
+transfer thread's queue while that thread waits for a slow push; a destination stored while its request was
+being cleared is bounded as a room no request holds; a started request that hands no last chunk over (its
+decode named a prefix past its prompt) fails after the waiting timeout instead of holding its KV forever.
 """
 from __future__ import annotations
 
@@ -208,3 +211,68 @@ def test_a_destination_named_while_its_request_is_cleared_is_kept_no_longer_than
     mgr.clock.now += 30
     mgr.decode_ranks.expire()
     assert not mgr.transfer_infos and not mgr.request_status and not mgr.req_to_decode_prefix_len
+
+
+# ---------------------------------------------------------------------- a request that never sends its last chunk
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def _sender(monkeypatch, mgr, clock):
+    """A prefill sender of room ``ROOM`` (SGLang's ``CommonKVSender`` state as its constructor leaves it) on the
+    backend's clock ``clock``."""
+    from sglang.srt.disaggregation.common.conn import CommonKVSender
+    from sglang.srt.observability.req_time_stats import TraceNullContext
+    from gpuxfer.integrations.sglang import conn
+    from gpuxfer.integrations.sglang.conn import GpuxferKVSender
+
+    def init(self, mgr, *a, **k):
+        self.kv_mgr, self.conclude_state, self.curr_idx, self.aux_index = mgr, None, 0, None
+        self.trace_ctx, self._transfer_start_time, self._prefill_complete_time = TraceNullContext(), None, None
+        self._early_send_wait_event, self.init_time = None, None
+        self._transfer_num_kv_indices = self._transfer_num_state_indices = 0
+    monkeypatch.setattr(CommonKVSender, "__init__", init)
+    monkeypatch.setattr(conn, "_clock", clock, raising=False)
+    mgr.defer_decode_allocation, mgr.reports_transfer_latency, mgr.kv_shard_size = False, False, 1
+    mgr.enable_all_cp_ranks_for_transfer, mgr.is_dummy_cp_rank = False, False
+    mgr.update_status(ROOM, KVPoll.Bootstrapping)
+    return GpuxferKVSender(mgr, "p:1", ROOM)
+
+
+@pytest.mark.parametrize("pages", [0, 2])
+def test_a_request_that_never_sends_its_last_chunk_fails_after_the_waiting_timeout(monkeypatch, pages):
+    """SGLang's prefill sends nothing of a request whose decode named a prefix longer than its prompt (a page
+    count of 0 from a prefix up to a page past it: ``send_kv_chunk`` returns while its end is before its start),
+    and polls it with no timeout of its own: a request started (``init``) whose last chunk was not handed over
+    within the waiting timeout (by then its decode gave it up) fails, its decode told."""
+    mgr, clock = _prefill(), _Clock()
+    mgr.timeout_s = 30.0
+    sender = _sender(monkeypatch, mgr, clock)
+    mgr.decode_ranks.on_transfer_info(_meta(ROOM, 80, pages=list(range(9, 9 + pages))))
+    sender.init(pages, 5)
+    if pages:
+        sender.send(np.array([1], dtype=np.int32))              # a first chunk, never the last
+    clock.now += 29
+    assert sender.poll() == KVPoll.WaitingForInput
+    clock.now += 2
+    assert sender.poll() == KVPoll.Failed and "last chunk" in mgr.failure_records[ROOM]
+    assert "last chunk" in _failed_told(mgr, ROOM)[0][3]
+
+
+def test_a_request_whose_last_chunk_was_handed_over_is_left_to_its_pushes(monkeypatch):
+    """Its last chunk handed over (a prefix as long as the prompt: no page, the row alone), the request is the
+    transfer thread's to conclude, however long its pushes take (they are bounded there)."""
+    mgr, clock = _prefill(), _Clock()
+    mgr.timeout_s = 30.0
+    sender = _sender(monkeypatch, mgr, clock)
+    mgr.decode_ranks.on_transfer_info(_meta(ROOM, 64, pages=[]))
+    sender.init(0, 5)
+    sender.send(np.array([], dtype=np.int32))
+    clock.now += 100
+    assert sender.poll() == KVPoll.WaitingForInput and not mgr.failure_records
