@@ -34,6 +34,7 @@ def int_frame(frame: bytes, what: str) -> int:
     except ValueError:
         raise BadInput(f"a gpuxfer SGLang message's {what} is not an integer: {frame[:40]!r}") from None
 
+
 @dataclass
 class TransferInfo:
     """One decode rank's destination for a room (the fields ``CommonKVManager`` reads: ``endpoint``,
