@@ -7,7 +7,8 @@ whose frames do not parse is refused with a typed error naming the frame; a meta
 current request whose row index does not parse fails the room (its row cannot be written, so a Success after it
 must not end the room over the row an earlier request left there); a flood of ABORT messages (rooms made up, or
 one room again and again) queues at most one drain per room the prefill knows, so a peer never grows the
-transfer thread's queue while that thread waits for a slow push; a destination stored while its request was
+transfer thread's queue while that thread waits for a slow push, nor the return addresses a room keeps for its
+ACK past the decode ranks kept; a destination stored while its request was
 being cleared is bounded as a room no request holds; a started request that hands no last chunk over (its
 decode named a prefix past its prompt) fails after the waiting timeout instead of holding its KV forever.
 """
@@ -276,3 +277,18 @@ def test_a_request_whose_last_chunk_was_handed_over_is_left_to_its_pushes(monkey
     sender.send(np.array([], dtype=np.int32))
     clock.now += 100
     assert sender.poll() == KVPoll.WaitingForInput and not mgr.failure_records
+
+
+def test_abort_return_addresses_kept_for_a_room_are_bounded():
+    """A room with a push in flight keeps each ABORT's return address (SGLang's deferred ACK targets, one per
+    ip and port) until its pushes are waited for: ABORTs each naming an address of their own (forged, or a
+    megabyte of ip) keep at most as many as the decode ranks a prefill rank keeps, each ip at most 256 bytes."""
+    mgr = Manager()
+    mgr.pushes.max_decode_ranks = 4
+    _room(mgr)
+    mgr.run(_chunk(0))                          # a push of the room in flight: the ACK waits for it
+    mgr._on_abort([ABORT_TAG, str(ROOM).encode(), b"1" * (1 << 20), b"5556", b"1"])
+    for port in range(6000, 8000):
+        mgr._on_abort([ABORT_TAG, str(ROOM).encode(), DECODE[0].encode(), str(port).encode(), b"1"])
+    targets = mgr._deferred_ack_targets[ROOM]
+    assert len(targets) == 4 and all(len(ip) <= 256 for ip, _ in targets)

@@ -304,12 +304,12 @@ class GpuxferKVManager(CommonKVManager):
                 self.record_failure(note.room, "Aborted by the decode instance")
                 self.update_status(note.room, KVPoll.Failed)
             target = note.deferred_ack_target()
-            if target is not None:
+            if target is not None and self.decode_ranks.keeps_ack_target(self._deferred_ack_targets.get(note.room),
+                                                                         target):
                 self.register_deferred_ack_target(note.room, target)
             self._maybe_ack_drained_abort(note.room)
-        # posted pushes are waited for on the transfer thread, then the ACK (a room unknown here: its sweep)
-        if status is not None:
-            self.pushes.drain_later(note.room)
+        if status is not None:          # posted pushes waited for on the transfer thread, then the ACK
+            self.pushes.drain_later(note.room)      # (a room unknown here: by the thread's sweep of ended rooms)
 
     def add_transfer_request(self, bootstrap_room: int, kv_indices: npt.NDArray[np.int32], index_slice: slice,
                              is_last_chunk: bool, aux_index: Optional[int] = None,

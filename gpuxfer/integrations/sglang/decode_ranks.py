@@ -247,6 +247,16 @@ class DecodeRanks:
             else:
                 self._unanswered(info)
 
+    def keeps_ack_target(self, kept: Optional[Dict], target: Any) -> bool:
+        """Whether an ABORT's return address ``target`` (SGLang's ``AckTarget``) joins a room's deferred ACK
+        targets ``kept`` (SGLang's, by ip and port, kept until the room's pushes were waited for): one already
+        kept (a later generation) always; a new one only as the room's ``max_decode_ranks``-th at most, its ip at
+        most ``MAX_SESSION_BYTES`` (each ABORT naming an address of its own would otherwise keep one more)."""
+        if len(target.ip) > MAX_SESSION_BYTES:
+            return False
+        kept = kept or {}
+        return (target.ip, target.port) in kept or len(kept) < self.rooms.pushes.max_decode_ranks
+
     def _unanswered(self, info: TransferInfo) -> None:
         """A refused metadata message whose rank never registered, or that names another endpoint than the
         rank registered from: not answered (its decode, if any, fails the room by its own timeout), counted,
