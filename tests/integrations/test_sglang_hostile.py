@@ -8,9 +8,9 @@ current request whose row index does not parse fails the room (its row cannot be
 must not end the room over the row an earlier request left there); a flood of ABORT messages (rooms made up, or
 one room again and again) queues at most one drain per room the prefill knows, so a peer never grows the
 transfer thread's queue while that thread waits for a slow push, nor the return addresses a room keeps for its
-ACK past the decode ranks kept; a destination stored while its request was
-being cleared is bounded as a room no request holds; a started request that hands no last chunk over (its
-decode named a prefix past its prompt) fails after the waiting timeout instead of holding its KV forever.
+ACK past the decode ranks kept; a destination stored while its request was being cleared is bounded as a room
+no request holds; a started request that hands no last chunk over (its decode named a prefix past its prompt)
+fails after the waiting timeout instead of holding its KV forever.
 """
 from __future__ import annotations
 
