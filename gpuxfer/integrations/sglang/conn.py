@@ -60,6 +60,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections import Counter
 from typing import Any, Container, Dict, List, Optional
 
@@ -96,6 +97,7 @@ log = logging.getLogger("gpuxfer.sglang")
 
 REGISTER_ROOM = b"None"         # SGLang's marker of a registration message (Mooncake's too)
 _RECV_POLL_MS = 200             # how often an idle control thread looks at its stop flag (a message wakes it)
+_clock = time.monotonic         # a sender's clock (how long a started request went without its last chunk)
 
 
 def _tcp(endpoint: tuple) -> str:
@@ -302,11 +304,12 @@ class GpuxferKVManager(CommonKVManager):
                 self.record_failure(note.room, "Aborted by the decode instance")
                 self.update_status(note.room, KVPoll.Failed)
             target = note.deferred_ack_target()
-            if target is not None:
+            if target is not None and self.decode_ranks.keeps_ack_target(self._deferred_ack_targets.get(note.room),
+                                                                         target):
                 self.register_deferred_ack_target(note.room, target)
             self._maybe_ack_drained_abort(note.room)
-        # pushes already posted are waited for on the transfer thread, which then sends the ACK
-        self.pushes.drain_later(note.room)
+        if status is not None:          # posted pushes waited for on the transfer thread, then the ACK
+            self.pushes.drain_later(note.room)      # (a room unknown here: by the thread's sweep of ended rooms)
 
     def add_transfer_request(self, bootstrap_room: int, kv_indices: npt.NDArray[np.int32], index_slice: slice,
                              is_last_chunk: bool, aux_index: Optional[int] = None,
@@ -472,6 +475,7 @@ class GpuxferKVSender(CommonKVSender):
         self.kv_mgr, self.bootstrap_room = mgr, bootstrap_room
         mgr.hold_room(bootstrap_room)           # before SGLang's part, which may mark it Failed
         self._holds_room = True
+        self._started, self._last_handed = None, False      # when ``init`` started it; its last chunk handed over
         try:
             super().__init__(mgr, bootstrap_addr, bootstrap_room, *args, **kwargs)
         except BaseException:
@@ -485,11 +489,24 @@ class GpuxferKVSender(CommonKVSender):
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
         super().init(num_kv_indices, aux_index)
         if self._holds_room:
+            self._started = _clock()
             self.kv_mgr.check_page_counts(self.bootstrap_room, num_kv_indices)
 
     def send(self, *args: Any, **kwargs: Any) -> None:
         if self._holds_room:
             super().send(*args, **kwargs)
+            self._last_handed = self._last_handed or self.curr_idx == self.num_kv_indices
+
+    def poll(self) -> KVPoll:
+        """SGLang's poll; Failed where the started request (``init``) handed no last chunk over within the waiting
+        timeout (SGLang's prefill polls it forever: one whose decode named a prefix past its prompt sends none)."""
+        status = super().poll()
+        if (status == KVPoll.WaitingForInput and self._holds_room and not self._last_handed
+                and self._started is not None and _clock() - self._started > self.kv_mgr.timeout_s):
+            self.kv_mgr.conclude_failure(bootstrap_room=self.bootstrap_room, failure_reason=(
+                f"the request handed over no last chunk within {self.kv_mgr.timeout_s:.0f} s of its start"))
+            status = super().poll()
+        return status
 
     def _release_room(self) -> None:
         if self._holds_room:

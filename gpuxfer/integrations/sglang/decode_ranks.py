@@ -19,7 +19,7 @@ from ...errors import BadInput, GpuxferError
 from .landing import parse_slot
 from .layout import GROUP, decode_registration, destinations, geometry_differences, head_share
 from .pushes import Pushes, clip
-from .requests import MAX_SESSION_BYTES, TransferInfo, Unrequested
+from .requests import MAX_SESSION_BYTES, TransferInfo, Unrequested, ascii_frame
 
 log = logging.getLogger("gpuxfer.sglang")
 
@@ -91,7 +91,7 @@ class DecodeRanks:
             log.error("gpuxfer: a decode registration of %d frames naming a %d-byte rank dropped", len(msg),
                       len(msg[3]) if len(msg) > 3 else 0)
             return
-        session = msg[3].decode("ascii")
+        session = ascii_frame(msg[3], "decode rank")
         endpoint = None
         try:
             endpoint = (msg[1].decode("ascii"), int(msg[2].decode("ascii")))
@@ -127,13 +127,17 @@ class DecodeRanks:
         """Why decode rank ``info.session``'s destination cannot be taken (None: it can): the rank's
         registration was refused or never came (the rank registers on the socket its metadata follows), the
         message names another endpoint than the registration came from, its pages are not pages of the pool it
-        registered (:meth:`_pages_refusal`), or the message names another number of decode ranks for the room
-        than SGLang's rank mapping gives for the two ranks' TP sizes (at most the decode ranks registered, where
-        the rank states no TP size)."""
+        registered (:meth:`_pages_refusal`), its decode prefix length is negative, or the message names another
+        number of decode ranks for the room than SGLang's rank mapping gives for the two ranks' TP sizes (at most
+        the decode ranks registered, where the rank states no TP size)."""
         why = self.rooms.pushes.refusal(info.session)
         if why is None and self.rooms.pushes.endpoint(info.session) != (info.endpoint, info.dst_port):
             why = f"it names endpoint {info.endpoint}:{info.dst_port}, not the one it registered from"
         why = why or self._pages_refusal(info)
+        if why is None and (info.decode_prefix_len or 0) < 0:
+            # SGLang's prefill would start the request's sends there, and count its pages from the prompt less
+            # it: no chunk would ever be the last, and the request would hold its KV with no timeout
+            why = f"it names a decode prefix length of {info.decode_prefix_len} tokens"
         if why is not None:
             return why
         named, need = info.required_dst_info_num, self.dst_counts.get(info.session)
@@ -199,6 +203,14 @@ class DecodeRanks:
                           f"{sorted(infos)} of {need} already claimed"
                           + ("" if known is None else " for another of its requests" if not again else
                              ", naming other pages or rows for the same request")) if fail else None
+                # the prefill sends every decode rank of the room the request's tokens from one prefix length on
+                # (SGLang's first named): a rank naming another would be written other tokens than it asked for
+                prefix = next((i.decode_prefix_len or 0 for i in infos.values()), None)
+                if not fail and known is None and prefix is not None and (info.decode_prefix_len or 0) != prefix:
+                    fail = True
+                    reason = (f"decode rank {info.session} names a decode prefix length of "
+                              f"{info.decode_prefix_len or 0} tokens for room {info.room}, its other decode ranks "
+                              f"{sorted(infos)} {prefix}")
             if fail and self.rooms.request_status.get(info.room) != self.kv_poll.Success:
                 self.rooms.record_failure(info.room, reason)
                 self.rooms.update_status(info.room, self.kv_poll.Failed)
@@ -234,6 +246,16 @@ class DecodeRanks:
                                             status=self.kv_poll.Failed, failure_reason=reason, infos=[info])
             else:
                 self._unanswered(info)
+
+    def keeps_ack_target(self, kept: Optional[Dict], target: Any) -> bool:
+        """Whether an ABORT's return address ``target`` (SGLang's ``AckTarget``) joins a room's deferred ACK
+        targets ``kept`` (SGLang's, by ip and port, kept until the room's pushes were waited for): one already
+        kept (a later generation) always; a new one only as the room's ``max_decode_ranks``-th at most, its ip at
+        most ``MAX_SESSION_BYTES`` (each ABORT naming an address of its own would otherwise keep one more)."""
+        if len(target.ip) > MAX_SESSION_BYTES:
+            return False
+        kept = kept or {}
+        return (target.ip, target.port) in kept or len(kept) < self.rooms.pushes.max_decode_ranks
 
     def _unanswered(self, info: TransferInfo) -> None:
         """A refused metadata message whose rank never registered, or that names another endpoint than the
@@ -277,7 +299,19 @@ class DecodeRanks:
             self.unrequested.forget(room)
 
     def release(self, room: int) -> None:
+        """A request let go of ``room`` (its sender cleared, after SGLang's ``clear`` dropped the room's
+        destinations). A destination of the room stored in between (a message handled meanwhile: the rank's again,
+        or its next request's) is from now on one of a room no request holds, kept within those bounds."""
+        dropped: List[int] = []
         with self.lock:
             self.requested[room] -= 1
-            if self.requested[room] <= 0:
-                del self.requested[room]
+            if self.requested[room] > 0:
+                return
+            del self.requested[room]
+            for session, info in list((self.rooms.transfer_infos.get(room) or {}).items()):
+                budget = UNREQUESTED_POOLS * self.rooms.pushes.pool_pages(session)
+                dropped += self._drop_unrequested(self.unrequested.note(session, room, len(info.dst_kv_indices),
+                                                                        budget))
+        if dropped:
+            log.warning("gpuxfer: dropped the pages decode ranks named for %d room(s) that no request here holds, "
+                        "past their bounds: %s", len(dropped), dropped[:8])

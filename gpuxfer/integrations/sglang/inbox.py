@@ -16,6 +16,7 @@ from ...errors import BadInput
 from .landing import Landings, parse_landing
 from .layout import write_aux_rows
 from .pushes import AUX_TAG, AUX_TAG_V1, AUX_TAG_V2
+from .requests import int_frame
 
 log = logging.getLogger("gpuxfer.sglang")
 
@@ -131,7 +132,7 @@ class Inbox:
         one's, late) is dropped, neither written nor armed."""
         if len(head) < 3:
             raise BadInput(f"a gpuxfer metadata row message has {len(head) + 1} frames")
-        room, index = int(head[0].decode("ascii")), int(head[1].decode("ascii"))
+        room = int_frame(head[0], "room")
         status = self.rooms.request_status.get(room)
         if status is None:
             return
@@ -144,6 +145,8 @@ class Inbox:
             log.warning("gpuxfer: room %s: a metadata row after the room ended (%s) dropped", room, status)
             return
         try:
+            # (parsed here: a row of the room's request that cannot be written fails it, never left to its Success)
+            index = int_frame(head[1], "metadata row index")
             own = self.aux_index.get(room)
             if index != own:        # another request's row, or a room this rank named no pages for
                 raise BadInput(f"the prefill names metadata row {index}; the room's is {own}")

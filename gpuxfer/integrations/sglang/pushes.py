@@ -93,6 +93,8 @@ class Pushes:
         self.rooms, self.agent, self.kv_args, self.timeout_s = rooms, agent, kv_args, timeout_s
         self._agent_lock, self._stop = agent_lock, stop
         self._queue: "queue.Queue[_Chunk]" = queue.Queue()
+        self._drains_queued: set = set()                    # rooms whose drain marker is queued, not yet taken
+        self._drains_lock = threading.Lock()
         self._posted: Dict[int, _Posted] = {}               # rooms with pushes in flight
         self._dead: Dict[str, str] = {}                     # decode ranks a push found gone: told nothing more
         self._peers: Dict[str, Any] = {}                    # decode rank -> its KVPeer
@@ -115,7 +117,13 @@ class Pushes:
         self._queue.put(chunk)
 
     def drain_later(self, room: int) -> None:
-        """Queue the room's drain (an abort): its posted pushes waited for, then its ACK."""
+        """Queue the room's drain (an abort): its posted pushes waited for, then its ACK. One marker per room
+        at a time: a drain already queued waits for every push posted before it runs (aborts mark the room
+        Failed first, so none is posted after), so ABORTs of one room again never grow the queue."""
+        with self._drains_lock:
+            if room in self._drains_queued:
+                return
+            self._drains_queued.add(room)
         self._queue.put(_drain_marker(room))
 
     def add_decode(self, session: str, meta: bytes, views: Dict[str, Any], slot: Optional[int],
@@ -232,6 +240,8 @@ class Pushes:
         byte."""
         room = chunk.room
         if chunk.pages is None:         # an abort: wait for what was posted, then the ACK
+            with self._drains_lock:     # (an abort from now on queues a drain again)
+                self._drains_queued.discard(room)
             self._drain(room)
             return
         infos = self.rooms.room_infos(room)
@@ -305,6 +315,13 @@ class Pushes:
             except Exception as exc:            # noqa: BLE001 - every push is accounted for, whatever it raised
                 if isinstance(exc, PeerLost):
                     self._dead[info.session] = f"{type(exc).__name__}: {exc}"
+                slot = getattr(getattr(h, "transfer", None), "notify_slot", None)
+                if getattr(h, "notify_value", None) is not None and slot is not None:
+                    # the value its room's row announced may never be written, and a later room's would cover it
+                    # (the decode would end this room by it): that rank's rooms end by their Success message
+                    log.warning("gpuxfer: room %s: its last push to %s failed; notification %s is used no more",
+                                room, info.session, slot)
+                    self._retire_slot(info.session, slot)
                 # a wait can raise before the push ended (a failed agent raises at once): only a push seen
                 # complete lets the room's ACK go
                 timed_out = timed_out or isinstance(exc, TransferTimeout) or not self._push_ended(h)
@@ -391,6 +408,8 @@ class Pushes:
         self._send_aux(chunk, info, None if slot is None else (slot, value))
         try:
             with self._agent_lock:
+                if slot is not None:
+                    self._after_earlier_pushes(chunk.room, info.session)
                 h = self.agent.prepare(peer, "push", local_blocks={GROUP: chunk.pages}, remote_blocks={GROUP: dst},
                                        name=name, notify_slot=slot).post()
         except BaseException:
@@ -403,6 +422,16 @@ class Pushes:
                       h.notify_value, value)
             self._retire_slot(info.session, slot)
         return h
+
+    def _after_earlier_pushes(self, room: int, session: str) -> None:
+        """The agent's stream (where the room's last push goes next) waits for the room's pushes already posted to
+        decode rank ``session`` (under the agent lock): the value that push's notification writes says every
+        page of the room landed, so where one of them failed (a push of the host emulation fails alone, later
+        work running) the last push fails with it, its notification unwritten."""
+        posted = self._posted.get(room)
+        for info, h in (posted.handles if posted is not None else ()):
+            if info.session == session and getattr(h, "event", None) is not None:
+                h.stream_wait(self.agent.stream)
 
     def _retire_slot(self, session: str, slot: int) -> None:
         """No more notifications to ``slot`` of decode rank ``session`` (a value announced may never be written,

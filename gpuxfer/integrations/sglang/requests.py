@@ -17,6 +17,24 @@ from ...errors import BadInput
 
 MAX_SESSION_BYTES = 256     # a decode rank's name (SGLang's ``ip:port``), or its ip, in a message, at most
 
+
+def ascii_frame(frame: bytes, what: str) -> str:
+    """A control message's text frame; ``BadInput`` naming ``what`` where it is not ASCII."""
+    try:
+        return frame.decode("ascii")
+    except UnicodeDecodeError:
+        raise BadInput(f"a gpuxfer SGLang message's {what} is not ASCII: {frame[:40]!r}") from None
+
+
+def int_frame(frame: bytes, what: str) -> int:
+    """A control message's decimal integer frame; ``BadInput`` naming ``what`` where it is none."""
+    text = ascii_frame(frame, what)
+    try:
+        return int(text)
+    except ValueError:
+        raise BadInput(f"a gpuxfer SGLang message's {what} is not an integer: {frame[:40]!r}") from None
+
+
 @dataclass
 class TransferInfo:
     """One decode rank's destination for a room (the fields ``CommonKVManager`` reads: ``endpoint``,
@@ -50,11 +68,12 @@ class TransferInfo:
         if not dummy and len(msg[4]) % 4:
             raise BadInput(f"decode page indices of {len(msg[4])} bytes are not int32s")
         pages = np.array([], dtype=np.int32) if dummy else np.frombuffer(msg[4], dtype=np.int32)
-        return cls(room=int(msg[0].decode("ascii")), endpoint=msg[1].decode("ascii"),
-                   dst_port=int(msg[2].decode("ascii")), session=msg[3].decode("ascii"), dst_kv_indices=pages,
-                   dst_aux_index=None if dummy else int(msg[5].decode("ascii")),
-                   required_dst_info_num=int(msg[6].decode("ascii")), is_dummy=dummy,
-                   decode_prefix_len=int(msg[7].decode("ascii")) if len(msg) > 7 and msg[7] else None, token=token)
+        return cls(room=int_frame(msg[0], "room"), endpoint=ascii_frame(msg[1], "ip"),
+                   dst_port=int_frame(msg[2], "port"), session=ascii_frame(msg[3], "session (decode rank)"),
+                   dst_kv_indices=pages, dst_aux_index=None if dummy else int_frame(msg[5], "aux (metadata row)"),
+                   required_dst_info_num=int_frame(msg[6], "required ranks"), is_dummy=dummy,
+                   decode_prefix_len=int_frame(msg[7], "decode prefix length") if len(msg) > 7 and msg[7] else None,
+                   token=token)
 
 
 class Unrequested:
