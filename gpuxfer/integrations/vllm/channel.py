@@ -36,16 +36,18 @@ the other thread of its process)::
       queue done(req, key, token)
     S  ---- done ---------------------------------->  E get_finished: the token is the grant's: free the blocks
 
-The read runs while the claim travels, and the answer goes out at the prefill's next pump (its engine thread's
-next step while it holds requests; at once from the server's thread while it is idle): a load's finish waits for
-the grant only where that comes later than the read completes. A refused claim fails the load (vLLM recomputes
+The read runs while the claim travels, and the answer goes out at the prefill's next pump: its engine thread's
+next step, or the server's thread once the engine thread has not pumped for ``IDLE_S`` (2 ms: a prefill step
+computing a long prompt does not hold the answer back). A load's finish waits for the grant only where that comes
+later than the read completes. A refused claim fails the load (vLLM recomputes
 it); no grant within the load's timeout, or a closed connection, fails it too.
 
 Both ends are non-blocking sockets that the engine's own thread advances once a step
 (:meth:`SideChannelServer.pump`, :meth:`~.client.SideChannelClient.pump`): a background Python thread gets the
 GIL only when the engine thread lets go of it, and an engine thread that keeps releasing and
 retaking it (a loop of short system calls) starves such a thread for hundreds of milliseconds. The
-server's own thread pumps too, so an idle prefill instance still answers. A thread of the client
+server's own thread pumps too, where the engine thread has not for ``IDLE_S``, so a prefill instance idle or
+inside a long step still answers. A thread of the client
 encodes and sends the claim, done and release messages, which nobody waits on to be sent (a late one holds the
 prefill's blocks a little longer), and watches the connection: the engine thread only queues them and
 does not pay the loopback ``send``, which costs tens of microseconds inside an engine process. A frame longer than
@@ -133,8 +135,9 @@ class SideChannelServer:
         self._thread.start()
 
     def _run(self) -> None:
-        """Serve while the engine thread does not: past ``IDLE_S`` without its :meth:`pump`. (A thread
-        holding the lock while starved of the GIL would keep the engine thread from serving.)"""
+        """Serve while the engine thread does not: past ``IDLE_S`` without its :meth:`pump`, the engine idle or
+        inside a step (a forward pass) longer than that. (A thread holding the lock while starved of the GIL
+        keeps the engine thread's pump from serving: it gives up after a few milliseconds and serves next step.)"""
         while not self._stop.is_set():
             try:
                 ready = self._sel.select(0.2)
@@ -152,7 +155,9 @@ class SideChannelServer:
                     if not self._stop.is_set():
                         self._pump_locked()
 
-    IDLE_S = 0.1
+    #: how long after the engine thread's last pump the server's thread serves what is ready: short, so a claim
+    #: waits for no prefill step; long enough that an engine stepping faster serves it itself
+    IDLE_S = 0.002
 
     def pump(self) -> None:
         """Serve what is ready now (the engine thread, once a step)."""
