@@ -30,6 +30,9 @@ WATCH_S = 0.05
 _BY_US = "closed by this instance"
 #: answers to claims kept for loads that did not take them (a load that failed before its answer came)
 MAX_ANSWERS = 1 << 16
+#: claim messages sent and not answered at most (a prefill answers each at its next pump): past them the connection
+#: ends, so a prefill end that takes claims and answers none cannot have their requests kept without bound
+MAX_ASKED = 1 << 12
 
 
 class SideChannelClient:
@@ -286,6 +289,8 @@ class SideChannelClient:
                                             None if tokens is None else tokens[:h]))
                         continue
                     if op == "claim":       # (before it goes: the answer may come before this thread runs again)
+                        if len(self._asked) >= MAX_ASKED:
+                            raise ChannelClosed(f"{len(self._asked)} claim messages unanswered")
                         self._asked[self._next_id] = reqs
                         self._next_id += 1
                     self._head = bytearray(head)
