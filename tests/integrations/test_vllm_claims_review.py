@@ -41,3 +41,43 @@ def test_claims_a_prefill_leaves_unanswered_are_bounded(monkeypatch):
         c.close()
         conn.close()
         lst.close()
+
+
+def test_answers_to_claims_a_peer_never_reads_are_bounded():
+    """A peer that sends claim messages (no key needed: each is answered, refused) and never reads the answers: once
+    more than MAX_UNSENT bytes of them are waiting past what the socket takes, its connection closes, long before
+    the answer timeout; another peer's claims are answered meanwhile."""
+    book = ClaimBook()
+    book.secret = SECRET
+    srv = SideChannelServer("127.0.0.1", 0, lambda: (b"{}", b"m"), 120.0, claim=book.claim)
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", srv.port))
+    good = SideChannelClient("127.0.0.1", srv.port, 5.0)
+    claims = b"".join(message({"op": "claim", "id": i, "reqs": [], "keys": [], "tokens": []}) for i in range(20000))
+    most = [0]
+
+    def biggest() -> int:
+        most[0] = max([most[0]] + [len(c.outbuf) for c in list(srv._conns.values())])
+        return most[0]
+    try:
+        good.handshake()
+        s.sendall(message({"op": "hello"}))
+        s.settimeout(60)
+        closed = False
+        for _ in range(50):         # up to a million claims, ~45 MB of answers
+            try:
+                s.sendall(claims)
+            except OSError:
+                closed = True
+                break
+            biggest()
+        assert closed or _until(lambda: len(srv._conns) == 1, 30)
+        assert biggest() <= channel.MAX_UNSENT + channel.MAX_MESSAGE
+        key = make_key(SECRET, "r")
+        good.claim(["r"], [key], ["d1"])
+        assert _until(lambda: (good.read_answers(), good.answers.get("r"))[1] is True) and good.alive
+    finally:
+        s.close()
+        good.close()
+        srv.close()

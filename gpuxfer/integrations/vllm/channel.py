@@ -54,7 +54,7 @@ does not pay the loopback ``send``, which costs tens of microseconds inside an e
 its part of the protocol can be (``MAX_MESSAGE`` for what a decode sends; in a handshake answer ``MAX_INFO``, the
 most an agent's metadata holds, 8 bytes; ``MAX_ANSWER`` for a claim's answer), a message the protocol does not
 allow (a field past its bound: ``MAX_REQUEST_ID``, ``MAX_KEY``, ``MAX_TOKEN``, ``MAX_READERS``), an answer not
-drained within the timeout, a claim message past ``MAX_DEFERRED`` of the server's waiting for the secret (a
+drained within the timeout, answers to claims left unread past ``MAX_UNSENT`` bytes, a claim message past ``MAX_DEFERRED`` of the server's waiting for the secret (a
 decode worker's come only once the secret is known: its handshake carries the seal key made from it), a connection that
 sent no hello or left a message half sent for longer than the timeout close that connection only; past
 ``MAX_CONNECTIONS`` open, or ``MAX_CONNECTIONS_PER_HOST`` from one address, a new one is closed at once (a host
@@ -76,7 +76,7 @@ from .frames import (_CLOCK, MAX_CLAIM_ID, MAX_FRAME, MAX_IDS_PER_MESSAGE, MAX_I
                      MAX_READERS, MAX_REQUEST_ID, MAX_TOKEN, ChannelClosed, frame, keys_ok, message, parse_message,
                      readers_ok, recv_some, request_ids_ok, send_some, take_frames, tokens_ok)
 
-__all__ = ["MAX_CONNECTIONS", "MAX_CONNECTIONS_PER_HOST", "MAX_DEFERRED", "MAX_EVENTS", "MAX_FRAME",
+__all__ = ["MAX_CONNECTIONS", "MAX_CONNECTIONS_PER_HOST", "MAX_DEFERRED", "MAX_EVENTS", "MAX_FRAME", "MAX_UNSENT",
            "MAX_IDS_PER_MESSAGE", "MAX_INFO", "MAX_KEY", "MAX_MESSAGE", "MAX_READERS", "MAX_REQUEST_ID", "MAX_TOKEN",
            "ChannelClosed", "SideChannelClient", "SideChannelServer", "frame", "message", "parse_message",
            "take_frames"]
@@ -91,6 +91,9 @@ MAX_CONNECTIONS_PER_HOST = 256
 MAX_EVENTS = 1 << 18
 #: claim messages of all connections waiting for the engine's secret (answered in order once it is known)
 MAX_DEFERRED = 64
+#: bytes of answers to claims a connection leaves unread past what its socket takes (a decode worker reads them as
+#: they come: a few dozen bytes a claim message); a connection leaving more closes
+MAX_UNSENT = 1 << 20
 _CLAIM_KEYS = frozenset(("op", "id", "reqs", "keys", "tokens"))
 
 
@@ -254,6 +257,10 @@ class SideChannelServer:
                     c.deferred.append(msg)
                     self._deferred += 1
                     self._answer(c)
+                    if len(c.outbuf) > MAX_UNSENT:
+                        send_some(c.sock, c.outbuf)
+                        if len(c.outbuf) > MAX_UNSENT:
+                            raise ChannelClosed(f"more than {MAX_UNSENT} bytes of answers to claims left unread")
                 elif op in ("done", "release") and request_ids_ok(reqs) and readers_ok(msg) and \
                         keys_ok(msg, len(reqs)) and tokens_ok(msg, len(reqs), False):
                     if self.events.qsize() + len(reqs) > MAX_EVENTS:
