@@ -81,3 +81,32 @@ def test_answers_to_claims_a_peer_never_reads_are_bounded():
         s.close()
         good.close()
         srv.close()
+
+
+def test_a_request_held_again_refuses_claims_of_its_earlier_params():
+    """A request ID held a second time (vLLM with its request ID randomization turned off): params of the first hold
+    still within their lease carry a key as authentic as the new one's, and their blocks may hold other KV now, so a
+    claim with them stays refused (the new hold's claims are refused too: its readers recompute)."""
+    import queue
+
+    from gpuxfer.integrations.vllm.holds import PrefillHolds
+    from gpuxfer.integrations.vllm.lease import now
+
+    class _Events:
+        events = queue.SimpleQueue()
+
+        def pump(self) -> None:
+            return
+    holds, srv = PrefillHolds(engine_id="p", lease_s=120.0, stats={"sends_done": 0, "leases_expired": 0,
+                                                                     "forged": 0}), _Events()
+    holds.secret = SECRET
+    old = make_key(SECRET, "r")
+    holds.hold({"r": (now() + 120, old)})
+    assert holds.claims.claim("r", old, "a") is True
+    srv.events.put(("done", "r", 1, old, "a"))
+    holds.drain(srv, time.monotonic())
+    assert holds.finished(now()) == {"r"}
+    new = make_key(SECRET, "r")
+    holds.hold({"r": (now() + 120, new)})
+    assert holds.claims.claim("r", old, "b") is False
+    assert holds.claims.claim("r", new, "c") is False
