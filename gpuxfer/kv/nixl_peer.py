@@ -264,11 +264,12 @@ class NixlPeer(KVPeer):
                     raise LayoutMismatch(why)
         n_seg, lens_s, lens_d, (S, D, *_rest) = self._route_ids(op, groups).check(name, push, local_blocks,
                                                                                    remote_blocks)
-        loc, rem, nbytes, parts = [], [], 0, []
+        loc, rem, nbytes, parts, writes = [], [], 0, [], {}
         a = b = 0
         for g, n, ls, ld in zip(groups, n_seg, lens_s, lens_d):
             src, dst = S[a:a + ls], D[b:b + ld]
             a, b = a + ls, b + ld
+            writes[g] = dst.copy()          # (the checker reuses its arrays)
             mine, theirs = (src, dst) if push else (dst, src)
             rm, rt = lists.ratios[g]
             my_seg, their_seg = _segment_index(mine, rm, n), _segment_index(theirs, rt, n)
@@ -287,7 +288,8 @@ class NixlPeer(KVPeer):
         local_idx = np.concatenate(loc).astype(np.int32) if loc else np.empty(0, np.int32)
         remote_idx = np.concatenate(rem).astype(np.int32) if rem else np.empty(0, np.int32)
         rows = _runs(parts, local_idx.size, self.side.device, self.meta.nixl["device"])
-        return _NixlTransfer(self.poster, self, lists, op, name, local_idx, remote_idx, notify_slot, nbytes, rows)
+        return _NixlTransfer(self.poster, self, lists, op, name, local_idx, remote_idx, notify_slot, nbytes, rows,
+                             (self.meta.uid if push else None, layers, writes))
 
     # -- lifetime
 
@@ -425,7 +427,7 @@ class _NixlTransfer(KVTransfer):
 
     def __init__(self, poster, peer: NixlPeer, lists: _Lists, op: str, name: str, local_idx: np.ndarray,
                  remote_idx: np.ndarray, notify_slot: int | None, nbytes: int,
-                 rows: tuple[np.ndarray, np.ndarray] | None = None):   # noqa: D107
+                 rows: tuple[np.ndarray, np.ndarray] | None = None, writes: tuple = (None, None, {})):  # noqa: D107
         self.poster, self.agent = poster, poster.agent
         self.peer, self.lists, self.op, self.name = peer, lists, op, name
         self.route = None
@@ -435,6 +437,7 @@ class _NixlTransfer(KVTransfer):
         self.descriptors = int(local_idx.size if rows is None else len(rows[0]))
         self.nbytes = int(nbytes)
         self.n_seg = None
+        self.writes = writes    # (side: the peer's uid or None, layers, {group: destination IDs}): batch._overwrites
 
     def describe(self) -> str:
         return (f"NIXL {'READ' if self.op == 'pull' else 'WRITE'} of request {self.name!r} with peer "

@@ -1,0 +1,99 @@
+"""The NIXL route under hostile orders of calls and completions, over the fake NIXL (tests/fake_nixl.py): NIXL
+orders no transfer after another, so a fake that completes the later-posted transfer first is NIXL as it may
+behave. Two agents in this process, host emulation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpuxfer.kv import nixl_ffi
+from gpuxfer.kv.agent import KVAgent
+
+BT, BLOCKS = 4, 8
+
+
+def _agent(host, buf, r):
+    a = KVAgent(f"r{r}", platform=host, device=r, timeout_s=5.0, remote="nixl")
+    a.register_group("g", BT, {"l0": host.as_tensor(buf)[:BLOCKS * 256].view(BLOCKS, 256)})
+    return a
+
+
+@pytest.fixture
+def pair(fake_nixl, host):
+    """Two NIXL-route agents over the fake NIXL, each with the other as its peer; ``(fake, agents, peers, bufs)``:
+    agent r's block i holds bytes ``16 * r + i`` (a block's bytes name it)."""
+    bufs = [host.alloc(1 << 14, r) for r in (0, 1)]
+    for r, b in enumerate(bufs):
+        t = host.as_tensor(b)[:BLOCKS * 256].view(BLOCKS, 256)
+        for i in range(BLOCKS):
+            t[i].fill_(16 * r + i)
+    agents = [_agent(host, b, r) for r, b in enumerate(bufs)]
+    peers = [agents[0].add_peer(agents[1].metadata(), route="nixl"),
+             agents[1].add_peer(agents[0].metadata(), route="nixl")]
+    yield fake_nixl, agents, peers, bufs
+    for a in agents:
+        a.close()
+    for b in bufs:
+        b.close()
+    nixl_ffi._KEPT.clear()
+
+
+def _block(host, buf, i: int) -> set:
+    return set(host.as_tensor(buf)[i * 256:(i + 1) * 256].unique().tolist())
+
+
+def _later_first(fake, agent, monkeypatch) -> list:
+    """NIXL completing transfers out of their post order: ``agent``'s NIXL agent holds each posted transfer's copy
+    until one is polled, then runs every held copy, the last posted first. The list of held transfers."""
+    nx = fake.agents[agent.nixl.name]
+    real_transfer, held = nx.transfer, []
+
+    def transfer(h, notif_msg=b""):
+        held.append(h)
+        h.state = "PROC"
+        return "PROC"
+
+    def check(h):
+        while held:
+            real_transfer(held.pop())       # the copy, then DONE
+        return h.state
+
+    monkeypatch.setattr(nx, "transfer", transfer)
+    monkeypatch.setattr(nx, "check_xfer_state", check)
+    return held
+
+
+# ----------------------------------------------------------------------------- post_many writing one destination
+
+
+@pytest.mark.parametrize("op", ["pull", "push"])
+def test_post_many_writing_one_destination_twice_lands_in_order(pair, host, monkeypatch, op):
+    """Two requests of one post_many writing the same destination block: as on the IPC route, they run in the
+    batch's order -- the destination ends with the second one's bytes, whatever order NIXL completes them in
+    (both handles report done: the first's bytes left there would be success over other bytes than asked)."""
+    fake, (a, b), (p, _), bufs = pair
+    _later_first(fake, a, monkeypatch)
+    if op == "pull":                    # b's blocks 1 then 2 into a's block 0
+        xs = [a.prepare(p, "pull", local_blocks={"g": [0]}, remote_blocks={"g": [s]}) for s in (1, 2)]
+        dst, want = (bufs[0], 0), {16 + 2}
+    else:                               # a's blocks 1 then 2 into b's block 0
+        xs = [a.prepare(p, "push", local_blocks={"g": [s]}, remote_blocks={"g": [0]}) for s in (1, 2)]
+        dst, want = (bufs[1], 0), {2}
+    hs = a.post_many(xs)
+    for h in hs:
+        h.wait(5)
+    assert _block(host, *dst) == want
+
+
+def test_post_many_of_distinct_destinations_is_not_serialized(pair, host, monkeypatch):
+    """Requests of one post_many writing distinct blocks (or the same block number on the two sides) are all posted
+    before any is waited for: no request of a batch waits for another it does not overwrite."""
+    fake, (a, b), (p, _), bufs = pair
+    held = _later_first(fake, a, monkeypatch)
+    xs = [a.prepare(p, "pull", local_blocks={"g": [d]}, remote_blocks={"g": [s]}) for d, s in ((0, 1), (3, 2))]
+    xs.append(a.prepare(p, "push", local_blocks={"g": [5]}, remote_blocks={"g": [0]}))    # the peer's block 0
+    hs = a.post_many(xs)
+    assert len(held) == 3               # none completed: nothing was waited for
+    for h in hs:
+        h.wait(5)
+    assert _block(host, bufs[0], 0) == {17} and _block(host, bufs[0], 3) == {18} and _block(host, bufs[1], 0) == {5}
