@@ -138,7 +138,8 @@ class NixlPeer(KVPeer):
                     h._settle(max(0.0, deadline - time.monotonic()))
                 except (NixlError, NotRegistered):
                     pass                # over: its failure is its own handle's to raise
-            self._reap()
+            with self.poster.lock:      # (a post appends to the list under it)
+                self._reap()
             self._drop_lists(have)
         return built
 
@@ -429,8 +430,7 @@ class _NixlTransfer(KVTransfer):
                  remote_idx: np.ndarray, notify_slot: int | None, nbytes: int,
                  rows: tuple[np.ndarray, np.ndarray] | None = None, writes: tuple = (None, None, {})):  # noqa: D107
         self.poster, self.agent = poster, poster.agent
-        self.peer, self.lists, self.op, self.name = peer, lists, op, name
-        self.route = None
+        self.peer, self.lists, self.op, self.name, self.route = peer, lists, op, name, None
         self.local_idx, self.remote_idx = local_idx, remote_idx
         self.rows = rows                # runs of blocks as descriptors of their own (:func:`_runs`), or None
         self.notify_slot = notify_slot

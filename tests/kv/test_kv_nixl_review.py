@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpuxfer.errors import NotRegistered
 from gpuxfer.kv import nixl_ffi
 from gpuxfer.kv.agent import KVAgent
 
@@ -97,3 +98,53 @@ def test_post_many_of_distinct_destinations_is_not_serialized(pair, host, monkey
     for h in hs:
         h.wait(5)
     assert _block(host, bufs[0], 0) == {17} and _block(host, bufs[0], 3) == {18} and _block(host, bufs[1], 0) == {5}
+
+
+# ----------------------------------------------------------------------------- the lists rebuilt while others post
+
+
+def test_a_post_while_the_lists_are_rebuilt_stays_tracked(pair, host, monkeypatch):
+    """A group registered after add_peer rebuilds the lists when a request names it, forgetting the completed
+    transfers after; a post of another thread at that moment stays among the peer's transfers in flight (else
+    remove_peer and close neither wait for it nor release it: its lists and NIXL agent dropped under it)."""
+    import threading
+    fake, (a, b), (p, _), bufs = pair
+    fake.stuck = True                   # the posted transfer stays in flight
+    lock, posted, threads = a._poster.lock, [], []
+
+    def post():
+        nonlocal p
+        posted.append(a.transfer(p, "pull", local_blocks={"g": [0]}, remote_blocks={"g": [1]}, name="meanwhile"))
+
+    class Over:                         # a completed transfer the rebuild forgets: another thread posts meanwhile
+        def _settle(self, timeout_s):
+            pass
+
+        @property
+        def _finished(self):
+            if threads:                 # (the post's own reap reads it too)
+                return True
+            t = threading.Thread(target=post)
+            t.start()
+            threads.append(t)
+            if not lock.locked():       # (else the post waits for the lock the rebuild holds)
+                t.join(30)
+            return True
+
+    def group(r):
+        return {"l1": host.as_tensor(bufs[r])[4096:4096 + BLOCKS * 256].view(BLOCKS, 256)}
+
+    a.remove_peer(p)
+    b.register_group("h", BT, group(1))
+    p = a.add_peer(b.metadata(), route="nixl")
+    a.register_group("h", BT, group(0))         # the lists hold "g" alone, the peer both
+    p._inflight.append(Over())
+    a.prepare(p, "pull", local_blocks={"h": [0]}, remote_blocks={"h": [1]})
+    for t in threads:
+        t.join(30)
+    assert len(posted) == 1 and posted[0] in p._inflight
+    monkeypatch.setattr(a, "timeout_s", 0.2)
+    a.remove_peer(p)                    # waits for it (bounded), then releases it: its handle says so
+    with pytest.raises(NotRegistered, match="'meanwhile': peer 'r1' was removed before it completed"):
+        posted[0].wait(5)
+    assert a.nixl.nixl._xfers == []
