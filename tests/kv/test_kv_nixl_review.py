@@ -148,3 +148,56 @@ def test_a_post_while_the_lists_are_rebuilt_stays_tracked(pair, host, monkeypatc
     with pytest.raises(NotRegistered, match="'meanwhile': peer 'r1' was removed before it completed"):
         posted[0].wait(5)
     assert a.nixl.nixl._xfers == []
+
+
+# ----------------------------------------------------------------------------- registrations racing metadata
+
+
+def test_nixl_registering_while_a_group_is_registered_sees_whole_allocations(pair, host, monkeypatch):
+    """NIXL's side registers the allocations listed so far while another thread's register_group lists a new one:
+    it never sees the allocation without its base address (an IndexError out of metadata() or add_peer)."""
+    fake, (a, b), _, bufs = pair
+    reg, seen = a._registry, []
+
+    class Allocs(list):
+        def append(self, h):
+            super().append(h)
+            try:
+                a.nixl.register()       # another thread's add_peer or metadata() at this point
+                seen.append("ok")
+            except Exception as exc:  # noqa: BLE001 - what the test looks for
+                seen.append(exc)
+
+    reg.allocs = Allocs(reg.allocs)
+    extra = host.alloc(1 << 12, 0)
+    try:
+        a.register_group("h", BT, {"l1": host.as_tensor(extra)[:BLOCKS * 256].view(BLOCKS, 256)})
+        assert seen == ["ok"]
+        b.remove_peer(a.name)
+        assert b.add_peer(a.metadata(), route="nixl") is not None
+    finally:
+        a.close()
+        extra.close()
+
+
+def test_metadata_taken_while_a_group_is_registered_is_metadata_a_peer_accepts(pair, host, monkeypatch):
+    """register_group running while metadata() is taken: the NIXL section lists one base per allocation the
+    metadata lists (never one more: a peer would refuse the agent's own metadata)."""
+    from gpuxfer.kv.nixl_route import NixlSide
+    fake, (a, b), _, bufs = pair
+    extra = host.alloc(1 << 12, 0)
+    real = NixlSide.metadata
+
+    def metadata(self, *args):
+        monkeypatch.setattr(NixlSide, "metadata", real)
+        a.register_group("h", BT, {"l1": host.as_tensor(extra)[:BLOCKS * 256].view(BLOCKS, 256)})
+        return real(self, *args)
+
+    monkeypatch.setattr(NixlSide, "metadata", metadata)
+    try:
+        blob = a.metadata()
+        b.remove_peer(a.name)
+        assert b.add_peer(blob, route="nixl") is not None
+    finally:
+        a.close()
+        extra.close()
