@@ -84,8 +84,7 @@ class NixlPeer(KVPeer):
         self._lists: _Lists | None = None
         self._ids = _IdsCache(IDS_PER_PEER)      # (op, groups) -> _RouteIds
         self._inflight: list["_NixlHandle"] = []
-        nx = meta.nixl
-        self.remote: str | None = None
+        nx, self.remote = meta.nixl, None
         self.groups: dict[str, _Group] = {}
         for g in meta.groups:
             layers = [KVLayer(lay.name, lay.index, nx["bases"][a] + off, lay.num_blocks, lay.block_stride,
@@ -129,8 +128,12 @@ class NixlPeer(KVPeer):
         groups = tuple(g for g in self.registry.groups if g in self.groups)
         self.side.register()            # allocations of groups registered since
         built = self._build(groups)
-        with self.poster.lock:          # a post checks its lists and hands them to NIXL under it
-            have, self._lists = self._lists, built
+        with self.poster.lock:          # a post checks its lists and hands them to NIXL under it; _release takes them
+            gone = self._closed
+            have, self._lists = (None, self._lists) if gone else (self._lists, built)
+        if gone:                        # (released: these are no peer's to release)
+            self._drop_lists(built)
+            raise NotRegistered(f"peer {self.name!r} was removed from agent {self.agent.name!r}")
         if have is not None:            # transfers made from the old lists complete first (bounded)
             deadline = time.monotonic() + self.agent.timeout_s
             for h in self._inflight:
@@ -299,7 +302,7 @@ class NixlPeer(KVPeer):
         self._inflight = [h for h in self._inflight if not h._finished]
 
     def _release(self) -> None:
-        side = self.side
+        side, errors = self.side, []
         with side.lock:                 # its notifications count no more (a peer's name is held by one at most)
             side.senders.discard(self.remote)
         deadline = time.monotonic() + self.agent.timeout_s
@@ -308,7 +311,6 @@ class NixlPeer(KVPeer):
                 h._settle(max(0.0, deadline - time.monotonic()))
             except Exception as exc:  # noqa: BLE001 - closing: what failed is logged, the rest released
                 log.warning("peer %s: %s", self.name, exc)
-        errors: list[str] = []
         with side.lock:
             for h in self._inflight:    # unfinished: its handle never asks NIXL about it again
                 if h._finished:
@@ -318,9 +320,10 @@ class NixlPeer(KVPeer):
                 h._cut = (f"peer {self.name!r} was removed before it completed (NIXL "
                           + ("refused to release its transfer)" if why else "released its transfer)"))
         self._inflight = []
-        if self._lists is not None and not side.nixl.closed:     # (a closed NIXL agent released them)
-            self._drop_lists(self._lists)
-        self._lists = None
+        with self.poster.lock:          # (a rebuild swaps them under it: each list is released once)
+            lists, self._lists = self._lists, None
+        if lists is not None and not side.nixl.closed:     # (a closed NIXL agent released them)
+            self._drop_lists(lists)
         if self.remote is not None and not side.nixl.closed:
             with side.lock:
                 try:
@@ -368,12 +371,10 @@ def _segments(base: int, blocks: int, stride: int, ratio: int, seg_bytes: int) -
 
 def _dlist(rows: list[tuple[np.ndarray, int]], device: int) -> np.ndarray:
     """NIXL's ``(N, 3)`` uint64 rows ``(address, length, device)`` of planes' segment addresses."""
-    n = sum(a.size for a, _ in rows)
-    out = np.empty((n, 3), dtype=np.uint64)
+    out = np.empty((sum(a.size for a, _ in rows), 3), dtype=np.uint64)
     at = 0
     for addrs, seg in rows:
-        out[at:at + addrs.size, 0] = addrs
-        out[at:at + addrs.size, 1] = seg
+        out[at:at + addrs.size, 0], out[at:at + addrs.size, 1] = addrs, seg
         at += addrs.size
     out[:, 2] = device
     return out
@@ -435,8 +436,7 @@ class _NixlTransfer(KVTransfer):
         self.rows = rows                # runs of blocks as descriptors of their own (:func:`_runs`), or None
         self.notify_slot = notify_slot
         self.descriptors = int(local_idx.size if rows is None else len(rows[0]))
-        self.nbytes = int(nbytes)
-        self.n_seg = None
+        self.nbytes, self.n_seg = int(nbytes), None
         self.writes = writes    # (side: the peer's uid or None, layers, {group: destination IDs}): batch._overwrites
 
     def describe(self) -> str:

@@ -201,3 +201,54 @@ def test_metadata_taken_while_a_group_is_registered_is_metadata_a_peer_accepts(p
     finally:
         a.close()
         extra.close()
+
+
+# ----------------------------------------------------------------------------- remove_peer racing a lists rebuild
+
+
+def _dlist_releases(fake, agent, monkeypatch) -> list:
+    """Every prepped list ``agent``'s NIXL agent is asked to release, in order (a list released twice is
+    listed twice: real NIXL frees it twice)."""
+    nx = fake.agents[agent.nixl.name]
+    real, asked = nx.release_dlist_handle, []
+
+    def release(h):
+        asked.append(h)
+        real(h)
+
+    monkeypatch.setattr(nx, "release_dlist_handle", release)
+    return asked
+
+
+def test_remove_peer_racing_a_lists_rebuild_releases_each_list_once(pair, host, monkeypatch):
+    """remove_peer releasing the peer's lists while another thread's prepare rebuilds them (a group registered
+    since): every prepped list is released exactly once -- never twice (a double free in NIXL), never left
+    behind -- and the prepare ends in a typed error or moves nothing the removed peer would."""
+    from gpuxfer.errors import GpuxferError
+    from gpuxfer.kv.nixl_peer import NixlPeer
+    fake, (a, b), (p, _), bufs = pair
+
+    def group(r):
+        return {"l1": host.as_tensor(bufs[r])[4096:4096 + BLOCKS * 256].view(BLOCKS, 256)}
+
+    a.remove_peer(p)
+    b.register_group("h", BT, group(1))
+    p = a.add_peer(b.metadata(), route="nixl")
+    a.register_group("h", BT, group(0))
+    asked = _dlist_releases(fake, a, monkeypatch)
+    real_drop, got, once = NixlPeer._drop_lists, [], []
+
+    def drop(self, lists):
+        if not once:                    # remove_peer's release of the lists: another thread rebuilds them now
+            once.append(True)
+            try:
+                got.append(self.lists(("h",)))
+            except GpuxferError as exc:
+                got.append(exc)
+        real_drop(self, lists)
+
+    monkeypatch.setattr(NixlPeer, "_drop_lists", drop)
+    a.remove_peer(p)
+    assert len(got) == 1
+    assert len(asked) == len({id(h) for h in asked}), "a prepped list was released twice"
+    assert a.nixl.nixl._dlists == [], "a prepped list was left behind"
