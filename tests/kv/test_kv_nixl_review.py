@@ -9,6 +9,7 @@ import torch
 from gpuxfer.errors import NotRegistered
 from gpuxfer.kv import nixl_ffi
 from gpuxfer.kv.agent import KVAgent
+from test_kv_nixl_route import need_nixl  # noqa: F401 - the fixture: real NIXL, UCX over loopback
 
 BT, BLOCKS = 4, 8
 
@@ -252,3 +253,55 @@ def test_remove_peer_racing_a_lists_rebuild_releases_each_list_once(pair, host, 
     assert len(got) == 1
     assert len(asked) == len({id(h) for h in asked}), "a prepped list was released twice"
     assert a.nixl.nixl._dlists == [], "a prepped list was left behind"
+
+
+# ----------------------------------------------------------------------------- real NIXL: a peer dead before add_peer
+
+
+def _published_then_dead(to_parent, from_parent):
+    """Publish an agent's metadata, then, once it arrived, die without closing anything."""
+    import os
+    from test_kv_nixl_route import _setup
+    plat, buf, agent, _ = _setup(0, "host")
+    to_parent.put(agent.metadata())
+    from_parent.get(timeout=120)
+    os._exit(0)
+
+
+def test_adding_a_peer_that_died_after_publishing_never_hangs(need_nixl, spawner, host):
+    """Real NIXL over loopback: metadata of an agent whose process died before add_peer: add_peer and the first
+    transfer each end within the agent's timeout -- done, or a typed error -- never a hang."""
+    import threading
+    from gpuxfer.errors import GpuxferError
+    from test_kv_nixl_route import _caches
+    q, back = spawner.queue(), spawner.queue()
+    child = spawner.start(_published_then_dead, q, back, name="dead")
+    blob = q.get(timeout=120)
+    back.put("die")
+    child.proc.join(60)
+    assert child.proc.exitcode == 0
+    buf = host.alloc(1 << 16, 1)
+    agent = KVAgent("survivor", platform=host, device=1, timeout_s=5.0, remote="nixl")
+    outcome = []
+
+    def run():
+        try:
+            agent.register_group("full", 4, _caches(1, host.as_tensor(buf))["full"])
+            peer = agent.add_peer(blob, route="nixl")
+            outcome.append("added")
+            agent.transfer(peer, "pull", local_blocks={"full": [0]}, remote_blocks={"full": [1]}).wait(5)
+            outcome.append("moved")
+        except GpuxferError as exc:
+            outcome.append(type(exc).__name__)
+        except BaseException as exc:  # noqa: BLE001 - an untyped error is what the test looks for
+            outcome.append(repr(exc))
+
+    t = threading.Thread(target=run, daemon=True)
+    try:
+        t.start()
+        t.join(120)
+        assert not t.is_alive(), f"a dead peer hung the agent: {outcome}"
+        assert outcome[-1] in ("NixlError", "TransferTimeout", "BadMetadata"), outcome
+    finally:
+        agent.close()
+        buf.close()
