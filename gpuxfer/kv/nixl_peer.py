@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Mapping
+from typing import Mapping
 
 import numpy as np
 
@@ -18,6 +18,7 @@ from .ids import IDS_PER_PEER, _IdsCache, _RouteIds
 from .layers import KVLayer
 from .nixl_ffi import NixlError, RemoteHeld
 from .nixl_route import NOTIF_PREFIX, NixlSide
+from .posting import INFLIGHT_KEEP
 from .peers import KVPeer, _Group
 from .routes import _check_sources, _overlap_classes, _pair_pieces, request_groups
 from .transfer import KVTransfer
@@ -39,17 +40,14 @@ class _Lists:
     def __init__(self, groups: tuple[str, ...]):
         self.groups = groups
         self.local_h = self.remote_h = None
-        self.planes: dict[str, list[tuple[int, int, int, int]]] = {}   # group -> (layer index, local start,
-                                                                       # remote start, segment bytes)
+        self.planes: dict[str, list[tuple]] = {}      # group -> (layer index, local start, remote start, segment bytes)
         self.ratios: dict[str, tuple[int, int]] = {}                  # group -> (local, remote) segments per block
         self.errors: dict[str, Exception] = {}                         # group -> why it cannot pair
         self.full: dict[str, bool] = {}                                 # group -> both sides have the same layers
         self.unpaired: dict[str, list] = {}             # group -> the peer's layers no layer here pairs with
-        self.renumbered: dict[str, list] = {}           # group -> the peer's layers whose namesake here has
-                                                        # another index
-        # group -> (layer index, why) per layer of this agent's that does not pair with the peer's of its name (it
-        # has none, or its pieces differ): a request over a range holding it raises LayoutMismatch(why), others move
-        # the layers that pair
+        self.renumbered: dict[str, list] = {}         # group -> the peer's layers whose namesake here has another index
+        # group -> (layer index, why) per layer of this agent's that does not pair with the peer's of its name (none,
+        # or other pieces): a request over a range holding it raises LayoutMismatch(why), others move those that pair
         self.unpairable: dict[str, list[tuple[int, str]]] = {}
         # group -> per plane (local address of block 0, local block stride, remote address, remote stride) where the
         # plane's one segment per block is the whole block on both sides (consecutive blocks adjoin), else None
@@ -71,15 +69,10 @@ class NixlPeer(KVPeer):
         side.check_peer(meta)
         self.agent, self.meta, self.name, self.side = agent, meta, meta.agent, side
         self.local_view = local_view or {}
-        self.registry, self.poster = registry, poster
-        self._closed = False
-        self._mappings: list[Any] = []
-        self._owned: list[Any] = []
-        self.flags = None
-        self.staging_ptr = None
-        self._local = None
-        self._seq = [0] * NOTIFY_SLOTS
-        self._notified: list = [None] * NOTIFY_SLOTS
+        self.registry, self.poster, self._closed = registry, poster, False
+        self._mappings, self._owned = [], []     # (KVPeer's: none on this route)
+        self.flags = self.staging_ptr = self._local = None
+        self._seq, self._notified = [0] * NOTIFY_SLOTS, [None] * NOTIFY_SLOTS
         self.pack_sent = self.pack_recv = 0
         self._lists: _Lists | None = None
         self._ids = _IdsCache(IDS_PER_PEER)      # (op, groups) -> _RouteIds
@@ -297,8 +290,15 @@ class NixlPeer(KVPeer):
 
     # -- lifetime
 
-    def _reap(self) -> None:
-        """Forget completed transfers (their NIXL handles were released when seen done)."""
+    def _reap(self, keep: int | None = None) -> None:
+        """Forget completed transfers (NIXL's handles released when seen done); past ``keep`` of them, NIXL is asked
+        about the oldest first, as far as they completed: handles nobody waits on stay bounded."""
+        for h in self._inflight if keep is not None and len(self._inflight) >= keep else ():
+            try:
+                if not h._poll():
+                    break
+            except GpuxferError:        # over: its wait raises it
+                pass
         self._inflight = [h for h in self._inflight if not h._finished]
 
     def _release(self) -> None:
@@ -488,7 +488,7 @@ class _NixlTransfer(KVTransfer):
         if xfer is None:
             return _NixlHandle(self, None, "DONE", value)
         h = _NixlHandle(self, xfer, state, value)
-        peer._reap()
+        peer._reap(INFLIGHT_KEEP)
         peer._inflight.append(h)
         return h
 

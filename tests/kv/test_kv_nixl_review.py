@@ -255,6 +255,24 @@ def test_remove_peer_racing_a_lists_rebuild_releases_each_list_once(pair, host, 
     assert a.nixl.nixl._dlists == [], "a prepped list was left behind"
 
 
+
+# ----------------------------------------------------------------------------- handles never waited on
+
+
+def test_transfers_never_waited_on_are_released_as_they_complete(pair, host):
+    """A caller that posts and never waits (the peer learns of the data by its notification): the route keeps
+    a bounded number of transfers -- NIXL's handles of completed ones released as later posts find them done, as
+    the IPC route drops completed posts -- not one NIXL transfer per post until remove_peer."""
+    from gpuxfer.kv.posting import INFLIGHT_KEEP
+    fake, (a, b), (p, _), bufs = pair
+    for i in range(10 * INFLIGHT_KEEP):
+        a.transfer(p, "pull", local_blocks={"g": [i % BLOCKS]}, remote_blocks={"g": [(i + 1) % BLOCKS]},
+                   notify_slot=1)
+    assert len(p._inflight) <= INFLIGHT_KEEP
+    assert len(a.nixl.nixl._xfers) <= INFLIGHT_KEEP
+    b.wait_notification(1, 10 * INFLIGHT_KEEP, timeout_s=5)
+
+
 # ----------------------------------------------------------------------------- real NIXL: a peer dead before add_peer
 
 
