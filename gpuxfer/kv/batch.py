@@ -36,7 +36,8 @@ slots, a batch past :data:`BATCH_ROWS` is cut into parts, each checked as a whol
 destination in two parts both move, in the batch's order, as separate posts would. A route whose batch
 mixes host and device IDs, or whose device-ID requests' block sizes differ, is posted one request after
 another, in order. Transfers of other engines (``pack``, ``copy_engine``, the NIXL route) are posted one by
-one after the triton engine's.
+one after the triton engine's; NIXL orders no transfer after another, so one of the NIXL route that writes a
+block an earlier one of the batch writes is posted once that one completed (its wait bounded).
 """
 from __future__ import annotations
 
@@ -106,14 +107,33 @@ def post_many(poster, transfers: Sequence[KVTransfer], stream: Stream | None) ->
                     poster.check_usable(peer)
                 for idx in routes.values():
                     _post_route_requests(poster, transfers, idx, s, handles, kinds)
+        posted = []                 # the NIXL route's transfers posted: (what each writes, its handle)
         for i in others:
+            writes = getattr(transfers[i], "writes", None)
+            if writes is not None:      # (NIXL orders no transfer after another)
+                for earlier, h in posted:
+                    if _overwrites(writes, earlier):
+                        h.wait()
             handles[i] = transfers[i].post(s)
+            if writes is not None:
+                posted.append((writes, handles[i]))
     except Exception as exc:
         # some transfers may be queued already: the caller learns which (and must not reuse their blocks
         # before they complete)
         exc.handles = list(handles)
         raise
     return handles
+
+
+def _overwrites(writes: tuple, earlier: tuple) -> bool:
+    """Whether a NIXL-route transfer may write a block an ``earlier`` one writes (their ``writes``: the side -- the
+    peer's uid, or None for this agent --, the layer range, ``{group: destination block IDs}``): the same side's
+    block of a group, in layer ranges that meet. It is posted once that one completed, so the later one's bytes
+    are what stays, as on the IPC route."""
+    (mine, ml, mw), (theirs, ol, ow) = writes, earlier
+    if mine != theirs or (ml is not None and ol is not None and (ml[1] <= ol[0] or ol[1] <= ml[0])):
+        return False
+    return any(g in ow and np.intersect1d(ids, ow[g]).size for g, ids in mw.items())
 
 
 def _sort(agent, transfers: Sequence[KVTransfer]) -> tuple[dict, list[int], list, set | None]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Mapping
+from typing import Mapping
 
 import numpy as np
 
@@ -18,6 +18,7 @@ from .ids import IDS_PER_PEER, _IdsCache, _RouteIds
 from .layers import KVLayer
 from .nixl_ffi import NixlError, RemoteHeld
 from .nixl_route import NOTIF_PREFIX, NixlSide
+from .posting import INFLIGHT_KEEP
 from .peers import KVPeer, _Group
 from .routes import _check_sources, _overlap_classes, _pair_pieces, request_groups
 from .transfer import KVTransfer
@@ -39,17 +40,14 @@ class _Lists:
     def __init__(self, groups: tuple[str, ...]):
         self.groups = groups
         self.local_h = self.remote_h = None
-        self.planes: dict[str, list[tuple[int, int, int, int]]] = {}   # group -> (layer index, local start,
-                                                                       # remote start, segment bytes)
+        self.planes: dict[str, list[tuple]] = {}      # group -> (layer index, local start, remote start, segment bytes)
         self.ratios: dict[str, tuple[int, int]] = {}                  # group -> (local, remote) segments per block
         self.errors: dict[str, Exception] = {}                         # group -> why it cannot pair
         self.full: dict[str, bool] = {}                                 # group -> both sides have the same layers
         self.unpaired: dict[str, list] = {}             # group -> the peer's layers no layer here pairs with
-        self.renumbered: dict[str, list] = {}           # group -> the peer's layers whose namesake here has
-                                                        # another index
-        # group -> (layer index, why) per layer of this agent's that does not pair with the peer's of its name (it
-        # has none, or its pieces differ): a request over a range holding it raises LayoutMismatch(why), others move
-        # the layers that pair
+        self.renumbered: dict[str, list] = {}         # group -> the peer's layers whose namesake here has another index
+        # group -> (layer index, why) per layer of this agent's that does not pair with the peer's of its name (none,
+        # or other pieces): a request over a range holding it raises LayoutMismatch(why), others move those that pair
         self.unpairable: dict[str, list[tuple[int, str]]] = {}
         # group -> per plane (local address of block 0, local block stride, remote address, remote stride) where the
         # plane's one segment per block is the whole block on both sides (consecutive blocks adjoin), else None
@@ -71,21 +69,15 @@ class NixlPeer(KVPeer):
         side.check_peer(meta)
         self.agent, self.meta, self.name, self.side = agent, meta, meta.agent, side
         self.local_view = local_view or {}
-        self.registry, self.poster = registry, poster
-        self._closed = False
-        self._mappings: list[Any] = []
-        self._owned: list[Any] = []
-        self.flags = None
-        self.staging_ptr = None
-        self._local = None
-        self._seq = [0] * NOTIFY_SLOTS
-        self._notified: list = [None] * NOTIFY_SLOTS
+        self.registry, self.poster, self._closed = registry, poster, False
+        self._mappings, self._owned = [], []     # (KVPeer's: none on this route)
+        self.flags = self.staging_ptr = self._local = None
+        self._seq, self._notified = [0] * NOTIFY_SLOTS, [None] * NOTIFY_SLOTS
         self.pack_sent = self.pack_recv = 0
         self._lists: _Lists | None = None
         self._ids = _IdsCache(IDS_PER_PEER)      # (op, groups) -> _RouteIds
         self._inflight: list["_NixlHandle"] = []
-        nx = meta.nixl
-        self.remote: str | None = None
+        nx, self.remote = meta.nixl, None
         self.groups: dict[str, _Group] = {}
         for g in meta.groups:
             layers = [KVLayer(lay.name, lay.index, nx["bases"][a] + off, lay.num_blocks, lay.block_stride,
@@ -129,8 +121,12 @@ class NixlPeer(KVPeer):
         groups = tuple(g for g in self.registry.groups if g in self.groups)
         self.side.register()            # allocations of groups registered since
         built = self._build(groups)
-        with self.poster.lock:          # a post checks its lists and hands them to NIXL under it
-            have, self._lists = self._lists, built
+        with self.poster.lock:          # a post checks its lists and hands them to NIXL under it; _release takes them
+            gone = self._closed
+            have, self._lists = (None, self._lists) if gone else (self._lists, built)
+        if gone:                        # (released: these are no peer's to release)
+            self._drop_lists(built)
+            raise NotRegistered(f"peer {self.name!r} was removed from agent {self.agent.name!r}")
         if have is not None:            # transfers made from the old lists complete first (bounded)
             deadline = time.monotonic() + self.agent.timeout_s
             for h in self._inflight:
@@ -138,7 +134,8 @@ class NixlPeer(KVPeer):
                     h._settle(max(0.0, deadline - time.monotonic()))
                 except (NixlError, NotRegistered):
                     pass                # over: its failure is its own handle's to raise
-            self._reap()
+            with self.poster.lock:      # (a post appends to the list under it)
+                self._reap()
             self._drop_lists(have)
         return built
 
@@ -264,11 +261,12 @@ class NixlPeer(KVPeer):
                     raise LayoutMismatch(why)
         n_seg, lens_s, lens_d, (S, D, *_rest) = self._route_ids(op, groups).check(name, push, local_blocks,
                                                                                    remote_blocks)
-        loc, rem, nbytes, parts = [], [], 0, []
+        loc, rem, nbytes, parts, writes = [], [], 0, [], {}
         a = b = 0
         for g, n, ls, ld in zip(groups, n_seg, lens_s, lens_d):
             src, dst = S[a:a + ls], D[b:b + ld]
             a, b = a + ls, b + ld
+            writes[g] = dst.copy()          # (the checker reuses its arrays)
             mine, theirs = (src, dst) if push else (dst, src)
             rm, rt = lists.ratios[g]
             my_seg, their_seg = _segment_index(mine, rm, n), _segment_index(theirs, rt, n)
@@ -287,16 +285,24 @@ class NixlPeer(KVPeer):
         local_idx = np.concatenate(loc).astype(np.int32) if loc else np.empty(0, np.int32)
         remote_idx = np.concatenate(rem).astype(np.int32) if rem else np.empty(0, np.int32)
         rows = _runs(parts, local_idx.size, self.side.device, self.meta.nixl["device"])
-        return _NixlTransfer(self.poster, self, lists, op, name, local_idx, remote_idx, notify_slot, nbytes, rows)
+        return _NixlTransfer(self.poster, self, lists, op, name, local_idx, remote_idx, notify_slot, nbytes, rows,
+                             (self.meta.uid if push else None, layers, writes))
 
     # -- lifetime
 
-    def _reap(self) -> None:
-        """Forget completed transfers (their NIXL handles were released when seen done)."""
+    def _reap(self, keep: int | None = None) -> None:
+        """Forget completed transfers (NIXL's handles released when seen done); past ``keep`` of them, NIXL is asked
+        about the oldest first, as far as they completed: handles nobody waits on stay bounded."""
+        for h in self._inflight if keep is not None and len(self._inflight) >= keep else ():
+            try:
+                if not h._poll():
+                    break
+            except GpuxferError:        # over: its wait raises it
+                pass
         self._inflight = [h for h in self._inflight if not h._finished]
 
     def _release(self) -> None:
-        side = self.side
+        side, errors = self.side, []
         with side.lock:                 # its notifications count no more (a peer's name is held by one at most)
             side.senders.discard(self.remote)
         deadline = time.monotonic() + self.agent.timeout_s
@@ -305,7 +311,6 @@ class NixlPeer(KVPeer):
                 h._settle(max(0.0, deadline - time.monotonic()))
             except Exception as exc:  # noqa: BLE001 - closing: what failed is logged, the rest released
                 log.warning("peer %s: %s", self.name, exc)
-        errors: list[str] = []
         with side.lock:
             for h in self._inflight:    # unfinished: its handle never asks NIXL about it again
                 if h._finished:
@@ -315,9 +320,10 @@ class NixlPeer(KVPeer):
                 h._cut = (f"peer {self.name!r} was removed before it completed (NIXL "
                           + ("refused to release its transfer)" if why else "released its transfer)"))
         self._inflight = []
-        if self._lists is not None and not side.nixl.closed:     # (a closed NIXL agent released them)
-            self._drop_lists(self._lists)
-        self._lists = None
+        with self.poster.lock:          # (a rebuild swaps them under it: each list is released once)
+            lists, self._lists = self._lists, None
+        if lists is not None and not side.nixl.closed:     # (a closed NIXL agent released them)
+            self._drop_lists(lists)
         if self.remote is not None and not side.nixl.closed:
             with side.lock:
                 try:
@@ -365,12 +371,10 @@ def _segments(base: int, blocks: int, stride: int, ratio: int, seg_bytes: int) -
 
 def _dlist(rows: list[tuple[np.ndarray, int]], device: int) -> np.ndarray:
     """NIXL's ``(N, 3)`` uint64 rows ``(address, length, device)`` of planes' segment addresses."""
-    n = sum(a.size for a, _ in rows)
-    out = np.empty((n, 3), dtype=np.uint64)
+    out = np.empty((sum(a.size for a, _ in rows), 3), dtype=np.uint64)
     at = 0
     for addrs, seg in rows:
-        out[at:at + addrs.size, 0] = addrs
-        out[at:at + addrs.size, 1] = seg
+        out[at:at + addrs.size, 0], out[at:at + addrs.size, 1] = addrs, seg
         at += addrs.size
     out[:, 2] = device
     return out
@@ -425,16 +429,15 @@ class _NixlTransfer(KVTransfer):
 
     def __init__(self, poster, peer: NixlPeer, lists: _Lists, op: str, name: str, local_idx: np.ndarray,
                  remote_idx: np.ndarray, notify_slot: int | None, nbytes: int,
-                 rows: tuple[np.ndarray, np.ndarray] | None = None):   # noqa: D107
+                 rows: tuple[np.ndarray, np.ndarray] | None = None, writes: tuple = (None, None, {})):  # noqa: D107
         self.poster, self.agent = poster, poster.agent
-        self.peer, self.lists, self.op, self.name = peer, lists, op, name
-        self.route = None
+        self.peer, self.lists, self.op, self.name, self.route = peer, lists, op, name, None
         self.local_idx, self.remote_idx = local_idx, remote_idx
         self.rows = rows                # runs of blocks as descriptors of their own (:func:`_runs`), or None
         self.notify_slot = notify_slot
         self.descriptors = int(local_idx.size if rows is None else len(rows[0]))
-        self.nbytes = int(nbytes)
-        self.n_seg = None
+        self.nbytes, self.n_seg = int(nbytes), None
+        self.writes = writes    # (side: the peer's uid or None, layers, {group: destination IDs}): batch._overwrites
 
     def describe(self) -> str:
         return (f"NIXL {'READ' if self.op == 'pull' else 'WRITE'} of request {self.name!r} with peer "
@@ -485,7 +488,7 @@ class _NixlTransfer(KVTransfer):
         if xfer is None:
             return _NixlHandle(self, None, "DONE", value)
         h = _NixlHandle(self, xfer, state, value)
-        peer._reap()
+        peer._reap(INFLIGHT_KEEP)
         peer._inflight.append(h)
         return h
 

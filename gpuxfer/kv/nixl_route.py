@@ -153,12 +153,14 @@ class NixlSide:
                 self.nixl.register(reg.alloc_bases[i], reg.allocs[i].nbytes, self.device, f"allocation {i}")
                 self._registered += 1
 
-    def metadata(self) -> dict:
+    def metadata(self, allocations: int) -> dict:
+        """The metadata's ``nixl`` section: one base address per allocation of the ``allocations`` it lists (an
+        allocation listed since, by a register_group of another thread, is in the next metadata)."""
         self.register()
         with self.lock:
             md = self.nixl.metadata()
         return {"agent": self.name, "md": bytes(md).hex(), "mem": self.mem_type, "device": self.device,
-                "bases": [int(b) for b in self.registry.alloc_bases[:self._registered]]}
+                "bases": [int(b) for b in self.registry.alloc_bases[:allocations]]}
 
     def check_peer(self, meta) -> None:
         """Whether the agent of ``meta`` (:class:`~gpuxfer.kv.metadata.PeerMetadata`) is one this side reaches (a

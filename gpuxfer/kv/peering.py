@@ -61,7 +61,7 @@ class Peering:
             "control": control, "staging": staging_meta, **self.registry.metadata(),
         }
         if agent.nixl is not None:
-            body["nixl"] = agent.nixl.metadata()
+            body["nixl"] = agent.nixl.metadata(len(body["allocations"]))
         return encode_metadata(body)
 
     def add(self, metadata: bytes, route: str | None, pieces: Mapping | None, local_pieces: Mapping | None,

@@ -69,8 +69,8 @@ class Registry:
             a = self.alloc_keys.get(handle.payload)
             if a is None:
                 a = self.alloc_keys[handle.payload] = len(self.allocs)
+                self.alloc_bases.append(base)   # first: NIXL's side reads allocs, then their bases, without the lock
                 self.allocs.append(handle)
-                self.alloc_bases.append(base)
             return a
 
     def flat(self, tensor):
