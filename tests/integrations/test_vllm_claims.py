@@ -116,8 +116,9 @@ def _answer(c: SideChannelClient, req: str, wait_s: float = 5.0):
     end = time.monotonic() + wait_s
     while time.monotonic() < end:
         c.read_answers()
-        if req in c.answers:
-            return c.answers.pop(req)
+        hit = [claim for claim in c.answers if claim[0] == req]     # (request, token)
+        if hit:
+            return c.answers.pop(hit[0])
         time.sleep(0.01)
     return None
 
@@ -271,10 +272,10 @@ def test_a_load_reports_loaded_only_once_its_claim_is_granted():
     for st in sts:
         st.handle.finished = True
     assert w.poll() == (set(), set(), set()) and r.client.sent == []
-    r.client.answers["p0"] = True
+    r.client.answers[("p0", None)] = True
     assert w.poll() == (set(), {"d0"}, set())
     assert r.client.sent == [("done", ["p0"])]
-    r.client.answers["p1"] = True
+    r.client.answers[("p1", None)] = True
     assert w.poll() == (set(), {"d1"}, set())
 
 
@@ -284,7 +285,7 @@ def test_a_refused_or_unanswered_claim_fails_its_load_and_sends_nothing():
     within the timeout fails the load too."""
     w = _worker()
     r, sts = _in_flight(w, 2, now() + 60)
-    r.client.answers = {"p0": False}
+    r.client.answers = {("p0", None): False}
     for st in sts:
         st.handle.finished = True
     assert w.poll() == (set(), {"d0"}, {"d0"})
@@ -303,3 +304,34 @@ def test_a_load_whose_connection_died_before_the_answer_fails():
     assert w.poll() == (set(), set(), set())
     r.client.alive, r.client.closed_reason = False, "closed"
     assert w.poll() == (set(), {"d0"}, {"d0"})
+
+
+def test_an_answer_a_failed_load_left_is_not_taken_by_a_later_load_of_the_request():
+    """A claim on request "r" with token "old" is granted, but its load failed before taking the answer (it timed
+    out), so the answer stays with the client. A later load of a request with the same ID (vLLM's request-ID
+    randomization off) and its own token must wait for its own claim's answer: the old grant is another claim's."""
+    import dataclasses
+    book = ClaimBook()
+    book.secret = SECRET
+    srv = SideChannelServer("127.0.0.1", 0, lambda: (b"{}", b"m"), 5.0, claim=book.claim)
+    c = SideChannelClient("127.0.0.1", srv.port, 5.0)
+    try:
+        c.handshake()
+        assert c.claim(["r"], [make_key(SECRET, "r")], ["old"])
+        end = time.monotonic() + 5
+        while not c.answers and time.monotonic() < end:
+            c.read_answers()
+            time.sleep(0.01)
+        assert list(c.answers.values()) == [True]           # granted, left behind
+        w = _worker()
+        r, sts = _in_flight(w, 1, now() + 60)
+        r.client = c
+        st = sts[0]
+        st.load = dataclasses.replace(st.load, remote=dataclasses.replace(st.load.remote, request_id="r",
+                                                                          token="new"))
+        st.handle.finished = True
+        assert w.poll() == (set(), set(), set())           # its own claim not answered yet: not reported loaded
+        assert not st.granted
+    finally:
+        c.close()
+        srv.close()

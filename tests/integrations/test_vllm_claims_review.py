@@ -76,7 +76,7 @@ def test_answers_to_claims_a_peer_never_reads_are_bounded():
         assert biggest() <= channel.MAX_UNSENT + channel.MAX_MESSAGE
         key = make_key(SECRET, "r")
         good.claim(["r"], [key], ["d1"])
-        assert _until(lambda: (good.read_answers(), good.answers.get("r"))[1] is True) and good.alive
+        assert _until(lambda: (good.read_answers(), good.answers.get(("r", "d1")))[1] is True) and good.alive
     finally:
         s.close()
         good.close()

@@ -38,7 +38,8 @@ MAX_ASKED = 1 << 12
 class SideChannelClient:
     """The decode worker's connection to one prefill engine, advanced by the engine's thread:
     :meth:`pump` until it returns the handshake (bounded by ``timeout_s`` from the connect), then
-    :meth:`claim` and :meth:`notify`; :attr:`answers` holds the prefill's answers to claims (request -> granted),
+    :meth:`claim` and :meth:`notify`; :attr:`answers` holds the prefill's answers to claims
+    ((request, token) -> granted),
     :meth:`read_answers` takes those that arrived; :attr:`alive` is False once the prefill end closed;
     :attr:`peer_clock` (once the handshake is in) bounds the prefill's lease clock against this one."""
 
@@ -76,9 +77,12 @@ class SideChannelClient:
         self.closed_reason: str | None = None
         self._pending: "collections.deque[tuple[float, str, list, list | None, list | None]]" = collections.deque()
         # (when queued, op, request ids, their hold keys, their claim tokens)
-        self._asked: dict[int, list[str]] = {}     # claim messages sent and not answered: id -> their requests
+        # claim messages sent and not answered: id -> their (request, token) pairs
+        self._asked: dict[int, list[tuple[str, str | None]]] = {}
         self._next_id = 0
-        self.answers: dict[str, bool] = {}          # the prefill's answers to claims, not taken yet
+        # the prefill's answers to claims not taken yet, by (request, token): an answer a load left (it failed before
+        # the answer came) is never taken by a later load of the same request ID with its own token
+        self.answers: dict[tuple[str, str | None], bool] = {}
         self._recv_lock = threading.Lock()          # one reader of answers at a time
         self._answer_in = bytearray()
         self._wake: "queue.SimpleQueue[bool]" = queue.SimpleQueue()    # True: a message; False: close
@@ -209,11 +213,11 @@ class SideChannelClient:
                 got.strip("01"):
             raise ChannelClosed(f"{str(msg)[:80]!r}")
         answers = self.answers
-        for req, g in zip(reqs, got):
-            answers[req] = g == "1"
+        for claim, g in zip(reqs, got):
+            answers[claim] = g == "1"
         if len(answers) > MAX_ANSWERS:      # answers no load took (its load failed first): the oldest go
-            for req in list(itertools.islice(answers, len(answers) - MAX_ANSWERS // 2)):
-                answers.pop(req, None)
+            for claim in list(itertools.islice(answers, len(answers) - MAX_ANSWERS // 2)):
+                answers.pop(claim, None)
 
     def claim(self, request_ids: list[str], keys: list[str | None], tokens: list[str]) -> bool:
         """Queue a claim on ``request_ids`` (their holds' keys and this instance's tokens): sent by the sender thread
@@ -291,7 +295,7 @@ class SideChannelClient:
                     if op == "claim":       # (before it goes: the answer may come before this thread runs again)
                         if len(self._asked) >= MAX_ASKED:
                             raise ChannelClosed(f"{len(self._asked)} claim messages unanswered")
-                        self._asked[self._next_id] = reqs
+                        self._asked[self._next_id] = list(zip(reqs, tokens or [None] * len(reqs)))
                         self._next_id += 1
                     self._head = bytearray(head)
                     self._head_deadline = time.monotonic() + self.timeout_s

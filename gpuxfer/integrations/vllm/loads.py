@@ -462,11 +462,12 @@ class DecodeLoads:
         if client is None:
             st.error = "no side channel to claim the request on"
             return True
-        got = client.answers.pop(rp.request_id, None)
+        claim = (rp.request_id, rp.token)
+        got = client.answers.pop(claim, None)
         if got is None and id(client) not in self._read_now:       # (one read of a client's answers a poll)
             self._read_now.add(id(client))
             client.read_answers()
-            got = client.answers.pop(rp.request_id, None)
+            got = client.answers.pop(claim, None)
         if got is True:
             st.granted = True
         elif got is False:
@@ -493,7 +494,7 @@ class DecodeLoads:
         if r is None:               # refused before it claimed anything
             return
         if r.client is not None and st.asked:
-            r.client.answers.pop(load.remote.request_id, None)
+            r.client.answers.pop((load.remote.request_id, load.remote.token), None)
         if st.refused:              # another instance reads it: nothing of this one's counts at the prefill
             return
         if st.forged or not (load.sealed is not None and load.sealed == r.seal_key or carries_seal(load.remote, r)):
