@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import threading
 import time
@@ -76,6 +77,9 @@ def main() -> None:
     a = ap.parse_args()
     if a.claims < 1 or a.step_ms <= 0:
         ap.error("--claims must be >= 1 and --step-ms > 0")
+    where = os.path.dirname(os.path.abspath(a.json)) if a.json else None
+    if where is not None and not (os.path.isdir(where) and os.access(where, os.W_OK)):
+        ap.error(f"--json: cannot write in {where}")
     if a.idle_s is not None:
         SideChannelServer.IDLE_S = a.idle_s
     rows = []
