@@ -48,7 +48,10 @@ class _Shm:
             from multiprocessing import resource_tracker
             self.linked = False
             unlink_shm(self.name)
-            resource_tracker.unregister(self.name, "shared_memory")
+            try:
+                resource_tracker.unregister(self.name, "shared_memory")
+            except Exception as exc:  # noqa: BLE001 - the name is gone already: only the tracker's books are left
+                log.debug("shared memory %s unlinked; the resource tracker did not take the news: %s", self.name, exc)
 
     def release(self) -> None:
         try:

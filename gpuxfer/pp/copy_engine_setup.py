@@ -207,12 +207,18 @@ class _CopyEngineSetup:
         """Drop the names of what this end exported (a namespace's names: the host emulation's shared memory;
         the mappings stay): at the probe, once the peer opened them, or after a failed setup."""
         unpublish = getattr(self.platform, "unpublish", None)
+        failed = None
         if unpublish is not None:
             for buf in (self._flags, self._data, self._staging):    # (staging: never exported at all)
                 if buf is not None and not buf.closed:
-                    unpublish(buf)
+                    try:                # (each buffer's name dropped whatever happened to the one before)
+                        unpublish(buf)
+                    except Exception as exc:  # noqa: BLE001 - raised below, once every name was tried
+                        failed = failed or exc
         if self._give_back is not None:
             self._give_back.unlink()
+        if failed is not None:
+            raise failed
 
     def setup_probe_check(self, peer_report: dict) -> dict:
         """Check the peer's probe writes arrived in local memory, and that a stream wait on it completes.
