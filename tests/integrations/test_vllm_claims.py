@@ -242,15 +242,22 @@ def test_claims_waiting_for_the_secret_are_bounded():
         srv.close()
 
 
-def test_a_client_given_what_is_not_an_answer_to_its_claims_closes():
-    """A prefill end that sends an answer to no claim this end sent, or of another length: the connection ends
-    (its loads fail) rather than take it."""
+def fake_prefill():
+    """A listener standing in for a prefill worker and a client handshaken with it: ``(listener, client, the
+    prefill end's socket)``, the test's to send answers on."""
     lst = socket.create_server(("127.0.0.1", 0))
     c = SideChannelClient("127.0.0.1", lst.getsockname()[1], 5.0)
     conn, _ = lst.accept()
+    conn.sendall(channel.frame(b"{}") + channel.frame(b"m") + channel.frame(b"\0" * 8))
+    c.handshake()
+    return lst, c, conn
+
+
+def test_a_client_given_what_is_not_an_answer_to_its_claims_closes():
+    """A prefill end that sends an answer to no claim this end sent, or of another length: the connection ends
+    (its loads fail) rather than take it."""
+    lst, c, conn = fake_prefill()
     try:
-        conn.sendall(channel.frame(b"{}") + channel.frame(b"m") + channel.frame(b"\0" * 8))
-        c.handshake()
         conn.sendall(message({"op": "claimed", "id": 7, "granted": "1"}))
         end = time.monotonic() + 5
         while c.alive and time.monotonic() < end:

@@ -8,6 +8,7 @@ import time
 from gpuxfer.integrations.vllm import channel, client
 from gpuxfer.integrations.vllm.channel import SideChannelClient, SideChannelServer, message
 from gpuxfer.integrations.vllm.holds import ClaimBook, make_key
+from test_vllm_claims import fake_prefill
 
 SECRET = b"s" * 16
 
@@ -24,12 +25,8 @@ def test_claims_a_prefill_leaves_unanswered_are_bounded(monkeypatch):
     message's requests until its answer, so past MAX_ASKED unanswered the connection ends (its loads fail) rather
     than keep them without bound."""
     monkeypatch.setattr(client, "MAX_ASKED", 4)
-    lst = socket.create_server(("127.0.0.1", 0))
-    c = SideChannelClient("127.0.0.1", lst.getsockname()[1], 5.0)
-    conn, _ = lst.accept()
+    lst, c, conn = fake_prefill()
     try:
-        conn.sendall(channel.frame(b"{}") + channel.frame(b"m") + channel.frame(b"\0" * 8))
-        c.handshake()
         for i in range(4):
             assert c.claim([f"r{i}"], ["k"], ["t"])
         assert _until(lambda: len(c._asked) == 4 and not c._pending)
