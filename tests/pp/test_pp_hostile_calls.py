@@ -187,22 +187,32 @@ def _fixed(step: int) -> dict:
     return {name: torch.full(shape, float(step)).to(dt) for name, (shape, dt) in specs().items()}
 
 
-def late_receiver_session(rank: int, world: int, init_method: str, how: str) -> dict:
+def _pair_session(rank: int, world: int, init_method: str):
+    """In a spawned rank: the host platform, the CPU group's store, and a function connecting the copy_engine pair
+    (rank 0 sends to rank 1, two receive slots) with a timeout."""
     os.environ["GPUXFER_PLATFORM"] = "host"
-    import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_store
 
-    from gpuxfer.errors import GpuxferError, TransferTimeout
     from gpuxfer.platforms import get_platform
     from gpuxfer.pp import connect
     from gpuxfer.pp.launch import init_cpu_group
     init_cpu_group(rank, world, init_method)
     plat = get_platform("host")
-    store = _get_default_store()
+
+    def pair(timeout_s: float):
+        return connect(send_to=1 if rank == 0 else None, recv_from=0 if rank else None, specs=specs(),
+                       backend="copy_engine", platform=plat, device=0, timeout_s=timeout_s, recv_slots=2)
+    return plat, _get_default_store(), pair
+
+
+def late_receiver_session(rank: int, world: int, init_method: str, how: str) -> dict:
+    import torch.distributed as dist
+
+    from gpuxfer.errors import GpuxferError, TransferTimeout
+    plat, store, pair = _pair_session(rank, world, init_method)
     out = {}
     try:
-        conn = connect(send_to=1 if rank == 0 else None, recv_from=0 if rank else None, specs=specs(),
-                       backend="copy_engine", platform=plat, device=0, timeout_s=1.0, recv_slots=2)
+        conn = pair(1.0)
         if rank == 0:
             s = conn.sender()
             s.send(_fixed(1))
@@ -246,20 +256,11 @@ def test_a_released_sender_never_hands_the_late_receiver_other_bytes(spawner, ho
 
 def aborted_sender_session(rank: int, world: int, init_method: str) -> dict:
     """The sender aborts with no step waiting for a slot: the steps it sent stay whole for the receiver."""
-    os.environ["GPUXFER_PLATFORM"] = "host"
     import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    from gpuxfer.platforms import get_platform
-    from gpuxfer.pp import connect
-    from gpuxfer.pp.launch import init_cpu_group
-    init_cpu_group(rank, world, init_method)
-    plat = get_platform("host")
-    store = _get_default_store()
+    plat, store, pair = _pair_session(rank, world, init_method)
     out = {}
     try:
-        conn = connect(send_to=1 if rank == 0 else None, recv_from=0 if rank else None, specs=specs(),
-                       backend="copy_engine", platform=plat, device=0, timeout_s=30, recv_slots=2)
+        conn = pair(30)
         if rank == 0:
             s = conn.sender()
             s.send(_fixed(1))
