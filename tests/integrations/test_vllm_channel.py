@@ -395,6 +395,27 @@ def test_a_message_the_sender_thread_leaves_is_sent_by_the_engine_thread():
         srv.close()
 
 
+def test_a_claim_is_sent_by_the_engine_threads_next_poll():
+    """A load's finish waits for its claim's answer: with the sender thread not running, the engine thread's next
+    poll sends a queued claim at once (not after LATE_S), and both ends of the connection send each frame at once
+    (TCP_NODELAY: else a claim after an unanswered done waits for the prefill's delayed ACK)."""
+    import time
+    srv = SideChannelServer("127.0.0.1", 0, lambda: (b"{}", b"m"), timeout_s=5.0)
+    try:
+        c = SideChannelClient("127.0.0.1", srv.port, 5.0)
+        c._wake = _Starved()
+        assert c.handshake() == (b"{}", b"m")
+        assert c._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        with srv._lock:
+            assert all(conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for conn in srv._conns.values())
+        assert c.claim(["r"], ["k"], ["t"])
+        c.flush_late(time.monotonic())          # at once: no LATE_S wait
+        assert not c._pending
+        c.close()
+    finally:
+        srv.close()
+
+
 class _Starved:
     """A sender thread's wake-ups that never come (a thread starved of the GIL)."""
 

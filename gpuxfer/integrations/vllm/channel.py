@@ -29,7 +29,8 @@ the other thread of its process)::
 
     decode worker                                    prefill worker
     E start_load_kv: post the read; queue claim
-    S  ---- claim(id, req, key, token) ------------>  E get_finished pump (or S, engine idle): grant or refuse
+    E get_finished (same step; or S first):
+       ---- claim(id, req, key, token) ------------>  E get_finished pump (or S, engine idle): grant or refuse
                                                       under the claim book's lock
     E get_finished: read answers  <--- claimed ----  (same pump)
     E read complete + granted: report loaded;
@@ -48,9 +49,13 @@ GIL only when the engine thread lets go of it, and an engine thread that keeps r
 retaking it (a loop of short system calls) starves such a thread for hundreds of milliseconds. The
 server's own thread pumps too, where the engine thread has not for ``IDLE_S``, so a prefill instance idle or
 inside a long step still answers. A thread of the client
-encodes and sends the claim, done and release messages, which nobody waits on to be sent (a late one holds the
+encodes and sends the done and release messages, which nobody waits on to be sent (a late one holds the
 prefill's blocks a little longer), and watches the connection: the engine thread only queues them and
-does not pay the loopback ``send``, which costs tens of microseconds inside an engine process. A frame longer than
+does not pay the loopback ``send``, which costs tens of microseconds inside an engine process. A claim, whose
+answer a load's finish waits for, the engine thread sends itself at its next poll (``get_finished``, the end of the
+step that posted the read) unless that thread sent it first. Both ends set ``TCP_NODELAY``: a claim sent while a
+done is unacknowledged (a done gets no answer) would otherwise wait for the prefill's delayed ACK (~20-40 ms). A
+frame longer than
 its part of the protocol can be (``MAX_MESSAGE`` for what a decode sends; in a handshake answer ``MAX_INFO``, the
 most an agent's metadata holds, 8 bytes; ``MAX_ANSWER`` for a claim's answer), a message the protocol does not
 allow (a field past its bound: ``MAX_REQUEST_ID``, ``MAX_KEY``, ``MAX_TOKEN``, ``MAX_READERS``), an answer not
@@ -74,7 +79,7 @@ from . import lease
 from .client import SideChannelClient
 from .frames import (_CLOCK, MAX_CLAIM_ID, MAX_FRAME, MAX_IDS_PER_MESSAGE, MAX_INFO, MAX_KEY, MAX_MESSAGE,
                      MAX_READERS, MAX_REQUEST_ID, MAX_TOKEN, ChannelClosed, frame, keys_ok, message, parse_message,
-                     readers_ok, recv_some, request_ids_ok, send_some, take_frames, tokens_ok)
+                     no_delay, readers_ok, recv_some, request_ids_ok, send_some, take_frames, tokens_ok)
 
 __all__ = ["MAX_CONNECTIONS", "MAX_CONNECTIONS_PER_HOST", "MAX_DEFERRED", "MAX_EVENTS", "MAX_FRAME", "MAX_UNSENT",
            "MAX_IDS_PER_MESSAGE", "MAX_INFO", "MAX_KEY", "MAX_MESSAGE", "MAX_READERS", "MAX_REQUEST_ID", "MAX_TOKEN",
@@ -219,6 +224,7 @@ class SideChannelServer:
                             self._per_host[host], host)
                 sock.close()
                 continue
+            no_delay(sock)
             sock.setblocking(False)
             log.debug("side channel: connection from %s", addr)
             self._conns[sock] = _Conn(sock, addr, time.monotonic())

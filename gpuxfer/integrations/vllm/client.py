@@ -16,7 +16,7 @@ import time
 
 from . import lease
 from .frames import (_ANSWER, _CLOCK, _LEN, MAX_ANSWER, MAX_IDS_PER_MESSAGE, MAX_MESSAGE, ChannelClosed, message,
-                     parse_message, recv_some, send_some, take_frames)
+                     no_delay, parse_message, recv_some, send_some, take_frames)
 
 log = logging.getLogger("gpuxfer.vllm")
 
@@ -92,6 +92,7 @@ class SideChannelClient:
         self._head: bytearray | None = None     # the oldest message's unsent rest (under the send lock)
         self._head_deadline = 0.0
         self._abandoned = False
+        self._claimed = False                   # a claim was queued since the engine thread's last flush_late
         #: decode ranks that read shares of this prefill rank's heads (each done or release says so); set at
         #: the handshake, before any message
         self.readers = 1
@@ -108,6 +109,7 @@ class SideChannelClient:
     def _connect(self, info) -> None:
         family, kind, proto, _, addr = info
         sock = socket.socket(family, kind, proto)
+        no_delay(sock)
         sock.setblocking(False)
         err = sock.connect_ex(addr)
         if err not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
@@ -221,9 +223,13 @@ class SideChannelClient:
 
     def claim(self, request_ids: list[str], keys: list[str | None], tokens: list[str]) -> bool:
         """Queue a claim on ``request_ids`` (their holds' keys and this instance's tokens): sent by the sender thread
-        like :meth:`notify`'s messages; the prefill's answers come into :attr:`answers`. False when the connection
-        is dead already."""
-        return self.notify("claim", request_ids, keys, tokens)
+        like :meth:`notify`'s messages, or by the engine thread's next :meth:`flush_late`, whichever comes first (a
+        load's finish waits for the answer); the prefill's answers come into :attr:`answers`. False when the
+        connection is dead already."""
+        if not self.notify("claim", request_ids, keys, tokens):
+            return False
+        self._claimed = True
+        return True
 
     def notify(self, op: str, request_ids: list[str], keys: list[str | None] | None = None,
                tokens: list[str | None] | None = None) -> bool:
@@ -242,8 +248,9 @@ class SideChannelClient:
         return True
 
     def flush_late(self, now: float) -> None:
-        """Send, on the calling (engine) thread, the queued messages when the oldest has waited ``LATE_S``: a
-        sender thread starved of the GIL by a busy engine thread holds them no longer than that."""
+        """Send, on the calling (engine) thread, the queued messages when one is a claim (a load's finish waits for
+        its answer) or the oldest has waited ``LATE_S``: a sender thread waits for the GIL while the engine thread
+        polls in a loop of short system calls, and holds them no longer than that."""
         pending = self._pending
         if not pending:                         # nothing queued: the usual poll
             return
@@ -251,7 +258,9 @@ class SideChannelClient:
             oldest = pending[0][0]              # no lock: the sender thread may pop it meanwhile
         except IndexError:
             return
-        if now - oldest > self.LATE_S and self._sender is not None and self._send_lock.acquire(blocking=False):
+        if (self._claimed or now - oldest > self.LATE_S) and self._sender is not None and \
+                self._send_lock.acquire(blocking=False):
+            self._claimed = False
             try:
                 self._send_pending(block=False)     # what the socket takes now; the thread sends the rest
             finally:

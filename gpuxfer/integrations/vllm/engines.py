@@ -264,7 +264,8 @@ class PrefillEngines:
                          r.error or (r.client.closed_reason if r.client else "gone"))
 
     def flush_late(self, now: float) -> None:
-        """Done messages a busy engine kept from the side channel's sender threads, sent now."""
+        """The claims queued, and the done messages a busy engine kept from the side channel's sender threads, sent
+        now (:meth:`.client.SideChannelClient.flush_late`)."""
         for r in self.remotes.values():
             if r.client is not None:
                 r.client.flush_late(now)

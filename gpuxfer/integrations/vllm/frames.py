@@ -115,3 +115,12 @@ def send_some(sock: socket.socket, out: bytearray) -> None:
         raise ChannelClosed(f"the connection failed: {exc}") from None
     del out[:n]
 
+
+def no_delay(sock: socket.socket) -> None:
+    """Each frame leaves at once (``TCP_NODELAY``): with Nagle's algorithm a claim sent while an earlier message (a
+    done, which gets no answer) is unacknowledged waits for the peer's delayed ACK, up to ~40 ms on Linux. Not a
+    TCP socket (a test's socket pair): nothing to set."""
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:
+        pass

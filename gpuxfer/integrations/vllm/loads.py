@@ -563,7 +563,8 @@ class DecodeLoads:
     # ------------------------------------------------------------------ both
 
     def flush_late(self, now: float) -> None:
-        """Done messages a busy engine kept from the side channel's sender threads, sent now."""
+        """The claims queued, and the done messages a busy engine kept from the side channel's sender threads, sent
+        now (:meth:`.engines.PrefillEngines.flush_late`)."""
         self.engines.flush_late(now)
 
     def take_load_errors(self) -> set[int]:
