@@ -112,9 +112,32 @@ class Landings:
     def landed(self, room: int) -> bool:
         """Whether ``room``'s word reached its value (False while none is expected; then forgotten)."""
         landing = self._waiting.get(room)
-        if landing is None:
+        if landing is None or not self.reached(*landing):
             return False
-        slot, value = landing
+        self._waiting.pop(room, None)
+        return True
+
+    def epoch(self) -> int:
+        """The sum of the values seen on the words this rank handed out, each read at most every ``READ_EVERY_S``:
+        it grows whenever a push of any prefill rank landed, so a request whose row may come through the agent
+        reads its row's stamp only then (:meth:`.inbox.Inbox.landed_by_agent`)."""
+        now = time.monotonic()
+        for slot in range(min(self._handed, NOTIFY_SLOTS)):
+            if now - self._read_at[slot] >= READ_EVERY_S:
+                self._read_at[slot] = now
+                try:
+                    seen = self._read(slot)
+                except GpuxferError:
+                    continue
+                if seen < RELEASE_VALUE:
+                    self._seen[slot] = max(self._seen[slot], seen)
+        return sum(self._seen)
+
+    def reached(self, slot: int, value: int) -> bool:
+        """Whether word ``slot``, one this rank handed out, holds ``value`` or more (read at most every
+        ``READ_EVERY_S``; the release value a failed agent writes is not a count)."""
+        if not self._handed_out(slot):
+            return False
         if self._seen[slot] < value:
             now = time.monotonic()
             if now - self._read_at[slot] < READ_EVERY_S:
@@ -129,5 +152,4 @@ class Landings:
             self._seen[slot] = max(self._seen[slot], seen)
             if seen < value:
                 return False
-        self._waiting.pop(room, None)
         return True
