@@ -235,3 +235,19 @@ def test_a_room_of_two_decode_ranks_gets_its_rows_in_messages(rows):
     rows.add_transfer_request(ROOM, np.array([1, 2]), slice(0, 2), True, aux_index=SRC_ROW)
     rows.run(rows.pushes._queue.get_nowait())
     assert rows.request_status[ROOM] == KVPoll.Success and rows.log.count(("aux", ROOM)) == 2
+
+
+def test_rows_the_agent_cannot_register_go_in_messages(monkeypatch):
+    """Where the agent cannot register the rows' buffer (memory it cannot export), the rank keeps none: its
+    requests' rows go in messages, the rank still starts."""
+    from gpuxfer.errors import NotExportable
+    mgr = RealAgents()
+    try:
+        def refuse(*a, **k):
+            raise NotExportable("an injected refusal")
+        monkeypatch.setattr(mgr.dec, "register_group", refuse)
+        args = mgr.args[mgr.dec]
+        args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = [1 << 20], [ROWS * 16], [16]
+        assert AuxRows.create(mgr.dec, args) is None
+    finally:
+        mgr.close()
