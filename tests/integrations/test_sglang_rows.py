@@ -64,7 +64,9 @@ class RowAgents(RealAgents):
         d.update_status(room, KVPoll.Bootstrapping)
         d.update_status(room, KVPoll.WaitingForInput)
         d.required_prefill_response_num_table[room] = 1
-        return d.inbox.name_request(room, index)
+        token = d.inbox.name_request(room, index)
+        d.inbox.prefill_slot(room, SLOT)        # (the receiver's send_metadata: its one prefill rank's slot)
+        return token
 
     def send(self, token, room=ROOM, dst_row=DST_ROW, dst=(9, 10, 11, 12), chunks=((1, 2), (3, 4))):
         """The prefill's request of ``room`` to the decode's pages ``dst`` and row ``dst_row``, sent as
@@ -163,12 +165,21 @@ def test_a_push_that_fails_after_the_kv_moved_but_before_the_row_landed_never_en
     assert not any(any(r) for r in rows.row(rows.dst_aux, DST_ROW))
 
 
-def test_a_row_stamped_for_another_request_never_ends_success(rows):
+@pytest.mark.parametrize("other", ["token", "slot"])
+def test_a_row_stamped_for_another_request_never_ends_success(rows, other):
     """The row at the room's index holds another request's stamp (an earlier request's late push, a stamp
-    corrupted whole): the word reaching its value does not end the room, and a Success message fails it."""
+    corrupted whole; or one naming another word than the room's prefill rank's): the word reaching its value
+    does not end the room, and a Success message (by token) fails it where the token is another."""
     token = rows.name()
+    rows.decode.landings.new_slot()
     rows.send(token)
-    rows.dec_rows._write(DST_ROW, 0, encode_stamp(int(token) + 1, SLOT, rows.dec.notification(SLOT)))
+    value = rows.dec.notification(SLOT)
+    # another token at the value the word holds; or the token on another word, at a value that word holds
+    stamp = encode_stamp(int(token) + 1, SLOT, value) if other == "token" else encode_stamp(int(token), SLOT + 1, 0)
+    rows.dec_rows._write(DST_ROW, 0, stamp)
+    if other == "slot":
+        assert not rows.landed(tries=20)
+        return
     assert not rows.landed(tries=20)
     rows.decode.inbox.on_message([ROOM, KVPoll.Success, 0, None, token])
     assert rows.decode.request_status[ROOM] == KVPoll.Failed and rows.decode.applied == []

@@ -539,6 +539,10 @@ class GpuxferKVReceiver(CommonKVReceiver):
             self.kv_mgr.record_failure(self.bootstrap_room, f"{type(exc).__name__}: {exc}")
             self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
             self.ensure_abort_notified()
+            return
+        real = [i for i in self.bootstrap_infos or () if not i.get("is_dummy")]
+        if len(real) == 1:      # the word a row through the agent lands on (:meth:`.inbox.Inbox.landed_by_agent`)
+            self.kv_mgr.inbox.prefill_slot(self.bootstrap_room, real[0].get("gpuxfer_slot"))
 
     def failure_exception(self):
         if not self._owns_bootstrap_room:   # the room id's failure record may be a new request's: left to it
@@ -553,6 +557,7 @@ class GpuxferKVReceiver(CommonKVReceiver):
         single = getattr(self, "required_prefill_response_num", 1) == 1
         for info in self.bootstrap_infos:
             slot = self.kv_mgr.landings.new_slot() if single and not info.get("is_dummy") else None
+            info["gpuxfer_slot"] = slot         # (SGLang caches the infos per prefill rank: its receivers read it)
             message = self.kv_mgr.build_receiver_registration_message(slot)
             if not self._send_bootstrap_message(bootstrap_info=info, message=message, operation="_register_kv_args"):
                 return False

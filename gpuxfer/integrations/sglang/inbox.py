@@ -55,8 +55,9 @@ class Inbox:
 
     def __init__(self, rooms: DecodeRooms, landings: Landings, kv_poll: Any, rows: Optional[AuxRows] = None):
         self.rooms, self.landings, self.kv_poll, self.rows = rooms, landings, kv_poll, rows
-        # room -> [its token as a stamp names it, the words' epoch its stamp was last read at]: rooms whose row
-        # may come through the agent, until a message brings it or the room is taken or forgotten
+        # room -> [its token as a stamp names it, the slot its prefill rank was given (None: none known yet),
+        # the word's value its stamp was last read at]: rooms whose row may come through the agent, until a
+        # message brings it or the room is taken or forgotten
         self.by_agent: Dict[int, list] = {}
         self._ended_lock = threading.Lock()         # a room ended by its word against its status message
         # room -> the token of its request ended by its word, whose prefill conclusion is still to be dropped
@@ -76,7 +77,7 @@ class Inbox:
             self.aux_index[room] = int(aux_index)
             if self.rows is not None and token_number(token) is not None:
                 self.rows.clear(int(aux_index))     # what an earlier request left in the row is no stamp of this one
-                self.by_agent[room] = [token_number(token), -1]
+                self.by_agent[room] = [token_number(token), None, -1]
         return token
 
     def forget(self, room: int) -> None:
@@ -130,25 +131,32 @@ class Inbox:
 
     def landed_by_agent(self, room: int) -> bool:
         """Whether ``room``'s row came through the agent and its word says the push that wrote it landed: the
-        row's stamp names the room's request, a slot this rank handed out and a value the word holds; then the
-        row is taken (:meth:`_take`). The stamp is read only once a word grew since it was last read
-        (:meth:`.landing.Landings.epoch`: the push that writes it bumps one after it). A room of several prefill
+        row's stamp names the room's request, the slot its prefill rank was given (:meth:`prefill_slot`) and a
+        value that word holds; then the row is taken (:meth:`_take`). The stamp is read only once the word grew
+        since it was last read (the push that writes it bumps the word after it). A room of several prefill
         ranks ends by their Success messages."""
         armed = self.by_agent.get(room)
-        if armed is None or self.rooms.required_prefill_response_num_table.get(room) != 1:
+        if armed is None or armed[1] is None or self.rooms.required_prefill_response_num_table.get(room) != 1:
             return False
-        epoch = self.landings.epoch()
-        if epoch == armed[1]:
+        seen = self.landings.word(armed[1])
+        if seen == armed[2]:
             return False
-        armed[1] = epoch
+        armed[2] = seen
         try:
             stamp = self.rows.stamp(self.aux_index[room])
         except (BadInput, KeyError):
             return False
-        if stamp is None or stamp[0] != armed[0] or not self.landings.reached(stamp[1], stamp[2]):
+        if stamp is None or stamp[:2] != (armed[0], armed[1]) or not self.landings.reached(stamp[1], stamp[2]):
             return False
         with self._ended_lock:
             return self._take(room)
+
+    def prefill_slot(self, room: int, slot: Optional[int]) -> None:
+        """``room``'s metadata went to one prefill rank, whose registration was given notification ``slot``
+        (None: none): the word its row's landing is read on."""
+        armed = self.by_agent.get(room)
+        if armed is not None:
+            armed[1] = slot
 
     def _take(self, room: int) -> bool:
         """``room``'s row from the agent's buffer into SGLang's (under ``_ended_lock``): False, the room Failed,

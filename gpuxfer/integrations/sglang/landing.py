@@ -117,39 +117,23 @@ class Landings:
         self._waiting.pop(room, None)
         return True
 
-    def epoch(self) -> int:
-        """The sum of the values seen on the words this rank handed out, each read at most every ``READ_EVERY_S``:
-        it grows whenever a push of any prefill rank landed, so a request whose row may come through the agent
-        reads its row's stamp only then (:meth:`.inbox.Inbox.landed_by_agent`)."""
-        now = time.monotonic()
-        for slot in range(min(self._handed, NOTIFY_SLOTS)):
-            if now - self._read_at[slot] >= READ_EVERY_S:
-                self._read_at[slot] = now
-                try:
-                    seen = self._read(slot)
-                except GpuxferError:
-                    continue
-                if seen < RELEASE_VALUE:
-                    self._seen[slot] = max(self._seen[slot], seen)
-        return sum(self._seen)
-
     def reached(self, slot: int, value: int) -> bool:
-        """Whether word ``slot``, one this rank handed out, holds ``value`` or more (read at most every
-        ``READ_EVERY_S``; the release value a failed agent writes is not a count)."""
+        """Whether word ``slot``, one this rank handed out, holds ``value`` or more (:meth:`word`; a value already
+        seen needs no read)."""
+        return self._handed_out(slot) and (self._seen[slot] >= value or self.word(slot) >= value)
+
+    def word(self, slot: int) -> int:
+        """The highest value seen on word ``slot`` (0: not handed out by this rank), read again where
+        ``READ_EVERY_S`` passed since its last read (the release value a failed agent writes is not a count)."""
         if not self._handed_out(slot):
-            return False
-        if self._seen[slot] < value:
-            now = time.monotonic()
-            if now - self._read_at[slot] < READ_EVERY_S:
-                return False
+            return 0
+        now = time.monotonic()
+        if now - self._read_at[slot] >= READ_EVERY_S:
             self._read_at[slot] = now
             try:
                 seen = self._read(slot)
             except GpuxferError:
-                return False            # the agent failed: the request ends by its status (or its timeout)
-            if seen >= RELEASE_VALUE:   # released by a failure, not bumped by pushes
-                return False
-            self._seen[slot] = max(self._seen[slot], seen)
-            if seen < value:
-                return False
-        return True
+                seen = 0                # the agent failed: the request ends by its status (or its timeout)
+            if seen < RELEASE_VALUE:    # (released by a failure, not bumped by pushes)
+                self._seen[slot] = max(self._seen[slot], seen)
+        return self._seen[slot]
