@@ -513,7 +513,7 @@ class _State:
         """Note the clock (``CLOCK_MONOTONIC``) at the backend's steps of a request, for the benchmark's
         ``--trace``: the prefill's chunk queued, each post's start and end, the room's drain (its posts waited
         for) and its conclusion; the decode's metadata row and status arriving. :meth:`trace` returns them."""
-        from gpuxfer.integrations.sglang import conn
+        from gpuxfer.integrations.sglang import inbox, rows
         self._marks: list[tuple] = []
         mgr, marks = self.mgr, self._marks
 
@@ -533,9 +533,12 @@ class _State:
             wrap("_post", obj=mgr.pushes, room=lambda a, k: a[0].room)
             wrap("_drain", obj=mgr.pushes)
             wrap("_send_aux", obj=mgr.pushes, room=lambda a, k: a[0].room)
+            if mgr.aux_rows is not None:    # the rows staged for the push that carries them
+                wrap("stage", obj=mgr.aux_rows, room=lambda a, k: None)
             wrap("conclude_transfer", room=lambda a, k: k.get("bootstrap_room"))
         else:
-            wrap("write_aux_rows", obj=conn, room=lambda a, k: None)
+            wrap("write_aux_rows", obj=inbox, room=lambda a, k: None)     # a row from its message
+            wrap("write_aux_rows", obj=rows, room=lambda a, k: None)      # a row from the agent's buffer
             wrap("apply_prefill_status", room=lambda a, k: k.get("bootstrap_room"))
         return True
 

@@ -26,7 +26,7 @@ def _run(*args, timeout=600):
 def test_bench_runs_tiny_and_checks_every_byte(tmp_path):
     out = tmp_path / "bench.json"
     p = _run("--platform", "host", "--tokens", "300", "--page-size", "16", "--layers", "1", "--chunk-tokens", "100",
-             "--repeats", "2", "--cpus", "none", "--json", str(out))
+             "--repeats", "2", "--cpus", "none", "--trace", "--json", str(out))
     assert p.returncode == 0, p.stdout + p.stderr
     assert "# PASS" in p.stdout, p.stdout
     res = json.loads(out.read_text())
@@ -37,6 +37,9 @@ def test_bench_runs_tiny_and_checks_every_byte(tmp_path):
         assert r["status"] == r["prefill_status"] == "Success", r
         assert len(r["send_s"]) == 3, r                 # one KVSender.send per 100-token prefill chunk
         assert r["checked_bytes"] > 0 and r["request_s"] > 0 and r["direct"]["total_s"] > 0, r
+        # --trace: the metadata rows went with the last push (staged), none on the control socket
+        assert "stage" in r["trace_us"] and "write_aux_rows" in r["trace_us"], r["trace_us"]
+        assert "_send_aux" not in r["trace_us"], r["trace_us"]
     assert set(res["summary"]) >= {"send_us", "request_minus_direct_us", "direct_ms_p90", "request_ms_p90"}
     assert set(res["verdicts"]) == {"send_us", "request_minus_direct_us"}
 

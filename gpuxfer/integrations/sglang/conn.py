@@ -8,39 +8,17 @@ shape): every ``send()`` chunk becomes one ``prepare`` + ``post`` of its pages o
 receiver named, on the transfer thread the prefill's manager owns (:class:`.pushes.Pushes`), which does not
 wait for it (chunks of a request queued behind one another while the thread was busy, as a request sent back
 to back, become one push). The last chunk's push also bumps the decode agent's notification word that the
-decode's registration gave this prefill rank (stream order: after every push of the room landed), and its aux
-metadata row goes on SGLang's control socket just before that push, with the value it will write. The
-decode's ``poll()`` ends the room when the word holds that value; the prefill waits for the room's pushes,
-then sends SGLang's Success status behind the row, which also ends the room where no notification could be
-used (a rank past its ``NOTIFY_SLOTS`` registrations, a room of several prefill ranks, a peer on the NIXL
-route, whose notification follows its last transfer alone); for a room the decode ended by its word, that
-message is dropped on arrival (the room id may already be a new request's). Control messages are SGLang's
-(ZMQ, the bootstrap server's ``/route``); what gpuxfer adds is the decode agent's metadata and a notification
-slot in its registration, and the value in the row's message (the prefill's bootstrap thread is this
-module's, its transfer thread :class:`.pushes.Pushes`, what decode ranks register and name
-:class:`.decode_ranks.DecodeRanks`'s; the decode's handling of the prefill's messages :class:`.inbox.Inbox`'s)::
-
-    decode (receiver)                           bootstrap server         prefill (manager threads)
-    -----------------                           ----------------         -------------------------
-                                                                         PUT /route (rank ip, ZMQ port)
-    GET /route (try_ensure_parallel_info) ----> prefill rank's address
-    KVReceiver.init: ["None", ip, port, session,
-       geometry + agent metadata, slot k] ----------------------------> bootstrap thread: geometry checked,
-                                                                          add_peer (maps decode's KV pool)
-    send_metadata: [room, ip, port, session,
-       decode pages, aux row, n, token t] ----------------------------> room -> WaitingForInput
-                                                                         KVSender.init(pages, aux row)
-                                                                         send(chunk) -> transfer thread (Pushes):
-                                                                           prepare(push) + post
-                                                                         ... one per chunk ...
-                                                                         last chunk: v = next value of k
-    decode thread: aux row written,   <----------------------------------- [AUX, room, row, "k:v", t, rows]
-      room waits for word k >= v                                         post(notify_slot=k): agent stream:
-                                                                           KV, then word k := v
-    poll(): word k >= v -> Success                                       wait for every post of the room
-    (word k written by prefill's stream)
-    decode thread: dropped (ended) <-------------------------------------- [room, Success, rank, "", t]
-                                                                         poll() == Success
+decode's registration gave this prefill rank (stream order: after every push of the room landed) and, where
+the decode registered its metadata rows with its agent (:mod:`.rows`), carries the request's rows, stamped
+with the decode's token and the value the word then holds; elsewhere (a decode of an earlier gpuxfer, a room
+without a slot, the NIXL route) the rows go on SGLang's control socket just before that push, with the value.
+The decode's ``poll()`` ends the room when the word holds that value; the prefill waits for the room's pushes,
+then sends SGLang's Success status, which also ends the room where no notification could be used; for a room
+the decode ended by its word, that message is dropped on arrival (the room id may already be a new request's).
+Control messages are SGLang's (ZMQ, the bootstrap server's ``/route``); what gpuxfer adds is the decode agent's
+metadata and a notification slot in its registration (the prefill's bootstrap thread is this module's, its
+transfer thread :class:`.pushes.Pushes`, what decode ranks register and name :class:`.decode_ranks.DecodeRanks`'s;
+the decode's handling of the prefill's messages :class:`.inbox.Inbox`'s). The timeline: docs/SGLANG.md.
 
 Failures end in ``KVPoll.Failed`` on both sides, never a hang: a decode abort reaches the prefill as SGLang's
 ABORT (chunks not yet posted are dropped; an ABORT_ACK follows once the posted ones were waited for); a
@@ -92,6 +70,7 @@ from .landing import Landings, slot_frame
 from .layout import check_supported, encode_registration, geometry, register_kv_args, total_kv_heads
 from .pushes import Pushes, clip
 from .requests import TransferInfo, _Chunk
+from .rows import AuxRows
 
 log = logging.getLogger("gpuxfer.sglang")
 
@@ -155,6 +134,7 @@ class GpuxferKVManager(CommonKVManager):
         self._threads: List[threading.Thread] = []
         try:
             register_kv_args(self.agent, args)
+            self.aux_rows = AuxRows.create(self.agent, args)    # the metadata rows the pushes carry (:mod:`.rows`)
         except BaseException:
             self.agent.close()
             raise
@@ -162,14 +142,15 @@ class GpuxferKVManager(CommonKVManager):
             self._warm_up()
             self._init_rooms()
             # the transfer thread: its queue, the pushes in flight, the decode ranks' peers (:mod:`.pushes`)
-            self.pushes = Pushes(self, self.agent, self._agent_lock, self.kv_args, self.timeout_s, self._stop)
+            self.pushes = Pushes(self, self.agent, self._agent_lock, self.kv_args, self.timeout_s, self._stop,
+                                 rows=self.aux_rows)
             self._spawn(self._prefill_control, "gpuxfer-sglang-control")
             self._spawn(self.pushes.run, "gpuxfer-sglang-transfer")
         else:
             self._registration = encode_registration(self.geometry, self.agent.metadata())
             self.landings = Landings(self.agent.notification)
             # the prefill's messages about this rank's requests, each taken for its current request alone
-            self.inbox = Inbox(self, self.landings, KVPoll)
+            self.inbox = Inbox(self, self.landings, KVPoll, self.aux_rows)
             self._spawn(self._decode_control, "gpuxfer-sglang-control")
             self._threads.append(self._start_heartbeat_checker_thread())
         log.info("gpuxfer: SGLang %s rank %s registered %d KV entries (%d-token pages) with the %s engine",
@@ -558,6 +539,10 @@ class GpuxferKVReceiver(CommonKVReceiver):
             self.kv_mgr.record_failure(self.bootstrap_room, f"{type(exc).__name__}: {exc}")
             self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
             self.ensure_abort_notified()
+            return
+        real = [i for i in self.bootstrap_infos or () if not i.get("is_dummy")]
+        if len(real) == 1:      # the word a row through the agent lands on (:meth:`.inbox.Inbox.landed_by_agent`)
+            self.kv_mgr.inbox.prefill_slot(self.bootstrap_room, real[0].get("gpuxfer_slot"))
 
     def failure_exception(self):
         if not self._owns_bootstrap_room:   # the room id's failure record may be a new request's: left to it
@@ -572,6 +557,7 @@ class GpuxferKVReceiver(CommonKVReceiver):
         single = getattr(self, "required_prefill_response_num", 1) == 1
         for info in self.bootstrap_infos:
             slot = self.kv_mgr.landings.new_slot() if single and not info.get("is_dummy") else None
+            info["gpuxfer_slot"] = slot         # (SGLang caches the infos per prefill rank: its receivers read it)
             message = self.kv_mgr.build_receiver_registration_message(slot)
             if not self._send_bootstrap_message(bootstrap_info=info, message=message, operation="_register_kv_args"):
                 return False
@@ -582,7 +568,8 @@ class GpuxferKVReceiver(CommonKVReceiver):
         word says its KV landed."""
         status = super()._poll()
         if (status in (KVPoll.WaitingForInput, KVPoll.Transferring)
-                and self.kv_mgr.landings.landed(self.bootstrap_room)):
+                and (self.kv_mgr.landings.landed(self.bootstrap_room)
+                     or self.kv_mgr.inbox.landed_by_agent(self.bootstrap_room))):
             self.kv_mgr.inbox.end_by_word(self.bootstrap_room)
             status = super()._poll()
         return status

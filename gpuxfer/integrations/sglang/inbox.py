@@ -1,9 +1,12 @@
-"""The decode side of the SGLang backend's requests (:class:`Inbox`): the token a decode rank names each request
-of a room by, the metadata row that request named, and the prefill's messages about it (its metadata row, its
-landing value, its status), each taken only for the room's current request. A room id names one request after
-another: an earlier request's late row, landing value or status (it was given up here first) never writes,
-ends or fails the new one. No SGLang here: the decode's KV manager (:mod:`.conn`) hands its control messages
-over and is asked about SGLang's state of a room (:class:`DecodeRooms`), SGLang's ``KVPoll`` values handed in.
+"""The decode side of the SGLang backend's requests (:class:`Inbox`): the token a decode rank names each request of a
+room by, the metadata row that request named, and the prefill's messages about it (its metadata row, its landing
+value, its status), each taken only for the room's current request. A room id names one request after another: an
+earlier request's late row, landing value or status (it was given up here first) never writes, ends or fails the new
+one. A request's row comes either in a message or through the agent (:mod:`.rows`: the row a request named, stamped
+with its token, the slot and the value its landing writes); a room whose row came in no message takes it from the
+agent's buffer when its word says it landed or its Success status arrives, and fails where the buffer holds no row
+of its request. No SGLang here: the decode's KV manager (:mod:`.conn`) hands its control messages over and is asked
+about SGLang's state of a room (:class:`DecodeRooms`), SGLang's ``KVPoll`` values handed in.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from .landing import Landings, parse_landing
 from .layout import write_aux_rows
 from .pushes import AUX_TAG, AUX_TAG_V1, AUX_TAG_V2
 from .requests import int_frame
+from .rows import AuxRows, token_number
 
 log = logging.getLogger("gpuxfer.sglang")
 
@@ -46,10 +50,15 @@ class DecodeRooms(Protocol):
 
 class Inbox:
     """A decode rank's requests as the prefill's messages name them. ``landings``: the rank's notification
-    slots (:class:`.landing.Landings`); ``kv_poll``: SGLang's ``KVPoll``."""
+    slots (:class:`.landing.Landings`); ``kv_poll``: SGLang's ``KVPoll``; ``rows``: the rank's metadata rows
+    registered with its agent (None: rows come in messages alone)."""
 
-    def __init__(self, rooms: DecodeRooms, landings: Landings, kv_poll: Any):
-        self.rooms, self.landings, self.kv_poll = rooms, landings, kv_poll
+    def __init__(self, rooms: DecodeRooms, landings: Landings, kv_poll: Any, rows: Optional[AuxRows] = None):
+        self.rooms, self.landings, self.kv_poll, self.rows = rooms, landings, kv_poll, rows
+        # room -> [its token as a stamp names it, the slot its prefill rank was given (None: none known yet),
+        # the word's value its stamp was last read at]: rooms whose row may come through the agent, until a
+        # message brings it or the room is taken or forgotten
+        self.by_agent: Dict[int, list] = {}
         self._ended_lock = threading.Lock()         # a room ended by its word against its status message
         # room -> the token of its request ended by its word, whose prefill conclusion is still to be dropped
         self.ended_by_word: Dict[int, Optional[bytes]] = {}
@@ -66,6 +75,9 @@ class Inbox:
         token = self.tokens.setdefault(room, str(next(self._token_seq)).encode("ascii"))
         if aux_index is not None:
             self.aux_index[room] = int(aux_index)
+            if self.rows is not None and token_number(token) is not None:
+                self.rows.clear(int(aux_index))     # what an earlier request left in the row is no stamp of this one
+                self.by_agent[room] = [token_number(token), None, -1]
         return token
 
     def forget(self, room: int) -> None:
@@ -77,6 +89,7 @@ class Inbox:
                 del self.ended_by_word[room]
         self.tokens.pop(room, None)
         self.aux_index.pop(room, None)
+        self.by_agent.pop(room, None)
 
     def current(self, room: int, token: Optional[bytes]) -> bool:
         """Whether a message naming ``room`` with ``token`` is about the room's current request (a message
@@ -111,8 +124,54 @@ class Inbox:
             if not self.current(room, token):
                 log.debug("gpuxfer: room %s: status %s of an earlier request of the room id dropped", room, status)
                 return
+            if status == self.kv_poll.Success and room in self.by_agent and not self._take(room):
+                return          # its pushes were waited for: the row is in place, or the room fails
             self.rooms.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank,
                                             failure_reason=reason)
+
+    def landed_by_agent(self, room: int) -> bool:
+        """Whether ``room``'s row came through the agent and its word says the push that wrote it landed: the
+        row's stamp names the room's request, the slot its prefill rank was given (:meth:`prefill_slot`) and a
+        value that word holds; then the row is taken (:meth:`_take`). The stamp is read only once the word grew
+        since it was last read (the push that writes it bumps the word after it). A room of several prefill
+        ranks ends by their Success messages."""
+        armed = self.by_agent.get(room)
+        if armed is None or armed[1] is None or self.rooms.required_prefill_response_num_table.get(room) != 1:
+            return False
+        seen = self.landings.word(armed[1])
+        if seen == armed[2]:
+            return False
+        armed[2] = seen
+        try:
+            stamp = self.rows.stamp(self.aux_index[room])
+        except (BadInput, KeyError):
+            return False
+        if stamp is None or stamp[:2] != (armed[0], armed[1]) or not self.landings.reached(stamp[1], stamp[2]):
+            return False
+        with self._ended_lock:
+            return self._take(room)
+
+    def prefill_slot(self, room: int, slot: Optional[int]) -> None:
+        """``room``'s metadata went to one prefill rank, whose registration was given notification ``slot``
+        (None: none): the word its row's landing is read on."""
+        armed = self.by_agent.get(room)
+        if armed is not None:
+            armed[1] = slot
+
+    def _take(self, room: int) -> bool:
+        """``room``'s row from the agent's buffer into SGLang's (under ``_ended_lock``): False, the room Failed,
+        where the buffer holds no row of its request (a push that failed before it wrote the row, a row index
+        the prefill did not write)."""
+        armed = self.by_agent.pop(room, None)
+        if armed is None:
+            return self.rooms.request_status.get(room) not in (self.kv_poll.Success, self.kv_poll.Failed)
+        try:
+            self.rows.take(self.aux_index[room], armed[0])
+        except (BadInput, KeyError) as exc:
+            self.rooms.record_failure(room, f"its metadata row did not arrive: {exc}")
+            self.rooms.update_status(room, self.kv_poll.Failed)
+            return False
+        return True
 
     def end_by_word(self, room: int) -> None:
         """``room`` landed by its notification word: Success, unless a status got there first; then the
@@ -156,6 +215,7 @@ class Inbox:
             if landing is not None:
                 self.landings.check(landing)
             write_aux_rows(self.rooms.kv_args, index, list(rows))
+            self.by_agent.pop(room, None)   # the row came in this message
         except BadInput as exc:     # the room must not succeed without its row (Failed is final)
             self.rooms.record_failure(room, f"its metadata row could not be written: {exc}")
             self.rooms.update_status(room, self.kv_poll.Failed)

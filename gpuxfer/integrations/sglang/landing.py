@@ -112,22 +112,28 @@ class Landings:
     def landed(self, room: int) -> bool:
         """Whether ``room``'s word reached its value (False while none is expected; then forgotten)."""
         landing = self._waiting.get(room)
-        if landing is None:
+        if landing is None or not self.reached(*landing):
             return False
-        slot, value = landing
-        if self._seen[slot] < value:
-            now = time.monotonic()
-            if now - self._read_at[slot] < READ_EVERY_S:
-                return False
+        self._waiting.pop(room, None)
+        return True
+
+    def reached(self, slot: int, value: int) -> bool:
+        """Whether word ``slot``, one this rank handed out, holds ``value`` or more (:meth:`word`; a value already
+        seen needs no read)."""
+        return self._handed_out(slot) and (self._seen[slot] >= value or self.word(slot) >= value)
+
+    def word(self, slot: int) -> int:
+        """The highest value seen on word ``slot`` (0: not handed out by this rank), read again where
+        ``READ_EVERY_S`` passed since its last read (the release value a failed agent writes is not a count)."""
+        if not self._handed_out(slot):
+            return 0
+        now = time.monotonic()
+        if now - self._read_at[slot] >= READ_EVERY_S:
             self._read_at[slot] = now
             try:
                 seen = self._read(slot)
             except GpuxferError:
-                return False            # the agent failed: the request ends by its status (or its timeout)
-            if seen >= RELEASE_VALUE:   # released by a failure, not bumped by pushes
-                return False
-            self._seen[slot] = max(self._seen[slot], seen)
-            if seen < value:
-                return False
-        self._waiting.pop(room, None)
-        return True
+                seen = 0                # the agent failed: the request ends by its status (or its timeout)
+            if seen < RELEASE_VALUE:    # (released by a failure, not bumped by pushes)
+                self._seen[slot] = max(self._seen[slot], seen)
+        return self._seen[slot]

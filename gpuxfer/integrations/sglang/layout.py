@@ -5,8 +5,8 @@ No SGLang import: ``kv_args`` is any object with SGLang's attribute names.
 entry (MHA: every layer's K buffer, then every layer's V buffer; MLA: one buffer per layer; draft-model
 entries appended), page ``p`` of entry ``e`` at ``ptr[e] + p * kv_item_lens[e]``. Every entry becomes one
 layer of the agent's group ``kv`` (``page_size``-token blocks, one piece per page), so a request's page
-indices name blocks of every entry at once. The aux metadata buffers (one row per request) travel as bytes
-on SGLang's control socket, not through the agent (see :mod:`.conn`).
+indices name blocks of every entry at once. The aux metadata buffers (one row per request, host memory) are
+read and written here by address; a copy of them registered with the agent is :mod:`.rows`'.
 """
 from __future__ import annotations
 

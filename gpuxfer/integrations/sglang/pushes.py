@@ -1,19 +1,21 @@
 """The SGLang backend's prefill transfer thread (:class:`Pushes`), its part of the protocol :mod:`.conn`'s
 timeline draws. No SGLang here: the KV manager wires it into SGLang's classes.
 
-Every ``send()`` chunk the manager queues (:meth:`Pushes.put`) becomes one ``prepare`` + ``post`` of its pages
-onto the decode pages the receiver named, and the thread does not wait for it: a request's chunks follow one
-another on the copy streams while the scheduler computes the next. Chunks of a request queued behind one
-another while the thread was busy (a request sent back to back) become one push (:func:`.requests.coalesce`).
-The last chunk's push also bumps the decode agent's notification word that the decode's registration gave
-this prefill rank (stream order: after every push of the request landed), and the request's metadata row goes
-on SGLang's control socket just before that push, with the value it will write. The request's pushes are
-waited for (together bounded by ``timeout_s``) only when it is concluded: its last chunk, a failure, an abort
-(:meth:`Pushes.drain_later`); then the manager concludes it (SGLang's status message to the decode). An ABORT_ACK
-goes only once every push of the request was waited for and proven over; a push that failed for a lost peer
-(``PeerLost``) marks its decode rank gone, sent nothing more. The decode ranks it pushes to (their peers, the
-notification slots their registrations gave, the reasons a registration was refused) are this object's too:
-the manager's control thread hands them over (:meth:`Pushes.add_decode`, :meth:`Pushes.refuse_decode`).
+Every ``send()`` chunk the manager queues (:meth:`Pushes.put`) becomes one ``prepare`` + ``post`` of its pages onto
+the decode pages the receiver named, and the thread does not wait for it: a request's chunks follow one another on
+the copy streams while the scheduler computes the next. Chunks of a request queued behind one another while the
+thread was busy (a request sent back to back) become one push (:func:`.requests.coalesce`). The last chunk's push
+also bumps the decode agent's notification word that the decode's registration gave this prefill rank (stream order:
+after every push of the request landed) and carries the request's metadata rows into the decode's buffer of them
+(:mod:`.rows`, stamped with the decode's token and the value the push writes), where the decode registered one and
+the room has one decode rank with a slot on the IPC route; elsewhere the rows go on SGLang's control socket just
+before that push, with the value it will write. The request's pushes are waited for (together bounded by
+``timeout_s``) only when it is concluded: its last chunk, a failure, an abort (:meth:`Pushes.drain_later`); then the
+manager concludes it (SGLang's status message to the decode). An ABORT_ACK goes only once every push of the request
+was waited for and proven over; a push that failed for a lost peer (``PeerLost``) marks its decode rank gone, sent
+nothing more. The decode ranks it pushes to (their peers, the notification slots their registrations gave, the
+reasons a registration was refused) are this object's too: the manager's control thread hands them over
+(:meth:`Pushes.add_decode`, :meth:`Pushes.refuse_decode`).
 
 SGLang's state of a room (``request_status``, ``transfer_infos``, the failure records, ``_staging_outstanding``,
 the deferred ABORT_ACKs, the status messages) is read and changed through :class:`Rooms` alone, which
@@ -33,6 +35,7 @@ from ...errors import BadInput, GpuxferError, PeerLost, TransferTimeout
 from .landing import landing_frame
 from .layout import GROUP, read_aux_rows
 from .requests import TransferInfo, _Chunk, _drain_marker, _Posted, coalesce
+from .rows import AUX_GROUP, AuxRows, token_number
 
 log = logging.getLogger("gpuxfer.sglang")
 
@@ -89,8 +92,9 @@ class Pushes:
     ``stop`` ends :meth:`run`."""
 
     def __init__(self, rooms: Rooms, agent: Any, agent_lock: threading.Lock, kv_args: Any, timeout_s: float,
-                 stop: threading.Event, max_decode_ranks: Optional[int] = None):
+                 stop: threading.Event, max_decode_ranks: Optional[int] = None, rows: Optional[AuxRows] = None):
         self.rooms, self.agent, self.kv_args, self.timeout_s = rooms, agent, kv_args, timeout_s
+        self.rows = rows                                    # this rank's metadata rows registered with its agent
         self._agent_lock, self._stop = agent_lock, stop
         self._queue: "queue.Queue[_Chunk]" = queue.Queue()
         self._drains_queued: set = set()                    # rooms whose drain marker is queued, not yet taken
@@ -99,6 +103,7 @@ class Pushes:
         self._dead: Dict[str, str] = {}                     # decode ranks a push found gone: told nothing more
         self._peers: Dict[str, Any] = {}                    # decode rank -> its KVPeer
         self._notify_slots: Dict[str, Optional[int]] = {}   # decode rank -> the slot its registration gave
+        self._aux_rows: Dict[str, int] = {}                 # decode rank -> metadata rows its agent registered
         # decode rank -> why its registration was refused (the latest ``max_decode_ranks``)
         self._rejected: "OrderedDict[str, str]" = OrderedDict()
         # decode rank kept (in ``_peers`` or ``_rejected``) -> the (ip, port) its registration came from: the one
@@ -150,6 +155,7 @@ class Pushes:
                 self.agent.remove_peer(old)
             self._peers[session] = peer = self.agent.add_peer(meta, **views)
             self._notify_slots[session] = slot
+            self._aux_rows[session] = self._rows_there(peer)
         self._rejected.pop(session, None)
         self._set_endpoint(session, endpoint)
         self._dead.pop(session, None)
@@ -171,9 +177,19 @@ class Pushes:
         with self._agent_lock:
             old = self._peers.pop(session, None)
             self._notify_slots.pop(session, None)
+            self._aux_rows.pop(session, None)
             if old is not None:
                 self.agent.remove_peer(old)
         self._dead.pop(session, None)
+
+    def _rows_there(self, peer: Any) -> int:
+        """How many metadata rows ``peer`` registered as this rank's are (its group ``aux``: one layer of rows of
+        this rank's row size); 0 where it registered none (a decode of an earlier gpuxfer) or rows of another
+        size: its requests' rows go on the control socket."""
+        group = getattr(peer, "groups", {}).get(AUX_GROUP)
+        if self.rows is None or group is None or len(group.layers) != 1:
+            return 0
+        return int(group.num_blocks) if int(group.layers[0].block_stride) == self.rows.row_bytes else 0
 
     def _set_endpoint(self, session: str, endpoint: Optional[Tuple[str, int]]) -> None:
         """Every change of the endpoints kept goes through here: the manager closes what it opened to one no
@@ -374,12 +390,13 @@ class Pushes:
             return True
 
     def _post(self, chunk: _Chunk, info: TransferInfo):
-        """Post one chunk's push to one decode rank (None: no pages of it for that rank). A last chunk's push
-        carries the rank's notification, and the room's metadata row goes first, with the value that push's
-        notification will write (only this thread notifies), so the row travels while the push is prepared
-        and runs. A push that then fails takes the slot out of use: the value announced is never written.
-        Only an IPC peer's notification follows every earlier push of the stream; a NIXL peer's would follow
-        the last transfer alone, so its rooms end by their Success message."""
+        """Post one chunk's push to one decode rank (None: no pages of it for that rank). A last chunk's push carries
+        the rank's notification and, where the rank registered its metadata rows, the room's rows (stamped with the
+        value that push's notification will write: only this thread notifies); elsewhere the room's row goes first
+        on the control socket with that value, so it travels while the push runs. A push that then fails takes the
+        slot out of use: the value announced is never written. Only an IPC peer's notification follows every earlier
+        push of the stream; a NIXL peer's would follow the last transfer alone, so its rooms end by their Success
+        message."""
         if info.session in self._dead:
             raise GpuxferError(f"decode rank {info.session} is gone ({self._dead[info.session]})")
         peer = self._peers.get(info.session)
@@ -405,12 +422,26 @@ class Pushes:
             peer = self._peers.get(info.session, peer)
             slot = self._notify_slots.get(info.session) if peer.route == "ipc" else None
             value = None if slot is None else peer.next_notification(slot)
-        self._send_aux(chunk, info, None if slot is None else (slot, value))
+            rows_there = self._aux_rows.get(info.session, 0)
+        local, remote = {GROUP: chunk.pages}, {GROUP: dst}
+        token = token_number(info.token)
+        if (slot is not None and rows_there and token is not None
+                and sum(not i.is_dummy for i in chunk.infos.values()) == 1):   # (one decode rank: one stamp)
+            # the rows go with the push, stamped, before its notification
+            if chunk.aux_index is None or info.dst_aux_index is None:
+                raise BadInput(f"room {chunk.room}: the last chunk has no metadata row")
+            if not 0 <= info.dst_aux_index < rows_there:
+                raise BadInput(f"room {chunk.room}: the decode names metadata row {info.dst_aux_index}; it "
+                               f"registered {rows_there}")
+            self.rows.stage(int(chunk.aux_index), token, slot, value)
+            local[AUX_GROUP], remote[AUX_GROUP] = [int(chunk.aux_index)], [int(info.dst_aux_index)]
+        else:
+            self._send_aux(chunk, info, None if slot is None else (slot, value))
         try:
             with self._agent_lock:
                 if slot is not None:
                     self._after_earlier_pushes(chunk.room, info.session)
-                h = self.agent.prepare(peer, "push", local_blocks={GROUP: chunk.pages}, remote_blocks={GROUP: dst},
+                h = self.agent.prepare(peer, "push", local_blocks=local, remote_blocks=remote,
                                        name=name, notify_slot=slot).post()
         except BaseException:
             if slot is not None:

@@ -1,0 +1,144 @@
+"""A request's metadata rows through the agent (:class:`AuxRows`): each SGLang rank registers, beside its KV pool,
+a buffer of its own on the agent's device (group ``aux``: one block per metadata row, a 64-byte stamp followed by
+the rows of every aux buffer of SGLang's, back to back), so the prefill's last push of a request carries its rows
+with its KV, before the notification word it bumps. No SGLang here.
+
+SGLang's own aux buffers are host memory of each process (a peer's agent cannot reach them), so the rows pass
+through these buffers: the prefill copies its request's rows into its buffer's row with the stamp
+(:meth:`AuxRows.stage`) before it posts that push (``local_blocks={"kv": pages, "aux": [its row]}``,
+``remote_blocks={"kv": ..., "aux": [the decode's row]}``); the decode zeroes the stamp of the row a request
+names before it names it to the prefill (:meth:`AuxRows.clear`), reads the stamp while the request waits
+(:meth:`AuxRows.stamp`) and, once the stamp is its request's and the word says the push that wrote it landed,
+copies the rows into SGLang's aux buffers (:meth:`AuxRows.take`).
+
+The stamp names the request (the decode's token), the notification slot and the value the push writes there,
+each beside its complement: a row zeroed before it was named reads as no stamp, and a stamp read while a push
+writes it (bytes of it still zero) fails the complement check, so only a whole stamp is taken.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import struct
+from typing import Any, List, Optional, Tuple
+
+from ...errors import BadInput
+from .layout import _ints, read_aux_rows, write_aux_rows
+
+AUX_GROUP = "aux"
+STAMP_BYTES = 64
+_MAGIC = 0x31574F5258475F  # b"_GXROW1" little-endian
+_MASK = (1 << 64) - 1
+_FMT = "<8Q"
+
+log = logging.getLogger("gpuxfer.sglang")
+
+
+def token_number(token: Optional[bytes]) -> Optional[int]:
+    """The decode's request token as the stamp carries it (an int of at most 18 digits); None for anything else
+    (that request's rows go on the control socket)."""
+    if not token or len(token) > 18 or not token.isdigit() or int(token) == 0:
+        return None
+    return int(token)
+
+
+def encode_stamp(token: int, slot: int, value: int) -> bytes:
+    words = [_MAGIC, token, slot, value]
+    return struct.pack(_FMT, *[w for v in words for w in (v & _MASK, ~v & _MASK)])
+
+
+def decode_stamp(raw: bytes) -> Optional[Tuple[int, int, int]]:
+    """``(token, slot, value)`` of a whole stamp; None for a zeroed, torn or foreign one."""
+    w = struct.unpack(_FMT, raw[:STAMP_BYTES])
+    if any(w[i] != (~w[i + 1] & _MASK) for i in range(0, 8, 2)) or w[0] != _MAGIC:
+        return None
+    return w[2], w[4], w[6]
+
+
+class AuxRows:
+    """This rank's buffer of metadata rows on its agent's device, registered as group ``aux`` of ``agent``.
+    :meth:`create` returns None where ``kv_args`` has no aux buffers."""
+
+    def __init__(self, agent: Any, kv_args: Any, index: int):
+        import torch
+        self.kv_args = kv_args
+        self.items = _ints(kv_args, "aux_item_lens")
+        lens = _ints(kv_args, "aux_data_lens")
+        self.rows = min(n // i for n, i in zip(lens, self.items))
+        self.row_bytes = STAMP_BYTES + sum(self.items)
+        self.device = agent.platform.torch_device(agent.device)
+        self.tensor = torch.zeros((self.rows, self.row_bytes), dtype=torch.uint8, device=self.device)
+        self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        agent.register_group(AUX_GROUP, 1, {"aux.0": agent.layer_at(self.tensor.data_ptr(), self.tensor.numel(),
+                                                                     self.row_bytes, index=index)})
+
+    @classmethod
+    def create(cls, agent: Any, kv_args: Any) -> Optional["AuxRows"]:
+        """The rows of ``kv_args``' aux buffers registered with ``agent``; None where it has none, or where the
+        agent cannot register them (memory it cannot export, logged): its requests' rows go in messages."""
+        items, lens = _ints(kv_args, "aux_item_lens"), _ints(kv_args, "aux_data_lens")
+        if not items or len(items) != len(lens) or min(items) <= 0 or min(n // i for n, i in zip(lens, items)) < 1:
+            return None
+        try:
+            return cls(agent, kv_args, len(_ints(kv_args, "kv_data_ptrs")))
+        except Exception as exc:        # noqa: BLE001 - any failure here only sends the rows in messages
+            log.warning("gpuxfer: the metadata rows are not registered with the agent (%s: %s); they go on the "
+                        "control socket", type(exc).__name__, exc)
+            return None
+
+    def _check(self, index: int) -> int:
+        if isinstance(index, bool) or not 0 <= int(index) < self.rows:
+            raise BadInput(f"metadata row {index!r:.40} lies outside the {self.rows} rows registered")
+        return int(index)
+
+    def _write(self, index: int, offset: int, data: bytes) -> None:
+        if self._stream is None:        # host memory: written here and now
+            ctypes.memmove(self.tensor.data_ptr() + index * self.row_bytes + offset, data, len(data))
+            return
+        import torch
+        src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        with torch.cuda.stream(self._stream):
+            self.tensor[index, offset:offset + len(data)].copy_(src)
+        self._stream.synchronize()      # in device memory before anything is posted or sent after it
+
+    def _read(self, index: int, start: int, stop: int) -> bytes:
+        if self._stream is None:
+            return ctypes.string_at(self.tensor.data_ptr() + index * self.row_bytes + start, stop - start)
+        import torch
+        with torch.cuda.stream(self._stream):
+            out = self.tensor[index, start:stop].to("cpu")
+        self._stream.synchronize()
+        return out.numpy().tobytes()
+
+    # -- prefill
+
+    def stage(self, index: int, token: int, slot: int, value: int) -> None:
+        """Row ``index`` of SGLang's aux buffers here, with the stamp of the decode's request ``token`` landing at
+        ``value`` of notification ``slot``, into this buffer's row ``index`` (the push's source)."""
+        index = self._check(index)
+        self._write(index, 0, encode_stamp(token, slot, value) + b"".join(read_aux_rows(self.kv_args, index)))
+
+    # -- decode
+
+    def clear(self, index: int) -> None:
+        """Zero row ``index``'s stamp (before a request names the row: what an earlier request left is no stamp)."""
+        self._write(self._check(index), 0, bytes(STAMP_BYTES))
+
+    def stamp(self, index: int) -> Optional[Tuple[int, int, int]]:
+        """Row ``index``'s stamp, ``(token, slot, value)``, or None (none whole)."""
+        return decode_stamp(self._read(self._check(index), 0, STAMP_BYTES))
+
+    def take(self, index: int, token: int) -> None:
+        """Row ``index``'s rows into SGLang's aux buffers, where its stamp is request ``token``'s (read with the
+        rows); ``BadInput`` otherwise, nothing written."""
+        index = self._check(index)
+        raw = self._read(index, 0, self.row_bytes)
+        got = decode_stamp(raw)
+        if got is None or got[0] != token:
+            raise BadInput(f"metadata row {index} holds no row of this request (stamp {got!r})")
+        rows: List[bytes] = []
+        at = STAMP_BYTES
+        for item in self.items:
+            rows.append(raw[at:at + item])
+            at += item
+        write_aux_rows(self.kv_args, index, rows)

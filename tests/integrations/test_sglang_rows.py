@@ -1,0 +1,264 @@
+"""A request's metadata rows through the agent (:mod:`gpuxfer.integrations.sglang.rows`): the transfer thread's
+own ``_post`` over two real agents of this process (host emulation, tests/integrations/test_sglang_pipeline.py's
+``RealAgents``) with SGLang's aux buffers on both sides, the decode's :class:`Inbox` over the decode agent's
+notification words and rows. Every byte of the rows is checked; a row that did not land, a stamp of another
+request, a torn stamp or a forged row index never lets the request end Success.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from _requires import require
+
+require("sglang", "GPUXFER_REQUIRE_SGLANG", "sglang==0.5.23")
+
+from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
+
+from gpuxfer.errors import BadInput, DriverError  # noqa: E402
+from gpuxfer.integrations.sglang.inbox import Inbox  # noqa: E402
+from gpuxfer.integrations.sglang.landing import Landings  # noqa: E402
+from gpuxfer.integrations.sglang.requests import TransferInfo  # noqa: E402
+from gpuxfer.integrations.sglang.rows import STAMP_BYTES, AuxRows, decode_stamp, encode_stamp  # noqa: E402
+from gpuxfer.platforms.host_cma import wrap_scoped  # noqa: E402
+from test_sglang_pipeline import DECODE, ROOM, Decode, RealAgents  # noqa: E402
+
+SLOT, AUX, ROWS = 3, (16, 40), 8
+SRC_ROW, DST_ROW = 5, 2
+
+
+class RowAgents(RealAgents):
+    """:class:`RealAgents` with SGLang's aux buffers (``AUX`` row sizes, ``ROWS`` rows) on both sides, each rank's
+    rows registered with its agent, the decode's registration giving notification ``SLOT``; ``decode``: the decode
+    manager's message handling over the decode agent's words and rows."""
+
+    def __init__(self, decode_rows=True):
+        super().__init__()
+        import torch
+        gen = torch.Generator().manual_seed(5)
+        self.src_aux = [torch.randint(0, 256, (ROWS * n,), dtype=torch.uint8, generator=gen) for n in AUX]
+        self.dst_aux = [torch.zeros(ROWS * n, dtype=torch.uint8) for n in AUX]
+        for agent, bufs in ((self.agent, self.src_aux), (self.dec, self.dst_aux)):
+            args = self.args[agent]
+            args.aux_data_ptrs, args.aux_data_lens = [t.data_ptr() for t in bufs], [t.numel() for t in bufs]
+            args.aux_item_lens = list(AUX)
+        self.pushes.kv_args = self.args[self.agent]
+        self.pushes.rows = AuxRows.create(self.agent, self.args[self.agent])
+        self.dec_rows = AuxRows.create(self.dec, self.args[self.dec]) if decode_rows else None
+        self.pushes.add_decode("decode", self.dec.metadata(), {}, SLOT, DECODE)
+        self.decode = Decode(slots_handed=0)
+        self.decode.kv_args = self.args[self.dec]
+        self.decode.landings = Landings(self.dec.notification)
+        for _ in range(SLOT + 1):
+            self.decode.landings.new_slot()
+        self.decode.inbox = Inbox(self.decode, self.decode.landings, KVPoll, self.dec_rows)
+
+    def row(self, bufs, index):
+        return [bytes(t[index * n:(index + 1) * n].numpy()) for t, n in zip(bufs, AUX)]
+
+    def name(self, room=ROOM, index=DST_ROW):
+        """The decode names ``room``'s pages and row ``index``: its token."""
+        d = self.decode
+        d.update_status(room, KVPoll.Bootstrapping)
+        d.update_status(room, KVPoll.WaitingForInput)
+        d.required_prefill_response_num_table[room] = 1
+        token = d.inbox.name_request(room, index)
+        d.inbox.prefill_slot(room, SLOT)        # (the receiver's send_metadata: its one prefill rank's slot)
+        return token
+
+    def send(self, token, room=ROOM, dst_row=DST_ROW, dst=(9, 10, 11, 12), chunks=((1, 2), (3, 4))):
+        """The prefill's request of ``room`` to the decode's pages ``dst`` and row ``dst_row``, sent as
+        ``chunks`` (one push each)."""
+        self.update_status(room, KVPoll.Bootstrapping)
+        self.transfer_infos[room] = {"decode": TransferInfo(
+            room=room, endpoint=DECODE[0], dst_port=DECODE[1], session="decode",
+            dst_kv_indices=np.array(dst, np.int32), dst_aux_index=dst_row, required_dst_info_num=1, is_dummy=False,
+            token=token)}
+        self.update_status(room, KVPoll.WaitingForInput)
+        start = 0
+        for i, pages in enumerate(chunks):
+            self.add_transfer_request(room, np.array(pages), slice(start, start + len(pages)), i == len(chunks) - 1,
+                                      aux_index=SRC_ROW)
+            start += len(pages)
+        while not self.pushes._queue.empty():
+            self.run(self.pushes._queue.get_nowait())
+
+    def landed(self, room=ROOM, tries=200):
+        """Whether the decode's poll ends ``room`` by its word within ``tries`` polls (its reads are spaced)."""
+        for _ in range(tries):
+            if self.decode.inbox.landed_by_agent(room):
+                return True
+            time.sleep(1e-4)
+        return False
+
+
+@pytest.fixture
+def rows():
+    mgr = RowAgents()
+    yield mgr
+    mgr.close()
+
+
+def _earlier_row(mgr):
+    """An earlier request's row and a whole stamp of another token left at the decode's row."""
+    for t, n in zip(mgr.dst_aux, AUX):
+        t[DST_ROW * n:(DST_ROW + 1) * n] = 0xEE
+    mgr.dec_rows._write(DST_ROW, 0, encode_stamp(999, SLOT, 1))
+
+
+def test_the_rows_go_with_the_last_push_and_land_byte_for_byte(rows):
+    _earlier_row(rows)
+    token = rows.name()
+    assert rows.dec_rows.stamp(DST_ROW) is None              # naming the row zeroed the earlier stamp
+    rows.send(token)
+    assert rows.request_status[ROOM] == KVPoll.Success and ("aux", ROOM) not in rows.log     # no row message
+    assert rows.landed()
+    rows.decode.inbox.end_by_word(ROOM)
+    assert rows.decode.request_status[ROOM] == KVPoll.Success
+    assert rows.row(rows.dst_aux, DST_ROW) == rows.row(rows.src_aux, SRC_ROW)
+    assert rows.decode_pages_equal([1, 2, 3, 4], [9, 10, 11, 12])
+    for i in set(range(ROWS)) - {DST_ROW}:                    # no other row written
+        assert not any(any(r) for r in rows.row(rows.dst_aux, i))
+
+
+def test_the_success_message_takes_the_row_from_the_agent(rows):
+    token = rows.name()
+    rows.send(token)
+    rows.decode.inbox.on_message([ROOM, KVPoll.Success, 0, None, token])
+    assert rows.decode.applied == [(ROOM, KVPoll.Success)]
+    assert rows.row(rows.dst_aux, DST_ROW) == rows.row(rows.src_aux, SRC_ROW)
+
+
+def _fail_copies_into(monkeypatch, mgr, lo, hi):
+    """The prefill's copies land but those into bytes ``[lo, hi)`` of the decode's memory (the decode's rows),
+    and the post then fails on the stream as a cross-memory-attach copy that moved less than asked does."""
+    plat = mgr.agent.platform
+    copy = plat.copy_batch_async
+
+    def copy_batch_async(stream, dsts, srcs, sizes):
+        keep = [i for i, d in enumerate(dsts) if not lo <= int(d) < hi]
+        if len(keep) == len(dsts):
+            return copy(stream, dsts, srcs, sizes)
+        copy(stream, [dsts[i] for i in keep], [srcs[i] for i in keep], [sizes[i] for i in keep])
+
+        def short():
+            raise DriverError("process_vm_writev", "SHORT_COPY", 0, "an injected push", "moved 0 bytes")
+        plat._stream(stream)._enqueue("injected failing copies", wrap_scoped(short))
+    monkeypatch.setattr(plat, "copy_batch_async", copy_batch_async)
+
+
+def test_a_push_that_fails_after_the_kv_moved_but_before_the_row_landed_never_ends_success(rows, monkeypatch):
+    """The last push moved the KV, not the rows, and failed: the prefill fails the request, its word never reaches
+    the value, and the decode ends it Success neither by its poll nor by a Success message (a late or forged one)."""
+    mirror = rows.dec_rows.tensor
+    _fail_copies_into(monkeypatch, rows, mirror.data_ptr(), mirror.data_ptr() + mirror.numel())
+    token = rows.name()
+    rows.send(token)
+    assert rows.request_status[ROOM] == KVPoll.Failed
+    assert rows.decode_pages_equal([1, 2, 3, 4], [9, 10, 11, 12])     # the KV moved
+    assert not rows.landed(tries=20)
+    rows.decode.inbox.on_message([ROOM, KVPoll.Success, 0, None, token])
+    assert rows.decode.request_status[ROOM] == KVPoll.Failed and rows.decode.applied == []
+    assert "metadata row" in rows.decode.failure_records[ROOM]
+    assert not any(any(r) for r in rows.row(rows.dst_aux, DST_ROW))
+
+
+@pytest.mark.parametrize("other", ["token", "slot"])
+def test_a_row_stamped_for_another_request_never_ends_success(rows, other):
+    """The row at the room's index holds another request's stamp (an earlier request's late push, a stamp
+    corrupted whole; or one naming another word than the room's prefill rank's): the word reaching its value
+    does not end the room, and a Success message (by token) fails it where the token is another."""
+    token = rows.name()
+    rows.decode.landings.new_slot()
+    rows.send(token)
+    value = rows.dec.notification(SLOT)
+    # another token at the value the word holds; or the token on another word, at a value that word holds
+    stamp = encode_stamp(int(token) + 1, SLOT, value) if other == "token" else encode_stamp(int(token), SLOT + 1, 0)
+    rows.dec_rows._write(DST_ROW, 0, stamp)
+    if other == "slot":
+        assert not rows.landed(tries=20)
+        return
+    assert not rows.landed(tries=20)
+    rows.decode.inbox.on_message([ROOM, KVPoll.Success, 0, None, token])
+    assert rows.decode.request_status[ROOM] == KVPoll.Failed and rows.decode.applied == []
+    assert not any(any(r) for r in rows.row(rows.dst_aux, DST_ROW))
+
+
+@pytest.mark.parametrize("token, value", [(12, 7), ((1 << 60) + 3, 1 << 40)])
+def test_a_stamp_read_while_it_is_written_is_no_stamp(token, value):
+    """Any byte of a stamp still zero where the whole stamp's is not (a push writing it as it is read): the
+    complement check refuses it; so do a zeroed stamp and one byte changed anywhere."""
+    whole = encode_stamp(token, SLOT, value)
+    assert decode_stamp(whole) == (token, SLOT, value) and decode_stamp(bytes(STAMP_BYTES)) is None
+    for at in range(STAMP_BYTES):
+        torn = bytearray(whole)
+        torn[at] ^= 0xFF if whole[at] == 0 else whole[at]
+        assert decode_stamp(bytes(torn)) is None, at
+
+
+@pytest.mark.parametrize("dst_row", [ROWS, 1 << 31], ids=["past-the-rows", "far-past"])
+def test_a_forged_row_index_fails_the_request_and_writes_nothing(rows, dst_row):
+    """A metadata message naming a row past the rows the decode registered: the request fails on the prefill,
+    typed, before anything is posted; nothing of the decode's rows (nor past them) is written."""
+    before = rows.dec_rows.tensor.clone()
+    token = rows.name()
+    rows.send(token, dst_row=dst_row)
+    assert rows.request_status[ROOM] == KVPoll.Failed
+    assert "metadata row" in rows.failure_records[ROOM] and "BadInput" in rows.failure_records[ROOM]
+    assert bool((rows.dec_rows.tensor == before).all()) and not rows.landed(tries=20)
+
+
+def test_a_decode_row_index_outside_its_rows_is_refused_when_named():
+    mgr = RowAgents()
+    try:
+        with pytest.raises(BadInput):
+            mgr.name(index=ROWS)
+    finally:
+        mgr.close()
+
+
+def test_a_decode_that_registered_no_rows_gets_them_in_a_message():
+    """A decode of an earlier gpuxfer (no rows registered with its agent): the row goes on the control socket."""
+    mgr = RowAgents(decode_rows=False)
+    try:
+        assert mgr.pushes._aux_rows["decode"] == 0
+        token = mgr.name()
+        mgr.send(token)
+        assert mgr.request_status[ROOM] == KVPoll.Success and ("aux", ROOM) in mgr.log
+    finally:
+        mgr.close()
+
+
+def test_a_room_of_two_decode_ranks_gets_its_rows_in_messages(rows):
+    """Two decode ranks of one room (each its own token): one stamp cannot name both, so the rows go as messages."""
+    token = rows.name()
+    p = rows.pushes      # a second decode rank: the same decode agent under another name, its own slot
+    p._peers["decode2"], p._notify_slots["decode2"], p._aux_rows["decode2"] = p._peers["decode"], SLOT + 1, ROWS
+    rows.update_status(ROOM, KVPoll.Bootstrapping)
+    infos = {s: TransferInfo(room=ROOM, endpoint=DECODE[0], dst_port=p, session=s,
+                             dst_kv_indices=np.array(d, np.int32), dst_aux_index=DST_ROW, required_dst_info_num=2,
+                             is_dummy=False, token=token)
+             for s, p, d in (("decode", DECODE[1], [9, 10]), ("decode2", 5556, [11, 12]))}
+    rows.transfer_infos[ROOM] = infos
+    rows.update_status(ROOM, KVPoll.WaitingForInput)
+    rows.add_transfer_request(ROOM, np.array([1, 2]), slice(0, 2), True, aux_index=SRC_ROW)
+    rows.run(rows.pushes._queue.get_nowait())
+    assert rows.request_status[ROOM] == KVPoll.Success and rows.log.count(("aux", ROOM)) == 2
+
+
+def test_rows_the_agent_cannot_register_go_in_messages(monkeypatch):
+    """Where the agent cannot register the rows' buffer (memory it cannot export), the rank keeps none: its
+    requests' rows go in messages, the rank still starts."""
+    from gpuxfer.errors import NotExportable
+    mgr = RealAgents()
+    try:
+        def refuse(*a, **k):
+            raise NotExportable("an injected refusal")
+        monkeypatch.setattr(mgr.dec, "register_group", refuse)
+        args = mgr.args[mgr.dec]
+        args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = [1 << 20], [ROWS * 16], [16]
+        assert AuxRows.create(mgr.dec, args) is None
+    finally:
+        mgr.close()
