@@ -16,6 +16,11 @@ from ..errors import BlockIdError
 from .layers import _MAX_INT, _torch
 
 
+#: int64's dtype: a native int64 array's dtype is this object (one that is not, metadata or byte order aside, takes
+#: the conversion path)
+_INT64 = np.dtype(np.int64)
+
+
 @functools.cache
 def _int_dtypes(torch) -> frozenset:
     """The torch dtypes of block IDs: plain integers (not bool, quantized or sub-byte ones, which numpy has not)."""
@@ -25,7 +30,7 @@ def _int_dtypes(torch) -> frozenset:
 
 def _as_ids(ids, request: str, group: str, side: str) -> np.ndarray:
     """Block IDs as a contiguous 1-D int64 array (``request``, ``group`` and ``side`` name them in errors)."""
-    if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1 and ids.flags.c_contiguous:
+    if type(ids) is np.ndarray and ids.dtype is _INT64 and ids.ndim == 1 and ids.flags.c_contiguous:
         return ids
     what = f"request {request!r}, group {group!r}, {side}"
     torch = _torch()
