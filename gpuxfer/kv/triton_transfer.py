@@ -178,8 +178,9 @@ class _Landed:
 def run_in_slot(poster, route, s: Stream, array: np.ndarray, ptr: int, rows: int, entries: int,
                 expand_only: bool = False) -> tuple[_Slot, _Landed | None]:
     """Upload a request array (``array``: ``rows`` descriptors, ``entries`` entries in the slot; ``ptr``: its
-    address, the third item of its :class:`_RequestPool` token) into a free slot of ``route`` and enqueue its kernels on ``s`` (the caller holds the post lock of ``poster``, a
-    :class:`~gpuxfer.kv.posting.Poster`): on the agent's stream, where the slot's host words are free, the
+    address, the third item of its :class:`_RequestPool` token) into a free slot of ``route`` and enqueue its
+    kernels on ``s`` (the caller holds the post lock of ``poster``, a :class:`~gpuxfer.kv.posting.Poster`): on
+    the agent's stream, where the slot's host words are free, the
     slot's folded graph alone (returned: where its completion shows); else the upload, then the slot's graph
     or its launches one by one (None)."""
     slot = poster.take_slot(route, s, rows, entries)
