@@ -26,7 +26,7 @@ slots hold descriptor tables (the default ``GPUXFER_KV_COPY``), a route's batch 
 :data:`~gpuxfer.kv.batch.BATCH_ROWS` descriptors is cut, and small parts of host-ID requests are posted one by
 one (kv-dsv4 at 32k tokens: every request alone; device-ID parts are merged, ten posts); with
 ``GPUXFER_KV_COPY=blocks`` it is one post. ``--profile`` gives the cProfile
-of the timed ``post_many`` calls.
+of the timed ``post_many`` calls (and of the ``prepare`` loop's calls).
 """
 from __future__ import annotations
 
@@ -213,12 +213,22 @@ def run(workload: str, isl: int, page: int, op: str, iters: int, profile: bool, 
             loop("fresh", True)
             loop("repost", False)
         times = []
+        pr = cProfile.Profile() if profile else None
         for _ in range(max(iters // 10, 5)):
             flush()
+            if pr is not None:
+                pr.enable()
             t0 = time.perf_counter()
             prepare()
-            times.append((time.perf_counter() - t0) * 1e6)
+            t1 = time.perf_counter()
+            if pr is not None:
+                pr.disable()
+            times.append((t1 - t0) * 1e6)
         rows["prepare"] = {"p50_us": float(np.median(times)), "p90_us": float(np.percentile(times, 90))}
+        if pr is not None:
+            out = io.StringIO()
+            pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(30)
+            rows["prepare"]["profile"] = out.getvalue()
         return {"workload": workload, "isl_tokens": isl, "page_tokens": page, "op": op, "ids": ids,
                 "flush_mb": flush_mb, "batch": batch, "rows": rows}
     finally:

@@ -451,7 +451,7 @@ class KVAgent(Closable, FailsOnTimeout):
         if route is None or local_blocks.keys() != remote_blocks.keys():
             groups = request_groups(self._registry, peer, name, local_blocks, remote_blocks)
             route = self._routes.route(peer, op, layers, groups)
-        if wants_device_ids(local_blocks, device_ids):
+        if device_ids is not False and wants_device_ids(local_blocks, device_ids):
             return prepare_device(self._poster, peer, route, op, name, local_blocks, remote_blocks, notify_slot)
         checked = route.ids.check(name, op == "push", local_blocks, remote_blocks)
         return self._staging.stage(peer, route, op, name, checked, notify_slot)

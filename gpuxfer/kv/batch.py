@@ -86,14 +86,17 @@ def post_many(poster, transfers: Sequence[KVTransfer], stream: Stream | None) ->
     agent = poster.agent
     if type(transfers) is not list and (isinstance(transfers, (str, bytes)) or not isinstance(transfers, Sequence)):
         raise BadInput(f"post_many takes a sequence of prepared transfers, got {type(transfers).__name__}")
+    if len(transfers) == 1:         # (what a decode step admitting one request posts): its own post, which checks
+        x = transfers[0]            # its peer; a transfer of this agent's (anything else: _sort's error)
+        if isinstance(x, KVTransfer) and x.agent is agent:
+            s = poster.stream(stream)
+            try:
+                return [x.post(s)]
+            except Exception as exc:
+                exc.handles = [None]
+                raise
     routes, others, peers, kinds = _sort(agent, transfers)
     s = poster.stream(stream)
-    if len(transfers) == 1:         # (what a decode step admitting one request posts): its own post, which checks
-        try:                        # its peer
-            return [transfers[0].post(s)]
-        except Exception as exc:
-            exc.handles = [None]
-            raise
     # (one route's triton requests hash by identity; other items may not hash at all)
     if len(set(transfers) if kinds is not None else set(map(id, transfers))) != len(transfers):
         raise BadInput("post_many: a transfer appears twice (post it again in a later call)")
@@ -231,7 +234,7 @@ def _post_route(poster, xs: list[_SlotTransfer], s: Stream) -> list[KVTransferHa
     keep, array, rows = merged
     route, slot = xs[0].route, None
     try:
-        slot, landed = run_in_slot(poster, route, s, array, rows, int(array.shape[0]))
+        slot, landed = run_in_slot(poster, route, s, array, keep.token[2], rows, int(array.shape[0]))
         values = [x.peer._notify(s, x.notify_slot)[0] if x.notify_slot is not None else None for x in xs]
         event = poster.agent.platform.record_event(s)
     except BaseException:

@@ -347,6 +347,7 @@ class _DeviceIdTransfer(_SlotTransfer):
                                          # the first three in one list, then it and the addresses as int64 bytes)
         self._pooled = pooled
         self._array = array
+        self._ptr = pooled[2]           # (the array's address: :class:`~gpuxfer.kv.triton_transfer._RequestPool`)
         self._entries = head.entries
         super(_SlotTransfer, self).__init__(poster, peer, route, op, name, head.n_seg, pooled[0], notify_slot,
                                             head.n_rows, head.nbytes_moved)
@@ -368,7 +369,7 @@ class _DeviceIdTransfer(_SlotTransfer):
         try:
             if expand_only:
                 slot.expansion(poster.agent.platform, s, self.descriptors, poster.agent.device)
-            return (slot,) + _run_checked(poster, self.route, slot, s, self._array, 1, expand_only)
+            return (slot,) + _run_checked(poster, self.route, slot, s, self._array, self._ptr, 1, expand_only)
         except BaseException:
             poster.retire(self.route, slot)
             poster.hold_until_drained(s, (self, slot))
@@ -433,7 +434,7 @@ def post_together(poster, xs: list[_DeviceIdTransfer], s: Stream) -> list:
     slot = poster.take_slot(route, s, head.n_rows, head.entries)
     status = None
     try:
-        status, landed = _run_checked(poster, route, slot, s, h, len(xs))
+        status, landed = _run_checked(poster, route, slot, s, h, token[2], len(xs))
         event = plat.record_event(s)          # (device-ID requests carry no notification: prepare_device)
     except BaseException:
         poster.retire(route, slot)
@@ -444,8 +445,9 @@ def post_together(poster, xs: list[_DeviceIdTransfer], s: Stream) -> list:
     return KVTransferHandle._together(xs, event, s, None, status, landed)
 
 
-def _run_checked(poster, route, slot, s: Stream, array: np.ndarray, batch: int, expand_only: bool = False):
-    """A checked request array (``array``: the requests' header, ``batch`` requests) run in ``slot`` on ``s``:
+def _run_checked(poster, route, slot, s: Stream, array: np.ndarray, ptr: int, batch: int, expand_only: bool = False):
+    """A checked request array (``array``: the requests' header, ``batch`` requests; ``ptr``: its address) run in
+    ``slot`` on ``s``:
     on the agent's stream, where the slot's host words are free, its folded checked graph alone (the status
     lands in the slot's host words); else the upload, the checked graph and the status copied into a pooled
     word. ``(status, landed)``: what the handles read (landed: None unless folded)."""
@@ -459,7 +461,7 @@ def _run_checked(poster, route, slot, s: Stream, array: np.ndarray, batch: int, 
             before.hand_over()
         return status, slot.post_folded(poster, checked.folded, array)
     copy = poster.calls.copy if own else (lambda d, src, n: plat.copy_async(s, d, src, n))
-    copy(slot.req_ptr, array.ctypes.data, array.nbytes)
+    copy(slot.req_ptr, ptr, array.nbytes)
     if expand_only:
         plat.launch(s, checked.check_and_expand)
     else:

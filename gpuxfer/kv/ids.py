@@ -16,6 +16,11 @@ from ..errors import BlockIdError
 from .layers import _MAX_INT, _torch
 
 
+#: int64's dtype: a native int64 array's dtype is this object (one that is not, metadata or byte order aside, takes
+#: the conversion path)
+_INT64 = np.dtype(np.int64)
+
+
 @functools.cache
 def _int_dtypes(torch) -> frozenset:
     """The torch dtypes of block IDs: plain integers (not bool, quantized or sub-byte ones, which numpy has not)."""
@@ -25,7 +30,7 @@ def _int_dtypes(torch) -> frozenset:
 
 def _as_ids(ids, request: str, group: str, side: str) -> np.ndarray:
     """Block IDs as a contiguous 1-D int64 array (``request``, ``group`` and ``side`` name them in errors)."""
-    if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1 and ids.flags.c_contiguous:
+    if type(ids) is np.ndarray and ids.dtype is _INT64 and ids.ndim == 1 and ids.flags.c_contiguous:
         return ids
     what = f"request {request!r}, group {group!r}, {side}"
     torch = _torch()
@@ -225,8 +230,10 @@ class _RouteIds:
             self.class_offsets = np.array(cls_off, dtype=np.int64)
         # each group's destination keys: its window of the marks over the classes' range
         self.class_windows = [(int(o), int(o) + b) for o, (_, b) in zip(self.class_offsets, limits)]
-        # ordered by source keys: the source side's keys, then the destination side's past them
-        self.pair_offsets = np.concatenate([self.offsets, self.span + self.class_offsets])
+        # where each group's keys start (:meth:`_order` marks them through a view of the marks from there):
+        # ordered by source keys, the source side's keys, then the destination side's past them
+        self.key_offsets = [int(o) for o in self.offsets]
+        self.dst_key_offsets = [self.span + int(o) for o in self.class_offsets]
 
     def check(self, request: str, push: bool, local_blocks, remote_blocks) -> tuple:
         """A request's IDs taken per group (``local_blocks`` / ``remote_blocks``: ``{group: IDs}`` naming the
@@ -302,35 +309,36 @@ class _RouteIds:
     def _order(self, both: np.ndarray, n: int, lens_s: list[int], lens_d: list[int]) -> tuple[tuple, bool]:
         """The order of a paired route's ``n`` pairs (``both``: the sources, then the destinations) by their
         keys (``offset of the group + key side's ID``), and whether the destinations were found distinct
-        on the way. The order: ``("marks", sorted keys, partners at the keys, key offsets)`` where the keys
-        are distinct among a good share of their range (one scatter and one pass over it), else ``("sort",
-        order)``."""
+        on the way. The order: ``("marks", sorted keys, partners at the keys)`` where the keys are distinct
+        among a good share of their range (one scatter per group and side and one pass over the range: each
+        group's IDs index a view of the marks and partners starting at its keys' offset, so no key array is made),
+        else ``("sort", order)``. (``lens_s`` and ``lens_d`` are equal: the route pairs blocks one to one.)"""
         S, D = both[:n], both[n:]
         by_dst = self.sort_by_dst
         X, O = (D, S) if by_dst else (S, D)
         if (self.span if by_dst else self.span + self.class_span) > _DENSE * n:
             return ("sort", np.argsort(np.add(X, np.repeat(self.offsets, lens_s), out=_SCRATCH.buf(2, n)),
                                        kind="stable")), False
-        if by_dst:
-            R = np.repeat(self.offsets, lens_s)
-            keys = np.add(X, R, out=_SCRATCH.buf(2, n))
-            marks = _SCRATCH.mask(self.span)
-            marks[keys] = True
-        else:           # the destinations' keys go past the sources': their marks count the distinct ones
-            R = np.repeat(self.pair_offsets, lens_s + lens_d)
-            both_keys = np.add(both, R, out=_SCRATCH.buf(2, 2 * n))
-            keys = both_keys[:n]
-            marks = _SCRATCH.mask(self.span + self.class_span)
-            marks[both_keys] = True
-        partner = _SCRATCH.buf(3, self.span)
-        partner[keys] = O
-        at = np.flatnonzero(marks[:self.span])
-        distinct = (self.shared and at.size == n) if by_dst else \
-            int(np.count_nonzero(marks[self.span:])) == n
+        span = self.span
+        # (by source keys, the destinations' keys go past the sources': their marks count the distinct ones)
+        marks = _SCRATCH.mask(span if by_dst else span + self.class_span)
+        partner = _SCRATCH.buf(3, span)
+        a = 0
+        for o, od, k in zip(self.key_offsets, self.dst_key_offsets, lens_s):
+            if k:       # (every ID checked in its group's range: inside the group's keys)
+                x, b = X[a:a + k], a + k
+                marks[o:][x] = True
+                partner[o:][x] = O[a:b]
+                if not by_dst:
+                    marks[od:][D[a:b]] = True
+                a = b
+        at = np.flatnonzero(marks[:span])
+        distinct = (self.shared and at.size == n) if by_dst else int(np.count_nonzero(marks[span:])) == n
         marks[:] = False
         if at.size == n:        # (ordered by source keys, a source read twice goes by the sort)
-            return ("marks", at, partner, R[:n]), distinct
-        return ("sort", np.argsort(keys, kind="stable")), distinct
+            return ("marks", at, partner), distinct
+        return ("sort", np.argsort(np.add(X, np.repeat(self.offsets, lens_s), out=_SCRATCH.buf(2, n)),
+                                   kind="stable")), distinct
 
     def _check_destinations(self, request: str, dsts: list[np.ndarray], nd: int) -> None:
         """No destination block twice among groups sharing destination memory (``dsts``: per group, ``nd`` IDs
@@ -376,9 +384,13 @@ class _RouteIds:
         S, D, order, lens_s, lens_d = checked
         if order is not None:
             out_x, out_o = (out_d, out_s) if self.sort_by_dst else (out_s, out_d)
-            if order[0] == "marks":
-                _, at, partner, R = order
-                np.subtract(at, R, out=out_x)
+            if order[0] == "marks":          # (n distinct keys, sorted: each group's lens_s[g] of them in turn)
+                _, at, partner = order
+                a = 0
+                for o, k in zip(self.key_offsets, lens_s):
+                    if k:
+                        np.subtract(at[a:a + k], o, out=out_x[a:a + k])
+                        a += k
                 np.take(partner, at, out=out_o)
             else:
                 X, O = (D, S) if self.sort_by_dst else (S, D)

@@ -27,7 +27,9 @@ RING_SLOTS = 4
 MIN_SLOT_ROWS = 1024
 MIN_SLOT_ENTRIES = 1024
 #: posted transfers a post keeps without looking at their events; past it, a post first drops the completed
-#: ones (so does a prepare that finds no free host array of its size)
+#: ones (so does a prepare that finds no free host array of its size), and the next post to look again is the
+#: one past twice those still kept then (at least this many): posts queued faster than they complete look at
+#: an event a doubling of the queue, not one a post
 INFLIGHT_KEEP = 16
 
 
@@ -57,6 +59,7 @@ class Poster:
         self.blocks = config.get("GPUXFER_KV_COPY") == "blocks"     # slots copy from the IDs: no descriptor table
         self.capture: Stream | None = None      # where graphs are captured (capture_stream)
         self._slot_uses = itertools.count(1)
+        self.reap_at = INFLIGHT_KEEP             # posted transfers kept before a post looks at their events
         self.next_seq = functools.partial(next, itertools.count(1))     # folded posts' sequence numbers
 
     def bind(self, stream: Stream) -> None:
@@ -77,7 +80,7 @@ class Poster:
         """The agent is open and usable and ``peer`` is still its own (and, in this process, open): else a typed
         error. Queuing work on the peer's memory calls it under the post lock."""
         agent = self.agent
-        if (type(peer) is KVPeer and peer.agent is agent and not peer.closed and not agent.closed
+        if (type(peer) is KVPeer and peer.agent is agent and not peer._closed and not agent.closed
                 and agent.failed is None and self.registry.peers.get(peer.name) is peer
                 and (peer._local is None or not peer._local.closed)):
             return          # the per-post case
@@ -118,12 +121,13 @@ class Poster:
     def track(self, event: Event, buffers: tuple) -> None:
         """Keep a posted transfer's buffers until its event completes (dropping the transfer and its
         handle early must not free memory the stream still reads). The caller holds the post lock. The
-        completed entries go when a prepare finds no free host array (:meth:`reap_locked`), or here once more than
-        :data:`INFLIGHT_KEEP` are kept: a post does not query events otherwise. ``buffers`` of a folded post
+        completed entries go when a prepare finds no free host array (:meth:`reap_locked`), or here once
+        :attr:`reap_at` are kept (:data:`INFLIGHT_KEEP`, or twice what the last reap kept): a post does not query
+        events otherwise. ``buffers`` of a folded post
         without a notification end with its :class:`~gpuxfer.kv.triton_transfer._Landed`: nothing of the post
         reads them once its graph ran to the end, so :meth:`reap` reads that host word before the event."""
         q = self.inflight
-        if len(q) >= INFLIGHT_KEEP:
+        if len(q) >= self.reap_at:
             self.reap()
         q.append((event, buffers))
 
@@ -133,15 +137,17 @@ class Poster:
             self.reap()
 
     def reap(self) -> None:
-        """Drop the posted transfers whose events completed, oldest first (the caller holds the post lock)."""
+        """Drop the posted transfers whose events completed, oldest first (the caller holds the post lock); the
+        next post's reap once twice as many as are left are kept (:data:`INFLIGHT_KEEP` at least)."""
         q = self.inflight
         plat = self.agent.platform
         while q:
             event, buffers = q[0]
             last = buffers[-1] if buffers else None
             if not ((type(last) is _Landed and last.landed()) or _ended(plat, event)):
-                return
+                break
             q.popleft()
+        self.reap_at = max(INFLIGHT_KEEP, 2 * len(q))
 
     def retire(self, route: _Route, slot: _Slot | None) -> None:
         """A post failed after taking ``slot`` (it may have queued an upload or launches there): the slot leaves

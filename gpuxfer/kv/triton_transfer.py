@@ -175,31 +175,33 @@ class _Landed:
         return self.words[self.at] >= self.seq
 
 
-def run_in_slot(poster, route, s: Stream, array: np.ndarray, rows: int, entries: int,
+def run_in_slot(poster, route, s: Stream, array: np.ndarray, ptr: int, rows: int, entries: int,
                 expand_only: bool = False) -> tuple[_Slot, _Landed | None]:
-    """Upload a request array (``array``: ``rows`` descriptors, ``entries`` entries in the slot) into a free
-    slot of ``route`` and enqueue its kernels on ``s`` (the caller holds the post lock of ``poster``, a
-    :class:`~gpuxfer.kv.posting.Poster`): on the agent's stream, where the slot's host words are free, the
+    """Upload a request array (``array``: ``rows`` descriptors, ``entries`` entries in the slot; ``ptr``: its
+    address, the third item of its :class:`_RequestPool` token) into a free slot of ``route`` and enqueue its
+    kernels on ``s`` (the caller holds the post lock of ``poster``, a :class:`~gpuxfer.kv.posting.Poster`): on
+    the agent's stream, where the slot's host words are free, the
     slot's folded graph alone (returned: where its completion shows); else the upload, then the slot's graph
     or its launches one by one (None)."""
     slot = poster.take_slot(route, s, rows, entries)
     try:
-        return slot, _enqueue(poster, slot, s, array, rows, expand_only)
+        return slot, _enqueue(poster, slot, s, array, ptr, rows, expand_only)
     except BaseException:
         poster.retire(route, slot)
         poster.hold_until_drained(s, (slot,))
         raise
 
 
-def _enqueue(poster, slot: _Slot, s: Stream, array: np.ndarray, rows: int, expand_only: bool) -> _Landed | None:
+def _enqueue(poster, slot: _Slot, s: Stream, array: np.ndarray, ptr: int, rows: int, expand_only: bool
+             ) -> _Landed | None:
     plat = poster.agent.platform
     own = s is poster.agent.stream      # the agent's stream: its calls bound once (Platform.stream_calls)
     if own and slot.folded is not None and not expand_only and slot.host_free():
         return slot.post_folded(poster, slot.folded, array)
     if own:
-        poster.calls.copy(slot.req_ptr, array.ctypes.data, array.nbytes)
+        poster.calls.copy(slot.req_ptr, ptr, array.nbytes)
     else:
-        plat.copy_async(s, slot.req_ptr, array.ctypes.data, array.nbytes)
+        plat.copy_async(s, slot.req_ptr, ptr, array.nbytes)
     if expand_only:
         expand = slot.expansion(plat, s, rows, poster.agent.device)
         if expand is not None:
@@ -244,12 +246,14 @@ class _SlotTransfer(KVTransfer):
                  host, array: np.ndarray, notify_slot: int | None, descriptors: int, nbytes: int):
         self._pooled = host
         self._array = array
+        self._ptr = host[2]             # (the array's address: a view of the pooled array from its start)
         self._entries = int(array.shape[0])
         super().__init__(poster, peer, route, op, name, n_seg, host[0], notify_slot, descriptors, nbytes)
 
     def _run(self, s: Stream, expand_only: bool = False) -> tuple[_Slot, _Landed | None]:
         """Upload this request into a free slot and enqueue its kernels on ``s`` (the caller holds the post lock)."""
-        return run_in_slot(self.poster, self.route, s, self._array, self.descriptors, self._entries, expand_only)
+        return run_in_slot(self.poster, self.route, s, self._array, self._ptr, self.descriptors, self._entries,
+                           expand_only)
 
     def post(self, stream: Stream | None = None) -> KVTransferHandle:
         """Enqueue the transfer on ``stream`` (default: the agent's own) and return its handle.
@@ -313,7 +317,10 @@ def table_rows(poster, slot: _Slot, s: Stream, n: int):
 
 class _RequestPool:
     """Host int64 arrays for request arrays, pinned where the device is a GPU (the upload is then a DMA),
-    kept for reuse by capacity (powers of two): taking one costs a list pop, not an allocation."""
+    kept for reuse by capacity (powers of two): taking one costs a list pop, not an allocation. A token is
+    ``(tensor, its numpy array, its address)``: the address read once, when the array is made (a post's upload
+    reads it from there: ``ndarray.ctypes`` costs microseconds a call), and it holds for as long as the token
+    lives: the pool's tensors are its own, never resized nor given other memory."""
 
     KEEP = 16                   # arrays kept per capacity, at least
     KEEP_ENTRIES = 1 << 18      # ... or while those kept hold fewer entries (2 MiB): a batch of small requests
@@ -324,7 +331,8 @@ class _RequestPool:
         self.free: dict[int, list] = {}
 
     def take(self, n: int, reap=None):
-        """``(token, array)``: an array of ``n`` entries, and what to give back once it is no longer read.
+        """``(token, array)``: an array of ``n`` entries (at the token's address), and what to give back once it is
+        no longer read.
         ``reap``: called when none of that capacity is free (it may give some back) before one is made."""
         cap = 1 << max(10, (n - 1).bit_length())
         kept = self.free.get(cap)
@@ -340,7 +348,7 @@ class _RequestPool:
         if token is None:
             torch = _torch()
             owner = torch.empty(cap, dtype=torch.int64, pin_memory=self.pinned)
-            token = (owner, owner.numpy())
+            token = (owner, owner.numpy(), owner.data_ptr())
         return token, token[1][:n]
 
     def give(self, token) -> None:

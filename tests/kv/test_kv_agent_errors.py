@@ -393,3 +393,29 @@ def test_remove_peer_of_a_stale_or_foreign_peer_leaves_the_live_one(pair, plat):
     dec.transfer(live, "pull", local_blocks={"g": [0]}, remote_blocks={"g": [1]}).wait(30)
     assert same_bytes(dst[0], src[1])
     dec.remove_peer(live)
+
+
+def test_posts_queued_faster_than_they_complete_look_at_few_events(pair, monkeypatch):
+    """Posts behind a stream that does not move: a post looks at the oldest posted transfer's event only once the
+    posted ones doubled since the last look (not at every post past INFLIGHT_KEEP), keeps every transfer until
+    its event completed, and a reap once they completed drops them all and looks again from INFLIGHT_KEEP on."""
+    from gpuxfer.kv.posting import INFLIGHT_KEEP
+    pre, dec, a0, a1 = pair
+    src, dst, p_of_dec, gate, s, h = _held_pull(pre, dec, a0, a1)
+    plat = dec.platform
+    asked = []
+    real = plat.event_query
+    monkeypatch.setattr(plat, "event_query", lambda e: asked.append(e) or real(e))
+    n = 8 * INFLIGHT_KEEP
+    try:
+        x = dec.prepare(p_of_dec, "pull", local_blocks={"full": [1]}, remote_blocks={"full": [2]})
+        handles = [x.post(s) for _ in range(n)]
+        assert len(asked) <= 8          # (a look at 16, 32, 64 and 128 kept, and the first slot's: not one a post)
+        assert len(dec._poster.inflight) == n + 1 and not any(hh.done() for hh in handles)
+    finally:
+        plat.host_write_flag(gate.ptr, 1, 1)
+        assert plat.synchronize(s, 30)
+    assert h.done() and all(hh.done() for hh in handles)
+    dec._poster.reap_locked()
+    assert not dec._poster.inflight and dec._poster.reap_at == INFLIGHT_KEEP
+    assert same_bytes(dst[next(iter(dst))][:, 1], src[next(iter(src))][:, 2])

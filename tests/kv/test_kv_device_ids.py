@@ -447,3 +447,42 @@ def test_refused_notifications_moved_tensors_and_meta_tensors(dpair):
     with pytest.raises(BlockIdError, match="plain torch.Tensor"):
         dec.prepare(peer, "pull", local_blocks={"full": param}, remote_blocks={"full": _on(dec, [3])},
                     device_ids=True)
+
+
+def test_every_upload_reads_the_request_array_it_posts(dpair, monkeypatch):
+    """A post uploads from the address its pool token kept (read once, when the pooled array was made): for host
+    and device IDs, alone and merged by post_many, and for arrays given back to the pool and taken again, that
+    address is the posted array's own, and the bytes land."""
+    from gpuxfer.kv import device_ids as kd, triton_transfer as kt
+    pre, dec, a0, a1 = dpair
+    src, dst = _full(pre, dec, a0, a1)
+    p_dec, _ = connect(pre, dec)
+    seen = []
+
+    def checking(real, at):         # (``at``: where the array and its address come in the arguments)
+        def run(*args):
+            array, ptr = args[at:at + 2]
+            seen.append(ptr)
+            assert ptr == array.ctypes.data
+            return real(*args)
+        return run
+
+    monkeypatch.setattr(kt, "_enqueue", checking(kt._enqueue, 3))
+    monkeypatch.setattr(kd, "_run_checked", checking(kd._run_checked, 4))
+    pairs = [([3, 0], [1, 5]), ([7], [2]), ([11, 4], [10, 6])]
+    for _ in range(3):              # (the pool's arrays given back and taken again)
+        for device in (False, True):
+            ids = (lambda v: _on(dec, v)) if device else (lambda v: v)
+            xs = [dec.prepare(p_dec, "pull", local_blocks={"full": ids(d)}, remote_blocks={"full": ids(s)},
+                              device_ids=device) for s, d in pairs]
+            xs[0].post().wait(60)
+            for h in dec.post_many(xs[1:]):       # (merged: one array of both)
+                h.wait(60)
+            for h in dec.post_many(xs):
+                h.wait(60)
+            del xs
+    assert len(seen) == 3 * 2 * 3
+    for s_ids, d_ids in pairs:
+        for k in src:
+            for s, d in zip(s_ids, d_ids):
+                assert same_bytes(dst[k][:, d], src[k][:, s])
