@@ -5,6 +5,8 @@ failed while its row landed. Over tests/integrations/test_sglang_rows.py's two r
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -148,3 +150,35 @@ def test_a_request_named_to_a_dummy_prefill_rank_first_still_takes_its_row_from_
     rows.decode.inbox.on_message([ROOM, KVPoll.Success, 0, None, token])
     assert rows.decode.applied == [(ROOM, KVPoll.Success)]
     assert rows.row(rows.dst_aux, DST_ROW) == rows.row(rows.src_aux, 5)
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_a_pair_where_one_side_has_no_rows_lands_every_byte_by_message(side):
+    """One side registered no rows (an earlier gpuxfer, or rows its agent could not register): the row goes on
+    the control socket (GXAUX3, with its landing value), and the decode ends the request by its word with every
+    byte of the row and of the KV, whichever side it was."""
+    from gpuxfer.integrations.sglang.pushes import Pushes
+    mgr = RowAgents(decode_rows=side != "decode")
+    try:
+        if side == "prefill":
+            mgr.pushes.rows = None
+            mgr.pushes.add_decode("decode", mgr.dec.metadata(), {}, SLOT, mgr.pushes.endpoint("decode"))
+        assert mgr.pushes._aux_rows["decode"] == 0
+        sent = []
+        mgr.pushes._send_aux = Pushes._send_aux.__get__(mgr.pushes)
+        mgr.send_to_decode = lambda info, parts: (sent.append(parts[0]), mgr.decode.inbox.on_message(parts))
+        token = mgr.name()
+        mgr.send(token)
+        assert sent == [AUX_TAG] and mgr.request_status[ROOM] == KVPoll.Success
+        for _ in range(200):
+            if mgr.decode.landings.landed(ROOM):
+                break
+            time.sleep(1e-4)
+        else:
+            pytest.fail("the word never reached the value the row named")
+        mgr.decode.inbox.end_by_word(ROOM)
+        assert mgr.decode.request_status[ROOM] == KVPoll.Success
+        assert mgr.row(mgr.dst_aux, DST_ROW) == mgr.row(mgr.src_aux, 5)
+        assert mgr.decode_pages_equal([1, 2, 3, 4], [9, 10, 11, 12])
+    finally:
+        mgr.close()
