@@ -182,3 +182,18 @@ def test_a_pair_where_one_side_has_no_rows_lands_every_byte_by_message(side):
         assert mgr.decode_pages_equal([1, 2, 3, 4], [9, 10, 11, 12])
     finally:
         mgr.close()
+
+
+@pytest.mark.parametrize("items", [[0, 40], [16, -8]], ids=["zero", "negative"])
+def test_aux_row_sizes_of_no_bytes_are_refused_typed(rows, items):
+    """``KVArgs`` with an aux row size of zero or less (both sides alike, so they pair): no rows are registered,
+    and reading or writing a row for a message is ``BadInput`` (the prefill fails the request, the decode fails
+    the room), never a division by zero in either thread."""
+    from gpuxfer.integrations.sglang.layout import read_aux_rows, write_aux_rows
+    args = rows.args[rows.dec]
+    args.aux_item_lens = items
+    assert AuxRows.create(rows.dec, args) is None
+    with pytest.raises(BadInput):
+        read_aux_rows(args, 0)
+    with pytest.raises(BadInput):
+        write_aux_rows(args, 0, [b"", b""])
