@@ -197,3 +197,20 @@ def test_aux_row_sizes_of_no_bytes_are_refused_typed(rows, items):
         read_aux_rows(args, 0)
     with pytest.raises(BadInput):
         write_aux_rows(args, 0, [b"", b""])
+
+
+def test_a_landing_named_before_the_request_is_named_to_a_dummy_rank_is_kept():
+    """SGLang names the request to its real prefill rank, whose row message (with its landing value) arrives
+    before the request is named to a dummy rank: naming it again keeps that landing, and the word ends the room."""
+    from gpuxfer.integrations.sglang.pushes import Pushes
+    mgr = RowAgents(decode_rows=False)
+    try:
+        mgr.pushes._send_aux = Pushes._send_aux.__get__(mgr.pushes)
+        mgr.send_to_decode = lambda info, parts: mgr.decode.inbox.on_message(parts)
+        token = mgr.name()
+        mgr.send(token)
+        assert mgr.decode.landings.waiting(ROOM)
+        assert mgr.decode.inbox.name_request(ROOM, None) == token       # the dummy rank's message
+        assert mgr.decode.landings.waiting(ROOM)
+    finally:
+        mgr.close()

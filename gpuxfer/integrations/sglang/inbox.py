@@ -71,7 +71,8 @@ class Inbox:
         prefill rank, until :meth:`forget`): the prefill echoes it in the room's row and status messages, so an
         earlier request's late ones, naming the same room id, are told apart and dropped. ``aux_index``: the
         metadata row it named (None: a dummy rank's message, none)."""
-        self.landings.forget(room)          # a landing heard of before belongs to an earlier request
+        if room not in self.tokens:         # (named again to its next prefill rank: its landing is this request's)
+            self.landings.forget(room)      # a landing heard of before belongs to an earlier request
         token = self.tokens.setdefault(room, str(next(self._token_seq)).encode("ascii"))
         if aux_index is not None:
             # armed once, when the request first names its row: named again to its next prefill rank (several
