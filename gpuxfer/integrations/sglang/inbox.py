@@ -15,7 +15,7 @@ import logging
 import threading
 from typing import Any, Dict, List, Optional, Protocol
 
-from ...errors import BadInput
+from ...errors import BadInput, GpuxferError
 from .landing import Landings, parse_landing
 from .layout import write_aux_rows
 from .pushes import AUX_TAG, AUX_TAG_V1, AUX_TAG_V2
@@ -71,11 +71,15 @@ class Inbox:
         prefill rank, until :meth:`forget`): the prefill echoes it in the room's row and status messages, so an
         earlier request's late ones, naming the same room id, are told apart and dropped. ``aux_index``: the
         metadata row it named (None: a dummy rank's message, none)."""
-        self.landings.forget(room)          # a landing heard of before belongs to an earlier request
+        if room not in self.tokens:         # (named again to its next prefill rank: its landing is this request's)
+            self.landings.forget(room)      # a landing heard of before belongs to an earlier request
         token = self.tokens.setdefault(room, str(next(self._token_seq)).encode("ascii"))
         if aux_index is not None:
+            # armed once, when the request first names its row: named again to its next prefill rank (several
+            # answer it: rows in messages), the row one of them sent meanwhile stays this request's
+            first = room not in self.aux_index
             self.aux_index[room] = int(aux_index)
-            if self.rows is not None and token_number(token) is not None:
+            if first and self.rows is not None and token_number(token) is not None:
                 self.rows.clear(int(aux_index))     # what an earlier request left in the row is no stamp of this one
                 self.by_agent[room] = [token_number(token), None, -1]
         return token
@@ -144,7 +148,7 @@ class Inbox:
         armed[2] = seen
         try:
             stamp = self.rows.stamp(self.aux_index[room])
-        except (BadInput, KeyError):
+        except (GpuxferError, KeyError):     # (a device error: the room ends by its Success message or timeout)
             return False
         if stamp is None or stamp[:2] != (armed[0], armed[1]) or not self.landings.reached(stamp[1], stamp[2]):
             return False
@@ -167,7 +171,7 @@ class Inbox:
             return self.rooms.request_status.get(room) not in (self.kv_poll.Success, self.kv_poll.Failed)
         try:
             self.rows.take(self.aux_index[room], armed[0])
-        except (BadInput, KeyError) as exc:
+        except (GpuxferError, KeyError) as exc:
             self.rooms.record_failure(room, f"its metadata row did not arrive: {exc}")
             self.rooms.update_status(room, self.kv_poll.Failed)
             return False

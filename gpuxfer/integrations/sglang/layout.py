@@ -234,7 +234,7 @@ def read_aux_rows(kv_args: Any, index: int) -> list[bytes]:
     out = []
     for ptr, n, item in zip(_ints(kv_args, "aux_data_ptrs"), _ints(kv_args, "aux_data_lens"),
                             _ints(kv_args, "aux_item_lens")):
-        if not 0 <= index < n // item:
+        if item <= 0 or not 0 <= index < n // item:
             raise BadInput(f"aux row {index} lies outside a {n}-byte metadata buffer of {item}-byte rows")
         out.append(ctypes.string_at(ptr + index * item, item))
     return out
@@ -247,7 +247,7 @@ def write_aux_rows(kv_args: Any, index: int, rows: list[bytes]) -> None:
     if len(rows) != len(bufs):
         raise BadInput(f"{len(rows)} metadata rows for {len(bufs)} metadata buffers")
     for (ptr, n, item), row in zip(bufs, rows):
-        if not 0 <= index < n // item or len(row) != item:
+        if item <= 0 or not 0 <= index < n // item or len(row) != item:
             raise BadInput(f"a {len(row)}-byte metadata row at row {index} of a {n}-byte buffer of {item}-byte rows")
     for (ptr, n, item), row in zip(bufs, rows):
         ctypes.memmove(ptr + index * item, row, item)

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import numbers
 import struct
 from typing import Any, List, Optional, Tuple
 
-from ...errors import BadInput
+from ...errors import BadInput, DriverError, GpuxferError
 from .layout import _ints, read_aux_rows, write_aux_rows
 
 AUX_GROUP = "aux"
@@ -77,8 +78,9 @@ class AuxRows:
         """The rows of ``kv_args``' aux buffers registered with ``agent``; None where it has none, or where the
         agent cannot register them (memory it cannot export, logged): its requests' rows go in messages."""
         items, lens = _ints(kv_args, "aux_item_lens"), _ints(kv_args, "aux_data_lens")
-        if not items or len(items) != len(lens) or min(items) <= 0 or min(n // i for n, i in zip(lens, items)) < 1:
-            return None
+        if (not items or not len(items) == len(lens) == len(_ints(kv_args, "aux_data_ptrs")) or min(items) <= 0
+                or min(n // i for n, i in zip(lens, items)) < 1):
+            return None     # (lists of different lengths: a row staged from some buffers would not fill its block)
         try:
             return cls(agent, kv_args, len(_ints(kv_args, "kv_data_ptrs")))
         except Exception as exc:        # noqa: BLE001 - any failure here only sends the rows in messages
@@ -87,9 +89,21 @@ class AuxRows:
             return None
 
     def _check(self, index: int) -> int:
-        if isinstance(index, bool) or not 0 <= int(index) < self.rows:
-            raise BadInput(f"metadata row {index!r:.40} lies outside the {self.rows} rows registered")
+        """``index`` as an int of the rows registered: ``BadInput`` for anything else (a bool, a float, which
+        truncated would name another row, an int outside them)."""
+        if isinstance(index, bool) or not isinstance(index, numbers.Integral) or not 0 <= int(index) < self.rows:
+            raise BadInput(f"metadata row {index!r:.40} is no int of the {self.rows} rows registered")
         return int(index)
+
+    def _device(self, doing: str, op, *args):
+        """``op(*args)``, a failure of the device's copy (a torch error) raised as ``DriverError`` naming
+        ``doing``: the SGLang threads calling here get gpuxfer's errors alone."""
+        try:
+            return op(*args)
+        except GpuxferError:
+            raise
+        except Exception as exc:        # noqa: BLE001 - whatever the device raised, typed
+            raise DriverError("torch", type(exc).__name__, 0, doing, str(exc)[:200]) from exc
 
     def _write(self, index: int, offset: int, data: bytes) -> None:
         if self._stream is None:        # host memory: written here and now
@@ -116,23 +130,29 @@ class AuxRows:
         """Row ``index`` of SGLang's aux buffers here, with the stamp of the decode's request ``token`` landing at
         ``value`` of notification ``slot``, into this buffer's row ``index`` (the push's source)."""
         index = self._check(index)
-        self._write(index, 0, encode_stamp(token, slot, value) + b"".join(read_aux_rows(self.kv_args, index)))
+        data = encode_stamp(token, slot, value) + b"".join(read_aux_rows(self.kv_args, index))
+        if len(data) != self.row_bytes:     # SGLang's aux lists changed since the rows were registered
+            raise BadInput(f"metadata row {index}: {len(data) - STAMP_BYTES} bytes of rows read for a "
+                           f"{self.row_bytes - STAMP_BYTES}-byte block")
+        self._device(f"staging metadata row {index}", self._write, index, 0, data)
 
     # -- decode
 
     def clear(self, index: int) -> None:
         """Zero row ``index``'s stamp (before a request names the row: what an earlier request left is no stamp)."""
-        self._write(self._check(index), 0, bytes(STAMP_BYTES))
+        index = self._check(index)
+        self._device(f"zeroing metadata row {index}'s stamp", self._write, index, 0, bytes(STAMP_BYTES))
 
     def stamp(self, index: int) -> Optional[Tuple[int, int, int]]:
         """Row ``index``'s stamp, ``(token, slot, value)``, or None (none whole)."""
-        return decode_stamp(self._read(self._check(index), 0, STAMP_BYTES))
+        index = self._check(index)
+        return decode_stamp(self._device(f"reading metadata row {index}'s stamp", self._read, index, 0, STAMP_BYTES))
 
     def take(self, index: int, token: int) -> None:
         """Row ``index``'s rows into SGLang's aux buffers, where its stamp is request ``token``'s (read with the
         rows); ``BadInput`` otherwise, nothing written."""
         index = self._check(index)
-        raw = self._read(index, 0, self.row_bytes)
+        raw = self._device(f"reading metadata row {index}", self._read, index, 0, self.row_bytes)
         got = decode_stamp(raw)
         if got is None or got[0] != token:
             raise BadInput(f"metadata row {index} holds no row of this request (stamp {got!r})")
