@@ -214,3 +214,17 @@ def test_a_landing_named_before_the_request_is_named_to_a_dummy_rank_is_kept():
         assert mgr.decode.landings.waiting(ROOM)
     finally:
         mgr.close()
+
+
+def test_a_row_copy_the_device_never_ends_times_out_typed():
+    """A device that never completes a row's copy: the wait gives up after the agent's timeout with
+    ``TransferTimeout`` naming what it was doing (an SGLang thread is never held for good)."""
+    import time
+    from gpuxfer.errors import TransferTimeout
+    from gpuxfer.integrations.sglang.rows import wait_until
+    t0 = time.monotonic()
+    with pytest.raises(TransferTimeout, match="reading metadata row 3"):
+        wait_until(lambda: False, 0.05, "reading metadata row 3")
+    assert time.monotonic() - t0 < 30           # (bounded: a hang guard)
+    calls = iter([False, False, True])
+    wait_until(lambda: next(calls), 5.0, "writing metadata row 1")

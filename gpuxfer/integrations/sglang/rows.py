@@ -21,9 +21,12 @@ import ctypes
 import logging
 import numbers
 import struct
+import time
 from typing import Any, List, Optional, Tuple
 
-from ...errors import BadInput, DriverError, GpuxferError
+import numpy as np
+
+from ...errors import BadInput, DriverError, GpuxferError, TransferTimeout
 from .layout import _ints, read_aux_rows, write_aux_rows
 
 AUX_GROUP = "aux"
@@ -33,6 +36,19 @@ _MASK = (1 << 64) - 1
 _FMT = "<8Q"
 
 log = logging.getLogger("gpuxfer.sglang")
+
+
+def wait_until(query, timeout_s: float, doing: str) -> None:
+    """Poll ``query()`` (a device event's) until it is true, at most ``timeout_s``: ``TransferTimeout`` naming
+    ``doing`` past it (a hung device never holds an SGLang thread for good)."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.0
+    while not query():
+        if time.monotonic() > deadline:
+            raise TransferTimeout(rank=0, step=0, flag=doing, expected=1, seen=None, timeout_s=timeout_s,
+                                  what=f"{doing}: the device's copy did not complete")
+        time.sleep(delay)
+        delay = min(1e-3, 2 * delay or 1e-5)
 
 
 def token_number(token: Optional[bytes]) -> Optional[int]:
@@ -70,6 +86,8 @@ class AuxRows:
         self.device = agent.platform.torch_device(agent.device)
         self.tensor = torch.zeros((self.rows, self.row_bytes), dtype=torch.uint8, device=self.device)
         self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        self.timeout_s = float(agent.timeout_s)
+        self._stuck: list = []          # host buffers of copies that timed out (the device may still reach them)
         agent.register_group(AUX_GROUP, 1, {"aux.0": agent.layer_at(self.tensor.data_ptr(), self.tensor.numel(),
                                                                      self.row_bytes, index=index)})
 
@@ -110,19 +128,33 @@ class AuxRows:
             ctypes.memmove(self.tensor.data_ptr() + index * self.row_bytes + offset, data, len(data))
             return
         import torch
-        src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        src = torch.empty(len(data), dtype=torch.uint8, pin_memory=True)
+        src.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
         with torch.cuda.stream(self._stream):
-            self.tensor[index, offset:offset + len(data)].copy_(src)
-        self._stream.synchronize()      # in device memory before anything is posted or sent after it
+            self.tensor[index, offset:offset + len(data)].copy_(src, non_blocking=True)
+        self._finish(src, f"writing metadata row {index}")  # in device memory before anything posted or sent after
 
     def _read(self, index: int, start: int, stop: int) -> bytes:
         if self._stream is None:
             return ctypes.string_at(self.tensor.data_ptr() + index * self.row_bytes + start, stop - start)
         import torch
+        out = torch.empty(stop - start, dtype=torch.uint8, pin_memory=True)
         with torch.cuda.stream(self._stream):
-            out = self.tensor[index, start:stop].to("cpu")
-        self._stream.synchronize()
+            out.copy_(self.tensor[index, start:stop], non_blocking=True)
+        self._finish(out, f"reading metadata row {index}")
         return out.numpy().tobytes()
+
+    def _finish(self, host, doing: str) -> None:
+        """Wait (at most the agent's ``timeout_s``) for the copy just queued on this buffer's stream to or from the
+        pinned ``host`` buffer, kept for good where it timed out."""
+        import torch
+        done = torch.cuda.Event()
+        done.record(self._stream)
+        try:
+            wait_until(done.query, self.timeout_s, doing)
+        except TransferTimeout:
+            self._stuck.append(host)
+            raise
 
     # -- prefill
 
