@@ -20,7 +20,7 @@ from gpuxfer.errors import BadInput, GpuxferError  # noqa: E402
 from gpuxfer.integrations.sglang.landing import landing_frame  # noqa: E402
 from gpuxfer.integrations.sglang.pushes import AUX_TAG  # noqa: E402
 from gpuxfer.integrations.sglang.rows import AuxRows  # noqa: E402
-from test_sglang_rows import AUX, DST_ROW, ROOM, ROWS, SLOT, RowAgents, _fail_copies_into  # noqa: E402
+from test_sglang_rows import AUX, DECODE, DST_ROW, ROOM, ROWS, SLOT, RowAgents, _fail_copies_into  # noqa: E402
 
 
 @pytest.fixture
@@ -228,3 +228,23 @@ def test_a_row_copy_the_device_never_ends_times_out_typed():
     assert time.monotonic() - t0 < 30           # (bounded: a hang guard)
     calls = iter([False, False, True])
     wait_until(lambda: next(calls), 5.0, "writing metadata row 1")
+
+
+@pytest.mark.parametrize("index", [2.5, 2.0, -1, True, "2"], ids=repr)
+def test_a_prefill_row_index_that_is_no_int_fails_its_room_sending_no_row(rows, index):
+    """The prefill's own metadata row index (SGLang's ``aux_index`` of its request) that is not an int >= 0: the
+    room fails, and no row goes out (a float cut to an int named another request's row)."""
+    from gpuxfer.integrations.sglang.requests import TransferInfo
+    token = rows.name()
+    before = rows.dec_rows.tensor.clone()
+    rows.update_status(ROOM, KVPoll.Bootstrapping)
+    rows.transfer_infos[ROOM] = {"decode": TransferInfo(
+        room=ROOM, endpoint=DECODE[0], dst_port=DECODE[1], session="decode", dst_kv_indices=np.array([9, 10], np.int32),
+        dst_aux_index=DST_ROW, required_dst_info_num=1, is_dummy=False, token=token)}
+    rows.update_status(ROOM, KVPoll.WaitingForInput)
+    rows.add_transfer_request(ROOM, np.array([1, 2]), slice(0, 2), True, aux_index=index)
+    while not rows.pushes._queue.empty():
+        rows.run(rows.pushes._queue.get_nowait())
+    assert rows.request_status[ROOM] == KVPoll.Failed
+    assert not rows.log.count(("aux", ROOM))
+    assert bool((rows.dec_rows.tensor == before).all())

@@ -24,6 +24,7 @@ the deferred ABORT_ACKs, the status messages) is read and changed through :class
 from __future__ import annotations
 
 import logging
+import numbers
 import queue
 import threading
 import time
@@ -44,6 +45,15 @@ AUX_TAG_V2 = b"GXAUX2"          # a row with its landing value, no token (to or 
 AUX_TAG_V1 = b"GXAUX"           # a row alone (from an earlier gpuxfer)
 _IDLE_S = 0.2                   # how often an idle thread looks at its stop flag and its ended rooms
 _CLIP = 400                     # characters of a decode's words (a refusal naming its values) kept or logged
+
+
+def _row_of(chunk: _Chunk, info: TransferInfo) -> int:
+    """The prefill's metadata row of ``chunk``'s request, an int >= 0 (a float cut to an int would send another
+    request's row), where the decode named one: ``BadInput`` otherwise."""
+    i = chunk.aux_index
+    if info.dst_aux_index is None or i is None or isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0:
+        raise BadInput(f"room {chunk.room}: the last chunk has no metadata row (its index {i!r:.40})")
+    return int(i)
 
 
 def clip(text: str) -> str:
@@ -428,13 +438,12 @@ class Pushes:
         if (slot is not None and rows_there and token is not None
                 and sum(not i.is_dummy for i in chunk.infos.values()) == 1):   # (one decode rank: one stamp)
             # the rows go with the push, stamped, before its notification
-            if chunk.aux_index is None or info.dst_aux_index is None:
-                raise BadInput(f"room {chunk.room}: the last chunk has no metadata row")
+            row = _row_of(chunk, info)
             if not 0 <= info.dst_aux_index < rows_there:
                 raise BadInput(f"room {chunk.room}: the decode names metadata row {info.dst_aux_index}; it "
                                f"registered {rows_there}")
-            self.rows.stage(int(chunk.aux_index), token, slot, value)
-            local[AUX_GROUP], remote[AUX_GROUP] = [int(chunk.aux_index)], [int(info.dst_aux_index)]
+            self.rows.stage(row, token, slot, value)
+            local[AUX_GROUP], remote[AUX_GROUP] = [row], [int(info.dst_aux_index)]
         else:
             self._send_aux(chunk, info, None if slot is None else (slot, value))
         try:
@@ -477,9 +486,7 @@ class Pushes:
         decode's thread writes it on arrival), with ``landing``: ``(slot, value)``, the notification word the
         room's last push to that rank bumps and the value it writes once every push of the room landed (None:
         the room ends by its Success message)."""
-        if chunk.aux_index is None or info.dst_aux_index is None:
-            raise BadInput(f"room {chunk.room}: the last chunk has no metadata row")
-        rows = read_aux_rows(self.kv_args, int(chunk.aux_index))
+        rows = read_aux_rows(self.kv_args, _row_of(chunk, info))
         head = [str(chunk.room).encode("ascii"), str(info.dst_aux_index).encode("ascii"), landing_frame(landing)]
         # the decode's token for the request: it writes the row for that request alone (none: a decode that
         # named none reads the row without it)
