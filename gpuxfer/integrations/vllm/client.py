@@ -252,11 +252,13 @@ class SideChannelClient:
         its answer) or the oldest has waited ``LATE_S``: a sender thread waits for the GIL while the engine thread
         polls in a loop of short system calls, and holds them no longer than that."""
         pending = self._pending
-        if not pending:                         # nothing queued: the usual poll
+        if not pending:                         # nothing queued (the sender thread sent the claims): the usual poll
+            self._claimed = False
             return
         try:
             oldest = pending[0][0]              # no lock: the sender thread may pop it meanwhile
         except IndexError:
+            self._claimed = False
             return
         if (self._claimed or now - oldest > self.LATE_S) and self._sender is not None and \
                 self._send_lock.acquire(blocking=False):
