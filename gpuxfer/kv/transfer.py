@@ -7,7 +7,7 @@ from itertools import repeat
 
 import numpy as np
 
-from ..errors import PeerLost, TransferTimeout
+from ..errors import BadInput, PeerLost, TransferTimeout
 from ..platforms.base import Event, Stream
 
 
@@ -152,6 +152,13 @@ class KVTransfer:
 
     def __repr__(self) -> str:
         return f"KVTransfer({self.describe()})"
+
+    def __reduce_ex__(self, protocol):
+        """Refused (:class:`BadInput`): a copy would share the pooled host array, and each would give it back to the
+        pool when collected -- two later requests staged into one array, one posting the other's IDs. The same for
+        ``copy.copy``, ``copy.deepcopy`` and pickling, which all come here."""
+        raise BadInput(f"{self!r} cannot be copied or pickled (its request array is the agent's): prepare the "
+                       "request again")
 
     def __del__(self):
         """The host array goes back to the agent's pool: the agent keeps a posted transfer until its last post
