@@ -229,3 +229,44 @@ def test_a_copied_transfer_never_gives_its_pooled_array_back_twice(pair, how):
     b.post().wait(60)
     for k in src:
         assert same_bytes(dst[k][:, 2], src[k][:, 3]) and same_bytes(dst[k][:, 4], src[k][:, 5])
+
+
+def test_guard_requests_dropped_behind_a_held_stream_keep_their_arrays_until_they_ran(pair):
+    """Guard: requests posted on a stream held by a gate and dropped at once, more than the posts kept between
+    reaps; meanwhile other requests are prepared (taking pooled arrays, reaping) and posted on the agent's stream.
+    No held request's array is handed to another before its upload ran: once the gate opens, every held request
+    moved its own blocks (the stream reads the arrays only then), and a reap then drops every kept post."""
+    from gpuxfer.kv.posting import INFLIGHT_KEEP
+    pre, dec, a0, a1 = pair
+    src, dst = vllm_layers(a0, 1, 64, 2, seed=8), vllm_layers(a1, 1, 64, 2, seed=9)
+    pre.register_group("full", 2, src)
+    dec.register_group("full", 2, dst)
+    peer, _ = connect(pre, dec)
+    plat = dec.platform
+    gate = plat.alloc(64, 1)
+    s = plat.create_stream(1)
+    try:
+        plat.memset_async(s, gate.ptr, 0, 64)
+        plat.wait_flag(s, gate.ptr, 1)
+        n = 3 * INFLIGHT_KEEP
+        held = []
+        for i in range(n):
+            x = dec.prepare(peer, "pull", local_blocks={"full": [i]}, remote_blocks={"full": [63 - i]})
+            held.append(x.post(s))
+            del x
+            y = dec.prepare(peer, "pull", local_blocks={"full": [48 + i % 8]}, remote_blocks={"full": [i % 8]})
+            y.post().wait(60)
+            del y
+        assert not any(h.done() for h in held)
+    finally:
+        plat.host_write_flag(gate.ptr, 1, 1)
+        assert plat.synchronize(s, 60)
+    for h in held:
+        h.wait(60)
+    for i in range(n):
+        for k in src:
+            assert same_bytes(dst[k][:, i], src[k][:, 63 - i])
+    dec._poster.reap_locked()
+    assert not dec._poster.inflight
+    s.close()
+    gate.close()
