@@ -225,10 +225,13 @@ def test_a_copied_transfer_never_gives_its_pooled_array_back_twice(pair, how):
     gc.collect()
     a = dec.prepare(peer, "pull", local_blocks={"full": [2]}, remote_blocks={"full": [3]})
     b = dec.prepare(peer, "pull", local_blocks={"full": [4]}, remote_blocks={"full": [5]})
-    a.post().wait(60)
+    h = a.post()
+    h.wait(60)
     b.post().wait(60)
     for k in src:
         assert same_bytes(dst[k][:, 2], src[k][:, 3]) and same_bytes(dst[k][:, 4], src[k][:, 5])
+    with pytest.raises(BadInput, match="cannot be copied"):        # (a handle's deep copy copies its transfer)
+        copy.deepcopy(h)
 
 
 def test_guard_requests_dropped_behind_a_held_stream_keep_their_arrays_until_they_ran(pair):
