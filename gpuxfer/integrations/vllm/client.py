@@ -252,17 +252,15 @@ class SideChannelClient:
         its answer) or the oldest has waited ``LATE_S``: a sender thread waits for the GIL while the engine thread
         polls in a loop of short system calls, and holds them no longer than that."""
         pending = self._pending
-        if not pending:                         # nothing queued (the sender thread sent the claims): the usual poll
-            self._claimed = False
+        claimed, self._claimed = self._claimed, False   # (a sender thread holding the lock sends all that is queued)
+        if not pending:                         # nothing queued: the usual poll
             return
         try:
             oldest = pending[0][0]              # no lock: the sender thread may pop it meanwhile
         except IndexError:
-            self._claimed = False
             return
-        if (self._claimed or now - oldest > self.LATE_S) and self._sender is not None and \
+        if (claimed or now - oldest > self.LATE_S) and self._sender is not None and \
                 self._send_lock.acquire(blocking=False):
-            self._claimed = False
             try:
                 self._send_pending(block=False)     # what the socket takes now; the thread sends the rest
             finally:
