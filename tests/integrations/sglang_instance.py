@@ -517,16 +517,16 @@ class _State:
         self._marks: list[tuple] = []
         mgr, marks = self.mgr, self._marks
 
-        def wrap(name, obj=mgr, room=lambda a, k: a[0]):
-            fn = getattr(obj, name)
+        def wrap(name, obj=mgr, room=lambda a, k: a[0], label=None):
+            fn, label = getattr(obj, name), label or name
 
             def traced(*a, **k):
                 r = room(a, k)
-                marks.append((name, r, time.monotonic()))
+                marks.append((label, r, time.monotonic()))
                 try:
                     return fn(*a, **k)
                 finally:
-                    marks.append((name + ".end", r, time.monotonic()))
+                    marks.append((label + ".end", r, time.monotonic()))
             setattr(obj, name, traced)
         if self.role == "prefill":
             wrap("add_transfer_request", room=lambda a, k: k.get("bootstrap_room", a[0] if a else None))
@@ -537,8 +537,11 @@ class _State:
                 wrap("stage", obj=mgr.aux_rows, room=lambda a, k: None)
             wrap("conclude_transfer", room=lambda a, k: k.get("bootstrap_room"))
         else:
-            wrap("write_aux_rows", obj=inbox, room=lambda a, k: None)     # a row from its message
-            wrap("write_aux_rows", obj=rows, room=lambda a, k: None)      # a row from the agent's buffer
+            wrap("write_aux_rows", obj=inbox, room=lambda a, k: None, label="row_from_message")
+            wrap("write_aux_rows", obj=rows, room=lambda a, k: None, label="row_from_agent")
+            if mgr.inbox.rows is not None:      # the row's stamp read from the device once the word grew
+                wrap("stamp", obj=mgr.inbox.rows, room=lambda a, k: None, label="row_stamp_read")
+            wrap("end_by_word", obj=mgr.inbox)
             wrap("apply_prefill_status", room=lambda a, k: k.get("bootstrap_room"))
         return True
 

@@ -19,7 +19,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
 
 from gpuxfer.errors import BadInput, DriverError  # noqa: E402
 from gpuxfer.integrations.sglang.inbox import Inbox  # noqa: E402
-from gpuxfer.integrations.sglang.landing import Landings  # noqa: E402
+from gpuxfer.integrations.sglang.landing import READ_EVERY_S, Landings  # noqa: E402
 from gpuxfer.integrations.sglang.requests import TransferInfo  # noqa: E402
 from gpuxfer.integrations.sglang.rows import STAMP_BYTES, AuxRows, decode_stamp, encode_stamp  # noqa: E402
 from gpuxfer.platforms.host_cma import wrap_scoped  # noqa: E402
@@ -163,6 +163,30 @@ def test_a_push_that_fails_after_the_kv_moved_but_before_the_row_landed_never_en
     assert rows.decode.request_status[ROOM] == KVPoll.Failed and rows.decode.applied == []
     assert "metadata row" in rows.decode.failure_records[ROOM]
     assert not any(any(r) for r in rows.row(rows.dst_aux, DST_ROW))
+
+
+def test_rows_read_before_their_word_held_the_stamps_value_are_not_taken(rows, monkeypatch):
+    """The decode reads a row's stamp and rows in one copy, after its word: rows read while the push was still
+    writing them (the stamp whole, the rows not yet; the word read before them one short of the stamp's value) are
+    never taken, even where the word reads the value right after; the rows read once the word held it are."""
+    token = rows.name()
+    rows.send(token)
+    value = rows.dec.notification(SLOT)
+    whole = rows.dec_rows.row(DST_ROW)
+    torn = whole[:STAMP_BYTES] + bytes(len(whole) - STAMP_BYTES)
+    assert decode_stamp(torn) == (int(token), SLOT, value)
+    words, reads = iter([value - 1]), []
+    monkeypatch.setattr(rows.decode.landings, "_read", lambda slot: next(words, value))
+    real = rows.dec_rows.row
+
+    def row(index):
+        reads.append(index)
+        time.sleep(READ_EVERY_S * 5)    # (a device read takes longer than the words' read spacing)
+        return torn if len(reads) == 1 else real(index)
+    monkeypatch.setattr(rows.dec_rows, "row", row)
+    assert rows.landed()
+    assert len(reads) == 2              # the torn read was not taken; the one after the word was
+    assert rows.row(rows.dst_aux, DST_ROW) == rows.row(rows.src_aux, SRC_ROW)
 
 
 @pytest.mark.parametrize("other", ["token", "slot"])

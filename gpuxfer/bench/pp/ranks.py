@@ -16,6 +16,13 @@ from . import GRAPH, NO_META, PACED_STEPS, PLAIN, _fmt_size
 from .measures import _bulk_copy, _contention, _graph_rows, _pingpong, _sync, count_wrong_bytes
 from .plain import _PlainP2P
 
+#: the paced loops' shortest interval between steps. The receiver gives a slot back (a stream write into the sender's
+#: host word, after its work on the slot) half an interval after the sender's step; at a 20 us interval that write
+#: landed after the sender's next step on the slot in 2-23% of steps on one H100 (the sender then queues a GPU wait:
+#: a step where one end waits for the other, which this loop is not about). 100 us is still far below a pipeline
+#: stage's compute between two hand-offs
+PACE_FLOOR_S = 100e-6
+
 
 def _rank_main(rank: int, world: int, opts: dict) -> dict:
     """One rank of the benchmark; returns what the receiver measured (rank 1) or the sender's notes."""
@@ -142,14 +149,14 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
     def paced_host(t, size: int, first: int, n: int, metadata: bool, step_s: float):
         """Each end's own host time per step when neither waits for the other: the median over n steps,
         the sender starting step i at a common start + i * interval (twice the step time the receiver just
-        measured), the receiver half an interval later (one host clock, CLOCK_MONOTONIC, on one host).
+        measured, at least ``PACE_FLOOR_S``), the receiver half an interval later (one host clock, CLOCK_MONOTONIC, on one host).
         Returns ((median, 10th, 90th percentile) s, the receiver's last tensors, the CPU speed beside it:
         a pure-Python yardstick's us just before the loop and the CPUs the loop started and ended on). With
         ``--cpus auto`` each rank first moves to the fastest of its cores again: a virtual machine's CPUs change
         speed within seconds."""
         if pick is not None:
             pin((fastest_cpu(part, passes=2)[0],))
-        box = [now() + 0.01, max(2 * step_s, 20e-6)] if rank == 1 else [None, None]
+        box = [now() + 0.01, max(2 * step_s, PACE_FLOOR_S)] if rank == 1 else [None, None]
         dist.broadcast_object_list(box, src=1)
         start, iv = box
         if rank == 1:

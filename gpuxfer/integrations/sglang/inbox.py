@@ -20,7 +20,7 @@ from .landing import Landings, parse_landing
 from .layout import write_aux_rows
 from .pushes import AUX_TAG, AUX_TAG_V1, AUX_TAG_V2
 from .requests import int_frame
-from .rows import AuxRows, token_number
+from .rows import AuxRows, decode_stamp, token_number
 
 log = logging.getLogger("gpuxfer.sglang")
 
@@ -146,14 +146,17 @@ class Inbox:
         if seen == armed[2]:
             return False
         armed[2] = seen
-        try:
-            stamp = self.rows.stamp(self.aux_index[room])
+        try:        # the stamp and the rows in one read, after the word's
+            raw = self.rows.row(self.aux_index[room])
         except (GpuxferError, KeyError):     # (a device error: the room ends by its Success message or timeout)
             return False
-        if stamp is None or stamp[:2] != (armed[0], armed[1]) or not self.landings.reached(stamp[1], stamp[2]):
+        stamp = decode_stamp(raw)
+        # the rows count only where the word read before them holds the stamp's value: the push that wrote them had
+        # landed when they were read (a word read after them would not say the rows read were whole)
+        if stamp is None or stamp[:2] != (armed[0], armed[1]) or stamp[2] > seen:
             return False
         with self._ended_lock:
-            return self._take(room)
+            return self._take(room, raw)
 
     def prefill_slot(self, room: int, slot: Optional[int]) -> None:
         """``room``'s metadata went to one prefill rank, whose registration was given notification ``slot``
@@ -162,7 +165,7 @@ class Inbox:
         if armed is not None:
             armed[1] = slot
 
-    def _take(self, room: int) -> bool:
+    def _take(self, room: int, raw: Optional[bytes] = None) -> bool:
         """``room``'s row from the agent's buffer into SGLang's (under ``_ended_lock``): False, the room Failed,
         where the buffer holds no row of its request (a push that failed before it wrote the row, a row index
         the prefill did not write)."""
@@ -170,7 +173,7 @@ class Inbox:
         if armed is None:
             return self.rooms.request_status.get(room) not in (self.kv_poll.Success, self.kv_poll.Failed)
         try:
-            self.rows.take(self.aux_index[room], armed[0])
+            self.rows.take(self.aux_index[room], armed[0], raw)
         except (GpuxferError, KeyError) as exc:
             self.rooms.record_failure(room, f"its metadata row did not arrive: {exc}")
             self.rooms.update_status(room, self.kv_poll.Failed)

@@ -21,6 +21,7 @@ import ctypes
 import logging
 import numbers
 import struct
+import threading
 import time
 from typing import Any, List, Optional, Tuple
 
@@ -38,17 +39,27 @@ _FMT = "<8Q"
 log = logging.getLogger("gpuxfer.sglang")
 
 
+#: queries of a copy's event before the wait sleeps between them: a row's copy takes tens of microseconds, and a
+#: sleep of any length costs the thread ~60 us or more (the kernel's timer slack)
+SPINS = 200
+
+
 def wait_until(query, timeout_s: float, doing: str) -> None:
     """Poll ``query()`` (a device event's) until it is true, at most ``timeout_s``: ``TransferTimeout`` naming
-    ``doing`` past it (a hung device never holds an SGLang thread for good)."""
+    ``doing`` past it (a hung device never holds an SGLang thread for good). ``SPINS`` queries back to back
+    first, then sleeps doubling from 2 us to 1 ms between them."""
+    if query():
+        return
     deadline = time.monotonic() + timeout_s
-    delay = 0.0
+    spins, delay = 0, 2e-6
     while not query():
         if time.monotonic() > deadline:
             raise TransferTimeout(rank=0, step=0, flag=doing, expected=1, seen=None, timeout_s=timeout_s,
                                   what=f"{doing}: the device's copy did not complete")
-        time.sleep(delay)
-        delay = min(1e-3, 2 * delay or 1e-5)
+        spins += 1
+        if spins > SPINS:
+            time.sleep(delay)
+            delay = min(1e-3, 2 * delay)
 
 
 def token_number(token: Optional[bytes]) -> Optional[int]:
@@ -88,6 +99,13 @@ class AuxRows:
         self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self.timeout_s = float(agent.timeout_s)
         self._stuck: list = []          # host buffers of copies that timed out (the device may still reach them)
+        # one device copy at a time through a pinned buffer of a row, kept (a copy that timed out leaves it to the
+        # device: :meth:`_finish` keeps it for good and the next copy pins another), and one event
+        self._lock = threading.Lock()
+        self._host = self._event = None
+        if self._stream is not None:
+            self._host = torch.empty(self.row_bytes, dtype=torch.uint8, pin_memory=True)
+            self._event = torch.cuda.Event()
         agent.register_group(AUX_GROUP, 1, {"aux.0": agent.layer_at(self.tensor.data_ptr(), self.tensor.numel(),
                                                                      self.row_bytes, index=index)})
 
@@ -128,32 +146,41 @@ class AuxRows:
             ctypes.memmove(self.tensor.data_ptr() + index * self.row_bytes + offset, data, len(data))
             return
         import torch
-        src = torch.empty(len(data), dtype=torch.uint8, pin_memory=True)
-        src.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
-        with torch.cuda.stream(self._stream):
-            self.tensor[index, offset:offset + len(data)].copy_(src, non_blocking=True)
-        self._finish(src, f"writing metadata row {index}")  # in device memory before anything posted or sent after
+        with self._lock:
+            src = self._pinned()[:len(data)]
+            src.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+            with torch.cuda.stream(self._stream):
+                self.tensor[index, offset:offset + len(data)].copy_(src, non_blocking=True)
+            self._finish(f"writing metadata row {index}")   # in device memory before anything posted or sent after
 
     def _read(self, index: int, start: int, stop: int) -> bytes:
         if self._stream is None:
             return ctypes.string_at(self.tensor.data_ptr() + index * self.row_bytes + start, stop - start)
         import torch
-        out = torch.empty(stop - start, dtype=torch.uint8, pin_memory=True)
-        with torch.cuda.stream(self._stream):
-            out.copy_(self.tensor[index, start:stop], non_blocking=True)
-        self._finish(out, f"reading metadata row {index}")
-        return out.numpy().tobytes()
+        with self._lock:
+            out = self._pinned()[:stop - start]
+            with torch.cuda.stream(self._stream):
+                out.copy_(self.tensor[index, start:stop], non_blocking=True)
+            self._finish(f"reading metadata row {index}")
+            return out.numpy().tobytes()
 
-    def _finish(self, host, doing: str) -> None:
-        """Wait (at most the agent's ``timeout_s``) for the copy just queued on this buffer's stream to or from the
-        pinned ``host`` buffer, kept for good where it timed out."""
-        import torch
-        done = torch.cuda.Event()
-        done.record(self._stream)
+    def _pinned(self):
+        """The pinned buffer of this buffer's copies (under ``_lock``): a new one where a copy that timed out kept
+        the last."""
+        if self._host is None:
+            import torch
+            self._host = torch.empty(self.row_bytes, dtype=torch.uint8, pin_memory=True)
+        return self._host
+
+    def _finish(self, doing: str) -> None:
+        """Wait (at most the agent's ``timeout_s``) for the copy just queued on this buffer's stream (under
+        ``_lock``); where it timed out, its pinned buffer is kept for good (the device may still reach it)."""
+        self._event.record(self._stream)
         try:
-            wait_until(done.query, self.timeout_s, doing)
+            wait_until(self._event.query, self.timeout_s, doing)
         except TransferTimeout:
-            self._stuck.append(host)
+            self._stuck.append(self._host)
+            self._host = None
             raise
 
     # -- prefill
@@ -180,11 +207,19 @@ class AuxRows:
         index = self._check(index)
         return decode_stamp(self._device(f"reading metadata row {index}'s stamp", self._read, index, 0, STAMP_BYTES))
 
-    def take(self, index: int, token: int) -> None:
-        """Row ``index``'s rows into SGLang's aux buffers, where its stamp is request ``token``'s (read with the
-        rows); ``BadInput`` otherwise, nothing written."""
+    def row(self, index: int) -> bytes:
+        """Row ``index`` as it is now, its stamp and rows (one device copy): :func:`decode_stamp` reads its
+        stamp, :meth:`take` its rows."""
         index = self._check(index)
-        raw = self._device(f"reading metadata row {index}", self._read, index, 0, self.row_bytes)
+        return self._device(f"reading metadata row {index}", self._read, index, 0, self.row_bytes)
+
+    def take(self, index: int, token: int, raw: Optional[bytes] = None) -> None:
+        """Row ``index``'s rows into SGLang's aux buffers, where its stamp is request ``token``'s (read with the
+        rows: ``raw``, the row as :meth:`row` read it once the push that wrote it landed, or read here);
+        ``BadInput`` otherwise, nothing written."""
+        index = self._check(index)
+        if raw is None or len(raw) != self.row_bytes:
+            raw = self.row(index)
         got = decode_stamp(raw)
         if got is None or got[0] != token:
             raise BadInput(f"metadata row {index} holds no row of this request (stamp {got!r})")
