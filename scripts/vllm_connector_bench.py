@@ -134,6 +134,12 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
         "get_finished_gc_us": [round(1e6 * x, 1) for x in st.get("get_finished_gc_s", []) if x > 0],
         "extra_request_us": us(max(steady)) if steady else None,
         "extra_request_first_us": us(extra[0]) if extra else None,
+        # the engine thread's own CPU time inside the same calls (time.thread_time): the rest of a call's time it
+        # waited (for the GIL another thread of the process held, or for a CPU)
+        "start_load_kv_cpu_us_p50": us(pct([x[4] for x in slk[1:] if x[0] == 1 and len(x) > 4], 0.5)),
+        "start_load_kv_cpu_us_p90": us(pct([x[4] for x in slk[1:] if x[0] == 1 and len(x) > 4], 0.9)),
+        "get_finished_cpu_us_p50": us(pct(st.get("get_finished_cpu_s", []), 0.5)),
+        "get_finished_cpu_us_p90": us(pct(st.get("get_finished_cpu_s", []), 0.9)),
         "get_finished_us_p50": us(pct(st.get("get_finished_s", []), 0.5)),
         "get_finished_us_p90": us(pct(st.get("get_finished_s", []), 0.9)),
         "post_host_us_p90": us(pct(st.get("post_host_s", []), 0.9)),
@@ -272,6 +278,13 @@ def main(argv=None) -> int:
                        f"calls (max {max(r['start_load_kv_gc_us'], default=0):.0f} us), get_finished "
                        f"{len(r['get_finished_gc_us'])} of {len(r['samples']['get_finished_s'])} "
                        f"(max {max(r['get_finished_gc_us'], default=0):.0f} us)" for r in rows))
+    print("# the engine thread's own CPU time inside the calls (time.thread_time; the rest it waited: for the GIL or "
+          "a CPU), p50 / p90 per run (us): start_load_kv (one load) "
+          + " | ".join(f"{r['start_load_kv_cpu_us_p50'] or 0:.0f} / {r['start_load_kv_cpu_us_p90'] or 0:.0f} "
+                       f"of {r['start_load_kv_us_p50'] or 0:.0f} / {r['start_load_kv_us_p90'] or 0:.0f}" for r in rows)
+          + "; get_finished " + " | ".join(f"{r['get_finished_cpu_us_p50'] or 0:.0f} / "
+                                           f"{r['get_finished_cpu_us_p90'] or 0:.0f} of {r['get_finished_us_p50'] or 0:.0f}"
+                                           f" / {r['get_finished_us_p90'] or 0:.0f}" for r in rows))
     for key, what in (("read_loop", "back to back"), ("read_loop_flushed", f"with {FLUSH_MB} MiB written before each")):
         loops = [r[key] for r in rows if r[key]]
         if loops:

@@ -459,19 +459,25 @@ class _Engine:
         sampled = [[7] if self.sched.requests[r].num_computed_tokens >= self.sched.requests[r].num_tokens else []
                    for r in reqs]
         rank_outs, start_s, finished_s, gc_start, gc_finished = [], 0.0, 0.0, 0.0, 0.0
+        start_cpu, finished_cpu = 0.0, 0.0      # the engine thread's CPU time in them (time.thread_time)
         for w in self.workers:                          # each rank's worker, as each rank's process runs it
             w.bind_connector_metadata(meta)
             gc0 = self.gc_s
+            c0 = time.thread_time()
             t0 = time.perf_counter()
             w.start_load_kv(None)
             t1 = time.perf_counter()
+            c1 = time.thread_time()
             gc1 = self.gc_s
             w.wait_for_save()
+            c2 = time.thread_time()
             t2 = time.perf_counter()
             gc2 = self.gc_s
             res = w.get_transfer_results(so.finished_req_ids)
             t3 = time.perf_counter()
+            c3 = time.thread_time()
             start_s, finished_s = start_s + t1 - t0, finished_s + t3 - t2
+            start_cpu, finished_cpu = start_cpu + c1 - c0, finished_cpu + c3 - c2
             gc_start, gc_finished = gc_start + gc1 - gc0, gc_finished + self.gc_s - gc2
             kv_out = KVConnectorOutput(finished_sending=res.finished_sending or None,
                                        finished_recving=res.finished_recving or None,
@@ -488,9 +494,11 @@ class _Engine:
             from gpuxfer.bench.cpus import python_speed_us
             # the CPU's speed right after the timed calls (a VM's vCPU changes speed within seconds); the
             # collector's seconds inside the call
-            self.stats.setdefault("start_load_kv_s", []).append((n_loads, start_s, python_speed_us(rounds=1), gc_start))
+            self.stats.setdefault("start_load_kv_s", []).append((n_loads, start_s, python_speed_us(rounds=1), gc_start,
+                                                                 start_cpu))
         if self.load_t0 or recving:
             self.stats.setdefault("get_finished_s", []).append(finished_s)
+            self.stats.setdefault("get_finished_cpu_s", []).append(finished_cpu)
             self.stats.setdefault("get_finished_gc_s", []).append(gc_finished)
         if self.stats_calls:
             calls = self.stats.setdefault("calls_s", {})
