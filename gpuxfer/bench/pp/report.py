@@ -180,8 +180,8 @@ def format_report(res: dict, opts: dict) -> str:
         L.append(f"  {size:>10} " + " ".join(cells))
     for stat, key in (("the median step", "host_paced_us"), ("the p90 step", "host_paced_p90_us")):
         L.append(f"# host time per step when neither end waits for the other (us): sender / receiver, {stat} "
-                 "of a loop paced at twice the step time, at least 100 us apart (the receiver half an interval behind the "
-                 "sender)")
+                 "of a loop paced at twice the step time, at least 20 us apart (the receiver half an interval behind "
+                 "the sender)")
         for size in opts["sizes"]:
             cells = []
             for b, m in cols:
