@@ -19,8 +19,9 @@ from .plain import _PlainP2P
 #: the paced loops' shortest interval between steps. The receiver gives a slot back (a stream write into the sender's
 #: host word, after its work on the slot) half an interval after the sender's step; at this interval that write
 #: landed after the sender's next step on the slot in 0-26% of steps on one H100 (the sender then queues a GPU wait,
-#: which the p90 counts). At 100 us such waits fell to 0-4% but each end's host time per step rose (one H100: sender
-#: p90 19.5-31.5 us against 14.1-14.3 at 20 us): the longer a core spins between steps, the slower a step
+#: which the p90 counts). At 100 us such waits fell to 0-10% (mostly 0-2%) but each end's host time per step rose
+#: (one H100: sender p90 19.5-31.5 us against 14.1-14.3 at 20 us): the longer a core spins between steps, the
+#: slower a step
 PACE_FLOOR_S = 20e-6
 
 
