@@ -121,10 +121,10 @@ def main() -> int:
         state["copied"][s_] = plat.record_event(side, state["copied"][s_])
     timeit("a copy_engine sender step (10 calls)", sender_step)
 
-    # the sender's give-back words in shared host memory (gpuxfer.pp.hostwords): a host load and store, a copy
+    # the sender's give-back words in shared host memory (gpuxfer.hostwords): a host load and store, a copy
     # graph that ends with the 8-byte publish from a value word, and the wait + value write as one flag_ops call
     from gpuxfer.platforms.base import FLAG_OP_WAIT, FLAG_OP_WRITE, flag_ops_array
-    from gpuxfer.pp.hostwords import HostWords
+    from gpuxfer.hostwords import HostWords
     words = HostWords.create(plat, dev, 4)
     loads = words.loads()
     timeit("host word load", lambda: loads[0] < 5)

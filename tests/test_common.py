@@ -70,7 +70,7 @@ def test_sweep_skips_a_name_whose_pid_no_process_can_have(tmp_path):
     """A name of a swept pattern whose pid is past any pid (8 hex digits, >= 2**31: any user can make one) is
     left alone, and the sweep still removes the names of creators gone."""
     from gpuxfer.common import sweep_shm_orphans
-    from gpuxfer.pp.hostwords import _NAME, PREFIX
+    from gpuxfer.hostwords import _NAME, PREFIX
 
     huge = tmp_path / f"{PREFIX}ffffffff-{'0' * 12}"
     dead = tmp_path / f"{PREFIX}{gone_pid():x}-{'1' * 12}"
@@ -86,7 +86,7 @@ def test_sweep_leaves_a_fresh_segment_whose_pid_is_not_seen_here(tmp_path):
     """A segment made moments ago whose pid names no process here may be a live process's of another PID
     namespace sharing /dev/shm (containers sharing IPC, not PIDs): left alone until SHM_ORPHAN_AGE_S old."""
     from gpuxfer.common import sweep_shm_orphans
-    from gpuxfer.pp.hostwords import _NAME, PREFIX
+    from gpuxfer.hostwords import _NAME, PREFIX
 
     seg = tmp_path / f"{PREFIX}{gone_pid():x}-{'2' * 12}"
     seg.touch()
@@ -99,7 +99,7 @@ def test_sweep_never_follows_nor_removes_a_link(tmp_path):
     """A name of a swept pattern that is a symbolic link (any local user can plant one in /dev/shm) is judged as
     the link itself: never followed to an old file of ours, never removed."""
     from gpuxfer.common import sweep_shm_orphans
-    from gpuxfer.pp.hostwords import _NAME, PREFIX
+    from gpuxfer.hostwords import _NAME, PREFIX
 
     target = tmp_path / "target"
     target.touch()
@@ -115,7 +115,7 @@ def test_sweep_never_follows_nor_removes_a_link(tmp_path):
 def test_sweep_skips_a_name_it_may_not_unlink(tmp_path, monkeypatch):
     """A segment the sweep may not unlink (another user's in the sticky /dev/shm) is skipped, never raised."""
     import gpuxfer.common as common
-    from gpuxfer.pp.hostwords import _NAME, PREFIX
+    from gpuxfer.hostwords import _NAME, PREFIX
 
     refused = tmp_path / f"{PREFIX}{gone_pid():x}-{'4' * 12}"
     refused.touch()

@@ -99,6 +99,7 @@ from .descriptors import DIRECTIONS
 from .device_ids import prepare_device, wants_device_ids
 from .engine_choice import AGENT_ENGINES, agent_engine_choice, kernel_reason
 from .failure import FailsOnTimeout, on_timeout_from_env
+from .host_notify import create as host_notify_words
 from .layers import (_MAX_NAME, KVLayer, KVLayerSpec, KVPiece, check_disjoint, checked_flag, describe_layer,
                      memory_at, _torch)
 from . import nixl_route
@@ -163,7 +164,7 @@ class KVAgent(Closable, FailsOnTimeout):
 
     def __init__(self, name: str, *, platform: Platform | None = None, device: int = 0, engine: str = "auto",
                  timeout_s: float = 60.0, rank: int = 0, slot_bytes: int | None = None,
-                 on_timeout: str | None = None, remote: str | None = None):
+                 on_timeout: str | None = None, remote: str | None = None, host_notify: bool = False):
         if not isinstance(name, str) or not 0 < len(name) <= _MAX_NAME:
             raise BadInput(f"agent name must be a string of 1..{_MAX_NAME} characters, got {name!r}")
         self.auto_engine = engine == "auto"        # then each peer gets the engine that reaches it
@@ -195,6 +196,7 @@ class KVAgent(Closable, FailsOnTimeout):
         self.staging: DeviceBuffer | None = None
         self.stream: Stream | None = None
         self.nixl: nixl_route.NixlSide | None = None                # the NIXL route's side (remote="nixl")
+        self.host_words = None          # the notification words' host copy (host_notify: :mod:`.host_notify`)
         self._shared: _Shared | None = None         # flags and staging, held by peer links of this process's agents
         if slot_bytes is None:
             slot_bytes = PACK_SLOT_BYTES_EMULATION if platform.kernels_interpreted else PACK_SLOT_BYTES
@@ -218,6 +220,8 @@ class KVAgent(Closable, FailsOnTimeout):
             self.stream = platform.create_stream(self.device)
             self._poster.bind(self.stream)
             self.nixl = nixl_route.side_for(self, self._registry, remote)
+            if host_notify:
+                self.host_words = host_notify_words(platform, self.device, name)
         except BaseException:
             self._release()
             raise
@@ -484,6 +488,14 @@ class KVAgent(Closable, FailsOnTimeout):
         finally:
             self._shared.release()
 
+    def host_notification(self, slot: int = 0) -> int | None:
+        """Word ``slot``'s copy in host memory (a load: no device read), or None where this agent has none
+        (:mod:`gpuxfer.kv.host_notify`). It never passes :meth:`notification` and lags it for a peer that does not
+        write it."""
+        self._poster.check_open()
+        index, words = check_slot(slot), self.host_words
+        return None if words is None else words.read(index)
+
     def wait_notification(self, slot: int, value: int, timeout_s: float | None = None) -> int:
         """Poll word ``slot`` until it holds ``value`` or more; :class:`TransferTimeout` past ``timeout_s``
         (default: the agent's; a finite number of seconds > 0, at most :data:`~gpuxfer.sync.MAX_TIMEOUT_S`)."""
@@ -558,6 +570,8 @@ class KVAgent(Closable, FailsOnTimeout):
                 if b is not None:
                     b.close()
         self.flags = self.staging = None
+        if self.host_words is not None:     # (peers of other processes keep their own mappings)
+            self.host_words.close()
 
     # ------------------------------------------------------------------ failure
 

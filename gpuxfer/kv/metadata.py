@@ -12,6 +12,7 @@ from typing import Mapping
 from ..errors import BadInput, BadMetadata
 from ..platforms.base import IpcHandle
 from .control import AGENT_FLAG_BYTES, PACK_SLOTS
+from .host_notify import check_name
 from .layers import _MAX_INT, _MAX_NAME, _MAX_PIECES, KVLayer, KVPiece, _check_layer
 from .nixl_route import MAX_NIXL_MD_BYTES, decode_nixl_meta
 
@@ -129,6 +130,7 @@ class PeerMetadata:
     staging: IpcHandle | None = None            # the pack engine's staging buffer, if the peer has one
     slot_bytes: int = 0
     nixl: dict | None = None                    # its NIXL agent (:func:`gpuxfer.kv.nixl_route.decode_nixl_meta`)
+    host_words: str | None = None               # its notification words' host copy (:mod:`gpuxfer.kv.host_notify`)
 
 
 def decode_metadata(data: bytes) -> PeerMetadata:
@@ -224,4 +226,4 @@ def decode_metadata(data: bytes) -> PeerMetadata:
             layers.append((layer, a, off))
         groups.append(_PeerGroup(name, bt, tuple(layers)))
     return PeerMetadata(agent, uid, pid, namespace, host, plat, device, control, tuple(allocs), tuple(groups), staging,
-                        slot_bytes, decode_nixl_meta(body.get("nixl"), tuple(allocs)))
+                        slot_bytes, decode_nixl_meta(body.get("nixl"), tuple(allocs)), check_name(body.get("host_words")))

@@ -227,6 +227,9 @@ class NixlSide:
             w = self._word[slot]
             if flags is not None and not flags.closed and flags.read(NOTIFY + slot) < w:
                 self.agent.platform.host_write_flag(flags.word(NOTIFY + slot), w, self.agent.device)
+                words = self.agent.host_words       # then the word's host copy (gpuxfer.kv.host_notify)
+                if words is not None:
+                    words.store(slot, w)
 
     def _refuse(self, sender, slot: int, value: int) -> None:
         self.refused += 1

@@ -62,6 +62,8 @@ class Peering:
         }
         if agent.nixl is not None:
             body["nixl"] = agent.nixl.metadata(len(body["allocations"]))
+        if agent.host_words is not None:
+            body["host_words"] = agent.host_words.name
         return encode_metadata(body)
 
     def add(self, metadata: bytes, route: str | None, pieces: Mapping | None, local_pieces: Mapping | None,

@@ -18,6 +18,7 @@ from ..errors import BadInput, BadMetadata, NotRegistered
 from ..flaglink import FlagLink
 from ..platforms.base import Closable, Event, IpcHandle, Stream
 from .control import AGENT_WORDS, NOTIFY, NOTIFY_SLOTS, check_slot
+from .host_notify import open_peer
 from .layers import KVLayer, _torch
 from .metadata import PeerMetadata, handle_meta
 
@@ -165,6 +166,7 @@ class KVPeer(Closable):
         self._mappings: list[Any] = []
         self._owned: list[Any] = []
         self.flags: FlagLink | None = None
+        self.host_words = None              # the peer's notification words' host copy, where mapped here
         self.staging_ptr: int | None = None
         self._seq = [0] * NOTIFY_SLOTS
         self._notified: list = [None] * NOTIFY_SLOTS     # per slot: (stream, event) of its last notifying post
@@ -197,6 +199,7 @@ class KVPeer(Closable):
                 flags, staging = held
                 self.flags.open(flags)
                 self.staging_ptr = None if staging is None else staging.ptr
+                self._open_host_words()
                 return
             bases = []
             for i, h in enumerate(meta.allocations):
@@ -221,9 +224,18 @@ class KVPeer(Closable):
                 layers = [KVLayer(lay.name, lay.index, bases[a] + off, lay.num_blocks, lay.block_stride, lay.pieces,
                                   lay.extent, lay.token_major) for lay, a, off in g.layers]
                 self.groups[g.name] = _Group(g.name, g.block_tokens, layers, [(a, off) for _, a, off in g.layers])
+            self._open_host_words()
         except BaseException:
             self._release()
             raise
+
+    def _open_host_words(self) -> None:
+        """Map the peer's host copy of its notification words, where its metadata names one and this host has it
+        (:mod:`.host_notify`): owned, closed with the peer's mappings."""
+        if self.meta.host_words is not None:
+            self.host_words = open_peer(self.agent.platform, self.agent.device, self.meta.host_words, self.name)
+            if self.host_words is not None:
+                self._owned.append(self.host_words)
 
     def _open(self, handle: IpcHandle, what: str) -> Any:
         """Map the peer's ``handle``; a handle the platform cannot use is bad metadata."""
@@ -291,7 +303,14 @@ class KVPeer(Closable):
         if last is not None and last[0] is not s:
             plat.stream_wait_event(s, last[1])
         value = self._seq[slot] + 1
-        self.flags.signal(s, NOTIFY + slot, value, NOTIFY + slot, self._calls if s is agent.stream else None)
+        calls = self._calls if s is agent.stream else None
+        self.flags.signal(s, NOTIFY + slot, value, NOTIFY + slot, calls)
+        words = self.host_words
+        if words is not None:       # then its host copy (:mod:`.host_notify`), after the word on the same stream
+            if calls is not None:
+                calls.write_flag(words.ptr(slot), value)
+            else:
+                plat.write_flag(s, words.ptr(slot), value)
         event = plat.record_event(s)
         self._seq[slot] = value
         self._notified[slot] = (s, event)

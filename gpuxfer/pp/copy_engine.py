@@ -78,7 +78,7 @@ cache holds) keep plain copies: capturing them would evict a graph every step an
 capture one per step.
 
 A sender keeps its ``empty[j]`` words in host memory shared with its receiver where both
-processes can map it (:class:`~gpuxfer.pp.hostwords.HostWords`; ``$GPUXFER_PP_HOST_GIVE_BACK=0``
+processes can map it (:class:`~gpuxfer.hostwords.HostWords`; ``$GPUXFER_PP_HOST_GIVE_BACK=0``
 keeps them in device memory). ``send()`` then reads ``empty[j]`` with a load: a slot seen free
 needs no GPU wait (a value only grows, and R writes it after its work on the slot is done). Each
 slot also has a value word there, and a sender's cached copy graph ends with an 8-byte copy of it
@@ -161,7 +161,7 @@ from .copy_engine_setup import (DEFAULT_INLINE_BYTES, ENV_FLAG_BATCH, ENV_HOST_G
                                 ENV_STEP_GRAPHS, FIRST_VALUE, FLAG_STRIDE, PROBE_TIMEOUT_S, SECOND_VALUE, STEP_GRAPHS, W_IN, _CopyEngineSetup,
                                 flag_batch_from_env, host_give_back_from_env, inline_bytes_from_env,
                                 step_graphs_from_env)
-from .hostwords import WORD_STRIDE, HostWords
+from ..hostwords import WORD_STRIDE, HostWords
 from .spec import Layout
 from .transport import Received, Transport
 

@@ -13,7 +13,7 @@ from .. import config
 from ..errors import BadInput, GpuxferError, PeerLost
 from ..flaglink import FIRST_WORD, FLAG_STRIDE, FlagLink
 from ..platforms.base import FLAG_OP_VALUE, FLAG_OP_WAIT, FLAG_OP_WORDS, FLAG_OP_WRITE, RELEASE_VALUE, flag_ops_array
-from .hostwords import HostWords
+from ..hostwords import HostWords
 
 log = logging.getLogger("gpuxfer.pp")
 

@@ -600,7 +600,7 @@ class RealAgents(Manager):
         for t in self.dst:
             t.zero_()
         self.agent = KVAgent("sglang-prefill-test", platform=plat, engine="copy_engine", timeout_s=5)
-        self.dec = KVAgent("sglang-decode-test", platform=plat, engine="copy_engine", timeout_s=5)
+        self.dec = KVAgent("sglang-decode-test", platform=plat, engine="copy_engine", timeout_s=5, host_notify=True)
         self.args = {}
         for agent, pool in ((self.agent, self.src), (self.dec, self.dst)):
             self.args[agent] = SimpleNamespace(

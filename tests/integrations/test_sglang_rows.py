@@ -50,7 +50,7 @@ class RowAgents(RealAgents):
         self.pushes.add_decode("decode", self.dec.metadata(), {}, SLOT, DECODE)
         self.decode = Decode(slots_handed=0)
         self.decode.kv_args = self.args[self.dec]
-        self.decode.landings = Landings(self.dec.notification)
+        self.decode.landings = Landings(self.dec.notification, self.dec.host_notification)
         for _ in range(SLOT + 1):
             self.decode.landings.new_slot()
         self.decode.inbox = Inbox(self.decode, self.decode.landings, KVPoll, self.dec_rows)
@@ -176,7 +176,10 @@ def test_rows_read_before_their_word_held_the_stamps_value_are_not_taken(rows, m
     torn = whole[:STAMP_BYTES] + bytes(len(whole) - STAMP_BYTES)
     assert decode_stamp(torn) == (int(token), SLOT, value)
     words, reads = iter([value - 1]), []
-    monkeypatch.setattr(rows.decode.landings, "_read", lambda slot: next(words, value))
+    landings = rows.decode.landings
+    monkeypatch.setattr(landings, "_host_read", None)       # (the device word alone, as without a host copy)
+    monkeypatch.setattr(landings, "_read_every", READ_EVERY_S)
+    monkeypatch.setattr(landings, "_read", lambda slot: next(words, value))
     real = rows.dec_rows.row
 
     def row(index):
@@ -186,6 +189,32 @@ def test_rows_read_before_their_word_held_the_stamps_value_are_not_taken(rows, m
     monkeypatch.setattr(rows.dec_rows, "row", row)
     assert rows.landed()
     assert len(reads) == 2              # the torn read was not taken; the one after the word was
+    assert rows.row(rows.dst_aux, DST_ROW) == rows.row(rows.src_aux, SRC_ROW)
+
+
+def test_the_decode_learns_a_landing_from_the_host_copy_with_no_device_read(rows, monkeypatch):
+    """The decode agent's notification words have a host copy the prefill's push writes after the word: the poll
+    ends the request by a load of it, the device word never read (its reads spaced past the test)."""
+    landings = rows.decode.landings
+    monkeypatch.setattr(landings, "_read_every", 1e9)
+    device_reads = []
+    monkeypatch.setattr(landings, "_read", lambda slot: device_reads.append(slot) or rows.dec.notification(slot))
+    token = rows.name()
+    rows.send(token)
+    assert rows.landed() and device_reads == []
+    assert rows.row(rows.dst_aux, DST_ROW) == rows.row(rows.src_aux, SRC_ROW)
+
+
+def test_a_prefill_that_does_not_write_the_host_copy_is_heard_by_the_device_word(rows, monkeypatch):
+    """A prefill rank whose peer of the decode has no host copy mapped (an earlier gpuxfer, another host): the
+    host copy stays behind, and the decode's device reads beside it end the request."""
+    peer = next(iter(rows.pushes._peers.values()))
+    monkeypatch.setattr(peer, "host_words", None)
+    monkeypatch.setattr(rows.decode.landings, "_read_every", READ_EVERY_S)
+    token = rows.name()
+    rows.send(token)
+    assert rows.dec.host_notification(SLOT) == 0 and rows.dec.notification(SLOT) == 1
+    assert rows.landed()
     assert rows.row(rows.dst_aux, DST_ROW) == rows.row(rows.src_aux, SRC_ROW)
 
 

@@ -46,7 +46,7 @@ def _side(rank, world, init, platform_name, op, carve, engine="triton"):
         g = torch.Generator().manual_seed(rank)
         for t in caches.values():
             t.copy_(torch.randn(shape, generator=g).to(torch.bfloat16))
-        agent = KVAgent(f"rank{rank}", platform=plat, device=device, engine=engine)
+        agent = KVAgent(f"rank{rank}", platform=plat, device=device, engine=engine, host_notify=True)
         keep.append(agent)
         agent.register_kv_caches(caches, bt, group="full")
         blobs = [None, None]
@@ -66,8 +66,13 @@ def _side(rank, world, init, platform_name, op, carve, engine="triton"):
             mine, theirs = (dst_ids, src_ids) if op == "pull" else (src_ids, dst_ids)
             h = agent.transfer(peer, op, local_blocks={"full": mine}, remote_blocks={"full": theirs}, notify_slot=0)
             h.wait(60)
-        else:
-            agent.wait_notification(0, 1, timeout_s=60)
+        else:       # the notification's host copy first (a load; gpuxfer.kv.host_notify), then the word
+            import time
+            deadline = time.monotonic() + 60
+            while agent.host_notification(0) < 1:
+                assert time.monotonic() < deadline, "the host copy of the notification never came"
+                time.sleep(1e-4)
+            assert agent.wait_notification(0, 1, timeout_s=60) == 1 and agent.host_notification(0) == 1
         dist.barrier()
         sums = {k: [t[:, b].float().cpu().numpy() for b in range(blocks)] for k, t in caches.items()}
         allsums = [None, None]

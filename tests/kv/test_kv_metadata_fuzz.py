@@ -26,7 +26,7 @@ class _World:
     def __init__(self, plat):
         self.bufs = [plat.alloc(1 << 15, d) for d in (0, 1)]
         views = [plat.as_tensor(b) for b in self.bufs]
-        self.pre = KVAgent("prefill", platform=plat, device=0, timeout_s=60)
+        self.pre = KVAgent("prefill", platform=plat, device=0, timeout_s=60, host_notify=True)    # (host_words)
         self.dec = KVAgent("decode", platform=plat, device=1, timeout_s=60)
         for agent, flat in ((self.pre, views[0]), (self.dec, views[1])):
             layers = {f"model.layers.{i}.attn": flat[i * 4096:(i + 1) * 4096].view(torch.bfloat16).view(2, 4, 4, 2, 32)

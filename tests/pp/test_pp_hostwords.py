@@ -9,7 +9,7 @@ import pytest
 from _orphans import gone_pid, planted
 
 from gpuxfer.errors import GpuxferError
-from gpuxfer.pp.hostwords import HostWords
+from gpuxfer.hostwords import HostWords
 
 
 def test_streams_write_copy_and_wait_on_host_words(platform):
@@ -97,7 +97,7 @@ def test_create_removes_segments_of_creators_gone_and_no_other(host):
     give-back pattern whose pid no longer exists, and leaves a live creator's, and any other name, alone."""
     import secrets
 
-    from gpuxfer.pp.hostwords import PREFIX
+    from gpuxfer.hostwords import PREFIX
 
     pid, token = gone_pid(), secrets.token_hex(6)
     dead = f"/{PREFIX}{pid:x}-{token}"

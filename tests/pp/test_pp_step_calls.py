@@ -261,7 +261,7 @@ def give_back_session(rank: int, world: int, init_method: str, platform_name: st
     with the sender's empty words in host memory it sees every slot free, queues no GPU wait, and its copy
     graph publishes the step: one queued call per step."""
     if host == "refused" and rank == 1:     # the receiver's check of the sender's host words fails
-        from gpuxfer.pp.hostwords import HostWords
+        from gpuxfer.hostwords import HostWords
 
         def refuse(*a, **kw):
             raise RuntimeError("refused by the test")

@@ -127,8 +127,10 @@ class GpuxferKVManager(CommonKVManager):
                                             int(getattr(args, "kv_head_num", 0) or 0))
         device = 0 if platform.host_memory else int(getattr(args, "gpu_id", 0) or 0)
         role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
+        # a decode rank's notification words have a host copy its polls read with a load (:mod:`.landing`)
         self.agent = KVAgent(f"sglang-{role}-{self.session_id}", platform=platform, device=device,
-                             engine=config.get("GPUXFER_SGLANG_ENGINE"), timeout_s=self.timeout_s)
+                             engine=config.get("GPUXFER_SGLANG_ENGINE"), timeout_s=self.timeout_s,
+                             host_notify=role == "decode")
         self._agent_lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: List[threading.Thread] = []
@@ -148,7 +150,8 @@ class GpuxferKVManager(CommonKVManager):
             self._spawn(self.pushes.run, "gpuxfer-sglang-transfer")
         else:
             self._registration = encode_registration(self.geometry, self.agent.metadata())
-            self.landings = Landings(self.agent.notification)
+            self.landings = Landings(self.agent.notification,
+                                     self.agent.host_notification if self.agent.host_words is not None else None)
             # the prefill's messages about this rank's requests, each taken for its current request alone
             self.inbox = Inbox(self, self.landings, KVPoll, self.aux_rows)
             self._spawn(self._decode_control, "gpuxfer-sglang-control")

@@ -4,9 +4,12 @@ Each registration a decode rank sends a prefill rank gives it one notification s
 :class:`~gpuxfer.kv.KVAgent` (:meth:`Landings.new_slot`; one writer per word keeps its count exact: the n-th
 notification writes n). The prefill's last push of a request bumps that word on its stream after the copies,
 and the request's metadata row names the value it writes (``b"slot:value"``, :func:`landing_frame`). Once
-the row arrived (:meth:`Landings.expect`), the decode's poll asks :meth:`Landings.landed`: one 8-byte read of
-the word, at most every ``READ_EVERY_S`` per slot (the polls in between reuse the last value read). No SGLang
-here: :mod:`.conn` wires it into SGLang's classes.
+the row arrived (:meth:`Landings.expect`), the decode's poll asks :meth:`Landings.landed`. The decode's agent keeps
+a copy of its words in host memory that a prefill rank on this host writes after each word (:mod:`gpuxfer.kv.
+host_notify`): each poll reads it with a load, nothing queued on the decode's GPU while a request waits, and the
+word itself (an 8-byte device read) every ``HOST_COPY_READ_EVERY_S`` beside it, for a prefill rank that does not
+write the copy; without a copy, the word at most every ``READ_EVERY_S`` per slot (the polls in between reuse the
+last value read). No SGLang here: :mod:`.conn` wires it into SGLang's classes.
 """
 from __future__ import annotations
 
@@ -22,6 +25,9 @@ from ...platforms.base import RELEASE_VALUE
 log = logging.getLogger("gpuxfer.sglang")
 
 READ_EVERY_S = 20e-6            # a word is read from the device at most this often
+#: where the agent keeps a host copy of its words (read with a load at every poll), how often the device word is
+#: read beside it: a prefill rank that does not write the copy (another host's, an earlier gpuxfer) is still heard
+HOST_COPY_READ_EVERY_S = 1e-3
 
 
 def slot_frame(slot: Optional[int]) -> bytes:
@@ -56,10 +62,13 @@ def parse_landing(frame: bytes) -> Optional[Tuple[int, int]]:
 
 class Landings:
     """A decode rank's notification slots and the requests waiting on them. ``read(slot)``: the word's value
-    now (:meth:`KVAgent.notification <gpuxfer.kv.KVAgent.notification>`)."""
+    now (:meth:`KVAgent.notification <gpuxfer.kv.KVAgent.notification>`, a device read); ``host_read(slot)``:
+    its host copy (:meth:`KVAgent.host_notification <gpuxfer.kv.KVAgent.host_notification>`, a load), or None
+    where the agent has none."""
 
-    def __init__(self, read: Callable[[int], int]):
-        self._read = read
+    def __init__(self, read: Callable[[int], int], host_read: Optional[Callable[[int], int]] = None):
+        self._read, self._host_read = read, host_read
+        self._read_every = READ_EVERY_S if host_read is None else HOST_COPY_READ_EVERY_S
         self._lock = threading.Lock()
         self._handed = 0                                    # slots given to prefill ranks, in order
         self._waiting: Dict[int, Tuple[int, int]] = {}      # room -> (slot, value)
@@ -123,12 +132,20 @@ class Landings:
         return self._handed_out(slot) and (self._seen[slot] >= value or self.word(slot) >= value)
 
     def word(self, slot: int) -> int:
-        """The highest value seen on word ``slot`` (0: not handed out by this rank), read again where
-        ``READ_EVERY_S`` passed since its last read (the release value a failed agent writes is not a count)."""
+        """The highest value seen on word ``slot`` (0: not handed out by this rank): its host copy read at every
+        call where the agent keeps one, the device word where ``READ_EVERY_S`` passed since its last read
+        (``HOST_COPY_READ_EVERY_S`` beside a host copy; the release value a failed agent writes is not a count)."""
         if not self._handed_out(slot):
             return 0
+        if self._host_read is not None:
+            try:
+                seen = self._host_read(slot)
+            except GpuxferError:        # the agent closed: the request ends by its status (or its timeout)
+                seen = 0
+            if self._seen[slot] < seen < RELEASE_VALUE:
+                self._seen[slot] = seen
         now = time.monotonic()
-        if now - self._read_at[slot] >= READ_EVERY_S:
+        if now - self._read_at[slot] >= self._read_every:
             self._read_at[slot] = now
             try:
                 seen = self._read(slot)

@@ -1,5 +1,6 @@
-"""Flag words in host memory shared by the two processes of a pair on one host: one end's host reads them
-with a plain load, and both ends' streams write and wait on them (:meth:`Platform.map_host_words`).
+"""Flag words in host memory shared by processes on one host: the owner's host reads them with a plain load, and
+the processes' streams write and wait on them (:meth:`Platform.map_host_words`). Two users: a ``copy_engine``
+pair of the stage hand-off (below), and a KV agent's notification words (:mod:`gpuxfer.kv.landing`).
 
 A ``copy_engine`` sender keeps its ``empty[j]`` words (the slots its receiver gave back) here, so
 ``send()`` sees on the host whether slot j is free and queues its GPU wait only when it is not::
@@ -30,17 +31,19 @@ import os
 import re
 import secrets
 
-from ..common import map_shm, sweep_shm_orphans, unlink_shm
-from ..errors import GpuxferError
-from ..flaglink import FLAG_STRIDE
+from .common import map_shm, sweep_shm_orphans, unlink_shm
+from .errors import GpuxferError
+from .flaglink import FLAG_STRIDE
 
 log = logging.getLogger("gpuxfer.pp")
 
 PAGE = 4096
 WORD_STRIDE = FLAG_STRIDE // 8     # int64 words per flag line: word i of loads() is at i * WORD_STRIDE
 _PROBE_WRITE, _PROBE_COPY = 0, 1   # scratch lines after the n flag words (the peer's setup check)
-PREFIX = "gpuxfer-ppw-"
+PREFIX = "gpuxfer-ppw-"             # the stage hand-off's give-back words
+KV_PREFIX = "gpuxfer-kvw-"          # a KV agent's notification words
 _NAME = re.compile(PREFIX + r"([0-9a-f]{1,8})-[0-9a-f]{12}")     # as create() names them: creator pid, token
+_NAMES = {PREFIX: _NAME, KV_PREFIX: re.compile(KV_PREFIX + r"([0-9a-f]{1,8})-[0-9a-f]{12}")}
 
 
 class HostWords:
@@ -65,16 +68,17 @@ class HostWords:
             raise
 
     @classmethod
-    def create(cls, platform, device: int, n: int) -> "HostWords":
-        """New words named ``/gpuxfer-ppw-<pid hex>-<12 hex>``, after removing the give-back segments whose
+    def create(cls, platform, device: int, n: int, prefix: str = PREFIX) -> "HostWords":
+        """New words named ``/<prefix><pid hex>-<12 hex>``, after removing the segments of that prefix whose
         creator is gone (:func:`~gpuxfer.common.sweep_shm_orphans`)."""
-        sweep_shm_orphans(_NAME, "give-back")
-        return cls(platform, device, f"/{PREFIX}{os.getpid():x}-{secrets.token_hex(6)}", n, True)
+        sweep_shm_orphans(_NAMES[prefix], "give-back" if prefix == PREFIX else "notification")
+        return cls(platform, device, f"/{prefix}{os.getpid():x}-{secrets.token_hex(6)}", n, True)
 
     @classmethod
-    def open(cls, platform, device: int, name: str, n: int) -> "HostWords":
-        if not isinstance(name, str) or not name.startswith("/" + PREFIX):
-            raise GpuxferError(f"not a flag-word segment name: {name!r}")
+    def open(cls, platform, device: int, name: str, n: int, prefix: str = PREFIX) -> "HostWords":
+        """A peer's words, by the name its :meth:`create` gave them (``GpuxferError`` for any other name)."""
+        if not isinstance(name, str) or not _NAMES[prefix].fullmatch(name[1:]) or name[:1] != "/":
+            raise GpuxferError(f"not a flag-word segment name: {name!r:.80}")
         return cls(platform, device, name, n, False)
 
     def ptr(self, i: int) -> int:
@@ -86,10 +90,15 @@ class HostWords:
         return self._words
 
     def read(self, i: int) -> int:
-        return self._words[i * WORD_STRIDE]
+        """Word ``i`` (a load); 0 once closed."""
+        words = self._words
+        return 0 if words is None else words[i * WORD_STRIDE]
 
     def store(self, i: int, value: int) -> None:
-        self._words[i * WORD_STRIDE] = value
+        """Word ``i`` := ``value`` (a store); nothing once closed."""
+        words = self._words
+        if words is not None:
+            words[i * WORD_STRIDE] = value
 
     def check_peer_writes(self, stream, copy, timeout_s: float) -> None:
         """A peer's check that its stream reaches these words: a flag write into one scratch line and an
