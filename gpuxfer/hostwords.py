@@ -1,6 +1,6 @@
 """Flag words in host memory shared by processes on one host: the owner's host reads them with a plain load, and
 the processes' streams write and wait on them (:meth:`Platform.map_host_words`). Two users: a ``copy_engine``
-pair of the stage hand-off (below), and a KV agent's notification words (:mod:`gpuxfer.kv.landing`).
+pair of the stage hand-off (below), and a KV agent's notification words (:mod:`gpuxfer.kv.host_notify`).
 
 A ``copy_engine`` sender keeps its ``empty[j]`` words (the slots its receiver gave back) here, so
 ``send()`` sees on the host whether slot j is free and queues its GPU wait only when it is not::
