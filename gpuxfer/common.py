@@ -20,6 +20,10 @@ try:  # POSIX only
     import _posixshmem
 except ImportError:  # pragma: no cover - Windows
     _posixshmem = None
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
 
 #: why :func:`map_shm` cannot work here, or None
 SHM_UNAVAILABLE = None if _posixshmem is not None else "POSIX shared memory (_posixshmem) is not available on this OS"
@@ -51,6 +55,41 @@ def map_shm(name: str, nbytes: int, *, create: bool, exact: bool = False) -> mma
         raise
     finally:
         os.close(fd)
+
+
+def hold_shm(name: str) -> int | None:
+    """A shared lock on segment ``name``, held by the returned descriptor until it is closed (None where it cannot be
+    taken): while held, :func:`sweep_shm_orphans` leaves the segment, whatever its creator's pid names there."""
+    if fcntl is None or _posixshmem is None:
+        return None
+    try:
+        fd = _posixshmem.shm_open(name, os.O_RDONLY, mode=0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _held(path: str) -> bool:
+    """Whether a process holds a lock on the segment at ``path`` (:func:`hold_shm`: its owner lives, maybe in
+    another PID namespace); a file that cannot be opened or locked counts as held (not ours to judge)."""
+    if fcntl is None:
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def unlink_shm(name: str) -> None:
@@ -113,8 +152,9 @@ def sweep_shm_orphans(pattern: re.Pattern, what: str, shm_dir: str = "/dev/shm")
     """Unlink the shared-memory segments left by processes that no longer exist (killed between creating
     a segment and unlinking it): names in ``shm_dir`` that ``pattern`` matches whole, whose group 1 is the
     creator's pid in hex, regular files (a symbolic link is never followed nor removed) owned by this user, at least :data:`SHM_ORPHAN_AGE_S` old, whose creator is gone
-    (``kill(pid, 0)`` finds no process). Returns the names removed (logged as ``what`` segments). Best
-    effort: a directory that cannot be read removes nothing, a name that cannot be unlinked is skipped."""
+    (``kill(pid, 0)`` finds no process) and that no process holds (:func:`hold_shm`). Returns the names removed
+    (logged as ``what`` segments). Best effort: a directory that cannot be read removes nothing, a name that cannot
+    be unlinked is skipped."""
     try:
         entries = os.listdir(shm_dir)
     except OSError:
@@ -132,7 +172,7 @@ def sweep_shm_orphans(pattern: re.Pattern, what: str, shm_dir: str = "/dev/shm")
         except OSError:
             continue
         if (not stat.S_ISREG(st.st_mode) or st.st_uid != uid
-                or time.time() - st.st_mtime < SHM_ORPHAN_AGE_S):
+                or time.time() - st.st_mtime < SHM_ORPHAN_AGE_S or _held(os.path.join(shm_dir, entry))):
             continue
         try:
             unlink_shm("/" + entry)

@@ -1,6 +1,6 @@
 """Flag words in host memory shared by processes on one host: the owner's host reads them with a plain load, and
 the processes' streams write and wait on them (:meth:`Platform.map_host_words`). Two users: a ``copy_engine``
-pair of the stage hand-off (below), and a KV agent's notification words (:mod:`gpuxfer.kv.landing`).
+pair of the stage hand-off (below), and a KV agent's notification words (:mod:`gpuxfer.kv.host_notify`).
 
 A ``copy_engine`` sender keeps its ``empty[j]`` words (the slots its receiver gave back) here, so
 ``send()`` sees on the host whether slot j is free and queues its GPU wait only when it is not::
@@ -21,7 +21,8 @@ copy that publishes a step from inside its copy graph) sit after the empty words
 The owner drops the name once the peer opened it. A process killed between the create and that unlink
 leaves the name behind; a later create on the host removes every ``gpuxfer-ppw-<pid>-<12 hex>`` segment
 whose creator ``<pid>`` no longer exists (and is ours: same user; at least an hour old, so a live creator's
-in another PID namespace is left), and touches no other name.
+in another PID namespace is left) and that no owner holds (a KV agent's words stay named for its life: its lock
+keeps them), and touches no other name.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import os
 import re
 import secrets
 
-from .common import map_shm, sweep_shm_orphans, unlink_shm
+from .common import hold_shm, map_shm, sweep_shm_orphans, unlink_shm
 from .errors import GpuxferError
 from .flaglink import FLAG_STRIDE
 
@@ -55,6 +56,8 @@ class HostWords:
         self.nbytes = -(-(self.n + 2) * FLAG_STRIDE // PAGE) * PAGE
         self._mm = map_shm(name, self.nbytes, create=create)
         self.owner = self.linked = create
+        # the owner's lock while it lives: a sweep of another PID namespace, where its pid names no process, leaves it
+        self._hold = hold_shm(name) if create else None
         self._words = None
         self.dptr = None
         try:
@@ -137,3 +140,6 @@ class HostWords:
                 pass
             self._mm = None
         self.unlink()
+        hold, self._hold = self._hold, None
+        if hold is not None:
+            os.close(hold)

@@ -125,3 +125,47 @@ def test_sweep_skips_a_name_it_may_not_unlink(tmp_path, monkeypatch):
         raise PermissionError(13, "Permission denied", name)
     monkeypatch.setattr(common, "unlink_shm", unlink)
     assert common.sweep_shm_orphans(_NAME, "give-back", str(tmp_path)) == []
+
+
+def test_sweep_leaves_a_segment_its_owner_holds(tmp_path):
+    """A segment whose owner lives (holds a lock on it) however old it is and whatever its pid names here: a KV
+    agent's notification words stay named for the agent's life, its creator may be of another PID namespace sharing
+    /dev/shm (a pid no process here has), and its peers open it by name at any time."""
+    import fcntl
+
+    from gpuxfer.common import sweep_shm_orphans
+    from gpuxfer.hostwords import _NAMES, KV_PREFIX
+
+    held = tmp_path / f"{KV_PREFIX}{gone_pid():x}-{'4' * 12}"
+    dead = tmp_path / f"{KV_PREFIX}{gone_pid():x}-{'5' * 12}"
+    for f in (held, dead):
+        f.touch()
+        backdate(f)
+    fd = os.open(held, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        assert sweep_shm_orphans(_NAMES[KV_PREFIX], "notification", str(tmp_path)) == [dead.name]
+    finally:
+        os.close(fd)
+    assert held.name in sweep_shm_orphans(_NAMES[KV_PREFIX], "notification", str(tmp_path))   # once let go
+
+
+def test_kv_host_words_are_held_by_their_owner(host):
+    """A KV agent's host words (kept named for its life) are locked by their owner until closed: a sweep of another
+    PID namespace leaves them."""
+    import fcntl
+
+    from gpuxfer.hostwords import KV_PREFIX, HostWords
+
+    words = HostWords.create(host, 0, 4, KV_PREFIX)
+    path = "/dev/shm" + words.name
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+    finally:
+        words.close()
+    assert not os.path.exists(path)

@@ -167,6 +167,8 @@ class KVAgent(Closable, FailsOnTimeout):
                  on_timeout: str | None = None, remote: str | None = None, host_notify: bool = False):
         if not isinstance(name, str) or not 0 < len(name) <= _MAX_NAME:
             raise BadInput(f"agent name must be a string of 1..{_MAX_NAME} characters, got {name!r}")
+        if not isinstance(host_notify, bool):
+            raise BadInput(f"host_notify must be True or False, got {host_notify!r:.40}")
         self.auto_engine = engine == "auto"        # then each peer gets the engine that reaches it
         if engine not in AGENT_ENGINES and not self.auto_engine:
             raise BadInput(f"KVAgent runs engine(s) {', '.join(AGENT_ENGINES)} or 'auto'; got {engine!r}")
@@ -221,7 +223,7 @@ class KVAgent(Closable, FailsOnTimeout):
             self._poster.bind(self.stream)
             self.nixl = nixl_route.side_for(self, self._registry, remote)
             if host_notify:
-                self.host_words = host_notify_words(platform, self.device, name)
+                self.host_words = host_notify_words(platform, self.device, name, self.uid)
         except BaseException:
             self._release()
             raise

@@ -17,29 +17,45 @@ the device word too and the data of the first n notifying posts landed. The devi
 peer that cannot map the segment (another host, the NIXL route -- whose poller here writes both --, a gpuxfer
 without it, a platform whose streams cannot reach host memory) writes the device word alone, and the host word
 lags it; a reader polling the host words reads the device word now and then too.
+
+The segment names the agent that made it (a digest of its uid, in a line after the words): a peer maps it only for
+metadata of that agent, so metadata naming another agent's words -- whose host copy its notifications would move
+past that agent's device word -- is ``BadMetadata``.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 
 from ..errors import BadInput, BadMetadata, GpuxferError
-from ..hostwords import KV_PREFIX, HostWords
+from ..hostwords import KV_PREFIX, WORD_STRIDE, HostWords
 from .control import NOTIFY_SLOTS
 
 log = logging.getLogger("gpuxfer.kv.agent")
 
 _NAME = re.compile("/" + KV_PREFIX + r"[0-9a-f]{1,8}-[0-9a-f]{12}")
+_WORDS = NOTIFY_SLOTS + 1                   # the words, then a line holding the owner's mark
+_OWNER = NOTIFY_SLOTS * WORD_STRIDE
 
 
-def create(platform, device: int, agent: str) -> HostWords | None:
-    """The agent's host words, or None where they cannot be made (logged): its notifications are then on the
-    device alone."""
+def _mark(uid: str) -> tuple[int, int]:
+    """The two int64 words that name agent ``uid`` in its segment (a digest: any string a metadata holds)."""
+    d = hashlib.blake2b(uid.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    return int.from_bytes(d[:8], "little", signed=True), int.from_bytes(d[8:], "little", signed=True)
+
+
+def create(platform, device: int, agent: str, uid: str) -> HostWords | None:
+    """Agent ``agent``'s (uid ``uid``) host words, marked as its own, or None where they cannot be made (logged):
+    its notifications are then on the device alone."""
     try:
-        return HostWords.create(platform, device, NOTIFY_SLOTS, KV_PREFIX)
+        words = HostWords.create(platform, device, _WORDS, KV_PREFIX)
     except (GpuxferError, OSError) as exc:
         log.info("agent %s: its notification words stay on the device alone (no host copy: %s)", agent, exc)
         return None
+    a = words.loads()
+    a[_OWNER], a[_OWNER + 1] = _mark(uid)
+    return words
 
 
 def check_name(name) -> str | None:
@@ -52,13 +68,18 @@ def check_name(name) -> str | None:
     return name
 
 
-def open_peer(platform, device: int, name: str, peer: str) -> HostWords | None:
-    """Peer ``peer``'s host words mapped for this agent's device, or None where they cannot be (another host, the
-    segment gone or of another size, the platform's streams cannot reach host memory; logged): its
-    notifications then go to its device words alone."""
+def open_peer(platform, device: int, name: str, peer: str, uid: str) -> HostWords | None:
+    """Peer ``peer``'s (uid ``uid``) host words mapped for this agent's device, or None where they cannot be
+    (another host, the segment gone or of another size, the platform's streams cannot reach host memory; logged):
+    its notifications then go to its device words alone. ``BadMetadata`` where the segment is another agent's."""
     try:
-        return HostWords.open(platform, device, name, NOTIFY_SLOTS, KV_PREFIX)
+        words = HostWords.open(platform, device, name, _WORDS, KV_PREFIX)
     except (GpuxferError, BadInput, OSError) as exc:
         log.info("peer %s: its host notification words are not mapped (%s); notifications go to its device words "
                  "alone", peer, exc)
         return None
+    a = words.loads()
+    if (a[_OWNER], a[_OWNER + 1]) != _mark(uid):
+        words.close()
+        raise BadMetadata(f"peer {peer!r}: metadata host_words {name!r:.80} names another agent's notification words")
+    return words

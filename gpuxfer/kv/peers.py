@@ -233,7 +233,8 @@ class KVPeer(Closable):
         """Map the peer's host copy of its notification words, where its metadata names one and this host has it
         (:mod:`.host_notify`): owned, closed with the peer's mappings."""
         if self.meta.host_words is not None:
-            self.host_words = open_peer(self.agent.platform, self.agent.device, self.meta.host_words, self.name)
+            self.host_words = open_peer(self.agent.platform, self.agent.device, self.meta.host_words, self.name,
+                                        self.meta.uid)
             if self.host_words is not None:
                 self._owned.append(self.host_words)
 

@@ -88,3 +88,28 @@ def test_host_notification_of_a_closed_agent_is_refused(mirrored):
     dec.close()
     with pytest.raises(BadInput, match="closed"):
         dec.host_notification(0)
+
+
+def test_metadata_naming_another_agents_host_words_is_refused(mirrored, plat):
+    """A name of the right shape whose segment is another agent's (here: a second decode agent of this host): the
+    peer's notifications would move that agent's host copy past its device word, a request of its read as landed
+    before any of its bytes came. The segment names the agent that made it: such metadata is ``BadMetadata``."""
+    pre, dec, p_of_pre, _, _ = mirrored
+    other = KVAgent("decode-2", platform=plat, device=1, engine="triton", timeout_s=60, host_notify=True)
+    try:
+        pre.remove_peer(p_of_pre)
+        theirs = json.loads(other.metadata()[12:])["host_words"]
+        with pytest.raises(BadMetadata, match="host_words"):
+            peer = pre.add_peer(_reblob(dec.metadata(), host_words=theirs))
+            pre.transfer(peer, "push", local_blocks={"full": [0]}, remote_blocks={"full": [1]}, notify_slot=3).wait(60)
+        assert other.host_notification(3) == other.notification(3) == 0
+        peer = pre.add_peer(dec.metadata())     # its own name still maps
+        assert peer.host_words is not None
+    finally:
+        other.close()
+
+
+def test_host_notify_must_be_a_bool(plat):
+    for bad in ("no", 1, None):
+        with pytest.raises(BadInput, match="host_notify"):
+            KVAgent("decode", platform=plat, device=1, engine="triton", timeout_s=60, host_notify=bad)
