@@ -193,15 +193,19 @@ def test_rows_read_before_their_word_held_the_stamps_value_are_not_taken(rows, m
 
 
 def test_the_decode_learns_a_landing_from_the_host_copy_with_no_device_read(rows, monkeypatch):
-    """The decode agent's notification words have a host copy the prefill's push writes after the word: the poll
-    ends the request by a load of it, the device word never read (its reads spaced past the test)."""
+    """The decode agent's notification words have a host copy the prefill's push writes after the word: once the
+    slot's copy moved (the first request), the poll ends a request by a load of it, the device word not read
+    (its reads spaced past the test)."""
     landings = rows.decode.landings
     monkeypatch.setattr(landings, "_read_every", 1e9)
     device_reads = []
     monkeypatch.setattr(landings, "_read", lambda slot: device_reads.append(slot) or rows.dec.notification(slot))
-    token = rows.name()
-    rows.send(token)
-    assert rows.landed() and device_reads == []
+    rows.send(rows.name())
+    assert rows.landed() and landings._copy_moved[SLOT]
+    device_reads.clear()
+    token = rows.name(room=ROOM + 1)
+    rows.send(token, room=ROOM + 1)
+    assert rows.landed(room=ROOM + 1) and device_reads == []
     assert rows.row(rows.dst_aux, DST_ROW) == rows.row(rows.src_aux, SRC_ROW)
 
 
@@ -210,7 +214,7 @@ def test_a_prefill_that_does_not_write_the_host_copy_is_heard_by_the_device_word
     host copy stays behind, and the decode's device reads beside it end the request."""
     peer = next(iter(rows.pushes._peers.values()))
     monkeypatch.setattr(peer, "host_words", None)
-    monkeypatch.setattr(rows.decode.landings, "_read_every", READ_EVERY_S)
+    monkeypatch.setattr(rows.decode.landings, "_read_every", 1e9)     # (a slot whose copy never moved: 20 us)
     token = rows.name()
     rows.send(token)
     assert rows.dec.host_notification(SLOT) == 0 and rows.dec.notification(SLOT) == 1

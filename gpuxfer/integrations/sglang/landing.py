@@ -6,10 +6,10 @@ notification writes n). The prefill's last push of a request bumps that word on 
 and the request's metadata row names the value it writes (``b"slot:value"``, :func:`landing_frame`). Once
 the row arrived (:meth:`Landings.expect`), the decode's poll asks :meth:`Landings.landed`. The decode's agent keeps
 a copy of its words in host memory that a prefill rank on this host writes after each word (:mod:`gpuxfer.kv.
-host_notify`): each poll reads it with a load, nothing queued on the decode's GPU while a request waits, and the
-word itself (an 8-byte device read) every ``HOST_COPY_READ_EVERY_S`` beside it, for a prefill rank that does not
-write the copy; without a copy, the word at most every ``READ_EVERY_S`` per slot (the polls in between reuse the
-last value read). No SGLang here: :mod:`.conn` wires it into SGLang's classes.
+host_notify`): each poll reads it with a load, nothing queued on the decode's GPU while a request waits once the slot's copy
+was seen to move, and the word itself (an 8-byte device read) every ``HOST_COPY_READ_EVERY_S`` beside it; before
+that, and without a copy, the word at most every ``READ_EVERY_S`` per slot (the polls in between reuse the last
+value read): a prefill rank that does not write the copy is heard as soon. No SGLang here: :mod:`.conn` wires it into SGLang's classes.
 """
 from __future__ import annotations
 
@@ -25,8 +25,10 @@ from ...platforms.base import RELEASE_VALUE
 log = logging.getLogger("gpuxfer.sglang")
 
 READ_EVERY_S = 20e-6            # a word is read from the device at most this often
-#: where the agent keeps a host copy of its words (read with a load at every poll), how often the device word is
-#: read beside it: a prefill rank that does not write the copy (another host's, an earlier gpuxfer) is still heard
+#: where the agent keeps a host copy of its words (read with a load at every poll), how often the device word of a
+#: slot whose copy was seen to move is read beside it (the copy's writer could change: a prefill rank registered
+#: again from an earlier gpuxfer); a slot whose copy never moved is read every ``READ_EVERY_S`` (its prefill rank
+#: may not write the copy: another host's, an earlier gpuxfer, a mapping that failed)
 HOST_COPY_READ_EVERY_S = 1e-3
 
 
@@ -68,7 +70,8 @@ class Landings:
 
     def __init__(self, read: Callable[[int], int], host_read: Optional[Callable[[int], int]] = None):
         self._read, self._host_read = read, host_read
-        self._read_every = READ_EVERY_S if host_read is None else HOST_COPY_READ_EVERY_S
+        self._read_every = HOST_COPY_READ_EVERY_S        # (a slot whose host copy moved; READ_EVERY_S otherwise)
+        self._copy_moved = [False] * NOTIFY_SLOTS
         self._lock = threading.Lock()
         self._handed = 0                                    # slots given to prefill ranks, in order
         self._waiting: Dict[int, Tuple[int, int]] = {}      # room -> (slot, value)
@@ -142,10 +145,12 @@ class Landings:
                 seen = self._host_read(slot)
             except GpuxferError:        # the agent closed: the request ends by its status (or its timeout)
                 seen = 0
-            if self._seen[slot] < seen < RELEASE_VALUE:
-                self._seen[slot] = seen
+            if 0 < seen < RELEASE_VALUE:
+                self._copy_moved[slot] = True
+                if seen > self._seen[slot]:
+                    self._seen[slot] = seen
         now = time.monotonic()
-        if now - self._read_at[slot] >= self._read_every:
+        if now - self._read_at[slot] >= (self._read_every if self._copy_moved[slot] else READ_EVERY_S):
             self._read_at[slot] = now
             try:
                 seen = self._read(slot)
