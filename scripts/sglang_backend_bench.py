@@ -76,14 +76,15 @@ def geometry(page_size: int, layers: int):
 
 def trace_steps(prefill_marks, decode_marks, room, first, t_done) -> dict | None:
     """The clock at each traced step of ``room`` (first and last occurrence where it repeats), in us after its
-    first ``send_kv_chunk``: both ranks' ``CLOCK_MONOTONIC``."""
+    first ``send_kv_chunk``: both ranks' ``CLOCK_MONOTONIC``; a ``<step>.cpu`` entry is the calling thread's own CPU
+    time in that step (us), the rest of the step's time it waited."""
     if first is None:
         return None
     out: dict = {}
     for step, r, t in list(prefill_marks) + list(decode_marks):
         if r not in (room, None):
             continue
-        us = 1e6 * (t - first)
+        us = 1e6 * (t if step.endswith(".cpu") else t - first)     # (".cpu": the thread's CPU time in the call)
         if step not in out:
             out[step] = us
         elif step + ".last" not in out or us > out[step + ".last"]:

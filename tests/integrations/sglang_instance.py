@@ -523,10 +523,13 @@ class _State:
             def traced(*a, **k):
                 r = room(a, k)
                 marks.append((label, r, time.monotonic()))
+                c0 = time.thread_time()
                 try:
                     return fn(*a, **k)
                 finally:
                     marks.append((label + ".end", r, time.monotonic()))
+                    # the calling thread's own CPU time in it: the rest it waited (the GIL, the device)
+                    marks.append((label + ".cpu", r, time.thread_time() - c0))
             setattr(obj, name, traced)
         if self.role == "prefill":
             wrap("add_transfer_request", room=lambda a, k: k.get("bootstrap_room", a[0] if a else None))
