@@ -6,6 +6,7 @@ failed while its row landed. Over tests/integrations/test_sglang_rows.py's two r
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -39,7 +40,7 @@ def test_a_row_index_that_is_no_int_of_the_rows_is_refused_typed(rows, index):
     nothing written."""
     before = rows.dec_rows.tensor.clone()
     for call in (lambda: rows.dec_rows.clear(index), lambda: rows.dec_rows.stamp(index),
-                 lambda: rows.dec_rows.take(index, 1), lambda: rows.pushes.rows.stage(index, 1, SLOT, 1)):
+                 lambda: rows.dec_rows.take(index, 1), lambda: rows.pushes.rows.stage(index, 1, SLOT, 1, rows.agent.stream)):
         with pytest.raises(BadInput):
             call()
     assert bool((rows.dec_rows.tensor == before).all())
@@ -123,9 +124,9 @@ def test_a_device_error_clearing_a_row_is_typed(rows, monkeypatch):
     monkeypatch.setattr(rows.dec_rows, "_write", _device_error)
     with pytest.raises(GpuxferError):
         rows.name()
-    monkeypatch.setattr(rows.pushes.rows, "_write", _device_error)
+    monkeypatch.setattr(rows.pushes.rows, "_platform", SimpleNamespace(copy_async=_device_error))
     with pytest.raises(GpuxferError):
-        rows.pushes.rows.stage(1, 7, SLOT, 1)
+        rows.pushes.rows.stage(1, 7, SLOT, 1, rows.agent.stream)
 
 
 def test_a_push_whose_kv_copy_failed_never_ends_success_by_its_row(rows, monkeypatch):

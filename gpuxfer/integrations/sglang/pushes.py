@@ -435,6 +435,7 @@ class Pushes:
             rows_there = self._aux_rows.get(info.session, 0)
         local, remote = {GROUP: chunk.pages}, {GROUP: dst}
         token = token_number(info.token)
+        row = None
         if (slot is not None and rows_there and token is not None
                 and sum(not i.is_dummy for i in chunk.infos.values()) == 1):   # (one decode rank: one stamp)
             # the rows go with the push, stamped, before its notification
@@ -442,10 +443,12 @@ class Pushes:
             if not 0 <= info.dst_aux_index < rows_there:
                 raise BadInput(f"room {chunk.room}: the decode names metadata row {info.dst_aux_index}; it "
                                f"registered {rows_there}")
-            self.rows.stage(row, token, slot, value)
             local[AUX_GROUP], remote[AUX_GROUP] = [row], [int(info.dst_aux_index)]
         else:
             self._send_aux(chunk, info, None if slot is None else (slot, value))
+        if row is not None:     # the row's copy to the device, then (below) the push, on the agent's stream
+            with self._agent_lock:
+                self.rows.stage(row, token, slot, value, self.agent.stream)
         try:
             with self._agent_lock:
                 if slot is not None:

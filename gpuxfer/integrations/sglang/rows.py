@@ -95,6 +95,8 @@ class AuxRows:
         self.rows = min(n // i for n, i in zip(lens, self.items))
         self.row_bytes = STAMP_BYTES + sum(self.items)
         self.device = agent.platform.torch_device(agent.device)
+        self._platform = agent.platform
+        self._staged = None             # the prefill's rows as staged for their pushes (host memory, pinned on a GPU)
         self.tensor = torch.zeros((self.rows, self.row_bytes), dtype=torch.uint8, device=self.device)
         self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self.timeout_s = float(agent.timeout_s)
@@ -185,15 +187,31 @@ class AuxRows:
 
     # -- prefill
 
-    def stage(self, index: int, token: int, slot: int, value: int) -> None:
+    def stage(self, index: int, token: int, slot: int, value: int, stream) -> None:
         """Row ``index`` of SGLang's aux buffers here, with the stamp of the decode's request ``token`` landing at
-        ``value`` of notification ``slot``, into this buffer's row ``index`` (the push's source)."""
+        ``value`` of notification ``slot``, into this buffer's row ``index`` (the push's source): written into the
+        row's host staging, then copied to the device on ``stream`` (the agent's stream, where the push that carries
+        it is posted next: stream order puts the copy first, and nothing on the host waits for it). The staging of
+        a row is written again only for a later request of that row index, whose earlier push was waited for
+        before SGLang could free the index."""
         index = self._check(index)
         data = encode_stamp(token, slot, value) + b"".join(read_aux_rows(self.kv_args, index))
         if len(data) != self.row_bytes:     # SGLang's aux lists changed since the rows were registered
             raise BadInput(f"metadata row {index}: {len(data) - STAMP_BYTES} bytes of rows read for a "
                            f"{self.row_bytes - STAMP_BYTES}-byte block")
-        self._device(f"staging metadata row {index}", self._write, index, 0, data)
+        src = self._staging()[index]
+        src.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+        self._device(f"staging metadata row {index}", self._platform.copy_async, stream,
+                     self.tensor.data_ptr() + index * self.row_bytes, src.data_ptr(), self.row_bytes)
+
+    def _staging(self):
+        """The host staging of every row (made at the first stage: a prefill's), pinned where the rows are on a
+        GPU (an asynchronous copy from it)."""
+        if self._staged is None:
+            import torch
+            self._staged = torch.zeros((self.rows, self.row_bytes), dtype=torch.uint8,
+                                       pin_memory=self._stream is not None)
+        return self._staged
 
     # -- decode
 
