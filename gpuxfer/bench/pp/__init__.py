@@ -46,6 +46,11 @@ TARGET_HOST_US = 10.0           # copy_engine eager host time per side and step 
 HOST_TARGET = (f"copy_engine eager host time <= {TARGET_HOST_US:g} us per side and step at 16 KiB-1 MiB "
                f"(paced, without metadata; the p90 step)")
 PACED_STEPS = 200               # most steps of the paced host-time loop
+#: the paced loops' shortest interval between steps. The receiver gives a slot back (a stream write into the sender's
+#: host word, after its work on the slot) half an interval after the sender's step; at this interval that write can
+#: land after the sender's next step on the slot (the sender then queues a GPU wait, which the p90 counts). A longer
+#: floor makes such waits rarer but each step's host time longer (docs/PERFORMANCE.md): the floor stays short
+PACE_FLOOR_S = 20e-6
 
 
 def _fmt_size(n: int) -> str:

@@ -12,17 +12,9 @@ import sys
 from ...common import run_versions
 from ..report import nearest_rank
 from ..timing import now
-from . import GRAPH, NO_META, PACED_STEPS, PLAIN, _fmt_size
+from . import GRAPH, NO_META, PACE_FLOOR_S, PACED_STEPS, PLAIN, _fmt_size
 from .measures import _bulk_copy, _contention, _graph_rows, _pingpong, _sync, count_wrong_bytes
 from .plain import _PlainP2P
-
-#: the paced loops' shortest interval between steps. The receiver gives a slot back (a stream write into the sender's
-#: host word, after its work on the slot) half an interval after the sender's step; at this interval that write
-#: landed after the sender's next step on the slot in 0-26% of steps on one H100 (the sender then queues a GPU wait,
-#: which the p90 counts). At 100 us such waits fell to 0-10% (mostly 0-2%) but each end's host time per step rose
-#: (one H100: sender p90 19.5-31.5 us against 14.1-14.3 at 20 us): the longer a core spins between steps, the
-#: slower a step
-PACE_FLOOR_S = 20e-6
 
 
 def _rank_main(rank: int, world: int, opts: dict) -> dict:
@@ -150,7 +142,8 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
     def paced_host(t, size: int, first: int, n: int, metadata: bool, step_s: float):
         """Each end's own host time per step when neither waits for the other: the median over n steps,
         the sender starting step i at a common start + i * interval (twice the step time the receiver just
-        measured, at least ``PACE_FLOOR_S``), the receiver half an interval later (one host clock, CLOCK_MONOTONIC, on one host).
+        measured, at least ``PACE_FLOOR_S``), the receiver half an interval later (one host clock,
+        CLOCK_MONOTONIC, on one host).
         Returns ((median, 10th, 90th percentile) s, the receiver's last tensors, the CPU speed beside it:
         a pure-Python yardstick's us just before the loop and the CPUs the loop started and ended on). With
         ``--cpus auto`` each rank first moves to the fastest of its cores again: a virtual machine's CPUs change

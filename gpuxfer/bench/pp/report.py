@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from .. import report as R
 from ..cpus import describe
-from . import (BULK_REPEATS, GRAPH, HOST_TARGET, KiB, MiB, NO_META, PING_SIZES, PLAIN, TARGET_BULK_FRACTION,
-               TARGET_COMPUTE_LOSS, TARGET_HOST_US, TARGET_LATENCY_US, TARGET_SMALL_RATIO, _fmt_size)
+from . import (BULK_REPEATS, GRAPH, HOST_TARGET, KiB, MiB, NO_META, PACE_FLOOR_S, PING_SIZES, PLAIN,
+               TARGET_BULK_FRACTION, TARGET_COMPUTE_LOSS, TARGET_HOST_US, TARGET_LATENCY_US, TARGET_SMALL_RATIO, _fmt_size)
 from .measures import PACED, baseline, contention_backends
 
 
@@ -180,8 +180,8 @@ def format_report(res: dict, opts: dict) -> str:
         L.append(f"  {size:>10} " + " ".join(cells))
     for stat, key in (("the median step", "host_paced_us"), ("the p90 step", "host_paced_p90_us")):
         L.append(f"# host time per step when neither end waits for the other (us): sender / receiver, {stat} "
-                 "of a loop paced at twice the step time, at least 20 us apart (the receiver half an interval behind "
-                 "the sender)")
+                 f"of a loop paced at twice the step time, at least {PACE_FLOOR_S * 1e6:g} us apart (the receiver half "
+                 "an interval behind the sender)")
         for size in opts["sizes"]:
             cells = []
             for b, m in cols:

@@ -137,6 +137,8 @@ class GpuxferKVManager(CommonKVManager):
         try:
             register_kv_args(self.agent, args)
             self.aux_rows = AuxRows.create(self.agent, args)    # the metadata rows the pushes carry (:mod:`.rows`)
+            if self.aux_rows is not None and role == "prefill":
+                self.aux_rows.staging()     # (pinned host memory made at startup, not in a first request)
         except BaseException:
             self.agent.close()
             raise

@@ -5,11 +5,12 @@ Each registration a decode rank sends a prefill rank gives it one notification s
 notification writes n). The prefill's last push of a request bumps that word on its stream after the copies,
 and the request's metadata row names the value it writes (``b"slot:value"``, :func:`landing_frame`). Once
 the row arrived (:meth:`Landings.expect`), the decode's poll asks :meth:`Landings.landed`. The decode's agent keeps
-a copy of its words in host memory that a prefill rank on this host writes after each word (:mod:`gpuxfer.kv.
-host_notify`): each poll reads it with a load, nothing queued on the decode's GPU while a request waits once the slot's copy
-was seen to move, and the word itself (an 8-byte device read) every ``HOST_COPY_READ_EVERY_S`` beside it; before
-that, and without a copy, the word at most every ``READ_EVERY_S`` per slot (the polls in between reuse the last
-value read): a prefill rank that does not write the copy is heard as soon. No SGLang here: :mod:`.conn` wires it into SGLang's classes.
+a copy of its words in host memory that a prefill rank on this host writes after each word
+(:mod:`gpuxfer.kv.host_notify`): each poll reads it with a load, and once a slot's copy was seen to move nothing is
+queued on the decode's GPU while a request waits but the word itself (an 8-byte device read) every
+``HOST_COPY_READ_EVERY_S``; before that, and without a copy, the word at most every ``READ_EVERY_S`` per slot (the
+polls in between reuse the last value read): a prefill rank that does not write the copy is heard as soon. No
+SGLang here: :mod:`.conn` wires it into SGLang's classes.
 """
 from __future__ import annotations
 

@@ -199,14 +199,14 @@ class AuxRows:
         if len(data) != self.row_bytes:     # SGLang's aux lists changed since the rows were registered
             raise BadInput(f"metadata row {index}: {len(data) - STAMP_BYTES} bytes of rows read for a "
                            f"{self.row_bytes - STAMP_BYTES}-byte block")
-        src = self._staging()[index]
+        src = self.staging()[index]
         src.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
         self._device(f"staging metadata row {index}", self._platform.copy_async, stream,
                      self.tensor.data_ptr() + index * self.row_bytes, src.data_ptr(), self.row_bytes)
 
-    def _staging(self):
-        """The host staging of every row (made at the first stage: a prefill's), pinned where the rows are on a
-        GPU (an asynchronous copy from it)."""
+    def staging(self):
+        """The host staging of every row, pinned where the rows are on a GPU (an asynchronous copy from it): made
+        at a prefill's startup (:mod:`.conn`), else at its first :meth:`stage`."""
         if self._staged is None:
             import torch
             self._staged = torch.zeros((self.rows, self.row_bytes), dtype=torch.uint8,
