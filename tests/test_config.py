@@ -64,6 +64,7 @@ GOOD = {
     "GPUXFER_SGLANG_ENGINE": ("copy_engine", "copy_engine"),
     "GPUXFER_SGLANG_UNREQUESTED_ROOMS": ("64", 64),
     "GPUXFER_SGLANG_DECODE_RANKS": ("16", 16),
+    "GPUXFER_SGLANG_MAX_FRAME_MB": ("1", 1),
     "GPUXFER_REQUIRE_SGLANG": ("1", True),
 }
 
@@ -108,6 +109,8 @@ BAD = {
     "GPUXFER_SGLANG_ENGINE": [("pack", "must be auto, triton or copy_engine")],
     "GPUXFER_SGLANG_UNREQUESTED_ROOMS": [("0", "must be >= 1"), ("many", "must be an integer")],
     "GPUXFER_SGLANG_DECODE_RANKS": [("0", "must be >= 1"), ("all", "must be an integer")],
+    "GPUXFER_SGLANG_MAX_FRAME_MB": [("0", "must be in [1, 1048576]"), ("2097152", "must be in [1, 1048576]"),
+                                    ("64M", "must be an integer")],
     "GPUXFER_REQUIRE_SGLANG": [("please", "must be 1 or 0")],
 }
 

@@ -59,11 +59,12 @@ from sglang.srt.disaggregation.common.conn import (
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
 from sglang.srt.server_args import ServerArgs
-from sglang.srt.utils.network import NetworkAddress
+from sglang.srt.utils.network import NetworkAddress, get_zmq_socket_on_host
 
 from ... import config
 from ...errors import BadInput, BlockIdError, GpuxferError, ProtocolError
 from ...kv import KVAgent
+from .control import bound_control_socket
 from .decode_ranks import DecodeRanks
 from .inbox import Inbox
 from .landing import Landings, slot_frame
@@ -110,6 +111,7 @@ class GpuxferKVManager(CommonKVManager):
                  is_mla_backend: Optional[bool] = False):
         check_supported(args)           # before the base class binds sockets and registers the rank
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        bound_control_socket(self, get_zmq_socket_on_host)      # a decode's (a prefill's was as it registered)
         if self.defer_decode_allocation:
             raise BadInput("the gpuxfer SGLang backend supports --disaggregation-decode-allocation-policy early "
                            "only (prefill_complete is not implemented)")
@@ -160,6 +162,11 @@ class GpuxferKVManager(CommonKVManager):
             self._threads.append(self._start_heartbeat_checker_thread())
         log.info("gpuxfer: SGLang %s rank %s registered %d KV entries (%d-token pages) with the %s engine",
                  role, self.session_id, len(args.kv_data_ptrs), int(args.page_size), self.agent.engine)
+
+    def register_to_bootstrap(self) -> None:
+        """SGLang's registration of a prefill rank, its control socket first bound (:mod:`.control`)."""
+        bound_control_socket(self, get_zmq_socket_on_host)
+        super().register_to_bootstrap()
 
     def _warm_up(self) -> None:
         """The push's kernels loaded at startup, not in the first request: SGLang's padding page 0 (never
