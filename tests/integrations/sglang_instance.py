@@ -560,6 +560,28 @@ class _State:
                 "peers": {s: p.route for s, p in getattr(getattr(self.mgr, "pushes", None), "_peers", {}).items()},
                 "errors": list(self.logged_errors)}
 
+    def control(self):
+        """This rank's control socket (the KV manager's ZMQ PULL socket): its port, its ``MAXMSGSIZE`` and the
+        port published for it (a prefill's: what its bootstrap server holds for the rank; a decode's: what its
+        registration message names); from now on each message the manager's control thread receives is noted
+        (:meth:`control_seen`)."""
+        import zmq
+        mgr = self.mgr
+        if self.role == "prefill":
+            published = self.server.prefill_port_table[0][0][self.tp_rank][0].rank_port
+        else:
+            published = int(mgr.build_receiver_registration_message()[2])
+        sock = mgr.server_socket
+        if not isinstance(sock, _SeenSocket):
+            self._control_seen: list = []
+            mgr.server_socket = sock = _SeenSocket(sock, self._control_seen)
+        self._control_seen.clear()
+        return {"port": mgr.rank_port, "max_msg_size": sock.getsockopt(zmq.MAXMSGSIZE), "published": published}
+
+    def control_seen(self):
+        """The messages the control thread received since :meth:`control`: ``(first frame, frame sizes)``."""
+        return list(self._control_seen)
+
     def cpu(self):
         from gpuxfer.bench.cpus import current_cpu, python_speed_us
         return {"cpu": current_cpu(), "python_us": python_speed_us()}
@@ -621,6 +643,22 @@ class _State:
 
 
 _NAMES = {0: "Failed", 1: "Bootstrapping", 2: "WaitingForInput", 3: "Transferring", 4: "Success"}
+
+
+class _SeenSocket:
+    """A KV manager's control socket whose received messages are noted (first frame's first 32 bytes, the frames'
+    sizes); anything else is the socket's."""
+
+    def __init__(self, sock, seen: list):
+        self._sock, self._seen = sock, seen
+
+    def recv_multipart(self, *args, **kwargs):
+        msg = self._sock.recv_multipart(*args, **kwargs)
+        self._seen.append((bytes(msg[0][:32]) if msg else b"", [len(m) for m in msg]))
+        return msg
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
 
 
 def serve(conn, spec: dict) -> None:
