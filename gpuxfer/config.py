@@ -218,7 +218,8 @@ VARS: dict[str, Var] = {v.name: v for v in (
         "registered at once (each a peer mapping its KV pool); a new rank past this takes the place of one a push "
         "found gone, else its registration is refused (logged, counted) and its rooms fail"),
     # the largest frame a real peer sends: a decode's registration payload, its agent's metadata (at most
-    # kv.metadata.MAX_METADATA_BYTES, ~13.2 MiB) and geometry, at most integrations.sglang.layout.MAX_PAYLOAD_BYTES (16 MiB);
+    # kv.metadata.MAX_METADATA_BYTES, ~13.2 MiB) and geometry, at most 16 MiB
+    # (integrations.sglang.layout.MAX_PAYLOAD_BYTES);
     # a metadata message's page list, int32 page indices (4 MiB for 1M tokens at page size 1; 8 MiB were they
     # int64); a row message's rows (KiB). 64 MiB is four times the largest.
     Var("GPUXFER_SGLANG_MAX_FRAME_MB", 64, integer(1, 1 << 20), "SGLang: the largest frame (MiB) of a control "
