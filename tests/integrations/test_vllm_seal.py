@@ -378,3 +378,15 @@ def test_params_of_a_restarted_prefill_on_a_silently_dead_connection_handshake_a
     w.start_loads([Load("d3", _sealed(_rp("q3", (5, 6)), new_key), (np.array([13, 14]),), 0, 31)])
     assert w.poll()[1:] == ({"d3"}, set())
     assert len(clients) == 2 and posted[-1] == ([5, 6], "d3")
+
+
+def test_the_sealed_encoding_is_fixed():
+    """Both instances must encode what a seal covers alike, whatever version of gpuxfer each runs: the bytes of
+    one case (a non-ASCII engine id, a lone surrogate in the request id, two ranks) are pinned."""
+    import hashlib
+
+    from gpuxfer.integrations.vllm.params import _canonical
+    b = _canonical("p0\u00e9", "r1\ud800", bytes(range(32)), [16, 32], 1234.5,
+                   [("127.0.0.1", 5601), ("h\U0001f600", 7)], None)
+    assert len(b) == 132
+    assert hashlib.sha256(b).hexdigest() == "63fbba88966f116bb81ada054a268b1ef9f04a39da8de95b809066a4e2ae1c90"

@@ -344,11 +344,6 @@ def _seal(v: Any, what: str) -> bytes:
     return b
 
 
-def _text_bytes(s: str) -> bytes:
-    b = s.encode("utf-8", "surrogatepass")      # (a JSON string may hold lone surrogates)
-    return struct.pack("<I", len(b)) + b
-
-
 def ids_digest(block_ids: Sequence[np.ndarray]) -> bytes:
     """SHA-256 of a request's block IDs as a seal covers them: their group count, then each group's length and IDs
     as little-endian int64s."""
@@ -365,14 +360,17 @@ def _canonical(engine_id: str, request_id: str, digest: bytes, block_sizes: Sequ
     """What a seal covers, one encoding for both instances: every string and list length-prefixed, the block IDs'
     :func:`ids_digest`, the deadline as a little-endian double; ``endpoints``: every rank's ``(host, port)``
     (their count is the tensor parallel size)."""
-    parts = [b"gpuxfer-params-1\0", _text_bytes(engine_id), _text_bytes(request_id), digest,
-             struct.pack(f"<I{len(block_sizes)}q", len(block_sizes), *block_sizes),
-             struct.pack("<dI", lease_deadline, len(endpoints))]
-    for h, p in endpoints:
-        parts.append(_text_bytes(h))
-        parts.append(struct.pack("<I", p))
-    parts.append(_text_bytes(key or ""))
-    return b"".join(parts)
+    u = "utf-8", "surrogatepass"                   # (a JSON string may hold lone surrogates)
+    e, r, k = engine_id.encode(*u), request_id.encode(*u), (key or "").encode(*u)
+    hosts = [h.encode(*u) for h, _ in endpoints]
+    ranks = []
+    for h, (_, port) in zip(hosts, endpoints):
+        ranks += len(h), h, port
+    # every string a little-endian uint32 length, then its bytes
+    fmt = "".join([f"I{len(h)}sI" for h in hosts])
+    return struct.pack(f"<17sI{len(e)}sI{len(r)}s32sI{len(block_sizes)}qdI{fmt}I{len(k)}s", b"gpuxfer-params-1\0",
+                       len(e), e, len(r), r, digest, len(block_sizes), *block_sizes, lease_deadline, len(endpoints),
+                       *ranks, len(k), k)
 
 
 def for_release(rp: RemotePrefill) -> RemotePrefill:
