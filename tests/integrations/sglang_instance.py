@@ -538,6 +538,7 @@ class _State:
             wrap("_send_aux", obj=mgr.pushes, room=lambda a, k: a[0].room)
             if mgr.aux_rows is not None:    # the rows staged for the push that carries them
                 wrap("stage", obj=mgr.aux_rows, room=lambda a, k: None)
+                wrap("_device", obj=mgr.aux_rows, room=lambda a, k: None, label="stage_copy")    # its device copy
             wrap("conclude_transfer", room=lambda a, k: k.get("bootstrap_room"))
         else:
             wrap("write_aux_rows", obj=inbox, room=lambda a, k: None, label="row_from_message")

@@ -97,7 +97,9 @@ class AuxRows:
         self.device = agent.platform.torch_device(agent.device)
         self._platform = agent.platform
         self._staged = None             # the prefill's rows as staged for their pushes (host memory, pinned on a GPU)
+        self._staging_at = 0            # ... its address
         self.tensor = torch.zeros((self.rows, self.row_bytes), dtype=torch.uint8, device=self.device)
+        self._tensor_at = self.tensor.data_ptr()
         self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self.timeout_s = float(agent.timeout_s)
         self._stuck: list = []          # host buffers of copies that timed out (the device may still reach them)
@@ -199,19 +201,24 @@ class AuxRows:
         if len(data) != self.row_bytes:     # SGLang's aux lists changed since the rows were registered
             raise BadInput(f"metadata row {index}: {len(data) - STAMP_BYTES} bytes of rows read for a "
                            f"{self.row_bytes - STAMP_BYTES}-byte block")
-        src = self.staging()[index]
-        src.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+        src = self._staging_at + index * self.row_bytes if self._staged is not None else self.staging_row(index)
+        ctypes.memmove(src, data, self.row_bytes)
         self._device(f"staging metadata row {index}", self._platform.copy_async, stream,
-                     self.tensor.data_ptr() + index * self.row_bytes, src.data_ptr(), self.row_bytes)
+                     self._tensor_at + index * self.row_bytes, src, self.row_bytes)
 
     def staging(self):
         """The host staging of every row, pinned where the rows are on a GPU (an asynchronous copy from it): made
         at a prefill's startup (:mod:`.conn`), else at its first :meth:`stage`."""
         if self._staged is None:
             import torch
-            self._staged = torch.zeros((self.rows, self.row_bytes), dtype=torch.uint8,
-                                       pin_memory=self._stream is not None)
+            staged = torch.zeros((self.rows, self.row_bytes), dtype=torch.uint8, pin_memory=self._stream is not None)
+            self._staging_at, self._staged = staged.data_ptr(), staged
         return self._staged
+
+    def staging_row(self, index: int) -> int:
+        """The address of row ``index``'s host staging (:meth:`staging`)."""
+        self.staging()
+        return self._staging_at + index * self.row_bytes
 
     # -- decode
 
