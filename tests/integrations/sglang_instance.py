@@ -543,8 +543,9 @@ class _State:
         else:
             wrap("write_aux_rows", obj=inbox, room=lambda a, k: None, label="row_from_message")
             wrap("write_aux_rows", obj=rows, room=lambda a, k: None, label="row_from_agent")
-            if mgr.inbox.rows is not None:      # the row's stamp read from the device once the word grew
+            if mgr.inbox.rows is not None:      # the row's stamp (and the row) read from the device once the word grew
                 wrap("stamp", obj=mgr.inbox.rows, room=lambda a, k: None, label="row_stamp_read")
+                wrap("row", obj=mgr.inbox.rows, room=lambda a, k: None, label="row_read")
             wrap("end_by_word", obj=mgr.inbox)
             wrap("apply_prefill_status", room=lambda a, k: k.get("bootstrap_room"))
         return True
