@@ -30,8 +30,8 @@ class _Bounded:
     def __init__(self, context: zmq.Context, max_bytes: int):
         self._context, self._max_bytes = context, max_bytes
 
-    def socket(self, socket_type: int) -> zmq.Socket:
-        sock = self._context.socket(socket_type)
+    def socket(self, socket_type: int, *args: Any, **kwargs: Any) -> zmq.Socket:
+        sock = self._context.socket(socket_type, *args, **kwargs)
         try:
             sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes)
         except BaseException:
