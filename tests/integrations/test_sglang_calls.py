@@ -3,9 +3,9 @@ inputs the backend cannot send: what each call may change is its own request's a
 or receiver holds its room id no more, and the router may give the id to a new request at once; its late
 calls (send, init, abort, clear again, failure_exception) neither queue its pages for the new request's, nor
 fail it, nor drop or take its state, nor tell its peers anything. A decode's ``send_metadata`` given what
-cannot go on the wire (page indices that are no int32 pages, no metadata row, state buffers) fails that room
-alone with a typed reason instead of raising into the scheduler. The managers are the stand-ins of
-tests/integrations/test_sglang_pipeline.py (no agent, no sockets).
+cannot go on the wire (page indices that are no int32 pages or pass the frame limit, no metadata row, state
+buffers) fails that room alone with a typed reason instead of raising into the scheduler. The managers are the
+stand-ins of tests/integrations/test_sglang_pipeline.py (no agent, no sockets).
 """
 from __future__ import annotations
 
@@ -180,3 +180,20 @@ def test_rooms_ended_by_their_word_leave_nothing_behind_once_cleared(monkeypatch
         mgr.inbox.end_by_word(room)
     assert list(mgr.inbox.ended_by_word) == [206, 207, 208, 209]
 
+
+
+def test_page_indices_past_the_frame_limit_fail_their_room_alone(monkeypatch):
+    """A page list whose frame passes ``GPUXFER_SGLANG_MAX_FRAME_MB`` (1 MiB here), which the prefill rank's
+    control socket would drop with its connection (the messages of other rooms queued on it lost, each room
+    waiting out its timeout), fails its room alone, typed, naming the setting; a list of exactly the limit goes."""
+    monkeypatch.setenv("GPUXFER_SGLANG_MAX_FRAME_MB", "1")
+    mgr = _decode()
+    a, other = _receiver(mgr), _receiver(mgr, ROOM + 1)
+    a.send_metadata(np.arange((1 << 18) + 1, dtype=np.int32), 2)
+    assert a.poll() == KVPoll.Failed
+    assert mgr.failure_records[ROOM].startswith("BadInput: a decode's page indices take 1048580 bytes, past the 1 "
+                                                "MiB of a control message frame (GPUXFER_SGLANG_MAX_FRAME_MB)")
+    assert mgr.sent == [[b"ABORT", str(ROOM).encode()]]
+    other.send_metadata(np.arange(1 << 18, dtype=np.int32), 2)
+    assert other.poll() == KVPoll.WaitingForInput and ROOM + 1 not in mgr.failure_records
+    assert len(mgr.sent) == 2 and len(mgr.sent[1][4]) == 1 << 20

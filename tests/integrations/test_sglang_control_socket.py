@@ -108,3 +108,27 @@ def test_requests_land_between_ranks_whose_control_sockets_are_bounded(pair):
     rng = random.Random(3)
     pages = _Pages(3)
     _land_through_queue(p, d, [pages.take(room, rng.randint(1, 9)) for room in range(2000, 2016)], 16, rng)
+
+
+def test_a_bounded_socket_made_with_sglangs_peer_allow_list(monkeypatch):
+    """SGLang's socket maker with its peer allow list on (``restrict_peers``, ``SGLANG_ZMQ_ALLOWED_PEERS``), given
+    the bounded context, makes the socket (SGLang's authenticator makes its own sockets through the context, with
+    pyzmq's ``socket_class``), the limit set and the allow list's domain on it."""
+    from sglang.srt.utils import network
+
+    from gpuxfer.integrations.sglang.control import _Bounded
+    monkeypatch.setenv("SGLANG_ZMQ_ALLOWED_PEERS", "127.0.0.1")
+    ctx = zmq.Context()
+    try:
+        port, sock = network.get_zmq_socket_on_host(_Bounded(ctx, LIMIT), zmq.PULL, host="127.0.0.1",
+                                                    restrict_peers=True)
+        try:
+            assert sock.getsockopt(zmq.MAXMSGSIZE) == LIMIT and sock.zap_domain == b"sglang" and port > 0
+        finally:
+            sock.close(linger=0)
+    finally:
+        with network._zmq_authenticators_lock:
+            auth = network._zmq_authenticators.pop(ctx.underlying, None)
+        if auth is not None:
+            auth.stop()
+        ctx.destroy(linger=0)    # (closes a socket the maker left open where it raised)

@@ -7,10 +7,12 @@ handshakes again; the prefill worker's handshake carries the seal key, never the
 from __future__ import annotations
 
 import dataclasses
+import struct
 import types
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from gpuxfer.errors import BadInput
 from gpuxfer.integrations.vllm import engines as engines_mod, loads as loads_mod
@@ -390,3 +392,49 @@ def test_the_sealed_encoding_is_fixed():
                    [("127.0.0.1", 5601), ("h\U0001f600", 7)], None)
     assert len(b) == 132
     assert hashlib.sha256(b).hexdigest() == "63fbba88966f116bb81ada054a268b1ef9f04a39da8de95b809066a4e2ae1c90"
+
+
+def _reference_canonical(engine_id, request_id, digest, block_sizes, lease_deadline, endpoints, key) -> bytes:
+    """What a seal covers, each field packed on its own: the encoding :func:`_canonical` packs in one call."""
+    def text(s):
+        b = s.encode("utf-8", "surrogatepass")
+        return struct.pack("<I", len(b)) + b
+    parts = [b"gpuxfer-params-1\0", text(engine_id), text(request_id), digest,
+             struct.pack(f"<I{len(block_sizes)}q", len(block_sizes), *block_sizes),
+             struct.pack("<dI", lease_deadline, len(endpoints))]
+    for h, p in endpoints:
+        parts += [text(h), struct.pack("<I", p)]
+    parts.append(text(key or ""))
+    return b"".join(parts)
+
+
+_TEXT = st.text(min_size=1, max_size=12)        # (lone surrogates included)
+_DIGEST = st.one_of(st.binary(min_size=32, max_size=32), st.binary(max_size=40),
+                    st.binary(max_size=40).map(bytearray), st.binary(max_size=40).map(memoryview))
+
+
+@settings(max_examples=400, deadline=None)
+@given(engine_id=_TEXT, request_id=_TEXT, digest=_DIGEST,
+       block_sizes=st.lists(st.one_of(st.integers(1, 1 << 20), st.integers(-2 ** 63, 2 ** 63 - 1)), max_size=4),
+       lease_deadline=st.one_of(st.floats(), st.integers(-2 ** 53, 2 ** 53)),
+       endpoints=st.lists(st.tuples(st.text(max_size=12), st.integers(0, 2 ** 32 - 1)), max_size=4),
+       key=st.one_of(st.none(), st.text(alphabet=st.characters(max_codepoint=127), min_size=1, max_size=64)))
+def test_what_a_seal_covers_is_the_reference_encoding_for_any_field(engine_id, request_id, digest, block_sizes,
+                                                                     lease_deadline, endpoints, key):
+    """Every value the params' parser admits (and wider: any int64 block size, any uint32 port, a NaN or infinite
+    deadline, an empty host or endpoint list) and a digest of any length, as bytes or another buffer, encode to the
+    bytes of the reference encoding: a digest is never padded or cut to 32 bytes."""
+    from gpuxfer.integrations.vllm.params import _canonical
+    args = (engine_id, request_id, digest, block_sizes, lease_deadline, endpoints, key)
+    want = _reference_canonical(*args)
+    assert _canonical(*args) == want
+
+
+@pytest.mark.parametrize("digest", [b"\1" * 31, b"\1" * 33, b""])
+def test_a_digest_of_another_length_than_32_bytes_is_encoded_as_given(digest):
+    """A 33-byte digest is not cut to its first 32 bytes (the seal of the digest's prefix), nor a 31-byte one
+    padded."""
+    from gpuxfer.integrations.vllm.params import _canonical
+    args = ("p0", "r1", digest, [16], 1.5, [("h", 1)], None)
+    assert _canonical(*args) == _reference_canonical(*args)
+    assert _canonical(*args) != _canonical("p0", "r1", (digest + bytes(32))[:32], [16], 1.5, [("h", 1)], None)

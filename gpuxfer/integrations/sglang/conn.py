@@ -64,7 +64,7 @@ from sglang.srt.utils.network import NetworkAddress, get_zmq_socket_on_host
 from ... import config
 from ...errors import BadInput, BlockIdError, GpuxferError, ProtocolError
 from ...kv import KVAgent
-from .control import bound_control_socket
+from .control import bound_control_socket, within_frame
 from .decode_ranks import DecodeRanks
 from .inbox import Inbox
 from .landing import Landings, slot_frame
@@ -227,7 +227,7 @@ class GpuxferKVManager(CommonKVManager):
                                         is_dummy: bool, device_kv_indices=None) -> List[bytes]:
         if state_indices:
             raise BadInput("the gpuxfer SGLang backend does not move state buffers (state_indices given)")
-        pages = b"" if is_dummy else _int32_pages(kv_indices)
+        pages = b"" if is_dummy else within_frame(_int32_pages(kv_indices), "a decode's page indices")
         if not is_dummy and (isinstance(aux_index, bool) or not isinstance(aux_index, (int, np.integer))
                              or aux_index < 0):
             raise BadInput(f"a decode's metadata row index must be an int >= 0, got {aux_index!r:.40}")

@@ -4,8 +4,9 @@ that reaches the port could send one frame of gigabytes, allocated whole before 
 sees it. ZMQ's ``MAXMSGSIZE`` holds a connection to the bound (a frame over it drops the connection, nothing of
 its message is delivered) only where it is set before the bind (a listener copies the options when it binds),
 so the socket is made again, with it, before its port is published (:func:`bound_control_socket`). ZMQ bounds
-each frame (its "message part"), not their number: a message of many frames is not held to it. No SGLang
-import: the manager hands in SGLang's own socket maker.
+each frame (its "message part"), not their number: a message of many frames is not held to it. A decode's page
+list past the limit is not sent (:func:`within_frame`). No SGLang import: the manager hands in SGLang's own socket
+maker.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, Callable, Tuple
 import zmq
 
 from ... import config
+from ...errors import BadInput
 
 log = logging.getLogger("gpuxfer.sglang")
 
@@ -28,8 +30,8 @@ class _Bounded:
     def __init__(self, context: zmq.Context, max_bytes: int):
         self._context, self._max_bytes = context, max_bytes
 
-    def socket(self, socket_type: int) -> zmq.Socket:
-        sock = self._context.socket(socket_type)
+    def socket(self, socket_type: int, *args: Any, **kwargs: Any) -> zmq.Socket:
+        sock = self._context.socket(socket_type, *args, **kwargs)
         try:
             sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes)
         except BaseException:
@@ -44,6 +46,16 @@ class _Bounded:
 def max_frame_bytes() -> int:
     """The largest frame of a control message a KV manager takes (``GPUXFER_SGLANG_MAX_FRAME_MB``)."""
     return config.get("GPUXFER_SGLANG_MAX_FRAME_MB") * _MIB
+
+
+def within_frame(frame: bytes, what: str) -> bytes:
+    """``frame``, a frame of a message this rank sends a peer's control socket, where it is within
+    :func:`max_frame_bytes` (the peer's limit where both run the same setting); ``BadInput`` naming ``what``
+    otherwise: a peer's socket would drop the connection, and with it every message queued on it."""
+    if len(frame) > max_frame_bytes():
+        raise BadInput(f"{what} take {len(frame)} bytes, past the {max_frame_bytes() // _MIB} MiB of a control "
+                       "message frame (GPUXFER_SGLANG_MAX_FRAME_MB)")
+    return frame
 
 
 def bound_control_socket(mgr: Any, make_socket: Callable[..., Tuple[int, zmq.Socket]]) -> None:

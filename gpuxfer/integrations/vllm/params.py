@@ -362,15 +362,16 @@ def _canonical(engine_id: str, request_id: str, digest: bytes, block_sizes: Sequ
     (their count is the tensor parallel size)."""
     u = "utf-8", "surrogatepass"                   # (a JSON string may hold lone surrogates)
     e, r, k = engine_id.encode(*u), request_id.encode(*u), (key or "").encode(*u)
+    digest = bytes(memoryview(digest))             # its bytes whatever their length (a fixed "32s" pads or cuts)
     hosts = [h.encode(*u) for h, _ in endpoints]
     ranks = []
     for h, (_, port) in zip(hosts, endpoints):
         ranks += len(h), h, port
     # every string a little-endian uint32 length, then its bytes
     fmt = "".join([f"I{len(h)}sI" for h in hosts])
-    return struct.pack(f"<17sI{len(e)}sI{len(r)}s32sI{len(block_sizes)}qdI{fmt}I{len(k)}s", b"gpuxfer-params-1\0",
-                       len(e), e, len(r), r, digest, len(block_sizes), *block_sizes, lease_deadline, len(endpoints),
-                       *ranks, len(k), k)
+    fmt = f"<17sI{len(e)}sI{len(r)}s{len(digest)}sI{len(block_sizes)}qdI{fmt}I{len(k)}s"
+    return struct.pack(fmt, b"gpuxfer-params-1\0", len(e), e, len(r), r, digest, len(block_sizes), *block_sizes,
+                       lease_deadline, len(endpoints), *ranks, len(k), k)
 
 
 def for_release(rp: RemotePrefill) -> RemotePrefill:
