@@ -244,7 +244,7 @@ def _post_route(poster, xs: list[_SlotTransfer], s: Stream) -> list[KVTransferHa
     slot.event, slot.stream = event, s
     if any(v is not None for v in values):
         landed = None               # (the handles' events then cover the notifications)
-    poster.track(event, (tuple(xs), slot, keep) if landed is None else (tuple(xs), slot, keep, landed))
+    poster.track(event, (tuple(xs), slot, keep) if landed is None else (tuple(xs), slot, keep, landed), s)
     return KVTransferHandle._together(xs, event, s, values, landed=landed)
 
 

@@ -48,7 +48,7 @@ class _CopyEngineTransfer(KVTransfer):
             if self._sizes.size:
                 self.agent.platform.copy_batch_async(s, self._dsts, self._srcs, self._sizes)
             value, event = self._finish(s)
-            poster.track(event, (self,))
+            poster.track(event, (self,), s)
         return KVTransferHandle(self, event, s, value)
 
     def expanded_descriptors(self) -> np.ndarray:

@@ -384,7 +384,7 @@ class _DeviceIdTransfer(_SlotTransfer):
             self.poster.hold_until_drained(s, (self, slot, status))
             raise
         slot.event, slot.stream = event, s
-        self.poster.track(event, (self, slot, status) if landed is None else (self, slot, status, landed))
+        self.poster.track(event, (self, slot, status) if landed is None else (self, slot, status, landed), s)
         return KVTransferHandle(self, event, s, value, status, landed)
 
     def expanded_descriptors(self) -> np.ndarray:
@@ -399,7 +399,7 @@ class _DeviceIdTransfer(_SlotTransfer):
             rows = table_rows(poster, slot, s, self.descriptors)
             event = plat.record_event(s)
             slot.event, slot.stream = event, s
-            poster.track(event, (self, slot, status, rows))
+            poster.track(event, (self, slot, status, rows), s)
         if not plat.event_wait(event, agent.timeout_s):
             raise TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
                                   timeout_s=agent.timeout_s, what="expanding the descriptors")
@@ -441,7 +441,7 @@ def post_together(poster, xs: list[_DeviceIdTransfer], s: Stream) -> list:
         poster.hold_until_drained(s, (tuple(xs), keep, status, slot))
         raise
     slot.event, slot.stream = event, s
-    poster.track(event, (tuple(xs), slot, keep, status) + ((landed,) if landed is not None else ()))
+    poster.track(event, (tuple(xs), slot, keep, status) + ((landed,) if landed is not None else ()), s)
     return KVTransferHandle._together(xs, event, s, None, status, landed)
 
 
@@ -551,7 +551,7 @@ def _checked(poster, route, slot, s: Stream) -> _Checked:
             check(native)
             settle(native)
         event = plat.record_event(s)
-        poster.track(event, scratch)
+        poster.track(event, scratch, s)
     if poster.graphs:
         try:
             checked.graph = plat.capture_graph(poster.capture_stream(), lambda c: checked.enqueue(plat, c))

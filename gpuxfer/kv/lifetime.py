@@ -134,7 +134,7 @@ class Lifetime:
                                     f"{peer!r} is not a peer of agent {agent.name!r} (removed before, or another "
                                     "agent's)")
             self.pack.forget(p)
-            posts = [(e, b) for e, b in self.poster.inflight if _names_peer(b, p)]
+            posts = [(e, b) for e, b, _ in self.poster.inflight if _names_peer(b, p)]
             events = [e for e, _ in posts] + [n[1] for n in p._notified if n is not None]
         if not self.completed(events):
             log.warning("agent %s: transfers with peer %s did not complete within %g s of remove_peer; the agent "
@@ -170,7 +170,7 @@ class Lifetime:
         made to wait on a notification and the agent's own streams; whether all completed."""
         agent = self.agent
         plat = agent.platform
-        events = [e for e, _ in self.poster.inflight] + list(self.stream_waits.values())
+        events = [e for e, *_ in self.poster.inflight] + list(self.stream_waits.values())
         for st in (agent.stream, self.pack.lane):
             if st is not None:
                 try:

@@ -74,7 +74,7 @@ class PackState:
         """The error of a pack transfer refused on the device: ``mine`` the fingerprint of this side's request,
         ``seen`` what the verdict saw instead (:data:`~gpuxfer.kv.control.STATUS`); ``inflight``: the agent's
         posted transfers, ``peers``: its peers."""
-        names = [x.name for _, b in inflight for x in b if getattr(x, "fingerprint", None) == mine]
+        names = [x.name for _, b, _ in inflight for x in b if getattr(x, "fingerprint", None) == mine]
         what = f"its request {names[0]!r}" if names else "one of its requests"
         if seen >= RELEASE_VALUE:
             why = "was released (an agent of the pair failed)"
@@ -158,7 +158,8 @@ class _PackShape:
             for fn in fns:
                 if fn is not None:
                     fn()
-            poster.track(agent.platform.record_event(agent.platform.current_stream(agent.device)), (zreq, zout))
+            cur = agent.platform.current_stream(agent.device)
+            poster.track(agent.platform.record_event(cur), (zreq, zout), cur)
             r.pack_warm.add(self.source)
         self.graphs: list[Any] = [None] * 2
         self.posts = 0
@@ -406,7 +407,7 @@ class _PackTransfer(KVTransfer):
                 peer.pack_recv += 1
             keep = (self, shape)
         value, event = self._finish(s)
-        poster.track(event, keep)
+        poster.track(event, keep, s)
         pack.tail = (s, event)
         return KVTransferHandle(self, event, s, value)
 
@@ -429,7 +430,7 @@ class _PackTransfer(KVTransfer):
             rows = table_rows(poster, shape, s, self.descriptors)   # (the shape's next post rewrites its table)
             event = plat.record_event(s)
             pack.tail = (s, event)
-            poster.track(event, (self, shape, rows))
+            poster.track(event, (self, shape, rows), s)
         if not plat.synchronize(s, agent.timeout_s):
             raise TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
                                   timeout_s=agent.timeout_s, what="expanding the descriptors")

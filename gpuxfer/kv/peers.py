@@ -289,7 +289,7 @@ class KVPeer(Closable):
         with poster.lock:
             poster.check_usable(self)
             value, event = self._notify(s, slot)
-            poster.track(event, ())
+            poster.track(event, (), s)
         return value, event
 
     def _notify(self, s: Stream, slot: int) -> tuple[int, Event]:

@@ -33,6 +33,13 @@ MIN_SLOT_ENTRIES = 1024
 INFLIGHT_KEEP = 16
 
 
+def _post_ended(platform, kept: tuple) -> bool:
+    """Whether a kept post ``(event, buffers, stream)`` ran to its end: a folded post's landed host word (read
+    before its event), else its event (:func:`_ended`)."""
+    last = kept[1][-1] if kept[1] else None
+    return (type(last) is _Landed and last.landed()) or _ended(platform, kept[0])
+
+
 def _ended(platform, event) -> bool:
     """Whether the work before ``event`` is over: completed, or failed (its transfer's handle raises the error;
     nothing of it runs any more, and another transfer's post must not raise it)."""
@@ -50,7 +57,7 @@ class Poster:
     def __init__(self, agent, registry):
         self.agent, self.registry = agent, registry
         self.lock = threading.Lock()
-        self.inflight: collections.deque = collections.deque()     # (event, buffers) of posted transfers
+        self.inflight: collections.deque = collections.deque()     # (event, buffers, stream) of posts
         pinned = not agent.platform.host_memory
         self.requests = _RequestPool(pinned=pinned)                 # host arrays of requests
         self.status_words = _StatusWords(pinned=pinned)            # device-ID posts' status words
@@ -60,6 +67,7 @@ class Poster:
         self.capture: Stream | None = None      # where graphs are captured (capture_stream)
         self._slot_uses = itertools.count(1)
         self.reap_at = INFLIGHT_KEEP             # posted transfers kept before a post looks at their events
+        self._look_all_at = INFLIGHT_KEEP        # ... before a reap looks past an oldest still running (reap)
         self.next_seq = functools.partial(next, itertools.count(1))     # folded posts' sequence numbers
 
     def bind(self, stream: Stream) -> None:
@@ -118,18 +126,19 @@ class Poster:
 
     # ------------------------------------------------------------------ posted transfers
 
-    def track(self, event: Event, buffers: tuple) -> None:
+    def track(self, event: Event, buffers: tuple, stream: Stream | None) -> None:
         """Keep a posted transfer's buffers until its event completes (dropping the transfer and its
         handle early must not free memory the stream still reads). The caller holds the post lock. The
         completed entries go when a prepare finds no free host array (:meth:`reap_locked`), or here once
         :attr:`reap_at` are kept (:data:`INFLIGHT_KEEP`, or twice what the last reap kept): a post does not query
         events otherwise. ``buffers`` of a folded post
         without a notification end with its :class:`~gpuxfer.kv.triton_transfer._Landed`: nothing of the post
-        reads them once its graph ran to the end, so :meth:`reap` reads that host word before the event."""
+        reads them once its graph ran to the end, so :meth:`reap` reads that host word before the event.
+        ``stream``: where ``event`` was recorded (None: not known)."""
         q = self.inflight
         if len(q) >= self.reap_at:
             self.reap()
-        q.append((event, buffers))
+        q.append((event, buffers, stream))
 
     def reap_locked(self) -> None:
         """:meth:`reap` under the post lock (completed posts give their host arrays back to the pool)."""
@@ -138,15 +147,31 @@ class Poster:
 
     def reap(self) -> None:
         """Drop the posted transfers whose events completed, oldest first (the caller holds the post lock); the
-        next post's reap once twice as many as are left are kept (:data:`INFLIGHT_KEEP` at least)."""
+        next post's reap once twice as many as are left are kept (:data:`INFLIGHT_KEEP` at least). Where the
+        oldest still runs, the others are looked at too once twice as many are kept as after the last such look
+        (:data:`INFLIGHT_KEEP` at least, again once none is kept): a post held on one stream keeps none of other
+        streams that completed (their pooled host arrays go back to the pool). A stream's posts complete in order,
+        so only the oldest kept of each stream is asked."""
         q = self.inflight
         plat = self.agent.platform
-        while q:
-            event, buffers = q[0]
-            last = buffers[-1] if buffers else None
-            if not ((type(last) is _Landed and last.landed()) or _ended(plat, event)):
-                break
+        while q and _post_ended(plat, q[0]):
             q.popleft()
+        if len(q) > 1 and len(q) >= self._look_all_at:
+            running_on = {q[0][2]}      # the streams whose oldest kept post still runs
+            kept = [q[0]]
+            for x in itertools.islice(q, 1, None):
+                if x[2] in running_on:
+                    kept.append(x)
+                elif not _post_ended(plat, x):
+                    kept.append(x)
+                    if x[2] is not None:
+                        running_on.add(x[2])
+            if len(kept) < len(q):
+                q.clear()
+                q.extend(kept)
+            self._look_all_at = max(INFLIGHT_KEEP, 2 * len(q))
+        elif not q:
+            self._look_all_at = INFLIGHT_KEEP
         self.reap_at = max(INFLIGHT_KEEP, 2 * len(q))
 
     def retire(self, route: _Route, slot: _Slot | None) -> None:

@@ -282,7 +282,7 @@ class _SlotTransfer(KVTransfer):
         slot.event, slot.stream = event, s
         if self.notify_slot is not None:
             landed = None           # (the event then covers the notification)
-        self.poster.track(event, (self, slot) if landed is None else (self, slot, landed))
+        self.poster.track(event, (self, slot) if landed is None else (self, slot, landed), s)
         return KVTransferHandle(self, event, s, value, landed=landed)
 
     def expanded_descriptors(self) -> np.ndarray:
@@ -298,7 +298,7 @@ class _SlotTransfer(KVTransfer):
             rows = table_rows(poster, slot, s, self.descriptors)
             event = plat.record_event(s)
             slot.event, slot.stream = event, s
-            poster.track(event, (self, slot, rows))
+            poster.track(event, (self, slot, rows), s)
         if not plat.event_wait(event, agent.timeout_s):
             raise TransferTimeout(rank=agent.rank, step=0, flag=f"request {self.name!r}", expected=1, seen=0,
                                   timeout_s=agent.timeout_s, what="expanding the descriptors")

@@ -273,3 +273,37 @@ def test_guard_requests_dropped_behind_a_held_stream_keep_their_arrays_until_the
     assert not dec._poster.inflight
     s.close()
     gate.close()
+
+
+def test_posts_completed_behind_one_held_on_another_stream_are_reaped(pair):
+    """A post held on one stream (a gate) while many others are posted and complete on the agent's stream: the
+    completed ones behind the held one are dropped as posts go on (their host arrays back to the pool), so what
+    is kept stays bounded while the held post still runs; once the gate opens it moves its own blocks."""
+    from gpuxfer.kv.posting import INFLIGHT_KEEP
+    pre, dec, a0, a1 = pair
+    src, dst = vllm_layers(a0, 1, 64, 2, seed=10), vllm_layers(a1, 1, 64, 2, seed=11)
+    pre.register_group("full", 2, src)
+    dec.register_group("full", 2, dst)
+    peer, _ = connect(pre, dec)
+    plat = dec.platform
+    gate = plat.alloc(64, 1)
+    s = plat.create_stream(1)
+    try:
+        plat.memset_async(s, gate.ptr, 0, 64)
+        plat.wait_flag(s, gate.ptr, 1)
+        held = dec.prepare(peer, "pull", local_blocks={"full": [0]}, remote_blocks={"full": [63]}).post(s)
+        kept = []
+        for i in range(8 * INFLIGHT_KEEP):
+            dec.prepare(peer, "pull", local_blocks={"full": [8 + i % 8]}, remote_blocks={"full": [i % 8]}
+                        ).post().wait(60)
+            kept.append(len(dec._poster.inflight))
+        assert not held.done()
+        assert max(kept[2 * INFLIGHT_KEEP:]) <= 2 * INFLIGHT_KEEP + 1, kept
+    finally:
+        plat.host_write_flag(gate.ptr, 1, 1)
+        assert plat.synchronize(s, 60)
+    held.wait(60)
+    for k in src:
+        assert same_bytes(dst[k][:, 0], src[k][:, 63])
+    s.close()
+    gate.close()
