@@ -192,6 +192,31 @@ def test_rows_read_before_their_word_held_the_stamps_value_are_not_taken(rows, m
     assert rows.row(rows.dst_aux, DST_ROW) == rows.row(rows.src_aux, SRC_ROW)
 
 
+def test_a_room_named_with_its_words_value_reads_its_row_once_the_word_grew(rows, monkeypatch):
+    """The receiver hands the inbox the word's value it knew before its metadata left (no push of the room can
+    have bumped it yet): polls read no row until the word grows past it, then the row once; without that value
+    the first poll reads the row (an earlier request's) and finds no stamp of this one."""
+    reads = []
+    real = rows.dec_rows.row
+    monkeypatch.setattr(rows.dec_rows, "row", lambda index: reads.append(index) or real(index))
+    rows.send(rows.name())                  # (a first request: the word moved once)
+    assert rows.landed()
+    for room, with_seen in ((ROOM + 1, True), (ROOM + 2, False)):
+        reads.clear()
+        landings, inbox = rows.decode.landings, rows.decode.inbox
+        seen = landings.seen(SLOT)
+        token = rows.name(room=room)
+        if with_seen:
+            inbox.prefill_slot(room, SLOT, seen)
+        for _ in range(5):
+            assert not inbox.landed_by_agent(room)
+        assert reads == ([] if with_seen else [DST_ROW])
+        rows.send(token, room=room)
+        assert rows.landed(room=room)
+        assert reads == ([DST_ROW] if with_seen else [DST_ROW, DST_ROW])
+        assert rows.row(rows.dst_aux, DST_ROW) == rows.row(rows.src_aux, SRC_ROW)
+
+
 def test_the_decode_learns_a_landing_from_the_host_copy_with_no_device_read(rows, monkeypatch):
     """The decode agent's notification words have a host copy the prefill's push writes after the word: once the
     slot's copy moved (the first request), the poll ends a request by a load of it, the device word not read

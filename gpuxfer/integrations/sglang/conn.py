@@ -545,6 +545,9 @@ class GpuxferKVReceiver(CommonKVReceiver):
         scheduler, and the prefill ranks are told (SGLang's ABORT)."""
         if not self._owns_bootstrap_room:
             return
+        real = [i for i in self.bootstrap_infos or () if not i.get("is_dummy")]
+        slot = real[0].get("gpuxfer_slot") if len(real) == 1 else None
+        seen = None if slot is None else self.kv_mgr.landings.seen(slot)     # (before the metadata leaves)
         try:
             super().send_metadata(*args, **kwargs)
         except GpuxferError as exc:
@@ -552,9 +555,8 @@ class GpuxferKVReceiver(CommonKVReceiver):
             self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
             self.ensure_abort_notified()
             return
-        real = [i for i in self.bootstrap_infos or () if not i.get("is_dummy")]
         if len(real) == 1:      # the word a row through the agent lands on (:meth:`.inbox.Inbox.landed_by_agent`)
-            self.kv_mgr.inbox.prefill_slot(self.bootstrap_room, real[0].get("gpuxfer_slot"))
+            self.kv_mgr.inbox.prefill_slot(self.bootstrap_room, slot, seen)
 
     def failure_exception(self):
         if not self._owns_bootstrap_room:   # the room id's failure record may be a new request's: left to it

@@ -158,12 +158,16 @@ class Inbox:
         with self._ended_lock:
             return self._take(room, raw)
 
-    def prefill_slot(self, room: int, slot: Optional[int]) -> None:
+    def prefill_slot(self, room: int, slot: Optional[int], seen: Optional[int] = None) -> None:
         """``room``'s metadata went to one prefill rank, whose registration was given notification ``slot``
-        (None: none): the word its row's landing is read on."""
+        (None: none): the word its row's landing is read on. ``seen``: the word's value as this rank knew it
+        before the metadata left (:meth:`Landings.seen <.landing.Landings.seen>`), which no push of the room can
+        have bumped yet: the row is first read once the word grew past it (without it, at the first poll)."""
         armed = self.by_agent.get(room)
         if armed is not None:
             armed[1] = slot
+            if seen is not None and slot is not None:
+                armed[2] = seen
 
     def _take(self, room: int, raw: Optional[bytes] = None) -> bool:
         """``room``'s row from the agent's buffer into SGLang's (under ``_ended_lock``): False, the room Failed,

@@ -130,6 +130,10 @@ class Landings:
         self._waiting.pop(room, None)
         return True
 
+    def seen(self, slot: int) -> Optional[int]:
+        """The highest value read of word ``slot`` so far (no read now); None for a slot this rank did not hand out."""
+        return self._seen[slot] if self._handed_out(slot) else None
+
     def reached(self, slot: int, value: int) -> bool:
         """Whether word ``slot``, one this rank handed out, holds ``value`` or more (:meth:`word`; a value already
         seen needs no read)."""
