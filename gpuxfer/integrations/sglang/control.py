@@ -11,16 +11,23 @@ maker.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Tuple
-
-import zmq
+from typing import TYPE_CHECKING, Any, Callable, Tuple
 
 from ... import config
 from ...errors import BadInput
 
+if TYPE_CHECKING:
+    import zmq
+
 log = logging.getLogger("gpuxfer.sglang")
 
 _MIB = 1 << 20
+
+
+def _zmq():
+    """pyzmq, imported where a socket is made (SGLang's dependency: importing this module needs neither)."""
+    import zmq
+    return zmq
 
 
 class _Bounded:
@@ -33,7 +40,7 @@ class _Bounded:
     def socket(self, socket_type: int, *args: Any, **kwargs: Any) -> zmq.Socket:
         sock = self._context.socket(socket_type, *args, **kwargs)
         try:
-            sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes)
+            sock.setsockopt(_zmq().MAXMSGSIZE, self._max_bytes)
         except BaseException:
             sock.close(linger=0)
             raise
@@ -67,7 +74,7 @@ def bound_control_socket(mgr: Any, make_socket: Callable[..., Tuple[int, zmq.Soc
     if getattr(mgr, "_control_bounded", False):
         return
     limit = max_frame_bytes()
-    port, sock = make_socket(_Bounded(mgr._zmq_ctx, limit), zmq.PULL, host=mgr.local_ip)
+    port, sock = make_socket(_Bounded(mgr._zmq_ctx, limit), _zmq().PULL, host=mgr.local_ip)
     old, mgr.rank_port, mgr.server_socket = mgr.server_socket, port, sock
     mgr._control_bounded = True
     old.close(linger=0)
