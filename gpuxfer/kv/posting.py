@@ -126,7 +126,7 @@ class Poster:
 
     # ------------------------------------------------------------------ posted transfers
 
-    def track(self, event: Event, buffers: tuple, stream: Stream | None) -> None:
+    def track(self, event: Event, buffers: tuple, stream: Stream) -> None:
         """Keep a posted transfer's buffers until its event completes (dropping the transfer and its
         handle early must not free memory the stream still reads). The caller holds the post lock. The
         completed entries go when a prepare finds no free host array (:meth:`reap_locked`), or here once
@@ -134,7 +134,7 @@ class Poster:
         events otherwise. ``buffers`` of a folded post
         without a notification end with its :class:`~gpuxfer.kv.triton_transfer._Landed`: nothing of the post
         reads them once its graph ran to the end, so :meth:`reap` reads that host word before the event.
-        ``stream``: where ``event`` was recorded (None: not known)."""
+        ``stream``: where ``event`` was recorded."""
         q = self.inflight
         if len(q) >= self.reap_at:
             self.reap()
@@ -164,8 +164,7 @@ class Poster:
                     kept.append(x)
                 elif not _post_ended(plat, x):
                     kept.append(x)
-                    if x[2] is not None:
-                        running_on.add(x[2])
+                    running_on.add(x[2])
             if len(kept) < len(q):
                 q.clear()
                 q.extend(kept)

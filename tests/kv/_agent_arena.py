@@ -50,6 +50,23 @@ def connect(pre, dec):
     return dec.add_peer(pre.metadata()), pre.add_peer(dec.metadata())
 
 
+def held_pull(pre, dec, a0, a1):
+    """A pull with a notification posted on a stream of its own held by a gate: (src, dst, peer, gate, stream,
+    handle). The notification goes through the peer link's stage word (an in-process peer maps nothing)."""
+    src, dst = vllm_layers(a0, 1, 4, 4, seed=1), vllm_layers(a1, 1, 4, 4, seed=2)
+    pre.register_group("full", 4, src)
+    dec.register_group("full", 4, dst)
+    p_of_dec, _ = connect(pre, dec)
+    plat = dec.platform
+    gate = plat.alloc(64, 1)
+    s = plat.create_stream(1)
+    plat.memset_async(s, gate.ptr, 0, 64)
+    plat.wait_flag(s, gate.ptr, 1)
+    h = dec.transfer(p_of_dec, "pull", local_blocks={"full": [0]}, remote_blocks={"full": [3]}, stream=s,
+                     notify_slot=2)
+    return src, dst, p_of_dec, gate, s, h
+
+
 def token_oracle(src, dst, s_ids, d_ids, bs, bd, kv_first):
     """What the destination must hold after a transfer matching tokens (numpy, independent of the API)."""
     if src.dtype == torch.bfloat16:         # numpy has no bf16: the same bits as int16

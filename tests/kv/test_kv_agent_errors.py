@@ -17,7 +17,7 @@ from gpuxfer.kv.agent import KVAgent
 from gpuxfer.kv.layers import KVLayerSpec
 from gpuxfer.kv.metadata import METADATA_VERSION, decode_metadata
 
-from _agent_arena import connect, meta_body, reblob, same_bytes, vllm_layers
+from _agent_arena import connect, held_pull, meta_body, reblob, same_bytes, vllm_layers
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -171,23 +171,6 @@ def test_removed_peer_and_closed_agent(pair):
         dec.metadata()
 
 
-def _held_pull(pre, dec, a0, a1):
-    """A pull with a notification posted on a stream of its own held by a gate: (src, dst, peer, gate, stream,
-    handle). The notification goes through the peer link's stage word (an in-process peer maps nothing)."""
-    src, dst = vllm_layers(a0, 1, 4, 4, seed=1), vllm_layers(a1, 1, 4, 4, seed=2)
-    pre.register_group("full", 4, src)
-    dec.register_group("full", 4, dst)
-    p_of_dec, _ = connect(pre, dec)
-    plat = dec.platform
-    gate = plat.alloc(64, 1)
-    s = plat.create_stream(1)
-    plat.memset_async(s, gate.ptr, 0, 64)
-    plat.wait_flag(s, gate.ptr, 1)
-    h = dec.transfer(p_of_dec, "pull", local_blocks={"full": [0]}, remote_blocks={"full": [3]}, stream=s,
-                     notify_slot=2)
-    return src, dst, p_of_dec, gate, s, h
-
-
 def _stop_if_freed_under(s, h, peer) -> None:
     """Drop the held work (not run it) when the peer link's stage words were freed under it: running it would
     write into freed memory."""
@@ -200,7 +183,7 @@ def test_remove_peer_waits_for_its_transfers(pair):
     closes the peer's flag link; the bytes and the notification landed and the agent is fine."""
     import threading
     pre, dec, a0, a1 = pair
-    src, dst, p_of_dec, gate, s, h = _held_pull(pre, dec, a0, a1)
+    src, dst, p_of_dec, gate, s, h = held_pull(pre, dec, a0, a1)
     plat = dec.platform
     opener = threading.Timer(0.2, plat.host_write_flag, (gate.ptr, 1, 1))
     try:
@@ -227,7 +210,7 @@ def test_posted_transfers_kept_until_complete_then_dropped(pair):
     import weakref
     from gpuxfer.kv.posting import INFLIGHT_KEEP
     pre, dec, a0, a1 = pair
-    src, dst, p_of_dec, gate, s, h = _held_pull(pre, dec, a0, a1)
+    src, dst, p_of_dec, gate, s, h = held_pull(pre, dec, a0, a1)
     plat = dec.platform
     try:
         held = weakref.ref(h.transfer)
@@ -258,7 +241,7 @@ def test_remove_peer_keeps_what_a_stuck_transfer_may_touch(pair):
     opens, the post runs through the kept memory."""
     from gpuxfer.kv import agent as agent_mod
     pre, dec, a0, a1 = pair
-    src, dst, p_of_dec, gate, s, h = _held_pull(pre, dec, a0, a1)
+    src, dst, p_of_dec, gate, s, h = held_pull(pre, dec, a0, a1)
     plat = dec.platform
     link = p_of_dec.flags
     before = len(agent_mod._LEAKED)
@@ -401,7 +384,7 @@ def test_posts_queued_faster_than_they_complete_look_at_few_events(pair, monkeyp
     its event completed, and a reap once they completed drops them all and looks again from INFLIGHT_KEEP on."""
     from gpuxfer.kv.posting import INFLIGHT_KEEP
     pre, dec, a0, a1 = pair
-    src, dst, p_of_dec, gate, s, h = _held_pull(pre, dec, a0, a1)
+    src, dst, p_of_dec, gate, s, h = held_pull(pre, dec, a0, a1)
     plat = dec.platform
     asked = []
     real = plat.event_query

@@ -15,7 +15,7 @@ from gpuxfer.kv import ids as kids
 from gpuxfer.kv.agent import KVAgent
 from gpuxfer.kv.ids import _RouteIds
 
-from _agent_arena import connect, same_bytes, vllm_layers
+from _agent_arena import connect, held_pull, same_bytes, vllm_layers
 
 
 def _run(args, push, local, remote):
@@ -281,29 +281,20 @@ def test_posts_completed_behind_one_held_on_another_stream_are_reaped(pair):
     is kept stays bounded while the held post still runs; once the gate opens it moves its own blocks."""
     from gpuxfer.kv.posting import INFLIGHT_KEEP
     pre, dec, a0, a1 = pair
-    src, dst = vllm_layers(a0, 1, 64, 2, seed=10), vllm_layers(a1, 1, 64, 2, seed=11)
-    pre.register_group("full", 2, src)
-    dec.register_group("full", 2, dst)
-    peer, _ = connect(pre, dec)
-    plat = dec.platform
-    gate = plat.alloc(64, 1)
-    s = plat.create_stream(1)
+    src, dst, peer, gate, s, held = held_pull(pre, dec, a0, a1)
     try:
-        plat.memset_async(s, gate.ptr, 0, 64)
-        plat.wait_flag(s, gate.ptr, 1)
-        held = dec.prepare(peer, "pull", local_blocks={"full": [0]}, remote_blocks={"full": [63]}).post(s)
         kept = []
         for i in range(8 * INFLIGHT_KEEP):
-            dec.prepare(peer, "pull", local_blocks={"full": [8 + i % 8]}, remote_blocks={"full": [i % 8]}
+            dec.prepare(peer, "pull", local_blocks={"full": [1 + i % 3]}, remote_blocks={"full": [i % 3]}
                         ).post().wait(60)
             kept.append(len(dec._poster.inflight))
         assert not held.done()
         assert max(kept[2 * INFLIGHT_KEEP:]) <= 2 * INFLIGHT_KEEP + 1, kept
     finally:
-        plat.host_write_flag(gate.ptr, 1, 1)
-        assert plat.synchronize(s, 60)
+        dec.platform.host_write_flag(gate.ptr, 1, 1)
+        assert dec.platform.synchronize(s, 60)
     held.wait(60)
     for k in src:
-        assert same_bytes(dst[k][:, 0], src[k][:, 63])
+        assert same_bytes(dst[k][:, 0], src[k][:, 3])
     s.close()
     gate.close()

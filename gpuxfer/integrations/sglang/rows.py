@@ -201,7 +201,7 @@ class AuxRows:
         if len(data) != self.row_bytes:     # SGLang's aux lists changed since the rows were registered
             raise BadInput(f"metadata row {index}: {len(data) - STAMP_BYTES} bytes of rows read for a "
                            f"{self.row_bytes - STAMP_BYTES}-byte block")
-        src = self._staging_at + index * self.row_bytes if self._staged is not None else self.staging_row(index)
+        src = self.staging_row(index)
         ctypes.memmove(src, data, self.row_bytes)
         self._device(f"staging metadata row {index}", self._platform.copy_async, stream,
                      self._tensor_at + index * self.row_bytes, src, self.row_bytes)
