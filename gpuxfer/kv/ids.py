@@ -29,9 +29,11 @@ def _int_dtypes(torch) -> frozenset:
 
 
 def _as_ids(ids, request: str, group: str, side: str) -> np.ndarray:
-    """Block IDs as a contiguous 1-D int64 array (``request``, ``group`` and ``side`` name them in errors)."""
+    """Block IDs as a contiguous 1-D int64 array of their own (``request``, ``group`` and ``side`` name them in
+    errors): never the caller's memory, which another thread may change between the checks and the copy into a
+    request (an ID checked in range, then written out of it)."""
     if type(ids) is np.ndarray and ids.dtype is _INT64 and ids.ndim == 1 and ids.flags.c_contiguous:
-        return ids
+        return ids.copy()
     what = f"request {request!r}, group {group!r}, {side}"
     torch = _torch()
     if isinstance(ids, torch.Tensor):
@@ -49,7 +51,9 @@ def _as_ids(ids, request: str, group: str, side: str) -> np.ndarray:
         raise BlockIdError(f"{what}: block IDs must be a 1-D sequence of integers, got {arr.dtype} {arr.shape}")
     if arr.dtype.kind == "u" and arr.size and int(arr.max()) >= _MAX_INT:
         raise BlockIdError(f"{what}: block ID {int(arr.max())} is out of range")
-    return np.ascontiguousarray(arr, dtype=np.int64)
+    out = np.ascontiguousarray(arr, dtype=np.int64)
+    # (a list's array is new; a tensor's, a buffer's or the caller's array is theirs)
+    return out.copy() if out is ids or not out.flags.owndata else out
 
 
 def _uncovered(request: str, group: str, a: int, b: int, rs: int, rd: int) -> BlockIdError:

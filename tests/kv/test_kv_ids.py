@@ -241,3 +241,37 @@ def test_a_batch_s_destinations_distinct_as_the_reference_says(route, data, scal
             merged = [np.concatenate(p) for p in per_group]
             assert not ids.distinct(merged)
             assert ids.distinct(merged) == _distinct_reference(classes, merged)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "tensor"])
+@pytest.mark.parametrize("route", ["one group, sparse", "two groups"])
+def test_ids_changed_by_another_thread_during_the_checks_are_not_written(monkeypatch, kind, route):
+    """The caller's ID arrays changed while the checks run (another thread of theirs: numpy lets the GIL go) do not
+    reach the request: what is written is what was checked, never an ID past the blocks."""
+    import gpuxfer.kv.ids as ids_mod
+    if route == "two groups":
+        ids = _RouteIds(("a", "b"), [(64, 64), (64, 64)], [(1, 1), (1, 1)], [[0], [1]], False)
+        src = {"a": np.array([3, 1, 2], np.int64), "b": np.array([5, 6], np.int64)}
+        dst = {"a": np.array([7, 8, 9], np.int64), "b": np.array([10, 11], np.int64)}
+        hook = "_past"
+    else:
+        ids = _RouteIds(("a",), [(1 << 20, 1 << 16)], [(1, 1)], [[0]], False)
+        src, dst = {"a": np.array([1, 5, 9], np.int64)}, {"a": np.array([2, 4, 6], np.int64)}
+        hook = "_beyond"
+    want_s, want_d = _reference(ids.groups, ids.splits, False, src, dst)
+    if kind == "tensor":
+        torch = pytest.importorskip("torch")
+        src = {g: torch.from_numpy(a) for g, a in src.items()}
+        dst = {g: torch.from_numpy(a) for g, a in dst.items()}
+    real = getattr(ids_mod, hook)
+
+    def checked_then_changed(*args):
+        out = real(*args)
+        for side in (src, dst):
+            for a in side.values():
+                a[:] = 1 << 40          # past every group's blocks
+        return out
+
+    monkeypatch.setattr(ids_mod, hook, checked_then_changed)
+    _, _, _, out_s, out_d = _check_and_write(ids, False, src, dst)
+    assert np.array_equal(out_s, want_s) and np.array_equal(out_d, want_d)
