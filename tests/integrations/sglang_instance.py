@@ -536,14 +536,13 @@ class _State:
             wrap("_post", obj=mgr.pushes, room=lambda a, k: a[0].room)
             wrap("_drain", obj=mgr.pushes)
             wrap("_send_aux", obj=mgr.pushes, room=lambda a, k: a[0].room)
-            if mgr.aux_rows is not None:    # the rows staged for the push that carries them
-                wrap("stage", obj=mgr.aux_rows, room=lambda a, k: None)
-                wrap("_device", obj=mgr.aux_rows, room=lambda a, k: None, label="stage_copy")    # its device copy
+            if mgr.aux_rows is not None:    # the rows written into the decode's host memory before the last push
+                wrap("write", obj=mgr.aux_rows, room=lambda a, k: None, label="row_write")
             wrap("conclude_transfer", room=lambda a, k: k.get("bootstrap_room"))
         else:
             wrap("write_aux_rows", obj=inbox, room=lambda a, k: None, label="row_from_message")
             wrap("write_aux_rows", obj=rows, room=lambda a, k: None, label="row_from_agent")
-            if mgr.inbox.rows is not None:      # the row's stamp (and the row) read from the device once the word grew
+            if mgr.inbox.rows is not None:      # the row's stamp (and the row) read once the word grew
                 wrap("stamp", obj=mgr.inbox.rows, room=lambda a, k: None, label="row_stamp_read")
                 wrap("row", obj=mgr.inbox.rows, room=lambda a, k: None, label="row_read")
             wrap("end_by_word", obj=mgr.inbox)

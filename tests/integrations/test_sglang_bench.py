@@ -37,8 +37,8 @@ def test_bench_runs_tiny_and_checks_every_byte(tmp_path):
         assert r["status"] == r["prefill_status"] == "Success", r
         assert len(r["send_s"]) == 3, r                 # one KVSender.send per 100-token prefill chunk
         assert r["checked_bytes"] > 0 and r["request_s"] > 0 and r["direct"]["total_s"] > 0, r
-        # --trace: the metadata rows went with the last push (staged), none on the control socket
-        assert "stage" in r["trace_us"] and "row_from_agent" in r["trace_us"], r["trace_us"]
+        # --trace: the metadata rows went into the decode's host memory before the last push, none on the socket
+        assert "row_write" in r["trace_us"] and "row_from_agent" in r["trace_us"], r["trace_us"]
         assert "_send_aux" not in r["trace_us"] and "row_from_message" not in r["trace_us"], r["trace_us"]
         assert "end_by_word" in r["trace_us"], r["trace_us"]        # the decode ended it by its word
     assert set(res["summary"]) >= {"send_us", "request_minus_direct_us", "direct_ms_p90", "request_ms_p90"}

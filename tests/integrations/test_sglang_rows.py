@@ -1,8 +1,9 @@
-"""A request's metadata rows through the agent (:mod:`gpuxfer.integrations.sglang.rows`): the transfer thread's
-own ``_post`` over two real agents of this process (host emulation, tests/integrations/test_sglang_pipeline.py's
-``RealAgents``) with SGLang's aux buffers on both sides, the decode's :class:`Inbox` over the decode agent's
-notification words and rows. Every byte of the rows is checked; a row that did not land, a stamp of another
-request, a torn stamp or a forged row index never lets the request end Success.
+"""A request's metadata rows in the decode's host memory (:mod:`gpuxfer.integrations.sglang.rows`): the transfer
+thread's own ``_post`` over two real agents of this process (host emulation, tests/integrations/test_sglang_pipeline.py's
+``RealAgents``) with SGLang's aux buffers on both sides, the decode's rows in shared memory the prefill mapped from
+its registration, the decode's :class:`Inbox` over the decode agent's notification words and rows. Every byte of the
+rows is checked; a row whose push did not land, a stamp of another request, a torn stamp, a row read while it was
+rewritten or a forged row index never lets the request end Success.
 """
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ require("sglang", "GPUXFER_REQUIRE_SGLANG", "sglang==0.5.23")
 
 from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
 
-from gpuxfer.errors import BadInput, DriverError  # noqa: E402
+from gpuxfer.errors import BadInput, BadMetadata, DriverError, GpuxferError  # noqa: E402
 from gpuxfer.integrations.sglang.inbox import Inbox  # noqa: E402
 from gpuxfer.integrations.sglang.landing import READ_EVERY_S, Landings  # noqa: E402
 from gpuxfer.integrations.sglang.requests import TransferInfo  # noqa: E402
-from gpuxfer.integrations.sglang.rows import STAMP_BYTES, AuxRows, decode_stamp, encode_stamp  # noqa: E402
+from gpuxfer.integrations.sglang.rows import STAMP_BYTES, AuxRows, RowSegment, decode_stamp, encode_stamp  # noqa: E402
 from gpuxfer.platforms.host_cma import wrap_scoped  # noqa: E402
 from test_sglang_pipeline import DECODE, ROOM, Decode, RealAgents  # noqa: E402
 
@@ -30,9 +31,9 @@ SRC_ROW, DST_ROW = 5, 2
 
 
 class RowAgents(RealAgents):
-    """:class:`RealAgents` with SGLang's aux buffers (``AUX`` row sizes, ``ROWS`` rows) on both sides, each rank's
-    rows registered with its agent, the decode's registration giving notification ``SLOT``; ``decode``: the decode
-    manager's message handling over the decode agent's words and rows."""
+    """:class:`RealAgents` with SGLang's aux buffers (``AUX`` row sizes, ``ROWS`` rows) on both sides, the decode's
+    rows in shared memory its registration names (``decode_rows``), the decode's registration giving notification
+    ``SLOT``; ``decode``: the decode manager's message handling over the decode agent's words and rows."""
 
     def __init__(self, decode_rows=True):
         super().__init__()
@@ -45,15 +46,29 @@ class RowAgents(RealAgents):
             args.aux_data_ptrs, args.aux_data_lens = [t.data_ptr() for t in bufs], [t.numel() for t in bufs]
             args.aux_item_lens = list(AUX)
         self.pushes.kv_args = self.args[self.agent]
-        self.pushes.rows = AuxRows.create(self.agent, self.args[self.agent])
-        self.dec_rows = AuxRows.create(self.dec, self.args[self.dec]) if decode_rows else None
-        self.pushes.add_decode("decode", self.dec.metadata(), {}, SLOT, DECODE)
+        self.pushes.rows = AuxRows.create(self.args[self.agent])
+        self.dec_rows = AuxRows.create(self.args[self.dec], self.dec.uid) if decode_rows else None
+        self.pushes.add_decode("decode", self.dec.metadata(), {}, SLOT, DECODE,
+                               registration=self.dec_rows.advertised() if decode_rows else {})
         self.decode = Decode(slots_handed=0)
         self.decode.kv_args = self.args[self.dec]
         self.decode.landings = Landings(self.dec.notification, self.dec.host_notification)
         for _ in range(SLOT + 1):
             self.decode.landings.new_slot()
         self.decode.inbox = Inbox(self.decode, self.decode.landings, KVPoll, self.dec_rows)
+
+    def close(self):
+        self.pushes.close_rows()
+        super().close()
+        if self.dec_rows is not None:
+            self.dec_rows.close()
+
+    def stamp_row(self, stamp, index=DST_ROW):
+        """Write ``stamp`` over the decode's row ``index``'s stamp (as a prefill would)."""
+        self.dec_rows.segment._set(index * self.dec_rows.row_bytes, stamp)
+
+    def segment_bytes(self):
+        return self.dec_rows.segment._get(0, self.dec_rows.segment.nbytes)
 
     def row(self, bufs, index):
         return [bytes(t[index * n:(index + 1) * n].numpy()) for t, n in zip(bufs, AUX)]
@@ -105,14 +120,19 @@ def _earlier_row(mgr):
     """An earlier request's row and a whole stamp of another token left at the decode's row."""
     for t, n in zip(mgr.dst_aux, AUX):
         t[DST_ROW * n:(DST_ROW + 1) * n] = 0xEE
-    mgr.dec_rows._write(DST_ROW, 0, encode_stamp(999, SLOT, 1))
+    mgr.stamp_row(encode_stamp(999, SLOT, 1))
 
 
-def test_the_rows_go_with_the_last_push_and_land_byte_for_byte(rows):
+def test_the_rows_go_before_the_last_push_and_land_byte_for_byte(rows, monkeypatch):
+    """The rows go into the decode's host memory, not with the push (its blocks are the pages alone), and no device
+    copy of a row is made on either side."""
     _earlier_row(rows)
     token = rows.name()
     assert rows.dec_rows.stamp(DST_ROW) is None              # naming the row zeroed the earlier stamp
+    groups, prepare = [], rows.agent.prepare
+    monkeypatch.setattr(rows.agent, "prepare", lambda *a, **k: groups.append(set(k["local_blocks"])) or prepare(*a, **k))
     rows.send(token)
+    assert groups == [{"kv"}, {"kv"}]
     assert rows.request_status[ROOM] == KVPoll.Success and ("aux", ROOM) not in rows.log     # no row message
     assert rows.landed()
     rows.decode.inbox.end_by_word(ROOM)
@@ -149,15 +169,16 @@ def _fail_copies_into(monkeypatch, mgr, lo, hi):
     monkeypatch.setattr(plat, "copy_batch_async", copy_batch_async)
 
 
-def test_a_push_that_fails_after_the_kv_moved_but_before_the_row_landed_never_ends_success(rows, monkeypatch):
-    """The last push moved the KV, not the rows, and failed: the prefill fails the request, its word never reaches
-    the value, and the decode ends it Success neither by its poll nor by a Success message (a late or forged one)."""
-    mirror = rows.dec_rows.tensor
-    _fail_copies_into(monkeypatch, rows, mirror.data_ptr(), mirror.data_ptr() + mirror.numel())
+def test_a_push_that_failed_after_its_rows_were_written_never_ends_success(rows, monkeypatch):
+    """The rows were written, stamped, and the last push then failed (its last pages did not land): the prefill
+    fails the request, its word never reaches the value, and the decode ends it Success neither by its poll nor by
+    a Success message (a late or forged one): the stamp alone is no landing."""
+    lo = rows.dst[0].data_ptr() + 11 * rows.dst[0][0].numel() * rows.dst[0].element_size()
+    _fail_copies_into(monkeypatch, rows, lo, lo + rows.dst[0][0].numel() * rows.dst[0].element_size())
     token = rows.name()
     rows.send(token)
     assert rows.request_status[ROOM] == KVPoll.Failed
-    assert rows.decode_pages_equal([1, 2, 3, 4], [9, 10, 11, 12])     # the KV moved
+    assert rows.dec_rows.stamp(DST_ROW) is not None             # the rows are there, stamped
     assert not rows.landed(tries=20)
     rows.decode.inbox.on_message([ROOM, KVPoll.Success, 0, None, token])
     assert rows.decode.request_status[ROOM] == KVPoll.Failed and rows.decode.applied == []
@@ -258,7 +279,7 @@ def test_a_row_stamped_for_another_request_never_ends_success(rows, other):
     value = rows.dec.notification(SLOT)
     # another token at the value the word holds; or the token on another word, at a value that word holds
     stamp = encode_stamp(int(token) + 1, SLOT, value) if other == "token" else encode_stamp(int(token), SLOT + 1, 0)
-    rows.dec_rows._write(DST_ROW, 0, stamp)
+    rows.stamp_row(stamp)
     if other == "slot":
         assert not rows.landed(tries=20)
         return
@@ -284,12 +305,12 @@ def test_a_stamp_read_while_it_is_written_is_no_stamp(token, value):
 def test_a_forged_row_index_fails_the_request_and_writes_nothing(rows, dst_row):
     """A metadata message naming a row past the rows the decode registered: the request fails on the prefill,
     typed, before anything is posted; nothing of the decode's rows (nor past them) is written."""
-    before = rows.dec_rows.tensor.clone()
     token = rows.name()
+    before = rows.segment_bytes()
     rows.send(token, dst_row=dst_row)
     assert rows.request_status[ROOM] == KVPoll.Failed
     assert "metadata row" in rows.failure_records[ROOM] and "BadInput" in rows.failure_records[ROOM]
-    assert bool((rows.dec_rows.tensor == before).all()) and not rows.landed(tries=20)
+    assert rows.segment_bytes() == before and not rows.landed(tries=20)
 
 
 def test_a_decode_row_index_outside_its_rows_is_refused_when_named():
@@ -302,10 +323,10 @@ def test_a_decode_row_index_outside_its_rows_is_refused_when_named():
 
 
 def test_a_decode_that_registered_no_rows_gets_them_in_a_message():
-    """A decode of an earlier gpuxfer (no rows registered with its agent): the row goes on the control socket."""
+    """A decode of an earlier gpuxfer (no rows in its registration): the row goes on the control socket."""
     mgr = RowAgents(decode_rows=False)
     try:
-        assert mgr.pushes._aux_rows["decode"] == 0
+        assert "decode" not in mgr.pushes._aux_rows
         token = mgr.name()
         mgr.send(token)
         assert mgr.request_status[ROOM] == KVPoll.Success and ("aux", ROOM) in mgr.log
@@ -317,7 +338,8 @@ def test_a_room_of_two_decode_ranks_gets_its_rows_in_messages(rows):
     """Two decode ranks of one room (each its own token): one stamp cannot name both, so the rows go as messages."""
     token = rows.name()
     p = rows.pushes      # a second decode rank: the same decode agent under another name, its own slot
-    p._peers["decode2"], p._notify_slots["decode2"], p._aux_rows["decode2"] = p._peers["decode"], SLOT + 1, ROWS
+    p._peers["decode2"], p._notify_slots["decode2"] = p._peers["decode"], SLOT + 1
+    p._aux_rows["decode2"] = p._aux_rows["decode"]
     rows.update_status(ROOM, KVPoll.Bootstrapping)
     infos = {s: TransferInfo(room=ROOM, endpoint=DECODE[0], dst_port=p, session=s,
                              dst_kv_indices=np.array(d, np.int32), dst_aux_index=DST_ROW, required_dst_info_num=2,
@@ -330,17 +352,65 @@ def test_a_room_of_two_decode_ranks_gets_its_rows_in_messages(rows):
     assert rows.request_status[ROOM] == KVPoll.Success and rows.log.count(("aux", ROOM)) == 2
 
 
-def test_rows_the_agent_cannot_register_go_in_messages(monkeypatch):
-    """Where the agent cannot register the rows' buffer (memory it cannot export), the rank keeps none: its
-    requests' rows go in messages, the rank still starts."""
-    from gpuxfer.errors import NotExportable
-    mgr = RealAgents()
+def test_rows_without_shared_memory_go_in_messages(monkeypatch):
+    """Where the decode cannot make its rows' shared memory, it keeps none and names none: its requests' rows go in
+    messages, the rank still starts."""
+    def refuse(*a, **k):
+        raise OSError("an injected refusal")
+    monkeypatch.setattr(RowSegment, "create", refuse)
+    mgr = RowAgents(decode_rows=False)
     try:
-        def refuse(*a, **k):
-            raise NotExportable("an injected refusal")
-        monkeypatch.setattr(mgr.dec, "register_group", refuse)
         args = mgr.args[mgr.dec]
-        args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = [1 << 20], [ROWS * 16], [16]
-        assert AuxRows.create(mgr.dec, args) is None
+        assert AuxRows.create(args, mgr.dec.uid) is None
     finally:
         mgr.close()
+
+
+def test_a_registration_naming_rows_not_its_agents_is_refused_and_one_of_another_host_uses_messages(rows):
+    """The rows a registration names are mapped only where they are that agent's rows (their segment's mark) of the
+    prefill's row size: another agent's rows, a name no decode gives or a count that is no int is ``BadMetadata``;
+    a name of no segment here (a decode on another host) or rows of another size leaves the rank's rows in
+    messages."""
+    mine = rows.pushes.rows
+    reg = rows.dec_rows.advertised()
+    with pytest.raises(BadMetadata, match="another agent"):
+        mine.open_peer(reg, rows.agent.uid)
+    for bad in ({**reg, "rows_shm": "/dev/shm/x"}, {**reg, "rows_shm": "/gpuxfer-kvw-1-000000000000"},
+                {**reg, "rows": True}, {**reg, "rows": -1}, {**reg, "rows": ROWS + 1}):
+        with pytest.raises(BadMetadata):
+            mine.open_peer(bad, rows.dec.uid)
+    assert mine.open_peer({**reg, "rows_shm": "/gpuxfer-rows-1-0123456789ab"}, rows.dec.uid) is None
+    assert mine.open_peer({**reg, "row_bytes": reg["row_bytes"] + 8}, rows.dec.uid) is None
+    seg = mine.open_peer(reg, rows.dec.uid)
+    assert seg is not None and seg.rows == ROWS
+    seg.close()
+
+
+def test_a_row_read_while_it_is_rewritten_reads_no_stamp(rows, monkeypatch):
+    """A reader whose stamp changed between its reads before and after the rows (a writer rewriting the row, as
+    an earlier request's late write would) reads no stamp, so those rows are never taken."""
+    token = rows.name()
+    rows.send(token)
+    seg = rows.dec_rows.segment
+    assert decode_stamp(rows.dec_rows.row(DST_ROW)) is not None
+    get, calls = seg._get, []
+
+    def get_then_rewrite(at, n):
+        out = get(at, n)
+        calls.append(at)
+        if len(calls) == 2:         # after the rows were read: another write of the row begins
+            seg._set(DST_ROW * rows.dec_rows.row_bytes, bytes(STAMP_BYTES))
+        return out
+    monkeypatch.setattr(seg, "_get", get_then_rewrite)
+    assert decode_stamp(rows.dec_rows.row(DST_ROW)) is None
+
+
+def test_closed_rows_read_and_write_nothing(rows):
+    """Rows closed (a teardown beside a thread still using them) raise a typed error, touching no memory."""
+    seg = rows.dec_rows.segment
+    rows.dec_rows.close()
+    rows.dec_rows.close()
+    for call in (lambda: seg.read(0), lambda: seg.clear(0),
+                 lambda: seg.write(0, bytes(STAMP_BYTES), bytes(rows.dec_rows.row_bytes - STAMP_BYTES))):
+        with pytest.raises(GpuxferError, match="closed"):
+            call()

@@ -8,10 +8,11 @@ shape): every ``send()`` chunk becomes one ``prepare`` + ``post`` of its pages o
 receiver named, on the transfer thread the prefill's manager owns (:class:`.pushes.Pushes`), which does not
 wait for it (chunks of a request queued behind one another while the thread was busy, as a request sent back
 to back, become one push). The last chunk's push also bumps the decode agent's notification word that the
-decode's registration gave this prefill rank (stream order: after every push of the room landed) and, where
-the decode registered its metadata rows with its agent (:mod:`.rows`), carries the request's rows, stamped
-with the decode's token and the value the word then holds; elsewhere (a decode of an earlier gpuxfer, a room
-without a slot, the NIXL route) the rows go on SGLang's control socket just before that push, with the value.
+decode's registration gave this prefill rank (stream order: after every push of the room landed); before it
+is posted, where the decode's registration named its metadata rows in host memory (:mod:`.rows`), the request's
+rows are written there, stamped with the decode's token and the value the word will hold; elsewhere (a decode
+of an earlier gpuxfer, a room without a slot, the NIXL route) the rows go on SGLang's control socket just before
+that push, with the value.
 The decode's ``poll()`` ends the room when the word holds that value; the prefill waits for the room's pushes,
 then sends SGLang's Success status, which also ends the room where no notification could be used; for a room
 the decode ended by its word, that message is dropped on arrival (the room id may already be a new request's).
@@ -138,9 +139,8 @@ class GpuxferKVManager(CommonKVManager):
         self._threads: List[threading.Thread] = []
         try:
             register_kv_args(self.agent, args)
-            self.aux_rows = AuxRows.create(self.agent, args)    # the metadata rows the pushes carry (:mod:`.rows`)
-            if self.aux_rows is not None and role == "prefill":
-                self.aux_rows.staging()     # (pinned host memory made at startup, not in a first request)
+            # the metadata rows: a decode's in host memory a prefill of its host writes (:mod:`.rows`)
+            self.aux_rows = AuxRows.create(args, self.agent.uid if role == "decode" else None)
         except BaseException:
             self.agent.close()
             raise
@@ -153,7 +153,8 @@ class GpuxferKVManager(CommonKVManager):
             self._spawn(self._prefill_control, "gpuxfer-sglang-control")
             self._spawn(self.pushes.run, "gpuxfer-sglang-transfer")
         else:
-            self._registration = encode_registration(self.geometry, self.agent.metadata())
+            rows = self.aux_rows.advertised() if self.aux_rows is not None else {}
+            self._registration = encode_registration({**self.geometry, **rows}, self.agent.metadata())
             self.landings = Landings(self.agent.notification,
                                      self.agent.host_notification if self.agent.host_words is not None else None)
             # the prefill's messages about this rank's requests, each taken for its current request alone
@@ -459,8 +460,12 @@ class GpuxferKVManager(CommonKVManager):
             self._heartbeat_shutdown.set()
         for t in self._threads:
             t.join(timeout=5)
+        if hasattr(self, "pushes"):
+            self.pushes.close_rows()
         with self._agent_lock:
             self.agent.close()
+        if self.aux_rows is not None:
+            self.aux_rows.close()
 
 
 class GpuxferKVSender(CommonKVSender):

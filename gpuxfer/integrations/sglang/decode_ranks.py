@@ -106,7 +106,7 @@ class DecodeRanks:
                                + "; ".join(diffs))
             views = head_share(self.rooms.geometry, geom, *self.rooms.kv_heads)
             dsts = destinations(self.rooms.geometry, geom)
-            peer = self.rooms.pushes.add_decode(session, meta, views, slot, endpoint)
+            peer = self.rooms.pushes.add_decode(session, meta, views, slot, endpoint, registration=geom)
             self.dst_counts[session] = dsts
             for dropped in [s for s in self.dst_counts if self.rooms.pushes.refusal(s) is not None]:
                 del self.dst_counts[dropped]       # a rank found gone whose place this one took

@@ -128,8 +128,8 @@ class Inbox:
             if not self.current(room, token):
                 log.debug("gpuxfer: room %s: status %s of an earlier request of the room id dropped", room, status)
                 return
-            if status == self.kv_poll.Success and room in self.by_agent and not self._take(room):
-                return          # its pushes were waited for: the row is in place, or the room fails
+            if status == self.kv_poll.Success and room in self.by_agent and not self._take(room, landed=False):
+                return          # its pushes were waited for: the row is in place, its word at its value, or it fails
             self.rooms.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank,
                                             failure_reason=reason)
 
@@ -169,20 +169,31 @@ class Inbox:
             if seen is not None and slot is not None:
                 armed[2] = seen
 
-    def _take(self, room: int, raw: Optional[bytes] = None) -> bool:
-        """``room``'s row from the agent's buffer into SGLang's (under ``_ended_lock``): False, the room Failed,
-        where the buffer holds no row of its request (a push that failed before it wrote the row, a row index
-        the prefill did not write)."""
+    def _take(self, room: int, raw: Optional[bytes] = None, landed: bool = True) -> bool:
+        """``room``'s row from the rank's rows into SGLang's (under ``_ended_lock``): False, the room Failed,
+        where they hold no row of its request (a row index the prefill did not write, a stamp of another
+        request) or, ``landed`` False (a Success message), where its word does not hold the stamp's value yet:
+        the prefill writes the row before the push it stamps is posted, so only that word says the push landed
+        (a push that failed never writes it)."""
         armed = self.by_agent.pop(room, None)
         if armed is None:
             return self.rooms.request_status.get(room) not in (self.kv_poll.Success, self.kv_poll.Failed)
         try:
-            self.rows.take(self.aux_index[room], armed[0], raw)
+            got = self.rows.take(self.aux_index[room], armed[0], raw) if landed else self._landed_row(room, armed)
         except (GpuxferError, KeyError) as exc:
             self.rooms.record_failure(room, f"its metadata row did not arrive: {exc}")
             self.rooms.update_status(room, self.kv_poll.Failed)
             return False
-        return True
+        return got is not None
+
+    def _landed_row(self, room: int, armed: list):
+        """The rows of ``room``'s row taken where its stamp is its request's and its word (read now) holds the
+        stamp's value (``BadInput`` otherwise, nothing written)."""
+        index, raw = self.aux_index[room], self.rows.row(self.aux_index[room])
+        stamp = decode_stamp(raw)
+        if stamp is None or stamp[:2] != (armed[0], armed[1]) or not self.landings.reached_now(stamp[1], stamp[2]):
+            raise BadInput(f"metadata row {index} holds no row of this request that landed (stamp {stamp!r})")
+        return self.rows.take(index, armed[0], raw)
 
     def end_by_word(self, room: int) -> None:
         """``room`` landed by its notification word: Success, unless a status got there first; then the

@@ -6,10 +6,10 @@ the decode pages the receiver named, and the thread does not wait for it: a requ
 the copy streams while the scheduler computes the next. Chunks of a request queued behind one another while the
 thread was busy (a request sent back to back) become one push (:func:`.requests.coalesce`). The last chunk's push
 also bumps the decode agent's notification word that the decode's registration gave this prefill rank (stream order:
-after every push of the request landed) and carries the request's metadata rows into the decode's buffer of them
-(:mod:`.rows`, stamped with the decode's token and the value the push writes), where the decode registered one and
-the room has one decode rank with a slot on the IPC route; elsewhere the rows go on SGLang's control socket just
-before that push, with the value it will write. The request's pushes are waited for (together bounded by
+after every push of the request landed); before it is posted, the request's metadata rows are written into the
+decode's rows in host memory (:mod:`.rows`, stamped with the decode's token and the value the push writes), where
+the decode's registration named rows this rank mapped and the room has one decode rank with a slot on the IPC route;
+elsewhere the rows go on SGLang's control socket just before that push, with the value it will write. The request's pushes are waited for (together bounded by
 ``timeout_s``) only when it is concluded: its last chunk, a failure, an abort (:meth:`Pushes.drain_later`); then the
 manager concludes it (SGLang's status message to the decode). An ABORT_ACK goes only once every push of the request
 was waited for and proven over; a push that failed for a lost peer (``PeerLost``) marks its decode rank gone, sent
@@ -36,7 +36,7 @@ from ...errors import BadInput, GpuxferError, PeerLost, TransferTimeout
 from .landing import landing_frame
 from .layout import GROUP, read_aux_rows
 from .requests import TransferInfo, _Chunk, _drain_marker, _Posted, coalesce
-from .rows import AUX_GROUP, AuxRows, token_number
+from .rows import AuxRows, RowSegment, token_number
 
 log = logging.getLogger("gpuxfer.sglang")
 
@@ -104,7 +104,7 @@ class Pushes:
     def __init__(self, rooms: Rooms, agent: Any, agent_lock: threading.Lock, kv_args: Any, timeout_s: float,
                  stop: threading.Event, max_decode_ranks: Optional[int] = None, rows: Optional[AuxRows] = None):
         self.rooms, self.agent, self.kv_args, self.timeout_s = rooms, agent, kv_args, timeout_s
-        self.rows = rows                                    # this rank's metadata rows registered with its agent
+        self.rows = rows                                    # the shape of this rank's metadata rows
         self._agent_lock, self._stop = agent_lock, stop
         self._queue: "queue.Queue[_Chunk]" = queue.Queue()
         self._drains_queued: set = set()                    # rooms whose drain marker is queued, not yet taken
@@ -113,7 +113,7 @@ class Pushes:
         self._dead: Dict[str, str] = {}                     # decode ranks a push found gone: told nothing more
         self._peers: Dict[str, Any] = {}                    # decode rank -> its KVPeer
         self._notify_slots: Dict[str, Optional[int]] = {}   # decode rank -> the slot its registration gave
-        self._aux_rows: Dict[str, int] = {}                 # decode rank -> metadata rows its agent registered
+        self._aux_rows: Dict[str, RowSegment] = {}          # decode rank -> its metadata rows, mapped here
         # decode rank -> why its registration was refused (the latest ``max_decode_ranks``)
         self._rejected: "OrderedDict[str, str]" = OrderedDict()
         # decode rank kept (in ``_peers`` or ``_rejected``) -> the (ip, port) its registration came from: the one
@@ -142,11 +142,13 @@ class Pushes:
         self._queue.put(_drain_marker(room))
 
     def add_decode(self, session: str, meta: bytes, views: Dict[str, Any], slot: Optional[int],
-                   endpoint: Optional[Tuple[str, int]] = None) -> Any:
+                   endpoint: Optional[Tuple[str, int]] = None, registration: Optional[dict] = None) -> Any:
         """Decode rank ``session``'s agent added (``views``: :func:`.layout.head_share`'s), replacing an earlier
         registration's (the rank's new process, or the same one registering again: no longer a rank found gone);
         its last push of a request bumps notification ``slot`` (None: its rooms end by their Success message);
-        ``endpoint``: the (ip, port) its registration came from (None: none to answer it at).
+        ``endpoint``: the (ip, port) its registration came from (None: none to answer it at); ``registration``:
+        its geometry, naming its metadata rows in host memory where it keeps them (mapped here on the IPC route:
+        ``BadMetadata`` where they are not that rank's agent's).
         Returns the peer. A rank new here while ``max_decode_ranks`` are kept takes the place of one found gone;
         where none is, ``BadInput`` (counted in ``refused_over_cap``), nothing of the rank added."""
         if session not in self._peers and len(self._peers) >= self.max_decode_ranks:
@@ -165,7 +167,9 @@ class Pushes:
                 self.agent.remove_peer(old)
             self._peers[session] = peer = self.agent.add_peer(meta, **views)
             self._notify_slots[session] = slot
-            self._aux_rows[session] = self._rows_there(peer)
+            self._set_rows(session, None)
+            if self.rows is not None and registration and peer.route == "ipc":
+                self._set_rows(session, self.rows.open_peer(registration, peer.meta.uid))
         self._rejected.pop(session, None)
         self._set_endpoint(session, endpoint)
         self._dead.pop(session, None)
@@ -187,19 +191,25 @@ class Pushes:
         with self._agent_lock:
             old = self._peers.pop(session, None)
             self._notify_slots.pop(session, None)
-            self._aux_rows.pop(session, None)
+            self._set_rows(session, None)
             if old is not None:
                 self.agent.remove_peer(old)
         self._dead.pop(session, None)
 
-    def _rows_there(self, peer: Any) -> int:
-        """How many metadata rows ``peer`` registered as this rank's are (its group ``aux``: one layer of rows of
-        this rank's row size); 0 where it registered none (a decode of an earlier gpuxfer) or rows of another
-        size: its requests' rows go on the control socket."""
-        group = getattr(peer, "groups", {}).get(AUX_GROUP)
-        if self.rows is None or group is None or len(group.layers) != 1:
-            return 0
-        return int(group.num_blocks) if int(group.layers[0].block_stride) == self.rows.row_bytes else 0
+    def _set_rows(self, session: str, segment: Optional[RowSegment]) -> None:
+        """Decode rank ``session``'s metadata rows mapped here: ``segment`` (None: none, its requests' rows go on
+        the control socket), an earlier one unmapped (under the agent lock, as every write into them)."""
+        old = self._aux_rows.pop(session, None)
+        if old is not None and old is not segment:
+            old.close()
+        if segment is not None:
+            self._aux_rows[session] = segment
+
+    def close_rows(self) -> None:
+        """Unmap every decode rank's metadata rows (the manager's teardown)."""
+        with self._agent_lock:
+            for session in list(self._aux_rows):
+                self._set_rows(session, None)
 
     def _set_endpoint(self, session: str, endpoint: Optional[Tuple[str, int]]) -> None:
         """Every change of the endpoints kept goes through here: the manager closes what it opened to one no
@@ -432,28 +442,27 @@ class Pushes:
             peer = self._peers.get(info.session, peer)
             slot = self._notify_slots.get(info.session) if peer.route == "ipc" else None
             value = None if slot is None else peer.next_notification(slot)
-            rows_there = self._aux_rows.get(info.session, 0)
-        local, remote = {GROUP: chunk.pages}, {GROUP: dst}
+            rows_there = self._aux_rows.get(info.session)
         token = token_number(info.token)
-        row = None
-        if (slot is not None and rows_there and token is not None
+        if (slot is not None and rows_there is not None and token is not None
                 and sum(not i.is_dummy for i in chunk.infos.values()) == 1):   # (one decode rank: one stamp)
-            # the rows go with the push, stamped, before its notification
+            # the rows into the decode's host memory, stamped with the value the push below writes
             row = _row_of(chunk, info)
-            if not 0 <= info.dst_aux_index < rows_there:
+            if not 0 <= info.dst_aux_index < rows_there.rows:
                 raise BadInput(f"room {chunk.room}: the decode names metadata row {info.dst_aux_index}; it "
-                               f"registered {rows_there}")
-            local[AUX_GROUP], remote[AUX_GROUP] = [row], [int(info.dst_aux_index)]
+                               f"registered {rows_there.rows}")
+            with self._agent_lock:
+                if self._aux_rows.get(info.session) is not rows_there:
+                    raise GpuxferError(f"decode rank {info.session} registered again while room {chunk.room} "
+                                       "was sent")
+                self.rows.write(rows_there, int(info.dst_aux_index), row, token, slot, value)
         else:
             self._send_aux(chunk, info, None if slot is None else (slot, value))
-        if row is not None:     # the row's copy to the device, then (below) the push, on the agent's stream
-            with self._agent_lock:
-                self.rows.stage(row, token, slot, value, self.agent.stream)
         try:
             with self._agent_lock:
                 if slot is not None:
                     self._after_earlier_pushes(chunk.room, info.session)
-                h = self.agent.prepare(peer, "push", local_blocks=local, remote_blocks=remote,
+                h = self.agent.prepare(peer, "push", local_blocks={GROUP: chunk.pages}, remote_blocks={GROUP: dst},
                                        name=name, notify_slot=slot).post()
         except BaseException:
             if slot is not None:

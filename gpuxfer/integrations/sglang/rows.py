@@ -1,65 +1,58 @@
-"""A request's metadata rows through the agent (:class:`AuxRows`): each SGLang rank registers, beside its KV pool,
-a buffer of its own on the agent's device (group ``aux``: one block per metadata row, a 64-byte stamp followed by
-the rows of every aux buffer of SGLang's, back to back), so the prefill's last push of a request carries its rows
-with its KV, before the notification word it bumps. No SGLang here.
+"""A request's metadata rows in the decode rank's host memory (:class:`AuxRows`, :class:`RowSegment`). A decode rank
+keeps a row per SGLang metadata row index -- a 64-byte stamp, then the rows of every SGLang aux buffer back to
+back -- in a POSIX shared-memory segment it names in its registration; a prefill rank on the same host maps it and,
+before it posts a request's last push, writes the request's rows there, stamped with the decode's token for the
+request and the value that push writes to the decode's notification word. The decode takes the rows once that
+word reached the value: loads and stores of host memory, no device copy on either side, nothing riding the push::
 
-SGLang's own aux buffers are host memory of each process (a peer's agent cannot reach them), so the rows pass
-through these buffers: the prefill copies its request's rows into its buffer's row with the stamp
-(:meth:`AuxRows.stage`) before it posts that push (``local_blocks={"kv": pages, "aux": [its row]}``,
-``remote_blocks={"kv": ..., "aux": [the decode's row]}``); the decode zeroes the stamp of the row a request
-names before it names it to the prefill (:meth:`AuxRows.clear`), reads the stamp while the request waits
-(:meth:`AuxRows.stamp`) and, once the stamp is its request's and the word says the push that wrote it landed,
-copies the rows into SGLang's aux buffers (:meth:`AuxRows.take`).
+    prefill P (maps D's segment)                           decode D (owns the segment)
+    ----------------------------                           ---------------------------
+                                                           row r's stamp := 0 (before the row is named)
+                                      <-- room, pages, row r, token t
+    row r: stamp := 0, rows := the request's,
+           stamp := (t, slot k, v)       (host stores)
+    agent's stream: post(last pages, word k := v,
+                         then its host copy := v)    -->   poll: word k's host copy >= v, then row r's
+                                                           stamp, its rows, its stamp again (loads): the same
+                                                           whole stamp (t, k, <= v) -> the rows into SGLang's
 
-The stamp names the request (the decode's token), the notification slot and the value the push writes there,
-each beside its complement: a row zeroed before it was named reads as no stamp, and a stamp read while a push
-writes it (bytes of it still zero) fails the complement check, so only a whole stamp is taken.
+The stamp names the request (the decode's token), the notification slot and the value, each beside its
+complement: a zeroed stamp reads as no stamp, a stamp read while it is written (bytes of it still zero) fails the
+complement check, and a stamp read the same before and after the rows says the rows read between were not being
+rewritten (a writer zeroes the stamp before it writes rows; each of the three steps on either side goes through a
+lock, whose release and acquire order the stores and the loads on any CPU). The word reaching the value says the
+push that was posted after the rows landed; a push that failed never writes the value (its slot is retired). No
+SGLang here.
 """
 from __future__ import annotations
 
-import ctypes
+import hashlib
 import logging
 import numbers
+import os
+import re
+import secrets
 import struct
 import threading
-import time
 from typing import Any, List, Optional, Tuple
 
-import numpy as np
-
-from ...errors import BadInput, DriverError, GpuxferError, TransferTimeout
+from ...common import hold_shm, map_shm, sweep_shm_orphans, unlink_shm
+from ...errors import BadInput, BadMetadata, GpuxferError
 from .layout import _ints, read_aux_rows, write_aux_rows
 
-AUX_GROUP = "aux"
 STAMP_BYTES = 64
 _MAGIC = 0x31574F5258475F  # b"_GXROW1" little-endian
 _MASK = (1 << 64) - 1
 _FMT = "<8Q"
+_NO_STAMP = bytes(STAMP_BYTES)
+
+PREFIX = "gpuxfer-rows-"
+_NAME = re.compile(PREFIX + r"([0-9a-f]{1,8})-[0-9a-f]{12}")
+_TRAILER = "<5q"                # after the rows: magic, the owner's mark (two words), rows, row bytes
+_TRAILER_BYTES = 64
+_PAGE = 4096
 
 log = logging.getLogger("gpuxfer.sglang")
-
-
-#: queries of a copy's event before the wait sleeps between them: a row's copy takes tens of microseconds, and a
-#: sleep of any length costs the thread ~60 us or more (the kernel's timer slack)
-SPINS = 200
-
-
-def wait_until(query, timeout_s: float, doing: str) -> None:
-    """Poll ``query()`` (a device event's) until it is true, at most ``timeout_s``: ``TransferTimeout`` naming
-    ``doing`` past it (a hung device never holds an SGLang thread for good). ``SPINS`` queries back to back
-    first, then sleeps doubling from 2 us to 1 ms between them."""
-    if query():
-        return
-    deadline = time.monotonic() + timeout_s
-    spins, delay = 0, 2e-6
-    while not query():
-        if time.monotonic() > deadline:
-            raise TransferTimeout(rank=0, step=0, flag=doing, expected=1, seen=None, timeout_s=timeout_s,
-                                  what=f"{doing}: the device's copy did not complete")
-        spins += 1
-        if spins > SPINS:
-            time.sleep(delay)
-            delay = min(1e-3, 2 * delay)
 
 
 def token_number(token: Optional[bytes]) -> Optional[int]:
@@ -83,165 +76,202 @@ def decode_stamp(raw: bytes) -> Optional[Tuple[int, int, int]]:
     return w[2], w[4], w[6]
 
 
+def _mark(uid: str) -> Tuple[int, int]:
+    """The two int64 words that name agent ``uid`` as a segment's owner (a digest: any string a metadata holds)."""
+    d = hashlib.blake2b(b"gpuxfer-rows\0" + uid.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    return int.from_bytes(d[:8], "little", signed=True), int.from_bytes(d[8:], "little", signed=True)
+
+
+class RowSegment:
+    """``rows`` rows of ``row_bytes`` in a POSIX shared-memory segment, then a trailer naming the agent that owns
+    them (``uid``): :meth:`create` makes one (a decode rank), :meth:`open` maps a peer's by name (a prefill rank of
+    the same host). Every access is bounds-checked through the mapping (a closed one reads and writes nothing)."""
+
+    def __init__(self, name: str, rows: int, row_bytes: int, create: bool):
+        self.name, self.rows, self.row_bytes = name, int(rows), int(row_bytes)
+        self.nbytes = -(-(self.rows * self.row_bytes + _TRAILER_BYTES) // _PAGE) * _PAGE
+        self._lock = threading.Lock()
+        self._mm = map_shm(name, self.nbytes, create=create, exact=True)
+        self.owner = self.linked = create
+        self._hold = hold_shm(name) if create else None     # the owner's: a sweep leaves the segment while it lives
+
+    @classmethod
+    def create(cls, uid: str, rows: int, row_bytes: int) -> "RowSegment":
+        """New rows named ``/gpuxfer-rows-<pid hex>-<12 hex>``, marked as agent ``uid``'s, after removing the
+        segments of that prefix whose creator is gone (:func:`~gpuxfer.common.sweep_shm_orphans`)."""
+        sweep_shm_orphans(_NAME, "metadata rows")
+        seg = cls(f"/{PREFIX}{os.getpid():x}-{secrets.token_hex(6)}", rows, row_bytes, True)
+        at = seg.rows * seg.row_bytes
+        seg._mm[at:at + struct.calcsize(_TRAILER)] = struct.pack(_TRAILER, _MAGIC, *_mark(uid), seg.rows,
+                                                                 seg.row_bytes)
+        return seg
+
+    @classmethod
+    def open(cls, name: Any, uid: str, rows: Any, row_bytes: int) -> "RowSegment":
+        """Agent ``uid``'s rows as its registration names them: ``BadMetadata`` for a name :meth:`create` does not
+        give, a row count that is no positive int, or a segment of another size or owner; ``OSError`` where none
+        of that name exists here (another host)."""
+        if not isinstance(name, str) or name[:1] != "/" or not _NAME.fullmatch(name[1:]):
+            raise BadMetadata(f"registration rows_shm: not a name of metadata rows: {name!r:.80}")
+        if isinstance(rows, bool) or not isinstance(rows, int) or not 0 < rows <= 1 << 24:
+            raise BadMetadata(f"registration rows: not a count of metadata rows: {rows!r:.40}")
+        try:
+            seg = cls(name, rows, row_bytes, False)
+        except BadInput as exc:         # (map_shm: a segment of another size)
+            raise BadMetadata(f"registration rows_shm {name!r}: {exc}") from None
+        at = seg.rows * seg.row_bytes
+        got = struct.unpack(_TRAILER, seg._mm[at:at + struct.calcsize(_TRAILER)])
+        if got != (_MAGIC, *_mark(uid), seg.rows, seg.row_bytes):
+            seg.close()
+            raise BadMetadata(f"registration rows_shm {name!r}: another agent's rows, or rows of another shape")
+        return seg
+
+    def _span(self, index: int) -> int:
+        if isinstance(index, bool) or not isinstance(index, numbers.Integral) or not 0 <= int(index) < self.rows:
+            raise BadInput(f"metadata row {index!r:.40} is no int of the {self.rows} rows here")
+        return int(index) * self.row_bytes
+
+    def _set(self, at: int, data: bytes) -> None:
+        with self._lock:
+            if self._mm is None:
+                raise GpuxferError(f"metadata rows {self.name} are closed")
+            self._mm[at:at + len(data)] = data
+
+    def _get(self, at: int, n: int) -> bytes:
+        with self._lock:
+            if self._mm is None:
+                raise GpuxferError(f"metadata rows {self.name} are closed")
+            return self._mm[at:at + n]
+
+    def write(self, index: int, stamp: bytes, rows: bytes) -> None:
+        """Row ``index`` := ``rows`` stamped ``stamp``: the stamp zeroed, the rows, then the stamp (three stores,
+        each through the lock: a reader that finds the same stamp before and after the rows read whole ones)."""
+        at = self._span(index)
+        if len(stamp) != STAMP_BYTES or len(rows) != self.row_bytes - STAMP_BYTES:
+            raise BadInput(f"metadata row {index}: {len(rows)} bytes of rows for a {self.row_bytes - STAMP_BYTES}-byte "
+                           "row")
+        self._set(at, _NO_STAMP)
+        self._set(at + STAMP_BYTES, rows)
+        self._set(at, stamp)
+
+    def read(self, index: int) -> bytes:
+        """Row ``index``, its stamp then its rows (``row_bytes``): the stamp read before and after the rows, and
+        zeros in its place where the two differ (the row was being written)."""
+        at = self._span(index)
+        first = self._get(at, STAMP_BYTES)
+        rows = self._get(at + STAMP_BYTES, self.row_bytes - STAMP_BYTES)
+        return (first if self._get(at, STAMP_BYTES) == first else _NO_STAMP) + rows
+
+    def clear(self, index: int) -> None:
+        """Zero row ``index``'s stamp."""
+        self._set(self._span(index), _NO_STAMP)
+
+    def close(self) -> None:
+        """Unmap (and, the owner's, drop the name). Idempotent."""
+        with self._lock:
+            mm, self._mm = self._mm, None
+        if mm is not None:
+            mm.close()
+        if self.linked:
+            self.linked = False
+            unlink_shm(self.name)
+        if self._hold is not None:
+            os.close(self._hold)
+            self._hold = None
+
+
 class AuxRows:
-    """This rank's buffer of metadata rows on its agent's device, registered as group ``aux`` of ``agent``.
+    """This rank's metadata rows: the shape of SGLang's aux buffers of ``kv_args`` (``rows`` rows of ``row_bytes``,
+    stamp included) and, on a decode rank (``uid``: its agent's), the segment a prefill of its host writes them into.
     :meth:`create` returns None where ``kv_args`` has no aux buffers."""
 
-    def __init__(self, agent: Any, kv_args: Any, index: int):
-        import torch
+    def __init__(self, kv_args: Any, uid: Optional[str] = None):
         self.kv_args = kv_args
         self.items = _ints(kv_args, "aux_item_lens")
         lens = _ints(kv_args, "aux_data_lens")
         self.rows = min(n // i for n, i in zip(lens, self.items))
         self.row_bytes = STAMP_BYTES + sum(self.items)
-        self.device = agent.platform.torch_device(agent.device)
-        self._platform = agent.platform
-        self._staged = None             # the prefill's rows as staged for their pushes (host memory, pinned on a GPU)
-        self._staging_at = 0            # ... its address
-        self.tensor = torch.zeros((self.rows, self.row_bytes), dtype=torch.uint8, device=self.device)
-        self._tensor_at = self.tensor.data_ptr()
-        self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
-        self.timeout_s = float(agent.timeout_s)
-        self._stuck: list = []          # host buffers of copies that timed out (the device may still reach them)
-        # one device copy at a time through a pinned buffer of a row, kept (a copy that timed out leaves it to the
-        # device: :meth:`_finish` keeps it for good and the next copy pins another), and one event
-        self._lock = threading.Lock()
-        self._host = self._event = None
-        if self._stream is not None:
-            self._host = torch.empty(self.row_bytes, dtype=torch.uint8, pin_memory=True)
-            self._event = torch.cuda.Event()
-        agent.register_group(AUX_GROUP, 1, {"aux.0": agent.layer_at(self.tensor.data_ptr(), self.tensor.numel(),
-                                                                     self.row_bytes, index=index)})
+        self.segment = None if uid is None else RowSegment.create(uid, self.rows, self.row_bytes)
 
     @classmethod
-    def create(cls, agent: Any, kv_args: Any) -> Optional["AuxRows"]:
-        """The rows of ``kv_args``' aux buffers registered with ``agent``; None where it has none, or where the
-        agent cannot register them (memory it cannot export, logged): its requests' rows go in messages."""
+    def create(cls, kv_args: Any, uid: Optional[str] = None) -> Optional["AuxRows"]:
+        """The rows of ``kv_args``' aux buffers (with a decode's segment where ``uid`` is given); None where it has
+        none, or where the segment cannot be made (logged): its requests' rows then go in messages."""
         items, lens = _ints(kv_args, "aux_item_lens"), _ints(kv_args, "aux_data_lens")
         if (not items or not len(items) == len(lens) == len(_ints(kv_args, "aux_data_ptrs")) or min(items) <= 0
                 or min(n // i for n, i in zip(lens, items)) < 1):
-            return None     # (lists of different lengths: a row staged from some buffers would not fill its block)
+            return None     # (lists of different lengths: a row read from some buffers would not fill its row)
         try:
-            return cls(agent, kv_args, len(_ints(kv_args, "kv_data_ptrs")))
-        except Exception as exc:        # noqa: BLE001 - any failure here only sends the rows in messages
-            log.warning("gpuxfer: the metadata rows are not registered with the agent (%s: %s); they go on the "
-                        "control socket", type(exc).__name__, exc)
+            return cls(kv_args, uid)
+        except (GpuxferError, OSError) as exc:
+            log.warning("gpuxfer: no shared memory for the metadata rows (%s: %s); they go on the control socket",
+                        type(exc).__name__, exc)
+            return None
+
+    def advertised(self) -> dict:
+        """What a decode's registration carries of its rows (for its geometry; {} without a segment)."""
+        if self.segment is None:
+            return {}
+        return {"rows_shm": self.segment.name, "rows": self.rows, "row_bytes": self.row_bytes}
+
+    def open_peer(self, registration: dict, uid: str) -> Optional[RowSegment]:
+        """A decode rank's segment as its registration names it (``uid``: its agent's), for a prefill rank: None
+        where it names none, has rows of another size, or cannot be mapped here (another host; logged);
+        ``BadMetadata`` where the name or the segment is not that agent's rows."""
+        name = registration.get("rows_shm")
+        if name is None or registration.get("row_bytes") != self.row_bytes:
+            return None
+        try:
+            return RowSegment.open(name, uid, registration.get("rows"), self.row_bytes)
+        except OSError as exc:
+            log.info("gpuxfer: the decode's metadata rows %s are not mapped here (%s); its rows go in messages",
+                     name, exc)
             return None
 
     def _check(self, index: int) -> int:
-        """``index`` as an int of the rows registered: ``BadInput`` for anything else (a bool, a float, which
-        truncated would name another row, an int outside them)."""
+        """``index`` as an int of the rows: ``BadInput`` for anything else (a bool, a float, which truncated would
+        name another row, an int outside them)."""
         if isinstance(index, bool) or not isinstance(index, numbers.Integral) or not 0 <= int(index) < self.rows:
             raise BadInput(f"metadata row {index!r:.40} is no int of the {self.rows} rows registered")
         return int(index)
 
-    def _device(self, doing: str, op, *args):
-        """``op(*args)``, a failure of the device's copy (a torch error) raised as ``DriverError`` naming
-        ``doing``: the SGLang threads calling here get gpuxfer's errors alone."""
-        try:
-            return op(*args)
-        except GpuxferError:
-            raise
-        except Exception as exc:        # noqa: BLE001 - whatever the device raised, typed
-            raise DriverError("torch", type(exc).__name__, 0, doing, str(exc)[:200]) from exc
-
-    def _write(self, index: int, offset: int, data: bytes) -> None:
-        if self._stream is None:        # host memory: written here and now
-            ctypes.memmove(self.tensor.data_ptr() + index * self.row_bytes + offset, data, len(data))
-            return
-        import torch
-        with self._lock:
-            src = self._pinned()[:len(data)]
-            src.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
-            with torch.cuda.stream(self._stream):
-                self.tensor[index, offset:offset + len(data)].copy_(src, non_blocking=True)
-            self._finish(f"writing metadata row {index}")   # in device memory before anything posted or sent after
-
-    def _read(self, index: int, start: int, stop: int) -> bytes:
-        if self._stream is None:
-            return ctypes.string_at(self.tensor.data_ptr() + index * self.row_bytes + start, stop - start)
-        import torch
-        with self._lock:
-            out = self._pinned()[:stop - start]
-            with torch.cuda.stream(self._stream):
-                out.copy_(self.tensor[index, start:stop], non_blocking=True)
-            self._finish(f"reading metadata row {index}")
-            return out.numpy().tobytes()
-
-    def _pinned(self):
-        """The pinned buffer of this buffer's copies (under ``_lock``): a new one where a copy that timed out kept
-        the last."""
-        if self._host is None:
-            import torch
-            self._host = torch.empty(self.row_bytes, dtype=torch.uint8, pin_memory=True)
-        return self._host
-
-    def _finish(self, doing: str) -> None:
-        """Wait (at most the agent's ``timeout_s``) for the copy just queued on this buffer's stream (under
-        ``_lock``); where it timed out, its pinned buffer is kept for good (the device may still reach it)."""
-        self._event.record(self._stream)
-        try:
-            wait_until(self._event.query, self.timeout_s, doing)
-        except TransferTimeout:
-            self._stuck.append(self._host)
-            self._host = None
-            raise
-
     # -- prefill
 
-    def stage(self, index: int, token: int, slot: int, value: int, stream) -> None:
-        """Row ``index`` of SGLang's aux buffers here, with the stamp of the decode's request ``token`` landing at
-        ``value`` of notification ``slot``, into this buffer's row ``index`` (the push's source): written into the
-        row's host staging, then copied to the device on ``stream`` (the agent's stream, where the push that carries
-        it is posted next: stream order puts the copy first, and nothing on the host waits for it). The staging of
-        a row is written again only for a later request of that row index, whose earlier push was waited for
-        before SGLang could free the index."""
+    def write(self, segment: RowSegment, dst: int, index: int, token: int, slot: int, value: int) -> None:
+        """Row ``index`` of SGLang's aux buffers here into row ``dst`` of a decode's ``segment``, stamped for the
+        decode's request ``token`` landing at ``value`` of notification ``slot`` (before the push that writes it
+        is posted)."""
         index = self._check(index)
-        data = encode_stamp(token, slot, value) + b"".join(read_aux_rows(self.kv_args, index))
-        if len(data) != self.row_bytes:     # SGLang's aux lists changed since the rows were registered
-            raise BadInput(f"metadata row {index}: {len(data) - STAMP_BYTES} bytes of rows read for a "
-                           f"{self.row_bytes - STAMP_BYTES}-byte block")
-        src = self.staging_row(index)
-        ctypes.memmove(src, data, self.row_bytes)
-        self._device(f"staging metadata row {index}", self._platform.copy_async, stream,
-                     self._tensor_at + index * self.row_bytes, src, self.row_bytes)
-
-    def staging(self):
-        """The host staging of every row, pinned where the rows are on a GPU (an asynchronous copy from it): made
-        at a prefill's startup (:mod:`.conn`), else at its first :meth:`stage`."""
-        if self._staged is None:
-            import torch
-            staged = torch.zeros((self.rows, self.row_bytes), dtype=torch.uint8, pin_memory=self._stream is not None)
-            self._staging_at, self._staged = staged.data_ptr(), staged
-        return self._staged
-
-    def staging_row(self, index: int) -> int:
-        """The address of row ``index``'s host staging (:meth:`staging`)."""
-        self.staging()
-        return self._staging_at + index * self.row_bytes
+        data = b"".join(read_aux_rows(self.kv_args, index))
+        if len(data) != self.row_bytes - STAMP_BYTES:     # SGLang's aux lists changed since the rows were made
+            raise BadInput(f"metadata row {index}: {len(data)} bytes of rows read for a "
+                           f"{self.row_bytes - STAMP_BYTES}-byte row")
+        segment.write(dst, encode_stamp(token, slot, value), data)
 
     # -- decode
 
+    def _segment(self) -> RowSegment:
+        if self.segment is None:
+            raise GpuxferError("this rank keeps no metadata rows")
+        return self.segment
+
     def clear(self, index: int) -> None:
         """Zero row ``index``'s stamp (before a request names the row: what an earlier request left is no stamp)."""
-        index = self._check(index)
-        self._device(f"zeroing metadata row {index}'s stamp", self._write, index, 0, bytes(STAMP_BYTES))
+        self._segment().clear(self._check(index))
 
     def stamp(self, index: int) -> Optional[Tuple[int, int, int]]:
         """Row ``index``'s stamp, ``(token, slot, value)``, or None (none whole)."""
-        index = self._check(index)
-        return decode_stamp(self._device(f"reading metadata row {index}'s stamp", self._read, index, 0, STAMP_BYTES))
+        return decode_stamp(self.row(index))
 
     def row(self, index: int) -> bytes:
-        """Row ``index`` as it is now, its stamp and rows (one device copy): :func:`decode_stamp` reads its
+        """Row ``index`` as it is now, its stamp and rows (:meth:`RowSegment.read`): :func:`decode_stamp` reads its
         stamp, :meth:`take` its rows."""
-        index = self._check(index)
-        return self._device(f"reading metadata row {index}", self._read, index, 0, self.row_bytes)
+        return self._segment().read(self._check(index))
 
-    def take(self, index: int, token: int, raw: Optional[bytes] = None) -> None:
+    def take(self, index: int, token: int, raw: Optional[bytes] = None) -> Tuple[int, int, int]:
         """Row ``index``'s rows into SGLang's aux buffers, where its stamp is request ``token``'s (read with the
-        rows: ``raw``, the row as :meth:`row` read it once the push that wrote it landed, or read here);
-        ``BadInput`` otherwise, nothing written."""
+        rows: ``raw``, the row as :meth:`row` read it, or read here); returns the stamp. ``BadInput`` otherwise,
+        nothing written."""
         index = self._check(index)
         if raw is None or len(raw) != self.row_bytes:
             raw = self.row(index)
@@ -254,3 +284,8 @@ class AuxRows:
             rows.append(raw[at:at + item])
             at += item
         write_aux_rows(self.kv_args, index, rows)
+        return got
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
