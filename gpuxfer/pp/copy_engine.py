@@ -210,6 +210,7 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
         self._copy_out = None               # copy(dst, src, nbytes) on the steps' stream (stream_calls' own)
         self._views: dict = {}              # (slot, shapes) -> views of the slot (recv_views)
         self._slot_views = [(None, None)] * self.recv_slots   # per slot: (layout, views) of its last step
+        self._back = [0] * self.recv_slots  # receiver: per slot, the last step its give-back was queued for
         self._data_bytes = None             # the receive slots as one uint8 tensor (recv_views)
         self._lend_arrays = self._lend_ops = None   # per slot j: [publish empty[j-1], wait full[j]] (flag_ops)
         self._cap = None                    # sender: the stream small steps' copy graphs are captured on
@@ -435,6 +436,7 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
         """Give the slot held after a copy-out back now, on the stream that copy was queued on."""
         jj, kk = self._lent
         self._lent, self._lent_copied = None, False
+        self._back[jj] = kk
         if self._remote_publish:
             self._calls.write_flag(self._peer_in_ptr[jj], kk)
         else:
@@ -456,6 +458,7 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
         if self._lent is not None:      # the slot held since the last step goes back after the work queued on it
             jj, kk = self._lent
             self._lent = None
+            self._back[jj] = kk
             ops = self._lend_ops[j] if self._lend_ops is not None and jj == (j - 1) % R else None
             if ops is None:
                 if self._remote_publish:
@@ -483,6 +486,7 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
                 self._host_keep = rcv.out
                 self._host_wait(cur, j, k)
                 self._check_slot(j, k)
+            self._back[j] = k
             if self._remote_publish:
                 calls.write_flag(self._peer_in_ptr[j], k)
             else:
@@ -547,6 +551,16 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
                 seen[j] = self._seen(j)
             v = seen[j]
             if v is not None and v >= expected:
+                # a receiver's wait passed over a slot its sender wrote past step k though this end had not given
+                # it back (_back, read after the word: it only grows): the sender's release let its copies in
+                # (_mark_peer_slots, then their publish), the step was handed out over them; this end fails, so
+                # its next call raises (the emulation checks the slot before handing a step out: _check_slot)
+                if (self.role == "recv" and v > k and self._error is None
+                        and (v >= RELEASE_VALUE or self._back[j] < k)):
+                    return PeerLost(rank=self.rank, peer=self.peer, step=k, flag=f"full[{j}]", after_s=now - t0,
+                                    why=f"rank {self.peer} released its waits: its copies may have written slot {j}",
+                                    detail=f"{self.name} receive: step {k} was handed out over slot {j}, "
+                                           f"full[{j}] = {v}")
                 wd.popleft()
                 continue
             if force or now - t0 > self.timeout_s:

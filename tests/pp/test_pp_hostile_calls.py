@@ -254,6 +254,53 @@ def test_a_released_sender_never_hands_the_late_receiver_other_bytes(spawner, ho
     assert receiver[1] == "PeerLost", receiver
 
 
+def marked_slot_session(rank: int, world: int, init_method: str) -> dict:
+    """As :func:`late_receiver_session`, the receiver taking steps as on a GPU (its wait queued, the step handed out
+    without a host check of the slot): the released sender's mark on the slot fails the receiver once the watchdog
+    reads it, so its next call raises instead of handing out more steps."""
+    import time as _time
+
+    import torch.distributed as dist
+
+    from gpuxfer.errors import TransferTimeout
+    plat, store, pair = _pair_session(rank, world, init_method)
+    out = {}
+    try:
+        conn = pair(1.0)
+        if rank == 0:
+            s = conn.sender()
+            s.send(_fixed(1))
+            s.send(_fixed(2))
+            try:
+                s.send(_fixed(3))
+            except TransferTimeout:
+                pass
+            assert plat.synchronize(plat.current_stream(0), 30)
+            store.set("sender-failed", b"1")
+            store.wait(["receiver-done"])
+            conn.abort()
+        else:
+            r = conn.receiver()
+            r._host_sync = False                # the GPU's way: no host check before a step is handed out
+            store.wait(["sender-failed"])
+            r.recv().tensors                    # step 1, on the slot the sender marked
+            deadline = _time.monotonic() + 30
+            while r.error is None and _time.monotonic() < deadline:
+                _time.sleep(0.01)
+            out["error"] = type(r.error).__name__ if r.error is not None else None
+            store.set("receiver-done", b"1")
+            conn.abort()
+    finally:
+        dist.destroy_process_group()
+        plat.close()
+    return out
+
+
+def test_a_receiver_whose_slot_a_released_sender_marked_fails_without_a_host_check(spawner):
+    _, receiver = spawner.run_ranks(marked_slot_session, 2, timeout=120)
+    assert receiver == {"error": "PeerLost"}, receiver
+
+
 def aborted_sender_session(rank: int, world: int, init_method: str) -> dict:
     """The sender aborts with no step waiting for a slot: the steps it sent stay whole for the receiver."""
     import torch.distributed as dist
