@@ -234,3 +234,55 @@ def test_a_prefill_row_index_that_is_no_int_fails_its_room_sending_no_row(rows, 
     assert rows.request_status[ROOM] == KVPoll.Failed
     assert not rows.log.count(("aux", ROOM))
     assert rows.segment_bytes() == before
+
+
+_SHRUNK = r"""
+import os
+from gpuxfer.errors import GpuxferError
+from gpuxfer.integrations.sglang.rows import STAMP_BYTES, RowSegment
+owner = RowSegment.create("decode-uid", 4, 128)
+peer = RowSegment.open(owner.name, "decode-uid", 4, 128)    # the prefill's, as its registration names it
+for size in (0, 200):                                       # the segment cut to nothing, then into row 1
+    fd = os.open("/dev/shm" + owner.name, os.O_RDWR)
+    os.ftruncate(fd, size)
+    os.close(fd)
+    for what, call in (("read", lambda: owner.read(1)), ("stamp read", lambda: peer.read(3)),
+                       ("write", lambda: peer.write(1, bytes(STAMP_BYTES), bytes(64))),
+                       ("clear", lambda: owner.clear(3))):
+        try:
+            call()
+            print(size, what, "done")
+        except GpuxferError as exc:
+            print(size, what, "refused", type(exc).__name__)
+peer.close()
+owner.close()
+print("ended")
+"""
+
+
+def test_rows_their_owner_shrank_are_no_signal_on_either_side():
+    """A decode (hostile, or dying) truncates its rows' segment after a prefill mapped it: the prefill's write of a
+    request's rows, and either side's read of a row, never touch memory past the segment's end (a store or load
+    there is a SIGBUS, killing the process): each returns or raises a typed error. In a child process (a signal
+    would end it, not this run)."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _SHRUNK], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert r.stdout.splitlines()[-1] == "ended" and "Traceback" not in r.stderr, (r.stdout, r.stderr)
+
+
+def test_rows_a_full_dev_shm_cannot_hold_stay_in_messages(rows, monkeypatch):
+    """``/dev/shm`` too full for a decode's rows (a container's small one): the rows are refused when the decode makes
+    them (their pages taken then), so its requests' rows go in messages, and nothing of the segment is left; a
+    segment made sparse would take its pages at the prefill's writes, where a store into a mapping of a full tmpfs is
+    a SIGBUS."""
+    import errno
+    import os
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", full, raising=False)
+    before = set(os.listdir("/dev/shm"))
+    assert AuxRows.create(rows.args[rows.dec], rows.dec.uid) is None
+    assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("gpuxfer-rows-")]
