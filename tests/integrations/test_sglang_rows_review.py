@@ -20,7 +20,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
 from gpuxfer.errors import BadInput, GpuxferError  # noqa: E402
 from gpuxfer.integrations.sglang.landing import landing_frame  # noqa: E402
 from gpuxfer.integrations.sglang.pushes import AUX_TAG  # noqa: E402
-from gpuxfer.integrations.sglang.rows import AuxRows  # noqa: E402
+from gpuxfer.integrations.sglang.rows import AuxRows, encode_stamp  # noqa: E402
 from test_sglang_rows import AUX, DECODE, DST_ROW, ROOM, ROWS, SLOT, RowAgents, _fail_copies_into  # noqa: E402
 
 
@@ -286,3 +286,35 @@ def test_rows_a_full_dev_shm_cannot_hold_stay_in_messages(rows, monkeypatch):
     before = set(os.listdir("/dev/shm"))
     assert AuxRows.create(rows.args[rows.dec], rows.dec.uid) is None
     assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("gpuxfer-rows-")]
+
+
+def test_a_room_sent_after_its_decode_registered_again_takes_its_row_by_the_success_message(rows):
+    """SGLang drops a prefill rank's cached bootstrap infos (a request's waiting timeout, a failed send) and its next
+    receiver registers the decode rank again, with a new notification slot, while rooms named under the first
+    registration are in flight: their last pushes then bump the new slot, and their rows are stamped with it. Every
+    page and row of such a room landed; the poll does not end it (it watches the first slot), and its Success
+    message takes the row where the word of the stamp's slot holds the stamp's value: Success, every byte, as a row
+    message naming the new slot would have ended it."""
+    token = rows.name()                                     # armed on SLOT, the first registration's
+    new = rows.decode.landings.new_slot()
+    rows.pushes.add_decode("decode", rows.dec.metadata(), {}, new, DECODE, registration=rows.dec_rows.advertised())
+    rows.send(token)
+    assert rows.request_status[ROOM] == KVPoll.Success
+    assert rows.dec_rows.stamp(DST_ROW)[:2] == (int(token), new)
+    rows.decode.inbox.on_message([ROOM, KVPoll.Success, 0, None, token])
+    assert rows.decode.request_status[ROOM] != KVPoll.Failed, rows.decode.failure_records.get(ROOM)
+    assert rows.decode.applied == [(ROOM, KVPoll.Success)]
+    assert rows.row(rows.dst_aux, DST_ROW) == rows.row(rows.src_aux, 5)
+    assert rows.decode_pages_equal([1, 2, 3, 4], [9, 10, 11, 12])
+
+
+def test_a_success_message_over_a_stamp_whose_word_never_reached_its_value_fails(rows):
+    """The Success message's check follows the stamp's slot: a stamp naming the request's token but a slot this rank
+    never handed out, or a value past its word, still fails the room, nothing of the row written."""
+    for slot, value in ((40, 1), (SLOT, 1 << 40)):
+        token = rows.name()
+        rows.stamp_row(encode_stamp(int(token), slot, value))
+        rows.decode.inbox.on_message([ROOM, KVPoll.Success, 0, None, token])
+        assert rows.decode.request_status[ROOM] == KVPoll.Failed and rows.decode.applied == []
+        assert not any(any(r) for r in rows.row(rows.dst_aux, DST_ROW))
+        rows.decode.inbox.forget(ROOM)
