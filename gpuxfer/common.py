@@ -34,9 +34,10 @@ _DECIMAL_BYTES = {"kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def map_shm(name: str, nbytes: int, *, create: bool, exact: bool = False) -> mmap.mmap:
-    """Map the POSIX shared-memory segment ``name``: a new one of ``nbytes`` (``create``; it must not
-    exist), or an existing one of at least (``exact``: exactly) ``nbytes``. A failed create leaves nothing."""
+def open_shm(name: str, nbytes: int, *, create: bool, exact: bool = False) -> int:
+    """A descriptor (read and write) of the POSIX shared-memory segment ``name``: a new one of ``nbytes``
+    (``create``; it must not exist), or an existing one of at least (``exact``: exactly) ``nbytes``. A failed
+    create leaves nothing."""
     if SHM_UNAVAILABLE:
         raise OSError(SHM_UNAVAILABLE)
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
@@ -48,6 +49,18 @@ def map_shm(name: str, nbytes: int, *, create: bool, exact: bool = False) -> mma
             size = os.fstat(fd).st_size
             if size < nbytes or (exact and size != nbytes):
                 raise BadInput(f"shared memory {name!r} holds {size} bytes, expected {nbytes}")
+        return fd
+    except BaseException:
+        os.close(fd)
+        if create:
+            _posixshmem.shm_unlink(name)
+        raise
+
+
+def map_shm(name: str, nbytes: int, *, create: bool, exact: bool = False) -> mmap.mmap:
+    """Map the POSIX shared-memory segment ``name`` (:func:`open_shm`'s). A failed create leaves nothing."""
+    fd = open_shm(name, nbytes, create=create, exact=exact)
+    try:
         return mmap.mmap(fd, nbytes)
     except BaseException:
         if create:

@@ -20,7 +20,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
 from gpuxfer.errors import BadInput, GpuxferError  # noqa: E402
 from gpuxfer.integrations.sglang.landing import landing_frame  # noqa: E402
 from gpuxfer.integrations.sglang.pushes import AUX_TAG  # noqa: E402
-from gpuxfer.integrations.sglang.rows import AuxRows  # noqa: E402
+from gpuxfer.integrations.sglang.rows import AuxRows, encode_stamp  # noqa: E402
 from test_sglang_rows import AUX, DECODE, DST_ROW, ROOM, ROWS, SLOT, RowAgents, _fail_copies_into  # noqa: E402
 
 
@@ -234,3 +234,87 @@ def test_a_prefill_row_index_that_is_no_int_fails_its_room_sending_no_row(rows, 
     assert rows.request_status[ROOM] == KVPoll.Failed
     assert not rows.log.count(("aux", ROOM))
     assert rows.segment_bytes() == before
+
+
+_SHRUNK = r"""
+import os
+from gpuxfer.errors import GpuxferError
+from gpuxfer.integrations.sglang.rows import STAMP_BYTES, RowSegment
+owner = RowSegment.create("decode-uid", 4, 128)
+peer = RowSegment.open(owner.name, "decode-uid", 4, 128)    # the prefill's, as its registration names it
+for size in (0, 200):                                       # the segment cut to nothing, then into row 1
+    fd = os.open("/dev/shm" + owner.name, os.O_RDWR)
+    os.ftruncate(fd, size)
+    os.close(fd)
+    for what, call in (("read", lambda: owner.read(1)), ("stamp read", lambda: peer.read(3)),
+                       ("write", lambda: peer.write(1, bytes(STAMP_BYTES), bytes(64))),
+                       ("clear", lambda: owner.clear(3))):
+        try:
+            call()
+            print(size, what, "done")
+        except GpuxferError as exc:
+            print(size, what, "refused", type(exc).__name__)
+peer.close()
+owner.close()
+print("ended")
+"""
+
+
+def test_rows_their_owner_shrank_are_no_signal_on_either_side():
+    """A decode (hostile, or dying) truncates its rows' segment after a prefill mapped it: the prefill's write of a
+    request's rows, and either side's read of a row, never touch memory past the segment's end (a store or load
+    there is a SIGBUS, killing the process): each returns or raises a typed error. In a child process (a signal
+    would end it, not this run)."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _SHRUNK], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert r.stdout.splitlines()[-1] == "ended" and "Traceback" not in r.stderr, (r.stdout, r.stderr)
+
+
+def test_rows_a_full_dev_shm_cannot_hold_stay_in_messages(rows, monkeypatch):
+    """``/dev/shm`` too full for a decode's rows (a container's small one): the rows are refused when the decode makes
+    them (their pages taken then), so its requests' rows go in messages, and nothing of the segment is left; a
+    segment made sparse would take its pages at the prefill's writes, where a store into a mapping of a full tmpfs is
+    a SIGBUS."""
+    import errno
+    import os
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", full, raising=False)
+    before = set(os.listdir("/dev/shm"))
+    assert AuxRows.create(rows.args[rows.dec], rows.dec.uid) is None
+    assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("gpuxfer-rows-")]
+
+
+def test_a_room_sent_after_its_decode_registered_again_takes_its_row_by_the_success_message(rows):
+    """SGLang drops a prefill rank's cached bootstrap infos (a request's waiting timeout, a failed send) and its next
+    receiver registers the decode rank again, with a new notification slot, while rooms named under the first
+    registration are in flight: their last pushes then bump the new slot, and their rows are stamped with it. Every
+    page and row of such a room landed; the poll does not end it (it watches the first slot), and its Success
+    message takes the row where the word of the stamp's slot holds the stamp's value: Success, every byte, as a row
+    message naming the new slot would have ended it."""
+    token = rows.name()                                     # armed on SLOT, the first registration's
+    new = rows.decode.landings.new_slot()
+    rows.pushes.add_decode("decode", rows.dec.metadata(), {}, new, DECODE, registration=rows.dec_rows.advertised())
+    rows.send(token)
+    assert rows.request_status[ROOM] == KVPoll.Success
+    assert rows.dec_rows.stamp(DST_ROW)[:2] == (int(token), new)
+    rows.decode.inbox.on_message([ROOM, KVPoll.Success, 0, None, token])
+    assert rows.decode.request_status[ROOM] != KVPoll.Failed, rows.decode.failure_records.get(ROOM)
+    assert rows.decode.applied == [(ROOM, KVPoll.Success)]
+    assert rows.row(rows.dst_aux, DST_ROW) == rows.row(rows.src_aux, 5)
+    assert rows.decode_pages_equal([1, 2, 3, 4], [9, 10, 11, 12])
+
+
+def test_a_success_message_over_a_stamp_whose_word_never_reached_its_value_fails(rows):
+    """The Success message's check follows the stamp's slot: a stamp naming the request's token but a slot this rank
+    never handed out, or a value past its word, still fails the room, nothing of the row written."""
+    for slot, value in ((40, 1), (SLOT, 1 << 40)):
+        token = rows.name()
+        rows.stamp_row(encode_stamp(int(token), slot, value))
+        rows.decode.inbox.on_message([ROOM, KVPoll.Success, 0, None, token])
+        assert rows.decode.request_status[ROOM] == KVPoll.Failed and rows.decode.applied == []
+        assert not any(any(r) for r in rows.row(rows.dst_aux, DST_ROW))
+        rows.decode.inbox.forget(ROOM)

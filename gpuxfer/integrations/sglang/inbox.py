@@ -187,11 +187,14 @@ class Inbox:
         return got is not None
 
     def _landed_row(self, room: int, armed: list):
-        """The rows of ``room``'s row taken where its stamp is its request's and its word (read now) holds the
-        stamp's value (``BadInput`` otherwise, nothing written)."""
+        """The rows of ``room``'s row taken where its stamp is its request's and the word of the stamp's slot (read
+        now), one this rank handed out, holds the stamp's value (``BadInput`` otherwise, nothing written). The
+        stamp's slot may be another than the one the room was armed on: the prefill rank's registration replaced
+        (SGLang registers the rank again once it dropped its cached bootstrap infos), its rooms in flight bump the
+        new registration's slot."""
         index, raw = self.aux_index[room], self.rows.row(self.aux_index[room])
         stamp = decode_stamp(raw)
-        if stamp is None or stamp[:2] != (armed[0], armed[1]) or not self.landings.reached_now(stamp[1], stamp[2]):
+        if stamp is None or stamp[0] != armed[0] or not self.landings.reached_now(stamp[1], stamp[2]):
             raise BadInput(f"metadata row {index} holds no row of this request that landed (stamp {stamp!r})")
         return self.rows.take(index, armed[0], raw)
 

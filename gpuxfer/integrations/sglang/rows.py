@@ -1,26 +1,27 @@
 """A request's metadata rows in the decode rank's host memory (:class:`AuxRows`, :class:`RowSegment`). A decode rank
 keeps a row per SGLang metadata row index -- a 64-byte stamp, then the rows of every SGLang aux buffer back to
-back -- in a POSIX shared-memory segment it names in its registration; a prefill rank on the same host maps it and,
-before it posts a request's last push, writes the request's rows there, stamped with the decode's token for the
+back -- in a POSIX shared-memory segment it names in its registration; a prefill rank on the same host opens it
+and, before it posts a request's last push, writes the request's rows there, stamped with the decode's token for the
 request and the value that push writes to the decode's notification word. The decode takes the rows once that
-word reached the value: loads and stores of host memory, no device copy on either side, nothing riding the push::
+word reached the value: reads and writes of host memory (``pread``/``pwrite`` of the segment, never of a mapping a
+peer's ``ftruncate`` would turn into a SIGBUS), no device copy on either side, nothing riding the push::
 
-    prefill P (maps D's segment)                           decode D (owns the segment)
+    prefill P (opens D's segment)                          decode D (owns the segment)
     ----------------------------                           ---------------------------
                                                            row r's stamp := 0 (before the row is named)
                                       <-- room, pages, row r, token t
     row r: stamp := 0, rows := the request's,
-           stamp := (t, slot k, v)       (host stores)
+           stamp := (t, slot k, v)       (pwrites)
     agent's stream: post(last pages, word k := v,
                          then its host copy := v)    -->   poll: word k's host copy >= v, then row r's
-                                                           stamp, its rows, its stamp again (loads): the same
+                                                           stamp, its rows, its stamp again (preads): the same
                                                            whole stamp (t, k, <= v) -> the rows into SGLang's
 
 The stamp names the request (the decode's token), the notification slot and the value, each beside its
 complement: a zeroed stamp reads as no stamp, a stamp read while it is written (bytes of it still zero) fails the
 complement check, and a stamp read the same before and after the rows says the rows read between were not being
 rewritten (a writer zeroes the stamp before it writes rows; each of the three steps on either side goes through a
-lock, whose release and acquire order the stores and the loads on any CPU). The word reaching the value says the
+lock, whose release and acquire order the writes and the reads on any CPU). The word reaching the value says the
 push that was posted after the rows landed; a push that failed never writes the value (its slot is retired). No
 SGLang here.
 """
@@ -36,7 +37,7 @@ import struct
 import threading
 from typing import Any, List, Optional, Tuple
 
-from ...common import hold_shm, map_shm, sweep_shm_orphans, unlink_shm
+from ...common import hold_shm, open_shm, sweep_shm_orphans, unlink_shm
 from ...errors import BadInput, BadMetadata, GpuxferError
 from .layout import _ints, read_aux_rows, write_aux_rows
 
@@ -84,16 +85,26 @@ def _mark(uid: str) -> Tuple[int, int]:
 
 class RowSegment:
     """``rows`` rows of ``row_bytes`` in a POSIX shared-memory segment, then a trailer naming the agent that owns
-    them (``uid``): :meth:`create` makes one (a decode rank), :meth:`open` maps a peer's by name (a prefill rank of
-    the same host). Every access is bounds-checked through the mapping (a closed one reads and writes nothing)."""
+    them (``uid``): :meth:`create` makes one (a decode rank), :meth:`open` opens a peer's by name (a prefill rank of
+    the same host). Every access is a ``pread``/``pwrite`` of the segment's descriptor, never a load or store of a
+    mapping: a segment another process cut short (``ftruncate``) reads short, a typed error, where a mapping's
+    access past its end would be a SIGBUS; a closed one reads and writes nothing."""
 
     def __init__(self, name: str, rows: int, row_bytes: int, create: bool):
         self.name, self.rows, self.row_bytes = name, int(rows), int(row_bytes)
         self.nbytes = -(-(self.rows * self.row_bytes + _TRAILER_BYTES) // _PAGE) * _PAGE
         self._lock = threading.Lock()
-        self._mm = map_shm(name, self.nbytes, create=create, exact=True)
+        self._fd: Optional[int] = open_shm(name, self.nbytes, create=create, exact=True)
         self.owner = self.linked = create
-        self._hold = hold_shm(name) if create else None     # the owner's: a sweep leaves the segment while it lives
+        self._hold: Optional[int] = None
+        if create:
+            try:        # its pages taken now: a full /dev/shm refuses the rows here, not a request's write later
+                if hasattr(os, "posix_fallocate"):
+                    os.posix_fallocate(self._fd, 0, self.nbytes)
+            except BaseException:
+                self.close()
+                raise
+            self._hold = hold_shm(name)     # the owner's: a sweep leaves the segment while it lives
 
     @classmethod
     def create(cls, uid: str, rows: int, row_bytes: int) -> "RowSegment":
@@ -101,9 +112,11 @@ class RowSegment:
         segments of that prefix whose creator is gone (:func:`~gpuxfer.common.sweep_shm_orphans`)."""
         sweep_shm_orphans(_NAME, "metadata rows")
         seg = cls(f"/{PREFIX}{os.getpid():x}-{secrets.token_hex(6)}", rows, row_bytes, True)
-        at = seg.rows * seg.row_bytes
-        seg._mm[at:at + struct.calcsize(_TRAILER)] = struct.pack(_TRAILER, _MAGIC, *_mark(uid), seg.rows,
-                                                                 seg.row_bytes)
+        try:
+            seg._set(seg.rows * seg.row_bytes, struct.pack(_TRAILER, _MAGIC, *_mark(uid), seg.rows, seg.row_bytes))
+        except BaseException:
+            seg.close()
+            raise
         return seg
 
     @classmethod
@@ -117,10 +130,13 @@ class RowSegment:
             raise BadMetadata(f"registration rows: not a count of metadata rows: {rows!r:.40}")
         try:
             seg = cls(name, rows, row_bytes, False)
-        except BadInput as exc:         # (map_shm: a segment of another size)
+        except BadInput as exc:         # (open_shm: a segment of another size)
             raise BadMetadata(f"registration rows_shm {name!r}: {exc}") from None
-        at = seg.rows * seg.row_bytes
-        got = struct.unpack(_TRAILER, seg._mm[at:at + struct.calcsize(_TRAILER)])
+        try:
+            got = struct.unpack(_TRAILER, seg._get(seg.rows * seg.row_bytes, struct.calcsize(_TRAILER)))
+        except BaseException:
+            seg.close()
+            raise
         if got != (_MAGIC, *_mark(uid), seg.rows, seg.row_bytes):
             seg.close()
             raise BadMetadata(f"registration rows_shm {name!r}: another agent's rows, or rows of another shape")
@@ -132,16 +148,30 @@ class RowSegment:
         return int(index) * self.row_bytes
 
     def _set(self, at: int, data: bytes) -> None:
+        """``data`` written at byte ``at`` (one ``pwrite``: past a segment cut short, it grows the segment again)."""
         with self._lock:
-            if self._mm is None:
+            if self._fd is None:
                 raise GpuxferError(f"metadata rows {self.name} are closed")
-            self._mm[at:at + len(data)] = data
+            try:
+                done = os.pwrite(self._fd, data, at)
+            except OSError as exc:
+                raise GpuxferError(f"metadata rows {self.name}: writing {len(data)} bytes at {at}: {exc}") from None
+        if done != len(data):
+            raise GpuxferError(f"metadata rows {self.name}: {done} of {len(data)} bytes written at {at}")
 
     def _get(self, at: int, n: int) -> bytes:
+        """``n`` bytes read at byte ``at`` (one ``pread``): fewer, where the segment was cut short, a typed error."""
         with self._lock:
-            if self._mm is None:
+            if self._fd is None:
                 raise GpuxferError(f"metadata rows {self.name} are closed")
-            return self._mm[at:at + n]
+            try:
+                out = os.pread(self._fd, n, at)
+            except OSError as exc:
+                raise GpuxferError(f"metadata rows {self.name}: reading {n} bytes at {at}: {exc}") from None
+        if len(out) != n:
+            raise GpuxferError(f"metadata rows {self.name} hold {len(out)} of {n} bytes at {at}: the segment was "
+                               "cut short")
+        return out
 
     def write(self, index: int, stamp: bytes, rows: bytes) -> None:
         """Row ``index`` := ``rows`` stamped ``stamp``: the stamp zeroed, the rows, then the stamp (three stores,
@@ -167,11 +197,11 @@ class RowSegment:
         self._set(self._span(index), _NO_STAMP)
 
     def close(self) -> None:
-        """Unmap (and, the owner's, drop the name). Idempotent."""
-        with self._lock:
-            mm, self._mm = self._mm, None
-        if mm is not None:
-            mm.close()
+        """Close (and, the owner's, drop the name). Idempotent."""
+        with self._lock:        # (no read or write holds the descriptor past this: its number is never reused)
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
         if self.linked:
             self.linked = False
             unlink_shm(self.name)
