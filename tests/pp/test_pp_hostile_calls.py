@@ -283,13 +283,17 @@ def marked_slot_session(rank: int, world: int, init_method: str) -> dict:
             r = conn.receiver()
             r._host_sync = False                # the GPU's way: no host check before a step is handed out
             store.wait(["sender-failed"])
-            r.recv().tensors                    # step 1, on the slot the sender marked
+            # step 1, on the slot the sender marked; its tensors are kept until the stream's copy into them ran
+            # (the emulation's stream writes them after .tensors returned, as a GPU's would)
+            got = r.recv().tensors
             deadline = _time.monotonic() + 30
             while r.error is None and _time.monotonic() < deadline:
                 _time.sleep(0.01)
             out["error"] = type(r.error).__name__ if r.error is not None else None
+            assert plat.synchronize(plat.current_stream(0), 30)
             store.set("receiver-done", b"1")
             conn.abort()
+            del got
     finally:
         dist.destroy_process_group()
         plat.close()
