@@ -161,10 +161,13 @@ def _pid_exists(pid: int) -> bool:
 SHM_ORPHAN_AGE_S = 3600
 
 
-def sweep_shm_orphans(pattern: re.Pattern, what: str, shm_dir: str = "/dev/shm") -> list[str]:
+def sweep_shm_orphans(pattern: re.Pattern, what: str, shm_dir: str = "/dev/shm",
+                      min_age_s: float = SHM_ORPHAN_AGE_S) -> list[str]:
     """Unlink the shared-memory segments left by processes that no longer exist (killed between creating
     a segment and unlinking it): names in ``shm_dir`` that ``pattern`` matches whole, whose group 1 is the
-    creator's pid in hex, regular files (a symbolic link is never followed nor removed) owned by this user, at least :data:`SHM_ORPHAN_AGE_S` old, whose creator is gone
+    creator's pid in hex, regular files (a symbolic link is never followed nor removed) owned by this user, at least
+    ``min_age_s`` old (:data:`SHM_ORPHAN_AGE_S`; less for segments their creators hold from the moment they make
+    them, so that only a creator of another PID namespace between the two is to be spared), whose creator is gone
     (``kill(pid, 0)`` finds no process) and that no process holds (:func:`hold_shm`). Returns the names removed
     (logged as ``what`` segments). Best effort: a directory that cannot be read removes nothing, a name that cannot
     be unlinked is skipped."""
@@ -185,7 +188,7 @@ def sweep_shm_orphans(pattern: re.Pattern, what: str, shm_dir: str = "/dev/shm")
         except OSError:
             continue
         if (not stat.S_ISREG(st.st_mode) or st.st_uid != uid
-                or time.time() - st.st_mtime < SHM_ORPHAN_AGE_S or _held(os.path.join(shm_dir, entry))):
+                or time.time() - st.st_mtime < min_age_s or _held(os.path.join(shm_dir, entry))):
             continue
         try:
             unlink_shm("/" + entry)

@@ -318,3 +318,30 @@ def test_a_success_message_over_a_stamp_whose_word_never_reached_its_value_fails
         assert rows.decode.request_status[ROOM] == KVPoll.Failed and rows.decode.applied == []
         assert not any(any(r) for r in rows.row(rows.dst_aux, DST_ROW))
         rows.decode.inbox.forget(ROOM)
+
+
+def test_rows_left_by_a_killed_decode_are_swept_by_the_next_one_a_minute_on(tmp_path):
+    """SGLang ends its processes without a teardown: a decode's rows outlive it. The next decode of the host removes
+    those whose creator is gone and that no process holds, once a minute old (their pages are taken); younger ones,
+    and those a live process holds, stay."""
+    import os
+    import time as _time
+    from gpuxfer.common import hold_shm, open_shm, unlink_shm
+    from gpuxfer.integrations.sglang.rows import ORPHAN_AGE_S, RowSegment
+    gone = 0x7FFFFFF0                       # (no process has this pid)
+    names = {k: f"/gpuxfer-rows-{gone:x}-{i:012x}" for i, k in enumerate(("old", "young", "held"), 0xA0)}
+    fds = {k: open_shm(n, 4096, create=True) for k, n in names.items()}
+    holder = hold_shm(names["held"])
+    try:
+        for k in ("old", "held"):
+            past = _time.time() - ORPHAN_AGE_S - 5
+            os.utime(f"/dev/shm{names[k]}", (past, past))
+        seg = RowSegment.create("a-uid", 2, 128)
+        seg.close()
+        left = {k for k, n in names.items() if os.path.exists(f"/dev/shm{n}")}
+        assert left == {"young", "held"}, left
+    finally:
+        os.close(holder)
+        for k, n in names.items():
+            os.close(fds[k])
+            unlink_shm(n)

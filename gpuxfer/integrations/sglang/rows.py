@@ -52,6 +52,9 @@ _NAME = re.compile(PREFIX + r"([0-9a-f]{1,8})-[0-9a-f]{12}")
 _TRAILER = "<5q"                # after the rows: magic, the owner's mark (two words), rows, row bytes
 _TRAILER_BYTES = 64
 _PAGE = 4096
+#: a decode rank's rows whose creator is gone and that no process holds are swept by the next decode of the host once
+#: this old (a creator holds its rows from the moment it makes them; SGLang's processes end without a teardown)
+ORPHAN_AGE_S = 60.0
 
 log = logging.getLogger("gpuxfer.sglang")
 
@@ -98,19 +101,19 @@ class RowSegment:
         self.owner = self.linked = create
         self._hold: Optional[int] = None
         if create:
+            self._hold = hold_shm(name)     # the owner's from the start: a sweep leaves the segment while it lives
             try:        # its pages taken now: a full /dev/shm refuses the rows here, not a request's write later
                 if hasattr(os, "posix_fallocate"):
                     os.posix_fallocate(self._fd, 0, self.nbytes)
             except BaseException:
                 self.close()
                 raise
-            self._hold = hold_shm(name)     # the owner's: a sweep leaves the segment while it lives
 
     @classmethod
     def create(cls, uid: str, rows: int, row_bytes: int) -> "RowSegment":
         """New rows named ``/gpuxfer-rows-<pid hex>-<12 hex>``, marked as agent ``uid``'s, after removing the
         segments of that prefix whose creator is gone (:func:`~gpuxfer.common.sweep_shm_orphans`)."""
-        sweep_shm_orphans(_NAME, "metadata rows")
+        sweep_shm_orphans(_NAME, "metadata rows", min_age_s=ORPHAN_AGE_S)
         seg = cls(f"/{PREFIX}{os.getpid():x}-{secrets.token_hex(6)}", rows, row_bytes, True)
         try:
             seg._set(seg.rows * seg.row_bytes, struct.pack(_TRAILER, _MAGIC, *_mark(uid), seg.rows, seg.row_bytes))
