@@ -34,10 +34,11 @@ _DECIMAL_BYTES = {"kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def open_shm(name: str, nbytes: int, *, create: bool, exact: bool = False) -> int:
+def open_shm(name: str, nbytes: int, *, create: bool, exact: bool = False, reserve: bool = False) -> int:
     """A descriptor (read and write) of the POSIX shared-memory segment ``name``: a new one of ``nbytes``
-    (``create``; it must not exist), or an existing one of at least (``exact``: exactly) ``nbytes``. A failed
-    create leaves nothing."""
+    (``create``; it must not exist), or an existing one of at least (``exact``: exactly) ``nbytes``. ``reserve``: a
+    new segment's pages taken now (``posix_fallocate``), so that a full ``/dev/shm`` fails the create
+    (``OSError``), not a later store into a mapping of it (a SIGBUS). A failed create leaves nothing."""
     if SHM_UNAVAILABLE:
         raise OSError(SHM_UNAVAILABLE)
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
@@ -45,6 +46,8 @@ def open_shm(name: str, nbytes: int, *, create: bool, exact: bool = False) -> in
     try:
         if create:
             os.ftruncate(fd, nbytes)
+            if reserve and hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, nbytes)
         else:
             size = os.fstat(fd).st_size
             if size < nbytes or (exact and size != nbytes):
@@ -57,9 +60,9 @@ def open_shm(name: str, nbytes: int, *, create: bool, exact: bool = False) -> in
         raise
 
 
-def map_shm(name: str, nbytes: int, *, create: bool, exact: bool = False) -> mmap.mmap:
+def map_shm(name: str, nbytes: int, *, create: bool, exact: bool = False, reserve: bool = False) -> mmap.mmap:
     """Map the POSIX shared-memory segment ``name`` (:func:`open_shm`'s). A failed create leaves nothing."""
-    fd = open_shm(name, nbytes, create=create, exact=exact)
+    fd = open_shm(name, nbytes, create=create, exact=exact, reserve=reserve)
     try:
         return mmap.mmap(fd, nbytes)
     except BaseException:

@@ -54,7 +54,7 @@ class HostWords:
     def __init__(self, platform, device: int, name: str, n: int, create: bool):
         self.platform, self.device, self.name, self.n = platform, device, name, int(n)
         self.nbytes = -(-(self.n + 2) * FLAG_STRIDE // PAGE) * PAGE
-        self._mm = map_shm(name, self.nbytes, create=create)
+        self._mm = map_shm(name, self.nbytes, create=create, reserve=True)    # (a full /dev/shm: OSError here)
         self.owner = self.linked = create
         # the owner's lock while it lives: a sweep of another PID namespace, where its pid names no process, leaves it
         self._hold = hold_shm(name) if create else None

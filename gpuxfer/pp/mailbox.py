@@ -119,7 +119,7 @@ class Mailbox:
             raise ValueError(f"meta_len must be >= 1, got {meta_len}")
         self.name, self.meta_len, self.magic = name, int(meta_len), int(magic)
         self.stride = -(-(2 + self.meta_len) // 8) * 8
-        self._mm = map_shm(name, 8 * (HEADER_WORDS + RING * self.stride), create=create, exact=True)
+        self._mm = map_shm(name, 8 * (HEADER_WORDS + RING * self.stride), create=create, exact=True, reserve=True)
         self._linked = create
         if create:   # the resource tracker unlinks it if this process dies before unlink()
             from multiprocessing import resource_tracker

@@ -107,3 +107,19 @@ def test_create_removes_segments_of_creators_gone_and_no_other(host):
         HostWords.create(host, 0, 2).close()
         assert not os.path.exists(f"/dev/shm{dead}")
         assert all(os.path.exists(f"/dev/shm{name}") for name in [live, *other])
+
+
+def test_words_a_full_dev_shm_cannot_hold_fail_at_create_leaving_nothing(host, monkeypatch):
+    """A /dev/shm too full for the words' pages: the create fails (``OSError``; its callers keep the words on the
+    device), nothing left behind, instead of a SIGBUS at the first store into a page the mapping could not get."""
+    import errno
+    made = []
+
+    def full(fd, offset, length):
+        made.append(fd)
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(OSError):
+        HostWords.create(host, 0, 4)
+    assert made and set(os.listdir("/dev/shm")) - before == set()

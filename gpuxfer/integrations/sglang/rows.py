@@ -97,17 +97,11 @@ class RowSegment:
         self.name, self.rows, self.row_bytes = name, int(rows), int(row_bytes)
         self.nbytes = -(-(self.rows * self.row_bytes + _TRAILER_BYTES) // _PAGE) * _PAGE
         self._lock = threading.Lock()
-        self._fd: Optional[int] = open_shm(name, self.nbytes, create=create, exact=True)
+        # (its pages taken now: a full /dev/shm refuses the rows here, not a request's write later)
+        self._fd: Optional[int] = open_shm(name, self.nbytes, create=create, exact=True, reserve=True)
         self.owner = self.linked = create
-        self._hold: Optional[int] = None
-        if create:
-            self._hold = hold_shm(name)     # the owner's from the start: a sweep leaves the segment while it lives
-            try:        # its pages taken now: a full /dev/shm refuses the rows here, not a request's write later
-                if hasattr(os, "posix_fallocate"):
-                    os.posix_fallocate(self._fd, 0, self.nbytes)
-            except BaseException:
-                self.close()
-                raise
+        # the owner's from the start: a sweep leaves the segment while it lives
+        self._hold: Optional[int] = hold_shm(name) if create else None
 
     @classmethod
     def create(cls, uid: str, rows: int, row_bytes: int) -> "RowSegment":
