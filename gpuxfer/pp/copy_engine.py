@@ -551,16 +551,8 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
                 seen[j] = self._seen(j)
             v = seen[j]
             if v is not None and v >= expected:
-                # a receiver's wait passed over a slot its sender wrote past step k though this end had not given
-                # it back (_back, read after the word: it only grows): the sender's release let its copies in
-                # (_mark_peer_slots, then their publish), the step was handed out over them; this end fails, so
-                # its next call raises (the emulation checks the slot before handing a step out: _check_slot)
-                if (self.role == "recv" and v > k and self._error is None
-                        and (v >= RELEASE_VALUE or self._back[j] < k)):
-                    return PeerLost(rank=self.rank, peer=self.peer, step=k, flag=f"full[{j}]", after_s=now - t0,
-                                    why=f"rank {self.peer} released its waits: its copies may have written slot {j}",
-                                    detail=f"{self.name} receive: step {k} was handed out over slot {j}, "
-                                           f"full[{j}] = {v}")
+                if v > k and (lost := self._overwritten(j, k, v, now - t0)):
+                    return lost
                 wd.popleft()
                 continue
             if force or now - t0 > self.timeout_s:

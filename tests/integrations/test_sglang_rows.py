@@ -1,9 +1,10 @@
 """A request's metadata rows in the decode's host memory (:mod:`gpuxfer.integrations.sglang.rows`): the transfer
-thread's own ``_post`` over two real agents of this process (host emulation, tests/integrations/test_sglang_pipeline.py's
-``RealAgents``) with SGLang's aux buffers on both sides, the decode's rows in shared memory the prefill mapped from
-its registration, the decode's :class:`Inbox` over the decode agent's notification words and rows. Every byte of the
-rows is checked; a row whose push did not land, a stamp of another request, a torn stamp, a row read while it was
-rewritten or a forged row index never lets the request end Success.
+thread's own ``_post`` over two real agents of this process (host emulation,
+tests/integrations/test_sglang_pipeline.py's ``RealAgents``) with SGLang's aux buffers on both sides, the
+decode's rows in shared memory the prefill mapped from its registration, the decode's :class:`Inbox` over the
+decode agent's notification words and rows. Every byte of the rows is checked; a row whose push did not land, a
+stamp of another request, a torn stamp, a row read while it was rewritten or a forged row index never lets the
+request end Success.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from gpuxfer.errors import BadInput, BadMetadata, DriverError, GpuxferError  # n
 from gpuxfer.integrations.sglang.inbox import Inbox  # noqa: E402
 from gpuxfer.integrations.sglang.landing import READ_EVERY_S, Landings  # noqa: E402
 from gpuxfer.integrations.sglang.requests import TransferInfo  # noqa: E402
-from gpuxfer.integrations.sglang.rows import STAMP_BYTES, AuxRows, RowSegment, decode_stamp, encode_stamp  # noqa: E402
+from gpuxfer.integrations.sglang.rows import (STAMP_BYTES, AuxRows, RowSegment, advertised, decode_stamp,  # noqa: E402
+                                               encode_stamp)
 from gpuxfer.platforms.host_cma import wrap_scoped  # noqa: E402
 from test_sglang_pipeline import DECODE, ROOM, Decode, RealAgents  # noqa: E402
 
@@ -49,7 +51,7 @@ class RowAgents(RealAgents):
         self.pushes.rows = AuxRows.create(self.args[self.agent])
         self.dec_rows = AuxRows.create(self.args[self.dec], self.dec.uid) if decode_rows else None
         self.pushes.add_decode("decode", self.dec.metadata(), {}, SLOT, DECODE,
-                               registration=self.dec_rows.advertised() if decode_rows else {})
+                               registration=advertised(self.dec_rows))
         self.decode = Decode(slots_handed=0)
         self.decode.kv_args = self.args[self.dec]
         self.decode.landings = Landings(self.dec.notification, self.dec.host_notification)
@@ -101,7 +103,9 @@ class RowAgents(RealAgents):
             self.run(self.pushes._queue.get_nowait())
 
     def landed(self, room=ROOM, tries=200):
-        """Whether the decode's poll ends ``room`` by its word within ``tries`` polls (its reads are spaced)."""
+        """Whether the decode's poll ends ``room`` by its word within ``tries`` polls (its reads are spaced), once
+        the pushes posted so far ran (however slow the machine: the polls then find what they will ever find)."""
+        assert self.agent.platform.synchronize(self.agent.stream, 60.0)
         for _ in range(tries):
             if self.decode.inbox.landed_by_agent(room):
                 return True
@@ -130,7 +134,8 @@ def test_the_rows_go_before_the_last_push_and_land_byte_for_byte(rows, monkeypat
     token = rows.name()
     assert rows.dec_rows.stamp(DST_ROW) is None              # naming the row zeroed the earlier stamp
     groups, prepare = [], rows.agent.prepare
-    monkeypatch.setattr(rows.agent, "prepare", lambda *a, **k: groups.append(set(k["local_blocks"])) or prepare(*a, **k))
+    monkeypatch.setattr(rows.agent, "prepare",
+                        lambda *a, **k: groups.append(set(k["local_blocks"])) or prepare(*a, **k))
     rows.send(token)
     assert groups == [{"kv"}, {"kv"}]
     assert rows.request_status[ROOM] == KVPoll.Success and ("aux", ROOM) not in rows.log     # no row message
@@ -372,7 +377,7 @@ def test_a_registration_naming_rows_not_its_agents_is_refused_and_one_of_another
     a name of no segment here (a decode on another host) or rows of another size leaves the rank's rows in
     messages."""
     mine = rows.pushes.rows
-    reg = rows.dec_rows.advertised()
+    reg = advertised(rows.dec_rows)
     with pytest.raises(BadMetadata, match="another agent"):
         mine.open_peer(reg, rows.agent.uid)
     for bad in ({**reg, "rows_shm": "/dev/shm/x"}, {**reg, "rows_shm": "/gpuxfer-kvw-1-000000000000"},

@@ -20,7 +20,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
 from gpuxfer.errors import BadInput, GpuxferError  # noqa: E402
 from gpuxfer.integrations.sglang.landing import landing_frame  # noqa: E402
 from gpuxfer.integrations.sglang.pushes import AUX_TAG  # noqa: E402
-from gpuxfer.integrations.sglang.rows import AuxRows, encode_stamp  # noqa: E402
+from gpuxfer.integrations.sglang.rows import AuxRows, advertised, encode_stamp  # noqa: E402
 from test_sglang_rows import AUX, DECODE, DST_ROW, ROOM, ROWS, SLOT, RowAgents, _fail_copies_into  # noqa: E402
 
 
@@ -162,7 +162,7 @@ def test_a_pair_where_one_side_has_no_rows_lands_every_byte_by_message(side):
         if side == "prefill":
             mgr.pushes.rows = None
             mgr.pushes.add_decode("decode", mgr.dec.metadata(), {}, SLOT, mgr.pushes.endpoint("decode"),
-                                  registration=mgr.dec_rows.advertised())
+                                  registration=advertised(mgr.dec_rows))
         assert "decode" not in mgr.pushes._aux_rows
         sent = []
         mgr.pushes._send_aux = Pushes._send_aux.__get__(mgr.pushes)
@@ -297,7 +297,7 @@ def test_a_room_sent_after_its_decode_registered_again_takes_its_row_by_the_succ
     message naming the new slot would have ended it."""
     token = rows.name()                                     # armed on SLOT, the first registration's
     new = rows.decode.landings.new_slot()
-    rows.pushes.add_decode("decode", rows.dec.metadata(), {}, new, DECODE, registration=rows.dec_rows.advertised())
+    rows.pushes.add_decode("decode", rows.dec.metadata(), {}, new, DECODE, registration=advertised(rows.dec_rows))
     rows.send(token)
     assert rows.request_status[ROOM] == KVPoll.Success
     assert rows.dec_rows.stamp(DST_ROW)[:2] == (int(token), new)

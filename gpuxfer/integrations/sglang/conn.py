@@ -8,11 +8,10 @@ shape): every ``send()`` chunk becomes one ``prepare`` + ``post`` of its pages o
 receiver named, on the transfer thread the prefill's manager owns (:class:`.pushes.Pushes`), which does not
 wait for it (chunks of a request queued behind one another while the thread was busy, as a request sent back
 to back, become one push). The last chunk's push also bumps the decode agent's notification word that the
-decode's registration gave this prefill rank (stream order: after every push of the room landed); before it
-is posted, where the decode's registration named its metadata rows in host memory (:mod:`.rows`), the request's
-rows are written there, stamped with the decode's token and the value the word will hold; elsewhere (a decode
-of an earlier gpuxfer, a room without a slot, the NIXL route) the rows go on SGLang's control socket just before
-that push, with the value.
+decode's registration gave this prefill rank (stream order: after every push of the room landed); before it,
+the request's rows go into the decode's rows in host memory (:mod:`.rows`), stamped with the decode's token and the
+value the word will hold, or elsewhere (a decode of an earlier gpuxfer, a room without a slot, the NIXL route) on
+SGLang's control socket, with the value.
 The decode's ``poll()`` ends the room when the word holds that value; the prefill waits for the room's pushes,
 then sends SGLang's Success status, which also ends the room where no notification could be used; for a room
 the decode ended by its word, that message is dropped on arrival (the room id may already be a new request's).
@@ -72,7 +71,7 @@ from .landing import Landings, slot_frame
 from .layout import check_supported, encode_registration, geometry, register_kv_args, total_kv_heads
 from .pushes import Pushes, clip
 from .requests import TransferInfo, _Chunk
-from .rows import AuxRows
+from .rows import AuxRows, advertised
 
 log = logging.getLogger("gpuxfer.sglang")
 
@@ -139,8 +138,7 @@ class GpuxferKVManager(CommonKVManager):
         self._threads: List[threading.Thread] = []
         try:
             register_kv_args(self.agent, args)
-            # the metadata rows: a decode's in host memory a prefill of its host writes (:mod:`.rows`)
-            self.aux_rows = AuxRows.create(args, self.agent.uid if role == "decode" else None)
+            self.aux_rows = AuxRows.create(args, self.agent.uid if role == "decode" else None)   # (:mod:`.rows`)
         except BaseException:
             self.agent.close()
             raise
@@ -153,8 +151,8 @@ class GpuxferKVManager(CommonKVManager):
             self._spawn(self._prefill_control, "gpuxfer-sglang-control")
             self._spawn(self.pushes.run, "gpuxfer-sglang-transfer")
         else:
-            rows = self.aux_rows.advertised() if self.aux_rows is not None else {}
-            self._registration = encode_registration({**self.geometry, **rows}, self.agent.metadata())
+            self._registration = encode_registration({**self.geometry, **advertised(self.aux_rows)},
+                                                     self.agent.metadata())
             self.landings = Landings(self.agent.notification,
                                      self.agent.host_notification if self.agent.host_words is not None else None)
             # the prefill's messages about this rank's requests, each taken for its current request alone
@@ -454,14 +452,14 @@ class GpuxferKVManager(CommonKVManager):
     # ------------------------------------------------------------------ both
 
     def teardown(self) -> None:
-        """Stop the control threads (bounded joins) and close the agent."""
+        """Stop the control threads (bounded joins), close the rows and the agent."""
         self._stop.set()
         if hasattr(self, "_heartbeat_shutdown"):
             self._heartbeat_shutdown.set()
         for t in self._threads:
             t.join(timeout=5)
         if hasattr(self, "pushes"):
-            self.pushes.close_rows()
+            self.pushes.close_rows()    # (the decode ranks' rows this prefill opened)
         with self._agent_lock:
             self.agent.close()
         if self.aux_rows is not None:

@@ -8,14 +8,14 @@ thread was busy (a request sent back to back) become one push (:func:`.requests.
 also bumps the decode agent's notification word that the decode's registration gave this prefill rank (stream order:
 after every push of the request landed); before it is posted, the request's metadata rows are written into the
 decode's rows in host memory (:mod:`.rows`, stamped with the decode's token and the value the push writes), where
-the decode's registration named rows this rank mapped and the room has one decode rank with a slot on the IPC route;
-elsewhere the rows go on SGLang's control socket just before that push, with the value it will write. The request's pushes are waited for (together bounded by
-``timeout_s``) only when it is concluded: its last chunk, a failure, an abort (:meth:`Pushes.drain_later`); then the
-manager concludes it (SGLang's status message to the decode). An ABORT_ACK goes only once every push of the request
-was waited for and proven over; a push that failed for a lost peer (``PeerLost``) marks its decode rank gone, sent
-nothing more. The decode ranks it pushes to (their peers, the notification slots their registrations gave, the
-reasons a registration was refused) are this object's too: the manager's control thread hands them over
-(:meth:`Pushes.add_decode`, :meth:`Pushes.refuse_decode`).
+the decode's registration named rows this rank opened and the room has one decode rank with a slot on the IPC route;
+elsewhere the rows go on SGLang's control socket just before that push, with the value it will write. The request's
+pushes are waited for (together bounded by ``timeout_s``) only when it is concluded: its last chunk, a failure, an
+abort (:meth:`Pushes.drain_later`); then the manager concludes it (SGLang's status message to the decode). An
+ABORT_ACK goes only once every push of the request was waited for and proven over; a push that failed for a lost
+peer (``PeerLost``) marks its decode rank gone, sent nothing more. The decode ranks it pushes to (their peers, the
+notification slots their registrations gave, the reasons a registration was refused) are this object's too: the
+manager's control thread hands them over (:meth:`Pushes.add_decode`, :meth:`Pushes.refuse_decode`).
 
 SGLang's state of a room (``request_status``, ``transfer_infos``, the failure records, ``_staging_outstanding``,
 the deferred ABORT_ACKs, the status messages) is read and changed through :class:`Rooms` alone, which

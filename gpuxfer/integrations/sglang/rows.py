@@ -207,6 +207,13 @@ class RowSegment:
             self._hold = None
 
 
+def advertised(rows: Optional["AuxRows"]) -> dict:
+    """What a decode's registration carries of its ``rows`` (for its geometry; {} without rows or a segment)."""
+    if rows is None or rows.segment is None:
+        return {}
+    return {"rows_shm": rows.segment.name, "rows": rows.rows, "row_bytes": rows.row_bytes}
+
+
 class AuxRows:
     """This rank's metadata rows: the shape of SGLang's aux buffers of ``kv_args`` (``rows`` rows of ``row_bytes``,
     stamp included) and, on a decode rank (``uid``: its agent's), the segment a prefill of its host writes them into.
@@ -234,12 +241,6 @@ class AuxRows:
             log.warning("gpuxfer: no shared memory for the metadata rows (%s: %s); they go on the control socket",
                         type(exc).__name__, exc)
             return None
-
-    def advertised(self) -> dict:
-        """What a decode's registration carries of its rows (for its geometry; {} without a segment)."""
-        if self.segment is None:
-            return {}
-        return {"rows_shm": self.segment.name, "rows": self.rows, "row_bytes": self.row_bytes}
 
     def open_peer(self, registration: dict, uid: str) -> Optional[RowSegment]:
         """A decode rank's segment as its registration names it (``uid``: its agent's), for a prefill rank: None
