@@ -551,7 +551,7 @@ class CopyEngineTransport(_CopyEngineSetup, Transport):
                 seen[j] = self._seen(j)
             v = seen[j]
             if v is not None and v >= expected:
-                if v > k and (lost := self._overwritten(j, k, v, now - t0)):
+                if v > k and self.role == "recv" and (lost := self._overwritten(j, k, v, now - t0)):
                     return lost
                 wd.popleft()
                 continue

@@ -301,13 +301,13 @@ class _CopyEngineSetup:
                            detail=f"{self.name} receive: full[{j}] = {v}, expected {k}; step {k} not handed out")
 
     def _overwritten(self, j: int, k: int, v: int, after_s: float) -> PeerLost | None:
-        """Watchdog: step k's wait on slot j passed and the slot's word reads ``v`` > k. A healthy sender writes past
-        k only once this end gave the slot back; where it had not (``_back[j]`` < k, read after the word: it only
-        grows), or ``v`` is the release mark, the sender's release let its copies into the slot
+        """A receiver's watchdog: step k's wait on slot j passed and the slot's word reads ``v`` > k. A healthy
+        sender writes past k only once this end gave the slot back; where it had not (``_back[j]`` < k, read after
+        the word: it only grows), or ``v`` is the release mark, the sender's release let its copies into the slot
         (:meth:`_mark_peer_slots`, then their publish) and the step was handed out over them: ``PeerLost`` for a
         healthy receiver, so its next call raises (the emulation checks a slot before handing its step out:
         :meth:`_check_slot`). None otherwise."""
-        if self.role != "recv" or self._error is not None or (v < RELEASE_VALUE and self._back[j] >= k):
+        if self._error is not None or (v < RELEASE_VALUE and self._back[j] >= k):
             return None
         return PeerLost(rank=self.rank, peer=self.peer, step=k, flag=f"full[{j}]", after_s=after_s,
                         why=f"rank {self.peer} released its waits: its copies may have written slot {j}",
