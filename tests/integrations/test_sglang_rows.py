@@ -48,7 +48,7 @@ class RowAgents(RealAgents):
             args.aux_data_ptrs, args.aux_data_lens = [t.data_ptr() for t in bufs], [t.numel() for t in bufs]
             args.aux_item_lens = list(AUX)
         self.pushes.kv_args = self.args[self.agent]
-        self.pushes.rows = AuxRows.create(self.args[self.agent])
+        self.pre_rows = self.pushes.rows = AuxRows.create(self.args[self.agent])
         self.dec_rows = AuxRows.create(self.args[self.dec], self.dec.uid) if decode_rows else None
         self.pushes.add_decode("decode", self.dec.metadata(), {}, SLOT, DECODE,
                                registration=advertised(self.dec_rows))
@@ -60,7 +60,7 @@ class RowAgents(RealAgents):
         self.decode.inbox = Inbox(self.decode, self.decode.landings, KVPoll, self.dec_rows)
 
     def close(self):
-        self.pushes.close_rows()
+        self.pre_rows.close()
         super().close()
         if self.dec_rows is not None:
             self.dec_rows.close()
@@ -107,7 +107,7 @@ class RowAgents(RealAgents):
         the pushes posted so far ran (however slow the machine: the polls then find what they will ever find)."""
         assert self.agent.platform.synchronize(self.agent.stream, 60.0)
         for _ in range(tries):
-            if self.decode.inbox.landed_by_agent(room):
+            if self.decode.inbox.landed_by_row(room):
                 return True
             time.sleep(1e-4)
         return False
@@ -235,7 +235,7 @@ def test_a_room_named_with_its_words_value_reads_its_row_once_the_word_grew(rows
         if with_seen:
             inbox.prefill_slot(room, SLOT, seen)
         for _ in range(5):
-            assert not inbox.landed_by_agent(room)
+            assert not inbox.landed_by_row(room)
         assert reads == ([] if with_seen else [DST_ROW])
         rows.send(token, room=room)
         assert rows.landed(room=room)
@@ -387,8 +387,9 @@ def test_a_registration_naming_rows_not_its_agents_is_refused_and_one_of_another
     assert mine.open_peer({**reg, "rows_shm": "/gpuxfer-rows-1-0123456789ab"}, rows.dec.uid) is None
     assert mine.open_peer({**reg, "row_bytes": reg["row_bytes"] + 8}, rows.dec.uid) is None
     seg = mine.open_peer(reg, rows.dec.uid)
-    assert seg is not None and seg.rows == ROWS
-    seg.close()
+    assert seg is not None and seg.rows == ROWS and not seg.closed
+    mine.close()                            # (the prefill's teardown: the peers' rows it opened close with its own)
+    assert seg.closed
 
 
 def test_a_row_read_while_it_is_rewritten_reads_no_stamp(rows, monkeypatch):

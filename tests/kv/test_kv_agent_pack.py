@@ -12,7 +12,7 @@ import torch
 from gpuxfer.errors import BadInput, LayoutMismatch, NotRegistered, TransferTimeout
 from gpuxfer.kv.agent import KVAgent
 
-from _agent_arena import Arena, connect, same_bytes, token_oracle, vllm_layers
+from _agent_arena import Arena, connect, held_pull, same_bytes, token_oracle, vllm_layers
 
 
 # ----------------------------------------------------------------------------- the pack engine (two-sided)
@@ -160,19 +160,10 @@ def test_close_keeps_memory_a_wait_it_cannot_release_may_touch(pair):
     writes them) instead of freeing them under it."""
     from gpuxfer.kv import agent as agent_mod
     pre, dec, a0, a1 = pair
-    src, dst = vllm_layers(a0, 1, 4, 4, seed=1), vllm_layers(a1, 1, 4, 4, seed=2)
-    pre.register_group("full", 4, src)
-    dec.register_group("full", 4, dst)
-    p_of_dec, _ = connect(pre, dec)
+    src, dst, p_of_dec, gate, s, h = held_pull(pre, dec, a0, a1)
     plat = dec.platform
-    gate = plat.alloc(64, 1)
-    s = plat.create_stream(1)
     kept = []
     try:
-        plat.memset_async(s, gate.ptr, 0, 64)
-        plat.wait_flag(s, gate.ptr, 1)
-        h = dec.transfer(p_of_dec, "pull", local_blocks={"full": [0]}, remote_blocks={"full": [3]}, stream=s,
-                         notify_slot=2)
         dec.timeout_s = 0.1
         expect = [dec.flags, p_of_dec.flags, *p_of_dec._mappings]     # (an in-process peer maps nothing)
         dec.close()

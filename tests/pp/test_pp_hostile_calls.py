@@ -205,27 +205,36 @@ def _pair_session(rank: int, world: int, init_method: str):
     return plat, _get_default_store(), pair
 
 
+def _released_sender(conn, plat, store) -> str:
+    """Rank 0 of a late receiver's pair: steps 1 and 2 sent, then step 3, whose slot still holds step 1 (its wait
+    times out and is released, its copies land in the slot); the receiver told, its end awaited. Returns what the
+    third send did."""
+    from gpuxfer.errors import TransferTimeout
+    s = conn.sender()
+    s.send(_fixed(1))
+    s.send(_fixed(2))
+    try:
+        s.send(_fixed(3))
+        third = "sent"
+    except TransferTimeout:
+        third = "TransferTimeout"
+    assert plat.synchronize(plat.current_stream(0), 30)      # the released step's copies landed
+    store.set("sender-failed", b"1")
+    store.wait(["receiver-done"])
+    conn.abort()
+    return third
+
+
 def late_receiver_session(rank: int, world: int, init_method: str, how: str) -> dict:
     import torch.distributed as dist
 
-    from gpuxfer.errors import GpuxferError, TransferTimeout
+    from gpuxfer.errors import GpuxferError
     plat, store, pair = _pair_session(rank, world, init_method)
     out = {}
     try:
         conn = pair(1.0)
         if rank == 0:
-            s = conn.sender()
-            s.send(_fixed(1))
-            s.send(_fixed(2))
-            try:                                # slot 0 still holds step 1: the wait times out, is released
-                s.send(_fixed(3))
-                out["send3"] = "sent"
-            except TransferTimeout:
-                out["send3"] = "TransferTimeout"
-            assert plat.synchronize(plat.current_stream(0), 30)      # the released step's copies landed
-            store.set("sender-failed", b"1")
-            store.wait(["receiver-done"])
-            conn.abort()
+            out["send3"] = _released_sender(conn, plat, store)
         else:
             r = conn.receiver()
             store.wait(["sender-failed"])       # the receiver, late: it takes step 1 only now
@@ -262,23 +271,12 @@ def marked_slot_session(rank: int, world: int, init_method: str) -> dict:
 
     import torch.distributed as dist
 
-    from gpuxfer.errors import TransferTimeout
     plat, store, pair = _pair_session(rank, world, init_method)
     out = {}
     try:
         conn = pair(1.0)
         if rank == 0:
-            s = conn.sender()
-            s.send(_fixed(1))
-            s.send(_fixed(2))
-            try:
-                s.send(_fixed(3))
-            except TransferTimeout:
-                pass
-            assert plat.synchronize(plat.current_stream(0), 30)
-            store.set("sender-failed", b"1")
-            store.wait(["receiver-done"])
-            conn.abort()
+            _released_sender(conn, plat, store)
         else:
             r = conn.receiver()
             r._host_sync = False                # the GPU's way: no host check before a step is handed out

@@ -3,35 +3,34 @@ server on SGLang's ``Common*`` classes. The only module of gpuxfer that imports 
 hook (:mod:`.plugin`), and SGLang imports it only once ``--disaggregation-transfer-backend gpuxfer`` chose it.
 
 Each KV manager holds one :class:`~gpuxfer.kv.KVAgent` over SGLang's own KV pool (``KVArgs``: raw pointers,
-registered with :meth:`~gpuxfer.kv.KVAgent.layer_at`, :mod:`.layout`). The prefill side pushes (SGLang's
-shape): every ``send()`` chunk becomes one ``prepare`` + ``post`` of its pages onto the decode pages the
-receiver named, on the transfer thread the prefill's manager owns (:class:`.pushes.Pushes`), which does not
-wait for it (chunks of a request queued behind one another while the thread was busy, as a request sent back
-to back, become one push). The last chunk's push also bumps the decode agent's notification word that the
-decode's registration gave this prefill rank (stream order: after every push of the room landed); before it,
-the request's rows go into the decode's rows in host memory (:mod:`.rows`), stamped with the decode's token and the
-value the word will hold, or elsewhere (a decode of an earlier gpuxfer, a room without a slot, the NIXL route) on
-SGLang's control socket, with the value.
-The decode's ``poll()`` ends the room when the word holds that value; the prefill waits for the room's pushes,
-then sends SGLang's Success status, which also ends the room where no notification could be used; for a room
-the decode ended by its word, that message is dropped on arrival (the room id may already be a new request's).
-Control messages are SGLang's (ZMQ, the bootstrap server's ``/route``); what gpuxfer adds is the decode agent's
-metadata and a notification slot in its registration (the prefill's bootstrap thread is this module's, its
-transfer thread :class:`.pushes.Pushes`, what decode ranks register and name :class:`.decode_ranks.DecodeRanks`'s;
-the decode's handling of the prefill's messages :class:`.inbox.Inbox`'s). The timeline: docs/SGLANG.md.
+registered with :meth:`~gpuxfer.kv.KVAgent.layer_at`, :mod:`.layout`). The prefill side pushes (SGLang's shape):
+every ``send()`` chunk becomes one ``prepare`` + ``post`` of its pages onto the decode pages the receiver named,
+on the transfer thread the prefill's manager owns (:class:`.pushes.Pushes`), which does not wait for it (chunks of
+a request queued behind one another while the thread was busy, as a request sent back to back, become one push).
+The last chunk's push also bumps the decode agent's notification word that the decode's registration gave this
+prefill rank (stream order: after every push of the room landed); before it, the request's rows go into the
+decode's rows in host memory (:mod:`.rows`), stamped with the decode's token and the value the word will hold, or
+elsewhere (a decode of an earlier gpuxfer, a room without a slot, the NIXL route) on SGLang's control socket, with
+the value. The decode's ``poll()`` ends the room when the word holds that value; the prefill waits for the room's
+pushes, then sends SGLang's Success status, which also ends the room where no notification could be used; for a
+room the decode ended by its word, that message is dropped on arrival (the room id may already be a new
+request's). Control messages are SGLang's (ZMQ, the bootstrap server's ``/route``); what gpuxfer adds is the
+decode agent's metadata, a notification slot and its rows' name in its registration (the prefill's bootstrap
+thread is this module's, its transfer thread :class:`.pushes.Pushes`, what decode ranks register and name
+:class:`.decode_ranks.DecodeRanks`'s; the decode's handling of the prefill's messages :class:`.inbox.Inbox`'s).
+The timeline: docs/SGLANG.md.
 
-Failures end in ``KVPoll.Failed`` on both sides, never a hang: a decode abort reaches the prefill as SGLang's
-ABORT (chunks not yet posted are dropped; an ABORT_ACK follows once the posted ones were waited for); a
-prefill abort or a failed push (a dead decode: ``PeerLost``) is sent to the decode as a Failed status; a dead
-prefill is found by SGLang's heartbeat on the decode side, and every wait is bounded by SGLang's
-disaggregation timeouts.
+Failures end in ``KVPoll.Failed`` on both sides, never a hang: a decode abort reaches the prefill as SGLang's ABORT
+(chunks not yet posted are dropped; an ABORT_ACK follows once the posted ones were waited for); a prefill abort or a
+failed push (a dead decode: ``PeerLost``) is sent to the decode as a Failed status; a dead prefill is found by
+SGLang's heartbeat on the decode side, and every wait is bounded by SGLang's disaggregation timeouts.
 
 SGLang names a request by its room id alone, and a room id may name a new request once the last one ended. The
-decode's metadata message names the request by a token of its own (``t``), which the prefill echoes in the
-room's row and status messages: the decode drops those of an earlier request of the room id (late: it was
-given up there first) instead of writing, landing or concluding the new one with them (:mod:`.inbox`). On the prefill, a
-request's pushes, its conclusion and its errors stay its own (``_Posted.infos``, :meth:`conclude_room`), and a
-decode rank naming pages for a new request of a room id its earlier request still holds fails both.
+decode's metadata message names the request by a token of its own (``t``), which the prefill echoes in the room's
+row and status messages: the decode drops those of an earlier request of the room id (late: it was given up there
+first) instead of writing, landing or concluding the new one with them (:mod:`.inbox`). On the prefill, a request's
+pushes, its conclusion and its errors stay its own (``_Posted.infos``, :meth:`conclude_room`), and a decode rank
+naming pages for a new request of a room id its earlier request still holds fails both.
 """
 from __future__ import annotations
 
@@ -151,8 +150,8 @@ class GpuxferKVManager(CommonKVManager):
             self._spawn(self._prefill_control, "gpuxfer-sglang-control")
             self._spawn(self.pushes.run, "gpuxfer-sglang-transfer")
         else:
-            self._registration = encode_registration({**self.geometry, **advertised(self.aux_rows)},
-                                                     self.agent.metadata())
+            rows = advertised(self.aux_rows)                    # (where a prefill of its host writes its rows)
+            self._registration = encode_registration({**self.geometry, **rows}, self.agent.metadata())
             self.landings = Landings(self.agent.notification,
                                      self.agent.host_notification if self.agent.host_words is not None else None)
             # the prefill's messages about this rank's requests, each taken for its current request alone
@@ -452,14 +451,12 @@ class GpuxferKVManager(CommonKVManager):
     # ------------------------------------------------------------------ both
 
     def teardown(self) -> None:
-        """Stop the control threads (bounded joins), close the rows and the agent."""
+        """Stop the control threads (bounded joins), close the agent and the rows (:meth:`.rows.AuxRows.close`)."""
         self._stop.set()
         if hasattr(self, "_heartbeat_shutdown"):
             self._heartbeat_shutdown.set()
         for t in self._threads:
             t.join(timeout=5)
-        if hasattr(self, "pushes"):
-            self.pushes.close_rows()    # (the decode ranks' rows this prefill opened)
         with self._agent_lock:
             self.agent.close()
         if self.aux_rows is not None:
@@ -558,7 +555,7 @@ class GpuxferKVReceiver(CommonKVReceiver):
             self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
             self.ensure_abort_notified()
             return
-        if len(real) == 1:      # the word a row through the agent lands on (:meth:`.inbox.Inbox.landed_by_agent`)
+        if len(real) == 1:      # the word a row in the rows lands on (:meth:`.inbox.Inbox.landed_by_row`)
             self.kv_mgr.inbox.prefill_slot(self.bootstrap_room, slot, seen)
 
     def failure_exception(self):
@@ -586,7 +583,7 @@ class GpuxferKVReceiver(CommonKVReceiver):
         status = super()._poll()
         if (status in (KVPoll.WaitingForInput, KVPoll.Transferring)
                 and (self.kv_mgr.landings.landed(self.bootstrap_room)
-                     or self.kv_mgr.inbox.landed_by_agent(self.bootstrap_room))):
+                     or self.kv_mgr.inbox.landed_by_row(self.bootstrap_room))):
             self.kv_mgr.inbox.end_by_word(self.bootstrap_room)
             status = super()._poll()
         return status

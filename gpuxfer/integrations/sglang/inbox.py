@@ -2,11 +2,12 @@
 room by, the metadata row that request named, and the prefill's messages about it (its metadata row, its landing
 value, its status), each taken only for the room's current request. A room id names one request after another: an
 earlier request's late row, landing value or status (it was given up here first) never writes, ends or fails the new
-one. A request's row comes either in a message or through the agent (:mod:`.rows`: the row a request named, stamped
-with its token, the slot and the value its landing writes); a room whose row came in no message takes it from the
-agent's buffer when its word says it landed or its Success status arrives, and fails where the buffer holds no row
-of its request. No SGLang here: the decode's KV manager (:mod:`.conn`) hands its control messages over and is asked
-about SGLang's state of a room (:class:`DecodeRooms`), SGLang's ``KVPoll`` values handed in.
+one. A request's row comes either in a message or into this rank's rows in host memory (:mod:`.rows`: the row a
+request named, written by the prefill before its last push, stamped with its token, the slot and the value that push
+writes); a room whose row came in no message takes it from the rows when its word says that push landed or its
+Success status arrives, and fails where the rows hold no row of its request. No SGLang here: the decode's KV manager
+(:mod:`.conn`) hands its control messages over and is asked about SGLang's state of a room (:class:`DecodeRooms`),
+SGLang's ``KVPoll`` values handed in.
 """
 from __future__ import annotations
 
@@ -56,9 +57,9 @@ class Inbox:
     def __init__(self, rooms: DecodeRooms, landings: Landings, kv_poll: Any, rows: Optional[AuxRows] = None):
         self.rooms, self.landings, self.kv_poll, self.rows = rooms, landings, kv_poll, rows
         # room -> [its token as a stamp names it, the slot its prefill rank was given (None: none known yet),
-        # the word's value its stamp was last read at]: rooms whose row may come through the agent, until a
-        # message brings it or the room is taken or forgotten
-        self.by_agent: Dict[int, list] = {}
+        # the word's value its stamp was last read at]: rooms whose row may come into the rows, until a message
+        # brings it or the room is taken or forgotten
+        self.by_rows: Dict[int, list] = {}
         self._ended_lock = threading.Lock()         # a room ended by its word against its status message
         # room -> the token of its request ended by its word, whose prefill conclusion is still to be dropped
         self.ended_by_word: Dict[int, Optional[bytes]] = {}
@@ -81,7 +82,7 @@ class Inbox:
             self.aux_index[room] = int(aux_index)
             if first and self.rows is not None and token_number(token) is not None:
                 self.rows.clear(int(aux_index))     # what an earlier request left in the row is no stamp of this one
-                self.by_agent[room] = [token_number(token), None, -1]
+                self.by_rows[room] = [token_number(token), None, -1]
         return token
 
     def forget(self, room: int) -> None:
@@ -93,7 +94,7 @@ class Inbox:
                 del self.ended_by_word[room]
         self.tokens.pop(room, None)
         self.aux_index.pop(room, None)
-        self.by_agent.pop(room, None)
+        self.by_rows.pop(room, None)
 
     def current(self, room: int, token: Optional[bytes]) -> bool:
         """Whether a message naming ``room`` with ``token`` is about the room's current request (a message
@@ -128,18 +129,17 @@ class Inbox:
             if not self.current(room, token):
                 log.debug("gpuxfer: room %s: status %s of an earlier request of the room id dropped", room, status)
                 return
-            if status == self.kv_poll.Success and room in self.by_agent and not self._take(room, landed=False):
+            if status == self.kv_poll.Success and room in self.by_rows and not self._take(room, landed=False):
                 return          # its pushes were waited for: the row is in place, its word at its value, or it fails
             self.rooms.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank,
                                             failure_reason=reason)
 
-    def landed_by_agent(self, room: int) -> bool:
-        """Whether ``room``'s row came through the agent and its word says the push that wrote it landed: the
-        row's stamp names the room's request, the slot its prefill rank was given (:meth:`prefill_slot`) and a
-        value that word holds; then the row is taken (:meth:`_take`). The stamp is read only once the word grew
-        since it was last read (the push that writes it bumps the word after it). A room of several prefill
-        ranks ends by their Success messages."""
-        armed = self.by_agent.get(room)
+    def landed_by_row(self, room: int) -> bool:
+        """Whether ``room``'s row came into the rows and its word says the push posted after it landed: the row's
+        stamp names the room's request, the slot its prefill rank was given (:meth:`prefill_slot`) and a value that
+        word holds; then the row is taken (:meth:`_take`). The row is read only once the word grew since it was
+        last read. A room of several prefill ranks ends by their Success messages."""
+        armed = self.by_rows.get(room)
         if armed is None or armed[1] is None or self.rooms.required_prefill_response_num_table.get(room) != 1:
             return False
         seen = self.landings.word(armed[1])
@@ -163,7 +163,7 @@ class Inbox:
         (None: none): the word its row's landing is read on. ``seen``: the word's value as this rank knew it
         before the metadata left (:meth:`Landings.seen <.landing.Landings.seen>`), which no push of the room can
         have bumped yet: the row is first read once the word grew past it (without it, at the first poll)."""
-        armed = self.by_agent.get(room)
+        armed = self.by_rows.get(room)
         if armed is not None:
             armed[1] = slot
             if seen is not None and slot is not None:
@@ -172,31 +172,26 @@ class Inbox:
     def _take(self, room: int, raw: Optional[bytes] = None, landed: bool = True) -> bool:
         """``room``'s row from the rank's rows into SGLang's (under ``_ended_lock``): False, the room Failed,
         where they hold no row of its request (a row index the prefill did not write, a stamp of another
-        request) or, ``landed`` False (a Success message), where its word does not hold the stamp's value yet:
+        request) or, ``landed`` False (a Success message), where the word of the stamp's slot (read now; any slot
+        this rank handed out: a prefill rank registered again bumps its new slot) does not hold the stamp's value:
         the prefill writes the row before the push it stamps is posted, so only that word says the push landed
         (a push that failed never writes it)."""
-        armed = self.by_agent.pop(room, None)
+        armed = self.by_rows.pop(room, None)
         if armed is None:
             return self.rooms.request_status.get(room) not in (self.kv_poll.Success, self.kv_poll.Failed)
         try:
-            got = self.rows.take(self.aux_index[room], armed[0], raw) if landed else self._landed_row(room, armed)
+            index = self.aux_index[room]
+            if not landed:
+                raw = self.rows.row(index)
+                stamp = decode_stamp(raw)
+                if stamp is None or not self.landings.reached_now(stamp[1], stamp[2]):
+                    raise BadInput(f"metadata row {index} holds no row whose push landed (stamp {stamp!r})")
+            self.rows.take(index, armed[0], raw)
         except (GpuxferError, KeyError) as exc:
             self.rooms.record_failure(room, f"its metadata row did not arrive: {exc}")
             self.rooms.update_status(room, self.kv_poll.Failed)
             return False
-        return got is not None
-
-    def _landed_row(self, room: int, armed: list):
-        """The rows of ``room``'s row taken where its stamp is its request's and the word of the stamp's slot (read
-        now), one this rank handed out, holds the stamp's value (``BadInput`` otherwise, nothing written). The
-        stamp's slot may be another than the one the room was armed on: the prefill rank's registration replaced
-        (SGLang registers the rank again once it dropped its cached bootstrap infos), its rooms in flight bump the
-        new registration's slot."""
-        index, raw = self.aux_index[room], self.rows.row(self.aux_index[room])
-        stamp = decode_stamp(raw)
-        if stamp is None or stamp[0] != armed[0] or not self.landings.reached_now(stamp[1], stamp[2]):
-            raise BadInput(f"metadata row {index} holds no row of this request that landed (stamp {stamp!r})")
-        return self.rows.take(index, armed[0], raw)
+        return True
 
     def end_by_word(self, room: int) -> None:
         """``room`` landed by its notification word: Success, unless a status got there first; then the
@@ -240,7 +235,7 @@ class Inbox:
             if landing is not None:
                 self.landings.check(landing)
             write_aux_rows(self.rooms.kv_args, index, list(rows))
-            self.by_agent.pop(room, None)   # the row came in this message
+            self.by_rows.pop(room, None)   # the row came in this message
         except BadInput as exc:     # the room must not succeed without its row (Failed is final)
             self.rooms.record_failure(room, f"its metadata row could not be written: {exc}")
             self.rooms.update_status(room, self.kv_poll.Failed)

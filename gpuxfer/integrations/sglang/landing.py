@@ -142,17 +142,9 @@ class Landings:
     def reached_now(self, slot: int, value: int) -> bool:
         """:meth:`reached`, the device word read now where no value seen holds ``value`` (no read spacing: a
         status message's check, once per request)."""
-        if not self._handed_out(slot):
-            return False
-        if self._seen[slot] >= value or self.word(slot) >= value:
-            return True
-        try:
-            seen = self._read(slot)
-        except GpuxferError:
-            return False
-        if seen < RELEASE_VALUE:
-            self._seen[slot] = max(self._seen[slot], seen)
-        return self._seen[slot] >= value
+        if self._handed_out(slot) and self._seen[slot] < value:
+            self._read_at[slot] = float("-inf")     # (the next :meth:`word` reads the device word)
+        return self.reached(slot, value)
 
     def word(self, slot: int) -> int:
         """The highest value seen on word ``slot`` (0: not handed out by this rank): its host copy read at every

@@ -113,7 +113,7 @@ class Pushes:
         self._dead: Dict[str, str] = {}                     # decode ranks a push found gone: told nothing more
         self._peers: Dict[str, Any] = {}                    # decode rank -> its KVPeer
         self._notify_slots: Dict[str, Optional[int]] = {}   # decode rank -> the slot its registration gave
-        self._aux_rows: Dict[str, RowSegment] = {}          # decode rank -> its metadata rows, mapped here
+        self._aux_rows: Dict[str, RowSegment] = {}          # decode rank -> its metadata rows, opened here
         # decode rank -> why its registration was refused (the latest ``max_decode_ranks``)
         self._rejected: "OrderedDict[str, str]" = OrderedDict()
         # decode rank kept (in ``_peers`` or ``_rejected``) -> the (ip, port) its registration came from: the one
@@ -147,7 +147,7 @@ class Pushes:
         registration's (the rank's new process, or the same one registering again: no longer a rank found gone);
         its last push of a request bumps notification ``slot`` (None: its rooms end by their Success message);
         ``endpoint``: the (ip, port) its registration came from (None: none to answer it at); ``registration``:
-        its geometry, naming its metadata rows in host memory where it keeps them (mapped here on the IPC route:
+        its geometry, naming its metadata rows in host memory where it keeps them (opened here on the IPC route:
         ``BadMetadata`` where they are not that rank's agent's).
         Returns the peer. A rank new here while ``max_decode_ranks`` are kept takes the place of one found gone;
         where none is, ``BadInput`` (counted in ``refused_over_cap``), nothing of the rank added."""
@@ -197,19 +197,13 @@ class Pushes:
         self._dead.pop(session, None)
 
     def _set_rows(self, session: str, segment: Optional[RowSegment]) -> None:
-        """Decode rank ``session``'s metadata rows mapped here: ``segment`` (None: none, its requests' rows go on
-        the control socket), an earlier one unmapped (under the agent lock, as every write into them)."""
+        """Decode rank ``session``'s metadata rows opened here: ``segment`` (None: none, its requests' rows go on
+        the control socket), an earlier one closed (under the agent lock, as every write into them)."""
         old = self._aux_rows.pop(session, None)
         if old is not None and old is not segment:
             old.close()
         if segment is not None:
             self._aux_rows[session] = segment
-
-    def close_rows(self) -> None:
-        """Unmap every decode rank's metadata rows (the manager's teardown)."""
-        with self._agent_lock:
-            for session in list(self._aux_rows):
-                self._set_rows(session, None)
 
     def _set_endpoint(self, session: str, endpoint: Optional[Tuple[str, int]]) -> None:
         """Every change of the endpoints kept goes through here: the manager closes what it opened to one no

@@ -193,6 +193,10 @@ class RowSegment:
         """Zero row ``index``'s stamp."""
         self._set(self._span(index), _NO_STAMP)
 
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
+
     def close(self) -> None:
         """Close (and, the owner's, drop the name). Idempotent."""
         with self._lock:        # (no read or write holds the descriptor past this: its number is never reused)
@@ -226,6 +230,7 @@ class AuxRows:
         self.rows = min(n // i for n, i in zip(lens, self.items))
         self.row_bytes = STAMP_BYTES + sum(self.items)
         self.segment = None if uid is None else RowSegment.create(uid, self.rows, self.row_bytes)
+        self._opened: List[RowSegment] = []     # peers' segments opened here (a prefill's), closed with this
 
     @classmethod
     def create(cls, kv_args: Any, uid: Optional[str] = None) -> Optional["AuxRows"]:
@@ -244,17 +249,19 @@ class AuxRows:
 
     def open_peer(self, registration: dict, uid: str) -> Optional[RowSegment]:
         """A decode rank's segment as its registration names it (``uid``: its agent's), for a prefill rank: None
-        where it names none, has rows of another size, or cannot be mapped here (another host; logged);
+        where it names none, has rows of another size, or cannot be opened here (another host; logged);
         ``BadMetadata`` where the name or the segment is not that agent's rows."""
         name = registration.get("rows_shm")
         if name is None or registration.get("row_bytes") != self.row_bytes:
             return None
         try:
-            return RowSegment.open(name, uid, registration.get("rows"), self.row_bytes)
+            seg = RowSegment.open(name, uid, registration.get("rows"), self.row_bytes)
         except OSError as exc:
-            log.info("gpuxfer: the decode's metadata rows %s are not mapped here (%s); its rows go in messages",
+            log.info("gpuxfer: the decode's metadata rows %s are not opened here (%s); its rows go in messages",
                      name, exc)
             return None
+        self._opened = [s for s in self._opened if not s.closed] + [seg]
+        return seg
 
     def _check(self, index: int) -> int:
         """``index`` as an int of the rows: ``BadInput`` for anything else (a bool, a float, which truncated would
@@ -296,10 +303,9 @@ class AuxRows:
         stamp, :meth:`take` its rows."""
         return self._segment().read(self._check(index))
 
-    def take(self, index: int, token: int, raw: Optional[bytes] = None) -> Tuple[int, int, int]:
+    def take(self, index: int, token: int, raw: Optional[bytes] = None) -> None:
         """Row ``index``'s rows into SGLang's aux buffers, where its stamp is request ``token``'s (read with the
-        rows: ``raw``, the row as :meth:`row` read it, or read here); returns the stamp. ``BadInput`` otherwise,
-        nothing written."""
+        rows: ``raw``, the row as :meth:`row` read it, or read here); ``BadInput`` otherwise, nothing written."""
         index = self._check(index)
         if raw is None or len(raw) != self.row_bytes:
             raw = self.row(index)
@@ -312,8 +318,9 @@ class AuxRows:
             rows.append(raw[at:at + item])
             at += item
         write_aux_rows(self.kv_args, index, rows)
-        return got
 
     def close(self) -> None:
-        if self.segment is not None:
-            self.segment.close()
+        """Close this rank's segment and the peers' it opened (from any thread: each segment's lock keeps a read
+        or write from meeting its close). Idempotent."""
+        for seg in ([self.segment] if self.segment is not None else []) + self._opened:
+            seg.close()
