@@ -201,12 +201,20 @@ class PrefillEngines:
             with self._lock:
                 name = agent_name(r.key[2], r.rank, r.world)
                 old = self.agent.peers.get(name)
-                if old is not None:                            # the same engine again, after it restarted
-                    if any(x.peer is old and x.inflight for x in self.remotes.values()):
-                        return      # its reads in flight end first (the handshake stays pending until then)
-                    self.agent.remove_peer(name)
-                r.peer = self.agent.add_peer(r.meta, route=self.settings.route, pieces=r.views or None,
-                                             local_pieces=r.local_views or None)
+                twin = old is not None and next((x for x in self.remotes.values() if x is not r and x.peer is old
+                                                 and x.state == "ready" and x.client and x.client.alive), None)
+                if twin and (twin.meta, twin.views, twin.local_views) == (r.meta, r.views, r.local_views):
+                    r.peer = old        # the same prefill rank, its address spelled otherwise: one mapping for both
+                else:
+                    if twin:            # (replacing its peer would fail every load of the engine it reads)
+                        raise ChannelClosed(f"prefill engine {r.key[2]} rank {r.rank} is read at {twin.key[0]}:"
+                                            f"{twin.key[1]} already, where it described other caches")
+                    if old is not None:                        # the same engine again, after it restarted
+                        if any(x.peer is old and x.inflight for x in self.remotes.values()):
+                            return      # its reads in flight end first (the handshake stays pending until then)
+                        self.agent.remove_peer(name)
+                    r.peer = self.agent.add_peer(r.meta, route=self.settings.route, pieces=r.views or None,
+                                                 local_pieces=r.local_views or None)
                 r.ordered = r.peer.route == "ipc"
                 r.clock = lease.SAME_HOST if r.ordered else r.client.peer_clock
                 # device IDs: the triton engine over the peer's mapped caches, kernel blocks alike on both sides
@@ -251,7 +259,8 @@ class PrefillEngines:
             gone = r.state == "ready" and not (r.client and r.client.alive)
             if (gone or r.state == "failed") and r.inflight == 0 and r.loads == 0:
                 del self.remotes[key]
-                if r.peer is not None and self._lock.acquire(blocking=False):
+                shared = any(x.peer is r.peer for x in self.remotes.values())      # (another address of it)
+                if r.peer is not None and not shared and self._lock.acquire(blocking=False):
                     try:
                         self.agent.remove_peer(r.peer)
                     except GpuxferError as exc:
