@@ -45,3 +45,51 @@ def test_params_naming_the_prefill_by_another_address_first_leave_the_genuine_lo
         assert _drive(P, D, {req}) == ({req}, set())
     assert _moved(P, D, [3, 4, 10, 11], [7, 8, 1, 2]) and _zero(D, [5, 6])
     assert len(D.agent.peers) == 1
+
+
+# ------------------------------------------------------------------------------------- params of another prompt
+
+def _request(rid: str, prompt: list[int], params=None, status: str = "WAITING"):
+    import types
+    return types.SimpleNamespace(request_id=rid, prompt_token_ids=prompt, num_prompt_tokens=len(prompt),
+                                 kv_transfer_params=params, status=types.SimpleNamespace(name=status))
+
+
+def test_params_name_their_prompt_under_the_seal():
+    """A prefill's params carry the digest of the request's prompt, under the seal: a client that swaps in the
+    digest of another prompt breaks the seal; one that drops it leaves params that load into no request."""
+    from gpuxfer.integrations.vllm.params import (BadSeal, check_seal, parse_remote_prefill, prompt_digest)
+    from gpuxfer.integrations.vllm.scheduler import SchedulerSide
+    P = SchedulerSide(engine_id="p0", block_sizes=[16], lease_s=60, endpoints=[("127.0.0.1", 5601)])
+    prompt = list(range(1, 41))
+    _, params = P.request_finished(_request("r1", prompt, {"do_remote_decode": True}, "FINISHED_LENGTH_CAPPED"),
+                                   ([3, 4, 5],))
+    assert params["remote_prompt"] == prompt_digest(prompt).hex()
+    check_seal(parse_remote_prefill(params, [16]), P.seal_key)
+    for other in (dict(params, remote_prompt=prompt_digest(prompt[::-1]).hex()),
+                  {k: v for k, v in params.items() if k != "remote_prompt"}):
+        with pytest.raises(BadSeal):
+            check_seal(parse_remote_prefill(other, [16]), P.seal_key)
+
+
+@pytest.mark.parametrize("prompt", ["another", "longer", "unbound"])
+def test_params_of_another_prompt_load_into_no_request_and_are_released(prompt):
+    """A decode request whose prompt is not the one its params were made for (another of the same length, one that
+    extends it, or params that name no prompt) loads nothing: computed locally, its params released."""
+    from gpuxfer.integrations.vllm.scheduler import SchedulerSide
+    P = SchedulerSide(engine_id="p0", block_sizes=[16], lease_s=60, endpoints=[("127.0.0.1", 5601)])
+    D = SchedulerSide(engine_id="d0", block_sizes=[16], lease_s=60, endpoints=None)
+    mine = list(range(1, 41))
+    _, params = P.request_finished(_request("r1", mine, {"do_remote_decode": True}, "FINISHED_LENGTH_CAPPED"),
+                                   ([3, 4, 5],))
+    theirs = {"another": mine[::-1], "longer": mine + [7], "unbound": mine}[prompt]
+    if prompt == "unbound":
+        params = {k: v for k, v in params.items() if k != "remote_prompt"}
+    req = _request("d1", theirs, dict(params))
+    assert D.get_num_new_matched_tokens(req, 0) == (0, False)
+    D.update_state_after_alloc(req, None, 0)
+    out = D.build_payload()
+    assert out["loads"] == [] and [rp.request_id for rp in out["releases"]] == ["r1"]
+    ok = _request("d2", mine, dict(params if prompt != "unbound" else {}))
+    if prompt != "unbound":                     # the same params, their own prompt: loaded
+        assert D.get_num_new_matched_tokens(ok, 0) == (39, True)

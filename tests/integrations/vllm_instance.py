@@ -145,6 +145,11 @@ def decode(D: Instance, reqs, params: dict, timeout: float = 300) -> dict:
     return D.run("decode", [(f"d-{r}", n, s, params[r]) for r, n, s in reqs], timeout=timeout)
 
 
+def prompt_tokens(n_tokens: int, seed: int) -> list[int]:
+    """The prompt of a request of ``n_tokens`` and ``seed`` (the instances' requests are made of it)."""
+    return [(seed + i) % 900 + 1 for i in range(n_tokens)]
+
+
 def resealed(P: Instance, params: dict) -> dict:
     """``params`` a test altered, sealed again with ``P``'s seal key, as ``P`` would have made them (a stand-in for
     genuine params naming what the test wants: a rank that went away)."""
@@ -435,7 +440,7 @@ class _Engine:
         for rid, n_tokens, seed, params in reqs:
             sp = SamplingParams(max_tokens=1)
             sp.update_from_generation_config({}, 999)
-            req = Request(request_id=rid, prompt_token_ids=[(seed + i) % 900 + 1 for i in range(n_tokens)],
+            req = Request(request_id=rid, prompt_token_ids=prompt_tokens(n_tokens, seed),
                           sampling_params=sp, pooling_params=None, mm_features=None)
             req.kv_transfer_params = dict(params) if params is not None else (
                 {"do_remote_decode": True, "do_remote_prefill": False} if kind == "prefill" else None)

@@ -12,6 +12,7 @@ A prefill instance's ``request_finished`` returns::
      "tp_size": int,                              # the prefill instance's tensor parallel size N
      "remote_endpoints": [[host, port], ...],     # with N > 1: where each rank's side channel listens
      "remote_key": str,                           # the hold's key: a done or release message carries it
+     "remote_prompt": str,                        # hex SHA-256 of the request's prompt tokens (prompt_digest)
      "remote_seal": str}                          # hex MAC of all the above under the engine's seal key
 
 ``remote_host`` / ``remote_port`` are rank 0's (``remote_endpoints[0]``). Decode worker rank i reads its KV shard
@@ -20,8 +21,9 @@ i // k (:func:`source_rank`).
 
 The seal (made by :func:`build_params`) is a MAC under a key derived one way from the prefill engine's hold-key
 secret (:func:`seal_key`), over a canonical encoding of what a decode worker acts on (:func:`_canonical`): engine,
-request, the digest of each group's block IDs, block sizes, lease deadline, tensor parallel size, endpoints and hold
-key. The prefill's workers hand the seal key out in their handshake; a decode worker checks a load's params against
+request, the digest of each group's block IDs, block sizes, lease deadline, tensor parallel size, endpoints, hold
+key and the digest of the request's prompt (:func:`prompt_digest`; a decode's scheduler side loads params only into a
+request whose own prompt has that digest). The prefill's workers hand the seal key out in their handshake; a decode worker checks a load's params against
 it before it reads (:func:`check_seal`), so params altered or forged by a client or proxy fail that load alone.
 """
 from __future__ import annotations
@@ -75,6 +77,8 @@ class RemotePrefill:
     # this decode instance's claim token for the request (the scheduler side's, one a request: every rank claims alike;
     # not part of the params a prefill made, nor of the seal)
     token: str | None = None
+    # the digest of the prompt the prefill made the params for (:func:`prompt_digest`; b"": the params name none)
+    prompt: bytes = b""
 
     @property
     def tp_size(self) -> int:
@@ -166,6 +170,8 @@ def parse_remote_prefill(params: Any, local_block_sizes: Sequence[int]) -> Remot
         raise BadTransferParams(f"kv_transfer_params['remote_key'] must be an ASCII string of 1..{MAX_KEY} "
                                 f"characters, got {_show(key)}")
     seal = _seal(params.get("remote_seal"), "kv_transfer_params['remote_seal']")
+    prompt = params.get("remote_prompt")
+    prompt = b"" if prompt is None else _seal(prompt, "kv_transfer_params['remote_prompt']")
     deadline = params.get("lease_deadline")
     if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not _finite(deadline):
         raise BadTransferParams(f"kv_transfer_params['lease_deadline'] must be a finite number, got {_show(deadline)}")
@@ -204,7 +210,7 @@ def parse_remote_prefill(params: Any, local_block_sizes: Sequence[int]) -> Remot
             raise BadTransferParams(f"remote_block_ids[{g}] holds an ID outside [0, {MAX_ID}]")
         arrays.append(a)
     return RemotePrefill(engine_id, host, port, request_id, tuple(arrays), tuple(int(s) for s in sizes),
-                         float(deadline), endpoints, key, seal)
+                         float(deadline), endpoints, key, seal, prompt=prompt)
 
 
 def _endpoints(eps: Any, tp: int) -> tuple[tuple[str, int], ...]:
@@ -294,9 +300,10 @@ def pair_group(local: np.ndarray, remote: np.ndarray, ls: int, rs: int, start: i
 
 def build_params(*, engine_id: str, endpoints: Sequence[tuple[str, int]], request_id: str,
                  block_ids: Sequence[Sequence[int]], block_sizes: Sequence[int], lease_deadline: float,
-                 key: str | None = None, seal_key: bytes) -> dict:
+                 key: str | None = None, seal_key: bytes, prompt: bytes = b"") -> dict:
     """The ``kv_transfer_params`` a prefill instance returns for a finished request, sealed with ``seal_key``
-    (:func:`seal_key`); ``endpoints``: each tensor parallel rank's side channel, by rank; ``key``: the hold's."""
+    (:func:`seal_key`); ``endpoints``: each tensor parallel rank's side channel, by rank; ``key``: the hold's;
+    ``prompt``: the request's :func:`prompt_digest`, which the seal covers."""
     host, port = endpoints[0]
     arrays = [np.asarray(b, dtype=np.int64).reshape(-1) for b in block_ids]
     sizes = [int(s) for s in block_sizes]
@@ -307,10 +314,12 @@ def build_params(*, engine_id: str, endpoints: Sequence[tuple[str, int]], reques
            "remote_block_sizes": sizes, "lease_deadline": float(lease_deadline), "tp_size": len(endpoints)}
     if key is not None:
         out["remote_key"] = key
+    if prompt:
+        out["remote_prompt"] = prompt.hex()
     if len(endpoints) > 1:
         out["remote_endpoints"] = [[h, p] for h, p in eps]
     out["remote_seal"] = hmac.digest(seal_key, _canonical(engine_id, request_id, ids_digest(arrays), sizes,
-                                                          float(lease_deadline), eps, key), "sha256").hex()
+                                                          float(lease_deadline), eps, key, prompt), "sha256").hex()
     return out
 
 
@@ -344,6 +353,14 @@ def _seal(v: Any, what: str) -> bytes:
     return b
 
 
+def prompt_digest(token_ids: Sequence[int] | None) -> bytes:
+    """SHA-256 of a request's prompt token IDs (none: an empty prompt) as little-endian int64s: the seal binds params
+    to the prompt whose KV they name, so a decode loads them only into a request of that prompt (loaded into another,
+    the KV of one prompt would run as another's, and land in the prefix cache under its tokens)."""
+    ids = () if token_ids is None else token_ids
+    return hashlib.sha256(np.fromiter(ids, dtype="<i8", count=len(ids))).digest()
+
+
 def ids_digest(block_ids: Sequence[np.ndarray]) -> bytes:
     """SHA-256 of a request's block IDs as a seal covers them: their group count, then each group's length and IDs
     as little-endian int64s."""
@@ -356,10 +373,11 @@ def ids_digest(block_ids: Sequence[np.ndarray]) -> bytes:
 
 
 def _canonical(engine_id: str, request_id: str, digest: bytes, block_sizes: Sequence[int], lease_deadline: float,
-               endpoints: Sequence[tuple[str, int]], key: str | None) -> bytes:
+               endpoints: Sequence[tuple[str, int]], key: str | None, prompt: bytes = b"") -> bytes:
     """What a seal covers, one encoding for both instances: every string and list length-prefixed, the block IDs'
     :func:`ids_digest`, the deadline as a little-endian double; ``endpoints``: every rank's ``(host, port)``
-    (their count is the tensor parallel size)."""
+    (their count is the tensor parallel size); then, where given, the :func:`prompt_digest` (length-prefixed: the
+    encoding's length tells whether it is there)."""
     u = "utf-8", "surrogatepass"                   # (a JSON string may hold lone surrogates)
     e, r, k = engine_id.encode(*u), request_id.encode(*u), (key or "").encode(*u)
     digest = bytes(memoryview(digest))             # its bytes whatever their length (a fixed "32s" pads or cuts)
@@ -370,8 +388,11 @@ def _canonical(engine_id: str, request_id: str, digest: bytes, block_sizes: Sequ
     # every string a little-endian uint32 length, then its bytes
     fmt = "".join([f"I{len(h)}sI" for h in hosts])
     fmt = f"<17sI{len(e)}sI{len(r)}s{len(digest)}sI{len(block_sizes)}qdI{fmt}I{len(k)}s"
-    return struct.pack(fmt, b"gpuxfer-params-1\0", len(e), e, len(r), r, digest, len(block_sizes), *block_sizes,
-                       lease_deadline, len(endpoints), *ranks, len(k), k)
+    out = struct.pack(fmt, b"gpuxfer-params-1\0", len(e), e, len(r), r, digest, len(block_sizes), *block_sizes,
+                      lease_deadline, len(endpoints), *ranks, len(k), k)
+    if prompt:
+        out += struct.pack("<I", len(prompt)) + bytes(prompt)
+    return out
 
 
 def for_release(rp: RemotePrefill) -> RemotePrefill:
@@ -386,7 +407,7 @@ def seal_of(rp: RemotePrefill, key: bytes) -> bytes:
     eps = rp.endpoints or ((rp.host, rp.port),)
     digest = ids_digest(rp.block_ids) if rp.ids_digest is None else rp.ids_digest
     return hmac.digest(key, _canonical(rp.engine_id, rp.request_id, digest, rp.block_sizes, rp.lease_deadline, eps,
-                                       rp.key), "sha256")
+                                       rp.key, rp.prompt), "sha256")
 
 
 def check_seal(rp: RemotePrefill, key: bytes | None) -> None:
@@ -396,5 +417,5 @@ def check_seal(rp: RemotePrefill, key: bytes | None) -> None:
         raise BadSeal(f"prefill engine {rp.engine_id}'s handshake carried no seal key: its params cannot be checked")
     if rp.seal is None or not hmac.compare_digest(seal_of(rp, key), rp.seal):
         raise BadSeal(f"the kv_transfer_params of request {rp.request_id!r} do not carry prefill engine "
-                      f"{rp.engine_id}'s seal over what they name (altered, forged, or from before the engine "
-                      "restarted)")
+                      f"{rp.engine_id}'s seal over what they name and this request's prompt (altered, forged, made "
+                      "for another prompt, or from before the engine restarted)")

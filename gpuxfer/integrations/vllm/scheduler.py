@@ -13,8 +13,8 @@ import numpy as np
 
 from . import lease
 from .holds import make_key
-from .params import (BadTransferParams, RemotePrefill, build_params, for_release, parse_remote_prefill, seal_key,
-                     tokens_to_load)
+from .params import (BadTransferParams, RemotePrefill, build_params, for_release, parse_remote_prefill, prompt_digest,
+                     seal_key, tokens_to_load)
 from .loads import Load
 
 log = logging.getLogger("gpuxfer.vllm")
@@ -33,6 +33,7 @@ class SchedulerSide:
         self.lease_s = lease_s
         self.endpoints = list(endpoints) if endpoints else None
         self._parsed: dict[str, RemotePrefill] = {}
+        self._foreign: set[str] = set()             # requests whose params name another prompt's KV
         self._loads: list[Load] = []
         self._holds: dict[str, tuple[float, str]] = {}
         self._releases: list[RemotePrefill] = []
@@ -55,6 +56,8 @@ class SchedulerSide:
                           "locally", self.engine_id, request.request_id, exc)
                 return None
             self._parsed[request.request_id] = rp
+            if rp.prompt != prompt_digest(getattr(request, "prompt_token_ids", None)):
+                self._foreign.add(request.request_id)
         return rp
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -63,6 +66,9 @@ class SchedulerSide:
             return 0, False
         try:
             n = tokens_to_load(request.num_prompt_tokens, num_computed_tokens, self.block_sizes, rp)
+            if n > 0 and request.request_id in self._foreign:
+                # (the seal covers the params' prompt digest: genuine params of another prompt name another KV)
+                raise BadTransferParams("its kv_transfer_params were made for another prompt")
         except BadTransferParams as exc:
             self.bad_params += 1
             log.error("gpuxfer: engine %s: request %s: %s; computing its prompt locally", self.engine_id,
@@ -76,6 +82,7 @@ class SchedulerSide:
             return
         request.kv_transfer_params["do_remote_prefill"] = False      # a preempted request computes again
         self._parsed.pop(request.request_id, None)
+        self._foreign.discard(request.request_id)
         rp = _claimed(rp)
         if num_external_tokens > 0:
             ids = blocks.get_block_ids()
@@ -95,6 +102,7 @@ class SchedulerSide:
         params = request.kv_transfer_params
         rid = request.request_id
         self._parsed.pop(rid, None)
+        self._foreign.discard(rid)
         if not params or not isinstance(params, dict):
             return False, None
         if params.get("do_remote_prefill"):
@@ -121,7 +129,8 @@ class SchedulerSide:
         self._holds[rid] = (deadline, key)
         return True, build_params(engine_id=self.engine_id, endpoints=self.endpoints, request_id=rid,
                                   block_ids=block_ids, block_sizes=self.block_sizes, lease_deadline=deadline,
-                                  key=key, seal_key=self.seal_key)
+                                  key=key, seal_key=self.seal_key,
+                                  prompt=prompt_digest(getattr(request, "prompt_token_ids", None)))
 
 
 def _claimed(rp: RemotePrefill) -> RemotePrefill:
