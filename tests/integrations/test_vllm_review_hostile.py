@@ -93,3 +93,56 @@ def test_params_of_another_prompt_load_into_no_request_and_are_released(prompt):
     ok = _request("d2", mine, dict(params if prompt != "unbound" else {}))
     if prompt != "unbound":                     # the same params, their own prompt: loaded
         assert D.get_num_new_matched_tokens(ok, 0) == (39, True)
+
+
+# ------------------------------------------------------------------------------------------------------ shutdown
+
+def test_a_shutdown_closes_prefill_ends_that_stopped_reading_together():
+    """A decode worker's shutdown with several prefill ends that answered their handshake and then stopped reading
+    (their socket full of queued done messages): each client's sender gets its grace to send what was queued, but
+    the shutdown waits for one grace, not one a prefill end; and every sender thread ends."""
+    import socket
+    import threading
+    import time
+
+    from gpuxfer.integrations.vllm import engines as engines_mod
+    from gpuxfer.integrations.vllm.client import SideChannelClient
+    from gpuxfer.integrations.vllm.frames import _CLOCK, frame
+
+    stop = threading.Event()
+    listeners, threads, clients = [], [], []
+
+    def serve(ls):
+        c, _ = ls.accept()
+        c.recv(100)
+        c.sendall(frame(b"{}") + frame(b"m") + frame(_CLOCK.pack(1.0)))
+        stop.wait(60)               # reads nothing more
+        c.close()
+
+    try:
+        for _ in range(6):
+            ls = socket.create_server(("127.0.0.1", 0))
+            listeners.append(ls)
+            t = threading.Thread(target=serve, args=(ls,), daemon=True)
+            t.start()
+            threads.append(t)
+            c = SideChannelClient("127.0.0.1", ls.getsockname()[1], 30.0)
+            c.handshake()
+            for _ in range(100):
+                c.notify("done", ["x" * 500] * 1000)
+            clients.append(c)
+        engines = engines_mod.PrefillEngines.__new__(engines_mod.PrefillEngines)
+        engines.remotes = {i: engines_mod._Remote(key=("127.0.0.1", i, "p"), client=c) for i, c in enumerate(clients)}
+        t0 = time.monotonic()
+        engines.close()
+        took = time.monotonic() - t0
+        assert all(not c._sender.is_alive() for c in clients)
+        # a grace of a second a client, one after the other, takes six seconds at least whatever the machine (each
+        # sender stays stuck until its grace ran out); one shared grace takes one
+        assert took < 6.0, took
+    finally:
+        stop.set()
+        for ls in listeners:
+            ls.close()
+        for t in threads:
+            t.join(timeout=10)

@@ -353,18 +353,39 @@ class SideChannelClient:
 
     def close(self) -> None:
         """Send what :meth:`notify` queued (for at most a second), then close."""
-        self._fail(_BY_US)
-        if self._sender is not None:
-            self._wake.put(False)
-            self._sender.join(timeout=1.0)
-            self._stopping = True
-            self._sender.join(timeout=1.0)
-        if self._sock is None:                  # (closed while its host name was resolved)
-            return
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)      # a send still under way fails now
-        except OSError:
-            pass
-        if self._sender is not None:
-            self._sender.join(timeout=0.2)
-        self._sock.close()
+        close_all([self])
+
+
+def close_all(clients: list[SideChannelClient]) -> None:
+    """Close ``clients`` together: each sends what :meth:`~SideChannelClient.notify` queued within one shared second
+    (a second each, one after the other, would hold a shutdown for as many seconds as prefill ends stopped reading).
+    Any other object with a ``close`` is closed on its own."""
+    for c in [c for c in clients if not isinstance(c, SideChannelClient)]:
+        c.close()
+    clients = [c for c in clients if isinstance(c, SideChannelClient)]
+    senders = [c._sender for c in clients if c._sender is not None]
+    for c in clients:
+        c._fail(_BY_US)
+        if c._sender is not None:
+            c._wake.put(False)
+    _join(senders, 1.0)
+    for c in clients:
+        c._stopping = True
+    _join(senders, 1.0)
+    for c in clients:
+        if c._sock is not None:                 # (None: closed while its host name was resolved)
+            try:
+                c._sock.shutdown(socket.SHUT_RDWR)      # a send still under way fails now
+            except OSError:
+                pass
+    _join(senders, 0.2)
+    for c in clients:
+        if c._sock is not None:
+            c._sock.close()
+
+
+def _join(threads: list[threading.Thread], timeout_s: float) -> None:
+    """Join ``threads`` within ``timeout_s`` in all."""
+    end = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(timeout=max(0.0, end - time.monotonic()))

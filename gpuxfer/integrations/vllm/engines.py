@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from ...errors import GpuxferError
 from . import lease
-from .client import SideChannelClient
+from .client import SideChannelClient, close_all
 from .frames import ChannelClosed
 from .handshake import agent_name, check_compatible, decode_info, readers
 from .params import BadSeal, BadTransferParams, RemotePrefill, check_seal, seal_key_from_hex, source_ranks
@@ -283,6 +283,4 @@ class PrefillEngines:
         """Close every engine's side channel (from any thread: the engine thread's steps may still name new
         engines, which then fail without a connection)."""
         self.closed = True
-        for r in list(self.remotes.values()):
-            if r.client is not None:
-                r.client.close()
+        close_all([r.client for r in list(self.remotes.values()) if r.client is not None])
