@@ -146,3 +146,36 @@ def test_a_shutdown_closes_prefill_ends_that_stopped_reading_together():
             ls.close()
         for t in threads:
             t.join(timeout=10)
+
+
+# ---------------------------------------------------------------------------------------- handshakes under way
+
+@pytest.mark.xfail(strict=True, reason="handshakes begin before a load's seal can be checked, at endpoints the params "
+                                       "name, and one request's params may name up to MAX_TP prefill ranks: they take "
+                                       "every one of a worker's MAX_HANDSHAKES slots for the handshake timeout")
+def test_one_requests_params_cannot_take_every_handshake_slot(workers):
+    """Forged params of one request naming 128 prefill ranks, each a listener that accepts and never answers (a
+    decode of TP 1 reads every rank of a prefill of more): their handshakes are under way for the handshake timeout.
+    A genuine load of another prefill engine in the meantime must still handshake, not fail at once for want of a
+    slot."""
+    import socket
+    import time
+
+    from gpuxfer.integrations.vllm.loads import Load
+    from gpuxfer.integrations.vllm.params import RemotePrefill
+
+    P, D = workers(device_ids=False)
+    silent = [socket.create_server(("127.0.0.1", 0), backlog=4) for _ in range(128)]
+    try:
+        eps = tuple(("127.0.0.1", s.getsockname()[1]) for s in silent)
+        rp = RemotePrefill("q", *eps[0], "q-x", (np.arange(1, 3, dtype=np.int64),), (16,), time.monotonic() + 60, eps,
+                           seal=b"\0" * 32)
+        D.start_loads([Load("x", rp, (np.array([5, 6], dtype=np.int64),), 0, 31)])
+        D.start_loads([_load(P, "a", [3, 4], [7, 8])])
+        got = _drive(P, D, {"a"})
+        assert got == ({"a"}, set()), got
+        assert _moved(P, D, [3, 4], [7, 8])
+        assert _drive(P, D, {"x"}) == ({"x"}, {"x"})
+    finally:
+        for s in silent:
+            s.close()
