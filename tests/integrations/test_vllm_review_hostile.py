@@ -179,3 +179,19 @@ def test_one_requests_params_cannot_take_every_handshake_slot(workers):
     finally:
         for s in silent:
             s.close()
+
+
+def test_a_prefill_rank_answering_at_another_address_with_other_caches_takes_over(workers):
+    """A prefill engine's rank handshaking at a second address with other caches (restarted elsewhere while its old
+    connection still looks alive): its caches are mapped in place of the old ones, the old record fails over to a
+    new handshake, and loads of both addresses land their own bytes."""
+    P, D = workers(device_ids=False)
+    P2, _ = workers(device_ids=False)              # another prefill of engine id "p" (and a decode left unused)
+    D.start_loads([_load(P, "a", [3, 4], [7, 8])])
+    assert _drive(P, D, {"a"}) == ({"a"}, set())
+    D.start_loads([_load(P2, "b", [5, 6], [9, 10])])
+    assert _drive(P2, D, {"b"}) == ({"b"}, set())
+    assert _moved(P2, D, [5, 6], [9, 10])
+    D.start_loads([_load(P, "c", [10, 11], [1, 2])])
+    assert _drive(P, D, {"c"}) == ({"c"}, set())
+    assert _moved(P, D, [3, 4, 10, 11], [7, 8, 1, 2])

@@ -206,12 +206,17 @@ class PrefillEngines:
                 if twin and (twin.meta, twin.views, twin.local_views) == (r.meta, r.views, r.local_views):
                     r.peer = old        # the same prefill rank, its address spelled otherwise: one mapping for both
                 else:
-                    if twin:            # (replacing its peer would fail every load of the engine it reads)
-                        raise ChannelClosed(f"prefill engine {r.key[2]} rank {r.rank} is read at {twin.key[0]}:"
-                                            f"{twin.key[1]} already, where it described other caches")
                     if old is not None:                        # the same engine again, after it restarted
                         if any(x.peer is old and x.inflight for x in self.remotes.values()):
                             return      # its reads in flight end first (the handshake stays pending until then)
+                        if twin:        # (at another address, its old connection not seen dead): the old record
+                            # goes, its loads fail and the next naming it handshakes again (left ready over a
+                            # removed peer, every later load of it would fail)
+                            twin.state = "failed"
+                            twin.error = (f"prefill engine {r.key[2]} rank {r.rank} answered a handshake at "
+                                          f"{r.key[0]}:{r.key[1]} with other caches")
+                            log.warning("gpuxfer: engine %s: %s; forgetting it at %s:%d", self.engine_id,
+                                        twin.error, twin.key[0], twin.key[1])
                         self.agent.remove_peer(name)
                     r.peer = self.agent.add_peer(r.meta, route=self.settings.route, pieces=r.views or None,
                                                  local_pieces=r.local_views or None)
