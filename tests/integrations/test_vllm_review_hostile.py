@@ -195,3 +195,20 @@ def test_a_prefill_rank_answering_at_another_address_with_other_caches_takes_ove
     D.start_loads([_load(P, "c", [10, 11], [1, 2])])
     assert _drive(P, D, {"c"}) == ({"c"}, set())
     assert _moved(P, D, [3, 4, 10, 11], [7, 8, 1, 2])
+
+
+def test_caches_registered_again_are_refused_and_loads_go_on(workers):
+    """``register_kv_caches`` a second time: refused with a typed error (a second agent and side channel would leave
+    the first open, and every later load of a prefill engine already handshaken with would fail over the first
+    agent's peer); the worker's loads go on as before."""
+    from gpuxfer.errors import BadInput
+    P, D = workers(device_ids=False)
+    D.start_loads([_load(P, "a", [3, 4], [7, 8])])
+    assert _drive(P, D, {"a"}) == ({"a"}, set())
+    server = D.server
+    with pytest.raises(BadInput, match="register_kv_caches was called again"):
+        D.register(D.caches)
+    assert D.server is server
+    D.start_loads([_load(P, "b", [5, 6], [9, 10])])
+    assert _drive(P, D, {"b"}) == ({"b"}, set())
+    assert _moved(P, D, [3, 4, 5, 6], [7, 8, 9, 10])

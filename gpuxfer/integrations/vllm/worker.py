@@ -71,6 +71,11 @@ class WorkerSide:
     def register(self, kv_caches: Mapping[str, Any]) -> None:
         """Register every KV-cache group's layers with a new agent and open the side channel. Kernel
         loading for transfers happens here and at each handshake, not in a request."""
+        if self.agent is not None:
+            # (a second agent and side channel: the first would stay open, and the peers its handshakes mapped belong
+            # to it, so every later load of an engine already known would fail)
+            raise BadInput(f"GpuxferConnector of engine {self.engine_id}: register_kv_caches was called again; its "
+                           "caches are registered once, for the life of the worker")
         t0 = time.perf_counter()
         import torch
         from ...platforms import current
