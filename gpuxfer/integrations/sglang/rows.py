@@ -21,7 +21,10 @@ The stamp names the request (the decode's token), the notification slot and the 
 complement: a zeroed stamp reads as no stamp, a stamp read while it is written (bytes of it still zero) fails the
 complement check, and a stamp read the same before and after the rows says the rows read between were not being
 rewritten (a writer zeroes the stamp before it writes rows; each of the three steps on either side goes through a
-lock, whose release and acquire order the writes and the reads on any CPU). The word reaching the value says the
+lock, whose release and acquire order the writes and the reads on any CPU). It also holds a digest of the rows it
+was written with: two writers of one row (a request given up on the decode whose prefill still writes the row index
+SGLang handed the next request) whose steps interleave leave one's rows under the other's stamp, read the same
+before and after them, and the digest refuses those. The word reaching the value says the
 push that was posted after the rows landed; a push that failed never writes the value (its slot is retired). No
 SGLang here.
 """
@@ -42,7 +45,7 @@ from ...errors import BadInput, BadMetadata, GpuxferError
 from .layout import _ints, read_aux_rows, write_aux_rows
 
 STAMP_BYTES = 64
-_MAGIC = 0x31574F5258475F  # b"_GXROW1" little-endian
+_MAGIC = 0x32574F5258475F  # b"_GXROW2" little-endian
 _MASK = (1 << 64) - 1
 _FMT = "<8Q"
 _NO_STAMP = bytes(STAMP_BYTES)
@@ -67,15 +70,28 @@ def token_number(token: Optional[bytes]) -> Optional[int]:
     return int(token)
 
 
-def encode_stamp(token: int, slot: int, value: int) -> bytes:
-    words = [_MAGIC, token, slot, value]
-    return struct.pack(_FMT, *[w for v in words for w in (v & _MASK, ~v & _MASK)])
+def _digest(token: int, slot: int, value: int, rows: bytes) -> int:
+    """What binds a stamp to the rows written with it: a digest of both."""
+    head = struct.pack("<3Q", token & _MASK, slot & _MASK, value & _MASK)
+    return int.from_bytes(hashlib.blake2b(head + bytes(rows), digest_size=8, person=b"gpuxfer-row").digest(), "little")
+
+
+def encode_stamp(token: int, slot: int, value: int, rows: bytes = b"") -> bytes:
+    """The stamp of ``rows`` written for request ``token`` landing at ``value`` of notification ``slot``: the magic,
+    a digest of the rows and the three numbers, then each number beside its complement."""
+    words = [_MAGIC, _digest(token, slot, value, rows)]
+    words += [w for v in (token, slot, value) for w in (v & _MASK, ~v & _MASK)]
+    return struct.pack(_FMT, *words)
 
 
 def decode_stamp(raw: bytes) -> Optional[Tuple[int, int, int]]:
-    """``(token, slot, value)`` of a whole stamp; None for a zeroed, torn or foreign one."""
+    """``(token, slot, value)`` of ``raw``'s whole stamp (a row as :meth:`RowSegment.read` returns it: the stamp,
+    then the rows it names); None for a zeroed, torn or foreign one, or one written with other rows (two writers'
+    steps interleaved: one's rows under the other's stamp)."""
     w = struct.unpack(_FMT, raw[:STAMP_BYTES])
-    if any(w[i] != (~w[i + 1] & _MASK) for i in range(0, 8, 2)) or w[0] != _MAGIC:
+    if w[0] != _MAGIC or any(w[i] != (~w[i + 1] & _MASK) for i in range(2, 8, 2)):
+        return None
+    if w[1] != _digest(w[2], w[4], w[6], raw[STAMP_BYTES:]):
         return None
     return w[2], w[4], w[6]
 
@@ -281,7 +297,7 @@ class AuxRows:
         if len(data) != self.row_bytes - STAMP_BYTES:     # SGLang's aux lists changed since the rows were made
             raise BadInput(f"metadata row {index}: {len(data)} bytes of rows read for a "
                            f"{self.row_bytes - STAMP_BYTES}-byte row")
-        segment.write(dst, encode_stamp(token, slot, value), data)
+        segment.write(dst, encode_stamp(token, slot, value, data), data)
 
     # -- decode
 

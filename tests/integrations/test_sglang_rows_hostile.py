@@ -1,0 +1,95 @@
+"""A second hostile review of the metadata rows in the decode's host memory (:mod:`gpuxfer.integrations.sglang.rows`):
+two prefill processes writing one decode row at once (a request given up on the decode, whose row index SGLang hands
+the next request while the given-up request's prefill is still writing it). Over
+tests/integrations/test_sglang_rows.py's two real agents (host emulation).
+"""
+from __future__ import annotations
+
+import pytest
+
+from _requires import require
+
+require("sglang", "GPUXFER_REQUIRE_SGLANG", "sglang==0.5.23")
+
+from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
+
+from gpuxfer.integrations.sglang.rows import STAMP_BYTES, RowSegment, encode_stamp  # noqa: E402
+from test_sglang_rows import AUX, DST_ROW, ROOM, ROWS, SLOT, SRC_ROW, RowAgents  # noqa: E402
+
+
+@pytest.fixture
+def rows():
+    mgr = RowAgents()
+    yield mgr
+    mgr.close()
+
+
+def _stale_writer(mgr):
+    """Another prefill process's handle on the decode's rows (it opened them from its own registration of the rank),
+    and the rows of the request it still writes: its own bytes, never this request's."""
+    seg = mgr.dec_rows.segment
+    other = RowSegment.open(seg.name, mgr.dec.uid, mgr.dec_rows.rows, mgr.dec_rows.row_bytes)
+    return other, bytes([0xA5]) * (mgr.dec_rows.row_bytes - STAMP_BYTES)
+
+
+@pytest.mark.parametrize("ends_by", ["word", "success-message"])
+def test_rows_another_prefill_wrote_between_this_requests_rows_and_stamp_never_end_success(rows, monkeypatch,
+                                                                                           ends_by):
+    """Request A was given up on the decode (an abort without the deferred release, its waiting timeout) while its
+    prefill P1 was writing A's row; SGLang hands A's row index to request B, whose prefill P2 writes B's row. The
+    three writes of each (stamp zeroed, rows, stamp) interleave: P2 zeroes the stamp and writes B's rows, P1 zeroes
+    the stamp and writes A's rows, P2 writes B's stamp (P1's stamp comes later: its thread waits for the GIL behind
+    SGLang's scheduler, or P1 died). The row then holds A's rows under B's whole stamp, read the same before and
+    after them: B must not end Success over A's rows, by its word nor by its Success message."""
+    token = rows.name()
+    other, stale = _stale_writer(rows)
+    seg = rows.pushes._aux_rows["decode"]
+    at = DST_ROW * rows.dec_rows.row_bytes
+    real_set, calls = seg._set, []
+
+    def set_then_stale(where, data):
+        real_set(where, data)
+        calls.append(where)
+        if len(calls) == 2:                 # B's rows written, its stamp not yet: P1's zero and rows
+            other._set(at, bytes(STAMP_BYTES))
+            other._set(at + STAMP_BYTES, stale)
+    monkeypatch.setattr(seg, "_set", set_then_stale)
+    try:
+        rows.send(token)
+        assert rows.request_status[ROOM] == KVPoll.Success      # (the prefill's side went as always)
+        if ends_by == "word":
+            landed = rows.landed(tries=50)
+            if landed:
+                rows.decode.inbox.end_by_word(ROOM)
+        else:
+            rows.decode.inbox.on_message([ROOM, KVPoll.Success, 0, None, token])
+        # (the fake decode manager records the Success a status message applies)
+        ended = KVPoll.Success if (ROOM, KVPoll.Success) in rows.decode.applied else rows.decode.request_status[ROOM]
+        got = rows.row(rows.dst_aux, DST_ROW)
+        assert got != [stale[:AUX[0]], stale[AUX[0]:]], (ended, got)
+        assert ended != KVPoll.Success or got == rows.row(rows.src_aux, SRC_ROW), (ended, got)
+    finally:
+        other.close()
+
+
+def test_a_whole_row_still_ends_success_by_its_word_and_by_its_success_message(rows):
+    """(The check above refuses torn rows only: a row written whole by its own prefill lands, byte for byte.)"""
+    token = rows.name()
+    rows.send(token)
+    assert rows.landed()
+    rows.decode.inbox.end_by_word(ROOM)
+    assert rows.decode.request_status[ROOM] == KVPoll.Success
+    assert rows.row(rows.dst_aux, DST_ROW) == rows.row(rows.src_aux, SRC_ROW)
+
+
+def test_a_stamp_names_the_rows_it_was_written_with():
+    """A stamp is bound to its rows: the same stamp over other rows (a byte of them changed) is no stamp."""
+    from gpuxfer.integrations.sglang.rows import decode_stamp
+    rows_bytes = bytes(range(56))
+    whole = encode_stamp(7, SLOT, 3, rows_bytes) + rows_bytes
+    assert decode_stamp(whole) == (7, SLOT, 3)
+    for at in range(STAMP_BYTES, len(whole)):
+        torn = bytearray(whole)
+        torn[at] ^= 0x01
+        assert decode_stamp(bytes(torn)) is None, at
+    assert ROWS > DST_ROW
