@@ -93,3 +93,39 @@ def test_a_stamp_names_the_rows_it_was_written_with():
         torn[at] ^= 0x01
         assert decode_stamp(bytes(torn)) is None, at
     assert ROWS > DST_ROW
+
+
+_WORDS_SHRUNK = r"""
+import os
+from gpuxfer.errors import GpuxferError
+from gpuxfer.integrations.sglang.landing import Landings
+from gpuxfer.kv import KVAgent
+from gpuxfer.platforms import get_platform
+dec = KVAgent("sglang-decode-test", platform=get_platform("host"), timeout_s=5, host_notify=True)
+landings = Landings(dec.notification, dec.host_notification)
+slot = landings.new_slot()
+print("word", landings.word(slot), flush=True)
+fd = os.open("/dev/shm" + dec.host_words.name, os.O_RDWR)   # (any process of the user: a prefill opens it read-write)
+os.ftruncate(fd, 0)
+os.close(fd)
+try:
+    print("word", landings.word(slot), flush=True)
+except GpuxferError as exc:
+    print("refused", type(exc).__name__, flush=True)
+dec.close()
+print("ended")
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="a KV agent's host notification words are a mapping of a POSIX shared-memory "
+                   "segment (gpuxfer.hostwords.HostWords) that any process of the user can cut short: the decode's "
+                   "poll then loads past the segment's end, a SIGBUS (the rows use pread/pwrite for this reason)")
+def test_host_words_another_process_cut_short_are_no_signal_in_the_decodes_poll():
+    """The decode's poll reads its notification words' host copy with a load (:class:`.landing.Landings`). A process
+    of the same user (a hostile or broken prefill of the host, which opened the segment to write it) truncates the
+    segment: the poll must return or raise a typed error, never end the decode with a SIGBUS. In a child process."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _WORDS_SHRUNK], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert r.stdout.splitlines()[-1] == "ended" and "Traceback" not in r.stderr, (r.stdout, r.stderr)
