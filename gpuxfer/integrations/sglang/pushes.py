@@ -294,6 +294,15 @@ class Pushes:
             return
         posted = self._posted.setdefault(room, _Posted(infos))
         posted.chunks += 1
+        start = chunk.index_slice.start
+        if start != posted.sent:
+            # a chunk of the request was never posted (SGLang's send() before the decode named its pages: queued with
+            # no destination, dropped): the pages there would never be written, and the last push's word and Success
+            # would say they were
+            raise BadInput(f"room {room}: a chunk sends pages {start}..{chunk.index_slice.stop} of the decode's "
+                           f"list; its pages from {posted.sent} on were never sent (a chunk sent before the decode "
+                           "named them)")
+        posted.sent = chunk.index_slice.stop
         for info in infos.values():
             if not info.is_dummy:
                 try:

@@ -200,10 +200,11 @@ def _drain_marker(room: int) -> _Chunk:
 @dataclass
 class _Posted:
     """A room's pushes posted and not yet waited for (the transfer thread's alone): ``chunks`` is what the
-    room counts in ``_staging_outstanding`` for them, ``handles`` the posts' ``(TransferInfo, handle)``,
-    ``infos`` the room's decode destinations of the request that posted them (a room id names one request
-    after another)."""
+    room counts in ``_staging_outstanding`` for them, ``handles`` the posts' ``(TransferInfo, handle)``, ``sent``
+    where in the decode's page list the chunks posted so far end (the next one starts there), ``infos`` the
+    room's decode destinations of the request that posted them (a room id names one request after another)."""
 
     infos: Any = None
     chunks: int = 0
     handles: List[tuple] = field(default_factory=list)
+    sent: int = 0
