@@ -306,15 +306,15 @@ class GpuxferKVManager(CommonKVManager):
                              is_last_chunk: bool, aux_index: Optional[int] = None,
                              state_indices: Optional[List] = None, num_kv_tokens: Optional[int] = None,
                              wait_event: Any = None, **_: Any) -> None:
-        """One ``send()`` chunk, queued for the transfer thread (the scheduler's thread does not wait).
-        ``wait_event``: what SGLang hands with an early send of cached prefix pages under its overlap
-        scheduler (recorded on the forward stream, whose previous step may still write them): the thread
-        waits for it before it posts the chunk."""
-        if state_indices:
-            self.record_failure(bootstrap_room, "the gpuxfer backend does not move state buffers")
-            self.update_status(bootstrap_room, KVPoll.Failed)
+        """One ``send()`` chunk, queued for the transfer thread (the scheduler's thread does not wait); one sent
+        before every decode rank named its pages (SGLang's ``send`` looks at no status) fails the request.
+        ``wait_event``: an early send's, of cached prefix pages the previous forward may still write: waited for."""
+        status = self.request_status.get(bootstrap_room)
+        if state_indices or status == KVPoll.Bootstrapping:     # (the chunk would go to none or some decode ranks)
+            self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason="the gpuxfer backend does not move "
+                                  "state buffers" if state_indices else "a chunk was sent before the decode's pages")
             return
-        if bootstrap_room not in self.request_status:
+        if status is None:
             return
         # a copy as given: the agent checks the IDs' type and range (a cast could turn them into other pages)
         self.pushes.put(_Chunk(bootstrap_room, np.array(kv_indices), index_slice, bool(is_last_chunk), aux_index,
