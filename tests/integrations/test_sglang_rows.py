@@ -66,8 +66,12 @@ class RowAgents(RealAgents):
             self.dec_rows.close()
 
     def stamp_row(self, stamp, index=DST_ROW):
-        """Write ``stamp`` over the decode's row ``index``'s stamp (as a prefill would)."""
-        self.dec_rows.segment._set(index * self.dec_rows.row_bytes, stamp)
+        """Write ``stamp`` over the decode's row ``index``'s stamp (as a prefill would): bytes, or ``(token, slot,
+        value)``, a whole stamp of the rows the row holds now."""
+        seg = self.dec_rows.segment
+        if isinstance(stamp, tuple):
+            stamp = encode_stamp(*stamp, seg.read(index)[STAMP_BYTES:])
+        seg._set(index * self.dec_rows.row_bytes, stamp)
 
     def segment_bytes(self):
         return self.dec_rows.segment._get(0, self.dec_rows.segment.nbytes)
@@ -124,7 +128,7 @@ def _earlier_row(mgr):
     """An earlier request's row and a whole stamp of another token left at the decode's row."""
     for t, n in zip(mgr.dst_aux, AUX):
         t[DST_ROW * n:(DST_ROW + 1) * n] = 0xEE
-    mgr.stamp_row(encode_stamp(999, SLOT, 1))
+    mgr.stamp_row((999, SLOT, 1))
 
 
 def test_the_rows_go_before_the_last_push_and_land_byte_for_byte(rows, monkeypatch):
@@ -283,7 +287,7 @@ def test_a_row_stamped_for_another_request_never_ends_success(rows, other):
     rows.send(token)
     value = rows.dec.notification(SLOT)
     # another token at the value the word holds; or the token on another word, at a value that word holds
-    stamp = encode_stamp(int(token) + 1, SLOT, value) if other == "token" else encode_stamp(int(token), SLOT + 1, 0)
+    stamp = (int(token) + 1, SLOT, value) if other == "token" else (int(token), SLOT + 1, 0)
     rows.stamp_row(stamp)
     if other == "slot":
         assert not rows.landed(tries=20)

@@ -129,3 +129,16 @@ def test_host_words_another_process_cut_short_are_no_signal_in_the_decodes_poll(
     r = subprocess.run([sys.executable, "-c", _WORDS_SHRUNK], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     assert r.stdout.splitlines()[-1] == "ended" and "Traceback" not in r.stderr, (r.stdout, r.stderr)
+
+
+def test_a_success_message_for_a_room_the_decode_already_failed_writes_no_row(rows):
+    """The decode gave the request up (its abort, its waiting timeout: Failed) while its prefill, which had not seen
+    the ABORT yet, wrote its row and sent Success. The row index is the given-up request's until SGLang releases it,
+    and then the next request's: the late Success message writes nothing into SGLang's aux buffers (a row message
+    after the room ended is dropped the same way)."""
+    token = rows.name()
+    rows.send(token)
+    rows.decode.update_status(ROOM, KVPoll.Failed)          # (the receiver's abort)
+    rows.decode.inbox.on_message([ROOM, KVPoll.Success, 0, None, token])
+    assert rows.decode.request_status[ROOM] == KVPoll.Failed
+    assert not any(any(r) for r in rows.row(rows.dst_aux, DST_ROW))

@@ -20,7 +20,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
 from gpuxfer.errors import BadInput, GpuxferError  # noqa: E402
 from gpuxfer.integrations.sglang.landing import landing_frame  # noqa: E402
 from gpuxfer.integrations.sglang.pushes import AUX_TAG  # noqa: E402
-from gpuxfer.integrations.sglang.rows import AuxRows, advertised, encode_stamp  # noqa: E402
+from gpuxfer.integrations.sglang.rows import AuxRows, advertised  # noqa: E402
 from test_sglang_rows import AUX, DECODE, DST_ROW, ROOM, ROWS, SLOT, RowAgents, _fail_copies_into  # noqa: E402
 
 
@@ -311,13 +311,13 @@ def test_a_room_sent_after_its_decode_registered_again_takes_its_row_by_the_succ
 def test_a_success_message_over_a_stamp_whose_word_never_reached_its_value_fails(rows):
     """The Success message's check follows the stamp's slot: a stamp naming the request's token but a slot this rank
     never handed out, or a value past its word, still fails the room, nothing of the row written."""
-    for slot, value in ((40, 1), (SLOT, 1 << 40)):
-        token = rows.name()
-        rows.stamp_row(encode_stamp(int(token), slot, value))
-        rows.decode.inbox.on_message([ROOM, KVPoll.Success, 0, None, token])
-        assert rows.decode.request_status[ROOM] == KVPoll.Failed and rows.decode.applied == []
+    for room, slot, value in ((ROOM, 40, 1), (ROOM + 1, SLOT, 1 << 40)):      # (a room each: Failed is final)
+        token = rows.name(room)
+        rows.stamp_row((int(token), slot, value))
+        rows.decode.inbox.on_message([room, KVPoll.Success, 0, None, token])
+        assert rows.decode.request_status[room] == KVPoll.Failed and rows.decode.applied == []
         assert not any(any(r) for r in rows.row(rows.dst_aux, DST_ROW))
-        rows.decode.inbox.forget(ROOM)
+        rows.decode.inbox.forget(room)
 
 
 def test_rows_left_by_a_killed_decode_are_swept_by_the_next_one_a_minute_on(tmp_path):

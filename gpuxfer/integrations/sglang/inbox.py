@@ -129,7 +129,10 @@ class Inbox:
             if not self.current(room, token):
                 log.debug("gpuxfer: room %s: status %s of an earlier request of the room id dropped", room, status)
                 return
-            if status == self.kv_poll.Success and room in self.by_rows and not self._take(room, landed=False):
+            # a room that ended here (given up: its row index SGLang's to release to the next request) takes no row
+            over = self.rooms.request_status.get(room) in (self.kv_poll.Success, self.kv_poll.Failed)
+            if (status == self.kv_poll.Success and room in self.by_rows and not over
+                    and not self._take(room, landed=False)):
                 return          # its pushes were waited for: the row is in place, its word at its value, or it fails
             self.rooms.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank,
                                             failure_reason=reason)
