@@ -95,6 +95,19 @@ def test_a_stamp_names_the_rows_it_was_written_with():
     assert ROWS > DST_ROW
 
 
+def _run_child(code: str, env=None):
+    """``code`` run in a child process (a signal ends it, not this run); the shared-memory segments it names
+    (``segment <name>`` lines) unlinked once it ended, as a process killed by a signal leaves them."""
+    import subprocess
+    import sys
+    from gpuxfer.common import unlink_shm
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    for line in r.stdout.splitlines():
+        if line.startswith("segment "):
+            unlink_shm(line.split()[1])
+    return r
+
+
 _WORDS_SHRUNK = r"""
 import os
 from gpuxfer.errors import GpuxferError
@@ -102,6 +115,7 @@ from gpuxfer.integrations.sglang.landing import Landings
 from gpuxfer.kv import KVAgent
 from gpuxfer.platforms import get_platform
 dec = KVAgent("sglang-decode-test", platform=get_platform("host"), timeout_s=5, host_notify=True)
+print("segment", dec.host_words.name, flush=True)
 landings = Landings(dec.notification, dec.host_notification)
 slot = landings.new_slot()
 print("word", landings.word(slot), flush=True)
@@ -124,9 +138,7 @@ def test_host_words_another_process_cut_short_are_no_signal_in_the_decodes_poll(
     """The decode's poll reads its notification words' host copy with a load (:class:`.landing.Landings`). A process
     of the same user (a hostile or broken prefill of the host, which opened the segment to write it) truncates the
     segment: the poll must return or raise a typed error, never end the decode with a SIGBUS. In a child process."""
-    import subprocess
-    import sys
-    r = subprocess.run([sys.executable, "-c", _WORDS_SHRUNK], capture_output=True, text=True, timeout=120)
+    r = _run_child(_WORDS_SHRUNK)
     assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     assert r.stdout.splitlines()[-1] == "ended" and "Traceback" not in r.stderr, (r.stdout, r.stderr)
 
@@ -149,6 +161,8 @@ import os
 from sglang.srt.disaggregation.base.conn import KVPoll
 from test_sglang_rows import RowAgents
 mgr = RowAgents()
+print("segment", mgr.dec.host_words.name, flush=True)
+print("segment", mgr.dec_rows.segment.name, flush=True)
 fd = os.open("/dev/shm" + mgr.dec.host_words.name, os.O_RDWR)     # (the decode owns them: it may cut them short)
 os.ftruncate(fd, 0)
 os.close(fd)
@@ -166,12 +180,9 @@ print("ended")
 def test_host_words_their_decode_cut_short_are_no_signal_in_the_prefills_push():
     """A decode truncates its notification words' segment after the prefill mapped it (add_peer); the prefill's next
     last push notifies it: the prefill must fail that request (or land it), never end with a SIGBUS. In a child."""
+    import os
     import pathlib
-    import subprocess
-    import sys
-    env = {**__import__("os").environ}
-    env["PYTHONPATH"] = f"{pathlib.Path(__file__).resolve().parent}:{env.get('PYTHONPATH', '')}"
-    r = subprocess.run([sys.executable, "-c", _PUSH_INTO_SHRUNK_WORDS], capture_output=True, text=True, timeout=120,
-                       env=env)
+    env = {**os.environ, "PYTHONPATH": f"{pathlib.Path(__file__).resolve().parent}:{os.environ.get('PYTHONPATH', '')}"}
+    r = _run_child(_PUSH_INTO_SHRUNK_WORDS, env)
     assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     assert r.stdout.splitlines()[-1] == "ended" and "Traceback" not in r.stderr, (r.stdout, r.stderr)
