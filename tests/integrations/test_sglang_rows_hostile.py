@@ -1,6 +1,7 @@
 """A second hostile review of the metadata rows in the decode's host memory (:mod:`gpuxfer.integrations.sglang.rows`):
 two prefill processes writing one decode row at once (a request given up on the decode, whose row index SGLang hands
-the next request while the given-up request's prefill is still writing it). Over
+the next request while the given-up request's prefill is still writing it), a late Success message for a room the
+decode already gave up, and the notification words' host copy cut short by another process (a SIGBUS: xfail). Over
 tests/integrations/test_sglang_rows.py's two real agents (host emulation).
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ require("sglang", "GPUXFER_REQUIRE_SGLANG", "sglang==0.5.23")
 from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
 
 from gpuxfer.integrations.sglang.rows import STAMP_BYTES, RowSegment, encode_stamp  # noqa: E402
-from test_sglang_rows import AUX, DST_ROW, ROOM, ROWS, SLOT, SRC_ROW, RowAgents  # noqa: E402
+from test_sglang_rows import AUX, DST_ROW, ROOM, SLOT, SRC_ROW, RowAgents  # noqa: E402
 
 
 @pytest.fixture
@@ -92,7 +93,6 @@ def test_a_stamp_names_the_rows_it_was_written_with():
         torn = bytearray(whole)
         torn[at] ^= 0x01
         assert decode_stamp(bytes(torn)) is None, at
-    assert ROWS > DST_ROW
 
 
 def _run_child(code: str, env=None):
