@@ -450,3 +450,120 @@ def test_cuda_pack_sides_posting_different_requests_both_fail():
                 a.close()
     finally:
         plat.close()
+
+
+
+@pytest.mark.xfail(strict=True, reason="a failed source's release lets its queued lane copy into the destination's "
+                   "slots ahead of the FREE hand-off while its signals keep the values its first verdict decided; the "
+                   "destination checks the source's verdict once (chunk 0), so it unpacks the overwritten slot and "
+                   "reports success")
+def test_a_source_failing_mid_transfer_never_lets_the_destination_report_other_bytes(sides, monkeypatch):
+    """The source's handle times out while the destination's stream has not yet unpacked chunk 0 (a busy
+    destination): the source fails and releases its words, and its queued work runs on past the hand-offs that
+    guard the destination's staging (its lane's wait for FREE passes: chunk 2 is copied into slot 0 before chunk 0
+    was unpacked from it, then signalled as available). With the source's lane slow to reach its closing verdict,
+    the destination then unpacks every chunk. Its handle must raise, not report success over chunk 2's bytes in
+    chunk 0's blocks."""
+    import threading
+
+    import gpuxfer.kernels.blocks as blocks
+    import gpuxfer.kernels.launch as launch
+    from gpuxfer.kv.control import AVAIL
+    src, dst = sides
+    busy, slow_lane = threading.Event(), threading.Event()
+    first = []
+
+    def gated(fn, gate):
+        def run(*a):
+            assert gate.wait(60)
+            return fn(*a)
+        return run
+
+    def unpack(*a, _made=launch.unpack_launcher, **kw):       # the destination's first unpack waits: it is busy
+        fn = _made(*a, **kw)
+        if first:
+            return fn
+        first.append(fn)
+        return gated(fn, busy)
+
+    def verdict(*a, _made=blocks.verdict_launcher, **kw):      # the source lane's closing verdict comes late
+        fn = _made(*a, **kw)
+        return gated(fn, slow_lane) if a[5] is None and not kw["equal"] else fn
+    monkeypatch.setattr(launch, "unpack_launcher", unpack)
+    monkeypatch.setattr(blocks, "verdict_launcher", verdict)
+    g = np.random.default_rng(5)
+    src.cache.copy_(torch.from_numpy(g.integers(0, 256, tuple(src.cache.shape), dtype=np.uint8)))
+    s_ids, d_ids = list(range(24)), list(range(30, 54))         # 3 chunks of 8 blocks: slots 0, 1, 0
+    xs, xd = _prepare(src, dst, s_ids, d_ids)
+    assert len(xs._chunks) == 3
+    before = dst.cache.clone()
+    hd, hs = xd.post(), xs.post()
+    try:
+        with pytest.raises(TransferTimeout):
+            hs.wait(0.5)                    # the source fails: its words are released
+        # its lane then copies chunk 2 into slot 0 and signals it (then waits on its closing verdict)
+        assert dst.agent.flags.wait_host(AVAIL, 3, 60, flag="chunk 2 signalled") == 3
+        busy.set()
+        try:
+            hd.wait(60)
+            landed = True
+        except (TransferMismatch, TransferTimeout):
+            landed = False
+    finally:
+        busy.set()
+        slow_lane.set()
+    want = before.clone()
+    want[d_ids] = src.cache[s_ids]
+    assert not landed or torch.equal(dst.cache, want), \
+        ("the destination reported success over bytes other than the source's blocks: chunk 0's blocks hold "
+         f"chunk 2's bytes: {torch.equal(dst.cache[d_ids[:8]], src.cache[s_ids[16:]])}")
+
+
+@pytest.mark.xfail(strict=True, reason="a failed destination's release lets its queued unpacks pass the AVAIL "
+                   "hand-off and signal FREE with the values its chunk-0 verdict decided; the source's closing verdict "
+                   "sees every chunk freed and reports the push landed")
+def test_a_destination_failing_mid_transfer_never_lets_the_source_report_success(sides, monkeypatch):
+    """The destination's handle times out after it unpacked chunk 0, while the source is still packing chunk 1 (a
+    busy source): the destination fails and releases its words, and its queued work runs on over chunks that never
+    came (its waits for AVAIL pass: it unpacks its slots as they are and signals them free). The source then
+    packs and copies the rest and its closing verdict sees every chunk freed. Its handle must raise, not report
+    success for a push whose bytes did not land."""
+    import threading
+
+    import gpuxfer.kernels.launch as launch
+    src, dst = sides
+    busy = threading.Event()
+    made = []
+
+    def pack(*a, _made=launch.pack_launcher, **kw):            # the source's second pack waits: it is busy
+        fn = _made(*a, **kw)
+        made.append(fn)
+        if len(made) != 2:
+            return fn
+
+        def run(*b):
+            assert busy.wait(60)
+            return fn(*b)
+        return run
+    monkeypatch.setattr(launch, "pack_launcher", pack)
+    g = np.random.default_rng(6)
+    src.cache.copy_(torch.from_numpy(g.integers(0, 256, tuple(src.cache.shape), dtype=np.uint8)))
+    s_ids, d_ids = list(range(24)), list(range(30, 54))         # 3 chunks of 8 blocks: slots 0, 1, 0
+    xs, xd = _prepare(src, dst, s_ids, d_ids)
+    before = dst.cache.clone()
+    hd, hs = xd.post(), xs.post()
+    try:
+        with pytest.raises(TransferTimeout):
+            hd.wait(0.5)                    # the destination fails: its words are released
+        assert dst.agent.platform.synchronize(dst.agent.stream, 60)     # it ran on over chunks that never came
+    finally:
+        busy.set()
+    try:
+        hs.wait(60)
+        landed = True
+    except (TransferMismatch, TransferTimeout):
+        landed = False
+    want = before.clone()
+    want[d_ids] = src.cache[s_ids]
+    assert not landed or torch.equal(dst.cache, want), \
+        "the source reported success for a push whose bytes did not land"
