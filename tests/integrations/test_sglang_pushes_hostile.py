@@ -14,14 +14,7 @@ require("sglang", "GPUXFER_REQUIRE_SGLANG", "sglang==0.5.23")
 from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
 
 from gpuxfer.integrations.sglang.requests import TransferInfo, _Chunk  # noqa: E402
-from test_sglang_pipeline import DECODE, ROOM, RealAgents  # noqa: E402
-
-
-@pytest.fixture
-def real():
-    mgr = RealAgents()
-    yield mgr
-    mgr.close()
+from test_sglang_pipeline import DECODE, ROOM, real  # noqa: E402,F401 (real: the fixture)
 
 
 def _handle_queued(mgr):

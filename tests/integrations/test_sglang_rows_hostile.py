@@ -15,14 +15,7 @@ require("sglang", "GPUXFER_REQUIRE_SGLANG", "sglang==0.5.23")
 from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
 
 from gpuxfer.integrations.sglang.rows import STAMP_BYTES, RowSegment, encode_stamp  # noqa: E402
-from test_sglang_rows import AUX, DST_ROW, ROOM, SLOT, SRC_ROW, RowAgents  # noqa: E402
-
-
-@pytest.fixture
-def rows():
-    mgr = RowAgents()
-    yield mgr
-    mgr.close()
+from test_sglang_rows import AUX, DST_ROW, ROOM, SLOT, SRC_ROW, rows  # noqa: E402,F401 (rows: the fixture)
 
 
 def _stale_writer(mgr):

@@ -21,14 +21,8 @@ from gpuxfer.errors import BadInput, GpuxferError  # noqa: E402
 from gpuxfer.integrations.sglang.landing import landing_frame  # noqa: E402
 from gpuxfer.integrations.sglang.pushes import AUX_TAG  # noqa: E402
 from gpuxfer.integrations.sglang.rows import AuxRows, advertised  # noqa: E402
-from test_sglang_rows import AUX, DECODE, DST_ROW, ROOM, ROWS, SLOT, RowAgents, _fail_copies_into  # noqa: E402
-
-
-@pytest.fixture
-def rows():
-    mgr = RowAgents()
-    yield mgr
-    mgr.close()
+from test_sglang_rows import (AUX, DECODE, DST_ROW, ROOM, ROWS, SLOT, RowAgents, _fail_copies_into,  # noqa: E402
+                             rows)  # noqa: F401 (the fixture)
 
 
 @pytest.mark.parametrize("index", [2.0, 2.7, -0.5, float("nan"), float("inf"), "2", b"2", None, True, False,

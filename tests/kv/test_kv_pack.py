@@ -452,6 +452,24 @@ def test_cuda_pack_sides_posting_different_requests_both_fail():
         plat.close()
 
 
+def _gated(fn, gate):
+    """``fn``, run only once ``gate`` is set (a launch the test holds back)."""
+    def run(*a):
+        assert gate.wait(60)
+        return fn(*a)
+    return run
+
+
+def _random_request(src, dst, seed: int):
+    """The source's cache filled with random bytes and a request of 3 chunks of 8 blocks (slots 0, 1, 0) prepared on
+    both sides: ``(source IDs, destination IDs, source transfer, destination transfer, the destination's cache)``."""
+    g = np.random.default_rng(seed)
+    src.cache.copy_(torch.from_numpy(g.integers(0, 256, tuple(src.cache.shape), dtype=np.uint8)))
+    s_ids, d_ids = list(range(24)), list(range(30, 54))
+    xs, xd = _prepare(src, dst, s_ids, d_ids)
+    assert len(xs._chunks) == 3
+    return s_ids, d_ids, xs, xd, dst.cache.clone()
+
 
 @pytest.mark.xfail(strict=True, reason="a failed source's release lets its queued lane copy into the destination's "
                    "slots ahead of the FREE hand-off while its signals keep the values its first verdict decided; the "
@@ -473,30 +491,19 @@ def test_a_source_failing_mid_transfer_never_lets_the_destination_report_other_b
     busy, slow_lane = threading.Event(), threading.Event()
     first = []
 
-    def gated(fn, gate):
-        def run(*a):
-            assert gate.wait(60)
-            return fn(*a)
-        return run
-
     def unpack(*a, _made=launch.unpack_launcher, **kw):       # the destination's first unpack waits: it is busy
         fn = _made(*a, **kw)
         if first:
             return fn
         first.append(fn)
-        return gated(fn, busy)
+        return _gated(fn, busy)
 
     def verdict(*a, _made=blocks.verdict_launcher, **kw):      # the source lane's closing verdict comes late
         fn = _made(*a, **kw)
-        return gated(fn, slow_lane) if a[5] is None and not kw["equal"] else fn
+        return _gated(fn, slow_lane) if a[5] is None and not kw["equal"] else fn
     monkeypatch.setattr(launch, "unpack_launcher", unpack)
     monkeypatch.setattr(blocks, "verdict_launcher", verdict)
-    g = np.random.default_rng(5)
-    src.cache.copy_(torch.from_numpy(g.integers(0, 256, tuple(src.cache.shape), dtype=np.uint8)))
-    s_ids, d_ids = list(range(24)), list(range(30, 54))         # 3 chunks of 8 blocks: slots 0, 1, 0
-    xs, xd = _prepare(src, dst, s_ids, d_ids)
-    assert len(xs._chunks) == 3
-    before = dst.cache.clone()
+    s_ids, d_ids, xs, xd, before = _random_request(src, dst, 5)
     hd, hs = xd.post(), xs.post()
     try:
         with pytest.raises(TransferTimeout):
@@ -538,19 +545,9 @@ def test_a_destination_failing_mid_transfer_never_lets_the_source_report_success
     def pack(*a, _made=launch.pack_launcher, **kw):            # the source's second pack waits: it is busy
         fn = _made(*a, **kw)
         made.append(fn)
-        if len(made) != 2:
-            return fn
-
-        def run(*b):
-            assert busy.wait(60)
-            return fn(*b)
-        return run
+        return _gated(fn, busy) if len(made) == 2 else fn
     monkeypatch.setattr(launch, "pack_launcher", pack)
-    g = np.random.default_rng(6)
-    src.cache.copy_(torch.from_numpy(g.integers(0, 256, tuple(src.cache.shape), dtype=np.uint8)))
-    s_ids, d_ids = list(range(24)), list(range(30, 54))         # 3 chunks of 8 blocks: slots 0, 1, 0
-    xs, xd = _prepare(src, dst, s_ids, d_ids)
-    before = dst.cache.clone()
+    s_ids, d_ids, xs, xd, before = _random_request(src, dst, 6)
     hd, hs = xd.post(), xs.post()
     try:
         with pytest.raises(TransferTimeout):
