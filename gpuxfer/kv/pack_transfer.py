@@ -74,18 +74,24 @@ class PackState:
         """The error of a pack transfer refused on the device: ``mine`` the fingerprint of this side's request,
         ``seen`` what the verdict saw instead (:data:`~gpuxfer.kv.control.STATUS`); ``inflight``: the agent's
         posted transfers, ``peers``: its peers."""
+        if mine >= RELEASE_VALUE:       # (the release's mark: this agent's own waits were released)
+            return TransferMismatch(f"pack agent {self.agent.name!r}: its waits were released, so its pack transfers "
+                                    "in flight no longer pair up with its peer's; their destination blocks may hold "
+                                    "other bytes; the agent fails (close it and pair new agents)")
         names = [x.name for _, b, _ in inflight for x in b if getattr(x, "fingerprint", None) == mine]
         what = f"its request {names[0]!r}" if names else "one of its requests"
+        written = "no byte of the destination's blocks was written"
         if seen >= RELEASE_VALUE:
             why = "was released (an agent of the pair failed)"
+            written = "the destination's blocks of the request may hold other bytes"
         elif seen >= REFUSED:
             why = "refused it: the two sides' requests differ (block IDs, groups, layers or the order of posts)"
         else:
             why = f"posted another request (fingerprint 0x{seen:x}) in its place"
         peer = next((p.name for p in peers.values() if p.meta.uid == self.peer_uid), "?")
         return TransferMismatch(f"pack agent {self.agent.name!r}: {what} (fingerprint 0x{mine:x}) did not pair up "
-                                f"with the transfer of peer {peer!r}: the peer {why}; no byte of the destination's "
-                                "blocks was written; the agent fails (close it and pair new agents)")
+                                f"with the transfer of peer {peer!r}: the peer {why}; {written}; the agent fails "
+                                "(close it and pair new agents)")
 
 
 class _PackShape:
@@ -142,25 +148,41 @@ class _PackShape:
             self.closing = verdict(FREE, 0, None, 0, False)
         else:
             self.verdicts = verdict(AVAIL, nc + 1, self.out, x.descriptors, False)
+            self.closing = verdict(AVAIL, 0, None, 0, False)     # the source's last chunk signal
+        # before this side's last chunk signal: whether its own waits were released meanwhile (STATUS holds the
+        # release value, written before the words): a wait passed by the release may have let a copy, pack or
+        # unpack run ahead of the hand-offs, so its signals carry the release value (the peer's last verdict
+        # then refuses the transfer as released: its blocks may hold other bytes); it writes every entry of
+        # ``sig``, the ones of signals already sent included, so its arguments are of the kinds warmed below
+        self.released = verdict_launcher(status[:1], fp, status, self.sig, nc + 1, None, 0,
+                                         equal=False, refused=RELEASE_VALUE, only_refused=True)
         self.spec = x._chunks                               # (first row, end row, bytes, segment bytes)
         self.chunks: list[tuple[int, Any]] = []             # (bytes, the launch of its pack or unpack)
         for i, (a, b, nbytes, c) in enumerate(x._chunks):
             self.chunks.append((nbytes, launcher(self.out, a, b, (i % PACK_SLOTS) * agent.slot_bytes, c)))
-        if not agent.platform.kernels_interpreted and self.source not in r.pack_warm:
+        # every kernel a post launches is loaded here (a first launch waits for the device's queues, so it must
+        # not come inside a post while a stream waits for the peer): launches of the same kinds as the shape's
+        # (Triton compiles per kind: None or a tensor, 16-byte aligned or not, constexprs) moving nothing
+        fp_aligned = self.fp_ptr % 16 == 0
+        if not agent.platform.kernels_interpreted and (self.source, fp_aligned) not in r.pack_warm:
             # on torch's current stream, after the zeros: every row copies 0 bytes, the request expands nothing
-            zreq = torch.zeros(request_header_len(len(r.plane_group), G) + 1, dtype=torch.int64, device=dev)
+            zreq = torch.zeros(request_header_len(len(r.plane_group), G) + 2, dtype=torch.int64, device=dev)
             zout = torch.zeros((1, 3), dtype=torch.int64, device=dev)
+            zfp = zreq[:1] if fp_aligned else zreq[1:2]
             fns = [expand_launcher(r.planes, zreq, zout, n_groups=G, max_segments=1)]
             fns += [launcher(zout, 0, 1, 0, c) for _, _, c in r.classes if c <= agent.slot_bytes]
-            # the verdicts over zeros: the fingerprint equals the word, nothing is refused
-            fns += [verdict_launcher(zreq[:1], zreq[:1], zout[0, :2], zreq[:2], 2, zout, 1, equal=eq, refused=REFUSED)
-                    for eq in (True, False)]
+            # the verdicts over zeros (their words and signals land in these buffers only),
+            # as (equal, descriptors, refused, only_refused): the first verdicts, the closings, ``released``
+            kinds = ((True, None, REFUSED, False), (False, zout, REFUSED, False), (False, None, REFUSED, False),
+                     (False, None, RELEASE_VALUE, True))
+            fns += [verdict_launcher(zreq[2:3], zfp, zout[0, :2], zreq[:2], 2, out, int(out is not None),
+                                     equal=eq, refused=ref, only_refused=only) for eq, out, ref, only in kinds]
             for fn in fns:
                 if fn is not None:
                     fn()
             cur = agent.platform.current_stream(agent.device)
             poster.track(agent.platform.record_event(cur), (zreq, zout), cur)
-            r.pack_warm.add(self.source)
+            r.pack_warm.add((self.source, fp_aligned))
         self.graphs: list[Any] = [None] * 2
         self.posts = 0
         self.capturable = True
@@ -215,12 +237,16 @@ class _PackShape:
             sig = self.sig_ptr
             q.signal(free, 0)                   # the source is past every wait on it (its transfer before last)
             q.signal_from(go, self.fp_ptr)      # go, with our fingerprint
+            last = len(self.chunks) - 1
             for i, (_, fn) in enumerate(self.chunks):
                 q.wait(avail, i + 1)
                 if i == 0:
                     q.launch(self.verdicts[parity])     # the source's verdict: go ahead or refused
                     q.signal_from(go, sig + 8 * len(self.chunks))   # 0: the source is past its wait on it
                 q.launch(fn)
+                if i == last:
+                    q.launch(self.closing[parity])      # the source's last signal: was it released meanwhile?
+                    q.launch(self.released)             # were we?
                 q.signal_from(free, sig + 8 * i)        # i + 1 (refused: REFUSED)
             q.copy(self.pack.status_ptr, self.agent.flags.word(STATUS), 16)
         q.flush()
@@ -239,6 +265,8 @@ class _PackShape:
                 q.wait(free, i - PACK_SLOTS + 1)
             q.copy(peer.staging_ptr + k * slot, agent.staging.ptr + k * slot, nbytes)
             q.write(copied, i + 1)
+            if i == len(self.chunks) - 1:
+                q.launch(self.released)         # were our waits released meanwhile?
             q.signal_from(avail, self.sig_ptr + 8 * i)    # i + 1 (refused: REFUSED)
         q.wait(free, len(self.chunks))
         q.launch(self.closing[parity])          # whether the destination refused
@@ -305,7 +333,11 @@ class _PackTransfer(KVTransfer):
     refused transfer drains on both sides whatever their numbers of chunks, and no byte of the destination's
     blocks is written. A refusal is recorded in the agent's STATUS word (sticky), which each post copies
     into a host word the agent reads at every call: both agents fail with
-    :class:`~gpuxfer.errors.TransferMismatch` (:meth:`PackState.mismatch_error`).
+    :class:`~gpuxfer.errors.TransferMismatch` (:meth:`PackState.mismatch_error`). A side whose waits are released
+    mid-transfer (its failure) may run a copy, pack or unpack ahead of the hand-offs: the release marks STATUS
+    first, each side checks it before its last chunk signal (``released``: its signals then carry the release
+    value) and the peer's last verdict (the destination's after its last unpack, the source's closing one)
+    refuses the transfer, so neither side reports success over bytes that did not land.
 
     Why the resets are safe: the source's transfer before last
     of parity ``p`` ended (its last wait on FREE[p]) before the destination's previous transfer could end; the

@@ -42,7 +42,7 @@ class _Route:
     group_bytes: list[int] = field(default_factory=list)  # per group: bytes one segment of each plane moves
     slots: list = field(default_factory=list)    # the ring of device buffers posts run in (triton_transfer._Slot)
     device_ids: Any = None                       # what device-ID requests need (:class:`~gpuxfer.kv.device_ids._DeviceRoute`)
-    pack_warm: set[bool] = field(default_factory=set)    # pack sides (source?) whose kernels are loaded
+    pack_warm: set[tuple] = field(default_factory=set)   # (source?, fingerprint aligned?) whose kernels are loaded
     salts: tuple = (0, None)                     # a request fingerprint's salts (:func:`route_salts`)
     used: int = 0                                # when a request last found it in the cache (RouteCache.lookup)
 
