@@ -274,6 +274,27 @@ def test_a_load_of_several_prefill_ranks_checks_its_seal_once(monkeypatch):
     assert len(posted) == 2 and checked == ["p0"]
 
 
+def test_a_prefill_of_more_ranks_than_one_loads_share_of_handshakes_is_handshaken_over_later_loads(monkeypatch):
+    """A decode of TP 1 reading a prefill of TP 2, with one load's share of handshakes (MAX_HANDSHAKES_A_LOAD) made 1
+    and rank 0's handshake answered at its third pump: the first load begins rank 0's handshake and fails for rank 1
+    with no connection made; a second load while rank 0's is under way begins none; once rank 0 answered, a third
+    load begins rank 1's and reads both ranks."""
+    monkeypatch.setattr(loads_mod, "MAX_HANDSHAKES_A_LOAD", 1)
+    w, clients, posted = _decode(monkeypatch, [SEAL_KEY, SEAL_KEY], prefill_tp=2, answer_after=2)
+    w.start_loads([Load("d0", _sealed(_rp("p0", tp=2)), (np.array([7, 8]),), 0, 31)])
+    w.start_loads([Load("d1", _sealed(_rp("p1", tp=2)), (np.array([9, 10]),), 0, 31)])
+    assert len(clients) == 1 and [(k[1], r.state) for k, r in w.decode.remotes.items()] == [(1, "pending")]
+    got = set()
+    for _ in range(3):
+        got |= w.poll()[2]
+    assert got == {"d0", "d1"} and w.decode.remotes[("127.0.0.1", 1, "p")].state == "ready"
+    posted.clear()
+    w.start_loads([Load("d2", _sealed(_rp("p2", tp=2)), (np.array([11, 12]),), 0, 31)])
+    outs = [w.poll()[1:] for _ in range(4)]                # (rank 1's handshake answers at its third pump too)
+    assert set().union(*(o[0] for o in outs)) == {"d2"} and not set().union(*(o[1] for o in outs))
+    assert len(clients) == 2 and posted == [([1, 2], "d2"), ([1, 2], "d2")]
+
+
 def test_a_handshake_without_a_seal_key_fails_its_loads_and_a_later_load_handshakes_again(monkeypatch, caplog):
     """A prefill engine whose handshake carries no seal key (a worker that ran none of the request's steps):
     its load fails with the reason logged and nothing posted or released; the record goes once no load names it,

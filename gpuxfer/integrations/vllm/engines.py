@@ -26,9 +26,15 @@ from .staging import IdStaging
 log = logging.getLogger("gpuxfer.vllm")
 
 #: the most handshakes a worker has under way at once (each a connection until it ends, within its timeout, and
-#: up to MAX_INFO and an agent's metadata buffered; a request's params may name up to params.MAX_TP prefill ranks of
-#: their own): past them a new engine's loads fail at once (a handshake takes milliseconds)
+#: up to MAX_INFO and an agent's metadata buffered): past them a new engine's loads fail at once (a handshake takes
+#: milliseconds)
 MAX_HANDSHAKES = 64
+#: the most handshakes under way with the prefill ranks one load's params name (params whose seal only a handshake's
+#: answer can check, naming up to params.MAX_TP ranks that may accept and never answer): a load's parts that would
+#: begin one more fail at once, with no connection made, and a later load of the same ranks begins the next ones
+#: once these ended; so one set of params holds at most this many of the MAX_HANDSHAKES slots, whatever the requests
+#: it comes in, and a decode rank reading up to this many prefill ranks handshakes with all in its first request
+MAX_HANDSHAKES_A_LOAD = 16
 
 
 @dataclass
@@ -95,12 +101,22 @@ class PrefillEngines:
         self.agent, self.info, self.staging = agent, info, staging
         self._kernel_tokens, self._bytes_per_block = list(kernel_tokens), list(bytes_per_block)
 
+    def begins(self, key: tuple[str, int, str]) -> bool:
+        """Whether :meth:`get` of ``key`` begins a handshake: no engine known there, or one failed or gone with no
+        read of it in flight."""
+        r = self.remotes.get(key)
+        gone = r is not None and r.state == "ready" and not (r.client and r.client.alive)
+        return r is None or ((r.state == "failed" or gone) and r.inflight == 0)
+
+    def under_way(self, keys) -> int:
+        """How many of the engines at ``keys`` have a handshake under way."""
+        return sum(r is not None and r.state == "pending" for r in map(self.remotes.get, set(keys)))
+
     def get(self, key: tuple[str, int, str]) -> _Remote:
         """The engine at ``key`` (host, port, engine id): the one known, or a new one whose handshake begins now
         (failed at once past :data:`MAX_HANDSHAKES` under way, or once :meth:`close` was called)."""
         r = self.remotes.get(key)
-        gone = r is not None and r.state == "ready" and not (r.client and r.client.alive)
-        if r is None or ((r.state == "failed" or gone) and r.inflight == 0):
+        if self.begins(key):
             r = self.remotes[key] = _Remote(key)
             if self.closed:
                 self.failed(r, ChannelClosed("the connector is shut down"))

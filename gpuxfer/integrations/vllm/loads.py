@@ -35,7 +35,7 @@ import numpy as np
 
 from ...errors import BlockIdError, GpuxferError
 from . import lease
-from .engines import PrefillEngines, _Remote, carries_seal
+from .engines import MAX_HANDSHAKES_A_LOAD, PrefillEngines, _Remote, carries_seal
 from .params import BadSeal, BadTransferParams, RemotePrefill, check_seal, pair_group, source_ranks
 from .staging import IdStaging, prepare_on_device
 
@@ -162,6 +162,7 @@ class DecodeLoads:
                 continue
             if len(keys) > 1:               # a prefill of more ranks: one read from each, reported together
                 self._parts[load.req_id] = [len(keys), False]
+            begun = self.engines.under_way(keys)    # (params made again, their ranks still under way: none more)
             for part, key in enumerate(keys):
                 st = _LoadState(load, now, part=part)
                 self.pending[st.key] = st
@@ -170,6 +171,11 @@ class DecodeLoads:
                     st.error = (f"request {load.remote.request_id!r} of prefill engine {key[2]} is loaded by another "
                                 "request of this instance already (its blocks are freed once that load ends)")
                     self.ended.append(st)
+                    continue
+                if self.engines.begins(key) and (begun := begun + 1) > MAX_HANDSHAKES_A_LOAD:
+                    st.error = (f"the params name more than {MAX_HANDSHAKES_A_LOAD} prefill ranks of engine {key[2]} "
+                                "not handshaken with yet; a later load handshakes with the rest")
+                    self.ended.append(st)       # (no connection, record or claim: a later load begins it)
                     continue
                 self.waiting[st.key] = st
                 st.remote = r = self.engines.get(key)
