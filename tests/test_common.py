@@ -150,13 +150,15 @@ def test_sweep_leaves_a_segment_its_owner_holds(tmp_path):
     assert held.name in sweep_shm_orphans(_NAMES[KV_PREFIX], "notification", str(tmp_path))   # once let go
 
 
-def test_kv_host_words_are_held_by_their_owner(host):
-    """A KV agent's host words (kept named for its life) are locked by their owner until closed: a sweep of another
-    PID namespace leaves them."""
+def test_kv_host_words_are_held_by_their_owner(host, monkeypatch):
+    """A KV agent's host words as a named segment (where no sealed memory file can be made: kept named for its
+    life) are locked by their owner until closed: a sweep of another PID namespace leaves them."""
     import fcntl
 
+    import gpuxfer.hostwords as hostwords
     from gpuxfer.hostwords import KV_PREFIX, HostWords
 
+    monkeypatch.setattr(hostwords, "_sealed_memfd", lambda name, nbytes: None)
     words = HostWords.create(host, 0, 4, KV_PREFIX)
     path = "/dev/shm" + words.name
     try:

@@ -1,9 +1,10 @@
 """A KV agent's notification words mirrored in host memory: an agent made with ``host_notify=True`` keeps a copy of
-its ``NOTIFY_SLOTS`` notification words in a shared-memory segment (:class:`~gpuxfer.hostwords.HostWords`, named
-in its metadata), and a peer in another process of the same host maps it at ``add_peer``: each notification it
-sends writes the word, then the same value into the segment, on the same stream. The receiving host then learns a
-notification with a plain load (:meth:`KVAgent.host_notification <gpuxfer.kv.agent.KVAgent.host_notification>`),
-no device read and nothing queued on its GPU::
+its ``NOTIFY_SLOTS`` notification words in shared host memory (:class:`~gpuxfer.hostwords.HostWords`: a memory
+file sealed at its size, else a shared-memory segment; referred to in its metadata), and a peer in another process
+of the same host maps it at ``add_peer``: each notification it sends writes the word, then the same value into the
+segment, on the same stream. The receiving host then learns a notification with a plain load
+(:meth:`KVAgent.host_notification <gpuxfer.kv.agent.KVAgent.host_notification>`), no device read and nothing queued
+on its GPU::
 
     initiator I (a peer of R)                              receiver R (owns the segment)
     -------------------------                              -----------------------------
@@ -14,9 +15,9 @@ no device read and nothing queued on its GPU::
 
 A host word is written after the device word and the data, in stream order, so a value read there was reached by
 the device word too and the data of the first n notifying posts landed. The device word stays the authority: a
-peer that cannot map the segment (another host, the NIXL route -- whose poller here writes both --, a gpuxfer
-without it, a platform whose streams cannot reach host memory) writes the device word alone, and the host word
-lags it; a reader polling the host words reads the device word now and then too.
+peer that cannot map the segment (another host or PID namespace, the NIXL route -- whose poller here writes
+both --, a gpuxfer without it, a platform whose streams cannot reach host memory) writes the device word alone, and
+the host word lags it; a reader polling the host words reads the device word now and then too.
 
 The segment names the agent that made it (a digest of its uid, in a line after the words): a peer maps it only for
 metadata of that agent, so metadata naming another agent's words -- whose host copy its notifications would move
@@ -26,15 +27,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 
 from ..errors import BadInput, BadMetadata, GpuxferError
-from ..hostwords import KV_PREFIX, WORD_STRIDE, HostWords
+from ..hostwords import KV_PREFIX, WORD_STRIDE, HostWords, is_ref
 from .control import NOTIFY_SLOTS
 
 log = logging.getLogger("gpuxfer.kv.agent")
 
-_NAME = re.compile("/" + KV_PREFIX + r"[0-9a-f]{1,8}-[0-9a-f]{12}")
 _WORDS = NOTIFY_SLOTS + 1                   # the words, then a line holding the owner's mark
 _OWNER = NOTIFY_SLOTS * WORD_STRIDE
 
@@ -58,19 +57,31 @@ def create(platform, device: int, agent: str, uid: str) -> HostWords | None:
     return words
 
 
-def check_name(name) -> str | None:
-    """A metadata's host words name: None, or a name :func:`create` gives (``BadMetadata`` otherwise: a peer's
+def metadata_entry(words: HostWords) -> dict:
+    """The metadata entry that refers to ``words``: ``host_memfd`` for a sealed memory file (a key that an agent
+    that does not know it ignores: its notifications then stay on the device words), ``host_words`` for a
+    segment's name."""
+    return {"host_memfd" if words.sealed else "host_words": words.ref}
+
+
+def check_ref(name, memfd) -> str | None:
+    """A metadata's reference to its host words (``name``: its ``host_words``, ``memfd``: its ``host_memfd``):
+    None, or one :func:`create` gives under that key (``BadMetadata`` otherwise, and for both keys at once: a peer's
     metadata never names another file)."""
-    if name is None:
+    if name is not None and memfd is not None:
+        raise BadMetadata("metadata names both host_words and host_memfd")
+    key, ref = ("host_words", name) if memfd is None else ("host_memfd", memfd)
+    if ref is None:
         return None
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise BadMetadata(f"metadata host_words: not a name of notification words: {name!r:.80}")
-    return name
+    if not is_ref(ref, KV_PREFIX) or ref.startswith("memfd:") != (key == "host_memfd"):
+        raise BadMetadata(f"metadata {key}: not a reference of notification words: {ref!r:.80}")
+    return ref
 
 
 def open_peer(platform, device: int, name: str, peer: str, uid: str) -> HostWords | None:
-    """Peer ``peer``'s (uid ``uid``) host words mapped for this agent's device, or None where they cannot be
-    (another host, the segment gone or of another size, the platform's streams cannot reach host memory; logged):
+    """Peer ``peer``'s (uid ``uid``) host words (``name``: their reference) mapped for this agent's device, or None
+    where they cannot be (another host or PID namespace, the words gone or of another size, a reference to a file
+    that is not such words, the platform's streams cannot reach host memory; logged):
     its notifications then go to its device words alone. ``BadMetadata`` where the segment is another agent's."""
     try:
         words = HostWords.open(platform, device, name, _WORDS, KV_PREFIX)

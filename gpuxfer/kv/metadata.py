@@ -12,7 +12,7 @@ from typing import Mapping
 from ..errors import BadInput, BadMetadata
 from ..platforms.base import IpcHandle
 from .control import AGENT_FLAG_BYTES, PACK_SLOTS
-from .host_notify import check_name
+from .host_notify import check_ref
 from .layers import _MAX_INT, _MAX_NAME, _MAX_PIECES, KVLayer, KVPiece, _check_layer
 from .nixl_route import MAX_NIXL_MD_BYTES, decode_nixl_meta
 
@@ -130,7 +130,8 @@ class PeerMetadata:
     staging: IpcHandle | None = None            # the pack engine's staging buffer, if the peer has one
     slot_bytes: int = 0
     nixl: dict | None = None                    # its NIXL agent (:func:`gpuxfer.kv.nixl_route.decode_nixl_meta`)
-    host_words: str | None = None               # its notification words' host copy (:mod:`gpuxfer.kv.host_notify`)
+    host_words: str | None = None               # its notification words' host copy's reference (host_words or
+    #                                             host_memfd: :mod:`gpuxfer.kv.host_notify`)
 
 
 def decode_metadata(data: bytes) -> PeerMetadata:
@@ -225,5 +226,6 @@ def decode_metadata(data: bytes) -> PeerMetadata:
                          err=BadMetadata)
             layers.append((layer, a, off))
         groups.append(_PeerGroup(name, bt, tuple(layers)))
+    host_words = check_ref(body.get("host_words"), body.get("host_memfd"))
     return PeerMetadata(agent, uid, pid, namespace, host, plat, device, control, tuple(allocs), tuple(groups), staging,
-                        slot_bytes, decode_nixl_meta(body.get("nixl"), tuple(allocs)), check_name(body.get("host_words")))
+                        slot_bytes, decode_nixl_meta(body.get("nixl"), tuple(allocs)), host_words)

@@ -11,7 +11,7 @@ from typing import Mapping
 
 from ..common import process_namespace
 from ..errors import BadInput, BadMetadata, LayoutMismatch
-from . import nixl_route, views
+from . import host_notify, nixl_route, views
 from .descriptors import DIRECTIONS
 from .engine_choice import peer_engine
 from .metadata import decode_metadata, encode_metadata, handle_meta
@@ -63,7 +63,7 @@ class Peering:
         if agent.nixl is not None:
             body["nixl"] = agent.nixl.metadata(len(body["allocations"]))
         if agent.host_words is not None:
-            body["host_words"] = agent.host_words.name
+            body.update(host_notify.metadata_entry(agent.host_words))
         return encode_metadata(body)
 
     def add(self, metadata: bytes, route: str | None, pieces: Mapping | None, local_pieces: Mapping | None,

@@ -143,7 +143,7 @@ class _CopyEngineSetup:
                 self._give_back = HostWords.create(p, dev, 2 * self.recv_slots)
             except Exception as exc:  # noqa: BLE001 - the empty words stay in device memory
                 log.info("rank %d: %s empty words in device memory (host memory: %s)", self.rank, self.name, exc)
-        payload["give_back"] = self._give_back.name if self._give_back is not None else None
+        payload["give_back"] = self._give_back.ref if self._give_back is not None else None
         return payload
 
     def _prepare_send_side(self) -> None:

@@ -1,7 +1,8 @@
 """A second hostile review of the metadata rows in the decode's host memory (:mod:`gpuxfer.integrations.sglang.rows`):
 two prefill processes writing one decode row at once (a request given up on the decode, whose row index SGLang hands
 the next request while the given-up request's prefill is still writing it), a late Success message for a room the
-decode already gave up, and the notification words' host copy cut short by another process (a SIGBUS: xfail). Over
+decode already gave up, and the notification words' host copy cut short by another process (no SIGBUS: the words are
+a memory file sealed at its size). Over
 tests/integrations/test_sglang_rows.py's two real agents (host emulation).
 """
 from __future__ import annotations
@@ -101,8 +102,35 @@ def _run_child(code: str, env=None):
     return r
 
 
-_WORDS_SHRUNK = r"""
+#: a child's code that truncates host words (by every path a process of the user has to them: the segment's name in
+#: /dev/shm, the memory file's descriptor through /proc), printing ``cut`` or ``sealed`` (refused) for each
+_CUT_SHORT = r"""
 import os
+
+
+def cut_short(name):
+    paths = ["/dev/shm" + name]
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink("/proc/self/fd/" + fd) == "/memfd:" + name[1:] + " (deleted)":
+                paths.append("/proc/self/fd/" + fd)
+        except OSError:
+            pass
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            continue
+        try:
+            os.ftruncate(fd, 0)
+            print("cut", path, flush=True)
+        except PermissionError:
+            print("sealed", path, flush=True)
+        finally:
+            os.close(fd)
+"""
+
+_WORDS_SHRUNK = _CUT_SHORT + r"""
 from gpuxfer.errors import GpuxferError
 from gpuxfer.integrations.sglang.landing import Landings
 from gpuxfer.kv import KVAgent
@@ -112,9 +140,7 @@ print("segment", dec.host_words.name, flush=True)
 landings = Landings(dec.notification, dec.host_notification)
 slot = landings.new_slot()
 print("word", landings.word(slot), flush=True)
-fd = os.open("/dev/shm" + dec.host_words.name, os.O_RDWR)   # (any process of the user: a prefill opens it read-write)
-os.ftruncate(fd, 0)
-os.close(fd)
+cut_short(dec.host_words.name)     # (any process of the user: a prefill opens it read-write)
 try:
     print("word", landings.word(slot), flush=True)
 except GpuxferError as exc:
@@ -124,9 +150,6 @@ print("ended")
 """
 
 
-@pytest.mark.xfail(strict=True, reason="a KV agent's host notification words are a mapping of a POSIX shared-memory "
-                   "segment (gpuxfer.hostwords.HostWords) that any process of the user can cut short: the decode's "
-                   "poll then loads past the segment's end, a SIGBUS (the rows use pread/pwrite for this reason)")
 def test_host_words_another_process_cut_short_are_no_signal_in_the_decodes_poll():
     """The decode's poll reads its notification words' host copy with a load (:class:`.landing.Landings`). A process
     of the same user (a hostile or broken prefill of the host, which opened the segment to write it) truncates the
@@ -134,6 +157,7 @@ def test_host_words_another_process_cut_short_are_no_signal_in_the_decodes_poll(
     r = _run_child(_WORDS_SHRUNK)
     assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     assert r.stdout.splitlines()[-1] == "ended" and "Traceback" not in r.stderr, (r.stdout, r.stderr)
+    assert _tried_to_cut(r.stdout), r.stdout
 
 
 def test_a_success_message_for_a_room_the_decode_already_failed_writes_no_row(rows):
@@ -149,16 +173,13 @@ def test_a_success_message_for_a_room_the_decode_already_failed_writes_no_row(ro
     assert not any(any(r) for r in rows.row(rows.dst_aux, DST_ROW))
 
 
-_PUSH_INTO_SHRUNK_WORDS = r"""
-import os
+_PUSH_INTO_SHRUNK_WORDS = _CUT_SHORT + r"""
 from sglang.srt.disaggregation.base.conn import KVPoll
 from test_sglang_rows import RowAgents
 mgr = RowAgents()
 print("segment", mgr.dec.host_words.name, flush=True)
 print("segment", mgr.dec_rows.segment.name, flush=True)
-fd = os.open("/dev/shm" + mgr.dec.host_words.name, os.O_RDWR)     # (the decode owns them: it may cut them short)
-os.ftruncate(fd, 0)
-os.close(fd)
+cut_short(mgr.dec.host_words.name)     # (the decode owns them: it may cut them short)
 mgr.send(mgr.name())
 mgr.agent.platform.synchronize(mgr.agent.stream, 30)
 print("prefill", mgr.request_status, flush=True)
@@ -167,9 +188,6 @@ print("ended")
 """
 
 
-@pytest.mark.xfail(strict=True, reason="the prefill maps a decode's host notification words (gpuxfer.hostwords) and "
-                   "its push stores each notification there: a decode that cut its segment short (hostile, or "
-                   "broken) makes that store a SIGBUS, on the host emulation in the prefill's process")
 def test_host_words_their_decode_cut_short_are_no_signal_in_the_prefills_push():
     """A decode truncates its notification words' segment after the prefill mapped it (add_peer); the prefill's next
     last push notifies it: the prefill must fail that request (or land it), never end with a SIGBUS. In a child."""
@@ -179,3 +197,9 @@ def test_host_words_their_decode_cut_short_are_no_signal_in_the_prefills_push():
     r = _run_child(_PUSH_INTO_SHRUNK_WORDS, env)
     assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     assert r.stdout.splitlines()[-1] == "ended" and "Traceback" not in r.stderr, (r.stdout, r.stderr)
+    assert _tried_to_cut(r.stdout), r.stdout
+
+
+def _tried_to_cut(stdout: str) -> bool:
+    """Whether the child found the words to cut short (a path to them it opened read-write)."""
+    return any(line.startswith(("cut ", "sealed ")) for line in stdout.splitlines())

@@ -1,5 +1,5 @@
 """Notification words mirrored in host memory (:mod:`gpuxfer.kv.host_notify`): an agent made with
-``host_notify=True`` names a shared-memory copy of its notification words in its metadata, a peer's notifying
+``host_notify=True`` refers to a shared-memory copy of its notification words (a sealed memory file) in its metadata, a peer's notifying
 posts write it after the device word, and the agent reads it with a load. Forged names are refused; a copy a peer
 cannot map leaves its notifications on the device words alone. (Two processes: ``test_kv_agent_two_procs.py``.)"""
 from __future__ import annotations
@@ -42,8 +42,9 @@ def _reblob(blob: bytes, **fields) -> bytes:
 
 def test_a_notifying_post_writes_the_host_copy_after_the_word(mirrored):
     pre, dec, p_of_pre, src, dst = mirrored
-    name = json.loads(dec.metadata()[12:])["host_words"]
-    assert name.startswith("/gpuxfer-kvw-") and p_of_pre.host_words is not None
+    body = json.loads(dec.metadata()[12:])
+    assert body["host_memfd"].startswith("memfd:gpuxfer-kvw-") and "host_words" not in body
+    assert p_of_pre.host_words is not None
     assert dec.host_notification(5) == 0 and dec.host_notification(6) == 0
     for n in (1, 2):
         pre.transfer(p_of_pre, "push", local_blocks={"full": [0, 1]}, remote_blocks={"full": [2, 3]},
@@ -62,25 +63,48 @@ def test_an_agent_without_host_words_names_none(pair):
     assert "host_words" not in json.loads(dec.metadata()[12:]) and dec.host_notification(0) is None
 
 
-@pytest.mark.parametrize("name", ["/etc/passwd", "/gpuxfer-ppw-1f-0123456789ab", "/gpuxfer-kvw-1f-0123456789ab/..",
-                                  "gpuxfer-kvw-1f-0123456789ab", "/gpuxfer-kvw-1f-0123456789AB", "", 7, ["x"], True])
-def test_metadata_naming_other_files_is_refused(mirrored, name):
-    pre, dec, p_of_pre, _, _ = mirrored
-    pre.remove_peer(p_of_pre)
-    with pytest.raises(BadMetadata, match="host_words"):
-        pre.add_peer(_reblob(dec.metadata(), host_words=name))
+_MEMFD = "memfd:gpuxfer-kvw-1f-0123456789ab:3:1a"
 
 
-def test_host_words_a_peer_cannot_map_leave_its_notifications_on_the_device(mirrored):
-    """A well-formed name of no segment here (another host's, or gone): the peer is added, its notifications
-    reach the device word, and the host copy stays behind it (a reader reads the device word too)."""
+@pytest.mark.parametrize("key,name", [
+    *[("host_words", n) for n in ["/etc/passwd", "/gpuxfer-ppw-1f-0123456789ab", "/gpuxfer-kvw-1f-0123456789ab/..",
+                                  "gpuxfer-kvw-1f-0123456789ab", "/gpuxfer-kvw-1f-0123456789AB", "", 7, ["x"], True,
+                                  _MEMFD]],
+    *[("host_memfd", n) for n in ["/gpuxfer-kvw-1f-0123456789ab", _MEMFD.replace("kvw", "ppw"), _MEMFD + ":0",
+                                  _MEMFD.replace(":3:", ":-3:"), _MEMFD.replace(":3:", ":/proc/self/fd/3:"),
+                                  "memfd:/etc/passwd:3:1a", "", 3, True]]])
+def test_metadata_naming_other_files_is_refused(mirrored, key, name):
     pre, dec, p_of_pre, _, _ = mirrored
     pre.remove_peer(p_of_pre)
-    ghost = f"/gpuxfer-kvw-{os.getpid():x}-{'0' * 12}"
-    peer = pre.add_peer(_reblob(dec.metadata(), host_words=ghost))
-    assert peer.host_words is None
-    pre.transfer(peer, "push", local_blocks={"full": [0]}, remote_blocks={"full": [1]}, notify_slot=2).wait(60)
-    assert dec.notification(2) == 1 and dec.host_notification(2) == 0
+    with pytest.raises(BadMetadata, match=key):
+        pre.add_peer(_reblob(dec.metadata(), **{"host_memfd": None, key: name}))
+
+
+def test_metadata_naming_both_a_segment_and_a_memory_file_is_refused(mirrored):
+    pre, dec, p_of_pre, _, _ = mirrored
+    pre.remove_peer(p_of_pre)
+    with pytest.raises(BadMetadata, match="both"):
+        pre.add_peer(_reblob(dec.metadata(), host_words="/gpuxfer-kvw-1f-0123456789ab"))
+
+
+@pytest.mark.parametrize("key", ["host_words", "host_memfd"])
+def test_host_words_a_peer_cannot_map_leave_its_notifications_on_the_device(mirrored, key):
+    """A well-formed reference to no words here (another host's or PID namespace's, gone, or forged: a descriptor of
+    the decode that is not its words): the peer is added, its notifications reach the device word, and the host copy
+    stays behind it (a reader reads the device word too)."""
+    pre, dec, p_of_pre, _, _ = mirrored
+    pre.remove_peer(p_of_pre)
+    ref = json.loads(dec.metadata()[12:])["host_memfd"]
+    ghosts = {"host_words": [f"/gpuxfer-kvw-{os.getpid():x}-{'0' * 12}"],
+              "host_memfd": [ref.replace(ref.split(":")[1], f"gpuxfer-kvw-{os.getpid():x}-{'0' * 12}"),
+                             ref.replace(f":{ref.split(':')[2]}:", ":0:"),          # the decode's stdin
+                             ref.replace(f":{ref.split(':')[2]}:", ":99999:")]}     # a descriptor not open
+    for slot, ghost in enumerate(ghosts[key], 2):
+        peer = pre.add_peer(_reblob(dec.metadata(), **{"host_memfd": None, key: ghost}))
+        assert peer.host_words is None
+        pre.transfer(peer, "push", local_blocks={"full": [0]}, remote_blocks={"full": [1]}, notify_slot=slot).wait(60)
+        assert dec.notification(slot) == 1 and dec.host_notification(slot) == 0
+        pre.remove_peer(peer)
 
 
 def test_host_notification_of_a_closed_agent_is_refused(mirrored):
@@ -98,9 +122,9 @@ def test_metadata_naming_another_agents_host_words_is_refused(mirrored, plat):
     other = KVAgent("decode-2", platform=plat, device=1, engine="triton", timeout_s=60, host_notify=True)
     try:
         pre.remove_peer(p_of_pre)
-        theirs = json.loads(other.metadata()[12:])["host_words"]
+        theirs = json.loads(other.metadata()[12:])["host_memfd"]
         with pytest.raises(BadMetadata, match="host_words"):
-            peer = pre.add_peer(_reblob(dec.metadata(), host_words=theirs))
+            peer = pre.add_peer(_reblob(dec.metadata(), host_memfd=theirs))
             pre.transfer(peer, "push", local_blocks={"full": [0]}, remote_blocks={"full": [1]}, notify_slot=3).wait(60)
         assert other.host_notification(3) == other.notification(3) == 0
         peer = pre.add_peer(dec.metadata())     # its own name still maps

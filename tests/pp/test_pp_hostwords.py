@@ -12,13 +12,22 @@ from gpuxfer.errors import GpuxferError
 from gpuxfer.hostwords import HostWords
 
 
+def reachable(platform, ref: str) -> bool:
+    """Whether a peer can open the words ``ref`` refers to (their owner has not dropped the reference)."""
+    try:
+        HostWords.open(platform, 0, ref, 2).close()
+    except (GpuxferError, OSError):
+        return False
+    return True
+
+
 def test_streams_write_copy_and_wait_on_host_words(platform):
     w = HostWords.create(platform, 0, 4)
     s = platform.create_stream(0)
     stage = platform.alloc(64, 0)
     try:
         assert all(w.read(i) == 0 for i in range(4))
-        assert os.path.exists(f"/dev/shm{w.name}")
+        assert reachable(platform, w.ref)
         platform.write_flag(s, w.ptr(0), 7)                 # a stream write lands, seen by a host load
         assert platform.synchronize(s, 30.0) and w.read(0) == 7
 
@@ -33,21 +42,26 @@ def test_streams_write_copy_and_wait_on_host_words(platform):
         w.store(1, 5)
         assert platform.event_wait(held, 30.0)
         w.unlink()
-        assert not os.path.exists(f"/dev/shm{w.name}") and w.read(0) == 7   # the mapping outlives the name
+        assert not reachable(platform, w.ref) and w.read(0) == 7   # the mapping outlives the reference
     finally:
         platform.synchronize(s, 10.0)
         s.close()
         stage.close()
         w.close()
         w.close()                                            # idempotent
-    assert not os.path.exists(f"/dev/shm{w.name}")
+    assert not reachable(platform, w.ref) and not os.path.exists(f"/dev/shm{w.name}")
 
 
-def test_a_peer_opens_the_words_by_name(host):
-    """Two mappings of one segment (here in one process; the pp tests open it from the peer's): a store through
-    one is a load through the other."""
+@pytest.mark.parametrize("sealed", [True, False])
+def test_a_peer_opens_the_words_by_their_reference(host, monkeypatch, sealed):
+    """Two mappings of one memory file (here in one process; the pp tests open it from the peer's): a store through
+    one is a load through the other. Also for the named segment, where no sealed memory file can be made."""
+    import gpuxfer.hostwords as hostwords
+    if not sealed:
+        monkeypatch.setattr(hostwords, "_sealed_memfd", lambda name, nbytes: None)
     a = HostWords.create(host, 0, 2)
-    b = HostWords.open(host, 1, a.name, 2)
+    assert a.sealed == sealed
+    b = HostWords.open(host, 1, a.ref, 2)
     try:
         b.store(1, 42)
         assert a.read(1) == 42 and a.loads()[8] == 42
@@ -57,8 +71,8 @@ def test_a_peer_opens_the_words_by_name(host):
         a.close()
     with pytest.raises(GpuxferError, match="not a flag-word segment"):
         HostWords.open(host, 0, "/not-ours", 2)
-    with pytest.raises(FileNotFoundError):
-        HostWords.open(host, 0, a.name, 2)                   # unlinked with its owner's close
+    with pytest.raises(GpuxferError if sealed else FileNotFoundError):
+        HostWords.open(host, 0, a.ref, 2)                    # dropped with its owner's close
 
 
 def test_a_platform_that_cannot_map_host_memory_is_refused(host, monkeypatch):
@@ -69,7 +83,7 @@ def test_a_platform_that_cannot_map_host_memory_is_refused(host, monkeypatch):
 
 def test_a_sender_discarded_after_a_failed_setup_drops_the_give_back_name():
     """A setup that fails before the probe (a rank gone: discard(), which frees only what no peer maps) still
-    drops the give-back segment's name: nothing is left in /dev/shm."""
+    drops the give-back words' reference: nothing is left to open, nothing in /dev/shm."""
     import torch
 
     from gpuxfer.platforms.host import HostPlatform
@@ -81,12 +95,13 @@ def test_a_sender_discarded_after_a_failed_setup_drops_the_give_back_name():
     snd = CopyEngineTransport(role="send", rank=0, peer=1, device=0, platform=plat, timeout_s=20.0,
                               specs=SpecTable({"h": ((64,), torch.float32)}), metadata=False, group=None,
                               tag_base=0, torch_device=torch.device("cpu"), recv_slots=2)
+    before = set(os.listdir("/dev/shm"))
     try:
         payload = snd.setup_prepare()
-        name = payload["give_back"]
-        assert name and os.path.exists(f"/dev/shm{name}")
+        ref = payload["give_back"]
+        assert ref and reachable(plat, ref)
         discard([snd])
-        assert not os.path.exists(f"/dev/shm{name}")
+        assert not reachable(plat, ref) and set(os.listdir("/dev/shm")) - before == set()
     finally:
         snd._free()
         plat.close()
@@ -110,8 +125,9 @@ def test_create_removes_segments_of_creators_gone_and_no_other(host):
 
 
 def test_words_a_full_dev_shm_cannot_hold_fail_at_create_leaving_nothing(host, monkeypatch):
-    """A /dev/shm too full for the words' pages: the create fails (``OSError``; its callers keep the words on the
-    device), nothing left behind, instead of a SIGBUS at the first store into a page the mapping could not get."""
+    """A memory (or, for the named segment, a /dev/shm) too full for the words' pages: the create fails (``OSError``;
+    its callers keep the words on the device), nothing left behind (no name, no descriptor), instead of a SIGBUS at
+    the first store into a page the mapping could not get."""
     import errno
     made = []
 
@@ -119,7 +135,7 @@ def test_words_a_full_dev_shm_cannot_hold_fail_at_create_leaving_nothing(host, m
         made.append(fd)
         raise OSError(errno.ENOSPC, "No space left on device (injected)")
     monkeypatch.setattr(os, "posix_fallocate", full)
-    before = set(os.listdir("/dev/shm"))
+    before, fds = set(os.listdir("/dev/shm")), set(os.listdir("/proc/self/fd"))
     with pytest.raises(OSError):
         HostWords.create(host, 0, 4)
-    assert made and set(os.listdir("/dev/shm")) - before == set()
+    assert made and set(os.listdir("/dev/shm")) - before == set() and set(os.listdir("/proc/self/fd")) <= fds
