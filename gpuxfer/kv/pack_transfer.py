@@ -131,9 +131,10 @@ class _PackShape:
 
         # the verdicts (:mod:`gpuxfer.kernels.verdict_kernel`), one per parity: the source's on the go signal
         # (its stream) and on the last free signal (its lane), the destination's on the first chunk signal; the
-        # values of this side's data-dependent signals land in ``sig``: one per chunk, then the closing reset
+        # values of this side's data-dependent signals land in ``sig``: one per chunk, then the closing reset, then
+        # the destination's first two (the FREE reset: 0, and GO: its fingerprint, copied in at each post)
         nc = len(x._chunks)
-        self.sig = torch.zeros(nc + 1, dtype=torch.int64, device=dev)
+        self.sig = torch.zeros(nc + 3, dtype=torch.int64, device=dev)
         self.sig_ptr = self.sig.data_ptr()
         self.fp_ptr = self.req_ptr + (x._req_bytes - 8)
         words = agent.platform.as_tensor(agent.flags.buf, torch.int64)
@@ -149,12 +150,16 @@ class _PackShape:
         else:
             self.verdicts = verdict(AVAIL, nc + 1, self.out, x.descriptors, False)
             self.closing = verdict(AVAIL, 0, None, 0, False)     # the source's last chunk signal
-        # before this side's last chunk signal: whether its own waits were released meanwhile (STATUS holds the
-        # release value, written before the words): a wait passed by the release may have let a copy, pack or
-        # unpack run ahead of the hand-offs, so its signals carry the release value (the peer's last verdict
-        # then refuses the transfer as released: its blocks may hold other bytes); it writes every entry of
-        # ``sig``, the ones of signals already sent included, so its arguments are of the kinds warmed below
-        self.released = verdict_launcher(status[:1], fp, status, self.sig, nc + 1, None, 0,
+        # whether this side's own waits were released (STATUS holds the release value, written before the
+        # words): a wait passed by the release may have let a copy, pack or unpack run ahead of the hand-offs, so
+        # every signal this side sends after it carries the release value (the peer's last verdict then refuses
+        # the transfer as released: its blocks may hold other bytes). Checked before the signals that follow a
+        # wait or a verdict: the destination's first two, after each first verdict, before the last chunk
+        # signal and the source's closing one -- a released side's later signals (its transfers queued behind
+        # run on through released waits) never overwrite a release value the peer has yet to read with one
+        # below the refusal. It writes every entry of ``sig``, the ones of signals already sent included, so its
+        # arguments are of the kinds warmed below
+        self.released = verdict_launcher(status[:1], fp, status, self.sig, nc + 3, None, 0,
                                          equal=False, refused=RELEASE_VALUE, only_refused=True)
         self.spec = x._chunks                               # (first row, end row, bytes, segment bytes)
         self.chunks: list[tuple[int, Any]] = []             # (bytes, the launch of its pack or unpack)
@@ -226,6 +231,7 @@ class _PackShape:
             packed, copied = PACKED + parity, COPIED + parity
             q.wait(go, 1)
             q.launch(self.verdicts[parity])         # the destination's fingerprint against ours
+            q.launch(self.released)                 # were our waits released (a transfer queued behind one)?
             for i, (_, fn) in enumerate(self.chunks):
                 if i:
                     q.write(packed, i)                  # chunk i - 1 is in its slot
@@ -234,14 +240,17 @@ class _PackShape:
                 q.launch(fn)
             q.write(packed, len(self.chunks))
         else:
-            sig = self.sig_ptr
-            q.signal(free, 0)                   # the source is past every wait on it (its transfer before last)
-            q.signal_from(go, self.fp_ptr)      # go, with our fingerprint
-            last = len(self.chunks) - 1
+            sig, last = self.sig_ptr, len(self.chunks) - 1
+            q.copy(sig + 8 * (last + 3), self.fp_ptr, 8)
+            q.launch(self.released)             # were our waits released (a transfer queued behind one)?
+            q.signal_from(free, sig + 8 * (last + 2))   # 0: the source is past every wait on it (its transfer
+            #                                             before last)
+            q.signal_from(go, sig + 8 * (last + 3))     # go, with our fingerprint
             for i, (_, fn) in enumerate(self.chunks):
                 q.wait(avail, i + 1)
                 if i == 0:
                     q.launch(self.verdicts[parity])     # the source's verdict: go ahead or refused
+                    q.launch(self.released)
                     q.signal_from(go, sig + 8 * len(self.chunks))   # 0: the source is past its wait on it
                 q.launch(fn)
                 if i == last:
@@ -270,6 +279,7 @@ class _PackShape:
             q.signal_from(avail, self.sig_ptr + 8 * i)    # i + 1 (refused: REFUSED)
         q.wait(free, len(self.chunks))
         q.launch(self.closing[parity])          # whether the destination refused
+        q.launch(self.released)                 # were our waits released (passing the wait above)?
         q.signal_from(avail, self.sig_ptr + 8 * len(self.chunks))     # 0: the destination is past every wait on it
         q.write(packed, 0)                      # both lanes are past every wait on these
         q.write(copied, 0)
@@ -337,7 +347,11 @@ class _PackTransfer(KVTransfer):
     mid-transfer (its failure) may run a copy, pack or unpack ahead of the hand-offs: the release marks STATUS
     first, each side checks it before its last chunk signal (``released``: its signals then carry the release
     value) and the peer's last verdict (the destination's after its last unpack, the source's closing one)
-    refuses the transfer, so neither side reports success over bytes that did not land.
+    refuses the transfer, so neither side reports success over bytes that did not land. A released side's
+    transfers queued behind run on through its released waits and would overwrite the release values in the peer's
+    words with ordinary ones (the destination's FREE reset, a go-ahead's chunk counts) before the peer's verdict
+    read them: each side also checks STATUS before its first signals (the destination's reset and go), after its
+    first verdict and before the source's closing signal, so a released side signals nothing below the refusal.
 
     Why the resets are safe: the source's transfer before last
     of parity ``p`` ended (its last wait on FREE[p]) before the destination's previous transfer could end; the
