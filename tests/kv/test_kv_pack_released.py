@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gpuxfer.errors import TransferMismatch, TransferTimeout
-from gpuxfer.kv.control import AVAIL, FREE, REFUSED
+from gpuxfer.kv.control import AVAIL, FREE
 
 from test_kv_pack import _random_request, sides  # noqa: F401 - the fixture
 
