@@ -117,16 +117,22 @@ def _map_memfd(ref: str, m: re.Match, nbytes: int) -> mmap.mmap:
         raise GpuxferError(f"{what}: this system has no sealed memory files")
     if pid <= 0:
         raise GpuxferError(f"{what}: no process has pid {pid}")
+    link, other = f"/memfd:{name} (deleted)", f"{what}: the descriptor names another file"
     try:
-        at = os.open(f"/proc/{pid}/fd/{fd}", os.O_PATH | os.O_CLOEXEC)     # (opens nothing: a handle on the path)
+        # the link /proc shows first (no call into the file's file system: a stat of a file of a FUSE or network
+        # mount asks its server, which need never answer), then a handle on the path (opens nothing)
+        if os.readlink(f"/proc/{pid}/fd/{fd}") != link:
+            raise GpuxferError(other)
+        at = os.open(f"/proc/{pid}/fd/{fd}", os.O_PATH | os.O_CLOEXEC)
     except OSError as exc:
         raise GpuxferError(f"{what}: cannot be reached ({exc.strerror}; its owner closed it, or is of another "
                            f"PID namespace or user)") from None
     try:
+        if os.readlink(f"/proc/self/fd/{at}") != link:     # (the descriptor changed since)
+            raise GpuxferError(other)
         st = os.fstat(at)
-        if (not stat.S_ISREG(st.st_mode) or st.st_ino != ino or st.st_size != nbytes
-                or os.readlink(f"/proc/self/fd/{at}") != f"/memfd:{name} (deleted)"):
-            raise GpuxferError(f"{what}: the descriptor names another file")
+        if not stat.S_ISREG(st.st_mode) or st.st_ino != ino or st.st_size != nbytes:
+            raise GpuxferError(other)
         rw = os.open(f"/proc/self/fd/{at}", os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
     except OSError as exc:
         raise GpuxferError(f"{what}: cannot be opened ({exc.strerror})") from None

@@ -174,3 +174,42 @@ def test_a_sealed_file_proc_does_not_show_is_not_used(host, monkeypatch):
     finally:
         a.close()
     assert set(os.listdir("/proc/self/fd")) <= before
+
+
+def test_a_reference_to_another_file_is_refused_before_anything_opens_or_stats_it(host, monkeypatch):
+    """A forged reference naming a descriptor of another file (here a regular file, as one of a FUSE or network
+    mount would be: a stat of it asks the file's server, which need never answer) is refused from the link
+    ``/proc`` shows alone: no open of it (not even ``O_PATH``) and no stat, so no call into its file system."""
+    words = HostWords.create(host, 0, 2, KV_PREFIX)
+    tmp = tempfile.TemporaryFile()
+    tmp.truncate(words.nbytes)
+    fd, me = tmp.fileno(), os.getpid()
+    ref = f"memfd:{words.name[1:]}:{fd}:{os.fstat(fd).st_ino:x}"
+    touched = []
+    real_open, real_fstat, real_stat = os.open, os.fstat, os.stat
+
+    def spy_open(path, *a, **kw):
+        touched.append(("open", str(path)))
+        return real_open(path, *a, **kw)
+
+    def spy_fstat(f):
+        touched.append(("fstat", os.readlink(f"/proc/self/fd/{f}")))
+        return real_fstat(f)
+
+    def spy_stat(path, *a, **kw):
+        touched.append(("stat", str(path)))
+        return real_stat(path, *a, **kw)
+    try:
+        monkeypatch.setattr(os, "open", spy_open)
+        monkeypatch.setattr(os, "fstat", spy_fstat)
+        monkeypatch.setattr(os, "stat", spy_stat)
+        with pytest.raises(GpuxferError, match="another file"):
+            HostWords.open(host, 0, ref, 2, KV_PREFIX)
+        monkeypatch.undo()
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        assert [t for t in touched if t[1] in (f"/proc/{me}/fd/{fd}", target)] == []
+        assert not [t for t in touched if t[0] == "fstat"]
+    finally:
+        monkeypatch.undo()
+        tmp.close()
+        words.close()
