@@ -213,3 +213,32 @@ def test_a_reference_to_another_file_is_refused_before_anything_opens_or_stats_i
         monkeypatch.undo()
         tmp.close()
         words.close()
+
+
+@pytest.mark.xfail(strict=True, reason="Python's mmap (before 3.13's trackfd=False) keeps a descriptor of its own of "
+                   "the file it maps: after unlink() /proc/<pid>/fd still shows the owner's words under that number")
+def test_after_unlink_no_descriptor_of_the_owner_names_the_words(host):
+    """unlink() drops the reference: no descriptor of the owner's then names the memory file, so no reference
+    (the one it gave, or one forged with another descriptor number and the same name and inode) opens it."""
+    a = HostWords.create(host, 0, 2)
+    try:
+        a.unlink()
+        link = f"/memfd:{a.name[1:]} (deleted)"
+        fds = []
+        for f in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{f}") == link:
+                    fds.append(int(f))
+            except OSError:
+                pass
+        opened = []
+        for f in fds:
+            _, name, _, ino = a.ref.split(":")
+            try:
+                HostWords.open(host, 0, f"memfd:{name}:{f}:{ino}", 2).close()
+                opened.append(f)
+            except GpuxferError:
+                pass
+        assert not opened, f"descriptors {opened} still open the words after unlink"
+    finally:
+        a.close()
