@@ -42,6 +42,7 @@ def _outcome(handle) -> bool:
         return False
 
 
+@pytest.mark.parametrize("sides", ["auto", "copy"], indirect=True)
 @pytest.mark.parametrize("held_at", [0, 1])
 def test_a_destination_failing_with_pulls_queued_never_lets_the_source_report_success(sides, held_at):
     """The destination posts the same pull three times; its first times out while the source is busy packing
@@ -87,6 +88,7 @@ def test_a_destination_failing_with_pulls_queued_never_lets_the_source_report_su
         f"the source reported success for a push whose bytes did not land (FREE[0] read {seen})"
 
 
+@pytest.mark.parametrize("sides", ["auto", "copy"], indirect=True)
 def test_a_source_failing_with_pushes_queued_never_lets_the_destination_report_other_bytes(sides):
     """The source posts a push of 3 chunks, then two of one chunk (parities 1 and 0); the destination is slow to
     unpack chunks 1 and 2. The source's lane signals its last chunk (its waits not yet released), then the source
