@@ -81,7 +81,7 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
     auto = a.cpus == "auto"
     P = Instance(f"bP{run}", model, a.block_size, cpus=(0, 2) if auto else None, env=envs[0], **kw)
     D = Instance(f"bD{run}", model, a.block_size, cpus=(1, 2) if auto else None, profile=a.profile and not nixl,
-                 env=envs[1], **kw)
+                 env=envs[1], count_calls=a.calls and not nixl, **kw)
     yardstick = []
     try:
         P.ready(timeout=600)
@@ -148,6 +148,7 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
         "handshake_ms": 1e3 * st["handshake_s"][0] if st.get("handshake_s") else None,
         "calls_us": {k: {"n": len(v), "p50": us(pct(v, 0.5)), "p90": us(pct(v, 0.9))}
                      for k, v in st.get("calls_s", {}).items()},
+        "calls_n": _calls_row(st.get("calls_n", [])),
         "device_id_loads": st.get("device_id_loads", 0), "host_id_loads": st.get("host_id_loads", 0),
         "path": _path(st.get("device_id_loads", 0), st.get("host_id_loads", 0)),
         "wrong_bytes": sum(v.get("bad", 0) for v in loads.values()),
@@ -157,6 +158,25 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
         "samples": {"start_load_kv_s": st.get("start_load_kv_s", []), "get_finished_s": st.get("get_finished_s", []),
                     "load_s": {r: v.get("load_s") for r, v in loads.items()}},
     }
+
+
+def _calls_row(counts: list) -> dict | None:
+    """``--calls``: the median Python calls (and C calls) of ``start_load_kv`` with one load (after the first) and
+    per extra request of a batched step, and of ``get_finished`` where it reported loads done and where not."""
+    if not counts:
+        return None
+    med = lambda xs: statistics.median(xs) if xs else None          # noqa: E731
+    slk = [c for c in counts if c[0] == "start_load_kv" and c[1]]
+    one = [c for c in slk if c[1] == 1][1:]
+    py1, c1 = med([c[2] for c in one]), med([c[3] for c in one])
+    extra = [(c[2] - py1) / (c[1] - 1) for c in slk if c[1] > 1] if py1 is not None else []
+    gf = [c for c in counts if c[0] == "get_finished"]
+    done = [c for c in gf if c[1]]
+    return {"start_load_kv_py": py1, "start_load_kv_c": c1, "extra_request_py": extra[1:] or extra,
+            "get_finished_done_py": med([c[2] for c in done]), "get_finished_done_c": med([c[3] for c in done]),
+            "get_finished_done_per_load_py": med([c[2] / c[1] for c in done]),
+            "get_finished_idle_py": med([c[2] for c in gf if not c[1]]),
+            "get_finished_idle_c": med([c[3] for c in gf if not c[1]])}
 
 
 def _loop_row(loop: dict | None) -> dict | None:
@@ -207,6 +227,10 @@ def main(argv=None) -> int:
                     help="after the loads, time this many reads of a request's blocks back to back in the decode "
                          "engine's process (prepare, then post_many of one; 0: none): the same calls as a load's "
                          "without the scheduler's work between them (default 20)")
+    ap.add_argument("--calls", action="store_true",
+                    help="count the Python and C calls of the decode engine thread inside start_load_kv and "
+                         "get_finished (sys.setprofile; the times are then the profiler's): medians per lone load, "
+                         "per extra request, per get_finished that reported loads and per idle one")
     ap.add_argument("--profile", action="store_true",
                     help="time each call a load makes inside the decode engine (the connector, the agent, the ID "
                          "checks, the driver calls): their medians are printed and kept in the JSON (calls_us)")
@@ -293,6 +317,10 @@ def main(argv=None) -> int:
                   + "; post_many " + " | ".join(f"{x['post_us_p50']:.0f} / {x['post_us_p90']:.0f}" for x in loops)
                   + "; yardstick before / after " + " | ".join(f"{x['python_us'][0]:.0f} / {x['python_us'][1]:.0f}"
                                                                for x in loops))
+    for r in rows:
+        if r["calls_n"]:
+            print(f"# calls (--calls; Python / C) run {r['run']}: " + ", ".join(
+                f"{k} {v if not isinstance(v, list) else [round(x, 1) for x in v]}" for k, v in r["calls_n"].items()))
     if a.profile:
         print("# inside the decode engine, per call (us, p50 / p90 over the runs' calls; nested calls included "
               "in their callers):")

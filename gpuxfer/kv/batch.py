@@ -89,9 +89,8 @@ def post_many(poster, transfers: Sequence[KVTransfer], stream: Stream | None) ->
     if len(transfers) == 1:         # (what a decode step admitting one request posts): its own post, which checks
         x = transfers[0]            # its peer; a transfer of this agent's (anything else: _sort's error)
         if isinstance(x, KVTransfer) and x.agent is agent:
-            s = poster.stream(stream)
             try:
-                return [x.post(s)]
+                return [x.post(stream)]     # (its post checks the stream)
             except Exception as exc:
                 exc.handles = [None]
                 raise

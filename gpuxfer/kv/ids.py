@@ -12,6 +12,11 @@ import threading
 
 import numpy as np
 
+try:        # np.count_nonzero's C function, without the two Python calls of its dispatch a use
+    from numpy._core.multiarray import count_nonzero as _count_nonzero
+except ImportError:         # (NumPy 1)
+    from numpy.core.multiarray import count_nonzero as _count_nonzero
+
 from ..errors import BlockIdError
 from .layers import _MAX_INT, _torch
 
@@ -268,8 +273,8 @@ class _RouteIds:
         ls, ld = self.limits[0]
         s_up = d_up = True
         if n > 1:
-            s_up = not np.count_nonzero(s[1:] <= s[:-1])
-            d_up = not np.count_nonzero(d[1:] <= d[:-1])
+            s_up = not _count_nonzero(s[1:] <= s[:-1])
+            d_up = not _count_nonzero(d[1:] <= d[:-1])
         if n and (_beyond(s, s_up, ls) or _beyond(d, d_up, ld)):
             _check_range(s, ls, request, g, "source (local)" if push else "source (remote)")
             _check_range(d, ld, request, g, "destination (remote)" if push else "destination (local)")
@@ -337,7 +342,7 @@ class _RouteIds:
                     marks[od:][D[a:b]] = True
                 a = b
         at = np.flatnonzero(marks[:span])
-        distinct = (self.shared and at.size == n) if by_dst else int(np.count_nonzero(marks[span:])) == n
+        distinct = (self.shared and at.size == n) if by_dst else int(_count_nonzero(marks[span:])) == n
         marks[:] = False
         if at.size == n:        # (ordered by source keys, a source read twice goes by the sort)
             return ("marks", at, partner), distinct
@@ -361,7 +366,7 @@ class _RouteIds:
         marks = _SCRATCH.mask(self.class_span)
         for d, (lo, hi) in zip(dsts, self.class_windows):
             marks[lo:hi][d] = True
-        seen = np.count_nonzero(marks)
+        seen = _count_nonzero(marks)
         marks[:] = False
         return seen == nd
 

@@ -194,16 +194,18 @@ def run_in_slot(poster, route, s: Stream, array: np.ndarray, ptr: int, rows: int
 
 def _enqueue(poster, slot: _Slot, s: Stream, array: np.ndarray, ptr: int, rows: int, expand_only: bool
              ) -> _Landed | None:
-    plat = poster.agent.platform
-    own = s is poster.agent.stream      # the agent's stream: its calls bound once (Platform.stream_calls)
-    if own and slot.folded is not None and not expand_only and slot.host_free():
+    agent = poster.agent
+    own = s is agent.stream         # the agent's stream: its calls bound once (Platform.stream_calls)
+    # (slot.host_free(), inline: the per-post case)
+    if own and slot.folded is not None and not expand_only and slot.host[slot.entries + 1] >= slot.seq:
         return slot.post_folded(poster, slot.folded, array)
+    plat = agent.platform
     if own:
         poster.calls.copy(slot.req_ptr, ptr, array.nbytes)
     else:
         plat.copy_async(s, slot.req_ptr, ptr, array.nbytes)
     if expand_only:
-        expand = slot.expansion(plat, s, rows, poster.agent.device)
+        expand = slot.expansion(plat, s, rows, agent.device)
         if expand is not None:
             plat.launch(s, expand)
     elif slot.graph is not None:
@@ -272,7 +274,7 @@ class _SlotTransfer(KVTransfer):
 
     def _post_locked(self, s: Stream) -> KVTransferHandle:
         """:meth:`post` on ``s`` once the caller holds the post lock and checked the peer."""
-        slot, landed = self._run(s)
+        slot, landed = run_in_slot(self.poster, self.route, s, self._array, self._ptr, self.descriptors, self._entries)
         try:
             value, event = self._finish(s)
         except BaseException:

@@ -7,6 +7,8 @@ handshakes again; the prefill worker's handshake carries the seal key, never the
 from __future__ import annotations
 
 import dataclasses
+import hmac
+import pickle
 import struct
 import types
 
@@ -21,7 +23,8 @@ from gpuxfer.integrations.vllm.holds import make_key
 from gpuxfer.integrations.vllm.lease import now
 from gpuxfer.integrations.vllm.loads import Load
 from gpuxfer.integrations.vllm.params import (BadSeal, BadTransferParams, RemotePrefill, build_params, check_seal,
-                                              for_release, parse_remote_prefill, seal_key)
+                                              for_release, for_workers, parse_remote_prefill, seal_key)
+from gpuxfer.integrations.vllm import params as params_mod
 from gpuxfer.integrations.vllm.scheduler import SchedulerSide
 from gpuxfer.integrations.vllm.worker import Settings, WorkerSide
 from test_vllm_worker_polls import SEAL_KEY, _Client, _sealed
@@ -125,6 +128,32 @@ def test_a_missing_or_garbled_seal_is_refused(seal):
         p["remote_seal"] = seal
     with pytest.raises(BadTransferParams, match="remote_seal"):
         parsed(p)
+
+
+@given(key=st.binary(max_size=130), msg=st.binary(max_size=300))
+@settings(max_examples=200, deadline=None)
+def test_the_seal_mac_is_hmac_sha256(key, msg):
+    """The seal's MAC (padded key blocks hashed once a key) is HMAC-SHA256, a key longer than a block included."""
+    assert params_mod._mac(key, msg) == hmac.digest(key, msg, "sha256")
+    assert params_mod._mac(key, msg) == hmac.digest(key, msg, "sha256")      # (from the kept pads)
+
+
+def test_what_a_seal_covers_is_made_once_and_a_copy_with_other_fields_makes_its_own():
+    """The scheduler side makes what a load's seal covers (for_workers) and it travels with the params (pickled, as
+    the step's metadata goes to the workers); a copy with any field replaced covers its own fields, so an altered
+    copy of checked params fails its seal."""
+    rp = for_workers(parsed(made(2)))
+    assert "signed" in vars(rp)
+    back = pickle.loads(pickle.dumps(rp))
+    assert vars(back)["signed"] == rp.signed
+    check_seal(back, SEAL_KEY)
+    for change in ({"lease_deadline": rp.lease_deadline + 1000.0}, {"request_id": "r2"},
+                   {"block_ids": (np.array([3, 4, 6]), rp.block_ids[1])}, {"endpoints": rp.endpoints[:1]},
+                   {"key": None}, {"prompt": b"x" * 32}):
+        forged = dataclasses.replace(rp, **change)
+        with pytest.raises(BadSeal):
+            check_seal(forged, SEAL_KEY)
+    check_seal(dataclasses.replace(rp, token="t"), SEAL_KEY)        # (the claim token is not sealed)
 
 
 def test_the_scheduler_seals_what_it_hands_out():

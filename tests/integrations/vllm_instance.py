@@ -20,6 +20,7 @@ import gc
 import logging
 import os
 import socket
+import sys
 import time
 import traceback
 
@@ -50,19 +51,21 @@ class Instance:
     def __init__(self, name: str, model_dir: str, block_size: int, *, hybrid: bool = False,
                  extra: dict | None = None, num_blocks: int = 4096, env: dict | None = None, device: str = "cpu",
                  max_model_len: int = 8192, cpus: tuple[int, int] | None = None, profile: bool = False,
-                 shm_caches: bool = False, connector: str = "gpuxfer", tp: int = 1):
+                 shm_caches: bool = False, connector: str = "gpuxfer", tp: int = 1, count_calls: bool = False):
         """``cpus``: ``(rank, world)`` to pin the instance's engine thread as a benchmark rank with ``--cpus
         auto`` does (:func:`gpuxfer.bench.cpus.pin_auto`: the fastest of physical cores of its own); None: the
         scheduler places it. ``profile``: time the calls a load makes inside the engine (:func:`_profile`,
         under ``stats["calls_s"]``). ``shm_caches``: on the host emulation, the caches in the platform's shared
         memory (the triton engine reaches a peer's caches only there). ``connector``: ``"gpuxfer"``, or ``"nixl"``
         for vLLM's own NixlConnector on the same caches (a baseline; its side channel on a free port). ``tp``: the
-        tensor parallel size (one worker-side connector per rank in the process)."""
+        tensor parallel size (one worker-side connector per rank in the process). ``count_calls``: count the Python
+        and C calls the engine thread makes inside ``start_load_kv`` and ``get_transfer_results`` (``sys.setprofile``,
+        under ``stats["calls_n"]``; their timings are then the profiler's, not the product's)."""
         self.name = name
         self.conn, child = ctx().Pipe()
         spec = dict(name=name, model_dir=model_dir, block_size=block_size, hybrid=hybrid, extra=extra or {},
                     num_blocks=num_blocks, env=env or {}, device=device, max_model_len=max_model_len, cpus=cpus,
-                    profile=profile, shm_caches=shm_caches, connector=connector, tp=tp)
+                    profile=profile, shm_caches=shm_caches, connector=connector, tp=tp, count_calls=count_calls)
         self.proc = ctx().Process(target=serve, args=(child, spec), name=f"vllm-{name}", daemon=True)
         self.proc.start()
         child.close()
@@ -259,6 +262,7 @@ class _Engine:
     def __init__(self, spec: dict):
         import torch
         self.stats_calls: dict[str, list] = {}
+        self.count_calls = bool(spec.get("count_calls"))
         from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
                                  SchedulerConfig, VllmConfig)
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -465,12 +469,13 @@ class _Engine:
                    for r in reqs]
         rank_outs, start_s, finished_s, gc_start, gc_finished = [], 0.0, 0.0, 0.0, 0.0
         start_cpu, finished_cpu = 0.0, 0.0      # the engine thread's CPU time in them (time.thread_time)
+        counts = self.stats.setdefault("calls_n", []) if self.count_calls else None
         for w in self.workers:                          # each rank's worker, as each rank's process runs it
             w.bind_connector_metadata(meta)
             gc0 = self.gc_s
             c0 = time.thread_time()
             t0 = time.perf_counter()
-            w.start_load_kv(None)
+            _call(w.start_load_kv, (None,), counts, "start_load_kv", n_loads)
             t1 = time.perf_counter()
             c1 = time.thread_time()
             gc1 = self.gc_s
@@ -478,7 +483,7 @@ class _Engine:
             c2 = time.thread_time()
             t2 = time.perf_counter()
             gc2 = self.gc_s
-            res = w.get_transfer_results(so.finished_req_ids)
+            res = _call(w.get_transfer_results, (so.finished_req_ids,), counts, "get_finished", None)
             t3 = time.perf_counter()
             c3 = time.thread_time()
             start_s, finished_s = start_s + t1 - t0, finished_s + t3 - t2
@@ -674,6 +679,41 @@ def _single_rank_groups(config) -> None:
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
         ensure_model_parallel_initialized(1, 1)
+
+
+def _call(f, args: tuple, counts: list | None, name: str, n_loads: int | None):
+    """``f(*args)``; where ``counts`` is a list, the Python and C calls the thread made inside it (``sys.setprofile``)
+    appended to it as ``(name, n_loads, python calls, C calls, reported)``; ``n_loads`` None: the loads the result
+    reports done. A measuring aid of the benchmark."""
+    if counts is None:
+        return f(*args)
+    n = [0, 0]
+
+    trace = os.environ.get("GPUXFER_TMP_TRACE")
+    seq = []
+
+    def prof(frame, event, arg):
+        if event == "call":
+            n[0] += 1
+            if trace:
+                seq.append((time.perf_counter_ns(), frame.f_code.co_filename.split("/")[-1], frame.f_lineno,
+                            frame.f_code.co_name))
+        elif event == "c_call":
+            n[1] += 1
+            if trace:
+                seq.append((time.perf_counter_ns(), "   C", 0, getattr(arg, "__qualname__", str(arg))))
+    sys.setprofile(prof)
+    try:
+        res = f(*args)
+    finally:
+        sys.setprofile(None)
+    if n_loads is None:
+        n_loads = len(res.finished_recving or ()) if res is not None else 0
+    if trace:
+        with open(f"{trace}.{name}.{n_loads}.{os.getpid()}.{time.monotonic_ns()}", "w") as fh:
+            fh.write("\n".join("%d %s:%d %s" % (t - seq[0][0], a, b, c) for t, a, b, c in seq))
+    counts.append((name, n_loads, n[0] - 1, n[1]))       # (less the call of f itself)
+    return res
 
 
 def _profile(connector, acc: dict) -> None:

@@ -322,9 +322,14 @@ class DecodeLoads:
         return prepare_on_device(self, batches, xs, owners)
 
     def _prepare_each_host(self, batch: list[_LoadState], xs: list, owners: list) -> None:
+        """:meth:`_prepare_host` of each load (inline), a load the agent refuses failing alone."""
+        prepare = self.agent.prepare
         for st in batch:
             try:
-                xs.append(self._prepare_host(st))
+                local, remote = st.pairs
+                st.device_ids = False
+                xs.append(prepare(st.remote.peer, "pull", local_blocks=local, remote_blocks=remote,
+                                  name=st.load.req_id, device_ids=False))
                 owners.append((st,))
             except GpuxferError as exc:
                 st.error = f"{type(exc).__name__}: {exc}"

@@ -29,6 +29,7 @@ it before it reads (:func:`check_seal`), so params altered or forged by a client
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import hmac
 import math
@@ -37,6 +38,11 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+
+try:        # np.count_nonzero's C function, without the two Python calls of its dispatch a use
+    from numpy._core.multiarray import count_nonzero as _count_nonzero
+except ImportError:         # (NumPy 1)
+    from numpy.core.multiarray import count_nonzero as _count_nonzero
 
 from ...errors import BadInput
 
@@ -84,6 +90,16 @@ class RemotePrefill:
     def tp_size(self) -> int:
         return len(self.endpoints) or 1
 
+    @functools.cached_property
+    def signed(self) -> bytes:
+        """What the seal covers (:func:`_canonical` of these fields), made once for this object: the scheduler side
+        makes it as it hands the params to the workers (:func:`for_workers`), so their engine threads only MAC it.
+        A copy with other fields (``dataclasses.replace``) is another object and makes its own."""
+        eps = self.endpoints or ((self.host, self.port),)
+        digest = ids_digest(self.block_ids) if self.ids_digest is None else self.ids_digest
+        return _canonical(self.engine_id, self.request_id, digest, self.block_sizes, self.lease_deadline, eps,
+                          self.key, self.prompt)
+
     def endpoint_of(self, rank: int, world: int | None = None) -> tuple[str, int, str]:
         """``(host, port, engine id)`` of the prefill worker that decode worker ``rank`` of ``world`` (default:
         the prefill's size) reads from: :func:`source_rank`; :class:`BadTransferParams` when there is none."""
@@ -94,9 +110,10 @@ class RemotePrefill:
     def endpoints_of(self, rank: int, world: int) -> list[tuple[str, int, str]]:
         """``(host, port, engine id)`` of each prefill worker decode worker ``rank`` of ``world`` reads from
         (:func:`source_ranks`)."""
-        ranks = source_ranks(rank, world, self.tp_size)
         eps = self.endpoints or ((self.host, self.port),)
-        return [(*eps[r], self.engine_id) for r in ranks]
+        if len(eps) == world and 0 <= rank < world:        # (sizes alike, the usual case: rank i reads rank i)
+            return [(*eps[rank], self.engine_id)]
+        return [(*eps[r], self.engine_id) for r in source_ranks(rank, world, len(eps))]
 
 
 def source_ranks(rank: int, world: int, prefill_world: int) -> list[int]:
@@ -270,7 +287,7 @@ def pair_group(local: np.ndarray, remote: np.ndarray, ls: int, rs: int, start: i
         # calls; anything else, an error included, takes the general path below)
         rem = remote[lo_l:hi_l]
         n = loc.size
-        if rem.size == n and np.count_nonzero(loc) == n and np.count_nonzero(rem) == n:
+        if rem.size == n and _count_nonzero(loc) == n and _count_nonzero(rem) == n:
             return loc, rem
     if loc.size < hi_l - lo_l:
         raise BadTransferParams(f"the request holds {local.size} local blocks; tokens up to {end} need {hi_l}")
@@ -398,16 +415,43 @@ def _canonical(engine_id: str, request_id: str, digest: bytes, block_sizes: Sequ
 def for_release(rp: RemotePrefill) -> RemotePrefill:
     """What a worker needs to release a request (its rank's endpoint, the engine, the request, and what checks its
     seal): the params with the digest of their block IDs in place of the arrays, which would travel to every worker
-    with the step's metadata."""
-    return dataclasses.replace(rp, block_ids=(), ids_digest=ids_digest(rp.block_ids))
+    with the step's metadata (:func:`for_workers`)."""
+    return for_workers(dataclasses.replace(rp, block_ids=(), ids_digest=ids_digest(rp.block_ids)))
+
+
+def for_workers(rp: RemotePrefill) -> RemotePrefill:
+    """``rp`` with what its seal covers made now (:attr:`RemotePrefill.signed`, kept with it as the step's metadata
+    goes to the workers): the scheduler side's work, not the engine threads'."""
+    rp.signed
+    return rp
 
 
 def seal_of(rp: RemotePrefill, key: bytes) -> bytes:
     """The seal of checked params ``rp`` under seal key ``key``."""
-    eps = rp.endpoints or ((rp.host, rp.port),)
-    digest = ids_digest(rp.block_ids) if rp.ids_digest is None else rp.ids_digest
-    return hmac.digest(key, _canonical(rp.engine_id, rp.request_id, digest, rp.block_sizes, rp.lease_deadline, eps,
-                                       rp.key, rp.prompt), "sha256")
+    return _mac(key, rp.signed)
+
+
+#: the bytes of a key XOR-ed with HMAC's inner and outer pads (RFC 2104)
+_IPAD, _OPAD = bytes(x ^ 0x36 for x in range(256)), bytes(x ^ 0x5C for x in range(256))
+#: per seal key: SHA-256 over its inner and over its outer padded block (:func:`_mac`)
+_PADS: dict[bytes, tuple] = {}
+
+
+def _mac(key: bytes, msg: bytes) -> bytes:
+    """HMAC-SHA256 of ``msg`` under ``key`` (what ``hmac.digest(key, msg, "sha256")`` gives) from the key's padded
+    blocks hashed once a key: two hash copies a call, where ``hmac.digest`` looks OpenSSL's HMAC and SHA-256 up
+    anew each time (tens of microseconds on caches a step left cold)."""
+    pads = _PADS.get(key)
+    if pads is None:
+        k = (hashlib.sha256(key).digest() if len(key) > 64 else bytes(key)).ljust(64, b"\0")
+        pads = hashlib.sha256(k.translate(_IPAD)), hashlib.sha256(k.translate(_OPAD))
+        if len(_PADS) >= 64:        # (keys of engines gone; an engine's key stays while it does)
+            _PADS.clear()
+        _PADS[bytes(key)] = pads
+    inner, outer = pads[0].copy(), pads[1].copy()
+    inner.update(msg)
+    outer.update(inner.digest())
+    return outer.digest()
 
 
 def check_seal(rp: RemotePrefill, key: bytes | None) -> None:

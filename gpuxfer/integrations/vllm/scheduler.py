@@ -13,8 +13,8 @@ import numpy as np
 
 from . import lease
 from .holds import make_key
-from .params import (BadTransferParams, RemotePrefill, build_params, for_release, parse_remote_prefill, prompt_digest,
-                     seal_key, tokens_to_load)
+from .params import (BadTransferParams, RemotePrefill, build_params, for_release, for_workers, parse_remote_prefill,
+                     prompt_digest, seal_key, tokens_to_load)
 from .loads import Load
 
 log = logging.getLogger("gpuxfer.vllm")
@@ -89,7 +89,7 @@ class SchedulerSide:
             local = tuple(np.fromiter(g, dtype=np.int64, count=len(g)) for g in ids)
             end = request.num_prompt_tokens - 1
             start = max(0, end - num_external_tokens)
-            self._loads.append(Load(request.request_id, rp, local, start, end))
+            self._loads.append(Load(request.request_id, for_workers(rp), local, start, end))
         else:
             self._releases.append(for_release(rp))
 
