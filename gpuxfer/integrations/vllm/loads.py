@@ -294,7 +294,7 @@ class DecodeLoads:
         # this worker's heads comes from the peer's own rank and size, so another rank (one rank under two
         # addresses) or a prefill of more ranks than the params list would leave heads written by no read
         # (with the sizes equal, r.sources are the ranks the load's parts were made from: st.part indexes them)
-        if r.world != rp.tp_size or r.rank != r.sources[st.part]:
+        if r.world != (len(rp.endpoints) or 1) or r.rank != r.sources[st.part]:        # (rp.tp_size, inline)
             want = source_ranks(self.tp_rank, self.tp_size, rp.tp_size)[st.part]
             raise BadTransferParams(f"prefill engine {r.key[2]} at {r.key[0]}:{r.key[1]} is rank {r.rank} of "
                                     f"{r.world}; the params name rank {want} of {rp.tp_size} there")

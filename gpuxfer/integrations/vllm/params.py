@@ -459,7 +459,7 @@ def check_seal(rp: RemotePrefill, key: bytes | None) -> None:
     its handshake) made for them: params altered or forged after the prefill made them."""
     if key is None:
         raise BadSeal(f"prefill engine {rp.engine_id}'s handshake carried no seal key: its params cannot be checked")
-    if rp.seal is None or not hmac.compare_digest(seal_of(rp, key), rp.seal):
+    if rp.seal is None or not hmac.compare_digest(_mac(key, rp.signed), rp.seal):     # (seal_of, inline)
         raise BadSeal(f"the kv_transfer_params of request {rp.request_id!r} do not carry prefill engine "
                       f"{rp.engine_id}'s seal over what they name and this request's prompt (altered, forged, made "
                       "for another prompt, or from before the engine restarted)")
