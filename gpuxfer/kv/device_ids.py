@@ -300,7 +300,9 @@ class _Status:
         self.batch = batch          # requests posted together with this word (post_many)
 
     def raise_if_bad(self, name: str) -> None:
-        _raise_if_bad(int(self.array[self.index]), name, self.batch)
+        bits = int(self.array[self.index])
+        if bits:
+            _raise_if_bad(bits, name, self.batch)
 
     def __del__(self):
         self.words.free.append((self.chunk, self.index))
@@ -334,7 +336,8 @@ class _SlotStatus:
         bits = int(self.slot.host[self.slot.entries + 2])
         if not self.live:           # (read first: a hand-over keeps the value before the word is written again)
             bits = self.bits
-        _raise_if_bad(bits, name, self.batch)
+        if bits:
+            _raise_if_bad(bits, name, self.batch)
 
 
 class _DeviceIdTransfer(_SlotTransfer):

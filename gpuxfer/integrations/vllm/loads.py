@@ -344,18 +344,21 @@ class DecodeLoads:
         read: dict[int, tuple] = {}             # per prefill engine: its client, the requests read and their keys
         self._read_now.clear()
         inflight = self.inflight
+        done_h = ()             # the handle last found done: the loads of one read share it, asked once a poll
         while inflight:
             st = inflight[0]
-            try:
-                if not st.handle.done():
-                    break
-            except BlockIdError as exc:
-                if st.together > 1:
-                    st.host_ids, st.together, st.handle = True, 1, None
-                else:
+            if st.handle is not done_h:
+                try:
+                    if not st.handle.done():
+                        break
+                    done_h = st.handle
+                except BlockIdError as exc:
+                    if st.together > 1:
+                        st.host_ids, st.together, st.handle = True, 1, None
+                    else:
+                        st.error = f"{type(exc).__name__}: {exc}"
+                except GpuxferError as exc:
                     st.error = f"{type(exc).__name__}: {exc}"
-            except GpuxferError as exc:
-                st.error = f"{type(exc).__name__}: {exc}"
             inflight.popleft()
             st.remote.inflight -= 1
             if st.host_ids and st.handle is None:
