@@ -349,6 +349,21 @@ def test_a_read_of_several_refused_on_the_device_goes_again_with_host_ids():
     assert set(w.decode.waiting) == {("d0", 0), ("d1", 0)} and r.inflight == 0 and r.loads == 2
 
 
+def test_a_poll_asks_the_handle_of_a_read_of_several_loads_once():
+    """The loads posted in one read share its handle: a poll asks it once for all of them (the engine thread's
+    calls), and reports every one of them; a read not done yet holds them, and the loads after them, back."""
+    w = _worker()
+    r, sts = _in_flight(w, 5, now() + 60)
+    shared = _Handle()
+    for st in sts[:4]:
+        st.handle, st.together, st.device_ids = shared, 4, True
+    assert w.poll() == (set(), set(), set())
+    assert shared.asked == 1 and sts[4].handle.asked == 0
+    shared.finished = sts[4].handle.finished = True
+    assert w.poll() == (set(), {f"d{i}" for i in range(5)}, set())
+    assert shared.asked == 2 and sts[4].handle.asked == 1
+
+
 def test_a_gone_engine_is_forgotten_once_no_load_names_it():
     """The reap counts an engine's loads (no scan of the loads in flight): a gone engine with a load not reported
     stays; once that load is reported, it goes."""

@@ -683,25 +683,17 @@ def _single_rank_groups(config) -> None:
 
 def _call(f, args: tuple, counts: list | None, name: str, n_loads: int | None):
     """``f(*args)``; where ``counts`` is a list, the Python and C calls the thread made inside it (``sys.setprofile``)
-    appended to it as ``(name, n_loads, python calls, C calls, reported)``; ``n_loads`` None: the loads the result
-    reports done. A measuring aid of the benchmark."""
+    appended to it as ``(name, n_loads, Python calls, C calls)``; ``n_loads`` None: the loads the result reports done.
+    A measuring aid of the benchmark."""
     if counts is None:
         return f(*args)
     n = [0, 0]
 
-    trace = os.environ.get("GPUXFER_TMP_TRACE")
-    seq = []
-
     def prof(frame, event, arg):
         if event == "call":
             n[0] += 1
-            if trace:
-                seq.append((time.perf_counter_ns(), frame.f_code.co_filename.split("/")[-1], frame.f_lineno,
-                            frame.f_code.co_name))
         elif event == "c_call":
             n[1] += 1
-            if trace:
-                seq.append((time.perf_counter_ns(), "   C", 0, getattr(arg, "__qualname__", str(arg))))
     sys.setprofile(prof)
     try:
         res = f(*args)
@@ -709,9 +701,6 @@ def _call(f, args: tuple, counts: list | None, name: str, n_loads: int | None):
         sys.setprofile(None)
     if n_loads is None:
         n_loads = len(res.finished_recving or ()) if res is not None else 0
-    if trace:
-        with open(f"{trace}.{name}.{n_loads}.{os.getpid()}.{time.monotonic_ns()}", "w") as fh:
-            fh.write("\n".join("%d %s:%d %s" % (t - seq[0][0], a, b, c) for t, a, b, c in seq))
     counts.append((name, n_loads, n[0] - 1, n[1]))       # (less the call of f itself)
     return res
 
@@ -741,7 +730,7 @@ def _profile(connector, acc: dict) -> None:
         return wrapper
 
     for owner, attr in ((kl, "pair_group"), (kl.DecodeLoads, "start"), (kl.DecodeLoads, "_post"),
-                        (kl.DecodeLoads, "_pair"), (kl.DecodeLoads, "_prepare_host"),
+                        (kl.DecodeLoads, "_pair"), (kl.DecodeLoads, "_prepare_each_host"),
                         (kl.DecodeLoads, "_prepare_on_device"), (kst.IdStaging, "take"), (kst.IdStaging, "send"),
                         (wk.WorkerSide, "poll"), (kh.PrefillHolds, "drain"), (kl.DecodeLoads, "finished"),
                         (kc.SideChannelClient, "notify"), (ka.KVAgent, "prepare"), (ka.KVAgent, "post_many"),

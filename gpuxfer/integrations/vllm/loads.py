@@ -208,8 +208,7 @@ class DecodeLoads:
                     elif st.remote.device_ids and not st.host_ids:
                         on_device.setdefault(id(st.remote), []).append(st)
                     else:
-                        xs.append(self._prepare_host(st))
-                        owners.append((st,))
+                        self._prepare_each_host((st,), xs, owners)
                 except BadSeal as exc:
                     # no release with their key (that could end the hold of the params they were altered from), and
                     # no claim: a load of the real params may follow
@@ -310,19 +309,13 @@ class DecodeLoads:
         st.nbytes = nbytes
         return (local, remote) if local else None
 
-    def _prepare_host(self, st: _LoadState):
-        """The request's read with its IDs on the host (checked there by :meth:`KVAgent.prepare`)."""
-        local, remote = st.pairs
-        st.device_ids = False
-        return self.agent.prepare(st.remote.peer, "pull", local_blocks=local, remote_blocks=remote,
-                                  name=st.load.req_id, device_ids=False)
-
     def _prepare_on_device(self, batches: list[list[_LoadState]], xs: list, owners: list):
         """:func:`.staging.prepare_on_device` of this worker's agent and staging."""
         return prepare_on_device(self, batches, xs, owners)
 
     def _prepare_each_host(self, batch: list[_LoadState], xs: list, owners: list) -> None:
-        """:meth:`_prepare_host` of each load (inline), a load the agent refuses failing alone."""
+        """Each load's read with its IDs on the host (checked there by :meth:`KVAgent.prepare`), a load the agent
+        refuses failing alone."""
         prepare = self.agent.prepare
         for st in batch:
             try:
