@@ -688,8 +688,9 @@ def _single_rank_groups(config) -> None:
 
 
 def _call(f, args: tuple, counts: list, name: str, n_loads: int | None):
-    """``f(*args)``, and the Python and C calls the thread made inside it (``sys.setprofile``) appended to ``counts`` as ``(name, n_loads, Python calls, C calls)``; ``n_loads`` None: the loads the result reports done.
-    A measuring aid of the benchmark."""
+    """``f(*args)``, and the Python and C calls the thread made inside it (``sys.setprofile``) appended to ``counts``
+    as ``(name, n_loads, Python calls, C calls)``; ``n_loads`` None: the loads the result reports done. A measuring
+    aid of the benchmark."""
     n = [0, 0]
 
     def prof(frame, event, arg):
