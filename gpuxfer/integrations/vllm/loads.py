@@ -170,12 +170,11 @@ class DecodeLoads:
                 if claim in self.claims:
                     st.error = (f"request {load.remote.request_id!r} of prefill engine {key[2]} is loaded by another "
                                 "request of this instance already (its blocks are freed once that load ends)")
-                    self.ended.append(st)
-                    continue
-                if self.engines.begins(key) and (begun := begun + 1) > MAX_HANDSHAKES_A_LOAD:
+                elif self.engines.begins(key) and (begun := begun + 1) > MAX_HANDSHAKES_A_LOAD:
                     st.error = (f"the params name more than {MAX_HANDSHAKES_A_LOAD} prefill ranks of engine {key[2]} "
                                 "not handshaken with yet; a later load handshakes with the rest")
-                    self.ended.append(st)       # (no connection, record or claim: a later load begins it)
+                if st.error:                    # (no connection, record or claim)
+                    self.ended.append(st)
                     continue
                 self.waiting[st.key] = st
                 st.remote = r = self.engines.get(key)
@@ -293,7 +292,7 @@ class DecodeLoads:
         # this worker's heads comes from the peer's own rank and size, so another rank (one rank under two
         # addresses) or a prefill of more ranks than the params list would leave heads written by no read
         # (with the sizes equal, r.sources are the ranks the load's parts were made from: st.part indexes them)
-        if r.world != (len(rp.endpoints) or 1) or r.rank != r.sources[st.part]:        # (rp.tp_size, inline)
+        if r.world != rp.tp_size or r.rank != r.sources[st.part]:
             want = source_ranks(self.tp_rank, self.tp_size, rp.tp_size)[st.part]
             raise BadTransferParams(f"prefill engine {r.key[2]} at {r.key[0]}:{r.key[1]} is rank {r.rank} of "
                                     f"{r.world}; the params name rank {want} of {rp.tp_size} there")
