@@ -156,7 +156,8 @@ class HostWords:
     POSIX shared-memory segment) mapped for ``device``'s streams; ``create`` makes one (the owner), ``open`` maps a
     peer's by its :attr:`ref`."""
 
-    def __init__(self, platform, device: int, name: str, n: int, create: bool, ref: re.Match | None = None):
+    def __init__(self, platform, device: int, name: str, n: int, create: bool, ref: re.Match | None = None,
+                 sealed: bool = True):
         self.platform, self.device, self.name, self.n = platform, device, name, int(n)
         self.nbytes = -(-(self.n + 2) * FLAG_STRIDE // PAGE) * PAGE
         self.owner = self.linked = create
@@ -165,7 +166,7 @@ class HostWords:
             if ref is not None:         # a peer's memory file
                 self.ref = ref.string
                 self._mm = _map_memfd(ref.string, ref, self.nbytes)
-            elif create and (fd := _sealed_memfd(name[1:], self.nbytes)) is not None:
+            elif create and sealed and (fd := _sealed_memfd(name[1:], self.nbytes)) is not None:
                 self._fd = fd
                 self.ref = f"memfd:{name[1:]}:{fd}:{os.fstat(fd).st_ino:x}"
                 self._mm = mmap.mmap(fd, self.nbytes)
@@ -191,7 +192,14 @@ class HostWords:
         """New words named ``<prefix><pid hex>-<12 hex>``, after removing the segments of that prefix whose
         creator is gone (:func:`~gpuxfer.common.sweep_shm_orphans`)."""
         sweep_shm_orphans(_NAMES[prefix], "give-back" if prefix == PREFIX else "notification")
-        return cls(platform, device, f"/{prefix}{os.getpid():x}-{secrets.token_hex(6)}", n, True)
+        def name() -> str:
+            return f"/{prefix}{os.getpid():x}-{secrets.token_hex(6)}"
+        try:
+            return cls(platform, device, name(), n, True)
+        except GpuxferError as exc:     # (e.g. a driver that does not register the memory file's pages)
+            log.warning("host words: made as a sealed memory file, they failed (%s); a named shared-memory segment "
+                        "instead", exc)
+            return cls(platform, device, name(), n, True, sealed=False)
 
     @classmethod
     def open(cls, platform, device: int, ref: str, n: int, prefix: str = PREFIX) -> "HostWords":

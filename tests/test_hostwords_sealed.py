@@ -242,3 +242,25 @@ def test_after_unlink_no_descriptor_of_the_owner_names_the_words(host):
         assert not opened, f"descriptors {opened} still open the words after unlink"
     finally:
         a.close()
+
+
+def test_words_whose_memory_file_the_platform_cannot_map_are_a_named_segment(host, monkeypatch):
+    """A platform that refuses to map the sealed memory file's pages for its streams (a driver that does not
+    register them): ``create`` makes the words a named segment instead, and leaves no descriptor behind."""
+    made, real = [], host.map_host_words
+
+    def refuse_memory_files(ptr, nbytes, device):
+        made.append(ptr)
+        if len(made) == 1:
+            raise GpuxferError("registering host memory: refused")
+        return real(ptr, nbytes, device)
+    monkeypatch.setattr(host, "map_host_words", refuse_memory_files)
+    before = set(os.listdir("/proc/self/fd"))
+    words = HostWords.create(host, 0, 4, KV_PREFIX)
+    try:
+        assert len(made) == 2 and not words.sealed and os.path.exists("/dev/shm" + words.name)
+        words.store(1, 5)
+        assert words.read(1) == 5
+    finally:
+        words.close()
+    assert set(os.listdir("/proc/self/fd")) <= before
