@@ -197,8 +197,7 @@ class HostWords:
         try:
             return cls(platform, device, name(), n, True)
         except GpuxferError as exc:     # (e.g. a driver that does not register the memory file's pages)
-            log.warning("host words: made as a sealed memory file, they failed (%s); a named shared-memory segment "
-                        "instead", exc)
+            log.warning("host words: making them failed (%s); trying a named shared-memory segment", exc)
             return cls(platform, device, name(), n, True, sealed=False)
 
     @classmethod
@@ -253,7 +252,7 @@ class HostWords:
 
     def unlink(self) -> None:
         """Drop the reference (the owner's; idempotent): close the memory file's descriptor, or remove the
-        segment's name. The mappings stay; no peer can open the words after it."""
+        segment's name. The mappings stay (Python's ``mmap`` keeps a descriptor of the memory file of its own)."""
         if self.linked:
             self.linked = False
             fd, self._fd = self._fd, None

@@ -13,9 +13,9 @@ import threading
 import numpy as np
 
 try:        # np.count_nonzero's C function, without the two Python calls of its dispatch a use
-    from numpy._core.multiarray import count_nonzero as _count_nonzero
+    from numpy._core.multiarray import count_nonzero
 except ImportError:         # (NumPy 1)
-    from numpy.core.multiarray import count_nonzero as _count_nonzero
+    from numpy.core.multiarray import count_nonzero
 
 from ..errors import BlockIdError
 from .layers import _MAX_INT, _torch
@@ -65,6 +65,14 @@ def _uncovered(request: str, group: str, a: int, b: int, rs: int, rd: int) -> Bl
     """The error of ``a`` source and ``b`` destination blocks that do not cover the same tokens."""
     return BlockIdError(f"request {request!r}, group {group!r}: {a} source and {b} destination blocks do not "
                         f"cover the same tokens (block-size ratio {rs}:{rd})")
+
+
+def _beyond(ids: np.ndarray, rising: bool, limit: int) -> bool:
+    """Whether an ID of ``ids`` (not empty) leaves ``[0, limit)``: the ends of rising IDs, else their largest read
+    unsigned (a negative ID is past any limit)."""
+    if rising:
+        return int(ids[0]) < 0 or int(ids[-1]) >= limit
+    return int(ids.view(np.uint64).max()) >= limit
 
 
 def _check_range(ids: np.ndarray, limit: int, request: str, group: str, side: str) -> None:
@@ -244,17 +252,8 @@ class _RouteIds:
         before the thread's next check."""
         if self.single:
             g = self.groups[0]
-            mine, theirs = local_blocks[g], remote_blocks[g]
-            # (_as_ids, its per-request case inline: a 1-D contiguous int64 array, copied)
-            if type(mine) is np.ndarray and mine.dtype is _INT64 and mine.ndim == 1 and mine.flags.c_contiguous:
-                mine = mine.copy()
-            else:
-                mine = _as_ids(mine, request, g, "local blocks")
-            if type(theirs) is np.ndarray and theirs.dtype is _INT64 and theirs.ndim == 1 and \
-                    theirs.flags.c_contiguous:
-                theirs = theirs.copy()
-            else:
-                theirs = _as_ids(theirs, request, g, "remote blocks")
+            mine = _as_ids(local_blocks[g], request, g, "local blocks")
+            theirs = _as_ids(remote_blocks[g], request, g, "remote blocks")
             if (self.span if self.sort_by_dst else self.span + self.class_span) > _DENSE * mine.size:
                 return self._check_one(request, push, mine, theirs)
             local_blocks, remote_blocks = {g: mine}, {g: theirs}
@@ -274,11 +273,9 @@ class _RouteIds:
         ls, ld = self.limits[0]
         s_up = d_up = True
         if n > 1:
-            s_up = not _count_nonzero(s[1:] <= s[:-1])
-            d_up = not _count_nonzero(d[1:] <= d[:-1])
-        # (_beyond of each side, inline)
-        if n and (((int(s[0]) < 0 or int(s[-1]) >= ls) if s_up else int(s.view(np.uint64).max()) >= ls)
-                  or ((int(d[0]) < 0 or int(d[-1]) >= ld) if d_up else int(d.view(np.uint64).max()) >= ld)):
+            s_up = not count_nonzero(s[1:] <= s[:-1])
+            d_up = not count_nonzero(d[1:] <= d[:-1])
+        if n and (_beyond(s, s_up, ls) or _beyond(d, d_up, ld)):
             _check_range(s, ls, request, g, "source (local)" if push else "source (remote)")
             _check_range(d, ld, request, g, "destination (remote)" if push else "destination (local)")
         order = None
@@ -345,7 +342,7 @@ class _RouteIds:
                     marks[od:][D[a:b]] = True
                 a = b
         at = np.flatnonzero(marks[:span])
-        distinct = (self.shared and at.size == n) if by_dst else int(_count_nonzero(marks[span:])) == n
+        distinct = (self.shared and at.size == n) if by_dst else int(count_nonzero(marks[span:])) == n
         marks[:] = False
         if at.size == n:        # (ordered by source keys, a source read twice goes by the sort)
             return ("marks", at, partner), distinct
@@ -369,7 +366,7 @@ class _RouteIds:
         marks = _SCRATCH.mask(self.class_span)
         for d, (lo, hi) in zip(dsts, self.class_windows):
             marks[lo:hi][d] = True
-        seen = _count_nonzero(marks)
+        seen = count_nonzero(marks)
         marks[:] = False
         return seen == nd
 

@@ -196,8 +196,7 @@ def _enqueue(poster, slot: _Slot, s: Stream, array: np.ndarray, ptr: int, rows: 
              ) -> _Landed | None:
     agent = poster.agent
     own = s is agent.stream         # the agent's stream: its calls bound once (Platform.stream_calls)
-    # (slot.host_free(), inline: the per-post case)
-    if own and slot.folded is not None and not expand_only and slot.host[slot.entries + 1] >= slot.seq:
+    if own and slot.folded is not None and not expand_only and slot.host_free():
         return slot.post_folded(poster, slot.folded, array)
     plat = agent.platform
     if own:

@@ -39,12 +39,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-try:        # np.count_nonzero's C function, without the two Python calls of its dispatch a use
-    from numpy._core.multiarray import count_nonzero as _count_nonzero
-except ImportError:         # (NumPy 1)
-    from numpy.core.multiarray import count_nonzero as _count_nonzero
-
 from ...errors import BadInput
+from ...kv.ids import count_nonzero
 
 PARAMS_VERSION = 1
 MAX_ID = (1 << 31) - 1
@@ -287,7 +283,7 @@ def pair_group(local: np.ndarray, remote: np.ndarray, ls: int, rs: int, start: i
         # calls; anything else, an error included, takes the general path below)
         rem = remote[lo_l:hi_l]
         n = loc.size
-        if rem.size == n and _count_nonzero(loc) == n and _count_nonzero(rem) == n:
+        if rem.size == n and count_nonzero(loc) == n and count_nonzero(rem) == n:
             return loc, rem
     if loc.size < hi_l - lo_l:
         raise BadTransferParams(f"the request holds {local.size} local blocks; tokens up to {end} need {hi_l}")
@@ -459,7 +455,7 @@ def check_seal(rp: RemotePrefill, key: bytes | None) -> None:
     its handshake) made for them: params altered or forged after the prefill made them."""
     if key is None:
         raise BadSeal(f"prefill engine {rp.engine_id}'s handshake carried no seal key: its params cannot be checked")
-    if rp.seal is None or not hmac.compare_digest(_mac(key, rp.signed), rp.seal):     # (seal_of, inline)
+    if rp.seal is None or not hmac.compare_digest(seal_of(rp, key), rp.seal):
         raise BadSeal(f"the kv_transfer_params of request {rp.request_id!r} do not carry prefill engine "
                       f"{rp.engine_id}'s seal over what they name and this request's prompt (altered, forged, made "
                       "for another prompt, or from before the engine restarted)")

@@ -159,7 +159,7 @@ class WorkerSide:
         """Prefill: the secret this engine's hold keys are made with (:func:`~.holds.make_key`). The handshake's
         description carries the seal key derived from it from then on: a request's params exist only once its steps
         ran here, each of which brought the secret, so a decode worker handshaking for them finds the key."""
-        if secret != self.prefill.claims.secret:      # (self.prefill.secret's)
+        if secret != self.prefill.secret:
             self.prefill.secret = secret
             if self.info is not None:
                 self._info_bytes = self._described()     # (one attribute: the server's thread reads it whole)
