@@ -27,6 +27,11 @@ slots hold descriptor tables (the default ``GPUXFER_KV_COPY``), a route's batch 
 one (kv-dsv4 at 32k tokens: every request alone; device-ID parts are merged, ten posts); with
 ``GPUXFER_KV_COPY=blocks`` it is one post. ``--profile`` gives the cProfile
 of the timed ``post_many`` calls (and of the ``prepare`` loop's calls).
+
+``--calls``: no timing; the Python calls and C calls from Python (``sys.setprofile``) of gpuxfer's own code in one
+``prepare``, one ``post`` and one ``post_many`` of ``--batch`` (default 64) and of half as many requests, the
+emulated driver's apart (:func:`count_calls`; with ``--profile``, each call by name). Inside an engine's step each
+call costs microseconds (cold caches), so the count is the host time's shape.
 """
 from __future__ import annotations
 
@@ -239,6 +244,138 @@ def run(workload: str, isl: int, page: int, op: str, iters: int, profile: bool, 
         plat.close()
 
 
+def _is_driver(code, _stub=[]) -> bool:
+    """Whether ``code`` is the emulated driver's: the host platform's modules or :func:`stub_platform`'s methods (on
+    CUDA each of their entry points is one driver call, so their Python is counted apart)."""
+    if not _stub:
+        import inspect
+        lines, first = inspect.getsourcelines(stub_platform)
+        _stub[:] = [stub_platform.__code__.co_filename, first, first + len(lines)]
+    if "gpuxfer/platforms/host" in code.co_filename:
+        return True
+    return code.co_filename == _stub[0] and _stub[1] <= code.co_firstlineno < _stub[2]
+
+
+class _CallCounter:
+    """A ``sys.setprofile`` hook: ``call`` and ``c_call`` events, those under a driver frame apart (``drv_*``), and
+    per (kind, name) where ``names``."""
+
+    def __init__(self):
+        self.n: collections.Counter = collections.Counter()
+        self.names: collections.Counter = collections.Counter()
+
+    def __call__(self, frame, event, arg):
+        if event not in ("call", "c_call"):
+            return
+        f, driver = frame, False
+        while f is not None and not driver:
+            driver = _is_driver(f.f_code)
+            f = f.f_back
+        kind = ("drv_" if driver else "") + event
+        self.n[kind] += 1
+        code = frame.f_code
+        where = f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}"
+        self.names[(kind, where if event == "call" else f"{getattr(arg, '__qualname__', arg)} <{where}>")] += 1
+
+
+def _counted(fn):
+    """``(counts of fn(), its result)``: the hook's own events (the lambda called, setprofile) taken off."""
+    c = _CallCounter()
+    sys.setprofile(c)
+    try:
+        out = fn()
+    finally:
+        sys.setprofile(None)
+    c.n["call"] -= 1
+    c.n["c_call"] -= 1
+    return c, out
+
+
+def count_calls(workload: str, isl: int, page: int, op: str = "pull", ids: str = "host", batch: int = 64,
+                names: bool = False) -> dict:
+    """The Python calls (``call`` events) and C calls from Python (``c_call``) of gpuxfer's own code in one
+    ``prepare``, one ``post`` of a transfer just prepared, and one ``post_many`` of ``batch`` and of ``batch // 2``
+    requests (each of its own blocks), counted with ``sys.setprofile`` on this thread after warm posts of each
+    shape; the emulated driver's calls apart (``drv_call``, ``drv_c_call``). Stream operations are no-ops here, so
+    before each counted call the landed words of the route's slots are written as a completed folded graph
+    writes them: posts take the folded path, as on a GPU. ``per_extra_request``: the difference between the two
+    ``post_many`` counts per request. ``names``: each row's calls by name too."""
+    from gpuxfer.kv.agent import KVAgent
+    from gpuxfer.bench.kv.model.blocktable import burst_tables
+    from gpuxfer.bench.kv.model.layout import layout_for_burst, layout_groups
+
+    plat = stub_platform()
+    layout = layout_for_burst(workload, isl, page, batch)
+    bufs = [plat.alloc(layout.pool_bytes, 0) for _ in (0, 1)]
+    agents = []
+    try:
+        for i, buf in enumerate(bufs):
+            ag = KVAgent(f"count-{i}", platform=plat, device=0, engine="triton", timeout_s=60)
+            agents.append(ag)
+            for name, bt, layers in layout_groups(layout, plat.as_tensor(buf)):
+                ag.register_group(name, bt, layers)
+        initiator, other = (agents[1], agents[0]) if op == "pull" else (agents[0], agents[1])
+        peer = initiator.add_peer(other.metadata())
+        on_device = ids == "device"
+        sides = []
+        for src, dst in zip(burst_tables(layout, isl, batch, seed=3, side="src"),
+                            burst_tables(layout, isl, batch, seed=3, side="dst")):
+            mine, theirs = (dst, src) if op == "pull" else (src, dst)
+            if on_device:
+                import torch
+                mine, theirs = ({g: torch.as_tensor(np.asarray(v), dtype=torch.int32) for g, v in t.items()}
+                                for t in (mine, theirs))
+            else:
+                mine, theirs = ({g: np.asarray(v, dtype=np.int64) for g, v in t.items()} for t in (mine, theirs))
+            sides.append((mine, theirs))
+
+        def prepare(r: int = 0):
+            mine, theirs = sides[r]
+            return initiator.prepare(peer, op, local_blocks=mine, remote_blocks=theirs, name=f"count{r}",
+                                     device_ids=on_device)
+
+        def land():
+            for route in list(initiator._routes.routes.values()):
+                for slot in route.slots:
+                    if slot.host is not None:
+                        slot.host[slot.entries + 1] = slot.seq
+
+        def posted(fn):
+            land()
+            c, hs = _counted(fn)
+            for h in (hs if isinstance(hs, list) else [hs]):
+                h.wait(60)
+            return c
+
+        sizes = (batch, batch // 2) if batch > 1 else ()
+        rows = {}
+        for _ in range(3):                  # (warm: the route's slots, pooled arrays and headers of each shape)
+            x = prepare()
+            rows["post"] = posted(lambda: x.post())
+            for n in sizes:
+                xs = [prepare(r) for r in range(n)]
+                rows[f"post_many{n}"] = posted(lambda: initiator.post_many(xs))
+                del xs
+        kept = [prepare()]
+        rows["prepare"], x = _counted(prepare)
+        kept.append(x)
+        out = {k: {kind: c.n[kind] for kind in ("call", "c_call", "drv_call", "drv_c_call")} for k, c in rows.items()}
+        if sizes:
+            a, b = out[f"post_many{sizes[0]}"], out[f"post_many{sizes[1]}"]
+            out["per_extra_request"] = {k: (a[k] - b[k]) / (sizes[0] - sizes[1]) for k in ("call", "c_call")}
+        if names:
+            for k, c in rows.items():
+                out[k]["names"] = {f"{kind} {name}": v for (kind, name), v in sorted(c.names.items())}
+        return {"workload": workload, "isl_tokens": isl, "page_tokens": page, "op": op, "ids": ids,
+                "groups": len(sides[0][0]), "batch": batch, "calls": out}
+    finally:
+        for ag in reversed(agents):
+            ag.close()
+        for b in bufs:
+            b.close()
+        plat.close()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", default="kv-dsv4")
@@ -253,7 +390,17 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="cProfile the timed posts")
     ap.add_argument("--batch", type=int, default=0,
                     help="time KVAgent.post_many of this many requests prepared beforehand (instead of the post loops)")
+    ap.add_argument("--calls", action="store_true",
+                    help="count the Python and C calls of one prepare, post and post_many (--batch, default 64) "
+                         "instead of timing (sys.setprofile; the emulated driver's apart)")
     args = ap.parse_args(argv)
+    if args.calls:
+        res = count_calls(args.workload, args.isl, args.page, args.op, args.ids, args.batch or 64, args.profile)
+        for name, r in res["calls"].items():
+            print(f"{name:>18}: " + "  ".join(f"{k} {v:g}" for k, v in r.items() if k != "names"))
+            for k, v in r.get("names", {}).items():
+                print(f"{'':>20}{v:4d} {k}")
+        return 0
     if args.flush_mb < 0:
         ap.error("--flush-mb must be >= 0")
     if args.batch < 0:

@@ -77,7 +77,8 @@ MERGE_ENTRIES = 4096
 _TRITON = frozenset((_SlotTransfer, _DeviceIdTransfer))
 _ROUTE, _AGENT_PEER, _SHAPE = attrgetter("route"), attrgetter("agent", "peer"), attrgetter("shape")
 _WIDE = itemgetter(4)
-_ENTRIES = attrgetter("_entries")
+_ENTRIES, _NOTIFY = attrgetter("_entries"), attrgetter("notify_slot")
+_SUM = np.add.reduce
 
 
 def post_many(poster, transfers: Sequence[KVTransfer], stream: Stream | None) -> list[KVTransferHandle]:
@@ -95,7 +96,7 @@ def post_many(poster, transfers: Sequence[KVTransfer], stream: Stream | None) ->
                 exc.handles = [None]
                 raise
     routes, others, peers, kinds = _sort(agent, transfers)
-    s = poster.stream(stream)
+    s = agent.stream if stream is None else poster.stream(stream)      # (None: the agent checked open below)
     # (one route's triton requests hash by identity; other items may not hash at all)
     if len(set(transfers) if kinds is not None else set(map(id, transfers))) != len(transfers):
         raise BadInput("post_many: a transfer appears twice (post it again in a later call)")
@@ -234,15 +235,16 @@ def _post_route(poster, xs: list[_SlotTransfer], s: Stream) -> list[KVTransferHa
     route, slot = xs[0].route, None
     try:
         slot, landed = run_in_slot(poster, route, s, array, keep.token[2], rows, int(array.shape[0]))
-        values = [x.peer._notify(s, x.notify_slot)[0] if x.notify_slot is not None else None for x in xs]
+        values = None               # (no request notifies: no Python step per request)
+        if not all(map(is_, map(_NOTIFY, xs), repeat(None))):
+            values = [x.peer._notify(s, x.notify_slot)[0] if x.notify_slot is not None else None for x in xs]
+            landed = None           # (the handles' events then cover the notifications)
         event = poster.agent.platform.record_event(s)
     except BaseException:
         poster.retire(route, slot)
         poster.hold_until_drained(s, (tuple(xs), keep, slot))
         raise
     slot.event, slot.stream = event, s
-    if any(v is not None for v in values):
-        landed = None               # (the handles' events then cover the notifications)
     poster.track(event, (tuple(xs), slot, keep) if landed is None else (tuple(xs), slot, keep, landed), s)
     return KVTransferHandle._together(xs, event, s, values, landed=landed)
 
@@ -252,7 +254,8 @@ def _merge(poster, route, xs: list[_SlotTransfer]):
     write the same destination block."""
     P, G = int(route.plane_group.size), len(route.groups)
     head = P + 1 + 3 * G
-    hdr = np.stack([x._array[P + 1:head] for x in xs])                 # (requests, 3G): counts, starts
+    # (requests, 3G): counts, starts (np.array of the rows: np.stack makes a Python call per request)
+    hdr = np.array([x._array[P + 1:head] for x in xs])
     ends = np.concatenate([hdr[:, G + 1:], [[x._entries] for x in xs]], axis=1)
     if route.ids.paired:
         n_seg, parts, lens = _paired_parts(xs, hdr, ends, G)
@@ -271,7 +274,7 @@ def _merge(poster, route, xs: list[_SlotTransfer]):
     h[0] = 0
     h[P + 1:P + 1 + G] = n_seg
     h[P + 1 + G:head] = starts[:-1]
-    np.cumsum(h[P + 1:P + 1 + G][route.plane_group], out=h[1:P + 1])
+    h[P + 1:P + 1 + G][route.plane_group].cumsum(out=h[1:P + 1])
     return keep, h, int(h[P])
 
 
@@ -282,7 +285,8 @@ def _paired_parts(xs, hdr: np.ndarray, ends: np.ndarray, G: int):
     K = len(xs)
     arrays = [x._array for x in xs]
     parts = [arrays[k][st[k][j]:st[k][j] + ln[k][j]] for j in range(2 * G) for k in range(K)]
-    return hdr[:, :G].sum(axis=0), parts, (ends - hdr[:, G:]).sum(axis=0).tolist()
+    # (np.add.reduce: ndarray.sum's Python wrapper costs a call)
+    return _SUM(hdr[:, :G], axis=0), parts, _SUM(ends - hdr[:, G:], axis=0).tolist()
 
 
 def _padded_parts(xs, hdr: np.ndarray, ends: np.ndarray, G: int, splits):

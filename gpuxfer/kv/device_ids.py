@@ -52,6 +52,7 @@ log = logging.getLogger("gpuxfer.kv.agent")
 
 _SHAPE, _TENSORS = operator.attrgetter("shape"), operator.attrgetter("_tensors")
 _COUNTS, _ADDRESSES = operator.itemgetter(6), operator.itemgetter(7)     # (as bytes)
+_UNIT = (1,)                # a contiguous 1-D tensor's strides
 
 #: request shapes whose headers a route keeps (the least recently made goes first)
 HEADERS_KEPT = 64
@@ -86,6 +87,8 @@ class _DeviceRoute:
         self.headers: dict = {}
         self.batches: dict = {}             # the same for requests posted together (post_together)
         self.lock = threading.Lock()
+        self.tensor, self.int32, self.int64 = torch.Tensor, torch.int32, torch.int64     # (prepare's, looked up once)
+        self.data_ptr = torch.Tensor.data_ptr
 
 
 class _Header:
@@ -200,21 +203,22 @@ def prepare_device(poster, peer, route, op: str, name: str, local_blocks: Mappin
         raise BadInput(f"request {name!r}: a notification needs block IDs on the host (the peer must not be "
                        "signalled for a request the device check may refuse); notify with a later request "
                        "or KVPeer.notify once the handle's wait passed")
-    torch = _torch()
     dev = route.device_ids
     if dev is None:
         dev = route.device_ids = _DeviceRoute(route, poster.torch_device())
-    T, where = torch.Tensor, dev.index
+    T, where, i32, i64 = dev.tensor, dev.index, dev.int32, dev.int64
     push = op == "push"
-    srcs, dsts, n_seg, lens_s, lens_d = [], [], [], [], []
+    rows = []                       # per group: (sources, destinations, segments, their counts)
     dtype = None
     for g, (rs, rd) in zip(route.groups, route.ids.splits):
         mine, theirs = local_blocks[g], remote_blocks[g]
         if dtype is None:
             dtype = getattr(mine, "dtype", None)
         for t in (mine, theirs):
-            if type(t) is not T or t.is_nested or t.get_device() != where or t.dtype is not dtype or t.dim() != 1 \
-                    or not t.is_contiguous() or (dtype is not torch.int32 and dtype is not torch.int64) or t.is_neg():
+            # (a stride of (1,) is a contiguous 1-D tensor: one call where two ask; others ask both)
+            if type(t) is not T or t.is_nested or t.get_device() != where or t.dtype is not dtype \
+                    or (t.stride() != _UNIT and (t.dim() != 1 or not t.is_contiguous())) \
+                    or (dtype is not i32 and dtype is not i64) or t.is_neg():
                 _refuse(name, g, "local blocks" if t is mine else "remote blocks", t, dev.device, dtype)
         s, d = (mine, theirs) if push else (theirs, mine)
         a, b = s.shape[0], d.shape[0]
@@ -222,17 +226,15 @@ def prepare_device(poster, peer, route, op: str, name: str, local_blocks: Mappin
         if -(-n // rs) != a or -(-n // rd) != b:
             raise BlockIdError(f"request {name!r}, group {g!r}: {a} source and {b} destination blocks do not "
                                f"cover the same tokens (block-size ratio {rs}:{rd})")
-        srcs.append(s)
-        dsts.append(d)
-        n_seg.append(n)
-        lens_s.append(a)
-        lens_d.append(b)
-    head = _header(route, dev, tuple(lens_s), tuple(lens_d), tuple(n_seg), dtype is torch.int64)
+        rows.append((s, d, n, a, b))
+    srcs, dsts, n_seg, lens_s, lens_d = map(list, zip(*rows))
+    wide = dtype is i64
+    head = _header(route, dev, tuple(lens_s), tuple(lens_d), tuple(n_seg), wide)
     tensors = srcs + dsts
     pooled, h = poster.requests.take(head.array.shape[0], poster.reap_locked)
     h[:] = head.array
-    addresses = [t.data_ptr() for t in tensors]
-    width = 8 if dtype is torch.int64 else 4
+    addresses = list(map(T.data_ptr, tensors))
+    width = 8 if wide else 4
     for t, a in zip(tensors, addresses):
         if (a == 0 or a % width) and t.shape[0]:
             raise BlockIdError(f"request {name!r}: a tensor of block IDs has no memory of its own on the device "
@@ -240,7 +242,7 @@ def prepare_device(poster, peer, route, op: str, name: str, local_blocks: Mappin
     h[head.addresses[0]] = addresses
     counts = lens_s + lens_d + n_seg
     return _DeviceIdTransfer(poster, peer, route, op, name, head, pooled, h, tensors, notify_slot,
-                             (lens_s, lens_d, n_seg, addresses, dtype is torch.int64, counts,
+                             (lens_s, lens_d, n_seg, addresses, wide, counts,
                               np.array(counts, dtype=np.int64).tobytes(), h[head.addresses[0]].tobytes()))
 
 
@@ -352,8 +354,14 @@ class _DeviceIdTransfer(_SlotTransfer):
         self._array = array
         self._ptr = pooled[2]           # (the array's address: :class:`~gpuxfer.kv.triton_transfer._RequestPool`)
         self._entries = head.entries
-        super(_SlotTransfer, self).__init__(poster, peer, route, op, name, head.n_seg, pooled[0], notify_slot,
-                                            head.n_rows, head.nbytes_moved)
+        # :meth:`KVTransfer.__init__ <gpuxfer.kv.transfer.KVTransfer.__init__>`'s attributes, set here (as
+        # :class:`_SlotTransfer` does: nothing bound per request)
+        self.poster, self.agent = poster, poster.agent
+        self.peer, self.route, self.op, self.name = peer, route, op, name
+        self.n_seg = head.n_seg
+        self.descriptors, self.nbytes = head.n_rows, head.nbytes_moved
+        self.notify_slot = notify_slot
+        self._host_req = pooled[0]
 
     def _check_tensors(self) -> None:
         """The ID tensors still where :meth:`KVAgent.prepare` found them: a tensor given other memory since
@@ -379,15 +387,29 @@ class _DeviceIdTransfer(_SlotTransfer):
             raise
 
     def _post_locked(self, s: Stream):
-        slot, status, landed = self._run(s)
+        """:meth:`_run`, :meth:`_finish` and :meth:`Poster.track <gpuxfer.kv.posting.Poster.track>` written out (a
+        post's Python calls are its host time); the tensors' addresses read in one pass, :meth:`_check_tensors`
+        naming the one that moved."""
+        poster, route = self.poster, self.route
+        if list(map(route.device_ids.data_ptr, self._tensors)) != self.shape[3]:
+            self._check_tensors()
+        slot = poster.take_slot(route, s, self.descriptors, self._entries)
+        status = None
         try:
-            value, event = self._finish(s)
+            status, landed = _run_checked(poster, route, slot, s, self._array, self._ptr, 1)
+            if self.notify_slot is None:        # (always: prepare_device refuses a notification)
+                value, event = None, poster.agent.platform.record_event(s)
+            else:
+                value, event = self.peer._notify(s, self.notify_slot)
         except BaseException:
-            self.poster.retire(self.route, slot)
-            self.poster.hold_until_drained(s, (self, slot, status))
+            poster.retire(route, slot)
+            poster.hold_until_drained(s, (self, slot, status))
             raise
         slot.event, slot.stream = event, s
-        self.poster.track(event, (self, slot, status) if landed is None else (self, slot, status, landed), s)
+        q = poster.inflight
+        if len(q) >= poster.reap_at:
+            poster.reap()
+        q.append((event, (self, slot, status) if landed is None else (self, slot, status, landed), s))
         return KVTransferHandle(self, event, s, value, status, landed)
 
     def expanded_descriptors(self) -> np.ndarray:
@@ -424,7 +446,7 @@ def post_together(poster, xs: list[_DeviceIdTransfer], s: Stream) -> list:
     shapes = list(map(_SHAPE, xs))
     K, G = len(xs), len(route.groups)
     # every request's tensors' addresses now, in one array, against those prepare found
-    addresses = np.fromiter(map(_torch().Tensor.data_ptr, chain(map(_TENSORS, xs))), dtype=np.int64,
+    addresses = np.fromiter(map(route.device_ids.data_ptr, chain(map(_TENSORS, xs))), dtype=np.int64,
                             count=2 * G * K)
     if addresses.tobytes() != b"".join(map(_ADDRESSES, shapes)):
         for x in xs:
@@ -455,7 +477,9 @@ def _run_checked(poster, route, slot, s: Stream, array: np.ndarray, ptr: int, ba
     lands in the slot's host words); else the upload, the checked graph and the status copied into a pooled
     word. ``(status, landed)``: what the handles read (landed: None unless folded)."""
     plat = poster.agent.platform
-    checked = _checked(poster, route, slot, s)
+    checked = slot.checked
+    if checked is None:
+        checked = _checked(poster, route, slot, s)
     own = s is poster.agent.stream    # the agent's stream: its calls bound once (Platform.stream_calls)
     if own and checked.folded is not None and not expand_only and slot.host_free():
         status = _SlotStatus(slot, batch)

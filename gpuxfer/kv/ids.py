@@ -20,6 +20,11 @@ except ImportError:         # (NumPy 1)
 from ..errors import BlockIdError
 from .layers import _MAX_INT, _torch
 
+#: the C function behind ``ndarray.max`` (the largest of IDs read unsigned), without the Python call of the method's
+#: wrapper (``numpy._core._methods._amax``)
+_UMAX = np.maximum.reduce
+_U64 = np.dtype(np.uint64)
+
 
 #: int64's dtype: a native int64 array's dtype is this object (one that is not, metadata or byte order aside, takes
 #: the conversion path)
@@ -72,12 +77,12 @@ def _beyond(ids: np.ndarray, rising: bool, limit: int) -> bool:
     unsigned (a negative ID is past any limit)."""
     if rising:
         return int(ids[0]) < 0 or int(ids[-1]) >= limit
-    return int(ids.view(np.uint64).max()) >= limit
+    return int(_UMAX(ids.view(_U64))) >= limit
 
 
 def _check_range(ids: np.ndarray, limit: int, request: str, group: str, side: str) -> None:
     """Every ID in ``[0, limit)``: one reduction (a negative ID read unsigned is past any limit)."""
-    if ids.size and int(ids.view(np.uint64).max()) >= limit:
+    if ids.size and int(_UMAX(ids.view(_U64))) >= limit:
         bad = int(np.flatnonzero((ids < 0) | (ids >= limit))[0])
         raise BlockIdError(f"request {request!r}, group {group!r}, {side}: block ID {int(ids[bad])} at position {bad} is out of range "
                            f"(the group holds blocks 0..{limit - 1})")
@@ -135,7 +140,7 @@ def _sort_order(keys: np.ndarray, limit: int) -> np.ndarray:
         slot[keys] = -1
         if order.size == n:
             return order
-    return np.argsort(keys, kind="stable")
+    return keys.argsort(kind="stable")
 
 
 def _check_unique(ids: np.ndarray, limit: int, request: str, groups: list[str]) -> None:
@@ -148,7 +153,7 @@ def _check_unique(ids: np.ndarray, limit: int, request: str, groups: list[str]) 
     slot[ids] = at
     differ = slot[ids] != at
     slot[ids] = -1
-    if differ.any():
+    if count_nonzero(differ):
         dup = np.flatnonzero(differ)
         raise BlockIdError(f"request {request!r}, group(s) {', '.join(groups)}: destination block "
                            f"{int(ids[dup[0]])} appears more than once (two copies "
@@ -165,7 +170,7 @@ def _past(ids: np.ndarray, lens: list[int], limits: np.ndarray) -> bool:
     if 0 in lens:
         keep = [i for i, n in enumerate(lens) if n]
         starts, limits = [starts[i] for i in keep], limits[keep]
-    return bool((np.maximum.reduceat(ids.view(np.uint64), starts) >= limits).any())
+    return bool(count_nonzero(np.maximum.reduceat(ids.view(np.uint64), starts) >= limits))
 
 
 #: ID checkers a NIXL peer keeps (one per direction and set of groups a request names); past it, the least
@@ -237,6 +242,9 @@ class _RouteIds:
                     cls_off[gi] = self.class_span
                 self.class_span += max(limits[gi][1] for gi in cls)
             self.class_offsets = np.array(cls_off, dtype=np.int64)
+        # per class: its groups, the blocks of its largest destination, its groups' names (the duplicate check)
+        self.dst_class_checks = [(cls, max(limits[gi][1] for gi in cls), [groups[gi] for gi in cls])
+                                 for cls in dst_classes]
         # each group's destination keys: its window of the marks over the classes' range
         self.class_windows = [(int(o), int(o) + b) for o, (_, b) in zip(self.class_offsets, limits)]
         # where each group's keys start (:meth:`_order` marks them through a view of the marks from there):
@@ -280,14 +288,14 @@ class _RouteIds:
             _check_range(d, ld, request, g, "destination (remote)" if push else "destination (local)")
         order = None
         if not (d_up if self.sort_by_dst else s_up):
-            order = ("sort", np.argsort(d if self.sort_by_dst else s, kind="stable"))
+            order = ("sort", (d if self.sort_by_dst else s).argsort(kind="stable"))
         if not d_up:
             _check_unique(d, ld, request, [g])
         return [n], [n], [n], (s, d, order, [n], [n])
 
     def _check_all(self, request: str, push: bool, local_blocks, remote_blocks) -> tuple:
         """:meth:`check` over every group at once."""
-        srcs, dsts, n_seg, lens_s, lens_d = [], [], [], [], []
+        rows = []                   # per group: (sources, destinations, segments, their counts)
         ns = nd = 0
         for g, (rs, rd) in zip(self.groups, self.splits):
             mine = _as_ids(local_blocks[g], request, g, "local blocks")
@@ -297,13 +305,10 @@ class _RouteIds:
             n = a if rs == 1 else b
             if -(-n // rs) != a or -(-n // rd) != b:
                 raise _uncovered(request, g, a, b, rs, rd)
-            srcs.append(s)
-            dsts.append(d)
-            n_seg.append(n)
-            lens_s.append(a)
-            lens_d.append(b)
+            rows.append((s, d, n, a, b))
             ns += a
             nd += b
+        srcs, dsts, n_seg, lens_s, lens_d = map(list, zip(*rows))
         both = np.concatenate(srcs + dsts, out=_SCRATCH.buf(0, ns + nd))
         S, D = both[:ns], both[ns:]
         if _past(both, lens_s + lens_d, self.side_limits):
@@ -326,8 +331,8 @@ class _RouteIds:
         by_dst = self.sort_by_dst
         X, O = (D, S) if by_dst else (S, D)
         if (self.span if by_dst else self.span + self.class_span) > _DENSE * n:
-            return ("sort", np.argsort(np.add(X, np.repeat(self.offsets, lens_s), out=_SCRATCH.buf(2, n)),
-                                       kind="stable")), False
+            return ("sort", np.add(X, self.offsets.repeat(lens_s), out=_SCRATCH.buf(2, n)).argsort(
+                kind="stable")), False
         span = self.span
         # (by source keys, the destinations' keys go past the sources': their marks count the distinct ones)
         marks = _SCRATCH.mask(span if by_dst else span + self.class_span)
@@ -341,13 +346,13 @@ class _RouteIds:
                 if not by_dst:
                     marks[od:][D[a:b]] = True
                 a = b
-        at = np.flatnonzero(marks[:span])
+        at = marks[:span].nonzero()[0]
         distinct = (self.shared and at.size == n) if by_dst else int(count_nonzero(marks[span:])) == n
         marks[:] = False
         if at.size == n:        # (ordered by source keys, a source read twice goes by the sort)
             return ("marks", at, partner), distinct
-        return ("sort", np.argsort(np.add(X, np.repeat(self.offsets, lens_s), out=_SCRATCH.buf(2, n)),
-                                   kind="stable")), distinct
+        return ("sort", np.add(X, self.offsets.repeat(lens_s), out=_SCRATCH.buf(2, n)).argsort(
+            kind="stable")), distinct
 
     def _check_destinations(self, request: str, dsts: list[np.ndarray], nd: int) -> None:
         """No destination block twice among groups sharing destination memory (``dsts``: per group, ``nd`` IDs
@@ -355,9 +360,9 @@ class _RouteIds:
         repeat is to be found and named."""
         if nd < 2 or (self.class_span <= _DENSE * nd and self._marked_once(dsts, nd)):
             return
-        for cls in self.dst_classes:
-            _check_unique(dsts[cls[0]] if len(cls) == 1 else np.concatenate([dsts[gi] for gi in cls]),
-                          max(self.limits[gi][1] for gi in cls), request, [self.groups[gi] for gi in cls])
+        for cls, limit, names in self.dst_class_checks:
+            _check_unique(dsts[cls[0]] if len(cls) == 1 else np.concatenate([dsts[gi] for gi in cls]), limit,
+                          request, names)
 
     def _marked_once(self, dsts: list[np.ndarray], nd: int) -> bool:
         """Whether the ``nd`` IDs of ``dsts`` (per group, in range) mark ``nd`` distinct keys ``offset of the class
@@ -375,7 +380,7 @@ class _RouteIds:
         array of IDs already checked in range, e.g. views of a merged request array): O(IDs), one scatter of
         marks per group over the classes' key range where the IDs are a good share of it, else class by class
         over the per-thread slots of the IDs only."""
-        nd = sum(int(d.size) for d in dsts)
+        nd = sum(map(len, dsts))        # (1-D arrays)
         if nd < 2:
             return True
         if self.class_span <= _DENSE * nd:
@@ -400,11 +405,11 @@ class _RouteIds:
                     if k:
                         np.subtract(at[a:a + k], o, out=out_x[a:a + k])
                         a += k
-                np.take(partner, at, out=out_o)
-            else:
+                partner.take(at, out=out_o)
+            else:           # (the methods: np.take's Python wrappers cost three calls each)
                 X, O = (D, S) if self.sort_by_dst else (S, D)
-                np.take(X, order[1], out=out_x)
-                np.take(O, order[1], out=out_o)
+                X.take(order[1], out=out_x)
+                O.take(order[1], out=out_o)
             return
         if self.paired:
             out_s[:] = S
@@ -415,8 +420,8 @@ class _RouteIds:
             s, d = S[a:a + k], D[b:b + m]
             if rs == rd == 1 and k > 1:
                 order = _sort_order(d, ld) if self.sort_by_dst else _sort_order(s, ls)
-                np.take(s, order, out=out_s[a:a + k])
-                np.take(d, order, out=out_d[b:b + m])
+                s.take(order, out=out_s[a:a + k])
+                d.take(order, out=out_d[b:b + m])
             else:
                 out_s[a:a + k] = s
                 out_d[b:b + m] = d

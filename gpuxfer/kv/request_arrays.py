@@ -4,12 +4,13 @@ engine around it (``pack``: with its chunks, kept with the request's shape): :cl
 from __future__ import annotations
 
 import itertools
+import operator
 
 import numpy as np
 
 from ..errors import BadInput
 from .copy_transfer import _CopyEngineTransfer
-from .ids import _SCRATCH, request_fingerprint
+from .ids import request_fingerprint
 from .layers import _torch
 from .pack_transfer import PackState, _PackTransfer
 from .routes import _Route
@@ -47,7 +48,7 @@ class RequestStaging:
         else:
             starts = list(itertools.accumulate(lens_s + lens_d, initial=head))
             mid, total = starts[G], starts[-1]
-            nbytes = sum(n * b for n, b in zip(n_seg, route.group_bytes))
+            nbytes = sum(map(operator.mul, n_seg, route.group_bytes))
         engine = peer.engine
         # a pack request ends with its fingerprint, at an even entry (16-byte aligned: a kernel's argument)
         at = total + (total & 1)
@@ -57,13 +58,13 @@ class RequestStaging:
             h = np.empty(total, dtype=np.int64)
             host = _torch().from_numpy(h)
         if G == 1:          # every plane's rows are the group's segments: plane p's rows start at p * n
-            np.multiply(_SCRATCH.arange(P + 1), n, out=h[:P + 1])
+            np.multiply(route.plane_rows, n, out=h[:P + 1])
             h[P + 1], h[P + 2], h[P + 3] = n, head, mid
             n_rows = n * P
         else:
             h[0] = 0
             h[P + 1:head] = n_seg + starts[:-1]
-            np.cumsum(h[P + 1:P + 1 + G][route.plane_group], out=h[1:P + 1])
+            h[P + 1:P + 1 + G][route.plane_group].cumsum(out=h[1:P + 1])
             n_rows = int(h[P])
         route.ids.write(ordered, h[head:mid], h[mid:total])
         if engine == "pack":

@@ -45,6 +45,8 @@ class _Route:
     pack_warm: set[tuple] = field(default_factory=set)   # (source?, fingerprint aligned?) whose kernels are loaded
     salts: tuple = (0, None)                     # a request fingerprint's salts (:func:`route_salts`)
     used: int = 0                                # when a request last found it in the cache (RouteCache.lookup)
+    plane_rows: Any = None                       # np.arange(P + 1), read-only: plane p's first row in a one-group
+                                                 # request of n segments is p * n (RequestStaging.stage)
 
 
 
@@ -347,7 +349,9 @@ class RouteCache:
         # their own memory: both take the destination's (whose order also finds repeated destinations).
         ids = _RouteIds(names, limits, splits, _overlap_classes(dst_spans),
                         sort_by_dst=op == "push" or peer.engine == "pack")
-        return _Route(op=op, groups=names, ids=ids, planes=planes, table=table, plane_group=pg, classes=classes,
+        plane_rows = np.arange(pg.size + 1, dtype=np.int64)
+        plane_rows.flags.writeable = False
+        return _Route(plane_rows=plane_rows, op=op, groups=names, ids=ids, planes=planes, table=table, plane_group=pg, classes=classes,
                       src_anchor=src_anchor(), dst_anchor=dst_anchor(), src_base=int(src_base), dst_base=int(dst_base),
                       launch_classes=[(a, b, c) for a, b, c, _ in merged],
                       group_bytes=[int(table[pg == gi, 4].sum()) for gi in range(len(names))],

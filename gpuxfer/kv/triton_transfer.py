@@ -249,7 +249,14 @@ class _SlotTransfer(KVTransfer):
         self._array = array
         self._ptr = host[2]             # (the array's address: a view of the pooled array from its start)
         self._entries = int(array.shape[0])
-        super().__init__(poster, peer, route, op, name, n_seg, host[0], notify_slot, descriptors, nbytes)
+        # :meth:`KVTransfer.__init__`'s attributes, set here (a prepare's one Python call, not three: this engine
+        # binds nothing per request, :meth:`KVTransfer._build_launches`)
+        self.poster, self.agent = poster, poster.agent
+        self.peer, self.route, self.op, self.name = peer, route, op, name
+        self.n_seg = n_seg
+        self.descriptors, self.nbytes = descriptors, nbytes
+        self.notify_slot = notify_slot
+        self._host_req = host[0]
 
     def _run(self, s: Stream, expand_only: bool = False) -> tuple[_Slot, _Landed | None]:
         """Upload this request into a free slot and enqueue its kernels on ``s`` (the caller holds the post lock)."""
@@ -266,24 +273,33 @@ class _SlotTransfer(KVTransfer):
         None of it depends on the number of descriptors.
         """
         poster = self.poster
-        s = poster.stream(stream)
+        s = poster.agent.stream if stream is None else poster.stream(stream)     # (None: checked open below)
         with poster.lock:                  # remove_peer and close exclude it: checked under it
             poster.check_usable(self.peer)
             return self._post_locked(s)
 
     def _post_locked(self, s: Stream) -> KVTransferHandle:
-        """:meth:`post` on ``s`` once the caller holds the post lock and checked the peer."""
-        slot, landed = run_in_slot(self.poster, self.route, s, self._array, self._ptr, self.descriptors, self._entries)
+        """:meth:`post` on ``s`` once the caller holds the post lock and checked the peer: :func:`run_in_slot`,
+        :meth:`_finish` and :meth:`Poster.track <gpuxfer.kv.posting.Poster.track>` written out (a post's Python
+        calls are its host time)."""
+        poster, route = self.poster, self.route
+        slot = poster.take_slot(route, s, self.descriptors, self._entries)
         try:
-            value, event = self._finish(s)
+            landed = _enqueue(poster, slot, s, self._array, self._ptr, self.descriptors, False)
+            if self.notify_slot is None:
+                value, event = None, poster.agent.platform.record_event(s)
+            else:
+                value, event = self.peer._notify(s, self.notify_slot)
+                landed = None       # (the event then covers the notification)
         except BaseException:
-            self.poster.retire(self.route, slot)
-            self.poster.hold_until_drained(s, (self, slot))
+            poster.retire(route, slot)
+            poster.hold_until_drained(s, (self, slot))
             raise
         slot.event, slot.stream = event, s
-        if self.notify_slot is not None:
-            landed = None           # (the event then covers the notification)
-        self.poster.track(event, (self, slot) if landed is None else (self, slot, landed), s)
+        q = poster.inflight
+        if len(q) >= poster.reap_at:
+            poster.reap()
+        q.append((event, (self, slot) if landed is None else (self, slot, landed), s))
         return KVTransferHandle(self, event, s, value, landed=landed)
 
     def expanded_descriptors(self) -> np.ndarray:
@@ -335,7 +351,8 @@ class _RequestPool:
         """``(token, array)``: an array of ``n`` entries (at the token's address), and what to give back once it is
         no longer read.
         ``reap``: called when none of that capacity is free (it may give some back) before one is made."""
-        cap = 1 << max(10, (n - 1).bit_length())
+        cap = (n - 1).bit_length()
+        cap = 1 << (cap if cap > 10 else 10)        # (at least 1024 entries)
         kept = self.free.get(cap)
         if not kept and reap is not None:
             reap()

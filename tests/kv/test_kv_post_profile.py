@@ -44,3 +44,15 @@ def test_post_harness_flushes_the_caches_between_calls():
     res = _harness().run("kv-dsv4", 256, 16, "pull", 10, False, "host", 1)
     assert res["flush_mb"] == 1
     assert res["rows"]["fresh"]["calls_per_post"] == {"copy_async": 1.0, "launch_graph": 1.0, "record_event": 1.0}
+
+
+@pytest.mark.parametrize("ids", ["host", "device"])
+def test_call_counts_of_prepare_post_and_post_many(ids):
+    """--calls: the Python calls of gpuxfer's own code per row, the emulated driver's apart; a post_many's calls do
+    not grow with its requests (one route's requests merged: nothing per request runs a call of its own)."""
+    res = _harness().count_calls("kv-mla", 256, 16, "pull", ids, batch=8)
+    calls = res["calls"]
+    assert set(calls) == {"prepare", "post", "post_many8", "post_many4", "per_extra_request"}
+    assert calls["per_extra_request"] == {"call": 0.0, "c_call": 0.0}
+    assert all(calls[k]["call"] > 0 and calls[k]["drv_call"] > 0 for k in ("post", "post_many8", "post_many4"))
+    assert calls["prepare"]["call"] > 0 and calls["prepare"]["drv_call"] == 0
