@@ -229,7 +229,10 @@ def prepare_device(poster, peer, route, op: str, name: str, local_blocks: Mappin
         rows.append((s, d, n, a, b))
     srcs, dsts, n_seg, lens_s, lens_d = map(list, zip(*rows))
     wide = dtype is i64
-    head = _header(route, dev, tuple(lens_s), tuple(lens_d), tuple(n_seg), wide)
+    lens_s_t, lens_d_t = tuple(lens_s), tuple(lens_d)
+    head = dev.headers.get((lens_s_t, lens_d_t, wide))        # (kept: :func:`_header`'s key)
+    if head is None:
+        head = _header(route, dev, lens_s_t, lens_d_t, tuple(n_seg), wide)
     tensors = srcs + dsts
     pooled, h = poster.requests.take(head.array.shape[0], poster.reap_locked)
     h[:] = head.array
@@ -451,7 +454,10 @@ def post_together(poster, xs: list[_DeviceIdTransfer], s: Stream) -> list:
     if addresses.tobytes() != b"".join(map(_ADDRESSES, shapes)):
         for x in xs:
             x._check_tensors()      # (raises naming the request whose tensor moved)
-    head = _batch_header(route, b"".join(map(_COUNTS, shapes)), K, G, shapes[0][4])
+    counts = b"".join(map(_COUNTS, shapes))
+    head = route.device_ids.batches.get((counts, shapes[0][4]))         # (kept: :func:`_batch_header`'s key)
+    if head is None:
+        head = _batch_header(route, counts, K, G, shapes[0][4])
     token, h = poster.requests.take(head.array.shape[0], poster.reap)
     keep = _Pooled(poster.requests, token)
     h[:] = head.array
