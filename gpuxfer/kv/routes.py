@@ -351,7 +351,8 @@ class RouteCache:
                         sort_by_dst=op == "push" or peer.engine == "pack")
         plane_rows = np.arange(pg.size + 1, dtype=np.int64)
         plane_rows.flags.writeable = False
-        return _Route(plane_rows=plane_rows, op=op, groups=names, ids=ids, planes=planes, table=table, plane_group=pg, classes=classes,
+        return _Route(op=op, groups=names, ids=ids, planes=planes, table=table, plane_group=pg, classes=classes,
+                      plane_rows=plane_rows,
                       src_anchor=src_anchor(), dst_anchor=dst_anchor(), src_base=int(src_base), dst_base=int(dst_base),
                       launch_classes=[(a, b, c) for a, b, c, _ in merged],
                       group_bytes=[int(table[pg == gi, 4].sum()) for gi in range(len(names))],
