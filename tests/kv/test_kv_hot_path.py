@@ -2,7 +2,8 @@
 inside an engine's step): what the written-out parts must still do. A transfer carries every attribute the base
 class sets; a device-ID tensor's strides are read in one call where they are (1,) and asked in full otherwise; a
 post failing at its event (after its launch) leaves its slot out of the ring; a ``post_many``'s Python calls do
-not grow with the number of requests (structural: counted with ``sys.setprofile``, not timed)."""
+not grow with the number of requests (structural: counted with ``sys.setprofile``, not timed); the posts of a
+failed or closed agent still raise having queued nothing."""
 from __future__ import annotations
 
 import gc
@@ -150,3 +151,30 @@ def test_post_many_calls_do_not_grow_with_its_requests(hpair, device):
                 assert same_bytes(dst[k][:, i], src[k][:, 47 - i - rnd])
     # (the first rounds make the slot and the pooled arrays of each size)
     assert counts[8][-1] == counts[16][-1], counts
+
+
+@pytest.mark.parametrize("device", [False, True])
+def test_posts_of_a_failed_or_closed_agent_raise_having_queued_nothing(hpair, device):
+    """A post on the agent's own stream (``stream=None``: the stream is read before the checks, under the post
+    lock) of a failed agent raises its error, of a closed one BadInput -- alone, one through post_many, several
+    merged --, every handle None."""
+    from gpuxfer.errors import BadInput, TransferTimeout
+    dec, peer, _, _ = hpair
+    xs = [_prepare(dec, peer, [i], [i + 1], device, name=f"x{i}") for i in range(3)]
+    err = TransferTimeout(rank=0, step=0, flag="probe", expected=1, seen=0, timeout_s=1.0, what="a probe")
+    dec.failed = err
+    with pytest.raises(TransferTimeout) as info:
+        xs[0].post()
+    assert info.value is err
+    for batch in (xs[:1], xs):
+        with pytest.raises(TransferTimeout) as info:
+            dec.post_many(batch)
+        assert info.value is err and info.value.handles == [None] * len(batch)
+    dec.failed = None
+    dec.close()
+    with pytest.raises(BadInput, match="closed"):
+        xs[0].post()
+    for batch in (xs[:1], xs):
+        with pytest.raises(BadInput, match="closed") as info:
+            dec.post_many(batch)
+        assert info.value.handles == [None] * len(batch)
