@@ -449,17 +449,14 @@ class KVAgent(Closable, FailsOnTimeout):
             if device_ids:
                 raise BadInput(f"request {name!r}: the NIXL route takes block IDs on the host")
             return peer.prepare(op, layers, name, local_blocks, remote_blocks, notify_slot)
-        # the route of a request naming these groups, in whatever order (RouteCache.lookup written out)
-        cache = self._routes
+        # the route of a request naming these groups, in whatever order
         try:
-            route = cache.routes.get((peer, op, layers, frozenset(local_blocks)))
+            route = self._routes.lookup((peer, op, layers, frozenset(local_blocks)))
         except TypeError:           # (a mapping whose keys do not hash: request_groups names it)
             route = None
         if route is None or local_blocks.keys() != remote_blocks.keys():
             groups = request_groups(self._registry, peer, name, local_blocks, remote_blocks)
-            route = cache.route(peer, op, layers, groups)
-        else:
-            route.used = next(cache._uses)
+            route = self._routes.route(peer, op, layers, groups)
         if device_ids is True or (device_ids is not False and wants_device_ids(local_blocks, device_ids)):
             return prepare_device(self._poster, peer, route, op, name, local_blocks, remote_blocks, notify_slot)
         checked = route.ids.check(name, op == "push", local_blocks, remote_blocks)

@@ -33,7 +33,8 @@ class _CopyEngineTransfer(KVTransfer):
     so the descriptors are expanded on the host once, at :meth:`KVAgent.prepare` (the per-request setup:
     one NumPy operation per plane); a post is the batch calls (8,192 copies each) and an event."""
 
-    def _build_launches(self) -> None:
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
         r = self.route
         d = expand_on_host(r.table, self._host_req.numpy(), len(r.groups))
         self._srcs = np.ascontiguousarray(d[:, 0] + np.int64(r.src_base))

@@ -357,14 +357,8 @@ class _DeviceIdTransfer(_SlotTransfer):
         self._array = array
         self._ptr = pooled[2]           # (the array's address: :class:`~gpuxfer.kv.triton_transfer._RequestPool`)
         self._entries = head.entries
-        # :meth:`KVTransfer.__init__ <gpuxfer.kv.transfer.KVTransfer.__init__>`'s attributes, set here (as
-        # :class:`_SlotTransfer` does: nothing bound per request)
-        self.poster, self.agent = poster, poster.agent
-        self.peer, self.route, self.op, self.name = peer, route, op, name
-        self.n_seg = head.n_seg
-        self.descriptors, self.nbytes = head.n_rows, head.nbytes_moved
-        self.notify_slot = notify_slot
-        self._host_req = pooled[0]
+        super(_SlotTransfer, self).__init__(poster, peer, route, op, name, head.n_seg, pooled[0], notify_slot,
+                                            head.n_rows, head.nbytes_moved)
 
     def _check_tensors(self) -> None:
         """The ID tensors still where :meth:`KVAgent.prepare` found them: a tensor given other memory since

@@ -121,10 +121,6 @@ class KVTransfer:
         self.descriptors, self.nbytes = descriptors, nbytes
         self.notify_slot = notify_slot
         self._host_req = host_req       # the request array's host memory (a tensor)
-        self._build_launches()
-
-    def _build_launches(self) -> None:
-        """What an engine binds to one request at prepare (nothing by default)."""
 
     def describe(self) -> str:
         return (f"{self.op} of request {self.name!r} with peer {self.peer.name!r} ({self.descriptors:,} "

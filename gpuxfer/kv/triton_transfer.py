@@ -249,14 +249,7 @@ class _SlotTransfer(KVTransfer):
         self._array = array
         self._ptr = host[2]             # (the array's address: a view of the pooled array from its start)
         self._entries = int(array.shape[0])
-        # :meth:`KVTransfer.__init__`'s attributes, set here (a prepare's one Python call, not three: this engine
-        # binds nothing per request, :meth:`KVTransfer._build_launches`)
-        self.poster, self.agent = poster, poster.agent
-        self.peer, self.route, self.op, self.name = peer, route, op, name
-        self.n_seg = n_seg
-        self.descriptors, self.nbytes = descriptors, nbytes
-        self.notify_slot = notify_slot
-        self._host_req = host[0]
+        super().__init__(poster, peer, route, op, name, n_seg, host[0], notify_slot, descriptors, nbytes)
 
     def _run(self, s: Stream, expand_only: bool = False) -> tuple[_Slot, _Landed | None]:
         """Upload this request into a free slot and enqueue its kernels on ``s`` (the caller holds the post lock)."""
