@@ -684,3 +684,21 @@ def test_forged_abort_return_addresses_open_no_socket(sockets):
     assert _cached(mgr) == (0, 0, 0) and not mgr._deferred_ack_targets
     mgr._on_abort([ABORT_TAG, b"5", DECODE[0].encode(), str(DECODE[1]).encode(), b"1"])
     assert list(mgr._socket_cache) == [f"tcp://{DECODE[0]}:{DECODE[1]}"]
+
+
+def test_a_kept_destinations_pages_are_staged_once_as_int64_of_their_own():
+    """A destination kept for a room holds its pages as an int64 array of its own (the agent takes such IDs as they
+    are at every push, no conversion), not a view of the message's frame; a refused one is not copied at all."""
+    mgr = _prefill()
+    frame = np.array([9, 10, 11], dtype=np.int32).tobytes()
+    msg = [str(ROOM).encode(), DECODE[0].encode(), str(DECODE[1]).encode(), b"decode", frame, b"3", b"1", b"0", b"1"]
+    info = TransferInfo.from_zmq(msg)
+    assert info.dst_kv_indices.dtype == np.int32 and not info.dst_kv_indices.flags.owndata
+    mgr.decode_ranks.on_transfer_info(info)
+    kept = mgr.transfer_infos[ROOM]["decode"]
+    pages = kept.dst_kv_indices
+    assert pages.dtype == np.int64 and pages.flags.owndata and pages.flags.c_contiguous
+    assert list(pages) == [9, 10, 11] and kept.stamp_token == 1
+    outside = _meta(ROOM + 1, pages=(9, 64))            # past the 64-page pool: refused, kept nowhere
+    mgr.decode_ranks.on_transfer_info(outside)
+    assert ROOM + 1 not in mgr.transfer_infos and outside.dst_kv_indices.dtype == np.int32

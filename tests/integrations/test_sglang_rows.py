@@ -408,7 +408,7 @@ def test_a_row_read_while_it_is_rewritten_reads_no_stamp(rows, monkeypatch):
     def get_then_rewrite(at, n):
         out = get(at, n)
         calls.append(at)
-        if len(calls) == 2:         # after the rows were read: another write of the row begins
+        if len(calls) == 1:         # after the stamp and the rows were read: another write of the row begins
             seg._set(DST_ROW * rows.dec_rows.row_bytes, bytes(STAMP_BYTES))
         return out
     monkeypatch.setattr(seg, "_get", get_then_rewrite)
@@ -424,3 +424,58 @@ def test_closed_rows_read_and_write_nothing(rows):
                  lambda: seg.write(0, bytes(STAMP_BYTES), bytes(rows.dec_rows.row_bytes - STAMP_BYTES))):
         with pytest.raises(GpuxferError, match="closed"):
             call()
+
+
+def test_once_a_slots_host_copy_moved_polls_read_no_device_word_but_a_success_message_does(rows, monkeypatch):
+    """A slot whose host copy moved (its prefill rank writes it after every word it bumps): the polls read the copy
+    alone, however long a request waits (no device read every millisecond, each queued behind the other process's
+    work on a shared GPU); a prefill's Success message still reads the device word (a copy that stopped moving
+    leaves the request to that message)."""
+    landings = rows.decode.landings
+    device_reads = []
+    monkeypatch.setattr(landings, "_read", lambda slot: device_reads.append(slot) or rows.dec.notification(slot))
+    rows.send(rows.name())
+    assert rows.landed() and landings._copy_moved[SLOT]
+    token = rows.name(room=ROOM + 1)
+    device_reads.clear()
+    for _ in range(3):                      # a waiting request, polled past several milliseconds
+        assert not rows.decode.inbox.landed_by_row(ROOM + 1)
+        time.sleep(3e-3)
+    assert device_reads == []
+    value = rows.dec.notification(SLOT)
+    assert landings.reached_now(SLOT, value) and device_reads == []     # (the copy holds it: no read needed)
+    assert not landings.reached_now(SLOT, value + 1) and device_reads == [SLOT]
+    rows.send(token, room=ROOM + 1)
+    assert rows.landed(room=ROOM + 1)
+    assert rows.row(rows.dst_aux, DST_ROW) == rows.row(rows.src_aux, SRC_ROW)
+
+
+def test_a_row_is_written_in_two_stores_and_read_in_two_loads_its_stamp_decoded_once(rows, monkeypatch):
+    """The prefill writes a row as the stamp zeroed with the rows (one ``pwrite``), then its stamp; the decode reads
+    the stamp with the rows (one ``pread``), then the stamp again, and decodes the stamp once per row it takes."""
+    import gpuxfer.integrations.sglang.inbox as inbox_mod
+    import gpuxfer.integrations.sglang.rows as rows_mod
+    seg_w, seg_r = rows.pushes._aux_rows["decode"], rows.dec_rows.segment
+    sets, gets, decodes = [], [], []
+    real_set, real_get, real_decode = seg_w._set, seg_r._get, rows_mod.decode_stamp
+    monkeypatch.setattr(seg_w, "_set", lambda at, data: sets.append(len(data)) or real_set(at, data))
+    monkeypatch.setattr(seg_r, "_get", lambda at, n: gets.append(n) or real_get(at, n))
+    counted = lambda raw: decodes.append(1) or real_decode(raw)     # noqa: E731
+    monkeypatch.setattr(rows_mod, "decode_stamp", counted)
+    monkeypatch.setattr(inbox_mod, "decode_stamp", counted)
+    rows.send(rows.name())
+    assert sets == [rows.dec_rows.row_bytes, STAMP_BYTES]
+    assert rows.landed()
+    assert gets == [rows.dec_rows.row_bytes, STAMP_BYTES] and len(decodes) == 1
+    assert rows.row(rows.dst_aux, DST_ROW) == rows.row(rows.src_aux, SRC_ROW)
+
+
+def test_a_decode_whose_aux_lists_changed_takes_no_row_into_them(rows):
+    """The decode's ``KVArgs`` aux lists changed after its rows were made (a row size other than the rows'): the row
+    is refused (the room fails), nothing written into SGLang's aux buffers by the lists the rows were made from."""
+    token = rows.name()
+    rows.send(token)
+    rows.decode.kv_args.aux_item_lens = [AUX[0] + 8, AUX[1] - 8]
+    assert not rows.landed(tries=20)
+    assert rows.decode.request_status[ROOM] == KVPoll.Failed
+    assert not any(any(r) for r in rows.row(rows.dst_aux, DST_ROW))

@@ -32,7 +32,7 @@ def test_rows_another_prefill_wrote_between_this_requests_rows_and_stamp_never_e
                                                                                            ends_by):
     """Request A was given up on the decode (an abort without the deferred release, its waiting timeout) while its
     prefill P1 was writing A's row; SGLang hands A's row index to request B, whose prefill P2 writes B's row. The
-    three writes of each (stamp zeroed, rows, stamp) interleave: P2 zeroes the stamp and writes B's rows, P1 zeroes
+    writes of each (stamp zeroed and rows, then stamp) interleave: P2 zeroes the stamp and writes B's rows, P1 zeroes
     the stamp and writes A's rows, P2 writes B's stamp (P1's stamp comes later: its thread waits for the GIL behind
     SGLang's scheduler, or P1 died). The row then holds A's rows under B's whole stamp, read the same before and
     after them: B must not end Success over A's rows, by its word nor by its Success message."""
@@ -45,7 +45,7 @@ def test_rows_another_prefill_wrote_between_this_requests_rows_and_stamp_never_e
     def set_then_stale(where, data):
         real_set(where, data)
         calls.append(where)
-        if len(calls) == 2:                 # B's rows written, its stamp not yet: P1's zero and rows
+        if len(calls) == 1:                 # B's rows written, its stamp not yet: P1's zero and rows
             other._set(at, bytes(STAMP_BYTES))
             other._set(at + STAMP_BYTES, stale)
     monkeypatch.setattr(seg, "_set", set_then_stale)

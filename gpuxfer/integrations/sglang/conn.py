@@ -191,9 +191,8 @@ class GpuxferKVManager(CommonKVManager):
         self._threads.append(t)
 
     def _recv_loop(self, handle, tick=None) -> None:
-        """Hand each control message to ``handle`` until stopped; a message that fails is logged, never
-        the end of the thread. ``tick``: run before each message and when idle (at least every
-        ``_RECV_POLL_MS``)."""
+        """Hand each control message to ``handle`` until stopped; a message that fails is logged, never the end of the
+        thread. ``tick``: run before each message and when idle (at least every ``_RECV_POLL_MS``)."""
         poller = zmq.Poller()
         poller.register(self.server_socket, zmq.POLLIN)
         while not self._stop.is_set():
@@ -353,11 +352,10 @@ class GpuxferKVManager(CommonKVManager):
 
     def conclude_room(self, room: int, infos: Optional[Dict[str, TransferInfo]], ok: bool, reason: Optional[str],
                       gone: Container[str]) -> None:
-        """SGLang's ``conclude_transfer`` of the request of ``room`` whose decode destinations are ``infos``,
-        only while the room is still that request's (one cleared while its pushes were waited for is concluded
-        by no one: a later request of the room id is not it), its decode ranks told with that request's
-        tokens, but those in ``gone``. Success (``ok``) turns Failed where a failure was recorded (an abort, a
-        claim)."""
+        """SGLang's ``conclude_transfer`` of the request of ``room`` whose decode destinations are ``infos``, only while
+        the room is still that request's (one cleared while its pushes were waited for is concluded by no one: a later
+        request of the room id is not it), its decode ranks told with that request's tokens, but those in ``gone``.
+        Success (``ok``) turns Failed where a failure was recorded (an abort, a claim)."""
         with self._room_lock:
             if infos is None or self.transfer_infos.get(room) is not infos:
                 return
@@ -384,10 +382,9 @@ class GpuxferKVManager(CommonKVManager):
     # ------------------------------------------------------------------ prefill: its sockets to decode ranks
 
     def endpoint_changed(self, old: Optional[tuple], new: Optional[tuple]) -> None:
-        """:meth:`.pushes.Rooms.endpoint_changed`: the endpoints kept registrations name, counted by their
-        ``tcp://`` name (two spellings of one address are one); the socket SGLang cached for one no longer
-        named is closed and dropped, so what a stream of forged registrations leaves open is bounded by the
-        registrations kept."""
+        """:meth:`.pushes.Rooms.endpoint_changed`: the endpoints kept registrations name, counted by their ``tcp://``
+        name (two spellings of one address are one); the socket SGLang cached for one no longer named is closed and
+        dropped, so what a stream of forged registrations leaves open is bounded by the registrations kept."""
         if new is not None:
             self._kept_endpoints[_tcp(new)] += 1
         if old is not None:
@@ -585,7 +582,10 @@ class GpuxferKVReceiver(CommonKVReceiver):
                 and (self.kv_mgr.landings.landed(self.bootstrap_room)
                      or self.kv_mgr.inbox.landed_by_row(self.bootstrap_room))):
             self.kv_mgr.inbox.end_by_word(self.bootstrap_room)
-            status = super()._poll()
+            status = self.kv_mgr.check_status(self.bootstrap_room)
+            if status not in (KVPoll.Success, KVPoll.Failed):
+                return super()._poll()
+            self.conclude_state = status        # (SGLang's _poll of a concluded room: that, and the status)
         return status
 
     def _clear(self) -> None:

@@ -215,6 +215,9 @@ class DecodeRanks:
                 self.rooms.record_failure(info.room, reason)
                 self.rooms.update_status(info.room, self.kv_poll.Failed)
             if refusal is None and not fail and not again:     # the same message again changes nothing
+                # staged once for every push of the room: an int64 array of its own (the agent takes such IDs
+                # as they are, where it converts any other type at each push), no longer a view of the message
+                info.dst_kv_indices = np.array(info.dst_kv_indices, dtype=np.int64)
                 infos = self.rooms.transfer_infos.setdefault(info.room, infos)
                 infos[info.session] = info
                 if len(infos) == info.required_dst_info_num:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from typing import Any, Dict, List, Optional, Protocol
+from typing import Any, Dict, List, Optional, Protocol, Tuple
 
 from ...errors import BadInput, GpuxferError
 from .landing import Landings, parse_landing
@@ -159,7 +159,7 @@ class Inbox:
         if stamp is None or stamp[:2] != (armed[0], armed[1]) or stamp[2] > seen:
             return False
         with self._ended_lock:
-            return self._take(room, raw)
+            return self._take(room, raw, stamp=stamp)
 
     def prefill_slot(self, room: int, slot: Optional[int], seen: Optional[int] = None) -> None:
         """``room``'s metadata went to one prefill rank, whose registration was given notification ``slot``
@@ -172,13 +172,14 @@ class Inbox:
             if seen is not None and slot is not None:
                 armed[2] = seen
 
-    def _take(self, room: int, raw: Optional[bytes] = None, landed: bool = True) -> bool:
+    def _take(self, room: int, raw: Optional[bytes] = None, landed: bool = True,
+              stamp: Optional[Tuple[int, int, int]] = None) -> bool:
         """``room``'s row from the rank's rows into SGLang's (under ``_ended_lock``): False, the room Failed,
         where they hold no row of its request (a row index the prefill did not write, a stamp of another
         request) or, ``landed`` False (a Success message), where the word of the stamp's slot (read now; any slot
         this rank handed out: a prefill rank registered again bumps its new slot) does not hold the stamp's value:
         the prefill writes the row before the push it stamps is posted, so only that word says the push landed
-        (a push that failed never writes it)."""
+        (a push that failed never writes it). ``stamp``: ``raw``'s, decoded by the caller."""
         armed = self.by_rows.pop(room, None)
         if armed is None:
             return self.rooms.request_status.get(room) not in (self.kv_poll.Success, self.kv_poll.Failed)
@@ -189,7 +190,7 @@ class Inbox:
                 stamp = decode_stamp(raw)
                 if stamp is None or not self.landings.reached_now(stamp[1], stamp[2]):
                     raise BadInput(f"metadata row {index} holds no row whose push landed (stamp {stamp!r})")
-            self.rows.take(index, armed[0], raw)
+            self.rows.take(index, armed[0], raw, stamp)
         except (GpuxferError, KeyError) as exc:
             self.rooms.record_failure(room, f"its metadata row did not arrive: {exc}")
             self.rooms.update_status(room, self.kv_poll.Failed)

@@ -7,10 +7,12 @@ and the request's metadata row names the value it writes (``b"slot:value"``, :fu
 the row arrived (:meth:`Landings.expect`), the decode's poll asks :meth:`Landings.landed`. The decode's agent keeps
 a copy of its words in host memory that a prefill rank on this host writes after each word
 (:mod:`gpuxfer.kv.host_notify`): each poll reads it with a load, and once a slot's copy was seen to move nothing is
-queued on the decode's GPU while a request waits but the word itself (an 8-byte device read) every
-``HOST_COPY_READ_EVERY_S``; before that, and without a copy, the word at most every ``READ_EVERY_S`` per slot (the
-polls in between reuse the last value read): a prefill rank that does not write the copy is heard as soon. No
-SGLang here: :mod:`.conn` wires it into SGLang's classes.
+read of the decode's GPU while a request waits (a slot has one writer, the prefill rank of the one registration it
+was handed out in: the rank that moved its copy writes it after every word it bumps); before that, and without a
+copy, the word at most every ``READ_EVERY_S`` per slot (the polls in between reuse the last value read): a prefill
+rank that does not write the copy is heard as soon. A request whose word's copy did not move still ends by its
+prefill's Success message, which reads the device word (:meth:`Landings.reached_now`). No SGLang here: :mod:`.conn`
+wires it into SGLang's classes.
 """
 from __future__ import annotations
 
@@ -27,10 +29,12 @@ log = logging.getLogger("gpuxfer.sglang")
 
 READ_EVERY_S = 20e-6            # a word is read from the device at most this often
 #: where the agent keeps a host copy of its words (read with a load at every poll), how often the device word of a
-#: slot whose copy was seen to move is read beside it (the copy's writer could change: a prefill rank registered
-#: again from an earlier gpuxfer); a slot whose copy never moved is read every ``READ_EVERY_S`` (its prefill rank
-#: may not write the copy: another host's, an earlier gpuxfer, a mapping that failed)
-HOST_COPY_READ_EVERY_S = 1e-3
+#: slot whose copy was seen to move is read beside it: never (None; a device read queued behind the other process's
+#: work on a shared GPU costs hundreds of microseconds of the poll that makes it). A slot whose copy never moved is
+#: read every ``READ_EVERY_S`` (its prefill rank may not write the copy: another host's, an earlier gpuxfer, a
+#: mapping that failed)
+HOST_COPY_READ_EVERY_S: Optional[float] = None
+_FORCED = float("-inf")         # a slot's last device read, where the next :meth:`Landings.word` must read it
 
 
 def slot_frame(slot: Optional[int]) -> bytes:
@@ -143,13 +147,14 @@ class Landings:
         """:meth:`reached`, the device word read now where no value seen holds ``value`` (no read spacing: a
         status message's check, once per request)."""
         if self._handed_out(slot) and self._seen[slot] < value:
-            self._read_at[slot] = float("-inf")     # (the next :meth:`word` reads the device word)
+            self._read_at[slot] = _FORCED           # (the next :meth:`word` reads the device word)
         return self.reached(slot, value)
 
     def word(self, slot: int) -> int:
         """The highest value seen on word ``slot`` (0: not handed out by this rank): its host copy read at every
-        call where the agent keeps one, the device word where ``READ_EVERY_S`` passed since its last read
-        (``HOST_COPY_READ_EVERY_S`` beside a host copy; the release value a failed agent writes is not a count)."""
+        call where the agent keeps one, the device word where ``READ_EVERY_S`` passed since its last read (beside a
+        copy seen to move, ``HOST_COPY_READ_EVERY_S``: None, never; the release value a failed agent writes is not a
+        count)."""
         if not self._handed_out(slot):
             return 0
         if self._host_read is not None:
@@ -161,8 +166,13 @@ class Landings:
                 self._copy_moved[slot] = True
                 if seen > self._seen[slot]:
                     self._seen[slot] = seen
+        every = self._read_every if self._copy_moved[slot] else READ_EVERY_S
+        if every is None:
+            if self._read_at[slot] != _FORCED:
+                return self._seen[slot]
+            every = 0.0
         now = time.monotonic()
-        if now - self._read_at[slot] >= (self._read_every if self._copy_moved[slot] else READ_EVERY_S):
+        if now - self._read_at[slot] >= every:
             self._read_at[slot] = now
             try:
                 seen = self._read(slot)

@@ -36,7 +36,7 @@ from ...errors import BadInput, GpuxferError, PeerLost, TransferTimeout
 from .landing import landing_frame
 from .layout import GROUP, read_aux_rows
 from .requests import TransferInfo, _Chunk, _drain_marker, _Posted, coalesce
-from .rows import AuxRows, RowSegment, token_number
+from .rows import AuxRows, RowSegment
 
 log = logging.getLogger("gpuxfer.sglang")
 
@@ -51,6 +51,8 @@ def _row_of(chunk: _Chunk, info: TransferInfo) -> int:
     """The prefill's metadata row of ``chunk``'s request, an int >= 0 (a float cut to an int would send another
     request's row), where the decode named one: ``BadInput`` otherwise."""
     i = chunk.aux_index
+    if type(i) is int and i >= 0 and info.dst_aux_index is not None:
+        return i
     if info.dst_aux_index is None or i is None or isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0:
         raise BadInput(f"room {chunk.room}: the last chunk has no metadata row (its index {i!r:.40})")
     return int(i)
@@ -441,25 +443,22 @@ class Pushes:
             with self._agent_lock:
                 return self.agent.prepare(peer, "push", local_blocks={GROUP: chunk.pages},
                                           remote_blocks={GROUP: dst}, name=name).post()
-        with self._agent_lock:          # the peer and its slot as the control thread last set them, together
+        token = info.stamp_token
+        one_rank = sum(not i.is_dummy for i in chunk.infos.values()) == 1      # (one decode rank: one stamp)
+        with self._agent_lock:          # the peer, its slot and its rows as the control thread last set them
             peer = self._peers.get(info.session, peer)
             slot = self._notify_slots.get(info.session) if peer.route == "ipc" else None
             value = None if slot is None else peer.next_notification(slot)
             rows_there = self._aux_rows.get(info.session)
-        token = token_number(info.token)
-        if (slot is not None and rows_there is not None and token is not None
-                and sum(not i.is_dummy for i in chunk.infos.values()) == 1):   # (one decode rank: one stamp)
-            # the rows into the decode's host memory, stamped with the value the push below writes
-            row = _row_of(chunk, info)
-            if not 0 <= info.dst_aux_index < rows_there.rows:
-                raise BadInput(f"room {chunk.room}: the decode names metadata row {info.dst_aux_index}; it "
-                               f"registered {rows_there.rows}")
-            with self._agent_lock:
-                if self._aux_rows.get(info.session) is not rows_there:
-                    raise GpuxferError(f"decode rank {info.session} registered again while room {chunk.room} "
-                                       "was sent")
+            in_rows = slot is not None and rows_there is not None and token is not None and one_rank
+            if in_rows:
+                # the rows into the decode's host memory, stamped with the value the push below writes
+                row = _row_of(chunk, info)
+                if not 0 <= info.dst_aux_index < rows_there.rows:
+                    raise BadInput(f"room {chunk.room}: the decode names metadata row {info.dst_aux_index}; it "
+                                   f"registered {rows_there.rows}")
                 self.rows.write(rows_there, int(info.dst_aux_index), row, token, slot, value)
-        else:
+        if not in_rows:
             self._send_aux(chunk, info, None if slot is None else (slot, value))
         try:
             with self._agent_lock:

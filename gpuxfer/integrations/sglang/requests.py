@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ...errors import BadInput
+from .rows import token_number
 
 MAX_SESSION_BYTES = 256     # a decode rank's name (SGLang's ``ip:port``), or its ip, in a message, at most
 
@@ -44,12 +45,17 @@ class TransferInfo:
     endpoint: str
     dst_port: int
     session: str
-    dst_kv_indices: npt.NDArray[np.int32]
+    dst_kv_indices: npt.NDArray[np.integer]    # int32 as the message names them; int64 once kept (staged)
     dst_aux_index: Optional[int]
     required_dst_info_num: int
     is_dummy: bool
     decode_prefix_len: Optional[int] = None
     token: Optional[bytes] = None       # the decode's name for this request of the room (echoed to it; None: none)
+    # the token as a row's stamp carries it (None: its rows go on the control socket), staged once per request
+    stamp_token: Optional[int] = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.stamp_token = token_number(self.token)
 
     @classmethod
     def from_zmq(cls, msg: List[bytes]) -> "TransferInfo":

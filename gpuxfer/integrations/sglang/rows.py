@@ -38,6 +38,7 @@ import re
 import secrets
 import struct
 import threading
+from ctypes import memmove, string_at
 from typing import Any, List, Optional, Tuple
 
 from ...common import hold_shm, open_shm, sweep_shm_orphans, unlink_shm
@@ -49,6 +50,7 @@ _MAGIC = 0x32574F5258475F  # b"_GXROW2" little-endian
 _MASK = (1 << 64) - 1
 _FMT = "<8Q"
 _NO_STAMP = bytes(STAMP_BYTES)
+_AUX_LISTS = ("aux_data_ptrs", "aux_data_lens", "aux_item_lens")
 
 PREFIX = "gpuxfer-rows-"
 _NAME = re.compile(PREFIX + r"([0-9a-f]{1,8})-[0-9a-f]{12}")
@@ -89,7 +91,8 @@ def decode_stamp(raw: bytes) -> Optional[Tuple[int, int, int]]:
     then the rows it names); None for a zeroed, torn or foreign one, or one written with other rows (two writers'
     steps interleaved: one's rows under the other's stamp)."""
     w = struct.unpack(_FMT, raw[:STAMP_BYTES])
-    if w[0] != _MAGIC or any(w[i] != (~w[i + 1] & _MASK) for i in range(2, 8, 2)):
+    if (w[0] != _MAGIC or w[2] != (~w[3] & _MASK) or w[4] != (~w[5] & _MASK)
+            or w[6] != (~w[7] & _MASK)):
         return None
     if w[1] != _digest(w[2], w[4], w[6], raw[STAMP_BYTES:]):
         return None
@@ -156,6 +159,8 @@ class RowSegment:
         return seg
 
     def _span(self, index: int) -> int:
+        if type(index) is int and 0 <= index < self.rows:
+            return index * self.row_bytes
         if isinstance(index, bool) or not isinstance(index, numbers.Integral) or not 0 <= int(index) < self.rows:
             raise BadInput(f"metadata row {index!r:.40} is no int of the {self.rows} rows here")
         return int(index) * self.row_bytes
@@ -187,23 +192,22 @@ class RowSegment:
         return out
 
     def write(self, index: int, stamp: bytes, rows: bytes) -> None:
-        """Row ``index`` := ``rows`` stamped ``stamp``: the stamp zeroed, the rows, then the stamp (three stores,
-        each through the lock: a reader that finds the same stamp before and after the rows read whole ones)."""
+        """Row ``index`` := ``rows`` stamped ``stamp``: the stamp zeroed and the rows (one store, the stamp's bytes
+        first), then the stamp (a second store, each through the lock): a reader that finds the same stamp before
+        and after the rows read whole ones, and the stamp's digest refuses rows it was not written with."""
         at = self._span(index)
         if len(stamp) != STAMP_BYTES or len(rows) != self.row_bytes - STAMP_BYTES:
             raise BadInput(f"metadata row {index}: {len(rows)} bytes of rows for a {self.row_bytes - STAMP_BYTES}-byte "
                            "row")
-        self._set(at, _NO_STAMP)
-        self._set(at + STAMP_BYTES, rows)
+        self._set(at, _NO_STAMP + rows)
         self._set(at, stamp)
 
     def read(self, index: int) -> bytes:
-        """Row ``index``, its stamp then its rows (``row_bytes``): the stamp read before and after the rows, and
-        zeros in its place where the two differ (the row was being written)."""
+        """Row ``index``, its stamp then its rows (``row_bytes``, one read), then the stamp again (a second): zeros
+        in the stamp's place where the two differ (the row was being written)."""
         at = self._span(index)
-        first = self._get(at, STAMP_BYTES)
-        rows = self._get(at + STAMP_BYTES, self.row_bytes - STAMP_BYTES)
-        return (first if self._get(at, STAMP_BYTES) == first else _NO_STAMP) + rows
+        raw = self._get(at, self.row_bytes)
+        return raw if self._get(at, STAMP_BYTES) == raw[:STAMP_BYTES] else _NO_STAMP + raw[STAMP_BYTES:]
 
     def clear(self, index: int) -> None:
         """Zero row ``index``'s stamp."""
@@ -245,6 +249,10 @@ class AuxRows:
         lens = _ints(kv_args, "aux_data_lens")
         self.rows = min(n // i for n, i in zip(lens, self.items))
         self.row_bytes = STAMP_BYTES + sum(self.items)
+        # SGLang's aux lists as the rows were made from them, and each buffer's (pointer, row size): every row read
+        # or written goes through these while the lists are the same (:meth:`_buffers`)
+        self._lists = tuple(_ints(kv_args, n) for n in _AUX_LISTS)
+        self._bufs = list(zip(self._lists[0], self.items))
         self.segment = None if uid is None else RowSegment.create(uid, self.rows, self.row_bytes)
         self._opened: List[RowSegment] = []     # peers' segments opened here (a prefill's), closed with this
 
@@ -262,6 +270,16 @@ class AuxRows:
             log.warning("gpuxfer: no shared memory for the metadata rows (%s: %s); they go on the control socket",
                         type(exc).__name__, exc)
             return None
+
+    def _buffers(self) -> Optional[List[Tuple[int, int]]]:
+        """Each aux buffer's (pointer, row size), where SGLang's aux lists are still those the rows were made from
+        (None: they changed; the rows are then read and written by :mod:`.layout`'s checked calls)."""
+        a, (ptrs, lens, items) = self.kv_args, self._lists
+        try:
+            same = a.aux_data_ptrs == ptrs and a.aux_data_lens == lens and a.aux_item_lens == items
+        except (AttributeError, TypeError, ValueError):     # (lists SGLang no longer holds, or arrays)
+            return None
+        return self._bufs if same is True else None
 
     def open_peer(self, registration: dict, uid: str) -> Optional[RowSegment]:
         """A decode rank's segment as its registration names it (``uid``: its agent's), for a prefill rank: None
@@ -282,6 +300,8 @@ class AuxRows:
     def _check(self, index: int) -> int:
         """``index`` as an int of the rows: ``BadInput`` for anything else (a bool, a float, which truncated would
         name another row, an int outside them)."""
+        if type(index) is int and 0 <= index < self.rows:
+            return index
         if isinstance(index, bool) or not isinstance(index, numbers.Integral) or not 0 <= int(index) < self.rows:
             raise BadInput(f"metadata row {index!r:.40} is no int of the {self.rows} rows registered")
         return int(index)
@@ -293,7 +313,9 @@ class AuxRows:
         decode's request ``token`` landing at ``value`` of notification ``slot`` (before the push that writes it
         is posted)."""
         index = self._check(index)
-        data = b"".join(read_aux_rows(self.kv_args, index))
+        bufs = self._buffers()
+        data = (b"".join([string_at(p + index * n, n) for p, n in bufs]) if bufs is not None
+                else b"".join(read_aux_rows(self.kv_args, index)))
         if len(data) != self.row_bytes - STAMP_BYTES:     # SGLang's aux lists changed since the rows were made
             raise BadInput(f"metadata row {index}: {len(data)} bytes of rows read for a "
                            f"{self.row_bytes - STAMP_BYTES}-byte row")
@@ -319,21 +341,30 @@ class AuxRows:
         stamp, :meth:`take` its rows."""
         return self._segment().read(self._check(index))
 
-    def take(self, index: int, token: int, raw: Optional[bytes] = None) -> None:
+    def take(self, index: int, token: int, raw: Optional[bytes] = None,
+             stamp: Optional[Tuple[int, int, int]] = None) -> None:
         """Row ``index``'s rows into SGLang's aux buffers, where its stamp is request ``token``'s (read with the
-        rows: ``raw``, the row as :meth:`row` read it, or read here); ``BadInput`` otherwise, nothing written."""
+        rows: ``raw``, the row as :meth:`row` read it, or read here; ``stamp``: ``decode_stamp(raw)``, where the
+        caller decoded it); ``BadInput`` otherwise, nothing written."""
         index = self._check(index)
         if raw is None or len(raw) != self.row_bytes:
-            raw = self.row(index)
-        got = decode_stamp(raw)
+            raw, stamp = self.row(index), None
+        got = decode_stamp(raw) if stamp is None else stamp
         if got is None or got[0] != token:
             raise BadInput(f"metadata row {index} holds no row of this request (stamp {got!r})")
-        rows: List[bytes] = []
-        at = STAMP_BYTES
-        for item in self.items:
-            rows.append(raw[at:at + item])
-            at += item
-        write_aux_rows(self.kv_args, index, rows)
+        bufs = self._buffers()
+        if bufs is None:
+            rows: List[bytes] = []
+            at = STAMP_BYTES
+            for item in self.items:
+                rows.append(raw[at:at + item])
+                at += item
+            write_aux_rows(self.kv_args, index, rows)
+            return
+        at = STAMP_BYTES        # (the lists the rows were made from: every row fits its buffer at ``index``)
+        for p, n in bufs:
+            memmove(p + index * n, raw[at:at + n], n)
+            at += n
 
     def close(self) -> None:
         """Close this rank's segment and the peers' it opened (from any thread: each segment's lock keeps a read
