@@ -55,7 +55,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "integrations"))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-TARGETS = {"send_us": 100.0, "request_minus_direct_us": 100.0}
+TARGETS = {"send_us": 100.0, "request_minus_direct_us": 100.0, "request_minus_direct_minus_handover_us": 100.0}
 REGIONS = ("csa", "csa-idx", "hca")         # kv-dsv4's paged regions (its window is a state buffer in SGLang)
 
 
@@ -193,6 +193,48 @@ def run(a) -> dict:
             "kv_bytes": n_pages * sum(item_lens)}
 
 
+def run_fake(a) -> dict:
+    """SGLang's built-in ``fake`` transfer backend (``sglang/srt/disaggregation/fake``: its sender is Success once a
+    chunk was handed to it, nothing moved) on a prefill rank of the same pool, requests, chunking, forward passes and
+    CPU placement, after gpuxfer's ranks closed: SGLang's own hand-over of a request's chunks with no backend work.
+    No decode rank: the fake receiver ends Success once its metadata is sent, whatever the prefill does, so its time
+    says nothing. Per request: ``request_s``, from the first ``send_kv_chunk`` to the end of the last; ``floor_s``,
+    what of it is not SGLang's hand-over (the forward passes slept between chunks and the fake's own ``send()`` calls,
+    which format the chunk's page array into a debug message); ``handover_s``, the difference."""
+    from sglang_instance import Rank
+    regions = geometry(a.page_size, a.layers)
+    item_lens = [pb for _, n, pb in regions for _ in range(n)]
+    pool_pages = -(-a.tokens // a.page_size) + 1
+    env = {"SGLANG_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "GPUXFER_PLATFORM": a.platform, "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(a.timeout)}
+    auto = a.cpus != "none"
+    P = Rank("prefill", seed=1, cpus=(0, 2) if auto else None, cpu_mode="one" if a.cpus == "one" else "split",
+             port=free_port(), page_size=a.page_size, pages=pool_pages, env=env, mla=True, layers=len(item_lens),
+             item_lens=item_lens, device="cuda" if a.platform == "cuda" else "cpu", backend="fake")
+    src = list(range(1, pool_pages))
+    random.Random(0).shuffle(src)
+    rows, code = [], None
+    try:
+        P.ready(timeout=600)
+        P.call("forward", a.forward_ms / 1e3)
+        for i in range(1 + a.repeats):
+            room = 9000 + i
+            P.call("queue_add", [(room, src, a.tokens, a.chunk_tokens)])
+            ran = P.call("queue_run", a.timeout, timeout=a.timeout + 60)
+            status = P.call("wait", [room], a.timeout, timeout=a.timeout + 60)[room][0]
+            tm = P.call("timings")
+            ok = status == "Success" and not ran["left"] and not ran["failed"] and room in tm["first_send"]
+            span = tm["last_send"][room] + tm["chunk_s"][-1] - tm["first_send"][room] if ok else None
+            floor = (len(tm["chunk_s"]) - 1) * a.forward_ms / 1e3 + sum(tm["send_s"])
+            rows.append({"request": i, "warm_up": i == 0, "status": status, "ok": ok, "send_s": tm["send_s"],
+                         "send_kv_chunk_s": tm["chunk_s"], "request_s": span, "floor_s": floor,
+                         "handover_s": None if span is None else span - floor})
+            P.call("clear", [room])
+    finally:
+        code = P.close()
+    return {"requests": rows, "exit_code": code}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--platform", choices=("cuda", "host"), default="cuda",
@@ -218,6 +260,9 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", choices=("gpuxfer", "mooncake"), default="gpuxfer",
                     help="the transfer backend SGLang is given: gpuxfer (default), or its built-in Mooncake backend "
                          "over TCP as the reference (--platform host; no direct push, no --trace)")
+    ap.add_argument("--no-fake", action="store_true",
+                    help="skip the same-run reference of SGLang's built-in fake backend (SGLang's own hand-over of "
+                         "the chunks, no backend work; run after gpuxfer's requests, gpuxfer's backend only)")
     ap.add_argument("--json", required=True, help="JSON file to write (must not exist)")
     a = ap.parse_args(argv)
     if a.backend == "mooncake":
@@ -264,7 +309,12 @@ def main(argv=None) -> int:
     print(f"{'req':>4} {'sends':>6} {'send_p50':>8} {'send_max':>8} {'chunk_max':>9} {'request_ms':>10} "
           f"{'direct_ms':>10} {'req-dir_us':>10} {'tail_ms':>8} {'py_us':>6} {'wrong':>6} status")
     res = run(a)
+    res["fake"] = None if a.no_fake or a.backend != "gpuxfer" else run_fake(a)
     measured = [r for r in res["requests"] if not r["warm_up"]]
+    fake = [r for r in (res["fake"] or {"requests": []})["requests"] if not r["warm_up"] and r["ok"]]
+    handover = pct([r["handover_s"] for r in fake], 0.5) if fake else None
+    honest = [d - handover for d in [r["request_s"] - r["direct"]["total_s"] for r in measured
+                                     if r["request_s"] is not None and r["direct"]]] if handover is not None else []
     sends = [x for r in measured for x in r["send_s"]]
     done = [r["request_s"] for r in measured if r["request_s"] is not None]
     diffs = [r["request_s"] - r["direct"]["total_s"] for r in measured if r["request_s"] is not None and r["direct"]]
@@ -283,6 +333,13 @@ def main(argv=None) -> int:
         "tail_ms_p50": 1e3 * pct(tails, 0.5) if tails else None,
         "tail_ms_p90": 1e3 * pct(tails, 0.9) if tails else None,
         "tail_minus_direct_us": 1e6 * pct(tail_diffs, 0.9) if tail_diffs else None,
+        "fake_request_us_p50": 1e6 * pct([r["request_s"] for r in fake], 0.5) if fake else None,
+        "fake_floor_us_p50": 1e6 * pct([r["floor_s"] for r in fake], 0.5) if fake else None,
+        "sglang_handover_us_p50": None if handover is None else 1e6 * handover,
+        "sglang_handover_us_p90": 1e6 * pct([r["handover_s"] for r in fake], 0.9) if fake else None,
+        "request_minus_direct_us_p50": 1e6 * pct(diffs, 0.5) if diffs else None,
+        "request_minus_direct_minus_handover_us_p50": 1e6 * pct(honest, 0.5) if honest else None,
+        "request_minus_direct_minus_handover_us": 1e6 * pct(honest, 0.9) if honest else None,
     }
     n = lambda k, p=3: "-" if summary[k] is None else f"{summary[k]:.{p}f}"  # noqa: E731
     print(f"# p50 / p90 over the {len(measured)} requests: send {n('send_us_p50', 1)} / {n('send_us', 1)} us; "
@@ -290,17 +347,32 @@ def main(argv=None) -> int:
           f"{n('direct_ms_p90')} ms")
     print(f"# tail (last send_kv_chunk -> decode Success) p50 / p90 {n('tail_ms_p50')} / {n('tail_ms_p90')} ms; "
           f"tail minus direct (the whole request moved once prefill is done), p90: {n('tail_minus_direct_us', 1)} us")
+    if res["fake"] is not None:
+        print(f"# fake (SGLang's built-in fake backend, same run, {len(fake)} requests after a warm-up, no decode): "
+              f"request (first send_kv_chunk -> end of the last: SGLang's hand-over, the fake's send() calls, the "
+              f"forward sleeps) p50 {n('fake_request_us_p50', 1)} us; floor (the forward sleeps + the fake's own "
+              f"send() calls) p50 {n('fake_floor_us_p50', 1)} us; SGLang's hand-over (request - floor) p50 / p90 "
+              f"{n('sglang_handover_us_p50', 1)} / {n('sglang_handover_us_p90', 1)} us")
+        print(f"# request - direct (all the backend path adds over a direct push, SGLang's hand-over included) "
+              f"p50 / p90: {n('request_minus_direct_us_p50', 1)} / {n('request_minus_direct_us', 1)} us; "
+              f"request - direct - SGLang's hand-over (the fake's p50; what gpuxfer's backend adds) p50 / p90: "
+              f"{n('request_minus_direct_minus_handover_us_p50', 1)} / {n('request_minus_direct_minus_handover_us', 1)}"
+              " us")
     print("# targets, p90 over the requests:")
     verdicts = {}
     for k, target in TARGETS.items():
         v = summary[k]
         verdicts[k] = "n/a" if v is None else ("met" if v <= target else "MISSED")
-        print(f"#   {k:24s} {'-' if v is None else f'{v:.1f}':>10} (target <= {target:g}) {verdicts[k]}")
+        print(f"#   {k:38s} {'-' if v is None else f'{v:.1f}':>10} (target <= {target:g}) {verdicts[k]}")
     wrong = sum(r["wrong_bytes"] + r["direct_wrong_bytes"] for r in res["requests"])
     failed = [r["request"] for r in res["requests"] if not r["ok"]]
-    ok = wrong == 0 and not failed and len(res["requests"]) == 1 + a.repeats and res["exit_codes"] == [0, 0]
+    fake_bad = res["fake"] is not None and (res["fake"]["exit_code"] != 0 or len(fake) != a.repeats)
+    ok = (wrong == 0 and not failed and len(res["requests"]) == 1 + a.repeats and res["exit_codes"] == [0, 0]
+          and not fake_bad)
     print(f"# wrong bytes: {wrong} of {sum(r['checked_bytes'] for r in res['requests'])} checked; failed requests: "
-          f"{len(failed)}; rank exit codes {res['exit_codes']}; startup {res['startup_s']:.1f} s")
+          f"{len(failed)}; rank exit codes {res['exit_codes']}; startup {res['startup_s']:.1f} s"
+          + ("" if res["fake"] is None else f"; fake rank exit code {res['fake']['exit_code']}, "
+             f"{len(fake)} of {a.repeats} fake requests Success"))
     print(f"# {'PASS' if ok else 'FAIL'}")
     with open(a.json, "x") as fh:
         json.dump({"params": vars(a), "cpus": cpus(), "summary": summary, "verdicts": verdicts, "wrong_bytes": wrong,

@@ -224,8 +224,9 @@ class _State:
                                             attn_dp_rank=0, dp_rank=0, tp_rank=self.tp_rank, pp_rank=0,
                                             pp_group=None, attn_tp_group=SimpleNamespace(cpu_group=None))
         self.server = None
-        if self.role == "prefill" and self.tp_rank == 0:     # a server's bootstrap server runs beside its rank 0
-            self.server = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=self.port)
+        server_cls = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)     # (SGLang's fake backend has none)
+        if self.role == "prefill" and self.tp_rank == 0 and server_cls is not None:
+            self.server = server_cls(host="127.0.0.1", port=self.port)   # beside a server's rank 0
         self.mla = spec["mla"]
         heads = 1 if self.mla else spec["heads"]
         layers = spec.get("layers") or LAYERS
@@ -513,7 +514,7 @@ class _State:
         """Note the clock (``CLOCK_MONOTONIC``) at the backend's steps of a request, for the benchmark's
         ``--trace``: the prefill's chunk queued, each post's start and end, the room's drain (its posts waited
         for) and its conclusion; the decode's metadata row and status arriving. :meth:`trace` returns them."""
-        from gpuxfer.integrations.sglang import inbox, rows
+        from gpuxfer.integrations.sglang import inbox
         self._marks: list[tuple] = []
         mgr, marks = self.mgr, self._marks
 
@@ -541,8 +542,8 @@ class _State:
             wrap("conclude_transfer", room=lambda a, k: k.get("bootstrap_room"))
         else:
             wrap("write_aux_rows", obj=inbox, room=lambda a, k: None, label="row_from_message")
-            wrap("write_aux_rows", obj=rows, room=lambda a, k: None, label="row_from_agent")
-            if mgr.inbox.rows is not None:      # the row's stamp (and the row) read once the word grew
+            if mgr.inbox.rows is not None:      # the row's stamp (and the row) read once the word grew, then taken
+                wrap("take", obj=mgr.inbox.rows, room=lambda a, k: None, label="row_from_agent")
                 wrap("stamp", obj=mgr.inbox.rows, room=lambda a, k: None, label="row_stamp_read")
                 wrap("row", obj=mgr.inbox.rows, room=lambda a, k: None, label="row_read")
             wrap("end_by_word", obj=mgr.inbox)

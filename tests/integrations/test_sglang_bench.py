@@ -42,7 +42,18 @@ def test_bench_runs_tiny_and_checks_every_byte(tmp_path):
         assert "_send_aux" not in r["trace_us"] and "row_from_message" not in r["trace_us"], r["trace_us"]
         assert "end_by_word" in r["trace_us"], r["trace_us"]        # the decode ended it by its word
     assert set(res["summary"]) >= {"send_us", "request_minus_direct_us", "direct_ms_p90", "request_ms_p90"}
-    assert set(res["verdicts"]) == {"send_us", "request_minus_direct_us"}
+    assert set(res["verdicts"]) == {"send_us", "request_minus_direct_us", "request_minus_direct_minus_handover_us"}
+    # the same-run reference: SGLang's fake backend's hand-over of the same requests, taken off request - direct
+    fake = res["fake"]
+    assert fake["exit_code"] == 0 and [r["warm_up"] for r in fake["requests"]] == [True, False, False], fake
+    for r in fake["requests"]:
+        assert r["ok"] and len(r["send_s"]) == 3 and 0 < r["floor_s"] < r["request_s"], r
+        assert r["handover_s"] == r["request_s"] - r["floor_s"], r
+    s = res["summary"]
+    assert s["sglang_handover_us_p50"] > 0 and s["request_minus_direct_minus_handover_us"] is not None, s
+    assert abs(s["request_minus_direct_minus_handover_us_p50"] + s["sglang_handover_us_p50"]
+               - s["request_minus_direct_us_p50"]) < 1e-6 * max(1.0, abs(s["request_minus_direct_us_p50"])), s
+    assert "# fake (SGLang's built-in fake backend" in p.stdout, p.stdout
 
 
 def test_bench_refuses_bad_options(tmp_path):
@@ -77,3 +88,4 @@ def test_bench_runs_the_mooncake_reference_tiny(tmp_path):
         assert r["status"] == r["prefill_status"] == "Success" and r["direct"] is None, r
         assert r["checked_bytes"] > 0 and r["request_s"] > 0 and len(r["send_s"]) == 3, r
     assert res["summary"]["request_minus_direct_us"] is None and res["verdicts"]["request_minus_direct_us"] == "n/a"
+    assert res["fake"] is None                  # (the fake reference is run beside gpuxfer's backend)
