@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from gpuxfer.errors import BadInput
-from gpuxfer.integrations.vllm import engines as engines_mod, loads as loads_mod
+from gpuxfer.integrations.vllm import engines as engines_mod, loads as loads_mod, staging as staging_mod
 from gpuxfer.integrations.vllm.handshake import decode_info, encode_info, engine_info
 from gpuxfer.integrations.vllm.holds import make_key
 from gpuxfer.integrations.vllm.lease import now
@@ -291,16 +291,22 @@ def test_a_load_whose_params_were_altered_fails_alone_and_nothing_is_read(monkey
 
 def test_a_load_of_several_prefill_ranks_checks_its_seal_once(monkeypatch):
     """A decode of TP 1 reading a prefill of TP 2: one load, a read from each rank; its seal is checked once."""
-    checked = []
+    checked, macs = [], []
 
     def count(rp, key):
         checked.append(rp.request_id)
         return check_seal(rp, key)
-    monkeypatch.setattr(loads_mod, "check_seal", count)
+
+    def compare(a, b):          # (the engine's own HMAC: check_seal's MAC without its call)
+        macs.append(b)
+        return hmac.compare_digest(a, b)
+    monkeypatch.setattr(staging_mod, "check_seal", count)        # (staging.pair_load checks a load's seal)
+    monkeypatch.setattr(staging_mod, "compare_digest", compare)
     w, clients, posted = _decode(monkeypatch, [SEAL_KEY, SEAL_KEY], prefill_tp=2)
-    w.start_loads([Load("d0", _sealed(_rp("p0", tp=2)), (np.array([7, 8]),), 0, 31)])
+    rp = _sealed(_rp("p0", tp=2))
+    w.start_loads([Load("d0", rp, (np.array([7, 8]),), 0, 31)])
     assert w.poll()[1:] == ({"d0"}, set())
-    assert len(posted) == 2 and checked == ["p0"]
+    assert len(posted) == 2 and len(checked) + len(macs) == 1 and checked in ([], ["p0"]) and macs in ([], [rp.seal])
 
 
 def test_a_prefill_of_more_ranks_than_one_loads_share_of_handshakes_is_handshaken_over_later_loads(monkeypatch):
@@ -488,3 +494,29 @@ def test_a_digest_of_another_length_than_32_bytes_is_encoded_as_given(digest):
     args = ("p0", "r1", digest, [16], 1.5, [("h", 1)], None)
     assert _canonical(*args) == _reference_canonical(*args)
     assert _canonical(*args) != _canonical("p0", "r1", (digest + bytes(32))[:32], [16], 1.5, [("h", 1)], None)
+
+
+def test_a_loads_seal_is_checked_with_its_engines_own_hmac_under_that_engines_key_only():
+    """The engine thread checks a load's seal with the HMAC its engine's handshake made (params.sealer): params
+    sealed with the engine's key pass, params altered after sealing fail with BadSeal, and an HMAC made for another
+    key than the engine's (a stale one) is never used: the load's seal is then checked under the engine's key."""
+    from gpuxfer.integrations.vllm.lease import SAME_HOST
+    from gpuxfer.integrations.vllm.params import sealer
+    other = b"o" * 32
+
+    def pair(rp, mac_key):
+        r = types.SimpleNamespace(client=_Client(), seal_key=SEAL_KEY, sealer=(mac_key, sealer(mac_key)),
+                                  clock=SAME_HOST, world=1, rank=0, sources=(0,), reads=(), key=("h", 1, "p"))
+        load = Load("d0", rp, (np.array([7, 8]),), 0, 31)
+        st = types.SimpleNamespace(load=load, remote=r, part=0, nbytes=0)
+        return staging_mod.pair_load(types.SimpleNamespace(tp_rank=0, tp_size=1), st), load
+
+    good = _sealed(_rp("p0"))
+    pairs, load = pair(good, SEAL_KEY)
+    assert pairs is None and load.sealed == SEAL_KEY        # (sealed; no group read from this engine: nothing moves)
+    altered = dataclasses.replace(good, lease_deadline=good.lease_deadline + 1)     # (its seal kept)
+    with pytest.raises(BadSeal):
+        pair(altered, SEAL_KEY)
+    assert pair(good, other)[1].sealed == SEAL_KEY          # (the other key's HMAC not used: checked under SEAL_KEY)
+    with pytest.raises(BadSeal):
+        pair(_sealed(_rp("p0"), other), other)              # (sealed with the stale key: not the engine's seal)

@@ -52,6 +52,7 @@ class _Granted(dict):
 
 class _Client:
     alive, closed_reason = True, None
+    _pending, _claimed = (), False          # (a real client's queue: nothing to flush)
 
     def __init__(self):
         self.sent = []
@@ -102,7 +103,7 @@ def _in_flight(w: WorkerSide, n: int, deadline: float, *, clock=None, timeout_s:
     sts = []
     for i in range(n):
         rp = RemotePrefill(e, "127.0.0.1", r.key[1], f"{e}{i}", (np.arange(1, 3),), (16,), deadline)
-        # (posted: its seal checked out, as DecodeLoads._pair does first)
+        # (posted: its seal checked out, as staging.pair_load does first)
         load = Load(f"{'n' if nixl else 'd'}{i}", rp, (np.arange(10 + 2 * i, 12 + 2 * i),), 0, 31, sealed=SEAL_KEY)
         st = _LoadState(load, 0.0, remote=r, handle=_Handle(), t_post=time.perf_counter())
         w.decode.pending[st.key] = st

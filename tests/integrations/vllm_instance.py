@@ -733,9 +733,9 @@ def _profile(connector, acc: dict) -> None:
                 acc.setdefault(name, []).append(time.perf_counter() - t)
         return wrapper
 
-    for owner, attr in ((kl, "pair_group"), (kl.DecodeLoads, "start"), (kl.DecodeLoads, "_post"),
-                        (kl.DecodeLoads, "_pair"), (kl.DecodeLoads, "_prepare_each_host"),
-                        (kl.DecodeLoads, "_prepare_on_device"), (kst.IdStaging, "take"), (kst.IdStaging, "send"),
+    for owner, attr in ((kst, "pair_group"), (kl.DecodeLoads, "start"), (kl.DecodeLoads, "_post"),
+                        (kl, "pair_load"), (kl, "prepare_each_host"),
+                        (kl, "prepare_on_device"), (kst.IdStaging, "take"), (kst.IdStaging, "send"),
                         (wk.WorkerSide, "poll"), (kh.PrefillHolds, "drain"), (kl.DecodeLoads, "finished"),
                         (kc.SideChannelClient, "notify"), (ka.KVAgent, "prepare"), (ka.KVAgent, "post_many"),
                         (ka, "prepare_device"), (kd._DeviceIdTransfer, "_post_locked"), (kb, "post_together"),

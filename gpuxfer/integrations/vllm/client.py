@@ -74,6 +74,10 @@ class SideChannelClient:
         self._in = bytearray()
         self._got: list[bytes] = []
         self._closed = False
+        #: False once the prefill end closed (after the handshake it sends only answers to claims: the sender thread
+        #: reads them when idle, and finds a closed end so), sent what is not such an answer, a send failed or
+        #: :meth:`close` was called (an attribute: the engine thread reads it in every load's step)
+        self.alive = True
         self.closed_reason: str | None = None
         self._pending: "collections.deque[tuple[float, str, list, list | None, list | None]]" = collections.deque()
         # (when queued, op, request ids, their hold keys, their claim tokens)
@@ -173,13 +177,6 @@ class SideChannelClient:
                 return got
             time.sleep(0.001)
 
-    @property
-    def alive(self) -> bool:
-        """False once the prefill end closed (after the handshake it sends only answers to claims: the sender thread
-        reads them when idle, and finds a closed end so), sent what is not such an answer, a send failed or
-        :meth:`close` was called."""
-        return not self._closed
-
     def read_answers(self) -> None:
         """Take the prefill's answers to claims that arrived into :attr:`answers`, without blocking (the engine
         thread while its loads wait for them, and the sender thread when idle: whichever gets the lock); a closed
@@ -226,8 +223,15 @@ class SideChannelClient:
         like :meth:`notify`'s messages, or by the engine thread's next :meth:`flush_late`, whichever comes first (a
         load's finish waits for the answer); the prefill's answers come into :attr:`answers`. False when the
         connection is dead already."""
-        if not self.notify("claim", request_ids, keys, tokens):
+        if len(request_ids) > MAX_IDS_PER_MESSAGE:
+            if not self.notify("claim", request_ids, keys, tokens):
+                return False
+        elif self._closed:
             return False
+        else:                                   # (one message: notify's own, without its loop)
+            self._pending.append((time.monotonic(), "claim", list(request_ids), None if keys is None else list(keys),
+                                  None if tokens is None else list(tokens)))
+            self._wake.put(True)
         self._claimed = True
         return True
 
@@ -238,12 +242,16 @@ class SideChannelClient:
         client's sender thread (started at the handshake,
         so nothing interleaves with the hello) sends the messages in order, each within ``timeout_s`` or the
         connection is dead. False when it is dead already."""
-        if not self.alive:
+        if self._closed:
             return False
         t, n = time.monotonic(), MAX_IDS_PER_MESSAGE
-        for i in range(0, max(len(request_ids), 1), n):
-            self._pending.append((t, op, list(request_ids[i:i + n]), None if keys is None else list(keys[i:i + n]),
-                                  None if tokens is None else list(tokens[i:i + n])))
+        if len(request_ids) <= n:               # (the usual: one message)
+            self._pending.append((t, op, list(request_ids), None if keys is None else list(keys),
+                                  None if tokens is None else list(tokens)))
+        else:
+            for i in range(0, len(request_ids), n):
+                self._pending.append((t, op, list(request_ids[i:i + n]), None if keys is None else list(keys[i:i + n]),
+                                      None if tokens is None else list(tokens[i:i + n])))
         self._wake.put(True)
         return True
 
@@ -350,6 +358,7 @@ class SideChannelClient:
         if not self._closed:
             self.closed_reason = reason         # before _closed: _broken reads both without a lock
             self._closed = True
+            self.alive = False
 
     def close(self) -> None:
         """Send what :meth:`notify` queued (for at most a second), then close."""

@@ -191,14 +191,15 @@ class GpuxferConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._connector_metadata
         if not isinstance(meta, GpuxferConnectorMetadata):
             return
-        if meta.secret is not None:
-            self._worker.keyed_by(meta.secret)
+        w = self._worker
+        if meta.secret is not None and meta.secret != w.secret:      # (a step's secret, the same as the last's)
+            w.keyed_by(meta.secret)
         if meta.holds:
-            self._worker.hold(meta.holds)
+            w.hold(meta.holds)
         if meta.releases:
-            self._worker.release(meta.releases)
+            w.release(meta.releases)
         if meta.loads:
-            self._worker.start_loads(meta.loads)
+            w.decode.start(meta.loads)          # (WorkerSide.start_loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return              # loads are asynchronous: a request runs only after its load finished

@@ -2,7 +2,8 @@
 rank it reads (by endpoint: host, port, engine id): its handshake on the side channel, begun by the first load
 naming it and moved on by later polls without blocking (the answer checked against this engine's description, its
 caches then mapped with ``add_peer`` and its route's first slot made), its client for the done and release
-messages, and when it is forgotten (failed or gone, once no load names it and no read of it is in flight).
+messages (:meth:`PrefillEngines.release` sends the releases of requests this instance will not read), and when it
+is forgotten (failed or gone, once no load names it and no read of it is in flight).
 :class:`~.loads.DecodeLoads` owns one, counts each engine's loads and reads in flight on it, and names the loads
 waiting on an engine (released on its side channel where the engine refuses them). Everything runs on the engine's
 thread, :meth:`PrefillEngines.close` from any. No vLLM import.
@@ -13,14 +14,15 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ...errors import GpuxferError
 from . import lease
 from .client import SideChannelClient, close_all
 from .frames import ChannelClosed
 from .handshake import agent_name, check_compatible, decode_info, readers
-from .params import BadSeal, BadTransferParams, RemotePrefill, check_seal, seal_key_from_hex, source_ranks
+from .params import (BadSeal, BadTransferParams, RemotePrefill, check_seal, seal_key_from_hex, sealer,
+                     source_ranks)
 from .staging import IdStaging
 
 log = logging.getLogger("gpuxfer.vllm")
@@ -57,6 +59,8 @@ class _Remote:
     sources: tuple = ()                     # the prefill ranks of its size this worker reads (params.source_ranks)
     meta: bytes | None = None
     seal_key: bytes | None = None           # what its engine's params are sealed with, from its handshake
+    # (seal key, params.sealer of it): its loads' seals checked with that MAC (None, or another key: check_seal)
+    sealer: tuple | None = None
     error: str | None = None
     device_ids: bool = False                # its reads take block IDs on the device
     ordered: bool = True                    # its reads complete in post order (the IPC route: one stream)
@@ -156,6 +160,7 @@ class PrefillEngines:
                                         "be checked (a prefill worker that ran none of their request's steps, or "
                                         "another gpuxfer version); a later request handshakes again")
             r.seal_key = seal_key_from_hex(info["seal_key"], "the peer's engine description's seal_key")
+            r.sealer = r.seal_key, sealer(r.seal_key)
             r.info = info
             r.client.readers = readers(self.info, info)      # (before any message: each names its readers)
             pairing, names = check_compatible(self.info, info), self._group_names
@@ -293,15 +298,55 @@ class PrefillEngines:
                 log.info("gpuxfer: engine %s: forgot prefill engine %s (%s)", self.engine_id, key[2],
                          r.error or (r.client.closed_reason if r.client else "gone"))
 
+    def release(self, releases: Sequence[RemotePrefill], claims: dict) -> None:
+        """Tell prefill engines (the ranks of each this worker reads, those known) this instance will not read these
+        requests (best effort): those of params that carry their engine's seal and that no load of this worker
+        claims (that load ends the hold itself). A release claims its request, so a later load of the same params
+        fails rather than read blocks the release let the prefill free. ``claims``: the worker's
+        (:attr:`.loads.DecodeLoads.claims`)."""
+        unsealed = {}
+        for rp in releases:
+            try:
+                keys = rp.endpoints_of(self.tp_rank, self.tp_size)
+            except BadTransferParams:
+                continue
+            for key in keys:
+                r, claim = self.remotes.get(key), (key, rp.request_id)
+                if r is None or r.state != "ready" or r.client is None or claim in claims:
+                    continue
+                try:
+                    check_seal(rp, r.seal_key)
+                except BadSeal as exc:
+                    log.warning("gpuxfer: engine %s: not releasing request %s of engine %s: %s", self.engine_id,
+                                rp.request_id, rp.engine_id, exc)
+                    unsealed[id(r)] = r
+                    continue
+                claims[claim] = (r, rp.lease_deadline)
+                r.client.notify("release", [rp.request_id], [rp.key], [rp.token])
+        for r in unsealed.values():
+            probe(r)
+
     def flush_late(self, now: float) -> None:
         """The claims queued, and the done messages a busy engine kept from the side channel's sender threads, sent
         now (:meth:`.client.SideChannelClient.flush_late`)."""
         for r in self.remotes.values():
-            if r.client is not None:
-                r.client.flush_late(now)
+            c = r.client
+            # (a client with nothing queued and no claim since its last flush has nothing to do: not called)
+            if c is not None and (c._pending or c._claimed):
+                c.flush_late(now)
 
     def close(self) -> None:
         """Close every engine's side channel (from any thread: the engine thread's steps may still name new
         engines, which then fail without a connection)."""
         self.closed = True
         close_all([r.client for r in list(self.remotes.values()) if r.client is not None])
+
+
+def probe(r: _Remote) -> None:
+    """Params that do not carry engine ``r``'s seal: forged, or made by the engine after it restarted under the same
+    engine id and port while the connection to the old one went dead without a word (its host lost: only a send finds
+    it dead). An empty release (nothing for the prefill to do) goes on the connection, so a dead one fails, the
+    record is forgotten and the next load naming the engine handshakes again for its seal key. (At most one an engine
+    each time loads are posted or releases sent; each a few bytes.)"""
+    if r.client is not None:
+        r.client.notify("release", [])

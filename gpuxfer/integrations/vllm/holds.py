@@ -214,7 +214,12 @@ class PrefillHolds:
         that thread queued (no socket call on the engine thread)."""
         if self.held:
             server.pump()
+        if len(self.claims.owners) > self._prune_owners_at:
+            self.claims.prune(self.held, now)
+            self._prune_owners_at = max(4096, 2 * len(self.claims.owners))
         events = server.events
+        if events.empty():                      # (the usual: no word; only the words below add to ``early``)
+            return
         while not events.empty():               # (this thread is the only one taking events)
             op, req, of, key, token = events.get_nowait()
             if req in self.held:
@@ -241,9 +246,6 @@ class PrefillHolds:
             self.early = dict(kept[-(MAX_RELEASED // 2):])
             # the next prune once as many more came (each word pruned O(1) times), never past MAX_RELEASED
             self._prune_at = min(MAX_RELEASED, max(4 * len(self.held) + 1024, 2 * len(self.early)))
-        if len(self.claims.owners) > self._prune_owners_at:
-            self.claims.prune(self.held, now)
-            self._prune_owners_at = max(4096, 2 * len(self.claims.owners))
 
     def finished(self, now: float) -> set[str]:
         """Held requests the decode side let go of, then those whose lease ran out: O(1) when neither (the

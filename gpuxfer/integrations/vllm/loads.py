@@ -29,15 +29,16 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from time import clock_gettime
 from typing import Any, Sequence
 
 import numpy as np
 
 from ...errors import BlockIdError, GpuxferError
 from . import lease
-from .engines import MAX_HANDSHAKES_A_LOAD, PrefillEngines, _Remote, carries_seal
-from .params import BadSeal, BadTransferParams, RemotePrefill, check_seal, pair_group, source_ranks
-from .staging import IdStaging, prepare_on_device
+from .engines import MAX_HANDSHAKES_A_LOAD, PrefillEngines, _Remote, carries_seal, probe
+from .params import BadSeal, BadTransferParams, RemotePrefill
+from .staging import IdStaging, pair_load, prepare_each_host, prepare_on_device
 
 log = logging.getLogger("gpuxfer.vllm")
 
@@ -58,11 +59,11 @@ class Load:
     local_ids: tuple[np.ndarray, ...]       # manager block IDs per group (0: null block)
     start: int                              # first token to load
     end: int                                # one past the last
-    # the seal key its params were found sealed with (DecodeLoads._pair: once a load, whatever its parts)
+    # the seal key its params were found sealed with (staging.pair_load: once a load, whatever its parts)
     sealed: bytes | None = field(default=None, repr=False, compare=False)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class _LoadState:
     load: Load
     t_start: float
@@ -81,10 +82,16 @@ class _LoadState:
     asked: bool = False                     # its claim was queued on the side channel
     granted: bool = False                   # the prefill granted its claim
     refused: bool = False                   # ... refused it: another decode instance reads (or released) it
-    key: tuple[str, int] = field(init=False)    # (request, part): how pending and waiting hold it
+    key: tuple[str, int]                    # (request, part): how pending and waiting hold it
 
-    def __post_init__(self):
-        self.key = self.load.req_id, self.part
+    def __init__(self, load: Load, t_start: float, remote: "_Remote | None" = None, handle: Any = None,
+                 t_post: float = 0.0, part: int = 0):
+        # (written out: a dataclass's __init__ and __post_init__ are two Python calls a load)
+        self.load, self.t_start, self.remote, self.handle, self.t_post, self.part = (load, t_start, remote, handle,
+                                                                                     t_post, part)
+        self.key = load.req_id, part
+        self.nbytes, self.error, self.pairs, self.together = 0, None, None, 1
+        self.device_ids = self.host_ids = self.late = self.forged = self.asked = self.granted = self.refused = False
 
 
 class DecodeLoads:
@@ -144,53 +151,67 @@ class DecodeLoads:
         post the read."""
         now = time.monotonic()
         ready = []
+        pending, parts, claims, remotes = self.pending, self._parts, self.claims, self.engines.remotes
+        one_rank = self.tp_size == 1 and self.tp_rank == 0
         for load in loads:
+            req = load.req_id
             # a request named again before its load was reported (replayed metadata): that load stands
-            if (load.req_id, 0) in self.pending or load.req_id in self._parts:
+            if (req, 0) in pending or req in parts:
                 log.error("gpuxfer: engine %s: request %s is named for a load while its load is not reported yet "
-                          "(metadata replayed?); the second is dropped", self.engine_id, load.req_id)
+                          "(metadata replayed?); the second is dropped", self.engine_id, req)
                 continue
             if load.remote.token is None:       # (a load not made by the scheduler side: a token of this worker)
                 load.remote = dataclasses.replace(load.remote, token=secrets.token_hex(8))
-            try:
-                keys = load.remote.endpoints_of(self.tp_rank, self.tp_size)
-            except BadTransferParams as exc:       # no prefill rank for this one: fails (and is logged) at the poll
-                st = _LoadState(load, now)
-                self.pending[st.key] = st
-                st.error = f"{type(exc).__name__}: {exc}"
-                self.ended.append(st)
-                continue
-            if len(keys) > 1:               # a prefill of more ranks: one read from each, reported together
-                self._parts[load.req_id] = [len(keys), False]
-            begun = self.engines.under_way(keys)    # (params made again, their ranks still under way: none more)
+            rp = load.remote
+            several, begun = False, 0
+            if one_rank and not rp.endpoints:   # (the usual: one prefill rank read by one decode rank)
+                keys = ((rp.host, rp.port, rp.engine_id),)
+            else:
+                try:
+                    keys = rp.endpoints_of(self.tp_rank, self.tp_size)
+                except BadTransferParams as exc:   # no prefill rank for this one: fails (and is logged) at the poll
+                    st = _LoadState(load, now)
+                    pending[st.key] = st
+                    st.error = f"{type(exc).__name__}: {exc}"
+                    self.ended.append(st)
+                    continue
+                if len(keys) > 1:           # a prefill of more ranks: one read from each, reported together
+                    parts[req] = [len(keys), False]
+                    several = True
+                    begun = self.engines.under_way(keys)    # (params made again, their ranks still under way)
             for part, key in enumerate(keys):
                 st = _LoadState(load, now, part=part)
-                self.pending[st.key] = st
-                claim = (key, load.remote.request_id)
-                if claim in self.claims:
-                    st.error = (f"request {load.remote.request_id!r} of prefill engine {key[2]} is loaded by another "
+                pending[st.key] = st
+                claim = (key, rp.request_id)
+                if claim in claims:
+                    st.error = (f"request {rp.request_id!r} of prefill engine {key[2]} is loaded by another "
                                 "request of this instance already (its blocks are freed once that load ends)")
-                elif self.engines.begins(key) and (begun := begun + 1) > MAX_HANDSHAKES_A_LOAD:
+                # (one key: it begins at most one handshake, never past MAX_HANDSHAKES_A_LOAD)
+                elif several and self.engines.begins(key) and (begun := begun + 1) > MAX_HANDSHAKES_A_LOAD:
                     st.error = (f"the params name more than {MAX_HANDSHAKES_A_LOAD} prefill ranks of engine {key[2]} "
                                 "not handshaken with yet; a later load handshakes with the rest")
                 if st.error:                    # (no connection, record or claim)
                     self.ended.append(st)
                     continue
                 self.waiting[st.key] = st
-                st.remote = r = self.engines.get(key)
-                self.claims[claim] = (r, load.remote.lease_deadline)
+                r = remotes[key] if key in remotes else None
+                if r is None or r.state != "ready" or r.client is None or not r.client.alive:
+                    r = self.engines.get(key)   # (a ready engine alive is the one get gives: no handshake begins)
+                st.remote = r
+                claims[claim] = (r, rp.lease_deadline)
                 r.loads += 1
                 if r.state == "pending":
                     self.engines.advance(r)
                 if r.state == "ready":
                     ready.append(st)
-        self._post(ready, blocking=False)
+        if ready:
+            self._post(ready, blocking=False)
 
     def _post(self, sts: list[_LoadState], blocking: bool) -> None:
         """Pair each request's blocks and post the reads together (:meth:`KVAgent.post_many`: one upload and one
         launch per prefill engine); left waiting for a later step when the agent is busy (a handshake). The
         reads of an engine that takes device IDs become one request whose IDs go to the device in one copy
-        (:meth:`_prepare_on_device`; with ``device_ids`` "auto", where the step has
+        (:func:`.staging.prepare_on_device`; with ``device_ids`` "auto", where the step has
         :data:`AUTO_DEVICE_IDS_FROM` or more of them); the others are prepared one by one with host IDs. A
         request whose blocks do not pair fails alone. A posted read goes in flight; one with nothing to move or
         that failed ends (reported at the next poll)."""
@@ -199,15 +220,23 @@ class DecodeLoads:
         try:
             t0 = time.perf_counter()
             xs, owners, on_device, unsealed = [], [], {}, {}
+            prepare = self.agent.prepare
             for st in sts:
                 try:
-                    st.pairs = self._pair(st)
-                    if st.pairs is None:
+                    st.pairs = pairs = pair_load(self, st)
+                    if pairs is None:
                         st.handle = _Done()
                     elif st.remote.device_ids and not st.host_ids:
-                        on_device.setdefault(id(st.remote), []).append(st)
-                    else:
-                        self._prepare_each_host((st,), xs, owners)
+                        c = st.remote.client            # (one an engine: pair_load found it alive)
+                        if c in on_device:
+                            on_device[c].append(st)
+                        else:
+                            on_device[c] = [st]
+                    else:                   # (_prepare_each_host's work, inline: a call less a load)
+                        st.device_ids = False
+                        xs.append(prepare(st.remote.peer, "pull", local_blocks=pairs[0], remote_blocks=pairs[1],
+                                          name=st.load.req_id, device_ids=False))
+                        owners.append((st,))
                 except BadSeal as exc:
                     # no release with their key (that could end the hold of the params they were altered from), and
                     # no claim: a load of the real params may follow
@@ -216,14 +245,15 @@ class DecodeLoads:
                     unsealed[id(st.remote)] = st.remote
                 except (GpuxferError, KeyError, IndexError, ValueError) as exc:
                     st.error = f"{type(exc).__name__}: {exc}"
-            for r in unsealed.values():
-                _probe(r)
+            if unsealed:
+                for r in unsealed.values():
+                    probe(r)
             if on_device and self.settings.device_ids == "auto":
                 for key, batch in list(on_device.items()):
                     if len(batch) < AUTO_DEVICE_IDS_FROM:
                         del on_device[key]
-                        self._prepare_each_host(batch, xs, owners)
-            entry = self._prepare_on_device(list(on_device.values()), xs, owners) if on_device else None
+                        prepare_each_host(self, batch, xs, owners)
+            entry = prepare_on_device(self, list(on_device.values()), xs, owners) if on_device else None
             handles = []
             try:
                 handles = self.agent.post_many(xs) if xs else []
@@ -237,7 +267,10 @@ class DecodeLoads:
                             st.error = f"{type(exc).__name__}: {exc}"
             finally:
                 if entry is not None:       # the staged IDs are read until the step's last post completed
-                    last = next((h for h in reversed(handles) if h is not None), None)
+                    last = None
+                    for last in reversed(handles):
+                        if last is not None:
+                            break
                     if last is not None:
                         entry.fence = last.event
                     else:
@@ -250,81 +283,38 @@ class DecodeLoads:
                         st.handle = h
                         st.remote.inflight += 1
                         (inflight if st.remote.ordered else unordered).append(st)
-            share = (t1 - t0) / len(sts)            # the step's host time, per request it started
-            post_s = self.stats["post_host_s"]
-            waiting = self.waiting
-            claims: dict[int, tuple] = {}           # per prefill engine: its client, the requests, keys and tokens
+            n = len(sts)
+            share = (t1 - t0) / n               # the step's host time, per request it started
+            waiting, ended, shares = self.waiting, self.ended, 0
+            claims: dict[Any, list] = {}        # per prefill engine (by its client): the params it is asked for
             for st in sts:
-                if waiting.get(st.key) is st:
-                    del waiting[st.key]
+                key = st.key
+                if key in waiting and waiting[key] is st:
+                    del waiting[key]
                 if st.handle is not None:
-                    post_s.append(share)
+                    shares += 1
                     st.t_post = t1
-                    if not st.asked and st.error is None and st.remote.client is not None:
+                    client = st.remote.client
+                    if not st.asked and st.error is None and client is not None:
                         st.asked = True
-                        _, reqs, keys, tokens = claims.setdefault(id(st.remote), (st.remote.client, [], [], []))
                         rp = st.load.remote
-                        reqs.append(rp.request_id)
-                        keys.append(rp.key)
-                        tokens.append(rp.token)
+                        if n == 1:          # (one load: its claim goes as it is, nothing gathered)
+                            client.claim([rp.request_id], [rp.key], [rp.token])
+                        elif client in claims:
+                            claims[client].append(rp)
+                        else:
+                            claims[client] = [rp]
                     if st.error is None and type(st.handle) is _Done:
-                        self.ended.append(st)
+                        ended.append(st)
                 if st.error is not None:
-                    self.ended.append(st)
-            for client, reqs, keys, tokens in claims.values():    # one message per engine (its sender thread's)
-                client.claim(reqs, keys, tokens)
+                    ended.append(st)
+            if shares:
+                self.stats["post_host_s"].extend([share] * shares)
+            if claims:
+                for client, rps in claims.items():      # one message per engine (its sender thread's)
+                    client.claim([rp.request_id for rp in rps], [rp.key for rp in rps], [rp.token for rp in rps])
         finally:
             self._lock.release()
-
-    def _pair(self, st: _LoadState) -> tuple[dict, dict] | None:
-        """The request's kernel block IDs paired per group: ``(local, remote)`` by group name, or None when
-        nothing is to be moved."""
-        load, r = st.load, st.remote
-        rp = load.remote
-        if r.client is None or not r.client.alive:
-            raise BadTransferParams(f"prefill engine {r.key[2]} is gone: {r.client and r.client.closed_reason}")
-        if load.sealed is None or load.sealed != r.seal_key:       # nothing of the params is acted on before
-            check_seal(rp, r.seal_key)
-            load.sealed = r.seal_key
-        if not lease.now() < r.clock.deadline(rp.lease_deadline):      # (a NaN deadline has run out)
-            raise BadTransferParams("the prefill instance's lease on the blocks ran out before the read started")
-        # the peer must be the prefill rank the params name for this read, of the size they name: a part's view of
-        # this worker's heads comes from the peer's own rank and size, so another rank (one rank under two
-        # addresses) or a prefill of more ranks than the params list would leave heads written by no read
-        # (with the sizes equal, r.sources are the ranks the load's parts were made from: st.part indexes them)
-        if r.world != rp.tp_size or r.rank != r.sources[st.part]:
-            want = source_ranks(self.tp_rank, self.tp_size, rp.tp_size)[st.part]
-            raise BadTransferParams(f"prefill engine {r.key[2]} at {r.key[0]}:{r.key[1]} is rank {r.rank} of "
-                                    f"{r.world}; the params name rank {want} of {rp.tp_size} there")
-        local, remote, nbytes = {}, {}, 0
-        for g, name, ls, lk, rs, rk, per_block, share in r.reads:
-            if rp.block_sizes[g] != rs:
-                raise BadTransferParams(f"group {g}: the params say {rp.block_sizes[g]}-token blocks, "
-                                        f"the engine's handshake {rs}")
-            li, ri = pair_group(load.local_ids[g], rp.block_ids[g], ls, rs, load.start, load.end, lk, rk)
-            if li.size:
-                local[name], remote[name] = li, ri
-                nbytes += int(li.size * per_block * share)
-        st.nbytes = nbytes
-        return (local, remote) if local else None
-
-    def _prepare_on_device(self, batches: list[list[_LoadState]], xs: list, owners: list):
-        """:func:`.staging.prepare_on_device` of this worker's agent and staging."""
-        return prepare_on_device(self, batches, xs, owners)
-
-    def _prepare_each_host(self, batch: list[_LoadState], xs: list, owners: list) -> None:
-        """Each load's read with its IDs on the host (checked there by :meth:`KVAgent.prepare`), a load the agent
-        refuses failing alone."""
-        prepare = self.agent.prepare
-        for st in batch:
-            try:
-                local, remote = st.pairs
-                st.device_ids = False
-                xs.append(prepare(st.remote.peer, "pull", local_blocks=local, remote_blocks=remote,
-                                  name=st.load.req_id, device_ids=False))
-                owners.append((st,))
-            except GpuxferError as exc:
-                st.error = f"{type(exc).__name__}: {exc}"
 
     def finished(self, now: float) -> tuple[set[str], set[str]]:
         """Loads done and failed since the last poll. Reads complete in the order they were posted (all on the
@@ -333,8 +323,9 @@ class DecodeLoads:
         host IDs, so only the load at fault fails. Loads still waiting (handshakes under way, those reposts) are
         looked at each poll."""
         done, failed = set(), set()
-        read: dict[int, tuple] = {}             # per prefill engine: its client, the requests read and their keys
-        self._read_now.clear()
+        read: dict = {}                         # per prefill engine (its client): the params of the loads read
+        if self._read_now:
+            self._read_now.clear()
         inflight = self.inflight
         done_h = ()             # the handle last found done: the loads of one read share it, asked once a poll
         while inflight:
@@ -387,9 +378,20 @@ class DecodeLoads:
             unanswered, self.unanswered = self.unanswered, []
             for st in unanswered:
                 self._complete(st, done, failed, read)
-        for client, reqs, keys, tokens in read.values():        # one message per engine for the step's reads
-            client.notify("done", reqs, keys, tokens)
-        self._reap(now)
+        if read:
+            for client, rps in read.items():     # one message per engine for the step's reads
+                if len(rps) == 1:
+                    rp = rps[0]
+                    client.notify("done", [rp.request_id], [rp.key], [rp.token])
+                else:
+                    client.notify("done", [rp.request_id for rp in rps], [rp.key for rp in rps],
+                                  [rp.token for rp in rps])
+        if done:
+            # forget the claims past their lease, and the engines gone or failed (.PrefillEngines.reap): looked at
+            # in a poll that reported loads (an engine gone or failed meanwhile is only kept a little longer)
+            if len(self.claims) > self._prune_claims_at:
+                self._prune_claims()
+            self.engines.reap()
         return done, failed
 
     def _finish_unordered(self, done: set, failed: set, read: dict) -> None:
@@ -421,14 +423,22 @@ class DecodeLoads:
         prefill ranks once all its reads ended, failed where one did (its blocks are then written by nothing)."""
         load, r, key = st.load, st.remote, st.key
         req, rp = load.req_id, load.remote
-        if st.error is None and not st.granted and r is not None and not self._answered(st):
-            self.unanswered.append(st)          # asked again at the next poll
-            return
-        if st.error is None and not lease.now() < (r.clock if r is not None else lease.SAME_HOST).deadline(
-                rp.lease_deadline):
-            st.error = "the read completed after the prefill instance's lease ran out"
-        if self.pending.get(key) is st:
-            del self.pending[key]
+        if st.error is None and not st.granted and r is not None:
+            client = r.client
+            got = None if client is None else client.answers.pop((rp.request_id, rp.token), None)
+            if got is True:                     # (the usual: _answered's first look, inline)
+                st.granted = True
+            elif not self._answered(st, got):
+                self.unanswered.append(st)      # asked again at the next poll
+                return
+        if st.error is None:
+            clock = lease.SAME_HOST if r is None else r.clock
+            deadline = rp.lease_deadline if clock.same else clock.deadline(rp.lease_deadline)
+            if not clock_gettime(lease.RAW) + lease.SHIFT < deadline:       # (lease.now())
+                st.error = "the read completed after the prefill instance's lease ran out"
+        pending = self.pending
+        if key in pending and pending[key] is st:
+            del pending[key]
         if r is not None:
             r.loads -= 1
         if st.error is not None:
@@ -440,13 +450,14 @@ class DecodeLoads:
             if type(st.handle) is not _Done:
                 stats["device_id_loads" if st.device_ids else "host_id_loads"] += 1
             stats["xfer_s"].append(time.perf_counter() - st.t_post)
-            if r.client is not None:
-                _, reqs, keys, tokens = read.setdefault(id(r), (r.client, [], [], []))
-                reqs.append(rp.request_id)
-                keys.append(rp.key)
-                tokens.append(rp.token)
+            client = r.client
+            if client is not None:
+                if client in read:
+                    read[client].append(rp)
+                else:
+                    read[client] = [rp]
         bad = st.error is not None
-        parts = self._parts.get(req)
+        parts = self._parts.get(req) if self._parts else None
         if parts is not None:
             parts[0] -= 1
             parts[1] = bad = parts[1] or bad
@@ -460,16 +471,17 @@ class DecodeLoads:
                 ids = load.local_ids[0][load.start // self.group_specs[0][1]:]
                 self.load_errors.update(ids[ids != 0].tolist())
 
-    def _answered(self, st: _LoadState) -> bool:
+    def _answered(self, st: _LoadState, got: bool | None = None) -> bool:
         """Whether the claim of a load whose read ended well is decided: granted (``st.granted``), or the load failed
         (``st.error``): its claim refused, the connection gone, or no answer within the handshake timeout of the
-        post. False: not yet."""
+        post. False: not yet. ``got``: the answer taken from the client's already, if any."""
         client, rp = st.remote.client, st.load.remote
         if client is None:
             st.error = "no side channel to claim the request on"
             return True
         claim = (rp.request_id, rp.token)
-        got = client.answers.pop(claim, None)
+        if got is None:
+            got = client.answers.pop(claim, None)
         if got is None and id(client) not in self._read_now:       # (one read of a client's answers a poll)
             self._read_now.add(id(client))
             client.read_answers()
@@ -533,38 +545,9 @@ class DecodeLoads:
         self.claims = kept
         self._prune_claims_at = max(1024, 2 * len(kept))
 
-    def _reap(self, now: float) -> None:
-        """Forget the claims past their lease, and the engines gone or failed (:meth:`.PrefillEngines.reap`)."""
-        if len(self.claims) > self._prune_claims_at:
-            self._prune_claims()
-        self.engines.reap()
-
     def release(self, releases: Sequence[RemotePrefill]) -> None:
-        """Tell prefill engines (the ranks of each this worker reads, those known) this instance will not read these
-        requests (best effort): those of params that carry their engine's seal and that no load of this worker
-        claims (that load ends the hold itself). A release claims its request, so a later load of the same params
-        fails rather than read blocks the release let the prefill free."""
-        unsealed = {}
-        for rp in releases:
-            try:
-                keys = rp.endpoints_of(self.tp_rank, self.tp_size)
-            except BadTransferParams:
-                continue
-            for key in keys:
-                r, claim = self.remotes.get(key), (key, rp.request_id)
-                if r is None or r.state != "ready" or r.client is None or claim in self.claims:
-                    continue
-                try:
-                    check_seal(rp, r.seal_key)
-                except BadSeal as exc:
-                    log.warning("gpuxfer: engine %s: not releasing request %s of engine %s: %s", self.engine_id,
-                                rp.request_id, rp.engine_id, exc)
-                    unsealed[id(r)] = r
-                    continue
-                self.claims[claim] = (r, rp.lease_deadline)
-                r.client.notify("release", [rp.request_id], [rp.key], [rp.token])
-        for r in unsealed.values():
-            _probe(r)
+        """Tell prefill engines this instance will not read these requests (:meth:`.PrefillEngines.release`)."""
+        self.engines.release(releases, self.claims)
 
     # ------------------------------------------------------------------ both
 
@@ -580,16 +563,6 @@ class DecodeLoads:
     def close(self) -> None:
         """Close every engine's side channel (from any thread)."""
         self.engines.close()
-
-
-def _probe(r: _Remote) -> None:
-    """Params that do not carry engine ``r``'s seal: forged, or made by the engine after it restarted under the same
-    engine id and port while the connection to the old one went dead without a word (its host lost: only a send finds
-    it dead). An empty release (nothing for the prefill to do) goes on the connection, so a dead one fails, the
-    record is forgotten and the next load naming the engine handshakes again for its seal key. (At most one an engine
-    each time loads are posted or releases sent; each a few bytes.)"""
-    if r.client is not None:
-        r.client.notify("release", [])
 
 
 class _Done:

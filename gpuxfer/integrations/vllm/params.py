@@ -450,6 +450,17 @@ def _mac(key: bytes, msg: bytes) -> bytes:
     return outer.digest()
 
 
+def sealer(key: bytes):
+    """An HMAC-SHA256 object keyed with seal key ``key`` (OpenSSL's, made once an engine's handshake): a load's seal
+    is checked with three C calls of a copy of it (``copy``, ``update``, ``digest``) and ``hmac.compare_digest``;
+    None where this Python's ``_hashlib`` has none (:func:`check_seal` checks then)."""
+    try:
+        import _hashlib
+        return _hashlib.hmac_new(bytes(key), digestmod="sha256")
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return None
+
+
 def check_seal(rp: RemotePrefill, key: bytes | None) -> None:
     """:class:`BadSeal` unless ``rp`` carries the seal the prefill engine whose seal key is ``key`` (from
     its handshake) made for them: params altered or forged after the prefill made them."""

@@ -62,6 +62,7 @@ class WorkerSide:
         self.info: dict | None = None
         self._lock = threading.Lock()                 # the agent: posts and add_peer against close
         self.stats = _new_stats()                     # (one dict, counted into by both roles, reset in place)
+        self.secret: bytes | None = None              # the last keyed_by's (the connector calls it when it changes)
         self.prefill = PrefillHolds(engine_id=engine_id, lease_s=settings.lease_s, stats=self.stats)
         self.decode = DecodeLoads(engine_id=engine_id, group_specs=self.group_specs, settings=settings,
                                   lock=self._lock, stats=self.stats, tp=tp)
@@ -159,6 +160,7 @@ class WorkerSide:
         """Prefill: the secret this engine's hold keys are made with (:func:`~.holds.make_key`). The handshake's
         description carries the seal key derived from it from then on: a request's params exist only once its steps
         ran here, each of which brought the secret, so a decode worker handshaking for them finds the key."""
+        self.secret = secret
         if secret != self.prefill.secret:
             self.prefill.secret = secret
             if self.info is not None:
@@ -185,12 +187,17 @@ class WorkerSide:
     def poll(self) -> tuple[set[str], set[str], set[str]]:
         """``(finished sending, finished receiving, failed receiving)`` now."""
         now = time.monotonic()
+        prefill, decode = self.prefill, self.decode
         if self.server is not None:
-            self.prefill.drain(self.server, now)
-        sending = self.prefill.finished(lease.now())
-        decode = self.decode
+            prefill.drain(self.server, now)
+        # (nothing let go of and nothing held to expire: nothing PrefillHolds.finished could find)
+        sending = prefill.finished(lease.now()) if prefill._let_go or prefill._expiry else set()
         recving, failed = decode.finished(now) if decode.pending else (set(), set())
-        decode.flush_late(now)
+        for r in decode.engines.remotes.values():         # (DecodeLoads.flush_late, inline)
+            c = r.client
+            # (a client with nothing queued and no claim since its last flush has nothing to do: not called)
+            if c is not None and (c._pending or c._claimed):
+                c.flush_late(now)
         return sending, recving, failed
 
     def take_load_errors(self) -> set[int]:
