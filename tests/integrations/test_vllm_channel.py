@@ -410,7 +410,7 @@ def test_a_claim_is_sent_by_the_engine_threads_next_poll():
             assert all(conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for conn in srv._conns.values())
         assert c.claim(["r"], ["k"], ["t"])
         c.flush_late(time.monotonic())          # at once: no LATE_S wait
-        assert not c._pending
+        assert not c.outbox
         c.close()
     finally:
         srv.close()

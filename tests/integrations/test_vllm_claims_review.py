@@ -29,7 +29,7 @@ def test_claims_a_prefill_leaves_unanswered_are_bounded(monkeypatch):
     try:
         for i in range(4):
             assert c.claim([f"r{i}"], ["k"], ["t"])
-        assert _until(lambda: len(c._asked) == 4 and not c._pending)
+        assert _until(lambda: len(c._asked) == 4 and not c.outbox)
         assert c.alive
         c.claim(["r4"], ["k"], ["t"])
         assert _until(lambda: not c.alive)

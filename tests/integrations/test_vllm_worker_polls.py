@@ -52,7 +52,7 @@ class _Granted(dict):
 
 class _Client:
     alive, closed_reason = True, None
-    _pending, _claimed = (), False          # (a real client's queue: nothing to flush)
+    outbox, claimed = (), False          # (a real client's queue: nothing to flush)
 
     def __init__(self):
         self.sent = []

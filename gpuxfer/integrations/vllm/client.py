@@ -79,7 +79,7 @@ class SideChannelClient:
         #: :meth:`close` was called (an attribute: the engine thread reads it in every load's step)
         self.alive = True
         self.closed_reason: str | None = None
-        self._pending: "collections.deque[tuple[float, str, list, list | None, list | None]]" = collections.deque()
+        self.outbox: "collections.deque[tuple[float, str, list, list | None, list | None]]" = collections.deque()
         # (when queued, op, request ids, their hold keys, their claim tokens)
         # claim messages sent and not answered: id -> their (request, token) pairs
         self._asked: dict[int, list[tuple[str, str | None]]] = {}
@@ -96,7 +96,7 @@ class SideChannelClient:
         self._head: bytearray | None = None     # the oldest message's unsent rest (under the send lock)
         self._head_deadline = 0.0
         self._abandoned = False
-        self._claimed = False                   # a claim was queued since the engine thread's last flush_late
+        self.claimed = False                   # a claim was queued since the engine thread's last flush_late
         #: decode ranks that read shares of this prefill rank's heads (each done or release says so); set at
         #: the handshake, before any message
         self.readers = 1
@@ -229,10 +229,10 @@ class SideChannelClient:
         elif self._closed:
             return False
         else:                                   # (one message: notify's own, without its loop)
-            self._pending.append((time.monotonic(), "claim", list(request_ids), None if keys is None else list(keys),
+            self.outbox.append((time.monotonic(), "claim", list(request_ids), None if keys is None else list(keys),
                                   None if tokens is None else list(tokens)))
             self._wake.put(True)
-        self._claimed = True
+        self.claimed = True
         return True
 
     def notify(self, op: str, request_ids: list[str], keys: list[str | None] | None = None,
@@ -246,11 +246,11 @@ class SideChannelClient:
             return False
         t, n = time.monotonic(), MAX_IDS_PER_MESSAGE
         if len(request_ids) <= n:               # (the usual: one message)
-            self._pending.append((t, op, list(request_ids), None if keys is None else list(keys),
+            self.outbox.append((t, op, list(request_ids), None if keys is None else list(keys),
                                   None if tokens is None else list(tokens)))
         else:
             for i in range(0, len(request_ids), n):
-                self._pending.append((t, op, list(request_ids[i:i + n]), None if keys is None else list(keys[i:i + n]),
+                self.outbox.append((t, op, list(request_ids[i:i + n]), None if keys is None else list(keys[i:i + n]),
                                       None if tokens is None else list(tokens[i:i + n])))
         self._wake.put(True)
         return True
@@ -259,8 +259,8 @@ class SideChannelClient:
         """Send, on the calling (engine) thread, the queued messages when one is a claim (a load's finish waits for
         its answer) or the oldest has waited ``LATE_S``: a sender thread waits for the GIL while the engine thread
         polls in a loop of short system calls, and holds them no longer than that."""
-        pending = self._pending
-        claimed, self._claimed = self._claimed, False   # (a sender thread holding the lock sends all that is queued)
+        pending = self.outbox
+        claimed, self.claimed = self.claimed, False   # (a sender thread holding the lock sends all that is queued)
         if not pending:                         # nothing queued: the usual poll
             return
         try:
@@ -285,7 +285,7 @@ class SideChannelClient:
         """Each queued message whole, oldest first (the caller holds the send lock); a message not taken within
         ``timeout_s`` or a failed send ends the connection. A message partly sent stays in ``_head`` (never
         sent again from its start); ``block=False`` (the engine thread) returns when the socket is full."""
-        pending = self._pending
+        pending = self.outbox
         try:
             while pending and not self._broken:
                 if self._head is None:

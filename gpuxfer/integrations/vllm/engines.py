@@ -332,7 +332,7 @@ class PrefillEngines:
         for r in self.remotes.values():
             c = r.client
             # (a client with nothing queued and no claim since its last flush has nothing to do: not called)
-            if c is not None and (c._pending or c._claimed):
+            if c is not None and (c.outbox or c.claimed):
                 c.flush_late(now)
 
     def close(self) -> None:

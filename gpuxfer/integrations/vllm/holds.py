@@ -154,12 +154,12 @@ class PrefillHolds:
         self.engine_id, self.lease_s, self.stats = engine_id, lease_s, stats
         self.held: dict[str, float] = {}
         self.keys: dict[str, str | None] = {}
-        self._expiry: list[tuple[float, str]] = []
+        self.expiry: list[tuple[float, str]] = []
         self.early: dict[str, list[list]] = {}
         self.heard: dict[str, tuple[int, int]] = {}
         self._prune_at = 1024                       # the size of ``early`` that prunes it
         self._prune_owners_at = 4096                # the size of the claim book's owners that prunes them
-        self._let_go: list[str] = []
+        self.let_go: list[str] = []
         self.claims = ClaimBook(lease_s)
 
     @property
@@ -176,7 +176,7 @@ class PrefillHolds:
         for req, (deadline, key) in holds.items():
             self.held[req] = deadline
             self.keys[req] = key
-            heapq.heappush(self._expiry, (deadline, req))
+            heapq.heappush(self.expiry, (deadline, req))
             for _, of, got, n, op, token in self.early.pop(req, ()):       # words that came before the hold
                 for _ in range(n):
                     self._heard(op, req, of, got, token)
@@ -205,7 +205,7 @@ class PrefillHolds:
                 self.heard[req] = (n, most)
                 return
             del self.heard[req]
-        self._let_go.append(req)
+        self.let_go.append(req)
 
     def drain(self, server, now: float) -> None:
         """What the decode instances said on the side channel (``server``): requests read or released. While
@@ -251,15 +251,15 @@ class PrefillHolds:
         """Held requests the decode side let go of, then those whose lease ran out: O(1) when neither (the
         expiries are a heap by deadline; an entry of a request no longer held, or held again, is skipped)."""
         done = set()
-        if self._let_go:
-            for req in self._let_go:
+        if self.let_go:
+            for req in self.let_go:
                 if self.held.pop(req, None) is not None:
                     self.keys.pop(req, None)
                     self.heard.pop(req, None)
                     done.add(req)
                     self.stats["sends_done"] += 1
-            self._let_go = []
-        heap = self._expiry
+            self.let_go = []
+        heap = self.expiry
         while heap and heap[0][0] <= now:
             deadline, req = heapq.heappop(heap)
             if self.held.get(req) != deadline:

@@ -191,12 +191,12 @@ class WorkerSide:
         if self.server is not None:
             prefill.drain(self.server, now)
         # (nothing let go of and nothing held to expire: nothing PrefillHolds.finished could find)
-        sending = prefill.finished(lease.now()) if prefill._let_go or prefill._expiry else set()
+        sending = prefill.finished(lease.now()) if prefill.let_go or prefill.expiry else set()
         recving, failed = decode.finished(now) if decode.pending else (set(), set())
         for r in decode.engines.remotes.values():         # (DecodeLoads.flush_late, inline)
             c = r.client
             # (a client with nothing queued and no claim since its last flush has nothing to do: not called)
-            if c is not None and (c._pending or c._claimed):
+            if c is not None and (c.outbox or c.claimed):
                 c.flush_late(now)
         return sending, recving, failed
 
