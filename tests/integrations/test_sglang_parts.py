@@ -386,3 +386,42 @@ def test_a_landing_value_must_pass_every_value_named_on_its_slot():
     rooms.check((1, 3)), rooms.check((0, 1))        # the next value; another slot counts its own
     rooms.check((5, 1))                             # a slot never handed out: expect ignores it
     assert not rooms.expect(8, (5, 1))
+
+
+def test_a_success_messages_word_check_reads_the_word_itself_while_a_poll_reads_it():
+    """A prefill's Success message checks the room's word on the control thread (:meth:`Landings.reached_now`: the
+    device word, where the host copy stopped moving). A poll of the scheduler's thread that reads the word at that
+    moment, its read not back yet, must not leave the check with the value from before the read: the room would fail
+    with its KV landed."""
+    import threading
+    inside, release, polls = threading.Event(), threading.Event(), []
+    checking = [False]
+
+    def read(slot):             # the device word: the push of value 2 landed
+        if threading.current_thread() is not threading.main_thread():
+            inside.set()        # (the poll's read, under way until the check is done)
+            release.wait(10)
+        return 2
+
+    def host_read(slot):        # the copy moved once (1), then its prefill stopped writing it
+        if checking[0] and not polls and threading.current_thread() is threading.main_thread():
+            t = threading.Thread(target=lands.word, args=(0,))     # the scheduler's poll, between the check's steps
+            polls.append(t)
+            t.start()
+            for _ in range(1000):               # (bounded: until the poll reads the word, or ends without a read)
+                if inside.is_set() or not t.is_alive():
+                    break
+                t.join(0.01)
+        return 1
+
+    lands = Landings(read, host_read)
+    lands.new_slot()
+    assert lands.word(0) == 1 and lands._copy_moved[0]
+    checking[0] = True
+    try:
+        assert lands.reached_now(0, 2)
+    finally:
+        release.set()
+        for t in polls:
+            t.join(10)
+    assert not any(t.is_alive() for t in polls)

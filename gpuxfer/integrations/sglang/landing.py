@@ -34,7 +34,6 @@ READ_EVERY_S = 20e-6            # a word is read from the device at most this of
 #: read every ``READ_EVERY_S`` (its prefill rank may not write the copy: another host's, an earlier gpuxfer, a
 #: mapping that failed)
 HOST_COPY_READ_EVERY_S: Optional[float] = None
-_FORCED = float("-inf")         # a slot's last device read, where the next :meth:`Landings.word` must read it
 
 
 def slot_frame(slot: Optional[int]) -> bytes:
@@ -144,11 +143,21 @@ class Landings:
         return self._handed_out(slot) and (self._seen[slot] >= value or self.word(slot) >= value)
 
     def reached_now(self, slot: int, value: int) -> bool:
-        """:meth:`reached`, the device word read now where no value seen holds ``value`` (no read spacing: a
-        status message's check, once per request)."""
-        if self._handed_out(slot) and self._seen[slot] < value:
-            self._read_at[slot] = _FORCED           # (the next :meth:`word` reads the device word)
-        return self.reached(slot, value)
+        """:meth:`reached`, the device word read now, by this call, where no value seen holds ``value`` (no read
+        spacing: a status message's check, once per request). The read is this thread's own: another thread's
+        :meth:`word` may be reading the word at this moment, its value not in yet."""
+        if self.reached(slot, value):
+            return True
+        if not self._handed_out(slot):
+            return False
+        self._read_at[slot] = time.monotonic()
+        try:
+            seen = self._read(slot)
+        except GpuxferError:
+            return False                # the agent failed: the request ends by its status (or its timeout)
+        if seen < RELEASE_VALUE:        # (released by a failure, not bumped by pushes)
+            self._seen[slot] = max(self._seen[slot], seen)
+        return value <= seen < RELEASE_VALUE or self._seen[slot] >= value     # (its own read, whatever another wrote)
 
     def word(self, slot: int) -> int:
         """The highest value seen on word ``slot`` (0: not handed out by this rank): its host copy read at every
@@ -168,9 +177,7 @@ class Landings:
                     self._seen[slot] = seen
         every = self._read_every if self._copy_moved[slot] else READ_EVERY_S
         if every is None:
-            if self._read_at[slot] != _FORCED:
-                return self._seen[slot]
-            every = 0.0
+            return self._seen[slot]
         now = time.monotonic()
         if now - self._read_at[slot] >= every:
             self._read_at[slot] = now
