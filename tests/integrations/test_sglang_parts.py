@@ -395,13 +395,13 @@ def test_a_success_messages_word_check_reads_the_word_itself_while_a_poll_reads_
     with its KV landed."""
     import threading
     inside, release, polls = threading.Event(), threading.Event(), []
-    checking = [False]
+    checking, device = [False], [1]
 
-    def read(slot):             # the device word: the push of value 2 landed
+    def read(slot):             # the device word: 1, then the push of value 2 landed
         if threading.current_thread() is not threading.main_thread():
             inside.set()        # (the poll's read, under way until the check is done)
             release.wait(10)
-        return 2
+        return device[0]
 
     def host_read(slot):        # the copy moved once (1), then its prefill stopped writing it
         if checking[0] and not polls and threading.current_thread() is threading.main_thread():
@@ -417,7 +417,7 @@ def test_a_success_messages_word_check_reads_the_word_itself_while_a_poll_reads_
     lands = Landings(read, host_read)
     lands.new_slot()
     assert lands.word(0) == 1 and lands._copy_moved[0]
-    checking[0] = True
+    device[0], checking[0] = 2, True
     try:
         assert lands.reached_now(0, 2)
     finally:
