@@ -88,7 +88,7 @@ class Poster:
         """The agent is open and usable and ``peer`` is still its own (and, in this process, open): else a typed
         error. Queuing work on the peer's memory calls it under the post lock."""
         agent = self.agent
-        if (type(peer) is KVPeer and peer.agent is agent and not peer._closed and not agent._closed
+        if (type(peer) is KVPeer and peer.agent is agent and not peer._closed and not agent.closed
                 and agent.failed is None and self.registry.peers.get(peer.name) is peer
                 and (peer._local is None or not peer._local.closed)):
             return          # the per-post case
