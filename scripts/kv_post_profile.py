@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import collections
+import contextlib
 import io
 import json
 import pstats
@@ -108,15 +109,19 @@ def stub_platform():
     return StubPlatform()
 
 
-def run(workload: str, isl: int, page: int, op: str, iters: int, profile: bool, ids: str = "host",
-        flush_mb: int = 0, batch: int = 0) -> dict:
+@contextlib.contextmanager
+def _pair(workload: str, isl: int, page: int, op: str, ids: str, n: int, int64: bool = False):
+    """``(platform, initiator, peer, sides)``: two triton agents on the stub platform with ``workload``'s caches
+    registered, the initiator (``op``'s decode for a pull) paired with the other, and ``n`` requests' ``(local
+    blocks, remote blocks)`` of distinct blocks -- tensors for ``ids`` "device", else the tables as built (int64
+    arrays where ``int64``); everything closed on exit."""
     from gpuxfer.kv.agent import KVAgent
     from gpuxfer.bench.kv.model.blocktable import burst_tables
     from gpuxfer.bench.kv.model.layout import layout_for_burst, layout_groups
 
     plat = stub_platform()
-    layout = layout_for_burst(workload, isl, page, max(batch, 1))     # (--batch: N requests' distinct blocks)
-    bufs = [plat.alloc(layout.pool_bytes, d) for d in (0, 0)]
+    layout = layout_for_burst(workload, isl, page, n)
+    bufs = [plat.alloc(layout.pool_bytes, 0) for _ in (0, 1)]
     agents = []
     try:
         for i, buf in enumerate(bufs):
@@ -124,22 +129,32 @@ def run(workload: str, isl: int, page: int, op: str, iters: int, profile: bool, 
             agents.append(ag)
             for name, bt, layers in layout_groups(layout, plat.as_tensor(buf)):
                 ag.register_group(name, bt, layers)
-        srcs = burst_tables(layout, isl, max(batch, 1), seed=3, side="src")
-        dsts = burst_tables(layout, isl, max(batch, 1), seed=3, side="dst")
-        src, dst = srcs[0], dsts[0]
         initiator, other = (agents[1], agents[0]) if op == "pull" else (agents[0], agents[1])
         peer = initiator.add_peer(other.metadata())
-        on_device = ids == "device"
-        if on_device:
-            import torch
-        sides = []                      # per request: (local blocks, remote blocks)
-        for src, dst in zip(srcs, dsts):
+        sides = []
+        for src, dst in zip(burst_tables(layout, isl, n, seed=3, side="src"),
+                            burst_tables(layout, isl, n, seed=3, side="dst")):
             mine, theirs = (dst, src) if op == "pull" else (src, dst)
-            if on_device:
+            if ids == "device":
+                import torch
                 mine, theirs = ({g: torch.as_tensor(np.asarray(v), dtype=torch.int32) for g, v in t.items()}
                                 for t in (mine, theirs))
+            elif int64:
+                mine, theirs = ({g: np.asarray(v, dtype=np.int64) for g, v in t.items()} for t in (mine, theirs))
             sides.append((mine, theirs))
+        yield plat, initiator, peer, sides
+    finally:
+        for ag in reversed(agents):
+            ag.close()
+        for b in bufs:
+            b.close()
+        plat.close()
 
+
+def run(workload: str, isl: int, page: int, op: str, iters: int, profile: bool, ids: str = "host",
+        flush_mb: int = 0, batch: int = 0) -> dict:
+    on_device = ids == "device"
+    with _pair(workload, isl, page, op, ids, max(batch, 1)) as (plat, initiator, peer, sides):
         def prepare(r: int = 0):
             mine, theirs = sides[r]
             return initiator.prepare(peer, op, local_blocks=mine, remote_blocks=theirs, name=f"probe{r}",
@@ -236,12 +251,6 @@ def run(workload: str, isl: int, page: int, op: str, iters: int, profile: bool, 
             rows["prepare"]["profile"] = out.getvalue()
         return {"workload": workload, "isl_tokens": isl, "page_tokens": page, "op": op, "ids": ids,
                 "flush_mb": flush_mb, "batch": batch, "rows": rows}
-    finally:
-        for ag in reversed(agents):
-            ag.close()
-        for b in bufs:
-            b.close()
-        plat.close()
 
 
 def _is_driver(code, _stub=[]) -> bool:
@@ -300,35 +309,8 @@ def count_calls(workload: str, isl: int, page: int, op: str = "pull", ids: str =
     before each counted call the landed words of the route's slots are written as a completed folded graph
     writes them: posts take the folded path, as on a GPU. ``per_extra_request``: the difference between the two
     ``post_many`` counts per request. ``names``: each row's calls by name too."""
-    from gpuxfer.kv.agent import KVAgent
-    from gpuxfer.bench.kv.model.blocktable import burst_tables
-    from gpuxfer.bench.kv.model.layout import layout_for_burst, layout_groups
-
-    plat = stub_platform()
-    layout = layout_for_burst(workload, isl, page, batch)
-    bufs = [plat.alloc(layout.pool_bytes, 0) for _ in (0, 1)]
-    agents = []
-    try:
-        for i, buf in enumerate(bufs):
-            ag = KVAgent(f"count-{i}", platform=plat, device=0, engine="triton", timeout_s=60)
-            agents.append(ag)
-            for name, bt, layers in layout_groups(layout, plat.as_tensor(buf)):
-                ag.register_group(name, bt, layers)
-        initiator, other = (agents[1], agents[0]) if op == "pull" else (agents[0], agents[1])
-        peer = initiator.add_peer(other.metadata())
-        on_device = ids == "device"
-        sides = []
-        for src, dst in zip(burst_tables(layout, isl, batch, seed=3, side="src"),
-                            burst_tables(layout, isl, batch, seed=3, side="dst")):
-            mine, theirs = (dst, src) if op == "pull" else (src, dst)
-            if on_device:
-                import torch
-                mine, theirs = ({g: torch.as_tensor(np.asarray(v), dtype=torch.int32) for g, v in t.items()}
-                                for t in (mine, theirs))
-            else:
-                mine, theirs = ({g: np.asarray(v, dtype=np.int64) for g, v in t.items()} for t in (mine, theirs))
-            sides.append((mine, theirs))
-
+    on_device = ids == "device"
+    with _pair(workload, isl, page, op, ids, batch, int64=True) as (plat, initiator, peer, sides):
         def prepare(r: int = 0):
             mine, theirs = sides[r]
             return initiator.prepare(peer, op, local_blocks=mine, remote_blocks=theirs, name=f"count{r}",
@@ -368,12 +350,6 @@ def count_calls(workload: str, isl: int, page: int, op: str = "pull", ids: str =
                 out[k]["names"] = {f"{kind} {name}": v for (kind, name), v in sorted(c.names.items())}
         return {"workload": workload, "isl_tokens": isl, "page_tokens": page, "op": op, "ids": ids,
                 "groups": len(sides[0][0]), "batch": batch, "calls": out}
-    finally:
-        for ag in reversed(agents):
-            ag.close()
-        for b in bufs:
-            b.close()
-        plat.close()
 
 
 def main(argv=None) -> int:

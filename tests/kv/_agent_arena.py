@@ -2,6 +2,7 @@
 agents, the token oracle and metadata blobs taken apart and put back together."""
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 
@@ -48,6 +49,29 @@ def same_bytes(a, b) -> bool:
 def connect(pre, dec):
     """Each agent adds the other as a peer: (decode's peer, prefill's peer)."""
     return dec.add_peer(pre.metadata()), pre.add_peer(dec.metadata())
+
+
+@contextlib.contextmanager
+def triton_pair(platform, blocks: int):
+    """A prefill and a decode ``triton`` agent (on two devices where there are two), each with two vLLM-shaped
+    layers of ``blocks`` 4-token blocks registered as group ``full``, paired: ``(decode, its peer, prefill's
+    layers, decode's layers, decode's arena)``; agents and arenas closed on exit."""
+    from gpuxfer.kv.agent import KVAgent
+    d1 = 1 if platform.device_count() > 1 else 0
+    a0, a1 = Arena(platform, 0, 1 << 20), Arena(platform, d1, 1 << 20)
+    pre = KVAgent("prefill", platform=platform, device=0, engine="triton", timeout_s=60)
+    dec = KVAgent("decode", platform=platform, device=d1, engine="triton", timeout_s=60)
+    try:
+        src, dst = vllm_layers(a0, 2, blocks, 4, seed=1), vllm_layers(a1, 2, blocks, 4, seed=2)
+        pre.register_group("full", 4, src)
+        dec.register_group("full", 4, dst)
+        peer, _ = connect(pre, dec)
+        yield dec, peer, src, dst, a1
+    finally:
+        dec.close()
+        pre.close()
+        a0.close()
+        a1.close()
 
 
 def held_pull(pre, dec, a0, a1):

@@ -10,28 +10,15 @@ import torch
 
 from gpuxfer.errors import BlockIdError
 
-from _agent_arena import Arena, connect, same_bytes, vllm_layers
+from _agent_arena import same_bytes, triton_pair
 
 
 @pytest.fixture
 def fpair(platform):
-    d1 = 1 if platform.device_count() > 1 else 0
-    a0, a1 = Arena(platform, 0, 1 << 20), Arena(platform, d1, 1 << 20)
-    from gpuxfer.kv.agent import KVAgent
-    pre = KVAgent("prefill", platform=platform, device=0, engine="triton", timeout_s=60)
-    dec = KVAgent("decode", platform=platform, device=d1, engine="triton", timeout_s=60)
-    src = vllm_layers(a0, 2, 12, 4, seed=1)
-    dst = vllm_layers(a1, 2, 12, 4, seed=2)
-    pre.register_group("full", 4, src)
-    dec.register_group("full", 4, dst)
-    peer, _ = connect(pre, dec)
-    one = {"full": [0]}
-    dec.transfer(peer, "pull", local_blocks=one, remote_blocks=one).wait(60)      # makes the route's slot
-    yield dec, peer, src, dst, a1
-    dec.close()
-    pre.close()
-    a0.close()
-    a1.close()
+    with triton_pair(platform, 12) as (dec, peer, src, dst, a1):
+        one = {"full": [0]}
+        dec.transfer(peer, "pull", local_blocks=one, remote_blocks=one).wait(60)      # makes the route's slot
+        yield dec, peer, src, dst, a1
 
 
 def _slot(agent):

@@ -15,26 +15,13 @@ import torch
 from gpuxfer.errors import BlockIdError
 from gpuxfer.kv.transfer import KVTransfer
 
-from _agent_arena import Arena, connect, same_bytes, vllm_layers
+from _agent_arena import same_bytes, triton_pair
 
 
 @pytest.fixture
 def hpair(platform):
-    from gpuxfer.kv.agent import KVAgent
-    d1 = 1 if platform.device_count() > 1 else 0
-    a0, a1 = Arena(platform, 0, 1 << 20), Arena(platform, d1, 1 << 20)
-    pre = KVAgent("prefill", platform=platform, device=0, engine="triton", timeout_s=60)
-    dec = KVAgent("decode", platform=platform, device=d1, engine="triton", timeout_s=60)
-    src = vllm_layers(a0, 2, 48, 4, seed=1)
-    dst = vllm_layers(a1, 2, 48, 4, seed=2)
-    pre.register_group("full", 4, src)
-    dec.register_group("full", 4, dst)
-    peer, _ = connect(pre, dec)
-    yield dec, peer, src, dst
-    dec.close()
-    pre.close()
-    a0.close()
-    a1.close()
+    with triton_pair(platform, 48) as (dec, peer, src, dst, _):
+        yield dec, peer, src, dst
 
 
 def _ids(agent, values, device: bool):
