@@ -21,7 +21,7 @@ from . import lease
 from .client import SideChannelClient, close_all
 from .frames import ChannelClosed
 from .handshake import agent_name, check_compatible, decode_info, readers
-from .params import (BadSeal, BadTransferParams, RemotePrefill, check_seal, seal_key_from_hex, sealer,
+from .params import (BadSeal, BadTransferParams, RemotePrefill, check_seal, keyed_mac, seal_key_from_hex,
                      source_ranks)
 from .staging import IdStaging
 
@@ -59,8 +59,6 @@ class _Remote:
     sources: tuple = ()                     # the prefill ranks of its size this worker reads (params.source_ranks)
     meta: bytes | None = None
     seal_key: bytes | None = None           # what its engine's params are sealed with, from its handshake
-    # (seal key, params.sealer of it): its loads' seals checked with that MAC (None, or another key: check_seal)
-    sealer: tuple | None = None
     error: str | None = None
     device_ids: bool = False                # its reads take block IDs on the device
     ordered: bool = True                    # its reads complete in post order (the IPC route: one stream)
@@ -160,7 +158,7 @@ class PrefillEngines:
                                         "be checked (a prefill worker that ran none of their request's steps, or "
                                         "another gpuxfer version); a later request handshakes again")
             r.seal_key = seal_key_from_hex(info["seal_key"], "the peer's engine description's seal_key")
-            r.sealer = r.seal_key, sealer(r.seal_key)
+            keyed_mac(r.seal_key)                   # (made once here, not in a load's check)
             r.info = info
             r.client.readers = readers(self.info, info)      # (before any message: each names its readers)
             pairing, names = check_compatible(self.info, info), self._group_names

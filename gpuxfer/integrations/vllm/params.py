@@ -424,41 +424,30 @@ def for_workers(rp: RemotePrefill) -> RemotePrefill:
 
 def seal_of(rp: RemotePrefill, key: bytes) -> bytes:
     """The seal of checked params ``rp`` under seal key ``key``."""
-    return _mac(key, rp.signed)
+    h = (_KEYED.get(key) or keyed_mac(key)).copy()
+    h.update(rp.signed)
+    return h.digest()
 
 
-#: the bytes of a key XOR-ed with HMAC's inner and outer pads (RFC 2104)
-_IPAD, _OPAD = bytes(x ^ 0x36 for x in range(256)), bytes(x ^ 0x5C for x in range(256))
-#: per seal key: SHA-256 over its inner and over its outer padded block (:func:`_mac`)
-_PADS: dict[bytes, tuple] = {}
+try:        # OpenSSL's HMAC object (C), where hmac.new's wraps it in Python
+    from _hashlib import hmac_new as _hmac_new
+except ImportError:
+    def _hmac_new(key: bytes, digestmod: str):
+        return hmac.new(key, digestmod=digestmod)
+#: per seal key: its HMAC-SHA256 object (:func:`keyed_mac`)
+_KEYED: dict[bytes, Any] = {}
 
 
-def _mac(key: bytes, msg: bytes) -> bytes:
-    """HMAC-SHA256 of ``msg`` under ``key`` (what ``hmac.digest(key, msg, "sha256")`` gives) from the key's padded
-    blocks hashed once a key: two hash copies a call, where ``hmac.digest`` looks OpenSSL's HMAC and SHA-256 up
-    anew each time (tens of microseconds on caches a step left cold)."""
-    pads = _PADS.get(key)
-    if pads is None:
-        k = (hashlib.sha256(key).digest() if len(key) > 64 else bytes(key)).ljust(64, b"\0")
-        pads = hashlib.sha256(k.translate(_IPAD)), hashlib.sha256(k.translate(_OPAD))
-        if len(_PADS) >= 64:        # (keys of engines gone; an engine's key stays while it does)
-            _PADS.clear()
-        _PADS[bytes(key)] = pads
-    inner, outer = pads[0].copy(), pads[1].copy()
-    inner.update(msg)
-    outer.update(inner.digest())
-    return outer.digest()
-
-
-def sealer(key: bytes):
-    """An HMAC-SHA256 object keyed with seal key ``key`` (OpenSSL's, made once an engine's handshake): a load's seal
-    is checked with three C calls of a copy of it (``copy``, ``update``, ``digest``) and ``hmac.compare_digest``;
-    None where this Python's ``_hashlib`` has none (:func:`check_seal` checks then)."""
-    try:
-        import _hashlib
-        return _hashlib.hmac_new(bytes(key), digestmod="sha256")
-    except (ImportError, AttributeError, ValueError, TypeError):
-        return None
+def keyed_mac(key: bytes):
+    """Seal key ``key``'s HMAC-SHA256 object, made once a key: a seal is a copy of it updated with what the seal
+    covers (three C calls), where ``hmac.digest`` looks OpenSSL's HMAC and SHA-256 up anew each time (tens of
+    microseconds on caches a step left cold)."""
+    h = _KEYED.get(key)
+    if h is None:
+        if len(_KEYED) >= 64:       # (keys of engines gone; an engine's key stays while it does)
+            _KEYED.clear()
+        h = _KEYED[bytes(key)] = _hmac_new(bytes(key), digestmod="sha256")
+    return h
 
 
 def check_seal(rp: RemotePrefill, key: bytes | None) -> None:

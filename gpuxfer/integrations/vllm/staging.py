@@ -20,7 +20,6 @@ stream first waits for the work queued there when the array is made.
 from __future__ import annotations
 
 import logging
-from hmac import compare_digest
 from time import clock_gettime
 from typing import Any
 
@@ -28,7 +27,7 @@ import numpy as np
 
 from ...errors import GpuxferError
 from . import lease
-from .params import BadSeal, BadTransferParams, check_seal, pair_group, source_ranks
+from .params import BadTransferParams, check_seal, pair_group, source_ranks
 
 log = logging.getLogger("gpuxfer.vllm")
 
@@ -203,23 +202,14 @@ def pair_load(loads, st) -> tuple[dict, dict] | None:
     engine's seal (:func:`.params.check_seal`, once a load) and their lease has not run out, and the engine is the
     prefill rank they name (:class:`.params.BadTransferParams` or :class:`.params.BadSeal` otherwise). The engine
     thread's path of every load: each Python or C call here costs it microseconds, so the checks read what the
-    handshake made once (the engine's HMAC, its clock) and call nothing more."""
+    handshake made once (the seal key's HMAC, the engine's clock) and call nothing more."""
     load, r = st.load, st.remote
     rp = load.remote
     if r.client is None or not r.client.alive:
         raise BadTransferParams(f"prefill engine {r.key[2]} is gone: {r.client and r.client.closed_reason}")
     key = r.seal_key
     if load.sealed is None or load.sealed != key:       # nothing of the params is acted on before
-        mac = r.sealer
-        if mac is None or mac[0] is not key or mac[1] is None or rp.seal is None:
-            check_seal(rp, key)
-        else:                           # (check_seal's MAC with the engine's HMAC made once: four C calls)
-            h = mac[1].copy()
-            h.update(rp.signed)
-            if not compare_digest(h.digest(), rp.seal):
-                check_seal(rp, key)     # (raises BadSeal, naming what is wrong)
-                raise BadSeal(f"the kv_transfer_params of request {rp.request_id!r} do not carry prefill engine "
-                              f"{rp.engine_id}'s seal")
+        check_seal(rp, key)
         load.sealed = key
     clock = r.clock
     deadline = rp.lease_deadline if clock.same else clock.deadline(rp.lease_deadline)
