@@ -150,13 +150,7 @@ class Landings:
             return True
         if not self._handed_out(slot):
             return False
-        self._read_at[slot] = time.monotonic()
-        try:
-            seen = self._read(slot)
-        except GpuxferError:
-            return False                # the agent failed: the request ends by its status (or its timeout)
-        if seen < RELEASE_VALUE:        # (released by a failure, not bumped by pushes)
-            self._seen[slot] = max(self._seen[slot], seen)
+        seen = self._read_device(slot, time.monotonic())
         return value <= seen < RELEASE_VALUE or self._seen[slot] >= value     # (its own read, whatever another wrote)
 
     def word(self, slot: int) -> int:
@@ -180,11 +174,17 @@ class Landings:
             return self._seen[slot]
         now = time.monotonic()
         if now - self._read_at[slot] >= every:
-            self._read_at[slot] = now
-            try:
-                seen = self._read(slot)
-            except GpuxferError:
-                seen = 0                # the agent failed: the request ends by its status (or its timeout)
-            if seen < RELEASE_VALUE:    # (released by a failure, not bumped by pushes)
-                self._seen[slot] = max(self._seen[slot], seen)
+            self._read_device(slot, now)
         return self._seen[slot]
+
+    def _read_device(self, slot: int, now: float) -> int:
+        """Word ``slot`` read from the device now (0 where the agent failed: the request ends by its status or its
+        timeout), kept as seen unless it is the release value a failed agent writes (not a count of pushes)."""
+        self._read_at[slot] = now
+        try:
+            seen = self._read(slot)
+        except GpuxferError:
+            seen = 0
+        if seen < RELEASE_VALUE:
+            self._seen[slot] = max(self._seen[slot], seen)
+        return seen
