@@ -384,9 +384,8 @@ class _DeviceIdTransfer(_SlotTransfer):
             raise
 
     def _post_locked(self, s: Stream):
-        """:meth:`_run`, :meth:`_finish` and :meth:`Poster.track <gpuxfer.kv.posting.Poster.track>` written out (a
-        post's Python calls are its host time); the tensors' addresses read in one pass, :meth:`_check_tensors`
-        naming the one that moved."""
+        """:meth:`_run` and :meth:`_finish` written out (a post's Python calls are its host time); the tensors'
+        addresses read in one pass, :meth:`_check_tensors` naming the one that moved."""
         poster, route = self.poster, self.route
         if list(map(route.device_ids.data_ptr, self._tensors)) != self.shape[3]:
             self._check_tensors()
@@ -403,10 +402,7 @@ class _DeviceIdTransfer(_SlotTransfer):
             poster.hold_until_drained(s, (self, slot, status))
             raise
         slot.event, slot.stream = event, s
-        q = poster.inflight
-        if len(q) >= poster.reap_at:
-            poster.reap()
-        q.append((event, (self, slot, status) if landed is None else (self, slot, status, landed), s))
+        poster.track(event, (self, slot, status) if landed is None else (self, slot, status, landed), s)
         return KVTransferHandle(self, event, s, value, status, landed)
 
     def expanded_descriptors(self) -> np.ndarray:

@@ -272,9 +272,8 @@ class _SlotTransfer(KVTransfer):
             return self._post_locked(s)
 
     def _post_locked(self, s: Stream) -> KVTransferHandle:
-        """:meth:`post` on ``s`` once the caller holds the post lock and checked the peer: :func:`run_in_slot`,
-        :meth:`_finish` and :meth:`Poster.track <gpuxfer.kv.posting.Poster.track>` written out (a post's Python
-        calls are its host time)."""
+        """:meth:`post` on ``s`` once the caller holds the post lock and checked the peer: :func:`run_in_slot`
+        and :meth:`_finish` written out (a post's Python calls are its host time)."""
         poster, route = self.poster, self.route
         slot = poster.take_slot(route, s, self.descriptors, self._entries)
         try:
@@ -289,10 +288,7 @@ class _SlotTransfer(KVTransfer):
             poster.hold_until_drained(s, (self, slot))
             raise
         slot.event, slot.stream = event, s
-        q = poster.inflight
-        if len(q) >= poster.reap_at:
-            poster.reap()
-        q.append((event, (self, slot) if landed is None else (self, slot, landed), s))
+        poster.track(event, (self, slot) if landed is None else (self, slot, landed), s)
         return KVTransferHandle(self, event, s, value, landed=landed)
 
     def expanded_descriptors(self) -> np.ndarray:
