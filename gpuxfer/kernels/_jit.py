@@ -110,6 +110,9 @@ class DualKernel:
         self._compiled = None
         self._interpreted = None
         self._fast: dict = {}           # launcher key -> the compiled kernel's (run, function, metadata)
+        names = fn.__code__.co_varnames[:fn.__code__.co_argcount]
+        self._plain = frozenset(i for i, n in enumerate(names) if n in self.do_not_specialize or i in
+                                self.do_not_specialize)     # the integers Triton keys by their type alone
 
     def compiled(self):
         if self._compiled is None:
@@ -141,9 +144,9 @@ class DualKernel:
         Compiled, it goes straight to the compiled kernel's launcher with the arguments bound once
         (tensors as their addresses), skipping Triton's per-call argument binding, specialisation and
         cache lookup. The compiled kernel is the one Triton chose for arguments of the same kind
-        (:func:`_spec_key`: dtypes, 16-byte alignment, the integers' ranges, ``== 1`` and ``% 16``; the
-        constexprs and options): the first launch of a kind goes through Triton and remembers it. The
-        arguments' tensors must stay alive (and in place) while the launcher is used.
+        (:func:`_spec_key`: dtypes, 16-byte alignment, the integers' ranges, ``== 1`` and ``% 16`` but for
+        ``do_not_specialize``'s; the constexprs and options): the first launch of a kind goes through Triton
+        and remembers it. The arguments' tensors must stay alive (and in place) while the launcher is used.
         """
         if device.type == "cpu" or interpreting_forced():
             def interpreted(stream=None) -> None:
@@ -155,7 +158,7 @@ class DualKernel:
             return lambda stream=None: self._launch_on(device, stream, grid, args, kwargs)
         values = list(args) + [kwargs[n] for n in names[len(args):]]
         bound = tuple(v.data_ptr() if hasattr(v, "data_ptr") else v for v in values)
-        key = (device.index or 0, _spec_key(values), tuple(kwargs.items()))
+        key = (device.index or 0, _spec_key(values, self._plain), tuple(kwargs.items()))
         g = tuple(grid) + (1,) * (3 - len(grid))
         index = device.index if device.index is not None else 0
         fast = self._fast
@@ -197,16 +200,19 @@ def _current_stream(index: int):
     return triton.runtime.driver.active.get_current_stream(index)
 
 
-def _spec_key(values) -> tuple:
+def _spec_key(values, plain=frozenset()) -> tuple:
     """What Triton specialises a compiled kernel on, per argument, or finer: tensors by dtype and 16-byte
-    alignment; integers by range (i32 / i64 / u64), ``== 1`` and ``% 16 == 0``; anything else by type and
-    value. Two argument lists with equal keys run the same compiled kernel."""
+    alignment; integers by range (i32 / i64 / u64), and ``== 1`` and ``% 16 == 0`` unless their position is in
+    ``plain`` (the kernel's ``do_not_specialize``: Triton keys those by their type alone); anything else by type
+    and value. Two argument lists with equal keys run the same compiled kernel."""
     key = []
-    for v in values:
+    for i, v in enumerate(values):
         if hasattr(v, "data_ptr"):
             key.append(("t", str(getattr(v, "dtype", "")), v.data_ptr() % 16 == 0))
         elif isinstance(v, bool) or not isinstance(v, int):
             key.append((type(v).__name__, repr(v)))
+        elif i in plain:
+            key.append(("i", -(1 << 31) <= v < 1 << 31, v < 1 << 63))
         else:
             key.append(("i", -(1 << 31) <= v < 1 << 31, v < 1 << 63, v == 1, v % 16 == 0))
     return tuple(key)

@@ -384,7 +384,8 @@ def test_direct_launcher_binds_arguments_once(monkeypatch):
     """DualKernel.launcher on a CUDA device (driver calls faked): the first launch of a kind goes through
     Triton; later launches -- of this launcher and of a fresh one whose arguments are of the same kind --
     call the compiled kernel's launcher with every argument in order (tensors as addresses, constexprs
-    included) and the stream; another kind (a misaligned tensor, an int == 1) goes through Triton again."""
+    included) and the stream; another kind (a misaligned tensor, an int == 1) goes through Triton again, but
+    not a ``do_not_specialize`` int of another value (Triton keys it by its type alone)."""
     import torch
     from gpuxfer.kernels import _jit
 
@@ -421,15 +422,18 @@ def test_direct_launcher_binds_arguments_once(monkeypatch):
     assert calls["direct"] == [(3, 2, 1, 1234, 77, "meta", None, None, None, a.data_ptr(), b.data_ptr(), 100, 5, 64),
                                (3, 2, 1, 99, 77, "meta", None, None, None, a.data_ptr(), b.data_ptr(), 100, 5, 64),
                                (7, 1, 1, 1234, 77, "meta", None, None, None, b.data_ptr(), a.data_ptr(), 200, 21, 64)]
+    kern.launcher(dev, (1,), a, b, 1, 5, BLOCK=64, num_warps=4)()                 # n == 1: not specialised
+    kern.launcher(dev, (1,), a, b, 32, 5, BLOCK=64, num_warps=4)()                # n % 16 == 0 likewise
+    assert calls["triton"] == 1 and [c[11] for c in calls["direct"][3:]] == [1, 32]
     kern.launcher(dev, (1,), buf[1:9], b, 100, 5, BLOCK=64, num_warps=4)()        # 8-byte aligned only
     kern.launcher(dev, (1,), a, b, 100, 1, BLOCK=64, num_warps=4)()               # m == 1
     kern.launcher(dev, (1,), a, b, 100, 5, BLOCK=128, num_warps=4)()              # another constexpr
-    assert calls["triton"] == 4 and len(calls["direct"]) == 3
+    assert calls["triton"] == 4 and len(calls["direct"]) == 5
     monkeypatch.setenv(_jit.ENV_DIRECT_LAUNCH, "0")
     off = kern.launcher(dev, (3, 2), a, b, 100, 5, BLOCK=64, num_warps=4)
     off()
     off()
-    assert calls["triton"] == 6 and len(calls["direct"]) == 3
+    assert calls["triton"] == 6 and len(calls["direct"]) == 5
 
 
 def _tables_inside_written_pools() -> list:
