@@ -117,12 +117,12 @@ VERDICT_BLOCK = 256           # descriptor rows (and signal values) per program 
 
 
 def verdict_launcher(word: torch.Tensor, fp: torch.Tensor, status: torch.Tensor, sig: torch.Tensor, n_sig: int,
-                     out: torch.Tensor | None, n_rows: int, *, equal: bool, refused: int):
+                     out: torch.Tensor | None, n_rows: int, *, equal: bool, refused: int, only_refused: bool = False):
     """A function of no arguments (or of a driver stream handle) launching :mod:`~gpuxfer.kernels.verdict_kernel`
     with fixed arguments: ``word`` (the flag word the peer wrote), ``fp`` (this side's fingerprint), ``status``
     (2 entries), ``sig`` (at least ``n_sig`` entries), ``out`` (``(N, 3)`` descriptors, ``n_rows <= N`` of them
     zeroed on a refusal; None: none), all int64 on one device; ``equal``: refused when the word differs from
-    the fingerprint, else when it is ``refused`` or more."""
+    the fingerprint, else when it is ``refused`` or more; ``only_refused``: ``sig`` is written only when refused."""
     dev = sig.device
     n_sig, n_rows = _int(n_sig, "n_sig"), _int(n_rows, "n_rows")
     if isinstance(refused, bool) or not isinstance(refused, int) or not -(1 << 63) <= refused <= _INT64_MAX:
@@ -139,7 +139,8 @@ def verdict_launcher(word: torch.Tensor, fp: torch.Tensor, status: torch.Tensor,
         raise BadInput(f"out must have shape (N >= {n_rows}, 3), got {tuple(out.shape)}")
     grid = (max(1, -(-n_rows // VERDICT_BLOCK)),)
     return verdict_kernel.launcher(dev, grid, word, fp, sig, n_sig, status, out, n_rows, EQUAL=bool(equal),
-                                   REFUSED=refused, BLOCK=VERDICT_BLOCK, num_warps=4)
+                                   REFUSED=refused, BLOCK=VERDICT_BLOCK, ONLY_REFUSED=bool(only_refused),
+                                   num_warps=4)
 
 
 CHECK_BLOCK = 1024            # IDs per chunk of the device ID check (one loop step of a program)

@@ -16,6 +16,10 @@ ahead, all ``REFUSED`` when it is refused (so every wait of the peer passes, wha
 chunks); a refusal also zeroes the byte counts of ``out``'s first ``n_rows`` descriptor rows (the
 unpacks that follow move nothing) and, where ``status[0]`` is still 0, records ``(fp, word)`` in
 ``status[0:2]`` (sticky: the first refusal stays).
+
+``ONLY_REFUSED`` (the check before a side's last signal of a transfer: its ``word`` is the side's own status
+word, which a release of its waits sets to the release value, and ``REFUSED`` is that value): the signals are
+written only when refused, each ``REFUSED``; a transfer that goes ahead keeps the values its first verdict wrote.
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ from ._jit import dual_kernel
 
 @dual_kernel(do_not_specialize=["n_sig", "n_rows"])
 def verdict_kernel(word_ptr, fp_ptr, sig_ptr, n_sig, status_ptr, out_ptr, n_rows,
-                   EQUAL: tl.constexpr, REFUSED: tl.constexpr, BLOCK: tl.constexpr):
+                   EQUAL: tl.constexpr, REFUSED: tl.constexpr, BLOCK: tl.constexpr,
+                   ONLY_REFUSED: tl.constexpr):
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     at = tl.cast(lanes * 0, tl.int64)
@@ -43,7 +48,10 @@ def verdict_kernel(word_ptr, fp_ptr, sig_ptr, n_sig, status_ptr, out_ptr, n_rows
         for start in range(0, n_sig, BLOCK):
             i = tl.cast(start, tl.int64) + lanes
             value = tl.where(i == ns - 1, at, i + 1)
-            tl.store(sig_ptr + i, tl.where(bad, at + REFUSED, value), mask=i < ns)
+            if ONLY_REFUSED:
+                tl.store(sig_ptr + i, at + REFUSED, mask=bad & (i < ns))
+            else:
+                tl.store(sig_ptr + i, tl.where(bad, at + REFUSED, value), mask=i < ns)
         cur = tl.load(status_ptr + at, volatile=True)
         put = bad & (lanes == 0) & (cur == 0)
         tl.store(status_ptr + at, mine, mask=put)

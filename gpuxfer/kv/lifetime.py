@@ -29,7 +29,7 @@ from typing import Any
 
 from ..errors import BadInput, GpuxferError, NotRegistered, TransferTimeout
 from ..platforms.base import Event, Stream
-from .control import NOTIFY, PACK_WORDS
+from .control import NOTIFY, PACK_WORDS, STATUS
 from .peers import _LEAKED, KVPeer
 from .posting import _ended
 
@@ -159,7 +159,8 @@ class Lifetime:
         if held is None:
             return
         try:
-            held[0].release((*PACK_WORDS, *(NOTIFY + k for k in sorted(self.waited_slots))))
+            # STATUS first: a pack transfer's check before its last signal reads it after any wait this passes
+            held[0].release((STATUS, *PACK_WORDS, *(NOTIFY + k for k in sorted(self.waited_slots))))
         finally:
             shared.release()
 

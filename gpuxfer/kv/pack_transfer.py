@@ -74,18 +74,24 @@ class PackState:
         """The error of a pack transfer refused on the device: ``mine`` the fingerprint of this side's request,
         ``seen`` what the verdict saw instead (:data:`~gpuxfer.kv.control.STATUS`); ``inflight``: the agent's
         posted transfers, ``peers``: its peers."""
+        if mine >= RELEASE_VALUE:       # (the release's mark: this agent's own waits were released)
+            return TransferMismatch(f"pack agent {self.agent.name!r}: its waits were released, so its pack transfers "
+                                    "in flight no longer pair up with its peer's; their destination blocks may hold "
+                                    "other bytes; the agent fails (close it and pair new agents)")
         names = [x.name for _, b, _ in inflight for x in b if getattr(x, "fingerprint", None) == mine]
         what = f"its request {names[0]!r}" if names else "one of its requests"
+        written = "no byte of the destination's blocks was written"
         if seen >= RELEASE_VALUE:
             why = "was released (an agent of the pair failed)"
+            written = "the destination's blocks of the request may hold other bytes"
         elif seen >= REFUSED:
             why = "refused it: the two sides' requests differ (block IDs, groups, layers or the order of posts)"
         else:
             why = f"posted another request (fingerprint 0x{seen:x}) in its place"
         peer = next((p.name for p in peers.values() if p.meta.uid == self.peer_uid), "?")
         return TransferMismatch(f"pack agent {self.agent.name!r}: {what} (fingerprint 0x{mine:x}) did not pair up "
-                                f"with the transfer of peer {peer!r}: the peer {why}; no byte of the destination's "
-                                "blocks was written; the agent fails (close it and pair new agents)")
+                                f"with the transfer of peer {peer!r}: the peer {why}; {written}; the agent fails "
+                                "(close it and pair new agents)")
 
 
 class _PackShape:
@@ -125,9 +131,10 @@ class _PackShape:
 
         # the verdicts (:mod:`gpuxfer.kernels.verdict_kernel`), one per parity: the source's on the go signal
         # (its stream) and on the last free signal (its lane), the destination's on the first chunk signal; the
-        # values of this side's data-dependent signals land in ``sig``: one per chunk, then the closing reset
+        # values of this side's data-dependent signals land in ``sig``: one per chunk, then the closing reset, then
+        # the destination's first two (the FREE reset: 0, and GO: its fingerprint, copied in at each post)
         nc = len(x._chunks)
-        self.sig = torch.zeros(nc + 1, dtype=torch.int64, device=dev)
+        self.sig = torch.zeros(nc + 3, dtype=torch.int64, device=dev)
         self.sig_ptr = self.sig.data_ptr()
         self.fp_ptr = self.req_ptr + (x._req_bytes - 8)
         words = agent.platform.as_tensor(agent.flags.buf, torch.int64)
@@ -142,11 +149,23 @@ class _PackShape:
             self.closing = verdict(FREE, 0, None, 0, False)
         else:
             self.verdicts = verdict(AVAIL, nc + 1, self.out, x.descriptors, False)
+            self.closing = verdict(AVAIL, 0, None, 0, False)     # the source's last chunk signal
+        # whether this side's own waits were released (STATUS holds the release value, written before the
+        # words): a wait passed by the release may have let a copy, pack or unpack run ahead of the hand-offs, so
+        # every signal this side sends after it carries the release value (the peer's last verdict then refuses
+        # the transfer as released: its blocks may hold other bytes). Checked before the signals that follow a
+        # wait or a verdict: the destination's first two, after each first verdict, before the last chunk
+        # signal and the source's closing one -- a released side's later signals (its transfers queued behind
+        # run on through released waits) never overwrite a release value the peer has yet to read with one
+        # below the refusal. It writes every entry of ``sig``, the ones of signals already sent included, so its
+        # arguments are of the kinds warmed below
+        self.released = verdict_launcher(status[:1], fp, status, self.sig, nc + 3, None, 0,
+                                         equal=False, refused=RELEASE_VALUE, only_refused=True)
         self.spec = x._chunks                               # (first row, end row, bytes, segment bytes)
         self.chunks: list[tuple[int, Any]] = []             # (bytes, the launch of its pack or unpack)
         for i, (a, b, nbytes, c) in enumerate(x._chunks):
             self.chunks.append((nbytes, launcher(self.out, a, b, (i % PACK_SLOTS) * agent.slot_bytes, c)))
-        # every kernel a post launches is loaded here (a first launch may wait for the device's queues, so it must
+        # every kernel a post launches is loaded here (a first launch waits for the device's queues, so it must
         # not come inside a post while a stream waits for the peer): launches of the same kinds as the shape's
         # (Triton compiles per kind: None or a tensor, 16-byte aligned or not, constexprs) moving nothing
         fp_aligned = self.fp_ptr % 16 == 0
@@ -157,10 +176,12 @@ class _PackShape:
             zfp = zreq[:1] if fp_aligned else zreq[1:2]
             fns = [expand_launcher(r.planes, zreq, zout, n_groups=G, max_segments=1)]
             fns += [launcher(zout, 0, 1, 0, c) for _, _, c in r.classes if c <= agent.slot_bytes]
-            # the verdicts over zeros (their words and signals land in these buffers only), as (equal,
-            # descriptors): the source's first verdict, the destination's, the source's closing one
-            fns += [verdict_launcher(zreq[2:3], zfp, zout[0, :2], zreq[:2], 2, out, int(out is not None), equal=eq,
-                                     refused=REFUSED) for eq, out in ((True, None), (False, zout), (False, None))]
+            # the verdicts over zeros (their words and signals land in these buffers only),
+            # as (equal, descriptors, refused, only_refused): the first verdicts, the closings, ``released``
+            kinds = ((True, None, REFUSED, False), (False, zout, REFUSED, False), (False, None, REFUSED, False),
+                     (False, None, RELEASE_VALUE, True))
+            fns += [verdict_launcher(zreq[2:3], zfp, zout[0, :2], zreq[:2], 2, out, int(out is not None),
+                                     equal=eq, refused=ref, only_refused=only) for eq, out, ref, only in kinds]
             for fn in fns:
                 if fn is not None:
                     fn()
@@ -210,6 +231,7 @@ class _PackShape:
             packed, copied = PACKED + parity, COPIED + parity
             q.wait(go, 1)
             q.launch(self.verdicts[parity])         # the destination's fingerprint against ours
+            q.launch(self.released)                 # were our waits released (a transfer queued behind one)?
             for i, (_, fn) in enumerate(self.chunks):
                 if i:
                     q.write(packed, i)                  # chunk i - 1 is in its slot
@@ -218,15 +240,22 @@ class _PackShape:
                 q.launch(fn)
             q.write(packed, len(self.chunks))
         else:
-            sig = self.sig_ptr
-            q.signal(free, 0)                   # the source is past every wait on it (its transfer before last)
-            q.signal_from(go, self.fp_ptr)      # go, with our fingerprint
+            sig, last = self.sig_ptr, len(self.chunks) - 1
+            q.copy(sig + 8 * (last + 3), self.fp_ptr, 8)
+            q.launch(self.released)             # were our waits released (a transfer queued behind one)?
+            q.signal_from(free, sig + 8 * (last + 2))   # 0: the source is past every wait on it (its transfer
+            #                                             before last)
+            q.signal_from(go, sig + 8 * (last + 3))     # go, with our fingerprint
             for i, (_, fn) in enumerate(self.chunks):
                 q.wait(avail, i + 1)
                 if i == 0:
                     q.launch(self.verdicts[parity])     # the source's verdict: go ahead or refused
+                    q.launch(self.released)
                     q.signal_from(go, sig + 8 * len(self.chunks))   # 0: the source is past its wait on it
                 q.launch(fn)
+                if i == last:
+                    q.launch(self.closing[parity])      # the source's last signal: was it released meanwhile?
+                    q.launch(self.released)             # were we?
                 q.signal_from(free, sig + 8 * i)        # i + 1 (refused: REFUSED)
             q.copy(self.pack.status_ptr, self.agent.flags.word(STATUS), 16)
         q.flush()
@@ -245,9 +274,12 @@ class _PackShape:
                 q.wait(free, i - PACK_SLOTS + 1)
             q.copy(peer.staging_ptr + k * slot, agent.staging.ptr + k * slot, nbytes)
             q.write(copied, i + 1)
+            if i == len(self.chunks) - 1:
+                q.launch(self.released)         # were our waits released meanwhile?
             q.signal_from(avail, self.sig_ptr + 8 * i)    # i + 1 (refused: REFUSED)
         q.wait(free, len(self.chunks))
         q.launch(self.closing[parity])          # whether the destination refused
+        q.launch(self.released)                 # were our waits released (passing the wait above)?
         q.signal_from(avail, self.sig_ptr + 8 * len(self.chunks))     # 0: the destination is past every wait on it
         q.write(packed, 0)                      # both lanes are past every wait on these
         q.write(copied, 0)
@@ -311,7 +343,15 @@ class _PackTransfer(KVTransfer):
     refused transfer drains on both sides whatever their numbers of chunks, and no byte of the destination's
     blocks is written. A refusal is recorded in the agent's STATUS word (sticky), which each post copies
     into a host word the agent reads at every call: both agents fail with
-    :class:`~gpuxfer.errors.TransferMismatch` (:meth:`PackState.mismatch_error`).
+    :class:`~gpuxfer.errors.TransferMismatch` (:meth:`PackState.mismatch_error`). A side whose waits are released
+    mid-transfer (its failure) may run a copy, pack or unpack ahead of the hand-offs: the release marks STATUS
+    first, each side checks it before its last chunk signal (``released``: its signals then carry the release
+    value) and the peer's last verdict (the destination's after its last unpack, the source's closing one)
+    refuses the transfer, so neither side reports success over bytes that did not land. A released side's
+    transfers queued behind run on through its released waits and would overwrite the release values in the peer's
+    words with ordinary ones (the destination's FREE reset, a go-ahead's chunk counts) before the peer's verdict
+    read them: each side also checks STATUS before its first signals (the destination's reset and go), after its
+    first verdict and before the source's closing signal, so a released side signals nothing below the refusal.
 
     Why the resets are safe: the source's transfer before last
     of parity ``p`` ended (its last wait on FREE[p]) before the destination's previous transfer could end; the

@@ -185,3 +185,19 @@ def test_verdict_launcher_rejects_values_of_other_types_or_ranges():
         with pytest.raises(BadInput, match="refused"):
             verdict_launcher(z[:1], z[:1], z[:2], z, 1, None, 0, equal=True, refused=refused)
     verdict_launcher(z[:1], z[:1], z[:2], z, 1, None, 0, equal=True, refused=1)()
+
+
+def test_verdict_only_refused_writes_signals_only_when_refused():
+    """``only_refused`` (the check before a pack side's last signal): a word below ``refused`` leaves the signals
+    as they are; at or past it every signal becomes ``refused`` and the status records the first refusal."""
+    from gpuxfer.kernels.blocks import verdict_launcher
+    release = 1 << 62
+    word, status = torch.zeros(1, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    fp = torch.full((1,), 7, dtype=torch.int64)
+    sig = torch.full((4,), 9, dtype=torch.int64)          # (a plain verdict would write 1, 2, 3, 0)
+    launch = verdict_launcher(word, fp, status, sig, 4, None, 0, equal=False, refused=release, only_refused=True)
+    launch()
+    assert sig.tolist() == [9] * 4 and status.tolist() == [0, 0]
+    word.fill_(release)
+    launch()
+    assert sig.tolist() == [release] * 4 and status.tolist() == [7, release]

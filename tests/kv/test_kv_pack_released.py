@@ -17,10 +17,6 @@ from gpuxfer.kv.control import AVAIL, FREE
 
 from test_kv_pack import _random_request, sides  # noqa: F401 - the fixture
 
-pytestmark = pytest.mark.xfail(strict=True, reason="a released side's queued work runs past the pack hand-offs with "
-                               "the signal values its first verdict decided, and its later transfers overwrite the "
-                               "release values the peer's verdict has yet to read (docs/KV_API.md: a known gap)")
-
 
 def _hold(fn, call: int):
     """``fn`` whose ``call``-th run (1-based) sets ``.at`` and waits for ``.go``: a launch the test holds back."""
