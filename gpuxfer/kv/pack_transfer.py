@@ -161,6 +161,12 @@ class _PackShape:
         # arguments are of the kinds warmed below
         self.released = verdict_launcher(status[:1], fp, status, self.sig, nc + 3, None, 0,
                                          equal=False, refused=RELEASE_VALUE, only_refused=True)
+        # the source's lane signals its last chunk and its closing reset from entries of its own (copied from
+        # ``sig``, then checked): a released lane runs ahead of its stream, whose first verdict may write go-ahead
+        # values into ``sig`` between the lane's check and its signal
+        self.lane_sig = torch.zeros(2, dtype=torch.int64, device=dev) if self.source else None
+        self.lane_released = None if self.lane_sig is None else verdict_launcher(
+            status[:1], fp, status, self.lane_sig, 2, None, 0, equal=False, refused=RELEASE_VALUE, only_refused=True)
         self.spec = x._chunks                               # (first row, end row, bytes, segment bytes)
         self.chunks: list[tuple[int, Any]] = []             # (bytes, the launch of its pack or unpack)
         for i, (a, b, nbytes, c) in enumerate(x._chunks):
@@ -267,6 +273,7 @@ class _PackShape:
         slot = agent.slot_bytes
         avail, free = AVAIL + parity, FREE + parity
         packed, copied = PACKED + parity, COPIED + parity
+        own = self.lane_sig.data_ptr()
         for i, (nbytes, _) in enumerate(self.chunks):
             k = i % PACK_SLOTS
             q.wait(packed, i + 1)
@@ -275,12 +282,16 @@ class _PackShape:
             q.copy(peer.staging_ptr + k * slot, agent.staging.ptr + k * slot, nbytes)
             q.write(copied, i + 1)
             if i == len(self.chunks) - 1:
-                q.launch(self.released)         # were our waits released meanwhile?
-            q.signal_from(avail, self.sig_ptr + 8 * i)    # i + 1 (refused: REFUSED)
+                q.copy(own, self.sig_ptr + 8 * i, 8)
+                q.launch(self.lane_released)    # were our waits released meanwhile?
+                q.signal_from(avail, own)       # i + 1 (refused: REFUSED; released: the release value)
+            else:
+                q.signal_from(avail, self.sig_ptr + 8 * i)    # i + 1 (refused: REFUSED)
         q.wait(free, len(self.chunks))
         q.launch(self.closing[parity])          # whether the destination refused
-        q.launch(self.released)                 # were our waits released (passing the wait above)?
-        q.signal_from(avail, self.sig_ptr + 8 * len(self.chunks))     # 0: the destination is past every wait on it
+        q.copy(own + 8, self.sig_ptr + 8 * len(self.chunks), 8)
+        q.launch(self.lane_released)            # were our waits released (passing the wait above)?
+        q.signal_from(avail, own + 8)           # 0: the destination is past every wait on it
         q.write(packed, 0)                      # both lanes are past every wait on these
         q.write(copied, 0)
         q.copy(self.pack.status_ptr, agent.flags.word(STATUS), 16)

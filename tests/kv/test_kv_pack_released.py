@@ -136,3 +136,75 @@ def test_a_source_failing_with_pushes_queued_never_lets_the_destination_report_o
     assert not landed or bool(torch.equal(dst.cache, want)), \
         "the destination reported success over bytes other than the source's blocks: its chunk 2 blocks hold the " \
         f"third push's: {torch.equal(dst.cache[d_ids[16:]], src.cache[40:48])}"
+
+
+
+@pytest.mark.parametrize("sides", ["auto", "copy"], indirect=True)
+def test_a_released_source_lane_never_signals_its_streams_go_ahead_values(sides, monkeypatch):
+    """The source posts a push of one chunk and fails (its handle times out) before the destination posts: its lane
+    passes PACKED[0] on the release value and copies its stale slot 0 into the destination's staging, then checks
+    STATUS (released: its signal values become the release value). The destination then posts; its go signal (its
+    fingerprint) overwrites the release value in the source's GO[0], so the source's stream -- still ahead of its
+    wait on GO[0] -- finds a go-ahead and its verdict writes the chunk counts into the values its lane signals from,
+    after the lane's check and before the stream's own check puts the release value back. The lane's signal must not
+    carry that go-ahead count: the destination would unpack the stale slot and report success."""
+    import gpuxfer.kernels.blocks as blocks
+    from gpuxfer.kv.control import GO
+    from gpuxfer.platforms.base import RELEASE_VALUE
+    src, dst = sides
+    s_ids, d_ids, _, _, before = _random_request(src, dst, 9)
+    armed, calls = [], []
+    lane_at, lane_go, stream_at, stream_go = (threading.Event() for _ in range(4))
+
+    def checks(*a, _made=blocks.verdict_launcher, **kw):    # the released checks: the lane's first, then the stream's
+        fn = _made(*a, **kw)
+        if not kw.get("only_refused"):
+            return fn
+
+        def run(*b):
+            if not armed:
+                return fn(*b)
+            calls.append(1)
+            if len(calls) == 2:             # the stream's, after its verdict: held before it runs
+                stream_at.set()
+                assert stream_go.wait(60)
+            out = fn(*b)
+            if len(calls) == 1:             # the lane's, before its chunk signal: held after it ran
+                lane_at.set()
+                assert lane_go.wait(60)
+            return out
+        return run
+    monkeypatch.setattr(blocks, "verdict_launcher", checks)
+    xs = src.agent.prepare(src.peer, "push", local_blocks={"g": s_ids[:8]}, remote_blocks={"g": d_ids[:8]})
+    monkeypatch.undo()
+    xd = dst.agent.prepare(dst.peer, "pull", local_blocks={"g": d_ids[:8]}, remote_blocks={"g": s_ids[:8]})
+    assert len(xs._chunks) == len(xd._chunks) == 1
+    so = xs._shape
+    assert so.expand is not None
+    ahead = _hold(so.expand, 1)                     # the source's stream, before its wait on GO[0]
+    so.expand = ahead
+    armed.append(1)
+    gates = (ahead.go, lane_go, stream_go)
+    hs = xs.post()
+    try:
+        with pytest.raises(TransferTimeout):
+            hs.wait(0.5)                    # the source fails: its waits are released
+        assert lane_at.wait(60)             # its lane copied slot 0 and found itself released
+        hd = xd.post()                      # the destination's FREE[0] := 0, GO[0] := fp into the source's words
+        for _ in range(6000):
+            if 0 < src.agent.flags.read(GO) < RELEASE_VALUE:
+                break
+            threading.Event().wait(0.01)
+        ahead.go.set()                      # the stream: wait GO[0] (the fingerprint), verdict: go ahead
+        assert stream_at.wait(60)
+        lane_go.set()                       # the lane signals its chunk
+        landed = _outcome(hd)
+    finally:
+        for g in gates:
+            g.set()
+        src.agent.release_waits()
+        dst.agent.release_waits()
+    want = before.clone()
+    want[d_ids[:8]] = src.cache[s_ids[:8]]
+    assert not landed or bool(torch.equal(dst.cache, want)), \
+        "the destination reported success over bytes other than the source's blocks (a stale staging slot)"
