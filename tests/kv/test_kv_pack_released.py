@@ -90,30 +90,33 @@ def test_a_destination_failing_with_pulls_queued_never_lets_the_source_report_su
 
 @pytest.mark.parametrize("sides", ["auto", "copy"], indirect=True)
 def test_a_source_failing_with_pushes_queued_never_lets_the_destination_report_other_bytes(sides):
-    """The source posts a push of 3 chunks, then two of one chunk (parities 1 and 0); the destination is slow to
-    unpack chunks 1 and 2. The source's lane signals its last chunk (its waits not yet released), then the source
-    times out and fails while its lane waits for FREE[0]: the release passes that wait, and the destination's signal
-    that chunk 1 is unpacked lands in FREE[0] before the lane's closing verdict reads it. The source's third push
-    (refused: its go word was released) then packs its chunk and copies it into slot 0, which still holds the first
-    push's chunk 2. The destination must not report success with those bytes in the first push's chunk 2 blocks."""
+    """The source posts a push of 3 chunks, then two pushes of one chunk each (parities 1 and 0, two shapes); the
+    destination pulls the first and is slow to unpack chunks 1 and 2. The source's lane signals the last chunk (its
+    waits not yet released), then the source times out and fails while its lane waits for FREE[0]: the release passes
+    that wait, and the destination's signal that chunk 1 is unpacked lands in FREE[0] before the lane's closing
+    verdict reads it (a go-ahead). The third push then packs its chunk into the source's slot 0 (its lane waits for
+    that: the first push's lane reset PACKED[0]) and its lane copies it into the destination's slot 0, which still
+    holds the first push's chunk 2 -- the destination unpacks those bytes into chunk 2's blocks. It must not report
+    success: the first push's lane, released, closes with the release value in AVAIL[0]."""
     src, dst = sides
     s_ids, d_ids, xs, xd, before = _random_request(src, dst, 8)
-    one = src.agent.prepare(src.peer, "push", local_blocks={"g": list(range(40, 48))}, remote_blocks={"g": d_ids[:8]})
-    assert len(one._chunks) == 1
-    ss, ds, so = xs._shape, xd._shape, one._shape
+    pushes = [src.agent.prepare(src.peer, "push", local_blocks={"g": ids}, remote_blocks={"g": d_ids[:len(ids)]})
+              for ids in (list(range(40, 48)), list(range(56, 60)))]
+    ss, ds, so, sc = xs._shape, xd._shape, pushes[0]._shape, pushes[1]._shape
+    assert [len(x._chunks) for x in pushes] == [1, 1] and len({id(ss), id(so), id(sc)}) == 3
     closing = _hold(ss.closing[0], 1)               # the first push's closing verdict (parity 0)
     ss.closing[0] = closing
     u1 = _hold(ds.chunks[1][1], 1)                  # the destination's unpacks of chunks 1 and 2
     ds.chunks[1] = (ds.chunks[1][0], u1)
     u2 = _hold(ds.chunks[2][1], 1)
     ds.chunks[2] = (ds.chunks[2][0], u2)
-    copied = _hold(so.released, 2)                  # the third push's lane: its chunk is in slot 0, not signalled
-    so.released = copied
+    copied = _hold(sc.lane_released, 1)             # the third push's lane: its chunk is in slot 0, not signalled
+    sc.lane_released = copied
     gates = (closing, u1, u2, copied)
     hd = xd.post()
     hs = xs.post()
-    one.post()
-    one.post()
+    for x in pushes:
+        x.post()
     try:
         assert dst.agent.flags.wait_host(AVAIL, 3, 60, flag="chunk 2 signalled") == 3
         assert u1.at.wait(60)
@@ -122,21 +125,20 @@ def test_a_source_failing_with_pushes_queued_never_lets_the_destination_report_o
         assert closing.at.wait(60)          # its lane passed FREE[0] >= 3 on the release value
         u1.go.set()                         # the destination signals FREE[0] := 2, then waits to unpack chunk 2
         assert u2.at.wait(60)
+        assert src.agent.flags.read(FREE) == 2
         closing.go.set()
         assert copied.at.wait(60)
-        u2.go.set()
+        u2.go.set()                         # the destination unpacks slot 0: the third push's chunk
         landed = _outcome(hd)
     finally:
         for g in gates:
             g.go.set()
         src.agent.release_waits()
         dst.agent.release_waits()
-    want = before.clone()
-    want[d_ids] = src.cache[s_ids]
-    assert not landed or bool(torch.equal(dst.cache, want)), \
-        "the destination reported success over bytes other than the source's blocks: its chunk 2 blocks hold the " \
-        f"third push's: {torch.equal(dst.cache[d_ids[16:]], src.cache[40:48])}"
-
+    overwritten = bool(torch.equal(dst.cache[d_ids[16:20]], src.cache[56:60]))
+    assert overwritten, "the scenario did not come about: chunk 2's blocks do not hold the third push's bytes"
+    assert not landed, "the destination reported success over bytes other than the source's blocks (chunk 2's " \
+        "blocks hold the third push's)"
 
 
 @pytest.mark.parametrize("sides", ["auto", "copy"], indirect=True)
