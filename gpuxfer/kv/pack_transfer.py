@@ -313,8 +313,8 @@ class _PackTransfer(KVTransfer):
     post of a shape seen before is a graph replay per stream (:class:`_PackShape`): the words come in two
     sets, used by a pair's transfers in turn (parity ``p``: the n-th transfer in one direction uses set
     ``n % 2`` on both sides), and each word the peer waits on is reset by the side that writes it, once the
-    waiting side is past its last wait (nothing this side's own queued work does can undo a release of its
-    words)::
+    waiting side is past its last wait (so a release of the words a side's peer signals into stays until the
+    peer's next signal: the side's own queued work writes only its local PACKED and COPIED)::
 
         source agent                                              destination agent
         add_peer(destination's metadata): open its words,         add_peer(source's metadata): alike
@@ -357,7 +357,8 @@ class _PackTransfer(KVTransfer):
     :class:`~gpuxfer.errors.TransferMismatch` (:meth:`PackState.mismatch_error`). A side whose waits are released
     mid-transfer (its failure) may run a copy, pack or unpack ahead of the hand-offs: the release marks STATUS
     first, each side checks it before its last chunk signal (``released``: its signals then carry the release
-    value) and the peer's last verdict (the destination's after its last unpack, the source's closing one)
+    value; the source's lane, which a release lets run ahead of its stream, checks ``lane_released`` over entries
+    of its own) and the peer's last verdict (the destination's after its last unpack, the source's closing one)
     refuses the transfer, so neither side reports success over bytes that did not land. A released side's
     transfers queued behind run on through its released waits and would overwrite the release values in the peer's
     words with ordinary ones (the destination's FREE reset, a go-ahead's chunk counts) before the peer's verdict
