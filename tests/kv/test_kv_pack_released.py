@@ -8,6 +8,7 @@ the test it got there) and let it go when the test says.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -196,7 +197,9 @@ def test_a_released_source_lane_never_signals_its_streams_go_ahead_values(sides,
         for _ in range(6000):
             if 0 < src.agent.flags.read(GO) < RELEASE_VALUE:
                 break
-            threading.Event().wait(0.01)
+            time.sleep(0.01)
+        else:
+            pytest.fail("the destination's go signal never reached the source's GO[0]")
         ahead.go.set()                      # the stream: wait GO[0] (the fingerprint), verdict: go ahead
         assert stream_at.wait(60)
         lane_go.set()                       # the lane signals its chunk
