@@ -4,6 +4,8 @@
 """
 from __future__ import annotations
 
+import gc
+import threading
 import weakref
 from typing import Callable
 
@@ -37,6 +39,32 @@ def _destroy_graph(exe, graph) -> None:
         pass
 
 
+class _NoCollection:
+    """``with _NO_COLLECTION:`` -- the garbage collector off inside, on every thread, until the last such block
+    of any thread ends; then as it was before the first began."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._restore = False
+
+    def __enter__(self):
+        with self._lock:
+            if self._depth == 0:
+                self._restore = gc.isenabled()
+                gc.disable()
+            self._depth += 1
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0 and self._restore:
+                gc.enable()
+
+
+_NO_COLLECTION = _NoCollection()
+
+
 class CudaGraphs:
     """Graph capture and launch on the streams of a :class:`~gpuxfer.platforms.cuda.CudaPlatform` (no state of
     its own: a graph is freed when collected)."""
@@ -52,10 +80,18 @@ class CudaGraphs:
         return int(status) != 0      # CU_STREAM_CAPTURE_STATUS_NONE
 
     def capture(self, stream: Stream, record: Callable[[Stream], object]) -> CudaGraph:
-        """Stream capture (thread-local mode) of what ``record(stream)`` enqueues, instantiated."""
+        """Stream capture (thread-local mode) of what ``record(stream)`` enqueues, instantiated.
+
+        The garbage collector is off while it lasts: a collection that an allocation inside ``record`` set off
+        would run finalizers on this thread, and one driver call a capture forbids on its thread (a synchronise,
+        a query) among them ends the capture invalidated."""
         s = as_stream(stream)
         if not s.owned:
             raise BadInput(f"capture_graph needs a stream of create_stream, got {s!r}")
+        with _NO_COLLECTION:
+            return self._capture(s, record)
+
+    def _capture(self, s, record: Callable[[Stream], object]) -> CudaGraph:
         drv = _driver()
         with self._ctx.on(s.device):
             _cu(drv.cuStreamBeginCapture, s.handle, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
