@@ -123,6 +123,13 @@ class PrefillEngines:
             if self.closed:
                 self.failed(r, ChannelClosed("the connector is shut down"))
                 return r
+            allowed = self.settings.prefills
+            if allowed is not None and key[0] not in allowed and key[:2] not in allowed:
+                # (a prefill's seal key comes from its own handshake: params naming a side channel their maker runs
+                # carry its seal, and their KV would land in this instance's prefix cache under their prompt)
+                self.failed(r, BadTransferParams(f"{key[0]}:{key[1]} is not one of the prefill side channels this "
+                                                 "instance reads from (kv_connector_extra_config['prefills'])"))
+                return r
             if sum(x.state == "pending" for x in self.remotes.values()) > MAX_HANDSHAKES:       # (r is one)
                 self.failed(r, ChannelClosed(f"{MAX_HANDSHAKES} handshakes are under way already"))
                 return r
