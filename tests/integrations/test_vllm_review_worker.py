@@ -12,6 +12,7 @@ from test_vllm_parts import _drive, _load, _moved, _zero, workers  # noqa: F401 
 
 
 def test_calls_after_shutdown_and_twice_shutdown(workers):
+    """Every worker call after shutdown, shutdown twice: loads fail (reported, their blocks as load errors)."""
     P, D = workers(device_ids=False)
     D.start_loads([_load(P, "a", [1, 2], [3, 4])])
     _drive(P, D, {"a"})
@@ -34,9 +35,11 @@ def test_calls_after_shutdown_and_twice_shutdown(workers):
     P.poll()
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.01, 0.05, 0.2])
+@pytest.mark.parametrize("delay", [0.0, 0.05])
 @pytest.mark.parametrize("which", ["decode", "prefill", "both"])
 def test_shutdown_from_another_thread_while_the_engine_threads_step(workers, delay, which):
+    """vLLM's shutdown from another thread while the engine threads start loads and poll: no call of either raises,
+    and every load started is reported (failed where the shutdown came first), within a bound."""
     P, D = workers(device_ids=False)
     errors, reported, started = [], set(), []
     stop = threading.Event()
@@ -44,7 +47,7 @@ def test_shutdown_from_another_thread_while_the_engine_threads_step(workers, del
     def engine():
         i = 0
         try:
-            while not stop.is_set() and i < 400:
+            while not stop.is_set() and i < 100:
                 req = f"r{i}"
                 k = i % 10
                 D.start_loads([_load(P, req, [1 + k, 11 + k], [3, 4])])
