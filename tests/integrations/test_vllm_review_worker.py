@@ -145,3 +145,39 @@ def test_hostile_prefills_settings_are_refused(bad):
     with pytest.raises(BadInput, match="prefills"):
         connector._prefills(bad)
     assert connector._prefills(["h", ["h", 1], ("g", 65535)]) == frozenset({"h", ("h", 1), ("g", 65535)})
+
+
+# ------------------------------------------------------------------------------------- the handshake's warm-up reads
+
+def test_the_warm_up_reads_of_a_new_prefill_hold_the_engine_thread_no_longer_than_a_handshake_may_take():
+    """A handshake ends with a warm-up read of the peer's null block per group, waited for on the engine thread (and
+    under the worker's lock, which a shutdown takes). A peer whose reads do not complete (a NIXL peer gone quiet after
+    its handshake answered) held the step for the agent's timeout per group (60 s each) and the shutdown with it. The
+    waits are bounded by the handshake's own time in all, and the handshake still ends ready."""
+    import types
+    from gpuxfer.errors import TransferTimeout
+    from gpuxfer.integrations.vllm.engines import _Remote
+    from gpuxfer.integrations.vllm.worker import Settings, WorkerSide
+    from test_vllm_worker_polls import _Client
+    w = WorkerSide(engine_id="d", model="m", dtype="auto/float16", layout=None,
+                   groups=[("FullAttentionSpec", 16, ["l0"]), ("SlidingWindowSpec", 16, ["l1"])],
+                   settings=Settings(lease_s=60, host="127.0.0.1", port=0, handshake_timeout_s=5, token_major=True))
+    waits = []
+
+    class _Quiet:               # a read that never completes: a wait lasts its whole timeout, then raises
+        def wait(self, timeout_s=None):
+            waits.append(60.0 if timeout_s is None else timeout_s)
+            raise TransferTimeout(rank=0, step=0, flag="f", expected=1, seen=0, timeout_s=waits[-1])
+
+    peer = types.SimpleNamespace(route="nixl", engine="copy_engine", name="p")
+    agent = types.SimpleNamespace(peers={}, rank=0, timeout_s=60.0, add_peer=lambda *a, **k: peer,
+                                  prepare=lambda *a, **k: types.SimpleNamespace(post=lambda: _Quiet()))
+    engines = w.decode.engines
+    engines.bind(agent, {"groups": []}, [16, 16], [1, 1], None)
+    client = _Client()
+    client.peer_clock = types.SimpleNamespace(same=False)
+    r = _Remote(("10.0.0.1", 5601, "p"), client=client, meta=b"m", groups=((16, 16), (16, 16)))
+    engines.remotes[r.key] = r
+    engines._attach(r)
+    assert r.state == "ready" and r.peer is peer
+    assert waits and sum(waits) <= w.settings.handshake_timeout_s, waits

@@ -97,7 +97,8 @@ def _settings(extra: dict) -> Settings:
         raise BadInput(f"kv_connector_extra_config['token_major'] must be true or false, got {tm!r}")
     if not isinstance(dev, bool) and dev != "auto":
         raise BadInput(f"kv_connector_extra_config['device_ids'] must be true, false or \"auto\", got {dev!r}")
-    return Settings(prefills=_prefills(extra.get("prefills")), lease_s=pick("lease_s", "GPUXFER_VLLM_LEASE_S"), host=pick("host", "GPUXFER_VLLM_HOST"),
+    return Settings(prefills=_prefills(extra.get("prefills")),
+                    lease_s=pick("lease_s", "GPUXFER_VLLM_LEASE_S"), host=pick("host", "GPUXFER_VLLM_HOST"),
                     port=pick("port", "GPUXFER_VLLM_PORT"),
                     handshake_timeout_s=pick("handshake_timeout_s", "GPUXFER_VLLM_HANDSHAKE_TIMEOUT_S"),
                     token_major=tm, engine=pick("engine", "GPUXFER_VLLM_ENGINE"), device_ids=dev,
