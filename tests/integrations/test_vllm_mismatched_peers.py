@@ -70,7 +70,7 @@ def _decode(monkeypatch, peers: dict):
 
         def post(self):
             post_many([self])
-            return types.SimpleNamespace(wait=lambda: None)
+            return types.SimpleNamespace(wait=lambda timeout_s=None: None)
 
     monkeypatch.setattr(engines_mod, "SideChannelClient", Client)
     w = WorkerSide(engine_id="d", model="m", dtype="auto/float16", layout=None,

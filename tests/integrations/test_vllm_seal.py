@@ -242,7 +242,7 @@ def _decode(monkeypatch, seal_keys: list, prefill_tp: int = 1, answer_after: int
 
         def post(self):
             post_many([self])
-            return types.SimpleNamespace(wait=lambda: None)
+            return types.SimpleNamespace(wait=lambda timeout_s=None: None)
 
     monkeypatch.setattr(engines_mod, "SideChannelClient", Client)
     w = WorkerSide(engine_id="d", model="m", dtype="auto/float16", layout=None,

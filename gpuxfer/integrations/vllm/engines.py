@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from ...errors import GpuxferError
+from ...errors import GpuxferError, TransferTimeout
 from . import lease
 from .client import SideChannelClient, close_all
 from .frames import ChannelClosed
@@ -122,6 +122,13 @@ class PrefillEngines:
             r = self.remotes[key] = _Remote(key)
             if self.closed:
                 self.failed(r, ChannelClosed("the connector is shut down"))
+                return r
+            allowed = self.settings.prefills
+            if allowed is not None and key[0] not in allowed and key[:2] not in allowed:
+                # (a prefill's seal key comes from its own handshake: params naming a side channel their maker runs
+                # carry its seal, and their KV would land in this instance's prefix cache under their prompt)
+                self.failed(r, BadTransferParams(f"{key[0]}:{key[1]} is not one of the prefill side channels this "
+                                                 "instance reads from (kv_connector_extra_config['prefills'])"))
                 return r
             if sum(x.state == "pending" for x in self.remotes.values()) > MAX_HANDSHAKES:       # (r is one)
                 self.failed(r, ChannelClosed(f"{MAX_HANDSHAKES} handshakes are under way already"))
@@ -245,7 +252,7 @@ class PrefillEngines:
                 # (a step's reads then merge into one request per engine; other block sizes pair on the host)
                 r.device_ids = (self.staging is not None and r.peer.route == "ipc" and r.peer.engine == "triton"
                                 and all(rk == lk for (_, rk), lk in zip(r.groups, self._kernel_tokens)))
-                self._warm(r.peer, r.device_ids)
+                self._warm(r.peer, r.device_ids, until=r.t0 + self.settings.handshake_timeout_s)
             r.state = "ready"
         except Exception as exc:
             self.failed(r, exc)
@@ -256,14 +263,27 @@ class PrefillEngines:
         log.info("gpuxfer: engine %s: handshake with prefill engine %s at %s:%d in %.3f s (its caches mapped in "
                  "%.3f s)", self.engine_id, r.key[2], r.key[0], r.key[1], time.monotonic() - r.t0, now - t0)
 
-    def _warm(self, peer, device_ids: bool = False) -> None:
+    def _warm(self, peer, device_ids: bool = False, until: float | None = None) -> None:
         """One read of the peer's null block into ours per group (vLLM's block 0: a placeholder no request
         reads; a group at a time, as hybrid groups share memory), so the first request finds its route's
-        slot made; with ``device_ids`` one more per group with the IDs on the device."""
+        slot made; with ``device_ids`` one more per group with the IDs on the device. The engine thread waits for
+        them until ``until`` (monotonic; the handshake's own bound) at most, not the agent's timeout a read: a
+        peer whose reads do not complete (a NIXL peer gone quiet) holds the step, and a shutdown waiting for the
+        worker's lock, no longer than a handshake may take; the reads left then go on and the first request's
+        read makes what they did not."""
+        def left() -> float | None:
+            if until is None:
+                return None
+            t = until - time.monotonic()
+            if t <= 0:
+                raise TransferTimeout(rank=self.agent.rank, step=0, flag="warm-up", expected=1, seen=0,
+                                      timeout_s=0.0, what="the handshake's time ran out before the warm-up reads")
+            return t
         for name in self._group_names:
             blocks = {name: [0]}
             try:
-                self.agent.prepare(peer, "pull", local_blocks=blocks, remote_blocks=blocks, name="warm-up").post().wait()
+                h = self.agent.prepare(peer, "pull", local_blocks=blocks, remote_blocks=blocks, name="warm-up").post()
+                h.wait(timeout_s=left())
                 if device_ids:
                     e = self.staging.take(1)
                     e.array[0] = 0
@@ -272,7 +292,12 @@ class PrefillEngines:
                     h = self.agent.prepare(peer, "pull", local_blocks=ids, remote_blocks=ids, name="warm-up",
                                            device_ids=True).post()
                     e.fence = h.event
-                    h.wait()
+                    h.wait(timeout_s=left())
+            except TransferTimeout as exc:
+                log.warning("gpuxfer: engine %s: the warm-up read of group %s from prefill engine %s did not complete "
+                            "(%s); the warm-up ends, and its first request makes what it did not",
+                            self.engine_id, name, getattr(peer, "name", peer), exc)
+                return
             except GpuxferError as exc:
                 log.debug("gpuxfer: warm-up read of group %s skipped: %s", name, exc)
 

@@ -38,6 +38,9 @@ class Settings:
     device_ids: bool | str = "auto"
     remote: str = "none"            # how the agent reaches other hosts: none, or nixl (KVAgent's ``remote``)
     route: str = "auto"             # the route to a prefill engine (KVAgent.add_peer's ``route``)
+    # the prefill side channels a decode worker may handshake with: hosts (any port) and (host, port) pairs, as
+    # params spell them; None: any (params naming an endpoint their maker runs carry that endpoint's own seal)
+    prefills: frozenset | None = None
 
 
 class WorkerSide:
