@@ -169,6 +169,9 @@ def test_the_warm_up_reads_of_a_new_prefill_hold_the_engine_thread_no_longer_tha
             waits.append(60.0 if timeout_s is None else timeout_s)
             raise TransferTimeout(rank=0, step=0, flag="f", expected=1, seen=0, timeout_s=waits[-1])
 
+        def done(self):
+            return False
+
     peer = types.SimpleNamespace(route="nixl", engine="copy_engine", name="p")
     agent = types.SimpleNamespace(peers={}, rank=0, timeout_s=60.0, add_peer=lambda *a, **k: peer,
                                   prepare=lambda *a, **k: types.SimpleNamespace(post=lambda: _Quiet()))
@@ -181,3 +184,46 @@ def test_the_warm_up_reads_of_a_new_prefill_hold_the_engine_thread_no_longer_tha
     engines._attach(r)
     assert r.state == "ready" and r.peer is peer
     assert waits and sum(waits) <= w.settings.handshake_timeout_s, waits
+
+
+def test_an_engine_gone_is_forgotten_only_once_its_warm_up_read_left_in_flight_ended():
+    """A warm-up read the handshake stopped waiting for is not one of the engine's reads in flight: forgetting the
+    engine once its side channel closed would remove its peer at once, and ``remove_peer`` waits for every read
+    posted with it (up to the agent's timeout) on the engine thread. The engine is forgotten at the first poll after
+    that read ended."""
+    import types
+    from gpuxfer.errors import TransferTimeout
+    from gpuxfer.integrations.vllm.engines import _Remote
+    from gpuxfer.integrations.vllm.worker import Settings, WorkerSide
+    from test_vllm_worker_polls import _Client
+    w = WorkerSide(engine_id="d", model="m", dtype="auto/float16", layout=None,
+                   groups=[("FullAttentionSpec", 16, ["l0"])],
+                   settings=Settings(lease_s=60, host="127.0.0.1", port=0, handshake_timeout_s=1, token_major=True))
+    ended = [False]
+
+    class _Late:                # a read that completes only when the test says so
+        def wait(self, timeout_s=None):
+            raise TransferTimeout(rank=0, step=0, flag="f", expected=1, seen=0, timeout_s=timeout_s or 0.0)
+
+        def done(self):
+            return ended[0]
+
+    removed = []
+    peer = types.SimpleNamespace(route="nixl", engine="copy_engine", name="p")
+    agent = types.SimpleNamespace(peers={}, rank=0, timeout_s=60.0, add_peer=lambda *a, **k: peer,
+                                  prepare=lambda *a, **k: types.SimpleNamespace(post=lambda: _Late()),
+                                  remove_peer=removed.append)
+    engines = w.decode.engines
+    engines.bind(agent, {"groups": []}, [16], [1], None)
+    client = _Client()
+    client.peer_clock = types.SimpleNamespace(same=False)
+    r = _Remote(("10.0.0.1", 5601, "p"), client=client, meta=b"m", groups=((16, 16),))
+    engines.remotes[r.key] = r
+    engines._attach(r)
+    assert r.state == "ready" and r.warming is not None
+    client.close()                              # the engine goes
+    engines.reap()
+    assert removed == [] and r.key in engines.remotes
+    ended[0] = True
+    engines.reap()
+    assert removed == [peer] and r.key not in engines.remotes

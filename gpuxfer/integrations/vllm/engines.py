@@ -65,7 +65,18 @@ class _Remote:
     clock: lease.PeerClock = lease.SAME_HOST    # its lease clock read on this one
     inflight: int = 0                       # reads posted and not seen complete
     loads: int = 0                          # loads naming it not reported yet
+    warming: Any = None                     # a warm-up read its handshake stopped waiting for (not in ``inflight``)
     t0: float = field(default_factory=time.monotonic)
+
+
+def _settled(read) -> bool:
+    """Whether a warm-up read left in flight (None: none) has ended, completed or failed."""
+    if read is None:
+        return True
+    try:
+        return bool(read.done())
+    except GpuxferError:
+        return True
 
 
 def carries_seal(rp: RemotePrefill, r: _Remote) -> bool:
@@ -252,7 +263,7 @@ class PrefillEngines:
                 # (a step's reads then merge into one request per engine; other block sizes pair on the host)
                 r.device_ids = (self.staging is not None and r.peer.route == "ipc" and r.peer.engine == "triton"
                                 and all(rk == lk for (_, rk), lk in zip(r.groups, self._kernel_tokens)))
-                self._warm(r.peer, r.device_ids, until=r.t0 + self.settings.handshake_timeout_s)
+                r.warming = self._warm(r.peer, r.device_ids, until=r.t0 + self.settings.handshake_timeout_s)
             r.state = "ready"
         except Exception as exc:
             self.failed(r, exc)
@@ -263,14 +274,15 @@ class PrefillEngines:
         log.info("gpuxfer: engine %s: handshake with prefill engine %s at %s:%d in %.3f s (its caches mapped in "
                  "%.3f s)", self.engine_id, r.key[2], r.key[0], r.key[1], time.monotonic() - r.t0, now - t0)
 
-    def _warm(self, peer, device_ids: bool = False, until: float | None = None) -> None:
+    def _warm(self, peer, device_ids: bool = False, until: float | None = None) -> Any:
         """One read of the peer's null block into ours per group (vLLM's block 0: a placeholder no request
         reads; a group at a time, as hybrid groups share memory), so the first request finds its route's
         slot made; with ``device_ids`` one more per group with the IDs on the device. The engine thread waits for
         them until ``until`` (monotonic; the handshake's own bound) at most, not the agent's timeout a read: a
         peer whose reads do not complete (a NIXL peer gone quiet) holds the step, and a shutdown waiting for the
         worker's lock, no longer than a handshake may take; the reads left then go on and the first request's
-        read makes what they did not."""
+        read makes what they did not. Returns the read it stopped waiting for (None: none), which :meth:`reap` waits
+        for before it removes the peer."""
         def left() -> float | None:
             if until is None:
                 return None
@@ -279,6 +291,7 @@ class PrefillEngines:
                 raise TransferTimeout(rank=self.agent.rank, step=0, flag="warm-up", expected=1, seen=0,
                                       timeout_s=0.0, what="the handshake's time ran out before the warm-up reads")
             return t
+        h = None
         for name in self._group_names:
             blocks = {name: [0]}
             try:
@@ -297,16 +310,18 @@ class PrefillEngines:
                 log.warning("gpuxfer: engine %s: the warm-up read of group %s from prefill engine %s did not complete "
                             "(%s); the warm-up ends, and its first request makes what it did not",
                             self.engine_id, name, getattr(peer, "name", peer), exc)
-                return
+                return h
             except GpuxferError as exc:
                 log.debug("gpuxfer: warm-up read of group %s skipped: %s", name, exc)
+        return None
 
     def reap(self) -> None:
         """Forget the engines whose side channel closed or whose handshake failed, once no load names them and
-        no read of theirs is in flight."""
+        no read of theirs is in flight (a warm-up read its handshake stopped waiting for included: removing the
+        peer would wait for it, up to the agent's timeout, on the engine thread)."""
         for key, r in list(self.remotes.items()):
             gone = r.state == "ready" and not (r.client and r.client.alive)
-            if (gone or r.state == "failed") and r.inflight == 0 and r.loads == 0:
+            if (gone or r.state == "failed") and r.inflight == 0 and r.loads == 0 and _settled(r.warming):
                 del self.remotes[key]
                 shared = any(x.peer is r.peer for x in self.remotes.values())      # (another address of it)
                 if r.peer is not None and not shared and self._lock.acquire(blocking=False):
