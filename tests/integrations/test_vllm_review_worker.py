@@ -109,14 +109,14 @@ def test_a_decode_reads_only_from_the_prefills_it_was_given(host):
     ``prefills`` set, a load naming another side channel fails at once, with no connection made and nothing
     moved; the listed prefill's loads go on."""
     import torch
-    from gpuxfer.integrations.vllm import connector
+    from gpuxfer.integrations.vllm.worker import prefills_setting
     ws = []
     try:
         genuine = _side(host, "p", 3, b"g" * 16)
         ws.append(genuine)
         theirs = _side(host, "x", 7, b"x" * 16)          # another prefill engine, its own secret and seal key
         ws.append(theirs)
-        D = _side(host, "d", 0, None, prefills=connector._prefills([["127.0.0.1", genuine.server.port]]))
+        D = _side(host, "d", 0, None, prefills=prefills_setting([["127.0.0.1", genuine.server.port]]))
         ws.append(D)
         forged = _load(theirs, "a", [1, 2], [3, 4])
         forged.remote = __import__("dataclasses").replace(forged.remote, engine_id="x")
@@ -141,10 +141,10 @@ def test_a_decode_reads_only_from_the_prefills_it_was_given(host):
                                  [["h", True]], list(map(str, range(5000)))])
 def test_hostile_prefills_settings_are_refused(bad):
     from gpuxfer.errors import BadInput
-    from gpuxfer.integrations.vllm import connector
+    from gpuxfer.integrations.vllm.worker import prefills_setting
     with pytest.raises(BadInput, match="prefills"):
-        connector._prefills(bad)
-    assert connector._prefills(["h", ["h", 1], ("g", 65535)]) == frozenset({"h", ("h", 1), ("g", 65535)})
+        prefills_setting(bad)
+    assert prefills_setting(["h", ["h", 1], ("g", 65535)]) == frozenset({"h", ("h", 1), ("g", 65535)})
 
 
 # ------------------------------------------------------------------------------------- the handshake's warm-up reads

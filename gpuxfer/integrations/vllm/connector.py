@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from ... import config
 from ...errors import BadInput
 from .scheduler import SchedulerSide
-from .worker import Settings, WorkerSide
+from .worker import Settings, WorkerSide, prefills_setting
 
 log = logging.getLogger("gpuxfer.vllm")
 
@@ -97,38 +97,12 @@ def _settings(extra: dict) -> Settings:
         raise BadInput(f"kv_connector_extra_config['token_major'] must be true or false, got {tm!r}")
     if not isinstance(dev, bool) and dev != "auto":
         raise BadInput(f"kv_connector_extra_config['device_ids'] must be true, false or \"auto\", got {dev!r}")
-    return Settings(prefills=_prefills(extra.get("prefills")),
+    return Settings(prefills=prefills_setting(extra.get("prefills")),
                     lease_s=pick("lease_s", "GPUXFER_VLLM_LEASE_S"), host=pick("host", "GPUXFER_VLLM_HOST"),
                     port=pick("port", "GPUXFER_VLLM_PORT"),
                     handshake_timeout_s=pick("handshake_timeout_s", "GPUXFER_VLLM_HANDSHAKE_TIMEOUT_S"),
                     token_major=tm, engine=pick("engine", "GPUXFER_VLLM_ENGINE"), device_ids=dev,
                     remote=pick("remote", "GPUXFER_KV_REMOTE"), route=pick("route", "GPUXFER_KV_ROUTE"))
-
-
-#: the most entries of ``kv_connector_extra_config['prefills']``
-MAX_PREFILLS = 4096
-
-
-def _prefills(v: Any) -> frozenset | None:
-    """``kv_connector_extra_config['prefills']`` checked: None (any prefill), or a list of hosts (any port) and
-    ``[host, port]`` pairs, spelled as the prefills' params name them (their ``host`` setting)."""
-    if v is None:
-        return None
-    what = "kv_connector_extra_config['prefills']"
-    if not isinstance(v, (list, tuple)) or len(v) > MAX_PREFILLS:
-        raise BadInput(f"{what} must be a list of at most {MAX_PREFILLS} hosts or [host, port] pairs, got {v!r:.80}")
-    out = set()
-    for e in v:
-        if isinstance(e, (list, tuple)) and len(e) == 2:
-            h, p = e
-            if isinstance(h, str) and h and type(p) is int and 1 <= p <= 65535:
-                out.add((h, p))
-                continue
-        elif isinstance(e, str) and e:
-            out.add(e)
-            continue
-        raise BadInput(f"{what}: each entry must be a host or a [host, port] pair (port 1..65535), got {e!r:.80}")
-    return frozenset(out)
 
 
 def tensor_parallel_rank(tp_size: int) -> tuple[int, int]:

@@ -43,6 +43,32 @@ class Settings:
     prefills: frozenset | None = None
 
 
+#: the most entries of ``kv_connector_extra_config['prefills']``
+MAX_PREFILLS = 4096
+
+
+def prefills_setting(v: Any) -> frozenset | None:
+    """``kv_connector_extra_config['prefills']`` checked: None (any prefill), or a list of hosts (any port) and
+    ``[host, port]`` pairs, spelled as the prefills' params name them (their ``host`` setting)."""
+    if v is None:
+        return None
+    what = "kv_connector_extra_config['prefills']"
+    if not isinstance(v, (list, tuple)) or len(v) > MAX_PREFILLS:
+        raise BadInput(f"{what} must be a list of at most {MAX_PREFILLS} hosts or [host, port] pairs, got {v!r:.80}")
+    out = set()
+    for e in v:
+        if isinstance(e, (list, tuple)) and len(e) == 2:
+            h, p = e
+            if isinstance(h, str) and h and type(p) is int and 1 <= p <= 65535:
+                out.add((h, p))
+                continue
+        elif isinstance(e, str) and e:
+            out.add(e)
+            continue
+        raise BadInput(f"{what}: each entry must be a host or a [host, port] pair (port 1..65535), got {e!r:.80}")
+    return frozenset(out)
+
+
 class WorkerSide:
     """One worker's connector state; ``groups``: per KV-cache group ``(kind, block_size, layer names)``; ``tp``:
     this worker's ``(rank, world size)`` in the engine's tensor parallel group; ``kv_heads``: per group, the KV heads
