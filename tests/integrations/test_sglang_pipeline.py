@@ -117,7 +117,6 @@ class Manager(GpuxferKVManager):
         self.landed_at_once = False             # new pushes complete as they are posted
         self.before_drain = None                # run once as a room's pushes are next waited for
         self.pushes = self.pushes_class(self, timeout_s)
-        self._stop = self.pushes._stop          # (the manager's stop flag, its transfer thread's)
 
     def send_kv_status_message(self, *, targets, bootstrap_room, status, failure_reason=None, infos=None):
         self.log.append(("status", bootstrap_room, status, failure_reason))

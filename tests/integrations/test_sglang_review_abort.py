@@ -67,3 +67,27 @@ def test_a_prefill_abort_with_no_push_posted_returns_at_once_and_tells_the_decod
     sender.init(2, 5)
     sender.abort()
     assert mgr.statuses()[-1][2] == KVPoll.Failed and sender.poll() == KVPoll.Failed
+
+
+def test_a_prefill_abort_waits_for_no_drain_once_the_transfer_thread_stopped(monkeypatch):
+    """A push of the request still running and the transfer thread stopped as the abort waits for it (the
+    manager's teardown): the abort returns, its decode told, instead of waiting the waiting timeout (an hour here)
+    for a drain no thread runs."""
+    mgr, clock = _prefill(), _Clock()
+    mgr.timeout_s = 3600.0
+    sender = _sender(monkeypatch, mgr, clock)
+    mgr.decode_ranks.on_transfer_info(_meta(ROOM, 0, pages=(9, 10)))
+    sender.init(2, 5)
+    sender.send(np.array([1], dtype=np.int32))
+    mgr.run(mgr.pushes._queue.get_nowait())                 # posted, never over
+
+    class StopOnWait(threading.Event):                      # the teardown comes as the abort waits
+        def wait(self, timeout=None):
+            mgr.pushes._stop.set()
+            return super().wait(timeout)
+    mgr.pushes._drained[ROOM] = StopOnWait()                # (the event the abort's drain sets)
+    aborting = threading.Thread(target=sender.abort, daemon=True)
+    aborting.start()
+    aborting.join(60)
+    assert not aborting.is_alive() and not mgr.handles[0].waited
+    assert mgr.statuses()[-1][2] == KVPoll.Failed and sender.poll() == KVPoll.Failed

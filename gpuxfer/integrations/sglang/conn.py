@@ -326,7 +326,7 @@ class GpuxferKVManager(CommonKVManager):
             self.update_status(room, KVPoll.Failed)
             posted = self._staging_outstanding.get(room, 0) > 0
         done = self.pushes.drain_later(room)
-        if posted and not self._stop.is_set() and not done.wait(self.timeout_s):
+        if posted and not self.pushes.wait_drain(done, self.timeout_s):
             log.warning("gpuxfer: room %s failed (%s) with pushes not over after %.0f s", room, reason, self.timeout_s)
         self.conclude_failure(bootstrap_room=room, failure_reason=reason)
 

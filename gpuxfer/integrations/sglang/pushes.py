@@ -147,6 +147,15 @@ class Pushes:
         self._queue.put(_drain_marker(room))
         return done
 
+    def wait_drain(self, done: threading.Event, timeout_s: float) -> bool:
+        """Wait for the drain :meth:`drain_later` queued (its event ``done``): at most ``timeout_s``, and not past
+        this thread's stop (a stopped thread runs no drain). Whether it ran."""
+        deadline = time.monotonic() + timeout_s
+        while not done.wait(min(_IDLE_S, max(deadline - time.monotonic(), 0.0))):
+            if self._stop.is_set() or time.monotonic() >= deadline:
+                return done.is_set()
+        return True
+
     def add_decode(self, session: str, meta: bytes, views: Dict[str, Any], slot: Optional[int],
                    endpoint: Optional[Tuple[str, int]] = None, registration: Optional[dict] = None) -> Any:
         """Decode rank ``session``'s agent added (``views``: :func:`.layout.head_share`'s), replacing an earlier
