@@ -61,7 +61,7 @@ from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.network import NetworkAddress, get_zmq_socket_on_host
 
 from ... import config
-from ...errors import BadInput, BlockIdError, GpuxferError, ProtocolError
+from ...errors import BadInput, GpuxferError, ProtocolError
 from ...kv import KVAgent
 from .control import bound_control_socket, within_frame
 from .decode_ranks import DecodeRanks
@@ -69,7 +69,7 @@ from .inbox import Inbox
 from .landing import Landings, slot_frame
 from .layout import check_supported, encode_registration, geometry, register_kv_args, total_kv_heads
 from .pushes import Pushes, clip
-from .requests import TransferInfo, _Chunk
+from .requests import TransferInfo, _Chunk, _int32_pages
 from .rows import AuxRows, advertised
 
 log = logging.getLogger("gpuxfer.sglang")
@@ -82,20 +82,6 @@ _clock = time.monotonic         # a sender's clock (how long a started request w
 def _tcp(endpoint: tuple) -> str:
     """SGLang's ``tcp://`` name of an ``(ip, port)`` endpoint (what its socket cache is keyed by)."""
     return NetworkAddress(endpoint[0], int(endpoint[1])).to_tcp()
-
-
-def _int32_pages(kv_indices) -> bytes:
-    """A decode's page indices as its metadata message carries them (int32s); ``BlockIdError`` for any that is
-    no integer or does not fit (a cast would name another page)."""
-    try:
-        arr = np.asarray(kv_indices)
-    except (TypeError, ValueError, RuntimeError) as exc:     # e.g. a device tensor, a ragged list
-        raise BlockIdError(f"decode page indices must be a 1-D array of integers: {exc}") from None
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise BlockIdError(f"decode page indices must be a 1-D array of integers, got {arr.dtype} {arr.shape}")
-    if arr.size and not (0 <= int(arr.min()) and int(arr.max()) <= np.iinfo(np.int32).max):
-        raise BlockIdError(f"decode page indices {int(arr.min())}..{int(arr.max())} do not fit an int32 page index")
-    return np.ascontiguousarray(arr, dtype=np.int32).tobytes()
 
 
 class GpuxferKVManager(CommonKVManager):
@@ -330,6 +316,20 @@ class GpuxferKVManager(CommonKVManager):
         status = self.request_status.get(room)
         return unknown if status is None else status == KVPoll.Failed
 
+    def fail_drained(self, room: int, reason: str) -> None:
+        """The room failed here (its abort, a timeout): nothing more of it posted, its posted pushes waited for
+        (bounded by the waiting timeout), then its decode told. SGLang frees the request's KV pages once its sender
+        polls Failed or its abort returns, the decode its own once told: a push still running would read the
+        first (its word then ending the decode's request over them) or write the second."""
+        with self._room_lock:       # (under the lock count_post takes: a push counted before is waited for)
+            self.record_failure(room, reason)
+            self.update_status(room, KVPoll.Failed)
+            posted = self._staging_outstanding.get(room, 0) > 0
+        done = self.pushes.drain_later(room)
+        if posted and not self.pushes.wait_drain(done, self.timeout_s):
+            log.warning("gpuxfer: room %s failed (%s) with pushes not over after %.0f s", room, reason, self.timeout_s)
+        self.conclude_failure(bootstrap_room=room, failure_reason=reason)
+
     def count_post(self, room: int) -> bool:
         """:meth:`.pushes.Rooms.count_post`: under the room lock an abort marks the room Failed by."""
         with self._room_lock:
@@ -493,8 +493,8 @@ class GpuxferKVSender(CommonKVSender):
         status = super().poll()
         if (status == KVPoll.WaitingForInput and self._holds_room and not self._last_handed
                 and self._started is not None and _clock() - self._started > self.kv_mgr.timeout_s):
-            self.kv_mgr.conclude_failure(bootstrap_room=self.bootstrap_room, failure_reason=(
-                f"the request handed over no last chunk within {self.kv_mgr.timeout_s:.0f} s of its start"))
+            self.kv_mgr.fail_drained(self.bootstrap_room, f"the request handed over no last chunk within "
+                                     f"{self.kv_mgr.timeout_s:.0f} s of its start")
             status = super().poll()
         return status
 
@@ -518,13 +518,13 @@ class GpuxferKVSender(CommonKVSender):
         super().failure_exception()
 
     def abort(self) -> None:
-        """SGLang's abort, and the decode told at once (it would otherwise wait for its timeout)."""
+        """SGLang's abort, returning once the request's posted pushes were waited for (SGLang frees its pages
+        then), and the decode told then (it would otherwise wait for its timeout)."""
         if not self._holds_room:
             self.conclude_state = KVPoll.Failed
             return
         super().abort()
-        self.kv_mgr.conclude_failure(bootstrap_room=self.bootstrap_room, failure_reason="Aborted by the prefill")
-        self.kv_mgr.pushes.drain_later(self.bootstrap_room)     # its posted pushes waited for
+        self.kv_mgr.fail_drained(self.bootstrap_room, "Aborted by the prefill")
 
 
 class GpuxferKVReceiver(CommonKVReceiver):

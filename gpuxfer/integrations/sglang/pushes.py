@@ -110,6 +110,7 @@ class Pushes:
         self._agent_lock, self._stop = agent_lock, stop
         self._queue: "queue.Queue[_Chunk]" = queue.Queue()
         self._drains_queued: set = set()                    # rooms whose drain marker is queued, not yet taken
+        self._drained: Dict[int, threading.Event] = {}      # room -> set once its queued drain ran
         self._drains_lock = threading.Lock()
         self._posted: Dict[int, _Posted] = {}               # rooms with pushes in flight
         self._dead: Dict[str, str] = {}                     # decode ranks a push found gone: told nothing more
@@ -133,15 +134,27 @@ class Pushes:
         """Queue one ``send()`` chunk (the caller does not wait)."""
         self._queue.put(chunk)
 
-    def drain_later(self, room: int) -> None:
+    def drain_later(self, room: int) -> threading.Event:
         """Queue the room's drain (an abort): its posted pushes waited for, then its ACK. One marker per room
         at a time: a drain already queued waits for every push posted before it runs (aborts mark the room
-        Failed first, so none is posted after), so ABORTs of one room again never grow the queue."""
+        Failed first, so none is posted after), so ABORTs of one room again never grow the queue. Returns an
+        event set once that drain ran."""
         with self._drains_lock:
+            done = self._drained.setdefault(room, threading.Event())
             if room in self._drains_queued:
-                return
+                return done
             self._drains_queued.add(room)
         self._queue.put(_drain_marker(room))
+        return done
+
+    def wait_drain(self, done: threading.Event, timeout_s: float) -> bool:
+        """Wait for the drain :meth:`drain_later` queued (its event ``done``): at most ``timeout_s``, and not past
+        this thread's stop (a stopped thread runs no drain). Whether it ran."""
+        deadline = time.monotonic() + timeout_s
+        while not done.wait(min(_IDLE_S, max(deadline - time.monotonic(), 0.0))):
+            if self._stop.is_set() or time.monotonic() >= deadline:
+                return done.is_set()
+        return True
 
     def add_decode(self, session: str, meta: bytes, views: Dict[str, Any], slot: Optional[int],
                    endpoint: Optional[Tuple[str, int]] = None, registration: Optional[dict] = None) -> Any:
@@ -274,7 +287,12 @@ class Pushes:
         if chunk.pages is None:         # an abort: wait for what was posted, then the ACK
             with self._drains_lock:     # (an abort from now on queues a drain again)
                 self._drains_queued.discard(room)
-            self._drain(room)
+                done = self._drained.pop(room, None)
+            try:
+                self._drain(room)
+            finally:
+                if done is not None:
+                    done.set()
             return
         infos = self.rooms.room_infos(room)
         if infos is None:               # cleared by its sender, or a dummy rank with nothing to send

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import numpy as np
 import numpy.typing as npt
 
-from ...errors import BadInput
+from ...errors import BadInput, BlockIdError
 from .rows import token_number
 
 MAX_SESSION_BYTES = 256     # a decode rank's name (SGLang's ``ip:port``), or its ip, in a message, at most
@@ -34,6 +34,20 @@ def int_frame(frame: bytes, what: str) -> int:
         return int(text)
     except ValueError:
         raise BadInput(f"a gpuxfer SGLang message's {what} is not an integer: {frame[:40]!r}") from None
+
+
+def _int32_pages(kv_indices) -> bytes:
+    """A decode's page indices as its metadata message carries them (int32s); ``BlockIdError`` for any that is
+    no integer or does not fit (a cast would name another page)."""
+    try:
+        arr = np.asarray(kv_indices)
+    except (TypeError, ValueError, RuntimeError) as exc:     # e.g. a device tensor, a ragged list
+        raise BlockIdError(f"decode page indices must be a 1-D array of integers: {exc}") from None
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise BlockIdError(f"decode page indices must be a 1-D array of integers, got {arr.dtype} {arr.shape}")
+    if arr.size and not (0 <= int(arr.min()) and int(arr.max()) <= np.iinfo(np.int32).max):
+        raise BlockIdError(f"decode page indices {int(arr.min())}..{int(arr.max())} do not fit an int32 page index")
+    return np.ascontiguousarray(arr, dtype=np.int32).tobytes()
 
 
 @dataclass
