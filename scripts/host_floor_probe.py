@@ -34,11 +34,6 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def _pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def _entry(drv, name: bytes, *argtypes):
     err, pfn, _ = drv.cuGetProcAddress(name, 12000, 0)
     if int(err) != 0 or not pfn:
@@ -70,9 +65,16 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.blocks < 1 or a.iters < 10 or a.flush_mb < 1:
         ap.error("--blocks >= 1, --iters >= 10, --flush-mb >= 1")
+    from gpuxfer.bench.cliutil import json_path_option
+    from gpuxfer.errors import BadInput
+    try:        # checked before the measurements: a new file in an existing, writable directory
+        json_path_option(a.json)
+    except BadInput as exc:
+        ap.error(str(exc))
     import torch
 
     from gpuxfer.bench.cpus import fastest_cpu, machine_line, pin, python_speed_us
+    from gpuxfer.bench.report import nearest_rank as pct
     from gpuxfer.platforms import get_platform
     from gpuxfer.platforms.cuda_driver import _driver
     plat = get_platform()
@@ -153,14 +155,14 @@ def main(argv=None) -> int:
     for name, fn in (("floor_read", read), ("floor_launch", floor_launch), ("floor_poll", floor_poll)):
         for state in ("warm", "cold"):
             xs = timed(fn, state == "cold")
-            res["rows"][f"{name}_{state}"] = {"p50_us": statistics.median(xs), "p90_us": _pct(xs, 0.9)}
+            res["rows"][f"{name}_{state}"] = {"p50_us": statistics.median(xs), "p90_us": pct(xs, 0.9)}
     ok = torch.equal(dst[torch.from_numpy(local).cuda()], src[torch.from_numpy(remote).cuda()])
     chain, empty = _chain(64), _chain(0)
     for state in ("warm", "cold"):
         with_calls = timed(chain, state == "cold")
         without = timed(empty, state == "cold")
         per = (statistics.median(with_calls) - statistics.median(without)) / 64
-        per90 = (_pct(with_calls, 0.9) - _pct(without, 0.9)) / 64
+        per90 = (pct(with_calls, 0.9) - pct(without, 0.9)) / 64
         res["rows"][f"call_{state}"] = {"p50_us": per, "p90_us": per90}
     res["yardstick_end_us"] = python_speed_us()
     res["gathered_rows_right"] = bool(ok)

@@ -1,6 +1,6 @@
-"""scripts/vllm_connector_bench.py and scripts/sglang_backend_bench.py check where their JSON goes before the
-runs (minutes on a GPU): a missing or unwritable directory is a one-line usage error (exit 2), not a
-traceback at the end that loses every measurement."""
+"""scripts/vllm_connector_bench.py, scripts/sglang_backend_bench.py and scripts/host_floor_probe.py check where
+their JSON goes before the runs (minutes on a GPU): a missing or unwritable directory is a one-line usage error
+(exit 2), not a traceback at the end that loses every measurement."""
 from __future__ import annotations
 
 import importlib.util
@@ -60,3 +60,16 @@ def test_an_existing_json_file_is_kept(capsys, monkeypatch, tmp_path, script, op
     with pytest.raises(SystemExit) as exc:
         _script(script).main([option, str(path), "--platform" if script.startswith("sglang") else "--device", "host"])
     assert exc.value.code == 2 and "exists" in capsys.readouterr().err and path.read_text() == "earlier"
+
+
+def test_the_floor_probe_checks_its_json_place_before_it_measures(capsys, tmp_path):
+    """scripts/host_floor_probe.py: an existing file or a missing directory is a usage error before the platform
+    is even asked (on this machine it would otherwise stop at "needs CUDA", exit 1)."""
+    path = tmp_path / "o.json"
+    path.write_text("earlier")
+    mod = _script("host_floor_probe")
+    for where, message in ((str(path), "exists"), ("/proc/gpuxfer-no-such-dir/o.json", "does not exist")):
+        with pytest.raises(SystemExit) as exc:
+            mod.main(["--json", where])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert path.read_text() == "earlier"
