@@ -52,11 +52,12 @@ class Instance:
                  extra: dict | None = None, num_blocks: int = 4096, env: dict | None = None, device: str = "cpu",
                  max_model_len: int = 8192, cpus: tuple[int, int] | None = None, profile: bool = False,
                  shm_caches: bool = False, connector: str = "gpuxfer", tp: int = 1, count_calls: bool = False):
-        """``cpus``: ``(rank, world)`` to pin the instance's engine thread as a benchmark rank with ``--cpus
-        auto`` does (:func:`gpuxfer.bench.cpus.pin_auto`: the fastest of physical cores of its own); None: the
-        scheduler places it. ``profile``: time the calls a load makes inside the engine (:func:`_profile`,
-        under ``stats["calls_s"]``). ``shm_caches``: on the host emulation, the caches in the platform's shared
-        memory (the triton engine reaches a peer's caches only there). ``connector``: ``"gpuxfer"``, or ``"nixl"``
+        """``cpus``: ``(rank, world)`` to place the instance as a benchmark rank with ``--cpus auto`` does
+        (:func:`gpuxfer.bench.cpus.auto_cpus`: physical cores of its own; the engine thread pinned to the fastest,
+        the threads the engine starts on all of them); None: the scheduler places it. ``profile``: time the calls a
+        load makes inside the engine (:func:`_profile`, under ``stats["calls_s"]``). ``shm_caches``: on the host
+        emulation, the caches in the platform's shared memory (the triton engine reaches a peer's caches only
+        there). ``connector``: ``"gpuxfer"``, or ``"nixl"``
         for vLLM's own NixlConnector on the same caches (a baseline; its side channel on a free port). ``tp``: the
         tensor parallel size (one worker-side connector per rank in the process). ``count_calls``: count the Python
         and C calls the engine thread makes inside ``start_load_kv`` and ``get_transfer_results`` (``sys.setprofile``,
@@ -233,9 +234,17 @@ def serve(conn, spec: dict) -> None:
     try:
         placed = None
         if spec.get("cpus"):
-            from gpuxfer.bench.cpus import pin_auto
-            placed = pin_auto(*spec["cpus"], None)
+            from gpuxfer.bench.cpus import auto_cpus, fastest_cpu, pin
+            # (as pin_auto, in two steps: the threads the engine starts -- the side channel's -- keep the
+            # instance's part of the cores; the engine thread is then pinned to the fastest of them)
+            part = auto_cpus(*spec["cpus"], None)
+            pin(part)
         eng = _Engine(spec)
+        if spec.get("cpus") and part:
+            cpu, us, each = fastest_cpu(part)
+            if pin((cpu,)):
+                placed = part, {"cpu": cpu, "python_us": us,
+                                "candidates_python_us": {str(c): v for c, v in each.items()}}
         eng.cpus = placed
         eng.errors = errors
         conn.send(("ready", eng.describe()))
