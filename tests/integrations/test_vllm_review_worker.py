@@ -227,3 +227,58 @@ def test_an_engine_gone_is_forgotten_only_once_its_warm_up_read_left_in_flight_e
     ended[0] = True
     engines.reap()
     assert removed == [peer] and r.key not in engines.remotes
+
+
+def test_a_restarted_engine_is_mapped_again_only_once_the_old_ones_warm_up_read_left_in_flight_ended():
+    """The same prefill rank answers a handshake at another address with other caches (it restarted) while the old
+    record's warm-up read, which its handshake stopped waiting for, is still in flight: removing the old peer then
+    would wait for that read (up to the agent's timeout) on the engine thread. The new handshake stays pending until
+    the read ended, then replaces the old peer."""
+    import types
+    from gpuxfer.errors import TransferTimeout
+    from gpuxfer.integrations.vllm.engines import _Remote
+    from gpuxfer.integrations.vllm.handshake import agent_name
+    from gpuxfer.integrations.vllm.worker import Settings, WorkerSide
+    from test_vllm_worker_polls import _Client
+    w = WorkerSide(engine_id="d", model="m", dtype="auto/float16", layout=None,
+                   groups=[("FullAttentionSpec", 16, ["l0"])],
+                   settings=Settings(lease_s=60, host="127.0.0.1", port=0, handshake_timeout_s=1, token_major=True))
+    ended = [False]
+
+    class _Late:                # a read that completes only when the test says so
+        def wait(self, timeout_s=None):
+            raise TransferTimeout(rank=0, step=0, flag="f", expected=1, seen=0, timeout_s=timeout_s or 0.0)
+
+        def done(self):
+            return ended[0]
+
+    removed, peers = [], []
+
+    def add_peer(*a, **k):
+        peers.append(types.SimpleNamespace(route="nixl", engine="copy_engine", name=f"p{len(peers)}"))
+        agent.peers[agent_name("p", 0, 1)] = peers[-1]
+        return peers[-1]
+
+    agent = types.SimpleNamespace(peers={}, rank=0, timeout_s=60.0, add_peer=add_peer,
+                                  prepare=lambda *a, **k: types.SimpleNamespace(post=lambda: _Late()),
+                                  remove_peer=removed.append)
+    engines = w.decode.engines
+    engines.bind(agent, {"groups": []}, [16], [1], None)
+
+    def remote(host: str, meta: bytes) -> _Remote:
+        client = _Client()
+        client.peer_clock = types.SimpleNamespace(same=False)
+        r = _Remote((host, 5601, "p"), client=client, meta=meta, groups=((16, 16),))
+        engines.remotes[r.key] = r
+        return r
+
+    old = remote("10.0.0.1", b"old caches")
+    engines._attach(old)
+    assert old.state == "ready" and old.warming is not None and old.inflight == 0
+    new = remote("10.0.0.2", b"new caches")
+    engines._attach(new)
+    assert removed == [] and new.state == "pending" and new.peer is None
+    ended[0] = True
+    engines._attach(new)
+    assert removed == [agent_name("p", 0, 1)] and new.state == "ready" and new.peer is peers[1]
+    assert old.state == "failed"

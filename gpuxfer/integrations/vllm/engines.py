@@ -244,8 +244,11 @@ class PrefillEngines:
                     r.peer = old        # the same prefill rank, its address spelled otherwise: one mapping for both
                 else:
                     if old is not None:                        # the same engine again, after it restarted
-                        if any(x.peer is old and x.inflight for x in self.remotes.values()):
-                            return      # its reads in flight end first (the handshake stays pending until then)
+                        # its reads in flight end first, a warm-up read left in flight included (remove_peer
+                        # would wait for it on the engine thread): the handshake stays pending until then
+                        if any(x.peer is old and (x.inflight or not _settled(x.warming))
+                               for x in self.remotes.values()):
+                            return
                         if twin:        # (at another address, its old connection not seen dead): the old record
                             # goes, its loads fail and the next naming it handshakes again (left ready over a
                             # removed peer, every later load of it would fail)

@@ -18,7 +18,8 @@ as it is posted, claims its request on the side channel with its instance's toke
 load is reported loaded only once its read completed and the prefill granted the claim (a claim refused, not
 answered within the handshake timeout of the post, or a connection gone fails the load). A granted claim means the
 hold had not ended when the prefill decided and that no other instance's done or release counts after it, so the
-blocks were held from the params' making until this instance's own done.
+blocks were held from the params' making until this instance's own done. A load whose request another load of
+this instance claimed before its params were checked waits for that check (:mod:`.claims`).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import numpy as np
 
 from ...errors import BlockIdError, GpuxferError
 from . import lease
+from .claims import TWICE, settle, unchecked
 from .engines import MAX_HANDSHAKES_A_LOAD, PrefillEngines, _Remote, carries_seal, probe
 from .params import BadSeal, BadTransferParams, RemotePrefill
 from .staging import IdStaging, pair_load, prepare_each_host, prepare_on_device
@@ -83,6 +85,7 @@ class _LoadState:
     granted: bool = False                   # the prefill granted its claim
     refused: bool = False                   # ... refused it: another decode instance reads (or released) it
     key: tuple[str, int]                    # (request, part): how pending and waiting hold it
+    held: tuple | None                      # the claim it made (DecodeLoads.claims' entry), if any
 
     def __init__(self, load: Load, t_start: float, remote: "_Remote | None" = None, handle: Any = None,
                  t_post: float = 0.0, part: int = 0):
@@ -90,7 +93,7 @@ class _LoadState:
         self.load, self.t_start, self.remote, self.handle, self.t_post, self.part = (load, t_start, remote, handle,
                                                                                      t_post, part)
         self.key = load.req_id, part
-        self.nbytes, self.error, self.pairs, self.together = 0, None, None, 1
+        self.nbytes, self.error, self.pairs, self.together, self.held = 0, None, None, 1, None
         self.device_ids = self.host_ids = self.late = self.forged = self.asked = self.granted = self.refused = False
 
 
@@ -128,6 +131,10 @@ class DecodeLoads:
         self._parts: dict[str, list] = {}
         self._prune_claims_at = 1024
         self.unanswered: list[_LoadState] = []  # reads ended well whose claim has no answer yet
+        # the load that made each claim, until it ends; the loads deferred on a claim whose maker's params were
+        # not checked yet (.claims.settle)
+        self._claimants: dict[tuple, _LoadState] = {}
+        self._deferred: dict[tuple, list[_LoadState]] = {}
         self._read_now: set[int] = set()        # the clients whose answers this poll read
 
     @property
@@ -184,8 +191,12 @@ class DecodeLoads:
                 pending[st.key] = st
                 claim = (key, rp.request_id)
                 if claim in claims:
-                    st.error = (f"request {rp.request_id!r} of prefill engine {key[2]} is loaded by another "
-                                "request of this instance already (its blocks are freed once that load ends)")
+                    if not several and unchecked(self._claimants.get(claim)):
+                        # its maker's params are not checked yet (forged ones must not refuse genuine ones):
+                        # decided once they are (.claims.settle)
+                        self._deferred.setdefault(claim, []).append(st)
+                        continue
+                    st.error = TWICE.format(rp.request_id, key[2])
                 # (one key: it begins at most one handshake, never past MAX_HANDSHAKES_A_LOAD)
                 elif several and self.engines.begins(key) and (begun := begun + 1) > MAX_HANDSHAKES_A_LOAD:
                     st.error = (f"the params name more than {MAX_HANDSHAKES_A_LOAD} prefill ranks of engine {key[2]} "
@@ -198,7 +209,8 @@ class DecodeLoads:
                 if r is None or r.state != "ready" or r.client is None or not r.client.alive:
                     r = self.engines.get(key)   # (a ready engine alive is the one get gives: no handshake begins)
                 st.remote = r
-                claims[claim] = (r, rp.lease_deadline)
+                claims[claim] = st.held = (r, rp.lease_deadline)
+                self._claimants[claim] = st
                 r.loads += 1
                 if r.state == "pending":
                     self.engines.advance(r)
@@ -206,6 +218,8 @@ class DecodeLoads:
                     ready.append(st)
         if ready:
             self._post(ready, blocking=False)
+        if self._deferred:
+            settle(self)
 
     def _post(self, sts: list[_LoadState], blocking: bool) -> None:
         """Pair each request's blocks and post the reads together (:meth:`KVAgent.post_many`: one upload and one
@@ -324,6 +338,8 @@ class DecodeLoads:
         looked at each poll."""
         done, failed = set(), set()
         read: dict = {}                         # per prefill engine (its client): the params of the loads read
+        if self._deferred:
+            settle(self)
         if self._read_now:
             self._read_now.clear()
         inflight = self.inflight
@@ -441,6 +457,9 @@ class DecodeLoads:
             del pending[key]
         if r is not None:
             r.loads -= 1
+            claimants, claim = self._claimants, (r.key, rp.request_id)
+            if claim in claimants and claimants[claim] is st:
+                del claimants[claim]
         if st.error is not None:
             self._fail(st)
         else:
@@ -525,8 +544,7 @@ class DecodeLoads:
         lasts as long as the params' lease deadline says and refuses every other load of their request meanwhile, so
         only a sealed deadline is kept."""
         claim = (st.remote.key, st.load.remote.request_id)
-        held = self.claims.get(claim)
-        if held is not None and held[0] is st.remote:       # (its own: made when it started)
+        if st.held is not None and self.claims.get(claim) is st.held:     # (its own, not a later load's)
             del self.claims[claim]
 
     def _prune_claims(self) -> None:

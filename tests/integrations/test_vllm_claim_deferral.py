@@ -1,0 +1,80 @@
+"""A decode worker's claims against forged params, without vLLM: a load naming a request that another load of this
+instance claimed whose params were not checked yet (its handshake under way, or earlier in the same step) waits for
+that check instead of failing: forged params then fail alone and the genuine load reads; genuine params named twice
+(vLLM's n > 1 children) still fail the second once the first's seal held; a claimant whose load ends before any
+check (a handshake without a seal key) lets the waiting load start on its own."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from gpuxfer.integrations.vllm.loads import Load
+from gpuxfer.integrations.vllm.params import seal_key
+from test_vllm_seal import _decode, _rp
+from test_vllm_worker_polls import SEAL_KEY, _sealed
+
+CLAIM = (("127.0.0.1", 1, "p"), "p-x")
+
+
+def _forged():
+    """Params naming the genuine request p-x, sealed with a key that is not the prefill engine's."""
+    return dataclasses.replace(_sealed(_rp("p-x", (1, 2)), seal_key(b"not the engine's")), lease_deadline=1e300)
+
+
+def _poll_until(w, n: int):
+    recving, failed = set(), set()
+    for _ in range(n):
+        _, r, f = w.poll()
+        recving |= r
+        failed |= f
+    return recving, failed
+
+
+def test_forged_params_during_a_handshake_do_not_fail_the_genuine_load(monkeypatch):
+    w, clients, posted = _decode(monkeypatch, [SEAL_KEY], answer_after=2)
+    w.start_loads([Load("d-forged", _forged(), (np.array([7, 8]),), 0, 31)])
+    assert w.poll()[1:] == (set(), set())                    # the handshake under way
+    w.start_loads([Load("d-real", _sealed(_rp("p-x", (1, 2))), (np.array([9, 10]),), 0, 31)])
+    recving, failed = _poll_until(w, 4)
+    assert recving == {"d-forged", "d-real"} and failed == {"d-forged"}
+    assert posted == [([1, 2], "d-real")]
+    assert list(w.decode.claims) == [CLAIM]
+    assert not w.decode._deferred and not w.decode._claimants and not w.decode.pending
+    assert w.take_load_errors() == {7, 8}
+
+
+def test_forged_params_first_in_the_same_step_do_not_fail_the_genuine_load(monkeypatch):
+    w, clients, posted = _decode(monkeypatch, [SEAL_KEY])
+    w.start_loads([Load("d-warm", _sealed(_rp("p-w", (3, 4))), (np.array([5, 6]),), 0, 31)])
+    assert _poll_until(w, 2) == ({"d-warm"}, set())          # the engine known and ready
+    w.start_loads([Load("d-forged", _forged(), (np.array([7, 8]),), 0, 31),
+                   Load("d-real", _sealed(_rp("p-x", (1, 2))), (np.array([9, 10]),), 0, 31)])
+    recving, failed = _poll_until(w, 2)
+    assert recving == {"d-forged", "d-real"} and failed == {"d-forged"}
+    assert posted[-1] == ([1, 2], "d-real") and len(posted) == 2
+    assert CLAIM in w.decode.claims
+
+
+def test_genuine_params_named_twice_still_fail_the_second(monkeypatch):
+    w, clients, posted = _decode(monkeypatch, [SEAL_KEY], answer_after=1)
+    real = _sealed(_rp("p-x", (1, 2)))
+    w.start_loads([Load("d-a", real, (np.array([7, 8]),), 0, 31)])
+    w.start_loads([Load("d-b", real, (np.array([9, 10]),), 0, 31)])
+    recving, failed = _poll_until(w, 4)
+    assert recving == {"d-a", "d-b"} and failed == {"d-b"}
+    assert posted == [([1, 2], "d-a")]
+    assert w.take_load_errors() == {9, 10}
+    assert not w.decode._deferred and not w.decode.pending
+
+
+def test_a_claimant_ended_unchecked_lets_the_waiting_load_start(monkeypatch):
+    """The first handshake carries no seal key: the load claiming first fails unchecked (and drops its claim); the
+    load waiting on it then starts, handshakes afresh and reads."""
+    w, clients, posted = _decode(monkeypatch, [None, SEAL_KEY], answer_after=1)
+    w.start_loads([Load("d-a", _forged(), (np.array([7, 8]),), 0, 31)])
+    w.start_loads([Load("d-b", _sealed(_rp("p-x", (1, 2))), (np.array([9, 10]),), 0, 31)])
+    recving, failed = _poll_until(w, 6)
+    assert recving == {"d-a", "d-b"} and failed == {"d-a"}
+    assert len(clients) == 2 and posted == [([1, 2], "d-b")]
+    assert list(w.decode.claims) == [CLAIM]
