@@ -78,3 +78,33 @@ def test_a_claimant_ended_unchecked_lets_the_waiting_load_start(monkeypatch):
     assert recving == {"d-a", "d-b"} and failed == {"d-a"}
     assert len(clients) == 2 and posted == [([1, 2], "d-b")]
     assert list(w.decode.claims) == [CLAIM]
+
+
+def test_a_forged_claim_pruned_meanwhile_is_still_dropped_when_its_seal_fails(monkeypatch):
+    """The claims are pruned (a poll that reported loads, past ``_prune_claims_at``) while forged params' handshake
+    is under way: their claim, kept (its engine pending), is still the forged load's own, so it goes when their seal
+    fails, and the genuine load waiting on it reads (a claim left would refuse every load of the request until its
+    forged lease deadline)."""
+    w, clients, posted = _decode(monkeypatch, [SEAL_KEY], answer_after=2)
+    w.start_loads([Load("d-forged", _forged(), (np.array([7, 8]),), 0, 31)])
+    assert w.poll()[1:] == (set(), set())
+    w.decode._prune_claims()
+    assert CLAIM in w.decode.claims
+    w.start_loads([Load("d-real", _sealed(_rp("p-x", (1, 2))), (np.array([9, 10]),), 0, 31)])
+    recving, failed = _poll_until(w, 4)
+    assert recving == {"d-forged", "d-real"} and failed == {"d-forged"}
+    assert posted == [([1, 2], "d-real")]
+    assert w.decode.claims[CLAIM][1] != 1e300
+
+
+def test_an_unchecked_claim_pruned_meanwhile_goes_when_its_load_ends_unchecked(monkeypatch):
+    """As above, the handshake carrying no seal key: the load fails unchecked and its claim, pruned meanwhile, still
+    goes; a later load of the request handshakes again and reads."""
+    w, clients, posted = _decode(monkeypatch, [None, SEAL_KEY], answer_after=1)
+    w.start_loads([Load("d-a", _forged(), (np.array([7, 8]),), 0, 31)])
+    w.decode._prune_claims()
+    assert _poll_until(w, 3) == ({"d-a"}, {"d-a"})
+    assert CLAIM not in w.decode.claims
+    w.start_loads([Load("d-b", _sealed(_rp("p-x", (1, 2))), (np.array([9, 10]),), 0, 31)])
+    assert _poll_until(w, 4) == ({"d-b"}, set())
+    assert posted == [([1, 2], "d-b")]

@@ -552,12 +552,13 @@ class DecodeLoads:
         past :data:`MAX_CLAIMS` the oldest go too."""
         t = lease.now()
         kept = {}
-        for claim, (r, deadline) in self.claims.items():
+        for claim, held in self.claims.items():
             # the lease on the clock of the handshake the load went by (a remote that never finished one sent
             # nothing the prefill could free the blocks by, and reads nothing: its claim may go)
+            r = held[0]
             pending = r.state == "pending" and self.remotes.get(r.key) is r
-            if pending or t < r.clock.deadline(deadline):       # (NaN: ran out)
-                kept[claim] = (r, deadline)
+            if pending or t < r.clock.deadline(held[1]):        # (NaN: ran out; the entry itself kept: _unclaim)
+                kept[claim] = held
         if len(kept) > MAX_CLAIMS:
             kept = dict(list(kept.items())[-(MAX_CLAIMS // 2):])
         self.claims = kept
