@@ -282,3 +282,67 @@ def test_a_restarted_engine_is_mapped_again_only_once_the_old_ones_warm_up_read_
     engines._attach(new)
     assert removed == [agent_name("p", 0, 1)] and new.state == "ready" and new.peer is peers[1]
     assert old.state == "failed"
+
+
+def test_an_engine_restarted_at_the_same_address_is_mapped_again_only_once_the_old_warm_up_read_ended(monkeypatch):
+    """The same prefill rank restarted at the same address (its old connection seen dead) while the old record's
+    warm-up read, which its handshake stopped waiting for, is still in flight: a load naming it then must not begin
+    a handshake whose mapping removes the old peer (remove_peer would wait for that read on the engine thread); once
+    the read ended, the next one does."""
+    import types
+    from gpuxfer.errors import TransferTimeout
+    from gpuxfer.integrations.vllm import engines as engines_mod
+    from gpuxfer.integrations.vllm.engines import _Remote
+    from gpuxfer.integrations.vllm.handshake import agent_name
+    from gpuxfer.integrations.vllm.worker import Settings, WorkerSide
+    from test_vllm_worker_polls import _Client
+
+    class Client(_Client):
+        def __init__(self, *a):
+            super().__init__()
+            self.peer_clock = types.SimpleNamespace(same=False)
+
+    monkeypatch.setattr(engines_mod, "SideChannelClient", Client)
+    w = WorkerSide(engine_id="d", model="m", dtype="auto/float16", layout=None,
+                   groups=[("FullAttentionSpec", 16, ["l0"])],
+                   settings=Settings(lease_s=60, host="127.0.0.1", port=0, handshake_timeout_s=1, token_major=True))
+    ended = [False]
+
+    class _Late:                # a read that completes only when the test says so
+        def wait(self, timeout_s=None):
+            raise TransferTimeout(rank=0, step=0, flag="f", expected=1, seen=0, timeout_s=timeout_s or 0.0)
+
+        def done(self):
+            return ended[0]
+
+    removed, peers = [], []
+
+    def add_peer(*a, **k):
+        peers.append(types.SimpleNamespace(route="nixl", engine="copy_engine", name=f"p{len(peers)}"))
+        agent.peers[agent_name("p", 0, 1)] = peers[-1]
+        return peers[-1]
+
+    agent = types.SimpleNamespace(peers={}, rank=0, timeout_s=60.0, add_peer=add_peer,
+                                  prepare=lambda *a, **k: types.SimpleNamespace(post=lambda: _Late()),
+                                  remove_peer=removed.append)
+    engines = w.decode.engines
+    engines.bind(agent, {"groups": []}, [16], [1], None)
+    key = ("10.0.0.1", 5601, "p")
+
+    def handshaken(r: _Remote, meta: bytes) -> None:
+        r.meta, r.groups = meta, ((16, 16),)
+        engines._attach(r)
+
+    old = engines.get(key)
+    handshaken(old, b"old caches")
+    assert old.state == "ready" and old.warming is not None
+    old.client.close()                                  # the old prefill's connection seen dead: it restarted
+    new = engines.get(key)
+    if new is not old:
+        handshaken(new, b"new caches")
+    assert removed == []
+    ended[0] = True
+    new = engines.get(key)
+    assert new is not old and new.state == "pending"
+    handshaken(new, b"new caches")
+    assert removed == [agent_name("p", 0, 1)] and new.state == "ready" and new.peer is peers[1]

@@ -116,10 +116,11 @@ class PrefillEngines:
 
     def begins(self, key: tuple[str, int, str]) -> bool:
         """Whether :meth:`get` of ``key`` begins a handshake: no engine known there, or one failed or gone with no
-        read of it in flight."""
+        read of it in flight (a warm-up read left in flight included: the new handshake's mapping would remove the
+        old peer, waiting for it on the engine thread, and the record replaced is no longer looked at)."""
         r = self.remotes.get(key)
         gone = r is not None and r.state == "ready" and not (r.client and r.client.alive)
-        return r is None or ((r.state == "failed" or gone) and r.inflight == 0)
+        return r is None or ((r.state == "failed" or gone) and r.inflight == 0 and _settled(r.warming))
 
     def under_way(self, keys) -> int:
         """How many of the engines at ``keys`` have a handshake under way."""
