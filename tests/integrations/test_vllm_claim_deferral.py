@@ -108,3 +108,47 @@ def test_an_unchecked_claim_pruned_meanwhile_goes_when_its_load_ends_unchecked(m
     w.start_loads([Load("d-b", _sealed(_rp("p-x", (1, 2))), (np.array([9, 10]),), 0, 31)])
     assert _poll_until(w, 4) == ({"d-b"}, set())
     assert posted == [([1, 2], "d-b")]
+
+
+def test_forged_params_of_a_prefill_of_two_ranks_do_not_fail_the_genuine_load(monkeypatch):
+    """As the first test, the prefill of two ranks (one read from each, reported together): forged params naming
+    the genuine request reach the worker first, while both ranks' handshakes are under way; the genuine load's
+    parts wait for them, then read both ranks."""
+    w, clients, posted = _decode(monkeypatch, [SEAL_KEY, SEAL_KEY], prefill_tp=2, answer_after=2)
+    forged = dataclasses.replace(_sealed(_rp("p-x", (1, 2), tp=2), seal_key(b"not the engine's")),
+                                 lease_deadline=1e300)
+    w.start_loads([Load("d-forged", forged, (np.array([7, 8]),), 0, 31)])
+    assert w.poll()[1:] == (set(), set())
+    w.start_loads([Load("d-real", _sealed(_rp("p-x", (1, 2), tp=2)), (np.array([9, 10]),), 0, 31)])
+    recving, failed = _poll_until(w, 5)
+    assert recving == {"d-forged", "d-real"} and failed == {"d-forged"}
+    assert posted == [([1, 2], "d-real")] * 2
+    assert not w.decode._deferred and not w.decode._claimants and not w.decode.pending and not w.decode._parts
+    assert w.take_load_errors() == {7, 8}
+
+
+def test_genuine_params_of_a_prefill_of_two_ranks_named_twice_still_fail_the_second(monkeypatch):
+    w, clients, posted = _decode(monkeypatch, [SEAL_KEY, SEAL_KEY], prefill_tp=2, answer_after=1)
+    real = _sealed(_rp("p-x", (1, 2), tp=2))
+    w.start_loads([Load("d-a", real, (np.array([7, 8]),), 0, 31)])
+    w.start_loads([Load("d-b", real, (np.array([9, 10]),), 0, 31), Load("d-c", real, (np.array([11, 12]),), 0, 31)])
+    recving, failed = _poll_until(w, 5)
+    assert recving == {"d-a", "d-b", "d-c"} and failed == {"d-b", "d-c"}
+    assert posted == [([1, 2], "d-a")] * 2
+    assert w.take_load_errors() == {9, 10, 11, 12}
+    assert not w.decode._deferred and not w.decode.pending and not w.decode._parts
+
+
+def test_several_loads_waiting_on_a_forged_claim_start_one_at_a_time(monkeypatch):
+    """Forged params first, then the genuine params named twice (vLLM's n > 1 children) and another forgery: once
+    the first forgery failed, the loads waiting start one after another on the claim, so one genuine load reads and
+    the other fails as loaded twice."""
+    w, clients, posted = _decode(monkeypatch, [SEAL_KEY], answer_after=2)
+    real = _sealed(_rp("p-x", (1, 2)))
+    w.start_loads([Load("d-f1", _forged(), (np.array([1, 2]),), 0, 31)])
+    w.start_loads([Load("d-f2", _forged(), (np.array([3, 4]),), 0, 31), Load("d-a", real, (np.array([5, 6]),), 0, 31),
+                   Load("d-b", real, (np.array([7, 8]),), 0, 31)])
+    recving, failed = _poll_until(w, 8)
+    assert recving == {"d-f1", "d-f2", "d-a", "d-b"} and failed == {"d-f1", "d-f2", "d-b"}
+    assert posted == [([1, 2], "d-a")]
+    assert not w.decode._deferred and not w.decode._claimants and not w.decode.pending

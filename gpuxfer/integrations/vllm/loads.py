@@ -191,7 +191,7 @@ class DecodeLoads:
                 pending[st.key] = st
                 claim = (key, rp.request_id)
                 if claim in claims:
-                    if not several and unchecked(self._claimants.get(claim)):
+                    if unchecked(self._claimants.get(claim)):
                         # its maker's params are not checked yet (forged ones must not refuse genuine ones):
                         # decided once they are (.claims.settle)
                         self._deferred.setdefault(claim, []).append(st)
