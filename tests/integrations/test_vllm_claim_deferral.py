@@ -152,3 +152,20 @@ def test_several_loads_waiting_on_a_forged_claim_start_one_at_a_time(monkeypatch
     assert recving == {"d-f1", "d-f2", "d-a", "d-b"} and failed == {"d-f1", "d-f2", "d-b"}
     assert posted == [([1, 2], "d-a")]
     assert not w.decode._deferred and not w.decode._claimants and not w.decode.pending
+
+
+def test_params_sealed_by_another_engine_rank_do_not_fail_the_genuine_load(monkeypatch):
+    """Params of a prefill of two ranks naming a side channel their maker runs as rank 0 (so they carry its seal, its
+    key from its own handshake) and the genuine rank 1 under the genuine request: checked at rank 0, they are not
+    at rank 1 (another key), so the genuine load's part waiting on their claim there waits for that check too."""
+    rogue = seal_key(b"a side channel the params' maker runs")
+    w, clients, posted = _decode(monkeypatch, [rogue, SEAL_KEY, SEAL_KEY], prefill_tp=2, answer_after=2)
+    eps = (("10.0.0.9", 1), ("127.0.0.1", 2))
+    forged = _sealed(dataclasses.replace(_rp("p-x", (1, 2), tp=2), host="10.0.0.9", endpoints=eps), rogue)
+    w.start_loads([Load("d-forged", forged, (np.array([7, 8]),), 0, 31)])
+    clients[1].pumps = -3                   # (rank 1 answers later than the params' maker)
+    assert w.poll()[1:] == (set(), set())
+    w.start_loads([Load("d-real", _sealed(_rp("p-x", (1, 2), tp=2)), (np.array([9, 10]),), 0, 31)])
+    recving, failed = _poll_until(w, 8)
+    assert recving == {"d-forged", "d-real"} and failed == {"d-forged"}
+    assert posted.count(([1, 2], "d-real")) == 2

@@ -28,9 +28,9 @@ TWICE = ("request {!r} of prefill engine {} is loaded by another request of this
 
 
 def unchecked(st) -> bool:
-    """Whether ``st`` (a load state, or None) is a load whose params' seal was not checked yet (neither held nor
-    failed)."""
-    return st is not None and st.load.sealed is None and not st.forged
+    """Whether ``st`` (a load state, or None) is a load whose params' seal was not checked yet against its engine's
+    key (neither held nor failed: a load of several ranks checked at another rank, whose key may differ, is not)."""
+    return st is not None and not st.forged and (st.load.sealed is None or st.load.sealed != st.remote.seal_key)
 
 
 def settle(loads) -> None:
