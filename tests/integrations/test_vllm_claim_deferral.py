@@ -6,8 +6,10 @@ check (a handshake without a seal key) lets the waiting load start on its own.""
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import numpy as np
+import pytest
 
 from gpuxfer.integrations.vllm.loads import Load
 from gpuxfer.integrations.vllm.params import seal_key
@@ -169,3 +171,47 @@ def test_params_sealed_by_another_engine_rank_do_not_fail_the_genuine_load(monke
     recving, failed = _poll_until(w, 8)
     assert recving == {"d-forged", "d-real"} and failed == {"d-forged"}
     assert posted.count(([1, 2], "d-real")) == 2
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_any_order_of_forged_and_genuine_loads_reports_each_once_and_reads_once(monkeypatch, seed):
+    """Forged and genuine params of one request (and of a second one), started in random steps over engines whose
+    handshakes answer late, with claims pruned at random: every load is reported exactly once within a bound, the
+    forged ones failed, exactly one load of each request whose genuine params came reads (none of the others), and nothing is left deferred or claimed by a load that ended."""
+    rng = random.Random(seed)
+    tp = rng.choice([1, 2])
+    w, clients, posted = _decode(monkeypatch, [SEAL_KEY] * 8, prefill_tp=tp, answer_after=rng.randrange(4))
+    started, reported, failed = {}, set(), set()
+    for i in range(rng.randrange(3, 9)):
+        batch = []
+        for j in range(rng.randrange(1, 3)):
+            req, kind = rng.choice(["p-x", "p-y"]), rng.choice(["forged", "real"])
+            rp = _sealed(_rp(req, (1, 2), tp=tp))
+            if kind == "forged":
+                rp = dataclasses.replace(_sealed(_rp(req, (1, 2), tp=tp), seal_key(b"x")), lease_deadline=1e300)
+            name = f"d{i}-{j}"
+            started[name] = (req, kind)
+            batch.append(Load(name, rp, (np.array([10 * i + 2 * j + 100, 10 * i + 2 * j + 101]),), 0, 31))
+        w.start_loads(batch)
+        if rng.random() < 0.3:
+            w.decode._prune_claims()
+        for _ in range(rng.randrange(3)):
+            _, r, f = w.poll()
+            assert not (r & reported)
+            reported |= r
+            failed |= f
+    for _ in range(12):
+        _, r, f = w.poll()
+        assert not (r & reported)
+        reported |= r
+        failed |= f
+    assert reported == set(started)
+    assert {n for n, (_, kind) in started.items() if kind == "forged"} <= failed
+    readers = [n for n in reported - failed]
+    assert all(started[n][1] == "real" for n in readers)
+    for req in ("p-x", "p-y"):
+        real = any(started[n] == (req, "real") for n in started)
+        assert len([n for n in readers if started[n][0] == req]) == int(real)
+    assert len({name for _, name in posted}) == len(posted) // tp and set(readers) == {name for _, name in posted}
+    assert not w.decode._deferred and not w.decode._claimants and not w.decode.pending and not w.decode._parts
+    assert all(held[1] != 1e300 for held in w.decode.claims.values())
