@@ -215,3 +215,52 @@ def test_any_order_of_forged_and_genuine_loads_reports_each_once_and_reads_once(
     assert len({name for _, name in posted}) == len(posted) // tp and set(readers) == {name for _, name in posted}
     assert not w.decode._deferred and not w.decode._claimants and not w.decode.pending and not w.decode._parts
     assert all(held[1] != 1e300 for held in w.decode.claims.values())
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_any_order_with_failed_handshakes_releases_and_engines_gone_reports_each_once(monkeypatch, seed):
+    """As above, some handshakes carrying no seal key, releases of the genuine params and connections closing among
+    the steps: every load is reported exactly once within a bound, the forged ones failed, at most one load of each
+    request reads, and nothing is left deferred, pending or claimed by a load that ended."""
+    rng = random.Random(1000 + seed)
+    tp = rng.choice([1, 2])
+    keys = [rng.choice([SEAL_KEY, SEAL_KEY, None]) for _ in range(64)]
+    w, clients, posted = _decode(monkeypatch, keys, prefill_tp=tp, answer_after=rng.randrange(4))
+    w.decode.agent.remove_peer = lambda peer: None
+    started, reported, failed = {}, set(), set()
+
+    def poll():
+        _, r, f = w.poll()
+        assert not (r & reported) and f <= r
+        reported.update(r)
+        failed.update(f)
+
+    for i in range(rng.randrange(3, 10)):
+        batch = []
+        for j in range(rng.randrange(1, 3)):
+            req, kind = rng.choice(["p-x", "p-y"]), rng.choice(["forged", "real"])
+            rp = _sealed(_rp(req, (1, 2), tp=tp))
+            if kind == "forged":
+                rp = dataclasses.replace(_sealed(_rp(req, (1, 2), tp=tp), seal_key(b"x")), lease_deadline=1e300)
+            started[f"d{i}-{j}"] = (req, kind)
+            batch.append(Load(f"d{i}-{j}", rp, (np.array([10 * i + 2 * j + 100, 10 * i + 2 * j + 101]),), 0, 31))
+        w.start_loads(batch)
+        if rng.random() < 0.2:
+            w.release([_sealed(_rp(rng.choice(["p-x", "p-y"]), (1, 2), tp=tp))])
+        if rng.random() < 0.2 and clients:
+            rng.choice(clients).close()
+        if rng.random() < 0.2:
+            w.decode._prune_claims()
+        for _ in range(rng.randrange(3)):
+            poll()
+    for _ in range(20):
+        poll()
+    assert reported == set(started)
+    assert {n for n, (_, kind) in started.items() if kind == "forged"} <= failed
+    readers = reported - failed
+    assert all(started[n][1] == "real" for n in readers)
+    for req in ("p-x", "p-y"):
+        assert len([n for n in readers if started[n][0] == req]) <= 1
+    assert not w.decode._deferred and not w.decode._claimants and not w.decode.pending and not w.decode._parts
+    assert not w.decode.waiting and not w.decode.inflight and not w.decode.ended and not w.decode.unanswered
+    assert all(held[1] != 1e300 for held in w.decode.claims.values())
