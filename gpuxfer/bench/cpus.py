@@ -235,9 +235,16 @@ def pin_auto(rank: int, world: int, pci_bus_id: str | None) -> tuple[tuple[int, 
     Returns ``(the part, {"cpu", "python_us", "candidates_python_us"})``, or ``(None, None)`` where the rank
     stays where it was (too few cores, no CPU affinity, or the OS refused every CPU of the part)."""
     part = auto_cpus(rank, world, gpu_local_cpus(pci_bus_id))
+    pick = pin_fastest(part)
+    return (None, None) if pick is None else (part, pick)
+
+
+def pin_fastest(part) -> dict | None:
+    """The calling thread pinned to the fastest of ``part`` (:func:`fastest_cpu`): ``{"cpu", "python_us",
+    "candidates_python_us"}``, or None where it stays where it was (no part, no CPU affinity, or the OS refused)."""
     if part is None or not hasattr(os, "sched_setaffinity"):
-        return None, None
+        return None
     cpu, us, each = fastest_cpu(part)
     if not pin((cpu,)):
-        return None, None
-    return part, {"cpu": cpu, "python_us": us, "candidates_python_us": {str(c): v for c, v in each.items()}}
+        return None
+    return {"cpu": cpu, "python_us": us, "candidates_python_us": {str(c): v for c, v in each.items()}}

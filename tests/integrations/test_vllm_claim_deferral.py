@@ -173,26 +173,32 @@ def test_params_sealed_by_another_engine_rank_do_not_fail_the_genuine_load(monke
     assert posted.count(([1, 2], "d-real")) == 2
 
 
+def _random_step(rng, i: int, tp: int, started: dict) -> list:
+    """Step ``i``'s loads: one or two, each of p-x or p-y, forged (sealed with another key, a far-off lease) or genuine,
+    on a prefill of ``tp`` ranks; ``started`` gets ``{load name: (request, kind)}``."""
+    batch = []
+    for j in range(rng.randrange(1, 3)):
+        req, kind = rng.choice(["p-x", "p-y"]), rng.choice(["forged", "real"])
+        rp = _sealed(_rp(req, (1, 2), tp=tp))
+        if kind == "forged":
+            rp = dataclasses.replace(_sealed(_rp(req, (1, 2), tp=tp), seal_key(b"x")), lease_deadline=1e300)
+        started[f"d{i}-{j}"] = (req, kind)
+        batch.append(Load(f"d{i}-{j}", rp, (np.array([10 * i + 2 * j + 100, 10 * i + 2 * j + 101]),), 0, 31))
+    return batch
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_any_order_of_forged_and_genuine_loads_reports_each_once_and_reads_once(monkeypatch, seed):
     """Forged and genuine params of one request (and of a second one), started in random steps over engines whose
     handshakes answer late, with claims pruned at random: every load is reported exactly once within a bound, the
-    forged ones failed, exactly one load of each request whose genuine params came reads (none of the others), and nothing is left deferred or claimed by a load that ended."""
+    forged ones failed, exactly one load of each request whose genuine params came reads (none of the others), and
+    nothing is left deferred or claimed by a load that ended."""
     rng = random.Random(seed)
     tp = rng.choice([1, 2])
     w, clients, posted = _decode(monkeypatch, [SEAL_KEY] * 8, prefill_tp=tp, answer_after=rng.randrange(4))
     started, reported, failed = {}, set(), set()
     for i in range(rng.randrange(3, 9)):
-        batch = []
-        for j in range(rng.randrange(1, 3)):
-            req, kind = rng.choice(["p-x", "p-y"]), rng.choice(["forged", "real"])
-            rp = _sealed(_rp(req, (1, 2), tp=tp))
-            if kind == "forged":
-                rp = dataclasses.replace(_sealed(_rp(req, (1, 2), tp=tp), seal_key(b"x")), lease_deadline=1e300)
-            name = f"d{i}-{j}"
-            started[name] = (req, kind)
-            batch.append(Load(name, rp, (np.array([10 * i + 2 * j + 100, 10 * i + 2 * j + 101]),), 0, 31))
-        w.start_loads(batch)
+        w.start_loads(_random_step(rng, i, tp, started))
         if rng.random() < 0.3:
             w.decode._prune_claims()
         for _ in range(rng.randrange(3)):
@@ -236,15 +242,7 @@ def test_any_order_with_failed_handshakes_releases_and_engines_gone_reports_each
         failed.update(f)
 
     for i in range(rng.randrange(3, 10)):
-        batch = []
-        for j in range(rng.randrange(1, 3)):
-            req, kind = rng.choice(["p-x", "p-y"]), rng.choice(["forged", "real"])
-            rp = _sealed(_rp(req, (1, 2), tp=tp))
-            if kind == "forged":
-                rp = dataclasses.replace(_sealed(_rp(req, (1, 2), tp=tp), seal_key(b"x")), lease_deadline=1e300)
-            started[f"d{i}-{j}"] = (req, kind)
-            batch.append(Load(f"d{i}-{j}", rp, (np.array([10 * i + 2 * j + 100, 10 * i + 2 * j + 101]),), 0, 31))
-        w.start_loads(batch)
+        w.start_loads(_random_step(rng, i, tp, started))
         if rng.random() < 0.2:
             w.release([_sealed(_rp(rng.choice(["p-x", "p-y"]), (1, 2), tp=tp))])
         if rng.random() < 0.2 and clients:

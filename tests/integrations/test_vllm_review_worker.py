@@ -186,47 +186,69 @@ def test_the_warm_up_reads_of_a_new_prefill_hold_the_engine_thread_no_longer_tha
     assert waits and sum(waits) <= w.settings.handshake_timeout_s, waits
 
 
+class _LateWarmUps:
+    """A decode worker whose agent's reads complete only once ``ended[0]`` is set (a warm-up read then stays in
+    flight past its handshake): each ``add_peer`` makes a new peer (``peers``) under the prefill rank's agent name,
+    ``remove_peer`` records what it was given (``removed``)."""
+
+    def __init__(self):
+        import types
+        from gpuxfer.errors import TransferTimeout
+        from gpuxfer.integrations.vllm.handshake import agent_name
+        from gpuxfer.integrations.vllm.worker import Settings, WorkerSide
+        self.w = WorkerSide(engine_id="d", model="m", dtype="auto/float16", layout=None,
+                            groups=[("FullAttentionSpec", 16, ["l0"])],
+                            settings=Settings(lease_s=60, host="127.0.0.1", port=0, handshake_timeout_s=1,
+                                              token_major=True))
+        self.ended, self.removed, self.peers = [False], [], []
+        ended = self.ended
+
+        class _Late:
+            def wait(self, timeout_s=None):
+                raise TransferTimeout(rank=0, step=0, flag="f", expected=1, seen=0, timeout_s=timeout_s or 0.0)
+
+            def done(self):
+                return ended[0]
+
+        def add_peer(*a, **k):
+            self.peers.append(types.SimpleNamespace(route="nixl", engine="copy_engine", name=f"p{len(self.peers)}"))
+            agent.peers[agent_name("p", 0, 1)] = self.peers[-1]
+            return self.peers[-1]
+
+        agent = types.SimpleNamespace(peers={}, rank=0, timeout_s=60.0, add_peer=add_peer,
+                                      prepare=lambda *a, **k: types.SimpleNamespace(post=lambda: _Late()),
+                                      remove_peer=self.removed.append)
+        self.engines = self.w.decode.engines
+        self.engines.bind(agent, {"groups": []}, [16], [1], None)
+
+    def remote(self, host: str, meta: bytes):
+        """A prefill rank "p" known at ``host`` whose handshake answered with ``meta`` (not attached yet)."""
+        import types
+        from gpuxfer.integrations.vllm.engines import _Remote
+        from test_vllm_worker_polls import _Client
+        client = _Client()
+        client.peer_clock = types.SimpleNamespace(same=False)
+        r = _Remote((host, 5601, "p"), client=client, meta=meta, groups=((16, 16),))
+        self.engines.remotes[r.key] = r
+        return r
+
+
 def test_an_engine_gone_is_forgotten_only_once_its_warm_up_read_left_in_flight_ended():
     """A warm-up read the handshake stopped waiting for is not one of the engine's reads in flight: forgetting the
     engine once its side channel closed would remove its peer at once, and ``remove_peer`` waits for every read
     posted with it (up to the agent's timeout) on the engine thread. The engine is forgotten at the first poll after
     that read ended."""
-    import types
-    from gpuxfer.errors import TransferTimeout
-    from gpuxfer.integrations.vllm.engines import _Remote
-    from gpuxfer.integrations.vllm.worker import Settings, WorkerSide
-    from test_vllm_worker_polls import _Client
-    w = WorkerSide(engine_id="d", model="m", dtype="auto/float16", layout=None,
-                   groups=[("FullAttentionSpec", 16, ["l0"])],
-                   settings=Settings(lease_s=60, host="127.0.0.1", port=0, handshake_timeout_s=1, token_major=True))
-    ended = [False]
-
-    class _Late:                # a read that completes only when the test says so
-        def wait(self, timeout_s=None):
-            raise TransferTimeout(rank=0, step=0, flag="f", expected=1, seen=0, timeout_s=timeout_s or 0.0)
-
-        def done(self):
-            return ended[0]
-
-    removed = []
-    peer = types.SimpleNamespace(route="nixl", engine="copy_engine", name="p")
-    agent = types.SimpleNamespace(peers={}, rank=0, timeout_s=60.0, add_peer=lambda *a, **k: peer,
-                                  prepare=lambda *a, **k: types.SimpleNamespace(post=lambda: _Late()),
-                                  remove_peer=removed.append)
-    engines = w.decode.engines
-    engines.bind(agent, {"groups": []}, [16], [1], None)
-    client = _Client()
-    client.peer_clock = types.SimpleNamespace(same=False)
-    r = _Remote(("10.0.0.1", 5601, "p"), client=client, meta=b"m", groups=((16, 16),))
-    engines.remotes[r.key] = r
+    x = _LateWarmUps()
+    engines, removed = x.engines, x.removed
+    r = x.remote("10.0.0.1", b"m")
     engines._attach(r)
     assert r.state == "ready" and r.warming is not None
-    client.close()                              # the engine goes
+    r.client.close()                            # the engine goes
     engines.reap()
     assert removed == [] and r.key in engines.remotes
-    ended[0] = True
+    x.ended[0] = True
     engines.reap()
-    assert removed == [peer] and r.key not in engines.remotes
+    assert removed == [x.peers[0]] and r.key not in engines.remotes
 
 
 def test_a_restarted_engine_is_mapped_again_only_once_the_old_ones_warm_up_read_left_in_flight_ended():
@@ -234,53 +256,18 @@ def test_a_restarted_engine_is_mapped_again_only_once_the_old_ones_warm_up_read_
     record's warm-up read, which its handshake stopped waiting for, is still in flight: removing the old peer then
     would wait for that read (up to the agent's timeout) on the engine thread. The new handshake stays pending until
     the read ended, then replaces the old peer."""
-    import types
-    from gpuxfer.errors import TransferTimeout
-    from gpuxfer.integrations.vllm.engines import _Remote
     from gpuxfer.integrations.vllm.handshake import agent_name
-    from gpuxfer.integrations.vllm.worker import Settings, WorkerSide
-    from test_vllm_worker_polls import _Client
-    w = WorkerSide(engine_id="d", model="m", dtype="auto/float16", layout=None,
-                   groups=[("FullAttentionSpec", 16, ["l0"])],
-                   settings=Settings(lease_s=60, host="127.0.0.1", port=0, handshake_timeout_s=1, token_major=True))
-    ended = [False]
-
-    class _Late:                # a read that completes only when the test says so
-        def wait(self, timeout_s=None):
-            raise TransferTimeout(rank=0, step=0, flag="f", expected=1, seen=0, timeout_s=timeout_s or 0.0)
-
-        def done(self):
-            return ended[0]
-
-    removed, peers = [], []
-
-    def add_peer(*a, **k):
-        peers.append(types.SimpleNamespace(route="nixl", engine="copy_engine", name=f"p{len(peers)}"))
-        agent.peers[agent_name("p", 0, 1)] = peers[-1]
-        return peers[-1]
-
-    agent = types.SimpleNamespace(peers={}, rank=0, timeout_s=60.0, add_peer=add_peer,
-                                  prepare=lambda *a, **k: types.SimpleNamespace(post=lambda: _Late()),
-                                  remove_peer=removed.append)
-    engines = w.decode.engines
-    engines.bind(agent, {"groups": []}, [16], [1], None)
-
-    def remote(host: str, meta: bytes) -> _Remote:
-        client = _Client()
-        client.peer_clock = types.SimpleNamespace(same=False)
-        r = _Remote((host, 5601, "p"), client=client, meta=meta, groups=((16, 16),))
-        engines.remotes[r.key] = r
-        return r
-
-    old = remote("10.0.0.1", b"old caches")
+    x = _LateWarmUps()
+    engines, removed = x.engines, x.removed
+    old = x.remote("10.0.0.1", b"old caches")
     engines._attach(old)
     assert old.state == "ready" and old.warming is not None and old.inflight == 0
-    new = remote("10.0.0.2", b"new caches")
+    new = x.remote("10.0.0.2", b"new caches")
     engines._attach(new)
     assert removed == [] and new.state == "pending" and new.peer is None
-    ended[0] = True
+    x.ended[0] = True
     engines._attach(new)
-    assert removed == [agent_name("p", 0, 1)] and new.state == "ready" and new.peer is peers[1]
+    assert removed == [agent_name("p", 0, 1)] and new.state == "ready" and new.peer is x.peers[1]
     assert old.state == "failed"
 
 
@@ -290,11 +277,9 @@ def test_an_engine_restarted_at_the_same_address_is_mapped_again_only_once_the_o
     a handshake whose mapping removes the old peer (remove_peer would wait for that read on the engine thread); once
     the read ended, the next one does."""
     import types
-    from gpuxfer.errors import TransferTimeout
     from gpuxfer.integrations.vllm import engines as engines_mod
     from gpuxfer.integrations.vllm.engines import _Remote
     from gpuxfer.integrations.vllm.handshake import agent_name
-    from gpuxfer.integrations.vllm.worker import Settings, WorkerSide
     from test_vllm_worker_polls import _Client
 
     class Client(_Client):
@@ -303,30 +288,8 @@ def test_an_engine_restarted_at_the_same_address_is_mapped_again_only_once_the_o
             self.peer_clock = types.SimpleNamespace(same=False)
 
     monkeypatch.setattr(engines_mod, "SideChannelClient", Client)
-    w = WorkerSide(engine_id="d", model="m", dtype="auto/float16", layout=None,
-                   groups=[("FullAttentionSpec", 16, ["l0"])],
-                   settings=Settings(lease_s=60, host="127.0.0.1", port=0, handshake_timeout_s=1, token_major=True))
-    ended = [False]
-
-    class _Late:                # a read that completes only when the test says so
-        def wait(self, timeout_s=None):
-            raise TransferTimeout(rank=0, step=0, flag="f", expected=1, seen=0, timeout_s=timeout_s or 0.0)
-
-        def done(self):
-            return ended[0]
-
-    removed, peers = [], []
-
-    def add_peer(*a, **k):
-        peers.append(types.SimpleNamespace(route="nixl", engine="copy_engine", name=f"p{len(peers)}"))
-        agent.peers[agent_name("p", 0, 1)] = peers[-1]
-        return peers[-1]
-
-    agent = types.SimpleNamespace(peers={}, rank=0, timeout_s=60.0, add_peer=add_peer,
-                                  prepare=lambda *a, **k: types.SimpleNamespace(post=lambda: _Late()),
-                                  remove_peer=removed.append)
-    engines = w.decode.engines
-    engines.bind(agent, {"groups": []}, [16], [1], None)
+    x = _LateWarmUps()
+    engines, removed = x.engines, x.removed
     key = ("10.0.0.1", 5601, "p")
 
     def handshaken(r: _Remote, meta: bytes) -> None:
@@ -341,8 +304,8 @@ def test_an_engine_restarted_at_the_same_address_is_mapped_again_only_once_the_o
     if new is not old:
         handshaken(new, b"new caches")
     assert removed == []
-    ended[0] = True
+    x.ended[0] = True
     new = engines.get(key)
     assert new is not old and new.state == "pending"
     handshaken(new, b"new caches")
-    assert removed == [agent_name("p", 0, 1)] and new.state == "ready" and new.peer is peers[1]
+    assert removed == [agent_name("p", 0, 1)] and new.state == "ready" and new.peer is x.peers[1]

@@ -232,20 +232,19 @@ def serve(conn, spec: dict) -> None:
     errors = _Errors()
     logging.getLogger("gpuxfer.vllm").addHandler(errors)
     try:
-        placed = None
+        part = None
         if spec.get("cpus"):
-            from gpuxfer.bench.cpus import auto_cpus, fastest_cpu, pin
-            # (as pin_auto, in two steps: the threads the engine starts -- the side channel's -- keep the
-            # instance's part of the cores; the engine thread is then pinned to the fastest of them)
+            from gpuxfer.bench.cpus import auto_cpus, pin
+            # (pin_auto in two steps: the threads the engine starts -- the side channel's -- keep the instance's
+            # part of the cores; the engine thread is then pinned to the fastest of them)
             part = auto_cpus(*spec["cpus"], None)
             pin(part)
         eng = _Engine(spec)
-        if spec.get("cpus") and part:
-            cpu, us, each = fastest_cpu(part)
-            if pin((cpu,)):
-                placed = part, {"cpu": cpu, "python_us": us,
-                                "candidates_python_us": {str(c): v for c, v in each.items()}}
-        eng.cpus = placed
+        pick = None
+        if part is not None:
+            from gpuxfer.bench.cpus import pin_fastest
+            pick = pin_fastest(part)
+        eng.cpus = None if pick is None else (part, pick)
         eng.errors = errors
         conn.send(("ready", eng.describe()))
     except BaseException:

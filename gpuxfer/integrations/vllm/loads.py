@@ -457,9 +457,9 @@ class DecodeLoads:
             del pending[key]
         if r is not None:
             r.loads -= 1
-            claimants, claim = self._claimants, (r.key, rp.request_id)
-            if claim in claimants and claimants[claim] is st:
-                del claimants[claim]
+            claim = (r.key, rp.request_id)
+            if self._claimants.get(claim) is st:
+                del self._claimants[claim]
         if st.error is not None:
             self._fail(st)
         else:
