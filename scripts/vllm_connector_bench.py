@@ -63,6 +63,21 @@ from gpuxfer.bench.report import nearest_rank as pct  # noqa: E402
 from gpuxfer.errors import BadInput  # noqa: E402
 
 
+def _gpu_mib(pid) -> int | None:
+    """The GPU memory process ``pid`` holds (its CUDA context and allocations), as nvidia-smi reports it."""
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        p, _, mib = line.partition(",")
+        if p.strip() == str(pid) and mib.strip().isdigit():
+            return int(mib)
+    return None
+
+
 def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -> dict:
     from vllm_instance import Instance, free_port
     env = dict(env, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="gpuxfer-triton-"))    # a fresh kernel cache
@@ -73,6 +88,8 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
     extra = {} if nixl else {"token_major": True, "device_ids": {"host": False, "device": True, "auto": "auto"}[a.ids]}
     if a.engine != "auto" and not nixl:
         extra["engine"] = a.engine
+    if a.loader != "inline" and not nixl:
+        extra["loader"] = a.loader
     if a.remote == "nixl":
         extra.update(remote="nixl", route="nixl")
     kw = dict(extra=extra, device=dev, num_blocks=blocks, max_model_len=a.tokens + 64,
@@ -87,6 +104,7 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
         P.ready(timeout=600)
         D.ready(timeout=600)
         startup = time.perf_counter() - t0
+        loader_mib = _gpu_mib(D.call("loader_pid")) if a.loader == "process" and dev == "cuda" else None
         reqs = [(f"r{run}-{i}", a.tokens, 1000 * run + i) for i in range(total)]
         res = P.run("prefill", [(r, n, s, None) for r, n, s in reqs], timeout=600)
         D.call("stats", True)
@@ -100,7 +118,7 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
             loads.update(out)
         yardstick.append(D.call("cpu"))
         st = D.call("stats", True)["stats"]
-        loops = a.loop if a.connector == "gpuxfer" else 0
+        loops = a.loop if a.connector == "gpuxfer" and a.loader == "inline" else 0
         loop = D.call("read_loop", a.tokens // a.block_size, loops, timeout=600) if loops else None
         cold = D.call("read_loop", a.tokens // a.block_size, loops, FLUSH_MB, timeout=600) if loops else None
         P.call("idle", 60, timeout=120)
@@ -142,6 +160,10 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
         "get_finished_cpu_us_p90": us(pct(st.get("get_finished_cpu_s", []), 0.9)),
         "get_finished_us_p50": us(pct(st.get("get_finished_s", []), 0.5)),
         "get_finished_us_p90": us(pct(st.get("get_finished_s", []), 0.9)),
+        "loader_gpu_mib": loader_mib,
+        "sched_load_us_p50": us(pct(st.get("sched_load_s", []), 0.5)),
+        "sched_load_us_p90": us(pct(st.get("sched_load_s", []), 0.9)),
+        "post_host_us_p50": us(pct(st.get("post_host_s", []), 0.5)),
         "post_host_us_p90": us(pct(st.get("post_host_s", []), 0.9)),
         "first_load_ms": 1e3 * first["load_s"] if "load_s" in first else None,
         "warm_load_ms": 1e3 * statistics.median(warm) if warm else None,
@@ -213,6 +235,9 @@ def main(argv=None) -> int:
                     help="the connector's device_ids: auto (default, the connector's): a step's several reads of "
                          "one engine with their block IDs on the device, a lone read with host IDs; host: every "
                          "read with host IDs (false); device: on the device wherever the engine allows (true)")
+    ap.add_argument("--loader", choices=("inline", "process"), default="inline",
+                    help="where the decode side's loads run: on the engine thread (inline, the default) or in the "
+                         "connector's loader process (kv_connector_extra_config loader)")
     ap.add_argument("--connector", choices=("gpuxfer", "nixl"), default="gpuxfer",
                     help="gpuxfer (default): GpuxferConnector; nixl: vLLM's own NixlConnector on the same instances and "
                          "caches (needs the nixl wheel), the baseline")
@@ -241,8 +266,10 @@ def main(argv=None) -> int:
             ap.error(f"--{k.replace('_', '-')} must be >= 1")
     if a.warm < 1 or a.batch < 0 or a.batch == 1 or a.batch_steps < 1:
         ap.error("--warm must be >= 1, --batch 0 or >= 2 and --batch-steps >= 1")
-    if a.connector == "nixl" and (a.remote != "none" or a.ids != "auto" or a.engine != "auto" or a.profile):
-        ap.error("--remote, --ids, --engine and --profile are options of gpuxfer's connector, not of --connector nixl")
+    if a.connector == "nixl" and (a.remote != "none" or a.ids != "auto" or a.engine != "auto" or a.profile
+                                  or a.loader != "inline"):
+        ap.error("--remote, --ids, --engine, --loader and --profile are options of gpuxfer's connector, not of "
+                 "--connector nixl")
     try:        # checked before the runs, which take minutes: a new file in an existing, writable directory
         json_path_option(a.out, option="--out")
     except BadInput as exc:
@@ -263,7 +290,8 @@ def main(argv=None) -> int:
     print(f"# request: {a.tokens} tokens x {a.layers} layers, fp16, 2 KV heads x 16, block {a.block_size} "
           f"({kv_bytes / 2**20:.1f} MiB of KV); per run: 1 first + {a.warm} warm + {a.batch_steps} steps of {a.batch}; "
           f"{a.runs} runs, fresh instances and Triton cache each")
-    print(f"# decode engine {a.engine}, block IDs {a.ids} (path per run: dev = on the device, host = on the host)")
+    print(f"# decode engine {a.engine}, block IDs {a.ids} (path per run: dev = on the device, host = on the host); "
+          f"loads {'in the loader process' if a.loader == 'process' else 'on the engine thread'} (--loader {a.loader})")
     print(f"# CPU placement: {'each engine thread pinned (auto)' if a.cpus == 'auto' else 'the scheduler (none)'}; "
           "py_us: the Python yardstick (gpuxfer.bench.cpus.python_speed_us) on the decode thread's CPU, median")
     print("# times: host time of the decode engine thread's connector calls (us); load = start_load_kv -> "
@@ -309,6 +337,15 @@ def main(argv=None) -> int:
           + "; get_finished " + " | ".join(f"{r['get_finished_cpu_us_p50'] or 0:.0f} / "
                                            f"{r['get_finished_cpu_us_p90'] or 0:.0f} of {r['get_finished_us_p50'] or 0:.0f}"
                                            f" / {r['get_finished_us_p90'] or 0:.0f}" for r in rows))
+    print(f"# a read's pairing, prepare and post per load ({'in the loader process' if a.loader == 'process' else 'inside start_load_kv'}"
+          "), p50 / p90 per run (us): " + " | ".join(f"{r['post_host_us_p50'] or 0:.0f} / {r['post_host_us_p90'] or 0:.0f}"
+                                                       for r in rows))
+    if a.loader == "process":
+        print("# the loader process's GPU memory (nvidia-smi; its CUDA context, beside vLLM's budget), per run (MiB): "
+              + " | ".join(str(r["loader_gpu_mib"]) for r in rows))
+    print("# the decode scheduler side's update_state_after_alloc per request loaded (the params checked, the load "
+          "made" + (", its loader record" if a.loader == "process" else "") + "), p50 / p90 per run (us): "
+          + " | ".join(f"{r['sched_load_us_p50'] or 0:.0f} / {r['sched_load_us_p90'] or 0:.0f}" for r in rows))
     for key, what in (("read_loop", "back to back"), ("read_loop_flushed", f"with {FLUSH_MB} MiB written before each")):
         loops = [r[key] for r in rows if r[key]]
         if loops:

@@ -250,13 +250,15 @@ class KVAgent(Closable, FailsOnTimeout):
         return self.platform.torch_device(self.device)
 
     def register_group(self, name: str, block_tokens: int, layers: Mapping[str, Any] | Sequence[Any], *,
-                       token_major: bool = True) -> None:
+                       token_major: bool = True, export: bool = True) -> None:
         """Register a KV-cache group: layers sharing one block table of ``block_tokens``-token blocks.
 
         ``layers``: ``{layer name: tensor or KVLayerSpec}`` (vLLM's ``kv_caches`` for the group's
         layers) or a sequence (named ``"<group>.<i>"``). Tensors must be on the agent's device, in
         memory the platform can export. Adding a peer or a transfer does not need every group: a
-        request names the groups it moves.
+        request names the groups it moves. ``export=False``: the group's memory is this agent's own to read and
+        write but is not exported (memory another process mapped here, which cannot be exported again): it is
+        left out of :meth:`metadata`, so it is only ever the local side of a transfer.
         """
         self._poster.check_open()
         if not isinstance(name, str) or not 0 < len(name) <= _MAX_NAME:
@@ -264,6 +266,7 @@ class KVAgent(Closable, FailsOnTimeout):
         if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or not 0 < block_tokens < 1 << 32:
             raise BadInput(f"group {name!r}: block_tokens must be a positive int, got {block_tokens!r}")
         checked_flag(f"group {name!r}", token_major)
+        checked_flag(f"group {name!r}", export, "export")
         reg = self._registry
         if name in reg.groups:
             raise BadInput(f"group {name!r} is already registered")
@@ -291,7 +294,7 @@ class KVAgent(Closable, FailsOnTimeout):
             described.append(describe_layer(t, name=lname, position=pos, token_major=token_major))
         check_disjoint(name, described, [(g.name, g.layers) for g in reg.groups.values()])
         refs = []
-        for (_, t), lay in zip(items, described):
+        for (_, t), lay in zip(items, described if export else ()):
             st = (t.tensor if isinstance(t, KVLayerSpec) else t).untyped_storage()
             ex = self.platform.export_range(lay.ptr, lay.extent, self.device, within=(st.data_ptr(), st.nbytes()))
             refs.append((reg.allocation(ex.handle, lay.ptr - ex.offset), ex.offset))
@@ -303,7 +306,7 @@ class KVAgent(Closable, FailsOnTimeout):
                 raise BadInput(f"group {name!r} is already registered")
             # a new dict: a request or add_peer reading the groups meanwhile goes on over the one it holds
             reg.groups = {**reg.groups, name: _Group(name, block_tokens, described, flats)}
-            for lay, ref in zip(described, refs):
+            for lay, ref in zip(described, refs):       # (none where not exported)
                 reg.layer_refs[(name, lay.name)] = ref
             self._routes.drop_all()
 

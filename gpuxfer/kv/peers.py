@@ -101,7 +101,7 @@ class Registry:
             return {"allocations": [handle_meta(h) for h in self.allocs],
                     "groups": [{"name": g.name, "block_tokens": g.block_tokens,
                                 "layers": [lay.as_meta(*self.layer_refs[(g.name, lay.name)]) for lay in g.layers]}
-                               for g in self.groups.values()]}
+                               for g in self.groups.values() if (g.name, g.layers[0].name) in self.layer_refs]}
 
     def clear(self) -> None:
         """Forget the groups, their anchors and the peers (a closed agent's)."""

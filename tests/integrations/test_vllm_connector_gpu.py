@@ -28,13 +28,16 @@ def pair(tmp_path_factory):
     tm = {"token_major": True}
     with running({"gP": dict(model_dir=model, block_size=64, extra=tm, env=ENV, device="cuda", num_blocks=16384),
                   "gD": dict(model_dir=model, block_size=32, extra=tm, env=ENV, device="cuda", num_blocks=16384),
-                  "gE": dict(model_dir=model, block_size=64, env=ENV, device="cuda", num_blocks=16384)}) as out:
-        yield {"P": out["gP"], "D": out["gD"], "E": out["gE"]}
+                  "gE": dict(model_dir=model, block_size=64, env=ENV, device="cuda", num_blocks=16384),
+                  "gL": dict(model_dir=model, block_size=32, extra={**tm, "loader": "process"}, env=ENV,
+                             device="cuda", num_blocks=16384)}) as out:
+        yield {"P": out["gP"], "D": out["gD"], "E": out["gE"], "L": out["gL"]}
 
 
-@pytest.mark.parametrize("dec", ["D", "E"])
+@pytest.mark.parametrize("dec", ["D", "E", "L"])
 def test_gpu_prefill_to_decode(pair, dec):
-    """D: 32-token blocks reading 64-token ones (ratio 2); E: equal block sizes. 64 requests up to 4k tokens."""
+    """D: 32-token blocks reading 64-token ones (ratio 2); E: equal block sizes; L: as D, its loads in a loader
+    process (the caches reach it by CUDA IPC). 64 requests up to 4k tokens."""
     P, D = pair["P"], pair[dec]
     reqs = [(f"{dec}{i}", 100 + 61 * i, 9000 + i) for i in range(64)]
     res = P.run("prefill", [(r, n, s, None) for r, n, s in reqs], timeout=600)
@@ -46,6 +49,38 @@ def test_gpu_prefill_to_decode(pair, dec):
     assert s["requests"] == 0 and s["free"] == P.info["free"], s
     st = D.call("stats")["stats"]
     assert st["failed"] == 0 and st["transfers"] >= 64
+
+
+def test_gpu_a_loader_killed_with_reads_in_flight_fails_them(pair):
+    """The loader process killed right after the loads of 16 requests were handed to it (reads in flight or
+    queued): each load is reported, loaded with every byte right or failed, and every later load fails; the
+    decode instance frees its blocks, and the prefill's lease frees its own."""
+    import os
+    import signal
+    import time
+    P, L = pair["P"], pair["L"]
+    P.call("set_lease", 5.0)
+    reqs = [(f"K{i}", 4000 + 13 * i, 9500 + i) for i in range(16)]
+    later = [(f"M{i}", 300 + i, 9600 + i) for i in range(4)]
+    res = P.run("prefill", [(r, n, s, None) for r, n, s in reqs + later], timeout=600)
+    params = {r: v["params"] for r, v in res.items()}
+    L.call("submit", "decode", [(f"d-{r}", n, s, params[r]) for r, n, s in reqs])
+    os.kill(L.call("loader_pid"), signal.SIGKILL)
+    names = [f"d-{r}" for r, _, _ in reqs]
+    end = time.monotonic() + 120
+    out = L.call("results", names)
+    while any("load" not in v for v in out.values()) and time.monotonic() < end:
+        time.sleep(0.5)
+        out = L.call("results", names)
+    for r, v in out.items():
+        assert v.get("load") == "failed" or (v.get("load") == "ok" and v["bad"] == 0), (r, v)
+    out = L.run("decode", [(f"d-{r}", n, s, params[r]) for r, n, s in later], timeout=120)
+    assert all(v.get("load") == "failed" for v in out.values()), out
+    d = L.call("idle", 60, timeout=120)
+    assert d["requests"] == 0 and d["free"] == L.info["free"], d
+    s = P.call("idle", 60, timeout=120)
+    assert s["requests"] == 0 and s["free"] == P.info["free"], s
+    P.call("set_lease", 120.0)
 
 
 @pytest.mark.parametrize("p_tp, d_tp", [(2, 2), (1, 2)])

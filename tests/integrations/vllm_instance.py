@@ -245,6 +245,8 @@ def serve(conn, spec: dict) -> None:
             from gpuxfer.bench.cpus import pin_fastest
             pick = pin_fastest(part)
         eng.cpus = None if pick is None else (part, pick)
+        if pick is not None:
+            eng.place_loader(pick["cpu"])
         eng.errors = errors
         conn.send(("ready", eng.describe()))
     except BaseException:
@@ -367,6 +369,7 @@ class _Engine:
         self.results: dict[str, dict] = {}
         self.waiting: set[str] = set()
         self.stats: dict = {}
+        _time_scheduler_loads(self.sched.connector, self.stats)
         self.load_t0: dict[str, float] = {}
 
     def _gc_timer(self, phase: str, info: dict) -> None:
@@ -443,6 +446,18 @@ class _Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return bad, total
+
+    def place_loader(self, cpu: int | None) -> None:
+        """The decode worker's loader process (if any) on the instance's cores other than the engine thread's."""
+        w = getattr(self.worker, "_worker", None)
+        proc = getattr(w.decode, "proc", None) if w is not None else None
+        part = self.cpus[0] if self.cpus else None
+        rest = set(part or ()) - {cpu}
+        if proc is not None and rest:
+            try:
+                os.sched_setaffinity(proc.pid, rest)
+            except OSError:
+                pass
 
     # ------------------------------------------------------------------ stepping
 
@@ -624,6 +639,7 @@ class _Engine:
                     if part:
                         cpu, us, _ = fastest_cpu(part)
                         pin((cpu,))
+                        self.place_loader(cpu)
                         conn.send(("cpu", {"cpu": cpu, "python_us": us}))
                     else:
                         conn.send(("cpu", {"cpu": None, "python_us": python_speed_us()}))
@@ -637,6 +653,9 @@ class _Engine:
                 elif op == "set_lease":
                     self.sched.connector._scheduler.lease_s = args[0]
                     conn.send(("set_lease", None))
+                elif op == "loader_pid":              # the decode worker's loader process, if it has one
+                    proc = getattr(self.worker._worker.decode, "proc", None)
+                    conn.send(("loader_pid", None if proc is None else proc.pid))
                 elif op == "seal_key":
                     conn.send(("seal_key", self.sched.connector._scheduler.seal_key.hex()))
                 elif op == "stats":                   # args: (True,) to start counting anew
@@ -648,7 +667,7 @@ class _Engine:
                     conn.send(("stats", {"requests": len(self.sched.requests), "free": self.free_blocks(),
                                          "stats": self.stats, "routes": routes, "unheld": unheld}))
                     if args and args[0]:
-                        self.stats = {}
+                        self.stats.clear()
             if self.sched.has_requests():
                 self.step()
             if pending is not None and not (set(pending[1]) & self.waiting):
@@ -717,13 +736,31 @@ def _call(f, args: tuple, counts: list, name: str, n_loads: int | None):
     return res
 
 
+def _time_scheduler_loads(connector, stats: dict) -> None:
+    """The scheduler side's seconds in ``update_state_after_alloc`` for each request that loads (its share of a
+    load's host time: the params checked, the load made, its loader record where loads go to a loader process),
+    under ``sched_load_s`` in ``stats`` (taken when the stats are)."""
+    f = connector.update_state_after_alloc
+
+    def timed(request, blocks, num_external_tokens):
+        t = time.perf_counter()
+        try:
+            return f(request, blocks, num_external_tokens)
+        finally:
+            if num_external_tokens > 0:
+                stats.setdefault("sched_load_s", []).append(time.perf_counter() - t)
+    connector.update_state_after_alloc = timed
+
+
 def _profile(connector, acc: dict) -> None:
     """Time, inside this engine, each call a load makes on its way from ``start_load_kv`` to the driver (the
     connector's worker side, the agent, the ID checks, the slot and the driver calls the post makes): every
     call's seconds under its name in ``acc``. A measuring aid of the benchmark, not of the product."""
     import gpuxfer.integrations.vllm.channel as kc
     import gpuxfer.integrations.vllm.holds as kh
+    import gpuxfer.integrations.vllm.loader as klo
     import gpuxfer.integrations.vllm.loads as kl
+    import gpuxfer.integrations.vllm.ring as kr
     import gpuxfer.integrations.vllm.staging as kst
     import gpuxfer.integrations.vllm.worker as wk
     import gpuxfer.kv.agent as ka
@@ -748,7 +785,8 @@ def _profile(connector, acc: dict) -> None:
                         (kc.SideChannelClient, "notify"), (ka.KVAgent, "prepare"), (ka.KVAgent, "post_many"),
                         (ka, "prepare_device"), (kd._DeviceIdTransfer, "_post_locked"), (kb, "post_together"),
                         (ki._RouteIds, "check"), (ks.RequestStaging, "stage"), (kb, "run_in_slot"),
-                        (kb, "_post_route")):
+                        (kb, "_post_route"), (klo.LoaderClient, "start"), (klo, "encode_loads"),
+                        (kr.ShmRing, "put"), (klo.LoaderClient, "finished")):
         setattr(owner, attr, timed(f"{getattr(owner, '__name__', owner)}.{attr}", getattr(owner, attr)))
     agent = connector._worker.agent
     calls = agent._poster.calls

@@ -102,7 +102,8 @@ def _settings(extra: dict) -> Settings:
                     port=pick("port", "GPUXFER_VLLM_PORT"),
                     handshake_timeout_s=pick("handshake_timeout_s", "GPUXFER_VLLM_HANDSHAKE_TIMEOUT_S"),
                     token_major=tm, engine=pick("engine", "GPUXFER_VLLM_ENGINE"), device_ids=dev,
-                    remote=pick("remote", "GPUXFER_KV_REMOTE"), route=pick("route", "GPUXFER_KV_ROUTE"))
+                    remote=pick("remote", "GPUXFER_KV_REMOTE"), route=pick("route", "GPUXFER_KV_ROUTE"),
+                    loader=pick("loader", "GPUXFER_VLLM_LOADER"))
 
 
 def tensor_parallel_rank(tp_size: int) -> tuple[int, int]:
@@ -161,7 +162,8 @@ class GpuxferConnector(KVConnectorBase_V1, SupportsHMA):
             fixed = [(self.settings.host, self.settings.port + r) for r in range(self.tp_size)
                      ] if self.settings.port else None
             self._scheduler = SchedulerSide(engine_id=self.engine_id, block_sizes=block_sizes,
-                                            lease_s=self.settings.lease_s, endpoints=fixed)
+                                            lease_s=self.settings.lease_s, endpoints=fixed,
+                                            wire=self.settings.loader == "process")
         else:
             self.tp_rank, _ = tensor_parallel_rank(self.tp_size)
             on_cpu = str(vllm_config.device_config.device_type) == "cpu"

@@ -63,6 +63,8 @@ class Load:
     end: int                                # one past the last
     # the seal key its params were found sealed with (staging.pair_load: once a load, whatever its parts)
     sealed: bytes | None = field(default=None, repr=False, compare=False)
+    # the load as the loader process receives it (.wire.encode_load: made by the scheduler side where loads go there)
+    wire: bytes | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(slots=True, init=False)

@@ -16,6 +16,7 @@ from .holds import make_key
 from .params import (BadTransferParams, RemotePrefill, build_params, for_release, for_workers, parse_remote_prefill,
                      prompt_digest, seal_key, tokens_to_load)
 from .loads import Load
+from .wire import encode_load
 
 log = logging.getLogger("gpuxfer.vllm")
 
@@ -27,8 +28,9 @@ class SchedulerSide:
     parallel rank's side channel, by rank (from the workers' handshake metadata; None until known)."""
 
     def __init__(self, *, engine_id: str, block_sizes: Sequence[int], lease_s: float,
-                 endpoints: Sequence[tuple[str, int]] | None):
+                 endpoints: Sequence[tuple[str, int]] | None, wire: bool = False):
         self.engine_id = engine_id
+        self.wire = wire                            # make each load's record for a loader process (.wire)
         self.block_sizes = [int(b) for b in block_sizes]
         self.lease_s = lease_s
         self.endpoints = list(endpoints) if endpoints else None
@@ -89,7 +91,10 @@ class SchedulerSide:
             local = tuple(np.fromiter(g, dtype=np.int64, count=len(g)) for g in ids)
             end = request.num_prompt_tokens - 1
             start = max(0, end - num_external_tokens)
-            self._loads.append(Load(request.request_id, for_workers(rp), local, start, end))
+            load = Load(request.request_id, for_workers(rp), local, start, end)
+            if self.wire:
+                load.wire = encode_load(load)
+            self._loads.append(load)
         else:
             self._releases.append(for_release(rp))
 

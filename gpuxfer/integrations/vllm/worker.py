@@ -41,6 +41,8 @@ class Settings:
     # the prefill side channels a decode worker may handshake with: hosts (any port) and (host, port) pairs, as
     # params spell them; None: any (params naming an endpoint their maker runs carry that endpoint's own seal)
     prefills: frozenset | None = None
+    # where the decode side's loads run: "inline" (the engine's thread) or "process" (a loader process: .loader)
+    loader: str = "inline"
 
 
 #: the most entries of ``kv_connector_extra_config['prefills']``
@@ -69,6 +71,69 @@ def prefills_setting(v: Any) -> frozenset | None:
     return frozenset(out)
 
 
+def cache_device(kv_caches: Mapping[str, Any]) -> int:
+    """The CUDA device of vLLM's caches (0 for host memory)."""
+    first = next(iter(kv_caches.values()))
+    if first.device.type != "cuda":
+        return 0
+    import torch
+    return torch.cuda.current_device() if first.device.index is None else first.device.index
+
+
+def share_host_caches(kv_caches: Mapping[str, Any]) -> None:
+    """Caches in host memory (the host emulation) moved into shared memory in place, so that a loader process can
+    map them: torch keeps every view of a storage on it. Nothing for CUDA caches (mapped through IPC)."""
+    for t in kv_caches.values():
+        if t.device.type == "cpu":
+            t.untyped_storage().share_memory_()
+
+
+def register_groups(agent: KVAgent, group_specs: list, kv_caches: Mapping[str, Any], token_major: bool,
+                    kv_heads: list | None, export: bool = True) -> tuple[list[dict], list[int], list[int]]:
+    """Every KV-cache group's layers registered with ``agent`` (group ``g<i>``): per group its description for the
+    handshake, its kernel block tokens and its bytes per vLLM block."""
+    groups, kernel_tokens, bytes_per_block = [], [], []
+    for g, (kind, bs, names) in enumerate(group_specs):
+        missing = [n for n in names if n not in kv_caches]
+        if missing:
+            raise GpuxferError(f"KV-cache group {g} names layers vLLM registered no cache for: {missing[:4]}")
+        specs, tokens, majors = {}, set(), set()
+        per_block = 0
+        for n in names:
+            spec, tok, major = describe_view(kv_caches[n], token_major)
+            specs[n] = spec
+            tokens.add(tok)
+            majors.add(major)
+            per_block += sum(p[1] for p in spec.pieces)
+        if len(tokens) != 1 or bs % next(iter(tokens)):
+            raise GpuxferError(f"KV-cache group {g}: its layers' kernel blocks hold {sorted(tokens)} tokens, "
+                               f"which do not split its {bs}-token blocks evenly")
+        kt = tokens.pop()
+        agent.register_group(f"g{g}", kt, specs, token_major=all(majors), export=export)
+        kernel_tokens.append(kt)
+        bytes_per_block.append(per_block)
+        view = kv_caches[names[0]]
+        heads = int(view.shape[1]) if kv_heads is None else kv_heads[g]
+        groups.append({"kind": kind, "block_size": bs, "kernel_tokens": kt, "token_major": all(majors),
+                       "layers": names, "bytes_per_token": per_block // kt, "pieces": len(specs[names[0]].pieces),
+                       "content": [int(view.shape[1]), int(view.shape[3]) * view.element_size()],
+                       "kv_heads": heads})
+    return groups, kernel_tokens, bytes_per_block
+
+
+def bind_loads(decode: DecodeLoads, agent: KVAgent, info: dict, kernel_tokens: list[int],
+               bytes_per_block: list[int], settings: Settings) -> IdStaging | None:
+    """``decode`` bound to the registered agent, with the device-ID staging where its reads take device IDs
+    (returned)."""
+    staging = None
+    if settings.device_ids and agent.engine == "triton":
+        staging = IdStaging(agent)
+        # a step's IDs: each load's local blocks (distinct blocks of these caches) and as many remote ones
+        staging.reserve(2 * sum(nb for _, nb, _ in agent.groups.values()))
+    decode.bind(agent, info, kernel_tokens, bytes_per_block, staging)
+    return staging
+
+
 class WorkerSide:
     """One worker's connector state; ``groups``: per KV-cache group ``(kind, block_size, layer names)``; ``tp``:
     this worker's ``(rank, world size)`` in the engine's tensor parallel group; ``kv_heads``: per group, the KV heads
@@ -90,7 +155,7 @@ class WorkerSide:
         self.server: SideChannelServer | None = None
         self.info: dict | None = None
         self._lock = threading.Lock()                 # the agent: posts and add_peer against close
-        self.stats = _new_stats()                     # (one dict, counted into by both roles, reset in place)
+        self.stats = new_stats()                     # (one dict, counted into by both roles, reset in place)
         self.secret: bytes | None = None              # the last keyed_by's (the connector calls it when it changes)
         self.prefill = PrefillHolds(engine_id=engine_id, lease_s=settings.lease_s, stats=self.stats)
         self.decode = DecodeLoads(engine_id=engine_id, group_specs=self.group_specs, settings=settings,
@@ -107,50 +172,20 @@ class WorkerSide:
             raise BadInput(f"GpuxferConnector of engine {self.engine_id}: register_kv_caches was called again; its "
                            "caches are registered once, for the life of the worker")
         t0 = time.perf_counter()
-        import torch
         from ...platforms import current
-        platform = self.platform or current()
-        first = next(iter(kv_caches.values()))
-        device = 0
-        if first.device.type == "cuda":
-            device = torch.cuda.current_device() if first.device.index is None else first.device.index
-        self.agent = KVAgent(agent_name(self.engine_id, self.tp_rank, self.tp_size), platform=platform, device=device,
-                             engine=self.settings.engine, remote=self.settings.remote)
-        groups, kernel_tokens, bytes_per_block = [], [], []
-        for g, (kind, bs, names) in enumerate(self.group_specs):
-            missing = [n for n in names if n not in kv_caches]
-            if missing:
-                raise GpuxferError(f"KV-cache group {g} names layers vLLM registered no cache for: {missing[:4]}")
-            specs, tokens, majors = {}, set(), set()
-            per_block = 0
-            for n in names:
-                spec, tok, major = describe_view(kv_caches[n], self.settings.token_major)
-                specs[n] = spec
-                tokens.add(tok)
-                majors.add(major)
-                per_block += sum(p[1] for p in spec.pieces)
-            if len(tokens) != 1 or bs % next(iter(tokens)):
-                raise GpuxferError(f"KV-cache group {g}: its layers' kernel blocks hold {sorted(tokens)} tokens, "
-                                   f"which do not split its {bs}-token blocks evenly")
-            kt = tokens.pop()
-            self.agent.register_group(f"g{g}", kt, specs, token_major=all(majors))
-            kernel_tokens.append(kt)
-            bytes_per_block.append(per_block)
-            view = kv_caches[names[0]]
-            heads = int(view.shape[1]) if self.kv_heads is None else self.kv_heads[g]
-            groups.append({"kind": kind, "block_size": bs, "kernel_tokens": kt, "token_major": all(majors),
-                           "layers": names, "bytes_per_token": per_block // kt, "pieces": len(specs[names[0]].pieces),
-                           "content": [int(view.shape[1]), int(view.shape[3]) * view.element_size()],
-                           "kv_heads": heads})
+        loader = self.settings.loader == "process"
+        if loader:
+            share_host_caches(kv_caches)        # (before the agent reads their addresses)
+        self.agent = KVAgent(agent_name(self.engine_id, self.tp_rank, self.tp_size), platform=self.platform or current(),
+                             device=cache_device(kv_caches), engine=self.settings.engine, remote=self.settings.remote)
+        groups, kernel_tokens, bytes_per_block = register_groups(self.agent, self.group_specs, kv_caches,
+                                                                 self.settings.token_major, self.kv_heads)
         self.info = engine_info(engine_id=self.engine_id, model=self.model, dtype=self.dtype, layout=self.layout,
                                 groups=groups, tp=(self.tp_rank, self.tp_size))
-        staging = None
-        if self.settings.device_ids and self.agent.engine == "triton":
-            staging = IdStaging(self.agent)
-            # a step's IDs: each load's local blocks (distinct blocks of these caches) and as many remote ones
-            staging.reserve(2 * sum(nb for _, nb, _ in self.agent.groups.values()))
-        self.decode.bind(self.agent, self.info, kernel_tokens, bytes_per_block, staging)
-        warm_s = self._warm_up(staging is not None)
+        warm_s = 0.0
+        if not loader:                  # (the loader process loads the kernels of its reads)
+            staging = bind_loads(self.decode, self.agent, self.info, kernel_tokens, bytes_per_block, self.settings)
+            warm_s = self._warm_up(staging is not None)
         self._info_bytes, self._meta_bytes = self._described(), self.agent.metadata()
         port = self.settings.port + self.tp_rank if self.settings.port else 0
         if port > 65535:
@@ -159,13 +194,19 @@ class WorkerSide:
         self.server = SideChannelServer(self.settings.host, port,
                                         lambda: (self._info_bytes, self._meta_bytes), self.settings.handshake_timeout_s,
                                         claim=self.prefill.claims.claim)
+        if loader:
+            from .loader import LoaderClient
+            t1 = time.perf_counter()
+            self.decode = LoaderClient(self, kv_caches)
+            warm_s = time.perf_counter() - t1
         if not all(g["token_major"] for g in groups):
             log.info("gpuxfer: engine %s: the KV layout is not token-major (attention backend's block interior), so "
                      "it pairs only with instances of the same block size", self.engine_id)
         log.info("gpuxfer: engine %s registered %d KV-cache group(s) (%s) with the %s engine in %.2f s (kernels "
-                 "loaded in %.2f s); side channel on %s:%d", self.engine_id, len(groups),
+                 "loaded in %.2f s%s); side channel on %s:%d", self.engine_id, len(groups),
                  ", ".join(f"{g['kind']} {g['block_size']} tok x {len(g['layers'])} layers" for g in groups), self.agent.engine,
-                 time.perf_counter() - t0, warm_s, self.server.host, self.server.port)
+                 time.perf_counter() - t0, warm_s, ", the loader process started" if loader else "",
+                 self.server.host, self.server.port)
 
     def _warm_up(self, device_ids: bool) -> float:
         """The agent's kernels loaded now (engine startup), not in the first request: a read of vLLM's null
@@ -222,7 +263,7 @@ class WorkerSide:
         # (nothing let go of and nothing held to expire: nothing PrefillHolds.finished could find)
         sending = prefill.finished(lease.now()) if prefill.let_go or prefill.expiry else set()
         recving, failed = decode.finished(now) if decode.pending else (set(), set())
-        for r in decode.engines.remotes.values():         # (DecodeLoads.flush_late, inline)
+        for r in decode.remotes.values():         # (DecodeLoads.flush_late, inline; a loader process's: none)
             c = r.client
             # (a client with nothing queued and no claim since its last flush has nothing to do: not called)
             if c is not None and (c.outbox or c.claimed):
@@ -242,7 +283,7 @@ class WorkerSide:
                 or s["forged"] or s["claims_granted"] or s["claims_refused"]):
             return None
         out = dict(s)
-        s.update(_new_stats())
+        s.update(new_stats())
         return out
 
     def close(self) -> None:
@@ -254,6 +295,6 @@ class WorkerSide:
                 self.agent.close()
 
 
-def _new_stats() -> dict:
+def new_stats() -> dict:
     return {"transfers": 0, "failed": 0, "bytes": 0, "handshakes": 0, "leases_expired": 0, "sends_done": 0, "forged": 0,
             "claims_granted": 0, "claims_refused": 0, "device_id_loads": 0, "host_id_loads": 0, "post_host_s": [], "xfer_s": [], "handshake_s": []}

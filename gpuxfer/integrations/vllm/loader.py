@@ -1,0 +1,430 @@
+"""The decode side's loads in a process of their own (``kv_connector_extra_config['loader']: "process"``).
+
+Inside an engine step a load's host work runs cold (the step left other data in the CPU's caches) and costs the
+engine's thread 3-12x what it costs run warm; a thread beside the engine's does not help, since a thread that
+releases the GIL (every driver and socket call) waits up to the switch interval to take it back from the engine's
+Python (docs/VLLM.md). So the worker starts a loader process at registration: it maps the worker's caches (CUDA
+IPC; shared memory on the host emulation), registers them with an agent of its own (not exported: only ever the
+local side of a read), loads its kernels by reading block 0 of every group from the worker's agent onto itself,
+and runs :class:`~.loads.DecodeLoads` unchanged -- handshakes, reads, claims, lease checks. The engine's thread
+only hands each step's loads over and reads what ended, through two rings in shared memory (:mod:`.ring`), with
+no system call::
+
+    engine thread (worker)                      loader process
+    ----------------------                      --------------
+    register: spawn; the spec (caches) on  ──►  map the caches, register them (export=False), warm up
+              its stdin; wait for "ready"  ◄──  event ring: ("ready", s) or ("error", why)
+    start_load_kv: pending[req] = load
+              command ring: ("start", loads    ──►  every 100 us (1 ms once idle for a second): take the
+              as plain values; a record the ring     commands; DecodeLoads.start (handshake, post, claim);
+              has no room for is kept, put later)    DecodeLoads.finished, the side channels flushed
+    get_finished: event ring empty -> nothing  ◄──  event ring: (done, failed, load errors, counters)
+                  else its records; every 50 ms with loads pending: is the loader alive, is it stalled?
+    shutdown: ("close",) -> the loader closes its side channels and agent (its reads drained) and exits;
+              killed past CLOSE_S
+
+A loader that dies, or that takes no command and reports nothing for longer than a load may last, is killed and
+waited for, and only then are its pending loads reported failed (vLLM recomputes them): nothing it queued can
+write the blocks after that. Later loads fail at once, logged. The loader exits when the worker does (the kernel
+kills it: ``PR_SET_PDEATHSIG``, and it checks its parent each second).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import pickle
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing import current_process
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Sequence
+
+from ... import config
+from ...errors import GpuxferError
+from .loads import Load
+from .params import RemotePrefill
+from .ring import ShmRing, ring_fd
+from .wire import decode_load, encode_loads
+
+log = logging.getLogger("gpuxfer.vllm")
+
+#: how often the engine side asks whether the loader lives while loads are pending (seconds)
+LIVENESS_S = 0.05
+#: the loader's poll period: while anything happened in the last second, and after (seconds)
+BUSY_POLL_S, IDLE_POLL_S = 0.0001, 0.001
+#: each ring's data bytes (a step's loads: ~9 KiB a 32k-token request of one group at 64-token blocks)
+RING_BYTES = 8 << 20
+#: longest a close waits for the loader to drain its reads and exit before killing it (seconds)
+CLOSE_S = 30.0
+
+class LoaderClient:
+    """The engine side of a loader process, in :class:`~.loads.DecodeLoads`'s place for the worker: ``start``,
+    ``release``, ``finished``, ``take_load_errors``, ``pending``, ``remotes`` (none: the loader flushes its side
+    channels) and ``close``. Starting it starts the process and waits for it to be ready (registration)."""
+
+    remotes: dict = {}
+
+    def __init__(self, worker, kv_caches):
+        self.engine_id, self.stats = worker.engine_id, worker.stats
+        self._single = len(worker.group_specs) == 1
+        self._bs0 = worker.group_specs[0][1]
+        s = worker.settings
+        # longest a load may stay unreported while the loader reports nothing: its handshake, the lease, a margin
+        self._stall_s = s.handshake_timeout_s + s.lease_s + 30.0
+        self.pending: dict[str, Any] = {}
+        self.load_errors: set[int] = set()
+        self._done: set[str] = set()            # failed here, reported by the next finished
+        self._failed: set[str] = set()
+        self._out: list[bytes] = []             # commands the ring had no room for yet
+        self._last_news = time.monotonic()
+        self._check_at = 0.0
+        self.dead: str | None = None
+        self._closed = False
+        self._lock = threading.Lock()           # close (any thread) against itself
+        fds = [ring_fd(RING_BYTES, "gpuxfer-loader-cmd"), ring_fd(RING_BYTES, "gpuxfer-loader-evt")]
+        try:
+            self._cmd, self._evt = ShmRing(fds[0]), ShmRing(fds[1])
+            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+            self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(fds[0]), str(fds[1])], pass_fds=fds,
+                                         env=env, stdin=subprocess.PIPE)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        try:
+            import torch.multiprocessing  # noqa: F401  (torch's reductions: CUDA tensors go by IPC handle)
+            spec = {"authkey": bytes(current_process().authkey),  # (host tensors' fds go by its resource sharer)
+                    "engine_id": worker.engine_id, "agent": worker.agent.name, "group_specs": worker.group_specs,
+                    "settings": s, "tp": (worker.tp_rank, worker.tp_size), "kv_heads": worker.kv_heads,
+                    "info": worker.info, "meta": worker.agent.metadata()}
+            # (the authkey first: the caches' pickle needs it set to be read)
+            timeout = config.get("GPUXFER_VLLM_LOADER_START_S")
+            self._write_stdin(pickle.dumps(spec, 5) + bytes(ForkingPickler.dumps(dict(kv_caches))), timeout)
+            self._ready(timeout)
+        except BaseException:
+            self._kill()
+            raise
+        log.info("gpuxfer: engine %s: loader process %d ready", self.engine_id, self.proc.pid)
+
+    # ------------------------------------------------------------------ startup
+
+    def _write_stdin(self, data: bytes, timeout_s: float) -> None:
+        """The spec on the loader's stdin, bounded: the loader reads it as it starts."""
+        fd = self.proc.stdin.fileno()
+        os.set_blocking(fd, False)
+        view, end = memoryview(data), time.monotonic() + timeout_s
+        try:
+            while view:
+                try:
+                    view = view[os.write(fd, view):]
+                except BlockingIOError:
+                    if self.proc.poll() is not None or time.monotonic() > end:
+                        raise GpuxferError(f"the loader process of engine {self.engine_id} took no start-up data "
+                                           f"({self._exit()})") from None
+                    select.select([], [fd], [], 0.1)
+        except BrokenPipeError as exc:
+            raise GpuxferError(f"the loader process of engine {self.engine_id} ended as it started "
+                               f"({self._exit()})") from exc
+        finally:
+            self.proc.stdin.close()
+
+    def _ready(self, timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        while (rec := self._evt.get()) is None:
+            if self.proc.poll() is not None or time.monotonic() > end:
+                raise GpuxferError(f"the loader process of engine {self.engine_id} did not start within "
+                                   f"{timeout_s:.0f} s ({self._exit()}); see its log above")
+            time.sleep(0.01)
+        kind, what = pickle.loads(rec)
+        if kind != "ready":
+            raise GpuxferError(f"the loader process of engine {self.engine_id} failed to start: {what}")
+
+    def _exit(self) -> str:
+        rc = self.proc.poll()
+        return "running" if rc is None else f"exit status {rc}"
+
+    # ------------------------------------------------------------------ the engine thread's calls
+
+    def start(self, loads: Sequence[Load]) -> None:
+        """Hand these loads to the loader (one record a step; nothing waits)."""
+        pending = self.pending
+        fresh = []
+        for load in loads:
+            if load.req_id not in pending:      # (a replayed one: the loader logs and drops it)
+                pending[load.req_id] = load
+                fresh.append(load)
+        if self.dead is not None:
+            self._lose(fresh)
+            return
+        self._put(encode_loads(loads))
+
+    def release(self, releases: Sequence[RemotePrefill]) -> None:
+        if self.dead is None:
+            self._put(pickle.dumps(("release", releases), 5))
+
+    def _put(self, rec: bytes) -> None:
+        out = self._out
+        if out:
+            self._flush()
+        if out or not self._cmd.put(rec):
+            out.append(rec)
+            self._check_at = 0.0                # (put at the next call)
+
+    def _flush(self) -> None:
+        out, put = self._out, self._cmd.put
+        while out and put(out[0]):
+            out.pop(0)
+            self._last_news = time.monotonic()
+
+    def finished(self, now: float) -> tuple[set[str], set[str]]:
+        """Loads done and failed since the last call (failed ones among the done, as :class:`~.loads.DecodeLoads`
+        reports them)."""
+        evt = self._evt
+        if not evt.pending() and now < self._check_at:
+            return set(), set()
+        done, failed = self._done, self._failed
+        self._done, self._failed = set(), set()
+        stats, errors = self.stats, self.load_errors
+        while (rec := evt.get()) is not None:
+            d, f, e, st = pickle.loads(rec)
+            done |= d
+            failed |= f
+            if e:
+                errors.update(e)
+            if st:
+                for k, v in st.items():
+                    if type(v) is list:
+                        stats[k].extend(v)
+                    else:
+                        stats[k] += v
+            self._last_news = now
+        if now >= self._check_at:
+            self._check(now)
+            done |= self._done
+            failed |= self._failed
+            self._done, self._failed = set(), set()
+        if done:
+            pending = self.pending
+            for req in done:
+                pending.pop(req, None)
+        return done, failed
+
+    def _check(self, now: float) -> None:
+        """The slow path, every :data:`LIVENESS_S`: commands kept put, the loader alive and not stalled."""
+        self._check_at = now + LIVENESS_S
+        if self._out:
+            self._flush()
+        if self.dead is None:
+            rc = self.proc.poll()
+            if rc is not None:
+                self._died(f"it exited with status {rc}")
+            elif self.pending and now - self._last_news > self._stall_s:
+                self._died(f"it reported nothing for {now - self._last_news:.0f} s with {len(self.pending)} "
+                           "load(s) pending; killed")
+
+    def _died(self, why: str) -> None:
+        """The loader is gone (killed here first where it is not, and waited for): every pending load failed."""
+        if self.dead is None:
+            self.dead = why
+            log.error("gpuxfer: engine %s: the loader process (pid %d) is lost: %s; its %d pending load(s) fail and "
+                      "every later load fails (restart the instance)", self.engine_id, self.proc.pid, why,
+                      len(self.pending))
+            self._kill()
+            self._out.clear()
+            self._lose(list(self.pending.values()))
+
+    def _lose(self, loads: Sequence[Load]) -> None:
+        """These loads failed here (reported, and dropped from ``pending``, by the next :meth:`finished`)."""
+        for load in loads:
+            self._done.add(load.req_id)
+            self._failed.add(load.req_id)
+            self.stats["failed"] += 1
+            if self._single:
+                ids = load.local_ids[0][load.start // self._bs0:]
+                self.load_errors.update(ids[ids != 0].tolist())
+        self._check_at = 0.0                # (reported at the next call)
+
+    def take_load_errors(self) -> set[int]:
+        out, self.load_errors = self.load_errors, set()
+        return out
+
+    # ------------------------------------------------------------------ teardown
+
+    def _kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(CLOSE_S)
+        except subprocess.TimeoutExpired:
+            log.error("gpuxfer: engine %s: the loader process (pid %d) outlived SIGKILL for %.0f s", self.engine_id,
+                      self.proc.pid, CLOSE_S)
+
+    def close(self) -> None:
+        """Ask the loader to end (its reads drained, its agent closed) and wait for it; killed past
+        :data:`CLOSE_S`. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self.dead is None and self.proc.poll() is None:
+                end = time.monotonic() + CLOSE_S
+                recs = self._out + [pickle.dumps(("close",), 5)]
+                while recs and time.monotonic() < end and self.proc.poll() is None:
+                    if self._cmd.put(recs[0]):
+                        recs.pop(0)
+                    else:
+                        time.sleep(0.001)
+                try:
+                    self.proc.wait(max(0.0, end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.error("gpuxfer: engine %s: the loader process did not end within %.0f s; killed",
+                              self.engine_id, CLOSE_S)
+            self._kill()
+            self._cmd.close()
+            self._evt.close()
+
+
+# ---------------------------------------------------------------------- the loader process
+
+class _Loader:
+    """The loader process's state: an agent over the worker's caches and the decode role's loads."""
+
+    def __init__(self, spec: dict):
+        from ...kv import KVAgent
+        from ...platforms import current
+        from .loads import DecodeLoads
+        from .worker import bind_loads, cache_device, new_stats, register_groups
+        caches, settings = spec["caches"], spec["settings"]
+        self.stats = new_stats()
+        self.agent = KVAgent(spec["agent"] + "~loader", platform=current(), device=cache_device(caches),
+                             engine=settings.engine, remote=settings.remote)
+        _, kernel_tokens, bytes_per_block = register_groups(self.agent, spec["group_specs"], caches,
+                                                            settings.token_major, spec["kv_heads"], export=False)
+        self.decode = DecodeLoads(engine_id=spec["engine_id"], group_specs=spec["group_specs"], settings=settings,
+                                  lock=threading.Lock(), stats=self.stats, tp=spec["tp"])
+        staging = bind_loads(self.decode, self.agent, spec["info"], kernel_tokens, bytes_per_block, settings)
+        self.caches = caches                    # (the mappings live as long as these)
+        self.warm_s = self._warm_up(spec["meta"], next(iter(caches.values())).device if staging else None)
+
+    def _warm_up(self, meta: bytes, device_ids) -> float:
+        """Kernels loaded now: block 0 (vLLM's null block) of every group read from the worker's agent onto the
+        same memory, with device IDs too where reads take them (as :meth:`KVAgent.warm_up` does in one process)."""
+        import torch
+        t0 = time.perf_counter()
+        agent = self.agent
+        peer = agent.add_peer(meta, route="ipc")
+        try:
+            for g in list(agent.groups):
+                ids = {g: [0]}
+                agent.prepare(peer, "pull", local_blocks=ids, remote_blocks=ids, name="warm-up").post().wait()
+                if device_ids is not None:
+                    ids = {g: torch.tensor([0], dtype=torch.int64, device=device_ids)}
+                    agent.prepare(peer, "pull", local_blocks=ids, remote_blocks=ids, name="warm-up",
+                                  device_ids=True).post().wait()
+        finally:
+            agent.remove_peer(peer)
+        return time.perf_counter() - t0
+
+    def run(self, cmd: ShmRing, evt: ShmRing) -> None:
+        """Take commands and report what ended until told to close or the worker is gone."""
+        d, stats = self.decode, self.stats
+        outbox: list[bytes] = []                # events the ring had no room for yet
+        parent, active, check_at = os.getppid(), time.monotonic(), 0.0
+        while True:
+            got = False
+            while (rec := cmd.get()) is not None:
+                got = True
+                msg = pickle.loads(rec)
+                kind = msg[0]
+                if kind == "start":
+                    d.start([decode_load(rec) for rec in msg[1]])
+                elif kind == "release":
+                    d.release(msg[1])
+                elif kind == "close":
+                    return
+            now = time.monotonic()
+            done, failed = d.finished(now) if d.pending else (set(), set())
+            for r in d.remotes.values():
+                c = r.client
+                if c is not None and (c.outbox or c.claimed):
+                    c.flush_late(now)
+            errors = d.take_load_errors() if d.load_errors else ()
+            counts = _take(stats)
+            if done or failed or errors or counts:
+                outbox.append(pickle.dumps((done, failed, errors, counts), 5))
+            while outbox and evt.put(outbox[0]):
+                outbox.pop(0)
+            if got or d.pending or outbox:
+                active = now
+            if now >= check_at:
+                check_at = now + 1.0
+                if os.getppid() != parent:      # (the worker is gone)
+                    return
+            time.sleep(BUSY_POLL_S if now - active < 1.0 else IDLE_POLL_S)
+
+    def close(self) -> None:
+        self.decode.close()
+        self.agent.close()
+
+
+def _take(stats: dict) -> dict | None:
+    """The counters since the last call, reset; None when nothing was counted."""
+    if not any(stats.values()):
+        return None
+    out = {}
+    for k, v in stats.items():
+        if v:
+            out[k] = v
+            stats[k] = [] if type(v) is list else 0
+    return out
+
+
+def _main(argv: list[str]) -> int:
+    try:        # killed with the worker
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s gpuxfer-loader[%(process)d] %(message)s")
+    cmd_fd, evt_fd = (int(a) for a in argv[:2])
+    cmd, evt = ShmRing(cmd_fd), ShmRing(evt_fd)
+    os.close(cmd_fd)
+    os.close(evt_fd)
+    loader = None
+    try:
+        stdin = sys.stdin.buffer
+        spec = pickle.load(stdin)
+        current_process().authkey = spec["authkey"]
+        import torch.multiprocessing  # noqa: F401
+        spec["caches"] = pickle.load(stdin)
+        first = next(iter(spec["caches"].values()))
+        if first.device.type == "cuda":
+            import torch
+            torch.cuda.set_device(first.device)
+        loader = _Loader(spec)
+        del spec, first
+        evt.put(pickle.dumps(("ready", loader.warm_s), 5))
+        loader.run(cmd, evt)
+        return 0
+    except BaseException as exc:                # (reported to the worker, which raises it at registration)
+        log.exception("gpuxfer: the loader process failed")
+        evt.put(pickle.dumps(("error", f"{type(exc).__name__}: {exc}"), 5))
+        return 1
+    finally:
+        if loader is not None:
+            loader.close()
+            # (the caches' CUDA IPC references released now, while the worker waits for this process: torch's
+            # producer side counts them, and finalizers at interpreter exit are not guaranteed to run)
+            loader.caches = loader.agent = loader.decode = None
+            loader = None
+            import gc
+            gc.collect()
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -1,0 +1,92 @@
+"""GpuxferConnector with its decode loads in a loader process (``kv_connector_extra_config['loader']:
+"process"``), against vLLM 0.33's real Scheduler on the host emulation: the caches vLLM allocated reach the loader
+(shared memory here, CUDA IPC on a GPU), every loaded byte is checked, and a loader that dies fails its loads (load
+errors reported, no hang) and every later one.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from _requires import require
+
+require("vllm", "GPUXFER_REQUIRE_VLLM", "vllm==0.33.0")
+
+from vllm_instance import (assert_idle, assert_loaded, decode, prefill, prefill_dies, running,  # noqa: E402
+                           write_model)
+
+ENV = {"GPUXFER_PLATFORM": "host", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+       "VLLM_LOGGING_LEVEL": "WARNING"}
+TM = {"token_major": True}
+LOADER = {"loader": "process"}
+
+
+@pytest.fixture(scope="module")
+def inst(tmp_path_factory):
+    """P64 read by D32 (ratio 2), a hybrid pair HP/HD, and DX (a decode whose loader the test kills); the decode
+    instances load in loader processes."""
+    model = write_model(str(tmp_path_factory.mktemp("model")))
+    specs = {"P64": (64, False, TM), "D32": (32, False, {**TM, **LOADER}), "HP": (32, True, {}),
+             "HD": (32, True, LOADER), "DX": (32, False, {**TM, **LOADER})}
+    with running({name: dict(model_dir=model, block_size=bs, hybrid=hybrid, extra=extra, env=ENV)
+                  for name, (bs, hybrid, extra) in specs.items()}) as out:
+        yield out
+
+
+def test_64_concurrent_requests_through_the_loader(inst):
+    P, D = inst["P64"], inst["D32"]
+    pid = D.call("loader_pid")
+    assert pid is not None and pid != os.getpid()
+    reqs = [(f"l{i}", 40 + 23 * i, 1000 + i) for i in range(64)]
+    assert_loaded(decode(D, reqs, prefill(P, reqs)))
+    s = assert_idle(P)
+    assert s["stats"]["sends_done"] >= 64
+    d = D.call("stats")
+    assert d["requests"] == 0 and d["free"] == D.info["free"]
+    st = d["stats"]         # (the loader's counters, merged into the worker's)
+    assert st["transfers"] >= 64 and st["handshakes"] == 1 and st["failed"] == 0 and len(st["post_host_s"]) >= 64
+
+
+def test_hybrid_groups_through_the_loader(inst):
+    P, D = inst["HP"], inst["HD"]
+    reqs = [(f"lh{i}", 30 + 61 * i, 3000 + i) for i in range(4)]
+    assert_loaded(decode(D, reqs, prefill(P, reqs)))
+    assert_idle(P)
+
+
+def test_a_dead_prefill_fails_the_loaders_loads(inst):
+    prefill_dies(inst["HP"], inst["HD"], [(f"lk{i}", 160, 8000 + i) for i in range(3)])
+
+
+def test_a_dead_loader_fails_its_loads_and_every_later_one(inst):
+    """The loader killed right after a step's loads were handed to it: each load is reported (loaded with every
+    byte right, or failed) within the harness's wait, every later load fails at once, and both instances free their
+    blocks (the prefill's by its lease: no decode lets go of them)."""
+    P, D = inst["P64"], inst["DX"]
+    warm = [(f"x{i}", 100 + 7 * i, 5000 + i) for i in range(2)]
+    assert_loaded(decode(D, warm, prefill(P, warm)))        # (handshaken: the next loads post at once)
+    P.call("set_lease", 3.0)
+    reqs = [(f"y{i}", 300 + 7 * i, 6000 + i) for i in range(8)]
+    later = [(f"z{i}", 100 + i, 7000 + i) for i in range(3)]
+    params = prefill(P, reqs + later)
+    D.call("submit", "decode", [(f"d-{r}", n, s, params[r]) for r, n, s in reqs])
+    os.kill(D.call("loader_pid"), signal.SIGKILL)
+    names = [f"d-{r}" for r, _, _ in reqs]
+    end = time.monotonic() + 60
+    out = D.call("results", names)
+    while any("load" not in v for v in out.values()) and time.monotonic() < end:
+        time.sleep(0.2)
+        out = D.call("results", names)
+    for r, v in out.items():
+        assert v.get("load") == "failed" or (v.get("load") == "ok" and v["bad"] == 0), (r, v)
+    res = decode(D, later, params, timeout=60)
+    assert all(v.get("load") == "failed" for v in res.values()), res
+    logs = "\n".join(D.call("logs"))
+    assert "loader process" in logs and "is lost" in logs
+    d = D.call("idle", 30, timeout=60)
+    assert d["requests"] == 0 and d["free"] == D.info["free"], d
+    assert_idle(P, timeout=60)
+    P.call("set_lease", 120.0)
