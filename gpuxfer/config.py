@@ -204,9 +204,10 @@ VARS: dict[str, Var] = {v.name: v for v in (
         "side pulls with (auto: triton on GPUs, copy_engine on the host emulation; extra config engine)"),
     Var("GPUXFER_VLLM_HANDSHAKE_TIMEOUT_S", 10.0, SECONDS, "vLLM decode: longest a handshake with a prefill "
         "instance may take before its requests' loads fail (extra config handshake_timeout_s)"),
-    Var("GPUXFER_VLLM_LOADER", "inline", choice("inline", "process"), "vLLM decode: where its loads run: on the "
-        "engine's thread (inline), or in a loader process of the worker's own, the engine thread only handing the "
-        "loads over and reading completions (process; extra config loader)"),
+    Var("GPUXFER_VLLM_LOADER", "auto", choice("auto", "inline", "process"), "vLLM decode: where its loads run: on "
+        "the engine's thread (inline), or in a loader process of the worker's own, the engine thread only handing the "
+        "loads over and reading completions (process); auto: process for caches in GPU memory (inline where it "
+        "cannot start, logged), inline for host memory (extra config loader)"),
     Var("GPUXFER_VLLM_LOADER_START_S", 300.0, SECONDS, "vLLM decode: longest the loader process may take to "
         "start (import, register the caches, load its kernels) before registration fails"),
     Var("GPUXFER_VLLM_TEST_CLOCK_SHIFT_S", 0.0, OFFSET, "test hook: seconds added to this process's lease clock "

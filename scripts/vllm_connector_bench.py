@@ -63,6 +63,11 @@ from gpuxfer.bench.report import nearest_rank as pct  # noqa: E402
 from gpuxfer.errors import BadInput  # noqa: E402
 
 
+def _inline(a, dev: str) -> bool:
+    """Whether the decode instance's loads run on its engine thread (the connector's ``loader`` setting)."""
+    return a.connector == "gpuxfer" and (a.loader == "inline" or (a.loader == "auto" and dev == "cpu"))
+
+
 def _gpu_mib(pid) -> int | None:
     """The GPU memory process ``pid`` holds (its CUDA context and allocations), as nvidia-smi reports it."""
     import subprocess
@@ -88,8 +93,9 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
     extra = {} if nixl else {"token_major": True, "device_ids": {"host": False, "device": True, "auto": "auto"}[a.ids]}
     if a.engine != "auto" and not nixl:
         extra["engine"] = a.engine
-    if a.loader != "inline" and not nixl:
+    if a.loader != "auto" and not nixl:
         extra["loader"] = a.loader
+    inline = _inline(a, dev)
     if a.remote == "nixl":
         extra.update(remote="nixl", route="nixl")
     kw = dict(extra=extra, device=dev, num_blocks=blocks, max_model_len=a.tokens + 64,
@@ -104,7 +110,7 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
         P.ready(timeout=600)
         D.ready(timeout=600)
         startup = time.perf_counter() - t0
-        loader_mib = _gpu_mib(D.call("loader_pid")) if a.loader == "process" and dev == "cuda" else None
+        loader_mib = _gpu_mib(D.call("loader_pid")) if not inline and dev == "cuda" else None
         reqs = [(f"r{run}-{i}", a.tokens, 1000 * run + i) for i in range(total)]
         res = P.run("prefill", [(r, n, s, None) for r, n, s in reqs], timeout=600)
         D.call("stats", True)
@@ -118,7 +124,7 @@ def one_run(a, run: int, model: str, env: dict, dev: str, per_req_blocks: int) -
             loads.update(out)
         yardstick.append(D.call("cpu"))
         st = D.call("stats", True)["stats"]
-        loops = a.loop if a.connector == "gpuxfer" and a.loader == "inline" else 0
+        loops = a.loop if a.connector == "gpuxfer" and inline else 0
         loop = D.call("read_loop", a.tokens // a.block_size, loops, timeout=600) if loops else None
         cold = D.call("read_loop", a.tokens // a.block_size, loops, FLUSH_MB, timeout=600) if loops else None
         P.call("idle", 60, timeout=120)
@@ -235,9 +241,10 @@ def main(argv=None) -> int:
                     help="the connector's device_ids: auto (default, the connector's): a step's several reads of "
                          "one engine with their block IDs on the device, a lone read with host IDs; host: every "
                          "read with host IDs (false); device: on the device wherever the engine allows (true)")
-    ap.add_argument("--loader", choices=("inline", "process"), default="inline",
-                    help="where the decode side's loads run: on the engine thread (inline, the default) or in the "
-                         "connector's loader process (kv_connector_extra_config loader)")
+    ap.add_argument("--loader", choices=("auto", "inline", "process"), default="auto",
+                    help="where the decode side's loads run: on the engine thread (inline) or in the connector's "
+                         "loader process (process); auto (the connector's default): process on a GPU, inline on the "
+                         "host emulation (kv_connector_extra_config loader)")
     ap.add_argument("--connector", choices=("gpuxfer", "nixl"), default="gpuxfer",
                     help="gpuxfer (default): GpuxferConnector; nixl: vLLM's own NixlConnector on the same instances and "
                          "caches (needs the nixl wheel), the baseline")
@@ -267,7 +274,7 @@ def main(argv=None) -> int:
     if a.warm < 1 or a.batch < 0 or a.batch == 1 or a.batch_steps < 1:
         ap.error("--warm must be >= 1, --batch 0 or >= 2 and --batch-steps >= 1")
     if a.connector == "nixl" and (a.remote != "none" or a.ids != "auto" or a.engine != "auto" or a.profile
-                                  or a.loader != "inline"):
+                                  or a.loader != "auto"):
         ap.error("--remote, --ids, --engine, --loader and --profile are options of gpuxfer's connector, not of "
                  "--connector nixl")
     try:        # checked before the runs, which take minutes: a new file in an existing, writable directory
@@ -291,7 +298,7 @@ def main(argv=None) -> int:
           f"({kv_bytes / 2**20:.1f} MiB of KV); per run: 1 first + {a.warm} warm + {a.batch_steps} steps of {a.batch}; "
           f"{a.runs} runs, fresh instances and Triton cache each")
     print(f"# decode engine {a.engine}, block IDs {a.ids} (path per run: dev = on the device, host = on the host); "
-          f"loads {'in the loader process' if a.loader == 'process' else 'on the engine thread'} (--loader {a.loader})")
+          f"loads {'on the engine thread' if _inline(a, dev) else 'in the loader process'} (--loader {a.loader})")
     print(f"# CPU placement: {'each engine thread pinned (auto)' if a.cpus == 'auto' else 'the scheduler (none)'}; "
           "py_us: the Python yardstick (gpuxfer.bench.cpus.python_speed_us) on the decode thread's CPU, median")
     print("# times: host time of the decode engine thread's connector calls (us); load = start_load_kv -> "
@@ -337,14 +344,14 @@ def main(argv=None) -> int:
           + "; get_finished " + " | ".join(f"{r['get_finished_cpu_us_p50'] or 0:.0f} / "
                                            f"{r['get_finished_cpu_us_p90'] or 0:.0f} of {r['get_finished_us_p50'] or 0:.0f}"
                                            f" / {r['get_finished_us_p90'] or 0:.0f}" for r in rows))
-    print(f"# a read's pairing, prepare and post per load ({'in the loader process' if a.loader == 'process' else 'inside start_load_kv'}"
-          "), p50 / p90 per run (us): " + " | ".join(f"{r['post_host_us_p50'] or 0:.0f} / {r['post_host_us_p90'] or 0:.0f}"
-                                                       for r in rows))
-    if a.loader == "process":
+    where = "inside start_load_kv" if _inline(a, dev) else "in the loader process"
+    print(f"# a read's pairing, prepare and post per load ({where}), p50 / p90 per run (us): "
+          + " | ".join(f"{r['post_host_us_p50'] or 0:.0f} / {r['post_host_us_p90'] or 0:.0f}" for r in rows))
+    if not _inline(a, dev):
         print("# the loader process's GPU memory (nvidia-smi; its CUDA context, beside vLLM's budget), per run (MiB): "
               + " | ".join(str(r["loader_gpu_mib"]) for r in rows))
     print("# the decode scheduler side's update_state_after_alloc per request loaded (the params checked, the load "
-          "made" + (", its loader record" if a.loader == "process" else "") + "), p50 / p90 per run (us): "
+          "made" + ("" if _inline(a, dev) else ", its loader record") + "), p50 / p90 per run (us): "
           + " | ".join(f"{r['sched_load_us_p50'] or 0:.0f} / {r['sched_load_us_p90'] or 0:.0f}" for r in rows))
     for key, what in (("read_loop", "back to back"), ("read_loop_flushed", f"with {FLUSH_MB} MiB written before each")):
         loops = [r[key] for r in rows if r[key]]

@@ -27,17 +27,23 @@ def pair(tmp_path_factory):
     model = write_model(str(tmp_path_factory.mktemp("model")))
     tm = {"token_major": True}
     with running({"gP": dict(model_dir=model, block_size=64, extra=tm, env=ENV, device="cuda", num_blocks=16384),
-                  "gD": dict(model_dir=model, block_size=32, extra=tm, env=ENV, device="cuda", num_blocks=16384),
+                  "gD": dict(model_dir=model, block_size=32, extra={**tm, "loader": "inline"}, env=ENV, device="cuda",
+                             num_blocks=16384),
                   "gE": dict(model_dir=model, block_size=64, env=ENV, device="cuda", num_blocks=16384),
                   "gL": dict(model_dir=model, block_size=32, extra={**tm, "loader": "process"}, env=ENV,
-                             device="cuda", num_blocks=16384)}) as out:
-        yield {"P": out["gP"], "D": out["gD"], "E": out["gE"], "L": out["gL"]}
+                             device="cuda", num_blocks=16384),
+                  # the default loader, whose process cannot be ready in time: loads on the engine thread, logged
+                  "gF": dict(model_dir=model, block_size=32, extra=tm, device="cuda", num_blocks=4096,
+                             env={**ENV, "GPUXFER_VLLM_LOADER_START_S": "0.01"})}) as out:
+        yield {"P": out["gP"], "D": out["gD"], "E": out["gE"], "L": out["gL"], "F": out["gF"]}
 
 
-@pytest.mark.parametrize("dec", ["D", "E", "L"])
+@pytest.mark.parametrize("dec", ["D", "E", "L", "F"])
 def test_gpu_prefill_to_decode(pair, dec):
-    """D: 32-token blocks reading 64-token ones (ratio 2); E: equal block sizes; L: as D, its loads in a loader
-    process (the caches reach it by CUDA IPC). 64 requests up to 4k tokens."""
+    """D: 32-token blocks reading 64-token ones (ratio 2), loads on the engine thread; E: equal block sizes, the
+    default loader (a loader process on a GPU); L: as D, its loads in a loader process (the caches reach it by CUDA
+    IPC); F: the default loader whose process cannot start in time, so loads on the engine thread. 64 requests up
+    to 4k tokens."""
     P, D = pair["P"], pair[dec]
     reqs = [(f"{dec}{i}", 100 + 61 * i, 9000 + i) for i in range(64)]
     res = P.run("prefill", [(r, n, s, None) for r, n, s in reqs], timeout=600)
@@ -49,6 +55,11 @@ def test_gpu_prefill_to_decode(pair, dec):
     assert s["requests"] == 0 and s["free"] == P.info["free"], s
     st = D.call("stats")["stats"]
     assert st["failed"] == 0 and st["transfers"] >= 64
+    if dec == "F":
+        assert D.call("loader_pid") is None
+        assert any("the loader process did not start" in line for line in D.call("logs"))
+    elif dec in "EL":
+        assert D.call("loader_pid") is not None
 
 
 def test_gpu_a_loader_killed_with_reads_in_flight_fails_them(pair):

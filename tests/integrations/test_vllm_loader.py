@@ -90,3 +90,13 @@ def test_a_dead_loader_fails_its_loads_and_every_later_one(inst):
     assert d["requests"] == 0 and d["free"] == D.info["free"], d
     assert_idle(P, timeout=60)
     P.call("set_lease", 120.0)
+
+
+def test_a_loader_that_does_not_start_fails_the_startup_it_was_asked_for(tmp_path):
+    """``loader: "process"`` and a loader that cannot be ready in time (its start-up limit 10 ms): the instance's
+    startup fails with the typed error naming it, nothing left running."""
+    model = write_model(str(tmp_path / "model"))
+    with pytest.raises(RuntimeError, match="loader process of engine .* (did not start within|took no start-up)"):
+        with running({"DS": dict(model_dir=model, block_size=32, extra={**TM, **LOADER},
+                                 env={**ENV, "GPUXFER_VLLM_LOADER_START_S": "0.01"})}):
+            pass

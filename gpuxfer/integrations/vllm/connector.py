@@ -157,16 +157,17 @@ class GpuxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._n_groups = len(groups)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        on_cpu = str(vllm_config.device_config.device_type) == "cpu"
         if role == KVConnectorRole.SCHEDULER:
             # a fixed port: rank r's side channel listens on port + r
             fixed = [(self.settings.host, self.settings.port + r) for r in range(self.tp_size)
                      ] if self.settings.port else None
             self._scheduler = SchedulerSide(engine_id=self.engine_id, block_sizes=block_sizes,
                                             lease_s=self.settings.lease_s, endpoints=fixed,
-                                            wire=self.settings.loader == "process")
+                                            wire=self.settings.loader == "process"
+                                            or (self.settings.loader == "auto" and not on_cpu))
         else:
             self.tp_rank, _ = tensor_parallel_rank(self.tp_size)
-            on_cpu = str(vllm_config.device_config.device_type) == "cpu"
             if self.settings.token_major is None:
                 # the CPU backend keeps a head's keys and values apart in a block; the GPU backends keep a
                 # token's K and V together in its content

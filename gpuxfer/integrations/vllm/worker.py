@@ -41,8 +41,9 @@ class Settings:
     # the prefill side channels a decode worker may handshake with: hosts (any port) and (host, port) pairs, as
     # params spell them; None: any (params naming an endpoint their maker runs carry that endpoint's own seal)
     prefills: frozenset | None = None
-    # where the decode side's loads run: "inline" (the engine's thread) or "process" (a loader process: .loader)
-    loader: str = "inline"
+    # where the decode side's loads run: "inline" (the engine's thread), "process" (a loader process: .loader) or
+    # "auto" (process for caches in GPU memory, inline where it cannot start; inline for host memory)
+    loader: str = "auto"
 
 
 #: the most entries of ``kv_connector_extra_config['prefills']``
@@ -173,19 +174,20 @@ class WorkerSide:
                            "caches are registered once, for the life of the worker")
         t0 = time.perf_counter()
         from ...platforms import current
-        loader = self.settings.loader == "process"
+        mode = self.settings.loader
+        loader = mode == "process" or (mode == "auto" and next(iter(kv_caches.values())).device.type == "cuda")
         if loader:
             share_host_caches(kv_caches)        # (before the agent reads their addresses)
-        self.agent = KVAgent(agent_name(self.engine_id, self.tp_rank, self.tp_size), platform=self.platform or current(),
-                             device=cache_device(kv_caches), engine=self.settings.engine, remote=self.settings.remote)
+        self.agent = KVAgent(agent_name(self.engine_id, self.tp_rank, self.tp_size),
+                             platform=self.platform or current(), device=cache_device(kv_caches),
+                             engine=self.settings.engine, remote=self.settings.remote)
         groups, kernel_tokens, bytes_per_block = register_groups(self.agent, self.group_specs, kv_caches,
                                                                  self.settings.token_major, self.kv_heads)
         self.info = engine_info(engine_id=self.engine_id, model=self.model, dtype=self.dtype, layout=self.layout,
                                 groups=groups, tp=(self.tp_rank, self.tp_size))
         warm_s = 0.0
         if not loader:                  # (the loader process loads the kernels of its reads)
-            staging = bind_loads(self.decode, self.agent, self.info, kernel_tokens, bytes_per_block, self.settings)
-            warm_s = self._warm_up(staging is not None)
+            warm_s = self._inline(kernel_tokens, bytes_per_block)
         self._info_bytes, self._meta_bytes = self._described(), self.agent.metadata()
         port = self.settings.port + self.tp_rank if self.settings.port else 0
         if port > 65535:
@@ -197,8 +199,19 @@ class WorkerSide:
         if loader:
             from .loader import LoaderClient
             t1 = time.perf_counter()
-            self.decode = LoaderClient(self, kv_caches)
-            warm_s = time.perf_counter() - t1
+            try:
+                self.decode = LoaderClient(self, kv_caches)
+            except GpuxferError as exc:
+                if mode != "auto":
+                    self.close()
+                    raise
+                log.warning("gpuxfer: engine %s: the loader process did not start (%s); loads run on the engine's "
+                            "thread (kv_connector_extra_config loader: \"inline\" says so; with \"process\" this "
+                            "fails the engine's startup)", self.engine_id, exc)
+                loader = False
+                warm_s = self._inline(kernel_tokens, bytes_per_block)
+            else:
+                warm_s = time.perf_counter() - t1
         if not all(g["token_major"] for g in groups):
             log.info("gpuxfer: engine %s: the KV layout is not token-major (attention backend's block interior), so "
                      "it pairs only with instances of the same block size", self.engine_id)
@@ -207,6 +220,11 @@ class WorkerSide:
                  ", ".join(f"{g['kind']} {g['block_size']} tok x {len(g['layers'])} layers" for g in groups), self.agent.engine,
                  time.perf_counter() - t0, warm_s, ", the loader process started" if loader else "",
                  self.server.host, self.server.port)
+
+    def _inline(self, kernel_tokens: list[int], bytes_per_block: list[int]) -> float:
+        """Loads on the engine's thread: the decode role bound to this worker's agent, its kernels loaded."""
+        staging = bind_loads(self.decode, self.agent, self.info, kernel_tokens, bytes_per_block, self.settings)
+        return self._warm_up(staging is not None)
 
     def _warm_up(self, device_ids: bool) -> float:
         """The agent's kernels loaded now (engine startup), not in the first request: a read of vLLM's null
