@@ -158,6 +158,8 @@ class GpuxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         on_cpu = str(vllm_config.device_config.device_type) == "cpu"
+        if getattr(ktc, "kv_role", None) == "kv_producer":
+            self.settings.loader = "inline"         # (a prefill instance loads nothing: no loader process)
         if role == KVConnectorRole.SCHEDULER:
             # a fixed port: rank r's side channel listens on port + r
             fixed = [(self.settings.host, self.settings.port + r) for r in range(self.tp_size)
