@@ -83,7 +83,8 @@ class LoaderClient:
         self._out: list[bytes] = []             # commands the ring had no room for yet
         self._last_news = time.monotonic()
         self._check_at = 0.0
-        self.dead: str | None = None
+        self.dead: str | None = None            # why no command goes to the loader any more
+        self._gone = False                      # the loader was waited for, its last reports read
         self._closed = False
         self._lock = threading.Lock()           # close (any thread) against itself
         fds = [ring_fd(RING_BYTES, "gpuxfer-loader-cmd"), ring_fd(RING_BYTES, "gpuxfer-loader-evt")]
@@ -152,21 +153,55 @@ class LoaderClient:
     # ------------------------------------------------------------------ the engine thread's calls
 
     def start(self, loads: Sequence[Load]) -> None:
-        """Hand these loads to the loader (one record a step; nothing waits)."""
+        """Hand these loads to the loader (one record a step, or as many as the ring needs; nothing waits)."""
         pending = self.pending
+        if not pending:                         # (a stall is counted from the first load pending on)
+            self._last_news = time.monotonic()
         fresh = []
         for load in loads:
-            if load.req_id not in pending:      # (a replayed one: the loader logs and drops it)
-                pending[load.req_id] = load
-                fresh.append(load)
+            # a request named again before its load was reported here (replayed metadata): that load stands, as
+            # in DecodeLoads.start (the loader may have ended it already: it would load the request again)
+            if load.req_id in pending:
+                log.error("gpuxfer: engine %s: request %s is named for a load while its load is not reported yet "
+                          "(metadata replayed?); the second is dropped", self.engine_id, load.req_id)
+                continue
+            pending[load.req_id] = load
+            fresh.append(load)
+        if not fresh:
+            return
         if self.dead is not None:
             self._lose(fresh)
             return
-        self._put(encode_loads(loads))
+        self._send(fresh)
+
+    def _send(self, loads: Sequence[Load]) -> None:
+        """These loads' command, in parts where the ring could never hold it whole; a load that alone is larger
+        than the ring fails."""
+        rec = encode_loads(loads)
+        if len(rec) <= self._cmd.room():
+            self._put(rec)
+        elif len(loads) > 1:
+            half = len(loads) // 2
+            self._send(loads[:half])
+            self._send(loads[half:])
+        else:
+            log.error("gpuxfer: engine %s: the load of request %s (%d bytes) is larger than the loader's command "
+                      "ring (%d bytes); it fails", self.engine_id, loads[0].req_id, len(rec), self._cmd.room())
+            self._lose(loads)
 
     def release(self, releases: Sequence[RemotePrefill]) -> None:
-        if self.dead is None:
-            self._put(pickle.dumps(("release", releases), 5))
+        if self.dead is not None or not releases:
+            return
+        rec = pickle.dumps(("release", list(releases)), 5)
+        if len(rec) <= self._cmd.room():
+            self._put(rec)
+        elif len(releases) > 1:
+            half = len(releases) // 2
+            self.release(releases[:half])
+            self.release(releases[half:])
+        else:                                   # (its prefill frees the blocks at its lease)
+            log.error("gpuxfer: engine %s: a release of request %s is larger than the loader's command ring; not "
+                      "sent", self.engine_id, releases[0].request_id)
 
     def _put(self, rec: bytes) -> None:
         out = self._out
@@ -185,14 +220,32 @@ class LoaderClient:
     def finished(self, now: float) -> tuple[set[str], set[str]]:
         """Loads done and failed since the last call (failed ones among the done, as :class:`~.loads.DecodeLoads`
         reports them)."""
-        evt = self._evt
-        if not evt.pending() and now < self._check_at:
+        if not self._evt.pending() and now < self._check_at:
             return set(), set()
+        if not self._gone:
+            self._events(now)
+        if now >= self._check_at:
+            self._check(now)
         done, failed = self._done, self._failed
         self._done, self._failed = set(), set()
+        if done:
+            pending = self.pending
+            for req in done:
+                pending.pop(req, None)
+        return done, failed
+
+    def _events(self, now: float) -> None:
+        """What the loader reported, into ``_done``, ``_failed``, the load errors and the stats."""
+        evt, done, failed = self._evt, self._done, self._failed
         stats, errors = self.stats, self.load_errors
         while (rec := evt.get()) is not None:
-            d, f, e, st = pickle.loads(rec)
+            self._last_news = now
+            msg = pickle.loads(rec)
+            if len(msg) != 4:                   # ("error", why): the loader failed, and exits
+                log.error("gpuxfer: engine %s: the loader process failed: %s", self.engine_id, msg[-1])
+                self._check_at = 0.0
+                continue
+            d, f, e, st = msg
             done |= d
             failed |= f
             if e:
@@ -203,41 +256,39 @@ class LoaderClient:
                         stats[k].extend(v)
                     else:
                         stats[k] += v
-            self._last_news = now
-        if now >= self._check_at:
-            self._check(now)
-            done |= self._done
-            failed |= self._failed
-            self._done, self._failed = set(), set()
-        if done:
-            pending = self.pending
-            for req in done:
-                pending.pop(req, None)
-        return done, failed
 
     def _check(self, now: float) -> None:
-        """The slow path, every :data:`LIVENESS_S`: commands kept put, the loader alive and not stalled."""
+        """The slow path, every :data:`LIVENESS_S`: commands kept put, the loader alive and not stalled; a lost
+        loader's pending loads failed once it was waited for."""
         self._check_at = now + LIVENESS_S
-        if self._out:
-            self._flush()
         if self.dead is None:
+            if self._out:
+                self._flush()
             rc = self.proc.poll()
             if rc is not None:
                 self._died(f"it exited with status {rc}")
             elif self.pending and now - self._last_news > self._stall_s:
                 self._died(f"it reported nothing for {now - self._last_news:.0f} s with {len(self.pending)} "
                            "load(s) pending; killed")
+        if self.dead is not None and not self._gone and self.proc.poll() is not None:
+            # (waited for: nothing it queued writes the blocks now, and all it reported is in the ring)
+            self._gone = True
+            self._events(now)
+            done = self._done
+            self._lose([ld for req, ld in self.pending.items() if req not in done])
 
     def _died(self, why: str) -> None:
-        """The loader is gone (killed here first where it is not, and waited for): every pending load failed."""
+        """The loader is lost (killed here first where it is not): no command goes to it any more, and its pending
+        loads fail once it was waited for (:meth:`_check`, without waiting here)."""
         if self.dead is None:
             self.dead = why
             log.error("gpuxfer: engine %s: the loader process (pid %d) is lost: %s; its %d pending load(s) fail and "
                       "every later load fails (restart the instance)", self.engine_id, self.proc.pid, why,
                       len(self.pending))
-            self._kill()
+            if self.proc.poll() is None:
+                self.proc.kill()
             self._out.clear()
-            self._lose(list(self.pending.values()))
+            self._check_at = 0.0
 
     def _lose(self, loads: Sequence[Load]) -> None:
         """These loads failed here (reported, and dropped from ``pending``, by the next :meth:`finished`)."""
@@ -272,9 +323,13 @@ class LoaderClient:
             if self._closed:
                 return
             self._closed = True
-            if self.dead is None and self.proc.poll() is None:
+            alive = self.dead is None
+            # (no command from the engine thread from now on: one writer on the ring; later loads fail at once, and
+            # those pending fail once the loader was waited for)
+            self.dead = self.dead or "closed"
+            if alive and self.proc.poll() is None:
                 end = time.monotonic() + CLOSE_S
-                recs = self._out + [pickle.dumps(("close",), 5)]
+                recs = list(self._out) + [pickle.dumps(("close",), 5)]
                 while recs and time.monotonic() < end and self.proc.poll() is None:
                     if self._cmd.put(recs[0]):
                         recs.pop(0)
@@ -286,8 +341,8 @@ class LoaderClient:
                     log.error("gpuxfer: engine %s: the loader process did not end within %.0f s; killed",
                               self.engine_id, CLOSE_S)
             self._kill()
-            self._cmd.close()
-            self._evt.close()
+            self._check_at = 0.0
+            # (the rings stay mapped until this object goes: the engine thread may be reading them now)
 
 
 # ---------------------------------------------------------------------- the loader process

@@ -14,8 +14,8 @@ past it::
 
 The CRC covers CPUs that may make the position visible before the payload (weakly ordered memory, Python having
 no fences): a record read early fails its check and is read again later. It is seeded with the record's position,
-so that the record a previous lap left at that place (header and payload whole) fails it too. x86 makes a core's stores visible in
-their order (TSO), so there the CRC is 0 and not checked. Nothing blocks: a full ring makes
+so that the record a previous lap left at that place (header and payload whole) fails it too. x86 makes a core's
+stores visible in their order (TSO), so there the CRC is 0 and not checked. Nothing blocks: a full ring makes
 :meth:`ShmRing.put` return False, and the caller keeps the record for later.
 """
 from __future__ import annotations
