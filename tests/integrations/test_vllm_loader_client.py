@@ -187,3 +187,35 @@ def test_a_replayed_load_is_reported_once(worker):
     c.start([_load("c")])
     _drive(w, {"c"}, reports)
     assert sorted(reports) == ["a", "b", "c"]
+
+
+def test_a_stalled_loader_is_killed_and_its_loads_fail_once_it_was_waited_for(worker):
+    """A loader that takes nothing and reports nothing for longer than a load may last is killed; its loads are
+    reported failed only once it was waited for (nothing it queued can write their blocks after), and no poll
+    waits for it meanwhile."""
+    w = worker()
+    c = w.decode
+    os.kill(c.proc.pid, signal.SIGSTOP)
+    c.start([_load("a")])
+    c._last_news -= c._stall_s + 1          # (what a stall of that long leaves)
+    _, r, _ = w.poll()
+    assert c.dead is not None and "reported nothing" in c.dead
+    reports: list = []
+    end = time.monotonic() + WAIT_S
+    while not reports:
+        assert time.monotonic() < end
+        _, r, f = w.poll()
+        if r:
+            assert c.proc.returncode is not None and r == f == {"a"}
+        reports.extend(r)
+        time.sleep(0.005)
+    c.start([_load("b")])
+    assert _drive(w, {"b"}, reports) == ({"b"}, {"b"}) and reports == ["a", "b"]
+
+
+def test_the_loaders_path_puts_no_site_folder_before_the_standard_library(monkeypatch):
+    import site
+    root = os.path.abspath(loader_mod.__file__).rsplit(os.sep, 4)[0]
+    assert loader_mod.child_path("/x") == os.pathsep.join([root, "/x"])      # (a source tree: it goes first)
+    monkeypatch.setattr(site, "getsitepackages", lambda: [root])
+    assert loader_mod.child_path("/x") == "/x" and loader_mod.child_path("") == ""

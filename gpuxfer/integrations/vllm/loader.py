@@ -62,6 +62,16 @@ RING_BYTES = 8 << 20
 #: longest a close waits for the loader to drain its reads and exit before killing it (seconds)
 CLOSE_S = 30.0
 
+def child_path(pythonpath: str) -> str:
+    """The loader's ``PYTHONPATH``: this gpuxfer's folder first where the interpreter's site folders do not hold it
+    (a source tree); not a site folder, whose packages would then come before the standard library's modules."""
+    import site
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    parts = [p for p in pythonpath.split(os.pathsep) if p]
+    sites = {os.path.abspath(p) for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    return os.pathsep.join(parts if root in sites else [root] + parts)
+
+
 class LoaderClient:
     """The engine side of a loader process, in :class:`~.loads.DecodeLoads`'s place for the worker: ``start``,
     ``release``, ``finished``, ``take_load_errors``, ``pending``, ``remotes`` (none: the loader flushes its side
@@ -90,9 +100,8 @@ class LoaderClient:
         fds = [ring_fd(RING_BYTES, "gpuxfer-loader-cmd"), ring_fd(RING_BYTES, "gpuxfer-loader-evt")]
         try:
             self._cmd, self._evt = ShmRing(fds[0]), ShmRing(fds[1])
-            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
             env = dict(os.environ)
-            env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+            env["PYTHONPATH"] = child_path(env.get("PYTHONPATH", ""))
             self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(fds[0]), str(fds[1])], pass_fds=fds,
                                          env=env, stdin=subprocess.PIPE)
         finally:
