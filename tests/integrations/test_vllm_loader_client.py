@@ -219,3 +219,18 @@ def test_the_loaders_path_puts_no_site_folder_before_the_standard_library(monkey
     assert loader_mod.child_path("/x") == os.pathsep.join([root, "/x"])      # (a source tree: it goes first)
     monkeypatch.setattr(site, "getsitepackages", lambda: [root])
     assert loader_mod.child_path("/x") == "/x" and loader_mod.child_path("") == ""
+
+
+def test_a_loader_started_by_a_thread_that_ends_lives_on(worker):
+    """The kernel's parent-death signal is sent when the *thread* that started a process ends: a worker registered
+    by a thread that then ends keeps its loader."""
+    made = []
+    t = threading.Thread(target=lambda: made.append(worker()))
+    t.start()
+    t.join(WAIT_S)
+    assert made and not t.is_alive()
+    w = made[0]
+    time.sleep(0.5)             # (a signal sent at the thread's end has landed by now)
+    assert w.decode.proc.poll() is None
+    w.decode.start([_load("a")])
+    assert _drive(w, {"a"}) == ({"a"}, {"a"}) and w.decode.dead is None

@@ -26,7 +26,8 @@ no system call::
 A loader that dies, or that takes no command and reports nothing for longer than a load may last, is killed and
 waited for, and only then are its pending loads reported failed (vLLM recomputes them): nothing it queued can
 write the blocks after that. Later loads fail at once, logged. The loader exits when the worker does (the kernel
-kills it: ``PR_SET_PDEATHSIG``, and it checks its parent each second).
+kills it: ``PR_SET_PDEATHSIG``, where the worker's main thread started it, since the kernel sends that signal when the
+thread that started the process ends; and it checks its parent each second).
 """
 from __future__ import annotations
 
@@ -102,7 +103,8 @@ class LoaderClient:
             self._cmd, self._evt = ShmRing(fds[0]), ShmRing(fds[1])
             env = dict(os.environ)
             env["PYTHONPATH"] = child_path(env.get("PYTHONPATH", ""))
-            self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(fds[0]), str(fds[1])], pass_fds=fds,
+            main = str(int(threading.current_thread() is threading.main_thread()))
+            self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(fds[0]), str(fds[1]), main], pass_fds=fds,
                                          env=env, stdin=subprocess.PIPE)
         finally:
             for fd in fds:
@@ -450,10 +452,11 @@ def _take(stats: dict) -> dict | None:
 
 
 def _main(argv: list[str]) -> int:
-    try:        # killed with the worker
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    if argv[2:3] == ["1"]:          # killed with the worker (started by its main thread, which ends with it)
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gpuxfer-loader[%(process)d] %(message)s")
     cmd_fd, evt_fd = (int(a) for a in argv[:2])
     cmd, evt = ShmRing(cmd_fd), ShmRing(evt_fd)
