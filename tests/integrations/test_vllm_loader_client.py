@@ -234,3 +234,16 @@ def test_a_loader_started_by_a_thread_that_ends_lives_on(worker):
     assert w.decode.proc.poll() is None
     w.decode.start([_load("a")])
     assert _drive(w, {"a"}) == ({"a"}, {"a"}) and w.decode.dead is None
+
+
+def test_a_load_started_while_a_close_is_under_way_is_not_written_beside_it(worker):
+    """The command ring has one writer: while close (another thread) writes to it, a step's loads are not written
+    (they fail), and the engine thread does not wait for the close."""
+    w = worker()
+    c = w.decode
+    written = c._cmd._pos[0]
+    with c._lock:                           # (what a close under way holds)
+        c.start([_load("a")])
+        c.release([_load("r").remote])
+        assert c._cmd._pos[0] == written and not c._out
+    assert _drive(w, {"a"}) == ({"a"}, {"a"})

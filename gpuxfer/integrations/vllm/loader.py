@@ -97,7 +97,7 @@ class LoaderClient:
         self.dead: str | None = None            # why no command goes to the loader any more
         self._gone = False                      # the loader was waited for, its last reports read
         self._closed = False
-        self._lock = threading.Lock()           # close (any thread) against itself
+        self._lock = threading.Lock()           # close (any thread) against itself and the commands put
         fds = [ring_fd(RING_BYTES, "gpuxfer-loader-cmd"), ring_fd(RING_BYTES, "gpuxfer-loader-evt")]
         try:
             self._cmd, self._evt = ShmRing(fds[0]), ShmRing(fds[1])
@@ -190,7 +190,8 @@ class LoaderClient:
         than the ring fails."""
         rec = encode_loads(loads)
         if len(rec) <= self._cmd.room():
-            self._put(rec)
+            if not self._put(rec):
+                self._lose(loads)
         elif len(loads) > 1:
             half = len(loads) // 2
             self._send(loads[:half])
@@ -214,15 +215,26 @@ class LoaderClient:
             log.error("gpuxfer: engine %s: a release of request %s is larger than the loader's command ring; not "
                       "sent", self.engine_id, releases[0].request_id)
 
-    def _put(self, rec: bytes) -> None:
-        out = self._out
-        if out:
-            self._flush()
-        if out or not self._cmd.put(rec):
-            out.append(rec)
-            self._check_at = 0.0                # (put at the next call)
+    def _put(self, rec: bytes) -> bool:
+        """One command to the loader, kept for later where the ring has no room now; False where the loader takes
+        none any more (lost, or a close under way: the ring has one writer, and the engine thread never waits)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self.dead is not None:
+                return False
+            out = self._out
+            if out:
+                self._flush()
+            if out or not self._cmd.put(rec):
+                out.append(rec)
+                self._check_at = 0.0            # (put at the next call)
+            return True
+        finally:
+            self._lock.release()
 
     def _flush(self) -> None:
+        """The commands kept, put as the ring takes them (the caller holds the lock)."""
         out, put = self._out, self._cmd.put
         while out and put(out[0]):
             out.pop(0)
@@ -273,8 +285,12 @@ class LoaderClient:
         loader's pending loads failed once it was waited for."""
         self._check_at = now + LIVENESS_S
         if self.dead is None:
-            if self._out:
-                self._flush()
+            if self._out and self._lock.acquire(blocking=False):
+                try:
+                    if self.dead is None:
+                        self._flush()
+                finally:
+                    self._lock.release()
             rc = self.proc.poll()
             if rc is not None:
                 self._died(f"it exited with status {rc}")
