@@ -39,6 +39,7 @@ def worker(monkeypatch):
                                          token_major=True, loader="process"))
         made.append(w)
         w.register(caches)
+        w.caches = caches
         assert w.decode.proc.poll() is None
         return w
     yield make
@@ -247,3 +248,25 @@ def test_a_load_started_while_a_close_is_under_way_is_not_written_beside_it(work
         c.release([_load("r").remote])
         assert c._cmd._pos[0] == written and not c._out
     assert _drive(w, {"a"}) == ({"a"}, {"a"})
+
+
+def test_a_loader_whose_warm_up_fails_starts_as_the_worker_would(worker):
+    """The loader's warm-up (kernels loaded by reading the worker's null block) failing only moves that cost to
+    the first request, as the worker's own warm-up does: it is no reason to fail the worker's registration."""
+    from gpuxfer.kv import KVAgent
+    from gpuxfer.platforms import current
+    w = worker()
+    other = KVAgent("gone", platform=current(), device=0)
+    other.register_group("g0", BS, {"x": torch.zeros(4, HEADS, BS, CONTENT, dtype=torch.uint8)})
+    meta = other.metadata()
+    other.close()
+    real = w.agent.metadata
+    w.agent.metadata = lambda: meta     # (metadata the loader's warm-up cannot map)
+    try:
+        c = loader_mod.LoaderClient(w, w.caches)
+    finally:
+        w.agent.metadata = real
+    try:
+        assert c.proc.poll() is None
+    finally:
+        c.close()

@@ -392,7 +392,12 @@ class _Loader:
                                   lock=threading.Lock(), stats=self.stats, tp=spec["tp"])
         staging = bind_loads(self.decode, self.agent, spec["info"], kernel_tokens, bytes_per_block, settings)
         self.caches = caches                    # (the mappings live as long as these)
-        self.warm_s = self._warm_up(spec["meta"], next(iter(caches.values())).device if staging else None)
+        self.warm_s = 0.0
+        try:
+            self.warm_s = self._warm_up(spec["meta"], next(iter(caches.values())).device if staging else None)
+        except GpuxferError as exc:             # (as the worker's own warm-up: the first request loads them)
+            log.warning("gpuxfer: engine %s: loading the transfer kernels at startup failed (%s: %s); the first "
+                        "request loads them", spec["engine_id"], type(exc).__name__, exc)
 
     def _warm_up(self, meta: bytes, device_ids) -> float:
         """Kernels loaded now: block 0 (vLLM's null block) of every group read from the worker's agent onto the
