@@ -63,6 +63,7 @@ RING_BYTES = 8 << 20
 #: longest a close waits for the loader to drain its reads and exit before killing it (seconds)
 CLOSE_S = 30.0
 
+
 def child_path(pythonpath: str) -> str:
     """The loader's ``PYTHONPATH``: this gpuxfer's folder first where the interpreter's site folders do not hold it
     (a source tree); not a site folder, whose packages would then come before the standard library's modules."""
