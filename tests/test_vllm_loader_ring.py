@@ -64,6 +64,29 @@ def test_a_record_whose_payload_is_not_whole_is_not_taken():
     assert r.get() == b"0123456789" and not r.pending()
 
 
+def test_the_record_a_previous_lap_left_is_not_taken_again():
+    """Weakly ordered memory: the writer's position seen moved before its record's bytes are. What lies there is
+    the whole record of a lap before (its header and payload checked out then): it is not taken again."""
+    w, r = _pair(256)
+    w.ordered = r.ordered = False
+    for i in range(8):                   # one lap of 32-byte records: the next one goes where the first went
+        assert w.put(bytes([i]) * 24) and r.get() == bytes([i]) * 24
+    w._pos[0] = 256 + 32                  # (the position, visible before the record's bytes)
+    assert r.get() is None
+    assert r.pending()
+    w._pos[0] = 256
+    assert w.put(b"new" * 8) and r.get() == b"new" * 8
+
+
+def test_a_record_filling_the_ring_exactly_goes_through_at_any_offset():
+    w, r = _pair(100)
+    for shift in range(0, 100, 7):
+        w._pos[0] = w._pos[8] = 1000 + shift
+        assert not w.put(b"x" * (w.room() + 1))
+        assert w.put(bytes(range(w.room()))) and not w.put(b"")
+        assert r.get() == bytes(range(w.room())) and r.get() is None and not r.pending()
+
+
 def test_a_header_past_what_was_written_is_not_taken():
     w, r = _pair(256)
     assert w.put(b"x" * 16)

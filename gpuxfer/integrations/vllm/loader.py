@@ -26,7 +26,8 @@ no system call::
 A loader that dies, or that takes no command and reports nothing for longer than a load may last, is killed and
 waited for, and only then are its pending loads reported failed (vLLM recomputes them): nothing it queued can
 write the blocks after that. Later loads fail at once, logged. The loader exits when the worker does (the kernel
-kills it: ``PR_SET_PDEATHSIG``, and it checks its parent each second).
+kills it: ``PR_SET_PDEATHSIG``, where the worker's main thread started it, since the kernel sends that signal when the
+thread that started the process ends; and it checks its parent each second).
 """
 from __future__ import annotations
 
@@ -62,6 +63,17 @@ RING_BYTES = 8 << 20
 #: longest a close waits for the loader to drain its reads and exit before killing it (seconds)
 CLOSE_S = 30.0
 
+
+def child_path(pythonpath: str) -> str:
+    """The loader's ``PYTHONPATH``: this gpuxfer's folder first where the interpreter's site folders do not hold it
+    (a source tree); not a site folder, whose packages would then come before the standard library's modules."""
+    import site
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    parts = [p for p in pythonpath.split(os.pathsep) if p]
+    sites = {os.path.abspath(p) for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    return os.pathsep.join(parts if root in sites else [root] + parts)
+
+
 class LoaderClient:
     """The engine side of a loader process, in :class:`~.loads.DecodeLoads`'s place for the worker: ``start``,
     ``release``, ``finished``, ``take_load_errors``, ``pending``, ``remotes`` (none: the loader flushes its side
@@ -83,16 +95,17 @@ class LoaderClient:
         self._out: list[bytes] = []             # commands the ring had no room for yet
         self._last_news = time.monotonic()
         self._check_at = 0.0
-        self.dead: str | None = None
+        self.dead: str | None = None            # why no command goes to the loader any more
+        self._gone = False                      # the loader was waited for, its last reports read
         self._closed = False
-        self._lock = threading.Lock()           # close (any thread) against itself
+        self._lock = threading.Lock()           # close (any thread) against itself and the commands put
         fds = [ring_fd(RING_BYTES, "gpuxfer-loader-cmd"), ring_fd(RING_BYTES, "gpuxfer-loader-evt")]
         try:
             self._cmd, self._evt = ShmRing(fds[0]), ShmRing(fds[1])
-            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
             env = dict(os.environ)
-            env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-            self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(fds[0]), str(fds[1])], pass_fds=fds,
+            env["PYTHONPATH"] = child_path(env.get("PYTHONPATH", ""))
+            main = str(int(threading.current_thread() is threading.main_thread()))
+            self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(fds[0]), str(fds[1]), main], pass_fds=fds,
                                          env=env, stdin=subprocess.PIPE)
         finally:
             for fd in fds:
@@ -152,31 +165,77 @@ class LoaderClient:
     # ------------------------------------------------------------------ the engine thread's calls
 
     def start(self, loads: Sequence[Load]) -> None:
-        """Hand these loads to the loader (one record a step; nothing waits)."""
+        """Hand these loads to the loader (one record a step, or as many as the ring needs; nothing waits)."""
         pending = self.pending
+        if not pending:                         # (a stall is counted from the first load pending on)
+            self._last_news = time.monotonic()
         fresh = []
         for load in loads:
-            if load.req_id not in pending:      # (a replayed one: the loader logs and drops it)
-                pending[load.req_id] = load
-                fresh.append(load)
+            # a request named again before its load was reported here (replayed metadata): that load stands, as
+            # in DecodeLoads.start (the loader may have ended it already: it would load the request again)
+            if load.req_id in pending:
+                log.error("gpuxfer: engine %s: request %s is named for a load while its load is not reported yet "
+                          "(metadata replayed?); the second is dropped", self.engine_id, load.req_id)
+                continue
+            pending[load.req_id] = load
+            fresh.append(load)
+        if not fresh:
+            return
         if self.dead is not None:
             self._lose(fresh)
             return
-        self._put(encode_loads(loads))
+        self._send(fresh)
+
+    def _send(self, loads: Sequence[Load]) -> None:
+        """These loads' command, in parts where the ring could never hold it whole; a load that alone is larger
+        than the ring fails."""
+        rec = encode_loads(loads)
+        if len(rec) <= self._cmd.room():
+            if not self._put(rec):
+                self._lose(loads)
+        elif len(loads) > 1:
+            half = len(loads) // 2
+            self._send(loads[:half])
+            self._send(loads[half:])
+        else:
+            log.error("gpuxfer: engine %s: the load of request %s (%d bytes) is larger than the loader's command "
+                      "ring (%d bytes); it fails", self.engine_id, loads[0].req_id, len(rec), self._cmd.room())
+            self._lose(loads)
 
     def release(self, releases: Sequence[RemotePrefill]) -> None:
-        if self.dead is None:
-            self._put(pickle.dumps(("release", releases), 5))
+        if self.dead is not None or not releases:
+            return
+        rec = pickle.dumps(("release", list(releases)), 5)
+        if len(rec) <= self._cmd.room():
+            self._put(rec)
+        elif len(releases) > 1:
+            half = len(releases) // 2
+            self.release(releases[:half])
+            self.release(releases[half:])
+        else:                                   # (its prefill frees the blocks at its lease)
+            log.error("gpuxfer: engine %s: a release of request %s is larger than the loader's command ring; not "
+                      "sent", self.engine_id, releases[0].request_id)
 
-    def _put(self, rec: bytes) -> None:
-        out = self._out
-        if out:
-            self._flush()
-        if out or not self._cmd.put(rec):
-            out.append(rec)
-            self._check_at = 0.0                # (put at the next call)
+    def _put(self, rec: bytes) -> bool:
+        """One command to the loader, kept for later where the ring has no room now; False where the loader takes
+        none any more (lost, or a close under way: the ring has one writer, and the engine thread never waits)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self.dead is not None:
+                return False
+            out = self._out
+            if out:
+                self._flush()
+            if out or not self._cmd.put(rec):
+                out.append(rec)
+                self._check_at = 0.0            # (put at the next call)
+            return True
+        finally:
+            self._lock.release()
 
     def _flush(self) -> None:
+        """The commands kept, put as the ring takes them (the caller holds the lock)."""
         out, put = self._out, self._cmd.put
         while out and put(out[0]):
             out.pop(0)
@@ -185,14 +244,32 @@ class LoaderClient:
     def finished(self, now: float) -> tuple[set[str], set[str]]:
         """Loads done and failed since the last call (failed ones among the done, as :class:`~.loads.DecodeLoads`
         reports them)."""
-        evt = self._evt
-        if not evt.pending() and now < self._check_at:
+        if not self._evt.pending() and now < self._check_at:
             return set(), set()
+        if not self._gone:
+            self._events(now)
+        if now >= self._check_at:
+            self._check(now)
         done, failed = self._done, self._failed
         self._done, self._failed = set(), set()
+        if done:
+            pending = self.pending
+            for req in done:
+                pending.pop(req, None)
+        return done, failed
+
+    def _events(self, now: float) -> None:
+        """What the loader reported, into ``_done``, ``_failed``, the load errors and the stats."""
+        evt, done, failed = self._evt, self._done, self._failed
         stats, errors = self.stats, self.load_errors
         while (rec := evt.get()) is not None:
-            d, f, e, st = pickle.loads(rec)
+            self._last_news = now
+            msg = pickle.loads(rec)
+            if len(msg) != 4:                   # ("error", why): the loader failed, and exits
+                log.error("gpuxfer: engine %s: the loader process failed: %s", self.engine_id, msg[-1])
+                self._check_at = 0.0
+                continue
+            d, f, e, st = msg
             done |= d
             failed |= f
             if e:
@@ -203,41 +280,43 @@ class LoaderClient:
                         stats[k].extend(v)
                     else:
                         stats[k] += v
-            self._last_news = now
-        if now >= self._check_at:
-            self._check(now)
-            done |= self._done
-            failed |= self._failed
-            self._done, self._failed = set(), set()
-        if done:
-            pending = self.pending
-            for req in done:
-                pending.pop(req, None)
-        return done, failed
 
     def _check(self, now: float) -> None:
-        """The slow path, every :data:`LIVENESS_S`: commands kept put, the loader alive and not stalled."""
+        """The slow path, every :data:`LIVENESS_S`: commands kept put, the loader alive and not stalled; a lost
+        loader's pending loads failed once it was waited for."""
         self._check_at = now + LIVENESS_S
-        if self._out:
-            self._flush()
         if self.dead is None:
+            if self._out and self._lock.acquire(blocking=False):
+                try:
+                    if self.dead is None:
+                        self._flush()
+                finally:
+                    self._lock.release()
             rc = self.proc.poll()
             if rc is not None:
                 self._died(f"it exited with status {rc}")
             elif self.pending and now - self._last_news > self._stall_s:
                 self._died(f"it reported nothing for {now - self._last_news:.0f} s with {len(self.pending)} "
                            "load(s) pending; killed")
+        if self.dead is not None and not self._gone and self.proc.poll() is not None:
+            # (waited for: nothing it queued writes the blocks now, and all it reported is in the ring)
+            self._gone = True
+            self._events(now)
+            done = self._done
+            self._lose([ld for req, ld in self.pending.items() if req not in done])
 
     def _died(self, why: str) -> None:
-        """The loader is gone (killed here first where it is not, and waited for): every pending load failed."""
+        """The loader is lost (killed here first where it is not): no command goes to it any more, and its pending
+        loads fail once it was waited for (:meth:`_check`, without waiting here)."""
         if self.dead is None:
             self.dead = why
             log.error("gpuxfer: engine %s: the loader process (pid %d) is lost: %s; its %d pending load(s) fail and "
                       "every later load fails (restart the instance)", self.engine_id, self.proc.pid, why,
                       len(self.pending))
-            self._kill()
+            if self.proc.poll() is None:
+                self.proc.kill()
             self._out.clear()
-            self._lose(list(self.pending.values()))
+            self._check_at = 0.0
 
     def _lose(self, loads: Sequence[Load]) -> None:
         """These loads failed here (reported, and dropped from ``pending``, by the next :meth:`finished`)."""
@@ -272,9 +351,13 @@ class LoaderClient:
             if self._closed:
                 return
             self._closed = True
-            if self.dead is None and self.proc.poll() is None:
+            alive = self.dead is None
+            # (no command from the engine thread from now on: one writer on the ring; later loads fail at once, and
+            # those pending fail once the loader was waited for)
+            self.dead = self.dead or "closed"
+            if alive and self.proc.poll() is None:
                 end = time.monotonic() + CLOSE_S
-                recs = self._out + [pickle.dumps(("close",), 5)]
+                recs = list(self._out) + [pickle.dumps(("close",), 5)]
                 while recs and time.monotonic() < end and self.proc.poll() is None:
                     if self._cmd.put(recs[0]):
                         recs.pop(0)
@@ -286,8 +369,8 @@ class LoaderClient:
                     log.error("gpuxfer: engine %s: the loader process did not end within %.0f s; killed",
                               self.engine_id, CLOSE_S)
             self._kill()
-            self._cmd.close()
-            self._evt.close()
+            self._check_at = 0.0
+            # (the rings stay mapped until this object goes: the engine thread may be reading them now)
 
 
 # ---------------------------------------------------------------------- the loader process
@@ -310,7 +393,12 @@ class _Loader:
                                   lock=threading.Lock(), stats=self.stats, tp=spec["tp"])
         staging = bind_loads(self.decode, self.agent, spec["info"], kernel_tokens, bytes_per_block, settings)
         self.caches = caches                    # (the mappings live as long as these)
-        self.warm_s = self._warm_up(spec["meta"], next(iter(caches.values())).device if staging else None)
+        self.warm_s = 0.0
+        try:
+            self.warm_s = self._warm_up(spec["meta"], next(iter(caches.values())).device if staging else None)
+        except GpuxferError as exc:             # (as the worker's own warm-up: the first request loads them)
+            log.warning("gpuxfer: engine %s: loading the transfer kernels at startup failed (%s: %s); the first "
+                        "request loads them", spec["engine_id"], type(exc).__name__, exc)
 
     def _warm_up(self, meta: bytes, device_ids) -> float:
         """Kernels loaded now: block 0 (vLLM's null block) of every group read from the worker's agent onto the
@@ -386,10 +474,11 @@ def _take(stats: dict) -> dict | None:
 
 
 def _main(argv: list[str]) -> int:
-    try:        # killed with the worker
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    if argv[2:3] == ["1"]:          # killed with the worker (started by its main thread, which ends with it)
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gpuxfer-loader[%(process)d] %(message)s")
     cmd_fd, evt_fd = (int(a) for a in argv[:2])
     cmd, evt = ShmRing(cmd_fd), ShmRing(evt_fd)

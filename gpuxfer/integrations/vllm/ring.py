@@ -13,8 +13,9 @@ past it::
       w += 8 + n  (one aligned 8-byte store) CRC matches: r += 8 + n; else read again at the next call
 
 The CRC covers CPUs that may make the position visible before the payload (weakly ordered memory, Python having
-no fences): a record read early fails its check and is read again later. x86 makes a core's stores visible in
-their order (TSO), so there the CRC is 0 and not checked. Nothing blocks: a full ring makes
+no fences): a record read early fails its check and is read again later. It is seeded with the record's position,
+so that the record a previous lap left at that place (header and payload whole) fails it too. x86 makes a core's
+stores visible in their order (TSO), so there the CRC is 0 and not checked. Nothing blocks: a full ring makes
 :meth:`ShmRing.put` return False, and the caller keeps the record for later.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ import struct
 import zlib
 
 _HDR = struct.Struct("<II")
+_POS = struct.Struct("<Q")
 #: stores become visible to other cores in program order (x86's TSO): no CRC needed
 ORDERED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 HEADER = mmap.PAGESIZE
@@ -66,7 +68,7 @@ class ShmRing:
         if need > self.size - (w - pos[8]):
             return False
         self._write(w + _HDR.size, payload)
-        self._write(w, _HDR.pack(n, 0 if self.ordered else zlib.crc32(payload)))
+        self._write(w, _HDR.pack(n, 0 if self.ordered else _crc(w, payload)))
         pos[0] = w + need
         return True
 
@@ -102,10 +104,14 @@ class ShmRing:
         if _HDR.size + n > avail:          # (not whole yet, or a header read before it was written)
             return None
         payload = self._read(r + _HDR.size, n)
-        if not self.ordered and zlib.crc32(payload) != crc:
+        if not self.ordered and _crc(r, payload) != crc:
             return None
         pos[8] = r + _HDR.size + n
         return payload
+
+    def room(self) -> int:
+        """The largest payload a record may have (one that fills the ring)."""
+        return self.size - _HDR.size
 
     def close(self) -> None:
         try:
@@ -114,3 +120,8 @@ class ShmRing:
             self._mm.close()
         except BufferError:             # (a view still exported: the mapping goes with the object)
             pass
+
+
+def _crc(at: int, payload: bytes) -> int:
+    """The check of the record at position ``at``: its payload's CRC-32 seeded with the position's."""
+    return zlib.crc32(payload, zlib.crc32(_POS.pack(at)))
