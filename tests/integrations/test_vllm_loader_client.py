@@ -270,3 +270,32 @@ def test_a_loader_whose_warm_up_fails_starts_as_the_worker_would(worker):
         assert c.proc.poll() is None
     finally:
         c.close()
+
+
+def test_caches_the_loader_cannot_be_given_fail_registration_with_the_typed_error(monkeypatch):
+    """Caches torch cannot share with another process (its pickle raising, as for memory of a platform without
+    IPC): ``loader: "process"`` fails registration with GpuxferError naming it, the loader is not left running."""
+    from gpuxfer.errors import GpuxferError
+    monkeypatch.setenv("GPUXFER_PLATFORM", "host")
+    started = []
+    real = loader_mod.subprocess.Popen
+
+    def popen(*a, **k):
+        p = real(*a, **k)
+        started.append(p)
+        return p
+
+    def refuse(obj, *a, **k):
+        raise RuntimeError("sharing this memory is not supported")
+    monkeypatch.setattr(loader_mod.subprocess, "Popen", popen)
+    monkeypatch.setattr(loader_mod.ForkingPickler, "dumps", refuse)
+    whole = torch.zeros(LAYERS, BLOCKS, HEADS, BS, CONTENT, dtype=torch.uint8)
+    caches = {f"model.layers.{i}.self_attn.attn": whole[i] for i in range(LAYERS)}
+    w = WorkerSide(engine_id="d", model="m", dtype="auto/float16", layout="LBHNC",
+                   groups=[("FullAttentionSpec", BS, list(caches))],
+                   settings=Settings(lease_s=60, host="127.0.0.1", port=0, handshake_timeout_s=30,
+                                     token_major=True, loader="process"))
+    with pytest.raises(GpuxferError, match="could not be given the caches .*RuntimeError"):
+        w.register(caches)
+    assert started and all(p.poll() is not None for p in started)
+    w.close()

@@ -99,14 +99,18 @@ class LoaderClient:
         self._gone = False                      # the loader was waited for, its last reports read
         self._closed = False
         self._lock = threading.Lock()           # close (any thread) against itself and the commands put
-        fds = [ring_fd(RING_BYTES, "gpuxfer-loader-cmd"), ring_fd(RING_BYTES, "gpuxfer-loader-evt")]
+        fds = [ring_fd(RING_BYTES, "gpuxfer-loader-cmd")]
         try:
+            fds.append(ring_fd(RING_BYTES, "gpuxfer-loader-evt"))
             self._cmd, self._evt = ShmRing(fds[0]), ShmRing(fds[1])
             env = dict(os.environ)
             env["PYTHONPATH"] = child_path(env.get("PYTHONPATH", ""))
             main = str(int(threading.current_thread() is threading.main_thread()))
             self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(fds[0]), str(fds[1]), main], pass_fds=fds,
                                          env=env, stdin=subprocess.PIPE)
+        except (OSError, ValueError) as exc:
+            raise GpuxferError(f"the loader process of engine {self.engine_id} could not be started "
+                               f"({type(exc).__name__}: {exc})") from exc
         finally:
             for fd in fds:
                 os.close(fd)
@@ -120,6 +124,13 @@ class LoaderClient:
             timeout = config.get("GPUXFER_VLLM_LOADER_START_S")
             self._write_stdin(pickle.dumps(spec, 5) + bytes(ForkingPickler.dumps(dict(kv_caches))), timeout)
             self._ready(timeout)
+        except GpuxferError:
+            self._kill()
+            raise
+        except Exception as exc:        # (the caches' pickle: memory torch cannot share, on this platform)
+            self._kill()
+            raise GpuxferError(f"the loader process of engine {self.engine_id} could not be given the caches "
+                               f"({type(exc).__name__}: {exc})") from exc
         except BaseException:
             self._kill()
             raise
