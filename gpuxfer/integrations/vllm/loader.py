@@ -393,7 +393,7 @@ class _Loader:
         from ...kv import KVAgent
         from ...platforms import current
         from .loads import DecodeLoads
-        from .worker import bind_loads, cache_device, new_stats, register_groups
+        from .registration import bind_loads, cache_device, new_stats, register_groups
         caches, settings = spec["caches"], spec["settings"]
         self.stats = new_stats()
         self.agent = KVAgent(spec["agent"] + "~loader", platform=current(), device=cache_device(caches),
