@@ -294,10 +294,11 @@ class KVAgent(Closable, FailsOnTimeout):
             described.append(describe_layer(t, name=lname, position=pos, token_major=token_major))
         check_disjoint(name, described, [(g.name, g.layers) for g in reg.groups.values()])
         refs = []
-        for (_, t), lay in zip(items, described if export else ()):
-            st = (t.tensor if isinstance(t, KVLayerSpec) else t).untyped_storage()
-            ex = self.platform.export_range(lay.ptr, lay.extent, self.device, within=(st.data_ptr(), st.nbytes()))
-            refs.append((reg.allocation(ex.handle, lay.ptr - ex.offset), ex.offset))
+        if export:
+            for (_, t), lay in zip(items, described):
+                st = (t.tensor if isinstance(t, KVLayerSpec) else t).untyped_storage()
+                ex = self.platform.export_range(lay.ptr, lay.extent, self.device, within=(st.data_ptr(), st.nbytes()))
+                refs.append((reg.allocation(ex.handle, lay.ptr - ex.offset), ex.offset))
         flats = [reg.flat(t.tensor if isinstance(t, KVLayerSpec) else t) for _, t in items]
         with reg.lock:
             if reg.closed:

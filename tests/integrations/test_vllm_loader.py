@@ -6,8 +6,6 @@ errors reported, no hang) and every later one.
 from __future__ import annotations
 
 import os
-import signal
-import time
 
 import pytest
 
@@ -15,8 +13,8 @@ from _requires import require
 
 require("vllm", "GPUXFER_REQUIRE_VLLM", "vllm==0.33.0")
 
-from vllm_instance import (assert_idle, assert_loaded, decode, prefill, prefill_dies, running,  # noqa: E402
-                           write_model)
+from vllm_instance import (assert_idle, assert_loaded, decode, loader_dies, prefill, prefill_dies,  # noqa: E402
+                           running, write_model)
 
 ENV = {"GPUXFER_PLATFORM": "host", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
        "VLLM_LOGGING_LEVEL": "WARNING"}
@@ -62,34 +60,12 @@ def test_a_dead_prefill_fails_the_loaders_loads(inst):
 
 
 def test_a_dead_loader_fails_its_loads_and_every_later_one(inst):
-    """The loader killed right after a step's loads were handed to it: each load is reported (loaded with every
-    byte right, or failed) within the harness's wait, every later load fails at once, and both instances free their
-    blocks (the prefill's by its lease: no decode lets go of them)."""
+    """The loader killed right after a step's loads were handed to it (vllm_instance.loader_dies)."""
     P, D = inst["P64"], inst["DX"]
     warm = [(f"x{i}", 100 + 7 * i, 5000 + i) for i in range(2)]
     assert_loaded(decode(D, warm, prefill(P, warm)))        # (handshaken: the next loads post at once)
-    P.call("set_lease", 3.0)
-    reqs = [(f"y{i}", 300 + 7 * i, 6000 + i) for i in range(8)]
-    later = [(f"z{i}", 100 + i, 7000 + i) for i in range(3)]
-    params = prefill(P, reqs + later)
-    D.call("submit", "decode", [(f"d-{r}", n, s, params[r]) for r, n, s in reqs])
-    os.kill(D.call("loader_pid"), signal.SIGKILL)
-    names = [f"d-{r}" for r, _, _ in reqs]
-    end = time.monotonic() + 60
-    out = D.call("results", names)
-    while any("load" not in v for v in out.values()) and time.monotonic() < end:
-        time.sleep(0.2)
-        out = D.call("results", names)
-    for r, v in out.items():
-        assert v.get("load") == "failed" or (v.get("load") == "ok" and v["bad"] == 0), (r, v)
-    res = decode(D, later, params, timeout=60)
-    assert all(v.get("load") == "failed" for v in res.values()), res
-    logs = "\n".join(D.call("logs"))
-    assert "loader process" in logs and "is lost" in logs
-    d = D.call("idle", 30, timeout=60)
-    assert d["requests"] == 0 and d["free"] == D.info["free"], d
-    assert_idle(P, timeout=60)
-    P.call("set_lease", 120.0)
+    loader_dies(P, D, [(f"y{i}", 300 + 7 * i, 6000 + i) for i in range(8)],
+                [(f"z{i}", 100 + i, 7000 + i) for i in range(3)], timeout=60)
 
 
 def test_a_loader_that_does_not_start_fails_the_startup_it_was_asked_for(tmp_path):

@@ -25,18 +25,24 @@ BLOCKS, BS, HEADS, CONTENT, LAYERS = 24, 16, 2, 32, 2
 WAIT_S = 60.0
 
 
+def _decode_worker() -> tuple[WorkerSide, dict]:
+    """A decode WorkerSide whose loads go to a loader process, and host caches of vLLM's shape for it."""
+    whole = torch.zeros(LAYERS, BLOCKS, HEADS, BS, CONTENT, dtype=torch.uint8)
+    caches = {f"model.layers.{i}.self_attn.attn": whole[i] for i in range(LAYERS)}
+    w = WorkerSide(engine_id="d", model="m", dtype="auto/float16", layout="LBHNC",
+                   groups=[("FullAttentionSpec", BS, list(caches))],
+                   settings=Settings(lease_s=60, host="127.0.0.1", port=0, handshake_timeout_s=30,
+                                     token_major=True, loader="process"))
+    return w, caches
+
+
 @pytest.fixture
 def worker(monkeypatch):
     monkeypatch.setenv("GPUXFER_PLATFORM", "host")
     made = []
 
     def make() -> WorkerSide:
-        whole = torch.zeros(LAYERS, BLOCKS, HEADS, BS, CONTENT, dtype=torch.uint8)
-        caches = {f"model.layers.{i}.self_attn.attn": whole[i] for i in range(LAYERS)}
-        w = WorkerSide(engine_id="d", model="m", dtype="auto/float16", layout="LBHNC",
-                       groups=[("FullAttentionSpec", BS, list(caches))],
-                       settings=Settings(lease_s=60, host="127.0.0.1", port=0, handshake_timeout_s=30,
-                                         token_major=True, loader="process"))
+        w, caches = _decode_worker()
         made.append(w)
         w.register(caches)
         w.caches = caches
@@ -289,12 +295,7 @@ def test_caches_the_loader_cannot_be_given_fail_registration_with_the_typed_erro
         raise RuntimeError("sharing this memory is not supported")
     monkeypatch.setattr(loader_mod.subprocess, "Popen", popen)
     monkeypatch.setattr(loader_mod.ForkingPickler, "dumps", refuse)
-    whole = torch.zeros(LAYERS, BLOCKS, HEADS, BS, CONTENT, dtype=torch.uint8)
-    caches = {f"model.layers.{i}.self_attn.attn": whole[i] for i in range(LAYERS)}
-    w = WorkerSide(engine_id="d", model="m", dtype="auto/float16", layout="LBHNC",
-                   groups=[("FullAttentionSpec", BS, list(caches))],
-                   settings=Settings(lease_s=60, host="127.0.0.1", port=0, handshake_timeout_s=30,
-                                     token_major=True, loader="process"))
+    w, caches = _decode_worker()
     with pytest.raises(GpuxferError, match="could not be given the caches .*RuntimeError"):
         w.register(caches)
     assert started and all(p.poll() is not None for p in started)

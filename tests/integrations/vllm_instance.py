@@ -213,6 +213,32 @@ def prefill_dies(P: Instance, D: Instance, reqs) -> None:
     assert_failed(D, res)
 
 
+def loader_dies(P: Instance, D: Instance, reqs, later, timeout: float = 120) -> None:
+    """``D``'s loader process killed right after the loads of ``reqs`` (prefilled on ``P``) were handed to it: each
+    load is reported within ``timeout``, loaded with every byte right or failed; the loads of ``later`` fail at once;
+    both instances free their blocks (``P``'s by a short lease: no decode lets go of them)."""
+    import signal
+    P.call("set_lease", 3.0)
+    params = prefill(P, reqs + later)
+    D.call("submit", "decode", [(f"d-{r}", n, s, params[r]) for r, n, s in reqs])
+    os.kill(D.call("loader_pid"), signal.SIGKILL)
+    names = [f"d-{r}" for r, _, _ in reqs]
+    end = time.monotonic() + timeout
+    out = D.call("results", names)
+    while any("load" not in v for v in out.values()) and time.monotonic() < end:
+        time.sleep(0.2)
+        out = D.call("results", names)
+    for r, v in out.items():
+        assert v.get("load") == "failed" or (v.get("load") == "ok" and v["bad"] == 0), (r, v)
+    res = decode(D, later, params, timeout=timeout)
+    assert all(v.get("load") == "failed" for v in res.values()), res
+    logs = "\n".join(D.call("logs"))
+    assert "loader process" in logs and "is lost" in logs
+    assert_idle(D, timeout=60)
+    assert_idle(P, timeout=60)
+    P.call("set_lease", 120.0)
+
+
 # ---------------------------------------------------------------------------------------------- child
 
 

@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from ... import config
 from ...errors import BadInput
 from .scheduler import SchedulerSide
-from .worker import Settings, WorkerSide, prefills_setting
+from .worker import Settings, WorkerSide, prefills_setting, wants_loader
 
 log = logging.getLogger("gpuxfer.vllm")
 
@@ -166,8 +166,7 @@ class GpuxferConnector(KVConnectorBase_V1, SupportsHMA):
                      ] if self.settings.port else None
             self._scheduler = SchedulerSide(engine_id=self.engine_id, block_sizes=block_sizes,
                                             lease_s=self.settings.lease_s, endpoints=fixed,
-                                            wire=self.settings.loader == "process"
-                                            or (self.settings.loader == "auto" and not on_cpu))
+                                            wire=wants_loader(self.settings.loader, not on_cpu))
         else:
             self.tp_rank, _ = tensor_parallel_rank(self.tp_size)
             if self.settings.token_major is None:

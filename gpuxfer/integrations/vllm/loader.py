@@ -449,10 +449,7 @@ class _Loader:
                     return
             now = time.monotonic()
             done, failed = d.finished(now) if d.pending else (set(), set())
-            for r in d.remotes.values():
-                c = r.client
-                if c is not None and (c.outbox or c.claimed):
-                    c.flush_late(now)
+            d.flush_late(now)
             errors = d.take_load_errors() if d.load_errors else ()
             counts = _take(stats)
             if done or failed or errors or counts:

@@ -46,6 +46,12 @@ class Settings:
     loader: str = "auto"
 
 
+def wants_loader(mode: str, on_gpu: bool) -> bool:
+    """Whether a decode worker's loads go to a loader process (``Settings.loader`` ``mode``): asked for, or by
+    default for caches in GPU memory. The scheduler side makes the loads' records for it where this holds."""
+    return mode == "process" or (mode == "auto" and on_gpu)
+
+
 #: the most entries of ``kv_connector_extra_config['prefills']``
 MAX_PREFILLS = 4096
 
@@ -112,7 +118,7 @@ class WorkerSide:
         t0 = time.perf_counter()
         from ...platforms import current
         mode = self.settings.loader
-        loader = mode == "process" or (mode == "auto" and next(iter(kv_caches.values())).device.type == "cuda")
+        loader = wants_loader(mode, next(iter(kv_caches.values())).device.type == "cuda")
         if loader:
             share_host_caches(kv_caches)        # (before the agent reads their addresses)
         self.agent = KVAgent(agent_name(self.engine_id, self.tp_rank, self.tp_size),
